@@ -1,0 +1,279 @@
+// Cells: the network model of both modes.
+//
+// BasicDynamicCell is the runtime-polymorphic interface PyNative mode runs on: a virtual
+// forward, a name, forward hooks, children and parameters. Networks can be assembled from it
+// at run time. Cell<Derived, Mode> is what a user derives from: it writes one generic
+// construct(x), which PyNative calls with tensors (each sub-cell runs at once, through the
+// virtual interface) and graph mode calls with a symbolic tensor (each sub-cell appends nodes,
+// and the finished graph is optimised and evaluated in one call).
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <boost/hana/accessors.hpp>
+#include <boost/hana/concept/struct.hpp>
+#include <boost/hana/first.hpp>
+#include <boost/hana/for_each.hpp>
+#include <boost/hana/second.hpp>
+
+#include "context.hpp"
+#include "detail/demangle.hpp"
+#include "detail/reflect.hpp"
+#include "evaluator.hpp"
+#include "graph.hpp"
+#include "parameter.hpp"
+#include "passes.hpp"
+#include "tensor.hpp"
+
+namespace duet::nn {
+
+namespace hana = boost::hana;
+
+template <ElementType T>
+class BasicDynamicCell;
+
+// Called after a cell's forward in PyNative mode with the cell, its input and its output.
+template <ElementType T>
+using BasicForwardHook = std::function<void(const BasicDynamicCell<T>& cell, const BasicTensor<T>& input,
+                                            const BasicTensor<T>& output)>;
+using ForwardHook = BasicForwardHook<float>;
+
+namespace detail {
+// Hooks registered anywhere; graph mode walks its cell tree for hooks only when this is > 0.
+inline std::atomic<long>& live_hook_count() {
+  static std::atomic<long> count{0};
+  return count;
+}
+// Naming a tree of cells happens once, on first use; the lock makes concurrent first calls safe.
+inline std::mutex& naming_mutex() {
+  static std::mutex m;
+  return m;
+}
+}  // namespace detail
+
+// Removes the hook it was returned for (MindSpore's handle.remove()).
+template <ElementType T>
+class HookHandle {
+ public:
+  HookHandle() = default;
+  HookHandle(BasicDynamicCell<T>* cell, long id) : cell_(cell), id_(id) {}
+  void remove() {
+    if (cell_ != nullptr) cell_->remove_forward_hook(id_);
+    cell_ = nullptr;
+  }
+
+ private:
+  BasicDynamicCell<T>* cell_ = nullptr;
+  long id_ = 0;
+};
+
+template <ElementType T>
+class BasicDynamicCell {
+ public:
+  using value_type = T;
+  using ChildVisitor = std::function<void(std::string_view name, BasicDynamicCell& child)>;
+  using ParameterVisitor = std::function<void(std::string_view name, BasicParameter<T>& parameter)>;
+
+  BasicDynamicCell() = default;
+  BasicDynamicCell(const BasicDynamicCell&) = delete;
+  BasicDynamicCell& operator=(const BasicDynamicCell&) = delete;
+  // Movable so that containers can take cells by value; a moved cell keeps its hooks, and
+  // HookHandles of the old object no longer refer to it.
+  BasicDynamicCell(BasicDynamicCell&& other) noexcept
+      : name_(std::move(other.name_)),
+        named_(other.named_.load()),
+        hooks_(std::exchange(other.hooks_, {})),
+        last_hook_id_(other.last_hook_id_) {}
+  BasicDynamicCell& operator=(BasicDynamicCell&&) = delete;
+  virtual ~BasicDynamicCell() { detail::live_hook_count().fetch_sub(static_cast<long>(hooks_.size())); }
+
+  BasicTensor<T> operator()(const BasicTensor<T>& x) {
+    ensure_named();
+    BasicTensor<T> y = forward(x);
+    for (const auto& [id, hook] : hooks_) hook(*this, x, y);
+    return y;
+  }
+
+  // Path from the root the cell was first used under ("dense_relu_sequential.0"); "" for it.
+  const std::string& name() const { return name_; }
+  // What the cell is: "nn::Dense<784, 512, float>".
+  virtual std::string type_name() const = 0;
+  // "nn::Dense<784, 512, float> 'dense_relu_sequential.0'": how errors name a cell.
+  std::string label() const { return name_.empty() ? type_name() : type_name() + " '" + name_ + "'"; }
+
+  virtual void for_each_child(const ChildVisitor&) {}
+  virtual void for_each_own_parameter(const ParameterVisitor&) {}
+
+  // All parameters of the tree, named by path ("dense_relu_sequential.0.weight").
+  std::vector<NamedParameter<T>> parameters() {
+    std::vector<NamedParameter<T>> out;
+    collect_parameters("", out);
+    return out;
+  }
+
+  // This cell and all below it, depth first, with their paths (MindSpore's cells_and_names).
+  std::vector<std::pair<std::string, BasicDynamicCell*>> cells_and_names() {
+    std::vector<std::pair<std::string, BasicDynamicCell*>> out;
+    collect_cells("", out);
+    return out;
+  }
+
+  HookHandle<T> register_forward_hook(BasicForwardHook<T> hook) {
+    hooks_.emplace_back(++last_hook_id_, std::move(hook));
+    detail::live_hook_count().fetch_add(1);
+    return HookHandle<T>(this, last_hook_id_);
+  }
+
+  void remove_forward_hook(long id) {
+    const auto before = hooks_.size();
+    std::erase_if(hooks_, [id](const auto& h) { return h.first == id; });
+    detail::live_hook_count().fetch_sub(static_cast<long>(before - hooks_.size()));
+  }
+
+  bool has_forward_hooks_in_tree() {
+    if (detail::live_hook_count().load() == 0) return false;
+    bool found = !hooks_.empty();
+    for_each_child([&](std::string_view, BasicDynamicCell& c) { found = found || c.has_forward_hooks_in_tree(); });
+    return found;
+  }
+
+  // Gives this cell and all below it their paths, if no call or parent has done so yet.
+  void ensure_named() {
+    if (named_.load(std::memory_order_acquire)) return;
+    std::lock_guard lock(detail::naming_mutex());
+    if (!named_.load(std::memory_order_relaxed)) assign_names("");
+  }
+
+ protected:
+  virtual BasicTensor<T> forward(const BasicTensor<T>& x) = 0;
+
+ private:
+  void assign_names(const std::string& path) {
+    name_ = path;
+    for_each_child([&](std::string_view child, BasicDynamicCell& c) { c.assign_names(join(path, child)); });
+    named_.store(true, std::memory_order_release);
+  }
+
+  static std::string join(const std::string& path, std::string_view child) {
+    return path.empty() ? std::string(child) : path + "." + std::string(child);
+  }
+
+  void collect_parameters(const std::string& path, std::vector<NamedParameter<T>>& out) {
+    for_each_own_parameter([&](std::string_view n, BasicParameter<T>& p) { out.push_back({join(path, n), &p}); });
+    for_each_child([&](std::string_view n, BasicDynamicCell& c) { c.collect_parameters(join(path, n), out); });
+  }
+
+  void collect_cells(const std::string& path, std::vector<std::pair<std::string, BasicDynamicCell*>>& out) {
+    out.emplace_back(path, this);
+    for_each_child([&](std::string_view n, BasicDynamicCell& c) { c.collect_cells(join(path, n), out); });
+  }
+
+  std::string name_;
+  std::atomic<bool> named_{false};
+  std::vector<std::pair<long, BasicForwardHook<T>>> hooks_;
+  long last_hook_id_ = 0;
+};
+
+using DynamicCell = BasicDynamicCell<float>;
+
+template <class X>
+concept DynamicCellType = std::is_base_of_v<BasicDynamicCell<typename X::value_type>, X>;
+
+template <class C, class X>
+concept HasConstruct = requires(C& cell, X x) { cell.construct(x); };
+
+// What a user's network derives from. Mode fixes how the cell runs whatever the context
+// (GRAPH_MODE, PYNATIVE_MODE); CONTEXT_MODE, the default, follows set_context at each call.
+template <class Derived, Mode M = CONTEXT_MODE, ElementType T = float>
+class Cell : public BasicDynamicCell<T> {
+ public:
+  static constexpr Mode mode = M;
+  using BasicDynamicCell<T>::operator();
+
+  // Graph capture: construct appends this cell's nodes to the graph x belongs to.
+  template <graph::Symbolic S>
+  auto operator()(const S& x) {
+    return derived().construct(x);
+  }
+
+  // A statically shaped input: both modes check it against the layers at compile time and
+  // return a StaticTensor of the inferred output shape.
+  template <index_t... D>
+  auto operator()(const StaticTensor<T, D...>& x) {
+    using Captured = decltype(std::declval<Derived&>().construct(graph::input<T, StaticShape<D...>>()));
+    return to_static_tensor<Captured>((*this)(x.tensor()));
+  }
+
+  std::string type_name() const override { return duet::detail::readable_type_name(typeid(Derived)); }
+
+  void for_each_child(const typename BasicDynamicCell<T>::ChildVisitor& visit) override {
+    for_each_member([&](std::string_view name, auto& member) {
+      if constexpr (DynamicCellType<std::remove_cvref_t<decltype(member)>>) visit(name, member);
+    });
+  }
+
+  void for_each_own_parameter(const typename BasicDynamicCell<T>::ParameterVisitor& visit) override {
+    for_each_member([&](std::string_view name, auto& member) {
+      if constexpr (std::is_same_v<std::remove_cvref_t<decltype(member)>, BasicParameter<T>>) visit(name, member);
+    });
+  }
+
+ protected:
+  BasicTensor<T> forward(const BasicTensor<T>& x) override {
+    if constexpr (!HasConstruct<Derived, BasicTensor<T>>) {
+      static_assert(HasConstruct<Derived, BasicTensor<T>>,
+                    "duet::nn::Cell: the derived cell must define construct(x), generic over its input: "
+                    "auto construct(auto x) { ... }");
+      return x;
+    } else if constexpr (M == GRAPH_MODE) {
+      return run_graph(x);
+    } else {
+      if constexpr (M == CONTEXT_MODE) {
+        if (effective_mode(M) == GRAPH_MODE) return run_graph(x);
+      }
+      EagerScope eager;
+      return derived().construct(x);
+    }
+  }
+
+ private:
+  Derived& derived() { return static_cast<Derived&>(*this); }
+
+  BasicTensor<T> run_graph(const BasicTensor<T>& x) {
+    if (this->has_forward_hooks_in_tree()) {
+      throw ModeError(this->label() +
+                      " runs in graph mode, but a cell in it has a forward hook; hooks see "
+                      "intermediate values in PyNative mode only (set_context({.mode = PYNATIVE_MODE}))");
+    }
+    auto program = passes::optimize(derived().construct(graph::input<T, graph::AnyShape>()));
+    return evaluate<DefaultBackend>(program, x);
+  }
+
+  template <class Captured>
+  static auto to_static_tensor(BasicTensor<T> y) {
+    constexpr Shape s = Captured::shape;
+    return [&]<std::size_t... I>(std::index_sequence<I...>) {
+      return StaticTensor<T, s[static_cast<int>(I)]...>(std::move(y));
+    }(std::make_index_sequence<static_cast<std::size_t>(s.rank())>{});
+  }
+
+  template <class F>
+  void for_each_member(F&& f) {
+    if constexpr (hana::Struct<Derived>::value) {
+      hana::for_each(hana::accessors<Derived>(), [&](auto accessor) {
+        f(std::string_view(hana::to<const char*>(hana::first(accessor))), hana::second(accessor)(derived()));
+      });
+    }
+  }
+};
+
+}  // namespace duet::nn

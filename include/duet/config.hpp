@@ -1,0 +1,22 @@
+// duet: one neural network, two modes.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#define DUET_VERSION_MAJOR 0
+#define DUET_VERSION_MINOR 1
+#define DUET_VERSION_PATCH 0
+
+namespace duet {
+
+// Signed, as in numpy and MindSpore: -1 spells "dynamic" in shapes and "from the end" in axes.
+using index_t = std::int64_t;
+
+// A dimension whose size is known only at run time (MindSpore writes it as -1 or None).
+inline constexpr index_t dyn = -1;
+
+// Shapes live inline (no heap) so that creating a tensor costs one block from the pool.
+inline constexpr int max_rank = 8;
+
+}  // namespace duet

@@ -1,0 +1,116 @@
+// Shape rules' results and how a broken rule is reported: a static_assert naming the layer,
+// its requirement and the input shape when the shapes are known at compile time, a
+// duet::ShapeError with the same words when they are known only at run time.
+#pragma once
+
+#include <array>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+
+#include "error.hpp"
+#include "shape.hpp"
+
+namespace duet {
+
+enum class ShapeFault : unsigned char {
+  none,
+  last_dimension,  // the input's last dimension must equal `expected`
+  min_rank,        // the input's rank must be at least `expected`
+  exact_rank,      // the input's rank must be exactly `expected`
+  element_count,   // the input must hold `expected` elements per sample
+  shapes_differ,   // two inputs must have the same shape
+};
+
+// What a shape rule returns: the output shape and, if the inputs break the rule, which way.
+// On a fault the shape is still the rule's best guess, so the layers after it are checked
+// against something sane and one mistake gives one error.
+struct ShapeResult {
+  Shape shape;
+  ShapeFault fault = ShapeFault::none;
+  index_t expected = 0;
+  int input = 0;  // which input broke the rule
+
+  constexpr bool ok() const { return fault == ShapeFault::none; }
+};
+
+constexpr ShapeResult fault(Shape fallback, ShapeFault f, index_t expected, int input = 0) {
+  return ShapeResult{fallback, f, expected, input};
+}
+
+// "nn::Dense<784, 512> 'dense_relu_sequential.0' expects an input whose last dimension is 784,
+// got [64, 100]": the run-time wording of a broken rule.
+inline std::string describe_fault(const ShapeResult& r, std::string_view layer, std::span<const Shape> inputs) {
+  const std::string got = inputs.empty() ? std::string("nothing") : to_string(inputs[static_cast<std::size_t>(r.input)]);
+  const std::string e = std::to_string(r.expected);
+  std::string what;
+  switch (r.fault) {
+    case ShapeFault::none: return {};
+    case ShapeFault::last_dimension: what = "an input whose last dimension is " + e; break;
+    case ShapeFault::min_rank: what = "an input of rank at least " + e; break;
+    case ShapeFault::exact_rank: what = "an input of rank " + e; break;
+    case ShapeFault::element_count: what = "an input of " + e + " elements per sample"; break;
+    case ShapeFault::shapes_differ: what = "inputs of the same shape"; break;
+  }
+  std::string msg = std::string(layer) + " expects " + what + ", got " + got;
+  if (r.fault == ShapeFault::shapes_differ && inputs.size() > 1) msg += " and " + to_string(inputs[1]);
+  return msg;
+}
+
+// Compile-time reports. The type names are the message: compilers print the failing
+// condition with its template arguments, which then reads as
+//   layer_accepts<duet::nn::Dense<784, 512>, last_dimension_must_be<784>, input_shape<64, 100>>
+namespace diagnostic {
+
+template <index_t... Dims>
+struct input_shape {};
+template <index_t... TrailingDims>
+struct input_shape_after_unknown_leading_dims {};
+
+template <index_t N>
+struct last_dimension_must_be {};
+template <index_t N>
+struct rank_must_be_at_least {};
+template <index_t N>
+struct rank_must_be {};
+template <index_t N>
+struct elements_per_sample_must_be {};
+struct inputs_must_have_the_same_shape {};
+
+// Not derived from std::false_type: compilers would then print integral_constant<bool, false>
+// instead of this type's name.
+template <class Layer, class Requirement, class InputShape>
+struct layer_accepts {
+  static constexpr bool value = false;
+};
+
+template <ShapeFault F, index_t N>
+constexpr auto requirement() {
+  if constexpr (F == ShapeFault::last_dimension) return last_dimension_must_be<N>{};
+  else if constexpr (F == ShapeFault::min_rank) return rank_must_be_at_least<N>{};
+  else if constexpr (F == ShapeFault::exact_rank) return rank_must_be<N>{};
+  else if constexpr (F == ShapeFault::element_count) return elements_per_sample_must_be<N>{};
+  else return inputs_must_have_the_same_shape{};
+}
+
+// ShapeOf is any type with a `static constexpr Shape shape`.
+template <class ShapeOf, std::size_t... I>
+constexpr auto shape_type(std::index_sequence<I...>) {
+  constexpr Shape s = ShapeOf::shape;
+  if constexpr (s.leading_unknown()) return input_shape_after_unknown_leading_dims<s[static_cast<int>(I)]...>{};
+  else return input_shape<s[static_cast<int>(I)]...>{};
+}
+
+template <class Layer, ShapeFault F, index_t N, class ShapeOf>
+constexpr void reject() {
+  using Requirement = decltype(requirement<F, N>());
+  using Input = decltype(shape_type<ShapeOf>(std::make_index_sequence<static_cast<std::size_t>(ShapeOf::shape.rank())>{}));
+  static_assert(layer_accepts<Layer, Requirement, Input>::value,
+                "duet: a layer cannot accept its input's shape (the condition names the layer, "
+                "its requirement and the input shape; -1 is a dynamic dimension)");
+}
+
+}  // namespace diagnostic
+}  // namespace duet

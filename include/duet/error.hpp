@@ -1,0 +1,49 @@
+// The one exception hierarchy of duet: every run-time failure is a duet::Error.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+namespace duet {
+
+class Error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Shapes that a layer or operation cannot accept.
+class ShapeError : public Error {
+ public:
+  using Error::Error;
+};
+
+// An index or axis outside a tensor.
+class IndexError : public Error {
+ public:
+  using Error::Error;
+};
+
+// An argument whose value is invalid (negative size, unknown option, ...).
+class ValueError : public Error {
+ public:
+  using Error::Error;
+};
+
+// A feature used where the current mode cannot honour it (e.g. hooks inside a graph).
+class ModeError : public Error {
+ public:
+  using Error::Error;
+};
+
+// Reading or writing a file failed; FormatError when the bytes themselves are wrong.
+class IOError : public Error {
+ public:
+  using Error::Error;
+};
+
+class FormatError : public IOError {
+ public:
+  using IOError::IOError;
+};
+
+}  // namespace duet

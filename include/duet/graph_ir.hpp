@@ -1,0 +1,82 @@
+// graph_ir: what graph mode made of a cell, as text and as Graphviz DOT, before and after the
+// passes (MindSpore users get this from save_graphs).
+#pragma once
+
+#include <cstddef>
+#include <sstream>
+#include <string>
+#include <utility>
+
+#include <boost/hana/at.hpp>
+
+#include "cell.hpp"
+#include "evaluator.hpp"
+#include "graph.hpp"
+#include "passes.hpp"
+
+namespace duet {
+
+struct GraphText {
+  std::string text;  // one line per node: "%2 = MatMul + BiasAdd + ReLU(%1) : [?, 512]  nn::Dense<...>"
+  std::string dot;   // Graphviz: `dot -Tsvg`
+};
+
+struct GraphIR {
+  GraphText captured;   // as construct built it
+  GraphText optimized;  // after the passes: what the evaluator runs
+};
+
+namespace graph {
+
+template <class G, std::size_t Out>
+GraphText dump(const Sym<G, Out>& program, const std::string& title) {
+  constexpr BufferPlan<G::size> plan = plan_buffers<G, Out>();
+  std::ostringstream text;
+  std::ostringstream dot;
+  text << "graph " << title << " {\n";
+  dot << "digraph \"" << title << "\" {\n  node [shape=box, fontname=\"monospace\"];\n";
+  [&]<std::size_t... I>(std::index_sequence<I...>) {
+    ((
+         [&] {
+           using Node = node_at<G, I>;
+           const auto& op = boost::hana::at_c<I>(program.graph.nodes).op;
+           std::string what = Node::op_type::op_name();
+           if constexpr (Node::arity > 0) {
+             what += "(";
+             for (std::size_t k = 0; k < Node::arity; ++k) what += (k ? ", %" : "%") + std::to_string(Node::args[k]);
+             what += ")";
+           }
+           std::string storage;
+           switch (plan.storage[I]) {
+             case Storage::input: storage = "input"; break;
+             case Storage::view: storage = "view of %" + std::to_string(plan.root[I]); break;
+             case Storage::slot: storage = "slot " + std::to_string(plan.slot[I]); break;
+             case Storage::output: storage = "output"; break;
+           }
+           const std::string who = op.label() == Node::op_type::op_name() ? "" : "  " + op.label();
+           text << "  %" << I << " = " << what << " : " << to_string(G::shapes[I]) << "  [" << storage << "]" << who
+                << "\n";
+           dot << "  n" << I << " [label=\"%" << I << " " << Node::op_type::op_name()
+               << "\\n" << to_string(G::shapes[I]) << " (" << storage << ")\"];\n";
+           for (std::size_t a : Node::args) dot << "  n" << a << " -> n" << I << ";\n";
+         }()),
+     ...);
+  }(std::make_index_sequence<G::size>{});
+  text << "  return %" << Out << "\n}\n";
+  dot << "}\n";
+  return {text.str(), dot.str()};
+}
+
+}  // namespace graph
+
+// The graph of cell for inputs of the given pattern (duet::shape<dyn, 1, 28, 28>, say); by
+// default an input of unknown shape, as when a runtime tensor is passed.
+template <class C, class Pattern = graph::AnyShape>
+GraphIR graph_ir(C& cell, Pattern = {}) {
+  cell.ensure_named();
+  auto captured = cell(graph::input<typename C::value_type, Pattern>());
+  const std::string title = cell.type_name();
+  return {graph::dump(captured, title), graph::dump(passes::optimize(captured), title)};
+}
+
+}  // namespace duet

@@ -1,0 +1,114 @@
+// Containers: cells that run other cells in order.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <boost/hana/at.hpp>
+#include <boost/hana/fold_left.hpp>
+#include <boost/hana/for_each.hpp>
+#include <boost/hana/tuple.hpp>
+
+#include "../cell.hpp"
+
+namespace duet::nn {
+
+// A fixed list of cells, each fed the previous one's output (MindSpore's nn.SequentialCell).
+// The list is a hana::tuple: in graph mode the whole chain becomes one flat graph.
+template <class First, class... Rest>
+class SequentialCell
+    : public Cell<SequentialCell<First, Rest...>, CONTEXT_MODE, typename First::value_type> {
+  using T = typename First::value_type;
+  static_assert((std::is_same_v<typename Rest::value_type, T> && ...),
+                "nn::SequentialCell: all cells must have the same element type");
+
+ public:
+  SequentialCell() { check_neighbours(); }
+  explicit SequentialCell(First first, Rest... rest) : cells_(std::move(first), std::move(rest)...) {
+    check_neighbours();
+  }
+
+  static constexpr std::size_t size() { return 1 + sizeof...(Rest); }
+
+  template <std::size_t I>
+  auto& get() {
+    return boost::hana::at_c<I>(cells_);
+  }
+
+  template <class X>
+  auto construct(X&& x) {
+    return boost::hana::fold_left(cells_, std::forward<X>(x),
+                                  [](auto&& acc, auto& cell) { return cell(std::forward<decltype(acc)>(acc)); });
+  }
+
+  void for_each_child(const typename BasicDynamicCell<T>::ChildVisitor& visit) override {
+    std::size_t i = 0;
+    boost::hana::for_each(cells_, [&](auto& cell) { visit(std::to_string(i++), cell); });
+  }
+
+  std::string type_name() const override { return "nn::SequentialCell"; }
+
+ private:
+  // Capturing the chain on an input of unknown shape runs every layer's shape rule against
+  // its neighbour's output, so incompatible neighbours fail to compile in either mode.
+  static void check_neighbours() {
+    using Captured = decltype(std::declval<SequentialCell&>().construct(graph::input<T, graph::AnyShape>()));
+    static_cast<void>(sizeof(Captured));
+  }
+
+  boost::hana::tuple<First, Rest...> cells_;
+};
+
+// A list of cells built at run time (sizes and layers from a config file, say). Always runs in
+// PyNative mode: its structure is not known when the program compiles.
+template <ElementType T>
+class BasicDynamicSequentialCell : public BasicDynamicCell<T> {
+ public:
+  BasicDynamicSequentialCell() = default;
+
+  // Adds a cell at the end, taking ownership; returns it.
+  template <class C>
+    requires std::is_base_of_v<BasicDynamicCell<T>, C>
+  C& append(C cell) {
+    auto owned = std::make_unique<C>(std::move(cell));
+    C& ref = *owned;
+    cells_.push_back(std::move(owned));
+    return ref;
+  }
+  BasicDynamicCell<T>& append(std::unique_ptr<BasicDynamicCell<T>> cell) {
+    cells_.push_back(std::move(cell));
+    return *cells_.back();
+  }
+
+  std::size_t size() const { return cells_.size(); }
+  BasicDynamicCell<T>& operator[](std::size_t i) {
+    if (i >= cells_.size()) {
+      throw IndexError("nn::DynamicSequentialCell: index " + std::to_string(i) + " is out of range for " +
+                       std::to_string(cells_.size()) + " cells");
+    }
+    return *cells_[i];
+  }
+
+  void for_each_child(const typename BasicDynamicCell<T>::ChildVisitor& visit) override {
+    for (std::size_t i = 0; i < cells_.size(); ++i) visit(std::to_string(i), *cells_[i]);
+  }
+
+  std::string type_name() const override { return "nn::DynamicSequentialCell"; }
+
+ protected:
+  BasicTensor<T> forward(const BasicTensor<T>& x) override {
+    BasicTensor<T> y = x;
+    for (auto& cell : cells_) y = (*cell)(y);
+    return y;
+  }
+
+ private:
+  std::vector<std::unique_ptr<BasicDynamicCell<T>>> cells_;
+};
+
+using DynamicSequentialCell = BasicDynamicSequentialCell<float>;
+
+}  // namespace duet::nn

@@ -1,0 +1,55 @@
+// Reshaping layers. They move no data: in both modes their output is a view of their input.
+#pragma once
+
+#include <string>
+#include <utility>
+
+#include "../cell.hpp"
+#include "../eager.hpp"
+
+namespace duet {
+namespace ops {
+
+// [N, d1, d2, ...] -> [N, d1 * d2 * ...].
+struct FlattenOp {
+  using layer_type = FlattenOp;
+  static constexpr int arity = 1;
+  static constexpr bool is_view = true;
+  static constexpr bool is_elementwise = false;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    const Shape& x = in[0];
+    if (x.leading_unknown()) return {Shape{dyn, dyn}};
+    if (x.rank() == 0) return fault(Shape{1, 1}, ShapeFault::min_rank, 1);
+    return {Shape{x[0], x.numel_from(1)}};
+  }
+  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
+
+  static std::string op_name() { return "Flatten"; }
+  std::string label() const { return "nn::Flatten"; }
+};
+
+template <class X>
+auto flatten(X&& x) {
+  return apply(FlattenOp{}, std::forward<X>(x));
+}
+
+}  // namespace ops
+
+namespace nn {
+
+// Keeps the first (batch) axis and merges the rest (MindSpore's nn.Flatten).
+template <ElementType T>
+class BasicFlatten : public Cell<BasicFlatten<T>, CONTEXT_MODE, T> {
+ public:
+  template <class X>
+  auto construct(X&& x) {
+    return ops::flatten(std::forward<X>(x));
+  }
+  std::string type_name() const override { return "nn::Flatten"; }
+};
+
+using Flatten = BasicFlatten<float>;
+
+}  // namespace nn
+}  // namespace duet

@@ -1,0 +1,114 @@
+// Compile-time passes over a captured graph. Each takes a Sym (graph plus output) and
+// returns a new one, of a new type; they run while the program compiles and leave nothing to
+// do at run time but the evaluator's calls.
+//
+//   shape inference and checking   in graph.hpp, at capture (Graph::shapes, append)
+//   views                          is_view nodes get no buffer (evaluator's plan)
+//   fuse_epilogues                 bias adds and activations move into the product before them
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <utility>
+
+#include <boost/hana/append.hpp>
+#include <boost/hana/drop_back.hpp>
+#include <boost/hana/length.hpp>
+#include <boost/hana/unpack.hpp>
+
+#include "graph.hpp"
+
+namespace duet::passes {
+
+namespace hana = boost::hana;
+
+// How many nodes read each node's value; the graph's output counts as one more reader.
+template <class G, std::size_t Out>
+constexpr std::array<std::size_t, G::size> user_counts() {
+  std::array<std::size_t, G::size> users{};
+  [&]<std::size_t... I>(std::index_sequence<I...>) {
+    ((
+         [&] {
+           for (std::size_t a : graph::node_at<G, I>::args) ++users[a];
+         }()),
+     ...);
+  }(std::make_index_sequence<G::size>{});
+  ++users[Out];
+  return users;
+}
+
+// A producer op P takes consumer op C as its epilogue when it says so.
+template <class P, class C>
+concept absorbs = requires { requires P::template accepts_epilogue<C>; };
+
+namespace detail {
+
+template <class T, class Nodes>
+auto make_graph(const Nodes& nodes) {
+  return hana::unpack(nodes, [](const auto&... n) {
+    return graph::Graph<T, std::remove_cvref_t<decltype(n)>...>{hana::make_tuple(n...)};
+  });
+}
+
+// Node n with its arguments renumbered through map.
+template <class N, std::size_t... Map, std::size_t... A>
+auto renumbered(const N& n, std::index_sequence<Map...>, std::index_sequence<A...>) {
+  constexpr std::array<std::size_t, sizeof...(Map)> map{Map...};
+  return graph::Node<typename N::op_type, map[N::args[A]]...>{n.op};
+}
+
+// Walks the nodes in order, building the fused list. Map[j] is where node j's value lives in
+// the new list. A unary consumer folds into the node that computes its input when that node
+// is the last one built, absorbs it, and nobody else reads the value in between.
+template <std::size_t J, std::size_t Out, class G, class Built, std::size_t... Map>
+auto fuse_from(const G& g, const Built& built, std::index_sequence<Map...> map) {
+  if constexpr (J == G::size) {
+    constexpr std::array<std::size_t, G::size> m{Map...};
+    using T = typename G::value_type;
+    auto fused = make_graph<T>(built);
+    return graph::Sym<decltype(fused), m[Out]>{fused};
+  } else {
+    using N = graph::node_at<G, J>;
+    const N& n = hana::at_c<J>(g.nodes);
+    constexpr std::size_t built_size = decltype(hana::length(built))::value;
+    if constexpr (N::arity == 1) {
+      constexpr std::array<std::size_t, J> m{Map...};
+      constexpr std::size_t a = N::args[0];
+      constexpr std::size_t r = m[a];
+      using P = std::remove_cvref_t<decltype(hana::at_c<r>(built))>;
+      if constexpr (r + 1 == built_size && user_counts<G, Out>()[a] == 1 &&
+                    absorbs<typename P::op_type, typename N::op_type>) {
+        const P& p = hana::at_c<r>(built);
+        auto absorbed = p.op.absorb(n.op);
+        auto with_args = [&]<std::size_t... A>(std::index_sequence<A...>) {
+          return graph::Node<decltype(absorbed), P::args[A]...>{absorbed};
+        }(std::make_index_sequence<P::arity>{});
+        return fuse_from<J + 1, Out>(g, hana::append(hana::drop_back(built), with_args),
+                                     std::index_sequence<Map..., r>{});
+      } else {
+        return fuse_from<J + 1, Out>(g, hana::append(built, renumbered(n, map, std::make_index_sequence<N::arity>{})),
+                                     std::index_sequence<Map..., built_size>{});
+      }
+    } else {
+      return fuse_from<J + 1, Out>(g, hana::append(built, renumbered(n, map, std::make_index_sequence<N::arity>{})),
+                                   std::index_sequence<Map..., built_size>{});
+    }
+  }
+}
+
+}  // namespace detail
+
+// Moves each bias add and elementwise activation into the epilogue of the product that
+// feeds it, so the product writes its final values in one pass.
+template <class G, std::size_t Out>
+auto fuse_epilogues(const graph::Sym<G, Out>& program) {
+  return detail::fuse_from<0, Out>(program.graph, hana::make_tuple(), std::index_sequence<>{});
+}
+
+// The pipeline graph mode runs.
+template <class G, std::size_t Out>
+auto optimize(const graph::Sym<G, Out>& program) {
+  return fuse_epilogues(program);
+}
+
+}  // namespace duet::passes

@@ -1,0 +1,145 @@
+// Seeded random numbers that are the same on every compiler and standard library.
+//
+// std::uniform_real_distribution and std::normal_distribution are implementation-defined, so
+// duet draws its own: xoshiro256** seeded through splitmix64, uniform floats from the top
+// bits, normals by Box-Muller. Both modes build their weights from this generator, which is
+// why the same seed gives the same network in PyNative and graph mode.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <mutex>
+#include <numbers>
+
+#include "tensor.hpp"
+
+namespace duet {
+
+class Generator {
+ public:
+  explicit Generator(std::uint64_t seed = 0) { this->seed(seed); }
+
+  void seed(std::uint64_t seed) {
+    for (auto& word : state_) {
+      seed += 0x9E3779B97F4A7C15ull;
+      std::uint64_t z = seed;
+      z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+      z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+      word = z ^ (z >> 31);
+    }
+  }
+
+  std::uint64_t next() {
+    const std::uint64_t result = rotl(state_[1] * 5, 7) * 9;
+    const std::uint64_t t = state_[1] << 17;
+    state_[2] ^= state_[0];
+    state_[3] ^= state_[1];
+    state_[1] ^= state_[2];
+    state_[0] ^= state_[3];
+    state_[2] ^= t;
+    state_[3] = rotl(state_[3], 45);
+    return result;
+  }
+
+  // Uniform in [0, 1), with all the precision T can hold.
+  template <class T>
+  T uniform01() {
+    if constexpr (std::is_same_v<T, float>) {
+      return static_cast<float>(next() >> 40) * 0x1.0p-24f;
+    } else {
+      return static_cast<T>(static_cast<double>(next() >> 11) * 0x1.0p-53);
+    }
+  }
+
+  template <class T>
+  T uniform(T low, T high) {
+    return low + (high - low) * uniform01<T>();
+  }
+
+  // Standard normal, Box-Muller in double so float and double draws agree to float precision.
+  template <class T>
+  T normal() {
+    if (has_spare_) {
+      has_spare_ = false;
+      return static_cast<T>(spare_);
+    }
+    double u1 = 0;
+    while (u1 == 0) u1 = uniform01<double>();
+    const double u2 = uniform01<double>();
+    const double r = std::sqrt(-2.0 * std::log(u1));
+    spare_ = r * std::sin(2.0 * std::numbers::pi * u2);
+    has_spare_ = true;
+    return static_cast<T>(r * std::cos(2.0 * std::numbers::pi * u2));
+  }
+
+ private:
+  static std::uint64_t rotl(std::uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+  std::uint64_t state_[4]{};
+  double spare_ = 0;
+  bool has_spare_ = false;
+};
+
+namespace detail {
+struct GlobalGenerator {
+  std::mutex mutex;
+  Generator generator{0};
+};
+inline GlobalGenerator& global_generator() {
+  static GlobalGenerator g;
+  return g;
+}
+}  // namespace detail
+
+// Reseeds the generator that layer initialisers and the unseeded creation functions draw
+// from (MindSpore's set_seed). The default seed is 0, so programs are reproducible by default.
+inline void set_seed(std::uint64_t seed) {
+  auto& g = detail::global_generator();
+  std::lock_guard lock(g.mutex);
+  g.generator.seed(seed);
+}
+
+// Runs fn(Generator&) with the global generator locked.
+template <class F>
+decltype(auto) with_global_generator(F&& fn) {
+  auto& g = detail::global_generator();
+  std::lock_guard lock(g.mutex);
+  return fn(g.generator);
+}
+
+template <ElementType T = float>
+BasicTensor<T> uniform(const Shape& shape, T low, T high, Generator& gen) {
+  auto t = BasicTensor<T>::uninitialized(shape);
+  for (T& v : t.values()) v = gen.uniform<T>(low, high);
+  return t;
+}
+
+template <ElementType T = float>
+BasicTensor<T> randn(const Shape& shape, Generator& gen) {
+  auto t = BasicTensor<T>::uninitialized(shape);
+  for (T& v : t.values()) v = gen.normal<T>();
+  return t;
+}
+
+// Seeded: the same seed gives the same tensor, whatever else has drawn numbers.
+template <ElementType T = float>
+BasicTensor<T> uniform(const Shape& shape, T low, T high, std::uint64_t seed) {
+  Generator gen(seed);
+  return uniform<T>(shape, low, high, gen);
+}
+template <ElementType T = float>
+BasicTensor<T> randn(const Shape& shape, std::uint64_t seed) {
+  Generator gen(seed);
+  return randn<T>(shape, gen);
+}
+
+// Unseeded: draws from the global generator (see set_seed).
+template <ElementType T = float>
+BasicTensor<T> uniform(const Shape& shape, T low = 0, T high = 1) {
+  return with_global_generator([&](Generator& gen) { return uniform<T>(shape, low, high, gen); });
+}
+template <ElementType T = float>
+BasicTensor<T> randn(const Shape& shape) {
+  return with_global_generator([&](Generator& gen) { return randn<T>(shape, gen); });
+}
+
+}  // namespace duet

@@ -1,0 +1,151 @@
+#include "support.hpp"
+
+#include <string>
+#include <vector>
+
+using namespace duet;
+using duet_test::ModeGuard;
+using duet_test::SeedNetwork;
+
+TEST_CASE("parameters() names every parameter by its path, with its shape") {
+  SeedNetwork<> net;
+  const auto params = net.parameters();
+  REQUIRE(params.size() == 6);
+  const std::vector<std::pair<std::string, Shape>> expected{
+      {"dense_relu_sequential.0.weight", {512, 784}}, {"dense_relu_sequential.0.bias", {512}},
+      {"dense_relu_sequential.2.weight", {512, 512}}, {"dense_relu_sequential.2.bias", {512}},
+      {"dense_relu_sequential.4.weight", {10, 512}},  {"dense_relu_sequential.4.bias", {10}}};
+  for (std::size_t i = 0; i < expected.size(); ++i) {
+    CHECK(params[i].name == expected[i].first);
+    CHECK(params[i].parameter->shape() == expected[i].second);
+  }
+  CHECK(params[0].parameter == &net.dense_relu_sequential.get<0>().weight);
+}
+
+TEST_CASE("cells_and_names walks the tree depth first; names are paths from the first root used") {
+  SeedNetwork<> net;
+  const auto cells = net.cells_and_names();
+  std::vector<std::string> names;
+  for (const auto& [name, cell] : cells) names.push_back(name + " " + cell->type_name());
+  CHECK(names == std::vector<std::string>{"" + std::string(" ") + cells[0].second->type_name(), "flatten nn::Flatten",
+                                          "dense_relu_sequential nn::SequentialCell",
+                                          "dense_relu_sequential.0 nn::Dense<784, 512>",
+                                          "dense_relu_sequential.1 nn::ReLU",
+                                          "dense_relu_sequential.2 nn::Dense<512, 512>",
+                                          "dense_relu_sequential.3 nn::ReLU",
+                                          "dense_relu_sequential.4 nn::Dense<512, 10>"});
+  net.ensure_named();
+  CHECK(net.dense_relu_sequential.get<2>().name() == "dense_relu_sequential.2");
+  CHECK(net.dense_relu_sequential.get<2>().label() == "nn::Dense<512, 512> 'dense_relu_sequential.2'");
+  CHECK(net.type_name().find("SeedNetwork") != std::string::npos);
+}
+
+TEST_CASE("forward hooks see every cell, in order, with its input and output, in PyNative mode") {
+  ModeGuard guard;
+  set_context({.mode = PYNATIVE_MODE});
+  SeedNetwork<> net;
+  std::vector<std::string> seen;
+  std::vector<nn::HookHandle<float>> handles;
+  for (auto& [name, cell] : net.cells_and_names()) {
+    handles.push_back(cell->register_forward_hook([&seen](const nn::DynamicCell& c, const Tensor& in, const Tensor& out) {
+      seen.push_back(c.name() + " " + to_string(in.shape()) + " -> " + to_string(out.shape()));
+    }));
+  }
+  const Tensor y = net(ones({64, 1, 28, 28}));
+  CHECK(seen == std::vector<std::string>{
+                    "flatten [64, 1, 28, 28] -> [64, 784]",
+                    "dense_relu_sequential.0 [64, 784] -> [64, 512]",
+                    "dense_relu_sequential.1 [64, 512] -> [64, 512]",
+                    "dense_relu_sequential.2 [64, 512] -> [64, 512]",
+                    "dense_relu_sequential.3 [64, 512] -> [64, 512]",
+                    "dense_relu_sequential.4 [64, 512] -> [64, 10]",
+                    "dense_relu_sequential [64, 784] -> [64, 10]",
+                    " [64, 1, 28, 28] -> [64, 10]",
+                });
+
+  seen.clear();
+  for (auto& h : handles) h.remove();
+  net(ones({2, 1, 28, 28}));
+  CHECK(seen.empty());
+}
+
+TEST_CASE("a hook's tensors are the real intermediate values") {
+  ModeGuard guard;
+  set_context({.mode = PYNATIVE_MODE});
+  SeedNetwork<> net;
+  Tensor relu_in, relu_out;
+  net.dense_relu_sequential.get<1>().register_forward_hook([&](const nn::DynamicCell&, const Tensor& in, const Tensor& out) {
+    relu_in = in.clone();
+    relu_out = out.clone();
+  });
+  net(randn({3, 1, 28, 28}, 5));
+  REQUIRE(relu_in.numel() == 3 * 512);
+  bool some_negative = false;
+  for (index_t i = 0; i < relu_in.numel(); ++i) {
+    some_negative = some_negative || relu_in.data()[i] < 0;
+    CHECK(relu_out.data()[i] == std::max(relu_in.data()[i], 0.0f));
+  }
+  CHECK(some_negative);
+}
+
+TEST_CASE("graph mode refuses to run a tree with forward hooks rather than skip them silently") {
+  ModeGuard guard;
+  SeedNetwork<> net;
+  auto handle = net.dense_relu_sequential.get<0>().register_forward_hook([](const nn::DynamicCell&, const Tensor&, const Tensor&) {});
+  set_context({.mode = GRAPH_MODE});
+  CHECK_THROWS_AS(net(ones({1, 1, 28, 28})), ModeError);
+  handle.remove();
+  CHECK(net(ones({1, 1, 28, 28})).shape() == Shape{1, 10});
+}
+
+TEST_CASE("a template argument fixes a cell's mode whatever the context") {
+  ModeGuard guard;
+  SeedNetwork<PYNATIVE_MODE> eager;
+  std::size_t calls = 0;
+  eager.flatten.register_forward_hook([&](const nn::DynamicCell&, const Tensor&, const Tensor&) { ++calls; });
+  set_context({.mode = GRAPH_MODE});
+  eager(ones({1, 1, 28, 28}));
+  CHECK(calls == 1);  // ran cell by cell although the context says graph
+
+  SeedNetwork<GRAPH_MODE> compiled;
+  compiled.flatten.register_forward_hook([](const nn::DynamicCell&, const Tensor&, const Tensor&) {});
+  set_context({.mode = PYNATIVE_MODE});
+  CHECK_THROWS_AS(compiled(ones({1, 1, 28, 28})), ModeError);  // ran as a graph although the context says PyNative
+}
+
+TEST_CASE("set_data copies values in and keeps the parameter's shape") {
+  nn::Dense<3, 2> dense;
+  dense.weight.set_data(Tensor({2, 3}, {1, 2, 3, 4, 5, 6}));
+  CHECK(dense.weight(1, 2) == 6);
+  CHECK_THROWS_WITH_AS(dense.bias.set_data(zeros({3})),
+                       "duet::nn::Parameter::set_data: parameter has shape [2], got [3]", ShapeError);
+}
+
+TEST_CASE("a network assembled at run time from DynamicCells with runtime sizes") {
+  // Sizes as a config file would give them.
+  const std::vector<index_t> sizes{6, 5, 4, 3};
+  set_seed(11);
+  nn::DynamicSequentialCell net;
+  net.append(nn::Flatten{});
+  for (std::size_t i = 0; i + 1 < sizes.size(); ++i) {
+    net.append(nn::Dense<>(sizes[i], sizes[i + 1]));
+    if (i + 2 < sizes.size()) net.append(nn::ReLU{});
+  }
+  CHECK(net.size() == 6);
+  const auto params = net.parameters();
+  REQUIRE(params.size() == 6);
+  CHECK(params[0].name == "1.weight");
+  CHECK(params[0].parameter->shape() == Shape{5, 6});
+  CHECK(params[5].name == "5.bias");
+
+  const Tensor x = randn({7, 2, 3}, 3);
+  const Tensor y = net(x);
+  CHECK(y.shape() == Shape{7, 3});
+
+  std::vector<duet_test::Layer> layers;
+  for (std::size_t i = 0; i < 3; ++i) {
+    layers.push_back(duet_test::layer_of(*params[2 * i].parameter, *params[2 * i + 1].parameter, i < 2));
+  }
+  const auto expected = duet_test::reference_forward(duet_test::values_of(x), 7, layers);
+  CHECK(duet_test::relative_difference(duet_test::values_of(y), expected) <= 1e-5);
+}

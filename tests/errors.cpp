@@ -1,0 +1,53 @@
+// Run-time shape errors: a duet exception naming the layer and the shapes, in both modes.
+#include "support.hpp"
+
+using namespace duet;
+using duet_test::ModeGuard;
+using duet_test::SeedNetwork;
+
+TEST_CASE("a wrong input size is a ShapeError that names the layer and both shapes, in both modes") {
+  ModeGuard guard;
+  SeedNetwork<> net;
+  for (Mode m : {PYNATIVE_MODE, GRAPH_MODE}) {
+    set_context({.mode = m});
+    CHECK_THROWS_WITH_AS(net(ones({64, 1, 28, 27})),
+                         "nn::Dense<784, 512> 'dense_relu_sequential.0' expects an input whose last dimension is "
+                         "784, got [64, 756]",
+                         ShapeError);
+  }
+}
+
+TEST_CASE("a runtime-sized layer reports its own sizes") {
+  ModeGuard guard;
+  nn::SequentialCell seq(nn::Dense<>(6, 3), nn::ReLU{}, nn::Dense<>(4, 2));
+  for (Mode m : {PYNATIVE_MODE, GRAPH_MODE}) {
+    set_context({.mode = m});
+    CHECK_THROWS_WITH_AS(seq(ones({2, 6})),
+                         "nn::Dense<dyn, dyn> '2' expects an input whose last dimension is 4, got [2, 3]", ShapeError);
+  }
+}
+
+TEST_CASE("Flatten needs a batch axis; Dense needs at least one axis") {
+  ModeGuard guard;
+  nn::Flatten flatten;
+  nn::Dense<1, 1> dense;
+  for (Mode m : {PYNATIVE_MODE, GRAPH_MODE}) {
+    set_context({.mode = m});
+    CHECK_THROWS_WITH_AS(flatten(Tensor(Shape{}, {1.0f})), "nn::Flatten expects an input of rank at least 1, got []",
+                         ShapeError);
+    CHECK_THROWS_WITH_AS(dense(Tensor(Shape{}, {1.0f})),
+                         "nn::Dense<1, 1> expects an input of rank at least 1, got []", ShapeError);
+  }
+}
+
+TEST_CASE("a failed call leaves the parameters as they were") {
+  ModeGuard guard;
+  SeedNetwork<> net;
+  const Tensor before = net.dense_relu_sequential.get<0>().weight.clone();
+  for (Mode m : {PYNATIVE_MODE, GRAPH_MODE}) {
+    set_context({.mode = m});
+    CHECK_THROWS_AS(net(ones({1, 100})), ShapeError);
+  }
+  const auto& after = net.dense_relu_sequential.get<0>().weight;
+  for (index_t i = 0; i < before.numel(); ++i) REQUIRE(before.data()[i] == after.data()[i]);
+}

@@ -1,0 +1,41 @@
+#include "support.hpp"
+
+#include <type_traits>
+
+using namespace duet;
+using duet_test::SeedNetwork;
+
+TEST_CASE("construct on a symbolic input captures a flat list of nodes with inferred shapes") {
+  SeedNetwork<> net;
+  auto captured = net(graph::input<float, StaticShape<dyn, 1, 28, 28>>());
+  using G = decltype(captured)::graph_type;
+  static_assert(G::size == 10);
+  static_assert(decltype(captured)::output == 9);
+  static_assert(G::shapes[0] == Shape{dyn, 1, 28, 28});
+  static_assert(G::shapes[1] == Shape{dyn, 784});
+  static_assert(G::shapes[2] == Shape{dyn, 512});
+  static_assert(G::shapes[9] == Shape{dyn, 10});
+  static_assert(std::is_same_v<graph::node_at<G, 1>, graph::Node<ops::FlattenOp, 0>>);
+  static_assert(std::is_same_v<graph::node_at<G, 2>::op_type, ops::MatMulOp<nn::Dense<784, 512>>>);
+  static_assert(std::is_same_v<graph::node_at<G, 4>, graph::Node<ops::MapOp<fn::Relu>, 3>>);
+  // The nodes point at the cells that made them: parameters are read live.
+  CHECK(boost::hana::at_c<2>(captured.graph.nodes).op.layer == &net.dense_relu_sequential.get<0>());
+}
+
+TEST_CASE("a runtime tensor's shape is unknown at capture; everything after the first Dense is static") {
+  SeedNetwork<> net;
+  auto captured = net(graph::input<float, graph::AnyShape>());
+  using G = decltype(captured)::graph_type;
+  static_assert(G::shapes[0] == Shape::any());
+  static_assert(G::shapes[1] == Shape{dyn, dyn});
+  static_assert(G::shapes[2] == Shape{dyn, 512});
+  static_assert(G::shapes[9] == Shape{dyn, 10});
+}
+
+TEST_CASE("fits: a concrete shape against a pattern") {
+  static_assert(graph::fits(Shape{dyn, 784}, Shape{3, 784}));
+  static_assert(!graph::fits(Shape{dyn, 784}, Shape{3, 785}));
+  static_assert(!graph::fits(Shape{dyn, 784}, Shape{784}));
+  static_assert(graph::fits(Shape::any(), Shape{1, 2, 3}));
+  static_assert(graph::fits(Shape::any(), Shape{}));
+}

@@ -1,0 +1,97 @@
+// Test support: the seed network, an independent naive reference, tolerant comparison.
+#pragma once
+
+#include <duet/duet.hpp>
+
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace duet_test {
+
+// The seed tutorial's network.
+template <duet::Mode M = duet::CONTEXT_MODE>
+struct SeedNetwork : duet::nn::Cell<SeedNetwork<M>, M> {
+  duet::nn::Flatten flatten;
+  duet::nn::SequentialCell<duet::nn::Dense<784, 512>, duet::nn::ReLU, duet::nn::Dense<512, 512>, duet::nn::ReLU,
+                           duet::nn::Dense<512, 10>>
+      dense_relu_sequential;
+  DUET_CELL_MEMBERS(flatten, dense_relu_sequential);
+
+  auto construct(auto x) { return dense_relu_sequential(flatten(x)); }
+};
+
+// One fully connected layer as plain data, for the reference.
+struct Layer {
+  std::vector<double> weight;  // [out, in], row-major
+  std::vector<double> bias;    // [out]
+  duet::index_t in = 0;
+  duet::index_t out = 0;
+  bool relu = false;
+};
+
+template <class T>
+Layer layer_of(const duet::BasicTensor<T>& weight, const duet::BasicTensor<T>& bias, bool relu) {
+  Layer l;
+  l.out = weight.dim(0);
+  l.in = weight.dim(1);
+  l.weight.assign(weight.data(), weight.data() + weight.numel());
+  l.bias.assign(bias.data(), bias.data() + bias.numel());
+  l.relu = relu;
+  return l;
+}
+
+// Plain loops in double precision: rows of x (flattened) through each layer in turn.
+inline std::vector<double> reference_forward(const std::vector<double>& x, duet::index_t rows,
+                                             const std::vector<Layer>& layers) {
+  std::vector<double> a = x;
+  for (const Layer& l : layers) {
+    std::vector<double> y(static_cast<std::size_t>(rows * l.out));
+    for (duet::index_t r = 0; r < rows; ++r) {
+      for (duet::index_t o = 0; o < l.out; ++o) {
+        double s = l.bias[static_cast<std::size_t>(o)];
+        for (duet::index_t i = 0; i < l.in; ++i) {
+          s += a[static_cast<std::size_t>(r * l.in + i)] * l.weight[static_cast<std::size_t>(o * l.in + i)];
+        }
+        y[static_cast<std::size_t>(r * l.out + o)] = l.relu ? std::max(s, 0.0) : s;
+      }
+    }
+    a = std::move(y);
+  }
+  return a;
+}
+
+template <duet::Mode M>
+std::vector<Layer> layers_of(SeedNetwork<M>& net) {
+  auto& seq = net.dense_relu_sequential;
+  return {layer_of(seq.template get<0>().weight, seq.template get<0>().bias, true),
+          layer_of(seq.template get<2>().weight, seq.template get<2>().bias, true),
+          layer_of(seq.template get<4>().weight, seq.template get<4>().bias, false)};
+}
+
+template <class T>
+std::vector<double> values_of(const duet::BasicTensor<T>& t) {
+  return std::vector<double>(t.data(), t.data() + t.numel());
+}
+
+// Largest |a - b| relative to the largest |b| (at least 1): the "1e-5 relative" of the tests.
+inline double relative_difference(const std::vector<double>& a, const std::vector<double>& b) {
+  REQUIRE(a.size() == b.size());
+  double diff = 0;
+  double scale = 1;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    diff = std::max(diff, std::abs(a[i] - b[i]));
+    scale = std::max(scale, std::abs(b[i]));
+  }
+  return diff / scale;
+}
+
+// Restores the global mode when a test ends, whatever it set.
+struct ModeGuard {
+  duet::Mode saved = duet::get_context().mode;
+  ~ModeGuard() { duet::set_context({.mode = saved}); }
+};
+
+}  // namespace duet_test
