@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -103,6 +104,9 @@ class BasicDynamicCell {
     return y;
   }
 
+  // Unique for the life of the program, unlike the address: what caches of compiled plans key on.
+  std::uint64_t id() const { return id_; }
+
   // Path from the root the cell was first used under ("dense_relu_sequential.0"); "" for it.
   const std::string& name() const { return name_; }
   // What the cell is: "nn::Dense<784, 512, float>".
@@ -177,6 +181,12 @@ class BasicDynamicCell {
     for_each_child([&](std::string_view n, BasicDynamicCell& c) { c.collect_cells(join(path, n), out); });
   }
 
+  static std::uint64_t next_id() {
+    static std::atomic<std::uint64_t> last{0};
+    return last.fetch_add(1, std::memory_order_relaxed) + 1;
+  }
+
+  std::uint64_t id_ = next_id();
   std::string name_;
   std::atomic<bool> named_{false};
   std::vector<std::pair<long, BasicForwardHook<T>>> hooks_;
@@ -210,6 +220,12 @@ class Cell : public BasicDynamicCell<T> {
   template <index_t... D>
   auto operator()(const StaticTensor<T, D...>& x) {
     using Captured = decltype(std::declval<Derived&>().construct(graph::input<T, StaticShape<D...>>()));
+    if constexpr (M != PYNATIVE_MODE) {
+      if (effective_mode(M) == GRAPH_MODE) {
+        this->ensure_named();
+        return to_static_tensor<Captured>(run_graph<StaticShape<D...>>(x.tensor()));
+      }
+    }
     return to_static_tensor<Captured>((*this)(x.tensor()));
   }
 
@@ -235,10 +251,10 @@ class Cell : public BasicDynamicCell<T> {
                     "auto construct(auto x) { ... }");
       return x;
     } else if constexpr (M == GRAPH_MODE) {
-      return run_graph(x);
+      return run_graph<graph::AnyShape>(x);
     } else {
       if constexpr (M == CONTEXT_MODE) {
-        if (effective_mode(M) == GRAPH_MODE) return run_graph(x);
+        if (effective_mode(M) == GRAPH_MODE) return run_graph<graph::AnyShape>(x);
       }
       EagerScope eager;
       return derived().construct(x);
@@ -248,14 +264,27 @@ class Cell : public BasicDynamicCell<T> {
  private:
   Derived& derived() { return static_cast<Derived&>(*this); }
 
+  // Capture, optimise, run. Capture and passes cost nothing at run time (they are types);
+  // the plan for the input's shape is kept per thread, so a repeated shape skips planning.
+  template <class Pattern>
   BasicTensor<T> run_graph(const BasicTensor<T>& x) {
     if (this->has_forward_hooks_in_tree()) {
       throw ModeError(this->label() +
                       " runs in graph mode, but a cell in it has a forward hook; hooks see "
                       "intermediate values in PyNative mode only (set_context({.mode = PYNATIVE_MODE}))");
     }
-    auto program = passes::optimize(derived().construct(graph::input<T, graph::AnyShape>()));
-    return evaluate<DefaultBackend>(program, x);
+    auto program = passes::optimize(derived().construct(graph::input<T, Pattern>()));
+    using G = typename decltype(program)::graph_type;
+    thread_local struct {
+      std::uint64_t cell = 0;
+      graph::Plan<G> plan;
+    } cache;
+    if (cache.cell != this->id() || !(cache.plan.input_shapes[0] == x.shape())) {
+      cache.cell = 0;
+      cache.plan = plan(program, {x.shape()});
+      cache.cell = this->id();
+    }
+    return run<DefaultBackend>(program, cache.plan, x);
   }
 
   template <class Captured>

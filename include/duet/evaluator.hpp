@@ -1,15 +1,20 @@
 // The graph evaluator: one call runs a whole optimised graph.
 //
-// The buffer plan is computed at compile time: views alias what they view, the output node
-// writes straight into the returned tensor, and every other node gets a slot that is reused
-// once its last reader has run. At run time the evaluator infers the concrete shapes (the
-// same rules as at capture, now on real sizes), takes one arena block for the slots and one
-// block for the output from the pool, and calls each node's kernel in order: no per-node
-// dispatch, and once the pool is warm for these shapes, no heap allocation.
+// Evaluation has two steps. plan() is the run-time half of compiling: for the concrete input
+// shapes it infers every node's shape (the rules of capture, now on real sizes; a broken rule
+// throws here, before anything runs) and lays out the intermediate values in one arena. run()
+// takes the arena and the output tensor from the pool and calls each node's kernel in order:
+// no per-node dispatch, and once the pool is warm for these shapes, no heap allocation. A
+// plan depends only on the input shapes, so callers keep it and skip planning next time.
+//
+// Where values live is decided at compile time (plan_buffers): views alias what they view,
+// the output node writes straight into the returned tensor, and every other node gets a slot
+// that is reused once its last reader has run.
 #pragma once
 
 #include <array>
 #include <cstddef>
+#include <span>
 #include <utility>
 
 #include <boost/hana/at.hpp>
@@ -81,18 +86,36 @@ constexpr BufferPlan<G::size> plan_buffers() {
   return plan;
 }
 
+template <class G>
+constexpr std::size_t input_count() {
+  std::size_t count = 0;
+  [&]<std::size_t... I>(std::index_sequence<I...>) {
+    ((count += is_input_op_v<typename node_at<G, I>::op_type> ? 1 : 0), ...);
+  }(std::make_index_sequence<G::size>{});
+  return count;
+}
+
+// The run-time part of a compiled graph for one set of input shapes.
+template <class G>
+struct Plan {
+  static constexpr std::size_t inputs = input_count<G>();
+  std::array<Shape, inputs> input_shapes;
+  std::array<Shape, G::size> shapes;
+  std::array<std::size_t, G::size> offset;  // bytes into the arena, for slot nodes
+  std::size_t arena_bytes = 0;
+};
+
 }  // namespace graph
 
-// Runs an optimised graph on its inputs (one tensor per InputOp, in order).
-template <class Backend = DefaultBackend, class G, std::size_t Out, class... Inputs>
-BasicTensor<typename G::value_type> evaluate(const graph::Sym<G, Out>& program, const Inputs&... inputs) {
+// Infers every node's shape for these input shapes and lays out the arena.
+template <class G, std::size_t Out>
+graph::Plan<G> plan(const graph::Sym<G, Out>& program,
+                    const std::array<Shape, graph::Plan<G>::inputs>& input_shapes) {
   using T = typename G::value_type;
   constexpr std::size_t n = G::size;
-  constexpr graph::BufferPlan<n> plan = graph::plan_buffers<G, Out>();
-  const std::array<const BasicTensor<T>*, sizeof...(Inputs)> input{&static_cast<const BasicTensor<T>&>(inputs)...};
-
-  std::array<Shape, n> shapes{};
-  std::array<T*, n> data{};
+  constexpr graph::BufferPlan<n> buffers = graph::plan_buffers<G, Out>();
+  graph::Plan<G> p;
+  p.input_shapes = input_shapes;
   [&]<std::size_t... I>(std::index_sequence<I...>) {
     ((
          [&] {
@@ -100,80 +123,108 @@ BasicTensor<typename G::value_type> evaluate(const graph::Sym<G, Out>& program, 
            using Op = typename Node::op_type;
            const Op& op = boost::hana::at_c<I>(program.graph.nodes).op;
            if constexpr (graph::is_input_op_v<Op>) {
-             static_assert(Op::index < sizeof...(Inputs), "duet::evaluate: the graph reads more inputs than were given");
-             shapes[I] = input[Op::index]->shape();
-             // Inputs are only ever read: a node's input pointers are const in every kernel.
-             data[I] = const_cast<T*>(input[Op::index]->data());
-             if (!graph::fits(G::shapes[I], shapes[I])) {
+             const Shape& s = input_shapes[Op::index];
+             if (!graph::fits(G::shapes[I], s)) {
                throw ShapeError("duet: graph input " + std::to_string(Op::index) + " must have shape " +
-                                to_string(G::shapes[I]) + ", got " + to_string(shapes[I]));
+                                to_string(G::shapes[I]) + ", got " + to_string(s));
              }
+             p.shapes[I] = s;
            } else {
-             std::array<Shape, Node::arity> in{};
-             for (std::size_t k = 0; k < Node::arity; ++k) in[k] = shapes[Node::args[k]];
+             std::array<Shape, Node::arity> copies{};
+             std::span<const Shape> in;
+             if constexpr (Node::arity == 1) {
+               in = std::span<const Shape>(&p.shapes[Node::args[0]], 1);
+             } else {
+               for (std::size_t k = 0; k < Node::arity; ++k) copies[k] = p.shapes[Node::args[k]];
+               in = copies;
+             }
              const ShapeResult r = op.infer(in);
              if (!r.ok()) throw ShapeError(describe_fault(r, op.label(), in));
-             shapes[I] = r.shape;
+             p.shapes[I] = r.shape;
            }
          }()),
      ...);
   }(std::make_index_sequence<n>{});
 
-  // Slots are laid out one after another in a single arena block, each 64-byte aligned.
-  std::array<std::size_t, n> slot_offset{};
-  std::size_t arena_bytes = 0;
-  {
-    std::array<std::size_t, n> slot_bytes{};
-    for (std::size_t i = 0; i < n; ++i) {
-      if (plan.storage[i] != graph::Storage::slot) continue;
-      const auto bytes = static_cast<std::size_t>(shapes[i].numel()) * sizeof(T);
-      if (bytes > slot_bytes[plan.slot[i]]) slot_bytes[plan.slot[i]] = bytes;
-    }
-    for (std::size_t s = 0; s < plan.slot_count; ++s) {
-      slot_offset[s] = arena_bytes;
-      arena_bytes += (slot_bytes[s] + detail::block_alignment - 1) / detail::block_alignment * detail::block_alignment;
-    }
-  }
-  detail::Storage arena(arena_bytes);
-
-  BasicTensor<T> result;
+  // Slots one after another, each 64-byte aligned.
+  std::array<std::size_t, n> slot_bytes{};
   for (std::size_t i = 0; i < n; ++i) {
-    switch (plan.storage[i]) {
-      case graph::Storage::input: break;
-      case graph::Storage::view: data[i] = data[plan.root[i]]; break;
-      case graph::Storage::slot: data[i] = reinterpret_cast<T*>(arena.data() + slot_offset[plan.slot[i]]); break;
-      case graph::Storage::output:
-        result = BasicTensor<T>::uninitialized(shapes[i]);
-        data[i] = result.data();
-        break;
-    }
+    if (buffers.storage[i] != graph::Storage::slot) continue;
+    const auto bytes = static_cast<std::size_t>(p.shapes[i].numel()) * sizeof(T);
+    if (bytes > slot_bytes[buffers.slot[i]]) slot_bytes[buffers.slot[i]] = bytes;
   }
+  std::array<std::size_t, n> slot_offset{};
+  for (std::size_t s = 0; s < buffers.slot_count; ++s) {
+    slot_offset[s] = p.arena_bytes;
+    p.arena_bytes += (slot_bytes[s] + detail::block_alignment - 1) / detail::block_alignment * detail::block_alignment;
+  }
+  for (std::size_t i = 0; i < n; ++i) p.offset[i] = slot_offset[buffers.slot[i]];
+  return p;
+}
 
+// Runs a graph with a plan made for these inputs' shapes.
+template <class Backend = DefaultBackend, class G, std::size_t Out, class... Inputs>
+BasicTensor<typename G::value_type> run(const graph::Sym<G, Out>& program, const graph::Plan<G>& p,
+                                        const Inputs&... inputs) {
+  using T = typename G::value_type;
+  constexpr std::size_t n = G::size;
+  constexpr graph::BufferPlan<n> buffers = graph::plan_buffers<G, Out>();
+  static_assert(sizeof...(Inputs) == graph::Plan<G>::inputs, "duet::run: one tensor per graph input");
+  const std::array<const BasicTensor<T>*, sizeof...(Inputs)> input{&static_cast<const BasicTensor<T>&>(inputs)...};
+
+  detail::Storage arena(p.arena_bytes);
+  BasicTensor<T> result;
+  std::array<T*, n> data;
   [&]<std::size_t... I>(std::index_sequence<I...>) {
     ((
          [&] {
            using Node = graph::node_at<G, I>;
            using Op = typename Node::op_type;
-           if constexpr (!graph::is_input_op_v<Op> && !Op::is_view) {
-             std::array<const T*, Node::arity> in{};
-             std::array<Shape, Node::arity> in_shapes{};
-             for (std::size_t k = 0; k < Node::arity; ++k) {
-               in[k] = data[Node::args[k]];
-               in_shapes[k] = shapes[Node::args[k]];
+           if constexpr (buffers.storage[I] == graph::Storage::input) {
+             // Inputs are only read: kernels take their inputs as const T*.
+             data[I] = const_cast<T*>(input[Op::index]->data());
+           } else if constexpr (buffers.storage[I] == graph::Storage::view) {
+             data[I] = data[buffers.root[I]];
+           } else {
+             if constexpr (buffers.storage[I] == graph::Storage::output) {
+               result = BasicTensor<T>::uninitialized(p.shapes[I]);
+               data[I] = result.data();
+             } else {
+               data[I] = reinterpret_cast<T*>(arena.data() + p.offset[I]);
              }
-             boost::hana::at_c<I>(program.graph.nodes).op.template run<Backend>(in.data(), in_shapes.data(), data[I], shapes[I]);
+             std::array<const T*, Node::arity> in;
+             for (std::size_t k = 0; k < Node::arity; ++k) in[k] = data[Node::args[k]];
+             if constexpr (Node::arity == 1) {
+               boost::hana::at_c<I>(program.graph.nodes)
+                   .op.template run<Backend>(in.data(), &p.shapes[Node::args[0]], data[I], p.shapes[I]);
+             } else {
+               std::array<Shape, Node::arity> in_shapes;
+               for (std::size_t k = 0; k < Node::arity; ++k) in_shapes[k] = p.shapes[Node::args[k]];
+               boost::hana::at_c<I>(program.graph.nodes)
+                   .op.template run<Backend>(in.data(), in_shapes.data(), data[I], p.shapes[I]);
+             }
            }
          }()),
      ...);
   }(std::make_index_sequence<n>{});
 
-  constexpr std::size_t out_root = plan.root[Out];
-  if constexpr (plan.storage[out_root] == graph::Storage::input) {
+  constexpr std::size_t out_root = buffers.root[Out];
+  if constexpr (buffers.storage[out_root] == graph::Storage::input) {
     // The graph only reshapes an input: its output is a view of that input.
-    return input[graph::node_at<G, out_root>::op_type::index]->reshape(shapes[Out]);
+    return input[graph::node_at<G, out_root>::op_type::index]->reshape(p.shapes[Out]);
+  } else if constexpr (out_root != Out) {
+    return result.reshape(p.shapes[Out]);
   } else {
-    return shapes[Out] == result.shape() ? result : result.reshape(shapes[Out]);
+    return result;
   }
+}
+
+// Plans and runs in one call.
+template <class Backend = DefaultBackend, class G, std::size_t Out, class... Inputs>
+BasicTensor<typename G::value_type> evaluate(const graph::Sym<G, Out>& program, const Inputs&... inputs) {
+  using T = typename G::value_type;
+  const std::array<Shape, sizeof...(Inputs)> shapes{static_cast<const BasicTensor<T>&>(inputs).shape()...};
+  return run<Backend>(program, plan(program, shapes), inputs...);
 }
 
 }  // namespace duet

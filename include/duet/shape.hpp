@@ -48,7 +48,8 @@ class Shape {
   // Axis -1 is the last dimension, as in numpy.
   constexpr index_t operator[](int axis) const { return dims_[static_cast<std::size_t>(normalize(axis))]; }
   constexpr index_t& operator[](int axis) { return dims_[static_cast<std::size_t>(normalize(axis))]; }
-  constexpr index_t back() const { return (*this)[-1]; }
+  // The last dimension; the shape must have one.
+  constexpr index_t back() const { return dims_[static_cast<std::size_t>(rank_ - 1)]; }
 
   constexpr bool is_concrete() const {
     if (leading_unknown_) return false;
@@ -81,6 +82,7 @@ class Shape {
     return n;
   }
 
+  // This shape with the last dimension replaced; the shape must have one.
   constexpr Shape with_back(index_t d) const {
     Shape s = *this;
     s.dims_[static_cast<std::size_t>(rank_ - 1)] = d;
