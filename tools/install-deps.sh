@@ -1,0 +1,10 @@
+#!/bin/sh
+# Installs everything duet's build, tests, examples and benchmarks need on Debian 12
+# (run as root, or through sudo). Safe to run again.
+set -eu
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -q
+apt-get install -y -q --no-install-recommends \
+  g++ clang libclang-rt-14-dev cmake make ccache \
+  libeigen3-dev libboost-dev doctest-dev libbenchmark-dev zlib1g-dev \
+  dataset-fashion-mnist
