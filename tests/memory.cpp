@@ -1,5 +1,4 @@
-#include <duet/memory.hpp>
-#include <duet/tensor.hpp>
+#include <duet/duet.hpp>
 
 #include <doctest/doctest.h>
 

@@ -6,7 +6,7 @@
 #include <sstream>
 #include <string>
 
-#include <duet/print.hpp>
+#include <duet/duet.hpp>
 
 using namespace duet;
 

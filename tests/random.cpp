@@ -1,4 +1,4 @@
-#include <duet/random.hpp>
+#include <duet/duet.hpp>
 
 #include <doctest/doctest.h>
 

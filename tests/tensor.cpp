@@ -1,5 +1,4 @@
-#include <duet/tensor.hpp>
-#include <duet/random.hpp>
+#include <duet/duet.hpp>
 
 #include <doctest/doctest.h>
 
