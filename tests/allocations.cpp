@@ -1,11 +1,11 @@
 // Graph mode makes no heap allocation per call once warm. Every allocation of the program goes
 // through the replaced operator new below and is counted.
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
-#include "support.hpp"
-
 #include <atomic>
 #include <cstdlib>
 #include <new>
+
+#include "support.hpp"
 
 namespace {
 std::atomic<long> allocations{0};

@@ -1,7 +1,7 @@
-#include "support.hpp"
-
 #include <string>
 #include <vector>
+
+#include "support.hpp"
 
 using namespace duet;
 using duet_test::ModeGuard;
@@ -27,13 +27,11 @@ TEST_CASE("cells_and_names walks the tree depth first; names are paths from the 
   const auto cells = net.cells_and_names();
   std::vector<std::string> names;
   for (const auto& [name, cell] : cells) names.push_back(name + " " + cell->type_name());
-  CHECK(names == std::vector<std::string>{"" + std::string(" ") + cells[0].second->type_name(), "flatten nn::Flatten",
-                                          "dense_relu_sequential nn::SequentialCell",
-                                          "dense_relu_sequential.0 nn::Dense<784, 512>",
-                                          "dense_relu_sequential.1 nn::ReLU",
-                                          "dense_relu_sequential.2 nn::Dense<512, 512>",
-                                          "dense_relu_sequential.3 nn::ReLU",
-                                          "dense_relu_sequential.4 nn::Dense<512, 10>"});
+  CHECK(names == std::vector<std::string>{
+                     "" + std::string(" ") + cells[0].second->type_name(), "flatten nn::Flatten",
+                     "dense_relu_sequential nn::SequentialCell", "dense_relu_sequential.0 nn::Dense<784, 512>",
+                     "dense_relu_sequential.1 nn::ReLU", "dense_relu_sequential.2 nn::Dense<512, 512>",
+                     "dense_relu_sequential.3 nn::ReLU", "dense_relu_sequential.4 nn::Dense<512, 10>"});
   net.ensure_named();
   CHECK(net.dense_relu_sequential.get<2>().name() == "dense_relu_sequential.2");
   CHECK(net.dense_relu_sequential.get<2>().label() == "nn::Dense<512, 512> 'dense_relu_sequential.2'");
@@ -47,9 +45,10 @@ TEST_CASE("forward hooks see every cell, in order, with its input and output, in
   std::vector<std::string> seen;
   std::vector<nn::HookHandle<float>> handles;
   for (auto& [name, cell] : net.cells_and_names()) {
-    handles.push_back(cell->register_forward_hook([&seen](const nn::DynamicCell& c, const Tensor& in, const Tensor& out) {
-      seen.push_back(c.name() + " " + to_string(in.shape()) + " -> " + to_string(out.shape()));
-    }));
+    handles.push_back(
+        cell->register_forward_hook([&seen](const nn::DynamicCell& c, const Tensor& in, const Tensor& out) {
+          seen.push_back(c.name() + " " + to_string(in.shape()) + " -> " + to_string(out.shape()));
+        }));
   }
   const Tensor y = net(ones({64, 1, 28, 28}));
   CHECK(seen == std::vector<std::string>{
@@ -74,10 +73,11 @@ TEST_CASE("a hook's tensors are the real intermediate values") {
   set_context({.mode = PYNATIVE_MODE});
   SeedNetwork<> net;
   Tensor relu_in, relu_out;
-  net.dense_relu_sequential.get<1>().register_forward_hook([&](const nn::DynamicCell&, const Tensor& in, const Tensor& out) {
-    relu_in = in.clone();
-    relu_out = out.clone();
-  });
+  net.dense_relu_sequential.get<1>().register_forward_hook(
+      [&](const nn::DynamicCell&, const Tensor& in, const Tensor& out) {
+        relu_in = in.clone();
+        relu_out = out.clone();
+      });
   net(randn({3, 1, 28, 28}, 5));
   REQUIRE(relu_in.numel() == 3 * 512);
   bool some_negative = false;
@@ -91,7 +91,8 @@ TEST_CASE("a hook's tensors are the real intermediate values") {
 TEST_CASE("graph mode refuses to run a tree with forward hooks rather than skip them silently") {
   ModeGuard guard;
   SeedNetwork<> net;
-  auto handle = net.dense_relu_sequential.get<0>().register_forward_hook([](const nn::DynamicCell&, const Tensor&, const Tensor&) {});
+  auto handle = net.dense_relu_sequential.get<0>().register_forward_hook(
+      [](const nn::DynamicCell&, const Tensor&, const Tensor&) {});
   set_context({.mode = GRAPH_MODE});
   CHECK_THROWS_AS(net(ones({1, 1, 28, 28})), ModeError);
   handle.remove();

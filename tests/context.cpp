@@ -1,6 +1,6 @@
-#include <duet/duet.hpp>
-
 #include <doctest/doctest.h>
+
+#include <duet/duet.hpp>
 
 TEST_CASE("the context starts in PyNative mode and set_context changes only what it names") {
   CHECK(duet::get_context().mode == duet::PYNATIVE_MODE);

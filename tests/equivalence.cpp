@@ -1,10 +1,9 @@
 // The central invariant: the same network, weights and input give the same output in both
 // modes, and both agree with an independent naive reference.
-#include "support.hpp"
-
+#include <boost/hana/range.hpp>
 #include <vector>
 
-#include <boost/hana/range.hpp>
+#include "support.hpp"
 
 using namespace duet;
 using duet_test::ModeGuard;
@@ -33,7 +32,8 @@ TEST_CASE("the seed network with a static input shape gives a StaticTensor in bo
   static_assert(std::is_same_v<decltype(eager), const StaticTensor<float, 8, 10>>);
   set_context({.mode = GRAPH_MODE});
   const auto graph = net(x);
-  CHECK(duet_test::relative_difference(duet_test::values_of(graph.tensor()), duet_test::values_of(eager.tensor())) <= 1e-5);
+  CHECK(duet_test::relative_difference(duet_test::values_of(graph.tensor()), duet_test::values_of(eager.tensor())) <=
+        1e-5);
 }
 
 TEST_CASE("modes agree when each is fixed by template argument, across random inputs and batches") {
@@ -64,14 +64,16 @@ TEST_CASE("property: random Dense/ReLU stacks, inputs and batch sizes; PyNative 
     nn::DynamicSequentialCell net;
     std::vector<duet_test::Layer> layers;
     for (int d = 0; d < depth; ++d) {
-      auto& dense = net.append(nn::Dense<>(widths[static_cast<std::size_t>(d)], widths[static_cast<std::size_t>(d) + 1]));
+      auto& dense =
+          net.append(nn::Dense<>(widths[static_cast<std::size_t>(d)], widths[static_cast<std::size_t>(d) + 1]));
       const bool relu = d + 1 < depth;
       if (relu) net.append(nn::ReLU{});
       layers.push_back(duet_test::layer_of(dense.weight, dense.bias, relu));
     }
     const Tensor x = randn({batch, widths[0]}, static_cast<std::uint64_t>(trial));
     const auto y = duet_test::values_of(net(x));
-    CHECK(duet_test::relative_difference(y, duet_test::reference_forward(duet_test::values_of(x), batch, layers)) <= 1e-5);
+    CHECK(duet_test::relative_difference(y, duet_test::reference_forward(duet_test::values_of(x), batch, layers)) <=
+          1e-5);
   }
 }
 
@@ -88,13 +90,14 @@ template <class... Cells>
 void check_modes_agree(Generator& gen, Cells&&... cells) {
   Stack net(nn::SequentialCell(std::forward<Cells>(cells)...));
   std::vector<duet_test::Layer> layers;
-  boost::hana::for_each(boost::hana::make_range(boost::hana::size_c<0>, boost::hana::size_c<sizeof...(Cells)>), [&](auto i) {
-    auto& cell = net.layers.template get<decltype(i)::value>();
-    if constexpr (requires { cell.weight; }) {
-      constexpr bool relu = decltype(i)::value + 1 < sizeof...(Cells);
-      layers.push_back(duet_test::layer_of(cell.weight, cell.bias, relu));
-    }
-  });
+  boost::hana::for_each(boost::hana::make_range(boost::hana::size_c<0>, boost::hana::size_c<sizeof...(Cells)>),
+                        [&](auto i) {
+                          auto& cell = net.layers.template get<decltype(i)::value>();
+                          if constexpr (requires { cell.weight; }) {
+                            constexpr bool relu = decltype(i)::value + 1 < sizeof...(Cells);
+                            layers.push_back(duet_test::layer_of(cell.weight, cell.bias, relu));
+                          }
+                        });
   const index_t batch = static_cast<index_t>(gen.next() % 70);
   const Tensor x = randn({batch, layers.front().in}, gen.next());
   ModeGuard guard;

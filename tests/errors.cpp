@@ -35,8 +35,8 @@ TEST_CASE("Flatten needs a batch axis; Dense needs at least one axis") {
     set_context({.mode = m});
     CHECK_THROWS_WITH_AS(flatten(Tensor(Shape{}, {1.0f})), "nn::Flatten expects an input of rank at least 1, got []",
                          ShapeError);
-    CHECK_THROWS_WITH_AS(dense(Tensor(Shape{}, {1.0f})),
-                         "nn::Dense<1, 1> expects an input of rank at least 1, got []", ShapeError);
+    CHECK_THROWS_WITH_AS(dense(Tensor(Shape{}, {1.0f})), "nn::Dense<1, 1> expects an input of rank at least 1, got []",
+                         ShapeError);
   }
 }
 

@@ -1,6 +1,6 @@
-#include "support.hpp"
-
 #include <type_traits>
+
+#include "support.hpp"
 
 using namespace duet;
 using duet_test::SeedNetwork;

@@ -1,6 +1,6 @@
-#include "support.hpp"
-
 #include <string>
+
+#include "support.hpp"
 
 using namespace duet;
 using duet_test::SeedNetwork;
@@ -10,28 +10,30 @@ TEST_CASE("graph_ir shows the captured and the optimised graph") {
   const GraphIR ir = graph_ir(net, shape<dyn, 1, 28, 28>);
   const std::string title = net.type_name();
   CHECK(ir.captured.text ==
-        "graph " + title + " {\n"
-        "  %0 = Input 0 : [?, 1, 28, 28]  [input]\n"
-        "  %1 = Flatten(%0) : [?, 784]  [view of %0]  nn::Flatten\n"
-        "  %2 = MatMul(%1) : [?, 512]  [slot 0]  nn::Dense<784, 512> 'dense_relu_sequential.0'\n"
-        "  %3 = BiasAdd(%2) : [?, 512]  [slot 1]  nn::Dense<784, 512> 'dense_relu_sequential.0'\n"
-        "  %4 = ReLU(%3) : [?, 512]  [slot 0]\n"
-        "  %5 = MatMul(%4) : [?, 512]  [slot 1]  nn::Dense<512, 512> 'dense_relu_sequential.2'\n"
-        "  %6 = BiasAdd(%5) : [?, 512]  [slot 0]  nn::Dense<512, 512> 'dense_relu_sequential.2'\n"
-        "  %7 = ReLU(%6) : [?, 512]  [slot 1]\n"
-        "  %8 = MatMul(%7) : [?, 10]  [slot 0]  nn::Dense<512, 10> 'dense_relu_sequential.4'\n"
-        "  %9 = BiasAdd(%8) : [?, 10]  [output]  nn::Dense<512, 10> 'dense_relu_sequential.4'\n"
-        "  return %9\n"
-        "}\n");
+        "graph " + title +
+            " {\n"
+            "  %0 = Input 0 : [?, 1, 28, 28]  [input]\n"
+            "  %1 = Flatten(%0) : [?, 784]  [view of %0]  nn::Flatten\n"
+            "  %2 = MatMul(%1) : [?, 512]  [slot 0]  nn::Dense<784, 512> 'dense_relu_sequential.0'\n"
+            "  %3 = BiasAdd(%2) : [?, 512]  [slot 1]  nn::Dense<784, 512> 'dense_relu_sequential.0'\n"
+            "  %4 = ReLU(%3) : [?, 512]  [slot 0]\n"
+            "  %5 = MatMul(%4) : [?, 512]  [slot 1]  nn::Dense<512, 512> 'dense_relu_sequential.2'\n"
+            "  %6 = BiasAdd(%5) : [?, 512]  [slot 0]  nn::Dense<512, 512> 'dense_relu_sequential.2'\n"
+            "  %7 = ReLU(%6) : [?, 512]  [slot 1]\n"
+            "  %8 = MatMul(%7) : [?, 10]  [slot 0]  nn::Dense<512, 10> 'dense_relu_sequential.4'\n"
+            "  %9 = BiasAdd(%8) : [?, 10]  [output]  nn::Dense<512, 10> 'dense_relu_sequential.4'\n"
+            "  return %9\n"
+            "}\n");
   CHECK(ir.optimized.text ==
-        "graph " + title + " {\n"
-        "  %0 = Input 0 : [?, 1, 28, 28]  [input]\n"
-        "  %1 = Flatten(%0) : [?, 784]  [view of %0]  nn::Flatten\n"
-        "  %2 = MatMul + BiasAdd + ReLU(%1) : [?, 512]  [slot 0]  nn::Dense<784, 512> 'dense_relu_sequential.0'\n"
-        "  %3 = MatMul + BiasAdd + ReLU(%2) : [?, 512]  [slot 1]  nn::Dense<512, 512> 'dense_relu_sequential.2'\n"
-        "  %4 = MatMul + BiasAdd(%3) : [?, 10]  [output]  nn::Dense<512, 10> 'dense_relu_sequential.4'\n"
-        "  return %4\n"
-        "}\n");
+        "graph " + title +
+            " {\n"
+            "  %0 = Input 0 : [?, 1, 28, 28]  [input]\n"
+            "  %1 = Flatten(%0) : [?, 784]  [view of %0]  nn::Flatten\n"
+            "  %2 = MatMul + BiasAdd + ReLU(%1) : [?, 512]  [slot 0]  nn::Dense<784, 512> 'dense_relu_sequential.0'\n"
+            "  %3 = MatMul + BiasAdd + ReLU(%2) : [?, 512]  [slot 1]  nn::Dense<512, 512> 'dense_relu_sequential.2'\n"
+            "  %4 = MatMul + BiasAdd(%3) : [?, 10]  [output]  nn::Dense<512, 10> 'dense_relu_sequential.4'\n"
+            "  return %4\n"
+            "}\n");
 }
 
 TEST_CASE("graph_ir's DOT output has one node per graph node and one edge per argument") {

@@ -1,7 +1,6 @@
-#include <duet/duet.hpp>
-
 #include <doctest/doctest.h>
 
+#include <duet/duet.hpp>
 #include <thread>
 
 using namespace duet::detail;

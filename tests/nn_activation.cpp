@@ -1,7 +1,7 @@
-#include "support.hpp"
-
 #include <cmath>
 #include <limits>
+
+#include "support.hpp"
 
 using namespace duet;
 using duet_test::ModeGuard;

@@ -12,10 +12,10 @@ TEST_CASE("SequentialCell runs its cells in order and gives access to each") {
   const Tensor eager = seq(x);
   set_context({.mode = GRAPH_MODE});
   const Tensor graph = seq(x);
-  const auto expected = duet_test::reference_forward(
-      duet_test::values_of(x), 5,
-      {duet_test::layer_of(seq.get<0>().weight, seq.get<0>().bias, true),
-       duet_test::layer_of(seq.get<2>().weight, seq.get<2>().bias, false)});
+  const auto expected =
+      duet_test::reference_forward(duet_test::values_of(x), 5,
+                                   {duet_test::layer_of(seq.get<0>().weight, seq.get<0>().bias, true),
+                                    duet_test::layer_of(seq.get<2>().weight, seq.get<2>().bias, false)});
   CHECK(duet_test::relative_difference(duet_test::values_of(eager), expected) <= 1e-5);
   CHECK(duet_test::relative_difference(duet_test::values_of(graph), expected) <= 1e-5);
 }

@@ -1,6 +1,6 @@
-#include "support.hpp"
-
 #include <cmath>
+
+#include "support.hpp"
 
 using namespace duet;
 using duet_test::ModeGuard;
@@ -63,6 +63,6 @@ TEST_CASE("Dense with runtime sizes and in float64") {
   const auto graph = dense(x);
   for (index_t i = 0; i < eager.numel(); ++i) CHECK(eager.data()[i] == doctest::Approx(graph.data()[i]).epsilon(1e-12));
   CHECK_THROWS_AS(nn::Dense<>(0, 3), ValueError);
-  CHECK_THROWS_WITH_AS((nn::Dense<4, 2>(5, 2)), "nn::Dense<4, 2>: cannot be built with in_channels 5 and out_channels 2",
-                       ValueError);
+  CHECK_THROWS_WITH_AS((nn::Dense<4, 2>(5, 2)),
+                       "nn::Dense<4, 2>: cannot be built with in_channels 5 and out_channels 2", ValueError);
 }

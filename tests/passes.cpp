@@ -1,6 +1,6 @@
-#include "support.hpp"
-
 #include <type_traits>
+
+#include "support.hpp"
 
 using namespace duet;
 using duet_test::SeedNetwork;
@@ -12,8 +12,10 @@ TEST_CASE("fuse_epilogues folds bias adds and ReLUs into the products") {
   static_assert(G::size == 5);
   static_assert(decltype(optimized)::output == 4);
   static_assert(std::is_same_v<graph::node_at<G, 1>, graph::Node<ops::FlattenOp, 0>>);
-  static_assert(std::is_same_v<graph::node_at<G, 2>, graph::Node<ops::MatMulOp<nn::Dense<784, 512>, true, fn::Relu>, 1>>);
-  static_assert(std::is_same_v<graph::node_at<G, 3>, graph::Node<ops::MatMulOp<nn::Dense<512, 512>, true, fn::Relu>, 2>>);
+  static_assert(
+      std::is_same_v<graph::node_at<G, 2>, graph::Node<ops::MatMulOp<nn::Dense<784, 512>, true, fn::Relu>, 1>>);
+  static_assert(
+      std::is_same_v<graph::node_at<G, 3>, graph::Node<ops::MatMulOp<nn::Dense<512, 512>, true, fn::Relu>, 2>>);
   static_assert(std::is_same_v<graph::node_at<G, 4>, graph::Node<ops::MatMulOp<nn::Dense<512, 10>, true>, 3>>);
   static_assert(G::shapes[4] == Shape{dyn, 10});
   CHECK(boost::hana::at_c<3>(optimized.graph.nodes).op.layer == &net.dense_relu_sequential.get<2>());

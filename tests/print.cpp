@@ -2,11 +2,10 @@
 #include <doctest/doctest.h>
 
 #include <cstdint>
+#include <duet/duet.hpp>
 #include <limits>
 #include <sstream>
 #include <string>
-
-#include <duet/duet.hpp>
 
 using namespace duet;
 
@@ -29,15 +28,12 @@ BasicTensor<T> generate(const Shape& shape, Fn fn) {
 }  // namespace
 
 TEST_CASE("print: float32 tensors of rank 1 to 4") {
-  CHECK(to_string(Tensor(Shape{3}, {1.5f, -2.25f, 3.f})) ==
-        "[ 1.5  -2.25  3.  ]");
-  CHECK(to_string(Tensor(Shape{1}, {0.5f})) ==
-        "[0.5]");
+  CHECK(to_string(Tensor(Shape{3}, {1.5f, -2.25f, 3.f})) == "[ 1.5  -2.25  3.  ]");
+  CHECK(to_string(Tensor(Shape{1}, {0.5f})) == "[0.5]");
   CHECK(to_string(Tensor(Shape{2, 3}, {1.f, 2.5f, -3.f, 4.f, 5.f, 6.125f})) ==
         R"([[ 1.     2.5   -3.   ]
  [ 4.     5.     6.125]])");
-  CHECK(to_string(generate<float>(Shape{2, 3, 4},
-                                  [](index_t i) { return static_cast<float>(i) * 0.5f - 6.f; })) ==
+  CHECK(to_string(generate<float>(Shape{2, 3, 4}, [](index_t i) { return static_cast<float>(i) * 0.5f - 6.f; })) ==
         R"([[[-6.  -5.5 -5.  -4.5]
   [-4.  -3.5 -3.  -2.5]
   [-2.  -1.5 -1.  -0.5]]
@@ -45,8 +41,7 @@ TEST_CASE("print: float32 tensors of rank 1 to 4") {
  [[ 0.   0.5  1.   1.5]
   [ 2.   2.5  3.   3.5]
   [ 4.   4.5  5.   5.5]]])");
-  CHECK(to_string(generate<float>(Shape{2, 2, 2, 3},
-                                  [](index_t i) { return static_cast<float>(i) - 12.f; })) ==
+  CHECK(to_string(generate<float>(Shape{2, 2, 2, 3}, [](index_t i) { return static_cast<float>(i) - 12.f; })) ==
         R"([[[[-12. -11. -10.]
    [ -9.  -8.  -7.]]
 
@@ -59,97 +54,67 @@ TEST_CASE("print: float32 tensors of rank 1 to 4") {
 
   [[  6.   7.   8.]
    [  9.  10.  11.]]]])");
-  CHECK(to_string(generate<float>(Shape{1, 1, 2, 1},
-                                  [](index_t i) { return static_cast<float>(i) / 3.f; })) ==
+  CHECK(to_string(generate<float>(Shape{1, 1, 2, 1}, [](index_t i) { return static_cast<float>(i) / 3.f; })) ==
         R"([[[[0.        ]
    [0.33333334]]]])");
 }
 
 TEST_CASE("print: float64 tensors") {
-  CHECK(to_string(BasicTensor<double>(Shape{3}, {0.1, 0.2, 0.1 + 0.2})) ==
-        "[0.1 0.2 0.3]");
+  CHECK(to_string(BasicTensor<double>(Shape{3}, {0.1, 0.2, 0.1 + 0.2})) == "[0.1 0.2 0.3]");
   CHECK(to_string(BasicTensor<double>(Shape{2, 2}, {1.0 / 3, 2.0 / 3, 1.0, -0.5})) ==
         R"([[ 0.33333333  0.66666667]
  [ 1.         -0.5       ]])");
   CHECK(to_string(BasicTensor<double>(Shape{3}, {12345678.9, 0.25, -1.0})) ==
         "[ 1.23456789e+07  2.50000000e-01 -1.00000000e+00]");
-  CHECK(to_string(BasicTensor<double>(Shape{2}, {0.999999999, 0.5})) ==
-        "[1.  0.5]");
+  CHECK(to_string(BasicTensor<double>(Shape{2}, {0.999999999, 0.5})) == "[1.  0.5]");
 }
 
 TEST_CASE("print: values that switch to scientific notation") {
-  CHECK(to_string(Tensor(Shape{3}, {1e-5f, 1.f, 1e5f})) ==
-        "[1.e-05 1.e+00 1.e+05]");
-  CHECK(to_string(Tensor(Shape{2}, {1.5e10f, -2.f})) ==
-        "[ 1.5e+10 -2.0e+00]");
-  CHECK(to_string(Tensor(Shape{1}, {1e8f})) ==
-        "[1.e+08]");
-  CHECK(to_string(Tensor(Shape{2}, {0.125f, 1000.f})) ==
-        "[1.25e-01 1.00e+03]");
-  CHECK(to_string(Tensor(Shape{2}, {1.f, 1000.f})) ==
-        "[   1. 1000.]");
-  CHECK(to_string(Tensor(Shape{3}, {0.1f, 1e-5f, 123.456f})) ==
-        "[1.00000e-01 1.00000e-05 1.23456e+02]");
-  CHECK(to_string(Tensor(Shape{2}, {42598728.f, 1.2345678e-3f})) ==
-        "[4.2598728e+07 1.2345678e-03]");
-  CHECK(to_string(BasicTensor<double>(Shape{2}, {1e100, 1e-5})) ==
-        "[1.e+100 1.e-005]");
-  CHECK(to_string(BasicTensor<double>(Shape{3}, {-1e-5, 3e7, -2.5e9})) ==
-        "[-1.0e-05  3.0e+07 -2.5e+09]");
-  CHECK(to_string(BasicTensor<double>(Shape{2}, {1.0 / 3 * 1e-7, 1.0})) ==
-        "[3.33333333e-08 1.00000000e+00]");
+  CHECK(to_string(Tensor(Shape{3}, {1e-5f, 1.f, 1e5f})) == "[1.e-05 1.e+00 1.e+05]");
+  CHECK(to_string(Tensor(Shape{2}, {1.5e10f, -2.f})) == "[ 1.5e+10 -2.0e+00]");
+  CHECK(to_string(Tensor(Shape{1}, {1e8f})) == "[1.e+08]");
+  CHECK(to_string(Tensor(Shape{2}, {0.125f, 1000.f})) == "[1.25e-01 1.00e+03]");
+  CHECK(to_string(Tensor(Shape{2}, {1.f, 1000.f})) == "[   1. 1000.]");
+  CHECK(to_string(Tensor(Shape{3}, {0.1f, 1e-5f, 123.456f})) == "[1.00000e-01 1.00000e-05 1.23456e+02]");
+  CHECK(to_string(Tensor(Shape{2}, {42598728.f, 1.2345678e-3f})) == "[4.2598728e+07 1.2345678e-03]");
+  CHECK(to_string(BasicTensor<double>(Shape{2}, {1e100, 1e-5})) == "[1.e+100 1.e-005]");
+  CHECK(to_string(BasicTensor<double>(Shape{3}, {-1e-5, 3e7, -2.5e9})) == "[-1.0e-05  3.0e+07 -2.5e+09]");
+  CHECK(to_string(BasicTensor<double>(Shape{2}, {1.0 / 3 * 1e-7, 1.0})) == "[3.33333333e-08 1.00000000e+00]");
 }
 
 TEST_CASE("print: negative and integral values") {
-  CHECK(to_string(Tensor(Shape{3}, {-1.f, -0.5f, 2.f})) ==
-        "[-1.  -0.5  2. ]");
-  CHECK(to_string(Tensor(Shape{3}, {1.f, 2.f, 3.f})) ==
-        "[1. 2. 3.]");
-  CHECK(to_string(Tensor(Shape{2}, {0.f, -0.f})) ==
-        "[ 0. -0.]");
-  CHECK(to_string(Tensor(Shape{3}, {0.f, 0.f, 0.f})) ==
-        "[0. 0. 0.]");
+  CHECK(to_string(Tensor(Shape{3}, {-1.f, -0.5f, 2.f})) == "[-1.  -0.5  2. ]");
+  CHECK(to_string(Tensor(Shape{3}, {1.f, 2.f, 3.f})) == "[1. 2. 3.]");
+  CHECK(to_string(Tensor(Shape{2}, {0.f, -0.f})) == "[ 0. -0.]");
+  CHECK(to_string(Tensor(Shape{3}, {0.f, 0.f, 0.f})) == "[0. 0. 0.]");
   CHECK(to_string(Tensor(Shape{2, 2}, {-10.f, 100.f, 0.5f, -0.25f})) ==
         R"([[-10.   100.  ]
  [  0.5   -0.25]])");
 }
 
 TEST_CASE("print: nan and inf") {
-  CHECK(to_string(Tensor(Shape{4}, {fnan, 1.f, finf, -finf})) ==
-        "[ nan   1.  inf -inf]");
-  CHECK(to_string(Tensor(Shape{2}, {fnan, fnan})) ==
-        "[nan nan]");
-  CHECK(to_string(Tensor(Shape{2}, {-finf, fnan})) ==
-        "[-inf  nan]");
-  CHECK(to_string(Tensor(Shape{2}, {finf, 2.5f})) ==
-        "[inf 2.5]");
-  CHECK(to_string(Tensor(Shape{2}, {1e-5f, fnan})) ==
-        "[1.e-05    nan]");
-  CHECK(to_string(Tensor(Shape{3}, {0.125f, -finf, 1e4f})) ==
-        "[1.25e-01     -inf 1.00e+04]");
+  CHECK(to_string(Tensor(Shape{4}, {fnan, 1.f, finf, -finf})) == "[ nan   1.  inf -inf]");
+  CHECK(to_string(Tensor(Shape{2}, {fnan, fnan})) == "[nan nan]");
+  CHECK(to_string(Tensor(Shape{2}, {-finf, fnan})) == "[-inf  nan]");
+  CHECK(to_string(Tensor(Shape{2}, {finf, 2.5f})) == "[inf 2.5]");
+  CHECK(to_string(Tensor(Shape{2}, {1e-5f, fnan})) == "[1.e-05    nan]");
+  CHECK(to_string(Tensor(Shape{3}, {0.125f, -finf, 1e4f})) == "[1.25e-01     -inf 1.00e+04]");
   CHECK(to_string(BasicTensor<double>(Shape{2, 2}, {1.5, dnan, -dinf, 0.0})) ==
         R"([[ 1.5  nan]
  [-inf  0. ]])");
 }
 
 TEST_CASE("print: mixed magnitudes") {
-  CHECK(to_string(Tensor(Shape{3}, {0.001f, 1.f, 100.f})) ==
-        "[1.e-03 1.e+00 1.e+02]");
-  CHECK(to_string(Tensor(Shape{2}, {1e-4f, 1.f})) ==
-        "[1.e-04 1.e+00]");
-  CHECK(to_string(Tensor(Shape{2}, {1.2e-4f, 0.1f})) ==
-        "[0.00012 0.1    ]");
-  CHECK(to_string(Tensor(Shape{1}, {99999992.f})) ==
-        "[99999992.]");
-  CHECK(to_string(Tensor(Shape{2}, {42598728.f, 100000.5f})) ==
-        "[42598728.    100000.5]");
-  CHECK(to_string(Tensor(Shape{3}, {0.001953125f, 0.5f, -1.25f})) ==
-        "[ 0.00195312  0.5        -1.25      ]");
+  CHECK(to_string(Tensor(Shape{3}, {0.001f, 1.f, 100.f})) == "[1.e-03 1.e+00 1.e+02]");
+  CHECK(to_string(Tensor(Shape{2}, {1e-4f, 1.f})) == "[1.e-04 1.e+00]");
+  CHECK(to_string(Tensor(Shape{2}, {1.2e-4f, 0.1f})) == "[0.00012 0.1    ]");
+  CHECK(to_string(Tensor(Shape{1}, {99999992.f})) == "[99999992.]");
+  CHECK(to_string(Tensor(Shape{2}, {42598728.f, 100000.5f})) == "[42598728.    100000.5]");
+  CHECK(to_string(Tensor(Shape{3}, {0.001953125f, 0.5f, -1.25f})) == "[ 0.00195312  0.5        -1.25      ]");
 }
 
 TEST_CASE("print: long rows wrap at 75 columns") {
-  CHECK(to_string(generate<float>(Shape{3, 20},
-                                  [](index_t i) { return static_cast<float>(i) / 7.f; })) ==
+  CHECK(to_string(generate<float>(Shape{3, 20}, [](index_t i) { return static_cast<float>(i) / 7.f; })) ==
         R"([[0.         0.14285715 0.2857143  0.42857143 0.5714286  0.71428573
   0.85714287 1.         1.1428572  1.2857143  1.4285715  1.5714285
   1.7142857  1.8571428  2.         2.142857   2.2857144  2.4285715
@@ -162,21 +127,19 @@ TEST_CASE("print: long rows wrap at 75 columns") {
   6.571429   6.714286   6.857143   7.         7.142857   7.285714
   7.428571   7.571429   7.714286   7.857143   8.         8.142858
   8.285714   8.428572  ]])");
-  CHECK(to_string(generate<float>(Shape{30},
-                                  [](index_t i) { return i == 4 ? fnan : static_cast<float>(i) / 7.f - 2.f; })) ==
+  CHECK(to_string(
+            generate<float>(Shape{30}, [](index_t i) { return i == 4 ? fnan : static_cast<float>(i) / 7.f - 2.f; })) ==
         R"([-2.         -1.8571428  -1.7142857  -1.5714285          nan -1.2857143
  -1.1428571  -1.         -0.8571428  -0.71428573 -0.57142854 -0.42857146
  -0.28571427 -0.1428572   0.          0.14285707  0.2857144   0.42857146
   0.57142854  0.7142856   0.8571429   1.          1.1428571   1.2857144
   1.4285715   1.5714285   1.7142856   1.8571429   2.          2.142857  ])");
-  CHECK(to_string(generate<std::int32_t>(Shape{40},
-                                         [](index_t i) { return static_cast<std::int32_t>(i * 1000); })) ==
+  CHECK(to_string(generate<std::int32_t>(Shape{40}, [](index_t i) { return static_cast<std::int32_t>(i * 1000); })) ==
         R"([    0  1000  2000  3000  4000  5000  6000  7000  8000  9000 10000 11000
  12000 13000 14000 15000 16000 17000 18000 19000 20000 21000 22000 23000
  24000 25000 26000 27000 28000 29000 30000 31000 32000 33000 34000 35000
  36000 37000 38000 39000])");
-  CHECK(to_string(generate<double>(Shape{2, 2, 9},
-                                   [](index_t i) { return static_cast<double>(i) * 1e5 + 0.5; })) ==
+  CHECK(to_string(generate<double>(Shape{2, 2, 9}, [](index_t i) { return static_cast<double>(i) * 1e5 + 0.5; })) ==
         R"([[[5.0000000e-01 1.0000050e+05 2.0000050e+05 3.0000050e+05 4.0000050e+05
    5.0000050e+05 6.0000050e+05 7.0000050e+05 8.0000050e+05]
   [9.0000050e+05 1.0000005e+06 1.1000005e+06 1.2000005e+06 1.3000005e+06
@@ -191,8 +154,7 @@ TEST_CASE("print: long rows wrap at 75 columns") {
 TEST_CASE("print: more than 1000 elements are summarised") {
   CHECK(to_string(generate<float>(Shape{2000}, [](index_t i) { return static_cast<float>(i); })) ==
         "[0.000e+00 1.000e+00 2.000e+00 ... 1.997e+03 1.998e+03 1.999e+03]");
-  CHECK(to_string(generate<float>(Shape{64, 784},
-                                  [](index_t i) { return static_cast<float>(i % 784) / 784.f; })) ==
+  CHECK(to_string(generate<float>(Shape{64, 784}, [](index_t i) { return static_cast<float>(i % 784) / 784.f; })) ==
         R"([[0.         0.00127551 0.00255102 ... 0.99617344 0.997449   0.99872446]
  [0.         0.00127551 0.00255102 ... 0.99617344 0.997449   0.99872446]
  [0.         0.00127551 0.00255102 ... 0.99617344 0.997449   0.99872446]
@@ -200,14 +162,13 @@ TEST_CASE("print: more than 1000 elements are summarised") {
  [0.         0.00127551 0.00255102 ... 0.99617344 0.997449   0.99872446]
  [0.         0.00127551 0.00255102 ... 0.99617344 0.997449   0.99872446]
  [0.         0.00127551 0.00255102 ... 0.99617344 0.997449   0.99872446]])");
-  CHECK(to_string(generate<std::int32_t>(Shape{4, 300},
-                                         [](index_t i) { return static_cast<std::int32_t>(i * 3 - 600); })) ==
+  CHECK(to_string(
+            generate<std::int32_t>(Shape{4, 300}, [](index_t i) { return static_cast<std::int32_t>(i * 3 - 600); })) ==
         R"([[-600 -597 -594 ...  291  294  297]
  [ 300  303  306 ... 1191 1194 1197]
  [1200 1203 1206 ... 2091 2094 2097]
  [2100 2103 2106 ... 2991 2994 2997]])");
-  CHECK(to_string(generate<float>(Shape{10, 10, 20},
-                                  [](index_t i) { return static_cast<float>(i % 97) * 0.25f; })) ==
+  CHECK(to_string(generate<float>(Shape{10, 10, 20}, [](index_t i) { return static_cast<float>(i % 97) * 0.25f; })) ==
         R"([[[ 0.    0.25  0.5  ...  4.25  4.5   4.75]
   [ 5.    5.25  5.5  ...  9.25  9.5   9.75]
   [10.   10.25 10.5  ... 14.25 14.5  14.75]
@@ -257,11 +218,11 @@ TEST_CASE("print: more than 1000 elements are summarised") {
   [ 0.    0.25  0.5  ...  4.25  4.5   4.75]
   [ 5.    5.25  5.5  ...  9.25  9.5   9.75]
   [10.   10.25 10.5  ... 14.25 14.5  14.75]]])");
-  CHECK(to_string(generate<float>(Shape{1001},
-                                  [](index_t i) { return i == 500 ? 1e9f : static_cast<float>(i % 5); })) ==
-        "[0. 1. 2. ... 3. 4. 0.]");
-  CHECK(to_string(generate<std::uint8_t>(Shape{3, 7, 50},
-                                         [](index_t i) { return static_cast<std::uint8_t>(i % 256); })) ==
+  CHECK(to_string(generate<float>(Shape{1001}, [](index_t i) {
+          return i == 500 ? 1e9f : static_cast<float>(i % 5);
+        })) == "[0. 1. 2. ... 3. 4. 0.]");
+  CHECK(to_string(
+            generate<std::uint8_t>(Shape{3, 7, 50}, [](index_t i) { return static_cast<std::uint8_t>(i % 256); })) ==
         R"([[[  0   1   2 ...  47  48  49]
   [ 50  51  52 ...  97  98  99]
   [100 101 102 ... 147 148 149]
@@ -288,64 +249,44 @@ TEST_CASE("print: more than 1000 elements are summarised") {
 }
 
 TEST_CASE("print: integer tensors") {
-  CHECK(to_string(BasicTensor<std::int32_t>(Shape{3}, {-5, 120, 7})) ==
-        "[ -5 120   7]");
+  CHECK(to_string(BasicTensor<std::int32_t>(Shape{3}, {-5, 120, 7})) == "[ -5 120   7]");
   CHECK(to_string(BasicTensor<std::int32_t>(Shape{2, 2}, {1, -1, 10, 0})) ==
         R"([[ 1 -1]
  [10  0]])");
-  CHECK(to_string(BasicTensor<std::uint8_t>(Shape{4}, {0, 255, 7, 42})) ==
-        "[  0 255   7  42]");
-  CHECK(to_string(BasicTensor<std::int64_t>(Shape{2}, {1234567890123, -1})) ==
-        "[1234567890123            -1]");
+  CHECK(to_string(BasicTensor<std::uint8_t>(Shape{4}, {0, 255, 7, 42})) == "[  0 255   7  42]");
+  CHECK(to_string(BasicTensor<std::int64_t>(Shape{2}, {1234567890123, -1})) == "[1234567890123            -1]");
   CHECK(to_string(BasicTensor<std::int64_t>(Shape{1}, {std::numeric_limits<std::int64_t>::min()})) ==
         "[-9223372036854775808]");
 }
 
 TEST_CASE("print: 0-d tensors print as scalars") {
-  CHECK(to_string(Tensor(Shape{}, {2.5f})) ==
-        "2.5");
-  CHECK(to_string(Tensor(Shape{}, {1.f})) ==
-        "1.0");
-  CHECK(to_string(Tensor(Shape{}, {-0.f})) ==
-        "-0.0");
-  CHECK(to_string(Tensor(Shape{}, {0.1f})) ==
-        "0.1");
-  CHECK(to_string(Tensor(Shape{}, {1e16f})) ==
-        "1e+16");
-  CHECK(to_string(Tensor(Shape{}, {1e-4f})) ==
-        "1e-04");
-  CHECK(to_string(Tensor(Shape{}, {123456789012345.6f})) ==
-        "123456790000000.0");
-  CHECK(to_string(Tensor(Shape{}, {fnan})) ==
-        "nan");
-  CHECK(to_string(Tensor(Shape{}, {-finf})) ==
-        "-inf");
-  CHECK(to_string(BasicTensor<double>(Shape{}, {1.5e-5})) ==
-        "1.5e-05");
-  CHECK(to_string(BasicTensor<double>(Shape{}, {123456789012345.6})) ==
-        "123456789012345.6");
-  CHECK(to_string(BasicTensor<std::int32_t>(Shape{}, {-7})) ==
-        "-7");
-  CHECK(to_string(BasicTensor<std::uint8_t>(Shape{}, {200})) ==
-        "200");
+  CHECK(to_string(Tensor(Shape{}, {2.5f})) == "2.5");
+  CHECK(to_string(Tensor(Shape{}, {1.f})) == "1.0");
+  CHECK(to_string(Tensor(Shape{}, {-0.f})) == "-0.0");
+  CHECK(to_string(Tensor(Shape{}, {0.1f})) == "0.1");
+  CHECK(to_string(Tensor(Shape{}, {1e16f})) == "1e+16");
+  CHECK(to_string(Tensor(Shape{}, {1e-4f})) == "1e-04");
+  CHECK(to_string(Tensor(Shape{}, {123456789012345.6f})) == "123456790000000.0");
+  CHECK(to_string(Tensor(Shape{}, {fnan})) == "nan");
+  CHECK(to_string(Tensor(Shape{}, {-finf})) == "-inf");
+  CHECK(to_string(BasicTensor<double>(Shape{}, {1.5e-5})) == "1.5e-05");
+  CHECK(to_string(BasicTensor<double>(Shape{}, {123456789012345.6})) == "123456789012345.6");
+  CHECK(to_string(BasicTensor<std::int32_t>(Shape{}, {-7})) == "-7");
+  CHECK(to_string(BasicTensor<std::uint8_t>(Shape{}, {200})) == "200");
 }
 
 TEST_CASE("print: empty tensors") {
-  CHECK(to_string(Tensor(Shape{0})) ==
-        "[]");
-  CHECK(to_string(Tensor(Shape{2, 0})) ==
-        "[]");
-  CHECK(to_string(BasicTensor<std::int32_t>(Shape{0, 3})) ==
-        "[]");
+  CHECK(to_string(Tensor(Shape{0})) == "[]");
+  CHECK(to_string(Tensor(Shape{2, 0})) == "[]");
+  CHECK(to_string(BasicTensor<std::int32_t>(Shape{0, 3})) == "[]");
 }
 
 TEST_CASE("print: a batch of 64 x 10 logits is printed in full") {
   // 640 elements, under numpy's threshold of 1000. In numpy:
   //   (np.array([(i * 7919 + 13) % 2001 - 1000 for i in range(640)], np.float32)
   //    * np.float32(0.00137)).reshape(64, 10)
-  const Tensor logits = generate<float>(Shape{64, 10}, [](index_t i) {
-    return static_cast<float>((i * 7919 + 13) % 2001 - 1000) * 0.00137f;
-  });
+  const Tensor logits = generate<float>(
+      Shape{64, 10}, [](index_t i) { return static_cast<float>((i * 7919 + 13) % 2001 - 1000) * 0.00137f; });
   CHECK(to_string(logits) ==
         R"([[-1.3521899   1.27273     1.1562799   1.03983     0.92337996  0.80692995
    0.69048     0.57403     0.45757997  0.34113   ]

@@ -1,8 +1,7 @@
-#include <duet/duet.hpp>
-
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <duet/duet.hpp>
 
 TEST_CASE("seeded creation is reproducible and independent of the global generator") {
   const auto a = duet::randn({1000}, 42);

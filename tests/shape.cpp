@@ -1,6 +1,6 @@
-#include <duet/duet.hpp>
-
 #include <doctest/doctest.h>
+
+#include <duet/duet.hpp>
 
 using duet::dyn;
 using duet::Shape;

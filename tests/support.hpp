@@ -1,12 +1,11 @@
 // Test support: the seed network, an independent naive reference, tolerant comparison.
 #pragma once
 
-#include <duet/duet.hpp>
-
 #include <doctest/doctest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <duet/duet.hpp>
 #include <vector>
 
 namespace duet_test {

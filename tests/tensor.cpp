@@ -1,8 +1,7 @@
-#include <duet/duet.hpp>
-
 #include <doctest/doctest.h>
 
 #include <cstdint>
+#include <duet/duet.hpp>
 #include <type_traits>
 
 using duet::Shape;

@@ -9,6 +9,11 @@
 #pragma once
 
 #include <atomic>
+#include <boost/hana/accessors.hpp>
+#include <boost/hana/concept/struct.hpp>
+#include <boost/hana/first.hpp>
+#include <boost/hana/for_each.hpp>
+#include <boost/hana/second.hpp>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -19,12 +24,6 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
-
-#include <boost/hana/accessors.hpp>
-#include <boost/hana/concept/struct.hpp>
-#include <boost/hana/first.hpp>
-#include <boost/hana/for_each.hpp>
-#include <boost/hana/second.hpp>
 
 #include "context.hpp"
 #include "detail/demangle.hpp"
@@ -44,8 +43,8 @@ class BasicDynamicCell;
 
 // Called after a cell's forward in PyNative mode with the cell, its input and its output.
 template <ElementType T>
-using BasicForwardHook = std::function<void(const BasicDynamicCell<T>& cell, const BasicTensor<T>& input,
-                                            const BasicTensor<T>& output)>;
+using BasicForwardHook =
+    std::function<void(const BasicDynamicCell<T>& cell, const BasicTensor<T>& input, const BasicTensor<T>& output)>;
 using ForwardHook = BasicForwardHook<float>;
 
 namespace detail {
@@ -167,7 +166,9 @@ class BasicDynamicCell {
     named_.store(true, std::memory_order_release);
   }
 
+  // A child named "" is transparent: its own children take their names from the path itself.
   static std::string join(const std::string& path, std::string_view child) {
+    if (child.empty()) return path;
     return path.empty() ? std::string(child) : path + "." + std::string(child);
   }
 
@@ -181,12 +182,7 @@ class BasicDynamicCell {
     for_each_child([&](std::string_view n, BasicDynamicCell& c) { c.collect_cells(join(path, n), out); });
   }
 
-  static std::uint64_t next_id() {
-    static std::atomic<std::uint64_t> last{0};
-    return last.fetch_add(1, std::memory_order_relaxed) + 1;
-  }
-
-  std::uint64_t id_ = next_id();
+  std::uint64_t id_ = duet::detail::new_plan_owner();
   std::string name_;
   std::atomic<bool> named_{false};
   std::vector<std::pair<long, BasicForwardHook<T>>> hooks_;
@@ -199,7 +195,9 @@ template <class X>
 concept DynamicCellType = std::is_base_of_v<BasicDynamicCell<typename X::value_type>, X>;
 
 template <class C, class X>
-concept HasConstruct = requires(C& cell, X x) { cell.construct(x); };
+concept HasConstruct = requires(C& cell, X x) {
+  cell.construct(x);
+};
 
 // What a user's network derives from. Mode fixes how the cell runs whatever the context
 // (GRAPH_MODE, PYNATIVE_MODE); CONTEXT_MODE, the default, follows set_context at each call.
@@ -207,13 +205,18 @@ template <class Derived, Mode M = CONTEXT_MODE, ElementType T = float>
 class Cell : public BasicDynamicCell<T> {
  public:
   static constexpr Mode mode = M;
-  using BasicDynamicCell<T>::operator();
 
-  // Graph capture: construct appends this cell's nodes to the graph x belongs to.
-  template <graph::Symbolic S>
-  auto operator()(const S& x) {
-    return derived().construct(x);
+  // One tensor in: the DynamicCell call (hooks, then forward in this cell's mode).
+  BasicTensor<T> operator()(const BasicTensor<T>& x) {
+    static_assert(HasConstruct<Derived, BasicTensor<T>>,
+                  "duet::nn::Cell: the derived cell must define construct(x), generic over its input: "
+                  "auto construct(auto x) { ... }");
+    return BasicDynamicCell<T>::operator()(x);
   }
+
+  // Graph capture: construct appends this cell's nodes to the graph its inputs belong to.
+  template <graph::Symbolic... S>
+  requires(sizeof...(S) >= 1) auto operator()(const S&... xs) { return derived().construct(xs...); }
 
   // A statically shaped input: both modes check it against the layers at compile time and
   // return a StaticTensor of the inferred output shape.
@@ -227,6 +230,18 @@ class Cell : public BasicDynamicCell<T> {
       }
     }
     return to_static_tensor<Captured>((*this)(x.tensor()));
+  }
+
+  // Cells whose construct takes several tensors (a network with its loss, say). They are not
+  // DynamicCells of one input, so they run no forward hooks of their own.
+  template <class... X>
+  requires(sizeof...(X) >= 2 && ((is_tensor_v<X> || is_static_tensor_v<X>)&&...)) auto operator()(const X&... xs) {
+    this->ensure_named();
+    if constexpr (M != PYNATIVE_MODE) {
+      if (effective_mode(M) == GRAPH_MODE) return run_graph<typename graph::pattern_of<X>::type...>(tensor_of(xs)...);
+    }
+    EagerScope eager;
+    return derived().construct(tensor_of(xs)...);
   }
 
   std::string type_name() const override { return duet::detail::readable_type_name(typeid(Derived)); }
@@ -246,10 +261,7 @@ class Cell : public BasicDynamicCell<T> {
  protected:
   BasicTensor<T> forward(const BasicTensor<T>& x) override {
     if constexpr (!HasConstruct<Derived, BasicTensor<T>>) {
-      static_assert(HasConstruct<Derived, BasicTensor<T>>,
-                    "duet::nn::Cell: the derived cell must define construct(x), generic over its input: "
-                    "auto construct(auto x) { ... }");
-      return x;
+      throw ModeError(this->label() + ": construct takes several inputs; call the cell with all of them");
     } else if constexpr (M == GRAPH_MODE) {
       return run_graph<graph::AnyShape>(x);
     } else {
@@ -265,26 +277,19 @@ class Cell : public BasicDynamicCell<T> {
   Derived& derived() { return static_cast<Derived&>(*this); }
 
   // Capture, optimise, run. Capture and passes cost nothing at run time (they are types);
-  // the plan for the input's shape is kept per thread, so a repeated shape skips planning.
-  template <class Pattern>
-  BasicTensor<T> run_graph(const BasicTensor<T>& x) {
+  // the plan for the inputs' shapes is kept per thread, so repeated shapes skip planning.
+  template <class... Patterns, class... Ts>
+  auto run_graph(const BasicTensor<Ts>&... xs) {
     if (this->has_forward_hooks_in_tree()) {
       throw ModeError(this->label() +
                       " runs in graph mode, but a cell in it has a forward hook; hooks see "
                       "intermediate values in PyNative mode only (set_context({.mode = PYNATIVE_MODE}))");
     }
-    auto program = passes::optimize(derived().construct(graph::input<T, Pattern>()));
-    using G = typename decltype(program)::graph_type;
-    thread_local struct {
-      std::uint64_t cell = 0;
-      graph::Plan<G> plan;
-    } cache;
-    if (cache.cell != this->id() || !(cache.plan.input_shapes[0] == x.shape())) {
-      cache.cell = 0;
-      cache.plan = plan(program, {x.shape()});
-      cache.cell = this->id();
-    }
-    return run<DefaultBackend>(program, cache.plan, x);
+    auto program = passes::optimize([&]<std::size_t... K>(std::index_sequence<K...>) {
+      return derived().construct(graph::input<Ts, Patterns, K>()...);
+    }(std::index_sequence_for<Ts...>{}));
+    const std::array<Shape, sizeof...(Ts)> shapes{xs.shape()...};
+    return run<DefaultBackend>(program, duet::detail::cached_plan(this->id(), program, shapes), xs...);
   }
 
   template <class Captured>
@@ -292,7 +297,8 @@ class Cell : public BasicDynamicCell<T> {
     constexpr Shape s = Captured::shape;
     return [&]<std::size_t... I>(std::index_sequence<I...>) {
       return StaticTensor<T, s[static_cast<int>(I)]...>(std::move(y));
-    }(std::make_index_sequence<static_cast<std::size_t>(s.rank())>{});
+    }
+    (std::make_index_sequence<static_cast<std::size_t>(s.rank())>{});
   }
 
   template <class F>

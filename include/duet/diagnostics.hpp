@@ -43,20 +43,34 @@ constexpr ShapeResult fault(Shape fallback, ShapeFault f, index_t expected, int 
 // "nn::Dense<784, 512> 'dense_relu_sequential.0' expects an input whose last dimension is 784,
 // got [64, 100]": the run-time wording of a broken rule.
 inline std::string describe_fault(const ShapeResult& r, std::string_view layer, std::span<const Shape> inputs) {
-  const std::string got = inputs.empty() ? std::string("nothing") : to_string(inputs[static_cast<std::size_t>(r.input)]);
+  const std::string got =
+      inputs.empty() ? std::string("nothing") : to_string(inputs[static_cast<std::size_t>(r.input)]);
   const std::string e = std::to_string(r.expected);
   std::string what;
   switch (r.fault) {
-    case ShapeFault::none: return {};
-    case ShapeFault::last_dimension: what = "an input whose last dimension is " + e; break;
-    case ShapeFault::min_rank: what = "an input of rank at least " + e; break;
-    case ShapeFault::exact_rank: what = "an input of rank " + e; break;
-    case ShapeFault::element_count: what = "an input of " + e + " elements per sample"; break;
-    case ShapeFault::shapes_differ: what = "inputs of the same shape"; break;
+    case ShapeFault::none:
+      return {};
+    case ShapeFault::last_dimension:
+      what = "an input whose last dimension is " + e;
+      break;
+    case ShapeFault::min_rank:
+      what = "an input of rank at least " + e;
+      break;
+    case ShapeFault::exact_rank:
+      what = "an input of rank " + e;
+      break;
+    case ShapeFault::element_count:
+      what = "an input of " + e + " elements per sample";
+      break;
+    case ShapeFault::shapes_differ:
+      what = "inputs of the same shape";
+      break;
   }
-  std::string msg = std::string(layer) + " expects " + what + ", got " + got;
-  if (r.fault == ShapeFault::shapes_differ && inputs.size() > 1) msg += " and " + to_string(inputs[1]);
-  return msg;
+  if (r.fault == ShapeFault::shapes_differ && inputs.size() > 1) {
+    return std::string(layer) + " expects inputs of matching shapes, got " + to_string(inputs[0]) + " and " +
+           to_string(inputs[1]);
+  }
+  return std::string(layer) + " expects " + what + ", got " + got;
 }
 
 // Compile-time reports. The type names are the message: compilers print the failing
@@ -88,25 +102,33 @@ struct layer_accepts {
 
 template <ShapeFault F, index_t N>
 constexpr auto requirement() {
-  if constexpr (F == ShapeFault::last_dimension) return last_dimension_must_be<N>{};
-  else if constexpr (F == ShapeFault::min_rank) return rank_must_be_at_least<N>{};
-  else if constexpr (F == ShapeFault::exact_rank) return rank_must_be<N>{};
-  else if constexpr (F == ShapeFault::element_count) return elements_per_sample_must_be<N>{};
-  else return inputs_must_have_the_same_shape{};
+  if constexpr (F == ShapeFault::last_dimension)
+    return last_dimension_must_be<N>{};
+  else if constexpr (F == ShapeFault::min_rank)
+    return rank_must_be_at_least<N>{};
+  else if constexpr (F == ShapeFault::exact_rank)
+    return rank_must_be<N>{};
+  else if constexpr (F == ShapeFault::element_count)
+    return elements_per_sample_must_be<N>{};
+  else
+    return inputs_must_have_the_same_shape{};
 }
 
 // ShapeOf is any type with a `static constexpr Shape shape`.
 template <class ShapeOf, std::size_t... I>
 constexpr auto shape_type(std::index_sequence<I...>) {
   constexpr Shape s = ShapeOf::shape;
-  if constexpr (s.leading_unknown()) return input_shape_after_unknown_leading_dims<s[static_cast<int>(I)]...>{};
-  else return input_shape<s[static_cast<int>(I)]...>{};
+  if constexpr (s.leading_unknown())
+    return input_shape_after_unknown_leading_dims<s[static_cast<int>(I)]...>{};
+  else
+    return input_shape<s[static_cast<int>(I)]...>{};
 }
 
 template <class Layer, ShapeFault F, index_t N, class ShapeOf>
 constexpr void reject() {
   using Requirement = decltype(requirement<F, N>());
-  using Input = decltype(shape_type<ShapeOf>(std::make_index_sequence<static_cast<std::size_t>(ShapeOf::shape.rank())>{}));
+  using Input =
+      decltype(shape_type<ShapeOf>(std::make_index_sequence<static_cast<std::size_t>(ShapeOf::shape.rank())>{}));
   static_assert(layer_accepts<Layer, Requirement, Input>::value,
                 "duet: a layer cannot accept its input's shape (the condition names the layer, "
                 "its requirement and the input shape; -1 is a dynamic dimension)");

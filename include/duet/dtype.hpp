@@ -32,22 +32,32 @@ inline constexpr DType uint8 = DType::uint8;
 
 constexpr std::string_view name_of(DType t) {
   switch (t) {
-    case DType::float32: return "Float32";
-    case DType::float64: return "Float64";
-    case DType::int32: return "Int32";
-    case DType::int64: return "Int64";
-    case DType::uint8: return "UInt8";
+    case DType::float32:
+      return "Float32";
+    case DType::float64:
+      return "Float64";
+    case DType::int32:
+      return "Int32";
+    case DType::int64:
+      return "Int64";
+    case DType::uint8:
+      return "UInt8";
   }
   return "?";
 }
 
 constexpr std::size_t size_of(DType t) {
   switch (t) {
-    case DType::float32: return 4;
-    case DType::float64: return 8;
-    case DType::int32: return 4;
-    case DType::int64: return 8;
-    case DType::uint8: return 1;
+    case DType::float32:
+      return 4;
+    case DType::float64:
+      return 8;
+    case DType::int32:
+      return 4;
+    case DType::int64:
+      return 8;
+    case DType::uint8:
+      return 1;
   }
   return 0;
 }

@@ -4,60 +4,92 @@
 #pragma once
 
 #include <array>
+#include <type_traits>
 #include <utility>
 
 #include "backend.hpp"
 #include "diagnostics.hpp"
 #include "graph.hpp"
+#include "tape.hpp"
 #include "tensor.hpp"
 
 namespace duet {
 
 namespace detail {
-template <class Op, class T>
-Shape checked_output_shape(const Op& op, const BasicTensor<T>& x) {
-  const std::array<Shape, 1> in{x.shape()};
+
+template <class Op, std::size_t N>
+Shape checked_output_shape(const Op& op, const std::array<Shape, N>& in) {
   const ShapeResult r = op.infer(in);
   if (!r.ok()) throw ShapeError(describe_fault(r, op.label(), in));
   return r.shape;
 }
+
+template <class Backend, class Op, class First, class... Rest>
+auto run_into_new(const Op& op, const BasicTensor<First>& first, const BasicTensor<Rest>&... rest) {
+  using T = graph::op_value_t<Op, First>;
+  const std::array<Shape, 1 + sizeof...(Rest)> shapes{first.shape(), rest.shape()...};
+  const Shape out_shape = checked_output_shape(op, shapes);
+  const std::array<const void*, 1 + sizeof...(Rest)> in{first.data(), rest.data()...};
+  BasicTensor<T> y;
+  if constexpr (Op::is_view) {
+    if constexpr (graph::runs_kernel<Op>()) {
+      op.template run<Backend, T>(graph::KernelArgs{in.data(), shapes.data(), nullptr, out_shape});
+    }
+    y = first.reshape(out_shape);
+  } else if constexpr (graph::is_sink<Op>()) {
+    op.template run<Backend, T>(graph::KernelArgs{in.data(), shapes.data(), nullptr, out_shape});
+    return y;
+  } else {
+    y = BasicTensor<T>::uninitialized(out_shape);
+    op.template run<Backend, T>(graph::KernelArgs{in.data(), shapes.data(), y.data(), out_shape});
+  }
+  if (autodiff::Tape* tape = autodiff::active_tape()) tape->record(op, y, first, rest...);
+  return y;
+}
+
 }  // namespace detail
 
 template <class Backend = DefaultBackend, class Op, class T>
-BasicTensor<T> run_eager(const Op& op, const BasicTensor<T>& x) {
-  const Shape out_shape = detail::checked_output_shape(op, x);
-  if constexpr (Op::is_view) {
-    return x.reshape(out_shape);
-  } else {
-    auto y = BasicTensor<T>::uninitialized(out_shape);
-    const T* in[1] = {x.data()};
-    op.template run<Backend>(in, &x.shape(), y.data(), out_shape);
-    return y;
-  }
+auto run_eager(const Op& op, const BasicTensor<T>& x) {
+  return detail::run_into_new<Backend>(op, x);
 }
 
-// A temporary nobody else holds is overwritten in place by elementwise operations.
+// A temporary nobody else holds is overwritten in place by elementwise operations, unless a
+// tape records: its records keep the values their gradients read.
 template <class Backend = DefaultBackend, class Op, class T>
-BasicTensor<T> run_eager(const Op& op, BasicTensor<T>&& x) {
+auto run_eager(const Op& op, BasicTensor<T>&& x) {
   if constexpr (Op::is_elementwise) {
-    if (x.use_count() == 1) {
-      const Shape out_shape = detail::checked_output_shape(op, x);
-      const T* in[1] = {x.data()};
-      op.template run<Backend>(in, &x.shape(), x.data(), out_shape);
+    if (x.use_count() == 1 && autodiff::active_tape() == nullptr) {
+      const std::array<Shape, 1> shapes{x.shape()};
+      const Shape out_shape = detail::checked_output_shape(op, shapes);
+      const void* in[1] = {x.data()};
+      op.template run<Backend, T>(graph::KernelArgs{in, shapes.data(), x.data(), out_shape});
       return std::move(x);
     }
   }
-  return run_eager<Backend>(op, static_cast<const BasicTensor<T>&>(x));
+  return detail::run_into_new<Backend>(op, static_cast<const BasicTensor<T>&>(x));
 }
 
-// The one entry point layers use: on a symbolic tensor it records the operation in the graph,
-// on a real tensor it runs it now.
+// The one entry point layers use: on symbolic tensors it records the operation in the graph,
+// on real tensors it runs it now.
 template <class Op, class X>
 auto apply(const Op& op, X&& x) {
   if constexpr (graph::Symbolic<X>) {
     return graph::append(op, x);
   } else {
     return run_eager(op, std::forward<X>(x));
+  }
+}
+
+template <class Op, class A, class B>
+auto apply(const Op& op, const A& a, const B& b) {
+  if constexpr (graph::Symbolic<A> && graph::Symbolic<B>) {
+    return graph::append(op, a, b);
+  } else {
+    static_assert(!graph::Symbolic<A> && !graph::Symbolic<B>,
+                  "duet: an operation mixes a symbolic tensor (graph capture) and a real one; pass "
+                  "every tensor the graph reads as an input of the captured function");
+    return detail::run_into_new<DefaultBackend>(op, tensor_of(a), tensor_of(b));
   }
 }
 

@@ -13,11 +13,13 @@
 #pragma once
 
 #include <array>
-#include <cstddef>
-#include <span>
-#include <utility>
-
+#include <atomic>
 #include <boost/hana/at.hpp>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <tuple>
+#include <utility>
 
 #include "backend.hpp"
 #include "diagnostics.hpp"
@@ -29,7 +31,7 @@ namespace duet {
 
 namespace graph {
 
-enum class Storage : unsigned char { input, view, slot, output };
+enum class Storage : unsigned char { input, view, slot, output, none };
 
 template <std::size_t N>
 struct BufferPlan {
@@ -44,25 +46,28 @@ constexpr BufferPlan<G::size> plan_buffers() {
   constexpr std::size_t n = G::size;
   BufferPlan<n> plan;
   std::array<std::size_t, n> last_read{};
-  [&]<std::size_t... I>(std::index_sequence<I...>) {
-    ((
-         [&] {
-           using Node = node_at<G, I>;
-           using Op = typename Node::op_type;
-           if constexpr (is_input_op_v<Op>) {
-             plan.storage[I] = Storage::input;
-             plan.root[I] = I;
-           } else if constexpr (Op::is_view) {
-             plan.storage[I] = Storage::view;
-             plan.root[I] = plan.root[Node::args[0]];
-           } else {
-             plan.storage[I] = Storage::slot;
-             plan.root[I] = I;
-           }
-           for (std::size_t a : Node::args) last_read[plan.root[a]] = I;
-         }()),
-     ...);
-  }(std::make_index_sequence<n>{});
+  graph::for_each_index<n>([&](auto i) {
+    constexpr std::size_t I = decltype(i)::value;
+    using Node = node_at<G, I>;
+    using Op = typename Node::op_type;
+    if constexpr (is_input_op_v<Op>) {
+      plan.storage[I] = Storage::input;
+      plan.root[I] = I;
+    } else if constexpr (Op::is_view) {
+      plan.storage[I] = Storage::view;
+      plan.root[I] = plan.root[Node::args[0]];
+    } else if constexpr (is_sink<Op>()) {
+      plan.storage[I] = Storage::none;
+      plan.root[I] = I;
+    } else {
+      plan.storage[I] = Storage::slot;
+      plan.root[I] = I;
+    }
+    for (std::size_t a : Node::args) {
+      if (plan.storage[a] == Storage::none) throw "a sink node makes no value to read";
+      last_read[plan.root[a]] = I;
+    }
+  });
 
   const std::size_t out_root = plan.root[Out];
   if (plan.storage[out_root] == Storage::slot) plan.storage[out_root] = Storage::output;
@@ -86,20 +91,23 @@ constexpr BufferPlan<G::size> plan_buffers() {
   return plan;
 }
 
+// One more than the largest input index the graph reads: how many tensors a call passes.
 template <class G>
 constexpr std::size_t input_count() {
   std::size_t count = 0;
-  [&]<std::size_t... I>(std::index_sequence<I...>) {
-    ((count += is_input_op_v<typename node_at<G, I>::op_type> ? 1 : 0), ...);
-  }(std::make_index_sequence<G::size>{});
+  for_each_index<G::size>([&](auto i) {
+    using Op = typename node_at<G, decltype(i)::value>::op_type;
+    if constexpr (is_input_op_v<Op>) count = Op::index + 1 > count ? Op::index + 1 : count;
+  });
   return count;
 }
 
-// The run-time part of a compiled graph for one set of input shapes.
-template <class G>
+// The run-time part of a compiled graph for one set of input shapes. A call may pass inputs
+// the graph never reads (a function that ignores an argument); they count in the key.
+template <class G, std::size_t Inputs>
 struct Plan {
-  static constexpr std::size_t inputs = input_count<G>();
-  std::array<Shape, inputs> input_shapes;
+  static constexpr std::size_t inputs = Inputs;
+  std::array<Shape, Inputs> input_shapes;
   std::array<Shape, G::size> shapes;
   std::array<std::size_t, G::size> offset;  // bytes into the arena, for slot nodes
   std::size_t arena_bytes = 0;
@@ -108,49 +116,49 @@ struct Plan {
 }  // namespace graph
 
 // Infers every node's shape for these input shapes and lays out the arena.
-template <class G, std::size_t Out>
-graph::Plan<G> plan(const graph::Sym<G, Out>& program,
-                    const std::array<Shape, graph::Plan<G>::inputs>& input_shapes) {
-  using T = typename G::value_type;
+template <class G, std::size_t Out, std::size_t Inputs>
+graph::Plan<G, Inputs> plan(const graph::Sym<G, Out>& program, const std::array<Shape, Inputs>& input_shapes) {
+  static_assert(Inputs >= graph::input_count<G>(), "duet::plan: the graph reads more inputs than are given");
   constexpr std::size_t n = G::size;
   constexpr graph::BufferPlan<n> buffers = graph::plan_buffers<G, Out>();
-  graph::Plan<G> p;
+  constexpr std::array<std::size_t, n> element_size = []<std::size_t... I>(std::index_sequence<I...>) {
+    return std::array<std::size_t, n>{sizeof(graph::node_value_t<G, I>)...};
+  }
+  (std::make_index_sequence<n>{});
+  graph::Plan<G, Inputs> p;
   p.input_shapes = input_shapes;
-  [&]<std::size_t... I>(std::index_sequence<I...>) {
-    ((
-         [&] {
-           using Node = graph::node_at<G, I>;
-           using Op = typename Node::op_type;
-           const Op& op = boost::hana::at_c<I>(program.graph.nodes).op;
-           if constexpr (graph::is_input_op_v<Op>) {
-             const Shape& s = input_shapes[Op::index];
-             if (!graph::fits(G::shapes[I], s)) {
-               throw ShapeError("duet: graph input " + std::to_string(Op::index) + " must have shape " +
-                                to_string(G::shapes[I]) + ", got " + to_string(s));
-             }
-             p.shapes[I] = s;
-           } else {
-             std::array<Shape, Node::arity> copies{};
-             std::span<const Shape> in;
-             if constexpr (Node::arity == 1) {
-               in = std::span<const Shape>(&p.shapes[Node::args[0]], 1);
-             } else {
-               for (std::size_t k = 0; k < Node::arity; ++k) copies[k] = p.shapes[Node::args[k]];
-               in = copies;
-             }
-             const ShapeResult r = op.infer(in);
-             if (!r.ok()) throw ShapeError(describe_fault(r, op.label(), in));
-             p.shapes[I] = r.shape;
-           }
-         }()),
-     ...);
-  }(std::make_index_sequence<n>{});
+  graph::for_each_index<n>([&](auto i) {
+    constexpr std::size_t I = decltype(i)::value;
+    using Node = graph::node_at<G, I>;
+    using Op = typename Node::op_type;
+    const Op& op = boost::hana::at_c<I>(program.graph.nodes).op;
+    if constexpr (graph::is_input_op_v<Op>) {
+      const Shape& s = input_shapes[Op::index];
+      if (!graph::fits(G::shapes[I], s)) {
+        throw ShapeError("duet: graph input " + std::to_string(Op::index) + " must have shape " +
+                         to_string(G::shapes[I]) + ", got " + to_string(s));
+      }
+      p.shapes[I] = s;
+    } else {
+      std::array<Shape, Node::arity> copies{};
+      std::span<const Shape> in;
+      if constexpr (Node::arity == 1) {
+        in = std::span<const Shape>(&p.shapes[Node::args[0]], 1);
+      } else {
+        for (std::size_t k = 0; k < Node::arity; ++k) copies[k] = p.shapes[Node::args[k]];
+        in = copies;
+      }
+      const ShapeResult r = op.infer(in);
+      if (!r.ok()) throw ShapeError(describe_fault(r, op.label(), in));
+      p.shapes[I] = r.shape;
+    }
+  });
 
   // Slots one after another, each 64-byte aligned.
   std::array<std::size_t, n> slot_bytes{};
   for (std::size_t i = 0; i < n; ++i) {
     if (buffers.storage[i] != graph::Storage::slot) continue;
-    const auto bytes = static_cast<std::size_t>(p.shapes[i].numel()) * sizeof(T);
+    const auto bytes = static_cast<std::size_t>(p.shapes[i].numel()) * element_size[i];
     if (bytes > slot_bytes[buffers.slot[i]]) slot_bytes[buffers.slot[i]] = bytes;
   }
   std::array<std::size_t, n> slot_offset{};
@@ -162,56 +170,56 @@ graph::Plan<G> plan(const graph::Sym<G, Out>& program,
   return p;
 }
 
-// Runs a graph with a plan made for these inputs' shapes.
+// Runs a graph with a plan made for these inputs' shapes; inputs in the order of their index.
 template <class Backend = DefaultBackend, class G, std::size_t Out, class... Inputs>
-BasicTensor<typename G::value_type> run(const graph::Sym<G, Out>& program, const graph::Plan<G>& p,
-                                        const Inputs&... inputs) {
-  using T = typename G::value_type;
+auto run(const graph::Sym<G, Out>& program, const graph::Plan<G, sizeof...(Inputs)>& p, const Inputs&... inputs) {
+  using Result = graph::node_value_t<G, Out>;
   constexpr std::size_t n = G::size;
   constexpr graph::BufferPlan<n> buffers = graph::plan_buffers<G, Out>();
-  static_assert(sizeof...(Inputs) == graph::Plan<G>::inputs, "duet::run: one tensor per graph input");
-  const std::array<const BasicTensor<T>*, sizeof...(Inputs)> input{&static_cast<const BasicTensor<T>&>(inputs)...};
+  const std::array<const void*, sizeof...(Inputs)> input{static_cast<const void*>(inputs.data())...};
 
   detail::Storage arena(p.arena_bytes);
-  BasicTensor<T> result;
-  std::array<T*, n> data;
-  [&]<std::size_t... I>(std::index_sequence<I...>) {
-    ((
-         [&] {
-           using Node = graph::node_at<G, I>;
-           using Op = typename Node::op_type;
-           if constexpr (buffers.storage[I] == graph::Storage::input) {
-             // Inputs are only read: kernels take their inputs as const T*.
-             data[I] = const_cast<T*>(input[Op::index]->data());
-           } else if constexpr (buffers.storage[I] == graph::Storage::view) {
-             data[I] = data[buffers.root[I]];
-           } else {
-             if constexpr (buffers.storage[I] == graph::Storage::output) {
-               result = BasicTensor<T>::uninitialized(p.shapes[I]);
-               data[I] = result.data();
-             } else {
-               data[I] = reinterpret_cast<T*>(arena.data() + p.offset[I]);
-             }
-             std::array<const T*, Node::arity> in;
-             for (std::size_t k = 0; k < Node::arity; ++k) in[k] = data[Node::args[k]];
-             if constexpr (Node::arity == 1) {
-               boost::hana::at_c<I>(program.graph.nodes)
-                   .op.template run<Backend>(in.data(), &p.shapes[Node::args[0]], data[I], p.shapes[I]);
-             } else {
-               std::array<Shape, Node::arity> in_shapes;
-               for (std::size_t k = 0; k < Node::arity; ++k) in_shapes[k] = p.shapes[Node::args[k]];
-               boost::hana::at_c<I>(program.graph.nodes)
-                   .op.template run<Backend>(in.data(), in_shapes.data(), data[I], p.shapes[I]);
-             }
-           }
-         }()),
-     ...);
-  }(std::make_index_sequence<n>{});
+  BasicTensor<Result> result;
+  std::array<void*, n> data;
+  graph::for_each_index<n>([&](auto i) {
+    constexpr std::size_t I = decltype(i)::value;
+    using Node = graph::node_at<G, I>;
+    using Op = typename Node::op_type;
+    if constexpr (buffers.storage[I] == graph::Storage::input) {
+      // Inputs are only read: kernels see them through KernelArgs::in, as const.
+      data[I] = const_cast<void*>(input[Op::index]);
+    } else {
+      if constexpr (buffers.storage[I] == graph::Storage::view) {
+        data[I] = data[buffers.root[I]];
+      } else if constexpr (buffers.storage[I] == graph::Storage::output) {
+        result = BasicTensor<Result>::uninitialized(p.shapes[I]);
+        data[I] = result.data();
+      } else if constexpr (buffers.storage[I] == graph::Storage::slot) {
+        data[I] = arena.data() + p.offset[I];
+      } else {
+        data[I] = nullptr;
+      }
+      if constexpr (graph::runs_kernel<Op>()) {
+        std::array<const void*, Node::arity> in;
+        for (std::size_t k = 0; k < Node::arity; ++k) in[k] = data[Node::args[k]];
+        const auto& op = boost::hana::at_c<I>(program.graph.nodes).op;
+        using T = graph::node_value_t<G, I>;
+        if constexpr (Node::arity == 1) {
+          op.template run<Backend, T>(graph::KernelArgs{in.data(), &p.shapes[Node::args[0]], data[I], p.shapes[I]});
+        } else {
+          std::array<Shape, Node::arity> in_shapes;
+          for (std::size_t k = 0; k < Node::arity; ++k) in_shapes[k] = p.shapes[Node::args[k]];
+          op.template run<Backend, T>(graph::KernelArgs{in.data(), in_shapes.data(), data[I], p.shapes[I]});
+        }
+      }
+    }
+  });
 
   constexpr std::size_t out_root = buffers.root[Out];
   if constexpr (buffers.storage[out_root] == graph::Storage::input) {
     // The graph only reshapes an input: its output is a view of that input.
-    return input[graph::node_at<G, out_root>::op_type::index]->reshape(p.shapes[Out]);
+    constexpr std::size_t k = graph::node_at<G, out_root>::op_type::index;
+    return tensor_of(std::get<k>(std::forward_as_tuple(inputs...))).reshape(p.shapes[Out]);
   } else if constexpr (out_root != Out) {
     return result.reshape(p.shapes[Out]);
   } else {
@@ -219,12 +227,36 @@ BasicTensor<typename G::value_type> run(const graph::Sym<G, Out>& program, const
   }
 }
 
+namespace detail {
+// Identifies a user of plan caches (a cell, a gradient function) for the program's life; an
+// address would not do, since a new object at a freed address may have other sizes.
+inline std::uint64_t new_plan_owner() {
+  static std::atomic<std::uint64_t> last{0};
+  return last.fetch_add(1, std::memory_order_relaxed) + 1;
+}
+
+// The plan of the last input shapes `owner` ran this graph type with on this thread. Per
+// thread, so concurrent callers never share or lock; one entry, so it costs nothing to keep.
+template <class G, std::size_t Out, std::size_t N>
+const graph::Plan<G, N>& cached_plan(std::uint64_t owner, const graph::Sym<G, Out>& program,
+                                     const std::array<Shape, N>& shapes) {
+  thread_local struct {
+    std::uint64_t owner = 0;
+    graph::Plan<G, N> plan;
+  } cache;
+  if (cache.owner != owner || cache.plan.input_shapes != shapes) {
+    cache.owner = 0;  // stays invalid if planning throws
+    cache.plan = plan(program, shapes);
+    cache.owner = owner;
+  }
+  return cache.plan;
+}
+}  // namespace detail
+
 // Plans and runs in one call.
 template <class Backend = DefaultBackend, class G, std::size_t Out, class... Inputs>
-BasicTensor<typename G::value_type> evaluate(const graph::Sym<G, Out>& program, const Inputs&... inputs) {
-  using T = typename G::value_type;
-  const std::array<Shape, sizeof...(Inputs)> shapes{static_cast<const BasicTensor<T>&>(inputs).shape()...};
-  return run<Backend>(program, plan(program, shapes), inputs...);
+auto evaluate(const graph::Sym<G, Out>& program, const Inputs&... inputs) {
+  return run<Backend>(program, plan(program, std::array<Shape, sizeof...(Inputs)>{inputs.shape()...}), inputs...);
 }
 
 }  // namespace duet

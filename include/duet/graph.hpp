@@ -13,20 +13,33 @@
 //   static constexpr bool is_elementwise   unary, same shape, may run in place or fuse as epilogue
 //   static constexpr ShapeResult infer_static(std::span<const Shape>)   rule on compile-time patterns
 //   ShapeResult infer(std::span<const Shape>) const                     the same rule at run time
-//   template <class Backend, class T> void run(const T* const* in, const Shape* in_shapes,
-//                                              T* out, const Shape& out_shape) const
-//   std::string label() const          for graph_ir and run-time errors
+//   template <class Backend, class T> void run(const KernelArgs&) const
+//                                      its kernel; T is the type of the value it makes
+//   using value_type                   (optional) that type, when it is not its first input's
+//   static std::string op_name()       what it does, for graph_ir ("MatMul + BiasAdd + ReLU")
+//   std::string label() const          who does it, for run-time errors ("nn::Dense<784, 512> 'fc'")
+// and optionally:
+//   static constexpr bool is_sink             makes no value, runs for its side effects
+//                                             (a gradient written into a parameter)
+//   static constexpr bool has_side_effects    a view whose kernel still runs
+// Differentiable operations also say how their gradient is computed (see autodiff.hpp):
+//   static constexpr std::array grad_operands   what the gradient op reads (Operand values)
+//   template <bool InputGrad> auto grad_op() const   the op making the gradient of input 0
+//                                             (if InputGrad) and of the op's parameters
+//   static constexpr bool has_parameters
 #pragma once
 
 #include <array>
+#include <boost/hana/append.hpp>
+#include <boost/hana/at.hpp>
+#include <boost/hana/length.hpp>
+#include <boost/hana/tuple.hpp>
+#include <boost/hana/unpack.hpp>
 #include <cstddef>
 #include <span>
 #include <string>
 #include <type_traits>
-
-#include <boost/hana/append.hpp>
-#include <boost/hana/at.hpp>
-#include <boost/hana/tuple.hpp>
+#include <utility>
 
 #include "diagnostics.hpp"
 #include "shape.hpp"
@@ -35,6 +48,15 @@
 namespace duet::graph {
 
 namespace hana = boost::hana;
+
+// Calls f(std::integral_constant<std::size_t, I>{}) for I = 0, 1, ..., N-1 in order: the one
+// loop over a graph's nodes at compile time. (A fold over lambdas nested in a lambda with a
+// template parameter pack crashes clang 14; this shape does not.)
+template <std::size_t N, class F>
+constexpr void for_each_index(F&& f) {
+  [&]<std::size_t... I>(std::index_sequence<I...>) { (f(std::integral_constant<std::size_t, I>{}), ...); }
+  (std::make_index_sequence<N>{});
+}
 
 template <class Op, std::size_t... Args>
 struct Node {
@@ -59,9 +81,8 @@ constexpr std::array<Shape, sizeof...(Nodes)> infer_static_shapes() {
   return shapes;
 }
 
-template <class T, class... Nodes>
+template <class... Nodes>
 struct Graph {
-  using value_type = T;
   static constexpr std::size_t size = sizeof...(Nodes);
   // Shape inference: every node's output shape as far as compile time knows it.
   static constexpr std::array<Shape, size> shapes = infer_static_shapes<Nodes...>();
@@ -72,18 +93,60 @@ struct Graph {
 template <class G, std::size_t I>
 using node_at = std::remove_cvref_t<decltype(hana::at_c<I>(std::declval<typename G::nodes_type&>()))>;
 
-template <class G, class N>
-struct appended;
-template <class T, class... Nodes, class N>
-struct appended<Graph<T, Nodes...>, N> {
-  using type = Graph<T, Nodes..., N>;
+template <class Nodes>
+auto make_graph(const Nodes& nodes) {
+  return hana::unpack(
+      nodes, [](const auto&... n) { return Graph<std::remove_cvref_t<decltype(n)>...>{hana::make_tuple(n...)}; });
+}
+
+// What an operation's kernel reads and writes. Inputs and output are untyped here because one
+// node may mix element types (float logits, int32 labels); each op casts to what it knows.
+struct KernelArgs {
+  const void* const* inputs;
+  const Shape* input_shapes;
+  void* output;
+  const Shape& output_shape;
+
+  template <class U>
+  const U* in(std::size_t k = 0) const {
+    return static_cast<const U*>(inputs[k]);
+  }
+  const Shape& in_shape(std::size_t k = 0) const { return input_shapes[k]; }
+  template <class U>
+  U* out() const {
+    return static_cast<U*>(output);
+  }
 };
+
+// The element type of the value an op makes from inputs whose first has type First.
+template <class Op, class First>
+constexpr auto op_value_type() {
+  if constexpr (requires { typename Op::value_type; })
+    return std::type_identity<typename Op::value_type>{};
+  else
+    return std::type_identity<First>{};
+}
+template <class Op, class First>
+using op_value_t = typename decltype(op_value_type<Op, First>())::type;
+
+template <class G, std::size_t I>
+constexpr auto node_value_type() {
+  using N = node_at<G, I>;
+  if constexpr (N::arity == 0)
+    return std::type_identity<typename N::op_type::value_type>{};
+  else
+    return std::type_identity<
+        op_value_t<typename N::op_type, typename decltype(node_value_type<G, N::args[0]>())::type>>{};
+}
+// The element type of node I's value.
+template <class G, std::size_t I>
+using node_value_t = typename decltype(node_value_type<G, I>())::type;
 
 // A symbolic tensor: the value of node Out of graph G.
 template <class G, std::size_t Out>
 struct Sym {
   using graph_type = G;
-  using value_type = typename G::value_type;
+  using value_type = node_value_t<G, Out>;
   static constexpr std::size_t output = Out;
   static constexpr Shape shape = G::shapes[Out];
   G graph;
@@ -100,10 +163,32 @@ concept Symbolic = is_sym_v<std::remove_cvref_t<X>>;
 template <class X>
 inline constexpr bool is_input_op_v = false;
 
-// Graph input K, whose shape is known as far as Pattern says (a StaticShape, or AnyShape).
-template <std::size_t K, class Pattern>
+template <class Op>
+constexpr bool is_sink() {
+  if constexpr (requires { Op::is_sink; })
+    return Op::is_sink;
+  else
+    return false;
+}
+
+// Whether a node's kernel runs: every op but a view without side effects.
+template <class Op>
+constexpr bool runs_kernel() {
+  if constexpr (requires { Op::has_side_effects; })
+    return !Op::is_view || Op::has_side_effects;
+  else
+    return !Op::is_view;
+}
+
+// What a gradient op reads, by its place around the forward op it differentiates.
+enum class Operand : unsigned char { grad, input0, input1, output };
+
+// Graph input K, of element type T, whose shape is known as far as Pattern says (a
+// StaticShape, or AnyShape).
+template <std::size_t K, class Pattern, class T>
 struct InputOp {
   using layer_type = InputOp;
+  using value_type = T;
   static constexpr int arity = 0;
   static constexpr bool is_view = false;
   static constexpr bool is_elementwise = false;
@@ -113,8 +198,8 @@ struct InputOp {
   std::string label() const { return op_name(); }
 };
 
-template <std::size_t K, class Pattern>
-inline constexpr bool is_input_op_v<InputOp<K, Pattern>> = true;
+template <std::size_t K, class Pattern, class T>
+inline constexpr bool is_input_op_v<InputOp<K, Pattern, T>> = true;
 
 // Whether a concrete shape fits a pattern: same rank, same size wherever the pattern is fixed.
 constexpr bool fits(const Shape& pattern, const Shape& s) {
@@ -134,11 +219,80 @@ struct AnyShape {
   static constexpr Shape value = Shape::any();
 };
 
+// The pattern graph mode captures a tensor of type X with.
+template <class X>
+struct pattern_of {
+  using type = AnyShape;
+};
+template <class T, index_t... D>
+struct pattern_of<StaticTensor<T, D...>> {
+  using type = StaticShape<D...>;
+};
+
+// Symbolic input K of element type T.
 template <class T, class Pattern, std::size_t K = 0>
 auto input() {
-  using G = Graph<T, Node<InputOp<K, Pattern>>>;
+  using G = Graph<Node<InputOp<K, Pattern, T>>>;
   return Sym<G, 0>{G{}};
 }
+
+// Node n with its arguments renumbered through map.
+template <class N, std::size_t... Map, std::size_t... A>
+auto renumbered(const N& n, std::index_sequence<Map...>, std::index_sequence<A...>) {
+  constexpr std::array<std::size_t, sizeof...(Map)> map{Map...};
+  return Node<typename N::op_type, map[N::args[A]]...>{n.op};
+}
+
+namespace detail {
+
+template <class Nodes, std::size_t K>
+constexpr std::size_t find_input() {
+  constexpr std::size_t n = decltype(hana::length(std::declval<Nodes>()))::value;
+  std::size_t found = n;
+  for_each_index<n>([&](auto i) {
+    using Op = typename std::remove_cvref_t<decltype(hana::at_c<decltype(i)::value>(std::declval<Nodes&>()))>::op_type;
+    if constexpr (is_input_op_v<Op>) {
+      if (found == n && Op::index == K) found = decltype(i)::value;
+    }
+  });
+  return found;
+}
+
+// Appends b's nodes after `built`, the same input appearing once. Map[j] is where b's node j
+// ends up. Other shared work is not detected: a value used by both sides is computed twice.
+template <std::size_t J, class GB, class Built, std::size_t... Map>
+auto merge_from(const GB& b, const Built& built, std::index_sequence<Map...> map) {
+  if constexpr (J == GB::size) {
+    return std::pair{make_graph(built), map};
+  } else {
+    using N = node_at<GB, J>;
+    constexpr std::size_t built_size = decltype(hana::length(built))::value;
+    if constexpr (is_input_op_v<typename N::op_type>) {
+      constexpr std::size_t found = find_input<Built, N::op_type::index>();
+      if constexpr (found < built_size) {
+        using Existing = std::remove_cvref_t<decltype(hana::at_c<found>(built))>;
+        static_assert(std::is_same_v<Existing, N>,
+                      "duet: one graph input is used with two different element types or shape patterns");
+        return merge_from<J + 1>(b, built, std::index_sequence<Map..., found>{});
+      } else {
+        return merge_from<J + 1>(b, hana::append(built, hana::at_c<J>(b.nodes)),
+                                 std::index_sequence<Map..., built_size>{});
+      }
+    } else {
+      return merge_from<J + 1>(
+          b, hana::append(built, renumbered(hana::at_c<J>(b.nodes), map, std::make_index_sequence<N::arity>{})),
+          std::index_sequence<Map..., built_size>{});
+    }
+  }
+}
+
+template <std::size_t I, std::size_t... M>
+constexpr std::size_t at(std::index_sequence<M...>) {
+  constexpr std::array<std::size_t, sizeof...(M)> map{M...};
+  return map[I];
+}
+
+}  // namespace detail
 
 // Appends `op` applied to x. The rule runs here, at capture, so a compile-time mismatch is
 // reported where the user's construct calls the layer.
@@ -148,9 +302,22 @@ auto append(const Op& op, const Sym<G, Out>& x) {
   if constexpr (!r.ok()) {
     diagnostic::reject<typename Op::layer_type, r.fault, r.expected, Sym<G, Out>>();
   }
-  using N = Node<Op, Out>;
-  using Appended = typename appended<G, N>::type;
-  return Sym<Appended, G::size>{Appended{hana::append(x.graph.nodes, N{op})}};
+  auto g = make_graph(hana::append(x.graph.nodes, Node<Op, Out>{op}));
+  return Sym<decltype(g), G::size>{g};
+}
+
+// Appends `op` applied to a and b, whose graphs are merged first.
+template <class Op, class GA, std::size_t A, class GB, std::size_t B>
+auto append(const Op& op, const Sym<GA, A>& a, const Sym<GB, B>& b) {
+  constexpr ShapeResult r = Op::infer_static(std::array<Shape, 2>{GA::shapes[A], GB::shapes[B]});
+  if constexpr (!r.ok()) {
+    using Culprit = std::conditional_t<r.input == 0, Sym<GA, A>, Sym<GB, B>>;
+    diagnostic::reject<typename Op::layer_type, r.fault, r.expected, Culprit>();
+  }
+  auto [merged, map] = detail::merge_from<0>(b.graph, a.graph.nodes, std::index_sequence<>{});
+  constexpr std::size_t b_at = detail::at<B>(decltype(map){});
+  auto g = make_graph(hana::append(merged.nodes, Node<Op, A, b_at>{op}));
+  return Sym<decltype(g), decltype(merged)::size>{g};
 }
 
 }  // namespace duet::graph

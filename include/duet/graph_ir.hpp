@@ -2,12 +2,11 @@
 // passes (MindSpore users get this from save_graphs).
 #pragma once
 
+#include <boost/hana/at.hpp>
 #include <cstddef>
 #include <sstream>
 #include <string>
 #include <utility>
-
-#include <boost/hana/at.hpp>
 
 #include "cell.hpp"
 #include "evaluator.hpp"
@@ -35,33 +34,40 @@ GraphText dump(const Sym<G, Out>& program, const std::string& title) {
   std::ostringstream dot;
   text << "graph " << title << " {\n";
   dot << "digraph \"" << title << "\" {\n  node [shape=box, fontname=\"monospace\"];\n";
-  [&]<std::size_t... I>(std::index_sequence<I...>) {
-    ((
-         [&] {
-           using Node = node_at<G, I>;
-           const auto& op = boost::hana::at_c<I>(program.graph.nodes).op;
-           std::string what = Node::op_type::op_name();
-           if constexpr (Node::arity > 0) {
-             what += "(";
-             for (std::size_t k = 0; k < Node::arity; ++k) what += (k ? ", %" : "%") + std::to_string(Node::args[k]);
-             what += ")";
-           }
-           std::string storage;
-           switch (plan.storage[I]) {
-             case Storage::input: storage = "input"; break;
-             case Storage::view: storage = "view of %" + std::to_string(plan.root[I]); break;
-             case Storage::slot: storage = "slot " + std::to_string(plan.slot[I]); break;
-             case Storage::output: storage = "output"; break;
-           }
-           const std::string who = op.label() == Node::op_type::op_name() ? "" : "  " + op.label();
-           text << "  %" << I << " = " << what << " : " << to_string(G::shapes[I]) << "  [" << storage << "]" << who
-                << "\n";
-           dot << "  n" << I << " [label=\"%" << I << " " << Node::op_type::op_name()
-               << "\\n" << to_string(G::shapes[I]) << " (" << storage << ")\"];\n";
-           for (std::size_t a : Node::args) dot << "  n" << a << " -> n" << I << ";\n";
-         }()),
-     ...);
-  }(std::make_index_sequence<G::size>{});
+  graph::for_each_index<G::size>([&](auto i) {
+    constexpr std::size_t I = decltype(i)::value;
+    using Node = node_at<G, I>;
+    const auto& op = boost::hana::at_c<I>(program.graph.nodes).op;
+    std::string what = Node::op_type::op_name();
+    if constexpr (Node::arity > 0) {
+      what += "(";
+      for (std::size_t k = 0; k < Node::arity; ++k) what += (k ? ", %" : "%") + std::to_string(Node::args[k]);
+      what += ")";
+    }
+    std::string storage;
+    switch (plan.storage[I]) {
+      case Storage::input:
+        storage = "input";
+        break;
+      case Storage::view:
+        storage = "view of %" + std::to_string(plan.root[I]);
+        break;
+      case Storage::slot:
+        storage = "slot " + std::to_string(plan.slot[I]);
+        break;
+      case Storage::output:
+        storage = "output";
+        break;
+      case Storage::none:
+        storage = "no value";
+        break;
+    }
+    const std::string who = op.label() == Node::op_type::op_name() ? "" : "  " + op.label();
+    text << "  %" << I << " = " << what << " : " << to_string(G::shapes[I]) << "  [" << storage << "]" << who << "\n";
+    dot << "  n" << I << " [label=\"%" << I << " " << Node::op_type::op_name() << "\\n"
+        << to_string(G::shapes[I]) << " (" << storage << ")\"];\n";
+    for (std::size_t a : Node::args) dot << "  n" << a << " -> n" << I << ";\n";
+  });
   text << "  return %" << Out << "\n}\n";
   dot << "}\n";
   return {text.str(), dot.str()};

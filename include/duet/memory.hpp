@@ -88,7 +88,7 @@ inline void unpoison(Block* b) {
 inline void free_block(Block* b) {
   unpoison(b);
   b->~Block();
-  ::operator delete(static_cast<void*>(b), std::align_val_t{block_alignment});
+  ::operator delete (static_cast<void*>(b), std::align_val_t{block_alignment});
 }
 
 class BlockCache {
@@ -163,7 +163,7 @@ inline Block* allocate_block(std::size_t bytes) {
     if (Block* b = cache->take(size_class)) return b;
   }
   const std::size_t capacity = capacity_of(size_class);
-  void* raw = ::operator new(block_alignment + capacity, std::align_val_t{block_alignment});
+  void* raw = ::operator new (block_alignment + capacity, std::align_val_t{block_alignment});
   auto* b = new (raw) Block;
   b->size_class = size_class;
   b->capacity = capacity;
@@ -199,7 +199,9 @@ class Storage {
   std::byte* data() const { return block_ == nullptr ? nullptr : block_->data(); }
   std::size_t capacity() const { return block_ == nullptr ? 0 : block_->capacity; }
   bool same_block(const Storage& other) const { return block_ == other.block_ && block_ != nullptr; }
-  long use_count() const { return block_ == nullptr ? 0 : static_cast<long>(block_->refs.load(std::memory_order_acquire)); }
+  long use_count() const {
+    return block_ == nullptr ? 0 : static_cast<long>(block_->refs.load(std::memory_order_acquire));
+  }
 
  private:
   void retain() const {
@@ -211,9 +213,7 @@ class Storage {
 }  // namespace detail
 
 // Most bytes a thread keeps cached for reuse; a released block beyond it goes back to the heap.
-inline void set_cache_limit(std::size_t bytes) {
-  detail::cache_limit_bytes().store(bytes, std::memory_order_relaxed);
-}
+inline void set_cache_limit(std::size_t bytes) { detail::cache_limit_bytes().store(bytes, std::memory_order_relaxed); }
 
 // Returns the calling thread's cached blocks to the heap (tensors still alive are untouched).
 inline void empty_cache() {

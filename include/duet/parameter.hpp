@@ -2,11 +2,28 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
+#include <cstdint>
 #include <string>
 
 #include "tensor.hpp"
 
-namespace duet::nn {
+namespace duet {
+namespace detail {
+// The backward pass running on this thread; gradient kernels pass it to grad_for_write.
+inline std::uint64_t& current_backward_pass() {
+  thread_local std::uint64_t pass = 0;
+  return pass;
+}
+
+// Makes the calling thread's next backward pass, unique in the program.
+inline std::uint64_t begin_backward_pass() {
+  static std::atomic<std::uint64_t> last{0};
+  return current_backward_pass() = last.fetch_add(1, std::memory_order_relaxed) + 1;
+}
+}  // namespace detail
+
+namespace nn {
 
 // A tensor a cell owns and an optimiser updates. It is a tensor (prints, indexes, feeds
 // kernels) whose shape is fixed once made: set_data copies values in, never rebinds, so the
@@ -26,13 +43,33 @@ class BasicParameter : public BasicTensor<T> {
   // MindSpore's Parameter.set_data: the new values must have this parameter's shape.
   void set_data(const BasicTensor<T>& value) {
     if (!(value.shape() == this->shape())) {
-      throw ShapeError("duet::nn::Parameter::set_data: parameter has shape " + to_string(this->shape()) +
-                       ", got " + to_string(value.shape()));
+      throw ShapeError("duet::nn::Parameter::set_data: parameter has shape " + to_string(this->shape()) + ", got " +
+                       to_string(value.shape()));
     }
     std::copy_n(value.data(), value.numel(), this->data());
   }
 
+  // Where a gradient kernel writes this parameter's gradient in backward pass `pass`: the
+  // first write of a pass assigns (*accumulate = false), later ones add, for a parameter used
+  // twice. The buffer is made on the first pass and kept, so training does not allocate.
+  T* grad_for_write(std::uint64_t pass, bool* accumulate) const {
+    if (!(grad.shape() == this->shape())) grad = BasicTensor<T>(this->shape());
+    *accumulate = grad_pass_ == pass;
+    grad_pass_ = pass;
+    return grad.data();
+  }
+
+  // Whether backward pass `pass` wrote this parameter's gradient (it did not reach it otherwise).
+  bool has_grad_from(std::uint64_t pass) const { return grad_pass_ == pass; }
+
   bool requires_grad = true;
+
+  // The gradient from the last backward pass that reached this parameter; empty before.
+  // Gradients are bookkeeping, not the parameter's value: kernels holding a const layer write them.
+  mutable BasicTensor<T> grad;
+
+ private:
+  mutable std::uint64_t grad_pass_ = 0;
 };
 
 using Parameter = BasicParameter<float>;
@@ -43,4 +80,5 @@ struct NamedParameter {
   BasicParameter<T>* parameter;
 };
 
-}  // namespace duet::nn
+}  // namespace nn
+}  // namespace duet

@@ -8,13 +8,12 @@
 #pragma once
 
 #include <array>
-#include <cstddef>
-#include <utility>
-
 #include <boost/hana/append.hpp>
 #include <boost/hana/drop_back.hpp>
 #include <boost/hana/length.hpp>
 #include <boost/hana/unpack.hpp>
+#include <cstddef>
+#include <utility>
 
 #include "graph.hpp"
 
@@ -26,36 +25,21 @@ namespace hana = boost::hana;
 template <class G, std::size_t Out>
 constexpr std::array<std::size_t, G::size> user_counts() {
   std::array<std::size_t, G::size> users{};
-  [&]<std::size_t... I>(std::index_sequence<I...>) {
-    ((
-         [&] {
-           for (std::size_t a : graph::node_at<G, I>::args) ++users[a];
-         }()),
-     ...);
-  }(std::make_index_sequence<G::size>{});
+  graph::for_each_index<G::size>([&](auto i) {
+    constexpr std::size_t I = decltype(i)::value;
+    for (std::size_t a : graph::node_at<G, I>::args) ++users[a];
+  });
   ++users[Out];
   return users;
 }
 
 // A producer op P takes consumer op C as its epilogue when it says so.
 template <class P, class C>
-concept absorbs = requires { requires P::template accepts_epilogue<C>; };
+concept absorbs = requires {
+  requires P::template accepts_epilogue<C>;
+};
 
 namespace detail {
-
-template <class T, class Nodes>
-auto make_graph(const Nodes& nodes) {
-  return hana::unpack(nodes, [](const auto&... n) {
-    return graph::Graph<T, std::remove_cvref_t<decltype(n)>...>{hana::make_tuple(n...)};
-  });
-}
-
-// Node n with its arguments renumbered through map.
-template <class N, std::size_t... Map, std::size_t... A>
-auto renumbered(const N& n, std::index_sequence<Map...>, std::index_sequence<A...>) {
-  constexpr std::array<std::size_t, sizeof...(Map)> map{Map...};
-  return graph::Node<typename N::op_type, map[N::args[A]]...>{n.op};
-}
 
 // Walks the nodes in order, building the fused list. Map[j] is where node j's value lives in
 // the new list. A unary consumer folds into the node that computes its input when that node
@@ -64,8 +48,7 @@ template <std::size_t J, std::size_t Out, class G, class Built, std::size_t... M
 auto fuse_from(const G& g, const Built& built, std::index_sequence<Map...> map) {
   if constexpr (J == G::size) {
     constexpr std::array<std::size_t, G::size> m{Map...};
-    using T = typename G::value_type;
-    auto fused = make_graph<T>(built);
+    auto fused = graph::make_graph(built);
     return graph::Sym<decltype(fused), m[Out]>{fused};
   } else {
     using N = graph::node_at<G, J>;
@@ -82,15 +65,18 @@ auto fuse_from(const G& g, const Built& built, std::index_sequence<Map...> map) 
         auto absorbed = p.op.absorb(n.op);
         auto with_args = [&]<std::size_t... A>(std::index_sequence<A...>) {
           return graph::Node<decltype(absorbed), P::args[A]...>{absorbed};
-        }(std::make_index_sequence<P::arity>{});
+        }
+        (std::make_index_sequence<P::arity>{});
         return fuse_from<J + 1, Out>(g, hana::append(hana::drop_back(built), with_args),
                                      std::index_sequence<Map..., r>{});
       } else {
-        return fuse_from<J + 1, Out>(g, hana::append(built, renumbered(n, map, std::make_index_sequence<N::arity>{})),
-                                     std::index_sequence<Map..., built_size>{});
+        return fuse_from<J + 1, Out>(
+            g, hana::append(built, graph::renumbered(n, map, std::make_index_sequence<N::arity>{})),
+            std::index_sequence<Map..., built_size>{});
       }
     } else {
-      return fuse_from<J + 1, Out>(g, hana::append(built, renumbered(n, map, std::make_index_sequence<N::arity>{})),
+      return fuse_from<J + 1, Out>(g,
+                                   hana::append(built, graph::renumbered(n, map, std::make_index_sequence<N::arity>{})),
                                    std::index_sequence<Map..., built_size>{});
     }
   }

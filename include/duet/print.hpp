@@ -232,8 +232,7 @@ class FloatingFormat {
     if (any_nonzero) {
       // numpy compares the limits as float64 but divides in the element type.
       const F ratio = max_val / min_val;
-      exp_format_ =
-          static_cast<double>(max_val) >= 1e8 || static_cast<double>(min_val) < 1e-4 || ratio > 1000;
+      exp_format_ = static_cast<double>(max_val) >= 1e8 || static_cast<double>(min_val) < 1e-4 || ratio > 1000;
     }
 
     if (any_finite && exp_format_) {

@@ -142,8 +142,7 @@ inline std::ostream& operator<<(std::ostream& os, const Shape& s) { return os <<
 template <index_t... Dims>
 struct StaticShape {
   static_assert(sizeof...(Dims) <= max_rank, "duet::StaticShape: rank exceeds duet::max_rank");
-  static_assert(((Dims >= 0 || Dims == dyn) && ...),
-                "duet::StaticShape: dimensions must be >= 0 or duet::dyn");
+  static_assert(((Dims >= 0 || Dims == dyn) && ...), "duet::StaticShape: dimensions must be >= 0 or duet::dyn");
   static constexpr Shape value{Dims...};
   constexpr operator Shape() const { return value; }
 };

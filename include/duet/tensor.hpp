@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <concepts>
+#include <cstdint>
 #include <cstring>
 #include <initializer_list>
 #include <limits>
@@ -52,9 +53,7 @@ class BasicTensor {
   BasicTensor() : shape_{0} {}
 
   // Zero-filled.
-  explicit BasicTensor(const Shape& shape) : BasicTensor(uninitialized(shape)) {
-    std::fill_n(data_, numel(), T{});
-  }
+  explicit BasicTensor(const Shape& shape) : BasicTensor(uninitialized(shape)) { std::fill_n(data_, numel(), T{}); }
 
   BasicTensor(const Shape& shape, std::initializer_list<T> values)
       : BasicTensor(shape, std::span<const T>(values.begin(), values.size())) {}
@@ -119,11 +118,12 @@ class BasicTensor {
     }
     if (inferred >= 0 && known != 0 && numel() % known == 0) to[inferred] = numel() / known;
     if (!to.is_concrete() || to.numel() != numel()) {
-      throw ShapeError("duet::Tensor::reshape: cannot view " + to_string(shape_) + " (" +
-                       std::to_string(numel()) + " elements) as " + to_string(to));
+      throw ShapeError("duet::Tensor::reshape: cannot view " + to_string(shape_) + " (" + std::to_string(numel()) +
+                       " elements) as " + to_string(to));
     }
     BasicTensor view = *this;
     view.shape_ = to;
+    view.tape_id_ = 0;
     return view;
   }
 
@@ -141,6 +141,7 @@ class BasicTensor {
     BasicTensor view = *this;
     view.shape_ = rest;
     view.data_ = data_ + i * rest.numel();
+    view.tape_id_ = 0;
     return view;
   }
 
@@ -156,6 +157,11 @@ class BasicTensor {
   // Handles (this one, copies and views) sharing the elements; 1 means this tensor may be
   // overwritten in place without anyone noticing.
   long use_count() const { return storage_.use_count(); }
+
+  // Which value of a recording tape (autodiff) this handle is; 0 for none. Copies keep it,
+  // views a user makes (reshape, operator[]) do not: they are new values the tape never saw.
+  std::uint64_t tape_id() const { return tape_id_; }
+  void set_tape_id(std::uint64_t id) { tape_id_ = id; }
 
  private:
   BasicTensor(detail::Storage storage, const Shape& shape)
@@ -183,6 +189,7 @@ class BasicTensor {
   detail::Storage storage_;
   T* data_ = nullptr;
   Shape shape_;
+  std::uint64_t tape_id_ = 0;
 };
 
 using Tensor = BasicTensor<float>;
@@ -198,9 +205,7 @@ class StaticTensor {
   static constexpr Shape static_shape = static_shape_type::value;
 
   // Zero-filled; only when every dimension is fixed.
-  StaticTensor()
-    requires(((Dims != dyn) && ...))
-      : tensor_(static_shape) {}
+  StaticTensor() requires(((Dims != dyn) && ...)) : tensor_(static_shape) {}
 
   // Adopts a runtime tensor after checking it against the static shape.
   explicit StaticTensor(BasicTensor<T> tensor) : tensor_(std::move(tensor)) {
@@ -208,8 +213,7 @@ class StaticTensor {
     bool ok = s.rank() == static_shape.rank();
     for (int i = 0; ok && i < s.rank(); ++i) ok = static_shape[i] == dyn || static_shape[i] == s[i];
     if (!ok) {
-      throw ShapeError("duet::StaticTensor" + to_string(static_shape) + ": got a tensor of shape " +
-                       to_string(s));
+      throw ShapeError("duet::StaticTensor" + to_string(static_shape) + ": got a tensor of shape " + to_string(s));
     }
   }
 
@@ -224,19 +228,23 @@ class StaticTensor {
   T* data() { return tensor_.data(); }
   const T* data() const { return tensor_.data(); }
   template <std::integral... I>
-    requires(sizeof...(I) == sizeof...(Dims))
-  T& operator()(I... index) {
-    return tensor_(index...);
-  }
+  requires(sizeof...(I) == sizeof...(Dims)) T& operator()(I... index) { return tensor_(index...); }
   template <std::integral... I>
-    requires(sizeof...(I) == sizeof...(Dims))
-  const T& operator()(I... index) const {
-    return tensor_(index...);
-  }
+  requires(sizeof...(I) == sizeof...(Dims)) const T& operator()(I... index) const { return tensor_(index...); }
 
  private:
   BasicTensor<T> tensor_;
 };
+
+// The runtime tensor of either kind of tensor.
+template <ElementType T>
+const BasicTensor<T>& tensor_of(const BasicTensor<T>& t) {
+  return t;
+}
+template <ElementType T, index_t... D>
+const BasicTensor<T>& tensor_of(const StaticTensor<T, D...>& t) {
+  return t.tensor();
+}
 
 template <class X>
 inline constexpr bool is_static_tensor_v = false;

@@ -4,6 +4,30 @@
 #pragma once
 // duet: one neural network, two modes. Include this header for all of duet.
 
+// Differentiation in both modes, behind one API (MindSpore's grad and value_and_grad).
+//
+// PyNative records a tape while the function runs (tape.hpp) and walks it back. Graph mode
+// derives the backward graph from the forward graph's type while the program compiles: each
+// node's op names its gradient op and what that op reads, and build_backward appends those
+// ops, last node first, summing where a value has several readers. The training graph is
+// then planned and run like any other, in one evaluator call. Both modes call the same
+// gradient ops, hence the same kernels.
+
+#include <array>
+#include <boost/hana/append.hpp>
+#include <boost/hana/at.hpp>
+#include <boost/hana/concat.hpp>
+#include <boost/hana/length.hpp>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
 // Kernels: the maths of every operation, shared by both modes.
 //
 // PyNative calls a kernel once per node on materialised tensors; the graph evaluator calls
@@ -11,6 +35,10 @@
 // static kernels; the evaluator takes it as a template parameter, so a backend that derives
 // from backend::Eigen and redefines one kernel swaps that operation alone, without touching
 // capture or passes.
+
+#include <algorithm>
+#include <cmath>
+#include <string>
 
 #include <Eigen/Core>
 
@@ -35,118 +63,6 @@ inline constexpr index_t dyn = -1;
 inline constexpr int max_rank = 8;
 
 }  // namespace duet
-
-namespace duet {
-
-// What a product kernel applies to each output row before storing it: the bias (if not
-// null), then each elementwise function Fns in order. Fusing them here saves one pass over
-// the output per function, the point of the epilogue-fusion pass.
-template <class T, class... Fns>
-struct Epilogue {
-  const T* bias = nullptr;
-};
-
-namespace backend {
-
-namespace detail {
-// Eigen rejects row-major matrices with a single column; the layout is the same either way.
-template <class T, index_t Rows, index_t Cols>
-using RowMajorMatrix = ::Eigen::Matrix<T, Rows == dyn ? ::Eigen::Dynamic : static_cast<int>(Rows),
-                                       Cols == dyn ? ::Eigen::Dynamic : static_cast<int>(Cols),
-                                       Cols == 1 ? ::Eigen::ColMajor : ::Eigen::RowMajor>;
-
-template <class Expr>
-decltype(auto) apply_all(const Expr& e) {
-  return e;
-}
-template <class Fn, class... Rest, class Expr>
-auto apply_all(const Expr& e) {
-  return apply_all<Rest...>(Fn::array(e));
-}
-}  // namespace detail
-
-struct Eigen {
-  // y[rows, out] = epilogue(x[rows, in] · w[out, in]ᵀ), all row-major. In and Out are the
-  // compile-time sizes where known (dyn otherwise), so small layers get unrolled kernels.
-  template <index_t In, index_t Out, class T, class... Fns>
-  static void dense(const T* x, index_t rows, index_t in, const T* w, index_t out,
-                    const Epilogue<T, Fns...>& epilogue, T* y) {
-    using XMatrix = detail::RowMajorMatrix<T, dyn, In>;
-    using WMatrix = detail::RowMajorMatrix<T, Out, In>;
-    using YMatrix = detail::RowMajorMatrix<T, dyn, Out>;
-    ::Eigen::Map<const XMatrix> X(x, rows, in);
-    ::Eigen::Map<const WMatrix> W(w, out, in);
-    ::Eigen::Map<YMatrix> Y(y, rows, out);
-    Y.noalias() = X * W.transpose();
-    if (epilogue.bias != nullptr) {
-      using Row = ::Eigen::Array<T, 1, Out == dyn ? ::Eigen::Dynamic : static_cast<int>(Out)>;
-      ::Eigen::Map<const Row> b(epilogue.bias, 1, out);
-      Y.array() = detail::apply_all<Fns...>(Y.array().rowwise() + b);
-    } else if constexpr (sizeof...(Fns) > 0) {
-      Y.array() = detail::apply_all<Fns...>(Y.array());
-    }
-  }
-
-  // y[rows, cols] = x[rows, cols] + bias[cols]; y may be x.
-  template <class T>
-  static void add_bias(const T* x, index_t rows, index_t cols, const T* bias, T* y) {
-    using Matrix = detail::RowMajorMatrix<T, dyn, dyn>;
-    ::Eigen::Map<const Matrix> X(x, rows, cols);
-    ::Eigen::Map<Matrix> Y(y, rows, cols);
-    ::Eigen::Map<const ::Eigen::Array<T, 1, ::Eigen::Dynamic>> b(bias, 1, cols);
-    Y.array() = X.array().rowwise() + b;
-  }
-
-  // y[i] = Fn(x[i]); y may be x.
-  template <class Fn, class T>
-  static void map(const T* x, index_t n, T* y) {
-    using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
-    ::Eigen::Map<Array>(y, n) = Fn::array(::Eigen::Map<const Array>(x, n));
-  }
-};
-
-}  // namespace backend
-
-#ifdef DUET_DEFAULT_BACKEND
-using DefaultBackend = DUET_DEFAULT_BACKEND;
-#else
-using DefaultBackend = backend::Eigen;
-#endif
-
-}  // namespace duet
-// Cells: the network model of both modes.
-//
-// BasicDynamicCell is the runtime-polymorphic interface PyNative mode runs on: a virtual
-// forward, a name, forward hooks, children and parameters. Networks can be assembled from it
-// at run time. Cell<Derived, Mode> is what a user derives from: it writes one generic
-// construct(x), which PyNative calls with tensors (each sub-cell runs at once, through the
-// virtual interface) and graph mode calls with a symbolic tensor (each sub-cell appends nodes,
-// and the finished graph is optimised and evaluated in one call).
-
-#include <atomic>
-#include <cstddef>
-#include <cstdint>
-#include <functional>
-#include <memory>
-#include <mutex>
-#include <string>
-#include <string_view>
-#include <type_traits>
-#include <utility>
-#include <vector>
-
-#include <boost/hana/accessors.hpp>
-#include <boost/hana/concept/struct.hpp>
-#include <boost/hana/first.hpp>
-#include <boost/hana/for_each.hpp>
-#include <boost/hana/second.hpp>
-
-// Execution modes and the global context (MindSpore's set_context).
-
-#include <atomic>
-#include <optional>
-#include <utility>
-
 // The one exception hierarchy of duet: every run-time failure is a duet::Error.
 
 #include <stdexcept>
@@ -195,6 +111,993 @@ class FormatError : public IOError {
 };
 
 }  // namespace duet
+// The dense-layer product with its epilogue fused: C[m, n] = Fns(Σ_k A[m, k]·B[n, k] + bias[n]).
+//
+// A is the input [M, K] and B the weight [N, K], both row-major, so each output is a dot
+// product of two contiguous rows. Three paths, chosen by shape:
+//  - small static layers (K·N <= 64, as Dense<4, 4>): plain loops the compiler unrolls
+//    completely; packing, or a loop over vectors, would cost more than the arithmetic.
+//  - one row (batch 1): a GEMV. Every weight is used once, so the time is the time to stream
+//    B from memory; it reads B in place, front to back, and a shuffle tree sums L rows'
+//    vectors into one vector of L results for the epilogue.
+//  - otherwise: a GEMM in the style of BLIS, with a twist that makes packing cheap. The
+//    micro-kernel works on groups of KG = 4 consecutive k: one vector of B holds KG values of
+//    each of L/KG rows of B, and is multiplied by the same KG values of a row of A, broadcast
+//    (one load). Packing B into that layout moves whole KG-blocks, half the shuffles of a
+//    full transpose; A is read in place. A tile of MR rows x L columns of C lives in MR x KG
+//    registers for a K block; a short shuffle tree then folds each row's KG vectors into one
+//    vector of L sums, and after the last K block the epilogue runs on that vector before
+//    the one store, so the output never takes a second pass.
+// Every path adds the bias to the finished sum and then applies the functions, in the order
+// separate BiasAdd and map kernels would: fused and unfused evaluation agree to the bit.
+
+#include <algorithm>
+#include <concepts>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
+
+// Tensor storage: reference-counted blocks served from a per-thread caching pool.
+//
+// Every tensor, in both modes, takes its elements from here. A released block goes back to
+// the releasing thread's cache instead of the heap, so a network that runs again on the same
+// shapes finds its blocks waiting: once warm, a forward pass makes no heap allocation at all
+// (the graph-mode guarantee) and PyNative pays a free-list pop per node instead of malloc.
+// The cache is per thread, so concurrent forward passes never contend on a lock.
+
+#include <array>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <new>
+#include <utility>
+
+#if defined(__SANITIZE_ADDRESS__)
+#define DUET_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define DUET_ASAN 1
+#endif
+#endif
+#ifdef DUET_ASAN
+#include <sanitizer/asan_interface.h>
+#endif
+
+namespace duet {
+
+namespace detail {
+
+// Elements start one cache line after the block header, so they are 64-byte aligned
+// (what AVX-512 loads and the GEMM packing routines want).
+inline constexpr std::size_t block_alignment = 64;
+
+struct Block {
+  std::atomic<std::uint32_t> refs{1};
+  std::uint32_t size_class = 0;
+  std::size_t capacity = 0;  // bytes of element storage
+  Block* next_free = nullptr;
+
+  std::byte* data() { return reinterpret_cast<std::byte*>(this) + block_alignment; }
+};
+static_assert(sizeof(Block) <= block_alignment);
+
+// Size classes: 64-byte steps up to 1 KiB, then four steps per power of two (at most 25%
+// slack), so blocks are reusable across nearby sizes without unbounded waste.
+inline constexpr std::uint32_t small_classes = 16;
+inline constexpr std::uint32_t size_class_count = small_classes + 4 * 54 + 1;
+
+constexpr std::uint32_t size_class_of(std::size_t bytes) {
+  if (bytes <= 1024) return static_cast<std::uint32_t>((bytes + 63) / 64);
+  std::uint32_t p = 0;  // 2^p < bytes <= 2^(p+1)
+  while ((std::size_t{2} << p) < bytes) ++p;
+  const std::size_t step = std::size_t{1} << (p - 2);
+  const auto sub = static_cast<std::uint32_t>((bytes - (std::size_t{1} << p) + step - 1) / step);
+  return small_classes + (p - 10) * 4 + sub;
+}
+
+constexpr std::size_t capacity_of(std::uint32_t size_class) {
+  if (size_class <= small_classes) return std::size_t{size_class} * 64;
+  const std::uint32_t p = (size_class - small_classes - 1) / 4 + 10;
+  const std::uint32_t sub = (size_class - small_classes - 1) % 4 + 1;
+  return (std::size_t{1} << p) + sub * (std::size_t{1} << (p - 2));
+}
+
+inline std::atomic<std::size_t>& cache_limit_bytes() {
+  static std::atomic<std::size_t> limit{std::size_t{256} << 20};
+  return limit;
+}
+
+inline void poison(Block* b) {
+#ifdef DUET_ASAN
+  ASAN_POISON_MEMORY_REGION(b->data(), b->capacity);
+#else
+  (void)b;
+#endif
+}
+
+inline void unpoison(Block* b) {
+#ifdef DUET_ASAN
+  ASAN_UNPOISON_MEMORY_REGION(b->data(), b->capacity);
+#else
+  (void)b;
+#endif
+}
+
+inline void free_block(Block* b) {
+  unpoison(b);
+  b->~Block();
+  ::operator delete (static_cast<void*>(b), std::align_val_t{block_alignment});
+}
+
+class BlockCache {
+ public:
+  BlockCache() = default;
+  BlockCache(const BlockCache&) = delete;
+  BlockCache& operator=(const BlockCache&) = delete;
+  ~BlockCache() { clear(); }
+
+  Block* take(std::uint32_t size_class) {
+    Block* b = free_[size_class];
+    if (b != nullptr) {
+      free_[size_class] = b->next_free;
+      cached_bytes_ -= b->capacity;
+      unpoison(b);
+      b->next_free = nullptr;
+      b->refs.store(1, std::memory_order_relaxed);
+    }
+    return b;
+  }
+
+  // False when the cache is full; the caller then frees the block.
+  bool give(Block* b) {
+    if (cached_bytes_ + b->capacity > cache_limit_bytes().load(std::memory_order_relaxed)) return false;
+    poison(b);
+    b->next_free = free_[b->size_class];
+    free_[b->size_class] = b;
+    cached_bytes_ += b->capacity;
+    return true;
+  }
+
+  void clear() {
+    for (Block*& head : free_) {
+      while (head != nullptr) {
+        Block* next = head->next_free;
+        free_block(head);
+        head = next;
+      }
+    }
+    cached_bytes_ = 0;
+  }
+
+  std::size_t cached_bytes() const { return cached_bytes_; }
+
+ private:
+  std::array<Block*, size_class_count> free_{};
+  std::size_t cached_bytes_ = 0;
+};
+
+// The calling thread's cache, or nullptr once it has been destroyed (tensors released during
+// thread or program exit then go straight back to the heap).
+inline BlockCache* thread_block_cache() {
+  enum class State : unsigned char { unborn, alive, dead };
+  thread_local State state = State::unborn;  // trivially destructible: readable after exit
+  if (state == State::dead) return nullptr;
+  struct Owner {
+    State& state;
+    BlockCache cache;
+    explicit Owner(State& s) : state(s) { state = State::alive; }
+    ~Owner() {
+      cache.clear();
+      state = State::dead;
+    }
+  };
+  thread_local Owner owner(state);
+  return &owner.cache;
+}
+
+inline Block* allocate_block(std::size_t bytes) {
+  const std::uint32_t size_class = size_class_of(bytes);
+  if (BlockCache* cache = thread_block_cache()) {
+    if (Block* b = cache->take(size_class)) return b;
+  }
+  const std::size_t capacity = capacity_of(size_class);
+  void* raw = ::operator new (block_alignment + capacity, std::align_val_t{block_alignment});
+  auto* b = new (raw) Block;
+  b->size_class = size_class;
+  b->capacity = capacity;
+  return b;
+}
+
+inline void release_block(Block* b) {
+  if (b->refs.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+  BlockCache* cache = thread_block_cache();
+  if (cache == nullptr || !cache->give(b)) free_block(b);
+}
+
+// Shared ownership of one block; what a tensor and all its views hold.
+class Storage {
+ public:
+  Storage() = default;
+  explicit Storage(std::size_t bytes) : block_(bytes == 0 ? nullptr : allocate_block(bytes)) {}
+  Storage(const Storage& other) noexcept : block_(other.block_) { retain(); }
+  Storage(Storage&& other) noexcept : block_(std::exchange(other.block_, nullptr)) {}
+  Storage& operator=(const Storage& other) noexcept {
+    Storage(other).swap(*this);
+    return *this;
+  }
+  Storage& operator=(Storage&& other) noexcept {
+    Storage(std::move(other)).swap(*this);
+    return *this;
+  }
+  ~Storage() {
+    if (block_ != nullptr) release_block(block_);
+  }
+
+  void swap(Storage& other) noexcept { std::swap(block_, other.block_); }
+  std::byte* data() const { return block_ == nullptr ? nullptr : block_->data(); }
+  std::size_t capacity() const { return block_ == nullptr ? 0 : block_->capacity; }
+  bool same_block(const Storage& other) const { return block_ == other.block_ && block_ != nullptr; }
+  long use_count() const {
+    return block_ == nullptr ? 0 : static_cast<long>(block_->refs.load(std::memory_order_acquire));
+  }
+
+ private:
+  void retain() const {
+    if (block_ != nullptr) block_->refs.fetch_add(1, std::memory_order_relaxed);
+  }
+  Block* block_ = nullptr;
+};
+
+}  // namespace detail
+
+// Most bytes a thread keeps cached for reuse; a released block beyond it goes back to the heap.
+inline void set_cache_limit(std::size_t bytes) { detail::cache_limit_bytes().store(bytes, std::memory_order_relaxed); }
+
+// Returns the calling thread's cached blocks to the heap (tensors still alive are untouched).
+inline void empty_cache() {
+  if (detail::BlockCache* cache = detail::thread_block_cache()) cache->clear();
+}
+
+}  // namespace duet
+
+namespace duet::kernels {
+
+namespace detail {
+
+#if defined(__AVX512F__)
+inline constexpr int vector_bytes = 64;
+#elif defined(__AVX2__) && defined(__FMA__)
+inline constexpr int vector_bytes = 32;
+#else
+inline constexpr int vector_bytes = 16;
+#endif
+
+template <class T>
+struct VectorOf {
+  typedef T type __attribute__((vector_size(vector_bytes)));
+};
+
+// One SIMD register of T, as a GCC vector: arithmetic, comparisons and the functions'
+// apply() work on it directly; intrinsics are needed only for FMA and masked memory access.
+template <class T>
+using Vec = typename VectorOf<T>::type;
+
+template <class T>
+inline constexpr int lanes = vector_bytes / static_cast<int>(sizeof(T));
+
+// The k-group: a vector of B holds KG consecutive k of L / KG rows. A tile row then takes KG
+// vectors (L columns), which fold into exactly one vector of results.
+template <class T>
+inline constexpr int KG = std::min(4, lanes<T>);
+
+// Tile rows: MR x KG accumulators, KG vectors of B and a broadcast fit the register file (32
+// registers with AVX-512, 16 otherwise).
+inline constexpr int MR = vector_bytes == 64 ? 6 : 3;
+
+template <class T>
+Vec<T> load(const T* p) {
+  Vec<T> v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+template <class T>
+void store(T* p, Vec<T> v) {
+  std::memcpy(p, &v, sizeof v);
+}
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// All ones in the lanes below n, as AVX2's masked loads and stores want.
+template <class T>
+__m256i lane_mask(int n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  } else {
+    return _mm256_cmpgt_epi64(_mm256_set1_epi64x(n), _mm256_setr_epi64x(0, 1, 2, 3));
+  }
+}
+#endif
+
+// The first n lanes from p (0 < n <= lanes), zero in the others; never touches p[n] and on.
+template <class T>
+Vec<T> load_first(const T* p, int n) {
+#if defined(__AVX512F__)
+  const auto mask = static_cast<__mmask16>((1u << n) - 1);
+  if constexpr (std::is_same_v<T, float>) return _mm512_maskz_loadu_ps(mask, p);
+  else return _mm512_maskz_loadu_pd(static_cast<__mmask8>(mask), p);
+#elif defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<T, float>) return _mm256_maskload_ps(p, lane_mask<T>(n));
+  else return _mm256_maskload_pd(p, lane_mask<T>(n));
+#else
+  Vec<T> v{};
+  std::memcpy(&v, p, static_cast<std::size_t>(n) * sizeof(T));
+  return v;
+#endif
+}
+
+template <class T>
+void store_first(T* p, Vec<T> v, int n) {
+#if defined(__AVX512F__)
+  const auto mask = static_cast<__mmask16>((1u << n) - 1);
+  if constexpr (std::is_same_v<T, float>) _mm512_mask_storeu_ps(p, mask, v);
+  else _mm512_mask_storeu_pd(p, static_cast<__mmask8>(mask), v);
+#elif defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<T, float>) _mm256_maskstore_ps(p, lane_mask<T>(n), v);
+  else _mm256_maskstore_pd(p, lane_mask<T>(n), v);
+#else
+  std::memcpy(p, &v, static_cast<std::size_t>(n) * sizeof(T));
+#endif
+}
+
+// a·b + c with one rounding. Spelled out because -std=c++20 (unlike gnu++20) stops GCC from
+// contracting a * b + c, which would halve the throughput of the micro-kernel.
+template <class T>
+Vec<T> fma(Vec<T> a, Vec<T> b, Vec<T> c) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) return _mm512_fmadd_ps(a, b, c);
+  else return _mm512_fmadd_pd(a, b, c);
+#elif defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<T, float>) return _mm256_fmadd_ps(a, b, c);
+  else return _mm256_fmadd_pd(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+// A[p .. p + KG) in every group of KG lanes.
+template <class T>
+Vec<T> broadcast_group(const T* p) {
+#if defined(__AVX512F__)
+  // The zero-masking forms, with every lane selected: the plain ones start from
+  // _mm512_undefined_ps, which GCC 12 reports as uninitialised (PR105593).
+  if constexpr (std::is_same_v<T, float>) return _mm512_maskz_broadcast_f32x4(0xFFFF, _mm_loadu_ps(p));
+  else return _mm512_maskz_broadcast_f64x4(0xFF, _mm256_loadu_pd(p));
+#elif defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<T, float>) return _mm256_broadcast_ps(reinterpret_cast<const __m128*>(p));
+  else return load(p);
+#else
+  Vec<T> v;
+  for (int i = 0; i < lanes<T>; ++i) v[i] = p[i % KG<T>];
+  return v;
+#endif
+}
+
+template <class T, class... Fns>
+T apply_all(T v) {
+  ((v = Fns::apply(v)), ...);
+  return v;
+}
+
+// ---- Shuffles, written once for every vector width ---------------------------------------
+
+// The perfect shuffle on blocks of B lanes: blocks of a and b, alternately, from the low (or
+// high) halves.
+template <int B, class T, int... I>
+Vec<T> interleave_low(Vec<T> a, Vec<T> b, std::integer_sequence<int, I...>) {
+  constexpr int L = lanes<T>;
+  return __builtin_shufflevector(a, b, ((I / B) % 2 * L + I / (2 * B) * B + I % B)...);
+}
+
+template <int B, class T, int... I>
+Vec<T> interleave_high(Vec<T> a, Vec<T> b, std::integer_sequence<int, I...>) {
+  constexpr int L = lanes<T>;
+  return __builtin_shufflevector(a, b, ((I / B) % 2 * L + L / 2 + I / (2 * B) * B + I % B)...);
+}
+
+// Transposes Q x Q blocks of B lanes (Q = L / B): block g of r[i] goes to block i of r[g].
+template <int B, class T>
+void transpose_blocks(Vec<T>* r) {
+  constexpr int Q = lanes<T> / B;
+  constexpr auto all = std::make_integer_sequence<int, lanes<T>>{};
+  for (int round = 1; round < Q; round *= 2) {
+    Vec<T> t[Q];
+    for (int i = 0; i < Q / 2; ++i) {
+      t[2 * i] = interleave_low<B, T>(r[i], r[i + Q / 2], all);
+      t[2 * i + 1] = interleave_high<B, T>(r[i], r[i + Q / 2], all);
+    }
+    std::copy(t, t + Q, r);
+  }
+}
+
+// Lanes [0, L/2) of the result sum pairs of W-lane groups of a, lanes [L/2, L) those of b:
+// one step of a reduction tree that keeps the partial sums of both vectors, in order.
+template <int W, class T, int... I>
+Vec<T> fold_pair(Vec<T> a, Vec<T> b, std::integer_sequence<int, I...>) {
+  constexpr int H = lanes<T> / 2;
+  constexpr auto from = [](int r, int shift) { return (r < H ? 0 : 2 * H) + (r % H) / W * 2 * W + r % W + shift; };
+  return __builtin_shufflevector(a, b, from(I, 0)...) + __builtin_shufflevector(a, b, from(I, W)...);
+}
+
+template <int W, class T>
+void fold_level(Vec<T>* v, int count) {
+  for (int i = 0; i < count; ++i) v[i] = fold_pair<W, T>(v[2 * i], v[2 * i + 1], std::make_integer_sequence<int, lanes<T>>{});
+  if constexpr (W > 1) fold_level<W / 2, T>(v, count / 2);
+}
+
+// Lane i of the result is the sum of the lanes of v[i]; v is clobbered.
+template <class T>
+Vec<T> sum_lanes(Vec<T> (&v)[lanes<T>]) {
+  fold_level<lanes<T> / 2, T>(v, lanes<T> / 2);
+  return v[0];
+}
+
+// ---- Small static layers -------------------------------------------------------------------
+
+template <index_t K, index_t N, class T, class... Fns>
+void dense_unrolled(const T* a, index_t m, const T* b, const T* bias, T* c) {
+  for (index_t i = 0; i < m; ++i, a += K, c += N) {
+    for (index_t j = 0; j < N; ++j) {
+      // One chain per output, in k order: a balanced tree measured slower on chains of
+      // Dense<4, 4> layers, where each layer waits on the last one's stores.
+      T s = T(0);
+      for (index_t k = 0; k < K; ++k) s += a[k] * b[j * K + k];
+      if (bias != nullptr) s += bias[j];
+      c[j] = apply_all<T, Fns...>(s);
+    }
+  }
+}
+
+// ---- One row ---------------------------------------------------------------------------------
+
+template <class T, class... Fns>
+void gemv(const T* a, index_t k, const T* b, index_t n, const T* bias, T* c) {
+  constexpr int L = lanes<T>;
+  const index_t k_pairs = k / (2 * L) * (2 * L);
+  const index_t k_full = k / L * L;
+  const int k_rest = static_cast<int>(k - k_full);
+  for (index_t j0 = 0; j0 < n; j0 += L) {
+    const int cols = static_cast<int>(std::min<index_t>(L, n - j0));
+    Vec<T> acc[L] = {};
+    // Row after row, so that B is read front to back as one stream, which the hardware
+    // prefetcher follows best (blocks of rows side by side were slower); two accumulators per
+    // row, and the next rows' independent chains, keep the FMA latency hidden.
+    for (int r = 0; r < cols; ++r) {
+      const T* w = b + (j0 + r) * k;
+      Vec<T> even{};
+      Vec<T> odd{};
+      index_t p = 0;
+      for (; p < k_pairs; p += 2 * L) {
+        even = fma<T>(load(w + p), load(a + p), even);
+        odd = fma<T>(load(w + p + L), load(a + p + L), odd);
+      }
+      if (p < k_full) even = fma<T>(load(w + p), load(a + p), even);
+      if (k_rest != 0) odd = fma<T>(load_first(w + k_full, k_rest), load_first(a + k_full, k_rest), odd);
+      acc[r] = even + odd;
+    }
+    Vec<T> s = sum_lanes<T>(acc);
+    if (bias != nullptr) s += load_first(bias + j0, cols);
+    store_first<T>(c + j0, apply_all<Vec<T>, Fns...>(s), cols);
+  }
+}
+
+// ---- Blocked GEMM ----------------------------------------------------------------------------
+
+// Cache blocking. A K block is 2 KiB of a row, so the packed panel of B (L rows: 32 KiB of
+// floats), which every tile down the panel reuses, stays in a 32 KiB L1 or, when the rows of A
+// streaming past evict it, comes from L2 at 21 bytes a cycle, well within what L2 delivers. An
+// M block keeps the rows of A that every panel meets (MC x K) within half of a 1 MiB L2; each
+// M block packs B again, a cost spread over MC rows. Measured on the seed layers, 1 KiB and
+// 4 KiB K blocks were a few percent slower.
+inline constexpr index_t KC_bytes = 2048;
+inline constexpr index_t MC_bytes = 512 * 1024;
+
+// The panel of B for one tile (L rows from src, zero past rows, and depth k, zero-padded to a
+// whole group): vector j of group g holds, in block q, B[j·Q + q][g·KG .. g·KG + KG).
+template <class T>
+void pack_panel(const T* src, index_t ld, int rows, index_t depth, T* dst) {
+  constexpr int L = lanes<T>;
+  constexpr int Q = L / KG<T>;
+  for (int j = 0; j < KG<T>; ++j) {
+    for (index_t p0 = 0; p0 < depth; p0 += L) {
+      const int count = static_cast<int>(std::min<index_t>(L, depth - p0));
+      Vec<T> r[Q];
+      for (int q = 0; q < Q; ++q) {
+        const int row = j * Q + q;
+        const T* from = src + row * ld + p0;
+        r[q] = row >= rows ? Vec<T>{} : count == L ? load(from) : load_first(from, count);
+      }
+      transpose_blocks<KG<T>, T>(r);
+      const index_t group0 = p0 / KG<T>;
+      for (int g = 0; g * KG<T> < count; ++g) store<T>(dst + ((group0 + g) * KG<T> + j) * L, r[g]);
+    }
+  }
+}
+
+// C tile (rows x cols, at most MR x L) from MR rows of A, read in place, and a packed panel of
+// B. Adds to C unless first; bias and Fns only after the last K block (last).
+template <class T, class... Fns>
+void micro_kernel(index_t depth, const T* a, index_t lda, int rows, const T* bp, T* c, index_t ldc, int cols,
+                  bool first, bool last, const T* bias) {
+  constexpr int L = lanes<T>;
+  constexpr int G = KG<T>;
+  // Past the last row, repeat it: the extra tile rows are computed but never stored.
+  const T* ar[MR];
+  for (int i = 0; i < MR; ++i) ar[i] = a + std::min(i, rows - 1) * lda;
+  Vec<T> acc[MR][G] = {};
+  const auto step = [&](index_t p, auto&& group_of_row) {
+    Vec<T> bv[G];
+    for (int j = 0; j < G; ++j) bv[j] = load(bp + j * L);
+    for (int i = 0; i < MR; ++i) {
+      const Vec<T> av = group_of_row(ar[i] + p);
+      for (int j = 0; j < G; ++j) acc[i][j] = fma<T>(av, bv[j], acc[i][j]);
+    }
+    bp += G * L;
+  };
+  const index_t whole = depth / G * G;
+  for (index_t p = 0; p < whole; p += G) step(p, [](const T* x) { return broadcast_group<T>(x); });
+  if (whole < depth) {
+    // The last, partial group: A is not read past depth (its row may end there).
+    step(whole, [rest = static_cast<std::size_t>(depth - whole)](const T* x) {
+      T group[KG<T>] = {};
+      std::memcpy(group, x, rest * sizeof(T));
+      return broadcast_group<T>(group);
+    });
+  }
+  for (int i = 0; i < MR && i < rows; ++i, c += ldc) {
+    fold_level<G / 2, T>(acc[i], G / 2);
+    Vec<T> v = acc[i][0];
+    if (cols == L) {
+      if (!first) v += load(c);
+      if (last) {
+        if (bias != nullptr) v += load(bias);
+        v = apply_all<Vec<T>, Fns...>(v);
+      }
+      store<T>(c, v);
+    } else {
+      if (!first) v += load_first(c, cols);
+      if (last) {
+        if (bias != nullptr) v += load_first(bias, cols);
+        v = apply_all<Vec<T>, Fns...>(v);
+      }
+      store_first<T>(c, v, cols);
+    }
+  }
+}
+
+// Splits extent into the fewest blocks of at most limit, of equal size rounded up to a multiple
+// of step: 784 in blocks of 256 becomes 4 x 196 rather than 3 x 256 + 16.
+inline index_t balanced_block(index_t extent, index_t limit, index_t step) {
+  const index_t blocks = (extent + limit - 1) / limit;
+  const index_t size = (extent + blocks - 1) / blocks;
+  return (size + step - 1) / step * step;
+}
+
+template <class T, class... Fns>
+void gemm_blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c) {
+  constexpr int L = lanes<T>;
+  constexpr auto size = static_cast<index_t>(sizeof(T));
+  const index_t kc = balanced_block(k, KC_bytes / size, KG<T>);
+  const index_t mc = balanced_block(m, std::max<index_t>(MR, MC_bytes / (k * size)), MR);
+  ::duet::detail::Storage scratch(static_cast<std::size_t>(kc * L * size));
+  T* panel = reinterpret_cast<T*>(scratch.data());
+  for (index_t m0 = 0; m0 < m; m0 += mc) {
+    const index_t m1 = std::min(m, m0 + mc);
+    for (index_t j0 = 0; j0 < n; j0 += L) {
+      const int cols = static_cast<int>(std::min<index_t>(L, n - j0));
+      const T* bias_panel = bias == nullptr ? nullptr : bias + j0;
+      for (index_t k0 = 0; k0 < k; k0 += kc) {
+        const index_t depth = std::min(kc, k - k0);
+        pack_panel(b + j0 * k + k0, k, cols, depth, panel);
+        for (index_t i0 = m0; i0 < m1; i0 += MR) {
+          micro_kernel<T, Fns...>(depth, a + i0 * k + k0, k, static_cast<int>(std::min<index_t>(MR, m1 - i0)), panel,
+                                  c + i0 * n + j0, n, cols, k0 == 0, k0 + depth == k, bias_panel);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace detail
+
+// An elementwise function the kernels can apply in registers: Fn::apply(v) on a scalar and on
+// a SIMD vector of the same element type.
+template <class Fn, class T>
+concept VectorFunction = requires(T s, detail::Vec<T> v) {
+  { Fn::apply(s) } -> std::same_as<T>;
+  { Fn::apply(v) } -> std::same_as<detail::Vec<T>>;
+};
+
+template <class T, class... Fns>
+inline constexpr bool gemm_supports =
+    (std::is_same_v<T, float> || std::is_same_v<T, double>) && (VectorFunction<Fns, T> && ...);
+
+// c[m, n] = Fns(Σ_k a[m, k] · b[n, k] + bias[n]), each Fn applied in order; bias may be null.
+// a is [m, k], b is [n, k] (a weight as [out, in]) and c is [m, n], all row-major and dense;
+// no alignment is assumed. K and N are k and n when known at compile time, dyn otherwise.
+// After the first call on a thread for a given size, no heap allocation.
+template <index_t K = dyn, index_t N = dyn, class... Fns, class T>
+  requires gemm_supports<T, Fns...>
+void gemm(const T* a, index_t m, index_t k, const T* b, index_t n, std::type_identity_t<const T*> bias, T* c) {
+  if constexpr (K != dyn && N != dyn && K * N <= 64) {
+    detail::dense_unrolled<K, N, T, Fns...>(a, m, b, bias, c);
+  } else if (m == 1 || k == 0) {
+    // k == 0 has no K block for the blocked path to finish on; the GEMV gives bias and Fns.
+    for (index_t i = 0; i < m; ++i) detail::gemv<T, Fns...>(a + i * k, k, b, n, bias, c + i * n);
+  } else if (m > 0 && n > 0) {
+    detail::gemm_blocked<T, Fns...>(a, m, k, b, n, bias, c);
+  }
+}
+
+}  // namespace duet::kernels
+
+namespace duet {
+
+// What a product kernel applies to each output row before storing it: the bias (if not
+// null), then each elementwise function Fns in order. Fusing them here saves one pass over
+// the output per function, the point of the epilogue-fusion pass.
+template <class T, class... Fns>
+struct Epilogue {
+  const T* bias = nullptr;
+};
+
+// How a loss turns per-element losses into its output (MindSpore's `reduction`).
+enum class Reduction : unsigned char { none, mean, sum };
+
+// The scalars of one optimiser step, computed once per step for all parameters.
+struct AdamStep {
+  double learning_rate;
+  double beta1;
+  double beta2;
+  double eps;
+  double weight_decay;
+  bool decoupled;           // AdamW
+  double bias_correction1;  // 1 - beta1^t
+  double bias_correction2;  // 1 - beta2^t
+};
+
+struct SgdStep {
+  double learning_rate;
+  double momentum;
+  double dampening;
+  double weight_decay;
+  bool nesterov;
+  bool first_step;
+};
+
+// What the gradient of y = epilogue(x · Wᵀ) reads and writes; dx and db may be null.
+template <class T>
+struct DenseBackwardArgs {
+  const T* dy;  // [rows, out]
+  const T* x;   // [rows, in]
+  const T* y;   // [rows, out], the forward output, read when an epilogue function needs it
+  index_t rows;
+  index_t in;
+  const T* w;  // [out, in]
+  index_t out;
+  T* dx;  // [rows, in]
+  T* dw;  // [out, in]
+  bool accumulate_w;
+  T* db;  // [out]
+  bool accumulate_b;
+};
+
+namespace backend {
+
+namespace detail {
+// Sizes known at compile time become Eigen's fixed sizes only while small: that is where
+// unrolling pays, and large fixed sizes overflow Eigen's unrolling cost estimates. Eigen
+// rejects row-major matrices with a single column; the layout is the same either way.
+constexpr int eigen_size(index_t n) { return n == dyn || n > 16 ? ::Eigen::Dynamic : static_cast<int>(n); }
+
+template <class T, index_t Rows, index_t Cols>
+using RowMajorMatrix = ::Eigen::Matrix<T, eigen_size(Rows), eigen_size(Cols), Cols == 1 ? ::Eigen::ColMajor : ::Eigen::RowMajor>;
+
+template <class Expr>
+decltype(auto) apply_all(const Expr& e) {
+  return e;
+}
+template <class Fn, class... Rest, class Expr>
+auto apply_all(const Expr& e) {
+  return apply_all<Rest...>(Fn::array(e));
+}
+}  // namespace detail
+
+struct Eigen {
+  // y[rows, out] = epilogue(x[rows, in] · w[out, in]ᵀ), all row-major. In and Out are the
+  // compile-time sizes where known (dyn otherwise), so small layers get unrolled kernels.
+  template <index_t In, index_t Out, class T, class... Fns>
+  static void dense(const T* x, index_t rows, index_t in, const T* w, index_t out,
+                    const Epilogue<T, Fns...>& epilogue, T* y) {
+    using XMatrix = detail::RowMajorMatrix<T, dyn, In>;
+    using WMatrix = detail::RowMajorMatrix<T, Out, In>;
+    using YMatrix = detail::RowMajorMatrix<T, dyn, Out>;
+    ::Eigen::Map<const XMatrix> X(x, rows, in);
+    ::Eigen::Map<const WMatrix> W(w, out, in);
+    ::Eigen::Map<YMatrix> Y(y, rows, out);
+    Y.noalias() = X * W.transpose();
+    if (epilogue.bias != nullptr) {
+      using Row = ::Eigen::Array<T, 1, detail::eigen_size(Out)>;
+      ::Eigen::Map<const Row> b(epilogue.bias, 1, out);
+      Y.array() = detail::apply_all<Fns...>(Y.array().rowwise() + b);
+    } else if constexpr (sizeof...(Fns) > 0) {
+      Y.array() = detail::apply_all<Fns...>(Y.array());
+    }
+  }
+
+  // y[rows, cols] = x[rows, cols] + bias[cols]; y may be x.
+  template <class T>
+  static void add_bias(const T* x, index_t rows, index_t cols, const T* bias, T* y) {
+    using Matrix = detail::RowMajorMatrix<T, dyn, dyn>;
+    ::Eigen::Map<const Matrix> X(x, rows, cols);
+    ::Eigen::Map<Matrix> Y(y, rows, cols);
+    ::Eigen::Map<const ::Eigen::Array<T, 1, ::Eigen::Dynamic>> b(bias, 1, cols);
+    Y.array() = X.array().rowwise() + b;
+  }
+
+  // y[i] = Fn(x[i]); y may be x.
+  template <class Fn, class T>
+  static void map(const T* x, index_t n, T* y) {
+    using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
+    ::Eigen::Map<Array>(y, n) = Fn::array(::Eigen::Map<const Array>(x, n));
+  }
+
+  // dx[i] = dy[i] · Fn'(x[i]), Fn' written in terms of the output y = Fn(x).
+  template <class Fn, class T>
+  static void map_grad(const T* dy, const T* y, index_t n, T* dx) {
+    using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
+    ::Eigen::Map<Array>(dx, n) = Fn::grad_array(::Eigen::Map<const Array>(dy, n), ::Eigen::Map<const Array>(y, n));
+  }
+
+  // The gradient of y = Fns(x · wᵀ + b): dz = dy · Fns'(y), dw (+)= dzᵀ · x, db (+)= Σ_rows dz,
+  // dx = dz · w.
+  template <index_t In, index_t Out, class T, class... Fns>
+  static void dense_backward(const DenseBackwardArgs<T>& a) {
+    static_assert(sizeof...(Fns) <= 1, "duet: a product's epilogue differentiates through one function at most");
+    using XMatrix = detail::RowMajorMatrix<T, dyn, In>;
+    using WMatrix = detail::RowMajorMatrix<T, Out, In>;
+    using YMatrix = detail::RowMajorMatrix<T, dyn, Out>;
+    ::Eigen::Map<const XMatrix> X(a.x, a.rows, a.in);
+    ::Eigen::Map<const WMatrix> W(a.w, a.out, a.in);
+    const T* dz = a.dy;
+    duet::detail::Storage masked;
+    if constexpr (sizeof...(Fns) == 1) {
+      masked = duet::detail::Storage(static_cast<std::size_t>(a.rows * a.out) * sizeof(T));
+      T* m = reinterpret_cast<T*>(masked.data());
+      map_grad<Fns...>(a.dy, a.y, a.rows * a.out, m);
+      dz = m;
+    }
+    ::Eigen::Map<const YMatrix> DZ(dz, a.rows, a.out);
+    ::Eigen::Map<WMatrix> DW(a.dw, a.out, a.in);
+    if (a.accumulate_w) DW.noalias() += DZ.transpose() * X;
+    else DW.noalias() = DZ.transpose() * X;
+    if (a.db != nullptr) column_sums(dz, a.rows, a.out, a.db, a.accumulate_b);
+    if (a.dx != nullptr) {
+      ::Eigen::Map<XMatrix> DX(a.dx, a.rows, a.in);
+      DX.noalias() = DZ * W;
+    }
+  }
+
+  // db (+)= Σ_rows dy.
+  template <class T>
+  static void bias_grad(const T* dy, index_t rows, index_t cols, T* db, bool accumulate) {
+    column_sums(dy, rows, cols, db, accumulate);
+  }
+
+  // Row r's loss is logsumexp(z_r) - z_r[label_r] (sparse) or Σ_c p_rc (logsumexp(z_r) - z_rc)
+  // (dense p). logsumexp subtracts the row's maximum first, so logits of magnitude 1e4 neither
+  // overflow nor lose the answer.
+  template <bool Sparse, class T, class L>
+  static void softmax_cross_entropy(const T* z, const L* labels, index_t rows, index_t classes, Reduction r, T* out) {
+    T total = 0;
+    for (index_t i = 0; i < rows; ++i) {
+      const T* row = z + i * classes;
+      const T lse = log_sum_exp(row, classes);
+      T loss = 0;
+      if constexpr (Sparse) {
+        loss = lse - row[checked_label(labels[i], i, classes)];
+      } else {
+        for (index_t c = 0; c < classes; ++c) loss += static_cast<T>(labels[i * classes + c]) * (lse - row[c]);
+      }
+      if (r == Reduction::none) out[i] = loss;
+      else total += loss;
+    }
+    if (r == Reduction::sum) out[0] = total;
+    if (r == Reduction::mean) out[0] = rows == 0 ? T(0) : total / static_cast<T>(rows);
+  }
+
+  // dz = (softmax(z) - p) · g, with g per row (no reduction), or g / rows (mean), or g (sum).
+  template <bool Sparse, class T, class L>
+  static void softmax_cross_entropy_grad(const T* g, const T* z, const L* labels, index_t rows, index_t classes,
+                                         Reduction r, T* dz) {
+    for (index_t i = 0; i < rows; ++i) {
+      const T* row = z + i * classes;
+      T* d = dz + i * classes;
+      const T lse = log_sum_exp(row, classes);
+      const T scale = r == Reduction::none ? g[i] : r == Reduction::mean ? g[0] / static_cast<T>(rows) : g[0];
+      T label_mass = 0;
+      for (index_t c = 0; c < classes; ++c) {
+        if constexpr (!Sparse) label_mass += static_cast<T>(labels[i * classes + c]);
+        d[c] = std::exp(row[c] - lse);
+      }
+      if constexpr (Sparse) {
+        d[checked_label(labels[i], i, classes)] -= T(1);
+        for (index_t c = 0; c < classes; ++c) d[c] *= scale;
+      } else {
+        // d/dz of Σ_c p_c (lse - z_c) is softmax · Σ_c p_c - p.
+        for (index_t c = 0; c < classes; ++c) d[c] = (d[c] * label_mass - static_cast<T>(labels[i * classes + c])) * scale;
+      }
+    }
+  }
+
+  // (x - y)², reduced.
+  template <class T>
+  static void mse(const T* x, const T* y, index_t n, Reduction r, T* out) {
+    using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
+    const auto sq = (::Eigen::Map<const Array>(x, n) - ::Eigen::Map<const Array>(y, n)).square();
+    if (r == Reduction::none) ::Eigen::Map<Array>(out, n) = sq;
+    else if (r == Reduction::sum) out[0] = sq.sum();
+    else out[0] = n == 0 ? T(0) : sq.sum() / static_cast<T>(n);
+  }
+
+  // dx = 2 (x - y) · g, with g per element (no reduction), or g / n (mean), or g (sum).
+  template <class T>
+  static void mse_grad(const T* g, const T* x, const T* y, index_t n, Reduction r, T* dx) {
+    using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
+    const auto diff = ::Eigen::Map<const Array>(x, n) - ::Eigen::Map<const Array>(y, n);
+    if (r == Reduction::none) {
+      ::Eigen::Map<Array>(dx, n) = T(2) * diff * ::Eigen::Map<const Array>(g, n);
+    } else {
+      const T scale = r == Reduction::mean ? (n == 0 ? T(0) : T(2) * g[0] / static_cast<T>(n)) : T(2) * g[0];
+      ::Eigen::Map<Array>(dx, n) = scale * diff;
+    }
+  }
+
+  template <class T>
+  static void fill(T* out, index_t n, T value) {
+    std::fill_n(out, n, value);
+  }
+
+  template <class T>
+  static void add(const T* a, const T* b, index_t n, T* out) {
+    using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
+    ::Eigen::Map<Array>(out, n) = ::Eigen::Map<const Array>(a, n) + ::Eigen::Map<const Array>(b, n);
+  }
+
+  // One Adam step on n values (PyTorch's formulation: eps is added to the bias-corrected
+  // sqrt(v)). weight_decay is L2 (added to the gradient) or, if decoupled, AdamW's
+  // p -= lr · weight_decay · p.
+  template <class T>
+  static void adam_update(T* p, const T* g, T* m, T* v, index_t n, const AdamStep& s) {
+    const T b1 = static_cast<T>(s.beta1), b2 = static_cast<T>(s.beta2), eps = static_cast<T>(s.eps);
+    const T wd = static_cast<T>(s.weight_decay);
+    const T decay = s.decoupled ? T(1) - static_cast<T>(s.learning_rate * s.weight_decay) : T(1);
+    const T l2 = s.decoupled ? T(0) : wd;
+    const T step = static_cast<T>(s.learning_rate / s.bias_correction1);
+    const T root_correction = static_cast<T>(std::sqrt(s.bias_correction2));
+    for (index_t i = 0; i < n; ++i) {
+      const T grad = g[i] + l2 * p[i];
+      m[i] = b1 * m[i] + (T(1) - b1) * grad;
+      v[i] = b2 * v[i] + (T(1) - b2) * grad * grad;
+      p[i] = p[i] * decay - step * m[i] / (std::sqrt(v[i]) / root_correction + eps);
+    }
+  }
+
+  template <class T>
+  static void sgd_update(T* p, const T* g, T* buf, index_t n, const SgdStep& s) {
+    const T lr = static_cast<T>(s.learning_rate), wd = static_cast<T>(s.weight_decay);
+    const T momentum = static_cast<T>(s.momentum), keep = static_cast<T>(1 - s.dampening);
+    for (index_t i = 0; i < n; ++i) {
+      const T d = g[i] + wd * p[i];
+      if (s.momentum == 0) {
+        p[i] -= lr * d;
+        continue;
+      }
+      buf[i] = s.first_step ? d : momentum * buf[i] + keep * d;
+      p[i] -= lr * (s.nesterov ? d + momentum * buf[i] : buf[i]);
+    }
+  }
+
+ private:
+  template <class T>
+  static void column_sums(const T* x, index_t rows, index_t cols, T* sums, bool accumulate) {
+    using Matrix = detail::RowMajorMatrix<T, dyn, dyn>;
+    ::Eigen::Map<::Eigen::Matrix<T, 1, ::Eigen::Dynamic>> s(sums, 1, cols);
+    if (accumulate) s += ::Eigen::Map<const Matrix>(x, rows, cols).colwise().sum();
+    else s = ::Eigen::Map<const Matrix>(x, rows, cols).colwise().sum();
+  }
+
+  template <class T>
+  static T log_sum_exp(const T* row, index_t n) {
+    T m = row[0];
+    for (index_t c = 1; c < n; ++c) m = std::max(m, row[c]);
+    T sum = 0;
+    for (index_t c = 0; c < n; ++c) sum += std::exp(row[c] - m);
+    return m + std::log(sum);
+  }
+
+  template <class L>
+  static index_t checked_label(L label, index_t row, index_t classes) {
+    const auto c = static_cast<index_t>(label);
+    if (c < 0 || c >= classes) {
+      throw ValueError("nn::SoftmaxCrossEntropyWithLogits: label " + std::to_string(c) + " of sample " +
+                       std::to_string(row) + " is outside [0, " + std::to_string(classes) + ")");
+    }
+    return c;
+  }
+};
+
+// backend::Eigen with duet's own dense kernel (kernels::gemm), which applies the epilogue to
+// each tile of the output while it is in registers. Element types or epilogue functions the
+// kernel cannot take fall back to Eigen.
+struct Native : Eigen {
+  template <index_t In, index_t Out, class T, class... Fns>
+  static void dense(const T* x, index_t rows, index_t in, const T* w, index_t out,
+                    const Epilogue<T, Fns...>& epilogue, T* y) {
+    if constexpr (kernels::gemm_supports<T, Fns...>) {
+      kernels::gemm<In, Out, Fns...>(x, rows, in, w, out, epilogue.bias, y);
+    } else {
+      Eigen::dense<In, Out>(x, rows, in, w, out, epilogue, y);
+    }
+  }
+};
+
+}  // namespace backend
+
+#ifdef DUET_DEFAULT_BACKEND
+using DefaultBackend = DUET_DEFAULT_BACKEND;
+#else
+// Native: on the seed network, single-threaded, it runs batches of 64 and 256 about 1.35x
+// faster than Eigen's products, and tiny layers in half the time (benchmarks/gemm.cpp).
+using DefaultBackend = backend::Native;
+#endif
+
+}  // namespace duet
+// Cells: the network model of both modes.
+//
+// BasicDynamicCell is the runtime-polymorphic interface PyNative mode runs on: a virtual
+// forward, a name, forward hooks, children and parameters. Networks can be assembled from it
+// at run time. Cell<Derived, Mode> is what a user derives from: it writes one generic
+// construct(x), which PyNative calls with tensors (each sub-cell runs at once, through the
+// virtual interface) and graph mode calls with a symbolic tensor (each sub-cell appends nodes,
+// and the finished graph is optimised and evaluated in one call).
+
+#include <atomic>
+#include <boost/hana/accessors.hpp>
+#include <boost/hana/concept/struct.hpp>
+#include <boost/hana/first.hpp>
+#include <boost/hana/for_each.hpp>
+#include <boost/hana/second.hpp>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+// Execution modes and the global context (MindSpore's set_context).
+
+#include <atomic>
+#include <optional>
+#include <utility>
+
 
 namespace duet {
 
@@ -364,11 +1267,13 @@ inline std::string readable_type_name(const std::type_info& type) {
 // that is reused once its last reader has run.
 
 #include <array>
-#include <cstddef>
-#include <span>
-#include <utility>
-
+#include <atomic>
 #include <boost/hana/at.hpp>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <tuple>
+#include <utility>
 
 // Shape rules' results and how a broken rule is reported: a static_assert naming the layer,
 // its requirement and the input shape when the shapes are known at compile time, a
@@ -522,8 +1427,7 @@ inline std::ostream& operator<<(std::ostream& os, const Shape& s) { return os <<
 template <index_t... Dims>
 struct StaticShape {
   static_assert(sizeof...(Dims) <= max_rank, "duet::StaticShape: rank exceeds duet::max_rank");
-  static_assert(((Dims >= 0 || Dims == dyn) && ...),
-                "duet::StaticShape: dimensions must be >= 0 or duet::dyn");
+  static_assert(((Dims >= 0 || Dims == dyn) && ...), "duet::StaticShape: dimensions must be >= 0 or duet::dyn");
   static constexpr Shape value{Dims...};
   constexpr operator Shape() const { return value; }
 };
@@ -563,20 +1467,34 @@ constexpr ShapeResult fault(Shape fallback, ShapeFault f, index_t expected, int 
 // "nn::Dense<784, 512> 'dense_relu_sequential.0' expects an input whose last dimension is 784,
 // got [64, 100]": the run-time wording of a broken rule.
 inline std::string describe_fault(const ShapeResult& r, std::string_view layer, std::span<const Shape> inputs) {
-  const std::string got = inputs.empty() ? std::string("nothing") : to_string(inputs[static_cast<std::size_t>(r.input)]);
+  const std::string got =
+      inputs.empty() ? std::string("nothing") : to_string(inputs[static_cast<std::size_t>(r.input)]);
   const std::string e = std::to_string(r.expected);
   std::string what;
   switch (r.fault) {
-    case ShapeFault::none: return {};
-    case ShapeFault::last_dimension: what = "an input whose last dimension is " + e; break;
-    case ShapeFault::min_rank: what = "an input of rank at least " + e; break;
-    case ShapeFault::exact_rank: what = "an input of rank " + e; break;
-    case ShapeFault::element_count: what = "an input of " + e + " elements per sample"; break;
-    case ShapeFault::shapes_differ: what = "inputs of the same shape"; break;
+    case ShapeFault::none:
+      return {};
+    case ShapeFault::last_dimension:
+      what = "an input whose last dimension is " + e;
+      break;
+    case ShapeFault::min_rank:
+      what = "an input of rank at least " + e;
+      break;
+    case ShapeFault::exact_rank:
+      what = "an input of rank " + e;
+      break;
+    case ShapeFault::element_count:
+      what = "an input of " + e + " elements per sample";
+      break;
+    case ShapeFault::shapes_differ:
+      what = "inputs of the same shape";
+      break;
   }
-  std::string msg = std::string(layer) + " expects " + what + ", got " + got;
-  if (r.fault == ShapeFault::shapes_differ && inputs.size() > 1) msg += " and " + to_string(inputs[1]);
-  return msg;
+  if (r.fault == ShapeFault::shapes_differ && inputs.size() > 1) {
+    return std::string(layer) + " expects inputs of matching shapes, got " + to_string(inputs[0]) + " and " +
+           to_string(inputs[1]);
+  }
+  return std::string(layer) + " expects " + what + ", got " + got;
 }
 
 // Compile-time reports. The type names are the message: compilers print the failing
@@ -608,25 +1526,33 @@ struct layer_accepts {
 
 template <ShapeFault F, index_t N>
 constexpr auto requirement() {
-  if constexpr (F == ShapeFault::last_dimension) return last_dimension_must_be<N>{};
-  else if constexpr (F == ShapeFault::min_rank) return rank_must_be_at_least<N>{};
-  else if constexpr (F == ShapeFault::exact_rank) return rank_must_be<N>{};
-  else if constexpr (F == ShapeFault::element_count) return elements_per_sample_must_be<N>{};
-  else return inputs_must_have_the_same_shape{};
+  if constexpr (F == ShapeFault::last_dimension)
+    return last_dimension_must_be<N>{};
+  else if constexpr (F == ShapeFault::min_rank)
+    return rank_must_be_at_least<N>{};
+  else if constexpr (F == ShapeFault::exact_rank)
+    return rank_must_be<N>{};
+  else if constexpr (F == ShapeFault::element_count)
+    return elements_per_sample_must_be<N>{};
+  else
+    return inputs_must_have_the_same_shape{};
 }
 
 // ShapeOf is any type with a `static constexpr Shape shape`.
 template <class ShapeOf, std::size_t... I>
 constexpr auto shape_type(std::index_sequence<I...>) {
   constexpr Shape s = ShapeOf::shape;
-  if constexpr (s.leading_unknown()) return input_shape_after_unknown_leading_dims<s[static_cast<int>(I)]...>{};
-  else return input_shape<s[static_cast<int>(I)]...>{};
+  if constexpr (s.leading_unknown())
+    return input_shape_after_unknown_leading_dims<s[static_cast<int>(I)]...>{};
+  else
+    return input_shape<s[static_cast<int>(I)]...>{};
 }
 
 template <class Layer, ShapeFault F, index_t N, class ShapeOf>
 constexpr void reject() {
   using Requirement = decltype(requirement<F, N>());
-  using Input = decltype(shape_type<ShapeOf>(std::make_index_sequence<static_cast<std::size_t>(ShapeOf::shape.rank())>{}));
+  using Input =
+      decltype(shape_type<ShapeOf>(std::make_index_sequence<static_cast<std::size_t>(ShapeOf::shape.rank())>{}));
   static_assert(layer_accepts<Layer, Requirement, Input>::value,
                 "duet: a layer cannot accept its input's shape (the condition names the layer, "
                 "its requirement and the input shape; -1 is a dynamic dimension)");
@@ -649,19 +1575,32 @@ constexpr void reject() {
 //   static constexpr bool is_elementwise   unary, same shape, may run in place or fuse as epilogue
 //   static constexpr ShapeResult infer_static(std::span<const Shape>)   rule on compile-time patterns
 //   ShapeResult infer(std::span<const Shape>) const                     the same rule at run time
-//   template <class Backend, class T> void run(const T* const* in, const Shape* in_shapes,
-//                                              T* out, const Shape& out_shape) const
-//   std::string label() const          for graph_ir and run-time errors
+//   template <class Backend, class T> void run(const KernelArgs&) const
+//                                      its kernel; T is the type of the value it makes
+//   using value_type                   (optional) that type, when it is not its first input's
+//   static std::string op_name()       what it does, for graph_ir ("MatMul + BiasAdd + ReLU")
+//   std::string label() const          who does it, for run-time errors ("nn::Dense<784, 512> 'fc'")
+// and optionally:
+//   static constexpr bool is_sink             makes no value, runs for its side effects
+//                                             (a gradient written into a parameter)
+//   static constexpr bool has_side_effects    a view whose kernel still runs
+// Differentiable operations also say how their gradient is computed (see autodiff.hpp):
+//   static constexpr std::array grad_operands   what the gradient op reads (Operand values)
+//   template <bool InputGrad> auto grad_op() const   the op making the gradient of input 0
+//                                             (if InputGrad) and of the op's parameters
+//   static constexpr bool has_parameters
 
 #include <array>
+#include <boost/hana/append.hpp>
+#include <boost/hana/at.hpp>
+#include <boost/hana/length.hpp>
+#include <boost/hana/tuple.hpp>
+#include <boost/hana/unpack.hpp>
 #include <cstddef>
 #include <span>
 #include <string>
 #include <type_traits>
-
-#include <boost/hana/append.hpp>
-#include <boost/hana/at.hpp>
-#include <boost/hana/tuple.hpp>
+#include <utility>
 
 // duet::BasicTensor: a row-major, contiguous, reference-counted n-d array with a runtime shape,
 // and duet::StaticTensor, the same with its shape (or part of it) fixed in the type.
@@ -671,6 +1610,7 @@ constexpr void reject() {
 
 #include <algorithm>
 #include <concepts>
+#include <cstdint>
 #include <cstring>
 #include <initializer_list>
 #include <limits>
@@ -711,246 +1651,34 @@ inline constexpr DType uint8 = DType::uint8;
 
 constexpr std::string_view name_of(DType t) {
   switch (t) {
-    case DType::float32: return "Float32";
-    case DType::float64: return "Float64";
-    case DType::int32: return "Int32";
-    case DType::int64: return "Int64";
-    case DType::uint8: return "UInt8";
+    case DType::float32:
+      return "Float32";
+    case DType::float64:
+      return "Float64";
+    case DType::int32:
+      return "Int32";
+    case DType::int64:
+      return "Int64";
+    case DType::uint8:
+      return "UInt8";
   }
   return "?";
 }
 
 constexpr std::size_t size_of(DType t) {
   switch (t) {
-    case DType::float32: return 4;
-    case DType::float64: return 8;
-    case DType::int32: return 4;
-    case DType::int64: return 8;
-    case DType::uint8: return 1;
+    case DType::float32:
+      return 4;
+    case DType::float64:
+      return 8;
+    case DType::int32:
+      return 4;
+    case DType::int64:
+      return 8;
+    case DType::uint8:
+      return 1;
   }
   return 0;
-}
-
-}  // namespace duet
-// Tensor storage: reference-counted blocks served from a per-thread caching pool.
-//
-// Every tensor, in both modes, takes its elements from here. A released block goes back to
-// the releasing thread's cache instead of the heap, so a network that runs again on the same
-// shapes finds its blocks waiting: once warm, a forward pass makes no heap allocation at all
-// (the graph-mode guarantee) and PyNative pays a free-list pop per node instead of malloc.
-// The cache is per thread, so concurrent forward passes never contend on a lock.
-
-#include <array>
-#include <atomic>
-#include <cstddef>
-#include <cstdint>
-#include <new>
-#include <utility>
-
-#if defined(__SANITIZE_ADDRESS__)
-#define DUET_ASAN 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define DUET_ASAN 1
-#endif
-#endif
-#ifdef DUET_ASAN
-#include <sanitizer/asan_interface.h>
-#endif
-
-namespace duet {
-
-namespace detail {
-
-// Elements start one cache line after the block header, so they are 64-byte aligned
-// (what AVX-512 loads and the GEMM packing routines want).
-inline constexpr std::size_t block_alignment = 64;
-
-struct Block {
-  std::atomic<std::uint32_t> refs{1};
-  std::uint32_t size_class = 0;
-  std::size_t capacity = 0;  // bytes of element storage
-  Block* next_free = nullptr;
-
-  std::byte* data() { return reinterpret_cast<std::byte*>(this) + block_alignment; }
-};
-static_assert(sizeof(Block) <= block_alignment);
-
-// Size classes: 64-byte steps up to 1 KiB, then four steps per power of two (at most 25%
-// slack), so blocks are reusable across nearby sizes without unbounded waste.
-inline constexpr std::uint32_t small_classes = 16;
-inline constexpr std::uint32_t size_class_count = small_classes + 4 * 54 + 1;
-
-constexpr std::uint32_t size_class_of(std::size_t bytes) {
-  if (bytes <= 1024) return static_cast<std::uint32_t>((bytes + 63) / 64);
-  std::uint32_t p = 0;  // 2^p < bytes <= 2^(p+1)
-  while ((std::size_t{2} << p) < bytes) ++p;
-  const std::size_t step = std::size_t{1} << (p - 2);
-  const auto sub = static_cast<std::uint32_t>((bytes - (std::size_t{1} << p) + step - 1) / step);
-  return small_classes + (p - 10) * 4 + sub;
-}
-
-constexpr std::size_t capacity_of(std::uint32_t size_class) {
-  if (size_class <= small_classes) return std::size_t{size_class} * 64;
-  const std::uint32_t p = (size_class - small_classes - 1) / 4 + 10;
-  const std::uint32_t sub = (size_class - small_classes - 1) % 4 + 1;
-  return (std::size_t{1} << p) + sub * (std::size_t{1} << (p - 2));
-}
-
-inline std::atomic<std::size_t>& cache_limit_bytes() {
-  static std::atomic<std::size_t> limit{std::size_t{256} << 20};
-  return limit;
-}
-
-inline void poison(Block* b) {
-#ifdef DUET_ASAN
-  ASAN_POISON_MEMORY_REGION(b->data(), b->capacity);
-#else
-  (void)b;
-#endif
-}
-
-inline void unpoison(Block* b) {
-#ifdef DUET_ASAN
-  ASAN_UNPOISON_MEMORY_REGION(b->data(), b->capacity);
-#else
-  (void)b;
-#endif
-}
-
-inline void free_block(Block* b) {
-  unpoison(b);
-  b->~Block();
-  ::operator delete(static_cast<void*>(b), std::align_val_t{block_alignment});
-}
-
-class BlockCache {
- public:
-  BlockCache() = default;
-  BlockCache(const BlockCache&) = delete;
-  BlockCache& operator=(const BlockCache&) = delete;
-  ~BlockCache() { clear(); }
-
-  Block* take(std::uint32_t size_class) {
-    Block* b = free_[size_class];
-    if (b != nullptr) {
-      free_[size_class] = b->next_free;
-      cached_bytes_ -= b->capacity;
-      unpoison(b);
-      b->next_free = nullptr;
-      b->refs.store(1, std::memory_order_relaxed);
-    }
-    return b;
-  }
-
-  // False when the cache is full; the caller then frees the block.
-  bool give(Block* b) {
-    if (cached_bytes_ + b->capacity > cache_limit_bytes().load(std::memory_order_relaxed)) return false;
-    poison(b);
-    b->next_free = free_[b->size_class];
-    free_[b->size_class] = b;
-    cached_bytes_ += b->capacity;
-    return true;
-  }
-
-  void clear() {
-    for (Block*& head : free_) {
-      while (head != nullptr) {
-        Block* next = head->next_free;
-        free_block(head);
-        head = next;
-      }
-    }
-    cached_bytes_ = 0;
-  }
-
-  std::size_t cached_bytes() const { return cached_bytes_; }
-
- private:
-  std::array<Block*, size_class_count> free_{};
-  std::size_t cached_bytes_ = 0;
-};
-
-// The calling thread's cache, or nullptr once it has been destroyed (tensors released during
-// thread or program exit then go straight back to the heap).
-inline BlockCache* thread_block_cache() {
-  enum class State : unsigned char { unborn, alive, dead };
-  thread_local State state = State::unborn;  // trivially destructible: readable after exit
-  if (state == State::dead) return nullptr;
-  struct Owner {
-    State& state;
-    BlockCache cache;
-    explicit Owner(State& s) : state(s) { state = State::alive; }
-    ~Owner() {
-      cache.clear();
-      state = State::dead;
-    }
-  };
-  thread_local Owner owner(state);
-  return &owner.cache;
-}
-
-inline Block* allocate_block(std::size_t bytes) {
-  const std::uint32_t size_class = size_class_of(bytes);
-  if (BlockCache* cache = thread_block_cache()) {
-    if (Block* b = cache->take(size_class)) return b;
-  }
-  const std::size_t capacity = capacity_of(size_class);
-  void* raw = ::operator new(block_alignment + capacity, std::align_val_t{block_alignment});
-  auto* b = new (raw) Block;
-  b->size_class = size_class;
-  b->capacity = capacity;
-  return b;
-}
-
-inline void release_block(Block* b) {
-  if (b->refs.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
-  BlockCache* cache = thread_block_cache();
-  if (cache == nullptr || !cache->give(b)) free_block(b);
-}
-
-// Shared ownership of one block; what a tensor and all its views hold.
-class Storage {
- public:
-  Storage() = default;
-  explicit Storage(std::size_t bytes) : block_(bytes == 0 ? nullptr : allocate_block(bytes)) {}
-  Storage(const Storage& other) noexcept : block_(other.block_) { retain(); }
-  Storage(Storage&& other) noexcept : block_(std::exchange(other.block_, nullptr)) {}
-  Storage& operator=(const Storage& other) noexcept {
-    Storage(other).swap(*this);
-    return *this;
-  }
-  Storage& operator=(Storage&& other) noexcept {
-    Storage(std::move(other)).swap(*this);
-    return *this;
-  }
-  ~Storage() {
-    if (block_ != nullptr) release_block(block_);
-  }
-
-  void swap(Storage& other) noexcept { std::swap(block_, other.block_); }
-  std::byte* data() const { return block_ == nullptr ? nullptr : block_->data(); }
-  std::size_t capacity() const { return block_ == nullptr ? 0 : block_->capacity; }
-  bool same_block(const Storage& other) const { return block_ == other.block_ && block_ != nullptr; }
-  long use_count() const { return block_ == nullptr ? 0 : static_cast<long>(block_->refs.load(std::memory_order_acquire)); }
-
- private:
-  void retain() const {
-    if (block_ != nullptr) block_->refs.fetch_add(1, std::memory_order_relaxed);
-  }
-  Block* block_ = nullptr;
-};
-
-}  // namespace detail
-
-// Most bytes a thread keeps cached for reuse; a released block beyond it goes back to the heap.
-inline void set_cache_limit(std::size_t bytes) {
-  detail::cache_limit_bytes().store(bytes, std::memory_order_relaxed);
-}
-
-// Returns the calling thread's cached blocks to the heap (tensors still alive are untouched).
-inline void empty_cache() {
-  if (detail::BlockCache* cache = detail::thread_block_cache()) cache->clear();
 }
 
 }  // namespace duet
@@ -987,9 +1715,7 @@ class BasicTensor {
   BasicTensor() : shape_{0} {}
 
   // Zero-filled.
-  explicit BasicTensor(const Shape& shape) : BasicTensor(uninitialized(shape)) {
-    std::fill_n(data_, numel(), T{});
-  }
+  explicit BasicTensor(const Shape& shape) : BasicTensor(uninitialized(shape)) { std::fill_n(data_, numel(), T{}); }
 
   BasicTensor(const Shape& shape, std::initializer_list<T> values)
       : BasicTensor(shape, std::span<const T>(values.begin(), values.size())) {}
@@ -1054,11 +1780,12 @@ class BasicTensor {
     }
     if (inferred >= 0 && known != 0 && numel() % known == 0) to[inferred] = numel() / known;
     if (!to.is_concrete() || to.numel() != numel()) {
-      throw ShapeError("duet::Tensor::reshape: cannot view " + to_string(shape_) + " (" +
-                       std::to_string(numel()) + " elements) as " + to_string(to));
+      throw ShapeError("duet::Tensor::reshape: cannot view " + to_string(shape_) + " (" + std::to_string(numel()) +
+                       " elements) as " + to_string(to));
     }
     BasicTensor view = *this;
     view.shape_ = to;
+    view.tape_id_ = 0;
     return view;
   }
 
@@ -1076,6 +1803,7 @@ class BasicTensor {
     BasicTensor view = *this;
     view.shape_ = rest;
     view.data_ = data_ + i * rest.numel();
+    view.tape_id_ = 0;
     return view;
   }
 
@@ -1091,6 +1819,11 @@ class BasicTensor {
   // Handles (this one, copies and views) sharing the elements; 1 means this tensor may be
   // overwritten in place without anyone noticing.
   long use_count() const { return storage_.use_count(); }
+
+  // Which value of a recording tape (autodiff) this handle is; 0 for none. Copies keep it,
+  // views a user makes (reshape, operator[]) do not: they are new values the tape never saw.
+  std::uint64_t tape_id() const { return tape_id_; }
+  void set_tape_id(std::uint64_t id) { tape_id_ = id; }
 
  private:
   BasicTensor(detail::Storage storage, const Shape& shape)
@@ -1118,6 +1851,7 @@ class BasicTensor {
   detail::Storage storage_;
   T* data_ = nullptr;
   Shape shape_;
+  std::uint64_t tape_id_ = 0;
 };
 
 using Tensor = BasicTensor<float>;
@@ -1133,9 +1867,7 @@ class StaticTensor {
   static constexpr Shape static_shape = static_shape_type::value;
 
   // Zero-filled; only when every dimension is fixed.
-  StaticTensor()
-    requires(((Dims != dyn) && ...))
-      : tensor_(static_shape) {}
+  StaticTensor() requires(((Dims != dyn) && ...)) : tensor_(static_shape) {}
 
   // Adopts a runtime tensor after checking it against the static shape.
   explicit StaticTensor(BasicTensor<T> tensor) : tensor_(std::move(tensor)) {
@@ -1143,8 +1875,7 @@ class StaticTensor {
     bool ok = s.rank() == static_shape.rank();
     for (int i = 0; ok && i < s.rank(); ++i) ok = static_shape[i] == dyn || static_shape[i] == s[i];
     if (!ok) {
-      throw ShapeError("duet::StaticTensor" + to_string(static_shape) + ": got a tensor of shape " +
-                       to_string(s));
+      throw ShapeError("duet::StaticTensor" + to_string(static_shape) + ": got a tensor of shape " + to_string(s));
     }
   }
 
@@ -1159,19 +1890,23 @@ class StaticTensor {
   T* data() { return tensor_.data(); }
   const T* data() const { return tensor_.data(); }
   template <std::integral... I>
-    requires(sizeof...(I) == sizeof...(Dims))
-  T& operator()(I... index) {
-    return tensor_(index...);
-  }
+  requires(sizeof...(I) == sizeof...(Dims)) T& operator()(I... index) { return tensor_(index...); }
   template <std::integral... I>
-    requires(sizeof...(I) == sizeof...(Dims))
-  const T& operator()(I... index) const {
-    return tensor_(index...);
-  }
+  requires(sizeof...(I) == sizeof...(Dims)) const T& operator()(I... index) const { return tensor_(index...); }
 
  private:
   BasicTensor<T> tensor_;
 };
+
+// The runtime tensor of either kind of tensor.
+template <ElementType T>
+const BasicTensor<T>& tensor_of(const BasicTensor<T>& t) {
+  return t;
+}
+template <ElementType T, index_t... D>
+const BasicTensor<T>& tensor_of(const StaticTensor<T, D...>& t) {
+  return t.tensor();
+}
 
 template <class X>
 inline constexpr bool is_static_tensor_v = false;
@@ -1218,6 +1953,15 @@ namespace duet::graph {
 
 namespace hana = boost::hana;
 
+// Calls f(std::integral_constant<std::size_t, I>{}) for I = 0, 1, ..., N-1 in order: the one
+// loop over a graph's nodes at compile time. (A fold over lambdas nested in a lambda with a
+// template parameter pack crashes clang 14; this shape does not.)
+template <std::size_t N, class F>
+constexpr void for_each_index(F&& f) {
+  [&]<std::size_t... I>(std::index_sequence<I...>) { (f(std::integral_constant<std::size_t, I>{}), ...); }
+  (std::make_index_sequence<N>{});
+}
+
 template <class Op, std::size_t... Args>
 struct Node {
   using op_type = Op;
@@ -1241,9 +1985,8 @@ constexpr std::array<Shape, sizeof...(Nodes)> infer_static_shapes() {
   return shapes;
 }
 
-template <class T, class... Nodes>
+template <class... Nodes>
 struct Graph {
-  using value_type = T;
   static constexpr std::size_t size = sizeof...(Nodes);
   // Shape inference: every node's output shape as far as compile time knows it.
   static constexpr std::array<Shape, size> shapes = infer_static_shapes<Nodes...>();
@@ -1254,18 +1997,60 @@ struct Graph {
 template <class G, std::size_t I>
 using node_at = std::remove_cvref_t<decltype(hana::at_c<I>(std::declval<typename G::nodes_type&>()))>;
 
-template <class G, class N>
-struct appended;
-template <class T, class... Nodes, class N>
-struct appended<Graph<T, Nodes...>, N> {
-  using type = Graph<T, Nodes..., N>;
+template <class Nodes>
+auto make_graph(const Nodes& nodes) {
+  return hana::unpack(
+      nodes, [](const auto&... n) { return Graph<std::remove_cvref_t<decltype(n)>...>{hana::make_tuple(n...)}; });
+}
+
+// What an operation's kernel reads and writes. Inputs and output are untyped here because one
+// node may mix element types (float logits, int32 labels); each op casts to what it knows.
+struct KernelArgs {
+  const void* const* inputs;
+  const Shape* input_shapes;
+  void* output;
+  const Shape& output_shape;
+
+  template <class U>
+  const U* in(std::size_t k = 0) const {
+    return static_cast<const U*>(inputs[k]);
+  }
+  const Shape& in_shape(std::size_t k = 0) const { return input_shapes[k]; }
+  template <class U>
+  U* out() const {
+    return static_cast<U*>(output);
+  }
 };
+
+// The element type of the value an op makes from inputs whose first has type First.
+template <class Op, class First>
+constexpr auto op_value_type() {
+  if constexpr (requires { typename Op::value_type; })
+    return std::type_identity<typename Op::value_type>{};
+  else
+    return std::type_identity<First>{};
+}
+template <class Op, class First>
+using op_value_t = typename decltype(op_value_type<Op, First>())::type;
+
+template <class G, std::size_t I>
+constexpr auto node_value_type() {
+  using N = node_at<G, I>;
+  if constexpr (N::arity == 0)
+    return std::type_identity<typename N::op_type::value_type>{};
+  else
+    return std::type_identity<
+        op_value_t<typename N::op_type, typename decltype(node_value_type<G, N::args[0]>())::type>>{};
+}
+// The element type of node I's value.
+template <class G, std::size_t I>
+using node_value_t = typename decltype(node_value_type<G, I>())::type;
 
 // A symbolic tensor: the value of node Out of graph G.
 template <class G, std::size_t Out>
 struct Sym {
   using graph_type = G;
-  using value_type = typename G::value_type;
+  using value_type = node_value_t<G, Out>;
   static constexpr std::size_t output = Out;
   static constexpr Shape shape = G::shapes[Out];
   G graph;
@@ -1282,10 +2067,32 @@ concept Symbolic = is_sym_v<std::remove_cvref_t<X>>;
 template <class X>
 inline constexpr bool is_input_op_v = false;
 
-// Graph input K, whose shape is known as far as Pattern says (a StaticShape, or AnyShape).
-template <std::size_t K, class Pattern>
+template <class Op>
+constexpr bool is_sink() {
+  if constexpr (requires { Op::is_sink; })
+    return Op::is_sink;
+  else
+    return false;
+}
+
+// Whether a node's kernel runs: every op but a view without side effects.
+template <class Op>
+constexpr bool runs_kernel() {
+  if constexpr (requires { Op::has_side_effects; })
+    return !Op::is_view || Op::has_side_effects;
+  else
+    return !Op::is_view;
+}
+
+// What a gradient op reads, by its place around the forward op it differentiates.
+enum class Operand : unsigned char { grad, input0, input1, output };
+
+// Graph input K, of element type T, whose shape is known as far as Pattern says (a
+// StaticShape, or AnyShape).
+template <std::size_t K, class Pattern, class T>
 struct InputOp {
   using layer_type = InputOp;
+  using value_type = T;
   static constexpr int arity = 0;
   static constexpr bool is_view = false;
   static constexpr bool is_elementwise = false;
@@ -1295,8 +2102,8 @@ struct InputOp {
   std::string label() const { return op_name(); }
 };
 
-template <std::size_t K, class Pattern>
-inline constexpr bool is_input_op_v<InputOp<K, Pattern>> = true;
+template <std::size_t K, class Pattern, class T>
+inline constexpr bool is_input_op_v<InputOp<K, Pattern, T>> = true;
 
 // Whether a concrete shape fits a pattern: same rank, same size wherever the pattern is fixed.
 constexpr bool fits(const Shape& pattern, const Shape& s) {
@@ -1316,11 +2123,80 @@ struct AnyShape {
   static constexpr Shape value = Shape::any();
 };
 
+// The pattern graph mode captures a tensor of type X with.
+template <class X>
+struct pattern_of {
+  using type = AnyShape;
+};
+template <class T, index_t... D>
+struct pattern_of<StaticTensor<T, D...>> {
+  using type = StaticShape<D...>;
+};
+
+// Symbolic input K of element type T.
 template <class T, class Pattern, std::size_t K = 0>
 auto input() {
-  using G = Graph<T, Node<InputOp<K, Pattern>>>;
+  using G = Graph<Node<InputOp<K, Pattern, T>>>;
   return Sym<G, 0>{G{}};
 }
+
+// Node n with its arguments renumbered through map.
+template <class N, std::size_t... Map, std::size_t... A>
+auto renumbered(const N& n, std::index_sequence<Map...>, std::index_sequence<A...>) {
+  constexpr std::array<std::size_t, sizeof...(Map)> map{Map...};
+  return Node<typename N::op_type, map[N::args[A]]...>{n.op};
+}
+
+namespace detail {
+
+template <class Nodes, std::size_t K>
+constexpr std::size_t find_input() {
+  constexpr std::size_t n = decltype(hana::length(std::declval<Nodes>()))::value;
+  std::size_t found = n;
+  for_each_index<n>([&](auto i) {
+    using Op = typename std::remove_cvref_t<decltype(hana::at_c<decltype(i)::value>(std::declval<Nodes&>()))>::op_type;
+    if constexpr (is_input_op_v<Op>) {
+      if (found == n && Op::index == K) found = decltype(i)::value;
+    }
+  });
+  return found;
+}
+
+// Appends b's nodes after `built`, the same input appearing once. Map[j] is where b's node j
+// ends up. Other shared work is not detected: a value used by both sides is computed twice.
+template <std::size_t J, class GB, class Built, std::size_t... Map>
+auto merge_from(const GB& b, const Built& built, std::index_sequence<Map...> map) {
+  if constexpr (J == GB::size) {
+    return std::pair{make_graph(built), map};
+  } else {
+    using N = node_at<GB, J>;
+    constexpr std::size_t built_size = decltype(hana::length(built))::value;
+    if constexpr (is_input_op_v<typename N::op_type>) {
+      constexpr std::size_t found = find_input<Built, N::op_type::index>();
+      if constexpr (found < built_size) {
+        using Existing = std::remove_cvref_t<decltype(hana::at_c<found>(built))>;
+        static_assert(std::is_same_v<Existing, N>,
+                      "duet: one graph input is used with two different element types or shape patterns");
+        return merge_from<J + 1>(b, built, std::index_sequence<Map..., found>{});
+      } else {
+        return merge_from<J + 1>(b, hana::append(built, hana::at_c<J>(b.nodes)),
+                                 std::index_sequence<Map..., built_size>{});
+      }
+    } else {
+      return merge_from<J + 1>(
+          b, hana::append(built, renumbered(hana::at_c<J>(b.nodes), map, std::make_index_sequence<N::arity>{})),
+          std::index_sequence<Map..., built_size>{});
+    }
+  }
+}
+
+template <std::size_t I, std::size_t... M>
+constexpr std::size_t at(std::index_sequence<M...>) {
+  constexpr std::array<std::size_t, sizeof...(M)> map{M...};
+  return map[I];
+}
+
+}  // namespace detail
 
 // Appends `op` applied to x. The rule runs here, at capture, so a compile-time mismatch is
 // reported where the user's construct calls the layer.
@@ -1330,9 +2206,22 @@ auto append(const Op& op, const Sym<G, Out>& x) {
   if constexpr (!r.ok()) {
     diagnostic::reject<typename Op::layer_type, r.fault, r.expected, Sym<G, Out>>();
   }
-  using N = Node<Op, Out>;
-  using Appended = typename appended<G, N>::type;
-  return Sym<Appended, G::size>{Appended{hana::append(x.graph.nodes, N{op})}};
+  auto g = make_graph(hana::append(x.graph.nodes, Node<Op, Out>{op}));
+  return Sym<decltype(g), G::size>{g};
+}
+
+// Appends `op` applied to a and b, whose graphs are merged first.
+template <class Op, class GA, std::size_t A, class GB, std::size_t B>
+auto append(const Op& op, const Sym<GA, A>& a, const Sym<GB, B>& b) {
+  constexpr ShapeResult r = Op::infer_static(std::array<Shape, 2>{GA::shapes[A], GB::shapes[B]});
+  if constexpr (!r.ok()) {
+    using Culprit = std::conditional_t<r.input == 0, Sym<GA, A>, Sym<GB, B>>;
+    diagnostic::reject<typename Op::layer_type, r.fault, r.expected, Culprit>();
+  }
+  auto [merged, map] = detail::merge_from<0>(b.graph, a.graph.nodes, std::index_sequence<>{});
+  constexpr std::size_t b_at = detail::at<B>(decltype(map){});
+  auto g = make_graph(hana::append(merged.nodes, Node<Op, A, b_at>{op}));
+  return Sym<decltype(g), decltype(merged)::size>{g};
 }
 
 }  // namespace duet::graph
@@ -1341,7 +2230,7 @@ namespace duet {
 
 namespace graph {
 
-enum class Storage : unsigned char { input, view, slot, output };
+enum class Storage : unsigned char { input, view, slot, output, none };
 
 template <std::size_t N>
 struct BufferPlan {
@@ -1356,25 +2245,28 @@ constexpr BufferPlan<G::size> plan_buffers() {
   constexpr std::size_t n = G::size;
   BufferPlan<n> plan;
   std::array<std::size_t, n> last_read{};
-  [&]<std::size_t... I>(std::index_sequence<I...>) {
-    ((
-         [&] {
-           using Node = node_at<G, I>;
-           using Op = typename Node::op_type;
-           if constexpr (is_input_op_v<Op>) {
-             plan.storage[I] = Storage::input;
-             plan.root[I] = I;
-           } else if constexpr (Op::is_view) {
-             plan.storage[I] = Storage::view;
-             plan.root[I] = plan.root[Node::args[0]];
-           } else {
-             plan.storage[I] = Storage::slot;
-             plan.root[I] = I;
-           }
-           for (std::size_t a : Node::args) last_read[plan.root[a]] = I;
-         }()),
-     ...);
-  }(std::make_index_sequence<n>{});
+  graph::for_each_index<n>([&](auto i) {
+    constexpr std::size_t I = decltype(i)::value;
+    using Node = node_at<G, I>;
+    using Op = typename Node::op_type;
+    if constexpr (is_input_op_v<Op>) {
+      plan.storage[I] = Storage::input;
+      plan.root[I] = I;
+    } else if constexpr (Op::is_view) {
+      plan.storage[I] = Storage::view;
+      plan.root[I] = plan.root[Node::args[0]];
+    } else if constexpr (is_sink<Op>()) {
+      plan.storage[I] = Storage::none;
+      plan.root[I] = I;
+    } else {
+      plan.storage[I] = Storage::slot;
+      plan.root[I] = I;
+    }
+    for (std::size_t a : Node::args) {
+      if (plan.storage[a] == Storage::none) throw "a sink node makes no value to read";
+      last_read[plan.root[a]] = I;
+    }
+  });
 
   const std::size_t out_root = plan.root[Out];
   if (plan.storage[out_root] == Storage::slot) plan.storage[out_root] = Storage::output;
@@ -1398,20 +2290,23 @@ constexpr BufferPlan<G::size> plan_buffers() {
   return plan;
 }
 
+// One more than the largest input index the graph reads: how many tensors a call passes.
 template <class G>
 constexpr std::size_t input_count() {
   std::size_t count = 0;
-  [&]<std::size_t... I>(std::index_sequence<I...>) {
-    ((count += is_input_op_v<typename node_at<G, I>::op_type> ? 1 : 0), ...);
-  }(std::make_index_sequence<G::size>{});
+  for_each_index<G::size>([&](auto i) {
+    using Op = typename node_at<G, decltype(i)::value>::op_type;
+    if constexpr (is_input_op_v<Op>) count = Op::index + 1 > count ? Op::index + 1 : count;
+  });
   return count;
 }
 
-// The run-time part of a compiled graph for one set of input shapes.
-template <class G>
+// The run-time part of a compiled graph for one set of input shapes. A call may pass inputs
+// the graph never reads (a function that ignores an argument); they count in the key.
+template <class G, std::size_t Inputs>
 struct Plan {
-  static constexpr std::size_t inputs = input_count<G>();
-  std::array<Shape, inputs> input_shapes;
+  static constexpr std::size_t inputs = Inputs;
+  std::array<Shape, Inputs> input_shapes;
   std::array<Shape, G::size> shapes;
   std::array<std::size_t, G::size> offset;  // bytes into the arena, for slot nodes
   std::size_t arena_bytes = 0;
@@ -1420,49 +2315,49 @@ struct Plan {
 }  // namespace graph
 
 // Infers every node's shape for these input shapes and lays out the arena.
-template <class G, std::size_t Out>
-graph::Plan<G> plan(const graph::Sym<G, Out>& program,
-                    const std::array<Shape, graph::Plan<G>::inputs>& input_shapes) {
-  using T = typename G::value_type;
+template <class G, std::size_t Out, std::size_t Inputs>
+graph::Plan<G, Inputs> plan(const graph::Sym<G, Out>& program, const std::array<Shape, Inputs>& input_shapes) {
+  static_assert(Inputs >= graph::input_count<G>(), "duet::plan: the graph reads more inputs than are given");
   constexpr std::size_t n = G::size;
   constexpr graph::BufferPlan<n> buffers = graph::plan_buffers<G, Out>();
-  graph::Plan<G> p;
+  constexpr std::array<std::size_t, n> element_size = []<std::size_t... I>(std::index_sequence<I...>) {
+    return std::array<std::size_t, n>{sizeof(graph::node_value_t<G, I>)...};
+  }
+  (std::make_index_sequence<n>{});
+  graph::Plan<G, Inputs> p;
   p.input_shapes = input_shapes;
-  [&]<std::size_t... I>(std::index_sequence<I...>) {
-    ((
-         [&] {
-           using Node = graph::node_at<G, I>;
-           using Op = typename Node::op_type;
-           const Op& op = boost::hana::at_c<I>(program.graph.nodes).op;
-           if constexpr (graph::is_input_op_v<Op>) {
-             const Shape& s = input_shapes[Op::index];
-             if (!graph::fits(G::shapes[I], s)) {
-               throw ShapeError("duet: graph input " + std::to_string(Op::index) + " must have shape " +
-                                to_string(G::shapes[I]) + ", got " + to_string(s));
-             }
-             p.shapes[I] = s;
-           } else {
-             std::array<Shape, Node::arity> copies{};
-             std::span<const Shape> in;
-             if constexpr (Node::arity == 1) {
-               in = std::span<const Shape>(&p.shapes[Node::args[0]], 1);
-             } else {
-               for (std::size_t k = 0; k < Node::arity; ++k) copies[k] = p.shapes[Node::args[k]];
-               in = copies;
-             }
-             const ShapeResult r = op.infer(in);
-             if (!r.ok()) throw ShapeError(describe_fault(r, op.label(), in));
-             p.shapes[I] = r.shape;
-           }
-         }()),
-     ...);
-  }(std::make_index_sequence<n>{});
+  graph::for_each_index<n>([&](auto i) {
+    constexpr std::size_t I = decltype(i)::value;
+    using Node = graph::node_at<G, I>;
+    using Op = typename Node::op_type;
+    const Op& op = boost::hana::at_c<I>(program.graph.nodes).op;
+    if constexpr (graph::is_input_op_v<Op>) {
+      const Shape& s = input_shapes[Op::index];
+      if (!graph::fits(G::shapes[I], s)) {
+        throw ShapeError("duet: graph input " + std::to_string(Op::index) + " must have shape " +
+                         to_string(G::shapes[I]) + ", got " + to_string(s));
+      }
+      p.shapes[I] = s;
+    } else {
+      std::array<Shape, Node::arity> copies{};
+      std::span<const Shape> in;
+      if constexpr (Node::arity == 1) {
+        in = std::span<const Shape>(&p.shapes[Node::args[0]], 1);
+      } else {
+        for (std::size_t k = 0; k < Node::arity; ++k) copies[k] = p.shapes[Node::args[k]];
+        in = copies;
+      }
+      const ShapeResult r = op.infer(in);
+      if (!r.ok()) throw ShapeError(describe_fault(r, op.label(), in));
+      p.shapes[I] = r.shape;
+    }
+  });
 
   // Slots one after another, each 64-byte aligned.
   std::array<std::size_t, n> slot_bytes{};
   for (std::size_t i = 0; i < n; ++i) {
     if (buffers.storage[i] != graph::Storage::slot) continue;
-    const auto bytes = static_cast<std::size_t>(p.shapes[i].numel()) * sizeof(T);
+    const auto bytes = static_cast<std::size_t>(p.shapes[i].numel()) * element_size[i];
     if (bytes > slot_bytes[buffers.slot[i]]) slot_bytes[buffers.slot[i]] = bytes;
   }
   std::array<std::size_t, n> slot_offset{};
@@ -1474,56 +2369,56 @@ graph::Plan<G> plan(const graph::Sym<G, Out>& program,
   return p;
 }
 
-// Runs a graph with a plan made for these inputs' shapes.
+// Runs a graph with a plan made for these inputs' shapes; inputs in the order of their index.
 template <class Backend = DefaultBackend, class G, std::size_t Out, class... Inputs>
-BasicTensor<typename G::value_type> run(const graph::Sym<G, Out>& program, const graph::Plan<G>& p,
-                                        const Inputs&... inputs) {
-  using T = typename G::value_type;
+auto run(const graph::Sym<G, Out>& program, const graph::Plan<G, sizeof...(Inputs)>& p, const Inputs&... inputs) {
+  using Result = graph::node_value_t<G, Out>;
   constexpr std::size_t n = G::size;
   constexpr graph::BufferPlan<n> buffers = graph::plan_buffers<G, Out>();
-  static_assert(sizeof...(Inputs) == graph::Plan<G>::inputs, "duet::run: one tensor per graph input");
-  const std::array<const BasicTensor<T>*, sizeof...(Inputs)> input{&static_cast<const BasicTensor<T>&>(inputs)...};
+  const std::array<const void*, sizeof...(Inputs)> input{static_cast<const void*>(inputs.data())...};
 
   detail::Storage arena(p.arena_bytes);
-  BasicTensor<T> result;
-  std::array<T*, n> data;
-  [&]<std::size_t... I>(std::index_sequence<I...>) {
-    ((
-         [&] {
-           using Node = graph::node_at<G, I>;
-           using Op = typename Node::op_type;
-           if constexpr (buffers.storage[I] == graph::Storage::input) {
-             // Inputs are only read: kernels take their inputs as const T*.
-             data[I] = const_cast<T*>(input[Op::index]->data());
-           } else if constexpr (buffers.storage[I] == graph::Storage::view) {
-             data[I] = data[buffers.root[I]];
-           } else {
-             if constexpr (buffers.storage[I] == graph::Storage::output) {
-               result = BasicTensor<T>::uninitialized(p.shapes[I]);
-               data[I] = result.data();
-             } else {
-               data[I] = reinterpret_cast<T*>(arena.data() + p.offset[I]);
-             }
-             std::array<const T*, Node::arity> in;
-             for (std::size_t k = 0; k < Node::arity; ++k) in[k] = data[Node::args[k]];
-             if constexpr (Node::arity == 1) {
-               boost::hana::at_c<I>(program.graph.nodes)
-                   .op.template run<Backend>(in.data(), &p.shapes[Node::args[0]], data[I], p.shapes[I]);
-             } else {
-               std::array<Shape, Node::arity> in_shapes;
-               for (std::size_t k = 0; k < Node::arity; ++k) in_shapes[k] = p.shapes[Node::args[k]];
-               boost::hana::at_c<I>(program.graph.nodes)
-                   .op.template run<Backend>(in.data(), in_shapes.data(), data[I], p.shapes[I]);
-             }
-           }
-         }()),
-     ...);
-  }(std::make_index_sequence<n>{});
+  BasicTensor<Result> result;
+  std::array<void*, n> data;
+  graph::for_each_index<n>([&](auto i) {
+    constexpr std::size_t I = decltype(i)::value;
+    using Node = graph::node_at<G, I>;
+    using Op = typename Node::op_type;
+    if constexpr (buffers.storage[I] == graph::Storage::input) {
+      // Inputs are only read: kernels see them through KernelArgs::in, as const.
+      data[I] = const_cast<void*>(input[Op::index]);
+    } else {
+      if constexpr (buffers.storage[I] == graph::Storage::view) {
+        data[I] = data[buffers.root[I]];
+      } else if constexpr (buffers.storage[I] == graph::Storage::output) {
+        result = BasicTensor<Result>::uninitialized(p.shapes[I]);
+        data[I] = result.data();
+      } else if constexpr (buffers.storage[I] == graph::Storage::slot) {
+        data[I] = arena.data() + p.offset[I];
+      } else {
+        data[I] = nullptr;
+      }
+      if constexpr (graph::runs_kernel<Op>()) {
+        std::array<const void*, Node::arity> in;
+        for (std::size_t k = 0; k < Node::arity; ++k) in[k] = data[Node::args[k]];
+        const auto& op = boost::hana::at_c<I>(program.graph.nodes).op;
+        using T = graph::node_value_t<G, I>;
+        if constexpr (Node::arity == 1) {
+          op.template run<Backend, T>(graph::KernelArgs{in.data(), &p.shapes[Node::args[0]], data[I], p.shapes[I]});
+        } else {
+          std::array<Shape, Node::arity> in_shapes;
+          for (std::size_t k = 0; k < Node::arity; ++k) in_shapes[k] = p.shapes[Node::args[k]];
+          op.template run<Backend, T>(graph::KernelArgs{in.data(), in_shapes.data(), data[I], p.shapes[I]});
+        }
+      }
+    }
+  });
 
   constexpr std::size_t out_root = buffers.root[Out];
   if constexpr (buffers.storage[out_root] == graph::Storage::input) {
     // The graph only reshapes an input: its output is a view of that input.
-    return input[graph::node_at<G, out_root>::op_type::index]->reshape(p.shapes[Out]);
+    constexpr std::size_t k = graph::node_at<G, out_root>::op_type::index;
+    return tensor_of(std::get<k>(std::forward_as_tuple(inputs...))).reshape(p.shapes[Out]);
   } else if constexpr (out_root != Out) {
     return result.reshape(p.shapes[Out]);
   } else {
@@ -1531,22 +2426,63 @@ BasicTensor<typename G::value_type> run(const graph::Sym<G, Out>& program, const
   }
 }
 
+namespace detail {
+// Identifies a user of plan caches (a cell, a gradient function) for the program's life; an
+// address would not do, since a new object at a freed address may have other sizes.
+inline std::uint64_t new_plan_owner() {
+  static std::atomic<std::uint64_t> last{0};
+  return last.fetch_add(1, std::memory_order_relaxed) + 1;
+}
+
+// The plan of the last input shapes `owner` ran this graph type with on this thread. Per
+// thread, so concurrent callers never share or lock; one entry, so it costs nothing to keep.
+template <class G, std::size_t Out, std::size_t N>
+const graph::Plan<G, N>& cached_plan(std::uint64_t owner, const graph::Sym<G, Out>& program,
+                                     const std::array<Shape, N>& shapes) {
+  thread_local struct {
+    std::uint64_t owner = 0;
+    graph::Plan<G, N> plan;
+  } cache;
+  if (cache.owner != owner || cache.plan.input_shapes != shapes) {
+    cache.owner = 0;  // stays invalid if planning throws
+    cache.plan = plan(program, shapes);
+    cache.owner = owner;
+  }
+  return cache.plan;
+}
+}  // namespace detail
+
 // Plans and runs in one call.
 template <class Backend = DefaultBackend, class G, std::size_t Out, class... Inputs>
-BasicTensor<typename G::value_type> evaluate(const graph::Sym<G, Out>& program, const Inputs&... inputs) {
-  using T = typename G::value_type;
-  const std::array<Shape, sizeof...(Inputs)> shapes{static_cast<const BasicTensor<T>&>(inputs).shape()...};
-  return run<Backend>(program, plan(program, shapes), inputs...);
+auto evaluate(const graph::Sym<G, Out>& program, const Inputs&... inputs) {
+  return run<Backend>(program, plan(program, std::array<Shape, sizeof...(Inputs)>{inputs.shape()...}), inputs...);
 }
 
 }  // namespace duet
 // Parameters: the tensors a cell learns.
 
 #include <algorithm>
+#include <atomic>
+#include <cstdint>
 #include <string>
 
 
-namespace duet::nn {
+namespace duet {
+namespace detail {
+// The backward pass running on this thread; gradient kernels pass it to grad_for_write.
+inline std::uint64_t& current_backward_pass() {
+  thread_local std::uint64_t pass = 0;
+  return pass;
+}
+
+// Makes the calling thread's next backward pass, unique in the program.
+inline std::uint64_t begin_backward_pass() {
+  static std::atomic<std::uint64_t> last{0};
+  return current_backward_pass() = last.fetch_add(1, std::memory_order_relaxed) + 1;
+}
+}  // namespace detail
+
+namespace nn {
 
 // A tensor a cell owns and an optimiser updates. It is a tensor (prints, indexes, feeds
 // kernels) whose shape is fixed once made: set_data copies values in, never rebinds, so the
@@ -1566,13 +2502,33 @@ class BasicParameter : public BasicTensor<T> {
   // MindSpore's Parameter.set_data: the new values must have this parameter's shape.
   void set_data(const BasicTensor<T>& value) {
     if (!(value.shape() == this->shape())) {
-      throw ShapeError("duet::nn::Parameter::set_data: parameter has shape " + to_string(this->shape()) +
-                       ", got " + to_string(value.shape()));
+      throw ShapeError("duet::nn::Parameter::set_data: parameter has shape " + to_string(this->shape()) + ", got " +
+                       to_string(value.shape()));
     }
     std::copy_n(value.data(), value.numel(), this->data());
   }
 
+  // Where a gradient kernel writes this parameter's gradient in backward pass `pass`: the
+  // first write of a pass assigns (*accumulate = false), later ones add, for a parameter used
+  // twice. The buffer is made on the first pass and kept, so training does not allocate.
+  T* grad_for_write(std::uint64_t pass, bool* accumulate) const {
+    if (!(grad.shape() == this->shape())) grad = BasicTensor<T>(this->shape());
+    *accumulate = grad_pass_ == pass;
+    grad_pass_ = pass;
+    return grad.data();
+  }
+
+  // Whether backward pass `pass` wrote this parameter's gradient (it did not reach it otherwise).
+  bool has_grad_from(std::uint64_t pass) const { return grad_pass_ == pass; }
+
   bool requires_grad = true;
+
+  // The gradient from the last backward pass that reached this parameter; empty before.
+  // Gradients are bookkeeping, not the parameter's value: kernels holding a const layer write them.
+  mutable BasicTensor<T> grad;
+
+ private:
+  mutable std::uint64_t grad_pass_ = 0;
 };
 
 using Parameter = BasicParameter<float>;
@@ -1583,7 +2539,8 @@ struct NamedParameter {
   BasicParameter<T>* parameter;
 };
 
-}  // namespace duet::nn
+}  // namespace nn
+}  // namespace duet
 // Compile-time passes over a captured graph. Each takes a Sym (graph plus output) and
 // returns a new one, of a new type; they run while the program compiles and leave nothing to
 // do at run time but the evaluator's calls.
@@ -1593,13 +2550,12 @@ struct NamedParameter {
 //   fuse_epilogues                 bias adds and activations move into the product before them
 
 #include <array>
-#include <cstddef>
-#include <utility>
-
 #include <boost/hana/append.hpp>
 #include <boost/hana/drop_back.hpp>
 #include <boost/hana/length.hpp>
 #include <boost/hana/unpack.hpp>
+#include <cstddef>
+#include <utility>
 
 
 namespace duet::passes {
@@ -1610,36 +2566,21 @@ namespace hana = boost::hana;
 template <class G, std::size_t Out>
 constexpr std::array<std::size_t, G::size> user_counts() {
   std::array<std::size_t, G::size> users{};
-  [&]<std::size_t... I>(std::index_sequence<I...>) {
-    ((
-         [&] {
-           for (std::size_t a : graph::node_at<G, I>::args) ++users[a];
-         }()),
-     ...);
-  }(std::make_index_sequence<G::size>{});
+  graph::for_each_index<G::size>([&](auto i) {
+    constexpr std::size_t I = decltype(i)::value;
+    for (std::size_t a : graph::node_at<G, I>::args) ++users[a];
+  });
   ++users[Out];
   return users;
 }
 
 // A producer op P takes consumer op C as its epilogue when it says so.
 template <class P, class C>
-concept absorbs = requires { requires P::template accepts_epilogue<C>; };
+concept absorbs = requires {
+  requires P::template accepts_epilogue<C>;
+};
 
 namespace detail {
-
-template <class T, class Nodes>
-auto make_graph(const Nodes& nodes) {
-  return hana::unpack(nodes, [](const auto&... n) {
-    return graph::Graph<T, std::remove_cvref_t<decltype(n)>...>{hana::make_tuple(n...)};
-  });
-}
-
-// Node n with its arguments renumbered through map.
-template <class N, std::size_t... Map, std::size_t... A>
-auto renumbered(const N& n, std::index_sequence<Map...>, std::index_sequence<A...>) {
-  constexpr std::array<std::size_t, sizeof...(Map)> map{Map...};
-  return graph::Node<typename N::op_type, map[N::args[A]]...>{n.op};
-}
 
 // Walks the nodes in order, building the fused list. Map[j] is where node j's value lives in
 // the new list. A unary consumer folds into the node that computes its input when that node
@@ -1648,8 +2589,7 @@ template <std::size_t J, std::size_t Out, class G, class Built, std::size_t... M
 auto fuse_from(const G& g, const Built& built, std::index_sequence<Map...> map) {
   if constexpr (J == G::size) {
     constexpr std::array<std::size_t, G::size> m{Map...};
-    using T = typename G::value_type;
-    auto fused = make_graph<T>(built);
+    auto fused = graph::make_graph(built);
     return graph::Sym<decltype(fused), m[Out]>{fused};
   } else {
     using N = graph::node_at<G, J>;
@@ -1666,15 +2606,18 @@ auto fuse_from(const G& g, const Built& built, std::index_sequence<Map...> map) 
         auto absorbed = p.op.absorb(n.op);
         auto with_args = [&]<std::size_t... A>(std::index_sequence<A...>) {
           return graph::Node<decltype(absorbed), P::args[A]...>{absorbed};
-        }(std::make_index_sequence<P::arity>{});
+        }
+        (std::make_index_sequence<P::arity>{});
         return fuse_from<J + 1, Out>(g, hana::append(hana::drop_back(built), with_args),
                                      std::index_sequence<Map..., r>{});
       } else {
-        return fuse_from<J + 1, Out>(g, hana::append(built, renumbered(n, map, std::make_index_sequence<N::arity>{})),
-                                     std::index_sequence<Map..., built_size>{});
+        return fuse_from<J + 1, Out>(
+            g, hana::append(built, graph::renumbered(n, map, std::make_index_sequence<N::arity>{})),
+            std::index_sequence<Map..., built_size>{});
       }
     } else {
-      return fuse_from<J + 1, Out>(g, hana::append(built, renumbered(n, map, std::make_index_sequence<N::arity>{})),
+      return fuse_from<J + 1, Out>(g,
+                                   hana::append(built, graph::renumbered(n, map, std::make_index_sequence<N::arity>{})),
                                    std::index_sequence<Map..., built_size>{});
     }
   }
@@ -1706,8 +2649,8 @@ class BasicDynamicCell;
 
 // Called after a cell's forward in PyNative mode with the cell, its input and its output.
 template <ElementType T>
-using BasicForwardHook = std::function<void(const BasicDynamicCell<T>& cell, const BasicTensor<T>& input,
-                                            const BasicTensor<T>& output)>;
+using BasicForwardHook =
+    std::function<void(const BasicDynamicCell<T>& cell, const BasicTensor<T>& input, const BasicTensor<T>& output)>;
 using ForwardHook = BasicForwardHook<float>;
 
 namespace detail {
@@ -1829,7 +2772,9 @@ class BasicDynamicCell {
     named_.store(true, std::memory_order_release);
   }
 
+  // A child named "" is transparent: its own children take their names from the path itself.
   static std::string join(const std::string& path, std::string_view child) {
+    if (child.empty()) return path;
     return path.empty() ? std::string(child) : path + "." + std::string(child);
   }
 
@@ -1843,12 +2788,7 @@ class BasicDynamicCell {
     for_each_child([&](std::string_view n, BasicDynamicCell& c) { c.collect_cells(join(path, n), out); });
   }
 
-  static std::uint64_t next_id() {
-    static std::atomic<std::uint64_t> last{0};
-    return last.fetch_add(1, std::memory_order_relaxed) + 1;
-  }
-
-  std::uint64_t id_ = next_id();
+  std::uint64_t id_ = duet::detail::new_plan_owner();
   std::string name_;
   std::atomic<bool> named_{false};
   std::vector<std::pair<long, BasicForwardHook<T>>> hooks_;
@@ -1861,7 +2801,9 @@ template <class X>
 concept DynamicCellType = std::is_base_of_v<BasicDynamicCell<typename X::value_type>, X>;
 
 template <class C, class X>
-concept HasConstruct = requires(C& cell, X x) { cell.construct(x); };
+concept HasConstruct = requires(C& cell, X x) {
+  cell.construct(x);
+};
 
 // What a user's network derives from. Mode fixes how the cell runs whatever the context
 // (GRAPH_MODE, PYNATIVE_MODE); CONTEXT_MODE, the default, follows set_context at each call.
@@ -1869,13 +2811,18 @@ template <class Derived, Mode M = CONTEXT_MODE, ElementType T = float>
 class Cell : public BasicDynamicCell<T> {
  public:
   static constexpr Mode mode = M;
-  using BasicDynamicCell<T>::operator();
 
-  // Graph capture: construct appends this cell's nodes to the graph x belongs to.
-  template <graph::Symbolic S>
-  auto operator()(const S& x) {
-    return derived().construct(x);
+  // One tensor in: the DynamicCell call (hooks, then forward in this cell's mode).
+  BasicTensor<T> operator()(const BasicTensor<T>& x) {
+    static_assert(HasConstruct<Derived, BasicTensor<T>>,
+                  "duet::nn::Cell: the derived cell must define construct(x), generic over its input: "
+                  "auto construct(auto x) { ... }");
+    return BasicDynamicCell<T>::operator()(x);
   }
+
+  // Graph capture: construct appends this cell's nodes to the graph its inputs belong to.
+  template <graph::Symbolic... S>
+  requires(sizeof...(S) >= 1) auto operator()(const S&... xs) { return derived().construct(xs...); }
 
   // A statically shaped input: both modes check it against the layers at compile time and
   // return a StaticTensor of the inferred output shape.
@@ -1889,6 +2836,18 @@ class Cell : public BasicDynamicCell<T> {
       }
     }
     return to_static_tensor<Captured>((*this)(x.tensor()));
+  }
+
+  // Cells whose construct takes several tensors (a network with its loss, say). They are not
+  // DynamicCells of one input, so they run no forward hooks of their own.
+  template <class... X>
+  requires(sizeof...(X) >= 2 && ((is_tensor_v<X> || is_static_tensor_v<X>)&&...)) auto operator()(const X&... xs) {
+    this->ensure_named();
+    if constexpr (M != PYNATIVE_MODE) {
+      if (effective_mode(M) == GRAPH_MODE) return run_graph<typename graph::pattern_of<X>::type...>(tensor_of(xs)...);
+    }
+    EagerScope eager;
+    return derived().construct(tensor_of(xs)...);
   }
 
   std::string type_name() const override { return duet::detail::readable_type_name(typeid(Derived)); }
@@ -1908,10 +2867,7 @@ class Cell : public BasicDynamicCell<T> {
  protected:
   BasicTensor<T> forward(const BasicTensor<T>& x) override {
     if constexpr (!HasConstruct<Derived, BasicTensor<T>>) {
-      static_assert(HasConstruct<Derived, BasicTensor<T>>,
-                    "duet::nn::Cell: the derived cell must define construct(x), generic over its input: "
-                    "auto construct(auto x) { ... }");
-      return x;
+      throw ModeError(this->label() + ": construct takes several inputs; call the cell with all of them");
     } else if constexpr (M == GRAPH_MODE) {
       return run_graph<graph::AnyShape>(x);
     } else {
@@ -1927,26 +2883,19 @@ class Cell : public BasicDynamicCell<T> {
   Derived& derived() { return static_cast<Derived&>(*this); }
 
   // Capture, optimise, run. Capture and passes cost nothing at run time (they are types);
-  // the plan for the input's shape is kept per thread, so a repeated shape skips planning.
-  template <class Pattern>
-  BasicTensor<T> run_graph(const BasicTensor<T>& x) {
+  // the plan for the inputs' shapes is kept per thread, so repeated shapes skip planning.
+  template <class... Patterns, class... Ts>
+  auto run_graph(const BasicTensor<Ts>&... xs) {
     if (this->has_forward_hooks_in_tree()) {
       throw ModeError(this->label() +
                       " runs in graph mode, but a cell in it has a forward hook; hooks see "
                       "intermediate values in PyNative mode only (set_context({.mode = PYNATIVE_MODE}))");
     }
-    auto program = passes::optimize(derived().construct(graph::input<T, Pattern>()));
-    using G = typename decltype(program)::graph_type;
-    thread_local struct {
-      std::uint64_t cell = 0;
-      graph::Plan<G> plan;
-    } cache;
-    if (cache.cell != this->id() || !(cache.plan.input_shapes[0] == x.shape())) {
-      cache.cell = 0;
-      cache.plan = plan(program, {x.shape()});
-      cache.cell = this->id();
-    }
-    return run<DefaultBackend>(program, cache.plan, x);
+    auto program = passes::optimize([&]<std::size_t... K>(std::index_sequence<K...>) {
+      return derived().construct(graph::input<Ts, Patterns, K>()...);
+    }(std::index_sequence_for<Ts...>{}));
+    const std::array<Shape, sizeof...(Ts)> shapes{xs.shape()...};
+    return run<DefaultBackend>(program, duet::detail::cached_plan(this->id(), program, shapes), xs...);
   }
 
   template <class Captured>
@@ -1954,7 +2903,8 @@ class Cell : public BasicDynamicCell<T> {
     constexpr Shape s = Captured::shape;
     return [&]<std::size_t... I>(std::index_sequence<I...>) {
       return StaticTensor<T, s[static_cast<int>(I)]...>(std::move(y));
-    }(std::make_index_sequence<static_cast<std::size_t>(s.rank())>{});
+    }
+    (std::make_index_sequence<static_cast<std::size_t>(s.rank())>{});
   }
 
   template <class F>
@@ -1973,50 +2923,311 @@ class Cell : public BasicDynamicCell<T> {
 // why the two modes agree.
 
 #include <array>
+#include <type_traits>
 #include <utility>
+
+// The PyNative half of autodiff: a tape that records each operation as it runs, then walks
+// back over the records calling each operation's gradient op, the same op graph mode
+// appends to its backward graph.
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <tuple>
+#include <utility>
+#include <vector>
 
 
 namespace duet {
 
 namespace detail {
-template <class Op, class T>
-Shape checked_output_shape(const Op& op, const BasicTensor<T>& x) {
-  const std::array<Shape, 1> in{x.shape()};
+template <class Backend, class Op, class First, class... Rest>
+auto run_into_new(const Op& op, const BasicTensor<First>& first, const BasicTensor<Rest>&... rest);
+}  // namespace detail
+
+namespace autodiff {
+
+template <class Op>
+concept Differentiable = requires {
+  Op::grad_operands;
+  Op::has_parameters;
+};
+
+class Tape;
+
+// The tape recording on this thread, if any. Eager operations check it once each.
+inline Tape*& active_tape() {
+  thread_local Tape* tape = nullptr;
+  return tape;
+}
+
+class Entry {
+ public:
+  virtual ~Entry() = default;
+  virtual void backward(Tape& tape) = 0;
+};
+
+// An entry whose value can receive a gradient.
+template <class T>
+class ValueEntry : public Entry {
+ public:
+  // Gradients from several readers add up. Never in place: the first may alias another value.
+  void accumulate(BasicTensor<T> g);
+  const BasicTensor<T>* grad() const { return has_grad_ ? &grad_ : nullptr; }
+
+ private:
+  BasicTensor<T> grad_;
+  bool has_grad_ = false;
+};
+
+// A value the caller differentiates with respect to (an input of grad_position).
+template <class T>
+class LeafEntry final : public ValueEntry<T> {
+ public:
+  void backward(Tape&) override {}
+};
+
+class Tape {
+ public:
+  Tape() : generation_(next_generation()) {}
+  Tape(const Tape&) = delete;
+  Tape& operator=(const Tape&) = delete;
+
+  // Tracks x (the handle given, and copies made from it afterwards) as a leaf.
+  template <class T>
+  void watch(BasicTensor<T>& x) {
+    add(std::make_unique<LeafEntry<T>>(), x);
+  }
+
+  template <class T>
+  bool tracks(const BasicTensor<T>& x) const {
+    return index_of(x.tape_id()) < entries_.size();
+  }
+
+  template <class T>
+  ValueEntry<T>* entry_of(const BasicTensor<T>& x) const {
+    const std::size_t i = index_of(x.tape_id());
+    return i < entries_.size() ? static_cast<ValueEntry<T>*>(entries_[i].get()) : nullptr;
+  }
+
+  // Called by every eager operation while this tape is active.
+  template <class Op, class Out, class... In>
+  void record(const Op& op, BasicTensor<Out>& y, const BasicTensor<In>&... x);
+
+  // Records a cell call, for its backward hooks; returns the slot its output goes in.
+  template <class T, class Hook>
+  BasicTensor<T>* begin_cell(const BasicTensor<T>& input, Hook hook);
+
+  // Seeds d(output)/d(output) = 1 and runs every record's gradient, last first.
+  template <class T>
+  void backward(const BasicTensor<T>& output);
+
+ private:
+  static std::uint64_t next_generation() {
+    static std::atomic<std::uint64_t> last{0};
+    return last.fetch_add(1, std::memory_order_relaxed) + 1;
+  }
+
+  std::size_t index_of(std::uint64_t id) const {
+    return (id >> 32) == (generation_ & 0xFFFFFFFFu) && id != 0 ? static_cast<std::size_t>((id & 0xFFFFFFFFu) - 1)
+                                                                : entries_.size();
+  }
+
+  template <class T>
+  void add(std::unique_ptr<Entry> e, BasicTensor<T>& value) {
+    entries_.push_back(std::move(e));
+    value.set_tape_id(((generation_ & 0xFFFFFFFFu) << 32) | entries_.size());
+  }
+
+  std::uint64_t generation_;
+  std::vector<std::unique_ptr<Entry>> entries_;
+};
+
+// Makes a tape the active one for its lifetime (nested scopes restore the outer tape).
+class Recording {
+ public:
+  explicit Recording(Tape* tape) : outer_(std::exchange(active_tape(), tape)) {}
+  Recording(const Recording&) = delete;
+  Recording& operator=(const Recording&) = delete;
+  ~Recording() { active_tape() = outer_; }
+
+ private:
+  Tape* outer_;
+};
+
+template <class T>
+void ValueEntry<T>::accumulate(BasicTensor<T> g) {
+  if (!has_grad_) {
+    grad_ = std::move(g);
+    has_grad_ = true;
+    return;
+  }
+  auto sum = BasicTensor<T>::uninitialized(grad_.shape());
+  for (index_t i = 0; i < sum.numel(); ++i) sum.data()[i] = grad_.data()[i] + g.data()[i];
+  grad_ = std::move(sum);
+}
+
+// One recorded operation: the op, the handles of its inputs and output, and the gradient of
+// its output once readers have sent theirs.
+template <class Op, class Out, class... In>
+class OpEntry final : public ValueEntry<Out> {
+ public:
+  OpEntry(const Op& op, const BasicTensor<Out>& y, const BasicTensor<In>&... x) : op_(op), output_(y), inputs_(x...) {}
+
+  void backward(Tape& tape) override {
+    const BasicTensor<Out>* g = this->grad();
+    if (g == nullptr) return;
+    auto& x0 = std::get<0>(inputs_);
+    if (tape.tracks(x0)) {
+      auto dx = run_grad(op_.template grad_op<true>(), *g);
+      tape.entry_of(x0)->accumulate(std::move(dx));
+    } else if constexpr (Op::has_parameters) {
+      run_grad(op_.template grad_op<false>(), *g);
+    }
+  }
+
+ private:
+  template <graph::Operand O>
+  const auto& operand(const BasicTensor<Out>& g) const {
+    if constexpr (O == graph::Operand::grad)
+      return g;
+    else if constexpr (O == graph::Operand::output)
+      return output_;
+    else if constexpr (O == graph::Operand::input0)
+      return std::get<0>(inputs_);
+    else
+      return std::get<1>(inputs_);
+  }
+
+  template <class GradOp>
+  auto run_grad(const GradOp& gop, const BasicTensor<Out>& g) const {
+    return [&]<std::size_t... I>(std::index_sequence<I...>) {
+      return duet::detail::run_into_new<DefaultBackend>(gop, operand<Op::grad_operands[I]>(g)...);
+    }
+    (std::make_index_sequence<Op::grad_operands.size()>{});
+  }
+
+  Op op_;
+  BasicTensor<Out> output_;
+  std::tuple<BasicTensor<In>...> inputs_;
+};
+
+// A cell call: after the cell's own records have run backward, its hook sees both gradients.
+template <class T, class Hook>
+class CellEntry final : public Entry {
+ public:
+  CellEntry(const BasicTensor<T>& input, Hook hook) : input_(input), hook_(std::move(hook)) {}
+
+  void backward(Tape& tape) override {
+    const ValueEntry<T>* out = tape.entry_of(output);
+    if (out == nullptr || out->grad() == nullptr) return;
+    const ValueEntry<T>* in = tape.entry_of(input_);
+    const BasicTensor<T> none;
+    hook_(in != nullptr && in->grad() != nullptr ? *in->grad() : none, *out->grad());
+  }
+
+  BasicTensor<T> output;
+
+ private:
+  BasicTensor<T> input_;
+  Hook hook_;
+};
+
+template <class Op, class Out, class... In>
+void Tape::record(const Op& op, BasicTensor<Out>& y, const BasicTensor<In>&... x) {
+  const bool reads_tracked = (tracks(x) || ...);
+  if constexpr (Differentiable<Op>) {
+    if (!reads_tracked && !Op::has_parameters) return;
+    add(std::make_unique<OpEntry<Op, Out, In...>>(op, y, x...), y);
+  } else if (reads_tracked) {
+    throw ValueError("duet::grad: " + op.label() + " is not differentiable, but a gradient flows through it");
+  }
+}
+
+template <class T, class Hook>
+BasicTensor<T>* Tape::begin_cell(const BasicTensor<T>& input, Hook hook) {
+  auto entry = std::make_unique<CellEntry<T, Hook>>(input, std::move(hook));
+  BasicTensor<T>* slot = &entry->output;
+  entries_.push_back(std::move(entry));
+  return slot;
+}
+
+template <class T>
+void Tape::backward(const BasicTensor<T>& output) {
+  ValueEntry<T>* seed = entry_of(output);
+  if (seed == nullptr) {
+    throw ValueError("duet::grad: the function's output does not depend on anything being differentiated");
+  }
+  seed->accumulate(full<T>(output.shape(), T(1)));
+  Recording off(nullptr);
+  detail::begin_backward_pass();
+  for (std::size_t i = entries_.size(); i-- > 0;) entries_[i]->backward(*this);
+}
+
+}  // namespace autodiff
+}  // namespace duet
+
+namespace duet {
+
+namespace detail {
+
+template <class Op, std::size_t N>
+Shape checked_output_shape(const Op& op, const std::array<Shape, N>& in) {
   const ShapeResult r = op.infer(in);
   if (!r.ok()) throw ShapeError(describe_fault(r, op.label(), in));
   return r.shape;
 }
+
+template <class Backend, class Op, class First, class... Rest>
+auto run_into_new(const Op& op, const BasicTensor<First>& first, const BasicTensor<Rest>&... rest) {
+  using T = graph::op_value_t<Op, First>;
+  const std::array<Shape, 1 + sizeof...(Rest)> shapes{first.shape(), rest.shape()...};
+  const Shape out_shape = checked_output_shape(op, shapes);
+  const std::array<const void*, 1 + sizeof...(Rest)> in{first.data(), rest.data()...};
+  BasicTensor<T> y;
+  if constexpr (Op::is_view) {
+    if constexpr (graph::runs_kernel<Op>()) {
+      op.template run<Backend, T>(graph::KernelArgs{in.data(), shapes.data(), nullptr, out_shape});
+    }
+    y = first.reshape(out_shape);
+  } else if constexpr (graph::is_sink<Op>()) {
+    op.template run<Backend, T>(graph::KernelArgs{in.data(), shapes.data(), nullptr, out_shape});
+    return y;
+  } else {
+    y = BasicTensor<T>::uninitialized(out_shape);
+    op.template run<Backend, T>(graph::KernelArgs{in.data(), shapes.data(), y.data(), out_shape});
+  }
+  if (autodiff::Tape* tape = autodiff::active_tape()) tape->record(op, y, first, rest...);
+  return y;
+}
+
 }  // namespace detail
 
 template <class Backend = DefaultBackend, class Op, class T>
-BasicTensor<T> run_eager(const Op& op, const BasicTensor<T>& x) {
-  const Shape out_shape = detail::checked_output_shape(op, x);
-  if constexpr (Op::is_view) {
-    return x.reshape(out_shape);
-  } else {
-    auto y = BasicTensor<T>::uninitialized(out_shape);
-    const T* in[1] = {x.data()};
-    op.template run<Backend>(in, &x.shape(), y.data(), out_shape);
-    return y;
-  }
+auto run_eager(const Op& op, const BasicTensor<T>& x) {
+  return detail::run_into_new<Backend>(op, x);
 }
 
-// A temporary nobody else holds is overwritten in place by elementwise operations.
+// A temporary nobody else holds is overwritten in place by elementwise operations, unless a
+// tape records: its records keep the values their gradients read.
 template <class Backend = DefaultBackend, class Op, class T>
-BasicTensor<T> run_eager(const Op& op, BasicTensor<T>&& x) {
+auto run_eager(const Op& op, BasicTensor<T>&& x) {
   if constexpr (Op::is_elementwise) {
-    if (x.use_count() == 1) {
-      const Shape out_shape = detail::checked_output_shape(op, x);
-      const T* in[1] = {x.data()};
-      op.template run<Backend>(in, &x.shape(), x.data(), out_shape);
+    if (x.use_count() == 1 && autodiff::active_tape() == nullptr) {
+      const std::array<Shape, 1> shapes{x.shape()};
+      const Shape out_shape = detail::checked_output_shape(op, shapes);
+      const void* in[1] = {x.data()};
+      op.template run<Backend, T>(graph::KernelArgs{in, shapes.data(), x.data(), out_shape});
       return std::move(x);
     }
   }
-  return run_eager<Backend>(op, static_cast<const BasicTensor<T>&>(x));
+  return detail::run_into_new<Backend>(op, static_cast<const BasicTensor<T>&>(x));
 }
 
-// The one entry point layers use: on a symbolic tensor it records the operation in the graph,
-// on a real tensor it runs it now.
+// The one entry point layers use: on symbolic tensors it records the operation in the graph,
+// on real tensors it runs it now.
 template <class Op, class X>
 auto apply(const Op& op, X&& x) {
   if constexpr (graph::Symbolic<X>) {
@@ -2026,277 +3237,858 @@ auto apply(const Op& op, X&& x) {
   }
 }
 
-}  // namespace duet
-// graph_ir: what graph mode made of a cell, as text and as Graphviz DOT, before and after the
-// passes (MindSpore users get this from save_graphs).
-
-#include <cstddef>
-#include <sstream>
-#include <string>
-#include <utility>
-
-#include <boost/hana/at.hpp>
-
-
-namespace duet {
-
-struct GraphText {
-  std::string text;  // one line per node: "%2 = MatMul + BiasAdd + ReLU(%1) : [?, 512]  nn::Dense<...>"
-  std::string dot;   // Graphviz: `dot -Tsvg`
-};
-
-struct GraphIR {
-  GraphText captured;   // as construct built it
-  GraphText optimized;  // after the passes: what the evaluator runs
-};
-
-namespace graph {
-
-template <class G, std::size_t Out>
-GraphText dump(const Sym<G, Out>& program, const std::string& title) {
-  constexpr BufferPlan<G::size> plan = plan_buffers<G, Out>();
-  std::ostringstream text;
-  std::ostringstream dot;
-  text << "graph " << title << " {\n";
-  dot << "digraph \"" << title << "\" {\n  node [shape=box, fontname=\"monospace\"];\n";
-  [&]<std::size_t... I>(std::index_sequence<I...>) {
-    ((
-         [&] {
-           using Node = node_at<G, I>;
-           const auto& op = boost::hana::at_c<I>(program.graph.nodes).op;
-           std::string what = Node::op_type::op_name();
-           if constexpr (Node::arity > 0) {
-             what += "(";
-             for (std::size_t k = 0; k < Node::arity; ++k) what += (k ? ", %" : "%") + std::to_string(Node::args[k]);
-             what += ")";
-           }
-           std::string storage;
-           switch (plan.storage[I]) {
-             case Storage::input: storage = "input"; break;
-             case Storage::view: storage = "view of %" + std::to_string(plan.root[I]); break;
-             case Storage::slot: storage = "slot " + std::to_string(plan.slot[I]); break;
-             case Storage::output: storage = "output"; break;
-           }
-           const std::string who = op.label() == Node::op_type::op_name() ? "" : "  " + op.label();
-           text << "  %" << I << " = " << what << " : " << to_string(G::shapes[I]) << "  [" << storage << "]" << who
-                << "\n";
-           dot << "  n" << I << " [label=\"%" << I << " " << Node::op_type::op_name()
-               << "\\n" << to_string(G::shapes[I]) << " (" << storage << ")\"];\n";
-           for (std::size_t a : Node::args) dot << "  n" << a << " -> n" << I << ";\n";
-         }()),
-     ...);
-  }(std::make_index_sequence<G::size>{});
-  text << "  return %" << Out << "\n}\n";
-  dot << "}\n";
-  return {text.str(), dot.str()};
-}
-
-}  // namespace graph
-
-// The graph of cell for inputs of the given pattern (duet::shape<dyn, 1, 28, 28>, say); by
-// default an input of unknown shape, as when a runtime tensor is passed.
-template <class C, class Pattern = graph::AnyShape>
-GraphIR graph_ir(C& cell, Pattern = {}) {
-  cell.ensure_named();
-  auto captured = cell(graph::input<typename C::value_type, Pattern>());
-  const std::string title = cell.type_name();
-  return {graph::dump(captured, title), graph::dump(passes::optimize(captured), title)};
-}
-
-}  // namespace duet
-// Activation layers and the elementwise functions behind them.
-//
-// An elementwise function is a type with a name and an Eigen array form. The same type is a
-// graph node of its own (ops::MapOp<Fn>, what PyNative runs) or, after fuse_epilogues, a
-// step in a product's epilogue: the function is written once and used both ways.
-
-#include <string>
-#include <string_view>
-#include <utility>
-
-
-namespace duet {
-
-namespace fn {
-
-struct Relu {
-  static constexpr std::string_view name = "ReLU";
-  // NaN stays NaN, as IEEE and numpy's maximum say; a plain max(x, 0) would turn it into 0.
-  template <class A>
-  static auto array(const A& a) {
-    using S = typename A::Scalar;
-    return a.binaryExpr(A::Constant(a.rows(), a.cols(), S(0)),
-                        ::Eigen::internal::scalar_max_op<S, S, ::Eigen::PropagateNaN>());
+template <class Op, class A, class B>
+auto apply(const Op& op, const A& a, const B& b) {
+  if constexpr (graph::Symbolic<A> && graph::Symbolic<B>) {
+    return graph::append(op, a, b);
+  } else {
+    static_assert(!graph::Symbolic<A> && !graph::Symbolic<B>,
+                  "duet: an operation mixes a symbolic tensor (graph capture) and a real one; pass "
+                  "every tensor the graph reads as an input of the captured function");
+    return detail::run_into_new<DefaultBackend>(op, tensor_of(a), tensor_of(b));
   }
-};
+}
 
-}  // namespace fn
+}  // namespace duet
 
+namespace duet {
 namespace ops {
 
-template <class Fn>
-struct MapOp {
-  using layer_type = MapOp;
-  using fn_type = Fn;
+// A value of the input's shape filled with V: ones where backward starts (d output/d output),
+// zeros for the gradient of an input the output does not depend on.
+template <int V>
+struct FillLikeOp {
+  using layer_type = FillLikeOp;
   static constexpr int arity = 1;
   static constexpr bool is_view = false;
-  static constexpr bool is_elementwise = true;
-
+  static constexpr bool is_elementwise = false;
   static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
   ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
-
   template <class Backend, class T>
-  void run(const T* const* in, const Shape* in_shapes, T* out, const Shape&) const {
-    Backend::template map<Fn>(in[0], in_shapes[0].numel(), out);
+  void run(const graph::KernelArgs& a) const {
+    Backend::fill(a.out<T>(), a.output_shape.numel(), T(V));
   }
-
-  static std::string op_name() { return std::string(Fn::name); }
+  static std::string op_name() { return V == 1 ? "OnesLike" : "ZerosLike"; }
   std::string label() const { return op_name(); }
 };
 
-template <class X>
-auto relu(X&& x) {
-  return apply(MapOp<fn::Relu>{}, std::forward<X>(x));
-}
+// The sum of two gradients reaching one value.
+struct GradAddOp {
+  using layer_type = GradAddOp;
+  static constexpr int arity = 2;
+  static constexpr bool is_view = false;
+  static constexpr bool is_elementwise = false;
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    Backend::add(a.in<T>(0), a.in<T>(1), a.in_shape(0).numel(), a.out<T>());
+  }
+  static std::string op_name() { return "GradAdd"; }
+  std::string label() const { return op_name(); }
+};
+
+// Copies a value out of the graph into *destination (an input's gradient, for the caller).
+template <class T>
+struct StoreOp {
+  using layer_type = StoreOp;
+  static constexpr int arity = 1;
+  static constexpr bool is_view = false;
+  static constexpr bool is_elementwise = false;
+  static constexpr bool is_sink = true;
+  BasicTensor<T>* destination;
+  static constexpr ShapeResult infer_static(std::span<const Shape>) { return {Shape{}}; }
+  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
+  template <class Backend, class U>
+  void run(const graph::KernelArgs& a) const {
+    *destination = BasicTensor<T>::uninitialized(a.in_shape());
+    std::copy_n(a.in<T>(), a.in_shape().numel(), destination->data());
+  }
+  static std::string op_name() { return "Store"; }
+  std::string label() const { return op_name(); }
+};
 
 }  // namespace ops
 
-namespace nn {
+namespace diagnostic {
+template <class Op>
+struct operation_is_differentiable {
+  static constexpr bool value = false;
+};
+}  // namespace diagnostic
 
-// max(x, 0), elementwise (MindSpore's nn.ReLU).
-template <ElementType T>
-class BasicReLU : public Cell<BasicReLU<T>, CONTEXT_MODE, T> {
- public:
-  template <class X>
-  auto construct(X&& x) {
-    return ops::relu(std::forward<X>(x));
-  }
-  std::string type_name() const override { return "nn::ReLU"; }
+namespace autodiff {
+namespace detail {
+
+inline constexpr std::size_t no_grad = ~std::size_t{0};
+
+// Which nodes' values lead to something being differentiated: a parameter, or an input listed
+// in Wrt. Only those get gradients.
+template <class G, std::size_t... Wrt>
+constexpr std::array<bool, G::size> leads_to_gradient() {
+  std::array<bool, G::size> leads{};
+  graph::for_each_index<G::size>([&](auto i) {
+    constexpr std::size_t I = decltype(i)::value;
+    using N = graph::node_at<G, I>;
+    using Op = typename N::op_type;
+    if constexpr (graph::is_input_op_v<Op>) {
+      leads[I] = ((Op::index == Wrt) || ...);
+    } else {
+      bool any = false;
+      if constexpr (Differentiable<Op>) any = Op::has_parameters;
+      for (std::size_t a : N::args) any = any || leads[a];
+      leads[I] = any;
+    }
+  });
+  return leads;
+}
+
+template <std::size_t N>
+constexpr std::array<std::size_t, N> with(std::array<std::size_t, N> a, std::size_t i, std::size_t v) {
+  a[i] = v;
+  return a;
+}
+
+template <auto V>
+struct value_tag {
+  static constexpr auto value = V;
 };
 
-using ReLU = BasicReLU<float>;
+template <graph::Operand O, class N, std::size_t Self, std::size_t Grad>
+constexpr std::size_t operand_index() {
+  if constexpr (O == graph::Operand::grad)
+    return Grad;
+  else if constexpr (O == graph::Operand::output)
+    return Self;
+  else if constexpr (O == graph::Operand::input0)
+    return N::args[0];
+  else
+    return N::args[1];
+}
 
-}  // namespace nn
+// Walks forward nodes I-1, I-2, ..., 0. Grads[i] is the node holding d(output)/d(value i).
+template <std::size_t I, auto Grads, auto Leads, class G, class Built>
+auto backward_from(const G& g, const Built& built) {
+  if constexpr (I == 0) {
+    return std::pair{built, value_tag<Grads>{}};
+  } else {
+    constexpr std::size_t i = I - 1;
+    using N = graph::node_at<G, i>;
+    using Op = typename N::op_type;
+    constexpr std::size_t gi = Grads[i];
+    if constexpr (gi == no_grad || graph::is_input_op_v<Op>) {
+      return backward_from<i, Grads, Leads>(g, built);
+    } else if constexpr (!Differentiable<Op>) {
+      static_assert(diagnostic::operation_is_differentiable<typename Op::layer_type>::value,
+                    "duet::grad: a gradient must flow through an operation that has none (the condition "
+                    "names it)");
+      return backward_from<i, Grads, Leads>(g, built);
+    } else {
+      constexpr bool input_grad = N::arity >= 1 && Leads[N::args[0]];
+      if constexpr (!input_grad && !Op::has_parameters) {
+        return backward_from<i, Grads, Leads>(g, built);
+      } else {
+        const auto gop = boost::hana::at_c<i>(g.nodes).op.template grad_op<input_grad>();
+        constexpr std::size_t k = decltype(boost::hana::length(built))::value;
+        auto node = [&]<std::size_t... J>(std::index_sequence<J...>) {
+          return graph::Node<std::remove_cvref_t<decltype(gop)>, operand_index<Op::grad_operands[J], N, i, gi>()...>{
+              gop};
+        }
+        (std::make_index_sequence<Op::grad_operands.size()>{});
+        auto with_grad = boost::hana::append(built, node);
+        if constexpr (!input_grad) {
+          return backward_from<i, Grads, Leads>(g, with_grad);
+        } else if constexpr (Grads[N::args[0]] == no_grad) {
+          return backward_from<i, with(Grads, N::args[0], k), Leads>(g, with_grad);
+        } else {
+          auto summed = boost::hana::append(with_grad, graph::Node<ops::GradAddOp, Grads[N::args[0]], k>{});
+          return backward_from<i, with(Grads, N::args[0], k + 1), Leads>(g, summed);
+        }
+      }
+    }
+  }
+}
+
+template <class G, std::size_t K>
+constexpr std::size_t input_node() {
+  std::size_t found = G::size;
+  graph::for_each_index<G::size>([&](auto i) {
+    using Op = typename graph::node_at<G, decltype(i)::value>::op_type;
+    if constexpr (graph::is_input_op_v<Op>) {
+      if (Op::index == K) found = decltype(i)::value;
+    }
+  });
+  return found;
+}
+
+// Where the gradient of each differentiated input comes from: its gradient node, or the j-th
+// zeros node (placed from ZerosAt on) when the output does not depend on it.
+template <auto Grads, std::size_t ZerosAt, std::size_t... InputNodes>
+constexpr std::array<std::size_t, sizeof...(InputNodes)> store_sources() {
+  std::array<std::size_t, sizeof...(InputNodes)> sources{};
+  std::size_t j = 0;
+  ((sources[j] = Grads[InputNodes] != no_grad ? Grads[InputNodes] : ZerosAt + j, ++j), ...);
+  return sources;
+}
+
+}  // namespace detail
+
+// Gives the graph an input node K of type T if the function never read input K, so that its
+// (zero) gradient has somewhere to come from.
+template <std::size_t K, class T, class G, std::size_t Out>
+auto with_input(const graph::Sym<G, Out>& program) {
+  if constexpr (detail::input_node<G, K>() < G::size) {
+    return program;
+  } else {
+    auto g = graph::make_graph(
+        boost::hana::append(program.graph.nodes, graph::Node<graph::InputOp<K, graph::AnyShape, T>>{}));
+    return graph::Sym<decltype(g), Out>{g};
+  }
+}
+
+// The training graph of a forward program: the forward nodes, then the gradient nodes. Its
+// output is still the forward output; parameters' gradients land in their grad tensors, and
+// the gradient of input K lands in *input_grads[j] for the j-th K of Wrt.
+template <std::size_t... Wrt, class G0, std::size_t Out, class... T>
+auto build_backward(const graph::Sym<G0, Out>& program, BasicTensor<T>*... input_grads) {
+  static_assert(sizeof...(Wrt) == sizeof...(T), "duet::build_backward: one destination per input differentiated");
+  static_assert(sizeof...(Wrt) <= 1, "duet::build_backward: one input at a time (grad_position is one index)");
+  const auto forward = [&] {
+    if constexpr (sizeof...(Wrt) == 0)
+      return program;
+    else
+      return with_input<Wrt..., T...>(program);
+  }();
+  using G = typename std::remove_cvref_t<decltype(forward)>::graph_type;
+  constexpr auto leads = detail::leads_to_gradient<G, Wrt...>();
+  constexpr auto none = [] {
+    std::array<std::size_t, G::size> a{};
+    a.fill(detail::no_grad);
+    return a;
+  }();
+  auto seeded = boost::hana::append(forward.graph.nodes, graph::Node<ops::FillLikeOp<1>, Out>{});
+  auto [built, grads_tag] =
+      detail::backward_from<G::size, detail::with(none, Out, G::size), leads>(forward.graph, seeded);
+  static constexpr auto grads = decltype(grads_tag)::value;
+  // An input the output does not depend on has a zero gradient, as in MindSpore.
+  auto zeros = boost::hana::make_tuple(graph::Node<ops::FillLikeOp<0>, detail::input_node<G, Wrt>()>{}...);
+  constexpr std::size_t zeros_at = decltype(boost::hana::length(built))::value;
+  [[maybe_unused]] static constexpr auto sources =
+      detail::store_sources<grads, zeros_at, detail::input_node<G, Wrt>()...>();
+  const std::tuple<BasicTensor<T>*...> destinations{input_grads...};
+  auto stores = [&]<std::size_t... J>(std::index_sequence<J...>) {
+    return boost::hana::make_tuple(
+        graph::Node<ops::StoreOp<std::tuple_element_t<J, std::tuple<T...>>>, sources[J]>{std::get<J>(destinations)}...);
+  }
+  (std::index_sequence_for<T...>{});
+  auto training = graph::make_graph(boost::hana::concat(boost::hana::concat(built, zeros), stores));
+  return graph::Sym<decltype(training), Out>{training};
+}
+
+}  // namespace autodiff
+
+// What value_and_grad returns: the function's value, then the gradients asked for (the
+// input's first, when a grad_position is given, then the weights' in order).
+template <ElementType T>
+struct ValueAndGrads {
+  BasicTensor<T> value;
+  std::vector<BasicTensor<T>> grads;
+};
+
+namespace autodiff::detail {
+
+template <class F>
+concept CellLike = requires {
+  typename std::remove_cvref_t<F>::value_type;
+}
+&&std::is_base_of_v<nn::BasicDynamicCell<typename std::remove_cvref_t<F>::value_type>, std::remove_cvref_t<F>>;
+
+// The mode a function runs in: a cell's own, otherwise the context's.
+template <class F>
+Mode mode_of() {
+  if constexpr (CellLike<F>)
+    return effective_mode(std::remove_cvref_t<F>::mode);
+  else
+    return effective_mode(CONTEXT_MODE);
+}
+
+template <class F, class Positions, class... X>
+struct capturable;
+template <class F, std::size_t... K, class... X>
+struct capturable<F, std::index_sequence<K...>, X...> {
+  static constexpr bool value = requires(F & f) {
+    f(graph::input<typename X::value_type, typename graph::pattern_of<X>::type, K>()...);
+  };
+};
+
+// Whether graph mode can capture f on inputs like X...: a generic function or a cell can,
+// a function of duet::Tensor only runs eagerly.
+template <class F, class... X>
+concept Capturable = capturable<F, std::index_sequence_for<X...>, X...>::value;
+
+template <class T>
+std::vector<nn::BasicParameter<T>*> parameters_of(const std::vector<nn::NamedParameter<T>>& named) {
+  std::vector<nn::BasicParameter<T>*> out;
+  out.reserve(named.size());
+  for (const auto& p : named) out.push_back(p.parameter);
+  return out;
+}
+
+// Returns f(integral_constant<K>) for K = position, K in 0..Count-1: a runtime position
+// picks a compile-time instantiation.
+template <std::size_t Count, class F>
+auto at_position(std::size_t position, F&& f) {
+  decltype(f(std::integral_constant<std::size_t, 0>{})) result{};
+  [&]<std::size_t... K>(std::index_sequence<K...>) {
+    ((position == K ? (void)(result = f(std::integral_constant<std::size_t, K>{})) : void()), ...);
+  }
+  (std::make_index_sequence<Count>{});
+  return result;
+}
+
+}  // namespace autodiff::detail
+
+// A function with its gradient: what value_and_grad and grad return. Calls run the function
+// forward and backward in its mode; parameters' gradients are also left in their grad tensors.
+// W is the weights' element type, or void for none (then the function's output type is what
+// is differentiated).
+template <class Fn, class W = void>
+class GradFunction {
+  using FnRef = std::remove_reference_t<Fn>;
+  using WeightType = std::conditional_t<std::is_void_v<W>, float, W>;
+
+  // The element type of fn's value on tensors like X...
+  template <class... X>
+  using value_t = typename decltype(std::declval<FnRef&>()(tensor_of(std::declval<const X&>())...))::value_type;
+
+ public:
+  GradFunction(Fn fn, std::vector<nn::BasicParameter<WeightType>*> weights, std::optional<std::size_t> grad_position)
+      : fn_(std::forward<Fn>(fn)), weights_(std::move(weights)), grad_position_(grad_position) {}
+
+  template <class... X>
+  ValueAndGrads<value_t<X...>> operator()(const X&... xs) {
+    using V = value_t<X...>;
+    static_assert(std::is_void_v<W> || std::is_same_v<V, W>,
+                  "duet::value_and_grad: the function's value and the weights have different element types");
+    ValueAndGrads<V> out;
+    BasicTensor<V> input_grad;
+    if (grad_position_) {
+      check_position<V, X...>();
+      out.value = forward_backward<true>(input_grad, xs...);
+      out.grads.push_back(std::move(input_grad));
+    } else {
+      out.value = forward_backward<false>(input_grad, xs...);
+    }
+    if constexpr (!std::is_void_v<W>) {
+      const std::uint64_t pass = duet::detail::current_backward_pass();
+      for (nn::BasicParameter<W>* p : weights_) {
+        out.grads.push_back(p->has_grad_from(pass) ? p->grad.clone() : zeros<W>(p->shape()));
+      }
+    }
+    return out;
+  }
+
+  // The value, with the gradients left in the parameters' grad tensors and none copied out:
+  // a training step's first half.
+  template <class... X>
+  BasicTensor<value_t<X...>> value_and_parameter_grads(const X&... xs) {
+    BasicTensor<value_t<X...>> unused;
+    return forward_backward<false>(unused, xs...);
+  }
+
+ private:
+  // Inputs of another element type than the value's (integer labels, say) have no gradient.
+  template <class V, std::size_t K, class... X>
+  static constexpr bool differentiable_input() {
+    return std::is_same_v<typename std::tuple_element_t<K, std::tuple<X...>>::value_type, V>;
+  }
+
+  template <class V, class... X>
+  void check_position() const {
+    if (*grad_position_ >= sizeof...(X)) {
+      throw ValueError("duet::value_and_grad: grad_position " + std::to_string(*grad_position_) +
+                       " is out of range for " + std::to_string(sizeof...(X)) + " inputs");
+    }
+    const bool ok = autodiff::detail::at_position<sizeof...(X)>(
+        *grad_position_, [](auto k) { return differentiable_input<V, decltype(k)::value, X...>(); });
+    if (!ok) {
+      throw ValueError("duet::value_and_grad: input " + std::to_string(*grad_position_) +
+                       " (grad_position) is not of the element type being differentiated");
+    }
+  }
+
+  template <bool WithInput, class V, class... X>
+  BasicTensor<V> forward_backward(BasicTensor<V>& input_grad, const X&... xs) {
+    if constexpr (autodiff::detail::Capturable<FnRef, X...>) {
+      if (autodiff::detail::mode_of<Fn>() == GRAPH_MODE) return run_graph<WithInput>(input_grad, xs...);
+    }
+    return run_eager<WithInput>(input_grad, xs...);
+  }
+
+  template <bool WithInput, class V, class... X>
+  BasicTensor<V> run_eager(BasicTensor<V>& input_grad, const X&... xs) {
+    autodiff::Tape tape;
+    std::tuple<BasicTensor<typename X::value_type>...> inputs{tensor_of(xs)...};
+    BasicTensor<V> value;
+    {
+      autodiff::Recording recording(&tape);
+      EagerScope eager;
+      if constexpr (WithInput) {
+        autodiff::detail::at_position<sizeof...(X)>(*grad_position_, [&](auto k) {
+          if constexpr (differentiable_input<V, decltype(k)::value, X...>())
+            tape.watch(std::get<decltype(k)::value>(inputs));
+          return 0;
+        });
+      }
+      value = std::apply([&](const auto&... x) { return BasicTensor<V>(fn_(x...)); }, inputs);
+    }
+    tape.backward(value);
+    if constexpr (WithInput) {
+      autodiff::detail::at_position<sizeof...(X)>(*grad_position_, [&](auto k) {
+        if constexpr (differentiable_input<V, decltype(k)::value, X...>()) {
+          const auto& x = std::get<decltype(k)::value>(inputs);
+          const auto* entry = tape.entry_of(x);
+          input_grad = entry != nullptr && entry->grad() != nullptr ? entry->grad()->clone() : zeros<V>(x.shape());
+        }
+        return 0;
+      });
+    }
+    return value;
+  }
+
+  template <bool WithInput, class V, class... X>
+  BasicTensor<V> run_graph(BasicTensor<V>& input_grad, const X&... xs) {
+    if constexpr (autodiff::detail::CellLike<Fn>) {
+      if (fn_.has_forward_hooks_in_tree()) {
+        throw ModeError(fn_.label() +
+                        " is differentiated in graph mode, but a cell in it has a forward hook; "
+                        "hooks run in PyNative mode only");
+      }
+    }
+    auto forward = passes::optimize([&]<std::size_t... K>(std::index_sequence<K...>) {
+      return fn_(graph::input<typename X::value_type, typename graph::pattern_of<X>::type, K>()...);
+    }(std::index_sequence_for<X...>{}));
+    const std::array<Shape, sizeof...(X)> shapes{xs.shape()...};
+    duet::detail::begin_backward_pass();
+    if constexpr (WithInput) {
+      return autodiff::detail::at_position<sizeof...(X)>(*grad_position_, [&](auto k) {
+        if constexpr (differentiable_input<V, decltype(k)::value, X...>()) {
+          auto training = autodiff::build_backward<decltype(k)::value>(forward, &input_grad);
+          return BasicTensor<V>(
+              run<DefaultBackend>(training, duet::detail::cached_plan(id_, training, shapes), tensor_of(xs)...));
+        } else {
+          return BasicTensor<V>();
+        }
+      });
+    } else {
+      auto training = autodiff::build_backward<>(forward);
+      return run<DefaultBackend>(training, duet::detail::cached_plan(id_, training, shapes), tensor_of(xs)...);
+    }
+  }
+
+  Fn fn_;
+  std::vector<nn::BasicParameter<WeightType>*> weights_;
+  std::optional<std::size_t> grad_position_;
+  std::uint64_t id_ = duet::detail::new_plan_owner();
+};
+
+// MindSpore's value_and_grad(fn, grad_position, weights). fn is a cell (kept by reference) or
+// a function of tensors; weights a cell's parameters() or any list of them.
+template <class Fn>
+auto value_and_grad(Fn&& fn, std::optional<std::size_t> grad_position = 0) {
+  return GradFunction<Fn, void>(std::forward<Fn>(fn), {}, grad_position);
+}
+template <class Fn, ElementType T>
+auto value_and_grad(Fn&& fn, const std::vector<nn::NamedParameter<T>>& weights,
+                    std::optional<std::size_t> grad_position = std::nullopt) {
+  return GradFunction<Fn, T>(std::forward<Fn>(fn), autodiff::detail::parameters_of(weights), grad_position);
+}
+template <class Fn, ElementType T>
+auto value_and_grad(Fn&& fn, std::vector<nn::BasicParameter<T>*> weights,
+                    std::optional<std::size_t> grad_position = std::nullopt) {
+  return GradFunction<Fn, T>(std::forward<Fn>(fn), std::move(weights), grad_position);
+}
+
+// MindSpore's grad: the gradients alone. grad(fn) differentiates with respect to the first input.
+template <class Fn, class... Weights>
+auto grad(Fn&& fn, Weights&&... weights_and_position) {
+  auto vg = value_and_grad(std::forward<Fn>(fn), std::forward<Weights>(weights_and_position)...);
+  return [vg = std::move(vg)](const auto&... xs) mutable {
+    auto out = vg(xs...);
+    if constexpr (sizeof...(Weights) == 0)
+      return std::move(out.grads.front());
+    else
+      return std::move(out.grads);
+  };
+}
+
 }  // namespace duet
-// Containers: cells that run other cells in order.
+// Data for training: image data sets held in memory as bytes, Fashion-MNIST, and a DataLoader
+// that cuts a data set into shuffled float batches.
+//
+// Images stay bytes until a batch is made (Fashion-MNIST's training set is 47 MB as bytes,
+// 188 MB as floats), and a batch's tensors are reused from one batch to the next when nobody
+// else holds them.
 
-#include <memory>
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <iterator>
+#include <numeric>
 #include <string>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
-#include <boost/hana/at.hpp>
-#include <boost/hana/fold_left.hpp>
-#include <boost/hana/for_each.hpp>
-#include <boost/hana/tuple.hpp>
+// IDX files, the format of MNIST and Fashion-MNIST, plain or gzip-compressed.
+//
+//   bytes 0-1   0x00 0x00
+//   byte  2     element type: 0x08 unsigned byte, 0x09 signed byte, 0x0B int16, 0x0C int32,
+//               0x0D float32, 0x0E float64
+//   byte  3     number of dimensions
+//   then        one big-endian u32 per dimension, then the elements, big-endian, row-major
+//
+// A file starting with the gzip magic (0x1F 0x8B) is decompressed on the way; concatenated
+// gzip members are read as one stream, as gunzip does.
+//
+// The reader takes any bytes: a malformed file is a duet::FormatError naming the problem, an
+// unreadable one a duet::IOError. The header is not trusted with memory: the data is first
+// streamed through a fixed buffer to prove it is all there, and only then is the tensor
+// allocated and the file read again into it. So a short file claiming a gigabyte (a gzip
+// bomb's header) fails having allocated nothing, and a real one is held once, with no growing
+// buffer copied into the tensor to double the peak (the Fashion-MNIST training images are
+// 47 MB; decompressing them twice costs about 0.4 s).
 
+#include <zlib.h>
 
-namespace duet::nn {
-
-// A fixed list of cells, each fed the previous one's output (MindSpore's nn.SequentialCell).
-// The list is a hana::tuple: in graph mode the whole chain becomes one flat graph.
-template <class First, class... Rest>
-class SequentialCell
-    : public Cell<SequentialCell<First, Rest...>, CONTEXT_MODE, typename First::value_type> {
-  using T = typename First::value_type;
-  static_assert((std::is_same_v<typename Rest::value_type, T> && ...),
-                "nn::SequentialCell: all cells must have the same element type");
-
- public:
-  SequentialCell() { check_neighbours(); }
-  explicit SequentialCell(First first, Rest... rest) : cells_(std::move(first), std::move(rest)...) {
-    check_neighbours();
-  }
-
-  static constexpr std::size_t size() { return 1 + sizeof...(Rest); }
-
-  template <std::size_t I>
-  auto& get() {
-    return boost::hana::at_c<I>(cells_);
-  }
-
-  template <class X>
-  auto construct(X&& x) {
-    return boost::hana::fold_left(cells_, std::forward<X>(x),
-                                  [](auto&& acc, auto& cell) { return cell(std::forward<decltype(acc)>(acc)); });
-  }
-
-  void for_each_child(const typename BasicDynamicCell<T>::ChildVisitor& visit) override {
-    std::size_t i = 0;
-    boost::hana::for_each(cells_, [&](auto& cell) { visit(std::to_string(i++), cell); });
-  }
-
-  std::string type_name() const override { return "nn::SequentialCell"; }
-
- private:
-  // Capturing the chain on an input of unknown shape runs every layer's shape rule against
-  // its neighbour's output, so incompatible neighbours fail to compile in either mode.
-  static void check_neighbours() {
-    using Captured = decltype(std::declval<SequentialCell&>().construct(graph::input<T, graph::AnyShape>()));
-    static_cast<void>(sizeof(Captured));
-  }
-
-  boost::hana::tuple<First, Rest...> cells_;
-};
-
-// A list of cells built at run time (sizes and layers from a config file, say). Always runs in
-// PyNative mode: its structure is not known when the program compiles.
-template <ElementType T>
-class BasicDynamicSequentialCell : public BasicDynamicCell<T> {
- public:
-  BasicDynamicSequentialCell() = default;
-
-  // Adds a cell at the end, taking ownership; returns it.
-  template <class C>
-    requires std::is_base_of_v<BasicDynamicCell<T>, C>
-  C& append(C cell) {
-    auto owned = std::make_unique<C>(std::move(cell));
-    C& ref = *owned;
-    cells_.push_back(std::move(owned));
-    return ref;
-  }
-  BasicDynamicCell<T>& append(std::unique_ptr<BasicDynamicCell<T>> cell) {
-    cells_.push_back(std::move(cell));
-    return *cells_.back();
-  }
-
-  std::size_t size() const { return cells_.size(); }
-  BasicDynamicCell<T>& operator[](std::size_t i) {
-    if (i >= cells_.size()) {
-      throw IndexError("nn::DynamicSequentialCell: index " + std::to_string(i) + " is out of range for " +
-                       std::to_string(cells_.size()) + " cells");
-    }
-    return *cells_[i];
-  }
-
-  void for_each_child(const typename BasicDynamicCell<T>::ChildVisitor& visit) override {
-    for (std::size_t i = 0; i < cells_.size(); ++i) visit(std::to_string(i), *cells_[i]);
-  }
-
-  std::string type_name() const override { return "nn::DynamicSequentialCell"; }
-
- protected:
-  BasicTensor<T> forward(const BasicTensor<T>& x) override {
-    BasicTensor<T> y = x;
-    for (auto& cell : cells_) y = (*cell)(y);
-    return y;
-  }
-
- private:
-  std::vector<std::unique_ptr<BasicDynamicCell<T>>> cells_;
-};
-
-using DynamicSequentialCell = BasicDynamicSequentialCell<float>;
-
-}  // namespace duet::nn
-// Fully connected layers: nn::Dense and the operations it captures as (MatMul, BiasAdd).
-
-#include <cmath>
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <span>
 #include <string>
-#include <type_traits>
-#include <utility>
+#include <system_error>
+#include <variant>
 
+
+namespace duet::io {
+
+// The largest element data read_idx accepts; larger headers are taken as corrupt.
+inline constexpr std::uint64_t max_idx_data_bytes = std::uint64_t{1} << 30;
+
+// An IDX file's contents: its elements as a tensor of the matching duet type, shaped as the
+// header says.
+struct IdxArray {
+  DType dtype;
+  Shape shape;
+  std::variant<BasicTensor<std::uint8_t>, BasicTensor<std::int32_t>, BasicTensor<float>, BasicTensor<double>> data;
+};
+
+namespace detail {
+
+// Built by appending: GCC 12 warns falsely (-Wrestrict, PR105329) on "'" + std::string.
+inline std::string quoted(const std::filesystem::path& path) { return std::string("'").append(path.string()) + "'"; }
+
+// A file's bytes, gunzipped on the way when it starts with the gzip magic.
+class IdxByteStream {
+ public:
+  IdxByteStream(const std::filesystem::path& path, const std::string& where)
+      : where_(where),
+        file_(std::fopen(path.c_str(), "rb")),
+        in_(std::make_unique_for_overwrite<unsigned char[]>(chunk)) {
+    if (file_ == nullptr) {
+      const int error = errno;
+      throw IOError(where_ + ": cannot open: " + std::generic_category().message(error));
+    }
+    in_size_ = fill();
+    if (in_size_ >= 2 && in_[0] == 0x1F && in_[1] == 0x8B) {
+      inflater_.emplace(where_);
+      inflater_->z.next_in = in_.get();
+      inflater_->z.avail_in = static_cast<uInt>(in_size_);
+    }
+  }
+  IdxByteStream(const IdxByteStream&) = delete;
+  IdxByteStream& operator=(const IdxByteStream&) = delete;
+  ~IdxByteStream() = default;
+
+  bool gzipped() const { return inflater_.has_value(); }
+
+  // Fills out; fewer bytes only at the end of the contents.
+  std::size_t read(std::span<std::byte> out) {
+    std::size_t got = 0;
+    while (got < out.size()) {
+      const std::size_t n = gzipped() ? inflate_some(out.subspan(got)) : copy_some(out.subspan(got));
+      if (n == 0) break;
+      got += n;
+    }
+    return got;
+  }
+
+ private:
+  static constexpr std::size_t chunk = 64 * 1024;
+
+  struct FileCloser {
+    void operator()(std::FILE* f) const { std::fclose(f); }
+  };
+
+  // Owns a z_stream, which must not move once initialised (zlib keeps a pointer to it).
+  struct Inflater {
+    explicit Inflater(const std::string& where) {
+      // 16 + MAX_WBITS: gzip framing only, with each member's CRC-32 and length checked.
+      if (inflateInit2(&z, 16 + MAX_WBITS) != Z_OK) throw IOError(where + ": cannot initialise zlib");
+    }
+    Inflater(const Inflater&) = delete;
+    Inflater& operator=(const Inflater&) = delete;
+    ~Inflater() { inflateEnd(&z); }
+    z_stream z{};
+  };
+
+  std::size_t fill() {
+    const std::size_t n = std::fread(in_.get(), 1, chunk, file_.get());
+    if (n < chunk && std::ferror(file_.get()) != 0) {
+      const int error = errno;
+      throw IOError(where_ + ": read failed: " + std::generic_category().message(error));
+    }
+    return n;
+  }
+
+  std::size_t copy_some(std::span<std::byte> out) {
+    if (in_pos_ == in_size_) {
+      in_size_ = fill();
+      in_pos_ = 0;
+    }
+    const std::size_t n = std::min(out.size(), in_size_ - in_pos_);
+    std::copy_n(in_.get() + in_pos_, n, reinterpret_cast<unsigned char*>(out.data()));
+    in_pos_ += n;
+    return n;
+  }
+
+  // Some output, or 0 at the end of the last member.
+  std::size_t inflate_some(std::span<std::byte> out) {
+    z_stream& z = inflater_->z;
+    const auto wanted = static_cast<uInt>(std::min<std::size_t>(out.size(), std::numeric_limits<uInt>::max()));
+    z.next_out = reinterpret_cast<Bytef*>(out.data());
+    z.avail_out = wanted;
+    while (z.avail_out == wanted) {
+      if (z.avail_in == 0) {
+        z.next_in = in_.get();
+        z.avail_in = static_cast<uInt>(fill());
+        if (z.avail_in == 0) {
+          if (in_member_) throw FormatError(where_ + ": the gzip data is truncated");
+          break;
+        }
+      }
+      const bool starts_member = !in_member_;
+      in_member_ = true;
+      const int rc = inflate(&z, Z_NO_FLUSH);
+      if (rc == Z_STREAM_END) {
+        in_member_ = false;
+        inflateReset(&z);
+      } else if (rc == Z_MEM_ERROR) {
+        throw IOError(where_ + ": out of memory while decompressing");
+      } else if (rc != Z_OK && !(rc == Z_BUF_ERROR && z.avail_in == 0)) {
+        // Z_BUF_ERROR with input left would mean no progress: refusing it rules out a loop.
+        const std::string why = z.msg != nullptr ? z.msg : "zlib error " + std::to_string(rc);
+        throw FormatError(where_ + (starts_member
+                                        ? ": bytes after the gzip data are not another gzip member (" + why + ")"
+                                        : ": corrupt gzip data (" + why + ")"));
+      }
+    }
+    return wanted - z.avail_out;
+  }
+
+  std::string where_;
+  std::unique_ptr<std::FILE, FileCloser> file_;
+  std::unique_ptr<unsigned char[]> in_;
+  std::size_t in_size_ = 0;
+  std::size_t in_pos_ = 0;
+  std::optional<Inflater> inflater_;
+  bool in_member_ = true;  // the magic promised a first member
+};
+
+struct IdxHeader {
+  DType dtype = DType::uint8;
+  Shape shape;
+  std::uint64_t header_bytes = 0;
+  std::uint64_t data_bytes = 0;
+
+  friend bool operator==(const IdxHeader&, const IdxHeader&) = default;
+};
+
+inline std::string hex_byte(std::byte b) {
+  static constexpr char digits[] = "0123456789ABCDEF";
+  const auto v = static_cast<unsigned>(b);
+  return std::string("0x") + digits[v >> 4] + digits[v & 0xF];
+}
+
+// Where byte offsets count from, in messages.
+inline std::string offsets_of(const IdxByteStream& in) { return in.gzipped() ? " of the decompressed data" : ""; }
+
+inline IdxHeader read_idx_header(IdxByteStream& in, const std::string& where) {
+  std::array<std::byte, 4> magic{};
+  const std::size_t got = in.read(magic);
+  if (got < magic.size()) {
+    throw FormatError(where + ": truncated at byte " + std::to_string(got) + offsets_of(in) +
+                      ": an IDX header starts with 4 bytes");
+  }
+  if (magic[0] != std::byte{0} || magic[1] != std::byte{0}) {
+    throw FormatError(where + ": not an IDX file: it starts with " + hex_byte(magic[0]) + " " + hex_byte(magic[1]) +
+                      ", not 0x00 0x00");
+  }
+  IdxHeader h;
+  std::uint64_t element_size = 0;
+  switch (static_cast<unsigned>(magic[2])) {
+    case 0x08:
+      h.dtype = DType::uint8;
+      element_size = 1;
+      break;
+    case 0x0C:
+      h.dtype = DType::int32;
+      element_size = 4;
+      break;
+    case 0x0D:
+      h.dtype = DType::float32;
+      element_size = 4;
+      break;
+    case 0x0E:
+      h.dtype = DType::float64;
+      element_size = 8;
+      break;
+    case 0x09:
+    case 0x0B:
+      throw FormatError(where + ": element type " + hex_byte(magic[2]) +
+                        (magic[2] == std::byte{0x09} ? " (int8)" : " (int16)") +
+                        " has no duet tensor type; duet reads unsigned bytes (0x08), int32 (0x0C), float32 (0x0D) "
+                        "and float64 (0x0E)");
+    default:
+      throw FormatError(where + ": unknown IDX element type " + hex_byte(magic[2]));
+  }
+  const auto ndim = static_cast<std::size_t>(magic[3]);
+  if (ndim < 1 || ndim > static_cast<std::size_t>(max_rank)) {
+    throw FormatError(where + ": the header gives " + std::to_string(ndim) + " dimensions; duet reads 1 to " +
+                      std::to_string(max_rank));
+  }
+  std::array<std::byte, 4 * max_rank> dims{};
+  const auto dim_bytes = std::span(dims).first(4 * ndim);
+  const std::size_t got_dims = in.read(dim_bytes);
+  if (got_dims < dim_bytes.size()) {
+    throw FormatError(where + ": truncated at byte " + std::to_string(4 + got_dims) + offsets_of(in) +
+                      ": a header of " + std::to_string(ndim) + " dimensions is " +
+                      std::to_string(4 + dim_bytes.size()) + " bytes");
+  }
+  // The nonzero dimensions' product is bounded even when a zero makes the array empty: a
+  // tensor's shape must not overflow on the way to its zero. It saturates just past the limit.
+  const std::uint64_t limit = max_idx_data_bytes / element_size;
+  std::uint64_t nonzero = 1;
+  bool empty = false;
+  for (std::size_t i = 0; i < ndim; ++i) {
+    const std::byte* p = dims.data() + 4 * i;
+    const std::uint64_t d =
+        std::uint64_t(p[0]) << 24 | std::uint64_t(p[1]) << 16 | std::uint64_t(p[2]) << 8 | std::uint64_t(p[3]);
+    h.shape.push_back(static_cast<index_t>(d));
+    if (d == 0) {
+      empty = true;
+    } else {
+      nonzero = nonzero <= limit / d ? nonzero * d : limit + 1;
+    }
+  }
+  if (nonzero > limit) {
+    throw FormatError(where + ": dimensions " + to_string(h.shape) + " exceed the " +
+                      std::to_string(max_idx_data_bytes >> 20) + " MiB of data duet::io::read_idx accepts");
+  }
+  h.header_bytes = 4 + dim_bytes.size();
+  h.data_bytes = empty ? 0 : nonzero * element_size;
+  return h;
+}
+
+// Having read `got` bytes of data, checks they are exactly what the header promises.
+inline void check_data_length(IdxByteStream& in, const IdxHeader& h, std::uint64_t got, const std::string& where) {
+  if (got < h.data_bytes) {
+    throw FormatError(where + ": truncated at byte " + std::to_string(h.header_bytes + got) + offsets_of(in) +
+                      ": the header " + to_string(h.shape) + " promises " +
+                      std::to_string(h.header_bytes + h.data_bytes) + " bytes");
+  }
+  std::array<std::byte, 1> extra{};
+  if (in.read(extra) != 0) {
+    throw FormatError(where + ": trailing bytes after byte " + std::to_string(h.header_bytes + h.data_bytes) +
+                      offsets_of(in) + ", where the header " + to_string(h.shape) + " ends the data");
+  }
+}
+
+// Streams the data through a small buffer: proves the file holds it before anything is allocated.
+inline void skip_idx_data(IdxByteStream& in, const IdxHeader& h, const std::string& where) {
+  std::array<std::byte, 16 * 1024> scratch;
+  std::uint64_t got = 0;
+  while (got < h.data_bytes) {
+    const auto want = static_cast<std::size_t>(std::min<std::uint64_t>(scratch.size(), h.data_bytes - got));
+    const std::size_t n = in.read(std::span(scratch).first(want));
+    got += n;
+    if (n < want) break;
+  }
+  check_data_length(in, h, got, where);
+}
+
+template <class T>
+BasicTensor<T> read_idx_data(IdxByteStream& in, const IdxHeader& h, const std::string& where) {
+  auto t = BasicTensor<T>::uninitialized(h.shape);
+  const std::span<std::byte> bytes = std::as_writable_bytes(t.values());
+  check_data_length(in, h, in.read(bytes), where);
+  // IDX elements are big-endian.
+  if constexpr (sizeof(T) > 1 && std::endian::native == std::endian::little) {
+    for (auto e = bytes.begin(); e != bytes.end(); e += sizeof(T)) std::reverse(e, e + sizeof(T));
+  }
+  return t;
+}
+
+}  // namespace detail
+
+// The header, dimensions and elements of an IDX file; any malformed file is a FormatError.
+inline IdxArray read_idx(const std::filesystem::path& path) {
+  const std::string where = "IDX file " + detail::quoted(path);
+  detail::IdxHeader header;
+  {
+    detail::IdxByteStream probe(path, where);
+    header = detail::read_idx_header(probe, where);
+    detail::skip_idx_data(probe, header, where);
+  }
+  detail::IdxByteStream in(path, where);
+  if (!(detail::read_idx_header(in, where) == header)) throw FormatError(where + ": the file changed while being read");
+  IdxArray out{header.dtype, header.shape, {}};
+  switch (header.dtype) {
+    case DType::int32:
+      out.data = detail::read_idx_data<std::int32_t>(in, header, where);
+      break;
+    case DType::float32:
+      out.data = detail::read_idx_data<float>(in, header, where);
+      break;
+    case DType::float64:
+      out.data = detail::read_idx_data<double>(in, header, where);
+      break;
+    default:
+      out.data = detail::read_idx_data<std::uint8_t>(in, header, where);
+      break;  // uint8, the last one
+  }
+  return out;
+}
+
+// An IDX file of unsigned bytes (images, labels), as a tensor of its shape.
+inline BasicTensor<std::uint8_t> read_idx_u8(const std::filesystem::path& path) {
+  IdxArray a = read_idx(path);
+  if (a.dtype != DType::uint8) {
+    throw FormatError("IDX file " + detail::quoted(path) + ": holds " + std::string(name_of(a.dtype)) +
+                      " elements, expected unsigned bytes (UInt8)");
+  }
+  return std::get<BasicTensor<std::uint8_t>>(std::move(a.data));
+}
+
+}  // namespace duet::io
 // Seeded random numbers that are the same on every compiler and standard library.
 //
 // std::uniform_real_distribution and std::normal_distribution are implementation-defined, so
@@ -2441,18 +4233,911 @@ BasicTensor<T> randn(const Shape& shape) {
 
 }  // namespace duet
 
+namespace duet::data {
+
+// Images [N, H, W] as bytes and their labels [N], each in 0 .. classes - 1. Copies share the
+// elements, as tensors do.
+class ImageDataset {
+ public:
+  ImageDataset(BasicTensor<std::uint8_t> images, BasicTensor<std::int32_t> labels, int classes)
+      : images_(std::move(images)), labels_(std::move(labels)), classes_(classes) {
+    if (images_.ndim() != 3) {
+      throw ShapeError("duet::data::ImageDataset: images must have shape [N, H, W], got " + to_string(images_.shape()));
+    }
+    if (labels_.ndim() != 1 || labels_.dim(0) != images_.dim(0)) {
+      throw ShapeError("duet::data::ImageDataset: " + std::to_string(images_.dim(0)) +
+                       " images need labels of shape [" + std::to_string(images_.dim(0)) + "], got " +
+                       to_string(labels_.shape()));
+    }
+    if (classes_ <= 0) {
+      throw ValueError("duet::data::ImageDataset: classes must be positive, got " + std::to_string(classes_));
+    }
+    for (index_t i = 0; i < labels_.numel(); ++i) {
+      const std::int32_t label = labels_.data()[i];
+      if (label < 0 || label >= classes_) {
+        throw ValueError("duet::data::ImageDataset: label " + std::to_string(i) + " is " + std::to_string(label) +
+                         ", outside 0.." + std::to_string(classes_ - 1));
+      }
+    }
+  }
+
+  // Samples.
+  index_t size() const { return images_.dim(0); }
+  index_t height() const { return images_.dim(1); }
+  index_t width() const { return images_.dim(2); }
+  int classes() const { return classes_; }
+  const BasicTensor<std::uint8_t>& images() const { return images_; }
+  const BasicTensor<std::int32_t>& labels() const { return labels_; }
+
+ private:
+  BasicTensor<std::uint8_t> images_;
+  BasicTensor<std::int32_t> labels_;
+  int classes_;
+};
+
+enum class Split { train, test };
+
+// Where Debian's dataset-fashion-mnist package puts the files.
+inline constexpr const char* fashion_mnist_dir = "/usr/share/datasets/fashion-mnist";
+
+// Fashion-MNIST (60000 training or 10000 test images of 28x28, 10 classes) from the four IDX
+// files of its distribution, gzipped (as shipped) or not.
+inline ImageDataset load_fashion_mnist(const std::filesystem::path& dir, Split split) {
+  const std::string prefix = split == Split::train ? "train" : "t10k";
+  const auto find = [&](const std::string& name) {
+    std::error_code ignored;
+    for (const auto& candidate : {dir / (name + ".gz"), dir / name}) {
+      if (std::filesystem::exists(candidate, ignored)) return candidate;
+    }
+    throw IOError("duet::data::load_fashion_mnist: '" + (dir / (name + ".gz")).string() +
+                  "' not found; on Debian, install the dataset-fashion-mnist package, or pass the directory "
+                  "holding the Fashion-MNIST files");
+  };
+  const auto images_path = find(prefix + "-images-idx3-ubyte");
+  const auto labels_path = find(prefix + "-labels-idx1-ubyte");
+  BasicTensor<std::uint8_t> images = io::read_idx_u8(images_path);
+  const BasicTensor<std::uint8_t> label_bytes = io::read_idx_u8(labels_path);
+  auto labels = BasicTensor<std::int32_t>::uninitialized(label_bytes.shape());
+  std::copy_n(label_bytes.data(), label_bytes.numel(), labels.data());
+  try {
+    return ImageDataset(std::move(images), std::move(labels), 10);
+  } catch (const Error& e) {
+    throw FormatError("duet::data::load_fashion_mnist: '" + images_path.string() + "' and '" + labels_path.string() +
+                      "' do not form a data set: " + e.what());
+  }
+}
+
+inline ImageDataset load_fashion_mnist(Split split = Split::train) {
+  return load_fashion_mnist(fashion_mnist_dir, split);
+}
+
+// A batch: images [B, 1, H, W] as floats in [0, 1] (byte / 255) and their labels [B].
+struct Batch {
+  Tensor images;
+  BasicTensor<std::int32_t> labels;
+};
+
+struct LoaderOptions {
+  // Epoch e's order is a function of (seed, e) alone, so a run can be repeated or resumed.
+  bool shuffle = false;
+  std::uint64_t seed = 0;
+  // Leave out the last batch when it is smaller than batch_size, instead of returning it short.
+  bool drop_last = false;
+};
+
+// Cuts a data set into batches, one epoch at a time:
+//
+//   data::DataLoader loader(data::load_fashion_mnist(), 64, {.shuffle = true, .seed = 1});
+//   for (int epoch = 0; epoch < 10; ++epoch) {
+//     for (const data::Batch& batch : loader) train(batch.images, batch.labels);
+//   }
+//
+// Each range-for runs the next epoch (the first runs epoch 0); next() and start_epoch() step
+// through epochs by hand. A batch is valid until the next batch is made.
+class DataLoader {
+ public:
+  class Iterator {
+   public:
+    using value_type = Batch;
+    using difference_type = std::ptrdiff_t;
+
+    Iterator() = default;
+    explicit Iterator(DataLoader& loader) : loader_(&loader), batch_(loader.next()) {}
+
+    const Batch& operator*() const { return *batch_; }
+    const Batch* operator->() const { return batch_; }
+    Iterator& operator++() {
+      batch_ = loader_->next();
+      return *this;
+    }
+    void operator++(int) { ++*this; }
+    friend bool operator==(const Iterator& it, std::default_sentinel_t) { return it.batch_ == nullptr; }
+
+   private:
+    DataLoader* loader_ = nullptr;
+    const Batch* batch_ = nullptr;
+  };
+
+  DataLoader(ImageDataset data, index_t batch_size, LoaderOptions options = {})
+      : data_(std::move(data)),
+        batch_size_(batch_size),
+        options_(options),
+        order_(static_cast<std::size_t>(data_.size())) {
+    if (batch_size_ <= 0) {
+      throw ValueError("duet::data::DataLoader: batch_size must be positive, got " + std::to_string(batch_size_));
+    }
+    start_epoch(0);
+  }
+
+  // Batches per epoch (PyTorch's len(loader), MindSpore's get_dataset_size()).
+  index_t size() const {
+    return options_.drop_last ? data_.size() / batch_size_ : (data_.size() + batch_size_ - 1) / batch_size_;
+  }
+  index_t batch_size() const { return batch_size_; }
+  const ImageDataset& dataset() const { return data_; }
+  std::uint64_t epoch() const { return epoch_; }
+
+  // Rewinds to the first batch of the given epoch, in that epoch's order.
+  void start_epoch(std::uint64_t epoch) {
+    epoch_ = epoch;
+    next_batch_ = 0;
+    std::iota(order_.begin(), order_.end(), index_t{0});
+    if (options_.shuffle) {
+      // Fisher-Yates. The modulo's bias is below size / 2^64: nothing for any data set in memory.
+      Generator gen(Generator(options_.seed).next() + epoch);
+      for (std::size_t i = order_.size(); i > 1; --i) std::swap(order_[i - 1], order_[gen.next() % i]);
+    }
+  }
+
+  // The next batch of this epoch, or nullptr when the epoch is over.
+  const Batch* next() {
+    if (next_batch_ == size()) return nullptr;
+    const index_t first = next_batch_ * batch_size_;
+    make_batch(first, std::min(batch_size_, data_.size() - first));
+    ++next_batch_;
+    return &batch_;
+  }
+
+  // Starts the next epoch, or the current one if none of its batches has been taken yet.
+  Iterator begin() {
+    start_epoch(next_batch_ > 0 ? epoch_ + 1 : epoch_);
+    return Iterator(*this);
+  }
+  std::default_sentinel_t end() const { return {}; }
+
+ private:
+  void make_batch(index_t first, index_t count) {
+    const index_t h = data_.height();
+    const index_t w = data_.width();
+    if (batch_.images.use_count() != 1 || batch_.images.dim(0) != count) {
+      batch_.images = Tensor::uninitialized({count, 1, h, w});
+    }
+    if (batch_.labels.use_count() != 1 || batch_.labels.dim(0) != count) {
+      batch_.labels = BasicTensor<std::int32_t>::uninitialized({count});
+    }
+    const index_t pixels = h * w;
+    const std::uint8_t* images = data_.images().data();
+    for (index_t k = 0; k < count; ++k) {
+      const index_t sample = order_[static_cast<std::size_t>(first + k)];
+      const std::uint8_t* from = images + sample * pixels;
+      float* to = batch_.images.data() + k * pixels;
+      for (index_t p = 0; p < pixels; ++p) to[p] = static_cast<float>(from[p]) / 255.0f;
+      batch_.labels.data()[k] = data_.labels().data()[sample];
+    }
+  }
+
+  ImageDataset data_;
+  index_t batch_size_;
+  LoaderOptions options_;
+  std::vector<index_t> order_;  // this epoch's samples, in the order they are served
+  std::uint64_t epoch_ = 0;
+  index_t next_batch_ = 0;
+  Batch batch_;
+};
+
+}  // namespace duet::data
+// graph_ir: what graph mode made of a cell, as text and as Graphviz DOT, before and after the
+// passes (MindSpore users get this from save_graphs).
+
+#include <boost/hana/at.hpp>
+#include <cstddef>
+#include <sstream>
+#include <string>
+#include <utility>
+
+
+namespace duet {
+
+struct GraphText {
+  std::string text;  // one line per node: "%2 = MatMul + BiasAdd + ReLU(%1) : [?, 512]  nn::Dense<...>"
+  std::string dot;   // Graphviz: `dot -Tsvg`
+};
+
+struct GraphIR {
+  GraphText captured;   // as construct built it
+  GraphText optimized;  // after the passes: what the evaluator runs
+};
+
+namespace graph {
+
+template <class G, std::size_t Out>
+GraphText dump(const Sym<G, Out>& program, const std::string& title) {
+  constexpr BufferPlan<G::size> plan = plan_buffers<G, Out>();
+  std::ostringstream text;
+  std::ostringstream dot;
+  text << "graph " << title << " {\n";
+  dot << "digraph \"" << title << "\" {\n  node [shape=box, fontname=\"monospace\"];\n";
+  graph::for_each_index<G::size>([&](auto i) {
+    constexpr std::size_t I = decltype(i)::value;
+    using Node = node_at<G, I>;
+    const auto& op = boost::hana::at_c<I>(program.graph.nodes).op;
+    std::string what = Node::op_type::op_name();
+    if constexpr (Node::arity > 0) {
+      what += "(";
+      for (std::size_t k = 0; k < Node::arity; ++k) what += (k ? ", %" : "%") + std::to_string(Node::args[k]);
+      what += ")";
+    }
+    std::string storage;
+    switch (plan.storage[I]) {
+      case Storage::input:
+        storage = "input";
+        break;
+      case Storage::view:
+        storage = "view of %" + std::to_string(plan.root[I]);
+        break;
+      case Storage::slot:
+        storage = "slot " + std::to_string(plan.slot[I]);
+        break;
+      case Storage::output:
+        storage = "output";
+        break;
+      case Storage::none:
+        storage = "no value";
+        break;
+    }
+    const std::string who = op.label() == Node::op_type::op_name() ? "" : "  " + op.label();
+    text << "  %" << I << " = " << what << " : " << to_string(G::shapes[I]) << "  [" << storage << "]" << who << "\n";
+    dot << "  n" << I << " [label=\"%" << I << " " << Node::op_type::op_name() << "\\n"
+        << to_string(G::shapes[I]) << " (" << storage << ")\"];\n";
+    for (std::size_t a : Node::args) dot << "  n" << a << " -> n" << I << ";\n";
+  });
+  text << "  return %" << Out << "\n}\n";
+  dot << "}\n";
+  return {text.str(), dot.str()};
+}
+
+}  // namespace graph
+
+// The graph of cell for inputs of the given pattern (duet::shape<dyn, 1, 28, 28>, say); by
+// default an input of unknown shape, as when a runtime tensor is passed.
+template <class C, class Pattern = graph::AnyShape>
+GraphIR graph_ir(C& cell, Pattern = {}) {
+  cell.ensure_named();
+  auto captured = cell(graph::input<typename C::value_type, Pattern>());
+  const std::string title = cell.type_name();
+  return {graph::dump(captured, title), graph::dump(passes::optimize(captured), title)};
+}
+
+}  // namespace duet
+// Checkpoints: a cell's parameters in one file (MindSpore's save_checkpoint / load_checkpoint).
+//
+// Format, version 1; every integer is little-endian:
+//
+//   size           field
+//   8              magic "DUETCKPT"
+//   4              u32 version: 1
+//   4              u32 number of parameters
+//   per parameter, in the cell's order (a reader accepts any order):
+//     4            u32 name length, then the name's bytes: the parameter's path in the cell,
+//                  "dense_relu_sequential.0.weight", with no terminator
+//     1            u8 element type, a duet::DType: 0 Float32, 1 Float64, 2 Int32, 3 Int64, 4 UInt8
+//     1            u8 rank, 0 to duet::max_rank
+//     8 × rank     i64 dimensions
+//     numel × size the elements, row-major, little-endian
+//   4              u32 CRC-32 (zlib's crc32) of every byte before it
+//
+// Names are paths from the cell saved, which are the same whichever mode the cell runs in,
+// so a checkpoint saved from a network in graph mode loads into the same network in PyNative
+// mode and back.
+
+#include <unistd.h>
+#include <zlib.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <bit>
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <limits>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+
+namespace duet {
+
+// Elements are written and read as they lie in memory.
+static_assert(std::endian::native == std::endian::little, "duet checkpoints need a little-endian machine");
+
+namespace detail {
+
+inline constexpr std::string_view checkpoint_magic = "DUETCKPT";
+inline constexpr std::uint32_t checkpoint_version = 1;
+// Magic, version, count; the checksum; each parameter's name length, type and rank.
+inline constexpr std::uint64_t checkpoint_header_bytes = 8 + 4 + 4;
+inline constexpr std::uint64_t checkpoint_checksum_bytes = 4;
+inline constexpr std::uint64_t checkpoint_record_header_bytes = 4 + 1 + 1;
+
+inline std::string checkpoint_where(const std::filesystem::path& path) { return "checkpoint '" + path.string() + "'"; }
+
+inline std::string system_message() {
+  const int error = errno;
+  return std::generic_category().message(error);
+}
+
+// A name from a file, for a message: a hostile one may be megabytes long.
+inline std::string shown_name(std::string_view name) {
+  constexpr std::size_t most = 100;
+  // Built by appending: GCC 12 warns falsely (-Wrestrict, PR105329) on "'" + std::string.
+  return std::string("'").append(name.substr(0, most)).append(name.size() > most ? "...'" : "'");
+}
+
+// Writes a checkpoint to a temporary file beside its destination and renames it into place
+// on commit, so the destination is always either the old file or the whole new one. The
+// temporary file is removed if the writer is destroyed before commit.
+class CheckpointWriter {
+ public:
+  explicit CheckpointWriter(const std::filesystem::path& path) : path_(path), where_(checkpoint_where(path)) {
+    if (!path.has_filename()) throw IOError(where_ + ": the path names no file");
+    static std::atomic<unsigned long> serial{0};
+    temp_ = path.parent_path() / ("." + path.filename().string() + ".tmp-" + std::to_string(::getpid()) + "-" +
+                                  std::to_string(serial.fetch_add(1)));
+    // "x": never write into a file that happens to have that name.
+    file_ = std::fopen(temp_.c_str(), "wbx");
+    if (file_ == nullptr) throw IOError(where_ + ": cannot create '" + temp_.string() + "': " + system_message());
+  }
+  CheckpointWriter(const CheckpointWriter&) = delete;
+  CheckpointWriter& operator=(const CheckpointWriter&) = delete;
+  ~CheckpointWriter() {
+    if (file_ != nullptr) std::fclose(file_);
+    if (!committed_) {
+      std::error_code ignored;
+      std::filesystem::remove(temp_, ignored);
+    }
+  }
+
+  void bytes(std::span<const std::byte> b) {
+    if (b.empty()) return;
+    if (std::fwrite(b.data(), 1, b.size(), file_) != b.size()) {
+      throw IOError(where_ + ": cannot write '" + temp_.string() + "': " + system_message());
+    }
+    crc_ = crc32_z(crc_, reinterpret_cast<const Bytef*>(b.data()), b.size());
+  }
+  void u8(std::uint8_t v) { bytes(std::array{std::byte{v}}); }
+  void u32(std::uint32_t v) { little_endian<4>(v); }
+  void i64(std::int64_t v) { little_endian<8>(static_cast<std::uint64_t>(v)); }
+
+  // Appends the checksum, makes the file durable, and renames it over the destination.
+  void commit() {
+    u32(static_cast<std::uint32_t>(crc_));
+    bool ok = std::fflush(file_) == 0 && ::fsync(::fileno(file_)) == 0;
+    std::string why = ok ? "" : system_message();
+    if (std::fclose(std::exchange(file_, nullptr)) != 0 && ok) {
+      ok = false;
+      why = system_message();
+    }
+    if (!ok) throw IOError(where_ + ": cannot write '" + temp_.string() + "': " + why);
+    std::error_code error;
+    std::filesystem::rename(temp_, path_, error);
+    if (error) throw IOError(where_ + ": cannot rename '" + temp_.string() + "' into place: " + error.message());
+    committed_ = true;
+  }
+
+ private:
+  template <std::size_t N>
+  void little_endian(std::uint64_t v) {
+    std::array<std::byte, N> b;
+    for (std::size_t i = 0; i < N; ++i) b[i] = static_cast<std::byte>(v >> (8 * i));
+    bytes(b);
+  }
+
+  std::filesystem::path path_;
+  std::filesystem::path temp_;
+  std::string where_;
+  std::FILE* file_ = nullptr;
+  uLong crc_ = crc32_z(0, nullptr, 0);
+  bool committed_ = false;
+};
+
+// A whole file, if it is at most `limit` bytes. The buffer grows with what arrives, so a
+// hostile file costs at most about the limit, however large it is or claims to be.
+inline std::vector<unsigned char> read_checkpoint_file(const std::filesystem::path& path, std::uint64_t limit) {
+  struct Closer {
+    void operator()(std::FILE* f) const { std::fclose(f); }
+  };
+  const std::unique_ptr<std::FILE, Closer> file(std::fopen(path.c_str(), "rb"));
+  if (file == nullptr) throw IOError(checkpoint_where(path) + ": cannot open: " + system_message());
+  std::vector<unsigned char> bytes;
+  for (;;) {
+    const std::size_t have = bytes.size();
+    if (have > limit) {
+      throw FormatError(checkpoint_where(path) + ": larger than the " + std::to_string(limit) +
+                        " bytes a checkpoint of this cell takes; it holds other parameters or shapes");
+    }
+    const auto grow =
+        static_cast<std::size_t>(std::min<std::uint64_t>(std::max<std::size_t>(have, 64 * 1024), limit + 1 - have));
+    bytes.resize(have + grow);
+    const std::size_t got = std::fread(bytes.data() + have, 1, grow, file.get());
+    bytes.resize(have + got);
+    if (got < grow) {
+      if (std::ferror(file.get()) != 0) throw IOError(checkpoint_where(path) + ": read failed: " + system_message());
+      return bytes;
+    }
+  }
+}
+
+// One parameter as the file holds it; its elements are bytes [offset, offset + size) of the file.
+struct CheckpointRecord {
+  std::string_view name;
+  DType dtype;
+  Shape shape;
+  std::size_t offset;
+  std::size_t size;
+};
+
+// Reads the fields of a checkpoint whose checksum has been verified, so a field that does not
+// fit is a file written wrong, not a damaged one.
+class CheckpointParser {
+ public:
+  CheckpointParser(std::span<const unsigned char> bytes, const std::string& where) : bytes_(bytes), where_(where) {}
+
+  std::size_t position() const { return pos_; }
+  std::size_t remaining() const { return bytes_.size() - pos_; }
+
+  std::span<const unsigned char> take(std::size_t n, const std::string& what) {
+    if (n > remaining()) {
+      throw FormatError(where_ + ": malformed: " + what + " at byte " + std::to_string(pos_) +
+                        " runs past the parameters' end at byte " + std::to_string(bytes_.size()));
+    }
+    const auto out = bytes_.subspan(pos_, n);
+    pos_ += n;
+    return out;
+  }
+  std::uint64_t little_endian(std::size_t n, const std::string& what) {
+    std::uint64_t v = 0;
+    const auto b = take(n, what);
+    for (std::size_t i = 0; i < n; ++i) v |= std::uint64_t{b[i]} << (8 * i);
+    return v;
+  }
+
+  CheckpointRecord record(std::uint32_t index) {
+    const std::string what = "parameter #" + std::to_string(index);
+    const auto name_size = static_cast<std::size_t>(little_endian(4, what + "'s name length"));
+    const auto name_bytes = take(name_size, what + "'s name");
+    CheckpointRecord r{std::string_view(reinterpret_cast<const char*>(name_bytes.data()), name_bytes.size()),
+                       DType::float32, Shape{}, 0, 0};
+    const std::string who = "parameter " + shown_name(r.name);
+    const auto type = little_endian(1, who + "'s element type");
+    if (type > static_cast<std::uint64_t>(DType::uint8)) {
+      throw FormatError(where_ + ": malformed: " + who + " has element type " + std::to_string(type) +
+                        ", which is no duet::DType");
+    }
+    r.dtype = static_cast<DType>(type);
+    const auto rank = little_endian(1, who + "'s rank");
+    if (rank > static_cast<std::uint64_t>(max_rank)) {
+      throw FormatError(where_ + ": malformed: " + who + " has rank " + std::to_string(rank) + ", more than " +
+                        std::to_string(max_rank));
+    }
+    // Saturates past what is left, so no product overflows and a zero dimension still gives 0.
+    const std::uint64_t limit = remaining() / size_of(r.dtype);
+    std::uint64_t numel = 1;
+    for (std::uint64_t i = 0; i < rank; ++i) {
+      const auto d = static_cast<std::int64_t>(little_endian(8, who + "'s dimension " + std::to_string(i)));
+      if (d < 0) {
+        throw FormatError(where_ + ": malformed: " + who + " has dimension " + std::to_string(i) + " = " +
+                          std::to_string(d));
+      }
+      r.shape.push_back(d);
+      const auto u = static_cast<std::uint64_t>(d);
+      numel = (u == 0 || numel <= limit / u) ? numel * u : limit + 1;
+    }
+    if (numel > limit) {
+      throw FormatError(where_ + ": malformed: " + who + "'s elements " + to_string(r.shape) +
+                        " run past the parameters' end at byte " + std::to_string(bytes_.size()));
+    }
+    r.offset = pos_;
+    r.size = static_cast<std::size_t>(numel) * size_of(r.dtype);
+    take(r.size, who + "'s elements");
+    return r;
+  }
+
+ private:
+  std::span<const unsigned char> bytes_;
+  std::string where_;
+  std::size_t pos_ = 0;
+};
+
+// The parameters of a checkpoint file, checked for everything but whether they fit a cell.
+// `expected` is the size a checkpoint of the cell takes, for telling truncation from damage.
+inline std::vector<CheckpointRecord> parse_checkpoint(std::span<const unsigned char> bytes, std::uint64_t expected,
+                                                      const std::string& where) {
+  const std::size_t n = bytes.size();
+  const std::size_t magic_seen = std::min<std::size_t>(n, checkpoint_magic.size());
+  if (!std::equal(bytes.begin(), bytes.begin() + static_cast<std::ptrdiff_t>(magic_seen), checkpoint_magic.begin())) {
+    throw FormatError(where + ": not a duet checkpoint: it does not start with \"DUETCKPT\"");
+  }
+  const auto truncated = [&] {
+    return FormatError(where + ": truncated at byte " + std::to_string(n) + "; a checkpoint of this cell is " +
+                       std::to_string(expected) + " bytes");
+  };
+  if (n < checkpoint_magic.size() + 4) throw truncated();
+  CheckpointParser header(bytes, where);
+  header.take(checkpoint_magic.size(), "the magic");
+  const auto version = header.little_endian(4, "the version");
+  if (version != checkpoint_version) {
+    throw FormatError(where + ": format version " + std::to_string(version) + "; this duet reads version " +
+                      std::to_string(checkpoint_version));
+  }
+  if (n < checkpoint_header_bytes + checkpoint_checksum_bytes) throw truncated();
+
+  const std::size_t body = n - checkpoint_checksum_bytes;
+  CheckpointParser checksum(bytes.subspan(body), where);
+  const auto stored = checksum.little_endian(4, "the checksum");
+  if (stored != crc32_z(crc32_z(0, nullptr, 0), bytes.data(), body)) {
+    // A cut file rarely ends in a valid checksum, so a short file that fails is taken as cut.
+    if (n < expected) throw truncated();
+    throw FormatError(where + ": checksum mismatch: the file is damaged");
+  }
+
+  CheckpointParser in(bytes.first(body), where);
+  in.take(checkpoint_magic.size() + 4, "the header");
+  const auto count = static_cast<std::uint32_t>(in.little_endian(4, "the parameter count"));
+  // Not reserved from count: a hostile count must not size an allocation.
+  std::vector<CheckpointRecord> records;
+  for (std::uint32_t i = 0; i < count; ++i) records.push_back(in.record(i));
+  if (in.remaining() != 0) {
+    throw FormatError(where + ": malformed: " + std::to_string(in.remaining()) + " unexpected bytes at byte " +
+                      std::to_string(in.position()) + ", after the parameters");
+  }
+  return records;
+}
+
+}  // namespace detail
+
+// Writes every parameter of cell (and the cells below it) to path, atomically: on any failure
+// path keeps its previous contents.
+template <ElementType T>
+void save_checkpoint(nn::BasicDynamicCell<T>& cell, const std::filesystem::path& path) {
+  const auto parameters = cell.parameters();
+  detail::CheckpointWriter out(path);
+  out.bytes(std::as_bytes(std::span(detail::checkpoint_magic)));
+  out.u32(detail::checkpoint_version);
+  out.u32(static_cast<std::uint32_t>(parameters.size()));
+  for (const auto& [name, p] : parameters) {
+    out.u32(static_cast<std::uint32_t>(name.size()));
+    out.bytes(std::as_bytes(std::span(name)));
+    out.u8(static_cast<std::uint8_t>(p->dtype()));
+    out.u8(static_cast<std::uint8_t>(p->ndim()));
+    for (index_t d : p->shape()) out.i64(d);
+    out.bytes(std::as_bytes(p->values()));
+  }
+  out.commit();
+}
+
+// Reads a checkpoint into cell's parameters. The file must hold exactly the cell's
+// parameters, by name, with their element types and shapes. Everything is checked before
+// anything is copied: on any error (a duet::FormatError naming the problem, or IOError when
+// the file cannot be read) the cell is left as it was.
+template <ElementType T>
+void load_checkpoint(const std::filesystem::path& path, nn::BasicDynamicCell<T>& cell) {
+  const std::string where = detail::checkpoint_where(path);
+  const auto parameters = cell.parameters();
+  std::uint64_t expected = detail::checkpoint_header_bytes + detail::checkpoint_checksum_bytes;
+  std::unordered_map<std::string_view, std::size_t> index;
+  for (std::size_t i = 0; i < parameters.size(); ++i) {
+    const auto& p = *parameters[i].parameter;
+    expected += detail::checkpoint_record_header_bytes + parameters[i].name.size() + 8 * std::uint64_t(p.ndim()) +
+                std::uint64_t(p.numel()) * sizeof(T);
+    index.emplace(parameters[i].name, i);
+  }
+
+  const std::vector<unsigned char> bytes = detail::read_checkpoint_file(path, expected);
+  const auto records = detail::parse_checkpoint(bytes, expected, where);
+
+  std::vector<const detail::CheckpointRecord*> source(parameters.size(), nullptr);
+  for (const auto& r : records) {
+    const auto found = index.find(r.name);
+    if (found == index.end()) {
+      throw FormatError(where + ": parameter " + detail::shown_name(r.name) + " in the file is not in the cell");
+    }
+    const std::size_t i = found->second;
+    const auto& p = *parameters[i].parameter;
+    if (source[i] != nullptr) {
+      throw FormatError(where + ": parameter '" + parameters[i].name + "' appears twice in the file");
+    }
+    if (r.dtype != p.dtype()) {
+      throw FormatError(where + ": parameter '" + parameters[i].name + "' is " + std::string(name_of(p.dtype())) +
+                        " in the cell but " + std::string(name_of(r.dtype)) + " in the file");
+    }
+    if (!(r.shape == p.shape())) {
+      throw FormatError(where + ": parameter '" + parameters[i].name + "' has shape " + to_string(p.shape()) +
+                        " in the cell but " + to_string(r.shape) + " in the file");
+    }
+    source[i] = &r;
+  }
+  std::string missing;
+  for (std::size_t i = 0; i < parameters.size(); ++i) {
+    if (source[i] == nullptr) missing += (missing.empty() ? "'" : ", '") + parameters[i].name + "'";
+  }
+  if (!missing.empty()) throw FormatError(where + ": the file has no value for the cell's parameter(s) " + missing);
+
+  for (std::size_t i = 0; i < parameters.size(); ++i) {
+    std::copy_n(bytes.begin() + static_cast<std::ptrdiff_t>(source[i]->offset), source[i]->size,
+                reinterpret_cast<unsigned char*>(parameters[i].parameter->data()));
+  }
+}
+
+}  // namespace duet
+// Activation layers and the elementwise functions behind them.
+//
+// An elementwise function is a type with a name and an Eigen array form. The same type is a
+// graph node of its own (ops::MapOp<Fn>, what PyNative runs) or, after fuse_epilogues, a
+// step in a product's epilogue: the function is written once and used both ways.
+
+#include <array>
+#include <string>
+#include <string_view>
+#include <utility>
+
+
+namespace duet {
+
+namespace fn {
+
+struct Relu {
+  static constexpr std::string_view name = "ReLU";
+  // NaN stays NaN, as IEEE and numpy's maximum say; a plain max(x, 0) would turn it into 0.
+  template <class A>
+  static auto array(const A& a) {
+    using S = typename A::Scalar;
+    return a.binaryExpr(A::Constant(a.rows(), a.cols(), S(0)),
+                        ::Eigen::internal::scalar_max_op<S, S, ::Eigen::PropagateNaN>());
+  }
+  // The same on one value or one SIMD vector, for kernels that apply it in registers. NaN
+  // compares false, so it passes through.
+  template <class V>
+  static V apply(V v) {
+    return v < V{} ? V{} : v;
+  }
+  // dy · relu'(x), from y = relu(x): zero where y <= 0. A NaN output passes dy through, as
+  // PyTorch does, so a NaN is not silently hidden from the gradient.
+  template <class G, class Y>
+  static auto grad_array(const G& dy, const Y& y) {
+    using S = typename Y::Scalar;
+    return (y <= S(0)).select(Y::Constant(y.rows(), y.cols(), S(0)), dy);
+  }
+};
+
+}  // namespace fn
+
+namespace ops {
+
+template <class Fn>
+struct MapGradOp;
+
+template <class Fn>
+struct MapOp {
+  using layer_type = MapOp;
+  using fn_type = Fn;
+  static constexpr int arity = 1;
+  static constexpr bool is_view = false;
+  static constexpr bool is_elementwise = true;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    Backend::template map<Fn>(a.in<T>(), a.in_shape().numel(), a.out<T>());
+  }
+
+  static constexpr bool has_parameters = false;
+  static constexpr std::array grad_operands{graph::Operand::grad, graph::Operand::output};
+  template <bool InputGrad>
+  auto grad_op() const {
+    return MapGradOp<Fn>{};
+  }
+
+  static std::string op_name() { return std::string(Fn::name); }
+  std::string label() const { return op_name(); }
+};
+
+// dx = dy · Fn'(x), from dy and the forward output y.
+template <class Fn>
+struct MapGradOp {
+  using layer_type = MapGradOp;
+  static constexpr int arity = 2;
+  static constexpr bool is_view = false;
+  static constexpr bool is_elementwise = false;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    Backend::template map_grad<Fn>(a.in<T>(0), a.in<T>(1), a.in_shape().numel(), a.out<T>());
+  }
+
+  static std::string op_name() { return std::string(Fn::name) + "Grad"; }
+  std::string label() const { return op_name(); }
+};
+
+template <class X>
+auto relu(X&& x) {
+  return apply(MapOp<fn::Relu>{}, std::forward<X>(x));
+}
+
+}  // namespace ops
+
+namespace nn {
+
+// max(x, 0), elementwise (MindSpore's nn.ReLU).
+template <ElementType T>
+class BasicReLU : public Cell<BasicReLU<T>, CONTEXT_MODE, T> {
+ public:
+  template <class X>
+  auto construct(X&& x) {
+    return ops::relu(std::forward<X>(x));
+  }
+  std::string type_name() const override { return "nn::ReLU"; }
+};
+
+using ReLU = BasicReLU<float>;
+
+}  // namespace nn
+}  // namespace duet
+// Containers: cells that run other cells in order.
+
+#include <boost/hana/at.hpp>
+#include <boost/hana/fold_left.hpp>
+#include <boost/hana/for_each.hpp>
+#include <boost/hana/tuple.hpp>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+
+namespace duet::nn {
+
+// A fixed list of cells, each fed the previous one's output (MindSpore's nn.SequentialCell).
+// The list is a hana::tuple: in graph mode the whole chain becomes one flat graph.
+template <class First, class... Rest>
+class SequentialCell : public Cell<SequentialCell<First, Rest...>, CONTEXT_MODE, typename First::value_type> {
+  using T = typename First::value_type;
+  static_assert((std::is_same_v<typename Rest::value_type, T> && ...),
+                "nn::SequentialCell: all cells must have the same element type");
+
+ public:
+  SequentialCell() { check_neighbours(); }
+  explicit SequentialCell(First first, Rest... rest) : cells_(std::move(first), std::move(rest)...) {
+    check_neighbours();
+  }
+
+  static constexpr std::size_t size() { return 1 + sizeof...(Rest); }
+
+  template <std::size_t I>
+  auto& get() {
+    return boost::hana::at_c<I>(cells_);
+  }
+
+  template <class X>
+  auto construct(X&& x) {
+    return boost::hana::fold_left(cells_, std::forward<X>(x),
+                                  [](auto&& acc, auto& cell) { return cell(std::forward<decltype(acc)>(acc)); });
+  }
+
+  void for_each_child(const typename BasicDynamicCell<T>::ChildVisitor& visit) override {
+    std::size_t i = 0;
+    boost::hana::for_each(cells_, [&](auto& cell) { visit(std::to_string(i++), cell); });
+  }
+
+  std::string type_name() const override { return "nn::SequentialCell"; }
+
+ private:
+  // Capturing the chain on an input of unknown shape runs every layer's shape rule against
+  // its neighbour's output, so incompatible neighbours fail to compile in either mode.
+  static void check_neighbours() {
+    using Captured = decltype(std::declval<SequentialCell&>().construct(graph::input<T, graph::AnyShape>()));
+    static_cast<void>(sizeof(Captured));
+  }
+
+  boost::hana::tuple<First, Rest...> cells_;
+};
+
+// A list of cells built at run time (sizes and layers from a config file, say). Always runs in
+// PyNative mode: its structure is not known when the program compiles.
+template <ElementType T>
+class BasicDynamicSequentialCell : public BasicDynamicCell<T> {
+ public:
+  BasicDynamicSequentialCell() = default;
+
+  // Adds a cell at the end, taking ownership; returns it.
+  template <class C>
+  requires std::is_base_of_v<BasicDynamicCell<T>, C> C& append(C cell) {
+    auto owned = std::make_unique<C>(std::move(cell));
+    C& ref = *owned;
+    cells_.push_back(std::move(owned));
+    return ref;
+  }
+  BasicDynamicCell<T>& append(std::unique_ptr<BasicDynamicCell<T>> cell) {
+    cells_.push_back(std::move(cell));
+    return *cells_.back();
+  }
+
+  std::size_t size() const { return cells_.size(); }
+  BasicDynamicCell<T>& operator[](std::size_t i) {
+    if (i >= cells_.size()) {
+      throw IndexError("nn::DynamicSequentialCell: index " + std::to_string(i) + " is out of range for " +
+                       std::to_string(cells_.size()) + " cells");
+    }
+    return *cells_[i];
+  }
+
+  void for_each_child(const typename BasicDynamicCell<T>::ChildVisitor& visit) override {
+    for (std::size_t i = 0; i < cells_.size(); ++i) visit(std::to_string(i), *cells_[i]);
+  }
+
+  std::string type_name() const override { return "nn::DynamicSequentialCell"; }
+
+ protected:
+  BasicTensor<T> forward(const BasicTensor<T>& x) override {
+    BasicTensor<T> y = x;
+    for (auto& cell : cells_) y = (*cell)(y);
+    return y;
+  }
+
+ private:
+  std::vector<std::unique_ptr<BasicDynamicCell<T>>> cells_;
+};
+
+using DynamicSequentialCell = BasicDynamicSequentialCell<float>;
+
+}  // namespace duet::nn
+// Fully connected layers: nn::Dense and the operations it captures as (MatMul, BiasAdd).
+
+#include <cmath>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+
 namespace duet {
 namespace ops {
 
 template <class Layer>
 struct BiasAddOp;
+template <class Layer, bool Bias, bool InputGrad, class... Fns>
+struct DenseGradOp;
+template <class Layer, bool InputGrad>
+struct BiasAddGradOp;
 
 // x · Wᵀ over the last axis of x, then the epilogue: the bias if Bias, then each Fn. Capture
 // makes it with an empty epilogue; fuse_epilogues grows it.
 template <class Layer, bool Bias = false, class... Fns>
 struct MatMulOp {
   using layer_type = Layer;
-  using T = typename Layer::value_type;
+  using value_type = typename Layer::value_type;
   static constexpr int arity = 1;
   static constexpr bool is_view = false;
   static constexpr bool is_elementwise = false;
@@ -2476,23 +5161,38 @@ struct MatMulOp {
     return rule(layer->in_channels(), layer->out_channels(), in[0]);
   }
 
-  template <class Backend>
-  void run(const T* const* in, const Shape* in_shapes, T* out, const Shape&) const {
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
     const index_t in_channels = layer->in_channels();
-    const index_t rows = in_channels == 0 ? 0 : in_shapes[0].numel() / in_channels;
+    const index_t rows = in_channels == 0 ? 0 : a.in_shape().numel() / in_channels;
     Backend::template dense<Layer::in_static, Layer::out_static>(
-        in[0], rows, in_channels, layer->weight.data(), layer->out_channels(),
-        Epilogue<T, Fns...>{Bias ? layer->bias.data() : nullptr}, out);
+        a.in<T>(), rows, in_channels, layer->weight.data(), layer->out_channels(),
+        Epilogue<T, Fns...>{Bias ? layer->bias.data() : nullptr}, a.out<T>());
   }
 
   // Takes this layer's bias first, then any elementwise function.
   template <class C>
   static constexpr bool accepts_epilogue =
-      (std::is_same_v<C, BiasAddOp<Layer>> && !Bias && sizeof...(Fns) == 0) || requires { typename C::fn_type; };
+      (std::is_same_v<C, BiasAddOp<Layer>> && !Bias && sizeof...(Fns) == 0) || requires {
+    typename C::fn_type;
+  };
   auto absorb(const BiasAddOp<Layer>&) const { return MatMulOp<Layer, true, Fns...>{layer}; }
   template <class Fn>
   auto absorb(const MapOp<Fn>&) const {
     return MatMulOp<Layer, Bias, Fns..., Fn>{layer};
+  }
+
+  // Its gradient op reads the forward output only to differentiate an activation epilogue.
+  static constexpr bool has_parameters = true;
+  static constexpr auto grad_operands = [] {
+    if constexpr (sizeof...(Fns) == 0)
+      return std::array{graph::Operand::grad, graph::Operand::input0};
+    else
+      return std::array{graph::Operand::grad, graph::Operand::input0, graph::Operand::output};
+  }();
+  template <bool InputGrad>
+  auto grad_op() const {
+    return DenseGradOp<Layer, Bias, InputGrad, Fns...>{layer};
   }
 
   static std::string op_name() {
@@ -2508,7 +5208,7 @@ struct MatMulOp {
 template <class Layer>
 struct BiasAddOp {
   using layer_type = Layer;
-  using T = typename Layer::value_type;
+  using value_type = typename Layer::value_type;
   static constexpr int arity = 1;
   static constexpr bool is_view = false;
   static constexpr bool is_elementwise = true;
@@ -2524,13 +5224,89 @@ struct BiasAddOp {
   static constexpr ShapeResult infer_static(std::span<const Shape> in) { return rule(Layer::out_static, in[0]); }
   ShapeResult infer(std::span<const Shape> in) const { return rule(layer->out_channels(), in[0]); }
 
-  template <class Backend>
-  void run(const T* const* in, const Shape* in_shapes, T* out, const Shape&) const {
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
     const index_t cols = layer->out_channels();
-    Backend::add_bias(in[0], cols == 0 ? 0 : in_shapes[0].numel() / cols, cols, layer->bias.data(), out);
+    Backend::add_bias(a.in<T>(), cols == 0 ? 0 : a.in_shape().numel() / cols, cols, layer->bias.data(), a.out<T>());
+  }
+
+  static constexpr bool has_parameters = true;
+  static constexpr std::array grad_operands{graph::Operand::grad};
+  template <bool InputGrad>
+  auto grad_op() const {
+    return BiasAddGradOp<Layer, InputGrad>{layer};
   }
 
   static std::string op_name() { return "BiasAdd"; }
+  std::string label() const { return layer->label(); }
+};
+
+// The gradient of MatMulOp<Layer, Bias, Fns...>: from dy (and y, when Fns need it) it makes
+// dW, db and, if InputGrad, dx. The activation mask and the bias sum are taken in the same
+// kernel as the products, as the forward fused them.
+template <class Layer, bool Bias, bool InputGrad, class... Fns>
+struct DenseGradOp {
+  using layer_type = Layer;
+  using value_type = typename Layer::value_type;
+  static constexpr int arity = sizeof...(Fns) == 0 ? 2 : 3;  // dy, x[, y]
+  static constexpr bool is_view = false;
+  static constexpr bool is_elementwise = false;
+  static constexpr bool is_sink = !InputGrad;
+
+  const Layer* layer;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {InputGrad ? in[1] : Shape{}}; }
+  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const std::uint64_t pass = detail::current_backward_pass();
+    bool accumulate_w = false;
+    bool accumulate_b = false;
+    T* dw = layer->weight.grad_for_write(pass, &accumulate_w);
+    T* db = Bias ? layer->bias.grad_for_write(pass, &accumulate_b) : nullptr;
+    const index_t in_channels = layer->in_channels();
+    const index_t rows = in_channels == 0 ? 0 : a.in_shape(1).numel() / in_channels;
+    Backend::template dense_backward<Layer::in_static, Layer::out_static, T, Fns...>(DenseBackwardArgs<T>{
+        a.in<T>(0), a.in<T>(1), sizeof...(Fns) == 0 ? nullptr : a.in<T>(2), rows, in_channels, layer->weight.data(),
+        layer->out_channels(), InputGrad ? a.out<T>() : nullptr, dw, accumulate_w, db, accumulate_b});
+  }
+
+  static std::string op_name() {
+    std::string s = "MatMulGrad";
+    if (Bias) s += " + BiasGrad";
+    ((s += " + " + std::string(Fns::name) + "Grad"), ...);
+    if (!InputGrad) s += " (parameters only)";
+    return s;
+  }
+  std::string label() const { return layer->label(); }
+};
+
+// The gradient of BiasAddOp: db is the column sum of dy, and dx is dy itself (a view).
+template <class Layer, bool InputGrad>
+struct BiasAddGradOp {
+  using layer_type = Layer;
+  using value_type = typename Layer::value_type;
+  static constexpr int arity = 1;
+  static constexpr bool is_view = InputGrad;
+  static constexpr bool has_side_effects = true;
+  static constexpr bool is_elementwise = false;
+  static constexpr bool is_sink = !InputGrad;
+
+  const Layer* layer;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {InputGrad ? in[0] : Shape{}}; }
+  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    bool accumulate = false;
+    T* db = layer->bias.grad_for_write(detail::current_backward_pass(), &accumulate);
+    const index_t cols = layer->out_channels();
+    Backend::bias_grad(a.in<T>(), cols == 0 ? 0 : a.in_shape().numel() / cols, cols, db, accumulate);
+  }
+
+  static std::string op_name() { return InputGrad ? "BiasAddGrad" : "BiasAddGrad (parameters only)"; }
   std::string label() const { return layer->label(); }
 };
 
@@ -2553,9 +5329,7 @@ class Dense : public Cell<Dense<In, Out, T>, CONTEXT_MODE, T> {
   BasicParameter<T> bias;    // [out_channels]
   DUET_CELL_MEMBERS(weight, bias);
 
-  Dense()
-    requires(In != dyn && Out != dyn)
-      : Dense(In, Out) {}
+  Dense() requires(In != dyn && Out != dyn) : Dense(In, Out) {}
 
   // MindSpore 2.x's default initialisation, from the global generator (set_seed): weight
   // HeUniform(a = sqrt(5)), which is U(-1/sqrt(in), 1/sqrt(in)); bias U(-1/sqrt(in), 1/sqrt(in)).
@@ -2573,12 +5347,16 @@ class Dense : public Cell<Dense<In, Out, T>, CONTEXT_MODE, T> {
   }
 
   index_t in_channels() const {
-    if constexpr (In != dyn) return In;
-    else return in_;
+    if constexpr (In != dyn)
+      return In;
+    else
+      return in_;
   }
   index_t out_channels() const {
-    if constexpr (Out != dyn) return Out;
-    else return out_;
+    if constexpr (Out != dyn)
+      return Out;
+    else
+      return out_;
   }
 
   template <class X>
@@ -2603,12 +5381,27 @@ class Dense : public Cell<Dense<In, Out, T>, CONTEXT_MODE, T> {
 }  // namespace duet
 // Reshaping layers. They move no data: in both modes their output is a view of their input.
 
+#include <array>
 #include <string>
 #include <utility>
 
 
 namespace duet {
 namespace ops {
+
+// The gradient of a reshape: dy viewed with the shape of the forward input.
+struct ReshapeLikeOp {
+  using layer_type = ReshapeLikeOp;
+  static constexpr int arity = 2;  // dy, the forward input (for its shape)
+  static constexpr bool is_view = true;
+  static constexpr bool is_elementwise = false;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
+  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
+
+  static std::string op_name() { return "ReshapeLike"; }
+  std::string label() const { return op_name(); }
+};
 
 // [N, d1, d2, ...] -> [N, d1 * d2 * ...].
 struct FlattenOp {
@@ -2624,6 +5417,13 @@ struct FlattenOp {
     return {Shape{x[0], x.numel_from(1)}};
   }
   ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
+
+  static constexpr bool has_parameters = false;
+  static constexpr std::array grad_operands{graph::Operand::grad, graph::Operand::input0};
+  template <bool InputGrad>
+  auto grad_op() const {
+    return ReshapeLikeOp{};
+  }
 
   static std::string op_name() { return "Flatten"; }
   std::string label() const { return "nn::Flatten"; }
@@ -2653,6 +5453,526 @@ using Flatten = BasicFlatten<float>;
 
 }  // namespace nn
 }  // namespace duet
+// Losses: cells of two inputs (prediction, target) that reduce to what training minimises.
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+
+namespace duet {
+namespace nn {
+
+using duet::Reduction;
+
+// MindSpore's arguments, in its order, as template arguments: they change the graph's types.
+// Sparse: labels are int32 class indices rather than distributions. Both default as in MindSpore.
+template <bool Sparse, Reduction R, ElementType T>
+class BasicSoftmaxCrossEntropyWithLogits;
+
+template <Reduction R, ElementType T>
+class BasicMSELoss;
+
+}  // namespace nn
+
+namespace ops {
+
+template <bool Sparse, Reduction R>
+struct SoftmaxCrossEntropyGradOp;
+
+// The reduced shape of a loss over per-row (or per-element) values of shape `rows`.
+constexpr Shape reduced(const Shape& rows, Reduction r) { return r == Reduction::none ? rows : Shape{}; }
+
+// Logits [..., classes] and labels [...] (sparse) or [..., classes]; the loss per row, or its
+// mean or sum.
+template <bool Sparse, Reduction R>
+struct SoftmaxCrossEntropyOp {
+  using layer_type = nn::BasicSoftmaxCrossEntropyWithLogits<Sparse, R, float>;
+  static constexpr int arity = 2;
+  static constexpr bool is_view = false;
+  static constexpr bool is_elementwise = false;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    const Shape& z = in[0];
+    const Shape& labels = in[1];
+    Shape rows = z;
+    if (z.leading_unknown()) return {R == Reduction::none ? Shape::any() : Shape{}};
+    if (z.rank() == 0) return fault(Shape{}, ShapeFault::min_rank, 1);
+    if (z.back() == 0) return fault(Shape{}, ShapeFault::last_dimension, 1);
+    rows = Shape();
+    for (int i = 0; i + 1 < z.rank(); ++i) rows.push_back(z[i]);
+    const Shape& expected = Sparse ? rows : z;
+    if (!labels.leading_unknown() && labels.is_concrete() && expected.is_concrete() && !(labels == expected)) {
+      return fault(reduced(rows, R), ShapeFault::shapes_differ, 0, 1);
+    }
+    return {reduced(rows, R)};
+  }
+  ShapeResult infer(std::span<const Shape> in) const {
+    const ShapeResult r = infer_static(in);
+    if (!r.ok()) return r;
+    // At run time every size is known: the labels must match exactly.
+    Shape rows;
+    for (int i = 0; i + 1 < in[0].rank(); ++i) rows.push_back(in[0][i]);
+    if (!(in[1] == (Sparse ? rows : in[0]))) {
+      return fault(r.shape, ShapeFault::shapes_differ, 0, 1);
+    }
+    return r;
+  }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    using L = std::conditional_t<Sparse, std::int32_t, T>;
+    const index_t classes = a.in_shape(0).back();
+    Backend::template softmax_cross_entropy<Sparse>(a.in<T>(0), a.in<L>(1), a.in_shape(0).numel() / classes, classes, R,
+                                                    a.out<T>());
+  }
+
+  static constexpr bool has_parameters = false;
+  static constexpr std::array grad_operands{graph::Operand::grad, graph::Operand::input0, graph::Operand::input1};
+  template <bool InputGrad>
+  auto grad_op() const {
+    return SoftmaxCrossEntropyGradOp<Sparse, R>{};
+  }
+
+  static std::string op_name() { return "SoftmaxCrossEntropy"; }
+  std::string label() const { return "nn::SoftmaxCrossEntropyWithLogits"; }
+};
+
+template <bool Sparse, Reduction R>
+struct SoftmaxCrossEntropyGradOp {
+  using layer_type = SoftmaxCrossEntropyGradOp;
+  static constexpr int arity = 3;  // g, logits, labels
+  static constexpr bool is_view = false;
+  static constexpr bool is_elementwise = false;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
+  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    using L = std::conditional_t<Sparse, std::int32_t, T>;
+    const index_t classes = a.in_shape(1).back();
+    Backend::template softmax_cross_entropy_grad<Sparse>(a.in<T>(0), a.in<T>(1), a.in<L>(2),
+                                                         a.in_shape(1).numel() / classes, classes, R, a.out<T>());
+  }
+
+  static std::string op_name() { return "SoftmaxCrossEntropyGrad"; }
+  std::string label() const { return op_name(); }
+};
+
+template <Reduction R>
+struct MSEGradOp;
+
+// (prediction - target)² per element, or its mean or sum.
+template <Reduction R>
+struct MSEOp {
+  using layer_type = nn::BasicMSELoss<R, float>;
+  static constexpr int arity = 2;
+  static constexpr bool is_view = false;
+  static constexpr bool is_elementwise = false;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    if (in[0].is_concrete() && in[1].is_concrete() && !(in[0] == in[1])) {
+      return fault(reduced(in[0], R), ShapeFault::shapes_differ, 0, 1);
+    }
+    return {reduced(in[0], R)};
+  }
+  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    Backend::mse(a.in<T>(0), a.in<T>(1), a.in_shape(0).numel(), R, a.out<T>());
+  }
+
+  static constexpr bool has_parameters = false;
+  static constexpr std::array grad_operands{graph::Operand::grad, graph::Operand::input0, graph::Operand::input1};
+  template <bool InputGrad>
+  auto grad_op() const {
+    return MSEGradOp<R>{};
+  }
+
+  static std::string op_name() { return "MSE"; }
+  std::string label() const { return "nn::MSELoss"; }
+};
+
+template <Reduction R>
+struct MSEGradOp {
+  using layer_type = MSEGradOp;
+  static constexpr int arity = 3;  // g, prediction, target
+  static constexpr bool is_view = false;
+  static constexpr bool is_elementwise = false;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
+  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    Backend::mse_grad(a.in<T>(0), a.in<T>(1), a.in<T>(2), a.in_shape(1).numel(), R, a.out<T>());
+  }
+
+  static std::string op_name() { return "MSEGrad"; }
+  std::string label() const { return op_name(); }
+};
+
+template <bool Sparse = false, Reduction R = Reduction::none, class Z, class Labels>
+auto softmax_cross_entropy(const Z& logits, const Labels& labels) {
+  using L = typename std::remove_cvref_t<Labels>::value_type;
+  static_assert(!Sparse || std::is_same_v<L, std::int32_t>,
+                "nn::SoftmaxCrossEntropyWithLogits<true>: sparse labels must be int32 class indices");
+  static_assert(Sparse || std::is_same_v<L, typename std::remove_cvref_t<Z>::value_type>,
+                "nn::SoftmaxCrossEntropyWithLogits<false>: labels must be distributions of the "
+                "logits' element type");
+  return apply(SoftmaxCrossEntropyOp<Sparse, R>{}, logits, labels);
+}
+
+template <Reduction R = Reduction::mean, class X, class Y>
+auto mse(const X& prediction, const Y& target) {
+  static_assert(
+      std::is_same_v<typename std::remove_cvref_t<X>::value_type, typename std::remove_cvref_t<Y>::value_type>,
+      "nn::MSELoss: prediction and target must have the same element type");
+  return apply(MSEOp<R>{}, prediction, target);
+}
+
+}  // namespace ops
+
+namespace nn {
+
+// MindSpore's nn.SoftmaxCrossEntropyWithLogits(sparse, reduction):
+// nn::SoftmaxCrossEntropyWithLogits<true, Reduction::mean> is (sparse=True, reduction='mean').
+template <bool Sparse = false, Reduction R = Reduction::none, ElementType T = float>
+class BasicSoftmaxCrossEntropyWithLogits
+    : public Cell<BasicSoftmaxCrossEntropyWithLogits<Sparse, R, T>, CONTEXT_MODE, T> {
+ public:
+  template <class Z, class Labels>
+  auto construct(const Z& logits, const Labels& labels) {
+    return ops::softmax_cross_entropy<Sparse, R>(logits, labels);
+  }
+  std::string type_name() const override { return "nn::SoftmaxCrossEntropyWithLogits"; }
+};
+
+template <bool Sparse = false, Reduction R = Reduction::none>
+using SoftmaxCrossEntropyWithLogits = BasicSoftmaxCrossEntropyWithLogits<Sparse, R, float>;
+
+// MindSpore's nn.MSELoss(reduction), mean by default.
+template <Reduction R = Reduction::mean, ElementType T = float>
+class BasicMSELoss : public Cell<BasicMSELoss<R, T>, CONTEXT_MODE, T> {
+ public:
+  template <class X, class Y>
+  auto construct(const X& prediction, const Y& target) {
+    return ops::mse<R>(prediction, target);
+  }
+  std::string type_name() const override { return "nn::MSELoss"; }
+};
+
+template <Reduction R = Reduction::mean>
+using MSELoss = BasicMSELoss<R, float>;
+
+}  // namespace nn
+}  // namespace duet
+// Optimisers and learning-rate schedules (MindSpore's nn.SGD, nn.Adam, AdamW and nn.*LR).
+//
+// An optimiser updates its parameters from the gradients the last backward pass on this
+// thread left in them (step()), or from a list of gradients (operator(), as MindSpore calls
+// optimisers). Its state (momentum, Adam's moments) is made once, so steps do not allocate.
+
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <numbers>
+#include <string>
+#include <utility>
+#include <vector>
+
+
+namespace duet::nn {
+
+// The learning rate at global step t (0 for the first step).
+using LearningRateSchedule = std::function<double(std::int64_t step)>;
+
+// A constant rate or a schedule, so that `.learning_rate = 1e-3` and
+// `.learning_rate = CosineDecayLR{...}` both read naturally.
+class LearningRate {
+ public:
+  LearningRate(double constant)
+      : schedule_([constant](std::int64_t) { return constant; }) {}  // NOLINT: implicit by design
+  template <class F>
+  requires std::is_invocable_r_v<double, F, std::int64_t> LearningRate(F schedule)
+      : schedule_(std::move(schedule)) {}  // NOLINT: implicit by design
+  double at(std::int64_t step) const { return schedule_(step); }
+
+ private:
+  LearningRateSchedule schedule_;
+};
+
+// min_lr + (max_lr - min_lr) · (1 + cos(π · min(t, decay_steps) / decay_steps)) / 2.
+struct CosineDecayLR {
+  double min_lr;
+  double max_lr;
+  std::int64_t decay_steps;
+  double operator()(std::int64_t t) const {
+    const double p = static_cast<double>(std::min(t, decay_steps)) / static_cast<double>(decay_steps);
+    return min_lr + (max_lr - min_lr) * (1 + std::cos(std::numbers::pi * p)) / 2;
+  }
+};
+
+// lr · decay_rate^(t / decay_steps), the exponent floored if is_stair.
+struct ExponentialDecayLR {
+  double learning_rate;
+  double decay_rate;
+  std::int64_t decay_steps;
+  bool is_stair = false;
+  double operator()(std::int64_t t) const {
+    double p = static_cast<double>(t) / static_cast<double>(decay_steps);
+    if (is_stair) p = std::floor(p);
+    return learning_rate * std::pow(decay_rate, p);
+  }
+};
+
+// values[i] while t < milestones[i]; the last value after the last milestone.
+struct PiecewiseConstantLR {
+  std::vector<std::int64_t> milestones;
+  std::vector<double> values;
+  double operator()(std::int64_t t) const {
+    for (std::size_t i = 0; i < milestones.size(); ++i) {
+      if (t < milestones[i]) return values.at(i);
+    }
+    return values.back();
+  }
+};
+
+// Rises linearly from 0 to lr over warmup_steps (MindSpore's WarmUpLR).
+struct WarmUpLR {
+  double learning_rate;
+  std::int64_t warmup_steps;
+  double operator()(std::int64_t t) const {
+    return learning_rate * static_cast<double>(std::min(t + 1, warmup_steps)) / static_cast<double>(warmup_steps);
+  }
+};
+
+template <ElementType T>
+class BasicOptimizer {
+ public:
+  BasicOptimizer(const std::vector<NamedParameter<T>>& params, LearningRate lr) : learning_rate_(std::move(lr)) {
+    for (const auto& p : params) {
+      if (p.parameter->requires_grad) params_.push_back(p.parameter);
+    }
+  }
+  BasicOptimizer(std::vector<BasicParameter<T>*> params, LearningRate lr)
+      : params_(std::move(params)), learning_rate_(std::move(lr)) {}
+  BasicOptimizer(const BasicOptimizer&) = delete;
+  BasicOptimizer& operator=(const BasicOptimizer&) = delete;
+  virtual ~BasicOptimizer() = default;
+
+  // Updates every parameter the calling thread's last backward pass reached.
+  void step() {
+    const std::uint64_t pass = duet::detail::current_backward_pass();
+    begin_step();
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      if (params_[i]->has_grad_from(pass)) update(i, params_[i]->grad.data());
+    }
+    ++global_step_;
+  }
+
+  // MindSpore's optimizer(grads): one gradient per parameter, in order.
+  void operator()(const std::vector<BasicTensor<T>>& grads) {
+    if (grads.size() != params_.size()) {
+      throw ValueError("optimizer: got " + std::to_string(grads.size()) + " gradients for " +
+                       std::to_string(params_.size()) + " parameters");
+    }
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      if (!(grads[i].shape() == params_[i]->shape())) {
+        throw ShapeError("optimizer: gradient " + std::to_string(i) + " has shape " + to_string(grads[i].shape()) +
+                         ", its parameter " + to_string(params_[i]->shape()));
+      }
+    }
+    begin_step();
+    for (std::size_t i = 0; i < params_.size(); ++i) update(i, grads[i].data());
+    ++global_step_;
+  }
+
+  const std::vector<BasicParameter<T>*>& parameters() const { return params_; }
+  std::int64_t global_step() const { return global_step_; }
+  // The rate the next step uses.
+  double learning_rate() const { return learning_rate_.at(global_step_); }
+
+ protected:
+  // Computes what is shared by all parameters this step.
+  virtual void begin_step() = 0;
+  virtual void update(std::size_t i, const T* grad) = 0;
+
+  // A zero state tensor per parameter (moments, momentum buffers).
+  std::vector<BasicTensor<T>> zero_state() const {
+    std::vector<BasicTensor<T>> state;
+    state.reserve(params_.size());
+    for (const auto* p : params_) state.emplace_back(p->shape());
+    return state;
+  }
+
+  std::vector<BasicParameter<T>*> params_;
+  LearningRate learning_rate_;
+  std::int64_t global_step_ = 0;
+};
+
+struct SGDConfig {
+  LearningRate learning_rate = 0.1;
+  double momentum = 0.0;
+  double dampening = 0.0;
+  double weight_decay = 0.0;
+  bool nesterov = false;
+};
+
+template <ElementType T = float, class Backend = DefaultBackend>
+class BasicSGD final : public BasicOptimizer<T> {
+ public:
+  template <class Params>
+  explicit BasicSGD(const Params& params, SGDConfig config = {})
+      : BasicOptimizer<T>(params, config.learning_rate), config_(std::move(config)) {
+    if (config_.momentum < 0 || config_.weight_decay < 0 || (config_.nesterov && config_.momentum <= 0)) {
+      throw ValueError("nn::SGD: momentum and weight_decay must be >= 0, and nesterov needs momentum > 0");
+    }
+    if (config_.momentum > 0) momentum_ = this->zero_state();
+  }
+
+ private:
+  void begin_step() override {
+    step_ = SgdStep{this->learning_rate(), config_.momentum, config_.dampening,
+                    config_.weight_decay,  config_.nesterov, this->global_step_ == 0};
+  }
+  void update(std::size_t i, const T* grad) override {
+    BasicParameter<T>& p = *this->params_[i];
+    Backend::sgd_update(p.data(), grad, momentum_.empty() ? nullptr : momentum_[i].data(), p.numel(), step_);
+  }
+
+  SGDConfig config_;
+  std::vector<BasicTensor<T>> momentum_;
+  SgdStep step_{};
+};
+
+struct AdamConfig {
+  LearningRate learning_rate = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+};
+
+template <ElementType T = float, bool Decoupled = false, class Backend = DefaultBackend>
+class BasicAdam final : public BasicOptimizer<T> {
+ public:
+  template <class Params>
+  explicit BasicAdam(const Params& params, AdamConfig config = default_config())
+      : BasicOptimizer<T>(params, config.learning_rate),
+        config_(std::move(config)),
+        m_(this->zero_state()),
+        v_(this->zero_state()) {
+    if (!(config_.beta1 >= 0 && config_.beta1 < 1 && config_.beta2 >= 0 && config_.beta2 < 1 && config_.eps > 0 &&
+          config_.weight_decay >= 0)) {
+      throw ValueError(std::string(Decoupled ? "nn::AdamW" : "nn::Adam") +
+                       ": needs 0 <= beta1, beta2 < 1, eps > 0 and weight_decay >= 0");
+    }
+  }
+
+  // AdamW decays weights by default (0.01, as MindSpore's and PyTorch's AdamW); Adam does not.
+  static AdamConfig default_config() {
+    AdamConfig c;
+    if (Decoupled) c.weight_decay = 0.01;
+    return c;
+  }
+
+ private:
+  void begin_step() override {
+    const auto t = static_cast<double>(this->global_step_ + 1);
+    step_ = AdamStep{this->learning_rate(),
+                     config_.beta1,
+                     config_.beta2,
+                     config_.eps,
+                     config_.weight_decay,
+                     Decoupled,
+                     1 - std::pow(config_.beta1, t),
+                     1 - std::pow(config_.beta2, t)};
+  }
+  void update(std::size_t i, const T* grad) override {
+    BasicParameter<T>& p = *this->params_[i];
+    Backend::adam_update(p.data(), grad, m_[i].data(), v_[i].data(), p.numel(), step_);
+  }
+
+  AdamConfig config_;
+  std::vector<BasicTensor<T>> m_;
+  std::vector<BasicTensor<T>> v_;
+  AdamStep step_{};
+};
+
+using SGD = BasicSGD<float>;
+using Adam = BasicAdam<float, false>;
+using AdamW = BasicAdam<float, true>;
+
+}  // namespace duet::nn
+// Wrappers that turn a network into something to train (MindSpore's nn.WithLossCell and
+// nn.TrainOneStepCell).
+
+#include <string>
+#include <utility>
+
+
+namespace duet::nn {
+
+// loss_fn(backbone(data), label). The backbone is transparent to naming, so the parameters
+// keep the names they have in the backbone alone ("dense_relu_sequential.0.weight"), and a
+// checkpoint of either loads into the other.
+template <class Backbone, class Loss>
+class WithLossCell : public Cell<WithLossCell<Backbone, Loss>, CONTEXT_MODE, typename Backbone::value_type> {
+  using T = typename Backbone::value_type;
+
+ public:
+  WithLossCell(Backbone& backbone, Loss& loss_fn) : backbone_(backbone), loss_fn_(loss_fn) {}
+
+  template <class X, class Y>
+  auto construct(const X& data, const Y& label) {
+    return loss_fn_(backbone_(data), label);
+  }
+
+  Backbone& backbone() { return backbone_; }
+
+  void for_each_child(const typename BasicDynamicCell<T>::ChildVisitor& visit) override {
+    visit("", backbone_);
+    visit("loss_fn", loss_fn_);
+  }
+  std::string type_name() const override { return "nn::WithLossCell"; }
+
+ private:
+  Backbone& backbone_;
+  Loss& loss_fn_;
+};
+
+// One training step per call: forward, loss, backward and the optimiser's update. In graph
+// mode the first three are one compiled graph run by one evaluator call; the update follows
+// in the same call, over the gradients that run left in the parameters.
+template <class NetWithLoss, class Optimizer>
+class TrainOneStepCell {
+  using T = typename NetWithLoss::value_type;
+
+ public:
+  TrainOneStepCell(NetWithLoss& net_with_loss, Optimizer& optimizer)
+      : grad_(net_with_loss, {}, std::nullopt), optimizer_(optimizer) {}
+
+  // Returns the loss of the batch, before the update.
+  template <class... X>
+  BasicTensor<T> operator()(const X&... xs) {
+    BasicTensor<T> loss = grad_.value_and_parameter_grads(xs...);
+    optimizer_.step();
+    return loss;
+  }
+
+  Optimizer& optimizer() { return optimizer_; }
+
+ private:
+  GradFunction<NetWithLoss&, void> grad_;
+  Optimizer& optimizer_;
+};
+
+}  // namespace duet::nn
 // Printing tensors: `std::cout << t` and duet::to_string(t) give exactly what numpy 1.24's
 // str(array) gives with the default print options, which is how MindSpore prints tensors.
 //
@@ -2882,8 +6202,7 @@ class FloatingFormat {
     if (any_nonzero) {
       // numpy compares the limits as float64 but divides in the element type.
       const F ratio = max_val / min_val;
-      exp_format_ =
-          static_cast<double>(max_val) >= 1e8 || static_cast<double>(min_val) < 1e-4 || ratio > 1000;
+      exp_format_ = static_cast<double>(max_val) >= 1e8 || static_cast<double>(min_val) < 1e-4 || ratio > 1000;
     }
 
     if (any_finite && exp_format_) {
@@ -3048,3 +6367,95 @@ std::ostream& operator<<(std::ostream& os, const StaticTensor<T, Dims...>& t) {
 }
 
 }  // namespace duet
+// Training helpers: evaluation of a classifier over a data set, and a terminal progress bar.
+
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <ostream>
+#include <string>
+
+
+namespace duet::train {
+
+struct Metrics {
+  double loss = 0;      // mean over samples
+  double accuracy = 0;  // top-1, in [0, 1]
+  index_t samples = 0;
+};
+
+// How many rows of logits [B, C] have their largest value at the row's label.
+inline index_t correct_predictions(const Tensor& logits, const BasicTensor<std::int32_t>& labels) {
+  const index_t rows = logits.dim(0);
+  const index_t classes = logits.dim(1);
+  index_t correct = 0;
+  for (index_t r = 0; r < rows; ++r) {
+    const float* row = logits.data() + r * classes;
+    index_t best = 0;
+    for (index_t c = 1; c < classes; ++c) {
+      if (row[c] > row[best]) best = c;
+    }
+    correct += best == labels.data()[r] ? 1 : 0;
+  }
+  return correct;
+}
+
+// One pass over the loader's current epoch: mean loss (loss_fn must reduce by mean) and
+// accuracy of net, each batch weighted by its size.
+template <class Net, class Loss>
+Metrics evaluate(Net& net, Loss& loss_fn, data::DataLoader& loader) {
+  Metrics m;
+  double loss_sum = 0;
+  index_t correct = 0;
+  for (const data::Batch& batch : loader) {
+    const Tensor logits = net(batch.images);
+    const index_t n = batch.labels.numel();
+    loss_sum += static_cast<double>(loss_fn(logits, batch.labels).item()) * static_cast<double>(n);
+    correct += correct_predictions(logits, batch.labels);
+    m.samples += n;
+  }
+  if (m.samples > 0) {
+    m.loss = loss_sum / static_cast<double>(m.samples);
+    m.accuracy = static_cast<double>(correct) / static_cast<double>(m.samples);
+  }
+  return m;
+}
+
+// "epoch 2/5 [##########..........]  469/938  loss 0.4127  21034 ex/s  ETA 0:04", redrawn in
+// place at most ten times a second, so drawing never costs training time.
+class ProgressBar {
+ public:
+  ProgressBar(std::ostream& out, std::string title, index_t total)
+      : out_(out), title_(std::move(title)), total_(total), start_(Clock::now()), last_draw_(start_) {}
+
+  void update(index_t done, double loss, index_t examples) {
+    const auto now = Clock::now();
+    if (done < total_ && now - last_draw_ < std::chrono::milliseconds(100)) return;
+    last_draw_ = now;
+    const double seconds = std::chrono::duration<double>(now - start_).count();
+    const double rate = seconds > 0 ? static_cast<double>(examples) / seconds : 0;
+    const double left = done > 0 ? seconds * static_cast<double>(total_ - done) / static_cast<double>(done) : 0;
+    constexpr int width = 30;
+    const int filled = total_ > 0 ? static_cast<int>(width * done / total_) : width;
+    char line[256];
+    std::snprintf(line, sizeof line, "\r%s [%s%s] %5lld/%lld  loss %.4f  %6.0f ex/s  ETA %d:%02d", title_.c_str(),
+                  std::string(static_cast<std::size_t>(filled), '#').c_str(),
+                  std::string(static_cast<std::size_t>(width - filled), '.').c_str(), static_cast<long long>(done),
+                  static_cast<long long>(total_), loss, rate, static_cast<int>(left) / 60, static_cast<int>(left) % 60);
+    out_ << line << std::flush;
+  }
+
+  // Ends the bar's line.
+  void finish() { out_ << '\n'; }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  std::ostream& out_;
+  std::string title_;
+  index_t total_;
+  Clock::time_point start_;
+  Clock::time_point last_draw_;
+};
+
+}  // namespace duet::train

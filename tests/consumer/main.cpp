@@ -1,6 +1,5 @@
-#include <duet/duet.hpp>
-
 #include <cmath>
+#include <duet/duet.hpp>
 #include <iostream>
 
 struct Net : duet::nn::Cell<Net> {

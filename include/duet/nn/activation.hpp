@@ -5,6 +5,7 @@
 // step in a product's epilogue: the function is written once and used both ways.
 #pragma once
 
+#include <array>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -25,11 +26,27 @@ struct Relu {
     return a.binaryExpr(A::Constant(a.rows(), a.cols(), S(0)),
                         ::Eigen::internal::scalar_max_op<S, S, ::Eigen::PropagateNaN>());
   }
+  // The same on one value or one SIMD vector, for kernels that apply it in registers. NaN
+  // compares false, so it passes through.
+  template <class V>
+  static V apply(V v) {
+    return v < V{} ? V{} : v;
+  }
+  // dy · relu'(x), from y = relu(x): zero where y <= 0. A NaN output passes dy through, as
+  // PyTorch does, so a NaN is not silently hidden from the gradient.
+  template <class G, class Y>
+  static auto grad_array(const G& dy, const Y& y) {
+    using S = typename Y::Scalar;
+    return (y <= S(0)).select(Y::Constant(y.rows(), y.cols(), S(0)), dy);
+  }
 };
 
 }  // namespace fn
 
 namespace ops {
+
+template <class Fn>
+struct MapGradOp;
 
 template <class Fn>
 struct MapOp {
@@ -43,11 +60,38 @@ struct MapOp {
   ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
 
   template <class Backend, class T>
-  void run(const T* const* in, const Shape* in_shapes, T* out, const Shape&) const {
-    Backend::template map<Fn>(in[0], in_shapes[0].numel(), out);
+  void run(const graph::KernelArgs& a) const {
+    Backend::template map<Fn>(a.in<T>(), a.in_shape().numel(), a.out<T>());
+  }
+
+  static constexpr bool has_parameters = false;
+  static constexpr std::array grad_operands{graph::Operand::grad, graph::Operand::output};
+  template <bool InputGrad>
+  auto grad_op() const {
+    return MapGradOp<Fn>{};
   }
 
   static std::string op_name() { return std::string(Fn::name); }
+  std::string label() const { return op_name(); }
+};
+
+// dx = dy · Fn'(x), from dy and the forward output y.
+template <class Fn>
+struct MapGradOp {
+  using layer_type = MapGradOp;
+  static constexpr int arity = 2;
+  static constexpr bool is_view = false;
+  static constexpr bool is_elementwise = false;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    Backend::template map_grad<Fn>(a.in<T>(0), a.in<T>(1), a.in_shape().numel(), a.out<T>());
+  }
+
+  static std::string op_name() { return std::string(Fn::name) + "Grad"; }
   std::string label() const { return op_name(); }
 };
 

@@ -1,16 +1,15 @@
 // Containers: cells that run other cells in order.
 #pragma once
 
+#include <boost/hana/at.hpp>
+#include <boost/hana/fold_left.hpp>
+#include <boost/hana/for_each.hpp>
+#include <boost/hana/tuple.hpp>
 #include <memory>
 #include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
-
-#include <boost/hana/at.hpp>
-#include <boost/hana/fold_left.hpp>
-#include <boost/hana/for_each.hpp>
-#include <boost/hana/tuple.hpp>
 
 #include "../cell.hpp"
 
@@ -19,8 +18,7 @@ namespace duet::nn {
 // A fixed list of cells, each fed the previous one's output (MindSpore's nn.SequentialCell).
 // The list is a hana::tuple: in graph mode the whole chain becomes one flat graph.
 template <class First, class... Rest>
-class SequentialCell
-    : public Cell<SequentialCell<First, Rest...>, CONTEXT_MODE, typename First::value_type> {
+class SequentialCell : public Cell<SequentialCell<First, Rest...>, CONTEXT_MODE, typename First::value_type> {
   using T = typename First::value_type;
   static_assert((std::is_same_v<typename Rest::value_type, T> && ...),
                 "nn::SequentialCell: all cells must have the same element type");
@@ -71,8 +69,7 @@ class BasicDynamicSequentialCell : public BasicDynamicCell<T> {
 
   // Adds a cell at the end, taking ownership; returns it.
   template <class C>
-    requires std::is_base_of_v<BasicDynamicCell<T>, C>
-  C& append(C cell) {
+  requires std::is_base_of_v<BasicDynamicCell<T>, C> C& append(C cell) {
     auto owned = std::make_unique<C>(std::move(cell));
     C& ref = *owned;
     cells_.push_back(std::move(owned));

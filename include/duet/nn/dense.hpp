@@ -17,13 +17,17 @@ namespace ops {
 
 template <class Layer>
 struct BiasAddOp;
+template <class Layer, bool Bias, bool InputGrad, class... Fns>
+struct DenseGradOp;
+template <class Layer, bool InputGrad>
+struct BiasAddGradOp;
 
 // x · Wᵀ over the last axis of x, then the epilogue: the bias if Bias, then each Fn. Capture
 // makes it with an empty epilogue; fuse_epilogues grows it.
 template <class Layer, bool Bias = false, class... Fns>
 struct MatMulOp {
   using layer_type = Layer;
-  using T = typename Layer::value_type;
+  using value_type = typename Layer::value_type;
   static constexpr int arity = 1;
   static constexpr bool is_view = false;
   static constexpr bool is_elementwise = false;
@@ -47,23 +51,38 @@ struct MatMulOp {
     return rule(layer->in_channels(), layer->out_channels(), in[0]);
   }
 
-  template <class Backend>
-  void run(const T* const* in, const Shape* in_shapes, T* out, const Shape&) const {
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
     const index_t in_channels = layer->in_channels();
-    const index_t rows = in_channels == 0 ? 0 : in_shapes[0].numel() / in_channels;
+    const index_t rows = in_channels == 0 ? 0 : a.in_shape().numel() / in_channels;
     Backend::template dense<Layer::in_static, Layer::out_static>(
-        in[0], rows, in_channels, layer->weight.data(), layer->out_channels(),
-        Epilogue<T, Fns...>{Bias ? layer->bias.data() : nullptr}, out);
+        a.in<T>(), rows, in_channels, layer->weight.data(), layer->out_channels(),
+        Epilogue<T, Fns...>{Bias ? layer->bias.data() : nullptr}, a.out<T>());
   }
 
   // Takes this layer's bias first, then any elementwise function.
   template <class C>
   static constexpr bool accepts_epilogue =
-      (std::is_same_v<C, BiasAddOp<Layer>> && !Bias && sizeof...(Fns) == 0) || requires { typename C::fn_type; };
+      (std::is_same_v<C, BiasAddOp<Layer>> && !Bias && sizeof...(Fns) == 0) || requires {
+    typename C::fn_type;
+  };
   auto absorb(const BiasAddOp<Layer>&) const { return MatMulOp<Layer, true, Fns...>{layer}; }
   template <class Fn>
   auto absorb(const MapOp<Fn>&) const {
     return MatMulOp<Layer, Bias, Fns..., Fn>{layer};
+  }
+
+  // Its gradient op reads the forward output only to differentiate an activation epilogue.
+  static constexpr bool has_parameters = true;
+  static constexpr auto grad_operands = [] {
+    if constexpr (sizeof...(Fns) == 0)
+      return std::array{graph::Operand::grad, graph::Operand::input0};
+    else
+      return std::array{graph::Operand::grad, graph::Operand::input0, graph::Operand::output};
+  }();
+  template <bool InputGrad>
+  auto grad_op() const {
+    return DenseGradOp<Layer, Bias, InputGrad, Fns...>{layer};
   }
 
   static std::string op_name() {
@@ -79,7 +98,7 @@ struct MatMulOp {
 template <class Layer>
 struct BiasAddOp {
   using layer_type = Layer;
-  using T = typename Layer::value_type;
+  using value_type = typename Layer::value_type;
   static constexpr int arity = 1;
   static constexpr bool is_view = false;
   static constexpr bool is_elementwise = true;
@@ -95,13 +114,89 @@ struct BiasAddOp {
   static constexpr ShapeResult infer_static(std::span<const Shape> in) { return rule(Layer::out_static, in[0]); }
   ShapeResult infer(std::span<const Shape> in) const { return rule(layer->out_channels(), in[0]); }
 
-  template <class Backend>
-  void run(const T* const* in, const Shape* in_shapes, T* out, const Shape&) const {
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
     const index_t cols = layer->out_channels();
-    Backend::add_bias(in[0], cols == 0 ? 0 : in_shapes[0].numel() / cols, cols, layer->bias.data(), out);
+    Backend::add_bias(a.in<T>(), cols == 0 ? 0 : a.in_shape().numel() / cols, cols, layer->bias.data(), a.out<T>());
+  }
+
+  static constexpr bool has_parameters = true;
+  static constexpr std::array grad_operands{graph::Operand::grad};
+  template <bool InputGrad>
+  auto grad_op() const {
+    return BiasAddGradOp<Layer, InputGrad>{layer};
   }
 
   static std::string op_name() { return "BiasAdd"; }
+  std::string label() const { return layer->label(); }
+};
+
+// The gradient of MatMulOp<Layer, Bias, Fns...>: from dy (and y, when Fns need it) it makes
+// dW, db and, if InputGrad, dx. The activation mask and the bias sum are taken in the same
+// kernel as the products, as the forward fused them.
+template <class Layer, bool Bias, bool InputGrad, class... Fns>
+struct DenseGradOp {
+  using layer_type = Layer;
+  using value_type = typename Layer::value_type;
+  static constexpr int arity = sizeof...(Fns) == 0 ? 2 : 3;  // dy, x[, y]
+  static constexpr bool is_view = false;
+  static constexpr bool is_elementwise = false;
+  static constexpr bool is_sink = !InputGrad;
+
+  const Layer* layer;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {InputGrad ? in[1] : Shape{}}; }
+  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const std::uint64_t pass = detail::current_backward_pass();
+    bool accumulate_w = false;
+    bool accumulate_b = false;
+    T* dw = layer->weight.grad_for_write(pass, &accumulate_w);
+    T* db = Bias ? layer->bias.grad_for_write(pass, &accumulate_b) : nullptr;
+    const index_t in_channels = layer->in_channels();
+    const index_t rows = in_channels == 0 ? 0 : a.in_shape(1).numel() / in_channels;
+    Backend::template dense_backward<Layer::in_static, Layer::out_static, T, Fns...>(DenseBackwardArgs<T>{
+        a.in<T>(0), a.in<T>(1), sizeof...(Fns) == 0 ? nullptr : a.in<T>(2), rows, in_channels, layer->weight.data(),
+        layer->out_channels(), InputGrad ? a.out<T>() : nullptr, dw, accumulate_w, db, accumulate_b});
+  }
+
+  static std::string op_name() {
+    std::string s = "MatMulGrad";
+    if (Bias) s += " + BiasGrad";
+    ((s += " + " + std::string(Fns::name) + "Grad"), ...);
+    if (!InputGrad) s += " (parameters only)";
+    return s;
+  }
+  std::string label() const { return layer->label(); }
+};
+
+// The gradient of BiasAddOp: db is the column sum of dy, and dx is dy itself (a view).
+template <class Layer, bool InputGrad>
+struct BiasAddGradOp {
+  using layer_type = Layer;
+  using value_type = typename Layer::value_type;
+  static constexpr int arity = 1;
+  static constexpr bool is_view = InputGrad;
+  static constexpr bool has_side_effects = true;
+  static constexpr bool is_elementwise = false;
+  static constexpr bool is_sink = !InputGrad;
+
+  const Layer* layer;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {InputGrad ? in[0] : Shape{}}; }
+  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    bool accumulate = false;
+    T* db = layer->bias.grad_for_write(detail::current_backward_pass(), &accumulate);
+    const index_t cols = layer->out_channels();
+    Backend::bias_grad(a.in<T>(), cols == 0 ? 0 : a.in_shape().numel() / cols, cols, db, accumulate);
+  }
+
+  static std::string op_name() { return InputGrad ? "BiasAddGrad" : "BiasAddGrad (parameters only)"; }
   std::string label() const { return layer->label(); }
 };
 
@@ -124,9 +219,7 @@ class Dense : public Cell<Dense<In, Out, T>, CONTEXT_MODE, T> {
   BasicParameter<T> bias;    // [out_channels]
   DUET_CELL_MEMBERS(weight, bias);
 
-  Dense()
-    requires(In != dyn && Out != dyn)
-      : Dense(In, Out) {}
+  Dense() requires(In != dyn && Out != dyn) : Dense(In, Out) {}
 
   // MindSpore 2.x's default initialisation, from the global generator (set_seed): weight
   // HeUniform(a = sqrt(5)), which is U(-1/sqrt(in), 1/sqrt(in)); bias U(-1/sqrt(in), 1/sqrt(in)).
@@ -144,12 +237,16 @@ class Dense : public Cell<Dense<In, Out, T>, CONTEXT_MODE, T> {
   }
 
   index_t in_channels() const {
-    if constexpr (In != dyn) return In;
-    else return in_;
+    if constexpr (In != dyn)
+      return In;
+    else
+      return in_;
   }
   index_t out_channels() const {
-    if constexpr (Out != dyn) return Out;
-    else return out_;
+    if constexpr (Out != dyn)
+      return Out;
+    else
+      return out_;
   }
 
   template <class X>

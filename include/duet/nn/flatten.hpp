@@ -1,6 +1,7 @@
 // Reshaping layers. They move no data: in both modes their output is a view of their input.
 #pragma once
 
+#include <array>
 #include <string>
 #include <utility>
 
@@ -9,6 +10,20 @@
 
 namespace duet {
 namespace ops {
+
+// The gradient of a reshape: dy viewed with the shape of the forward input.
+struct ReshapeLikeOp {
+  using layer_type = ReshapeLikeOp;
+  static constexpr int arity = 2;  // dy, the forward input (for its shape)
+  static constexpr bool is_view = true;
+  static constexpr bool is_elementwise = false;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
+  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
+
+  static std::string op_name() { return "ReshapeLike"; }
+  std::string label() const { return op_name(); }
+};
 
 // [N, d1, d2, ...] -> [N, d1 * d2 * ...].
 struct FlattenOp {
@@ -24,6 +39,13 @@ struct FlattenOp {
     return {Shape{x[0], x.numel_from(1)}};
   }
   ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
+
+  static constexpr bool has_parameters = false;
+  static constexpr std::array grad_operands{graph::Operand::grad, graph::Operand::input0};
+  template <bool InputGrad>
+  auto grad_op() const {
+    return ReshapeLikeOp{};
+  }
 
   static std::string op_name() { return "Flatten"; }
   std::string label() const { return "nn::Flatten"; }

@@ -1,0 +1,34 @@
+// The dense kernel alone, on the seed network's layers: backend::Native (kernels::gemm, the
+// epilogue fused in registers) against backend::Eigen (Eigen's product, then the epilogue as
+// an array expression). Same weights, inputs and epilogues for both.
+#include <duet/duet.hpp>
+
+#include <benchmark/benchmark.h>
+
+namespace {
+
+using namespace duet;
+
+template <class Backend, index_t In, index_t Out, class... Fns>
+void BM_dense(benchmark::State& state) {
+  const index_t rows = state.range(0);
+  const Tensor x = uniform<float>({rows, In}, -1.0f, 1.0f);
+  const Tensor w = uniform<float>({Out, In}, -0.05f, 0.05f);
+  const Tensor b = uniform<float>({Out}, -0.05f, 0.05f);
+  Tensor y = zeros({rows, Out});
+  for (auto _ : state) {
+    Backend::template dense<In, Out>(x.data(), rows, In, w.data(), Out, Epilogue<float, Fns...>{b.data()}, y.data());
+    benchmark::DoNotOptimize(y.data());
+    benchmark::ClobberMemory();
+  }
+  state.SetItemsProcessed(state.iterations() * rows * In * Out);  // multiply-adds
+}
+
+}  // namespace
+
+BENCHMARK(BM_dense<backend::Native, 784, 512, fn::Relu>)->Name("gemm/native/784x512+relu")->Arg(1)->Arg(64)->Arg(256);
+BENCHMARK(BM_dense<backend::Eigen, 784, 512, fn::Relu>)->Name("gemm/eigen/784x512+relu")->Arg(1)->Arg(64)->Arg(256);
+BENCHMARK(BM_dense<backend::Native, 512, 512, fn::Relu>)->Name("gemm/native/512x512+relu")->Arg(1)->Arg(64)->Arg(256);
+BENCHMARK(BM_dense<backend::Eigen, 512, 512, fn::Relu>)->Name("gemm/eigen/512x512+relu")->Arg(1)->Arg(64)->Arg(256);
+BENCHMARK(BM_dense<backend::Native, 512, 10>)->Name("gemm/native/512x10")->Arg(1)->Arg(64)->Arg(256);
+BENCHMARK(BM_dense<backend::Eigen, 512, 10>)->Name("gemm/eigen/512x10")->Arg(1)->Arg(64)->Arg(256);

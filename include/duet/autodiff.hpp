@@ -1,0 +1,508 @@
+// Differentiation in both modes, behind one API (MindSpore's grad and value_and_grad).
+//
+// PyNative records a tape while the function runs (tape.hpp) and walks it back. Graph mode
+// derives the backward graph from the forward graph's type while the program compiles: each
+// node's op names its gradient op and what that op reads, and build_backward appends those
+// ops, last node first, summing where a value has several readers. The training graph is
+// then planned and run like any other, in one evaluator call. Both modes call the same
+// gradient ops, hence the same kernels.
+#pragma once
+
+#include <array>
+#include <boost/hana/append.hpp>
+#include <boost/hana/at.hpp>
+#include <boost/hana/concat.hpp>
+#include <boost/hana/length.hpp>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "backend.hpp"
+#include "cell.hpp"
+#include "context.hpp"
+#include "eager.hpp"
+#include "evaluator.hpp"
+#include "graph.hpp"
+#include "parameter.hpp"
+#include "passes.hpp"
+#include "tape.hpp"
+#include "tensor.hpp"
+
+namespace duet {
+namespace ops {
+
+// A value of the input's shape filled with V: ones where backward starts (d output/d output),
+// zeros for the gradient of an input the output does not depend on.
+template <int V>
+struct FillLikeOp {
+  using layer_type = FillLikeOp;
+  static constexpr int arity = 1;
+  static constexpr bool is_view = false;
+  static constexpr bool is_elementwise = false;
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    Backend::fill(a.out<T>(), a.output_shape.numel(), T(V));
+  }
+  static std::string op_name() { return V == 1 ? "OnesLike" : "ZerosLike"; }
+  std::string label() const { return op_name(); }
+};
+
+// The sum of two gradients reaching one value.
+struct GradAddOp {
+  using layer_type = GradAddOp;
+  static constexpr int arity = 2;
+  static constexpr bool is_view = false;
+  static constexpr bool is_elementwise = false;
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    Backend::add(a.in<T>(0), a.in<T>(1), a.in_shape(0).numel(), a.out<T>());
+  }
+  static std::string op_name() { return "GradAdd"; }
+  std::string label() const { return op_name(); }
+};
+
+// Copies a value out of the graph into *destination (an input's gradient, for the caller).
+template <class T>
+struct StoreOp {
+  using layer_type = StoreOp;
+  static constexpr int arity = 1;
+  static constexpr bool is_view = false;
+  static constexpr bool is_elementwise = false;
+  static constexpr bool is_sink = true;
+  BasicTensor<T>* destination;
+  static constexpr ShapeResult infer_static(std::span<const Shape>) { return {Shape{}}; }
+  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
+  template <class Backend, class U>
+  void run(const graph::KernelArgs& a) const {
+    *destination = BasicTensor<T>::uninitialized(a.in_shape());
+    std::copy_n(a.in<T>(), a.in_shape().numel(), destination->data());
+  }
+  static std::string op_name() { return "Store"; }
+  std::string label() const { return op_name(); }
+};
+
+}  // namespace ops
+
+namespace diagnostic {
+template <class Op>
+struct operation_is_differentiable {
+  static constexpr bool value = false;
+};
+}  // namespace diagnostic
+
+namespace autodiff {
+namespace detail {
+
+inline constexpr std::size_t no_grad = ~std::size_t{0};
+
+// Which nodes' values lead to something being differentiated: a parameter, or an input listed
+// in Wrt. Only those get gradients.
+template <class G, std::size_t... Wrt>
+constexpr std::array<bool, G::size> leads_to_gradient() {
+  std::array<bool, G::size> leads{};
+  graph::for_each_index<G::size>([&](auto i) {
+    constexpr std::size_t I = decltype(i)::value;
+    using N = graph::node_at<G, I>;
+    using Op = typename N::op_type;
+    if constexpr (graph::is_input_op_v<Op>) {
+      leads[I] = ((Op::index == Wrt) || ...);
+    } else {
+      bool any = false;
+      if constexpr (Differentiable<Op>) any = Op::has_parameters;
+      for (std::size_t a : N::args) any = any || leads[a];
+      leads[I] = any;
+    }
+  });
+  return leads;
+}
+
+template <std::size_t N>
+constexpr std::array<std::size_t, N> with(std::array<std::size_t, N> a, std::size_t i, std::size_t v) {
+  a[i] = v;
+  return a;
+}
+
+template <auto V>
+struct value_tag {
+  static constexpr auto value = V;
+};
+
+template <graph::Operand O, class N, std::size_t Self, std::size_t Grad>
+constexpr std::size_t operand_index() {
+  if constexpr (O == graph::Operand::grad)
+    return Grad;
+  else if constexpr (O == graph::Operand::output)
+    return Self;
+  else if constexpr (O == graph::Operand::input0)
+    return N::args[0];
+  else
+    return N::args[1];
+}
+
+// Walks forward nodes I-1, I-2, ..., 0. Grads[i] is the node holding d(output)/d(value i).
+template <std::size_t I, auto Grads, auto Leads, class G, class Built>
+auto backward_from(const G& g, const Built& built) {
+  if constexpr (I == 0) {
+    return std::pair{built, value_tag<Grads>{}};
+  } else {
+    constexpr std::size_t i = I - 1;
+    using N = graph::node_at<G, i>;
+    using Op = typename N::op_type;
+    constexpr std::size_t gi = Grads[i];
+    if constexpr (gi == no_grad || graph::is_input_op_v<Op>) {
+      return backward_from<i, Grads, Leads>(g, built);
+    } else if constexpr (!Differentiable<Op>) {
+      static_assert(diagnostic::operation_is_differentiable<typename Op::layer_type>::value,
+                    "duet::grad: a gradient must flow through an operation that has none (the condition "
+                    "names it)");
+      return backward_from<i, Grads, Leads>(g, built);
+    } else {
+      constexpr bool input_grad = N::arity >= 1 && Leads[N::args[0]];
+      if constexpr (!input_grad && !Op::has_parameters) {
+        return backward_from<i, Grads, Leads>(g, built);
+      } else {
+        const auto gop = boost::hana::at_c<i>(g.nodes).op.template grad_op<input_grad>();
+        constexpr std::size_t k = decltype(boost::hana::length(built))::value;
+        auto node = [&]<std::size_t... J>(std::index_sequence<J...>) {
+          return graph::Node<std::remove_cvref_t<decltype(gop)>, operand_index<Op::grad_operands[J], N, i, gi>()...>{
+              gop};
+        }
+        (std::make_index_sequence<Op::grad_operands.size()>{});
+        auto with_grad = boost::hana::append(built, node);
+        if constexpr (!input_grad) {
+          return backward_from<i, Grads, Leads>(g, with_grad);
+        } else if constexpr (Grads[N::args[0]] == no_grad) {
+          return backward_from<i, with(Grads, N::args[0], k), Leads>(g, with_grad);
+        } else {
+          auto summed = boost::hana::append(with_grad, graph::Node<ops::GradAddOp, Grads[N::args[0]], k>{});
+          return backward_from<i, with(Grads, N::args[0], k + 1), Leads>(g, summed);
+        }
+      }
+    }
+  }
+}
+
+template <class G, std::size_t K>
+constexpr std::size_t input_node() {
+  std::size_t found = G::size;
+  graph::for_each_index<G::size>([&](auto i) {
+    using Op = typename graph::node_at<G, decltype(i)::value>::op_type;
+    if constexpr (graph::is_input_op_v<Op>) {
+      if (Op::index == K) found = decltype(i)::value;
+    }
+  });
+  return found;
+}
+
+// Where the gradient of each differentiated input comes from: its gradient node, or the j-th
+// zeros node (placed from ZerosAt on) when the output does not depend on it.
+template <auto Grads, std::size_t ZerosAt, std::size_t... InputNodes>
+constexpr std::array<std::size_t, sizeof...(InputNodes)> store_sources() {
+  std::array<std::size_t, sizeof...(InputNodes)> sources{};
+  std::size_t j = 0;
+  ((sources[j] = Grads[InputNodes] != no_grad ? Grads[InputNodes] : ZerosAt + j, ++j), ...);
+  return sources;
+}
+
+}  // namespace detail
+
+// Gives the graph an input node K of type T if the function never read input K, so that its
+// (zero) gradient has somewhere to come from.
+template <std::size_t K, class T, class G, std::size_t Out>
+auto with_input(const graph::Sym<G, Out>& program) {
+  if constexpr (detail::input_node<G, K>() < G::size) {
+    return program;
+  } else {
+    auto g = graph::make_graph(
+        boost::hana::append(program.graph.nodes, graph::Node<graph::InputOp<K, graph::AnyShape, T>>{}));
+    return graph::Sym<decltype(g), Out>{g};
+  }
+}
+
+// The training graph of a forward program: the forward nodes, then the gradient nodes. Its
+// output is still the forward output; parameters' gradients land in their grad tensors, and
+// the gradient of input K lands in *input_grads[j] for the j-th K of Wrt.
+template <std::size_t... Wrt, class G0, std::size_t Out, class... T>
+auto build_backward(const graph::Sym<G0, Out>& program, BasicTensor<T>*... input_grads) {
+  static_assert(sizeof...(Wrt) == sizeof...(T), "duet::build_backward: one destination per input differentiated");
+  static_assert(sizeof...(Wrt) <= 1, "duet::build_backward: one input at a time (grad_position is one index)");
+  const auto forward = [&] {
+    if constexpr (sizeof...(Wrt) == 0)
+      return program;
+    else
+      return with_input<Wrt..., T...>(program);
+  }();
+  using G = typename std::remove_cvref_t<decltype(forward)>::graph_type;
+  constexpr auto leads = detail::leads_to_gradient<G, Wrt...>();
+  constexpr auto none = [] {
+    std::array<std::size_t, G::size> a{};
+    a.fill(detail::no_grad);
+    return a;
+  }();
+  auto seeded = boost::hana::append(forward.graph.nodes, graph::Node<ops::FillLikeOp<1>, Out>{});
+  auto [built, grads_tag] =
+      detail::backward_from<G::size, detail::with(none, Out, G::size), leads>(forward.graph, seeded);
+  static constexpr auto grads = decltype(grads_tag)::value;
+  // An input the output does not depend on has a zero gradient, as in MindSpore.
+  auto zeros = boost::hana::make_tuple(graph::Node<ops::FillLikeOp<0>, detail::input_node<G, Wrt>()>{}...);
+  constexpr std::size_t zeros_at = decltype(boost::hana::length(built))::value;
+  [[maybe_unused]] static constexpr auto sources =
+      detail::store_sources<grads, zeros_at, detail::input_node<G, Wrt>()...>();
+  const std::tuple<BasicTensor<T>*...> destinations{input_grads...};
+  auto stores = [&]<std::size_t... J>(std::index_sequence<J...>) {
+    return boost::hana::make_tuple(
+        graph::Node<ops::StoreOp<std::tuple_element_t<J, std::tuple<T...>>>, sources[J]>{std::get<J>(destinations)}...);
+  }
+  (std::index_sequence_for<T...>{});
+  auto training = graph::make_graph(boost::hana::concat(boost::hana::concat(built, zeros), stores));
+  return graph::Sym<decltype(training), Out>{training};
+}
+
+}  // namespace autodiff
+
+// What value_and_grad returns: the function's value, then the gradients asked for (the
+// input's first, when a grad_position is given, then the weights' in order).
+template <ElementType T>
+struct ValueAndGrads {
+  BasicTensor<T> value;
+  std::vector<BasicTensor<T>> grads;
+};
+
+namespace autodiff::detail {
+
+template <class F>
+concept CellLike = requires {
+  typename std::remove_cvref_t<F>::value_type;
+}
+&&std::is_base_of_v<nn::BasicDynamicCell<typename std::remove_cvref_t<F>::value_type>, std::remove_cvref_t<F>>;
+
+// The mode a function runs in: a cell's own, otherwise the context's.
+template <class F>
+Mode mode_of() {
+  if constexpr (CellLike<F>)
+    return effective_mode(std::remove_cvref_t<F>::mode);
+  else
+    return effective_mode(CONTEXT_MODE);
+}
+
+template <class F, class Positions, class... X>
+struct capturable;
+template <class F, std::size_t... K, class... X>
+struct capturable<F, std::index_sequence<K...>, X...> {
+  static constexpr bool value = requires(F & f) {
+    f(graph::input<typename X::value_type, typename graph::pattern_of<X>::type, K>()...);
+  };
+};
+
+// Whether graph mode can capture f on inputs like X...: a generic function or a cell can,
+// a function of duet::Tensor only runs eagerly.
+template <class F, class... X>
+concept Capturable = capturable<F, std::index_sequence_for<X...>, X...>::value;
+
+template <class T>
+std::vector<nn::BasicParameter<T>*> parameters_of(const std::vector<nn::NamedParameter<T>>& named) {
+  std::vector<nn::BasicParameter<T>*> out;
+  out.reserve(named.size());
+  for (const auto& p : named) out.push_back(p.parameter);
+  return out;
+}
+
+// Returns f(integral_constant<K>) for K = position, K in 0..Count-1: a runtime position
+// picks a compile-time instantiation.
+template <std::size_t Count, class F>
+auto at_position(std::size_t position, F&& f) {
+  decltype(f(std::integral_constant<std::size_t, 0>{})) result{};
+  [&]<std::size_t... K>(std::index_sequence<K...>) {
+    ((position == K ? (void)(result = f(std::integral_constant<std::size_t, K>{})) : void()), ...);
+  }
+  (std::make_index_sequence<Count>{});
+  return result;
+}
+
+}  // namespace autodiff::detail
+
+// A function with its gradient: what value_and_grad and grad return. Calls run the function
+// forward and backward in its mode; parameters' gradients are also left in their grad tensors.
+// W is the weights' element type, or void for none (then the function's output type is what
+// is differentiated).
+template <class Fn, class W = void>
+class GradFunction {
+  using FnRef = std::remove_reference_t<Fn>;
+  using WeightType = std::conditional_t<std::is_void_v<W>, float, W>;
+
+  // The element type of fn's value on tensors like X...
+  template <class... X>
+  using value_t = typename decltype(std::declval<FnRef&>()(tensor_of(std::declval<const X&>())...))::value_type;
+
+ public:
+  GradFunction(Fn fn, std::vector<nn::BasicParameter<WeightType>*> weights, std::optional<std::size_t> grad_position)
+      : fn_(std::forward<Fn>(fn)), weights_(std::move(weights)), grad_position_(grad_position) {}
+
+  template <class... X>
+  ValueAndGrads<value_t<X...>> operator()(const X&... xs) {
+    using V = value_t<X...>;
+    static_assert(std::is_void_v<W> || std::is_same_v<V, W>,
+                  "duet::value_and_grad: the function's value and the weights have different element types");
+    ValueAndGrads<V> out;
+    BasicTensor<V> input_grad;
+    if (grad_position_) {
+      check_position<V, X...>();
+      out.value = forward_backward<true>(input_grad, xs...);
+      out.grads.push_back(std::move(input_grad));
+    } else {
+      out.value = forward_backward<false>(input_grad, xs...);
+    }
+    if constexpr (!std::is_void_v<W>) {
+      const std::uint64_t pass = duet::detail::current_backward_pass();
+      for (nn::BasicParameter<W>* p : weights_) {
+        out.grads.push_back(p->has_grad_from(pass) ? p->grad.clone() : zeros<W>(p->shape()));
+      }
+    }
+    return out;
+  }
+
+  // The value, with the gradients left in the parameters' grad tensors and none copied out:
+  // a training step's first half.
+  template <class... X>
+  BasicTensor<value_t<X...>> value_and_parameter_grads(const X&... xs) {
+    BasicTensor<value_t<X...>> unused;
+    return forward_backward<false>(unused, xs...);
+  }
+
+ private:
+  // Inputs of another element type than the value's (integer labels, say) have no gradient.
+  template <class V, std::size_t K, class... X>
+  static constexpr bool differentiable_input() {
+    return std::is_same_v<typename std::tuple_element_t<K, std::tuple<X...>>::value_type, V>;
+  }
+
+  template <class V, class... X>
+  void check_position() const {
+    if (*grad_position_ >= sizeof...(X)) {
+      throw ValueError("duet::value_and_grad: grad_position " + std::to_string(*grad_position_) +
+                       " is out of range for " + std::to_string(sizeof...(X)) + " inputs");
+    }
+    const bool ok = autodiff::detail::at_position<sizeof...(X)>(
+        *grad_position_, [](auto k) { return differentiable_input<V, decltype(k)::value, X...>(); });
+    if (!ok) {
+      throw ValueError("duet::value_and_grad: input " + std::to_string(*grad_position_) +
+                       " (grad_position) is not of the element type being differentiated");
+    }
+  }
+
+  template <bool WithInput, class V, class... X>
+  BasicTensor<V> forward_backward(BasicTensor<V>& input_grad, const X&... xs) {
+    if constexpr (autodiff::detail::Capturable<FnRef, X...>) {
+      if (autodiff::detail::mode_of<Fn>() == GRAPH_MODE) return run_graph<WithInput>(input_grad, xs...);
+    }
+    return run_eager<WithInput>(input_grad, xs...);
+  }
+
+  template <bool WithInput, class V, class... X>
+  BasicTensor<V> run_eager(BasicTensor<V>& input_grad, const X&... xs) {
+    autodiff::Tape tape;
+    std::tuple<BasicTensor<typename X::value_type>...> inputs{tensor_of(xs)...};
+    BasicTensor<V> value;
+    {
+      autodiff::Recording recording(&tape);
+      EagerScope eager;
+      if constexpr (WithInput) {
+        autodiff::detail::at_position<sizeof...(X)>(*grad_position_, [&](auto k) {
+          if constexpr (differentiable_input<V, decltype(k)::value, X...>())
+            tape.watch(std::get<decltype(k)::value>(inputs));
+          return 0;
+        });
+      }
+      value = std::apply([&](const auto&... x) { return BasicTensor<V>(fn_(x...)); }, inputs);
+    }
+    tape.backward(value);
+    if constexpr (WithInput) {
+      autodiff::detail::at_position<sizeof...(X)>(*grad_position_, [&](auto k) {
+        if constexpr (differentiable_input<V, decltype(k)::value, X...>()) {
+          const auto& x = std::get<decltype(k)::value>(inputs);
+          const auto* entry = tape.entry_of(x);
+          input_grad = entry != nullptr && entry->grad() != nullptr ? entry->grad()->clone() : zeros<V>(x.shape());
+        }
+        return 0;
+      });
+    }
+    return value;
+  }
+
+  template <bool WithInput, class V, class... X>
+  BasicTensor<V> run_graph(BasicTensor<V>& input_grad, const X&... xs) {
+    if constexpr (autodiff::detail::CellLike<Fn>) {
+      if (fn_.has_forward_hooks_in_tree()) {
+        throw ModeError(fn_.label() +
+                        " is differentiated in graph mode, but a cell in it has a forward hook; "
+                        "hooks run in PyNative mode only");
+      }
+    }
+    auto forward = passes::optimize([&]<std::size_t... K>(std::index_sequence<K...>) {
+      return fn_(graph::input<typename X::value_type, typename graph::pattern_of<X>::type, K>()...);
+    }(std::index_sequence_for<X...>{}));
+    const std::array<Shape, sizeof...(X)> shapes{xs.shape()...};
+    duet::detail::begin_backward_pass();
+    if constexpr (WithInput) {
+      return autodiff::detail::at_position<sizeof...(X)>(*grad_position_, [&](auto k) {
+        if constexpr (differentiable_input<V, decltype(k)::value, X...>()) {
+          auto training = autodiff::build_backward<decltype(k)::value>(forward, &input_grad);
+          return BasicTensor<V>(
+              run<DefaultBackend>(training, duet::detail::cached_plan(id_, training, shapes), tensor_of(xs)...));
+        } else {
+          return BasicTensor<V>();
+        }
+      });
+    } else {
+      auto training = autodiff::build_backward<>(forward);
+      return run<DefaultBackend>(training, duet::detail::cached_plan(id_, training, shapes), tensor_of(xs)...);
+    }
+  }
+
+  Fn fn_;
+  std::vector<nn::BasicParameter<WeightType>*> weights_;
+  std::optional<std::size_t> grad_position_;
+  std::uint64_t id_ = duet::detail::new_plan_owner();
+};
+
+// MindSpore's value_and_grad(fn, grad_position, weights). fn is a cell (kept by reference) or
+// a function of tensors; weights a cell's parameters() or any list of them.
+template <class Fn>
+auto value_and_grad(Fn&& fn, std::optional<std::size_t> grad_position = 0) {
+  return GradFunction<Fn, void>(std::forward<Fn>(fn), {}, grad_position);
+}
+template <class Fn, ElementType T>
+auto value_and_grad(Fn&& fn, const std::vector<nn::NamedParameter<T>>& weights,
+                    std::optional<std::size_t> grad_position = std::nullopt) {
+  return GradFunction<Fn, T>(std::forward<Fn>(fn), autodiff::detail::parameters_of(weights), grad_position);
+}
+template <class Fn, ElementType T>
+auto value_and_grad(Fn&& fn, std::vector<nn::BasicParameter<T>*> weights,
+                    std::optional<std::size_t> grad_position = std::nullopt) {
+  return GradFunction<Fn, T>(std::forward<Fn>(fn), std::move(weights), grad_position);
+}
+
+// MindSpore's grad: the gradients alone. grad(fn) differentiates with respect to the first input.
+template <class Fn, class... Weights>
+auto grad(Fn&& fn, Weights&&... weights_and_position) {
+  auto vg = value_and_grad(std::forward<Fn>(fn), std::forward<Weights>(weights_and_position)...);
+  return [vg = std::move(vg)](const auto&... xs) mutable {
+    auto out = vg(xs...);
+    if constexpr (sizeof...(Weights) == 0)
+      return std::move(out.grads.front());
+    else
+      return std::move(out.grads);
+  };
+}
+
+}  // namespace duet

@@ -1,0 +1,226 @@
+// Data for training: image data sets held in memory as bytes, Fashion-MNIST, and a DataLoader
+// that cuts a data set into shuffled float batches.
+//
+// Images stay bytes until a batch is made (Fashion-MNIST's training set is 47 MB as bytes,
+// 188 MB as floats), and a batch's tensors are reused from one batch to the next when nobody
+// else holds them.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <iterator>
+#include <numeric>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "error.hpp"
+#include "io/idx.hpp"
+#include "random.hpp"
+#include "tensor.hpp"
+
+namespace duet::data {
+
+// Images [N, H, W] as bytes and their labels [N], each in 0 .. classes - 1. Copies share the
+// elements, as tensors do.
+class ImageDataset {
+ public:
+  ImageDataset(BasicTensor<std::uint8_t> images, BasicTensor<std::int32_t> labels, int classes)
+      : images_(std::move(images)), labels_(std::move(labels)), classes_(classes) {
+    if (images_.ndim() != 3) {
+      throw ShapeError("duet::data::ImageDataset: images must have shape [N, H, W], got " + to_string(images_.shape()));
+    }
+    if (labels_.ndim() != 1 || labels_.dim(0) != images_.dim(0)) {
+      throw ShapeError("duet::data::ImageDataset: " + std::to_string(images_.dim(0)) +
+                       " images need labels of shape [" + std::to_string(images_.dim(0)) + "], got " +
+                       to_string(labels_.shape()));
+    }
+    if (classes_ <= 0) {
+      throw ValueError("duet::data::ImageDataset: classes must be positive, got " + std::to_string(classes_));
+    }
+    for (index_t i = 0; i < labels_.numel(); ++i) {
+      const std::int32_t label = labels_.data()[i];
+      if (label < 0 || label >= classes_) {
+        throw ValueError("duet::data::ImageDataset: label " + std::to_string(i) + " is " + std::to_string(label) +
+                         ", outside 0.." + std::to_string(classes_ - 1));
+      }
+    }
+  }
+
+  // Samples.
+  index_t size() const { return images_.dim(0); }
+  index_t height() const { return images_.dim(1); }
+  index_t width() const { return images_.dim(2); }
+  int classes() const { return classes_; }
+  const BasicTensor<std::uint8_t>& images() const { return images_; }
+  const BasicTensor<std::int32_t>& labels() const { return labels_; }
+
+ private:
+  BasicTensor<std::uint8_t> images_;
+  BasicTensor<std::int32_t> labels_;
+  int classes_;
+};
+
+enum class Split { train, test };
+
+// Where Debian's dataset-fashion-mnist package puts the files.
+inline constexpr const char* fashion_mnist_dir = "/usr/share/datasets/fashion-mnist";
+
+// Fashion-MNIST (60000 training or 10000 test images of 28x28, 10 classes) from the four IDX
+// files of its distribution, gzipped (as shipped) or not.
+inline ImageDataset load_fashion_mnist(const std::filesystem::path& dir, Split split) {
+  const std::string prefix = split == Split::train ? "train" : "t10k";
+  const auto find = [&](const std::string& name) {
+    std::error_code ignored;
+    for (const auto& candidate : {dir / (name + ".gz"), dir / name}) {
+      if (std::filesystem::exists(candidate, ignored)) return candidate;
+    }
+    throw IOError("duet::data::load_fashion_mnist: '" + (dir / (name + ".gz")).string() +
+                  "' not found; on Debian, install the dataset-fashion-mnist package, or pass the directory "
+                  "holding the Fashion-MNIST files");
+  };
+  const auto images_path = find(prefix + "-images-idx3-ubyte");
+  const auto labels_path = find(prefix + "-labels-idx1-ubyte");
+  BasicTensor<std::uint8_t> images = io::read_idx_u8(images_path);
+  const BasicTensor<std::uint8_t> label_bytes = io::read_idx_u8(labels_path);
+  auto labels = BasicTensor<std::int32_t>::uninitialized(label_bytes.shape());
+  std::copy_n(label_bytes.data(), label_bytes.numel(), labels.data());
+  try {
+    return ImageDataset(std::move(images), std::move(labels), 10);
+  } catch (const Error& e) {
+    throw FormatError("duet::data::load_fashion_mnist: '" + images_path.string() + "' and '" + labels_path.string() +
+                      "' do not form a data set: " + e.what());
+  }
+}
+
+inline ImageDataset load_fashion_mnist(Split split = Split::train) {
+  return load_fashion_mnist(fashion_mnist_dir, split);
+}
+
+// A batch: images [B, 1, H, W] as floats in [0, 1] (byte / 255) and their labels [B].
+struct Batch {
+  Tensor images;
+  BasicTensor<std::int32_t> labels;
+};
+
+struct LoaderOptions {
+  // Epoch e's order is a function of (seed, e) alone, so a run can be repeated or resumed.
+  bool shuffle = false;
+  std::uint64_t seed = 0;
+  // Leave out the last batch when it is smaller than batch_size, instead of returning it short.
+  bool drop_last = false;
+};
+
+// Cuts a data set into batches, one epoch at a time:
+//
+//   data::DataLoader loader(data::load_fashion_mnist(), 64, {.shuffle = true, .seed = 1});
+//   for (int epoch = 0; epoch < 10; ++epoch) {
+//     for (const data::Batch& batch : loader) train(batch.images, batch.labels);
+//   }
+//
+// Each range-for runs the next epoch (the first runs epoch 0); next() and start_epoch() step
+// through epochs by hand. A batch is valid until the next batch is made.
+class DataLoader {
+ public:
+  class Iterator {
+   public:
+    using value_type = Batch;
+    using difference_type = std::ptrdiff_t;
+
+    Iterator() = default;
+    explicit Iterator(DataLoader& loader) : loader_(&loader), batch_(loader.next()) {}
+
+    const Batch& operator*() const { return *batch_; }
+    const Batch* operator->() const { return batch_; }
+    Iterator& operator++() {
+      batch_ = loader_->next();
+      return *this;
+    }
+    void operator++(int) { ++*this; }
+    friend bool operator==(const Iterator& it, std::default_sentinel_t) { return it.batch_ == nullptr; }
+
+   private:
+    DataLoader* loader_ = nullptr;
+    const Batch* batch_ = nullptr;
+  };
+
+  DataLoader(ImageDataset data, index_t batch_size, LoaderOptions options = {})
+      : data_(std::move(data)),
+        batch_size_(batch_size),
+        options_(options),
+        order_(static_cast<std::size_t>(data_.size())) {
+    if (batch_size_ <= 0) {
+      throw ValueError("duet::data::DataLoader: batch_size must be positive, got " + std::to_string(batch_size_));
+    }
+    start_epoch(0);
+  }
+
+  // Batches per epoch (PyTorch's len(loader), MindSpore's get_dataset_size()).
+  index_t size() const {
+    return options_.drop_last ? data_.size() / batch_size_ : (data_.size() + batch_size_ - 1) / batch_size_;
+  }
+  index_t batch_size() const { return batch_size_; }
+  const ImageDataset& dataset() const { return data_; }
+  std::uint64_t epoch() const { return epoch_; }
+
+  // Rewinds to the first batch of the given epoch, in that epoch's order.
+  void start_epoch(std::uint64_t epoch) {
+    epoch_ = epoch;
+    next_batch_ = 0;
+    std::iota(order_.begin(), order_.end(), index_t{0});
+    if (options_.shuffle) {
+      // Fisher-Yates. The modulo's bias is below size / 2^64: nothing for any data set in memory.
+      Generator gen(Generator(options_.seed).next() + epoch);
+      for (std::size_t i = order_.size(); i > 1; --i) std::swap(order_[i - 1], order_[gen.next() % i]);
+    }
+  }
+
+  // The next batch of this epoch, or nullptr when the epoch is over.
+  const Batch* next() {
+    if (next_batch_ == size()) return nullptr;
+    const index_t first = next_batch_ * batch_size_;
+    make_batch(first, std::min(batch_size_, data_.size() - first));
+    ++next_batch_;
+    return &batch_;
+  }
+
+  // Starts the next epoch, or the current one if none of its batches has been taken yet.
+  Iterator begin() {
+    start_epoch(next_batch_ > 0 ? epoch_ + 1 : epoch_);
+    return Iterator(*this);
+  }
+  std::default_sentinel_t end() const { return {}; }
+
+ private:
+  void make_batch(index_t first, index_t count) {
+    const index_t h = data_.height();
+    const index_t w = data_.width();
+    if (batch_.images.use_count() != 1 || batch_.images.dim(0) != count) {
+      batch_.images = Tensor::uninitialized({count, 1, h, w});
+    }
+    if (batch_.labels.use_count() != 1 || batch_.labels.dim(0) != count) {
+      batch_.labels = BasicTensor<std::int32_t>::uninitialized({count});
+    }
+    const index_t pixels = h * w;
+    const std::uint8_t* images = data_.images().data();
+    for (index_t k = 0; k < count; ++k) {
+      const index_t sample = order_[static_cast<std::size_t>(first + k)];
+      const std::uint8_t* from = images + sample * pixels;
+      float* to = batch_.images.data() + k * pixels;
+      for (index_t p = 0; p < pixels; ++p) to[p] = static_cast<float>(from[p]) / 255.0f;
+      batch_.labels.data()[k] = data_.labels().data()[sample];
+    }
+  }
+
+  ImageDataset data_;
+  index_t batch_size_;
+  LoaderOptions options_;
+  std::vector<index_t> order_;  // this epoch's samples, in the order they are served
+  std::uint64_t epoch_ = 0;
+  index_t next_batch_ = 0;
+  Batch batch_;
+};
+
+}  // namespace duet::data

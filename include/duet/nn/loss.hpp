@@ -1,0 +1,222 @@
+// Losses: cells of two inputs (prediction, target) that reduce to what training minimises.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include "../backend.hpp"
+#include "../cell.hpp"
+#include "../eager.hpp"
+
+namespace duet {
+namespace nn {
+
+using duet::Reduction;
+
+// MindSpore's arguments, in its order, as template arguments: they change the graph's types.
+// Sparse: labels are int32 class indices rather than distributions. Both default as in MindSpore.
+template <bool Sparse, Reduction R, ElementType T>
+class BasicSoftmaxCrossEntropyWithLogits;
+
+template <Reduction R, ElementType T>
+class BasicMSELoss;
+
+}  // namespace nn
+
+namespace ops {
+
+template <bool Sparse, Reduction R>
+struct SoftmaxCrossEntropyGradOp;
+
+// The reduced shape of a loss over per-row (or per-element) values of shape `rows`.
+constexpr Shape reduced(const Shape& rows, Reduction r) { return r == Reduction::none ? rows : Shape{}; }
+
+// Logits [..., classes] and labels [...] (sparse) or [..., classes]; the loss per row, or its
+// mean or sum.
+template <bool Sparse, Reduction R>
+struct SoftmaxCrossEntropyOp {
+  using layer_type = nn::BasicSoftmaxCrossEntropyWithLogits<Sparse, R, float>;
+  static constexpr int arity = 2;
+  static constexpr bool is_view = false;
+  static constexpr bool is_elementwise = false;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    const Shape& z = in[0];
+    const Shape& labels = in[1];
+    Shape rows = z;
+    if (z.leading_unknown()) return {R == Reduction::none ? Shape::any() : Shape{}};
+    if (z.rank() == 0) return fault(Shape{}, ShapeFault::min_rank, 1);
+    if (z.back() == 0) return fault(Shape{}, ShapeFault::last_dimension, 1);
+    rows = Shape();
+    for (int i = 0; i + 1 < z.rank(); ++i) rows.push_back(z[i]);
+    const Shape& expected = Sparse ? rows : z;
+    if (!labels.leading_unknown() && labels.is_concrete() && expected.is_concrete() && !(labels == expected)) {
+      return fault(reduced(rows, R), ShapeFault::shapes_differ, 0, 1);
+    }
+    return {reduced(rows, R)};
+  }
+  ShapeResult infer(std::span<const Shape> in) const {
+    const ShapeResult r = infer_static(in);
+    if (!r.ok()) return r;
+    // At run time every size is known: the labels must match exactly.
+    Shape rows;
+    for (int i = 0; i + 1 < in[0].rank(); ++i) rows.push_back(in[0][i]);
+    if (!(in[1] == (Sparse ? rows : in[0]))) {
+      return fault(r.shape, ShapeFault::shapes_differ, 0, 1);
+    }
+    return r;
+  }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    using L = std::conditional_t<Sparse, std::int32_t, T>;
+    const index_t classes = a.in_shape(0).back();
+    Backend::template softmax_cross_entropy<Sparse>(a.in<T>(0), a.in<L>(1), a.in_shape(0).numel() / classes, classes, R,
+                                                    a.out<T>());
+  }
+
+  static constexpr bool has_parameters = false;
+  static constexpr std::array grad_operands{graph::Operand::grad, graph::Operand::input0, graph::Operand::input1};
+  template <bool InputGrad>
+  auto grad_op() const {
+    return SoftmaxCrossEntropyGradOp<Sparse, R>{};
+  }
+
+  static std::string op_name() { return "SoftmaxCrossEntropy"; }
+  std::string label() const { return "nn::SoftmaxCrossEntropyWithLogits"; }
+};
+
+template <bool Sparse, Reduction R>
+struct SoftmaxCrossEntropyGradOp {
+  using layer_type = SoftmaxCrossEntropyGradOp;
+  static constexpr int arity = 3;  // g, logits, labels
+  static constexpr bool is_view = false;
+  static constexpr bool is_elementwise = false;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
+  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    using L = std::conditional_t<Sparse, std::int32_t, T>;
+    const index_t classes = a.in_shape(1).back();
+    Backend::template softmax_cross_entropy_grad<Sparse>(a.in<T>(0), a.in<T>(1), a.in<L>(2),
+                                                         a.in_shape(1).numel() / classes, classes, R, a.out<T>());
+  }
+
+  static std::string op_name() { return "SoftmaxCrossEntropyGrad"; }
+  std::string label() const { return op_name(); }
+};
+
+template <Reduction R>
+struct MSEGradOp;
+
+// (prediction - target)² per element, or its mean or sum.
+template <Reduction R>
+struct MSEOp {
+  using layer_type = nn::BasicMSELoss<R, float>;
+  static constexpr int arity = 2;
+  static constexpr bool is_view = false;
+  static constexpr bool is_elementwise = false;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    if (in[0].is_concrete() && in[1].is_concrete() && !(in[0] == in[1])) {
+      return fault(reduced(in[0], R), ShapeFault::shapes_differ, 0, 1);
+    }
+    return {reduced(in[0], R)};
+  }
+  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    Backend::mse(a.in<T>(0), a.in<T>(1), a.in_shape(0).numel(), R, a.out<T>());
+  }
+
+  static constexpr bool has_parameters = false;
+  static constexpr std::array grad_operands{graph::Operand::grad, graph::Operand::input0, graph::Operand::input1};
+  template <bool InputGrad>
+  auto grad_op() const {
+    return MSEGradOp<R>{};
+  }
+
+  static std::string op_name() { return "MSE"; }
+  std::string label() const { return "nn::MSELoss"; }
+};
+
+template <Reduction R>
+struct MSEGradOp {
+  using layer_type = MSEGradOp;
+  static constexpr int arity = 3;  // g, prediction, target
+  static constexpr bool is_view = false;
+  static constexpr bool is_elementwise = false;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
+  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    Backend::mse_grad(a.in<T>(0), a.in<T>(1), a.in<T>(2), a.in_shape(1).numel(), R, a.out<T>());
+  }
+
+  static std::string op_name() { return "MSEGrad"; }
+  std::string label() const { return op_name(); }
+};
+
+template <bool Sparse = false, Reduction R = Reduction::none, class Z, class Labels>
+auto softmax_cross_entropy(const Z& logits, const Labels& labels) {
+  using L = typename std::remove_cvref_t<Labels>::value_type;
+  static_assert(!Sparse || std::is_same_v<L, std::int32_t>,
+                "nn::SoftmaxCrossEntropyWithLogits<true>: sparse labels must be int32 class indices");
+  static_assert(Sparse || std::is_same_v<L, typename std::remove_cvref_t<Z>::value_type>,
+                "nn::SoftmaxCrossEntropyWithLogits<false>: labels must be distributions of the "
+                "logits' element type");
+  return apply(SoftmaxCrossEntropyOp<Sparse, R>{}, logits, labels);
+}
+
+template <Reduction R = Reduction::mean, class X, class Y>
+auto mse(const X& prediction, const Y& target) {
+  static_assert(
+      std::is_same_v<typename std::remove_cvref_t<X>::value_type, typename std::remove_cvref_t<Y>::value_type>,
+      "nn::MSELoss: prediction and target must have the same element type");
+  return apply(MSEOp<R>{}, prediction, target);
+}
+
+}  // namespace ops
+
+namespace nn {
+
+// MindSpore's nn.SoftmaxCrossEntropyWithLogits(sparse, reduction):
+// nn::SoftmaxCrossEntropyWithLogits<true, Reduction::mean> is (sparse=True, reduction='mean').
+template <bool Sparse = false, Reduction R = Reduction::none, ElementType T = float>
+class BasicSoftmaxCrossEntropyWithLogits
+    : public Cell<BasicSoftmaxCrossEntropyWithLogits<Sparse, R, T>, CONTEXT_MODE, T> {
+ public:
+  template <class Z, class Labels>
+  auto construct(const Z& logits, const Labels& labels) {
+    return ops::softmax_cross_entropy<Sparse, R>(logits, labels);
+  }
+  std::string type_name() const override { return "nn::SoftmaxCrossEntropyWithLogits"; }
+};
+
+template <bool Sparse = false, Reduction R = Reduction::none>
+using SoftmaxCrossEntropyWithLogits = BasicSoftmaxCrossEntropyWithLogits<Sparse, R, float>;
+
+// MindSpore's nn.MSELoss(reduction), mean by default.
+template <Reduction R = Reduction::mean, ElementType T = float>
+class BasicMSELoss : public Cell<BasicMSELoss<R, T>, CONTEXT_MODE, T> {
+ public:
+  template <class X, class Y>
+  auto construct(const X& prediction, const Y& target) {
+    return ops::mse<R>(prediction, target);
+  }
+  std::string type_name() const override { return "nn::MSELoss"; }
+};
+
+template <Reduction R = Reduction::mean>
+using MSELoss = BasicMSELoss<R, float>;
+
+}  // namespace nn
+}  // namespace duet

@@ -1,0 +1,243 @@
+// Optimisers and learning-rate schedules (MindSpore's nn.SGD, nn.Adam, AdamW and nn.*LR).
+//
+// An optimiser updates its parameters from the gradients the last backward pass on this
+// thread left in them (step()), or from a list of gradients (operator(), as MindSpore calls
+// optimisers). Its state (momentum, Adam's moments) is made once, so steps do not allocate.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <numbers>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "../backend.hpp"
+#include "../error.hpp"
+#include "../parameter.hpp"
+#include "../tensor.hpp"
+
+namespace duet::nn {
+
+// The learning rate at global step t (0 for the first step).
+using LearningRateSchedule = std::function<double(std::int64_t step)>;
+
+// A constant rate or a schedule, so that `.learning_rate = 1e-3` and
+// `.learning_rate = CosineDecayLR{...}` both read naturally.
+class LearningRate {
+ public:
+  LearningRate(double constant)
+      : schedule_([constant](std::int64_t) { return constant; }) {}  // NOLINT: implicit by design
+  template <class F>
+  requires std::is_invocable_r_v<double, F, std::int64_t> LearningRate(F schedule)
+      : schedule_(std::move(schedule)) {}  // NOLINT: implicit by design
+  double at(std::int64_t step) const { return schedule_(step); }
+
+ private:
+  LearningRateSchedule schedule_;
+};
+
+// min_lr + (max_lr - min_lr) · (1 + cos(π · min(t, decay_steps) / decay_steps)) / 2.
+struct CosineDecayLR {
+  double min_lr;
+  double max_lr;
+  std::int64_t decay_steps;
+  double operator()(std::int64_t t) const {
+    const double p = static_cast<double>(std::min(t, decay_steps)) / static_cast<double>(decay_steps);
+    return min_lr + (max_lr - min_lr) * (1 + std::cos(std::numbers::pi * p)) / 2;
+  }
+};
+
+// lr · decay_rate^(t / decay_steps), the exponent floored if is_stair.
+struct ExponentialDecayLR {
+  double learning_rate;
+  double decay_rate;
+  std::int64_t decay_steps;
+  bool is_stair = false;
+  double operator()(std::int64_t t) const {
+    double p = static_cast<double>(t) / static_cast<double>(decay_steps);
+    if (is_stair) p = std::floor(p);
+    return learning_rate * std::pow(decay_rate, p);
+  }
+};
+
+// values[i] while t < milestones[i]; the last value after the last milestone.
+struct PiecewiseConstantLR {
+  std::vector<std::int64_t> milestones;
+  std::vector<double> values;
+  double operator()(std::int64_t t) const {
+    for (std::size_t i = 0; i < milestones.size(); ++i) {
+      if (t < milestones[i]) return values.at(i);
+    }
+    return values.back();
+  }
+};
+
+// Rises linearly from 0 to lr over warmup_steps (MindSpore's WarmUpLR).
+struct WarmUpLR {
+  double learning_rate;
+  std::int64_t warmup_steps;
+  double operator()(std::int64_t t) const {
+    return learning_rate * static_cast<double>(std::min(t + 1, warmup_steps)) / static_cast<double>(warmup_steps);
+  }
+};
+
+template <ElementType T>
+class BasicOptimizer {
+ public:
+  BasicOptimizer(const std::vector<NamedParameter<T>>& params, LearningRate lr) : learning_rate_(std::move(lr)) {
+    for (const auto& p : params) {
+      if (p.parameter->requires_grad) params_.push_back(p.parameter);
+    }
+  }
+  BasicOptimizer(std::vector<BasicParameter<T>*> params, LearningRate lr)
+      : params_(std::move(params)), learning_rate_(std::move(lr)) {}
+  BasicOptimizer(const BasicOptimizer&) = delete;
+  BasicOptimizer& operator=(const BasicOptimizer&) = delete;
+  virtual ~BasicOptimizer() = default;
+
+  // Updates every parameter the calling thread's last backward pass reached.
+  void step() {
+    const std::uint64_t pass = duet::detail::current_backward_pass();
+    begin_step();
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      if (params_[i]->has_grad_from(pass)) update(i, params_[i]->grad.data());
+    }
+    ++global_step_;
+  }
+
+  // MindSpore's optimizer(grads): one gradient per parameter, in order.
+  void operator()(const std::vector<BasicTensor<T>>& grads) {
+    if (grads.size() != params_.size()) {
+      throw ValueError("optimizer: got " + std::to_string(grads.size()) + " gradients for " +
+                       std::to_string(params_.size()) + " parameters");
+    }
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      if (!(grads[i].shape() == params_[i]->shape())) {
+        throw ShapeError("optimizer: gradient " + std::to_string(i) + " has shape " + to_string(grads[i].shape()) +
+                         ", its parameter " + to_string(params_[i]->shape()));
+      }
+    }
+    begin_step();
+    for (std::size_t i = 0; i < params_.size(); ++i) update(i, grads[i].data());
+    ++global_step_;
+  }
+
+  const std::vector<BasicParameter<T>*>& parameters() const { return params_; }
+  std::int64_t global_step() const { return global_step_; }
+  // The rate the next step uses.
+  double learning_rate() const { return learning_rate_.at(global_step_); }
+
+ protected:
+  // Computes what is shared by all parameters this step.
+  virtual void begin_step() = 0;
+  virtual void update(std::size_t i, const T* grad) = 0;
+
+  // A zero state tensor per parameter (moments, momentum buffers).
+  std::vector<BasicTensor<T>> zero_state() const {
+    std::vector<BasicTensor<T>> state;
+    state.reserve(params_.size());
+    for (const auto* p : params_) state.emplace_back(p->shape());
+    return state;
+  }
+
+  std::vector<BasicParameter<T>*> params_;
+  LearningRate learning_rate_;
+  std::int64_t global_step_ = 0;
+};
+
+struct SGDConfig {
+  LearningRate learning_rate = 0.1;
+  double momentum = 0.0;
+  double dampening = 0.0;
+  double weight_decay = 0.0;
+  bool nesterov = false;
+};
+
+template <ElementType T = float, class Backend = DefaultBackend>
+class BasicSGD final : public BasicOptimizer<T> {
+ public:
+  template <class Params>
+  explicit BasicSGD(const Params& params, SGDConfig config = {})
+      : BasicOptimizer<T>(params, config.learning_rate), config_(std::move(config)) {
+    if (config_.momentum < 0 || config_.weight_decay < 0 || (config_.nesterov && config_.momentum <= 0)) {
+      throw ValueError("nn::SGD: momentum and weight_decay must be >= 0, and nesterov needs momentum > 0");
+    }
+    if (config_.momentum > 0) momentum_ = this->zero_state();
+  }
+
+ private:
+  void begin_step() override {
+    step_ = SgdStep{this->learning_rate(), config_.momentum, config_.dampening,
+                    config_.weight_decay,  config_.nesterov, this->global_step_ == 0};
+  }
+  void update(std::size_t i, const T* grad) override {
+    BasicParameter<T>& p = *this->params_[i];
+    Backend::sgd_update(p.data(), grad, momentum_.empty() ? nullptr : momentum_[i].data(), p.numel(), step_);
+  }
+
+  SGDConfig config_;
+  std::vector<BasicTensor<T>> momentum_;
+  SgdStep step_{};
+};
+
+struct AdamConfig {
+  LearningRate learning_rate = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+};
+
+template <ElementType T = float, bool Decoupled = false, class Backend = DefaultBackend>
+class BasicAdam final : public BasicOptimizer<T> {
+ public:
+  template <class Params>
+  explicit BasicAdam(const Params& params, AdamConfig config = default_config())
+      : BasicOptimizer<T>(params, config.learning_rate),
+        config_(std::move(config)),
+        m_(this->zero_state()),
+        v_(this->zero_state()) {
+    if (!(config_.beta1 >= 0 && config_.beta1 < 1 && config_.beta2 >= 0 && config_.beta2 < 1 && config_.eps > 0 &&
+          config_.weight_decay >= 0)) {
+      throw ValueError(std::string(Decoupled ? "nn::AdamW" : "nn::Adam") +
+                       ": needs 0 <= beta1, beta2 < 1, eps > 0 and weight_decay >= 0");
+    }
+  }
+
+  // AdamW decays weights by default (0.01, as MindSpore's and PyTorch's AdamW); Adam does not.
+  static AdamConfig default_config() {
+    AdamConfig c;
+    if (Decoupled) c.weight_decay = 0.01;
+    return c;
+  }
+
+ private:
+  void begin_step() override {
+    const auto t = static_cast<double>(this->global_step_ + 1);
+    step_ = AdamStep{this->learning_rate(),
+                     config_.beta1,
+                     config_.beta2,
+                     config_.eps,
+                     config_.weight_decay,
+                     Decoupled,
+                     1 - std::pow(config_.beta1, t),
+                     1 - std::pow(config_.beta2, t)};
+  }
+  void update(std::size_t i, const T* grad) override {
+    BasicParameter<T>& p = *this->params_[i];
+    Backend::adam_update(p.data(), grad, m_[i].data(), v_[i].data(), p.numel(), step_);
+  }
+
+  AdamConfig config_;
+  std::vector<BasicTensor<T>> m_;
+  std::vector<BasicTensor<T>> v_;
+  AdamStep step_{};
+};
+
+using SGD = BasicSGD<float>;
+using Adam = BasicAdam<float, false>;
+using AdamW = BasicAdam<float, true>;
+
+}  // namespace duet::nn

@@ -1,0 +1,67 @@
+// Wrappers that turn a network into something to train (MindSpore's nn.WithLossCell and
+// nn.TrainOneStepCell).
+#pragma once
+
+#include <string>
+#include <utility>
+
+#include "../autodiff.hpp"
+#include "../cell.hpp"
+
+namespace duet::nn {
+
+// loss_fn(backbone(data), label). The backbone is transparent to naming, so the parameters
+// keep the names they have in the backbone alone ("dense_relu_sequential.0.weight"), and a
+// checkpoint of either loads into the other.
+template <class Backbone, class Loss>
+class WithLossCell : public Cell<WithLossCell<Backbone, Loss>, CONTEXT_MODE, typename Backbone::value_type> {
+  using T = typename Backbone::value_type;
+
+ public:
+  WithLossCell(Backbone& backbone, Loss& loss_fn) : backbone_(backbone), loss_fn_(loss_fn) {}
+
+  template <class X, class Y>
+  auto construct(const X& data, const Y& label) {
+    return loss_fn_(backbone_(data), label);
+  }
+
+  Backbone& backbone() { return backbone_; }
+
+  void for_each_child(const typename BasicDynamicCell<T>::ChildVisitor& visit) override {
+    visit("", backbone_);
+    visit("loss_fn", loss_fn_);
+  }
+  std::string type_name() const override { return "nn::WithLossCell"; }
+
+ private:
+  Backbone& backbone_;
+  Loss& loss_fn_;
+};
+
+// One training step per call: forward, loss, backward and the optimiser's update. In graph
+// mode the first three are one compiled graph run by one evaluator call; the update follows
+// in the same call, over the gradients that run left in the parameters.
+template <class NetWithLoss, class Optimizer>
+class TrainOneStepCell {
+  using T = typename NetWithLoss::value_type;
+
+ public:
+  TrainOneStepCell(NetWithLoss& net_with_loss, Optimizer& optimizer)
+      : grad_(net_with_loss, {}, std::nullopt), optimizer_(optimizer) {}
+
+  // Returns the loss of the batch, before the update.
+  template <class... X>
+  BasicTensor<T> operator()(const X&... xs) {
+    BasicTensor<T> loss = grad_.value_and_parameter_grads(xs...);
+    optimizer_.step();
+    return loss;
+  }
+
+  Optimizer& optimizer() { return optimizer_; }
+
+ private:
+  GradFunction<NetWithLoss&, void> grad_;
+  Optimizer& optimizer_;
+};
+
+}  // namespace duet::nn

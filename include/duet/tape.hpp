@@ -1,0 +1,248 @@
+// The PyNative half of autodiff: a tape that records each operation as it runs, then walks
+// back over the records calling each operation's gradient op, the same op graph mode
+// appends to its backward graph.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "backend.hpp"
+#include "error.hpp"
+#include "graph.hpp"
+#include "parameter.hpp"
+#include "tensor.hpp"
+
+namespace duet {
+
+namespace detail {
+template <class Backend, class Op, class First, class... Rest>
+auto run_into_new(const Op& op, const BasicTensor<First>& first, const BasicTensor<Rest>&... rest);
+}  // namespace detail
+
+namespace autodiff {
+
+template <class Op>
+concept Differentiable = requires {
+  Op::grad_operands;
+  Op::has_parameters;
+};
+
+class Tape;
+
+// The tape recording on this thread, if any. Eager operations check it once each.
+inline Tape*& active_tape() {
+  thread_local Tape* tape = nullptr;
+  return tape;
+}
+
+class Entry {
+ public:
+  virtual ~Entry() = default;
+  virtual void backward(Tape& tape) = 0;
+};
+
+// An entry whose value can receive a gradient.
+template <class T>
+class ValueEntry : public Entry {
+ public:
+  // Gradients from several readers add up. Never in place: the first may alias another value.
+  void accumulate(BasicTensor<T> g);
+  const BasicTensor<T>* grad() const { return has_grad_ ? &grad_ : nullptr; }
+
+ private:
+  BasicTensor<T> grad_;
+  bool has_grad_ = false;
+};
+
+// A value the caller differentiates with respect to (an input of grad_position).
+template <class T>
+class LeafEntry final : public ValueEntry<T> {
+ public:
+  void backward(Tape&) override {}
+};
+
+class Tape {
+ public:
+  Tape() : generation_(next_generation()) {}
+  Tape(const Tape&) = delete;
+  Tape& operator=(const Tape&) = delete;
+
+  // Tracks x (the handle given, and copies made from it afterwards) as a leaf.
+  template <class T>
+  void watch(BasicTensor<T>& x) {
+    add(std::make_unique<LeafEntry<T>>(), x);
+  }
+
+  template <class T>
+  bool tracks(const BasicTensor<T>& x) const {
+    return index_of(x.tape_id()) < entries_.size();
+  }
+
+  template <class T>
+  ValueEntry<T>* entry_of(const BasicTensor<T>& x) const {
+    const std::size_t i = index_of(x.tape_id());
+    return i < entries_.size() ? static_cast<ValueEntry<T>*>(entries_[i].get()) : nullptr;
+  }
+
+  // Called by every eager operation while this tape is active.
+  template <class Op, class Out, class... In>
+  void record(const Op& op, BasicTensor<Out>& y, const BasicTensor<In>&... x);
+
+  // Records a cell call, for its backward hooks; returns the slot its output goes in.
+  template <class T, class Hook>
+  BasicTensor<T>* begin_cell(const BasicTensor<T>& input, Hook hook);
+
+  // Seeds d(output)/d(output) = 1 and runs every record's gradient, last first.
+  template <class T>
+  void backward(const BasicTensor<T>& output);
+
+ private:
+  static std::uint64_t next_generation() {
+    static std::atomic<std::uint64_t> last{0};
+    return last.fetch_add(1, std::memory_order_relaxed) + 1;
+  }
+
+  std::size_t index_of(std::uint64_t id) const {
+    return (id >> 32) == (generation_ & 0xFFFFFFFFu) && id != 0 ? static_cast<std::size_t>((id & 0xFFFFFFFFu) - 1)
+                                                                : entries_.size();
+  }
+
+  template <class T>
+  void add(std::unique_ptr<Entry> e, BasicTensor<T>& value) {
+    entries_.push_back(std::move(e));
+    value.set_tape_id(((generation_ & 0xFFFFFFFFu) << 32) | entries_.size());
+  }
+
+  std::uint64_t generation_;
+  std::vector<std::unique_ptr<Entry>> entries_;
+};
+
+// Makes a tape the active one for its lifetime (nested scopes restore the outer tape).
+class Recording {
+ public:
+  explicit Recording(Tape* tape) : outer_(std::exchange(active_tape(), tape)) {}
+  Recording(const Recording&) = delete;
+  Recording& operator=(const Recording&) = delete;
+  ~Recording() { active_tape() = outer_; }
+
+ private:
+  Tape* outer_;
+};
+
+template <class T>
+void ValueEntry<T>::accumulate(BasicTensor<T> g) {
+  if (!has_grad_) {
+    grad_ = std::move(g);
+    has_grad_ = true;
+    return;
+  }
+  auto sum = BasicTensor<T>::uninitialized(grad_.shape());
+  for (index_t i = 0; i < sum.numel(); ++i) sum.data()[i] = grad_.data()[i] + g.data()[i];
+  grad_ = std::move(sum);
+}
+
+// One recorded operation: the op, the handles of its inputs and output, and the gradient of
+// its output once readers have sent theirs.
+template <class Op, class Out, class... In>
+class OpEntry final : public ValueEntry<Out> {
+ public:
+  OpEntry(const Op& op, const BasicTensor<Out>& y, const BasicTensor<In>&... x) : op_(op), output_(y), inputs_(x...) {}
+
+  void backward(Tape& tape) override {
+    const BasicTensor<Out>* g = this->grad();
+    if (g == nullptr) return;
+    auto& x0 = std::get<0>(inputs_);
+    if (tape.tracks(x0)) {
+      auto dx = run_grad(op_.template grad_op<true>(), *g);
+      tape.entry_of(x0)->accumulate(std::move(dx));
+    } else if constexpr (Op::has_parameters) {
+      run_grad(op_.template grad_op<false>(), *g);
+    }
+  }
+
+ private:
+  template <graph::Operand O>
+  const auto& operand(const BasicTensor<Out>& g) const {
+    if constexpr (O == graph::Operand::grad)
+      return g;
+    else if constexpr (O == graph::Operand::output)
+      return output_;
+    else if constexpr (O == graph::Operand::input0)
+      return std::get<0>(inputs_);
+    else
+      return std::get<1>(inputs_);
+  }
+
+  template <class GradOp>
+  auto run_grad(const GradOp& gop, const BasicTensor<Out>& g) const {
+    return [&]<std::size_t... I>(std::index_sequence<I...>) {
+      return duet::detail::run_into_new<DefaultBackend>(gop, operand<Op::grad_operands[I]>(g)...);
+    }
+    (std::make_index_sequence<Op::grad_operands.size()>{});
+  }
+
+  Op op_;
+  BasicTensor<Out> output_;
+  std::tuple<BasicTensor<In>...> inputs_;
+};
+
+// A cell call: after the cell's own records have run backward, its hook sees both gradients.
+template <class T, class Hook>
+class CellEntry final : public Entry {
+ public:
+  CellEntry(const BasicTensor<T>& input, Hook hook) : input_(input), hook_(std::move(hook)) {}
+
+  void backward(Tape& tape) override {
+    const ValueEntry<T>* out = tape.entry_of(output);
+    if (out == nullptr || out->grad() == nullptr) return;
+    const ValueEntry<T>* in = tape.entry_of(input_);
+    const BasicTensor<T> none;
+    hook_(in != nullptr && in->grad() != nullptr ? *in->grad() : none, *out->grad());
+  }
+
+  BasicTensor<T> output;
+
+ private:
+  BasicTensor<T> input_;
+  Hook hook_;
+};
+
+template <class Op, class Out, class... In>
+void Tape::record(const Op& op, BasicTensor<Out>& y, const BasicTensor<In>&... x) {
+  const bool reads_tracked = (tracks(x) || ...);
+  if constexpr (Differentiable<Op>) {
+    if (!reads_tracked && !Op::has_parameters) return;
+    add(std::make_unique<OpEntry<Op, Out, In...>>(op, y, x...), y);
+  } else if (reads_tracked) {
+    throw ValueError("duet::grad: " + op.label() + " is not differentiable, but a gradient flows through it");
+  }
+}
+
+template <class T, class Hook>
+BasicTensor<T>* Tape::begin_cell(const BasicTensor<T>& input, Hook hook) {
+  auto entry = std::make_unique<CellEntry<T, Hook>>(input, std::move(hook));
+  BasicTensor<T>* slot = &entry->output;
+  entries_.push_back(std::move(entry));
+  return slot;
+}
+
+template <class T>
+void Tape::backward(const BasicTensor<T>& output) {
+  ValueEntry<T>* seed = entry_of(output);
+  if (seed == nullptr) {
+    throw ValueError("duet::grad: the function's output does not depend on anything being differentiated");
+  }
+  seed->accumulate(full<T>(output.shape(), T(1)));
+  Recording off(nullptr);
+  detail::begin_backward_pass();
+  for (std::size_t i = entries_.size(); i-- > 0;) entries_[i]->backward(*this);
+}
+
+}  // namespace autodiff
+}  // namespace duet

@@ -1,0 +1,95 @@
+// Training helpers: evaluation of a classifier over a data set, and a terminal progress bar.
+#pragma once
+
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <ostream>
+#include <string>
+
+#include "data.hpp"
+#include "tensor.hpp"
+
+namespace duet::train {
+
+struct Metrics {
+  double loss = 0;      // mean over samples
+  double accuracy = 0;  // top-1, in [0, 1]
+  index_t samples = 0;
+};
+
+// How many rows of logits [B, C] have their largest value at the row's label.
+inline index_t correct_predictions(const Tensor& logits, const BasicTensor<std::int32_t>& labels) {
+  const index_t rows = logits.dim(0);
+  const index_t classes = logits.dim(1);
+  index_t correct = 0;
+  for (index_t r = 0; r < rows; ++r) {
+    const float* row = logits.data() + r * classes;
+    index_t best = 0;
+    for (index_t c = 1; c < classes; ++c) {
+      if (row[c] > row[best]) best = c;
+    }
+    correct += best == labels.data()[r] ? 1 : 0;
+  }
+  return correct;
+}
+
+// One pass over the loader's current epoch: mean loss (loss_fn must reduce by mean) and
+// accuracy of net, each batch weighted by its size.
+template <class Net, class Loss>
+Metrics evaluate(Net& net, Loss& loss_fn, data::DataLoader& loader) {
+  Metrics m;
+  double loss_sum = 0;
+  index_t correct = 0;
+  for (const data::Batch& batch : loader) {
+    const Tensor logits = net(batch.images);
+    const index_t n = batch.labels.numel();
+    loss_sum += static_cast<double>(loss_fn(logits, batch.labels).item()) * static_cast<double>(n);
+    correct += correct_predictions(logits, batch.labels);
+    m.samples += n;
+  }
+  if (m.samples > 0) {
+    m.loss = loss_sum / static_cast<double>(m.samples);
+    m.accuracy = static_cast<double>(correct) / static_cast<double>(m.samples);
+  }
+  return m;
+}
+
+// "epoch 2/5 [##########..........]  469/938  loss 0.4127  21034 ex/s  ETA 0:04", redrawn in
+// place at most ten times a second, so drawing never costs training time.
+class ProgressBar {
+ public:
+  ProgressBar(std::ostream& out, std::string title, index_t total)
+      : out_(out), title_(std::move(title)), total_(total), start_(Clock::now()), last_draw_(start_) {}
+
+  void update(index_t done, double loss, index_t examples) {
+    const auto now = Clock::now();
+    if (done < total_ && now - last_draw_ < std::chrono::milliseconds(100)) return;
+    last_draw_ = now;
+    const double seconds = std::chrono::duration<double>(now - start_).count();
+    const double rate = seconds > 0 ? static_cast<double>(examples) / seconds : 0;
+    const double left = done > 0 ? seconds * static_cast<double>(total_ - done) / static_cast<double>(done) : 0;
+    constexpr int width = 30;
+    const int filled = total_ > 0 ? static_cast<int>(width * done / total_) : width;
+    char line[256];
+    std::snprintf(line, sizeof line, "\r%s [%s%s] %5lld/%lld  loss %.4f  %6.0f ex/s  ETA %d:%02d", title_.c_str(),
+                  std::string(static_cast<std::size_t>(filled), '#').c_str(),
+                  std::string(static_cast<std::size_t>(width - filled), '.').c_str(), static_cast<long long>(done),
+                  static_cast<long long>(total_), loss, rate, static_cast<int>(left) / 60, static_cast<int>(left) % 60);
+    out_ << line << std::flush;
+  }
+
+  // Ends the bar's line.
+  void finish() { out_ << '\n'; }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  std::ostream& out_;
+  std::string title_;
+  index_t total_;
+  Clock::time_point start_;
+  Clock::time_point last_draw_;
+};
+
+}  // namespace duet::train

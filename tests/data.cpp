@@ -1,0 +1,239 @@
+#include <doctest/doctest.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <duet/duet.hpp>
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+#include <string>
+#include <vector>
+
+using namespace duet;
+namespace fs = std::filesystem;
+
+namespace {
+
+// n images of 2x2 whose first pixel is the sample's index, labelled index % 3.
+data::ImageDataset numbered(index_t n) {
+  auto images = BasicTensor<std::uint8_t>::uninitialized({n, 2, 2});
+  auto labels = BasicTensor<std::int32_t>::uninitialized({n});
+  for (index_t i = 0; i < n; ++i) {
+    images(i, 0, 0) = static_cast<std::uint8_t>(i);
+    images(i, 0, 1) = 0;
+    images(i, 1, 0) = 128;
+    images(i, 1, 1) = 255;
+    labels(i) = static_cast<std::int32_t>(i % 3);
+  }
+  return data::ImageDataset(images, labels, 3);
+}
+
+// The samples a batch holds, read back from their first pixel.
+std::vector<index_t> samples_of(const data::Batch& batch) {
+  std::vector<index_t> out;
+  for (index_t k = 0; k < batch.images.dim(0); ++k) {
+    out.push_back(static_cast<index_t>(batch.images(k, 0, 0, 0) * 255.0f + 0.5f));
+  }
+  return out;
+}
+
+// One epoch's samples, in the order served, by range-for.
+std::vector<index_t> epoch_order(data::DataLoader& loader) {
+  std::vector<index_t> out;
+  for (const data::Batch& batch : loader) {
+    for (index_t s : samples_of(batch)) out.push_back(s);
+  }
+  return out;
+}
+
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    static std::atomic<int> serial{0};
+    path = fs::temp_directory_path() /
+           ("duet_data_" + std::to_string(::getpid()) + "_" + std::to_string(serial.fetch_add(1)));
+    fs::create_directories(path);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  ~TempDir() { fs::remove_all(path); }
+};
+
+void write_idx_u8(const fs::path& path, const std::vector<std::uint32_t>& dims,
+                  const std::vector<unsigned char>& data) {
+  std::vector<unsigned char> bytes{0, 0, 0x08, static_cast<unsigned char>(dims.size())};
+  for (std::uint32_t d : dims) {
+    for (int shift = 24; shift >= 0; shift -= 8) bytes.push_back(static_cast<unsigned char>(d >> shift));
+  }
+  bytes.insert(bytes.end(), data.begin(), data.end());
+  std::ofstream(path, std::ios::binary)
+      .write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+}
+
+}  // namespace
+
+TEST_CASE("batches cover the data set in order, the last one short unless drop_last") {
+  data::DataLoader loader(numbered(10), 4);
+  CHECK(loader.size() == 3);
+  std::vector<index_t> sizes;
+  for (const data::Batch& batch : loader) {
+    sizes.push_back(batch.images.dim(0));
+    CHECK(batch.labels.dim(0) == batch.images.dim(0));
+  }
+  CHECK(sizes == std::vector<index_t>{4, 4, 2});
+  std::vector<index_t> all(10);
+  std::iota(all.begin(), all.end(), 0);
+  CHECK(epoch_order(loader) == all);
+
+  data::DataLoader dropping(numbered(10), 4, {.drop_last = true});
+  CHECK(dropping.size() == 2);
+  CHECK(epoch_order(dropping) == std::vector<index_t>{0, 1, 2, 3, 4, 5, 6, 7});
+  CHECK(data::DataLoader(numbered(8), 4, {.drop_last = true}).size() == 2);
+  CHECK(data::DataLoader(numbered(3), 4, {.drop_last = true}).size() == 0);
+  CHECK(data::DataLoader(numbered(3), 4).size() == 1);
+}
+
+TEST_CASE("a batch holds images [B, 1, H, W] as byte / 255 and their labels") {
+  data::DataLoader loader(numbered(5), 2);
+  const data::Batch* batch = loader.next();
+  REQUIRE(batch != nullptr);
+  CHECK(batch->images.shape() == Shape{2, 1, 2, 2});
+  CHECK(batch->labels.shape() == Shape{2});
+  CHECK(batch->images(1, 0, 0, 0) == 1.0f / 255.0f);
+  CHECK(batch->images(1, 0, 0, 1) == 0.0f);
+  CHECK(batch->images(1, 0, 1, 0) == 128.0f / 255.0f);
+  CHECK(batch->images(1, 0, 1, 1) == 1.0f);
+  batch = loader.next();
+  batch = loader.next();
+  REQUIRE(batch != nullptr);
+  CHECK(batch->images.shape() == Shape{1, 1, 2, 2});
+  CHECK(batch->labels(0) == 4 % 3);
+  CHECK(loader.next() == nullptr);
+  CHECK(loader.next() == nullptr);
+}
+
+TEST_CASE("shuffling serves a permutation, the same for a seed and epoch, another each epoch") {
+  const auto data = numbered(100);
+  data::DataLoader a(data, 7, {.shuffle = true, .seed = 42});
+  data::DataLoader b(data, 7, {.shuffle = true, .seed = 42});
+  const auto a0 = epoch_order(a);
+  const auto a1 = epoch_order(a);
+  CHECK(a.epoch() == 1);
+  std::vector<index_t> sorted = a0;
+  std::sort(sorted.begin(), sorted.end());
+  std::vector<index_t> all(100);
+  std::iota(all.begin(), all.end(), 0);
+  CHECK(sorted == all);
+  CHECK(a0 != all);
+  CHECK(a0 != a1);
+  CHECK(epoch_order(b) == a0);
+  CHECK(epoch_order(b) == a1);
+
+  // An epoch's order depends on the seed and the epoch number alone.
+  data::DataLoader c(data, 10, {.shuffle = true, .seed = 42});
+  c.start_epoch(1);
+  CHECK(epoch_order(c) == a1);
+  c.start_epoch(0);
+  std::vector<index_t> by_next;
+  while (const data::Batch* batch = c.next()) {
+    for (index_t s : samples_of(*batch)) by_next.push_back(s);
+  }
+  CHECK(by_next == a0);
+  data::DataLoader other_seed(data, 7, {.shuffle = true, .seed = 43});
+  CHECK(epoch_order(other_seed) != a0);
+
+  // Labels travel with their images.
+  data::DataLoader d(data, 9, {.shuffle = true, .seed = 1});
+  while (const data::Batch* batch = d.next()) {
+    const auto samples = samples_of(*batch);
+    for (std::size_t k = 0; k < samples.size(); ++k) {
+      CHECK(batch->labels(static_cast<index_t>(k)) == samples[k] % 3);
+    }
+  }
+}
+
+TEST_CASE("an abandoned epoch is not resumed: the next range-for starts the next epoch") {
+  const auto data = numbered(20);
+  data::DataLoader a(data, 5, {.shuffle = true, .seed = 3});
+  data::DataLoader b(data, 5, {.shuffle = true, .seed = 3});
+  for (const data::Batch& batch : a) {
+    static_cast<void>(batch);
+    break;
+  }
+  CHECK(a.epoch() == 0);
+  epoch_order(b);
+  CHECK(epoch_order(a) == epoch_order(b));
+  CHECK(a.epoch() == 1);
+}
+
+TEST_CASE("batch tensors are reused when nobody holds them, and left alone when someone does") {
+  data::DataLoader loader(numbered(12), 4);
+  const float* first = loader.next()->images.data();
+  CHECK(loader.next()->images.data() == first);
+  const data::Batch kept = *loader.next();
+  const std::vector<index_t> kept_samples = samples_of(kept);
+  loader.start_epoch(1);
+  const data::Batch* fresh = loader.next();
+  CHECK(fresh->images.data() != kept.images.data());
+  CHECK(samples_of(kept) == kept_samples);
+}
+
+TEST_CASE("a data set checks its shapes and labels; a loader its batch size") {
+  const auto images = BasicTensor<std::uint8_t>::uninitialized({3, 2, 2});
+  CHECK_THROWS_WITH_AS(data::ImageDataset(images, BasicTensor<std::int32_t>({2}), 10),
+                       "duet::data::ImageDataset: 3 images need labels of shape [3], got [2]", ShapeError);
+  CHECK_THROWS_WITH_AS(data::ImageDataset(images.reshape({3, 4}), BasicTensor<std::int32_t>({3}), 10),
+                       "duet::data::ImageDataset: images must have shape [N, H, W], got [3, 4]", ShapeError);
+  CHECK_THROWS_WITH_AS(data::ImageDataset(images, BasicTensor<std::int32_t>({3}, {0, 10, 1}), 10),
+                       "duet::data::ImageDataset: label 1 is 10, outside 0..9", ValueError);
+  CHECK_THROWS_WITH_AS(data::DataLoader(numbered(3), 0), "duet::data::DataLoader: batch_size must be positive, got 0",
+                       ValueError);
+  CHECK(data::DataLoader(data::ImageDataset(BasicTensor<std::uint8_t>({0, 2, 2}), BasicTensor<std::int32_t>({0}), 1), 4)
+            .next() == nullptr);
+}
+
+TEST_CASE("load_fashion_mnist says what is missing and how to get it, and checks the files agree") {
+  TempDir dir;
+  const std::string expected = "duet::data::load_fashion_mnist: '" + (dir.path / "t10k-images-idx3-ubyte.gz").string() +
+                               "' not found; on Debian, install the dataset-fashion-mnist package, or pass the "
+                               "directory holding the Fashion-MNIST files";
+  CHECK_THROWS_WITH_AS(data::load_fashion_mnist(dir.path, data::Split::test), expected.c_str(), IOError);
+
+  // Uncompressed files serve as well; three images with two labels do not form a data set.
+  write_idx_u8(dir.path / "t10k-images-idx3-ubyte", {3, 2, 2}, std::vector<unsigned char>(12, 7));
+  write_idx_u8(dir.path / "t10k-labels-idx1-ubyte", {2}, {1, 2});
+  CHECK_THROWS_AS(data::load_fashion_mnist(dir.path, data::Split::test), FormatError);
+  write_idx_u8(dir.path / "t10k-labels-idx1-ubyte", {3}, {1, 2, 10});
+  CHECK_THROWS_AS(data::load_fashion_mnist(dir.path, data::Split::test), FormatError);
+  write_idx_u8(dir.path / "t10k-labels-idx1-ubyte", {3}, {1, 2, 9});
+  const auto test = data::load_fashion_mnist(dir.path, data::Split::test);
+  CHECK(test.size() == 3);
+  CHECK(test.labels()(2) == 9);
+}
+
+TEST_CASE("Fashion-MNIST loads as 60000 and 10000 images of 28x28 in 10 classes") {
+  if (!fs::exists(fs::path(data::fashion_mnist_dir) / "train-images-idx3-ubyte.gz")) {
+    MESSAGE("Fashion-MNIST is not installed (Debian package dataset-fashion-mnist): skipped");
+    return;
+  }
+  const auto train = data::load_fashion_mnist();
+  CHECK(train.size() == 60000);
+  CHECK(train.height() == 28);
+  CHECK(train.width() == 28);
+  CHECK(train.labels()(0) == 9);
+  const auto test = data::load_fashion_mnist(data::Split::test);
+  CHECK(test.size() == 10000);
+  CHECK(test.labels()(1) == 2);
+
+  data::DataLoader loader(train, 64, {.shuffle = true, .seed = 0});
+  CHECK(loader.size() == 938);
+  const data::Batch* batch = loader.next();
+  REQUIRE(batch != nullptr);
+  CHECK(batch->images.shape() == Shape{64, 1, 28, 28});
+  for (float v : batch->images.values()) REQUIRE((v >= 0.0f && v <= 1.0f));
+  loader.start_epoch(0);
+  for (index_t i = 0; i < 937; ++i) loader.next();
+  CHECK(loader.next()->images.dim(0) == 60000 - 937 * 64);
+}

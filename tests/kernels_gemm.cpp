@@ -1,0 +1,186 @@
+#include "support.hpp"
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <vector>
+
+using namespace duet;
+
+namespace {
+
+// Shapes around every blocking boundary of the kernel: the vector width (4, 8 or 16 lanes),
+// the micro-tile (4 or 6 rows, 8 to 64 columns), the cache blocks (K 128 or 256, N 512, M 240).
+struct Case {
+  index_t m, k, n;
+};
+
+std::vector<Case> cases() {
+  std::vector<Case> c = {{0, 7, 5},     {1, 1, 1},     {1, 784, 512}, {1, 17, 10},   {2, 3, 1},      {5, 16, 16},
+                         {6, 64, 64},   {7, 65, 63},   {13, 257, 129}, {64, 784, 512}, {64, 512, 10}, {241, 255, 513},
+                         {300, 129, 17}, {3, 800, 800}, {250, 1, 33},  {1, 800, 1}};
+  std::mt19937 gen(42);
+  // Random shapes, kept to about 20M multiply-adds each so the naive reference stays quick.
+  while (c.size() < 60) {
+    const auto m = static_cast<index_t>(gen() % 301);
+    const auto k = static_cast<index_t>(1 + gen() % 800);
+    const auto n = static_cast<index_t>(1 + gen() % 800);
+    if (m * k * n <= 20'000'000) c.push_back({m, k, n});
+  }
+  return c;
+}
+
+template <class T>
+std::vector<T> random_values(std::size_t count, std::mt19937& gen) {
+  std::uniform_real_distribution<double> u(-1, 1);
+  std::vector<T> v(count);
+  for (T& x : v) x = static_cast<T>(u(gen));
+  return v;
+}
+
+// Plain loops in double precision.
+template <class T>
+std::vector<double> reference(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, bool relu) {
+  std::vector<double> c(static_cast<std::size_t>(m * n));
+  for (index_t i = 0; i < m; ++i) {
+    for (index_t j = 0; j < n; ++j) {
+      double s = 0;
+      for (index_t p = 0; p < k; ++p) s += static_cast<double>(a[i * k + p]) * static_cast<double>(b[j * k + p]);
+      if (bias != nullptr) s += static_cast<double>(bias[j]);
+      c[static_cast<std::size_t>(i * n + j)] = relu && !std::isnan(s) ? std::max(s, 0.0) : s;
+    }
+  }
+  return c;
+}
+
+template <class T>
+std::vector<double> as_double(const T* p, std::size_t count) {
+  return std::vector<double>(p, p + count);
+}
+
+template <class T>
+constexpr double tolerance = std::is_same_v<T, float> ? 1e-5 : 1e-12;
+
+// Runs every combination of bias and ReLU on one shape. a and c start one element past a
+// 64-byte boundary, as a view into a larger tensor may.
+template <index_t K, index_t N, class T>
+void check_shape(index_t m, index_t k, index_t n, std::mt19937& gen) {
+  CAPTURE(m);
+  CAPTURE(k);
+  CAPTURE(n);
+  const std::vector<T> a_storage = random_values<T>(static_cast<std::size_t>(m * k + 1), gen);
+  const std::vector<T> b = random_values<T>(static_cast<std::size_t>(n * k), gen);
+  const std::vector<T> bias = random_values<T>(static_cast<std::size_t>(n), gen);
+  const T* a = a_storage.data() + 1;
+  std::vector<T> c_storage(static_cast<std::size_t>(m * n + 2), T(7));
+  T* c = c_storage.data() + 1;
+  const auto size = static_cast<std::size_t>(m * n);
+  for (bool with_bias : {false, true}) {
+    CAPTURE(with_bias);
+    const T* bp = with_bias ? bias.data() : nullptr;
+    kernels::gemm<K, N>(a, m, k, b.data(), n, bp, c);
+    CHECK(duet_test::relative_difference(as_double(c, size), reference(a, m, k, b.data(), n, bp, false)) <=
+          tolerance<T>);
+    kernels::gemm<K, N, fn::Relu>(a, m, k, b.data(), n, bp, c);
+    CHECK(duet_test::relative_difference(as_double(c, size), reference(a, m, k, b.data(), n, bp, true)) <=
+          tolerance<T>);
+    // Fused, the epilogue gives the bits that separate bias and ReLU passes give (PyNative).
+    std::vector<T> product(size);
+    kernels::gemm<K, N>(a, m, k, b.data(), n, nullptr, product.data());
+    bool same = true;
+    for (std::size_t i = 0; i < size; ++i) {
+      const T biased = with_bias ? product[i] + bias[i % static_cast<std::size_t>(n)] : product[i];
+      same = same && c[i] == fn::Relu::apply(biased);
+    }
+    CHECK(same);
+  }
+  CHECK(c_storage.front() == T(7));  // nothing written outside c
+  CHECK(c_storage.back() == T(7));
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("kernels::gemm matches a double-precision reference on many shapes", T, float, double) {
+  std::mt19937 gen(7);
+  for (const Case& s : cases()) check_shape<dyn, dyn, T>(s.m, s.k, s.n, gen);
+}
+
+TEST_CASE_TEMPLATE("kernels::gemm with compile-time sizes, small and large", T, float, double) {
+  std::mt19937 gen(8);
+  for (index_t m : {0, 1, 2, 3, 17, 64}) {
+    check_shape<4, 4, T>(m, 4, 4, gen);
+    check_shape<3, 5, T>(m, 3, 5, gen);
+    check_shape<8, 8, T>(m, 8, 8, gen);
+    check_shape<16, 16, T>(m, 16, 16, gen);
+    check_shape<17, 33, T>(m, 17, 33, gen);
+    check_shape<784, 512, T>(m, 784, 512, gen);
+    check_shape<512, 10, T>(m, 512, 10, gen);
+    check_shape<dyn, 10, T>(m, 512, 10, gen);
+    check_shape<784, dyn, T>(m, 784, 20, gen);
+  }
+}
+
+TEST_CASE_TEMPLATE("kernels::gemm: NaN goes through the product, the bias and ReLU", T, float, double) {
+  const T nan = std::numeric_limits<T>::quiet_NaN();
+  std::mt19937 gen(9);
+  for (const Case& s : std::vector<Case>{{1, 40, 37}, {2, 3, 3}, {50, 300, 70}}) {
+    CAPTURE(s.m);
+    std::vector<T> a = random_values<T>(static_cast<std::size_t>(s.m * s.k), gen);
+    const std::vector<T> b = random_values<T>(static_cast<std::size_t>(s.n * s.k), gen);
+    std::vector<T> bias = random_values<T>(static_cast<std::size_t>(s.n), gen);
+    a[static_cast<std::size_t>(s.k - 1)] = nan;  // row 0: every output NaN
+    bias[1] = nan;                               // column 1: every output NaN
+    std::vector<T> c(static_cast<std::size_t>(s.m * s.n));
+    kernels::gemm<dyn, dyn, fn::Relu>(a.data(), s.m, s.k, b.data(), s.n, bias.data(), c.data());
+    for (index_t i = 0; i < s.m; ++i) {
+      for (index_t j = 0; j < s.n; ++j) {
+        const T y = c[static_cast<std::size_t>(i * s.n + j)];
+        if (i == 0 || j == 1) CHECK(std::isnan(y));
+        else CHECK(y >= T(0));
+      }
+    }
+  }
+  // The unrolled path for small static layers: NaN · 0 is NaN too.
+  const T x[2] = {nan, 1};
+  const T w[4] = {1, 0, 0, -1};
+  T y[2];
+  kernels::gemm<2, 2, fn::Relu>(x, 1, 2, w, 2, nullptr, y);
+  CHECK(std::isnan(y[0]));
+  CHECK(std::isnan(y[1]));
+}
+
+TEST_CASE("fn::Relu::apply: max(x, 0) on scalars and on the kernel's vectors, NaN kept") {
+  CHECK(fn::Relu::apply(-2.0f) == 0.0f);
+  CHECK(fn::Relu::apply(3.0) == 3.0);
+  CHECK(std::isnan(fn::Relu::apply(std::nanf(""))));
+  CHECK(fn::Relu::apply(std::numeric_limits<float>::infinity()) == std::numeric_limits<float>::infinity());
+  using V = kernels::detail::Vec<float>;
+  V v{};
+  v[0] = -1.0f;
+  v[1] = std::nanf("");
+  v[2] = 5.0f;
+  const V r = fn::Relu::apply(v);
+  CHECK(r[0] == 0.0f);
+  CHECK(std::isnan(r[1]));
+  CHECK(r[2] == 5.0f);
+}
+
+TEST_CASE("backend::Native computes what backend::Eigen does, through the epilogue") {
+  const float x[2] = {1, -2};
+  const float w[4] = {1, 0, 0, 1};
+  const float b[2] = {0.5f, 0.5f};
+  float y[2];
+  backend::Native::dense<2, 2>(x, 1, 2, w, 2, Epilogue<float, fn::Relu>{b}, y);
+  CHECK(y[0] == 1.5f);
+  CHECK(y[1] == 0.0f);
+  backend::Native::dense<dyn, dyn>(x, 1, 2, w, 2, Epilogue<float>{}, y);
+  CHECK(y[1] == -2.0f);
+  // An element type the kernel does not take goes to Eigen.
+  const std::int32_t xi[2] = {3, -4};
+  const std::int32_t wi[4] = {1, 0, 0, 1};
+  std::int32_t yi[2];
+  backend::Native::dense<dyn, dyn>(xi, 1, 2, wi, 2, Epilogue<std::int32_t, fn::Relu>{}, yi);
+  CHECK(yi[0] == 3);
+  CHECK(yi[1] == 0);
+}

@@ -1,0 +1,123 @@
+// Optimisers against the update rules written out by hand, and learning-rate schedules.
+#include <cmath>
+#include <vector>
+
+#include "support.hpp"
+
+using namespace duet;
+
+namespace {
+
+// A one-parameter problem: the gradient of the parameter is given directly.
+struct Single {
+  nn::Parameter p{Tensor({3}, {1.0f, -2.0f, 0.5f})};
+  std::vector<nn::Parameter*> params() { return {&p}; }
+};
+
+const std::vector<Tensor> gradients{Tensor({3}, {0.5f, 0.25f, -1.0f}), Tensor({3}, {-0.1f, 0.2f, 0.3f}),
+                                    Tensor({3}, {1.0f, 1.0f, 1.0f})};
+
+}  // namespace
+
+TEST_CASE("SGD with momentum, dampening, weight decay and Nesterov follows the rule written out") {
+  for (bool nesterov : {false, true}) {
+    Single s;
+    nn::SGD sgd(s.params(), {.learning_rate = 0.1,
+                             .momentum = 0.9,
+                             .dampening = nesterov ? 0.0 : 0.2,
+                             .weight_decay = 0.01,
+                             .nesterov = nesterov});
+    std::vector<double> p{1.0, -2.0, 0.5}, buf(3);
+    for (std::size_t step = 0; step < gradients.size(); ++step) {
+      sgd({gradients[step]});
+      for (std::size_t i = 0; i < 3; ++i) {
+        const double d = gradients[step].data()[i] + 0.01 * p[i];
+        buf[i] = step == 0 ? d : 0.9 * buf[i] + (1 - (nesterov ? 0.0 : 0.2)) * d;
+        p[i] -= 0.1 * (nesterov ? d + 0.9 * buf[i] : buf[i]);
+        CHECK(s.p.data()[i] == doctest::Approx(p[i]).epsilon(1e-6));
+      }
+    }
+    CHECK(sgd.global_step() == 3);
+  }
+}
+
+TEST_CASE("Adam and AdamW follow the rule written out, bias correction included") {
+  for (bool decoupled : {false, true}) {
+    Single s;
+    const double wd = 0.05;
+    std::vector<double> p{1.0, -2.0, 0.5}, m(3), v(3);
+    auto check = [&](auto& opt) {
+      for (std::size_t step = 0; step < gradients.size(); ++step) {
+        opt({gradients[step]});
+        const double t = static_cast<double>(step + 1);
+        for (std::size_t i = 0; i < 3; ++i) {
+          if (decoupled) p[i] *= 1 - 0.01 * wd;
+          const double g = gradients[step].data()[i] + (decoupled ? 0.0 : wd * p[i]);
+          m[i] = 0.9 * m[i] + 0.1 * g;
+          v[i] = 0.999 * v[i] + 0.001 * g * g;
+          const double m_hat = m[i] / (1 - std::pow(0.9, t));
+          const double v_hat = v[i] / (1 - std::pow(0.999, t));
+          p[i] -= 0.01 * m_hat / (std::sqrt(v_hat) + 1e-8);
+          CHECK(s.p.data()[i] == doctest::Approx(p[i]).epsilon(1e-5));
+        }
+      }
+    };
+    if (decoupled) {
+      nn::AdamW opt(s.params(), {.learning_rate = 0.01, .weight_decay = wd});
+      check(opt);
+    } else {
+      nn::Adam opt(s.params(), {.learning_rate = 0.01, .weight_decay = wd});
+      check(opt);
+    }
+  }
+  CHECK(nn::AdamW::default_config().weight_decay == 0.01);
+  CHECK(nn::Adam::default_config().weight_decay == 0.0);
+}
+
+TEST_CASE("step() applies the gradients the last backward pass left in the parameters") {
+  nn::Dense<2, 1> dense;
+  dense.weight.set_data(Tensor({1, 2}, {1.0f, 1.0f}));
+  dense.bias.set_data(Tensor({1}, {0.0f}));
+  nn::SGD sgd(dense.parameters(), {.learning_rate = 0.5});
+  const Tensor x({1, 2}, {2.0f, 3.0f});
+  auto vg = value_and_grad(dense, dense.parameters());
+  vg(x);  // d/dW sum(x Wᵀ + b) = x, d/db = 1
+  sgd.step();
+  CHECK(dense.weight(0, 0) == doctest::Approx(1.0 - 0.5 * 2.0));
+  CHECK(dense.weight(0, 1) == doctest::Approx(1.0 - 0.5 * 3.0));
+  CHECK(dense.bias(0) == doctest::Approx(-0.5));
+}
+
+TEST_CASE("learning-rate schedules") {
+  const nn::CosineDecayLR cosine{.min_lr = 0.01, .max_lr = 0.1, .decay_steps = 4};
+  CHECK(cosine(0) == doctest::Approx(0.1));
+  CHECK(cosine(2) == doctest::Approx(0.055));
+  CHECK(cosine(4) == doctest::Approx(0.01));
+  CHECK(cosine(9) == doctest::Approx(0.01));
+  const nn::ExponentialDecayLR exponential{.learning_rate = 0.1, .decay_rate = 0.5, .decay_steps = 2, .is_stair = true};
+  CHECK(exponential(3) == doctest::Approx(0.05));
+  const nn::PiecewiseConstantLR piecewise{.milestones = {2, 5}, .values = {0.1, 0.05, 0.01}};
+  CHECK(piecewise(1) == 0.1);
+  CHECK(piecewise(4) == 0.05);
+  CHECK(piecewise(7) == 0.01);
+  const nn::WarmUpLR warmup{.learning_rate = 0.1, .warmup_steps = 4};
+  CHECK(warmup(0) == doctest::Approx(0.025));
+  CHECK(warmup(10) == doctest::Approx(0.1));
+
+  Single s;
+  nn::SGD sgd(s.params(), {.learning_rate = piecewise});
+  CHECK(sgd.learning_rate() == 0.1);
+  sgd({gradients[0]});
+  sgd({gradients[1]});
+  CHECK(sgd.learning_rate() == 0.05);
+}
+
+TEST_CASE("invalid optimiser settings and gradient lists are rejected") {
+  Single s;
+  CHECK_THROWS_AS(nn::Adam(s.params(), {.beta1 = 1.0}), ValueError);
+  CHECK_THROWS_AS(nn::SGD(s.params(), {.momentum = 0.0, .nesterov = true}), ValueError);
+  nn::SGD sgd(s.params());
+  CHECK_THROWS_AS(sgd(std::vector<Tensor>{}), ValueError);
+  CHECK_THROWS_AS(sgd(std::vector<Tensor>{zeros({4})}), ShapeError);
+  CHECK(s.p(0) == 1.0f);  // untouched by the refused steps
+}
