@@ -1,10 +1,12 @@
 // The network of the seed tutorial, shared by the examples: Flatten, then Dense(784, 512),
-// ReLU, Dense(512, 512), ReLU, Dense(512, 10).
+// ReLU, Dense(512, 512), ReLU, Dense(512, 10). Setting is how it runs: following the context
+// (the default), or a fixed mode or JitConfig.
 #pragma once
 
 #include <duet/duet.hpp>
 
-struct Network : duet::nn::Cell<Network> {
+template <auto Setting = duet::CONTEXT_MODE>
+struct SeedNetwork : duet::nn::Cell<SeedNetwork<Setting>, Setting> {
   duet::nn::Flatten flatten;
   duet::nn::SequentialCell<duet::nn::Dense<28 * 28, 512>, duet::nn::ReLU, duet::nn::Dense<512, 512>, duet::nn::ReLU,
                            duet::nn::Dense<512, 10>>
@@ -17,3 +19,5 @@ struct Network : duet::nn::Cell<Network> {
     return logits;
   }
 };
+
+using Network = SeedNetwork<>;

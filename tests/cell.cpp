@@ -150,3 +150,33 @@ TEST_CASE("a network assembled at run time from DynamicCells with runtime sizes"
   const auto expected = duet_test::reference_forward(duet_test::values_of(x), 7, layers);
   CHECK(duet_test::relative_difference(duet_test::values_of(y), expected) <= 1e-5);
 }
+
+TEST_CASE("backward hooks see each cell's input and output gradients while a PyNative gradient runs") {
+  ModeGuard guard;
+  set_context({.mode = PYNATIVE_MODE});
+  nn::Dense<3, 2> first;
+  nn::ReLU relu;
+  nn::Dense<2, 1> second;
+  auto f = [&](const Tensor& x) { return second(relu(first(x))); };
+  std::vector<std::string> seen;
+  Tensor relu_grad_in, relu_grad_out;
+  auto record = [&](const nn::DynamicCell& c, const Tensor& gin, const Tensor& gout) {
+    seen.push_back(c.type_name() + " " + to_string(gin.shape()) + " <- " + to_string(gout.shape()));
+  };
+  first.register_backward_hook(record);
+  second.register_backward_hook(record);
+  relu.register_backward_hook([&](const nn::DynamicCell&, const Tensor& gin, const Tensor& gout) {
+    relu_grad_in = gin.clone();
+    relu_grad_out = gout.clone();
+  });
+  const Tensor x = randn({4, 3}, 2);
+  grad(f)(x);
+  // Backward runs the last cell first; the first cell's input is x, whose gradient was asked for.
+  CHECK(seen == std::vector<std::string>{"nn::Dense<2, 1> [4, 2] <- [4, 1]", "nn::Dense<3, 2> [4, 3] <- [4, 2]"});
+  const Tensor h = relu(first(x));
+  for (index_t i = 0; i < relu_grad_in.numel(); ++i) {
+    CHECK(relu_grad_in.data()[i] == (h.data()[i] > 0 ? relu_grad_out.data()[i] : 0.0f));
+  }
+  set_context({.mode = GRAPH_MODE});
+  CHECK_THROWS_AS(relu(x), ModeError);  // hooks are PyNative's; graph mode refuses rather than skips them
+}

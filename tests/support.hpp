@@ -11,7 +11,7 @@
 namespace duet_test {
 
 // The seed tutorial's network.
-template <duet::Mode M = duet::CONTEXT_MODE>
+template <auto M = duet::CONTEXT_MODE>
 struct SeedNetwork : duet::nn::Cell<SeedNetwork<M>, M> {
   duet::nn::Flatten flatten;
   duet::nn::SequentialCell<duet::nn::Dense<784, 512>, duet::nn::ReLU, duet::nn::Dense<512, 512>, duet::nn::ReLU,
@@ -62,7 +62,7 @@ inline std::vector<double> reference_forward(const std::vector<double>& x, duet:
   return a;
 }
 
-template <duet::Mode M>
+template <auto M>
 std::vector<Layer> layers_of(SeedNetwork<M>& net) {
   auto& seq = net.dense_relu_sequential;
   return {layer_of(seq.template get<0>().weight, seq.template get<0>().bias, true),

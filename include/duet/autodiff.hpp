@@ -98,6 +98,13 @@ template <class Op>
 struct operation_is_differentiable {
   static constexpr bool value = false;
 };
+
+// A class, so that one operation is reported once however many backward graphs meet it.
+template <class Op>
+struct require_differentiable {
+  static_assert(operation_is_differentiable<Op>::value,
+                "duet::grad: a gradient must flow through an operation that has none (the condition names it)");
+};
 }  // namespace diagnostic
 
 namespace autodiff {
@@ -162,9 +169,7 @@ auto backward_from(const G& g, const Built& built) {
     if constexpr (gi == no_grad || graph::is_input_op_v<Op>) {
       return backward_from<i, Grads, Leads>(g, built);
     } else if constexpr (!Differentiable<Op>) {
-      static_assert(diagnostic::operation_is_differentiable<typename Op::layer_type>::value,
-                    "duet::grad: a gradient must flow through an operation that has none (the condition "
-                    "names it)");
+      static_cast<void>(sizeof(diagnostic::require_differentiable<typename Op::layer_type>));
       return backward_from<i, Grads, Leads>(g, built);
     } else {
       constexpr bool input_grad = N::arity >= 1 && Leads[N::args[0]];
@@ -442,13 +447,13 @@ class GradFunction {
   template <bool WithInput, class V, class... X>
   BasicTensor<V> run_graph(BasicTensor<V>& input_grad, const X&... xs) {
     if constexpr (autodiff::detail::CellLike<Fn>) {
-      if (fn_.has_forward_hooks_in_tree()) {
+      if (fn_.has_hooks_in_tree()) {
         throw ModeError(fn_.label() +
-                        " is differentiated in graph mode, but a cell in it has a forward hook; "
+                        " is differentiated in graph mode, but a cell in it has a hook; "
                         "hooks run in PyNative mode only");
       }
     }
-    auto forward = passes::optimize([&]<std::size_t... K>(std::index_sequence<K...>) {
+    auto forward = passes::optimize<JitConfig{}, true>([&]<std::size_t... K>(std::index_sequence<K...>) {
       return fn_(graph::input<typename X::value_type, typename graph::pattern_of<X>::type, K>()...);
     }(std::index_sequence_for<X...>{}));
     const std::array<Shape, sizeof...(X)> shapes{xs.shape()...};
@@ -458,15 +463,23 @@ class GradFunction {
         if constexpr (differentiable_input<V, decltype(k)::value, X...>()) {
           auto training = autodiff::build_backward<decltype(k)::value>(forward, &input_grad);
           return BasicTensor<V>(
-              run<DefaultBackend>(training, duet::detail::cached_plan(id_, training, shapes), tensor_of(xs)...));
+              run<DefaultBackend>(training, duet::detail::cached_plan(id_, training, shapes, where()), tensor_of(xs)...));
         } else {
           return BasicTensor<V>();
         }
       });
     } else {
       auto training = autodiff::build_backward<>(forward);
-      return run<DefaultBackend>(training, duet::detail::cached_plan(id_, training, shapes), tensor_of(xs)...);
+      return run<DefaultBackend>(training, duet::detail::cached_plan(id_, training, shapes, where()), tensor_of(xs)...);
     }
+  }
+
+  // What messages call the function: the cell's construct, or "the differentiated function".
+  auto where() const {
+    return [this] {
+      if constexpr (autodiff::detail::CellLike<Fn>) return fn_.type_name() + "::construct";
+      else return std::string("the differentiated function");
+    };
   }
 
   Fn fn_;

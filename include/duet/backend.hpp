@@ -122,11 +122,11 @@ struct Eigen {
     Y.array() = X.array().rowwise() + b;
   }
 
-  // y[i] = Fn(x[i]); y may be x.
-  template <class Fn, class T>
+  // y[i] = Fns(x[i]), the functions applied in order in one pass; y may be x.
+  template <class... Fns, class T>
   static void map(const T* x, index_t n, T* y) {
     using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
-    ::Eigen::Map<Array>(y, n) = Fn::array(::Eigen::Map<const Array>(x, n));
+    ::Eigen::Map<Array>(y, n) = detail::apply_all<Fns...>(::Eigen::Map<const Array>(x, n));
   }
 
   // dx[i] = dy[i] · Fn'(x[i]), Fn' written in terms of the output y = Fn(x).

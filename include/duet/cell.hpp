@@ -30,8 +30,11 @@
 #include "detail/reflect.hpp"
 #include "evaluator.hpp"
 #include "graph.hpp"
+#include "jit_config.hpp"
 #include "parameter.hpp"
 #include "passes.hpp"
+#include "tape.hpp"
+#include "trace.hpp"
 #include "tensor.hpp"
 
 namespace duet::nn {
@@ -47,12 +50,14 @@ using BasicForwardHook =
     std::function<void(const BasicDynamicCell<T>& cell, const BasicTensor<T>& input, const BasicTensor<T>& output)>;
 using ForwardHook = BasicForwardHook<float>;
 
+// Called while a PyNative backward pass goes through the cell, with the gradient of its input
+// (empty when nothing upstream is differentiated) and of its output.
+template <ElementType T>
+using BasicBackwardHook = std::function<void(const BasicDynamicCell<T>& cell, const BasicTensor<T>& grad_input,
+                                             const BasicTensor<T>& grad_output)>;
+using BackwardHook = BasicBackwardHook<float>;
+
 namespace detail {
-// Hooks registered anywhere; graph mode walks its cell tree for hooks only when this is > 0.
-inline std::atomic<long>& live_hook_count() {
-  static std::atomic<long> count{0};
-  return count;
-}
 // Naming a tree of cells happens once, on first use; the lock makes concurrent first calls safe.
 inline std::mutex& naming_mutex() {
   static std::mutex m;
@@ -67,7 +72,7 @@ class HookHandle {
   HookHandle() = default;
   HookHandle(BasicDynamicCell<T>* cell, long id) : cell_(cell), id_(id) {}
   void remove() {
-    if (cell_ != nullptr) cell_->remove_forward_hook(id_);
+    if (cell_ != nullptr) cell_->remove_hook(id_);
     cell_ = nullptr;
   }
 
@@ -92,13 +97,26 @@ class BasicDynamicCell {
       : name_(std::move(other.name_)),
         named_(other.named_.load()),
         hooks_(std::exchange(other.hooks_, {})),
+        backward_hooks_(std::exchange(other.backward_hooks_, {})),
         last_hook_id_(other.last_hook_id_) {}
   BasicDynamicCell& operator=(BasicDynamicCell&&) = delete;
-  virtual ~BasicDynamicCell() { detail::live_hook_count().fetch_sub(static_cast<long>(hooks_.size())); }
+  virtual ~BasicDynamicCell() {
+    duet::detail::live_hook_count().fetch_sub(static_cast<long>(hooks_.size() + backward_hooks_.size()));
+  }
 
   BasicTensor<T> operator()(const BasicTensor<T>& x) {
     ensure_named();
+    if (pijit::Trace* trace = pijit::active_trace()) trace->note_cell([this] { return has_hooks_in_tree(); });
+    BasicTensor<T>* traced_output = nullptr;
+    if (!backward_hooks_.empty()) {
+      if (autodiff::Tape* tape = autodiff::active_tape()) {
+        traced_output = tape->begin_cell(x, [this](const BasicTensor<T>& grad_input, const BasicTensor<T>& grad_output) {
+          for (const auto& [id, hook] : backward_hooks_) hook(*this, grad_input, grad_output);
+        });
+      }
+    }
     BasicTensor<T> y = forward(x);
+    if (traced_output != nullptr) *traced_output = y;
     for (const auto& [id, hook] : hooks_) hook(*this, x, y);
     return y;
   }
@@ -132,20 +150,30 @@ class BasicDynamicCell {
 
   HookHandle<T> register_forward_hook(BasicForwardHook<T> hook) {
     hooks_.emplace_back(++last_hook_id_, std::move(hook));
-    detail::live_hook_count().fetch_add(1);
+    duet::detail::live_hook_count().fetch_add(1);
     return HookHandle<T>(this, last_hook_id_);
   }
 
-  void remove_forward_hook(long id) {
-    const auto before = hooks_.size();
-    std::erase_if(hooks_, [id](const auto& h) { return h.first == id; });
-    detail::live_hook_count().fetch_sub(static_cast<long>(before - hooks_.size()));
+  // Backward hooks run while a PyNative gradient (value_and_grad, grad, TrainOneStepCell)
+  // goes back through this cell.
+  HookHandle<T> register_backward_hook(BasicBackwardHook<T> hook) {
+    backward_hooks_.emplace_back(++last_hook_id_, std::move(hook));
+    duet::detail::live_hook_count().fetch_add(1);
+    return HookHandle<T>(this, last_hook_id_);
   }
 
-  bool has_forward_hooks_in_tree() {
-    if (detail::live_hook_count().load() == 0) return false;
-    bool found = !hooks_.empty();
-    for_each_child([&](std::string_view, BasicDynamicCell& c) { found = found || c.has_forward_hooks_in_tree(); });
+  void remove_hook(long id) {
+    const auto before = hooks_.size() + backward_hooks_.size();
+    std::erase_if(hooks_, [id](const auto& h) { return h.first == id; });
+    std::erase_if(backward_hooks_, [id](const auto& h) { return h.first == id; });
+    duet::detail::live_hook_count().fetch_sub(static_cast<long>(before - hooks_.size() - backward_hooks_.size()));
+  }
+
+  // Whether this cell or one below it has a forward or backward hook.
+  bool has_hooks_in_tree() {
+    if (duet::detail::live_hook_count().load() == 0) return false;
+    bool found = !hooks_.empty() || !backward_hooks_.empty();
+    for_each_child([&](std::string_view, BasicDynamicCell& c) { found = found || c.has_hooks_in_tree(); });
     return found;
   }
 
@@ -186,6 +214,7 @@ class BasicDynamicCell {
   std::string name_;
   std::atomic<bool> named_{false};
   std::vector<std::pair<long, BasicForwardHook<T>>> hooks_;
+  std::vector<std::pair<long, BasicBackwardHook<T>>> backward_hooks_;
   long last_hook_id_ = 0;
 };
 
@@ -199,12 +228,33 @@ concept HasConstruct = requires(C& cell, X x) {
   cell.construct(x);
 };
 
-// What a user's network derives from. Mode fixes how the cell runs whatever the context
-// (GRAPH_MODE, PYNATIVE_MODE); CONTEXT_MODE, the default, follows set_context at each call.
-template <class Derived, Mode M = CONTEXT_MODE, ElementType T = float>
+namespace detail {
+template <auto Setting>
+constexpr Mode mode_of_setting() {
+  using S = std::remove_cvref_t<decltype(Setting)>;
+  static_assert(std::is_same_v<S, Mode> || std::is_same_v<S, JitConfig>,
+                "duet::nn::Cell<Derived, Setting>: Setting is a Mode (GRAPH_MODE, PYNATIVE_MODE, CONTEXT_MODE) "
+                "or a JitConfig");
+  if constexpr (std::is_same_v<S, JitConfig>) return GRAPH_MODE;
+  else return Setting;
+}
+template <auto Setting>
+constexpr JitConfig jit_config_of_setting() {
+  if constexpr (std::is_same_v<std::remove_cvref_t<decltype(Setting)>, JitConfig>) return Setting;
+  else return JitConfig{};
+}
+}  // namespace detail
+
+// What a user's network derives from. Setting fixes how the cell runs whatever the context:
+// GRAPH_MODE or PYNATIVE_MODE, or a JitConfig (graph mode compiled that way: MindSpore's
+// @jit on construct); CONTEXT_MODE, the default, follows set_context at each call.
+template <class Derived, auto Setting = CONTEXT_MODE, ElementType T = float>
 class Cell : public BasicDynamicCell<T> {
+  static constexpr Mode M = detail::mode_of_setting<Setting>();
+
  public:
   static constexpr Mode mode = M;
+  static constexpr JitConfig jit_config = detail::jit_config_of_setting<Setting>();
 
   // One tensor in: the DynamicCell call (hooks, then forward in this cell's mode).
   BasicTensor<T> operator()(const BasicTensor<T>& x) {
@@ -215,8 +265,17 @@ class Cell : public BasicDynamicCell<T> {
   }
 
   // Graph capture: construct appends this cell's nodes to the graph its inputs belong to.
+  // Hooks cannot run inside a graph: refused here rather than silently dropped.
   template <graph::Symbolic... S>
-  requires(sizeof...(S) >= 1) auto operator()(const S&... xs) { return derived().construct(xs...); }
+    requires(sizeof...(S) >= 1)
+  auto operator()(const S&... xs) {
+    if (this->has_hooks_in_tree()) {
+      throw ModeError(this->label() +
+                      " is captured into a graph (graph mode or jit), but it or a cell in it has a hook; hooks "
+                      "see intermediate values in PyNative mode only");
+    }
+    return derived().construct(xs...);
+  }
 
   // A statically shaped input: both modes check it against the layers at compile time and
   // return a StaticTensor of the inferred output shape.
@@ -280,16 +339,18 @@ class Cell : public BasicDynamicCell<T> {
   // the plan for the inputs' shapes is kept per thread, so repeated shapes skip planning.
   template <class... Patterns, class... Ts>
   auto run_graph(const BasicTensor<Ts>&... xs) {
-    if (this->has_forward_hooks_in_tree()) {
+    if (this->has_hooks_in_tree()) {
       throw ModeError(this->label() +
-                      " runs in graph mode, but a cell in it has a forward hook; hooks see "
-                      "intermediate values in PyNative mode only (set_context({.mode = PYNATIVE_MODE}))");
+                      " runs in graph mode, but a cell in it has a hook; hooks see intermediate values "
+                      "in PyNative mode only (set_context({.mode = PYNATIVE_MODE}))");
     }
-    auto program = passes::optimize([&]<std::size_t... K>(std::index_sequence<K...>) {
+    auto program = passes::optimize<jit_config>([&]<std::size_t... K>(std::index_sequence<K...>) {
       return derived().construct(graph::input<Ts, Patterns, K>()...);
     }(std::index_sequence_for<Ts...>{}));
     const std::array<Shape, sizeof...(Ts)> shapes{xs.shape()...};
-    return run<DefaultBackend>(program, duet::detail::cached_plan(this->id(), program, shapes), xs...);
+    const auto& p = duet::detail::cached_plan<jit_config>(this->id(), program, shapes,
+                                                           [this] { return this->type_name() + "::construct"; });
+    return run<DefaultBackend, jit_config>(program, p, xs...);
   }
 
   template <class Captured>

@@ -2,6 +2,8 @@
 #pragma once
 
 #include <atomic>
+#include <cstdlib>
+#include <string_view>
 #include <optional>
 #include <utility>
 
@@ -21,12 +23,18 @@ inline constexpr Mode CONTEXT_MODE = Mode::context;
 
 // Fields left empty keep their current value, so set_context({.mode = GRAPH_MODE}) changes
 // the mode and nothing else.
+// Every field has an initializer, so that g++ -Wextra accepts designated initialisers that
+// name only some of them.
 struct ContextConfig {
-  std::optional<Mode> mode;
+  std::optional<Mode> mode = std::nullopt;
+  // false turns every duet::jit function into plain PyNative execution, for debugging; the
+  // environment variable DUET_JIT=0 sets it at start-up.
+  std::optional<bool> jit_enabled = std::nullopt;
 };
 
 struct Context {
   Mode mode = PYNATIVE_MODE;
+  bool jit_enabled = true;
 };
 
 namespace detail {
@@ -34,6 +42,19 @@ namespace detail {
 inline std::atomic<Mode>& context_mode() {
   static std::atomic<Mode> mode{PYNATIVE_MODE};
   return mode;
+}
+// Hooks registered on any cell. Graph capture and PIJit replay look for hooks in their cells
+// only while this is above zero, so hooks cost nothing when nobody uses them.
+inline std::atomic<long>& live_hook_count() {
+  static std::atomic<long> count{0};
+  return count;
+}
+inline std::atomic<bool>& jit_enabled() {
+  static std::atomic<bool> enabled{[] {
+    const char* env = std::getenv("DUET_JIT");
+    return env == nullptr || std::string_view(env) != "0";
+  }()};
+  return enabled;
 }
 }  // namespace detail
 
@@ -45,6 +66,7 @@ inline void set_context(const ContextConfig& config) {
     }
     detail::context_mode().store(*config.mode, std::memory_order_relaxed);
   }
+  if (config.jit_enabled) detail::jit_enabled().store(*config.jit_enabled, std::memory_order_relaxed);
 }
 
 namespace detail {
@@ -69,7 +91,10 @@ class EagerScope {
   bool outer_;
 };
 
-inline Context get_context() { return Context{detail::context_mode().load(std::memory_order_relaxed)}; }
+inline Context get_context() {
+  return Context{detail::context_mode().load(std::memory_order_relaxed),
+                 detail::jit_enabled().load(std::memory_order_relaxed)};
+}
 
 // The mode a cell declared with `declared` runs in right now.
 inline Mode effective_mode(Mode declared) {

@@ -11,6 +11,7 @@
 #include "diagnostics.hpp"
 #include "graph.hpp"
 #include "tape.hpp"
+#include "trace.hpp"
 #include "tensor.hpp"
 
 namespace duet {
@@ -44,6 +45,7 @@ auto run_into_new(const Op& op, const BasicTensor<First>& first, const BasicTens
     op.template run<Backend, T>(graph::KernelArgs{in.data(), shapes.data(), y.data(), out_shape});
   }
   if (autodiff::Tape* tape = autodiff::active_tape()) tape->record(op, y, first, rest...);
+  if (pijit::Trace* trace = pijit::active_trace()) trace->record(op, y, first, rest...);
   return y;
 }
 
@@ -55,11 +57,11 @@ auto run_eager(const Op& op, const BasicTensor<T>& x) {
 }
 
 // A temporary nobody else holds is overwritten in place by elementwise operations, unless a
-// tape records: its records keep the values their gradients read.
+// tape or a trace records: their records keep the values they read.
 template <class Backend = DefaultBackend, class Op, class T>
 auto run_eager(const Op& op, BasicTensor<T>&& x) {
   if constexpr (Op::is_elementwise) {
-    if (x.use_count() == 1 && autodiff::active_tape() == nullptr) {
+    if (x.use_count() == 1 && autodiff::active_tape() == nullptr && pijit::active_trace() == nullptr) {
       const std::array<Shape, 1> shapes{x.shape()};
       const Shape out_shape = detail::checked_output_shape(op, shapes);
       const void* in[1] = {x.data()};

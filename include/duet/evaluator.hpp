@@ -13,6 +13,10 @@
 #pragma once
 
 #include <array>
+#include <cmath>
+#include <string>
+#include <string_view>
+#include <type_traits>
 #include <atomic>
 #include <boost/hana/at.hpp>
 #include <cstddef>
@@ -24,6 +28,7 @@
 #include "backend.hpp"
 #include "diagnostics.hpp"
 #include "graph.hpp"
+#include "jit_config.hpp"
 #include "memory.hpp"
 #include "tensor.hpp"
 
@@ -41,7 +46,9 @@ struct BufferPlan {
   std::size_t slot_count = 0;
 };
 
-template <class G, std::size_t Out>
+// Reuse = false (exec_mode no_sink) gives every node a slot of its own, so every intermediate
+// value survives until the call returns.
+template <class G, std::size_t Out, bool Reuse = true>
 constexpr BufferPlan<G::size> plan_buffers() {
   constexpr std::size_t n = G::size;
   BufferPlan<n> plan;
@@ -78,7 +85,7 @@ constexpr BufferPlan<G::size> plan_buffers() {
   std::array<bool, n> slot_busy{};
   for (std::size_t i = 0; i < n; ++i) {
     for (std::size_t s = 0; s < plan.slot_count; ++s) {
-      if (slot_busy[s] && last_read[slot_owner[s]] < i) slot_busy[s] = false;
+      if (Reuse && slot_busy[s] && last_read[slot_owner[s]] < i) slot_busy[s] = false;
     }
     if (plan.storage[i] != Storage::slot) continue;
     std::size_t s = 0;
@@ -111,22 +118,40 @@ struct Plan {
   std::array<Shape, G::size> shapes;
   std::array<std::size_t, G::size> offset;  // bytes into the arena, for slot nodes
   std::size_t arena_bytes = 0;
+  std::string where;  // what the graph was captured from, for debug's messages
 };
 
 }  // namespace graph
 
+namespace detail {
+// How a failing node is named: in debug, by its place in the graph and the function or cell
+// it was captured from (`where`), so a user finds the line of construct that made it.
+template <JitConfig Config, class Op>
+std::string node_context(std::size_t index, std::string_view where) {
+  if constexpr (Config.debug_level == DebugLevel::debug) {
+    return "duet (debug): in " + std::string(where) + ", node %" + std::to_string(index) + " (" + Op::op_name() + "): ";
+  } else {
+    (void)index;
+    (void)where;
+    return {};
+  }
+}
+}  // namespace detail
+
 // Infers every node's shape for these input shapes and lays out the arena.
-template <class G, std::size_t Out, std::size_t Inputs>
-graph::Plan<G, Inputs> plan(const graph::Sym<G, Out>& program, const std::array<Shape, Inputs>& input_shapes) {
+template <JitConfig Config = JitConfig{}, class G, std::size_t Out, std::size_t Inputs>
+graph::Plan<G, Inputs> plan(const graph::Sym<G, Out>& program, const std::array<Shape, Inputs>& input_shapes,
+                            std::string where = "the graph") {
   static_assert(Inputs >= graph::input_count<G>(), "duet::plan: the graph reads more inputs than are given");
   constexpr std::size_t n = G::size;
-  constexpr graph::BufferPlan<n> buffers = graph::plan_buffers<G, Out>();
+  constexpr graph::BufferPlan<n> buffers = graph::plan_buffers<G, Out, Config.exec_mode != ExecMode::no_sink>();
   constexpr std::array<std::size_t, n> element_size = []<std::size_t... I>(std::index_sequence<I...>) {
     return std::array<std::size_t, n>{sizeof(graph::node_value_t<G, I>)...};
   }
   (std::make_index_sequence<n>{});
   graph::Plan<G, Inputs> p;
   p.input_shapes = input_shapes;
+  p.where = std::move(where);
   graph::for_each_index<n>([&](auto i) {
     constexpr std::size_t I = decltype(i)::value;
     using Node = graph::node_at<G, I>;
@@ -135,8 +160,8 @@ graph::Plan<G, Inputs> plan(const graph::Sym<G, Out>& program, const std::array<
     if constexpr (graph::is_input_op_v<Op>) {
       const Shape& s = input_shapes[Op::index];
       if (!graph::fits(G::shapes[I], s)) {
-        throw ShapeError("duet: graph input " + std::to_string(Op::index) + " must have shape " +
-                         to_string(G::shapes[I]) + ", got " + to_string(s));
+        throw ShapeError(detail::node_context<Config, Op>(I, p.where) + "duet: graph input " + std::to_string(Op::index) +
+                         " must have shape " + to_string(G::shapes[I]) + ", got " + to_string(s));
       }
       p.shapes[I] = s;
     } else {
@@ -149,7 +174,7 @@ graph::Plan<G, Inputs> plan(const graph::Sym<G, Out>& program, const std::array<
         in = copies;
       }
       const ShapeResult r = op.infer(in);
-      if (!r.ok()) throw ShapeError(describe_fault(r, op.label(), in));
+      if (!r.ok()) throw ShapeError(detail::node_context<Config, Op>(I, p.where) + describe_fault(r, op.label(), in));
       p.shapes[I] = r.shape;
     }
   });
@@ -170,12 +195,27 @@ graph::Plan<G, Inputs> plan(const graph::Sym<G, Out>& program, const std::array<
   return p;
 }
 
+namespace detail {
+// Debug's check of a node's output: the first NaN or infinity, named with its node.
+template <class T>
+void check_finite(const T* values, const Shape& shape, const std::string& context) {
+  if constexpr (std::is_floating_point_v<T>) {
+    for (index_t i = 0; i < shape.numel(); ++i) {
+      if (!std::isfinite(values[i])) {
+        throw ValueError(context + "output element " + std::to_string(i) + " of " + to_string(shape) + " is " +
+                         (std::isnan(values[i]) ? "NaN" : "infinite"));
+      }
+    }
+  }
+}
+}  // namespace detail
+
 // Runs a graph with a plan made for these inputs' shapes; inputs in the order of their index.
-template <class Backend = DefaultBackend, class G, std::size_t Out, class... Inputs>
+template <class Backend = DefaultBackend, JitConfig Config = JitConfig{}, class G, std::size_t Out, class... Inputs>
 auto run(const graph::Sym<G, Out>& program, const graph::Plan<G, sizeof...(Inputs)>& p, const Inputs&... inputs) {
   using Result = graph::node_value_t<G, Out>;
   constexpr std::size_t n = G::size;
-  constexpr graph::BufferPlan<n> buffers = graph::plan_buffers<G, Out>();
+  constexpr graph::BufferPlan<n> buffers = graph::plan_buffers<G, Out, Config.exec_mode != ExecMode::no_sink>();
   const std::array<const void*, sizeof...(Inputs)> input{static_cast<const void*>(inputs.data())...};
 
   detail::Storage arena(p.arena_bytes);
@@ -211,6 +251,9 @@ auto run(const graph::Sym<G, Out>& program, const graph::Plan<G, sizeof...(Input
           for (std::size_t k = 0; k < Node::arity; ++k) in_shapes[k] = p.shapes[Node::args[k]];
           op.template run<Backend, T>(graph::KernelArgs{in.data(), in_shapes.data(), data[I], p.shapes[I]});
         }
+        if constexpr (Config.debug_level == DebugLevel::debug && !Op::is_view && !graph::is_sink<Op>()) {
+          detail::check_finite(static_cast<const T*>(data[I]), p.shapes[I], detail::node_context<Config, Op>(I, p.where));
+        }
       }
     }
   });
@@ -237,16 +280,16 @@ inline std::uint64_t new_plan_owner() {
 
 // The plan of the last input shapes `owner` ran this graph type with on this thread. Per
 // thread, so concurrent callers never share or lock; one entry, so it costs nothing to keep.
-template <class G, std::size_t Out, std::size_t N>
+template <JitConfig Config = JitConfig{}, class G, std::size_t Out, std::size_t N, class Where>
 const graph::Plan<G, N>& cached_plan(std::uint64_t owner, const graph::Sym<G, Out>& program,
-                                     const std::array<Shape, N>& shapes) {
+                                     const std::array<Shape, N>& shapes, Where&& where) {
   thread_local struct {
     std::uint64_t owner = 0;
     graph::Plan<G, N> plan;
   } cache;
   if (cache.owner != owner || cache.plan.input_shapes != shapes) {
     cache.owner = 0;  // stays invalid if planning throws
-    cache.plan = plan(program, shapes);
+    cache.plan = plan<Config>(program, shapes, std::string(where()));
     cache.owner = owner;
   }
   return cache.plan;
@@ -254,9 +297,10 @@ const graph::Plan<G, N>& cached_plan(std::uint64_t owner, const graph::Sym<G, Ou
 }  // namespace detail
 
 // Plans and runs in one call.
-template <class Backend = DefaultBackend, class G, std::size_t Out, class... Inputs>
+template <class Backend = DefaultBackend, JitConfig Config = JitConfig{}, class G, std::size_t Out, class... Inputs>
 auto evaluate(const graph::Sym<G, Out>& program, const Inputs&... inputs) {
-  return run<Backend>(program, plan(program, std::array<Shape, sizeof...(Inputs)>{inputs.shape()...}), inputs...);
+  return run<Backend, Config>(program, plan<Config>(program, std::array<Shape, sizeof...(Inputs)>{inputs.shape()...}),
+                              inputs...);
 }
 
 }  // namespace duet

@@ -143,6 +143,15 @@ template <class G, std::size_t I>
 using node_value_t = typename decltype(node_value_type<G, I>())::type;
 
 // A symbolic tensor: the value of node Out of graph G.
+template <class>
+inline constexpr bool no_value_during_capture = false;
+
+// static_assert takes a literal only; the three uses below share it through this macro.
+#define DUET_DETAIL_NO_VALUE_MESSAGE                                                                        \
+  "duet: a tensor's value does not exist while a graph is captured (item(), data(), a branch on a value); " \
+  "compute with graph operations, or run C++ on the value with duet::host(...) (a host node, "               \
+  "JitSyntaxLevel::lax)"
+
 template <class G, std::size_t Out>
 struct Sym {
   using graph_type = G;
@@ -150,7 +159,26 @@ struct Sym {
   static constexpr std::size_t output = Out;
   static constexpr Shape shape = G::shapes[Out];
   G graph;
+
+  // A graph is captured before it runs: reading a value then, or branching on one, cannot be
+  // a graph operation. These say so, instead of "no member named item".
+  template <class Dependent = void>
+  value_type item() const {
+    static_assert(no_value_during_capture<Dependent>, DUET_DETAIL_NO_VALUE_MESSAGE);
+    return {};
+  }
+  template <class Dependent = void>
+  const value_type* data() const {
+    static_assert(no_value_during_capture<Dependent>, DUET_DETAIL_NO_VALUE_MESSAGE);
+    return nullptr;
+  }
+  template <class Dependent = void>
+  explicit operator bool() const {
+    static_assert(no_value_during_capture<Dependent>, DUET_DETAIL_NO_VALUE_MESSAGE);
+    return false;
+  }
 };
+#undef DUET_DETAIL_NO_VALUE_MESSAGE
 
 template <class X>
 inline constexpr bool is_sym_v = false;

@@ -75,14 +75,15 @@ GraphText dump(const Sym<G, Out>& program, const std::string& title) {
 
 }  // namespace graph
 
-// The graph of cell for inputs of the given pattern (duet::shape<dyn, 1, 28, 28>, say); by
-// default an input of unknown shape, as when a runtime tensor is passed.
-template <class C, class Pattern = graph::AnyShape>
+// The graph of cell for inputs of the given pattern (duet::shape<dyn, 1, 28, 28>, say; by
+// default an input of unknown shape, as when a runtime tensor is passed), optimised at the
+// jit level of Config.
+template <JitConfig Config = JitConfig{}, class C, class Pattern = graph::AnyShape>
 GraphIR graph_ir(C& cell, Pattern = {}) {
   cell.ensure_named();
   auto captured = cell(graph::input<typename C::value_type, Pattern>());
   const std::string title = cell.type_name();
-  return {graph::dump(captured, title), graph::dump(passes::optimize(captured), title)};
+  return {graph::dump(captured, title), graph::dump(passes::optimize<Config>(captured), title)};
 }
 
 }  // namespace duet

@@ -4,7 +4,8 @@
 //
 //   shape inference and checking   in graph.hpp, at capture (Graph::shapes, append)
 //   views                          is_view nodes get no buffer (evaluator's plan)
-//   fuse_epilogues                 bias adds and activations move into the product before them
+//   fuse_epilogues                 bias adds and activations move into the product before them,
+//                                  elementwise chains become one pass (O1 and O2)
 #pragma once
 
 #include <array>
@@ -16,6 +17,8 @@
 #include <utility>
 
 #include "graph.hpp"
+#include "jit_config.hpp"
+#include "tape.hpp"
 
 namespace duet::passes {
 
@@ -33,18 +36,19 @@ constexpr std::array<std::size_t, G::size> user_counts() {
   return users;
 }
 
-// A producer op P takes consumer op C as its epilogue when it says so.
-template <class P, class C>
+// A producer op P takes consumer op C as its epilogue when it says so; in a graph that will be
+// differentiated, only if the fused op still can be.
+template <class P, class C, bool Differentiated>
 concept absorbs = requires {
   requires P::template accepts_epilogue<C>;
-};
+} && (!Differentiated || autodiff::Differentiable<decltype(std::declval<const P&>().absorb(std::declval<const C&>()))>);
 
 namespace detail {
 
 // Walks the nodes in order, building the fused list. Map[j] is where node j's value lives in
 // the new list. A unary consumer folds into the node that computes its input when that node
 // is the last one built, absorbs it, and nobody else reads the value in between.
-template <std::size_t J, std::size_t Out, class G, class Built, std::size_t... Map>
+template <std::size_t J, std::size_t Out, bool Differentiated, class G, class Built, std::size_t... Map>
 auto fuse_from(const G& g, const Built& built, std::index_sequence<Map...> map) {
   if constexpr (J == G::size) {
     constexpr std::array<std::size_t, G::size> m{Map...};
@@ -60,22 +64,22 @@ auto fuse_from(const G& g, const Built& built, std::index_sequence<Map...> map) 
       constexpr std::size_t r = m[a];
       using P = std::remove_cvref_t<decltype(hana::at_c<r>(built))>;
       if constexpr (r + 1 == built_size && user_counts<G, Out>()[a] == 1 &&
-                    absorbs<typename P::op_type, typename N::op_type>) {
+                    absorbs<typename P::op_type, typename N::op_type, Differentiated>) {
         const P& p = hana::at_c<r>(built);
         auto absorbed = p.op.absorb(n.op);
         auto with_args = [&]<std::size_t... A>(std::index_sequence<A...>) {
           return graph::Node<decltype(absorbed), P::args[A]...>{absorbed};
         }
         (std::make_index_sequence<P::arity>{});
-        return fuse_from<J + 1, Out>(g, hana::append(hana::drop_back(built), with_args),
+        return fuse_from<J + 1, Out, Differentiated>(g, hana::append(hana::drop_back(built), with_args),
                                      std::index_sequence<Map..., r>{});
       } else {
-        return fuse_from<J + 1, Out>(
+        return fuse_from<J + 1, Out, Differentiated>(
             g, hana::append(built, graph::renumbered(n, map, std::make_index_sequence<N::arity>{})),
             std::index_sequence<Map..., built_size>{});
       }
     } else {
-      return fuse_from<J + 1, Out>(g,
+      return fuse_from<J + 1, Out, Differentiated>(g,
                                    hana::append(built, graph::renumbered(n, map, std::make_index_sequence<N::arity>{})),
                                    std::index_sequence<Map..., built_size>{});
     }
@@ -85,16 +89,18 @@ auto fuse_from(const G& g, const Built& built, std::index_sequence<Map...> map) 
 }  // namespace detail
 
 // Moves each bias add and elementwise activation into the epilogue of the product that
-// feeds it, so the product writes its final values in one pass.
-template <class G, std::size_t Out>
+// feeds it, and fuses chains of elementwise functions, so each value is written once.
+template <bool Differentiated = false, class G, std::size_t Out>
 auto fuse_epilogues(const graph::Sym<G, Out>& program) {
-  return detail::fuse_from<0, Out>(program.graph, hana::make_tuple(), std::index_sequence<>{});
+  return detail::fuse_from<0, Out, Differentiated>(program.graph, hana::make_tuple(), std::index_sequence<>{});
 }
 
-// The pipeline graph mode runs.
-template <class G, std::size_t Out>
+// The pipeline of a jit level. Differentiated: the graph is the forward half of a training
+// graph, so fusion keeps every op differentiable.
+template <JitConfig Config = JitConfig{}, bool Differentiated = false, class G, std::size_t Out>
 auto optimize(const graph::Sym<G, Out>& program) {
-  return fuse_epilogues(program);
+  if constexpr (Config.jit_level == JitLevel::O0) return program;
+  else return fuse_epilogues<Differentiated>(program);
 }
 
 }  // namespace duet::passes

@@ -28,10 +28,17 @@ auto run_into_new(const Op& op, const BasicTensor<First>& first, const BasicTens
 namespace autodiff {
 
 template <class Op>
+constexpr bool declared_differentiable() {
+  if constexpr (requires { Op::differentiable; }) return Op::differentiable;
+  else return true;
+}
+
+// An op autodiff can go through: it names its gradient op and what that op reads.
+template <class Op>
 concept Differentiable = requires {
   Op::grad_operands;
   Op::has_parameters;
-};
+} && declared_differentiable<Op>();
 
 class Tape;
 

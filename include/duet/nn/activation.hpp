@@ -48,10 +48,12 @@ namespace ops {
 template <class Fn>
 struct MapGradOp;
 
-template <class Fn>
+// Fns applied elementwise, in order, in one pass. Capture makes one per function; O1 fuses
+// chains (relu(tanh(x)) is one MapOp<Tanh, Relu>), and products absorb them as epilogues.
+template <class... Fns>
 struct MapOp {
+  static_assert(sizeof...(Fns) >= 1);
   using layer_type = MapOp;
-  using fn_type = Fn;
   static constexpr int arity = 1;
   static constexpr bool is_view = false;
   static constexpr bool is_elementwise = true;
@@ -61,17 +63,32 @@ struct MapOp {
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
-    Backend::template map<Fn>(a.in<T>(), a.in_shape().numel(), a.out<T>());
+    Backend::template map<Fns...>(a.in<T>(), a.in_shape().numel(), a.out<T>());
   }
 
+  template <class C>
+  static constexpr bool accepts_epilogue = requires { C::elementwise_functions; };
+  template <class... Gs>
+  auto absorb(const MapOp<Gs...>&) const {
+    return MapOp<Fns..., Gs...>{};
+  }
+  static constexpr auto elementwise_functions = sizeof...(Fns);
+
+  // A single function is differentiated from its output; a fused chain would need the values
+  // between its functions, which it never stores.
+  static constexpr bool differentiable = sizeof...(Fns) == 1;
   static constexpr bool has_parameters = false;
   static constexpr std::array grad_operands{graph::Operand::grad, graph::Operand::output};
   template <bool InputGrad>
   auto grad_op() const {
-    return MapGradOp<Fn>{};
+    return MapGradOp<Fns...>{};
   }
 
-  static std::string op_name() { return std::string(Fn::name); }
+  static std::string op_name() {
+    std::string s;
+    ((s += (s.empty() ? "" : " + ") + std::string(Fns::name)), ...);
+    return s;
+  }
   std::string label() const { return op_name(); }
 };
 

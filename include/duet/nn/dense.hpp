@@ -60,19 +60,19 @@ struct MatMulOp {
         Epilogue<T, Fns...>{Bias ? layer->bias.data() : nullptr}, a.out<T>());
   }
 
-  // Takes this layer's bias first, then any elementwise function.
+  // Takes this layer's bias first, then any elementwise functions.
   template <class C>
   static constexpr bool accepts_epilogue =
-      (std::is_same_v<C, BiasAddOp<Layer>> && !Bias && sizeof...(Fns) == 0) || requires {
-    typename C::fn_type;
-  };
+      (std::is_same_v<C, BiasAddOp<Layer>> && !Bias && sizeof...(Fns) == 0) || requires { C::elementwise_functions; };
   auto absorb(const BiasAddOp<Layer>&) const { return MatMulOp<Layer, true, Fns...>{layer}; }
-  template <class Fn>
-  auto absorb(const MapOp<Fn>&) const {
-    return MatMulOp<Layer, Bias, Fns..., Fn>{layer};
+  template <class... Gs>
+  auto absorb(const MapOp<Gs...>&) const {
+    return MatMulOp<Layer, Bias, Fns..., Gs...>{layer};
   }
 
-  // Its gradient op reads the forward output only to differentiate an activation epilogue.
+  // Its gradient op reads the forward output only to differentiate an activation epilogue,
+  // and can do so for one function.
+  static constexpr bool differentiable = sizeof...(Fns) <= 1;
   static constexpr bool has_parameters = true;
   static constexpr auto grad_operands = [] {
     if constexpr (sizeof...(Fns) == 0)
@@ -150,7 +150,7 @@ struct DenseGradOp {
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
-    const std::uint64_t pass = detail::current_backward_pass();
+    const std::uint64_t pass = duet::detail::current_backward_pass();
     bool accumulate_w = false;
     bool accumulate_b = false;
     T* dw = layer->weight.grad_for_write(pass, &accumulate_w);
@@ -191,7 +191,7 @@ struct BiasAddGradOp {
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
     bool accumulate = false;
-    T* db = layer->bias.grad_for_write(detail::current_backward_pass(), &accumulate);
+    T* db = layer->bias.grad_for_write(duet::detail::current_backward_pass(), &accumulate);
     const index_t cols = layer->out_channels();
     Backend::bias_grad(a.in<T>(), cols == 0 ? 0 : a.in_shape().numel() / cols, cols, db, accumulate);
   }

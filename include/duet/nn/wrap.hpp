@@ -2,6 +2,8 @@
 // nn.TrainOneStepCell).
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <string>
 #include <utility>
 
@@ -49,11 +51,18 @@ class TrainOneStepCell {
   TrainOneStepCell(NetWithLoss& net_with_loss, Optimizer& optimizer)
       : grad_(net_with_loss, {}, std::nullopt), optimizer_(optimizer) {}
 
-  // Returns the loss of the batch, before the update.
+  // Returns the loss of the batch, before the update. A step that fails changes nothing. An
+  // empty batch is refused: it has no gradient, yet an update would still advance the
+  // optimiser (its step count, and momentum moving the parameters). A batch whose loss is NaN
+  // or infinite (NaN or Inf inputs, or a model that diverged) skips the update, which would
+  // write NaN into every parameter and moment for good; the caller sees the loss.
   template <class... X>
   BasicTensor<T> operator()(const X&... xs) {
+    if (((tensor_of(xs).numel() == 0) || ...)) {
+      throw ValueError("nn::TrainOneStepCell: the batch is empty; a training step needs at least one sample");
+    }
     BasicTensor<T> loss = grad_.value_and_parameter_grads(xs...);
-    optimizer_.step();
+    if (std::ranges::all_of(loss.values(), [](T v) { return std::isfinite(v); })) optimizer_.step();
     return loss;
   }
 

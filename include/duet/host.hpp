@@ -1,0 +1,146 @@
+// Where a graph meets the host: printing a live value, and calling back into C++.
+//
+// duet::print is a graph operation: in either mode, and at every jit level, it prints the value
+// when it is computed and passes it on unchanged (as a view), so a user never has to take jit
+// away to see a value. duet::host runs any C++ function on a value: a host node, a graph
+// break that runs eagerly between compiled parts. A jit function of JitSyntaxLevel::strict
+// refuses host nodes at compile time.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <functional>
+#include <iostream>
+#include <mutex>
+#include <string>
+#include <utility>
+
+#include "eager.hpp"
+#include "graph.hpp"
+#include "print.hpp"
+#include "tensor.hpp"
+
+namespace duet {
+
+namespace detail {
+inline std::mutex& print_mutex() {
+  static std::mutex m;
+  return m;
+}
+}  // namespace detail
+
+namespace ops {
+
+struct IdentityGradOp {
+  using layer_type = IdentityGradOp;
+  static constexpr int arity = 1;
+  static constexpr bool is_view = true;
+  static constexpr bool is_elementwise = false;
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
+  static std::string op_name() { return "Identity"; }
+  std::string label() const { return op_name(); }
+};
+
+// Prints "label: value" (numpy's format) when the value is computed; outputs its input.
+struct PrintOp {
+  using layer_type = PrintOp;
+  static constexpr int arity = 1;
+  static constexpr bool is_view = true;
+  static constexpr bool has_side_effects = true;
+  static constexpr bool is_elementwise = false;
+
+  const char* text;        // the label; a string literal or a string that outlives the graph
+  std::ostream* out;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    auto copy = BasicTensor<T>::uninitialized(a.in_shape());
+    std::copy_n(a.in<T>(), copy.numel(), copy.data());
+    // One print at a time: threads running graphs side by side do not interleave lines.
+    std::lock_guard lock(duet::detail::print_mutex());
+    *out << (text[0] != '\0' ? std::string(text) + ": " : std::string()) << copy << '\n';
+  }
+
+  static constexpr bool has_parameters = false;
+  static constexpr std::array grad_operands{graph::Operand::grad};
+  template <bool InputGrad>
+  auto grad_op() const {
+    return IdentityGradOp{};
+  }
+
+  static std::string op_name() { return "Print"; }
+  std::string label() const { return op_name(); }
+};
+
+// Calls a C++ function on the value; its result (of the same shape) is the node's value.
+template <class T>
+struct HostOp {
+  using layer_type = HostOp;
+  using value_type = T;
+  static constexpr int arity = 1;
+  static constexpr bool is_view = false;
+  static constexpr bool is_elementwise = false;
+  static constexpr bool is_host = true;
+
+  std::function<BasicTensor<T>(const BasicTensor<T>&)> fn;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
+
+  template <class Backend, class U>
+  void run(const graph::KernelArgs& a) const {
+    auto input = BasicTensor<T>::uninitialized(a.in_shape());
+    std::copy_n(a.in<T>(), input.numel(), input.data());
+    const BasicTensor<T> result = fn(input);
+    if (!(result.shape() == a.output_shape)) {
+      throw ShapeError("duet::host: the callback must return its input's shape " + to_string(a.output_shape) +
+                       ", returned " + to_string(result.shape()));
+    }
+    std::copy_n(result.data(), result.numel(), a.out<T>());
+  }
+
+  static std::string op_name() { return "Host"; }
+  std::string label() const { return "duet::host"; }
+};
+
+}  // namespace ops
+
+namespace graph {
+template <class Op>
+constexpr bool is_host_op() {
+  if constexpr (requires { Op::is_host; }) return Op::is_host;
+  else return false;
+}
+
+// The first host node of G, or G::size.
+template <class G>
+constexpr std::size_t first_host_node() {
+  std::size_t found = G::size;
+  for_each_index<G::size>([&](auto i) {
+    if (found == G::size && is_host_op<typename node_at<G, decltype(i)::value>::op_type>()) found = decltype(i)::value;
+  });
+  return found;
+}
+}  // namespace graph
+
+// Prints x with an optional label when it is computed, and returns it: in PyNative at once, in a
+// graph when the graph runs. The label must outlive the graph (a literal, say).
+template <class X>
+auto print(X&& x, const char* label = "", std::ostream& out = std::cout) {
+  return apply(ops::PrintOp{label, &out}, std::forward<X>(x));
+}
+
+// Runs fn (a function from a tensor to a tensor of the same shape) on x: now in PyNative, or
+// as a host node (a graph break) in a graph.
+template <class F, class X>
+auto host(F&& fn, X&& x) {
+  using T = typename std::remove_cvref_t<X>::value_type;
+  return apply(ops::HostOp<T>{std::function<BasicTensor<T>(const BasicTensor<T>&)>(std::forward<F>(fn))},
+               std::forward<X>(x));
+}
+
+}  // namespace duet

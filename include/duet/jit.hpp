@@ -1,0 +1,463 @@
+// jit: a function of tensors compiled into a static graph, whatever the global context
+// (MindSpore's mindspore.jit and JitConfig).
+//
+//   auto run_with_jit = duet::jit(run);                                   // function transform
+//   auto run = duet::jit([&](auto x) { return model(x); });               // decorator form
+//   auto fast = duet::jit<duet::JitConfig{.jit_level = duet::O2}>(run);   // with a configuration
+//   struct Net : nn::Cell<Net, duet::JitConfig{}> {...};                  // jit on construct
+//
+// Calling a jitted function captures it on symbolic tensors (a compile-time graph), checks and
+// optimises the graph at the JitConfig's level, and runs it in one evaluator call. The run-time
+// half of compiling (a "compiled form": the plan for the input shapes) is made once per input
+// signature, and counted: each jitted function and the program keep a compile count and a log
+// saying why each recompilation happened.
+//
+// The signature of a call is the dtype and shape of each tensor argument (its input_signature
+// pattern instead, when one is given: a dynamic dimension then means one compiled form for all
+// its sizes), the value of each other argument (unless wrapped in duet::mutable_), and the
+// current values of the hash_args.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <typeindex>
+#include <utility>
+#include <vector>
+
+#include "backend.hpp"
+#include "context.hpp"
+#include "detail/demangle.hpp"
+#include "evaluator.hpp"
+#include "graph.hpp"
+#include "host.hpp"
+#include "jit_config.hpp"
+#include "passes.hpp"
+#include "pijit.hpp"
+#include "tensor.hpp"
+
+namespace duet {
+
+// PSJit: the compile-time static graph. PIJit: a trace of a network built at run time (see
+// pijit.hpp), captured on the first call for each input shape and replayed.
+enum class JitMode : unsigned char { PSJit, PIJit };
+
+// What input_signature says of one tensor argument; duet::dyn in shape for any size.
+struct TensorSpec {
+  DType dtype = float32;
+  Shape shape = {};
+};
+
+// A non-tensor argument whose value is not part of the signature (MindSpore's mutable): a
+// new value does not recompile.
+template <class T>
+struct Mutable {
+  T value;
+};
+template <class T>
+Mutable<std::decay_t<T>> mutable_(T&& value) {
+  return {std::forward<T>(value)};
+}
+
+namespace detail {
+template <class T>
+std::uint64_t value_hash(const T& value) {
+  if constexpr (requires { std::hash<T>{}(value); }) {
+    return static_cast<std::uint64_t>(std::hash<T>{}(value));
+  } else {
+    static_assert(std::is_trivially_copyable_v<T>,
+                  "duet::jit: a non-tensor argument or hash_arg must be hashable (std::hash) or trivially "
+                  "copyable; wrap other arguments in duet::mutable_");
+    std::uint64_t h = 1469598103934665603ull;  // FNV-1a over the bytes
+    unsigned char bytes[sizeof(T)];
+    std::memcpy(bytes, &value, sizeof(T));
+    for (unsigned char b : bytes) h = (h ^ b) * 1099511628211ull;
+    return h;
+  }
+}
+}  // namespace detail
+
+// A value the jitted function reads besides its arguments (a free variable): a change of it
+// recompiles at the next call. It refers to the value, which must outlive the jitted function.
+class HashArg {
+ public:
+  template <class T>
+  explicit HashArg(const T& value) : hash_([&value] { return detail::value_hash(value); }) {}
+  std::uint64_t hash() const { return hash_(); }
+
+ private:
+  std::function<std::uint64_t()> hash_;
+};
+template <class T>
+HashArg hash_arg(const T& value) {
+  return HashArg(value);
+}
+
+struct JitOptions {
+  JitMode mode = JitMode::PSJit;
+  std::vector<TensorSpec> input_signature = {};  // empty: any tensors
+  std::vector<HashArg> hash_args = {};
+  // Share compiled forms between every jitted function made from the same function type, so a
+  // re-created one does not compile again. A risk if its free variables differ (as in MindSpore).
+  bool compile_once = false;
+  std::string name = {};  // for the recompile log; "jit function #n" by default
+};
+
+namespace detail {
+struct JitStats {
+  std::atomic<std::uint64_t> compiles{0};
+  std::atomic<std::uint64_t> functions{0};
+  std::mutex mutex;
+  std::vector<std::string> log;
+};
+inline JitStats& jit_stats() {
+  static JitStats stats;
+  return stats;
+}
+}  // namespace detail
+
+// Compilations of every jitted function so far.
+inline std::uint64_t jit_compile_count() { return detail::jit_stats().compiles.load(); }
+
+// One line per compilation, in order: which function, its compile number, and why.
+inline std::vector<std::string> jit_compile_log() {
+  auto& s = detail::jit_stats();
+  std::lock_guard lock(s.mutex);
+  return s.log;
+}
+
+namespace detail {
+
+template <class X>
+inline constexpr bool is_tensor_argument_v = is_tensor_v<std::remove_cvref_t<X>> || is_static_tensor_v<std::remove_cvref_t<X>>;
+
+template <class X>
+inline constexpr bool is_mutable_v = false;
+template <class T>
+inline constexpr bool is_mutable_v<Mutable<T>> = true;
+
+// Position of argument I among the tensor arguments.
+template <std::size_t I, class... Args>
+constexpr std::size_t tensor_index() {
+  constexpr std::array<bool, sizeof...(Args)> is_tensor{is_tensor_argument_v<Args>...};
+  std::size_t k = 0;
+  for (std::size_t i = 0; i < I; ++i) k += is_tensor[i] ? 1 : 0;
+  return k;
+}
+
+template <class... Args>
+constexpr std::size_t tensor_count() {
+  return (std::size_t{0} + ... + (is_tensor_argument_v<Args> ? 1 : 0));
+}
+
+// What makes two calls share a compiled form.
+template <std::size_t N>
+struct Signature {
+  std::array<DType, N> dtypes{};
+  std::array<Shape, N> shapes{};
+  std::array<std::uint64_t, N> values{};
+  std::vector<std::uint64_t> hash_args;
+  friend bool operator==(const Signature&, const Signature&) = default;
+};
+
+template <std::size_t N>
+std::string why_recompiled(const Signature<N>& before, const Signature<N>& now) {
+  for (std::size_t i = 0; i < N; ++i) {
+    if (before.dtypes[i] != now.dtypes[i]) {
+      return "argument " + std::to_string(i) + " dtype " + std::string(name_of(before.dtypes[i])) + " -> " +
+             std::string(name_of(now.dtypes[i]));
+    }
+    if (!(before.shapes[i] == now.shapes[i])) {
+      return "argument " + std::to_string(i) + " shape " + to_string(before.shapes[i]) + " -> " +
+             to_string(now.shapes[i]);
+    }
+    if (before.values[i] != now.values[i]) return "argument " + std::to_string(i) + " (a value) changed";
+  }
+  for (std::size_t i = 0; i < now.hash_args.size(); ++i) {
+    if (i >= before.hash_args.size() || before.hash_args[i] != now.hash_args[i]) {
+      return "hash_args[" + std::to_string(i) + "] changed";
+    }
+  }
+  return "a new signature";
+}
+
+// Compiled forms of one function for one list of argument types.
+template <std::size_t N>
+struct CompileCache {
+  struct Entry {
+    Signature<N> signature;
+    std::uint64_t owner;  // keys the plans of this compiled form
+    // PIJit: the replayable trace, or null when the trace broke and the function runs eagerly.
+    std::shared_ptr<const pijit::Replay> replay;
+  };
+  std::shared_mutex mutex;
+  std::deque<Entry> entries;  // a deque: an entry does not move when others are added
+};
+
+}  // namespace detail
+
+template <JitConfig Config, class Fn>
+class JitFunction {
+  using FnRef = std::remove_reference_t<Fn>;
+
+ public:
+  JitFunction(Fn fn, JitOptions options)
+      : fn_(std::forward<Fn>(fn)), options_(std::move(options)), state_(std::make_shared<State>()) {
+    if (options_.name.empty()) options_.name = "jit function #" + std::to_string(++detail::jit_stats().functions);
+    if (options_.compile_once) state_ = shared_state();
+  }
+
+  // Compilations of this function (of every function of its type, with compile_once).
+  std::uint64_t compile_count() const { return state_->compiles.load(); }
+  const std::string& name() const { return options_.name; }
+
+  template <class... Args>
+  auto operator()(const Args&... args) {
+    using Result = decltype(eager(args...));
+    if (!get_context().jit_enabled) return eager(args...);
+    check_signature(args...);
+    auto& cache = compile_cache<Args...>();
+    const auto signature = signature_of(args...);
+    const typename detail::CompileCache<sizeof...(Args)>::Entry* entry = nullptr;
+    {
+      std::shared_lock lock(cache.mutex);
+      entry = find(cache, signature);
+    }
+    if (entry == nullptr) {
+      // Concurrent first calls: one compiles, the others wait here and then find its form.
+      std::unique_lock lock(cache.mutex);
+      entry = find(cache, signature);
+      if (entry == nullptr) {
+        if (options_.mode == JitMode::PIJit) return trace(cache, signature, args...);
+        entry = &compile(cache, signature, nullptr);
+      }
+    }
+    if (options_.mode == JitMode::PIJit) {
+      if (entry->replay == nullptr || entry->replay->cells_have_hooks()) return eager(args...);
+      const auto inputs = std::apply([](const auto&... t) { return std::array<const void*, sizeof...(t)>{t.data()...}; },
+                                     std::tuple_cat(tensor_tuple(args)...));
+      return entry->replay->template run<typename Result::value_type>(inputs);
+    }
+    if constexpr (Capturable<Args...>) {
+      return Result(run_graph(entry->owner, args...));
+    } else {
+      throw ValueError(options_.name + ": the function is not generic over its tensors, so it cannot be captured "
+                                       "as a static graph (PSJit); jit it with {.mode = JitMode::PIJit}");
+    }
+  }
+
+ private:
+  struct State {
+    std::atomic<std::uint64_t> compiles{0};
+    std::mutex mutex;
+    std::vector<std::pair<std::type_index, std::shared_ptr<void>>> caches;
+  };
+
+  // What compile_once shares: one state per function type (and configuration).
+  static std::shared_ptr<State> shared_state() {
+    static const auto state = std::make_shared<State>();
+    return state;
+  }
+
+  template <class X>
+  static decltype(auto) argument(const X& x) {
+    if constexpr (detail::is_tensor_argument_v<X>) return tensor_of(x);
+    else if constexpr (detail::is_mutable_v<X>) return (x.value);
+    else return (x);
+  }
+
+  // DUET_JIT=0 or set_context({.jit_enabled = false}): the function as plain PyNative code.
+  template <class... Args>
+  auto eager(const Args&... args) {
+    EagerScope eager;
+    auto y = fn_(argument(args)...);
+    return BasicTensor<typename decltype(y)::value_type>(y);
+  }
+
+  template <class... Args>
+  void check_signature(const Args&... args) const {
+    const auto& specs = options_.input_signature;
+    if (specs.empty()) return;
+    constexpr std::size_t tensors = detail::tensor_count<Args...>();
+    if (specs.size() != tensors) {
+      throw ValueError(options_.name + ": input_signature describes " + std::to_string(specs.size()) +
+                       " tensors, the call passes " + std::to_string(tensors));
+    }
+    [&]<std::size_t... I>(std::index_sequence<I...>) {
+      (check_one<detail::tensor_index<I, Args...>()>(args), ...);
+    }(std::index_sequence_for<Args...>{});
+  }
+
+  template <std::size_t K, class X>
+  void check_one(const X& x) const {
+    if constexpr (detail::is_tensor_argument_v<X>) {
+      const TensorSpec& spec = options_.input_signature[K];
+      const auto& t = tensor_of(x);
+      if (t.dtype() != spec.dtype || !graph::fits(spec.shape, t.shape())) {
+        throw ShapeError(options_.name + ": input_signature says tensor " + std::to_string(K) + " is " +
+                         std::string(name_of(spec.dtype)) + " " + to_string(spec.shape) + ", got " +
+                         std::string(name_of(t.dtype())) + " " + to_string(t.shape()));
+      }
+    }
+  }
+
+  template <class... Args>
+  detail::Signature<sizeof...(Args)> signature_of(const Args&... args) const {
+    detail::Signature<sizeof...(Args)> s;
+    const auto all = std::forward_as_tuple(args...);
+    graph::for_each_index<sizeof...(Args)>([&](auto i) {
+      constexpr std::size_t I = decltype(i)::value;
+      using X = std::tuple_element_t<I, std::tuple<Args...>>;
+      if constexpr (detail::is_tensor_argument_v<X>) {
+        const auto& t = tensor_of(std::get<I>(all));
+        s.dtypes[I] = t.dtype();
+        // With an input_signature, the pattern (dynamic dimensions and all) is the key.
+        s.shapes[I] = options_.input_signature.empty() ? t.shape()
+                                                       : options_.input_signature[detail::tensor_index<I, Args...>()].shape;
+      } else if constexpr (!detail::is_mutable_v<X>) {
+        s.values[I] = detail::value_hash(std::get<I>(all));
+      }
+    });
+    s.hash_args.reserve(options_.hash_args.size());
+    for (const HashArg& h : options_.hash_args) s.hash_args.push_back(h.hash());
+    return s;
+  }
+
+  // Entries are never removed, so a pointer to one stays valid once the lock is released.
+  template <std::size_t N>
+  static const typename detail::CompileCache<N>::Entry* find(detail::CompileCache<N>& cache,
+                                                              const detail::Signature<N>& s) {
+    for (const auto& e : cache.entries) {
+      if (e.signature == s) return &e;
+    }
+    return nullptr;
+  }
+
+  // PIJit's compilation: run the function eagerly under a trace, keep the trace for replay.
+  template <std::size_t N, class... Args>
+  auto trace(detail::CompileCache<N>& cache, const detail::Signature<N>& s, const Args&... args) {
+    pijit::Trace trace;
+    auto inputs = std::make_tuple(traced_argument(args)...);
+    std::size_t k = 0;
+    std::apply([&](auto&... x) { (mark_input(trace, x, k), ...); }, inputs);
+    auto y = [&] {
+      pijit::Tracing tracing(&trace);
+      EagerScope eager;
+      return std::apply([&](const auto&... x) { return fn_(x...); }, inputs);
+    }();
+    using Result = BasicTensor<typename decltype(y)::value_type>;
+    const std::size_t out = trace.find(y);
+    std::string broken = trace.broken();
+    if (broken.empty() && out == trace.values().size()) broken = "it returns a value no duet operation made";
+    std::shared_ptr<const pijit::Replay> replay;
+    if (broken.empty()) replay = std::make_shared<pijit::Replay>(std::move(trace), out);
+    compile(cache, s, std::move(replay), broken.empty() ? std::string() : "graph break, runs eagerly: " + broken);
+    return Result(y);
+  }
+
+  template <class X>
+  static auto traced_argument(const X& x) {
+    if constexpr (detail::is_tensor_argument_v<X>) return BasicTensor<typename X::value_type>(tensor_of(x));
+    else return argument(x);
+  }
+
+  template <class X>
+  static void mark_input(pijit::Trace& trace, X& x, std::size_t& k) {
+    if constexpr (is_tensor_v<X>) trace.add_input(x, k++);
+  }
+
+  template <std::size_t N>
+  const typename detail::CompileCache<N>::Entry& compile(detail::CompileCache<N>& cache, const detail::Signature<N>& s,
+                                                          std::shared_ptr<const pijit::Replay> replay,
+                                                          const std::string& note = {}) {
+    const std::uint64_t number = ++state_->compiles;
+    auto& stats = detail::jit_stats();
+    stats.compiles.fetch_add(1);
+    const std::string reason = cache.entries.empty() ? std::string("first call")
+                                                     : detail::why_recompiled(cache.entries.back().signature, s);
+    {
+      std::lock_guard lock(stats.mutex);
+      stats.log.push_back(options_.name + ": compile #" + std::to_string(number) + ": " + reason +
+                          (note.empty() ? "" : " (" + note + ")"));
+    }
+    cache.entries.push_back({s, duet::detail::new_plan_owner(), std::move(replay)});
+    return cache.entries.back();
+  }
+
+  template <class... Args>
+  detail::CompileCache<sizeof...(Args)>& compile_cache() {
+    using Cache = detail::CompileCache<sizeof...(Args)>;
+    std::lock_guard lock(state_->mutex);
+    const std::type_index key(typeid(Cache));
+    for (auto& [type, cache] : state_->caches) {
+      if (type == key) return *static_cast<Cache*>(cache.get());
+    }
+    state_->caches.emplace_back(key, std::make_shared<Cache>());
+    return *static_cast<Cache*>(state_->caches.back().second.get());
+  }
+
+  template <class... Args>
+  auto run_graph(std::uint64_t owner, const Args&... args) {
+    auto captured = [&]<std::size_t... I>(std::index_sequence<I...>) {
+      return fn_(symbolic<I, Args...>(args)...);
+    }(std::index_sequence_for<Args...>{});
+    using Captured = decltype(captured);
+    static_assert(graph::Symbolic<Captured>, "duet::jit: the function must return a tensor computed from its inputs");
+    using G = typename Captured::graph_type;
+    if constexpr (Config.jit_syntax_level == JitSyntaxLevel::strict) {
+      static_assert(graph::first_host_node<G>() == G::size,
+                    "duet::jit: JitSyntaxLevel::strict: the function calls duet::host, a host callback, which is "
+                    "not a graph operation; use JitSyntaxLevel::lax to run it as a graph break");
+    }
+    auto program = passes::optimize<Config>(captured);
+    const auto tensors = std::tuple_cat(tensor_tuple(args)...);
+    const auto shapes = std::apply([](const auto&... t) { return std::array<Shape, sizeof...(t)>{t.shape()...}; }, tensors);
+    const auto& p = duet::detail::cached_plan<Config>(owner, program, shapes, [this] { return options_.name; });
+    return std::apply([&](const auto&... t) { return run<DefaultBackend, Config>(program, p, t...); }, tensors);
+  }
+
+  template <std::size_t I, class... Args, class X>
+  static decltype(auto) symbolic(const X& x) {
+    if constexpr (detail::is_tensor_argument_v<X>) {
+      return graph::input<typename X::value_type, typename graph::pattern_of<X>::type, detail::tensor_index<I, Args...>()>();
+    } else {
+      return argument(x);
+    }
+  }
+
+  // Whether graph capture can call fn on these arguments: fn is generic over its tensors.
+  // Defined after symbolic: a static member's initializer only sees the members declared before it.
+  template <class... Args>
+  static constexpr bool Capturable = [] {
+    return []<std::size_t... I>(std::index_sequence<I...>) {
+      return requires(FnRef& f) { f(symbolic<I, Args...>(std::declval<const Args&>())...); };
+    }(std::index_sequence_for<Args...>{});
+  }();
+
+  template <class X>
+  static auto tensor_tuple(const X& x) {
+    if constexpr (detail::is_tensor_argument_v<X>) return std::tuple<const BasicTensor<typename X::value_type>&>(tensor_of(x));
+    else return std::tuple<>();
+  }
+
+  Fn fn_;
+  JitOptions options_;
+  std::shared_ptr<State> state_;
+};
+
+// MindSpore's jit(fn, ...): fn is kept by reference if it is an lvalue, else moved in.
+template <JitConfig Config = JitConfig{}, class Fn>
+auto jit(Fn&& fn, JitOptions options = {}) {
+  return JitFunction<Config, Fn>(std::forward<Fn>(fn), std::move(options));
+}
+
+}  // namespace duet

@@ -1,0 +1,158 @@
+// PIJit: jit for networks built at run time. The first call with given input shapes runs the
+// function eagerly under a trace (trace.hpp); the trace is then optimised (each product takes
+// its bias and ReLU as epilogue, as graph mode's passes do) and planned (intermediate values in
+// reused slots of one arena), and later calls replay it: one call per fused step, no virtual
+// cell dispatch, no hooks to look up, no allocation once warm.
+//
+// What a trace cannot hold is a graph break: a function that makes its result from something
+// no duet operation computed runs eagerly on every call instead. Control flow that depends on
+// a tensor's value is fixed at the trace; run it through duet::host to keep it live.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "context.hpp"
+#include "memory.hpp"
+#include "tensor.hpp"
+#include "trace.hpp"
+
+namespace duet::pijit {
+
+// A trace made ready to run again: fused, with its memory laid out.
+class Replay {
+ public:
+  Replay(Trace trace, std::size_t output)
+      : values_(std::move(trace.values())),
+        steps_(std::move(trace.steps())),
+        cells_(std::move(trace.cells())),
+        output_(output) {
+    fuse();
+    layout();
+  }
+
+  std::size_t steps() const { return steps_.size(); }
+
+  // Whether a cell the trace went through has a hook now: the replay would skip it, so the
+  // caller runs the function eagerly instead and the hook runs.
+  bool cells_have_hooks() const {
+    if (duet::detail::live_hook_count().load(std::memory_order_relaxed) == 0) return false;
+    return std::any_of(cells_.begin(), cells_.end(), [](const auto& has_hooks) { return has_hooks(); });
+  }
+
+  // Runs the steps on new inputs of the traced shapes; returns the output value.
+  template <class T>
+  BasicTensor<T> run(std::span<const void* const> inputs) const {
+    thread_local std::vector<void*> data;
+    data.assign(values_.size(), nullptr);
+    duet::detail::Storage arena(arena_bytes_);
+    auto result = BasicTensor<T>::uninitialized(values_[output_root_].shape);
+    for (std::size_t v = 0; v < values_.size(); ++v) {
+      const Value& value = values_[v];
+      switch (value.kind) {
+        case Value::Kind::input: data[v] = const_cast<void*>(inputs[value.input]); break;
+        case Value::Kind::constant: data[v] = const_cast<void*>(value.data); break;
+        case Value::Kind::view: data[v] = data[value.view_of]; break;
+        case Value::Kind::computed:
+          data[v] = v == output_root_ ? static_cast<void*>(result.data()) : arena.data() + offset_[v];
+          break;
+      }
+    }
+    for (const auto& step : steps_) {
+      if (step->runs_kernel()) step->run(data.data(), values_);
+    }
+    return values_[output_].shape == result.shape() ? result : result.reshape(values_[output_].shape);
+  }
+
+ private:
+  // A product followed by its bias add, then a ReLU, becomes one step when nothing else reads
+  // the values in between.
+  void fuse() {
+    std::vector<std::size_t> readers(values_.size(), 0);
+    for (const auto& s : steps_) {
+      for (std::size_t v : s->inputs) ++readers[v];
+    }
+    ++readers[output_];
+    std::vector<std::unique_ptr<Step>> fused;
+    for (auto& step : steps_) {
+      if (!fused.empty()) {
+        const Step& last = *fused.back();
+        if (step->inputs.size() == 1 && step->inputs[0] == last.output && readers[last.output] == 1) {
+          if (auto merged = last.absorb(*step)) {
+            fused.back() = std::move(merged);
+            continue;
+          }
+        }
+      }
+      fused.push_back(std::move(step));
+    }
+    steps_ = std::move(fused);
+  }
+
+  // Computed values get slots of one arena, reused once their last reader has run.
+  void layout() {
+    output_root_ = output_;
+    while (values_[output_root_].kind == Value::Kind::view) output_root_ = values_[output_root_].view_of;
+    if (values_[output_root_].kind != Value::Kind::computed) {
+      throw ModeError("duet::jit (PIJit): the traced function returns one of its inputs or constants");
+    }
+    std::vector<std::size_t> last_read(values_.size(), 0);
+    std::vector<bool> made(values_.size(), false);
+    for (std::size_t i = 0; i < steps_.size(); ++i) {
+      for (std::size_t v : steps_[i]->inputs) last_read[root(v)] = i;
+      made[steps_[i]->output] = true;
+    }
+    offset_.assign(values_.size(), 0);
+    struct Slot {
+      std::size_t bytes = 0;
+      std::size_t owner = 0;
+      bool busy = false;
+    };
+    std::vector<Slot> slots;
+    std::vector<std::size_t> slot_of(values_.size(), 0);
+    for (std::size_t i = 0; i < steps_.size(); ++i) {
+      for (Slot& s : slots) {
+        if (s.busy && last_read[s.owner] < i) s.busy = false;
+      }
+      const std::size_t v = steps_[i]->output;
+      if (values_[v].kind != Value::Kind::computed || v == output_root_) continue;
+      const std::size_t bytes = static_cast<std::size_t>(values_[v].shape.numel()) * values_[v].element_size;
+      auto free_slot = std::find_if(slots.begin(), slots.end(), [](const Slot& s) { return !s.busy; });
+      if (free_slot == slots.end()) free_slot = slots.insert(slots.end(), Slot{});
+      free_slot->bytes = std::max(free_slot->bytes, bytes);
+      free_slot->owner = v;
+      free_slot->busy = true;
+      slot_of[v] = static_cast<std::size_t>(free_slot - slots.begin());
+    }
+    std::vector<std::size_t> slot_offset(slots.size(), 0);
+    for (std::size_t s = 0; s < slots.size(); ++s) {
+      slot_offset[s] = arena_bytes_;
+      arena_bytes_ += (slots[s].bytes + duet::detail::block_alignment - 1) / duet::detail::block_alignment *
+                      duet::detail::block_alignment;
+    }
+    for (std::size_t v = 0; v < values_.size(); ++v) {
+      if (made[v] && values_[v].kind == Value::Kind::computed) offset_[v] = slot_offset[slot_of[v]];
+    }
+  }
+
+  std::size_t root(std::size_t v) const {
+    while (values_[v].kind == Value::Kind::view) v = values_[v].view_of;
+    return v;
+  }
+
+  std::vector<Value> values_;
+  std::vector<std::unique_ptr<Step>> steps_;
+  std::vector<std::function<bool()>> cells_;
+  std::size_t output_;
+  std::size_t output_root_ = 0;
+  std::vector<std::size_t> offset_;
+  std::size_t arena_bytes_ = 0;
+};
+
+}  // namespace duet::pijit

@@ -1,0 +1,263 @@
+// The recording half of PIJit: while a trace is active, every eager operation appends a step
+// (the op, the values it reads and the value it makes), so a network built at run time can be
+// captured by running it once. pijit.hpp optimises and replays the trace.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "backend.hpp"
+#include "error.hpp"
+#include "graph.hpp"
+#include "tensor.hpp"
+
+namespace duet {
+namespace fn {
+struct Relu;
+}  // namespace fn
+namespace ops {
+template <class Layer, bool Bias, class... Fns>
+struct MatMulOp;
+template <class Layer>
+struct BiasAddOp;
+template <class... Fns>
+struct MapOp;
+}  // namespace ops
+}  // namespace duet
+
+namespace duet::pijit {
+
+class Trace;
+
+// The trace recording on this thread, if any. Eager operations check it once each.
+inline Trace*& active_trace() {
+  thread_local Trace* trace = nullptr;
+  return trace;
+}
+
+// A value of the trace: an input of the traced function, a constant it read (a tensor the trace
+// did not make, held by handle), or what a step makes.
+struct Value {
+  enum class Kind : unsigned char { input, constant, computed, view };
+  Kind kind = Kind::computed;
+  Shape shape;
+  std::size_t element_size = 0;
+  std::size_t input = 0;               // Kind::input: which argument
+  std::size_t view_of = 0;             // Kind::view: the value whose memory it shares
+  std::shared_ptr<const void> handle;  // Kind::constant: keeps the tensor's storage alive
+  const void* data = nullptr;          // Kind::constant
+};
+
+// What a step would be as the epilogue of a product, for fusion after the trace.
+struct EpilogueInfo {
+  enum class Kind : unsigned char { none, bias, relu };
+  Kind kind = Kind::none;
+  const void* layer = nullptr;  // Kind::bias: whose bias
+};
+
+class Step {
+ public:
+  virtual ~Step() = default;
+  // data[v] is value v's memory; views are resolved before.
+  virtual void run(void* const* data, const std::vector<Value>& values) const = 0;
+  // This step followed by `next` as one step, when this step can take it as its epilogue.
+  virtual std::unique_ptr<Step> absorb(const Step& next) const = 0;
+  virtual EpilogueInfo as_epilogue() const = 0;
+  virtual bool is_view() const = 0;
+  virtual bool runs_kernel() const = 0;
+
+  std::vector<std::size_t> inputs;
+  std::size_t output = 0;
+};
+
+template <class Op, class T>
+class OpStep;
+
+namespace detail {
+template <class Op, class T>
+std::unique_ptr<Step> fused(const Op& op, const Step& from, std::size_t output) {
+  auto s = std::make_unique<OpStep<Op, T>>(op);
+  s->inputs = from.inputs;
+  s->output = output;
+  return s;
+}
+
+template <class X>
+inline constexpr bool is_matmul_v = false;
+template <class L, bool B, class... Fns>
+inline constexpr bool is_matmul_v<ops::MatMulOp<L, B, Fns...>> = true;
+}  // namespace detail
+
+template <class Op, class T>
+class OpStep final : public Step {
+ public:
+  explicit OpStep(const Op& op) : op_(op) {}
+
+  void run(void* const* data, const std::vector<Value>& values) const override {
+    if constexpr (graph::runs_kernel<Op>()) run_kernel(data, values);
+  }
+
+  // A product takes its layer's bias and then a ReLU, as the graph passes fuse them.
+  std::unique_ptr<Step> absorb(const Step& next) const override {
+    if constexpr (detail::is_matmul_v<Op>) {
+      const EpilogueInfo e = next.as_epilogue();
+      if (e.kind == EpilogueInfo::Kind::bias && e.layer == op_.layer) {
+        if constexpr (std::is_same_v<Op, ops::MatMulOp<typename Op::layer_type, false>>) {
+          return detail::fused<ops::MatMulOp<typename Op::layer_type, true>, T>({op_.layer}, *this, next.output);
+        }
+      }
+      if (e.kind == EpilogueInfo::Kind::relu) {
+        if constexpr (std::is_same_v<Op, ops::MatMulOp<typename Op::layer_type, true>>) {
+          return detail::fused<ops::MatMulOp<typename Op::layer_type, true, fn::Relu>, T>({op_.layer}, *this, next.output);
+        }
+      }
+    } else {
+      (void)next;
+    }
+    return nullptr;
+  }
+
+  EpilogueInfo as_epilogue() const override {
+    if constexpr (std::is_same_v<Op, ops::MapOp<fn::Relu>>) {
+      return {EpilogueInfo::Kind::relu, nullptr};
+    } else if constexpr (requires { op_.layer; } && !detail::is_matmul_v<Op>) {
+      if constexpr (std::is_same_v<Op, ops::BiasAddOp<typename Op::layer_type>>) return {EpilogueInfo::Kind::bias, op_.layer};
+      else return {};
+    } else {
+      return {};
+    }
+  }
+
+  bool is_view() const override { return Op::is_view; }
+  bool runs_kernel() const override { return graph::runs_kernel<Op>(); }
+
+ private:
+  // Instantiated only for ops with a kernel: views have none.
+  void run_kernel(void* const* data, const std::vector<Value>& values) const {
+    std::array<const void*, Op::arity> in{};
+    std::array<Shape, Op::arity> shapes{};
+    for (std::size_t k = 0; k < static_cast<std::size_t>(Op::arity); ++k) {
+      in[k] = data[inputs[k]];
+      shapes[k] = values[inputs[k]].shape;
+    }
+    op_.template run<DefaultBackend, T>(graph::KernelArgs{in.data(), shapes.data(), data[output], values[output].shape});
+  }
+
+  Op op_;
+};
+
+class Trace {
+ public:
+  Trace() : generation_(next_generation()) {}
+
+  // Marks x (this handle and copies made from it afterwards) as input k.
+  template <class T>
+  void add_input(BasicTensor<T>& x, std::size_t k) {
+    Value v;
+    v.kind = Value::Kind::input;
+    v.shape = x.shape();
+    v.element_size = sizeof(T);
+    v.input = k;
+    add(std::move(v), x);
+  }
+
+  template <class Op, class T, class... In>
+  void record(const Op& op, BasicTensor<T>& y, const BasicTensor<In>&... x) {
+    if constexpr (graph::is_sink<Op>()) {
+      broken_ = "it calls " + op.label() + ", which makes no value";
+    } else {
+      auto step = std::make_unique<OpStep<Op, T>>(op);
+      (step->inputs.push_back(value_of(x)), ...);
+      Value v;
+      v.shape = y.shape();
+      v.element_size = sizeof(T);
+      if constexpr (Op::is_view) {
+        v.kind = Value::Kind::view;
+        v.view_of = root_of(step->inputs[0]);
+      }
+      step->output = values_.size();
+      add(std::move(v), y);
+      steps_.push_back(std::move(step));
+    }
+  }
+
+  // The value a tensor is, or nothing if the trace never saw it.
+  template <class T>
+  std::size_t find(const BasicTensor<T>& x) const {
+    const std::uint64_t id = x.tape_id();
+    if ((id >> 32) != (generation_ & 0xFFFFFFFFu) || id == 0) return values_.size();
+    return static_cast<std::size_t>((id & 0xFFFFFFFFu) - 1);
+  }
+
+  // A cell ran during the trace; its check says whether it has hooks now.
+  void note_cell(std::function<bool()> has_hooks) { cells_.push_back(std::move(has_hooks)); }
+  std::vector<std::function<bool()>>& cells() { return cells_; }
+
+  std::vector<Value>& values() { return values_; }
+  std::vector<std::unique_ptr<Step>>& steps() { return steps_; }
+  // Why the trace cannot be replayed, or empty.
+  const std::string& broken() const { return broken_; }
+
+ private:
+  // The top bit of a trace's generation is set, the tape's never is: a tensor recorded by one is
+  // never taken for a value of the other.
+  static std::uint64_t next_generation() {
+    static std::atomic<std::uint64_t> last{0};
+    return (last.fetch_add(1, std::memory_order_relaxed) + 1) | 0x80000000u;
+  }
+
+  // A tensor the trace did not make is a constant: read through its handle at every replay.
+  template <class T>
+  std::size_t value_of(const BasicTensor<T>& x) {
+    const std::size_t v = find(x);
+    if (v < values_.size()) return v;
+    Value c;
+    c.kind = Value::Kind::constant;
+    c.shape = x.shape();
+    c.element_size = sizeof(T);
+    auto handle = std::make_shared<BasicTensor<T>>(x);
+    c.data = handle->data();
+    c.handle = std::move(handle);
+    values_.push_back(std::move(c));
+    return values_.size() - 1;
+  }
+
+  std::size_t root_of(std::size_t v) const {
+    while (values_[v].kind == Value::Kind::view) v = values_[v].view_of;
+    return v;
+  }
+
+  template <class T>
+  void add(Value v, BasicTensor<T>& tensor) {
+    values_.push_back(std::move(v));
+    tensor.set_tape_id(((generation_ & 0xFFFFFFFFu) << 32) | values_.size());
+  }
+
+  std::uint64_t generation_;
+  std::vector<Value> values_;
+  std::vector<std::unique_ptr<Step>> steps_;
+  std::vector<std::function<bool()>> cells_;
+  std::string broken_;
+};
+
+// Makes a trace the active one for its lifetime.
+class Tracing {
+ public:
+  explicit Tracing(Trace* trace) : outer_(std::exchange(active_trace(), trace)) {}
+  Tracing(const Tracing&) = delete;
+  Tracing& operator=(const Tracing&) = delete;
+  ~Tracing() { active_trace() = outer_; }
+
+ private:
+  Trace* outer_;
+};
+
+}  // namespace duet::pijit

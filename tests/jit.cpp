@@ -1,0 +1,288 @@
+// jit: results equal to PyNative at every level and execution mode, and every caching rule.
+#include "support.hpp"
+
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+using namespace duet;
+using duet_test::ModeGuard;
+using duet_test::SeedNetwork;
+
+namespace {
+
+template <JitConfig Config>
+void check_config_matches_pynative() {
+  SeedNetwork<PYNATIVE_MODE> eager;
+  auto run = [&](auto x) { return eager(x); };
+  auto compiled = jit<Config>(run);
+  for (index_t batch : {1, 7, 64}) {
+    const Tensor x = randn({batch, 1, 28, 28}, static_cast<std::uint64_t>(batch));
+    const auto expected = duet_test::values_of(eager(x));
+    CHECK(duet_test::relative_difference(duet_test::values_of(compiled(x)), expected) <= 1e-5);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("jit gives PyNative's results at every jit_level and exec_mode") {
+  check_config_matches_pynative<JitConfig{.jit_level = O0}>();
+  check_config_matches_pynative<JitConfig{.jit_level = O1}>();
+  check_config_matches_pynative<JitConfig{.jit_level = O2}>();
+  check_config_matches_pynative<JitConfig{.exec_mode = ExecMode::sink}>();
+  check_config_matches_pynative<JitConfig{.exec_mode = ExecMode::no_sink}>();
+  check_config_matches_pynative<JitConfig{.jit_level = O0, .exec_mode = ExecMode::no_sink}>();
+  check_config_matches_pynative<JitConfig{.debug_level = DebugLevel::debug}>();
+}
+
+TEST_CASE("a jitted function runs as a graph whatever the context; the plain function stays dynamic") {
+  ModeGuard guard;
+  set_context({.mode = PYNATIVE_MODE});
+  SeedNetwork<> net;
+  auto run = [&](auto x) { return net(x); };
+  auto run_with_jit = jit(run);
+  // A hook works in the dynamic function and is refused, not skipped, in the compiled one.
+  std::size_t calls = 0;
+  auto handle = net.flatten.register_forward_hook([&](const nn::DynamicCell&, const Tensor&, const Tensor&) { ++calls; });
+  run(ones({1, 1, 28, 28}));
+  CHECK(calls == 1);
+  CHECK_THROWS_AS(run_with_jit(ones({1, 1, 28, 28})), ModeError);
+  handle.remove();
+  CHECK(run_with_jit(ones({1, 1, 28, 28})).shape() == Shape{1, 10});
+}
+
+TEST_CASE("jit_level changes the graph: O0 runs kernel by kernel, O1 fuses") {
+  SeedNetwork<> net;
+  const std::string o0 = graph_ir<JitConfig{.jit_level = O0}>(net).optimized.text;
+  const std::string o1 = graph_ir<JitConfig{.jit_level = O1}>(net).optimized.text;
+  CHECK(o0.find("BiasAdd(%2)") != std::string::npos);
+  CHECK(o0.find("ReLU(%3)") != std::string::npos);
+  CHECK(o0.find("[view of %0]") != std::string::npos);  // Flatten is an alias at every level
+  CHECK(o1.find("MatMul + BiasAdd + ReLU(%1)") != std::string::npos);
+}
+
+TEST_CASE("O1 fuses a chain of elementwise functions into one pass") {
+  auto f = jit([](auto x) { return ops::relu(ops::relu(x)); });
+  const Tensor x({4}, {-1.0f, 2.0f, -3.0f, 4.0f});
+  const Tensor y = f(x);
+  CHECK(y(0) == 0.0f);
+  CHECK(y(3) == 4.0f);
+  auto captured = ops::relu(ops::relu(graph::input<float, graph::AnyShape>()));
+  using G = decltype(passes::optimize(captured))::graph_type;
+  static_assert(G::size == 2);
+  static_assert(std::is_same_v<graph::node_at<G, 1>::op_type, ops::MapOp<fn::Relu, fn::Relu>>);
+}
+
+TEST_CASE("compile once per signature: new shape and new dtype recompile, the same signature does not") {
+  auto f = jit([](auto x) { return ops::relu(x); }, {.name = "relu"});
+  CHECK(f.compile_count() == 0);
+  f(ones({2, 3}));
+  f(ones({2, 3}));
+  CHECK(f.compile_count() == 1);
+  f(ones({4, 3}));
+  CHECK(f.compile_count() == 2);
+  f(ones<double>({4, 3}));
+  CHECK(f.compile_count() == 3);
+  f(ones({2, 3}));  // still cached
+  CHECK(f.compile_count() == 3);
+  const auto log = jit_compile_log();
+  REQUIRE(log.size() >= 3);
+  CHECK(log[log.size() - 3] == "relu: compile #1: first call");
+  CHECK(log[log.size() - 2] == "relu: compile #2: argument 0 shape [2, 3] -> [4, 3]");
+  CHECK(log[log.size() - 1] == "relu: compile #3: argument 0 dtype Float32 -> Float64");
+}
+
+TEST_CASE("non-tensor arguments are part of the signature unless wrapped in mutable_") {
+  nn::Dense<3, 3> dense;
+  auto f = jit([&](auto x, int repeats) {
+    (void)repeats;
+    return dense(x);
+  });
+  const Tensor x = ones({1, 3});
+  f(x, 1);
+  f(x, 1);
+  CHECK(f.compile_count() == 1);
+  f(x, 2);
+  CHECK(f.compile_count() == 2);
+  auto g = jit([&](auto x, int scale) {  // the function sees the value, unwrapped
+    (void)scale;
+    return dense(x);
+  });
+  g(x, mutable_(1));
+  g(x, mutable_(5));
+  CHECK(g.compile_count() == 1);
+}
+
+TEST_CASE("hash_args: a change of a free variable recompiles at the next call") {
+  int version = 1;
+  auto f = jit([](auto x) { return ops::relu(x); }, {.hash_args = {hash_arg(version)}, .name = "versioned"});
+  f(ones({2}));
+  f(ones({2}));
+  CHECK(f.compile_count() == 1);
+  version = 2;
+  f(ones({2}));
+  CHECK(f.compile_count() == 2);
+  CHECK(jit_compile_log().back() == "versioned: compile #2: hash_args[0] changed");
+}
+
+TEST_CASE("compile_once: a re-created jitted function reuses the compiled form") {
+  auto make = [](bool once) { return jit([](auto x) { return ops::relu(x); }, {.compile_once = once}); };
+  const std::uint64_t before = jit_compile_count();
+  for (int i = 0; i < 3; ++i) make(true)(ones({5}));
+  CHECK(jit_compile_count() - before == 1);
+  for (int i = 0; i < 3; ++i) make(false)(ones({5}));
+  CHECK(jit_compile_count() - before == 4);
+}
+
+TEST_CASE("input_signature fixes what the function accepts; a dynamic dimension is one compiled form") {
+  SeedNetwork<> net;
+  auto f = jit([&](auto x) { return net(x); }, {.input_signature = {{float32, {dyn, 1, 28, 28}}}});
+  f(ones({1, 1, 28, 28}));
+  f(ones({17, 1, 28, 28}));
+  f(ones({64, 1, 28, 28}));
+  CHECK(f.compile_count() == 1);
+  CHECK_THROWS_WITH_AS(f(ones({2, 1, 28, 27})),
+                       doctest::Contains("input_signature says tensor 0 is Float32 [?, 1, 28, 28], got Float32 [2, 1, 28, 27]"),
+                       ShapeError);
+  // Another dtype or another number of tensors needs a function that would accept them.
+  auto first = jit([](const auto& x, const auto&...) { return ops::relu(x); }, {.input_signature = {{float32, {dyn, 3}}}});
+  CHECK(first(ones({2, 3})).shape() == Shape{2, 3});
+  CHECK_THROWS_AS(first(ones<double>({2, 3})), ShapeError);
+  CHECK_THROWS_AS(first(ones({2, 3}), ones({1})), ValueError);
+}
+
+TEST_CASE("set_context({.jit_enabled = false}) runs every jitted function as plain PyNative") {
+  ModeGuard guard;
+  SeedNetwork<> net;
+  auto f = jit([&](auto x) { return net(x); });
+  std::size_t calls = 0;
+  net.flatten.register_forward_hook([&](const nn::DynamicCell&, const Tensor&, const Tensor&) { ++calls; });
+  set_context({.jit_enabled = false});
+  const Tensor y = f(ones({2, 1, 28, 28}));
+  set_context({.jit_enabled = true});
+  CHECK(calls == 1);  // the hook ran: no graph was made
+  CHECK(f.compile_count() == 0);
+  CHECK(y.shape() == Shape{2, 10});
+}
+
+TEST_CASE("duet::print inside a graph prints the live value, at every level") {
+  std::ostringstream out;
+  auto f = jit<JitConfig{.jit_level = O2}>([&](auto x) { return ops::relu(print(x, "before", out)); });
+  const Tensor y = f(Tensor({3}, {-1.0f, 0.5f, 2.0f}));
+  CHECK(out.str() == "before: [-1.   0.5  2. ]\n");
+  CHECK(y(0) == 0.0f);
+  out.str("");
+  f(Tensor({1}, {7.0f}));
+  CHECK(out.str() == "before: [7.]\n");
+  std::ostringstream eager;
+  print(Tensor({2}, {1.0f, 2.0f}), "now", eager);
+  CHECK(eager.str() == "now: [1. 2.]\n");
+}
+
+TEST_CASE("LAX: a host callback is a graph break that runs eagerly between compiled parts") {
+  nn::Dense<3, 3> dense;
+  auto clamp = [](const Tensor& t) {
+    Tensor out = t.clone();
+    for (float& v : out.values()) v = std::min(v, 0.25f);  // a branch on values: host code
+    return out;
+  };
+  auto f = jit([&](auto x) { return ops::relu(dense(host(clamp, dense(x)))); });
+  const Tensor x = randn({4, 3}, 1);
+  const auto expected = duet_test::values_of(ops::relu(dense(clamp(dense(x)))));
+  CHECK(duet_test::relative_difference(duet_test::values_of(f(x)), expected) <= 1e-6);
+  CHECK(f(x).shape() == Shape{4, 3});
+}
+
+TEST_CASE("DEBUG names the node and the function, and checks every node for NaN and infinity") {
+  nn::Dense<2, 2> dense;
+  auto debug = jit<JitConfig{.debug_level = DebugLevel::debug}>([&](auto x) { return dense(x); }, {.name = "net"});
+  auto release = jit([&](auto x) { return dense(x); }, {.name = "net"});
+  const Tensor bad({1, 2}, {std::numeric_limits<float>::infinity(), 1.0f});
+  CHECK((std::isinf(release(bad)(0, 0)) || std::isnan(release(bad)(0, 0))));
+  CHECK_THROWS_WITH_AS(debug(bad), doctest::Contains("duet (debug): in net, node %1 (MatMul + BiasAdd): output element 0 of [1, 2] is"),
+                       ValueError);
+  CHECK_THROWS_WITH_AS(debug(ones({1, 3})),
+                       "duet (debug): in net, node %1 (MatMul + BiasAdd): nn::Dense<2, 2> expects an input whose last "
+                       "dimension is 2, got [1, 3]",
+                       ShapeError);
+}
+
+TEST_CASE("jit on construct: a cell with a JitConfig runs as one graph among dynamic cells") {
+  ModeGuard guard;
+  set_context({.mode = PYNATIVE_MODE});
+  SeedNetwork<JitConfig{}> compiled;
+  nn::Dense<10, 2> head;
+  std::size_t head_calls = 0;
+  head.register_forward_hook([&](const nn::DynamicCell&, const Tensor&, const Tensor&) { ++head_calls; });
+  const Tensor x = randn({2, 1, 28, 28}, 4);
+  const Tensor logits = compiled(x);
+  head(logits);
+  CHECK(head_calls == 1);  // the cell after it stays dynamic
+  const auto expected = duet_test::reference_forward(duet_test::values_of(x), 2, duet_test::layers_of(compiled));
+  CHECK(duet_test::relative_difference(duet_test::values_of(logits), expected) <= 1e-5);
+  compiled.flatten.register_forward_hook([](const nn::DynamicCell&, const Tensor&, const Tensor&) {});
+  CHECK_THROWS_AS(compiled(x), ModeError);  // it is a graph, whatever the context
+}
+
+TEST_CASE("threads: concurrent first calls of a jitted function compile once") {
+  SeedNetwork<> net;
+  auto f = jit([&](auto x) { return net(x); });
+  const Tensor x = ones({3, 1, 28, 28});
+  const auto expected = duet_test::values_of(f(x));
+  auto g = jit([&](auto x) { return net(x); });
+  std::vector<std::thread> threads;
+  std::atomic<int> mismatches{0};
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&] {
+      if (duet_test::relative_difference(duet_test::values_of(g(x)), expected) > 0) ++mismatches;
+    });
+  }
+  for (auto& t : threads) t.join();
+  CHECK(g.compile_count() == 1);
+  CHECK(mismatches == 0);
+}
+
+TEST_CASE("PIJit traces a network built at run time, replays it, and re-traces on a new shape") {
+  set_seed(4);
+  nn::DynamicSequentialCell net;
+  net.append(nn::Flatten{});
+  const std::vector<index_t> widths{12, 9, 7, 4};  // as a config file would give them
+  for (std::size_t i = 0; i + 1 < widths.size(); ++i) {
+    net.append(nn::Dense<>(widths[i], widths[i + 1]));
+    if (i + 2 < widths.size()) net.append(nn::ReLU{});
+  }
+  auto f = jit([&](const Tensor& x) { return net(x); }, {.mode = JitMode::PIJit, .name = "traced"});
+  for (index_t batch : {3, 3, 3, 8, 3}) {
+    const Tensor x = randn({batch, 3, 4}, static_cast<std::uint64_t>(batch) + 1);
+    CHECK(duet_test::relative_difference(duet_test::values_of(f(x)), duet_test::values_of(net(x))) <= 1e-6);
+  }
+  CHECK(f.compile_count() == 2);  // batch 3, then batch 8
+  // The replay does not go through the cells; once one of them has a hook, the function runs
+  // eagerly again, so the hook is honoured rather than skipped.
+  std::size_t calls = 0;
+  net[1].register_forward_hook([&](const nn::DynamicCell&, const Tensor&, const Tensor&) { ++calls; });
+  f(randn({3, 3, 4}, 9));
+  CHECK(calls == 1);
+}
+
+TEST_CASE("PIJit: a function whose result no duet operation made runs eagerly, correctly") {
+  auto f = jit(
+      [](const Tensor& x) {
+        Tensor y = x.clone();  // raw C++, invisible to the trace
+        for (float& v : y.values()) v *= 2;
+        return y;
+      },
+      {.mode = JitMode::PIJit, .name = "untraceable"});
+  CHECK(f(Tensor({2}, {1.0f, 2.0f}))(1) == 4.0f);
+  CHECK(f(Tensor({2}, {3.0f, 4.0f}))(0) == 6.0f);
+  CHECK(jit_compile_log().back().find("graph break, runs eagerly") != std::string::npos);
+}
+
+TEST_CASE("a function of duet::Tensor cannot be a static graph: PSJit says so and names PIJit") {
+  nn::Dense<2, 2> dense;
+  auto f = jit([&](const Tensor& x) { return dense(x); });
+  CHECK_THROWS_WITH_AS(f(ones({1, 2})), doctest::Contains("jit it with {.mode = JitMode::PIJit}"), ValueError);
+}
