@@ -10,8 +10,8 @@ using namespace duet;
 
 namespace {
 
-// Shapes around every blocking boundary of the kernel: the vector width (4, 8 or 16 lanes),
-// the micro-tile (4 or 6 rows, 8 to 64 columns), the cache blocks (K 128 or 256, N 512, M 240).
+// Shapes across the kernel's boundaries: the vector width (2 to 16 lanes), groups of 4 k, tiles
+// of 3 or 6 rows, K blocks (256 or 512) and M blocks (about 160 rows when K is 800).
 struct Case {
   index_t m, k, n;
 };
@@ -62,8 +62,8 @@ std::vector<double> as_double(const T* p, std::size_t count) {
 template <class T>
 constexpr double tolerance = std::is_same_v<T, float> ? 1e-5 : 1e-12;
 
-// Runs every combination of bias and ReLU on one shape. a and c start one element past a
-// 64-byte boundary, as a view into a larger tensor may.
+// Runs every combination of bias and ReLU on one shape. a and c start one element into their
+// buffers, so they are not aligned the way a tensor's first element is (a view need not be).
 template <index_t K, index_t N, class T>
 void check_shape(index_t m, index_t k, index_t n, std::mt19937& gen) {
   CAPTURE(m);
@@ -148,6 +148,13 @@ TEST_CASE_TEMPLATE("kernels::gemm: NaN goes through the product, the bias and Re
   kernels::gemm<2, 2, fn::Relu>(x, 1, 2, w, 2, nullptr, y);
   CHECK(std::isnan(y[0]));
   CHECK(std::isnan(y[1]));
+}
+
+TEST_CASE("kernels::gemm with k = 0: an empty sum, so the output is the epilogue of zero") {
+  const float bias[3] = {-1, 0, 2};
+  float c[6] = {7, 7, 7, 7, 7, 7};
+  kernels::gemm<dyn, dyn, fn::Relu>(bias, 2, 0, bias, 3, bias, c);
+  for (int i = 0; i < 6; ++i) CHECK(c[i] == std::max(bias[i % 3], 0.0f));
 }
 
 TEST_CASE("fn::Relu::apply: max(x, 0) on scalars and on the kernel's vectors, NaN kept") {

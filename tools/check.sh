@@ -3,39 +3,85 @@
 # stage with its elapsed time. With stage names as arguments, runs only those:
 #   tools/check.sh                 every stage
 #   tools/check.sh gcc             the quick local check
+# Build trees go under $DUET_BUILD_ROOT (build-check), one per stage; DUET_JOBS (2) is the
+# parallelism.
 # Stages:
 #   gcc     g++, include/, warnings as errors: unit tests, examples, compile-fail, install
 #   clang   clang++, the generated single header: the same tests
 #   asan    address + undefined-behaviour sanitizers (leak checking on): unit tests, examples
+#   tsan    thread sanitizer: the concurrency tests (tests/threads.cpp, CTest label threads)
+#   fuzz    libFuzzer with address + undefined-behaviour sanitizers: each fuzzer of tests/fuzz
+#           for DUET_FUZZ_SECONDS (60) from a copy of its seed corpus; any finding fails it
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
 jobs=${DUET_JOBS:-2}
+build=${DUET_BUILD_ROOT:-build-check}
+fuzz_seconds=${DUET_FUZZ_SECONDS:-60}
 stages=("$@")
-[ ${#stages[@]} -gt 0 ] || stages=(gcc clang asan)
+[ ${#stages[@]} -gt 0 ] || stages=(gcc clang asan tsan fuzz)
 summary=()
 
+# run_stage NAME DIR TARGETS CTEST_ARGS CMAKE_ARGS...: builds TARGETS (all when empty), then runs
+# the tests CTEST_ARGS select.
 run_stage() {
-  local name=$1 dir=$2 ctest_args=$3
-  shift 3
+  local name=$1 dir=$2 targets=$3 ctest_args=$4
+  shift 4
   local start=$SECONDS
   echo "=== stage $name ==="
   cmake -S "$root" -B "$dir" -DCMAKE_BUILD_TYPE=Release -DDUET_WERROR=ON "$@"
-  cmake --build "$dir" -j "$jobs"
+  # shellcheck disable=SC2086
+  cmake --build "$dir" -j "$jobs" ${targets:+--target $targets}
   # shellcheck disable=SC2086
   (cd "$dir" && ctest -j "$jobs" --output-on-failure $ctest_args)
   summary+=("$(printf '%-6s passed in %4ds' "$name" $((SECONDS - start)))")
 }
 
+# The fuzzers run side by side, one per core. Each works on a copy of its committed corpus,
+# so that the inputs it adds (and any crash it writes) stay in the build tree.
+fuzz_stage() {
+  local dir=$build/fuzz start=$SECONDS name failed=0
+  local -A pids
+  echo "=== stage fuzz ==="
+  cmake -S "$root" -B "$dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDUET_WERROR=ON -DCMAKE_CXX_COMPILER=clang++ \
+    -DDUET_BUILD_FUZZERS=ON -DDUET_BUILD_EXAMPLES=OFF -DDUET_BUILD_BENCHMARKS=OFF
+  cmake --build "$dir" -j "$jobs" --target fuzz_idx fuzz_checkpoint
+  for name in idx checkpoint; do
+    rm -rf "$dir/run/$name"
+    mkdir -p "$dir/run/$name/corpus"
+    cp "tests/fuzz/corpus/$name/"* "$dir/run/$name/corpus/"
+    "$dir/tests/fuzz/fuzz_$name" "$dir/run/$name/corpus" -max_total_time="$fuzz_seconds" -rss_limit_mb=2048 \
+      -malloc_limit_mb=512 -timeout=10 -artifact_prefix="$dir/run/$name/" >"$dir/run/$name/log" 2>&1 &
+    pids[$name]=$!
+  done
+  for name in idx checkpoint; do
+    if wait "${pids[$name]}"; then
+      echo "fuzz_$name: $(grep -E '^#[0-9]+ +DONE' "$dir/run/$name/log" | tail -n 1)"
+    else
+      echo "fuzz_$name FAILED; the end of $dir/run/$name/log (the input is saved beside it):"
+      tail -n 60 "$dir/run/$name/log"
+      failed=1
+    fi
+  done
+  [ $failed -eq 0 ] || exit 1
+  summary+=("$(printf '%-6s passed in %4ds' fuzz $((SECONDS - start)))")
+}
+
 for stage in "${stages[@]}"; do
   case $stage in
-    gcc) run_stage gcc build-check/gcc "" -DCMAKE_CXX_COMPILER=g++ ;;
-    clang) run_stage clang build-check/clang "" -DCMAKE_CXX_COMPILER=clang++ -DDUET_USE_SINGLE_INCLUDE=ON ;;
+    gcc) run_stage gcc "$build/gcc" "" "" -DCMAKE_CXX_COMPILER=g++ ;;
+    clang) run_stage clang "$build/clang" "" "" -DCMAKE_CXX_COMPILER=clang++ -DDUET_USE_SINGLE_INCLUDE=ON ;;
     asan)
       ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-        run_stage asan build-check/asan "-LE compile_fail|install" -DCMAKE_CXX_COMPILER=clang++ \
+        run_stage asan "$build/asan" "" "-LE compile_fail|install" -DCMAKE_CXX_COMPILER=clang++ \
         -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDUET_SANITIZE=address,undefined -DDUET_BUILD_BENCHMARKS=OFF
       ;;
+    tsan)
+      TSAN_OPTIONS=halt_on_error=1 run_stage tsan "$build/tsan" duet_tests "-L threads" \
+        -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDUET_SANITIZE=thread \
+        -DDUET_BUILD_EXAMPLES=OFF -DDUET_BUILD_BENCHMARKS=OFF
+      ;;
+    fuzz) fuzz_stage ;;
     *) echo "unknown stage: $stage" >&2; exit 2 ;;
   esac
 done

@@ -509,8 +509,10 @@ Vec<T> interleave_high(Vec<T> a, Vec<T> b, std::integer_sequence<int, I...>) {
 }
 
 // Transposes Q x Q blocks of B lanes (Q = L / B): block g of r[i] goes to block i of r[g].
+// This and the folds below take arrays of registers by pointer; always inlined, so that the
+// arrays stay in registers instead of going through memory.
 template <int B, class T>
-void transpose_blocks(Vec<T>* r) {
+[[gnu::always_inline]] inline void transpose_blocks(Vec<T>* r) {
   constexpr int Q = lanes<T> / B;
   constexpr auto all = std::make_integer_sequence<int, lanes<T>>{};
   for (int round = 1; round < Q; round *= 2) {
@@ -533,7 +535,7 @@ Vec<T> fold_pair(Vec<T> a, Vec<T> b, std::integer_sequence<int, I...>) {
 }
 
 template <int W, class T>
-void fold_level(Vec<T>* v, int count) {
+[[gnu::always_inline]] inline void fold_level(Vec<T>* v, int count) {
   for (int i = 0; i < count; ++i) v[i] = fold_pair<W, T>(v[2 * i], v[2 * i + 1], std::make_integer_sequence<int, lanes<T>>{});
   if constexpr (W > 1) fold_level<W / 2, T>(v, count / 2);
 }
@@ -628,9 +630,10 @@ void pack_panel(const T* src, index_t ld, int rows, index_t depth, T* dst) {
 }
 
 // C tile (rows x cols, at most MR x L) from MR rows of A, read in place, and a packed panel of
-// B. Adds to C unless first; bias and Fns only after the last K block (last).
+// B. Adds to C unless first; bias and Fns only after the last K block (last). Never inlined:
+// inlined into a large caller, GCC 12 stored every accumulator at every step (2.5x slower).
 template <class T, class... Fns>
-void micro_kernel(index_t depth, const T* a, index_t lda, int rows, const T* bp, T* c, index_t ldc, int cols,
+[[gnu::noinline]] void micro_kernel(index_t depth, const T* a, index_t lda, int rows, const T* bp, T* c, index_t ldc, int cols,
                   bool first, bool last, const T* bias) {
   constexpr int L = lanes<T>;
   constexpr int G = KG<T>;
@@ -848,11 +851,11 @@ struct Eigen {
     Y.array() = X.array().rowwise() + b;
   }
 
-  // y[i] = Fn(x[i]); y may be x.
-  template <class Fn, class T>
+  // y[i] = Fns(x[i]), the functions applied in order in one pass; y may be x.
+  template <class... Fns, class T>
   static void map(const T* x, index_t n, T* y) {
     using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
-    ::Eigen::Map<Array>(y, n) = Fn::array(::Eigen::Map<const Array>(x, n));
+    ::Eigen::Map<Array>(y, n) = detail::apply_all<Fns...>(::Eigen::Map<const Array>(x, n));
   }
 
   // dx[i] = dy[i] · Fn'(x[i]), Fn' written in terms of the output y = Fn(x).
@@ -1095,6 +1098,8 @@ using DefaultBackend = backend::Native;
 // Execution modes and the global context (MindSpore's set_context).
 
 #include <atomic>
+#include <cstdlib>
+#include <string_view>
 #include <optional>
 #include <utility>
 
@@ -1113,12 +1118,18 @@ inline constexpr Mode CONTEXT_MODE = Mode::context;
 
 // Fields left empty keep their current value, so set_context({.mode = GRAPH_MODE}) changes
 // the mode and nothing else.
+// Every field has an initializer, so that g++ -Wextra accepts designated initialisers that
+// name only some of them.
 struct ContextConfig {
-  std::optional<Mode> mode;
+  std::optional<Mode> mode = std::nullopt;
+  // false turns every duet::jit function into plain PyNative execution, for debugging; the
+  // environment variable DUET_JIT=0 sets it at start-up.
+  std::optional<bool> jit_enabled = std::nullopt;
 };
 
 struct Context {
   Mode mode = PYNATIVE_MODE;
+  bool jit_enabled = true;
 };
 
 namespace detail {
@@ -1126,6 +1137,19 @@ namespace detail {
 inline std::atomic<Mode>& context_mode() {
   static std::atomic<Mode> mode{PYNATIVE_MODE};
   return mode;
+}
+// Hooks registered on any cell. Graph capture and PIJit replay look for hooks in their cells
+// only while this is above zero, so hooks cost nothing when nobody uses them.
+inline std::atomic<long>& live_hook_count() {
+  static std::atomic<long> count{0};
+  return count;
+}
+inline std::atomic<bool>& jit_enabled() {
+  static std::atomic<bool> enabled{[] {
+    const char* env = std::getenv("DUET_JIT");
+    return env == nullptr || std::string_view(env) != "0";
+  }()};
+  return enabled;
 }
 }  // namespace detail
 
@@ -1137,6 +1161,7 @@ inline void set_context(const ContextConfig& config) {
     }
     detail::context_mode().store(*config.mode, std::memory_order_relaxed);
   }
+  if (config.jit_enabled) detail::jit_enabled().store(*config.jit_enabled, std::memory_order_relaxed);
 }
 
 namespace detail {
@@ -1161,7 +1186,10 @@ class EagerScope {
   bool outer_;
 };
 
-inline Context get_context() { return Context{detail::context_mode().load(std::memory_order_relaxed)}; }
+inline Context get_context() {
+  return Context{detail::context_mode().load(std::memory_order_relaxed),
+                 detail::jit_enabled().load(std::memory_order_relaxed)};
+}
 
 // The mode a cell declared with `declared` runs in right now.
 inline Mode effective_mode(Mode declared) {
@@ -1267,6 +1295,10 @@ inline std::string readable_type_name(const std::type_info& type) {
 // that is reused once its last reader has run.
 
 #include <array>
+#include <cmath>
+#include <string>
+#include <string_view>
+#include <type_traits>
 #include <atomic>
 #include <boost/hana/at.hpp>
 #include <cstddef>
@@ -2047,6 +2079,15 @@ template <class G, std::size_t I>
 using node_value_t = typename decltype(node_value_type<G, I>())::type;
 
 // A symbolic tensor: the value of node Out of graph G.
+template <class>
+inline constexpr bool no_value_during_capture = false;
+
+// static_assert takes a literal only; the three uses below share it through this macro.
+#define DUET_DETAIL_NO_VALUE_MESSAGE                                                                        \
+  "duet: a tensor's value does not exist while a graph is captured (item(), data(), a branch on a value); " \
+  "compute with graph operations, or run C++ on the value with duet::host(...) (a host node, "               \
+  "JitSyntaxLevel::lax)"
+
 template <class G, std::size_t Out>
 struct Sym {
   using graph_type = G;
@@ -2054,7 +2095,26 @@ struct Sym {
   static constexpr std::size_t output = Out;
   static constexpr Shape shape = G::shapes[Out];
   G graph;
+
+  // A graph is captured before it runs: reading a value then, or branching on one, cannot be
+  // a graph operation. These say so, instead of "no member named item".
+  template <class Dependent = void>
+  value_type item() const {
+    static_assert(no_value_during_capture<Dependent>, DUET_DETAIL_NO_VALUE_MESSAGE);
+    return {};
+  }
+  template <class Dependent = void>
+  const value_type* data() const {
+    static_assert(no_value_during_capture<Dependent>, DUET_DETAIL_NO_VALUE_MESSAGE);
+    return nullptr;
+  }
+  template <class Dependent = void>
+  explicit operator bool() const {
+    static_assert(no_value_during_capture<Dependent>, DUET_DETAIL_NO_VALUE_MESSAGE);
+    return false;
+  }
 };
+#undef DUET_DETAIL_NO_VALUE_MESSAGE
 
 template <class X>
 inline constexpr bool is_sym_v = false;
@@ -2225,6 +2285,79 @@ auto append(const Op& op, const Sym<GA, A>& a, const Sym<GB, B>& b) {
 }
 
 }  // namespace duet::graph
+// JitConfig: how graph mode compiles a function or cell (MindSpore's mindspore.JitConfig).
+
+#include <string>
+#include <string_view>
+
+
+namespace duet {
+
+// Optimisation level. O0 runs the captured graph kernel by kernel (views are still aliases and
+// nothing is dispatched or allocated per node); O1 adds fusion of elementwise chains and of
+// bias/activation epilogues into the products; O2 adds folding of what does not change
+// between calls (weights packed once for the products) on top of O1.
+enum class JitLevel : unsigned char { O0, O1, O2 };
+
+// How much of C++ a jitted function may use. strict: anything that is not a graph operation
+// (a host callback) is a compile error; lax: it becomes a host node, a graph break that runs
+// eagerly between the compiled parts.
+enum class JitSyntaxLevel : unsigned char { strict, lax };
+
+// sink: the whole graph is one compiled call (one arena, slots reused); no_sink: node by node,
+// each node's output in its own buffer; automatic: sink.
+enum class ExecMode : unsigned char { automatic, sink, no_sink };
+
+// debug: every node's output is checked for NaN and infinity, and a failing run-time check
+// names the node and the function or construct it was captured from.
+enum class DebugLevel : unsigned char { release, debug };
+
+// A structural type, so that jit<JitConfig{...}> makes the configuration part of the program:
+// it changes which passes run and what the evaluator checks.
+struct JitConfig {
+  JitLevel jit_level = JitLevel::O1;
+  ExecMode exec_mode = ExecMode::automatic;
+  JitSyntaxLevel jit_syntax_level = JitSyntaxLevel::lax;
+  DebugLevel debug_level = DebugLevel::release;
+
+  // MindSpore's spellings: parse("O2", "auto", "STRICT", "RELEASE"). Unknown values throw
+  // duet::ValueError at run time, and do not compile in a constant expression.
+  static constexpr JitConfig parse(std::string_view jit_level, std::string_view exec_mode = "auto",
+                                   std::string_view jit_syntax_level = "LAX", std::string_view debug_level = "RELEASE") {
+    JitConfig c;
+    c.jit_level = jit_level == "O0"   ? JitLevel::O0
+                  : jit_level == "O1" ? JitLevel::O1
+                  : jit_level == "O2" ? JitLevel::O2
+                                      : invalid<JitLevel>("jit_level", jit_level, "O0, O1 or O2");
+    c.exec_mode = exec_mode == "auto"      ? ExecMode::automatic
+                  : exec_mode == "sink"    ? ExecMode::sink
+                  : exec_mode == "no_sink" ? ExecMode::no_sink
+                                           : invalid<ExecMode>("exec_mode", exec_mode, "auto, sink or no_sink");
+    c.jit_syntax_level = jit_syntax_level == "STRICT" ? JitSyntaxLevel::strict
+                         : jit_syntax_level == "LAX"  ? JitSyntaxLevel::lax
+                                                      : invalid<JitSyntaxLevel>("jit_syntax_level", jit_syntax_level,
+                                                                                "STRICT or LAX");
+    c.debug_level = debug_level == "RELEASE" ? DebugLevel::release
+                    : debug_level == "DEBUG" ? DebugLevel::debug
+                                             : invalid<DebugLevel>("debug_level", debug_level, "RELEASE or DEBUG");
+    return c;
+  }
+
+  friend constexpr bool operator==(const JitConfig&, const JitConfig&) = default;
+
+ private:
+  template <class E>
+  static constexpr E invalid(std::string_view field, std::string_view value, std::string_view allowed) {
+    throw ValueError("duet::JitConfig: " + std::string(field) + " must be " + std::string(allowed) + ", got '" +
+                     std::string(value) + "'");
+  }
+};
+
+inline constexpr JitLevel O0 = JitLevel::O0;
+inline constexpr JitLevel O1 = JitLevel::O1;
+inline constexpr JitLevel O2 = JitLevel::O2;
+
+}  // namespace duet
 
 namespace duet {
 
@@ -2240,7 +2373,9 @@ struct BufferPlan {
   std::size_t slot_count = 0;
 };
 
-template <class G, std::size_t Out>
+// Reuse = false (exec_mode no_sink) gives every node a slot of its own, so every intermediate
+// value survives until the call returns.
+template <class G, std::size_t Out, bool Reuse = true>
 constexpr BufferPlan<G::size> plan_buffers() {
   constexpr std::size_t n = G::size;
   BufferPlan<n> plan;
@@ -2277,7 +2412,7 @@ constexpr BufferPlan<G::size> plan_buffers() {
   std::array<bool, n> slot_busy{};
   for (std::size_t i = 0; i < n; ++i) {
     for (std::size_t s = 0; s < plan.slot_count; ++s) {
-      if (slot_busy[s] && last_read[slot_owner[s]] < i) slot_busy[s] = false;
+      if (Reuse && slot_busy[s] && last_read[slot_owner[s]] < i) slot_busy[s] = false;
     }
     if (plan.storage[i] != Storage::slot) continue;
     std::size_t s = 0;
@@ -2310,22 +2445,40 @@ struct Plan {
   std::array<Shape, G::size> shapes;
   std::array<std::size_t, G::size> offset;  // bytes into the arena, for slot nodes
   std::size_t arena_bytes = 0;
+  std::string where;  // what the graph was captured from, for debug's messages
 };
 
 }  // namespace graph
 
+namespace detail {
+// How a failing node is named: in debug, by its place in the graph and the function or cell
+// it was captured from (`where`), so a user finds the line of construct that made it.
+template <JitConfig Config, class Op>
+std::string node_context(std::size_t index, std::string_view where) {
+  if constexpr (Config.debug_level == DebugLevel::debug) {
+    return "duet (debug): in " + std::string(where) + ", node %" + std::to_string(index) + " (" + Op::op_name() + "): ";
+  } else {
+    (void)index;
+    (void)where;
+    return {};
+  }
+}
+}  // namespace detail
+
 // Infers every node's shape for these input shapes and lays out the arena.
-template <class G, std::size_t Out, std::size_t Inputs>
-graph::Plan<G, Inputs> plan(const graph::Sym<G, Out>& program, const std::array<Shape, Inputs>& input_shapes) {
+template <JitConfig Config = JitConfig{}, class G, std::size_t Out, std::size_t Inputs>
+graph::Plan<G, Inputs> plan(const graph::Sym<G, Out>& program, const std::array<Shape, Inputs>& input_shapes,
+                            std::string where = "the graph") {
   static_assert(Inputs >= graph::input_count<G>(), "duet::plan: the graph reads more inputs than are given");
   constexpr std::size_t n = G::size;
-  constexpr graph::BufferPlan<n> buffers = graph::plan_buffers<G, Out>();
+  constexpr graph::BufferPlan<n> buffers = graph::plan_buffers<G, Out, Config.exec_mode != ExecMode::no_sink>();
   constexpr std::array<std::size_t, n> element_size = []<std::size_t... I>(std::index_sequence<I...>) {
     return std::array<std::size_t, n>{sizeof(graph::node_value_t<G, I>)...};
   }
   (std::make_index_sequence<n>{});
   graph::Plan<G, Inputs> p;
   p.input_shapes = input_shapes;
+  p.where = std::move(where);
   graph::for_each_index<n>([&](auto i) {
     constexpr std::size_t I = decltype(i)::value;
     using Node = graph::node_at<G, I>;
@@ -2334,8 +2487,8 @@ graph::Plan<G, Inputs> plan(const graph::Sym<G, Out>& program, const std::array<
     if constexpr (graph::is_input_op_v<Op>) {
       const Shape& s = input_shapes[Op::index];
       if (!graph::fits(G::shapes[I], s)) {
-        throw ShapeError("duet: graph input " + std::to_string(Op::index) + " must have shape " +
-                         to_string(G::shapes[I]) + ", got " + to_string(s));
+        throw ShapeError(detail::node_context<Config, Op>(I, p.where) + "duet: graph input " + std::to_string(Op::index) +
+                         " must have shape " + to_string(G::shapes[I]) + ", got " + to_string(s));
       }
       p.shapes[I] = s;
     } else {
@@ -2348,7 +2501,7 @@ graph::Plan<G, Inputs> plan(const graph::Sym<G, Out>& program, const std::array<
         in = copies;
       }
       const ShapeResult r = op.infer(in);
-      if (!r.ok()) throw ShapeError(describe_fault(r, op.label(), in));
+      if (!r.ok()) throw ShapeError(detail::node_context<Config, Op>(I, p.where) + describe_fault(r, op.label(), in));
       p.shapes[I] = r.shape;
     }
   });
@@ -2369,12 +2522,27 @@ graph::Plan<G, Inputs> plan(const graph::Sym<G, Out>& program, const std::array<
   return p;
 }
 
+namespace detail {
+// Debug's check of a node's output: the first NaN or infinity, named with its node.
+template <class T>
+void check_finite(const T* values, const Shape& shape, const std::string& context) {
+  if constexpr (std::is_floating_point_v<T>) {
+    for (index_t i = 0; i < shape.numel(); ++i) {
+      if (!std::isfinite(values[i])) {
+        throw ValueError(context + "output element " + std::to_string(i) + " of " + to_string(shape) + " is " +
+                         (std::isnan(values[i]) ? "NaN" : "infinite"));
+      }
+    }
+  }
+}
+}  // namespace detail
+
 // Runs a graph with a plan made for these inputs' shapes; inputs in the order of their index.
-template <class Backend = DefaultBackend, class G, std::size_t Out, class... Inputs>
+template <class Backend = DefaultBackend, JitConfig Config = JitConfig{}, class G, std::size_t Out, class... Inputs>
 auto run(const graph::Sym<G, Out>& program, const graph::Plan<G, sizeof...(Inputs)>& p, const Inputs&... inputs) {
   using Result = graph::node_value_t<G, Out>;
   constexpr std::size_t n = G::size;
-  constexpr graph::BufferPlan<n> buffers = graph::plan_buffers<G, Out>();
+  constexpr graph::BufferPlan<n> buffers = graph::plan_buffers<G, Out, Config.exec_mode != ExecMode::no_sink>();
   const std::array<const void*, sizeof...(Inputs)> input{static_cast<const void*>(inputs.data())...};
 
   detail::Storage arena(p.arena_bytes);
@@ -2410,6 +2578,9 @@ auto run(const graph::Sym<G, Out>& program, const graph::Plan<G, sizeof...(Input
           for (std::size_t k = 0; k < Node::arity; ++k) in_shapes[k] = p.shapes[Node::args[k]];
           op.template run<Backend, T>(graph::KernelArgs{in.data(), in_shapes.data(), data[I], p.shapes[I]});
         }
+        if constexpr (Config.debug_level == DebugLevel::debug && !Op::is_view && !graph::is_sink<Op>()) {
+          detail::check_finite(static_cast<const T*>(data[I]), p.shapes[I], detail::node_context<Config, Op>(I, p.where));
+        }
       }
     }
   });
@@ -2436,16 +2607,16 @@ inline std::uint64_t new_plan_owner() {
 
 // The plan of the last input shapes `owner` ran this graph type with on this thread. Per
 // thread, so concurrent callers never share or lock; one entry, so it costs nothing to keep.
-template <class G, std::size_t Out, std::size_t N>
+template <JitConfig Config = JitConfig{}, class G, std::size_t Out, std::size_t N, class Where>
 const graph::Plan<G, N>& cached_plan(std::uint64_t owner, const graph::Sym<G, Out>& program,
-                                     const std::array<Shape, N>& shapes) {
+                                     const std::array<Shape, N>& shapes, Where&& where) {
   thread_local struct {
     std::uint64_t owner = 0;
     graph::Plan<G, N> plan;
   } cache;
   if (cache.owner != owner || cache.plan.input_shapes != shapes) {
     cache.owner = 0;  // stays invalid if planning throws
-    cache.plan = plan(program, shapes);
+    cache.plan = plan<Config>(program, shapes, std::string(where()));
     cache.owner = owner;
   }
   return cache.plan;
@@ -2453,9 +2624,10 @@ const graph::Plan<G, N>& cached_plan(std::uint64_t owner, const graph::Sym<G, Ou
 }  // namespace detail
 
 // Plans and runs in one call.
-template <class Backend = DefaultBackend, class G, std::size_t Out, class... Inputs>
+template <class Backend = DefaultBackend, JitConfig Config = JitConfig{}, class G, std::size_t Out, class... Inputs>
 auto evaluate(const graph::Sym<G, Out>& program, const Inputs&... inputs) {
-  return run<Backend>(program, plan(program, std::array<Shape, sizeof...(Inputs)>{inputs.shape()...}), inputs...);
+  return run<Backend, Config>(program, plan<Config>(program, std::array<Shape, sizeof...(Inputs)>{inputs.shape()...}),
+                              inputs...);
 }
 
 }  // namespace duet
@@ -2547,7 +2719,8 @@ struct NamedParameter {
 //
 //   shape inference and checking   in graph.hpp, at capture (Graph::shapes, append)
 //   views                          is_view nodes get no buffer (evaluator's plan)
-//   fuse_epilogues                 bias adds and activations move into the product before them
+//   fuse_epilogues                 bias adds and activations move into the product before them,
+//                                  elementwise chains become one pass (O1 and O2)
 
 #include <array>
 #include <boost/hana/append.hpp>
@@ -2555,375 +2728,6 @@ struct NamedParameter {
 #include <boost/hana/length.hpp>
 #include <boost/hana/unpack.hpp>
 #include <cstddef>
-#include <utility>
-
-
-namespace duet::passes {
-
-namespace hana = boost::hana;
-
-// How many nodes read each node's value; the graph's output counts as one more reader.
-template <class G, std::size_t Out>
-constexpr std::array<std::size_t, G::size> user_counts() {
-  std::array<std::size_t, G::size> users{};
-  graph::for_each_index<G::size>([&](auto i) {
-    constexpr std::size_t I = decltype(i)::value;
-    for (std::size_t a : graph::node_at<G, I>::args) ++users[a];
-  });
-  ++users[Out];
-  return users;
-}
-
-// A producer op P takes consumer op C as its epilogue when it says so.
-template <class P, class C>
-concept absorbs = requires {
-  requires P::template accepts_epilogue<C>;
-};
-
-namespace detail {
-
-// Walks the nodes in order, building the fused list. Map[j] is where node j's value lives in
-// the new list. A unary consumer folds into the node that computes its input when that node
-// is the last one built, absorbs it, and nobody else reads the value in between.
-template <std::size_t J, std::size_t Out, class G, class Built, std::size_t... Map>
-auto fuse_from(const G& g, const Built& built, std::index_sequence<Map...> map) {
-  if constexpr (J == G::size) {
-    constexpr std::array<std::size_t, G::size> m{Map...};
-    auto fused = graph::make_graph(built);
-    return graph::Sym<decltype(fused), m[Out]>{fused};
-  } else {
-    using N = graph::node_at<G, J>;
-    const N& n = hana::at_c<J>(g.nodes);
-    constexpr std::size_t built_size = decltype(hana::length(built))::value;
-    if constexpr (N::arity == 1) {
-      constexpr std::array<std::size_t, J> m{Map...};
-      constexpr std::size_t a = N::args[0];
-      constexpr std::size_t r = m[a];
-      using P = std::remove_cvref_t<decltype(hana::at_c<r>(built))>;
-      if constexpr (r + 1 == built_size && user_counts<G, Out>()[a] == 1 &&
-                    absorbs<typename P::op_type, typename N::op_type>) {
-        const P& p = hana::at_c<r>(built);
-        auto absorbed = p.op.absorb(n.op);
-        auto with_args = [&]<std::size_t... A>(std::index_sequence<A...>) {
-          return graph::Node<decltype(absorbed), P::args[A]...>{absorbed};
-        }
-        (std::make_index_sequence<P::arity>{});
-        return fuse_from<J + 1, Out>(g, hana::append(hana::drop_back(built), with_args),
-                                     std::index_sequence<Map..., r>{});
-      } else {
-        return fuse_from<J + 1, Out>(
-            g, hana::append(built, graph::renumbered(n, map, std::make_index_sequence<N::arity>{})),
-            std::index_sequence<Map..., built_size>{});
-      }
-    } else {
-      return fuse_from<J + 1, Out>(g,
-                                   hana::append(built, graph::renumbered(n, map, std::make_index_sequence<N::arity>{})),
-                                   std::index_sequence<Map..., built_size>{});
-    }
-  }
-}
-
-}  // namespace detail
-
-// Moves each bias add and elementwise activation into the epilogue of the product that
-// feeds it, so the product writes its final values in one pass.
-template <class G, std::size_t Out>
-auto fuse_epilogues(const graph::Sym<G, Out>& program) {
-  return detail::fuse_from<0, Out>(program.graph, hana::make_tuple(), std::index_sequence<>{});
-}
-
-// The pipeline graph mode runs.
-template <class G, std::size_t Out>
-auto optimize(const graph::Sym<G, Out>& program) {
-  return fuse_epilogues(program);
-}
-
-}  // namespace duet::passes
-
-namespace duet::nn {
-
-namespace hana = boost::hana;
-
-template <ElementType T>
-class BasicDynamicCell;
-
-// Called after a cell's forward in PyNative mode with the cell, its input and its output.
-template <ElementType T>
-using BasicForwardHook =
-    std::function<void(const BasicDynamicCell<T>& cell, const BasicTensor<T>& input, const BasicTensor<T>& output)>;
-using ForwardHook = BasicForwardHook<float>;
-
-namespace detail {
-// Hooks registered anywhere; graph mode walks its cell tree for hooks only when this is > 0.
-inline std::atomic<long>& live_hook_count() {
-  static std::atomic<long> count{0};
-  return count;
-}
-// Naming a tree of cells happens once, on first use; the lock makes concurrent first calls safe.
-inline std::mutex& naming_mutex() {
-  static std::mutex m;
-  return m;
-}
-}  // namespace detail
-
-// Removes the hook it was returned for (MindSpore's handle.remove()).
-template <ElementType T>
-class HookHandle {
- public:
-  HookHandle() = default;
-  HookHandle(BasicDynamicCell<T>* cell, long id) : cell_(cell), id_(id) {}
-  void remove() {
-    if (cell_ != nullptr) cell_->remove_forward_hook(id_);
-    cell_ = nullptr;
-  }
-
- private:
-  BasicDynamicCell<T>* cell_ = nullptr;
-  long id_ = 0;
-};
-
-template <ElementType T>
-class BasicDynamicCell {
- public:
-  using value_type = T;
-  using ChildVisitor = std::function<void(std::string_view name, BasicDynamicCell& child)>;
-  using ParameterVisitor = std::function<void(std::string_view name, BasicParameter<T>& parameter)>;
-
-  BasicDynamicCell() = default;
-  BasicDynamicCell(const BasicDynamicCell&) = delete;
-  BasicDynamicCell& operator=(const BasicDynamicCell&) = delete;
-  // Movable so that containers can take cells by value; a moved cell keeps its hooks, and
-  // HookHandles of the old object no longer refer to it.
-  BasicDynamicCell(BasicDynamicCell&& other) noexcept
-      : name_(std::move(other.name_)),
-        named_(other.named_.load()),
-        hooks_(std::exchange(other.hooks_, {})),
-        last_hook_id_(other.last_hook_id_) {}
-  BasicDynamicCell& operator=(BasicDynamicCell&&) = delete;
-  virtual ~BasicDynamicCell() { detail::live_hook_count().fetch_sub(static_cast<long>(hooks_.size())); }
-
-  BasicTensor<T> operator()(const BasicTensor<T>& x) {
-    ensure_named();
-    BasicTensor<T> y = forward(x);
-    for (const auto& [id, hook] : hooks_) hook(*this, x, y);
-    return y;
-  }
-
-  // Unique for the life of the program, unlike the address: what caches of compiled plans key on.
-  std::uint64_t id() const { return id_; }
-
-  // Path from the root the cell was first used under ("dense_relu_sequential.0"); "" for it.
-  const std::string& name() const { return name_; }
-  // What the cell is: "nn::Dense<784, 512, float>".
-  virtual std::string type_name() const = 0;
-  // "nn::Dense<784, 512, float> 'dense_relu_sequential.0'": how errors name a cell.
-  std::string label() const { return name_.empty() ? type_name() : type_name() + " '" + name_ + "'"; }
-
-  virtual void for_each_child(const ChildVisitor&) {}
-  virtual void for_each_own_parameter(const ParameterVisitor&) {}
-
-  // All parameters of the tree, named by path ("dense_relu_sequential.0.weight").
-  std::vector<NamedParameter<T>> parameters() {
-    std::vector<NamedParameter<T>> out;
-    collect_parameters("", out);
-    return out;
-  }
-
-  // This cell and all below it, depth first, with their paths (MindSpore's cells_and_names).
-  std::vector<std::pair<std::string, BasicDynamicCell*>> cells_and_names() {
-    std::vector<std::pair<std::string, BasicDynamicCell*>> out;
-    collect_cells("", out);
-    return out;
-  }
-
-  HookHandle<T> register_forward_hook(BasicForwardHook<T> hook) {
-    hooks_.emplace_back(++last_hook_id_, std::move(hook));
-    detail::live_hook_count().fetch_add(1);
-    return HookHandle<T>(this, last_hook_id_);
-  }
-
-  void remove_forward_hook(long id) {
-    const auto before = hooks_.size();
-    std::erase_if(hooks_, [id](const auto& h) { return h.first == id; });
-    detail::live_hook_count().fetch_sub(static_cast<long>(before - hooks_.size()));
-  }
-
-  bool has_forward_hooks_in_tree() {
-    if (detail::live_hook_count().load() == 0) return false;
-    bool found = !hooks_.empty();
-    for_each_child([&](std::string_view, BasicDynamicCell& c) { found = found || c.has_forward_hooks_in_tree(); });
-    return found;
-  }
-
-  // Gives this cell and all below it their paths, if no call or parent has done so yet.
-  void ensure_named() {
-    if (named_.load(std::memory_order_acquire)) return;
-    std::lock_guard lock(detail::naming_mutex());
-    if (!named_.load(std::memory_order_relaxed)) assign_names("");
-  }
-
- protected:
-  virtual BasicTensor<T> forward(const BasicTensor<T>& x) = 0;
-
- private:
-  void assign_names(const std::string& path) {
-    name_ = path;
-    for_each_child([&](std::string_view child, BasicDynamicCell& c) { c.assign_names(join(path, child)); });
-    named_.store(true, std::memory_order_release);
-  }
-
-  // A child named "" is transparent: its own children take their names from the path itself.
-  static std::string join(const std::string& path, std::string_view child) {
-    if (child.empty()) return path;
-    return path.empty() ? std::string(child) : path + "." + std::string(child);
-  }
-
-  void collect_parameters(const std::string& path, std::vector<NamedParameter<T>>& out) {
-    for_each_own_parameter([&](std::string_view n, BasicParameter<T>& p) { out.push_back({join(path, n), &p}); });
-    for_each_child([&](std::string_view n, BasicDynamicCell& c) { c.collect_parameters(join(path, n), out); });
-  }
-
-  void collect_cells(const std::string& path, std::vector<std::pair<std::string, BasicDynamicCell*>>& out) {
-    out.emplace_back(path, this);
-    for_each_child([&](std::string_view n, BasicDynamicCell& c) { c.collect_cells(join(path, n), out); });
-  }
-
-  std::uint64_t id_ = duet::detail::new_plan_owner();
-  std::string name_;
-  std::atomic<bool> named_{false};
-  std::vector<std::pair<long, BasicForwardHook<T>>> hooks_;
-  long last_hook_id_ = 0;
-};
-
-using DynamicCell = BasicDynamicCell<float>;
-
-template <class X>
-concept DynamicCellType = std::is_base_of_v<BasicDynamicCell<typename X::value_type>, X>;
-
-template <class C, class X>
-concept HasConstruct = requires(C& cell, X x) {
-  cell.construct(x);
-};
-
-// What a user's network derives from. Mode fixes how the cell runs whatever the context
-// (GRAPH_MODE, PYNATIVE_MODE); CONTEXT_MODE, the default, follows set_context at each call.
-template <class Derived, Mode M = CONTEXT_MODE, ElementType T = float>
-class Cell : public BasicDynamicCell<T> {
- public:
-  static constexpr Mode mode = M;
-
-  // One tensor in: the DynamicCell call (hooks, then forward in this cell's mode).
-  BasicTensor<T> operator()(const BasicTensor<T>& x) {
-    static_assert(HasConstruct<Derived, BasicTensor<T>>,
-                  "duet::nn::Cell: the derived cell must define construct(x), generic over its input: "
-                  "auto construct(auto x) { ... }");
-    return BasicDynamicCell<T>::operator()(x);
-  }
-
-  // Graph capture: construct appends this cell's nodes to the graph its inputs belong to.
-  template <graph::Symbolic... S>
-  requires(sizeof...(S) >= 1) auto operator()(const S&... xs) { return derived().construct(xs...); }
-
-  // A statically shaped input: both modes check it against the layers at compile time and
-  // return a StaticTensor of the inferred output shape.
-  template <index_t... D>
-  auto operator()(const StaticTensor<T, D...>& x) {
-    using Captured = decltype(std::declval<Derived&>().construct(graph::input<T, StaticShape<D...>>()));
-    if constexpr (M != PYNATIVE_MODE) {
-      if (effective_mode(M) == GRAPH_MODE) {
-        this->ensure_named();
-        return to_static_tensor<Captured>(run_graph<StaticShape<D...>>(x.tensor()));
-      }
-    }
-    return to_static_tensor<Captured>((*this)(x.tensor()));
-  }
-
-  // Cells whose construct takes several tensors (a network with its loss, say). They are not
-  // DynamicCells of one input, so they run no forward hooks of their own.
-  template <class... X>
-  requires(sizeof...(X) >= 2 && ((is_tensor_v<X> || is_static_tensor_v<X>)&&...)) auto operator()(const X&... xs) {
-    this->ensure_named();
-    if constexpr (M != PYNATIVE_MODE) {
-      if (effective_mode(M) == GRAPH_MODE) return run_graph<typename graph::pattern_of<X>::type...>(tensor_of(xs)...);
-    }
-    EagerScope eager;
-    return derived().construct(tensor_of(xs)...);
-  }
-
-  std::string type_name() const override { return duet::detail::readable_type_name(typeid(Derived)); }
-
-  void for_each_child(const typename BasicDynamicCell<T>::ChildVisitor& visit) override {
-    for_each_member([&](std::string_view name, auto& member) {
-      if constexpr (DynamicCellType<std::remove_cvref_t<decltype(member)>>) visit(name, member);
-    });
-  }
-
-  void for_each_own_parameter(const typename BasicDynamicCell<T>::ParameterVisitor& visit) override {
-    for_each_member([&](std::string_view name, auto& member) {
-      if constexpr (std::is_same_v<std::remove_cvref_t<decltype(member)>, BasicParameter<T>>) visit(name, member);
-    });
-  }
-
- protected:
-  BasicTensor<T> forward(const BasicTensor<T>& x) override {
-    if constexpr (!HasConstruct<Derived, BasicTensor<T>>) {
-      throw ModeError(this->label() + ": construct takes several inputs; call the cell with all of them");
-    } else if constexpr (M == GRAPH_MODE) {
-      return run_graph<graph::AnyShape>(x);
-    } else {
-      if constexpr (M == CONTEXT_MODE) {
-        if (effective_mode(M) == GRAPH_MODE) return run_graph<graph::AnyShape>(x);
-      }
-      EagerScope eager;
-      return derived().construct(x);
-    }
-  }
-
- private:
-  Derived& derived() { return static_cast<Derived&>(*this); }
-
-  // Capture, optimise, run. Capture and passes cost nothing at run time (they are types);
-  // the plan for the inputs' shapes is kept per thread, so repeated shapes skip planning.
-  template <class... Patterns, class... Ts>
-  auto run_graph(const BasicTensor<Ts>&... xs) {
-    if (this->has_forward_hooks_in_tree()) {
-      throw ModeError(this->label() +
-                      " runs in graph mode, but a cell in it has a forward hook; hooks see "
-                      "intermediate values in PyNative mode only (set_context({.mode = PYNATIVE_MODE}))");
-    }
-    auto program = passes::optimize([&]<std::size_t... K>(std::index_sequence<K...>) {
-      return derived().construct(graph::input<Ts, Patterns, K>()...);
-    }(std::index_sequence_for<Ts...>{}));
-    const std::array<Shape, sizeof...(Ts)> shapes{xs.shape()...};
-    return run<DefaultBackend>(program, duet::detail::cached_plan(this->id(), program, shapes), xs...);
-  }
-
-  template <class Captured>
-  static auto to_static_tensor(BasicTensor<T> y) {
-    constexpr Shape s = Captured::shape;
-    return [&]<std::size_t... I>(std::index_sequence<I...>) {
-      return StaticTensor<T, s[static_cast<int>(I)]...>(std::move(y));
-    }
-    (std::make_index_sequence<static_cast<std::size_t>(s.rank())>{});
-  }
-
-  template <class F>
-  void for_each_member(F&& f) {
-    if constexpr (hana::Struct<Derived>::value) {
-      hana::for_each(hana::accessors<Derived>(), [&](auto accessor) {
-        f(std::string_view(hana::to<const char*>(hana::first(accessor))), hana::second(accessor)(derived()));
-      });
-    }
-  }
-};
-
-}  // namespace duet::nn
-// PyNative evaluation of one operation: run its shape rule, allocate its output from the
-// pool, call its kernel. The graph evaluator uses the same rule and the same kernel, which is
-// why the two modes agree.
-
-#include <array>
-#include <type_traits>
 #include <utility>
 
 // The PyNative half of autodiff: a tape that records each operation as it runs, then walks
@@ -2950,10 +2754,17 @@ auto run_into_new(const Op& op, const BasicTensor<First>& first, const BasicTens
 namespace autodiff {
 
 template <class Op>
+constexpr bool declared_differentiable() {
+  if constexpr (requires { Op::differentiable; }) return Op::differentiable;
+  else return true;
+}
+
+// An op autodiff can go through: it names its gradient op and what that op reads.
+template <class Op>
 concept Differentiable = requires {
   Op::grad_operands;
   Op::has_parameters;
-};
+} && declared_differentiable<Op>();
 
 class Tape;
 
@@ -3169,6 +2980,694 @@ void Tape::backward(const BasicTensor<T>& output) {
 }  // namespace autodiff
 }  // namespace duet
 
+namespace duet::passes {
+
+namespace hana = boost::hana;
+
+// How many nodes read each node's value; the graph's output counts as one more reader.
+template <class G, std::size_t Out>
+constexpr std::array<std::size_t, G::size> user_counts() {
+  std::array<std::size_t, G::size> users{};
+  graph::for_each_index<G::size>([&](auto i) {
+    constexpr std::size_t I = decltype(i)::value;
+    for (std::size_t a : graph::node_at<G, I>::args) ++users[a];
+  });
+  ++users[Out];
+  return users;
+}
+
+// A producer op P takes consumer op C as its epilogue when it says so; in a graph that will be
+// differentiated, only if the fused op still can be.
+template <class P, class C, bool Differentiated>
+concept absorbs = requires {
+  requires P::template accepts_epilogue<C>;
+} && (!Differentiated || autodiff::Differentiable<decltype(std::declval<const P&>().absorb(std::declval<const C&>()))>);
+
+namespace detail {
+
+// Walks the nodes in order, building the fused list. Map[j] is where node j's value lives in
+// the new list. A unary consumer folds into the node that computes its input when that node
+// is the last one built, absorbs it, and nobody else reads the value in between.
+template <std::size_t J, std::size_t Out, bool Differentiated, class G, class Built, std::size_t... Map>
+auto fuse_from(const G& g, const Built& built, std::index_sequence<Map...> map) {
+  if constexpr (J == G::size) {
+    constexpr std::array<std::size_t, G::size> m{Map...};
+    auto fused = graph::make_graph(built);
+    return graph::Sym<decltype(fused), m[Out]>{fused};
+  } else {
+    using N = graph::node_at<G, J>;
+    const N& n = hana::at_c<J>(g.nodes);
+    constexpr std::size_t built_size = decltype(hana::length(built))::value;
+    if constexpr (N::arity == 1) {
+      constexpr std::array<std::size_t, J> m{Map...};
+      constexpr std::size_t a = N::args[0];
+      constexpr std::size_t r = m[a];
+      using P = std::remove_cvref_t<decltype(hana::at_c<r>(built))>;
+      if constexpr (r + 1 == built_size && user_counts<G, Out>()[a] == 1 &&
+                    absorbs<typename P::op_type, typename N::op_type, Differentiated>) {
+        const P& p = hana::at_c<r>(built);
+        auto absorbed = p.op.absorb(n.op);
+        auto with_args = [&]<std::size_t... A>(std::index_sequence<A...>) {
+          return graph::Node<decltype(absorbed), P::args[A]...>{absorbed};
+        }
+        (std::make_index_sequence<P::arity>{});
+        return fuse_from<J + 1, Out, Differentiated>(g, hana::append(hana::drop_back(built), with_args),
+                                     std::index_sequence<Map..., r>{});
+      } else {
+        return fuse_from<J + 1, Out, Differentiated>(
+            g, hana::append(built, graph::renumbered(n, map, std::make_index_sequence<N::arity>{})),
+            std::index_sequence<Map..., built_size>{});
+      }
+    } else {
+      return fuse_from<J + 1, Out, Differentiated>(g,
+                                   hana::append(built, graph::renumbered(n, map, std::make_index_sequence<N::arity>{})),
+                                   std::index_sequence<Map..., built_size>{});
+    }
+  }
+}
+
+}  // namespace detail
+
+// Moves each bias add and elementwise activation into the epilogue of the product that
+// feeds it, and fuses chains of elementwise functions, so each value is written once.
+template <bool Differentiated = false, class G, std::size_t Out>
+auto fuse_epilogues(const graph::Sym<G, Out>& program) {
+  return detail::fuse_from<0, Out, Differentiated>(program.graph, hana::make_tuple(), std::index_sequence<>{});
+}
+
+// The pipeline of a jit level. Differentiated: the graph is the forward half of a training
+// graph, so fusion keeps every op differentiable.
+template <JitConfig Config = JitConfig{}, bool Differentiated = false, class G, std::size_t Out>
+auto optimize(const graph::Sym<G, Out>& program) {
+  if constexpr (Config.jit_level == JitLevel::O0) return program;
+  else return fuse_epilogues<Differentiated>(program);
+}
+
+}  // namespace duet::passes
+// The recording half of PIJit: while a trace is active, every eager operation appends a step
+// (the op, the values it reads and the value it makes), so a network built at run time can be
+// captured by running it once. pijit.hpp optimises and replays the trace.
+
+#include <array>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+
+namespace duet {
+namespace fn {
+struct Relu;
+}  // namespace fn
+namespace ops {
+template <class Layer, bool Bias, class... Fns>
+struct MatMulOp;
+template <class Layer>
+struct BiasAddOp;
+template <class... Fns>
+struct MapOp;
+}  // namespace ops
+}  // namespace duet
+
+namespace duet::pijit {
+
+class Trace;
+
+// The trace recording on this thread, if any. Eager operations check it once each.
+inline Trace*& active_trace() {
+  thread_local Trace* trace = nullptr;
+  return trace;
+}
+
+// A value of the trace: an input of the traced function, a constant it read (a tensor the trace
+// did not make, held by handle), or what a step makes.
+struct Value {
+  enum class Kind : unsigned char { input, constant, computed, view };
+  Kind kind = Kind::computed;
+  Shape shape;
+  std::size_t element_size = 0;
+  std::size_t input = 0;               // Kind::input: which argument
+  std::size_t view_of = 0;             // Kind::view: the value whose memory it shares
+  std::shared_ptr<const void> handle;  // Kind::constant: keeps the tensor's storage alive
+  const void* data = nullptr;          // Kind::constant
+};
+
+// What a step would be as the epilogue of a product, for fusion after the trace.
+struct EpilogueInfo {
+  enum class Kind : unsigned char { none, bias, relu };
+  Kind kind = Kind::none;
+  const void* layer = nullptr;  // Kind::bias: whose bias
+};
+
+class Step {
+ public:
+  virtual ~Step() = default;
+  // data[v] is value v's memory; views are resolved before.
+  virtual void run(void* const* data, const std::vector<Value>& values) const = 0;
+  // This step followed by `next` as one step, when this step can take it as its epilogue.
+  virtual std::unique_ptr<Step> absorb(const Step& next) const = 0;
+  virtual EpilogueInfo as_epilogue() const = 0;
+  virtual bool is_view() const = 0;
+  virtual bool runs_kernel() const = 0;
+
+  std::vector<std::size_t> inputs;
+  std::size_t output = 0;
+};
+
+template <class Op, class T>
+class OpStep;
+
+namespace detail {
+template <class Op, class T>
+std::unique_ptr<Step> fused(const Op& op, const Step& from, std::size_t output) {
+  auto s = std::make_unique<OpStep<Op, T>>(op);
+  s->inputs = from.inputs;
+  s->output = output;
+  return s;
+}
+
+template <class X>
+inline constexpr bool is_matmul_v = false;
+template <class L, bool B, class... Fns>
+inline constexpr bool is_matmul_v<ops::MatMulOp<L, B, Fns...>> = true;
+}  // namespace detail
+
+template <class Op, class T>
+class OpStep final : public Step {
+ public:
+  explicit OpStep(const Op& op) : op_(op) {}
+
+  void run(void* const* data, const std::vector<Value>& values) const override {
+    if constexpr (graph::runs_kernel<Op>()) run_kernel(data, values);
+  }
+
+  // A product takes its layer's bias and then a ReLU, as the graph passes fuse them.
+  std::unique_ptr<Step> absorb(const Step& next) const override {
+    if constexpr (detail::is_matmul_v<Op>) {
+      const EpilogueInfo e = next.as_epilogue();
+      if (e.kind == EpilogueInfo::Kind::bias && e.layer == op_.layer) {
+        if constexpr (std::is_same_v<Op, ops::MatMulOp<typename Op::layer_type, false>>) {
+          return detail::fused<ops::MatMulOp<typename Op::layer_type, true>, T>({op_.layer}, *this, next.output);
+        }
+      }
+      if (e.kind == EpilogueInfo::Kind::relu) {
+        if constexpr (std::is_same_v<Op, ops::MatMulOp<typename Op::layer_type, true>>) {
+          return detail::fused<ops::MatMulOp<typename Op::layer_type, true, fn::Relu>, T>({op_.layer}, *this, next.output);
+        }
+      }
+    } else {
+      (void)next;
+    }
+    return nullptr;
+  }
+
+  EpilogueInfo as_epilogue() const override {
+    if constexpr (std::is_same_v<Op, ops::MapOp<fn::Relu>>) {
+      return {EpilogueInfo::Kind::relu, nullptr};
+    } else if constexpr (requires { op_.layer; } && !detail::is_matmul_v<Op>) {
+      if constexpr (std::is_same_v<Op, ops::BiasAddOp<typename Op::layer_type>>) return {EpilogueInfo::Kind::bias, op_.layer};
+      else return {};
+    } else {
+      return {};
+    }
+  }
+
+  bool is_view() const override { return Op::is_view; }
+  bool runs_kernel() const override { return graph::runs_kernel<Op>(); }
+
+ private:
+  // Instantiated only for ops with a kernel: views have none.
+  void run_kernel(void* const* data, const std::vector<Value>& values) const {
+    std::array<const void*, Op::arity> in{};
+    std::array<Shape, Op::arity> shapes{};
+    for (std::size_t k = 0; k < static_cast<std::size_t>(Op::arity); ++k) {
+      in[k] = data[inputs[k]];
+      shapes[k] = values[inputs[k]].shape;
+    }
+    op_.template run<DefaultBackend, T>(graph::KernelArgs{in.data(), shapes.data(), data[output], values[output].shape});
+  }
+
+  Op op_;
+};
+
+class Trace {
+ public:
+  Trace() : generation_(next_generation()) {}
+
+  // Marks x (this handle and copies made from it afterwards) as input k.
+  template <class T>
+  void add_input(BasicTensor<T>& x, std::size_t k) {
+    Value v;
+    v.kind = Value::Kind::input;
+    v.shape = x.shape();
+    v.element_size = sizeof(T);
+    v.input = k;
+    add(std::move(v), x);
+  }
+
+  template <class Op, class T, class... In>
+  void record(const Op& op, BasicTensor<T>& y, const BasicTensor<In>&... x) {
+    if constexpr (graph::is_sink<Op>()) {
+      broken_ = "it calls " + op.label() + ", which makes no value";
+    } else {
+      auto step = std::make_unique<OpStep<Op, T>>(op);
+      (step->inputs.push_back(value_of(x)), ...);
+      Value v;
+      v.shape = y.shape();
+      v.element_size = sizeof(T);
+      if constexpr (Op::is_view) {
+        v.kind = Value::Kind::view;
+        v.view_of = root_of(step->inputs[0]);
+      }
+      step->output = values_.size();
+      add(std::move(v), y);
+      steps_.push_back(std::move(step));
+    }
+  }
+
+  // The value a tensor is, or nothing if the trace never saw it.
+  template <class T>
+  std::size_t find(const BasicTensor<T>& x) const {
+    const std::uint64_t id = x.tape_id();
+    if ((id >> 32) != (generation_ & 0xFFFFFFFFu) || id == 0) return values_.size();
+    return static_cast<std::size_t>((id & 0xFFFFFFFFu) - 1);
+  }
+
+  // A cell ran during the trace; its check says whether it has hooks now.
+  void note_cell(std::function<bool()> has_hooks) { cells_.push_back(std::move(has_hooks)); }
+  std::vector<std::function<bool()>>& cells() { return cells_; }
+
+  std::vector<Value>& values() { return values_; }
+  std::vector<std::unique_ptr<Step>>& steps() { return steps_; }
+  // Why the trace cannot be replayed, or empty.
+  const std::string& broken() const { return broken_; }
+
+ private:
+  // The top bit of a trace's generation is set, the tape's never is: a tensor recorded by one is
+  // never taken for a value of the other.
+  static std::uint64_t next_generation() {
+    static std::atomic<std::uint64_t> last{0};
+    return (last.fetch_add(1, std::memory_order_relaxed) + 1) | 0x80000000u;
+  }
+
+  // A tensor the trace did not make is a constant: read through its handle at every replay.
+  template <class T>
+  std::size_t value_of(const BasicTensor<T>& x) {
+    const std::size_t v = find(x);
+    if (v < values_.size()) return v;
+    Value c;
+    c.kind = Value::Kind::constant;
+    c.shape = x.shape();
+    c.element_size = sizeof(T);
+    auto handle = std::make_shared<BasicTensor<T>>(x);
+    c.data = handle->data();
+    c.handle = std::move(handle);
+    values_.push_back(std::move(c));
+    return values_.size() - 1;
+  }
+
+  std::size_t root_of(std::size_t v) const {
+    while (values_[v].kind == Value::Kind::view) v = values_[v].view_of;
+    return v;
+  }
+
+  template <class T>
+  void add(Value v, BasicTensor<T>& tensor) {
+    values_.push_back(std::move(v));
+    tensor.set_tape_id(((generation_ & 0xFFFFFFFFu) << 32) | values_.size());
+  }
+
+  std::uint64_t generation_;
+  std::vector<Value> values_;
+  std::vector<std::unique_ptr<Step>> steps_;
+  std::vector<std::function<bool()>> cells_;
+  std::string broken_;
+};
+
+// Makes a trace the active one for its lifetime.
+class Tracing {
+ public:
+  explicit Tracing(Trace* trace) : outer_(std::exchange(active_trace(), trace)) {}
+  Tracing(const Tracing&) = delete;
+  Tracing& operator=(const Tracing&) = delete;
+  ~Tracing() { active_trace() = outer_; }
+
+ private:
+  Trace* outer_;
+};
+
+}  // namespace duet::pijit
+
+namespace duet::nn {
+
+namespace hana = boost::hana;
+
+template <ElementType T>
+class BasicDynamicCell;
+
+// Called after a cell's forward in PyNative mode with the cell, its input and its output.
+template <ElementType T>
+using BasicForwardHook =
+    std::function<void(const BasicDynamicCell<T>& cell, const BasicTensor<T>& input, const BasicTensor<T>& output)>;
+using ForwardHook = BasicForwardHook<float>;
+
+// Called while a PyNative backward pass goes through the cell, with the gradient of its input
+// (empty when nothing upstream is differentiated) and of its output.
+template <ElementType T>
+using BasicBackwardHook = std::function<void(const BasicDynamicCell<T>& cell, const BasicTensor<T>& grad_input,
+                                             const BasicTensor<T>& grad_output)>;
+using BackwardHook = BasicBackwardHook<float>;
+
+namespace detail {
+// Naming a tree of cells happens once, on first use; the lock makes concurrent first calls safe.
+inline std::mutex& naming_mutex() {
+  static std::mutex m;
+  return m;
+}
+}  // namespace detail
+
+// Removes the hook it was returned for (MindSpore's handle.remove()).
+template <ElementType T>
+class HookHandle {
+ public:
+  HookHandle() = default;
+  HookHandle(BasicDynamicCell<T>* cell, long id) : cell_(cell), id_(id) {}
+  void remove() {
+    if (cell_ != nullptr) cell_->remove_hook(id_);
+    cell_ = nullptr;
+  }
+
+ private:
+  BasicDynamicCell<T>* cell_ = nullptr;
+  long id_ = 0;
+};
+
+template <ElementType T>
+class BasicDynamicCell {
+ public:
+  using value_type = T;
+  using ChildVisitor = std::function<void(std::string_view name, BasicDynamicCell& child)>;
+  using ParameterVisitor = std::function<void(std::string_view name, BasicParameter<T>& parameter)>;
+
+  BasicDynamicCell() = default;
+  BasicDynamicCell(const BasicDynamicCell&) = delete;
+  BasicDynamicCell& operator=(const BasicDynamicCell&) = delete;
+  // Movable so that containers can take cells by value; a moved cell keeps its hooks, and
+  // HookHandles of the old object no longer refer to it.
+  BasicDynamicCell(BasicDynamicCell&& other) noexcept
+      : name_(std::move(other.name_)),
+        named_(other.named_.load()),
+        hooks_(std::exchange(other.hooks_, {})),
+        backward_hooks_(std::exchange(other.backward_hooks_, {})),
+        last_hook_id_(other.last_hook_id_) {}
+  BasicDynamicCell& operator=(BasicDynamicCell&&) = delete;
+  virtual ~BasicDynamicCell() {
+    duet::detail::live_hook_count().fetch_sub(static_cast<long>(hooks_.size() + backward_hooks_.size()));
+  }
+
+  BasicTensor<T> operator()(const BasicTensor<T>& x) {
+    ensure_named();
+    if (pijit::Trace* trace = pijit::active_trace()) trace->note_cell([this] { return has_hooks_in_tree(); });
+    BasicTensor<T>* traced_output = nullptr;
+    if (!backward_hooks_.empty()) {
+      if (autodiff::Tape* tape = autodiff::active_tape()) {
+        traced_output = tape->begin_cell(x, [this](const BasicTensor<T>& grad_input, const BasicTensor<T>& grad_output) {
+          for (const auto& [id, hook] : backward_hooks_) hook(*this, grad_input, grad_output);
+        });
+      }
+    }
+    BasicTensor<T> y = forward(x);
+    if (traced_output != nullptr) *traced_output = y;
+    for (const auto& [id, hook] : hooks_) hook(*this, x, y);
+    return y;
+  }
+
+  // Unique for the life of the program, unlike the address: what caches of compiled plans key on.
+  std::uint64_t id() const { return id_; }
+
+  // Path from the root the cell was first used under ("dense_relu_sequential.0"); "" for it.
+  const std::string& name() const { return name_; }
+  // What the cell is: "nn::Dense<784, 512, float>".
+  virtual std::string type_name() const = 0;
+  // "nn::Dense<784, 512, float> 'dense_relu_sequential.0'": how errors name a cell.
+  std::string label() const { return name_.empty() ? type_name() : type_name() + " '" + name_ + "'"; }
+
+  virtual void for_each_child(const ChildVisitor&) {}
+  virtual void for_each_own_parameter(const ParameterVisitor&) {}
+
+  // All parameters of the tree, named by path ("dense_relu_sequential.0.weight").
+  std::vector<NamedParameter<T>> parameters() {
+    std::vector<NamedParameter<T>> out;
+    collect_parameters("", out);
+    return out;
+  }
+
+  // This cell and all below it, depth first, with their paths (MindSpore's cells_and_names).
+  std::vector<std::pair<std::string, BasicDynamicCell*>> cells_and_names() {
+    std::vector<std::pair<std::string, BasicDynamicCell*>> out;
+    collect_cells("", out);
+    return out;
+  }
+
+  HookHandle<T> register_forward_hook(BasicForwardHook<T> hook) {
+    hooks_.emplace_back(++last_hook_id_, std::move(hook));
+    duet::detail::live_hook_count().fetch_add(1);
+    return HookHandle<T>(this, last_hook_id_);
+  }
+
+  // Backward hooks run while a PyNative gradient (value_and_grad, grad, TrainOneStepCell)
+  // goes back through this cell.
+  HookHandle<T> register_backward_hook(BasicBackwardHook<T> hook) {
+    backward_hooks_.emplace_back(++last_hook_id_, std::move(hook));
+    duet::detail::live_hook_count().fetch_add(1);
+    return HookHandle<T>(this, last_hook_id_);
+  }
+
+  void remove_hook(long id) {
+    const auto before = hooks_.size() + backward_hooks_.size();
+    std::erase_if(hooks_, [id](const auto& h) { return h.first == id; });
+    std::erase_if(backward_hooks_, [id](const auto& h) { return h.first == id; });
+    duet::detail::live_hook_count().fetch_sub(static_cast<long>(before - hooks_.size() - backward_hooks_.size()));
+  }
+
+  // Whether this cell or one below it has a forward or backward hook.
+  bool has_hooks_in_tree() {
+    if (duet::detail::live_hook_count().load() == 0) return false;
+    bool found = !hooks_.empty() || !backward_hooks_.empty();
+    for_each_child([&](std::string_view, BasicDynamicCell& c) { found = found || c.has_hooks_in_tree(); });
+    return found;
+  }
+
+  // Gives this cell and all below it their paths, if no call or parent has done so yet.
+  void ensure_named() {
+    if (named_.load(std::memory_order_acquire)) return;
+    std::lock_guard lock(detail::naming_mutex());
+    if (!named_.load(std::memory_order_relaxed)) assign_names("");
+  }
+
+ protected:
+  virtual BasicTensor<T> forward(const BasicTensor<T>& x) = 0;
+
+ private:
+  void assign_names(const std::string& path) {
+    name_ = path;
+    for_each_child([&](std::string_view child, BasicDynamicCell& c) { c.assign_names(join(path, child)); });
+    named_.store(true, std::memory_order_release);
+  }
+
+  // A child named "" is transparent: its own children take their names from the path itself.
+  static std::string join(const std::string& path, std::string_view child) {
+    if (child.empty()) return path;
+    return path.empty() ? std::string(child) : path + "." + std::string(child);
+  }
+
+  void collect_parameters(const std::string& path, std::vector<NamedParameter<T>>& out) {
+    for_each_own_parameter([&](std::string_view n, BasicParameter<T>& p) { out.push_back({join(path, n), &p}); });
+    for_each_child([&](std::string_view n, BasicDynamicCell& c) { c.collect_parameters(join(path, n), out); });
+  }
+
+  void collect_cells(const std::string& path, std::vector<std::pair<std::string, BasicDynamicCell*>>& out) {
+    out.emplace_back(path, this);
+    for_each_child([&](std::string_view n, BasicDynamicCell& c) { c.collect_cells(join(path, n), out); });
+  }
+
+  std::uint64_t id_ = duet::detail::new_plan_owner();
+  std::string name_;
+  std::atomic<bool> named_{false};
+  std::vector<std::pair<long, BasicForwardHook<T>>> hooks_;
+  std::vector<std::pair<long, BasicBackwardHook<T>>> backward_hooks_;
+  long last_hook_id_ = 0;
+};
+
+using DynamicCell = BasicDynamicCell<float>;
+
+template <class X>
+concept DynamicCellType = std::is_base_of_v<BasicDynamicCell<typename X::value_type>, X>;
+
+template <class C, class X>
+concept HasConstruct = requires(C& cell, X x) {
+  cell.construct(x);
+};
+
+namespace detail {
+template <auto Setting>
+constexpr Mode mode_of_setting() {
+  using S = std::remove_cvref_t<decltype(Setting)>;
+  static_assert(std::is_same_v<S, Mode> || std::is_same_v<S, JitConfig>,
+                "duet::nn::Cell<Derived, Setting>: Setting is a Mode (GRAPH_MODE, PYNATIVE_MODE, CONTEXT_MODE) "
+                "or a JitConfig");
+  if constexpr (std::is_same_v<S, JitConfig>) return GRAPH_MODE;
+  else return Setting;
+}
+template <auto Setting>
+constexpr JitConfig jit_config_of_setting() {
+  if constexpr (std::is_same_v<std::remove_cvref_t<decltype(Setting)>, JitConfig>) return Setting;
+  else return JitConfig{};
+}
+}  // namespace detail
+
+// What a user's network derives from. Setting fixes how the cell runs whatever the context:
+// GRAPH_MODE or PYNATIVE_MODE, or a JitConfig (graph mode compiled that way: MindSpore's
+// @jit on construct); CONTEXT_MODE, the default, follows set_context at each call.
+template <class Derived, auto Setting = CONTEXT_MODE, ElementType T = float>
+class Cell : public BasicDynamicCell<T> {
+  static constexpr Mode M = detail::mode_of_setting<Setting>();
+
+ public:
+  static constexpr Mode mode = M;
+  static constexpr JitConfig jit_config = detail::jit_config_of_setting<Setting>();
+
+  // One tensor in: the DynamicCell call (hooks, then forward in this cell's mode).
+  BasicTensor<T> operator()(const BasicTensor<T>& x) {
+    static_assert(HasConstruct<Derived, BasicTensor<T>>,
+                  "duet::nn::Cell: the derived cell must define construct(x), generic over its input: "
+                  "auto construct(auto x) { ... }");
+    return BasicDynamicCell<T>::operator()(x);
+  }
+
+  // Graph capture: construct appends this cell's nodes to the graph its inputs belong to.
+  // Hooks cannot run inside a graph: refused here rather than silently dropped.
+  template <graph::Symbolic... S>
+    requires(sizeof...(S) >= 1)
+  auto operator()(const S&... xs) {
+    if (this->has_hooks_in_tree()) {
+      throw ModeError(this->label() +
+                      " is captured into a graph (graph mode or jit), but it or a cell in it has a hook; hooks "
+                      "see intermediate values in PyNative mode only");
+    }
+    return derived().construct(xs...);
+  }
+
+  // A statically shaped input: both modes check it against the layers at compile time and
+  // return a StaticTensor of the inferred output shape.
+  template <index_t... D>
+  auto operator()(const StaticTensor<T, D...>& x) {
+    using Captured = decltype(std::declval<Derived&>().construct(graph::input<T, StaticShape<D...>>()));
+    if constexpr (M != PYNATIVE_MODE) {
+      if (effective_mode(M) == GRAPH_MODE) {
+        this->ensure_named();
+        return to_static_tensor<Captured>(run_graph<StaticShape<D...>>(x.tensor()));
+      }
+    }
+    return to_static_tensor<Captured>((*this)(x.tensor()));
+  }
+
+  // Cells whose construct takes several tensors (a network with its loss, say). They are not
+  // DynamicCells of one input, so they run no forward hooks of their own.
+  template <class... X>
+  requires(sizeof...(X) >= 2 && ((is_tensor_v<X> || is_static_tensor_v<X>)&&...)) auto operator()(const X&... xs) {
+    this->ensure_named();
+    if constexpr (M != PYNATIVE_MODE) {
+      if (effective_mode(M) == GRAPH_MODE) return run_graph<typename graph::pattern_of<X>::type...>(tensor_of(xs)...);
+    }
+    EagerScope eager;
+    return derived().construct(tensor_of(xs)...);
+  }
+
+  std::string type_name() const override { return duet::detail::readable_type_name(typeid(Derived)); }
+
+  void for_each_child(const typename BasicDynamicCell<T>::ChildVisitor& visit) override {
+    for_each_member([&](std::string_view name, auto& member) {
+      if constexpr (DynamicCellType<std::remove_cvref_t<decltype(member)>>) visit(name, member);
+    });
+  }
+
+  void for_each_own_parameter(const typename BasicDynamicCell<T>::ParameterVisitor& visit) override {
+    for_each_member([&](std::string_view name, auto& member) {
+      if constexpr (std::is_same_v<std::remove_cvref_t<decltype(member)>, BasicParameter<T>>) visit(name, member);
+    });
+  }
+
+ protected:
+  BasicTensor<T> forward(const BasicTensor<T>& x) override {
+    if constexpr (!HasConstruct<Derived, BasicTensor<T>>) {
+      throw ModeError(this->label() + ": construct takes several inputs; call the cell with all of them");
+    } else if constexpr (M == GRAPH_MODE) {
+      return run_graph<graph::AnyShape>(x);
+    } else {
+      if constexpr (M == CONTEXT_MODE) {
+        if (effective_mode(M) == GRAPH_MODE) return run_graph<graph::AnyShape>(x);
+      }
+      EagerScope eager;
+      return derived().construct(x);
+    }
+  }
+
+ private:
+  Derived& derived() { return static_cast<Derived&>(*this); }
+
+  // Capture, optimise, run. Capture and passes cost nothing at run time (they are types);
+  // the plan for the inputs' shapes is kept per thread, so repeated shapes skip planning.
+  template <class... Patterns, class... Ts>
+  auto run_graph(const BasicTensor<Ts>&... xs) {
+    if (this->has_hooks_in_tree()) {
+      throw ModeError(this->label() +
+                      " runs in graph mode, but a cell in it has a hook; hooks see intermediate values "
+                      "in PyNative mode only (set_context({.mode = PYNATIVE_MODE}))");
+    }
+    auto program = passes::optimize<jit_config>([&]<std::size_t... K>(std::index_sequence<K...>) {
+      return derived().construct(graph::input<Ts, Patterns, K>()...);
+    }(std::index_sequence_for<Ts...>{}));
+    const std::array<Shape, sizeof...(Ts)> shapes{xs.shape()...};
+    const auto& p = duet::detail::cached_plan<jit_config>(this->id(), program, shapes,
+                                                           [this] { return this->type_name() + "::construct"; });
+    return run<DefaultBackend, jit_config>(program, p, xs...);
+  }
+
+  template <class Captured>
+  static auto to_static_tensor(BasicTensor<T> y) {
+    constexpr Shape s = Captured::shape;
+    return [&]<std::size_t... I>(std::index_sequence<I...>) {
+      return StaticTensor<T, s[static_cast<int>(I)]...>(std::move(y));
+    }
+    (std::make_index_sequence<static_cast<std::size_t>(s.rank())>{});
+  }
+
+  template <class F>
+  void for_each_member(F&& f) {
+    if constexpr (hana::Struct<Derived>::value) {
+      hana::for_each(hana::accessors<Derived>(), [&](auto accessor) {
+        f(std::string_view(hana::to<const char*>(hana::first(accessor))), hana::second(accessor)(derived()));
+      });
+    }
+  }
+};
+
+}  // namespace duet::nn
+// PyNative evaluation of one operation: run its shape rule, allocate its output from the
+// pool, call its kernel. The graph evaluator uses the same rule and the same kernel, which is
+// why the two modes agree.
+
+#include <array>
+#include <type_traits>
+#include <utility>
+
+
 namespace duet {
 
 namespace detail {
@@ -3200,6 +3699,7 @@ auto run_into_new(const Op& op, const BasicTensor<First>& first, const BasicTens
     op.template run<Backend, T>(graph::KernelArgs{in.data(), shapes.data(), y.data(), out_shape});
   }
   if (autodiff::Tape* tape = autodiff::active_tape()) tape->record(op, y, first, rest...);
+  if (pijit::Trace* trace = pijit::active_trace()) trace->record(op, y, first, rest...);
   return y;
 }
 
@@ -3211,11 +3711,11 @@ auto run_eager(const Op& op, const BasicTensor<T>& x) {
 }
 
 // A temporary nobody else holds is overwritten in place by elementwise operations, unless a
-// tape records: its records keep the values their gradients read.
+// tape or a trace records: their records keep the values they read.
 template <class Backend = DefaultBackend, class Op, class T>
 auto run_eager(const Op& op, BasicTensor<T>&& x) {
   if constexpr (Op::is_elementwise) {
-    if (x.use_count() == 1 && autodiff::active_tape() == nullptr) {
+    if (x.use_count() == 1 && autodiff::active_tape() == nullptr && pijit::active_trace() == nullptr) {
       const std::array<Shape, 1> shapes{x.shape()};
       const Shape out_shape = detail::checked_output_shape(op, shapes);
       const void* in[1] = {x.data()};
@@ -3315,6 +3815,13 @@ template <class Op>
 struct operation_is_differentiable {
   static constexpr bool value = false;
 };
+
+// A class, so that one operation is reported once however many backward graphs meet it.
+template <class Op>
+struct require_differentiable {
+  static_assert(operation_is_differentiable<Op>::value,
+                "duet::grad: a gradient must flow through an operation that has none (the condition names it)");
+};
 }  // namespace diagnostic
 
 namespace autodiff {
@@ -3379,9 +3886,7 @@ auto backward_from(const G& g, const Built& built) {
     if constexpr (gi == no_grad || graph::is_input_op_v<Op>) {
       return backward_from<i, Grads, Leads>(g, built);
     } else if constexpr (!Differentiable<Op>) {
-      static_assert(diagnostic::operation_is_differentiable<typename Op::layer_type>::value,
-                    "duet::grad: a gradient must flow through an operation that has none (the condition "
-                    "names it)");
+      static_cast<void>(sizeof(diagnostic::require_differentiable<typename Op::layer_type>));
       return backward_from<i, Grads, Leads>(g, built);
     } else {
       constexpr bool input_grad = N::arity >= 1 && Leads[N::args[0]];
@@ -3659,13 +4164,13 @@ class GradFunction {
   template <bool WithInput, class V, class... X>
   BasicTensor<V> run_graph(BasicTensor<V>& input_grad, const X&... xs) {
     if constexpr (autodiff::detail::CellLike<Fn>) {
-      if (fn_.has_forward_hooks_in_tree()) {
+      if (fn_.has_hooks_in_tree()) {
         throw ModeError(fn_.label() +
-                        " is differentiated in graph mode, but a cell in it has a forward hook; "
+                        " is differentiated in graph mode, but a cell in it has a hook; "
                         "hooks run in PyNative mode only");
       }
     }
-    auto forward = passes::optimize([&]<std::size_t... K>(std::index_sequence<K...>) {
+    auto forward = passes::optimize<JitConfig{}, true>([&]<std::size_t... K>(std::index_sequence<K...>) {
       return fn_(graph::input<typename X::value_type, typename graph::pattern_of<X>::type, K>()...);
     }(std::index_sequence_for<X...>{}));
     const std::array<Shape, sizeof...(X)> shapes{xs.shape()...};
@@ -3675,15 +4180,23 @@ class GradFunction {
         if constexpr (differentiable_input<V, decltype(k)::value, X...>()) {
           auto training = autodiff::build_backward<decltype(k)::value>(forward, &input_grad);
           return BasicTensor<V>(
-              run<DefaultBackend>(training, duet::detail::cached_plan(id_, training, shapes), tensor_of(xs)...));
+              run<DefaultBackend>(training, duet::detail::cached_plan(id_, training, shapes, where()), tensor_of(xs)...));
         } else {
           return BasicTensor<V>();
         }
       });
     } else {
       auto training = autodiff::build_backward<>(forward);
-      return run<DefaultBackend>(training, duet::detail::cached_plan(id_, training, shapes), tensor_of(xs)...);
+      return run<DefaultBackend>(training, duet::detail::cached_plan(id_, training, shapes, where()), tensor_of(xs)...);
     }
+  }
+
+  // What messages call the function: the cell's construct, or "the differentiated function".
+  auto where() const {
+    return [this] {
+      if constexpr (autodiff::detail::CellLike<Fn>) return fn_.type_name() + "::construct";
+      else return std::string("the differentiated function");
+    };
   }
 
   Fn fn_;
@@ -3751,13 +4264,14 @@ auto grad(Fn&& fn, Weights&&... weights_and_position) {
 // A file starting with the gzip magic (0x1F 0x8B) is decompressed on the way; concatenated
 // gzip members are read as one stream, as gunzip does.
 //
-// The reader takes any bytes: a malformed file is a duet::FormatError naming the problem, an
-// unreadable one a duet::IOError. The header is not trusted with memory: the data is first
-// streamed through a fixed buffer to prove it is all there, and only then is the tensor
-// allocated and the file read again into it. So a short file claiming a gigabyte (a gzip
-// bomb's header) fails having allocated nothing, and a real one is held once, with no growing
-// buffer copied into the tensor to double the peak (the Fashion-MNIST training images are
-// 47 MB; decompressing them twice costs about 0.4 s).
+// The reader takes any bytes, from a file (read_idx) or from memory (read_idx_bytes): a
+// malformed file is a duet::FormatError naming the problem, an unreadable one a
+// duet::IOError. The header is not trusted with memory: the data is first streamed through a
+// fixed buffer to prove it is all there, and only then is the tensor allocated and the file
+// read again into it. So a short file claiming a gigabyte (a gzip bomb's header) fails having
+// allocated nothing, and a real one is held once, with no growing buffer copied into the
+// tensor to double the peak (the Fashion-MNIST training images are 47 MB; decompressing them
+// twice costs about 0.4 s).
 
 #include <zlib.h>
 
@@ -3796,23 +4310,25 @@ namespace detail {
 // Built by appending: GCC 12 warns falsely (-Wrestrict, PR105329) on "'" + std::string.
 inline std::string quoted(const std::filesystem::path& path) { return std::string("'").append(path.string()) + "'"; }
 
-// A file's bytes, gunzipped on the way when it starts with the gzip magic.
+// The bytes of a file or of a buffer in memory, gunzipped on the way when they start with the
+// gzip magic.
 class IdxByteStream {
  public:
+  // Reads the file a chunk at a time.
   IdxByteStream(const std::filesystem::path& path, const std::string& where)
       : where_(where),
         file_(std::fopen(path.c_str(), "rb")),
-        in_(std::make_unique_for_overwrite<unsigned char[]>(chunk)) {
+        buffer_(std::make_unique_for_overwrite<unsigned char[]>(chunk)) {
     if (file_ == nullptr) {
       const int error = errno;
       throw IOError(where_ + ": cannot open: " + std::generic_category().message(error));
     }
-    in_size_ = fill();
-    if (in_size_ >= 2 && in_[0] == 0x1F && in_[1] == 0x8B) {
-      inflater_.emplace(where_);
-      inflater_->z.next_in = in_.get();
-      inflater_->z.avail_in = static_cast<uInt>(in_size_);
-    }
+    start();
+  }
+  // Reads the caller's bytes in place, which must outlive the stream.
+  IdxByteStream(std::span<const std::byte> bytes, const std::string& where)
+      : where_(where), memory_(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size()) {
+    start();
   }
   IdxByteStream(const IdxByteStream&) = delete;
   IdxByteStream& operator=(const IdxByteStream&) = delete;
@@ -3850,22 +4366,43 @@ class IdxByteStream {
     z_stream z{};
   };
 
-  std::size_t fill() {
-    const std::size_t n = std::fread(in_.get(), 1, chunk, file_.get());
+  void start() {
+    in_ = next_chunk();
+    if (in_.size() >= 2 && in_[0] == 0x1F && in_[1] == 0x8B) {
+      inflater_.emplace(where_);
+      feed_inflater();
+    }
+  }
+
+  // The next input bytes, empty at the end. Memory is handed out in chunks too, since zlib
+  // counts its input in 32 bits.
+  std::span<const unsigned char> next_chunk() {
+    if (file_ == nullptr) {
+      const auto out = memory_.first(std::min(chunk, memory_.size()));
+      memory_ = memory_.subspan(out.size());
+      return out;
+    }
+    const std::size_t n = std::fread(buffer_.get(), 1, chunk, file_.get());
     if (n < chunk && std::ferror(file_.get()) != 0) {
       const int error = errno;
       throw IOError(where_ + ": read failed: " + std::generic_category().message(error));
     }
-    return n;
+    return {buffer_.get(), n};
+  }
+
+  void feed_inflater() {
+    // zlib only reads through next_in, which is non-const unless ZLIB_CONST is defined.
+    inflater_->z.next_in = const_cast<Bytef*>(in_.data());
+    inflater_->z.avail_in = static_cast<uInt>(in_.size());
   }
 
   std::size_t copy_some(std::span<std::byte> out) {
-    if (in_pos_ == in_size_) {
-      in_size_ = fill();
+    if (in_pos_ == in_.size()) {
+      in_ = next_chunk();
       in_pos_ = 0;
     }
-    const std::size_t n = std::min(out.size(), in_size_ - in_pos_);
-    std::copy_n(in_.get() + in_pos_, n, reinterpret_cast<unsigned char*>(out.data()));
+    const std::size_t n = std::min(out.size(), in_.size() - in_pos_);
+    std::copy_n(in_.data() + in_pos_, n, reinterpret_cast<unsigned char*>(out.data()));
     in_pos_ += n;
     return n;
   }
@@ -3878,8 +4415,8 @@ class IdxByteStream {
     z.avail_out = wanted;
     while (z.avail_out == wanted) {
       if (z.avail_in == 0) {
-        z.next_in = in_.get();
-        z.avail_in = static_cast<uInt>(fill());
+        in_ = next_chunk();
+        feed_inflater();
         if (z.avail_in == 0) {
           if (in_member_) throw FormatError(where_ + ": the gzip data is truncated");
           break;
@@ -3905,9 +4442,10 @@ class IdxByteStream {
   }
 
   std::string where_;
-  std::unique_ptr<std::FILE, FileCloser> file_;
-  std::unique_ptr<unsigned char[]> in_;
-  std::size_t in_size_ = 0;
+  std::unique_ptr<std::FILE, FileCloser> file_;  // null when reading memory_
+  std::unique_ptr<unsigned char[]> buffer_;      // what in_ views, for a file
+  std::span<const unsigned char> memory_;        // the bytes not yet handed out, for memory
+  std::span<const unsigned char> in_;            // the current chunk
   std::size_t in_pos_ = 0;
   std::optional<Inflater> inflater_;
   bool in_member_ = true;  // the magic promised a first member
@@ -4047,35 +4585,47 @@ BasicTensor<T> read_idx_data(IdxByteStream& in, const IdxHeader& h, const std::s
   return t;
 }
 
+// Both passes over the data; open() makes a new stream from its start each time.
+template <class Open>
+IdxArray read_idx_from(Open open, const std::string& where) {
+  IdxHeader header;
+  {
+    IdxByteStream probe = open();
+    header = read_idx_header(probe, where);
+    skip_idx_data(probe, header, where);
+  }
+  IdxByteStream in = open();
+  if (!(read_idx_header(in, where) == header)) throw FormatError(where + ": the file changed while being read");
+  IdxArray out{header.dtype, header.shape, {}};
+  switch (header.dtype) {
+    case DType::int32:
+      out.data = read_idx_data<std::int32_t>(in, header, where);
+      break;
+    case DType::float32:
+      out.data = read_idx_data<float>(in, header, where);
+      break;
+    case DType::float64:
+      out.data = read_idx_data<double>(in, header, where);
+      break;
+    default:
+      out.data = read_idx_data<std::uint8_t>(in, header, where);
+      break;  // uint8, the last one
+  }
+  return out;
+}
+
 }  // namespace detail
 
 // The header, dimensions and elements of an IDX file; any malformed file is a FormatError.
 inline IdxArray read_idx(const std::filesystem::path& path) {
   const std::string where = "IDX file " + detail::quoted(path);
-  detail::IdxHeader header;
-  {
-    detail::IdxByteStream probe(path, where);
-    header = detail::read_idx_header(probe, where);
-    detail::skip_idx_data(probe, header, where);
-  }
-  detail::IdxByteStream in(path, where);
-  if (!(detail::read_idx_header(in, where) == header)) throw FormatError(where + ": the file changed while being read");
-  IdxArray out{header.dtype, header.shape, {}};
-  switch (header.dtype) {
-    case DType::int32:
-      out.data = detail::read_idx_data<std::int32_t>(in, header, where);
-      break;
-    case DType::float32:
-      out.data = detail::read_idx_data<float>(in, header, where);
-      break;
-    case DType::float64:
-      out.data = detail::read_idx_data<double>(in, header, where);
-      break;
-    default:
-      out.data = detail::read_idx_data<std::uint8_t>(in, header, where);
-      break;  // uint8, the last one
-  }
-  return out;
+  return detail::read_idx_from([&] { return detail::IdxByteStream(path, where); }, where);
+}
+
+// The same for the bytes of an IDX file already in memory, plain or gzipped.
+inline IdxArray read_idx_bytes(std::span<const std::byte> bytes) {
+  const std::string where = "IDX data";
+  return detail::read_idx_from([&] { return detail::IdxByteStream(bytes, where); }, where);
 }
 
 // An IDX file of unsigned bytes (images, labels), as a tensor of its shape.
@@ -4508,14 +5058,550 @@ GraphText dump(const Sym<G, Out>& program, const std::string& title) {
 
 }  // namespace graph
 
-// The graph of cell for inputs of the given pattern (duet::shape<dyn, 1, 28, 28>, say); by
-// default an input of unknown shape, as when a runtime tensor is passed.
-template <class C, class Pattern = graph::AnyShape>
+// The graph of cell for inputs of the given pattern (duet::shape<dyn, 1, 28, 28>, say; by
+// default an input of unknown shape, as when a runtime tensor is passed), optimised at the
+// jit level of Config.
+template <JitConfig Config = JitConfig{}, class C, class Pattern = graph::AnyShape>
 GraphIR graph_ir(C& cell, Pattern = {}) {
   cell.ensure_named();
   auto captured = cell(graph::input<typename C::value_type, Pattern>());
   const std::string title = cell.type_name();
-  return {graph::dump(captured, title), graph::dump(passes::optimize(captured), title)};
+  return {graph::dump(captured, title), graph::dump(passes::optimize<Config>(captured), title)};
+}
+
+}  // namespace duet
+// Where a graph meets the host: printing a live value, and calling back into C++.
+//
+// duet::print is a graph operation: in either mode, and at every jit level, it prints the value
+// when it is computed and passes it on unchanged (as a view), so a user never has to take jit
+// away to see a value. duet::host runs any C++ function on a value: a host node, a graph
+// break that runs eagerly between compiled parts. A jit function of JitSyntaxLevel::strict
+// refuses host nodes at compile time.
+
+#include <algorithm>
+#include <array>
+#include <functional>
+#include <iostream>
+#include <mutex>
+#include <string>
+#include <utility>
+
+// Printing tensors: `std::cout << t` and duet::to_string(t) give exactly what numpy 1.24's
+// str(array) gives with the default print options, which is how MindSpore prints tensors.
+//
+// The code follows numpy/core/arrayprint.py (array2string, _formatArray, FloatingFormat,
+// IntegerFormat); the names below refer to it. numpy's Dragon4 prints the shortest decimal that
+// reads back as the same value, as std::to_chars does, and rounds the exact binary value to
+// nearest, ties to even, when a precision cuts it short, as std::to_chars does too.
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <ostream>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+
+namespace duet {
+
+namespace detail {
+
+// numpy's default print options.
+inline constexpr std::size_t print_line_width = 75;
+inline constexpr index_t print_threshold = 1000;  // more elements than this are summarised
+inline constexpr index_t print_edge_items = 3;    // kept at each end of a summarised axis
+inline constexpr int print_precision = 8;         // most digits after the point
+
+// Stands for the "..." of a summarised axis where an index would be.
+inline constexpr index_t print_ellipsis = -1;
+
+// Calls fn with the indices along an axis of length n that are printed, in order, and with
+// print_ellipsis where the middle ones are left out.
+template <class Fn>
+void for_each_printed(index_t n, bool summarise, Fn&& fn) {
+  const bool gap = summarise && n > 2 * print_edge_items;
+  for (index_t i = 0; i < n; ++i) {
+    if (gap && i == print_edge_items) {
+      fn(print_ellipsis);
+      i = n - print_edge_items;
+    }
+    fn(i);
+  }
+}
+
+// The printed elements in order: numpy computes the format from these alone (_leading_trailing).
+template <class T>
+void collect_printed(const T* data, const Shape& shape, int axis, bool summarise, std::vector<T>& out) {
+  if (axis == shape.rank()) {
+    out.push_back(*data);
+    return;
+  }
+  const index_t stride = shape.numel_from(axis + 1);
+  for_each_printed(shape[axis], summarise, [&](index_t i) {
+    if (i != print_ellipsis) collect_printed(data + i * stride, shape, axis + 1, summarise, out);
+  });
+}
+
+template <class... Args>
+std::string chars_of(Args... args) {
+  char buf[400];  // fits any double, even in fixed notation with print_precision decimals
+  const auto result = std::to_chars(buf, buf + sizeof buf, args...);
+  return std::string(buf, result.ptr);
+}
+
+inline std::string integer_str(std::int64_t x) { return chars_of(x); }
+
+// A finite float in scientific notation: sign, significant digits and the exponent of the first
+// digit. The shortest that reads back (precision < 0), or rounded to 1 + precision digits.
+struct Decimal {
+  bool negative = false;
+  std::string digits;
+  int exponent = 0;
+};
+
+template <class F>
+Decimal decimal_of(F x, int precision = -1) {
+  const std::string s = precision < 0 ? chars_of(x, std::chars_format::scientific)
+                                      : chars_of(x, std::chars_format::scientific, precision);
+  Decimal d;
+  std::size_t i = 0;
+  if (s[i] == '-') {
+    d.negative = true;
+    ++i;
+  }
+  for (; s[i] != 'e'; ++i) {
+    if (s[i] != '.') d.digits += s[i];
+  }
+  ++i;
+  if (s[i] == '+') ++i;  // from_chars rejects a leading '+'
+  std::from_chars(s.data() + i, s.data() + s.size(), d.exponent);
+  return d;
+}
+
+inline void trim_trailing_zeros(std::string& s, std::size_t keep) {
+  while (s.size() > keep && s.back() == '0') s.pop_back();
+}
+
+// What numpy's Dragon4 writes either side of the point; the sign goes with the integer part.
+struct FloatParts {
+  std::string int_part;
+  std::string frac_part;
+  int exponent = 0;  // scientific notation only
+};
+
+// x rounded to `precision` digits after the point, trailing zeros dropped.
+template <class F>
+FloatParts fixed_parts(F x, int precision) {
+  const std::string s = chars_of(x, std::chars_format::fixed, precision);
+  const std::size_t point = s.find('.');
+  FloatParts p;
+  p.int_part = s.substr(0, point);
+  if (point != std::string::npos) p.frac_part = s.substr(point + 1);
+  trim_trailing_zeros(p.frac_part, 0);
+  return p;
+}
+
+// dragon4_positional(x, precision, min_digits, unique=True, fractional=True, trim='.'), where
+// precision < 0 means none and min_digits is -1 (none) or 0.
+template <class F>
+FloatParts positional_parts(F x, int precision, int min_digits) {
+  const Decimal d = decimal_of(x);
+  const int n = static_cast<int>(d.digits.size());
+  const int frac_digits = n - 1 - d.exponent;
+  // Past `precision`, and short of `min_digits` (as in 42598728.f, shortest 4259873e1), Dragon4
+  // prints the exact digits of x, rounded.
+  if (precision >= 0 && frac_digits > precision) return fixed_parts(x, precision);
+  if (min_digits >= 0 && frac_digits < min_digits) return fixed_parts(x, min_digits);
+  FloatParts p;
+  if (d.negative) p.int_part = "-";
+  if (d.exponent < 0) {
+    p.int_part += '0';
+    p.frac_part.assign(static_cast<std::size_t>(-d.exponent - 1), '0');
+    p.frac_part += d.digits;
+  } else if (d.exponent + 1 >= n) {
+    p.int_part += d.digits;
+    p.int_part.append(static_cast<std::size_t>(d.exponent + 1 - n), '0');
+  } else {
+    const auto split = static_cast<std::size_t>(d.exponent + 1);
+    p.int_part += d.digits.substr(0, split);
+    p.frac_part = d.digits.substr(split);
+  }
+  return p;
+}
+
+inline FloatParts scientific_parts(const Decimal& d) {
+  FloatParts p;
+  if (d.negative) p.int_part = "-";
+  p.int_part += d.digits[0];
+  p.frac_part = d.digits.substr(1);
+  p.exponent = d.exponent;
+  return p;
+}
+
+// dragon4_scientific(x, precision, unique=True, trim='.'); precision < 0 means none.
+template <class F>
+FloatParts scientific_parts(F x, int precision) {
+  Decimal d = decimal_of(x);
+  if (precision >= 0 && static_cast<int>(d.digits.size()) - 1 > precision) {
+    d = decimal_of(x, precision);
+    trim_trailing_zeros(d.digits, 1);
+  }
+  return scientific_parts(d);
+}
+
+// "e+05", "e-123": at least min_digits digits.
+inline std::string exponent_str(int exponent, std::size_t min_digits) {
+  std::string digits = integer_str(exponent < 0 ? -exponent : exponent);
+  if (digits.size() < min_digits) digits.insert(0, min_digits - digits.size(), '0');
+  return (exponent < 0 ? "e-" : "e+") + digits;
+}
+
+inline std::string pad_left(std::string s, std::size_t width) {
+  if (s.size() < width) s.insert(0, width - s.size(), ' ');
+  return s;
+}
+
+inline std::string pad_right(std::string s, std::size_t width) {
+  if (s.size() < width) s.append(width - s.size(), ' ');
+  return s;
+}
+
+// str() of a numpy scalar, which is what str() of a 0-d array is.
+template <class T>
+std::string scalar_str(T x) {
+  if constexpr (std::is_integral_v<T>) {
+    return integer_str(x);
+  } else {
+    if (std::isnan(x)) return "nan";
+    if (std::isinf(x)) return x < 0 ? "-inf" : "inf";
+    const double magnitude = std::fabs(static_cast<double>(x));
+    if (magnitude == 0 || (magnitude >= 1e-4 && magnitude < 1e16)) {
+      const FloatParts p = positional_parts(x, -1, -1);
+      return p.int_part + '.' + (p.frac_part.empty() ? "0" : p.frac_part);
+    }
+    const FloatParts p = scientific_parts(x, -1);
+    return p.int_part + (p.frac_part.empty() ? "" : '.' + p.frac_part) + exponent_str(p.exponent, 2);
+  }
+}
+
+// FloatingFormat with floatmode 'maxprec', sign '-', suppress_small off.
+template <class F>
+class FloatingFormat {
+ public:
+  explicit FloatingFormat(const std::vector<F>& data) {
+    bool any_nonzero = false;
+    bool any_finite = false;
+    bool any_nonfinite = false;
+    bool negative_inf = false;
+    F max_val = 0;
+    F min_val = 0;
+    for (F x : data) {
+      if (!std::isfinite(x)) {
+        any_nonfinite = true;
+        negative_inf = negative_inf || (std::isinf(x) && x < 0);
+        continue;
+      }
+      any_finite = true;
+      if (x == 0) continue;
+      const F a = std::fabs(x);
+      max_val = any_nonzero ? std::max(max_val, a) : a;
+      min_val = any_nonzero ? std::min(min_val, a) : a;
+      any_nonzero = true;
+    }
+    if (any_nonzero) {
+      // numpy compares the limits as float64 but divides in the element type.
+      const F ratio = max_val / min_val;
+      exp_format_ = static_cast<double>(max_val) >= 1e8 || static_cast<double>(min_val) < 1e-4 || ratio > 1000;
+    }
+
+    if (any_finite && exp_format_) {
+      std::size_t exp_digits = 0;
+      for (F x : data) {
+        if (!std::isfinite(x)) continue;
+        const FloatParts p = scientific_parts(x, print_precision);
+        pad_left_ = std::max(pad_left_, p.int_part.size());
+        precision_ = std::max(precision_, p.frac_part.size());
+        exp_digits = std::max(exp_digits, exponent_str(p.exponent, 2).size() - 2);  // less "e+"
+      }
+      exp_size_ = exp_digits;
+      pad_right_ = exp_size_ + 2 + precision_;
+    } else if (any_finite) {
+      for (F x : data) {
+        if (!std::isfinite(x)) continue;
+        const FloatParts p = positional_parts(x, print_precision, -1);
+        pad_left_ = std::max(pad_left_, p.int_part.size());
+        pad_right_ = std::max(pad_right_, p.frac_part.size());
+      }
+    }
+
+    if (any_nonfinite) {
+      // Room for "nan" and "inf" (or "-inf"), right-aligned with the numbers' last column.
+      const std::size_t width = negative_inf ? 4 : 3;
+      if (width > pad_right_ + 1) pad_left_ = std::max(pad_left_, width - (pad_right_ + 1));
+    }
+  }
+
+  std::string operator()(F x) const {
+    if (std::isnan(x)) return pad_left("nan", pad_left_ + pad_right_ + 1);
+    if (std::isinf(x)) return pad_left(x < 0 ? "-inf" : "inf", pad_left_ + pad_right_ + 1);
+    if (exp_format_) {
+      // numpy asks Dragon4 for min_digits = precision_, and it goes on past the shortest digits
+      // with the exact ones: every mantissa is x rounded to precision_ digits, not zero-padded.
+      const FloatParts p = scientific_parts(decimal_of(x, static_cast<int>(precision_)));
+      return pad_left(p.int_part, pad_left_) + '.' + p.frac_part + exponent_str(p.exponent, exp_size_);
+    }
+    // numpy asks for min_digits = 0 here, but not when measuring.
+    const FloatParts p = positional_parts(x, print_precision, 0);
+    return pad_left(p.int_part, pad_left_) + '.' + pad_right(p.frac_part, pad_right_);
+  }
+
+ private:
+  bool exp_format_ = false;
+  std::size_t pad_left_ = 0;
+  std::size_t pad_right_ = 0;
+  std::size_t precision_ = 0;  // digits after the point of every mantissa, in exp_format_
+  std::size_t exp_size_ = 0;   // digits of every exponent, in exp_format_
+};
+
+template <class I>
+class IntegerFormat {
+ public:
+  explicit IntegerFormat(const std::vector<I>& data) {
+    const auto [lo, hi] = std::minmax_element(data.begin(), data.end());
+    width_ = std::max(integer_str(*lo).size(), integer_str(*hi).size());
+  }
+
+  std::string operator()(I x) const { return pad_left(integer_str(x), width_); }
+
+ private:
+  std::size_t width_ = 0;
+};
+
+// _formatArray, writing into one string. numpy measures each line from its hanging indent; here
+// from the previous newline, which gives the same columns because the '['s opening a row take
+// the place of the hanging indent one for one.
+template <class T, class Format>
+class ArrayWriter {
+ public:
+  ArrayWriter(const BasicTensor<T>& t, bool summarise, const Format& format)
+      : data_(t.data()), shape_(t.shape()), summarise_(summarise), format_(format) {}
+
+  std::string run() && {
+    write(0, 0, print_line_width);
+    return std::move(out_);
+  }
+
+ private:
+  void write(int axis, index_t offset, std::size_t width) {
+    const auto indent = static_cast<std::size_t>(axis) + 1;
+    const bool innermost = axis == shape_.rank() - 1;
+    const index_t stride = shape_.numel_from(axis + 1);
+    bool first = true;
+    out_ += '[';
+    for_each_printed(shape_[axis], summarise_, [&](index_t i) {
+      if (innermost) {
+        if (!first) out_ += ' ';
+        // The last column is kept for the closing ']'.
+        extend_line(i == print_ellipsis ? "..." : format_(data_[offset + i]), width - 1, indent);
+      } else {
+        // Sub-arrays of rank n are separated by n - 1 blank lines.
+        if (!first) start_line(static_cast<std::size_t>(shape_.rank() - axis - 1), indent);
+        if (i == print_ellipsis) {
+          out_ += "...";
+        } else {
+          write(axis + 1, offset + i * stride, width - 1);
+        }
+      }
+      first = false;
+    });
+    out_ += ']';
+  }
+
+  // _extendLine: wraps unless the line holds nothing but its indent, since wrapping would not help.
+  void extend_line(const std::string& word, std::size_t width, std::size_t indent) {
+    const std::size_t column = out_.size() - line_start_;
+    if (column + word.size() > width && column > indent) {
+      while (out_.back() == ' ') out_.pop_back();
+      start_line(1, indent);
+    }
+    out_ += word;
+  }
+
+  void start_line(std::size_t newlines, std::size_t indent) {
+    out_.append(newlines, '\n');
+    line_start_ = out_.size();
+    out_.append(indent, ' ');
+  }
+
+  const T* data_;
+  const Shape& shape_;
+  bool summarise_;
+  const Format& format_;
+  std::string out_;
+  std::size_t line_start_ = 0;
+};
+
+}  // namespace detail
+
+// As numpy's str(array): "[[1.  2.5]\n [3.  4. ]]".
+template <ElementType T>
+std::string to_string(const BasicTensor<T>& t) {
+  if (t.ndim() == 0) return detail::scalar_str(t.data()[0]);
+  if (t.numel() == 0) return "[]";
+  const bool summarise = t.numel() > detail::print_threshold;
+  std::vector<T> printed;
+  detail::collect_printed(t.data(), t.shape(), 0, summarise, printed);
+  if constexpr (std::is_floating_point_v<T>) {
+    const detail::FloatingFormat<T> format(printed);
+    return detail::ArrayWriter<T, detail::FloatingFormat<T>>(t, summarise, format).run();
+  } else {
+    const detail::IntegerFormat<T> format(printed);
+    return detail::ArrayWriter<T, detail::IntegerFormat<T>>(t, summarise, format).run();
+  }
+}
+
+template <ElementType T, index_t... Dims>
+std::string to_string(const StaticTensor<T, Dims...>& t) {
+  return to_string(t.tensor());
+}
+
+template <ElementType T>
+std::ostream& operator<<(std::ostream& os, const BasicTensor<T>& t) {
+  return os << to_string(t);
+}
+
+template <ElementType T, index_t... Dims>
+std::ostream& operator<<(std::ostream& os, const StaticTensor<T, Dims...>& t) {
+  return os << to_string(t.tensor());
+}
+
+}  // namespace duet
+
+namespace duet {
+
+namespace detail {
+inline std::mutex& print_mutex() {
+  static std::mutex m;
+  return m;
+}
+}  // namespace detail
+
+namespace ops {
+
+struct IdentityGradOp {
+  using layer_type = IdentityGradOp;
+  static constexpr int arity = 1;
+  static constexpr bool is_view = true;
+  static constexpr bool is_elementwise = false;
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
+  static std::string op_name() { return "Identity"; }
+  std::string label() const { return op_name(); }
+};
+
+// Prints "label: value" (numpy's format) when the value is computed; outputs its input.
+struct PrintOp {
+  using layer_type = PrintOp;
+  static constexpr int arity = 1;
+  static constexpr bool is_view = true;
+  static constexpr bool has_side_effects = true;
+  static constexpr bool is_elementwise = false;
+
+  const char* text;        // the label; a string literal or a string that outlives the graph
+  std::ostream* out;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    auto copy = BasicTensor<T>::uninitialized(a.in_shape());
+    std::copy_n(a.in<T>(), copy.numel(), copy.data());
+    // One print at a time: threads running graphs side by side do not interleave lines.
+    std::lock_guard lock(duet::detail::print_mutex());
+    *out << (text[0] != '\0' ? std::string(text) + ": " : std::string()) << copy << '\n';
+  }
+
+  static constexpr bool has_parameters = false;
+  static constexpr std::array grad_operands{graph::Operand::grad};
+  template <bool InputGrad>
+  auto grad_op() const {
+    return IdentityGradOp{};
+  }
+
+  static std::string op_name() { return "Print"; }
+  std::string label() const { return op_name(); }
+};
+
+// Calls a C++ function on the value; its result (of the same shape) is the node's value.
+template <class T>
+struct HostOp {
+  using layer_type = HostOp;
+  using value_type = T;
+  static constexpr int arity = 1;
+  static constexpr bool is_view = false;
+  static constexpr bool is_elementwise = false;
+  static constexpr bool is_host = true;
+
+  std::function<BasicTensor<T>(const BasicTensor<T>&)> fn;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
+
+  template <class Backend, class U>
+  void run(const graph::KernelArgs& a) const {
+    auto input = BasicTensor<T>::uninitialized(a.in_shape());
+    std::copy_n(a.in<T>(), input.numel(), input.data());
+    const BasicTensor<T> result = fn(input);
+    if (!(result.shape() == a.output_shape)) {
+      throw ShapeError("duet::host: the callback must return its input's shape " + to_string(a.output_shape) +
+                       ", returned " + to_string(result.shape()));
+    }
+    std::copy_n(result.data(), result.numel(), a.out<T>());
+  }
+
+  static std::string op_name() { return "Host"; }
+  std::string label() const { return "duet::host"; }
+};
+
+}  // namespace ops
+
+namespace graph {
+template <class Op>
+constexpr bool is_host_op() {
+  if constexpr (requires { Op::is_host; }) return Op::is_host;
+  else return false;
+}
+
+// The first host node of G, or G::size.
+template <class G>
+constexpr std::size_t first_host_node() {
+  std::size_t found = G::size;
+  for_each_index<G::size>([&](auto i) {
+    if (found == G::size && is_host_op<typename node_at<G, decltype(i)::value>::op_type>()) found = decltype(i)::value;
+  });
+  return found;
+}
+}  // namespace graph
+
+// Prints x with an optional label when it is computed, and returns it: in PyNative at once, in a
+// graph when the graph runs. The label must outlive the graph (a literal, say).
+template <class X>
+auto print(X&& x, const char* label = "", std::ostream& out = std::cout) {
+  return apply(ops::PrintOp{label, &out}, std::forward<X>(x));
+}
+
+// Runs fn (a function from a tensor to a tensor of the same shape) on x: now in PyNative, or
+// as a host node (a graph break) in a graph.
+template <class F, class X>
+auto host(F&& fn, X&& x) {
+  using T = typename std::remove_cvref_t<X>::value_type;
+  return apply(ops::HostOp<T>{std::function<BasicTensor<T>(const BasicTensor<T>&)>(std::forward<F>(fn))},
+               std::forward<X>(x));
 }
 
 }  // namespace duet
@@ -4658,8 +5744,9 @@ class CheckpointWriter {
   bool committed_ = false;
 };
 
-// A whole file, if it is at most `limit` bytes. The buffer grows with what arrives, so a
-// hostile file costs at most about the limit, however large it is or claims to be.
+// A whole file, or its first limit + 1 bytes when it is larger (which load_parameters then
+// refuses). The buffer grows with what arrives, so a hostile file costs at most about the
+// limit, however large it is or claims to be.
 inline std::vector<unsigned char> read_checkpoint_file(const std::filesystem::path& path, std::uint64_t limit) {
   struct Closer {
     void operator()(std::FILE* f) const { std::fclose(f); }
@@ -4669,10 +5756,7 @@ inline std::vector<unsigned char> read_checkpoint_file(const std::filesystem::pa
   std::vector<unsigned char> bytes;
   for (;;) {
     const std::size_t have = bytes.size();
-    if (have > limit) {
-      throw FormatError(checkpoint_where(path) + ": larger than the " + std::to_string(limit) +
-                        " bytes a checkpoint of this cell takes; it holds other parameters or shapes");
-    }
+    if (have > limit) return bytes;
     const auto grow =
         static_cast<std::size_t>(std::min<std::uint64_t>(std::max<std::size_t>(have, 64 * 1024), limit + 1 - have));
     bytes.resize(have + grow);
@@ -4811,6 +5895,64 @@ inline std::vector<CheckpointRecord> parse_checkpoint(std::span<const unsigned c
   return records;
 }
 
+// The size of a checkpoint of these parameters: files of other sizes hold something else, and
+// a shorter one that fails its checksum is taken as cut.
+template <ElementType T>
+std::uint64_t checkpoint_size(const std::vector<nn::NamedParameter<T>>& parameters) {
+  std::uint64_t size = checkpoint_header_bytes + checkpoint_checksum_bytes;
+  for (const auto& [name, p] : parameters) {
+    size += checkpoint_record_header_bytes + name.size() + 8 * std::uint64_t(p->ndim()) +
+            std::uint64_t(p->numel()) * sizeof(T);
+  }
+  return size;
+}
+
+// load_checkpoint and load_checkpoint_bytes: checks that bytes hold exactly these parameters,
+// then copies them in. `expected` is checkpoint_size(parameters).
+template <ElementType T>
+void load_parameters(std::span<const unsigned char> bytes, std::uint64_t expected,
+                     const std::vector<nn::NamedParameter<T>>& parameters, const std::string& where) {
+  if (bytes.size() > expected) {
+    throw FormatError(where + ": larger than the " + std::to_string(expected) +
+                      " bytes a checkpoint of this cell takes; it holds other parameters or shapes");
+  }
+  std::unordered_map<std::string_view, std::size_t> index;
+  for (std::size_t i = 0; i < parameters.size(); ++i) index.emplace(parameters[i].name, i);
+  const auto records = parse_checkpoint(bytes, expected, where);
+
+  std::vector<const CheckpointRecord*> source(parameters.size(), nullptr);
+  for (const auto& r : records) {
+    const auto found = index.find(r.name);
+    if (found == index.end()) {
+      throw FormatError(where + ": parameter " + shown_name(r.name) + " in the file is not in the cell");
+    }
+    const std::size_t i = found->second;
+    const auto& p = *parameters[i].parameter;
+    if (source[i] != nullptr) {
+      throw FormatError(where + ": parameter '" + parameters[i].name + "' appears twice in the file");
+    }
+    if (r.dtype != p.dtype()) {
+      throw FormatError(where + ": parameter '" + parameters[i].name + "' is " + std::string(name_of(p.dtype())) +
+                        " in the cell but " + std::string(name_of(r.dtype)) + " in the file");
+    }
+    if (!(r.shape == p.shape())) {
+      throw FormatError(where + ": parameter '" + parameters[i].name + "' has shape " + to_string(p.shape()) +
+                        " in the cell but " + to_string(r.shape) + " in the file");
+    }
+    source[i] = &r;
+  }
+  std::string missing;
+  for (std::size_t i = 0; i < parameters.size(); ++i) {
+    if (source[i] == nullptr) missing += (missing.empty() ? "'" : ", '") + parameters[i].name + "'";
+  }
+  if (!missing.empty()) throw FormatError(where + ": the file has no value for the cell's parameter(s) " + missing);
+
+  for (std::size_t i = 0; i < parameters.size(); ++i) {
+    std::copy_n(bytes.begin() + static_cast<std::ptrdiff_t>(source[i]->offset), source[i]->size,
+                reinterpret_cast<unsigned char*>(parameters[i].parameter->data()));
+  }
+}
+
 }  // namespace detail
 
 // Writes every parameter of cell (and the cells below it) to path, atomically: on any failure
@@ -4839,51 +5981,623 @@ void save_checkpoint(nn::BasicDynamicCell<T>& cell, const std::filesystem::path&
 // the file cannot be read) the cell is left as it was.
 template <ElementType T>
 void load_checkpoint(const std::filesystem::path& path, nn::BasicDynamicCell<T>& cell) {
-  const std::string where = detail::checkpoint_where(path);
   const auto parameters = cell.parameters();
-  std::uint64_t expected = detail::checkpoint_header_bytes + detail::checkpoint_checksum_bytes;
-  std::unordered_map<std::string_view, std::size_t> index;
-  for (std::size_t i = 0; i < parameters.size(); ++i) {
-    const auto& p = *parameters[i].parameter;
-    expected += detail::checkpoint_record_header_bytes + parameters[i].name.size() + 8 * std::uint64_t(p.ndim()) +
-                std::uint64_t(p.numel()) * sizeof(T);
-    index.emplace(parameters[i].name, i);
-  }
-
+  const std::uint64_t expected = detail::checkpoint_size(parameters);
   const std::vector<unsigned char> bytes = detail::read_checkpoint_file(path, expected);
-  const auto records = detail::parse_checkpoint(bytes, expected, where);
+  detail::load_parameters(std::span<const unsigned char>(bytes), expected, parameters, detail::checkpoint_where(path));
+}
 
-  std::vector<const detail::CheckpointRecord*> source(parameters.size(), nullptr);
-  for (const auto& r : records) {
-    const auto found = index.find(r.name);
-    if (found == index.end()) {
-      throw FormatError(where + ": parameter " + detail::shown_name(r.name) + " in the file is not in the cell");
-    }
-    const std::size_t i = found->second;
-    const auto& p = *parameters[i].parameter;
-    if (source[i] != nullptr) {
-      throw FormatError(where + ": parameter '" + parameters[i].name + "' appears twice in the file");
-    }
-    if (r.dtype != p.dtype()) {
-      throw FormatError(where + ": parameter '" + parameters[i].name + "' is " + std::string(name_of(p.dtype())) +
-                        " in the cell but " + std::string(name_of(r.dtype)) + " in the file");
-    }
-    if (!(r.shape == p.shape())) {
-      throw FormatError(where + ": parameter '" + parameters[i].name + "' has shape " + to_string(p.shape()) +
-                        " in the cell but " + to_string(r.shape) + " in the file");
-    }
-    source[i] = &r;
-  }
-  std::string missing;
-  for (std::size_t i = 0; i < parameters.size(); ++i) {
-    if (source[i] == nullptr) missing += (missing.empty() ? "'" : ", '") + parameters[i].name + "'";
-  }
-  if (!missing.empty()) throw FormatError(where + ": the file has no value for the cell's parameter(s) " + missing);
+// The same for the bytes of a checkpoint already in memory.
+template <ElementType T>
+void load_checkpoint_bytes(std::span<const std::byte> bytes, nn::BasicDynamicCell<T>& cell) {
+  const auto parameters = cell.parameters();
+  detail::load_parameters(std::span(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size()),
+                          detail::checkpoint_size(parameters), parameters, "checkpoint data");
+}
 
-  for (std::size_t i = 0; i < parameters.size(); ++i) {
-    std::copy_n(bytes.begin() + static_cast<std::ptrdiff_t>(source[i]->offset), source[i]->size,
-                reinterpret_cast<unsigned char*>(parameters[i].parameter->data()));
+}  // namespace duet
+// jit: a function of tensors compiled into a static graph, whatever the global context
+// (MindSpore's mindspore.jit and JitConfig).
+//
+//   auto run_with_jit = duet::jit(run);                                   // function transform
+//   auto run = duet::jit([&](auto x) { return model(x); });               // decorator form
+//   auto fast = duet::jit<duet::JitConfig{.jit_level = duet::O2}>(run);   // with a configuration
+//   struct Net : nn::Cell<Net, duet::JitConfig{}> {...};                  // jit on construct
+//
+// Calling a jitted function captures it on symbolic tensors (a compile-time graph), checks and
+// optimises the graph at the JitConfig's level, and runs it in one evaluator call. The run-time
+// half of compiling (a "compiled form": the plan for the input shapes) is made once per input
+// signature, and counted: each jitted function and the program keep a compile count and a log
+// saying why each recompilation happened.
+//
+// The signature of a call is the dtype and shape of each tensor argument (its input_signature
+// pattern instead, when one is given: a dynamic dimension then means one compiled form for all
+// its sizes), the value of each other argument (unless wrapped in duet::mutable_), and the
+// current values of the hash_args.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <typeindex>
+#include <utility>
+#include <vector>
+
+// PIJit: jit for networks built at run time. The first call with given input shapes runs the
+// function eagerly under a trace (trace.hpp); the trace is then optimised (each product takes
+// its bias and ReLU as epilogue, as graph mode's passes do) and planned (intermediate values in
+// reused slots of one arena), and later calls replay it: one call per fused step, no virtual
+// cell dispatch, no hooks to look up, no allocation once warm.
+//
+// What a trace cannot hold is a graph break: a function that makes its result from something
+// no duet operation computed runs eagerly on every call instead. Control flow that depends on
+// a tensor's value is fixed at the trace; run it through duet::host to keep it live.
+
+#include <algorithm>
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+
+namespace duet::pijit {
+
+// A trace made ready to run again: fused, with its memory laid out.
+class Replay {
+ public:
+  Replay(Trace trace, std::size_t output)
+      : values_(std::move(trace.values())),
+        steps_(std::move(trace.steps())),
+        cells_(std::move(trace.cells())),
+        output_(output) {
+    fuse();
+    layout();
   }
+
+  std::size_t steps() const { return steps_.size(); }
+
+  // Whether a cell the trace went through has a hook now: the replay would skip it, so the
+  // caller runs the function eagerly instead and the hook runs.
+  bool cells_have_hooks() const {
+    if (duet::detail::live_hook_count().load(std::memory_order_relaxed) == 0) return false;
+    return std::any_of(cells_.begin(), cells_.end(), [](const auto& has_hooks) { return has_hooks(); });
+  }
+
+  // Runs the steps on new inputs of the traced shapes; returns the output value.
+  template <class T>
+  BasicTensor<T> run(std::span<const void* const> inputs) const {
+    thread_local std::vector<void*> data;
+    data.assign(values_.size(), nullptr);
+    duet::detail::Storage arena(arena_bytes_);
+    auto result = BasicTensor<T>::uninitialized(values_[output_root_].shape);
+    for (std::size_t v = 0; v < values_.size(); ++v) {
+      const Value& value = values_[v];
+      switch (value.kind) {
+        case Value::Kind::input: data[v] = const_cast<void*>(inputs[value.input]); break;
+        case Value::Kind::constant: data[v] = const_cast<void*>(value.data); break;
+        case Value::Kind::view: data[v] = data[value.view_of]; break;
+        case Value::Kind::computed:
+          data[v] = v == output_root_ ? static_cast<void*>(result.data()) : arena.data() + offset_[v];
+          break;
+      }
+    }
+    for (const auto& step : steps_) {
+      if (step->runs_kernel()) step->run(data.data(), values_);
+    }
+    return values_[output_].shape == result.shape() ? result : result.reshape(values_[output_].shape);
+  }
+
+ private:
+  // A product followed by its bias add, then a ReLU, becomes one step when nothing else reads
+  // the values in between.
+  void fuse() {
+    std::vector<std::size_t> readers(values_.size(), 0);
+    for (const auto& s : steps_) {
+      for (std::size_t v : s->inputs) ++readers[v];
+    }
+    ++readers[output_];
+    std::vector<std::unique_ptr<Step>> fused;
+    for (auto& step : steps_) {
+      if (!fused.empty()) {
+        const Step& last = *fused.back();
+        if (step->inputs.size() == 1 && step->inputs[0] == last.output && readers[last.output] == 1) {
+          if (auto merged = last.absorb(*step)) {
+            fused.back() = std::move(merged);
+            continue;
+          }
+        }
+      }
+      fused.push_back(std::move(step));
+    }
+    steps_ = std::move(fused);
+  }
+
+  // Computed values get slots of one arena, reused once their last reader has run.
+  void layout() {
+    output_root_ = output_;
+    while (values_[output_root_].kind == Value::Kind::view) output_root_ = values_[output_root_].view_of;
+    if (values_[output_root_].kind != Value::Kind::computed) {
+      throw ModeError("duet::jit (PIJit): the traced function returns one of its inputs or constants");
+    }
+    std::vector<std::size_t> last_read(values_.size(), 0);
+    std::vector<bool> made(values_.size(), false);
+    for (std::size_t i = 0; i < steps_.size(); ++i) {
+      for (std::size_t v : steps_[i]->inputs) last_read[root(v)] = i;
+      made[steps_[i]->output] = true;
+    }
+    offset_.assign(values_.size(), 0);
+    struct Slot {
+      std::size_t bytes = 0;
+      std::size_t owner = 0;
+      bool busy = false;
+    };
+    std::vector<Slot> slots;
+    std::vector<std::size_t> slot_of(values_.size(), 0);
+    for (std::size_t i = 0; i < steps_.size(); ++i) {
+      for (Slot& s : slots) {
+        if (s.busy && last_read[s.owner] < i) s.busy = false;
+      }
+      const std::size_t v = steps_[i]->output;
+      if (values_[v].kind != Value::Kind::computed || v == output_root_) continue;
+      const std::size_t bytes = static_cast<std::size_t>(values_[v].shape.numel()) * values_[v].element_size;
+      auto free_slot = std::find_if(slots.begin(), slots.end(), [](const Slot& s) { return !s.busy; });
+      if (free_slot == slots.end()) free_slot = slots.insert(slots.end(), Slot{});
+      free_slot->bytes = std::max(free_slot->bytes, bytes);
+      free_slot->owner = v;
+      free_slot->busy = true;
+      slot_of[v] = static_cast<std::size_t>(free_slot - slots.begin());
+    }
+    std::vector<std::size_t> slot_offset(slots.size(), 0);
+    for (std::size_t s = 0; s < slots.size(); ++s) {
+      slot_offset[s] = arena_bytes_;
+      arena_bytes_ += (slots[s].bytes + duet::detail::block_alignment - 1) / duet::detail::block_alignment *
+                      duet::detail::block_alignment;
+    }
+    for (std::size_t v = 0; v < values_.size(); ++v) {
+      if (made[v] && values_[v].kind == Value::Kind::computed) offset_[v] = slot_offset[slot_of[v]];
+    }
+  }
+
+  std::size_t root(std::size_t v) const {
+    while (values_[v].kind == Value::Kind::view) v = values_[v].view_of;
+    return v;
+  }
+
+  std::vector<Value> values_;
+  std::vector<std::unique_ptr<Step>> steps_;
+  std::vector<std::function<bool()>> cells_;
+  std::size_t output_;
+  std::size_t output_root_ = 0;
+  std::vector<std::size_t> offset_;
+  std::size_t arena_bytes_ = 0;
+};
+
+}  // namespace duet::pijit
+
+namespace duet {
+
+// PSJit: the compile-time static graph. PIJit: a trace of a network built at run time (see
+// pijit.hpp), captured on the first call for each input shape and replayed.
+enum class JitMode : unsigned char { PSJit, PIJit };
+
+// What input_signature says of one tensor argument; duet::dyn in shape for any size.
+struct TensorSpec {
+  DType dtype = float32;
+  Shape shape = {};
+};
+
+// A non-tensor argument whose value is not part of the signature (MindSpore's mutable): a
+// new value does not recompile.
+template <class T>
+struct Mutable {
+  T value;
+};
+template <class T>
+Mutable<std::decay_t<T>> mutable_(T&& value) {
+  return {std::forward<T>(value)};
+}
+
+namespace detail {
+template <class T>
+std::uint64_t value_hash(const T& value) {
+  if constexpr (requires { std::hash<T>{}(value); }) {
+    return static_cast<std::uint64_t>(std::hash<T>{}(value));
+  } else {
+    static_assert(std::is_trivially_copyable_v<T>,
+                  "duet::jit: a non-tensor argument or hash_arg must be hashable (std::hash) or trivially "
+                  "copyable; wrap other arguments in duet::mutable_");
+    std::uint64_t h = 1469598103934665603ull;  // FNV-1a over the bytes
+    unsigned char bytes[sizeof(T)];
+    std::memcpy(bytes, &value, sizeof(T));
+    for (unsigned char b : bytes) h = (h ^ b) * 1099511628211ull;
+    return h;
+  }
+}
+}  // namespace detail
+
+// A value the jitted function reads besides its arguments (a free variable): a change of it
+// recompiles at the next call. It refers to the value, which must outlive the jitted function.
+class HashArg {
+ public:
+  template <class T>
+  explicit HashArg(const T& value) : hash_([&value] { return detail::value_hash(value); }) {}
+  std::uint64_t hash() const { return hash_(); }
+
+ private:
+  std::function<std::uint64_t()> hash_;
+};
+template <class T>
+HashArg hash_arg(const T& value) {
+  return HashArg(value);
+}
+
+struct JitOptions {
+  JitMode mode = JitMode::PSJit;
+  std::vector<TensorSpec> input_signature = {};  // empty: any tensors
+  std::vector<HashArg> hash_args = {};
+  // Share compiled forms between every jitted function made from the same function type, so a
+  // re-created one does not compile again. A risk if its free variables differ (as in MindSpore).
+  bool compile_once = false;
+  std::string name = {};  // for the recompile log; "jit function #n" by default
+};
+
+namespace detail {
+struct JitStats {
+  std::atomic<std::uint64_t> compiles{0};
+  std::atomic<std::uint64_t> functions{0};
+  std::mutex mutex;
+  std::vector<std::string> log;
+};
+inline JitStats& jit_stats() {
+  static JitStats stats;
+  return stats;
+}
+}  // namespace detail
+
+// Compilations of every jitted function so far.
+inline std::uint64_t jit_compile_count() { return detail::jit_stats().compiles.load(); }
+
+// One line per compilation, in order: which function, its compile number, and why.
+inline std::vector<std::string> jit_compile_log() {
+  auto& s = detail::jit_stats();
+  std::lock_guard lock(s.mutex);
+  return s.log;
+}
+
+namespace detail {
+
+template <class X>
+inline constexpr bool is_tensor_argument_v = is_tensor_v<std::remove_cvref_t<X>> || is_static_tensor_v<std::remove_cvref_t<X>>;
+
+template <class X>
+inline constexpr bool is_mutable_v = false;
+template <class T>
+inline constexpr bool is_mutable_v<Mutable<T>> = true;
+
+// Position of argument I among the tensor arguments.
+template <std::size_t I, class... Args>
+constexpr std::size_t tensor_index() {
+  constexpr std::array<bool, sizeof...(Args)> is_tensor{is_tensor_argument_v<Args>...};
+  std::size_t k = 0;
+  for (std::size_t i = 0; i < I; ++i) k += is_tensor[i] ? 1 : 0;
+  return k;
+}
+
+template <class... Args>
+constexpr std::size_t tensor_count() {
+  return (std::size_t{0} + ... + (is_tensor_argument_v<Args> ? 1 : 0));
+}
+
+// What makes two calls share a compiled form.
+template <std::size_t N>
+struct Signature {
+  std::array<DType, N> dtypes{};
+  std::array<Shape, N> shapes{};
+  std::array<std::uint64_t, N> values{};
+  std::vector<std::uint64_t> hash_args;
+  friend bool operator==(const Signature&, const Signature&) = default;
+};
+
+template <std::size_t N>
+std::string why_recompiled(const Signature<N>& before, const Signature<N>& now) {
+  for (std::size_t i = 0; i < N; ++i) {
+    if (before.dtypes[i] != now.dtypes[i]) {
+      return "argument " + std::to_string(i) + " dtype " + std::string(name_of(before.dtypes[i])) + " -> " +
+             std::string(name_of(now.dtypes[i]));
+    }
+    if (!(before.shapes[i] == now.shapes[i])) {
+      return "argument " + std::to_string(i) + " shape " + to_string(before.shapes[i]) + " -> " +
+             to_string(now.shapes[i]);
+    }
+    if (before.values[i] != now.values[i]) return "argument " + std::to_string(i) + " (a value) changed";
+  }
+  for (std::size_t i = 0; i < now.hash_args.size(); ++i) {
+    if (i >= before.hash_args.size() || before.hash_args[i] != now.hash_args[i]) {
+      return "hash_args[" + std::to_string(i) + "] changed";
+    }
+  }
+  return "a new signature";
+}
+
+// Compiled forms of one function for one list of argument types.
+template <std::size_t N>
+struct CompileCache {
+  struct Entry {
+    Signature<N> signature;
+    std::uint64_t owner;  // keys the plans of this compiled form
+    // PIJit: the replayable trace, or null when the trace broke and the function runs eagerly.
+    std::shared_ptr<const pijit::Replay> replay;
+  };
+  std::shared_mutex mutex;
+  std::deque<Entry> entries;  // a deque: an entry does not move when others are added
+};
+
+}  // namespace detail
+
+template <JitConfig Config, class Fn>
+class JitFunction {
+  using FnRef = std::remove_reference_t<Fn>;
+
+ public:
+  JitFunction(Fn fn, JitOptions options)
+      : fn_(std::forward<Fn>(fn)), options_(std::move(options)), state_(std::make_shared<State>()) {
+    if (options_.name.empty()) options_.name = "jit function #" + std::to_string(++detail::jit_stats().functions);
+    if (options_.compile_once) state_ = shared_state();
+  }
+
+  // Compilations of this function (of every function of its type, with compile_once).
+  std::uint64_t compile_count() const { return state_->compiles.load(); }
+  const std::string& name() const { return options_.name; }
+
+  template <class... Args>
+  auto operator()(const Args&... args) {
+    using Result = decltype(eager(args...));
+    if (!get_context().jit_enabled) return eager(args...);
+    check_signature(args...);
+    auto& cache = compile_cache<Args...>();
+    const auto signature = signature_of(args...);
+    const typename detail::CompileCache<sizeof...(Args)>::Entry* entry = nullptr;
+    {
+      std::shared_lock lock(cache.mutex);
+      entry = find(cache, signature);
+    }
+    if (entry == nullptr) {
+      // Concurrent first calls: one compiles, the others wait here and then find its form.
+      std::unique_lock lock(cache.mutex);
+      entry = find(cache, signature);
+      if (entry == nullptr) {
+        if (options_.mode == JitMode::PIJit) return trace(cache, signature, args...);
+        entry = &compile(cache, signature, nullptr);
+      }
+    }
+    if (options_.mode == JitMode::PIJit) {
+      if (entry->replay == nullptr || entry->replay->cells_have_hooks()) return eager(args...);
+      const auto inputs = std::apply([](const auto&... t) { return std::array<const void*, sizeof...(t)>{t.data()...}; },
+                                     std::tuple_cat(tensor_tuple(args)...));
+      return entry->replay->template run<typename Result::value_type>(inputs);
+    }
+    if constexpr (Capturable<Args...>) {
+      return Result(run_graph(entry->owner, args...));
+    } else {
+      throw ValueError(options_.name + ": the function is not generic over its tensors, so it cannot be captured "
+                                       "as a static graph (PSJit); jit it with {.mode = JitMode::PIJit}");
+    }
+  }
+
+ private:
+  struct State {
+    std::atomic<std::uint64_t> compiles{0};
+    std::mutex mutex;
+    std::vector<std::pair<std::type_index, std::shared_ptr<void>>> caches;
+  };
+
+  // What compile_once shares: one state per function type (and configuration).
+  static std::shared_ptr<State> shared_state() {
+    static const auto state = std::make_shared<State>();
+    return state;
+  }
+
+  template <class X>
+  static decltype(auto) argument(const X& x) {
+    if constexpr (detail::is_tensor_argument_v<X>) return tensor_of(x);
+    else if constexpr (detail::is_mutable_v<X>) return (x.value);
+    else return (x);
+  }
+
+  // DUET_JIT=0 or set_context({.jit_enabled = false}): the function as plain PyNative code.
+  template <class... Args>
+  auto eager(const Args&... args) {
+    EagerScope eager;
+    auto y = fn_(argument(args)...);
+    return BasicTensor<typename decltype(y)::value_type>(y);
+  }
+
+  template <class... Args>
+  void check_signature(const Args&... args) const {
+    const auto& specs = options_.input_signature;
+    if (specs.empty()) return;
+    constexpr std::size_t tensors = detail::tensor_count<Args...>();
+    if (specs.size() != tensors) {
+      throw ValueError(options_.name + ": input_signature describes " + std::to_string(specs.size()) +
+                       " tensors, the call passes " + std::to_string(tensors));
+    }
+    [&]<std::size_t... I>(std::index_sequence<I...>) {
+      (check_one<detail::tensor_index<I, Args...>()>(args), ...);
+    }(std::index_sequence_for<Args...>{});
+  }
+
+  template <std::size_t K, class X>
+  void check_one(const X& x) const {
+    if constexpr (detail::is_tensor_argument_v<X>) {
+      const TensorSpec& spec = options_.input_signature[K];
+      const auto& t = tensor_of(x);
+      if (t.dtype() != spec.dtype || !graph::fits(spec.shape, t.shape())) {
+        throw ShapeError(options_.name + ": input_signature says tensor " + std::to_string(K) + " is " +
+                         std::string(name_of(spec.dtype)) + " " + to_string(spec.shape) + ", got " +
+                         std::string(name_of(t.dtype())) + " " + to_string(t.shape()));
+      }
+    }
+  }
+
+  template <class... Args>
+  detail::Signature<sizeof...(Args)> signature_of(const Args&... args) const {
+    detail::Signature<sizeof...(Args)> s;
+    const auto all = std::forward_as_tuple(args...);
+    graph::for_each_index<sizeof...(Args)>([&](auto i) {
+      constexpr std::size_t I = decltype(i)::value;
+      using X = std::tuple_element_t<I, std::tuple<Args...>>;
+      if constexpr (detail::is_tensor_argument_v<X>) {
+        const auto& t = tensor_of(std::get<I>(all));
+        s.dtypes[I] = t.dtype();
+        // With an input_signature, the pattern (dynamic dimensions and all) is the key.
+        s.shapes[I] = options_.input_signature.empty() ? t.shape()
+                                                       : options_.input_signature[detail::tensor_index<I, Args...>()].shape;
+      } else if constexpr (!detail::is_mutable_v<X>) {
+        s.values[I] = detail::value_hash(std::get<I>(all));
+      }
+    });
+    s.hash_args.reserve(options_.hash_args.size());
+    for (const HashArg& h : options_.hash_args) s.hash_args.push_back(h.hash());
+    return s;
+  }
+
+  // Entries are never removed, so a pointer to one stays valid once the lock is released.
+  template <std::size_t N>
+  static const typename detail::CompileCache<N>::Entry* find(detail::CompileCache<N>& cache,
+                                                              const detail::Signature<N>& s) {
+    for (const auto& e : cache.entries) {
+      if (e.signature == s) return &e;
+    }
+    return nullptr;
+  }
+
+  // PIJit's compilation: run the function eagerly under a trace, keep the trace for replay.
+  template <std::size_t N, class... Args>
+  auto trace(detail::CompileCache<N>& cache, const detail::Signature<N>& s, const Args&... args) {
+    pijit::Trace trace;
+    auto inputs = std::make_tuple(traced_argument(args)...);
+    std::size_t k = 0;
+    std::apply([&](auto&... x) { (mark_input(trace, x, k), ...); }, inputs);
+    auto y = [&] {
+      pijit::Tracing tracing(&trace);
+      EagerScope eager;
+      return std::apply([&](const auto&... x) { return fn_(x...); }, inputs);
+    }();
+    using Result = BasicTensor<typename decltype(y)::value_type>;
+    const std::size_t out = trace.find(y);
+    std::string broken = trace.broken();
+    if (broken.empty() && out == trace.values().size()) broken = "it returns a value no duet operation made";
+    std::shared_ptr<const pijit::Replay> replay;
+    if (broken.empty()) replay = std::make_shared<pijit::Replay>(std::move(trace), out);
+    compile(cache, s, std::move(replay), broken.empty() ? std::string() : "graph break, runs eagerly: " + broken);
+    return Result(y);
+  }
+
+  template <class X>
+  static auto traced_argument(const X& x) {
+    if constexpr (detail::is_tensor_argument_v<X>) return BasicTensor<typename X::value_type>(tensor_of(x));
+    else return argument(x);
+  }
+
+  template <class X>
+  static void mark_input(pijit::Trace& trace, X& x, std::size_t& k) {
+    if constexpr (is_tensor_v<X>) trace.add_input(x, k++);
+  }
+
+  template <std::size_t N>
+  const typename detail::CompileCache<N>::Entry& compile(detail::CompileCache<N>& cache, const detail::Signature<N>& s,
+                                                          std::shared_ptr<const pijit::Replay> replay,
+                                                          const std::string& note = {}) {
+    const std::uint64_t number = ++state_->compiles;
+    auto& stats = detail::jit_stats();
+    stats.compiles.fetch_add(1);
+    const std::string reason = cache.entries.empty() ? std::string("first call")
+                                                     : detail::why_recompiled(cache.entries.back().signature, s);
+    {
+      std::lock_guard lock(stats.mutex);
+      stats.log.push_back(options_.name + ": compile #" + std::to_string(number) + ": " + reason +
+                          (note.empty() ? "" : " (" + note + ")"));
+    }
+    cache.entries.push_back({s, duet::detail::new_plan_owner(), std::move(replay)});
+    return cache.entries.back();
+  }
+
+  template <class... Args>
+  detail::CompileCache<sizeof...(Args)>& compile_cache() {
+    using Cache = detail::CompileCache<sizeof...(Args)>;
+    std::lock_guard lock(state_->mutex);
+    const std::type_index key(typeid(Cache));
+    for (auto& [type, cache] : state_->caches) {
+      if (type == key) return *static_cast<Cache*>(cache.get());
+    }
+    state_->caches.emplace_back(key, std::make_shared<Cache>());
+    return *static_cast<Cache*>(state_->caches.back().second.get());
+  }
+
+  template <class... Args>
+  auto run_graph(std::uint64_t owner, const Args&... args) {
+    auto captured = [&]<std::size_t... I>(std::index_sequence<I...>) {
+      return fn_(symbolic<I, Args...>(args)...);
+    }(std::index_sequence_for<Args...>{});
+    using Captured = decltype(captured);
+    static_assert(graph::Symbolic<Captured>, "duet::jit: the function must return a tensor computed from its inputs");
+    using G = typename Captured::graph_type;
+    if constexpr (Config.jit_syntax_level == JitSyntaxLevel::strict) {
+      static_assert(graph::first_host_node<G>() == G::size,
+                    "duet::jit: JitSyntaxLevel::strict: the function calls duet::host, a host callback, which is "
+                    "not a graph operation; use JitSyntaxLevel::lax to run it as a graph break");
+    }
+    auto program = passes::optimize<Config>(captured);
+    const auto tensors = std::tuple_cat(tensor_tuple(args)...);
+    const auto shapes = std::apply([](const auto&... t) { return std::array<Shape, sizeof...(t)>{t.shape()...}; }, tensors);
+    const auto& p = duet::detail::cached_plan<Config>(owner, program, shapes, [this] { return options_.name; });
+    return std::apply([&](const auto&... t) { return run<DefaultBackend, Config>(program, p, t...); }, tensors);
+  }
+
+  template <std::size_t I, class... Args, class X>
+  static decltype(auto) symbolic(const X& x) {
+    if constexpr (detail::is_tensor_argument_v<X>) {
+      return graph::input<typename X::value_type, typename graph::pattern_of<X>::type, detail::tensor_index<I, Args...>()>();
+    } else {
+      return argument(x);
+    }
+  }
+
+  // Whether graph capture can call fn on these arguments: fn is generic over its tensors.
+  // Defined after symbolic: a static member's initializer only sees the members declared before it.
+  template <class... Args>
+  static constexpr bool Capturable = [] {
+    return []<std::size_t... I>(std::index_sequence<I...>) {
+      return requires(FnRef& f) { f(symbolic<I, Args...>(std::declval<const Args&>())...); };
+    }(std::index_sequence_for<Args...>{});
+  }();
+
+  template <class X>
+  static auto tensor_tuple(const X& x) {
+    if constexpr (detail::is_tensor_argument_v<X>) return std::tuple<const BasicTensor<typename X::value_type>&>(tensor_of(x));
+    else return std::tuple<>();
+  }
+
+  Fn fn_;
+  JitOptions options_;
+  std::shared_ptr<State> state_;
+};
+
+// MindSpore's jit(fn, ...): fn is kept by reference if it is an lvalue, else moved in.
+template <JitConfig Config = JitConfig{}, class Fn>
+auto jit(Fn&& fn, JitOptions options = {}) {
+  return JitFunction<Config, Fn>(std::forward<Fn>(fn), std::move(options));
 }
 
 }  // namespace duet
@@ -4934,10 +6648,12 @@ namespace ops {
 template <class Fn>
 struct MapGradOp;
 
-template <class Fn>
+// Fns applied elementwise, in order, in one pass. Capture makes one per function; O1 fuses
+// chains (relu(tanh(x)) is one MapOp<Tanh, Relu>), and products absorb them as epilogues.
+template <class... Fns>
 struct MapOp {
+  static_assert(sizeof...(Fns) >= 1);
   using layer_type = MapOp;
-  using fn_type = Fn;
   static constexpr int arity = 1;
   static constexpr bool is_view = false;
   static constexpr bool is_elementwise = true;
@@ -4947,17 +6663,32 @@ struct MapOp {
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
-    Backend::template map<Fn>(a.in<T>(), a.in_shape().numel(), a.out<T>());
+    Backend::template map<Fns...>(a.in<T>(), a.in_shape().numel(), a.out<T>());
   }
 
+  template <class C>
+  static constexpr bool accepts_epilogue = requires { C::elementwise_functions; };
+  template <class... Gs>
+  auto absorb(const MapOp<Gs...>&) const {
+    return MapOp<Fns..., Gs...>{};
+  }
+  static constexpr auto elementwise_functions = sizeof...(Fns);
+
+  // A single function is differentiated from its output; a fused chain would need the values
+  // between its functions, which it never stores.
+  static constexpr bool differentiable = sizeof...(Fns) == 1;
   static constexpr bool has_parameters = false;
   static constexpr std::array grad_operands{graph::Operand::grad, graph::Operand::output};
   template <bool InputGrad>
   auto grad_op() const {
-    return MapGradOp<Fn>{};
+    return MapGradOp<Fns...>{};
   }
 
-  static std::string op_name() { return std::string(Fn::name); }
+  static std::string op_name() {
+    std::string s;
+    ((s += (s.empty() ? "" : " + ") + std::string(Fns::name)), ...);
+    return s;
+  }
   std::string label() const { return op_name(); }
 };
 
@@ -5170,19 +6901,19 @@ struct MatMulOp {
         Epilogue<T, Fns...>{Bias ? layer->bias.data() : nullptr}, a.out<T>());
   }
 
-  // Takes this layer's bias first, then any elementwise function.
+  // Takes this layer's bias first, then any elementwise functions.
   template <class C>
   static constexpr bool accepts_epilogue =
-      (std::is_same_v<C, BiasAddOp<Layer>> && !Bias && sizeof...(Fns) == 0) || requires {
-    typename C::fn_type;
-  };
+      (std::is_same_v<C, BiasAddOp<Layer>> && !Bias && sizeof...(Fns) == 0) || requires { C::elementwise_functions; };
   auto absorb(const BiasAddOp<Layer>&) const { return MatMulOp<Layer, true, Fns...>{layer}; }
-  template <class Fn>
-  auto absorb(const MapOp<Fn>&) const {
-    return MatMulOp<Layer, Bias, Fns..., Fn>{layer};
+  template <class... Gs>
+  auto absorb(const MapOp<Gs...>&) const {
+    return MatMulOp<Layer, Bias, Fns..., Gs...>{layer};
   }
 
-  // Its gradient op reads the forward output only to differentiate an activation epilogue.
+  // Its gradient op reads the forward output only to differentiate an activation epilogue,
+  // and can do so for one function.
+  static constexpr bool differentiable = sizeof...(Fns) <= 1;
   static constexpr bool has_parameters = true;
   static constexpr auto grad_operands = [] {
     if constexpr (sizeof...(Fns) == 0)
@@ -5260,7 +6991,7 @@ struct DenseGradOp {
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
-    const std::uint64_t pass = detail::current_backward_pass();
+    const std::uint64_t pass = duet::detail::current_backward_pass();
     bool accumulate_w = false;
     bool accumulate_b = false;
     T* dw = layer->weight.grad_for_write(pass, &accumulate_w);
@@ -5301,7 +7032,7 @@ struct BiasAddGradOp {
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
     bool accumulate = false;
-    T* db = layer->bias.grad_for_write(detail::current_backward_pass(), &accumulate);
+    T* db = layer->bias.grad_for_write(duet::detail::current_backward_pass(), &accumulate);
     const index_t cols = layer->out_channels();
     Backend::bias_grad(a.in<T>(), cols == 0 ? 0 : a.in_shape().numel() / cols, cols, db, accumulate);
   }
@@ -5912,6 +7643,8 @@ using AdamW = BasicAdam<float, true>;
 // Wrappers that turn a network into something to train (MindSpore's nn.WithLossCell and
 // nn.TrainOneStepCell).
 
+#include <algorithm>
+#include <cmath>
 #include <string>
 #include <utility>
 
@@ -5957,11 +7690,18 @@ class TrainOneStepCell {
   TrainOneStepCell(NetWithLoss& net_with_loss, Optimizer& optimizer)
       : grad_(net_with_loss, {}, std::nullopt), optimizer_(optimizer) {}
 
-  // Returns the loss of the batch, before the update.
+  // Returns the loss of the batch, before the update. A step that fails changes nothing. An
+  // empty batch is refused: it has no gradient, yet an update would still advance the
+  // optimiser (its step count, and momentum moving the parameters). A batch whose loss is NaN
+  // or infinite (NaN or Inf inputs, or a model that diverged) skips the update, which would
+  // write NaN into every parameter and moment for good; the caller sees the loss.
   template <class... X>
   BasicTensor<T> operator()(const X&... xs) {
+    if (((tensor_of(xs).numel() == 0) || ...)) {
+      throw ValueError("nn::TrainOneStepCell: the batch is empty; a training step needs at least one sample");
+    }
     BasicTensor<T> loss = grad_.value_and_parameter_grads(xs...);
-    optimizer_.step();
+    if (std::ranges::all_of(loss.values(), [](T v) { return std::isfinite(v); })) optimizer_.step();
     return loss;
   }
 
@@ -5973,400 +7713,6 @@ class TrainOneStepCell {
 };
 
 }  // namespace duet::nn
-// Printing tensors: `std::cout << t` and duet::to_string(t) give exactly what numpy 1.24's
-// str(array) gives with the default print options, which is how MindSpore prints tensors.
-//
-// The code follows numpy/core/arrayprint.py (array2string, _formatArray, FloatingFormat,
-// IntegerFormat); the names below refer to it. numpy's Dragon4 prints the shortest decimal that
-// reads back as the same value, as std::to_chars does, and rounds the exact binary value to
-// nearest, ties to even, when a precision cuts it short, as std::to_chars does too.
-
-#include <algorithm>
-#include <charconv>
-#include <cmath>
-#include <cstddef>
-#include <cstdint>
-#include <ostream>
-#include <string>
-#include <type_traits>
-#include <utility>
-#include <vector>
-
-
-namespace duet {
-
-namespace detail {
-
-// numpy's default print options.
-inline constexpr std::size_t print_line_width = 75;
-inline constexpr index_t print_threshold = 1000;  // more elements than this are summarised
-inline constexpr index_t print_edge_items = 3;    // kept at each end of a summarised axis
-inline constexpr int print_precision = 8;         // most digits after the point
-
-// Stands for the "..." of a summarised axis where an index would be.
-inline constexpr index_t print_ellipsis = -1;
-
-// Calls fn with the indices along an axis of length n that are printed, in order, and with
-// print_ellipsis where the middle ones are left out.
-template <class Fn>
-void for_each_printed(index_t n, bool summarise, Fn&& fn) {
-  const bool gap = summarise && n > 2 * print_edge_items;
-  for (index_t i = 0; i < n; ++i) {
-    if (gap && i == print_edge_items) {
-      fn(print_ellipsis);
-      i = n - print_edge_items;
-    }
-    fn(i);
-  }
-}
-
-// The printed elements in order: numpy computes the format from these alone (_leading_trailing).
-template <class T>
-void collect_printed(const T* data, const Shape& shape, int axis, bool summarise, std::vector<T>& out) {
-  if (axis == shape.rank()) {
-    out.push_back(*data);
-    return;
-  }
-  const index_t stride = shape.numel_from(axis + 1);
-  for_each_printed(shape[axis], summarise, [&](index_t i) {
-    if (i != print_ellipsis) collect_printed(data + i * stride, shape, axis + 1, summarise, out);
-  });
-}
-
-template <class... Args>
-std::string chars_of(Args... args) {
-  char buf[400];  // fits any double, even in fixed notation with print_precision decimals
-  const auto result = std::to_chars(buf, buf + sizeof buf, args...);
-  return std::string(buf, result.ptr);
-}
-
-inline std::string integer_str(std::int64_t x) { return chars_of(x); }
-
-// A finite float in scientific notation: sign, significant digits and the exponent of the first
-// digit. The shortest that reads back (precision < 0), or rounded to 1 + precision digits.
-struct Decimal {
-  bool negative = false;
-  std::string digits;
-  int exponent = 0;
-};
-
-template <class F>
-Decimal decimal_of(F x, int precision = -1) {
-  const std::string s = precision < 0 ? chars_of(x, std::chars_format::scientific)
-                                      : chars_of(x, std::chars_format::scientific, precision);
-  Decimal d;
-  std::size_t i = 0;
-  if (s[i] == '-') {
-    d.negative = true;
-    ++i;
-  }
-  for (; s[i] != 'e'; ++i) {
-    if (s[i] != '.') d.digits += s[i];
-  }
-  ++i;
-  if (s[i] == '+') ++i;  // from_chars rejects a leading '+'
-  std::from_chars(s.data() + i, s.data() + s.size(), d.exponent);
-  return d;
-}
-
-inline void trim_trailing_zeros(std::string& s, std::size_t keep) {
-  while (s.size() > keep && s.back() == '0') s.pop_back();
-}
-
-// What numpy's Dragon4 writes either side of the point; the sign goes with the integer part.
-struct FloatParts {
-  std::string int_part;
-  std::string frac_part;
-  int exponent = 0;  // scientific notation only
-};
-
-// x rounded to `precision` digits after the point, trailing zeros dropped.
-template <class F>
-FloatParts fixed_parts(F x, int precision) {
-  const std::string s = chars_of(x, std::chars_format::fixed, precision);
-  const std::size_t point = s.find('.');
-  FloatParts p;
-  p.int_part = s.substr(0, point);
-  if (point != std::string::npos) p.frac_part = s.substr(point + 1);
-  trim_trailing_zeros(p.frac_part, 0);
-  return p;
-}
-
-// dragon4_positional(x, precision, min_digits, unique=True, fractional=True, trim='.'), where
-// precision < 0 means none and min_digits is -1 (none) or 0.
-template <class F>
-FloatParts positional_parts(F x, int precision, int min_digits) {
-  const Decimal d = decimal_of(x);
-  const int n = static_cast<int>(d.digits.size());
-  const int frac_digits = n - 1 - d.exponent;
-  // Past `precision`, and short of `min_digits` (as in 42598728.f, shortest 4259873e1), Dragon4
-  // prints the exact digits of x, rounded.
-  if (precision >= 0 && frac_digits > precision) return fixed_parts(x, precision);
-  if (min_digits >= 0 && frac_digits < min_digits) return fixed_parts(x, min_digits);
-  FloatParts p;
-  if (d.negative) p.int_part = "-";
-  if (d.exponent < 0) {
-    p.int_part += '0';
-    p.frac_part.assign(static_cast<std::size_t>(-d.exponent - 1), '0');
-    p.frac_part += d.digits;
-  } else if (d.exponent + 1 >= n) {
-    p.int_part += d.digits;
-    p.int_part.append(static_cast<std::size_t>(d.exponent + 1 - n), '0');
-  } else {
-    const auto split = static_cast<std::size_t>(d.exponent + 1);
-    p.int_part += d.digits.substr(0, split);
-    p.frac_part = d.digits.substr(split);
-  }
-  return p;
-}
-
-inline FloatParts scientific_parts(const Decimal& d) {
-  FloatParts p;
-  if (d.negative) p.int_part = "-";
-  p.int_part += d.digits[0];
-  p.frac_part = d.digits.substr(1);
-  p.exponent = d.exponent;
-  return p;
-}
-
-// dragon4_scientific(x, precision, unique=True, trim='.'); precision < 0 means none.
-template <class F>
-FloatParts scientific_parts(F x, int precision) {
-  Decimal d = decimal_of(x);
-  if (precision >= 0 && static_cast<int>(d.digits.size()) - 1 > precision) {
-    d = decimal_of(x, precision);
-    trim_trailing_zeros(d.digits, 1);
-  }
-  return scientific_parts(d);
-}
-
-// "e+05", "e-123": at least min_digits digits.
-inline std::string exponent_str(int exponent, std::size_t min_digits) {
-  std::string digits = integer_str(exponent < 0 ? -exponent : exponent);
-  if (digits.size() < min_digits) digits.insert(0, min_digits - digits.size(), '0');
-  return (exponent < 0 ? "e-" : "e+") + digits;
-}
-
-inline std::string pad_left(std::string s, std::size_t width) {
-  if (s.size() < width) s.insert(0, width - s.size(), ' ');
-  return s;
-}
-
-inline std::string pad_right(std::string s, std::size_t width) {
-  if (s.size() < width) s.append(width - s.size(), ' ');
-  return s;
-}
-
-// str() of a numpy scalar, which is what str() of a 0-d array is.
-template <class T>
-std::string scalar_str(T x) {
-  if constexpr (std::is_integral_v<T>) {
-    return integer_str(x);
-  } else {
-    if (std::isnan(x)) return "nan";
-    if (std::isinf(x)) return x < 0 ? "-inf" : "inf";
-    const double magnitude = std::fabs(static_cast<double>(x));
-    if (magnitude == 0 || (magnitude >= 1e-4 && magnitude < 1e16)) {
-      const FloatParts p = positional_parts(x, -1, -1);
-      return p.int_part + '.' + (p.frac_part.empty() ? "0" : p.frac_part);
-    }
-    const FloatParts p = scientific_parts(x, -1);
-    return p.int_part + (p.frac_part.empty() ? "" : '.' + p.frac_part) + exponent_str(p.exponent, 2);
-  }
-}
-
-// FloatingFormat with floatmode 'maxprec', sign '-', suppress_small off.
-template <class F>
-class FloatingFormat {
- public:
-  explicit FloatingFormat(const std::vector<F>& data) {
-    bool any_nonzero = false;
-    bool any_finite = false;
-    bool any_nonfinite = false;
-    bool negative_inf = false;
-    F max_val = 0;
-    F min_val = 0;
-    for (F x : data) {
-      if (!std::isfinite(x)) {
-        any_nonfinite = true;
-        negative_inf = negative_inf || (std::isinf(x) && x < 0);
-        continue;
-      }
-      any_finite = true;
-      if (x == 0) continue;
-      const F a = std::fabs(x);
-      max_val = any_nonzero ? std::max(max_val, a) : a;
-      min_val = any_nonzero ? std::min(min_val, a) : a;
-      any_nonzero = true;
-    }
-    if (any_nonzero) {
-      // numpy compares the limits as float64 but divides in the element type.
-      const F ratio = max_val / min_val;
-      exp_format_ = static_cast<double>(max_val) >= 1e8 || static_cast<double>(min_val) < 1e-4 || ratio > 1000;
-    }
-
-    if (any_finite && exp_format_) {
-      std::size_t exp_digits = 0;
-      for (F x : data) {
-        if (!std::isfinite(x)) continue;
-        const FloatParts p = scientific_parts(x, print_precision);
-        pad_left_ = std::max(pad_left_, p.int_part.size());
-        precision_ = std::max(precision_, p.frac_part.size());
-        exp_digits = std::max(exp_digits, exponent_str(p.exponent, 2).size() - 2);  // less "e+"
-      }
-      exp_size_ = exp_digits;
-      pad_right_ = exp_size_ + 2 + precision_;
-    } else if (any_finite) {
-      for (F x : data) {
-        if (!std::isfinite(x)) continue;
-        const FloatParts p = positional_parts(x, print_precision, -1);
-        pad_left_ = std::max(pad_left_, p.int_part.size());
-        pad_right_ = std::max(pad_right_, p.frac_part.size());
-      }
-    }
-
-    if (any_nonfinite) {
-      // Room for "nan" and "inf" (or "-inf"), right-aligned with the numbers' last column.
-      const std::size_t width = negative_inf ? 4 : 3;
-      if (width > pad_right_ + 1) pad_left_ = std::max(pad_left_, width - (pad_right_ + 1));
-    }
-  }
-
-  std::string operator()(F x) const {
-    if (std::isnan(x)) return pad_left("nan", pad_left_ + pad_right_ + 1);
-    if (std::isinf(x)) return pad_left(x < 0 ? "-inf" : "inf", pad_left_ + pad_right_ + 1);
-    if (exp_format_) {
-      // numpy asks Dragon4 for min_digits = precision_, and it goes on past the shortest digits
-      // with the exact ones: every mantissa is x rounded to precision_ digits, not zero-padded.
-      const FloatParts p = scientific_parts(decimal_of(x, static_cast<int>(precision_)));
-      return pad_left(p.int_part, pad_left_) + '.' + p.frac_part + exponent_str(p.exponent, exp_size_);
-    }
-    // numpy asks for min_digits = 0 here, but not when measuring.
-    const FloatParts p = positional_parts(x, print_precision, 0);
-    return pad_left(p.int_part, pad_left_) + '.' + pad_right(p.frac_part, pad_right_);
-  }
-
- private:
-  bool exp_format_ = false;
-  std::size_t pad_left_ = 0;
-  std::size_t pad_right_ = 0;
-  std::size_t precision_ = 0;  // digits after the point of every mantissa, in exp_format_
-  std::size_t exp_size_ = 0;   // digits of every exponent, in exp_format_
-};
-
-template <class I>
-class IntegerFormat {
- public:
-  explicit IntegerFormat(const std::vector<I>& data) {
-    const auto [lo, hi] = std::minmax_element(data.begin(), data.end());
-    width_ = std::max(integer_str(*lo).size(), integer_str(*hi).size());
-  }
-
-  std::string operator()(I x) const { return pad_left(integer_str(x), width_); }
-
- private:
-  std::size_t width_ = 0;
-};
-
-// _formatArray, writing into one string. numpy measures each line from its hanging indent; here
-// from the previous newline, which gives the same columns because the '['s opening a row take
-// the place of the hanging indent one for one.
-template <class T, class Format>
-class ArrayWriter {
- public:
-  ArrayWriter(const BasicTensor<T>& t, bool summarise, const Format& format)
-      : data_(t.data()), shape_(t.shape()), summarise_(summarise), format_(format) {}
-
-  std::string run() && {
-    write(0, 0, print_line_width);
-    return std::move(out_);
-  }
-
- private:
-  void write(int axis, index_t offset, std::size_t width) {
-    const auto indent = static_cast<std::size_t>(axis) + 1;
-    const bool innermost = axis == shape_.rank() - 1;
-    const index_t stride = shape_.numel_from(axis + 1);
-    bool first = true;
-    out_ += '[';
-    for_each_printed(shape_[axis], summarise_, [&](index_t i) {
-      if (innermost) {
-        if (!first) out_ += ' ';
-        // The last column is kept for the closing ']'.
-        extend_line(i == print_ellipsis ? "..." : format_(data_[offset + i]), width - 1, indent);
-      } else {
-        // Sub-arrays of rank n are separated by n - 1 blank lines.
-        if (!first) start_line(static_cast<std::size_t>(shape_.rank() - axis - 1), indent);
-        if (i == print_ellipsis) {
-          out_ += "...";
-        } else {
-          write(axis + 1, offset + i * stride, width - 1);
-        }
-      }
-      first = false;
-    });
-    out_ += ']';
-  }
-
-  // _extendLine: wraps unless the line holds nothing but its indent, since wrapping would not help.
-  void extend_line(const std::string& word, std::size_t width, std::size_t indent) {
-    const std::size_t column = out_.size() - line_start_;
-    if (column + word.size() > width && column > indent) {
-      while (out_.back() == ' ') out_.pop_back();
-      start_line(1, indent);
-    }
-    out_ += word;
-  }
-
-  void start_line(std::size_t newlines, std::size_t indent) {
-    out_.append(newlines, '\n');
-    line_start_ = out_.size();
-    out_.append(indent, ' ');
-  }
-
-  const T* data_;
-  const Shape& shape_;
-  bool summarise_;
-  const Format& format_;
-  std::string out_;
-  std::size_t line_start_ = 0;
-};
-
-}  // namespace detail
-
-// As numpy's str(array): "[[1.  2.5]\n [3.  4. ]]".
-template <ElementType T>
-std::string to_string(const BasicTensor<T>& t) {
-  if (t.ndim() == 0) return detail::scalar_str(t.data()[0]);
-  if (t.numel() == 0) return "[]";
-  const bool summarise = t.numel() > detail::print_threshold;
-  std::vector<T> printed;
-  detail::collect_printed(t.data(), t.shape(), 0, summarise, printed);
-  if constexpr (std::is_floating_point_v<T>) {
-    const detail::FloatingFormat<T> format(printed);
-    return detail::ArrayWriter<T, detail::FloatingFormat<T>>(t, summarise, format).run();
-  } else {
-    const detail::IntegerFormat<T> format(printed);
-    return detail::ArrayWriter<T, detail::IntegerFormat<T>>(t, summarise, format).run();
-  }
-}
-
-template <ElementType T, index_t... Dims>
-std::string to_string(const StaticTensor<T, Dims...>& t) {
-  return to_string(t.tensor());
-}
-
-template <ElementType T>
-std::ostream& operator<<(std::ostream& os, const BasicTensor<T>& t) {
-  return os << to_string(t);
-}
-
-template <ElementType T, index_t... Dims>
-std::ostream& operator<<(std::ostream& os, const StaticTensor<T, Dims...>& t) {
-  return os << to_string(t.tensor());
-}
-
-}  // namespace duet
 // Training helpers: evaluation of a classifier over a data set, and a terminal progress bar.
 
 #include <chrono>

@@ -142,8 +142,9 @@ class CheckpointWriter {
   bool committed_ = false;
 };
 
-// A whole file, if it is at most `limit` bytes. The buffer grows with what arrives, so a
-// hostile file costs at most about the limit, however large it is or claims to be.
+// A whole file, or its first limit + 1 bytes when it is larger (which load_parameters then
+// refuses). The buffer grows with what arrives, so a hostile file costs at most about the
+// limit, however large it is or claims to be.
 inline std::vector<unsigned char> read_checkpoint_file(const std::filesystem::path& path, std::uint64_t limit) {
   struct Closer {
     void operator()(std::FILE* f) const { std::fclose(f); }
@@ -153,10 +154,7 @@ inline std::vector<unsigned char> read_checkpoint_file(const std::filesystem::pa
   std::vector<unsigned char> bytes;
   for (;;) {
     const std::size_t have = bytes.size();
-    if (have > limit) {
-      throw FormatError(checkpoint_where(path) + ": larger than the " + std::to_string(limit) +
-                        " bytes a checkpoint of this cell takes; it holds other parameters or shapes");
-    }
+    if (have > limit) return bytes;
     const auto grow =
         static_cast<std::size_t>(std::min<std::uint64_t>(std::max<std::size_t>(have, 64 * 1024), limit + 1 - have));
     bytes.resize(have + grow);
@@ -295,6 +293,64 @@ inline std::vector<CheckpointRecord> parse_checkpoint(std::span<const unsigned c
   return records;
 }
 
+// The size of a checkpoint of these parameters: files of other sizes hold something else, and
+// a shorter one that fails its checksum is taken as cut.
+template <ElementType T>
+std::uint64_t checkpoint_size(const std::vector<nn::NamedParameter<T>>& parameters) {
+  std::uint64_t size = checkpoint_header_bytes + checkpoint_checksum_bytes;
+  for (const auto& [name, p] : parameters) {
+    size += checkpoint_record_header_bytes + name.size() + 8 * std::uint64_t(p->ndim()) +
+            std::uint64_t(p->numel()) * sizeof(T);
+  }
+  return size;
+}
+
+// load_checkpoint and load_checkpoint_bytes: checks that bytes hold exactly these parameters,
+// then copies them in. `expected` is checkpoint_size(parameters).
+template <ElementType T>
+void load_parameters(std::span<const unsigned char> bytes, std::uint64_t expected,
+                     const std::vector<nn::NamedParameter<T>>& parameters, const std::string& where) {
+  if (bytes.size() > expected) {
+    throw FormatError(where + ": larger than the " + std::to_string(expected) +
+                      " bytes a checkpoint of this cell takes; it holds other parameters or shapes");
+  }
+  std::unordered_map<std::string_view, std::size_t> index;
+  for (std::size_t i = 0; i < parameters.size(); ++i) index.emplace(parameters[i].name, i);
+  const auto records = parse_checkpoint(bytes, expected, where);
+
+  std::vector<const CheckpointRecord*> source(parameters.size(), nullptr);
+  for (const auto& r : records) {
+    const auto found = index.find(r.name);
+    if (found == index.end()) {
+      throw FormatError(where + ": parameter " + shown_name(r.name) + " in the file is not in the cell");
+    }
+    const std::size_t i = found->second;
+    const auto& p = *parameters[i].parameter;
+    if (source[i] != nullptr) {
+      throw FormatError(where + ": parameter '" + parameters[i].name + "' appears twice in the file");
+    }
+    if (r.dtype != p.dtype()) {
+      throw FormatError(where + ": parameter '" + parameters[i].name + "' is " + std::string(name_of(p.dtype())) +
+                        " in the cell but " + std::string(name_of(r.dtype)) + " in the file");
+    }
+    if (!(r.shape == p.shape())) {
+      throw FormatError(where + ": parameter '" + parameters[i].name + "' has shape " + to_string(p.shape()) +
+                        " in the cell but " + to_string(r.shape) + " in the file");
+    }
+    source[i] = &r;
+  }
+  std::string missing;
+  for (std::size_t i = 0; i < parameters.size(); ++i) {
+    if (source[i] == nullptr) missing += (missing.empty() ? "'" : ", '") + parameters[i].name + "'";
+  }
+  if (!missing.empty()) throw FormatError(where + ": the file has no value for the cell's parameter(s) " + missing);
+
+  for (std::size_t i = 0; i < parameters.size(); ++i) {
+    std::copy_n(bytes.begin() + static_cast<std::ptrdiff_t>(source[i]->offset), source[i]->size,
+                reinterpret_cast<unsigned char*>(parameters[i].parameter->data()));
+  }
+}
+
 }  // namespace detail
 
 // Writes every parameter of cell (and the cells below it) to path, atomically: on any failure
@@ -323,51 +379,18 @@ void save_checkpoint(nn::BasicDynamicCell<T>& cell, const std::filesystem::path&
 // the file cannot be read) the cell is left as it was.
 template <ElementType T>
 void load_checkpoint(const std::filesystem::path& path, nn::BasicDynamicCell<T>& cell) {
-  const std::string where = detail::checkpoint_where(path);
   const auto parameters = cell.parameters();
-  std::uint64_t expected = detail::checkpoint_header_bytes + detail::checkpoint_checksum_bytes;
-  std::unordered_map<std::string_view, std::size_t> index;
-  for (std::size_t i = 0; i < parameters.size(); ++i) {
-    const auto& p = *parameters[i].parameter;
-    expected += detail::checkpoint_record_header_bytes + parameters[i].name.size() + 8 * std::uint64_t(p.ndim()) +
-                std::uint64_t(p.numel()) * sizeof(T);
-    index.emplace(parameters[i].name, i);
-  }
-
+  const std::uint64_t expected = detail::checkpoint_size(parameters);
   const std::vector<unsigned char> bytes = detail::read_checkpoint_file(path, expected);
-  const auto records = detail::parse_checkpoint(bytes, expected, where);
+  detail::load_parameters(std::span<const unsigned char>(bytes), expected, parameters, detail::checkpoint_where(path));
+}
 
-  std::vector<const detail::CheckpointRecord*> source(parameters.size(), nullptr);
-  for (const auto& r : records) {
-    const auto found = index.find(r.name);
-    if (found == index.end()) {
-      throw FormatError(where + ": parameter " + detail::shown_name(r.name) + " in the file is not in the cell");
-    }
-    const std::size_t i = found->second;
-    const auto& p = *parameters[i].parameter;
-    if (source[i] != nullptr) {
-      throw FormatError(where + ": parameter '" + parameters[i].name + "' appears twice in the file");
-    }
-    if (r.dtype != p.dtype()) {
-      throw FormatError(where + ": parameter '" + parameters[i].name + "' is " + std::string(name_of(p.dtype())) +
-                        " in the cell but " + std::string(name_of(r.dtype)) + " in the file");
-    }
-    if (!(r.shape == p.shape())) {
-      throw FormatError(where + ": parameter '" + parameters[i].name + "' has shape " + to_string(p.shape()) +
-                        " in the cell but " + to_string(r.shape) + " in the file");
-    }
-    source[i] = &r;
-  }
-  std::string missing;
-  for (std::size_t i = 0; i < parameters.size(); ++i) {
-    if (source[i] == nullptr) missing += (missing.empty() ? "'" : ", '") + parameters[i].name + "'";
-  }
-  if (!missing.empty()) throw FormatError(where + ": the file has no value for the cell's parameter(s) " + missing);
-
-  for (std::size_t i = 0; i < parameters.size(); ++i) {
-    std::copy_n(bytes.begin() + static_cast<std::ptrdiff_t>(source[i]->offset), source[i]->size,
-                reinterpret_cast<unsigned char*>(parameters[i].parameter->data()));
-  }
+// The same for the bytes of a checkpoint already in memory.
+template <ElementType T>
+void load_checkpoint_bytes(std::span<const std::byte> bytes, nn::BasicDynamicCell<T>& cell) {
+  const auto parameters = cell.parameters();
+  detail::load_parameters(std::span(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size()),
+                          detail::checkpoint_size(parameters), parameters, "checkpoint data");
 }
 
 }  // namespace duet

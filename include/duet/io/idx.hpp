@@ -9,13 +9,14 @@
 // A file starting with the gzip magic (0x1F 0x8B) is decompressed on the way; concatenated
 // gzip members are read as one stream, as gunzip does.
 //
-// The reader takes any bytes: a malformed file is a duet::FormatError naming the problem, an
-// unreadable one a duet::IOError. The header is not trusted with memory: the data is first
-// streamed through a fixed buffer to prove it is all there, and only then is the tensor
-// allocated and the file read again into it. So a short file claiming a gigabyte (a gzip
-// bomb's header) fails having allocated nothing, and a real one is held once, with no growing
-// buffer copied into the tensor to double the peak (the Fashion-MNIST training images are
-// 47 MB; decompressing them twice costs about 0.4 s).
+// The reader takes any bytes, from a file (read_idx) or from memory (read_idx_bytes): a
+// malformed file is a duet::FormatError naming the problem, an unreadable one a
+// duet::IOError. The header is not trusted with memory: the data is first streamed through a
+// fixed buffer to prove it is all there, and only then is the tensor allocated and the file
+// read again into it. So a short file claiming a gigabyte (a gzip bomb's header) fails having
+// allocated nothing, and a real one is held once, with no growing buffer copied into the
+// tensor to double the peak (the Fashion-MNIST training images are 47 MB; decompressing them
+// twice costs about 0.4 s).
 #pragma once
 
 #include <zlib.h>
@@ -59,23 +60,25 @@ namespace detail {
 // Built by appending: GCC 12 warns falsely (-Wrestrict, PR105329) on "'" + std::string.
 inline std::string quoted(const std::filesystem::path& path) { return std::string("'").append(path.string()) + "'"; }
 
-// A file's bytes, gunzipped on the way when it starts with the gzip magic.
+// The bytes of a file or of a buffer in memory, gunzipped on the way when they start with the
+// gzip magic.
 class IdxByteStream {
  public:
+  // Reads the file a chunk at a time.
   IdxByteStream(const std::filesystem::path& path, const std::string& where)
       : where_(where),
         file_(std::fopen(path.c_str(), "rb")),
-        in_(std::make_unique_for_overwrite<unsigned char[]>(chunk)) {
+        buffer_(std::make_unique_for_overwrite<unsigned char[]>(chunk)) {
     if (file_ == nullptr) {
       const int error = errno;
       throw IOError(where_ + ": cannot open: " + std::generic_category().message(error));
     }
-    in_size_ = fill();
-    if (in_size_ >= 2 && in_[0] == 0x1F && in_[1] == 0x8B) {
-      inflater_.emplace(where_);
-      inflater_->z.next_in = in_.get();
-      inflater_->z.avail_in = static_cast<uInt>(in_size_);
-    }
+    start();
+  }
+  // Reads the caller's bytes in place, which must outlive the stream.
+  IdxByteStream(std::span<const std::byte> bytes, const std::string& where)
+      : where_(where), memory_(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size()) {
+    start();
   }
   IdxByteStream(const IdxByteStream&) = delete;
   IdxByteStream& operator=(const IdxByteStream&) = delete;
@@ -113,22 +116,43 @@ class IdxByteStream {
     z_stream z{};
   };
 
-  std::size_t fill() {
-    const std::size_t n = std::fread(in_.get(), 1, chunk, file_.get());
+  void start() {
+    in_ = next_chunk();
+    if (in_.size() >= 2 && in_[0] == 0x1F && in_[1] == 0x8B) {
+      inflater_.emplace(where_);
+      feed_inflater();
+    }
+  }
+
+  // The next input bytes, empty at the end. Memory is handed out in chunks too, since zlib
+  // counts its input in 32 bits.
+  std::span<const unsigned char> next_chunk() {
+    if (file_ == nullptr) {
+      const auto out = memory_.first(std::min(chunk, memory_.size()));
+      memory_ = memory_.subspan(out.size());
+      return out;
+    }
+    const std::size_t n = std::fread(buffer_.get(), 1, chunk, file_.get());
     if (n < chunk && std::ferror(file_.get()) != 0) {
       const int error = errno;
       throw IOError(where_ + ": read failed: " + std::generic_category().message(error));
     }
-    return n;
+    return {buffer_.get(), n};
+  }
+
+  void feed_inflater() {
+    // zlib only reads through next_in, which is non-const unless ZLIB_CONST is defined.
+    inflater_->z.next_in = const_cast<Bytef*>(in_.data());
+    inflater_->z.avail_in = static_cast<uInt>(in_.size());
   }
 
   std::size_t copy_some(std::span<std::byte> out) {
-    if (in_pos_ == in_size_) {
-      in_size_ = fill();
+    if (in_pos_ == in_.size()) {
+      in_ = next_chunk();
       in_pos_ = 0;
     }
-    const std::size_t n = std::min(out.size(), in_size_ - in_pos_);
-    std::copy_n(in_.get() + in_pos_, n, reinterpret_cast<unsigned char*>(out.data()));
+    const std::size_t n = std::min(out.size(), in_.size() - in_pos_);
+    std::copy_n(in_.data() + in_pos_, n, reinterpret_cast<unsigned char*>(out.data()));
     in_pos_ += n;
     return n;
   }
@@ -141,8 +165,8 @@ class IdxByteStream {
     z.avail_out = wanted;
     while (z.avail_out == wanted) {
       if (z.avail_in == 0) {
-        z.next_in = in_.get();
-        z.avail_in = static_cast<uInt>(fill());
+        in_ = next_chunk();
+        feed_inflater();
         if (z.avail_in == 0) {
           if (in_member_) throw FormatError(where_ + ": the gzip data is truncated");
           break;
@@ -168,9 +192,10 @@ class IdxByteStream {
   }
 
   std::string where_;
-  std::unique_ptr<std::FILE, FileCloser> file_;
-  std::unique_ptr<unsigned char[]> in_;
-  std::size_t in_size_ = 0;
+  std::unique_ptr<std::FILE, FileCloser> file_;  // null when reading memory_
+  std::unique_ptr<unsigned char[]> buffer_;      // what in_ views, for a file
+  std::span<const unsigned char> memory_;        // the bytes not yet handed out, for memory
+  std::span<const unsigned char> in_;            // the current chunk
   std::size_t in_pos_ = 0;
   std::optional<Inflater> inflater_;
   bool in_member_ = true;  // the magic promised a first member
@@ -310,35 +335,47 @@ BasicTensor<T> read_idx_data(IdxByteStream& in, const IdxHeader& h, const std::s
   return t;
 }
 
+// Both passes over the data; open() makes a new stream from its start each time.
+template <class Open>
+IdxArray read_idx_from(Open open, const std::string& where) {
+  IdxHeader header;
+  {
+    IdxByteStream probe = open();
+    header = read_idx_header(probe, where);
+    skip_idx_data(probe, header, where);
+  }
+  IdxByteStream in = open();
+  if (!(read_idx_header(in, where) == header)) throw FormatError(where + ": the file changed while being read");
+  IdxArray out{header.dtype, header.shape, {}};
+  switch (header.dtype) {
+    case DType::int32:
+      out.data = read_idx_data<std::int32_t>(in, header, where);
+      break;
+    case DType::float32:
+      out.data = read_idx_data<float>(in, header, where);
+      break;
+    case DType::float64:
+      out.data = read_idx_data<double>(in, header, where);
+      break;
+    default:
+      out.data = read_idx_data<std::uint8_t>(in, header, where);
+      break;  // uint8, the last one
+  }
+  return out;
+}
+
 }  // namespace detail
 
 // The header, dimensions and elements of an IDX file; any malformed file is a FormatError.
 inline IdxArray read_idx(const std::filesystem::path& path) {
   const std::string where = "IDX file " + detail::quoted(path);
-  detail::IdxHeader header;
-  {
-    detail::IdxByteStream probe(path, where);
-    header = detail::read_idx_header(probe, where);
-    detail::skip_idx_data(probe, header, where);
-  }
-  detail::IdxByteStream in(path, where);
-  if (!(detail::read_idx_header(in, where) == header)) throw FormatError(where + ": the file changed while being read");
-  IdxArray out{header.dtype, header.shape, {}};
-  switch (header.dtype) {
-    case DType::int32:
-      out.data = detail::read_idx_data<std::int32_t>(in, header, where);
-      break;
-    case DType::float32:
-      out.data = detail::read_idx_data<float>(in, header, where);
-      break;
-    case DType::float64:
-      out.data = detail::read_idx_data<double>(in, header, where);
-      break;
-    default:
-      out.data = detail::read_idx_data<std::uint8_t>(in, header, where);
-      break;  // uint8, the last one
-  }
-  return out;
+  return detail::read_idx_from([&] { return detail::IdxByteStream(path, where); }, where);
+}
+
+// The same for the bytes of an IDX file already in memory, plain or gzipped.
+inline IdxArray read_idx_bytes(std::span<const std::byte> bytes) {
+  const std::string where = "IDX data";
+  return detail::read_idx_from([&] { return detail::IdxByteStream(bytes, where); }, where);
 }
 
 // An IDX file of unsigned bytes (images, labels), as a tensor of its shape.

@@ -1,0 +1,142 @@
+// A training step given a bad batch fails as a whole: it throws a duet::Error (or, for NaN
+// and Inf inputs, returns a non-finite loss) and leaves the network's parameters and the
+// optimiser's state as they were. The optimiser's moments are private, so its state is
+// compared through what it does next: one more valid step must give the parameters a twin
+// that never saw the bad batch gets.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "support.hpp"
+
+using namespace duet;
+using duet_test::ModeGuard;
+
+namespace {
+
+using Labels = BasicTensor<std::int32_t>;
+using Net = duet_test::SeedNetwork<>;
+using Loss = nn::SoftmaxCrossEntropyWithLogits<true, Reduction::mean>;
+
+// A network with its loss, optimiser and training step; the same seed gives the same trainer.
+struct Trainer {
+  Net net;
+  Loss loss;
+  nn::WithLossCell<Net, Loss> with_loss{net, loss};
+  nn::Adam adam{net.parameters(), {.learning_rate = 0.01}};
+  nn::TrainOneStepCell<nn::WithLossCell<Net, Loss>, nn::Adam> step{with_loss, adam};
+
+  std::vector<std::vector<float>> parameter_values() {
+    std::vector<std::vector<float>> values;
+    for (const auto& [name, p] : net.parameters()) values.emplace_back(p->data(), p->data() + p->numel());
+    return values;
+  }
+};
+
+// Bitwise, so that NaNs compare equal to themselves and -0 differs from 0.
+bool same_bits(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (a[i].size() != b[i].size() || std::memcmp(a[i].data(), b[i].data(), a[i].size() * sizeof(float)) != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+Tensor images(index_t rows, std::uint64_t seed) { return randn({rows, 1, 28, 28}, seed); }
+
+Labels labels(index_t rows) {
+  Labels y(Shape{rows});
+  for (index_t i = 0; i < rows; ++i) y(i) = static_cast<std::int32_t>((3 * i + 1) % 10);
+  return y;
+}
+
+// Runs `bad` (which must make a's step fail or go non-finite) between valid steps of a and of
+// its twin b, in each mode, and checks a ends where b does.
+template <class Bad>
+void check_leaves_training_state_unchanged(Bad bad) {
+  for (const Mode mode : {GRAPH_MODE, PYNATIVE_MODE}) {
+    INFO(std::string(mode == GRAPH_MODE ? "graph mode" : "PyNative mode"));
+    ModeGuard guard;
+    set_context({.mode = mode});
+    set_seed(7);
+    Trainer a;
+    set_seed(7);
+    Trainer b;
+    // A first step gives Adam moments, so a step taken on bad data would move the parameters.
+    a.step(images(4, 1), labels(4));
+    b.step(images(4, 1), labels(4));
+    const auto before = a.parameter_values();
+    const std::int64_t step_before = a.adam.global_step();
+
+    bad(a);
+    CHECK(same_bits(a.parameter_values(), before));
+    CHECK(a.adam.global_step() == step_before);
+
+    const float loss_a = a.step(images(6, 2), labels(6)).item();
+    const float loss_b = b.step(images(6, 2), labels(6)).item();
+    CHECK(loss_a == loss_b);
+    CHECK(a.adam.global_step() == b.adam.global_step());
+    CHECK(same_bits(a.parameter_values(), b.parameter_values()));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("a batch of the wrong feature size or rank is a ShapeError and changes nothing") {
+  check_leaves_training_state_unchanged([](Trainer& t) {
+    CHECK_THROWS_AS(t.step(randn({4, 1, 28, 27}, 3), labels(4)), ShapeError);
+    CHECK_THROWS_AS(t.step(randn({4, 785}, 3), labels(4)), ShapeError);
+    CHECK_THROWS_AS(t.step(randn({784}, 3), labels(1)), ShapeError);
+  });
+}
+
+TEST_CASE("labels of the wrong shape are a ShapeError and change nothing") {
+  check_leaves_training_state_unchanged([](Trainer& t) {
+    CHECK_THROWS_AS(t.step(images(4, 3), labels(5)), ShapeError);
+    CHECK_THROWS_AS(t.step(images(4, 3), labels(3)), ShapeError);
+    CHECK_THROWS_AS(t.step(images(4, 3), Labels(Shape{4, 1})), ShapeError);
+  });
+}
+
+TEST_CASE("a label below 0 or not below the class count is a ValueError naming it and changes nothing") {
+  check_leaves_training_state_unchanged([](Trainer& t) {
+    Labels y = labels(4);
+    y(2) = 10;
+    CHECK_THROWS_WITH_AS(t.step(images(4, 3), y), doctest::Contains("label 10 of sample 2"), ValueError);
+    y(2) = -1;
+    CHECK_THROWS_WITH_AS(t.step(images(4, 3), y), doctest::Contains("label -1 of sample 2"), ValueError);
+  });
+}
+
+TEST_CASE("an empty batch is a ValueError and changes nothing; its forward pass and loss are fine") {
+  check_leaves_training_state_unchanged([](Trainer& t) {
+    CHECK_THROWS_AS(t.step(images(0, 3), labels(0)), ValueError);
+    const Tensor logits = t.net(images(0, 3));
+    CHECK(logits.shape() == Shape{0, 10});
+    // The mean over no samples is defined as 0, not 0/0.
+    CHECK(t.loss(logits, labels(0)).item() == 0.0f);
+  });
+}
+
+TEST_CASE("NaN or Inf in a batch gives a non-finite loss, no exception, and changes nothing") {
+  check_leaves_training_state_unchanged([](Trainer& t) {
+    for (const float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                            -std::numeric_limits<float>::infinity()}) {
+      Tensor x = images(4, 3);
+      x(1, 0, 5, 5) = bad;
+      const Tensor loss = t.step(x, labels(4));
+      CHECK(!std::isfinite(loss.item()));
+      // Rows are independent: the others' logits stay finite.
+      const Tensor logits = t.net(x);
+      for (index_t c = 0; c < 10; ++c) {
+        CHECK(std::isfinite(logits(0, c)));
+        CHECK(std::isfinite(logits(2, c)));
+      }
+    }
+  });
+}

@@ -1,0 +1,197 @@
+// Writes the fuzzers' seed corpora: small valid IDX files and checkpoints of
+// duet_fuzz::Network, and a few broken ones, each a different way into the readers. The
+// output is committed; rerun after a format changes:
+//   cmake --build <fuzz build> --target fuzz_make_corpus && <fuzz build>/tests/fuzz/fuzz_make_corpus tests/fuzz/corpus
+#include <zlib.h>
+
+#include <algorithm>
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <iterator>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "network.hpp"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+using Bytes = std::vector<unsigned char>;
+
+void write(const fs::path& path, const Bytes& bytes) {
+  std::ofstream out(path, std::ios::binary);
+  out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  if (!out) throw std::runtime_error("cannot write " + path.string());
+}
+
+Bytes read(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return Bytes(std::istreambuf_iterator<char>(in), {});
+}
+
+Bytes concat(Bytes a, const Bytes& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+Bytes gzip(const Bytes& in) {
+  z_stream z{};
+  if (deflateInit2(&z, Z_BEST_COMPRESSION, Z_DEFLATED, 16 + MAX_WBITS, 8, Z_DEFAULT_STRATEGY) != Z_OK) {
+    throw std::runtime_error("deflateInit2 failed");
+  }
+  Bytes out(deflateBound(&z, static_cast<uLong>(in.size())) + 32);
+  z.next_in = const_cast<Bytef*>(in.data());
+  z.avail_in = static_cast<uInt>(in.size());
+  z.next_out = out.data();
+  z.avail_out = static_cast<uInt>(out.size());
+  const int rc = deflate(&z, Z_FINISH);
+  deflateEnd(&z);
+  if (rc != Z_STREAM_END) throw std::runtime_error("deflate failed");
+  out.resize(z.total_out);
+  return out;
+}
+
+// ---- IDX ------------------------------------------------------------------------------------
+
+template <class T>
+void append_big_endian(Bytes& out, T value) {
+  unsigned char b[sizeof(T)];
+  std::memcpy(b, &value, sizeof(T));
+  if constexpr (std::endian::native == std::endian::little) std::reverse(b, b + sizeof(T));
+  out.insert(out.end(), b, b + sizeof(T));
+}
+
+Bytes idx_header(unsigned char type, const std::vector<std::uint32_t>& dims) {
+  Bytes out{0, 0, type, static_cast<unsigned char>(dims.size())};
+  for (std::uint32_t d : dims) append_big_endian(out, d);
+  return out;
+}
+
+// An IDX file of the given dimensions, element i being f(i).
+template <class T, class F>
+Bytes idx(unsigned char type, const std::vector<std::uint32_t>& dims, F f) {
+  Bytes out = idx_header(type, dims);
+  std::uint64_t n = 1;
+  for (std::uint32_t d : dims) n *= d;
+  for (std::uint64_t i = 0; i < n; ++i) append_big_endian(out, static_cast<T>(f(i)));
+  return out;
+}
+
+void write_idx_corpus(const fs::path& dir) {
+  const auto pattern = [](std::uint64_t i) { return (i * 37 + 11) % 256; };
+  const Bytes u8 = idx<std::uint8_t>(0x08, {2, 3, 4}, pattern);
+  write(dir / "u8_5", idx<std::uint8_t>(0x08, {5}, pattern));
+  write(dir / "u8_2x3x4", u8);
+  write(dir / "u8_2x3x4.gz", gzip(u8));
+  const Bytes half(u8.begin(), u8.begin() + static_cast<std::ptrdiff_t>(u8.size() / 2));
+  const Bytes rest(u8.begin() + static_cast<std::ptrdiff_t>(u8.size() / 2), u8.end());
+  write(dir / "u8_2x3x4_two_members.gz", concat(gzip(half), gzip(rest)));
+  write(dir / "u8_rank8", idx<std::uint8_t>(0x08, {1, 2, 1, 2, 1, 2, 1, 2}, pattern));
+  write(dir / "u8_0x3", idx<std::uint8_t>(0x08, {0, 3}, pattern));
+  write(dir / "i32_3", idx<std::int32_t>(0x0C, {3}, [](std::uint64_t i) { return -1000000 + 999999 * int(i); }));
+  const Bytes f32 = idx<float>(0x0D, {2, 2}, [](std::uint64_t i) { return 0.5f - float(i); });
+  write(dir / "f32_2x2", f32);
+  write(dir / "f32_2x2.gz", gzip(f32));
+  write(dir / "f64_2", idx<double>(0x0E, {2}, [](std::uint64_t i) { return 1e-300 * double(i + 1); }));
+
+  write(dir / "broken_truncated_data", Bytes(u8.begin(), u8.end() - 5));
+  const Bytes gz = gzip(u8);
+  write(dir / "broken_truncated.gz", Bytes(gz.begin(), gz.begin() + static_cast<std::ptrdiff_t>(gz.size() / 2)));
+  write(dir / "broken_trailing_byte", concat(idx<std::uint8_t>(0x08, {5}, pattern), Bytes{0}));
+  write(dir / "broken_int8_type", idx<std::uint8_t>(0x09, {4}, pattern));
+  write(dir / "broken_claims_4GiB", concat(idx_header(0x08, {65536, 65536}), Bytes{1, 2, 3}));
+}
+
+// ---- Checkpoints ----------------------------------------------------------------------------
+
+struct Record {
+  std::string name;
+  duet::DType dtype;
+  duet::Shape shape;
+  Bytes elements;
+};
+
+template <class Cell>
+std::vector<Record> records_of(Cell& cell) {
+  std::vector<Record> out;
+  for (const auto& [name, p] : cell.parameters()) {
+    const auto* b = reinterpret_cast<const unsigned char*>(p->data());
+    out.push_back({name, p->dtype(), p->shape(), Bytes(b, b + p->numel() * sizeof(float))});
+  }
+  return out;
+}
+
+template <class T>
+void append_little_endian(Bytes& out, T value) {
+  for (std::size_t i = 0; i < sizeof(T); ++i) out.push_back(static_cast<unsigned char>(value >> (8 * i)));
+}
+
+// The format of include/duet/io/checkpoint.hpp, written independently of save_checkpoint (which
+// it is checked against) so that it can also write files save_checkpoint never would.
+Bytes checkpoint(const std::vector<Record>& records, std::uint32_t version = 1) {
+  Bytes out{'D', 'U', 'E', 'T', 'C', 'K', 'P', 'T'};
+  append_little_endian(out, version);
+  append_little_endian(out, static_cast<std::uint32_t>(records.size()));
+  for (const Record& r : records) {
+    append_little_endian(out, static_cast<std::uint32_t>(r.name.size()));
+    out.insert(out.end(), r.name.begin(), r.name.end());
+    out.push_back(static_cast<unsigned char>(r.dtype));
+    out.push_back(static_cast<unsigned char>(r.shape.rank()));
+    for (duet::index_t d : r.shape) append_little_endian(out, static_cast<std::uint64_t>(d));
+    out.insert(out.end(), r.elements.begin(), r.elements.end());
+  }
+  append_little_endian(out, static_cast<std::uint32_t>(crc32_z(crc32_z(0, nullptr, 0), out.data(), out.size())));
+  return out;
+}
+
+void write_checkpoint_corpus(const fs::path& dir) {
+  duet::set_seed(1);
+  duet_fuzz::Network net;
+  duet::save_checkpoint(net, dir / "valid");
+  const std::vector<Record> records = records_of(net);
+  if (checkpoint(records) != read(dir / "valid")) throw std::runtime_error("checkpoint() differs from save_checkpoint");
+
+  duet::set_seed(2);
+  duet_fuzz::Network other_values;
+  duet::save_checkpoint(other_values, dir / "valid_other_values");
+  write(dir / "valid_reversed", checkpoint(std::vector<Record>(records.rbegin(), records.rend())));
+
+  duet::nn::SequentialCell<duet::nn::Dense<3, 4>, duet::nn::ReLU, duet::nn::Dense<4, 3>> other_shapes;
+  duet::save_checkpoint(other_shapes, dir / "broken_other_shapes");
+  const Bytes valid = checkpoint(records);
+  write(dir / "broken_truncated", Bytes(valid.begin(), valid.begin() + static_cast<std::ptrdiff_t>(valid.size() / 2)));
+  Bytes damaged = valid;
+  damaged[valid.size() - 10] ^= 0x40;
+  write(dir / "broken_checksum", damaged);
+  write(dir / "broken_version", checkpoint(records, 2));
+  write(dir / "broken_missing_parameter", checkpoint(std::vector<Record>(records.begin(), records.end() - 1)));
+  std::vector<Record> twice = records;
+  twice.back() = twice.front();
+  write(dir / "broken_repeated_parameter", checkpoint(twice));
+  std::vector<Record> extra = records;
+  extra.push_back({"2.extra", duet::DType::uint8, duet::Shape{1}, Bytes{7}});
+  write(dir / "broken_extra_parameter", checkpoint(extra));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::cerr << "usage: fuzz_make_corpus <corpus directory, as tests/fuzz/corpus>\n";
+    return 2;
+  }
+  const fs::path root = argv[1];
+  for (const char* name : {"idx", "checkpoint"}) {
+    fs::remove_all(root / name);
+    fs::create_directories(root / name);
+  }
+  write_idx_corpus(root / "idx");
+  write_checkpoint_corpus(root / "checkpoint");
+}

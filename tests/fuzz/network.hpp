@@ -1,0 +1,12 @@
+// The network fuzz_checkpoint loads into and make_corpus writes checkpoints of.
+#pragma once
+
+#include <duet/duet.hpp>
+
+namespace duet_fuzz {
+
+// Small, so that a whole checkpoint is a few hundred bytes for the fuzzer to mutate; two
+// layers of different shapes, so that a mutated file can swap or reshape them.
+using Network = duet::nn::SequentialCell<duet::nn::Dense<3, 4>, duet::nn::ReLU, duet::nn::Dense<4, 2>>;
+
+}  // namespace duet_fuzz

@@ -1,0 +1,112 @@
+// The documented guarantee: a model's forward pass may be called from several threads at
+// once, in both modes. Each case runs the seed network from four threads and compares every
+// result with the same call made on one thread. The tsan stage of tools/check.sh runs the
+// cases named "threads: ..." under ThreadSanitizer, which is what finds the races; without it
+// these cases catch only races that corrupt results.
+#include <array>
+#include <cstring>
+#include <exception>
+#include <latch>
+#include <thread>
+#include <vector>
+
+#include "support.hpp"
+
+using namespace duet;
+
+namespace {
+
+constexpr std::size_t thread_count = 4;
+// A different batch size in each thread at any moment, and a new one at every call: each
+// call replans graph mode's thread-local plan, and the threads' arenas differ in size.
+constexpr std::array<index_t, thread_count> batch_sizes{1, 3, 8, 17};
+constexpr std::size_t calls_per_thread = 2 * thread_count;
+
+std::vector<Tensor> make_inputs() {
+  std::vector<Tensor> inputs;
+  for (std::size_t i = 0; i < thread_count; ++i) inputs.push_back(randn({batch_sizes[i], 1, 28, 28}, 100 + i));
+  return inputs;
+}
+
+bool bitwise_equal(const Tensor& a, const Tensor& b) {
+  return a.shape() == b.shape() &&
+         std::memcmp(a.data(), b.data(), static_cast<std::size_t>(a.numel()) * sizeof(float)) == 0;
+}
+
+// Thread t's call k reads input (t + k) mod thread_count. All threads share the input tensors
+// (and so their reference counts) and start together, so the first calls overlap.
+template <Mode M>
+std::vector<std::vector<Tensor>> concurrent_forward(duet_test::SeedNetwork<M>& net, const std::vector<Tensor>& inputs) {
+  std::vector<std::vector<Tensor>> outputs(thread_count);
+  std::vector<std::exception_ptr> errors(thread_count);
+  std::latch start(thread_count);
+  std::vector<std::thread> threads;
+  for (std::size_t t = 0; t < thread_count; ++t) {
+    threads.emplace_back([&, t] {
+      start.arrive_and_wait();
+      try {
+        for (std::size_t k = 0; k < calls_per_thread; ++k) outputs[t].push_back(net(inputs[(t + k) % thread_count]));
+      } catch (...) {
+        errors[t] = std::current_exception();
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  for (const std::exception_ptr& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+  return outputs;
+}
+
+template <Mode M>
+void check_against_one_thread(duet_test::SeedNetwork<M>& net, const std::vector<Tensor>& inputs,
+                              const std::vector<std::vector<Tensor>>& outputs) {
+  std::vector<Tensor> expected;
+  for (const Tensor& x : inputs) expected.push_back(net(x));
+  for (std::size_t t = 0; t < thread_count; ++t) {
+    REQUIRE(outputs[t].size() == calls_per_thread);
+    for (std::size_t k = 0; k < calls_per_thread; ++k) {
+      INFO("thread " << t << ", call " << k);
+      CHECK(bitwise_equal(outputs[t][k], expected[(t + k) % thread_count]));
+    }
+  }
+}
+
+// Fresh: the threads' calls are the network's first, so they race to name its cells and
+// each builds its own plans.
+template <Mode M>
+void check_fresh_network() {
+  const std::vector<Tensor> inputs = make_inputs();
+  duet_test::SeedNetwork<M> net;
+  const auto outputs = concurrent_forward(net, inputs);
+  CHECK(net.dense_relu_sequential.template get<0>().name() == "dense_relu_sequential.0");
+  CHECK(net.dense_relu_sequential.template get<4>().name() == "dense_relu_sequential.4");
+  check_against_one_thread(net, inputs, outputs);
+}
+
+// Warm: named and planned on this thread first, the state every later call sees.
+template <Mode M>
+void check_warm_network() {
+  const std::vector<Tensor> inputs = make_inputs();
+  duet_test::SeedNetwork<M> net;
+  for (const Tensor& x : inputs) net(x);
+  check_against_one_thread(net, inputs, concurrent_forward(net, inputs));
+}
+
+}  // namespace
+
+TEST_CASE("threads: concurrent first calls of a fresh network in graph mode agree with one thread") {
+  check_fresh_network<GRAPH_MODE>();
+}
+
+TEST_CASE("threads: concurrent first calls of a fresh network in PyNative mode agree with one thread") {
+  check_fresh_network<PYNATIVE_MODE>();
+}
+
+TEST_CASE("threads: concurrent calls of a warm network in graph mode agree with one thread") {
+  check_warm_network<GRAPH_MODE>();
+}
+
+TEST_CASE("threads: concurrent calls of a warm network in PyNative mode agree with one thread") {
+  check_warm_network<PYNATIVE_MODE>();
+}
