@@ -1,30 +1,18 @@
-// duet's benchmarks, all in one process so that ratios between variants are fair.
-//
-//   build/benchmarks/duet_benchmarks --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
-//
-// Single-threaded throughout (Eigen is built without OpenMP here).
-#include <duet/duet.hpp>
-
+// The seed network forward in graph mode, in PyNative mode and as hand-written Eigen, and a
+// tiny network where what each mode pays per call and per node dominates.
 #include <benchmark/benchmark.h>
 
 #include <Eigen/Core>
 
+#include "../examples/network.hpp"
 
 namespace {
 
 using namespace duet;
 
 template <Mode M>
-struct Seed : nn::Cell<Seed<M>, M> {
-  nn::Flatten flatten;
-  nn::SequentialCell<nn::Dense<784, 512>, nn::ReLU, nn::Dense<512, 512>, nn::ReLU, nn::Dense<512, 10>> layers;
-  DUET_CELL_MEMBERS(flatten, layers);
-  auto construct(auto x) { return layers(flatten(x)); }
-};
-
-template <Mode M>
 void BM_seed_forward(benchmark::State& state) {
-  Seed<M> net;
+  SeedNetwork<M> net;
   const Tensor x = ones({state.range(0), 1, 28, 28});
   for (auto _ : state) {
     Tensor y = net(x);
@@ -38,15 +26,15 @@ void BM_seed_forward_eigen(benchmark::State& state) {
   using Matrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   using Row = Eigen::RowVectorXf;
   const Eigen::Index batch = state.range(0);
-  Seed<PYNATIVE_MODE> net;  // the same weights
+  SeedNetwork<PYNATIVE_MODE> net;  // the same weights
   auto weights = [](const Tensor& w) { return Eigen::Map<const Matrix>(w.data(), w.dim(0), w.dim(1)); };
   auto biases = [](const Tensor& b) { return Eigen::Map<const Row>(b.data(), b.dim(0)); };
-  const auto w1 = weights(net.layers.template get<0>().weight);
-  const auto w2 = weights(net.layers.template get<2>().weight);
-  const auto w3 = weights(net.layers.template get<4>().weight);
-  const auto b1 = biases(net.layers.template get<0>().bias);
-  const auto b2 = biases(net.layers.template get<2>().bias);
-  const auto b3 = biases(net.layers.template get<4>().bias);
+  const auto w1 = weights(net.dense_relu_sequential.template get<0>().weight);
+  const auto w2 = weights(net.dense_relu_sequential.template get<2>().weight);
+  const auto w3 = weights(net.dense_relu_sequential.template get<4>().weight);
+  const auto b1 = biases(net.dense_relu_sequential.template get<0>().bias);
+  const auto b2 = biases(net.dense_relu_sequential.template get<2>().bias);
+  const auto b3 = biases(net.dense_relu_sequential.template get<4>().bias);
   Matrix x = Matrix::Ones(batch, 784), h1(batch, 512), h2(batch, 512), y(batch, 10);
   for (auto _ : state) {
     h1.noalias() = x * w1.transpose();
@@ -86,5 +74,3 @@ BENCHMARK(BM_seed_forward<PYNATIVE_MODE>)->Name("seed_forward/pynative")->Arg(1)
 BENCHMARK(BM_seed_forward_eigen)->Name("seed_forward/eigen_by_hand")->Arg(1)->Arg(64)->Arg(256);
 BENCHMARK(BM_tiny_forward<GRAPH_MODE>)->Name("tiny_forward/graph");
 BENCHMARK(BM_tiny_forward<PYNATIVE_MODE>)->Name("tiny_forward/pynative");
-
-BENCHMARK_MAIN();
