@@ -93,3 +93,58 @@ TEST_CASE("a network trained in graph mode, checkpointed, loads into PyNative an
   const auto b = duet_test::values_of(fresh(data.x));
   CHECK(duet_test::relative_difference(a, b) <= 1e-6);
 }
+
+namespace {
+template <auto Setting>
+struct FixedSmall : nn::Cell<FixedSmall<Setting>, Setting> {
+  nn::Flatten flatten;
+  nn::SequentialCell<nn::Dense<8, 16>, nn::ReLU, nn::Dense<16, 3>> layers;
+  DUET_CELL_MEMBERS(flatten, layers);
+  auto construct(auto x) { return layers(flatten(x)); }
+};
+
+template <auto Setting>
+std::vector<float> train_fixed(const Problem& data, int steps) {
+  set_seed(5);
+  FixedSmall<Setting> net;
+  nn::SoftmaxCrossEntropyWithLogits<true, Reduction::mean> loss;
+  nn::WithLossCell with_loss(net, loss);
+  nn::SGD sgd(net.parameters(), {.learning_rate = 0.05, .momentum = 0.9});
+  nn::TrainOneStepCell step(with_loss, sgd);
+  std::vector<float> losses;
+  for (int s = 0; s < steps; ++s) losses.push_back(step(data.x, data.y).item());
+  return losses;
+}
+}  // namespace
+
+TEST_CASE("a network of fixed mode trains in that mode, whatever the context") {
+  ModeGuard guard;
+  const Problem data;
+  set_context({.mode = PYNATIVE_MODE});
+  static_assert(nn::WithLossCell<FixedSmall<GRAPH_MODE>, nn::MSELoss<>>::mode == GRAPH_MODE);
+  static_assert(nn::WithLossCell<Small, nn::MSELoss<>>::mode == CONTEXT_MODE);
+  const auto graph = train_fixed<GRAPH_MODE>(data, 40);
+  set_context({.mode = GRAPH_MODE});
+  const auto eager = train_fixed<PYNATIVE_MODE>(data, 40);
+  CHECK(eager.back() < eager.front());
+  for (std::size_t i = 0; i < eager.size(); ++i) CHECK(graph[i] == doctest::Approx(eager[i]).epsilon(1e-4));
+}
+
+TEST_CASE("a graph-mode cell under a PyNative grad runs eagerly, so the tape reaches its parameters") {
+  ModeGuard guard;
+  set_context({.mode = PYNATIVE_MODE});
+  set_seed(8);
+  FixedSmall<GRAPH_MODE> graph_net;
+  set_seed(8);
+  FixedSmall<PYNATIVE_MODE> eager_net;
+  const Tensor x = randn({4, 2, 4}, 9);
+  // A plain function of tensors follows the context (PyNative here) and calls the graph-mode net.
+  auto call = [](auto& net) { return [&net](const auto& input) { return net(input); }; };
+  auto [gv, gg] = value_and_grad(call(graph_net), graph_net.parameters(), 0)(x);
+  auto [ev, eg] = value_and_grad(call(eager_net), eager_net.parameters(), 0)(x);
+  CHECK(duet_test::relative_difference(duet_test::values_of(gv), duet_test::values_of(ev)) <= 1e-6);
+  REQUIRE(gg.size() == eg.size());
+  for (std::size_t i = 0; i < gg.size(); ++i) {
+    CHECK(duet_test::relative_difference(duet_test::values_of(gg[i]), duet_test::values_of(eg[i])) <= 1e-6);
+  }
+}
