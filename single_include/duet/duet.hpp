@@ -3569,7 +3569,7 @@ class Cell : public BasicDynamicCell<T> {
   auto operator()(const StaticTensor<T, D...>& x) {
     using Captured = decltype(std::declval<Derived&>().construct(graph::input<T, StaticShape<D...>>()));
     if constexpr (M != PYNATIVE_MODE) {
-      if (effective_mode(M) == GRAPH_MODE) {
+      if (runs_as_graph()) {
         this->ensure_named();
         return to_static_tensor<Captured>(run_graph<StaticShape<D...>>(x.tensor()));
       }
@@ -3583,7 +3583,7 @@ class Cell : public BasicDynamicCell<T> {
   requires(sizeof...(X) >= 2 && ((is_tensor_v<X> || is_static_tensor_v<X>)&&...)) auto operator()(const X&... xs) {
     this->ensure_named();
     if constexpr (M != PYNATIVE_MODE) {
-      if (effective_mode(M) == GRAPH_MODE) return run_graph<typename graph::pattern_of<X>::type...>(tensor_of(xs)...);
+      if (runs_as_graph()) return run_graph<typename graph::pattern_of<X>::type...>(tensor_of(xs)...);
     }
     EagerScope eager;
     return derived().construct(tensor_of(xs)...);
@@ -3607,11 +3607,9 @@ class Cell : public BasicDynamicCell<T> {
   BasicTensor<T> forward(const BasicTensor<T>& x) override {
     if constexpr (!HasConstruct<Derived, BasicTensor<T>>) {
       throw ModeError(this->label() + ": construct takes several inputs; call the cell with all of them");
-    } else if constexpr (M == GRAPH_MODE) {
-      return run_graph<graph::AnyShape>(x);
     } else {
-      if constexpr (M == CONTEXT_MODE) {
-        if (effective_mode(M) == GRAPH_MODE) return run_graph<graph::AnyShape>(x);
+      if constexpr (M != PYNATIVE_MODE) {
+        if (runs_as_graph()) return run_graph<graph::AnyShape>(x);
       }
       EagerScope eager;
       return derived().construct(x);
@@ -3620,6 +3618,11 @@ class Cell : public BasicDynamicCell<T> {
 
  private:
   Derived& derived() { return static_cast<Derived&>(*this); }
+
+  // A PyNative grad records the operations as they run; a graph would be one opaque call to
+  // its tape. Under a recording tape, a graph-mode cell therefore runs its construct eagerly:
+  // the same numbers, and gradients that reach its parameters.
+  static bool runs_as_graph() { return effective_mode(M) == GRAPH_MODE && autodiff::active_tape() == nullptr; }
 
   // Capture, optimise, run. Capture and passes cost nothing at run time (they are types);
   // the plan for the inputs' shapes is kept per thread, so repeated shapes skip planning.
@@ -7651,11 +7654,21 @@ using AdamW = BasicAdam<float, true>;
 
 namespace duet::nn {
 
+namespace detail {
+// A backbone whose mode is fixed (GRAPH_MODE, PYNATIVE_MODE or a JitConfig) trains in that mode.
+template <class Backbone>
+constexpr Mode mode_of_backbone() {
+  if constexpr (requires { Backbone::mode; }) return Backbone::mode;
+  else return CONTEXT_MODE;
+}
+}  // namespace detail
+
 // loss_fn(backbone(data), label). The backbone is transparent to naming, so the parameters
 // keep the names they have in the backbone alone ("dense_relu_sequential.0.weight"), and a
-// checkpoint of either loads into the other.
+// checkpoint of either loads into the other. It runs in the backbone's mode if that is fixed.
 template <class Backbone, class Loss>
-class WithLossCell : public Cell<WithLossCell<Backbone, Loss>, CONTEXT_MODE, typename Backbone::value_type> {
+class WithLossCell
+    : public Cell<WithLossCell<Backbone, Loss>, detail::mode_of_backbone<Backbone>(), typename Backbone::value_type> {
   using T = typename Backbone::value_type;
 
  public:
