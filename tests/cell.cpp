@@ -180,3 +180,33 @@ TEST_CASE("backward hooks see each cell's input and output gradients while a PyN
   set_context({.mode = GRAPH_MODE});
   CHECK_THROWS_AS(relu(x), ModeError);  // hooks are PyNative's; graph mode refuses rather than skips them
 }
+
+namespace {
+// Counts how often its construct runs: once per call in PyNative mode, once per capture in graph mode.
+struct CountingCell : nn::Cell<CountingCell> {
+  nn::Dense<3, 2> dense;
+  int constructs = 0;
+  DUET_CELL_MEMBERS(dense);
+  auto construct(auto x) {
+    ++constructs;
+    return dense(x);
+  }
+};
+}  // namespace
+
+TEST_CASE("graph mode captures construct once per cell and thread, as MindSpore compiles it once") {
+  ModeGuard guard;
+  set_context({.mode = GRAPH_MODE});
+  CountingCell a, b;
+  const Tensor x = ones({2, 3});
+  for (int i = 0; i < 3; ++i) a(x);
+  CHECK(a.constructs == 1);
+  b(x);
+  a(ones({5, 3}));  // another shape is planned again, yet not captured again
+  CHECK(a.constructs == 2);  // b's capture replaced a's program: one program per cell type is kept
+  CHECK(b.constructs == 1);
+  set_context({.mode = PYNATIVE_MODE});
+  a(x);
+  a(x);
+  CHECK(a.constructs == 4);
+}

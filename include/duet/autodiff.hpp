@@ -476,10 +476,8 @@ class GradFunction {
 
   // What messages call the function: the cell's construct, or "the differentiated function".
   auto where() const {
-    return [this] {
-      if constexpr (autodiff::detail::CellLike<Fn>) return fn_.type_name() + "::construct";
-      else return std::string("the differentiated function");
-    };
+    if constexpr (autodiff::detail::CellLike<Fn>) return [this] { return fn_.type_name() + "::construct"; };
+    else return [] { return std::string("the differentiated function"); };
   }
 
   Fn fn_;

@@ -19,6 +19,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -347,9 +348,26 @@ class Cell : public BasicDynamicCell<T> {
                       " runs in graph mode, but a cell in it has a hook; hooks see intermediate values "
                       "in PyNative mode only (set_context({.mode = PYNATIVE_MODE}))");
     }
-    auto program = passes::optimize<jit_config>([&]<std::size_t... K>(std::index_sequence<K...>) {
-      return derived().construct(graph::input<Ts, Patterns, K>()...);
-    }(std::index_sequence_for<Ts...>{}));
+    const auto capture = [&] {
+      return passes::optimize<jit_config>([&]<std::size_t... K>(std::index_sequence<K...>) {
+        return derived().construct(graph::input<Ts, Patterns, K>()...);
+      }(std::index_sequence_for<Ts...>{}));
+    };
+    // construct is captured once per cell and thread, as MindSpore compiles it once: on a small
+    // network capturing costs as much as running. Values construct reads while it is captured
+    // are constants of the graph. A cell's id is never reused, and a moved cell gets a new one,
+    // so the program's references to this cell and its members stay valid.
+    using Program = decltype(capture());
+    thread_local struct {
+      std::uint64_t owner = 0;
+      std::optional<Program> program;
+    } captured;
+    if (captured.owner != this->id()) {
+      captured.owner = 0;  // stays invalid if capturing throws
+      captured.program.emplace(capture());
+      captured.owner = this->id();
+    }
+    const Program& program = *captured.program;
     const std::array<Shape, sizeof...(Ts)> shapes{xs.shape()...};
     const auto& p = duet::detail::cached_plan<jit_config>(this->id(), program, shapes,
                                                            [this] { return this->type_name() + "::construct"; });

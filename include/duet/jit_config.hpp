@@ -10,8 +10,8 @@ namespace duet {
 
 // Optimisation level. O0 runs the captured graph kernel by kernel (views are still aliases and
 // nothing is dispatched or allocated per node); O1 adds fusion of elementwise chains and of
-// bias/activation epilogues into the products; O2 adds folding of what does not change
-// between calls (weights packed once for the products) on top of O1.
+// bias/activation epilogues into the products. O2 runs O1's passes: the whole-network fusion
+// and folding MindSpore's O2 implies do not exist in duet yet, so it is O1 under another name.
 enum class JitLevel : unsigned char { O0, O1, O2 };
 
 // How much of C++ a jitted function may use. strict: anything that is not a graph operation

@@ -1089,6 +1089,7 @@ using DefaultBackend = backend::Native;
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -2295,8 +2296,8 @@ namespace duet {
 
 // Optimisation level. O0 runs the captured graph kernel by kernel (views are still aliases and
 // nothing is dispatched or allocated per node); O1 adds fusion of elementwise chains and of
-// bias/activation epilogues into the products; O2 adds folding of what does not change
-// between calls (weights packed once for the products) on top of O1.
+// bias/activation epilogues into the products. O2 runs O1's passes: the whole-network fusion
+// and folding MindSpore's O2 implies do not exist in duet yet, so it is O1 under another name.
 enum class JitLevel : unsigned char { O0, O1, O2 };
 
 // How much of C++ a jitted function may use. strict: anything that is not a graph operation
@@ -3633,9 +3634,26 @@ class Cell : public BasicDynamicCell<T> {
                       " runs in graph mode, but a cell in it has a hook; hooks see intermediate values "
                       "in PyNative mode only (set_context({.mode = PYNATIVE_MODE}))");
     }
-    auto program = passes::optimize<jit_config>([&]<std::size_t... K>(std::index_sequence<K...>) {
-      return derived().construct(graph::input<Ts, Patterns, K>()...);
-    }(std::index_sequence_for<Ts...>{}));
+    const auto capture = [&] {
+      return passes::optimize<jit_config>([&]<std::size_t... K>(std::index_sequence<K...>) {
+        return derived().construct(graph::input<Ts, Patterns, K>()...);
+      }(std::index_sequence_for<Ts...>{}));
+    };
+    // construct is captured once per cell and thread, as MindSpore compiles it once: on a small
+    // network capturing costs as much as running. Values construct reads while it is captured
+    // are constants of the graph. A cell's id is never reused, and a moved cell gets a new one,
+    // so the program's references to this cell and its members stay valid.
+    using Program = decltype(capture());
+    thread_local struct {
+      std::uint64_t owner = 0;
+      std::optional<Program> program;
+    } captured;
+    if (captured.owner != this->id()) {
+      captured.owner = 0;  // stays invalid if capturing throws
+      captured.program.emplace(capture());
+      captured.owner = this->id();
+    }
+    const Program& program = *captured.program;
     const std::array<Shape, sizeof...(Ts)> shapes{xs.shape()...};
     const auto& p = duet::detail::cached_plan<jit_config>(this->id(), program, shapes,
                                                            [this] { return this->type_name() + "::construct"; });
@@ -4196,10 +4214,8 @@ class GradFunction {
 
   // What messages call the function: the cell's construct, or "the differentiated function".
   auto where() const {
-    return [this] {
-      if constexpr (autodiff::detail::CellLike<Fn>) return fn_.type_name() + "::construct";
-      else return std::string("the differentiated function");
-    };
+    if constexpr (autodiff::detail::CellLike<Fn>) return [this] { return fn_.type_name() + "::construct"; };
+    else return [] { return std::string("the differentiated function"); };
   }
 
   Fn fn_;
