@@ -56,7 +56,7 @@ fuzz_stage() {
   done
   for name in idx checkpoint; do
     if wait "${pids[$name]}"; then
-      echo "fuzz_$name: $(grep -E '^#[0-9]+ +DONE' "$dir/run/$name/log" | tail -n 1)"
+      echo "fuzz_$name: $(grep -E '^#[0-9]+[[:space:]]+DONE' "$dir/run/$name/log" | tail -n 1)"
     else
       echo "fuzz_$name FAILED; the end of $dir/run/$name/log (the input is saved beside it):"
       tail -n 60 "$dir/run/$name/log"
