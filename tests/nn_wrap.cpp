@@ -11,12 +11,14 @@ using duet_test::ModeGuard;
 
 namespace {
 
-struct Small : nn::Cell<Small> {
+template <auto Setting>
+struct SmallIn : nn::Cell<SmallIn<Setting>, Setting> {
   nn::Flatten flatten;
   nn::SequentialCell<nn::Dense<8, 16>, nn::ReLU, nn::Dense<16, 3>> layers;
   DUET_CELL_MEMBERS(flatten, layers);
   auto construct(auto x) { return layers(flatten(x)); }
 };
+using Small = SmallIn<CONTEXT_MODE>;
 
 // Three classes, each a noisy prototype: learnable to a low loss in a few hundred steps.
 struct Problem {
@@ -96,17 +98,9 @@ TEST_CASE("a network trained in graph mode, checkpointed, loads into PyNative an
 
 namespace {
 template <auto Setting>
-struct FixedSmall : nn::Cell<FixedSmall<Setting>, Setting> {
-  nn::Flatten flatten;
-  nn::SequentialCell<nn::Dense<8, 16>, nn::ReLU, nn::Dense<16, 3>> layers;
-  DUET_CELL_MEMBERS(flatten, layers);
-  auto construct(auto x) { return layers(flatten(x)); }
-};
-
-template <auto Setting>
 std::vector<float> train_fixed(const Problem& data, int steps) {
   set_seed(5);
-  FixedSmall<Setting> net;
+  SmallIn<Setting> net;
   nn::SoftmaxCrossEntropyWithLogits<true, Reduction::mean> loss;
   nn::WithLossCell with_loss(net, loss);
   nn::SGD sgd(net.parameters(), {.learning_rate = 0.05, .momentum = 0.9});
@@ -121,7 +115,7 @@ TEST_CASE("a network of fixed mode trains in that mode, whatever the context") {
   ModeGuard guard;
   const Problem data;
   set_context({.mode = PYNATIVE_MODE});
-  static_assert(nn::WithLossCell<FixedSmall<GRAPH_MODE>, nn::MSELoss<>>::mode == GRAPH_MODE);
+  static_assert(nn::WithLossCell<SmallIn<GRAPH_MODE>, nn::MSELoss<>>::mode == GRAPH_MODE);
   static_assert(nn::WithLossCell<Small, nn::MSELoss<>>::mode == CONTEXT_MODE);
   const auto graph = train_fixed<GRAPH_MODE>(data, 40);
   set_context({.mode = GRAPH_MODE});
@@ -134,9 +128,9 @@ TEST_CASE("a graph-mode cell under a PyNative grad runs eagerly, so the tape rea
   ModeGuard guard;
   set_context({.mode = PYNATIVE_MODE});
   set_seed(8);
-  FixedSmall<GRAPH_MODE> graph_net;
+  SmallIn<GRAPH_MODE> graph_net;
   set_seed(8);
-  FixedSmall<PYNATIVE_MODE> eager_net;
+  SmallIn<PYNATIVE_MODE> eager_net;
   const Tensor x = randn({4, 2, 4}, 9);
   // A plain function of tensors follows the context (PyNative here) and calls the graph-mode net.
   auto call = [](auto& net) { return [&net](const auto& input) { return net(input); }; };
