@@ -286,3 +286,25 @@ TEST_CASE("a function of duet::Tensor cannot be a static graph: PSJit says so an
   auto f = jit([&](const Tensor& x) { return dense(x); });
   CHECK_THROWS_WITH_AS(f(ones({1, 2})), doctest::Contains("jit it with {.mode = JitMode::PIJit}"), ValueError);
 }
+
+TEST_CASE("grad and value_and_grad go through a jitted function, in both modes") {
+  ModeGuard guard;
+  nn::Dense<3, 2> dense;
+  auto plain = [&](auto x) { return ops::relu(dense(x)); };
+  auto jitted = jit(plain);
+  const Tensor x = randn({4, 3}, 2);
+  for (Mode mode : {PYNATIVE_MODE, GRAPH_MODE}) {
+    CAPTURE(mode);
+    set_context({.mode = mode});
+    const auto expected = value_and_grad(plain, dense.parameters(), 0)(x);
+    const auto got = value_and_grad(jitted, dense.parameters(), 0)(x);
+    CHECK(duet_test::relative_difference(duet_test::values_of(got.value), duet_test::values_of(expected.value)) <= 1e-6);
+    REQUIRE(got.grads.size() == 3);
+    REQUIRE(expected.grads.size() == 3);
+    for (std::size_t i = 0; i < got.grads.size(); ++i) {
+      CHECK(duet_test::relative_difference(duet_test::values_of(got.grads[i]), duet_test::values_of(expected.grads[i])) <=
+            1e-6);
+    }
+  }
+  CHECK(jitted.compile_count() == 0);  // differentiated where it was called, never compiled alone
+}

@@ -39,6 +39,7 @@
 #include "detail/demangle.hpp"
 #include "evaluator.hpp"
 #include "graph.hpp"
+#include "tape.hpp"
 #include "host.hpp"
 #include "jit_config.hpp"
 #include "passes.hpp"
@@ -222,8 +223,21 @@ class JitFunction {
 
   template <class... Args>
   auto operator()(const Args&... args) {
+    if constexpr ((graph::Symbolic<Args> || ...)) {
+      // Called while an enclosing graph is captured (grad in graph mode, a jitted caller): the
+      // function's nodes join that graph, which is compiled and differentiated as a whole.
+      return fn_(argument(args)...);
+    } else {
+      return compiled(args...);
+    }
+  }
+
+ private:
+  template <class... Args>
+  auto compiled(const Args&... args) {
     using Result = decltype(eager(args...));
-    if (!get_context().jit_enabled) return eager(args...);
+    // A PyNative grad records operations as they run; a compiled call would hide them from it.
+    if (!get_context().jit_enabled || autodiff::active_tape() != nullptr) return eager(args...);
     check_signature(args...);
     auto& cache = compile_cache<Args...>();
     const auto signature = signature_of(args...);
@@ -255,7 +269,6 @@ class JitFunction {
     }
   }
 
- private:
   struct State {
     std::atomic<std::uint64_t> compiles{0};
     std::mutex mutex;
