@@ -80,6 +80,13 @@ TEST_CASE("graph mode on a statically shaped input: zero allocations per call af
   CHECK(allocations_during([&] { net(x); }) == 0);
 }
 
+TEST_CASE("O2: zero allocations per call once the weights are packed") {
+  SeedNetwork<JitConfig{.jit_level = O2}> net;
+  const Tensor x = ones({64, 1, 28, 28});
+  CHECK(allocations_during([&] { net(x); }) > 0);  // packs the weights
+  for (int call = 0; call < 3; ++call) CHECK(allocations_during([&] { net(x); }) == 0);
+}
+
 TEST_CASE("PyNative mode also runs from the pool once warm (no hooks registered)") {
   ModeGuard guard;
   set_context({.mode = PYNATIVE_MODE});

@@ -1,5 +1,6 @@
 #include "support.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -85,6 +86,11 @@ void check_shape(index_t m, index_t k, index_t n, std::mt19937& gen) {
     kernels::gemm<K, N, fn::Relu>(a, m, k, b.data(), n, bp, c);
     CHECK(duet_test::relative_difference(as_double(c, size), reference(a, m, k, b.data(), n, bp, true)) <=
           tolerance<T>);
+    // With the weight packed beforehand (JitLevel::O2): the same bits.
+    const kernels::PackedWeight<T> packed(b.data(), n, k);
+    std::vector<T> from_packed(size);
+    kernels::gemm<K, N, fn::Relu>(a, m, k, b.data(), n, bp, from_packed.data(), &packed);
+    CHECK(std::equal(from_packed.begin(), from_packed.end(), c));
     // Fused, the epilogue gives the bits that separate bias and ReLU passes give (PyNative).
     std::vector<T> product(size);
     kernels::gemm<K, N>(a, m, k, b.data(), n, nullptr, product.data());
@@ -148,6 +154,18 @@ TEST_CASE_TEMPLATE("kernels::gemm: NaN goes through the product, the bias and Re
   kernels::gemm<2, 2, fn::Relu>(x, 1, 2, w, 2, nullptr, y);
   CHECK(std::isnan(y[0]));
   CHECK(std::isnan(y[1]));
+}
+
+TEST_CASE("kernels::gemm refuses a weight packed for another shape") {
+  const std::vector<float> a(2 * 8, 1.0f);
+  const std::vector<float> b(4 * 8, 1.0f);
+  std::vector<float> c(2 * 4);
+  const kernels::PackedWeight<float> packed(b.data(), 4, 7);
+  CHECK(kernels::reads_packed_weight(2, 8, 4));
+  CHECK_FALSE(kernels::reads_packed_weight(1, 8, 4));  // one row: a GEMV reads the weight in place
+  CHECK_FALSE(kernels::reads_packed_weight<4, 4>(8, 4, 4));
+  CHECK_THROWS_WITH_AS(kernels::gemm(a.data(), 2, 8, b.data(), 4, nullptr, c.data(), &packed),
+                       "duet::kernels::gemm: a weight packed as [4, 7] for a product with [4, 8]", ShapeError);
 }
 
 TEST_CASE("kernels::gemm with k = 0: an empty sum, so the output is the epilogue of zero") {

@@ -21,6 +21,19 @@ TEST_CASE("fuse_epilogues folds bias adds and ReLUs into the products") {
   CHECK(boost::hana::at_c<3>(optimized.graph.nodes).op.layer == &net.dense_relu_sequential.get<2>());
 }
 
+TEST_CASE("O2 packs the weights of an inference graph, not of a graph being trained (they change every step)") {
+  SeedNetwork<> net;
+  auto captured = net(graph::input<float, graph::AnyShape>());
+  constexpr JitConfig o2{.jit_level = O2};
+  using Inference = decltype(passes::optimize<o2>(captured))::graph_type;
+  using Training = decltype(passes::optimize<o2, true>(captured))::graph_type;
+  static_assert(std::is_same_v<graph::node_at<Inference, 2>::op_type,
+                               ops::PackedMatMulOp<nn::Dense<784, 512>, true, fn::Relu>>);
+  static_assert(std::is_same_v<graph::node_at<Inference, 4>::op_type, ops::PackedMatMulOp<nn::Dense<512, 10>, true>>);
+  static_assert(std::is_same_v<graph::node_at<Training, 2>::op_type, ops::MatMulOp<nn::Dense<784, 512>, true, fn::Relu>>);
+  CHECK(boost::hana::at_c<2>(passes::optimize<o2>(captured).graph.nodes).op.layer == &net.dense_relu_sequential.get<0>());
+}
+
 TEST_CASE("a value read twice is not fused away, and the output is never fused into a later node") {
   using namespace graph;
   nn::Dense<4, 4> dense;

@@ -48,6 +48,29 @@ TEST_CASE("Tensor: copies share elements, clone does not") {
   CHECK_FALSE(a.shares_storage_with(c));
 }
 
+TEST_CASE("Tensor: version moves with every non-const access, through any handle sharing the elements") {
+  Tensor a = duet::zeros({2, 3});
+  const Tensor& read_only = a;
+  const std::uint64_t v0 = a.version();
+  (void)read_only.data();
+  (void)read_only(1, 2);
+  (void)read_only.values();
+  CHECK(a.version() == v0);
+  a.data()[0] = 1;
+  const std::uint64_t v1 = a.version();
+  CHECK(v1 != v0);
+  Tensor copy = a;
+  copy(0, 1) = 2;
+  CHECK(a.version() != v1);
+  const std::uint64_t v2 = a.version();
+  a.reshape({3, 2}).values()[5] = 3;
+  CHECK(a.version() != v2);
+  const std::uint64_t v3 = a.version();
+  Tensor other = a.clone();
+  other(0, 0) = 4;
+  CHECK(a.version() == v3);  // a clone has elements of its own
+}
+
 TEST_CASE("Tensor: reshape and operator[] are views") {
   Tensor t({2, 3}, {1, 2, 3, 4, 5, 6});
   Tensor r = t.reshape({3, -1});

@@ -35,7 +35,7 @@ bool bitwise_equal(const Tensor& a, const Tensor& b) {
 
 // Thread t's call k reads input (t + k) mod thread_count. All threads share the input tensors
 // (and so their reference counts) and start together, so the first calls overlap.
-template <Mode M>
+template <auto M>
 std::vector<std::vector<Tensor>> concurrent_forward(duet_test::SeedNetwork<M>& net, const std::vector<Tensor>& inputs) {
   std::vector<std::vector<Tensor>> outputs(thread_count);
   std::vector<std::exception_ptr> errors(thread_count);
@@ -58,7 +58,7 @@ std::vector<std::vector<Tensor>> concurrent_forward(duet_test::SeedNetwork<M>& n
   return outputs;
 }
 
-template <Mode M>
+template <auto M>
 void check_against_one_thread(duet_test::SeedNetwork<M>& net, const std::vector<Tensor>& inputs,
                               const std::vector<std::vector<Tensor>>& outputs) {
   std::vector<Tensor> expected;
@@ -74,7 +74,7 @@ void check_against_one_thread(duet_test::SeedNetwork<M>& net, const std::vector<
 
 // Fresh: the threads' calls are the network's first, so they race to name its cells and
 // each builds its own plans.
-template <Mode M>
+template <auto M>
 void check_fresh_network() {
   const std::vector<Tensor> inputs = make_inputs();
   duet_test::SeedNetwork<M> net;
@@ -85,7 +85,7 @@ void check_fresh_network() {
 }
 
 // Warm: named and planned on this thread first, the state every later call sees.
-template <Mode M>
+template <auto M>
 void check_warm_network() {
   const std::vector<Tensor> inputs = make_inputs();
   duet_test::SeedNetwork<M> net;
@@ -109,4 +109,10 @@ TEST_CASE("threads: concurrent calls of a warm network in graph mode agree with 
 
 TEST_CASE("threads: concurrent calls of a warm network in PyNative mode agree with one thread") {
   check_warm_network<PYNATIVE_MODE>();
+}
+
+// O2: the threads' first calls race to pack the shared weights; packing happens once and
+// every thread reads the packed form (batches above 1 read it).
+TEST_CASE("threads: concurrent first calls of a fresh network at O2 agree with one thread") {
+  check_fresh_network<JitConfig{.jit_level = O2}>();
 }

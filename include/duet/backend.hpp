@@ -17,6 +17,7 @@
 #include "error.hpp"
 #include "kernels/gemm.hpp"
 #include "memory.hpp"
+#include "parameter.hpp"
 
 namespace duet {
 
@@ -110,6 +111,14 @@ struct Eigen {
     } else if constexpr (sizeof...(Fns) > 0) {
       Y.array() = detail::apply_all<Fns...>(Y.array());
     }
+  }
+
+  // dense() with a layer's weight, kept pre-packed from call to call where the backend has a
+  // packed form (JitLevel::O2). Eigen packs inside each product, so here it is dense().
+  template <index_t In, index_t Out, class T, class... Fns>
+  static void dense_packed(const T* x, index_t rows, index_t in, const nn::BasicParameter<T>& w, index_t out,
+                           const Epilogue<T, Fns...>& epilogue, T* y) {
+    dense<In, Out>(x, rows, in, w.data(), out, epilogue, y);
   }
 
   // y[rows, cols] = x[rows, cols] + bias[cols]; y may be x.
@@ -326,6 +335,23 @@ struct Native : Eigen {
     } else {
       Eigen::dense<In, Out>(x, rows, in, w, out, epilogue, y);
     }
+  }
+
+  // The weight is packed once per version of it (the parameter keeps the packed form), not
+  // on every call; the product reads the same numbers in the same order, so the result is
+  // the bits of dense().
+  template <index_t In, index_t Out, class T, class... Fns>
+  static void dense_packed(const T* x, index_t rows, index_t in, const nn::BasicParameter<T>& w, index_t out,
+                           const Epilogue<T, Fns...>& epilogue, T* y) {
+    if constexpr (kernels::gemm_supports<T, Fns...>) {
+      if (kernels::reads_packed_weight<In, Out>(rows, in, out)) {
+        using Packed = kernels::PackedWeight<T>;
+        const auto packed = w.template derived<Packed>([&] { return Packed(w.data(), out, in); });
+        kernels::gemm<In, Out, Fns...>(x, rows, in, w.data(), out, epilogue.bias, y, packed.get());
+        return;
+      }
+    }
+    dense<In, Out>(x, rows, in, w.data(), out, epilogue, y);
   }
 };
 

@@ -38,6 +38,9 @@ struct Block {
   std::uint32_t size_class = 0;
   std::size_t capacity = 0;  // bytes of element storage
   Block* next_free = nullptr;
+  // Grants of write access to the elements (Storage::note_write); kept while the block is
+  // cached, so a count once seen on a block is never seen again on it for other contents.
+  std::atomic<std::uint64_t> writes{0};
 
   std::byte* data() { return reinterpret_cast<std::byte*>(this) + block_alignment; }
 };
@@ -202,6 +205,14 @@ class Storage {
   long use_count() const {
     return block_ == nullptr ? 0 : static_cast<long>(block_->refs.load(std::memory_order_acquire));
   }
+
+  // A plain increment, not an atomic read-modify-write (which would cost every PyNative node
+  // a locked instruction): two threads granting themselves write access at once race on the
+  // elements as well, which is the caller's error, not a count to be exact about.
+  void note_write() const {
+    if (block_ != nullptr) block_->writes.store(block_->writes.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+  }
+  std::uint64_t writes() const { return block_ == nullptr ? 0 : block_->writes.load(std::memory_order_relaxed); }
 
  private:
   void retain() const {

@@ -4,7 +4,11 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <typeindex>
+#include <typeinfo>
 
 #include "tensor.hpp"
 
@@ -62,6 +66,29 @@ class BasicParameter : public BasicTensor<T> {
   // Whether backward pass `pass` wrote this parameter's gradient (it did not reach it otherwise).
   bool has_grad_from(std::uint64_t pass) const { return grad_pass_ == pass; }
 
+  // A form of the values a kernel computes from them and keeps (the pre-packed weight of
+  // JitLevel::O2): make() runs on first use, and again whenever the values may have changed
+  // since (version(), which optimisers, set_data, checkpoint loading and any non-const access
+  // move), so a stale form is never returned. One form per parameter; safe from several
+  // threads, and a returned form outlives a concurrent remake.
+  template <class Form, class Make>
+  std::shared_ptr<const Form> derived(Make&& make) const {
+    DerivedForm& d = derived_;
+    std::lock_guard lock(d.mutex);
+    const BasicTensor<T>& values = *this;
+    const BasicTensor<T>& seen = d.source;
+    const bool current = d.form != nullptr && d.type == typeid(Form) && seen.shares_storage_with(values) &&
+                         seen.data() == values.data() && seen.shape() == values.shape() && d.version == values.version();
+    if (!current) {
+      d.form.reset();  // frees the old form before the new one is made, not after
+      d.form = std::make_shared<const Form>(make());
+      d.type = typeid(Form);
+      d.source = values;
+      d.version = values.version();
+    }
+    return std::static_pointer_cast<const Form>(d.form);
+  }
+
   bool requires_grad = true;
 
   // The gradient from the last backward pass that reached this parameter; empty before.
@@ -70,6 +97,27 @@ class BasicParameter : public BasicTensor<T> {
 
  private:
   mutable std::uint64_t grad_pass_ = 0;
+
+  struct DerivedForm {
+    std::mutex mutex;
+    BasicTensor<T> source;  // a handle: the block cannot be reused for other values meanwhile
+    std::uint64_t version = 0;
+    std::type_index type = typeid(void);
+    std::shared_ptr<const void> form;
+
+    DerivedForm() = default;
+    // A moved parameter makes its forms again; the mutex cannot move.
+    DerivedForm(DerivedForm&&) noexcept {}
+    DerivedForm& operator=(DerivedForm&&) noexcept {
+      form.reset();
+      source = BasicTensor<T>();
+      return *this;
+    }
+    DerivedForm(const DerivedForm&) = delete;
+    DerivedForm& operator=(const DerivedForm&) = delete;
+    ~DerivedForm() = default;
+  };
+  mutable DerivedForm derived_;
 };
 
 using Parameter = BasicParameter<float>;

@@ -6,12 +6,15 @@
 //   views                          is_view nodes get no buffer (evaluator's plan)
 //   fuse_epilogues                 bias adds and activations move into the product before them,
 //                                  elementwise chains become one pass (O1 and O2)
+//   pack_weights                   products keep their weights pre-packed between calls (O2,
+//                                  inference graphs)
 #pragma once
 
 #include <array>
 #include <boost/hana/append.hpp>
 #include <boost/hana/drop_back.hpp>
 #include <boost/hana/length.hpp>
+#include <boost/hana/transform.hpp>
 #include <boost/hana/unpack.hpp>
 #include <cstddef>
 #include <utility>
@@ -95,12 +98,29 @@ auto fuse_epilogues(const graph::Sym<G, Out>& program) {
   return detail::fuse_from<0, Out, Differentiated>(program.graph, hana::make_tuple(), std::index_sequence<>{});
 }
 
+// Each op that can read its weight pre-packed (with_packed_weight()) is replaced by that
+// form. Not for graphs being trained: their weights change at every step, and a packed copy
+// would only add a pass over them.
+template <class G, std::size_t Out>
+auto pack_weights(const graph::Sym<G, Out>& program) {
+  auto nodes = hana::transform(program.graph.nodes, []<class Op, std::size_t... A>(const graph::Node<Op, A...>& n) {
+    if constexpr (requires { n.op.with_packed_weight(); }) {
+      return graph::Node<decltype(n.op.with_packed_weight()), A...>{n.op.with_packed_weight()};
+    } else {
+      return n;
+    }
+  });
+  auto packed = graph::make_graph(nodes);
+  return graph::Sym<decltype(packed), Out>{packed};
+}
+
 // The pipeline of a jit level. Differentiated: the graph is the forward half of a training
 // graph, so fusion keeps every op differentiable.
 template <JitConfig Config = JitConfig{}, bool Differentiated = false, class G, std::size_t Out>
 auto optimize(const graph::Sym<G, Out>& program) {
   if constexpr (Config.jit_level == JitLevel::O0) return program;
-  else return fuse_epilogues<Differentiated>(program);
+  else if constexpr (Config.jit_level == JitLevel::O1 || Differentiated) return fuse_epilogues<Differentiated>(program);
+  else return pack_weights(fuse_epilogues<Differentiated>(program));
 }
 
 }  // namespace duet::passes

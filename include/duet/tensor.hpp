@@ -80,16 +80,20 @@ class BasicTensor {
   index_t size() const { return numel(); }
   static constexpr DType dtype() { return dtype_of<T>; }
 
-  T* data() { return data_; }
+  // Non-const access may write, so it moves version().
+  T* data() {
+    storage_.note_write();
+    return data_;
+  }
   const T* data() const { return data_; }
-  std::span<T> values() { return {data_, static_cast<std::size_t>(numel())}; }
+  std::span<T> values() { return {data(), static_cast<std::size_t>(numel())}; }
   std::span<const T> values() const { return {data_, static_cast<std::size_t>(numel())}; }
 
   // Element access; negative indices count from the end, as in numpy. Always bounds-checked:
   // kernels use data(), so this is never the hot path.
   template <std::integral... I>
   T& operator()(I... index) {
-    return data_[offset_of({static_cast<index_t>(index)...})];
+    return data()[offset_of({static_cast<index_t>(index)...})];
   }
   template <std::integral... I>
   const T& operator()(I... index) const {
@@ -157,6 +161,12 @@ class BasicTensor {
   // Handles (this one, copies and views) sharing the elements; 1 means this tensor may be
   // overwritten in place without anyone noticing.
   long use_count() const { return storage_.use_count(); }
+
+  // Moves whenever the elements may have been written through any handle sharing them (each
+  // non-const data(), values() or element access counts), and only then: what is computed
+  // from the elements at one version, such as a pre-packed weight, is current while the
+  // version stays. Writes through a pointer kept from an earlier data() are not seen.
+  std::uint64_t version() const { return storage_.writes(); }
 
   // Which value of a recording tape (autodiff) this handle is; 0 for none. Copies keep it,
   // views a user makes (reshape, operator[]) do not: they are new values the tape never saw.

@@ -134,6 +134,7 @@ class FormatError : public IOError {
 #include <algorithm>
 #include <concepts>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <utility>
 
@@ -180,6 +181,9 @@ struct Block {
   std::uint32_t size_class = 0;
   std::size_t capacity = 0;  // bytes of element storage
   Block* next_free = nullptr;
+  // Grants of write access to the elements (Storage::note_write); kept while the block is
+  // cached, so a count once seen on a block is never seen again on it for other contents.
+  std::atomic<std::uint64_t> writes{0};
 
   std::byte* data() { return reinterpret_cast<std::byte*>(this) + block_alignment; }
 };
@@ -344,6 +348,14 @@ class Storage {
   long use_count() const {
     return block_ == nullptr ? 0 : static_cast<long>(block_->refs.load(std::memory_order_acquire));
   }
+
+  // A plain increment, not an atomic read-modify-write (which would cost every PyNative node
+  // a locked instruction): two threads granting themselves write access at once race on the
+  // elements as well, which is the caller's error, not a count to be exact about.
+  void note_write() const {
+    if (block_ != nullptr) block_->writes.store(block_->writes.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+  }
+  std::uint64_t writes() const { return block_ == nullptr ? 0 : block_->writes.load(std::memory_order_relaxed); }
 
  private:
   void retain() const {
@@ -689,13 +701,45 @@ inline index_t balanced_block(index_t extent, index_t limit, index_t step) {
   return (size + step - 1) / step * step;
 }
 
+// B packed once, whole, in the panels gemm_blocked would otherwise pack on every call. Panel
+// p (rows p·L .. p·L + L of B) holds the whole depth, rounded up to a group, in pack_panel's
+// layout, so the K block at k0 of a panel is the k0·L-th element on: the product reads exactly
+// what it reads after packing, and gives the same bits.
+template <class T>
+class PackedWeight {
+ public:
+  PackedWeight(const T* b, index_t n, index_t k)
+      : storage_(static_cast<std::size_t>((n + lanes<T> - 1) / lanes<T> * padded(k) * lanes<T>) * sizeof(T)), n_(n), k_(k) {
+    for (index_t j0 = 0; j0 < n; j0 += lanes<T>) {
+      pack_panel(b + j0 * k, k, static_cast<int>(std::min<index_t>(lanes<T>, n - j0)), k, panel(j0, 0));
+    }
+  }
+
+  index_t rows() const { return n_; }
+  index_t depth() const { return k_; }
+  const T* end() const { return panel(n_ + lanes<T> - 1, 0); }
+  const T* panel(index_t j0, index_t k0) const { return const_cast<PackedWeight*>(this)->panel(j0, k0); }
+
+ private:
+  static index_t padded(index_t k) { return (k + KG<T> - 1) / KG<T> * KG<T>; }
+  T* panel(index_t j0, index_t k0) {
+    return reinterpret_cast<T*>(storage_.data()) + (j0 / lanes<T>) * padded(k_) * lanes<T> + k0 * lanes<T>;
+  }
+
+  ::duet::detail::Storage storage_;
+  index_t n_;
+  index_t k_;
+};
+
+// packed: B already packed, or null to pack each panel as it is reached.
 template <class T, class... Fns>
-void gemm_blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c) {
+void gemm_blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
+                  const PackedWeight<T>* packed) {
   constexpr int L = lanes<T>;
   constexpr auto size = static_cast<index_t>(sizeof(T));
   const index_t kc = balanced_block(k, KC_bytes / size, KG<T>);
   const index_t mc = balanced_block(m, std::max<index_t>(MR, MC_bytes / (k * size)), MR);
-  ::duet::detail::Storage scratch(static_cast<std::size_t>(kc * L * size));
+  ::duet::detail::Storage scratch(packed != nullptr ? 0 : static_cast<std::size_t>(kc * L * size));
   T* panel = reinterpret_cast<T*>(scratch.data());
   for (index_t m0 = 0; m0 < m; m0 += mc) {
     const index_t m1 = std::min(m, m0 + mc);
@@ -704,13 +748,44 @@ void gemm_blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const
       const T* bias_panel = bias == nullptr ? nullptr : bias + j0;
       for (index_t k0 = 0; k0 < k; k0 += kc) {
         const index_t depth = std::min(kc, k - k0);
-        pack_panel(b + j0 * k + k0, k, cols, depth, panel);
+        const T* bp = panel;
+        if (packed != nullptr) bp = packed->panel(j0, k0);
+        else pack_panel(b + j0 * k + k0, k, cols, depth, panel);
+        // A packed panel comes from L3 or memory, and its first tile would wait for it. The
+        // panels lie in the order they are used, so each tile fetches a slice of the next one
+        // into L2, and it is there when wanted.
+        const std::byte* ahead = nullptr;
+        index_t ahead_bytes = 0;
+        index_t slice = 0;
+        if (packed != nullptr) {
+          ahead = reinterpret_cast<const std::byte*>(bp + (depth + KG<T> - 1) / KG<T> * KG<T> * L);
+          ahead_bytes = std::min<index_t>(reinterpret_cast<const std::byte*>(packed->end()) - ahead, kc * L * size);
+          const index_t tiles = (m1 - m0 + MR - 1) / MR;
+          slice = (ahead_bytes + tiles - 1) / tiles;
+        }
+        index_t fetched = 0;
         for (index_t i0 = m0; i0 < m1; i0 += MR) {
-          micro_kernel<T, Fns...>(depth, a + i0 * k + k0, k, static_cast<int>(std::min<index_t>(MR, m1 - i0)), panel,
+          micro_kernel<T, Fns...>(depth, a + i0 * k + k0, k, static_cast<int>(std::min<index_t>(MR, m1 - i0)), bp,
                                   c + i0 * n + j0, n, cols, k0 == 0, k0 + depth == k, bias_panel);
+          for (const index_t until = std::min(ahead_bytes, fetched + slice); fetched < until; fetched += 64) {
+            __builtin_prefetch(ahead + fetched, 0, 2);
+          }
         }
       }
     }
+  }
+}
+
+enum class Path : unsigned char { none, unrolled, gemv, blocked };
+
+template <index_t K, index_t N>
+Path path_of(index_t m, index_t k, index_t n) {
+  if constexpr (K != dyn && N != dyn && K * N <= 64) {
+    return Path::unrolled;
+  } else {
+    // k == 0 has no K block for the blocked path to finish on; the GEMV gives bias and Fns.
+    if (m == 1 || k == 0) return Path::gemv;
+    return m > 0 && n > 0 ? Path::blocked : Path::none;
   }
 }
 
@@ -728,24 +803,682 @@ template <class T, class... Fns>
 inline constexpr bool gemm_supports =
     (std::is_same_v<T, float> || std::is_same_v<T, double>) && (VectorFunction<Fns, T> && ...);
 
+template <class T>
+using PackedWeight = detail::PackedWeight<T>;
+
+// Whether gemm on these sizes reads a packed weight when given one: the blocked product does;
+// a GEMV reads every weight once, in place, and small static layers are unrolled.
+template <index_t K = dyn, index_t N = dyn>
+bool reads_packed_weight(index_t m, index_t k, index_t n) {
+  return detail::path_of<K, N>(m, k, n) == detail::Path::blocked;
+}
+
 // c[m, n] = Fns(Σ_k a[m, k] · b[n, k] + bias[n]), each Fn applied in order; bias may be null.
 // a is [m, k], b is [n, k] (a weight as [out, in]) and c is [m, n], all row-major and dense;
 // no alignment is assumed. K and N are k and n when known at compile time, dyn otherwise.
+// packed_b, if given, is PackedWeight(b, n, k), and saves packing b again.
 // After the first call on a thread for a given size, no heap allocation.
 template <index_t K = dyn, index_t N = dyn, class... Fns, class T>
   requires gemm_supports<T, Fns...>
-void gemm(const T* a, index_t m, index_t k, const T* b, index_t n, std::type_identity_t<const T*> bias, T* c) {
-  if constexpr (K != dyn && N != dyn && K * N <= 64) {
-    detail::dense_unrolled<K, N, T, Fns...>(a, m, b, bias, c);
-  } else if (m == 1 || k == 0) {
-    // k == 0 has no K block for the blocked path to finish on; the GEMV gives bias and Fns.
-    for (index_t i = 0; i < m; ++i) detail::gemv<T, Fns...>(a + i * k, k, b, n, bias, c + i * n);
-  } else if (m > 0 && n > 0) {
-    detail::gemm_blocked<T, Fns...>(a, m, k, b, n, bias, c);
+void gemm(const T* a, index_t m, index_t k, const T* b, index_t n, std::type_identity_t<const T*> bias, T* c,
+          const PackedWeight<std::type_identity_t<T>>* packed_b = nullptr) {
+  switch (detail::path_of<K, N>(m, k, n)) {
+    case detail::Path::unrolled:
+      if constexpr (K != dyn && N != dyn) detail::dense_unrolled<K, N, T, Fns...>(a, m, b, bias, c);
+      break;
+    case detail::Path::gemv:
+      for (index_t i = 0; i < m; ++i) detail::gemv<T, Fns...>(a + i * k, k, b, n, bias, c + i * n);
+      break;
+    case detail::Path::blocked:
+      if (packed_b != nullptr && (packed_b->rows() != n || packed_b->depth() != k)) {
+        throw ShapeError("duet::kernels::gemm: a weight packed as [" + std::to_string(packed_b->rows()) + ", " +
+                            std::to_string(packed_b->depth()) + "] for a product with [" + std::to_string(n) + ", " +
+                            std::to_string(k) + "]");
+      }
+      detail::gemm_blocked<T, Fns...>(a, m, k, b, n, bias, c, packed_b);
+      break;
+    case detail::Path::none:
+      break;
   }
 }
 
 }  // namespace duet::kernels
+// Parameters: the tensors a cell learns.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <typeindex>
+#include <typeinfo>
+
+// duet::BasicTensor: a row-major, contiguous, reference-counted n-d array with a runtime shape,
+// and duet::StaticTensor, the same with its shape (or part of it) fixed in the type.
+//
+// Copies share elements, as MindSpore and numpy references do; clone() copies them. Views
+// (reshape, operator[]) share the block of the tensor they come from.
+
+#include <algorithm>
+#include <concepts>
+#include <cstdint>
+#include <cstring>
+#include <initializer_list>
+#include <limits>
+#include <span>
+#include <string>
+#include <type_traits>
+
+// Element types a tensor may hold, and their MindSpore names.
+
+#include <cstdint>
+#include <string_view>
+#include <type_traits>
+
+namespace duet {
+
+enum class DType : std::uint8_t { float32, float64, int32, int64, uint8 };
+
+template <class T>
+inline constexpr bool is_element_type_v =
+    std::is_same_v<T, float> || std::is_same_v<T, double> || std::is_same_v<T, std::int32_t> ||
+    std::is_same_v<T, std::int64_t> || std::is_same_v<T, std::uint8_t>;
+
+template <class T>
+concept ElementType = is_element_type_v<T>;
+
+template <ElementType T>
+inline constexpr DType dtype_of = std::is_same_v<T, float>          ? DType::float32
+                                  : std::is_same_v<T, double>       ? DType::float64
+                                  : std::is_same_v<T, std::int32_t> ? DType::int32
+                                  : std::is_same_v<T, std::int64_t> ? DType::int64
+                                                                    : DType::uint8;
+
+inline constexpr DType float32 = DType::float32;
+inline constexpr DType float64 = DType::float64;
+inline constexpr DType int32 = DType::int32;
+inline constexpr DType int64 = DType::int64;
+inline constexpr DType uint8 = DType::uint8;
+
+constexpr std::string_view name_of(DType t) {
+  switch (t) {
+    case DType::float32:
+      return "Float32";
+    case DType::float64:
+      return "Float64";
+    case DType::int32:
+      return "Int32";
+    case DType::int64:
+      return "Int64";
+    case DType::uint8:
+      return "UInt8";
+  }
+  return "?";
+}
+
+constexpr std::size_t size_of(DType t) {
+  switch (t) {
+    case DType::float32:
+      return 4;
+    case DType::float64:
+      return 8;
+    case DType::int32:
+      return 4;
+    case DType::int64:
+      return 8;
+    case DType::uint8:
+      return 1;
+  }
+  return 0;
+}
+
+}  // namespace duet
+// Shapes: one constexpr type for concrete shapes (tensors) and shape patterns (graphs).
+//
+// A pattern may hold dynamic dimensions (duet::dyn) and may have unknown leading dimensions
+// ("[..., 784]"), which is how graph mode captures a runtime tensor whose rank it cannot know.
+// Shape rules are written once over this type and run both at compile time (on patterns,
+// to reject mismatches before the program exists) and at run time (on concrete shapes).
+
+#include <array>
+#include <initializer_list>
+#include <ostream>
+#include <string>
+
+
+namespace duet {
+
+class Shape {
+ public:
+  constexpr Shape() = default;
+
+  constexpr Shape(std::initializer_list<index_t> dims) {
+    if (dims.size() > static_cast<std::size_t>(max_rank)) {
+      throw ValueError("duet::Shape: rank " + std::to_string(dims.size()) + " exceeds max_rank " +
+                       std::to_string(max_rank));
+    }
+    for (index_t d : dims) {
+      if (d < 0 && d != dyn) {
+        throw ValueError("duet::Shape: dimension " + std::to_string(d) +
+                         " is negative (only duet::dyn = -1 is allowed, for dynamic sizes)");
+      }
+      dims_[static_cast<std::size_t>(rank_++)] = d;
+    }
+  }
+
+  // "[...]": any rank, any sizes. What graph mode knows of a runtime tensor before it runs.
+  static constexpr Shape any() {
+    Shape s;
+    s.leading_unknown_ = true;
+    return s;
+  }
+
+  // The known trailing dimensions; with leading_unknown() there may be more in front.
+  constexpr int rank() const { return rank_; }
+  constexpr bool leading_unknown() const { return leading_unknown_; }
+
+  // Axis -1 is the last dimension, as in numpy.
+  constexpr index_t operator[](int axis) const { return dims_[static_cast<std::size_t>(normalize(axis))]; }
+  constexpr index_t& operator[](int axis) { return dims_[static_cast<std::size_t>(normalize(axis))]; }
+  // The last dimension; the shape must have one.
+  constexpr index_t back() const { return dims_[static_cast<std::size_t>(rank_ - 1)]; }
+
+  constexpr bool is_concrete() const {
+    if (leading_unknown_) return false;
+    for (int i = 0; i < rank_; ++i) {
+      if (dims_[static_cast<std::size_t>(i)] == dyn) return false;
+    }
+    return true;
+  }
+
+  // Product of all dimensions; dyn if any is unknown.
+  constexpr index_t numel() const {
+    if (leading_unknown_) return dyn;
+    index_t n = 1;
+    for (int i = 0; i < rank_; ++i) {
+      const index_t d = dims_[static_cast<std::size_t>(i)];
+      if (d == dyn) return dyn;
+      n *= d;
+    }
+    return n;
+  }
+
+  // Product of dimensions [first, rank); dyn if any is unknown.
+  constexpr index_t numel_from(int first) const {
+    index_t n = 1;
+    for (int i = first; i < rank_; ++i) {
+      const index_t d = dims_[static_cast<std::size_t>(i)];
+      if (d == dyn) return dyn;
+      n *= d;
+    }
+    return n;
+  }
+
+  // This shape with the last dimension replaced; the shape must have one.
+  constexpr Shape with_back(index_t d) const {
+    Shape s = *this;
+    s.dims_[static_cast<std::size_t>(rank_ - 1)] = d;
+    return s;
+  }
+
+  constexpr void push_back(index_t d) {
+    if (rank_ == max_rank) throw ValueError("duet::Shape: rank exceeds max_rank");
+    dims_[static_cast<std::size_t>(rank_++)] = d;
+  }
+
+  constexpr const index_t* begin() const { return dims_.data(); }
+  constexpr const index_t* end() const { return dims_.data() + rank_; }
+
+  friend constexpr bool operator==(const Shape& a, const Shape& b) {
+    if (a.rank_ != b.rank_ || a.leading_unknown_ != b.leading_unknown_) return false;
+    for (int i = 0; i < a.rank_; ++i) {
+      if (a.dims_[static_cast<std::size_t>(i)] != b.dims_[static_cast<std::size_t>(i)]) return false;
+    }
+    return true;
+  }
+
+ private:
+  constexpr int normalize(int axis) const {
+    const int a = axis < 0 ? axis + rank_ : axis;
+    if (a < 0 || a >= rank_) {
+      throw IndexError("duet::Shape: axis " + std::to_string(axis) + " is out of range for rank " +
+                       std::to_string(rank_));
+    }
+    return a;
+  }
+
+  std::array<index_t, max_rank> dims_{};
+  int rank_ = 0;
+  bool leading_unknown_ = false;
+};
+
+// "[64, 1, 28, 28]", "[?, 784]" (dynamic), "[..., 512]" (unknown leading dimensions).
+inline std::string to_string(const Shape& s) {
+  std::string out = "[";
+  bool first = true;
+  if (s.leading_unknown()) {
+    out += "...";
+    first = false;
+  }
+  for (index_t d : s) {
+    if (!first) out += ", ";
+    out += d == dyn ? std::string("?") : std::to_string(d);
+    first = false;
+  }
+  return out + "]";
+}
+
+inline std::ostream& operator<<(std::ostream& os, const Shape& s) { return os << to_string(s); }
+
+// A shape fixed at compile time; duet::shape<64, 1, 28, 28> is its value.
+template <index_t... Dims>
+struct StaticShape {
+  static_assert(sizeof...(Dims) <= max_rank, "duet::StaticShape: rank exceeds duet::max_rank");
+  static_assert(((Dims >= 0 || Dims == dyn) && ...), "duet::StaticShape: dimensions must be >= 0 or duet::dyn");
+  static constexpr Shape value{Dims...};
+  constexpr operator Shape() const { return value; }
+};
+
+template <index_t... Dims>
+inline constexpr StaticShape<Dims...> shape{};
+
+}  // namespace duet
+
+namespace duet {
+
+namespace detail {
+
+// Validates a shape a tensor is created with and returns its element count.
+inline index_t checked_numel(const Shape& shape, std::size_t element_size) {
+  if (!shape.is_concrete()) {
+    throw ShapeError("duet::Tensor: cannot create a tensor of shape " + to_string(shape) +
+                     ": every dimension must be known");
+  }
+  index_t n = 1;
+  const auto limit = static_cast<index_t>(std::numeric_limits<std::size_t>::max() / 2 / element_size);
+  for (index_t d : shape) {
+    if (d != 0 && n > limit / d) {
+      throw ValueError("duet::Tensor: shape " + to_string(shape) + " has too many elements");
+    }
+    n *= d;
+  }
+  return n;
+}
+
+}  // namespace detail
+
+template <ElementType T>
+class BasicTensor {
+ public:
+  using value_type = T;
+
+  // An empty one-dimensional tensor.
+  BasicTensor() : shape_{0} {}
+
+  // Zero-filled.
+  explicit BasicTensor(const Shape& shape) : BasicTensor(uninitialized(shape)) { std::fill_n(data_, numel(), T{}); }
+
+  BasicTensor(const Shape& shape, std::initializer_list<T> values)
+      : BasicTensor(shape, std::span<const T>(values.begin(), values.size())) {}
+
+  BasicTensor(const Shape& shape, std::span<const T> values) : BasicTensor(uninitialized(shape)) {
+    if (static_cast<index_t>(values.size()) != numel()) {
+      throw ShapeError("duet::Tensor: shape " + to_string(shape) + " holds " + std::to_string(numel()) +
+                       " elements, got " + std::to_string(values.size()) + " values");
+    }
+    std::copy(values.begin(), values.end(), data_);
+  }
+
+  // For kernels that write every element: skips the zero fill.
+  static BasicTensor uninitialized(const Shape& shape) {
+    const index_t n = detail::checked_numel(shape, sizeof(T));
+    BasicTensor t(detail::Storage(static_cast<std::size_t>(n) * sizeof(T)), shape);
+    return t;
+  }
+
+  const Shape& shape() const { return shape_; }
+  int ndim() const { return shape_.rank(); }
+  index_t dim(int axis) const { return shape_[axis]; }
+  index_t numel() const { return shape_.numel(); }
+  index_t size() const { return numel(); }
+  static constexpr DType dtype() { return dtype_of<T>; }
+
+  // Non-const access may write, so it moves version().
+  T* data() {
+    storage_.note_write();
+    return data_;
+  }
+  const T* data() const { return data_; }
+  std::span<T> values() { return {data(), static_cast<std::size_t>(numel())}; }
+  std::span<const T> values() const { return {data_, static_cast<std::size_t>(numel())}; }
+
+  // Element access; negative indices count from the end, as in numpy. Always bounds-checked:
+  // kernels use data(), so this is never the hot path.
+  template <std::integral... I>
+  T& operator()(I... index) {
+    return data()[offset_of({static_cast<index_t>(index)...})];
+  }
+  template <std::integral... I>
+  const T& operator()(I... index) const {
+    return data_[offset_of({static_cast<index_t>(index)...})];
+  }
+
+  // The only element of a tensor with one element.
+  T item() const {
+    if (numel() != 1) {
+      throw ShapeError("duet::Tensor::item: needs exactly one element, shape is " + to_string(shape_));
+    }
+    return data_[0];
+  }
+
+  // A view with another shape and the same elements; one dimension may be -1 (inferred).
+  BasicTensor reshape(Shape to) const {
+    int inferred = -1;
+    index_t known = 1;
+    for (int i = 0; i < to.rank(); ++i) {
+      if (to[i] == dyn) {
+        if (inferred >= 0) throw ShapeError("duet::Tensor::reshape: more than one -1 in " + to_string(to));
+        inferred = i;
+      } else {
+        known *= to[i];
+      }
+    }
+    if (inferred >= 0 && known != 0 && numel() % known == 0) to[inferred] = numel() / known;
+    if (!to.is_concrete() || to.numel() != numel()) {
+      throw ShapeError("duet::Tensor::reshape: cannot view " + to_string(shape_) + " (" + std::to_string(numel()) +
+                       " elements) as " + to_string(to));
+    }
+    BasicTensor view = *this;
+    view.shape_ = to;
+    view.tape_id_ = 0;
+    return view;
+  }
+
+  // Sub-tensor i along the first axis, as a view.
+  BasicTensor operator[](index_t i) const {
+    if (ndim() == 0) throw IndexError("duet::Tensor: cannot index a 0-d tensor");
+    const index_t n = shape_[0];
+    if (i < -n || i >= n) {
+      throw IndexError("duet::Tensor: index " + std::to_string(i) + " is out of range for axis 0 of " +
+                       to_string(shape_));
+    }
+    if (i < 0) i += n;
+    Shape rest;
+    for (int a = 1; a < ndim(); ++a) rest.push_back(shape_[a]);
+    BasicTensor view = *this;
+    view.shape_ = rest;
+    view.data_ = data_ + i * rest.numel();
+    view.tape_id_ = 0;
+    return view;
+  }
+
+  BasicTensor clone() const {
+    BasicTensor copy = uninitialized(shape_);
+    std::copy_n(data_, numel(), copy.data_);
+    return copy;
+  }
+
+  // True when both see the same elements (one is a view of the other, or a copy of its handle).
+  bool shares_storage_with(const BasicTensor& other) const { return storage_.same_block(other.storage_); }
+
+  // Handles (this one, copies and views) sharing the elements; 1 means this tensor may be
+  // overwritten in place without anyone noticing.
+  long use_count() const { return storage_.use_count(); }
+
+  // Moves whenever the elements may have been written through any handle sharing them (each
+  // non-const data(), values() or element access counts), and only then: what is computed
+  // from the elements at one version, such as a pre-packed weight, is current while the
+  // version stays. Writes through a pointer kept from an earlier data() are not seen.
+  std::uint64_t version() const { return storage_.writes(); }
+
+  // Which value of a recording tape (autodiff) this handle is; 0 for none. Copies keep it,
+  // views a user makes (reshape, operator[]) do not: they are new values the tape never saw.
+  std::uint64_t tape_id() const { return tape_id_; }
+  void set_tape_id(std::uint64_t id) { tape_id_ = id; }
+
+ private:
+  BasicTensor(detail::Storage storage, const Shape& shape)
+      : storage_(std::move(storage)), data_(reinterpret_cast<T*>(storage_.data())), shape_(shape) {}
+
+  index_t offset_of(std::initializer_list<index_t> index) const {
+    if (static_cast<int>(index.size()) != ndim()) {
+      throw IndexError("duet::Tensor: " + std::to_string(index.size()) + " indices for a tensor of shape " +
+                       to_string(shape_));
+    }
+    index_t offset = 0;
+    int axis = 0;
+    for (index_t i : index) {
+      const index_t n = shape_[axis];
+      if (i < -n || i >= n) {
+        throw IndexError("duet::Tensor: index " + std::to_string(i) + " is out of range for axis " +
+                         std::to_string(axis) + " of " + to_string(shape_));
+      }
+      offset = offset * n + (i < 0 ? i + n : i);
+      ++axis;
+    }
+    return offset;
+  }
+
+  detail::Storage storage_;
+  T* data_ = nullptr;
+  Shape shape_;
+  std::uint64_t tape_id_ = 0;
+};
+
+using Tensor = BasicTensor<float>;
+
+// A tensor whose shape is (partly) fixed in its type: StaticTensor<float, duet::dyn, 784> is
+// any batch of 784-vectors. Graph mode reads the shape from the type and checks layers
+// against it at compile time.
+template <ElementType T, index_t... Dims>
+class StaticTensor {
+ public:
+  using value_type = T;
+  using static_shape_type = StaticShape<Dims...>;
+  static constexpr Shape static_shape = static_shape_type::value;
+
+  // Zero-filled; only when every dimension is fixed.
+  StaticTensor() requires(((Dims != dyn) && ...)) : tensor_(static_shape) {}
+
+  // Adopts a runtime tensor after checking it against the static shape.
+  explicit StaticTensor(BasicTensor<T> tensor) : tensor_(std::move(tensor)) {
+    const Shape& s = tensor_.shape();
+    bool ok = s.rank() == static_shape.rank();
+    for (int i = 0; ok && i < s.rank(); ++i) ok = static_shape[i] == dyn || static_shape[i] == s[i];
+    if (!ok) {
+      throw ShapeError("duet::StaticTensor" + to_string(static_shape) + ": got a tensor of shape " + to_string(s));
+    }
+  }
+
+  const BasicTensor<T>& tensor() const& { return tensor_; }
+  BasicTensor<T>& tensor() & { return tensor_; }
+  BasicTensor<T> tensor() && { return std::move(tensor_); }
+  operator const BasicTensor<T>&() const& { return tensor_; }
+
+  const Shape& shape() const { return tensor_.shape(); }
+  static constexpr int ndim() { return static_shape.rank(); }
+  index_t numel() const { return tensor_.numel(); }
+  T* data() { return tensor_.data(); }
+  const T* data() const { return tensor_.data(); }
+  template <std::integral... I>
+  requires(sizeof...(I) == sizeof...(Dims)) T& operator()(I... index) { return tensor_(index...); }
+  template <std::integral... I>
+  requires(sizeof...(I) == sizeof...(Dims)) const T& operator()(I... index) const { return tensor_(index...); }
+
+ private:
+  BasicTensor<T> tensor_;
+};
+
+// The runtime tensor of either kind of tensor.
+template <ElementType T>
+const BasicTensor<T>& tensor_of(const BasicTensor<T>& t) {
+  return t;
+}
+template <ElementType T, index_t... D>
+const BasicTensor<T>& tensor_of(const StaticTensor<T, D...>& t) {
+  return t.tensor();
+}
+
+template <class X>
+inline constexpr bool is_static_tensor_v = false;
+template <class T, index_t... D>
+inline constexpr bool is_static_tensor_v<StaticTensor<T, D...>> = true;
+
+template <class X>
+inline constexpr bool is_tensor_v = false;
+template <class T>
+inline constexpr bool is_tensor_v<BasicTensor<T>> = true;
+
+// Creation. Each takes a runtime Shape ({64, 1, 28, 28}) and returns a BasicTensor, or a
+// duet::shape<...> and returns the matching StaticTensor.
+template <ElementType T = float>
+BasicTensor<T> full(const Shape& shape, T value) {
+  auto t = BasicTensor<T>::uninitialized(shape);
+  std::fill_n(t.data(), t.numel(), value);
+  return t;
+}
+template <ElementType T = float>
+BasicTensor<T> zeros(const Shape& shape) {
+  return full<T>(shape, T{0});
+}
+template <ElementType T = float>
+BasicTensor<T> ones(const Shape& shape) {
+  return full<T>(shape, T{1});
+}
+template <ElementType T = float, index_t... D>
+StaticTensor<T, D...> full(StaticShape<D...> shape, T value) {
+  return StaticTensor<T, D...>(full<T>(Shape(shape), value));
+}
+template <ElementType T = float, index_t... D>
+StaticTensor<T, D...> zeros(StaticShape<D...> shape) {
+  return full<T>(shape, T{0});
+}
+template <ElementType T = float, index_t... D>
+StaticTensor<T, D...> ones(StaticShape<D...> shape) {
+  return full<T>(shape, T{1});
+}
+
+}  // namespace duet
+
+namespace duet {
+namespace detail {
+// The backward pass running on this thread; gradient kernels pass it to grad_for_write.
+inline std::uint64_t& current_backward_pass() {
+  thread_local std::uint64_t pass = 0;
+  return pass;
+}
+
+// Makes the calling thread's next backward pass, unique in the program.
+inline std::uint64_t begin_backward_pass() {
+  static std::atomic<std::uint64_t> last{0};
+  return current_backward_pass() = last.fetch_add(1, std::memory_order_relaxed) + 1;
+}
+}  // namespace detail
+
+namespace nn {
+
+// A tensor a cell owns and an optimiser updates. It is a tensor (prints, indexes, feeds
+// kernels) whose shape is fixed once made: set_data copies values in, never rebinds, so the
+// graphs and views that refer to it stay valid.
+template <ElementType T>
+class BasicParameter : public BasicTensor<T> {
+ public:
+  BasicParameter() = default;
+  explicit BasicParameter(BasicTensor<T> value) : BasicTensor<T>(std::move(value)) {}
+
+  BasicParameter(const BasicParameter&) = delete;
+  BasicParameter& operator=(const BasicParameter&) = delete;
+  BasicParameter(BasicParameter&&) noexcept = default;
+  BasicParameter& operator=(BasicParameter&&) noexcept = default;
+  ~BasicParameter() = default;
+
+  // MindSpore's Parameter.set_data: the new values must have this parameter's shape.
+  void set_data(const BasicTensor<T>& value) {
+    if (!(value.shape() == this->shape())) {
+      throw ShapeError("duet::nn::Parameter::set_data: parameter has shape " + to_string(this->shape()) + ", got " +
+                       to_string(value.shape()));
+    }
+    std::copy_n(value.data(), value.numel(), this->data());
+  }
+
+  // Where a gradient kernel writes this parameter's gradient in backward pass `pass`: the
+  // first write of a pass assigns (*accumulate = false), later ones add, for a parameter used
+  // twice. The buffer is made on the first pass and kept, so training does not allocate.
+  T* grad_for_write(std::uint64_t pass, bool* accumulate) const {
+    if (!(grad.shape() == this->shape())) grad = BasicTensor<T>(this->shape());
+    *accumulate = grad_pass_ == pass;
+    grad_pass_ = pass;
+    return grad.data();
+  }
+
+  // Whether backward pass `pass` wrote this parameter's gradient (it did not reach it otherwise).
+  bool has_grad_from(std::uint64_t pass) const { return grad_pass_ == pass; }
+
+  // A form of the values a kernel computes from them and keeps (the pre-packed weight of
+  // JitLevel::O2): make() runs on first use, and again whenever the values may have changed
+  // since (version(), which optimisers, set_data, checkpoint loading and any non-const access
+  // move), so a stale form is never returned. One form per parameter; safe from several
+  // threads, and a returned form outlives a concurrent remake.
+  template <class Form, class Make>
+  std::shared_ptr<const Form> derived(Make&& make) const {
+    DerivedForm& d = derived_;
+    std::lock_guard lock(d.mutex);
+    const BasicTensor<T>& values = *this;
+    const BasicTensor<T>& seen = d.source;
+    const bool current = d.form != nullptr && d.type == typeid(Form) && seen.shares_storage_with(values) &&
+                         seen.data() == values.data() && seen.shape() == values.shape() && d.version == values.version();
+    if (!current) {
+      d.form.reset();  // frees the old form before the new one is made, not after
+      d.form = std::make_shared<const Form>(make());
+      d.type = typeid(Form);
+      d.source = values;
+      d.version = values.version();
+    }
+    return std::static_pointer_cast<const Form>(d.form);
+  }
+
+  bool requires_grad = true;
+
+  // The gradient from the last backward pass that reached this parameter; empty before.
+  // Gradients are bookkeeping, not the parameter's value: kernels holding a const layer write them.
+  mutable BasicTensor<T> grad;
+
+ private:
+  mutable std::uint64_t grad_pass_ = 0;
+
+  struct DerivedForm {
+    std::mutex mutex;
+    BasicTensor<T> source;  // a handle: the block cannot be reused for other values meanwhile
+    std::uint64_t version = 0;
+    std::type_index type = typeid(void);
+    std::shared_ptr<const void> form;
+
+    DerivedForm() = default;
+    // A moved parameter makes its forms again; the mutex cannot move.
+    DerivedForm(DerivedForm&&) noexcept {}
+    DerivedForm& operator=(DerivedForm&&) noexcept {
+      form.reset();
+      source = BasicTensor<T>();
+      return *this;
+    }
+    DerivedForm(const DerivedForm&) = delete;
+    DerivedForm& operator=(const DerivedForm&) = delete;
+    ~DerivedForm() = default;
+  };
+  mutable DerivedForm derived_;
+};
+
+using Parameter = BasicParameter<float>;
+
+template <ElementType T>
+struct NamedParameter {
+  std::string name;
+  BasicParameter<T>* parameter;
+};
+
+}  // namespace nn
+}  // namespace duet
 
 namespace duet {
 
@@ -839,6 +1572,14 @@ struct Eigen {
     } else if constexpr (sizeof...(Fns) > 0) {
       Y.array() = detail::apply_all<Fns...>(Y.array());
     }
+  }
+
+  // dense() with a layer's weight, kept pre-packed from call to call where the backend has a
+  // packed form (JitLevel::O2). Eigen packs inside each product, so here it is dense().
+  template <index_t In, index_t Out, class T, class... Fns>
+  static void dense_packed(const T* x, index_t rows, index_t in, const nn::BasicParameter<T>& w, index_t out,
+                           const Epilogue<T, Fns...>& epilogue, T* y) {
+    dense<In, Out>(x, rows, in, w.data(), out, epilogue, y);
   }
 
   // y[rows, cols] = x[rows, cols] + bias[cols]; y may be x.
@@ -1055,6 +1796,23 @@ struct Native : Eigen {
     } else {
       Eigen::dense<In, Out>(x, rows, in, w, out, epilogue, y);
     }
+  }
+
+  // The weight is packed once per version of it (the parameter keeps the packed form), not
+  // on every call; the product reads the same numbers in the same order, so the result is
+  // the bits of dense().
+  template <index_t In, index_t Out, class T, class... Fns>
+  static void dense_packed(const T* x, index_t rows, index_t in, const nn::BasicParameter<T>& w, index_t out,
+                           const Epilogue<T, Fns...>& epilogue, T* y) {
+    if constexpr (kernels::gemm_supports<T, Fns...>) {
+      if (kernels::reads_packed_weight<In, Out>(rows, in, out)) {
+        using Packed = kernels::PackedWeight<T>;
+        const auto packed = w.template derived<Packed>([&] { return Packed(w.data(), out, in); });
+        kernels::gemm<In, Out, Fns...>(x, rows, in, w.data(), out, epilogue.bias, y, packed.get());
+        return;
+      }
+    }
+    dense<In, Out>(x, rows, in, w.data(), out, epilogue, y);
   }
 };
 
@@ -1319,156 +2077,6 @@ inline std::string readable_type_name(const std::type_info& type) {
 #include <type_traits>
 #include <utility>
 
-// Shapes: one constexpr type for concrete shapes (tensors) and shape patterns (graphs).
-//
-// A pattern may hold dynamic dimensions (duet::dyn) and may have unknown leading dimensions
-// ("[..., 784]"), which is how graph mode captures a runtime tensor whose rank it cannot know.
-// Shape rules are written once over this type and run both at compile time (on patterns,
-// to reject mismatches before the program exists) and at run time (on concrete shapes).
-
-#include <array>
-#include <initializer_list>
-#include <ostream>
-#include <string>
-
-
-namespace duet {
-
-class Shape {
- public:
-  constexpr Shape() = default;
-
-  constexpr Shape(std::initializer_list<index_t> dims) {
-    if (dims.size() > static_cast<std::size_t>(max_rank)) {
-      throw ValueError("duet::Shape: rank " + std::to_string(dims.size()) + " exceeds max_rank " +
-                       std::to_string(max_rank));
-    }
-    for (index_t d : dims) {
-      if (d < 0 && d != dyn) {
-        throw ValueError("duet::Shape: dimension " + std::to_string(d) +
-                         " is negative (only duet::dyn = -1 is allowed, for dynamic sizes)");
-      }
-      dims_[static_cast<std::size_t>(rank_++)] = d;
-    }
-  }
-
-  // "[...]": any rank, any sizes. What graph mode knows of a runtime tensor before it runs.
-  static constexpr Shape any() {
-    Shape s;
-    s.leading_unknown_ = true;
-    return s;
-  }
-
-  // The known trailing dimensions; with leading_unknown() there may be more in front.
-  constexpr int rank() const { return rank_; }
-  constexpr bool leading_unknown() const { return leading_unknown_; }
-
-  // Axis -1 is the last dimension, as in numpy.
-  constexpr index_t operator[](int axis) const { return dims_[static_cast<std::size_t>(normalize(axis))]; }
-  constexpr index_t& operator[](int axis) { return dims_[static_cast<std::size_t>(normalize(axis))]; }
-  // The last dimension; the shape must have one.
-  constexpr index_t back() const { return dims_[static_cast<std::size_t>(rank_ - 1)]; }
-
-  constexpr bool is_concrete() const {
-    if (leading_unknown_) return false;
-    for (int i = 0; i < rank_; ++i) {
-      if (dims_[static_cast<std::size_t>(i)] == dyn) return false;
-    }
-    return true;
-  }
-
-  // Product of all dimensions; dyn if any is unknown.
-  constexpr index_t numel() const {
-    if (leading_unknown_) return dyn;
-    index_t n = 1;
-    for (int i = 0; i < rank_; ++i) {
-      const index_t d = dims_[static_cast<std::size_t>(i)];
-      if (d == dyn) return dyn;
-      n *= d;
-    }
-    return n;
-  }
-
-  // Product of dimensions [first, rank); dyn if any is unknown.
-  constexpr index_t numel_from(int first) const {
-    index_t n = 1;
-    for (int i = first; i < rank_; ++i) {
-      const index_t d = dims_[static_cast<std::size_t>(i)];
-      if (d == dyn) return dyn;
-      n *= d;
-    }
-    return n;
-  }
-
-  // This shape with the last dimension replaced; the shape must have one.
-  constexpr Shape with_back(index_t d) const {
-    Shape s = *this;
-    s.dims_[static_cast<std::size_t>(rank_ - 1)] = d;
-    return s;
-  }
-
-  constexpr void push_back(index_t d) {
-    if (rank_ == max_rank) throw ValueError("duet::Shape: rank exceeds max_rank");
-    dims_[static_cast<std::size_t>(rank_++)] = d;
-  }
-
-  constexpr const index_t* begin() const { return dims_.data(); }
-  constexpr const index_t* end() const { return dims_.data() + rank_; }
-
-  friend constexpr bool operator==(const Shape& a, const Shape& b) {
-    if (a.rank_ != b.rank_ || a.leading_unknown_ != b.leading_unknown_) return false;
-    for (int i = 0; i < a.rank_; ++i) {
-      if (a.dims_[static_cast<std::size_t>(i)] != b.dims_[static_cast<std::size_t>(i)]) return false;
-    }
-    return true;
-  }
-
- private:
-  constexpr int normalize(int axis) const {
-    const int a = axis < 0 ? axis + rank_ : axis;
-    if (a < 0 || a >= rank_) {
-      throw IndexError("duet::Shape: axis " + std::to_string(axis) + " is out of range for rank " +
-                       std::to_string(rank_));
-    }
-    return a;
-  }
-
-  std::array<index_t, max_rank> dims_{};
-  int rank_ = 0;
-  bool leading_unknown_ = false;
-};
-
-// "[64, 1, 28, 28]", "[?, 784]" (dynamic), "[..., 512]" (unknown leading dimensions).
-inline std::string to_string(const Shape& s) {
-  std::string out = "[";
-  bool first = true;
-  if (s.leading_unknown()) {
-    out += "...";
-    first = false;
-  }
-  for (index_t d : s) {
-    if (!first) out += ", ";
-    out += d == dyn ? std::string("?") : std::to_string(d);
-    first = false;
-  }
-  return out + "]";
-}
-
-inline std::ostream& operator<<(std::ostream& os, const Shape& s) { return os << to_string(s); }
-
-// A shape fixed at compile time; duet::shape<64, 1, 28, 28> is its value.
-template <index_t... Dims>
-struct StaticShape {
-  static_assert(sizeof...(Dims) <= max_rank, "duet::StaticShape: rank exceeds duet::max_rank");
-  static_assert(((Dims >= 0 || Dims == dyn) && ...), "duet::StaticShape: dimensions must be >= 0 or duet::dyn");
-  static constexpr Shape value{Dims...};
-  constexpr operator Shape() const { return value; }
-};
-
-template <index_t... Dims>
-inline constexpr StaticShape<Dims...> shape{};
-
-}  // namespace duet
 
 namespace duet {
 
@@ -1635,352 +2243,6 @@ constexpr void reject() {
 #include <type_traits>
 #include <utility>
 
-// duet::BasicTensor: a row-major, contiguous, reference-counted n-d array with a runtime shape,
-// and duet::StaticTensor, the same with its shape (or part of it) fixed in the type.
-//
-// Copies share elements, as MindSpore and numpy references do; clone() copies them. Views
-// (reshape, operator[]) share the block of the tensor they come from.
-
-#include <algorithm>
-#include <concepts>
-#include <cstdint>
-#include <cstring>
-#include <initializer_list>
-#include <limits>
-#include <span>
-#include <string>
-#include <type_traits>
-
-// Element types a tensor may hold, and their MindSpore names.
-
-#include <cstdint>
-#include <string_view>
-#include <type_traits>
-
-namespace duet {
-
-enum class DType : std::uint8_t { float32, float64, int32, int64, uint8 };
-
-template <class T>
-inline constexpr bool is_element_type_v =
-    std::is_same_v<T, float> || std::is_same_v<T, double> || std::is_same_v<T, std::int32_t> ||
-    std::is_same_v<T, std::int64_t> || std::is_same_v<T, std::uint8_t>;
-
-template <class T>
-concept ElementType = is_element_type_v<T>;
-
-template <ElementType T>
-inline constexpr DType dtype_of = std::is_same_v<T, float>          ? DType::float32
-                                  : std::is_same_v<T, double>       ? DType::float64
-                                  : std::is_same_v<T, std::int32_t> ? DType::int32
-                                  : std::is_same_v<T, std::int64_t> ? DType::int64
-                                                                    : DType::uint8;
-
-inline constexpr DType float32 = DType::float32;
-inline constexpr DType float64 = DType::float64;
-inline constexpr DType int32 = DType::int32;
-inline constexpr DType int64 = DType::int64;
-inline constexpr DType uint8 = DType::uint8;
-
-constexpr std::string_view name_of(DType t) {
-  switch (t) {
-    case DType::float32:
-      return "Float32";
-    case DType::float64:
-      return "Float64";
-    case DType::int32:
-      return "Int32";
-    case DType::int64:
-      return "Int64";
-    case DType::uint8:
-      return "UInt8";
-  }
-  return "?";
-}
-
-constexpr std::size_t size_of(DType t) {
-  switch (t) {
-    case DType::float32:
-      return 4;
-    case DType::float64:
-      return 8;
-    case DType::int32:
-      return 4;
-    case DType::int64:
-      return 8;
-    case DType::uint8:
-      return 1;
-  }
-  return 0;
-}
-
-}  // namespace duet
-
-namespace duet {
-
-namespace detail {
-
-// Validates a shape a tensor is created with and returns its element count.
-inline index_t checked_numel(const Shape& shape, std::size_t element_size) {
-  if (!shape.is_concrete()) {
-    throw ShapeError("duet::Tensor: cannot create a tensor of shape " + to_string(shape) +
-                     ": every dimension must be known");
-  }
-  index_t n = 1;
-  const auto limit = static_cast<index_t>(std::numeric_limits<std::size_t>::max() / 2 / element_size);
-  for (index_t d : shape) {
-    if (d != 0 && n > limit / d) {
-      throw ValueError("duet::Tensor: shape " + to_string(shape) + " has too many elements");
-    }
-    n *= d;
-  }
-  return n;
-}
-
-}  // namespace detail
-
-template <ElementType T>
-class BasicTensor {
- public:
-  using value_type = T;
-
-  // An empty one-dimensional tensor.
-  BasicTensor() : shape_{0} {}
-
-  // Zero-filled.
-  explicit BasicTensor(const Shape& shape) : BasicTensor(uninitialized(shape)) { std::fill_n(data_, numel(), T{}); }
-
-  BasicTensor(const Shape& shape, std::initializer_list<T> values)
-      : BasicTensor(shape, std::span<const T>(values.begin(), values.size())) {}
-
-  BasicTensor(const Shape& shape, std::span<const T> values) : BasicTensor(uninitialized(shape)) {
-    if (static_cast<index_t>(values.size()) != numel()) {
-      throw ShapeError("duet::Tensor: shape " + to_string(shape) + " holds " + std::to_string(numel()) +
-                       " elements, got " + std::to_string(values.size()) + " values");
-    }
-    std::copy(values.begin(), values.end(), data_);
-  }
-
-  // For kernels that write every element: skips the zero fill.
-  static BasicTensor uninitialized(const Shape& shape) {
-    const index_t n = detail::checked_numel(shape, sizeof(T));
-    BasicTensor t(detail::Storage(static_cast<std::size_t>(n) * sizeof(T)), shape);
-    return t;
-  }
-
-  const Shape& shape() const { return shape_; }
-  int ndim() const { return shape_.rank(); }
-  index_t dim(int axis) const { return shape_[axis]; }
-  index_t numel() const { return shape_.numel(); }
-  index_t size() const { return numel(); }
-  static constexpr DType dtype() { return dtype_of<T>; }
-
-  T* data() { return data_; }
-  const T* data() const { return data_; }
-  std::span<T> values() { return {data_, static_cast<std::size_t>(numel())}; }
-  std::span<const T> values() const { return {data_, static_cast<std::size_t>(numel())}; }
-
-  // Element access; negative indices count from the end, as in numpy. Always bounds-checked:
-  // kernels use data(), so this is never the hot path.
-  template <std::integral... I>
-  T& operator()(I... index) {
-    return data_[offset_of({static_cast<index_t>(index)...})];
-  }
-  template <std::integral... I>
-  const T& operator()(I... index) const {
-    return data_[offset_of({static_cast<index_t>(index)...})];
-  }
-
-  // The only element of a tensor with one element.
-  T item() const {
-    if (numel() != 1) {
-      throw ShapeError("duet::Tensor::item: needs exactly one element, shape is " + to_string(shape_));
-    }
-    return data_[0];
-  }
-
-  // A view with another shape and the same elements; one dimension may be -1 (inferred).
-  BasicTensor reshape(Shape to) const {
-    int inferred = -1;
-    index_t known = 1;
-    for (int i = 0; i < to.rank(); ++i) {
-      if (to[i] == dyn) {
-        if (inferred >= 0) throw ShapeError("duet::Tensor::reshape: more than one -1 in " + to_string(to));
-        inferred = i;
-      } else {
-        known *= to[i];
-      }
-    }
-    if (inferred >= 0 && known != 0 && numel() % known == 0) to[inferred] = numel() / known;
-    if (!to.is_concrete() || to.numel() != numel()) {
-      throw ShapeError("duet::Tensor::reshape: cannot view " + to_string(shape_) + " (" + std::to_string(numel()) +
-                       " elements) as " + to_string(to));
-    }
-    BasicTensor view = *this;
-    view.shape_ = to;
-    view.tape_id_ = 0;
-    return view;
-  }
-
-  // Sub-tensor i along the first axis, as a view.
-  BasicTensor operator[](index_t i) const {
-    if (ndim() == 0) throw IndexError("duet::Tensor: cannot index a 0-d tensor");
-    const index_t n = shape_[0];
-    if (i < -n || i >= n) {
-      throw IndexError("duet::Tensor: index " + std::to_string(i) + " is out of range for axis 0 of " +
-                       to_string(shape_));
-    }
-    if (i < 0) i += n;
-    Shape rest;
-    for (int a = 1; a < ndim(); ++a) rest.push_back(shape_[a]);
-    BasicTensor view = *this;
-    view.shape_ = rest;
-    view.data_ = data_ + i * rest.numel();
-    view.tape_id_ = 0;
-    return view;
-  }
-
-  BasicTensor clone() const {
-    BasicTensor copy = uninitialized(shape_);
-    std::copy_n(data_, numel(), copy.data_);
-    return copy;
-  }
-
-  // True when both see the same elements (one is a view of the other, or a copy of its handle).
-  bool shares_storage_with(const BasicTensor& other) const { return storage_.same_block(other.storage_); }
-
-  // Handles (this one, copies and views) sharing the elements; 1 means this tensor may be
-  // overwritten in place without anyone noticing.
-  long use_count() const { return storage_.use_count(); }
-
-  // Which value of a recording tape (autodiff) this handle is; 0 for none. Copies keep it,
-  // views a user makes (reshape, operator[]) do not: they are new values the tape never saw.
-  std::uint64_t tape_id() const { return tape_id_; }
-  void set_tape_id(std::uint64_t id) { tape_id_ = id; }
-
- private:
-  BasicTensor(detail::Storage storage, const Shape& shape)
-      : storage_(std::move(storage)), data_(reinterpret_cast<T*>(storage_.data())), shape_(shape) {}
-
-  index_t offset_of(std::initializer_list<index_t> index) const {
-    if (static_cast<int>(index.size()) != ndim()) {
-      throw IndexError("duet::Tensor: " + std::to_string(index.size()) + " indices for a tensor of shape " +
-                       to_string(shape_));
-    }
-    index_t offset = 0;
-    int axis = 0;
-    for (index_t i : index) {
-      const index_t n = shape_[axis];
-      if (i < -n || i >= n) {
-        throw IndexError("duet::Tensor: index " + std::to_string(i) + " is out of range for axis " +
-                         std::to_string(axis) + " of " + to_string(shape_));
-      }
-      offset = offset * n + (i < 0 ? i + n : i);
-      ++axis;
-    }
-    return offset;
-  }
-
-  detail::Storage storage_;
-  T* data_ = nullptr;
-  Shape shape_;
-  std::uint64_t tape_id_ = 0;
-};
-
-using Tensor = BasicTensor<float>;
-
-// A tensor whose shape is (partly) fixed in its type: StaticTensor<float, duet::dyn, 784> is
-// any batch of 784-vectors. Graph mode reads the shape from the type and checks layers
-// against it at compile time.
-template <ElementType T, index_t... Dims>
-class StaticTensor {
- public:
-  using value_type = T;
-  using static_shape_type = StaticShape<Dims...>;
-  static constexpr Shape static_shape = static_shape_type::value;
-
-  // Zero-filled; only when every dimension is fixed.
-  StaticTensor() requires(((Dims != dyn) && ...)) : tensor_(static_shape) {}
-
-  // Adopts a runtime tensor after checking it against the static shape.
-  explicit StaticTensor(BasicTensor<T> tensor) : tensor_(std::move(tensor)) {
-    const Shape& s = tensor_.shape();
-    bool ok = s.rank() == static_shape.rank();
-    for (int i = 0; ok && i < s.rank(); ++i) ok = static_shape[i] == dyn || static_shape[i] == s[i];
-    if (!ok) {
-      throw ShapeError("duet::StaticTensor" + to_string(static_shape) + ": got a tensor of shape " + to_string(s));
-    }
-  }
-
-  const BasicTensor<T>& tensor() const& { return tensor_; }
-  BasicTensor<T>& tensor() & { return tensor_; }
-  BasicTensor<T> tensor() && { return std::move(tensor_); }
-  operator const BasicTensor<T>&() const& { return tensor_; }
-
-  const Shape& shape() const { return tensor_.shape(); }
-  static constexpr int ndim() { return static_shape.rank(); }
-  index_t numel() const { return tensor_.numel(); }
-  T* data() { return tensor_.data(); }
-  const T* data() const { return tensor_.data(); }
-  template <std::integral... I>
-  requires(sizeof...(I) == sizeof...(Dims)) T& operator()(I... index) { return tensor_(index...); }
-  template <std::integral... I>
-  requires(sizeof...(I) == sizeof...(Dims)) const T& operator()(I... index) const { return tensor_(index...); }
-
- private:
-  BasicTensor<T> tensor_;
-};
-
-// The runtime tensor of either kind of tensor.
-template <ElementType T>
-const BasicTensor<T>& tensor_of(const BasicTensor<T>& t) {
-  return t;
-}
-template <ElementType T, index_t... D>
-const BasicTensor<T>& tensor_of(const StaticTensor<T, D...>& t) {
-  return t.tensor();
-}
-
-template <class X>
-inline constexpr bool is_static_tensor_v = false;
-template <class T, index_t... D>
-inline constexpr bool is_static_tensor_v<StaticTensor<T, D...>> = true;
-
-template <class X>
-inline constexpr bool is_tensor_v = false;
-template <class T>
-inline constexpr bool is_tensor_v<BasicTensor<T>> = true;
-
-// Creation. Each takes a runtime Shape ({64, 1, 28, 28}) and returns a BasicTensor, or a
-// duet::shape<...> and returns the matching StaticTensor.
-template <ElementType T = float>
-BasicTensor<T> full(const Shape& shape, T value) {
-  auto t = BasicTensor<T>::uninitialized(shape);
-  std::fill_n(t.data(), t.numel(), value);
-  return t;
-}
-template <ElementType T = float>
-BasicTensor<T> zeros(const Shape& shape) {
-  return full<T>(shape, T{0});
-}
-template <ElementType T = float>
-BasicTensor<T> ones(const Shape& shape) {
-  return full<T>(shape, T{1});
-}
-template <ElementType T = float, index_t... D>
-StaticTensor<T, D...> full(StaticShape<D...> shape, T value) {
-  return StaticTensor<T, D...>(full<T>(Shape(shape), value));
-}
-template <ElementType T = float, index_t... D>
-StaticTensor<T, D...> zeros(StaticShape<D...> shape) {
-  return full<T>(shape, T{0});
-}
-template <ElementType T = float, index_t... D>
-StaticTensor<T, D...> ones(StaticShape<D...> shape) {
-  return full<T>(shape, T{1});
-}
-
-}  // namespace duet
 
 namespace duet::graph {
 
@@ -2296,8 +2558,9 @@ namespace duet {
 
 // Optimisation level. O0 runs the captured graph kernel by kernel (views are still aliases and
 // nothing is dispatched or allocated per node); O1 adds fusion of elementwise chains and of
-// bias/activation epilogues into the products. O2 runs O1's passes: the whole-network fusion
-// and folding MindSpore's O2 implies do not exist in duet yet, so it is O1 under another name.
+// bias/activation epilogues into the products; O2 also keeps each product's weight packed
+// between calls (packed again only after the weight is written), which spares a batched
+// forward pass the packing of every weight. All three give the same numbers.
 enum class JitLevel : unsigned char { O0, O1, O2 };
 
 // How much of C++ a jitted function may use. strict: anything that is not a graph operation
@@ -2632,88 +2895,6 @@ auto evaluate(const graph::Sym<G, Out>& program, const Inputs&... inputs) {
 }
 
 }  // namespace duet
-// Parameters: the tensors a cell learns.
-
-#include <algorithm>
-#include <atomic>
-#include <cstdint>
-#include <string>
-
-
-namespace duet {
-namespace detail {
-// The backward pass running on this thread; gradient kernels pass it to grad_for_write.
-inline std::uint64_t& current_backward_pass() {
-  thread_local std::uint64_t pass = 0;
-  return pass;
-}
-
-// Makes the calling thread's next backward pass, unique in the program.
-inline std::uint64_t begin_backward_pass() {
-  static std::atomic<std::uint64_t> last{0};
-  return current_backward_pass() = last.fetch_add(1, std::memory_order_relaxed) + 1;
-}
-}  // namespace detail
-
-namespace nn {
-
-// A tensor a cell owns and an optimiser updates. It is a tensor (prints, indexes, feeds
-// kernels) whose shape is fixed once made: set_data copies values in, never rebinds, so the
-// graphs and views that refer to it stay valid.
-template <ElementType T>
-class BasicParameter : public BasicTensor<T> {
- public:
-  BasicParameter() = default;
-  explicit BasicParameter(BasicTensor<T> value) : BasicTensor<T>(std::move(value)) {}
-
-  BasicParameter(const BasicParameter&) = delete;
-  BasicParameter& operator=(const BasicParameter&) = delete;
-  BasicParameter(BasicParameter&&) noexcept = default;
-  BasicParameter& operator=(BasicParameter&&) noexcept = default;
-  ~BasicParameter() = default;
-
-  // MindSpore's Parameter.set_data: the new values must have this parameter's shape.
-  void set_data(const BasicTensor<T>& value) {
-    if (!(value.shape() == this->shape())) {
-      throw ShapeError("duet::nn::Parameter::set_data: parameter has shape " + to_string(this->shape()) + ", got " +
-                       to_string(value.shape()));
-    }
-    std::copy_n(value.data(), value.numel(), this->data());
-  }
-
-  // Where a gradient kernel writes this parameter's gradient in backward pass `pass`: the
-  // first write of a pass assigns (*accumulate = false), later ones add, for a parameter used
-  // twice. The buffer is made on the first pass and kept, so training does not allocate.
-  T* grad_for_write(std::uint64_t pass, bool* accumulate) const {
-    if (!(grad.shape() == this->shape())) grad = BasicTensor<T>(this->shape());
-    *accumulate = grad_pass_ == pass;
-    grad_pass_ = pass;
-    return grad.data();
-  }
-
-  // Whether backward pass `pass` wrote this parameter's gradient (it did not reach it otherwise).
-  bool has_grad_from(std::uint64_t pass) const { return grad_pass_ == pass; }
-
-  bool requires_grad = true;
-
-  // The gradient from the last backward pass that reached this parameter; empty before.
-  // Gradients are bookkeeping, not the parameter's value: kernels holding a const layer write them.
-  mutable BasicTensor<T> grad;
-
- private:
-  mutable std::uint64_t grad_pass_ = 0;
-};
-
-using Parameter = BasicParameter<float>;
-
-template <ElementType T>
-struct NamedParameter {
-  std::string name;
-  BasicParameter<T>* parameter;
-};
-
-}  // namespace nn
-}  // namespace duet
 // Compile-time passes over a captured graph. Each takes a Sym (graph plus output) and
 // returns a new one, of a new type; they run while the program compiles and leave nothing to
 // do at run time but the evaluator's calls.
@@ -2722,11 +2903,14 @@ struct NamedParameter {
 //   views                          is_view nodes get no buffer (evaluator's plan)
 //   fuse_epilogues                 bias adds and activations move into the product before them,
 //                                  elementwise chains become one pass (O1 and O2)
+//   pack_weights                   products keep their weights pre-packed between calls (O2,
+//                                  inference graphs)
 
 #include <array>
 #include <boost/hana/append.hpp>
 #include <boost/hana/drop_back.hpp>
 #include <boost/hana/length.hpp>
+#include <boost/hana/transform.hpp>
 #include <boost/hana/unpack.hpp>
 #include <cstddef>
 #include <utility>
@@ -3056,12 +3240,29 @@ auto fuse_epilogues(const graph::Sym<G, Out>& program) {
   return detail::fuse_from<0, Out, Differentiated>(program.graph, hana::make_tuple(), std::index_sequence<>{});
 }
 
+// Each op that can read its weight pre-packed (with_packed_weight()) is replaced by that
+// form. Not for graphs being trained: their weights change at every step, and a packed copy
+// would only add a pass over them.
+template <class G, std::size_t Out>
+auto pack_weights(const graph::Sym<G, Out>& program) {
+  auto nodes = hana::transform(program.graph.nodes, []<class Op, std::size_t... A>(const graph::Node<Op, A...>& n) {
+    if constexpr (requires { n.op.with_packed_weight(); }) {
+      return graph::Node<decltype(n.op.with_packed_weight()), A...>{n.op.with_packed_weight()};
+    } else {
+      return n;
+    }
+  });
+  auto packed = graph::make_graph(nodes);
+  return graph::Sym<decltype(packed), Out>{packed};
+}
+
 // The pipeline of a jit level. Differentiated: the graph is the forward half of a training
 // graph, so fusion keeps every op differentiable.
 template <JitConfig Config = JitConfig{}, bool Differentiated = false, class G, std::size_t Out>
 auto optimize(const graph::Sym<G, Out>& program) {
   if constexpr (Config.jit_level == JitLevel::O0) return program;
-  else return fuse_epilogues<Differentiated>(program);
+  else if constexpr (Config.jit_level == JitLevel::O1 || Differentiated) return fuse_epilogues<Differentiated>(program);
+  else return pack_weights(fuse_epilogues<Differentiated>(program));
 }
 
 }  // namespace duet::passes
@@ -6889,6 +7090,8 @@ namespace ops {
 
 template <class Layer>
 struct BiasAddOp;
+template <class Layer, bool Bias, class... Fns>
+struct PackedMatMulOp;
 template <class Layer, bool Bias, bool InputGrad, class... Fns>
 struct DenseGradOp;
 template <class Layer, bool InputGrad>
@@ -6925,12 +7128,11 @@ struct MatMulOp {
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
-    const index_t in_channels = layer->in_channels();
-    const index_t rows = in_channels == 0 ? 0 : a.in_shape().numel() / in_channels;
-    Backend::template dense<Layer::in_static, Layer::out_static>(
-        a.in<T>(), rows, in_channels, layer->weight.data(), layer->out_channels(),
-        Epilogue<T, Fns...>{Bias ? layer->bias.data() : nullptr}, a.out<T>());
+    product<Backend, T, false>(a);
   }
+
+  // The same product with the weight kept pre-packed between calls (JitLevel::O2).
+  auto with_packed_weight() const { return PackedMatMulOp<Layer, Bias, Fns...>{{layer}}; }
 
   // Takes this layer's bias first, then any elementwise functions.
   template <class C>
@@ -6957,13 +7159,44 @@ struct MatMulOp {
     return DenseGradOp<Layer, Bias, InputGrad, Fns...>{layer};
   }
 
-  static std::string op_name() {
-    std::string s = "MatMul";
+  static std::string op_name() { return with_epilogue("MatMul"); }
+  std::string label() const { return layer->label(); }
+
+ protected:
+  static std::string with_epilogue(std::string s) {
     if (Bias) s += " + BiasAdd";
     ((s += " + " + std::string(Fns::name)), ...);
     return s;
   }
-  std::string label() const { return layer->label(); }
+
+  template <class Backend, class T, bool PackedWeight>
+  void product(const graph::KernelArgs& a) const {
+    const index_t in_channels = layer->in_channels();
+    const index_t rows = in_channels == 0 ? 0 : a.in_shape().numel() / in_channels;
+    const Epilogue<T, Fns...> epilogue{Bias ? layer->bias.data() : nullptr};
+    constexpr index_t In = Layer::in_static;
+    constexpr index_t Out = Layer::out_static;
+    if constexpr (PackedWeight) {
+      Backend::template dense_packed<In, Out>(a.in<T>(), rows, in_channels, layer->weight, layer->out_channels(),
+                                              epilogue, a.out<T>());
+    } else {
+      Backend::template dense<In, Out>(a.in<T>(), rows, in_channels, layer->weight.data(), layer->out_channels(),
+                                       epilogue, a.out<T>());
+    }
+  }
+};
+
+// MatMulOp whose weight the backend keeps packed from call to call, repacking it only after
+// the weight is written: what a layer that runs many times between updates wants. The result
+// is bit for bit MatMulOp's.
+template <class Layer, bool Bias, class... Fns>
+struct PackedMatMulOp : MatMulOp<Layer, Bias, Fns...> {
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    this->template product<Backend, T, true>(a);
+  }
+
+  static std::string op_name() { return MatMulOp<Layer, Bias, Fns...>::with_epilogue("PackedMatMul"); }
 };
 
 // x + bias over the last axis, bias being the layer's.

@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <concepts>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <utility>
 
@@ -30,6 +31,7 @@
 #endif
 
 #include "../config.hpp"
+#include "../error.hpp"
 #include "../memory.hpp"
 
 namespace duet::kernels {
@@ -357,13 +359,45 @@ inline index_t balanced_block(index_t extent, index_t limit, index_t step) {
   return (size + step - 1) / step * step;
 }
 
+// B packed once, whole, in the panels gemm_blocked would otherwise pack on every call. Panel
+// p (rows p·L .. p·L + L of B) holds the whole depth, rounded up to a group, in pack_panel's
+// layout, so the K block at k0 of a panel is the k0·L-th element on: the product reads exactly
+// what it reads after packing, and gives the same bits.
+template <class T>
+class PackedWeight {
+ public:
+  PackedWeight(const T* b, index_t n, index_t k)
+      : storage_(static_cast<std::size_t>((n + lanes<T> - 1) / lanes<T> * padded(k) * lanes<T>) * sizeof(T)), n_(n), k_(k) {
+    for (index_t j0 = 0; j0 < n; j0 += lanes<T>) {
+      pack_panel(b + j0 * k, k, static_cast<int>(std::min<index_t>(lanes<T>, n - j0)), k, panel(j0, 0));
+    }
+  }
+
+  index_t rows() const { return n_; }
+  index_t depth() const { return k_; }
+  const T* end() const { return panel(n_ + lanes<T> - 1, 0); }
+  const T* panel(index_t j0, index_t k0) const { return const_cast<PackedWeight*>(this)->panel(j0, k0); }
+
+ private:
+  static index_t padded(index_t k) { return (k + KG<T> - 1) / KG<T> * KG<T>; }
+  T* panel(index_t j0, index_t k0) {
+    return reinterpret_cast<T*>(storage_.data()) + (j0 / lanes<T>) * padded(k_) * lanes<T> + k0 * lanes<T>;
+  }
+
+  ::duet::detail::Storage storage_;
+  index_t n_;
+  index_t k_;
+};
+
+// packed: B already packed, or null to pack each panel as it is reached.
 template <class T, class... Fns>
-void gemm_blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c) {
+void gemm_blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
+                  const PackedWeight<T>* packed) {
   constexpr int L = lanes<T>;
   constexpr auto size = static_cast<index_t>(sizeof(T));
   const index_t kc = balanced_block(k, KC_bytes / size, KG<T>);
   const index_t mc = balanced_block(m, std::max<index_t>(MR, MC_bytes / (k * size)), MR);
-  ::duet::detail::Storage scratch(static_cast<std::size_t>(kc * L * size));
+  ::duet::detail::Storage scratch(packed != nullptr ? 0 : static_cast<std::size_t>(kc * L * size));
   T* panel = reinterpret_cast<T*>(scratch.data());
   for (index_t m0 = 0; m0 < m; m0 += mc) {
     const index_t m1 = std::min(m, m0 + mc);
@@ -372,13 +406,44 @@ void gemm_blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const
       const T* bias_panel = bias == nullptr ? nullptr : bias + j0;
       for (index_t k0 = 0; k0 < k; k0 += kc) {
         const index_t depth = std::min(kc, k - k0);
-        pack_panel(b + j0 * k + k0, k, cols, depth, panel);
+        const T* bp = panel;
+        if (packed != nullptr) bp = packed->panel(j0, k0);
+        else pack_panel(b + j0 * k + k0, k, cols, depth, panel);
+        // A packed panel comes from L3 or memory, and its first tile would wait for it. The
+        // panels lie in the order they are used, so each tile fetches a slice of the next one
+        // into L2, and it is there when wanted.
+        const std::byte* ahead = nullptr;
+        index_t ahead_bytes = 0;
+        index_t slice = 0;
+        if (packed != nullptr) {
+          ahead = reinterpret_cast<const std::byte*>(bp + (depth + KG<T> - 1) / KG<T> * KG<T> * L);
+          ahead_bytes = std::min<index_t>(reinterpret_cast<const std::byte*>(packed->end()) - ahead, kc * L * size);
+          const index_t tiles = (m1 - m0 + MR - 1) / MR;
+          slice = (ahead_bytes + tiles - 1) / tiles;
+        }
+        index_t fetched = 0;
         for (index_t i0 = m0; i0 < m1; i0 += MR) {
-          micro_kernel<T, Fns...>(depth, a + i0 * k + k0, k, static_cast<int>(std::min<index_t>(MR, m1 - i0)), panel,
+          micro_kernel<T, Fns...>(depth, a + i0 * k + k0, k, static_cast<int>(std::min<index_t>(MR, m1 - i0)), bp,
                                   c + i0 * n + j0, n, cols, k0 == 0, k0 + depth == k, bias_panel);
+          for (const index_t until = std::min(ahead_bytes, fetched + slice); fetched < until; fetched += 64) {
+            __builtin_prefetch(ahead + fetched, 0, 2);
+          }
         }
       }
     }
+  }
+}
+
+enum class Path : unsigned char { none, unrolled, gemv, blocked };
+
+template <index_t K, index_t N>
+Path path_of(index_t m, index_t k, index_t n) {
+  if constexpr (K != dyn && N != dyn && K * N <= 64) {
+    return Path::unrolled;
+  } else {
+    // k == 0 has no K block for the blocked path to finish on; the GEMV gives bias and Fns.
+    if (m == 1 || k == 0) return Path::gemv;
+    return m > 0 && n > 0 ? Path::blocked : Path::none;
   }
 }
 
@@ -396,20 +461,42 @@ template <class T, class... Fns>
 inline constexpr bool gemm_supports =
     (std::is_same_v<T, float> || std::is_same_v<T, double>) && (VectorFunction<Fns, T> && ...);
 
+template <class T>
+using PackedWeight = detail::PackedWeight<T>;
+
+// Whether gemm on these sizes reads a packed weight when given one: the blocked product does;
+// a GEMV reads every weight once, in place, and small static layers are unrolled.
+template <index_t K = dyn, index_t N = dyn>
+bool reads_packed_weight(index_t m, index_t k, index_t n) {
+  return detail::path_of<K, N>(m, k, n) == detail::Path::blocked;
+}
+
 // c[m, n] = Fns(Σ_k a[m, k] · b[n, k] + bias[n]), each Fn applied in order; bias may be null.
 // a is [m, k], b is [n, k] (a weight as [out, in]) and c is [m, n], all row-major and dense;
 // no alignment is assumed. K and N are k and n when known at compile time, dyn otherwise.
+// packed_b, if given, is PackedWeight(b, n, k), and saves packing b again.
 // After the first call on a thread for a given size, no heap allocation.
 template <index_t K = dyn, index_t N = dyn, class... Fns, class T>
   requires gemm_supports<T, Fns...>
-void gemm(const T* a, index_t m, index_t k, const T* b, index_t n, std::type_identity_t<const T*> bias, T* c) {
-  if constexpr (K != dyn && N != dyn && K * N <= 64) {
-    detail::dense_unrolled<K, N, T, Fns...>(a, m, b, bias, c);
-  } else if (m == 1 || k == 0) {
-    // k == 0 has no K block for the blocked path to finish on; the GEMV gives bias and Fns.
-    for (index_t i = 0; i < m; ++i) detail::gemv<T, Fns...>(a + i * k, k, b, n, bias, c + i * n);
-  } else if (m > 0 && n > 0) {
-    detail::gemm_blocked<T, Fns...>(a, m, k, b, n, bias, c);
+void gemm(const T* a, index_t m, index_t k, const T* b, index_t n, std::type_identity_t<const T*> bias, T* c,
+          const PackedWeight<std::type_identity_t<T>>* packed_b = nullptr) {
+  switch (detail::path_of<K, N>(m, k, n)) {
+    case detail::Path::unrolled:
+      if constexpr (K != dyn && N != dyn) detail::dense_unrolled<K, N, T, Fns...>(a, m, b, bias, c);
+      break;
+    case detail::Path::gemv:
+      for (index_t i = 0; i < m; ++i) detail::gemv<T, Fns...>(a + i * k, k, b, n, bias, c + i * n);
+      break;
+    case detail::Path::blocked:
+      if (packed_b != nullptr && (packed_b->rows() != n || packed_b->depth() != k)) {
+        throw ShapeError("duet::kernels::gemm: a weight packed as [" + std::to_string(packed_b->rows()) + ", " +
+                            std::to_string(packed_b->depth()) + "] for a product with [" + std::to_string(n) + ", " +
+                            std::to_string(k) + "]");
+      }
+      detail::gemm_blocked<T, Fns...>(a, m, k, b, n, bias, c, packed_b);
+      break;
+    case detail::Path::none:
+      break;
   }
 }
 

@@ -17,6 +17,8 @@ namespace ops {
 
 template <class Layer>
 struct BiasAddOp;
+template <class Layer, bool Bias, class... Fns>
+struct PackedMatMulOp;
 template <class Layer, bool Bias, bool InputGrad, class... Fns>
 struct DenseGradOp;
 template <class Layer, bool InputGrad>
@@ -53,12 +55,11 @@ struct MatMulOp {
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
-    const index_t in_channels = layer->in_channels();
-    const index_t rows = in_channels == 0 ? 0 : a.in_shape().numel() / in_channels;
-    Backend::template dense<Layer::in_static, Layer::out_static>(
-        a.in<T>(), rows, in_channels, layer->weight.data(), layer->out_channels(),
-        Epilogue<T, Fns...>{Bias ? layer->bias.data() : nullptr}, a.out<T>());
+    product<Backend, T, false>(a);
   }
+
+  // The same product with the weight kept pre-packed between calls (JitLevel::O2).
+  auto with_packed_weight() const { return PackedMatMulOp<Layer, Bias, Fns...>{{layer}}; }
 
   // Takes this layer's bias first, then any elementwise functions.
   template <class C>
@@ -85,13 +86,44 @@ struct MatMulOp {
     return DenseGradOp<Layer, Bias, InputGrad, Fns...>{layer};
   }
 
-  static std::string op_name() {
-    std::string s = "MatMul";
+  static std::string op_name() { return with_epilogue("MatMul"); }
+  std::string label() const { return layer->label(); }
+
+ protected:
+  static std::string with_epilogue(std::string s) {
     if (Bias) s += " + BiasAdd";
     ((s += " + " + std::string(Fns::name)), ...);
     return s;
   }
-  std::string label() const { return layer->label(); }
+
+  template <class Backend, class T, bool PackedWeight>
+  void product(const graph::KernelArgs& a) const {
+    const index_t in_channels = layer->in_channels();
+    const index_t rows = in_channels == 0 ? 0 : a.in_shape().numel() / in_channels;
+    const Epilogue<T, Fns...> epilogue{Bias ? layer->bias.data() : nullptr};
+    constexpr index_t In = Layer::in_static;
+    constexpr index_t Out = Layer::out_static;
+    if constexpr (PackedWeight) {
+      Backend::template dense_packed<In, Out>(a.in<T>(), rows, in_channels, layer->weight, layer->out_channels(),
+                                              epilogue, a.out<T>());
+    } else {
+      Backend::template dense<In, Out>(a.in<T>(), rows, in_channels, layer->weight.data(), layer->out_channels(),
+                                       epilogue, a.out<T>());
+    }
+  }
+};
+
+// MatMulOp whose weight the backend keeps packed from call to call, repacking it only after
+// the weight is written: what a layer that runs many times between updates wants. The result
+// is bit for bit MatMulOp's.
+template <class Layer, bool Bias, class... Fns>
+struct PackedMatMulOp : MatMulOp<Layer, Bias, Fns...> {
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    this->template product<Backend, T, true>(a);
+  }
+
+  static std::string op_name() { return MatMulOp<Layer, Bias, Fns...>::with_epilogue("PackedMatMul"); }
 };
 
 // x + bias over the last axis, bias being the layer's.

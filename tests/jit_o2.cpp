@@ -1,0 +1,85 @@
+// JitLevel::O2 keeps each product's weight packed between calls. It must give O1's bits, and
+// pack again whenever the weight may have changed, whoever changed it.
+#include "support.hpp"
+
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <string>
+#include <vector>
+#include <unistd.h>
+
+using namespace duet;
+using duet_test::SeedNetwork;
+
+namespace {
+
+constexpr JitConfig o1_config{.jit_level = O1};
+constexpr JitConfig o2_config{.jit_level = O2};
+
+bool bitwise_equal(const Tensor& a, const Tensor& b) {
+  return a.shape() == b.shape() &&
+         std::memcmp(a.data(), b.data(), static_cast<std::size_t>(a.numel()) * sizeof(float)) == 0;
+}
+
+// The seed network, and the same network (same parameters) jitted at O1 and at O2.
+struct Jitted {
+  SeedNetwork<> net;
+  std::function<Tensor(const Tensor&)> o1 = jit<o1_config>([this](auto x) { return net(x); });
+  std::function<Tensor(const Tensor&)> o2 = jit<o2_config>([this](auto x) { return net(x); });
+
+  bool agree(const Tensor& x) { return bitwise_equal(o2(x), o1(x)); }
+};
+
+}  // namespace
+
+TEST_CASE("O2 gives O1's bits at every batch size, again and again") {
+  Jitted j;
+  for (int round = 0; round < 2; ++round) {
+    for (index_t batch : {1, 2, 7, 64, 200}) {
+      CAPTURE(batch);
+      CHECK(j.agree(randn({batch, 1, 28, 28}, static_cast<std::uint64_t>(batch))));
+    }
+  }
+}
+
+TEST_CASE("O2's graph reads packed weights; O1's does not") {
+  SeedNetwork<> net;
+  const std::string o1 = graph_ir<o1_config>(net).optimized.text;
+  const std::string o2 = graph_ir<o2_config>(net).optimized.text;
+  CHECK(o1.find("PackedMatMul") == std::string::npos);
+  CHECK(o2.find("PackedMatMul + BiasAdd + ReLU(%1)") != std::string::npos);
+  CHECK(o2.find("PackedMatMul + BiasAdd(%3)") != std::string::npos);
+}
+
+TEST_CASE("O2 packs a weight again after an optimiser step, set_data, a write, a load or a new parameter") {
+  Jitted j;
+  const Tensor x = randn({16, 1, 28, 28}, 3);
+  const Tensor before = j.o2(x);
+  REQUIRE(j.agree(x));
+  auto& first = j.net.dense_relu_sequential.get<0>();
+
+  SUBCASE("optimiser step") {
+    nn::SGD sgd(j.net.parameters(), {.learning_rate = 0.5});
+    std::vector<Tensor> grads;
+    for (const auto& p : j.net.parameters()) grads.push_back(ones(p.parameter->shape()));
+    sgd(grads);
+  }
+  SUBCASE("set_data") { first.weight.set_data(randn(first.weight.shape(), 5)); }
+  SUBCASE("one element written through a tensor sharing the weight") {
+    Tensor alias = first.weight;
+    alias(3, 100) += 1.0f;
+  }
+  SUBCASE("a checkpoint loaded") {
+    const auto path = std::filesystem::temp_directory_path() / ("duet_jit_o2_" + std::to_string(::getpid()) + ".ckpt");
+    set_seed(11);
+    SeedNetwork<> other;
+    save_checkpoint(other, path);
+    load_checkpoint(path, j.net);
+    std::filesystem::remove(path);
+  }
+  SUBCASE("a new parameter") { first.weight = nn::Parameter(randn(first.weight.shape(), 6)); }
+
+  CHECK_FALSE(bitwise_equal(j.o2(x), before));
+  CHECK(j.agree(x));
+}
