@@ -294,10 +294,7 @@ concept CellLike = requires {
 // The mode a function runs in: a cell's own, otherwise the context's.
 template <class F>
 Mode mode_of() {
-  if constexpr (CellLike<F>)
-    return effective_mode(std::remove_cvref_t<F>::mode);
-  else
-    return effective_mode(CONTEXT_MODE);
+  return effective_mode(nn::detail::fixed_mode_of<F>());
 }
 
 template <class F, class Positions, class... X>

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <atomic>
+#include <concepts>
 #include <boost/hana/accessors.hpp>
 #include <boost/hana/concept/struct.hpp>
 #include <boost/hana/first.hpp>
@@ -392,5 +393,16 @@ class Cell : public BasicDynamicCell<T> {
     }
   }
 };
+
+namespace detail {
+// The mode a callable's type fixes: a cell's own (a JitConfig fixes GRAPH_MODE), and
+// CONTEXT_MODE for a cell that follows the context or for anything that is not a cell.
+template <class F>
+constexpr Mode fixed_mode_of() {
+  using C = std::remove_cvref_t<F>;
+  if constexpr (requires { requires std::same_as<std::remove_cv_t<decltype(C::mode)>, Mode>; }) return C::mode;
+  else return CONTEXT_MODE;
+}
+}  // namespace detail
 
 }  // namespace duet::nn

@@ -1837,6 +1837,7 @@ using DefaultBackend = backend::Native;
 // and the finished graph is optimised and evaluated in one call).
 
 #include <atomic>
+#include <concepts>
 #include <boost/hana/accessors.hpp>
 #include <boost/hana/concept/struct.hpp>
 #include <boost/hana/first.hpp>
@@ -3880,6 +3881,17 @@ class Cell : public BasicDynamicCell<T> {
   }
 };
 
+namespace detail {
+// The mode a callable's type fixes: a cell's own (a JitConfig fixes GRAPH_MODE), and
+// CONTEXT_MODE for a cell that follows the context or for anything that is not a cell.
+template <class F>
+constexpr Mode fixed_mode_of() {
+  using C = std::remove_cvref_t<F>;
+  if constexpr (requires { requires std::same_as<std::remove_cv_t<decltype(C::mode)>, Mode>; }) return C::mode;
+  else return CONTEXT_MODE;
+}
+}  // namespace detail
+
 }  // namespace duet::nn
 // PyNative evaluation of one operation: run its shape rule, allocate its output from the
 // pool, call its kernel. The graph evaluator uses the same rule and the same kernel, which is
@@ -4233,10 +4245,7 @@ concept CellLike = requires {
 // The mode a function runs in: a cell's own, otherwise the context's.
 template <class F>
 Mode mode_of() {
-  if constexpr (CellLike<F>)
-    return effective_mode(std::remove_cvref_t<F>::mode);
-  else
-    return effective_mode(CONTEXT_MODE);
+  return effective_mode(nn::detail::fixed_mode_of<F>());
 }
 
 template <class F, class Positions, class... X>
@@ -7915,21 +7924,12 @@ using AdamW = BasicAdam<float, true>;
 
 namespace duet::nn {
 
-namespace detail {
-// A backbone whose mode is fixed (GRAPH_MODE, PYNATIVE_MODE or a JitConfig) trains in that mode.
-template <class Backbone>
-constexpr Mode mode_of_backbone() {
-  if constexpr (requires { Backbone::mode; }) return Backbone::mode;
-  else return CONTEXT_MODE;
-}
-}  // namespace detail
-
 // loss_fn(backbone(data), label). The backbone is transparent to naming, so the parameters
 // keep the names they have in the backbone alone ("dense_relu_sequential.0.weight"), and a
 // checkpoint of either loads into the other. It runs in the backbone's mode if that is fixed.
 template <class Backbone, class Loss>
 class WithLossCell
-    : public Cell<WithLossCell<Backbone, Loss>, detail::mode_of_backbone<Backbone>(), typename Backbone::value_type> {
+    : public Cell<WithLossCell<Backbone, Loss>, detail::fixed_mode_of<Backbone>(), typename Backbone::value_type> {
   using T = typename Backbone::value_type;
 
  public:

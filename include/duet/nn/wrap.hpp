@@ -12,21 +12,12 @@
 
 namespace duet::nn {
 
-namespace detail {
-// A backbone whose mode is fixed (GRAPH_MODE, PYNATIVE_MODE or a JitConfig) trains in that mode.
-template <class Backbone>
-constexpr Mode mode_of_backbone() {
-  if constexpr (requires { Backbone::mode; }) return Backbone::mode;
-  else return CONTEXT_MODE;
-}
-}  // namespace detail
-
 // loss_fn(backbone(data), label). The backbone is transparent to naming, so the parameters
 // keep the names they have in the backbone alone ("dense_relu_sequential.0.weight"), and a
 // checkpoint of either loads into the other. It runs in the backbone's mode if that is fixed.
 template <class Backbone, class Loss>
 class WithLossCell
-    : public Cell<WithLossCell<Backbone, Loss>, detail::mode_of_backbone<Backbone>(), typename Backbone::value_type> {
+    : public Cell<WithLossCell<Backbone, Loss>, detail::fixed_mode_of<Backbone>(), typename Backbone::value_type> {
   using T = typename Backbone::value_type;
 
  public:
