@@ -2,6 +2,7 @@
 // pack again whenever the weight may have changed, whoever changed it.
 #include "support.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <functional>
@@ -82,4 +83,35 @@ TEST_CASE("O2 packs a weight again after an optimiser step, set_data, a write, a
 
   CHECK_FALSE(bitwise_equal(j.o2(x), before));
   CHECK(j.agree(x));
+}
+
+TEST_CASE("PIJit follows jit_level: O0 replays each traced operation, O1 fuses, O2 also packs weights") {
+  set_seed(4);
+  nn::DynamicSequentialCell net;
+  net.append(nn::Dense<>(12, 9));
+  net.append(nn::ReLU{});
+  net.append(nn::Dense<>(9, 4));
+  const nn::Parameter& weight = *net.parameters()[0].parameter;
+  auto o0 = jit<JitConfig{.jit_level = O0}>([&](const Tensor& x) { return net(x); }, {.mode = JitMode::PIJit, .name = "o0"});
+  auto o1 = jit<o1_config>([&](const Tensor& x) { return net(x); }, {.mode = JitMode::PIJit, .name = "o1"});
+  auto o2 = jit<o2_config>([&](const Tensor& x) { return net(x); }, {.mode = JitMode::PIJit, .name = "o2"});
+  const Tensor x = randn({5, 12}, 8);
+  const Tensor expected = net(x);
+  const long handles = weight.use_count();
+  for (int call = 0; call < 3; ++call) {
+    CAPTURE(call);
+    CHECK(bitwise_equal(o0(x), expected));
+    CHECK(bitwise_equal(o1(x), expected));
+    CHECK(bitwise_equal(o2(x), expected));
+    // The first call traces, eagerly; replays read the packed weight, which the parameter
+    // keeps with a handle to the values it was made from.
+    CHECK(weight.use_count() == handles + (call == 0 ? 0 : 1));
+  }
+  const auto& log = jit_compile_log();
+  const auto line = [&](const std::string& name) {
+    return *std::find_if(log.rbegin(), log.rend(), [&](const std::string& l) { return l.rfind(name + ":", 0) == 0; });
+  };
+  CHECK(line("o0") == "o0: compile #1: first call (traced 5 operations, replays 5 steps)");
+  CHECK(line("o1") == "o1: compile #1: first call (traced 5 operations, replays 2 steps)");
+  CHECK(line("o2") == "o2: compile #1: first call (traced 5 operations, replays 2 steps)");
 }

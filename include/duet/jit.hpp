@@ -372,8 +372,13 @@ class JitFunction {
     std::string broken = trace.broken();
     if (broken.empty() && out == trace.values().size()) broken = "it returns a value no duet operation made";
     std::shared_ptr<const pijit::Replay> replay;
-    if (broken.empty()) replay = std::make_shared<pijit::Replay>(std::move(trace), out);
-    compile(cache, s, std::move(replay), broken.empty() ? std::string() : "graph break, runs eagerly: " + broken);
+    std::string note = "graph break, runs eagerly: " + broken;
+    if (broken.empty()) {
+      replay = std::make_shared<pijit::Replay>(std::move(trace), out, Config.jit_level);
+      note = "traced " + std::to_string(replay->traced_steps()) + " operations, replays " +
+             std::to_string(replay->steps()) + " steps";
+    }
+    compile(cache, s, std::move(replay), note);
     return Result(y);
   }
 

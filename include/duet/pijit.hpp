@@ -1,8 +1,9 @@
 // PIJit: jit for networks built at run time. The first call with given input shapes runs the
-// function eagerly under a trace (trace.hpp); the trace is then optimised (each product takes
-// its bias and ReLU as epilogue, as graph mode's passes do) and planned (intermediate values in
-// reused slots of one arena), and later calls replay it: one call per fused step, no virtual
-// cell dispatch, no hooks to look up, no allocation once warm.
+// function eagerly under a trace (trace.hpp); the trace is then optimised as the jit level
+// says, as graph mode's passes do (O1: each product takes its bias and ReLU as epilogue; O2:
+// products also keep their weights packed between calls), and planned (intermediate values in
+// reused slots of one arena), and later calls replay it: one call per step, no virtual cell
+// dispatch, no hooks to look up, no allocation once warm.
 //
 // What a trace cannot hold is a graph break: a function that makes its result from something
 // no duet operation computed runs eagerly on every call instead. Control flow that depends on
@@ -19,6 +20,7 @@
 #include <vector>
 
 #include "context.hpp"
+#include "jit_config.hpp"
 #include "memory.hpp"
 #include "tensor.hpp"
 #include "trace.hpp"
@@ -28,15 +30,18 @@ namespace duet::pijit {
 // A trace made ready to run again: fused, with its memory laid out.
 class Replay {
  public:
-  Replay(Trace trace, std::size_t output)
+  Replay(Trace trace, std::size_t output, JitLevel level)
       : values_(std::move(trace.values())),
         steps_(std::move(trace.steps())),
         cells_(std::move(trace.cells())),
-        output_(output) {
-    fuse();
+        output_(output),
+        traced_steps_(steps_.size()) {
+    if (level != JitLevel::O0) fuse();
+    if (level == JitLevel::O2) pack_weights();
     layout();
   }
 
+  std::size_t traced_steps() const { return traced_steps_; }
   std::size_t steps() const { return steps_.size(); }
 
   // Whether a cell the trace went through has a hook now: the replay would skip it, so the
@@ -95,6 +100,12 @@ class Replay {
     steps_ = std::move(fused);
   }
 
+  void pack_weights() {
+    for (auto& step : steps_) {
+      if (auto packed = step->with_packed_weight()) step = std::move(packed);
+    }
+  }
+
   // Computed values get slots of one arena, reused once their last reader has run.
   void layout() {
     output_root_ = output_;
@@ -150,6 +161,7 @@ class Replay {
   std::vector<std::unique_ptr<Step>> steps_;
   std::vector<std::function<bool()>> cells_;
   std::size_t output_;
+  std::size_t traced_steps_;
   std::size_t output_root_ = 0;
   std::vector<std::size_t> offset_;
   std::size_t arena_bytes_ = 0;

@@ -70,6 +70,8 @@ class Step {
   virtual void run(void* const* data, const std::vector<Value>& values) const = 0;
   // This step followed by `next` as one step, when this step can take it as its epilogue.
   virtual std::unique_ptr<Step> absorb(const Step& next) const = 0;
+  // This step reading its weight packed between calls (JitLevel::O2), if it has a weight.
+  virtual std::unique_ptr<Step> with_packed_weight() const = 0;
   virtual EpilogueInfo as_epilogue() const = 0;
   virtual bool is_view() const = 0;
   virtual bool runs_kernel() const = 0;
@@ -123,6 +125,14 @@ class OpStep final : public Step {
       (void)next;
     }
     return nullptr;
+  }
+
+  std::unique_ptr<Step> with_packed_weight() const override {
+    if constexpr (requires { op_.with_packed_weight(); }) {
+      return detail::fused<decltype(op_.with_packed_weight()), T>(op_.with_packed_weight(), *this, output);
+    } else {
+      return nullptr;
+    }
   }
 
   EpilogueInfo as_epilogue() const override {

@@ -3334,6 +3334,8 @@ class Step {
   virtual void run(void* const* data, const std::vector<Value>& values) const = 0;
   // This step followed by `next` as one step, when this step can take it as its epilogue.
   virtual std::unique_ptr<Step> absorb(const Step& next) const = 0;
+  // This step reading its weight packed between calls (JitLevel::O2), if it has a weight.
+  virtual std::unique_ptr<Step> with_packed_weight() const = 0;
   virtual EpilogueInfo as_epilogue() const = 0;
   virtual bool is_view() const = 0;
   virtual bool runs_kernel() const = 0;
@@ -3387,6 +3389,14 @@ class OpStep final : public Step {
       (void)next;
     }
     return nullptr;
+  }
+
+  std::unique_ptr<Step> with_packed_weight() const override {
+    if constexpr (requires { op_.with_packed_weight(); }) {
+      return detail::fused<decltype(op_.with_packed_weight()), T>(op_.with_packed_weight(), *this, output);
+    } else {
+      return nullptr;
+    }
   }
 
   EpilogueInfo as_epilogue() const override {
@@ -6261,10 +6271,11 @@ void load_checkpoint_bytes(std::span<const std::byte> bytes, nn::BasicDynamicCel
 #include <vector>
 
 // PIJit: jit for networks built at run time. The first call with given input shapes runs the
-// function eagerly under a trace (trace.hpp); the trace is then optimised (each product takes
-// its bias and ReLU as epilogue, as graph mode's passes do) and planned (intermediate values in
-// reused slots of one arena), and later calls replay it: one call per fused step, no virtual
-// cell dispatch, no hooks to look up, no allocation once warm.
+// function eagerly under a trace (trace.hpp); the trace is then optimised as the jit level
+// says, as graph mode's passes do (O1: each product takes its bias and ReLU as epilogue; O2:
+// products also keep their weights packed between calls), and planned (intermediate values in
+// reused slots of one arena), and later calls replay it: one call per step, no virtual cell
+// dispatch, no hooks to look up, no allocation once warm.
 //
 // What a trace cannot hold is a graph break: a function that makes its result from something
 // no duet operation computed runs eagerly on every call instead. Control flow that depends on
@@ -6285,15 +6296,18 @@ namespace duet::pijit {
 // A trace made ready to run again: fused, with its memory laid out.
 class Replay {
  public:
-  Replay(Trace trace, std::size_t output)
+  Replay(Trace trace, std::size_t output, JitLevel level)
       : values_(std::move(trace.values())),
         steps_(std::move(trace.steps())),
         cells_(std::move(trace.cells())),
-        output_(output) {
-    fuse();
+        output_(output),
+        traced_steps_(steps_.size()) {
+    if (level != JitLevel::O0) fuse();
+    if (level == JitLevel::O2) pack_weights();
     layout();
   }
 
+  std::size_t traced_steps() const { return traced_steps_; }
   std::size_t steps() const { return steps_.size(); }
 
   // Whether a cell the trace went through has a hook now: the replay would skip it, so the
@@ -6352,6 +6366,12 @@ class Replay {
     steps_ = std::move(fused);
   }
 
+  void pack_weights() {
+    for (auto& step : steps_) {
+      if (auto packed = step->with_packed_weight()) step = std::move(packed);
+    }
+  }
+
   // Computed values get slots of one arena, reused once their last reader has run.
   void layout() {
     output_root_ = output_;
@@ -6407,6 +6427,7 @@ class Replay {
   std::vector<std::unique_ptr<Step>> steps_;
   std::vector<std::function<bool()>> cells_;
   std::size_t output_;
+  std::size_t traced_steps_;
   std::size_t output_root_ = 0;
   std::vector<std::size_t> offset_;
   std::size_t arena_bytes_ = 0;
@@ -6740,8 +6761,13 @@ class JitFunction {
     std::string broken = trace.broken();
     if (broken.empty() && out == trace.values().size()) broken = "it returns a value no duet operation made";
     std::shared_ptr<const pijit::Replay> replay;
-    if (broken.empty()) replay = std::make_shared<pijit::Replay>(std::move(trace), out);
-    compile(cache, s, std::move(replay), broken.empty() ? std::string() : "graph break, runs eagerly: " + broken);
+    std::string note = "graph break, runs eagerly: " + broken;
+    if (broken.empty()) {
+      replay = std::make_shared<pijit::Replay>(std::move(trace), out, Config.jit_level);
+      note = "traced " + std::to_string(replay->traced_steps()) + " operations, replays " +
+             std::to_string(replay->steps()) + " steps";
+    }
+    compile(cache, s, std::move(replay), note);
     return Result(y);
   }
 
