@@ -39,11 +39,11 @@
 #include "detail/demangle.hpp"
 #include "evaluator.hpp"
 #include "graph.hpp"
-#include "tape.hpp"
 #include "host.hpp"
 #include "jit_config.hpp"
 #include "passes.hpp"
 #include "pijit.hpp"
+#include "tape.hpp"
 #include "tensor.hpp"
 
 namespace duet {

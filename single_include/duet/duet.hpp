@@ -711,20 +711,19 @@ class PackedWeight {
   PackedWeight(const T* b, index_t n, index_t k)
       : storage_(static_cast<std::size_t>((n + lanes<T> - 1) / lanes<T> * padded(k) * lanes<T>) * sizeof(T)), n_(n), k_(k) {
     for (index_t j0 = 0; j0 < n; j0 += lanes<T>) {
-      pack_panel(b + j0 * k, k, static_cast<int>(std::min<index_t>(lanes<T>, n - j0)), k, panel(j0, 0));
+      pack_panel(b + j0 * k, k, static_cast<int>(std::min<index_t>(lanes<T>, n - j0)), k, elements() + offset(j0, 0));
     }
   }
 
   index_t rows() const { return n_; }
   index_t depth() const { return k_; }
   const T* end() const { return panel(n_ + lanes<T> - 1, 0); }
-  const T* panel(index_t j0, index_t k0) const { return const_cast<PackedWeight*>(this)->panel(j0, k0); }
+  const T* panel(index_t j0, index_t k0) const { return elements() + offset(j0, k0); }
 
  private:
   static index_t padded(index_t k) { return (k + KG<T> - 1) / KG<T> * KG<T>; }
-  T* panel(index_t j0, index_t k0) {
-    return reinterpret_cast<T*>(storage_.data()) + (j0 / lanes<T>) * padded(k_) * lanes<T> + k0 * lanes<T>;
-  }
+  index_t offset(index_t j0, index_t k0) const { return (j0 / lanes<T>) * padded(k_) * lanes<T> + k0 * lanes<T>; }
+  T* elements() const { return reinterpret_cast<T*>(storage_.data()); }
 
   ::duet::detail::Storage storage_;
   index_t n_;
@@ -1426,8 +1425,9 @@ class BasicParameter : public BasicTensor<T> {
     std::lock_guard lock(d.mutex);
     const BasicTensor<T>& values = *this;
     const BasicTensor<T>& seen = d.source;
-    const bool current = d.form != nullptr && d.type == typeid(Form) && seen.shares_storage_with(values) &&
-                         seen.data() == values.data() && seen.shape() == values.shape() && d.version == values.version();
+    // The same first element means the same block: d.source keeps that block from being reused.
+    const bool current = d.form != nullptr && d.type == typeid(Form) && seen.data() == values.data() &&
+                         seen.shape() == values.shape() && d.version == values.version();
     if (!current) {
       d.form.reset();  // frees the old form before the new one is made, not after
       d.form = std::make_shared<const Form>(make());

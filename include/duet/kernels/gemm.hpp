@@ -369,20 +369,19 @@ class PackedWeight {
   PackedWeight(const T* b, index_t n, index_t k)
       : storage_(static_cast<std::size_t>((n + lanes<T> - 1) / lanes<T> * padded(k) * lanes<T>) * sizeof(T)), n_(n), k_(k) {
     for (index_t j0 = 0; j0 < n; j0 += lanes<T>) {
-      pack_panel(b + j0 * k, k, static_cast<int>(std::min<index_t>(lanes<T>, n - j0)), k, panel(j0, 0));
+      pack_panel(b + j0 * k, k, static_cast<int>(std::min<index_t>(lanes<T>, n - j0)), k, elements() + offset(j0, 0));
     }
   }
 
   index_t rows() const { return n_; }
   index_t depth() const { return k_; }
   const T* end() const { return panel(n_ + lanes<T> - 1, 0); }
-  const T* panel(index_t j0, index_t k0) const { return const_cast<PackedWeight*>(this)->panel(j0, k0); }
+  const T* panel(index_t j0, index_t k0) const { return elements() + offset(j0, k0); }
 
  private:
   static index_t padded(index_t k) { return (k + KG<T> - 1) / KG<T> * KG<T>; }
-  T* panel(index_t j0, index_t k0) {
-    return reinterpret_cast<T*>(storage_.data()) + (j0 / lanes<T>) * padded(k_) * lanes<T> + k0 * lanes<T>;
-  }
+  index_t offset(index_t j0, index_t k0) const { return (j0 / lanes<T>) * padded(k_) * lanes<T> + k0 * lanes<T>; }
+  T* elements() const { return reinterpret_cast<T*>(storage_.data()); }
 
   ::duet::detail::Storage storage_;
   index_t n_;
