@@ -39,3 +39,24 @@ TEST_CASE("fits: a concrete shape against a pattern") {
   static_assert(graph::fits(Shape::any(), Shape{1, 2, 3}));
   static_assert(graph::fits(Shape::any(), Shape{}));
 }
+
+TEST_CASE("quietly: the graph a capture would give, without reporting a broken shape rule") {
+  nn::Dense<784, 512> fits;
+  nn::Dense<100, 10> does_not_fit;
+  const auto x = graph::input<float, StaticShape<dyn, 784>>();
+
+  const auto direct = fits(x);
+  const auto quiet = graph::quietly(x, [&](const auto& q) { return fits(q); });
+  static_assert(std::is_same_v<decltype(quiet), decltype(direct)>);
+  CHECK(boost::hana::at_c<1>(quiet.graph.nodes).op.layer == &fits);
+  static_assert(std::is_void_v<graph::first_rejection<decltype(direct)::graph_type>>);
+
+  // Dense<100, 10> on [?, 784] would not compile captured directly; quietly it gives the rule's
+  // best guess, and first_rejection names what a report would say.
+  const auto guessed = graph::quietly(direct, [&](const auto& q) { return does_not_fit(q); });
+  using G = decltype(guessed)::graph_type;
+  static_assert(G::shapes[decltype(guessed)::output] == Shape{dyn, 10});
+  static_assert(std::is_same_v<graph::first_rejection<G>,
+                               diagnostic::rejected<nn::Dense<100, 10>, diagnostic::last_dimension_must_be<100>,
+                                                    diagnostic::input_shape<dyn, 512>>>);
+}

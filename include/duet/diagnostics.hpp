@@ -124,15 +124,21 @@ constexpr auto shape_type(std::index_sequence<I...>) {
     return input_shape<s[static_cast<int>(I)]...>{};
 }
 
-template <class Layer, ShapeFault F, index_t N, class ShapeOf>
-constexpr void reject() {
-  using Requirement = decltype(requirement<F, N>());
-  using Input =
-      decltype(shape_type<ShapeOf>(std::make_index_sequence<static_cast<std::size_t>(ShapeOf::shape.rank())>{}));
-  static_assert(layer_accepts<Layer, Requirement, Input>::value,
+// A class, so that one (layer, requirement, input shape) is reported once however many
+// captures meet it. Reported by instantiating it: static_cast<void>(sizeof(rejection<...>)).
+template <class Layer, class Requirement, class InputShape>
+struct rejected {
+  static_assert(layer_accepts<Layer, Requirement, InputShape>::value,
                 "duet: a layer cannot accept its input's shape (the condition names the layer, "
                 "its requirement and the input shape; -1 is a dynamic dimension)");
-}
+};
+
+// The report of Layer's rule broken with fault F (N being what it expected) by an input whose
+// shape is ShapeOf::shape.
+template <class Layer, ShapeFault F, index_t N, class ShapeOf>
+using rejection = rejected<Layer, decltype(requirement<F, N>()),
+                           decltype(shape_type<ShapeOf>(
+                               std::make_index_sequence<static_cast<std::size_t>(ShapeOf::shape.rank())>{}))>;
 
 }  // namespace diagnostic
 }  // namespace duet

@@ -66,18 +66,19 @@ struct Node {
   Op op;
 };
 
+// Node N's shape rule applied to its inputs' shapes, taken from the shapes of the nodes before it.
 template <class N, std::size_t Count>
-constexpr Shape static_output_shape(const std::array<Shape, Count>& shapes) {
+constexpr ShapeResult static_rule(const std::array<Shape, Count>& shapes) {
   std::array<Shape, N::arity> in{};
   for (std::size_t k = 0; k < N::arity; ++k) in[k] = shapes[N::args[k]];
-  return N::op_type::infer_static(in).shape;
+  return N::op_type::infer_static(in);
 }
 
 template <class... Nodes>
 constexpr std::array<Shape, sizeof...(Nodes)> infer_static_shapes() {
   std::array<Shape, sizeof...(Nodes)> shapes{};
   std::size_t i = 0;
-  ((shapes[i] = static_output_shape<Nodes>(shapes), ++i), ...);
+  ((shapes[i] = static_rule<Nodes>(shapes).shape, ++i), ...);
   return shapes;
 }
 
@@ -217,6 +218,7 @@ template <std::size_t K, class Pattern, class T>
 struct InputOp {
   using layer_type = InputOp;
   using value_type = T;
+  using pattern = Pattern;
   static constexpr int arity = 0;
   static constexpr bool is_view = false;
   static constexpr bool is_elementwise = false;
@@ -246,6 +248,35 @@ constexpr bool fits(const Shape& pattern, const Shape& s) {
 struct AnyShape {
   static constexpr Shape value = Shape::any();
 };
+
+// A capture on Pattern that reports no broken shape rule: a probe that asks whether the rules
+// hold (first_rejection), or the stand-in for a part whose fault is reported elsewhere (quietly).
+template <class Pattern>
+struct Quiet {
+  static constexpr Shape value = Pattern::value;
+};
+template <class Pattern>
+inline constexpr bool is_quiet_v = false;
+template <class Pattern>
+inline constexpr bool is_quiet_v<Quiet<Pattern>> = true;
+
+// The pattern of a symbolic tensor's shape.
+template <class S>
+struct SameShapeAs {
+  static constexpr Shape value = S::shape;
+};
+
+// Whether appending to G reports a broken shape rule: unless G was captured on a Quiet
+// input. (Node 0 is an input: each graph starts as one, and merging keeps the first graph's
+// nodes in front.)
+template <class G>
+constexpr bool reports_faults() {
+  using Op = typename node_at<G, 0>::op_type;
+  if constexpr (is_input_op_v<Op>)
+    return !is_quiet_v<typename Op::pattern>;
+  else
+    return true;
+}
 
 // The pattern graph mode captures a tensor of type X with.
 template <class X>
@@ -322,13 +353,52 @@ constexpr std::size_t at(std::index_sequence<M...>) {
 
 }  // namespace detail
 
+// Input K of node I of G, as diagnostic::rejection takes a shape.
+template <class G, std::size_t I, int K>
+struct NodeInput {
+  static constexpr Shape shape = G::shapes[node_at<G, I>::args[static_cast<std::size_t>(K)]];
+};
+
+template <class G, std::size_t I = 0>
+constexpr auto first_rejection_of() {
+  if constexpr (I == G::size) {
+    return std::type_identity<void>{};
+  } else {
+    using N = node_at<G, I>;
+    constexpr ShapeResult r = static_rule<N>(G::shapes);
+    if constexpr (r.ok())
+      return first_rejection_of<G, I + 1>();
+    else
+      return std::type_identity<
+          diagnostic::rejection<typename N::op_type::layer_type, r.fault, r.expected, NodeInput<G, I, r.input>>>{};
+  }
+}
+// The report (diagnostic::rejection) of the first node of G whose shape rule does not hold on
+// the shapes compile time knows, void if all hold. Naming it reports nothing; instantiating it
+// (sizeof) does, from wherever that is: a check made outside the capture keeps the
+// diagnostic's context short.
+template <class G>
+using first_rejection = typename decltype(first_rejection_of<G>())::type;
+
+// f(x), captured without reporting a broken shape rule: f runs on a Quiet input of x's shape
+// and its nodes are spliced after x's, so the graph is the one f(x) would give. For a part
+// whose fault is reported elsewhere: one mistake, one error.
+template <class G, std::size_t Out, class F>
+auto quietly(const Sym<G, Out>& x, F&& f) {
+  using X = Sym<G, Out>;
+  const auto q = f(input<typename X::value_type, Quiet<SameShapeAs<X>>>());
+  using Q = std::remove_cvref_t<decltype(q)>;
+  auto [g, map] = detail::merge_from<1>(q.graph, x.graph.nodes, std::index_sequence<Out>{});
+  return Sym<decltype(g), detail::at<Q::output>(decltype(map){})>{g};
+}
+
 // Appends `op` applied to x. The rule runs here, at capture, so a compile-time mismatch is
 // reported where the user's construct calls the layer.
 template <class Op, class G, std::size_t Out>
 auto append(const Op& op, const Sym<G, Out>& x) {
   constexpr ShapeResult r = Op::infer_static(std::array<Shape, 1>{G::shapes[Out]});
-  if constexpr (!r.ok()) {
-    diagnostic::reject<typename Op::layer_type, r.fault, r.expected, Sym<G, Out>>();
+  if constexpr (!r.ok() && reports_faults<G>()) {
+    static_cast<void>(sizeof(diagnostic::rejection<typename Op::layer_type, r.fault, r.expected, Sym<G, Out>>));
   }
   auto g = make_graph(hana::append(x.graph.nodes, Node<Op, Out>{op}));
   return Sym<decltype(g), G::size>{g};
@@ -338,9 +408,9 @@ auto append(const Op& op, const Sym<G, Out>& x) {
 template <class Op, class GA, std::size_t A, class GB, std::size_t B>
 auto append(const Op& op, const Sym<GA, A>& a, const Sym<GB, B>& b) {
   constexpr ShapeResult r = Op::infer_static(std::array<Shape, 2>{GA::shapes[A], GB::shapes[B]});
-  if constexpr (!r.ok()) {
+  if constexpr (!r.ok() && reports_faults<GA>() && reports_faults<GB>()) {
     using Culprit = std::conditional_t<r.input == 0, Sym<GA, A>, Sym<GB, B>>;
-    diagnostic::reject<typename Op::layer_type, r.fault, r.expected, Culprit>();
+    static_cast<void>(sizeof(diagnostic::rejection<typename Op::layer_type, r.fault, r.expected, Culprit>));
   }
   auto [merged, map] = detail::merge_from<0>(b.graph, a.graph.nodes, std::index_sequence<>{});
   constexpr std::size_t b_at = detail::at<B>(decltype(map){});

@@ -36,10 +36,14 @@ class SequentialCell : public Cell<SequentialCell<First, Rest...>, CONTEXT_MODE,
     return boost::hana::at_c<I>(cells_);
   }
 
+  // A chain whose neighbours do not fit is reported once, by the constructor; captured into a
+  // graph, it is captured quietly so that no other shape of its input reports it again.
   template <class X>
   auto construct(X&& x) {
-    return boost::hana::fold_left(cells_, std::forward<X>(x),
-                                  [](auto&& acc, auto& cell) { return cell(std::forward<decltype(acc)>(acc)); });
+    if constexpr (graph::Symbolic<X> && !neighbours_fit())
+      return graph::quietly(x, [this](const auto& q) { return chain(q); });
+    else
+      return chain(std::forward<X>(x));
   }
 
   void for_each_child(const typename BasicDynamicCell<T>::ChildVisitor& visit) override {
@@ -50,11 +54,22 @@ class SequentialCell : public Cell<SequentialCell<First, Rest...>, CONTEXT_MODE,
   std::string type_name() const override { return "nn::SequentialCell"; }
 
  private:
+  template <class X>
+  auto chain(X&& x) {
+    return boost::hana::fold_left(cells_, std::forward<X>(x),
+                                  [](auto&& acc, auto& cell) { return cell(std::forward<decltype(acc)>(acc)); });
+  }
+
   // Capturing the chain on an input of unknown shape runs every layer's shape rule against
-  // its neighbour's output, so incompatible neighbours fail to compile in either mode.
+  // its neighbour's output. Captured quietly and reported from here, incompatible neighbours
+  // fail to compile in either mode with a diagnostic that does not reach into the capture.
+  static constexpr auto neighbour_rejection() {
+    using Probe = decltype(std::declval<SequentialCell&>().chain(graph::input<T, graph::Quiet<graph::AnyShape>>()));
+    return std::type_identity<graph::first_rejection<typename Probe::graph_type>>{};
+  }
+  static constexpr bool neighbours_fit() { return std::is_void_v<typename decltype(neighbour_rejection())::type>; }
   static void check_neighbours() {
-    using Captured = decltype(std::declval<SequentialCell&>().construct(graph::input<T, graph::AnyShape>()));
-    static_cast<void>(sizeof(Captured));
+    if constexpr (!neighbours_fit()) static_cast<void>(sizeof(typename decltype(neighbour_rejection())::type));
   }
 
   boost::hana::tuple<First, Rest...> cells_;
