@@ -210,3 +210,60 @@ TEST_CASE("graph mode captures construct once per cell and thread, as MindSpore 
   a(x);
   CHECK(a.constructs == 4);
 }
+
+namespace {
+// construct as a PyTorch user writes it first: taking Tensor, reassigning x. A PyNative cell
+// runs it; a cell that may run as a graph must be written generic, with a new name per step.
+struct TensorConstruct : nn::Cell<TensorConstruct, PYNATIVE_MODE> {
+  nn::Dense<4, 8> fc1;
+  nn::ReLU relu;
+  nn::Dense<8, 2> fc2;
+  DUET_CELL_MEMBERS(fc1, relu, fc2);
+  Tensor construct(const Tensor& input) {
+    Tensor x = fc1(input);
+    x = relu(x);
+    return fc2(x);
+  }
+};
+
+struct Reassigning : nn::Cell<Reassigning, PYNATIVE_MODE> {
+  nn::Dense<4, 8> fc1;
+  nn::ReLU relu;
+  nn::Dense<8, 2> fc2;
+  DUET_CELL_MEMBERS(fc1, relu, fc2);
+  auto construct(auto x) {
+    x = fc1(x);
+    x = relu(x);
+    return fc2(x);
+  }
+};
+
+struct NewNames : nn::Cell<NewNames> {
+  nn::Dense<4, 8> fc1;
+  nn::ReLU relu;
+  nn::Dense<8, 2> fc2;
+  DUET_CELL_MEMBERS(fc1, relu, fc2);
+  auto construct(auto x) {
+    auto hidden = fc1(x);
+    auto activated = relu(hidden);
+    return fc2(activated);
+  }
+};
+}  // namespace
+
+TEST_CASE("PyNative cells may take Tensor in construct and reassign x; written generic, graph mode agrees") {
+  ModeGuard guard;
+  const Tensor x = uniform({3, 4}, -1.0f, 1.0f, 5);
+  set_seed(11);
+  TensorConstruct tensor_construct;
+  set_seed(11);
+  Reassigning reassigning;
+  set_seed(11);
+  NewNames new_names;
+  set_context({.mode = GRAPH_MODE});  // the first two are PyNative whatever the context
+  const auto expected = duet_test::values_of(new_names(x));
+  CHECK(duet_test::values_of(tensor_construct(x)) == expected);
+  CHECK(duet_test::values_of(reassigning(x)) == expected);
+  set_context({.mode = PYNATIVE_MODE});
+  CHECK(duet_test::values_of(new_names(x)) == expected);
+}

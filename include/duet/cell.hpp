@@ -230,6 +230,11 @@ concept HasConstruct = requires(C& cell, X x) {
   cell.construct(x);
 };
 
+// construct is one plain function, `Tensor construct(const Tensor&)`, not a template: it takes
+// real tensors only. (Asked without calling it, so that no construct body is instantiated.)
+template <class C>
+concept NonGenericConstruct = requires { &C::construct; };
+
 namespace detail {
 template <auto Setting>
 constexpr Mode mode_of_setting() {
@@ -257,6 +262,16 @@ class Cell : public BasicDynamicCell<T> {
  public:
   static constexpr Mode mode = M;
   static constexpr JitConfig jit_config = detail::jit_config_of_setting<Setting>();
+
+  // Checked here, once per cell type and where the cell is made, rather than as "cannot convert
+  // Sym<...> to const Tensor&" inside the capture. A CONTEXT_MODE cell is refused too: the
+  // context may choose graph mode when it runs.
+  Cell() {
+    static_assert(M == PYNATIVE_MODE || !NonGenericConstruct<Derived>,
+                  "duet::nn::Cell: graph mode calls construct with symbolic tensors, so construct must be "
+                  "generic: auto construct(auto x) { ... }; a construct taking duet::Tensor runs only in a "
+                  "duet::nn::Cell<Net, duet::PYNATIVE_MODE>");
+  }
 
   // One tensor in: the DynamicCell call (hooks, then forward in this cell's mode).
   BasicTensor<T> operator()(const BasicTensor<T>& x) {
@@ -298,7 +313,7 @@ class Cell : public BasicDynamicCell<T> {
   template <class... X>
   requires(sizeof...(X) >= 2 && ((is_tensor_v<X> || is_static_tensor_v<X>)&&...)) auto operator()(const X&... xs) {
     this->ensure_named();
-    if constexpr (M != PYNATIVE_MODE) {
+    if constexpr (can_capture()) {
       if (runs_as_graph()) return run_graph<typename graph::pattern_of<X>::type...>(tensor_of(xs)...);
     }
     EagerScope eager;
@@ -324,7 +339,7 @@ class Cell : public BasicDynamicCell<T> {
     if constexpr (!HasConstruct<Derived, BasicTensor<T>>) {
       throw ModeError(this->label() + ": construct takes several inputs; call the cell with all of them");
     } else {
-      if constexpr (M != PYNATIVE_MODE) {
+      if constexpr (can_capture()) {
         if (runs_as_graph()) return run_graph<graph::AnyShape>(x);
       }
       EagerScope eager;
@@ -334,6 +349,10 @@ class Cell : public BasicDynamicCell<T> {
 
  private:
   Derived& derived() { return static_cast<Derived&>(*this); }
+
+  // Whether calls may run as a graph. A non-generic construct never does: the constructor
+  // reports it, and nothing else should.
+  static constexpr bool can_capture() { return M != PYNATIVE_MODE && !NonGenericConstruct<Derived>; }
 
   // A PyNative grad records the operations as they run; a graph would be one opaque call to
   // its tape. Under a recording tape, a graph-mode cell therefore runs its construct eagerly:

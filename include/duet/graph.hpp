@@ -146,6 +146,16 @@ using node_value_t = typename decltype(node_value_type<G, I>())::type;
 // A symbolic tensor: the value of node Out of graph G.
 template <class>
 inline constexpr bool no_value_during_capture = false;
+template <class>
+inline constexpr bool reassigned_during_capture = false;
+
+// A class keyed on the variable's type, so that `x = fc1(x); x = relu(x);` is reported once.
+template <class Variable>
+struct reassignment_during_capture {
+  static_assert(reassigned_during_capture<Variable>,
+                "duet: inside construct, each operation returns a new symbolic type while a graph is captured; "
+                "write `auto y = layer(x);` (a new name per step) instead of reassigning `x = layer(x);`");
+};
 
 // static_assert takes a literal only; the three uses below share it through this macro.
 #define DUET_DETAIL_NO_VALUE_MESSAGE                                                                        \
@@ -177,6 +187,15 @@ struct Sym {
   explicit operator bool() const {
     static_assert(no_value_during_capture<Dependent>, DUET_DETAIL_NO_VALUE_MESSAGE);
     return false;
+  }
+
+  // `x = layer(x);` in construct: a PyTorch habit that PyNative accepts (a Tensor stays a
+  // Tensor) but capture cannot, every step being a Sym of its own type. Said here, instead of
+  // "no match for operator=" with both graphs spelled out.
+  template <class G2, std::size_t Out2>
+  Sym& operator=(const Sym<G2, Out2>&) {
+    static_cast<void>(sizeof(reassignment_during_capture<Sym>));
+    return *this;
   }
 };
 #undef DUET_DETAIL_NO_VALUE_MESSAGE
