@@ -2,7 +2,8 @@
 # What a user sees after each mistake the compile-fail suite holds: compiles every
 # tests/compile_fail/*.cpp case (or the ones given) with DUET_COMPILE_FAIL, with g++ and with
 # clang++ as CMake would, and prints a markdown table of the text the suite expects, each
-# compiler's first error line (shortened) and how many lines of diagnostics it prints in all.
+# compiler's first error line (shortened) and how many lines and bytes of diagnostics it
+# prints in all.
 #   tools/diagnostics.sh                                  every case
 #   tools/diagnostics.sh tests/compile_fail/dense_wrong_rank.cpp
 # Exits 1 if a case compiles or a compiler's diagnostics miss the expected text.
@@ -18,16 +19,18 @@ scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 status=0
 
-# A markdown code span of its input: long text cut to $width characters, pipes escaped.
+# A markdown code span of its input: long text cut to $width characters, pipes escaped, and
+# double backticks around text that holds one.
 cell() {
-  local text
+  local text open='`' close='`'
   text=$(cat)
   [ ${#text} -le "$width" ] || text="${text:0:$((width - 3))}..."
-  printf "\`%s\`" "${text//|/\\|}"
+  [[ $text != *'`'* ]] || { open='`` '; close=' ``'; }
+  printf "%s%s%s" "$open" "${text//|/\\|}" "$close"
 }
 
-echo "| case | expected (regex) | g++ 12: first error | g++ lines | clang++ 14: first error | clang++ lines |"
-echo "|---|---|---|---:|---|---:|"
+echo "| case | expected (regex) | g++ 12: first error | g++ lines | g++ bytes | clang++ 14: first error | clang++ lines | clang++ bytes |"
+echo "|---|---|---|---:|---:|---|---:|---:|"
 for case in "${cases[@]}"; do
   name=$(basename "$case" .cpp)
   # As tests/CMakeLists.txt does: the first "// expect: " line is the regex.
@@ -43,7 +46,7 @@ for case in "${cases[@]}"; do
       status=1
     fi
     first=$(grep -m 1 -E 'error:' "$out" | sed -E 's#^([^:]*/)?([^/:]+:[0-9]+):[0-9]+: error: #\2: #')
-    row+=" | $(printf '%s' "$first" | cell) | $(wc -l <"$out")"
+    row+=" | $(printf '%s' "$first" | cell) | $(wc -l <"$out") | $(wc -c <"$out")"
   done
   echo "$row |"
 done
