@@ -190,18 +190,22 @@ class CheckpointWriter {
   bool committed_ = false;
 };
 
-// A whole file. The buffer grows with what arrives, so a file costs what it holds, whatever
-// its fields claim.
+// A whole file. The buffer is sized by the file's size on disk, and grows with what arrives
+// when that is unknown or the file grows meanwhile, so a file costs what it holds, whatever its
+// fields claim.
 inline std::vector<unsigned char> read_checkpoint_file(const std::filesystem::path& path) {
   struct Closer {
     void operator()(std::FILE* f) const { std::fclose(f); }
   };
   const std::unique_ptr<std::FILE, Closer> file(std::fopen(path.c_str(), "rb"));
   if (file == nullptr) throw IOError(checkpoint_where(path) + ": cannot open: " + system_message());
+  std::error_code unknown;
+  const auto size = static_cast<std::size_t>(std::filesystem::file_size(path, unknown));
   std::vector<unsigned char> bytes;
   for (;;) {
     const std::size_t have = bytes.size();
-    const std::size_t grow = std::max<std::size_t>(have, 64 * 1024);
+    // One byte more than the size, so that the first read already meets the end.
+    const std::size_t grow = have == 0 && !unknown ? size + 1 : std::max<std::size_t>(have, 64 * 1024);
     bytes.resize(have + grow);
     const std::size_t got = std::fread(bytes.data() + have, 1, grow, file.get());
     bytes.resize(have + got);
