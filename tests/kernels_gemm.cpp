@@ -180,12 +180,13 @@ TEST_CASE("fn::Relu::apply: max(x, 0) on scalars and on the kernel's vectors, Na
   CHECK(fn::Relu::apply(3.0) == 3.0);
   CHECK(std::isnan(fn::Relu::apply(std::nanf(""))));
   CHECK(fn::Relu::apply(std::numeric_limits<float>::infinity()) == std::numeric_limits<float>::infinity());
-  using V = kernels::detail::Vec<float>;
-  V v{};
-  v[0] = -1.0f;
-  v[1] = std::nanf("");
-  v[2] = 5.0f;
-  const V r = fn::Relu::apply(v);
+  // In place on the widest vector a kernel has (AVX-512's), as the kernels apply it.
+  using V = kernels::detail::Vector<float, 64>;
+  V r{};
+  r[0] = -1.0f;
+  r[1] = std::nanf("");
+  r[2] = 5.0f;
+  fn::Relu::apply_in_place(r);
   CHECK(r[0] == 0.0f);
   CHECK(std::isnan(r[1]));
   CHECK(r[2] == 5.0f);
