@@ -298,3 +298,26 @@ TEST_CASE("DUET_ISA names the kernels to start with; kernel_isa and set_kernel_i
   CHECK_THROWS_AS(set_kernel_isa("AVX2"), ValueError);
   kernels::set_active_isa(saved);
 }
+
+TEST_CASE("backend::Native keeps a weight packed for the instruction set that runs, repacking after a switch") {
+  const index_t rows = 16, in = 40, out = 24;
+  const nn::Parameter w(randn({out, in}, 11));
+  const Tensor x = randn({rows, in}, 12);
+  for_each_isa([&] {
+    std::vector<float> unpacked(static_cast<std::size_t>(rows * out)), packed(unpacked.size());
+    backend::Native::dense<dyn, dyn>(x.data(), rows, in, w.data(), out, Epilogue<float>{}, unpacked.data());
+    backend::Native::dense_packed<dyn, dyn>(x.data(), rows, in, w, out, Epilogue<float>{}, packed.data());
+    CHECK(packed == unpacked);
+    // The form the product read is this set's, kept: asking for it again does not pack.
+    kernels::detail::with_kernels(kernels::active_isa(), [&]<class Kernels>(Kernels) {
+      using Packed = kernels::PackedWeightFor<float, Kernels>;
+      bool packed_again = false;
+      const auto form = w.derived<Packed>([&] {
+        packed_again = true;
+        return Packed(w.data(), out, in);
+      });
+      CHECK_FALSE(packed_again);
+      CHECK(form->isa() == kernels::active_isa());
+    });
+  });
+}

@@ -84,14 +84,14 @@ inline index_t balanced_block(index_t extent, index_t limit, index_t step) {
 }
 
 // B packed once, whole, in the panels the blocked product would otherwise pack on every call,
-// for the instruction set active when it is made. Panel p (rows p·L .. p·L + L of B) holds the
+// for one instruction set's kernels (by default those active when it is made). Panel p (rows p·L .. p·L + L of B) holds the
 // whole depth, rounded up to a group, in pack_panel's layout, so the K block at k0 of a panel
 // is the k0·L-th element on: the product reads exactly what it reads after packing, and gives
 // the same bits.
 template <class T>
 class PackedWeight {
  public:
-  PackedWeight(const T* b, index_t n, index_t k);
+  PackedWeight(const T* b, index_t n, index_t k, Isa isa = active_isa());
 
   index_t rows() const { return n_; }
   index_t depth() const { return k_; }
@@ -136,7 +136,7 @@ decltype(auto) with_kernels(Isa isa, F&& f) {
 }
 
 template <class T>
-PackedWeight<T>::PackedWeight(const T* b, index_t n, index_t k) : isa_(active_isa()), n_(n), k_(k) {
+PackedWeight<T>::PackedWeight(const T* b, index_t n, index_t k, Isa isa) : isa_(isa), n_(n), k_(k) {
   with_kernels(isa_, [&]<class K>(K) {
     lanes_ = K::template lanes_of<T>;
     group_ = K::template group_of<T>;
@@ -178,6 +178,13 @@ inline constexpr bool gemm_supports =
 
 template <class T>
 using PackedWeight = detail::PackedWeight<T>;
+
+// A PackedWeight as a type of its own for each set's Kernels, for caches that keep one form
+// per type (nn::BasicParameter::derived).
+template <class T, class Kernels>
+struct PackedWeightFor : PackedWeight<T> {
+  using PackedWeight<T>::PackedWeight;
+};
 
 // Whether gemm on these sizes reads a packed weight when given one: the blocked product does;
 // a GEMV reads every weight once, in place, and small static layers are unrolled.
