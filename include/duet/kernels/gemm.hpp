@@ -19,7 +19,7 @@
 // separate BiasAdd and map kernels would: fused and unfused evaluation agree to the bit.
 //
 // The GEMV and the GEMM exist once per instruction set (AVX-512, AVX2 + FMA, baseline), in
-// gemm_impl.hpp compiled per set by simd/for_each_isa.hpp; each call runs the set chosen at
+// detail/gemm_impl.hpp, compiled once per set below; each call runs the set chosen at
 // run time (simd/isa.hpp, duet::kernel_isa()). The sets differ in vector width, tile height and
 // FMA, so their results differ in the last bits; under one set, every mode computes the same
 // bits. A PackedWeight is packed for the set active when it is made.
@@ -116,8 +116,24 @@ class PackedWeight {
 
 }  // namespace duet::kernels
 
-#define DUET_SIMD_BODY "../gemm_impl.hpp"
-#include "simd/for_each_isa.hpp"
+// The product once per instruction set, each in its namespace and target region.
+namespace duet::kernels::detail::baseline {
+#include "detail/gemm_impl.hpp"
+}  // namespace duet::kernels::detail::baseline
+
+#if DUET_X86_KERNELS
+DUET_BEGIN_AVX2
+namespace duet::kernels::detail::avx2 {
+#include "detail/gemm_impl.hpp"
+}  // namespace duet::kernels::detail::avx2
+DUET_END_ISA
+
+DUET_BEGIN_AVX512
+namespace duet::kernels::detail::avx512 {
+#include "detail/gemm_impl.hpp"
+}  // namespace duet::kernels::detail::avx512
+DUET_END_ISA
+#endif
 
 namespace duet::kernels {
 

@@ -1,8 +1,8 @@
 // The one place where the instruction sets differ: per set, the vector width, the tile height
 // and the few operations GCC's vector extensions do not spell (FMA, masked memory access, the
 // group broadcast). Everything else in a kernel is written once, on Vec<T>, and compiled once
-// per set (simd/for_each_isa.hpp) into namespace detail::baseline, detail::avx2 or
-// detail::avx512.
+// per set, in the set's namespace (detail::baseline, detail::avx2, detail::avx512) and between
+// its DUET_BEGIN_... and DUET_END_ISA (as kernels/gemm.hpp does with detail/gemm_impl.hpp).
 //
 // Each set's code is compiled for its target whatever -march the program has, by a target
 // region: GCC's `#pragma GCC target`, clang's `#pragma clang attribute push(target)`. Templates
@@ -54,13 +54,7 @@ namespace duet::kernels::detail::baseline {
 inline constexpr int vector_bytes = 16;
 // Tile rows: MR x KG accumulators, KG vectors of B and a broadcast fit 16 registers.
 inline constexpr int MR = 3;
-template <class T>
-using Vec = Vector<T, vector_bytes>;
-template <class T>
-inline constexpr int lanes = vector_bytes / static_cast<int>(sizeof(T));
-// The k-group: a vector of B holds KG consecutive k of L / KG rows (gemm_impl.hpp).
-template <class T>
-inline constexpr int KG = std::min(4, lanes<T>);
+#include "detail/vector.hpp"
 
 // The first n lanes from p (0 < n <= lanes), zero in the others; never touches p[n] and on.
 template <class T>
@@ -100,12 +94,7 @@ namespace duet::kernels::detail::avx2 {
 
 inline constexpr int vector_bytes = 32;
 inline constexpr int MR = 3;
-template <class T>
-using Vec = Vector<T, vector_bytes>;
-template <class T>
-inline constexpr int lanes = vector_bytes / static_cast<int>(sizeof(T));
-template <class T>
-inline constexpr int KG = std::min(4, lanes<T>);
+#include "detail/vector.hpp"
 
 // All ones in the lanes below n, as AVX2's masked loads and stores want.
 template <class T>
@@ -142,9 +131,7 @@ Vec<T> broadcast_group(const T* p) {
   if constexpr (std::is_same_v<T, float>) {
     return _mm256_broadcast_ps(reinterpret_cast<const __m128*>(p));
   } else {
-    Vec<T> v;
-    std::memcpy(&v, p, sizeof v);
-    return v;
+    return load(p);
   }
 }
 
@@ -159,12 +146,7 @@ namespace duet::kernels::detail::avx512 {
 inline constexpr int vector_bytes = 64;
 // 32 registers: twice the tile rows.
 inline constexpr int MR = 6;
-template <class T>
-using Vec = Vector<T, vector_bytes>;
-template <class T>
-inline constexpr int lanes = vector_bytes / static_cast<int>(sizeof(T));
-template <class T>
-inline constexpr int KG = std::min(4, lanes<T>);
+#include "detail/vector.hpp"
 
 template <class T>
 Vec<T> load_first(const T* p, int n) {

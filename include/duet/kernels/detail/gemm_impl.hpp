@@ -1,19 +1,7 @@
 // One instruction set's dense-layer kernels: the algorithm gemm.hpp describes, written once on
-// the set's Vec<T>, lanes<T>, KG<T>, MR, fma, load_first, store_first and broadcast_group
-// (simd/arch.hpp). No include guard and no includes: simd/for_each_isa.hpp includes it once
-// per set, inside that set's namespace and target region, so each copy is compiled for its set.
-
-template <class T>
-Vec<T> load(const T* p) {
-  Vec<T> v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-template <class T>
-void store(T* p, Vec<T> v) {
-  std::memcpy(p, &v, sizeof v);
-}
+// the set's Vec<T>, lanes<T>, KG<T>, MR, load, store, fma, load_first, store_first and broadcast_group
+// (simd/arch.hpp). No include guard and no includes: gemm.hpp includes it once per set, inside
+// that set's namespace and target region, so each copy is compiled for its set.
 
 // ---- Shuffles, written once for every vector width ---------------------------------------
 
