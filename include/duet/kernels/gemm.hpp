@@ -22,7 +22,7 @@
 // detail/gemm_impl.hpp, compiled once per set below; each call runs the set chosen at
 // run time (simd/isa.hpp, duet::kernel_isa()). The sets differ in vector width, tile height and
 // FMA, so their results differ in the last bits; under one set, every mode computes the same
-// bits. A PackedWeight is packed for the set active when it is made.
+// bits. A PackedWeight is packed for one set, and only that set reads it.
 #pragma once
 
 #include <algorithm>
