@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 using namespace duet;
@@ -63,6 +64,22 @@ std::vector<double> as_double(const T* p, std::size_t count) {
 template <class T>
 constexpr double tolerance = std::is_same_v<T, float> ? 1e-5 : 1e-12;
 
+// Runs body once under each instruction set this CPU runs (so a machine with AVX-512 tests all
+// three kernels in one process), then restores the set the process started with.
+template <class Body>
+void for_each_isa(Body&& body) {
+  struct Restore {
+    kernels::Isa saved = kernels::active_isa();
+    ~Restore() { kernels::set_active_isa(saved); }
+  } restore;
+  for (kernels::Isa isa : kernels::all_isas) {
+    if (!kernels::cpu_supports(isa)) continue;
+    kernels::set_active_isa(isa);
+    CAPTURE(kernel_isa());
+    body();
+  }
+}
+
 // Runs every combination of bias and ReLU on one shape. a and c start one element into their
 // buffers, so they are not aligned the way a tensor's first element is (a view need not be).
 template <index_t K, index_t N, class T>
@@ -108,52 +125,58 @@ void check_shape(index_t m, index_t k, index_t n, std::mt19937& gen) {
 }  // namespace
 
 TEST_CASE_TEMPLATE("kernels::gemm matches a double-precision reference on many shapes", T, float, double) {
-  std::mt19937 gen(7);
-  for (const Case& s : cases()) check_shape<dyn, dyn, T>(s.m, s.k, s.n, gen);
+  for_each_isa([] {
+    std::mt19937 gen(7);
+    for (const Case& s : cases()) check_shape<dyn, dyn, T>(s.m, s.k, s.n, gen);
+  });
 }
 
 TEST_CASE_TEMPLATE("kernels::gemm with compile-time sizes, small and large", T, float, double) {
-  std::mt19937 gen(8);
-  for (index_t m : {0, 1, 2, 3, 17, 64}) {
-    check_shape<4, 4, T>(m, 4, 4, gen);
-    check_shape<3, 5, T>(m, 3, 5, gen);
-    check_shape<8, 8, T>(m, 8, 8, gen);
-    check_shape<16, 16, T>(m, 16, 16, gen);
-    check_shape<17, 33, T>(m, 17, 33, gen);
-    check_shape<784, 512, T>(m, 784, 512, gen);
-    check_shape<512, 10, T>(m, 512, 10, gen);
-    check_shape<dyn, 10, T>(m, 512, 10, gen);
-    check_shape<784, dyn, T>(m, 784, 20, gen);
-  }
+  for_each_isa([] {
+    std::mt19937 gen(8);
+    for (index_t m : {0, 1, 2, 3, 17, 64}) {
+      check_shape<4, 4, T>(m, 4, 4, gen);
+      check_shape<3, 5, T>(m, 3, 5, gen);
+      check_shape<8, 8, T>(m, 8, 8, gen);
+      check_shape<16, 16, T>(m, 16, 16, gen);
+      check_shape<17, 33, T>(m, 17, 33, gen);
+      check_shape<784, 512, T>(m, 784, 512, gen);
+      check_shape<512, 10, T>(m, 512, 10, gen);
+      check_shape<dyn, 10, T>(m, 512, 10, gen);
+      check_shape<784, dyn, T>(m, 784, 20, gen);
+    }
+  });
 }
 
 TEST_CASE_TEMPLATE("kernels::gemm: NaN goes through the product, the bias and ReLU", T, float, double) {
-  const T nan = std::numeric_limits<T>::quiet_NaN();
-  std::mt19937 gen(9);
-  for (const Case& s : std::vector<Case>{{1, 40, 37}, {2, 3, 3}, {50, 300, 70}}) {
-    CAPTURE(s.m);
-    std::vector<T> a = random_values<T>(static_cast<std::size_t>(s.m * s.k), gen);
-    const std::vector<T> b = random_values<T>(static_cast<std::size_t>(s.n * s.k), gen);
-    std::vector<T> bias = random_values<T>(static_cast<std::size_t>(s.n), gen);
-    a[static_cast<std::size_t>(s.k - 1)] = nan;  // row 0: every output NaN
-    bias[1] = nan;                               // column 1: every output NaN
-    std::vector<T> c(static_cast<std::size_t>(s.m * s.n));
-    kernels::gemm<dyn, dyn, fn::Relu>(a.data(), s.m, s.k, b.data(), s.n, bias.data(), c.data());
-    for (index_t i = 0; i < s.m; ++i) {
-      for (index_t j = 0; j < s.n; ++j) {
-        const T y = c[static_cast<std::size_t>(i * s.n + j)];
-        if (i == 0 || j == 1) CHECK(std::isnan(y));
-        else CHECK(y >= T(0));
+  for_each_isa([] {
+    const T nan = std::numeric_limits<T>::quiet_NaN();
+    std::mt19937 gen(9);
+    for (const Case& s : std::vector<Case>{{1, 40, 37}, {2, 3, 3}, {50, 300, 70}}) {
+      CAPTURE(s.m);
+      std::vector<T> a = random_values<T>(static_cast<std::size_t>(s.m * s.k), gen);
+      const std::vector<T> b = random_values<T>(static_cast<std::size_t>(s.n * s.k), gen);
+      std::vector<T> bias = random_values<T>(static_cast<std::size_t>(s.n), gen);
+      a[static_cast<std::size_t>(s.k - 1)] = nan;  // row 0: every output NaN
+      bias[1] = nan;                               // column 1: every output NaN
+      std::vector<T> c(static_cast<std::size_t>(s.m * s.n));
+      kernels::gemm<dyn, dyn, fn::Relu>(a.data(), s.m, s.k, b.data(), s.n, bias.data(), c.data());
+      for (index_t i = 0; i < s.m; ++i) {
+        for (index_t j = 0; j < s.n; ++j) {
+          const T y = c[static_cast<std::size_t>(i * s.n + j)];
+          if (i == 0 || j == 1) CHECK(std::isnan(y));
+          else CHECK(y >= T(0));
+        }
       }
     }
-  }
-  // The unrolled path for small static layers: NaN · 0 is NaN too.
-  const T x[2] = {nan, 1};
-  const T w[4] = {1, 0, 0, -1};
-  T y[2];
-  kernels::gemm<2, 2, fn::Relu>(x, 1, 2, w, 2, nullptr, y);
-  CHECK(std::isnan(y[0]));
-  CHECK(std::isnan(y[1]));
+    // The unrolled path for small static layers: NaN · 0 is NaN too.
+    const T x[2] = {nan, 1};
+    const T w[4] = {1, 0, 0, -1};
+    T y[2];
+    kernels::gemm<2, 2, fn::Relu>(x, 1, 2, w, 2, nullptr, y);
+    CHECK(std::isnan(y[0]));
+    CHECK(std::isnan(y[1]));
+  });
 }
 
 TEST_CASE("kernels::gemm refuses a weight packed for another shape") {
@@ -169,10 +192,12 @@ TEST_CASE("kernels::gemm refuses a weight packed for another shape") {
 }
 
 TEST_CASE("kernels::gemm with k = 0: an empty sum, so the output is the epilogue of zero") {
-  const float bias[3] = {-1, 0, 2};
-  float c[6] = {7, 7, 7, 7, 7, 7};
-  kernels::gemm<dyn, dyn, fn::Relu>(bias, 2, 0, bias, 3, bias, c);
-  for (int i = 0; i < 6; ++i) CHECK(c[i] == std::max(bias[i % 3], 0.0f));
+  for_each_isa([] {
+    const float bias[3] = {-1, 0, 2};
+    float c[6] = {7, 7, 7, 7, 7, 7};
+    kernels::gemm<dyn, dyn, fn::Relu>(bias, 2, 0, bias, 3, bias, c);
+    for (int i = 0; i < 6; ++i) CHECK(c[i] == std::max(bias[i % 3], 0.0f));
+  });
 }
 
 TEST_CASE("fn::Relu::apply: max(x, 0) on scalars and on the kernel's vectors, NaN kept") {
@@ -180,15 +205,17 @@ TEST_CASE("fn::Relu::apply: max(x, 0) on scalars and on the kernel's vectors, Na
   CHECK(fn::Relu::apply(3.0) == 3.0);
   CHECK(std::isnan(fn::Relu::apply(std::nanf(""))));
   CHECK(fn::Relu::apply(std::numeric_limits<float>::infinity()) == std::numeric_limits<float>::infinity());
-  using V = kernels::detail::Vec<float>;
-  V v{};
-  v[0] = -1.0f;
-  v[1] = std::nanf("");
-  v[2] = 5.0f;
-  const V r = fn::Relu::apply(v);
-  CHECK(r[0] == 0.0f);
-  CHECK(std::isnan(r[1]));
-  CHECK(r[2] == 5.0f);
+  // In place on the widest vector a kernel has (AVX-512's), as the kernels apply it.
+  using V = kernels::detail::Vector<float, 64>;
+  V r{};
+  r[0] = -1.0f;
+  r[1] = std::nanf("");
+  r[2] = 5.0f;
+  fn::Relu::apply_in_place(r);
+  const float first = r[0], second = r[1], third = r[2];  // doctest binds references, which lanes cannot
+  CHECK(first == 0.0f);
+  CHECK(std::isnan(second));
+  CHECK(third == 5.0f);
 }
 
 TEST_CASE("backend::Native computes what backend::Eigen does, through the epilogue") {
@@ -208,4 +235,89 @@ TEST_CASE("backend::Native computes what backend::Eigen does, through the epilog
   backend::Native::dense<dyn, dyn>(xi, 1, 2, wi, 2, Epilogue<std::int32_t, fn::Relu>{}, yi);
   CHECK(yi[0] == 3);
   CHECK(yi[1] == 0);
+}
+
+TEST_CASE("graph mode and PyNative agree bit for bit under each instruction set") {
+  duet_test::ModeGuard guard;
+  duet_test::SeedNetwork<> net;
+  for_each_isa([&] {
+    for (index_t batch : {1, 7, 64}) {
+      CAPTURE(batch);
+      const Tensor x = randn({batch, 1, 28, 28}, static_cast<std::uint64_t>(batch));
+      set_context({.mode = PYNATIVE_MODE});
+      const std::vector<double> eager = duet_test::values_of(net(x));
+      set_context({.mode = GRAPH_MODE});
+      const std::vector<double> graph = duet_test::values_of(net(x));
+      CHECK(eager == graph);
+      const auto reference = duet_test::reference_forward(duet_test::values_of(x), batch, duet_test::layers_of(net));
+      CHECK(duet_test::relative_difference(graph, reference) <= 1e-5);
+    }
+  });
+}
+
+TEST_CASE("a weight packed under another instruction set is not read: the product packs for its own") {
+  std::mt19937 gen(10);
+  const index_t m = 20, k = 70, n = 40;
+  const std::vector<float> a = random_values<float>(static_cast<std::size_t>(m * k), gen);
+  const std::vector<float> b = random_values<float>(static_cast<std::size_t>(n * k), gen);
+  for_each_isa([&] {
+    const kernels::PackedWeight<float> packed(b.data(), n, k);
+    CHECK(packed.isa() == kernels::active_isa());
+    std::vector<float> expected(static_cast<std::size_t>(m * n));
+    kernels::gemm(a.data(), m, k, b.data(), n, nullptr, expected.data(), &packed);
+    for_each_isa([&] {
+      std::vector<float> fresh(static_cast<std::size_t>(m * n)), with_other(static_cast<std::size_t>(m * n));
+      kernels::gemm(a.data(), m, k, b.data(), n, nullptr, fresh.data());
+      kernels::gemm(a.data(), m, k, b.data(), n, nullptr, with_other.data(), &packed);
+      CHECK(with_other == fresh);
+    });
+  });
+}
+
+TEST_CASE("DUET_ISA names the kernels to start with; kernel_isa and set_kernel_isa") {
+  using kernels::Isa;
+  CHECK(kernels::detail::initial_isa(nullptr) == kernels::best_supported_isa());
+  CHECK(kernels::detail::initial_isa("") == kernels::best_supported_isa());
+  CHECK(kernels::detail::initial_isa("baseline") == Isa::baseline);
+  CHECK_THROWS_WITH_AS(kernels::detail::initial_isa("sse9"),
+                       "DUET_ISA=sse9: unknown instruction set 'sse9' (expected avx512, avx2 or baseline)", ValueError);
+  const kernels::Isa saved = kernels::active_isa();
+  for (Isa isa : kernels::all_isas) {
+    const std::string name(kernels::isa_name(isa));
+    CAPTURE(name);
+    if (kernels::cpu_supports(isa)) {
+      CHECK(kernels::detail::initial_isa(name.c_str()) == isa);
+      set_kernel_isa(name);
+      CHECK(kernel_isa() == name);
+    } else {
+      // A set this CPU lacks is refused, not replaced by another one.
+      CHECK_THROWS_AS(kernels::detail::initial_isa(name.c_str()), ValueError);
+      CHECK_THROWS_AS(set_kernel_isa(name), ValueError);
+    }
+  }
+  CHECK_THROWS_AS(set_kernel_isa("AVX2"), ValueError);
+  kernels::set_active_isa(saved);
+}
+
+TEST_CASE("backend::Native keeps a weight packed for the instruction set that runs, repacking after a switch") {
+  const index_t rows = 16, in = 40, out = 24;
+  const nn::Parameter w(randn({out, in}, 11));
+  const Tensor x = randn({rows, in}, 12);
+  for_each_isa([&] {
+    std::vector<float> unpacked(static_cast<std::size_t>(rows * out)), packed(unpacked.size());
+    backend::Native::dense<dyn, dyn>(x.data(), rows, in, w.data(), out, Epilogue<float>{}, unpacked.data());
+    backend::Native::dense_packed<dyn, dyn>(x.data(), rows, in, w, out, Epilogue<float>{}, packed.data());
+    CHECK(packed == unpacked);
+    // The form the product read is this set's, kept: asking for it again does not pack.
+    kernels::detail::with_kernels(kernels::active_isa(), [&]<class Kernels>(Kernels) {
+      using Packed = kernels::PackedWeightFor<float, Kernels>;
+      bool packed_again = false;
+      const auto form = w.derived<Packed>([&] {
+        packed_again = true;
+        return Packed(w.data(), out, in);
+      });
+      CHECK_FALSE(packed_again);
+      CHECK(form->isa() == kernels::active_isa());
+    });
+  });
 }

@@ -4,6 +4,7 @@
 //
 //   duet_amalgamate <include/duet/duet.hpp> <output>           writes output
 //   duet_amalgamate --check <include/duet/duet.hpp> <output>   exits 1 if output is stale
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -11,6 +12,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <vector>
 
 namespace fs = std::filesystem;
 
@@ -18,13 +20,19 @@ namespace {
 
 void inline_file(const fs::path& file, std::set<fs::path>& seen, std::ostringstream& out) {
   const fs::path canonical = fs::canonical(file);
-  if (!seen.insert(canonical).second) return;
+  if (seen.contains(canonical)) return;
   std::ifstream in(canonical);
   if (!in) throw std::runtime_error("cannot read " + canonical.string());
   static const std::regex local_include(R"(^\s*#\s*include\s*"([^"]+)\"\s*$)");
   static const std::regex pragma_once(R"(^\s*#\s*pragma\s+once\s*$)");
-  std::string line;
-  while (std::getline(in, line)) {
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  // A header without #pragma once is inlined at every include, as the preprocessor would: the
+  // kernels include their per-instruction-set body once per set (kernels/gemm.hpp).
+  if (std::ranges::any_of(lines, [](const std::string& l) { return std::regex_match(l, pragma_once); })) {
+    seen.insert(canonical);
+  }
+  for (const std::string& line : lines) {
     std::smatch m;
     if (std::regex_match(line, m, local_include)) {
       inline_file(canonical.parent_path() / m[1].str(), seen, out);

@@ -72,7 +72,7 @@ fuzz_stage() {
 
 for stage in "${stages[@]}"; do
   case $stage in
-    gcc) run_stage gcc "$build/gcc" "" "" -DCMAKE_CXX_COMPILER=g++ ;;
+    gcc) run_stage gcc "$build/gcc" "" "" -DCMAKE_CXX_COMPILER=g++ -DDUET_NATIVE=OFF ;;
     clang)
       run_stage clang "$build/clang" "" "" -DCMAKE_CXX_COMPILER=clang++ -DDUET_USE_SINGLE_INCLUDE=ON \
         -DDUET_BUILD_BENCHMARKS=OFF -DDUET_CHECK_HEADERS=OFF

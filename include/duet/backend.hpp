@@ -348,9 +348,14 @@ struct Native : Eigen {
                            const Epilogue<T, Fns...>& epilogue, T* y) {
     if constexpr (kernels::gemm_supports<T, Fns...>) {
       if (kernels::reads_packed_weight<In, Out>(rows, in, out)) {
-        using Packed = kernels::PackedWeight<T>;
-        const auto packed = w.template derived<Packed>([&] { return Packed(w.data(), out, in); });
-        kernels::gemm<In, Out, Fns...>(x, rows, in, w.data(), out, epilogue.bias, y, packed.get());
+        // A type per instruction set, so that after a set_kernel_isa the parameter packs again
+        // for the new set instead of keeping a form the product cannot read.
+        const kernels::Isa isa = kernels::active_isa();
+        kernels::detail::with_kernels(isa, [&]<class Kernels>(Kernels) {
+          using Packed = kernels::PackedWeightFor<T, Kernels>;
+          const auto packed = w.template derived<Packed>([&] { return Packed(w.data(), out, in, isa); });
+          kernels::gemm<In, Out, Fns...>(x, rows, in, w.data(), out, epilogue.bias, y, packed.get());
+        });
         return;
       }
     }

@@ -27,10 +27,17 @@ struct Relu {
                         ::Eigen::internal::scalar_max_op<S, S, ::Eigen::PropagateNaN>());
   }
   // The same on one value or one SIMD vector, for kernels that apply it in registers. NaN
-  // compares false, so it passes through.
+  // compares false, so it passes through. In place, by reference: a kernel compiled for
+  // AVX-512 hands over its vector without passing a 64-byte value into code compiled for
+  // another instruction set, which has another calling convention (-Wpsabi).
+  template <class V>
+  static void apply_in_place(V& v) {
+    v = v < V{} ? V{} : v;
+  }
   template <class V>
   static V apply(V v) {
-    return v < V{} ? V{} : v;
+    apply_in_place(v);
+    return v;
   }
   // dy · relu'(x), from y = relu(x): zero where y <= 0. A NaN output passes dy through, as
   // PyTorch does, so a NaN is not silently hidden from the gradient.

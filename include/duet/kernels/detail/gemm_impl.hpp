@@ -1,0 +1,246 @@
+// One instruction set's dense-layer kernels: the algorithm gemm.hpp describes, written once on
+// the set's Vec<T>, lanes<T>, KG<T>, MR, load, store, fma, load_first, store_first and broadcast_group
+// (simd/arch.hpp). No include guard and no includes: gemm.hpp includes it once per set, inside
+// that set's namespace and target region, so each copy is compiled for its set.
+
+// ---- Shuffles, written once for every vector width ---------------------------------------
+
+// The perfect shuffle on blocks of B lanes: blocks of a and b, alternately, from the low (or
+// high) halves.
+template <int B, class T, int... I>
+Vec<T> interleave_low(Vec<T> a, Vec<T> b, std::integer_sequence<int, I...>) {
+  constexpr int L = lanes<T>;
+  return __builtin_shufflevector(a, b, ((I / B) % 2 * L + I / (2 * B) * B + I % B)...);
+}
+
+template <int B, class T, int... I>
+Vec<T> interleave_high(Vec<T> a, Vec<T> b, std::integer_sequence<int, I...>) {
+  constexpr int L = lanes<T>;
+  return __builtin_shufflevector(a, b, ((I / B) % 2 * L + L / 2 + I / (2 * B) * B + I % B)...);
+}
+
+// Transposes Q x Q blocks of B lanes (Q = L / B): block g of r[i] goes to block i of r[g].
+// This and the folds below take arrays of registers by pointer; always inlined, so that the
+// arrays stay in registers instead of going through memory.
+template <int B, class T>
+[[gnu::always_inline]] inline void transpose_blocks(Vec<T>* r) {
+  constexpr int Q = lanes<T> / B;
+  constexpr auto all = std::make_integer_sequence<int, lanes<T>>{};
+  for (int round = 1; round < Q; round *= 2) {
+    Vec<T> t[Q];
+    for (int i = 0; i < Q / 2; ++i) {
+      t[2 * i] = interleave_low<B, T>(r[i], r[i + Q / 2], all);
+      t[2 * i + 1] = interleave_high<B, T>(r[i], r[i + Q / 2], all);
+    }
+    std::copy(t, t + Q, r);
+  }
+}
+
+// Lanes [0, L/2) of the result sum pairs of W-lane groups of a, lanes [L/2, L) those of b:
+// one step of a reduction tree that keeps the partial sums of both vectors, in order.
+template <int W, class T, int... I>
+Vec<T> fold_pair(Vec<T> a, Vec<T> b, std::integer_sequence<int, I...>) {
+  constexpr int H = lanes<T> / 2;
+  constexpr auto from = [](int r, int shift) { return (r < H ? 0 : 2 * H) + (r % H) / W * 2 * W + r % W + shift; };
+  return __builtin_shufflevector(a, b, from(I, 0)...) + __builtin_shufflevector(a, b, from(I, W)...);
+}
+
+template <int W, class T>
+[[gnu::always_inline]] inline void fold_level(Vec<T>* v, int count) {
+  for (int i = 0; i < count; ++i) v[i] = fold_pair<W, T>(v[2 * i], v[2 * i + 1], std::make_integer_sequence<int, lanes<T>>{});
+  if constexpr (W > 1) fold_level<W / 2, T>(v, count / 2);
+}
+
+// Lane i of the result is the sum of the lanes of v[i]; v is clobbered.
+template <class T>
+Vec<T> sum_lanes(Vec<T> (&v)[lanes<T>]) {
+  fold_level<lanes<T> / 2, T>(v, lanes<T> / 2);
+  return v[0];
+}
+
+// ---- One row ---------------------------------------------------------------------------------
+
+template <class T, class... Fns>
+void gemv(const T* a, index_t k, const T* b, index_t n, const T* bias, T* c) {
+  constexpr int L = lanes<T>;
+  const index_t k_pairs = k / (2 * L) * (2 * L);
+  const index_t k_full = k / L * L;
+  const int k_rest = static_cast<int>(k - k_full);
+  for (index_t j0 = 0; j0 < n; j0 += L) {
+    const int cols = static_cast<int>(std::min<index_t>(L, n - j0));
+    Vec<T> acc[L] = {};
+    // Row after row, so that B is read front to back as one stream, which the hardware
+    // prefetcher follows best (blocks of rows side by side were slower); two accumulators per
+    // row, and the next rows' independent chains, keep the FMA latency hidden.
+    for (int r = 0; r < cols; ++r) {
+      const T* w = b + (j0 + r) * k;
+      Vec<T> even{};
+      Vec<T> odd{};
+      index_t p = 0;
+      for (; p < k_pairs; p += 2 * L) {
+        even = fma<T>(load(w + p), load(a + p), even);
+        odd = fma<T>(load(w + p + L), load(a + p + L), odd);
+      }
+      if (p < k_full) even = fma<T>(load(w + p), load(a + p), even);
+      if (k_rest != 0) odd = fma<T>(load_first(w + k_full, k_rest), load_first(a + k_full, k_rest), odd);
+      acc[r] = even + odd;
+    }
+    Vec<T> s = sum_lanes<T>(acc);
+    if (bias != nullptr) s += load_first(bias + j0, cols);
+    apply_all<Vec<T>, Fns...>(s);
+    store_first<T>(c + j0, s, cols);
+  }
+}
+
+// The panel of B for one tile (L rows from src, zero past rows, and depth k, zero-padded to a
+// whole group): vector j of group g holds, in block q, B[j·Q + q][g·KG .. g·KG + KG).
+template <class T>
+void pack_panel(const T* src, index_t ld, int rows, index_t depth, T* dst) {
+  constexpr int L = lanes<T>;
+  constexpr int Q = L / KG<T>;
+  for (int j = 0; j < KG<T>; ++j) {
+    for (index_t p0 = 0; p0 < depth; p0 += L) {
+      const int count = static_cast<int>(std::min<index_t>(L, depth - p0));
+      Vec<T> r[Q];
+      for (int q = 0; q < Q; ++q) {
+        const int row = j * Q + q;
+        const T* from = src + row * ld + p0;
+        r[q] = row >= rows ? Vec<T>{} : count == L ? load(from) : load_first(from, count);
+      }
+      transpose_blocks<KG<T>, T>(r);
+      const index_t group0 = p0 / KG<T>;
+      for (int g = 0; g * KG<T> < count; ++g) store<T>(dst + ((group0 + g) * KG<T> + j) * L, r[g]);
+    }
+  }
+}
+
+// One group of k for a tile: acc[i] += the group of row i of A, broadcast, times the panel's KG
+// vectors at bp. Partial: only rest < KG values of A remain, and A is not read past them. A
+// function rather than a lambda: GCC does not give lambdas the target of their region.
+template <bool Partial, class T>
+[[gnu::always_inline]] inline void tile_step(Vec<T> (&acc)[MR][KG<T>], const T* const (&ar)[MR], index_t p, const T* bp,
+                                             std::size_t rest) {
+  constexpr int G = KG<T>;
+  Vec<T> bv[G];
+  for (int j = 0; j < G; ++j) bv[j] = load(bp + j * lanes<T>);
+  for (int i = 0; i < MR; ++i) {
+    Vec<T> av;
+    if constexpr (Partial) {
+      T group[G] = {};
+      std::memcpy(group, ar[i] + p, rest * sizeof(T));
+      av = broadcast_group<T>(group);
+    } else {
+      av = broadcast_group<T>(ar[i] + p);
+    }
+    for (int j = 0; j < G; ++j) acc[i][j] = fma<T>(av, bv[j], acc[i][j]);
+  }
+}
+
+// C tile (rows x cols, at most MR x L) from MR rows of A, read in place, and a packed panel of
+// B. Adds to C unless first; bias and Fns only after the last K block (last). Never inlined:
+// inlined into a large caller, GCC 12 stored every accumulator at every step (2.5x slower).
+template <class T, class... Fns>
+[[gnu::noinline]] void micro_kernel(index_t depth, const T* a, index_t lda, int rows, const T* bp, T* c, index_t ldc, int cols,
+                  bool first, bool last, const T* bias) {
+  constexpr int L = lanes<T>;
+  constexpr int G = KG<T>;
+  // Past the last row, repeat it: the extra tile rows are computed but never stored.
+  const T* ar[MR];
+  for (int i = 0; i < MR; ++i) ar[i] = a + std::min(i, rows - 1) * lda;
+  Vec<T> acc[MR][G] = {};
+  const index_t whole = depth / G * G;
+  for (index_t p = 0; p < whole; p += G, bp += G * L) tile_step<false, T>(acc, ar, p, bp, 0);
+  // The last, partial group: A is not read past depth (its row may end there).
+  if (whole < depth) tile_step<true, T>(acc, ar, whole, bp, static_cast<std::size_t>(depth - whole));
+  for (int i = 0; i < MR && i < rows; ++i, c += ldc) {
+    fold_level<G / 2, T>(acc[i], G / 2);
+    Vec<T> v = acc[i][0];
+    if (cols == L) {
+      if (!first) v += load(c);
+      if (last) {
+        if (bias != nullptr) v += load(bias);
+        apply_all<Vec<T>, Fns...>(v);
+      }
+      store<T>(c, v);
+    } else {
+      if (!first) v += load_first(c, cols);
+      if (last) {
+        if (bias != nullptr) v += load_first(bias, cols);
+        apply_all<Vec<T>, Fns...>(v);
+      }
+      store_first<T>(c, v, cols);
+    }
+  }
+}
+
+// packed: B already packed, or null to pack each panel as it is reached.
+template <class T, class... Fns>
+void gemm_blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
+                  const PackedWeight<T>* packed) {
+  constexpr int L = lanes<T>;
+  constexpr auto size = static_cast<index_t>(sizeof(T));
+  const index_t kc = balanced_block(k, KC_bytes / size, KG<T>);
+  const index_t mc = balanced_block(m, std::max<index_t>(MR, MC_bytes / (k * size)), MR);
+  ::duet::detail::Storage scratch(packed != nullptr ? 0 : static_cast<std::size_t>(kc * L * size));
+  T* panel = reinterpret_cast<T*>(scratch.data());
+  for (index_t m0 = 0; m0 < m; m0 += mc) {
+    const index_t m1 = std::min(m, m0 + mc);
+    for (index_t j0 = 0; j0 < n; j0 += L) {
+      const int cols = static_cast<int>(std::min<index_t>(L, n - j0));
+      const T* bias_panel = bias == nullptr ? nullptr : bias + j0;
+      for (index_t k0 = 0; k0 < k; k0 += kc) {
+        const index_t depth = std::min(kc, k - k0);
+        const T* bp = panel;
+        if (packed != nullptr) bp = packed->panel(j0, k0);
+        else pack_panel(b + j0 * k + k0, k, cols, depth, panel);
+        // A packed panel comes from L3 or memory, and its first tile would wait for it. The
+        // panels lie in the order they are used, so each tile fetches a slice of the next one
+        // into L2, and it is there when wanted.
+        const std::byte* ahead = nullptr;
+        index_t ahead_bytes = 0;
+        index_t slice = 0;
+        if (packed != nullptr) {
+          ahead = reinterpret_cast<const std::byte*>(bp + (depth + KG<T> - 1) / KG<T> * KG<T> * L);
+          ahead_bytes = std::min<index_t>(reinterpret_cast<const std::byte*>(packed->end()) - ahead, kc * L * size);
+          const index_t tiles = (m1 - m0 + MR - 1) / MR;
+          slice = (ahead_bytes + tiles - 1) / tiles;
+        }
+        index_t fetched = 0;
+        for (index_t i0 = m0; i0 < m1; i0 += MR) {
+          micro_kernel<T, Fns...>(depth, a + i0 * k + k0, k, static_cast<int>(std::min<index_t>(MR, m1 - i0)), bp,
+                                  c + i0 * n + j0, n, cols, k0 == 0, k0 + depth == k, bias_panel);
+          for (const index_t until = std::min(ahead_bytes, fetched + slice); fetched < until; fetched += 64) {
+            __builtin_prefetch(ahead + fetched, 0, 2);
+          }
+        }
+      }
+    }
+  }
+}
+
+// The entry points gemm() and PackedWeight dispatch to (with_kernels in gemm.hpp).
+struct Kernels {
+  template <class T>
+  static constexpr int lanes_of = lanes<T>;
+  template <class T>
+  static constexpr int group_of = KG<T>;
+
+  template <class T, class... Fns>
+  static void gemv_rows(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c) {
+    for (index_t i = 0; i < m; ++i) gemv<T, Fns...>(a + i * k, k, b, n, bias, c + i * n);
+  }
+
+  template <class T, class... Fns>
+  static void blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
+                      const PackedWeight<T>* packed) {
+    gemm_blocked<T, Fns...>(a, m, k, b, n, bias, c, packed);
+  }
+
+  // Every panel of b ([n, k]) into dst, panel after panel, panel_size elements apart.
+  template <class T>
+  static void pack(const T* b, index_t n, index_t k, index_t panel_size, T* dst) {
+    for (index_t j0 = 0; j0 < n; j0 += lanes<T>) {
+      pack_panel(b + j0 * k, k, static_cast<int>(std::min<index_t>(lanes<T>, n - j0)), k, dst + j0 / lanes<T> * panel_size);
+    }
+  }
+};

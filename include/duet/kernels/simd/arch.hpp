@@ -1,0 +1,190 @@
+// The one place where the instruction sets differ: per set, the vector width, the tile height
+// and the few operations GCC's vector extensions do not spell (FMA, masked memory access, the
+// group broadcast). Everything else in a kernel is written once, on Vec<T>, and compiled once
+// per set, in the set's namespace (detail::baseline, detail::avx2, detail::avx512) and between
+// its DUET_BEGIN_... and DUET_END_ISA (as kernels/gemm.hpp does with detail/gemm_impl.hpp).
+//
+// Each set's code is compiled for its target whatever -march the program has, by a target
+// region: GCC's `#pragma GCC target`, clang's `#pragma clang attribute push(target)`. Templates
+// defined in a region keep its target when instantiated. Code outside the regions (the
+// dispatch, the public functions) never handles a vector wider than the baseline's, so no
+// vector crosses a call between functions of different targets (-Wpsabi).
+#pragma once
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define DUET_X86_KERNELS 1
+#else
+#define DUET_X86_KERNELS 0
+#endif
+
+#if defined(__clang__)
+#define DUET_BEGIN_AVX2 _Pragma("clang attribute push(__attribute__((target(\"avx2,fma\"))), apply_to = function)")
+#define DUET_BEGIN_AVX512 \
+  _Pragma("clang attribute push(__attribute__((target(\"avx512f,avx512dq,avx512bw,avx512vl,avx2,fma\"))), apply_to = function)")
+#define DUET_END_ISA _Pragma("clang attribute pop")
+#else
+#define DUET_BEGIN_AVX2 _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma\")")
+#define DUET_BEGIN_AVX512 _Pragma("GCC push_options") _Pragma("GCC target(\"avx512f,avx512dq,avx512bw,avx512vl,avx2,fma\")")
+#define DUET_END_ISA _Pragma("GCC pop_options")
+#endif
+
+namespace duet::kernels::detail {
+
+template <class T, int Bytes>
+struct VectorOf {
+  typedef T type __attribute__((vector_size(Bytes)));
+};
+
+// One SIMD register of Bytes bytes of T, as a GCC vector: arithmetic, comparisons and the
+// functions' apply() work on it directly.
+template <class T, int Bytes>
+using Vector = typename VectorOf<T, Bytes>::type;
+
+}  // namespace duet::kernels::detail
+
+// ---- Baseline: 16-byte vectors in plain C++, which the compiler maps onto SSE2 (or NEON) ----
+
+namespace duet::kernels::detail::baseline {
+
+inline constexpr int vector_bytes = 16;
+// Tile rows: MR x KG accumulators, KG vectors of B and a broadcast fit 16 registers.
+inline constexpr int MR = 3;
+#include "detail/vector.hpp"
+
+// The first n lanes from p (0 < n <= lanes), zero in the others; never touches p[n] and on.
+template <class T>
+Vec<T> load_first(const T* p, int n) {
+  Vec<T> v{};
+  std::memcpy(&v, p, static_cast<std::size_t>(n) * sizeof(T));
+  return v;
+}
+
+template <class T>
+void store_first(T* p, Vec<T> v, int n) {
+  std::memcpy(p, &v, static_cast<std::size_t>(n) * sizeof(T));
+}
+
+// a·b + c. Not fused here (the baseline has no FMA): two roundings.
+template <class T>
+Vec<T> fma(Vec<T> a, Vec<T> b, Vec<T> c) {
+  return a * b + c;
+}
+
+// A[p .. p + KG) in every group of KG lanes.
+template <class T>
+Vec<T> broadcast_group(const T* p) {
+  Vec<T> v;
+  for (int i = 0; i < lanes<T>; ++i) v[i] = p[i % KG<T>];
+  return v;
+}
+
+}  // namespace duet::kernels::detail::baseline
+
+#if DUET_X86_KERNELS
+
+// ---- AVX2 + FMA: 32-byte vectors ------------------------------------------------------------
+
+DUET_BEGIN_AVX2
+namespace duet::kernels::detail::avx2 {
+
+inline constexpr int vector_bytes = 32;
+inline constexpr int MR = 3;
+#include "detail/vector.hpp"
+
+// All ones in the lanes below n, as AVX2's masked loads and stores want.
+template <class T>
+__m256i lane_mask(int n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  } else {
+    return _mm256_cmpgt_epi64(_mm256_set1_epi64x(n), _mm256_setr_epi64x(0, 1, 2, 3));
+  }
+}
+
+template <class T>
+Vec<T> load_first(const T* p, int n) {
+  if constexpr (std::is_same_v<T, float>) return _mm256_maskload_ps(p, lane_mask<T>(n));
+  else return _mm256_maskload_pd(p, lane_mask<T>(n));
+}
+
+template <class T>
+void store_first(T* p, Vec<T> v, int n) {
+  if constexpr (std::is_same_v<T, float>) _mm256_maskstore_ps(p, lane_mask<T>(n), v);
+  else _mm256_maskstore_pd(p, lane_mask<T>(n), v);
+}
+
+// a·b + c with one rounding. Spelled out because -std=c++20 (unlike gnu++20) stops GCC from
+// contracting a * b + c, which would halve the throughput of the micro-kernel.
+template <class T>
+Vec<T> fma(Vec<T> a, Vec<T> b, Vec<T> c) {
+  if constexpr (std::is_same_v<T, float>) return _mm256_fmadd_ps(a, b, c);
+  else return _mm256_fmadd_pd(a, b, c);
+}
+
+template <class T>
+Vec<T> broadcast_group(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_broadcast_ps(reinterpret_cast<const __m128*>(p));
+  } else {
+    return load(p);
+  }
+}
+
+}  // namespace duet::kernels::detail::avx2
+DUET_END_ISA
+
+// ---- AVX-512 (F, DQ, BW, VL): 64-byte vectors ---------------------------------------------
+
+DUET_BEGIN_AVX512
+namespace duet::kernels::detail::avx512 {
+
+inline constexpr int vector_bytes = 64;
+// 32 registers: twice the tile rows.
+inline constexpr int MR = 6;
+#include "detail/vector.hpp"
+
+template <class T>
+Vec<T> load_first(const T* p, int n) {
+  const auto mask = static_cast<__mmask16>((1u << n) - 1);
+  if constexpr (std::is_same_v<T, float>) return _mm512_maskz_loadu_ps(mask, p);
+  else return _mm512_maskz_loadu_pd(static_cast<__mmask8>(mask), p);
+}
+
+template <class T>
+void store_first(T* p, Vec<T> v, int n) {
+  const auto mask = static_cast<__mmask16>((1u << n) - 1);
+  if constexpr (std::is_same_v<T, float>) _mm512_mask_storeu_ps(p, mask, v);
+  else _mm512_mask_storeu_pd(p, static_cast<__mmask8>(mask), v);
+}
+
+template <class T>
+Vec<T> fma(Vec<T> a, Vec<T> b, Vec<T> c) {
+  if constexpr (std::is_same_v<T, float>) return _mm512_fmadd_ps(a, b, c);
+  else return _mm512_fmadd_pd(a, b, c);
+}
+
+template <class T>
+Vec<T> broadcast_group(const T* p) {
+  // The zero-masking forms, with every lane selected: the plain ones start from
+  // _mm512_undefined_ps, which GCC 12 reports as uninitialised (PR105593).
+  if constexpr (std::is_same_v<T, float>) return _mm512_maskz_broadcast_f32x4(0xFFFF, _mm_loadu_ps(p));
+  else return _mm512_maskz_broadcast_f64x4(0xFF, _mm256_loadu_pd(p));
+}
+
+}  // namespace duet::kernels::detail::avx512
+DUET_END_ISA
+
+#else
+
+// Elsewhere only the baseline is built; the dispatch never selects the other names.
+namespace duet::kernels::detail {
+namespace avx2 = baseline;
+namespace avx512 = baseline;
+}  // namespace duet::kernels::detail
+
+#endif
