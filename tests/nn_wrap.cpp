@@ -2,6 +2,7 @@
 // checkpoint saved in one mode loads into the other.
 #include <cstdint>
 #include <filesystem>
+#include <string>
 #include <vector>
 
 #include "support.hpp"
@@ -140,5 +141,114 @@ TEST_CASE("a graph-mode cell under a PyNative grad runs eagerly, so the tape rea
   REQUIRE(gg.size() == eg.size());
   for (std::size_t i = 0; i < gg.size(); ++i) {
     CHECK(duet_test::relative_difference(duet_test::values_of(gg[i]), duet_test::values_of(eg[i])) <= 1e-6);
+  }
+}
+
+namespace {
+// A network described at run time, as a config file would: "8-16-3" is Flatten, then Dense
+// layers of those sizes with a ReLU between each two.
+nn::DynamicSequentialCell network_from(const std::string& spec) {
+  std::vector<index_t> sizes;
+  std::size_t from = 0;
+  while (from <= spec.size()) {
+    const std::size_t dash = std::min(spec.find('-', from), spec.size());
+    sizes.push_back(std::stoll(spec.substr(from, dash - from)));
+    from = dash + 1;
+  }
+  nn::DynamicSequentialCell net;
+  net.append(nn::Flatten{});
+  for (std::size_t i = 0; i + 1 < sizes.size(); ++i) {
+    net.append(nn::Dense<>(sizes[i], sizes[i + 1]));
+    if (i + 2 < sizes.size()) net.append(nn::ReLU{});
+  }
+  return net;
+}
+
+// A DynamicCell of its own, with a forward of its own: no construct, no Cell<...>.
+struct Handmade : nn::DynamicCell {
+  nn::Dense<> first{8, 12};
+  nn::ReLU relu;
+  nn::Dense<> second{12, 3};
+  void for_each_child(const ChildVisitor& visit) override {
+    visit("first", first);
+    visit("second", second);
+  }
+  std::string type_name() const override { return "Handmade"; }
+
+ protected:
+  Tensor forward(const Tensor& x) override { return second(relu(first(ops::flatten(x)))); }
+};
+
+template <class Net>
+std::vector<float> train_runtime(Mode mode, Net& net, const Problem& data, int steps) {
+  ModeGuard guard;
+  set_context({.mode = mode});
+  nn::SoftmaxCrossEntropyWithLogits<true, Reduction::mean> loss;
+  nn::WithLossCell with_loss(net, loss);
+  nn::SGD sgd(net.parameters(), {.learning_rate = 0.05, .momentum = 0.9});
+  nn::TrainOneStepCell step(with_loss, sgd);
+  std::vector<float> losses;
+  for (int s = 0; s < steps; ++s) losses.push_back(step(data.x, data.y).item());
+  return losses;
+}
+}  // namespace
+
+TEST_CASE("a network built at run time trains with WithLossCell and TrainOneStepCell, in both modes") {
+  const Problem data;
+  std::vector<std::vector<float>> curves;
+  for (Mode mode : {PYNATIVE_MODE, GRAPH_MODE}) {
+    CAPTURE(mode);
+    set_seed(21);
+    auto net = network_from("8-16-3");
+    REQUIRE(net.size() == 4);
+    const auto losses = train_runtime(mode, net, data, 60);
+    CHECK(losses.back() < 0.5f * losses.front());
+    curves.push_back(losses);
+  }
+  for (std::size_t i = 0; i < curves[0].size(); ++i) CHECK(curves[0][i] == curves[1][i]);
+  set_seed(22);
+  Handmade handmade;
+  const auto losses = train_runtime(GRAPH_MODE, handmade, data, 60);
+  CHECK(losses.back() < 0.5f * losses.front());
+}
+
+TEST_CASE("grad, value_and_grad and train::evaluate take a network built at run time, in both modes") {
+  ModeGuard guard;
+  const Problem data;
+  set_seed(23);
+  auto net = network_from("8-16-3");
+  nn::SoftmaxCrossEntropyWithLogits<true, Reduction::mean> loss;
+  nn::WithLossCell with_loss(net, loss);
+  // The same network as a Cell<...>, with the same weights, is the reference. Its layers have
+  // compile-time sizes, whose kernels may round differently: equal to float rounding.
+  set_seed(23);
+  Small reference;
+  nn::WithLossCell reference_loss(reference, loss);
+  set_context({.mode = PYNATIVE_MODE});
+  const auto expected = value_and_grad(reference_loss, reference.parameters())(data.x, data.y);
+  const Tensor expected_dx = grad(reference)(data.x);
+  const auto close = [](const Tensor& a, const Tensor& b) {
+    return duet_test::relative_difference(duet_test::values_of(a), duet_test::values_of(b)) <= 1e-6;
+  };
+  for (Mode mode : {PYNATIVE_MODE, GRAPH_MODE}) {
+    CAPTURE(mode);
+    set_context({.mode = mode});
+    const auto got = value_and_grad(with_loss, net.parameters())(data.x, data.y);
+    CHECK(close(got.value, expected.value));
+    REQUIRE(got.grads.size() == expected.grads.size());
+    for (std::size_t i = 0; i < got.grads.size(); ++i) CHECK(close(got.grads[i], expected.grads[i]));
+    CHECK(close(grad(net)(data.x), expected_dx));
+    BasicTensor<std::uint8_t> images{Shape{12, 2, 4}};
+    BasicTensor<std::int32_t> labels{Shape{12}};
+    for (index_t i = 0; i < 12; ++i) {
+      labels(i) = static_cast<std::int32_t>(i % 3);
+      for (index_t j = 0; j < 8; ++j) images.data()[i * 8 + j] = static_cast<std::uint8_t>((i * 37 + j * 11) % 256);
+    }
+    data::DataLoader loader(data::ImageDataset(images, labels, 3), 5);
+    const auto m = train::evaluate(net, loss, loader);
+    const auto r = train::evaluate(reference, loss, loader);
+    CHECK(m.samples == 12);
+    CHECK(m.loss == doctest::Approx(r.loss).epsilon(1e-6));
+    CHECK(m.accuracy == r.accuracy);
   }
 }

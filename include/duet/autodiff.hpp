@@ -297,20 +297,6 @@ Mode mode_of() {
   return effective_mode(nn::detail::fixed_mode_of<F>());
 }
 
-template <class F, class Positions, class... X>
-struct capturable;
-template <class F, std::size_t... K, class... X>
-struct capturable<F, std::index_sequence<K...>, X...> {
-  static constexpr bool value = requires(F & f) {
-    f(graph::input<typename X::value_type, typename graph::pattern_of<X>::type, K>()...);
-  };
-};
-
-// Whether graph mode can capture f on inputs like X...: a generic function or a cell can,
-// a function of duet::Tensor only runs eagerly.
-template <class F, class... X>
-concept Capturable = capturable<F, std::index_sequence_for<X...>, X...>::value;
-
 template <class T>
 std::vector<nn::BasicParameter<T>*> parameters_of(const std::vector<nn::NamedParameter<T>>& named) {
   std::vector<nn::BasicParameter<T>*> out;
@@ -404,7 +390,7 @@ class GradFunction {
 
   template <bool WithInput, class V, class... X>
   BasicTensor<V> forward_backward(BasicTensor<V>& input_grad, const X&... xs) {
-    if constexpr (autodiff::detail::Capturable<FnRef, X...>) {
+    if constexpr (graph::Capturable<FnRef&, X...>) {
       if (autodiff::detail::mode_of<Fn>() == GRAPH_MODE) return run_graph<WithInput>(input_grad, xs...);
     }
     return run_eager<WithInput>(input_grad, xs...);

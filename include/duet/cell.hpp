@@ -225,6 +225,12 @@ using DynamicCell = BasicDynamicCell<float>;
 template <class X>
 concept DynamicCellType = std::is_base_of_v<BasicDynamicCell<typename X::value_type>, X>;
 
+// A cell built at run time: a DynamicCell with a forward of its own (a DynamicSequentialCell, or
+// a class deriving from DynamicCell), not a Cell<...> with a generic construct. Graph capture
+// cannot call it.
+template <class C>
+concept RuntimeBuilt = DynamicCellType<std::remove_cvref_t<C>> && !requires { std::remove_cvref_t<C>::mode; };
+
 template <class C, class X>
 concept HasConstruct = requires(C& cell, X x) {
   cell.construct(x);
@@ -269,7 +275,7 @@ class Cell : public BasicDynamicCell<T> {
   // Graph capture: construct appends this cell's nodes to the graph its inputs belong to.
   // Hooks cannot run inside a graph: refused here rather than silently dropped.
   template <graph::Symbolic... S>
-    requires(sizeof...(S) >= 1)
+    requires(sizeof...(S) >= 1 && requires(Derived& d, const S&... s) { d.construct(s...); })
   auto operator()(const S&... xs) {
     if (this->has_hooks_in_tree()) {
       throw ModeError(this->label() +
@@ -298,7 +304,7 @@ class Cell : public BasicDynamicCell<T> {
   template <class... X>
   requires(sizeof...(X) >= 2 && ((is_tensor_v<X> || is_static_tensor_v<X>)&&...)) auto operator()(const X&... xs) {
     this->ensure_named();
-    if constexpr (M != PYNATIVE_MODE) {
+    if constexpr (M != PYNATIVE_MODE && graph::Capturable<Derived&, X...>) {
       if (runs_as_graph()) return run_graph<typename graph::pattern_of<X>::type...>(tensor_of(xs)...);
     }
     EagerScope eager;

@@ -23,7 +23,9 @@ class WithLossCell
  public:
   WithLossCell(Backbone& backbone, Loss& loss_fn) : backbone_(backbone), loss_fn_(loss_fn) {}
 
+  // A backbone built at run time cannot be captured into a graph, so neither can this cell.
   template <class X, class Y>
+    requires(!(graph::Symbolic<X> && RuntimeBuilt<Backbone>))
   auto construct(const X& data, const Y& label) {
     return loss_fn_(backbone_(data), label);
   }
