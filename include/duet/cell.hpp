@@ -32,6 +32,7 @@
 #include "detail/reflect.hpp"
 #include "evaluator.hpp"
 #include "graph.hpp"
+#include "jit.hpp"
 #include "jit_config.hpp"
 #include "parameter.hpp"
 #include "passes.hpp"
@@ -64,6 +65,13 @@ namespace detail {
 inline std::mutex& naming_mutex() {
   static std::mutex m;
   return m;
+}
+
+// Moves whenever a cell built at run time changes its structure (a DynamicSequentialCell
+// appends): graph mode's traces key on it, so none is replayed for a network that has changed.
+inline std::atomic<std::uint64_t>& structure_generation() {
+  static std::atomic<std::uint64_t> generation{0};
+  return generation;
 }
 }  // namespace detail
 
@@ -108,7 +116,15 @@ class BasicDynamicCell {
 
   BasicTensor<T> operator()(const BasicTensor<T>& x) {
     ensure_named();
-    if (pijit::Trace* trace = pijit::active_trace()) trace->note_cell([this] { return has_hooks_in_tree(); });
+    if (effective_mode(CONTEXT_MODE) == GRAPH_MODE && autodiff::active_tape() == nullptr &&
+        pijit::active_trace() == nullptr && traced_in_graph_mode()) {
+      return graph_form()(x, detail::structure_generation().load(std::memory_order_acquire));
+    }
+    const pijit::TracedCell traced([this] { return label(); });
+    if (pijit::Trace* trace = traced.trace()) {
+      trace->note_cell([this] { return has_hooks_in_tree(); });
+      if (!hooks_.empty() || !backward_hooks_.empty()) trace->mark_broken("has a hook, which sees values in PyNative mode only");
+    }
     BasicTensor<T>* traced_output = nullptr;
     if (!backward_hooks_.empty()) {
       if (autodiff::Tape* tape = autodiff::active_tape()) {
@@ -189,7 +205,32 @@ class BasicDynamicCell {
  protected:
   virtual BasicTensor<T> forward(const BasicTensor<T>& x) = 0;
 
+  // Whether graph mode traces this cell when it is called from outside any other (PIJit): a
+  // cell built at run time has no construct to capture. Cell<...> captures its construct instead.
+  virtual bool traced_in_graph_mode() const { return true; }
+
+  // A cell built at run time whose structure changes after it has run (layers added, removed or
+  // replaced) calls this, so that graph mode traces it again instead of replaying the old one.
+  static void structure_changed() { detail::structure_generation().fetch_add(1, std::memory_order_acq_rel); }
+
  private:
+  // Graph mode for a cell built at run time: PIJit at the default JitConfig, traced on the first
+  // call for each input shape and structure, replayed after. Its second argument is the
+  // structure generation: a network changed since the trace is traced again.
+  struct GraphCall {
+    BasicDynamicCell* cell;
+    BasicTensor<T> operator()(const BasicTensor<T>& x, std::uint64_t /*structure*/) const { return (*cell)(x); }
+  };
+  using GraphForm = JitFunction<JitConfig{}, GraphCall>;
+
+  GraphForm& graph_form() {
+    std::call_once(graph_form_made_, [this] {
+      graph_form_ = std::make_unique<GraphForm>(
+          GraphCall{this}, JitOptions{.mode = JitMode::PIJit, .name = label() + " in graph mode (argument 1: its structure)"});
+    });
+    return *graph_form_;
+  }
+
   void assign_names(const std::string& path) {
     name_ = path;
     for_each_child([&](std::string_view child, BasicDynamicCell& c) { c.assign_names(join(path, child)); });
@@ -218,6 +259,8 @@ class BasicDynamicCell {
   std::vector<std::pair<long, BasicForwardHook<T>>> hooks_;
   std::vector<std::pair<long, BasicBackwardHook<T>>> backward_hooks_;
   long last_hook_id_ = 0;
+  std::once_flag graph_form_made_;
+  std::unique_ptr<GraphForm> graph_form_;
 };
 
 using DynamicCell = BasicDynamicCell<float>;
@@ -312,6 +355,11 @@ class Cell : public BasicDynamicCell<T> {
   }
 
   std::string type_name() const override { return duet::detail::readable_type_name(typeid(Derived)); }
+
+ protected:
+  bool traced_in_graph_mode() const override { return false; }
+
+ public:
 
   void for_each_child(const typename BasicDynamicCell<T>::ChildVisitor& visit) override {
     for_each_member([&](std::string_view name, auto& member) {

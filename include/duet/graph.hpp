@@ -199,6 +199,13 @@ constexpr bool is_sink() {
     return false;
 }
 
+// A host callback (duet::host): C++ on a live value, a graph break.
+template <class Op>
+constexpr bool is_host_op() {
+  if constexpr (requires { Op::is_host; }) return Op::is_host;
+  else return false;
+}
+
 // Whether a node's kernel runs: every op but a view without side effects.
 template <class Op>
 constexpr bool runs_kernel() {

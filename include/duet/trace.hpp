@@ -182,8 +182,11 @@ class Trace {
   template <class Op, class T, class... In>
   void record(const Op& op, BasicTensor<T>& y, const BasicTensor<In>&... x) {
     if constexpr (graph::is_sink<Op>()) {
-      broken_ = "it calls " + op.label() + ", which makes no value";
+      mark_broken("calls " + op.label() + ", which makes no value");
     } else {
+      // A host callback is C++ the replay would run on values it never saw made: the caller
+      // runs eagerly instead, so that it is a plain call every time.
+      if constexpr (graph::is_host_op<Op>()) mark_broken("calls duet::host, a host callback");
       auto step = std::make_unique<OpStep<Op, T>>(op);
       (step->inputs.push_back(value_of(x)), ...);
       Value v;
@@ -209,6 +212,15 @@ class Trace {
 
   // A cell ran during the trace; its check says whether it has hooks now.
   void note_cell(std::function<bool()> has_hooks) { cells_.push_back(std::move(has_hooks)); }
+
+  // The cells whose forward is running, innermost last: what a graph break is blamed on.
+  void enter_cell(std::string label) { running_.push_back(std::move(label)); }
+  void leave_cell() { running_.pop_back(); }
+
+  // The trace cannot be replayed, because the running cell does `what`; the first reason stays.
+  void mark_broken(const std::string& what) {
+    if (broken_.empty()) broken_ = (running_.empty() ? std::string("the function") : running_.back()) + " " + what;
+  }
   std::vector<std::function<bool()>>& cells() { return cells_; }
 
   std::vector<Value>& values() { return values_; }
@@ -255,7 +267,26 @@ class Trace {
   std::vector<Value> values_;
   std::vector<std::unique_ptr<Step>> steps_;
   std::vector<std::function<bool()>> cells_;
+  std::vector<std::string> running_;
   std::string broken_;
+};
+
+// Names a cell as running in the active trace, if any, for its lifetime.
+class TracedCell {
+ public:
+  template <class Label>
+  explicit TracedCell(Label&& label) : trace_(active_trace()) {
+    if (trace_ != nullptr) trace_->enter_cell(label());
+  }
+  TracedCell(const TracedCell&) = delete;
+  TracedCell& operator=(const TracedCell&) = delete;
+  ~TracedCell() {
+    if (trace_ != nullptr) trace_->leave_cell();
+  }
+  Trace* trace() const { return trace_; }
+
+ private:
+  Trace* trace_;
 };
 
 // Makes a trace the active one for its lifetime.
