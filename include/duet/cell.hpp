@@ -224,11 +224,10 @@ class BasicDynamicCell {
   using GraphForm = JitFunction<JitConfig{}, GraphCall>;
 
   GraphForm& graph_form() {
-    std::call_once(graph_form_made_, [this] {
-      graph_form_ = std::make_unique<GraphForm>(
-          GraphCall{this}, JitOptions{.mode = JitMode::PIJit, .name = label() + " in graph mode (argument 1: its structure)"});
+    return graph_form_.get([this] {
+      return GraphForm(GraphCall{this},
+                       {.mode = JitMode::PIJit, .name = label() + " in graph mode (argument 1: its structure)"});
     });
-    return *graph_form_;
   }
 
   void assign_names(const std::string& path) {
@@ -259,8 +258,7 @@ class BasicDynamicCell {
   std::vector<std::pair<long, BasicForwardHook<T>>> hooks_;
   std::vector<std::pair<long, BasicBackwardHook<T>>> backward_hooks_;
   long last_hook_id_ = 0;
-  std::once_flag graph_form_made_;
-  std::unique_ptr<GraphForm> graph_form_;
+  duet::detail::OwnForm<GraphForm> graph_form_;
 };
 
 using DynamicCell = BasicDynamicCell<float>;
@@ -349,6 +347,10 @@ class Cell : public BasicDynamicCell<T> {
     this->ensure_named();
     if constexpr (M != PYNATIVE_MODE && graph::Capturable<Derived&, X...>) {
       if (runs_as_graph()) return run_graph<typename graph::pattern_of<X>::type...>(tensor_of(xs)...);
+    } else if constexpr (M != PYNATIVE_MODE) {
+      // construct calls a cell built at run time, so it cannot be captured: it runs on the
+      // tensors, and each cell it calls follows the mode itself (graph mode traces that one).
+      if (runs_as_graph()) return derived().construct(tensor_of(xs)...);
     }
     EagerScope eager;
     return derived().construct(tensor_of(xs)...);

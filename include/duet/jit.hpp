@@ -482,6 +482,32 @@ class JitFunction {
   std::shared_ptr<State> state_;
 };
 
+namespace detail {
+// A jitted function an object makes of itself on first use (a runtime-built cell's graph form,
+// say), calling back into that object. A moved object makes its own, so none calls into an
+// object that has moved. Concurrent first uses make it once.
+template <class F>
+class OwnForm {
+ public:
+  OwnForm() = default;
+  OwnForm(OwnForm&&) noexcept {}
+  OwnForm& operator=(OwnForm&&) noexcept { return *this; }
+  OwnForm(const OwnForm&) = delete;
+  OwnForm& operator=(const OwnForm&) = delete;
+  ~OwnForm() = default;
+
+  template <class Make>
+  F& get(Make&& make) {
+    std::call_once(made_, [&] { form_ = std::make_unique<F>(make()); });
+    return *form_;
+  }
+
+ private:
+  std::once_flag made_;
+  std::unique_ptr<F> form_;
+};
+}  // namespace detail
+
 // MindSpore's jit(fn, ...): fn is kept by reference if it is an lvalue, else moved in.
 template <JitConfig Config = JitConfig{}, class Fn>
 auto jit(Fn&& fn, JitOptions options = {}) {
