@@ -1,5 +1,6 @@
 // Training: both modes learn a small synthetic problem with the same loss curve, and a
 // checkpoint saved in one mode loads into the other.
+#include <algorithm>
 #include <cstdint>
 #include <filesystem>
 #include <string>
@@ -290,4 +291,87 @@ TEST_CASE("graph mode traces a runtime-built network's training step once and re
   CHECK(graph.losses.back() < graph.losses.front());
   CHECK(graph.losses == eager.losses);
   CHECK(graph.parameters == eager.parameters);
+}
+
+TEST_CASE("a runtime-built network's training step traces again for a new batch size and a changed network") {
+  ModeGuard guard;
+  set_context({.mode = GRAPH_MODE});
+  const Problem data;
+  set_seed(25);
+  auto net = network_from("8-6-3");
+  nn::MSELoss<> loss;
+  nn::WithLossCell with_loss(net, loss);
+  auto vg = value_and_grad(with_loss, net.parameters());
+  const Tensor target = randn({96, 3}, 26);
+  const std::uint64_t before = jit_compile_count();
+  const std::size_t log_before = jit_compile_log().size();
+  vg(data.x, target);
+  vg(data.x, target);
+  CHECK(jit_compile_count() == before + 1);
+  const Tensor small_batch = randn({5, 2, 4}, 27);
+  const Tensor small_target = randn({5, 3}, 28);
+  vg(small_batch, small_target);
+  CHECK(jit_compile_count() == before + 2);
+  CHECK(log_lines_with(log_before, "argument 1 shape [96, 2, 4] -> [5, 2, 4]") == 1);
+  // A layer appended after the trace: traced again, and the new layer gets its gradient.
+  net.append(nn::ReLU{});
+  net.append(nn::Dense<>(3, 3));
+  CHECK(vg(small_batch, small_target).value.shape() == Shape{});
+  CHECK(jit_compile_count() == before + 3);
+  CHECK(log_lines_with(log_before, "argument 0 (a value) changed") == 1);
+  const auto got = value_and_grad(with_loss, net.parameters())(small_batch, small_target);
+  set_context({.mode = PYNATIVE_MODE});
+  const auto expected = value_and_grad(with_loss, net.parameters())(small_batch, small_target);
+  CHECK(got.value.item() == expected.value.item());
+  REQUIRE(got.grads.size() == 6);
+  for (std::size_t i = 0; i < got.grads.size(); ++i) CHECK(duet_test::values_of(got.grads[i]) == duet_test::values_of(expected.grads[i]));
+}
+
+namespace {
+// A Dense layer whose output passes through a host callback (clipping, in plain C++).
+struct Clipped : nn::DynamicCell {
+  nn::Dense<> dense{8, 3};
+  int* calls;
+  explicit Clipped(int* counter) : calls(counter) {}
+  void for_each_child(const ChildVisitor& visit) override { visit("dense", dense); }
+  std::string type_name() const override { return "Clipped"; }
+
+ protected:
+  Tensor forward(const Tensor& x) override {
+    return host(
+        [this](const Tensor& v) {
+          ++*calls;
+          Tensor y = v.clone();
+          for (float& e : y.values()) e = std::min(e, 1.0f);
+          return y;
+        },
+        dense(ops::flatten(x)));
+  }
+};
+}  // namespace
+
+TEST_CASE("a training step that cannot be traced runs eagerly in graph mode, and the compile log says why") {
+  ModeGuard guard;
+  set_context({.mode = GRAPH_MODE});
+  const Problem data;
+  nn::SoftmaxCrossEntropyWithLogits<true, Reduction::mean> loss;
+  // A host callback: PyNative cannot differentiate through it either, and says so.
+  int calls = 0;
+  Clipped clipped(&calls);
+  nn::WithLossCell clipped_loss(clipped, loss);
+  auto clipped_grad = value_and_grad(clipped_loss, clipped.parameters());
+  CHECK_THROWS_WITH_AS(clipped_grad(data.x, data.y), doctest::Contains("duet::host is not differentiable"), ValueError);
+
+  // A hook: every step runs eagerly, the hook sees each, and the log names the cell once.
+  set_seed(27);
+  auto net = network_from("8-16-3");
+  int hook_calls = 0;
+  net[1].register_forward_hook([&](const nn::DynamicCell&, const Tensor&, const Tensor&) { ++hook_calls; });
+  const std::size_t log_before = jit_compile_log().size();
+  const auto graph = train_runtime(GRAPH_MODE, net, data, 3);
+  CHECK(hook_calls == 3);
+  CHECK(log_lines_with(log_before, "graph break, runs eagerly: nn::Dense<dyn, dyn> '1' has a hook") == 1);
+  set_seed(27);
+  auto eager_net = network_from("8-16-3");
+  CHECK(train_runtime(PYNATIVE_MODE, eager_net, data, 3) == graph);
 }
