@@ -272,6 +272,15 @@ concept DynamicCellType = std::is_base_of_v<BasicDynamicCell<typename X::value_t
 template <class C>
 concept RuntimeBuilt = DynamicCellType<std::remove_cvref_t<C>> && !requires { std::remove_cvref_t<C>::mode; };
 
+// Whether graph capture can call a cell's construct. A cell that calls one built at run time
+// (WithLossCell over a DynamicSequentialCell, say) says it cannot, with a static member
+// `capturable = false`: it then runs on real tensors in every mode.
+template <class C>
+constexpr bool capturable_construct() {
+  if constexpr (requires { C::capturable; }) return C::capturable;
+  else return true;
+}
+
 template <class C, class X>
 concept HasConstruct = requires(C& cell, X x) {
   cell.construct(x);
@@ -316,7 +325,7 @@ class Cell : public BasicDynamicCell<T> {
   // Graph capture: construct appends this cell's nodes to the graph its inputs belong to.
   // Hooks cannot run inside a graph: refused here rather than silently dropped.
   template <graph::Symbolic... S>
-    requires(sizeof...(S) >= 1 && requires(Derived& d, const S&... s) { d.construct(s...); })
+    requires(sizeof...(S) >= 1 && capturable_construct<Derived>())
   auto operator()(const S&... xs) {
     if (this->has_hooks_in_tree()) {
       throw ModeError(this->label() +

@@ -21,11 +21,12 @@ class WithLossCell
   using T = typename Backbone::value_type;
 
  public:
+  // A backbone built at run time cannot be captured into a graph, so neither can this cell.
+  static constexpr bool capturable = !RuntimeBuilt<Backbone>;
+
   WithLossCell(Backbone& backbone, Loss& loss_fn) : backbone_(backbone), loss_fn_(loss_fn) {}
 
-  // A backbone built at run time cannot be captured into a graph, so neither can this cell.
   template <class X, class Y>
-    requires(!(graph::Symbolic<X> && RuntimeBuilt<Backbone>))
   auto construct(const X& data, const Y& label) {
     return loss_fn_(backbone_(data), label);
   }
