@@ -1,10 +1,13 @@
 // The main job: trains the seed network on Fashion-MNIST (Debian's dataset-fashion-mnist) in
 // graph or PyNative mode, prints each epoch's train loss, test loss and accuracy and wall
-// time, and saves a checkpoint.
+// time, and saves a checkpoint with the optimiser's state. --resume PATH continues from such
+// a checkpoint for --epochs more epochs, so that --epochs 2 and --epochs 1 followed by
+// --resume with --epochs 1 end with the same weights, bit for bit (with the same other flags).
 //
 //   train_fashion_mnist [--mode graph|pynative] [--epochs 5] [--seed 1] [--threads 1]
 //                       [--optimizer adam|sgd] [--lr 0.001] [--batch-size 64]
 //                       [--data /usr/share/datasets/fashion-mnist] [--checkpoint seed_network.ckpt]
+//                       [--resume PATH]
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -31,13 +34,14 @@ struct Options {
   duet::index_t batch_size = 64;
   std::string data = duet::data::fashion_mnist_dir;
   std::string checkpoint = "seed_network.ckpt";
+  std::string resume;  // a checkpoint to continue from; "" to start afresh
 };
 
 [[noreturn]] void usage(const std::string& problem) {
   std::cerr << "train_fashion_mnist: " << problem
             << "\nusage: train_fashion_mnist [--mode graph|pynative] [--epochs N] [--seed S] [--threads T]\n"
                "                           [--optimizer adam|sgd] [--lr LR] [--batch-size B] [--data DIR]\n"
-               "                           [--checkpoint PATH]\n";
+               "                           [--checkpoint PATH] [--resume PATH]\n";
   std::exit(2);
 }
 
@@ -53,6 +57,7 @@ Options parse(int argc, char** argv) {
       {"--batch-size", [&](const std::string& v) { o.batch_size = std::stoll(v); }},
       {"--data", [&](const std::string& v) { o.data = v; }},
       {"--checkpoint", [&](const std::string& v) { o.checkpoint = v; }},
+      {"--resume", [&](const std::string& v) { o.resume = v; }},
   };
   for (int i = 1; i < argc; i += 2) {
     const auto flag = flags.find(argv[i]);
@@ -90,10 +95,27 @@ int train(const Options& o, Network& model, Optimizer& optimizer) {
             << o.mode << " mode, " << o.optimizer << " lr " << o.lr << ", batch " << o.batch_size << ", seed " << o.seed
             << ", " << o.threads << " thread(s)\n";
 
+  // The step count says how many epochs the checkpoint has seen; the loader goes on with the
+  // next epoch's order, as the run that saved it would have.
+  std::int64_t done = 0;
+  if (!o.resume.empty()) {
+    load_checkpoint(o.resume, model, optimizer);
+    const std::int64_t steps = optimizer.global_step();
+    if (steps % train_data.size() != 0) {
+      throw ValueError("--resume " + o.resume + ": its optimizer has taken " + std::to_string(steps) +
+                       " steps, not a whole number of epochs of " + std::to_string(train_data.size()) +
+                       " batches (another --batch-size?)");
+    }
+    done = steps / train_data.size();
+    train_data.start_epoch(static_cast<std::uint64_t>(done));
+    std::cout << "duet: resuming from " << o.resume << " after " << done << " epoch(s)\n";
+  }
+
   const bool tty = isatty(STDOUT_FILENO) != 0;
-  for (int epoch = 1; epoch <= o.epochs; ++epoch) {
+  const std::int64_t last = done + o.epochs;
+  for (std::int64_t epoch = done + 1; epoch <= last; ++epoch) {
     const auto start = std::chrono::steady_clock::now();
-    train::ProgressBar bar(std::cout, "epoch " + std::to_string(epoch) + "/" + std::to_string(o.epochs),
+    train::ProgressBar bar(std::cout, "epoch " + std::to_string(epoch) + "/" + std::to_string(last),
                            train_data.size());
     double loss_sum = 0;
     index_t seen = 0;
@@ -109,11 +131,12 @@ int train(const Options& o, Network& model, Optimizer& optimizer) {
     const double train_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     const train::Metrics test = train::evaluate(model, loss, test_data);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    std::printf("epoch %d: train loss %.6f  test loss %.6f  test accuracy %.4f  train time %.2f s  epoch time %.2f s\n",
-                epoch, loss_sum / static_cast<double>(seen), test.loss, test.accuracy, train_seconds, seconds);
+    std::printf("epoch %lld: train loss %.6f  test loss %.6f  test accuracy %.4f  train time %.2f s  epoch time %.2f s\n",
+                static_cast<long long>(epoch), loss_sum / static_cast<double>(seen), test.loss, test.accuracy,
+                train_seconds, seconds);
     std::fflush(stdout);
   }
-  save_checkpoint(model, o.checkpoint);
+  save_checkpoint(model, o.checkpoint, optimizer);
   std::printf("saved %s; peak RSS %.1f MiB\n", o.checkpoint.c_str(), peak_rss_mib());
   return 0;
 }

@@ -210,3 +210,126 @@ TEST_CASE("graph mode captures construct once per cell and thread, as MindSpore 
   a(x);
   CHECK(a.constructs == 4);
 }
+
+namespace unregistered {
+// DUET_CELL_MEMBERS forgotten: nothing would be trained.
+struct NoList : nn::Cell<NoList> {
+  nn::Dense<4, 3> first;
+  nn::Dense<3, 2> second;
+  auto construct(auto x) { return second(first(x)); }
+};
+
+// One member left out of the list.
+struct Partial : nn::Cell<Partial> {
+  nn::Dense<4, 3> first;
+  nn::Dense<3, 2> second;
+  DUET_CELL_MEMBERS(first);
+  auto construct(auto x) { return second(first(x)); }
+};
+
+// The faulty cell is itself a member, so the message names it by its path.
+struct Outer : nn::Cell<Outer> {
+  Partial inner;
+  DUET_CELL_MEMBERS(inner);
+  auto construct(auto x) { return inner(x); }
+};
+
+// Two inputs: the path of Cell's several-tensor call.
+struct TwoInputs : nn::Cell<TwoInputs> {
+  nn::Dense<4, 2> dense;
+  nn::MSELoss<> loss;
+  DUET_CELL_MEMBERS(loss);
+  auto construct(const auto& x, const auto& y) { return loss(dense(x), y); }
+};
+
+std::string refusal(const std::string& parent, const std::string& member) {
+  return parent + " calls a member " + member +
+         " that is not registered with it, so its parameters would be neither trained nor saved; list the member "
+         "in DUET_CELL_MEMBERS(...)";
+}
+
+// Registered in every way a cell can be: by member, through a container, by reference in a
+// wrapper; and cells construct may call that are not its members.
+struct Block : nn::Cell<Block> {
+  nn::Dense<4, 4> fc;
+  DUET_CELL_MEMBERS(fc);
+  auto construct(auto x) { return fc(x); }
+};
+struct Legit : nn::Cell<Legit> {
+  Block block;
+  nn::Dense<4, 4> square;
+  nn::SequentialCell<nn::Dense<4, 3>, nn::ReLU> head;
+  DUET_CELL_MEMBERS(block, square, head);
+  auto construct(auto x) {
+    const auto h = block.fc(block(x));           // a grandchild reached through a registered child
+    return head(square(nn::ReLU{}(square(h))));  // the same cell twice, and a temporary
+  }
+};
+
+// Cells registered through a container built at run time, whose cells live on the heap.
+struct Holder : nn::Cell<Holder, PYNATIVE_MODE> {
+  nn::DynamicSequentialCell layers;
+  DUET_CELL_MEMBERS(layers);
+  auto construct(auto x) { return layers(x); }
+};
+}  // namespace unregistered
+
+TEST_CASE("a member cell missing from DUET_CELL_MEMBERS is an error on the first call, in both modes") {
+  using unregistered::refusal;
+  ModeGuard guard;
+  const std::string no_list = refusal("unregistered::NoList", "nn::Dense<4, 3>");
+  const std::string partial_second = refusal("unregistered::Partial", "nn::Dense<3, 2>");
+  const std::string inner_second = refusal("unregistered::Partial 'inner'", "nn::Dense<3, 2>");
+  const std::string two_dense = refusal("unregistered::TwoInputs", "nn::Dense<4, 2>");
+  for (Mode mode : {PYNATIVE_MODE, GRAPH_MODE}) {
+    CAPTURE(mode);
+    set_context({.mode = mode});
+    unregistered::NoList none;
+    CHECK_THROWS_WITH_AS(none(ones({2, 4})), no_list.c_str(), ValueError);
+    CHECK_THROWS_WITH_AS(none(ones({2, 4})), no_list.c_str(), ValueError);  // every call, not only the first
+    unregistered::Partial partial;
+    CHECK_THROWS_WITH_AS(partial(ones({2, 4})), partial_second.c_str(), ValueError);
+    CHECK_THROWS_WITH_AS(partial(ones(shape<2, 4>)), partial_second.c_str(), ValueError);
+    unregistered::Outer outer;
+    CHECK_THROWS_WITH_AS(outer(ones({2, 4})), inner_second.c_str(), ValueError);
+    unregistered::TwoInputs two;
+    CHECK_THROWS_WITH_AS(two(ones({2, 4}), ones({2, 2})), two_dense.c_str(), ValueError);
+    // Differentiating it for training is refused as well.
+    CHECK_THROWS_WITH_AS(value_and_grad(two, two.parameters())(ones({2, 4}), ones({2, 2})), two_dense.c_str(),
+                         ValueError);
+  }
+  // Capturing the graph to show it is a first call too.
+  unregistered::Partial partial;
+  CHECK_THROWS_WITH_AS(graph_ir(partial), partial_second.c_str(), ValueError);
+}
+
+TEST_CASE("registered cells, wrappers, temporaries and cells outside any construct run in both modes alike") {
+  ModeGuard guard;
+  set_seed(4);
+  unregistered::Legit net;
+  nn::MSELoss<> loss;
+  nn::WithLossCell with_loss(net, loss);  // keeps net by reference
+  nn::Dense<4, 4> free_standing;
+  const Tensor x = randn({3, 4}, 9);
+  const Tensor target = randn({3, 3}, 10);
+  std::vector<std::vector<double>> outputs;
+  for (Mode mode : {PYNATIVE_MODE, GRAPH_MODE}) {
+    set_context({.mode = mode});
+    for (int call = 0; call < 2; ++call) {
+      outputs.push_back(duet_test::values_of(net(x)));
+      outputs.push_back(duet_test::values_of(with_loss(x, target)));
+      outputs.push_back(duet_test::values_of(jit([&](auto in) { return net(free_standing(in)); })(x)));
+      outputs.push_back(duet_test::values_of(value_and_grad(with_loss, net.parameters())(x, target).grads[0]));
+    }
+  }
+  for (std::size_t i = 4; i < outputs.size(); ++i) CHECK(outputs[i] == outputs[i % 4]);
+  CHECK(net.parameters().size() == 6);
+}
+
+TEST_CASE("a PyNative cell may hold a DynamicSequentialCell, whose cells live outside it") {
+  unregistered::Holder holder;
+  holder.layers.append(nn::Dense<>(4, 2));
+  holder.layers.append(nn::ReLU{});
+  CHECK(holder(ones({3, 4})).shape() == Shape{3, 2});
+  CHECK(holder.parameters().size() == 2);
+}

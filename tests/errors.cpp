@@ -31,10 +31,20 @@ TEST_CASE("Flatten needs a batch axis; Dense needs at least one axis") {
   ModeGuard guard;
   nn::Flatten flatten;
   nn::Dense<1, 1> dense;
+  SeedNetwork<> net;
   for (Mode m : {PYNATIVE_MODE, GRAPH_MODE}) {
     set_context({.mode = m});
-    CHECK_THROWS_WITH_AS(flatten(Tensor(Shape{}, {1.0f})), "nn::Flatten expects an input of rank at least 1, got []",
+    CHECK_THROWS_WITH_AS(flatten(Tensor(Shape{}, {1.0f})),
+                         "nn::Flatten expects an input of rank at least 2 whose first dimension is the batch, got []: "
+                         "the batch dimension is missing",
                          ShapeError);
+    // One sample without its batch dimension is refused by Flatten itself, not made [784, 1].
+    CHECK_THROWS_WITH_AS(net(ones({784})),
+                         "nn::Flatten expects an input of rank at least 2 whose first dimension is the batch, got "
+                         "[784]: the batch dimension is missing",
+                         ShapeError);
+    CHECK(net(ones({1, 784})).shape() == Shape{1, 10});
+    CHECK(flatten(ones({3, 1})).shape() == Shape{3, 1});
     CHECK_THROWS_WITH_AS(dense(Tensor(Shape{}, {1.0f})), "nn::Dense<1, 1> expects an input of rank at least 1, got []",
                          ShapeError);
   }

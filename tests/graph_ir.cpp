@@ -41,8 +41,30 @@ TEST_CASE("graph_ir's DOT output has one node per graph node and one edge per ar
   const GraphIR ir = graph_ir(net);
   const std::string& dot = ir.optimized.dot;
   CHECK(dot.rfind("digraph \"", 0) == 0);
-  CHECK(dot.find("n2 [label=\"%2 MatMul + BiasAdd + ReLU\\n[?, 512] (slot 0)\"];") != std::string::npos);
+  CHECK(dot.find("n2 [label=\"%2 MatMul + BiasAdd + ReLU\\n[?, 512] (slot 0)\\nnn::Dense&lt;784, 512&gt; "
+                 "'dense_relu_sequential.0'\"];") != std::string::npos);
   CHECK(dot.find("n3 -> n4;") != std::string::npos);
   CHECK(dot.find("n0 [label=\"%0 Input 0\\n[...] (input)\"];") != std::string::npos);
   CHECK(dot.back() == '\n');
+}
+
+namespace {
+// A layer whose type name holds what a DOT string or label must escape.
+struct OddlyNamed : nn::Dense<4, 2> {
+  std::string type_name() const override { return "My\"Cell<\n>\\N&"; }
+};
+}  // namespace
+
+TEST_CASE("graph_ir's DOT output escapes quotes, backslashes, newlines, <, > and & in titles and labels") {
+  OddlyNamed layer;
+  const std::string escaped = R"(My\"Cell&lt;\n&gt;\\N&amp;)";
+  CHECK(graph_ir(layer).optimized.dot == "digraph \"" + escaped +
+                                             "\" {\n"
+                                             "  node [shape=box, fontname=\"monospace\"];\n"
+                                             "  n0 [label=\"%0 Input 0\\n[...] (input)\"];\n"
+                                             "  n1 [label=\"%1 MatMul + BiasAdd\\n[..., 2] (output)\\n" +
+                                             escaped +
+                                             "\"];\n"
+                                             "  n0 -> n1;\n"
+                                             "}\n");
 }

@@ -84,20 +84,40 @@ struct Record {
   Bytes data;
 };
 
-Bytes checkpoint_bytes(const std::vector<Record>& records, std::uint32_t count) {
+// The optimiser section of a version 2 file; an empty type writes none.
+struct OptimizerSection {
+  std::string type;
+  std::int64_t step = 0;
+  std::vector<Record> state;
+};
+
+Bytes checkpoint_bytes(const std::vector<Record>& records, std::uint32_t count, std::uint32_t version = 2,
+                       const OptimizerSection& optimizer = {}) {
   Bytes out{'D', 'U', 'E', 'T', 'C', 'K', 'P', 'T'};
   const auto put = [&](std::uint64_t v, int n) {
     for (int i = 0; i < n; ++i) out.push_back(static_cast<unsigned char>(v >> (8 * i)));
   };
-  put(1, 4);
+  const auto put_records = [&](const std::vector<Record>& rs) {
+    for (const Record& r : rs) {
+      put(r.name.size(), 4);
+      out.insert(out.end(), r.name.begin(), r.name.end());
+      put(r.dtype, 1);
+      put(r.dims.size(), 1);
+      for (std::int64_t d : r.dims) put(static_cast<std::uint64_t>(d), 8);
+      out.insert(out.end(), r.data.begin(), r.data.end());
+    }
+  };
+  put(version, 4);
   put(count, 4);
-  for (const Record& r : records) {
-    put(r.name.size(), 4);
-    out.insert(out.end(), r.name.begin(), r.name.end());
-    put(r.dtype, 1);
-    put(r.dims.size(), 1);
-    for (std::int64_t d : r.dims) put(static_cast<std::uint64_t>(d), 8);
-    out.insert(out.end(), r.data.begin(), r.data.end());
+  put_records(records);
+  if (version >= 2) {
+    put(optimizer.type.size(), 4);
+    out.insert(out.end(), optimizer.type.begin(), optimizer.type.end());
+    if (!optimizer.type.empty()) {
+      put(static_cast<std::uint64_t>(optimizer.step), 8);
+      put(optimizer.state.size(), 4);
+      put_records(optimizer.state);
+    }
   }
   put(crc32_z(0, out.data(), out.size()), 4);
   return out;
@@ -193,7 +213,7 @@ TEST_CASE(
   const fs::path good = dir.path / "good.ckpt";
   save_checkpoint(source, good);
   const Bytes file = read_file(good);
-  REQUIRE(file.size() == 16 + (6 + 6 + 16 + 16) + (6 + 4 + 8 + 8) + 4);
+  REQUIRE(file.size() == 16 + (6 + 6 + 16 + 16) + (6 + 4 + 8 + 8) + 4 + 4);
 
   nn::Dense<2, 2> target;
   const Bytes before = parameter_bytes(target);
@@ -205,7 +225,7 @@ TEST_CASE(
     CAPTURE(n);
     write_file(bad, Bytes(file.begin(), file.begin() + static_cast<std::ptrdiff_t>(n)));
     CHECK(format_error_of([&] { load_checkpoint(bad, target); }) ==
-          where + "truncated at byte " + std::to_string(n) + "; a checkpoint of this cell is 90 bytes");
+          where + "truncated at byte " + std::to_string(n) + "; a checkpoint of this cell is 94 bytes");
     REQUIRE(parameter_bytes(target) == before);
   }
   for (std::size_t i = 0; i < file.size(); ++i) {
@@ -248,10 +268,22 @@ TEST_CASE("a parameter of another shape or element type is named with both") {
   save_checkpoint(single, path);
   CHECK(format_error_of([&] { load_checkpoint(path, single_double); }) ==
         where + "parameter '0.weight' is Float64 in the cell but Float32 in the file");
-  // A file larger than the cell's checkpoint is refused before it is read in full.
   save_checkpoint(single_double, path);
   CHECK(format_error_of([&] { load_checkpoint(path, single); }) ==
-        where + "larger than the 102 bytes a checkpoint of this cell takes; it holds other parameters or shapes");
+        where + "parameter '0.weight' is Float32 in the cell but Float64 in the file");
+}
+
+TEST_CASE("a file larger than the cell's checkpoint names the parameter whose shape differs") {
+  TempDir dir;
+  const fs::path path = dir.path / "x.ckpt";
+  SeedNetwork<> seed;
+  save_checkpoint(seed, path);
+  NarrowNetwork narrow;
+  const Bytes before = parameter_bytes(narrow);
+  CHECK(format_error_of([&] { load_checkpoint(path, narrow); }) ==
+        "checkpoint '" + path.string() +
+            "': parameter 'dense_relu_sequential.0.weight' has shape [512, 100] in the cell but [512, 784] in the file");
+  CHECK(parameter_bytes(narrow) == before);
 }
 
 TEST_CASE("missing, unexpected and repeated parameters are named") {
@@ -269,7 +301,9 @@ TEST_CASE("missing, unexpected and repeated parameters are named") {
   save_checkpoint(small, path);
   nn::SequentialCell<nn::Dense<4, 3>, nn::Dense<3, 2>> renamed;
   CHECK(format_error_of([&] { load_checkpoint(path, renamed); }) ==
-        where + "parameter '2.weight' in the file is not in the cell");
+        where +
+            "the file's parameter(s) '2.weight', '2.bias' are not in the cell, and the file has no value for the "
+            "cell's parameter(s) '1.weight', '1.bias'");
 
   nn::Dense<2, 2> dense;
   const Bytes dense_before = parameter_bytes(dense);
@@ -280,7 +314,7 @@ TEST_CASE("missing, unexpected and repeated parameters are named") {
   CHECK(parameter_bytes(dense) == dense_before);
 }
 
-TEST_CASE("a file with a valid checksum but malformed fields is a FormatError naming the field") {
+TEST_CASE("a version 1 file with a valid checksum but malformed fields is a FormatError naming the field") {
   TempDir dir;
   const fs::path path = dir.path / "x.ckpt";
   const std::string where = "checkpoint '" + path.string() + "': malformed: ";
@@ -290,18 +324,42 @@ TEST_CASE("a file with a valid checksum but malformed fields is a FormatError na
     write_file(path, file);
     return format_error_of([&] { load_checkpoint(path, dense); });
   };
-  CHECK(error_for(checkpoint_bytes({{"bias", 9, {2}, floats({1, 2})}}, 1)) ==
+  CHECK(error_for(checkpoint_bytes({{"bias", 9, {2}, floats({1, 2})}}, 1, 1)) ==
         where + "parameter 'bias' has element type 9, which is no duet::DType");
-  CHECK(error_for(checkpoint_bytes({{"bias", 0, std::vector<std::int64_t>(9, 1), {}}}, 1)) ==
+  CHECK(error_for(checkpoint_bytes({{"bias", 0, std::vector<std::int64_t>(9, 1), {}}}, 1, 1)) ==
         where + "parameter 'bias' has rank 9, more than 8");
-  CHECK(error_for(checkpoint_bytes({{"bias", 0, {-2}, {}}}, 1)) == where + "parameter 'bias' has dimension 0 = -2");
-  CHECK(error_for(checkpoint_bytes({{"bias", 0, {1000}, floats({1, 2})}}, 1)) ==
+  CHECK(error_for(checkpoint_bytes({{"bias", 0, {-2}, {}}}, 1, 1)) == where + "parameter 'bias' has dimension 0 = -2");
+  CHECK(error_for(checkpoint_bytes({{"bias", 0, {1000}, floats({1, 2})}}, 1, 1)) ==
         where + "parameter 'bias''s elements [1000] run past the parameters' end at byte 42");
-  CHECK(error_for(checkpoint_bytes({}, 7)) ==
+  CHECK(error_for(checkpoint_bytes({}, 7, 1)) ==
         where + "parameter #0's name length at byte 16 runs past the parameters' end at byte 16");
-  CHECK(error_for(checkpoint_bytes({{"bias", 0, {2}, floats({1, 2, 3})}}, 1)) ==
+  CHECK(error_for(checkpoint_bytes({{"bias", 0, {2}, floats({1, 2, 3})}}, 1, 1)) ==
         where + "4 unexpected bytes at byte 42, after the parameters");
   CHECK(parameter_bytes(dense) == before);
+}
+
+TEST_CASE("a version 2 file with malformed optimizer fields is a FormatError naming the field") {
+  TempDir dir;
+  const fs::path path = dir.path / "x.ckpt";
+  const std::string where = "checkpoint '" + path.string() + "': malformed: ";
+  nn::Dense<2, 2> dense;
+  const std::vector<Record> parameters{{"weight", 0, {2, 2}, floats({1, 2, 3, 4})}, {"bias", 0, {2}, floats({5, 6})}};
+  const auto info_error = [&](const Bytes& file) {
+    write_file(path, file);
+    return format_error_of([&] { checkpoint_info(path); });
+  };
+  CHECK(info_error(checkpoint_bytes(parameters, 2, 2, {"nn::SGD", -1, {}})) ==
+        where + "the optimizer's global step is -1");
+  const Record moment{"moment1.bias", 0, {2}, floats({0, 0})};
+  CHECK(info_error(checkpoint_bytes(parameters, 2, 2, {"nn::Adam", 3, {moment, moment}})) ==
+        "checkpoint '" + path.string() + "': optimizer state 'moment1.bias' appears twice in the file");
+  Bytes trailing = checkpoint_bytes(parameters, 2, 2, {"nn::Adam", 3, {moment}});
+  trailing.insert(trailing.end() - 4, {0, 0});
+  const uLong crc = crc32_z(0, trailing.data(), trailing.size() - 4);
+  for (std::size_t i = 0; i < 4; ++i) trailing[trailing.size() - 4 + i] = static_cast<unsigned char>(crc >> (8 * i));
+  CHECK(info_error(trailing) == where + "2 unexpected bytes at byte " + std::to_string(trailing.size() - 6) +
+                                    ", after the optimizer state");
+  CHECK(format_error_of([&] { load_checkpoint(path, dense); }) == info_error(trailing));
 }
 
 TEST_CASE("parameters may come in any order") {
@@ -341,5 +399,287 @@ TEST_CASE("save replaces the file atomically and leaves no temporary file, even 
     FAIL("a missing file is an IOError, not a FormatError: " << e.what());
   } catch (const IOError& e) {
     CHECK(std::string(e.what()) == "checkpoint '" + missing.string() + "': cannot open: No such file or directory");
+  }
+}
+
+TEST_CASE("checkpoint_info lists a file's parameters and optimizer state without a cell") {
+  TempDir dir;
+  const fs::path path = dir.path / "x.ckpt";
+  SmallNet net;
+  save_checkpoint(net, path);
+  CheckpointInfo info = checkpoint_info(path);
+  CHECK(info.version == 2);
+  REQUIRE(info.parameters.size() == 4);
+  CHECK(info.parameters[0].name == "0.weight");
+  CHECK(info.parameters[0].dtype == DType::float32);
+  CHECK(info.parameters[0].shape == Shape{3, 4});
+  CHECK(info.parameters[3].name == "2.bias");
+  CHECK(info.parameters[3].shape == Shape{2});
+  CHECK(info.optimizer.empty());
+  CHECK(info.optimizer_state.empty());
+
+  nn::Adam adam(net.parameters());
+  adam.set_global_step(7);
+  save_checkpoint(net, path, adam);
+  info = checkpoint_info(path);
+  CHECK(info.parameters.size() == 4);
+  CHECK(info.optimizer == "nn::Adam");
+  CHECK(info.global_step == 7);
+  REQUIRE(info.optimizer_state.size() == 8);
+  CHECK(info.optimizer_state[0].name == "moment1.0.weight");
+  CHECK(info.optimizer_state[0].shape == Shape{3, 4});
+  CHECK(info.optimizer_state[7].name == "moment2.2.bias");
+  CHECK(info.optimizer_state[7].dtype == DType::float32);
+
+  // The same checks as a load, with no cell size to tell a cut file from a damaged one.
+  const Bytes file = read_file(path);
+  const std::string where = "checkpoint '" + path.string() + "': ";
+  write_file(path, Bytes(file.begin(), file.end() - 1));
+  CHECK(format_error_of([&] { checkpoint_info(path); }) ==
+        where + "checksum mismatch: the file is damaged or truncated");
+  write_file(path, Bytes(file.begin(), file.begin() + 10));
+  CHECK(format_error_of([&] { checkpoint_info(path); }) == where + "truncated at byte 10");
+  CHECK_THROWS_AS(checkpoint_info(dir.path / "missing.ckpt"), IOError);
+
+  // Version 1 files are read as they are.
+  write_file(path, checkpoint_bytes({{"bias", 0, {2}, floats({1, 2})}}, 1, 1));
+  info = checkpoint_info(path);
+  CHECK(info.version == 1);
+  REQUIRE(info.parameters.size() == 1);
+  CHECK(info.parameters[0].name == "bias");
+  CHECK(info.optimizer.empty());
+  const Bytes v1 = read_file(path);
+  CHECK(checkpoint_info_bytes(std::as_bytes(std::span(v1))).parameters[0].shape == Shape{2});
+}
+
+TEST_CASE("a load that is not strict loads what matches and names the rest") {
+  TempDir dir;
+  const fs::path path = dir.path / "x.ckpt";
+  set_seed(1);
+  SmallNet source;
+  save_checkpoint(source, path);
+  set_seed(2);
+  nn::SequentialCell<nn::Dense<4, 3>, nn::ReLU, nn::Dense<3, 5>, nn::Dense<5, 5>> target;
+  const auto target_parameters = target.parameters();
+  const Bytes wider_before(reinterpret_cast<const unsigned char*>(target_parameters[2].parameter->data()),
+                           reinterpret_cast<const unsigned char*>(target_parameters[2].parameter->data()) + 15 * 4);
+
+  const CheckpointLoad result = load_checkpoint(path, target, {.strict = false});
+  CHECK(result.param_not_load == std::vector<std::string>{"2.weight", "2.bias", "3.weight", "3.bias"});
+  CHECK(result.ckpt_not_load == std::vector<std::string>{"2.weight", "2.bias"});
+  CHECK(duet_test::values_of(target.get<0>().weight) == duet_test::values_of(source.get<0>().weight));
+  CHECK(duet_test::values_of(target.get<0>().bias) == duet_test::values_of(source.get<0>().bias));
+  const auto* wider = reinterpret_cast<const unsigned char*>(target.get<2>().weight.data());
+  CHECK(Bytes(wider, wider + 15 * 4) == wider_before);
+
+  // A strict load of the same file throws and changes nothing; one that fits returns empty lists.
+  const Bytes before = parameter_bytes(target);
+  CHECK(format_error_of([&] { load_checkpoint(path, target); }) ==
+        "checkpoint '" + path.string() +
+            "': parameter '2.weight' has shape [5, 3] in the cell but [2, 3] in the file");
+  CHECK(parameter_bytes(target) == before);
+  SmallNet same;
+  const CheckpointLoad full = load_checkpoint(path, same);
+  CHECK(full.param_not_load.empty());
+  CHECK(full.ckpt_not_load.empty());
+  CHECK(parameter_bytes(same) == parameter_bytes(source));
+
+  // Not strict is not lenient about the file: a damaged one loads nothing.
+  Bytes file = read_file(path);
+  file[30] ^= 1;
+  write_file(path, file);
+  CHECK(format_error_of([&] { load_checkpoint(path, target, {.strict = false}); }) ==
+        "checkpoint '" + path.string() + "': checksum mismatch: the file is damaged or truncated");
+  CHECK(parameter_bytes(target) == before);
+}
+
+TEST_CASE("a cell without parameters cannot be saved: its members are probably not declared") {
+  TempDir dir;
+  nn::ReLU relu;
+  try {
+    save_checkpoint(relu, dir.path / "x.ckpt");
+    FAIL("saving a cell without parameters succeeded");
+  } catch (const ValueError& e) {
+    CHECK(std::string(e.what()) == "checkpoint '" + (dir.path / "x.ckpt").string() +
+                                       "': nn::ReLU has no parameters; are its sub-cells and parameters listed in "
+                                       "its DUET_CELL_MEMBERS?");
+  }
+  CHECK(dir.listing().empty());
+  CHECK_THROWS_AS(load_checkpoint(dir.path / "x.ckpt", relu), ValueError);
+}
+
+namespace {
+
+// A small problem fed through a shuffling loader, as the example trains.
+struct TinyProblem {
+  data::DataLoader loader;
+  TinyProblem() : loader(dataset(), 8, {.shuffle = true, .seed = 5}) {}
+  static data::ImageDataset dataset() {
+    BasicTensor<std::uint8_t> images{Shape{40, 2, 3}};
+    BasicTensor<std::int32_t> labels{Shape{40}};
+    for (index_t i = 0; i < images.numel(); ++i) images.data()[i] = static_cast<std::uint8_t>((i * 37 + 11) % 256);
+    for (index_t i = 0; i < 40; ++i) labels.data()[i] = static_cast<std::int32_t>((i * 7) % 3);
+    return data::ImageDataset(std::move(images), std::move(labels), 3);
+  }
+};
+
+struct TinyNet : nn::Cell<TinyNet> {
+  nn::Flatten flatten;
+  nn::SequentialCell<nn::Dense<6, 8>, nn::ReLU, nn::Dense<8, 3>> layers;
+  DUET_CELL_MEMBERS(flatten, layers);
+  auto construct(auto x) { return layers(flatten(x)); }
+};
+
+template <class Optimizer>
+void train_epochs(TinyNet& net, Optimizer& optimizer, TinyProblem& problem, std::uint64_t from, std::uint64_t to) {
+  nn::SoftmaxCrossEntropyWithLogits<true, Reduction::mean> loss;
+  nn::WithLossCell with_loss(net, loss);
+  nn::TrainOneStepCell step(with_loss, optimizer);
+  for (std::uint64_t epoch = from; epoch < to; ++epoch) {
+    problem.loader.start_epoch(epoch);
+    while (const data::Batch* batch = problem.loader.next()) step(batch->images, batch->labels);
+  }
+}
+
+template <class Optimizer>
+Bytes state_bytes(Optimizer& optimizer) {
+  Bytes out;
+  for (const auto& slot : optimizer.state()) {
+    for (const auto& t : *slot.tensors) {
+      const auto* b = reinterpret_cast<const unsigned char*>(t.data());
+      out.insert(out.end(), b, b + t.numel() * 4);
+    }
+  }
+  return out;
+}
+
+// 2 epochs, a checkpoint, then a new network and optimiser (as in a new process) that load it
+// and train 3 more must end where 5 epochs in one go end, bit for bit.
+template <class Optimizer, class Config>
+void check_resume(Mode mode, const Config& config) {
+  duet_test::ModeGuard guard;
+  set_context({.mode = mode});
+  TempDir dir;
+  const fs::path path = dir.path / "resume.ckpt";
+
+  set_seed(1);
+  TinyNet straight;
+  Optimizer straight_optimizer(straight.parameters(), config);
+  TinyProblem straight_data;
+  train_epochs(straight, straight_optimizer, straight_data, 0, 5);
+
+  {
+    set_seed(1);
+    TinyNet first;
+    Optimizer first_optimizer(first.parameters(), config);
+    TinyProblem first_data;
+    train_epochs(first, first_optimizer, first_data, 0, 2);
+    save_checkpoint(first, path, first_optimizer);
+  }
+  set_seed(2);
+  TinyNet resumed;
+  Optimizer resumed_optimizer(resumed.parameters(), config);
+  load_checkpoint(path, resumed, resumed_optimizer);
+  CHECK(resumed_optimizer.global_step() == 10);
+  TinyProblem resumed_data;
+  train_epochs(resumed, resumed_optimizer, resumed_data, 2, 5);
+  CHECK(resumed_optimizer.global_step() == straight_optimizer.global_step());
+  CHECK(parameter_bytes(resumed) == parameter_bytes(straight));
+  CHECK(state_bytes(resumed_optimizer) == state_bytes(straight_optimizer));
+
+  // The optimiser state matters: the parameters alone resume to other values.
+  set_seed(2);
+  TinyNet weights_only;
+  Optimizer fresh_optimizer(weights_only.parameters(), config);
+  load_checkpoint(path, weights_only);
+  TinyProblem weights_only_data;
+  train_epochs(weights_only, fresh_optimizer, weights_only_data, 2, 5);
+  CHECK(parameter_bytes(weights_only) != parameter_bytes(straight));
+}
+
+}  // namespace
+
+TEST_CASE("training resumed from a checkpoint with its optimizer state ends as training in one go, bit for bit") {
+  for (Mode mode : {GRAPH_MODE, PYNATIVE_MODE}) {
+    CAPTURE(mode);
+    check_resume<nn::Adam>(mode, nn::AdamConfig{.learning_rate = 0.01});
+    check_resume<nn::AdamW>(mode, nn::AdamConfig{.learning_rate = 0.01, .weight_decay = 0.1});
+    check_resume<nn::SGD>(mode, nn::SGDConfig{.learning_rate = 0.05, .momentum = 0.9});
+    check_resume<nn::SGD>(mode, nn::SGDConfig{.learning_rate = nn::CosineDecayLR{0.001, 0.1, 30}, .momentum = 0.9});
+    check_resume<nn::Adam>(mode, nn::AdamConfig{.learning_rate = nn::ExponentialDecayLR{0.02, 0.5, 7, true}});
+  }
+}
+
+TEST_CASE("the optimizer state is stored as the documented layout, named by parameter") {
+  TempDir dir;
+  const fs::path path = dir.path / "x.ckpt";
+  nn::Dense<2, 1> dense;
+  nn::SGD sgd(dense.parameters(), {.momentum = 0.5});
+  sgd.set_global_step(3);
+  (*sgd.state()[0].tensors)[1].data()[0] = 0.25f;
+  save_checkpoint(dense, path, sgd);
+
+  const auto record = [](const std::string& name, const BasicTensor<float>& t) {
+    const auto* b = reinterpret_cast<const unsigned char*>(t.data());
+    return Record{name, 0, {t.shape().begin(), t.shape().end()}, Bytes(b, b + t.numel() * 4)};
+  };
+  const auto& momentum = *sgd.state()[0].tensors;
+  CHECK(read_file(path) == checkpoint_bytes({record("weight", dense.weight), record("bias", dense.bias)}, 2, 2,
+                                            {"nn::SGD",
+                                             3,
+                                             {record("momentum.weight", momentum[0]),
+                                              record("momentum.bias", momentum[1])}}));
+}
+
+TEST_CASE("an optimizer state that does not fit is named, and nothing changes") {
+  TempDir dir;
+  const fs::path path = dir.path / "x.ckpt";
+  const std::string where = "checkpoint '" + path.string() + "': ";
+  SmallNet net;
+  nn::Adam adam(net.parameters());
+  adam.set_global_step(4);
+  save_checkpoint(net, path, adam);
+
+  SmallNet target;
+  const Bytes before = parameter_bytes(target);
+  nn::AdamW adamw(target.parameters());
+  CHECK(format_error_of([&] { load_checkpoint(path, target, adamw); }) ==
+        where + "holds the state of an optimizer 'nn::Adam', not of an nn::AdamW");
+  nn::SGD plain(target.parameters());
+  CHECK(format_error_of([&] { load_checkpoint(path, target, plain); }) ==
+        where + "holds the state of an optimizer 'nn::Adam', not of an nn::SGD");
+  CHECK(plain.global_step() == 0);
+
+  // The same type updating fewer parameters.
+  auto parameters = target.parameters();
+  parameters.back().parameter->requires_grad = false;
+  nn::Adam partial(parameters);
+  CHECK(format_error_of([&] { load_checkpoint(path, target, partial); }) ==
+        where + "the file's optimizer state(s) 'moment1.2.bias', 'moment2.2.bias' are not in the nn::Adam");
+  CHECK(partial.global_step() == 0);
+
+  // A file without optimizer state.
+  save_checkpoint(net, path);
+  nn::Adam fresh(target.parameters());
+  CHECK(format_error_of([&] { load_checkpoint(path, target, fresh); }) ==
+        where + "holds no optimizer state (it was saved without an optimizer), so the nn::Adam cannot resume from it");
+  write_file(path, checkpoint_bytes({{"weight", 0, {1, 2}, floats({1, 2})}, {"bias", 0, {1}, floats({3})}}, 2, 1));
+  nn::Dense<2, 1> dense;
+  const Bytes dense_before = parameter_bytes(dense);
+  nn::Adam dense_adam(dense.parameters());
+  CHECK(format_error_of([&] { load_checkpoint(path, dense, dense_adam); }) ==
+        where + "holds no optimizer state (it is format version 1, which cannot), so the nn::Adam cannot resume from it");
+  CHECK(parameter_bytes(dense) == dense_before);
+  CHECK(parameter_bytes(target) == before);
+
+  // An optimiser of parameters the cell does not have cannot name its state.
+  nn::Dense<2, 2> other;
+  nn::Adam other_adam(other.parameters());
+  try {
+    save_checkpoint(net, path, other_adam);
+    FAIL("saving another cell's optimizer succeeded");
+  } catch (const ValueError& e) {
+    CHECK(std::string(e.what()) == where + "the nn::Adam's parameter #0, of shape [2, 2], is not a parameter of the "
+                                           "cell, so its state has no name to go by");
   }
 }

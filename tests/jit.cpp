@@ -1,11 +1,9 @@
 // jit: results equal to PyNative at every level and execution mode, and every caching rule.
 #include "support.hpp"
 
-#include <atomic>
 #include <cmath>
 #include <limits>
 #include <sstream>
-#include <thread>
 #include <vector>
 
 using namespace duet;
@@ -225,24 +223,6 @@ TEST_CASE("jit on construct: a cell with a JitConfig runs as one graph among dyn
   CHECK(duet_test::relative_difference(duet_test::values_of(logits), expected) <= 1e-5);
   compiled.flatten.register_forward_hook([](const nn::DynamicCell&, const Tensor&, const Tensor&) {});
   CHECK_THROWS_AS(compiled(x), ModeError);  // it is a graph, whatever the context
-}
-
-TEST_CASE("threads: concurrent first calls of a jitted function compile once") {
-  SeedNetwork<> net;
-  auto f = jit([&](auto x) { return net(x); });
-  const Tensor x = ones({3, 1, 28, 28});
-  const auto expected = duet_test::values_of(f(x));
-  auto g = jit([&](auto x) { return net(x); });
-  std::vector<std::thread> threads;
-  std::atomic<int> mismatches{0};
-  for (int t = 0; t < 4; ++t) {
-    threads.emplace_back([&] {
-      if (duet_test::relative_difference(duet_test::values_of(g(x)), expected) > 0) ++mismatches;
-    });
-  }
-  for (auto& t : threads) t.join();
-  CHECK(g.compile_count() == 1);
-  CHECK(mismatches == 0);
 }
 
 TEST_CASE("PIJit traces a network built at run time, replays it, and re-traces on a new shape") {

@@ -121,3 +121,65 @@ TEST_CASE("invalid optimiser settings and gradient lists are rejected") {
   CHECK_THROWS_AS(sgd(std::vector<Tensor>{zeros({4})}), ShapeError);
   CHECK(s.p(0) == 1.0f);  // untouched by the refused steps
 }
+
+namespace {
+
+// A cell whose DUET_CELL_MEMBERS forgets its layer: it has no parameters to train.
+struct Forgetful : nn::Cell<Forgetful> {
+  nn::Flatten flatten;
+  nn::Dense<4, 2> fc;
+  DUET_CELL_MEMBERS(flatten);
+  auto construct(auto x) { return fc(flatten(x)); }
+};
+
+template <class F>
+std::string value_error_of(F&& f) {
+  try {
+    f();
+  } catch (const ValueError& e) {
+    return e.what();
+  }
+  FAIL("expected a duet::ValueError");
+  return {};
+}
+
+}  // namespace
+
+TEST_CASE("an optimiser of no parameters is a ValueError that names the likely cause") {
+  Forgetful forgetful;
+  const std::string hint =
+      "optimizer: got no parameters; is every sub-cell and parameter of the cell listed in its DUET_CELL_MEMBERS?";
+  CHECK(value_error_of([&] { nn::Adam adam(forgetful.parameters()); }) == hint);
+  CHECK(value_error_of([&] { nn::SGD sgd(std::vector<nn::Parameter*>{}); }) == hint);
+  nn::Dense<2, 2> frozen;
+  for (const auto& p : frozen.parameters()) p.parameter->requires_grad = false;
+  CHECK(value_error_of([&] { nn::AdamW adamw(frozen.parameters()); }) ==
+        "optimizer: got 2 parameters, none with requires_grad, so there is nothing to train");
+}
+
+TEST_CASE("an optimiser exposes its state by slot, and its step can be set to resume") {
+  Single s;
+  nn::Adam adam(s.params());
+  const auto adam_state = adam.state();
+  REQUIRE(adam_state.size() == 2);
+  CHECK(adam_state[0].name == "moment1");
+  CHECK(adam_state[1].name == "moment2");
+  REQUIRE(adam_state[0].tensors->size() == 1);
+  CHECK((*adam_state[0].tensors)[0].shape() == s.p.shape());
+  CHECK(adam.type_name() == "nn::Adam");
+  CHECK(nn::AdamW(s.params()).type_name() == "nn::AdamW");
+
+  nn::SGD plain(s.params());
+  CHECK(plain.state().empty());
+  nn::SGD momentum(s.params(), {.learning_rate = nn::PiecewiseConstantLR{{2, 5}, {0.1, 0.05, 0.01}}, .momentum = 0.9});
+  REQUIRE(momentum.state().size() == 1);
+  CHECK(momentum.state()[0].name == "momentum");
+  CHECK(momentum.type_name() == "nn::SGD");
+
+  // The step drives the schedule (and Adam's bias correction).
+  momentum.set_global_step(5);
+  CHECK(momentum.global_step() == 5);
+  CHECK(momentum.learning_rate() == 0.01);
+  CHECK(value_error_of([&] { momentum.set_global_step(-1); }) == "nn::SGD: global step -1 is negative");
+  CHECK(momentum.global_step() == 5);
+}

@@ -2,10 +2,7 @@
 // (set_data: tests/cell.cpp.)
 #include "support.hpp"
 
-#include <atomic>
-#include <latch>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -58,26 +55,4 @@ TEST_CASE("Parameter::derived: a form of another type replaces the one kept") {
   CHECK(p.derived<Sum>([&] { return sum_of(p); })->total == 3.0f);
   CHECK(*p.derived<std::string>([] { return std::string("packed"); }) == "packed");
   CHECK(p.derived<Sum>([&] { return sum_of(p); })->total == 3.0f);
-}
-
-TEST_CASE("threads: concurrent first uses of Parameter::derived make the form once") {
-  nn::Parameter p(ones({64}));
-  std::atomic<int> makes{0};
-  constexpr int thread_count = 4;
-  std::vector<std::shared_ptr<const Sum>> got(thread_count);
-  std::latch start(thread_count);
-  std::vector<std::thread> threads;
-  for (int t = 0; t < thread_count; ++t) {
-    threads.emplace_back([&, t] {
-      start.arrive_and_wait();
-      got[static_cast<std::size_t>(t)] = p.derived<Sum>([&] {
-        ++makes;
-        return sum_of(p);
-      });
-    });
-  }
-  for (std::thread& t : threads) t.join();
-  CHECK(makes == 1);
-  for (const auto& form : got) CHECK(form == got.front());
-  CHECK(got.front()->total == 64.0f);
 }

@@ -1,13 +1,17 @@
 // The documented guarantee: a model's forward pass may be called from several threads at
-// once, in both modes. Each case runs the seed network from four threads and compares every
+// once, in both modes; so may a jitted function and a parameter's derived forms. Every
+// concurrency case lives here, so that the tsan stage builds this file alone. Each case runs the seed network from four threads and compares every
 // result with the same call made on one thread. The tsan stage of tools/check.sh runs the
 // cases named "threads: ..." under ThreadSanitizer, which is what finds the races; without it
 // these cases catch only races that corrupt results.
 #include <array>
+#include <atomic>
 #include <cstring>
 #include <exception>
 #include <latch>
+#include <memory>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "support.hpp"
@@ -133,4 +137,50 @@ TEST_CASE("threads: concurrent first calls of a runtime-built network in graph m
   CHECK(jit_compile_count() == before + thread_count);  // one trace per batch size
   set_context({.mode = PYNATIVE_MODE});
   check_against_one_thread(net, inputs, outputs);
+}
+
+TEST_CASE("threads: concurrent first calls of a jitted function compile once") {
+  duet_test::SeedNetwork<> net;
+  auto f = jit([&](auto x) { return net(x); });
+  const Tensor x = ones({3, 1, 28, 28});
+  const Tensor expected = f(x);
+  auto g = jit([&](auto x) { return net(x); });
+  std::vector<Tensor> outputs(thread_count);
+  std::latch start(thread_count);
+  std::vector<std::thread> threads;
+  for (std::size_t t = 0; t < thread_count; ++t) {
+    threads.emplace_back([&, t] {
+      start.arrive_and_wait();
+      outputs[t] = g(x);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  CHECK(g.compile_count() == 1);
+  for (const Tensor& y : outputs) CHECK(bitwise_equal(y, expected));
+}
+
+TEST_CASE("threads: concurrent first uses of Parameter::derived make the form once") {
+  struct Sum {
+    float total = 0;
+  };
+  nn::Parameter p(ones({64}));
+  std::atomic<int> makes{0};
+  std::vector<std::shared_ptr<const Sum>> got(thread_count);
+  std::latch start(thread_count);
+  std::vector<std::thread> threads;
+  for (std::size_t t = 0; t < thread_count; ++t) {
+    threads.emplace_back([&, t] {
+      start.arrive_and_wait();
+      got[t] = p.derived<Sum>([&] {
+        ++makes;
+        Sum s;
+        for (float v : std::as_const(p).values()) s.total += v;
+        return s;
+      });
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  CHECK(makes == 1);
+  for (const auto& form : got) CHECK(form == got.front());
+  CHECK(got.front()->total == 64.0f);
 }

@@ -12,6 +12,9 @@
 #include <string>
 
 #include <Eigen/Core>
+#if !EIGEN_VERSION_AT_LEAST(3, 4, 0)
+#error "duet needs Eigen 3.4 or later (nn::ReLU keeps NaN with Eigen::PropagateNaN)"
+#endif
 
 #include "config.hpp"
 #include "error.hpp"

@@ -73,6 +73,36 @@ inline std::atomic<std::uint64_t>& structure_generation() {
   static std::atomic<std::uint64_t> generation{0};
   return generation;
 }
+
+// The cell whose construct is running on this thread, and the bytes of its object. A cell
+// that construct calls and that lies inside those bytes is a member: it must be registered
+// (DUET_CELL_MEMBERS), or its parameters would be neither trained nor saved. Frames live on
+// the call stack, so keeping track costs no allocation.
+template <ElementType T>
+class RunningCell {
+ public:
+  RunningCell(BasicDynamicCell<T>& cell, const void* object, std::size_t size)
+      : cell_(cell), begin_(static_cast<const char*>(object)), end_(begin_ + size), outer_(innermost_) {
+    innermost_ = this;
+  }
+  RunningCell(const RunningCell&) = delete;
+  RunningCell& operator=(const RunningCell&) = delete;
+  ~RunningCell() { innermost_ = outer_; }
+
+  static RunningCell* innermost() { return innermost_; }
+  BasicDynamicCell<T>& cell() const { return cell_; }
+  bool holds(const void* p) const {
+    const std::less<const void*> before;
+    return !before(p, begin_) && before(p, end_);
+  }
+
+ private:
+  BasicDynamicCell<T>& cell_;
+  const char* begin_;
+  const char* end_;
+  RunningCell* outer_;
+  static inline thread_local RunningCell* innermost_ = nullptr;
+};
 }  // namespace detail
 
 // Removes the hook it was returned for (MindSpore's handle.remove()).
@@ -115,6 +145,7 @@ class BasicDynamicCell {
   }
 
   BasicTensor<T> operator()(const BasicTensor<T>& x) {
+    check_registered();
     ensure_named();
     if (effective_mode(CONTEXT_MODE) == GRAPH_MODE && autodiff::active_tape() == nullptr &&
         pijit::active_trace() == nullptr && traced_in_graph_mode()) {
@@ -213,6 +244,22 @@ class BasicDynamicCell {
   // replaced) calls this, so that graph mode traces it again instead of replaying the old one.
   static void structure_changed() { detail::structure_generation().fetch_add(1, std::memory_order_acq_rel); }
 
+  // Refuses a call from the construct of a cell that holds this one as a member without
+  // registering it. Once this cell was found registered, later calls only read a flag.
+  void check_registered() {
+    const detail::RunningCell<T>* parent = detail::RunningCell<T>::innermost();
+    if (parent == nullptr || registered_.load(std::memory_order_relaxed) || &parent->cell() == this ||
+        !parent->holds(this)) {
+      return;
+    }
+    if (!parent->cell().is_ancestor_of(*this)) {
+      throw ValueError(parent->cell().label() + " calls a member " + type_name() +
+                       " that is not registered with it, so its parameters would be neither trained nor "
+                       "saved; list the member in DUET_CELL_MEMBERS(...)");
+    }
+    registered_.store(true, std::memory_order_relaxed);
+  }
+
  private:
   // Graph mode for a cell built at run time: PIJit at the default JitConfig, traced on the first
   // call for each input shape and structure, replayed after. Its second argument is the
@@ -228,6 +275,13 @@ class BasicDynamicCell {
       return GraphForm(GraphCall{this},
                        {.mode = JitMode::PIJit, .name = label() + " in graph mode (argument 1: its structure)"});
     });
+  }
+
+  bool is_ancestor_of(const BasicDynamicCell& cell) {
+    bool found = false;
+    for_each_child(
+        [&](std::string_view, BasicDynamicCell& c) { found = found || &c == &cell || c.is_ancestor_of(cell); });
+    return found;
   }
 
   void assign_names(const std::string& path) {
@@ -255,6 +309,7 @@ class BasicDynamicCell {
   std::uint64_t id_ = duet::detail::new_plan_owner();
   std::string name_;
   std::atomic<bool> named_{false};
+  std::atomic<bool> registered_{false};  // found registered with the cell whose construct called it
   std::vector<std::pair<long, BasicForwardHook<T>>> hooks_;
   std::vector<std::pair<long, BasicBackwardHook<T>>> backward_hooks_;
   long last_hook_id_ = 0;
@@ -332,7 +387,8 @@ class Cell : public BasicDynamicCell<T> {
                       " is captured into a graph (graph mode or jit), but it or a cell in it has a hook; hooks "
                       "see intermediate values in PyNative mode only");
     }
-    return derived().construct(xs...);
+    this->check_registered();
+    return run_construct(xs...);
   }
 
   // A statically shaped input: both modes check it against the layers at compile time and
@@ -342,6 +398,7 @@ class Cell : public BasicDynamicCell<T> {
     using Captured = decltype(std::declval<Derived&>().construct(graph::input<T, StaticShape<D...>>()));
     if constexpr (M != PYNATIVE_MODE) {
       if (runs_as_graph()) {
+        this->check_registered();
         this->ensure_named();
         return to_static_tensor<Captured>(run_graph<StaticShape<D...>>(x.tensor()));
       }
@@ -353,6 +410,7 @@ class Cell : public BasicDynamicCell<T> {
   // DynamicCells of one input, so they run no forward hooks of their own.
   template <class... X>
   requires(sizeof...(X) >= 2 && ((is_tensor_v<X> || is_static_tensor_v<X>)&&...)) auto operator()(const X&... xs) {
+    this->check_registered();
     this->ensure_named();
     if constexpr (M != PYNATIVE_MODE && graph::Capturable<Derived&, X...>) {
       if (runs_as_graph()) return run_graph<typename graph::pattern_of<X>::type...>(tensor_of(xs)...);
@@ -362,7 +420,7 @@ class Cell : public BasicDynamicCell<T> {
       if (runs_as_graph()) return derived().construct(tensor_of(xs)...);
     }
     EagerScope eager;
-    return derived().construct(tensor_of(xs)...);
+    return run_construct(tensor_of(xs)...);
   }
 
   std::string type_name() const override { return duet::detail::readable_type_name(typeid(Derived)); }
@@ -393,12 +451,19 @@ class Cell : public BasicDynamicCell<T> {
         if (runs_as_graph()) return run_graph<graph::AnyShape>(x);
       }
       EagerScope eager;
-      return derived().construct(x);
+      return run_construct(x);
     }
   }
 
  private:
   Derived& derived() { return static_cast<Derived&>(*this); }
+
+  // construct, with this cell as the one whose members the cells it calls are checked against.
+  template <class... X>
+  auto run_construct(X&&... xs) {
+    const detail::RunningCell<T> running(*this, &derived(), sizeof(Derived));
+    return derived().construct(std::forward<X>(xs)...);
+  }
 
   // A PyNative grad records the operations as they run; a graph would be one opaque call to
   // its tape. Under a recording tape, a graph-mode cell therefore runs its construct eagerly:
@@ -416,7 +481,7 @@ class Cell : public BasicDynamicCell<T> {
     }
     const auto capture = [&] {
       return passes::optimize<jit_config>([&]<std::size_t... K>(std::index_sequence<K...>) {
-        return derived().construct(graph::input<Ts, Patterns, K>()...);
+        return run_construct(graph::input<Ts, Patterns, K>()...);
       }(std::index_sequence_for<Ts...>{}));
     };
     // construct is captured once per cell and thread, as MindSpore compiles it once: on a small

@@ -22,6 +22,7 @@ enum class ShapeFault : unsigned char {
   exact_rank,      // the input's rank must be exactly `expected`
   element_count,   // the input must hold `expected` elements per sample
   shapes_differ,   // two inputs must have the same shape
+  batch_dimension,  // the input must have a batch dimension in front: rank at least `expected`
 };
 
 // What a shape rule returns: the output shape and, if the inputs break the rule, which way.
@@ -65,6 +66,9 @@ inline std::string describe_fault(const ShapeResult& r, std::string_view layer, 
     case ShapeFault::shapes_differ:
       what = "inputs of the same shape";
       break;
+    case ShapeFault::batch_dimension:
+      return std::string(layer) + " expects an input of rank at least " + e +
+             " whose first dimension is the batch, got " + got + ": the batch dimension is missing";
   }
   if (r.fault == ShapeFault::shapes_differ && inputs.size() > 1) {
     return std::string(layer) + " expects inputs of matching shapes, got " + to_string(inputs[0]) + " and " +
@@ -92,6 +96,8 @@ struct rank_must_be {};
 template <index_t N>
 struct elements_per_sample_must_be {};
 struct inputs_must_have_the_same_shape {};
+template <index_t N>
+struct batch_dimension_missing_rank_must_be_at_least {};
 
 // Not derived from std::false_type: compilers would then print integral_constant<bool, false>
 // instead of this type's name.
@@ -110,6 +116,8 @@ constexpr auto requirement() {
     return rank_must_be<N>{};
   else if constexpr (F == ShapeFault::element_count)
     return elements_per_sample_must_be<N>{};
+  else if constexpr (F == ShapeFault::batch_dimension)
+    return batch_dimension_missing_rank_must_be_at_least<N>{};
   else
     return inputs_must_have_the_same_shape{};
 }

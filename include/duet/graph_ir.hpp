@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <utility>
 
 #include "cell.hpp"
@@ -27,13 +28,47 @@ struct GraphIR {
 
 namespace graph {
 
+namespace detail {
+// s inside a DOT quoted string that Graphviz shows as a label. A quote would end the string
+// and a backslash starts Graphviz's own escapes (\n, \N, \G...), so both are escaped; a
+// newline becomes a line break; &, < and > become the entities Graphviz decodes in labels.
+inline std::string dot_text(std::string_view s) {
+  std::string out;
+  for (const char c : s) {
+    switch (c) {
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '&':
+        out += "&amp;";
+        break;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      default:
+        out += c;
+    }
+  }
+  return out;
+}
+}  // namespace detail
+
 template <class G, std::size_t Out>
 GraphText dump(const Sym<G, Out>& program, const std::string& title) {
   constexpr BufferPlan<G::size> plan = plan_buffers<G, Out>();
   std::ostringstream text;
   std::ostringstream dot;
   text << "graph " << title << " {\n";
-  dot << "digraph \"" << title << "\" {\n  node [shape=box, fontname=\"monospace\"];\n";
+  dot << "digraph \"" << detail::dot_text(title) << "\" {\n  node [shape=box, fontname=\"monospace\"];\n";
   graph::for_each_index<G::size>([&](auto i) {
     constexpr std::size_t I = decltype(i)::value;
     using Node = node_at<G, I>;
@@ -62,10 +97,13 @@ GraphText dump(const Sym<G, Out>& program, const std::string& title) {
         storage = "no value";
         break;
     }
-    const std::string who = op.label() == Node::op_type::op_name() ? "" : "  " + op.label();
+    const bool names_layer = op.label() != Node::op_type::op_name();
+    const std::string who = names_layer ? "  " + op.label() : "";
     text << "  %" << I << " = " << what << " : " << to_string(G::shapes[I]) << "  [" << storage << "]" << who << "\n";
-    dot << "  n" << I << " [label=\"%" << I << " " << Node::op_type::op_name() << "\\n"
-        << to_string(G::shapes[I]) << " (" << storage << ")\"];\n";
+    std::string label = detail::dot_text("%" + std::to_string(I) + " " + Node::op_type::op_name()) + "\\n" +
+                        detail::dot_text(to_string(G::shapes[I]) + " (" + storage + ")");
+    if (names_layer) label += "\\n" + detail::dot_text(op.label());
+    dot << "  n" << I << " [label=\"" << label << "\"];\n";
     for (std::size_t a : Node::args) dot << "  n" << a << " -> n" << I << ";\n";
   });
   text << "  return %" << Out << "\n}\n";

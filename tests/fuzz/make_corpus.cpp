@@ -128,16 +128,28 @@ std::vector<Record> records_of(Cell& cell) {
   return out;
 }
 
+// The optimiser's state as save_checkpoint(net, path, optimizer) names it.
+template <class Cell, class Optimizer>
+std::vector<Record> state_records_of(Cell& cell, Optimizer& optimizer) {
+  const auto parameters = cell.parameters();
+  std::vector<Record> out;
+  for (const auto& slot : optimizer.state()) {
+    for (std::size_t i = 0; i < slot.tensors->size(); ++i) {
+      const auto& t = (*slot.tensors)[i];
+      const auto* b = reinterpret_cast<const unsigned char*>(t.data());
+      out.push_back({std::string(slot.name) + "." + parameters[i].name, t.dtype(), t.shape(),
+                     Bytes(b, b + t.numel() * sizeof(float))});
+    }
+  }
+  return out;
+}
+
 template <class T>
 void append_little_endian(Bytes& out, T value) {
   for (std::size_t i = 0; i < sizeof(T); ++i) out.push_back(static_cast<unsigned char>(value >> (8 * i)));
 }
 
-// The format of include/duet/io/checkpoint.hpp, written independently of save_checkpoint (which
-// it is checked against) so that it can also write files save_checkpoint never would.
-Bytes checkpoint(const std::vector<Record>& records, std::uint32_t version = 1) {
-  Bytes out{'D', 'U', 'E', 'T', 'C', 'K', 'P', 'T'};
-  append_little_endian(out, version);
+void append_records(Bytes& out, const std::vector<Record>& records) {
   append_little_endian(out, static_cast<std::uint32_t>(records.size()));
   for (const Record& r : records) {
     append_little_endian(out, static_cast<std::uint32_t>(r.name.size()));
@@ -147,37 +159,102 @@ Bytes checkpoint(const std::vector<Record>& records, std::uint32_t version = 1) 
     for (duet::index_t d : r.shape) append_little_endian(out, static_cast<std::uint64_t>(d));
     out.insert(out.end(), r.elements.begin(), r.elements.end());
   }
+}
+
+// A version 2 file's optimiser section; an empty type writes none.
+struct OptimizerSection {
+  std::string type;
+  std::int64_t step = 0;
+  std::vector<Record> state;
+};
+
+// The format of include/duet/io/checkpoint.hpp, written independently of save_checkpoint (which
+// it is checked against) so that it can also write files save_checkpoint never would. Version
+// 1 has no optimiser section.
+Bytes checkpoint(const std::vector<Record>& records, std::uint32_t version, const OptimizerSection& optimizer = {}) {
+  Bytes out{'D', 'U', 'E', 'T', 'C', 'K', 'P', 'T'};
+  append_little_endian(out, version);
+  append_records(out, records);
+  if (version >= 2) {
+    append_little_endian(out, static_cast<std::uint32_t>(optimizer.type.size()));
+    out.insert(out.end(), optimizer.type.begin(), optimizer.type.end());
+    if (!optimizer.type.empty()) {
+      append_little_endian(out, static_cast<std::uint64_t>(optimizer.step));
+      append_records(out, optimizer.state);
+    }
+  }
   append_little_endian(out, static_cast<std::uint32_t>(crc32_z(crc32_z(0, nullptr, 0), out.data(), out.size())));
   return out;
 }
 
-void write_checkpoint_corpus(const fs::path& dir) {
+// Steps the optimiser on made-up gradients, so that its state is not all zeros.
+template <class Cell, class Optimizer>
+void take_steps(Cell& cell, Optimizer& optimizer, int steps) {
+  for (int s = 0; s < steps; ++s) {
+    std::vector<duet::Tensor> grads;
+    for (const auto& [name, p] : cell.parameters()) grads.push_back(duet::randn(p->shape(), 100 + s));
+    optimizer(grads);
+  }
+}
+
+// Version 1 files (parameters only), as duet wrote them before optimiser state.
+void write_version_1_corpus(const fs::path& dir) {
   duet::set_seed(1);
   duet_fuzz::Network net;
-  duet::save_checkpoint(net, dir / "valid");
   const std::vector<Record> records = records_of(net);
-  if (checkpoint(records) != read(dir / "valid")) throw std::runtime_error("checkpoint() differs from save_checkpoint");
-
+  write(dir / "valid", checkpoint(records, 1));
   duet::set_seed(2);
   duet_fuzz::Network other_values;
-  duet::save_checkpoint(other_values, dir / "valid_other_values");
-  write(dir / "valid_reversed", checkpoint(std::vector<Record>(records.rbegin(), records.rend())));
+  write(dir / "valid_other_values", checkpoint(records_of(other_values), 1));
+  write(dir / "valid_reversed", checkpoint(std::vector<Record>(records.rbegin(), records.rend()), 1));
 
   duet::nn::SequentialCell<duet::nn::Dense<3, 4>, duet::nn::ReLU, duet::nn::Dense<4, 3>> other_shapes;
-  duet::save_checkpoint(other_shapes, dir / "broken_other_shapes");
-  const Bytes valid = checkpoint(records);
+  write(dir / "broken_other_shapes", checkpoint(records_of(other_shapes), 1));
+  const Bytes valid = checkpoint(records, 1);
   write(dir / "broken_truncated", Bytes(valid.begin(), valid.begin() + static_cast<std::ptrdiff_t>(valid.size() / 2)));
   Bytes damaged = valid;
   damaged[valid.size() - 10] ^= 0x40;
   write(dir / "broken_checksum", damaged);
-  write(dir / "broken_version", checkpoint(records, 2));
-  write(dir / "broken_missing_parameter", checkpoint(std::vector<Record>(records.begin(), records.end() - 1)));
+  write(dir / "broken_version", checkpoint(records, 3));
+  write(dir / "broken_missing_parameter", checkpoint(std::vector<Record>(records.begin(), records.end() - 1), 1));
   std::vector<Record> twice = records;
   twice.back() = twice.front();
-  write(dir / "broken_repeated_parameter", checkpoint(twice));
+  write(dir / "broken_repeated_parameter", checkpoint(twice, 1));
   std::vector<Record> extra = records;
   extra.push_back({"2.extra", duet::DType::uint8, duet::Shape{1}, Bytes{7}});
-  write(dir / "broken_extra_parameter", checkpoint(extra));
+  write(dir / "broken_extra_parameter", checkpoint(extra, 1));
+}
+
+// Version 2 files, with and without the optimiser state fuzz_checkpoint loads them with.
+void write_version_2_corpus(const fs::path& dir) {
+  duet::set_seed(1);
+  duet_fuzz::Network net;
+  duet::save_checkpoint(net, dir / "v2_valid");
+  const std::vector<Record> records = records_of(net);
+  if (checkpoint(records, 2) != read(dir / "v2_valid")) {
+    throw std::runtime_error("checkpoint() differs from save_checkpoint");
+  }
+
+  duet_fuzz::Adam adam(net.parameters());
+  take_steps(net, adam, 3);
+  duet::save_checkpoint(net, dir / "v2_adam", adam);
+  const OptimizerSection adam_section{"nn::Adam", adam.global_step(), state_records_of(net, adam)};
+  if (checkpoint(records_of(net), 2, adam_section) != read(dir / "v2_adam")) {
+    throw std::runtime_error("checkpoint() with optimizer state differs from save_checkpoint");
+  }
+  duet_fuzz::SGD sgd(net.parameters(), duet_fuzz::sgd_config);
+  take_steps(net, sgd, 2);
+  duet::save_checkpoint(net, dir / "v2_sgd_momentum", sgd);
+  duet::nn::AdamW adamw(net.parameters());
+  take_steps(net, adamw, 1);
+  duet::save_checkpoint(net, dir / "v2_adamw", adamw);
+
+  OptimizerSection missing = adam_section;
+  missing.state.pop_back();
+  write(dir / "v2_broken_missing_state", checkpoint(records_of(net), 2, missing));
+  OptimizerSection negative = adam_section;
+  negative.step = -1;
+  write(dir / "v2_broken_negative_step", checkpoint(records_of(net), 2, negative));
 }
 
 }  // namespace
@@ -193,5 +270,6 @@ int main(int argc, char** argv) {
     fs::create_directories(root / name);
   }
   write_idx_corpus(root / "idx");
-  write_checkpoint_corpus(root / "checkpoint");
+  write_version_1_corpus(root / "checkpoint");
+  write_version_2_corpus(root / "checkpoint");
 }

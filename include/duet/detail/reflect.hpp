@@ -1,6 +1,7 @@
 // DUET_CELL_MEMBERS(a, b, ...): makes a cell a Boost.Hana Struct over the listed members,
 // without naming the class (so it works inside class templates too). Each member becomes a
-// (name, accessor) pair, which is how cells find their children and parameters by name.
+// (name, accessor) pair, which is how cells find their children and parameters by name. A
+// member cell that construct calls but the list leaves out is refused at its first call.
 #pragma once
 
 #include <boost/hana/pair.hpp>

@@ -1,19 +1,31 @@
-// Checkpoints: a cell's parameters in one file (MindSpore's save_checkpoint / load_checkpoint).
+// Checkpoints: a cell's parameters in one file (MindSpore's save_checkpoint / load_checkpoint),
+// and optionally its optimiser's state, so that training can resume.
 //
-// Format, version 1; every integer is little-endian:
+// Format, version 2; every integer is little-endian:
 //
 //   size           field
 //   8              magic "DUETCKPT"
-//   4              u32 version: 1
+//   4              u32 version: 2
 //   4              u32 number of parameters
-//   per parameter, in the cell's order (a reader accepts any order):
+//   per parameter, in the cell's order (a reader accepts any order), a record:
 //     4            u32 name length, then the name's bytes: the parameter's path in the cell,
 //                  "dense_relu_sequential.0.weight", with no terminator
 //     1            u8 element type, a duet::DType: 0 Float32, 1 Float64, 2 Int32, 3 Int64, 4 UInt8
 //     1            u8 rank, 0 to duet::max_rank
 //     8 × rank     i64 dimensions
 //     numel × size the elements, row-major, little-endian
+//   4              u32 length of the optimiser's type name, then the name ("nn::Adam", "nn::AdamW",
+//                  "nn::SGD"); 0 when the file holds no optimiser state, and then the next
+//                  two fields and the records are absent
+//   8              i64 the optimiser's global step (which drives schedules and bias correction)
+//   4              u32 number of optimiser state tensors
+//   per state tensor, a record as above, named "<slot>.<parameter's name>":
+//                  "moment1.dense_relu_sequential.0.weight" (Adam: moment1, moment2; SGD with
+//                  momentum: momentum)
 //   4              u32 CRC-32 (zlib's crc32) of every byte before it
+//
+// Version 1 is the same up to the parameters' records, which the checksum follows directly;
+// it is still read.
 //
 // Names are paths from the cell saved, which are the same whichever mode the cell runs in,
 // so a checkpoint saved from a network in graph mode loads into the same network in PyNative
@@ -39,12 +51,14 @@
 #include <string_view>
 #include <system_error>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
 #include "../cell.hpp"
 #include "../dtype.hpp"
 #include "../error.hpp"
+#include "../nn/optim.hpp"
 #include "../shape.hpp"
 
 namespace duet {
@@ -52,12 +66,46 @@ namespace duet {
 // Elements are written and read as they lie in memory.
 static_assert(std::endian::native == std::endian::little, "duet checkpoints need a little-endian machine");
 
+// One tensor a checkpoint file holds, as checkpoint_info lists it.
+struct CheckpointEntry {
+  std::string name;
+  DType dtype;
+  Shape shape;
+};
+
+// What a checkpoint file holds (checkpoint_info): its parameters and, when it was saved with
+// an optimiser, that optimiser's type, step and state tensors.
+struct CheckpointInfo {
+  std::uint32_t version = 0;
+  std::vector<CheckpointEntry> parameters;
+  std::string optimizer;  // "nn::Adam", or "" when the file holds no optimiser state
+  std::int64_t global_step = 0;
+  std::vector<CheckpointEntry> optimizer_state;
+};
+
+struct CheckpointLoadOptions {
+  // All or nothing: every parameter of the cell, and nothing else, with its type and shape.
+  // When false, loads the parameters whose name, type and shape match and reports the rest.
+  bool strict = true;
+};
+
+// What a load left out, as MindSpore's load_param_into_net returns it: the cell's parameters
+// that kept their values, and the file's parameters that were not used (another name, type or
+// shape). A strict load either loads everything, returning two empty lists, or throws.
+struct CheckpointLoad {
+  std::vector<std::string> param_not_load;
+  std::vector<std::string> ckpt_not_load;
+};
+
 namespace detail {
 
 inline constexpr std::string_view checkpoint_magic = "DUETCKPT";
-inline constexpr std::uint32_t checkpoint_version = 1;
-// Magic, version, count; the checksum; each parameter's name length, type and rank.
+inline constexpr std::uint32_t checkpoint_version = 2;
+// Magic, version, count; the checksum; each record's name length, type and rank; the
+// optimiser section's name length, then its step and count when there is one.
 inline constexpr std::uint64_t checkpoint_header_bytes = 8 + 4 + 4;
+inline constexpr std::uint64_t checkpoint_optimizer_bytes = 4;
+inline constexpr std::uint64_t checkpoint_optimizer_state_bytes = 8 + 4;
 inline constexpr std::uint64_t checkpoint_checksum_bytes = 4;
 inline constexpr std::uint64_t checkpoint_record_header_bytes = 4 + 1 + 1;
 
@@ -142,21 +190,22 @@ class CheckpointWriter {
   bool committed_ = false;
 };
 
-// A whole file, or its first limit + 1 bytes when it is larger (which load_parameters then
-// refuses). The buffer grows with what arrives, so a hostile file costs at most about the
-// limit, however large it is or claims to be.
-inline std::vector<unsigned char> read_checkpoint_file(const std::filesystem::path& path, std::uint64_t limit) {
+// A whole file. The buffer is sized by the file's size on disk, and grows with what arrives
+// when that is unknown or the file grows meanwhile, so a file costs what it holds, whatever its
+// fields claim.
+inline std::vector<unsigned char> read_checkpoint_file(const std::filesystem::path& path) {
   struct Closer {
     void operator()(std::FILE* f) const { std::fclose(f); }
   };
   const std::unique_ptr<std::FILE, Closer> file(std::fopen(path.c_str(), "rb"));
   if (file == nullptr) throw IOError(checkpoint_where(path) + ": cannot open: " + system_message());
+  std::error_code unknown;
+  const auto size = static_cast<std::size_t>(std::filesystem::file_size(path, unknown));
   std::vector<unsigned char> bytes;
   for (;;) {
     const std::size_t have = bytes.size();
-    if (have > limit) return bytes;
-    const auto grow =
-        static_cast<std::size_t>(std::min<std::uint64_t>(std::max<std::size_t>(have, 64 * 1024), limit + 1 - have));
+    // One byte more than the size, so that the first read already meets the end.
+    const std::size_t grow = have == 0 && !unknown ? size + 1 : std::max<std::size_t>(have, 64 * 1024);
     bytes.resize(have + grow);
     const std::size_t got = std::fread(bytes.data() + have, 1, grow, file.get());
     bytes.resize(have + got);
@@ -167,7 +216,7 @@ inline std::vector<unsigned char> read_checkpoint_file(const std::filesystem::pa
   }
 }
 
-// One parameter as the file holds it; its elements are bytes [offset, offset + size) of the file.
+// One tensor as the file holds it; its elements are bytes [offset, offset + size) of the file.
 struct CheckpointRecord {
   std::string_view name;
   DType dtype;
@@ -200,14 +249,31 @@ class CheckpointParser {
     for (std::size_t i = 0; i < n; ++i) v |= std::uint64_t{b[i]} << (8 * i);
     return v;
   }
+  std::string_view text(std::size_t n, const std::string& what) {
+    const auto b = take(n, what);
+    return {reinterpret_cast<const char*>(b.data()), b.size()};
+  }
 
-  CheckpointRecord record(std::uint32_t index) {
-    const std::string what = "parameter #" + std::to_string(index);
+  // `count` records; `noun` ("parameter", "optimizer state") names them in messages.
+  std::vector<CheckpointRecord> records(std::uint32_t count, const std::string& noun) {
+    // Not reserved from count: a hostile count must not size an allocation.
+    std::vector<CheckpointRecord> out;
+    std::unordered_set<std::string_view> seen;
+    for (std::uint32_t i = 0; i < count; ++i) {
+      out.push_back(record(i, noun));
+      if (!seen.insert(out.back().name).second) {
+        throw FormatError(where_ + ": " + noun + " " + shown_name(out.back().name) + " appears twice in the file");
+      }
+    }
+    return out;
+  }
+
+ private:
+  CheckpointRecord record(std::uint32_t index, const std::string& noun) {
+    const std::string what = noun + " #" + std::to_string(index);
     const auto name_size = static_cast<std::size_t>(little_endian(4, what + "'s name length"));
-    const auto name_bytes = take(name_size, what + "'s name");
-    CheckpointRecord r{std::string_view(reinterpret_cast<const char*>(name_bytes.data()), name_bytes.size()),
-                       DType::float32, Shape{}, 0, 0};
-    const std::string who = "parameter " + shown_name(r.name);
+    CheckpointRecord r{text(name_size, what + "'s name"), DType::float32, Shape{}, 0, 0};
+    const std::string who = noun + " " + shown_name(r.name);
     const auto type = little_endian(1, who + "'s element type");
     if (type > static_cast<std::uint64_t>(DType::uint8)) {
       throw FormatError(where_ + ": malformed: " + who + " has element type " + std::to_string(type) +
@@ -242,33 +308,45 @@ class CheckpointParser {
     return r;
   }
 
- private:
   std::span<const unsigned char> bytes_;
   std::string where_;
   std::size_t pos_ = 0;
 };
 
-// The parameters of a checkpoint file, checked for everything but whether they fit a cell.
-// `expected` is the size a checkpoint of the cell takes, for telling truncation from damage.
-inline std::vector<CheckpointRecord> parse_checkpoint(std::span<const unsigned char> bytes, std::uint64_t expected,
-                                                      const std::string& where) {
+// A checkpoint file's fields, which point into its bytes.
+struct ParsedCheckpoint {
+  std::uint32_t version = 0;
+  std::vector<CheckpointRecord> parameters;
+  std::string_view optimizer;  // empty when the file holds no optimiser state
+  std::int64_t global_step = 0;
+  std::vector<CheckpointRecord> optimizer_state;
+};
+
+// A checkpoint file, checked for everything but whether it fits a cell. `expected` is the
+// size a checkpoint of the cell takes, for telling truncation from damage; 0 when there is
+// no cell to compare with.
+inline ParsedCheckpoint parse_checkpoint(std::span<const unsigned char> bytes, std::uint64_t expected,
+                                         const std::string& where) {
   const std::size_t n = bytes.size();
   const std::size_t magic_seen = std::min<std::size_t>(n, checkpoint_magic.size());
   if (!std::equal(bytes.begin(), bytes.begin() + static_cast<std::ptrdiff_t>(magic_seen), checkpoint_magic.begin())) {
     throw FormatError(where + ": not a duet checkpoint: it does not start with \"DUETCKPT\"");
   }
   const auto truncated = [&] {
-    return FormatError(where + ": truncated at byte " + std::to_string(n) + "; a checkpoint of this cell is " +
-                       std::to_string(expected) + " bytes");
+    return FormatError(where + ": truncated at byte " + std::to_string(n) +
+                       (expected == 0 ? std::string()
+                                      : "; a checkpoint of this cell is " + std::to_string(expected) + " bytes"));
   };
   if (n < checkpoint_magic.size() + 4) throw truncated();
+  ParsedCheckpoint file;
   CheckpointParser header(bytes, where);
   header.take(checkpoint_magic.size(), "the magic");
   const auto version = header.little_endian(4, "the version");
-  if (version != checkpoint_version) {
-    throw FormatError(where + ": format version " + std::to_string(version) + "; this duet reads version " +
+  if (version < 1 || version > checkpoint_version) {
+    throw FormatError(where + ": format version " + std::to_string(version) + "; this duet reads versions 1 to " +
                       std::to_string(checkpoint_version));
   }
+  file.version = static_cast<std::uint32_t>(version);
   if (n < checkpoint_header_bytes + checkpoint_checksum_bytes) throw truncated();
 
   const std::size_t body = n - checkpoint_checksum_bytes;
@@ -277,120 +355,349 @@ inline std::vector<CheckpointRecord> parse_checkpoint(std::span<const unsigned c
   if (stored != crc32_z(crc32_z(0, nullptr, 0), bytes.data(), body)) {
     // A cut file rarely ends in a valid checksum, so a short file that fails is taken as cut.
     if (n < expected) throw truncated();
-    throw FormatError(where + ": checksum mismatch: the file is damaged");
+    throw FormatError(where + ": checksum mismatch: the file is damaged" + (expected == 0 ? " or truncated" : ""));
   }
 
   CheckpointParser in(bytes.first(body), where);
   in.take(checkpoint_magic.size() + 4, "the header");
-  const auto count = static_cast<std::uint32_t>(in.little_endian(4, "the parameter count"));
-  // Not reserved from count: a hostile count must not size an allocation.
-  std::vector<CheckpointRecord> records;
-  for (std::uint32_t i = 0; i < count; ++i) records.push_back(in.record(i));
+  file.parameters = in.records(static_cast<std::uint32_t>(in.little_endian(4, "the parameter count")), "parameter");
+  if (file.version >= 2) {
+    const auto name_size = static_cast<std::size_t>(in.little_endian(4, "the optimizer's type name length"));
+    file.optimizer = in.text(name_size, "the optimizer's type name");
+    if (!file.optimizer.empty()) {
+      file.global_step = static_cast<std::int64_t>(in.little_endian(8, "the optimizer's global step"));
+      if (file.global_step < 0) {
+        throw FormatError(where + ": malformed: the optimizer's global step is " + std::to_string(file.global_step));
+      }
+      const auto count = static_cast<std::uint32_t>(in.little_endian(4, "the optimizer state count"));
+      file.optimizer_state = in.records(count, "optimizer state");
+    }
+  }
   if (in.remaining() != 0) {
     throw FormatError(where + ": malformed: " + std::to_string(in.remaining()) + " unexpected bytes at byte " +
-                      std::to_string(in.position()) + ", after the parameters");
+                      std::to_string(in.position()) + ", after the " +
+                      (file.optimizer.empty() ? "parameters" : "optimizer state"));
   }
-  return records;
+  return file;
 }
 
-// The size of a checkpoint of these parameters: files of other sizes hold something else, and
-// a shorter one that fails its checksum is taken as cut.
+inline std::vector<CheckpointEntry> entries_of(const std::vector<CheckpointRecord>& records) {
+  std::vector<CheckpointEntry> out;
+  out.reserve(records.size());
+  for (const auto& r : records) out.push_back({std::string(r.name), r.dtype, r.shape});
+  return out;
+}
+
+inline CheckpointInfo info_of(std::span<const unsigned char> bytes, const std::string& where) {
+  const ParsedCheckpoint file = parse_checkpoint(bytes, 0, where);
+  return {file.version, entries_of(file.parameters), std::string(file.optimizer), file.global_step,
+          entries_of(file.optimizer_state)};
+}
+
+// A tensor a load fills, by the name the file gives it.
 template <ElementType T>
-std::uint64_t checkpoint_size(const std::vector<nn::NamedParameter<T>>& parameters) {
-  std::uint64_t size = checkpoint_header_bytes + checkpoint_checksum_bytes;
-  for (const auto& [name, p] : parameters) {
-    size += checkpoint_record_header_bytes + name.size() + 8 * std::uint64_t(p->ndim()) +
-            std::uint64_t(p->numel()) * sizeof(T);
+struct CheckpointTarget {
+  std::string name;
+  BasicTensor<T>* tensor;
+};
+
+// The cell's parameters, which a checkpoint cannot do without: a cell with none has almost
+// certainly not declared its members.
+template <ElementType T>
+std::vector<CheckpointTarget<T>> parameter_targets(nn::BasicDynamicCell<T>& cell, const std::string& where) {
+  std::vector<CheckpointTarget<T>> out;
+  for (auto& [name, p] : cell.parameters()) out.push_back({std::move(name), p});
+  if (out.empty()) {
+    throw ValueError(where + ": " + cell.type_name() +
+                     " has no parameters; are its sub-cells and parameters listed in its DUET_CELL_MEMBERS?");
+  }
+  return out;
+}
+
+// The optimiser's state tensors, named "<slot>.<parameter's name>" after the cell's names for
+// the parameters the optimiser updates.
+template <ElementType T>
+std::vector<CheckpointTarget<T>> optimizer_targets(const std::vector<CheckpointTarget<T>>& parameters,
+                                                   nn::BasicOptimizer<T>& optimizer, const std::string& where) {
+  std::unordered_map<const BasicTensor<T>*, std::string_view> names;
+  for (const auto& p : parameters) names.emplace(p.tensor, p.name);
+  const auto& updated = optimizer.parameters();
+  std::vector<std::string_view> updated_names;
+  for (std::size_t i = 0; i < updated.size(); ++i) {
+    const auto found = names.find(updated[i]);
+    if (found == names.end()) {
+      throw ValueError(where + ": the " + std::string(optimizer.type_name()) + "'s parameter #" + std::to_string(i) +
+                       ", of shape " + to_string(updated[i]->shape()) +
+                       ", is not a parameter of the cell, so its state has no name to go by");
+    }
+    updated_names.push_back(found->second);
+  }
+  std::vector<CheckpointTarget<T>> out;
+  for (const auto& slot : optimizer.state()) {
+    for (std::size_t i = 0; i < updated.size(); ++i) {
+      out.push_back({std::string(slot.name).append(".").append(updated_names[i]), &(*slot.tensors)[i]});
+    }
+  }
+  return out;
+}
+
+template <ElementType T>
+std::uint64_t records_size(const std::vector<CheckpointTarget<T>>& targets) {
+  std::uint64_t size = 0;
+  for (const auto& [name, t] : targets) {
+    size += checkpoint_record_header_bytes + name.size() + 8 * std::uint64_t(t->ndim()) +
+            std::uint64_t(t->numel()) * sizeof(T);
   }
   return size;
 }
 
-// load_checkpoint and load_checkpoint_bytes: checks that bytes hold exactly these parameters,
-// then copies them in. `expected` is checkpoint_size(parameters).
+// The size of a checkpoint of these tensors: a shorter file that fails its checksum is taken
+// as cut.
 template <ElementType T>
-void load_parameters(std::span<const unsigned char> bytes, std::uint64_t expected,
-                     const std::vector<nn::NamedParameter<T>>& parameters, const std::string& where) {
-  if (bytes.size() > expected) {
-    throw FormatError(where + ": larger than the " + std::to_string(expected) +
-                      " bytes a checkpoint of this cell takes; it holds other parameters or shapes");
-  }
-  std::unordered_map<std::string_view, std::size_t> index;
-  for (std::size_t i = 0; i < parameters.size(); ++i) index.emplace(parameters[i].name, i);
-  const auto records = parse_checkpoint(bytes, expected, where);
+std::uint64_t checkpoint_size(const std::vector<CheckpointTarget<T>>& parameters, std::string_view optimizer = {},
+                              const std::vector<CheckpointTarget<T>>& state = {}) {
+  return checkpoint_header_bytes + records_size(parameters) + checkpoint_optimizer_bytes +
+         (optimizer.empty() ? 0 : optimizer.size() + checkpoint_optimizer_state_bytes + records_size(state)) +
+         checkpoint_checksum_bytes;
+}
 
-  std::vector<const CheckpointRecord*> source(parameters.size(), nullptr);
-  for (const auto& r : records) {
-    const auto found = index.find(r.name);
-    if (found == index.end()) {
-      throw FormatError(where + ": parameter " + shown_name(r.name) + " in the file is not in the cell");
-    }
-    const std::size_t i = found->second;
-    const auto& p = *parameters[i].parameter;
-    if (source[i] != nullptr) {
-      throw FormatError(where + ": parameter '" + parameters[i].name + "' appears twice in the file");
-    }
-    if (r.dtype != p.dtype()) {
-      throw FormatError(where + ": parameter '" + parameters[i].name + "' is " + std::string(name_of(p.dtype())) +
-                        " in the cell but " + std::string(name_of(r.dtype)) + " in the file");
-    }
-    if (!(r.shape == p.shape())) {
-      throw FormatError(where + ": parameter '" + parameters[i].name + "' has shape " + to_string(p.shape()) +
-                        " in the cell but " + to_string(r.shape) + " in the file");
-    }
-    source[i] = &r;
-  }
-  std::string missing;
-  for (std::size_t i = 0; i < parameters.size(); ++i) {
-    if (source[i] == nullptr) missing += (missing.empty() ? "'" : ", '") + parameters[i].name + "'";
-  }
-  if (!missing.empty()) throw FormatError(where + ": the file has no value for the cell's parameter(s) " + missing);
-
-  for (std::size_t i = 0; i < parameters.size(); ++i) {
-    std::copy_n(bytes.begin() + static_cast<std::ptrdiff_t>(source[i]->offset), source[i]->size,
-                reinterpret_cast<unsigned char*>(parameters[i].parameter->data()));
+template <ElementType T>
+void write_records(CheckpointWriter& out, const std::vector<CheckpointTarget<T>>& targets) {
+  out.u32(static_cast<std::uint32_t>(targets.size()));
+  for (const auto& [name, t] : targets) {
+    out.u32(static_cast<std::uint32_t>(name.size()));
+    out.bytes(std::as_bytes(std::span(name)));
+    out.u8(static_cast<std::uint8_t>(t->dtype()));
+    out.u8(static_cast<std::uint8_t>(t->ndim()));
+    for (index_t d : t->shape()) out.i64(d);
+    out.bytes(std::as_bytes(std::span<const T>(t->data(), static_cast<std::size_t>(t->numel()))));
   }
 }
 
-}  // namespace detail
-
-// Writes every parameter of cell (and the cells below it) to path, atomically: on any failure
-// path keeps its previous contents.
 template <ElementType T>
-void save_checkpoint(nn::BasicDynamicCell<T>& cell, const std::filesystem::path& path) {
-  const auto parameters = cell.parameters();
-  detail::CheckpointWriter out(path);
-  out.bytes(std::as_bytes(std::span(detail::checkpoint_magic)));
-  out.u32(detail::checkpoint_version);
-  out.u32(static_cast<std::uint32_t>(parameters.size()));
-  for (const auto& [name, p] : parameters) {
-    out.u32(static_cast<std::uint32_t>(name.size()));
-    out.bytes(std::as_bytes(std::span(name)));
-    out.u8(static_cast<std::uint8_t>(p->dtype()));
-    out.u8(static_cast<std::uint8_t>(p->ndim()));
-    for (index_t d : p->shape()) out.i64(d);
-    out.bytes(std::as_bytes(p->values()));
+void write_checkpoint(const std::filesystem::path& path, const std::vector<CheckpointTarget<T>>& parameters,
+                      std::string_view optimizer = {}, std::int64_t global_step = 0,
+                      const std::vector<CheckpointTarget<T>>& state = {}) {
+  CheckpointWriter out(path);
+  out.bytes(std::as_bytes(std::span(checkpoint_magic)));
+  out.u32(checkpoint_version);
+  write_records(out, parameters);
+  out.u32(static_cast<std::uint32_t>(optimizer.size()));
+  if (!optimizer.empty()) {
+    out.bytes(std::as_bytes(std::span(optimizer)));
+    out.i64(global_step);
+    write_records(out, state);
   }
   out.commit();
 }
 
-// Reads a checkpoint into cell's parameters. The file must hold exactly the cell's
-// parameters, by name, with their element types and shapes. Everything is checked before
-// anything is copied: on any error (a duet::FormatError naming the problem, or IOError when
-// the file cannot be read) the cell is left as it was.
+// Names for a message, the first few of them: a hostile file may hold millions.
+inline std::string name_list(const std::vector<std::string_view>& names) {
+  constexpr std::size_t most = 10;
+  std::string out;
+  for (std::size_t i = 0; i < std::min(names.size(), most); ++i) out += (i == 0 ? "" : ", ") + shown_name(names[i]);
+  if (names.size() > most) out += " and " + std::to_string(names.size() - most) + " more";
+  return out;
+}
+
+// How messages call the tensors matched and what holds them: "parameter", "the cell".
+struct MatchWords {
+  std::string noun;
+  std::string holder;
+};
+
+// For each target, the record of its name, type and shape, or nullptr. A strict match throws
+// on the first difference of type or shape, then on names in the file or the holder only;
+// otherwise the names not matched go to `unmatched`.
 template <ElementType T>
-void load_checkpoint(const std::filesystem::path& path, nn::BasicDynamicCell<T>& cell) {
-  const auto parameters = cell.parameters();
-  const std::uint64_t expected = detail::checkpoint_size(parameters);
-  const std::vector<unsigned char> bytes = detail::read_checkpoint_file(path, expected);
-  detail::load_parameters(std::span<const unsigned char>(bytes), expected, parameters, detail::checkpoint_where(path));
+std::vector<const CheckpointRecord*> match_records(const std::vector<CheckpointRecord>& records,
+                                                   const std::vector<CheckpointTarget<T>>& targets,
+                                                   const MatchWords& words, const std::string& where,
+                                                   CheckpointLoad* unmatched) {
+  std::unordered_map<std::string_view, std::size_t> index;
+  for (std::size_t i = 0; i < targets.size(); ++i) index.emplace(targets[i].name, i);
+  std::vector<const CheckpointRecord*> source(targets.size(), nullptr);
+  std::vector<std::string_view> unknown;
+  for (const auto& r : records) {
+    const auto found = index.find(r.name);
+    if (found == index.end()) {
+      unknown.push_back(r.name);
+      continue;
+    }
+    const auto& [name, t] = targets[found->second];
+    std::string difference;
+    if (r.dtype != t->dtype()) {
+      difference = " is " + std::string(name_of(t->dtype())) + " in " + words.holder + " but " +
+                   std::string(name_of(r.dtype)) + " in the file";
+    } else if (!(r.shape == t->shape())) {
+      difference = " has shape " + to_string(t->shape()) + " in " + words.holder + " but " + to_string(r.shape) +
+                   " in the file";
+    }
+    if (difference.empty()) {
+      source[found->second] = &r;
+    } else if (unmatched == nullptr) {
+      throw FormatError(where + ": " + words.noun + " '" + name + "'" + difference);
+    } else {
+      unknown.push_back(r.name);
+    }
+  }
+  std::vector<std::string_view> missing;
+  for (std::size_t i = 0; i < targets.size(); ++i) {
+    if (source[i] == nullptr) missing.push_back(targets[i].name);
+  }
+  if (unmatched != nullptr) {
+    for (const auto name : missing) unmatched->param_not_load.emplace_back(name);
+    for (const auto name : unknown) unmatched->ckpt_not_load.emplace_back(name);
+  } else if (!unknown.empty() || !missing.empty()) {
+    std::string message = where + ": ";
+    if (!unknown.empty()) {
+      message += "the file's " + words.noun + "(s) " + name_list(unknown) + " are not in " + words.holder;
+    }
+    if (!missing.empty()) {
+      message += std::string(unknown.empty() ? "" : ", and ") + "the file has no value for " + words.holder + "'s " +
+                 words.noun + "(s) " + name_list(missing);
+    }
+    throw FormatError(message);
+  }
+  return source;
+}
+
+template <ElementType T>
+void copy_records(std::span<const unsigned char> bytes, const std::vector<CheckpointTarget<T>>& targets,
+                  const std::vector<const CheckpointRecord*>& source) {
+  for (std::size_t i = 0; i < targets.size(); ++i) {
+    if (source[i] == nullptr) continue;
+    std::copy_n(bytes.begin() + static_cast<std::ptrdiff_t>(source[i]->offset), source[i]->size,
+                reinterpret_cast<unsigned char*>(targets[i].tensor->data()));
+  }
+}
+
+inline const MatchWords parameter_words{"parameter", "the cell"};
+
+// load_checkpoint and load_checkpoint_bytes: checks the whole file, then copies what matches.
+template <ElementType T>
+CheckpointLoad load_parameters(std::span<const unsigned char> bytes, const std::vector<CheckpointTarget<T>>& parameters,
+                               const CheckpointLoadOptions& options, const std::string& where) {
+  // A file that need not fit the cell says nothing by its size.
+  const ParsedCheckpoint file = parse_checkpoint(bytes, options.strict ? checkpoint_size(parameters) : 0, where);
+  CheckpointLoad unmatched;
+  const auto source =
+      match_records(file.parameters, parameters, parameter_words, where, options.strict ? nullptr : &unmatched);
+  copy_records(bytes, parameters, source);
+  return unmatched;
+}
+
+// The same with the optimiser's state, which must match as strictly as the parameters.
+template <ElementType T>
+void load_training_state(std::span<const unsigned char> bytes, const std::vector<CheckpointTarget<T>>& parameters,
+                         nn::BasicOptimizer<T>& optimizer, const std::vector<CheckpointTarget<T>>& state,
+                         const std::string& where) {
+  const std::string_view type = optimizer.type_name();
+  const ParsedCheckpoint file = parse_checkpoint(bytes, checkpoint_size(parameters, type, state), where);
+  const auto parameter_source = match_records(file.parameters, parameters, parameter_words, where, nullptr);
+  if (file.optimizer.empty()) {
+    throw FormatError(where + ": holds no optimizer state" +
+                      (file.version < 2 ? " (it is format version 1, which cannot)"
+                                        : " (it was saved without an optimizer)") +
+                      ", so the " + std::string(type) + " cannot resume from it");
+  }
+  if (file.optimizer != type) {
+    throw FormatError(where + ": holds the state of an optimizer " + shown_name(file.optimizer) + ", not of an " +
+                      std::string(type));
+  }
+  const auto state_source =
+      match_records(file.optimizer_state, state, {"optimizer state", "the " + std::string(type)}, where, nullptr);
+  copy_records(bytes, parameters, parameter_source);
+  copy_records(bytes, state, state_source);
+  optimizer.set_global_step(file.global_step);
+}
+
+inline std::span<const unsigned char> unsigned_bytes(std::span<const std::byte> bytes) {
+  return {reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size()};
+}
+
+inline const std::string checkpoint_data_where = "checkpoint data";
+
+}  // namespace detail
+
+// Writes every parameter of cell (and the cells below it) to path, atomically: on any failure
+// path keeps its previous contents. A cell without parameters is a ValueError.
+template <ElementType T>
+void save_checkpoint(nn::BasicDynamicCell<T>& cell, const std::filesystem::path& path) {
+  detail::write_checkpoint(path, detail::parameter_targets(cell, detail::checkpoint_where(path)));
+}
+
+// The same, with the state of the optimiser that trains cell (its type, step count and, per
+// parameter, its moments or momentum, named by the cell's parameter names), so that
+// load_checkpoint(path, net, optimizer) resumes training where it stopped, in a new process
+// too. Every parameter the optimiser updates must be one of cell's (a ValueError otherwise).
+template <ElementType T>
+void save_checkpoint(nn::BasicDynamicCell<T>& cell, const std::filesystem::path& path,
+                     nn::BasicOptimizer<T>& optimizer) {
+  const std::string where = detail::checkpoint_where(path);
+  const auto parameters = detail::parameter_targets(cell, where);
+  detail::write_checkpoint(path, parameters, optimizer.type_name(), optimizer.global_step(),
+                           detail::optimizer_targets(parameters, optimizer, where));
+}
+
+// Reads a checkpoint into cell's parameters. Strict (the default): the file must hold
+// exactly the cell's parameters, by name, with their element types and shapes; the first
+// difference is a duet::FormatError naming the parameter and both shapes or types, or the
+// names only the file or only the cell has. Not strict ({.strict = false}): loads the
+// parameters that match and returns the names of the others (a strict load returns empty
+// lists). Either way the whole file is checked (checksum, fields) before anything is copied:
+// on any error (FormatError, or IOError when the file cannot be read) the cell is left as it
+// was. Optimiser state in the file is not needed and not used.
+template <ElementType T>
+CheckpointLoad load_checkpoint(const std::filesystem::path& path, nn::BasicDynamicCell<T>& cell,
+                               CheckpointLoadOptions options = {}) {
+  const std::string where = detail::checkpoint_where(path);
+  const auto parameters = detail::parameter_targets(cell, where);
+  return detail::load_parameters(std::span<const unsigned char>(detail::read_checkpoint_file(path)), parameters,
+                                 options, where);
+}
+
+// Reads a checkpoint saved with an optimiser into cell and optimizer, strictly: parameters,
+// optimiser type (nn::Adam is not nn::AdamW) and every state tensor must match, or a
+// FormatError names the difference and nothing changes. The optimiser's hyper-parameters
+// (learning rate or schedule, betas, momentum) are its own, not the file's; its step count
+// comes from the file, so a schedule goes on from where it was.
+template <ElementType T>
+void load_checkpoint(const std::filesystem::path& path, nn::BasicDynamicCell<T>& cell,
+                     nn::BasicOptimizer<T>& optimizer) {
+  const std::string where = detail::checkpoint_where(path);
+  const auto parameters = detail::parameter_targets(cell, where);
+  const auto state = detail::optimizer_targets(parameters, optimizer, where);
+  detail::load_training_state(std::span<const unsigned char>(detail::read_checkpoint_file(path)), parameters,
+                              optimizer, state, where);
 }
 
 // The same for the bytes of a checkpoint already in memory.
 template <ElementType T>
-void load_checkpoint_bytes(std::span<const std::byte> bytes, nn::BasicDynamicCell<T>& cell) {
-  const auto parameters = cell.parameters();
-  detail::load_parameters(std::span(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size()),
-                          detail::checkpoint_size(parameters), parameters, "checkpoint data");
+CheckpointLoad load_checkpoint_bytes(std::span<const std::byte> bytes, nn::BasicDynamicCell<T>& cell,
+                                     CheckpointLoadOptions options = {}) {
+  const auto& where = detail::checkpoint_data_where;
+  return detail::load_parameters(detail::unsigned_bytes(bytes), detail::parameter_targets(cell, where), options,
+                                 where);
+}
+
+template <ElementType T>
+void load_checkpoint_bytes(std::span<const std::byte> bytes, nn::BasicDynamicCell<T>& cell,
+                           nn::BasicOptimizer<T>& optimizer) {
+  const auto& where = detail::checkpoint_data_where;
+  const auto parameters = detail::parameter_targets(cell, where);
+  const auto state = detail::optimizer_targets(parameters, optimizer, where);
+  detail::load_training_state(detail::unsigned_bytes(bytes), parameters, optimizer, state, where);
+}
+
+// What a checkpoint file holds, checked as a load checks it (checksum, every field), with no
+// cell needed: a FormatError or IOError otherwise.
+inline CheckpointInfo checkpoint_info(const std::filesystem::path& path) {
+  return detail::info_of(detail::read_checkpoint_file(path), detail::checkpoint_where(path));
+}
+
+inline CheckpointInfo checkpoint_info_bytes(std::span<const std::byte> bytes) {
+  return detail::info_of(detail::unsigned_bytes(bytes), detail::checkpoint_data_where);
 }
 
 }  // namespace duet

@@ -35,7 +35,9 @@ struct FlattenOp {
   static constexpr ShapeResult infer_static(std::span<const Shape> in) {
     const Shape& x = in[0];
     if (x.leading_unknown()) return {Shape{dyn, dyn}};
-    if (x.rank() == 0) return fault(Shape{1, 1}, ShapeFault::min_rank, 1);
+    // A rank-1 input is one sample without its batch dimension; flattening it as a batch of
+    // one-element samples would only surface, puzzlingly, at the next layer.
+    if (x.rank() < 2) return fault(Shape{1, x.numel()}, ShapeFault::batch_dimension, 2);
     return {Shape{x[0], x.numel_from(1)}};
   }
   ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }

@@ -3,6 +3,8 @@
 // An optimiser updates its parameters from the gradients the last backward pass on this
 // thread left in them (step()), or from a list of gradients (operator(), as MindSpore calls
 // optimisers). Its state (momentum, Adam's moments) is made once, so steps do not allocate.
+// state() and set_global_step expose that state for checkpoints (duet::save_checkpoint(net,
+// path, optimizer)), which is how training resumes.
 #pragma once
 
 #include <cmath>
@@ -10,6 +12,7 @@
 #include <functional>
 #include <numbers>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -83,6 +86,14 @@ struct WarmUpLR {
   }
 };
 
+// One kind of state an optimiser keeps per parameter ("moment1"): tensors[i] belongs to
+// parameters()[i] and has its shape.
+template <ElementType T>
+struct OptimizerSlot {
+  std::string_view name;
+  std::vector<BasicTensor<T>>* tensors;
+};
+
 template <ElementType T>
 class BasicOptimizer {
  public:
@@ -90,9 +101,21 @@ class BasicOptimizer {
     for (const auto& p : params) {
       if (p.parameter->requires_grad) params_.push_back(p.parameter);
     }
+    if (params_.empty()) {
+      throw ValueError(params.empty() ? "optimizer: got no parameters; is every sub-cell and parameter of the cell "
+                                        "listed in its DUET_CELL_MEMBERS?"
+                                      : "optimizer: got " + std::to_string(params.size()) +
+                                            " parameters, none with requires_grad, so there is nothing to train");
+    }
   }
   BasicOptimizer(std::vector<BasicParameter<T>*> params, LearningRate lr)
-      : params_(std::move(params)), learning_rate_(std::move(lr)) {}
+      : params_(std::move(params)), learning_rate_(std::move(lr)) {
+    if (params_.empty()) {
+      throw ValueError(
+          "optimizer: got no parameters; is every sub-cell and parameter of the cell listed in its "
+          "DUET_CELL_MEMBERS?");
+    }
+  }
   BasicOptimizer(const BasicOptimizer&) = delete;
   BasicOptimizer& operator=(const BasicOptimizer&) = delete;
   virtual ~BasicOptimizer() = default;
@@ -128,6 +151,16 @@ class BasicOptimizer {
   std::int64_t global_step() const { return global_step_; }
   // The rate the next step uses.
   double learning_rate() const { return learning_rate_.at(global_step_); }
+
+  // What the optimiser is, as checkpoints record it: "nn::Adam".
+  virtual std::string_view type_name() const = 0;
+  // Its state besides the step count, by kind (MindSpore names them "moment1", "moment2", ...).
+  virtual std::vector<OptimizerSlot<T>> state() = 0;
+  // Where a resumed run continues: the step count drives bias correction and schedules.
+  void set_global_step(std::int64_t step) {
+    if (step < 0) throw ValueError(std::string(type_name()) + ": global step " + std::to_string(step) + " is negative");
+    global_step_ = step;
+  }
 
  protected:
   // Computes what is shared by all parameters this step.
@@ -165,6 +198,13 @@ class BasicSGD final : public BasicOptimizer<T> {
       throw ValueError("nn::SGD: momentum and weight_decay must be >= 0, and nesterov needs momentum > 0");
     }
     if (config_.momentum > 0) momentum_ = this->zero_state();
+  }
+
+  std::string_view type_name() const override { return "nn::SGD"; }
+  // Without momentum, SGD keeps nothing but the step count.
+  std::vector<OptimizerSlot<T>> state() override {
+    if (momentum_.empty()) return {};
+    return {{"momentum", &momentum_}};
   }
 
  private:
@@ -212,6 +252,9 @@ class BasicAdam final : public BasicOptimizer<T> {
     if (Decoupled) c.weight_decay = 0.01;
     return c;
   }
+
+  std::string_view type_name() const override { return Decoupled ? "nn::AdamW" : "nn::Adam"; }
+  std::vector<OptimizerSlot<T>> state() override { return {{"moment1", &m_}, {"moment2", &v_}}; }
 
  private:
   void begin_step() override {
