@@ -33,3 +33,118 @@ TEST_CASE("DynamicSequentialCell holds any DynamicCell, static ones included, an
   CHECK(net(ones({3, 4})).shape() == Shape{3, 2});
   CHECK_THROWS_WITH_AS(net[3], "nn::DynamicSequentialCell: index 3 is out of range for 3 cells", IndexError);
 }
+
+namespace {
+// The seed network's shape, built at run time as a config file would give it.
+nn::DynamicSequentialCell runtime_network(const std::vector<index_t>& widths) {
+  nn::DynamicSequentialCell net;
+  net.append(nn::Flatten{});
+  for (std::size_t i = 0; i + 1 < widths.size(); ++i) {
+    net.append(nn::Dense<>(widths[i], widths[i + 1]));
+    if (i + 2 < widths.size()) net.append(nn::ReLU{});
+  }
+  return net;
+}
+
+Tensor run_in(Mode mode, nn::DynamicCell& net, const Tensor& x) {
+  ModeGuard guard;
+  set_context({.mode = mode});
+  return net(x);
+}
+
+bool log_has(std::size_t from, const std::string& text) {
+  const auto log = jit_compile_log();
+  for (std::size_t i = from; i < log.size(); ++i) {
+    if (log[i].find(text) != std::string::npos) return true;
+  }
+  return false;
+}
+
+// A cell of its own whose forward calls back into C++.
+struct Doubling : nn::DynamicCell {
+  int* calls;
+  explicit Doubling(int* counter) : calls(counter) {}
+  std::string type_name() const override { return "Doubling"; }
+
+ protected:
+  Tensor forward(const Tensor& x) override {
+    return host(
+        [this](const Tensor& v) {
+          ++*calls;
+          Tensor y = v.clone();
+          for (float& e : y.values()) e *= 2;
+          return y;
+        },
+        x);
+  }
+};
+}  // namespace
+
+TEST_CASE("graph mode traces a network built at run time once per shape and structure, and replays it") {
+  set_seed(31);
+  auto net = runtime_network({12, 9, 7, 4});
+  const std::uint64_t before = jit_compile_count();
+  const std::size_t log_before = jit_compile_log().size();
+  for (index_t batch : {3, 3, 3}) {
+    const Tensor x = randn({batch, 3, 4}, 40);
+    CHECK(duet_test::values_of(run_in(GRAPH_MODE, net, x)) == duet_test::values_of(run_in(PYNATIVE_MODE, net, x)));
+  }
+  CHECK(jit_compile_count() == before + 1);
+  // Flatten, then MatMul, BiasAdd (and ReLU) per layer: 9 operations; O1 fuses each layer's.
+  CHECK(log_has(log_before, "nn::DynamicSequentialCell in graph mode"));
+  CHECK(log_has(log_before, "traced 9 operations, replays 4 steps"));
+  const Tensor wider = randn({8, 3, 4}, 41);
+  CHECK(duet_test::values_of(run_in(GRAPH_MODE, net, wider)) == duet_test::values_of(run_in(PYNATIVE_MODE, net, wider)));
+  CHECK(jit_compile_count() == before + 2);
+  CHECK(log_has(log_before, "argument 0 shape [3, 3, 4] -> [8, 3, 4]"));
+  // A network changed after a call is traced again, never replayed in its old form.
+  net.append(nn::ReLU{});
+  net.append(nn::Dense<>(4, 2));
+  const Tensor y = run_in(GRAPH_MODE, net, wider);
+  CHECK(y.shape() == Shape{8, 2});
+  CHECK(duet_test::values_of(y) == duet_test::values_of(run_in(PYNATIVE_MODE, net, wider)));
+  CHECK(jit_compile_count() == before + 3);
+  CHECK(log_has(log_before, "argument 1 (a value) changed (traced 12 operations, replays 5 steps)"));
+}
+
+TEST_CASE("graph mode runs a network built at run time eagerly where it cannot be traced, and says so once") {
+  set_seed(32);
+  int callbacks = 0;
+  auto net = runtime_network({8, 5});
+  net.append(Doubling(&callbacks));
+  const Tensor x = randn({2, 8}, 42);
+  const std::uint64_t before = jit_compile_count();
+  const std::size_t log_before = jit_compile_log().size();
+  const Tensor expected = run_in(PYNATIVE_MODE, net, x);
+  for (int call = 0; call < 3; ++call) CHECK(duet_test::values_of(run_in(GRAPH_MODE, net, x)) == duet_test::values_of(expected));
+  CHECK(callbacks == 4);  // every call ran the callback on its own values
+  CHECK(jit_compile_count() == before + 1);
+  CHECK(log_has(log_before, "graph break, runs eagerly: Doubling '2' calls duet::host, a host callback"));
+
+  // A hook sees the values of each call: the network runs eagerly and the hook runs.
+  auto hooked = runtime_network({8, 5, 3});
+  int hook_calls = 0;
+  hooked[3].register_forward_hook([&](const nn::DynamicCell&, const Tensor&, const Tensor&) { ++hook_calls; });
+  const Tensor h = run_in(GRAPH_MODE, hooked, x);
+  run_in(GRAPH_MODE, hooked, x);
+  CHECK(hook_calls == 2);
+  CHECK(duet_test::values_of(h) == duet_test::values_of(run_in(PYNATIVE_MODE, hooked, x)));
+  CHECK(log_has(log_before, "graph break, runs eagerly: nn::Dense<dyn, dyn> '3' has a hook"));
+
+  // A hook added after the trace: the trace is set aside, and the log says so once.
+  auto later = runtime_network({8, 5, 3});
+  run_in(GRAPH_MODE, later, x);
+  int later_calls = 0;
+  auto handle = later[1].register_forward_hook([&](const nn::DynamicCell&, const Tensor&, const Tensor&) { ++later_calls; });
+  const std::size_t log_hooked = jit_compile_log().size();
+  run_in(GRAPH_MODE, later, x);
+  run_in(GRAPH_MODE, later, x);
+  CHECK(later_calls == 2);
+  const auto log = jit_compile_log();
+  REQUIRE(log.size() == log_hooked + 1);
+  CHECK(log.back() == "nn::DynamicSequentialCell in graph mode (argument 1: its structure): runs eagerly while a cell "
+                      "in it has a hook (hooks see values in PyNative mode only)");
+  handle.remove();
+  CHECK(duet_test::values_of(run_in(GRAPH_MODE, later, x)) == duet_test::values_of(run_in(PYNATIVE_MODE, later, x)));
+  CHECK(later_calls == 2);
+}

@@ -1,7 +1,9 @@
 // Training: both modes learn a small synthetic problem with the same loss curve, and a
 // checkpoint saved in one mode loads into the other.
+#include <algorithm>
 #include <cstdint>
 #include <filesystem>
+#include <string>
 #include <vector>
 
 #include "support.hpp"
@@ -97,10 +99,9 @@ TEST_CASE("a network trained in graph mode, checkpointed, loads into PyNative an
 }
 
 namespace {
-template <auto Setting>
-std::vector<float> train_fixed(const Problem& data, int steps) {
-  set_seed(5);
-  SmallIn<Setting> net;
+// The losses of `steps` SGD steps with momentum, in the mode the network and context say.
+template <class Net>
+std::vector<float> sgd_losses(Net& net, const Problem& data, int steps) {
   nn::SoftmaxCrossEntropyWithLogits<true, Reduction::mean> loss;
   nn::WithLossCell with_loss(net, loss);
   nn::SGD sgd(net.parameters(), {.learning_rate = 0.05, .momentum = 0.9});
@@ -108,6 +109,13 @@ std::vector<float> train_fixed(const Problem& data, int steps) {
   std::vector<float> losses;
   for (int s = 0; s < steps; ++s) losses.push_back(step(data.x, data.y).item());
   return losses;
+}
+
+template <auto Setting>
+std::vector<float> train_fixed(const Problem& data, int steps) {
+  set_seed(5);
+  SmallIn<Setting> net;
+  return sgd_losses(net, data, steps);
 }
 }  // namespace
 
@@ -141,4 +149,198 @@ TEST_CASE("a graph-mode cell under a PyNative grad runs eagerly, so the tape rea
   for (std::size_t i = 0; i < gg.size(); ++i) {
     CHECK(duet_test::relative_difference(duet_test::values_of(gg[i]), duet_test::values_of(eg[i])) <= 1e-6);
   }
+}
+
+namespace {
+// A network described at run time, as a config file would: "8-16-3" is Flatten, then Dense
+// layers of those sizes with a ReLU between each two.
+nn::DynamicSequentialCell network_from(const std::string& spec) {
+  std::vector<index_t> sizes;
+  std::size_t from = 0;
+  while (from <= spec.size()) {
+    const std::size_t dash = std::min(spec.find('-', from), spec.size());
+    sizes.push_back(std::stoll(spec.substr(from, dash - from)));
+    from = dash + 1;
+  }
+  nn::DynamicSequentialCell net;
+  net.append(nn::Flatten{});
+  for (std::size_t i = 0; i + 1 < sizes.size(); ++i) {
+    net.append(nn::Dense<>(sizes[i], sizes[i + 1]));
+    if (i + 2 < sizes.size()) net.append(nn::ReLU{});
+  }
+  return net;
+}
+
+// A DynamicCell of its own, with a forward of its own: no construct, no Cell<...>.
+struct Handmade : nn::DynamicCell {
+  nn::Dense<> first{8, 12};
+  nn::ReLU relu;
+  nn::Dense<> second{12, 3};
+  void for_each_child(const ChildVisitor& visit) override {
+    visit("first", first);
+    visit("second", second);
+  }
+  std::string type_name() const override { return "Handmade"; }
+
+ protected:
+  Tensor forward(const Tensor& x) override { return second(relu(first(ops::flatten(x)))); }
+};
+
+template <class Net>
+std::vector<float> train_runtime(Mode mode, Net& net, const Problem& data, int steps) {
+  ModeGuard guard;
+  set_context({.mode = mode});
+  return sgd_losses(net, data, steps);
+}
+}  // namespace
+
+TEST_CASE("a network built at run time trains with WithLossCell and TrainOneStepCell, in both modes") {
+  const Problem data;
+  std::vector<std::vector<float>> curves;
+  for (Mode mode : {PYNATIVE_MODE, GRAPH_MODE}) {
+    CAPTURE(mode);
+    set_seed(21);
+    auto net = network_from("8-16-3");
+    REQUIRE(net.size() == 4);
+    const auto losses = train_runtime(mode, net, data, 60);
+    CHECK(losses.back() < 0.5f * losses.front());
+    curves.push_back(losses);
+  }
+  for (std::size_t i = 0; i < curves[0].size(); ++i) CHECK(curves[0][i] == curves[1][i]);
+  set_seed(22);
+  Handmade handmade;
+  const auto losses = train_runtime(GRAPH_MODE, handmade, data, 60);
+  CHECK(losses.back() < 0.5f * losses.front());
+}
+
+TEST_CASE("grad, value_and_grad and train::evaluate take a network built at run time, in both modes") {
+  ModeGuard guard;
+  const Problem data;
+  set_seed(23);
+  auto net = network_from("8-16-3");
+  nn::SoftmaxCrossEntropyWithLogits<true, Reduction::mean> loss;
+  nn::WithLossCell with_loss(net, loss);
+  // The same network as a Cell<...>, with the same weights, is the reference. Its layers have
+  // compile-time sizes, whose kernels may round differently: equal to float rounding.
+  set_seed(23);
+  Small reference;
+  nn::WithLossCell reference_loss(reference, loss);
+  set_context({.mode = PYNATIVE_MODE});
+  const auto expected = value_and_grad(reference_loss, reference.parameters())(data.x, data.y);
+  const Tensor expected_dx = grad(reference)(data.x);
+  const auto close = [](const Tensor& a, const Tensor& b) {
+    return duet_test::relative_difference(duet_test::values_of(a), duet_test::values_of(b)) <= 1e-6;
+  };
+  for (Mode mode : {PYNATIVE_MODE, GRAPH_MODE}) {
+    CAPTURE(mode);
+    set_context({.mode = mode});
+    const auto got = value_and_grad(with_loss, net.parameters())(data.x, data.y);
+    CHECK(close(got.value, expected.value));
+    REQUIRE(got.grads.size() == expected.grads.size());
+    for (std::size_t i = 0; i < got.grads.size(); ++i) CHECK(close(got.grads[i], expected.grads[i]));
+    CHECK(close(grad(net)(data.x), expected_dx));
+    BasicTensor<std::uint8_t> images{Shape{12, 2, 4}};
+    BasicTensor<std::int32_t> labels{Shape{12}};
+    for (index_t i = 0; i < 12; ++i) {
+      labels(i) = static_cast<std::int32_t>(i % 3);
+      for (index_t j = 0; j < 8; ++j) images.data()[i * 8 + j] = static_cast<std::uint8_t>((i * 37 + j * 11) % 256);
+    }
+    data::DataLoader loader(data::ImageDataset(images, labels, 3), 5);
+    const auto m = train::evaluate(net, loss, loader);
+    const auto r = train::evaluate(reference, loss, loader);
+    CHECK(m.samples == 12);
+    CHECK(m.loss == doctest::Approx(r.loss).epsilon(1e-6));
+    CHECK(m.accuracy == r.accuracy);
+  }
+}
+
+namespace {
+struct StepRun {
+  std::vector<float> losses;
+  std::vector<std::vector<float>> parameters;
+};
+
+StepRun train_spec(Mode mode, const std::string& spec, const Problem& data, int steps) {
+  set_seed(24);
+  auto net = network_from(spec);
+  const auto losses = train_runtime(mode, net, data, steps);
+  StepRun run{losses, {}};
+  for (const auto& p : net.parameters()) run.parameters.push_back(std::vector<float>(p.parameter->values().begin(), p.parameter->values().end()));
+  return run;
+}
+
+std::size_t log_lines_with(std::size_t from, const std::string& text) {
+  const auto log = jit_compile_log();
+  std::size_t n = 0;
+  for (std::size_t i = from; i < log.size(); ++i) n += log[i].find(text) != std::string::npos ? 1 : 0;
+  return n;
+}
+}  // namespace
+
+TEST_CASE("graph mode traces a runtime-built network's training step once and replays it, bit for bit") {
+  const Problem data;
+  const std::size_t log_before = jit_compile_log().size();
+  const std::uint64_t before = jit_compile_count();
+  const StepRun graph = train_spec(GRAPH_MODE, "8-16-12-3", data, 20);
+  CHECK(jit_compile_count() == before + 1);  // one trace for 20 steps
+  // The forward (Flatten, 3 x (MatMul, BiasAdd), 2 ReLU), the loss, the backward pass and its
+  // gradient ops; O1 fuses each forward product with its bias and ReLU.
+  CHECK(log_lines_with(log_before, "nn::WithLossCell forward and backward in graph mode") == 1);
+  CHECK(log_lines_with(log_before, "traced ") == 1);
+  const StepRun eager = train_spec(PYNATIVE_MODE, "8-16-12-3", data, 20);
+  CHECK(graph.losses.back() < graph.losses.front());
+  CHECK(graph.losses == eager.losses);
+  CHECK(graph.parameters == eager.parameters);
+}
+
+TEST_CASE("a runtime-built network's training step traces again for a new batch size and a changed network") {
+  ModeGuard guard;
+  set_context({.mode = GRAPH_MODE});
+  const Problem data;
+  set_seed(25);
+  auto net = network_from("8-6-3");
+  nn::MSELoss<> loss;
+  nn::WithLossCell with_loss(net, loss);
+  auto vg = value_and_grad(with_loss, net.parameters());
+  const Tensor target = randn({96, 3}, 26);
+  const std::uint64_t before = jit_compile_count();
+  const std::size_t log_before = jit_compile_log().size();
+  vg(data.x, target);
+  vg(data.x, target);
+  CHECK(jit_compile_count() == before + 1);
+  const Tensor small_batch = randn({5, 2, 4}, 27);
+  const Tensor small_target = randn({5, 3}, 28);
+  vg(small_batch, small_target);
+  CHECK(jit_compile_count() == before + 2);
+  CHECK(log_lines_with(log_before, "argument 1 shape [96, 2, 4] -> [5, 2, 4]") == 1);
+  // A layer appended after the trace: traced again, and the new layer gets its gradient.
+  net.append(nn::ReLU{});
+  net.append(nn::Dense<>(3, 3));
+  CHECK(vg(small_batch, small_target).value.shape() == Shape{});
+  CHECK(jit_compile_count() == before + 3);
+  CHECK(log_lines_with(log_before, "argument 0 (a value) changed") == 1);
+  const auto got = value_and_grad(with_loss, net.parameters())(small_batch, small_target);
+  set_context({.mode = PYNATIVE_MODE});
+  const auto expected = value_and_grad(with_loss, net.parameters())(small_batch, small_target);
+  CHECK(got.value.item() == expected.value.item());
+  REQUIRE(got.grads.size() == 6);
+  for (std::size_t i = 0; i < got.grads.size(); ++i) CHECK(duet_test::values_of(got.grads[i]) == duet_test::values_of(expected.grads[i]));
+}
+
+TEST_CASE("a training step with a hook runs eagerly in graph mode, and the compile log says so") {
+  ModeGuard guard;
+  set_context({.mode = GRAPH_MODE});
+  const Problem data;
+  // A hook: every step runs eagerly, the hook sees each, and the log names the cell once.
+  set_seed(27);
+  auto net = network_from("8-16-3");
+  int hook_calls = 0;
+  net[1].register_forward_hook([&](const nn::DynamicCell&, const Tensor&, const Tensor&) { ++hook_calls; });
+  const std::size_t log_before = jit_compile_log().size();
+  const auto graph = train_runtime(GRAPH_MODE, net, data, 3);
+  CHECK(hook_calls == 3);
+  CHECK(log_lines_with(log_before, "graph break, runs eagerly: nn::Dense<dyn, dyn> '1' has a hook") == 1);
+  set_seed(27);
+  auto eager_net = network_from("8-16-3");
+  CHECK(train_runtime(PYNATIVE_MODE, eager_net, data, 3) == graph);
 }

@@ -39,8 +39,8 @@ bool bitwise_equal(const Tensor& a, const Tensor& b) {
 
 // Thread t's call k reads input (t + k) mod thread_count. All threads share the input tensors
 // (and so their reference counts) and start together, so the first calls overlap.
-template <auto M>
-std::vector<std::vector<Tensor>> concurrent_forward(duet_test::SeedNetwork<M>& net, const std::vector<Tensor>& inputs) {
+template <class Net>
+std::vector<std::vector<Tensor>> concurrent_forward(Net& net, const std::vector<Tensor>& inputs) {
   std::vector<std::vector<Tensor>> outputs(thread_count);
   std::vector<std::exception_ptr> errors(thread_count);
   std::latch start(thread_count);
@@ -62,8 +62,8 @@ std::vector<std::vector<Tensor>> concurrent_forward(duet_test::SeedNetwork<M>& n
   return outputs;
 }
 
-template <auto M>
-void check_against_one_thread(duet_test::SeedNetwork<M>& net, const std::vector<Tensor>& inputs,
+template <class Net>
+void check_against_one_thread(Net& net, const std::vector<Tensor>& inputs,
                               const std::vector<std::vector<Tensor>>& outputs) {
   std::vector<Tensor> expected;
   for (const Tensor& x : inputs) expected.push_back(net(x));
@@ -119,6 +119,24 @@ TEST_CASE("threads: concurrent calls of a warm network in PyNative mode agree wi
 // every thread reads the packed form (batches above 1 read it).
 TEST_CASE("threads: concurrent first calls of a fresh network at O2 agree with one thread") {
   check_fresh_network<JitConfig{.jit_level = O2}>();
+}
+
+// A network built at run time, in graph mode: the threads' first calls race to trace it (once
+// per input shape, under the compile cache's lock) and then replay the traces side by side.
+TEST_CASE("threads: concurrent first calls of a runtime-built network in graph mode agree with PyNative") {
+  duet_test::ModeGuard guard;
+  const std::vector<Tensor> inputs = make_inputs();
+  nn::DynamicSequentialCell net;
+  net.append(nn::Flatten{});
+  net.append(nn::Dense<>(784, 64));
+  net.append(nn::ReLU{});
+  net.append(nn::Dense<>(64, 10));
+  const std::uint64_t before = jit_compile_count();
+  set_context({.mode = GRAPH_MODE});
+  const auto outputs = concurrent_forward(net, inputs);
+  CHECK(jit_compile_count() == before + thread_count);  // one trace per batch size
+  set_context({.mode = PYNATIVE_MODE});
+  check_against_one_thread(net, inputs, outputs);
 }
 
 TEST_CASE("threads: concurrent first calls of a jitted function compile once") {

@@ -29,10 +29,12 @@
 #include "eager.hpp"
 #include "evaluator.hpp"
 #include "graph.hpp"
+#include "jit.hpp"
 #include "parameter.hpp"
 #include "passes.hpp"
 #include "tape.hpp"
 #include "tensor.hpp"
+#include "trace.hpp"
 
 namespace duet {
 namespace ops {
@@ -52,22 +54,6 @@ struct FillLikeOp {
     Backend::fill(a.out<T>(), a.output_shape.numel(), T(V));
   }
   static std::string op_name() { return V == 1 ? "OnesLike" : "ZerosLike"; }
-  std::string label() const { return op_name(); }
-};
-
-// The sum of two gradients reaching one value.
-struct GradAddOp {
-  using layer_type = GradAddOp;
-  static constexpr int arity = 2;
-  static constexpr bool is_view = false;
-  static constexpr bool is_elementwise = false;
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
-  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& a) const {
-    Backend::add(a.in<T>(0), a.in<T>(1), a.in_shape(0).numel(), a.out<T>());
-  }
-  static std::string op_name() { return "GradAdd"; }
   std::string label() const { return op_name(); }
 };
 
@@ -297,20 +283,6 @@ Mode mode_of() {
   return effective_mode(nn::detail::fixed_mode_of<F>());
 }
 
-template <class F, class Positions, class... X>
-struct capturable;
-template <class F, std::size_t... K, class... X>
-struct capturable<F, std::index_sequence<K...>, X...> {
-  static constexpr bool value = requires(F & f) {
-    f(graph::input<typename X::value_type, typename graph::pattern_of<X>::type, K>()...);
-  };
-};
-
-// Whether graph mode can capture f on inputs like X...: a generic function or a cell can,
-// a function of duet::Tensor only runs eagerly.
-template <class F, class... X>
-concept Capturable = capturable<F, std::index_sequence_for<X...>, X...>::value;
-
 template <class T>
 std::vector<nn::BasicParameter<T>*> parameters_of(const std::vector<nn::NamedParameter<T>>& named) {
   std::vector<nn::BasicParameter<T>*> out;
@@ -404,11 +376,36 @@ class GradFunction {
 
   template <bool WithInput, class V, class... X>
   BasicTensor<V> forward_backward(BasicTensor<V>& input_grad, const X&... xs) {
-    if constexpr (autodiff::detail::Capturable<FnRef, X...>) {
+    if constexpr (graph::Capturable<FnRef&, X...>) {
       if (autodiff::detail::mode_of<Fn>() == GRAPH_MODE) return run_graph<WithInput>(input_grad, xs...);
+    } else if constexpr (!WithInput && autodiff::detail::CellLike<Fn>) {
+      if (autodiff::detail::mode_of<Fn>() == GRAPH_MODE && autodiff::active_tape() == nullptr &&
+          pijit::active_trace() == nullptr) {
+        return traced_step_.get([this] {
+          return TracedStep(StepCall{this}, {.mode = JitMode::PIJit,
+                                             .name = fn_.label() + " forward and backward in graph mode "
+                                                                   "(argument 0: the network's structure)"});
+        })(nn::detail::structure_generation().load(std::memory_order_acquire), xs...);
+      }
     }
     return run_eager<WithInput>(input_grad, xs...);
   }
+
+  // Graph mode for a cell built at run time (it has no construct to capture): the whole step,
+  // forward, loss and backward, is traced on the first call for each input signature and
+  // structure, and replayed after (PIJit, default JitConfig). Parameters' gradients are written
+  // by the replay's gradient steps, as the tape's backward writes them.
+  struct StepCall {
+    GradFunction* self;
+    template <class... X>
+      requires((is_tensor_v<X> || is_static_tensor_v<X>) && ...)
+    BasicTensor<value_t<X...>> operator()(std::uint64_t /*structure*/, const X&... xs) const {
+      if (pijit::Trace* trace = pijit::active_trace()) trace->allow_parameter_gradients();
+      BasicTensor<value_t<X...>> no_input_grad;
+      return self->template run_eager<false>(no_input_grad, xs...);
+    }
+  };
+  using TracedStep = JitFunction<JitConfig{}, StepCall>;
 
   template <bool WithInput, class V, class... X>
   BasicTensor<V> run_eager(BasicTensor<V>& input_grad, const X&... xs) {
@@ -481,6 +478,7 @@ class GradFunction {
   std::vector<nn::BasicParameter<WeightType>*> weights_;
   std::optional<std::size_t> grad_position_;
   std::uint64_t id_ = duet::detail::new_plan_owner();
+  duet::detail::OwnForm<TracedStep> traced_step_;
 };
 
 // MindSpore's value_and_grad(fn, grad_position, weights). fn is a cell (kept by reference) or

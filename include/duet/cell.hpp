@@ -32,6 +32,7 @@
 #include "detail/reflect.hpp"
 #include "evaluator.hpp"
 #include "graph.hpp"
+#include "jit.hpp"
 #include "jit_config.hpp"
 #include "parameter.hpp"
 #include "passes.hpp"
@@ -64,6 +65,13 @@ namespace detail {
 inline std::mutex& naming_mutex() {
   static std::mutex m;
   return m;
+}
+
+// Moves whenever a cell built at run time changes its structure (a DynamicSequentialCell
+// appends): graph mode's traces key on it, so none is replayed for a network that has changed.
+inline std::atomic<std::uint64_t>& structure_generation() {
+  static std::atomic<std::uint64_t> generation{0};
+  return generation;
 }
 
 // The cell whose construct is running on this thread, and the bytes of its object. A cell
@@ -139,7 +147,15 @@ class BasicDynamicCell {
   BasicTensor<T> operator()(const BasicTensor<T>& x) {
     check_registered();
     ensure_named();
-    if (pijit::Trace* trace = pijit::active_trace()) trace->note_cell([this] { return has_hooks_in_tree(); });
+    if (effective_mode(CONTEXT_MODE) == GRAPH_MODE && autodiff::active_tape() == nullptr &&
+        pijit::active_trace() == nullptr && traced_in_graph_mode()) {
+      return graph_form()(x, detail::structure_generation().load(std::memory_order_acquire));
+    }
+    const pijit::TracedCell traced([this] { return label(); });
+    if (pijit::Trace* trace = traced.trace()) {
+      trace->note_cell([this] { return has_hooks_in_tree(); });
+      if (!hooks_.empty() || !backward_hooks_.empty()) trace->mark_broken("has a hook, which sees values in PyNative mode only");
+    }
     BasicTensor<T>* traced_output = nullptr;
     if (!backward_hooks_.empty()) {
       if (autodiff::Tape* tape = autodiff::active_tape()) {
@@ -220,6 +236,14 @@ class BasicDynamicCell {
  protected:
   virtual BasicTensor<T> forward(const BasicTensor<T>& x) = 0;
 
+  // Whether graph mode traces this cell when it is called from outside any other (PIJit): a
+  // cell built at run time has no construct to capture. Cell<...> captures its construct instead.
+  virtual bool traced_in_graph_mode() const { return true; }
+
+  // A cell built at run time whose structure changes after it has run (layers added, removed or
+  // replaced) calls this, so that graph mode traces it again instead of replaying the old one.
+  static void structure_changed() { detail::structure_generation().fetch_add(1, std::memory_order_acq_rel); }
+
   // Refuses a call from the construct of a cell that holds this one as a member without
   // registering it. Once this cell was found registered, later calls only read a flag.
   void check_registered() {
@@ -237,6 +261,22 @@ class BasicDynamicCell {
   }
 
  private:
+  // Graph mode for a cell built at run time: PIJit at the default JitConfig, traced on the first
+  // call for each input shape and structure, replayed after. Its second argument is the
+  // structure generation: a network changed since the trace is traced again.
+  struct GraphCall {
+    BasicDynamicCell* cell;
+    BasicTensor<T> operator()(const BasicTensor<T>& x, std::uint64_t /*structure*/) const { return (*cell)(x); }
+  };
+  using GraphForm = JitFunction<JitConfig{}, GraphCall>;
+
+  GraphForm& graph_form() {
+    return graph_form_.get([this] {
+      return GraphForm(GraphCall{this},
+                       {.mode = JitMode::PIJit, .name = label() + " in graph mode (argument 1: its structure)"});
+    });
+  }
+
   bool is_ancestor_of(const BasicDynamicCell& cell) {
     bool found = false;
     for_each_child(
@@ -273,12 +313,28 @@ class BasicDynamicCell {
   std::vector<std::pair<long, BasicForwardHook<T>>> hooks_;
   std::vector<std::pair<long, BasicBackwardHook<T>>> backward_hooks_;
   long last_hook_id_ = 0;
+  duet::detail::OwnForm<GraphForm> graph_form_;
 };
 
 using DynamicCell = BasicDynamicCell<float>;
 
 template <class X>
 concept DynamicCellType = std::is_base_of_v<BasicDynamicCell<typename X::value_type>, X>;
+
+// A cell built at run time: a DynamicCell with a forward of its own (a DynamicSequentialCell, or
+// a class deriving from DynamicCell), not a Cell<...> with a generic construct. Graph capture
+// cannot call it.
+template <class C>
+concept RuntimeBuilt = DynamicCellType<std::remove_cvref_t<C>> && !requires { std::remove_cvref_t<C>::mode; };
+
+// Whether graph capture can call a cell's construct. A cell that calls one built at run time
+// (WithLossCell over a DynamicSequentialCell, say) says it cannot, with a static member
+// `capturable = false`: it then runs on real tensors in every mode.
+template <class C>
+constexpr bool capturable_construct() {
+  if constexpr (requires { C::capturable; }) return C::capturable;
+  else return true;
+}
 
 template <class C, class X>
 concept HasConstruct = requires(C& cell, X x) {
@@ -339,7 +395,7 @@ class Cell : public BasicDynamicCell<T> {
   // Graph capture: construct appends this cell's nodes to the graph its inputs belong to.
   // Hooks cannot run inside a graph: refused here rather than silently dropped.
   template <graph::Symbolic... S>
-    requires(sizeof...(S) >= 1)
+    requires(sizeof...(S) >= 1 && capturable_construct<Derived>())
   auto operator()(const S&... xs) {
     if (this->has_hooks_in_tree()) {
       throw ModeError(this->label() +
@@ -371,14 +427,23 @@ class Cell : public BasicDynamicCell<T> {
   requires(sizeof...(X) >= 2 && ((is_tensor_v<X> || is_static_tensor_v<X>)&&...)) auto operator()(const X&... xs) {
     this->check_registered();
     this->ensure_named();
-    if constexpr (can_capture()) {
+    if constexpr (can_capture() && graph::Capturable<Derived&, X...>) {
       if (runs_as_graph()) return run_graph<typename graph::pattern_of<X>::type...>(tensor_of(xs)...);
+    } else if constexpr (M != PYNATIVE_MODE) {
+      // construct calls a cell built at run time, so it cannot be captured: it runs on the
+      // tensors, and each cell it calls follows the mode itself (graph mode traces that one).
+      if (runs_as_graph()) return run_construct(tensor_of(xs)...);
     }
     EagerScope eager;
     return run_construct(tensor_of(xs)...);
   }
 
   std::string type_name() const override { return duet::detail::readable_type_name(typeid(Derived)); }
+
+ protected:
+  bool traced_in_graph_mode() const override { return false; }
+
+ public:
 
   void for_each_child(const typename BasicDynamicCell<T>::ChildVisitor& visit) override {
     for_each_member([&](std::string_view name, auto& member) {

@@ -39,13 +39,15 @@ auto run_into_new(const Op& op, const BasicTensor<First>& first, const BasicTens
     y = first.reshape(out_shape);
   } else if constexpr (graph::is_sink<Op>()) {
     op.template run<Backend, T>(graph::KernelArgs{in.data(), shapes.data(), nullptr, out_shape});
+    if (pijit::Trace* trace = pijit::active_trace()) trace->record(op, y, first, rest...);
     return y;
   } else {
     y = BasicTensor<T>::uninitialized(out_shape);
     op.template run<Backend, T>(graph::KernelArgs{in.data(), shapes.data(), y.data(), out_shape});
   }
-  if (autodiff::Tape* tape = autodiff::active_tape()) tape->record(op, y, first, rest...);
+  // The trace first: the tape keeps a copy of y, which must already be the trace's value.
   if (pijit::Trace* trace = pijit::active_trace()) trace->record(op, y, first, rest...);
+  if (autodiff::Tape* tape = autodiff::active_tape()) tape->record(op, y, first, rest...);
   return y;
 }
 

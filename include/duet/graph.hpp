@@ -219,6 +219,13 @@ constexpr bool is_sink() {
     return false;
 }
 
+// A host callback (duet::host): C++ on a live value, a graph break.
+template <class Op>
+constexpr bool is_host_op() {
+  if constexpr (requires { Op::is_host; }) return Op::is_host;
+  else return false;
+}
+
 // Whether a node's kernel runs: every op but a view without side effects.
 template <class Op>
 constexpr bool runs_kernel() {
@@ -313,6 +320,20 @@ auto input() {
   using G = Graph<Node<InputOp<K, Pattern, T>>>;
   return Sym<G, 0>{G{}};
 }
+
+template <class F, class Positions, class... X>
+struct capturable;
+template <class F, std::size_t... K, class... X>
+struct capturable<F, std::index_sequence<K...>, X...> {
+  static constexpr bool value = requires(F & f) {
+    f(input<typename X::value_type, typename pattern_of<X>::type, K>()...);
+  };
+};
+
+// Whether graph capture can call f on inputs like X...: a generic function or a Cell<...> can;
+// a function of duet::Tensor, or a cell built at run time, only runs on real tensors.
+template <class F, class... X>
+concept Capturable = capturable<F, std::index_sequence_for<X...>, X...>::value;
 
 // Node n with its arguments renumbered through map.
 template <class N, std::size_t... Map, std::size_t... A>

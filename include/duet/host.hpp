@@ -110,12 +110,6 @@ struct HostOp {
 }  // namespace ops
 
 namespace graph {
-template <class Op>
-constexpr bool is_host_op() {
-  if constexpr (requires { Op::is_host; }) return Op::is_host;
-  else return false;
-}
-
 // The first host node of G, or G::size.
 template <class G>
 constexpr std::size_t first_host_node() {

@@ -124,12 +124,18 @@ inline JitStats& jit_stats() {
   static JitStats stats;
   return stats;
 }
+inline void jit_log(std::string line) {
+  auto& stats = jit_stats();
+  std::lock_guard lock(stats.mutex);
+  stats.log.push_back(std::move(line));
+}
 }  // namespace detail
 
 // Compilations of every jitted function so far.
 inline std::uint64_t jit_compile_count() { return detail::jit_stats().compiles.load(); }
 
-// One line per compilation, in order: which function, its compile number, and why.
+// One line per compilation, in order: which function, its compile number, and why; and one when
+// a PIJit trace is set aside because a cell in it has a hook now.
 inline std::vector<std::string> jit_compile_log() {
   auto& s = detail::jit_stats();
   std::lock_guard lock(s.mutex);
@@ -256,7 +262,14 @@ class JitFunction {
       }
     }
     if (options_.mode == JitMode::PIJit) {
-      if (entry->replay == nullptr || entry->replay->cells_have_hooks()) return eager(args...);
+      if (entry->replay == nullptr) return eager(args...);
+      if (entry->replay->cells_have_hooks()) {
+        if (entry->replay->set_aside()) {
+          detail::jit_log(options_.name + ": runs eagerly while a cell in it has a hook (hooks see values in "
+                                          "PyNative mode only)");
+        }
+        return eager(args...);
+      }
       const auto inputs = std::apply([](const auto&... t) { return std::array<const void*, sizeof...(t)>{t.data()...}; },
                                      std::tuple_cat(tensor_tuple(args)...));
       return entry->replay->template run<typename Result::value_type>(inputs);
@@ -370,7 +383,7 @@ class JitFunction {
     using Result = BasicTensor<typename decltype(y)::value_type>;
     const std::size_t out = trace.find(y);
     std::string broken = trace.broken();
-    if (broken.empty() && out == trace.values().size()) broken = "it returns a value no duet operation made";
+    if (broken.empty() && out == trace.values().size()) broken = "the function returns a value no duet operation made";
     std::shared_ptr<const pijit::Replay> replay;
     std::string note = "graph break, runs eagerly: " + broken;
     if (broken.empty()) {
@@ -402,11 +415,8 @@ class JitFunction {
     stats.compiles.fetch_add(1);
     const std::string reason = cache.entries.empty() ? std::string("first call")
                                                      : detail::why_recompiled(cache.entries.back().signature, s);
-    {
-      std::lock_guard lock(stats.mutex);
-      stats.log.push_back(options_.name + ": compile #" + std::to_string(number) + ": " + reason +
-                          (note.empty() ? "" : " (" + note + ")"));
-    }
+    detail::jit_log(options_.name + ": compile #" + std::to_string(number) + ": " + reason +
+                    (note.empty() ? "" : " (" + note + ")"));
     cache.entries.push_back({s, duet::detail::new_plan_owner(), std::move(replay)});
     return cache.entries.back();
   }
@@ -471,6 +481,32 @@ class JitFunction {
   JitOptions options_;
   std::shared_ptr<State> state_;
 };
+
+namespace detail {
+// A jitted function an object makes of itself on first use (a runtime-built cell's graph form,
+// say), calling back into that object. A moved object makes its own, so none calls into an
+// object that has moved. Concurrent first uses make it once.
+template <class F>
+class OwnForm {
+ public:
+  OwnForm() = default;
+  OwnForm(OwnForm&&) noexcept {}
+  OwnForm& operator=(OwnForm&&) noexcept { return *this; }
+  OwnForm(const OwnForm&) = delete;
+  OwnForm& operator=(const OwnForm&) = delete;
+  ~OwnForm() = default;
+
+  template <class Make>
+  F& get(Make&& make) {
+    std::call_once(made_, [&] { form_ = std::make_unique<F>(make()); });
+    return *form_;
+  }
+
+ private:
+  std::once_flag made_;
+  std::unique_ptr<F> form_;
+};
+}  // namespace detail
 
 // MindSpore's jit(fn, ...): fn is kept by reference if it is an lvalue, else moved in.
 template <JitConfig Config = JitConfig{}, class Fn>

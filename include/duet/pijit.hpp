@@ -11,6 +11,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <functional>
 #include <memory>
@@ -50,6 +51,9 @@ class Replay {
     if (duet::detail::live_hook_count().load(std::memory_order_relaxed) == 0) return false;
     return std::any_of(cells_.begin(), cells_.end(), [](const auto& has_hooks) { return has_hooks(); });
   }
+
+  // True the first time it is called: the caller says once that it no longer replays this.
+  bool set_aside() const { return !set_aside_.exchange(true); }
 
   // Runs the steps on new inputs of the traced shapes; returns the output value.
   template <class T>
@@ -165,6 +169,7 @@ class Replay {
   std::size_t output_root_ = 0;
   std::vector<std::size_t> offset_;
   std::size_t arena_bytes_ = 0;
+  mutable std::atomic<bool> set_aside_{false};
 };
 
 }  // namespace duet::pijit

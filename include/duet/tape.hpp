@@ -17,6 +17,7 @@
 #include "graph.hpp"
 #include "parameter.hpp"
 #include "tensor.hpp"
+#include "trace.hpp"
 
 namespace duet {
 
@@ -24,6 +25,26 @@ namespace detail {
 template <class Backend, class Op, class First, class... Rest>
 auto run_into_new(const Op& op, const BasicTensor<First>& first, const BasicTensor<Rest>&... rest);
 }  // namespace detail
+
+namespace ops {
+
+// The sum of two gradients reaching one value.
+struct GradAddOp {
+  using layer_type = GradAddOp;
+  static constexpr int arity = 2;
+  static constexpr bool is_view = false;
+  static constexpr bool is_elementwise = false;
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    Backend::add(a.in<T>(0), a.in<T>(1), a.in_shape(0).numel(), a.out<T>());
+  }
+  static std::string op_name() { return "GradAdd"; }
+  std::string label() const { return op_name(); }
+};
+
+}  // namespace ops
 
 namespace autodiff {
 
@@ -58,7 +79,8 @@ class Entry {
 template <class T>
 class ValueEntry : public Entry {
  public:
-  // Gradients from several readers add up. Never in place: the first may alias another value.
+  // Gradients from several readers add up, through an op that a trace records. Never in place:
+  // the first may alias another value.
   void accumulate(BasicTensor<T> g);
   const BasicTensor<T>* grad() const { return has_grad_ ? &grad_ : nullptr; }
 
@@ -149,9 +171,7 @@ void ValueEntry<T>::accumulate(BasicTensor<T> g) {
     has_grad_ = true;
     return;
   }
-  auto sum = BasicTensor<T>::uninitialized(grad_.shape());
-  for (index_t i = 0; i < sum.numel(); ++i) sum.data()[i] = grad_.data()[i] + g.data()[i];
-  grad_ = std::move(sum);
+  grad_ = duet::detail::run_into_new<DefaultBackend>(ops::GradAddOp{}, grad_, g);
 }
 
 // One recorded operation: the op, the handles of its inputs and output, and the gradient of
@@ -248,6 +268,7 @@ void Tape::backward(const BasicTensor<T>& output) {
   seed->accumulate(full<T>(output.shape(), T(1)));
   Recording off(nullptr);
   detail::begin_backward_pass();
+  if (pijit::Trace* trace = pijit::active_trace()) trace->record_backward_pass();
   for (std::size_t i = entries_.size(); i-- > 0;) entries_[i]->backward(*this);
 }
 

@@ -128,6 +128,7 @@ class BasicTensor {
     BasicTensor view = *this;
     view.shape_ = to;
     view.tape_id_ = 0;
+    view.trace_id_ = 0;
     return view;
   }
 
@@ -146,6 +147,7 @@ class BasicTensor {
     view.shape_ = rest;
     view.data_ = data_ + i * rest.numel();
     view.tape_id_ = 0;
+    view.trace_id_ = 0;
     return view;
   }
 
@@ -172,6 +174,9 @@ class BasicTensor {
   // views a user makes (reshape, operator[]) do not: they are new values the tape never saw.
   std::uint64_t tape_id() const { return tape_id_; }
   void set_tape_id(std::uint64_t id) { tape_id_ = id; }
+  // The same for a recording PIJit trace, which may record while a tape does (a training step).
+  std::uint64_t trace_id() const { return trace_id_; }
+  void set_trace_id(std::uint64_t id) { trace_id_ = id; }
 
  private:
   BasicTensor(detail::Storage storage, const Shape& shape)
@@ -200,6 +205,7 @@ class BasicTensor {
   T* data_ = nullptr;
   Shape shape_;
   std::uint64_t tape_id_ = 0;
+  std::uint64_t trace_id_ = 0;
 };
 
 using Tensor = BasicTensor<float>;

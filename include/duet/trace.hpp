@@ -17,6 +17,7 @@
 #include "backend.hpp"
 #include "error.hpp"
 #include "graph.hpp"
+#include "parameter.hpp"
 #include "tensor.hpp"
 
 namespace duet {
@@ -164,6 +165,17 @@ class OpStep final : public Step {
   Op op_;
 };
 
+// Begins a new backward pass on the replaying thread, where the traced one began one.
+class BackwardPassStep final : public Step {
+ public:
+  void run(void* const*, const std::vector<Value>&) const override { duet::detail::begin_backward_pass(); }
+  std::unique_ptr<Step> absorb(const Step&) const override { return nullptr; }
+  std::unique_ptr<Step> with_packed_weight() const override { return nullptr; }
+  EpilogueInfo as_epilogue() const override { return {}; }
+  bool is_view() const override { return false; }
+  bool runs_kernel() const override { return true; }
+};
+
 class Trace {
  public:
   Trace() : generation_(next_generation()) {}
@@ -179,36 +191,62 @@ class Trace {
     add(std::move(v), x);
   }
 
+  // A sink (an op that makes no value: a parameter's gradient written in place) is a step of a
+  // training step's trace only; in any other it is a graph break.
   template <class Op, class T, class... In>
   void record(const Op& op, BasicTensor<T>& y, const BasicTensor<In>&... x) {
     if constexpr (graph::is_sink<Op>()) {
-      broken_ = "it calls " + op.label() + ", which makes no value";
-    } else {
-      auto step = std::make_unique<OpStep<Op, T>>(op);
-      (step->inputs.push_back(value_of(x)), ...);
-      Value v;
-      v.shape = y.shape();
-      v.element_size = sizeof(T);
-      if constexpr (Op::is_view) {
-        v.kind = Value::Kind::view;
-        v.view_of = root_of(step->inputs[0]);
-      }
-      step->output = values_.size();
-      add(std::move(v), y);
-      steps_.push_back(std::move(step));
+      if (!parameter_gradients_) mark_broken("calls " + op.label() + ", which makes no value");
     }
+    // A host callback is C++ the replay would run on values it never saw made: the caller runs
+    // eagerly instead, so that it is a plain call every time.
+    if constexpr (graph::is_host_op<Op>()) mark_broken("calls duet::host, a host callback");
+    auto step = std::make_unique<OpStep<Op, T>>(op);
+    (step->inputs.push_back(value_of(x)), ...);
+    Value v;
+    v.element_size = graph::is_sink<Op>() ? 0 : sizeof(T);
+    v.shape = graph::is_sink<Op>() ? Shape{} : y.shape();
+    if constexpr (Op::is_view) {
+      v.kind = Value::Kind::view;
+      v.view_of = root_of(step->inputs[0]);
+    }
+    step->output = values_.size();
+    add(std::move(v), y);
+    steps_.push_back(std::move(step));
   }
+
+  // A backward pass begins (parameters' gradients are assigned afresh from here): a step, so
+  // that each replay begins its own.
+  void record_backward_pass() {
+    auto step = std::make_unique<BackwardPassStep>();
+    step->output = values_.size();
+    values_.push_back(Value{});
+    steps_.push_back(std::move(step));
+  }
+
+  // The traced function is a whole training step, whose parameters' gradients are written in
+  // place by its gradient ops: those are steps to replay, not breaks.
+  void allow_parameter_gradients() { parameter_gradients_ = true; }
 
   // The value a tensor is, or nothing if the trace never saw it.
   template <class T>
   std::size_t find(const BasicTensor<T>& x) const {
-    const std::uint64_t id = x.tape_id();
+    const std::uint64_t id = x.trace_id();
     if ((id >> 32) != (generation_ & 0xFFFFFFFFu) || id == 0) return values_.size();
     return static_cast<std::size_t>((id & 0xFFFFFFFFu) - 1);
   }
 
   // A cell ran during the trace; its check says whether it has hooks now.
   void note_cell(std::function<bool()> has_hooks) { cells_.push_back(std::move(has_hooks)); }
+
+  // The cells whose forward is running, innermost last: what a graph break is blamed on.
+  void enter_cell(std::string label) { running_.push_back(std::move(label)); }
+  void leave_cell() { running_.pop_back(); }
+
+  // The trace cannot be replayed, because the running cell does `what`; the first reason stays.
+  void mark_broken(const std::string& what) {
+    if (broken_.empty()) broken_ = (running_.empty() ? std::string("the function") : running_.back()) + " " + what;
+  }
   std::vector<std::function<bool()>>& cells() { return cells_; }
 
   std::vector<Value>& values() { return values_; }
@@ -217,11 +255,9 @@ class Trace {
   const std::string& broken() const { return broken_; }
 
  private:
-  // The top bit of a trace's generation is set, the tape's never is: a tensor recorded by one is
-  // never taken for a value of the other.
   static std::uint64_t next_generation() {
     static std::atomic<std::uint64_t> last{0};
-    return (last.fetch_add(1, std::memory_order_relaxed) + 1) | 0x80000000u;
+    return last.fetch_add(1, std::memory_order_relaxed) + 1;
   }
 
   // A tensor the trace did not make is a constant: read through its handle at every replay.
@@ -248,14 +284,34 @@ class Trace {
   template <class T>
   void add(Value v, BasicTensor<T>& tensor) {
     values_.push_back(std::move(v));
-    tensor.set_tape_id(((generation_ & 0xFFFFFFFFu) << 32) | values_.size());
+    tensor.set_trace_id(((generation_ & 0xFFFFFFFFu) << 32) | values_.size());
   }
 
   std::uint64_t generation_;
   std::vector<Value> values_;
   std::vector<std::unique_ptr<Step>> steps_;
   std::vector<std::function<bool()>> cells_;
+  std::vector<std::string> running_;
   std::string broken_;
+  bool parameter_gradients_ = false;
+};
+
+// Names a cell as running in the active trace, if any, for its lifetime.
+class TracedCell {
+ public:
+  template <class Label>
+  explicit TracedCell(Label&& label) : trace_(active_trace()) {
+    if (trace_ != nullptr) trace_->enter_cell(label());
+  }
+  TracedCell(const TracedCell&) = delete;
+  TracedCell& operator=(const TracedCell&) = delete;
+  ~TracedCell() {
+    if (trace_ != nullptr) trace_->leave_cell();
+  }
+  Trace* trace() const { return trace_; }
+
+ private:
+  Trace* trace_;
 };
 
 // Makes a trace the active one for its lifetime.

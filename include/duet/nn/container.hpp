@@ -75,8 +75,9 @@ class SequentialCell : public Cell<SequentialCell<First, Rest...>, CONTEXT_MODE,
   boost::hana::tuple<First, Rest...> cells_;
 };
 
-// A list of cells built at run time (sizes and layers from a config file, say). Always runs in
-// PyNative mode: its structure is not known when the program compiles.
+// A list of cells built at run time (sizes and layers from a config file, say). Its structure is
+// not known when the program compiles, so graph mode cannot capture it: it traces it on the
+// first call instead (PIJit) and replays the trace, and traces again after an append.
 template <ElementType T>
 class BasicDynamicSequentialCell : public BasicDynamicCell<T> {
  public:
@@ -88,10 +89,12 @@ class BasicDynamicSequentialCell : public BasicDynamicCell<T> {
     auto owned = std::make_unique<C>(std::move(cell));
     C& ref = *owned;
     cells_.push_back(std::move(owned));
+    this->structure_changed();
     return ref;
   }
   BasicDynamicCell<T>& append(std::unique_ptr<BasicDynamicCell<T>> cell) {
     cells_.push_back(std::move(cell));
+    this->structure_changed();
     return *cells_.back();
   }
 
