@@ -41,6 +41,9 @@
 #include <string>
 
 #include <Eigen/Core>
+#if !EIGEN_VERSION_AT_LEAST(3, 4, 0)
+#error "duet needs Eigen 3.4 or later (nn::ReLU keeps NaN with Eigen::PropagateNaN)"
+#endif
 
 // duet: one neural network, two modes.
 
@@ -130,6 +133,12 @@ class FormatError : public IOError {
 //    the one store, so the output never takes a second pass.
 // Every path adds the bias to the finished sum and then applies the functions, in the order
 // separate BiasAdd and map kernels would: fused and unfused evaluation agree to the bit.
+//
+// The GEMV and the GEMM exist once per instruction set (AVX-512, AVX2 + FMA, baseline), in
+// detail/gemm_impl.hpp, compiled once per set below; each call runs the set chosen at
+// run time (simd/isa.hpp, duet::kernel_isa()). The sets differ in vector width, tile height and
+// FMA, so their results differ in the last bits; under one set, every mode computes the same
+// bits. A PackedWeight is packed for one set, and only that set reads it.
 
 #include <algorithm>
 #include <concepts>
@@ -137,10 +146,6 @@ class FormatError : public IOError {
 #include <string>
 #include <type_traits>
 #include <utility>
-
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#include <immintrin.h>
-#endif
 
 // Tensor storage: reference-counted blocks served from a per-thread caching pool.
 //
@@ -375,40 +380,71 @@ inline void empty_cache() {
 }
 
 }  // namespace duet
+// The one place where the instruction sets differ: per set, the vector width, the tile height
+// and the few operations GCC's vector extensions do not spell (FMA, masked memory access, the
+// group broadcast). Everything else in a kernel is written once, on Vec<T>, and compiled once
+// per set, in the set's namespace (detail::baseline, detail::avx2, detail::avx512) and between
+// its DUET_BEGIN_... and DUET_END_ISA (as kernels/gemm.hpp does with detail/gemm_impl.hpp).
+//
+// Each set's code is compiled for its target whatever -march the program has, by a target
+// region: GCC's `#pragma GCC target`, clang's `#pragma clang attribute push(target)`. Templates
+// defined in a region keep its target when instantiated. Code outside the regions (the
+// dispatch, the public functions) never handles a vector wider than the baseline's, so no
+// vector crosses a call between functions of different targets (-Wpsabi).
 
-namespace duet::kernels {
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
 
-namespace detail {
-
-#if defined(__AVX512F__)
-inline constexpr int vector_bytes = 64;
-#elif defined(__AVX2__) && defined(__FMA__)
-inline constexpr int vector_bytes = 32;
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define DUET_X86_KERNELS 1
 #else
-inline constexpr int vector_bytes = 16;
+#define DUET_X86_KERNELS 0
 #endif
 
-template <class T>
+#if defined(__clang__)
+#define DUET_BEGIN_AVX2 _Pragma("clang attribute push(__attribute__((target(\"avx2,fma\"))), apply_to = function)")
+#define DUET_BEGIN_AVX512 \
+  _Pragma("clang attribute push(__attribute__((target(\"avx512f,avx512dq,avx512bw,avx512vl,avx2,fma\"))), apply_to = function)")
+#define DUET_END_ISA _Pragma("clang attribute pop")
+#else
+#define DUET_BEGIN_AVX2 _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma\")")
+#define DUET_BEGIN_AVX512 _Pragma("GCC push_options") _Pragma("GCC target(\"avx512f,avx512dq,avx512bw,avx512vl,avx2,fma\")")
+#define DUET_END_ISA _Pragma("GCC pop_options")
+#endif
+
+namespace duet::kernels::detail {
+
+template <class T, int Bytes>
 struct VectorOf {
-  typedef T type __attribute__((vector_size(vector_bytes)));
+  typedef T type __attribute__((vector_size(Bytes)));
 };
 
-// One SIMD register of T, as a GCC vector: arithmetic, comparisons and the functions'
-// apply() work on it directly; intrinsics are needed only for FMA and masked memory access.
-template <class T>
-using Vec = typename VectorOf<T>::type;
+// One SIMD register of Bytes bytes of T, as a GCC vector: arithmetic, comparisons and the
+// functions' apply() work on it directly.
+template <class T, int Bytes>
+using Vector = typename VectorOf<T, Bytes>::type;
 
+}  // namespace duet::kernels::detail
+
+// ---- Baseline: 16-byte vectors in plain C++, which the compiler maps onto SSE2 (or NEON) ----
+
+namespace duet::kernels::detail::baseline {
+
+inline constexpr int vector_bytes = 16;
+// Tile rows: MR x KG accumulators, KG vectors of B and a broadcast fit 16 registers.
+inline constexpr int MR = 3;
+// Vec, lanes, KG, load and store for the set whose vector_bytes is in scope: included once per
+// set, inside its namespace (simd/arch.hpp), so no include guard.
+
+template <class T>
+using Vec = Vector<T, vector_bytes>;
 template <class T>
 inline constexpr int lanes = vector_bytes / static_cast<int>(sizeof(T));
-
-// The k-group: a vector of B holds KG consecutive k of L / KG rows. A tile row then takes KG
-// vectors (L columns), which fold into exactly one vector of results.
+// The k-group: a vector of B holds KG consecutive k of L / KG rows (gemm_impl.hpp).
 template <class T>
 inline constexpr int KG = std::min(4, lanes<T>);
-
-// Tile rows: MR x KG accumulators, KG vectors of B and a broadcast fit the register file (32
-// registers with AVX-512, 16 otherwise).
-inline constexpr int MR = vector_bytes == 64 ? 6 : 3;
 
 template <class T>
 Vec<T> load(const T* p) {
@@ -422,7 +458,67 @@ void store(T* p, Vec<T> v) {
   std::memcpy(p, &v, sizeof v);
 }
 
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// The first n lanes from p (0 < n <= lanes), zero in the others; never touches p[n] and on.
+template <class T>
+Vec<T> load_first(const T* p, int n) {
+  Vec<T> v{};
+  std::memcpy(&v, p, static_cast<std::size_t>(n) * sizeof(T));
+  return v;
+}
+
+template <class T>
+void store_first(T* p, Vec<T> v, int n) {
+  std::memcpy(p, &v, static_cast<std::size_t>(n) * sizeof(T));
+}
+
+// a·b + c. Not fused here (the baseline has no FMA): two roundings.
+template <class T>
+Vec<T> fma(Vec<T> a, Vec<T> b, Vec<T> c) {
+  return a * b + c;
+}
+
+// A[p .. p + KG) in every group of KG lanes.
+template <class T>
+Vec<T> broadcast_group(const T* p) {
+  Vec<T> v;
+  for (int i = 0; i < lanes<T>; ++i) v[i] = p[i % KG<T>];
+  return v;
+}
+
+}  // namespace duet::kernels::detail::baseline
+
+#if DUET_X86_KERNELS
+
+// ---- AVX2 + FMA: 32-byte vectors ------------------------------------------------------------
+
+DUET_BEGIN_AVX2
+namespace duet::kernels::detail::avx2 {
+
+inline constexpr int vector_bytes = 32;
+inline constexpr int MR = 3;
+// Vec, lanes, KG, load and store for the set whose vector_bytes is in scope: included once per
+// set, inside its namespace (simd/arch.hpp), so no include guard.
+
+template <class T>
+using Vec = Vector<T, vector_bytes>;
+template <class T>
+inline constexpr int lanes = vector_bytes / static_cast<int>(sizeof(T));
+// The k-group: a vector of B holds KG consecutive k of L / KG rows (gemm_impl.hpp).
+template <class T>
+inline constexpr int KG = std::min(4, lanes<T>);
+
+template <class T>
+Vec<T> load(const T* p) {
+  Vec<T> v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+template <class T>
+void store(T* p, Vec<T> v) {
+  std::memcpy(p, &v, sizeof v);
+}
+
 // All ones in the lanes below n, as AVX2's masked loads and stores want.
 template <class T>
 __m256i lane_mask(int n) {
@@ -432,77 +528,313 @@ __m256i lane_mask(int n) {
     return _mm256_cmpgt_epi64(_mm256_set1_epi64x(n), _mm256_setr_epi64x(0, 1, 2, 3));
   }
 }
-#endif
 
-// The first n lanes from p (0 < n <= lanes), zero in the others; never touches p[n] and on.
 template <class T>
 Vec<T> load_first(const T* p, int n) {
-#if defined(__AVX512F__)
-  const auto mask = static_cast<__mmask16>((1u << n) - 1);
-  if constexpr (std::is_same_v<T, float>) return _mm512_maskz_loadu_ps(mask, p);
-  else return _mm512_maskz_loadu_pd(static_cast<__mmask8>(mask), p);
-#elif defined(__AVX2__) && defined(__FMA__)
   if constexpr (std::is_same_v<T, float>) return _mm256_maskload_ps(p, lane_mask<T>(n));
   else return _mm256_maskload_pd(p, lane_mask<T>(n));
-#else
-  Vec<T> v{};
-  std::memcpy(&v, p, static_cast<std::size_t>(n) * sizeof(T));
-  return v;
-#endif
 }
 
 template <class T>
 void store_first(T* p, Vec<T> v, int n) {
-#if defined(__AVX512F__)
-  const auto mask = static_cast<__mmask16>((1u << n) - 1);
-  if constexpr (std::is_same_v<T, float>) _mm512_mask_storeu_ps(p, mask, v);
-  else _mm512_mask_storeu_pd(p, static_cast<__mmask8>(mask), v);
-#elif defined(__AVX2__) && defined(__FMA__)
   if constexpr (std::is_same_v<T, float>) _mm256_maskstore_ps(p, lane_mask<T>(n), v);
   else _mm256_maskstore_pd(p, lane_mask<T>(n), v);
-#else
-  std::memcpy(p, &v, static_cast<std::size_t>(n) * sizeof(T));
-#endif
 }
 
 // a·b + c with one rounding. Spelled out because -std=c++20 (unlike gnu++20) stops GCC from
 // contracting a * b + c, which would halve the throughput of the micro-kernel.
 template <class T>
 Vec<T> fma(Vec<T> a, Vec<T> b, Vec<T> c) {
-#if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, float>) return _mm512_fmadd_ps(a, b, c);
-  else return _mm512_fmadd_pd(a, b, c);
-#elif defined(__AVX2__) && defined(__FMA__)
   if constexpr (std::is_same_v<T, float>) return _mm256_fmadd_ps(a, b, c);
   else return _mm256_fmadd_pd(a, b, c);
-#else
-  return a * b + c;
-#endif
 }
 
-// A[p .. p + KG) in every group of KG lanes.
 template <class T>
 Vec<T> broadcast_group(const T* p) {
-#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_broadcast_ps(reinterpret_cast<const __m128*>(p));
+  } else {
+    return load(p);
+  }
+}
+
+}  // namespace duet::kernels::detail::avx2
+DUET_END_ISA
+
+// ---- AVX-512 (F, DQ, BW, VL): 64-byte vectors ---------------------------------------------
+
+DUET_BEGIN_AVX512
+namespace duet::kernels::detail::avx512 {
+
+inline constexpr int vector_bytes = 64;
+// 32 registers: twice the tile rows.
+inline constexpr int MR = 6;
+// Vec, lanes, KG, load and store for the set whose vector_bytes is in scope: included once per
+// set, inside its namespace (simd/arch.hpp), so no include guard.
+
+template <class T>
+using Vec = Vector<T, vector_bytes>;
+template <class T>
+inline constexpr int lanes = vector_bytes / static_cast<int>(sizeof(T));
+// The k-group: a vector of B holds KG consecutive k of L / KG rows (gemm_impl.hpp).
+template <class T>
+inline constexpr int KG = std::min(4, lanes<T>);
+
+template <class T>
+Vec<T> load(const T* p) {
+  Vec<T> v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+template <class T>
+void store(T* p, Vec<T> v) {
+  std::memcpy(p, &v, sizeof v);
+}
+
+template <class T>
+Vec<T> load_first(const T* p, int n) {
+  const auto mask = static_cast<__mmask16>((1u << n) - 1);
+  if constexpr (std::is_same_v<T, float>) return _mm512_maskz_loadu_ps(mask, p);
+  else return _mm512_maskz_loadu_pd(static_cast<__mmask8>(mask), p);
+}
+
+template <class T>
+void store_first(T* p, Vec<T> v, int n) {
+  const auto mask = static_cast<__mmask16>((1u << n) - 1);
+  if constexpr (std::is_same_v<T, float>) _mm512_mask_storeu_ps(p, mask, v);
+  else _mm512_mask_storeu_pd(p, static_cast<__mmask8>(mask), v);
+}
+
+template <class T>
+Vec<T> fma(Vec<T> a, Vec<T> b, Vec<T> c) {
+  if constexpr (std::is_same_v<T, float>) return _mm512_fmadd_ps(a, b, c);
+  else return _mm512_fmadd_pd(a, b, c);
+}
+
+template <class T>
+Vec<T> broadcast_group(const T* p) {
   // The zero-masking forms, with every lane selected: the plain ones start from
   // _mm512_undefined_ps, which GCC 12 reports as uninitialised (PR105593).
   if constexpr (std::is_same_v<T, float>) return _mm512_maskz_broadcast_f32x4(0xFFFF, _mm_loadu_ps(p));
   else return _mm512_maskz_broadcast_f64x4(0xFF, _mm256_loadu_pd(p));
-#elif defined(__AVX2__) && defined(__FMA__)
-  if constexpr (std::is_same_v<T, float>) return _mm256_broadcast_ps(reinterpret_cast<const __m128*>(p));
-  else return load(p);
+}
+
+}  // namespace duet::kernels::detail::avx512
+DUET_END_ISA
+
 #else
-  Vec<T> v;
-  for (int i = 0; i < lanes<T>; ++i) v[i] = p[i % KG<T>];
-  return v;
+
+// Elsewhere only the baseline is built; the dispatch never selects the other names.
+namespace duet::kernels::detail {
+namespace avx2 = baseline;
+namespace avx512 = baseline;
+}  // namespace duet::kernels::detail
+
+#endif
+// Which instruction set the kernels run on, chosen at run time.
+//
+// Every kernel is compiled for AVX-512, for AVX2 + FMA and for a baseline (SSE2 on x86-64) in
+// the same program, whatever -march the program is built with (simd/arch.hpp), and one is
+// chosen once, from what the CPU reports (cpuid), as libtorch, oneDNN and OpenBLAS do: a
+// program built without -march=native runs the kernels a native build runs.
+//
+// DUET_ISA=avx2 or DUET_ISA=baseline (read once, on the first product) forces a lower set, so
+// that every path can be tested on one machine; DUET_ISA=avx512 asks for the highest. A value
+// the CPU cannot run, or an unknown one, is a duet::ValueError from that first product rather
+// than a quiet fallback: a run asked to test a path must not test another.
+
+#include <array>
+#include <atomic>
+#include <cstdlib>
+#include <string>
+#include <string_view>
+
+
+namespace duet::kernels {
+
+// Ordered: a higher set runs on a CPU only if the CPU also runs the lower ones.
+enum class Isa : unsigned char { baseline, avx2, avx512 };
+
+inline constexpr std::array<Isa, 3> all_isas = {Isa::baseline, Isa::avx2, Isa::avx512};
+
+inline constexpr std::string_view isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::avx512: return "avx512";
+    case Isa::avx2: return "avx2";
+    case Isa::baseline: break;
+  }
+  return "baseline";
+}
+
+// Whether this CPU (and its operating system, which must save the wider registers) runs isa.
+inline bool cpu_supports(Isa isa) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  switch (isa) {
+    case Isa::avx512:
+      // The AVX-512 kernels are compiled for the subset every AVX-512 CPU since Skylake-SP has.
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+             __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") && cpu_supports(Isa::avx2);
+    case Isa::avx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case Isa::baseline: break;
+  }
+  return true;
+#else
+  return isa == Isa::baseline;
 #endif
 }
 
-template <class T, class... Fns>
-T apply_all(T v) {
-  ((v = Fns::apply(v)), ...);
-  return v;
+inline Isa best_supported_isa() {
+  Isa best = Isa::baseline;
+  for (Isa isa : all_isas) {
+    if (cpu_supports(isa)) best = isa;
+  }
+  return best;
 }
+
+// isa, after checking that this CPU runs it; where says who asked, for the message.
+inline Isa require_supported(Isa isa, std::string_view where) {
+  if (!cpu_supports(isa)) {
+    throw ValueError(std::string(where) + " asks for the " + std::string(isa_name(isa)) +
+                     " kernels, but this CPU does not run them (the best it runs is " +
+                     std::string(isa_name(best_supported_isa())) + ")");
+  }
+  return isa;
+}
+
+// The set named by name ("avx512", "avx2" or "baseline"), which this CPU must run.
+inline Isa parse_isa(std::string_view name, std::string_view where) {
+  for (Isa isa : all_isas) {
+    if (name == isa_name(isa)) return require_supported(isa, where);
+  }
+  throw ValueError(std::string(where) + ": unknown instruction set '" + std::string(name) +
+                   "' (expected avx512, avx2 or baseline)");
+}
+
+namespace detail {
+
+// The set to start with, given the value of DUET_ISA (null or empty: the best the CPU runs).
+inline Isa initial_isa(const char* forced) {
+  if (forced == nullptr || *forced == '\0') return best_supported_isa();
+  return parse_isa(forced, "DUET_ISA=" + std::string(forced));
+}
+
+inline std::atomic<Isa>& active_isa_storage() {
+  static std::atomic<Isa> isa{initial_isa(std::getenv("DUET_ISA"))};
+  return isa;
+}
+
+}  // namespace detail
+
+// The set the kernels run on now.
+inline Isa active_isa() { return detail::active_isa_storage().load(std::memory_order_relaxed); }
+
+// Switches the kernels to isa, which this CPU must run (duet::ValueError otherwise). For tests
+// and for measuring: call it while no kernel runs on another thread, since a product that has
+// started finishes on the set it started on, and the next one may run on the new set.
+inline void set_active_isa(Isa isa) {
+  detail::active_isa_storage().store(require_supported(isa, "duet::kernels::set_active_isa"), std::memory_order_relaxed);
+}
+
+}  // namespace duet::kernels
+
+namespace duet {
+
+// Which kernels run: "avx512", "avx2" or "baseline".
+inline std::string_view kernel_isa() { return kernels::isa_name(kernels::active_isa()); }
+
+// Runs the kernels on the named set from now on (see kernels::set_active_isa).
+inline void set_kernel_isa(std::string_view name) {
+  kernels::detail::active_isa_storage().store(kernels::parse_isa(name, "duet::set_kernel_isa"), std::memory_order_relaxed);
+}
+
+}  // namespace duet
+
+namespace duet::kernels {
+
+namespace detail {
+
+// Fns in order, in place on a value or a vector of any set's width (by reference: see
+// fn::Relu::apply_in_place).
+template <class V, class... Fns>
+void apply_all(V& v) {
+  (Fns::apply_in_place(v), ...);
+}
+
+// ---- Small static layers -------------------------------------------------------------------
+
+template <index_t K, index_t N, class T, class... Fns>
+void dense_unrolled(const T* a, index_t m, const T* b, const T* bias, T* c) {
+  for (index_t i = 0; i < m; ++i, a += K, c += N) {
+    for (index_t j = 0; j < N; ++j) {
+      // One chain per output, in k order: a balanced tree measured slower on chains of
+      // Dense<4, 4> layers, where each layer waits on the last one's stores.
+      T s = T(0);
+      for (index_t k = 0; k < K; ++k) s += a[k] * b[j * K + k];
+      if (bias != nullptr) s += bias[j];
+      apply_all<T, Fns...>(s);
+      c[j] = s;
+    }
+  }
+}
+
+// Cache blocking. A K block is 2 KiB of a row, so the packed panel of B (L rows: 32 KiB of
+// floats), which every tile down the panel reuses, stays in a 32 KiB L1 or, when the rows of A
+// streaming past evict it, comes from L2 at 21 bytes a cycle, well within what L2 delivers. An
+// M block keeps the rows of A that every panel meets (MC x K) within half of a 1 MiB L2; each
+// M block packs B again, a cost spread over MC rows. Measured on the seed layers, 1 KiB and
+// 4 KiB K blocks were a few percent slower.
+inline constexpr index_t KC_bytes = 2048;
+inline constexpr index_t MC_bytes = 512 * 1024;
+
+// Splits extent into the fewest blocks of at most limit, of equal size rounded up to a multiple
+// of step: 784 in blocks of 256 becomes 4 x 196 rather than 3 x 256 + 16.
+inline index_t balanced_block(index_t extent, index_t limit, index_t step) {
+  const index_t blocks = (extent + limit - 1) / limit;
+  const index_t size = (extent + blocks - 1) / blocks;
+  return (size + step - 1) / step * step;
+}
+
+// B packed once, whole, in the panels the blocked product would otherwise pack on every call,
+// for one instruction set's kernels (by default those active when it is made). Panel p (rows p·L .. p·L + L of B) holds the
+// whole depth, rounded up to a group, in pack_panel's layout, so the K block at k0 of a panel
+// is the k0·L-th element on: the product reads exactly what it reads after packing, and gives
+// the same bits.
+template <class T>
+class PackedWeight {
+ public:
+  PackedWeight(const T* b, index_t n, index_t k, Isa isa = active_isa());
+
+  index_t rows() const { return n_; }
+  index_t depth() const { return k_; }
+  Isa isa() const { return isa_; }
+  const T* end() const { return panel(n_ + lanes_ - 1, 0); }
+  const T* panel(index_t j0, index_t k0) const { return elements() + offset(j0, k0); }
+
+ private:
+  index_t padded(index_t k) const { return (k + group_ - 1) / group_ * group_; }
+  index_t offset(index_t j0, index_t k0) const { return (j0 / lanes_) * padded(k_) * lanes_ + k0 * lanes_; }
+  T* elements() const { return reinterpret_cast<T*>(storage_.data()); }
+
+  Isa isa_;
+  int lanes_ = 0;
+  int group_ = 0;
+  index_t n_;
+  index_t k_;
+  ::duet::detail::Storage storage_;
+};
+
+}  // namespace detail
+
+}  // namespace duet::kernels
+
+// The product once per instruction set, each in its namespace and target region.
+namespace duet::kernels::detail::baseline {
+// One instruction set's dense-layer kernels: the algorithm gemm.hpp describes, written once on
+// the set's Vec<T>, lanes<T>, KG<T>, MR, load, store, fma, load_first, store_first and broadcast_group
+// (simd/arch.hpp). No include guard and no includes: gemm.hpp includes it once per set, inside
+// that set's namespace and target region, so each copy is compiled for its set.
 
 // ---- Shuffles, written once for every vector width ---------------------------------------
 
@@ -559,22 +891,6 @@ Vec<T> sum_lanes(Vec<T> (&v)[lanes<T>]) {
   return v[0];
 }
 
-// ---- Small static layers -------------------------------------------------------------------
-
-template <index_t K, index_t N, class T, class... Fns>
-void dense_unrolled(const T* a, index_t m, const T* b, const T* bias, T* c) {
-  for (index_t i = 0; i < m; ++i, a += K, c += N) {
-    for (index_t j = 0; j < N; ++j) {
-      // One chain per output, in k order: a balanced tree measured slower on chains of
-      // Dense<4, 4> layers, where each layer waits on the last one's stores.
-      T s = T(0);
-      for (index_t k = 0; k < K; ++k) s += a[k] * b[j * K + k];
-      if (bias != nullptr) s += bias[j];
-      c[j] = apply_all<T, Fns...>(s);
-    }
-  }
-}
-
 // ---- One row ---------------------------------------------------------------------------------
 
 template <class T, class... Fns>
@@ -604,20 +920,10 @@ void gemv(const T* a, index_t k, const T* b, index_t n, const T* bias, T* c) {
     }
     Vec<T> s = sum_lanes<T>(acc);
     if (bias != nullptr) s += load_first(bias + j0, cols);
-    store_first<T>(c + j0, apply_all<Vec<T>, Fns...>(s), cols);
+    apply_all<Vec<T>, Fns...>(s);
+    store_first<T>(c + j0, s, cols);
   }
 }
-
-// ---- Blocked GEMM ----------------------------------------------------------------------------
-
-// Cache blocking. A K block is 2 KiB of a row, so the packed panel of B (L rows: 32 KiB of
-// floats), which every tile down the panel reuses, stays in a 32 KiB L1 or, when the rows of A
-// streaming past evict it, comes from L2 at 21 bytes a cycle, well within what L2 delivers. An
-// M block keeps the rows of A that every panel meets (MC x K) within half of a 1 MiB L2; each
-// M block packs B again, a cost spread over MC rows. Measured on the seed layers, 1 KiB and
-// 4 KiB K blocks were a few percent slower.
-inline constexpr index_t KC_bytes = 2048;
-inline constexpr index_t MC_bytes = 512 * 1024;
 
 // The panel of B for one tile (L rows from src, zero past rows, and depth k, zero-padded to a
 // whole group): vector j of group g holds, in block q, B[j·Q + q][g·KG .. g·KG + KG).
@@ -641,6 +947,28 @@ void pack_panel(const T* src, index_t ld, int rows, index_t depth, T* dst) {
   }
 }
 
+// One group of k for a tile: acc[i] += the group of row i of A, broadcast, times the panel's KG
+// vectors at bp. Partial: only rest < KG values of A remain, and A is not read past them. A
+// function rather than a lambda: GCC does not give lambdas the target of their region.
+template <bool Partial, class T>
+[[gnu::always_inline]] inline void tile_step(Vec<T> (&acc)[MR][KG<T>], const T* const (&ar)[MR], index_t p, const T* bp,
+                                             std::size_t rest) {
+  constexpr int G = KG<T>;
+  Vec<T> bv[G];
+  for (int j = 0; j < G; ++j) bv[j] = load(bp + j * lanes<T>);
+  for (int i = 0; i < MR; ++i) {
+    Vec<T> av;
+    if constexpr (Partial) {
+      T group[G] = {};
+      std::memcpy(group, ar[i] + p, rest * sizeof(T));
+      av = broadcast_group<T>(group);
+    } else {
+      av = broadcast_group<T>(ar[i] + p);
+    }
+    for (int j = 0; j < G; ++j) acc[i][j] = fma<T>(av, bv[j], acc[i][j]);
+  }
+}
+
 // C tile (rows x cols, at most MR x L) from MR rows of A, read in place, and a packed panel of
 // B. Adds to C unless first; bias and Fns only after the last K block (last). Never inlined:
 // inlined into a large caller, GCC 12 stored every accumulator at every step (2.5x slower).
@@ -653,25 +981,10 @@ template <class T, class... Fns>
   const T* ar[MR];
   for (int i = 0; i < MR; ++i) ar[i] = a + std::min(i, rows - 1) * lda;
   Vec<T> acc[MR][G] = {};
-  const auto step = [&](index_t p, auto&& group_of_row) {
-    Vec<T> bv[G];
-    for (int j = 0; j < G; ++j) bv[j] = load(bp + j * L);
-    for (int i = 0; i < MR; ++i) {
-      const Vec<T> av = group_of_row(ar[i] + p);
-      for (int j = 0; j < G; ++j) acc[i][j] = fma<T>(av, bv[j], acc[i][j]);
-    }
-    bp += G * L;
-  };
   const index_t whole = depth / G * G;
-  for (index_t p = 0; p < whole; p += G) step(p, [](const T* x) { return broadcast_group<T>(x); });
-  if (whole < depth) {
-    // The last, partial group: A is not read past depth (its row may end there).
-    step(whole, [rest = static_cast<std::size_t>(depth - whole)](const T* x) {
-      T group[KG<T>] = {};
-      std::memcpy(group, x, rest * sizeof(T));
-      return broadcast_group<T>(group);
-    });
-  }
+  for (index_t p = 0; p < whole; p += G, bp += G * L) tile_step<false, T>(acc, ar, p, bp, 0);
+  // The last, partial group: A is not read past depth (its row may end there).
+  if (whole < depth) tile_step<true, T>(acc, ar, whole, bp, static_cast<std::size_t>(depth - whole));
   for (int i = 0; i < MR && i < rows; ++i, c += ldc) {
     fold_level<G / 2, T>(acc[i], G / 2);
     Vec<T> v = acc[i][0];
@@ -679,56 +992,19 @@ template <class T, class... Fns>
       if (!first) v += load(c);
       if (last) {
         if (bias != nullptr) v += load(bias);
-        v = apply_all<Vec<T>, Fns...>(v);
+        apply_all<Vec<T>, Fns...>(v);
       }
       store<T>(c, v);
     } else {
       if (!first) v += load_first(c, cols);
       if (last) {
         if (bias != nullptr) v += load_first(bias, cols);
-        v = apply_all<Vec<T>, Fns...>(v);
+        apply_all<Vec<T>, Fns...>(v);
       }
       store_first<T>(c, v, cols);
     }
   }
 }
-
-// Splits extent into the fewest blocks of at most limit, of equal size rounded up to a multiple
-// of step: 784 in blocks of 256 becomes 4 x 196 rather than 3 x 256 + 16.
-inline index_t balanced_block(index_t extent, index_t limit, index_t step) {
-  const index_t blocks = (extent + limit - 1) / limit;
-  const index_t size = (extent + blocks - 1) / blocks;
-  return (size + step - 1) / step * step;
-}
-
-// B packed once, whole, in the panels gemm_blocked would otherwise pack on every call. Panel
-// p (rows p·L .. p·L + L of B) holds the whole depth, rounded up to a group, in pack_panel's
-// layout, so the K block at k0 of a panel is the k0·L-th element on: the product reads exactly
-// what it reads after packing, and gives the same bits.
-template <class T>
-class PackedWeight {
- public:
-  PackedWeight(const T* b, index_t n, index_t k)
-      : storage_(static_cast<std::size_t>((n + lanes<T> - 1) / lanes<T> * padded(k) * lanes<T>) * sizeof(T)), n_(n), k_(k) {
-    for (index_t j0 = 0; j0 < n; j0 += lanes<T>) {
-      pack_panel(b + j0 * k, k, static_cast<int>(std::min<index_t>(lanes<T>, n - j0)), k, elements() + offset(j0, 0));
-    }
-  }
-
-  index_t rows() const { return n_; }
-  index_t depth() const { return k_; }
-  const T* end() const { return panel(n_ + lanes<T> - 1, 0); }
-  const T* panel(index_t j0, index_t k0) const { return elements() + offset(j0, k0); }
-
- private:
-  static index_t padded(index_t k) { return (k + KG<T> - 1) / KG<T> * KG<T>; }
-  index_t offset(index_t j0, index_t k0) const { return (j0 / lanes<T>) * padded(k_) * lanes<T> + k0 * lanes<T>; }
-  T* elements() const { return reinterpret_cast<T*>(storage_.data()); }
-
-  ::duet::detail::Storage storage_;
-  index_t n_;
-  index_t k_;
-};
 
 // packed: B already packed, or null to pack each panel as it is reached.
 template <class T, class... Fns>
@@ -775,6 +1051,565 @@ void gemm_blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const
   }
 }
 
+// The entry points gemm() and PackedWeight dispatch to (with_kernels in gemm.hpp).
+struct Kernels {
+  template <class T>
+  static constexpr int lanes_of = lanes<T>;
+  template <class T>
+  static constexpr int group_of = KG<T>;
+
+  template <class T, class... Fns>
+  static void gemv_rows(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c) {
+    for (index_t i = 0; i < m; ++i) gemv<T, Fns...>(a + i * k, k, b, n, bias, c + i * n);
+  }
+
+  template <class T, class... Fns>
+  static void blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
+                      const PackedWeight<T>* packed) {
+    gemm_blocked<T, Fns...>(a, m, k, b, n, bias, c, packed);
+  }
+
+  // Every panel of b ([n, k]) into dst, panel after panel, panel_size elements apart.
+  template <class T>
+  static void pack(const T* b, index_t n, index_t k, index_t panel_size, T* dst) {
+    for (index_t j0 = 0; j0 < n; j0 += lanes<T>) {
+      pack_panel(b + j0 * k, k, static_cast<int>(std::min<index_t>(lanes<T>, n - j0)), k, dst + j0 / lanes<T> * panel_size);
+    }
+  }
+};
+}  // namespace duet::kernels::detail::baseline
+
+#if DUET_X86_KERNELS
+DUET_BEGIN_AVX2
+namespace duet::kernels::detail::avx2 {
+// One instruction set's dense-layer kernels: the algorithm gemm.hpp describes, written once on
+// the set's Vec<T>, lanes<T>, KG<T>, MR, load, store, fma, load_first, store_first and broadcast_group
+// (simd/arch.hpp). No include guard and no includes: gemm.hpp includes it once per set, inside
+// that set's namespace and target region, so each copy is compiled for its set.
+
+// ---- Shuffles, written once for every vector width ---------------------------------------
+
+// The perfect shuffle on blocks of B lanes: blocks of a and b, alternately, from the low (or
+// high) halves.
+template <int B, class T, int... I>
+Vec<T> interleave_low(Vec<T> a, Vec<T> b, std::integer_sequence<int, I...>) {
+  constexpr int L = lanes<T>;
+  return __builtin_shufflevector(a, b, ((I / B) % 2 * L + I / (2 * B) * B + I % B)...);
+}
+
+template <int B, class T, int... I>
+Vec<T> interleave_high(Vec<T> a, Vec<T> b, std::integer_sequence<int, I...>) {
+  constexpr int L = lanes<T>;
+  return __builtin_shufflevector(a, b, ((I / B) % 2 * L + L / 2 + I / (2 * B) * B + I % B)...);
+}
+
+// Transposes Q x Q blocks of B lanes (Q = L / B): block g of r[i] goes to block i of r[g].
+// This and the folds below take arrays of registers by pointer; always inlined, so that the
+// arrays stay in registers instead of going through memory.
+template <int B, class T>
+[[gnu::always_inline]] inline void transpose_blocks(Vec<T>* r) {
+  constexpr int Q = lanes<T> / B;
+  constexpr auto all = std::make_integer_sequence<int, lanes<T>>{};
+  for (int round = 1; round < Q; round *= 2) {
+    Vec<T> t[Q];
+    for (int i = 0; i < Q / 2; ++i) {
+      t[2 * i] = interleave_low<B, T>(r[i], r[i + Q / 2], all);
+      t[2 * i + 1] = interleave_high<B, T>(r[i], r[i + Q / 2], all);
+    }
+    std::copy(t, t + Q, r);
+  }
+}
+
+// Lanes [0, L/2) of the result sum pairs of W-lane groups of a, lanes [L/2, L) those of b:
+// one step of a reduction tree that keeps the partial sums of both vectors, in order.
+template <int W, class T, int... I>
+Vec<T> fold_pair(Vec<T> a, Vec<T> b, std::integer_sequence<int, I...>) {
+  constexpr int H = lanes<T> / 2;
+  constexpr auto from = [](int r, int shift) { return (r < H ? 0 : 2 * H) + (r % H) / W * 2 * W + r % W + shift; };
+  return __builtin_shufflevector(a, b, from(I, 0)...) + __builtin_shufflevector(a, b, from(I, W)...);
+}
+
+template <int W, class T>
+[[gnu::always_inline]] inline void fold_level(Vec<T>* v, int count) {
+  for (int i = 0; i < count; ++i) v[i] = fold_pair<W, T>(v[2 * i], v[2 * i + 1], std::make_integer_sequence<int, lanes<T>>{});
+  if constexpr (W > 1) fold_level<W / 2, T>(v, count / 2);
+}
+
+// Lane i of the result is the sum of the lanes of v[i]; v is clobbered.
+template <class T>
+Vec<T> sum_lanes(Vec<T> (&v)[lanes<T>]) {
+  fold_level<lanes<T> / 2, T>(v, lanes<T> / 2);
+  return v[0];
+}
+
+// ---- One row ---------------------------------------------------------------------------------
+
+template <class T, class... Fns>
+void gemv(const T* a, index_t k, const T* b, index_t n, const T* bias, T* c) {
+  constexpr int L = lanes<T>;
+  const index_t k_pairs = k / (2 * L) * (2 * L);
+  const index_t k_full = k / L * L;
+  const int k_rest = static_cast<int>(k - k_full);
+  for (index_t j0 = 0; j0 < n; j0 += L) {
+    const int cols = static_cast<int>(std::min<index_t>(L, n - j0));
+    Vec<T> acc[L] = {};
+    // Row after row, so that B is read front to back as one stream, which the hardware
+    // prefetcher follows best (blocks of rows side by side were slower); two accumulators per
+    // row, and the next rows' independent chains, keep the FMA latency hidden.
+    for (int r = 0; r < cols; ++r) {
+      const T* w = b + (j0 + r) * k;
+      Vec<T> even{};
+      Vec<T> odd{};
+      index_t p = 0;
+      for (; p < k_pairs; p += 2 * L) {
+        even = fma<T>(load(w + p), load(a + p), even);
+        odd = fma<T>(load(w + p + L), load(a + p + L), odd);
+      }
+      if (p < k_full) even = fma<T>(load(w + p), load(a + p), even);
+      if (k_rest != 0) odd = fma<T>(load_first(w + k_full, k_rest), load_first(a + k_full, k_rest), odd);
+      acc[r] = even + odd;
+    }
+    Vec<T> s = sum_lanes<T>(acc);
+    if (bias != nullptr) s += load_first(bias + j0, cols);
+    apply_all<Vec<T>, Fns...>(s);
+    store_first<T>(c + j0, s, cols);
+  }
+}
+
+// The panel of B for one tile (L rows from src, zero past rows, and depth k, zero-padded to a
+// whole group): vector j of group g holds, in block q, B[j·Q + q][g·KG .. g·KG + KG).
+template <class T>
+void pack_panel(const T* src, index_t ld, int rows, index_t depth, T* dst) {
+  constexpr int L = lanes<T>;
+  constexpr int Q = L / KG<T>;
+  for (int j = 0; j < KG<T>; ++j) {
+    for (index_t p0 = 0; p0 < depth; p0 += L) {
+      const int count = static_cast<int>(std::min<index_t>(L, depth - p0));
+      Vec<T> r[Q];
+      for (int q = 0; q < Q; ++q) {
+        const int row = j * Q + q;
+        const T* from = src + row * ld + p0;
+        r[q] = row >= rows ? Vec<T>{} : count == L ? load(from) : load_first(from, count);
+      }
+      transpose_blocks<KG<T>, T>(r);
+      const index_t group0 = p0 / KG<T>;
+      for (int g = 0; g * KG<T> < count; ++g) store<T>(dst + ((group0 + g) * KG<T> + j) * L, r[g]);
+    }
+  }
+}
+
+// One group of k for a tile: acc[i] += the group of row i of A, broadcast, times the panel's KG
+// vectors at bp. Partial: only rest < KG values of A remain, and A is not read past them. A
+// function rather than a lambda: GCC does not give lambdas the target of their region.
+template <bool Partial, class T>
+[[gnu::always_inline]] inline void tile_step(Vec<T> (&acc)[MR][KG<T>], const T* const (&ar)[MR], index_t p, const T* bp,
+                                             std::size_t rest) {
+  constexpr int G = KG<T>;
+  Vec<T> bv[G];
+  for (int j = 0; j < G; ++j) bv[j] = load(bp + j * lanes<T>);
+  for (int i = 0; i < MR; ++i) {
+    Vec<T> av;
+    if constexpr (Partial) {
+      T group[G] = {};
+      std::memcpy(group, ar[i] + p, rest * sizeof(T));
+      av = broadcast_group<T>(group);
+    } else {
+      av = broadcast_group<T>(ar[i] + p);
+    }
+    for (int j = 0; j < G; ++j) acc[i][j] = fma<T>(av, bv[j], acc[i][j]);
+  }
+}
+
+// C tile (rows x cols, at most MR x L) from MR rows of A, read in place, and a packed panel of
+// B. Adds to C unless first; bias and Fns only after the last K block (last). Never inlined:
+// inlined into a large caller, GCC 12 stored every accumulator at every step (2.5x slower).
+template <class T, class... Fns>
+[[gnu::noinline]] void micro_kernel(index_t depth, const T* a, index_t lda, int rows, const T* bp, T* c, index_t ldc, int cols,
+                  bool first, bool last, const T* bias) {
+  constexpr int L = lanes<T>;
+  constexpr int G = KG<T>;
+  // Past the last row, repeat it: the extra tile rows are computed but never stored.
+  const T* ar[MR];
+  for (int i = 0; i < MR; ++i) ar[i] = a + std::min(i, rows - 1) * lda;
+  Vec<T> acc[MR][G] = {};
+  const index_t whole = depth / G * G;
+  for (index_t p = 0; p < whole; p += G, bp += G * L) tile_step<false, T>(acc, ar, p, bp, 0);
+  // The last, partial group: A is not read past depth (its row may end there).
+  if (whole < depth) tile_step<true, T>(acc, ar, whole, bp, static_cast<std::size_t>(depth - whole));
+  for (int i = 0; i < MR && i < rows; ++i, c += ldc) {
+    fold_level<G / 2, T>(acc[i], G / 2);
+    Vec<T> v = acc[i][0];
+    if (cols == L) {
+      if (!first) v += load(c);
+      if (last) {
+        if (bias != nullptr) v += load(bias);
+        apply_all<Vec<T>, Fns...>(v);
+      }
+      store<T>(c, v);
+    } else {
+      if (!first) v += load_first(c, cols);
+      if (last) {
+        if (bias != nullptr) v += load_first(bias, cols);
+        apply_all<Vec<T>, Fns...>(v);
+      }
+      store_first<T>(c, v, cols);
+    }
+  }
+}
+
+// packed: B already packed, or null to pack each panel as it is reached.
+template <class T, class... Fns>
+void gemm_blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
+                  const PackedWeight<T>* packed) {
+  constexpr int L = lanes<T>;
+  constexpr auto size = static_cast<index_t>(sizeof(T));
+  const index_t kc = balanced_block(k, KC_bytes / size, KG<T>);
+  const index_t mc = balanced_block(m, std::max<index_t>(MR, MC_bytes / (k * size)), MR);
+  ::duet::detail::Storage scratch(packed != nullptr ? 0 : static_cast<std::size_t>(kc * L * size));
+  T* panel = reinterpret_cast<T*>(scratch.data());
+  for (index_t m0 = 0; m0 < m; m0 += mc) {
+    const index_t m1 = std::min(m, m0 + mc);
+    for (index_t j0 = 0; j0 < n; j0 += L) {
+      const int cols = static_cast<int>(std::min<index_t>(L, n - j0));
+      const T* bias_panel = bias == nullptr ? nullptr : bias + j0;
+      for (index_t k0 = 0; k0 < k; k0 += kc) {
+        const index_t depth = std::min(kc, k - k0);
+        const T* bp = panel;
+        if (packed != nullptr) bp = packed->panel(j0, k0);
+        else pack_panel(b + j0 * k + k0, k, cols, depth, panel);
+        // A packed panel comes from L3 or memory, and its first tile would wait for it. The
+        // panels lie in the order they are used, so each tile fetches a slice of the next one
+        // into L2, and it is there when wanted.
+        const std::byte* ahead = nullptr;
+        index_t ahead_bytes = 0;
+        index_t slice = 0;
+        if (packed != nullptr) {
+          ahead = reinterpret_cast<const std::byte*>(bp + (depth + KG<T> - 1) / KG<T> * KG<T> * L);
+          ahead_bytes = std::min<index_t>(reinterpret_cast<const std::byte*>(packed->end()) - ahead, kc * L * size);
+          const index_t tiles = (m1 - m0 + MR - 1) / MR;
+          slice = (ahead_bytes + tiles - 1) / tiles;
+        }
+        index_t fetched = 0;
+        for (index_t i0 = m0; i0 < m1; i0 += MR) {
+          micro_kernel<T, Fns...>(depth, a + i0 * k + k0, k, static_cast<int>(std::min<index_t>(MR, m1 - i0)), bp,
+                                  c + i0 * n + j0, n, cols, k0 == 0, k0 + depth == k, bias_panel);
+          for (const index_t until = std::min(ahead_bytes, fetched + slice); fetched < until; fetched += 64) {
+            __builtin_prefetch(ahead + fetched, 0, 2);
+          }
+        }
+      }
+    }
+  }
+}
+
+// The entry points gemm() and PackedWeight dispatch to (with_kernels in gemm.hpp).
+struct Kernels {
+  template <class T>
+  static constexpr int lanes_of = lanes<T>;
+  template <class T>
+  static constexpr int group_of = KG<T>;
+
+  template <class T, class... Fns>
+  static void gemv_rows(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c) {
+    for (index_t i = 0; i < m; ++i) gemv<T, Fns...>(a + i * k, k, b, n, bias, c + i * n);
+  }
+
+  template <class T, class... Fns>
+  static void blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
+                      const PackedWeight<T>* packed) {
+    gemm_blocked<T, Fns...>(a, m, k, b, n, bias, c, packed);
+  }
+
+  // Every panel of b ([n, k]) into dst, panel after panel, panel_size elements apart.
+  template <class T>
+  static void pack(const T* b, index_t n, index_t k, index_t panel_size, T* dst) {
+    for (index_t j0 = 0; j0 < n; j0 += lanes<T>) {
+      pack_panel(b + j0 * k, k, static_cast<int>(std::min<index_t>(lanes<T>, n - j0)), k, dst + j0 / lanes<T> * panel_size);
+    }
+  }
+};
+}  // namespace duet::kernels::detail::avx2
+DUET_END_ISA
+
+DUET_BEGIN_AVX512
+namespace duet::kernels::detail::avx512 {
+// One instruction set's dense-layer kernels: the algorithm gemm.hpp describes, written once on
+// the set's Vec<T>, lanes<T>, KG<T>, MR, load, store, fma, load_first, store_first and broadcast_group
+// (simd/arch.hpp). No include guard and no includes: gemm.hpp includes it once per set, inside
+// that set's namespace and target region, so each copy is compiled for its set.
+
+// ---- Shuffles, written once for every vector width ---------------------------------------
+
+// The perfect shuffle on blocks of B lanes: blocks of a and b, alternately, from the low (or
+// high) halves.
+template <int B, class T, int... I>
+Vec<T> interleave_low(Vec<T> a, Vec<T> b, std::integer_sequence<int, I...>) {
+  constexpr int L = lanes<T>;
+  return __builtin_shufflevector(a, b, ((I / B) % 2 * L + I / (2 * B) * B + I % B)...);
+}
+
+template <int B, class T, int... I>
+Vec<T> interleave_high(Vec<T> a, Vec<T> b, std::integer_sequence<int, I...>) {
+  constexpr int L = lanes<T>;
+  return __builtin_shufflevector(a, b, ((I / B) % 2 * L + L / 2 + I / (2 * B) * B + I % B)...);
+}
+
+// Transposes Q x Q blocks of B lanes (Q = L / B): block g of r[i] goes to block i of r[g].
+// This and the folds below take arrays of registers by pointer; always inlined, so that the
+// arrays stay in registers instead of going through memory.
+template <int B, class T>
+[[gnu::always_inline]] inline void transpose_blocks(Vec<T>* r) {
+  constexpr int Q = lanes<T> / B;
+  constexpr auto all = std::make_integer_sequence<int, lanes<T>>{};
+  for (int round = 1; round < Q; round *= 2) {
+    Vec<T> t[Q];
+    for (int i = 0; i < Q / 2; ++i) {
+      t[2 * i] = interleave_low<B, T>(r[i], r[i + Q / 2], all);
+      t[2 * i + 1] = interleave_high<B, T>(r[i], r[i + Q / 2], all);
+    }
+    std::copy(t, t + Q, r);
+  }
+}
+
+// Lanes [0, L/2) of the result sum pairs of W-lane groups of a, lanes [L/2, L) those of b:
+// one step of a reduction tree that keeps the partial sums of both vectors, in order.
+template <int W, class T, int... I>
+Vec<T> fold_pair(Vec<T> a, Vec<T> b, std::integer_sequence<int, I...>) {
+  constexpr int H = lanes<T> / 2;
+  constexpr auto from = [](int r, int shift) { return (r < H ? 0 : 2 * H) + (r % H) / W * 2 * W + r % W + shift; };
+  return __builtin_shufflevector(a, b, from(I, 0)...) + __builtin_shufflevector(a, b, from(I, W)...);
+}
+
+template <int W, class T>
+[[gnu::always_inline]] inline void fold_level(Vec<T>* v, int count) {
+  for (int i = 0; i < count; ++i) v[i] = fold_pair<W, T>(v[2 * i], v[2 * i + 1], std::make_integer_sequence<int, lanes<T>>{});
+  if constexpr (W > 1) fold_level<W / 2, T>(v, count / 2);
+}
+
+// Lane i of the result is the sum of the lanes of v[i]; v is clobbered.
+template <class T>
+Vec<T> sum_lanes(Vec<T> (&v)[lanes<T>]) {
+  fold_level<lanes<T> / 2, T>(v, lanes<T> / 2);
+  return v[0];
+}
+
+// ---- One row ---------------------------------------------------------------------------------
+
+template <class T, class... Fns>
+void gemv(const T* a, index_t k, const T* b, index_t n, const T* bias, T* c) {
+  constexpr int L = lanes<T>;
+  const index_t k_pairs = k / (2 * L) * (2 * L);
+  const index_t k_full = k / L * L;
+  const int k_rest = static_cast<int>(k - k_full);
+  for (index_t j0 = 0; j0 < n; j0 += L) {
+    const int cols = static_cast<int>(std::min<index_t>(L, n - j0));
+    Vec<T> acc[L] = {};
+    // Row after row, so that B is read front to back as one stream, which the hardware
+    // prefetcher follows best (blocks of rows side by side were slower); two accumulators per
+    // row, and the next rows' independent chains, keep the FMA latency hidden.
+    for (int r = 0; r < cols; ++r) {
+      const T* w = b + (j0 + r) * k;
+      Vec<T> even{};
+      Vec<T> odd{};
+      index_t p = 0;
+      for (; p < k_pairs; p += 2 * L) {
+        even = fma<T>(load(w + p), load(a + p), even);
+        odd = fma<T>(load(w + p + L), load(a + p + L), odd);
+      }
+      if (p < k_full) even = fma<T>(load(w + p), load(a + p), even);
+      if (k_rest != 0) odd = fma<T>(load_first(w + k_full, k_rest), load_first(a + k_full, k_rest), odd);
+      acc[r] = even + odd;
+    }
+    Vec<T> s = sum_lanes<T>(acc);
+    if (bias != nullptr) s += load_first(bias + j0, cols);
+    apply_all<Vec<T>, Fns...>(s);
+    store_first<T>(c + j0, s, cols);
+  }
+}
+
+// The panel of B for one tile (L rows from src, zero past rows, and depth k, zero-padded to a
+// whole group): vector j of group g holds, in block q, B[j·Q + q][g·KG .. g·KG + KG).
+template <class T>
+void pack_panel(const T* src, index_t ld, int rows, index_t depth, T* dst) {
+  constexpr int L = lanes<T>;
+  constexpr int Q = L / KG<T>;
+  for (int j = 0; j < KG<T>; ++j) {
+    for (index_t p0 = 0; p0 < depth; p0 += L) {
+      const int count = static_cast<int>(std::min<index_t>(L, depth - p0));
+      Vec<T> r[Q];
+      for (int q = 0; q < Q; ++q) {
+        const int row = j * Q + q;
+        const T* from = src + row * ld + p0;
+        r[q] = row >= rows ? Vec<T>{} : count == L ? load(from) : load_first(from, count);
+      }
+      transpose_blocks<KG<T>, T>(r);
+      const index_t group0 = p0 / KG<T>;
+      for (int g = 0; g * KG<T> < count; ++g) store<T>(dst + ((group0 + g) * KG<T> + j) * L, r[g]);
+    }
+  }
+}
+
+// One group of k for a tile: acc[i] += the group of row i of A, broadcast, times the panel's KG
+// vectors at bp. Partial: only rest < KG values of A remain, and A is not read past them. A
+// function rather than a lambda: GCC does not give lambdas the target of their region.
+template <bool Partial, class T>
+[[gnu::always_inline]] inline void tile_step(Vec<T> (&acc)[MR][KG<T>], const T* const (&ar)[MR], index_t p, const T* bp,
+                                             std::size_t rest) {
+  constexpr int G = KG<T>;
+  Vec<T> bv[G];
+  for (int j = 0; j < G; ++j) bv[j] = load(bp + j * lanes<T>);
+  for (int i = 0; i < MR; ++i) {
+    Vec<T> av;
+    if constexpr (Partial) {
+      T group[G] = {};
+      std::memcpy(group, ar[i] + p, rest * sizeof(T));
+      av = broadcast_group<T>(group);
+    } else {
+      av = broadcast_group<T>(ar[i] + p);
+    }
+    for (int j = 0; j < G; ++j) acc[i][j] = fma<T>(av, bv[j], acc[i][j]);
+  }
+}
+
+// C tile (rows x cols, at most MR x L) from MR rows of A, read in place, and a packed panel of
+// B. Adds to C unless first; bias and Fns only after the last K block (last). Never inlined:
+// inlined into a large caller, GCC 12 stored every accumulator at every step (2.5x slower).
+template <class T, class... Fns>
+[[gnu::noinline]] void micro_kernel(index_t depth, const T* a, index_t lda, int rows, const T* bp, T* c, index_t ldc, int cols,
+                  bool first, bool last, const T* bias) {
+  constexpr int L = lanes<T>;
+  constexpr int G = KG<T>;
+  // Past the last row, repeat it: the extra tile rows are computed but never stored.
+  const T* ar[MR];
+  for (int i = 0; i < MR; ++i) ar[i] = a + std::min(i, rows - 1) * lda;
+  Vec<T> acc[MR][G] = {};
+  const index_t whole = depth / G * G;
+  for (index_t p = 0; p < whole; p += G, bp += G * L) tile_step<false, T>(acc, ar, p, bp, 0);
+  // The last, partial group: A is not read past depth (its row may end there).
+  if (whole < depth) tile_step<true, T>(acc, ar, whole, bp, static_cast<std::size_t>(depth - whole));
+  for (int i = 0; i < MR && i < rows; ++i, c += ldc) {
+    fold_level<G / 2, T>(acc[i], G / 2);
+    Vec<T> v = acc[i][0];
+    if (cols == L) {
+      if (!first) v += load(c);
+      if (last) {
+        if (bias != nullptr) v += load(bias);
+        apply_all<Vec<T>, Fns...>(v);
+      }
+      store<T>(c, v);
+    } else {
+      if (!first) v += load_first(c, cols);
+      if (last) {
+        if (bias != nullptr) v += load_first(bias, cols);
+        apply_all<Vec<T>, Fns...>(v);
+      }
+      store_first<T>(c, v, cols);
+    }
+  }
+}
+
+// packed: B already packed, or null to pack each panel as it is reached.
+template <class T, class... Fns>
+void gemm_blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
+                  const PackedWeight<T>* packed) {
+  constexpr int L = lanes<T>;
+  constexpr auto size = static_cast<index_t>(sizeof(T));
+  const index_t kc = balanced_block(k, KC_bytes / size, KG<T>);
+  const index_t mc = balanced_block(m, std::max<index_t>(MR, MC_bytes / (k * size)), MR);
+  ::duet::detail::Storage scratch(packed != nullptr ? 0 : static_cast<std::size_t>(kc * L * size));
+  T* panel = reinterpret_cast<T*>(scratch.data());
+  for (index_t m0 = 0; m0 < m; m0 += mc) {
+    const index_t m1 = std::min(m, m0 + mc);
+    for (index_t j0 = 0; j0 < n; j0 += L) {
+      const int cols = static_cast<int>(std::min<index_t>(L, n - j0));
+      const T* bias_panel = bias == nullptr ? nullptr : bias + j0;
+      for (index_t k0 = 0; k0 < k; k0 += kc) {
+        const index_t depth = std::min(kc, k - k0);
+        const T* bp = panel;
+        if (packed != nullptr) bp = packed->panel(j0, k0);
+        else pack_panel(b + j0 * k + k0, k, cols, depth, panel);
+        // A packed panel comes from L3 or memory, and its first tile would wait for it. The
+        // panels lie in the order they are used, so each tile fetches a slice of the next one
+        // into L2, and it is there when wanted.
+        const std::byte* ahead = nullptr;
+        index_t ahead_bytes = 0;
+        index_t slice = 0;
+        if (packed != nullptr) {
+          ahead = reinterpret_cast<const std::byte*>(bp + (depth + KG<T> - 1) / KG<T> * KG<T> * L);
+          ahead_bytes = std::min<index_t>(reinterpret_cast<const std::byte*>(packed->end()) - ahead, kc * L * size);
+          const index_t tiles = (m1 - m0 + MR - 1) / MR;
+          slice = (ahead_bytes + tiles - 1) / tiles;
+        }
+        index_t fetched = 0;
+        for (index_t i0 = m0; i0 < m1; i0 += MR) {
+          micro_kernel<T, Fns...>(depth, a + i0 * k + k0, k, static_cast<int>(std::min<index_t>(MR, m1 - i0)), bp,
+                                  c + i0 * n + j0, n, cols, k0 == 0, k0 + depth == k, bias_panel);
+          for (const index_t until = std::min(ahead_bytes, fetched + slice); fetched < until; fetched += 64) {
+            __builtin_prefetch(ahead + fetched, 0, 2);
+          }
+        }
+      }
+    }
+  }
+}
+
+// The entry points gemm() and PackedWeight dispatch to (with_kernels in gemm.hpp).
+struct Kernels {
+  template <class T>
+  static constexpr int lanes_of = lanes<T>;
+  template <class T>
+  static constexpr int group_of = KG<T>;
+
+  template <class T, class... Fns>
+  static void gemv_rows(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c) {
+    for (index_t i = 0; i < m; ++i) gemv<T, Fns...>(a + i * k, k, b, n, bias, c + i * n);
+  }
+
+  template <class T, class... Fns>
+  static void blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
+                      const PackedWeight<T>* packed) {
+    gemm_blocked<T, Fns...>(a, m, k, b, n, bias, c, packed);
+  }
+
+  // Every panel of b ([n, k]) into dst, panel after panel, panel_size elements apart.
+  template <class T>
+  static void pack(const T* b, index_t n, index_t k, index_t panel_size, T* dst) {
+    for (index_t j0 = 0; j0 < n; j0 += lanes<T>) {
+      pack_panel(b + j0 * k, k, static_cast<int>(std::min<index_t>(lanes<T>, n - j0)), k, dst + j0 / lanes<T> * panel_size);
+    }
+  }
+};
+}  // namespace duet::kernels::detail::avx512
+DUET_END_ISA
+#endif
+
+namespace duet::kernels {
+
+namespace detail {
+
+// f(Kernels) with the kernels of isa: the one switch from the run-time choice to code
+// compiled for it. Only pointers and sizes cross it.
+template <class F>
+decltype(auto) with_kernels(Isa isa, F&& f) {
+  switch (isa) {
+    case Isa::avx512: return f(avx512::Kernels{});
+    case Isa::avx2: return f(avx2::Kernels{});
+    case Isa::baseline: break;
+  }
+  return f(baseline::Kernels{});
+}
+
+template <class T>
+PackedWeight<T>::PackedWeight(const T* b, index_t n, index_t k, Isa isa) : isa_(isa), n_(n), k_(k) {
+  with_kernels(isa_, [&]<class K>(K) {
+    lanes_ = K::template lanes_of<T>;
+    group_ = K::template group_of<T>;
+    const index_t panel_size = padded(k) * lanes_;
+    storage_ = ::duet::detail::Storage(static_cast<std::size_t>((n + lanes_ - 1) / lanes_ * panel_size) * sizeof(T));
+    K::pack(b, n, k, panel_size, elements());
+  });
+}
+
 enum class Path : unsigned char { none, unrolled, gemv, blocked };
 
 template <index_t K, index_t N>
@@ -793,10 +1628,13 @@ Path path_of(index_t m, index_t k, index_t n) {
 // An elementwise function the kernels can apply in registers: Fn::apply(v) on a scalar and on
 // a SIMD vector of the same element type.
 template <class Fn, class T>
-concept VectorFunction = requires(T s, detail::Vec<T> v) {
-  { Fn::apply(s) } -> std::same_as<T>;
-  { Fn::apply(v) } -> std::same_as<detail::Vec<T>>;
-};
+concept VectorFunction =
+    requires(T& s, detail::Vector<T, 16>& v16, detail::Vector<T, 32>& v32, detail::Vector<T, 64>& v64) {
+      Fn::apply_in_place(s);
+      Fn::apply_in_place(v16);
+      Fn::apply_in_place(v32);
+      Fn::apply_in_place(v64);
+    };
 
 template <class T, class... Fns>
 inline constexpr bool gemm_supports =
@@ -804,6 +1642,13 @@ inline constexpr bool gemm_supports =
 
 template <class T>
 using PackedWeight = detail::PackedWeight<T>;
+
+// A PackedWeight as a type of its own for each set's Kernels, for caches that keep one form
+// per type (nn::BasicParameter::derived).
+template <class T, class Kernels>
+struct PackedWeightFor : PackedWeight<T> {
+  using PackedWeight<T>::PackedWeight;
+};
 
 // Whether gemm on these sizes reads a packed weight when given one: the blocked product does;
 // a GEMV reads every weight once, in place, and small static layers are unrolled.
@@ -815,18 +1660,20 @@ bool reads_packed_weight(index_t m, index_t k, index_t n) {
 // c[m, n] = Fns(Σ_k a[m, k] · b[n, k] + bias[n]), each Fn applied in order; bias may be null.
 // a is [m, k], b is [n, k] (a weight as [out, in]) and c is [m, n], all row-major and dense;
 // no alignment is assumed. K and N are k and n when known at compile time, dyn otherwise.
-// packed_b, if given, is PackedWeight(b, n, k), and saves packing b again.
+// packed_b, if given, is PackedWeight(b, n, k), and saves packing b again; one packed for
+// another instruction set (before a set_kernel_isa) has another layout, and is not read.
 // After the first call on a thread for a given size, no heap allocation.
 template <index_t K = dyn, index_t N = dyn, class... Fns, class T>
   requires gemm_supports<T, Fns...>
 void gemm(const T* a, index_t m, index_t k, const T* b, index_t n, std::type_identity_t<const T*> bias, T* c,
           const PackedWeight<std::type_identity_t<T>>* packed_b = nullptr) {
+  const Isa isa = active_isa();
   switch (detail::path_of<K, N>(m, k, n)) {
     case detail::Path::unrolled:
       if constexpr (K != dyn && N != dyn) detail::dense_unrolled<K, N, T, Fns...>(a, m, b, bias, c);
       break;
     case detail::Path::gemv:
-      for (index_t i = 0; i < m; ++i) detail::gemv<T, Fns...>(a + i * k, k, b, n, bias, c + i * n);
+      detail::with_kernels(isa, [&]<class Kernels>(Kernels) { Kernels::template gemv_rows<T, Fns...>(a, m, k, b, n, bias, c); });
       break;
     case detail::Path::blocked:
       if (packed_b != nullptr && (packed_b->rows() != n || packed_b->depth() != k)) {
@@ -834,7 +1681,10 @@ void gemm(const T* a, index_t m, index_t k, const T* b, index_t n, std::type_ide
                             std::to_string(packed_b->depth()) + "] for a product with [" + std::to_string(n) + ", " +
                             std::to_string(k) + "]");
       }
-      detail::gemm_blocked<T, Fns...>(a, m, k, b, n, bias, c, packed_b);
+      if (packed_b != nullptr && packed_b->isa() != isa) packed_b = nullptr;
+      detail::with_kernels(isa, [&]<class Kernels>(Kernels) {
+        Kernels::template blocked<T, Fns...>(a, m, k, b, n, bias, c, packed_b);
+      });
       break;
     case detail::Path::none:
       break;
@@ -1191,6 +2041,7 @@ class BasicTensor {
     BasicTensor view = *this;
     view.shape_ = to;
     view.tape_id_ = 0;
+    view.trace_id_ = 0;
     return view;
   }
 
@@ -1209,6 +2060,7 @@ class BasicTensor {
     view.shape_ = rest;
     view.data_ = data_ + i * rest.numel();
     view.tape_id_ = 0;
+    view.trace_id_ = 0;
     return view;
   }
 
@@ -1235,6 +2087,9 @@ class BasicTensor {
   // views a user makes (reshape, operator[]) do not: they are new values the tape never saw.
   std::uint64_t tape_id() const { return tape_id_; }
   void set_tape_id(std::uint64_t id) { tape_id_ = id; }
+  // The same for a recording PIJit trace, which may record while a tape does (a training step).
+  std::uint64_t trace_id() const { return trace_id_; }
+  void set_trace_id(std::uint64_t id) { trace_id_ = id; }
 
  private:
   BasicTensor(detail::Storage storage, const Shape& shape)
@@ -1263,6 +2118,7 @@ class BasicTensor {
   T* data_ = nullptr;
   Shape shape_;
   std::uint64_t tape_id_ = 0;
+  std::uint64_t trace_id_ = 0;
 };
 
 using Tensor = BasicTensor<float>;
@@ -1806,9 +2662,14 @@ struct Native : Eigen {
                            const Epilogue<T, Fns...>& epilogue, T* y) {
     if constexpr (kernels::gemm_supports<T, Fns...>) {
       if (kernels::reads_packed_weight<In, Out>(rows, in, out)) {
-        using Packed = kernels::PackedWeight<T>;
-        const auto packed = w.template derived<Packed>([&] { return Packed(w.data(), out, in); });
-        kernels::gemm<In, Out, Fns...>(x, rows, in, w.data(), out, epilogue.bias, y, packed.get());
+        // A type per instruction set, so that after a set_kernel_isa the parameter packs again
+        // for the new set instead of keeping a form the product cannot read.
+        const kernels::Isa isa = kernels::active_isa();
+        kernels::detail::with_kernels(isa, [&]<class Kernels>(Kernels) {
+          using Packed = kernels::PackedWeightFor<T, Kernels>;
+          const auto packed = w.template derived<Packed>([&] { return Packed(w.data(), out, in, isa); });
+          kernels::gemm<In, Out, Fns...>(x, rows, in, w.data(), out, epilogue.bias, y, packed.get());
+        });
         return;
       }
     }
@@ -1997,7 +2858,8 @@ inline std::string readable_type_name(const std::type_info& type) {
 }  // namespace duet::detail
 // DUET_CELL_MEMBERS(a, b, ...): makes a cell a Boost.Hana Struct over the listed members,
 // without naming the class (so it works inside class templates too). Each member becomes a
-// (name, accessor) pair, which is how cells find their children and parameters by name.
+// (name, accessor) pair, which is how cells find their children and parameters by name. A
+// member cell that construct calls but the list leaves out is refused at its first call.
 
 #include <boost/hana/pair.hpp>
 #include <boost/hana/string.hpp>
@@ -2088,6 +2950,7 @@ enum class ShapeFault : unsigned char {
   exact_rank,      // the input's rank must be exactly `expected`
   element_count,   // the input must hold `expected` elements per sample
   shapes_differ,   // two inputs must have the same shape
+  batch_dimension,  // the input must have a batch dimension in front: rank at least `expected`
 };
 
 // What a shape rule returns: the output shape and, if the inputs break the rule, which way.
@@ -2131,6 +2994,9 @@ inline std::string describe_fault(const ShapeResult& r, std::string_view layer, 
     case ShapeFault::shapes_differ:
       what = "inputs of the same shape";
       break;
+    case ShapeFault::batch_dimension:
+      return std::string(layer) + " expects an input of rank at least " + e +
+             " whose first dimension is the batch, got " + got + ": the batch dimension is missing";
   }
   if (r.fault == ShapeFault::shapes_differ && inputs.size() > 1) {
     return std::string(layer) + " expects inputs of matching shapes, got " + to_string(inputs[0]) + " and " +
@@ -2158,6 +3024,8 @@ struct rank_must_be {};
 template <index_t N>
 struct elements_per_sample_must_be {};
 struct inputs_must_have_the_same_shape {};
+template <index_t N>
+struct batch_dimension_missing_rank_must_be_at_least {};
 
 // Not derived from std::false_type: compilers would then print integral_constant<bool, false>
 // instead of this type's name.
@@ -2176,6 +3044,8 @@ constexpr auto requirement() {
     return rank_must_be<N>{};
   else if constexpr (F == ShapeFault::element_count)
     return elements_per_sample_must_be<N>{};
+  else if constexpr (F == ShapeFault::batch_dimension)
+    return batch_dimension_missing_rank_must_be_at_least<N>{};
   else
     return inputs_must_have_the_same_shape{};
 }
@@ -2190,15 +3060,21 @@ constexpr auto shape_type(std::index_sequence<I...>) {
     return input_shape<s[static_cast<int>(I)]...>{};
 }
 
-template <class Layer, ShapeFault F, index_t N, class ShapeOf>
-constexpr void reject() {
-  using Requirement = decltype(requirement<F, N>());
-  using Input =
-      decltype(shape_type<ShapeOf>(std::make_index_sequence<static_cast<std::size_t>(ShapeOf::shape.rank())>{}));
-  static_assert(layer_accepts<Layer, Requirement, Input>::value,
+// A class, so that one (layer, requirement, input shape) is reported once however many
+// captures meet it. Reported by instantiating it: static_cast<void>(sizeof(rejection<...>)).
+template <class Layer, class Requirement, class InputShape>
+struct rejected {
+  static_assert(layer_accepts<Layer, Requirement, InputShape>::value,
                 "duet: a layer cannot accept its input's shape (the condition names the layer, "
                 "its requirement and the input shape; -1 is a dynamic dimension)");
-}
+};
+
+// The report of Layer's rule broken with fault F (N being what it expected) by an input whose
+// shape is ShapeOf::shape.
+template <class Layer, ShapeFault F, index_t N, class ShapeOf>
+using rejection = rejected<Layer, decltype(requirement<F, N>()),
+                           decltype(shape_type<ShapeOf>(
+                               std::make_index_sequence<static_cast<std::size_t>(ShapeOf::shape.rank())>{}))>;
 
 }  // namespace diagnostic
 }  // namespace duet
@@ -2266,18 +3142,19 @@ struct Node {
   Op op;
 };
 
+// Node N's shape rule applied to its inputs' shapes, taken from the shapes of the nodes before it.
 template <class N, std::size_t Count>
-constexpr Shape static_output_shape(const std::array<Shape, Count>& shapes) {
+constexpr ShapeResult static_rule(const std::array<Shape, Count>& shapes) {
   std::array<Shape, N::arity> in{};
   for (std::size_t k = 0; k < N::arity; ++k) in[k] = shapes[N::args[k]];
-  return N::op_type::infer_static(in).shape;
+  return N::op_type::infer_static(in);
 }
 
 template <class... Nodes>
 constexpr std::array<Shape, sizeof...(Nodes)> infer_static_shapes() {
   std::array<Shape, sizeof...(Nodes)> shapes{};
   std::size_t i = 0;
-  ((shapes[i] = static_output_shape<Nodes>(shapes), ++i), ...);
+  ((shapes[i] = static_rule<Nodes>(shapes).shape, ++i), ...);
   return shapes;
 }
 
@@ -2345,6 +3222,16 @@ using node_value_t = typename decltype(node_value_type<G, I>())::type;
 // A symbolic tensor: the value of node Out of graph G.
 template <class>
 inline constexpr bool no_value_during_capture = false;
+template <class>
+inline constexpr bool reassigned_during_capture = false;
+
+// A class keyed on the variable's type, so that `x = fc1(x); x = relu(x);` is reported once.
+template <class Variable>
+struct reassignment_during_capture {
+  static_assert(reassigned_during_capture<Variable>,
+                "duet: inside construct, each operation returns a new symbolic type while a graph is captured; "
+                "write `auto y = layer(x);` (a new name per step) instead of reassigning `x = layer(x);`");
+};
 
 // static_assert takes a literal only; the three uses below share it through this macro.
 #define DUET_DETAIL_NO_VALUE_MESSAGE                                                                        \
@@ -2377,6 +3264,15 @@ struct Sym {
     static_assert(no_value_during_capture<Dependent>, DUET_DETAIL_NO_VALUE_MESSAGE);
     return false;
   }
+
+  // `x = layer(x);` in construct: a PyTorch habit that PyNative accepts (a Tensor stays a
+  // Tensor) but capture cannot, every step being a Sym of its own type. Said here, instead of
+  // "no match for operator=" with both graphs spelled out.
+  template <class G2, std::size_t Out2>
+  Sym& operator=(const Sym<G2, Out2>&) {
+    static_cast<void>(sizeof(reassignment_during_capture<Sym>));
+    return *this;
+  }
 };
 #undef DUET_DETAIL_NO_VALUE_MESSAGE
 
@@ -2399,6 +3295,13 @@ constexpr bool is_sink() {
     return false;
 }
 
+// A host callback (duet::host): C++ on a live value, a graph break.
+template <class Op>
+constexpr bool is_host_op() {
+  if constexpr (requires { Op::is_host; }) return Op::is_host;
+  else return false;
+}
+
 // Whether a node's kernel runs: every op but a view without side effects.
 template <class Op>
 constexpr bool runs_kernel() {
@@ -2417,6 +3320,7 @@ template <std::size_t K, class Pattern, class T>
 struct InputOp {
   using layer_type = InputOp;
   using value_type = T;
+  using pattern = Pattern;
   static constexpr int arity = 0;
   static constexpr bool is_view = false;
   static constexpr bool is_elementwise = false;
@@ -2447,6 +3351,35 @@ struct AnyShape {
   static constexpr Shape value = Shape::any();
 };
 
+// A capture on Pattern that reports no broken shape rule: a probe that asks whether the rules
+// hold (first_rejection), or the stand-in for a part whose fault is reported elsewhere (quietly).
+template <class Pattern>
+struct Quiet {
+  static constexpr Shape value = Pattern::value;
+};
+template <class Pattern>
+inline constexpr bool is_quiet_v = false;
+template <class Pattern>
+inline constexpr bool is_quiet_v<Quiet<Pattern>> = true;
+
+// The pattern of a symbolic tensor's shape.
+template <class S>
+struct SameShapeAs {
+  static constexpr Shape value = S::shape;
+};
+
+// Whether appending to G reports a broken shape rule: unless G was captured on a Quiet
+// input. (Node 0 is an input: each graph starts as one, and merging keeps the first graph's
+// nodes in front.)
+template <class G>
+constexpr bool reports_faults() {
+  using Op = typename node_at<G, 0>::op_type;
+  if constexpr (is_input_op_v<Op>)
+    return !is_quiet_v<typename Op::pattern>;
+  else
+    return true;
+}
+
 // The pattern graph mode captures a tensor of type X with.
 template <class X>
 struct pattern_of {
@@ -2463,6 +3396,20 @@ auto input() {
   using G = Graph<Node<InputOp<K, Pattern, T>>>;
   return Sym<G, 0>{G{}};
 }
+
+template <class F, class Positions, class... X>
+struct capturable;
+template <class F, std::size_t... K, class... X>
+struct capturable<F, std::index_sequence<K...>, X...> {
+  static constexpr bool value = requires(F & f) {
+    f(input<typename X::value_type, typename pattern_of<X>::type, K>()...);
+  };
+};
+
+// Whether graph capture can call f on inputs like X...: a generic function or a Cell<...> can;
+// a function of duet::Tensor, or a cell built at run time, only runs on real tensors.
+template <class F, class... X>
+concept Capturable = capturable<F, std::index_sequence_for<X...>, X...>::value;
 
 // Node n with its arguments renumbered through map.
 template <class N, std::size_t... Map, std::size_t... A>
@@ -2522,13 +3469,52 @@ constexpr std::size_t at(std::index_sequence<M...>) {
 
 }  // namespace detail
 
+// Input K of node I of G, as diagnostic::rejection takes a shape.
+template <class G, std::size_t I, int K>
+struct NodeInput {
+  static constexpr Shape shape = G::shapes[node_at<G, I>::args[static_cast<std::size_t>(K)]];
+};
+
+template <class G, std::size_t I = 0>
+constexpr auto first_rejection_of() {
+  if constexpr (I == G::size) {
+    return std::type_identity<void>{};
+  } else {
+    using N = node_at<G, I>;
+    constexpr ShapeResult r = static_rule<N>(G::shapes);
+    if constexpr (r.ok())
+      return first_rejection_of<G, I + 1>();
+    else
+      return std::type_identity<
+          diagnostic::rejection<typename N::op_type::layer_type, r.fault, r.expected, NodeInput<G, I, r.input>>>{};
+  }
+}
+// The report (diagnostic::rejection) of the first node of G whose shape rule does not hold on
+// the shapes compile time knows, void if all hold. Naming it reports nothing; instantiating it
+// (sizeof) does, from wherever that is: a check made outside the capture keeps the
+// diagnostic's context short.
+template <class G>
+using first_rejection = typename decltype(first_rejection_of<G>())::type;
+
+// f(x), captured without reporting a broken shape rule: f runs on a Quiet input of x's shape
+// and its nodes are spliced after x's, so the graph is the one f(x) would give. For a part
+// whose fault is reported elsewhere: one mistake, one error.
+template <class G, std::size_t Out, class F>
+auto quietly(const Sym<G, Out>& x, F&& f) {
+  using X = Sym<G, Out>;
+  const auto q = f(input<typename X::value_type, Quiet<SameShapeAs<X>>>());
+  using Q = std::remove_cvref_t<decltype(q)>;
+  auto [g, map] = detail::merge_from<1>(q.graph, x.graph.nodes, std::index_sequence<Out>{});
+  return Sym<decltype(g), detail::at<Q::output>(decltype(map){})>{g};
+}
+
 // Appends `op` applied to x. The rule runs here, at capture, so a compile-time mismatch is
 // reported where the user's construct calls the layer.
 template <class Op, class G, std::size_t Out>
 auto append(const Op& op, const Sym<G, Out>& x) {
   constexpr ShapeResult r = Op::infer_static(std::array<Shape, 1>{G::shapes[Out]});
-  if constexpr (!r.ok()) {
-    diagnostic::reject<typename Op::layer_type, r.fault, r.expected, Sym<G, Out>>();
+  if constexpr (!r.ok() && reports_faults<G>()) {
+    static_cast<void>(sizeof(diagnostic::rejection<typename Op::layer_type, r.fault, r.expected, Sym<G, Out>>));
   }
   auto g = make_graph(hana::append(x.graph.nodes, Node<Op, Out>{op}));
   return Sym<decltype(g), G::size>{g};
@@ -2538,9 +3524,9 @@ auto append(const Op& op, const Sym<G, Out>& x) {
 template <class Op, class GA, std::size_t A, class GB, std::size_t B>
 auto append(const Op& op, const Sym<GA, A>& a, const Sym<GB, B>& b) {
   constexpr ShapeResult r = Op::infer_static(std::array<Shape, 2>{GA::shapes[A], GB::shapes[B]});
-  if constexpr (!r.ok()) {
+  if constexpr (!r.ok() && reports_faults<GA>() && reports_faults<GB>()) {
     using Culprit = std::conditional_t<r.input == 0, Sym<GA, A>, Sym<GB, B>>;
-    diagnostic::reject<typename Op::layer_type, r.fault, r.expected, Culprit>();
+    static_cast<void>(sizeof(diagnostic::rejection<typename Op::layer_type, r.fault, r.expected, Culprit>));
   }
   auto [merged, map] = detail::merge_from<0>(b.graph, a.graph.nodes, std::index_sequence<>{});
   constexpr std::size_t b_at = detail::at<B>(decltype(map){});
@@ -2896,24 +3882,63 @@ auto evaluate(const graph::Sym<G, Out>& program, const Inputs&... inputs) {
 }
 
 }  // namespace duet
-// Compile-time passes over a captured graph. Each takes a Sym (graph plus output) and
-// returns a new one, of a new type; they run while the program compiles and leave nothing to
-// do at run time but the evaluator's calls.
+// jit: a function of tensors compiled into a static graph, whatever the global context
+// (MindSpore's mindspore.jit and JitConfig).
 //
-//   shape inference and checking   in graph.hpp, at capture (Graph::shapes, append)
-//   views                          is_view nodes get no buffer (evaluator's plan)
-//   fuse_epilogues                 bias adds and activations move into the product before them,
-//                                  elementwise chains become one pass (O1 and O2)
-//   pack_weights                   products keep their weights pre-packed between calls (O2,
-//                                  inference graphs)
+//   auto run_with_jit = duet::jit(run);                                   // function transform
+//   auto run = duet::jit([&](auto x) { return model(x); });               // decorator form
+//   auto fast = duet::jit<duet::JitConfig{.jit_level = duet::O2}>(run);   // with a configuration
+//   struct Net : nn::Cell<Net, duet::JitConfig{}> {...};                  // jit on construct
+//
+// Calling a jitted function captures it on symbolic tensors (a compile-time graph), checks and
+// optimises the graph at the JitConfig's level, and runs it in one evaluator call. The run-time
+// half of compiling (a "compiled form": the plan for the input shapes) is made once per input
+// signature, and counted: each jitted function and the program keep a compile count and a log
+// saying why each recompilation happened.
+//
+// The signature of a call is the dtype and shape of each tensor argument (its input_signature
+// pattern instead, when one is given: a dynamic dimension then means one compiled form for all
+// its sizes), the value of each other argument (unless wrapped in duet::mutable_), and the
+// current values of the hash_args.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <typeindex>
+#include <utility>
+#include <vector>
+
+// Where a graph meets the host: printing a live value, and calling back into C++.
+//
+// duet::print is a graph operation: in either mode, and at every jit level, it prints the value
+// when it is computed and passes it on unchanged (as a view), so a user never has to take jit
+// away to see a value. duet::host runs any C++ function on a value: a host node, a graph
+// break that runs eagerly between compiled parts. A jit function of JitSyntaxLevel::strict
+// refuses host nodes at compile time.
+
+#include <algorithm>
+#include <array>
+#include <functional>
+#include <iostream>
+#include <mutex>
+#include <string>
+#include <utility>
+
+// PyNative evaluation of one operation: run its shape rule, allocate its output from the
+// pool, call its kernel. The graph evaluator uses the same rule and the same kernel, which is
+// why the two modes agree.
 
 #include <array>
-#include <boost/hana/append.hpp>
-#include <boost/hana/drop_back.hpp>
-#include <boost/hana/length.hpp>
-#include <boost/hana/transform.hpp>
-#include <boost/hana/unpack.hpp>
-#include <cstddef>
+#include <type_traits>
 #include <utility>
 
 // The PyNative half of autodiff: a tape that records each operation as it runs, then walks
@@ -2929,344 +3954,6 @@ auto evaluate(const graph::Sym<G, Out>& program, const Inputs&... inputs) {
 #include <utility>
 #include <vector>
 
-
-namespace duet {
-
-namespace detail {
-template <class Backend, class Op, class First, class... Rest>
-auto run_into_new(const Op& op, const BasicTensor<First>& first, const BasicTensor<Rest>&... rest);
-}  // namespace detail
-
-namespace autodiff {
-
-template <class Op>
-constexpr bool declared_differentiable() {
-  if constexpr (requires { Op::differentiable; }) return Op::differentiable;
-  else return true;
-}
-
-// An op autodiff can go through: it names its gradient op and what that op reads.
-template <class Op>
-concept Differentiable = requires {
-  Op::grad_operands;
-  Op::has_parameters;
-} && declared_differentiable<Op>();
-
-class Tape;
-
-// The tape recording on this thread, if any. Eager operations check it once each.
-inline Tape*& active_tape() {
-  thread_local Tape* tape = nullptr;
-  return tape;
-}
-
-class Entry {
- public:
-  virtual ~Entry() = default;
-  virtual void backward(Tape& tape) = 0;
-};
-
-// An entry whose value can receive a gradient.
-template <class T>
-class ValueEntry : public Entry {
- public:
-  // Gradients from several readers add up. Never in place: the first may alias another value.
-  void accumulate(BasicTensor<T> g);
-  const BasicTensor<T>* grad() const { return has_grad_ ? &grad_ : nullptr; }
-
- private:
-  BasicTensor<T> grad_;
-  bool has_grad_ = false;
-};
-
-// A value the caller differentiates with respect to (an input of grad_position).
-template <class T>
-class LeafEntry final : public ValueEntry<T> {
- public:
-  void backward(Tape&) override {}
-};
-
-class Tape {
- public:
-  Tape() : generation_(next_generation()) {}
-  Tape(const Tape&) = delete;
-  Tape& operator=(const Tape&) = delete;
-
-  // Tracks x (the handle given, and copies made from it afterwards) as a leaf.
-  template <class T>
-  void watch(BasicTensor<T>& x) {
-    add(std::make_unique<LeafEntry<T>>(), x);
-  }
-
-  template <class T>
-  bool tracks(const BasicTensor<T>& x) const {
-    return index_of(x.tape_id()) < entries_.size();
-  }
-
-  template <class T>
-  ValueEntry<T>* entry_of(const BasicTensor<T>& x) const {
-    const std::size_t i = index_of(x.tape_id());
-    return i < entries_.size() ? static_cast<ValueEntry<T>*>(entries_[i].get()) : nullptr;
-  }
-
-  // Called by every eager operation while this tape is active.
-  template <class Op, class Out, class... In>
-  void record(const Op& op, BasicTensor<Out>& y, const BasicTensor<In>&... x);
-
-  // Records a cell call, for its backward hooks; returns the slot its output goes in.
-  template <class T, class Hook>
-  BasicTensor<T>* begin_cell(const BasicTensor<T>& input, Hook hook);
-
-  // Seeds d(output)/d(output) = 1 and runs every record's gradient, last first.
-  template <class T>
-  void backward(const BasicTensor<T>& output);
-
- private:
-  static std::uint64_t next_generation() {
-    static std::atomic<std::uint64_t> last{0};
-    return last.fetch_add(1, std::memory_order_relaxed) + 1;
-  }
-
-  std::size_t index_of(std::uint64_t id) const {
-    return (id >> 32) == (generation_ & 0xFFFFFFFFu) && id != 0 ? static_cast<std::size_t>((id & 0xFFFFFFFFu) - 1)
-                                                                : entries_.size();
-  }
-
-  template <class T>
-  void add(std::unique_ptr<Entry> e, BasicTensor<T>& value) {
-    entries_.push_back(std::move(e));
-    value.set_tape_id(((generation_ & 0xFFFFFFFFu) << 32) | entries_.size());
-  }
-
-  std::uint64_t generation_;
-  std::vector<std::unique_ptr<Entry>> entries_;
-};
-
-// Makes a tape the active one for its lifetime (nested scopes restore the outer tape).
-class Recording {
- public:
-  explicit Recording(Tape* tape) : outer_(std::exchange(active_tape(), tape)) {}
-  Recording(const Recording&) = delete;
-  Recording& operator=(const Recording&) = delete;
-  ~Recording() { active_tape() = outer_; }
-
- private:
-  Tape* outer_;
-};
-
-template <class T>
-void ValueEntry<T>::accumulate(BasicTensor<T> g) {
-  if (!has_grad_) {
-    grad_ = std::move(g);
-    has_grad_ = true;
-    return;
-  }
-  auto sum = BasicTensor<T>::uninitialized(grad_.shape());
-  for (index_t i = 0; i < sum.numel(); ++i) sum.data()[i] = grad_.data()[i] + g.data()[i];
-  grad_ = std::move(sum);
-}
-
-// One recorded operation: the op, the handles of its inputs and output, and the gradient of
-// its output once readers have sent theirs.
-template <class Op, class Out, class... In>
-class OpEntry final : public ValueEntry<Out> {
- public:
-  OpEntry(const Op& op, const BasicTensor<Out>& y, const BasicTensor<In>&... x) : op_(op), output_(y), inputs_(x...) {}
-
-  void backward(Tape& tape) override {
-    const BasicTensor<Out>* g = this->grad();
-    if (g == nullptr) return;
-    auto& x0 = std::get<0>(inputs_);
-    if (tape.tracks(x0)) {
-      auto dx = run_grad(op_.template grad_op<true>(), *g);
-      tape.entry_of(x0)->accumulate(std::move(dx));
-    } else if constexpr (Op::has_parameters) {
-      run_grad(op_.template grad_op<false>(), *g);
-    }
-  }
-
- private:
-  template <graph::Operand O>
-  const auto& operand(const BasicTensor<Out>& g) const {
-    if constexpr (O == graph::Operand::grad)
-      return g;
-    else if constexpr (O == graph::Operand::output)
-      return output_;
-    else if constexpr (O == graph::Operand::input0)
-      return std::get<0>(inputs_);
-    else
-      return std::get<1>(inputs_);
-  }
-
-  template <class GradOp>
-  auto run_grad(const GradOp& gop, const BasicTensor<Out>& g) const {
-    return [&]<std::size_t... I>(std::index_sequence<I...>) {
-      return duet::detail::run_into_new<DefaultBackend>(gop, operand<Op::grad_operands[I]>(g)...);
-    }
-    (std::make_index_sequence<Op::grad_operands.size()>{});
-  }
-
-  Op op_;
-  BasicTensor<Out> output_;
-  std::tuple<BasicTensor<In>...> inputs_;
-};
-
-// A cell call: after the cell's own records have run backward, its hook sees both gradients.
-template <class T, class Hook>
-class CellEntry final : public Entry {
- public:
-  CellEntry(const BasicTensor<T>& input, Hook hook) : input_(input), hook_(std::move(hook)) {}
-
-  void backward(Tape& tape) override {
-    const ValueEntry<T>* out = tape.entry_of(output);
-    if (out == nullptr || out->grad() == nullptr) return;
-    const ValueEntry<T>* in = tape.entry_of(input_);
-    const BasicTensor<T> none;
-    hook_(in != nullptr && in->grad() != nullptr ? *in->grad() : none, *out->grad());
-  }
-
-  BasicTensor<T> output;
-
- private:
-  BasicTensor<T> input_;
-  Hook hook_;
-};
-
-template <class Op, class Out, class... In>
-void Tape::record(const Op& op, BasicTensor<Out>& y, const BasicTensor<In>&... x) {
-  const bool reads_tracked = (tracks(x) || ...);
-  if constexpr (Differentiable<Op>) {
-    if (!reads_tracked && !Op::has_parameters) return;
-    add(std::make_unique<OpEntry<Op, Out, In...>>(op, y, x...), y);
-  } else if (reads_tracked) {
-    throw ValueError("duet::grad: " + op.label() + " is not differentiable, but a gradient flows through it");
-  }
-}
-
-template <class T, class Hook>
-BasicTensor<T>* Tape::begin_cell(const BasicTensor<T>& input, Hook hook) {
-  auto entry = std::make_unique<CellEntry<T, Hook>>(input, std::move(hook));
-  BasicTensor<T>* slot = &entry->output;
-  entries_.push_back(std::move(entry));
-  return slot;
-}
-
-template <class T>
-void Tape::backward(const BasicTensor<T>& output) {
-  ValueEntry<T>* seed = entry_of(output);
-  if (seed == nullptr) {
-    throw ValueError("duet::grad: the function's output does not depend on anything being differentiated");
-  }
-  seed->accumulate(full<T>(output.shape(), T(1)));
-  Recording off(nullptr);
-  detail::begin_backward_pass();
-  for (std::size_t i = entries_.size(); i-- > 0;) entries_[i]->backward(*this);
-}
-
-}  // namespace autodiff
-}  // namespace duet
-
-namespace duet::passes {
-
-namespace hana = boost::hana;
-
-// How many nodes read each node's value; the graph's output counts as one more reader.
-template <class G, std::size_t Out>
-constexpr std::array<std::size_t, G::size> user_counts() {
-  std::array<std::size_t, G::size> users{};
-  graph::for_each_index<G::size>([&](auto i) {
-    constexpr std::size_t I = decltype(i)::value;
-    for (std::size_t a : graph::node_at<G, I>::args) ++users[a];
-  });
-  ++users[Out];
-  return users;
-}
-
-// A producer op P takes consumer op C as its epilogue when it says so; in a graph that will be
-// differentiated, only if the fused op still can be.
-template <class P, class C, bool Differentiated>
-concept absorbs = requires {
-  requires P::template accepts_epilogue<C>;
-} && (!Differentiated || autodiff::Differentiable<decltype(std::declval<const P&>().absorb(std::declval<const C&>()))>);
-
-namespace detail {
-
-// Walks the nodes in order, building the fused list. Map[j] is where node j's value lives in
-// the new list. A unary consumer folds into the node that computes its input when that node
-// is the last one built, absorbs it, and nobody else reads the value in between.
-template <std::size_t J, std::size_t Out, bool Differentiated, class G, class Built, std::size_t... Map>
-auto fuse_from(const G& g, const Built& built, std::index_sequence<Map...> map) {
-  if constexpr (J == G::size) {
-    constexpr std::array<std::size_t, G::size> m{Map...};
-    auto fused = graph::make_graph(built);
-    return graph::Sym<decltype(fused), m[Out]>{fused};
-  } else {
-    using N = graph::node_at<G, J>;
-    const N& n = hana::at_c<J>(g.nodes);
-    constexpr std::size_t built_size = decltype(hana::length(built))::value;
-    if constexpr (N::arity == 1) {
-      constexpr std::array<std::size_t, J> m{Map...};
-      constexpr std::size_t a = N::args[0];
-      constexpr std::size_t r = m[a];
-      using P = std::remove_cvref_t<decltype(hana::at_c<r>(built))>;
-      if constexpr (r + 1 == built_size && user_counts<G, Out>()[a] == 1 &&
-                    absorbs<typename P::op_type, typename N::op_type, Differentiated>) {
-        const P& p = hana::at_c<r>(built);
-        auto absorbed = p.op.absorb(n.op);
-        auto with_args = [&]<std::size_t... A>(std::index_sequence<A...>) {
-          return graph::Node<decltype(absorbed), P::args[A]...>{absorbed};
-        }
-        (std::make_index_sequence<P::arity>{});
-        return fuse_from<J + 1, Out, Differentiated>(g, hana::append(hana::drop_back(built), with_args),
-                                     std::index_sequence<Map..., r>{});
-      } else {
-        return fuse_from<J + 1, Out, Differentiated>(
-            g, hana::append(built, graph::renumbered(n, map, std::make_index_sequence<N::arity>{})),
-            std::index_sequence<Map..., built_size>{});
-      }
-    } else {
-      return fuse_from<J + 1, Out, Differentiated>(g,
-                                   hana::append(built, graph::renumbered(n, map, std::make_index_sequence<N::arity>{})),
-                                   std::index_sequence<Map..., built_size>{});
-    }
-  }
-}
-
-}  // namespace detail
-
-// Moves each bias add and elementwise activation into the epilogue of the product that
-// feeds it, and fuses chains of elementwise functions, so each value is written once.
-template <bool Differentiated = false, class G, std::size_t Out>
-auto fuse_epilogues(const graph::Sym<G, Out>& program) {
-  return detail::fuse_from<0, Out, Differentiated>(program.graph, hana::make_tuple(), std::index_sequence<>{});
-}
-
-// Each op that can read its weight pre-packed (with_packed_weight()) is replaced by that
-// form. Not for graphs being trained: their weights change at every step, and a packed copy
-// would only add a pass over them.
-template <class G, std::size_t Out>
-auto pack_weights(const graph::Sym<G, Out>& program) {
-  auto nodes = hana::transform(program.graph.nodes, []<class Op, std::size_t... A>(const graph::Node<Op, A...>& n) {
-    if constexpr (requires { n.op.with_packed_weight(); }) {
-      return graph::Node<decltype(n.op.with_packed_weight()), A...>{n.op.with_packed_weight()};
-    } else {
-      return n;
-    }
-  });
-  auto packed = graph::make_graph(nodes);
-  return graph::Sym<decltype(packed), Out>{packed};
-}
-
-// The pipeline of a jit level. Differentiated: the graph is the forward half of a training
-// graph, so fusion keeps every op differentiable.
-template <JitConfig Config = JitConfig{}, bool Differentiated = false, class G, std::size_t Out>
-auto optimize(const graph::Sym<G, Out>& program) {
-  if constexpr (Config.jit_level == JitLevel::O0) return program;
-  else if constexpr (Config.jit_level == JitLevel::O1 || Differentiated) return fuse_epilogues<Differentiated>(program);
-  else return pack_weights(fuse_epilogues<Differentiated>(program));
-}
-
-}  // namespace duet::passes
 // The recording half of PIJit: while a trace is active, every eager operation appends a step
 // (the op, the values it reads and the value it makes), so a network built at run time can be
 // captured by running it once. pijit.hpp optimises and replays the trace.
@@ -3428,6 +4115,17 @@ class OpStep final : public Step {
   Op op_;
 };
 
+// Begins a new backward pass on the replaying thread, where the traced one began one.
+class BackwardPassStep final : public Step {
+ public:
+  void run(void* const*, const std::vector<Value>&) const override { duet::detail::begin_backward_pass(); }
+  std::unique_ptr<Step> absorb(const Step&) const override { return nullptr; }
+  std::unique_ptr<Step> with_packed_weight() const override { return nullptr; }
+  EpilogueInfo as_epilogue() const override { return {}; }
+  bool is_view() const override { return false; }
+  bool runs_kernel() const override { return true; }
+};
+
 class Trace {
  public:
   Trace() : generation_(next_generation()) {}
@@ -3443,36 +4141,62 @@ class Trace {
     add(std::move(v), x);
   }
 
+  // A sink (an op that makes no value: a parameter's gradient written in place) is a step of a
+  // training step's trace only; in any other it is a graph break.
   template <class Op, class T, class... In>
   void record(const Op& op, BasicTensor<T>& y, const BasicTensor<In>&... x) {
     if constexpr (graph::is_sink<Op>()) {
-      broken_ = "it calls " + op.label() + ", which makes no value";
-    } else {
-      auto step = std::make_unique<OpStep<Op, T>>(op);
-      (step->inputs.push_back(value_of(x)), ...);
-      Value v;
-      v.shape = y.shape();
-      v.element_size = sizeof(T);
-      if constexpr (Op::is_view) {
-        v.kind = Value::Kind::view;
-        v.view_of = root_of(step->inputs[0]);
-      }
-      step->output = values_.size();
-      add(std::move(v), y);
-      steps_.push_back(std::move(step));
+      if (!parameter_gradients_) mark_broken("calls " + op.label() + ", which makes no value");
     }
+    // A host callback is C++ the replay would run on values it never saw made: the caller runs
+    // eagerly instead, so that it is a plain call every time.
+    if constexpr (graph::is_host_op<Op>()) mark_broken("calls duet::host, a host callback");
+    auto step = std::make_unique<OpStep<Op, T>>(op);
+    (step->inputs.push_back(value_of(x)), ...);
+    Value v;
+    v.element_size = graph::is_sink<Op>() ? 0 : sizeof(T);
+    v.shape = graph::is_sink<Op>() ? Shape{} : y.shape();
+    if constexpr (Op::is_view) {
+      v.kind = Value::Kind::view;
+      v.view_of = root_of(step->inputs[0]);
+    }
+    step->output = values_.size();
+    add(std::move(v), y);
+    steps_.push_back(std::move(step));
   }
+
+  // A backward pass begins (parameters' gradients are assigned afresh from here): a step, so
+  // that each replay begins its own.
+  void record_backward_pass() {
+    auto step = std::make_unique<BackwardPassStep>();
+    step->output = values_.size();
+    values_.push_back(Value{});
+    steps_.push_back(std::move(step));
+  }
+
+  // The traced function is a whole training step, whose parameters' gradients are written in
+  // place by its gradient ops: those are steps to replay, not breaks.
+  void allow_parameter_gradients() { parameter_gradients_ = true; }
 
   // The value a tensor is, or nothing if the trace never saw it.
   template <class T>
   std::size_t find(const BasicTensor<T>& x) const {
-    const std::uint64_t id = x.tape_id();
+    const std::uint64_t id = x.trace_id();
     if ((id >> 32) != (generation_ & 0xFFFFFFFFu) || id == 0) return values_.size();
     return static_cast<std::size_t>((id & 0xFFFFFFFFu) - 1);
   }
 
   // A cell ran during the trace; its check says whether it has hooks now.
   void note_cell(std::function<bool()> has_hooks) { cells_.push_back(std::move(has_hooks)); }
+
+  // The cells whose forward is running, innermost last: what a graph break is blamed on.
+  void enter_cell(std::string label) { running_.push_back(std::move(label)); }
+  void leave_cell() { running_.pop_back(); }
+
+  // The trace cannot be replayed, because the running cell does `what`; the first reason stays.
+  void mark_broken(const std::string& what) {
+    if (broken_.empty()) broken_ = (running_.empty() ? std::string("the function") : running_.back()) + " " + what;
+  }
   std::vector<std::function<bool()>>& cells() { return cells_; }
 
   std::vector<Value>& values() { return values_; }
@@ -3481,11 +4205,9 @@ class Trace {
   const std::string& broken() const { return broken_; }
 
  private:
-  // The top bit of a trace's generation is set, the tape's never is: a tensor recorded by one is
-  // never taken for a value of the other.
   static std::uint64_t next_generation() {
     static std::atomic<std::uint64_t> last{0};
-    return (last.fetch_add(1, std::memory_order_relaxed) + 1) | 0x80000000u;
+    return last.fetch_add(1, std::memory_order_relaxed) + 1;
   }
 
   // A tensor the trace did not make is a constant: read through its handle at every replay.
@@ -3512,14 +4234,34 @@ class Trace {
   template <class T>
   void add(Value v, BasicTensor<T>& tensor) {
     values_.push_back(std::move(v));
-    tensor.set_tape_id(((generation_ & 0xFFFFFFFFu) << 32) | values_.size());
+    tensor.set_trace_id(((generation_ & 0xFFFFFFFFu) << 32) | values_.size());
   }
 
   std::uint64_t generation_;
   std::vector<Value> values_;
   std::vector<std::unique_ptr<Step>> steps_;
   std::vector<std::function<bool()>> cells_;
+  std::vector<std::string> running_;
   std::string broken_;
+  bool parameter_gradients_ = false;
+};
+
+// Names a cell as running in the active trace, if any, for its lifetime.
+class TracedCell {
+ public:
+  template <class Label>
+  explicit TracedCell(Label&& label) : trace_(active_trace()) {
+    if (trace_ != nullptr) trace_->enter_cell(label());
+  }
+  TracedCell(const TracedCell&) = delete;
+  TracedCell& operator=(const TracedCell&) = delete;
+  ~TracedCell() {
+    if (trace_ != nullptr) trace_->leave_cell();
+  }
+  Trace* trace() const { return trace_; }
+
+ private:
+  Trace* trace_;
 };
 
 // Makes a trace the active one for its lifetime.
@@ -3535,6 +4277,1621 @@ class Tracing {
 };
 
 }  // namespace duet::pijit
+
+namespace duet {
+
+namespace detail {
+template <class Backend, class Op, class First, class... Rest>
+auto run_into_new(const Op& op, const BasicTensor<First>& first, const BasicTensor<Rest>&... rest);
+}  // namespace detail
+
+namespace ops {
+
+// The sum of two gradients reaching one value.
+struct GradAddOp {
+  using layer_type = GradAddOp;
+  static constexpr int arity = 2;
+  static constexpr bool is_view = false;
+  static constexpr bool is_elementwise = false;
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    Backend::add(a.in<T>(0), a.in<T>(1), a.in_shape(0).numel(), a.out<T>());
+  }
+  static std::string op_name() { return "GradAdd"; }
+  std::string label() const { return op_name(); }
+};
+
+}  // namespace ops
+
+namespace autodiff {
+
+template <class Op>
+constexpr bool declared_differentiable() {
+  if constexpr (requires { Op::differentiable; }) return Op::differentiable;
+  else return true;
+}
+
+// An op autodiff can go through: it names its gradient op and what that op reads.
+template <class Op>
+concept Differentiable = requires {
+  Op::grad_operands;
+  Op::has_parameters;
+} && declared_differentiable<Op>();
+
+class Tape;
+
+// The tape recording on this thread, if any. Eager operations check it once each.
+inline Tape*& active_tape() {
+  thread_local Tape* tape = nullptr;
+  return tape;
+}
+
+class Entry {
+ public:
+  virtual ~Entry() = default;
+  virtual void backward(Tape& tape) = 0;
+};
+
+// An entry whose value can receive a gradient.
+template <class T>
+class ValueEntry : public Entry {
+ public:
+  // Gradients from several readers add up, through an op that a trace records. Never in place:
+  // the first may alias another value.
+  void accumulate(BasicTensor<T> g);
+  const BasicTensor<T>* grad() const { return has_grad_ ? &grad_ : nullptr; }
+
+ private:
+  BasicTensor<T> grad_;
+  bool has_grad_ = false;
+};
+
+// A value the caller differentiates with respect to (an input of grad_position).
+template <class T>
+class LeafEntry final : public ValueEntry<T> {
+ public:
+  void backward(Tape&) override {}
+};
+
+class Tape {
+ public:
+  Tape() : generation_(next_generation()) {}
+  Tape(const Tape&) = delete;
+  Tape& operator=(const Tape&) = delete;
+
+  // Tracks x (the handle given, and copies made from it afterwards) as a leaf.
+  template <class T>
+  void watch(BasicTensor<T>& x) {
+    add(std::make_unique<LeafEntry<T>>(), x);
+  }
+
+  template <class T>
+  bool tracks(const BasicTensor<T>& x) const {
+    return index_of(x.tape_id()) < entries_.size();
+  }
+
+  template <class T>
+  ValueEntry<T>* entry_of(const BasicTensor<T>& x) const {
+    const std::size_t i = index_of(x.tape_id());
+    return i < entries_.size() ? static_cast<ValueEntry<T>*>(entries_[i].get()) : nullptr;
+  }
+
+  // Called by every eager operation while this tape is active.
+  template <class Op, class Out, class... In>
+  void record(const Op& op, BasicTensor<Out>& y, const BasicTensor<In>&... x);
+
+  // Records a cell call, for its backward hooks; returns the slot its output goes in.
+  template <class T, class Hook>
+  BasicTensor<T>* begin_cell(const BasicTensor<T>& input, Hook hook);
+
+  // Seeds d(output)/d(output) = 1 and runs every record's gradient, last first.
+  template <class T>
+  void backward(const BasicTensor<T>& output);
+
+ private:
+  static std::uint64_t next_generation() {
+    static std::atomic<std::uint64_t> last{0};
+    return last.fetch_add(1, std::memory_order_relaxed) + 1;
+  }
+
+  std::size_t index_of(std::uint64_t id) const {
+    return (id >> 32) == (generation_ & 0xFFFFFFFFu) && id != 0 ? static_cast<std::size_t>((id & 0xFFFFFFFFu) - 1)
+                                                                : entries_.size();
+  }
+
+  template <class T>
+  void add(std::unique_ptr<Entry> e, BasicTensor<T>& value) {
+    entries_.push_back(std::move(e));
+    value.set_tape_id(((generation_ & 0xFFFFFFFFu) << 32) | entries_.size());
+  }
+
+  std::uint64_t generation_;
+  std::vector<std::unique_ptr<Entry>> entries_;
+};
+
+// Makes a tape the active one for its lifetime (nested scopes restore the outer tape).
+class Recording {
+ public:
+  explicit Recording(Tape* tape) : outer_(std::exchange(active_tape(), tape)) {}
+  Recording(const Recording&) = delete;
+  Recording& operator=(const Recording&) = delete;
+  ~Recording() { active_tape() = outer_; }
+
+ private:
+  Tape* outer_;
+};
+
+template <class T>
+void ValueEntry<T>::accumulate(BasicTensor<T> g) {
+  if (!has_grad_) {
+    grad_ = std::move(g);
+    has_grad_ = true;
+    return;
+  }
+  grad_ = duet::detail::run_into_new<DefaultBackend>(ops::GradAddOp{}, grad_, g);
+}
+
+// One recorded operation: the op, the handles of its inputs and output, and the gradient of
+// its output once readers have sent theirs.
+template <class Op, class Out, class... In>
+class OpEntry final : public ValueEntry<Out> {
+ public:
+  OpEntry(const Op& op, const BasicTensor<Out>& y, const BasicTensor<In>&... x) : op_(op), output_(y), inputs_(x...) {}
+
+  void backward(Tape& tape) override {
+    const BasicTensor<Out>* g = this->grad();
+    if (g == nullptr) return;
+    auto& x0 = std::get<0>(inputs_);
+    if (tape.tracks(x0)) {
+      auto dx = run_grad(op_.template grad_op<true>(), *g);
+      tape.entry_of(x0)->accumulate(std::move(dx));
+    } else if constexpr (Op::has_parameters) {
+      run_grad(op_.template grad_op<false>(), *g);
+    }
+  }
+
+ private:
+  template <graph::Operand O>
+  const auto& operand(const BasicTensor<Out>& g) const {
+    if constexpr (O == graph::Operand::grad)
+      return g;
+    else if constexpr (O == graph::Operand::output)
+      return output_;
+    else if constexpr (O == graph::Operand::input0)
+      return std::get<0>(inputs_);
+    else
+      return std::get<1>(inputs_);
+  }
+
+  template <class GradOp>
+  auto run_grad(const GradOp& gop, const BasicTensor<Out>& g) const {
+    return [&]<std::size_t... I>(std::index_sequence<I...>) {
+      return duet::detail::run_into_new<DefaultBackend>(gop, operand<Op::grad_operands[I]>(g)...);
+    }
+    (std::make_index_sequence<Op::grad_operands.size()>{});
+  }
+
+  Op op_;
+  BasicTensor<Out> output_;
+  std::tuple<BasicTensor<In>...> inputs_;
+};
+
+// A cell call: after the cell's own records have run backward, its hook sees both gradients.
+template <class T, class Hook>
+class CellEntry final : public Entry {
+ public:
+  CellEntry(const BasicTensor<T>& input, Hook hook) : input_(input), hook_(std::move(hook)) {}
+
+  void backward(Tape& tape) override {
+    const ValueEntry<T>* out = tape.entry_of(output);
+    if (out == nullptr || out->grad() == nullptr) return;
+    const ValueEntry<T>* in = tape.entry_of(input_);
+    const BasicTensor<T> none;
+    hook_(in != nullptr && in->grad() != nullptr ? *in->grad() : none, *out->grad());
+  }
+
+  BasicTensor<T> output;
+
+ private:
+  BasicTensor<T> input_;
+  Hook hook_;
+};
+
+template <class Op, class Out, class... In>
+void Tape::record(const Op& op, BasicTensor<Out>& y, const BasicTensor<In>&... x) {
+  const bool reads_tracked = (tracks(x) || ...);
+  if constexpr (Differentiable<Op>) {
+    if (!reads_tracked && !Op::has_parameters) return;
+    add(std::make_unique<OpEntry<Op, Out, In...>>(op, y, x...), y);
+  } else if (reads_tracked) {
+    throw ValueError("duet::grad: " + op.label() + " is not differentiable, but a gradient flows through it");
+  }
+}
+
+template <class T, class Hook>
+BasicTensor<T>* Tape::begin_cell(const BasicTensor<T>& input, Hook hook) {
+  auto entry = std::make_unique<CellEntry<T, Hook>>(input, std::move(hook));
+  BasicTensor<T>* slot = &entry->output;
+  entries_.push_back(std::move(entry));
+  return slot;
+}
+
+template <class T>
+void Tape::backward(const BasicTensor<T>& output) {
+  ValueEntry<T>* seed = entry_of(output);
+  if (seed == nullptr) {
+    throw ValueError("duet::grad: the function's output does not depend on anything being differentiated");
+  }
+  seed->accumulate(full<T>(output.shape(), T(1)));
+  Recording off(nullptr);
+  detail::begin_backward_pass();
+  if (pijit::Trace* trace = pijit::active_trace()) trace->record_backward_pass();
+  for (std::size_t i = entries_.size(); i-- > 0;) entries_[i]->backward(*this);
+}
+
+}  // namespace autodiff
+}  // namespace duet
+
+namespace duet {
+
+namespace detail {
+
+template <class Op, std::size_t N>
+Shape checked_output_shape(const Op& op, const std::array<Shape, N>& in) {
+  const ShapeResult r = op.infer(in);
+  if (!r.ok()) throw ShapeError(describe_fault(r, op.label(), in));
+  return r.shape;
+}
+
+template <class Backend, class Op, class First, class... Rest>
+auto run_into_new(const Op& op, const BasicTensor<First>& first, const BasicTensor<Rest>&... rest) {
+  using T = graph::op_value_t<Op, First>;
+  const std::array<Shape, 1 + sizeof...(Rest)> shapes{first.shape(), rest.shape()...};
+  const Shape out_shape = checked_output_shape(op, shapes);
+  const std::array<const void*, 1 + sizeof...(Rest)> in{first.data(), rest.data()...};
+  BasicTensor<T> y;
+  if constexpr (Op::is_view) {
+    if constexpr (graph::runs_kernel<Op>()) {
+      op.template run<Backend, T>(graph::KernelArgs{in.data(), shapes.data(), nullptr, out_shape});
+    }
+    y = first.reshape(out_shape);
+  } else if constexpr (graph::is_sink<Op>()) {
+    op.template run<Backend, T>(graph::KernelArgs{in.data(), shapes.data(), nullptr, out_shape});
+    if (pijit::Trace* trace = pijit::active_trace()) trace->record(op, y, first, rest...);
+    return y;
+  } else {
+    y = BasicTensor<T>::uninitialized(out_shape);
+    op.template run<Backend, T>(graph::KernelArgs{in.data(), shapes.data(), y.data(), out_shape});
+  }
+  // The trace first: the tape keeps a copy of y, which must already be the trace's value.
+  if (pijit::Trace* trace = pijit::active_trace()) trace->record(op, y, first, rest...);
+  if (autodiff::Tape* tape = autodiff::active_tape()) tape->record(op, y, first, rest...);
+  return y;
+}
+
+}  // namespace detail
+
+template <class Backend = DefaultBackend, class Op, class T>
+auto run_eager(const Op& op, const BasicTensor<T>& x) {
+  return detail::run_into_new<Backend>(op, x);
+}
+
+// A temporary nobody else holds is overwritten in place by elementwise operations, unless a
+// tape or a trace records: their records keep the values they read.
+template <class Backend = DefaultBackend, class Op, class T>
+auto run_eager(const Op& op, BasicTensor<T>&& x) {
+  if constexpr (Op::is_elementwise) {
+    if (x.use_count() == 1 && autodiff::active_tape() == nullptr && pijit::active_trace() == nullptr) {
+      const std::array<Shape, 1> shapes{x.shape()};
+      const Shape out_shape = detail::checked_output_shape(op, shapes);
+      const void* in[1] = {x.data()};
+      op.template run<Backend, T>(graph::KernelArgs{in, shapes.data(), x.data(), out_shape});
+      return std::move(x);
+    }
+  }
+  return detail::run_into_new<Backend>(op, static_cast<const BasicTensor<T>&>(x));
+}
+
+// The one entry point layers use: on symbolic tensors it records the operation in the graph,
+// on real tensors it runs it now.
+template <class Op, class X>
+auto apply(const Op& op, X&& x) {
+  if constexpr (graph::Symbolic<X>) {
+    return graph::append(op, x);
+  } else {
+    return run_eager(op, std::forward<X>(x));
+  }
+}
+
+template <class Op, class A, class B>
+auto apply(const Op& op, const A& a, const B& b) {
+  if constexpr (graph::Symbolic<A> && graph::Symbolic<B>) {
+    return graph::append(op, a, b);
+  } else {
+    static_assert(!graph::Symbolic<A> && !graph::Symbolic<B>,
+                  "duet: an operation mixes a symbolic tensor (graph capture) and a real one; pass "
+                  "every tensor the graph reads as an input of the captured function");
+    return detail::run_into_new<DefaultBackend>(op, tensor_of(a), tensor_of(b));
+  }
+}
+
+}  // namespace duet
+// Printing tensors: `std::cout << t` and duet::to_string(t) give exactly what numpy 1.24's
+// str(array) gives with the default print options, which is how MindSpore prints tensors.
+//
+// The code follows numpy/core/arrayprint.py (array2string, _formatArray, FloatingFormat,
+// IntegerFormat); the names below refer to it. numpy's Dragon4 prints the shortest decimal that
+// reads back as the same value, as std::to_chars does, and rounds the exact binary value to
+// nearest, ties to even, when a precision cuts it short, as std::to_chars does too.
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <ostream>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+
+namespace duet {
+
+namespace detail {
+
+// numpy's default print options.
+inline constexpr std::size_t print_line_width = 75;
+inline constexpr index_t print_threshold = 1000;  // more elements than this are summarised
+inline constexpr index_t print_edge_items = 3;    // kept at each end of a summarised axis
+inline constexpr int print_precision = 8;         // most digits after the point
+
+// Stands for the "..." of a summarised axis where an index would be.
+inline constexpr index_t print_ellipsis = -1;
+
+// Calls fn with the indices along an axis of length n that are printed, in order, and with
+// print_ellipsis where the middle ones are left out.
+template <class Fn>
+void for_each_printed(index_t n, bool summarise, Fn&& fn) {
+  const bool gap = summarise && n > 2 * print_edge_items;
+  for (index_t i = 0; i < n; ++i) {
+    if (gap && i == print_edge_items) {
+      fn(print_ellipsis);
+      i = n - print_edge_items;
+    }
+    fn(i);
+  }
+}
+
+// The printed elements in order: numpy computes the format from these alone (_leading_trailing).
+template <class T>
+void collect_printed(const T* data, const Shape& shape, int axis, bool summarise, std::vector<T>& out) {
+  if (axis == shape.rank()) {
+    out.push_back(*data);
+    return;
+  }
+  const index_t stride = shape.numel_from(axis + 1);
+  for_each_printed(shape[axis], summarise, [&](index_t i) {
+    if (i != print_ellipsis) collect_printed(data + i * stride, shape, axis + 1, summarise, out);
+  });
+}
+
+template <class... Args>
+std::string chars_of(Args... args) {
+  char buf[400];  // fits any double, even in fixed notation with print_precision decimals
+  const auto result = std::to_chars(buf, buf + sizeof buf, args...);
+  return std::string(buf, result.ptr);
+}
+
+inline std::string integer_str(std::int64_t x) { return chars_of(x); }
+
+// A finite float in scientific notation: sign, significant digits and the exponent of the first
+// digit. The shortest that reads back (precision < 0), or rounded to 1 + precision digits.
+struct Decimal {
+  bool negative = false;
+  std::string digits;
+  int exponent = 0;
+};
+
+template <class F>
+Decimal decimal_of(F x, int precision = -1) {
+  const std::string s = precision < 0 ? chars_of(x, std::chars_format::scientific)
+                                      : chars_of(x, std::chars_format::scientific, precision);
+  Decimal d;
+  std::size_t i = 0;
+  if (s[i] == '-') {
+    d.negative = true;
+    ++i;
+  }
+  for (; s[i] != 'e'; ++i) {
+    if (s[i] != '.') d.digits += s[i];
+  }
+  ++i;
+  if (s[i] == '+') ++i;  // from_chars rejects a leading '+'
+  std::from_chars(s.data() + i, s.data() + s.size(), d.exponent);
+  return d;
+}
+
+inline void trim_trailing_zeros(std::string& s, std::size_t keep) {
+  while (s.size() > keep && s.back() == '0') s.pop_back();
+}
+
+// What numpy's Dragon4 writes either side of the point; the sign goes with the integer part.
+struct FloatParts {
+  std::string int_part;
+  std::string frac_part;
+  int exponent = 0;  // scientific notation only
+};
+
+// x rounded to `precision` digits after the point, trailing zeros dropped.
+template <class F>
+FloatParts fixed_parts(F x, int precision) {
+  const std::string s = chars_of(x, std::chars_format::fixed, precision);
+  const std::size_t point = s.find('.');
+  FloatParts p;
+  p.int_part = s.substr(0, point);
+  if (point != std::string::npos) p.frac_part = s.substr(point + 1);
+  trim_trailing_zeros(p.frac_part, 0);
+  return p;
+}
+
+// dragon4_positional(x, precision, min_digits, unique=True, fractional=True, trim='.'), where
+// precision < 0 means none and min_digits is -1 (none) or 0.
+template <class F>
+FloatParts positional_parts(F x, int precision, int min_digits) {
+  const Decimal d = decimal_of(x);
+  const int n = static_cast<int>(d.digits.size());
+  const int frac_digits = n - 1 - d.exponent;
+  // Past `precision`, and short of `min_digits` (as in 42598728.f, shortest 4259873e1), Dragon4
+  // prints the exact digits of x, rounded.
+  if (precision >= 0 && frac_digits > precision) return fixed_parts(x, precision);
+  if (min_digits >= 0 && frac_digits < min_digits) return fixed_parts(x, min_digits);
+  FloatParts p;
+  if (d.negative) p.int_part = "-";
+  if (d.exponent < 0) {
+    p.int_part += '0';
+    p.frac_part.assign(static_cast<std::size_t>(-d.exponent - 1), '0');
+    p.frac_part += d.digits;
+  } else if (d.exponent + 1 >= n) {
+    p.int_part += d.digits;
+    p.int_part.append(static_cast<std::size_t>(d.exponent + 1 - n), '0');
+  } else {
+    const auto split = static_cast<std::size_t>(d.exponent + 1);
+    p.int_part += d.digits.substr(0, split);
+    p.frac_part = d.digits.substr(split);
+  }
+  return p;
+}
+
+inline FloatParts scientific_parts(const Decimal& d) {
+  FloatParts p;
+  if (d.negative) p.int_part = "-";
+  p.int_part += d.digits[0];
+  p.frac_part = d.digits.substr(1);
+  p.exponent = d.exponent;
+  return p;
+}
+
+// dragon4_scientific(x, precision, unique=True, trim='.'); precision < 0 means none.
+template <class F>
+FloatParts scientific_parts(F x, int precision) {
+  Decimal d = decimal_of(x);
+  if (precision >= 0 && static_cast<int>(d.digits.size()) - 1 > precision) {
+    d = decimal_of(x, precision);
+    trim_trailing_zeros(d.digits, 1);
+  }
+  return scientific_parts(d);
+}
+
+// "e+05", "e-123": at least min_digits digits.
+inline std::string exponent_str(int exponent, std::size_t min_digits) {
+  std::string digits = integer_str(exponent < 0 ? -exponent : exponent);
+  if (digits.size() < min_digits) digits.insert(0, min_digits - digits.size(), '0');
+  return (exponent < 0 ? "e-" : "e+") + digits;
+}
+
+inline std::string pad_left(std::string s, std::size_t width) {
+  if (s.size() < width) s.insert(0, width - s.size(), ' ');
+  return s;
+}
+
+inline std::string pad_right(std::string s, std::size_t width) {
+  if (s.size() < width) s.append(width - s.size(), ' ');
+  return s;
+}
+
+// str() of a numpy scalar, which is what str() of a 0-d array is.
+template <class T>
+std::string scalar_str(T x) {
+  if constexpr (std::is_integral_v<T>) {
+    return integer_str(x);
+  } else {
+    if (std::isnan(x)) return "nan";
+    if (std::isinf(x)) return x < 0 ? "-inf" : "inf";
+    const double magnitude = std::fabs(static_cast<double>(x));
+    if (magnitude == 0 || (magnitude >= 1e-4 && magnitude < 1e16)) {
+      const FloatParts p = positional_parts(x, -1, -1);
+      return p.int_part + '.' + (p.frac_part.empty() ? "0" : p.frac_part);
+    }
+    const FloatParts p = scientific_parts(x, -1);
+    return p.int_part + (p.frac_part.empty() ? "" : '.' + p.frac_part) + exponent_str(p.exponent, 2);
+  }
+}
+
+// FloatingFormat with floatmode 'maxprec', sign '-', suppress_small off.
+template <class F>
+class FloatingFormat {
+ public:
+  explicit FloatingFormat(const std::vector<F>& data) {
+    bool any_nonzero = false;
+    bool any_finite = false;
+    bool any_nonfinite = false;
+    bool negative_inf = false;
+    F max_val = 0;
+    F min_val = 0;
+    for (F x : data) {
+      if (!std::isfinite(x)) {
+        any_nonfinite = true;
+        negative_inf = negative_inf || (std::isinf(x) && x < 0);
+        continue;
+      }
+      any_finite = true;
+      if (x == 0) continue;
+      const F a = std::fabs(x);
+      max_val = any_nonzero ? std::max(max_val, a) : a;
+      min_val = any_nonzero ? std::min(min_val, a) : a;
+      any_nonzero = true;
+    }
+    if (any_nonzero) {
+      // numpy compares the limits as float64 but divides in the element type.
+      const F ratio = max_val / min_val;
+      exp_format_ = static_cast<double>(max_val) >= 1e8 || static_cast<double>(min_val) < 1e-4 || ratio > 1000;
+    }
+
+    if (any_finite && exp_format_) {
+      std::size_t exp_digits = 0;
+      for (F x : data) {
+        if (!std::isfinite(x)) continue;
+        const FloatParts p = scientific_parts(x, print_precision);
+        pad_left_ = std::max(pad_left_, p.int_part.size());
+        precision_ = std::max(precision_, p.frac_part.size());
+        exp_digits = std::max(exp_digits, exponent_str(p.exponent, 2).size() - 2);  // less "e+"
+      }
+      exp_size_ = exp_digits;
+      pad_right_ = exp_size_ + 2 + precision_;
+    } else if (any_finite) {
+      for (F x : data) {
+        if (!std::isfinite(x)) continue;
+        const FloatParts p = positional_parts(x, print_precision, -1);
+        pad_left_ = std::max(pad_left_, p.int_part.size());
+        pad_right_ = std::max(pad_right_, p.frac_part.size());
+      }
+    }
+
+    if (any_nonfinite) {
+      // Room for "nan" and "inf" (or "-inf"), right-aligned with the numbers' last column.
+      const std::size_t width = negative_inf ? 4 : 3;
+      if (width > pad_right_ + 1) pad_left_ = std::max(pad_left_, width - (pad_right_ + 1));
+    }
+  }
+
+  std::string operator()(F x) const {
+    if (std::isnan(x)) return pad_left("nan", pad_left_ + pad_right_ + 1);
+    if (std::isinf(x)) return pad_left(x < 0 ? "-inf" : "inf", pad_left_ + pad_right_ + 1);
+    if (exp_format_) {
+      // numpy asks Dragon4 for min_digits = precision_, and it goes on past the shortest digits
+      // with the exact ones: every mantissa is x rounded to precision_ digits, not zero-padded.
+      const FloatParts p = scientific_parts(decimal_of(x, static_cast<int>(precision_)));
+      return pad_left(p.int_part, pad_left_) + '.' + p.frac_part + exponent_str(p.exponent, exp_size_);
+    }
+    // numpy asks for min_digits = 0 here, but not when measuring.
+    const FloatParts p = positional_parts(x, print_precision, 0);
+    return pad_left(p.int_part, pad_left_) + '.' + pad_right(p.frac_part, pad_right_);
+  }
+
+ private:
+  bool exp_format_ = false;
+  std::size_t pad_left_ = 0;
+  std::size_t pad_right_ = 0;
+  std::size_t precision_ = 0;  // digits after the point of every mantissa, in exp_format_
+  std::size_t exp_size_ = 0;   // digits of every exponent, in exp_format_
+};
+
+template <class I>
+class IntegerFormat {
+ public:
+  explicit IntegerFormat(const std::vector<I>& data) {
+    const auto [lo, hi] = std::minmax_element(data.begin(), data.end());
+    width_ = std::max(integer_str(*lo).size(), integer_str(*hi).size());
+  }
+
+  std::string operator()(I x) const { return pad_left(integer_str(x), width_); }
+
+ private:
+  std::size_t width_ = 0;
+};
+
+// _formatArray, writing into one string. numpy measures each line from its hanging indent; here
+// from the previous newline, which gives the same columns because the '['s opening a row take
+// the place of the hanging indent one for one.
+template <class T, class Format>
+class ArrayWriter {
+ public:
+  ArrayWriter(const BasicTensor<T>& t, bool summarise, const Format& format)
+      : data_(t.data()), shape_(t.shape()), summarise_(summarise), format_(format) {}
+
+  std::string run() && {
+    write(0, 0, print_line_width);
+    return std::move(out_);
+  }
+
+ private:
+  void write(int axis, index_t offset, std::size_t width) {
+    const auto indent = static_cast<std::size_t>(axis) + 1;
+    const bool innermost = axis == shape_.rank() - 1;
+    const index_t stride = shape_.numel_from(axis + 1);
+    bool first = true;
+    out_ += '[';
+    for_each_printed(shape_[axis], summarise_, [&](index_t i) {
+      if (innermost) {
+        if (!first) out_ += ' ';
+        // The last column is kept for the closing ']'.
+        extend_line(i == print_ellipsis ? "..." : format_(data_[offset + i]), width - 1, indent);
+      } else {
+        // Sub-arrays of rank n are separated by n - 1 blank lines.
+        if (!first) start_line(static_cast<std::size_t>(shape_.rank() - axis - 1), indent);
+        if (i == print_ellipsis) {
+          out_ += "...";
+        } else {
+          write(axis + 1, offset + i * stride, width - 1);
+        }
+      }
+      first = false;
+    });
+    out_ += ']';
+  }
+
+  // _extendLine: wraps unless the line holds nothing but its indent, since wrapping would not help.
+  void extend_line(const std::string& word, std::size_t width, std::size_t indent) {
+    const std::size_t column = out_.size() - line_start_;
+    if (column + word.size() > width && column > indent) {
+      while (out_.back() == ' ') out_.pop_back();
+      start_line(1, indent);
+    }
+    out_ += word;
+  }
+
+  void start_line(std::size_t newlines, std::size_t indent) {
+    out_.append(newlines, '\n');
+    line_start_ = out_.size();
+    out_.append(indent, ' ');
+  }
+
+  const T* data_;
+  const Shape& shape_;
+  bool summarise_;
+  const Format& format_;
+  std::string out_;
+  std::size_t line_start_ = 0;
+};
+
+}  // namespace detail
+
+// As numpy's str(array): "[[1.  2.5]\n [3.  4. ]]".
+template <ElementType T>
+std::string to_string(const BasicTensor<T>& t) {
+  if (t.ndim() == 0) return detail::scalar_str(t.data()[0]);
+  if (t.numel() == 0) return "[]";
+  const bool summarise = t.numel() > detail::print_threshold;
+  std::vector<T> printed;
+  detail::collect_printed(t.data(), t.shape(), 0, summarise, printed);
+  if constexpr (std::is_floating_point_v<T>) {
+    const detail::FloatingFormat<T> format(printed);
+    return detail::ArrayWriter<T, detail::FloatingFormat<T>>(t, summarise, format).run();
+  } else {
+    const detail::IntegerFormat<T> format(printed);
+    return detail::ArrayWriter<T, detail::IntegerFormat<T>>(t, summarise, format).run();
+  }
+}
+
+template <ElementType T, index_t... Dims>
+std::string to_string(const StaticTensor<T, Dims...>& t) {
+  return to_string(t.tensor());
+}
+
+template <ElementType T>
+std::ostream& operator<<(std::ostream& os, const BasicTensor<T>& t) {
+  return os << to_string(t);
+}
+
+template <ElementType T, index_t... Dims>
+std::ostream& operator<<(std::ostream& os, const StaticTensor<T, Dims...>& t) {
+  return os << to_string(t.tensor());
+}
+
+}  // namespace duet
+
+namespace duet {
+
+namespace detail {
+inline std::mutex& print_mutex() {
+  static std::mutex m;
+  return m;
+}
+}  // namespace detail
+
+namespace ops {
+
+struct IdentityGradOp {
+  using layer_type = IdentityGradOp;
+  static constexpr int arity = 1;
+  static constexpr bool is_view = true;
+  static constexpr bool is_elementwise = false;
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
+  static std::string op_name() { return "Identity"; }
+  std::string label() const { return op_name(); }
+};
+
+// Prints "label: value" (numpy's format) when the value is computed; outputs its input.
+struct PrintOp {
+  using layer_type = PrintOp;
+  static constexpr int arity = 1;
+  static constexpr bool is_view = true;
+  static constexpr bool has_side_effects = true;
+  static constexpr bool is_elementwise = false;
+
+  const char* text;        // the label; a string literal or a string that outlives the graph
+  std::ostream* out;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    auto copy = BasicTensor<T>::uninitialized(a.in_shape());
+    std::copy_n(a.in<T>(), copy.numel(), copy.data());
+    // One print at a time: threads running graphs side by side do not interleave lines.
+    std::lock_guard lock(duet::detail::print_mutex());
+    *out << (text[0] != '\0' ? std::string(text) + ": " : std::string()) << copy << '\n';
+  }
+
+  static constexpr bool has_parameters = false;
+  static constexpr std::array grad_operands{graph::Operand::grad};
+  template <bool InputGrad>
+  auto grad_op() const {
+    return IdentityGradOp{};
+  }
+
+  static std::string op_name() { return "Print"; }
+  std::string label() const { return op_name(); }
+};
+
+// Calls a C++ function on the value; its result (of the same shape) is the node's value.
+template <class T>
+struct HostOp {
+  using layer_type = HostOp;
+  using value_type = T;
+  static constexpr int arity = 1;
+  static constexpr bool is_view = false;
+  static constexpr bool is_elementwise = false;
+  static constexpr bool is_host = true;
+
+  std::function<BasicTensor<T>(const BasicTensor<T>&)> fn;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
+
+  template <class Backend, class U>
+  void run(const graph::KernelArgs& a) const {
+    auto input = BasicTensor<T>::uninitialized(a.in_shape());
+    std::copy_n(a.in<T>(), input.numel(), input.data());
+    const BasicTensor<T> result = fn(input);
+    if (!(result.shape() == a.output_shape)) {
+      throw ShapeError("duet::host: the callback must return its input's shape " + to_string(a.output_shape) +
+                       ", returned " + to_string(result.shape()));
+    }
+    std::copy_n(result.data(), result.numel(), a.out<T>());
+  }
+
+  static std::string op_name() { return "Host"; }
+  std::string label() const { return "duet::host"; }
+};
+
+}  // namespace ops
+
+namespace graph {
+// The first host node of G, or G::size.
+template <class G>
+constexpr std::size_t first_host_node() {
+  std::size_t found = G::size;
+  for_each_index<G::size>([&](auto i) {
+    if (found == G::size && is_host_op<typename node_at<G, decltype(i)::value>::op_type>()) found = decltype(i)::value;
+  });
+  return found;
+}
+}  // namespace graph
+
+// Prints x with an optional label when it is computed, and returns it: in PyNative at once, in a
+// graph when the graph runs. The label must outlive the graph (a literal, say).
+template <class X>
+auto print(X&& x, const char* label = "", std::ostream& out = std::cout) {
+  return apply(ops::PrintOp{label, &out}, std::forward<X>(x));
+}
+
+// Runs fn (a function from a tensor to a tensor of the same shape) on x: now in PyNative, or
+// as a host node (a graph break) in a graph.
+template <class F, class X>
+auto host(F&& fn, X&& x) {
+  using T = typename std::remove_cvref_t<X>::value_type;
+  return apply(ops::HostOp<T>{std::function<BasicTensor<T>(const BasicTensor<T>&)>(std::forward<F>(fn))},
+               std::forward<X>(x));
+}
+
+}  // namespace duet
+// Compile-time passes over a captured graph. Each takes a Sym (graph plus output) and
+// returns a new one, of a new type; they run while the program compiles and leave nothing to
+// do at run time but the evaluator's calls.
+//
+//   shape inference and checking   in graph.hpp, at capture (Graph::shapes, append)
+//   views                          is_view nodes get no buffer (evaluator's plan)
+//   fuse_epilogues                 bias adds and activations move into the product before them,
+//                                  elementwise chains become one pass (O1 and O2)
+//   pack_weights                   products keep their weights pre-packed between calls (O2,
+//                                  inference graphs)
+
+#include <array>
+#include <boost/hana/append.hpp>
+#include <boost/hana/drop_back.hpp>
+#include <boost/hana/length.hpp>
+#include <boost/hana/transform.hpp>
+#include <boost/hana/unpack.hpp>
+#include <cstddef>
+#include <utility>
+
+
+namespace duet::passes {
+
+namespace hana = boost::hana;
+
+// How many nodes read each node's value; the graph's output counts as one more reader.
+template <class G, std::size_t Out>
+constexpr std::array<std::size_t, G::size> user_counts() {
+  std::array<std::size_t, G::size> users{};
+  graph::for_each_index<G::size>([&](auto i) {
+    constexpr std::size_t I = decltype(i)::value;
+    for (std::size_t a : graph::node_at<G, I>::args) ++users[a];
+  });
+  ++users[Out];
+  return users;
+}
+
+// A producer op P takes consumer op C as its epilogue when it says so; in a graph that will be
+// differentiated, only if the fused op still can be.
+template <class P, class C, bool Differentiated>
+concept absorbs = requires {
+  requires P::template accepts_epilogue<C>;
+} && (!Differentiated || autodiff::Differentiable<decltype(std::declval<const P&>().absorb(std::declval<const C&>()))>);
+
+namespace detail {
+
+// Walks the nodes in order, building the fused list. Map[j] is where node j's value lives in
+// the new list. A unary consumer folds into the node that computes its input when that node
+// is the last one built, absorbs it, and nobody else reads the value in between.
+template <std::size_t J, std::size_t Out, bool Differentiated, class G, class Built, std::size_t... Map>
+auto fuse_from(const G& g, const Built& built, std::index_sequence<Map...> map) {
+  if constexpr (J == G::size) {
+    constexpr std::array<std::size_t, G::size> m{Map...};
+    auto fused = graph::make_graph(built);
+    return graph::Sym<decltype(fused), m[Out]>{fused};
+  } else {
+    using N = graph::node_at<G, J>;
+    const N& n = hana::at_c<J>(g.nodes);
+    constexpr std::size_t built_size = decltype(hana::length(built))::value;
+    if constexpr (N::arity == 1) {
+      constexpr std::array<std::size_t, J> m{Map...};
+      constexpr std::size_t a = N::args[0];
+      constexpr std::size_t r = m[a];
+      using P = std::remove_cvref_t<decltype(hana::at_c<r>(built))>;
+      if constexpr (r + 1 == built_size && user_counts<G, Out>()[a] == 1 &&
+                    absorbs<typename P::op_type, typename N::op_type, Differentiated>) {
+        const P& p = hana::at_c<r>(built);
+        auto absorbed = p.op.absorb(n.op);
+        auto with_args = [&]<std::size_t... A>(std::index_sequence<A...>) {
+          return graph::Node<decltype(absorbed), P::args[A]...>{absorbed};
+        }
+        (std::make_index_sequence<P::arity>{});
+        return fuse_from<J + 1, Out, Differentiated>(g, hana::append(hana::drop_back(built), with_args),
+                                     std::index_sequence<Map..., r>{});
+      } else {
+        return fuse_from<J + 1, Out, Differentiated>(
+            g, hana::append(built, graph::renumbered(n, map, std::make_index_sequence<N::arity>{})),
+            std::index_sequence<Map..., built_size>{});
+      }
+    } else {
+      return fuse_from<J + 1, Out, Differentiated>(g,
+                                   hana::append(built, graph::renumbered(n, map, std::make_index_sequence<N::arity>{})),
+                                   std::index_sequence<Map..., built_size>{});
+    }
+  }
+}
+
+}  // namespace detail
+
+// Moves each bias add and elementwise activation into the epilogue of the product that
+// feeds it, and fuses chains of elementwise functions, so each value is written once.
+template <bool Differentiated = false, class G, std::size_t Out>
+auto fuse_epilogues(const graph::Sym<G, Out>& program) {
+  return detail::fuse_from<0, Out, Differentiated>(program.graph, hana::make_tuple(), std::index_sequence<>{});
+}
+
+// Each op that can read its weight pre-packed (with_packed_weight()) is replaced by that
+// form. Not for graphs being trained: their weights change at every step, and a packed copy
+// would only add a pass over them.
+template <class G, std::size_t Out>
+auto pack_weights(const graph::Sym<G, Out>& program) {
+  auto nodes = hana::transform(program.graph.nodes, []<class Op, std::size_t... A>(const graph::Node<Op, A...>& n) {
+    if constexpr (requires { n.op.with_packed_weight(); }) {
+      return graph::Node<decltype(n.op.with_packed_weight()), A...>{n.op.with_packed_weight()};
+    } else {
+      return n;
+    }
+  });
+  auto packed = graph::make_graph(nodes);
+  return graph::Sym<decltype(packed), Out>{packed};
+}
+
+// The pipeline of a jit level. Differentiated: the graph is the forward half of a training
+// graph, so fusion keeps every op differentiable.
+template <JitConfig Config = JitConfig{}, bool Differentiated = false, class G, std::size_t Out>
+auto optimize(const graph::Sym<G, Out>& program) {
+  if constexpr (Config.jit_level == JitLevel::O0) return program;
+  else if constexpr (Config.jit_level == JitLevel::O1 || Differentiated) return fuse_epilogues<Differentiated>(program);
+  else return pack_weights(fuse_epilogues<Differentiated>(program));
+}
+
+}  // namespace duet::passes
+// PIJit: jit for networks built at run time. The first call with given input shapes runs the
+// function eagerly under a trace (trace.hpp); the trace is then optimised as the jit level
+// says, as graph mode's passes do (O1: each product takes its bias and ReLU as epilogue; O2:
+// products also keep their weights packed between calls), and planned (intermediate values in
+// reused slots of one arena), and later calls replay it: one call per step, no virtual cell
+// dispatch, no hooks to look up, no allocation once warm.
+//
+// What a trace cannot hold is a graph break: a function that makes its result from something
+// no duet operation computed runs eagerly on every call instead. Control flow that depends on
+// a tensor's value is fixed at the trace; run it through duet::host to keep it live.
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+
+namespace duet::pijit {
+
+// A trace made ready to run again: fused, with its memory laid out.
+class Replay {
+ public:
+  Replay(Trace trace, std::size_t output, JitLevel level)
+      : values_(std::move(trace.values())),
+        steps_(std::move(trace.steps())),
+        cells_(std::move(trace.cells())),
+        output_(output),
+        traced_steps_(steps_.size()) {
+    if (level != JitLevel::O0) fuse();
+    if (level == JitLevel::O2) pack_weights();
+    layout();
+  }
+
+  std::size_t traced_steps() const { return traced_steps_; }
+  std::size_t steps() const { return steps_.size(); }
+
+  // Whether a cell the trace went through has a hook now: the replay would skip it, so the
+  // caller runs the function eagerly instead and the hook runs.
+  bool cells_have_hooks() const {
+    if (duet::detail::live_hook_count().load(std::memory_order_relaxed) == 0) return false;
+    return std::any_of(cells_.begin(), cells_.end(), [](const auto& has_hooks) { return has_hooks(); });
+  }
+
+  // True the first time it is called: the caller says once that it no longer replays this.
+  bool set_aside() const { return !set_aside_.exchange(true); }
+
+  // Runs the steps on new inputs of the traced shapes; returns the output value.
+  template <class T>
+  BasicTensor<T> run(std::span<const void* const> inputs) const {
+    thread_local std::vector<void*> data;
+    data.assign(values_.size(), nullptr);
+    duet::detail::Storage arena(arena_bytes_);
+    auto result = BasicTensor<T>::uninitialized(values_[output_root_].shape);
+    for (std::size_t v = 0; v < values_.size(); ++v) {
+      const Value& value = values_[v];
+      switch (value.kind) {
+        case Value::Kind::input: data[v] = const_cast<void*>(inputs[value.input]); break;
+        case Value::Kind::constant: data[v] = const_cast<void*>(value.data); break;
+        case Value::Kind::view: data[v] = data[value.view_of]; break;
+        case Value::Kind::computed:
+          data[v] = v == output_root_ ? static_cast<void*>(result.data()) : arena.data() + offset_[v];
+          break;
+      }
+    }
+    for (const auto& step : steps_) {
+      if (step->runs_kernel()) step->run(data.data(), values_);
+    }
+    return values_[output_].shape == result.shape() ? result : result.reshape(values_[output_].shape);
+  }
+
+ private:
+  // A product followed by its bias add, then a ReLU, becomes one step when nothing else reads
+  // the values in between.
+  void fuse() {
+    std::vector<std::size_t> readers(values_.size(), 0);
+    for (const auto& s : steps_) {
+      for (std::size_t v : s->inputs) ++readers[v];
+    }
+    ++readers[output_];
+    std::vector<std::unique_ptr<Step>> fused;
+    for (auto& step : steps_) {
+      if (!fused.empty()) {
+        const Step& last = *fused.back();
+        if (step->inputs.size() == 1 && step->inputs[0] == last.output && readers[last.output] == 1) {
+          if (auto merged = last.absorb(*step)) {
+            fused.back() = std::move(merged);
+            continue;
+          }
+        }
+      }
+      fused.push_back(std::move(step));
+    }
+    steps_ = std::move(fused);
+  }
+
+  void pack_weights() {
+    for (auto& step : steps_) {
+      if (auto packed = step->with_packed_weight()) step = std::move(packed);
+    }
+  }
+
+  // Computed values get slots of one arena, reused once their last reader has run.
+  void layout() {
+    output_root_ = output_;
+    while (values_[output_root_].kind == Value::Kind::view) output_root_ = values_[output_root_].view_of;
+    if (values_[output_root_].kind != Value::Kind::computed) {
+      throw ModeError("duet::jit (PIJit): the traced function returns one of its inputs or constants");
+    }
+    std::vector<std::size_t> last_read(values_.size(), 0);
+    std::vector<bool> made(values_.size(), false);
+    for (std::size_t i = 0; i < steps_.size(); ++i) {
+      for (std::size_t v : steps_[i]->inputs) last_read[root(v)] = i;
+      made[steps_[i]->output] = true;
+    }
+    offset_.assign(values_.size(), 0);
+    struct Slot {
+      std::size_t bytes = 0;
+      std::size_t owner = 0;
+      bool busy = false;
+    };
+    std::vector<Slot> slots;
+    std::vector<std::size_t> slot_of(values_.size(), 0);
+    for (std::size_t i = 0; i < steps_.size(); ++i) {
+      for (Slot& s : slots) {
+        if (s.busy && last_read[s.owner] < i) s.busy = false;
+      }
+      const std::size_t v = steps_[i]->output;
+      if (values_[v].kind != Value::Kind::computed || v == output_root_) continue;
+      const std::size_t bytes = static_cast<std::size_t>(values_[v].shape.numel()) * values_[v].element_size;
+      auto free_slot = std::find_if(slots.begin(), slots.end(), [](const Slot& s) { return !s.busy; });
+      if (free_slot == slots.end()) free_slot = slots.insert(slots.end(), Slot{});
+      free_slot->bytes = std::max(free_slot->bytes, bytes);
+      free_slot->owner = v;
+      free_slot->busy = true;
+      slot_of[v] = static_cast<std::size_t>(free_slot - slots.begin());
+    }
+    std::vector<std::size_t> slot_offset(slots.size(), 0);
+    for (std::size_t s = 0; s < slots.size(); ++s) {
+      slot_offset[s] = arena_bytes_;
+      arena_bytes_ += (slots[s].bytes + duet::detail::block_alignment - 1) / duet::detail::block_alignment *
+                      duet::detail::block_alignment;
+    }
+    for (std::size_t v = 0; v < values_.size(); ++v) {
+      if (made[v] && values_[v].kind == Value::Kind::computed) offset_[v] = slot_offset[slot_of[v]];
+    }
+  }
+
+  std::size_t root(std::size_t v) const {
+    while (values_[v].kind == Value::Kind::view) v = values_[v].view_of;
+    return v;
+  }
+
+  std::vector<Value> values_;
+  std::vector<std::unique_ptr<Step>> steps_;
+  std::vector<std::function<bool()>> cells_;
+  std::size_t output_;
+  std::size_t traced_steps_;
+  std::size_t output_root_ = 0;
+  std::vector<std::size_t> offset_;
+  std::size_t arena_bytes_ = 0;
+  mutable std::atomic<bool> set_aside_{false};
+};
+
+}  // namespace duet::pijit
+
+namespace duet {
+
+// PSJit: the compile-time static graph. PIJit: a trace of a network built at run time (see
+// pijit.hpp), captured on the first call for each input shape and replayed.
+enum class JitMode : unsigned char { PSJit, PIJit };
+
+// What input_signature says of one tensor argument; duet::dyn in shape for any size.
+struct TensorSpec {
+  DType dtype = float32;
+  Shape shape = {};
+};
+
+// A non-tensor argument whose value is not part of the signature (MindSpore's mutable): a
+// new value does not recompile.
+template <class T>
+struct Mutable {
+  T value;
+};
+template <class T>
+Mutable<std::decay_t<T>> mutable_(T&& value) {
+  return {std::forward<T>(value)};
+}
+
+namespace detail {
+template <class T>
+std::uint64_t value_hash(const T& value) {
+  if constexpr (requires { std::hash<T>{}(value); }) {
+    return static_cast<std::uint64_t>(std::hash<T>{}(value));
+  } else {
+    static_assert(std::is_trivially_copyable_v<T>,
+                  "duet::jit: a non-tensor argument or hash_arg must be hashable (std::hash) or trivially "
+                  "copyable; wrap other arguments in duet::mutable_");
+    std::uint64_t h = 1469598103934665603ull;  // FNV-1a over the bytes
+    unsigned char bytes[sizeof(T)];
+    std::memcpy(bytes, &value, sizeof(T));
+    for (unsigned char b : bytes) h = (h ^ b) * 1099511628211ull;
+    return h;
+  }
+}
+}  // namespace detail
+
+// A value the jitted function reads besides its arguments (a free variable): a change of it
+// recompiles at the next call. It refers to the value, which must outlive the jitted function.
+class HashArg {
+ public:
+  template <class T>
+  explicit HashArg(const T& value) : hash_([&value] { return detail::value_hash(value); }) {}
+  std::uint64_t hash() const { return hash_(); }
+
+ private:
+  std::function<std::uint64_t()> hash_;
+};
+template <class T>
+HashArg hash_arg(const T& value) {
+  return HashArg(value);
+}
+
+struct JitOptions {
+  JitMode mode = JitMode::PSJit;
+  std::vector<TensorSpec> input_signature = {};  // empty: any tensors
+  std::vector<HashArg> hash_args = {};
+  // Share compiled forms between every jitted function made from the same function type, so a
+  // re-created one does not compile again. A risk if its free variables differ (as in MindSpore).
+  bool compile_once = false;
+  std::string name = {};  // for the recompile log; "jit function #n" by default
+};
+
+namespace detail {
+struct JitStats {
+  std::atomic<std::uint64_t> compiles{0};
+  std::atomic<std::uint64_t> functions{0};
+  std::mutex mutex;
+  std::vector<std::string> log;
+};
+inline JitStats& jit_stats() {
+  static JitStats stats;
+  return stats;
+}
+inline void jit_log(std::string line) {
+  auto& stats = jit_stats();
+  std::lock_guard lock(stats.mutex);
+  stats.log.push_back(std::move(line));
+}
+}  // namespace detail
+
+// Compilations of every jitted function so far.
+inline std::uint64_t jit_compile_count() { return detail::jit_stats().compiles.load(); }
+
+// One line per compilation, in order: which function, its compile number, and why; and one when
+// a PIJit trace is set aside because a cell in it has a hook now.
+inline std::vector<std::string> jit_compile_log() {
+  auto& s = detail::jit_stats();
+  std::lock_guard lock(s.mutex);
+  return s.log;
+}
+
+namespace detail {
+
+template <class X>
+inline constexpr bool is_tensor_argument_v = is_tensor_v<std::remove_cvref_t<X>> || is_static_tensor_v<std::remove_cvref_t<X>>;
+
+template <class X>
+inline constexpr bool is_mutable_v = false;
+template <class T>
+inline constexpr bool is_mutable_v<Mutable<T>> = true;
+
+// Position of argument I among the tensor arguments.
+template <std::size_t I, class... Args>
+constexpr std::size_t tensor_index() {
+  constexpr std::array<bool, sizeof...(Args)> is_tensor{is_tensor_argument_v<Args>...};
+  std::size_t k = 0;
+  for (std::size_t i = 0; i < I; ++i) k += is_tensor[i] ? 1 : 0;
+  return k;
+}
+
+template <class... Args>
+constexpr std::size_t tensor_count() {
+  return (std::size_t{0} + ... + (is_tensor_argument_v<Args> ? 1 : 0));
+}
+
+// What makes two calls share a compiled form.
+template <std::size_t N>
+struct Signature {
+  std::array<DType, N> dtypes{};
+  std::array<Shape, N> shapes{};
+  std::array<std::uint64_t, N> values{};
+  std::vector<std::uint64_t> hash_args;
+  friend bool operator==(const Signature&, const Signature&) = default;
+};
+
+template <std::size_t N>
+std::string why_recompiled(const Signature<N>& before, const Signature<N>& now) {
+  for (std::size_t i = 0; i < N; ++i) {
+    if (before.dtypes[i] != now.dtypes[i]) {
+      return "argument " + std::to_string(i) + " dtype " + std::string(name_of(before.dtypes[i])) + " -> " +
+             std::string(name_of(now.dtypes[i]));
+    }
+    if (!(before.shapes[i] == now.shapes[i])) {
+      return "argument " + std::to_string(i) + " shape " + to_string(before.shapes[i]) + " -> " +
+             to_string(now.shapes[i]);
+    }
+    if (before.values[i] != now.values[i]) return "argument " + std::to_string(i) + " (a value) changed";
+  }
+  for (std::size_t i = 0; i < now.hash_args.size(); ++i) {
+    if (i >= before.hash_args.size() || before.hash_args[i] != now.hash_args[i]) {
+      return "hash_args[" + std::to_string(i) + "] changed";
+    }
+  }
+  return "a new signature";
+}
+
+// Compiled forms of one function for one list of argument types.
+template <std::size_t N>
+struct CompileCache {
+  struct Entry {
+    Signature<N> signature;
+    std::uint64_t owner;  // keys the plans of this compiled form
+    // PIJit: the replayable trace, or null when the trace broke and the function runs eagerly.
+    std::shared_ptr<const pijit::Replay> replay;
+  };
+  std::shared_mutex mutex;
+  std::deque<Entry> entries;  // a deque: an entry does not move when others are added
+};
+
+}  // namespace detail
+
+template <JitConfig Config, class Fn>
+class JitFunction {
+  using FnRef = std::remove_reference_t<Fn>;
+
+ public:
+  JitFunction(Fn fn, JitOptions options)
+      : fn_(std::forward<Fn>(fn)), options_(std::move(options)), state_(std::make_shared<State>()) {
+    if (options_.name.empty()) options_.name = "jit function #" + std::to_string(++detail::jit_stats().functions);
+    if (options_.compile_once) state_ = shared_state();
+  }
+
+  // Compilations of this function (of every function of its type, with compile_once).
+  std::uint64_t compile_count() const { return state_->compiles.load(); }
+  const std::string& name() const { return options_.name; }
+
+  template <class... Args>
+  auto operator()(const Args&... args) {
+    if constexpr ((graph::Symbolic<Args> || ...)) {
+      // Called while an enclosing graph is captured (grad in graph mode, a jitted caller): the
+      // function's nodes join that graph, which is compiled and differentiated as a whole.
+      return fn_(argument(args)...);
+    } else {
+      return compiled(args...);
+    }
+  }
+
+ private:
+  template <class... Args>
+  auto compiled(const Args&... args) {
+    using Result = decltype(eager(args...));
+    // A PyNative grad records operations as they run; a compiled call would hide them from it.
+    if (!get_context().jit_enabled || autodiff::active_tape() != nullptr) return eager(args...);
+    check_signature(args...);
+    auto& cache = compile_cache<Args...>();
+    const auto signature = signature_of(args...);
+    const typename detail::CompileCache<sizeof...(Args)>::Entry* entry = nullptr;
+    {
+      std::shared_lock lock(cache.mutex);
+      entry = find(cache, signature);
+    }
+    if (entry == nullptr) {
+      // Concurrent first calls: one compiles, the others wait here and then find its form.
+      std::unique_lock lock(cache.mutex);
+      entry = find(cache, signature);
+      if (entry == nullptr) {
+        if (options_.mode == JitMode::PIJit) return trace(cache, signature, args...);
+        entry = &compile(cache, signature, nullptr);
+      }
+    }
+    if (options_.mode == JitMode::PIJit) {
+      if (entry->replay == nullptr) return eager(args...);
+      if (entry->replay->cells_have_hooks()) {
+        if (entry->replay->set_aside()) {
+          detail::jit_log(options_.name + ": runs eagerly while a cell in it has a hook (hooks see values in "
+                                          "PyNative mode only)");
+        }
+        return eager(args...);
+      }
+      const auto inputs = std::apply([](const auto&... t) { return std::array<const void*, sizeof...(t)>{t.data()...}; },
+                                     std::tuple_cat(tensor_tuple(args)...));
+      return entry->replay->template run<typename Result::value_type>(inputs);
+    }
+    if constexpr (Capturable<Args...>) {
+      return Result(run_graph(entry->owner, args...));
+    } else {
+      throw ValueError(options_.name + ": the function is not generic over its tensors, so it cannot be captured "
+                                       "as a static graph (PSJit); jit it with {.mode = JitMode::PIJit}");
+    }
+  }
+
+  struct State {
+    std::atomic<std::uint64_t> compiles{0};
+    std::mutex mutex;
+    std::vector<std::pair<std::type_index, std::shared_ptr<void>>> caches;
+  };
+
+  // What compile_once shares: one state per function type (and configuration).
+  static std::shared_ptr<State> shared_state() {
+    static const auto state = std::make_shared<State>();
+    return state;
+  }
+
+  template <class X>
+  static decltype(auto) argument(const X& x) {
+    if constexpr (detail::is_tensor_argument_v<X>) return tensor_of(x);
+    else if constexpr (detail::is_mutable_v<X>) return (x.value);
+    else return (x);
+  }
+
+  // DUET_JIT=0 or set_context({.jit_enabled = false}): the function as plain PyNative code.
+  template <class... Args>
+  auto eager(const Args&... args) {
+    EagerScope eager;
+    auto y = fn_(argument(args)...);
+    return BasicTensor<typename decltype(y)::value_type>(y);
+  }
+
+  template <class... Args>
+  void check_signature(const Args&... args) const {
+    const auto& specs = options_.input_signature;
+    if (specs.empty()) return;
+    constexpr std::size_t tensors = detail::tensor_count<Args...>();
+    if (specs.size() != tensors) {
+      throw ValueError(options_.name + ": input_signature describes " + std::to_string(specs.size()) +
+                       " tensors, the call passes " + std::to_string(tensors));
+    }
+    [&]<std::size_t... I>(std::index_sequence<I...>) {
+      (check_one<detail::tensor_index<I, Args...>()>(args), ...);
+    }(std::index_sequence_for<Args...>{});
+  }
+
+  template <std::size_t K, class X>
+  void check_one(const X& x) const {
+    if constexpr (detail::is_tensor_argument_v<X>) {
+      const TensorSpec& spec = options_.input_signature[K];
+      const auto& t = tensor_of(x);
+      if (t.dtype() != spec.dtype || !graph::fits(spec.shape, t.shape())) {
+        throw ShapeError(options_.name + ": input_signature says tensor " + std::to_string(K) + " is " +
+                         std::string(name_of(spec.dtype)) + " " + to_string(spec.shape) + ", got " +
+                         std::string(name_of(t.dtype())) + " " + to_string(t.shape()));
+      }
+    }
+  }
+
+  template <class... Args>
+  detail::Signature<sizeof...(Args)> signature_of(const Args&... args) const {
+    detail::Signature<sizeof...(Args)> s;
+    const auto all = std::forward_as_tuple(args...);
+    graph::for_each_index<sizeof...(Args)>([&](auto i) {
+      constexpr std::size_t I = decltype(i)::value;
+      using X = std::tuple_element_t<I, std::tuple<Args...>>;
+      if constexpr (detail::is_tensor_argument_v<X>) {
+        const auto& t = tensor_of(std::get<I>(all));
+        s.dtypes[I] = t.dtype();
+        // With an input_signature, the pattern (dynamic dimensions and all) is the key.
+        s.shapes[I] = options_.input_signature.empty() ? t.shape()
+                                                       : options_.input_signature[detail::tensor_index<I, Args...>()].shape;
+      } else if constexpr (!detail::is_mutable_v<X>) {
+        s.values[I] = detail::value_hash(std::get<I>(all));
+      }
+    });
+    s.hash_args.reserve(options_.hash_args.size());
+    for (const HashArg& h : options_.hash_args) s.hash_args.push_back(h.hash());
+    return s;
+  }
+
+  // Entries are never removed, so a pointer to one stays valid once the lock is released.
+  template <std::size_t N>
+  static const typename detail::CompileCache<N>::Entry* find(detail::CompileCache<N>& cache,
+                                                              const detail::Signature<N>& s) {
+    for (const auto& e : cache.entries) {
+      if (e.signature == s) return &e;
+    }
+    return nullptr;
+  }
+
+  // PIJit's compilation: run the function eagerly under a trace, keep the trace for replay.
+  template <std::size_t N, class... Args>
+  auto trace(detail::CompileCache<N>& cache, const detail::Signature<N>& s, const Args&... args) {
+    pijit::Trace trace;
+    auto inputs = std::make_tuple(traced_argument(args)...);
+    std::size_t k = 0;
+    std::apply([&](auto&... x) { (mark_input(trace, x, k), ...); }, inputs);
+    auto y = [&] {
+      pijit::Tracing tracing(&trace);
+      EagerScope eager;
+      return std::apply([&](const auto&... x) { return fn_(x...); }, inputs);
+    }();
+    using Result = BasicTensor<typename decltype(y)::value_type>;
+    const std::size_t out = trace.find(y);
+    std::string broken = trace.broken();
+    if (broken.empty() && out == trace.values().size()) broken = "the function returns a value no duet operation made";
+    std::shared_ptr<const pijit::Replay> replay;
+    std::string note = "graph break, runs eagerly: " + broken;
+    if (broken.empty()) {
+      replay = std::make_shared<pijit::Replay>(std::move(trace), out, Config.jit_level);
+      note = "traced " + std::to_string(replay->traced_steps()) + " operations, replays " +
+             std::to_string(replay->steps()) + " steps";
+    }
+    compile(cache, s, std::move(replay), note);
+    return Result(y);
+  }
+
+  template <class X>
+  static auto traced_argument(const X& x) {
+    if constexpr (detail::is_tensor_argument_v<X>) return BasicTensor<typename X::value_type>(tensor_of(x));
+    else return argument(x);
+  }
+
+  template <class X>
+  static void mark_input(pijit::Trace& trace, X& x, std::size_t& k) {
+    if constexpr (is_tensor_v<X>) trace.add_input(x, k++);
+  }
+
+  template <std::size_t N>
+  const typename detail::CompileCache<N>::Entry& compile(detail::CompileCache<N>& cache, const detail::Signature<N>& s,
+                                                          std::shared_ptr<const pijit::Replay> replay,
+                                                          const std::string& note = {}) {
+    const std::uint64_t number = ++state_->compiles;
+    auto& stats = detail::jit_stats();
+    stats.compiles.fetch_add(1);
+    const std::string reason = cache.entries.empty() ? std::string("first call")
+                                                     : detail::why_recompiled(cache.entries.back().signature, s);
+    detail::jit_log(options_.name + ": compile #" + std::to_string(number) + ": " + reason +
+                    (note.empty() ? "" : " (" + note + ")"));
+    cache.entries.push_back({s, duet::detail::new_plan_owner(), std::move(replay)});
+    return cache.entries.back();
+  }
+
+  template <class... Args>
+  detail::CompileCache<sizeof...(Args)>& compile_cache() {
+    using Cache = detail::CompileCache<sizeof...(Args)>;
+    std::lock_guard lock(state_->mutex);
+    const std::type_index key(typeid(Cache));
+    for (auto& [type, cache] : state_->caches) {
+      if (type == key) return *static_cast<Cache*>(cache.get());
+    }
+    state_->caches.emplace_back(key, std::make_shared<Cache>());
+    return *static_cast<Cache*>(state_->caches.back().second.get());
+  }
+
+  template <class... Args>
+  auto run_graph(std::uint64_t owner, const Args&... args) {
+    auto captured = [&]<std::size_t... I>(std::index_sequence<I...>) {
+      return fn_(symbolic<I, Args...>(args)...);
+    }(std::index_sequence_for<Args...>{});
+    using Captured = decltype(captured);
+    static_assert(graph::Symbolic<Captured>, "duet::jit: the function must return a tensor computed from its inputs");
+    using G = typename Captured::graph_type;
+    if constexpr (Config.jit_syntax_level == JitSyntaxLevel::strict) {
+      static_assert(graph::first_host_node<G>() == G::size,
+                    "duet::jit: JitSyntaxLevel::strict: the function calls duet::host, a host callback, which is "
+                    "not a graph operation; use JitSyntaxLevel::lax to run it as a graph break");
+    }
+    auto program = passes::optimize<Config>(captured);
+    const auto tensors = std::tuple_cat(tensor_tuple(args)...);
+    const auto shapes = std::apply([](const auto&... t) { return std::array<Shape, sizeof...(t)>{t.shape()...}; }, tensors);
+    const auto& p = duet::detail::cached_plan<Config>(owner, program, shapes, [this] { return options_.name; });
+    return std::apply([&](const auto&... t) { return run<DefaultBackend, Config>(program, p, t...); }, tensors);
+  }
+
+  template <std::size_t I, class... Args, class X>
+  static decltype(auto) symbolic(const X& x) {
+    if constexpr (detail::is_tensor_argument_v<X>) {
+      return graph::input<typename X::value_type, typename graph::pattern_of<X>::type, detail::tensor_index<I, Args...>()>();
+    } else {
+      return argument(x);
+    }
+  }
+
+  // Whether graph capture can call fn on these arguments: fn is generic over its tensors.
+  // Defined after symbolic: a static member's initializer only sees the members declared before it.
+  template <class... Args>
+  static constexpr bool Capturable = [] {
+    return []<std::size_t... I>(std::index_sequence<I...>) {
+      return requires(FnRef& f) { f(symbolic<I, Args...>(std::declval<const Args&>())...); };
+    }(std::index_sequence_for<Args...>{});
+  }();
+
+  template <class X>
+  static auto tensor_tuple(const X& x) {
+    if constexpr (detail::is_tensor_argument_v<X>) return std::tuple<const BasicTensor<typename X::value_type>&>(tensor_of(x));
+    else return std::tuple<>();
+  }
+
+  Fn fn_;
+  JitOptions options_;
+  std::shared_ptr<State> state_;
+};
+
+namespace detail {
+// A jitted function an object makes of itself on first use (a runtime-built cell's graph form,
+// say), calling back into that object. A moved object makes its own, so none calls into an
+// object that has moved. Concurrent first uses make it once.
+template <class F>
+class OwnForm {
+ public:
+  OwnForm() = default;
+  OwnForm(OwnForm&&) noexcept {}
+  OwnForm& operator=(OwnForm&&) noexcept { return *this; }
+  OwnForm(const OwnForm&) = delete;
+  OwnForm& operator=(const OwnForm&) = delete;
+  ~OwnForm() = default;
+
+  template <class Make>
+  F& get(Make&& make) {
+    std::call_once(made_, [&] { form_ = std::make_unique<F>(make()); });
+    return *form_;
+  }
+
+ private:
+  std::once_flag made_;
+  std::unique_ptr<F> form_;
+};
+}  // namespace detail
+
+// MindSpore's jit(fn, ...): fn is kept by reference if it is an lvalue, else moved in.
+template <JitConfig Config = JitConfig{}, class Fn>
+auto jit(Fn&& fn, JitOptions options = {}) {
+  return JitFunction<Config, Fn>(std::forward<Fn>(fn), std::move(options));
+}
+
+}  // namespace duet
 
 namespace duet::nn {
 
@@ -3562,6 +5919,43 @@ inline std::mutex& naming_mutex() {
   static std::mutex m;
   return m;
 }
+
+// Moves whenever a cell built at run time changes its structure (a DynamicSequentialCell
+// appends): graph mode's traces key on it, so none is replayed for a network that has changed.
+inline std::atomic<std::uint64_t>& structure_generation() {
+  static std::atomic<std::uint64_t> generation{0};
+  return generation;
+}
+
+// The cell whose construct is running on this thread, and the bytes of its object. A cell
+// that construct calls and that lies inside those bytes is a member: it must be registered
+// (DUET_CELL_MEMBERS), or its parameters would be neither trained nor saved. Frames live on
+// the call stack, so keeping track costs no allocation.
+template <ElementType T>
+class RunningCell {
+ public:
+  RunningCell(BasicDynamicCell<T>& cell, const void* object, std::size_t size)
+      : cell_(cell), begin_(static_cast<const char*>(object)), end_(begin_ + size), outer_(innermost_) {
+    innermost_ = this;
+  }
+  RunningCell(const RunningCell&) = delete;
+  RunningCell& operator=(const RunningCell&) = delete;
+  ~RunningCell() { innermost_ = outer_; }
+
+  static RunningCell* innermost() { return innermost_; }
+  BasicDynamicCell<T>& cell() const { return cell_; }
+  bool holds(const void* p) const {
+    const std::less<const void*> before;
+    return !before(p, begin_) && before(p, end_);
+  }
+
+ private:
+  BasicDynamicCell<T>& cell_;
+  const char* begin_;
+  const char* end_;
+  RunningCell* outer_;
+  static inline thread_local RunningCell* innermost_ = nullptr;
+};
 }  // namespace detail
 
 // Removes the hook it was returned for (MindSpore's handle.remove()).
@@ -3604,8 +5998,17 @@ class BasicDynamicCell {
   }
 
   BasicTensor<T> operator()(const BasicTensor<T>& x) {
+    check_registered();
     ensure_named();
-    if (pijit::Trace* trace = pijit::active_trace()) trace->note_cell([this] { return has_hooks_in_tree(); });
+    if (effective_mode(CONTEXT_MODE) == GRAPH_MODE && autodiff::active_tape() == nullptr &&
+        pijit::active_trace() == nullptr && traced_in_graph_mode()) {
+      return graph_form()(x, detail::structure_generation().load(std::memory_order_acquire));
+    }
+    const pijit::TracedCell traced([this] { return label(); });
+    if (pijit::Trace* trace = traced.trace()) {
+      trace->note_cell([this] { return has_hooks_in_tree(); });
+      if (!hooks_.empty() || !backward_hooks_.empty()) trace->mark_broken("has a hook, which sees values in PyNative mode only");
+    }
     BasicTensor<T>* traced_output = nullptr;
     if (!backward_hooks_.empty()) {
       if (autodiff::Tape* tape = autodiff::active_tape()) {
@@ -3686,7 +6089,54 @@ class BasicDynamicCell {
  protected:
   virtual BasicTensor<T> forward(const BasicTensor<T>& x) = 0;
 
+  // Whether graph mode traces this cell when it is called from outside any other (PIJit): a
+  // cell built at run time has no construct to capture. Cell<...> captures its construct instead.
+  virtual bool traced_in_graph_mode() const { return true; }
+
+  // A cell built at run time whose structure changes after it has run (layers added, removed or
+  // replaced) calls this, so that graph mode traces it again instead of replaying the old one.
+  static void structure_changed() { detail::structure_generation().fetch_add(1, std::memory_order_acq_rel); }
+
+  // Refuses a call from the construct of a cell that holds this one as a member without
+  // registering it. Once this cell was found registered, later calls only read a flag.
+  void check_registered() {
+    const detail::RunningCell<T>* parent = detail::RunningCell<T>::innermost();
+    if (parent == nullptr || registered_.load(std::memory_order_relaxed) || &parent->cell() == this ||
+        !parent->holds(this)) {
+      return;
+    }
+    if (!parent->cell().is_ancestor_of(*this)) {
+      throw ValueError(parent->cell().label() + " calls a member " + type_name() +
+                       " that is not registered with it, so its parameters would be neither trained nor "
+                       "saved; list the member in DUET_CELL_MEMBERS(...)");
+    }
+    registered_.store(true, std::memory_order_relaxed);
+  }
+
  private:
+  // Graph mode for a cell built at run time: PIJit at the default JitConfig, traced on the first
+  // call for each input shape and structure, replayed after. Its second argument is the
+  // structure generation: a network changed since the trace is traced again.
+  struct GraphCall {
+    BasicDynamicCell* cell;
+    BasicTensor<T> operator()(const BasicTensor<T>& x, std::uint64_t /*structure*/) const { return (*cell)(x); }
+  };
+  using GraphForm = JitFunction<JitConfig{}, GraphCall>;
+
+  GraphForm& graph_form() {
+    return graph_form_.get([this] {
+      return GraphForm(GraphCall{this},
+                       {.mode = JitMode::PIJit, .name = label() + " in graph mode (argument 1: its structure)"});
+    });
+  }
+
+  bool is_ancestor_of(const BasicDynamicCell& cell) {
+    bool found = false;
+    for_each_child(
+        [&](std::string_view, BasicDynamicCell& c) { found = found || &c == &cell || c.is_ancestor_of(cell); });
+    return found;
+  }
+
   void assign_names(const std::string& path) {
     name_ = path;
     for_each_child([&](std::string_view child, BasicDynamicCell& c) { c.assign_names(join(path, child)); });
@@ -3712,9 +6162,11 @@ class BasicDynamicCell {
   std::uint64_t id_ = duet::detail::new_plan_owner();
   std::string name_;
   std::atomic<bool> named_{false};
+  std::atomic<bool> registered_{false};  // found registered with the cell whose construct called it
   std::vector<std::pair<long, BasicForwardHook<T>>> hooks_;
   std::vector<std::pair<long, BasicBackwardHook<T>>> backward_hooks_;
   long last_hook_id_ = 0;
+  duet::detail::OwnForm<GraphForm> graph_form_;
 };
 
 using DynamicCell = BasicDynamicCell<float>;
@@ -3722,10 +6174,30 @@ using DynamicCell = BasicDynamicCell<float>;
 template <class X>
 concept DynamicCellType = std::is_base_of_v<BasicDynamicCell<typename X::value_type>, X>;
 
+// A cell built at run time: a DynamicCell with a forward of its own (a DynamicSequentialCell, or
+// a class deriving from DynamicCell), not a Cell<...> with a generic construct. Graph capture
+// cannot call it.
+template <class C>
+concept RuntimeBuilt = DynamicCellType<std::remove_cvref_t<C>> && !requires { std::remove_cvref_t<C>::mode; };
+
+// Whether graph capture can call a cell's construct. A cell that calls one built at run time
+// (WithLossCell over a DynamicSequentialCell, say) says it cannot, with a static member
+// `capturable = false`: it then runs on real tensors in every mode.
+template <class C>
+constexpr bool capturable_construct() {
+  if constexpr (requires { C::capturable; }) return C::capturable;
+  else return true;
+}
+
 template <class C, class X>
 concept HasConstruct = requires(C& cell, X x) {
   cell.construct(x);
 };
+
+// construct is one plain function, `Tensor construct(const Tensor&)`, not a template: it takes
+// real tensors only. (Asked without calling it, so that no construct body is instantiated.)
+template <class C>
+concept NonGenericConstruct = requires { &C::construct; };
 
 namespace detail {
 template <auto Setting>
@@ -3755,6 +6227,16 @@ class Cell : public BasicDynamicCell<T> {
   static constexpr Mode mode = M;
   static constexpr JitConfig jit_config = detail::jit_config_of_setting<Setting>();
 
+  // Checked here, once per cell type and where the cell is made, rather than as "cannot convert
+  // Sym<...> to const Tensor&" inside the capture. A CONTEXT_MODE cell is refused too: the
+  // context may choose graph mode when it runs.
+  Cell() {
+    static_assert(M == PYNATIVE_MODE || !NonGenericConstruct<Derived>,
+                  "duet::nn::Cell: graph mode calls construct with symbolic tensors, so construct must be "
+                  "generic: auto construct(auto x) { ... }; a construct taking duet::Tensor runs only in a "
+                  "duet::nn::Cell<Net, duet::PYNATIVE_MODE>");
+  }
+
   // One tensor in: the DynamicCell call (hooks, then forward in this cell's mode).
   BasicTensor<T> operator()(const BasicTensor<T>& x) {
     static_assert(HasConstruct<Derived, BasicTensor<T>>,
@@ -3766,14 +6248,15 @@ class Cell : public BasicDynamicCell<T> {
   // Graph capture: construct appends this cell's nodes to the graph its inputs belong to.
   // Hooks cannot run inside a graph: refused here rather than silently dropped.
   template <graph::Symbolic... S>
-    requires(sizeof...(S) >= 1)
+    requires(sizeof...(S) >= 1 && capturable_construct<Derived>())
   auto operator()(const S&... xs) {
     if (this->has_hooks_in_tree()) {
       throw ModeError(this->label() +
                       " is captured into a graph (graph mode or jit), but it or a cell in it has a hook; hooks "
                       "see intermediate values in PyNative mode only");
     }
-    return derived().construct(xs...);
+    this->check_registered();
+    return run_construct(xs...);
   }
 
   // A statically shaped input: both modes check it against the layers at compile time and
@@ -3783,6 +6266,7 @@ class Cell : public BasicDynamicCell<T> {
     using Captured = decltype(std::declval<Derived&>().construct(graph::input<T, StaticShape<D...>>()));
     if constexpr (M != PYNATIVE_MODE) {
       if (runs_as_graph()) {
+        this->check_registered();
         this->ensure_named();
         return to_static_tensor<Captured>(run_graph<StaticShape<D...>>(x.tensor()));
       }
@@ -3794,15 +6278,25 @@ class Cell : public BasicDynamicCell<T> {
   // DynamicCells of one input, so they run no forward hooks of their own.
   template <class... X>
   requires(sizeof...(X) >= 2 && ((is_tensor_v<X> || is_static_tensor_v<X>)&&...)) auto operator()(const X&... xs) {
+    this->check_registered();
     this->ensure_named();
-    if constexpr (M != PYNATIVE_MODE) {
+    if constexpr (can_capture() && graph::Capturable<Derived&, X...>) {
       if (runs_as_graph()) return run_graph<typename graph::pattern_of<X>::type...>(tensor_of(xs)...);
+    } else if constexpr (M != PYNATIVE_MODE) {
+      // construct calls a cell built at run time, so it cannot be captured: it runs on the
+      // tensors, and each cell it calls follows the mode itself (graph mode traces that one).
+      if (runs_as_graph()) return run_construct(tensor_of(xs)...);
     }
     EagerScope eager;
-    return derived().construct(tensor_of(xs)...);
+    return run_construct(tensor_of(xs)...);
   }
 
   std::string type_name() const override { return duet::detail::readable_type_name(typeid(Derived)); }
+
+ protected:
+  bool traced_in_graph_mode() const override { return false; }
+
+ public:
 
   void for_each_child(const typename BasicDynamicCell<T>::ChildVisitor& visit) override {
     for_each_member([&](std::string_view name, auto& member) {
@@ -3821,16 +6315,27 @@ class Cell : public BasicDynamicCell<T> {
     if constexpr (!HasConstruct<Derived, BasicTensor<T>>) {
       throw ModeError(this->label() + ": construct takes several inputs; call the cell with all of them");
     } else {
-      if constexpr (M != PYNATIVE_MODE) {
+      if constexpr (can_capture()) {
         if (runs_as_graph()) return run_graph<graph::AnyShape>(x);
       }
       EagerScope eager;
-      return derived().construct(x);
+      return run_construct(x);
     }
   }
 
  private:
   Derived& derived() { return static_cast<Derived&>(*this); }
+
+  // Whether calls may run as a graph. A non-generic construct never does: the constructor
+  // reports it, and nothing else should.
+  static constexpr bool can_capture() { return M != PYNATIVE_MODE && !NonGenericConstruct<Derived>; }
+
+  // construct, with this cell as the one whose members the cells it calls are checked against.
+  template <class... X>
+  auto run_construct(X&&... xs) {
+    const detail::RunningCell<T> running(*this, &derived(), sizeof(Derived));
+    return derived().construct(std::forward<X>(xs)...);
+  }
 
   // A PyNative grad records the operations as they run; a graph would be one opaque call to
   // its tape. Under a recording tape, a graph-mode cell therefore runs its construct eagerly:
@@ -3848,7 +6353,7 @@ class Cell : public BasicDynamicCell<T> {
     }
     const auto capture = [&] {
       return passes::optimize<jit_config>([&]<std::size_t... K>(std::index_sequence<K...>) {
-        return derived().construct(graph::input<Ts, Patterns, K>()...);
+        return run_construct(graph::input<Ts, Patterns, K>()...);
       }(std::index_sequence_for<Ts...>{}));
     };
     // construct is captured once per cell and thread, as MindSpore compiles it once: on a small
@@ -3903,97 +6408,6 @@ constexpr Mode fixed_mode_of() {
 }  // namespace detail
 
 }  // namespace duet::nn
-// PyNative evaluation of one operation: run its shape rule, allocate its output from the
-// pool, call its kernel. The graph evaluator uses the same rule and the same kernel, which is
-// why the two modes agree.
-
-#include <array>
-#include <type_traits>
-#include <utility>
-
-
-namespace duet {
-
-namespace detail {
-
-template <class Op, std::size_t N>
-Shape checked_output_shape(const Op& op, const std::array<Shape, N>& in) {
-  const ShapeResult r = op.infer(in);
-  if (!r.ok()) throw ShapeError(describe_fault(r, op.label(), in));
-  return r.shape;
-}
-
-template <class Backend, class Op, class First, class... Rest>
-auto run_into_new(const Op& op, const BasicTensor<First>& first, const BasicTensor<Rest>&... rest) {
-  using T = graph::op_value_t<Op, First>;
-  const std::array<Shape, 1 + sizeof...(Rest)> shapes{first.shape(), rest.shape()...};
-  const Shape out_shape = checked_output_shape(op, shapes);
-  const std::array<const void*, 1 + sizeof...(Rest)> in{first.data(), rest.data()...};
-  BasicTensor<T> y;
-  if constexpr (Op::is_view) {
-    if constexpr (graph::runs_kernel<Op>()) {
-      op.template run<Backend, T>(graph::KernelArgs{in.data(), shapes.data(), nullptr, out_shape});
-    }
-    y = first.reshape(out_shape);
-  } else if constexpr (graph::is_sink<Op>()) {
-    op.template run<Backend, T>(graph::KernelArgs{in.data(), shapes.data(), nullptr, out_shape});
-    return y;
-  } else {
-    y = BasicTensor<T>::uninitialized(out_shape);
-    op.template run<Backend, T>(graph::KernelArgs{in.data(), shapes.data(), y.data(), out_shape});
-  }
-  if (autodiff::Tape* tape = autodiff::active_tape()) tape->record(op, y, first, rest...);
-  if (pijit::Trace* trace = pijit::active_trace()) trace->record(op, y, first, rest...);
-  return y;
-}
-
-}  // namespace detail
-
-template <class Backend = DefaultBackend, class Op, class T>
-auto run_eager(const Op& op, const BasicTensor<T>& x) {
-  return detail::run_into_new<Backend>(op, x);
-}
-
-// A temporary nobody else holds is overwritten in place by elementwise operations, unless a
-// tape or a trace records: their records keep the values they read.
-template <class Backend = DefaultBackend, class Op, class T>
-auto run_eager(const Op& op, BasicTensor<T>&& x) {
-  if constexpr (Op::is_elementwise) {
-    if (x.use_count() == 1 && autodiff::active_tape() == nullptr && pijit::active_trace() == nullptr) {
-      const std::array<Shape, 1> shapes{x.shape()};
-      const Shape out_shape = detail::checked_output_shape(op, shapes);
-      const void* in[1] = {x.data()};
-      op.template run<Backend, T>(graph::KernelArgs{in, shapes.data(), x.data(), out_shape});
-      return std::move(x);
-    }
-  }
-  return detail::run_into_new<Backend>(op, static_cast<const BasicTensor<T>&>(x));
-}
-
-// The one entry point layers use: on symbolic tensors it records the operation in the graph,
-// on real tensors it runs it now.
-template <class Op, class X>
-auto apply(const Op& op, X&& x) {
-  if constexpr (graph::Symbolic<X>) {
-    return graph::append(op, x);
-  } else {
-    return run_eager(op, std::forward<X>(x));
-  }
-}
-
-template <class Op, class A, class B>
-auto apply(const Op& op, const A& a, const B& b) {
-  if constexpr (graph::Symbolic<A> && graph::Symbolic<B>) {
-    return graph::append(op, a, b);
-  } else {
-    static_assert(!graph::Symbolic<A> && !graph::Symbolic<B>,
-                  "duet: an operation mixes a symbolic tensor (graph capture) and a real one; pass "
-                  "every tensor the graph reads as an input of the captured function");
-    return detail::run_into_new<DefaultBackend>(op, tensor_of(a), tensor_of(b));
-  }
-}
-
-}  // namespace duet
 
 namespace duet {
 namespace ops {
@@ -4013,22 +6427,6 @@ struct FillLikeOp {
     Backend::fill(a.out<T>(), a.output_shape.numel(), T(V));
   }
   static std::string op_name() { return V == 1 ? "OnesLike" : "ZerosLike"; }
-  std::string label() const { return op_name(); }
-};
-
-// The sum of two gradients reaching one value.
-struct GradAddOp {
-  using layer_type = GradAddOp;
-  static constexpr int arity = 2;
-  static constexpr bool is_view = false;
-  static constexpr bool is_elementwise = false;
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
-  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& a) const {
-    Backend::add(a.in<T>(0), a.in<T>(1), a.in_shape(0).numel(), a.out<T>());
-  }
-  static std::string op_name() { return "GradAdd"; }
   std::string label() const { return op_name(); }
 };
 
@@ -4258,20 +6656,6 @@ Mode mode_of() {
   return effective_mode(nn::detail::fixed_mode_of<F>());
 }
 
-template <class F, class Positions, class... X>
-struct capturable;
-template <class F, std::size_t... K, class... X>
-struct capturable<F, std::index_sequence<K...>, X...> {
-  static constexpr bool value = requires(F & f) {
-    f(graph::input<typename X::value_type, typename graph::pattern_of<X>::type, K>()...);
-  };
-};
-
-// Whether graph mode can capture f on inputs like X...: a generic function or a cell can,
-// a function of duet::Tensor only runs eagerly.
-template <class F, class... X>
-concept Capturable = capturable<F, std::index_sequence_for<X...>, X...>::value;
-
 template <class T>
 std::vector<nn::BasicParameter<T>*> parameters_of(const std::vector<nn::NamedParameter<T>>& named) {
   std::vector<nn::BasicParameter<T>*> out;
@@ -4365,11 +6749,36 @@ class GradFunction {
 
   template <bool WithInput, class V, class... X>
   BasicTensor<V> forward_backward(BasicTensor<V>& input_grad, const X&... xs) {
-    if constexpr (autodiff::detail::Capturable<FnRef, X...>) {
+    if constexpr (graph::Capturable<FnRef&, X...>) {
       if (autodiff::detail::mode_of<Fn>() == GRAPH_MODE) return run_graph<WithInput>(input_grad, xs...);
+    } else if constexpr (!WithInput && autodiff::detail::CellLike<Fn>) {
+      if (autodiff::detail::mode_of<Fn>() == GRAPH_MODE && autodiff::active_tape() == nullptr &&
+          pijit::active_trace() == nullptr) {
+        return traced_step_.get([this] {
+          return TracedStep(StepCall{this}, {.mode = JitMode::PIJit,
+                                             .name = fn_.label() + " forward and backward in graph mode "
+                                                                   "(argument 0: the network's structure)"});
+        })(nn::detail::structure_generation().load(std::memory_order_acquire), xs...);
+      }
     }
     return run_eager<WithInput>(input_grad, xs...);
   }
+
+  // Graph mode for a cell built at run time (it has no construct to capture): the whole step,
+  // forward, loss and backward, is traced on the first call for each input signature and
+  // structure, and replayed after (PIJit, default JitConfig). Parameters' gradients are written
+  // by the replay's gradient steps, as the tape's backward writes them.
+  struct StepCall {
+    GradFunction* self;
+    template <class... X>
+      requires((is_tensor_v<X> || is_static_tensor_v<X>) && ...)
+    BasicTensor<value_t<X...>> operator()(std::uint64_t /*structure*/, const X&... xs) const {
+      if (pijit::Trace* trace = pijit::active_trace()) trace->allow_parameter_gradients();
+      BasicTensor<value_t<X...>> no_input_grad;
+      return self->template run_eager<false>(no_input_grad, xs...);
+    }
+  };
+  using TracedStep = JitFunction<JitConfig{}, StepCall>;
 
   template <bool WithInput, class V, class... X>
   BasicTensor<V> run_eager(BasicTensor<V>& input_grad, const X&... xs) {
@@ -4442,6 +6851,7 @@ class GradFunction {
   std::vector<nn::BasicParameter<WeightType>*> weights_;
   std::optional<std::size_t> grad_position_;
   std::uint64_t id_ = duet::detail::new_plan_owner();
+  duet::detail::OwnForm<TracedStep> traced_step_;
 };
 
 // MindSpore's value_and_grad(fn, grad_position, weights). fn is a cell (kept by reference) or
@@ -5232,6 +7642,7 @@ class DataLoader {
 #include <cstddef>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <utility>
 
 
@@ -5249,13 +7660,47 @@ struct GraphIR {
 
 namespace graph {
 
+namespace detail {
+// s inside a DOT quoted string that Graphviz shows as a label. A quote would end the string
+// and a backslash starts Graphviz's own escapes (\n, \N, \G...), so both are escaped; a
+// newline becomes a line break; &, < and > become the entities Graphviz decodes in labels.
+inline std::string dot_text(std::string_view s) {
+  std::string out;
+  for (const char c : s) {
+    switch (c) {
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '&':
+        out += "&amp;";
+        break;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      default:
+        out += c;
+    }
+  }
+  return out;
+}
+}  // namespace detail
+
 template <class G, std::size_t Out>
 GraphText dump(const Sym<G, Out>& program, const std::string& title) {
   constexpr BufferPlan<G::size> plan = plan_buffers<G, Out>();
   std::ostringstream text;
   std::ostringstream dot;
   text << "graph " << title << " {\n";
-  dot << "digraph \"" << title << "\" {\n  node [shape=box, fontname=\"monospace\"];\n";
+  dot << "digraph \"" << detail::dot_text(title) << "\" {\n  node [shape=box, fontname=\"monospace\"];\n";
   graph::for_each_index<G::size>([&](auto i) {
     constexpr std::size_t I = decltype(i)::value;
     using Node = node_at<G, I>;
@@ -5284,10 +7729,13 @@ GraphText dump(const Sym<G, Out>& program, const std::string& title) {
         storage = "no value";
         break;
     }
-    const std::string who = op.label() == Node::op_type::op_name() ? "" : "  " + op.label();
+    const bool names_layer = op.label() != Node::op_type::op_name();
+    const std::string who = names_layer ? "  " + op.label() : "";
     text << "  %" << I << " = " << what << " : " << to_string(G::shapes[I]) << "  [" << storage << "]" << who << "\n";
-    dot << "  n" << I << " [label=\"%" << I << " " << Node::op_type::op_name() << "\\n"
-        << to_string(G::shapes[I]) << " (" << storage << ")\"];\n";
+    std::string label = detail::dot_text("%" + std::to_string(I) + " " + Node::op_type::op_name()) + "\\n" +
+                        detail::dot_text(to_string(G::shapes[I]) + " (" + storage + ")");
+    if (names_layer) label += "\\n" + detail::dot_text(op.label());
+    dot << "  n" << I << " [label=\"" << label << "\"];\n";
     for (std::size_t a : Node::args) dot << "  n" << a << " -> n" << I << ";\n";
   });
   text << "  return %" << Out << "\n}\n";
@@ -5309,557 +7757,34 @@ GraphIR graph_ir(C& cell, Pattern = {}) {
 }
 
 }  // namespace duet
-// Where a graph meets the host: printing a live value, and calling back into C++.
+// Checkpoints: a cell's parameters in one file (MindSpore's save_checkpoint / load_checkpoint),
+// and optionally its optimiser's state, so that training can resume.
 //
-// duet::print is a graph operation: in either mode, and at every jit level, it prints the value
-// when it is computed and passes it on unchanged (as a view), so a user never has to take jit
-// away to see a value. duet::host runs any C++ function on a value: a host node, a graph
-// break that runs eagerly between compiled parts. A jit function of JitSyntaxLevel::strict
-// refuses host nodes at compile time.
-
-#include <algorithm>
-#include <array>
-#include <functional>
-#include <iostream>
-#include <mutex>
-#include <string>
-#include <utility>
-
-// Printing tensors: `std::cout << t` and duet::to_string(t) give exactly what numpy 1.24's
-// str(array) gives with the default print options, which is how MindSpore prints tensors.
-//
-// The code follows numpy/core/arrayprint.py (array2string, _formatArray, FloatingFormat,
-// IntegerFormat); the names below refer to it. numpy's Dragon4 prints the shortest decimal that
-// reads back as the same value, as std::to_chars does, and rounds the exact binary value to
-// nearest, ties to even, when a precision cuts it short, as std::to_chars does too.
-
-#include <algorithm>
-#include <charconv>
-#include <cmath>
-#include <cstddef>
-#include <cstdint>
-#include <ostream>
-#include <string>
-#include <type_traits>
-#include <utility>
-#include <vector>
-
-
-namespace duet {
-
-namespace detail {
-
-// numpy's default print options.
-inline constexpr std::size_t print_line_width = 75;
-inline constexpr index_t print_threshold = 1000;  // more elements than this are summarised
-inline constexpr index_t print_edge_items = 3;    // kept at each end of a summarised axis
-inline constexpr int print_precision = 8;         // most digits after the point
-
-// Stands for the "..." of a summarised axis where an index would be.
-inline constexpr index_t print_ellipsis = -1;
-
-// Calls fn with the indices along an axis of length n that are printed, in order, and with
-// print_ellipsis where the middle ones are left out.
-template <class Fn>
-void for_each_printed(index_t n, bool summarise, Fn&& fn) {
-  const bool gap = summarise && n > 2 * print_edge_items;
-  for (index_t i = 0; i < n; ++i) {
-    if (gap && i == print_edge_items) {
-      fn(print_ellipsis);
-      i = n - print_edge_items;
-    }
-    fn(i);
-  }
-}
-
-// The printed elements in order: numpy computes the format from these alone (_leading_trailing).
-template <class T>
-void collect_printed(const T* data, const Shape& shape, int axis, bool summarise, std::vector<T>& out) {
-  if (axis == shape.rank()) {
-    out.push_back(*data);
-    return;
-  }
-  const index_t stride = shape.numel_from(axis + 1);
-  for_each_printed(shape[axis], summarise, [&](index_t i) {
-    if (i != print_ellipsis) collect_printed(data + i * stride, shape, axis + 1, summarise, out);
-  });
-}
-
-template <class... Args>
-std::string chars_of(Args... args) {
-  char buf[400];  // fits any double, even in fixed notation with print_precision decimals
-  const auto result = std::to_chars(buf, buf + sizeof buf, args...);
-  return std::string(buf, result.ptr);
-}
-
-inline std::string integer_str(std::int64_t x) { return chars_of(x); }
-
-// A finite float in scientific notation: sign, significant digits and the exponent of the first
-// digit. The shortest that reads back (precision < 0), or rounded to 1 + precision digits.
-struct Decimal {
-  bool negative = false;
-  std::string digits;
-  int exponent = 0;
-};
-
-template <class F>
-Decimal decimal_of(F x, int precision = -1) {
-  const std::string s = precision < 0 ? chars_of(x, std::chars_format::scientific)
-                                      : chars_of(x, std::chars_format::scientific, precision);
-  Decimal d;
-  std::size_t i = 0;
-  if (s[i] == '-') {
-    d.negative = true;
-    ++i;
-  }
-  for (; s[i] != 'e'; ++i) {
-    if (s[i] != '.') d.digits += s[i];
-  }
-  ++i;
-  if (s[i] == '+') ++i;  // from_chars rejects a leading '+'
-  std::from_chars(s.data() + i, s.data() + s.size(), d.exponent);
-  return d;
-}
-
-inline void trim_trailing_zeros(std::string& s, std::size_t keep) {
-  while (s.size() > keep && s.back() == '0') s.pop_back();
-}
-
-// What numpy's Dragon4 writes either side of the point; the sign goes with the integer part.
-struct FloatParts {
-  std::string int_part;
-  std::string frac_part;
-  int exponent = 0;  // scientific notation only
-};
-
-// x rounded to `precision` digits after the point, trailing zeros dropped.
-template <class F>
-FloatParts fixed_parts(F x, int precision) {
-  const std::string s = chars_of(x, std::chars_format::fixed, precision);
-  const std::size_t point = s.find('.');
-  FloatParts p;
-  p.int_part = s.substr(0, point);
-  if (point != std::string::npos) p.frac_part = s.substr(point + 1);
-  trim_trailing_zeros(p.frac_part, 0);
-  return p;
-}
-
-// dragon4_positional(x, precision, min_digits, unique=True, fractional=True, trim='.'), where
-// precision < 0 means none and min_digits is -1 (none) or 0.
-template <class F>
-FloatParts positional_parts(F x, int precision, int min_digits) {
-  const Decimal d = decimal_of(x);
-  const int n = static_cast<int>(d.digits.size());
-  const int frac_digits = n - 1 - d.exponent;
-  // Past `precision`, and short of `min_digits` (as in 42598728.f, shortest 4259873e1), Dragon4
-  // prints the exact digits of x, rounded.
-  if (precision >= 0 && frac_digits > precision) return fixed_parts(x, precision);
-  if (min_digits >= 0 && frac_digits < min_digits) return fixed_parts(x, min_digits);
-  FloatParts p;
-  if (d.negative) p.int_part = "-";
-  if (d.exponent < 0) {
-    p.int_part += '0';
-    p.frac_part.assign(static_cast<std::size_t>(-d.exponent - 1), '0');
-    p.frac_part += d.digits;
-  } else if (d.exponent + 1 >= n) {
-    p.int_part += d.digits;
-    p.int_part.append(static_cast<std::size_t>(d.exponent + 1 - n), '0');
-  } else {
-    const auto split = static_cast<std::size_t>(d.exponent + 1);
-    p.int_part += d.digits.substr(0, split);
-    p.frac_part = d.digits.substr(split);
-  }
-  return p;
-}
-
-inline FloatParts scientific_parts(const Decimal& d) {
-  FloatParts p;
-  if (d.negative) p.int_part = "-";
-  p.int_part += d.digits[0];
-  p.frac_part = d.digits.substr(1);
-  p.exponent = d.exponent;
-  return p;
-}
-
-// dragon4_scientific(x, precision, unique=True, trim='.'); precision < 0 means none.
-template <class F>
-FloatParts scientific_parts(F x, int precision) {
-  Decimal d = decimal_of(x);
-  if (precision >= 0 && static_cast<int>(d.digits.size()) - 1 > precision) {
-    d = decimal_of(x, precision);
-    trim_trailing_zeros(d.digits, 1);
-  }
-  return scientific_parts(d);
-}
-
-// "e+05", "e-123": at least min_digits digits.
-inline std::string exponent_str(int exponent, std::size_t min_digits) {
-  std::string digits = integer_str(exponent < 0 ? -exponent : exponent);
-  if (digits.size() < min_digits) digits.insert(0, min_digits - digits.size(), '0');
-  return (exponent < 0 ? "e-" : "e+") + digits;
-}
-
-inline std::string pad_left(std::string s, std::size_t width) {
-  if (s.size() < width) s.insert(0, width - s.size(), ' ');
-  return s;
-}
-
-inline std::string pad_right(std::string s, std::size_t width) {
-  if (s.size() < width) s.append(width - s.size(), ' ');
-  return s;
-}
-
-// str() of a numpy scalar, which is what str() of a 0-d array is.
-template <class T>
-std::string scalar_str(T x) {
-  if constexpr (std::is_integral_v<T>) {
-    return integer_str(x);
-  } else {
-    if (std::isnan(x)) return "nan";
-    if (std::isinf(x)) return x < 0 ? "-inf" : "inf";
-    const double magnitude = std::fabs(static_cast<double>(x));
-    if (magnitude == 0 || (magnitude >= 1e-4 && magnitude < 1e16)) {
-      const FloatParts p = positional_parts(x, -1, -1);
-      return p.int_part + '.' + (p.frac_part.empty() ? "0" : p.frac_part);
-    }
-    const FloatParts p = scientific_parts(x, -1);
-    return p.int_part + (p.frac_part.empty() ? "" : '.' + p.frac_part) + exponent_str(p.exponent, 2);
-  }
-}
-
-// FloatingFormat with floatmode 'maxprec', sign '-', suppress_small off.
-template <class F>
-class FloatingFormat {
- public:
-  explicit FloatingFormat(const std::vector<F>& data) {
-    bool any_nonzero = false;
-    bool any_finite = false;
-    bool any_nonfinite = false;
-    bool negative_inf = false;
-    F max_val = 0;
-    F min_val = 0;
-    for (F x : data) {
-      if (!std::isfinite(x)) {
-        any_nonfinite = true;
-        negative_inf = negative_inf || (std::isinf(x) && x < 0);
-        continue;
-      }
-      any_finite = true;
-      if (x == 0) continue;
-      const F a = std::fabs(x);
-      max_val = any_nonzero ? std::max(max_val, a) : a;
-      min_val = any_nonzero ? std::min(min_val, a) : a;
-      any_nonzero = true;
-    }
-    if (any_nonzero) {
-      // numpy compares the limits as float64 but divides in the element type.
-      const F ratio = max_val / min_val;
-      exp_format_ = static_cast<double>(max_val) >= 1e8 || static_cast<double>(min_val) < 1e-4 || ratio > 1000;
-    }
-
-    if (any_finite && exp_format_) {
-      std::size_t exp_digits = 0;
-      for (F x : data) {
-        if (!std::isfinite(x)) continue;
-        const FloatParts p = scientific_parts(x, print_precision);
-        pad_left_ = std::max(pad_left_, p.int_part.size());
-        precision_ = std::max(precision_, p.frac_part.size());
-        exp_digits = std::max(exp_digits, exponent_str(p.exponent, 2).size() - 2);  // less "e+"
-      }
-      exp_size_ = exp_digits;
-      pad_right_ = exp_size_ + 2 + precision_;
-    } else if (any_finite) {
-      for (F x : data) {
-        if (!std::isfinite(x)) continue;
-        const FloatParts p = positional_parts(x, print_precision, -1);
-        pad_left_ = std::max(pad_left_, p.int_part.size());
-        pad_right_ = std::max(pad_right_, p.frac_part.size());
-      }
-    }
-
-    if (any_nonfinite) {
-      // Room for "nan" and "inf" (or "-inf"), right-aligned with the numbers' last column.
-      const std::size_t width = negative_inf ? 4 : 3;
-      if (width > pad_right_ + 1) pad_left_ = std::max(pad_left_, width - (pad_right_ + 1));
-    }
-  }
-
-  std::string operator()(F x) const {
-    if (std::isnan(x)) return pad_left("nan", pad_left_ + pad_right_ + 1);
-    if (std::isinf(x)) return pad_left(x < 0 ? "-inf" : "inf", pad_left_ + pad_right_ + 1);
-    if (exp_format_) {
-      // numpy asks Dragon4 for min_digits = precision_, and it goes on past the shortest digits
-      // with the exact ones: every mantissa is x rounded to precision_ digits, not zero-padded.
-      const FloatParts p = scientific_parts(decimal_of(x, static_cast<int>(precision_)));
-      return pad_left(p.int_part, pad_left_) + '.' + p.frac_part + exponent_str(p.exponent, exp_size_);
-    }
-    // numpy asks for min_digits = 0 here, but not when measuring.
-    const FloatParts p = positional_parts(x, print_precision, 0);
-    return pad_left(p.int_part, pad_left_) + '.' + pad_right(p.frac_part, pad_right_);
-  }
-
- private:
-  bool exp_format_ = false;
-  std::size_t pad_left_ = 0;
-  std::size_t pad_right_ = 0;
-  std::size_t precision_ = 0;  // digits after the point of every mantissa, in exp_format_
-  std::size_t exp_size_ = 0;   // digits of every exponent, in exp_format_
-};
-
-template <class I>
-class IntegerFormat {
- public:
-  explicit IntegerFormat(const std::vector<I>& data) {
-    const auto [lo, hi] = std::minmax_element(data.begin(), data.end());
-    width_ = std::max(integer_str(*lo).size(), integer_str(*hi).size());
-  }
-
-  std::string operator()(I x) const { return pad_left(integer_str(x), width_); }
-
- private:
-  std::size_t width_ = 0;
-};
-
-// _formatArray, writing into one string. numpy measures each line from its hanging indent; here
-// from the previous newline, which gives the same columns because the '['s opening a row take
-// the place of the hanging indent one for one.
-template <class T, class Format>
-class ArrayWriter {
- public:
-  ArrayWriter(const BasicTensor<T>& t, bool summarise, const Format& format)
-      : data_(t.data()), shape_(t.shape()), summarise_(summarise), format_(format) {}
-
-  std::string run() && {
-    write(0, 0, print_line_width);
-    return std::move(out_);
-  }
-
- private:
-  void write(int axis, index_t offset, std::size_t width) {
-    const auto indent = static_cast<std::size_t>(axis) + 1;
-    const bool innermost = axis == shape_.rank() - 1;
-    const index_t stride = shape_.numel_from(axis + 1);
-    bool first = true;
-    out_ += '[';
-    for_each_printed(shape_[axis], summarise_, [&](index_t i) {
-      if (innermost) {
-        if (!first) out_ += ' ';
-        // The last column is kept for the closing ']'.
-        extend_line(i == print_ellipsis ? "..." : format_(data_[offset + i]), width - 1, indent);
-      } else {
-        // Sub-arrays of rank n are separated by n - 1 blank lines.
-        if (!first) start_line(static_cast<std::size_t>(shape_.rank() - axis - 1), indent);
-        if (i == print_ellipsis) {
-          out_ += "...";
-        } else {
-          write(axis + 1, offset + i * stride, width - 1);
-        }
-      }
-      first = false;
-    });
-    out_ += ']';
-  }
-
-  // _extendLine: wraps unless the line holds nothing but its indent, since wrapping would not help.
-  void extend_line(const std::string& word, std::size_t width, std::size_t indent) {
-    const std::size_t column = out_.size() - line_start_;
-    if (column + word.size() > width && column > indent) {
-      while (out_.back() == ' ') out_.pop_back();
-      start_line(1, indent);
-    }
-    out_ += word;
-  }
-
-  void start_line(std::size_t newlines, std::size_t indent) {
-    out_.append(newlines, '\n');
-    line_start_ = out_.size();
-    out_.append(indent, ' ');
-  }
-
-  const T* data_;
-  const Shape& shape_;
-  bool summarise_;
-  const Format& format_;
-  std::string out_;
-  std::size_t line_start_ = 0;
-};
-
-}  // namespace detail
-
-// As numpy's str(array): "[[1.  2.5]\n [3.  4. ]]".
-template <ElementType T>
-std::string to_string(const BasicTensor<T>& t) {
-  if (t.ndim() == 0) return detail::scalar_str(t.data()[0]);
-  if (t.numel() == 0) return "[]";
-  const bool summarise = t.numel() > detail::print_threshold;
-  std::vector<T> printed;
-  detail::collect_printed(t.data(), t.shape(), 0, summarise, printed);
-  if constexpr (std::is_floating_point_v<T>) {
-    const detail::FloatingFormat<T> format(printed);
-    return detail::ArrayWriter<T, detail::FloatingFormat<T>>(t, summarise, format).run();
-  } else {
-    const detail::IntegerFormat<T> format(printed);
-    return detail::ArrayWriter<T, detail::IntegerFormat<T>>(t, summarise, format).run();
-  }
-}
-
-template <ElementType T, index_t... Dims>
-std::string to_string(const StaticTensor<T, Dims...>& t) {
-  return to_string(t.tensor());
-}
-
-template <ElementType T>
-std::ostream& operator<<(std::ostream& os, const BasicTensor<T>& t) {
-  return os << to_string(t);
-}
-
-template <ElementType T, index_t... Dims>
-std::ostream& operator<<(std::ostream& os, const StaticTensor<T, Dims...>& t) {
-  return os << to_string(t.tensor());
-}
-
-}  // namespace duet
-
-namespace duet {
-
-namespace detail {
-inline std::mutex& print_mutex() {
-  static std::mutex m;
-  return m;
-}
-}  // namespace detail
-
-namespace ops {
-
-struct IdentityGradOp {
-  using layer_type = IdentityGradOp;
-  static constexpr int arity = 1;
-  static constexpr bool is_view = true;
-  static constexpr bool is_elementwise = false;
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
-  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
-  static std::string op_name() { return "Identity"; }
-  std::string label() const { return op_name(); }
-};
-
-// Prints "label: value" (numpy's format) when the value is computed; outputs its input.
-struct PrintOp {
-  using layer_type = PrintOp;
-  static constexpr int arity = 1;
-  static constexpr bool is_view = true;
-  static constexpr bool has_side_effects = true;
-  static constexpr bool is_elementwise = false;
-
-  const char* text;        // the label; a string literal or a string that outlives the graph
-  std::ostream* out;
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
-  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
-
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& a) const {
-    auto copy = BasicTensor<T>::uninitialized(a.in_shape());
-    std::copy_n(a.in<T>(), copy.numel(), copy.data());
-    // One print at a time: threads running graphs side by side do not interleave lines.
-    std::lock_guard lock(duet::detail::print_mutex());
-    *out << (text[0] != '\0' ? std::string(text) + ": " : std::string()) << copy << '\n';
-  }
-
-  static constexpr bool has_parameters = false;
-  static constexpr std::array grad_operands{graph::Operand::grad};
-  template <bool InputGrad>
-  auto grad_op() const {
-    return IdentityGradOp{};
-  }
-
-  static std::string op_name() { return "Print"; }
-  std::string label() const { return op_name(); }
-};
-
-// Calls a C++ function on the value; its result (of the same shape) is the node's value.
-template <class T>
-struct HostOp {
-  using layer_type = HostOp;
-  using value_type = T;
-  static constexpr int arity = 1;
-  static constexpr bool is_view = false;
-  static constexpr bool is_elementwise = false;
-  static constexpr bool is_host = true;
-
-  std::function<BasicTensor<T>(const BasicTensor<T>&)> fn;
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
-  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
-
-  template <class Backend, class U>
-  void run(const graph::KernelArgs& a) const {
-    auto input = BasicTensor<T>::uninitialized(a.in_shape());
-    std::copy_n(a.in<T>(), input.numel(), input.data());
-    const BasicTensor<T> result = fn(input);
-    if (!(result.shape() == a.output_shape)) {
-      throw ShapeError("duet::host: the callback must return its input's shape " + to_string(a.output_shape) +
-                       ", returned " + to_string(result.shape()));
-    }
-    std::copy_n(result.data(), result.numel(), a.out<T>());
-  }
-
-  static std::string op_name() { return "Host"; }
-  std::string label() const { return "duet::host"; }
-};
-
-}  // namespace ops
-
-namespace graph {
-template <class Op>
-constexpr bool is_host_op() {
-  if constexpr (requires { Op::is_host; }) return Op::is_host;
-  else return false;
-}
-
-// The first host node of G, or G::size.
-template <class G>
-constexpr std::size_t first_host_node() {
-  std::size_t found = G::size;
-  for_each_index<G::size>([&](auto i) {
-    if (found == G::size && is_host_op<typename node_at<G, decltype(i)::value>::op_type>()) found = decltype(i)::value;
-  });
-  return found;
-}
-}  // namespace graph
-
-// Prints x with an optional label when it is computed, and returns it: in PyNative at once, in a
-// graph when the graph runs. The label must outlive the graph (a literal, say).
-template <class X>
-auto print(X&& x, const char* label = "", std::ostream& out = std::cout) {
-  return apply(ops::PrintOp{label, &out}, std::forward<X>(x));
-}
-
-// Runs fn (a function from a tensor to a tensor of the same shape) on x: now in PyNative, or
-// as a host node (a graph break) in a graph.
-template <class F, class X>
-auto host(F&& fn, X&& x) {
-  using T = typename std::remove_cvref_t<X>::value_type;
-  return apply(ops::HostOp<T>{std::function<BasicTensor<T>(const BasicTensor<T>&)>(std::forward<F>(fn))},
-               std::forward<X>(x));
-}
-
-}  // namespace duet
-// Checkpoints: a cell's parameters in one file (MindSpore's save_checkpoint / load_checkpoint).
-//
-// Format, version 1; every integer is little-endian:
+// Format, version 2; every integer is little-endian:
 //
 //   size           field
 //   8              magic "DUETCKPT"
-//   4              u32 version: 1
+//   4              u32 version: 2
 //   4              u32 number of parameters
-//   per parameter, in the cell's order (a reader accepts any order):
+//   per parameter, in the cell's order (a reader accepts any order), a record:
 //     4            u32 name length, then the name's bytes: the parameter's path in the cell,
 //                  "dense_relu_sequential.0.weight", with no terminator
 //     1            u8 element type, a duet::DType: 0 Float32, 1 Float64, 2 Int32, 3 Int64, 4 UInt8
 //     1            u8 rank, 0 to duet::max_rank
 //     8 × rank     i64 dimensions
 //     numel × size the elements, row-major, little-endian
+//   4              u32 length of the optimiser's type name, then the name ("nn::Adam", "nn::AdamW",
+//                  "nn::SGD"); 0 when the file holds no optimiser state, and then the next
+//                  two fields and the records are absent
+//   8              i64 the optimiser's global step (which drives schedules and bias correction)
+//   4              u32 number of optimiser state tensors
+//   per state tensor, a record as above, named "<slot>.<parameter's name>":
+//                  "moment1.dense_relu_sequential.0.weight" (Adam: moment1, moment2; SGD with
+//                  momentum: momentum)
 //   4              u32 CRC-32 (zlib's crc32) of every byte before it
+//
+// Version 1 is the same up to the parameters' records, which the checksum follows directly;
+// it is still read.
 //
 // Names are paths from the cell saved, which are the same whichever mode the cell runs in,
 // so a checkpoint saved from a network in graph mode loads into the same network in PyNative
@@ -5884,21 +7809,337 @@ auto host(F&& fn, X&& x) {
 #include <string_view>
 #include <system_error>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
+// Optimisers and learning-rate schedules (MindSpore's nn.SGD, nn.Adam, AdamW and nn.*LR).
+//
+// An optimiser updates its parameters from the gradients the last backward pass on this
+// thread left in them (step()), or from a list of gradients (operator(), as MindSpore calls
+// optimisers). Its state (momentum, Adam's moments) is made once, so steps do not allocate.
+// state() and set_global_step expose that state for checkpoints (duet::save_checkpoint(net,
+// path, optimizer)), which is how training resumes.
+
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <numbers>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+
+namespace duet::nn {
+
+// The learning rate at global step t (0 for the first step).
+using LearningRateSchedule = std::function<double(std::int64_t step)>;
+
+// A constant rate or a schedule, so that `.learning_rate = 1e-3` and
+// `.learning_rate = CosineDecayLR{...}` both read naturally.
+class LearningRate {
+ public:
+  LearningRate(double constant)
+      : schedule_([constant](std::int64_t) { return constant; }) {}  // NOLINT: implicit by design
+  template <class F>
+  requires std::is_invocable_r_v<double, F, std::int64_t> LearningRate(F schedule)
+      : schedule_(std::move(schedule)) {}  // NOLINT: implicit by design
+  double at(std::int64_t step) const { return schedule_(step); }
+
+ private:
+  LearningRateSchedule schedule_;
+};
+
+// min_lr + (max_lr - min_lr) · (1 + cos(π · min(t, decay_steps) / decay_steps)) / 2.
+struct CosineDecayLR {
+  double min_lr;
+  double max_lr;
+  std::int64_t decay_steps;
+  double operator()(std::int64_t t) const {
+    const double p = static_cast<double>(std::min(t, decay_steps)) / static_cast<double>(decay_steps);
+    return min_lr + (max_lr - min_lr) * (1 + std::cos(std::numbers::pi * p)) / 2;
+  }
+};
+
+// lr · decay_rate^(t / decay_steps), the exponent floored if is_stair.
+struct ExponentialDecayLR {
+  double learning_rate;
+  double decay_rate;
+  std::int64_t decay_steps;
+  bool is_stair = false;
+  double operator()(std::int64_t t) const {
+    double p = static_cast<double>(t) / static_cast<double>(decay_steps);
+    if (is_stair) p = std::floor(p);
+    return learning_rate * std::pow(decay_rate, p);
+  }
+};
+
+// values[i] while t < milestones[i]; the last value after the last milestone.
+struct PiecewiseConstantLR {
+  std::vector<std::int64_t> milestones;
+  std::vector<double> values;
+  double operator()(std::int64_t t) const {
+    for (std::size_t i = 0; i < milestones.size(); ++i) {
+      if (t < milestones[i]) return values.at(i);
+    }
+    return values.back();
+  }
+};
+
+// Rises linearly from 0 to lr over warmup_steps (MindSpore's WarmUpLR).
+struct WarmUpLR {
+  double learning_rate;
+  std::int64_t warmup_steps;
+  double operator()(std::int64_t t) const {
+    return learning_rate * static_cast<double>(std::min(t + 1, warmup_steps)) / static_cast<double>(warmup_steps);
+  }
+};
+
+// One kind of state an optimiser keeps per parameter ("moment1"): tensors[i] belongs to
+// parameters()[i] and has its shape.
+template <ElementType T>
+struct OptimizerSlot {
+  std::string_view name;
+  std::vector<BasicTensor<T>>* tensors;
+};
+
+template <ElementType T>
+class BasicOptimizer {
+ public:
+  BasicOptimizer(const std::vector<NamedParameter<T>>& params, LearningRate lr) : learning_rate_(std::move(lr)) {
+    for (const auto& p : params) {
+      if (p.parameter->requires_grad) params_.push_back(p.parameter);
+    }
+    if (params_.empty()) {
+      throw ValueError(params.empty() ? "optimizer: got no parameters; is every sub-cell and parameter of the cell "
+                                        "listed in its DUET_CELL_MEMBERS?"
+                                      : "optimizer: got " + std::to_string(params.size()) +
+                                            " parameters, none with requires_grad, so there is nothing to train");
+    }
+  }
+  BasicOptimizer(std::vector<BasicParameter<T>*> params, LearningRate lr)
+      : params_(std::move(params)), learning_rate_(std::move(lr)) {
+    if (params_.empty()) {
+      throw ValueError(
+          "optimizer: got no parameters; is every sub-cell and parameter of the cell listed in its "
+          "DUET_CELL_MEMBERS?");
+    }
+  }
+  BasicOptimizer(const BasicOptimizer&) = delete;
+  BasicOptimizer& operator=(const BasicOptimizer&) = delete;
+  virtual ~BasicOptimizer() = default;
+
+  // Updates every parameter the calling thread's last backward pass reached.
+  void step() {
+    const std::uint64_t pass = duet::detail::current_backward_pass();
+    begin_step();
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      if (params_[i]->has_grad_from(pass)) update(i, params_[i]->grad.data());
+    }
+    ++global_step_;
+  }
+
+  // MindSpore's optimizer(grads): one gradient per parameter, in order.
+  void operator()(const std::vector<BasicTensor<T>>& grads) {
+    if (grads.size() != params_.size()) {
+      throw ValueError("optimizer: got " + std::to_string(grads.size()) + " gradients for " +
+                       std::to_string(params_.size()) + " parameters");
+    }
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      if (!(grads[i].shape() == params_[i]->shape())) {
+        throw ShapeError("optimizer: gradient " + std::to_string(i) + " has shape " + to_string(grads[i].shape()) +
+                         ", its parameter " + to_string(params_[i]->shape()));
+      }
+    }
+    begin_step();
+    for (std::size_t i = 0; i < params_.size(); ++i) update(i, grads[i].data());
+    ++global_step_;
+  }
+
+  const std::vector<BasicParameter<T>*>& parameters() const { return params_; }
+  std::int64_t global_step() const { return global_step_; }
+  // The rate the next step uses.
+  double learning_rate() const { return learning_rate_.at(global_step_); }
+
+  // What the optimiser is, as checkpoints record it: "nn::Adam".
+  virtual std::string_view type_name() const = 0;
+  // Its state besides the step count, by kind (MindSpore names them "moment1", "moment2", ...).
+  virtual std::vector<OptimizerSlot<T>> state() = 0;
+  // Where a resumed run continues: the step count drives bias correction and schedules.
+  void set_global_step(std::int64_t step) {
+    if (step < 0) throw ValueError(std::string(type_name()) + ": global step " + std::to_string(step) + " is negative");
+    global_step_ = step;
+  }
+
+ protected:
+  // Computes what is shared by all parameters this step.
+  virtual void begin_step() = 0;
+  virtual void update(std::size_t i, const T* grad) = 0;
+
+  // A zero state tensor per parameter (moments, momentum buffers).
+  std::vector<BasicTensor<T>> zero_state() const {
+    std::vector<BasicTensor<T>> state;
+    state.reserve(params_.size());
+    for (const auto* p : params_) state.emplace_back(p->shape());
+    return state;
+  }
+
+  std::vector<BasicParameter<T>*> params_;
+  LearningRate learning_rate_;
+  std::int64_t global_step_ = 0;
+};
+
+struct SGDConfig {
+  LearningRate learning_rate = 0.1;
+  double momentum = 0.0;
+  double dampening = 0.0;
+  double weight_decay = 0.0;
+  bool nesterov = false;
+};
+
+template <ElementType T = float, class Backend = DefaultBackend>
+class BasicSGD final : public BasicOptimizer<T> {
+ public:
+  template <class Params>
+  explicit BasicSGD(const Params& params, SGDConfig config = {})
+      : BasicOptimizer<T>(params, config.learning_rate), config_(std::move(config)) {
+    if (config_.momentum < 0 || config_.weight_decay < 0 || (config_.nesterov && config_.momentum <= 0)) {
+      throw ValueError("nn::SGD: momentum and weight_decay must be >= 0, and nesterov needs momentum > 0");
+    }
+    if (config_.momentum > 0) momentum_ = this->zero_state();
+  }
+
+  std::string_view type_name() const override { return "nn::SGD"; }
+  // Without momentum, SGD keeps nothing but the step count.
+  std::vector<OptimizerSlot<T>> state() override {
+    if (momentum_.empty()) return {};
+    return {{"momentum", &momentum_}};
+  }
+
+ private:
+  void begin_step() override {
+    step_ = SgdStep{this->learning_rate(), config_.momentum, config_.dampening,
+                    config_.weight_decay,  config_.nesterov, this->global_step_ == 0};
+  }
+  void update(std::size_t i, const T* grad) override {
+    BasicParameter<T>& p = *this->params_[i];
+    Backend::sgd_update(p.data(), grad, momentum_.empty() ? nullptr : momentum_[i].data(), p.numel(), step_);
+  }
+
+  SGDConfig config_;
+  std::vector<BasicTensor<T>> momentum_;
+  SgdStep step_{};
+};
+
+struct AdamConfig {
+  LearningRate learning_rate = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+};
+
+template <ElementType T = float, bool Decoupled = false, class Backend = DefaultBackend>
+class BasicAdam final : public BasicOptimizer<T> {
+ public:
+  template <class Params>
+  explicit BasicAdam(const Params& params, AdamConfig config = default_config())
+      : BasicOptimizer<T>(params, config.learning_rate),
+        config_(std::move(config)),
+        m_(this->zero_state()),
+        v_(this->zero_state()) {
+    if (!(config_.beta1 >= 0 && config_.beta1 < 1 && config_.beta2 >= 0 && config_.beta2 < 1 && config_.eps > 0 &&
+          config_.weight_decay >= 0)) {
+      throw ValueError(std::string(Decoupled ? "nn::AdamW" : "nn::Adam") +
+                       ": needs 0 <= beta1, beta2 < 1, eps > 0 and weight_decay >= 0");
+    }
+  }
+
+  // AdamW decays weights by default (0.01, as MindSpore's and PyTorch's AdamW); Adam does not.
+  static AdamConfig default_config() {
+    AdamConfig c;
+    if (Decoupled) c.weight_decay = 0.01;
+    return c;
+  }
+
+  std::string_view type_name() const override { return Decoupled ? "nn::AdamW" : "nn::Adam"; }
+  std::vector<OptimizerSlot<T>> state() override { return {{"moment1", &m_}, {"moment2", &v_}}; }
+
+ private:
+  void begin_step() override {
+    const auto t = static_cast<double>(this->global_step_ + 1);
+    step_ = AdamStep{this->learning_rate(),
+                     config_.beta1,
+                     config_.beta2,
+                     config_.eps,
+                     config_.weight_decay,
+                     Decoupled,
+                     1 - std::pow(config_.beta1, t),
+                     1 - std::pow(config_.beta2, t)};
+  }
+  void update(std::size_t i, const T* grad) override {
+    BasicParameter<T>& p = *this->params_[i];
+    Backend::adam_update(p.data(), grad, m_[i].data(), v_[i].data(), p.numel(), step_);
+  }
+
+  AdamConfig config_;
+  std::vector<BasicTensor<T>> m_;
+  std::vector<BasicTensor<T>> v_;
+  AdamStep step_{};
+};
+
+using SGD = BasicSGD<float>;
+using Adam = BasicAdam<float, false>;
+using AdamW = BasicAdam<float, true>;
+
+}  // namespace duet::nn
 
 namespace duet {
 
 // Elements are written and read as they lie in memory.
 static_assert(std::endian::native == std::endian::little, "duet checkpoints need a little-endian machine");
 
+// One tensor a checkpoint file holds, as checkpoint_info lists it.
+struct CheckpointEntry {
+  std::string name;
+  DType dtype;
+  Shape shape;
+};
+
+// What a checkpoint file holds (checkpoint_info): its parameters and, when it was saved with
+// an optimiser, that optimiser's type, step and state tensors.
+struct CheckpointInfo {
+  std::uint32_t version = 0;
+  std::vector<CheckpointEntry> parameters;
+  std::string optimizer;  // "nn::Adam", or "" when the file holds no optimiser state
+  std::int64_t global_step = 0;
+  std::vector<CheckpointEntry> optimizer_state;
+};
+
+struct CheckpointLoadOptions {
+  // All or nothing: every parameter of the cell, and nothing else, with its type and shape.
+  // When false, loads the parameters whose name, type and shape match and reports the rest.
+  bool strict = true;
+};
+
+// What a load left out, as MindSpore's load_param_into_net returns it: the cell's parameters
+// that kept their values, and the file's parameters that were not used (another name, type or
+// shape). A strict load either loads everything, returning two empty lists, or throws.
+struct CheckpointLoad {
+  std::vector<std::string> param_not_load;
+  std::vector<std::string> ckpt_not_load;
+};
+
 namespace detail {
 
 inline constexpr std::string_view checkpoint_magic = "DUETCKPT";
-inline constexpr std::uint32_t checkpoint_version = 1;
-// Magic, version, count; the checksum; each parameter's name length, type and rank.
+inline constexpr std::uint32_t checkpoint_version = 2;
+// Magic, version, count; the checksum; each record's name length, type and rank; the
+// optimiser section's name length, then its step and count when there is one.
 inline constexpr std::uint64_t checkpoint_header_bytes = 8 + 4 + 4;
+inline constexpr std::uint64_t checkpoint_optimizer_bytes = 4;
+inline constexpr std::uint64_t checkpoint_optimizer_state_bytes = 8 + 4;
 inline constexpr std::uint64_t checkpoint_checksum_bytes = 4;
 inline constexpr std::uint64_t checkpoint_record_header_bytes = 4 + 1 + 1;
 
@@ -5983,21 +8224,22 @@ class CheckpointWriter {
   bool committed_ = false;
 };
 
-// A whole file, or its first limit + 1 bytes when it is larger (which load_parameters then
-// refuses). The buffer grows with what arrives, so a hostile file costs at most about the
-// limit, however large it is or claims to be.
-inline std::vector<unsigned char> read_checkpoint_file(const std::filesystem::path& path, std::uint64_t limit) {
+// A whole file. The buffer is sized by the file's size on disk, and grows with what arrives
+// when that is unknown or the file grows meanwhile, so a file costs what it holds, whatever its
+// fields claim.
+inline std::vector<unsigned char> read_checkpoint_file(const std::filesystem::path& path) {
   struct Closer {
     void operator()(std::FILE* f) const { std::fclose(f); }
   };
   const std::unique_ptr<std::FILE, Closer> file(std::fopen(path.c_str(), "rb"));
   if (file == nullptr) throw IOError(checkpoint_where(path) + ": cannot open: " + system_message());
+  std::error_code unknown;
+  const auto size = static_cast<std::size_t>(std::filesystem::file_size(path, unknown));
   std::vector<unsigned char> bytes;
   for (;;) {
     const std::size_t have = bytes.size();
-    if (have > limit) return bytes;
-    const auto grow =
-        static_cast<std::size_t>(std::min<std::uint64_t>(std::max<std::size_t>(have, 64 * 1024), limit + 1 - have));
+    // One byte more than the size, so that the first read already meets the end.
+    const std::size_t grow = have == 0 && !unknown ? size + 1 : std::max<std::size_t>(have, 64 * 1024);
     bytes.resize(have + grow);
     const std::size_t got = std::fread(bytes.data() + have, 1, grow, file.get());
     bytes.resize(have + got);
@@ -6008,7 +8250,7 @@ inline std::vector<unsigned char> read_checkpoint_file(const std::filesystem::pa
   }
 }
 
-// One parameter as the file holds it; its elements are bytes [offset, offset + size) of the file.
+// One tensor as the file holds it; its elements are bytes [offset, offset + size) of the file.
 struct CheckpointRecord {
   std::string_view name;
   DType dtype;
@@ -6041,14 +8283,31 @@ class CheckpointParser {
     for (std::size_t i = 0; i < n; ++i) v |= std::uint64_t{b[i]} << (8 * i);
     return v;
   }
+  std::string_view text(std::size_t n, const std::string& what) {
+    const auto b = take(n, what);
+    return {reinterpret_cast<const char*>(b.data()), b.size()};
+  }
 
-  CheckpointRecord record(std::uint32_t index) {
-    const std::string what = "parameter #" + std::to_string(index);
+  // `count` records; `noun` ("parameter", "optimizer state") names them in messages.
+  std::vector<CheckpointRecord> records(std::uint32_t count, const std::string& noun) {
+    // Not reserved from count: a hostile count must not size an allocation.
+    std::vector<CheckpointRecord> out;
+    std::unordered_set<std::string_view> seen;
+    for (std::uint32_t i = 0; i < count; ++i) {
+      out.push_back(record(i, noun));
+      if (!seen.insert(out.back().name).second) {
+        throw FormatError(where_ + ": " + noun + " " + shown_name(out.back().name) + " appears twice in the file");
+      }
+    }
+    return out;
+  }
+
+ private:
+  CheckpointRecord record(std::uint32_t index, const std::string& noun) {
+    const std::string what = noun + " #" + std::to_string(index);
     const auto name_size = static_cast<std::size_t>(little_endian(4, what + "'s name length"));
-    const auto name_bytes = take(name_size, what + "'s name");
-    CheckpointRecord r{std::string_view(reinterpret_cast<const char*>(name_bytes.data()), name_bytes.size()),
-                       DType::float32, Shape{}, 0, 0};
-    const std::string who = "parameter " + shown_name(r.name);
+    CheckpointRecord r{text(name_size, what + "'s name"), DType::float32, Shape{}, 0, 0};
+    const std::string who = noun + " " + shown_name(r.name);
     const auto type = little_endian(1, who + "'s element type");
     if (type > static_cast<std::uint64_t>(DType::uint8)) {
       throw FormatError(where_ + ": malformed: " + who + " has element type " + std::to_string(type) +
@@ -6083,33 +8342,45 @@ class CheckpointParser {
     return r;
   }
 
- private:
   std::span<const unsigned char> bytes_;
   std::string where_;
   std::size_t pos_ = 0;
 };
 
-// The parameters of a checkpoint file, checked for everything but whether they fit a cell.
-// `expected` is the size a checkpoint of the cell takes, for telling truncation from damage.
-inline std::vector<CheckpointRecord> parse_checkpoint(std::span<const unsigned char> bytes, std::uint64_t expected,
-                                                      const std::string& where) {
+// A checkpoint file's fields, which point into its bytes.
+struct ParsedCheckpoint {
+  std::uint32_t version = 0;
+  std::vector<CheckpointRecord> parameters;
+  std::string_view optimizer;  // empty when the file holds no optimiser state
+  std::int64_t global_step = 0;
+  std::vector<CheckpointRecord> optimizer_state;
+};
+
+// A checkpoint file, checked for everything but whether it fits a cell. `expected` is the
+// size a checkpoint of the cell takes, for telling truncation from damage; 0 when there is
+// no cell to compare with.
+inline ParsedCheckpoint parse_checkpoint(std::span<const unsigned char> bytes, std::uint64_t expected,
+                                         const std::string& where) {
   const std::size_t n = bytes.size();
   const std::size_t magic_seen = std::min<std::size_t>(n, checkpoint_magic.size());
   if (!std::equal(bytes.begin(), bytes.begin() + static_cast<std::ptrdiff_t>(magic_seen), checkpoint_magic.begin())) {
     throw FormatError(where + ": not a duet checkpoint: it does not start with \"DUETCKPT\"");
   }
   const auto truncated = [&] {
-    return FormatError(where + ": truncated at byte " + std::to_string(n) + "; a checkpoint of this cell is " +
-                       std::to_string(expected) + " bytes");
+    return FormatError(where + ": truncated at byte " + std::to_string(n) +
+                       (expected == 0 ? std::string()
+                                      : "; a checkpoint of this cell is " + std::to_string(expected) + " bytes"));
   };
   if (n < checkpoint_magic.size() + 4) throw truncated();
+  ParsedCheckpoint file;
   CheckpointParser header(bytes, where);
   header.take(checkpoint_magic.size(), "the magic");
   const auto version = header.little_endian(4, "the version");
-  if (version != checkpoint_version) {
-    throw FormatError(where + ": format version " + std::to_string(version) + "; this duet reads version " +
+  if (version < 1 || version > checkpoint_version) {
+    throw FormatError(where + ": format version " + std::to_string(version) + "; this duet reads versions 1 to " +
                       std::to_string(checkpoint_version));
   }
+  file.version = static_cast<std::uint32_t>(version);
   if (n < checkpoint_header_bytes + checkpoint_checksum_bytes) throw truncated();
 
   const std::size_t body = n - checkpoint_checksum_bytes;
@@ -6118,753 +8389,349 @@ inline std::vector<CheckpointRecord> parse_checkpoint(std::span<const unsigned c
   if (stored != crc32_z(crc32_z(0, nullptr, 0), bytes.data(), body)) {
     // A cut file rarely ends in a valid checksum, so a short file that fails is taken as cut.
     if (n < expected) throw truncated();
-    throw FormatError(where + ": checksum mismatch: the file is damaged");
+    throw FormatError(where + ": checksum mismatch: the file is damaged" + (expected == 0 ? " or truncated" : ""));
   }
 
   CheckpointParser in(bytes.first(body), where);
   in.take(checkpoint_magic.size() + 4, "the header");
-  const auto count = static_cast<std::uint32_t>(in.little_endian(4, "the parameter count"));
-  // Not reserved from count: a hostile count must not size an allocation.
-  std::vector<CheckpointRecord> records;
-  for (std::uint32_t i = 0; i < count; ++i) records.push_back(in.record(i));
+  file.parameters = in.records(static_cast<std::uint32_t>(in.little_endian(4, "the parameter count")), "parameter");
+  if (file.version >= 2) {
+    const auto name_size = static_cast<std::size_t>(in.little_endian(4, "the optimizer's type name length"));
+    file.optimizer = in.text(name_size, "the optimizer's type name");
+    if (!file.optimizer.empty()) {
+      file.global_step = static_cast<std::int64_t>(in.little_endian(8, "the optimizer's global step"));
+      if (file.global_step < 0) {
+        throw FormatError(where + ": malformed: the optimizer's global step is " + std::to_string(file.global_step));
+      }
+      const auto count = static_cast<std::uint32_t>(in.little_endian(4, "the optimizer state count"));
+      file.optimizer_state = in.records(count, "optimizer state");
+    }
+  }
   if (in.remaining() != 0) {
     throw FormatError(where + ": malformed: " + std::to_string(in.remaining()) + " unexpected bytes at byte " +
-                      std::to_string(in.position()) + ", after the parameters");
+                      std::to_string(in.position()) + ", after the " +
+                      (file.optimizer.empty() ? "parameters" : "optimizer state"));
   }
-  return records;
+  return file;
 }
 
-// The size of a checkpoint of these parameters: files of other sizes hold something else, and
-// a shorter one that fails its checksum is taken as cut.
+inline std::vector<CheckpointEntry> entries_of(const std::vector<CheckpointRecord>& records) {
+  std::vector<CheckpointEntry> out;
+  out.reserve(records.size());
+  for (const auto& r : records) out.push_back({std::string(r.name), r.dtype, r.shape});
+  return out;
+}
+
+inline CheckpointInfo info_of(std::span<const unsigned char> bytes, const std::string& where) {
+  const ParsedCheckpoint file = parse_checkpoint(bytes, 0, where);
+  return {file.version, entries_of(file.parameters), std::string(file.optimizer), file.global_step,
+          entries_of(file.optimizer_state)};
+}
+
+// A tensor a load fills, by the name the file gives it.
 template <ElementType T>
-std::uint64_t checkpoint_size(const std::vector<nn::NamedParameter<T>>& parameters) {
-  std::uint64_t size = checkpoint_header_bytes + checkpoint_checksum_bytes;
-  for (const auto& [name, p] : parameters) {
-    size += checkpoint_record_header_bytes + name.size() + 8 * std::uint64_t(p->ndim()) +
-            std::uint64_t(p->numel()) * sizeof(T);
+struct CheckpointTarget {
+  std::string name;
+  BasicTensor<T>* tensor;
+};
+
+// The cell's parameters, which a checkpoint cannot do without: a cell with none has almost
+// certainly not declared its members.
+template <ElementType T>
+std::vector<CheckpointTarget<T>> parameter_targets(nn::BasicDynamicCell<T>& cell, const std::string& where) {
+  std::vector<CheckpointTarget<T>> out;
+  for (auto& [name, p] : cell.parameters()) out.push_back({std::move(name), p});
+  if (out.empty()) {
+    throw ValueError(where + ": " + cell.type_name() +
+                     " has no parameters; are its sub-cells and parameters listed in its DUET_CELL_MEMBERS?");
+  }
+  return out;
+}
+
+// The optimiser's state tensors, named "<slot>.<parameter's name>" after the cell's names for
+// the parameters the optimiser updates.
+template <ElementType T>
+std::vector<CheckpointTarget<T>> optimizer_targets(const std::vector<CheckpointTarget<T>>& parameters,
+                                                   nn::BasicOptimizer<T>& optimizer, const std::string& where) {
+  std::unordered_map<const BasicTensor<T>*, std::string_view> names;
+  for (const auto& p : parameters) names.emplace(p.tensor, p.name);
+  const auto& updated = optimizer.parameters();
+  std::vector<std::string_view> updated_names;
+  for (std::size_t i = 0; i < updated.size(); ++i) {
+    const auto found = names.find(updated[i]);
+    if (found == names.end()) {
+      throw ValueError(where + ": the " + std::string(optimizer.type_name()) + "'s parameter #" + std::to_string(i) +
+                       ", of shape " + to_string(updated[i]->shape()) +
+                       ", is not a parameter of the cell, so its state has no name to go by");
+    }
+    updated_names.push_back(found->second);
+  }
+  std::vector<CheckpointTarget<T>> out;
+  for (const auto& slot : optimizer.state()) {
+    for (std::size_t i = 0; i < updated.size(); ++i) {
+      out.push_back({std::string(slot.name).append(".").append(updated_names[i]), &(*slot.tensors)[i]});
+    }
+  }
+  return out;
+}
+
+template <ElementType T>
+std::uint64_t records_size(const std::vector<CheckpointTarget<T>>& targets) {
+  std::uint64_t size = 0;
+  for (const auto& [name, t] : targets) {
+    size += checkpoint_record_header_bytes + name.size() + 8 * std::uint64_t(t->ndim()) +
+            std::uint64_t(t->numel()) * sizeof(T);
   }
   return size;
 }
 
-// load_checkpoint and load_checkpoint_bytes: checks that bytes hold exactly these parameters,
-// then copies them in. `expected` is checkpoint_size(parameters).
+// The size of a checkpoint of these tensors: a shorter file that fails its checksum is taken
+// as cut.
 template <ElementType T>
-void load_parameters(std::span<const unsigned char> bytes, std::uint64_t expected,
-                     const std::vector<nn::NamedParameter<T>>& parameters, const std::string& where) {
-  if (bytes.size() > expected) {
-    throw FormatError(where + ": larger than the " + std::to_string(expected) +
-                      " bytes a checkpoint of this cell takes; it holds other parameters or shapes");
-  }
-  std::unordered_map<std::string_view, std::size_t> index;
-  for (std::size_t i = 0; i < parameters.size(); ++i) index.emplace(parameters[i].name, i);
-  const auto records = parse_checkpoint(bytes, expected, where);
+std::uint64_t checkpoint_size(const std::vector<CheckpointTarget<T>>& parameters, std::string_view optimizer = {},
+                              const std::vector<CheckpointTarget<T>>& state = {}) {
+  return checkpoint_header_bytes + records_size(parameters) + checkpoint_optimizer_bytes +
+         (optimizer.empty() ? 0 : optimizer.size() + checkpoint_optimizer_state_bytes + records_size(state)) +
+         checkpoint_checksum_bytes;
+}
 
-  std::vector<const CheckpointRecord*> source(parameters.size(), nullptr);
-  for (const auto& r : records) {
-    const auto found = index.find(r.name);
-    if (found == index.end()) {
-      throw FormatError(where + ": parameter " + shown_name(r.name) + " in the file is not in the cell");
-    }
-    const std::size_t i = found->second;
-    const auto& p = *parameters[i].parameter;
-    if (source[i] != nullptr) {
-      throw FormatError(where + ": parameter '" + parameters[i].name + "' appears twice in the file");
-    }
-    if (r.dtype != p.dtype()) {
-      throw FormatError(where + ": parameter '" + parameters[i].name + "' is " + std::string(name_of(p.dtype())) +
-                        " in the cell but " + std::string(name_of(r.dtype)) + " in the file");
-    }
-    if (!(r.shape == p.shape())) {
-      throw FormatError(where + ": parameter '" + parameters[i].name + "' has shape " + to_string(p.shape()) +
-                        " in the cell but " + to_string(r.shape) + " in the file");
-    }
-    source[i] = &r;
-  }
-  std::string missing;
-  for (std::size_t i = 0; i < parameters.size(); ++i) {
-    if (source[i] == nullptr) missing += (missing.empty() ? "'" : ", '") + parameters[i].name + "'";
-  }
-  if (!missing.empty()) throw FormatError(where + ": the file has no value for the cell's parameter(s) " + missing);
-
-  for (std::size_t i = 0; i < parameters.size(); ++i) {
-    std::copy_n(bytes.begin() + static_cast<std::ptrdiff_t>(source[i]->offset), source[i]->size,
-                reinterpret_cast<unsigned char*>(parameters[i].parameter->data()));
+template <ElementType T>
+void write_records(CheckpointWriter& out, const std::vector<CheckpointTarget<T>>& targets) {
+  out.u32(static_cast<std::uint32_t>(targets.size()));
+  for (const auto& [name, t] : targets) {
+    out.u32(static_cast<std::uint32_t>(name.size()));
+    out.bytes(std::as_bytes(std::span(name)));
+    out.u8(static_cast<std::uint8_t>(t->dtype()));
+    out.u8(static_cast<std::uint8_t>(t->ndim()));
+    for (index_t d : t->shape()) out.i64(d);
+    out.bytes(std::as_bytes(std::span<const T>(t->data(), static_cast<std::size_t>(t->numel()))));
   }
 }
 
-}  // namespace detail
-
-// Writes every parameter of cell (and the cells below it) to path, atomically: on any failure
-// path keeps its previous contents.
 template <ElementType T>
-void save_checkpoint(nn::BasicDynamicCell<T>& cell, const std::filesystem::path& path) {
-  const auto parameters = cell.parameters();
-  detail::CheckpointWriter out(path);
-  out.bytes(std::as_bytes(std::span(detail::checkpoint_magic)));
-  out.u32(detail::checkpoint_version);
-  out.u32(static_cast<std::uint32_t>(parameters.size()));
-  for (const auto& [name, p] : parameters) {
-    out.u32(static_cast<std::uint32_t>(name.size()));
-    out.bytes(std::as_bytes(std::span(name)));
-    out.u8(static_cast<std::uint8_t>(p->dtype()));
-    out.u8(static_cast<std::uint8_t>(p->ndim()));
-    for (index_t d : p->shape()) out.i64(d);
-    out.bytes(std::as_bytes(p->values()));
+void write_checkpoint(const std::filesystem::path& path, const std::vector<CheckpointTarget<T>>& parameters,
+                      std::string_view optimizer = {}, std::int64_t global_step = 0,
+                      const std::vector<CheckpointTarget<T>>& state = {}) {
+  CheckpointWriter out(path);
+  out.bytes(std::as_bytes(std::span(checkpoint_magic)));
+  out.u32(checkpoint_version);
+  write_records(out, parameters);
+  out.u32(static_cast<std::uint32_t>(optimizer.size()));
+  if (!optimizer.empty()) {
+    out.bytes(std::as_bytes(std::span(optimizer)));
+    out.i64(global_step);
+    write_records(out, state);
   }
   out.commit();
 }
 
-// Reads a checkpoint into cell's parameters. The file must hold exactly the cell's
-// parameters, by name, with their element types and shapes. Everything is checked before
-// anything is copied: on any error (a duet::FormatError naming the problem, or IOError when
-// the file cannot be read) the cell is left as it was.
+// Names for a message, the first few of them: a hostile file may hold millions.
+inline std::string name_list(const std::vector<std::string_view>& names) {
+  constexpr std::size_t most = 10;
+  std::string out;
+  for (std::size_t i = 0; i < std::min(names.size(), most); ++i) out += (i == 0 ? "" : ", ") + shown_name(names[i]);
+  if (names.size() > most) out += " and " + std::to_string(names.size() - most) + " more";
+  return out;
+}
+
+// How messages call the tensors matched and what holds them: "parameter", "the cell".
+struct MatchWords {
+  std::string noun;
+  std::string holder;
+};
+
+// For each target, the record of its name, type and shape, or nullptr. A strict match throws
+// on the first difference of type or shape, then on names in the file or the holder only;
+// otherwise the names not matched go to `unmatched`.
 template <ElementType T>
-void load_checkpoint(const std::filesystem::path& path, nn::BasicDynamicCell<T>& cell) {
-  const auto parameters = cell.parameters();
-  const std::uint64_t expected = detail::checkpoint_size(parameters);
-  const std::vector<unsigned char> bytes = detail::read_checkpoint_file(path, expected);
-  detail::load_parameters(std::span<const unsigned char>(bytes), expected, parameters, detail::checkpoint_where(path));
+std::vector<const CheckpointRecord*> match_records(const std::vector<CheckpointRecord>& records,
+                                                   const std::vector<CheckpointTarget<T>>& targets,
+                                                   const MatchWords& words, const std::string& where,
+                                                   CheckpointLoad* unmatched) {
+  std::unordered_map<std::string_view, std::size_t> index;
+  for (std::size_t i = 0; i < targets.size(); ++i) index.emplace(targets[i].name, i);
+  std::vector<const CheckpointRecord*> source(targets.size(), nullptr);
+  std::vector<std::string_view> unknown;
+  for (const auto& r : records) {
+    const auto found = index.find(r.name);
+    if (found == index.end()) {
+      unknown.push_back(r.name);
+      continue;
+    }
+    const auto& [name, t] = targets[found->second];
+    std::string difference;
+    if (r.dtype != t->dtype()) {
+      difference = " is " + std::string(name_of(t->dtype())) + " in " + words.holder + " but " +
+                   std::string(name_of(r.dtype)) + " in the file";
+    } else if (!(r.shape == t->shape())) {
+      difference = " has shape " + to_string(t->shape()) + " in " + words.holder + " but " + to_string(r.shape) +
+                   " in the file";
+    }
+    if (difference.empty()) {
+      source[found->second] = &r;
+    } else if (unmatched == nullptr) {
+      throw FormatError(where + ": " + words.noun + " '" + name + "'" + difference);
+    } else {
+      unknown.push_back(r.name);
+    }
+  }
+  std::vector<std::string_view> missing;
+  for (std::size_t i = 0; i < targets.size(); ++i) {
+    if (source[i] == nullptr) missing.push_back(targets[i].name);
+  }
+  if (unmatched != nullptr) {
+    for (const auto name : missing) unmatched->param_not_load.emplace_back(name);
+    for (const auto name : unknown) unmatched->ckpt_not_load.emplace_back(name);
+  } else if (!unknown.empty() || !missing.empty()) {
+    std::string message = where + ": ";
+    if (!unknown.empty()) {
+      message += "the file's " + words.noun + "(s) " + name_list(unknown) + " are not in " + words.holder;
+    }
+    if (!missing.empty()) {
+      message += std::string(unknown.empty() ? "" : ", and ") + "the file has no value for " + words.holder + "'s " +
+                 words.noun + "(s) " + name_list(missing);
+    }
+    throw FormatError(message);
+  }
+  return source;
+}
+
+template <ElementType T>
+void copy_records(std::span<const unsigned char> bytes, const std::vector<CheckpointTarget<T>>& targets,
+                  const std::vector<const CheckpointRecord*>& source) {
+  for (std::size_t i = 0; i < targets.size(); ++i) {
+    if (source[i] == nullptr) continue;
+    std::copy_n(bytes.begin() + static_cast<std::ptrdiff_t>(source[i]->offset), source[i]->size,
+                reinterpret_cast<unsigned char*>(targets[i].tensor->data()));
+  }
+}
+
+inline const MatchWords parameter_words{"parameter", "the cell"};
+
+// load_checkpoint and load_checkpoint_bytes: checks the whole file, then copies what matches.
+template <ElementType T>
+CheckpointLoad load_parameters(std::span<const unsigned char> bytes, const std::vector<CheckpointTarget<T>>& parameters,
+                               const CheckpointLoadOptions& options, const std::string& where) {
+  // A file that need not fit the cell says nothing by its size.
+  const ParsedCheckpoint file = parse_checkpoint(bytes, options.strict ? checkpoint_size(parameters) : 0, where);
+  CheckpointLoad unmatched;
+  const auto source =
+      match_records(file.parameters, parameters, parameter_words, where, options.strict ? nullptr : &unmatched);
+  copy_records(bytes, parameters, source);
+  return unmatched;
+}
+
+// The same with the optimiser's state, which must match as strictly as the parameters.
+template <ElementType T>
+void load_training_state(std::span<const unsigned char> bytes, const std::vector<CheckpointTarget<T>>& parameters,
+                         nn::BasicOptimizer<T>& optimizer, const std::vector<CheckpointTarget<T>>& state,
+                         const std::string& where) {
+  const std::string_view type = optimizer.type_name();
+  const ParsedCheckpoint file = parse_checkpoint(bytes, checkpoint_size(parameters, type, state), where);
+  const auto parameter_source = match_records(file.parameters, parameters, parameter_words, where, nullptr);
+  if (file.optimizer.empty()) {
+    throw FormatError(where + ": holds no optimizer state" +
+                      (file.version < 2 ? " (it is format version 1, which cannot)"
+                                        : " (it was saved without an optimizer)") +
+                      ", so the " + std::string(type) + " cannot resume from it");
+  }
+  if (file.optimizer != type) {
+    throw FormatError(where + ": holds the state of an optimizer " + shown_name(file.optimizer) + ", not of an " +
+                      std::string(type));
+  }
+  const auto state_source =
+      match_records(file.optimizer_state, state, {"optimizer state", "the " + std::string(type)}, where, nullptr);
+  copy_records(bytes, parameters, parameter_source);
+  copy_records(bytes, state, state_source);
+  optimizer.set_global_step(file.global_step);
+}
+
+inline std::span<const unsigned char> unsigned_bytes(std::span<const std::byte> bytes) {
+  return {reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size()};
+}
+
+inline const std::string checkpoint_data_where = "checkpoint data";
+
+}  // namespace detail
+
+// Writes every parameter of cell (and the cells below it) to path, atomically: on any failure
+// path keeps its previous contents. A cell without parameters is a ValueError.
+template <ElementType T>
+void save_checkpoint(nn::BasicDynamicCell<T>& cell, const std::filesystem::path& path) {
+  detail::write_checkpoint(path, detail::parameter_targets(cell, detail::checkpoint_where(path)));
+}
+
+// The same, with the state of the optimiser that trains cell (its type, step count and, per
+// parameter, its moments or momentum, named by the cell's parameter names), so that
+// load_checkpoint(path, net, optimizer) resumes training where it stopped, in a new process
+// too. Every parameter the optimiser updates must be one of cell's (a ValueError otherwise).
+template <ElementType T>
+void save_checkpoint(nn::BasicDynamicCell<T>& cell, const std::filesystem::path& path,
+                     nn::BasicOptimizer<T>& optimizer) {
+  const std::string where = detail::checkpoint_where(path);
+  const auto parameters = detail::parameter_targets(cell, where);
+  detail::write_checkpoint(path, parameters, optimizer.type_name(), optimizer.global_step(),
+                           detail::optimizer_targets(parameters, optimizer, where));
+}
+
+// Reads a checkpoint into cell's parameters. Strict (the default): the file must hold
+// exactly the cell's parameters, by name, with their element types and shapes; the first
+// difference is a duet::FormatError naming the parameter and both shapes or types, or the
+// names only the file or only the cell has. Not strict ({.strict = false}): loads the
+// parameters that match and returns the names of the others (a strict load returns empty
+// lists). Either way the whole file is checked (checksum, fields) before anything is copied:
+// on any error (FormatError, or IOError when the file cannot be read) the cell is left as it
+// was. Optimiser state in the file is not needed and not used.
+template <ElementType T>
+CheckpointLoad load_checkpoint(const std::filesystem::path& path, nn::BasicDynamicCell<T>& cell,
+                               CheckpointLoadOptions options = {}) {
+  const std::string where = detail::checkpoint_where(path);
+  const auto parameters = detail::parameter_targets(cell, where);
+  return detail::load_parameters(std::span<const unsigned char>(detail::read_checkpoint_file(path)), parameters,
+                                 options, where);
+}
+
+// Reads a checkpoint saved with an optimiser into cell and optimizer, strictly: parameters,
+// optimiser type (nn::Adam is not nn::AdamW) and every state tensor must match, or a
+// FormatError names the difference and nothing changes. The optimiser's hyper-parameters
+// (learning rate or schedule, betas, momentum) are its own, not the file's; its step count
+// comes from the file, so a schedule goes on from where it was.
+template <ElementType T>
+void load_checkpoint(const std::filesystem::path& path, nn::BasicDynamicCell<T>& cell,
+                     nn::BasicOptimizer<T>& optimizer) {
+  const std::string where = detail::checkpoint_where(path);
+  const auto parameters = detail::parameter_targets(cell, where);
+  const auto state = detail::optimizer_targets(parameters, optimizer, where);
+  detail::load_training_state(std::span<const unsigned char>(detail::read_checkpoint_file(path)), parameters,
+                              optimizer, state, where);
 }
 
 // The same for the bytes of a checkpoint already in memory.
 template <ElementType T>
-void load_checkpoint_bytes(std::span<const std::byte> bytes, nn::BasicDynamicCell<T>& cell) {
-  const auto parameters = cell.parameters();
-  detail::load_parameters(std::span(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size()),
-                          detail::checkpoint_size(parameters), parameters, "checkpoint data");
+CheckpointLoad load_checkpoint_bytes(std::span<const std::byte> bytes, nn::BasicDynamicCell<T>& cell,
+                                     CheckpointLoadOptions options = {}) {
+  const auto& where = detail::checkpoint_data_where;
+  return detail::load_parameters(detail::unsigned_bytes(bytes), detail::parameter_targets(cell, where), options,
+                                 where);
 }
 
-}  // namespace duet
-// jit: a function of tensors compiled into a static graph, whatever the global context
-// (MindSpore's mindspore.jit and JitConfig).
-//
-//   auto run_with_jit = duet::jit(run);                                   // function transform
-//   auto run = duet::jit([&](auto x) { return model(x); });               // decorator form
-//   auto fast = duet::jit<duet::JitConfig{.jit_level = duet::O2}>(run);   // with a configuration
-//   struct Net : nn::Cell<Net, duet::JitConfig{}> {...};                  // jit on construct
-//
-// Calling a jitted function captures it on symbolic tensors (a compile-time graph), checks and
-// optimises the graph at the JitConfig's level, and runs it in one evaluator call. The run-time
-// half of compiling (a "compiled form": the plan for the input shapes) is made once per input
-// signature, and counted: each jitted function and the program keep a compile count and a log
-// saying why each recompilation happened.
-//
-// The signature of a call is the dtype and shape of each tensor argument (its input_signature
-// pattern instead, when one is given: a dynamic dimension then means one compiled form for all
-// its sizes), the value of each other argument (unless wrapped in duet::mutable_), and the
-// current values of the hash_args.
-
-#include <algorithm>
-#include <atomic>
-#include <cstdint>
-#include <cstring>
-#include <deque>
-#include <functional>
-#include <memory>
-#include <mutex>
-#include <shared_mutex>
-#include <string>
-#include <tuple>
-#include <type_traits>
-#include <typeindex>
-#include <utility>
-#include <vector>
-
-// PIJit: jit for networks built at run time. The first call with given input shapes runs the
-// function eagerly under a trace (trace.hpp); the trace is then optimised as the jit level
-// says, as graph mode's passes do (O1: each product takes its bias and ReLU as epilogue; O2:
-// products also keep their weights packed between calls), and planned (intermediate values in
-// reused slots of one arena), and later calls replay it: one call per step, no virtual cell
-// dispatch, no hooks to look up, no allocation once warm.
-//
-// What a trace cannot hold is a graph break: a function that makes its result from something
-// no duet operation computed runs eagerly on every call instead. Control flow that depends on
-// a tensor's value is fixed at the trace; run it through duet::host to keep it live.
-
-#include <algorithm>
-#include <cstddef>
-#include <functional>
-#include <memory>
-#include <span>
-#include <string>
-#include <utility>
-#include <vector>
-
-
-namespace duet::pijit {
-
-// A trace made ready to run again: fused, with its memory laid out.
-class Replay {
- public:
-  Replay(Trace trace, std::size_t output, JitLevel level)
-      : values_(std::move(trace.values())),
-        steps_(std::move(trace.steps())),
-        cells_(std::move(trace.cells())),
-        output_(output),
-        traced_steps_(steps_.size()) {
-    if (level != JitLevel::O0) fuse();
-    if (level == JitLevel::O2) pack_weights();
-    layout();
-  }
-
-  std::size_t traced_steps() const { return traced_steps_; }
-  std::size_t steps() const { return steps_.size(); }
-
-  // Whether a cell the trace went through has a hook now: the replay would skip it, so the
-  // caller runs the function eagerly instead and the hook runs.
-  bool cells_have_hooks() const {
-    if (duet::detail::live_hook_count().load(std::memory_order_relaxed) == 0) return false;
-    return std::any_of(cells_.begin(), cells_.end(), [](const auto& has_hooks) { return has_hooks(); });
-  }
-
-  // Runs the steps on new inputs of the traced shapes; returns the output value.
-  template <class T>
-  BasicTensor<T> run(std::span<const void* const> inputs) const {
-    thread_local std::vector<void*> data;
-    data.assign(values_.size(), nullptr);
-    duet::detail::Storage arena(arena_bytes_);
-    auto result = BasicTensor<T>::uninitialized(values_[output_root_].shape);
-    for (std::size_t v = 0; v < values_.size(); ++v) {
-      const Value& value = values_[v];
-      switch (value.kind) {
-        case Value::Kind::input: data[v] = const_cast<void*>(inputs[value.input]); break;
-        case Value::Kind::constant: data[v] = const_cast<void*>(value.data); break;
-        case Value::Kind::view: data[v] = data[value.view_of]; break;
-        case Value::Kind::computed:
-          data[v] = v == output_root_ ? static_cast<void*>(result.data()) : arena.data() + offset_[v];
-          break;
-      }
-    }
-    for (const auto& step : steps_) {
-      if (step->runs_kernel()) step->run(data.data(), values_);
-    }
-    return values_[output_].shape == result.shape() ? result : result.reshape(values_[output_].shape);
-  }
-
- private:
-  // A product followed by its bias add, then a ReLU, becomes one step when nothing else reads
-  // the values in between.
-  void fuse() {
-    std::vector<std::size_t> readers(values_.size(), 0);
-    for (const auto& s : steps_) {
-      for (std::size_t v : s->inputs) ++readers[v];
-    }
-    ++readers[output_];
-    std::vector<std::unique_ptr<Step>> fused;
-    for (auto& step : steps_) {
-      if (!fused.empty()) {
-        const Step& last = *fused.back();
-        if (step->inputs.size() == 1 && step->inputs[0] == last.output && readers[last.output] == 1) {
-          if (auto merged = last.absorb(*step)) {
-            fused.back() = std::move(merged);
-            continue;
-          }
-        }
-      }
-      fused.push_back(std::move(step));
-    }
-    steps_ = std::move(fused);
-  }
-
-  void pack_weights() {
-    for (auto& step : steps_) {
-      if (auto packed = step->with_packed_weight()) step = std::move(packed);
-    }
-  }
-
-  // Computed values get slots of one arena, reused once their last reader has run.
-  void layout() {
-    output_root_ = output_;
-    while (values_[output_root_].kind == Value::Kind::view) output_root_ = values_[output_root_].view_of;
-    if (values_[output_root_].kind != Value::Kind::computed) {
-      throw ModeError("duet::jit (PIJit): the traced function returns one of its inputs or constants");
-    }
-    std::vector<std::size_t> last_read(values_.size(), 0);
-    std::vector<bool> made(values_.size(), false);
-    for (std::size_t i = 0; i < steps_.size(); ++i) {
-      for (std::size_t v : steps_[i]->inputs) last_read[root(v)] = i;
-      made[steps_[i]->output] = true;
-    }
-    offset_.assign(values_.size(), 0);
-    struct Slot {
-      std::size_t bytes = 0;
-      std::size_t owner = 0;
-      bool busy = false;
-    };
-    std::vector<Slot> slots;
-    std::vector<std::size_t> slot_of(values_.size(), 0);
-    for (std::size_t i = 0; i < steps_.size(); ++i) {
-      for (Slot& s : slots) {
-        if (s.busy && last_read[s.owner] < i) s.busy = false;
-      }
-      const std::size_t v = steps_[i]->output;
-      if (values_[v].kind != Value::Kind::computed || v == output_root_) continue;
-      const std::size_t bytes = static_cast<std::size_t>(values_[v].shape.numel()) * values_[v].element_size;
-      auto free_slot = std::find_if(slots.begin(), slots.end(), [](const Slot& s) { return !s.busy; });
-      if (free_slot == slots.end()) free_slot = slots.insert(slots.end(), Slot{});
-      free_slot->bytes = std::max(free_slot->bytes, bytes);
-      free_slot->owner = v;
-      free_slot->busy = true;
-      slot_of[v] = static_cast<std::size_t>(free_slot - slots.begin());
-    }
-    std::vector<std::size_t> slot_offset(slots.size(), 0);
-    for (std::size_t s = 0; s < slots.size(); ++s) {
-      slot_offset[s] = arena_bytes_;
-      arena_bytes_ += (slots[s].bytes + duet::detail::block_alignment - 1) / duet::detail::block_alignment *
-                      duet::detail::block_alignment;
-    }
-    for (std::size_t v = 0; v < values_.size(); ++v) {
-      if (made[v] && values_[v].kind == Value::Kind::computed) offset_[v] = slot_offset[slot_of[v]];
-    }
-  }
-
-  std::size_t root(std::size_t v) const {
-    while (values_[v].kind == Value::Kind::view) v = values_[v].view_of;
-    return v;
-  }
-
-  std::vector<Value> values_;
-  std::vector<std::unique_ptr<Step>> steps_;
-  std::vector<std::function<bool()>> cells_;
-  std::size_t output_;
-  std::size_t traced_steps_;
-  std::size_t output_root_ = 0;
-  std::vector<std::size_t> offset_;
-  std::size_t arena_bytes_ = 0;
-};
-
-}  // namespace duet::pijit
-
-namespace duet {
-
-// PSJit: the compile-time static graph. PIJit: a trace of a network built at run time (see
-// pijit.hpp), captured on the first call for each input shape and replayed.
-enum class JitMode : unsigned char { PSJit, PIJit };
-
-// What input_signature says of one tensor argument; duet::dyn in shape for any size.
-struct TensorSpec {
-  DType dtype = float32;
-  Shape shape = {};
-};
-
-// A non-tensor argument whose value is not part of the signature (MindSpore's mutable): a
-// new value does not recompile.
-template <class T>
-struct Mutable {
-  T value;
-};
-template <class T>
-Mutable<std::decay_t<T>> mutable_(T&& value) {
-  return {std::forward<T>(value)};
+template <ElementType T>
+void load_checkpoint_bytes(std::span<const std::byte> bytes, nn::BasicDynamicCell<T>& cell,
+                           nn::BasicOptimizer<T>& optimizer) {
+  const auto& where = detail::checkpoint_data_where;
+  const auto parameters = detail::parameter_targets(cell, where);
+  const auto state = detail::optimizer_targets(parameters, optimizer, where);
+  detail::load_training_state(detail::unsigned_bytes(bytes), parameters, optimizer, state, where);
 }
 
-namespace detail {
-template <class T>
-std::uint64_t value_hash(const T& value) {
-  if constexpr (requires { std::hash<T>{}(value); }) {
-    return static_cast<std::uint64_t>(std::hash<T>{}(value));
-  } else {
-    static_assert(std::is_trivially_copyable_v<T>,
-                  "duet::jit: a non-tensor argument or hash_arg must be hashable (std::hash) or trivially "
-                  "copyable; wrap other arguments in duet::mutable_");
-    std::uint64_t h = 1469598103934665603ull;  // FNV-1a over the bytes
-    unsigned char bytes[sizeof(T)];
-    std::memcpy(bytes, &value, sizeof(T));
-    for (unsigned char b : bytes) h = (h ^ b) * 1099511628211ull;
-    return h;
-  }
-}
-}  // namespace detail
-
-// A value the jitted function reads besides its arguments (a free variable): a change of it
-// recompiles at the next call. It refers to the value, which must outlive the jitted function.
-class HashArg {
- public:
-  template <class T>
-  explicit HashArg(const T& value) : hash_([&value] { return detail::value_hash(value); }) {}
-  std::uint64_t hash() const { return hash_(); }
-
- private:
-  std::function<std::uint64_t()> hash_;
-};
-template <class T>
-HashArg hash_arg(const T& value) {
-  return HashArg(value);
+// What a checkpoint file holds, checked as a load checks it (checksum, every field), with no
+// cell needed: a FormatError or IOError otherwise.
+inline CheckpointInfo checkpoint_info(const std::filesystem::path& path) {
+  return detail::info_of(detail::read_checkpoint_file(path), detail::checkpoint_where(path));
 }
 
-struct JitOptions {
-  JitMode mode = JitMode::PSJit;
-  std::vector<TensorSpec> input_signature = {};  // empty: any tensors
-  std::vector<HashArg> hash_args = {};
-  // Share compiled forms between every jitted function made from the same function type, so a
-  // re-created one does not compile again. A risk if its free variables differ (as in MindSpore).
-  bool compile_once = false;
-  std::string name = {};  // for the recompile log; "jit function #n" by default
-};
-
-namespace detail {
-struct JitStats {
-  std::atomic<std::uint64_t> compiles{0};
-  std::atomic<std::uint64_t> functions{0};
-  std::mutex mutex;
-  std::vector<std::string> log;
-};
-inline JitStats& jit_stats() {
-  static JitStats stats;
-  return stats;
-}
-}  // namespace detail
-
-// Compilations of every jitted function so far.
-inline std::uint64_t jit_compile_count() { return detail::jit_stats().compiles.load(); }
-
-// One line per compilation, in order: which function, its compile number, and why.
-inline std::vector<std::string> jit_compile_log() {
-  auto& s = detail::jit_stats();
-  std::lock_guard lock(s.mutex);
-  return s.log;
-}
-
-namespace detail {
-
-template <class X>
-inline constexpr bool is_tensor_argument_v = is_tensor_v<std::remove_cvref_t<X>> || is_static_tensor_v<std::remove_cvref_t<X>>;
-
-template <class X>
-inline constexpr bool is_mutable_v = false;
-template <class T>
-inline constexpr bool is_mutable_v<Mutable<T>> = true;
-
-// Position of argument I among the tensor arguments.
-template <std::size_t I, class... Args>
-constexpr std::size_t tensor_index() {
-  constexpr std::array<bool, sizeof...(Args)> is_tensor{is_tensor_argument_v<Args>...};
-  std::size_t k = 0;
-  for (std::size_t i = 0; i < I; ++i) k += is_tensor[i] ? 1 : 0;
-  return k;
-}
-
-template <class... Args>
-constexpr std::size_t tensor_count() {
-  return (std::size_t{0} + ... + (is_tensor_argument_v<Args> ? 1 : 0));
-}
-
-// What makes two calls share a compiled form.
-template <std::size_t N>
-struct Signature {
-  std::array<DType, N> dtypes{};
-  std::array<Shape, N> shapes{};
-  std::array<std::uint64_t, N> values{};
-  std::vector<std::uint64_t> hash_args;
-  friend bool operator==(const Signature&, const Signature&) = default;
-};
-
-template <std::size_t N>
-std::string why_recompiled(const Signature<N>& before, const Signature<N>& now) {
-  for (std::size_t i = 0; i < N; ++i) {
-    if (before.dtypes[i] != now.dtypes[i]) {
-      return "argument " + std::to_string(i) + " dtype " + std::string(name_of(before.dtypes[i])) + " -> " +
-             std::string(name_of(now.dtypes[i]));
-    }
-    if (!(before.shapes[i] == now.shapes[i])) {
-      return "argument " + std::to_string(i) + " shape " + to_string(before.shapes[i]) + " -> " +
-             to_string(now.shapes[i]);
-    }
-    if (before.values[i] != now.values[i]) return "argument " + std::to_string(i) + " (a value) changed";
-  }
-  for (std::size_t i = 0; i < now.hash_args.size(); ++i) {
-    if (i >= before.hash_args.size() || before.hash_args[i] != now.hash_args[i]) {
-      return "hash_args[" + std::to_string(i) + "] changed";
-    }
-  }
-  return "a new signature";
-}
-
-// Compiled forms of one function for one list of argument types.
-template <std::size_t N>
-struct CompileCache {
-  struct Entry {
-    Signature<N> signature;
-    std::uint64_t owner;  // keys the plans of this compiled form
-    // PIJit: the replayable trace, or null when the trace broke and the function runs eagerly.
-    std::shared_ptr<const pijit::Replay> replay;
-  };
-  std::shared_mutex mutex;
-  std::deque<Entry> entries;  // a deque: an entry does not move when others are added
-};
-
-}  // namespace detail
-
-template <JitConfig Config, class Fn>
-class JitFunction {
-  using FnRef = std::remove_reference_t<Fn>;
-
- public:
-  JitFunction(Fn fn, JitOptions options)
-      : fn_(std::forward<Fn>(fn)), options_(std::move(options)), state_(std::make_shared<State>()) {
-    if (options_.name.empty()) options_.name = "jit function #" + std::to_string(++detail::jit_stats().functions);
-    if (options_.compile_once) state_ = shared_state();
-  }
-
-  // Compilations of this function (of every function of its type, with compile_once).
-  std::uint64_t compile_count() const { return state_->compiles.load(); }
-  const std::string& name() const { return options_.name; }
-
-  template <class... Args>
-  auto operator()(const Args&... args) {
-    if constexpr ((graph::Symbolic<Args> || ...)) {
-      // Called while an enclosing graph is captured (grad in graph mode, a jitted caller): the
-      // function's nodes join that graph, which is compiled and differentiated as a whole.
-      return fn_(argument(args)...);
-    } else {
-      return compiled(args...);
-    }
-  }
-
- private:
-  template <class... Args>
-  auto compiled(const Args&... args) {
-    using Result = decltype(eager(args...));
-    // A PyNative grad records operations as they run; a compiled call would hide them from it.
-    if (!get_context().jit_enabled || autodiff::active_tape() != nullptr) return eager(args...);
-    check_signature(args...);
-    auto& cache = compile_cache<Args...>();
-    const auto signature = signature_of(args...);
-    const typename detail::CompileCache<sizeof...(Args)>::Entry* entry = nullptr;
-    {
-      std::shared_lock lock(cache.mutex);
-      entry = find(cache, signature);
-    }
-    if (entry == nullptr) {
-      // Concurrent first calls: one compiles, the others wait here and then find its form.
-      std::unique_lock lock(cache.mutex);
-      entry = find(cache, signature);
-      if (entry == nullptr) {
-        if (options_.mode == JitMode::PIJit) return trace(cache, signature, args...);
-        entry = &compile(cache, signature, nullptr);
-      }
-    }
-    if (options_.mode == JitMode::PIJit) {
-      if (entry->replay == nullptr || entry->replay->cells_have_hooks()) return eager(args...);
-      const auto inputs = std::apply([](const auto&... t) { return std::array<const void*, sizeof...(t)>{t.data()...}; },
-                                     std::tuple_cat(tensor_tuple(args)...));
-      return entry->replay->template run<typename Result::value_type>(inputs);
-    }
-    if constexpr (Capturable<Args...>) {
-      return Result(run_graph(entry->owner, args...));
-    } else {
-      throw ValueError(options_.name + ": the function is not generic over its tensors, so it cannot be captured "
-                                       "as a static graph (PSJit); jit it with {.mode = JitMode::PIJit}");
-    }
-  }
-
-  struct State {
-    std::atomic<std::uint64_t> compiles{0};
-    std::mutex mutex;
-    std::vector<std::pair<std::type_index, std::shared_ptr<void>>> caches;
-  };
-
-  // What compile_once shares: one state per function type (and configuration).
-  static std::shared_ptr<State> shared_state() {
-    static const auto state = std::make_shared<State>();
-    return state;
-  }
-
-  template <class X>
-  static decltype(auto) argument(const X& x) {
-    if constexpr (detail::is_tensor_argument_v<X>) return tensor_of(x);
-    else if constexpr (detail::is_mutable_v<X>) return (x.value);
-    else return (x);
-  }
-
-  // DUET_JIT=0 or set_context({.jit_enabled = false}): the function as plain PyNative code.
-  template <class... Args>
-  auto eager(const Args&... args) {
-    EagerScope eager;
-    auto y = fn_(argument(args)...);
-    return BasicTensor<typename decltype(y)::value_type>(y);
-  }
-
-  template <class... Args>
-  void check_signature(const Args&... args) const {
-    const auto& specs = options_.input_signature;
-    if (specs.empty()) return;
-    constexpr std::size_t tensors = detail::tensor_count<Args...>();
-    if (specs.size() != tensors) {
-      throw ValueError(options_.name + ": input_signature describes " + std::to_string(specs.size()) +
-                       " tensors, the call passes " + std::to_string(tensors));
-    }
-    [&]<std::size_t... I>(std::index_sequence<I...>) {
-      (check_one<detail::tensor_index<I, Args...>()>(args), ...);
-    }(std::index_sequence_for<Args...>{});
-  }
-
-  template <std::size_t K, class X>
-  void check_one(const X& x) const {
-    if constexpr (detail::is_tensor_argument_v<X>) {
-      const TensorSpec& spec = options_.input_signature[K];
-      const auto& t = tensor_of(x);
-      if (t.dtype() != spec.dtype || !graph::fits(spec.shape, t.shape())) {
-        throw ShapeError(options_.name + ": input_signature says tensor " + std::to_string(K) + " is " +
-                         std::string(name_of(spec.dtype)) + " " + to_string(spec.shape) + ", got " +
-                         std::string(name_of(t.dtype())) + " " + to_string(t.shape()));
-      }
-    }
-  }
-
-  template <class... Args>
-  detail::Signature<sizeof...(Args)> signature_of(const Args&... args) const {
-    detail::Signature<sizeof...(Args)> s;
-    const auto all = std::forward_as_tuple(args...);
-    graph::for_each_index<sizeof...(Args)>([&](auto i) {
-      constexpr std::size_t I = decltype(i)::value;
-      using X = std::tuple_element_t<I, std::tuple<Args...>>;
-      if constexpr (detail::is_tensor_argument_v<X>) {
-        const auto& t = tensor_of(std::get<I>(all));
-        s.dtypes[I] = t.dtype();
-        // With an input_signature, the pattern (dynamic dimensions and all) is the key.
-        s.shapes[I] = options_.input_signature.empty() ? t.shape()
-                                                       : options_.input_signature[detail::tensor_index<I, Args...>()].shape;
-      } else if constexpr (!detail::is_mutable_v<X>) {
-        s.values[I] = detail::value_hash(std::get<I>(all));
-      }
-    });
-    s.hash_args.reserve(options_.hash_args.size());
-    for (const HashArg& h : options_.hash_args) s.hash_args.push_back(h.hash());
-    return s;
-  }
-
-  // Entries are never removed, so a pointer to one stays valid once the lock is released.
-  template <std::size_t N>
-  static const typename detail::CompileCache<N>::Entry* find(detail::CompileCache<N>& cache,
-                                                              const detail::Signature<N>& s) {
-    for (const auto& e : cache.entries) {
-      if (e.signature == s) return &e;
-    }
-    return nullptr;
-  }
-
-  // PIJit's compilation: run the function eagerly under a trace, keep the trace for replay.
-  template <std::size_t N, class... Args>
-  auto trace(detail::CompileCache<N>& cache, const detail::Signature<N>& s, const Args&... args) {
-    pijit::Trace trace;
-    auto inputs = std::make_tuple(traced_argument(args)...);
-    std::size_t k = 0;
-    std::apply([&](auto&... x) { (mark_input(trace, x, k), ...); }, inputs);
-    auto y = [&] {
-      pijit::Tracing tracing(&trace);
-      EagerScope eager;
-      return std::apply([&](const auto&... x) { return fn_(x...); }, inputs);
-    }();
-    using Result = BasicTensor<typename decltype(y)::value_type>;
-    const std::size_t out = trace.find(y);
-    std::string broken = trace.broken();
-    if (broken.empty() && out == trace.values().size()) broken = "it returns a value no duet operation made";
-    std::shared_ptr<const pijit::Replay> replay;
-    std::string note = "graph break, runs eagerly: " + broken;
-    if (broken.empty()) {
-      replay = std::make_shared<pijit::Replay>(std::move(trace), out, Config.jit_level);
-      note = "traced " + std::to_string(replay->traced_steps()) + " operations, replays " +
-             std::to_string(replay->steps()) + " steps";
-    }
-    compile(cache, s, std::move(replay), note);
-    return Result(y);
-  }
-
-  template <class X>
-  static auto traced_argument(const X& x) {
-    if constexpr (detail::is_tensor_argument_v<X>) return BasicTensor<typename X::value_type>(tensor_of(x));
-    else return argument(x);
-  }
-
-  template <class X>
-  static void mark_input(pijit::Trace& trace, X& x, std::size_t& k) {
-    if constexpr (is_tensor_v<X>) trace.add_input(x, k++);
-  }
-
-  template <std::size_t N>
-  const typename detail::CompileCache<N>::Entry& compile(detail::CompileCache<N>& cache, const detail::Signature<N>& s,
-                                                          std::shared_ptr<const pijit::Replay> replay,
-                                                          const std::string& note = {}) {
-    const std::uint64_t number = ++state_->compiles;
-    auto& stats = detail::jit_stats();
-    stats.compiles.fetch_add(1);
-    const std::string reason = cache.entries.empty() ? std::string("first call")
-                                                     : detail::why_recompiled(cache.entries.back().signature, s);
-    {
-      std::lock_guard lock(stats.mutex);
-      stats.log.push_back(options_.name + ": compile #" + std::to_string(number) + ": " + reason +
-                          (note.empty() ? "" : " (" + note + ")"));
-    }
-    cache.entries.push_back({s, duet::detail::new_plan_owner(), std::move(replay)});
-    return cache.entries.back();
-  }
-
-  template <class... Args>
-  detail::CompileCache<sizeof...(Args)>& compile_cache() {
-    using Cache = detail::CompileCache<sizeof...(Args)>;
-    std::lock_guard lock(state_->mutex);
-    const std::type_index key(typeid(Cache));
-    for (auto& [type, cache] : state_->caches) {
-      if (type == key) return *static_cast<Cache*>(cache.get());
-    }
-    state_->caches.emplace_back(key, std::make_shared<Cache>());
-    return *static_cast<Cache*>(state_->caches.back().second.get());
-  }
-
-  template <class... Args>
-  auto run_graph(std::uint64_t owner, const Args&... args) {
-    auto captured = [&]<std::size_t... I>(std::index_sequence<I...>) {
-      return fn_(symbolic<I, Args...>(args)...);
-    }(std::index_sequence_for<Args...>{});
-    using Captured = decltype(captured);
-    static_assert(graph::Symbolic<Captured>, "duet::jit: the function must return a tensor computed from its inputs");
-    using G = typename Captured::graph_type;
-    if constexpr (Config.jit_syntax_level == JitSyntaxLevel::strict) {
-      static_assert(graph::first_host_node<G>() == G::size,
-                    "duet::jit: JitSyntaxLevel::strict: the function calls duet::host, a host callback, which is "
-                    "not a graph operation; use JitSyntaxLevel::lax to run it as a graph break");
-    }
-    auto program = passes::optimize<Config>(captured);
-    const auto tensors = std::tuple_cat(tensor_tuple(args)...);
-    const auto shapes = std::apply([](const auto&... t) { return std::array<Shape, sizeof...(t)>{t.shape()...}; }, tensors);
-    const auto& p = duet::detail::cached_plan<Config>(owner, program, shapes, [this] { return options_.name; });
-    return std::apply([&](const auto&... t) { return run<DefaultBackend, Config>(program, p, t...); }, tensors);
-  }
-
-  template <std::size_t I, class... Args, class X>
-  static decltype(auto) symbolic(const X& x) {
-    if constexpr (detail::is_tensor_argument_v<X>) {
-      return graph::input<typename X::value_type, typename graph::pattern_of<X>::type, detail::tensor_index<I, Args...>()>();
-    } else {
-      return argument(x);
-    }
-  }
-
-  // Whether graph capture can call fn on these arguments: fn is generic over its tensors.
-  // Defined after symbolic: a static member's initializer only sees the members declared before it.
-  template <class... Args>
-  static constexpr bool Capturable = [] {
-    return []<std::size_t... I>(std::index_sequence<I...>) {
-      return requires(FnRef& f) { f(symbolic<I, Args...>(std::declval<const Args&>())...); };
-    }(std::index_sequence_for<Args...>{});
-  }();
-
-  template <class X>
-  static auto tensor_tuple(const X& x) {
-    if constexpr (detail::is_tensor_argument_v<X>) return std::tuple<const BasicTensor<typename X::value_type>&>(tensor_of(x));
-    else return std::tuple<>();
-  }
-
-  Fn fn_;
-  JitOptions options_;
-  std::shared_ptr<State> state_;
-};
-
-// MindSpore's jit(fn, ...): fn is kept by reference if it is an lvalue, else moved in.
-template <JitConfig Config = JitConfig{}, class Fn>
-auto jit(Fn&& fn, JitOptions options = {}) {
-  return JitFunction<Config, Fn>(std::forward<Fn>(fn), std::move(options));
+inline CheckpointInfo checkpoint_info_bytes(std::span<const std::byte> bytes) {
+  return detail::info_of(detail::unsigned_bytes(bytes), detail::checkpoint_data_where);
 }
 
 }  // namespace duet
@@ -6894,10 +8761,17 @@ struct Relu {
                         ::Eigen::internal::scalar_max_op<S, S, ::Eigen::PropagateNaN>());
   }
   // The same on one value or one SIMD vector, for kernels that apply it in registers. NaN
-  // compares false, so it passes through.
+  // compares false, so it passes through. In place, by reference: a kernel compiled for
+  // AVX-512 hands over its vector without passing a 64-byte value into code compiled for
+  // another instruction set, which has another calling convention (-Wpsabi).
+  template <class V>
+  static void apply_in_place(V& v) {
+    v = v < V{} ? V{} : v;
+  }
   template <class V>
   static V apply(V v) {
-    return v < V{} ? V{} : v;
+    apply_in_place(v);
+    return v;
   }
   // dy · relu'(x), from y = relu(x): zero where y <= 0. A NaN output passes dy through, as
   // PyTorch does, so a NaN is not silently hidden from the gradient.
@@ -7039,10 +8913,14 @@ class SequentialCell : public Cell<SequentialCell<First, Rest...>, CONTEXT_MODE,
     return boost::hana::at_c<I>(cells_);
   }
 
+  // A chain whose neighbours do not fit is reported once, by the constructor; captured into a
+  // graph, it is captured quietly so that no other shape of its input reports it again.
   template <class X>
   auto construct(X&& x) {
-    return boost::hana::fold_left(cells_, std::forward<X>(x),
-                                  [](auto&& acc, auto& cell) { return cell(std::forward<decltype(acc)>(acc)); });
+    if constexpr (graph::Symbolic<X> && !neighbours_fit())
+      return graph::quietly(x, [this](const auto& q) { return chain(q); });
+    else
+      return chain(std::forward<X>(x));
   }
 
   void for_each_child(const typename BasicDynamicCell<T>::ChildVisitor& visit) override {
@@ -7053,18 +8931,30 @@ class SequentialCell : public Cell<SequentialCell<First, Rest...>, CONTEXT_MODE,
   std::string type_name() const override { return "nn::SequentialCell"; }
 
  private:
+  template <class X>
+  auto chain(X&& x) {
+    return boost::hana::fold_left(cells_, std::forward<X>(x),
+                                  [](auto&& acc, auto& cell) { return cell(std::forward<decltype(acc)>(acc)); });
+  }
+
   // Capturing the chain on an input of unknown shape runs every layer's shape rule against
-  // its neighbour's output, so incompatible neighbours fail to compile in either mode.
+  // its neighbour's output. Captured quietly and reported from here, incompatible neighbours
+  // fail to compile in either mode with a diagnostic that does not reach into the capture.
+  static constexpr auto neighbour_rejection() {
+    using Probe = decltype(std::declval<SequentialCell&>().chain(graph::input<T, graph::Quiet<graph::AnyShape>>()));
+    return std::type_identity<graph::first_rejection<typename Probe::graph_type>>{};
+  }
+  static constexpr bool neighbours_fit() { return std::is_void_v<typename decltype(neighbour_rejection())::type>; }
   static void check_neighbours() {
-    using Captured = decltype(std::declval<SequentialCell&>().construct(graph::input<T, graph::AnyShape>()));
-    static_cast<void>(sizeof(Captured));
+    if constexpr (!neighbours_fit()) static_cast<void>(sizeof(typename decltype(neighbour_rejection())::type));
   }
 
   boost::hana::tuple<First, Rest...> cells_;
 };
 
-// A list of cells built at run time (sizes and layers from a config file, say). Always runs in
-// PyNative mode: its structure is not known when the program compiles.
+// A list of cells built at run time (sizes and layers from a config file, say). Its structure is
+// not known when the program compiles, so graph mode cannot capture it: it traces it on the
+// first call instead (PIJit) and replays the trace, and traces again after an append.
 template <ElementType T>
 class BasicDynamicSequentialCell : public BasicDynamicCell<T> {
  public:
@@ -7076,10 +8966,12 @@ class BasicDynamicSequentialCell : public BasicDynamicCell<T> {
     auto owned = std::make_unique<C>(std::move(cell));
     C& ref = *owned;
     cells_.push_back(std::move(owned));
+    this->structure_changed();
     return ref;
   }
   BasicDynamicCell<T>& append(std::unique_ptr<BasicDynamicCell<T>> cell) {
     cells_.push_back(std::move(cell));
+    this->structure_changed();
     return *cells_.back();
   }
 
@@ -7443,7 +9335,9 @@ struct FlattenOp {
   static constexpr ShapeResult infer_static(std::span<const Shape> in) {
     const Shape& x = in[0];
     if (x.leading_unknown()) return {Shape{dyn, dyn}};
-    if (x.rank() == 0) return fault(Shape{1, 1}, ShapeFault::min_rank, 1);
+    // A rank-1 input is one sample without its batch dimension; flattening it as a batch of
+    // one-element samples would only surface, puzzlingly, at the next layer.
+    if (x.rank() < 2) return fault(Shape{1, x.numel()}, ShapeFault::batch_dimension, 2);
     return {Shape{x[0], x.numel_from(1)}};
   }
   ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
@@ -7701,244 +9595,6 @@ using MSELoss = BasicMSELoss<R, float>;
 
 }  // namespace nn
 }  // namespace duet
-// Optimisers and learning-rate schedules (MindSpore's nn.SGD, nn.Adam, AdamW and nn.*LR).
-//
-// An optimiser updates its parameters from the gradients the last backward pass on this
-// thread left in them (step()), or from a list of gradients (operator(), as MindSpore calls
-// optimisers). Its state (momentum, Adam's moments) is made once, so steps do not allocate.
-
-#include <cmath>
-#include <cstdint>
-#include <functional>
-#include <numbers>
-#include <string>
-#include <utility>
-#include <vector>
-
-
-namespace duet::nn {
-
-// The learning rate at global step t (0 for the first step).
-using LearningRateSchedule = std::function<double(std::int64_t step)>;
-
-// A constant rate or a schedule, so that `.learning_rate = 1e-3` and
-// `.learning_rate = CosineDecayLR{...}` both read naturally.
-class LearningRate {
- public:
-  LearningRate(double constant)
-      : schedule_([constant](std::int64_t) { return constant; }) {}  // NOLINT: implicit by design
-  template <class F>
-  requires std::is_invocable_r_v<double, F, std::int64_t> LearningRate(F schedule)
-      : schedule_(std::move(schedule)) {}  // NOLINT: implicit by design
-  double at(std::int64_t step) const { return schedule_(step); }
-
- private:
-  LearningRateSchedule schedule_;
-};
-
-// min_lr + (max_lr - min_lr) · (1 + cos(π · min(t, decay_steps) / decay_steps)) / 2.
-struct CosineDecayLR {
-  double min_lr;
-  double max_lr;
-  std::int64_t decay_steps;
-  double operator()(std::int64_t t) const {
-    const double p = static_cast<double>(std::min(t, decay_steps)) / static_cast<double>(decay_steps);
-    return min_lr + (max_lr - min_lr) * (1 + std::cos(std::numbers::pi * p)) / 2;
-  }
-};
-
-// lr · decay_rate^(t / decay_steps), the exponent floored if is_stair.
-struct ExponentialDecayLR {
-  double learning_rate;
-  double decay_rate;
-  std::int64_t decay_steps;
-  bool is_stair = false;
-  double operator()(std::int64_t t) const {
-    double p = static_cast<double>(t) / static_cast<double>(decay_steps);
-    if (is_stair) p = std::floor(p);
-    return learning_rate * std::pow(decay_rate, p);
-  }
-};
-
-// values[i] while t < milestones[i]; the last value after the last milestone.
-struct PiecewiseConstantLR {
-  std::vector<std::int64_t> milestones;
-  std::vector<double> values;
-  double operator()(std::int64_t t) const {
-    for (std::size_t i = 0; i < milestones.size(); ++i) {
-      if (t < milestones[i]) return values.at(i);
-    }
-    return values.back();
-  }
-};
-
-// Rises linearly from 0 to lr over warmup_steps (MindSpore's WarmUpLR).
-struct WarmUpLR {
-  double learning_rate;
-  std::int64_t warmup_steps;
-  double operator()(std::int64_t t) const {
-    return learning_rate * static_cast<double>(std::min(t + 1, warmup_steps)) / static_cast<double>(warmup_steps);
-  }
-};
-
-template <ElementType T>
-class BasicOptimizer {
- public:
-  BasicOptimizer(const std::vector<NamedParameter<T>>& params, LearningRate lr) : learning_rate_(std::move(lr)) {
-    for (const auto& p : params) {
-      if (p.parameter->requires_grad) params_.push_back(p.parameter);
-    }
-  }
-  BasicOptimizer(std::vector<BasicParameter<T>*> params, LearningRate lr)
-      : params_(std::move(params)), learning_rate_(std::move(lr)) {}
-  BasicOptimizer(const BasicOptimizer&) = delete;
-  BasicOptimizer& operator=(const BasicOptimizer&) = delete;
-  virtual ~BasicOptimizer() = default;
-
-  // Updates every parameter the calling thread's last backward pass reached.
-  void step() {
-    const std::uint64_t pass = duet::detail::current_backward_pass();
-    begin_step();
-    for (std::size_t i = 0; i < params_.size(); ++i) {
-      if (params_[i]->has_grad_from(pass)) update(i, params_[i]->grad.data());
-    }
-    ++global_step_;
-  }
-
-  // MindSpore's optimizer(grads): one gradient per parameter, in order.
-  void operator()(const std::vector<BasicTensor<T>>& grads) {
-    if (grads.size() != params_.size()) {
-      throw ValueError("optimizer: got " + std::to_string(grads.size()) + " gradients for " +
-                       std::to_string(params_.size()) + " parameters");
-    }
-    for (std::size_t i = 0; i < params_.size(); ++i) {
-      if (!(grads[i].shape() == params_[i]->shape())) {
-        throw ShapeError("optimizer: gradient " + std::to_string(i) + " has shape " + to_string(grads[i].shape()) +
-                         ", its parameter " + to_string(params_[i]->shape()));
-      }
-    }
-    begin_step();
-    for (std::size_t i = 0; i < params_.size(); ++i) update(i, grads[i].data());
-    ++global_step_;
-  }
-
-  const std::vector<BasicParameter<T>*>& parameters() const { return params_; }
-  std::int64_t global_step() const { return global_step_; }
-  // The rate the next step uses.
-  double learning_rate() const { return learning_rate_.at(global_step_); }
-
- protected:
-  // Computes what is shared by all parameters this step.
-  virtual void begin_step() = 0;
-  virtual void update(std::size_t i, const T* grad) = 0;
-
-  // A zero state tensor per parameter (moments, momentum buffers).
-  std::vector<BasicTensor<T>> zero_state() const {
-    std::vector<BasicTensor<T>> state;
-    state.reserve(params_.size());
-    for (const auto* p : params_) state.emplace_back(p->shape());
-    return state;
-  }
-
-  std::vector<BasicParameter<T>*> params_;
-  LearningRate learning_rate_;
-  std::int64_t global_step_ = 0;
-};
-
-struct SGDConfig {
-  LearningRate learning_rate = 0.1;
-  double momentum = 0.0;
-  double dampening = 0.0;
-  double weight_decay = 0.0;
-  bool nesterov = false;
-};
-
-template <ElementType T = float, class Backend = DefaultBackend>
-class BasicSGD final : public BasicOptimizer<T> {
- public:
-  template <class Params>
-  explicit BasicSGD(const Params& params, SGDConfig config = {})
-      : BasicOptimizer<T>(params, config.learning_rate), config_(std::move(config)) {
-    if (config_.momentum < 0 || config_.weight_decay < 0 || (config_.nesterov && config_.momentum <= 0)) {
-      throw ValueError("nn::SGD: momentum and weight_decay must be >= 0, and nesterov needs momentum > 0");
-    }
-    if (config_.momentum > 0) momentum_ = this->zero_state();
-  }
-
- private:
-  void begin_step() override {
-    step_ = SgdStep{this->learning_rate(), config_.momentum, config_.dampening,
-                    config_.weight_decay,  config_.nesterov, this->global_step_ == 0};
-  }
-  void update(std::size_t i, const T* grad) override {
-    BasicParameter<T>& p = *this->params_[i];
-    Backend::sgd_update(p.data(), grad, momentum_.empty() ? nullptr : momentum_[i].data(), p.numel(), step_);
-  }
-
-  SGDConfig config_;
-  std::vector<BasicTensor<T>> momentum_;
-  SgdStep step_{};
-};
-
-struct AdamConfig {
-  LearningRate learning_rate = 1e-3;
-  double beta1 = 0.9;
-  double beta2 = 0.999;
-  double eps = 1e-8;
-  double weight_decay = 0.0;
-};
-
-template <ElementType T = float, bool Decoupled = false, class Backend = DefaultBackend>
-class BasicAdam final : public BasicOptimizer<T> {
- public:
-  template <class Params>
-  explicit BasicAdam(const Params& params, AdamConfig config = default_config())
-      : BasicOptimizer<T>(params, config.learning_rate),
-        config_(std::move(config)),
-        m_(this->zero_state()),
-        v_(this->zero_state()) {
-    if (!(config_.beta1 >= 0 && config_.beta1 < 1 && config_.beta2 >= 0 && config_.beta2 < 1 && config_.eps > 0 &&
-          config_.weight_decay >= 0)) {
-      throw ValueError(std::string(Decoupled ? "nn::AdamW" : "nn::Adam") +
-                       ": needs 0 <= beta1, beta2 < 1, eps > 0 and weight_decay >= 0");
-    }
-  }
-
-  // AdamW decays weights by default (0.01, as MindSpore's and PyTorch's AdamW); Adam does not.
-  static AdamConfig default_config() {
-    AdamConfig c;
-    if (Decoupled) c.weight_decay = 0.01;
-    return c;
-  }
-
- private:
-  void begin_step() override {
-    const auto t = static_cast<double>(this->global_step_ + 1);
-    step_ = AdamStep{this->learning_rate(),
-                     config_.beta1,
-                     config_.beta2,
-                     config_.eps,
-                     config_.weight_decay,
-                     Decoupled,
-                     1 - std::pow(config_.beta1, t),
-                     1 - std::pow(config_.beta2, t)};
-  }
-  void update(std::size_t i, const T* grad) override {
-    BasicParameter<T>& p = *this->params_[i];
-    Backend::adam_update(p.data(), grad, m_[i].data(), v_[i].data(), p.numel(), step_);
-  }
-
-  AdamConfig config_;
-  std::vector<BasicTensor<T>> m_;
-  std::vector<BasicTensor<T>> v_;
-  AdamStep step_{};
-};
-
-using SGD = BasicSGD<float>;
-using Adam = BasicAdam<float, false>;
-using AdamW = BasicAdam<float, true>;
-
-}  // namespace duet::nn
 // Wrappers that turn a network into something to train (MindSpore's nn.WithLossCell and
 // nn.TrainOneStepCell).
 
@@ -7959,6 +9615,9 @@ class WithLossCell
   using T = typename Backbone::value_type;
 
  public:
+  // A backbone built at run time cannot be captured into a graph, so neither can this cell.
+  static constexpr bool capturable = !RuntimeBuilt<Backbone>;
+
   WithLossCell(Backbone& backbone, Loss& loss_fn) : backbone_(backbone), loss_fn_(loss_fn) {}
 
   template <class X, class Y>
