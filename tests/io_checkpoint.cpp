@@ -501,8 +501,9 @@ TEST_CASE("a cell without parameters cannot be saved: its members are probably n
     FAIL("saving a cell without parameters succeeded");
   } catch (const ValueError& e) {
     CHECK(std::string(e.what()) == "checkpoint '" + (dir.path / "x.ckpt").string() +
-                                       "': nn::ReLU has no parameters; are its sub-cells and parameters listed in "
-                                       "its DUET_CELL_MEMBERS?");
+                                       "': nn::ReLU has no parameters; are its sub-cells and parameters "
+                                       "registered? A Cell lists them in DUET_CELL_MEMBERS(...); a class deriving "
+                                       "from nn::DynamicCell overrides for_each_child and for_each_own_parameter");
   }
   CHECK(dir.listing().empty());
   CHECK_THROWS_AS(load_checkpoint(dir.path / "x.ckpt", relu), ValueError);

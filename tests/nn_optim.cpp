@@ -148,7 +148,9 @@ std::string value_error_of(F&& f) {
 TEST_CASE("an optimiser of no parameters is a ValueError that names the likely cause") {
   Forgetful forgetful;
   const std::string hint =
-      "optimizer: got no parameters; is every sub-cell and parameter of the cell listed in its DUET_CELL_MEMBERS?";
+      "optimizer: got no parameters; are its sub-cells and parameters registered? A Cell lists them in "
+      "DUET_CELL_MEMBERS(...); a class deriving from nn::DynamicCell overrides for_each_child and "
+      "for_each_own_parameter";
   CHECK(value_error_of([&] { nn::Adam adam(forgetful.parameters()); }) == hint);
   CHECK(value_error_of([&] { nn::SGD sgd(std::vector<nn::Parameter*>{}); }) == hint);
   nn::Dense<2, 2> frozen;

@@ -118,10 +118,18 @@ GraphText dump(const Sym<G, Out>& program, const std::string& title) {
 // jit level of Config.
 template <JitConfig Config = JitConfig{}, class C, class Pattern = graph::AnyShape>
 GraphIR graph_ir(C& cell, Pattern = {}) {
-  cell.ensure_named();
-  auto captured = cell(graph::input<typename C::value_type, Pattern>());
-  const std::string title = cell.type_name();
-  return {graph::dump(captured, title), graph::dump(passes::optimize<Config>(captured), title)};
+  if constexpr (nn::RuntimeBuilt<C>) {
+    static_assert(!nn::RuntimeBuilt<C>,
+                  "duet::graph_ir: a network built at run time (nn::DynamicSequentialCell, or a class deriving "
+                  "from nn::DynamicCell) has no construct to capture; graph mode traces it on its first call, "
+                  "and duet::jit_compile_log() says what the trace became");
+    return {};
+  } else {
+    cell.ensure_named();
+    auto captured = cell(graph::input<typename C::value_type, Pattern>());
+    const std::string title = cell.type_name();
+    return {graph::dump(captured, title), graph::dump(passes::optimize<Config>(captured), title)};
+  }
 }
 
 }  // namespace duet

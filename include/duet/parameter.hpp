@@ -129,5 +129,12 @@ struct NamedParameter {
   BasicParameter<T>* parameter;
 };
 
+namespace detail {
+// What a cell with no parameters most likely lacks, for the errors that find one empty.
+inline constexpr const char* unregistered_members_hint =
+    "are its sub-cells and parameters registered? A Cell lists them in DUET_CELL_MEMBERS(...); a class "
+    "deriving from nn::DynamicCell overrides for_each_child and for_each_own_parameter";
+}  // namespace detail
+
 }  // namespace nn
 }  // namespace duet

@@ -2333,6 +2333,13 @@ struct NamedParameter {
   BasicParameter<T>* parameter;
 };
 
+namespace detail {
+// What a cell with no parameters most likely lacks, for the errors that find one empty.
+inline constexpr const char* unregistered_members_hint =
+    "are its sub-cells and parameters registered? A Cell lists them in DUET_CELL_MEMBERS(...); a class "
+    "deriving from nn::DynamicCell overrides for_each_child and for_each_own_parameter";
+}  // namespace detail
+
 }  // namespace nn
 }  // namespace duet
 
@@ -7750,10 +7757,18 @@ GraphText dump(const Sym<G, Out>& program, const std::string& title) {
 // jit level of Config.
 template <JitConfig Config = JitConfig{}, class C, class Pattern = graph::AnyShape>
 GraphIR graph_ir(C& cell, Pattern = {}) {
-  cell.ensure_named();
-  auto captured = cell(graph::input<typename C::value_type, Pattern>());
-  const std::string title = cell.type_name();
-  return {graph::dump(captured, title), graph::dump(passes::optimize<Config>(captured), title)};
+  if constexpr (nn::RuntimeBuilt<C>) {
+    static_assert(!nn::RuntimeBuilt<C>,
+                  "duet::graph_ir: a network built at run time (nn::DynamicSequentialCell, or a class deriving "
+                  "from nn::DynamicCell) has no construct to capture; graph mode traces it on its first call, "
+                  "and duet::jit_compile_log() says what the trace became");
+    return {};
+  } else {
+    cell.ensure_named();
+    auto captured = cell(graph::input<typename C::value_type, Pattern>());
+    const std::string title = cell.type_name();
+    return {graph::dump(captured, title), graph::dump(passes::optimize<Config>(captured), title)};
+  }
 }
 
 }  // namespace duet
@@ -7912,8 +7927,7 @@ class BasicOptimizer {
       if (p.parameter->requires_grad) params_.push_back(p.parameter);
     }
     if (params_.empty()) {
-      throw ValueError(params.empty() ? "optimizer: got no parameters; is every sub-cell and parameter of the cell "
-                                        "listed in its DUET_CELL_MEMBERS?"
+      throw ValueError(params.empty() ? std::string("optimizer: got no parameters; ") + detail::unregistered_members_hint
                                       : "optimizer: got " + std::to_string(params.size()) +
                                             " parameters, none with requires_grad, so there is nothing to train");
     }
@@ -7921,9 +7935,7 @@ class BasicOptimizer {
   BasicOptimizer(std::vector<BasicParameter<T>*> params, LearningRate lr)
       : params_(std::move(params)), learning_rate_(std::move(lr)) {
     if (params_.empty()) {
-      throw ValueError(
-          "optimizer: got no parameters; is every sub-cell and parameter of the cell listed in its "
-          "DUET_CELL_MEMBERS?");
+      throw ValueError(std::string("optimizer: got no parameters; ") + detail::unregistered_members_hint);
     }
   }
   BasicOptimizer(const BasicOptimizer&) = delete;
@@ -8442,8 +8454,7 @@ std::vector<CheckpointTarget<T>> parameter_targets(nn::BasicDynamicCell<T>& cell
   std::vector<CheckpointTarget<T>> out;
   for (auto& [name, p] : cell.parameters()) out.push_back({std::move(name), p});
   if (out.empty()) {
-    throw ValueError(where + ": " + cell.type_name() +
-                     " has no parameters; are its sub-cells and parameters listed in its DUET_CELL_MEMBERS?");
+    throw ValueError(where + ": " + cell.type_name() + " has no parameters; " + nn::detail::unregistered_members_hint);
   }
   return out;
 }

@@ -408,8 +408,7 @@ std::vector<CheckpointTarget<T>> parameter_targets(nn::BasicDynamicCell<T>& cell
   std::vector<CheckpointTarget<T>> out;
   for (auto& [name, p] : cell.parameters()) out.push_back({std::move(name), p});
   if (out.empty()) {
-    throw ValueError(where + ": " + cell.type_name() +
-                     " has no parameters; are its sub-cells and parameters listed in its DUET_CELL_MEMBERS?");
+    throw ValueError(where + ": " + cell.type_name() + " has no parameters; " + nn::detail::unregistered_members_hint);
   }
   return out;
 }

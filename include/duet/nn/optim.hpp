@@ -102,8 +102,7 @@ class BasicOptimizer {
       if (p.parameter->requires_grad) params_.push_back(p.parameter);
     }
     if (params_.empty()) {
-      throw ValueError(params.empty() ? "optimizer: got no parameters; is every sub-cell and parameter of the cell "
-                                        "listed in its DUET_CELL_MEMBERS?"
+      throw ValueError(params.empty() ? std::string("optimizer: got no parameters; ") + detail::unregistered_members_hint
                                       : "optimizer: got " + std::to_string(params.size()) +
                                             " parameters, none with requires_grad, so there is nothing to train");
     }
@@ -111,9 +110,7 @@ class BasicOptimizer {
   BasicOptimizer(std::vector<BasicParameter<T>*> params, LearningRate lr)
       : params_(std::move(params)), learning_rate_(std::move(lr)) {
     if (params_.empty()) {
-      throw ValueError(
-          "optimizer: got no parameters; is every sub-cell and parameter of the cell listed in its "
-          "DUET_CELL_MEMBERS?");
+      throw ValueError(std::string("optimizer: got no parameters; ") + detail::unregistered_members_hint);
     }
   }
   BasicOptimizer(const BasicOptimizer&) = delete;
