@@ -6,10 +6,10 @@
 # Build trees go under $DUET_BUILD_ROOT (build-check), one per stage; DUET_JOBS (2) is the
 # parallelism.
 # Stages:
-#   gcc     g++, include/, warnings as errors: unit tests, examples, benchmarks (built, not run),
-#           each public header on its own, compile-fail, install
-#   clang   clang++, the generated single header: unit tests, examples, compile-fail, install
-#   asan    address + undefined-behaviour sanitizers (leak checking on): unit tests, examples;
+#   gcc     g++, include/, warnings as errors: unit tests, examples (their outputs compared),
+#           benchmarks (built, not run), each public header on its own, compile-fail, install
+#   clang   clang++, the generated single header: unit tests, compile-fail, install
+#   asan    address + undefined-behaviour sanitizers (leak checking on): unit tests;
 #           -O1 and line tables only, as the sanitizers' documentation suggests: the build is
 #           most of the stage's time, and -O1 keeps the reports' stack traces exact
 #   tsan    thread sanitizer: the concurrency tests (tests/threads.cpp alone, CTest label threads)
@@ -75,13 +75,13 @@ for stage in "${stages[@]}"; do
     gcc) run_stage gcc "$build/gcc" "" "" -DCMAKE_CXX_COMPILER=g++ -DDUET_NATIVE=OFF ;;
     clang)
       run_stage clang "$build/clang" "" "" -DCMAKE_CXX_COMPILER=clang++ -DDUET_USE_SINGLE_INCLUDE=ON \
-        -DDUET_BUILD_BENCHMARKS=OFF -DDUET_CHECK_HEADERS=OFF
+        -DDUET_BUILD_EXAMPLES=OFF -DDUET_BUILD_BENCHMARKS=OFF -DDUET_CHECK_HEADERS=OFF
       ;;
     asan)
       ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
         run_stage asan "$build/asan" "" "-LE compile_fail|install" -DCMAKE_CXX_COMPILER=clang++ \
         -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1" \
-        -DDUET_SANITIZE=address,undefined -DDUET_BUILD_BENCHMARKS=OFF -DDUET_CHECK_HEADERS=OFF
+        -DDUET_SANITIZE=address,undefined -DDUET_BUILD_EXAMPLES=OFF -DDUET_BUILD_BENCHMARKS=OFF -DDUET_CHECK_HEADERS=OFF
       ;;
     tsan)
       TSAN_OPTIONS=halt_on_error=1 run_stage tsan "$build/tsan" duet_thread_tests "-L threads" \
