@@ -27,6 +27,8 @@
 #include "nn/loss.hpp"
 #include "nn/optim.hpp"
 #include "nn/wrap.hpp"
+#include "operation.hpp"
+#include "ops/arithmetic.hpp"
 #include "parameter.hpp"
 #include "passes.hpp"
 #include "pijit.hpp"

@@ -33,6 +33,7 @@ namespace ops {
 
 struct IdentityGradOp {
   using layer_type = IdentityGradOp;
+  static constexpr std::array reads{graph::Operand::grad};
   static constexpr int arity = 1;
   static constexpr bool is_view = true;
   static constexpr bool is_elementwise = false;
@@ -65,9 +66,8 @@ struct PrintOp {
     *out << (text[0] != '\0' ? std::string(text) + ": " : std::string()) << copy << '\n';
   }
 
-  static constexpr bool has_parameters = false;
-  static constexpr std::array grad_operands{graph::Operand::grad};
-  template <bool InputGrad>
+  template <std::size_t K>
+    requires(K == 0)
   auto grad_op() const {
     return IdentityGradOp{};
   }

@@ -44,7 +44,7 @@ constexpr std::array<std::size_t, G::size> user_counts() {
 template <class P, class C, bool Differentiated>
 concept absorbs = requires {
   requires P::template accepts_epilogue<C>;
-} && (!Differentiated || autodiff::Differentiable<decltype(std::declval<const P&>().absorb(std::declval<const C&>()))>);
+} && (!Differentiated || DifferentiableOperation<decltype(std::declval<const P&>().absorb(std::declval<const C&>()))>);
 
 namespace detail {
 

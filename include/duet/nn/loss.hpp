@@ -30,6 +30,8 @@ namespace ops {
 
 template <bool Sparse, Reduction R>
 struct SoftmaxCrossEntropyGradOp;
+template <Reduction R>
+struct SoftmaxCrossEntropyLabelGradOp;
 
 // The reduced shape of a loss over per-row (or per-element) values of shape `rows`.
 constexpr Shape reduced(const Shape& rows, Reduction r) { return r == Reduction::none ? rows : Shape{}; }
@@ -78,11 +80,11 @@ struct SoftmaxCrossEntropyOp {
                                                     a.out<T>());
   }
 
-  static constexpr bool has_parameters = false;
-  static constexpr std::array grad_operands{graph::Operand::grad, graph::Operand::input0, graph::Operand::input1};
-  template <bool InputGrad>
+  template <std::size_t K>
   auto grad_op() const {
-    return SoftmaxCrossEntropyGradOp<Sparse, R>{};
+    if constexpr (K == 0) return SoftmaxCrossEntropyGradOp<Sparse, R>{};
+    else if constexpr (Sparse) return NoGradient{};  // class indices
+    else return SoftmaxCrossEntropyLabelGradOp<R>{};
   }
 
   static std::string op_name() { return "SoftmaxCrossEntropy"; }
@@ -92,6 +94,7 @@ struct SoftmaxCrossEntropyOp {
 template <bool Sparse, Reduction R>
 struct SoftmaxCrossEntropyGradOp {
   using layer_type = SoftmaxCrossEntropyGradOp;
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0, graph::Operand::input1};
   static constexpr int arity = 3;  // g, logits, labels
   static constexpr bool is_view = false;
   static constexpr bool is_elementwise = false;
@@ -111,7 +114,7 @@ struct SoftmaxCrossEntropyGradOp {
   std::string label() const { return op_name(); }
 };
 
-template <Reduction R>
+template <Reduction R, bool Target>
 struct MSEGradOp;
 
 // (prediction - target)² per element, or its mean or sum.
@@ -135,21 +138,23 @@ struct MSEOp {
     Backend::mse(a.in<T>(0), a.in<T>(1), a.in_shape(0).numel(), R, a.out<T>());
   }
 
-  static constexpr bool has_parameters = false;
-  static constexpr std::array grad_operands{graph::Operand::grad, graph::Operand::input0, graph::Operand::input1};
-  template <bool InputGrad>
+  // d/d target is d/d prediction with the two swapped: 2 (target - prediction).
+  template <std::size_t K>
+    requires(K < 2)
   auto grad_op() const {
-    return MSEGradOp<R>{};
+    return MSEGradOp<R, K == 1>{};
   }
 
   static std::string op_name() { return "MSE"; }
   std::string label() const { return "nn::MSELoss"; }
 };
 
-template <Reduction R>
+template <Reduction R, bool Target>
 struct MSEGradOp {
   using layer_type = MSEGradOp;
-  static constexpr int arity = 3;  // g, prediction, target
+  static constexpr std::array reads{graph::Operand::grad, Target ? graph::Operand::input1 : graph::Operand::input0,
+                                    Target ? graph::Operand::input0 : graph::Operand::input1};
+  static constexpr int arity = 3;  // g, the value differentiated, the other
   static constexpr bool is_view = false;
   static constexpr bool is_elementwise = false;
 
@@ -163,6 +168,33 @@ struct MSEGradOp {
 
   static std::string op_name() { return "MSEGrad"; }
   std::string label() const { return op_name(); }
+};
+
+// d/d labels of the dense form: -log_softmax(logits), scaled as the loss reduces. (MindSpore
+// gives labels no gradient; PyTorch gives this one, the derivative.)
+template <Reduction R>
+struct SoftmaxCrossEntropyLabelGradOp : Primitive<SoftmaxCrossEntropyLabelGradOp<R>> {
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0};
+  static constexpr int arity = 2;  // g, logits
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const T* g = a.in<T>(0);
+    const T* z = a.in<T>(1);
+    T* d = a.out<T>();
+    const index_t classes = a.in_shape(1).back();
+    const index_t rows = classes == 0 ? 0 : a.in_shape(1).numel() / classes;
+    for (index_t i = 0; i < rows; ++i) {
+      const T* row = z + i * classes;
+      const T lse = Backend::log_sum_exp(row, classes);
+      const T scale = R == Reduction::none ? g[i] : R == Reduction::mean ? g[0] / static_cast<T>(rows) : g[0];
+      for (index_t c = 0; c < classes; ++c) d[i * classes + c] = (lse - row[c]) * scale;
+    }
+  }
+
+  static std::string op_name() { return "SoftmaxCrossEntropyLabelGrad"; }
 };
 
 template <bool Sparse = false, Reduction R = Reduction::none, class Z, class Labels>
