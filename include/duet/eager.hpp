@@ -85,15 +85,15 @@ auto apply(const Op& op, X&& x) {
   }
 }
 
-template <class Op, class A, class B>
-auto apply(const Op& op, const A& a, const B& b) {
-  if constexpr (graph::Symbolic<A> && graph::Symbolic<B>) {
-    return graph::append(op, a, b);
+template <class Op, class A, class B, class... C>
+auto apply(const Op& op, const A& a, const B& b, const C&... c) {
+  if constexpr (graph::Symbolic<A> && graph::Symbolic<B> && (graph::Symbolic<C> && ...)) {
+    return graph::append(op, a, b, c...);
   } else {
-    static_assert(!graph::Symbolic<A> && !graph::Symbolic<B>,
+    static_assert(!graph::Symbolic<A> && !graph::Symbolic<B> && (!graph::Symbolic<C> && ...),
                   "duet: an operation mixes a symbolic tensor (graph capture) and a real one; pass "
                   "every tensor the graph reads as an input of the captured function");
-    return detail::run_into_new<DefaultBackend>(op, tensor_of(a), tensor_of(b));
+    return detail::run_into_new<DefaultBackend>(op, tensor_of(a), tensor_of(b), tensor_of(c)...);
   }
 }
 

@@ -18,6 +18,7 @@
 #include <cstddef>
 #include <span>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 
@@ -404,22 +405,42 @@ auto append(const Op& op, const Sym<G, Out>& x) {
   return Sym<decltype(g), G::size>{g};
 }
 
-// Appends `op` applied to a and b, whose graphs are merged first.
-template <class Op, class GA, std::size_t A, class GB, std::size_t B>
-auto append(const Op& op, const Sym<GA, A>& a, const Sym<GB, B>& b) {
+namespace detail {
+
+// Merges the graphs of xs... after g, each input once; Outs are where the values used so far
+// live in the result (the nodes already there keep their places).
+template <class G, std::size_t... Outs>
+auto merge_all(const G& g, std::index_sequence<Outs...> outs) {
+  return std::pair{g, outs};
+}
+template <class G, std::size_t... Outs, class GB, std::size_t B, class... Rest>
+auto merge_all(const G& g, std::index_sequence<Outs...>, const Sym<GB, B>& b, const Rest&... rest) {
+  auto [merged, map] = merge_from<0>(b.graph, g.nodes, std::index_sequence<>{});
+  return merge_all(merged, std::index_sequence<Outs..., at<B>(decltype(map){})>{}, rest...);
+}
+
+}  // namespace detail
+
+// Appends `op` applied to x0, x1, ..., whose graphs are merged first.
+template <class Op, class G0, std::size_t O0, class... Rest>
+  requires(sizeof...(Rest) >= 1 && (Symbolic<Rest> && ...))
+auto append(const Op& op, const Sym<G0, O0>& x0, const Rest&... rest) {
   static_cast<void>(sizeof(diagnostic::check_operation<Op>));
-  constexpr ShapeResult r = Op::infer_static(std::array<Shape, 2>{GA::shapes[A], GB::shapes[B]});
-  if constexpr (!r.ok() && reports_faults<GA>() && reports_faults<GB>()) {
-    using Culprit = std::conditional_t<r.input == 0, Sym<GA, A>, Sym<GB, B>>;
-    using Other = std::conditional_t<r.input == 0, Sym<GB, B>, Sym<GA, A>>;
-    if constexpr (r.fault == ShapeFault::broadcast)
+  constexpr ShapeResult r = Op::infer_static(std::array<Shape, 1 + sizeof...(Rest)>{G0::shapes[O0], Rest::shape...});
+  if constexpr (!r.ok() && reports_faults<G0>() && (reports_faults<typename Rest::graph_type>() && ...)) {
+    using Inputs = std::tuple<Sym<G0, O0>, Rest...>;
+    using Culprit = std::tuple_element_t<static_cast<std::size_t>(r.input), Inputs>;
+    if constexpr (r.fault == ShapeFault::broadcast) {
+      using Other = std::tuple_element_t<r.input == 0 ? 1 : 0, Inputs>;
       static_cast<void>(sizeof(diagnostic::broadcast_rejection<typename Op::layer_type, Culprit, Other>));
-    else
+    } else {
       static_cast<void>(sizeof(diagnostic::rejection<typename Op::layer_type, r.fault, r.expected, Culprit>));
+    }
   }
-  auto [merged, map] = detail::merge_from<0>(b.graph, a.graph.nodes, std::index_sequence<>{});
-  constexpr std::size_t b_at = detail::at<B>(decltype(map){});
-  auto g = make_graph(hana::append(merged.nodes, Node<Op, A, b_at>{op}));
+  auto [merged, outs] = detail::merge_all(x0.graph, std::index_sequence<O0>{}, rest...);
+  auto g = [&]<std::size_t... Args>(std::index_sequence<Args...>) {
+    return make_graph(hana::append(merged.nodes, Node<Op, Args...>{op}));
+  }(decltype(outs){});
   return Sym<decltype(g), decltype(merged)::size>{g};
 }
 
