@@ -32,6 +32,7 @@
 #include "parameter.hpp"
 #include "passes.hpp"
 #include "pijit.hpp"
+#include "pipeline.hpp"
 #include "print.hpp"
 #include "random.hpp"
 #include "shape.hpp"
