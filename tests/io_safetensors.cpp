@@ -320,3 +320,119 @@ TEST_CASE("saving and loading name the file: unreadable paths, a cell without pa
         "safetensors file '" + bad.string() + "': truncated: 2 bytes, fewer than the 8 of the header's length");
   CHECK(dir.listing() == std::vector<std::string>{"bad.safetensors"});
 }
+
+namespace {
+
+// The first python3 that has numpy: the one on PATH, else Debian's, where python3-numpy
+// installs (a PATH may lead to another Python first, pyenv's for one).
+std::optional<std::string> python_with_numpy() {
+  for (const std::string python : {"python3", "/usr/bin/python3"}) {
+    if (std::system((python + " -c 'import numpy' >/dev/null 2>&1").c_str()) == 0) return python;
+  }
+  return std::nullopt;
+}
+
+// tests/safetensors_reader.py, beside this file.
+const fs::path python_reader = fs::path(__FILE__).parent_path() / "safetensors_reader.py";
+
+std::string quoted(const fs::path& path) { return "'" + path.string() + "'"; }
+
+void run(const std::string& command) {
+  INFO(command);
+  REQUIRE(std::system(command.c_str()) == 0);
+}
+
+std::vector<std::string> split(const std::string& text, char separator) {
+  std::vector<std::string> out;
+  std::istringstream in(text);
+  for (std::string part; std::getline(in, part, separator);) out.push_back(part);
+  return out;
+}
+
+// What the Python reader prints of a cell's file equals the cell's parameters, bit for bit.
+template <ElementType T>
+void check_python_dump(const std::string& python, nn::BasicDynamicCell<T>& cell, const TempDir& dir) {
+  const fs::path file = dir.path / "duet.safetensors";
+  const fs::path dump = dir.path / "dump.txt";
+  io::save_safetensors(cell, file);
+  run(python + " " + quoted(python_reader) + " dump " + quoted(file) + " > " + quoted(dump));
+  const Bytes text = read_file(dump);
+  const std::vector<std::string> lines = split(std::string(text.begin(), text.end()), '\n');
+  const auto parameters = cell.parameters();
+  REQUIRE(lines.size() == parameters.size() + 1);
+  CHECK(lines[0] == "{\"format\": \"pt\"}");
+  for (std::size_t k = 0; k < parameters.size(); ++k) {
+    const auto& [name, p] = parameters[k];
+    CAPTURE(name);
+    const std::vector<std::string> fields = split(lines[k + 1], '\t');
+    REQUIRE(fields.size() == 4);
+    CHECK(fields[0] == name);
+    CHECK(fields[1] == (sizeof(T) == 4 ? "F32" : "F64"));
+    std::string shape;
+    for (const index_t d : p->shape()) shape += (shape.empty() ? "" : ",") + std::to_string(d);
+    CHECK(fields[2] == shape);
+    const std::vector<std::string> values = split(fields[3], ' ');
+    REQUIRE(values.size() == static_cast<std::size_t>(p->numel()));
+    for (std::size_t i = 0; i < values.size(); ++i) {
+      CAPTURE(i);
+      REQUIRE(std::strtod(values[i].c_str(), nullptr) == static_cast<double>(p->data()[i]));
+    }
+  }
+}
+
+// Each parameter of a cell loaded from the Python writer's file holds, for the k-th in its
+// command's order, (i - 3k) / 8 at element i.
+template <ElementType T>
+void check_python_values(nn::BasicDynamicCell<T>& cell, const std::vector<std::string>& order) {
+  for (const auto& [name, p] : cell.parameters()) {
+    CAPTURE(name);
+    const auto k = static_cast<index_t>(std::find(order.begin(), order.end(), name) - order.begin());
+    REQUIRE(static_cast<std::size_t>(k) < order.size());
+    for (index_t i = 0; i < p->numel(); ++i) REQUIRE(p->data()[i] == static_cast<T>(i - 3 * k) / 8);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("an independent reader (Python, json + numpy) reads duet's safetensors, and duet reads its files") {
+  const std::optional<std::string> python = python_with_numpy();
+  if (!python) {
+    MESSAGE("SKIPPED: python3 with numpy not found (tools/install-deps.sh installs python3-numpy), so duet's "
+            "safetensors files were not checked against an independent reader");
+    return;
+  }
+  TempDir dir;
+  using SmallNet = nn::SequentialCell<nn::Dense<4, 3>, nn::ReLU, nn::Dense<3, 2>>;
+  using DoubleNet = nn::SequentialCell<nn::Dense<3, 2, double>, nn::Dense<2, 1, double>>;
+  set_seed(7);
+  SmallNet small;
+  DoubleNet twice;
+  check_python_dump(*python, small, dir);
+  check_python_dump(*python, twice, dir);
+
+  const fs::path file = dir.path / "python.safetensors";
+  const std::string write = *python + " " + quoted(python_reader) + " write " + quoted(file);
+  run(write + " 0.weight:F32:3,4 0.bias:F32:3 2.weight:F32:2,3 2.bias:F32:2");
+  SmallNet loaded;
+  io::load_safetensors(file, loaded);
+  check_python_values(loaded, {"0.weight", "0.bias", "2.weight", "2.bias"});
+  const Tensor x = randn({5, 4}, 8);
+  // The values came through intact: the network computes with them.
+  CHECK(duet_test::values_of(loaded(x)) != duet_test::values_of(small(x)));
+  run(write + " 1.bias:F64:1 1.weight:F64:1,2 0.bias:F64:2 0.weight:F64:2,3");
+  io::load_safetensors(file, twice);
+  check_python_values(twice, {"1.bias", "1.weight", "0.bias", "0.weight"});
+
+  // PyTorch's BatchNorm keeps an I64 step count, and half-precision weights are F16: a strict
+  // load names them, a load that is not strict leaves them out and says so.
+  run(write + " 0.weight:F32:3,4 0.bias:F32:3 2.weight:F32:2,3 2.bias:F32:2 bn.num_batches_tracked:I64: "
+              "half:F16:2,2");
+  SmallNet partial;
+  CHECK(format_error_of([&] { io::load_safetensors(file, partial); }) ==
+        "safetensors file '" + file.string() +
+            "': tensor 'half' has dtype 'F16', which duet does not read (duet reads F32, F64, I32, I64 and U8)");
+  const CheckpointLoad result = io::load_safetensors(file, partial, {.strict = false});
+  CHECK(result.param_not_load.empty());
+  CHECK(result.ckpt_not_load == std::vector<std::string>{"bn.num_batches_tracked", "half"});
+  check_python_values(partial, {"0.weight", "0.bias", "2.weight", "2.bias"});
+}
