@@ -362,7 +362,9 @@ void check_python_dump(const std::string& python, nn::BasicDynamicCell<T>& cell,
   REQUIRE(lines.size() == parameters.size() + 1);
   CHECK(lines[0] == "{\"format\": \"pt\"}");
   for (std::size_t k = 0; k < parameters.size(); ++k) {
-    const auto& [name, p] = parameters[k];
+    // Not a structured binding: clang 14 cannot capture one in CAPTURE's lambda.
+    const std::string& name = parameters[k].name;
+    const auto* p = parameters[k].parameter;
     CAPTURE(name);
     const std::vector<std::string> fields = split(lines[k + 1], '\t');
     REQUIRE(fields.size() == 4);
@@ -384,7 +386,9 @@ void check_python_dump(const std::string& python, nn::BasicDynamicCell<T>& cell,
 // command's order, (i - 3k) / 8 at element i.
 template <ElementType T>
 void check_python_values(nn::BasicDynamicCell<T>& cell, const std::vector<std::string>& order) {
-  for (const auto& [name, p] : cell.parameters()) {
+  for (const auto& parameter : cell.parameters()) {
+    const std::string& name = parameter.name;
+    const auto* p = parameter.parameter;
     CAPTURE(name);
     const auto k = static_cast<index_t>(std::find(order.begin(), order.end(), name) - order.begin());
     REQUIRE(static_cast<std::size_t>(k) < order.size());
