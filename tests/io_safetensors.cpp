@@ -335,7 +335,7 @@ std::optional<std::string> python_with_numpy() {
 // tests/safetensors_reader.py, beside this file.
 const fs::path python_reader = fs::path(__FILE__).parent_path() / "safetensors_reader.py";
 
-std::string quoted(const fs::path& path) { return "'" + path.string() + "'"; }
+std::string quoted(const fs::path& path) { return std::string("'").append(path.string()).append("'"); }
 
 void run(const std::string& command) {
   INFO(command);
@@ -371,7 +371,7 @@ void check_python_dump(const std::string& python, nn::BasicDynamicCell<T>& cell,
     CHECK(fields[0] == name);
     CHECK(fields[1] == (sizeof(T) == 4 ? "F32" : "F64"));
     std::string shape;
-    for (const index_t d : p->shape()) shape += (shape.empty() ? "" : ",") + std::to_string(d);
+    for (const index_t d : p->shape()) shape.append(shape.empty() ? "" : ",").append(std::to_string(d));
     CHECK(fields[2] == shape);
     const std::vector<std::string> values = split(fields[3], ' ');
     REQUIRE(values.size() == static_cast<std::size_t>(p->numel()));

@@ -112,7 +112,7 @@ inline std::string_view safetensors_name_of(DType t) {
 }
 
 inline std::string safetensors_where(const std::filesystem::path& path) {
-  return "safetensors file '" + path.string() + "'";
+  return std::string("safetensors file '").append(path.string()).append("'");
 }
 inline const std::string safetensors_data_where = "safetensors data";
 
@@ -168,23 +168,30 @@ class SafetensorsEntry {
  public:
   SafetensorsEntry(const std::string& name, const nlohmann::json& info, const std::string& where)
       : who_(where + ": malformed header: tensor " + duet::detail::shown_name(name)) {
-    if (!info.is_object()) fail(" is " + shown_text(info.dump()) + ", not an object of dtype, shape and data_offsets");
+    if (!info.is_object()) fail(" is ", shown_text(info.dump()), ", not an object of dtype, shape and data_offsets");
     const nlohmann::json& dtype = field(info, "dtype");
-    if (!dtype.is_string()) fail("'s dtype is " + shown_text(dtype.dump()) + ", not a string");
+    if (!dtype.is_string()) fail("'s dtype is ", shown_text(dtype.dump()), ", not a string");
     dtype_name = dtype.get<std::string>();
     const nlohmann::json& shape = field(info, "shape");
-    if (!shape.is_array()) fail("'s shape is " + shown_text(shape.dump()) + ", not an array");
+    if (!shape.is_array()) fail("'s shape is ", shown_text(shape.dump()), ", not an array");
     for (const auto& d : shape) dims.push_back(count(d, "shape"));
     const nlohmann::json& offsets = field(info, "data_offsets");
     if (!offsets.is_array() || offsets.size() != 2) {
-      fail("'s data_offsets are " + shown_text(offsets.dump()) + ", not an array [begin, end]");
+      fail("'s data_offsets are ", shown_text(offsets.dump()), ", not an array [begin, end]");
     }
     begin = count(offsets[0], "data_offsets");
     end = count(offsets[1], "data_offsets");
-    if (begin > end) fail("'s data_offsets [" + range() + "] end before they begin");
+    if (begin > end) fail("'s data_offsets [", range(), "] end before they begin");
   }
 
-  [[noreturn]] void fail(const std::string& what) const { throw FormatError(who_ + what); }
+  // Built by appending: GCC 12 at -O3 warns falsely (-Wstringop-overflow) on "literal" + a
+  // temporary std::string.
+  template <class... Parts>
+  [[noreturn]] void fail(const Parts&... parts) const {
+    std::string message = who_;
+    (message.append(parts), ...);
+    throw FormatError(message);
+  }
   std::string range() const { return std::to_string(begin) + ", " + std::to_string(end); }
   std::string shape_text() const {
     std::string out = "[";
@@ -200,14 +207,14 @@ class SafetensorsEntry {
  private:
   const nlohmann::json& field(const nlohmann::json& info, const char* key) const {
     const auto found = info.find(key);
-    if (found == info.end()) fail(" has no " + std::string(key));
+    if (found == info.end()) fail(" has no ", key);
     return *found;
   }
 
   // A size or offset: a non-negative integer that an index_t holds.
   std::uint64_t count(const nlohmann::json& v, const char* what) const {
     if (!v.is_number_unsigned() || v.get<std::uint64_t>() > std::uint64_t(std::numeric_limits<index_t>::max())) {
-      fail("'s " + std::string(what) + " includes " + shown_text(v.dump()) + ", not an integer from 0 to 2^63 - 1");
+      fail("'s ", what, " includes ", shown_text(v.dump()), ", not an integer from 0 to 2^63 - 1");
     }
     return v.get<std::uint64_t>();
   }
@@ -227,8 +234,9 @@ inline void check_tiling(std::vector<SafetensorsRange> ranges, std::uint64_t dat
   std::uint64_t covered = 0;
   std::string_view last;
   for (const auto& r : ranges) {
-    const std::string who = "tensor " + duet::detail::shown_name(r.name);
-    const std::string span = "[" + std::to_string(r.begin) + ", " + std::to_string(r.end) + ")";
+    const std::string who = std::string("tensor ").append(duet::detail::shown_name(r.name));
+    const std::string span =
+        std::string("[").append(std::to_string(r.begin)).append(", ").append(std::to_string(r.end)).append(")");
     if (r.begin < covered) {
       throw FormatError(where + ": malformed header: " + who + "'s bytes " + span + " overlap those of tensor " +
                         duet::detail::shown_name(last) + ", which end at " + std::to_string(covered));
@@ -289,7 +297,7 @@ inline ParsedSafetensors parse_safetensors(std::span<const unsigned char> bytes,
     }
     const SafetensorsEntry entry(name, info, where);
     if (entry.end > data_size) {
-      entry.fail("'s data_offsets [" + entry.range() + "] run past the data's end at " + std::to_string(data_size));
+      entry.fail("'s data_offsets [", entry.range(), "] run past the data's end at ", std::to_string(data_size));
     }
     const std::uint64_t bytes_held = entry.end - entry.begin;
     ranges.push_back({entry.begin, entry.end, name});
@@ -303,9 +311,9 @@ inline ParsedSafetensors parse_safetensors(std::span<const unsigned char> bytes,
     std::uint64_t numel = 1;
     for (const std::uint64_t d : entry.dims) numel = (d == 0 || numel <= limit / d) ? numel * d : limit + 1;
     if (numel > limit || numel * type->size != bytes_held) {
-      entry.fail(" of dtype " + entry.dtype_name + " and shape " + entry.shape_text() + " needs " +
-                 (numel > limit ? "2^64 bytes or more" : std::to_string(numel * type->size) + " bytes") +
-                 ", but its data_offsets [" + entry.range() + "] hold " + std::to_string(bytes_held));
+      entry.fail(" of dtype ", entry.dtype_name, " and shape ", entry.shape_text(), " needs ",
+                 numel > limit ? "2^64 bytes or more" : std::to_string(numel * type->size) + " bytes",
+                 ", but its data_offsets [", entry.range(), "] hold ", std::to_string(bytes_held));
     }
     if (!type->dtype) {
       file.refused.push_back({name, entry.dtype_name, "which duet does not read"});
