@@ -17,6 +17,7 @@
 #include "host.hpp"
 #include "io/checkpoint.hpp"
 #include "io/idx.hpp"
+#include "io/safetensors.hpp"
 #include "jit.hpp"
 #include "jit_config.hpp"
 #include "memory.hpp"
