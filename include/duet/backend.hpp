@@ -19,6 +19,7 @@
 #include "config.hpp"
 #include "error.hpp"
 #include "kernels/gemm.hpp"
+#include "kernels/optim.hpp"
 #include "memory.hpp"
 #include "parameter.hpp"
 
@@ -268,33 +269,21 @@ struct Eigen {
   // p -= lr · weight_decay · p.
   template <class T>
   static void adam_update(T* p, const T* g, T* m, T* v, index_t n, const AdamStep& s) {
-    const T b1 = static_cast<T>(s.beta1), b2 = static_cast<T>(s.beta2), eps = static_cast<T>(s.eps);
-    const T wd = static_cast<T>(s.weight_decay);
     const T decay = s.decoupled ? T(1) - static_cast<T>(s.learning_rate * s.weight_decay) : T(1);
-    const T l2 = s.decoupled ? T(0) : wd;
-    const T step = static_cast<T>(s.learning_rate / s.bias_correction1);
-    const T root_correction = static_cast<T>(std::sqrt(s.bias_correction2));
-    for (index_t i = 0; i < n; ++i) {
-      const T grad = g[i] + l2 * p[i];
-      m[i] = b1 * m[i] + (T(1) - b1) * grad;
-      v[i] = b2 * v[i] + (T(1) - b2) * grad * grad;
-      p[i] = p[i] * decay - step * m[i] / (std::sqrt(v[i]) / root_correction + eps);
-    }
+    const T l2 = s.decoupled ? T(0) : static_cast<T>(s.weight_decay);
+    kernels::adam_update(p, g, m, v, n,
+                         kernels::AdamCoefficients<T>{static_cast<T>(s.beta1), static_cast<T>(s.beta2),
+                                                      static_cast<T>(s.eps), l2, decay,
+                                                      static_cast<T>(s.learning_rate / s.bias_correction1),
+                                                      static_cast<T>(std::sqrt(s.bias_correction2))});
   }
 
   template <class T>
   static void sgd_update(T* p, const T* g, T* buf, index_t n, const SgdStep& s) {
-    const T lr = static_cast<T>(s.learning_rate), wd = static_cast<T>(s.weight_decay);
-    const T momentum = static_cast<T>(s.momentum), keep = static_cast<T>(1 - s.dampening);
-    for (index_t i = 0; i < n; ++i) {
-      const T d = g[i] + wd * p[i];
-      if (s.momentum == 0) {
-        p[i] -= lr * d;
-        continue;
-      }
-      buf[i] = s.first_step ? d : momentum * buf[i] + keep * d;
-      p[i] -= lr * (s.nesterov ? d + momentum * buf[i] : buf[i]);
-    }
+    kernels::sgd_update(p, g, buf, n,
+                        kernels::SgdCoefficients<T>{static_cast<T>(s.learning_rate), static_cast<T>(s.weight_decay),
+                                                    static_cast<T>(s.momentum), static_cast<T>(1 - s.dampening),
+                                                    s.momentum != 0, s.nesterov, s.first_step});
   }
 
  private:
