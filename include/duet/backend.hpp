@@ -18,6 +18,7 @@
 
 #include "config.hpp"
 #include "error.hpp"
+#include "kernels/elementwise.hpp"
 #include "kernels/gemm.hpp"
 #include "kernels/optim.hpp"
 #include "memory.hpp"
@@ -192,12 +193,12 @@ struct Eigen {
     T total = 0;
     for (index_t i = 0; i < rows; ++i) {
       const T* row = z + i * classes;
-      const T lse = log_sum_exp(row, classes);
+      const T lse = kernels::log_sum_exp(row, classes);
       T loss = 0;
       if constexpr (Sparse) {
         loss = lse - row[checked_label(labels[i], i, classes)];
       } else {
-        for (index_t c = 0; c < classes; ++c) loss += static_cast<T>(labels[i * classes + c]) * (lse - row[c]);
+        loss = kernels::cross_entropy(row, labels + i * classes, classes, lse);
       }
       if (r == Reduction::none) out[i] = loss;
       else total += loss;
@@ -213,19 +214,14 @@ struct Eigen {
     for (index_t i = 0; i < rows; ++i) {
       const T* row = z + i * classes;
       T* d = dz + i * classes;
-      const T lse = log_sum_exp(row, classes);
+      const T lse = kernels::log_sum_exp(row, classes);
       const T scale = r == Reduction::none ? g[i] : r == Reduction::mean ? g[0] / static_cast<T>(rows) : g[0];
-      T label_mass = 0;
-      for (index_t c = 0; c < classes; ++c) {
-        if constexpr (!Sparse) label_mass += static_cast<T>(labels[i * classes + c]);
-        d[c] = std::exp(row[c] - lse);
-      }
       if constexpr (Sparse) {
-        d[checked_label(labels[i], i, classes)] -= T(1);
-        for (index_t c = 0; c < classes; ++c) d[c] *= scale;
+        kernels::softmax_grad(row, classes, lse, checked_label(labels[i], i, classes), scale, d);
       } else {
         // d/dz of Σ_c p_c (lse - z_c) is softmax · Σ_c p_c - p.
-        for (index_t c = 0; c < classes; ++c) d[c] = (d[c] * label_mass - static_cast<T>(labels[i * classes + c])) * scale;
+        const T* p = labels + i * classes;
+        kernels::softmax_grad(row, p, classes, lse, kernels::sum(p, classes), scale, d);
       }
     }
   }
@@ -295,15 +291,6 @@ struct Eigen {
     else s = ::Eigen::Map<const Matrix>(x, rows, cols).colwise().sum();
   }
 
-  template <class T>
-  static T log_sum_exp(const T* row, index_t n) {
-    T m = row[0];
-    for (index_t c = 1; c < n; ++c) m = std::max(m, row[c]);
-    T sum = 0;
-    for (index_t c = 0; c < n; ++c) sum += std::exp(row[c] - m);
-    return m + std::log(sum);
-  }
-
   template <class L>
   static index_t checked_label(L label, index_t row, index_t classes) {
     const auto c = static_cast<index_t>(label);
@@ -319,6 +306,14 @@ struct Eigen {
 // each tile of the output while it is in registers. Element types or epilogue functions the
 // kernel cannot take fall back to Eigen.
 struct Native : Eigen {
+  // map() on the instruction set chosen at run time, with the functions' vector forms (the
+  // code a product's epilogue runs); functions without one go to Eigen.
+  template <class... Fns, class T>
+  static void map(const T* x, index_t n, T* y) {
+    if constexpr (kernels::gemm_supports<T, Fns...>) kernels::map<Fns...>(x, n, y);
+    else Eigen::map<Fns...>(x, n, y);
+  }
+
   template <index_t In, index_t Out, class T, class... Fns>
   static void dense(const T* x, index_t rows, index_t in, const T* w, index_t out,
                     const Epilogue<T, Fns...>& epilogue, T* y) {
