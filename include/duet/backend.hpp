@@ -267,11 +267,11 @@ struct Eigen {
   static void adam_update(T* p, const T* g, T* m, T* v, index_t n, const AdamStep& s) {
     const T decay = s.decoupled ? T(1) - static_cast<T>(s.learning_rate * s.weight_decay) : T(1);
     const T l2 = s.decoupled ? T(0) : static_cast<T>(s.weight_decay);
+    const double root_correction = std::sqrt(s.bias_correction2);
     kernels::adam_update(p, g, m, v, n,
                          kernels::AdamCoefficients<T>{static_cast<T>(s.beta1), static_cast<T>(s.beta2),
-                                                      static_cast<T>(s.eps), l2, decay,
-                                                      static_cast<T>(s.learning_rate / s.bias_correction1),
-                                                      static_cast<T>(std::sqrt(s.bias_correction2))});
+                                                      static_cast<T>(s.eps * root_correction), l2, decay,
+                                                      static_cast<T>(s.learning_rate * root_correction / s.bias_correction1)});
   }
 
   template <class T>

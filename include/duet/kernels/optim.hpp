@@ -2,9 +2,10 @@
 //
 // An update reads the parameter, its gradient and the optimiser's state and writes parameter
 // and state back: 28 bytes per float for Adam, for a few operations, one of them a square root
-// and one a division. It runs at memory speed only if those two are vector instructions
+// and one a division. It runs near memory speed only if those two are vector instructions
 // (benchmarks/optim.cpp compares it with a streaming pass over the same bytes); a scalar loop
-// is bound by std::sqrt and the division instead.
+// is bound by std::sqrt and the division instead. Even as vectors they share one unit and
+// bound Adam on data in L2, so Adam's rule is written with one of each (AdamCoefficients).
 //
 // Written once (detail/optim_impl.hpp) on the vectors of each instruction set, compiled per set
 // below and chosen at run time like the matrix product (simd/isa.hpp, duet::kernel_isa()). The
@@ -21,16 +22,19 @@
 namespace duet::kernels {
 
 // Adam's scalars for one step, in T: m = β1·m + (1 - β1)·g', v = β2·v + (1 - β2)·g'·g' with
-// g' = g + l2·p, then p = p·decay - step·m / (sqrt(v) / root_correction + eps).
+// g' = g + l2·p, then p = p·decay - step·m / (sqrt(v) + eps). With c1 = 1 - β1^t and
+// c2 = 1 - β2^t, PyTorch's lr·(m / c1) / (sqrt(v) / sqrt(c2) + ε) is this with
+// step = lr·sqrt(c2) / c1 and eps = ε·sqrt(c2), both computed once in double: one division
+// per element instead of two, as accurate (four roundings in T either way, each within half
+// an ulp), though not the same bits.
 template <class T>
 struct AdamCoefficients {
   T beta1;
   T beta2;
-  T eps;
-  T l2;               // L2 weight decay (Adam), added to the gradient
-  T decay;            // 1 - lr·weight_decay (AdamW's decoupled decay), else 1
-  T step;             // lr / (1 - β1^t)
-  T root_correction;  // sqrt(1 - β2^t)
+  T eps;    // ε·sqrt(1 - β2^t)
+  T l2;     // L2 weight decay (Adam), added to the gradient
+  T decay;  // 1 - lr·weight_decay (AdamW's decoupled decay), else 1
+  T step;   // lr·sqrt(1 - β2^t) / (1 - β1^t)
 };
 
 // SGD's scalars for one step: d = g + weight_decay·p; without momentum p -= lr·d; with it

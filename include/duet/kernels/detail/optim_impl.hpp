@@ -9,7 +9,7 @@ template <class T>
   const Vec<T> grad = g + c.l2 * p;
   m = c.beta1 * m + (T(1) - c.beta1) * grad;
   v = c.beta2 * v + (T(1) - c.beta2) * grad * grad;
-  p = p * c.decay - c.step * m / (sqrt<T>(v) / c.root_correction + c.eps);
+  p = p * c.decay - c.step * m / (sqrt<T>(v) + c.eps);
 }
 
 template <class T>
