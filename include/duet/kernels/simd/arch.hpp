@@ -1,8 +1,9 @@
 // The one place where the instruction sets differ: per set, the vector width, the tile height
 // and the few operations GCC's vector extensions do not spell (FMA, masked memory access, the
-// group broadcast). Everything else in a kernel is written once, on Vec<T>, and compiled once
-// per set, in the set's namespace (detail::baseline, detail::avx2, detail::avx512) and between
-// its DUET_BEGIN_... and DUET_END_ISA (as kernels/gemm.hpp does with detail/gemm_impl.hpp).
+// group broadcast, the square root). Everything else in a kernel is written once, on Vec<T>,
+// and compiled once per set, in the set's namespace (detail::baseline, detail::avx2,
+// detail::avx512) and between its DUET_BEGIN_... and DUET_END_ISA (as kernels/gemm.hpp does
+// with detail/gemm_impl.hpp); so are exp and the reductions (detail/math.hpp).
 //
 // Each set's code is compiled for its target whatever -march the program has, by a target
 // region: GCC's `#pragma GCC target`, clang's `#pragma clang attribute push(target)`. Templates
