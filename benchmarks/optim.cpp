@@ -33,7 +33,7 @@ std::string cpu_model() {
 // The floor: each of `written` arrays gets g added, in one pass. Compiled for each instruction
 // set and chosen when loaded, so the floor does not depend on the flags this file is built with.
 [[gnu::target_clones("avx512f", "avx2", "default")]] void add_to_each(float* const* written, int count, const float* g,
-                                                                         index_t n) {
+                                                                      index_t n) {
   for (int a = 0; a < count; ++a) {
     float* __restrict x = written[a];
     for (index_t i = 0; i < n; ++i) x[i] += g[i];
@@ -102,7 +102,8 @@ void run(benchmark::State& state, kernels::Isa isa, int arrays, Update&& update)
 
 void adam(benchmark::State& state, kernels::Isa isa) {
   const kernels::AdamCoefficients<float> c{0.9f, 0.999f, 1e-8f, 0.0f, 1.0f, 1e-3f};
-  run(state, isa, 3, [&](Buffers& b) { kernels::adam_update(b.p.data(), b.g.data(), b.m.data(), b.v.data(), state.range(0), c); });
+  run(state, isa, 3,
+      [&](Buffers& b) { kernels::adam_update(b.p.data(), b.g.data(), b.m.data(), b.v.data(), state.range(0), c); });
 }
 
 void sgd_momentum(benchmark::State& state, kernels::Isa isa) {

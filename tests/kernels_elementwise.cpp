@@ -201,7 +201,8 @@ TEST_CASE_TEMPLATE("kernels::map applies the functions' vector form, in place or
       bool same = std::isnan(y[0]);
       for (std::size_t i = 1; i < x.size(); ++i) {
         const double expected = std::max(static_cast<double>(x[i]), 0.0);
-        same = same && static_cast<double>(y[i]) == expected && std::signbit(y[i]) == std::signbit(fn::Relu::apply(x[i]));
+        same = same && static_cast<double>(y[i]) == expected &&
+               std::signbit(y[i]) == std::signbit(fn::Relu::apply(x[i]));
       }
       CHECK(same);
       CHECK(y.back() == T(7));

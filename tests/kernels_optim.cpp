@@ -120,7 +120,8 @@ void check_sgd(const kernels::SgdCoefficients<T>& c) {
         p_expected[i] -= static_cast<double>(c.learning_rate) * d;
         continue;
       }
-      buf_expected[i] = c.first_step ? d : static_cast<double>(c.momentum) * buf_expected[i] + static_cast<double>(c.keep) * d;
+      buf_expected[i] =
+          c.first_step ? d : static_cast<double>(c.momentum) * buf_expected[i] + static_cast<double>(c.keep) * d;
       p_expected[i] -= static_cast<double>(c.learning_rate) *
                        (c.nesterov ? d + static_cast<double>(c.momentum) * buf_expected[i] : buf_expected[i]);
     }
@@ -152,7 +153,8 @@ TEST_CASE("kernels::sgd_update without momentum needs no momentum buffer") {
   std::vector<float> p = {1, 2, 3}, g = {1, 1, 1};
   duet_test::for_each_isa([&] {
     auto q = p;
-    kernels::sgd_update(q.data(), g.data(), static_cast<float*>(nullptr), 3, kernels::SgdCoefficients<float>{0.5f, 0, 0, 1, false, false, false});
+    const kernels::SgdCoefficients<float> plain{0.5f, 0, 0, 1, false, false, false};
+    kernels::sgd_update(q.data(), g.data(), static_cast<float*>(nullptr), 3, plain);
     CHECK(q == std::vector<float>{0.5f, 1.5f, 2.5f});
   });
 }

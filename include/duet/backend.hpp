@@ -268,10 +268,10 @@ struct Eigen {
     const T decay = s.decoupled ? T(1) - static_cast<T>(s.learning_rate * s.weight_decay) : T(1);
     const T l2 = s.decoupled ? T(0) : static_cast<T>(s.weight_decay);
     const double root_correction = std::sqrt(s.bias_correction2);
+    const auto step = static_cast<T>(s.learning_rate * root_correction / s.bias_correction1);
     kernels::adam_update(p, g, m, v, n,
                          kernels::AdamCoefficients<T>{static_cast<T>(s.beta1), static_cast<T>(s.beta2),
-                                                      static_cast<T>(s.eps * root_correction), l2, decay,
-                                                      static_cast<T>(s.learning_rate * root_correction / s.bias_correction1)});
+                                                      static_cast<T>(s.eps * root_correction), l2, decay, step});
   }
 
   template <class T>
