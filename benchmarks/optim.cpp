@@ -75,7 +75,10 @@ struct Buffers {
 // how many the update writes (it reads those and g).
 template <class Update>
 void run(benchmark::State& state, kernels::Isa isa, int arrays, Update&& update) {
-  const kernels::Isa saved = kernels::active_isa();
+  struct Restore {
+    kernels::Isa saved = kernels::active_isa();
+    ~Restore() { kernels::set_active_isa(saved); }
+  } restore;
   kernels::set_active_isa(isa);
   const index_t n = state.range(0);
   Buffers b(n);
@@ -83,7 +86,6 @@ void run(benchmark::State& state, kernels::Isa isa, int arrays, Update&& update)
     update(b);
     benchmark::ClobberMemory();
   }
-  kernels::set_active_isa(saved);
   const double bytes = static_cast<double>(n) * static_cast<double>(sizeof(float)) * (2 * arrays + 1);
   state.SetBytesProcessed(static_cast<std::int64_t>(bytes) * state.iterations());
   float* written[] = {b.p.data(), b.m.data(), b.v.data()};
