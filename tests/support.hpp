@@ -82,6 +82,22 @@ std::vector<double> values_of(const duet::BasicTensor<T>& t) {
   return std::vector<double>(t.data(), t.data() + t.numel());
 }
 
+// Runs body once under each instruction set this CPU runs (so a machine with AVX-512 tests all
+// three sets of kernels in one process), then restores the set the process started with.
+template <class Body>
+void for_each_isa(Body&& body) {
+  struct Restore {
+    duet::kernels::Isa saved = duet::kernels::active_isa();
+    ~Restore() { duet::kernels::set_active_isa(saved); }
+  } restore;
+  for (duet::kernels::Isa isa : duet::kernels::all_isas) {
+    if (!duet::kernels::cpu_supports(isa)) continue;
+    duet::kernels::set_active_isa(isa);
+    CAPTURE(duet::kernel_isa());
+    body();
+  }
+}
+
 // Largest |a - b| relative to the largest |b| (at least 1): the "1e-5 relative" of the tests.
 inline double relative_difference(const std::vector<double>& a, const std::vector<double>& b) {
   REQUIRE(a.size() == b.size());

@@ -173,7 +173,7 @@ struct SoftmaxCrossEntropyLabelGradOp : Primitive<SoftmaxCrossEntropyLabelGradOp
     const index_t rows = classes == 0 ? 0 : a.in_shape(1).numel() / classes;
     for (index_t i = 0; i < rows; ++i) {
       const T* row = z + i * classes;
-      const T lse = Backend::log_sum_exp(row, classes);
+      const T lse = kernels::log_sum_exp(row, classes);
       const T scale = R == Reduction::none ? g[i] : R == Reduction::mean ? g[0] / static_cast<T>(rows) : g[0];
       for (index_t c = 0; c < classes; ++c) d[i * classes + c] = (lse - row[c]) * scale;
     }
