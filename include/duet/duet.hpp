@@ -15,6 +15,7 @@
 #include "graph.hpp"
 #include "graph_ir.hpp"
 #include "host.hpp"
+#include "initializer.hpp"
 #include "io/checkpoint.hpp"
 #include "io/idx.hpp"
 #include "jit.hpp"
