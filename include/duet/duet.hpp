@@ -34,6 +34,7 @@
 #include "print.hpp"
 #include "random.hpp"
 #include "shape.hpp"
+#include "summary.hpp"
 #include "tape.hpp"
 #include "tensor.hpp"
 #include "trace.hpp"
