@@ -209,7 +209,9 @@ TEST_CASE("initializer: nn::Dense's default is MindSpore's, bit for bit what it 
     auto b = uniform<float>({out}, -bound, bound, gen);
     return std::pair{w, b};
   };
-  for (const auto& [in, out] : std::vector<std::pair<index_t, index_t>>{{784, 512}, {512, 512}, {3, 7}, {20, 10}}) {
+  for (const auto& sizes : std::vector<std::pair<index_t, index_t>>{{784, 512}, {512, 512}, {3, 7}, {20, 10}}) {
+    const index_t in = sizes.first;
+    const index_t out = sizes.second;
     CAPTURE(in);
     set_seed(3);
     nn::Dense<> dense(in, out);

@@ -1,3 +1,4 @@
+#include <functional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -245,4 +246,31 @@ TEST_CASE("summary: a wrong input shape is the layer's ShapeError, and graph mod
                        "duet::summary(SeedNetwork<(Mode)2>, input [?, 1, 28, 28]): every dimension of the input shape "
                        "must be known, the batch size too",
                        ValueError);
+}
+
+namespace {
+// A runtime-built cell whose forward is given: it calls `inner` directly or through a jit function.
+struct Calls : nn::DynamicCell {
+  nn::DynamicCell& inner;
+  std::function<Tensor(const Tensor&)> body;
+  Calls(nn::DynamicCell& cell, std::function<Tensor(const Tensor&)> fn) : inner(cell), body(std::move(fn)) {}
+  void for_each_child(const ChildVisitor& visit) override { visit("inner", inner); }
+  std::string type_name() const override { return "Calls"; }
+
+ protected:
+  Tensor forward(const Tensor& x) override { return body(x); }
+};
+}  // namespace
+
+TEST_CASE("summary: a cell called inside a jit function runs compiled with it, unseen") {
+  nn::Dense<4, 3> fc;
+  auto compiled = jit([&](auto x) { return fc(x); });
+  Calls direct(fc, [&](const Tensor& x) { return fc(x); });
+  Calls through_jit(fc, [&](const Tensor& x) { return compiled(x); });
+  std::ostringstream sink;
+  const Summary seen = summary(direct, {2, 4}, sink);
+  const Summary unseen = summary(through_jit, {2, 4}, sink);
+  CHECK(seen.rows.at(1).output_shapes == std::vector<Shape>{{2, 3}});
+  CHECK(unseen.rows.at(0).output_shapes == std::vector<Shape>{{2, 3}});
+  CHECK(unseen.rows.at(1).output_shapes.empty());
 }

@@ -309,7 +309,7 @@ void initialize(BasicTensor<T>& tensor, const I& init, Generator& gen) {
                 "duet::initializer::initialize: this initialiser cannot fill a tensor of this element type (the "
                 "random ones fill float and double tensors; a user's initialiser needs "
                 "`void fill(BasicTensor<T>&, Generator&) const` and `std::string name() const`)");
-  init.fill(tensor, gen);
+  if constexpr (Initializer<I, T>) init.fill(tensor, gen);  // no second error after the assertion
 }
 
 // The same, drawing from the global generator (set_seed).

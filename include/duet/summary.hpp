@@ -4,9 +4,10 @@
 // It runs the network once, eagerly, on zeros of the given shape, as torchinfo runs a forward
 // pass: every cell, whatever its mode (a graph-mode or jit cell, a runtime-built network that
 // graph mode would trace), then runs as in PyNative mode and reports each call, which is how
-// each cell's output shape is known. The run changes no parameter, no mode and no compiled
-// form, and draws no random number; forward hooks run, as in any eager call. A cell called
-// inside a duet::jit function is compiled with it and is not seen ("--").
+// each cell's output shape is known. The run changes no parameter and no mode, makes no graph
+// or trace of the network, and draws no random number; forward hooks run, as in any eager call.
+// A duet::jit function the network calls runs compiled, as in any call: the cells it calls are
+// not seen ("--").
 #pragma once
 
 #include <algorithm>
