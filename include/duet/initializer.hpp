@@ -91,16 +91,8 @@ inline void require_finite(double x, std::string_view argument, const std::strin
   }
 }
 
-// The He initialisers' common part: the fan their mode picks and the gain of their nonlinearity.
-template <class Init>
-double he_scale(const Init& init, const Shape& shape, double* gain);
-
-template <class Init>
-std::string he_name(std::string_view kind, const Init& init) {
-  return "initializer::" + std::string(kind) + "(negative_slope=" + number(init.negative_slope) +
-         ", mode=" + std::string(name_of(init.mode)) + ", nonlinearity=" + std::string(name_of(init.nonlinearity)) +
-         ")";
-}
+// How a He initialiser draws: HeUniform or HeNormal.
+enum class HeDraw { uniform, normal };
 
 }  // namespace detail
 
@@ -186,41 +178,46 @@ struct XavierUniform {
   }
 };
 
-// U(-b, b) with b = gain * sqrt(3 / fan), fan and gain from mode and nonlinearity (He et al.,
-// 2015). nn::Dense's default weight is HeUniform{.negative_slope = std::sqrt(5.0)}:
-// b = 1 / sqrt(fan_in).
-struct HeUniform {
+// He et al., 2015: fan and gain from mode and nonlinearity. HeUniform draws U(-b, b) with
+// b = gain * sqrt(3 / fan), HeNormal N(0, sigma²) with sigma = gain / sqrt(fan). nn::Dense's
+// default weight is HeUniform{.negative_slope = std::sqrt(5.0)}: b = 1 / sqrt(fan_in).
+template <detail::HeDraw Draw>
+struct He {
   double negative_slope = 0;
   FanMode mode = FanMode::fan_in;
   Nonlinearity nonlinearity = Nonlinearity::leaky_relu;
 
-  std::string name() const { return detail::he_name("HeUniform", *this); }
+  std::string name() const {
+    return std::string(Draw == detail::HeDraw::uniform ? "initializer::HeUniform" : "initializer::HeNormal") +
+           "(negative_slope=" + detail::number(negative_slope) + ", mode=" + std::string(detail::name_of(mode)) +
+           ", nonlinearity=" + std::string(detail::name_of(nonlinearity)) + ")";
+  }
+
   template <std::floating_point T>
   void fill(BasicTensor<T>& tensor, Generator& gen) const {
-    double gain = 0;
-    const double fan = detail::he_scale(*this, tensor.shape(), &gain);
-    // sqrt(3) * gain is rounded to T before the division: with negative_slope = sqrt(5) it is
-    // exactly 1, so the bound is T's 1 / sqrt(fan), the one nn::Dense has always drawn with.
-    const T bound = static_cast<T>(std::sqrt(3.0) * gain) / std::sqrt(static_cast<T>(fan));
-    for (T& v : tensor.values()) v = gen.uniform<T>(-bound, bound);
+    const double gain = calculate_gain(nonlinearity, negative_slope, name());
+    if (mode != FanMode::fan_in && mode != FanMode::fan_out) {
+      throw ValueError(name() + ": mode must be fan_in or fan_out, got value " + std::to_string(static_cast<int>(mode)));
+    }
+    const Fans fans = fan_in_and_fan_out(tensor.shape(), name());
+    const index_t fan = mode == FanMode::fan_in ? fans.fan_in : fans.fan_out;
+    if (fan == 0) {
+      throw ValueError(name() + ": " + std::string(detail::name_of(mode)) + " is 0 for shape " +
+                       to_string(tensor.shape()));
+    }
+    if constexpr (Draw == detail::HeDraw::uniform) {
+      // sqrt(3) * gain is rounded to T before the division: with negative_slope = sqrt(5) it is
+      // exactly 1, so the bound is T's 1 / sqrt(fan), the one nn::Dense has always drawn with.
+      const T bound = static_cast<T>(std::sqrt(3.0) * gain) / std::sqrt(static_cast<T>(fan));
+      for (T& v : tensor.values()) v = gen.uniform<T>(-bound, bound);
+    } else {
+      const double sigma = gain / std::sqrt(static_cast<double>(fan));
+      for (T& v : tensor.values()) v = static_cast<T>(sigma * gen.normal<double>());
+    }
   }
 };
-
-// N(0, sigma²) with sigma = gain / sqrt(fan), fan and gain as HeUniform's.
-struct HeNormal {
-  double negative_slope = 0;
-  FanMode mode = FanMode::fan_in;
-  Nonlinearity nonlinearity = Nonlinearity::leaky_relu;
-
-  std::string name() const { return detail::he_name("HeNormal", *this); }
-  template <std::floating_point T>
-  void fill(BasicTensor<T>& tensor, Generator& gen) const {
-    double gain = 0;
-    const double fan = detail::he_scale(*this, tensor.shape(), &gain);
-    const double sigma = gain / std::sqrt(fan);
-    for (T& v : tensor.values()) v = static_cast<T>(sigma * gen.normal<double>());
-  }
-};
+using HeUniform = He<detail::HeDraw::uniform>;
+using HeNormal = He<detail::HeDraw::normal>;
 
 // Every element `value`. It fills integer tensors too, with a value they hold exactly.
 struct Constant {
@@ -267,20 +264,6 @@ struct One {
     Constant{1}.fill(tensor, gen);
   }
 };
-
-template <class Init>
-double detail::he_scale(const Init& init, const Shape& shape, double* gain) {
-  const std::string who = init.name();
-  *gain = calculate_gain(init.nonlinearity, init.negative_slope, who);
-  if (init.mode != FanMode::fan_in && init.mode != FanMode::fan_out) {
-    throw ValueError(who + ": mode must be fan_in or fan_out, got value " +
-                     std::to_string(static_cast<int>(init.mode)));
-  }
-  const Fans fans = fan_in_and_fan_out(shape, who);
-  const index_t fan = init.mode == FanMode::fan_in ? fans.fan_in : fans.fan_out;
-  if (fan == 0) throw ValueError(who + ": " + std::string(name_of(init.mode)) + " is 0 for shape " + to_string(shape));
-  return static_cast<double>(fan);
-}
 
 // Any initialiser of T, held by value: what a layer option such as nn::Dense's weight_init
 // stores, so that it takes the built-in ones and a user's alike.
