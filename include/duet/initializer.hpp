@@ -19,6 +19,7 @@
 #include <concepts>
 #include <functional>
 #include <limits>
+#include <locale>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -55,6 +56,7 @@ namespace detail {
 // Arguments as MindSpore prints them: 0.01, not 0.010000.
 inline std::string number(double x) {
   std::ostringstream s;
+  s.imbue(std::locale::classic());
   s << x;
   return s.str();
 }
