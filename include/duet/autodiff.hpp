@@ -32,6 +32,7 @@
 #include "jit.hpp"
 #include "parameter.hpp"
 #include "passes.hpp"
+#include "pipeline.hpp"
 #include "tape.hpp"
 #include "tensor.hpp"
 #include "trace.hpp"
@@ -42,39 +43,30 @@ namespace ops {
 // A value of the input's shape filled with V: ones where backward starts (d output/d output),
 // zeros for the gradient of an input the output does not depend on.
 template <int V>
-struct FillLikeOp {
-  using layer_type = FillLikeOp;
+struct FillLikeOp : Primitive<FillLikeOp<V>> {
   static constexpr int arity = 1;
-  static constexpr bool is_view = false;
-  static constexpr bool is_elementwise = false;
   static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
-  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
     Backend::fill(a.out<T>(), a.output_shape.numel(), T(V));
   }
   static std::string op_name() { return V == 1 ? "OnesLike" : "ZerosLike"; }
-  std::string label() const { return op_name(); }
 };
 
 // Copies a value out of the graph into *destination (an input's gradient, for the caller).
 template <class T>
-struct StoreOp {
-  using layer_type = StoreOp;
+struct StoreOp : Primitive<StoreOp<T>> {
   static constexpr int arity = 1;
-  static constexpr bool is_view = false;
-  static constexpr bool is_elementwise = false;
   static constexpr bool is_sink = true;
   BasicTensor<T>* destination;
+  StoreOp(BasicTensor<T>* d) : destination(d) {}
   static constexpr ShapeResult infer_static(std::span<const Shape>) { return {Shape{}}; }
-  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
   template <class Backend, class U>
   void run(const graph::KernelArgs& a) const {
     *destination = BasicTensor<T>::uninitialized(a.in_shape());
     std::copy_n(a.in<T>(), a.in_shape().numel(), destination->data());
   }
   static std::string op_name() { return "Store"; }
-  std::string label() const { return op_name(); }
 };
 
 }  // namespace ops
@@ -111,8 +103,14 @@ constexpr std::array<bool, G::size> leads_to_gradient() {
       leads[I] = ((Op::index == Wrt) || ...);
     } else {
       bool any = false;
-      if constexpr (Differentiable<Op>) any = Op::has_parameters;
-      for (std::size_t a : N::args) any = any || leads[a];
+      if constexpr (DifferentiableOperation<Op>) {
+        any = has_parameters<Op>();
+        [&]<std::size_t... K>(std::index_sequence<K...>) {
+          ((any = any || (input_has_gradient<Op, K>() && leads[N::args[K]])), ...);
+        }(std::make_index_sequence<N::arity>{});
+      } else {
+        for (std::size_t a : N::args) any = any || leads[a];
+      }
       leads[I] = any;
     }
   });
@@ -136,10 +134,41 @@ constexpr std::size_t operand_index() {
     return Grad;
   else if constexpr (O == graph::Operand::output)
     return Self;
-  else if constexpr (O == graph::Operand::input0)
-    return N::args[0];
   else
-    return N::args[1];
+    return N::args[static_cast<std::size_t>(O) - 1];
+}
+
+// Appends gop, reading what it declares around forward node I (gradient in node Grad).
+template <class N, std::size_t I, std::size_t Grad, class GradOp, class Built>
+auto with_grad_node(const Built& built, const GradOp& gop) {
+  auto node = [&]<std::size_t... J>(std::index_sequence<J...>) {
+    return graph::Node<GradOp, operand_index<GradOp::reads[J], N, I, Grad>()...>{gop};
+  }(std::make_index_sequence<GradOp::reads.size()>{});
+  return boost::hana::append(built, node);
+}
+
+// The gradients of forward node I's inputs K, K+1, ...: each input that leads to something
+// differentiated gets its gradient op, summed with what it already has. Returns the nodes
+// built and the new Grads.
+template <std::size_t K, std::size_t I, auto Grads, auto Leads, class G, class Built>
+auto backward_inputs(const G& g, const Built& built) {
+  using N = graph::node_at<G, I>;
+  using Op = typename N::op_type;
+  if constexpr (K == N::arity) {
+    return std::pair{built, value_tag<Grads>{}};
+  } else if constexpr (!input_has_gradient<Op, K>() || !Leads[N::args[K]]) {
+    return backward_inputs<K + 1, I, Grads, Leads>(g, built);
+  } else {
+    constexpr std::size_t a = N::args[K];
+    constexpr std::size_t k = decltype(boost::hana::length(built))::value;
+    auto with_grad = with_grad_node<N, I, Grads[I]>(built, boost::hana::at_c<I>(g.nodes).op.template grad_op<K>());
+    if constexpr (Grads[a] == no_grad) {
+      return backward_inputs<K + 1, I, with(Grads, a, k), Leads>(g, with_grad);
+    } else {
+      auto summed = boost::hana::append(with_grad, graph::Node<ops::GradAddOp, Grads[a], k>{});
+      return backward_inputs<K + 1, I, with(Grads, a, k + 1), Leads>(g, summed);
+    }
+  }
 }
 
 // Walks forward nodes I-1, I-2, ..., 0. Grads[i] is the node holding d(output)/d(value i).
@@ -151,34 +180,25 @@ auto backward_from(const G& g, const Built& built) {
     constexpr std::size_t i = I - 1;
     using N = graph::node_at<G, i>;
     using Op = typename N::op_type;
-    constexpr std::size_t gi = Grads[i];
-    if constexpr (gi == no_grad || graph::is_input_op_v<Op>) {
+    if constexpr (Grads[i] == no_grad || graph::is_input_op_v<Op>) {
       return backward_from<i, Grads, Leads>(g, built);
-    } else if constexpr (!Differentiable<Op>) {
-      static_cast<void>(sizeof(diagnostic::require_differentiable<typename Op::layer_type>));
+    } else if constexpr (!DifferentiableOperation<Op>) {
+      // An operation that gives some inputs' gradients is reported by the contract's check.
+      if constexpr (!diagnostic::check_operation<Op>::partial)
+        static_cast<void>(sizeof(diagnostic::require_differentiable<typename Op::layer_type>));
       return backward_from<i, Grads, Leads>(g, built);
     } else {
-      constexpr bool input_grad = N::arity >= 1 && Leads[N::args[0]];
-      if constexpr (!input_grad && !Op::has_parameters) {
-        return backward_from<i, Grads, Leads>(g, built);
-      } else {
-        const auto gop = boost::hana::at_c<i>(g.nodes).op.template grad_op<input_grad>();
-        constexpr std::size_t k = decltype(boost::hana::length(built))::value;
-        auto node = [&]<std::size_t... J>(std::index_sequence<J...>) {
-          return graph::Node<std::remove_cvref_t<decltype(gop)>, operand_index<Op::grad_operands[J], N, i, gi>()...>{
-              gop};
-        }
-        (std::make_index_sequence<Op::grad_operands.size()>{});
-        auto with_grad = boost::hana::append(built, node);
-        if constexpr (!input_grad) {
-          return backward_from<i, Grads, Leads>(g, with_grad);
-        } else if constexpr (Grads[N::args[0]] == no_grad) {
-          return backward_from<i, with(Grads, N::args[0], k), Leads>(g, with_grad);
-        } else {
-          auto summed = boost::hana::append(with_grad, graph::Node<ops::GradAddOp, Grads[N::args[0]], k>{});
-          return backward_from<i, with(Grads, N::args[0], k + 1), Leads>(g, summed);
-        }
-      }
+      // An op with parameters writes their gradients from input 0's gradient op, or from its
+      // own parameter_grad_op when input 0 needs none.
+      constexpr bool via_input0 = N::arity >= 1 && input_has_gradient<Op, 0>() && Leads[N::args[0]];
+      const auto with_params = [&] {
+        if constexpr (has_parameters<Op>() && !via_input0)
+          return with_grad_node<N, i, Grads[i]>(built, boost::hana::at_c<i>(g.nodes).op.parameter_grad_op());
+        else
+          return built;
+      }();
+      auto [inputs_built, grads_tag] = backward_inputs<0, i, Grads, Leads>(g, with_params);
+      return backward_from<i, decltype(grads_tag)::value, Leads>(g, inputs_built);
     }
   }
 }
@@ -447,24 +467,22 @@ class GradFunction {
                         "hooks run in PyNative mode only");
       }
     }
-    auto forward = passes::optimize<JitConfig{}, true>([&]<std::size_t... K>(std::index_sequence<K...>) {
-      return fn_(graph::input<typename X::value_type, typename graph::pattern_of<X>::type, K>()...);
-    }(std::index_sequence_for<X...>{}));
-    const std::array<Shape, sizeof...(X)> shapes{xs.shape()...};
+    auto forward = pipeline::compile<JitConfig{}, true,
+                                     pipeline::Input<typename X::value_type, typename graph::pattern_of<X>::type>...>(
+        [&](const auto&... in) { return fn_(in...); });
     duet::detail::begin_backward_pass();
     if constexpr (WithInput) {
       return autodiff::detail::at_position<sizeof...(X)>(*grad_position_, [&](auto k) {
         if constexpr (differentiable_input<V, decltype(k)::value, X...>()) {
           auto training = autodiff::build_backward<decltype(k)::value>(forward, &input_grad);
-          return BasicTensor<V>(
-              run<DefaultBackend>(training, duet::detail::cached_plan(id_, training, shapes, where()), tensor_of(xs)...));
+          return BasicTensor<V>(pipeline::execute<JitConfig{}>(id_, training, where(), tensor_of(xs)...));
         } else {
           return BasicTensor<V>();
         }
       });
     } else {
       auto training = autodiff::build_backward<>(forward);
-      return run<DefaultBackend>(training, duet::detail::cached_plan(id_, training, shapes, where()), tensor_of(xs)...);
+      return pipeline::execute<JitConfig{}>(id_, training, where(), tensor_of(xs)...);
     }
   }
 
@@ -498,13 +516,14 @@ auto value_and_grad(Fn&& fn, std::vector<nn::BasicParameter<T>*> weights,
   return GradFunction<Fn, T>(std::forward<Fn>(fn), std::move(weights), grad_position);
 }
 
-// MindSpore's grad: the gradients alone. grad(fn) differentiates with respect to the first input.
+// MindSpore's grad: the gradients alone. grad(fn) and grad(fn, k) give the gradient of input 0
+// or k; with weights, the list of gradients.
 template <class Fn, class... Weights>
 auto grad(Fn&& fn, Weights&&... weights_and_position) {
   auto vg = value_and_grad(std::forward<Fn>(fn), std::forward<Weights>(weights_and_position)...);
   return [vg = std::move(vg)](const auto&... xs) mutable {
     auto out = vg(xs...);
-    if constexpr (sizeof...(Weights) == 0)
+    if constexpr (sizeof...(Weights) == 0 || (std::is_integral_v<std::remove_cvref_t<Weights>> && ...))
       return std::move(out.grads.front());
     else
       return std::move(out.grads);

@@ -297,7 +297,6 @@ struct Eigen {
     }
   }
 
- private:
   template <class T>
   static void column_sums(const T* x, index_t rows, index_t cols, T* sums, bool accumulate) {
     using Matrix = detail::RowMajorMatrix<T, dyn, dyn>;
@@ -315,6 +314,7 @@ struct Eigen {
     return m + std::log(sum);
   }
 
+ private:
   template <class L>
   static index_t checked_label(L label, index_t row, index_t classes) {
     const auto c = static_cast<index_t>(label);

@@ -23,6 +23,7 @@ enum class ShapeFault : unsigned char {
   element_count,   // the input must hold `expected` elements per sample
   shapes_differ,   // two inputs must have the same shape
   batch_dimension,  // the input must have a batch dimension in front: rank at least `expected`
+  broadcast,        // the two inputs' shapes must broadcast together (numpy's rule)
 };
 
 // What a shape rule returns: the output shape and, if the inputs break the rule, which way.
@@ -64,11 +65,16 @@ inline std::string describe_fault(const ShapeResult& r, std::string_view layer, 
       what = "an input of " + e + " elements per sample";
       break;
     case ShapeFault::shapes_differ:
+    case ShapeFault::broadcast:
       what = "inputs of the same shape";
       break;
     case ShapeFault::batch_dimension:
       return std::string(layer) + " expects an input of rank at least " + e +
              " whose first dimension is the batch, got " + got + ": the batch dimension is missing";
+  }
+  if (r.fault == ShapeFault::broadcast && inputs.size() > 1) {
+    return std::string(layer) + " expects inputs whose shapes broadcast together (numpy's rule: sizes equal or 1, "
+           "aligned at the last axis), got " + to_string(inputs[0]) + " and " + to_string(inputs[1]);
   }
   if (r.fault == ShapeFault::shapes_differ && inputs.size() > 1) {
     return std::string(layer) + " expects inputs of matching shapes, got " + to_string(inputs[0]) + " and " +
@@ -96,6 +102,9 @@ struct rank_must_be {};
 template <index_t N>
 struct elements_per_sample_must_be {};
 struct inputs_must_have_the_same_shape {};
+// The other input's shape, which this one must broadcast with.
+template <class OtherShape>
+struct must_broadcast_with {};
 template <index_t N>
 struct batch_dimension_missing_rank_must_be_at_least {};
 
@@ -140,6 +149,14 @@ struct rejected {
                 "duet: a layer cannot accept its input's shape (the condition names the layer, "
                 "its requirement and the input shape; -1 is a dynamic dimension)");
 };
+
+template <class ShapeOf>
+using shape_type_of = decltype(shape_type<ShapeOf>(std::make_index_sequence<static_cast<std::size_t>(ShapeOf::shape.rank())>{}));
+
+// The report of two inputs that do not broadcast: the culprit's shape, and the other's in the
+// requirement, so that both are named.
+template <class Layer, class Culprit, class Other>
+using broadcast_rejection = rejected<Layer, must_broadcast_with<shape_type_of<Other>>, shape_type_of<Culprit>>;
 
 // The report of Layer's rule broken with fault F (N being what it expected) by an input whose
 // shape is ShapeOf::shape.

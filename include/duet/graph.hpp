@@ -6,27 +6,7 @@
 // computing, so construct(Sym) returns the whole network as a type. The list stays flat, not
 // nested like relu<dense<relu<...>>>, which keeps type names short and compiles faster.
 //
-// An operation type Op provides:
-//   using layer_type                  the user-facing name compile-time errors show
-//   static constexpr int arity        number of inputs
-//   static constexpr bool is_view     output is input 0 with another shape (no kernel, no copy)
-//   static constexpr bool is_elementwise   unary, same shape, may run in place or fuse as epilogue
-//   static constexpr ShapeResult infer_static(std::span<const Shape>)   rule on compile-time patterns
-//   ShapeResult infer(std::span<const Shape>) const                     the same rule at run time
-//   template <class Backend, class T> void run(const KernelArgs&) const
-//                                      its kernel; T is the type of the value it makes
-//   using value_type                   (optional) that type, when it is not its first input's
-//   static std::string op_name()       what it does, for graph_ir ("MatMul + BiasAdd + ReLU")
-//   std::string label() const          who does it, for run-time errors ("nn::Dense<784, 512> 'fc'")
-// and optionally:
-//   static constexpr bool is_sink             makes no value, runs for its side effects
-//                                             (a gradient written into a parameter)
-//   static constexpr bool has_side_effects    a view whose kernel still runs
-// Differentiable operations also say how their gradient is computed (see autodiff.hpp):
-//   static constexpr std::array grad_operands   what the gradient op reads (Operand values)
-//   template <bool InputGrad> auto grad_op() const   the op making the gradient of input 0
-//                                             (if InputGrad) and of the op's parameters
-//   static constexpr bool has_parameters
+// Every node holds an operation: the contract it meets is in operation.hpp.
 #pragma once
 
 #include <array>
@@ -38,10 +18,12 @@
 #include <cstddef>
 #include <span>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 
 #include "diagnostics.hpp"
+#include "operation.hpp"
 #include "shape.hpp"
 #include "tensor.hpp"
 
@@ -99,25 +81,6 @@ auto make_graph(const Nodes& nodes) {
   return hana::unpack(
       nodes, [](const auto&... n) { return Graph<std::remove_cvref_t<decltype(n)>...>{hana::make_tuple(n...)}; });
 }
-
-// What an operation's kernel reads and writes. Inputs and output are untyped here because one
-// node may mix element types (float logits, int32 labels); each op casts to what it knows.
-struct KernelArgs {
-  const void* const* inputs;
-  const Shape* input_shapes;
-  void* output;
-  const Shape& output_shape;
-
-  template <class U>
-  const U* in(std::size_t k = 0) const {
-    return static_cast<const U*>(inputs[k]);
-  }
-  const Shape& in_shape(std::size_t k = 0) const { return input_shapes[k]; }
-  template <class U>
-  U* out() const {
-    return static_cast<U*>(output);
-  }
-};
 
 // The element type of the value an op makes from inputs whose first has type First.
 template <class Op, class First>
@@ -235,23 +198,16 @@ constexpr bool runs_kernel() {
     return !Op::is_view;
 }
 
-// What a gradient op reads, by its place around the forward op it differentiates.
-enum class Operand : unsigned char { grad, input0, input1, output };
-
 // Graph input K, of element type T, whose shape is known as far as Pattern says (a
 // StaticShape, or AnyShape).
 template <std::size_t K, class Pattern, class T>
-struct InputOp {
-  using layer_type = InputOp;
+struct InputOp : ops::Primitive<InputOp<K, Pattern, T>> {
   using value_type = T;
   using pattern = Pattern;
   static constexpr int arity = 0;
-  static constexpr bool is_view = false;
-  static constexpr bool is_elementwise = false;
   static constexpr std::size_t index = K;
   static constexpr ShapeResult infer_static(std::span<const Shape>) { return {Pattern::value}; }
   static std::string op_name() { return "Input " + std::to_string(K); }
-  std::string label() const { return op_name(); }
 };
 
 template <std::size_t K, class Pattern, class T>
@@ -436,6 +392,7 @@ auto quietly(const Sym<G, Out>& x, F&& f) {
 // reported where the user's construct calls the layer.
 template <class Op, class G, std::size_t Out>
 auto append(const Op& op, const Sym<G, Out>& x) {
+  static_cast<void>(sizeof(diagnostic::check_operation<Op>));
   constexpr ShapeResult r = Op::infer_static(std::array<Shape, 1>{G::shapes[Out]});
   if constexpr (!r.ok() && reports_faults<G>()) {
     static_cast<void>(sizeof(diagnostic::rejection<typename Op::layer_type, r.fault, r.expected, Sym<G, Out>>));
@@ -444,17 +401,42 @@ auto append(const Op& op, const Sym<G, Out>& x) {
   return Sym<decltype(g), G::size>{g};
 }
 
-// Appends `op` applied to a and b, whose graphs are merged first.
-template <class Op, class GA, std::size_t A, class GB, std::size_t B>
-auto append(const Op& op, const Sym<GA, A>& a, const Sym<GB, B>& b) {
-  constexpr ShapeResult r = Op::infer_static(std::array<Shape, 2>{GA::shapes[A], GB::shapes[B]});
-  if constexpr (!r.ok() && reports_faults<GA>() && reports_faults<GB>()) {
-    using Culprit = std::conditional_t<r.input == 0, Sym<GA, A>, Sym<GB, B>>;
-    static_cast<void>(sizeof(diagnostic::rejection<typename Op::layer_type, r.fault, r.expected, Culprit>));
+namespace detail {
+
+// Merges the graphs of xs... after g, each input once; Outs are where the values used so far
+// live in the result (the nodes already there keep their places).
+template <class G, std::size_t... Outs>
+auto merge_all(const G& g, std::index_sequence<Outs...> outs) {
+  return std::pair{g, outs};
+}
+template <class G, std::size_t... Outs, class GB, std::size_t B, class... Rest>
+auto merge_all(const G& g, std::index_sequence<Outs...>, const Sym<GB, B>& b, const Rest&... rest) {
+  auto [merged, map] = merge_from<0>(b.graph, g.nodes, std::index_sequence<>{});
+  return merge_all(merged, std::index_sequence<Outs..., at<B>(decltype(map){})>{}, rest...);
+}
+
+}  // namespace detail
+
+// Appends `op` applied to x0, x1, ..., whose graphs are merged first.
+template <class Op, class G0, std::size_t O0, class... Rest>
+  requires(sizeof...(Rest) >= 1 && (Symbolic<Rest> && ...))
+auto append(const Op& op, const Sym<G0, O0>& x0, const Rest&... rest) {
+  static_cast<void>(sizeof(diagnostic::check_operation<Op>));
+  constexpr ShapeResult r = Op::infer_static(std::array<Shape, 1 + sizeof...(Rest)>{G0::shapes[O0], Rest::shape...});
+  if constexpr (!r.ok() && reports_faults<G0>() && (reports_faults<typename Rest::graph_type>() && ...)) {
+    using Inputs = std::tuple<Sym<G0, O0>, Rest...>;
+    using Culprit = std::tuple_element_t<static_cast<std::size_t>(r.input), Inputs>;
+    if constexpr (r.fault == ShapeFault::broadcast) {
+      using Other = std::tuple_element_t<r.input == 0 ? 1 : 0, Inputs>;
+      static_cast<void>(sizeof(diagnostic::broadcast_rejection<typename Op::layer_type, Culprit, Other>));
+    } else {
+      static_cast<void>(sizeof(diagnostic::rejection<typename Op::layer_type, r.fault, r.expected, Culprit>));
+    }
   }
-  auto [merged, map] = detail::merge_from<0>(b.graph, a.graph.nodes, std::index_sequence<>{});
-  constexpr std::size_t b_at = detail::at<B>(decltype(map){});
-  auto g = make_graph(hana::append(merged.nodes, Node<Op, A, b_at>{op}));
+  auto [merged, outs] = detail::merge_all(x0.graph, std::index_sequence<O0>{}, rest...);
+  auto g = [&]<std::size_t... Args>(std::index_sequence<Args...>) {
+    return make_graph(hana::append(merged.nodes, Node<Op, Args...>{op}));
+  }(decltype(outs){});
   return Sym<decltype(g), decltype(merged)::size>{g};
 }
 

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -15,6 +16,7 @@
 #include "backend.hpp"
 #include "error.hpp"
 #include "graph.hpp"
+#include "ops/parameter.hpp"
 #include "parameter.hpp"
 #include "tensor.hpp"
 #include "trace.hpp"
@@ -29,37 +31,19 @@ auto run_into_new(const Op& op, const BasicTensor<First>& first, const BasicTens
 namespace ops {
 
 // The sum of two gradients reaching one value.
-struct GradAddOp {
-  using layer_type = GradAddOp;
+struct GradAddOp : Primitive<GradAddOp> {
   static constexpr int arity = 2;
-  static constexpr bool is_view = false;
-  static constexpr bool is_elementwise = false;
   static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
-  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
     Backend::add(a.in<T>(0), a.in<T>(1), a.in_shape(0).numel(), a.out<T>());
   }
   static std::string op_name() { return "GradAdd"; }
-  std::string label() const { return op_name(); }
 };
 
 }  // namespace ops
 
 namespace autodiff {
-
-template <class Op>
-constexpr bool declared_differentiable() {
-  if constexpr (requires { Op::differentiable; }) return Op::differentiable;
-  else return true;
-}
-
-// An op autodiff can go through: it names its gradient op and what that op reads.
-template <class Op>
-concept Differentiable = requires {
-  Op::grad_operands;
-  Op::has_parameters;
-} && declared_differentiable<Op>();
 
 class Tape;
 
@@ -107,6 +91,11 @@ class Tape {
   void watch(BasicTensor<T>& x) {
     add(std::make_unique<LeafEntry<T>>(), x);
   }
+
+  // A handle on p's values that the tape tracks: what reaches it in backward is added to p's
+  // gradient, as a layer's gradient kernel adds to its weight's.
+  template <class T>
+  BasicTensor<T> watch_parameter(const nn::BasicParameter<T>& p);
 
   template <class T>
   bool tracks(const BasicTensor<T>& x) const {
@@ -184,40 +173,86 @@ class OpEntry final : public ValueEntry<Out> {
   void backward(Tape& tape) override {
     const BasicTensor<Out>* g = this->grad();
     if (g == nullptr) return;
-    auto& x0 = std::get<0>(inputs_);
-    if (tape.tracks(x0)) {
-      auto dx = run_grad(op_.template grad_op<true>(), *g);
-      tape.entry_of(x0)->accumulate(std::move(dx));
-    } else if constexpr (Op::has_parameters) {
-      run_grad(op_.template grad_op<false>(), *g);
+    bool parameters_written = false;
+    [&]<std::size_t... K>(std::index_sequence<K...>) {
+      (input_backward<K>(tape, *g, parameters_written), ...);
+    }(std::index_sequence_for<In...>{});
+    if constexpr (has_parameters<Op>()) {
+      if (!parameters_written) run_grad(op_.parameter_grad_op(), *g);
     }
   }
 
  private:
+  template <std::size_t K>
+  void input_backward(Tape& tape, const BasicTensor<Out>& g, bool& parameters_written) const {
+    if constexpr (input_has_gradient<Op, K>()) {
+      const auto& x = std::get<K>(inputs_);
+      if (!tape.tracks(x)) return;
+      tape.entry_of(x)->accumulate(run_grad(op_.template grad_op<K>(), g));
+      parameters_written = parameters_written || K == 0;
+    }
+  }
+
   template <graph::Operand O>
   const auto& operand(const BasicTensor<Out>& g) const {
     if constexpr (O == graph::Operand::grad)
       return g;
     else if constexpr (O == graph::Operand::output)
       return output_;
-    else if constexpr (O == graph::Operand::input0)
-      return std::get<0>(inputs_);
     else
-      return std::get<1>(inputs_);
+      return std::get<static_cast<std::size_t>(O) - 1>(inputs_);
   }
 
   template <class GradOp>
   auto run_grad(const GradOp& gop, const BasicTensor<Out>& g) const {
     return [&]<std::size_t... I>(std::index_sequence<I...>) {
-      return duet::detail::run_into_new<DefaultBackend>(gop, operand<Op::grad_operands[I]>(g)...);
+      return duet::detail::run_into_new<DefaultBackend>(gop, operand<GradOp::reads[I]>(g)...);
     }
-    (std::make_index_sequence<Op::grad_operands.size()>{});
+    (std::make_index_sequence<GradOp::reads.size()>{});
   }
 
   Op op_;
   BasicTensor<Out> output_;
   std::tuple<BasicTensor<In>...> inputs_;
 };
+
+// The output of an operation that has no gradient (argmax), computed from something being
+// differentiated: harmless unless a gradient reaches it, which is refused.
+template <class Out>
+class RefusedEntry final : public ValueEntry<Out> {
+ public:
+  explicit RefusedEntry(std::string label) : label_(std::move(label)) {}
+  void backward(Tape&) override {
+    if (this->grad() != nullptr) {
+      throw ValueError("duet::grad: " + label_ + " is not differentiable, but a gradient flows through it");
+    }
+  }
+
+ private:
+  std::string label_;
+};
+
+// A parameter read directly by operations: its gradient goes to the parameter.
+template <class T>
+class ParameterEntry final : public ValueEntry<T> {
+ public:
+  explicit ParameterEntry(const nn::BasicParameter<T>* p) : parameter_(p) {}
+  void backward(Tape&) override {
+    if (const BasicTensor<T>* g = this->grad()) {
+      duet::detail::run_into_new<DefaultBackend>(ops::ParameterGradOp<T>{parameter_}, *g);
+    }
+  }
+
+ private:
+  const nn::BasicParameter<T>* parameter_;
+};
+
+template <class T>
+BasicTensor<T> Tape::watch_parameter(const nn::BasicParameter<T>& p) {
+  BasicTensor<T> handle = p;
+  add(std::make_unique<ParameterEntry<T>>(&p), handle);
+  return handle;
+}
 
 // A cell call: after the cell's own records have run backward, its hook sees both gradients.
 template <class T, class Hook>
@@ -242,12 +277,13 @@ class CellEntry final : public Entry {
 
 template <class Op, class Out, class... In>
 void Tape::record(const Op& op, BasicTensor<Out>& y, const BasicTensor<In>&... x) {
+  static_cast<void>(sizeof(diagnostic::check_operation<Op>));
   const bool reads_tracked = (tracks(x) || ...);
-  if constexpr (Differentiable<Op>) {
-    if (!reads_tracked && !Op::has_parameters) return;
+  if constexpr (DifferentiableOperation<Op>) {
+    if (!reads_tracked && !has_parameters<Op>()) return;
     add(std::make_unique<OpEntry<Op, Out, In...>>(op, y, x...), y);
   } else if (reads_tracked) {
-    throw ValueError("duet::grad: " + op.label() + " is not differentiable, but a gradient flows through it");
+    add(std::make_unique<RefusedEntry<Out>>(op.label()), y);
   }
 }
 

@@ -17,6 +17,11 @@ namespace duet {
 
 namespace fn {
 
+// Whether Fn's derivative is computed from its input (Fn::grad_array(dy, x)) rather than from
+// its output (Fn::grad_array(dy, y)), as for log or abs, whose input the output does not give.
+template <class Fn>
+inline constexpr bool grad_from_input = requires { requires Fn::grad_from_input; };
+
 struct Relu {
   static constexpr std::string_view name = "ReLU";
   // NaN stays NaN, as IEEE and numpy's maximum say; a plain max(x, 0) would turn it into 0.
@@ -58,15 +63,12 @@ struct MapGradOp;
 // Fns applied elementwise, in order, in one pass. Capture makes one per function; O1 fuses
 // chains (relu(tanh(x)) is one MapOp<Tanh, Relu>), and products absorb them as epilogues.
 template <class... Fns>
-struct MapOp {
+struct MapOp : Primitive<MapOp<Fns...>> {
   static_assert(sizeof...(Fns) >= 1);
-  using layer_type = MapOp;
   static constexpr int arity = 1;
-  static constexpr bool is_view = false;
   static constexpr bool is_elementwise = true;
 
   static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
-  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
@@ -84,9 +86,8 @@ struct MapOp {
   // A single function is differentiated from its output; a fused chain would need the values
   // between its functions, which it never stores.
   static constexpr bool differentiable = sizeof...(Fns) == 1;
-  static constexpr bool has_parameters = false;
-  static constexpr std::array grad_operands{graph::Operand::grad, graph::Operand::output};
-  template <bool InputGrad>
+  template <std::size_t K>
+    requires(K == 0)
   auto grad_op() const {
     return MapGradOp<Fns...>{};
   }
@@ -96,19 +97,16 @@ struct MapOp {
     ((s += (s.empty() ? "" : " + ") + std::string(Fns::name)), ...);
     return s;
   }
-  std::string label() const { return op_name(); }
 };
 
-// dx = dy · Fn'(x), from dy and the forward output y.
+// dx = dy · Fn'(x), from dy and the forward output y (or its input x, fn::grad_from_input).
 template <class Fn>
-struct MapGradOp {
-  using layer_type = MapGradOp;
+struct MapGradOp : Primitive<MapGradOp<Fn>> {
+  static constexpr std::array reads{graph::Operand::grad,
+                                    fn::grad_from_input<Fn> ? graph::Operand::input0 : graph::Operand::output};
   static constexpr int arity = 2;
-  static constexpr bool is_view = false;
-  static constexpr bool is_elementwise = false;
 
   static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
-  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
@@ -116,7 +114,6 @@ struct MapGradOp {
   }
 
   static std::string op_name() { return std::string(Fn::name) + "Grad"; }
-  std::string label() const { return op_name(); }
 };
 
 template <class X>

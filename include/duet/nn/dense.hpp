@@ -29,14 +29,13 @@ struct BiasAddGradOp;
 // x · Wᵀ over the last axis of x, then the epilogue: the bias if Bias, then each Fn. Capture
 // makes it with an empty epilogue; fuse_epilogues grows it.
 template <class Layer, bool Bias = false, class... Fns>
-struct MatMulOp {
+struct MatMulOp : Primitive<MatMulOp<Layer, Bias, Fns...>> {
   using layer_type = Layer;
   using value_type = typename Layer::value_type;
   static constexpr int arity = 1;
-  static constexpr bool is_view = false;
-  static constexpr bool is_elementwise = false;
 
   const Layer* layer;
+  MatMulOp(const Layer* l) : layer(l) {}
 
   static constexpr ShapeResult rule(index_t in, index_t out, const Shape& x) {
     Shape y = x;
@@ -73,20 +72,16 @@ struct MatMulOp {
     return MatMulOp<Layer, Bias, Fns..., Gs...>{layer};
   }
 
-  // Its gradient op reads the forward output only to differentiate an activation epilogue,
-  // and can do so for one function.
-  static constexpr bool differentiable = sizeof...(Fns) <= 1;
+  // Its gradient op differentiates an activation epilogue from the forward output, so it can
+  // do so for one function whose derivative the output gives.
+  static constexpr bool differentiable = sizeof...(Fns) == 0 || (sizeof...(Fns) == 1 && (!fn::grad_from_input<Fns> && ...));
   static constexpr bool has_parameters = true;
-  static constexpr auto grad_operands = [] {
-    if constexpr (sizeof...(Fns) == 0)
-      return std::array{graph::Operand::grad, graph::Operand::input0};
-    else
-      return std::array{graph::Operand::grad, graph::Operand::input0, graph::Operand::output};
-  }();
-  template <bool InputGrad>
+  template <std::size_t K>
+    requires(K == 0)
   auto grad_op() const {
-    return DenseGradOp<Layer, Bias, InputGrad, Fns...>{layer};
+    return DenseGradOp<Layer, Bias, true, Fns...>{layer};
   }
+  auto parameter_grad_op() const { return DenseGradOp<Layer, Bias, false, Fns...>{layer}; }
 
   static std::string op_name() { return with_epilogue("MatMul"); }
   std::string label() const { return layer->label(); }
@@ -130,14 +125,14 @@ struct PackedMatMulOp : MatMulOp<Layer, Bias, Fns...> {
 
 // x + bias over the last axis, bias being the layer's.
 template <class Layer>
-struct BiasAddOp {
+struct BiasAddOp : Primitive<BiasAddOp<Layer>> {
   using layer_type = Layer;
   using value_type = typename Layer::value_type;
   static constexpr int arity = 1;
-  static constexpr bool is_view = false;
   static constexpr bool is_elementwise = true;
 
   const Layer* layer;
+  BiasAddOp(const Layer* l) : layer(l) {}
 
   static constexpr ShapeResult rule(index_t out, const Shape& x) {
     if (x.rank() > 0 && out != dyn && x.back() != dyn && x.back() != out) {
@@ -155,11 +150,12 @@ struct BiasAddOp {
   }
 
   static constexpr bool has_parameters = true;
-  static constexpr std::array grad_operands{graph::Operand::grad};
-  template <bool InputGrad>
+  template <std::size_t K>
+    requires(K == 0)
   auto grad_op() const {
-    return BiasAddGradOp<Layer, InputGrad>{layer};
+    return BiasAddGradOp<Layer, true>{layer};
   }
+  auto parameter_grad_op() const { return BiasAddGradOp<Layer, false>{layer}; }
 
   static std::string op_name() { return "BiasAdd"; }
   std::string label() const { return layer->label(); }
@@ -169,18 +165,22 @@ struct BiasAddOp {
 // dW, db and, if InputGrad, dx. The activation mask and the bias sum are taken in the same
 // kernel as the products, as the forward fused them.
 template <class Layer, bool Bias, bool InputGrad, class... Fns>
-struct DenseGradOp {
+struct DenseGradOp : Primitive<DenseGradOp<Layer, Bias, InputGrad, Fns...>> {
   using layer_type = Layer;
   using value_type = typename Layer::value_type;
-  static constexpr int arity = sizeof...(Fns) == 0 ? 2 : 3;  // dy, x[, y]
-  static constexpr bool is_view = false;
-  static constexpr bool is_elementwise = false;
+  static constexpr auto reads = [] {
+    if constexpr (sizeof...(Fns) == 0)
+      return std::array{graph::Operand::grad, graph::Operand::input0};
+    else
+      return std::array{graph::Operand::grad, graph::Operand::input0, graph::Operand::output};
+  }();
+  static constexpr int arity = static_cast<int>(reads.size());  // dy, x[, y]
   static constexpr bool is_sink = !InputGrad;
 
   const Layer* layer;
+  DenseGradOp(const Layer* l) : layer(l) {}
 
   static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {InputGrad ? in[1] : Shape{}}; }
-  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
@@ -208,19 +208,19 @@ struct DenseGradOp {
 
 // The gradient of BiasAddOp: db is the column sum of dy, and dx is dy itself (a view).
 template <class Layer, bool InputGrad>
-struct BiasAddGradOp {
+struct BiasAddGradOp : Primitive<BiasAddGradOp<Layer, InputGrad>> {
   using layer_type = Layer;
   using value_type = typename Layer::value_type;
+  static constexpr std::array reads{graph::Operand::grad};
   static constexpr int arity = 1;
   static constexpr bool is_view = InputGrad;
   static constexpr bool has_side_effects = true;
-  static constexpr bool is_elementwise = false;
   static constexpr bool is_sink = !InputGrad;
 
   const Layer* layer;
+  BiasAddGradOp(const Layer* l) : layer(l) {}
 
   static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {InputGrad ? in[0] : Shape{}}; }
-  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {

@@ -12,25 +12,20 @@ namespace duet {
 namespace ops {
 
 // The gradient of a reshape: dy viewed with the shape of the forward input.
-struct ReshapeLikeOp {
-  using layer_type = ReshapeLikeOp;
+struct ReshapeLikeOp : Primitive<ReshapeLikeOp> {
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0};
   static constexpr int arity = 2;  // dy, the forward input (for its shape)
   static constexpr bool is_view = true;
-  static constexpr bool is_elementwise = false;
 
   static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
-  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
 
   static std::string op_name() { return "ReshapeLike"; }
-  std::string label() const { return op_name(); }
 };
 
 // [N, d1, d2, ...] -> [N, d1 * d2 * ...].
-struct FlattenOp {
-  using layer_type = FlattenOp;
+struct FlattenOp : Primitive<FlattenOp> {
   static constexpr int arity = 1;
   static constexpr bool is_view = true;
-  static constexpr bool is_elementwise = false;
 
   static constexpr ShapeResult infer_static(std::span<const Shape> in) {
     const Shape& x = in[0];
@@ -40,11 +35,9 @@ struct FlattenOp {
     if (x.rank() < 2) return fault(Shape{1, x.numel()}, ShapeFault::batch_dimension, 2);
     return {Shape{x[0], x.numel_from(1)}};
   }
-  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
 
-  static constexpr bool has_parameters = false;
-  static constexpr std::array grad_operands{graph::Operand::grad, graph::Operand::input0};
-  template <bool InputGrad>
+  template <std::size_t K>
+    requires(K == 0)
   auto grad_op() const {
     return ReshapeLikeOp{};
   }

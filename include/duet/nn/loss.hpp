@@ -30,6 +30,8 @@ namespace ops {
 
 template <bool Sparse, Reduction R>
 struct SoftmaxCrossEntropyGradOp;
+template <Reduction R>
+struct SoftmaxCrossEntropyLabelGradOp;
 
 // The reduced shape of a loss over per-row (or per-element) values of shape `rows`.
 constexpr Shape reduced(const Shape& rows, Reduction r) { return r == Reduction::none ? rows : Shape{}; }
@@ -37,11 +39,9 @@ constexpr Shape reduced(const Shape& rows, Reduction r) { return r == Reduction:
 // Logits [..., classes] and labels [...] (sparse) or [..., classes]; the loss per row, or its
 // mean or sum.
 template <bool Sparse, Reduction R>
-struct SoftmaxCrossEntropyOp {
+struct SoftmaxCrossEntropyOp : Primitive<SoftmaxCrossEntropyOp<Sparse, R>> {
   using layer_type = nn::BasicSoftmaxCrossEntropyWithLogits<Sparse, R, float>;
   static constexpr int arity = 2;
-  static constexpr bool is_view = false;
-  static constexpr bool is_elementwise = false;
 
   static constexpr ShapeResult infer_static(std::span<const Shape> in) {
     const Shape& z = in[0];
@@ -78,11 +78,11 @@ struct SoftmaxCrossEntropyOp {
                                                     a.out<T>());
   }
 
-  static constexpr bool has_parameters = false;
-  static constexpr std::array grad_operands{graph::Operand::grad, graph::Operand::input0, graph::Operand::input1};
-  template <bool InputGrad>
+  template <std::size_t K>
   auto grad_op() const {
-    return SoftmaxCrossEntropyGradOp<Sparse, R>{};
+    if constexpr (K == 0) return SoftmaxCrossEntropyGradOp<Sparse, R>{};
+    else if constexpr (Sparse) return NoGradient{};  // class indices
+    else return SoftmaxCrossEntropyLabelGradOp<R>{};
   }
 
   static std::string op_name() { return "SoftmaxCrossEntropy"; }
@@ -90,14 +90,11 @@ struct SoftmaxCrossEntropyOp {
 };
 
 template <bool Sparse, Reduction R>
-struct SoftmaxCrossEntropyGradOp {
-  using layer_type = SoftmaxCrossEntropyGradOp;
+struct SoftmaxCrossEntropyGradOp : Primitive<SoftmaxCrossEntropyGradOp<Sparse, R>> {
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0, graph::Operand::input1};
   static constexpr int arity = 3;  // g, logits, labels
-  static constexpr bool is_view = false;
-  static constexpr bool is_elementwise = false;
 
   static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
-  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
@@ -108,19 +105,16 @@ struct SoftmaxCrossEntropyGradOp {
   }
 
   static std::string op_name() { return "SoftmaxCrossEntropyGrad"; }
-  std::string label() const { return op_name(); }
 };
 
-template <Reduction R>
+template <Reduction R, bool Target>
 struct MSEGradOp;
 
 // (prediction - target)² per element, or its mean or sum.
 template <Reduction R>
-struct MSEOp {
+struct MSEOp : Primitive<MSEOp<R>> {
   using layer_type = nn::BasicMSELoss<R, float>;
   static constexpr int arity = 2;
-  static constexpr bool is_view = false;
-  static constexpr bool is_elementwise = false;
 
   static constexpr ShapeResult infer_static(std::span<const Shape> in) {
     if (in[0].is_concrete() && in[1].is_concrete() && !(in[0] == in[1])) {
@@ -128,33 +122,30 @@ struct MSEOp {
     }
     return {reduced(in[0], R)};
   }
-  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
     Backend::mse(a.in<T>(0), a.in<T>(1), a.in_shape(0).numel(), R, a.out<T>());
   }
 
-  static constexpr bool has_parameters = false;
-  static constexpr std::array grad_operands{graph::Operand::grad, graph::Operand::input0, graph::Operand::input1};
-  template <bool InputGrad>
+  // d/d target is d/d prediction with the two swapped: 2 (target - prediction).
+  template <std::size_t K>
+    requires(K < 2)
   auto grad_op() const {
-    return MSEGradOp<R>{};
+    return MSEGradOp<R, K == 1>{};
   }
 
   static std::string op_name() { return "MSE"; }
   std::string label() const { return "nn::MSELoss"; }
 };
 
-template <Reduction R>
-struct MSEGradOp {
-  using layer_type = MSEGradOp;
-  static constexpr int arity = 3;  // g, prediction, target
-  static constexpr bool is_view = false;
-  static constexpr bool is_elementwise = false;
+template <Reduction R, bool Target>
+struct MSEGradOp : Primitive<MSEGradOp<R, Target>> {
+  static constexpr std::array reads{graph::Operand::grad, Target ? graph::Operand::input1 : graph::Operand::input0,
+                                    Target ? graph::Operand::input0 : graph::Operand::input1};
+  static constexpr int arity = 3;  // g, the value differentiated, the other
 
   static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
-  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
@@ -162,7 +153,33 @@ struct MSEGradOp {
   }
 
   static std::string op_name() { return "MSEGrad"; }
-  std::string label() const { return op_name(); }
+};
+
+// d/d labels of the dense form: -log_softmax(logits), scaled as the loss reduces. (MindSpore
+// gives labels no gradient; PyTorch gives this one, the derivative.)
+template <Reduction R>
+struct SoftmaxCrossEntropyLabelGradOp : Primitive<SoftmaxCrossEntropyLabelGradOp<R>> {
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0};
+  static constexpr int arity = 2;  // g, logits
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const T* g = a.in<T>(0);
+    const T* z = a.in<T>(1);
+    T* d = a.out<T>();
+    const index_t classes = a.in_shape(1).back();
+    const index_t rows = classes == 0 ? 0 : a.in_shape(1).numel() / classes;
+    for (index_t i = 0; i < rows; ++i) {
+      const T* row = z + i * classes;
+      const T lse = Backend::log_sum_exp(row, classes);
+      const T scale = R == Reduction::none ? g[i] : R == Reduction::mean ? g[0] / static_cast<T>(rows) : g[0];
+      for (index_t c = 0; c < classes; ++c) d[i * classes + c] = (lse - row[c]) * scale;
+    }
+  }
+
+  static std::string op_name() { return "SoftmaxCrossEntropyLabelGrad"; }
 };
 
 template <bool Sparse = false, Reduction R = Reduction::none, class Z, class Labels>

@@ -1,0 +1,596 @@
+// Arithmetic: + - * / and the other binary elementwise functions, with numpy broadcasting,
+// between tensors and with scalars, in both modes (MindSpore's ops.add, ops.mul, ...).
+//
+// A binary function is a type with apply(a, b) and the partial derivative of each argument,
+// partial<K>(a, b). One operation, BroadcastOp<Fn>, runs any of them: its shape rule is
+// numpy's, its kernel walks the output once, and the gradient of input K is that partial
+// times the incoming gradient, summed over the axes input K was broadcast along (so that it
+// has input K's shape). With a scalar the same functions run in ScalarOp, which keeps the
+// scalar in the operation rather than in a tensor.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstddef>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+
+#include "../eager.hpp"
+#include "../nn/activation.hpp"
+#include "../operation.hpp"
+
+namespace duet {
+
+namespace fn {
+
+struct Add {
+  static constexpr std::string_view name = "Add";
+  template <class T>
+  static T apply(T a, T b) {
+    return a + b;
+  }
+  template <int K, class T>
+  static T partial(T, T) {
+    return T(1);
+  }
+};
+
+struct Sub {
+  static constexpr std::string_view name = "Sub";
+  template <class T>
+  static T apply(T a, T b) {
+    return a - b;
+  }
+  template <int K, class T>
+  static T partial(T, T) {
+    return K == 0 ? T(1) : T(-1);
+  }
+};
+
+struct Mul {
+  static constexpr std::string_view name = "Mul";
+  template <class T>
+  static T apply(T a, T b) {
+    return a * b;
+  }
+  template <int K, class T>
+  static T partial(T a, T b) {
+    return K == 0 ? b : a;
+  }
+};
+
+struct Div {
+  static constexpr std::string_view name = "Div";
+  template <class T>
+  static T apply(T a, T b) {
+    return a / b;
+  }
+  template <int K, class T>
+  static T partial(T a, T b) {
+    return K == 0 ? T(1) / b : -a / (b * b);
+  }
+};
+
+// Ties send half the gradient each way, as PyTorch does: the derivative there is undefined,
+// and any other choice makes maximum(x, x) differ from x.
+struct Maximum {
+  static constexpr std::string_view name = "Maximum";
+  template <class T>
+  static T apply(T a, T b) {
+    return a != a || a > b ? a : b;  // NaN propagates from either side
+  }
+  template <int K, class T>
+  static T partial(T a, T b) {
+    if (a == b) return T(0.5);
+    return (K == 0) == (a > b) ? T(1) : T(0);
+  }
+};
+
+struct Minimum {
+  static constexpr std::string_view name = "Minimum";
+  template <class T>
+  static T apply(T a, T b) {
+    return a != a || a < b ? a : b;
+  }
+  template <int K, class T>
+  static T partial(T a, T b) {
+    if (a == b) return T(0.5);
+    return (K == 0) == (a < b) ? T(1) : T(0);
+  }
+};
+
+// a^b. d/db = a^b · log a, which is NaN for a < 0 as the real power is; at a = 0 it is 0
+// where the power itself is (b > 0), as PyTorch defines it.
+struct Pow {
+  static constexpr std::string_view name = "Pow";
+  template <class T>
+  static T apply(T a, T b) {
+    return static_cast<T>(std::pow(a, b));
+  }
+  template <int K, class T>
+  static T partial(T a, T b) {
+    if constexpr (K == 0) {
+      return b == T(0) ? T(0) : static_cast<T>(b * std::pow(a, b - T(1)));
+    } else {
+      return a == T(0) && b > T(0) ? T(0) : static_cast<T>(std::pow(a, b) * std::log(a));
+    }
+  }
+};
+
+}  // namespace fn
+
+namespace ops {
+
+// numpy's broadcasting of two shapes, aligned at their last axes: each pair of sizes must be
+// equal or one of them 1. A dynamic size matches anything, and unknown leading axes stay
+// unknown.
+constexpr ShapeResult broadcast_shapes(const Shape& a, const Shape& b) {
+  const int rank = std::max(a.rank(), b.rank());
+  std::array<index_t, max_rank> dims{};
+  bool ok = true;
+  for (int i = 1; i <= rank; ++i) {
+    const index_t da = i <= a.rank() ? a[-i] : (a.leading_unknown() ? dyn : 1);
+    const index_t db = i <= b.rank() ? b[-i] : (b.leading_unknown() ? dyn : 1);
+    index_t d = da;
+    if (da == db || db == 1) d = da;
+    else if (da == 1) d = db;
+    else if (da == dyn) d = db;
+    else if (db == dyn) d = da;
+    else ok = false;
+    dims[static_cast<std::size_t>(rank - i)] = d;
+  }
+  Shape out = a.leading_unknown() || b.leading_unknown() ? Shape::any() : Shape{};
+  for (int i = 0; i < rank; ++i) out.push_back(dims[static_cast<std::size_t>(i)]);
+  // Which input to blame: the one of lower rank, or the second.
+  if (!ok) return fault(out, ShapeFault::broadcast, 0, b.rank() <= a.rank() ? 1 : 0);
+  return {out};
+}
+
+namespace detail {
+
+// Where each output element reads an input broadcast to the output's shape: the input's
+// strides in the output's axes, 0 along broadcast axes.
+inline std::array<index_t, max_rank> broadcast_strides(const Shape& in, const Shape& out) {
+  std::array<index_t, max_rank> strides{};
+  index_t stride = 1;
+  for (int i = 1; i <= out.rank(); ++i) {
+    const std::size_t axis = static_cast<std::size_t>(out.rank() - i);
+    if (i <= in.rank() && in[-i] != 1) {
+      strides[axis] = stride;
+    }
+    if (i <= in.rank()) stride *= in[-i];
+  }
+  return strides;
+}
+
+// Calls row(first, count, start, step) for each run of output elements [first, first + count)
+// along which every input advances by a constant step: input k is read at start[k] +
+// j * step[k] for the j-th element of the run. The whole output is one run when the shapes
+// are equal, a row of the last axis otherwise.
+template <std::size_t N, class Row>
+void for_each_broadcast_row(const std::array<Shape, N>& in, const Shape& out, Row&& row) {
+  const index_t n = out.numel();
+  if (n == 0) return;
+  std::array<index_t, N> at{};
+  std::array<index_t, N> step{};
+  if (std::all_of(in.begin(), in.end(), [&](const Shape& s) { return s == out; })) {
+    step.fill(1);
+    row(index_t{0}, n, at, step);
+    return;
+  }
+  std::array<std::array<index_t, max_rank>, N> strides;
+  for (std::size_t k = 0; k < N; ++k) strides[k] = broadcast_strides(in[k], out);
+  const int rank = out.rank();
+  const index_t inner = rank == 0 ? 1 : out[-1];
+  for (std::size_t k = 0; k < N; ++k) step[k] = rank == 0 ? 0 : strides[k][static_cast<std::size_t>(rank - 1)];
+  std::array<index_t, max_rank> index{};
+  for (index_t i = 0; i < n; i += inner) {
+    row(i, inner, at, step);
+    // The odometer over the outer axes, last first.
+    for (int axis = rank - 2; axis >= 0; --axis) {
+      const std::size_t ax = static_cast<std::size_t>(axis);
+      ++index[ax];
+      for (std::size_t k = 0; k < N; ++k) at[k] += strides[k][ax];
+      if (index[ax] < out[axis]) break;
+      for (std::size_t k = 0; k < N; ++k) at[k] -= strides[k][ax] * index[ax];
+      index[ax] = 0;
+    }
+  }
+}
+
+// Calls f(i, ia, ib) for each output element i, with the elements ia and ib of the two inputs
+// it reads, in the order of the output; then done(first, count) after each run, while the run
+// is still in cache (an epilogue's pass).
+template <class F, class Done = void (*)(index_t, index_t)>
+void for_each_broadcast(const Shape& a, const Shape& b, const Shape& out, F&& f,
+                        Done&& done = [](index_t, index_t) {}) {
+  for_each_broadcast_row<2>(std::array<Shape, 2>{a, b}, out,
+                            [&](index_t first, index_t count, const std::array<index_t, 2>& start,
+                                const std::array<index_t, 2>& step) {
+                              // In runs that stay in cache until done() has seen them.
+                              constexpr index_t run = 1024;
+                              for (index_t r = 0; r < count; r += run) {
+                                const index_t end = std::min(count, r + run);
+                                for (index_t j = r; j < end; ++j) {
+                                  f(first + j, start[0] + j * step[0], start[1] + j * step[1]);
+                                }
+                                done(first + r, end - r);
+                              }
+                            });
+}
+
+}  // namespace detail
+
+template <class Fn, int K>
+struct BroadcastGradOp;
+template <class Fn, class... Epilogue>
+struct BroadcastOp;
+
+// An elementwise expression tree over the inputs of a fused operation: input I, or Fn of two
+// subtrees.
+template <int I>
+struct Arg {};
+template <class Fn, class L, class R>
+struct Apply {};
+
+namespace detail {
+
+// A run of up to `block` elements of one operand: strided in an input, contiguous in a block
+// buffer.
+template <class T>
+struct Operand {
+  const T* data;
+  index_t stride;
+  T operator[](index_t j) const { return data[j * stride]; }
+};
+
+inline constexpr index_t block = 256;
+
+// Evaluates a tree on a run of `count` (<= block) output elements, each subtree into a block
+// buffer of its own, a loop per node. Every intermediate value is stored in T before the next
+// node reads it, so the compiler cannot contract a multiply and an add into one FMA: the
+// result is the unfused operations' bit for bit, as PyNative computes them.
+template <class Tree>
+struct tree;
+template <int I>
+struct tree<Arg<I>> {
+  static constexpr std::size_t buffers = 0;
+  template <class T, std::size_t N>
+  static Operand<T> eval(const std::array<const T*, N>& in, const std::array<index_t, N>& start,
+                         const std::array<index_t, N>& step, index_t, T*, T*) {
+    return {in[I] + start[I], step[I]};
+  }
+  static std::string text() { return std::string(1, static_cast<char>('a' + I)); }
+};
+template <class Fn, class L, class R>
+struct tree<Apply<Fn, L, R>> {
+  // Blocks of scratch the subtrees need: one per inner node, the root writing to its destination.
+  static constexpr std::size_t buffers = tree<L>::buffers + tree<R>::buffers + 2;
+  template <class T, std::size_t N>
+  static Operand<T> eval(const std::array<const T*, N>& in, const std::array<index_t, N>& start,
+                         const std::array<index_t, N>& step, index_t count, T* destination, T* scratch) {
+    const Operand<T> l = tree<L>::eval(in, start, step, count, scratch, scratch + block);
+    const Operand<T> r = tree<R>::eval(in, start, step, count, scratch + block * (1 + tree<L>::buffers),
+                                       scratch + block * (2 + tree<L>::buffers));
+    for (index_t j = 0; j < count; ++j) destination[j] = Fn::apply(l[j], r[j]);
+    return {destination, 1};
+  }
+  static std::string text() { return std::string(Fn::name) + "(" + tree<L>::text() + ", " + tree<R>::text() + ")"; }
+};
+
+}  // namespace detail
+
+// A chain of binary elementwise operations fused into one pass over N inputs (Tree), then the
+// unary functions Epilogue: what fuse_epilogues makes of `x * w + b` in a graph that is not
+// differentiated, so the intermediate values are never written.
+template <std::size_t N, class Tree, class... Epilogue>
+struct ElementwiseOp : Primitive<ElementwiseOp<N, Tree, Epilogue...>> {
+  static constexpr int arity = static_cast<int>(N);
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    ShapeResult r{in[0]};
+    for (std::size_t k = 1; k < N && r.ok(); ++k) {
+      r = broadcast_shapes(r.shape, in[k]);
+      if (!r.ok()) r.input = static_cast<int>(k);
+    }
+    return r;
+  }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    std::array<const T*, N> in;
+    std::array<Shape, N> shapes;
+    for (std::size_t k = 0; k < N; ++k) {
+      in[k] = a.in<T>(k);
+      shapes[k] = a.in_shape(k);
+    }
+    T* out = a.out<T>();
+    std::array<T, detail::block * detail::tree<Tree>::buffers> scratch;
+    detail::for_each_broadcast_row<N>(
+        shapes, a.output_shape,
+        [&](index_t first, index_t count, const std::array<index_t, N>& start, const std::array<index_t, N>& step) {
+          for (index_t done = 0; done < count; done += detail::block) {
+            const index_t n = std::min(detail::block, count - done);
+            std::array<index_t, N> at = start;
+            for (std::size_t k = 0; k < N; ++k) at[k] += done * step[k];
+            detail::tree<Tree>::eval(in, at, step, n, out + first + done, scratch.data());
+            if constexpr (sizeof...(Epilogue) > 0)
+              Backend::template map<Epilogue...>(out + first + done, n, out + first + done);
+          }
+        });
+  }
+
+  template <class C>
+  static constexpr bool accepts_epilogue = requires { C::elementwise_functions; };
+  template <class... Gs>
+  auto absorb(const MapOp<Gs...>&) const {
+    return ElementwiseOp<N, Tree, Epilogue..., Gs...>{};
+  }
+  // This value as input Pos of a binary elementwise operation: one more input, one more level.
+  template <int Pos, class Fn2>
+    requires(sizeof...(Epilogue) == 0)
+  auto absorb_operand(const BroadcastOp<Fn2>&) const {
+    using Other = Arg<static_cast<int>(N)>;
+    return ElementwiseOp<N + 1, std::conditional_t<Pos == 0, Apply<Fn2, Tree, Other>, Apply<Fn2, Other, Tree>>>{};
+  }
+
+  // It keeps none of the values between its steps: a graph to differentiate is not fused so.
+  static constexpr bool differentiable = false;
+
+  static std::string op_name() {
+    std::string s = "Elementwise " + detail::tree<Tree>::text();
+    ((s += " + " + std::string(Epilogue::name)), ...);
+    return s;
+  }
+};
+
+// Fn(a, b) elementwise, a and b broadcast to a common shape, then the unary functions Epilogue
+// (fuse_epilogues moves elementwise functions that follow it here, so the value is written
+// once).
+template <class Fn, class... Epilogue>
+struct BroadcastOp : Primitive<BroadcastOp<Fn, Epilogue...>> {
+  using layer_type = BroadcastOp<Fn>;
+  static constexpr int arity = 2;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return broadcast_shapes(in[0], in[1]); }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const T* x = a.in<T>(0);
+    const T* y = a.in<T>(1);
+    T* out = a.out<T>();
+    detail::for_each_broadcast(
+        a.in_shape(0), a.in_shape(1), a.output_shape,
+        [&](index_t i, index_t ia, index_t ib) { out[i] = Fn::apply(x[ia], y[ib]); },
+        [&](index_t first, index_t count) {
+          if constexpr (sizeof...(Epilogue) > 0) Backend::template map<Epilogue...>(out + first, count, out + first);
+        });
+  }
+
+  template <class C>
+  static constexpr bool accepts_epilogue = requires { C::elementwise_functions; };
+  template <class... Gs>
+  auto absorb(const MapOp<Gs...>&) const {
+    return BroadcastOp<Fn, Epilogue..., Gs...>{};
+  }
+  template <int Pos, class Fn2>
+    requires(sizeof...(Epilogue) == 0)
+  auto absorb_operand(const BroadcastOp<Fn2>& next) const {
+    return ElementwiseOp<2, Apply<Fn, Arg<0>, Arg<1>>>{}.template absorb_operand<Pos>(next);
+  }
+
+  // Fused with an epilogue it keeps no value between Fn and the epilogue to differentiate from.
+  static constexpr bool differentiable = sizeof...(Epilogue) == 0;
+  template <std::size_t K>
+    requires(K < 2)
+  auto grad_op() const {
+    return BroadcastGradOp<Fn, static_cast<int>(K)>{};
+  }
+
+  static std::string op_name() {
+    std::string s(Fn::name);
+    ((s += " + " + std::string(Epilogue::name)), ...);
+    return s;
+  }
+};
+
+// d/d input K of Fn(a, b): dy · partial_K(a, b), summed over the axes input K was broadcast
+// along.
+template <class Fn, int K>
+struct BroadcastGradOp : Primitive<BroadcastGradOp<Fn, K>> {
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0, graph::Operand::input1};
+  static constexpr int arity = 3;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1 + K]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const T* dy = a.in<T>(0);
+    const T* x = a.in<T>(1);
+    const T* y = a.in<T>(2);
+    T* d = a.out<T>();
+    const Shape& target = a.in_shape(1 + K);
+    const Shape& out = a.in_shape(0);
+    if (target == out) {
+      detail::for_each_broadcast(a.in_shape(1), a.in_shape(2), out, [&](index_t i, index_t ia, index_t ib) {
+        d[i] = dy[i] * Fn::template partial<K>(x[ia], y[ib]);
+      });
+      return;
+    }
+    std::fill_n(d, target.numel(), T(0));
+    detail::for_each_broadcast(a.in_shape(1), a.in_shape(2), out, [&](index_t i, index_t ia, index_t ib) {
+      d[K == 0 ? ia : ib] += dy[i] * Fn::template partial<K>(x[ia], y[ib]);
+    });
+  }
+
+  static std::string op_name() { return std::string(Fn::name) + "Grad" + std::to_string(K); }
+};
+
+template <class Fn, bool ScalarFirst>
+struct ScalarGradOp;
+
+// Fn(x, s) (or Fn(s, x) if ScalarFirst) elementwise, s a number the operation holds.
+template <class Fn, bool ScalarFirst>
+struct ScalarOp : Primitive<ScalarOp<Fn, ScalarFirst>> {
+  static constexpr int arity = 1;
+  double scalar;
+  ScalarOp(double s) : scalar(s) {}
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const T* x = a.in<T>();
+    T* out = a.out<T>();
+    const T s = static_cast<T>(scalar);
+    const index_t n = a.in_shape().numel();
+    for (index_t i = 0; i < n; ++i) out[i] = ScalarFirst ? Fn::apply(s, x[i]) : Fn::apply(x[i], s);
+  }
+
+  template <std::size_t K>
+    requires(K == 0)
+  auto grad_op() const {
+    return ScalarGradOp<Fn, ScalarFirst>{scalar};
+  }
+
+  static std::string op_name() { return std::string(Fn::name) + (ScalarFirst ? "(scalar, x)" : "(x, scalar)"); }
+};
+
+template <class Fn, bool ScalarFirst>
+struct ScalarGradOp : Primitive<ScalarGradOp<Fn, ScalarFirst>> {
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0};
+  static constexpr int arity = 2;
+  double scalar;
+  ScalarGradOp(double s) : scalar(s) {}
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const T* dy = a.in<T>(0);
+    const T* x = a.in<T>(1);
+    T* d = a.out<T>();
+    const T s = static_cast<T>(scalar);
+    const index_t n = a.in_shape(1).numel();
+    for (index_t i = 0; i < n; ++i) {
+      d[i] = dy[i] * (ScalarFirst ? Fn::template partial<1>(s, x[i]) : Fn::template partial<0>(x[i], s));
+    }
+  }
+
+  static std::string op_name() { return std::string(Fn::name) + "ScalarGrad"; }
+};
+
+inline const bool arithmetic_listed =
+    list_operations({"add", "sub", "mul", "div", "maximum", "minimum", "pow", "neg", "add_scalar", "sub_scalar",
+                     "mul_scalar", "div_scalar", "scalar_sub", "scalar_div", "pow_scalar", "scalar_pow"});
+
+// What may stand on either side of an arithmetic operator: a tensor, a static tensor, or a
+// symbolic tensor in construct.
+template <class X>
+concept TensorLike = is_tensor_v<std::remove_cvref_t<X>> || is_static_tensor_v<std::remove_cvref_t<X>> ||
+                     nn::is_parameter_v<std::remove_cvref_t<X>> || graph::Symbolic<X>;
+
+template <class S>
+concept Scalar = std::is_arithmetic_v<std::remove_cvref_t<S>>;
+
+// What arithmetic takes: tensors and numbers, at least one a tensor.
+template <class A, class B>
+concept Operands = (TensorLike<A> || Scalar<A>) && (TensorLike<B> || Scalar<B>) && (TensorLike<A> || TensorLike<B>);
+
+// A static tensor's BasicTensor, anything else as it is.
+template <class X>
+decltype(auto) operand(const X& x) {
+  if constexpr (is_static_tensor_v<X>) return tensor_of(x);
+  else return (x);
+}
+
+// Fn(a, b) for any mix of tensors and numbers (two numbers are not an operation).
+template <class Fn, class A, class B>
+auto binary(const A& a, const B& b) {
+  if constexpr (Scalar<A>) {
+    return apply(ScalarOp<Fn, true>{static_cast<double>(a)}, operand(b));
+  } else if constexpr (Scalar<B>) {
+    return apply(ScalarOp<Fn, false>{static_cast<double>(b)}, operand(a));
+  } else {
+    static_assert(std::is_same_v<typename std::remove_cvref_t<A>::value_type, typename std::remove_cvref_t<B>::value_type>,
+                  "duet::ops: both operands of an arithmetic operation must have the same element type");
+    return apply(BroadcastOp<Fn>{}, a, b);
+  }
+}
+
+template <class A, class B>
+  requires Operands<A, B>
+auto add(const A& a, const B& b) {
+  return binary<fn::Add>(a, b);
+}
+template <class A, class B>
+  requires Operands<A, B>
+auto sub(const A& a, const B& b) {
+  return binary<fn::Sub>(a, b);
+}
+template <class A, class B>
+  requires Operands<A, B>
+auto mul(const A& a, const B& b) {
+  return binary<fn::Mul>(a, b);
+}
+template <class A, class B>
+  requires Operands<A, B>
+auto div(const A& a, const B& b) {
+  return binary<fn::Div>(a, b);
+}
+template <class A, class B>
+  requires Operands<A, B>
+auto maximum(const A& a, const B& b) {
+  return binary<fn::Maximum>(a, b);
+}
+template <class A, class B>
+  requires Operands<A, B>
+auto minimum(const A& a, const B& b) {
+  return binary<fn::Minimum>(a, b);
+}
+template <class A, class B>
+  requires Operands<A, B>
+auto pow(const A& a, const B& b) {
+  return binary<fn::Pow>(a, b);
+}
+
+template <class X>
+  requires TensorLike<X>
+auto neg(const X& x) {
+  return binary<fn::Mul>(x, -1);
+}
+
+}  // namespace ops
+
+// The operators, found by argument-dependent lookup on duet's tensors and graph::Sym.
+#define DUET_DETAIL_ARITHMETIC_OPERATOR(op, function)                                                   \
+  template <class A, class B>                                                                          \
+    requires ops::Operands<A, B>                                                                       \
+  auto operator op(const A& a, const B& b) {                                                           \
+    return ops::function(a, b);                                                                        \
+  }
+DUET_DETAIL_ARITHMETIC_OPERATOR(+, add)
+DUET_DETAIL_ARITHMETIC_OPERATOR(-, sub)
+DUET_DETAIL_ARITHMETIC_OPERATOR(*, mul)
+DUET_DETAIL_ARITHMETIC_OPERATOR(/, div)
+
+template <class X>
+  requires ops::TensorLike<X>
+auto operator-(const X& x) {
+  return ops::neg(x);
+}
+
+namespace graph {
+using duet::operator+;
+using duet::operator-;
+using duet::operator*;
+using duet::operator/;
+}  // namespace graph
+
+#undef DUET_DETAIL_ARITHMETIC_OPERATOR
+
+}  // namespace duet

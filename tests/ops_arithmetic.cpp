@@ -1,0 +1,139 @@
+// Arithmetic (include/duet/ops/arithmetic.hpp): its cases in the gradient harness, and what
+// the harness does not cover (operators on every kind of tensor, errors).
+#include "ops_harness.hpp"
+
+namespace {
+
+using namespace duet_test::ops;
+using duet_test::ops::D;
+
+const bool arithmetic_cases = add_cases([](std::multimap<std::string, Case>& m) {
+  auto add = [&](std::string name, Case c) { m.emplace(std::move(name), std::move(c)); };
+  // Arithmetic, same shapes and broadcast along leading, trailing and middle axes.
+  const std::vector<std::vector<Shape>> pairs = {
+      {{3, 4}, {3, 4}}, {{3, 4}, {4}}, {{3, 1}, {1, 4}}, {{2, 3, 4}, {3, 1}}, {{}, {2, 3}}};
+  for (const auto& p : pairs) {
+    add("add", make_case<2>(p, [](const auto& a, const auto& b) { return a + b; }, std::plus<>{}));
+    add("sub", make_case<2>(p, [](const auto& a, const auto& b) { return a - b; }, std::minus<>{}));
+    add("mul", make_case<2>(p, [](const auto& a, const auto& b) { return a * b; }, std::multiplies<>{}));
+    add("div", make_case<2>(p, [](const auto& a, const auto& b) { return a / b; }, std::divides<>{}, 0.5, 2.0));
+    add("maximum", make_case<2>(p, [](const auto& a, const auto& b) { return duet::ops::maximum(a, b); },
+                                [](double a, double b) { return std::max(a, b); }));
+    add("minimum", make_case<2>(p, [](const auto& a, const auto& b) { return duet::ops::minimum(a, b); },
+                                [](double a, double b) { return std::min(a, b); }));
+    add("pow", make_case<2>(p, [](const auto& a, const auto& b) { return duet::ops::pow(a, b); },
+                            [](double a, double b) { return std::pow(a, b); }, 0.5, 2.0));
+  }
+  const std::vector<Shape> one = {{3, 4}};
+  add("neg", make_case<1>(one, [](const auto& a) { return -a; }, [](double a, double) { return -a; }));
+  add("add_scalar", make_case<1>(one, [](const auto& a) { return a + 1.5; }, [](double a, double) { return a + 1.5; }));
+  add("sub_scalar", make_case<1>(one, [](const auto& a) { return a - 1.5; }, [](double a, double) { return a - 1.5; }));
+  add("mul_scalar", make_case<1>(one, [](const auto& a) { return a * 1.5; }, [](double a, double) { return a * 1.5; }));
+  add("div_scalar", make_case<1>(one, [](const auto& a) { return a / 1.5; }, [](double a, double) { return a / 1.5; }));
+  add("scalar_sub", make_case<1>(one, [](const auto& a) { return 1.5 - a; }, [](double a, double) { return 1.5 - a; }));
+  add("scalar_div", make_case<1>(one, [](const auto& a) { return 1.5 / a; }, [](double a, double) { return 1.5 / a; },
+                                 0.5, 2.0));
+  add("pow_scalar", make_case<1>(one, [](const auto& a) { return duet::ops::pow(a, 3.0); },
+                                 [](double a, double) { return std::pow(a, 3.0); }));
+  add("scalar_pow", make_case<1>(one, [](const auto& a) { return duet::ops::pow(2.0, a); },
+                                 [](double a, double) { return std::pow(2.0, a); }));
+  });
+
+}  // namespace
+
+namespace {
+
+// The network a new user wrote with a two-input Add of their own, whose second branch got a
+// zero gradient and no error: now with the built-in +.
+template <auto Setting>
+struct TwoBranch : duet::nn::Cell<TwoBranch<Setting>, Setting, double> {
+  duet::nn::Dense<4, 3, double> fc_a;
+  duet::nn::Dense<4, 3, double> fc_b;
+  DUET_CELL_MEMBERS(fc_a, fc_b);
+  auto construct(auto x) { return fc_a(x) + fc_b(x) * fc_b(x); }
+};
+
+}  // namespace
+
+TEST_CASE("ops: the second branch of a two-branch network gets the gradient finite differences give") {
+  duet_test::ModeGuard guard;
+  duet::set_seed(5);
+  TwoBranch<duet::CONTEXT_MODE> net;
+  duet::nn::BasicMSELoss<duet::Reduction::mean, double> loss;
+  duet::nn::WithLossCell with_loss(net, loss);
+  const D x = random_input({5, 4}, -1, 1, 1);
+  const D target = random_input({5, 3}, -1, 1, 2);
+  auto loss_value = [&] {
+    duet::set_context({.mode = duet::PYNATIVE_MODE});
+    return with_loss(x, target).item();
+  };
+  std::vector<std::vector<D>> grads;
+  for (duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+    duet::set_context({.mode = mode});
+    auto vg = duet::value_and_grad(with_loss, net.parameters());
+    grads.push_back(vg(x, target).grads);
+  }
+  // parameters(): fc_a.weight, fc_a.bias, fc_b.weight, fc_b.bias.
+  REQUIRE(grads[0].size() == 4);
+  for (std::size_t p = 0; p < 4; ++p) {
+    CHECK(std::equal(grads[0][p].data(), grads[0][p].data() + grads[0][p].numel(), grads[1][p].data()));
+  }
+  const auto params = net.parameters();
+  for (std::size_t p : {std::size_t{1}, std::size_t{3}}) {
+    auto& value = *params[p].parameter;
+    for (duet::index_t j = 0; j < value.numel(); ++j) {
+      const double keep = value.data()[j];
+      const double h = 1e-6;
+      value.data()[j] = keep + h;
+      const double up = loss_value();
+      value.data()[j] = keep - h;
+      const double down = loss_value();
+      value.data()[j] = keep;
+      const double fd = (up - down) / (2 * h);
+      INFO(params[p].name, "[", j, "]");
+      CHECK(fd != 0.0);
+      CHECK(grads[0][p].data()[j] == doctest::Approx(fd).epsilon(1e-6));
+    }
+  }
+}
+
+TEST_CASE("ops: operators take tensors, static tensors and numbers, and say which shapes do not broadcast") {
+  const duet::Tensor a = duet::full<float>({2, 3}, 2.0f);
+  const auto s = duet::ones(duet::shape<3>);
+  const duet::Tensor y = a * s + 1.0f;
+  CHECK(y.shape() == Shape{2, 3});
+  CHECK(y(1, 2) == 3.0f);
+  const duet::Tensor z = 1.0f / (-a);
+  CHECK(z(0, 0) == -0.5f);
+  try {
+    static_cast<void>(a + duet::ones({4}));
+    FAIL("no error");
+  } catch (const duet::ShapeError& e) {
+    CHECK(std::string(e.what()) ==
+          "Add expects inputs whose shapes broadcast together (numpy's rule: sizes equal or 1, aligned at the last "
+          "axis), got [2, 3] and [4]");
+  }
+}
+
+TEST_CASE("ops: an elementwise chain fuses into one pass in graph mode and gives PyNative's values bit for bit") {
+  duet_test::ModeGuard guard;
+  auto f = [](const auto& x, const auto& w, const auto& b) { return duet::ops::relu(x * w + b) - x / b; };
+  const duet::Tensor x = duet::randn({37, 300}, 1), w = duet::randn({300}, 2), b = duet::randn({37, 1}, 3);
+  auto compiled = duet::jit(f);
+  const duet::Tensor fused = compiled(x, w, b);
+  duet::set_context({.mode = duet::PYNATIVE_MODE});
+  const duet::Tensor eager = f(x, w, b);
+  REQUIRE(fused.shape() == eager.shape());
+  // Multiplies and adds in one kernel could become fused multiply-adds and round once: the
+  // kernel stores each step, so they do not.
+  CHECK(std::equal(fused.data(), fused.data() + fused.numel(), eager.data()));
+  CHECK(std::count_if(eager.data(), eager.data() + eager.numel(), [](float v) { return v != 0; }) > 1000);
+  using duet::graph::AnyShape;
+  const auto program = duet::passes::fuse_epilogues(
+      f(duet::graph::input<float, AnyShape, 0>(), duet::graph::input<float, AnyShape, 1>(),
+        duet::graph::input<float, AnyShape, 2>()));
+  const std::string text = duet::graph::dump(program, "chain").text;
+  INFO(text);
+  CHECK(text.find("Elementwise Sub(Add(Mul(a, b), c) + ReLU") == std::string::npos);  // an epilogue ends a chain
+  CHECK(text.find("Elementwise Add(Mul(a, b), c) + ReLU(%0, %1, %2)") != std::string::npos);
+}
