@@ -106,6 +106,14 @@ class RunningCell {
 };
 }  // namespace detail
 
+namespace detail {
+// Set on a thread while duet::summary runs a network once: every cell then runs eagerly,
+// whatever its mode, and reports each call here, so that each layer's output is seen. (A
+// forward hook would be refused inside a graph, and would change the cells.)
+template <ElementType T>
+inline thread_local const BasicForwardHook<T>* call_observer = nullptr;
+}  // namespace detail
+
 // Removes the hook it was returned for (MindSpore's handle.remove()).
 template <ElementType T>
 class HookHandle {
@@ -148,7 +156,8 @@ class BasicDynamicCell {
   BasicTensor<T> operator()(const BasicTensor<T>& x) {
     check_registered();
     ensure_named();
-    if (effective_mode(CONTEXT_MODE) == GRAPH_MODE && autodiff::active_tape() == nullptr &&
+    const BasicForwardHook<T>* observer = detail::call_observer<T>;
+    if (observer == nullptr && effective_mode(CONTEXT_MODE) == GRAPH_MODE && autodiff::active_tape() == nullptr &&
         pijit::active_trace() == nullptr && traced_in_graph_mode()) {
       return graph_form()(x, detail::structure_generation().load(std::memory_order_acquire));
     }
@@ -168,6 +177,7 @@ class BasicDynamicCell {
     BasicTensor<T> y = forward(x);
     if (traced_output != nullptr) *traced_output = y;
     for (const auto& [id, hook] : hooks_) hook(*this, x, y);
+    if (observer != nullptr) (*observer)(*this, x, y);
     return y;
   }
 
@@ -487,8 +497,11 @@ class Cell : public BasicDynamicCell<T> {
 
   // A PyNative grad records the operations as they run; a graph would be one opaque call to
   // its tape. Under a recording tape, a graph-mode cell therefore runs its construct eagerly:
-  // the same numbers, and gradients that reach its parameters.
-  static bool runs_as_graph() { return effective_mode(M) == GRAPH_MODE && autodiff::active_tape() == nullptr; }
+  // the same numbers, and gradients that reach its parameters. So does a cell duet::summary
+  // observes, so that the call of each cell inside it is seen.
+  static bool runs_as_graph() {
+    return effective_mode(M) == GRAPH_MODE && autodiff::active_tape() == nullptr && detail::call_observer<T> == nullptr;
+  }
 
   // Capture, optimise, run. Capture and passes cost nothing at run time (they are types);
   // the plan for the inputs' shapes is kept per thread, so repeated shapes skip planning.

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cmath>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -9,6 +10,7 @@
 #include "../backend.hpp"
 #include "../cell.hpp"
 #include "../eager.hpp"
+#include "../initializer.hpp"
 #include "../random.hpp"
 #include "activation.hpp"
 
@@ -236,6 +238,14 @@ struct BiasAddGradOp : Primitive<BiasAddGradOp<Layer, InputGrad>> {
 
 namespace nn {
 
+// nn::Dense's initialisers (MindSpore's weight_init, bias_init): any duet::initializer, or a
+// user's; left unset, MindSpore's defaults.
+template <ElementType T>
+struct DenseOptions {
+  std::optional<initializer::AnyInitializer<T>> weight_init = std::nullopt;
+  std::optional<initializer::AnyInitializer<T>> bias_init = std::nullopt;
+};
+
 // y = x · weightᵀ + bias over the last axis of x (MindSpore's nn.Dense). In and Out are
 // compile-time sizes, or duet::dyn for sizes given to the constructor at run time.
 template <index_t In = dyn, index_t Out = dyn, ElementType T = float>
@@ -251,21 +261,33 @@ class Dense : public Cell<Dense<In, Out, T>, CONTEXT_MODE, T> {
   BasicParameter<T> bias;    // [out_channels]
   DUET_CELL_MEMBERS(weight, bias);
 
-  Dense() requires(In != dyn && Out != dyn) : Dense(In, Out) {}
+  using Options = DenseOptions<T>;
 
-  // MindSpore 2.x's default initialisation, from the global generator (set_seed): weight
-  // HeUniform(a = sqrt(5)), which is U(-1/sqrt(in), 1/sqrt(in)); bias U(-1/sqrt(in), 1/sqrt(in)).
-  Dense(index_t in_channels, index_t out_channels) : in_(in_channels), out_(out_channels) {
+  Dense() requires(In != dyn && Out != dyn) : Dense(In, Out) {}
+  // nn::Dense<784, 512> fc{{.weight_init = initializer::HeNormal{}, .bias_init = initializer::Zero{}}};
+  explicit Dense(Options options) requires(In != dyn && Out != dyn) : Dense(In, Out, std::move(options)) {}
+
+  // The weight, then the bias, from the global generator (set_seed). Unset options are MindSpore
+  // 2.x's defaults: weight HeUniform(negative_slope = sqrt(5)) and bias Uniform(1/sqrt(in)),
+  // both U(-1/sqrt(in), 1/sqrt(in)), drawn here as that Uniform so that the bound is T's
+  // 1/sqrt(in) for every T.
+  Dense(index_t in_channels, index_t out_channels, Options options = {}) : in_(in_channels), out_(out_channels) {
     if ((In != dyn && in_channels != In) || (Out != dyn && out_channels != Out) || in_channels <= 0 ||
         out_channels <= 0) {
       throw ValueError(type_name() + ": cannot be built with in_channels " + std::to_string(in_channels) +
                        " and out_channels " + std::to_string(out_channels));
     }
-    const T bound = T(1) / std::sqrt(static_cast<T>(in_channels));
+    const initializer::Uniform mindspore_default{static_cast<double>(T(1) / std::sqrt(static_cast<T>(in_channels)))};
+    const initializer::AnyInitializer<T> weight_init = options.weight_init.value_or(mindspore_default);
+    const initializer::AnyInitializer<T> bias_init = options.bias_init.value_or(mindspore_default);
+    auto weight_value = BasicTensor<T>::uninitialized({out_channels, in_channels});
+    auto bias_value = BasicTensor<T>::uninitialized({out_channels});
     with_global_generator([&](Generator& gen) {
-      weight = BasicParameter<T>(uniform<T>({out_channels, in_channels}, -bound, bound, gen));
-      bias = BasicParameter<T>(uniform<T>({out_channels}, -bound, bound, gen));
+      initialize_option(weight_value, weight_init, "weight_init", gen);
+      initialize_option(bias_value, bias_init, "bias_init", gen);
     });
+    weight = BasicParameter<T>(std::move(weight_value));
+    bias = BasicParameter<T>(std::move(bias_value));
   }
 
   index_t in_channels() const {
@@ -294,6 +316,15 @@ class Dense : public Cell<Dense<In, Out, T>, CONTEXT_MODE, T> {
 
  private:
   static std::string size_name(index_t n) { return n == dyn ? "dyn" : std::to_string(n); }
+
+  void initialize_option(BasicTensor<T>& value, const initializer::AnyInitializer<T>& init, const char* option,
+                         Generator& gen) const {
+    try {
+      initializer::initialize(value, init, gen);
+    } catch (const ValueError& e) {
+      throw ValueError(type_name() + " " + option + ": " + e.what());
+    }
+  }
 
   index_t in_;
   index_t out_;
