@@ -25,6 +25,7 @@
 #include "nn/dense.hpp"
 #include "nn/flatten.hpp"
 #include "nn/loss.hpp"
+#include "nn/normalization.hpp"
 #include "nn/optim.hpp"
 #include "nn/wrap.hpp"
 #include "operation.hpp"
