@@ -30,6 +30,7 @@
 #include "nn/wrap.hpp"
 #include "operation.hpp"
 #include "ops/arithmetic.hpp"
+#include "ops/clip.hpp"
 #include "parameter.hpp"
 #include "passes.hpp"
 #include "pijit.hpp"
