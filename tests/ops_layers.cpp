@@ -170,3 +170,184 @@ const bool layer_cases = add_cases([](std::multimap<std::string, Case>& m) {
 });
 
 }  // namespace
+
+namespace {
+
+template <auto Setting>
+struct NormNet : duet::nn::Cell<NormNet<Setting>, Setting, double> {
+  duet::nn::Dense<4, 5, double> fc;
+  duet::nn::LayerNorm<5, double> norm;
+  DUET_CELL_MEMBERS(fc, norm);
+  auto construct(auto x) { return norm(fc(x)); }
+};
+
+// The gradients of value_and_grad(with_loss, net.parameters()) in each mode.
+template <class Net, class Loss, class X, class Y>
+std::vector<std::vector<D>> parameter_grads_in_both_modes(Net& net, Loss& loss, const X& x, const Y& y) {
+  duet_test::ModeGuard guard;
+  duet::nn::WithLossCell with_loss(net, loss);
+  std::vector<std::vector<D>> grads;
+  for (duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+    duet::set_context({.mode = mode});
+    auto vg = duet::value_and_grad(with_loss, net.parameters());
+    grads.push_back(vg(x, y).grads);
+  }
+  return grads;
+}
+
+bool same_bits(const std::vector<D>& a, const std::vector<D>& b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (!(a[i].shape() == b[i].shape()) || !std::equal(a[i].data(), a[i].data() + a[i].numel(), b[i].data())) {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+TEST_CASE("nn::LayerNorm: gamma and beta's gradients match finite differences, the same in both modes") {
+  duet_test::ModeGuard guard;
+  duet::set_seed(4);
+  NormNet<duet::CONTEXT_MODE> net;
+  net.norm.gamma.set_data(random_input({5}, 0.5, 1.5, 7));
+  net.norm.beta.set_data(random_input({5}, -1.0, 1.0, 8));
+  duet::nn::BasicMSELoss<Reduction::mean, double> loss;
+  const D x = random_input({6, 4}, -1, 1, 9);
+  const D target = random_input({6, 5}, -1, 1, 10);
+  const auto grads = parameter_grads_in_both_modes(net, loss, x, target);
+  CHECK(same_bits(grads[0], grads[1]));
+  duet::nn::WithLossCell with_loss(net, loss);
+  auto loss_value = [&] {
+    duet::set_context({.mode = duet::PYNATIVE_MODE});
+    return with_loss(x, target).item();
+  };
+  const auto params = net.parameters();
+  REQUIRE(params.size() == 4);  // fc.weight, fc.bias, norm.gamma, norm.beta
+  for (std::size_t p = 0; p < params.size(); ++p) {
+    auto& value = *params[p].parameter;
+    for (index_t j = 0; j < value.numel(); ++j) {
+      const double keep = value.data()[j];
+      const double h = 1e-6;
+      value.data()[j] = keep + h;
+      const double up = loss_value();
+      value.data()[j] = keep - h;
+      const double down = loss_value();
+      value.data()[j] = keep;
+      const double fd = (up - down) / (2 * h);
+      INFO(params[p].name, "[", j, "]");
+      CHECK(std::abs(grads[0][p].data()[j] - fd) <= 1e-7 + 1e-6 * std::abs(fd));
+    }
+  }
+}
+
+TEST_CASE("nn::LayerNorm: MindSpore's parameters and epsilon, static and run-time sizes, errors") {
+  duet::nn::LayerNorm<4> fixed;
+  duet::nn::LayerNorm<> sized(4);
+  const auto params = fixed.parameters();
+  REQUIRE(params.size() == 2);
+  CHECK(params[0].name == "gamma");
+  CHECK(params[1].name == "beta");
+  CHECK(fixed.epsilon() == 1e-7);
+  CHECK(std::all_of(fixed.gamma.data(), fixed.gamma.data() + 4, [](float v) { return v == 1.0f; }));
+  CHECK(std::all_of(fixed.beta.data(), fixed.beta.data() + 4, [](float v) { return v == 0.0f; }));
+  // Rows far from zero, spread little: the two-pass variance keeps them apart in float.
+  duet::Tensor x({2, 4});
+  const float row[] = {10000.0f, 10001.0f, 10002.0f, 10003.0f};
+  for (index_t i = 0; i < 8; ++i) x.data()[i] = row[i % 4] + (i < 4 ? 0.0f : -20000.0f);
+  const duet::Tensor y = fixed(x);
+  const duet::Tensor z = sized(x);
+  CHECK(std::equal(y.data(), y.data() + 8, z.data()));
+  const double expected[] = {-1.3416407864998738, -0.4472135954999579, 0.4472135954999579, 1.3416407864998738};
+  for (index_t i = 0; i < 8; ++i) CHECK(y.data()[i] == doctest::Approx(expected[i % 4]).epsilon(1e-5));
+  try {
+    static_cast<void>(sized(duet::ones({2, 5})));
+    FAIL("no error");
+  } catch (const duet::ShapeError& e) {
+    CHECK(std::string(e.what()) == "nn::LayerNorm<dyn> expects an input whose last dimension is 4, got [2, 5]");
+  }
+  CHECK_THROWS_AS(duet::nn::LayerNorm<>(0), duet::ValueError);
+  CHECK_THROWS_AS(duet::nn::LayerNorm<4>(5), duet::ValueError);
+  CHECK_THROWS_AS(duet::nn::LayerNorm<4>(4, 0.0), duet::ValueError);
+}
+
+namespace {
+
+template <auto Setting>
+struct Head : duet::nn::Cell<Head<Setting>, Setting, double> {
+  duet::nn::Dense<4, 3, double> fc;
+  DUET_CELL_MEMBERS(fc);
+  auto construct(auto x) { return fc(x); }
+};
+
+}  // namespace
+
+TEST_CASE("losses: in WithLossCell, the same parameter gradients in both modes") {
+  duet::set_seed(6);
+  Head<duet::CONTEXT_MODE> net;
+  const D x = random_input({5, 4}, -1, 1, 30);
+  const D target = random_input({5, 3}, 0.1, 1, 31);
+  const Labels classes = labels_of({0, 2, 1, 1, -100});
+  auto check = [&](auto& loss, const auto& y) {
+    const auto grads = parameter_grads_in_both_modes(net, loss, x, y);
+    CHECK(same_bits(grads[0], grads[1]));
+    double norm = 0;
+    for (const D& g : grads[0]) norm += dot(g, g);
+    CHECK(norm > 0);  // a gradient reached the parameters
+  };
+  duet::nn::BasicPointwiseLoss<duet::fn::L1Loss, Reduction::mean, double> l1;
+  duet::nn::BasicPointwiseLoss<duet::fn::SmoothL1Loss, Reduction::sum, double> smooth({.beta = 0.5});
+  duet::nn::BasicPointwiseLoss<duet::fn::KLDivLoss, Reduction::mean, double> kl;
+  duet::nn::BasicPointwiseLoss<duet::fn::BCEWithLogitsLoss, Reduction::mean, double> bce;
+  duet::nn::BasicNLLLoss<Reduction::mean, double> nll;
+  duet::nn::BasicCrossEntropyLoss<Reduction::mean, double> ce({.label_smoothing = 0.1});
+  check(l1, target);
+  check(smooth, target);
+  check(kl, target);
+  check(bce, target);
+  check(nll, classes);
+  check(ce, classes);
+  check(ce, target);
+}
+
+TEST_CASE("losses: MindSpore's documented values and defaults, and errors that name the loss") {
+  duet::Tensor logits({3});
+  duet::Tensor labels({3});
+  for (index_t i = 0; i < 3; ++i) {
+    logits.data()[i] = static_cast<float>(i + 1);
+    labels.data()[i] = i == 2 ? 2.0f : static_cast<float>(i + 1);
+  }
+  // nn.SmoothL1Loss() on [1, 2, 3] and [1, 2, 2]: [0, 0, 0.5], no reduction by default.
+  duet::nn::SmoothL1Loss<> smooth;
+  const duet::Tensor s = smooth(logits, labels);
+  REQUIRE(s.shape() == Shape{3});
+  CHECK(s(0) == 0.0f);
+  CHECK(s(2) == 0.5f);
+  // nn.L1Loss() (mean by default): |3 - 2| / 3.
+  CHECK(duet::nn::L1Loss<>()(logits, labels).item() == doctest::Approx(1.0 / 3));
+  // BCEWithLogits stays finite where log(sigmoid(x)) would not: x = -100, y = 1 gives 100.
+  duet::Tensor big({1});
+  big.data()[0] = -100.0f;
+  duet::Tensor one = duet::ones({1});
+  CHECK(duet::nn::BCEWithLogitsLoss<>()(big, one).item() == doctest::Approx(100.0));
+  // Cross-entropy with label smoothing on uniform logits: log(C) whatever ε.
+  const duet::Tensor uniform = duet::zeros<float>({2, 4});
+  CHECK(duet::nn::CrossEntropyLoss<>({.label_smoothing = 0.3})(uniform, labels_of({1, 3})).item() ==
+        doctest::Approx(std::log(4.0)));
+  try {
+    static_cast<void>(duet::nn::NLLLoss<>()(uniform, labels_of({1, 4})));
+    FAIL("no error");
+  } catch (const duet::ValueError& e) {
+    CHECK(std::string(e.what()) ==
+          "nn::NLLLoss: label 4 of sample 1 is outside [0, 4) and is not ignore_index (-100)");
+  }
+  try {
+    static_cast<void>(duet::nn::L1Loss<>()(uniform, labels));
+    FAIL("no error");
+  } catch (const duet::ShapeError& e) {
+    CHECK(std::string(e.what()) == "nn::L1Loss expects inputs of matching shapes, got [2, 4] and [3]");
+  }
+  CHECK_THROWS_AS(duet::nn::SmoothL1Loss<>({.beta = -1.0}), duet::ValueError);
+  CHECK_THROWS_AS(duet::nn::CrossEntropyLoss<>({.label_smoothing = 1.5}), duet::ValueError);
+}
