@@ -36,6 +36,17 @@ struct Batch {
   }
 };
 
+// The network seeded alike in every run, its loss and an SGD over its parameters.
+struct Seeded {
+  Seeded() { set_seed(8); }
+};
+struct Training : Seeded {
+  Net net;
+  nn::CrossEntropyLoss<> loss{{.label_smoothing = 0.1}};
+  nn::WithLossCell<Net, nn::CrossEntropyLoss<>> with_loss{net, loss};
+  nn::SGD sgd{net.parameters(), {.learning_rate = 0.5}};
+};
+
 // Losses of `steps` TrainOneStepCell steps with gradients clipped to clip_norm, and the norm
 // of the clipped gradients at each step (from what the optimiser read).
 struct Run {
@@ -48,21 +59,17 @@ struct Run {
 Run train_clipped(Mode mode, const Batch& data, double clip_norm) {
   ModeGuard guard;
   set_context({.mode = mode});
-  set_seed(8);
-  Net net;
-  nn::CrossEntropyLoss<> loss({.label_smoothing = 0.1});
-  nn::WithLossCell with_loss(net, loss);
-  nn::SGD sgd(net.parameters(), {.learning_rate = 0.5});
-  nn::TrainOneStepCell step(with_loss, sgd, {.clip_global_norm = clip_norm});
+  Training t;
+  nn::TrainOneStepCell step(t.with_loss, t.sgd, {.clip_global_norm = clip_norm});
   Run run;
   for (int s = 0; s < 6; ++s) {
     run.losses.push_back(step(data.x, data.y).item());
     run.norms_before.push_back(step.last_global_norm());
     std::vector<Tensor> grads;
-    for (auto* p : sgd.parameters()) grads.push_back(p->grad);
+    for (auto* p : t.sgd.parameters()) grads.push_back(p->grad);
     run.norms_after.push_back(ops::global_norm(grads));
   }
-  run.weights.assign(net.fc2.weight.data(), net.fc2.weight.data() + net.fc2.weight.numel());
+  run.weights.assign(t.net.fc2.weight.data(), t.net.fc2.weight.data() + t.net.fc2.weight.numel());
   return run;
 }
 
@@ -101,15 +108,11 @@ TEST_CASE("TrainOneStepCell clips to clip_global_norm, with the same losses in b
   // Clipping changes the training: without it the steps differ.
   ModeGuard guard;
   set_context({.mode = PYNATIVE_MODE});
-  set_seed(8);
-  Net net;
-  nn::CrossEntropyLoss<> loss({.label_smoothing = 0.1});
-  nn::WithLossCell with_loss(net, loss);
-  nn::SGD sgd(net.parameters(), {.learning_rate = 0.5});
-  nn::TrainOneStepCell step(with_loss, sgd);
+  Training t;
+  nn::TrainOneStepCell step(t.with_loss, t.sgd);
   static_cast<void>(step(data.x, data.y));
   CHECK(step(data.x, data.y).item() != eager.losses[1]);
-  CHECK_THROWS_AS(nn::TrainOneStepCell(with_loss, sgd, {.clip_global_norm = 0.0}), ValueError);
+  CHECK_THROWS_AS(nn::TrainOneStepCell(t.with_loss, t.sgd, {.clip_global_norm = 0.0}), ValueError);
 }
 
 TEST_CASE("clip_by_global_norm on value_and_grad's gradients, then the optimiser: the same in both modes") {
@@ -118,18 +121,14 @@ TEST_CASE("clip_by_global_norm on value_and_grad's gradients, then the optimiser
   for (Mode mode : {PYNATIVE_MODE, GRAPH_MODE}) {
     ModeGuard guard;
     set_context({.mode = mode});
-    set_seed(8);
-    Net net;
-    nn::CrossEntropyLoss<> loss;
-    nn::WithLossCell with_loss(net, loss);
-    nn::SGD sgd(net.parameters(), {.learning_rate = 0.5});
-    auto vg = value_and_grad(with_loss, sgd.parameters());
+    Training t;
+    auto vg = value_and_grad(t.with_loss, t.sgd.parameters());
     std::vector<float> run;
     for (int s = 0; s < 4; ++s) {
       auto [value, grads] = vg(data.x, data.y);
       const auto clipped = ops::clip_by_global_norm(grads, 0.5);
       CHECK(ops::global_norm(clipped) == doctest::Approx(0.5).epsilon(1e-5));
-      sgd(clipped);
+      t.sgd(clipped);
       run.push_back(value.item());
     }
     losses.push_back(run);

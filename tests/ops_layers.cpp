@@ -228,14 +228,7 @@ TEST_CASE("nn::LayerNorm: gamma and beta's gradients match finite differences, t
   for (std::size_t p = 0; p < params.size(); ++p) {
     auto& value = *params[p].parameter;
     for (index_t j = 0; j < value.numel(); ++j) {
-      const double keep = value.data()[j];
-      const double h = 1e-6;
-      value.data()[j] = keep + h;
-      const double up = loss_value();
-      value.data()[j] = keep - h;
-      const double down = loss_value();
-      value.data()[j] = keep;
-      const double fd = (up - down) / (2 * h);
+      const double fd = finite_difference(value, j, loss_value);
       INFO(params[p].name, "[", j, "]");
       CHECK(std::abs(grads[0][p].data()[j] - fd) <= 1e-7 + 1e-6 * std::abs(fd));
     }

@@ -265,10 +265,8 @@ namespace nn {
 
 template <class Fn, Reduction R, ElementType T>
 class BasicPointwiseLoss;
-template <Reduction R = Reduction::mean, ElementType T = float>
-class BasicNLLLoss;
-template <Reduction R = Reduction::mean, ElementType T = float>
-class BasicCrossEntropyLoss;
+template <bool Logits, Reduction R, ElementType T>
+class BasicClassLoss;
 
 }  // namespace nn
 
@@ -276,6 +274,7 @@ namespace fn {
 
 // The pointwise losses: value(x, y) per element, and its partial derivative in each argument,
 // partial<K>(x, y), all on Eigen arrays so that the kernels vectorise (exp, log1p, logistic).
+// They return expressions, evaluated once into the output: no temporary array per call.
 // Each formula is PyTorch's, stated beside it; MindSpore's are the same.
 
 // torch.nn.L1Loss: |x - y|. d/dx = sign(x - y), 0 at x = y (torch.sign(0) = 0).
@@ -288,7 +287,7 @@ struct L1Loss {
   template <int K, class X, class Y>
   auto partial(const X& x, const Y& y) const {
     using S = typename X::Scalar;
-    return (S(K == 0 ? 1 : -1) * (x - y).sign()).eval();
+    return S(K == 0 ? 1 : -1) * (x - y).sign();
   }
 };
 
@@ -304,15 +303,13 @@ struct SmoothL1Loss {
   auto value(const X& x, const Y& y) const {
     using S = typename X::Scalar;
     const S b = static_cast<S>(beta);
-    const auto d = (x - y).eval();
-    return (d.abs() < b).select(S(0.5) * d.square() / b, d.abs() - S(0.5) * b).eval();
+    return ((x - y).abs() < b).select(S(0.5) * (x - y).square() / b, (x - y).abs() - S(0.5) * b);
   }
   template <int K, class X, class Y>
   auto partial(const X& x, const Y& y) const {
     using S = typename X::Scalar;
     const S b = static_cast<S>(beta);
-    const auto d = (x - y).eval();
-    return (S(K == 0 ? 1 : -1) * (d.abs() < b).select(d / b, d.sign())).eval();
+    return S(K == 0 ? 1 : -1) * ((x - y).abs() < b).select((x - y) / b, (x - y).sign());
   }
 };
 
@@ -325,13 +322,13 @@ struct KLDivLoss {
   template <class X, class Y>
   auto value(const X& x, const Y& y) const {
     using S = typename X::Scalar;
-    return (y == S(0)).select(X::Zero(x.rows(), x.cols()), y * (y.log() - x)).eval();
+    return (y == S(0)).select(X::Zero(x.rows(), x.cols()), y * (y.log() - x));
   }
   template <int K, class X, class Y>
   auto partial(const X& x, const Y& y) const {
     using S = typename X::Scalar;
-    if constexpr (K == 0) return (-y).eval();
-    else return (y.log() + S(1) - x).eval();
+    if constexpr (K == 0) return -y;
+    else return y.log() + S(1) - x;
   }
 };
 
@@ -343,12 +340,12 @@ struct BCEWithLogitsLoss {
   template <class X, class Y>
   auto value(const X& x, const Y& y) const {
     using S = typename X::Scalar;
-    return (x.max(S(0)) - x * y + (-x.abs()).exp().log1p()).eval();
+    return x.max(S(0)) - x * y + (-x.abs()).exp().log1p();
   }
   template <int K, class X, class Y>
   auto partial(const X& x, const Y& y) const {
-    if constexpr (K == 0) return (x.logistic() - y).eval();
-    else return (-x).eval();
+    if constexpr (K == 0) return x.logistic() - y;
+    else return -x;
   }
 };
 
@@ -502,9 +499,9 @@ struct ClassLossLabelGradOp;
 // axis 1 (the same for the usual [batch, classes]). 'mean' divides by the rows not ignored.
 template <bool Sparse, bool Logits, Reduction R>
 struct ClassLossOp : Primitive<ClassLossOp<Sparse, Logits, R>> {
-  using layer_type =
-      std::conditional_t<Logits, nn::BasicCrossEntropyLoss<R, float>, nn::BasicNLLLoss<R, float>>;
+  using layer_type = nn::BasicClassLoss<Logits, R, float>;
   static constexpr int arity = 2;
+  static constexpr std::string_view name = Logits ? "nn::CrossEntropyLoss" : "nn::NLLLoss";
   CrossEntropyOptions options;
 
   // The rule of softmax cross-entropy: [..., classes] against [...] or [..., classes].
@@ -556,7 +553,7 @@ struct ClassLossOp : Primitive<ClassLossOp<Sparse, Logits, R>> {
   }
 
   static std::string op_name() { return Logits ? "CrossEntropy" : "NLL"; }
-  std::string label() const { return Logits ? "nn::CrossEntropyLoss" : "nn::NLLLoss"; }
+  std::string label() const { return std::string(name); }
 
   // What the kernels share with the gradients'.
   static std::pair<index_t, index_t> shape_of(const graph::KernelArgs& a, std::size_t input = 0) {
@@ -581,7 +578,7 @@ struct ClassLossOp : Primitive<ClassLossOp<Sparse, Logits, R>> {
   }
   index_t checked_label(std::int32_t label, index_t row, index_t classes) const {
     if (label < 0 || label >= classes) {
-      throw ValueError(std::string(Logits ? "nn::CrossEntropyLoss" : "nn::NLLLoss") + ": label " +
+      throw ValueError(std::string(name) + ": label " +
                        std::to_string(label) + " of sample " + std::to_string(row) + " is outside [0, " +
                        std::to_string(classes) + ") and is not ignore_index (" +
                        std::to_string(options.ignore_index) + ")");
@@ -632,10 +629,11 @@ struct ClassLossGradOp : Primitive<ClassLossGradOp<Sparse, Logits, R>> {
         d[c] -= keep;
         d *= scale;
       } else {
-        const auto q = (keep * ::Eigen::Map<const Array>(a.in<T>(2) + i * classes, classes) + spread).eval();
+        const auto q = keep * ::Eigen::Map<const Array>(a.in<T>(2) + i * classes, classes) + spread;
         if constexpr (Logits) {
           const T lse = Forward::template log_normaliser<Backend>(row, classes);
-          d = ((::Eigen::Map<const Array>(row, classes) - lse).exp() * q.sum() - q) * scale;
+          const T q_sum = q.sum();
+          d = ((::Eigen::Map<const Array>(row, classes) - lse).exp() * q_sum - q) * scale;
         } else {
           d = -q * scale;
         }
@@ -682,7 +680,7 @@ auto class_loss(const X& input, const Labels& labels, const CrossEntropyOptions&
   static_assert(sparse || (Logits && std::is_same_v<L, typename std::remove_cvref_t<X>::value_type>),
                 "duet::ops: the labels of nn::NLLLoss are int32 class indices; those of nn::CrossEntropyLoss "
                 "are int32 class indices or distributions of the input's element type");
-  options.validate(Logits ? "nn::CrossEntropyLoss" : "nn::NLLLoss");
+  options.validate(ClassLossOp<sparse, Logits, R>::name);
   return apply(ClassLossOp<sparse, Logits, R>{{}, options}, input, labels);
 }
 
@@ -730,36 +728,24 @@ class BasicPointwiseLoss : public Cell<BasicPointwiseLoss<Fn, R, T>, CONTEXT_MOD
 // MindSpore's nn.NLLLoss(ignore_index=-100, reduction='mean'), without weight, and
 // nn.CrossEntropyLoss(ignore_index=-100, reduction='mean', label_smoothing=0.0):
 // nn::CrossEntropyLoss<> loss({.label_smoothing = 0.1}).
-template <Reduction R, ElementType T>
-class BasicNLLLoss : public Cell<BasicNLLLoss<R, T>, CONTEXT_MODE, T> {
+template <bool Logits, Reduction R, ElementType T>
+class BasicClassLoss : public Cell<BasicClassLoss<Logits, R, T>, CONTEXT_MODE, T> {
  public:
-  explicit BasicNLLLoss(ops::CrossEntropyOptions options = {}) : options_(options) { options_.validate(type_name()); }
+  explicit BasicClassLoss(ops::CrossEntropyOptions options = {}) : options_(options) { options_.validate(type_name()); }
   template <class X, class Labels>
-  auto construct(const X& inputs, const Labels& target) {
-    return ops::nll_loss<R>(inputs, target, options_);
+  auto construct(const X& input, const Labels& labels) {
+    return ops::class_loss<Logits, R>(input, labels, options_);
   }
-  std::string type_name() const override { return "nn::NLLLoss"; }
+  std::string type_name() const override { return std::string(ops::ClassLossOp<false, Logits, R>::name); }
 
  private:
   ops::CrossEntropyOptions options_;
 };
 
-template <Reduction R, ElementType T>
-class BasicCrossEntropyLoss : public Cell<BasicCrossEntropyLoss<R, T>, CONTEXT_MODE, T> {
- public:
-  explicit BasicCrossEntropyLoss(ops::CrossEntropyOptions options = {}) : options_(options) {
-    options_.validate(type_name());
-  }
-  template <class X, class Labels>
-  auto construct(const X& logits, const Labels& labels) {
-    return ops::cross_entropy<R>(logits, labels, options_);
-  }
-  std::string type_name() const override { return "nn::CrossEntropyLoss"; }
-
- private:
-  ops::CrossEntropyOptions options_;
-};
-
+template <Reduction R = Reduction::mean, ElementType T = float>
+using BasicNLLLoss = BasicClassLoss<false, R, T>;
+template <Reduction R = Reduction::mean, ElementType T = float>
+using BasicCrossEntropyLoss = BasicClassLoss<true, R, T>;
 template <Reduction R = Reduction::mean>
 using NLLLoss = BasicNLLLoss<R, float>;
 template <Reduction R = Reduction::mean>

@@ -119,7 +119,7 @@ struct LayerNormGradOp : Primitive<LayerNormGradOp<Layer, InputGrad>> {
       const ::Eigen::Map<const Array> dy(a.in<T>(0) + i * n, n);
       const ::Eigen::Map<const Array> x(a.in<T>(1) + i * n, n);
       const auto s = detail::row_statistics<T>(x, layer->epsilon());
-      const Array x_hat = (x - s.mean) * s.rstd;
+      const auto x_hat = (x - s.mean) * s.rstd;  // an expression: no array per row
       dgamma += dy * x_hat;
       dbeta += dy;
       if constexpr (InputGrad) {
