@@ -82,14 +82,7 @@ TEST_CASE("ops: the second branch of a two-branch network gets the gradient fini
   for (std::size_t p : {std::size_t{1}, std::size_t{3}}) {
     auto& value = *params[p].parameter;
     for (duet::index_t j = 0; j < value.numel(); ++j) {
-      const double keep = value.data()[j];
-      const double h = 1e-6;
-      value.data()[j] = keep + h;
-      const double up = loss_value();
-      value.data()[j] = keep - h;
-      const double down = loss_value();
-      value.data()[j] = keep;
-      const double fd = (up - down) / (2 * h);
+      const double fd = finite_difference(value, j, loss_value);
       INFO(params[p].name, "[", j, "]");
       CHECK(fd != 0.0);
       CHECK(grads[0][p].data()[j] == doctest::Approx(fd).epsilon(1e-6));

@@ -1,9 +1,11 @@
 // Losses: cells of two inputs (prediction, target) that reduce to what training minimises.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 
@@ -234,6 +236,519 @@ class BasicMSELoss : public Cell<BasicMSELoss<R, T>, CONTEXT_MODE, T> {
 
 template <Reduction R = Reduction::mean>
 using MSELoss = BasicMSELoss<R, float>;
+
+}  // namespace nn
+}  // namespace duet
+
+// ---------------------------------------------------------------------------------------------
+// More losses (MindSpore's nn.L1Loss, SmoothL1Loss, KLDivLoss, BCEWithLogitsLoss, NLLLoss and
+// CrossEntropyLoss). `reduction` is a template argument, as for the two above: it changes the
+// output's shape, hence the graph's type. Numbers that do not change the shape (beta,
+// label_smoothing, ignore_index) are members of the operation.
+namespace duet {
+namespace nn {
+
+template <class Fn, Reduction R, ElementType T>
+class BasicPointwiseLoss;
+template <bool Logits, Reduction R, ElementType T>
+class BasicClassLoss;
+
+}  // namespace nn
+
+namespace fn {
+
+// The pointwise losses: value(x, y) per element, and its partial derivative in each argument,
+// partial<K>(x, y), all on Eigen arrays so that the kernels vectorise (exp, log1p, logistic).
+// They return expressions, evaluated once into the output: no temporary array per call.
+// Each formula is PyTorch's, stated beside it; MindSpore's are the same.
+
+// torch.nn.L1Loss: |x - y|. d/dx = sign(x - y), 0 at x = y (torch.sign(0) = 0).
+struct L1Loss {
+  static constexpr std::string_view name = "nn::L1Loss";
+  template <class X, class Y>
+  auto value(const X& x, const Y& y) const {
+    return (x - y).abs();
+  }
+  template <int K, class X, class Y>
+  auto partial(const X& x, const Y& y) const {
+    using S = typename X::Scalar;
+    return S(K == 0 ? 1 : -1) * (x - y).sign();
+  }
+};
+
+// torch.nn.SmoothL1Loss(beta): 0.5 d² / beta where |d| < beta, |d| - 0.5 beta elsewhere,
+// d = x - y. beta = 0 is the L1 loss (the quadratic branch is never taken).
+struct SmoothL1Loss {
+  static constexpr std::string_view name = "nn::SmoothL1Loss";
+  double beta = 1.0;
+  void validate() const {
+    if (!(beta >= 0)) throw ValueError("nn::SmoothL1Loss: beta must be >= 0, got " + std::to_string(beta));
+  }
+  template <class X, class Y>
+  auto value(const X& x, const Y& y) const {
+    using S = typename X::Scalar;
+    const S b = static_cast<S>(beta);
+    return ((x - y).abs() < b).select(S(0.5) * (x - y).square() / b, (x - y).abs() - S(0.5) * b);
+  }
+  template <int K, class X, class Y>
+  auto partial(const X& x, const Y& y) const {
+    using S = typename X::Scalar;
+    const S b = static_cast<S>(beta);
+    return S(K == 0 ? 1 : -1) * ((x - y).abs() < b).select((x - y) / b, (x - y).sign());
+  }
+};
+
+// MindSpore's nn.KLDivLoss (torch.nn.KLDivLoss, log_target=False): the input x is a
+// log-probability, the target y a probability, and the loss y (log y - x), 0 where y = 0
+// (torch.xlogy). d/dx = -y; d/dy = log y + 1 - x, which is -inf at y = 0 as the function's
+// slope is.
+struct KLDivLoss {
+  static constexpr std::string_view name = "nn::KLDivLoss";
+  template <class X, class Y>
+  auto value(const X& x, const Y& y) const {
+    using S = typename X::Scalar;
+    return (y == S(0)).select(X::Zero(x.rows(), x.cols()), y * (y.log() - x));
+  }
+  template <int K, class X, class Y>
+  auto partial(const X& x, const Y& y) const {
+    using S = typename X::Scalar;
+    if constexpr (K == 0) return -y;
+    else return y.log() + S(1) - x;
+  }
+};
+
+// torch.nn.BCEWithLogitsLoss: -[y log σ(x) + (1 - y) log(1 - σ(x))], in the form that neither
+// overflows nor loses digits for large |x|: max(x, 0) - x y + log1p(exp(-|x|)).
+// d/dx = σ(x) - y; d/dy = -x.
+struct BCEWithLogitsLoss {
+  static constexpr std::string_view name = "nn::BCEWithLogitsLoss";
+  template <class X, class Y>
+  auto value(const X& x, const Y& y) const {
+    using S = typename X::Scalar;
+    return x.max(S(0)) - x * y + (-x.abs()).exp().log1p();
+  }
+  template <int K, class X, class Y>
+  auto partial(const X& x, const Y& y) const {
+    if constexpr (K == 0) return x.logistic() - y;
+    else return -x;
+  }
+};
+
+}  // namespace fn
+
+namespace ops {
+
+namespace detail {
+
+// A loss over per-element values of `values` shape: they, or their mean or sum.
+template <Reduction R, class T, class A>
+void reduce_loss(const A& values, index_t n, T* out) {
+  using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
+  if constexpr (R == Reduction::none) ::Eigen::Map<Array>(out, n) = values;
+  else if constexpr (R == Reduction::sum) out[0] = n == 0 ? T(0) : values.sum();
+  else out[0] = n == 0 ? T(0) : values.sum() / static_cast<T>(n);
+}
+
+// The incoming gradient of a reduced loss as each of its `count` terms sees it.
+template <Reduction R, class T>
+T reduced_scale(const T* g, index_t count) {
+  if constexpr (R == Reduction::mean) return count == 0 ? T(0) : g[0] / static_cast<T>(count);
+  else return g[0];
+}
+
+}  // namespace detail
+
+template <class Fn, Reduction R, int K>
+struct PointwiseLossGradOp;
+
+// Fn's loss between a prediction and a target of the same shape, per element or reduced.
+template <class Fn, Reduction R>
+struct PointwiseLossOp : Primitive<PointwiseLossOp<Fn, R>> {
+  using layer_type = nn::BasicPointwiseLoss<Fn, R, float>;
+  static constexpr int arity = 2;
+  Fn fn;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    if (in[0].is_concrete() && in[1].is_concrete() && !(in[0] == in[1])) {
+      return fault(reduced(in[0], R), ShapeFault::shapes_differ, 0, 1);
+    }
+    return {reduced(in[0], R)};
+  }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
+    const index_t n = a.in_shape(0).numel();
+    detail::reduce_loss<R>(fn.value(::Eigen::Map<const Array>(a.in<T>(0), n), ::Eigen::Map<const Array>(a.in<T>(1), n)),
+                           n, a.out<T>());
+  }
+
+  template <std::size_t K>
+    requires(K < 2)
+  auto grad_op() const {
+    return PointwiseLossGradOp<Fn, R, static_cast<int>(K)>{{}, fn};
+  }
+
+  static std::string op_name() { return std::string(Fn::name).substr(4); }
+  std::string label() const { return std::string(Fn::name); }
+};
+
+// d/d input K of PointwiseLossOp: the partial times the incoming gradient, which is one value
+// per element (no reduction) or one for all.
+template <class Fn, Reduction R, int K>
+struct PointwiseLossGradOp : Primitive<PointwiseLossGradOp<Fn, R, K>> {
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0, graph::Operand::input1};
+  static constexpr int arity = 3;  // g, prediction, target
+  Fn fn;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1 + K]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
+    const index_t n = a.in_shape(1).numel();
+    const auto partial =
+        fn.template partial<K>(::Eigen::Map<const Array>(a.in<T>(1), n), ::Eigen::Map<const Array>(a.in<T>(2), n));
+    if constexpr (R == Reduction::none) {
+      ::Eigen::Map<Array>(a.out<T>(), n) = partial * ::Eigen::Map<const Array>(a.in<T>(0), n);
+    } else {
+      ::Eigen::Map<Array>(a.out<T>(), n) = partial * detail::reduced_scale<R>(a.in<T>(0), n);
+    }
+  }
+
+  static std::string op_name() { return std::string(Fn::name).substr(4) + "Grad" + std::to_string(K); }
+};
+
+template <class Fn, Reduction R, class X, class Y>
+auto pointwise_loss(const Fn& fn, const X& prediction, const Y& target) {
+  static_assert(
+      std::is_same_v<typename std::remove_cvref_t<X>::value_type, typename std::remove_cvref_t<Y>::value_type>,
+      "duet::ops: a loss's prediction and target must have the same element type");
+  if constexpr (requires { fn.validate(); }) fn.validate();
+  return apply(PointwiseLossOp<Fn, R>{{}, fn}, prediction, target);
+}
+
+// MindSpore's ops.l1_loss(input, target, reduction='mean').
+template <Reduction R = Reduction::mean, class X, class Y>
+auto l1_loss(const X& input, const Y& target) {
+  return pointwise_loss<fn::L1Loss, R>(fn::L1Loss{}, input, target);
+}
+
+// MindSpore's ops.smooth_l1_loss(input, target, beta=1.0, reduction='none').
+template <Reduction R = Reduction::none, class X, class Y>
+auto smooth_l1_loss(const X& input, const Y& target, double beta = 1.0) {
+  return pointwise_loss<fn::SmoothL1Loss, R>(fn::SmoothL1Loss{beta}, input, target);
+}
+
+// MindSpore's ops.kl_div(logits, labels, reduction='mean'): logits are log-probabilities.
+// 'mean' averages over every element, as MindSpore's and PyTorch's 'mean' do; the KL
+// divergence proper is 'sum' divided by the batch size (their 'batchmean').
+template <Reduction R = Reduction::mean, class X, class Y>
+auto kl_div(const X& logits, const Y& labels) {
+  return pointwise_loss<fn::KLDivLoss, R>(fn::KLDivLoss{}, logits, labels);
+}
+
+// MindSpore's ops.binary_cross_entropy_with_logits(logits, label, weight=None,
+// pos_weight=None, reduction='mean'), without weight and pos_weight.
+template <Reduction R = Reduction::mean, class X, class Y>
+auto binary_cross_entropy_with_logits(const X& logits, const Y& label) {
+  return pointwise_loss<fn::BCEWithLogitsLoss, R>(fn::BCEWithLogitsLoss{}, logits, label);
+}
+
+
+// MindSpore's keyword arguments of nn.CrossEntropyLoss and nn.NLLLoss, weight aside: labels
+// equal to ignore_index add nothing and do not count in the mean; label_smoothing ε takes the
+// target distribution q to (1 - ε) q + ε / classes.
+struct CrossEntropyOptions {
+  int ignore_index = -100;
+  double label_smoothing = 0.0;
+
+  void validate(std::string_view who) const {
+    if (!(label_smoothing >= 0 && label_smoothing <= 1)) {
+      throw ValueError(std::string(who) + ": label_smoothing must be in [0, 1], got " +
+                       std::to_string(label_smoothing));
+    }
+  }
+};
+
+template <bool Sparse, bool Logits, Reduction R>
+struct ClassLossGradOp;
+template <bool Logits, Reduction R>
+struct ClassLossLabelGradOp;
+
+// The loss of a distribution over the last axis against a class (Sparse: int32 labels [...])
+// or a target distribution (labels [..., classes]): -Σ_c q_c lp_c per row, where lp is the
+// input itself (NLLLoss, log-probabilities) or log_softmax of it (Logits: CrossEntropyLoss),
+// and q the target, smoothed. PyTorch: torch.nn.functional.nll_loss / cross_entropy(input,
+// target, ignore_index, reduction, label_smoothing), classes on the last axis rather than on
+// axis 1 (the same for the usual [batch, classes]). 'mean' divides by the rows not ignored.
+template <bool Sparse, bool Logits, Reduction R>
+struct ClassLossOp : Primitive<ClassLossOp<Sparse, Logits, R>> {
+  using layer_type = nn::BasicClassLoss<Logits, R, float>;
+  static constexpr int arity = 2;
+  static constexpr std::string_view name = Logits ? "nn::CrossEntropyLoss" : "nn::NLLLoss";
+  CrossEntropyOptions options;
+
+  // The rule of softmax cross-entropy: [..., classes] against [...] or [..., classes].
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    return SoftmaxCrossEntropyOp<Sparse, R>::infer_static(in);
+  }
+  ShapeResult infer(std::span<const Shape> in) const { return SoftmaxCrossEntropyOp<Sparse, R>{}.infer(in); }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
+    const auto [rows, classes] = shape_of(a);
+    const T* z = a.in<T>(0);
+    T* out = a.out<T>();
+    const T keep = static_cast<T>(1 - options.label_smoothing);
+    const T spread = static_cast<T>(options.label_smoothing / static_cast<double>(classes));
+    T total = 0;
+    for (index_t i = 0; i < rows; ++i) {
+      const T* row = z + i * classes;
+      const T shift = log_normaliser<Backend>(row, classes);
+      const ::Eigen::Map<const Array> lp_plus_shift(row, classes);
+      T loss = 0;
+      if constexpr (Sparse) {
+        const std::int32_t label = a.in<std::int32_t>(1)[i];
+        if (label != options.ignore_index) {
+          const index_t c = checked_label(label, i, classes);
+          loss = -(keep * (row[c] - shift) + spread * (lp_plus_shift.sum() - static_cast<T>(classes) * shift));
+        }
+      } else {
+        const ::Eigen::Map<const Array> p(a.in<T>(1) + i * classes, classes);
+        loss = -((keep * p + spread) * (lp_plus_shift - shift)).sum();
+      }
+      if constexpr (R == Reduction::none) out[i] = loss;
+      else total += loss;
+    }
+    if constexpr (R == Reduction::sum) out[0] = total;
+    if constexpr (R == Reduction::mean) {
+      const index_t counted = counted_rows(a);
+      out[0] = counted == 0 ? T(0) : total / static_cast<T>(counted);
+    }
+  }
+
+  template <std::size_t K>
+    requires(K < 2)
+  auto grad_op() const {
+    if constexpr (K == 0) return ClassLossGradOp<Sparse, Logits, R>{{}, options};
+    else if constexpr (Sparse) return NoGradient{};  // class indices
+    else return ClassLossLabelGradOp<Logits, R>{{}, options};
+  }
+
+  static std::string op_name() { return Logits ? "CrossEntropy" : "NLL"; }
+  std::string label() const { return std::string(name); }
+
+  // What the kernels share with the gradients'.
+  static std::pair<index_t, index_t> shape_of(const graph::KernelArgs& a, std::size_t input = 0) {
+    const index_t classes = a.in_shape(input).back();
+    return {classes == 0 ? 0 : a.in_shape(input).numel() / classes, classes};
+  }
+  // log Σ exp(row), by which logits exceed log-probabilities; 0 for log-probabilities.
+  template <class Backend, class T>
+  static T log_normaliser(const T* row, index_t classes) {
+    if constexpr (Logits) return Backend::log_sum_exp(row, classes);
+    else return T(0);
+  }
+  // The rows 'mean' divides by: those whose label is not ignore_index (all, for distributions).
+  index_t counted_rows(const graph::KernelArgs& a, std::size_t logits = 0) const {
+    const index_t rows = shape_of(a, logits).first;
+    if constexpr (!Sparse) {
+      return rows;
+    } else {
+      const std::int32_t* labels = a.in<std::int32_t>(logits + 1);
+      return static_cast<index_t>(std::count_if(labels, labels + rows, [&](std::int32_t l) { return l != options.ignore_index; }));
+    }
+  }
+  index_t checked_label(std::int32_t label, index_t row, index_t classes) const {
+    if (label < 0 || label >= classes) {
+      throw ValueError(std::string(name) + ": label " +
+                       std::to_string(label) + " of sample " + std::to_string(row) + " is outside [0, " +
+                       std::to_string(classes) + ") and is not ignore_index (" +
+                       std::to_string(options.ignore_index) + ")");
+    }
+    return label;
+  }
+};
+
+// d/d input of ClassLossOp, row by row: -q (log-probabilities in), or softmax · Σq - q
+// (logits in), times the incoming gradient as the reduction spreads it.
+template <bool Sparse, bool Logits, Reduction R>
+struct ClassLossGradOp : Primitive<ClassLossGradOp<Sparse, Logits, R>> {
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0, graph::Operand::input1};
+  static constexpr int arity = 3;  // g, input, labels
+  CrossEntropyOptions options;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    using Forward = ClassLossOp<Sparse, Logits, R>;
+    using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
+    const Forward forward{{}, options};
+    const auto [rows, classes] = Forward::shape_of(a, 1);
+    const T* g = a.in<T>(0);
+    const T* z = a.in<T>(1);
+    const T keep = static_cast<T>(1 - options.label_smoothing);
+    const T spread = static_cast<T>(options.label_smoothing / static_cast<double>(classes));
+    const T shared = R == Reduction::none ? T(0) : detail::reduced_scale<R>(g, forward.counted_rows(a, 1));
+    for (index_t i = 0; i < rows; ++i) {
+      const T* row = z + i * classes;
+      ::Eigen::Map<Array> d(a.out<T>() + i * classes, classes);
+      const T scale = R == Reduction::none ? g[i] : shared;
+      if constexpr (Sparse) {
+        const std::int32_t label = a.in<std::int32_t>(2)[i];
+        if (label == options.ignore_index) {
+          d.setZero();
+          continue;
+        }
+        const index_t c = forward.checked_label(label, i, classes);
+        // Σq = 1 here.
+        if constexpr (Logits) {
+          const T lse = Forward::template log_normaliser<Backend>(row, classes);
+          d = (::Eigen::Map<const Array>(row, classes) - lse).exp() - spread;
+        } else {
+          d.setConstant(-spread);
+        }
+        d[c] -= keep;
+        d *= scale;
+      } else {
+        const auto q = keep * ::Eigen::Map<const Array>(a.in<T>(2) + i * classes, classes) + spread;
+        if constexpr (Logits) {
+          const T lse = Forward::template log_normaliser<Backend>(row, classes);
+          const T q_sum = q.sum();
+          d = ((::Eigen::Map<const Array>(row, classes) - lse).exp() * q_sum - q) * scale;
+        } else {
+          d = -q * scale;
+        }
+      }
+    }
+  }
+
+  static std::string op_name() { return Logits ? "CrossEntropyGrad" : "NLLGrad"; }
+};
+
+// d/d target distribution of the dense form: -(1 - ε) lp, times the incoming gradient.
+// (MindSpore gives labels no gradient; PyTorch gives this one, the derivative.)
+template <bool Logits, Reduction R>
+struct ClassLossLabelGradOp : Primitive<ClassLossLabelGradOp<Logits, R>> {
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0};
+  static constexpr int arity = 2;  // g, input
+  CrossEntropyOptions options;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    using Forward = ClassLossOp<false, Logits, R>;
+    using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
+    const auto [rows, classes] = Forward::shape_of(a, 1);
+    const T* g = a.in<T>(0);
+    const T keep = static_cast<T>(1 - options.label_smoothing);
+    for (index_t i = 0; i < rows; ++i) {
+      const T* row = a.in<T>(1) + i * classes;
+      const T scale = R == Reduction::none ? g[i] : detail::reduced_scale<R>(g, rows);
+      const T shift = Forward::template log_normaliser<Backend>(row, classes);
+      ::Eigen::Map<Array>(a.out<T>() + i * classes, classes) =
+          -keep * scale * (::Eigen::Map<const Array>(row, classes) - shift);
+    }
+  }
+
+  static std::string op_name() { return Logits ? "CrossEntropyLabelGrad" : "NLLLabelGrad"; }
+};
+
+template <bool Logits, Reduction R, class X, class Labels>
+auto class_loss(const X& input, const Labels& labels, const CrossEntropyOptions& options) {
+  using L = typename std::remove_cvref_t<Labels>::value_type;
+  constexpr bool sparse = std::is_same_v<L, std::int32_t>;
+  static_assert(sparse || (Logits && std::is_same_v<L, typename std::remove_cvref_t<X>::value_type>),
+                "duet::ops: the labels of nn::NLLLoss are int32 class indices; those of nn::CrossEntropyLoss "
+                "are int32 class indices or distributions of the input's element type");
+  options.validate(ClassLossOp<sparse, Logits, R>::name);
+  return apply(ClassLossOp<sparse, Logits, R>{{}, options}, input, labels);
+}
+
+// MindSpore's ops.nll_loss(inputs, target, ignore_index=-100, reduction='mean',
+// label_smoothing=0.0), without weight: inputs are log-probabilities, target int32 classes.
+template <Reduction R = Reduction::mean, class X, class Labels>
+auto nll_loss(const X& inputs, const Labels& target, const CrossEntropyOptions& options = {}) {
+  return class_loss<false, R>(inputs, target, options);
+}
+
+// MindSpore's ops.cross_entropy(input, target, ignore_index=-100, reduction='mean',
+// label_smoothing=0.0), without weight: input are logits, target int32 classes or
+// probabilities (the form follows the labels' element type, as in MindSpore).
+template <Reduction R = Reduction::mean, class X, class Labels>
+auto cross_entropy(const X& input, const Labels& target, const CrossEntropyOptions& options = {}) {
+  return class_loss<true, R>(input, target, options);
+}
+
+inline const bool losses_listed = list_operations(
+    {"l1_loss", "smooth_l1_loss", "kl_div", "binary_cross_entropy_with_logits", "nll_loss", "cross_entropy"});
+
+}  // namespace ops
+
+namespace nn {
+
+// A loss cell over one of the pointwise functions above; the names below are MindSpore's.
+template <class Fn, Reduction R = Reduction::mean, ElementType T = float>
+class BasicPointwiseLoss : public Cell<BasicPointwiseLoss<Fn, R, T>, CONTEXT_MODE, T> {
+ public:
+  // The function's numbers, MindSpore's keyword arguments: nn::SmoothL1Loss<>({.beta = 0.5}).
+  explicit BasicPointwiseLoss(Fn fn = {}) : fn_(fn) {
+    if constexpr (requires { fn.validate(); }) fn.validate();
+  }
+
+  template <class X, class Y>
+  auto construct(const X& prediction, const Y& target) {
+    return ops::pointwise_loss<Fn, R>(fn_, prediction, target);
+  }
+  std::string type_name() const override { return std::string(Fn::name); }
+
+ private:
+  Fn fn_;
+};
+
+// MindSpore's nn.NLLLoss(ignore_index=-100, reduction='mean'), without weight, and
+// nn.CrossEntropyLoss(ignore_index=-100, reduction='mean', label_smoothing=0.0):
+// nn::CrossEntropyLoss<> loss({.label_smoothing = 0.1}).
+template <bool Logits, Reduction R, ElementType T>
+class BasicClassLoss : public Cell<BasicClassLoss<Logits, R, T>, CONTEXT_MODE, T> {
+ public:
+  explicit BasicClassLoss(ops::CrossEntropyOptions options = {}) : options_(options) { options_.validate(type_name()); }
+  template <class X, class Labels>
+  auto construct(const X& input, const Labels& labels) {
+    return ops::class_loss<Logits, R>(input, labels, options_);
+  }
+  std::string type_name() const override { return std::string(ops::ClassLossOp<false, Logits, R>::name); }
+
+ private:
+  ops::CrossEntropyOptions options_;
+};
+
+template <Reduction R = Reduction::mean, ElementType T = float>
+using BasicNLLLoss = BasicClassLoss<false, R, T>;
+template <Reduction R = Reduction::mean, ElementType T = float>
+using BasicCrossEntropyLoss = BasicClassLoss<true, R, T>;
+template <Reduction R = Reduction::mean>
+using NLLLoss = BasicNLLLoss<R, float>;
+template <Reduction R = Reduction::mean>
+using CrossEntropyLoss = BasicCrossEntropyLoss<R, float>;
+
+template <Reduction R = Reduction::mean>
+using L1Loss = BasicPointwiseLoss<fn::L1Loss, R, float>;
+
+template <Reduction R = Reduction::mean>
+using KLDivLoss = BasicPointwiseLoss<fn::KLDivLoss, R, float>;
+
+// MindSpore's nn.BCEWithLogitsLoss(reduction='mean'), without weight and pos_weight.
+template <Reduction R = Reduction::mean>
+using BCEWithLogitsLoss = BasicPointwiseLoss<fn::BCEWithLogitsLoss, R, float>;
+
+// MindSpore's nn.SmoothL1Loss(beta=1.0, reduction='none'): nn::SmoothL1Loss<>({.beta = 0.5}).
+template <Reduction R = Reduction::none>
+using SmoothL1Loss = BasicPointwiseLoss<fn::SmoothL1Loss, R, float>;
 
 }  // namespace nn
 }  // namespace duet

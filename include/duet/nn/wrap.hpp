@@ -4,11 +4,15 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "../autodiff.hpp"
 #include "../cell.hpp"
+#include "../ops/clip.hpp"
 
 namespace duet::nn {
 
@@ -44,6 +48,13 @@ class WithLossCell
   Loss& loss_fn_;
 };
 
+// What a training step does besides forward, backward and update.
+struct TrainOneStepConfig {
+  // Clip the gradients to this global norm before the update (ops::clip_by_global_norm over
+  // every gradient the optimiser reads); none if empty.
+  std::optional<double> clip_global_norm;
+};
+
 // One training step per call: forward, loss, backward and the optimiser's update. In graph
 // mode the first three are one compiled graph run by one evaluator call; the update follows
 // in the same call, over the gradients that run left in the parameters.
@@ -52,8 +63,10 @@ class TrainOneStepCell {
   using T = typename NetWithLoss::value_type;
 
  public:
-  TrainOneStepCell(NetWithLoss& net_with_loss, Optimizer& optimizer)
-      : grad_(net_with_loss, {}, std::nullopt), optimizer_(optimizer) {}
+  TrainOneStepCell(NetWithLoss& net_with_loss, Optimizer& optimizer, TrainOneStepConfig config = {})
+      : grad_(net_with_loss, {}, std::nullopt), optimizer_(optimizer), config_(config) {
+    if (config_.clip_global_norm) ops::detail::check_clip_norm(*config_.clip_global_norm);
+  }
 
   // Returns the loss of the batch, before the update. A step that fails changes nothing. An
   // empty batch is refused: it has no gradient, yet an update would still advance the
@@ -66,15 +79,32 @@ class TrainOneStepCell {
       throw ValueError("nn::TrainOneStepCell: the batch is empty; a training step needs at least one sample");
     }
     BasicTensor<T> loss = grad_.value_and_parameter_grads(xs...);
-    if (std::ranges::all_of(loss.values(), [](T v) { return std::isfinite(v); })) optimizer_.step();
+    if (!std::ranges::all_of(loss.values(), [](T v) { return std::isfinite(v); })) return loss;
+    // Clipping reads the gradients backward left, the same in both modes, so both clip alike.
+    // A gradient whose norm is not finite skips the update, as a NaN loss does; the norm is
+    // kept for the caller to see (last_global_norm).
+    if (config_.clip_global_norm) {
+      const std::uint64_t pass = duet::detail::current_backward_pass();
+      std::vector<BasicTensor<T>*> grads;
+      for (BasicParameter<T>* p : optimizer_.parameters()) {
+        if (p->has_grad_from(pass)) grads.push_back(&p->grad);
+      }
+      last_global_norm_ = ops::detail::clip_in_place(grads, *config_.clip_global_norm);
+      if (!std::isfinite(last_global_norm_)) return loss;
+    }
+    optimizer_.step();
     return loss;
   }
 
   Optimizer& optimizer() { return optimizer_; }
+  // The global norm of the last step's gradients before clipping (with clip_global_norm set).
+  double last_global_norm() const { return last_global_norm_; }
 
  private:
   GradFunction<NetWithLoss&, void> grad_;
   Optimizer& optimizer_;
+  TrainOneStepConfig config_;
+  double last_global_norm_ = 0;
 };
 
 }  // namespace duet::nn

@@ -1,0 +1,346 @@
+// Layers and losses (include/duet/nn/normalization.hpp, include/duet/nn/loss.hpp): their cases
+// in the gradient harness, each value against plain loops in double that write out PyTorch's
+// formula, and what the harness does not cover (LayerNorm's parameter gradients, errors,
+// training through WithLossCell in both modes).
+#include "ops_harness.hpp"
+
+namespace {
+
+using namespace duet_test::ops;
+using duet::index_t;
+using duet::Reduction;
+using Labels = duet::BasicTensor<std::int32_t>;
+
+Labels labels_of(std::initializer_list<std::int32_t> values) {
+  Labels l({static_cast<index_t>(values.size())});
+  std::copy(values.begin(), values.end(), l.data());
+  return l;
+}
+
+// Per-element (or per-row) losses as the reduction R gives them.
+D reduced(const std::vector<double>& per, const Shape& none_shape, Reduction r, double count) {
+  if (r == Reduction::none) {
+    D out = duet::zeros<double>(none_shape);
+    std::copy(per.begin(), per.end(), out.data());
+    return out;
+  }
+  double total = 0;
+  for (double v : per) total += v;
+  D out = duet::zeros<double>(Shape{});
+  out.data()[0] = r == Reduction::sum ? total : count == 0 ? 0.0 : total / count;
+  return out;
+}
+
+// PyTorch's torch.nn.LayerNorm over the last axis: (x - E[x]) / sqrt(Var[x] + eps) · γ + β,
+// Var the biased variance.
+D layer_norm_reference(const D& x, const D& gamma, const D& beta, double eps) {
+  const index_t n = gamma.numel();
+  D y = duet::zeros<double>(x.shape());
+  for (index_t r = 0; r < x.numel() / n; ++r) {
+    double mean = 0, var = 0;
+    for (index_t j = 0; j < n; ++j) mean += x.data()[r * n + j] / static_cast<double>(n);
+    for (index_t j = 0; j < n; ++j) {
+      const double d = x.data()[r * n + j] - mean;
+      var += d * d / static_cast<double>(n);
+    }
+    for (index_t j = 0; j < n; ++j) {
+      y.data()[r * n + j] = (x.data()[r * n + j] - mean) / std::sqrt(var + eps) * gamma.data()[j] + beta.data()[j];
+    }
+  }
+  return y;
+}
+
+// PyTorch's formulas of the pointwise losses, one element at a time.
+double l1(double x, double y) { return std::abs(x - y); }
+double smooth_l1(double x, double y, double beta) {
+  const double d = std::abs(x - y);
+  return d < beta ? 0.5 * d * d / beta : d - 0.5 * beta;
+}
+double kl_div(double x, double y) { return y == 0 ? 0.0 : y * (std::log(y) - x); }
+double bce_with_logits(double x, double y) {
+  const double s = 1 / (1 + std::exp(-x));
+  return -(y * std::log(s) + (1 - y) * std::log(1 - s));
+}
+
+// torch.nn.functional.cross_entropy / nll_loss with label_smoothing ε, classes on the last
+// axis: per row -Σ_c q_c lp_c, lp = log_softmax(z) (or z itself for NLL), q the one-hot class
+// or the distribution p, smoothed to (1 - ε) q + ε / C. Rows labelled ignore_index give 0 and
+// do not count in the mean.
+struct ClassLossReference {
+  bool logits;
+  double smoothing;
+  Reduction r;
+  std::int32_t ignore_index = -100;
+
+  D operator()(const D& z, const Labels* sparse, const D* dense) const {
+    const index_t classes = z.shape().back();
+    const index_t rows = z.numel() / classes;
+    std::vector<double> per;
+    double counted = 0;
+    for (index_t i = 0; i < rows; ++i) {
+      std::vector<double> lp(static_cast<std::size_t>(classes));
+      double m = -INFINITY, s = 0;
+      for (index_t c = 0; c < classes; ++c) m = std::max(m, z.data()[i * classes + c]);
+      for (index_t c = 0; c < classes; ++c) s += std::exp(z.data()[i * classes + c] - m);
+      for (index_t c = 0; c < classes; ++c) {
+        lp[static_cast<std::size_t>(c)] = z.data()[i * classes + c] - (logits ? m + std::log(s) : 0.0);
+      }
+      if (sparse != nullptr && sparse->data()[i] == ignore_index) {
+        per.push_back(0.0);
+        continue;
+      }
+      double loss = 0;
+      for (index_t c = 0; c < classes; ++c) {
+        const double target = sparse != nullptr ? (sparse->data()[i] == c ? 1.0 : 0.0) : dense->data()[i * classes + c];
+        loss -= ((1 - smoothing) * target + smoothing / static_cast<double>(classes)) * lp[static_cast<std::size_t>(c)];
+      }
+      per.push_back(loss);
+      ++counted;
+    }
+    Shape rows_shape;
+    for (int a = 0; a + 1 < z.shape().rank(); ++a) rows_shape.push_back(z.shape()[a]);
+    return reduced(per, rows_shape, r, counted);
+  }
+};
+
+template <Reduction R>
+void add_loss_cases(std::multimap<std::string, Case>& m) {
+  auto pointwise = [&](std::string name, auto f, auto element, double lo, double hi) {
+    const std::vector<Shape> shapes = {{3, 4}, {3, 4}};
+    Case c = case_of<2>(shapes, f, lo, hi);
+    c.reference = [element](const std::vector<D>& xs) {
+      std::vector<double> per;
+      for (index_t j = 0; j < xs[0].numel(); ++j) per.push_back(element(xs[0].data()[j], xs[1].data()[j]));
+      return reduced(per, xs[0].shape(), R, static_cast<double>(xs[0].numel()));
+    };
+    m.emplace(std::move(name), std::move(c));
+  };
+  pointwise("l1_loss", [](const auto& x, const auto& y) { return duet::ops::l1_loss<R>(x, y); }, l1, -2.0, 2.0);
+  pointwise("smooth_l1_loss", [](const auto& x, const auto& y) { return duet::ops::smooth_l1_loss<R>(x, y, 0.7); },
+            [](double x, double y) { return smooth_l1(x, y, 0.7); }, -2.0, 2.0);
+  // Targets must be probabilities (positive) for log y.
+  pointwise("kl_div", [](const auto& x, const auto& y) { return duet::ops::kl_div<R>(x, y); }, kl_div, 0.1, 2.0);
+  pointwise("binary_cross_entropy_with_logits",
+            [](const auto& x, const auto& y) { return duet::ops::binary_cross_entropy_with_logits<R>(x, y); },
+            bce_with_logits, -2.0, 2.0);
+
+  // Class losses: sparse labels (one of them ignored), with and without label smoothing.
+  const Labels labels = labels_of({1, 3, -100, 0});
+  const Labels labels_3d = labels_of({2, 0, 1, 1, 2, 0}).reshape({2, 3});
+  for (double eps : {0.0, 0.2}) {
+    const duet::ops::CrossEntropyOptions options{.label_smoothing = eps};
+    for (bool logits : {false, true}) {
+      const ClassLossReference ref{logits, eps, R};
+      // Graph capture needs each function generic and free of run-time branches: one per loss.
+      auto add = [&](const Shape& shape, const Labels& l) {
+        auto cross_entropy = [options](const auto& z, const auto& y) { return duet::ops::cross_entropy<R>(z, y, options); };
+        auto nll = [options](const auto& z, const auto& y) { return duet::ops::nll_loss<R>(z, y, options); };
+        Case c = logits ? case_of<1>({shape}, cross_entropy, -2.0, 2.0, l) : case_of<1>({shape}, nll, -2.0, 2.0, l);
+        c.reference = [ref, l](const std::vector<D>& xs) { return ref(xs[0], &l, nullptr); };
+        m.emplace(logits ? "cross_entropy" : "nll_loss", std::move(c));
+      };
+      add({4, 5}, labels);
+      add({2, 3, 3}, labels_3d);
+    }
+    // Dense targets: both inputs differentiated.
+    Case c = case_of<2>({{3, 4}, {3, 4}}, [options](const auto& z, const auto& p) {
+      return duet::ops::cross_entropy<R>(z, p, options);
+    }, -2.0, 2.0);
+    c.reference = [ref = ClassLossReference{true, eps, R}](const std::vector<D>& xs) {
+      return ref(xs[0], nullptr, &xs[1]);
+    };
+    m.emplace("cross_entropy", std::move(c));
+  }
+}
+
+const bool layer_cases = add_cases([](std::multimap<std::string, Case>& m) {
+  add_loss_cases<Reduction::none>(m);
+  add_loss_cases<Reduction::mean>(m);
+  add_loss_cases<Reduction::sum>(m);
+  // LayerNorm with gamma and beta away from their ones and zeros, so that both matter.
+  for (const Shape& shape : {Shape{3, 5}, Shape{2, 3, 4}}) {
+    const index_t n = shape.back();
+    auto norm = std::make_shared<duet::nn::LayerNorm<duet::dyn, double>>(n, 1e-5);
+    norm->gamma.set_data(random_input({n}, 0.5, 1.5, 100));
+    norm->beta.set_data(random_input({n}, -1.0, 1.0, 101));
+    Case c = case_of<1>({shape}, [norm](const auto& x) { return (*norm)(x); }, -2.0, 2.0);
+    c.reference = [norm](const std::vector<D>& xs) { return layer_norm_reference(xs[0], norm->gamma, norm->beta, 1e-5); };
+    m.emplace("LayerNorm", std::move(c));
+  }
+});
+
+}  // namespace
+
+namespace {
+
+template <auto Setting>
+struct NormNet : duet::nn::Cell<NormNet<Setting>, Setting, double> {
+  duet::nn::Dense<4, 5, double> fc;
+  duet::nn::LayerNorm<5, double> norm;
+  DUET_CELL_MEMBERS(fc, norm);
+  auto construct(auto x) { return norm(fc(x)); }
+};
+
+// The gradients of value_and_grad(with_loss, net.parameters()) in each mode.
+template <class Net, class Loss, class X, class Y>
+std::vector<std::vector<D>> parameter_grads_in_both_modes(Net& net, Loss& loss, const X& x, const Y& y) {
+  duet_test::ModeGuard guard;
+  duet::nn::WithLossCell with_loss(net, loss);
+  std::vector<std::vector<D>> grads;
+  for (duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+    duet::set_context({.mode = mode});
+    auto vg = duet::value_and_grad(with_loss, net.parameters());
+    grads.push_back(vg(x, y).grads);
+  }
+  return grads;
+}
+
+bool same_bits(const std::vector<D>& a, const std::vector<D>& b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (!(a[i].shape() == b[i].shape()) || !std::equal(a[i].data(), a[i].data() + a[i].numel(), b[i].data())) {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+TEST_CASE("nn::LayerNorm: gamma and beta's gradients match finite differences, the same in both modes") {
+  duet_test::ModeGuard guard;
+  duet::set_seed(4);
+  NormNet<duet::CONTEXT_MODE> net;
+  net.norm.gamma.set_data(random_input({5}, 0.5, 1.5, 7));
+  net.norm.beta.set_data(random_input({5}, -1.0, 1.0, 8));
+  duet::nn::BasicMSELoss<Reduction::mean, double> loss;
+  const D x = random_input({6, 4}, -1, 1, 9);
+  const D target = random_input({6, 5}, -1, 1, 10);
+  const auto grads = parameter_grads_in_both_modes(net, loss, x, target);
+  CHECK(same_bits(grads[0], grads[1]));
+  duet::nn::WithLossCell with_loss(net, loss);
+  auto loss_value = [&] {
+    duet::set_context({.mode = duet::PYNATIVE_MODE});
+    return with_loss(x, target).item();
+  };
+  const auto params = net.parameters();
+  REQUIRE(params.size() == 4);  // fc.weight, fc.bias, norm.gamma, norm.beta
+  for (std::size_t p = 0; p < params.size(); ++p) {
+    auto& value = *params[p].parameter;
+    for (index_t j = 0; j < value.numel(); ++j) {
+      const double fd = finite_difference(value, j, loss_value);
+      INFO(params[p].name, "[", j, "]");
+      CHECK(std::abs(grads[0][p].data()[j] - fd) <= 1e-7 + 1e-6 * std::abs(fd));
+    }
+  }
+}
+
+TEST_CASE("nn::LayerNorm: MindSpore's parameters and epsilon, static and run-time sizes, errors") {
+  duet::nn::LayerNorm<4> fixed;
+  duet::nn::LayerNorm<> sized(4);
+  const auto params = fixed.parameters();
+  REQUIRE(params.size() == 2);
+  CHECK(params[0].name == "gamma");
+  CHECK(params[1].name == "beta");
+  CHECK(fixed.epsilon() == 1e-7);
+  CHECK(std::all_of(fixed.gamma.data(), fixed.gamma.data() + 4, [](float v) { return v == 1.0f; }));
+  CHECK(std::all_of(fixed.beta.data(), fixed.beta.data() + 4, [](float v) { return v == 0.0f; }));
+  // Rows far from zero, spread little: the two-pass variance keeps them apart in float.
+  duet::Tensor x({2, 4});
+  const float row[] = {10000.0f, 10001.0f, 10002.0f, 10003.0f};
+  for (index_t i = 0; i < 8; ++i) x.data()[i] = row[i % 4] + (i < 4 ? 0.0f : -20000.0f);
+  const duet::Tensor y = fixed(x);
+  const duet::Tensor z = sized(x);
+  CHECK(std::equal(y.data(), y.data() + 8, z.data()));
+  const double expected[] = {-1.3416407864998738, -0.4472135954999579, 0.4472135954999579, 1.3416407864998738};
+  for (index_t i = 0; i < 8; ++i) CHECK(y.data()[i] == doctest::Approx(expected[i % 4]).epsilon(1e-5));
+  try {
+    static_cast<void>(sized(duet::ones({2, 5})));
+    FAIL("no error");
+  } catch (const duet::ShapeError& e) {
+    CHECK(std::string(e.what()) == "nn::LayerNorm<dyn> expects an input whose last dimension is 4, got [2, 5]");
+  }
+  CHECK_THROWS_AS(duet::nn::LayerNorm<>(0), duet::ValueError);
+  CHECK_THROWS_AS(duet::nn::LayerNorm<4>(5), duet::ValueError);
+  CHECK_THROWS_AS(duet::nn::LayerNorm<4>(4, 0.0), duet::ValueError);
+}
+
+namespace {
+
+template <auto Setting>
+struct Head : duet::nn::Cell<Head<Setting>, Setting, double> {
+  duet::nn::Dense<4, 3, double> fc;
+  DUET_CELL_MEMBERS(fc);
+  auto construct(auto x) { return fc(x); }
+};
+
+}  // namespace
+
+TEST_CASE("losses: in WithLossCell, the same parameter gradients in both modes") {
+  duet::set_seed(6);
+  Head<duet::CONTEXT_MODE> net;
+  const D x = random_input({5, 4}, -1, 1, 30);
+  const D target = random_input({5, 3}, 0.1, 1, 31);
+  const Labels classes = labels_of({0, 2, 1, 1, -100});
+  auto check = [&](auto& loss, const auto& y) {
+    const auto grads = parameter_grads_in_both_modes(net, loss, x, y);
+    CHECK(same_bits(grads[0], grads[1]));
+    double norm = 0;
+    for (const D& g : grads[0]) norm += dot(g, g);
+    CHECK(norm > 0);  // a gradient reached the parameters
+  };
+  duet::nn::BasicPointwiseLoss<duet::fn::L1Loss, Reduction::mean, double> l1;
+  duet::nn::BasicPointwiseLoss<duet::fn::SmoothL1Loss, Reduction::sum, double> smooth({.beta = 0.5});
+  duet::nn::BasicPointwiseLoss<duet::fn::KLDivLoss, Reduction::mean, double> kl;
+  duet::nn::BasicPointwiseLoss<duet::fn::BCEWithLogitsLoss, Reduction::mean, double> bce;
+  duet::nn::BasicNLLLoss<Reduction::mean, double> nll;
+  duet::nn::BasicCrossEntropyLoss<Reduction::mean, double> ce({.label_smoothing = 0.1});
+  check(l1, target);
+  check(smooth, target);
+  check(kl, target);
+  check(bce, target);
+  check(nll, classes);
+  check(ce, classes);
+  check(ce, target);
+}
+
+TEST_CASE("losses: MindSpore's documented values and defaults, and errors that name the loss") {
+  duet::Tensor logits({3});
+  duet::Tensor labels({3});
+  for (index_t i = 0; i < 3; ++i) {
+    logits.data()[i] = static_cast<float>(i + 1);
+    labels.data()[i] = i == 2 ? 2.0f : static_cast<float>(i + 1);
+  }
+  // nn.SmoothL1Loss() on [1, 2, 3] and [1, 2, 2]: [0, 0, 0.5], no reduction by default.
+  duet::nn::SmoothL1Loss<> smooth;
+  const duet::Tensor s = smooth(logits, labels);
+  REQUIRE(s.shape() == Shape{3});
+  CHECK(s(0) == 0.0f);
+  CHECK(s(2) == 0.5f);
+  // nn.L1Loss() (mean by default): |3 - 2| / 3.
+  CHECK(duet::nn::L1Loss<>()(logits, labels).item() == doctest::Approx(1.0 / 3));
+  // BCEWithLogits stays finite where log(sigmoid(x)) would not: x = -100, y = 1 gives 100.
+  duet::Tensor big({1});
+  big.data()[0] = -100.0f;
+  duet::Tensor one = duet::ones({1});
+  CHECK(duet::nn::BCEWithLogitsLoss<>()(big, one).item() == doctest::Approx(100.0));
+  // Cross-entropy with label smoothing on uniform logits: log(C) whatever ε.
+  const duet::Tensor uniform = duet::zeros<float>({2, 4});
+  CHECK(duet::nn::CrossEntropyLoss<>({.label_smoothing = 0.3})(uniform, labels_of({1, 3})).item() ==
+        doctest::Approx(std::log(4.0)));
+  try {
+    static_cast<void>(duet::nn::NLLLoss<>()(uniform, labels_of({1, 4})));
+    FAIL("no error");
+  } catch (const duet::ValueError& e) {
+    CHECK(std::string(e.what()) ==
+          "nn::NLLLoss: label 4 of sample 1 is outside [0, 4) and is not ignore_index (-100)");
+  }
+  try {
+    static_cast<void>(duet::nn::L1Loss<>()(uniform, labels));
+    FAIL("no error");
+  } catch (const duet::ShapeError& e) {
+    CHECK(std::string(e.what()) == "nn::L1Loss expects inputs of matching shapes, got [2, 4] and [3]");
+  }
+  CHECK_THROWS_AS(duet::nn::SmoothL1Loss<>({.beta = -1.0}), duet::ValueError);
+  CHECK_THROWS_AS(duet::nn::CrossEntropyLoss<>({.label_smoothing = 1.5}), duet::ValueError);
+}
