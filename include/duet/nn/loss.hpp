@@ -548,7 +548,7 @@ struct ClassLossOp : Primitive<ClassLossOp<Sparse, Logits, R>> {
   // log Σ exp(row), by which logits exceed log-probabilities; 0 for log-probabilities.
   template <class Backend, class T>
   static T log_normaliser(const T* row, index_t classes) {
-    if constexpr (Logits) return Backend::log_sum_exp(row, classes);
+    if constexpr (Logits) return kernels::log_sum_exp(row, classes);
     else return T(0);
   }
   // The rows 'mean' divides by: those whose label is not ignore_index (all, for distributions).
