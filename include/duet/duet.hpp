@@ -30,6 +30,7 @@
 #include "operation.hpp"
 #include "ops/arithmetic.hpp"
 #include "ops/reduction.hpp"
+#include "ops/matmul.hpp"
 #include "ops/softmax.hpp"
 #include "parameter.hpp"
 #include "passes.hpp"
