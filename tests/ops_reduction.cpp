@@ -95,31 +95,6 @@ void add_reduction(std::multimap<std::string, Case>& m, const std::string& name,
   add({5}, [r](const auto& x) { return r(x, ops::axes<0>); }, {0}, false);
 }
 
-struct Sum {
-  template <class... A>
-  auto operator()(const A&... a) const {
-    return ops::sum(a...);
-  }
-};
-struct Mean {
-  template <class... A>
-  auto operator()(const A&... a) const {
-    return ops::mean(a...);
-  }
-};
-struct Max {
-  template <class... A>
-  auto operator()(const A&... a) const {
-    return ops::max(a...);
-  }
-};
-struct Min {
-  template <class... A>
-  auto operator()(const A&... a) const {
-    return ops::min(a...);
-  }
-};
-
 template <Kind K, class F>
 Case arg_case(Shape s, F f, int axis, bool keep) {
   return make_value_case({s}, f, [axis, keep](const std::vector<D>& xs) {
@@ -128,10 +103,10 @@ Case arg_case(Shape s, F f, int axis, bool keep) {
 }
 
 const bool reduction_cases = add_cases([](std::multimap<std::string, Case>& m) {
-  add_reduction<Kind::sum>(m, "sum", Sum{});
-  add_reduction<Kind::mean>(m, "mean", Mean{});
-  add_reduction<Kind::max>(m, "max", Max{});
-  add_reduction<Kind::min>(m, "min", Min{});
+  add_reduction<Kind::sum>(m, "sum", [](const auto&... a) { return ops::sum(a...); });
+  add_reduction<Kind::mean>(m, "mean", [](const auto&... a) { return ops::mean(a...); });
+  add_reduction<Kind::max>(m, "max", [](const auto&... a) { return ops::max(a...); });
+  add_reduction<Kind::min>(m, "min", [](const auto&... a) { return ops::min(a...); });
   m.emplace("argmax", arg_case<Kind::argmax>({3, 4}, [](const auto& x) { return ops::argmax(x); }, -1, false));
   m.emplace("argmax", arg_case<Kind::argmax>({2, 3, 4}, [](const auto& x) { return ops::argmax(x, ops::axis<1>); }, 1,
                                              false));

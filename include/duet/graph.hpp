@@ -441,9 +441,10 @@ auto append(const Op& op, const Sym<G0, O0>& x0, const Rest&... rest) {
     }
   }
   auto [merged, outs] = detail::merge_all(x0.graph, std::index_sequence<O0>{}, rest...);
-  auto g = [&]<std::size_t... Args>(std::index_sequence<Args...>) {
-    return make_graph(hana::append(merged.nodes, Node<Op, Args...>{op}));
-  }(decltype(outs){});
+  // merged is passed, not captured: clang 14 cannot capture a structured binding.
+  auto g = [&op]<class M, std::size_t... Args>(const M& m, std::index_sequence<Args...>) {
+    return make_graph(hana::append(m.nodes, Node<Op, Args...>{op}));
+  }(merged, decltype(outs){});
   return Sym<decltype(g), decltype(merged)::size>{g};
 }
 
