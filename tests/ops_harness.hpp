@@ -18,10 +18,6 @@ using duet::BasicTensor;
 using duet::Shape;
 using D = BasicTensor<double>;
 
-using duet::BasicTensor;
-using duet::Shape;
-using D = BasicTensor<double>;
-
 // One check: f applied to inputs of these shapes, drawn from [lo, hi] (a domain where f is
 // smooth), and optionally f's value computed independently, element by element.
 struct Case {
@@ -35,8 +31,12 @@ struct Case {
   // For elementwise operations: the function on one element of each input, from which the
   // harness computes the expected output with its own broadcasting loop.
   std::function<double(double, double)> elementwise;
-  // For the others: the expected output, computed from the inputs with plain loops.
+  // For any operation: its expected output from plain loops in double, written independently
+  // of duet (a reduction, a product).
   std::function<D(const std::vector<D>&)> reference;
+  // For an operation without gradient (argmax): its value in a mode, as doubles. The harness
+  // checks the two modes against each other and against `reference`, and no gradient.
+  std::function<D(const std::vector<D>&, duet::Mode)> value_in_mode;
 };
 
 // numpy's broadcasting, written out independently of duet: the multi-index of each output
@@ -121,6 +121,33 @@ inline double finite_difference(D& value, duet::index_t j, const std::function<d
   const double down = loss();
   value.data()[j] = keep;
   return (up - down) / (2 * h);
+}
+
+// A case for f with its expected value from `reference`.
+template <std::size_t N, class F>
+Case make_case_with_reference(std::vector<Shape> shapes, F f, std::function<D(const std::vector<D>&)> reference,
+                              double lo = -2.0, double hi = 2.0) {
+  Case c = make_case<N>(std::move(shapes), f, nullptr, lo, hi);
+  c.reference = std::move(reference);
+  return c;
+}
+
+// A case for f, a function of one tensor without gradient, run in PyNative mode and jitted in
+// graph mode, its output converted to double for the comparison.
+template <class F>
+Case make_value_case(std::vector<Shape> shapes, F f, std::function<D(const std::vector<D>&)> reference) {
+  Case c;
+  c.shapes = std::move(shapes);
+  c.reference = std::move(reference);
+  c.value_in_mode = [f](const std::vector<D>& xs, duet::Mode mode) {
+    duet::set_context({.mode = mode});
+    const auto y = mode == duet::GRAPH_MODE ? duet::jit(f)(xs[0]) : f(xs[0]);
+    duet::set_context({.mode = duet::PYNATIVE_MODE});
+    D out = duet::zeros<double>(y.shape());
+    std::copy_n(y.data(), y.numel(), out.data());
+    return out;
+  };
+  return c;
 }
 
 inline double dot(const D& a, const D& b) {

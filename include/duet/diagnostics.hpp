@@ -24,6 +24,8 @@ enum class ShapeFault : unsigned char {
   shapes_differ,   // two inputs must have the same shape
   batch_dimension,  // the input must have a batch dimension in front: rank at least `expected`
   broadcast,        // the two inputs' shapes must broadcast together (numpy's rule)
+  inner_dimensions,  // a product's inner dimensions must match (matmul: a's columns, b's rows)
+  empty_reduction,   // an axis reduced by max, min or argmax must not be empty
 };
 
 // What a shape rule returns: the output shape and, if the inputs break the rule, which way.
@@ -68,6 +70,12 @@ inline std::string describe_fault(const ShapeResult& r, std::string_view layer, 
     case ShapeFault::broadcast:
       what = "inputs of the same shape";
       break;
+    case ShapeFault::inner_dimensions:
+      what = "inputs whose inner dimensions match";
+      break;
+    case ShapeFault::empty_reduction:
+      what = "an input with no empty axis among those it reduces (the maximum of nothing is undefined)";
+      break;
     case ShapeFault::batch_dimension:
       return std::string(layer) + " expects an input of rank at least " + e +
              " whose first dimension is the batch, got " + got + ": the batch dimension is missing";
@@ -75,6 +83,10 @@ inline std::string describe_fault(const ShapeResult& r, std::string_view layer, 
   if (r.fault == ShapeFault::broadcast && inputs.size() > 1) {
     return std::string(layer) + " expects inputs whose shapes broadcast together (numpy's rule: sizes equal or 1, "
            "aligned at the last axis), got " + to_string(inputs[0]) + " and " + to_string(inputs[1]);
+  }
+  if (r.fault == ShapeFault::inner_dimensions && inputs.size() > 1) {
+    return std::string(layer) + " expects inputs whose inner dimensions match (the columns of the first, the "
+           "rows of the second, after their transposes), got " + to_string(inputs[0]) + " and " + to_string(inputs[1]);
   }
   if (r.fault == ShapeFault::shapes_differ && inputs.size() > 1) {
     return std::string(layer) + " expects inputs of matching shapes, got " + to_string(inputs[0]) + " and " +
@@ -107,6 +119,10 @@ template <class OtherShape>
 struct must_broadcast_with {};
 template <index_t N>
 struct batch_dimension_missing_rank_must_be_at_least {};
+// The other factor's shape, whose rows this one's columns must match (after transposes).
+template <class OtherShape>
+struct inner_dimension_must_match {};
+struct reduced_axes_must_not_be_empty {};
 
 // Not derived from std::false_type: compilers would then print integral_constant<bool, false>
 // instead of this type's name.
@@ -127,6 +143,8 @@ constexpr auto requirement() {
     return elements_per_sample_must_be<N>{};
   else if constexpr (F == ShapeFault::batch_dimension)
     return batch_dimension_missing_rank_must_be_at_least<N>{};
+  else if constexpr (F == ShapeFault::empty_reduction)
+    return reduced_axes_must_not_be_empty{};
   else
     return inputs_must_have_the_same_shape{};
 }
@@ -157,6 +175,10 @@ using shape_type_of = decltype(shape_type<ShapeOf>(std::make_index_sequence<stat
 // requirement, so that both are named.
 template <class Layer, class Culprit, class Other>
 using broadcast_rejection = rejected<Layer, must_broadcast_with<shape_type_of<Other>>, shape_type_of<Culprit>>;
+// The report of a product whose factors' inner dimensions differ: both shapes named.
+template <class Layer, class Culprit, class Other>
+using inner_dimension_rejection =
+    rejected<Layer, inner_dimension_must_match<shape_type_of<Other>>, shape_type_of<Culprit>>;
 
 // The report of Layer's rule broken with fault F (N being what it expected) by an input whose
 // shape is ShapeOf::shape.

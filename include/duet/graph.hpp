@@ -429,6 +429,9 @@ auto append(const Op& op, const Sym<G0, O0>& x0, const Rest&... rest) {
     if constexpr (r.fault == ShapeFault::broadcast) {
       using Other = std::tuple_element_t<r.input == 0 ? 1 : 0, Inputs>;
       static_cast<void>(sizeof(diagnostic::broadcast_rejection<typename Op::layer_type, Culprit, Other>));
+    } else if constexpr (r.fault == ShapeFault::inner_dimensions) {
+      using Other = std::tuple_element_t<r.input == 0 ? 1 : 0, Inputs>;
+      static_cast<void>(sizeof(diagnostic::inner_dimension_rejection<typename Op::layer_type, Culprit, Other>));
     } else {
       static_cast<void>(sizeof(diagnostic::rejection<typename Op::layer_type, r.fault, r.expected, Culprit>));
     }

@@ -1,0 +1,497 @@
+// Reductions: sum, mean, max and min over axes, with keep_dims, and argmax, argmin (MindSpore's
+// ops.sum(x, dim, keepdim), ReduceSum(keep_dims), ops.argmax), in both modes.
+//
+// Spelling. The reduced axes shape the output, and graph mode computes every node's shape
+// while the program compiles, so they are template arguments, given as tag values:
+//   ops::sum(x)                                   every axis, a scalar
+//   ops::sum(x, ops::axes<1>)                     axis 1 ([2, 3, 4] -> [2, 4])
+//   ops::mean(x, ops::axes<0, -1>, ops::keep_dims)  axes 0 and -1, kept as 1 ([2, 3, 4] -> [1, 3, 1])
+//   ops::argmax(x), ops::argmax(x, ops::axis<0>, ops::keep_dims)   one axis, -1 by default
+// Negative axes count from the end, as in numpy. The same axis twice does not compile.
+//
+// Gradients. sum and mean send the incoming gradient back along the reduced axes (mean divided
+// by the number of elements reduced). max and min send it to the elements equal to the
+// extreme; where several are, it is split evenly among them, as PyTorch's amax/amin do: any
+// other choice makes max(x) of a constant tensor depend on an arbitrary index, and splitting
+// keeps the gradient's sum equal to the incoming one. A NaN extreme sends its gradient to the
+// NaN elements. argmax and argmin make int32 indices and have no gradient: they declare
+// `differentiable = false`, so a gradient that reaches them does not compile in graph mode
+// and throws duet::ValueError in PyNative mode.
+//
+// Kernels. Both modes call the same kernel, so they agree bit for bit. Each output
+// accumulates in the element type. The input is seen as groups (one per output element),
+// after merging neighbouring axes of the same kind and dropping axes of size 1:
+//  - the reduced axes are the innermost: each group is contiguous, reduced by Eigen's
+//    vectorised reduction (per-lane partial results combined at the end: a fixed order for a
+//    given length and build);
+//  - one block of reduced axes with kept axes inside it ([outer, reduced, inner]): the output
+//    row of `inner` elements is accumulated row by row of the input, in increasing index
+//    along the reduced block, each row one vectorised pass (a strided, cache-friendly walk);
+//  - anything else (reduced axes not adjacent, as axes 0 and 2 of a 4-D tensor): each group
+//    in increasing input index, one running value.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+
+#include <Eigen/Core>
+
+#include "arithmetic.hpp"
+
+namespace duet {
+namespace ops {
+
+// The reduced axes, as a template value: ops::axes<1>, ops::axes<0, 2>; none means every axis.
+template <int... A>
+struct Axes {
+  static constexpr std::array<int, sizeof...(A)> values{A...};
+  static constexpr bool distinct = [] {
+    for (std::size_t i = 0; i < values.size(); ++i) {
+      for (std::size_t j = i + 1; j < values.size(); ++j) {
+        if (values[i] == values[j]) return false;
+      }
+    }
+    return true;
+  }();
+  static_assert(distinct, "duet::ops::axes: an axis is listed twice");
+};
+template <int... A>
+inline constexpr Axes<A...> axes{};
+// One axis (argmax, argmin).
+template <int A>
+inline constexpr Axes<A> axis{};
+
+// Keeps the reduced axes in the output, with size 1 (MindSpore's keep_dims=True).
+struct KeepDims {};
+inline constexpr KeepDims keep_dims{};
+
+namespace detail {
+
+// Which axes of a shape of rank `rank` the values name; false if one is out of range, with
+// `needed` the rank it would need.
+struct AxisMask {
+  std::array<bool, max_rank> reduced{};
+  bool ok = true;
+  index_t needed = 0;
+};
+
+template <std::size_t N>
+constexpr AxisMask axis_mask(int rank, const std::array<int, N>& values) {
+  AxisMask m;
+  if constexpr (N == 0) {
+    for (int i = 0; i < rank; ++i) m.reduced[static_cast<std::size_t>(i)] = true;
+  }
+  for (int a : values) {
+    const int normal = a < 0 ? a + rank : a;
+    if (normal < 0 || normal >= rank) {
+      m.ok = false;
+      m.needed = std::max<index_t>(m.needed, a < 0 ? -a : a + 1);
+      continue;
+    }
+    m.reduced[static_cast<std::size_t>(normal)] = true;
+  }
+  return m;
+}
+
+// The output shape of reducing `in` over `values` (every axis if none). An input of unknown
+// leading axes gives a scalar when every axis is reduced without keep_dims, its known
+// trailing axes when the axes are negative and among them, and an unknown shape otherwise.
+// NonEmpty: the reduction has no identity (max, min, argmax), so a reduced axis of size 0 is
+// refused.
+template <std::size_t N>
+constexpr ShapeResult reduced_shape(const Shape& in, const std::array<int, N>& values, bool keep, bool non_empty) {
+  if (in.leading_unknown()) {
+    if (N == 0) return {keep ? Shape::any() : Shape{}};
+    for (int a : values) {
+      if (a >= 0 || -a > in.rank()) return {Shape::any()};
+    }
+  }
+  const AxisMask m = axis_mask(in.rank(), values);
+  if (!m.ok) return fault(Shape::any(), ShapeFault::min_rank, m.needed);
+  Shape out = in.leading_unknown() ? Shape::any() : Shape{};
+  bool empty = false;
+  for (int i = 0; i < in.rank(); ++i) {
+    if (!m.reduced[static_cast<std::size_t>(i)]) out.push_back(in[i]);
+    else {
+      empty = empty || in[i] == 0;
+      if (keep) out.push_back(1);
+    }
+  }
+  if (non_empty && empty) return fault(out, ShapeFault::empty_reduction, 0);
+  return {out};
+}
+
+// A reduction of a concrete shape, as groups of input elements, one group per output element
+// in the output's order. Neighbouring axes of the same kind are merged and axes of size 1
+// dropped; the lists are innermost first, each axis with its stride in the input.
+struct ReduceLayout {
+  std::array<index_t, max_rank> kept_size{}, kept_stride{}, red_size{}, red_stride{};
+  int kept = 0;
+  int red = 0;
+  index_t outputs = 1;
+  index_t group = 1;
+
+  // Each group contiguous: the reduced axes are the innermost.
+  bool contiguous() const { return red == 1 && red_stride[0] == 1; }
+  // [outer, reduced, inner]: one block of reduced axes, the innermost axis kept.
+  bool strided() const { return red == 1 && kept >= 1 && kept_stride[0] == 1 && kept <= 2; }
+  index_t inner() const { return kept_size[0]; }
+
+  // f(j, base) for each output j, base the offset of its group's first element.
+  template <class F>
+  void for_each_group(F&& f) const {
+    std::array<index_t, max_rank> index{};
+    index_t base = 0;
+    for (index_t j = 0; j < outputs; ++j) {
+      f(j, base);
+      for (int a = 0; a < kept; ++a) {
+        const std::size_t ax = static_cast<std::size_t>(a);
+        base += kept_stride[ax];
+        if (++index[ax] < kept_size[ax]) break;
+        base -= kept_stride[ax] * index[ax];
+        index[ax] = 0;
+      }
+    }
+  }
+
+  // f(offset) for each element of a group, in increasing input index (offsets from its base).
+  template <class F>
+  void for_each_in_group(F&& f) const {
+    if (red <= 1) {
+      const index_t stride = red == 0 ? 0 : red_stride[0];
+      for (index_t r = 0; r < group; ++r) f(r * stride);
+      return;
+    }
+    std::array<index_t, max_rank> index{};
+    index_t offset = 0;
+    for (index_t r = 0; r < group; ++r) {
+      f(offset);
+      for (int a = 0; a < red; ++a) {
+        const std::size_t ax = static_cast<std::size_t>(a);
+        offset += red_stride[ax];
+        if (++index[ax] < red_size[ax]) break;
+        offset -= red_stride[ax] * index[ax];
+        index[ax] = 0;
+      }
+    }
+  }
+};
+
+inline ReduceLayout reduce_layout(const Shape& in, const AxisMask& m) {
+  ReduceLayout l;
+  index_t stride = 1;
+  int last_kind = -1;  // 0 kept, 1 reduced: the kind of the entry appended last
+  for (int i = in.rank() - 1; i >= 0; --i) {
+    const index_t d = in[i];
+    const bool reduced = m.reduced[static_cast<std::size_t>(i)];
+    if (reduced) l.group *= d;
+    else l.outputs *= d;
+    if (d != 1) {
+      auto& size = reduced ? l.red_size : l.kept_size;
+      auto& strides = reduced ? l.red_stride : l.kept_stride;
+      int& count = reduced ? l.red : l.kept;
+      if (last_kind == static_cast<int>(reduced)) {
+        size[static_cast<std::size_t>(count - 1)] *= d;
+      } else {
+        size[static_cast<std::size_t>(count)] = d;
+        strides[static_cast<std::size_t>(count)] = stride;
+        ++count;
+        last_kind = static_cast<int>(reduced);
+      }
+    }
+    stride *= d;
+  }
+  return l;
+}
+
+template <class T>
+using ArrayMap = ::Eigen::Map<::Eigen::Array<T, ::Eigen::Dynamic, 1>>;
+template <class T>
+using ConstArrayMap = ::Eigen::Map<const ::Eigen::Array<T, ::Eigen::Dynamic, 1>>;
+
+// What each reduction does with one group: its first element, then combine with each next.
+struct SumReducer {
+  static constexpr std::string_view name = "ReduceSum";
+  static constexpr bool mean = false;
+  static constexpr bool non_empty = false;
+  template <class T>
+  static T combine(T a, T b) {
+    return a + b;
+  }
+  template <class T>
+  static T redux(const ConstArrayMap<T>& g) {
+    return g.sum();
+  }
+  template <class T>
+  static void combine_rows(ArrayMap<T>& acc, const ConstArrayMap<T>& row) {
+    acc += row;
+  }
+};
+
+struct MeanReducer : SumReducer {
+  static constexpr std::string_view name = "ReduceMean";
+  static constexpr bool mean = true;
+};
+
+struct MaxReducer {
+  static constexpr std::string_view name = "ReduceMax";
+  static constexpr bool mean = false;
+  static constexpr bool non_empty = true;
+  template <class T>
+  static T combine(T a, T b) {
+    return fn::Maximum::apply(a, b);
+  }
+  template <class T>
+  static T redux(const ConstArrayMap<T>& g) {
+    return g.template maxCoeff<::Eigen::PropagateNaN>();
+  }
+  template <class T>
+  static void combine_rows(ArrayMap<T>& acc, const ConstArrayMap<T>& row) {
+    acc = acc.binaryExpr(row, ::Eigen::internal::scalar_max_op<T, T, ::Eigen::PropagateNaN>());
+  }
+};
+
+struct MinReducer {
+  static constexpr std::string_view name = "ReduceMin";
+  static constexpr bool mean = false;
+  static constexpr bool non_empty = true;
+  template <class T>
+  static T combine(T a, T b) {
+    return fn::Minimum::apply(a, b);
+  }
+  template <class T>
+  static T redux(const ConstArrayMap<T>& g) {
+    return g.template minCoeff<::Eigen::PropagateNaN>();
+  }
+  template <class T>
+  static void combine_rows(ArrayMap<T>& acc, const ConstArrayMap<T>& row) {
+    acc = acc.binaryExpr(row, ::Eigen::internal::scalar_min_op<T, T, ::Eigen::PropagateNaN>());
+  }
+};
+
+template <class AxesT, bool Keep>
+std::string reduce_name(std::string_view op) {
+  std::string s(op);
+  s += "(axis=";
+  if (AxesT::values.empty()) s += "all";
+  for (std::size_t i = 0; i < AxesT::values.size(); ++i) s += (i ? "," : "") + std::to_string(AxesT::values[i]);
+  return s + (Keep ? ", keep_dims)" : ")");
+}
+
+}  // namespace detail
+
+template <class Reducer, class AxesT, bool Keep>
+struct ReduceGradOp;
+
+// Reducer over the axes AxesT (every axis if empty), the reduced axes kept as 1 if Keep.
+template <class Reducer, class AxesT, bool Keep>
+struct ReduceOp : Primitive<ReduceOp<Reducer, AxesT, Keep>> {
+  static constexpr int arity = 1;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    return detail::reduced_shape(in[0], AxesT::values, Keep, Reducer::non_empty);
+  }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const T* x = a.in<T>();
+    T* out = a.out<T>();
+    const Shape& in = a.in_shape();
+    const detail::ReduceLayout l = detail::reduce_layout(in, detail::axis_mask(in.rank(), AxesT::values));
+    if (l.outputs == 0) return;
+    if (l.group == 0) {
+      // Only sum and mean get here (the rule refuses an empty max): 0, and 0/0 for the mean.
+      std::fill_n(out, l.outputs, Reducer::mean ? std::numeric_limits<T>::quiet_NaN() : T(0));
+      return;
+    }
+    if (l.contiguous()) {
+      for (index_t j = 0; j < l.outputs; ++j) out[j] = Reducer::redux(detail::ConstArrayMap<T>(x + j * l.group, l.group));
+    } else if (l.strided()) {
+      const index_t inner = l.inner();
+      const index_t outer = l.outputs / inner;
+      for (index_t o = 0; o < outer; ++o) {
+        const T* block = x + o * l.group * inner;
+        detail::ArrayMap<T> acc(out + o * inner, inner);
+        acc = detail::ConstArrayMap<T>(block, inner);
+        for (index_t r = 1; r < l.group; ++r) Reducer::combine_rows(acc, detail::ConstArrayMap<T>(block + r * inner, inner));
+      }
+    } else {
+      l.for_each_group([&](index_t j, index_t base) {
+        bool first = true;
+        T acc{};
+        l.for_each_in_group([&](index_t off) {
+          acc = first ? x[base + off] : Reducer::combine(acc, x[base + off]);
+          first = false;
+        });
+        out[j] = acc;
+      });
+    }
+    if constexpr (Reducer::mean) {
+      const T count = static_cast<T>(l.group);
+      for (index_t j = 0; j < l.outputs; ++j) out[j] /= count;
+    }
+  }
+
+  template <std::size_t K>
+    requires(K == 0)
+  auto grad_op() const {
+    return ReduceGradOp<Reducer, AxesT, Keep>{};
+  }
+
+  static std::string op_name() { return detail::reduce_name<AxesT, Keep>(Reducer::name); }
+};
+
+// d/dx of a reduction: sum and mean spread dy over each group (mean divided by its size);
+// max and min send it to the elements equal to the extreme, split evenly among ties.
+template <class Reducer, class AxesT, bool Keep>
+struct ReduceGradOp : Primitive<ReduceGradOp<Reducer, AxesT, Keep>> {
+  static constexpr bool extreme = Reducer::non_empty;
+  static constexpr auto reads = [] {
+    if constexpr (extreme) return std::array{graph::Operand::grad, graph::Operand::input0, graph::Operand::output};
+    else return std::array{graph::Operand::grad, graph::Operand::input0};
+  }();
+  static constexpr int arity = static_cast<int>(reads.size());
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const T* dy = a.in<T>(0);
+    const T* x = a.in<T>(1);
+    T* d = a.out<T>();
+    const Shape& in = a.in_shape(1);
+    const detail::ReduceLayout l = detail::reduce_layout(in, detail::axis_mask(in.rank(), AxesT::values));
+    if (l.outputs == 0 || l.group == 0) return;
+    if constexpr (extreme) {
+      const T* y = a.in<T>(2);
+      l.for_each_group([&](index_t j, index_t base) {
+        const T m = y[j];
+        const bool nan = m != m;
+        auto hit = [&](T v) { return v == m || (nan && v != v); };
+        index_t ties = 0;
+        l.for_each_in_group([&](index_t off) { ties += hit(x[base + off]) ? 1 : 0; });
+        const T share = dy[j] / static_cast<T>(ties);
+        l.for_each_in_group([&](index_t off) { d[base + off] = hit(x[base + off]) ? share : T(0); });
+      });
+    } else {
+      const T scale = Reducer::mean ? T(1) / static_cast<T>(l.group) : T(1);
+      if (l.contiguous()) {
+        for (index_t j = 0; j < l.outputs; ++j) std::fill_n(d + j * l.group, l.group, dy[j] * scale);
+      } else if (l.strided()) {
+        const index_t inner = l.inner();
+        for (index_t o = 0; o < l.outputs / inner; ++o) {
+          const detail::ConstArrayMap<T> g(dy + o * inner, inner);
+          for (index_t r = 0; r < l.group; ++r) detail::ArrayMap<T>(d + (o * l.group + r) * inner, inner) = g * scale;
+        }
+      } else {
+        l.for_each_group([&](index_t j, index_t base) {
+          l.for_each_in_group([&](index_t off) { d[base + off] = dy[j] * scale; });
+        });
+      }
+    }
+  }
+
+  static std::string op_name() { return detail::reduce_name<AxesT, Keep>(Reducer::name) + "Grad"; }
+};
+
+// The index of the first largest (smallest) element along one axis, as int32 (numpy's and
+// MindSpore's choice on ties); a NaN counts as the largest and the smallest, as in numpy. In
+// is the input's element type: the kernel is instantiated for the output's (int32).
+template <bool Max, int Axis, bool Keep, class In>
+struct ArgExtremeOp : Primitive<ArgExtremeOp<Max, Axis, Keep, In>> {
+  using value_type = std::int32_t;
+  static constexpr int arity = 1;
+  static constexpr bool differentiable = false;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    return detail::reduced_shape(in[0], std::array<int, 1>{Axis}, Keep, true);
+  }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const In* x = a.in<In>();
+    T* out = a.out<T>();
+    const Shape& in = a.in_shape();
+    const int axis = Axis < 0 ? Axis + in.rank() : Axis;
+    const index_t size = in[axis];
+    const index_t inner = in.numel_from(axis + 1);
+    const index_t outer = inner == 0 || size == 0 ? 0 : in.numel() / (size * inner);
+    auto better = [](In v, In best) { return (v != v && best == best) || (Max ? v > best : v < best); };
+    for (index_t o = 0; o < outer; ++o) {
+      const In* block = x + o * size * inner;
+      T* idx = out + o * inner;
+      std::fill_n(idx, inner, T(0));
+      // Along the axis outermost, so that each step reads a contiguous row of the input.
+      for (index_t r = 1; r < size; ++r) {
+        for (index_t i = 0; i < inner; ++i) {
+          if (better(block[r * inner + i], block[idx[i] * inner + i])) idx[i] = static_cast<T>(r);
+        }
+      }
+    }
+  }
+
+  static std::string op_name() {
+    return std::string(Max ? "Argmax" : "Argmin") + "(axis=" + std::to_string(Axis) + (Keep ? ", keep_dims)" : ")");
+  }
+};
+
+inline const bool reduction_listed = list_operations({"sum", "mean", "max", "min", "argmax", "argmin"});
+
+namespace detail {
+
+template <class X>
+using element_of = typename std::remove_cvref_t<X>::value_type;
+
+template <class Reducer, class X, class AxesT, class... Keep>
+auto reduce(const X& x, AxesT, Keep...) {
+  static_assert(sizeof...(Keep) <= 1 && (std::is_same_v<Keep, KeepDims> && ...),
+                "duet::ops: a reduction takes the tensor, then optionally ops::axes<...>, then optionally ops::keep_dims");
+  return apply(ReduceOp<Reducer, AxesT, sizeof...(Keep) == 1>{}, operand(x));
+}
+
+template <bool Max, class X, int A, class... Keep>
+auto arg_extreme(const X& x, Axes<A>, Keep...) {
+  static_assert(sizeof...(Keep) <= 1 && (std::is_same_v<Keep, KeepDims> && ...),
+                "duet::ops: argmax and argmin take the tensor, then optionally ops::axis<A>, then optionally ops::keep_dims");
+  return apply(ArgExtremeOp<Max, A, sizeof...(Keep) == 1, element_of<X>>{}, operand(x));
+}
+
+}  // namespace detail
+
+// sum(x), sum(x, keep_dims), sum(x, axes<...>), sum(x, axes<...>, keep_dims); the same for
+// mean, max and min.
+#define DUET_DETAIL_REDUCTION(name, Reducer)                           \
+  template <TensorLike X, int... A, class... Keep>                     \
+  auto name(const X& x, Axes<A...> a, Keep... keep) {                  \
+    return detail::reduce<detail::Reducer>(x, a, keep...);             \
+  }                                                                    \
+  template <TensorLike X, class... Keep>                               \
+    requires((std::is_same_v<Keep, KeepDims> && ...))                  \
+  auto name(const X& x, Keep... keep) {                                \
+    return detail::reduce<detail::Reducer>(x, Axes<>{}, keep...);      \
+  }
+DUET_DETAIL_REDUCTION(sum, SumReducer)
+DUET_DETAIL_REDUCTION(mean, MeanReducer)
+DUET_DETAIL_REDUCTION(max, MaxReducer)
+DUET_DETAIL_REDUCTION(min, MinReducer)
+#undef DUET_DETAIL_REDUCTION
+
+// argmax(x) (axis -1, MindSpore's ops.Argmax default), argmax(x, axis<A>), with keep_dims.
+template <TensorLike X, int A = -1, class... Keep>
+auto argmax(const X& x, Axes<A> a = {}, Keep... keep) {
+  return detail::arg_extreme<true>(x, a, keep...);
+}
+template <TensorLike X, int A = -1, class... Keep>
+auto argmin(const X& x, Axes<A> a = {}, Keep... keep) {
+  return detail::arg_extreme<false>(x, a, keep...);
+}
+
+}  // namespace ops
+}  // namespace duet

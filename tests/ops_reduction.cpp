@@ -1,0 +1,221 @@
+// Reductions (include/duet/ops/reduction.hpp): their cases in the gradient harness, with values
+// from plain loops in double, and what the harness does not cover (ties, NaN, refused
+// gradients, shape errors).
+#include "ops_harness.hpp"
+
+namespace {
+
+using namespace duet_test::ops;
+using duet_test::ops::D;
+namespace ops = duet::ops;
+
+enum class Kind { sum, mean, max, min, argmax, argmin };
+
+// The reduction of x over `axes` (every axis if empty), written out: each input element's
+// output index is its own with the reduced axes dropped (or pinned to 0 with keep_dims).
+D reference_reduce(const D& x, std::vector<int> axes, bool keep, Kind kind) {
+  const int rank = x.shape().rank();
+  std::vector<bool> reduced(static_cast<std::size_t>(rank), axes.empty());
+  for (int a : axes) reduced[static_cast<std::size_t>(a < 0 ? a + rank : a)] = true;
+  Shape out;
+  for (int i = 0; i < rank; ++i) {
+    if (!reduced[static_cast<std::size_t>(i)]) out.push_back(x.shape()[i]);
+    else if (keep) out.push_back(1);
+  }
+  const std::size_t n = static_cast<std::size_t>(out.numel());
+  std::vector<double> acc(n, kind == Kind::max ? -1e300 : kind == Kind::min ? 1e300 : 0.0);
+  std::vector<double> count(n, 0.0), best(n, 0.0);
+  std::vector<duet::index_t> index(static_cast<std::size_t>(rank));
+  for (duet::index_t e = 0; e < x.numel(); ++e) {
+    duet::index_t rest = e;
+    for (int a = rank - 1; a >= 0; --a) {
+      index[static_cast<std::size_t>(a)] = rest % x.shape()[a];
+      rest /= x.shape()[a];
+    }
+    std::size_t o = 0;
+    duet::index_t position = 0;  // along the reduced axis, for argmax and argmin
+    for (int a = 0; a < rank; ++a) {
+      const auto i = index[static_cast<std::size_t>(a)];
+      if (!reduced[static_cast<std::size_t>(a)]) o = o * static_cast<std::size_t>(x.shape()[a]) + static_cast<std::size_t>(i);
+      else position = i;
+    }
+    const double v = x.data()[e];
+    switch (kind) {
+      case Kind::sum:
+      case Kind::mean:
+        acc[o] += v;
+        break;
+      case Kind::max:
+        acc[o] = std::max(acc[o], v);
+        break;
+      case Kind::min:
+        acc[o] = std::min(acc[o], v);
+        break;
+      case Kind::argmax:
+      case Kind::argmin:
+        if (count[o] == 0 || (kind == Kind::argmax ? v > best[o] : v < best[o])) {
+          best[o] = v;
+          acc[o] = static_cast<double>(position);
+        }
+        break;
+    }
+    count[o] += 1;
+  }
+  D y = duet::zeros<double>(out);
+  for (std::size_t o = 0; o < n; ++o) y.data()[o] = kind == Kind::mean ? acc[o] / count[o] : acc[o];
+  return y;
+}
+
+// A reduction f (called with ops::axes<A...> or not, keep_dims or not) as a case checked
+// against reference_reduce.
+template <class F>
+Case reduction_case(Shape shape, F f, std::vector<int> axes, bool keep, Kind kind) {
+  return make_case_with_reference<1>({shape}, f, [axes, keep, kind](const std::vector<D>& xs) {
+    return reference_reduce(xs[0], axes, keep, kind);
+  });
+}
+
+// Every spelling of one reduction: all axes, an inner axis, an outer axis, a middle one, two
+// that are not neighbours, negative axes, each with and without keep_dims.
+template <Kind K, class R>
+void add_reduction(std::multimap<std::string, Case>& m, const std::string& name, R r) {
+  auto add = [&](Shape s, auto f, std::vector<int> axes, bool keep) {
+    m.emplace(name, reduction_case(s, f, std::move(axes), keep, K));
+  };
+  add({3, 4}, [r](const auto& x) { return r(x); }, {}, false);
+  add({3, 4}, [r](const auto& x) { return r(x, ops::keep_dims); }, {}, true);
+  add({2, 3, 4}, [r](const auto& x) { return r(x, ops::axes<2>); }, {2}, false);
+  add({2, 3, 4}, [r](const auto& x) { return r(x, ops::axes<-1>, ops::keep_dims); }, {-1}, true);
+  add({2, 3, 4}, [r](const auto& x) { return r(x, ops::axes<0>); }, {0}, false);
+  add({2, 3, 4}, [r](const auto& x) { return r(x, ops::axes<1>, ops::keep_dims); }, {1}, true);
+  add({2, 3, 4}, [r](const auto& x) { return r(x, ops::axes<-2>); }, {-2}, false);
+  add({2, 3, 4}, [r](const auto& x) { return r(x, ops::axes<0, 1>); }, {0, 1}, false);
+  add({2, 3, 4, 2}, [r](const auto& x) { return r(x, ops::axes<0, 2>); }, {0, 2}, false);
+  add({2, 3, 4, 2}, [r](const auto& x) { return r(x, ops::axes<-1, 1>, ops::keep_dims); }, {-1, 1}, true);
+  add({5}, [r](const auto& x) { return r(x, ops::axes<0>); }, {0}, false);
+}
+
+template <Kind K, class F>
+Case arg_case(Shape s, F f, int axis, bool keep) {
+  return make_value_case({s}, f, [axis, keep](const std::vector<D>& xs) {
+    return reference_reduce(xs[0], {axis}, keep, K);
+  });
+}
+
+const bool reduction_cases = add_cases([](std::multimap<std::string, Case>& m) {
+  add_reduction<Kind::sum>(m, "sum", [](const auto&... a) { return ops::sum(a...); });
+  add_reduction<Kind::mean>(m, "mean", [](const auto&... a) { return ops::mean(a...); });
+  add_reduction<Kind::max>(m, "max", [](const auto&... a) { return ops::max(a...); });
+  add_reduction<Kind::min>(m, "min", [](const auto&... a) { return ops::min(a...); });
+  m.emplace("argmax", arg_case<Kind::argmax>({3, 4}, [](const auto& x) { return ops::argmax(x); }, -1, false));
+  m.emplace("argmax", arg_case<Kind::argmax>({2, 3, 4}, [](const auto& x) { return ops::argmax(x, ops::axis<1>); }, 1,
+                                             false));
+  m.emplace("argmax", arg_case<Kind::argmax>(
+                          {2, 3, 4}, [](const auto& x) { return ops::argmax(x, ops::axis<0>, ops::keep_dims); }, 0, true));
+  m.emplace("argmin", arg_case<Kind::argmin>({3, 4}, [](const auto& x) { return ops::argmin(x); }, -1, false));
+  m.emplace("argmin", arg_case<Kind::argmin>(
+                          {2, 3, 4}, [](const auto& x) { return ops::argmin(x, ops::axis<-2>, ops::keep_dims); }, -2, true));
+});
+
+template <class F>
+std::vector<D> gradient_in_both_modes(F f, const D& x) {
+  std::vector<D> out;
+  for (duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+    duet::set_context({.mode = mode});
+    out.push_back(duet::grad(f)(x));
+  }
+  duet::set_context({.mode = duet::PYNATIVE_MODE});
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("ops: max and min split the gradient evenly among ties, in both modes") {
+  duet_test::ModeGuard guard;
+  const D x({2, 4}, {1.0, 3.0, 3.0, 0.0, -2.0, -2.0, -2.0, 5.0});
+  const auto dmax = gradient_in_both_modes([](const auto& t) { return ops::sum(ops::max(t, ops::axes<1>)); }, x);
+  const auto dmin = gradient_in_both_modes([](const auto& t) { return ops::sum(ops::min(t, ops::axes<1>)); }, x);
+  const std::vector<double> expect_max = {0, 0.5, 0.5, 0, 0, 0, 0, 1};
+  const std::vector<double> expect_min = {0, 0, 0, 1, 1.0 / 3, 1.0 / 3, 1.0 / 3, 0};
+  for (int m = 0; m < 2; ++m) {
+    CHECK(std::vector<double>(dmax[m].data(), dmax[m].data() + 8) == expect_max);
+    CHECK(std::vector<double>(dmin[m].data(), dmin[m].data() + 8) == expect_min);
+  }
+}
+
+TEST_CASE("ops: max propagates NaN, argmax points at it, and an empty max is refused") {
+  const duet::Tensor x({2, 3}, {1.f, NAN, 2.f, 4.f, 5.f, 6.f});
+  const duet::Tensor m = ops::max(x, ops::axes<1>);
+  CHECK(std::isnan(m(0)));
+  CHECK(m(1) == 6.f);
+  const auto i = ops::argmax(x);
+  CHECK(i.shape() == Shape{2});
+  CHECK(i(0) == 1);
+  CHECK(i(1) == 2);
+  CHECK(ops::sum(duet::zeros<float>({0, 3}), ops::axes<0>)(2) == 0.f);
+  try {
+    static_cast<void>(ops::max(duet::zeros<float>({0, 3}), ops::axes<0>));
+    FAIL("no error");
+  } catch (const duet::ShapeError& e) {
+    CHECK(std::string(e.what()).find("ReduceMax(axis=0) expects an input with no empty axis") == 0);
+  }
+}
+
+TEST_CASE("ops: a reduction axis out of range is a ShapeError naming the operation and the shape") {
+  try {
+    static_cast<void>(ops::sum(duet::ones({2, 3}), ops::axes<2>));
+    FAIL("no error");
+  } catch (const duet::ShapeError& e) {
+    CHECK(std::string(e.what()) == "ReduceSum(axis=2) expects an input of rank at least 3, got [2, 3]");
+  }
+  try {
+    static_cast<void>(ops::argmin(duet::ones({2, 3}), ops::axis<-3>));
+    FAIL("no error");
+  } catch (const duet::ShapeError& e) {
+    CHECK(std::string(e.what()) == "Argmin(axis=-3) expects an input of rank at least 3, got [2, 3]");
+  }
+}
+
+namespace {
+struct StaticReductions : duet::nn::Cell<StaticReductions, duet::GRAPH_MODE> {
+  auto construct(auto t) {
+    auto s = ops::sum(t, ops::axes<0, 2>);
+    auto m = ops::mean(t, ops::axes<-1>);
+    // Captured on the input's static shape (the cell also probes construct on an unknown one).
+    if constexpr (duet::graph::Symbolic<decltype(t)>) {
+      if constexpr (decltype(t)::shape.is_concrete()) {
+        static_assert(decltype(s)::shape == Shape{3});
+        static_assert(decltype(m)::shape == Shape{2, 3});
+      }
+    }
+    return s * m;
+  }
+};
+}  // namespace
+
+TEST_CASE("ops: reductions on static tensors compute their shapes at compile time") {
+  const auto x = duet::ones(duet::shape<2, 3, 4>);
+  StaticReductions net;
+  const duet::Tensor y = net(x);
+  CHECK(y.shape() == Shape{2, 3});
+  CHECK(y(1, 2) == 8.f);
+  const duet::Tensor eager = ops::sum(x, ops::axes<0, 2>, ops::keep_dims);
+  CHECK(eager.shape() == Shape{1, 3, 1});
+}
+
+TEST_CASE("ops: a gradient through argmax is refused in PyNative mode with a ValueError") {
+  duet_test::ModeGuard guard;
+  duet::set_context({.mode = duet::PYNATIVE_MODE});
+  // An int32 function of int32 input, so that differentiation reaches argmax's output; a
+  // function of tensors (not generic), so that only PyNative mode runs it (graph mode refuses
+  // it at compile time: tests/compile_fail/grad_through_argmax.cpp).
+  using I = duet::BasicTensor<std::int32_t>;
+  const I x({2, 3}, {1, 5, 2, 7, 0, 3});
+  try {
+    static_cast<void>(duet::grad([](const I& t) { return I(ops::argmax(t)); })(x));
+    FAIL("no error");
+  } catch (const duet::ValueError& e) {
+    CHECK(std::string(e.what()) ==
+          "duet::grad: Argmax(axis=-1) is not differentiable, but a gradient flows through it");
+  }
+}
