@@ -8,6 +8,7 @@
 #include <array>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <utility>
 
 #include "../cell.hpp"
@@ -68,18 +69,25 @@ struct MapOp : Primitive<MapOp<Fns...>> {
   static constexpr int arity = 1;
   static constexpr bool is_elementwise = true;
 
+  // The functions' parameters (LeakyReLU's alpha), if they have any. They are values held
+  // by the node rather than template arguments: a float cannot be one under clang 14, and
+  // nn::LeakyReLU(alpha) takes its alpha at run time, as MindSpore's does.
+  std::tuple<Fns...> fns{};
+  MapOp() = default;
+  explicit MapOp(std::tuple<Fns...> f) : fns(std::move(f)) {}
+
   static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
-    Backend::template map<Fns...>(a.in<T>(), a.in_shape().numel(), a.out<T>());
+    Backend::map(fns, a.in<T>(), a.in_shape().numel(), a.out<T>());
   }
 
   template <class C>
   static constexpr bool accepts_epilogue = requires { C::elementwise_functions; };
   template <class... Gs>
-  auto absorb(const MapOp<Gs...>&) const {
-    return MapOp<Fns..., Gs...>{};
+  auto absorb(const MapOp<Gs...>& next) const {
+    return MapOp<Fns..., Gs...>{std::tuple_cat(fns, next.fns)};
   }
   static constexpr auto elementwise_functions = sizeof...(Fns);
 
@@ -89,7 +97,7 @@ struct MapOp : Primitive<MapOp<Fns...>> {
   template <std::size_t K>
     requires(K == 0)
   auto grad_op() const {
-    return MapGradOp<Fns...>{};
+    return MapGradOp<Fns...>{std::get<0>(fns)};
   }
 
   static std::string op_name() {
@@ -106,11 +114,15 @@ struct MapGradOp : Primitive<MapGradOp<Fn>> {
                                     fn::grad_from_input<Fn> ? graph::Operand::input0 : graph::Operand::output};
   static constexpr int arity = 2;
 
+  Fn fn{};
+  MapGradOp() = default;
+  explicit MapGradOp(Fn f) : fn(std::move(f)) {}
+
   static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
-    Backend::template map_grad<Fn>(a.in<T>(0), a.in<T>(1), a.in_shape().numel(), a.out<T>());
+    Backend::map_grad(fn, a.in<T>(0), a.in<T>(1), a.in_shape().numel(), a.out<T>());
   }
 
   static std::string op_name() { return std::string(Fn::name) + "Grad"; }
