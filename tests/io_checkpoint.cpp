@@ -13,66 +13,16 @@
 #include "support.hpp"
 
 using namespace duet;
+using duet_test::Bytes;
+using duet_test::format_error_of;
+using duet_test::parameter_bytes;
+using duet_test::read_file;
 using duet_test::SeedNetwork;
+using duet_test::TempDir;
+using duet_test::write_file;
 namespace fs = std::filesystem;
 
 namespace {
-
-using Bytes = std::vector<unsigned char>;
-
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    static std::atomic<int> serial{0};
-    path = fs::temp_directory_path() /
-           ("duet_io_checkpoint_" + std::to_string(::getpid()) + "_" + std::to_string(serial.fetch_add(1)));
-    fs::create_directories(path);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  ~TempDir() { fs::remove_all(path); }
-
-  std::vector<std::string> listing() const {
-    std::vector<std::string> names;
-    for (const auto& entry : fs::directory_iterator(path)) names.push_back(entry.path().filename().string());
-    std::sort(names.begin(), names.end());
-    return names;
-  }
-};
-
-Bytes read_file(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  return Bytes(std::istreambuf_iterator<char>(in), {});
-}
-
-void write_file(const fs::path& path, const Bytes& bytes) {
-  std::ofstream(path, std::ios::binary)
-      .write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
-}
-
-// Every parameter's bytes, in the cell's order: what "bit-identical" compares.
-template <ElementType T>
-Bytes parameter_bytes(nn::BasicDynamicCell<T>& cell) {
-  Bytes out;
-  for (const auto& [name, p] : cell.parameters()) {
-    const auto* b = reinterpret_cast<const unsigned char*>(p->data());
-    out.insert(out.end(), b, b + p->numel() * static_cast<index_t>(sizeof(T)));
-  }
-  return out;
-}
-
-template <class F>
-std::string format_error_of(F&& f) {
-  try {
-    f();
-  } catch (const FormatError& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    FAIL("expected a duet::FormatError, got: " << e.what());
-  }
-  FAIL("expected a duet::FormatError, nothing was thrown");
-  return {};
-}
 
 bool starts_with(const std::string& text, const std::string& prefix) { return text.rfind(prefix, 0) == 0; }
 

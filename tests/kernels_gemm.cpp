@@ -64,22 +64,6 @@ std::vector<double> as_double(const T* p, std::size_t count) {
 template <class T>
 constexpr double tolerance = std::is_same_v<T, float> ? 1e-5 : 1e-12;
 
-// Runs body once under each instruction set this CPU runs (so a machine with AVX-512 tests all
-// three kernels in one process), then restores the set the process started with.
-template <class Body>
-void for_each_isa(Body&& body) {
-  struct Restore {
-    kernels::Isa saved = kernels::active_isa();
-    ~Restore() { kernels::set_active_isa(saved); }
-  } restore;
-  for (kernels::Isa isa : kernels::all_isas) {
-    if (!kernels::cpu_supports(isa)) continue;
-    kernels::set_active_isa(isa);
-    CAPTURE(kernel_isa());
-    body();
-  }
-}
-
 // Runs every combination of bias and ReLU on one shape. a and c start one element into their
 // buffers, so they are not aligned the way a tensor's first element is (a view need not be).
 template <index_t K, index_t N, class T>
@@ -125,14 +109,14 @@ void check_shape(index_t m, index_t k, index_t n, std::mt19937& gen) {
 }  // namespace
 
 TEST_CASE_TEMPLATE("kernels::gemm matches a double-precision reference on many shapes", T, float, double) {
-  for_each_isa([] {
+  duet_test::for_each_isa([] {
     std::mt19937 gen(7);
     for (const Case& s : cases()) check_shape<dyn, dyn, T>(s.m, s.k, s.n, gen);
   });
 }
 
 TEST_CASE_TEMPLATE("kernels::gemm with compile-time sizes, small and large", T, float, double) {
-  for_each_isa([] {
+  duet_test::for_each_isa([] {
     std::mt19937 gen(8);
     for (index_t m : {0, 1, 2, 3, 17, 64}) {
       check_shape<4, 4, T>(m, 4, 4, gen);
@@ -149,7 +133,7 @@ TEST_CASE_TEMPLATE("kernels::gemm with compile-time sizes, small and large", T, 
 }
 
 TEST_CASE_TEMPLATE("kernels::gemm: NaN goes through the product, the bias and ReLU", T, float, double) {
-  for_each_isa([] {
+  duet_test::for_each_isa([] {
     const T nan = std::numeric_limits<T>::quiet_NaN();
     std::mt19937 gen(9);
     for (const Case& s : std::vector<Case>{{1, 40, 37}, {2, 3, 3}, {50, 300, 70}}) {
@@ -192,7 +176,7 @@ TEST_CASE("kernels::gemm refuses a weight packed for another shape") {
 }
 
 TEST_CASE("kernels::gemm with k = 0: an empty sum, so the output is the epilogue of zero") {
-  for_each_isa([] {
+  duet_test::for_each_isa([] {
     const float bias[3] = {-1, 0, 2};
     float c[6] = {7, 7, 7, 7, 7, 7};
     kernels::gemm<dyn, dyn, fn::Relu>(bias, 2, 0, bias, 3, bias, c);
@@ -240,7 +224,7 @@ TEST_CASE("backend::Native computes what backend::Eigen does, through the epilog
 TEST_CASE("graph mode and PyNative agree bit for bit under each instruction set") {
   duet_test::ModeGuard guard;
   duet_test::SeedNetwork<> net;
-  for_each_isa([&] {
+  duet_test::for_each_isa([&] {
     for (index_t batch : {1, 7, 64}) {
       CAPTURE(batch);
       const Tensor x = randn({batch, 1, 28, 28}, static_cast<std::uint64_t>(batch));
@@ -260,12 +244,12 @@ TEST_CASE("a weight packed under another instruction set is not read: the produc
   const index_t m = 20, k = 70, n = 40;
   const std::vector<float> a = random_values<float>(static_cast<std::size_t>(m * k), gen);
   const std::vector<float> b = random_values<float>(static_cast<std::size_t>(n * k), gen);
-  for_each_isa([&] {
+  duet_test::for_each_isa([&] {
     const kernels::PackedWeight<float> packed(b.data(), n, k);
     CHECK(packed.isa() == kernels::active_isa());
     std::vector<float> expected(static_cast<std::size_t>(m * n));
     kernels::gemm(a.data(), m, k, b.data(), n, nullptr, expected.data(), &packed);
-    for_each_isa([&] {
+    duet_test::for_each_isa([&] {
       std::vector<float> fresh(static_cast<std::size_t>(m * n)), with_other(static_cast<std::size_t>(m * n));
       kernels::gemm(a.data(), m, k, b.data(), n, nullptr, fresh.data());
       kernels::gemm(a.data(), m, k, b.data(), n, nullptr, with_other.data(), &packed);
@@ -303,7 +287,7 @@ TEST_CASE("backend::Native keeps a weight packed for the instruction set that ru
   const index_t rows = 16, in = 40, out = 24;
   const nn::Parameter w(randn({out, in}, 11));
   const Tensor x = randn({rows, in}, 12);
-  for_each_isa([&] {
+  duet_test::for_each_isa([&] {
     std::vector<float> unpacked(static_cast<std::size_t>(rows * out)), packed(unpacked.size());
     backend::Native::dense<dyn, dyn>(x.data(), rows, in, w.data(), out, Epilogue<float>{}, unpacked.data());
     backend::Native::dense_packed<dyn, dyn>(x.data(), rows, in, w, out, Epilogue<float>{}, packed.data());

@@ -114,3 +114,26 @@ TEST_CASE("ops: operators take tensors, static tensors and numbers, and say whic
           "axis), got [2, 3] and [4]");
   }
 }
+
+TEST_CASE("ops: an elementwise chain fuses into one pass in graph mode and gives PyNative's values bit for bit") {
+  duet_test::ModeGuard guard;
+  auto f = [](const auto& x, const auto& w, const auto& b) { return duet::ops::relu(x * w + b) - x / b; };
+  const duet::Tensor x = duet::randn({37, 300}, 1), w = duet::randn({300}, 2), b = duet::randn({37, 1}, 3);
+  auto compiled = duet::jit(f);
+  const duet::Tensor fused = compiled(x, w, b);
+  duet::set_context({.mode = duet::PYNATIVE_MODE});
+  const duet::Tensor eager = f(x, w, b);
+  REQUIRE(fused.shape() == eager.shape());
+  // Multiplies and adds in one kernel could become fused multiply-adds and round once: the
+  // kernel stores each step, so they do not.
+  CHECK(std::equal(fused.data(), fused.data() + fused.numel(), eager.data()));
+  CHECK(std::count_if(eager.data(), eager.data() + eager.numel(), [](float v) { return v != 0; }) > 1000);
+  using duet::graph::AnyShape;
+  const auto program = duet::passes::fuse_epilogues(
+      f(duet::graph::input<float, AnyShape, 0>(), duet::graph::input<float, AnyShape, 1>(),
+        duet::graph::input<float, AnyShape, 2>()));
+  const std::string text = duet::graph::dump(program, "chain").text;
+  INFO(text);
+  CHECK(text.find("Elementwise Sub(Add(Mul(a, b), c) + ReLU") == std::string::npos);  // an epilogue ends a chain
+  CHECK(text.find("Elementwise Add(Mul(a, b), c) + ReLU(%0, %1, %2)") != std::string::npos);
+}

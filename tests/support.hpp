@@ -2,10 +2,17 @@
 #pragma once
 
 #include <doctest/doctest.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <duet/duet.hpp>
+#include <exception>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <string>
 #include <vector>
 
 namespace duet_test {
@@ -75,6 +82,22 @@ std::vector<double> values_of(const duet::BasicTensor<T>& t) {
   return std::vector<double>(t.data(), t.data() + t.numel());
 }
 
+// Runs body once under each instruction set this CPU runs (so a machine with AVX-512 tests all
+// three sets of kernels in one process), then restores the set the process started with.
+template <class Body>
+void for_each_isa(Body&& body) {
+  struct Restore {
+    duet::kernels::Isa saved = duet::kernels::active_isa();
+    ~Restore() { duet::kernels::set_active_isa(saved); }
+  } restore;
+  for (duet::kernels::Isa isa : duet::kernels::all_isas) {
+    if (!duet::kernels::cpu_supports(isa)) continue;
+    duet::kernels::set_active_isa(isa);
+    CAPTURE(duet::kernel_isa());
+    body();
+  }
+}
+
 // Largest |a - b| relative to the largest |b| (at least 1): the "1e-5 relative" of the tests.
 inline double relative_difference(const std::vector<double>& a, const std::vector<double>& b) {
   REQUIRE(a.size() == b.size());
@@ -85,6 +108,63 @@ inline double relative_difference(const std::vector<double>& a, const std::vecto
     scale = std::max(scale, std::abs(b[i]));
   }
   return diff / scale;
+}
+
+using Bytes = std::vector<unsigned char>;
+
+// A fresh directory under the system's temporary one, removed with everything in it.
+struct TempDir {
+  std::filesystem::path path;
+  TempDir() {
+    static std::atomic<int> serial{0};
+    path = std::filesystem::temp_directory_path() /
+           ("duet_test_" + std::to_string(::getpid()) + "_" + std::to_string(serial.fetch_add(1)));
+    std::filesystem::create_directories(path);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  ~TempDir() { std::filesystem::remove_all(path); }
+
+  std::vector<std::string> listing() const {
+    std::vector<std::string> names;
+    for (const auto& entry : std::filesystem::directory_iterator(path)) names.push_back(entry.path().filename().string());
+    std::sort(names.begin(), names.end());
+    return names;
+  }
+};
+
+inline Bytes read_file(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return Bytes(std::istreambuf_iterator<char>(in), {});
+}
+
+inline void write_file(const std::filesystem::path& path, const Bytes& bytes) {
+  std::ofstream(path, std::ios::binary)
+      .write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+}
+
+// Every parameter's bytes, in the cell's order: what "bit-identical" compares.
+template <duet::ElementType T>
+Bytes parameter_bytes(duet::nn::BasicDynamicCell<T>& cell) {
+  Bytes out;
+  for (const auto& [name, p] : cell.parameters()) {
+    const auto* b = reinterpret_cast<const unsigned char*>(p->data());
+    out.insert(out.end(), b, b + p->numel() * static_cast<duet::index_t>(sizeof(T)));
+  }
+  return out;
+}
+
+template <class F>
+std::string format_error_of(F&& f) {
+  try {
+    f();
+  } catch (const duet::FormatError& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    FAIL("expected a duet::FormatError, got: " << e.what());
+  }
+  FAIL("expected a duet::FormatError, nothing was thrown");
+  return {};
 }
 
 // Restores the global mode when a test ends, whatever it set.

@@ -14,7 +14,8 @@
 #           most of the stage's time, and -O1 keeps the reports' stack traces exact
 #   tsan    thread sanitizer: the concurrency tests (tests/threads.cpp alone, CTest label threads)
 #   fuzz    libFuzzer with address + undefined-behaviour sanitizers: each fuzzer of tests/fuzz
-#           for DUET_FUZZ_SECONDS (60) from a copy of its seed corpus; any finding fails it
+#           for DUET_FUZZ_SECONDS (60) from a copy of its seed corpus (and with its dictionary,
+#           tests/fuzz/<name>.dict, where there is one); any finding fails it
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -40,24 +41,27 @@ run_stage() {
   summary+=("$(printf '%-6s passed in %4ds' "$name" $((SECONDS - start)))")
 }
 
-# The fuzzers run side by side, one per core. Each works on a copy of its committed corpus,
-# so that the inputs it adds (and any crash it writes) stay in the build tree.
+# The fuzzers run side by side. Each works on a copy of its committed corpus, so that the
+# inputs it adds (and any crash it writes) stay in the build tree.
 fuzz_stage() {
-  local dir=$build/fuzz start=$SECONDS name failed=0
+  local dir=$build/fuzz start=$SECONDS name failed=0 fuzzers=(idx checkpoint safetensors)
   local -A pids
   echo "=== stage fuzz ==="
   cmake -S "$root" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDUET_WERROR=ON -DCMAKE_CXX_COMPILER=clang++ \
     -DDUET_BUILD_FUZZERS=ON -DDUET_BUILD_EXAMPLES=OFF -DDUET_BUILD_BENCHMARKS=OFF
-  cmake --build "$dir" -j "$jobs" --target fuzz_idx fuzz_checkpoint
-  for name in idx checkpoint; do
+  cmake --build "$dir" -j "$jobs" --target "${fuzzers[@]/#/fuzz_}"
+  for name in "${fuzzers[@]}"; do
     rm -rf "$dir/run/$name"
     mkdir -p "$dir/run/$name/corpus"
     cp "tests/fuzz/corpus/$name/"* "$dir/run/$name/corpus/"
-    "$dir/tests/fuzz/fuzz_$name" "$dir/run/$name/corpus" -max_total_time="$fuzz_seconds" -rss_limit_mb=2048 \
-      -malloc_limit_mb=512 -timeout=10 -artifact_prefix="$dir/run/$name/" >"$dir/run/$name/log" 2>&1 &
+    local dict=()
+    [ -f "tests/fuzz/$name.dict" ] && dict=(-dict="tests/fuzz/$name.dict")
+    "$dir/tests/fuzz/fuzz_$name" "$dir/run/$name/corpus" "${dict[@]}" -max_total_time="$fuzz_seconds" \
+      -rss_limit_mb=2048 -malloc_limit_mb=512 -timeout=10 -artifact_prefix="$dir/run/$name/" \
+      >"$dir/run/$name/log" 2>&1 &
     pids[$name]=$!
   done
-  for name in idx checkpoint; do
+  for name in "${fuzzers[@]}"; do
     if wait "${pids[$name]}"; then
       echo "fuzz_$name: $(grep -E '^#[0-9]+[[:space:]]+DONE' "$dir/run/$name/log" | tail -n 1)"
     else

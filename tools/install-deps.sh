@@ -6,5 +6,5 @@ export DEBIAN_FRONTEND=noninteractive
 apt-get update -q
 apt-get install -y -q --no-install-recommends \
   g++ clang libclang-rt-14-dev cmake make ninja-build ccache \
-  libeigen3-dev libboost-dev doctest-dev libbenchmark-dev zlib1g-dev \
-  dataset-fashion-mnist
+  libeigen3-dev libboost-dev doctest-dev libbenchmark-dev zlib1g-dev nlohmann-json3-dev \
+  dataset-fashion-mnist python3-numpy

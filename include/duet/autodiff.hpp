@@ -32,6 +32,7 @@
 #include "jit.hpp"
 #include "parameter.hpp"
 #include "passes.hpp"
+#include "pipeline.hpp"
 #include "tape.hpp"
 #include "tensor.hpp"
 #include "trace.hpp"
@@ -466,24 +467,22 @@ class GradFunction {
                         "hooks run in PyNative mode only");
       }
     }
-    auto forward = passes::optimize<JitConfig{}, true>([&]<std::size_t... K>(std::index_sequence<K...>) {
-      return fn_(graph::input<typename X::value_type, typename graph::pattern_of<X>::type, K>()...);
-    }(std::index_sequence_for<X...>{}));
-    const std::array<Shape, sizeof...(X)> shapes{xs.shape()...};
+    auto forward = pipeline::compile<JitConfig{}, true,
+                                     pipeline::Input<typename X::value_type, typename graph::pattern_of<X>::type>...>(
+        [&](const auto&... in) { return fn_(in...); });
     duet::detail::begin_backward_pass();
     if constexpr (WithInput) {
       return autodiff::detail::at_position<sizeof...(X)>(*grad_position_, [&](auto k) {
         if constexpr (differentiable_input<V, decltype(k)::value, X...>()) {
           auto training = autodiff::build_backward<decltype(k)::value>(forward, &input_grad);
-          return BasicTensor<V>(
-              run<DefaultBackend>(training, duet::detail::cached_plan(id_, training, shapes, where()), tensor_of(xs)...));
+          return BasicTensor<V>(pipeline::execute<JitConfig{}>(id_, training, where(), tensor_of(xs)...));
         } else {
           return BasicTensor<V>();
         }
       });
     } else {
       auto training = autodiff::build_backward<>(forward);
-      return run<DefaultBackend>(training, duet::detail::cached_plan(id_, training, shapes, where()), tensor_of(xs)...);
+      return pipeline::execute<JitConfig{}>(id_, training, where(), tensor_of(xs)...);
     }
   }
 

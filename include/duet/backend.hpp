@@ -19,7 +19,9 @@
 
 #include "config.hpp"
 #include "error.hpp"
+#include "kernels/elementwise.hpp"
 #include "kernels/gemm.hpp"
+#include "kernels/optim.hpp"
 #include "memory.hpp"
 #include "parameter.hpp"
 
@@ -228,12 +230,12 @@ struct Eigen {
     T total = 0;
     for (index_t i = 0; i < rows; ++i) {
       const T* row = z + i * classes;
-      const T lse = log_sum_exp(row, classes);
+      const T lse = kernels::log_sum_exp(row, classes);
       T loss = 0;
       if constexpr (Sparse) {
         loss = lse - row[checked_label(labels[i], i, classes)];
       } else {
-        for (index_t c = 0; c < classes; ++c) loss += static_cast<T>(labels[i * classes + c]) * (lse - row[c]);
+        loss = kernels::cross_entropy(row, labels + i * classes, classes, lse);
       }
       if (r == Reduction::none) out[i] = loss;
       else total += loss;
@@ -249,19 +251,14 @@ struct Eigen {
     for (index_t i = 0; i < rows; ++i) {
       const T* row = z + i * classes;
       T* d = dz + i * classes;
-      const T lse = log_sum_exp(row, classes);
+      const T lse = kernels::log_sum_exp(row, classes);
       const T scale = r == Reduction::none ? g[i] : r == Reduction::mean ? g[0] / static_cast<T>(rows) : g[0];
-      T label_mass = 0;
-      for (index_t c = 0; c < classes; ++c) {
-        if constexpr (!Sparse) label_mass += static_cast<T>(labels[i * classes + c]);
-        d[c] = std::exp(row[c] - lse);
-      }
       if constexpr (Sparse) {
-        d[checked_label(labels[i], i, classes)] -= T(1);
-        for (index_t c = 0; c < classes; ++c) d[c] *= scale;
+        kernels::softmax_grad(row, classes, lse, checked_label(labels[i], i, classes), scale, d);
       } else {
         // d/dz of Σ_c p_c (lse - z_c) is softmax · Σ_c p_c - p.
-        for (index_t c = 0; c < classes; ++c) d[c] = (d[c] * label_mass - static_cast<T>(labels[i * classes + c])) * scale;
+        const T* p = labels + i * classes;
+        kernels::softmax_grad(row, p, classes, lse, kernels::sum(p, classes), scale, d);
       }
     }
   }
@@ -305,33 +302,21 @@ struct Eigen {
   // p -= lr · weight_decay · p.
   template <class T>
   static void adam_update(T* p, const T* g, T* m, T* v, index_t n, const AdamStep& s) {
-    const T b1 = static_cast<T>(s.beta1), b2 = static_cast<T>(s.beta2), eps = static_cast<T>(s.eps);
-    const T wd = static_cast<T>(s.weight_decay);
     const T decay = s.decoupled ? T(1) - static_cast<T>(s.learning_rate * s.weight_decay) : T(1);
-    const T l2 = s.decoupled ? T(0) : wd;
-    const T step = static_cast<T>(s.learning_rate / s.bias_correction1);
-    const T root_correction = static_cast<T>(std::sqrt(s.bias_correction2));
-    for (index_t i = 0; i < n; ++i) {
-      const T grad = g[i] + l2 * p[i];
-      m[i] = b1 * m[i] + (T(1) - b1) * grad;
-      v[i] = b2 * v[i] + (T(1) - b2) * grad * grad;
-      p[i] = p[i] * decay - step * m[i] / (std::sqrt(v[i]) / root_correction + eps);
-    }
+    const T l2 = s.decoupled ? T(0) : static_cast<T>(s.weight_decay);
+    const double root_correction = std::sqrt(s.bias_correction2);
+    const auto step = static_cast<T>(s.learning_rate * root_correction / s.bias_correction1);
+    kernels::adam_update(p, g, m, v, n,
+                         kernels::AdamCoefficients<T>{static_cast<T>(s.beta1), static_cast<T>(s.beta2),
+                                                      static_cast<T>(s.eps * root_correction), l2, decay, step});
   }
 
   template <class T>
   static void sgd_update(T* p, const T* g, T* buf, index_t n, const SgdStep& s) {
-    const T lr = static_cast<T>(s.learning_rate), wd = static_cast<T>(s.weight_decay);
-    const T momentum = static_cast<T>(s.momentum), keep = static_cast<T>(1 - s.dampening);
-    for (index_t i = 0; i < n; ++i) {
-      const T d = g[i] + wd * p[i];
-      if (s.momentum == 0) {
-        p[i] -= lr * d;
-        continue;
-      }
-      buf[i] = s.first_step ? d : momentum * buf[i] + keep * d;
-      p[i] -= lr * (s.nesterov ? d + momentum * buf[i] : buf[i]);
-    }
+    kernels::sgd_update(p, g, buf, n,
+                        kernels::SgdCoefficients<T>{static_cast<T>(s.learning_rate), static_cast<T>(s.weight_decay),
+                                                    static_cast<T>(s.momentum), static_cast<T>(1 - s.dampening),
+                                                    s.momentum != 0, s.nesterov, s.first_step});
   }
 
   template <class T>
@@ -340,15 +325,6 @@ struct Eigen {
     ::Eigen::Map<::Eigen::Matrix<T, 1, ::Eigen::Dynamic>> s(sums, 1, cols);
     if (accumulate) s += ::Eigen::Map<const Matrix>(x, rows, cols).colwise().sum();
     else s = ::Eigen::Map<const Matrix>(x, rows, cols).colwise().sum();
-  }
-
-  template <class T>
-  static T log_sum_exp(const T* row, index_t n) {
-    T m = row[0];
-    for (index_t c = 1; c < n; ++c) m = std::max(m, row[c]);
-    T sum = 0;
-    for (index_t c = 0; c < n; ++c) sum += std::exp(row[c] - m);
-    return m + std::log(sum);
   }
 
  private:
@@ -370,6 +346,18 @@ struct Eigen {
 // the ones PyNative's unfused MatMul gets. Element types the kernel cannot take fall back to
 // Eigen.
 struct Native : Eigen {
+  // map() on the instruction set chosen at run time, with the functions' vector forms (the
+  // code a product's epilogue runs); functions without one go to Eigen.
+  template <class... Fns, class T>
+  static void map(const std::tuple<Fns...>& fns, const T* x, index_t n, T* y) {
+    if constexpr (kernels::gemm_supports<T, Fns...>) kernels::map<Fns...>(x, n, y);
+    else Eigen::map(fns, x, n, y);
+  }
+  template <class... Fns, class T>
+  static void map(const T* x, index_t n, T* y) {
+    map(std::tuple<Fns...>{}, x, n, y);
+  }
+
   template <index_t In, index_t Out, class T, class... Fns>
   static void dense(const T* x, index_t rows, index_t in, const T* w, index_t out,
                     const Epilogue<T, Fns...>& epilogue, T* y) {

@@ -36,6 +36,7 @@
 #include "jit_config.hpp"
 #include "parameter.hpp"
 #include "passes.hpp"
+#include "pipeline.hpp"
 #include "tape.hpp"
 #include "trace.hpp"
 #include "tensor.hpp"
@@ -499,9 +500,8 @@ class Cell : public BasicDynamicCell<T> {
                       "in PyNative mode only (set_context({.mode = PYNATIVE_MODE}))");
     }
     const auto capture = [&] {
-      return passes::optimize<jit_config>([&]<std::size_t... K>(std::index_sequence<K...>) {
-        return run_construct(graph::input<Ts, Patterns, K>()...);
-      }(std::index_sequence_for<Ts...>{}));
+      return pipeline::compile<jit_config, false, pipeline::Input<Ts, Patterns>...>(
+          [&](const auto&... in) { return run_construct(in...); });
     };
     // construct is captured once per cell and thread, as MindSpore compiles it once: on a small
     // network capturing costs as much as running. Values construct reads while it is captured
@@ -517,11 +517,8 @@ class Cell : public BasicDynamicCell<T> {
       captured.program.emplace(capture());
       captured.owner = this->id();
     }
-    const Program& program = *captured.program;
-    const std::array<Shape, sizeof...(Ts)> shapes{xs.shape()...};
-    const auto& p = duet::detail::cached_plan<jit_config>(this->id(), program, shapes,
-                                                           [this] { return this->type_name() + "::construct"; });
-    return run<DefaultBackend, jit_config>(program, p, xs...);
+    return pipeline::execute<jit_config>(
+        this->id(), *captured.program, [this] { return this->type_name() + "::construct"; }, xs...);
   }
 
   template <class Captured>

@@ -10,6 +10,7 @@
 #include "backend.hpp"
 #include "diagnostics.hpp"
 #include "graph.hpp"
+#include "parameter.hpp"
 #include "tape.hpp"
 #include "trace.hpp"
 #include "tensor.hpp"
@@ -74,12 +75,37 @@ auto run_eager(const Op& op, BasicTensor<T>&& x) {
   return detail::run_into_new<Backend>(op, static_cast<const BasicTensor<T>&>(x));
 }
 
+namespace detail {
+
+// An operand of an operation that runs now: a parameter is tracked by the recording tape (its
+// gradient goes to the parameter), any other tensor is itself.
+template <class X>
+decltype(auto) eager_operand(const X& x) {
+  if constexpr (nn::is_parameter_v<X>) {
+    if (autodiff::Tape* tape = autodiff::active_tape()) return tape->watch_parameter(x);
+    return BasicTensor<typename X::value_type>(x);
+  } else {
+    return tensor_of(x);
+  }
+}
+
+// An operand of an operation being captured: a parameter becomes a node of the graph.
+template <class X>
+decltype(auto) graph_operand(const X& x) {
+  if constexpr (nn::is_parameter_v<X>) return graph::parameter(x);
+  else return (x);
+}
+
+}  // namespace detail
+
 // The one entry point layers use: on symbolic tensors it records the operation in the graph,
-// on real tensors it runs it now.
+// on real tensors it runs it now. A cell's parameter may be an operand in either mode.
 template <class Op, class X>
 auto apply(const Op& op, X&& x) {
   if constexpr (graph::Symbolic<X>) {
     return graph::append(op, x);
+  } else if constexpr (nn::is_parameter_v<std::remove_cvref_t<X>>) {
+    return detail::run_into_new<DefaultBackend>(op, detail::eager_operand(x));
   } else {
     return run_eager(op, std::forward<X>(x));
   }
@@ -87,13 +113,17 @@ auto apply(const Op& op, X&& x) {
 
 template <class Op, class A, class B, class... C>
 auto apply(const Op& op, const A& a, const B& b, const C&... c) {
-  if constexpr (graph::Symbolic<A> && graph::Symbolic<B> && (graph::Symbolic<C> && ...)) {
-    return graph::append(op, a, b, c...);
-  } else {
-    static_assert(!graph::Symbolic<A> && !graph::Symbolic<B> && (!graph::Symbolic<C> && ...),
+  constexpr bool any_symbolic = graph::Symbolic<A> || graph::Symbolic<B> || (graph::Symbolic<C> || ...);
+  if constexpr (any_symbolic) {
+    static_assert((graph::Symbolic<A> || nn::is_parameter_v<A>)&&(graph::Symbolic<B> || nn::is_parameter_v<B>)&&(
+                      (graph::Symbolic<C> || nn::is_parameter_v<C>)&&...),
                   "duet: an operation mixes a symbolic tensor (graph capture) and a real one; pass "
-                  "every tensor the graph reads as an input of the captured function");
-    return detail::run_into_new<DefaultBackend>(op, tensor_of(a), tensor_of(b), tensor_of(c)...);
+                  "every tensor the graph reads as an input of the captured function (a cell's own "
+                  "parameters may be used directly)");
+    return graph::append(op, detail::graph_operand(a), detail::graph_operand(b), detail::graph_operand(c)...);
+  } else {
+    return detail::run_into_new<DefaultBackend>(op, detail::eager_operand(a), detail::eager_operand(b),
+                                                detail::eager_operand(c)...);
   }
 }
 

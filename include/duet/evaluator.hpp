@@ -277,23 +277,6 @@ inline std::uint64_t new_plan_owner() {
   static std::atomic<std::uint64_t> last{0};
   return last.fetch_add(1, std::memory_order_relaxed) + 1;
 }
-
-// The plan of the last input shapes `owner` ran this graph type with on this thread. Per
-// thread, so concurrent callers never share or lock; one entry, so it costs nothing to keep.
-template <JitConfig Config = JitConfig{}, class G, std::size_t Out, std::size_t N, class Where>
-const graph::Plan<G, N>& cached_plan(std::uint64_t owner, const graph::Sym<G, Out>& program,
-                                     const std::array<Shape, N>& shapes, Where&& where) {
-  thread_local struct {
-    std::uint64_t owner = 0;
-    graph::Plan<G, N> plan;
-  } cache;
-  if (cache.owner != owner || cache.plan.input_shapes != shapes) {
-    cache.owner = 0;  // stays invalid if planning throws
-    cache.plan = plan<Config>(program, shapes, std::string(where()));
-    cache.owner = owner;
-  }
-  return cache.plan;
-}
 }  // namespace detail
 
 // Plans and runs in one call.

@@ -201,17 +201,13 @@ constexpr bool runs_kernel() {
 // Graph input K, of element type T, whose shape is known as far as Pattern says (a
 // StaticShape, or AnyShape).
 template <std::size_t K, class Pattern, class T>
-struct InputOp {
-  using layer_type = InputOp;
+struct InputOp : ops::Primitive<InputOp<K, Pattern, T>> {
   using value_type = T;
   using pattern = Pattern;
   static constexpr int arity = 0;
-  static constexpr bool is_view = false;
-  static constexpr bool is_elementwise = false;
   static constexpr std::size_t index = K;
   static constexpr ShapeResult infer_static(std::span<const Shape>) { return {Pattern::value}; }
   static std::string op_name() { return "Input " + std::to_string(K); }
-  std::string label() const { return op_name(); }
 };
 
 template <std::size_t K, class Pattern, class T>

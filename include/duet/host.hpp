@@ -31,16 +31,12 @@ inline std::mutex& print_mutex() {
 
 namespace ops {
 
-struct IdentityGradOp {
-  using layer_type = IdentityGradOp;
+struct IdentityGradOp : Primitive<IdentityGradOp> {
   static constexpr std::array reads{graph::Operand::grad};
   static constexpr int arity = 1;
   static constexpr bool is_view = true;
-  static constexpr bool is_elementwise = false;
   static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
-  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
   static std::string op_name() { return "Identity"; }
-  std::string label() const { return op_name(); }
 };
 
 // Prints "label: value" (numpy's format) when the value is computed; outputs its input.

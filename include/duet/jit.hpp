@@ -43,6 +43,7 @@
 #include "jit_config.hpp"
 #include "passes.hpp"
 #include "pijit.hpp"
+#include "pipeline.hpp"
 #include "tape.hpp"
 #include "tensor.hpp"
 
@@ -446,11 +447,12 @@ class JitFunction {
                     "duet::jit: JitSyntaxLevel::strict: the function calls duet::host, a host callback, which is "
                     "not a graph operation; use JitSyntaxLevel::lax to run it as a graph break");
     }
-    auto program = passes::optimize<Config>(captured);
-    const auto tensors = std::tuple_cat(tensor_tuple(args)...);
-    const auto shapes = std::apply([](const auto&... t) { return std::array<Shape, sizeof...(t)>{t.shape()...}; }, tensors);
-    const auto& p = duet::detail::cached_plan<Config>(owner, program, shapes, [this] { return options_.name; });
-    return std::apply([&](const auto&... t) { return run<DefaultBackend, Config>(program, p, t...); }, tensors);
+    const auto program = passes::optimize<Config>(captured);
+    return std::apply(
+        [&](const auto&... t) {
+          return pipeline::execute<Config>(owner, program, [this] { return options_.name; }, t...);
+        },
+        std::tuple_cat(tensor_tuple(args)...));
   }
 
   template <std::size_t I, class... Args, class X>

@@ -123,6 +123,11 @@ class BasicParameter : public BasicTensor<T> {
 
 using Parameter = BasicParameter<float>;
 
+template <class X>
+inline constexpr bool is_parameter_v = false;
+template <class T>
+inline constexpr bool is_parameter_v<BasicParameter<T>> = true;
+
 template <ElementType T>
 struct NamedParameter {
   std::string name;

@@ -13,6 +13,7 @@
 #include <array>
 #include <boost/hana/append.hpp>
 #include <boost/hana/drop_back.hpp>
+#include <boost/hana/remove_at.hpp>
 #include <boost/hana/length.hpp>
 #include <boost/hana/transform.hpp>
 #include <boost/hana/unpack.hpp>
@@ -46,7 +47,56 @@ concept absorbs = requires {
   requires P::template accepts_epilogue<C>;
 } && (!Differentiated || DifferentiableOperation<decltype(std::declval<const P&>().absorb(std::declval<const C&>()))>);
 
+// A producer op P takes the binary consumer C, reading P's value as its input Pos, into
+// itself (elementwise chains: one pass over all their inputs); never in a graph that will be
+// differentiated, since the fused op keeps no value in between.
+template <class P, class C, int Pos, bool Differentiated>
+concept absorbs_operand =
+    !Differentiated && requires(const P& p, const C& c) { p.template absorb_operand<Pos>(c); };
+
 namespace detail {
+
+// Whether every built node after position R has no inputs (graph inputs, parameters): a node
+// moved past them reads nothing they make.
+template <class Built, std::size_t R>
+constexpr bool only_sources_after() {
+  constexpr std::size_t size = decltype(hana::length(std::declval<Built>()))::value;
+  bool ok = true;
+  graph::for_each_index<size>([&](auto i) {
+    constexpr std::size_t I = decltype(i)::value;
+    if constexpr (I > R) ok = ok && std::remove_cvref_t<decltype(hana::at_c<I>(std::declval<Built&>()))>::arity == 0;
+  });
+  return ok;
+}
+
+// Which input of a binary node J the fusion can take: one read by J alone, made by a built
+// node with only sources (graph inputs, parameters) after it, the other input being another
+// node. -1 if neither.
+template <class G, std::size_t J, std::size_t Out, class Built, std::size_t... Map>
+constexpr int operand_to_absorb() {
+  using N = graph::node_at<G, J>;
+  constexpr std::array<std::size_t, J> m{Map...};
+  const auto users = user_counts<G, Out>();
+  const std::size_t a0 = N::args[0], a1 = N::args[1];
+  if (a0 == a1 || m[a0] == m[a1]) return -1;
+  if (users[a0] == 1 && only_sources_after<Built, m[N::args[0]]>()) return 0;
+  if (users[a1] == 1 && only_sources_after<Built, m[N::args[1]]>()) return 1;
+  return -1;
+}
+
+// Map after the built node at R is taken out and its value made by a node appended at the
+// end: later nodes move down one, R's users go to the end.
+template <std::size_t R, std::size_t End, std::size_t... Map>
+constexpr std::array<std::size_t, sizeof...(Map)> moved_to_end() {
+  std::array<std::size_t, sizeof...(Map)> m{Map...};
+  for (std::size_t& v : m) v = v == R ? End : v > R ? v - 1 : v;
+  return m;
+}
+
+template <auto A, std::size_t... I>
+constexpr auto as_sequence(std::index_sequence<I...>) {
+  return std::index_sequence<A[I]...>{};
+}
 
 // Walks the nodes in order, building the fused list. Map[j] is where node j's value lives in
 // the new list. A unary consumer folds into the node that computes its input when that node
@@ -76,6 +126,26 @@ auto fuse_from(const G& g, const Built& built, std::index_sequence<Map...> map) 
         (std::make_index_sequence<P::arity>{});
         return fuse_from<J + 1, Out, Differentiated>(g, hana::append(hana::drop_back(built), with_args),
                                      std::index_sequence<Map..., r>{});
+      } else {
+        return fuse_from<J + 1, Out, Differentiated>(
+            g, hana::append(built, graph::renumbered(n, map, std::make_index_sequence<N::arity>{})),
+            std::index_sequence<Map..., built_size>{});
+      }
+    } else if constexpr (N::arity == 2) {
+      constexpr int pos = operand_to_absorb<G, J, Out, Built, Map...>();
+      constexpr std::array<std::size_t, J> m{Map...};
+      constexpr std::size_t r = m[N::args[pos < 0 ? 0 : pos]];
+      using P = std::remove_cvref_t<decltype(hana::at_c<r>(built))>;
+      if constexpr (pos >= 0 && absorbs_operand<typename P::op_type, typename N::op_type, pos, Differentiated>) {
+        // P's node leaves its place for one at the end that also reads the other input.
+        static constexpr auto moved = moved_to_end<r, built_size - 1, Map..., r>();
+        const P& p = hana::at_c<r>(built);
+        auto absorbed = p.op.template absorb_operand<pos>(n.op);
+        auto with_args = [&]<std::size_t... A>(std::index_sequence<A...>) {
+          return graph::Node<decltype(absorbed), P::args[A]..., moved[N::args[1 - pos]]>{absorbed};
+        }(std::make_index_sequence<P::arity>{});
+        return fuse_from<J + 1, Out, Differentiated>(g, hana::append(hana::remove_at_c<r>(built), with_args),
+                                                     as_sequence<moved>(std::make_index_sequence<J + 1>{}));
       } else {
         return fuse_from<J + 1, Out, Differentiated>(
             g, hana::append(built, graph::renumbered(n, map, std::make_index_sequence<N::arity>{})),

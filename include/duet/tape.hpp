@@ -16,6 +16,7 @@
 #include "backend.hpp"
 #include "error.hpp"
 #include "graph.hpp"
+#include "ops/parameter.hpp"
 #include "parameter.hpp"
 #include "tensor.hpp"
 #include "trace.hpp"
@@ -90,6 +91,11 @@ class Tape {
   void watch(BasicTensor<T>& x) {
     add(std::make_unique<LeafEntry<T>>(), x);
   }
+
+  // A handle on p's values that the tape tracks: what reaches it in backward is added to p's
+  // gradient, as a layer's gradient kernel adds to its weight's.
+  template <class T>
+  BasicTensor<T> watch_parameter(const nn::BasicParameter<T>& p);
 
   template <class T>
   bool tracks(const BasicTensor<T>& x) const {
@@ -225,6 +231,28 @@ class RefusedEntry final : public ValueEntry<Out> {
  private:
   std::string label_;
 };
+
+// A parameter read directly by operations: its gradient goes to the parameter.
+template <class T>
+class ParameterEntry final : public ValueEntry<T> {
+ public:
+  explicit ParameterEntry(const nn::BasicParameter<T>* p) : parameter_(p) {}
+  void backward(Tape&) override {
+    if (const BasicTensor<T>* g = this->grad()) {
+      duet::detail::run_into_new<DefaultBackend>(ops::ParameterGradOp<T>{parameter_}, *g);
+    }
+  }
+
+ private:
+  const nn::BasicParameter<T>* parameter_;
+};
+
+template <class T>
+BasicTensor<T> Tape::watch_parameter(const nn::BasicParameter<T>& p) {
+  BasicTensor<T> handle = p;
+  add(std::make_unique<ParameterEntry<T>>(&p), handle);
+  return handle;
+}
 
 // A cell call: after the cell's own records have run backward, its hook sees both gradients.
 template <class T, class Hook>

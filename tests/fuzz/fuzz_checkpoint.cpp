@@ -24,12 +24,9 @@ struct Model {
   duet_fuzz::SGD sgd{net.parameters(), duet_fuzz::sgd_config};
 };
 
-void append(std::vector<std::byte>& out, std::span<const std::byte> bytes) {
-  out.insert(out.end(), bytes.begin(), bytes.end());
-}
-
 // Everything a load may change.
 std::vector<std::byte> snapshot(Model& m) {
+  using duet_fuzz::append;
   std::vector<std::byte> out;
   for (const auto& [name, p] : m.net.parameters()) append(out, std::as_bytes(p->values()));
   const auto optimizer = [&](auto& o) {
@@ -44,37 +41,16 @@ std::vector<std::byte> snapshot(Model& m) {
   return out;
 }
 
-// Runs a load; one that throws must have changed nothing.
-template <class F>
-bool attempt(Model& m, F&& load) {
-  const std::vector<std::byte> before = snapshot(m);
-  try {
-    load();
-    return true;
-  } catch (const duet::Error&) {
-    if (snapshot(m) != before) std::abort();
-    return false;
-  }
-}
-
 void load(std::span<const std::byte> bytes) {
   static Model m;
-  const bool strict = attempt(m, [&] { duet::load_checkpoint_bytes(bytes, m.net); });
-  attempt(m, [&] {
-    const auto before = m.net.parameters();
-    // Bytes, not floats: a loaded NaN is not equal to itself.
-    std::vector<std::vector<std::byte>> values(before.size());
-    for (std::size_t i = 0; i < before.size(); ++i) append(values[i], std::as_bytes(before[i].parameter->values()));
-    const duet::CheckpointLoad result = duet::load_checkpoint_bytes(bytes, m.net, {.strict = false});
-    // What a load that succeeds strictly leaves out is nothing; what it leaves out keeps its values.
-    if (strict && !(result.param_not_load.empty() && result.ckpt_not_load.empty())) std::abort();
-    for (std::size_t i = 0; i < before.size(); ++i) {
-      const bool kept = std::ranges::find(result.param_not_load, before[i].name) != result.param_not_load.end();
-      if (kept && !std::ranges::equal(std::as_bytes(before[i].parameter->values()), values[i])) std::abort();
-    }
+  const auto state = [&] { return snapshot(m); };
+  const bool strict = duet_fuzz::attempt(state, [&] { duet::load_checkpoint_bytes(bytes, m.net); });
+  duet_fuzz::attempt(state, [&] {
+    duet_fuzz::check_not_strict(m.net, strict,
+                                [&] { return duet::load_checkpoint_bytes(bytes, m.net, {.strict = false}); });
   });
-  attempt(m, [&] { duet::load_checkpoint_bytes(bytes, m.net, m.adam); });
-  attempt(m, [&] { duet::load_checkpoint_bytes(bytes, m.net, m.sgd); });
+  duet_fuzz::attempt(state, [&] { duet::load_checkpoint_bytes(bytes, m.net, m.adam); });
+  duet_fuzz::attempt(state, [&] { duet::load_checkpoint_bytes(bytes, m.net, m.sgd); });
   try {
     const duet::CheckpointInfo info = duet::checkpoint_info_bytes(bytes);
     if (strict && info.parameters.size() != m.net.parameters().size()) std::abort();

@@ -1,4 +1,4 @@
-// Writes the fuzzers' seed corpora: small valid IDX files and checkpoints of
+// Writes the fuzzers' seed corpora: small valid IDX files, checkpoints and safetensors files of
 // duet_fuzz::Network, and a few broken ones, each a different way into the readers. The
 // output is committed; rerun after a format changes:
 //   cmake --build <fuzz build> --target fuzz_make_corpus && <fuzz build>/tests/fuzz/fuzz_make_corpus tests/fuzz/corpus
@@ -257,6 +257,99 @@ void write_version_2_corpus(const fs::path& dir) {
   write(dir / "v2_broken_negative_step", checkpoint(records_of(net), 2, negative));
 }
 
+// ---- safetensors --------------------------------------------------------------------------
+
+struct Entry {
+  std::string name;
+  std::string dtype;
+  std::vector<duet::index_t> shape;
+  Bytes elements;
+};
+
+// The format of include/duet/io/safetensors.hpp, written independently of save_safetensors (which
+// it is checked against): the tensors' data in the order given, their header entries in
+// `header_order` (default: the same), the header padded with `padding` spaces.
+Bytes safetensors(const std::vector<Entry>& tensors, const std::string& metadata, std::size_t padding,
+                  std::vector<std::size_t> header_order = {}) {
+  if (header_order.empty()) {
+    for (std::size_t i = 0; i < tensors.size(); ++i) header_order.push_back(i);
+  }
+  std::vector<std::size_t> begin;
+  std::size_t offset = 0;
+  for (const Entry& t : tensors) {
+    begin.push_back(offset);
+    offset += t.elements.size();
+  }
+  std::string header = "{" + metadata;
+  for (const std::size_t i : header_order) {
+    const Entry& t = tensors[i];
+    std::string shape;
+    for (const duet::index_t d : t.shape) shape += (shape.empty() ? "" : ",") + std::to_string(d);
+    header += (header.size() == 1 ? "" : ",") + ("\"" + t.name + "\":{\"dtype\":\"" + t.dtype + "\",\"shape\":[" +
+                                                 shape + "],\"data_offsets\":[" + std::to_string(begin[i]) + "," +
+                                                 std::to_string(begin[i] + t.elements.size()) + "]}");
+  }
+  header += "}" + std::string(padding, ' ');
+  Bytes out;
+  append_little_endian(out, static_cast<std::uint64_t>(header.size()));
+  out.insert(out.end(), header.begin(), header.end());
+  for (const Entry& t : tensors) out.insert(out.end(), t.elements.begin(), t.elements.end());
+  return out;
+}
+
+template <class Cell>
+std::vector<Entry> tensors_of(Cell& cell) {
+  std::vector<Entry> out;
+  for (const Record& r : records_of(cell)) out.push_back({r.name, "F32", {r.shape.begin(), r.shape.end()}, r.elements});
+  return out;
+}
+
+void write_safetensors_corpus(const fs::path& dir) {
+  duet::set_seed(1);
+  duet_fuzz::Network net;
+  duet::io::save_safetensors(net, dir / "valid");
+  const std::vector<Entry> tensors = tensors_of(net);
+  const std::string metadata = "\"__metadata__\":{\"format\":\"pt\"}";
+  std::size_t data_size = 0;
+  for (const Entry& t : tensors) data_size += t.elements.size();
+  const std::size_t header_size = safetensors(tensors, metadata, 0).size() - 8 - data_size;
+  const std::size_t padding = (8 - header_size % 8) % 8;
+  if (safetensors(tensors, metadata, padding) != read(dir / "valid")) {
+    throw std::runtime_error("safetensors() differs from save_safetensors");
+  }
+  write(dir / "valid_reversed_header_unpadded", safetensors(tensors, "", 0, {3, 2, 1, 0}));
+  std::vector<Entry> extra = tensors;
+  extra.push_back({"bn.num_batches_tracked", "I64", {}, Bytes(8, 0)});
+  extra.push_back({"half", "F16", {2}, Bytes{0, 0x3C, 0, 0x40}});
+  extra.push_back({"empty", "U8", {0, 3}, {}});
+  write(dir / "valid_not_strict_extra", safetensors(extra, metadata, 3));
+
+  const Bytes valid = read(dir / "valid");
+  write(dir / "broken_truncated_header", Bytes(valid.begin(), valid.begin() + 40));
+  write(dir / "broken_truncated_data", Bytes(valid.begin(), valid.end() - 5));
+  Bytes huge = valid;
+  huge[7] = 0x7F;
+  write(dir / "broken_huge_length", huge);
+  std::vector<Entry> reshaped = tensors;
+  reshaped[0].shape = {3, 4};
+  write(dir / "broken_other_shape", safetensors(reshaped, metadata, 0));
+  reshaped[0].shape = {5, 3};
+  write(dir / "broken_shape_past_offsets", safetensors(reshaped, metadata, 0));
+  std::vector<Entry> doubled = tensors;
+  doubled[1].dtype = "F64";
+  write(dir / "broken_other_dtype", safetensors(doubled, metadata, 0));
+  write(dir / "broken_repeated_tensor", safetensors(tensors, metadata, 0, {0, 1, 2, 3, 0}));
+  const std::string text(valid.begin(), valid.end());
+  const auto replaced = [&](const std::string& from, const std::string& to) {
+    std::string out = text;
+    out.replace(out.find(from), from.size(), to);
+    return Bytes(out.begin(), out.end());
+  };
+  write(dir / "broken_overlap", replaced("[48,64]", "[40,56]"));
+  write(dir / "broken_nested", replaced("\"dtype\":\"F32\"", "\"dtype\":[[0]]"));
+  write(dir / "broken_metadata", replaced("\"pt\"", "7   "));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -265,11 +358,12 @@ int main(int argc, char** argv) {
     return 2;
   }
   const fs::path root = argv[1];
-  for (const char* name : {"idx", "checkpoint"}) {
+  for (const char* name : {"idx", "checkpoint", "safetensors"}) {
     fs::remove_all(root / name);
     fs::create_directories(root / name);
   }
   write_idx_corpus(root / "idx");
   write_version_1_corpus(root / "checkpoint");
   write_version_2_corpus(root / "checkpoint");
+  write_safetensors_corpus(root / "safetensors");
 }

@@ -125,10 +125,11 @@ inline std::string shown_name(std::string_view name) {
 
 // Writes a checkpoint to a temporary file beside its destination and renames it into place
 // on commit, so the destination is always either the old file or the whole new one. The
-// temporary file is removed if the writer is destroyed before commit.
+// temporary file is removed if the writer is destroyed before commit. `where` names the file
+// in messages ("checkpoint '<path>'"); safetensors files are written the same way.
 class CheckpointWriter {
  public:
-  explicit CheckpointWriter(const std::filesystem::path& path) : path_(path), where_(checkpoint_where(path)) {
+  CheckpointWriter(const std::filesystem::path& path, const std::string& where) : path_(path), where_(where) {
     if (!path.has_filename()) throw IOError(where_ + ": the path names no file");
     static std::atomic<unsigned long> serial{0};
     temp_ = path.parent_path() / ("." + path.filename().string() + ".tmp-" + std::to_string(::getpid()) + "-" +
@@ -157,10 +158,13 @@ class CheckpointWriter {
   void u8(std::uint8_t v) { bytes(std::array{std::byte{v}}); }
   void u32(std::uint32_t v) { little_endian<4>(v); }
   void i64(std::int64_t v) { little_endian<8>(static_cast<std::uint64_t>(v)); }
+  void u64(std::uint64_t v) { little_endian<8>(v); }
 
-  // Appends the checksum, makes the file durable, and renames it over the destination.
+  // CRC-32 of every byte written so far.
+  std::uint32_t checksum() const { return static_cast<std::uint32_t>(crc_); }
+
+  // Makes the file durable and renames it over the destination.
   void commit() {
-    u32(static_cast<std::uint32_t>(crc_));
     bool ok = std::fflush(file_) == 0 && ::fsync(::fileno(file_)) == 0;
     std::string why = ok ? "" : system_message();
     if (std::fclose(std::exchange(file_, nullptr)) != 0 && ok) {
@@ -190,15 +194,15 @@ class CheckpointWriter {
   bool committed_ = false;
 };
 
-// A whole file. The buffer is sized by the file's size on disk, and grows with what arrives
-// when that is unknown or the file grows meanwhile, so a file costs what it holds, whatever its
-// fields claim.
-inline std::vector<unsigned char> read_checkpoint_file(const std::filesystem::path& path) {
+// A whole file; `where` names it in messages. The buffer is sized by the file's size on disk,
+// and grows with what arrives when that is unknown or the file grows meanwhile, so a file costs
+// what it holds, whatever its fields claim.
+inline std::vector<unsigned char> read_whole_file(const std::filesystem::path& path, const std::string& where) {
   struct Closer {
     void operator()(std::FILE* f) const { std::fclose(f); }
   };
   const std::unique_ptr<std::FILE, Closer> file(std::fopen(path.c_str(), "rb"));
-  if (file == nullptr) throw IOError(checkpoint_where(path) + ": cannot open: " + system_message());
+  if (file == nullptr) throw IOError(where + ": cannot open: " + system_message());
   std::error_code unknown;
   const auto size = static_cast<std::size_t>(std::filesystem::file_size(path, unknown));
   std::vector<unsigned char> bytes;
@@ -210,7 +214,7 @@ inline std::vector<unsigned char> read_checkpoint_file(const std::filesystem::pa
     const std::size_t got = std::fread(bytes.data() + have, 1, grow, file.get());
     bytes.resize(have + got);
     if (got < grow) {
-      if (std::ferror(file.get()) != 0) throw IOError(checkpoint_where(path) + ": read failed: " + system_message());
+      if (std::ferror(file.get()) != 0) throw IOError(where + ": read failed: " + system_message());
       return bytes;
     }
   }
@@ -477,7 +481,7 @@ template <ElementType T>
 void write_checkpoint(const std::filesystem::path& path, const std::vector<CheckpointTarget<T>>& parameters,
                       std::string_view optimizer = {}, std::int64_t global_step = 0,
                       const std::vector<CheckpointTarget<T>>& state = {}) {
-  CheckpointWriter out(path);
+  CheckpointWriter out(path, checkpoint_where(path));
   out.bytes(std::as_bytes(std::span(checkpoint_magic)));
   out.u32(checkpoint_version);
   write_records(out, parameters);
@@ -487,6 +491,7 @@ void write_checkpoint(const std::filesystem::path& path, const std::vector<Check
     out.i64(global_step);
     write_records(out, state);
   }
+  out.u32(out.checksum());
   out.commit();
 }
 
@@ -652,7 +657,7 @@ CheckpointLoad load_checkpoint(const std::filesystem::path& path, nn::BasicDynam
                                CheckpointLoadOptions options = {}) {
   const std::string where = detail::checkpoint_where(path);
   const auto parameters = detail::parameter_targets(cell, where);
-  return detail::load_parameters(std::span<const unsigned char>(detail::read_checkpoint_file(path)), parameters,
+  return detail::load_parameters(std::span<const unsigned char>(detail::read_whole_file(path, where)), parameters,
                                  options, where);
 }
 
@@ -667,7 +672,7 @@ void load_checkpoint(const std::filesystem::path& path, nn::BasicDynamicCell<T>&
   const std::string where = detail::checkpoint_where(path);
   const auto parameters = detail::parameter_targets(cell, where);
   const auto state = detail::optimizer_targets(parameters, optimizer, where);
-  detail::load_training_state(std::span<const unsigned char>(detail::read_checkpoint_file(path)), parameters,
+  detail::load_training_state(std::span<const unsigned char>(detail::read_whole_file(path, where)), parameters,
                               optimizer, state, where);
 }
 
@@ -692,7 +697,8 @@ void load_checkpoint_bytes(std::span<const std::byte> bytes, nn::BasicDynamicCel
 // What a checkpoint file holds, checked as a load checks it (checksum, every field), with no
 // cell needed: a FormatError or IOError otherwise.
 inline CheckpointInfo checkpoint_info(const std::filesystem::path& path) {
-  return detail::info_of(detail::read_checkpoint_file(path), detail::checkpoint_where(path));
+  const std::string where = detail::checkpoint_where(path);
+  return detail::info_of(detail::read_whole_file(path, where), where);
 }
 
 inline CheckpointInfo checkpoint_info_bytes(std::span<const std::byte> bytes) {

@@ -23,11 +23,9 @@ struct ReshapeLikeOp : Primitive<ReshapeLikeOp> {
 };
 
 // [N, d1, d2, ...] -> [N, d1 * d2 * ...].
-struct FlattenOp {
-  using layer_type = FlattenOp;
+struct FlattenOp : Primitive<FlattenOp> {
   static constexpr int arity = 1;
   static constexpr bool is_view = true;
-  static constexpr bool is_elementwise = false;
 
   static constexpr ShapeResult infer_static(std::span<const Shape> in) {
     const Shape& x = in[0];
@@ -37,7 +35,6 @@ struct FlattenOp {
     if (x.rank() < 2) return fault(Shape{1, x.numel()}, ShapeFault::batch_dimension, 2);
     return {Shape{x[0], x.numel_from(1)}};
   }
-  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
 
   template <std::size_t K>
     requires(K == 0)

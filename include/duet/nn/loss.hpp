@@ -39,11 +39,9 @@ constexpr Shape reduced(const Shape& rows, Reduction r) { return r == Reduction:
 // Logits [..., classes] and labels [...] (sparse) or [..., classes]; the loss per row, or its
 // mean or sum.
 template <bool Sparse, Reduction R>
-struct SoftmaxCrossEntropyOp {
+struct SoftmaxCrossEntropyOp : Primitive<SoftmaxCrossEntropyOp<Sparse, R>> {
   using layer_type = nn::BasicSoftmaxCrossEntropyWithLogits<Sparse, R, float>;
   static constexpr int arity = 2;
-  static constexpr bool is_view = false;
-  static constexpr bool is_elementwise = false;
 
   static constexpr ShapeResult infer_static(std::span<const Shape> in) {
     const Shape& z = in[0];
@@ -92,15 +90,11 @@ struct SoftmaxCrossEntropyOp {
 };
 
 template <bool Sparse, Reduction R>
-struct SoftmaxCrossEntropyGradOp {
-  using layer_type = SoftmaxCrossEntropyGradOp;
+struct SoftmaxCrossEntropyGradOp : Primitive<SoftmaxCrossEntropyGradOp<Sparse, R>> {
   static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0, graph::Operand::input1};
   static constexpr int arity = 3;  // g, logits, labels
-  static constexpr bool is_view = false;
-  static constexpr bool is_elementwise = false;
 
   static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
-  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
@@ -111,7 +105,6 @@ struct SoftmaxCrossEntropyGradOp {
   }
 
   static std::string op_name() { return "SoftmaxCrossEntropyGrad"; }
-  std::string label() const { return op_name(); }
 };
 
 template <Reduction R, bool Target>
@@ -119,11 +112,9 @@ struct MSEGradOp;
 
 // (prediction - target)² per element, or its mean or sum.
 template <Reduction R>
-struct MSEOp {
+struct MSEOp : Primitive<MSEOp<R>> {
   using layer_type = nn::BasicMSELoss<R, float>;
   static constexpr int arity = 2;
-  static constexpr bool is_view = false;
-  static constexpr bool is_elementwise = false;
 
   static constexpr ShapeResult infer_static(std::span<const Shape> in) {
     if (in[0].is_concrete() && in[1].is_concrete() && !(in[0] == in[1])) {
@@ -131,7 +122,6 @@ struct MSEOp {
     }
     return {reduced(in[0], R)};
   }
-  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
@@ -150,16 +140,12 @@ struct MSEOp {
 };
 
 template <Reduction R, bool Target>
-struct MSEGradOp {
-  using layer_type = MSEGradOp;
+struct MSEGradOp : Primitive<MSEGradOp<R, Target>> {
   static constexpr std::array reads{graph::Operand::grad, Target ? graph::Operand::input1 : graph::Operand::input0,
                                     Target ? graph::Operand::input0 : graph::Operand::input1};
   static constexpr int arity = 3;  // g, the value differentiated, the other
-  static constexpr bool is_view = false;
-  static constexpr bool is_elementwise = false;
 
   static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
-  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
@@ -167,7 +153,6 @@ struct MSEGradOp {
   }
 
   static std::string op_name() { return "MSEGrad"; }
-  std::string label() const { return op_name(); }
 };
 
 // d/d labels of the dense form: -log_softmax(logits), scaled as the loss reduces. (MindSpore
@@ -188,7 +173,7 @@ struct SoftmaxCrossEntropyLabelGradOp : Primitive<SoftmaxCrossEntropyLabelGradOp
     const index_t rows = classes == 0 ? 0 : a.in_shape(1).numel() / classes;
     for (index_t i = 0; i < rows; ++i) {
       const T* row = z + i * classes;
-      const T lse = Backend::log_sum_exp(row, classes);
+      const T lse = kernels::log_sum_exp(row, classes);
       const T scale = R == Reduction::none ? g[i] : R == Reduction::mean ? g[0] / static_cast<T>(rows) : g[0];
       for (index_t c = 0; c < classes; ++c) d[i * classes + c] = (lse - row[c]) * scale;
     }

@@ -20,6 +20,7 @@
 #include <utility>
 
 #include "../eager.hpp"
+#include "../nn/activation.hpp"
 #include "../operation.hpp"
 
 namespace duet {
@@ -166,48 +167,195 @@ inline std::array<index_t, max_rank> broadcast_strides(const Shape& in, const Sh
   return strides;
 }
 
-// Calls f(i, ia, ib) for each output element i, with the elements ia and ib of the inputs it
-// reads, in the order of the output.
-template <class F>
-void for_each_broadcast(const Shape& a, const Shape& b, const Shape& out, F&& f) {
+// Calls row(first, count, start, step) for each run of output elements [first, first + count)
+// along which every input advances by a constant step: input k is read at start[k] +
+// j * step[k] for the j-th element of the run. The whole output is one run when the shapes
+// are equal, a row of the last axis otherwise.
+template <std::size_t N, class Row>
+void for_each_broadcast_row(const std::array<Shape, N>& in, const Shape& out, Row&& row) {
   const index_t n = out.numel();
   if (n == 0) return;
-  if (a == out && b == out) {
-    for (index_t i = 0; i < n; ++i) f(i, i, i);
+  std::array<index_t, N> at{};
+  std::array<index_t, N> step{};
+  if (std::all_of(in.begin(), in.end(), [&](const Shape& s) { return s == out; })) {
+    step.fill(1);
+    row(index_t{0}, n, at, step);
     return;
   }
-  const auto sa = broadcast_strides(a, out);
-  const auto sb = broadcast_strides(b, out);
+  std::array<std::array<index_t, max_rank>, N> strides;
+  for (std::size_t k = 0; k < N; ++k) strides[k] = broadcast_strides(in[k], out);
   const int rank = out.rank();
   const index_t inner = rank == 0 ? 1 : out[-1];
-  const index_t ia_step = rank == 0 ? 0 : sa[static_cast<std::size_t>(rank - 1)];
-  const index_t ib_step = rank == 0 ? 0 : sb[static_cast<std::size_t>(rank - 1)];
+  for (std::size_t k = 0; k < N; ++k) step[k] = rank == 0 ? 0 : strides[k][static_cast<std::size_t>(rank - 1)];
   std::array<index_t, max_rank> index{};
-  index_t oa = 0, ob = 0;
   for (index_t i = 0; i < n; i += inner) {
-    for (index_t j = 0; j < inner; ++j) f(i + j, oa + j * ia_step, ob + j * ib_step);
+    row(i, inner, at, step);
     // The odometer over the outer axes, last first.
     for (int axis = rank - 2; axis >= 0; --axis) {
       const std::size_t ax = static_cast<std::size_t>(axis);
       ++index[ax];
-      oa += sa[ax];
-      ob += sb[ax];
+      for (std::size_t k = 0; k < N; ++k) at[k] += strides[k][ax];
       if (index[ax] < out[axis]) break;
-      oa -= sa[ax] * index[ax];
-      ob -= sb[ax] * index[ax];
+      for (std::size_t k = 0; k < N; ++k) at[k] -= strides[k][ax] * index[ax];
       index[ax] = 0;
     }
   }
+}
+
+// Calls f(i, ia, ib) for each output element i, with the elements ia and ib of the two inputs
+// it reads, in the order of the output; then done(first, count) after each run, while the run
+// is still in cache (an epilogue's pass).
+template <class F, class Done = void (*)(index_t, index_t)>
+void for_each_broadcast(const Shape& a, const Shape& b, const Shape& out, F&& f,
+                        Done&& done = [](index_t, index_t) {}) {
+  for_each_broadcast_row<2>(std::array<Shape, 2>{a, b}, out,
+                            [&](index_t first, index_t count, const std::array<index_t, 2>& start,
+                                const std::array<index_t, 2>& step) {
+                              // In runs that stay in cache until done() has seen them.
+                              constexpr index_t run = 1024;
+                              for (index_t r = 0; r < count; r += run) {
+                                const index_t end = std::min(count, r + run);
+                                for (index_t j = r; j < end; ++j) {
+                                  f(first + j, start[0] + j * step[0], start[1] + j * step[1]);
+                                }
+                                done(first + r, end - r);
+                              }
+                            });
 }
 
 }  // namespace detail
 
 template <class Fn, int K>
 struct BroadcastGradOp;
+template <class Fn, class... Epilogue>
+struct BroadcastOp;
 
-// Fn(a, b) elementwise, a and b broadcast to a common shape.
-template <class Fn>
-struct BroadcastOp : Primitive<BroadcastOp<Fn>> {
+// An elementwise expression tree over the inputs of a fused operation: input I, or Fn of two
+// subtrees.
+template <int I>
+struct Arg {};
+template <class Fn, class L, class R>
+struct Apply {};
+
+namespace detail {
+
+// A run of up to `block` elements of one operand: strided in an input, contiguous in a block
+// buffer.
+template <class T>
+struct Operand {
+  const T* data;
+  index_t stride;
+  T operator[](index_t j) const { return data[j * stride]; }
+};
+
+inline constexpr index_t block = 256;
+
+// Evaluates a tree on a run of `count` (<= block) output elements, each subtree into a block
+// buffer of its own, a loop per node. Every intermediate value is stored in T before the next
+// node reads it, so the compiler cannot contract a multiply and an add into one FMA: the
+// result is the unfused operations' bit for bit, as PyNative computes them.
+template <class Tree>
+struct tree;
+template <int I>
+struct tree<Arg<I>> {
+  static constexpr std::size_t buffers = 0;
+  template <class T, std::size_t N>
+  static Operand<T> eval(const std::array<const T*, N>& in, const std::array<index_t, N>& start,
+                         const std::array<index_t, N>& step, index_t, T*, T*) {
+    return {in[I] + start[I], step[I]};
+  }
+  static std::string text() { return std::string(1, static_cast<char>('a' + I)); }
+};
+template <class Fn, class L, class R>
+struct tree<Apply<Fn, L, R>> {
+  // Blocks of scratch the subtrees need: one per inner node, the root writing to its destination.
+  static constexpr std::size_t buffers = tree<L>::buffers + tree<R>::buffers + 2;
+  template <class T, std::size_t N>
+  static Operand<T> eval(const std::array<const T*, N>& in, const std::array<index_t, N>& start,
+                         const std::array<index_t, N>& step, index_t count, T* destination, T* scratch) {
+    const Operand<T> l = tree<L>::eval(in, start, step, count, scratch, scratch + block);
+    const Operand<T> r = tree<R>::eval(in, start, step, count, scratch + block * (1 + tree<L>::buffers),
+                                       scratch + block * (2 + tree<L>::buffers));
+    for (index_t j = 0; j < count; ++j) destination[j] = Fn::apply(l[j], r[j]);
+    return {destination, 1};
+  }
+  static std::string text() { return std::string(Fn::name) + "(" + tree<L>::text() + ", " + tree<R>::text() + ")"; }
+};
+
+}  // namespace detail
+
+// A chain of binary elementwise operations fused into one pass over N inputs (Tree), then the
+// unary functions Epilogue: what fuse_epilogues makes of `x * w + b` in a graph that is not
+// differentiated, so the intermediate values are never written.
+template <std::size_t N, class Tree, class... Epilogue>
+struct ElementwiseOp : Primitive<ElementwiseOp<N, Tree, Epilogue...>> {
+  static constexpr int arity = static_cast<int>(N);
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    ShapeResult r{in[0]};
+    for (std::size_t k = 1; k < N && r.ok(); ++k) {
+      r = broadcast_shapes(r.shape, in[k]);
+      if (!r.ok()) r.input = static_cast<int>(k);
+    }
+    return r;
+  }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    std::array<const T*, N> in;
+    std::array<Shape, N> shapes;
+    for (std::size_t k = 0; k < N; ++k) {
+      in[k] = a.in<T>(k);
+      shapes[k] = a.in_shape(k);
+    }
+    T* out = a.out<T>();
+    std::array<T, detail::block * detail::tree<Tree>::buffers> scratch;
+    detail::for_each_broadcast_row<N>(
+        shapes, a.output_shape,
+        [&](index_t first, index_t count, const std::array<index_t, N>& start, const std::array<index_t, N>& step) {
+          for (index_t done = 0; done < count; done += detail::block) {
+            const index_t n = std::min(detail::block, count - done);
+            std::array<index_t, N> at = start;
+            for (std::size_t k = 0; k < N; ++k) at[k] += done * step[k];
+            detail::tree<Tree>::eval(in, at, step, n, out + first + done, scratch.data());
+            if constexpr (sizeof...(Epilogue) > 0)
+              Backend::template map<Epilogue...>(out + first + done, n, out + first + done);
+          }
+        });
+  }
+
+  template <class C>
+  // Functions with parameters (LeakyReLU's alpha) are not taken: the op holds no values
+  // for its epilogue, and would run them with their defaults.
+  static constexpr bool accepts_epilogue = requires { C::elementwise_functions; } && std::is_empty_v<C>;
+  template <class... Gs>
+  auto absorb(const MapOp<Gs...>&) const {
+    return ElementwiseOp<N, Tree, Epilogue..., Gs...>{};
+  }
+  // This value as input Pos of a binary elementwise operation: one more input, one more level.
+  template <int Pos, class Fn2>
+    requires(sizeof...(Epilogue) == 0)
+  auto absorb_operand(const BroadcastOp<Fn2>&) const {
+    using Other = Arg<static_cast<int>(N)>;
+    return ElementwiseOp<N + 1, std::conditional_t<Pos == 0, Apply<Fn2, Tree, Other>, Apply<Fn2, Other, Tree>>>{};
+  }
+
+  // It keeps none of the values between its steps: a graph to differentiate is not fused so.
+  static constexpr bool differentiable = false;
+
+  static std::string op_name() {
+    std::string s = "Elementwise " + detail::tree<Tree>::text();
+    ((s += " + " + std::string(Epilogue::name)), ...);
+    return s;
+  }
+};
+
+// Fn(a, b) elementwise, a and b broadcast to a common shape, then the unary functions Epilogue
+// (fuse_epilogues moves elementwise functions that follow it here, so the value is written
+// once).
+template <class Fn, class... Epilogue>
+struct BroadcastOp : Primitive<BroadcastOp<Fn, Epilogue...>> {
+  using layer_type = BroadcastOp<Fn>;
   static constexpr int arity = 2;
 
   static constexpr ShapeResult infer_static(std::span<const Shape> in) { return broadcast_shapes(in[0], in[1]); }
@@ -217,17 +365,41 @@ struct BroadcastOp : Primitive<BroadcastOp<Fn>> {
     const T* x = a.in<T>(0);
     const T* y = a.in<T>(1);
     T* out = a.out<T>();
-    detail::for_each_broadcast(a.in_shape(0), a.in_shape(1), a.output_shape,
-                               [&](index_t i, index_t ia, index_t ib) { out[i] = Fn::apply(x[ia], y[ib]); });
+    detail::for_each_broadcast(
+        a.in_shape(0), a.in_shape(1), a.output_shape,
+        [&](index_t i, index_t ia, index_t ib) { out[i] = Fn::apply(x[ia], y[ib]); },
+        [&](index_t first, index_t count) {
+          if constexpr (sizeof...(Epilogue) > 0) Backend::template map<Epilogue...>(out + first, count, out + first);
+        });
   }
 
+  template <class C>
+  // Functions with parameters (LeakyReLU's alpha) are not taken: the op holds no values
+  // for its epilogue, and would run them with their defaults.
+  static constexpr bool accepts_epilogue = requires { C::elementwise_functions; } && std::is_empty_v<C>;
+  template <class... Gs>
+  auto absorb(const MapOp<Gs...>&) const {
+    return BroadcastOp<Fn, Epilogue..., Gs...>{};
+  }
+  template <int Pos, class Fn2>
+    requires(sizeof...(Epilogue) == 0)
+  auto absorb_operand(const BroadcastOp<Fn2>& next) const {
+    return ElementwiseOp<2, Apply<Fn, Arg<0>, Arg<1>>>{}.template absorb_operand<Pos>(next);
+  }
+
+  // Fused with an epilogue it keeps no value between Fn and the epilogue to differentiate from.
+  static constexpr bool differentiable = sizeof...(Epilogue) == 0;
   template <std::size_t K>
     requires(K < 2)
   auto grad_op() const {
     return BroadcastGradOp<Fn, static_cast<int>(K)>{};
   }
 
-  static std::string op_name() { return std::string(Fn::name); }
+  static std::string op_name() {
+    std::string s(Fn::name);
+    ((s += " + " + std::string(Epilogue::name)), ...);
+    return s;
+  }
 };
 
 // d/d input K of Fn(a, b): dy · partial_K(a, b), summed over the axes input K was broadcast
@@ -324,10 +496,14 @@ inline const bool arithmetic_listed =
 // symbolic tensor in construct.
 template <class X>
 concept TensorLike = is_tensor_v<std::remove_cvref_t<X>> || is_static_tensor_v<std::remove_cvref_t<X>> ||
-                     graph::Symbolic<X>;
+                     nn::is_parameter_v<std::remove_cvref_t<X>> || graph::Symbolic<X>;
 
 template <class S>
 concept Scalar = std::is_arithmetic_v<std::remove_cvref_t<S>>;
+
+// What arithmetic takes: tensors and numbers, at least one a tensor.
+template <class A, class B>
+concept Operands = (TensorLike<A> || Scalar<A>) && (TensorLike<B> || Scalar<B>) && (TensorLike<A> || TensorLike<B>);
 
 // A static tensor's BasicTensor, anything else as it is.
 template <class X>
@@ -351,37 +527,37 @@ auto binary(const A& a, const B& b) {
 }
 
 template <class A, class B>
-  requires((TensorLike<A> || Scalar<A>) && (TensorLike<B> || Scalar<B>) && (TensorLike<A> || TensorLike<B>))
+  requires Operands<A, B>
 auto add(const A& a, const B& b) {
   return binary<fn::Add>(a, b);
 }
 template <class A, class B>
-  requires((TensorLike<A> || Scalar<A>) && (TensorLike<B> || Scalar<B>) && (TensorLike<A> || TensorLike<B>))
+  requires Operands<A, B>
 auto sub(const A& a, const B& b) {
   return binary<fn::Sub>(a, b);
 }
 template <class A, class B>
-  requires((TensorLike<A> || Scalar<A>) && (TensorLike<B> || Scalar<B>) && (TensorLike<A> || TensorLike<B>))
+  requires Operands<A, B>
 auto mul(const A& a, const B& b) {
   return binary<fn::Mul>(a, b);
 }
 template <class A, class B>
-  requires((TensorLike<A> || Scalar<A>) && (TensorLike<B> || Scalar<B>) && (TensorLike<A> || TensorLike<B>))
+  requires Operands<A, B>
 auto div(const A& a, const B& b) {
   return binary<fn::Div>(a, b);
 }
 template <class A, class B>
-  requires((TensorLike<A> || Scalar<A>) && (TensorLike<B> || Scalar<B>) && (TensorLike<A> || TensorLike<B>))
+  requires Operands<A, B>
 auto maximum(const A& a, const B& b) {
   return binary<fn::Maximum>(a, b);
 }
 template <class A, class B>
-  requires((TensorLike<A> || Scalar<A>) && (TensorLike<B> || Scalar<B>) && (TensorLike<A> || TensorLike<B>))
+  requires Operands<A, B>
 auto minimum(const A& a, const B& b) {
   return binary<fn::Minimum>(a, b);
 }
 template <class A, class B>
-  requires((TensorLike<A> || Scalar<A>) && (TensorLike<B> || Scalar<B>) && (TensorLike<A> || TensorLike<B>))
+  requires Operands<A, B>
 auto pow(const A& a, const B& b) {
   return binary<fn::Pow>(a, b);
 }
@@ -397,8 +573,7 @@ auto neg(const X& x) {
 // The operators, found by argument-dependent lookup on duet's tensors and graph::Sym.
 #define DUET_DETAIL_ARITHMETIC_OPERATOR(op, function)                                                   \
   template <class A, class B>                                                                          \
-    requires((ops::TensorLike<A> || ops::Scalar<A>) && (ops::TensorLike<B> || ops::Scalar<B>) &&       \
-             (ops::TensorLike<A> || ops::TensorLike<B>))                                               \
+    requires ops::Operands<A, B>                                                                       \
   auto operator op(const A& a, const B& b) {                                                           \
     return ops::function(a, b);                                                                        \
   }

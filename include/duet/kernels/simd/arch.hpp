@@ -1,8 +1,9 @@
 // The one place where the instruction sets differ: per set, the vector width, the tile height
 // and the few operations GCC's vector extensions do not spell (FMA, masked memory access, the
-// group broadcast). Everything else in a kernel is written once, on Vec<T>, and compiled once
-// per set, in the set's namespace (detail::baseline, detail::avx2, detail::avx512) and between
-// its DUET_BEGIN_... and DUET_END_ISA (as kernels/gemm.hpp does with detail/gemm_impl.hpp).
+// group broadcast, the square root). Everything else in a kernel is written once, on Vec<T>,
+// and compiled once per set, in the set's namespace (detail::baseline, detail::avx2,
+// detail::avx512) and between its DUET_BEGIN_... and DUET_END_ISA (as kernels/gemm.hpp does
+// with detail/gemm_impl.hpp); so are exp and the reductions (detail/math.hpp).
 //
 // Each set's code is compiled for its target whatever -march the program has, by a target
 // region: GCC's `#pragma GCC target`, clang's `#pragma clang attribute push(target)`. Templates
@@ -12,6 +13,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <type_traits>
 
@@ -31,6 +33,18 @@
 #define DUET_BEGIN_AVX2 _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma\")")
 #define DUET_BEGIN_AVX512 _Pragma("GCC push_options") _Pragma("GCC target(\"avx512f,avx512dq,avx512bw,avx512vl,avx2,fma\")")
 #define DUET_END_ISA _Pragma("GCC pop_options")
+#endif
+
+// Arithmetic exactly as written: no a·b + c contracted into an FMA, which both compilers do
+// wherever the target has one (GCC 12 even under -std=c++20). Kernels whose every set must
+// give the bits of the scalar formula (kernels/optim.hpp) sit between these, inside their
+// set's region; templates keep the setting when instantiated later, as they keep the target.
+#if defined(__clang__)
+#define DUET_BEGIN_UNFUSED _Pragma("float_control(push)") _Pragma("clang fp contract(off)")
+#define DUET_END_UNFUSED _Pragma("float_control(pop)")
+#else
+#define DUET_BEGIN_UNFUSED _Pragma("GCC push_options") _Pragma("GCC optimize(\"fp-contract=off\")")
+#define DUET_END_UNFUSED _Pragma("GCC pop_options")
 #endif
 
 namespace duet::kernels::detail {
@@ -82,6 +96,20 @@ Vec<T> broadcast_group(const T* p) {
   for (int i = 0; i < lanes<T>; ++i) v[i] = p[i % KG<T>];
   return v;
 }
+
+// Correctly rounded, as std::sqrt, without its call into libm for errno.
+template <class T>
+Vec<T> sqrt(Vec<T> v) {
+#if DUET_X86_KERNELS
+  if constexpr (std::is_same_v<T, float>) return _mm_sqrt_ps(v);
+  else return _mm_sqrt_pd(v);
+#else
+  for (int i = 0; i < lanes<T>; ++i) v[i] = __builtin_sqrt(v[i]);
+  return v;
+#endif
+}
+
+#include "detail/math.hpp"
 
 }  // namespace duet::kernels::detail::baseline
 
@@ -135,6 +163,14 @@ Vec<T> broadcast_group(const T* p) {
   }
 }
 
+template <class T>
+Vec<T> sqrt(Vec<T> v) {
+  if constexpr (std::is_same_v<T, float>) return _mm256_sqrt_ps(v);
+  else return _mm256_sqrt_pd(v);
+}
+
+#include "detail/math.hpp"
+
 }  // namespace duet::kernels::detail::avx2
 DUET_END_ISA
 
@@ -175,6 +211,15 @@ Vec<T> broadcast_group(const T* p) {
   if constexpr (std::is_same_v<T, float>) return _mm512_maskz_broadcast_f32x4(0xFFFF, _mm_loadu_ps(p));
   else return _mm512_maskz_broadcast_f64x4(0xFF, _mm256_loadu_pd(p));
 }
+
+// Zero-masking with every lane selected, as broadcast_group, for the same GCC 12 warning.
+template <class T>
+Vec<T> sqrt(Vec<T> v) {
+  if constexpr (std::is_same_v<T, float>) return _mm512_maskz_sqrt_ps(0xFFFF, v);
+  else return _mm512_maskz_sqrt_pd(0xFF, v);
+}
+
+#include "detail/math.hpp"
 
 }  // namespace duet::kernels::detail::avx512
 DUET_END_ISA

@@ -1,0 +1,90 @@
+// Elementwise kernels and the row reductions of softmax cross-entropy: exp, log-sum-exp, the
+// softmax gradient of a row, sums, and a map of vector functions (fn::Relu).
+//
+// Written once (detail/elementwise_impl.hpp) on the vectors of each instruction set, compiled
+// per set below and chosen at run time (simd/isa.hpp, duet::kernel_isa()); a row's tail is one
+// masked vector through the same code. exp is simd/detail/math.hpp's, within 2 ulp of std::exp,
+// so no element calls libm; a row's logarithm is one std::log. Sums run lane by lane and then
+// fold in a fixed tree, so they are not the scalar left-to-right sums, and a set with wider
+// vectors (or FMA) can differ from another in the last bits of a loss or a gradient; under one
+// set every call gives the same bits, which is what makes graph and PyNative mode agree.
+// map() applies Fns::apply_in_place, the code a product's fused epilogue runs, so a map and an
+// epilogue give the same bits.
+#pragma once
+
+#include <cmath>
+#include <limits>
+
+#include "../config.hpp"
+#include "gemm.hpp"
+#include "simd/arch.hpp"
+#include "simd/dispatch.hpp"
+
+namespace duet::kernels::detail::baseline {
+#include "detail/elementwise_impl.hpp"
+}  // namespace duet::kernels::detail::baseline
+
+#if DUET_X86_KERNELS
+DUET_BEGIN_AVX2
+namespace duet::kernels::detail::avx2 {
+#include "detail/elementwise_impl.hpp"
+}  // namespace duet::kernels::detail::avx2
+DUET_END_ISA
+
+DUET_BEGIN_AVX512
+namespace duet::kernels::detail::avx512 {
+#include "detail/elementwise_impl.hpp"
+}  // namespace duet::kernels::detail::avx512
+DUET_END_ISA
+#endif
+
+namespace duet::kernels {
+
+template <class T>
+concept VectorElement = std::is_same_v<T, float> || std::is_same_v<T, double>;
+
+// y[i] = e^x[i]; y may be x.
+template <VectorElement T>
+void exp(const T* x, index_t n, T* y) {
+  detail::with_target(active_isa(), [&](auto target) { exp_step(target, x, n, y); });
+}
+
+// Σ x[i].
+template <VectorElement T>
+T sum(const T* x, index_t n) {
+  return detail::with_target(active_isa(), [&](auto target) { return sum_step(target, x, n); });
+}
+
+// log Σ e^x[i], after subtracting the maximum, so that 1e4 neither overflows nor is lost.
+template <VectorElement T>
+T log_sum_exp(const T* x, index_t n) {
+  return detail::with_target(active_isa(), [&](auto target) { return log_sum_exp_step(target, x, n); });
+}
+
+// Σ p[i] (lse - z[i]): the cross-entropy of a row of logits z against a distribution p.
+template <VectorElement T>
+T cross_entropy(const T* z, const T* p, index_t n, T lse) {
+  return detail::with_target(active_isa(), [&](auto target) { return cross_entropy_step(target, z, p, n, lse); });
+}
+
+// d[i] = (e^(z[i] - lse) - [i == label]) · scale: the gradient of a row's sparse softmax
+// cross-entropy, times the gradient flowing in.
+template <VectorElement T>
+void softmax_grad(const T* z, index_t n, T lse, index_t label, T scale, T* d) {
+  detail::with_target(active_isa(), [&](auto target) { softmax_grad_step(target, z, n, lse, label, scale, d); });
+}
+
+// d[i] = (e^(z[i] - lse) · mass - p[i]) · scale, mass = Σ p: the same against a distribution.
+template <VectorElement T>
+void softmax_grad(const T* z, const T* p, index_t n, T lse, T mass, T scale, T* d) {
+  detail::with_target(active_isa(), [&](auto target) { softmax_grad_step(target, z, p, n, lse, mass, scale, d); });
+}
+
+// y[i] = Fns(x[i]), the functions applied in order; y may be x.
+template <class... Fns, class T>
+  requires gemm_supports<T, Fns...>
+void map(const T* x, index_t n, T* y) {
+  detail::with_target(active_isa(), [&](auto target) { map_step<T, Fns...>(target, x, n, y); });
+}
+
+}  // namespace duet::kernels

@@ -1,0 +1,67 @@
+// The compile driver of graph mode, written once for Cell, grad and jit:
+//
+//   capture   the function called on symbolic inputs (graph::input) returns the program as a
+//             type; each front end captures its own way (a cell's construct, a function with
+//             non-tensor arguments for jit), through compile() where the inputs are tensors
+//   passes    passes::optimize<Config> rewrites that type (grad then appends the backward
+//             graph, autodiff::build_backward)
+//   plan      for the inputs' shapes, kept per owner and thread (cached_plan)
+//   run       the evaluator, in one call (execute)
+//
+// Capture and passes happen while the program compiles; plan once per new input shape; run
+// on every call.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "evaluator.hpp"
+#include "graph.hpp"
+#include "jit_config.hpp"
+#include "passes.hpp"
+#include "tensor.hpp"
+
+namespace duet::pipeline {
+
+// A symbolic input: its element type and what compile time knows of its shape.
+template <class T, class Pattern>
+struct Input {};
+
+// f captured on Inputs (input K being the K-th) and optimised; Differentiated keeps every
+// operation differentiable, for a graph that build_backward extends.
+template <JitConfig Config, bool Differentiated, class... Inputs, class F>
+auto compile(F&& f) {
+  return [&]<class... T, class... P, std::size_t... K>(std::index_sequence<K...>, Input<T, P>*...) {
+    return passes::optimize<Config, Differentiated>(f(graph::input<T, P, K>()...));
+  }(std::index_sequence_for<Inputs...>{}, static_cast<Inputs*>(nullptr)...);
+}
+
+// The plan of the last input shapes `owner` ran this graph type with on this thread. Per
+// thread, so concurrent callers never share or lock; one entry, so it costs nothing to keep.
+template <JitConfig Config = JitConfig{}, class G, std::size_t Out, std::size_t N, class Where>
+const graph::Plan<G, N>& cached_plan(std::uint64_t owner, const graph::Sym<G, Out>& program,
+                                     const std::array<Shape, N>& shapes, Where&& where) {
+  thread_local struct {
+    std::uint64_t owner = 0;
+    graph::Plan<G, N> plan;
+  } cache;
+  if (cache.owner != owner || cache.plan.input_shapes != shapes) {
+    cache.owner = 0;  // stays invalid if planning throws
+    cache.plan = plan<Config>(program, shapes, std::string(where()));
+    cache.owner = owner;
+  }
+  return cache.plan;
+}
+
+// Plans (or reuses the plan for these shapes) and runs a compiled program. `owner` keys the
+// plan cache (detail::new_plan_owner); `where` names the program in shape errors.
+template <JitConfig Config, class G, std::size_t Out, class Where, class... Ts>
+auto execute(std::uint64_t owner, const graph::Sym<G, Out>& program, Where&& where, const BasicTensor<Ts>&... xs) {
+  const std::array<Shape, sizeof...(Ts)> shapes{xs.shape()...};
+  return run<DefaultBackend, Config>(program, cached_plan<Config>(owner, program, shapes, where), xs...);
+}
+
+}  // namespace duet::pipeline
