@@ -324,9 +324,9 @@ struct ElementwiseOp : Primitive<ElementwiseOp<N, Tree, Epilogue...>> {
         });
   }
 
-  template <class C>
   // Functions with parameters (LeakyReLU's alpha) are not taken: the op holds no values
   // for its epilogue, and would run them with their defaults.
+  template <class C>
   static constexpr bool accepts_epilogue = requires { C::elementwise_functions; } && std::is_empty_v<C>;
   template <class... Gs>
   auto absorb(const MapOp<Gs...>&) const {
@@ -373,9 +373,9 @@ struct BroadcastOp : Primitive<BroadcastOp<Fn, Epilogue...>> {
         });
   }
 
-  template <class C>
   // Functions with parameters (LeakyReLU's alpha) are not taken: the op holds no values
   // for its epilogue, and would run them with their defaults.
+  template <class C>
   static constexpr bool accepts_epilogue = requires { C::elementwise_functions; } && std::is_empty_v<C>;
   template <class... Gs>
   auto absorb(const MapOp<Gs...>&) const {
