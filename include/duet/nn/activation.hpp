@@ -245,6 +245,9 @@ struct MapOp : Primitive<MapOp<Fns...>> {
     return MapOp<Fns..., Gs...>{std::tuple_cat(fns, next.fns)};
   }
   static constexpr auto elementwise_functions = sizeof...(Fns);
+  // Whether the functions have no parameters, so that an op keeping only their types (the
+  // arithmetic ops' epilogues) runs them as this one does.
+  static constexpr bool parameterless = (std::is_empty_v<Fns> && ...);
 
   // A single function is differentiated from its output; a fused chain would need the values
   // between its functions, which it never stores.
