@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <tuple>
 
 #include <Eigen/Core>
 #if !EIGEN_VERSION_AT_LEAST(3, 4, 0)
@@ -32,6 +33,7 @@ namespace duet {
 template <class T, class... Fns>
 struct Epilogue {
   const T* bias = nullptr;
+  std::tuple<Fns...> fns{};  // their parameters, if any (LeakyReLU's alpha)
 };
 
 // How a loss turns per-element losses into its output (MindSpore's `reduction`).
@@ -86,14 +88,22 @@ constexpr int eigen_size(index_t n) { return n == dyn || n > 16 ? ::Eigen::Dynam
 template <class T, index_t Rows, index_t Cols>
 using RowMajorMatrix = ::Eigen::Matrix<T, eigen_size(Rows), eigen_size(Cols), Cols == 1 ? ::Eigen::ColMajor : ::Eigen::RowMajor>;
 
-template <class Expr>
-decltype(auto) apply_all(const Expr& e) {
-  return e;
+// fns applied in order to an Eigen array expression, as one expression.
+template <std::size_t I = 0, class... Fns, class Expr>
+auto apply_all(const std::tuple<Fns...>& fns, const Expr& e) {
+  if constexpr (I == sizeof...(Fns)) return e;
+  else return apply_all<I + 1>(fns, std::get<I>(fns).array(e));
 }
-template <class Fn, class... Rest, class Expr>
-auto apply_all(const Expr& e) {
-  return apply_all<Rest...>(Fn::array(e));
-}
+
+// Whether Fns give the same bits however a loop over them is split into SIMD vectors and
+// scalars, and however it is fused with other arithmetic: those with a vector form for the
+// product's registers (ReLU) are exact comparisons and selections. The others (exp, tanh,
+// erf, ...) take Eigen's vectorised approximations on full vectors and the C library on the
+// rest, and a compiler may contract their arithmetic into that of a neighbouring function
+// (FMA); so that a fused graph computes what PyNative's one-function passes compute, they run
+// one function at a time over the same flat layout.
+template <class T, class... Fns>
+inline constexpr bool exact_in_any_layout = (kernels::VectorFunction<Fns, T> && ...);
 }  // namespace detail
 
 struct Eigen {
@@ -109,12 +119,17 @@ struct Eigen {
     ::Eigen::Map<const WMatrix> W(w, out, in);
     ::Eigen::Map<YMatrix> Y(y, rows, out);
     Y.noalias() = X * W.transpose();
-    if (epilogue.bias != nullptr) {
-      using Row = ::Eigen::Array<T, 1, detail::eigen_size(Out)>;
-      ::Eigen::Map<const Row> b(epilogue.bias, 1, out);
-      Y.array() = detail::apply_all<Fns...>(Y.array().rowwise() + b);
-    } else if constexpr (sizeof...(Fns) > 0) {
-      Y.array() = detail::apply_all<Fns...>(Y.array());
+    if constexpr (detail::exact_in_any_layout<T, Fns...>) {
+      if (epilogue.bias != nullptr) {
+        using Row = ::Eigen::Array<T, 1, detail::eigen_size(Out)>;
+        ::Eigen::Map<const Row> b(epilogue.bias, 1, out);
+        Y.array() = detail::apply_all(epilogue.fns, Y.array().rowwise() + b);
+      } else if constexpr (sizeof...(Fns) > 0) {
+        Y.array() = detail::apply_all(epilogue.fns, Y.array());
+      }
+    } else {
+      if (epilogue.bias != nullptr) add_bias(y, rows, out, epilogue.bias, y);
+      map(epilogue.fns, y, rows * out, y);
     }
   }
 
@@ -136,24 +151,46 @@ struct Eigen {
     Y.array() = X.array().rowwise() + b;
   }
 
-  // y[i] = Fns(x[i]), the functions applied in order in one pass; y may be x.
+  // y[i] = fns(x[i]), the functions applied in order in one pass over memory; y may be x.
+  // Functions that are not exact in any layout (detail::exact_in_any_layout) take turns on
+  // blocks that stay in L1, each function's pass the very code that runs it alone.
+  template <class... Fns, class T>
+  static void map(const std::tuple<Fns...>& fns, const T* x, index_t n, T* y) {
+    using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
+    if constexpr (sizeof...(Fns) == 1 || detail::exact_in_any_layout<T, Fns...>) {
+      ::Eigen::Map<Array>(y, n) = detail::apply_all(fns, ::Eigen::Map<const Array>(x, n));
+    } else {
+      // A multiple of every SIMD width, so that each block splits into vectors and a scalar
+      // tail exactly where one pass over all n elements does.
+      constexpr index_t block = 1024;
+      for (index_t i = 0; i < n; i += block) {
+        const index_t m = std::min(block, n - i);
+        const T* from = x + i;
+        std::apply([&](const auto&... f) { ((map(std::tuple{f}, from, m, y + i), from = y + i), ...); }, fns);
+      }
+    }
+  }
   template <class... Fns, class T>
   static void map(const T* x, index_t n, T* y) {
-    using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
-    ::Eigen::Map<Array>(y, n) = detail::apply_all<Fns...>(::Eigen::Map<const Array>(x, n));
+    map(std::tuple<Fns...>{}, x, n, y);
   }
 
-  // dx[i] = dy[i] · Fn'(x[i]), Fn' written in terms of the output y = Fn(x).
+  // dx[i] = dy[i] · Fn'(x[i]), Fn' written in terms of the output y = Fn(x), or of the input
+  // (fn::grad_from_input), which is then what `y` points to.
+  template <class Fn, class T>
+  static void map_grad(const Fn& f, const T* dy, const T* y, index_t n, T* dx) {
+    using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
+    ::Eigen::Map<Array>(dx, n) = f.grad_array(::Eigen::Map<const Array>(dy, n), ::Eigen::Map<const Array>(y, n));
+  }
   template <class Fn, class T>
   static void map_grad(const T* dy, const T* y, index_t n, T* dx) {
-    using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
-    ::Eigen::Map<Array>(dx, n) = Fn::grad_array(::Eigen::Map<const Array>(dy, n), ::Eigen::Map<const Array>(y, n));
+    map_grad(Fn{}, dy, y, n, dx);
   }
 
   // The gradient of y = Fns(x · wᵀ + b): dz = dy · Fns'(y), dw (+)= dzᵀ · x, db (+)= Σ_rows dz,
   // dx = dz · w.
   template <index_t In, index_t Out, class T, class... Fns>
-  static void dense_backward(const DenseBackwardArgs<T>& a) {
+  static void dense_backward(const DenseBackwardArgs<T>& a, const std::tuple<Fns...>& fns = {}) {
     static_assert(sizeof...(Fns) <= 1, "duet: a product's epilogue differentiates through one function at most");
     using XMatrix = detail::RowMajorMatrix<T, dyn, In>;
     using WMatrix = detail::RowMajorMatrix<T, Out, In>;
@@ -165,7 +202,7 @@ struct Eigen {
     if constexpr (sizeof...(Fns) == 1) {
       masked = duet::detail::Storage(static_cast<std::size_t>(a.rows * a.out) * sizeof(T));
       T* m = reinterpret_cast<T*>(masked.data());
-      map_grad<Fns...>(a.dy, a.y, a.rows * a.out, m);
+      map_grad(std::get<0>(fns), a.dy, a.y, a.rows * a.out, m);
       dz = m;
     }
     ::Eigen::Map<const YMatrix> DZ(dz, a.rows, a.out);
@@ -303,15 +340,22 @@ struct Eigen {
 };
 
 // backend::Eigen with duet's own dense kernel (kernels::gemm), which applies the epilogue to
-// each tile of the output while it is in registers. Element types or epilogue functions the
-// kernel cannot take fall back to Eigen.
+// each tile of the output while it is in registers. It does so for functions with a vector
+// form (kernels::VectorFunction: ReLU); any other epilogue (sigmoid, GELU, LeakyReLU with its
+// alpha, ...) runs as the map kernel over the finished product, so that the product's bits are
+// the ones PyNative's unfused MatMul gets. Element types the kernel cannot take fall back to
+// Eigen.
 struct Native : Eigen {
   // map() on the instruction set chosen at run time, with the functions' vector forms (the
   // code a product's epilogue runs); functions without one go to Eigen.
   template <class... Fns, class T>
-  static void map(const T* x, index_t n, T* y) {
+  static void map(const std::tuple<Fns...>& fns, const T* x, index_t n, T* y) {
     if constexpr (kernels::gemm_supports<T, Fns...>) kernels::map<Fns...>(x, n, y);
-    else Eigen::map<Fns...>(x, n, y);
+    else Eigen::map(fns, x, n, y);
+  }
+  template <class... Fns, class T>
+  static void map(const T* x, index_t n, T* y) {
+    map(std::tuple<Fns...>{}, x, n, y);
   }
 
   template <index_t In, index_t Out, class T, class... Fns>
@@ -319,6 +363,9 @@ struct Native : Eigen {
                     const Epilogue<T, Fns...>& epilogue, T* y) {
     if constexpr (kernels::gemm_supports<T, Fns...>) {
       kernels::gemm<In, Out, Fns...>(x, rows, in, w, out, epilogue.bias, y);
+    } else if constexpr (kernels::gemm_supports<T>) {
+      kernels::gemm<In, Out>(x, rows, in, w, out, epilogue.bias, y);
+      map(epilogue.fns, y, rows * out, y);
     } else {
       Eigen::dense<In, Out>(x, rows, in, w, out, epilogue, y);
     }

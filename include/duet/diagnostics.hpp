@@ -3,7 +3,9 @@
 // duet::ShapeError with the same words when they are known only at run time.
 #pragma once
 
+#include <algorithm>
 #include <array>
+#include <cstddef>
 #include <span>
 #include <string>
 #include <string_view>
@@ -44,6 +46,13 @@ constexpr ShapeResult fault(Shape fallback, ShapeFault f, index_t expected, int 
   return ShapeResult{fallback, f, expected, input};
 }
 
+// The input a broadcast fault's culprit does not broadcast with: `expected` when it names
+// another input (an operation of three inputs, such as where), else the other of two.
+constexpr std::size_t broadcast_partner(const ShapeResult& r) {
+  if (r.expected != r.input) return static_cast<std::size_t>(r.expected);
+  return r.input == 0 ? 1 : 0;
+}
+
 // "nn::Dense<784, 512> 'dense_relu_sequential.0' expects an input whose last dimension is 784,
 // got [64, 100]": the run-time wording of a broken rule.
 inline std::string describe_fault(const ShapeResult& r, std::string_view layer, std::span<const Shape> inputs) {
@@ -81,8 +90,11 @@ inline std::string describe_fault(const ShapeResult& r, std::string_view layer, 
              " whose first dimension is the batch, got " + got + ": the batch dimension is missing";
   }
   if (r.fault == ShapeFault::broadcast && inputs.size() > 1) {
+    const std::size_t a = static_cast<std::size_t>(r.input);
+    const std::size_t b = broadcast_partner(r);
     return std::string(layer) + " expects inputs whose shapes broadcast together (numpy's rule: sizes equal or 1, "
-           "aligned at the last axis), got " + to_string(inputs[0]) + " and " + to_string(inputs[1]);
+           "aligned at the last axis), got " + to_string(inputs[std::min(a, b)]) + " and " +
+           to_string(inputs[std::max(a, b)]);
   }
   if (r.fault == ShapeFault::inner_dimensions && inputs.size() > 1) {
     return std::string(layer) + " expects inputs whose inner dimensions match (the columns of the first, the "

@@ -36,6 +36,7 @@
 #include "ops/reduction.hpp"
 #include "ops/matmul.hpp"
 #include "ops/softmax.hpp"
+#include "ops/math.hpp"
 #include "parameter.hpp"
 #include "passes.hpp"
 #include "pijit.hpp"

@@ -427,7 +427,7 @@ auto append(const Op& op, const Sym<G0, O0>& x0, const Rest&... rest) {
     using Inputs = std::tuple<Sym<G0, O0>, Rest...>;
     using Culprit = std::tuple_element_t<static_cast<std::size_t>(r.input), Inputs>;
     if constexpr (r.fault == ShapeFault::broadcast) {
-      using Other = std::tuple_element_t<r.input == 0 ? 1 : 0, Inputs>;
+      using Other = std::tuple_element_t<broadcast_partner(r), Inputs>;
       static_cast<void>(sizeof(diagnostic::broadcast_rejection<typename Op::layer_type, Culprit, Other>));
     } else if constexpr (r.fault == ShapeFault::inner_dimensions) {
       using Other = std::tuple_element_t<r.input == 0 ? 1 : 0, Inputs>;

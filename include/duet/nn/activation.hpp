@@ -8,10 +8,15 @@
 #include <array>
 #include <string>
 #include <string_view>
+#include <tuple>
+#include <type_traits>
 #include <utility>
+
+#include <unsupported/Eigen/SpecialFunctions>  // erf, for the exact GELU
 
 #include "../cell.hpp"
 #include "../eager.hpp"
+#include "../error.hpp"
 
 namespace duet {
 
@@ -53,6 +58,157 @@ struct Relu {
   }
 };
 
+// The activations below have no vector form, so a product runs them as the map kernel after
+// the finished product rather than in its registers (backend::Native::dense); only ReLU takes
+// the register path. Those differentiated from their output (sigmoid, tanh, LeakyReLU, ELU,
+// softplus) also fuse into a product in a graph being trained; GELU and SiLU need their
+// input, and stay nodes of their own there.
+
+// 1 / (1 + exp(-x)); derivative y (1 - y).
+struct Sigmoid {
+  static constexpr std::string_view name = "Sigmoid";
+  template <class A>
+  static auto array(const A& a) {
+    return a.logistic();
+  }
+  template <class G, class Y>
+  static auto grad_array(const G& dy, const Y& y) {
+    using S = typename Y::Scalar;
+    return dy * (y * (S(1) - y));
+  }
+};
+
+// Derivative 1 - y².
+struct Tanh {
+  static constexpr std::string_view name = "Tanh";
+  template <class A>
+  static auto array(const A& a) {
+    return a.tanh();
+  }
+  template <class G, class Y>
+  static auto grad_array(const G& dy, const Y& y) {
+    using S = typename Y::Scalar;
+    return dy * (S(1) - y.square());
+  }
+};
+
+// x Φ(x), Φ the standard normal distribution: exactly, 0.5 x (1 + erf(x / √2)), or with
+// Approximate, 0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³))) (MindSpore's approximate=True,
+// PyTorch's approximate='tanh').
+template <bool Approximate>
+struct Gelu {
+  static constexpr std::string_view name = Approximate ? "GELU(tanh)" : "GELU(erf)";
+  static constexpr bool grad_from_input = true;
+  static constexpr double sqrt_2_over_pi = 0.7978845608028654;
+  static constexpr double inv_sqrt_2 = 0.7071067811865476;
+  static constexpr double inv_sqrt_2pi = 0.3989422804014327;
+  static constexpr double cubic = 0.044715;
+
+  template <class A>
+  static auto inner(const A& a) {
+    using S = typename A::Scalar;
+    return S(sqrt_2_over_pi) * (a + S(cubic) * a.cube());
+  }
+  template <class A>
+  static auto array(const A& a) {
+    using S = typename A::Scalar;
+    if constexpr (Approximate) return S(0.5) * a * (S(1) + inner(a).tanh());
+    else return S(0.5) * a * (S(1) + (a * S(inv_sqrt_2)).erf());
+  }
+  // Φ(x) + x φ(x), or for the tanh form with t = tanh(u(x)):
+  // 0.5 (1 + t) + 0.5 x (1 - t²) u'(x), u'(x) = √(2/π) (1 + 3 · 0.044715 x²).
+  template <class G, class X>
+  static auto grad_array(const G& dy, const X& x) {
+    using S = typename X::Scalar;
+    if constexpr (Approximate) {
+      const auto t = inner(x).tanh();
+      return dy * (S(0.5) * (S(1) + t) +
+                   S(0.5) * x * (S(1) - t.square()) * (S(sqrt_2_over_pi) * (S(1) + S(3 * cubic) * x.square())));
+    } else {
+      return dy * (S(0.5) * (S(1) + (x * S(inv_sqrt_2)).erf()) + S(inv_sqrt_2pi) * x * (S(-0.5) * x.square()).exp());
+    }
+  }
+};
+
+// x · sigmoid(x) (MindSpore's SiLU, also called swish); derivative s (1 + x (1 - s)).
+struct Silu {
+  static constexpr std::string_view name = "SiLU";
+  static constexpr bool grad_from_input = true;
+  template <class A>
+  static auto array(const A& a) {
+    return a * a.logistic();
+  }
+  template <class G, class X>
+  static auto grad_array(const G& dy, const X& x) {
+    using S = typename X::Scalar;
+    const auto s = x.logistic();
+    return dy * (s * (S(1) + x * (S(1) - s)));
+  }
+};
+
+// The activations with a parameter keep it as a member; ops::leaky_relu and friends check it.
+// Their derivative is read off the output, which tells which side of 0 the input was on only
+// for alpha >= 0: a negative alpha is refused where the function is made.
+inline void check_alpha(double alpha, const std::string& who) {
+  if (!(alpha >= 0)) {
+    throw ValueError(who + ": alpha must be at least 0 (its gradient is taken from its output), got " +
+                     std::to_string(alpha));
+  }
+}
+
+// x for x > 0, alpha x otherwise; the derivative at 0 is alpha, as PyTorch's.
+struct LeakyRelu {
+  static constexpr std::string_view name = "LeakyReLU";
+  double alpha = 0.2;
+  template <class A>
+  auto array(const A& a) const {
+    using S = typename A::Scalar;
+    return (a > S(0)).select(a, a * static_cast<S>(alpha));
+  }
+  template <class G, class Y>
+  auto grad_array(const G& dy, const Y& y) const {
+    using S = typename Y::Scalar;
+    return (y > S(0)).select(dy, dy * static_cast<S>(alpha));
+  }
+};
+
+// x for x > 0, alpha (exp(x) - 1) otherwise; the derivative there is y + alpha.
+struct Elu {
+  static constexpr std::string_view name = "ELU";
+  double alpha = 1.0;
+  template <class A>
+  auto array(const A& a) const {
+    using S = typename A::Scalar;
+    return (a > S(0)).select(a, static_cast<S>(alpha) * a.expm1());
+  }
+  template <class G, class Y>
+  auto grad_array(const G& dy, const Y& y) const {
+    using S = typename Y::Scalar;
+    return (y > S(0)).select(dy, dy * (y + static_cast<S>(alpha)));
+  }
+};
+
+// log(1 + exp(beta x)) / beta, and x itself where beta x > threshold (MindSpore's and
+// PyTorch's softplus, which turn linear there to keep exp from overflowing). The derivative
+// sigmoid(beta x) is 1 - exp(-beta y), from the output.
+struct Softplus {
+  static constexpr std::string_view name = "Softplus";
+  double beta = 1.0;
+  double threshold = 20.0;
+  template <class A>
+  auto array(const A& a) const {
+    using S = typename A::Scalar;
+    const S b = static_cast<S>(beta);
+    return (a * b > static_cast<S>(threshold)).select(a, (a * b).exp().log1p() / b);
+  }
+  template <class G, class Y>
+  auto grad_array(const G& dy, const Y& y) const {
+    using S = typename Y::Scalar;
+    const S b = static_cast<S>(beta);
+    return (y * b > static_cast<S>(threshold)).select(dy, dy * -(y * -b).expm1());
+  }
+};
+
 }  // namespace fn
 
 namespace ops {
@@ -68,20 +224,30 @@ struct MapOp : Primitive<MapOp<Fns...>> {
   static constexpr int arity = 1;
   static constexpr bool is_elementwise = true;
 
+  // The functions' parameters (LeakyReLU's alpha), if they have any. They are values held
+  // by the node rather than template arguments: a float cannot be one under clang 14, and
+  // nn::LeakyReLU(alpha) takes its alpha at run time, as MindSpore's does.
+  std::tuple<Fns...> fns{};
+  MapOp() = default;
+  explicit MapOp(std::tuple<Fns...> f) : fns(std::move(f)) {}
+
   static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
-    Backend::template map<Fns...>(a.in<T>(), a.in_shape().numel(), a.out<T>());
+    Backend::map(fns, a.in<T>(), a.in_shape().numel(), a.out<T>());
   }
 
   template <class C>
   static constexpr bool accepts_epilogue = requires { C::elementwise_functions; };
   template <class... Gs>
-  auto absorb(const MapOp<Gs...>&) const {
-    return MapOp<Fns..., Gs...>{};
+  auto absorb(const MapOp<Gs...>& next) const {
+    return MapOp<Fns..., Gs...>{std::tuple_cat(fns, next.fns)};
   }
   static constexpr auto elementwise_functions = sizeof...(Fns);
+  // Whether the functions have no parameters, so that an op keeping only their types (the
+  // arithmetic ops' epilogues) runs them as this one does.
+  static constexpr bool parameterless = (std::is_empty_v<Fns> && ...);
 
   // A single function is differentiated from its output; a fused chain would need the values
   // between its functions, which it never stores.
@@ -89,7 +255,7 @@ struct MapOp : Primitive<MapOp<Fns...>> {
   template <std::size_t K>
     requires(K == 0)
   auto grad_op() const {
-    return MapGradOp<Fns...>{};
+    return MapGradOp<Fns...>{std::get<0>(fns)};
   }
 
   static std::string op_name() {
@@ -106,11 +272,15 @@ struct MapGradOp : Primitive<MapGradOp<Fn>> {
                                     fn::grad_from_input<Fn> ? graph::Operand::input0 : graph::Operand::output};
   static constexpr int arity = 2;
 
+  Fn fn{};
+  MapGradOp() = default;
+  explicit MapGradOp(Fn f) : fn(std::move(f)) {}
+
   static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
-    Backend::template map_grad<Fn>(a.in<T>(0), a.in<T>(1), a.in_shape().numel(), a.out<T>());
+    Backend::map_grad(fn, a.in<T>(0), a.in<T>(1), a.in_shape().numel(), a.out<T>());
   }
 
   static std::string op_name() { return std::string(Fn::name) + "Grad"; }
@@ -120,6 +290,43 @@ template <class X>
 auto relu(X&& x) {
   return apply(MapOp<fn::Relu>{}, std::forward<X>(x));
 }
+
+template <class X>
+auto sigmoid(X&& x) {
+  return apply(MapOp<fn::Sigmoid>{}, std::forward<X>(x));
+}
+template <class X>
+auto tanh(X&& x) {
+  return apply(MapOp<fn::Tanh>{}, std::forward<X>(x));
+}
+// MindSpore's ops.gelu(x, approximate='none'): gelu(x) is the exact (erf) form,
+// gelu<true>(x) the tanh form. A template argument: the two are different graph nodes.
+template <bool Approximate = false, class X>
+auto gelu(X&& x) {
+  return apply(MapOp<fn::Gelu<Approximate>>{}, std::forward<X>(x));
+}
+template <class X>
+auto silu(X&& x) {
+  return apply(MapOp<fn::Silu>{}, std::forward<X>(x));
+}
+template <class X>
+auto leaky_relu(X&& x, double alpha = 0.2) {
+  fn::check_alpha(alpha, "ops::leaky_relu");
+  return apply(MapOp<fn::LeakyRelu>{std::tuple{fn::LeakyRelu{alpha}}}, std::forward<X>(x));
+}
+template <class X>
+auto elu(X&& x, double alpha = 1.0) {
+  fn::check_alpha(alpha, "ops::elu");
+  return apply(MapOp<fn::Elu>{std::tuple{fn::Elu{alpha}}}, std::forward<X>(x));
+}
+template <class X>
+auto softplus(X&& x, double beta = 1.0, double threshold = 20.0) {
+  if (!(beta > 0)) throw ValueError("ops::softplus: beta must be positive, got " + std::to_string(beta));
+  return apply(MapOp<fn::Softplus>{std::tuple{fn::Softplus{beta, threshold}}}, std::forward<X>(x));
+}
+
+inline const bool activations_listed =
+    list_operations({"relu", "sigmoid", "tanh", "gelu", "gelu_tanh", "silu", "leaky_relu", "elu", "softplus"});
 
 }  // namespace ops
 
@@ -137,6 +344,41 @@ class BasicReLU : public Cell<BasicReLU<T>, CONTEXT_MODE, T> {
 };
 
 using ReLU = BasicReLU<float>;
+
+// An activation layer: Fn elementwise, with Fn's parameters given to the constructor
+// (nn::LeakyReLU(0.1), nn::Softplus(2.0, 10.0)), checked as the ops:: functions check them.
+template <class Fn, ElementType T = float>
+class Activation : public Cell<Activation<Fn, T>, CONTEXT_MODE, T> {
+ public:
+  Activation() = default;
+  template <class P, class... Ps>
+    requires(std::is_arithmetic_v<P> && (std::is_arithmetic_v<Ps> && ...))
+  explicit Activation(P p, Ps... ps) : fn_{static_cast<double>(p), static_cast<double>(ps)...} {
+    if constexpr (requires { fn_.alpha; }) fn::check_alpha(fn_.alpha, "nn::" + std::string(Fn::name));
+    if constexpr (requires { fn_.beta; }) {
+      if (!(fn_.beta > 0)) throw ValueError(type_name() + ": beta must be positive, got " + std::to_string(fn_.beta));
+    }
+  }
+
+  template <class X>
+  auto construct(X&& x) {
+    return apply(ops::MapOp<Fn>{std::tuple{fn_}}, std::forward<X>(x));
+  }
+  std::string type_name() const override { return "nn::" + std::string(Fn::name); }
+
+ private:
+  Fn fn_{};
+};
+
+// MindSpore's activation cells.
+using Sigmoid = Activation<fn::Sigmoid>;
+using Tanh = Activation<fn::Tanh>;
+using GELU = Activation<fn::Gelu<true>>;  // MindSpore's nn.GELU(approximate=True), its default
+using GELUExact = Activation<fn::Gelu<false>>;  // nn.GELU(approximate=False)
+using SiLU = Activation<fn::Silu>;
+using LeakyReLU = Activation<fn::LeakyRelu>;  // alpha 0.2 by default, as MindSpore's
+using ELU = Activation<fn::Elu>;              // alpha 1.0
+using Softplus = Activation<fn::Softplus>;    // beta 1, threshold 20
 
 }  // namespace nn
 }  // namespace duet

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 
@@ -35,7 +36,9 @@ struct MatMulOp : Primitive<MatMulOp<Layer, Bias, Fns...>> {
   static constexpr int arity = 1;
 
   const Layer* layer;
+  std::tuple<Fns...> fns{};  // the epilogue functions' parameters (fn::LeakyRelu's alpha)
   MatMulOp(const Layer* l) : layer(l) {}
+  MatMulOp(const Layer* l, std::tuple<Fns...> f) : layer(l), fns(std::move(f)) {}
 
   static constexpr ShapeResult rule(index_t in, index_t out, const Shape& x) {
     Shape y = x;
@@ -60,16 +63,16 @@ struct MatMulOp : Primitive<MatMulOp<Layer, Bias, Fns...>> {
   }
 
   // The same product with the weight kept pre-packed between calls (JitLevel::O2).
-  auto with_packed_weight() const { return PackedMatMulOp<Layer, Bias, Fns...>{{layer}}; }
+  auto with_packed_weight() const { return PackedMatMulOp<Layer, Bias, Fns...>{{layer, fns}}; }
 
   // Takes this layer's bias first, then any elementwise functions.
   template <class C>
   static constexpr bool accepts_epilogue =
       (std::is_same_v<C, BiasAddOp<Layer>> && !Bias && sizeof...(Fns) == 0) || requires { C::elementwise_functions; };
-  auto absorb(const BiasAddOp<Layer>&) const { return MatMulOp<Layer, true, Fns...>{layer}; }
+  auto absorb(const BiasAddOp<Layer>&) const { return MatMulOp<Layer, true, Fns...>{layer, fns}; }
   template <class... Gs>
-  auto absorb(const MapOp<Gs...>&) const {
-    return MatMulOp<Layer, Bias, Fns..., Gs...>{layer};
+  auto absorb(const MapOp<Gs...>& next) const {
+    return MatMulOp<Layer, Bias, Fns..., Gs...>{layer, std::tuple_cat(fns, next.fns)};
   }
 
   // Its gradient op differentiates an activation epilogue from the forward output, so it can
@@ -79,9 +82,9 @@ struct MatMulOp : Primitive<MatMulOp<Layer, Bias, Fns...>> {
   template <std::size_t K>
     requires(K == 0)
   auto grad_op() const {
-    return DenseGradOp<Layer, Bias, true, Fns...>{layer};
+    return DenseGradOp<Layer, Bias, true, Fns...>{layer, fns};
   }
-  auto parameter_grad_op() const { return DenseGradOp<Layer, Bias, false, Fns...>{layer}; }
+  auto parameter_grad_op() const { return DenseGradOp<Layer, Bias, false, Fns...>{layer, fns}; }
 
   static std::string op_name() { return with_epilogue("MatMul"); }
   std::string label() const { return layer->label(); }
@@ -97,7 +100,7 @@ struct MatMulOp : Primitive<MatMulOp<Layer, Bias, Fns...>> {
   void product(const graph::KernelArgs& a) const {
     const index_t in_channels = layer->in_channels();
     const index_t rows = in_channels == 0 ? 0 : a.in_shape().numel() / in_channels;
-    const Epilogue<T, Fns...> epilogue{Bias ? layer->bias.data() : nullptr};
+    const Epilogue<T, Fns...> epilogue{Bias ? layer->bias.data() : nullptr, fns};
     constexpr index_t In = Layer::in_static;
     constexpr index_t Out = Layer::out_static;
     if constexpr (PackedWeight) {
@@ -178,7 +181,8 @@ struct DenseGradOp : Primitive<DenseGradOp<Layer, Bias, InputGrad, Fns...>> {
   static constexpr bool is_sink = !InputGrad;
 
   const Layer* layer;
-  DenseGradOp(const Layer* l) : layer(l) {}
+  std::tuple<Fns...> fns;
+  DenseGradOp(const Layer* l, std::tuple<Fns...> f) : layer(l), fns(std::move(f)) {}
 
   static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {InputGrad ? in[1] : Shape{}}; }
 
@@ -193,7 +197,7 @@ struct DenseGradOp : Primitive<DenseGradOp<Layer, Bias, InputGrad, Fns...>> {
     const index_t rows = in_channels == 0 ? 0 : a.in_shape(1).numel() / in_channels;
     Backend::template dense_backward<Layer::in_static, Layer::out_static, T, Fns...>(DenseBackwardArgs<T>{
         a.in<T>(0), a.in<T>(1), sizeof...(Fns) == 0 ? nullptr : a.in<T>(2), rows, in_channels, layer->weight.data(),
-        layer->out_channels(), InputGrad ? a.out<T>() : nullptr, dw, accumulate_w, db, accumulate_b});
+        layer->out_channels(), InputGrad ? a.out<T>() : nullptr, dw, accumulate_w, db, accumulate_b}, fns);
   }
 
   static std::string op_name() {

@@ -324,8 +324,10 @@ struct ElementwiseOp : Primitive<ElementwiseOp<N, Tree, Epilogue...>> {
         });
   }
 
+  // Functions with parameters (LeakyReLU's alpha) are not taken: the op holds no values
+  // for its epilogue, and would run them with their defaults.
   template <class C>
-  static constexpr bool accepts_epilogue = requires { C::elementwise_functions; };
+  static constexpr bool accepts_epilogue = requires { requires C::parameterless; };
   template <class... Gs>
   auto absorb(const MapOp<Gs...>&) const {
     return ElementwiseOp<N, Tree, Epilogue..., Gs...>{};
@@ -371,8 +373,10 @@ struct BroadcastOp : Primitive<BroadcastOp<Fn, Epilogue...>> {
         });
   }
 
+  // Functions with parameters (LeakyReLU's alpha) are not taken: the op holds no values
+  // for its epilogue, and would run them with their defaults.
   template <class C>
-  static constexpr bool accepts_epilogue = requires { C::elementwise_functions; };
+  static constexpr bool accepts_epilogue = requires { requires C::parameterless; };
   template <class... Gs>
   auto absorb(const MapOp<Gs...>&) const {
     return BroadcastOp<Fn, Epilogue..., Gs...>{};
