@@ -31,6 +31,12 @@ TEST_CASE("ops: gradients of every input match finite differences, and the modes
       const D expected = reference_elementwise(xs, y.shape(), c.elementwise);
       for (duet::index_t j = 0; j < y.numel(); ++j) CHECK(y.data()[j] == doctest::Approx(expected.data()[j]).epsilon(1e-12));
     }
+    if (c.reference) {
+      INFO(name, ": the value against an independent loop");
+      const D expected = c.reference(xs);
+      REQUIRE(y.shape() == expected.shape());
+      CHECK(std::equal(y.data(), y.data() + y.numel(), expected.data()));
+    }
     const D w = random_input(y.shape(), -1.0, 1.0, seed++);
     for (std::size_t k = 0; k < xs.size(); ++k) {
       INFO(name, ": input ", k, " of shapes ", duet::to_string(c.shapes[0]),

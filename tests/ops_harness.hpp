@@ -7,6 +7,8 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "support.hpp"
@@ -34,6 +36,8 @@ struct Case {
   // For elementwise operations: the function on one element of each input, from which the
   // harness computes the expected output with its own broadcasting loop.
   std::function<double(double, double)> elementwise;
+  // Otherwise: the expected output from the inputs, computed with plain loops.
+  std::function<D(const std::vector<D>&)> reference;
 };
 
 // numpy's broadcasting, written out independently of duet: the multi-index of each output
@@ -67,23 +71,21 @@ inline D random_input(const Shape& s, double lo, double hi, std::uint64_t seed) 
   return duet::uniform<double>(s, lo, hi, gen);
 }
 
-// Wraps f (a generic callable of N tensors) as a case: its value, and the value and gradient
-// of sum(cotangent * f(...)) with respect to input `wrt`, in the given mode.
-template <std::size_t N, class F>
-Case make_case(std::vector<Shape> shapes, F f, std::function<double(double, double)> elementwise, double lo = -2.0,
-               double hi = 2.0) {
+// Wraps f (a generic callable of N tensors, then the constants) as a case: its value, and
+// the value and gradient of sum(cotangent * f(...)) with respect to input `wrt`, in the given
+// mode. The constants (integer indices, say) are passed after the N inputs in both modes and
+// never differentiated.
+template <std::size_t N, class F, class... C>
+Case make_case_with(std::vector<Shape> shapes, F f, std::tuple<C...> constants = {}) {
   Case c;
-  c.elementwise = std::move(elementwise);
   c.shapes = std::move(shapes);
-  c.lo = lo;
-  c.hi = hi;
-  c.value = [f](const std::vector<D>& xs) {
+  c.value = [f, constants](const std::vector<D>& xs) {
     duet::set_context({.mode = duet::PYNATIVE_MODE});
-    if constexpr (N == 1) return D(f(xs[0]));
-    else if constexpr (N == 2) return D(f(xs[0], xs[1]));
-    else return D(f(xs[0], xs[1], xs[2]));
+    return [&]<std::size_t... I>(std::index_sequence<I...>) {
+      return std::apply([&](const auto&... k) { return D(f(xs[I]..., k...)); }, constants);
+    }(std::make_index_sequence<N>{});
   };
-  c.gradient = [f](const std::vector<D>& xs, const D& w, duet::Mode mode, std::size_t wrt) {
+  c.gradient = [f, constants](const std::vector<D>& xs, const D& w, duet::Mode mode, std::size_t wrt) {
     duet::set_context({.mode = mode});
     // The cotangent enters as one more input, never differentiated: sum(w * f(x)) seeds
     // backward with w rather than with ones, which would hide gradients that sum to zero.
@@ -92,20 +94,24 @@ Case make_case(std::vector<Shape> shapes, F f, std::function<double(double, doub
       return with_w(args...);
     };
     auto vg = duet::value_and_grad(loss, wrt + 1);
-    std::vector<D> out;
-    if constexpr (N == 1) {
-      auto r = vg(w, xs[0]);
-      out = {r.value, r.grads[0]};
-    } else if constexpr (N == 2) {
-      auto r = vg(w, xs[0], xs[1]);
-      out = {r.value, r.grads[0]};
-    } else {
-      auto r = vg(w, xs[0], xs[1], xs[2]);
-      out = {r.value, r.grads[0]};
-    }
+    auto r = [&]<std::size_t... I>(std::index_sequence<I...>) {
+      return std::apply([&](const auto&... k) { return vg(w, xs[I]..., k...); }, constants);
+    }(std::make_index_sequence<N>{});
     duet::set_context({.mode = duet::PYNATIVE_MODE});
-    return out;
+    return std::vector<D>{r.value, r.grads[0]};
   };
+  return c;
+}
+
+// An elementwise case: f, and the function on one element of each input from which the
+// harness computes the expected output.
+template <std::size_t N, class F>
+Case make_case(std::vector<Shape> shapes, F f, std::function<double(double, double)> elementwise, double lo = -2.0,
+               double hi = 2.0) {
+  Case c = make_case_with<N>(std::move(shapes), f);
+  c.elementwise = std::move(elementwise);
+  c.lo = lo;
+  c.hi = hi;
   return c;
 }
 

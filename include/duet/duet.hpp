@@ -29,6 +29,7 @@
 #include "nn/wrap.hpp"
 #include "operation.hpp"
 #include "ops/arithmetic.hpp"
+#include "ops/shape.hpp"
 #include "parameter.hpp"
 #include "passes.hpp"
 #include "pijit.hpp"

@@ -77,8 +77,10 @@ struct KernelArgs {
   }
 };
 
-// What a gradient op reads, by its place around the forward op it differentiates.
-enum class Operand : unsigned char { grad, input0, input1, input2, output };
+// What a gradient op reads, by its place around the forward op it differentiates. Inputs past
+// input2 are input_operand(k) (concat's gradients read up to all N inputs), so output stands
+// clear of them.
+enum class Operand : unsigned char { grad, input0, input1, input2, output = 255 };
 
 constexpr Operand input_operand(std::size_t k) { return static_cast<Operand>(1 + k); }
 
