@@ -140,6 +140,10 @@ const bool shape_cases = add_cases([](std::multimap<std::string, Case>& m) {
                           }));
 
   using duet::ops::ints;
+  // A view of a view, each beginning further in.
+  add("slice", checked<1>({{4, 3}},
+                          [](const auto& x) { return duet::ops::slice(std::get<1>(duet::ops::split<0, 1, 3>(x)), ints<1>, ints<2>); },
+                          [=](const std::vector<D>& xs) { return sliced(xs[0], {2, 3}, {2, 0}, {1, 1}); }));
   add("slice", checked<1>({{4, 5}}, [](const auto& x) { return duet::ops::slice(x, ints<1, 2>, ints<2, -1>); },
                           [=](const std::vector<D>& xs) { return sliced(xs[0], {2, 3}, {1, 2}, {1, 1}); }));
   add("slice", checked<1>({{4, 5}}, [](const auto& x) { return duet::ops::slice(x, ints<1>, ints<2>); },
@@ -188,14 +192,24 @@ struct ReshapeTo6x2 {
 struct SqueezeExpand {
   auto operator()(const auto& x) const { return duet::ops::squeeze<0>(duet::ops::expand_dims<0>(x)); }
 };
+struct SliceRows {
+  auto operator()(const auto& x) const { return duet::ops::slice(x, duet::ops::ints<1>, duet::ops::ints<2>); }
+};
 struct TransposeIt {
   auto operator()(const auto& x) const { return duet::ops::transpose<1, 0>(x); }
 };
 
 }  // namespace
 
-TEST_CASE("ops: reshape, expand_dims and squeeze are views of their input in PyNative") {
+TEST_CASE("ops: reshape, expand_dims, squeeze and slices of the first axis are views of their input in PyNative") {
+  using duet::ops::ints;
   const D x = random_input({3, 4}, -1, 1, 3);
+  CHECK(std::get<1>(duet::ops::split<0, 1, 2>(x)).data() == x.data() + 4);
+  CHECK(duet::ops::slice(x, ints<2>, ints<1>).data() == x.data() + 8);
+  CHECK(duet::ops::strided_slice(x, ints<-2, 0>, ints<3, duet::ops::to_end>, ints<1, 1>).data() == x.data() + 4);
+  // Along another axis, or with a step, the elements are not one run: a copy.
+  CHECK_FALSE(std::get<1>(duet::ops::split<1, 1, 3>(x)).shares_storage_with(x));
+  CHECK_FALSE(duet::ops::strided_slice(x, ints<0>, ints<3>, ints<2>).shares_storage_with(x));
   CHECK(duet::ops::reshape<2, -1>(x).data() == x.data());
   CHECK(duet::ops::reshape<2, -1>(x).shape() == Shape{2, 6});
   CHECK(duet::ops::expand_dims<0>(x).data() == x.data());
@@ -216,10 +230,14 @@ TEST_CASE("ops: graph_ir shows reshape, expand_dims and squeeze as views, transp
   Net<TransposeIt> transpose;
   const std::string t = duet::graph_ir(transpose, duet::shape<3, 4>).captured.text;
   CHECK(t.find("Transpose<1, 0>(%0) : [4, 3]  [output]") != std::string::npos);
+  Net<SliceRows> slice;
+  const std::string sl = duet::graph_ir(slice, duet::shape<3, 4>).captured.text;
+  CHECK(sl.find("Slice<[1], [3]>(%0) : [2, 4]  [view of %0]") != std::string::npos);
   // And in graph mode the output of a reshape-only network is the input's block.
   duet::set_context({.mode = duet::GRAPH_MODE});
   const D x = random_input({3, 4}, -1, 1, 4);
   CHECK(reshape(x).data() == x.data());
+  CHECK(slice(x).data() == x.data() + 4);
 }
 
 TEST_CASE("ops: split returns one slice per piece, in both modes") {
@@ -277,4 +295,25 @@ TEST_CASE("ops: gather refuses an index out of range in both modes, naming the i
       CHECK_THROWS_WITH_AS(gather(p, idx), doctest::Contains(expected.c_str()), duet::IndexError);
     }
   }
+}
+
+TEST_CASE("ops: PIJit replays views that begin inside their input, as the output and in between") {
+  using duet::ops::ints;
+  const auto rows = [](const D& x) { return duet::ops::slice(x * 2.0, ints<1>, ints<2>); };
+  const auto through = [](const D& x) { return std::get<1>(duet::ops::split<0, 1, 2>(x * 2.0)) * 3.0; };
+  auto f = duet::jit([&](const D& x) { return rows(x); }, {.mode = duet::JitMode::PIJit, .name = "rows"});
+  auto g = duet::jit([&](const D& x) { return through(x); }, {.mode = duet::JitMode::PIJit, .name = "through"});
+  for (std::uint64_t seed : {1, 2, 3}) {
+    const D x = random_input({3, 4}, -1, 1, seed);
+    const D fx = f(x);
+    const D gx = g(x);
+    const D f_eager = rows(x);
+    const D g_eager = through(x);
+    REQUIRE(fx.shape() == f_eager.shape());
+    REQUIRE(gx.shape() == g_eager.shape());
+    CHECK(std::equal(fx.data(), fx.data() + fx.numel(), f_eager.data()));
+    CHECK(std::equal(gx.data(), gx.data() + gx.numel(), g_eager.data()));
+  }
+  CHECK(f.compile_count() == 1);
+  CHECK(g.compile_count() == 1);
 }

@@ -7,10 +7,11 @@
 // three lists of slice and strided_slice are tag values, ops::ints<...>, since one template
 // can hold only one list (slice(x, ints<1, 0>, ints<2, -1>)).
 //
-// duet's tensors are contiguous and row-major, and a view shares its input's block from its
-// first element on. So reshape, expand_dims and squeeze are views (no kernel, no copy: the
-// output is the input's block with another shape); transpose, concat, stack, split, slice
-// and gather copy, since their output's elements are not one run of the input's in order.
+// duet's tensors are contiguous and row-major: a view is one run of its input's elements, in
+// order, with a shape. So reshape, expand_dims and squeeze are views (no kernel, no copy),
+// and so is a slice along the first axis only (split<0, ...>, or slice and strided_slice
+// cutting axis 0 with stride 1), which begins further into the input's block. transpose,
+// concat, stack, gather and the other slices copy: their elements are not such a run.
 #pragma once
 
 #include <algorithm>
@@ -599,6 +600,17 @@ struct StridedSliceOp : SlicePrimitive<StridedSliceOp<Begin, End, Strides, Check
   static_assert(std::ranges::none_of(Strides::values, [](index_t s) { return s == 0; }),
                 "duet::ops::strided_slice: a stride cannot be 0");
 
+  // Cutting the first axis only, one step at a time: the elements are one run of the input's.
+  static constexpr bool is_view = [] {
+    if (n == 0) return true;
+    if (Strides::values[0] != 1) return false;
+    for (std::size_t a = 1; a < n; ++a) {
+      if (Begin::values[a] != 0 || End::values[a] != to_end || Strides::values[a] != 1) return false;
+    }
+    return true;
+  }();
+  index_t view_offset(const Shape& x) const { return x.rank() == 0 ? 0 : window(x).start[0] * x.numel_from(1); }
+
   static constexpr detail::Window window(const Shape& x) {
     detail::Window w;
     w.count = x;
@@ -692,6 +704,10 @@ constexpr std::array<index_t, N> prefix_sums(const std::array<index_t, N>& sizes
 
 template <int Axis, index_t Total, index_t Begin, index_t Size>
 struct SplitOp : SlicePrimitive<SplitOp<Axis, Total, Begin, Size>> {
+  // A piece along the first axis is one run of the input's elements.
+  static constexpr bool is_view = Axis == 0;
+  index_t view_offset(const Shape& x) const { return Begin * x.numel_from(1); }
+
   static constexpr detail::Window window(const Shape& x) {
     detail::Window w;
     w.count = x;
