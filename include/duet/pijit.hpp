@@ -154,7 +154,10 @@ class Replay {
                       duet::detail::block_alignment;
     }
     for (std::size_t v = 0; v < values_.size(); ++v) {
-      if (made[v] && values_[v].kind == Value::Kind::computed) offset_[v] = slot_offset[slot_of[v]];
+      // The output root lives in the result, not in a slot (none may exist when it is viewed).
+      if (made[v] && values_[v].kind == Value::Kind::computed && v != output_root_) {
+        offset_[v] = slot_offset[slot_of[v]];
+      }
     }
   }
 

@@ -664,7 +664,9 @@ struct StridedSliceOp : SlicePrimitive<StridedSliceOp<Begin, End, Strides, Check
   static std::string lists() {
     const auto text = [](const auto& values) {
       std::string out = "[";
-      for (index_t v : values) out += (out.size() > 1 ? ", " : "") + (v == to_end ? std::string("end") : std::to_string(v));
+      for (index_t v : values) {
+        out += (out.size() > 1 ? ", " : "") + (v == to_end ? std::string("end") : std::to_string(v));
+      }
       return out + "]";
     };
     return text(Begin::values) + ", " + text(End::values) + (Checked ? std::string() : ", " + text(Strides::values));
@@ -678,7 +680,8 @@ auto strided_slice(X&& x, Ints<B...>, Ints<E...>, Ints<S...>) {
 
 template <class X, index_t... B, index_t... Size>
 auto slice(X&& x, Ints<B...>, Ints<Size...>) {
-  static_assert(sizeof...(B) == sizeof...(Size), "duet::ops::slice: begin and size must have one entry per axis sliced");
+  static_assert(sizeof...(B) == sizeof...(Size),
+                "duet::ops::slice: begin and size must have one entry per axis sliced");
   static_assert(((B >= 0) && ...), "duet::ops::slice: begin must be >= 0");
   static_assert(((Size >= -1) && ...), "duet::ops::slice: a size must be >= 0, or -1 for the rest of the axis");
   using Op = StridedSliceOp<Ints<B...>, Ints<(Size == -1 ? to_end : B + Size)...>, Ints<(B * 0 + 1)...>, true>;
