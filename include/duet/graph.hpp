@@ -437,11 +437,13 @@ auto append(const Op& op, const Sym<G0, O0>& x0, const Rest&... rest) {
       static_cast<void>(sizeof(diagnostic::rejection<typename Op::layer_type, r.fault, r.expected, Culprit>));
     }
   }
-  auto [merged, outs] = detail::merge_all(x0.graph, std::index_sequence<O0>{}, rest...);
+  // Not a structured binding: clang 14 cannot capture one in the lambda.
+  const auto merged_outs = detail::merge_all(x0.graph, std::index_sequence<O0>{}, rest...);
+  const auto& merged = merged_outs.first;
   auto g = [&]<std::size_t... Args>(std::index_sequence<Args...>) {
     return make_graph(hana::append(merged.nodes, Node<Op, Args...>{op}));
-  }(decltype(outs){});
-  return Sym<decltype(g), decltype(merged)::size>{g};
+  }(std::remove_cvref_t<decltype(merged_outs.second)>{});
+  return Sym<decltype(g), std::remove_cvref_t<decltype(merged)>::size>{g};
 }
 
 }  // namespace duet::graph

@@ -18,6 +18,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
 #include <span>
 #include <string>
@@ -73,8 +74,7 @@ constexpr Shape with_axis(const Shape& x, int at, index_t size) {
   return out;
 }
 
-// Copies `rows` runs of `count` elements, run r from src + r * src_row to dst + r * dst_row:
-// the one loop of concat, stack and their gradients (a block of each row of the outer axes).
+// Copies `rows` runs of `count` elements, run r from src + r * src_row to dst + r * dst_row.
 template <class T>
 void copy_runs(const T* src, index_t src_row, T* dst, index_t dst_row, index_t rows, index_t count) {
   for (index_t r = 0; r < rows; ++r) std::copy_n(src + r * src_row, count, dst + r * dst_row);
@@ -336,7 +336,54 @@ auto permute(X&& x) {
 // concat<Axis>(x0, x1, ...): the inputs joined along Axis, their other sizes equal (MindSpore's
 // concat(tensors, axis)). N inputs, N a template argument of the op. A copy.
 
-template <int Axis, int N>
+namespace detail {
+
+// The inputs' common sizes, axis `except` aside (-1: none), into `common` (dyn where every
+// input's is): the first input whose rank or a size differs, or 0 when none does.
+constexpr int merge_sizes(std::span<const Shape> in, int except, Shape& common) {
+  common = in[0];
+  for (std::size_t k = 1; k < in.size(); ++k) {
+    const Shape& x = in[k];
+    if (x.rank() != common.rank()) return static_cast<int>(k);
+    for (int i = 0; i < x.rank(); ++i) {
+      if (i == except) continue;
+      if (common[i] == dyn) common[i] = x[i];
+      else if (x[i] != dyn && x[i] != common[i]) return static_cast<int>(k);
+    }
+  }
+  return 0;
+}
+
+constexpr index_t numel_before(const Shape& x, int axis) {
+  index_t n = 1;
+  for (int i = 0; i < axis; ++i) n *= x[i];
+  return n;
+}
+
+// concat's and stack's kernel: each row of the output's axes before `a` holds a block of
+// every input in turn.
+template <class T>
+void join_blocks(const graph::KernelArgs& args, std::size_t inputs, int a) {
+  const Shape& out = args.output_shape;
+  index_t offset = 0;
+  for (std::size_t k = 0; k < inputs; ++k) {
+    const index_t block = args.in_shape(k).numel_from(a);
+    copy_runs(args.in<T>(k), block, args.out<T>() + offset, out.numel_from(a), numel_before(out, a), block);
+    offset += block;
+  }
+}
+
+// Their gradients' kernel: from each row of dy, the block that begins `offset` into it.
+template <class T>
+void take_block(const graph::KernelArgs& args, int a, index_t offset) {
+  const Shape& dy = args.in_shape(0);
+  const index_t block = args.output_shape.numel_from(a);
+  copy_runs(args.in<T>(0) + offset, dy.numel_from(a), args.out<T>(), block, numel_before(dy, a), block);
+}
+
+}  // namespace detail
+
+template <int Axis, int K>
 struct ConcatGradOp;
 
 template <int Axis, int N>
@@ -347,38 +394,17 @@ struct ConcatOp : Primitive<ConcatOp<Axis, N>> {
   static constexpr ShapeResult infer_static(std::span<const Shape> in) {
     for (const Shape& x : in)
       if (x.leading_unknown()) return {Shape::any()};
-    const int rank = in[0].rank();
-    const int a = detail::axis_index(Axis, rank);
+    const int a = detail::axis_index(Axis, in[0].rank());
     if (a < 0) return fault(in[0], ShapeFault::min_rank, Axis < 0 ? -Axis : Axis + 1);
-    Shape out = in[0];
-    for (int k = 1; k < N; ++k) {
-      const Shape& x = in[static_cast<std::size_t>(k)];
-      if (x.rank() != rank) return fault(out, ShapeFault::sizes_except_axis, a, k);
-      for (int i = 0; i < rank; ++i) {
-        if (i == a) {
-          out[i] = out[i] == dyn || x[i] == dyn ? dyn : out[i] + x[i];
-        } else if (out[i] == dyn) {
-          out[i] = x[i];
-        } else if (x[i] != dyn && x[i] != out[i]) {
-          return fault(out, ShapeFault::sizes_except_axis, a, k);
-        }
-      }
-    }
+    Shape out;
+    if (const int k = detail::merge_sizes(in, a, out)) return fault(out, ShapeFault::sizes_except_axis, a, k);
+    for (std::size_t k = 1; k < in.size(); ++k) out[a] = out[a] == dyn || in[k][a] == dyn ? dyn : out[a] + in[k][a];
     return {out};
   }
 
-  // Each row of the axes before Axis holds a block of every input in turn.
   template <class Backend, class T>
   void run(const graph::KernelArgs& args) const {
-    const Shape& out = args.output_shape;
-    const int a = detail::axis_index(Axis, out.rank());
-    const index_t rows = out.numel() / out.numel_from(a);
-    index_t offset = 0;
-    for (std::size_t k = 0; k < static_cast<std::size_t>(N); ++k) {
-      const index_t block = args.in_shape(k).numel_from(a);
-      detail::copy_runs(args.in<T>(k), block, args.out<T>() + offset, out.numel_from(a), rows, block);
-      offset += block;
-    }
+    detail::join_blocks<T>(args, N, detail::axis_index(Axis, args.output_shape.rank()));
   }
 
   template <std::size_t K>
@@ -404,13 +430,10 @@ struct ConcatGradOp : Primitive<ConcatGradOp<Axis, K>> {
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& args) const {
-    const Shape& dy = args.in_shape(0);
-    const int a = detail::axis_index(Axis, dy.rank());
-    const index_t rows = dy.numel() / dy.numel_from(a);
+    const int a = detail::axis_index(Axis, args.in_shape(0).rank());
     index_t offset = 0;
     for (std::size_t k = 1; k <= static_cast<std::size_t>(K); ++k) offset += args.in_shape(k).numel_from(a);
-    const index_t block = args.output_shape.numel_from(a);
-    detail::copy_runs(args.in<T>(0) + offset, dy.numel_from(a), args.out<T>(), block, rows, block);
+    detail::take_block<T>(args, a, offset);
   }
 
   static std::string op_name() { return "ConcatGrad<" + std::to_string(Axis) + ", " + std::to_string(K) + ">"; }
@@ -423,7 +446,8 @@ auto concat(const X0& x0, const X&... x) {
 
 // ----------------------------------------------------------------------------------------
 // stack<Axis>(x0, x1, ...): inputs of one shape stacked along a new axis Axis, in
-// [-rank - 1, rank] (MindSpore's stack(tensors, axis)). A copy.
+// [-rank - 1, rank] (MindSpore's stack(tensors, axis)). A copy: concat's kernel, each
+// input's block being all of it past the axis.
 
 template <int Axis, int K>
 struct StackGradOp;
@@ -436,15 +460,8 @@ struct StackOp : Primitive<StackOp<Axis, N>> {
   static constexpr ShapeResult infer_static(std::span<const Shape> in) {
     for (const Shape& x : in)
       if (x.leading_unknown()) return {Shape::any()};
-    Shape common = in[0];
-    for (int k = 1; k < N; ++k) {
-      const Shape& x = in[static_cast<std::size_t>(k)];
-      if (x.rank() != common.rank()) return fault(common, ShapeFault::shapes_differ, 0, k);
-      for (int i = 0; i < x.rank(); ++i) {
-        if (common[i] == dyn) common[i] = x[i];
-        else if (x[i] != dyn && x[i] != common[i]) return fault(common, ShapeFault::shapes_differ, 0, k);
-      }
-    }
+    Shape common;
+    if (const int k = detail::merge_sizes(in, -1, common)) return fault(common, ShapeFault::shapes_differ, 0, k);
     const int a = detail::axis_index(Axis, common.rank() + 1);
     if (a < 0) return fault(common, ShapeFault::min_rank, Axis < 0 ? -Axis - 1 : Axis);
     return {detail::with_axis(common, a, N)};
@@ -452,13 +469,7 @@ struct StackOp : Primitive<StackOp<Axis, N>> {
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& args) const {
-    const Shape& in = args.in_shape(0);
-    const int a = detail::axis_index(Axis, in.rank() + 1);
-    const index_t block = in.numel_from(a);
-    const index_t rows = in.numel() / block;
-    for (std::size_t k = 0; k < static_cast<std::size_t>(N); ++k) {
-      detail::copy_runs(args.in<T>(k), block, args.out<T>() + static_cast<index_t>(k) * block, N * block, rows, block);
-    }
+    detail::join_blocks<T>(args, N, detail::axis_index(Axis, args.output_shape.rank()));
   }
 
   template <std::size_t K>
@@ -485,11 +496,8 @@ struct StackGradOp : Primitive<StackGradOp<Axis, K>> {
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& args) const {
-    const Shape& dy = args.in_shape(0);
-    const int a = detail::axis_index(Axis, dy.rank());
-    const index_t block = dy.numel_from(a + 1);
-    const index_t n = dy[a];
-    detail::copy_runs(args.in<T>(0) + K * block, n * block, args.out<T>(), block, dy.numel() / (n * block), block);
+    const int a = detail::axis_index(Axis, args.in_shape(0).rank());
+    detail::take_block<T>(args, a, K * args.output_shape.numel_from(a));
   }
 
   static std::string op_name() { return "StackGrad<" + std::to_string(Axis) + ", " + std::to_string(K) + ">"; }
