@@ -7,6 +7,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -100,6 +101,12 @@ Case case_of(std::vector<Shape> shapes, F f, double lo, double hi, Fixed... fixe
     return std::vector<D>{r.value, r.grads[0]};
   };
   return c;
+}
+
+// case_of with the fixed inputs in a tuple (gather's indices).
+template <std::size_t N, class F, class... C>
+Case make_case_with(std::vector<Shape> shapes, F f, std::tuple<C...> constants = {}) {
+  return std::apply([&](const auto&... k) { return case_of<N>(std::move(shapes), f, -2.0, 2.0, k...); }, constants);
 }
 
 template <std::size_t N, class F>

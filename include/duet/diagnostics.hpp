@@ -28,6 +28,12 @@ enum class ShapeFault : unsigned char {
   broadcast,        // the two inputs' shapes must broadcast together (numpy's rule)
   inner_dimensions,  // a product's inner dimensions must match (matmul: a's columns, b's rows)
   empty_reduction,   // an axis reduced by max, min or argmax must not be empty
+  total_elements,     // the input must hold `expected` elements (reshape)
+  elements_multiple,  // the input's element count must be a multiple of `expected` (reshape with -1)
+  axis_not_one,       // the input's axis `expected` must have size 1 (squeeze)
+  sizes_except_axis,  // every input's sizes must match input 0's except along axis `expected` (concat)
+  axis_size,          // the input's size along the operation's axis must be `expected` (split)
+  slice_range,        // the input's axis `expected` must hold the slice's range (slice)
 };
 
 // What a shape rule returns: the output shape and, if the inputs break the rule, which way.
@@ -88,6 +94,27 @@ inline std::string describe_fault(const ShapeResult& r, std::string_view layer, 
     case ShapeFault::batch_dimension:
       return std::string(layer) + " expects an input of rank at least " + e +
              " whose first dimension is the batch, got " + got + ": the batch dimension is missing";
+    case ShapeFault::total_elements:
+      what = "an input of " + e + " elements";
+      break;
+    case ShapeFault::elements_multiple:
+      what = "an input whose element count is a multiple of " + e;
+      break;
+    case ShapeFault::axis_not_one:
+      what = "an input whose axis " + e + " has size 1";
+      break;
+    case ShapeFault::sizes_except_axis: {
+      std::string all;
+      for (const Shape& s : inputs) all += (all.empty() ? "" : ", ") + to_string(s);
+      return std::string(layer) + " expects inputs of one rank whose sizes match except along axis " + e + ", got " +
+             all;
+    }
+    case ShapeFault::axis_size:
+      what = "an input of size " + e + " along its axis";
+      break;
+    case ShapeFault::slice_range:
+      what = "an input whose axis " + e + " holds the slice's range";
+      break;
   }
   if (r.fault == ShapeFault::broadcast && inputs.size() > 1) {
     const std::size_t a = static_cast<std::size_t>(r.input);
@@ -102,7 +129,7 @@ inline std::string describe_fault(const ShapeResult& r, std::string_view layer, 
   }
   if (r.fault == ShapeFault::shapes_differ && inputs.size() > 1) {
     return std::string(layer) + " expects inputs of matching shapes, got " + to_string(inputs[0]) + " and " +
-           to_string(inputs[1]);
+           to_string(inputs[r.input == 0 ? 1 : static_cast<std::size_t>(r.input)]);
   }
   return std::string(layer) + " expects " + what + ", got " + got;
 }
@@ -135,6 +162,18 @@ struct batch_dimension_missing_rank_must_be_at_least {};
 template <class OtherShape>
 struct inner_dimension_must_match {};
 struct reduced_axes_must_not_be_empty {};
+template <index_t N>
+struct element_count_must_be {};
+template <index_t N>
+struct element_count_must_be_a_multiple_of {};
+template <index_t N>
+struct axis_must_have_size_1 {};
+template <index_t N>
+struct sizes_must_match_input_0_except_along_axis {};
+template <index_t N>
+struct size_along_the_axis_must_be {};
+template <index_t N>
+struct axis_must_hold_the_slice {};
 
 // Not derived from std::false_type: compilers would then print integral_constant<bool, false>
 // instead of this type's name.
@@ -157,6 +196,18 @@ constexpr auto requirement() {
     return batch_dimension_missing_rank_must_be_at_least<N>{};
   else if constexpr (F == ShapeFault::empty_reduction)
     return reduced_axes_must_not_be_empty{};
+  else if constexpr (F == ShapeFault::total_elements)
+    return element_count_must_be<N>{};
+  else if constexpr (F == ShapeFault::elements_multiple)
+    return element_count_must_be_a_multiple_of<N>{};
+  else if constexpr (F == ShapeFault::axis_not_one)
+    return axis_must_have_size_1<N>{};
+  else if constexpr (F == ShapeFault::sizes_except_axis)
+    return sizes_must_match_input_0_except_along_axis<N>{};
+  else if constexpr (F == ShapeFault::axis_size)
+    return size_along_the_axis_must_be<N>{};
+  else if constexpr (F == ShapeFault::slice_range)
+    return axis_must_hold_the_slice<N>{};
   else
     return inputs_must_have_the_same_shape{};
 }

@@ -37,6 +37,7 @@
 #include "ops/matmul.hpp"
 #include "ops/softmax.hpp"
 #include "ops/math.hpp"
+#include "ops/shape.hpp"
 #include "parameter.hpp"
 #include "passes.hpp"
 #include "pijit.hpp"

@@ -37,7 +37,7 @@ auto run_into_new(const Op& op, const BasicTensor<First>& first, const BasicTens
     if constexpr (graph::runs_kernel<Op>()) {
       op.template run<Backend, T>(graph::KernelArgs{in.data(), shapes.data(), nullptr, out_shape});
     }
-    y = first.reshape(out_shape);
+    y = first.view(view_offset(op, shapes[0]), out_shape);
   } else if constexpr (graph::is_sink<Op>()) {
     op.template run<Backend, T>(graph::KernelArgs{in.data(), shapes.data(), nullptr, out_shape});
     if (pijit::Trace* trace = pijit::active_trace()) trace->record(op, y, first, rest...);

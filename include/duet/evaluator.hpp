@@ -230,7 +230,9 @@ auto run(const graph::Sym<G, Out>& program, const graph::Plan<G, sizeof...(Input
       data[I] = const_cast<void*>(input[Op::index]);
     } else {
       if constexpr (buffers.storage[I] == graph::Storage::view) {
-        data[I] = data[buffers.root[I]];
+        const auto& op = boost::hana::at_c<I>(program.graph.nodes).op;
+        data[I] = static_cast<char*>(data[Node::args[0]]) +
+                  view_offset(op, p.shapes[Node::args[0]]) * static_cast<index_t>(sizeof(graph::node_value_t<G, I>));
       } else if constexpr (buffers.storage[I] == graph::Storage::output) {
         result = BasicTensor<Result>::uninitialized(p.shapes[I]);
         data[I] = result.data();
@@ -259,12 +261,14 @@ auto run(const graph::Sym<G, Out>& program, const graph::Plan<G, sizeof...(Input
   });
 
   constexpr std::size_t out_root = buffers.root[Out];
+  // Where the output's elements begin in its root's, when it is a view.
+  const index_t offset = static_cast<const Result*>(data[Out]) - static_cast<const Result*>(data[out_root]);
   if constexpr (buffers.storage[out_root] == graph::Storage::input) {
-    // The graph only reshapes an input: its output is a view of that input.
+    // The graph only views an input: its output is a view of that input.
     constexpr std::size_t k = graph::node_at<G, out_root>::op_type::index;
-    return tensor_of(std::get<k>(std::forward_as_tuple(inputs...))).reshape(p.shapes[Out]);
+    return tensor_of(std::get<k>(std::forward_as_tuple(inputs...))).view(offset, p.shapes[Out]);
   } else if constexpr (out_root != Out) {
-    return result.reshape(p.shapes[Out]);
+    return result.view(offset, p.shapes[Out]);
   } else {
     return result;
   }

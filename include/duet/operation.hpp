@@ -24,7 +24,8 @@
 //                                                    the operation itself
 //   using value_type                                 the type of its value when it is not its
 //                                                    first input's
-//   is_view (output is input 0 with another shape; no kernel, no copy), is_elementwise
+//   is_view (output is input 0's elements, from view_offset() on, with another shape; no
+//   kernel, no copy), is_elementwise
 //   (unary, same shape: runs in place, fuses as an epilogue), is_sink (makes no value, runs
 //   for its side effects), has_side_effects (a view whose kernel still runs), has_parameters:
 //   all false by default.
@@ -77,8 +78,10 @@ struct KernelArgs {
   }
 };
 
-// What a gradient op reads, by its place around the forward op it differentiates.
-enum class Operand : unsigned char { grad, input0, input1, input2, output };
+// What a gradient op reads, by its place around the forward op it differentiates. Inputs past
+// input2 are input_operand(k) (concat's gradients read up to all N inputs), so output stands
+// clear of them.
+enum class Operand : unsigned char { grad, input0, input1, input2, output = 255 };
 
 constexpr Operand input_operand(std::size_t k) { return static_cast<Operand>(1 + k); }
 
@@ -211,6 +214,15 @@ struct check_operation {
 };
 
 }  // namespace diagnostic
+
+// Where a view's elements begin in its input's, in elements: 0 (the input's first), unless
+// the view says otherwise with `index_t view_offset(const Shape& input) const` (a slice along
+// the first axis).
+template <class Op>
+index_t view_offset(const Op& op, const Shape& input) {
+  if constexpr (requires { op.view_offset(input); }) return op.view_offset(input);
+  else return 0;
+}
 
 // Whether grad_op<K>() of Op gives an actual gradient, not NoGradient.
 template <class Op, std::size_t K>

@@ -67,7 +67,7 @@ class Replay {
       switch (value.kind) {
         case Value::Kind::input: data[v] = const_cast<void*>(inputs[value.input]); break;
         case Value::Kind::constant: data[v] = const_cast<void*>(value.data); break;
-        case Value::Kind::view: data[v] = data[value.view_of]; break;
+        case Value::Kind::view: data[v] = static_cast<char*>(data[value.view_of]) + value.view_bytes; break;
         case Value::Kind::computed:
           data[v] = v == output_root_ ? static_cast<void*>(result.data()) : arena.data() + offset_[v];
           break;
@@ -76,7 +76,9 @@ class Replay {
     for (const auto& step : steps_) {
       if (step->runs_kernel()) step->run(data.data(), values_);
     }
-    return values_[output_].shape == result.shape() ? result : result.reshape(values_[output_].shape);
+    const Value& out = values_[output_];
+    if (out.shape == result.shape()) return result;
+    return result.view(static_cast<index_t>(out.kind == Value::Kind::view ? out.view_bytes / sizeof(T) : 0), out.shape);
   }
 
  private:
@@ -152,7 +154,10 @@ class Replay {
                       duet::detail::block_alignment;
     }
     for (std::size_t v = 0; v < values_.size(); ++v) {
-      if (made[v] && values_[v].kind == Value::Kind::computed) offset_[v] = slot_offset[slot_of[v]];
+      // The output root lives in the result, not in a slot (none may exist when it is viewed).
+      if (made[v] && values_[v].kind == Value::Kind::computed && v != output_root_) {
+        offset_[v] = slot_offset[slot_of[v]];
+      }
     }
   }
 

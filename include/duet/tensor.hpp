@@ -125,11 +125,21 @@ class BasicTensor {
       throw ShapeError("duet::Tensor::reshape: cannot view " + to_string(shape_) + " (" + std::to_string(numel()) +
                        " elements) as " + to_string(to));
     }
-    BasicTensor view = *this;
-    view.shape_ = to;
-    view.tape_id_ = 0;
-    view.trace_id_ = 0;
-    return view;
+    return view(0, to);
+  }
+
+  // The elements from `offset` on, as a view of shape `to` (a slice along the first axis).
+  BasicTensor view(index_t offset, const Shape& to) const {
+    if (!to.is_concrete() || offset < 0 || offset + to.numel() > numel()) {
+      throw ShapeError("duet::Tensor::view: cannot view " + std::to_string(to.numel()) + " elements from element " +
+                       std::to_string(offset) + " of " + to_string(shape_) + " as " + to_string(to));
+    }
+    BasicTensor v = *this;
+    v.shape_ = to;
+    v.data_ = data_ + offset;
+    v.tape_id_ = 0;
+    v.trace_id_ = 0;
+    return v;
   }
 
   // Sub-tensor i along the first axis, as a view.

@@ -53,6 +53,7 @@ struct Value {
   std::size_t element_size = 0;
   std::size_t input = 0;               // Kind::input: which argument
   std::size_t view_of = 0;             // Kind::view: the value whose memory it shares
+  std::size_t view_bytes = 0;          // Kind::view: where in that memory it begins
   std::shared_ptr<const void> handle;  // Kind::constant: keeps the tensor's storage alive
   const void* data = nullptr;          // Kind::constant
 };
@@ -209,6 +210,9 @@ class Trace {
     if constexpr (Op::is_view) {
       v.kind = Value::Kind::view;
       v.view_of = root_of(step->inputs[0]);
+      const Value& in = values_[step->inputs[0]];
+      v.view_bytes = (in.kind == Value::Kind::view ? in.view_bytes : 0) +
+                     static_cast<std::size_t>(view_offset(op, in.shape)) * sizeof(T);
     }
     step->output = values_.size();
     add(std::move(v), y);

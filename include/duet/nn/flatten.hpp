@@ -7,20 +7,10 @@
 
 #include "../cell.hpp"
 #include "../eager.hpp"
+#include "../ops/shape.hpp"
 
 namespace duet {
 namespace ops {
-
-// The gradient of a reshape: dy viewed with the shape of the forward input.
-struct ReshapeLikeOp : Primitive<ReshapeLikeOp> {
-  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0};
-  static constexpr int arity = 2;  // dy, the forward input (for its shape)
-  static constexpr bool is_view = true;
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
-
-  static std::string op_name() { return "ReshapeLike"; }
-};
 
 // [N, d1, d2, ...] -> [N, d1 * d2 * ...].
 struct FlattenOp : Primitive<FlattenOp> {

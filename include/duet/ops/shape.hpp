@@ -1,0 +1,871 @@
+// Shape operations: reshape, transpose/permute, expand_dims, squeeze, concat, stack, split,
+// slice/strided_slice and gather, in both modes (MindSpore's ops.reshape, ops.transpose, ...).
+//
+// Every argument that decides the output's shape is known at compile time, so that graph
+// mode has a static shape to check the next layer against: a single list or axis is a
+// template argument (reshape<2, -1>(x), transpose<1, 0>(x), concat<1>(a, b, c)); the two or
+// three lists of slice and strided_slice are tag values, ops::ints<...>, since one template
+// can hold only one list (slice(x, ints<1, 0>, ints<2, -1>)).
+//
+// duet's tensors are contiguous and row-major: a view is one run of its input's elements, in
+// order, with a shape. So reshape, expand_dims and squeeze are views (no kernel, no copy),
+// and so is a slice along the first axis only (split<0, ...>, or slice and strided_slice
+// cutting axis 0 with stride 1), which begins further into the input's block. transpose,
+// concat, stack, gather and the other slices copy: their elements are not such a run.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <limits>
+#include <span>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+#include "../eager.hpp"
+#include "../operation.hpp"
+
+namespace duet {
+namespace ops {
+
+// A list of integers fixed at compile time: the begin, end and strides of a slice.
+template <index_t... V>
+struct Ints {
+  static constexpr std::array<index_t, sizeof...(V)> values{V...};
+};
+template <index_t... V>
+inline constexpr Ints<V...> ints{};
+
+// An end past every axis's last element: strided_slice's "to the end".
+inline constexpr index_t to_end = std::numeric_limits<index_t>::max();
+
+namespace detail {
+
+// axis in [-rank, rank) as an index in [0, rank), or -1 when it is out of range.
+constexpr int axis_index(int axis, int rank) {
+  const int a = axis < 0 ? axis + rank : axis;
+  return a < 0 || a >= rank ? -1 : a;
+}
+
+template <class V>
+std::string list_text(std::initializer_list<V> values) {
+  std::string out;
+  for (V v : values) out += (out.empty() ? "" : ", ") + std::to_string(v);
+  return out;
+}
+
+// x with axis `at` removed (at < rank) or a size inserted before it.
+constexpr Shape without_axis(const Shape& x, int at) {
+  Shape out;
+  for (int i = 0; i < x.rank(); ++i)
+    if (i != at) out.push_back(x[i]);
+  return out;
+}
+constexpr Shape with_axis(const Shape& x, int at, index_t size) {
+  Shape out;
+  for (int i = 0; i <= x.rank(); ++i) {
+    if (i == at) out.push_back(size);
+    if (i < x.rank()) out.push_back(x[i]);
+  }
+  return out;
+}
+
+// Copies `rows` runs of `count` elements, run r from src + r * src_row to dst + r * dst_row.
+template <class T>
+void copy_runs(const T* src, index_t src_row, T* dst, index_t dst_row, index_t rows, index_t count) {
+  for (index_t r = 0; r < rows; ++r) std::copy_n(src + r * src_row, count, dst + r * dst_row);
+}
+
+// Row-major strides of a shape, in elements.
+constexpr std::array<index_t, max_rank> strides_of(const Shape& x) {
+  std::array<index_t, max_rank> stride{};
+  index_t s = 1;
+  for (int a = x.rank() - 1; a >= 0; --a) {
+    stride[static_cast<std::size_t>(a)] = s;
+    s *= x[a];
+  }
+  return stride;
+}
+
+// Calls f(i, j) for each output element i, in order, and the input element j it reads, where
+// output element 0 reads input element `first` and one step along output axis a moves
+// stride[a] in the input: the walk of transpose and of slices.
+template <class F>
+void for_each_strided(index_t first, const std::array<index_t, max_rank>& stride, const Shape& out, F&& f) {
+  const int rank = out.rank();
+  const index_t n = out.numel();
+  if (n == 0) return;
+  const index_t inner = rank == 0 ? 1 : out[-1];
+  const index_t inner_step = rank == 0 ? 0 : stride[static_cast<std::size_t>(rank - 1)];
+  std::array<index_t, max_rank> index{};
+  index_t j = first;
+  for (index_t i = 0; i < n; i += inner) {
+    for (index_t k = 0; k < inner; ++k) f(i + k, j + k * inner_step);
+    // The odometer over the outer axes, last first.
+    for (int axis = rank - 2; axis >= 0; --axis) {
+      const std::size_t ax = static_cast<std::size_t>(axis);
+      ++index[ax];
+      j += stride[ax];
+      if (index[ax] < out[axis]) break;
+      j -= stride[ax] * index[ax];
+      index[ax] = 0;
+    }
+  }
+}
+
+}  // namespace detail
+
+// The gradient of a view that only changes the shape: dy viewed with the forward input's shape.
+struct ReshapeLikeOp : Primitive<ReshapeLikeOp> {
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0};
+  static constexpr int arity = 2;  // dy, the forward input (for its shape)
+  static constexpr bool is_view = true;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
+
+  static std::string op_name() { return "ReshapeLike"; }
+};
+
+// ----------------------------------------------------------------------------------------
+// reshape<D...>(x): MindSpore's reshape(input, shape). One size may be -1, inferred from the
+// element count. A view.
+
+constexpr ShapeResult reshape_rule(const Shape& x, Shape to) {
+  int inferred = -1;
+  index_t known = 1;
+  for (int i = 0; i < to.rank(); ++i) {
+    if (to[i] == dyn) inferred = i;
+    else known *= to[i];
+  }
+  const index_t n = x.numel();
+  if (n == dyn) return {to};  // the inferred size stays dynamic
+  if (inferred < 0) return known == n ? ShapeResult{to} : fault(to, ShapeFault::total_elements, known);
+  if (known == 0 || n % known != 0) return fault(to, ShapeFault::elements_multiple, known);
+  to[inferred] = n / known;
+  return {to};
+}
+
+template <index_t... D>
+struct ReshapeOp : Primitive<ReshapeOp<D...>> {
+  static_assert(((D >= 0 || D == -1) && ...), "duet::ops::reshape: sizes must be >= 0, or -1 for one inferred size");
+  static_assert((0 + ... + int{D == -1}) <= 1, "duet::ops::reshape: at most one size may be -1 (inferred)");
+  static constexpr int arity = 1;
+  static constexpr bool is_view = true;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return reshape_rule(in[0], Shape{D...}); }
+
+  template <std::size_t K>
+    requires(K == 0)
+  auto grad_op() const {
+    return ReshapeLikeOp{};
+  }
+
+  static std::string op_name() { return "Reshape<" + detail::list_text<index_t>({D...}) + ">"; }
+  std::string label() const { return "ops::reshape<" + detail::list_text<index_t>({D...}) + ">"; }
+};
+
+template <index_t... D, class X>
+auto reshape(X&& x) {
+  return apply(ReshapeOp<D...>{}, std::forward<X>(x));
+}
+
+// ----------------------------------------------------------------------------------------
+// expand_dims<Axis>(x): a size-1 axis inserted at Axis, in [-rank - 1, rank] (MindSpore's
+// expand_dims(input_x, axis)). A view.
+
+template <int Axis>
+struct ExpandDimsOp : Primitive<ExpandDimsOp<Axis>> {
+  static constexpr int arity = 1;
+  static constexpr bool is_view = true;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    const Shape& x = in[0];
+    const int at = Axis < 0 ? Axis + x.rank() + 1 : Axis;
+    if (x.leading_unknown()) {
+      // Counted from the end, the axis is among the known trailing ones; from the front, not.
+      if (Axis >= 0 || at < 0) return {Shape::any()};
+      Shape out = Shape::any();
+      for (index_t d : detail::with_axis(x, at, 1)) out.push_back(d);
+      return {out};
+    }
+    if (at < 0 || at > x.rank()) return fault(x, ShapeFault::min_rank, Axis < 0 ? -Axis - 1 : Axis);
+    return {detail::with_axis(x, at, 1)};
+  }
+
+  template <std::size_t K>
+    requires(K == 0)
+  auto grad_op() const {
+    return ReshapeLikeOp{};
+  }
+
+  static std::string op_name() { return "ExpandDims<" + std::to_string(Axis) + ">"; }
+  std::string label() const { return "ops::expand_dims<" + std::to_string(Axis) + ">"; }
+};
+
+template <int Axis, class X>
+auto expand_dims(X&& x) {
+  return apply(ExpandDimsOp<Axis>{}, std::forward<X>(x));
+}
+
+// ----------------------------------------------------------------------------------------
+// squeeze<Axes...>(x): the size-1 axes named removed, or every size-1 axis when none is
+// (MindSpore's squeeze(input, axis)). A view.
+
+template <int... Axes>
+struct SqueezeOp : Primitive<SqueezeOp<Axes...>> {
+  static constexpr int arity = 1;
+  static constexpr bool is_view = true;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    const Shape& x = in[0];
+    if constexpr (sizeof...(Axes) == 0) {
+      // Which axes go depends on sizes compile time may not know: then so is the result.
+      if (!x.is_concrete()) return {Shape::any()};
+      Shape out;
+      for (index_t d : x)
+        if (d != 1) out.push_back(d);
+      return {out};
+    } else {
+      if (x.leading_unknown()) return {Shape::any()};
+      std::array<bool, max_rank> drop{};
+      for (int axis : {Axes...}) {
+        const int a = detail::axis_index(axis, x.rank());
+        if (a < 0) return fault(x, ShapeFault::min_rank, axis < 0 ? -axis : axis + 1);
+        if (x[a] != 1 && x[a] != dyn) return fault(x, ShapeFault::axis_not_one, axis);
+        drop[static_cast<std::size_t>(a)] = true;
+      }
+      Shape out;
+      for (int i = 0; i < x.rank(); ++i)
+        if (!drop[static_cast<std::size_t>(i)]) out.push_back(x[i]);
+      return {out};
+    }
+  }
+
+  template <std::size_t K>
+    requires(K == 0)
+  auto grad_op() const {
+    return ReshapeLikeOp{};
+  }
+
+  static std::string op_name() { return "Squeeze<" + detail::list_text<int>({Axes...}) + ">"; }
+  std::string label() const { return "ops::squeeze<" + detail::list_text<int>({Axes...}) + ">"; }
+};
+
+template <int... Axes, class X>
+auto squeeze(X&& x) {
+  return apply(SqueezeOp<Axes...>{}, std::forward<X>(x));
+}
+
+// ----------------------------------------------------------------------------------------
+// transpose<P...>(x): output axis i is input axis P[i] (MindSpore's transpose(input,
+// input_perm); permute(input, axis) is the same). A copy: the output's elements are the
+// input's in another order, which a contiguous row-major view cannot express.
+
+namespace detail {
+template <std::size_t N>
+constexpr bool is_permutation(const std::array<int, N>& p) {
+  std::array<bool, N> seen{};
+  for (int v : p) {
+    if (v < 0 || v >= static_cast<int>(N) || seen[static_cast<std::size_t>(v)]) return false;
+    seen[static_cast<std::size_t>(v)] = true;
+  }
+  return true;
+}
+}  // namespace detail
+
+template <int... P>
+struct TransposeOp : Primitive<TransposeOp<P...>> {
+  static constexpr std::array<int, sizeof...(P)> perm{P...};
+  static_assert(detail::is_permutation(perm),
+                "duet::ops::transpose: the axes must be a permutation of 0, 1, ..., rank - 1");
+  static constexpr int rank = static_cast<int>(sizeof...(P));
+  // As the gradient of the inverse permutation, it reads the incoming gradient only.
+  static constexpr std::array reads{graph::Operand::grad};
+  static constexpr int arity = 1;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    const Shape& x = in[0];
+    if (x.leading_unknown() && x.rank() <= rank) return {Shape::any()};
+    if (x.rank() != rank) return fault(x, ShapeFault::exact_rank, rank);
+    Shape out;
+    for (int a : perm) out.push_back(x[a]);
+    return {out};
+  }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const auto in_stride = detail::strides_of(a.in_shape());
+    std::array<index_t, max_rank> stride{};
+    for (std::size_t i = 0; i < perm.size(); ++i) stride[i] = in_stride[static_cast<std::size_t>(perm[i])];
+    const T* in = a.in<T>();
+    T* out = a.out<T>();
+    detail::for_each_strided(0, stride, a.output_shape, [&](index_t i, index_t j) { out[i] = in[j]; });
+  }
+
+  template <std::size_t K>
+    requires(K == 0)
+  auto grad_op() const {
+    return []<std::size_t... I>(std::index_sequence<I...>) {
+      constexpr std::array<int, sizeof...(P)> inverse = [] {
+        std::array<int, sizeof...(P)> inv{};
+        for (std::size_t i = 0; i < sizeof...(P); ++i) inv[static_cast<std::size_t>(perm[i])] = static_cast<int>(i);
+        return inv;
+      }();
+      return TransposeOp<inverse[I]...>{};
+    }(std::make_index_sequence<sizeof...(P)>{});
+  }
+
+  static std::string op_name() { return "Transpose<" + detail::list_text<int>({P...}) + ">"; }
+  std::string label() const { return "ops::transpose<" + detail::list_text<int>({P...}) + ">"; }
+};
+
+template <int... P, class X>
+auto transpose(X&& x) {
+  return apply(TransposeOp<P...>{}, std::forward<X>(x));
+}
+template <int... P, class X>
+auto permute(X&& x) {
+  return transpose<P...>(std::forward<X>(x));
+}
+
+// ----------------------------------------------------------------------------------------
+// concat<Axis>(x0, x1, ...): the inputs joined along Axis, their other sizes equal (MindSpore's
+// concat(tensors, axis)). N inputs, N a template argument of the op. A copy.
+
+namespace detail {
+
+// The inputs' common sizes, axis `except` aside (-1: none), into `common` (dyn where every
+// input's is): the first input whose rank or a size differs, or 0 when none does.
+constexpr int merge_sizes(std::span<const Shape> in, int except, Shape& common) {
+  common = in[0];
+  for (std::size_t k = 1; k < in.size(); ++k) {
+    const Shape& x = in[k];
+    if (x.rank() != common.rank()) return static_cast<int>(k);
+    for (int i = 0; i < x.rank(); ++i) {
+      if (i == except) continue;
+      if (common[i] == dyn) common[i] = x[i];
+      else if (x[i] != dyn && x[i] != common[i]) return static_cast<int>(k);
+    }
+  }
+  return 0;
+}
+
+constexpr index_t numel_before(const Shape& x, int axis) {
+  index_t n = 1;
+  for (int i = 0; i < axis; ++i) n *= x[i];
+  return n;
+}
+
+// concat's and stack's kernel: each row of the output's axes before `a` holds a block of
+// every input in turn.
+template <class T>
+void join_blocks(const graph::KernelArgs& args, std::size_t inputs, int a) {
+  const Shape& out = args.output_shape;
+  index_t offset = 0;
+  for (std::size_t k = 0; k < inputs; ++k) {
+    const index_t block = args.in_shape(k).numel_from(a);
+    copy_runs(args.in<T>(k), block, args.out<T>() + offset, out.numel_from(a), numel_before(out, a), block);
+    offset += block;
+  }
+}
+
+// Their gradients' kernel: from each row of dy, the block that begins `offset` into it.
+template <class T>
+void take_block(const graph::KernelArgs& args, int a, index_t offset) {
+  const Shape& dy = args.in_shape(0);
+  const index_t block = args.output_shape.numel_from(a);
+  copy_runs(args.in<T>(0) + offset, dy.numel_from(a), args.out<T>(), block, numel_before(dy, a), block);
+}
+
+}  // namespace detail
+
+template <int Axis, int K>
+struct ConcatGradOp;
+
+template <int Axis, int N>
+struct ConcatOp : Primitive<ConcatOp<Axis, N>> {
+  static_assert(N >= 1, "duet::ops::concat: needs at least one input");
+  static constexpr int arity = N;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    for (const Shape& x : in)
+      if (x.leading_unknown()) return {Shape::any()};
+    const int a = detail::axis_index(Axis, in[0].rank());
+    if (a < 0) return fault(in[0], ShapeFault::min_rank, Axis < 0 ? -Axis : Axis + 1);
+    Shape out;
+    if (const int k = detail::merge_sizes(in, a, out)) return fault(out, ShapeFault::sizes_except_axis, a, k);
+    for (std::size_t k = 1; k < in.size(); ++k) out[a] = out[a] == dyn || in[k][a] == dyn ? dyn : out[a] + in[k][a];
+    return {out};
+  }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& args) const {
+    detail::join_blocks<T>(args, N, detail::axis_index(Axis, args.output_shape.rank()));
+  }
+
+  template <std::size_t K>
+    requires(K < static_cast<std::size_t>(N))
+  auto grad_op() const {
+    return ConcatGradOp<Axis, static_cast<int>(K)>{};
+  }
+
+  static std::string op_name() { return "Concat<" + std::to_string(Axis) + ">"; }
+  std::string label() const { return "ops::concat<" + std::to_string(Axis) + ">"; }
+};
+
+// d/d input K of concat: input K's block of dy. It reads inputs 0 to K for their sizes along
+// the axis, which place input K's block.
+template <int Axis, int K>
+struct ConcatGradOp : Primitive<ConcatGradOp<Axis, K>> {
+  static constexpr auto reads = []<std::size_t... I>(std::index_sequence<I...>) {
+    return std::array{graph::Operand::grad, graph::input_operand(I)...};
+  }(std::make_index_sequence<static_cast<std::size_t>(K) + 1>{});
+  static constexpr int arity = K + 2;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[static_cast<std::size_t>(K) + 1]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& args) const {
+    const int a = detail::axis_index(Axis, args.in_shape(0).rank());
+    index_t offset = 0;
+    for (std::size_t k = 1; k <= static_cast<std::size_t>(K); ++k) offset += args.in_shape(k).numel_from(a);
+    detail::take_block<T>(args, a, offset);
+  }
+
+  static std::string op_name() { return "ConcatGrad<" + std::to_string(Axis) + ", " + std::to_string(K) + ">"; }
+};
+
+template <int Axis = 0, class X0, class... X>
+auto concat(const X0& x0, const X&... x) {
+  return apply(ConcatOp<Axis, 1 + static_cast<int>(sizeof...(X))>{}, x0, x...);
+}
+
+// ----------------------------------------------------------------------------------------
+// stack<Axis>(x0, x1, ...): inputs of one shape stacked along a new axis Axis, in
+// [-rank - 1, rank] (MindSpore's stack(tensors, axis)). A copy: concat's kernel, each
+// input's block being all of it past the axis.
+
+template <int Axis, int K>
+struct StackGradOp;
+
+template <int Axis, int N>
+struct StackOp : Primitive<StackOp<Axis, N>> {
+  static_assert(N >= 1, "duet::ops::stack: needs at least one input");
+  static constexpr int arity = N;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    for (const Shape& x : in)
+      if (x.leading_unknown()) return {Shape::any()};
+    Shape common;
+    if (const int k = detail::merge_sizes(in, -1, common)) return fault(common, ShapeFault::shapes_differ, 0, k);
+    const int a = detail::axis_index(Axis, common.rank() + 1);
+    if (a < 0) return fault(common, ShapeFault::min_rank, Axis < 0 ? -Axis - 1 : Axis);
+    return {detail::with_axis(common, a, N)};
+  }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& args) const {
+    detail::join_blocks<T>(args, N, detail::axis_index(Axis, args.output_shape.rank()));
+  }
+
+  template <std::size_t K>
+    requires(K < static_cast<std::size_t>(N))
+  auto grad_op() const {
+    return StackGradOp<Axis, static_cast<int>(K)>{};
+  }
+
+  static std::string op_name() { return "Stack<" + std::to_string(Axis) + ">"; }
+  std::string label() const { return "ops::stack<" + std::to_string(Axis) + ">"; }
+};
+
+// d/d input K of stack: entry K of dy along the stacked axis.
+template <int Axis, int K>
+struct StackGradOp : Primitive<StackGradOp<Axis, K>> {
+  static constexpr std::array reads{graph::Operand::grad};
+  static constexpr int arity = 1;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    const Shape& dy = in[0];
+    if (dy.leading_unknown()) return {Shape::any()};
+    return {detail::without_axis(dy, detail::axis_index(Axis, dy.rank()))};
+  }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& args) const {
+    const int a = detail::axis_index(Axis, args.in_shape(0).rank());
+    detail::take_block<T>(args, a, K * args.output_shape.numel_from(a));
+  }
+
+  static std::string op_name() { return "StackGrad<" + std::to_string(Axis) + ", " + std::to_string(K) + ">"; }
+};
+
+template <int Axis = 0, class X0, class... X>
+auto stack(const X0& x0, const X&... x) {
+  return apply(StackOp<Axis, 1 + static_cast<int>(sizeof...(X))>{}, x0, x...);
+}
+
+// ----------------------------------------------------------------------------------------
+// Slices. A slice reads, along each axis a, count[a] elements step[a] apart from start[a]; its
+// gradient scatters dy back into zeros of the input's shape. One rule per kind of slice
+// gives that window from the input's shape; the kernels are shared.
+
+namespace detail {
+
+struct Window {
+  Shape count;
+  std::array<index_t, max_rank> start{};
+  std::array<index_t, max_rank> step{};
+  ShapeFault fault = ShapeFault::none;
+  index_t expected = 0;
+};
+
+// The window a slice op reads from an input of shape x, as a shape rule's result.
+template <class Op>
+constexpr ShapeResult window_result(const Shape& x) {
+  if (x.leading_unknown()) return {Shape::any()};
+  const Window w = Op::window(x);
+  if (w.fault != ShapeFault::none) return fault(x, w.fault, w.expected);
+  return {w.count};
+}
+
+template <class T>
+void read_window(const Window& w, const Shape& in, const T* x, T* y) {
+  const auto in_stride = strides_of(in);
+  std::array<index_t, max_rank> stride{};
+  index_t first = 0;
+  for (std::size_t a = 0; a < static_cast<std::size_t>(in.rank()); ++a) {
+    stride[a] = in_stride[a] * w.step[a];
+    first += in_stride[a] * w.start[a];
+  }
+  for_each_strided(first, stride, w.count, [&](index_t i, index_t j) { y[i] = x[j]; });
+}
+
+template <class T>
+void scatter_window(const Window& w, const Shape& in, const T* dy, T* dx) {
+  std::fill_n(dx, in.numel(), T(0));
+  const auto in_stride = strides_of(in);
+  std::array<index_t, max_rank> stride{};
+  index_t first = 0;
+  for (std::size_t a = 0; a < static_cast<std::size_t>(in.rank()); ++a) {
+    stride[a] = in_stride[a] * w.step[a];
+    first += in_stride[a] * w.start[a];
+  }
+  for_each_strided(first, stride, w.count, [&](index_t i, index_t j) { dx[j] = dy[i]; });
+}
+
+}  // namespace detail
+
+// The gradient of slice op Fwd: dy in Fwd's window of zeros shaped like the forward input.
+template <class Fwd>
+struct SliceGradOp : Primitive<SliceGradOp<Fwd>> {
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0};
+  static constexpr int arity = 2;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& args) const {
+    detail::scatter_window(Fwd::window(args.in_shape(1)), args.in_shape(1), args.in<T>(0), args.out<T>());
+  }
+
+  static std::string op_name() { return Fwd::op_name() + "Grad"; }
+};
+
+// What every slice op shares: its rule and kernel from its window, its gradient.
+template <class Self>
+struct SlicePrimitive : Primitive<Self> {
+  static constexpr int arity = 1;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return detail::window_result<Self>(in[0]); }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    detail::read_window(Self::window(a.in_shape()), a.in_shape(), a.in<T>(), a.out<T>());
+  }
+
+  template <std::size_t K>
+    requires(K == 0)
+  auto grad_op() const {
+    return SliceGradOp<Self>{};
+  }
+};
+
+// strided_slice(x, ints<begin...>, ints<end...>, ints<strides...>): along axis a, from
+// begin[a] up to (not including) end[a], strides[a] apart, as Python's x[begin:end:stride];
+// negative indices count from the end, indices past either end are clamped, a negative
+// stride walks backwards. Axes past the lists are taken whole (MindSpore's strided_slice
+// without its masks). slice(x, ints<begin...>, ints<size...>) takes size[a] elements from
+// begin[a] (-1: the rest), which must lie inside the axis (MindSpore's slice).
+template <class Begin, class End, class Strides, bool Checked>
+struct StridedSliceOp : SlicePrimitive<StridedSliceOp<Begin, End, Strides, Checked>> {
+  static constexpr std::size_t n = Begin::values.size();
+  static_assert(End::values.size() == n && Strides::values.size() == n,
+                "duet::ops::strided_slice: begin, end and strides must have one entry per axis sliced");
+  static_assert(std::ranges::none_of(Strides::values, [](index_t s) { return s == 0; }),
+                "duet::ops::strided_slice: a stride cannot be 0");
+
+  // Cutting the first axis only, one step at a time: the elements are one run of the input's.
+  static constexpr bool is_view = [] {
+    if (n == 0) return true;
+    if (Strides::values[0] != 1) return false;
+    for (std::size_t a = 1; a < n; ++a) {
+      if (Begin::values[a] != 0 || End::values[a] != to_end || Strides::values[a] != 1) return false;
+    }
+    return true;
+  }();
+  index_t view_offset(const Shape& x) const { return x.rank() == 0 ? 0 : window(x).start[0] * x.numel_from(1); }
+
+  static constexpr detail::Window window(const Shape& x) {
+    detail::Window w;
+    w.count = x;
+    if (static_cast<int>(n) > x.rank()) {
+      w.fault = ShapeFault::min_rank;
+      w.expected = static_cast<index_t>(n);
+      return w;
+    }
+    for (std::size_t a = 0; a < static_cast<std::size_t>(x.rank()); ++a) {
+      const int axis = static_cast<int>(a);
+      const index_t size = x[axis];
+      w.step[a] = 1;
+      if (a >= n) continue;
+      if (size == dyn) {
+        w.count[axis] = dyn;
+        continue;
+      }
+      const index_t stride = Strides::values[a];
+      index_t b = Begin::values[a];
+      index_t e = End::values[a];
+      if constexpr (Checked) {
+        if (e == to_end) e = size;
+        if (b > size || e < b || e > size) {
+          w.fault = ShapeFault::slice_range;
+          w.expected = axis;
+          return w;
+        }
+      }
+      if (b < 0) b += size;
+      if (e < 0) e += size;
+      // Python's clamping: [0, size] walking forwards, [-1, size - 1] backwards.
+      const index_t lo = stride > 0 ? 0 : -1;
+      const index_t hi = stride > 0 ? size : size - 1;
+      b = std::clamp(b, lo, hi);
+      e = std::clamp(e, lo, hi);
+      const index_t span = stride > 0 ? e - b : b - e;
+      const index_t abs_stride = stride > 0 ? stride : -stride;
+      w.start[a] = b;
+      w.step[a] = stride;
+      w.count[axis] = span <= 0 ? 0 : (span + abs_stride - 1) / abs_stride;
+    }
+    return w;
+  }
+
+  static std::string op_name() {
+    return std::string(Checked ? "Slice" : "StridedSlice") + "<" + lists() + ">";
+  }
+  std::string label() const { return std::string(Checked ? "ops::slice" : "ops::strided_slice") + "<" + lists() + ">"; }
+
+ private:
+  static std::string lists() {
+    const auto text = [](const auto& values) {
+      std::string out = "[";
+      for (index_t v : values) {
+        out += (out.size() > 1 ? ", " : "") + (v == to_end ? std::string("end") : std::to_string(v));
+      }
+      return out + "]";
+    };
+    return text(Begin::values) + ", " + text(End::values) + (Checked ? std::string() : ", " + text(Strides::values));
+  }
+};
+
+template <class X, index_t... B, index_t... E, index_t... S>
+auto strided_slice(X&& x, Ints<B...>, Ints<E...>, Ints<S...>) {
+  return apply(StridedSliceOp<Ints<B...>, Ints<E...>, Ints<S...>, false>{}, std::forward<X>(x));
+}
+
+template <class X, index_t... B, index_t... Size>
+auto slice(X&& x, Ints<B...>, Ints<Size...>) {
+  static_assert(sizeof...(B) == sizeof...(Size),
+                "duet::ops::slice: begin and size must have one entry per axis sliced");
+  static_assert(((B >= 0) && ...), "duet::ops::slice: begin must be >= 0");
+  static_assert(((Size >= -1) && ...), "duet::ops::slice: a size must be >= 0, or -1 for the rest of the axis");
+  using Op = StridedSliceOp<Ints<B...>, Ints<(Size == -1 ? to_end : B + Size)...>, Ints<(B * 0 + 1)...>, true>;
+  return apply(Op{}, std::forward<X>(x));
+}
+
+// ----------------------------------------------------------------------------------------
+// split<Axis, Sizes...>(x): x cut along Axis into pieces of these sizes, which must add up to
+// the axis's size (MindSpore's split(tensor, split_size_or_sections, axis) with sections).
+// duet's operations make one value each, so split returns a std::tuple of one slice
+// operation per piece: each reads x, and the gradients of the pieces that are used add up
+// in x's gradient. Sizes are template arguments because they give the number of outputs.
+
+namespace detail {
+// Where each piece begins: the sizes before it, added.
+template <std::size_t N>
+constexpr std::array<index_t, N> prefix_sums(const std::array<index_t, N>& sizes) {
+  std::array<index_t, N> b{};
+  for (std::size_t i = 1; i < N; ++i) b[i] = b[i - 1] + sizes[i - 1];
+  return b;
+}
+}  // namespace detail
+
+template <int Axis, index_t Total, index_t Begin, index_t Size>
+struct SplitOp : SlicePrimitive<SplitOp<Axis, Total, Begin, Size>> {
+  // A piece along the first axis is one run of the input's elements.
+  static constexpr bool is_view = Axis == 0;
+  index_t view_offset(const Shape& x) const { return Begin * x.numel_from(1); }
+
+  static constexpr detail::Window window(const Shape& x) {
+    detail::Window w;
+    w.count = x;
+    w.step.fill(1);
+    const int a = detail::axis_index(Axis, x.rank());
+    if (a < 0) {
+      w.fault = ShapeFault::min_rank;
+      w.expected = Axis < 0 ? -Axis : Axis + 1;
+    } else if (x[a] != dyn && x[a] != Total) {
+      w.fault = ShapeFault::axis_size;
+      w.expected = Total;
+    } else {
+      w.start[static_cast<std::size_t>(a)] = Begin;
+      w.count[a] = Size;
+    }
+    return w;
+  }
+
+  static std::string op_name() {
+    return "Split<" + std::to_string(Axis) + ">[" + std::to_string(Begin) + ":" + std::to_string(Begin + Size) + "]";
+  }
+  std::string label() const {
+    return "ops::split<" + std::to_string(Axis) + "> piece [" + std::to_string(Begin) + ", " +
+           std::to_string(Begin + Size) + ") of " + std::to_string(Total);
+  }
+};
+
+template <int Axis, index_t... Sizes, class X>
+auto split(const X& x) {
+  static_assert(sizeof...(Sizes) >= 1, "duet::ops::split: give the size of each piece");
+  static_assert(((Sizes >= 0) && ...), "duet::ops::split: sizes must be >= 0");
+  constexpr std::array<index_t, sizeof...(Sizes)> sizes{Sizes...};
+  constexpr std::array<index_t, sizeof...(Sizes)> begins = detail::prefix_sums(sizes);
+  constexpr index_t total = begins.back() + sizes.back();
+  return [&]<std::size_t... I>(std::index_sequence<I...>) {
+    return std::make_tuple(apply(SplitOp<Axis, total, begins[I], sizes[I]>{}, x)...);
+  }(std::make_index_sequence<sizeof...(Sizes)>{});
+}
+
+// ----------------------------------------------------------------------------------------
+// gather<Axis>(params, indices): the slices of params along Axis that int32 indices name,
+// in the indices' shape: output shape params[:Axis] + indices + params[Axis + 1:]
+// (MindSpore's gather(input_params, input_indices, axis)). An index outside [0, size) is a
+// duet::IndexError. The indices have no gradient; params' gradient adds dy's slices back
+// where they were read from, so an index read twice gets both.
+
+namespace detail {
+// Checks every index before anything is read with it.
+inline void check_indices(const std::int32_t* idx, index_t n, index_t bound, const std::string& who) {
+  for (index_t i = 0; i < n; ++i) {
+    if (idx[i] < 0 || idx[i] >= bound) {
+      throw IndexError(who + ": index " + std::to_string(idx[i]) + " (element " + std::to_string(i) +
+                       " of the indices) is out of range [0, " + std::to_string(bound) + ")");
+    }
+  }
+}
+
+// Calls f(output offset, params offset, count) for each run of `inner` elements gather copies.
+template <class F>
+void for_each_gathered(const Shape& params, int a, const std::int32_t* idx, index_t n_idx, F&& f) {
+  const index_t inner = params.numel_from(a + 1);
+  const index_t rows = params.numel() / params.numel_from(a);
+  const index_t size = params[a];
+  for (index_t r = 0; r < rows; ++r) {
+    for (index_t j = 0; j < n_idx; ++j) f((r * n_idx + j) * inner, (r * size + idx[j]) * inner, inner);
+  }
+}
+}  // namespace detail
+
+template <int Axis>
+struct GatherGradOp;
+
+template <int Axis>
+struct GatherOp : Primitive<GatherOp<Axis>> {
+  static constexpr int arity = 2;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    const Shape& p = in[0];
+    const Shape& idx = in[1];
+    if (p.leading_unknown() || idx.leading_unknown()) return {Shape::any()};
+    const int a = detail::axis_index(Axis, p.rank());
+    if (a < 0) return fault(p, ShapeFault::min_rank, Axis < 0 ? -Axis : Axis + 1);
+    Shape out;
+    for (int i = 0; i < a; ++i) out.push_back(p[i]);
+    for (index_t d : idx) out.push_back(d);
+    for (int i = a + 1; i < p.rank(); ++i) out.push_back(p[i]);
+    return {out};
+  }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& args) const {
+    const Shape& p = args.in_shape(0);
+    const int a = detail::axis_index(Axis, p.rank());
+    const std::int32_t* idx = args.in<std::int32_t>(1);
+    const index_t n_idx = args.in_shape(1).numel();
+    detail::check_indices(idx, n_idx, p[a], label());
+    const T* x = args.in<T>(0);
+    T* y = args.out<T>();
+    detail::for_each_gathered(p, a, idx, n_idx, [&](index_t o, index_t i, index_t n) { std::copy_n(x + i, n, y + o); });
+  }
+
+  template <std::size_t K>
+    requires(K < 2)
+  auto grad_op() const {
+    if constexpr (K == 0) return GatherGradOp<Axis>{};
+    else return NoGradient{};
+  }
+
+  static std::string op_name() { return "Gather<" + std::to_string(Axis) + ">"; }
+  std::string label() const { return "ops::gather<" + std::to_string(Axis) + ">"; }
+};
+
+// d/d params of gather: zeros, with each slice of dy added where its index points.
+template <int Axis>
+struct GatherGradOp : Primitive<GatherGradOp<Axis>> {
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0, graph::Operand::input1};
+  static constexpr int arity = 3;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& args) const {
+    const Shape& p = args.in_shape(1);
+    const int a = detail::axis_index(Axis, p.rank());
+    const std::int32_t* idx = args.in<std::int32_t>(2);
+    const index_t n_idx = args.in_shape(2).numel();
+    detail::check_indices(idx, n_idx, p[a], "ops::gather<" + std::to_string(Axis) + "> (gradient)");
+    const T* dy = args.in<T>(0);
+    T* dx = args.out<T>();
+    std::fill_n(dx, p.numel(), T(0));
+    detail::for_each_gathered(p, a, idx, n_idx, [&](index_t o, index_t i, index_t n) {
+      for (index_t k = 0; k < n; ++k) dx[i + k] += dy[o + k];
+    });
+  }
+
+  static std::string op_name() { return "GatherGrad<" + std::to_string(Axis) + ">"; }
+};
+
+template <int Axis = 0, class P, class I>
+auto gather(const P& params, const I& indices) {
+  static_assert(std::is_same_v<typename std::remove_cvref_t<I>::value_type, std::int32_t>,
+                "duet::ops::gather: the indices must be int32 tensors");
+  return apply(GatherOp<Axis>{}, params, indices);
+}
+
+inline const bool shape_listed = list_operations({"reshape", "transpose", "permute", "expand_dims", "squeeze", "concat",
+                                                  "stack", "split", "slice", "strided_slice", "gather"});
+
+}  // namespace ops
+}  // namespace duet

@@ -1,0 +1,325 @@
+// Shape operations (include/duet/ops/shape.hpp): their cases in the gradient harness, each
+// with its value computed by plain loops over multi-indices, and what the harness does not
+// cover: which are views, and the errors.
+#include <cstdint>
+#include <functional>
+#include <tuple>
+
+#include "ops_harness.hpp"
+
+namespace {
+
+using namespace duet_test::ops;
+using duet::index_t;
+using Index = std::vector<index_t>;
+using I32 = duet::BasicTensor<std::int32_t>;
+
+// Element `index` of x, by row-major arithmetic.
+double at(const D& x, const Index& index) {
+  index_t offset = 0;
+  for (int a = 0; a < x.ndim(); ++a) offset = offset * x.dim(a) + index[static_cast<std::size_t>(a)];
+  return x.data()[offset];
+}
+
+// The tensor of this shape whose element at each multi-index is value(index).
+D tabulate(const Shape& shape, const std::function<double(const Index&)>& value) {
+  D y = duet::zeros<double>(shape);
+  Index index(static_cast<std::size_t>(shape.rank()), 0);
+  for (index_t n = 0; n < shape.numel(); ++n) {
+    index_t rest = n;
+    for (int a = shape.rank() - 1; a >= 0; --a) {
+      index[static_cast<std::size_t>(a)] = rest % shape[a];
+      rest /= shape[a];
+    }
+    y.data()[n] = value(index);
+  }
+  return y;
+}
+
+// A case whose expected value is `reference`.
+template <std::size_t N, class F, class... C>
+Case checked(std::vector<Shape> shapes, F f, std::function<D(const std::vector<D>&)> reference,
+             std::tuple<C...> constants = {}) {
+  Case c = make_case_with<N>(std::move(shapes), f, constants);
+  c.reference = std::move(reference);
+  return c;
+}
+
+// The same elements in another shape (reshape, expand_dims, squeeze).
+std::function<D(const std::vector<D>&)> same_elements(Shape out) {
+  return [out](const std::vector<D>& xs) { return D(out, xs[0].values()); };
+}
+
+const I32 gather_indices(Shape{2, 2}, {2, 0, 2, 1});  // 2 twice: the gradient adds both
+
+const bool shape_cases = add_cases([](std::multimap<std::string, Case>& m) {
+  auto add = [&](std::string name, Case c) { m.emplace(std::move(name), std::move(c)); };
+  add("reshape", checked<1>({{3, 4}}, [](const auto& x) { return duet::ops::reshape<2, -1, 3>(x); },
+                            same_elements({2, 2, 3})));
+  add("reshape", checked<1>({{2, 3, 2}}, [](const auto& x) { return duet::ops::reshape<12>(x); }, same_elements({12})));
+  add("expand_dims", checked<1>({{3, 4}}, [](const auto& x) { return duet::ops::expand_dims<1>(x); },
+                                same_elements({3, 1, 4})));
+  add("expand_dims", checked<1>({{3, 4}}, [](const auto& x) { return duet::ops::expand_dims<-1>(x); },
+                                same_elements({3, 4, 1})));
+  add("squeeze", checked<1>({{3, 1, 4, 1}}, [](const auto& x) { return duet::ops::squeeze<1>(x); },
+                            same_elements({3, 4, 1})));
+  add("squeeze", checked<1>({{1, 3, 1}}, [](const auto& x) { return duet::ops::squeeze<>(x); }, same_elements({3})));
+
+  const auto transposed = [](const std::vector<D>& xs, std::vector<int> perm) {
+    Shape out;
+    for (int p : perm) out.push_back(xs[0].dim(p));
+    return tabulate(out, [&](const Index& o) {
+      Index i(o.size());
+      for (std::size_t k = 0; k < o.size(); ++k) i[static_cast<std::size_t>(perm[k])] = o[k];
+      return at(xs[0], i);
+    });
+  };
+  add("transpose", checked<1>({{3, 4}}, [](const auto& x) { return duet::ops::transpose<1, 0>(x); },
+                              [=](const std::vector<D>& xs) { return transposed(xs, {1, 0}); }));
+  add("transpose", checked<1>({{2, 3, 4}}, [](const auto& x) { return duet::ops::transpose<2, 0, 1>(x); },
+                              [=](const std::vector<D>& xs) { return transposed(xs, {2, 0, 1}); }));
+  add("permute", checked<1>({{2, 3, 4}}, [](const auto& x) { return duet::ops::permute<1, 2, 0>(x); },
+                            [=](const std::vector<D>& xs) { return transposed(xs, {1, 2, 0}); }));
+
+  // Along `axis`, the inputs one after the other.
+  const auto concatenated = [](const std::vector<D>& xs, int axis) {
+    Shape out = xs[0].shape();
+    for (std::size_t k = 1; k < xs.size(); ++k) out[axis] += xs[k].dim(axis);
+    return tabulate(out, [&](const Index& o) {
+      Index i = o;
+      std::size_t k = 0;
+      index_t& along = i[static_cast<std::size_t>(axis)];
+      while (along >= xs[k].dim(axis)) along -= xs[k++].dim(axis);
+      return at(xs[k], i);
+    });
+  };
+  add("concat", checked<2>({{2, 3}, {4, 3}}, [](const auto& a, const auto& b) { return duet::ops::concat<0>(a, b); },
+                           [=](const std::vector<D>& xs) { return concatenated(xs, 0); }));
+  add("concat", checked<3>({{2, 1, 3}, {2, 2, 3}, {2, 3, 3}},
+                           [](const auto& a, const auto& b, const auto& c) { return duet::ops::concat<1>(a, b, c); },
+                           [=](const std::vector<D>& xs) { return concatenated(xs, 1); }));
+  add("concat", checked<2>({{2, 3}, {2, 2}}, [](const auto& a, const auto& b) { return duet::ops::concat<-1>(a, b); },
+                           [=](const std::vector<D>& xs) { return concatenated(xs, 1); }));
+
+  const auto stacked = [](const std::vector<D>& xs, int axis) {
+    Shape out;
+    for (int a = 0; a <= xs[0].ndim(); ++a) {
+      out.push_back(a == axis ? static_cast<index_t>(xs.size()) : xs[0].dim(a < axis ? a : a - 1));
+    }
+    return tabulate(out, [&](const Index& o) {
+      Index i = o;
+      i.erase(i.begin() + axis);
+      return at(xs[static_cast<std::size_t>(o[static_cast<std::size_t>(axis)])], i);
+    });
+  };
+  add("stack", checked<2>({{2, 3}, {2, 3}}, [](const auto& a, const auto& b) { return duet::ops::stack<0>(a, b); },
+                          [=](const std::vector<D>& xs) { return stacked(xs, 0); }));
+  add("stack", checked<3>({{2, 3}, {2, 3}, {2, 3}},
+                          [](const auto& a, const auto& b, const auto& c) { return duet::ops::stack<-1>(a, b, c); },
+                          [=](const std::vector<D>& xs) { return stacked(xs, 2); }));
+
+  // Element o of a slice is x at begin + o * stride along each axis.
+  const auto sliced = [](const D& x, Shape out, Index begin, Index stride) {
+    return tabulate(out, [&](const Index& o) {
+      Index i = o;
+      for (std::size_t a = 0; a < o.size(); ++a) i[a] = begin[a] + o[a] * stride[a];
+      return at(x, i);
+    });
+  };
+  add("split", checked<1>({{5, 3}}, [](const auto& x) { return std::get<0>(duet::ops::split<0, 2, 3>(x)); },
+                          [=](const std::vector<D>& xs) { return sliced(xs[0], {2, 3}, {0, 0}, {1, 1}); }));
+  add("split", checked<1>({{5, 3}}, [](const auto& x) { return std::get<1>(duet::ops::split<0, 2, 3>(x)); },
+                          [=](const std::vector<D>& xs) { return sliced(xs[0], {3, 3}, {2, 0}, {1, 1}); }));
+  add("split", checked<1>({{2, 6}}, [](const auto& x) { return std::get<1>(duet::ops::split<1, 1, 4, 1>(x)); },
+                          [=](const std::vector<D>& xs) { return sliced(xs[0], {2, 4}, {0, 1}, {1, 1}); }));
+  // Both pieces used: x's gradient is the sum of each piece's.
+  add("split", checked<1>({{4, 3}},
+                          [](const auto& x) {
+                            const auto [a, b] = duet::ops::split<0, 2, 2>(x);
+                            return a * b;
+                          },
+                          [=](const std::vector<D>& xs) {
+                            return tabulate({2, 3},
+                                            [&](const Index& o) { return at(xs[0], o) * at(xs[0], {o[0] + 2, o[1]}); });
+                          }));
+
+  using duet::ops::ints;
+  // A view of a view, each beginning further in.
+  add("slice", checked<1>({{4, 3}},
+                          [](const auto& x) {
+                            return duet::ops::slice(std::get<1>(duet::ops::split<0, 1, 3>(x)), ints<1>, ints<2>);
+                          },
+                          [=](const std::vector<D>& xs) { return sliced(xs[0], {2, 3}, {2, 0}, {1, 1}); }));
+  add("slice", checked<1>({{4, 5}}, [](const auto& x) { return duet::ops::slice(x, ints<1, 2>, ints<2, -1>); },
+                          [=](const std::vector<D>& xs) { return sliced(xs[0], {2, 3}, {1, 2}, {1, 1}); }));
+  add("slice", checked<1>({{4, 5}}, [](const auto& x) { return duet::ops::slice(x, ints<1>, ints<2>); },
+                          [=](const std::vector<D>& xs) { return sliced(xs[0], {2, 5}, {1, 0}, {1, 1}); }));
+  add("strided_slice",
+      checked<1>({{5, 6}},
+                 [](const auto& x) { return duet::ops::strided_slice(x, ints<0, 1>, ints<5, 6>, ints<2, 2>); },
+                 [=](const std::vector<D>& xs) { return sliced(xs[0], {3, 3}, {0, 1}, {2, 2}); }));
+  // Negative indices count from the end; a negative stride walks backwards.
+  add("strided_slice",
+      checked<1>({{4, 6}},
+                 [](const auto& x) { return duet::ops::strided_slice(x, ints<-1, 1>, ints<-5, -1>, ints<-1, 3>); },
+                 [=](const std::vector<D>& xs) { return sliced(xs[0], {4, 2}, {3, 1}, {-1, 3}); }));
+
+  const auto gathered = [](const D& p, const I32& idx, int axis) {
+    Shape out;
+    for (int a = 0; a < axis; ++a) out.push_back(p.dim(a));
+    for (index_t d : idx.shape()) out.push_back(d);
+    for (int a = axis + 1; a < p.ndim(); ++a) out.push_back(p.dim(a));
+    return tabulate(out, [&](const Index& o) {
+      const auto r = static_cast<std::size_t>(idx.ndim());
+      Index j(o.begin() + axis, o.begin() + axis + static_cast<std::ptrdiff_t>(r));
+      index_t offset = 0;
+      for (std::size_t a = 0; a < r; ++a) offset = offset * idx.dim(static_cast<int>(a)) + j[a];
+      Index i(o.begin(), o.begin() + axis);
+      i.push_back(idx.data()[offset]);
+      i.insert(i.end(), o.begin() + axis + static_cast<std::ptrdiff_t>(r), o.end());
+      return at(p, i);
+    });
+  };
+  add("gather", checked<1>({{3, 4}}, [](const auto& p, const auto& idx) { return duet::ops::gather<0>(p, idx); },
+                           [=](const std::vector<D>& xs) { return gathered(xs[0], gather_indices, 0); },
+                           std::tuple{gather_indices}));
+  add("gather", checked<1>({{2, 3, 2}}, [](const auto& p, const auto& idx) { return duet::ops::gather<1>(p, idx); },
+                           [=](const std::vector<D>& xs) { return gathered(xs[0], gather_indices, 1); },
+                           std::tuple{gather_indices}));
+});
+
+template <class F>
+struct Net : duet::nn::Cell<Net<F>, duet::CONTEXT_MODE, double> {
+  auto construct(auto x) { return F{}(x); }
+};
+
+struct ReshapeTo6x2 {
+  auto operator()(const auto& x) const { return duet::ops::reshape<6, 2>(x); }
+};
+struct SqueezeExpand {
+  auto operator()(const auto& x) const { return duet::ops::squeeze<0>(duet::ops::expand_dims<0>(x)); }
+};
+struct SliceRows {
+  auto operator()(const auto& x) const { return duet::ops::slice(x, duet::ops::ints<1>, duet::ops::ints<2>); }
+};
+struct TransposeIt {
+  auto operator()(const auto& x) const { return duet::ops::transpose<1, 0>(x); }
+};
+
+}  // namespace
+
+TEST_CASE("ops: reshape, expand_dims, squeeze and slices of the first axis are views of their input in PyNative") {
+  using duet::ops::ints;
+  const D x = random_input({3, 4}, -1, 1, 3);
+  CHECK(std::get<1>(duet::ops::split<0, 1, 2>(x)).data() == x.data() + 4);
+  CHECK(duet::ops::slice(x, ints<2>, ints<1>).data() == x.data() + 8);
+  CHECK(duet::ops::strided_slice(x, ints<-2, 0>, ints<3, duet::ops::to_end>, ints<1, 1>).data() == x.data() + 4);
+  // Along another axis, or with a step, the elements are not one run: a copy.
+  CHECK_FALSE(std::get<1>(duet::ops::split<1, 1, 3>(x)).shares_storage_with(x));
+  CHECK_FALSE(duet::ops::strided_slice(x, ints<0>, ints<3>, ints<2>).shares_storage_with(x));
+  CHECK(duet::ops::reshape<2, -1>(x).data() == x.data());
+  CHECK(duet::ops::reshape<2, -1>(x).shape() == Shape{2, 6});
+  CHECK(duet::ops::expand_dims<0>(x).data() == x.data());
+  CHECK(duet::ops::squeeze<>(duet::ops::expand_dims<2>(x)).data() == x.data());
+  // A transpose copies: a row-major block cannot hold the other order.
+  CHECK(duet::ops::transpose<1, 0>(x).data() != x.data());
+}
+
+TEST_CASE("ops: graph_ir shows reshape, expand_dims and squeeze as views, transpose as a copy") {
+  duet_test::ModeGuard guard;
+  Net<ReshapeTo6x2> reshape;
+  const std::string r = duet::graph_ir(reshape, duet::shape<3, 4>).captured.text;
+  CHECK(r.find("Reshape<6, 2>(%0) : [6, 2]  [view of %0]") != std::string::npos);
+  Net<SqueezeExpand> squeeze;
+  const std::string s = duet::graph_ir(squeeze, duet::shape<3, 4>).captured.text;
+  CHECK(s.find("ExpandDims<0>(%0) : [1, 3, 4]  [view of %0]") != std::string::npos);
+  CHECK(s.find("Squeeze<0>(%1) : [3, 4]  [view of %0]") != std::string::npos);
+  Net<TransposeIt> transpose;
+  const std::string t = duet::graph_ir(transpose, duet::shape<3, 4>).captured.text;
+  CHECK(t.find("Transpose<1, 0>(%0) : [4, 3]  [output]") != std::string::npos);
+  Net<SliceRows> slice;
+  const std::string sl = duet::graph_ir(slice, duet::shape<3, 4>).captured.text;
+  CHECK(sl.find("Slice<[1], [3]>(%0) : [2, 4]  [view of %0]") != std::string::npos);
+  // And in graph mode the output of a reshape-only network is the input's block.
+  duet::set_context({.mode = duet::GRAPH_MODE});
+  const D x = random_input({3, 4}, -1, 1, 4);
+  CHECK(reshape(x).data() == x.data());
+  CHECK(slice(x).data() == x.data() + 4);
+}
+
+TEST_CASE("ops: split returns one slice per piece, in both modes") {
+  duet_test::ModeGuard guard;
+  const D x = random_input({5, 2}, -1, 1, 5);
+  for (duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+    duet::set_context({.mode = mode});
+    auto f = duet::jit([](const auto& t) { return std::get<2>(duet::ops::split<0, 1, 1, 3>(t)); });
+    const D y = f(x);
+    REQUIRE(y.shape() == Shape{3, 2});
+    CHECK(std::equal(y.data(), y.data() + 6, x.data() + 4));
+  }
+}
+
+TEST_CASE("ops: shape errors name the operation and the shapes, in both modes") {
+  duet_test::ModeGuard guard;
+  const D x = random_input({3, 4}, -1, 1, 6);
+  const D y = random_input({2, 5}, -1, 1, 7);
+  for (duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+    duet::set_context({.mode = mode});
+    const auto expect = [](auto&& call, const char* message) {
+      CHECK_THROWS_WITH_AS(call(), doctest::Contains(message), duet::ShapeError);
+    };
+    auto reshape = duet::jit([](const auto& t) { return duet::ops::reshape<5, 2>(t); });
+    expect([&] { return reshape(x); }, "ops::reshape<5, 2> expects an input of 10 elements, got [3, 4]");
+    auto inferred = duet::jit([](const auto& t) { return duet::ops::reshape<5, -1>(t); });
+    expect([&] { return inferred(x); },
+           "ops::reshape<5, -1> expects an input whose element count is a multiple of 5, got [3, 4]");
+    auto concat = duet::jit([](const auto& a, const auto& b) { return duet::ops::concat<0>(a, b); });
+    expect([&] { return concat(x, y); },
+           "ops::concat<0> expects inputs of one rank whose sizes match except along axis 0, got [3, 4], [2, 5]");
+    auto transpose = duet::jit([](const auto& t) { return duet::ops::transpose<0, 2, 1>(t); });
+    expect([&] { return transpose(x); }, "ops::transpose<0, 2, 1> expects an input of rank 3, got [3, 4]");
+    auto squeeze = duet::jit([](const auto& t) { return duet::ops::squeeze<1>(t); });
+    expect([&] { return squeeze(x); }, "ops::squeeze<1> expects an input whose axis 1 has size 1, got [3, 4]");
+    auto split = duet::jit([](const auto& t) { return std::get<0>(duet::ops::split<1, 2, 3>(t)); });
+    expect([&] { return split(x); }, "expects an input of size 5 along its axis, got [3, 4]");
+    auto slice = duet::jit([](const auto& t) { return duet::ops::slice(t, duet::ops::ints<2>, duet::ops::ints<2>); });
+    expect([&] { return slice(x); },
+           "ops::slice<[2], [4]> expects an input whose axis 0 holds the slice's range, got [3, 4]");
+  }
+}
+
+TEST_CASE("ops: gather refuses an index out of range in both modes, naming the index and the bound") {
+  duet_test::ModeGuard guard;
+  const D p = random_input({3, 2}, -1, 1, 8);
+  for (std::int32_t bad : {3, -1}) {
+    const I32 idx(Shape{2}, {0, bad});
+    for (duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+      duet::set_context({.mode = mode});
+      auto gather = duet::jit([](const auto& a, const auto& i) { return duet::ops::gather<0>(a, i); });
+      const std::string expected =
+          "ops::gather<0>: index " + std::to_string(bad) + " (element 1 of the indices) is out of range [0, 3)";
+      CHECK_THROWS_WITH_AS(gather(p, idx), doctest::Contains(expected.c_str()), duet::IndexError);
+    }
+  }
+}
+
+TEST_CASE("ops: PIJit replays views that begin inside their input, as the output and in between") {
+  using duet::ops::ints;
+  const auto rows = [](const D& x) { return duet::ops::slice(x * 2.0, ints<1>, ints<2>); };
+  const auto through = [](const D& x) { return std::get<1>(duet::ops::split<0, 1, 2>(x * 2.0)) * 3.0; };
+  auto f = duet::jit([&](const D& x) { return rows(x); }, {.mode = duet::JitMode::PIJit, .name = "rows"});
+  auto g = duet::jit([&](const D& x) { return through(x); }, {.mode = duet::JitMode::PIJit, .name = "through"});
+  for (std::uint64_t seed : {1, 2, 3}) {
+    const D x = random_input({3, 4}, -1, 1, seed);
+    const D fx = f(x);
+    const D gx = g(x);
+    const D f_eager = rows(x);
+    const D g_eager = through(x);
+    REQUIRE(fx.shape() == f_eager.shape());
+    REQUIRE(gx.shape() == g_eager.shape());
+    CHECK(std::equal(fx.data(), fx.data() + fx.numel(), f_eager.data()));
+    CHECK(std::equal(gx.data(), gx.data() + gx.numel(), g_eager.data()));
+  }
+  CHECK(f.compile_count() == 1);
+  CHECK(g.compile_count() == 1);
+}
