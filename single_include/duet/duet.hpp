@@ -39,6 +39,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <tuple>
 
 #include <Eigen/Core>
 #if !EIGEN_VERSION_AT_LEAST(3, 4, 0)
@@ -114,6 +115,22 @@ class FormatError : public IOError {
 };
 
 }  // namespace duet
+// Elementwise kernels and the row reductions of softmax cross-entropy: exp, log-sum-exp, the
+// softmax gradient of a row, sums, and a map of vector functions (fn::Relu).
+//
+// Written once (detail/elementwise_impl.hpp) on the vectors of each instruction set, compiled
+// per set below and chosen at run time (simd/isa.hpp, duet::kernel_isa()); a row's tail is one
+// masked vector through the same code. exp is simd/detail/math.hpp's, within 2 ulp of std::exp,
+// so no element calls libm; a row's logarithm is one std::log. Sums run lane by lane and then
+// fold in a fixed tree, so they are not the scalar left-to-right sums, and a set with wider
+// vectors (or FMA) can differ from another in the last bits of a loss or a gradient; under one
+// set every call gives the same bits, which is what makes graph and PyNative mode agree.
+// map() applies Fns::apply_in_place, the code a product's fused epilogue runs, so a map and an
+// epilogue give the same bits.
+
+#include <cmath>
+#include <limits>
+
 // The dense-layer product with its epilogue fused: C[m, n] = Fns(Σ_k A[m, k]·B[n, k] + bias[n]).
 //
 // A is the input [M, K] and B the weight [N, K], both row-major, so each output is a dot
@@ -382,9 +399,10 @@ inline void empty_cache() {
 }  // namespace duet
 // The one place where the instruction sets differ: per set, the vector width, the tile height
 // and the few operations GCC's vector extensions do not spell (FMA, masked memory access, the
-// group broadcast). Everything else in a kernel is written once, on Vec<T>, and compiled once
-// per set, in the set's namespace (detail::baseline, detail::avx2, detail::avx512) and between
-// its DUET_BEGIN_... and DUET_END_ISA (as kernels/gemm.hpp does with detail/gemm_impl.hpp).
+// group broadcast, the square root). Everything else in a kernel is written once, on Vec<T>,
+// and compiled once per set, in the set's namespace (detail::baseline, detail::avx2,
+// detail::avx512) and between its DUET_BEGIN_... and DUET_END_ISA (as kernels/gemm.hpp does
+// with detail/gemm_impl.hpp); so are exp and the reductions (detail/math.hpp).
 //
 // Each set's code is compiled for its target whatever -march the program has, by a target
 // region: GCC's `#pragma GCC target`, clang's `#pragma clang attribute push(target)`. Templates
@@ -393,6 +411,7 @@ inline void empty_cache() {
 // vector crosses a call between functions of different targets (-Wpsabi).
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <type_traits>
 
@@ -412,6 +431,18 @@ inline void empty_cache() {
 #define DUET_BEGIN_AVX2 _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma\")")
 #define DUET_BEGIN_AVX512 _Pragma("GCC push_options") _Pragma("GCC target(\"avx512f,avx512dq,avx512bw,avx512vl,avx2,fma\")")
 #define DUET_END_ISA _Pragma("GCC pop_options")
+#endif
+
+// Arithmetic exactly as written: no a·b + c contracted into an FMA, which both compilers do
+// wherever the target has one (GCC 12 even under -std=c++20). Kernels whose every set must
+// give the bits of the scalar formula (kernels/optim.hpp) sit between these, inside their
+// set's region; templates keep the setting when instantiated later, as they keep the target.
+#if defined(__clang__)
+#define DUET_BEGIN_UNFUSED _Pragma("float_control(push)") _Pragma("clang fp contract(off)")
+#define DUET_END_UNFUSED _Pragma("float_control(pop)")
+#else
+#define DUET_BEGIN_UNFUSED _Pragma("GCC push_options") _Pragma("GCC optimize(\"fp-contract=off\")")
+#define DUET_END_UNFUSED _Pragma("GCC pop_options")
 #endif
 
 namespace duet::kernels::detail {
@@ -483,6 +514,158 @@ Vec<T> broadcast_group(const T* p) {
   Vec<T> v;
   for (int i = 0; i < lanes<T>; ++i) v[i] = p[i % KG<T>];
   return v;
+}
+
+// Correctly rounded, as std::sqrt, without its call into libm for errno.
+template <class T>
+Vec<T> sqrt(Vec<T> v) {
+#if DUET_X86_KERNELS
+  if constexpr (std::is_same_v<T, float>) return _mm_sqrt_ps(v);
+  else return _mm_sqrt_pd(v);
+#else
+  for (int i = 0; i < lanes<T>; ++i) v[i] = __builtin_sqrt(v[i]);
+  return v;
+#endif
+}
+
+// What elementwise kernels need beyond vector.hpp, written once on the set's Vec<T>, fma and
+// sqrt: a tag that names the set, broadcasts, tails, horizontal reductions and exp. Included
+// once per set, inside its namespace and target region (simd/arch.hpp), so no include guard.
+
+// The set this copy is compiled for, as a type: a kernel written once (kernels/optim.hpp) is a
+// function template taking Target first, so that simd/dispatch.hpp reaches the set's copy by
+// argument-dependent lookup.
+struct Target {};
+
+template <class T>
+Vec<T> splat(T x) {
+  Vec<T> v;
+  for (int i = 0; i < lanes<T>; ++i) v[i] = x;
+  return v;
+}
+
+// Lane i holds i.
+template <class T>
+Vec<T> lane_index() {
+  Vec<T> v;
+  for (int i = 0; i < lanes<T>; ++i) v[i] = static_cast<T>(i);
+  return v;
+}
+
+// v in the lanes below n, fill in the others: what a tail read by load_first must hold for a
+// reduction (0 for a sum, -inf for a maximum).
+template <class T>
+Vec<T> first_or(Vec<T> v, int n, T fill) {
+  return lane_index<T>() < static_cast<T>(n) ? v : splat(fill);
+}
+
+// NaN-ignoring like std::max(a, b) with a the running maximum: a NaN in b is skipped.
+template <class T>
+Vec<T> max(Vec<T> a, Vec<T> b) {
+  return a < b ? b : a;
+}
+
+// The lanes of v folded in a fixed tree (halves, then quarters, ...): the sum, or with Max the
+// maximum as max() takes it.
+template <bool Max, class T>
+T reduce_lanes(Vec<T> v) {
+  T x[lanes<T>];
+  std::memcpy(x, &v, sizeof v);
+  for (int width = lanes<T> / 2; width >= 1; width /= 2) {
+    for (int i = 0; i < width; ++i) x[i] = Max ? (x[i] < x[i + width] ? x[i + width] : x[i]) : x[i] + x[i + width];
+  }
+  return x[0];
+}
+
+// ---- exp ---------------------------------------------------------------------------------
+//
+// e^x = 2^k · e^r with k = round(x / ln 2) and |r| <= ln 2 / 2, r = x - k·ln 2 in two parts
+// (Cody and Waite: k·ln2_hi is exact, so r loses nothing to cancellation), e^r by its Taylor
+// polynomial (degree 7 for float, 13 for double: the first omitted term is below 2^-27 and
+// 2^-57 of the result) in Horner's form, and 2^k built in the exponent bits. 2^k is applied in
+// two halves, so that a result near the top of the range, or subnormal at the bottom, is
+// rounded once, as std::exp's is. tests/kernels_elementwise.cpp requires 2 ulp of std::exp
+// under every set on millions of arguments across the whole range, and measures at most 1.
+// x above the range gives +inf, below it +0, and NaN stays NaN. The sets differ in FMA (the
+// baseline rounds a·b and + c separately), so their results may differ in the last bit.
+
+template <class T>
+struct ExpConstants;
+
+template <>
+struct ExpConstants<float> {
+  using Bits = std::int32_t;
+  static constexpr int mantissa_bits = 23;
+  static constexpr Bits exponent_bias = 127;
+  // e^89 overflows and e^-104 is below half the smallest subnormal; clamping there keeps k
+  // within what two halves of 2^k can represent.
+  static constexpr float lowest = -104.0f;
+  static constexpr float highest = 89.0f;
+  // Adding 1.5·2^23 rounds to an integer, and leaves it in the low bits.
+  static constexpr float round_shift = 12582912.0f;
+  static constexpr float log2e = 1.44269504088896341f;
+  static constexpr float ln2_hi = 0.693359375f;
+  static constexpr float ln2_lo = -2.12194440e-4f;
+  static constexpr float taylor[] = {1.0f,        1.0f,          1.0f / 2,      1.0f / 6,
+                                     1.0f / 24,   1.0f / 120,    1.0f / 720,    1.0f / 5040};
+};
+
+template <>
+struct ExpConstants<double> {
+  using Bits = std::int64_t;
+  static constexpr int mantissa_bits = 52;
+  static constexpr Bits exponent_bias = 1023;
+  static constexpr double lowest = -746.0;
+  static constexpr double highest = 710.0;
+  static constexpr double round_shift = 6755399441055744.0;  // 1.5·2^52
+  static constexpr double log2e = 1.4426950408889634074;
+  static constexpr double ln2_hi = 6.93145751953125e-1;
+  static constexpr double ln2_lo = 1.42860682030941723212e-6;
+  static constexpr double taylor[] = {1.0,
+                                      1.0,
+                                      1.0 / 2,
+                                      1.0 / 6,
+                                      1.0 / 24,
+                                      1.0 / 120,
+                                      1.0 / 720,
+                                      1.0 / 5040,
+                                      1.0 / 40320,
+                                      1.0 / 362880,
+                                      1.0 / 3628800,
+                                      1.0 / 39916800,
+                                      1.0 / 479001600,
+                                      1.0 / 6227020800};
+};
+
+// 2^k for whole numbers k within the normal exponents, given k + round_shift: its low bits are
+// k + bias once shifted into the exponent field, and the bits of round_shift shift out.
+template <class T>
+Vec<T> exp2_of_shifted(Vec<T> shifted) {
+  using C = ExpConstants<T>;
+  using Bits = Vector<typename C::Bits, vector_bytes>;
+  Bits bits;
+  std::memcpy(&bits, &shifted, sizeof bits);
+  bits = (bits + C::exponent_bias) << C::mantissa_bits;
+  Vec<T> v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+template <class T>
+Vec<T> exp(Vec<T> x) {
+  using C = ExpConstants<T>;
+  // Comparisons with NaN are false, so NaN passes both clamps and stays NaN to the end.
+  x = x < C::lowest ? splat(C::lowest) : x;
+  x = x > C::highest ? splat(C::highest) : x;
+  const Vec<T> k = (x * C::log2e + C::round_shift) - C::round_shift;
+  Vec<T> r = fma<T>(k, splat(-C::ln2_hi), x);
+  r = fma<T>(k, splat(-C::ln2_lo), r);
+  constexpr int degree = static_cast<int>(sizeof C::taylor / sizeof(T)) - 1;
+  Vec<T> p = splat(C::taylor[degree]);
+  for (int i = degree - 1; i >= 0; --i) p = fma<T>(p, r, splat(C::taylor[i]));
+  const Vec<T> half = k * T(0.5) + C::round_shift;
+  const Vec<T> rest = (k - (half - C::round_shift)) + C::round_shift;
+  return p * exp2_of_shifted<T>(half) * exp2_of_shifted<T>(rest);
 }
 
 }  // namespace duet::kernels::detail::baseline
@@ -558,6 +741,152 @@ Vec<T> broadcast_group(const T* p) {
   }
 }
 
+template <class T>
+Vec<T> sqrt(Vec<T> v) {
+  if constexpr (std::is_same_v<T, float>) return _mm256_sqrt_ps(v);
+  else return _mm256_sqrt_pd(v);
+}
+
+// What elementwise kernels need beyond vector.hpp, written once on the set's Vec<T>, fma and
+// sqrt: a tag that names the set, broadcasts, tails, horizontal reductions and exp. Included
+// once per set, inside its namespace and target region (simd/arch.hpp), so no include guard.
+
+// The set this copy is compiled for, as a type: a kernel written once (kernels/optim.hpp) is a
+// function template taking Target first, so that simd/dispatch.hpp reaches the set's copy by
+// argument-dependent lookup.
+struct Target {};
+
+template <class T>
+Vec<T> splat(T x) {
+  Vec<T> v;
+  for (int i = 0; i < lanes<T>; ++i) v[i] = x;
+  return v;
+}
+
+// Lane i holds i.
+template <class T>
+Vec<T> lane_index() {
+  Vec<T> v;
+  for (int i = 0; i < lanes<T>; ++i) v[i] = static_cast<T>(i);
+  return v;
+}
+
+// v in the lanes below n, fill in the others: what a tail read by load_first must hold for a
+// reduction (0 for a sum, -inf for a maximum).
+template <class T>
+Vec<T> first_or(Vec<T> v, int n, T fill) {
+  return lane_index<T>() < static_cast<T>(n) ? v : splat(fill);
+}
+
+// NaN-ignoring like std::max(a, b) with a the running maximum: a NaN in b is skipped.
+template <class T>
+Vec<T> max(Vec<T> a, Vec<T> b) {
+  return a < b ? b : a;
+}
+
+// The lanes of v folded in a fixed tree (halves, then quarters, ...): the sum, or with Max the
+// maximum as max() takes it.
+template <bool Max, class T>
+T reduce_lanes(Vec<T> v) {
+  T x[lanes<T>];
+  std::memcpy(x, &v, sizeof v);
+  for (int width = lanes<T> / 2; width >= 1; width /= 2) {
+    for (int i = 0; i < width; ++i) x[i] = Max ? (x[i] < x[i + width] ? x[i + width] : x[i]) : x[i] + x[i + width];
+  }
+  return x[0];
+}
+
+// ---- exp ---------------------------------------------------------------------------------
+//
+// e^x = 2^k · e^r with k = round(x / ln 2) and |r| <= ln 2 / 2, r = x - k·ln 2 in two parts
+// (Cody and Waite: k·ln2_hi is exact, so r loses nothing to cancellation), e^r by its Taylor
+// polynomial (degree 7 for float, 13 for double: the first omitted term is below 2^-27 and
+// 2^-57 of the result) in Horner's form, and 2^k built in the exponent bits. 2^k is applied in
+// two halves, so that a result near the top of the range, or subnormal at the bottom, is
+// rounded once, as std::exp's is. tests/kernels_elementwise.cpp requires 2 ulp of std::exp
+// under every set on millions of arguments across the whole range, and measures at most 1.
+// x above the range gives +inf, below it +0, and NaN stays NaN. The sets differ in FMA (the
+// baseline rounds a·b and + c separately), so their results may differ in the last bit.
+
+template <class T>
+struct ExpConstants;
+
+template <>
+struct ExpConstants<float> {
+  using Bits = std::int32_t;
+  static constexpr int mantissa_bits = 23;
+  static constexpr Bits exponent_bias = 127;
+  // e^89 overflows and e^-104 is below half the smallest subnormal; clamping there keeps k
+  // within what two halves of 2^k can represent.
+  static constexpr float lowest = -104.0f;
+  static constexpr float highest = 89.0f;
+  // Adding 1.5·2^23 rounds to an integer, and leaves it in the low bits.
+  static constexpr float round_shift = 12582912.0f;
+  static constexpr float log2e = 1.44269504088896341f;
+  static constexpr float ln2_hi = 0.693359375f;
+  static constexpr float ln2_lo = -2.12194440e-4f;
+  static constexpr float taylor[] = {1.0f,        1.0f,          1.0f / 2,      1.0f / 6,
+                                     1.0f / 24,   1.0f / 120,    1.0f / 720,    1.0f / 5040};
+};
+
+template <>
+struct ExpConstants<double> {
+  using Bits = std::int64_t;
+  static constexpr int mantissa_bits = 52;
+  static constexpr Bits exponent_bias = 1023;
+  static constexpr double lowest = -746.0;
+  static constexpr double highest = 710.0;
+  static constexpr double round_shift = 6755399441055744.0;  // 1.5·2^52
+  static constexpr double log2e = 1.4426950408889634074;
+  static constexpr double ln2_hi = 6.93145751953125e-1;
+  static constexpr double ln2_lo = 1.42860682030941723212e-6;
+  static constexpr double taylor[] = {1.0,
+                                      1.0,
+                                      1.0 / 2,
+                                      1.0 / 6,
+                                      1.0 / 24,
+                                      1.0 / 120,
+                                      1.0 / 720,
+                                      1.0 / 5040,
+                                      1.0 / 40320,
+                                      1.0 / 362880,
+                                      1.0 / 3628800,
+                                      1.0 / 39916800,
+                                      1.0 / 479001600,
+                                      1.0 / 6227020800};
+};
+
+// 2^k for whole numbers k within the normal exponents, given k + round_shift: its low bits are
+// k + bias once shifted into the exponent field, and the bits of round_shift shift out.
+template <class T>
+Vec<T> exp2_of_shifted(Vec<T> shifted) {
+  using C = ExpConstants<T>;
+  using Bits = Vector<typename C::Bits, vector_bytes>;
+  Bits bits;
+  std::memcpy(&bits, &shifted, sizeof bits);
+  bits = (bits + C::exponent_bias) << C::mantissa_bits;
+  Vec<T> v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+template <class T>
+Vec<T> exp(Vec<T> x) {
+  using C = ExpConstants<T>;
+  // Comparisons with NaN are false, so NaN passes both clamps and stays NaN to the end.
+  x = x < C::lowest ? splat(C::lowest) : x;
+  x = x > C::highest ? splat(C::highest) : x;
+  const Vec<T> k = (x * C::log2e + C::round_shift) - C::round_shift;
+  Vec<T> r = fma<T>(k, splat(-C::ln2_hi), x);
+  r = fma<T>(k, splat(-C::ln2_lo), r);
+  constexpr int degree = static_cast<int>(sizeof C::taylor / sizeof(T)) - 1;
+  Vec<T> p = splat(C::taylor[degree]);
+  for (int i = degree - 1; i >= 0; --i) p = fma<T>(p, r, splat(C::taylor[i]));
+  const Vec<T> half = k * T(0.5) + C::round_shift;
+  const Vec<T> rest = (k - (half - C::round_shift)) + C::round_shift;
+  return p * exp2_of_shifted<T>(half) * exp2_of_shifted<T>(rest);
+}
+
 }  // namespace duet::kernels::detail::avx2
 DUET_END_ISA
 
@@ -618,6 +947,153 @@ Vec<T> broadcast_group(const T* p) {
   // _mm512_undefined_ps, which GCC 12 reports as uninitialised (PR105593).
   if constexpr (std::is_same_v<T, float>) return _mm512_maskz_broadcast_f32x4(0xFFFF, _mm_loadu_ps(p));
   else return _mm512_maskz_broadcast_f64x4(0xFF, _mm256_loadu_pd(p));
+}
+
+// Zero-masking with every lane selected, as broadcast_group, for the same GCC 12 warning.
+template <class T>
+Vec<T> sqrt(Vec<T> v) {
+  if constexpr (std::is_same_v<T, float>) return _mm512_maskz_sqrt_ps(0xFFFF, v);
+  else return _mm512_maskz_sqrt_pd(0xFF, v);
+}
+
+// What elementwise kernels need beyond vector.hpp, written once on the set's Vec<T>, fma and
+// sqrt: a tag that names the set, broadcasts, tails, horizontal reductions and exp. Included
+// once per set, inside its namespace and target region (simd/arch.hpp), so no include guard.
+
+// The set this copy is compiled for, as a type: a kernel written once (kernels/optim.hpp) is a
+// function template taking Target first, so that simd/dispatch.hpp reaches the set's copy by
+// argument-dependent lookup.
+struct Target {};
+
+template <class T>
+Vec<T> splat(T x) {
+  Vec<T> v;
+  for (int i = 0; i < lanes<T>; ++i) v[i] = x;
+  return v;
+}
+
+// Lane i holds i.
+template <class T>
+Vec<T> lane_index() {
+  Vec<T> v;
+  for (int i = 0; i < lanes<T>; ++i) v[i] = static_cast<T>(i);
+  return v;
+}
+
+// v in the lanes below n, fill in the others: what a tail read by load_first must hold for a
+// reduction (0 for a sum, -inf for a maximum).
+template <class T>
+Vec<T> first_or(Vec<T> v, int n, T fill) {
+  return lane_index<T>() < static_cast<T>(n) ? v : splat(fill);
+}
+
+// NaN-ignoring like std::max(a, b) with a the running maximum: a NaN in b is skipped.
+template <class T>
+Vec<T> max(Vec<T> a, Vec<T> b) {
+  return a < b ? b : a;
+}
+
+// The lanes of v folded in a fixed tree (halves, then quarters, ...): the sum, or with Max the
+// maximum as max() takes it.
+template <bool Max, class T>
+T reduce_lanes(Vec<T> v) {
+  T x[lanes<T>];
+  std::memcpy(x, &v, sizeof v);
+  for (int width = lanes<T> / 2; width >= 1; width /= 2) {
+    for (int i = 0; i < width; ++i) x[i] = Max ? (x[i] < x[i + width] ? x[i + width] : x[i]) : x[i] + x[i + width];
+  }
+  return x[0];
+}
+
+// ---- exp ---------------------------------------------------------------------------------
+//
+// e^x = 2^k · e^r with k = round(x / ln 2) and |r| <= ln 2 / 2, r = x - k·ln 2 in two parts
+// (Cody and Waite: k·ln2_hi is exact, so r loses nothing to cancellation), e^r by its Taylor
+// polynomial (degree 7 for float, 13 for double: the first omitted term is below 2^-27 and
+// 2^-57 of the result) in Horner's form, and 2^k built in the exponent bits. 2^k is applied in
+// two halves, so that a result near the top of the range, or subnormal at the bottom, is
+// rounded once, as std::exp's is. tests/kernels_elementwise.cpp requires 2 ulp of std::exp
+// under every set on millions of arguments across the whole range, and measures at most 1.
+// x above the range gives +inf, below it +0, and NaN stays NaN. The sets differ in FMA (the
+// baseline rounds a·b and + c separately), so their results may differ in the last bit.
+
+template <class T>
+struct ExpConstants;
+
+template <>
+struct ExpConstants<float> {
+  using Bits = std::int32_t;
+  static constexpr int mantissa_bits = 23;
+  static constexpr Bits exponent_bias = 127;
+  // e^89 overflows and e^-104 is below half the smallest subnormal; clamping there keeps k
+  // within what two halves of 2^k can represent.
+  static constexpr float lowest = -104.0f;
+  static constexpr float highest = 89.0f;
+  // Adding 1.5·2^23 rounds to an integer, and leaves it in the low bits.
+  static constexpr float round_shift = 12582912.0f;
+  static constexpr float log2e = 1.44269504088896341f;
+  static constexpr float ln2_hi = 0.693359375f;
+  static constexpr float ln2_lo = -2.12194440e-4f;
+  static constexpr float taylor[] = {1.0f,        1.0f,          1.0f / 2,      1.0f / 6,
+                                     1.0f / 24,   1.0f / 120,    1.0f / 720,    1.0f / 5040};
+};
+
+template <>
+struct ExpConstants<double> {
+  using Bits = std::int64_t;
+  static constexpr int mantissa_bits = 52;
+  static constexpr Bits exponent_bias = 1023;
+  static constexpr double lowest = -746.0;
+  static constexpr double highest = 710.0;
+  static constexpr double round_shift = 6755399441055744.0;  // 1.5·2^52
+  static constexpr double log2e = 1.4426950408889634074;
+  static constexpr double ln2_hi = 6.93145751953125e-1;
+  static constexpr double ln2_lo = 1.42860682030941723212e-6;
+  static constexpr double taylor[] = {1.0,
+                                      1.0,
+                                      1.0 / 2,
+                                      1.0 / 6,
+                                      1.0 / 24,
+                                      1.0 / 120,
+                                      1.0 / 720,
+                                      1.0 / 5040,
+                                      1.0 / 40320,
+                                      1.0 / 362880,
+                                      1.0 / 3628800,
+                                      1.0 / 39916800,
+                                      1.0 / 479001600,
+                                      1.0 / 6227020800};
+};
+
+// 2^k for whole numbers k within the normal exponents, given k + round_shift: its low bits are
+// k + bias once shifted into the exponent field, and the bits of round_shift shift out.
+template <class T>
+Vec<T> exp2_of_shifted(Vec<T> shifted) {
+  using C = ExpConstants<T>;
+  using Bits = Vector<typename C::Bits, vector_bytes>;
+  Bits bits;
+  std::memcpy(&bits, &shifted, sizeof bits);
+  bits = (bits + C::exponent_bias) << C::mantissa_bits;
+  Vec<T> v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+template <class T>
+Vec<T> exp(Vec<T> x) {
+  using C = ExpConstants<T>;
+  // Comparisons with NaN are false, so NaN passes both clamps and stays NaN to the end.
+  x = x < C::lowest ? splat(C::lowest) : x;
+  x = x > C::highest ? splat(C::highest) : x;
+  const Vec<T> k = (x * C::log2e + C::round_shift) - C::round_shift;
+  Vec<T> r = fma<T>(k, splat(-C::ln2_hi), x);
+  r = fma<T>(k, splat(-C::ln2_lo), r);
+  constexpr int degree = static_cast<int>(sizeof C::taylor / sizeof(T)) - 1;
+  Vec<T> p = splat(C::taylor[degree]);
+  for (int i = degree - 1; i >= 0; --i) p = fma<T>(p, r, splat(C::taylor[i]));
+  const Vec<T> half = k * T(0.5) + C::round_shift;
+  const Vec<T> rest = (k - (half - C::round_shift)) + C::round_shift;
+  return p * exp2_of_shifted<T>(half) * exp2_of_shifted<T>(rest);
 }
 
 }  // namespace duet::kernels::detail::avx512
@@ -1692,6 +2168,673 @@ void gemm(const T* a, index_t m, index_t k, const T* b, index_t n, std::type_ide
 }
 
 }  // namespace duet::kernels
+// From the set chosen at run time (simd/isa.hpp) to the code compiled for it (simd/arch.hpp).
+
+
+namespace duet::kernels::detail {
+
+// f(Target) with the Target of isa. A kernel written once, as a function template in each
+// set's namespace that takes that set's Target first, is called as `step(target, ...)` inside
+// f: argument-dependent lookup picks the set's copy. Only pointers and sizes cross the call.
+template <class F>
+decltype(auto) with_target(Isa isa, F&& f) {
+  switch (isa) {
+    case Isa::avx512: return f(avx512::Target{});
+    case Isa::avx2: return f(avx2::Target{});
+    case Isa::baseline: break;
+  }
+  return f(baseline::Target{});
+}
+
+}  // namespace duet::kernels::detail
+
+namespace duet::kernels::detail::baseline {
+// One instruction set's elementwise kernels (kernels/elementwise.hpp), written on its Vec<T>,
+// load, store, load_first, store_first, exp and the reductions of simd/detail/math.hpp. No
+// include guard and no includes: elementwise.hpp includes it once per set, inside that set's
+// namespace and target region.
+
+// The lanes of a row of n from i on: a whole vector, or the tail, whose load reads nothing
+// past n and holds zero in the lanes past it. (Plain loops over these, not a helper taking a
+// lambda: GCC does not give a lambda the target of its region.)
+template <class T>
+int lanes_from(index_t i, index_t n) {
+  return n - i < lanes<T> ? static_cast<int>(n - i) : lanes<T>;
+}
+
+template <class T>
+Vec<T> load_lanes(const T* x, int count) {
+  return count == lanes<T> ? load(x) : load_first(x, count);
+}
+
+template <class T>
+void store_lanes(T* y, Vec<T> v, int count) {
+  if (count == lanes<T>) store<T>(y, v);
+  else store_first<T>(y, v, count);
+}
+
+template <class T>
+void exp_step(Target, const T* x, index_t n, T* y) {
+  for (index_t i = 0; i < n; i += lanes<T>) {
+    const int count = lanes_from<T>(i, n);
+    store_lanes<T>(y + i, exp<T>(load_lanes(x + i, count)), count);
+  }
+}
+
+template <class T>
+T sum_step(Target, const T* x, index_t n) {
+  Vec<T> s{};
+  for (index_t i = 0; i < n; i += lanes<T>) s += load_lanes(x + i, lanes_from<T>(i, n));
+  return reduce_lanes<false, T>(s);
+}
+
+template <class T>
+T log_sum_exp_step(Target, const T* x, index_t n) {
+  constexpr T lowest = -std::numeric_limits<T>::infinity();
+  Vec<T> top = splat(lowest);
+  for (index_t i = 0; i < n; i += lanes<T>) {
+    const int count = lanes_from<T>(i, n);
+    top = max<T>(top, first_or<T>(load_lanes(x + i, count), count, lowest));
+  }
+  const T m = reduce_lanes<true, T>(top);
+  Vec<T> s{};
+  for (index_t i = 0; i < n; i += lanes<T>) {
+    const int count = lanes_from<T>(i, n);
+    s += first_or<T>(exp<T>(load_lanes(x + i, count) - m), count, T(0));
+  }
+  return m + std::log(reduce_lanes<false, T>(s));
+}
+
+template <class T>
+T cross_entropy_step(Target, const T* z, const T* p, index_t n, T lse) {
+  Vec<T> s{};
+  // Past n, p's lanes are zero, and so is what they add.
+  for (index_t i = 0; i < n; i += lanes<T>) {
+    const int count = lanes_from<T>(i, n);
+    s += load_lanes(p + i, count) * (lse - load_lanes(z + i, count));
+  }
+  return reduce_lanes<false, T>(s);
+}
+
+template <class T>
+void softmax_grad_step(Target, const T* z, index_t n, T lse, index_t label, T scale, T* d) {
+  for (index_t i = 0; i < n; i += lanes<T>) {
+    const int count = lanes_from<T>(i, n);
+    const Vec<T> one_hot = lane_index<T>() == static_cast<T>(label - i) ? splat(T(1)) : Vec<T>{};
+    store_lanes<T>(d + i, (exp<T>(load_lanes(z + i, count) - lse) - one_hot) * scale, count);
+  }
+}
+
+template <class T>
+void softmax_grad_step(Target, const T* z, const T* p, index_t n, T lse, T mass, T scale, T* d) {
+  for (index_t i = 0; i < n; i += lanes<T>) {
+    const int count = lanes_from<T>(i, n);
+    store_lanes<T>(d + i, (exp<T>(load_lanes(z + i, count) - lse) * mass - load_lanes(p + i, count)) * scale, count);
+  }
+}
+
+template <class T, class... Fns>
+void map_step(Target, const T* x, index_t n, T* y) {
+  for (index_t i = 0; i < n; i += lanes<T>) {
+    const int count = lanes_from<T>(i, n);
+    Vec<T> v = load_lanes(x + i, count);
+    apply_all<Vec<T>, Fns...>(v);
+    store_lanes<T>(y + i, v, count);
+  }
+}
+}  // namespace duet::kernels::detail::baseline
+
+#if DUET_X86_KERNELS
+DUET_BEGIN_AVX2
+namespace duet::kernels::detail::avx2 {
+// One instruction set's elementwise kernels (kernels/elementwise.hpp), written on its Vec<T>,
+// load, store, load_first, store_first, exp and the reductions of simd/detail/math.hpp. No
+// include guard and no includes: elementwise.hpp includes it once per set, inside that set's
+// namespace and target region.
+
+// The lanes of a row of n from i on: a whole vector, or the tail, whose load reads nothing
+// past n and holds zero in the lanes past it. (Plain loops over these, not a helper taking a
+// lambda: GCC does not give a lambda the target of its region.)
+template <class T>
+int lanes_from(index_t i, index_t n) {
+  return n - i < lanes<T> ? static_cast<int>(n - i) : lanes<T>;
+}
+
+template <class T>
+Vec<T> load_lanes(const T* x, int count) {
+  return count == lanes<T> ? load(x) : load_first(x, count);
+}
+
+template <class T>
+void store_lanes(T* y, Vec<T> v, int count) {
+  if (count == lanes<T>) store<T>(y, v);
+  else store_first<T>(y, v, count);
+}
+
+template <class T>
+void exp_step(Target, const T* x, index_t n, T* y) {
+  for (index_t i = 0; i < n; i += lanes<T>) {
+    const int count = lanes_from<T>(i, n);
+    store_lanes<T>(y + i, exp<T>(load_lanes(x + i, count)), count);
+  }
+}
+
+template <class T>
+T sum_step(Target, const T* x, index_t n) {
+  Vec<T> s{};
+  for (index_t i = 0; i < n; i += lanes<T>) s += load_lanes(x + i, lanes_from<T>(i, n));
+  return reduce_lanes<false, T>(s);
+}
+
+template <class T>
+T log_sum_exp_step(Target, const T* x, index_t n) {
+  constexpr T lowest = -std::numeric_limits<T>::infinity();
+  Vec<T> top = splat(lowest);
+  for (index_t i = 0; i < n; i += lanes<T>) {
+    const int count = lanes_from<T>(i, n);
+    top = max<T>(top, first_or<T>(load_lanes(x + i, count), count, lowest));
+  }
+  const T m = reduce_lanes<true, T>(top);
+  Vec<T> s{};
+  for (index_t i = 0; i < n; i += lanes<T>) {
+    const int count = lanes_from<T>(i, n);
+    s += first_or<T>(exp<T>(load_lanes(x + i, count) - m), count, T(0));
+  }
+  return m + std::log(reduce_lanes<false, T>(s));
+}
+
+template <class T>
+T cross_entropy_step(Target, const T* z, const T* p, index_t n, T lse) {
+  Vec<T> s{};
+  // Past n, p's lanes are zero, and so is what they add.
+  for (index_t i = 0; i < n; i += lanes<T>) {
+    const int count = lanes_from<T>(i, n);
+    s += load_lanes(p + i, count) * (lse - load_lanes(z + i, count));
+  }
+  return reduce_lanes<false, T>(s);
+}
+
+template <class T>
+void softmax_grad_step(Target, const T* z, index_t n, T lse, index_t label, T scale, T* d) {
+  for (index_t i = 0; i < n; i += lanes<T>) {
+    const int count = lanes_from<T>(i, n);
+    const Vec<T> one_hot = lane_index<T>() == static_cast<T>(label - i) ? splat(T(1)) : Vec<T>{};
+    store_lanes<T>(d + i, (exp<T>(load_lanes(z + i, count) - lse) - one_hot) * scale, count);
+  }
+}
+
+template <class T>
+void softmax_grad_step(Target, const T* z, const T* p, index_t n, T lse, T mass, T scale, T* d) {
+  for (index_t i = 0; i < n; i += lanes<T>) {
+    const int count = lanes_from<T>(i, n);
+    store_lanes<T>(d + i, (exp<T>(load_lanes(z + i, count) - lse) * mass - load_lanes(p + i, count)) * scale, count);
+  }
+}
+
+template <class T, class... Fns>
+void map_step(Target, const T* x, index_t n, T* y) {
+  for (index_t i = 0; i < n; i += lanes<T>) {
+    const int count = lanes_from<T>(i, n);
+    Vec<T> v = load_lanes(x + i, count);
+    apply_all<Vec<T>, Fns...>(v);
+    store_lanes<T>(y + i, v, count);
+  }
+}
+}  // namespace duet::kernels::detail::avx2
+DUET_END_ISA
+
+DUET_BEGIN_AVX512
+namespace duet::kernels::detail::avx512 {
+// One instruction set's elementwise kernels (kernels/elementwise.hpp), written on its Vec<T>,
+// load, store, load_first, store_first, exp and the reductions of simd/detail/math.hpp. No
+// include guard and no includes: elementwise.hpp includes it once per set, inside that set's
+// namespace and target region.
+
+// The lanes of a row of n from i on: a whole vector, or the tail, whose load reads nothing
+// past n and holds zero in the lanes past it. (Plain loops over these, not a helper taking a
+// lambda: GCC does not give a lambda the target of its region.)
+template <class T>
+int lanes_from(index_t i, index_t n) {
+  return n - i < lanes<T> ? static_cast<int>(n - i) : lanes<T>;
+}
+
+template <class T>
+Vec<T> load_lanes(const T* x, int count) {
+  return count == lanes<T> ? load(x) : load_first(x, count);
+}
+
+template <class T>
+void store_lanes(T* y, Vec<T> v, int count) {
+  if (count == lanes<T>) store<T>(y, v);
+  else store_first<T>(y, v, count);
+}
+
+template <class T>
+void exp_step(Target, const T* x, index_t n, T* y) {
+  for (index_t i = 0; i < n; i += lanes<T>) {
+    const int count = lanes_from<T>(i, n);
+    store_lanes<T>(y + i, exp<T>(load_lanes(x + i, count)), count);
+  }
+}
+
+template <class T>
+T sum_step(Target, const T* x, index_t n) {
+  Vec<T> s{};
+  for (index_t i = 0; i < n; i += lanes<T>) s += load_lanes(x + i, lanes_from<T>(i, n));
+  return reduce_lanes<false, T>(s);
+}
+
+template <class T>
+T log_sum_exp_step(Target, const T* x, index_t n) {
+  constexpr T lowest = -std::numeric_limits<T>::infinity();
+  Vec<T> top = splat(lowest);
+  for (index_t i = 0; i < n; i += lanes<T>) {
+    const int count = lanes_from<T>(i, n);
+    top = max<T>(top, first_or<T>(load_lanes(x + i, count), count, lowest));
+  }
+  const T m = reduce_lanes<true, T>(top);
+  Vec<T> s{};
+  for (index_t i = 0; i < n; i += lanes<T>) {
+    const int count = lanes_from<T>(i, n);
+    s += first_or<T>(exp<T>(load_lanes(x + i, count) - m), count, T(0));
+  }
+  return m + std::log(reduce_lanes<false, T>(s));
+}
+
+template <class T>
+T cross_entropy_step(Target, const T* z, const T* p, index_t n, T lse) {
+  Vec<T> s{};
+  // Past n, p's lanes are zero, and so is what they add.
+  for (index_t i = 0; i < n; i += lanes<T>) {
+    const int count = lanes_from<T>(i, n);
+    s += load_lanes(p + i, count) * (lse - load_lanes(z + i, count));
+  }
+  return reduce_lanes<false, T>(s);
+}
+
+template <class T>
+void softmax_grad_step(Target, const T* z, index_t n, T lse, index_t label, T scale, T* d) {
+  for (index_t i = 0; i < n; i += lanes<T>) {
+    const int count = lanes_from<T>(i, n);
+    const Vec<T> one_hot = lane_index<T>() == static_cast<T>(label - i) ? splat(T(1)) : Vec<T>{};
+    store_lanes<T>(d + i, (exp<T>(load_lanes(z + i, count) - lse) - one_hot) * scale, count);
+  }
+}
+
+template <class T>
+void softmax_grad_step(Target, const T* z, const T* p, index_t n, T lse, T mass, T scale, T* d) {
+  for (index_t i = 0; i < n; i += lanes<T>) {
+    const int count = lanes_from<T>(i, n);
+    store_lanes<T>(d + i, (exp<T>(load_lanes(z + i, count) - lse) * mass - load_lanes(p + i, count)) * scale, count);
+  }
+}
+
+template <class T, class... Fns>
+void map_step(Target, const T* x, index_t n, T* y) {
+  for (index_t i = 0; i < n; i += lanes<T>) {
+    const int count = lanes_from<T>(i, n);
+    Vec<T> v = load_lanes(x + i, count);
+    apply_all<Vec<T>, Fns...>(v);
+    store_lanes<T>(y + i, v, count);
+  }
+}
+}  // namespace duet::kernels::detail::avx512
+DUET_END_ISA
+#endif
+
+namespace duet::kernels {
+
+template <class T>
+concept VectorElement = std::is_same_v<T, float> || std::is_same_v<T, double>;
+
+// y[i] = e^x[i]; y may be x.
+template <VectorElement T>
+void exp(const T* x, index_t n, T* y) {
+  detail::with_target(active_isa(), [&](auto target) { exp_step(target, x, n, y); });
+}
+
+// Σ x[i].
+template <VectorElement T>
+T sum(const T* x, index_t n) {
+  return detail::with_target(active_isa(), [&](auto target) { return sum_step(target, x, n); });
+}
+
+// log Σ e^x[i], after subtracting the maximum, so that 1e4 neither overflows nor is lost.
+template <VectorElement T>
+T log_sum_exp(const T* x, index_t n) {
+  return detail::with_target(active_isa(), [&](auto target) { return log_sum_exp_step(target, x, n); });
+}
+
+// Σ p[i] (lse - z[i]): the cross-entropy of a row of logits z against a distribution p.
+template <VectorElement T>
+T cross_entropy(const T* z, const T* p, index_t n, T lse) {
+  return detail::with_target(active_isa(), [&](auto target) { return cross_entropy_step(target, z, p, n, lse); });
+}
+
+// d[i] = (e^(z[i] - lse) - [i == label]) · scale: the gradient of a row's sparse softmax
+// cross-entropy, times the gradient flowing in.
+template <VectorElement T>
+void softmax_grad(const T* z, index_t n, T lse, index_t label, T scale, T* d) {
+  detail::with_target(active_isa(), [&](auto target) { softmax_grad_step(target, z, n, lse, label, scale, d); });
+}
+
+// d[i] = (e^(z[i] - lse) · mass - p[i]) · scale, mass = Σ p: the same against a distribution.
+template <VectorElement T>
+void softmax_grad(const T* z, const T* p, index_t n, T lse, T mass, T scale, T* d) {
+  detail::with_target(active_isa(), [&](auto target) { softmax_grad_step(target, z, p, n, lse, mass, scale, d); });
+}
+
+// y[i] = Fns(x[i]), the functions applied in order; y may be x.
+template <class... Fns, class T>
+  requires gemm_supports<T, Fns...>
+void map(const T* x, index_t n, T* y) {
+  detail::with_target(active_isa(), [&](auto target) { map_step<T, Fns...>(target, x, n, y); });
+}
+
+}  // namespace duet::kernels
+// Optimiser updates (nn::Adam, nn::AdamW, nn::SGD), one pass over each parameter.
+//
+// An update reads the parameter, its gradient and the optimiser's state and writes parameter
+// and state back: 28 bytes per float for Adam, for a few operations, one of them a square root
+// and one a division. It runs near memory speed only if those two are vector instructions
+// (benchmarks/optim.cpp compares it with a streaming pass over the same bytes); a scalar loop
+// is bound by std::sqrt and the division instead. Even as vectors they share one unit and
+// bound Adam on data in L2, so Adam's rule is written with one of each (AdamCoefficients).
+//
+// Written once (detail/optim_impl.hpp) on the vectors of each instruction set, compiled per set
+// below and chosen at run time like the matrix product (simd/isa.hpp, duet::kernel_isa()). The
+// tail is one masked vector through the same code, not a scalar loop. Every set computes each
+// element with the operations of the scalar formula in its order, unfused (DUET_BEGIN_UNFUSED),
+// and IEEE's +, -, ·, / and sqrt are correctly rounded: every set gives the bits of that
+// formula evaluated in T, on any CPU and for any tail (tests/kernels_optim.cpp).
+
+
+namespace duet::kernels {
+
+// Adam's scalars for one step, in T: m = β1·m + (1 - β1)·g', v = β2·v + (1 - β2)·g'·g' with
+// g' = g + l2·p, then p = p·decay - step·m / (sqrt(v) + eps). With c1 = 1 - β1^t and
+// c2 = 1 - β2^t, PyTorch's lr·(m / c1) / (sqrt(v) / sqrt(c2) + ε) is this with
+// step = lr·sqrt(c2) / c1 and eps = ε·sqrt(c2), both computed once in double: one division
+// per element instead of two, as accurate (four roundings in T either way, each within half
+// an ulp), though not the same bits.
+template <class T>
+struct AdamCoefficients {
+  T beta1;
+  T beta2;
+  T eps;    // ε·sqrt(1 - β2^t)
+  T l2;     // L2 weight decay (Adam), added to the gradient
+  T decay;  // 1 - lr·weight_decay (AdamW's decoupled decay), else 1
+  T step;   // lr·sqrt(1 - β2^t) / (1 - β1^t)
+};
+
+// SGD's scalars for one step: d = g + weight_decay·p; without momentum p -= lr·d; with it
+// buf = d on the first step and momentum·buf + keep·d after, and p -= lr·buf (or, Nesterov,
+// lr·(d + momentum·buf)).
+template <class T>
+struct SgdCoefficients {
+  T learning_rate;
+  T weight_decay;
+  T momentum;
+  T keep;  // 1 - dampening
+  bool with_momentum;
+  bool nesterov;
+  bool first_step;
+};
+
+}  // namespace duet::kernels
+
+namespace duet::kernels::detail::baseline {
+DUET_BEGIN_UNFUSED
+// One instruction set's optimiser updates (kernels/optim.hpp), written on its Vec<T>, load,
+// store, load_first, store_first and sqrt (simd/arch.hpp). No include guard and no includes:
+// optim.hpp includes it once per set, inside that set's namespace and target region, where
+// a·b + c is not fused.
+
+// Adam on one vector of values, as the scalar formula writes it (AdamCoefficients).
+template <class T>
+[[gnu::always_inline]] inline void adam_lanes(Vec<T>& p, Vec<T> g, Vec<T>& m, Vec<T>& v, const AdamCoefficients<T>& c) {
+  const Vec<T> grad = g + c.l2 * p;
+  m = c.beta1 * m + (T(1) - c.beta1) * grad;
+  v = c.beta2 * v + (T(1) - c.beta2) * grad * grad;
+  p = p * c.decay - c.step * m / (sqrt<T>(v) + c.eps);
+}
+
+template <class T>
+void adam_step(Target, T* p, const T* g, T* m, T* v, index_t n, const AdamCoefficients<T>& c) {
+  constexpr int L = lanes<T>;
+  index_t i = 0;
+  for (; i + L <= n; i += L) {
+    Vec<T> pv = load(p + i);
+    Vec<T> mv = load(m + i);
+    Vec<T> vv = load(v + i);
+    adam_lanes<T>(pv, load(g + i), mv, vv, c);
+    store<T>(p + i, pv);
+    store<T>(m + i, mv);
+    store<T>(v + i, vv);
+  }
+  if (i < n) {
+    const int rest = static_cast<int>(n - i);
+    Vec<T> pv = load_first(p + i, rest);
+    Vec<T> mv = load_first(m + i, rest);
+    Vec<T> vv = load_first(v + i, rest);
+    adam_lanes<T>(pv, load_first(g + i, rest), mv, vv, c);
+    store_first<T>(p + i, pv, rest);
+    store_first<T>(m + i, mv, rest);
+    store_first<T>(v + i, vv, rest);
+  }
+}
+
+// SGD on one vector of values (SgdCoefficients); buf is untouched without momentum.
+template <class T>
+[[gnu::always_inline]] inline void sgd_lanes(Vec<T>& p, Vec<T> g, Vec<T>& buf, const SgdCoefficients<T>& c) {
+  const Vec<T> d = g + c.weight_decay * p;
+  if (!c.with_momentum) {
+    p -= c.learning_rate * d;
+    return;
+  }
+  buf = c.first_step ? d : c.momentum * buf + c.keep * d;
+  p -= c.learning_rate * (c.nesterov ? d + c.momentum * buf : buf);
+}
+
+template <class T>
+void sgd_step(Target, T* p, const T* g, T* buf, index_t n, const SgdCoefficients<T>& c) {
+  constexpr int L = lanes<T>;
+  index_t i = 0;
+  Vec<T> bv{};
+  for (; i + L <= n; i += L) {
+    Vec<T> pv = load(p + i);
+    if (c.with_momentum) bv = load(buf + i);
+    sgd_lanes<T>(pv, load(g + i), bv, c);
+    store<T>(p + i, pv);
+    if (c.with_momentum) store<T>(buf + i, bv);
+  }
+  if (i < n) {
+    const int rest = static_cast<int>(n - i);
+    Vec<T> pv = load_first(p + i, rest);
+    if (c.with_momentum) bv = load_first(buf + i, rest);
+    sgd_lanes<T>(pv, load_first(g + i, rest), bv, c);
+    store_first<T>(p + i, pv, rest);
+    if (c.with_momentum) store_first<T>(buf + i, bv, rest);
+  }
+}
+DUET_END_UNFUSED
+}  // namespace duet::kernels::detail::baseline
+
+#if DUET_X86_KERNELS
+DUET_BEGIN_AVX2
+namespace duet::kernels::detail::avx2 {
+DUET_BEGIN_UNFUSED
+// One instruction set's optimiser updates (kernels/optim.hpp), written on its Vec<T>, load,
+// store, load_first, store_first and sqrt (simd/arch.hpp). No include guard and no includes:
+// optim.hpp includes it once per set, inside that set's namespace and target region, where
+// a·b + c is not fused.
+
+// Adam on one vector of values, as the scalar formula writes it (AdamCoefficients).
+template <class T>
+[[gnu::always_inline]] inline void adam_lanes(Vec<T>& p, Vec<T> g, Vec<T>& m, Vec<T>& v, const AdamCoefficients<T>& c) {
+  const Vec<T> grad = g + c.l2 * p;
+  m = c.beta1 * m + (T(1) - c.beta1) * grad;
+  v = c.beta2 * v + (T(1) - c.beta2) * grad * grad;
+  p = p * c.decay - c.step * m / (sqrt<T>(v) + c.eps);
+}
+
+template <class T>
+void adam_step(Target, T* p, const T* g, T* m, T* v, index_t n, const AdamCoefficients<T>& c) {
+  constexpr int L = lanes<T>;
+  index_t i = 0;
+  for (; i + L <= n; i += L) {
+    Vec<T> pv = load(p + i);
+    Vec<T> mv = load(m + i);
+    Vec<T> vv = load(v + i);
+    adam_lanes<T>(pv, load(g + i), mv, vv, c);
+    store<T>(p + i, pv);
+    store<T>(m + i, mv);
+    store<T>(v + i, vv);
+  }
+  if (i < n) {
+    const int rest = static_cast<int>(n - i);
+    Vec<T> pv = load_first(p + i, rest);
+    Vec<T> mv = load_first(m + i, rest);
+    Vec<T> vv = load_first(v + i, rest);
+    adam_lanes<T>(pv, load_first(g + i, rest), mv, vv, c);
+    store_first<T>(p + i, pv, rest);
+    store_first<T>(m + i, mv, rest);
+    store_first<T>(v + i, vv, rest);
+  }
+}
+
+// SGD on one vector of values (SgdCoefficients); buf is untouched without momentum.
+template <class T>
+[[gnu::always_inline]] inline void sgd_lanes(Vec<T>& p, Vec<T> g, Vec<T>& buf, const SgdCoefficients<T>& c) {
+  const Vec<T> d = g + c.weight_decay * p;
+  if (!c.with_momentum) {
+    p -= c.learning_rate * d;
+    return;
+  }
+  buf = c.first_step ? d : c.momentum * buf + c.keep * d;
+  p -= c.learning_rate * (c.nesterov ? d + c.momentum * buf : buf);
+}
+
+template <class T>
+void sgd_step(Target, T* p, const T* g, T* buf, index_t n, const SgdCoefficients<T>& c) {
+  constexpr int L = lanes<T>;
+  index_t i = 0;
+  Vec<T> bv{};
+  for (; i + L <= n; i += L) {
+    Vec<T> pv = load(p + i);
+    if (c.with_momentum) bv = load(buf + i);
+    sgd_lanes<T>(pv, load(g + i), bv, c);
+    store<T>(p + i, pv);
+    if (c.with_momentum) store<T>(buf + i, bv);
+  }
+  if (i < n) {
+    const int rest = static_cast<int>(n - i);
+    Vec<T> pv = load_first(p + i, rest);
+    if (c.with_momentum) bv = load_first(buf + i, rest);
+    sgd_lanes<T>(pv, load_first(g + i, rest), bv, c);
+    store_first<T>(p + i, pv, rest);
+    if (c.with_momentum) store_first<T>(buf + i, bv, rest);
+  }
+}
+DUET_END_UNFUSED
+}  // namespace duet::kernels::detail::avx2
+DUET_END_ISA
+
+DUET_BEGIN_AVX512
+namespace duet::kernels::detail::avx512 {
+DUET_BEGIN_UNFUSED
+// One instruction set's optimiser updates (kernels/optim.hpp), written on its Vec<T>, load,
+// store, load_first, store_first and sqrt (simd/arch.hpp). No include guard and no includes:
+// optim.hpp includes it once per set, inside that set's namespace and target region, where
+// a·b + c is not fused.
+
+// Adam on one vector of values, as the scalar formula writes it (AdamCoefficients).
+template <class T>
+[[gnu::always_inline]] inline void adam_lanes(Vec<T>& p, Vec<T> g, Vec<T>& m, Vec<T>& v, const AdamCoefficients<T>& c) {
+  const Vec<T> grad = g + c.l2 * p;
+  m = c.beta1 * m + (T(1) - c.beta1) * grad;
+  v = c.beta2 * v + (T(1) - c.beta2) * grad * grad;
+  p = p * c.decay - c.step * m / (sqrt<T>(v) + c.eps);
+}
+
+template <class T>
+void adam_step(Target, T* p, const T* g, T* m, T* v, index_t n, const AdamCoefficients<T>& c) {
+  constexpr int L = lanes<T>;
+  index_t i = 0;
+  for (; i + L <= n; i += L) {
+    Vec<T> pv = load(p + i);
+    Vec<T> mv = load(m + i);
+    Vec<T> vv = load(v + i);
+    adam_lanes<T>(pv, load(g + i), mv, vv, c);
+    store<T>(p + i, pv);
+    store<T>(m + i, mv);
+    store<T>(v + i, vv);
+  }
+  if (i < n) {
+    const int rest = static_cast<int>(n - i);
+    Vec<T> pv = load_first(p + i, rest);
+    Vec<T> mv = load_first(m + i, rest);
+    Vec<T> vv = load_first(v + i, rest);
+    adam_lanes<T>(pv, load_first(g + i, rest), mv, vv, c);
+    store_first<T>(p + i, pv, rest);
+    store_first<T>(m + i, mv, rest);
+    store_first<T>(v + i, vv, rest);
+  }
+}
+
+// SGD on one vector of values (SgdCoefficients); buf is untouched without momentum.
+template <class T>
+[[gnu::always_inline]] inline void sgd_lanes(Vec<T>& p, Vec<T> g, Vec<T>& buf, const SgdCoefficients<T>& c) {
+  const Vec<T> d = g + c.weight_decay * p;
+  if (!c.with_momentum) {
+    p -= c.learning_rate * d;
+    return;
+  }
+  buf = c.first_step ? d : c.momentum * buf + c.keep * d;
+  p -= c.learning_rate * (c.nesterov ? d + c.momentum * buf : buf);
+}
+
+template <class T>
+void sgd_step(Target, T* p, const T* g, T* buf, index_t n, const SgdCoefficients<T>& c) {
+  constexpr int L = lanes<T>;
+  index_t i = 0;
+  Vec<T> bv{};
+  for (; i + L <= n; i += L) {
+    Vec<T> pv = load(p + i);
+    if (c.with_momentum) bv = load(buf + i);
+    sgd_lanes<T>(pv, load(g + i), bv, c);
+    store<T>(p + i, pv);
+    if (c.with_momentum) store<T>(buf + i, bv);
+  }
+  if (i < n) {
+    const int rest = static_cast<int>(n - i);
+    Vec<T> pv = load_first(p + i, rest);
+    if (c.with_momentum) bv = load_first(buf + i, rest);
+    sgd_lanes<T>(pv, load_first(g + i, rest), bv, c);
+    store_first<T>(p + i, pv, rest);
+    if (c.with_momentum) store_first<T>(buf + i, bv, rest);
+  }
+}
+DUET_END_UNFUSED
+}  // namespace duet::kernels::detail::avx512
+DUET_END_ISA
+#endif
+
+namespace duet::kernels {
+
+// One Adam step on n values: p, m and v updated in place from g. No alignment is assumed.
+template <class T>
+void adam_update(T* p, const T* g, T* m, T* v, index_t n, const AdamCoefficients<T>& c) {
+  detail::with_target(active_isa(), [&](auto target) { adam_step(target, p, g, m, v, n, c); });
+}
+
+// One SGD step on n values; momentum is read and written only with_momentum.
+template <class T>
+void sgd_update(T* p, const T* g, T* momentum, index_t n, const SgdCoefficients<T>& c) {
+  detail::with_target(active_isa(), [&](auto target) { sgd_step(target, p, g, momentum, n, c); });
+}
+
+}  // namespace duet::kernels
 // Parameters: the tensors a cell learns.
 
 #include <algorithm>
@@ -2038,11 +3181,21 @@ class BasicTensor {
       throw ShapeError("duet::Tensor::reshape: cannot view " + to_string(shape_) + " (" + std::to_string(numel()) +
                        " elements) as " + to_string(to));
     }
-    BasicTensor view = *this;
-    view.shape_ = to;
-    view.tape_id_ = 0;
-    view.trace_id_ = 0;
-    return view;
+    return view(0, to);
+  }
+
+  // The elements from `offset` on, as a view of shape `to` (a slice along the first axis).
+  BasicTensor view(index_t offset, const Shape& to) const {
+    if (!to.is_concrete() || offset < 0 || offset + to.numel() > numel()) {
+      throw ShapeError("duet::Tensor::view: cannot view " + std::to_string(to.numel()) + " elements from element " +
+                       std::to_string(offset) + " of " + to_string(shape_) + " as " + to_string(to));
+    }
+    BasicTensor v = *this;
+    v.shape_ = to;
+    v.data_ = data_ + offset;
+    v.tape_id_ = 0;
+    v.trace_id_ = 0;
+    return v;
   }
 
   // Sub-tensor i along the first axis, as a view.
@@ -2327,6 +3480,11 @@ class BasicParameter : public BasicTensor<T> {
 
 using Parameter = BasicParameter<float>;
 
+template <class X>
+inline constexpr bool is_parameter_v = false;
+template <class T>
+inline constexpr bool is_parameter_v<BasicParameter<T>> = true;
+
 template <ElementType T>
 struct NamedParameter {
   std::string name;
@@ -2351,6 +3509,7 @@ namespace duet {
 template <class T, class... Fns>
 struct Epilogue {
   const T* bias = nullptr;
+  std::tuple<Fns...> fns{};  // their parameters, if any (LeakyReLU's alpha)
 };
 
 // How a loss turns per-element losses into its output (MindSpore's `reduction`).
@@ -2405,14 +3564,22 @@ constexpr int eigen_size(index_t n) { return n == dyn || n > 16 ? ::Eigen::Dynam
 template <class T, index_t Rows, index_t Cols>
 using RowMajorMatrix = ::Eigen::Matrix<T, eigen_size(Rows), eigen_size(Cols), Cols == 1 ? ::Eigen::ColMajor : ::Eigen::RowMajor>;
 
-template <class Expr>
-decltype(auto) apply_all(const Expr& e) {
-  return e;
+// fns applied in order to an Eigen array expression, as one expression.
+template <std::size_t I = 0, class... Fns, class Expr>
+auto apply_all(const std::tuple<Fns...>& fns, const Expr& e) {
+  if constexpr (I == sizeof...(Fns)) return e;
+  else return apply_all<I + 1>(fns, std::get<I>(fns).array(e));
 }
-template <class Fn, class... Rest, class Expr>
-auto apply_all(const Expr& e) {
-  return apply_all<Rest...>(Fn::array(e));
-}
+
+// Whether Fns give the same bits however a loop over them is split into SIMD vectors and
+// scalars, and however it is fused with other arithmetic: those with a vector form for the
+// product's registers (ReLU) are exact comparisons and selections. The others (exp, tanh,
+// erf, ...) take Eigen's vectorised approximations on full vectors and the C library on the
+// rest, and a compiler may contract their arithmetic into that of a neighbouring function
+// (FMA); so that a fused graph computes what PyNative's one-function passes compute, they run
+// one function at a time over the same flat layout.
+template <class T, class... Fns>
+inline constexpr bool exact_in_any_layout = (kernels::VectorFunction<Fns, T> && ...);
 }  // namespace detail
 
 struct Eigen {
@@ -2428,12 +3595,17 @@ struct Eigen {
     ::Eigen::Map<const WMatrix> W(w, out, in);
     ::Eigen::Map<YMatrix> Y(y, rows, out);
     Y.noalias() = X * W.transpose();
-    if (epilogue.bias != nullptr) {
-      using Row = ::Eigen::Array<T, 1, detail::eigen_size(Out)>;
-      ::Eigen::Map<const Row> b(epilogue.bias, 1, out);
-      Y.array() = detail::apply_all<Fns...>(Y.array().rowwise() + b);
-    } else if constexpr (sizeof...(Fns) > 0) {
-      Y.array() = detail::apply_all<Fns...>(Y.array());
+    if constexpr (detail::exact_in_any_layout<T, Fns...>) {
+      if (epilogue.bias != nullptr) {
+        using Row = ::Eigen::Array<T, 1, detail::eigen_size(Out)>;
+        ::Eigen::Map<const Row> b(epilogue.bias, 1, out);
+        Y.array() = detail::apply_all(epilogue.fns, Y.array().rowwise() + b);
+      } else if constexpr (sizeof...(Fns) > 0) {
+        Y.array() = detail::apply_all(epilogue.fns, Y.array());
+      }
+    } else {
+      if (epilogue.bias != nullptr) add_bias(y, rows, out, epilogue.bias, y);
+      map(epilogue.fns, y, rows * out, y);
     }
   }
 
@@ -2455,24 +3627,46 @@ struct Eigen {
     Y.array() = X.array().rowwise() + b;
   }
 
-  // y[i] = Fns(x[i]), the functions applied in order in one pass; y may be x.
+  // y[i] = fns(x[i]), the functions applied in order in one pass over memory; y may be x.
+  // Functions that are not exact in any layout (detail::exact_in_any_layout) take turns on
+  // blocks that stay in L1, each function's pass the very code that runs it alone.
+  template <class... Fns, class T>
+  static void map(const std::tuple<Fns...>& fns, const T* x, index_t n, T* y) {
+    using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
+    if constexpr (sizeof...(Fns) == 1 || detail::exact_in_any_layout<T, Fns...>) {
+      ::Eigen::Map<Array>(y, n) = detail::apply_all(fns, ::Eigen::Map<const Array>(x, n));
+    } else {
+      // A multiple of every SIMD width, so that each block splits into vectors and a scalar
+      // tail exactly where one pass over all n elements does.
+      constexpr index_t block = 1024;
+      for (index_t i = 0; i < n; i += block) {
+        const index_t m = std::min(block, n - i);
+        const T* from = x + i;
+        std::apply([&](const auto&... f) { ((map(std::tuple{f}, from, m, y + i), from = y + i), ...); }, fns);
+      }
+    }
+  }
   template <class... Fns, class T>
   static void map(const T* x, index_t n, T* y) {
-    using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
-    ::Eigen::Map<Array>(y, n) = detail::apply_all<Fns...>(::Eigen::Map<const Array>(x, n));
+    map(std::tuple<Fns...>{}, x, n, y);
   }
 
-  // dx[i] = dy[i] · Fn'(x[i]), Fn' written in terms of the output y = Fn(x).
+  // dx[i] = dy[i] · Fn'(x[i]), Fn' written in terms of the output y = Fn(x), or of the input
+  // (fn::grad_from_input), which is then what `y` points to.
+  template <class Fn, class T>
+  static void map_grad(const Fn& f, const T* dy, const T* y, index_t n, T* dx) {
+    using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
+    ::Eigen::Map<Array>(dx, n) = f.grad_array(::Eigen::Map<const Array>(dy, n), ::Eigen::Map<const Array>(y, n));
+  }
   template <class Fn, class T>
   static void map_grad(const T* dy, const T* y, index_t n, T* dx) {
-    using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
-    ::Eigen::Map<Array>(dx, n) = Fn::grad_array(::Eigen::Map<const Array>(dy, n), ::Eigen::Map<const Array>(y, n));
+    map_grad(Fn{}, dy, y, n, dx);
   }
 
   // The gradient of y = Fns(x · wᵀ + b): dz = dy · Fns'(y), dw (+)= dzᵀ · x, db (+)= Σ_rows dz,
   // dx = dz · w.
   template <index_t In, index_t Out, class T, class... Fns>
-  static void dense_backward(const DenseBackwardArgs<T>& a) {
+  static void dense_backward(const DenseBackwardArgs<T>& a, const std::tuple<Fns...>& fns = {}) {
     static_assert(sizeof...(Fns) <= 1, "duet: a product's epilogue differentiates through one function at most");
     using XMatrix = detail::RowMajorMatrix<T, dyn, In>;
     using WMatrix = detail::RowMajorMatrix<T, Out, In>;
@@ -2484,7 +3678,7 @@ struct Eigen {
     if constexpr (sizeof...(Fns) == 1) {
       masked = duet::detail::Storage(static_cast<std::size_t>(a.rows * a.out) * sizeof(T));
       T* m = reinterpret_cast<T*>(masked.data());
-      map_grad<Fns...>(a.dy, a.y, a.rows * a.out, m);
+      map_grad(std::get<0>(fns), a.dy, a.y, a.rows * a.out, m);
       dz = m;
     }
     ::Eigen::Map<const YMatrix> DZ(dz, a.rows, a.out);
@@ -2512,12 +3706,12 @@ struct Eigen {
     T total = 0;
     for (index_t i = 0; i < rows; ++i) {
       const T* row = z + i * classes;
-      const T lse = log_sum_exp(row, classes);
+      const T lse = kernels::log_sum_exp(row, classes);
       T loss = 0;
       if constexpr (Sparse) {
         loss = lse - row[checked_label(labels[i], i, classes)];
       } else {
-        for (index_t c = 0; c < classes; ++c) loss += static_cast<T>(labels[i * classes + c]) * (lse - row[c]);
+        loss = kernels::cross_entropy(row, labels + i * classes, classes, lse);
       }
       if (r == Reduction::none) out[i] = loss;
       else total += loss;
@@ -2533,19 +3727,14 @@ struct Eigen {
     for (index_t i = 0; i < rows; ++i) {
       const T* row = z + i * classes;
       T* d = dz + i * classes;
-      const T lse = log_sum_exp(row, classes);
+      const T lse = kernels::log_sum_exp(row, classes);
       const T scale = r == Reduction::none ? g[i] : r == Reduction::mean ? g[0] / static_cast<T>(rows) : g[0];
-      T label_mass = 0;
-      for (index_t c = 0; c < classes; ++c) {
-        if constexpr (!Sparse) label_mass += static_cast<T>(labels[i * classes + c]);
-        d[c] = std::exp(row[c] - lse);
-      }
       if constexpr (Sparse) {
-        d[checked_label(labels[i], i, classes)] -= T(1);
-        for (index_t c = 0; c < classes; ++c) d[c] *= scale;
+        kernels::softmax_grad(row, classes, lse, checked_label(labels[i], i, classes), scale, d);
       } else {
         // d/dz of Σ_c p_c (lse - z_c) is softmax · Σ_c p_c - p.
-        for (index_t c = 0; c < classes; ++c) d[c] = (d[c] * label_mass - static_cast<T>(labels[i * classes + c])) * scale;
+        const T* p = labels + i * classes;
+        kernels::softmax_grad(row, p, classes, lse, kernels::sum(p, classes), scale, d);
       }
     }
   }
@@ -2589,36 +3778,23 @@ struct Eigen {
   // p -= lr · weight_decay · p.
   template <class T>
   static void adam_update(T* p, const T* g, T* m, T* v, index_t n, const AdamStep& s) {
-    const T b1 = static_cast<T>(s.beta1), b2 = static_cast<T>(s.beta2), eps = static_cast<T>(s.eps);
-    const T wd = static_cast<T>(s.weight_decay);
     const T decay = s.decoupled ? T(1) - static_cast<T>(s.learning_rate * s.weight_decay) : T(1);
-    const T l2 = s.decoupled ? T(0) : wd;
-    const T step = static_cast<T>(s.learning_rate / s.bias_correction1);
-    const T root_correction = static_cast<T>(std::sqrt(s.bias_correction2));
-    for (index_t i = 0; i < n; ++i) {
-      const T grad = g[i] + l2 * p[i];
-      m[i] = b1 * m[i] + (T(1) - b1) * grad;
-      v[i] = b2 * v[i] + (T(1) - b2) * grad * grad;
-      p[i] = p[i] * decay - step * m[i] / (std::sqrt(v[i]) / root_correction + eps);
-    }
+    const T l2 = s.decoupled ? T(0) : static_cast<T>(s.weight_decay);
+    const double root_correction = std::sqrt(s.bias_correction2);
+    const auto step = static_cast<T>(s.learning_rate * root_correction / s.bias_correction1);
+    kernels::adam_update(p, g, m, v, n,
+                         kernels::AdamCoefficients<T>{static_cast<T>(s.beta1), static_cast<T>(s.beta2),
+                                                      static_cast<T>(s.eps * root_correction), l2, decay, step});
   }
 
   template <class T>
   static void sgd_update(T* p, const T* g, T* buf, index_t n, const SgdStep& s) {
-    const T lr = static_cast<T>(s.learning_rate), wd = static_cast<T>(s.weight_decay);
-    const T momentum = static_cast<T>(s.momentum), keep = static_cast<T>(1 - s.dampening);
-    for (index_t i = 0; i < n; ++i) {
-      const T d = g[i] + wd * p[i];
-      if (s.momentum == 0) {
-        p[i] -= lr * d;
-        continue;
-      }
-      buf[i] = s.first_step ? d : momentum * buf[i] + keep * d;
-      p[i] -= lr * (s.nesterov ? d + momentum * buf[i] : buf[i]);
-    }
+    kernels::sgd_update(p, g, buf, n,
+                        kernels::SgdCoefficients<T>{static_cast<T>(s.learning_rate), static_cast<T>(s.weight_decay),
+                                                    static_cast<T>(s.momentum), static_cast<T>(1 - s.dampening),
+                                                    s.momentum != 0, s.nesterov, s.first_step});
   }
 
- private:
   template <class T>
   static void column_sums(const T* x, index_t rows, index_t cols, T* sums, bool accumulate) {
     using Matrix = detail::RowMajorMatrix<T, dyn, dyn>;
@@ -2627,15 +3803,7 @@ struct Eigen {
     else s = ::Eigen::Map<const Matrix>(x, rows, cols).colwise().sum();
   }
 
-  template <class T>
-  static T log_sum_exp(const T* row, index_t n) {
-    T m = row[0];
-    for (index_t c = 1; c < n; ++c) m = std::max(m, row[c]);
-    T sum = 0;
-    for (index_t c = 0; c < n; ++c) sum += std::exp(row[c] - m);
-    return m + std::log(sum);
-  }
-
+ private:
   template <class L>
   static index_t checked_label(L label, index_t row, index_t classes) {
     const auto c = static_cast<index_t>(label);
@@ -2648,14 +3816,32 @@ struct Eigen {
 };
 
 // backend::Eigen with duet's own dense kernel (kernels::gemm), which applies the epilogue to
-// each tile of the output while it is in registers. Element types or epilogue functions the
-// kernel cannot take fall back to Eigen.
+// each tile of the output while it is in registers. It does so for functions with a vector
+// form (kernels::VectorFunction: ReLU); any other epilogue (sigmoid, GELU, LeakyReLU with its
+// alpha, ...) runs as the map kernel over the finished product, so that the product's bits are
+// the ones PyNative's unfused MatMul gets. Element types the kernel cannot take fall back to
+// Eigen.
 struct Native : Eigen {
+  // map() on the instruction set chosen at run time, with the functions' vector forms (the
+  // code a product's epilogue runs); functions without one go to Eigen.
+  template <class... Fns, class T>
+  static void map(const std::tuple<Fns...>& fns, const T* x, index_t n, T* y) {
+    if constexpr (kernels::gemm_supports<T, Fns...>) kernels::map<Fns...>(x, n, y);
+    else Eigen::map(fns, x, n, y);
+  }
+  template <class... Fns, class T>
+  static void map(const T* x, index_t n, T* y) {
+    map(std::tuple<Fns...>{}, x, n, y);
+  }
+
   template <index_t In, index_t Out, class T, class... Fns>
   static void dense(const T* x, index_t rows, index_t in, const T* w, index_t out,
                     const Epilogue<T, Fns...>& epilogue, T* y) {
     if constexpr (kernels::gemm_supports<T, Fns...>) {
       kernels::gemm<In, Out, Fns...>(x, rows, in, w, out, epilogue.bias, y);
+    } else if constexpr (kernels::gemm_supports<T>) {
+      kernels::gemm<In, Out>(x, rows, in, w, out, epilogue.bias, y);
+      map(epilogue.fns, y, rows * out, y);
     } else {
       Eigen::dense<In, Out>(x, rows, in, w, out, epilogue, y);
     }
@@ -2940,7 +4126,9 @@ inline std::string readable_type_name(const std::type_info& type) {
 // its requirement and the input shape when the shapes are known at compile time, a
 // duet::ShapeError with the same words when they are known only at run time.
 
+#include <algorithm>
 #include <array>
+#include <cstddef>
 #include <span>
 #include <string>
 #include <string_view>
@@ -2958,6 +4146,15 @@ enum class ShapeFault : unsigned char {
   element_count,   // the input must hold `expected` elements per sample
   shapes_differ,   // two inputs must have the same shape
   batch_dimension,  // the input must have a batch dimension in front: rank at least `expected`
+  broadcast,        // the two inputs' shapes must broadcast together (numpy's rule)
+  inner_dimensions,  // a product's inner dimensions must match (matmul: a's columns, b's rows)
+  empty_reduction,   // an axis reduced by max, min or argmax must not be empty
+  total_elements,     // the input must hold `expected` elements (reshape)
+  elements_multiple,  // the input's element count must be a multiple of `expected` (reshape with -1)
+  axis_not_one,       // the input's axis `expected` must have size 1 (squeeze)
+  sizes_except_axis,  // every input's sizes must match input 0's except along axis `expected` (concat)
+  axis_size,          // the input's size along the operation's axis must be `expected` (split)
+  slice_range,        // the input's axis `expected` must hold the slice's range (slice)
 };
 
 // What a shape rule returns: the output shape and, if the inputs break the rule, which way.
@@ -2974,6 +4171,13 @@ struct ShapeResult {
 
 constexpr ShapeResult fault(Shape fallback, ShapeFault f, index_t expected, int input = 0) {
   return ShapeResult{fallback, f, expected, input};
+}
+
+// The input a broadcast fault's culprit does not broadcast with: `expected` when it names
+// another input (an operation of three inputs, such as where), else the other of two.
+constexpr std::size_t broadcast_partner(const ShapeResult& r) {
+  if (r.expected != r.input) return static_cast<std::size_t>(r.expected);
+  return r.input == 0 ? 1 : 0;
 }
 
 // "nn::Dense<784, 512> 'dense_relu_sequential.0' expects an input whose last dimension is 784,
@@ -2999,15 +4203,54 @@ inline std::string describe_fault(const ShapeResult& r, std::string_view layer, 
       what = "an input of " + e + " elements per sample";
       break;
     case ShapeFault::shapes_differ:
+    case ShapeFault::broadcast:
       what = "inputs of the same shape";
+      break;
+    case ShapeFault::inner_dimensions:
+      what = "inputs whose inner dimensions match";
+      break;
+    case ShapeFault::empty_reduction:
+      what = "an input with no empty axis among those it reduces (the maximum of nothing is undefined)";
       break;
     case ShapeFault::batch_dimension:
       return std::string(layer) + " expects an input of rank at least " + e +
              " whose first dimension is the batch, got " + got + ": the batch dimension is missing";
+    case ShapeFault::total_elements:
+      what = "an input of " + e + " elements";
+      break;
+    case ShapeFault::elements_multiple:
+      what = "an input whose element count is a multiple of " + e;
+      break;
+    case ShapeFault::axis_not_one:
+      what = "an input whose axis " + e + " has size 1";
+      break;
+    case ShapeFault::sizes_except_axis: {
+      std::string all;
+      for (const Shape& s : inputs) all += (all.empty() ? "" : ", ") + to_string(s);
+      return std::string(layer) + " expects inputs of one rank whose sizes match except along axis " + e + ", got " +
+             all;
+    }
+    case ShapeFault::axis_size:
+      what = "an input of size " + e + " along its axis";
+      break;
+    case ShapeFault::slice_range:
+      what = "an input whose axis " + e + " holds the slice's range";
+      break;
+  }
+  if (r.fault == ShapeFault::broadcast && inputs.size() > 1) {
+    const std::size_t a = static_cast<std::size_t>(r.input);
+    const std::size_t b = broadcast_partner(r);
+    return std::string(layer) + " expects inputs whose shapes broadcast together (numpy's rule: sizes equal or 1, "
+           "aligned at the last axis), got " + to_string(inputs[std::min(a, b)]) + " and " +
+           to_string(inputs[std::max(a, b)]);
+  }
+  if (r.fault == ShapeFault::inner_dimensions && inputs.size() > 1) {
+    return std::string(layer) + " expects inputs whose inner dimensions match (the columns of the first, the "
+           "rows of the second, after their transposes), got " + to_string(inputs[0]) + " and " + to_string(inputs[1]);
   }
   if (r.fault == ShapeFault::shapes_differ && inputs.size() > 1) {
     return std::string(layer) + " expects inputs of matching shapes, got " + to_string(inputs[0]) + " and " +
-           to_string(inputs[1]);
+           to_string(inputs[r.input == 0 ? 1 : static_cast<std::size_t>(r.input)]);
   }
   return std::string(layer) + " expects " + what + ", got " + got;
 }
@@ -3031,8 +4274,27 @@ struct rank_must_be {};
 template <index_t N>
 struct elements_per_sample_must_be {};
 struct inputs_must_have_the_same_shape {};
+// The other input's shape, which this one must broadcast with.
+template <class OtherShape>
+struct must_broadcast_with {};
 template <index_t N>
 struct batch_dimension_missing_rank_must_be_at_least {};
+// The other factor's shape, whose rows this one's columns must match (after transposes).
+template <class OtherShape>
+struct inner_dimension_must_match {};
+struct reduced_axes_must_not_be_empty {};
+template <index_t N>
+struct element_count_must_be {};
+template <index_t N>
+struct element_count_must_be_a_multiple_of {};
+template <index_t N>
+struct axis_must_have_size_1 {};
+template <index_t N>
+struct sizes_must_match_input_0_except_along_axis {};
+template <index_t N>
+struct size_along_the_axis_must_be {};
+template <index_t N>
+struct axis_must_hold_the_slice {};
 
 // Not derived from std::false_type: compilers would then print integral_constant<bool, false>
 // instead of this type's name.
@@ -3053,6 +4315,20 @@ constexpr auto requirement() {
     return elements_per_sample_must_be<N>{};
   else if constexpr (F == ShapeFault::batch_dimension)
     return batch_dimension_missing_rank_must_be_at_least<N>{};
+  else if constexpr (F == ShapeFault::empty_reduction)
+    return reduced_axes_must_not_be_empty{};
+  else if constexpr (F == ShapeFault::total_elements)
+    return element_count_must_be<N>{};
+  else if constexpr (F == ShapeFault::elements_multiple)
+    return element_count_must_be_a_multiple_of<N>{};
+  else if constexpr (F == ShapeFault::axis_not_one)
+    return axis_must_have_size_1<N>{};
+  else if constexpr (F == ShapeFault::sizes_except_axis)
+    return sizes_must_match_input_0_except_along_axis<N>{};
+  else if constexpr (F == ShapeFault::axis_size)
+    return size_along_the_axis_must_be<N>{};
+  else if constexpr (F == ShapeFault::slice_range)
+    return axis_must_hold_the_slice<N>{};
   else
     return inputs_must_have_the_same_shape{};
 }
@@ -3076,6 +4352,18 @@ struct rejected {
                 "its requirement and the input shape; -1 is a dynamic dimension)");
 };
 
+template <class ShapeOf>
+using shape_type_of = decltype(shape_type<ShapeOf>(std::make_index_sequence<static_cast<std::size_t>(ShapeOf::shape.rank())>{}));
+
+// The report of two inputs that do not broadcast: the culprit's shape, and the other's in the
+// requirement, so that both are named.
+template <class Layer, class Culprit, class Other>
+using broadcast_rejection = rejected<Layer, must_broadcast_with<shape_type_of<Other>>, shape_type_of<Culprit>>;
+// The report of a product whose factors' inner dimensions differ: both shapes named.
+template <class Layer, class Culprit, class Other>
+using inner_dimension_rejection =
+    rejected<Layer, inner_dimension_must_match<shape_type_of<Other>>, shape_type_of<Culprit>>;
+
 // The report of Layer's rule broken with fault F (N being what it expected) by an input whose
 // shape is ShapeOf::shape.
 template <class Layer, ShapeFault F, index_t N, class ShapeOf>
@@ -3093,27 +4381,7 @@ using rejection = rejected<Layer, decltype(requirement<F, N>()),
 // computing, so construct(Sym) returns the whole network as a type. The list stays flat, not
 // nested like relu<dense<relu<...>>>, which keeps type names short and compiles faster.
 //
-// An operation type Op provides:
-//   using layer_type                  the user-facing name compile-time errors show
-//   static constexpr int arity        number of inputs
-//   static constexpr bool is_view     output is input 0 with another shape (no kernel, no copy)
-//   static constexpr bool is_elementwise   unary, same shape, may run in place or fuse as epilogue
-//   static constexpr ShapeResult infer_static(std::span<const Shape>)   rule on compile-time patterns
-//   ShapeResult infer(std::span<const Shape>) const                     the same rule at run time
-//   template <class Backend, class T> void run(const KernelArgs&) const
-//                                      its kernel; T is the type of the value it makes
-//   using value_type                   (optional) that type, when it is not its first input's
-//   static std::string op_name()       what it does, for graph_ir ("MatMul + BiasAdd + ReLU")
-//   std::string label() const          who does it, for run-time errors ("nn::Dense<784, 512> 'fc'")
-// and optionally:
-//   static constexpr bool is_sink             makes no value, runs for its side effects
-//                                             (a gradient written into a parameter)
-//   static constexpr bool has_side_effects    a view whose kernel still runs
-// Differentiable operations also say how their gradient is computed (see autodiff.hpp):
-//   static constexpr std::array grad_operands   what the gradient op reads (Operand values)
-//   template <bool InputGrad> auto grad_op() const   the op making the gradient of input 0
-//                                             (if InputGrad) and of the op's parameters
-//   static constexpr bool has_parameters
+// Every node holds an operation: the contract it meets is in operation.hpp.
 
 #include <array>
 #include <boost/hana/append.hpp>
@@ -3124,9 +4392,241 @@ using rejection = rejected<Layer, decltype(requirement<F, N>()),
 #include <cstddef>
 #include <span>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 
+// The operation contract: what every node of a graph and every record of a tape is.
+//
+// An operation is a small value type (often empty, or a pointer to the layer that owns its
+// parameters). It is written once and serves both modes: PyNative calls its shape rule and
+// kernel on live tensors (eager.hpp), graph mode on the nodes of a captured graph
+// (graph.hpp, evaluator.hpp). Deriving from ops::Primitive<Self> gives the defaults, so an
+// operation states only what differs from them:
+//
+//   static constexpr int arity                       number of inputs (required)
+//   static constexpr ShapeResult infer_static(std::span<const Shape>)
+//                                                    its shape rule, constexpr: run on patterns
+//                                                    at compile time, on shapes at run time
+//                                                    (required)
+//   template <class Backend, class T> void run(const graph::KernelArgs&) const
+//                                                    its kernel; T is the type of the value it
+//                                                    makes (required unless a view)
+//   static std::string op_name()                     what it does, for graph_ir (required)
+//
+//   ShapeResult infer(std::span<const Shape>) const  default: infer_static; an operation whose
+//                                                    sizes live in its layer overrides it
+//   std::string label() const                        who does it, for run-time errors; default
+//                                                    op_name()
+//   using layer_type                                 the name compile-time errors show; default
+//                                                    the operation itself
+//   using value_type                                 the type of its value when it is not its
+//                                                    first input's
+//   is_view (output is input 0's elements, from view_offset() on, with another shape; no
+//   kernel, no copy), is_elementwise
+//   (unary, same shape: runs in place, fuses as an epilogue), is_sink (makes no value, runs
+//   for its side effects), has_side_effects (a view whose kernel still runs), has_parameters:
+//   all false by default.
+//
+// Differentiation. For each input K, `template <std::size_t K> auto grad_op() const` returns
+// the operation that makes d(loss)/d(input K) from what it reads; the gradient operation
+// names what it reads in `static constexpr std::array reads` (graph::Operand values: the
+// incoming gradient, an input, the output). An input that has no gradient (integer labels, a
+// condition) returns ops::NoGradient, and a gradient that reaches it is an error. An
+// operation with parameters writes their gradients from grad_op<0>(), and from
+// parameter_grad_op() when input 0 needs none. An operation either gives every input's
+// gradient (DifferentiableOperation), or says `static constexpr bool differentiable = false`
+// (argmax): one that gives some but not all is a compile error wherever it is used, so a
+// missing gradient is never a silent zero.
+
+#include <array>
+#include <cstddef>
+#include <initializer_list>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+
+namespace duet {
+
+namespace graph {
+
+// What an operation's kernel reads and writes. Inputs and output are untyped here because one
+// node may mix element types (float logits, int32 labels); each op casts to what it knows.
+struct KernelArgs {
+  const void* const* inputs;
+  const Shape* input_shapes;
+  void* output;
+  const Shape& output_shape;
+
+  template <class U>
+  const U* in(std::size_t k = 0) const {
+    return static_cast<const U*>(inputs[k]);
+  }
+  const Shape& in_shape(std::size_t k = 0) const { return input_shapes[k]; }
+  template <class U>
+  U* out() const {
+    return static_cast<U*>(output);
+  }
+};
+
+// What a gradient op reads, by its place around the forward op it differentiates. Inputs past
+// input2 are input_operand(k) (concat's gradients read up to all N inputs), so output stands
+// clear of them.
+enum class Operand : unsigned char { grad, input0, input1, input2, output = 255 };
+
+constexpr Operand input_operand(std::size_t k) { return static_cast<Operand>(1 + k); }
+
+}  // namespace graph
+
+namespace ops {
+
+// The defaults of the contract. Self is the operation deriving from it.
+template <class Self>
+struct Primitive {
+  using layer_type = Self;
+  static constexpr bool is_view = false;
+  static constexpr bool is_elementwise = false;
+  static constexpr bool is_sink = false;
+  static constexpr bool has_side_effects = false;
+  static constexpr bool has_parameters = false;
+
+  ShapeResult infer(std::span<const Shape> in) const { return Self::infer_static(in); }
+  std::string label() const { return Self::op_name(); }
+};
+
+// What grad_op<K>() returns for an input that has no gradient.
+struct NoGradient {};
+
+// The functions duet's operation headers define, by the names users call them with. The
+// gradient harness (tests/ops_gradients.cpp) runs each in both modes and fails on a name it
+// has no case for, so an operation cannot be added unchecked. A header lists its own:
+//   inline const bool arithmetic_listed = ops::list_operations({"add", "sub", ...});
+inline std::vector<std::string_view>& catalogue() {
+  static std::vector<std::string_view> names;
+  return names;
+}
+inline bool list_operations(std::initializer_list<std::string_view> names) {
+  catalogue().insert(catalogue().end(), names);
+  return true;
+}
+
+}  // namespace ops
+
+// An operation a graph or a tape can hold: its shape rule, its name and its flags.
+template <class Op>
+concept Operation = requires(const Op& op, std::span<const Shape> shapes) {
+  { Op::arity } -> std::convertible_to<int>;
+  { Op::infer_static(shapes) } -> std::same_as<ShapeResult>;
+  { op.infer(shapes) } -> std::same_as<ShapeResult>;
+  { Op::op_name() } -> std::convertible_to<std::string>;
+  { op.label() } -> std::convertible_to<std::string>;
+  typename Op::layer_type;
+  { Op::is_view } -> std::convertible_to<bool>;
+  { Op::is_elementwise } -> std::convertible_to<bool>;
+};
+
+// Whether Op writes gradients of parameters it owns (a layer's weight).
+template <class Op>
+constexpr bool has_parameters() {
+  if constexpr (requires { Op::has_parameters; }) return Op::has_parameters;
+  else return false;
+}
+
+namespace detail {
+
+template <class Op, std::size_t K>
+concept has_grad_op = requires(const Op& op) { op.template grad_op<K>(); };
+
+template <class Op>
+constexpr bool declares_non_differentiable() {
+  if constexpr (requires { Op::differentiable; }) return !Op::differentiable;
+  else return false;
+}
+
+template <class Op>
+constexpr std::size_t gradients_given() {
+  return [&]<std::size_t... K>(std::index_sequence<K...>) {
+    return (std::size_t{0} + ... + std::size_t{has_grad_op<Op, K>});
+  }(std::make_index_sequence<static_cast<std::size_t>(Op::arity)>{});
+}
+
+template <class Op>
+constexpr bool has_parameter_grad_op() {
+  if constexpr (!duet::has_parameters<Op>()) return true;
+  else return requires(const Op& op) { op.parameter_grad_op(); };
+}
+
+}  // namespace detail
+
+// An operation whose every input has a gradient rule (possibly NoGradient), and that does not
+// declare itself non-differentiable.
+template <class Op>
+concept DifferentiableOperation = Operation<Op> && !detail::declares_non_differentiable<Op>() &&
+                                  detail::gradients_given<Op>() == static_cast<std::size_t>(Op::arity) &&
+                                  detail::has_parameter_grad_op<Op>();
+
+namespace diagnostic {
+
+template <class Op>
+struct is_an_operation {
+  static constexpr bool value = false;
+};
+template <class Op, std::size_t Input>
+struct gives_the_gradient_of_input {
+  static constexpr bool value = false;
+};
+
+// Checks Op against the contract where it enters a graph or a tape (instantiated there with
+// sizeof); a class, so that one operation is reported once wherever it is used.
+template <class Op>
+struct check_operation {
+  static_assert(Operation<Op> || is_an_operation<Op>::value,
+                "duet: this type is used as an operation but does not meet duet::Operation (arity, "
+                "infer_static, op_name; derive from duet::ops::Primitive<Self> for the rest)");
+  static constexpr std::size_t first_missing = [] {
+    if constexpr (!Operation<Op>) {
+      return std::size_t{0};
+    } else {
+      std::size_t missing = static_cast<std::size_t>(Op::arity);
+      [&]<std::size_t... K>(std::index_sequence<K...>) {
+        ((missing = !detail::has_grad_op<Op, K> && missing == static_cast<std::size_t>(Op::arity) ? K : missing),
+         ...);
+      }(std::make_index_sequence<static_cast<std::size_t>(Op::arity)>{});
+      return missing;
+    }
+  }();
+  static constexpr bool partial = Operation<Op> && !detail::declares_non_differentiable<Op>() &&
+                                  detail::gradients_given<Op>() > 0 &&
+                                  detail::gradients_given<Op>() < static_cast<std::size_t>(Op::arity);
+  static_assert(!partial || gives_the_gradient_of_input<typename Op::layer_type, first_missing>::value,
+                "duet: an operation gives the gradient of some inputs but not of the one named in the "
+                "condition; define grad_op<K>() for every input K (ops::NoGradient where there is none), "
+                "or declare `static constexpr bool differentiable = false`");
+};
+
+}  // namespace diagnostic
+
+// Where a view's elements begin in its input's, in elements: 0 (the input's first), unless
+// the view says otherwise with `index_t view_offset(const Shape& input) const` (a slice along
+// the first axis).
+template <class Op>
+index_t view_offset(const Op& op, const Shape& input) {
+  if constexpr (requires { op.view_offset(input); }) return op.view_offset(input);
+  else return 0;
+}
+
+// Whether grad_op<K>() of Op gives an actual gradient, not NoGradient.
+template <class Op, std::size_t K>
+constexpr bool input_has_gradient() {
+  if constexpr (!detail::has_grad_op<Op, K>) return false;
+  else return !std::is_same_v<decltype(std::declval<const Op&>().template grad_op<K>()), ops::NoGradient>;
+}
+
+}  // namespace duet
 
 namespace duet::graph {
 
@@ -3182,25 +4682,6 @@ auto make_graph(const Nodes& nodes) {
   return hana::unpack(
       nodes, [](const auto&... n) { return Graph<std::remove_cvref_t<decltype(n)>...>{hana::make_tuple(n...)}; });
 }
-
-// What an operation's kernel reads and writes. Inputs and output are untyped here because one
-// node may mix element types (float logits, int32 labels); each op casts to what it knows.
-struct KernelArgs {
-  const void* const* inputs;
-  const Shape* input_shapes;
-  void* output;
-  const Shape& output_shape;
-
-  template <class U>
-  const U* in(std::size_t k = 0) const {
-    return static_cast<const U*>(inputs[k]);
-  }
-  const Shape& in_shape(std::size_t k = 0) const { return input_shapes[k]; }
-  template <class U>
-  U* out() const {
-    return static_cast<U*>(output);
-  }
-};
 
 // The element type of the value an op makes from inputs whose first has type First.
 template <class Op, class First>
@@ -3318,23 +4799,16 @@ constexpr bool runs_kernel() {
     return !Op::is_view;
 }
 
-// What a gradient op reads, by its place around the forward op it differentiates.
-enum class Operand : unsigned char { grad, input0, input1, output };
-
 // Graph input K, of element type T, whose shape is known as far as Pattern says (a
 // StaticShape, or AnyShape).
 template <std::size_t K, class Pattern, class T>
-struct InputOp {
-  using layer_type = InputOp;
+struct InputOp : ops::Primitive<InputOp<K, Pattern, T>> {
   using value_type = T;
   using pattern = Pattern;
   static constexpr int arity = 0;
-  static constexpr bool is_view = false;
-  static constexpr bool is_elementwise = false;
   static constexpr std::size_t index = K;
   static constexpr ShapeResult infer_static(std::span<const Shape>) { return {Pattern::value}; }
   static std::string op_name() { return "Input " + std::to_string(K); }
-  std::string label() const { return op_name(); }
 };
 
 template <std::size_t K, class Pattern, class T>
@@ -3519,6 +4993,7 @@ auto quietly(const Sym<G, Out>& x, F&& f) {
 // reported where the user's construct calls the layer.
 template <class Op, class G, std::size_t Out>
 auto append(const Op& op, const Sym<G, Out>& x) {
+  static_cast<void>(sizeof(diagnostic::check_operation<Op>));
   constexpr ShapeResult r = Op::infer_static(std::array<Shape, 1>{G::shapes[Out]});
   if constexpr (!r.ok() && reports_faults<G>()) {
     static_cast<void>(sizeof(diagnostic::rejection<typename Op::layer_type, r.fault, r.expected, Sym<G, Out>>));
@@ -3527,17 +5002,46 @@ auto append(const Op& op, const Sym<G, Out>& x) {
   return Sym<decltype(g), G::size>{g};
 }
 
-// Appends `op` applied to a and b, whose graphs are merged first.
-template <class Op, class GA, std::size_t A, class GB, std::size_t B>
-auto append(const Op& op, const Sym<GA, A>& a, const Sym<GB, B>& b) {
-  constexpr ShapeResult r = Op::infer_static(std::array<Shape, 2>{GA::shapes[A], GB::shapes[B]});
-  if constexpr (!r.ok() && reports_faults<GA>() && reports_faults<GB>()) {
-    using Culprit = std::conditional_t<r.input == 0, Sym<GA, A>, Sym<GB, B>>;
-    static_cast<void>(sizeof(diagnostic::rejection<typename Op::layer_type, r.fault, r.expected, Culprit>));
+namespace detail {
+
+// Merges the graphs of xs... after g, each input once; Outs are where the values used so far
+// live in the result (the nodes already there keep their places).
+template <class G, std::size_t... Outs>
+auto merge_all(const G& g, std::index_sequence<Outs...> outs) {
+  return std::pair{g, outs};
+}
+template <class G, std::size_t... Outs, class GB, std::size_t B, class... Rest>
+auto merge_all(const G& g, std::index_sequence<Outs...>, const Sym<GB, B>& b, const Rest&... rest) {
+  auto [merged, map] = merge_from<0>(b.graph, g.nodes, std::index_sequence<>{});
+  return merge_all(merged, std::index_sequence<Outs..., at<B>(decltype(map){})>{}, rest...);
+}
+
+}  // namespace detail
+
+// Appends `op` applied to x0, x1, ..., whose graphs are merged first.
+template <class Op, class G0, std::size_t O0, class... Rest>
+  requires(sizeof...(Rest) >= 1 && (Symbolic<Rest> && ...))
+auto append(const Op& op, const Sym<G0, O0>& x0, const Rest&... rest) {
+  static_cast<void>(sizeof(diagnostic::check_operation<Op>));
+  constexpr ShapeResult r = Op::infer_static(std::array<Shape, 1 + sizeof...(Rest)>{G0::shapes[O0], Rest::shape...});
+  if constexpr (!r.ok() && reports_faults<G0>() && (reports_faults<typename Rest::graph_type>() && ...)) {
+    using Inputs = std::tuple<Sym<G0, O0>, Rest...>;
+    using Culprit = std::tuple_element_t<static_cast<std::size_t>(r.input), Inputs>;
+    if constexpr (r.fault == ShapeFault::broadcast) {
+      using Other = std::tuple_element_t<broadcast_partner(r), Inputs>;
+      static_cast<void>(sizeof(diagnostic::broadcast_rejection<typename Op::layer_type, Culprit, Other>));
+    } else if constexpr (r.fault == ShapeFault::inner_dimensions) {
+      using Other = std::tuple_element_t<r.input == 0 ? 1 : 0, Inputs>;
+      static_cast<void>(sizeof(diagnostic::inner_dimension_rejection<typename Op::layer_type, Culprit, Other>));
+    } else {
+      static_cast<void>(sizeof(diagnostic::rejection<typename Op::layer_type, r.fault, r.expected, Culprit>));
+    }
   }
-  auto [merged, map] = detail::merge_from<0>(b.graph, a.graph.nodes, std::index_sequence<>{});
-  constexpr std::size_t b_at = detail::at<B>(decltype(map){});
-  auto g = make_graph(hana::append(merged.nodes, Node<Op, A, b_at>{op}));
+  auto [merged, outs] = detail::merge_all(x0.graph, std::index_sequence<O0>{}, rest...);
+  // merged is passed, not captured: clang 14 cannot capture a structured binding.
+  auto g = [&op]<class M, std::size_t... Args>(const M& m, std::index_sequence<Args...>) {
+    return make_graph(hana::append(m.nodes, Node<Op, Args...>{op}));
+  }(merged, decltype(outs){});
   return Sym<decltype(g), decltype(merged)::size>{g};
 }
 
@@ -3815,7 +5319,9 @@ auto run(const graph::Sym<G, Out>& program, const graph::Plan<G, sizeof...(Input
       data[I] = const_cast<void*>(input[Op::index]);
     } else {
       if constexpr (buffers.storage[I] == graph::Storage::view) {
-        data[I] = data[buffers.root[I]];
+        const auto& op = boost::hana::at_c<I>(program.graph.nodes).op;
+        data[I] = static_cast<char*>(data[Node::args[0]]) +
+                  view_offset(op, p.shapes[Node::args[0]]) * static_cast<index_t>(sizeof(graph::node_value_t<G, I>));
       } else if constexpr (buffers.storage[I] == graph::Storage::output) {
         result = BasicTensor<Result>::uninitialized(p.shapes[I]);
         data[I] = result.data();
@@ -3844,12 +5350,14 @@ auto run(const graph::Sym<G, Out>& program, const graph::Plan<G, sizeof...(Input
   });
 
   constexpr std::size_t out_root = buffers.root[Out];
+  // Where the output's elements begin in its root's, when it is a view.
+  const index_t offset = static_cast<const Result*>(data[Out]) - static_cast<const Result*>(data[out_root]);
   if constexpr (buffers.storage[out_root] == graph::Storage::input) {
-    // The graph only reshapes an input: its output is a view of that input.
+    // The graph only views an input: its output is a view of that input.
     constexpr std::size_t k = graph::node_at<G, out_root>::op_type::index;
-    return tensor_of(std::get<k>(std::forward_as_tuple(inputs...))).reshape(p.shapes[Out]);
+    return tensor_of(std::get<k>(std::forward_as_tuple(inputs...))).view(offset, p.shapes[Out]);
   } else if constexpr (out_root != Out) {
-    return result.reshape(p.shapes[Out]);
+    return result.view(offset, p.shapes[Out]);
   } else {
     return result;
   }
@@ -3861,23 +5369,6 @@ namespace detail {
 inline std::uint64_t new_plan_owner() {
   static std::atomic<std::uint64_t> last{0};
   return last.fetch_add(1, std::memory_order_relaxed) + 1;
-}
-
-// The plan of the last input shapes `owner` ran this graph type with on this thread. Per
-// thread, so concurrent callers never share or lock; one entry, so it costs nothing to keep.
-template <JitConfig Config = JitConfig{}, class G, std::size_t Out, std::size_t N, class Where>
-const graph::Plan<G, N>& cached_plan(std::uint64_t owner, const graph::Sym<G, Out>& program,
-                                     const std::array<Shape, N>& shapes, Where&& where) {
-  thread_local struct {
-    std::uint64_t owner = 0;
-    graph::Plan<G, N> plan;
-  } cache;
-  if (cache.owner != owner || cache.plan.input_shapes != shapes) {
-    cache.owner = 0;  // stays invalid if planning throws
-    cache.plan = plan<Config>(program, shapes, std::string(where()));
-    cache.owner = owner;
-  }
-  return cache.plan;
 }
 }  // namespace detail
 
@@ -3957,10 +5448,91 @@ auto evaluate(const graph::Sym<G, Out>& program, const Inputs&... inputs) {
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
 
+// A cell's own parameter read directly by operations in construct (a learned scale,
+// `x * weight`), in both modes.
+//
+// Graph mode makes the parameter a node of the graph (ParameterOp, which reads the values live
+// at each run); PyNative gives the tape a leaf for it. Either way its gradient ends in the
+// parameter's grad through ParameterGradOp, the way a layer's gradient kernel writes its
+// weight's, so optimisers, checkpoints and both modes see no difference from nn::Dense's.
+
+#include <algorithm>
+#include <array>
+#include <span>
+#include <string>
+
+
+namespace duet::ops {
+
+// d(loss)/d(parameter) added to the parameter's gradient of the current backward pass.
+template <class T>
+struct ParameterGradOp : Primitive<ParameterGradOp<T>> {
+  static constexpr std::array reads{graph::Operand::grad};
+  static constexpr int arity = 1;
+  static constexpr bool is_sink = true;
+  const nn::BasicParameter<T>* parameter;
+  ParameterGradOp(const nn::BasicParameter<T>* p) : parameter(p) {}
+
+  static constexpr ShapeResult infer_static(std::span<const Shape>) { return {Shape{}}; }
+
+  template <class Backend, class U>
+  void run(const graph::KernelArgs& a) const {
+    bool accumulate = false;
+    T* g = parameter->grad_for_write(duet::detail::current_backward_pass(), &accumulate);
+    const T* dy = a.in<T>();
+    const index_t n = a.in_shape().numel();
+    if (accumulate) {
+      for (index_t i = 0; i < n; ++i) g[i] += dy[i];
+    } else {
+      std::copy_n(dy, n, g);
+    }
+  }
+
+  static std::string op_name() { return "ParameterGrad"; }
+};
+
+// The values of a parameter, as a node with no inputs. Its shape is known when the graph runs.
+template <class T>
+struct ParameterOp : Primitive<ParameterOp<T>> {
+  using value_type = T;
+  static constexpr int arity = 0;
+  static constexpr bool has_parameters = true;
+  const nn::BasicParameter<T>* parameter;
+  ParameterOp(const nn::BasicParameter<T>* p) : parameter(p) {}
+
+  static constexpr ShapeResult infer_static(std::span<const Shape>) { return {Shape::any()}; }
+  ShapeResult infer(std::span<const Shape>) const { return {parameter->shape()}; }
+
+  // A copy into the graph's arena: the graph's values are planned there, and the parameter's
+  // storage may be replaced between runs (checkpoint loading keeps it, set_data copies).
+  template <class Backend, class U>
+  void run(const graph::KernelArgs& a) const {
+    const nn::BasicParameter<T>& p = *parameter;
+    std::copy_n(p.data(), p.numel(), a.out<T>());
+  }
+
+  auto parameter_grad_op() const { return ParameterGradOp<T>{parameter}; }
+
+  static std::string op_name() { return "Parameter"; }
+};
+
+}  // namespace duet::ops
+
+namespace duet::graph {
+
+// A parameter as a symbolic tensor: a graph of one node, merged into the graph that reads it.
+template <class T>
+auto parameter(const nn::BasicParameter<T>& p) {
+  using G = Graph<Node<ops::ParameterOp<T>>>;
+  return Sym<G, 0>{G{hana::make_tuple(Node<ops::ParameterOp<T>>{ops::ParameterOp<T>{&p}})}};
+}
+
+}  // namespace duet::graph
 // The recording half of PIJit: while a trace is active, every eager operation appends a step
 // (the op, the values it reads and the value it makes), so a network built at run time can be
 // captured by running it once. pijit.hpp optimises and replays the trace.
@@ -4010,6 +5582,7 @@ struct Value {
   std::size_t element_size = 0;
   std::size_t input = 0;               // Kind::input: which argument
   std::size_t view_of = 0;             // Kind::view: the value whose memory it shares
+  std::size_t view_bytes = 0;          // Kind::view: where in that memory it begins
   std::shared_ptr<const void> handle;  // Kind::constant: keeps the tensor's storage alive
   const void* data = nullptr;          // Kind::constant
 };
@@ -4166,6 +5739,9 @@ class Trace {
     if constexpr (Op::is_view) {
       v.kind = Value::Kind::view;
       v.view_of = root_of(step->inputs[0]);
+      const Value& in = values_[step->inputs[0]];
+      v.view_bytes = (in.kind == Value::Kind::view ? in.view_bytes : 0) +
+                     static_cast<std::size_t>(view_offset(op, in.shape)) * sizeof(T);
     }
     step->output = values_.size();
     add(std::move(v), y);
@@ -4295,37 +5871,19 @@ auto run_into_new(const Op& op, const BasicTensor<First>& first, const BasicTens
 namespace ops {
 
 // The sum of two gradients reaching one value.
-struct GradAddOp {
-  using layer_type = GradAddOp;
+struct GradAddOp : Primitive<GradAddOp> {
   static constexpr int arity = 2;
-  static constexpr bool is_view = false;
-  static constexpr bool is_elementwise = false;
   static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
-  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
     Backend::add(a.in<T>(0), a.in<T>(1), a.in_shape(0).numel(), a.out<T>());
   }
   static std::string op_name() { return "GradAdd"; }
-  std::string label() const { return op_name(); }
 };
 
 }  // namespace ops
 
 namespace autodiff {
-
-template <class Op>
-constexpr bool declared_differentiable() {
-  if constexpr (requires { Op::differentiable; }) return Op::differentiable;
-  else return true;
-}
-
-// An op autodiff can go through: it names its gradient op and what that op reads.
-template <class Op>
-concept Differentiable = requires {
-  Op::grad_operands;
-  Op::has_parameters;
-} && declared_differentiable<Op>();
 
 class Tape;
 
@@ -4373,6 +5931,11 @@ class Tape {
   void watch(BasicTensor<T>& x) {
     add(std::make_unique<LeafEntry<T>>(), x);
   }
+
+  // A handle on p's values that the tape tracks: what reaches it in backward is added to p's
+  // gradient, as a layer's gradient kernel adds to its weight's.
+  template <class T>
+  BasicTensor<T> watch_parameter(const nn::BasicParameter<T>& p);
 
   template <class T>
   bool tracks(const BasicTensor<T>& x) const {
@@ -4450,40 +6013,86 @@ class OpEntry final : public ValueEntry<Out> {
   void backward(Tape& tape) override {
     const BasicTensor<Out>* g = this->grad();
     if (g == nullptr) return;
-    auto& x0 = std::get<0>(inputs_);
-    if (tape.tracks(x0)) {
-      auto dx = run_grad(op_.template grad_op<true>(), *g);
-      tape.entry_of(x0)->accumulate(std::move(dx));
-    } else if constexpr (Op::has_parameters) {
-      run_grad(op_.template grad_op<false>(), *g);
+    bool parameters_written = false;
+    [&]<std::size_t... K>(std::index_sequence<K...>) {
+      (input_backward<K>(tape, *g, parameters_written), ...);
+    }(std::index_sequence_for<In...>{});
+    if constexpr (has_parameters<Op>()) {
+      if (!parameters_written) run_grad(op_.parameter_grad_op(), *g);
     }
   }
 
  private:
+  template <std::size_t K>
+  void input_backward(Tape& tape, const BasicTensor<Out>& g, bool& parameters_written) const {
+    if constexpr (input_has_gradient<Op, K>()) {
+      const auto& x = std::get<K>(inputs_);
+      if (!tape.tracks(x)) return;
+      tape.entry_of(x)->accumulate(run_grad(op_.template grad_op<K>(), g));
+      parameters_written = parameters_written || K == 0;
+    }
+  }
+
   template <graph::Operand O>
   const auto& operand(const BasicTensor<Out>& g) const {
     if constexpr (O == graph::Operand::grad)
       return g;
     else if constexpr (O == graph::Operand::output)
       return output_;
-    else if constexpr (O == graph::Operand::input0)
-      return std::get<0>(inputs_);
     else
-      return std::get<1>(inputs_);
+      return std::get<static_cast<std::size_t>(O) - 1>(inputs_);
   }
 
   template <class GradOp>
   auto run_grad(const GradOp& gop, const BasicTensor<Out>& g) const {
     return [&]<std::size_t... I>(std::index_sequence<I...>) {
-      return duet::detail::run_into_new<DefaultBackend>(gop, operand<Op::grad_operands[I]>(g)...);
+      return duet::detail::run_into_new<DefaultBackend>(gop, operand<GradOp::reads[I]>(g)...);
     }
-    (std::make_index_sequence<Op::grad_operands.size()>{});
+    (std::make_index_sequence<GradOp::reads.size()>{});
   }
 
   Op op_;
   BasicTensor<Out> output_;
   std::tuple<BasicTensor<In>...> inputs_;
 };
+
+// The output of an operation that has no gradient (argmax), computed from something being
+// differentiated: harmless unless a gradient reaches it, which is refused.
+template <class Out>
+class RefusedEntry final : public ValueEntry<Out> {
+ public:
+  explicit RefusedEntry(std::string label) : label_(std::move(label)) {}
+  void backward(Tape&) override {
+    if (this->grad() != nullptr) {
+      throw ValueError("duet::grad: " + label_ + " is not differentiable, but a gradient flows through it");
+    }
+  }
+
+ private:
+  std::string label_;
+};
+
+// A parameter read directly by operations: its gradient goes to the parameter.
+template <class T>
+class ParameterEntry final : public ValueEntry<T> {
+ public:
+  explicit ParameterEntry(const nn::BasicParameter<T>* p) : parameter_(p) {}
+  void backward(Tape&) override {
+    if (const BasicTensor<T>* g = this->grad()) {
+      duet::detail::run_into_new<DefaultBackend>(ops::ParameterGradOp<T>{parameter_}, *g);
+    }
+  }
+
+ private:
+  const nn::BasicParameter<T>* parameter_;
+};
+
+template <class T>
+BasicTensor<T> Tape::watch_parameter(const nn::BasicParameter<T>& p) {
+  BasicTensor<T> handle = p;
+  add(std::make_unique<ParameterEntry<T>>(&p), handle);
+  return handle;
+}
 
 // A cell call: after the cell's own records have run backward, its hook sees both gradients.
 template <class T, class Hook>
@@ -4508,12 +6117,13 @@ class CellEntry final : public Entry {
 
 template <class Op, class Out, class... In>
 void Tape::record(const Op& op, BasicTensor<Out>& y, const BasicTensor<In>&... x) {
+  static_cast<void>(sizeof(diagnostic::check_operation<Op>));
   const bool reads_tracked = (tracks(x) || ...);
-  if constexpr (Differentiable<Op>) {
-    if (!reads_tracked && !Op::has_parameters) return;
+  if constexpr (DifferentiableOperation<Op>) {
+    if (!reads_tracked && !has_parameters<Op>()) return;
     add(std::make_unique<OpEntry<Op, Out, In...>>(op, y, x...), y);
   } else if (reads_tracked) {
-    throw ValueError("duet::grad: " + op.label() + " is not differentiable, but a gradient flows through it");
+    add(std::make_unique<RefusedEntry<Out>>(op.label()), y);
   }
 }
 
@@ -4563,7 +6173,7 @@ auto run_into_new(const Op& op, const BasicTensor<First>& first, const BasicTens
     if constexpr (graph::runs_kernel<Op>()) {
       op.template run<Backend, T>(graph::KernelArgs{in.data(), shapes.data(), nullptr, out_shape});
     }
-    y = first.reshape(out_shape);
+    y = first.view(view_offset(op, shapes[0]), out_shape);
   } else if constexpr (graph::is_sink<Op>()) {
     op.template run<Backend, T>(graph::KernelArgs{in.data(), shapes.data(), nullptr, out_shape});
     if (pijit::Trace* trace = pijit::active_trace()) trace->record(op, y, first, rest...);
@@ -4601,26 +6211,55 @@ auto run_eager(const Op& op, BasicTensor<T>&& x) {
   return detail::run_into_new<Backend>(op, static_cast<const BasicTensor<T>&>(x));
 }
 
+namespace detail {
+
+// An operand of an operation that runs now: a parameter is tracked by the recording tape (its
+// gradient goes to the parameter), any other tensor is itself.
+template <class X>
+decltype(auto) eager_operand(const X& x) {
+  if constexpr (nn::is_parameter_v<X>) {
+    if (autodiff::Tape* tape = autodiff::active_tape()) return tape->watch_parameter(x);
+    return BasicTensor<typename X::value_type>(x);
+  } else {
+    return tensor_of(x);
+  }
+}
+
+// An operand of an operation being captured: a parameter becomes a node of the graph.
+template <class X>
+decltype(auto) graph_operand(const X& x) {
+  if constexpr (nn::is_parameter_v<X>) return graph::parameter(x);
+  else return (x);
+}
+
+}  // namespace detail
+
 // The one entry point layers use: on symbolic tensors it records the operation in the graph,
-// on real tensors it runs it now.
+// on real tensors it runs it now. A cell's parameter may be an operand in either mode.
 template <class Op, class X>
 auto apply(const Op& op, X&& x) {
   if constexpr (graph::Symbolic<X>) {
     return graph::append(op, x);
+  } else if constexpr (nn::is_parameter_v<std::remove_cvref_t<X>>) {
+    return detail::run_into_new<DefaultBackend>(op, detail::eager_operand(x));
   } else {
     return run_eager(op, std::forward<X>(x));
   }
 }
 
-template <class Op, class A, class B>
-auto apply(const Op& op, const A& a, const B& b) {
-  if constexpr (graph::Symbolic<A> && graph::Symbolic<B>) {
-    return graph::append(op, a, b);
-  } else {
-    static_assert(!graph::Symbolic<A> && !graph::Symbolic<B>,
+template <class Op, class A, class B, class... C>
+auto apply(const Op& op, const A& a, const B& b, const C&... c) {
+  constexpr bool any_symbolic = graph::Symbolic<A> || graph::Symbolic<B> || (graph::Symbolic<C> || ...);
+  if constexpr (any_symbolic) {
+    static_assert((graph::Symbolic<A> || nn::is_parameter_v<A>)&&(graph::Symbolic<B> || nn::is_parameter_v<B>)&&(
+                      (graph::Symbolic<C> || nn::is_parameter_v<C>)&&...),
                   "duet: an operation mixes a symbolic tensor (graph capture) and a real one; pass "
-                  "every tensor the graph reads as an input of the captured function");
-    return detail::run_into_new<DefaultBackend>(op, tensor_of(a), tensor_of(b));
+                  "every tensor the graph reads as an input of the captured function (a cell's own "
+                  "parameters may be used directly)");
+    return graph::append(op, detail::graph_operand(a), detail::graph_operand(b), detail::graph_operand(c)...);
+  } else {
+    return detail::run_into_new<DefaultBackend>(op, detail::eager_operand(a), detail::eager_operand(b),
+                                                detail::eager_operand(c)...);
   }
 }
 
@@ -5031,15 +6670,12 @@ inline std::mutex& print_mutex() {
 
 namespace ops {
 
-struct IdentityGradOp {
-  using layer_type = IdentityGradOp;
+struct IdentityGradOp : Primitive<IdentityGradOp> {
+  static constexpr std::array reads{graph::Operand::grad};
   static constexpr int arity = 1;
   static constexpr bool is_view = true;
-  static constexpr bool is_elementwise = false;
   static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
-  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
   static std::string op_name() { return "Identity"; }
-  std::string label() const { return op_name(); }
 };
 
 // Prints "label: value" (numpy's format) when the value is computed; outputs its input.
@@ -5065,9 +6701,8 @@ struct PrintOp {
     *out << (text[0] != '\0' ? std::string(text) + ": " : std::string()) << copy << '\n';
   }
 
-  static constexpr bool has_parameters = false;
-  static constexpr std::array grad_operands{graph::Operand::grad};
-  template <bool InputGrad>
+  template <std::size_t K>
+    requires(K == 0)
   auto grad_op() const {
     return IdentityGradOp{};
   }
@@ -5152,6 +6787,7 @@ auto host(F&& fn, X&& x) {
 #include <array>
 #include <boost/hana/append.hpp>
 #include <boost/hana/drop_back.hpp>
+#include <boost/hana/remove_at.hpp>
 #include <boost/hana/length.hpp>
 #include <boost/hana/transform.hpp>
 #include <boost/hana/unpack.hpp>
@@ -5180,9 +6816,58 @@ constexpr std::array<std::size_t, G::size> user_counts() {
 template <class P, class C, bool Differentiated>
 concept absorbs = requires {
   requires P::template accepts_epilogue<C>;
-} && (!Differentiated || autodiff::Differentiable<decltype(std::declval<const P&>().absorb(std::declval<const C&>()))>);
+} && (!Differentiated || DifferentiableOperation<decltype(std::declval<const P&>().absorb(std::declval<const C&>()))>);
+
+// A producer op P takes the binary consumer C, reading P's value as its input Pos, into
+// itself (elementwise chains: one pass over all their inputs); never in a graph that will be
+// differentiated, since the fused op keeps no value in between.
+template <class P, class C, int Pos, bool Differentiated>
+concept absorbs_operand =
+    !Differentiated && requires(const P& p, const C& c) { p.template absorb_operand<Pos>(c); };
 
 namespace detail {
+
+// Whether every built node after position R has no inputs (graph inputs, parameters): a node
+// moved past them reads nothing they make.
+template <class Built, std::size_t R>
+constexpr bool only_sources_after() {
+  constexpr std::size_t size = decltype(hana::length(std::declval<Built>()))::value;
+  bool ok = true;
+  graph::for_each_index<size>([&](auto i) {
+    constexpr std::size_t I = decltype(i)::value;
+    if constexpr (I > R) ok = ok && std::remove_cvref_t<decltype(hana::at_c<I>(std::declval<Built&>()))>::arity == 0;
+  });
+  return ok;
+}
+
+// Which input of a binary node J the fusion can take: one read by J alone, made by a built
+// node with only sources (graph inputs, parameters) after it, the other input being another
+// node. -1 if neither.
+template <class G, std::size_t J, std::size_t Out, class Built, std::size_t... Map>
+constexpr int operand_to_absorb() {
+  using N = graph::node_at<G, J>;
+  constexpr std::array<std::size_t, J> m{Map...};
+  const auto users = user_counts<G, Out>();
+  const std::size_t a0 = N::args[0], a1 = N::args[1];
+  if (a0 == a1 || m[a0] == m[a1]) return -1;
+  if (users[a0] == 1 && only_sources_after<Built, m[N::args[0]]>()) return 0;
+  if (users[a1] == 1 && only_sources_after<Built, m[N::args[1]]>()) return 1;
+  return -1;
+}
+
+// Map after the built node at R is taken out and its value made by a node appended at the
+// end: later nodes move down one, R's users go to the end.
+template <std::size_t R, std::size_t End, std::size_t... Map>
+constexpr std::array<std::size_t, sizeof...(Map)> moved_to_end() {
+  std::array<std::size_t, sizeof...(Map)> m{Map...};
+  for (std::size_t& v : m) v = v == R ? End : v > R ? v - 1 : v;
+  return m;
+}
+
+template <auto A, std::size_t... I>
+constexpr auto as_sequence(std::index_sequence<I...>) {
+  return std::index_sequence<A[I]...>{};
+}
 
 // Walks the nodes in order, building the fused list. Map[j] is where node j's value lives in
 // the new list. A unary consumer folds into the node that computes its input when that node
@@ -5212,6 +6897,26 @@ auto fuse_from(const G& g, const Built& built, std::index_sequence<Map...> map) 
         (std::make_index_sequence<P::arity>{});
         return fuse_from<J + 1, Out, Differentiated>(g, hana::append(hana::drop_back(built), with_args),
                                      std::index_sequence<Map..., r>{});
+      } else {
+        return fuse_from<J + 1, Out, Differentiated>(
+            g, hana::append(built, graph::renumbered(n, map, std::make_index_sequence<N::arity>{})),
+            std::index_sequence<Map..., built_size>{});
+      }
+    } else if constexpr (N::arity == 2) {
+      constexpr int pos = operand_to_absorb<G, J, Out, Built, Map...>();
+      constexpr std::array<std::size_t, J> m{Map...};
+      constexpr std::size_t r = m[N::args[pos < 0 ? 0 : pos]];
+      using P = std::remove_cvref_t<decltype(hana::at_c<r>(built))>;
+      if constexpr (pos >= 0 && absorbs_operand<typename P::op_type, typename N::op_type, pos, Differentiated>) {
+        // P's node leaves its place for one at the end that also reads the other input.
+        static constexpr auto moved = moved_to_end<r, built_size - 1, Map..., r>();
+        const P& p = hana::at_c<r>(built);
+        auto absorbed = p.op.template absorb_operand<pos>(n.op);
+        auto with_args = [&]<std::size_t... A>(std::index_sequence<A...>) {
+          return graph::Node<decltype(absorbed), P::args[A]..., moved[N::args[1 - pos]]>{absorbed};
+        }(std::make_index_sequence<P::arity>{});
+        return fuse_from<J + 1, Out, Differentiated>(g, hana::append(hana::remove_at_c<r>(built), with_args),
+                                                     as_sequence<moved>(std::make_index_sequence<J + 1>{}));
       } else {
         return fuse_from<J + 1, Out, Differentiated>(
             g, hana::append(built, graph::renumbered(n, map, std::make_index_sequence<N::arity>{})),
@@ -5323,7 +7028,7 @@ class Replay {
       switch (value.kind) {
         case Value::Kind::input: data[v] = const_cast<void*>(inputs[value.input]); break;
         case Value::Kind::constant: data[v] = const_cast<void*>(value.data); break;
-        case Value::Kind::view: data[v] = data[value.view_of]; break;
+        case Value::Kind::view: data[v] = static_cast<char*>(data[value.view_of]) + value.view_bytes; break;
         case Value::Kind::computed:
           data[v] = v == output_root_ ? static_cast<void*>(result.data()) : arena.data() + offset_[v];
           break;
@@ -5332,7 +7037,9 @@ class Replay {
     for (const auto& step : steps_) {
       if (step->runs_kernel()) step->run(data.data(), values_);
     }
-    return values_[output_].shape == result.shape() ? result : result.reshape(values_[output_].shape);
+    const Value& out = values_[output_];
+    if (out.shape == result.shape()) return result;
+    return result.view(static_cast<index_t>(out.kind == Value::Kind::view ? out.view_bytes / sizeof(T) : 0), out.shape);
   }
 
  private:
@@ -5408,7 +7115,10 @@ class Replay {
                       duet::detail::block_alignment;
     }
     for (std::size_t v = 0; v < values_.size(); ++v) {
-      if (made[v] && values_[v].kind == Value::Kind::computed) offset_[v] = slot_offset[slot_of[v]];
+      // The output root lives in the result, not in a slot (none may exist when it is viewed).
+      if (made[v] && values_[v].kind == Value::Kind::computed && v != output_root_) {
+        offset_[v] = slot_offset[slot_of[v]];
+      }
     }
   }
 
@@ -5429,6 +7139,67 @@ class Replay {
 };
 
 }  // namespace duet::pijit
+// The compile driver of graph mode, written once for Cell, grad and jit:
+//
+//   capture   the function called on symbolic inputs (graph::input) returns the program as a
+//             type; each front end captures its own way (a cell's construct, a function with
+//             non-tensor arguments for jit), through compile() where the inputs are tensors
+//   passes    passes::optimize<Config> rewrites that type (grad then appends the backward
+//             graph, autodiff::build_backward)
+//   plan      for the inputs' shapes, kept per owner and thread (cached_plan)
+//   run       the evaluator, in one call (execute)
+//
+// Capture and passes happen while the program compiles; plan once per new input shape; run
+// on every call.
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <utility>
+
+
+namespace duet::pipeline {
+
+// A symbolic input: its element type and what compile time knows of its shape.
+template <class T, class Pattern>
+struct Input {};
+
+// f captured on Inputs (input K being the K-th) and optimised; Differentiated keeps every
+// operation differentiable, for a graph that build_backward extends.
+template <JitConfig Config, bool Differentiated, class... Inputs, class F>
+auto compile(F&& f) {
+  return [&]<class... T, class... P, std::size_t... K>(std::index_sequence<K...>, Input<T, P>*...) {
+    return passes::optimize<Config, Differentiated>(f(graph::input<T, P, K>()...));
+  }(std::index_sequence_for<Inputs...>{}, static_cast<Inputs*>(nullptr)...);
+}
+
+// The plan of the last input shapes `owner` ran this graph type with on this thread. Per
+// thread, so concurrent callers never share or lock; one entry, so it costs nothing to keep.
+template <JitConfig Config = JitConfig{}, class G, std::size_t Out, std::size_t N, class Where>
+const graph::Plan<G, N>& cached_plan(std::uint64_t owner, const graph::Sym<G, Out>& program,
+                                     const std::array<Shape, N>& shapes, Where&& where) {
+  thread_local struct {
+    std::uint64_t owner = 0;
+    graph::Plan<G, N> plan;
+  } cache;
+  if (cache.owner != owner || cache.plan.input_shapes != shapes) {
+    cache.owner = 0;  // stays invalid if planning throws
+    cache.plan = plan<Config>(program, shapes, std::string(where()));
+    cache.owner = owner;
+  }
+  return cache.plan;
+}
+
+// Plans (or reuses the plan for these shapes) and runs a compiled program. `owner` keys the
+// plan cache (detail::new_plan_owner); `where` names the program in shape errors.
+template <JitConfig Config, class G, std::size_t Out, class Where, class... Ts>
+auto execute(std::uint64_t owner, const graph::Sym<G, Out>& program, Where&& where, const BasicTensor<Ts>&... xs) {
+  const std::array<Shape, sizeof...(Ts)> shapes{xs.shape()...};
+  return run<DefaultBackend, Config>(program, cached_plan<Config>(owner, program, shapes, where), xs...);
+}
+
+}  // namespace duet::pipeline
 
 namespace duet {
 
@@ -5830,11 +7601,12 @@ class JitFunction {
                     "duet::jit: JitSyntaxLevel::strict: the function calls duet::host, a host callback, which is "
                     "not a graph operation; use JitSyntaxLevel::lax to run it as a graph break");
     }
-    auto program = passes::optimize<Config>(captured);
-    const auto tensors = std::tuple_cat(tensor_tuple(args)...);
-    const auto shapes = std::apply([](const auto&... t) { return std::array<Shape, sizeof...(t)>{t.shape()...}; }, tensors);
-    const auto& p = duet::detail::cached_plan<Config>(owner, program, shapes, [this] { return options_.name; });
-    return std::apply([&](const auto&... t) { return run<DefaultBackend, Config>(program, p, t...); }, tensors);
+    const auto program = passes::optimize<Config>(captured);
+    return std::apply(
+        [&](const auto&... t) {
+          return pipeline::execute<Config>(owner, program, [this] { return options_.name; }, t...);
+        },
+        std::tuple_cat(tensor_tuple(args)...));
   }
 
   template <std::size_t I, class... Args, class X>
@@ -5965,6 +7737,14 @@ class RunningCell {
 };
 }  // namespace detail
 
+namespace detail {
+// Set on a thread while duet::summary runs a network once: every cell then runs eagerly,
+// whatever its mode, and reports each call here, so that each layer's output is seen. (A
+// forward hook would be refused inside a graph, and would change the cells.)
+template <ElementType T>
+inline thread_local const BasicForwardHook<T>* call_observer = nullptr;
+}  // namespace detail
+
 // Removes the hook it was returned for (MindSpore's handle.remove()).
 template <ElementType T>
 class HookHandle {
@@ -6007,7 +7787,8 @@ class BasicDynamicCell {
   BasicTensor<T> operator()(const BasicTensor<T>& x) {
     check_registered();
     ensure_named();
-    if (effective_mode(CONTEXT_MODE) == GRAPH_MODE && autodiff::active_tape() == nullptr &&
+    const BasicForwardHook<T>* observer = detail::call_observer<T>;
+    if (observer == nullptr && effective_mode(CONTEXT_MODE) == GRAPH_MODE && autodiff::active_tape() == nullptr &&
         pijit::active_trace() == nullptr && traced_in_graph_mode()) {
       return graph_form()(x, detail::structure_generation().load(std::memory_order_acquire));
     }
@@ -6027,6 +7808,7 @@ class BasicDynamicCell {
     BasicTensor<T> y = forward(x);
     if (traced_output != nullptr) *traced_output = y;
     for (const auto& [id, hook] : hooks_) hook(*this, x, y);
+    if (observer != nullptr) (*observer)(*this, x, y);
     return y;
   }
 
@@ -6346,8 +8128,11 @@ class Cell : public BasicDynamicCell<T> {
 
   // A PyNative grad records the operations as they run; a graph would be one opaque call to
   // its tape. Under a recording tape, a graph-mode cell therefore runs its construct eagerly:
-  // the same numbers, and gradients that reach its parameters.
-  static bool runs_as_graph() { return effective_mode(M) == GRAPH_MODE && autodiff::active_tape() == nullptr; }
+  // the same numbers, and gradients that reach its parameters. So does a cell duet::summary
+  // observes, so that the call of each cell inside it is seen.
+  static bool runs_as_graph() {
+    return effective_mode(M) == GRAPH_MODE && autodiff::active_tape() == nullptr && detail::call_observer<T> == nullptr;
+  }
 
   // Capture, optimise, run. Capture and passes cost nothing at run time (they are types);
   // the plan for the inputs' shapes is kept per thread, so repeated shapes skip planning.
@@ -6359,9 +8144,8 @@ class Cell : public BasicDynamicCell<T> {
                       "in PyNative mode only (set_context({.mode = PYNATIVE_MODE}))");
     }
     const auto capture = [&] {
-      return passes::optimize<jit_config>([&]<std::size_t... K>(std::index_sequence<K...>) {
-        return run_construct(graph::input<Ts, Patterns, K>()...);
-      }(std::index_sequence_for<Ts...>{}));
+      return pipeline::compile<jit_config, false, pipeline::Input<Ts, Patterns>...>(
+          [&](const auto&... in) { return run_construct(in...); });
     };
     // construct is captured once per cell and thread, as MindSpore compiles it once: on a small
     // network capturing costs as much as running. Values construct reads while it is captured
@@ -6377,11 +8161,8 @@ class Cell : public BasicDynamicCell<T> {
       captured.program.emplace(capture());
       captured.owner = this->id();
     }
-    const Program& program = *captured.program;
-    const std::array<Shape, sizeof...(Ts)> shapes{xs.shape()...};
-    const auto& p = duet::detail::cached_plan<jit_config>(this->id(), program, shapes,
-                                                           [this] { return this->type_name() + "::construct"; });
-    return run<DefaultBackend, jit_config>(program, p, xs...);
+    return pipeline::execute<jit_config>(
+        this->id(), *captured.program, [this] { return this->type_name() + "::construct"; }, xs...);
   }
 
   template <class Captured>
@@ -6422,39 +8203,30 @@ namespace ops {
 // A value of the input's shape filled with V: ones where backward starts (d output/d output),
 // zeros for the gradient of an input the output does not depend on.
 template <int V>
-struct FillLikeOp {
-  using layer_type = FillLikeOp;
+struct FillLikeOp : Primitive<FillLikeOp<V>> {
   static constexpr int arity = 1;
-  static constexpr bool is_view = false;
-  static constexpr bool is_elementwise = false;
   static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
-  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
     Backend::fill(a.out<T>(), a.output_shape.numel(), T(V));
   }
   static std::string op_name() { return V == 1 ? "OnesLike" : "ZerosLike"; }
-  std::string label() const { return op_name(); }
 };
 
 // Copies a value out of the graph into *destination (an input's gradient, for the caller).
 template <class T>
-struct StoreOp {
-  using layer_type = StoreOp;
+struct StoreOp : Primitive<StoreOp<T>> {
   static constexpr int arity = 1;
-  static constexpr bool is_view = false;
-  static constexpr bool is_elementwise = false;
   static constexpr bool is_sink = true;
   BasicTensor<T>* destination;
+  StoreOp(BasicTensor<T>* d) : destination(d) {}
   static constexpr ShapeResult infer_static(std::span<const Shape>) { return {Shape{}}; }
-  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
   template <class Backend, class U>
   void run(const graph::KernelArgs& a) const {
     *destination = BasicTensor<T>::uninitialized(a.in_shape());
     std::copy_n(a.in<T>(), a.in_shape().numel(), destination->data());
   }
   static std::string op_name() { return "Store"; }
-  std::string label() const { return op_name(); }
 };
 
 }  // namespace ops
@@ -6491,8 +8263,14 @@ constexpr std::array<bool, G::size> leads_to_gradient() {
       leads[I] = ((Op::index == Wrt) || ...);
     } else {
       bool any = false;
-      if constexpr (Differentiable<Op>) any = Op::has_parameters;
-      for (std::size_t a : N::args) any = any || leads[a];
+      if constexpr (DifferentiableOperation<Op>) {
+        any = has_parameters<Op>();
+        [&]<std::size_t... K>(std::index_sequence<K...>) {
+          ((any = any || (input_has_gradient<Op, K>() && leads[N::args[K]])), ...);
+        }(std::make_index_sequence<N::arity>{});
+      } else {
+        for (std::size_t a : N::args) any = any || leads[a];
+      }
       leads[I] = any;
     }
   });
@@ -6516,10 +8294,41 @@ constexpr std::size_t operand_index() {
     return Grad;
   else if constexpr (O == graph::Operand::output)
     return Self;
-  else if constexpr (O == graph::Operand::input0)
-    return N::args[0];
   else
-    return N::args[1];
+    return N::args[static_cast<std::size_t>(O) - 1];
+}
+
+// Appends gop, reading what it declares around forward node I (gradient in node Grad).
+template <class N, std::size_t I, std::size_t Grad, class GradOp, class Built>
+auto with_grad_node(const Built& built, const GradOp& gop) {
+  auto node = [&]<std::size_t... J>(std::index_sequence<J...>) {
+    return graph::Node<GradOp, operand_index<GradOp::reads[J], N, I, Grad>()...>{gop};
+  }(std::make_index_sequence<GradOp::reads.size()>{});
+  return boost::hana::append(built, node);
+}
+
+// The gradients of forward node I's inputs K, K+1, ...: each input that leads to something
+// differentiated gets its gradient op, summed with what it already has. Returns the nodes
+// built and the new Grads.
+template <std::size_t K, std::size_t I, auto Grads, auto Leads, class G, class Built>
+auto backward_inputs(const G& g, const Built& built) {
+  using N = graph::node_at<G, I>;
+  using Op = typename N::op_type;
+  if constexpr (K == N::arity) {
+    return std::pair{built, value_tag<Grads>{}};
+  } else if constexpr (!input_has_gradient<Op, K>() || !Leads[N::args[K]]) {
+    return backward_inputs<K + 1, I, Grads, Leads>(g, built);
+  } else {
+    constexpr std::size_t a = N::args[K];
+    constexpr std::size_t k = decltype(boost::hana::length(built))::value;
+    auto with_grad = with_grad_node<N, I, Grads[I]>(built, boost::hana::at_c<I>(g.nodes).op.template grad_op<K>());
+    if constexpr (Grads[a] == no_grad) {
+      return backward_inputs<K + 1, I, with(Grads, a, k), Leads>(g, with_grad);
+    } else {
+      auto summed = boost::hana::append(with_grad, graph::Node<ops::GradAddOp, Grads[a], k>{});
+      return backward_inputs<K + 1, I, with(Grads, a, k + 1), Leads>(g, summed);
+    }
+  }
 }
 
 // Walks forward nodes I-1, I-2, ..., 0. Grads[i] is the node holding d(output)/d(value i).
@@ -6531,34 +8340,25 @@ auto backward_from(const G& g, const Built& built) {
     constexpr std::size_t i = I - 1;
     using N = graph::node_at<G, i>;
     using Op = typename N::op_type;
-    constexpr std::size_t gi = Grads[i];
-    if constexpr (gi == no_grad || graph::is_input_op_v<Op>) {
+    if constexpr (Grads[i] == no_grad || graph::is_input_op_v<Op>) {
       return backward_from<i, Grads, Leads>(g, built);
-    } else if constexpr (!Differentiable<Op>) {
-      static_cast<void>(sizeof(diagnostic::require_differentiable<typename Op::layer_type>));
+    } else if constexpr (!DifferentiableOperation<Op>) {
+      // An operation that gives some inputs' gradients is reported by the contract's check.
+      if constexpr (!diagnostic::check_operation<Op>::partial)
+        static_cast<void>(sizeof(diagnostic::require_differentiable<typename Op::layer_type>));
       return backward_from<i, Grads, Leads>(g, built);
     } else {
-      constexpr bool input_grad = N::arity >= 1 && Leads[N::args[0]];
-      if constexpr (!input_grad && !Op::has_parameters) {
-        return backward_from<i, Grads, Leads>(g, built);
-      } else {
-        const auto gop = boost::hana::at_c<i>(g.nodes).op.template grad_op<input_grad>();
-        constexpr std::size_t k = decltype(boost::hana::length(built))::value;
-        auto node = [&]<std::size_t... J>(std::index_sequence<J...>) {
-          return graph::Node<std::remove_cvref_t<decltype(gop)>, operand_index<Op::grad_operands[J], N, i, gi>()...>{
-              gop};
-        }
-        (std::make_index_sequence<Op::grad_operands.size()>{});
-        auto with_grad = boost::hana::append(built, node);
-        if constexpr (!input_grad) {
-          return backward_from<i, Grads, Leads>(g, with_grad);
-        } else if constexpr (Grads[N::args[0]] == no_grad) {
-          return backward_from<i, with(Grads, N::args[0], k), Leads>(g, with_grad);
-        } else {
-          auto summed = boost::hana::append(with_grad, graph::Node<ops::GradAddOp, Grads[N::args[0]], k>{});
-          return backward_from<i, with(Grads, N::args[0], k + 1), Leads>(g, summed);
-        }
-      }
+      // An op with parameters writes their gradients from input 0's gradient op, or from its
+      // own parameter_grad_op when input 0 needs none.
+      constexpr bool via_input0 = N::arity >= 1 && input_has_gradient<Op, 0>() && Leads[N::args[0]];
+      const auto with_params = [&] {
+        if constexpr (has_parameters<Op>() && !via_input0)
+          return with_grad_node<N, i, Grads[i]>(built, boost::hana::at_c<i>(g.nodes).op.parameter_grad_op());
+        else
+          return built;
+      }();
+      auto [inputs_built, grads_tag] = backward_inputs<0, i, Grads, Leads>(g, with_params);
+      return backward_from<i, decltype(grads_tag)::value, Leads>(g, inputs_built);
     }
   }
 }
@@ -6827,24 +8627,22 @@ class GradFunction {
                         "hooks run in PyNative mode only");
       }
     }
-    auto forward = passes::optimize<JitConfig{}, true>([&]<std::size_t... K>(std::index_sequence<K...>) {
-      return fn_(graph::input<typename X::value_type, typename graph::pattern_of<X>::type, K>()...);
-    }(std::index_sequence_for<X...>{}));
-    const std::array<Shape, sizeof...(X)> shapes{xs.shape()...};
+    auto forward = pipeline::compile<JitConfig{}, true,
+                                     pipeline::Input<typename X::value_type, typename graph::pattern_of<X>::type>...>(
+        [&](const auto&... in) { return fn_(in...); });
     duet::detail::begin_backward_pass();
     if constexpr (WithInput) {
       return autodiff::detail::at_position<sizeof...(X)>(*grad_position_, [&](auto k) {
         if constexpr (differentiable_input<V, decltype(k)::value, X...>()) {
           auto training = autodiff::build_backward<decltype(k)::value>(forward, &input_grad);
-          return BasicTensor<V>(
-              run<DefaultBackend>(training, duet::detail::cached_plan(id_, training, shapes, where()), tensor_of(xs)...));
+          return BasicTensor<V>(pipeline::execute<JitConfig{}>(id_, training, where(), tensor_of(xs)...));
         } else {
           return BasicTensor<V>();
         }
       });
     } else {
       auto training = autodiff::build_backward<>(forward);
-      return run<DefaultBackend>(training, duet::detail::cached_plan(id_, training, shapes, where()), tensor_of(xs)...);
+      return pipeline::execute<JitConfig{}>(id_, training, where(), tensor_of(xs)...);
     }
   }
 
@@ -6878,13 +8676,14 @@ auto value_and_grad(Fn&& fn, std::vector<nn::BasicParameter<T>*> weights,
   return GradFunction<Fn, T>(std::forward<Fn>(fn), std::move(weights), grad_position);
 }
 
-// MindSpore's grad: the gradients alone. grad(fn) differentiates with respect to the first input.
+// MindSpore's grad: the gradients alone. grad(fn) and grad(fn, k) give the gradient of input 0
+// or k; with weights, the list of gradients.
 template <class Fn, class... Weights>
 auto grad(Fn&& fn, Weights&&... weights_and_position) {
   auto vg = value_and_grad(std::forward<Fn>(fn), std::forward<Weights>(weights_and_position)...);
   return [vg = std::move(vg)](const auto&... xs) mutable {
     auto out = vg(xs...);
-    if constexpr (sizeof...(Weights) == 0)
+    if constexpr (sizeof...(Weights) == 0 || (std::is_integral_v<std::remove_cvref_t<Weights>> && ...))
       return std::move(out.grads.front());
     else
       return std::move(out.grads);
@@ -7772,6 +9571,316 @@ GraphIR graph_ir(C& cell, Pattern = {}) {
 }
 
 }  // namespace duet
+// Initialisers: how a parameter gets its first values (MindSpore's mindspore.common.initializer).
+//
+// The namespace is MindSpore's module name, duet::initializer, so that a program ported from
+// `from mindspore.common.initializer import HeNormal` finds duet::initializer::HeNormal, and
+// MindSpore's creation function initializer(init, shape, dtype) is
+// duet::initializer::initializer<T>(init, shape). (`namespace init = duet::initializer;` makes
+// it short.) Each initialiser is a small aggregate with MindSpore's arguments and defaults,
+// HeNormal{.mode = FanMode::fan_out} say, and the same formulas; the random ones draw from a
+// duet::Generator, the global one (set_seed) unless given another, so the same seed gives the
+// same weights whatever the mode the network later runs in. Arguments MindSpore takes as
+// strings ('fan_in', 'relu') are enums here: a misspelling does not compile.
+//
+// A type I is an initialiser for tensors of T (the Initializer concept) when it has
+// `void fill(BasicTensor<T>&, Generator&) const` and `std::string name() const`; user types
+// qualify the same way, and every layer option and free function below takes them.
+
+#include <cmath>
+#include <concepts>
+#include <functional>
+#include <limits>
+#include <locale>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+
+
+namespace duet::initializer {
+
+template <class I, class T>
+concept Initializer = ElementType<T> && requires(const I& init, BasicTensor<T>& tensor, Generator& gen) {
+  init.fill(tensor, gen);
+  { init.name() } -> std::convertible_to<std::string>;
+};
+
+// MindSpore's mode='fan_in' / 'fan_out': which side of the weight keeps its variance.
+enum class FanMode { fan_in, fan_out };
+
+// MindSpore's nonlinearity argument ('linear' also stands for its 'conv1d' ... 'conv_transpose3d').
+enum class Nonlinearity { linear, sigmoid, tanh, relu, leaky_relu };
+
+struct Fans {
+  index_t fan_in = 0;
+  index_t fan_out = 0;
+  friend bool operator==(const Fans&, const Fans&) = default;
+};
+
+namespace detail {
+
+// Arguments as MindSpore prints them: 0.01, not 0.010000.
+inline std::string number(double x) {
+  std::ostringstream s;
+  s.imbue(std::locale::classic());
+  s << x;
+  return s.str();
+}
+
+inline std::string_view name_of(FanMode mode) {
+  switch (mode) {
+    case FanMode::fan_in:
+      return "fan_in";
+    case FanMode::fan_out:
+      return "fan_out";
+  }
+  return "?";
+}
+
+inline std::string_view name_of(Nonlinearity f) {
+  switch (f) {
+    case Nonlinearity::linear:
+      return "linear";
+    case Nonlinearity::sigmoid:
+      return "sigmoid";
+    case Nonlinearity::tanh:
+      return "tanh";
+    case Nonlinearity::relu:
+      return "relu";
+    case Nonlinearity::leaky_relu:
+      return "leaky_relu";
+  }
+  return "?";
+}
+
+inline void require_finite(double x, std::string_view argument, const std::string& who) {
+  if (!std::isfinite(x)) {
+    throw ValueError(who + ": " + std::string(argument) + " must be a finite number, got " + number(x));
+  }
+}
+
+// How a He initialiser draws: HeUniform or HeNormal.
+enum class HeDraw { uniform, normal };
+
+}  // namespace detail
+
+// MindSpore's _calculate_fan_in_and_fan_out: a [out, in] matrix has fan_in = in and
+// fan_out = out; a higher-rank weight [out, in, k1, k2, ...] (a convolution's) multiplies
+// both by the receptive field k1 * k2 * .... `who` names the caller in the error.
+inline Fans fan_in_and_fan_out(const Shape& shape, const std::string& who = "initializer::fan_in_and_fan_out") {
+  if (shape.rank() < 2 || !shape.is_concrete()) {
+    throw ValueError(who + ": fan_in and fan_out are computed for a concrete shape of at least 2 dimensions, got " +
+                     to_string(shape));
+  }
+  const index_t receptive_field = shape.numel_from(2);
+  return {shape[1] * receptive_field, shape[0] * receptive_field};
+}
+
+// MindSpore's _calculate_gain: the factor that keeps a layer's output variance through the
+// nonlinearity after it. negative_slope is used by leaky_relu only.
+inline double calculate_gain(Nonlinearity nonlinearity, double negative_slope = 0.01,
+                             const std::string& who = "initializer::calculate_gain") {
+  switch (nonlinearity) {
+    case Nonlinearity::linear:
+    case Nonlinearity::sigmoid:
+      return 1;
+    case Nonlinearity::tanh:
+      return 5.0 / 3;
+    case Nonlinearity::relu:
+      return std::sqrt(2.0);
+    case Nonlinearity::leaky_relu:
+      detail::require_finite(negative_slope, "negative_slope", who);
+      return std::sqrt(2.0 / (1 + negative_slope * negative_slope));
+  }
+  throw ValueError(who + ": nonlinearity must be linear, sigmoid, tanh, relu or leaky_relu, got value " +
+                   std::to_string(static_cast<int>(nonlinearity)));
+}
+
+// N(mean, sigma²).
+struct Normal {
+  double sigma = 0.01;
+  double mean = 0;
+
+  std::string name() const {
+    return "initializer::Normal(sigma=" + detail::number(sigma) + ", mean=" + detail::number(mean) + ")";
+  }
+  template <std::floating_point T>
+  void fill(BasicTensor<T>& tensor, Generator& gen) const {
+    detail::require_finite(mean, "mean", name());
+    if (!(sigma >= 0) || !std::isfinite(sigma)) {
+      throw ValueError(name() + ": sigma must be finite and at least 0, got " + detail::number(sigma));
+    }
+    for (T& v : tensor.values()) v = static_cast<T>(mean + sigma * gen.normal<double>());
+  }
+};
+
+// U(-scale, scale).
+struct Uniform {
+  double scale = 0.07;
+
+  std::string name() const { return "initializer::Uniform(scale=" + detail::number(scale) + ")"; }
+  template <std::floating_point T>
+  void fill(BasicTensor<T>& tensor, Generator& gen) const {
+    if (!(scale >= 0) || !std::isfinite(scale)) {
+      throw ValueError(name() + ": scale must be finite and at least 0, got " + detail::number(scale));
+    }
+    const auto bound = static_cast<T>(scale);
+    for (T& v : tensor.values()) v = gen.uniform<T>(-bound, bound);
+  }
+};
+
+// U(-b, b) with b = gain * sqrt(6 / (fan_in + fan_out)) (Glorot and Bengio, 2010).
+struct XavierUniform {
+  double gain = 1;
+
+  std::string name() const { return "initializer::XavierUniform(gain=" + detail::number(gain) + ")"; }
+  template <std::floating_point T>
+  void fill(BasicTensor<T>& tensor, Generator& gen) const {
+    detail::require_finite(gain, "gain", name());
+    const Fans fans = fan_in_and_fan_out(tensor.shape(), name());
+    if (fans.fan_in + fans.fan_out == 0) {
+      throw ValueError(name() + ": fan_in + fan_out is 0 for shape " + to_string(tensor.shape()));
+    }
+    const auto bound = static_cast<T>(gain * std::sqrt(6.0 / static_cast<double>(fans.fan_in + fans.fan_out)));
+    for (T& v : tensor.values()) v = gen.uniform<T>(-bound, bound);
+  }
+};
+
+// He et al., 2015: fan and gain from mode and nonlinearity. HeUniform draws U(-b, b) with
+// b = gain * sqrt(3 / fan), HeNormal N(0, sigma²) with sigma = gain / sqrt(fan). nn::Dense's
+// default weight is HeUniform{.negative_slope = std::sqrt(5.0)}: b = 1 / sqrt(fan_in).
+template <detail::HeDraw Draw>
+struct He {
+  double negative_slope = 0;
+  FanMode mode = FanMode::fan_in;
+  Nonlinearity nonlinearity = Nonlinearity::leaky_relu;
+
+  std::string name() const {
+    return std::string(Draw == detail::HeDraw::uniform ? "initializer::HeUniform" : "initializer::HeNormal") +
+           "(negative_slope=" + detail::number(negative_slope) + ", mode=" + std::string(detail::name_of(mode)) +
+           ", nonlinearity=" + std::string(detail::name_of(nonlinearity)) + ")";
+  }
+
+  template <std::floating_point T>
+  void fill(BasicTensor<T>& tensor, Generator& gen) const {
+    const double gain = calculate_gain(nonlinearity, negative_slope, name());
+    if (mode != FanMode::fan_in && mode != FanMode::fan_out) {
+      throw ValueError(name() + ": mode must be fan_in or fan_out, got value " + std::to_string(static_cast<int>(mode)));
+    }
+    const Fans fans = fan_in_and_fan_out(tensor.shape(), name());
+    const index_t fan = mode == FanMode::fan_in ? fans.fan_in : fans.fan_out;
+    if (fan == 0) {
+      throw ValueError(name() + ": " + std::string(detail::name_of(mode)) + " is 0 for shape " +
+                       to_string(tensor.shape()));
+    }
+    if constexpr (Draw == detail::HeDraw::uniform) {
+      // sqrt(3) * gain is rounded to T before the division: with negative_slope = sqrt(5) it is
+      // exactly 1, so the bound is T's 1 / sqrt(fan), the one nn::Dense has always drawn with.
+      const T bound = static_cast<T>(std::sqrt(3.0) * gain) / std::sqrt(static_cast<T>(fan));
+      for (T& v : tensor.values()) v = gen.uniform<T>(-bound, bound);
+    } else {
+      const double sigma = gain / std::sqrt(static_cast<double>(fan));
+      for (T& v : tensor.values()) v = static_cast<T>(sigma * gen.normal<double>());
+    }
+  }
+};
+using HeUniform = He<detail::HeDraw::uniform>;
+using HeNormal = He<detail::HeDraw::normal>;
+
+// Every element `value`. It fills integer tensors too, with a value they hold exactly.
+struct Constant {
+  double value = 0;
+
+  std::string name() const { return "initializer::Constant(value=" + detail::number(value) + ")"; }
+  template <ElementType T>
+  void fill(BasicTensor<T>& tensor, Generator& /*unused: not random*/) const {
+    if (!exactly_representable<T>()) {
+      throw ValueError(name() + ": a tensor of " + std::string(name_of(dtype_of<T>)) + " cannot hold " +
+                       detail::number(value) +
+                       (std::is_floating_point_v<T> ? " (not finite, or out of its range)" : " exactly"));
+    }
+    const auto v = static_cast<T>(value);
+    for (T& x : tensor.values()) x = v;
+  }
+
+ private:
+  template <class T>
+  bool exactly_representable() const {
+    if constexpr (std::is_floating_point_v<T>) {
+      return std::isfinite(value) && std::abs(value) <= static_cast<double>(std::numeric_limits<T>::max());
+    } else {
+      // Both limits are powers of two (or their neighbours), so the comparisons are exact in double.
+      return std::isfinite(value) && value == std::trunc(value) &&
+             value >= static_cast<double>(std::numeric_limits<T>::min()) &&
+             value < static_cast<double>(std::numeric_limits<T>::max()) + 1.0;
+    }
+  }
+};
+
+// Constant 0 and 1 (MindSpore's 'zeros', 'ones').
+struct Zero {
+  std::string name() const { return "initializer::Zero()"; }
+  template <ElementType T>
+  void fill(BasicTensor<T>& tensor, Generator& gen) const {
+    Constant{0}.fill(tensor, gen);
+  }
+};
+struct One {
+  std::string name() const { return "initializer::One()"; }
+  template <ElementType T>
+  void fill(BasicTensor<T>& tensor, Generator& gen) const {
+    Constant{1}.fill(tensor, gen);
+  }
+};
+
+// Any initialiser of T, held by value: what a layer option such as nn::Dense's weight_init
+// stores, so that it takes the built-in ones and a user's alike.
+template <ElementType T>
+class AnyInitializer {
+ public:
+  template <class I>
+    requires(!std::is_same_v<std::remove_cvref_t<I>, AnyInitializer> && Initializer<std::remove_cvref_t<I>, T>)
+  AnyInitializer(I&& init)  // NOLINT(google-explicit-constructor): `.weight_init = HeNormal{}` reads best
+      : name_(init.name()),
+        fill_([held = std::forward<I>(init)](BasicTensor<T>& tensor, Generator& gen) { held.fill(tensor, gen); }) {}
+
+  void fill(BasicTensor<T>& tensor, Generator& gen) const { fill_(tensor, gen); }
+  std::string name() const { return name_; }
+
+ private:
+  std::string name_;
+  std::function<void(BasicTensor<T>&, Generator&)> fill_;
+};
+
+// Overwrites every element of `tensor` (a parameter too: the write moves its version, so no
+// stale packed copy of it is used) with values from `init`, drawn from `gen`.
+template <ElementType T, class I>
+void initialize(BasicTensor<T>& tensor, const I& init, Generator& gen) {
+  static_assert(Initializer<I, T>,
+                "duet::initializer::initialize: this initialiser cannot fill a tensor of this element type (the "
+                "random ones fill float and double tensors; a user's initialiser needs "
+                "`void fill(BasicTensor<T>&, Generator&) const` and `std::string name() const`)");
+  if constexpr (Initializer<I, T>) init.fill(tensor, gen);  // no second error after the assertion
+}
+
+// The same, drawing from the global generator (set_seed).
+template <ElementType T, class I>
+void initialize(BasicTensor<T>& tensor, const I& init) {
+  with_global_generator([&](Generator& gen) { initialize(tensor, init, gen); });
+}
+
+// A new tensor of `shape` made by `init` from the global generator (MindSpore's
+// initializer(init, shape, dtype)): nn::Parameter(initializer<float>(HeNormal{}, {out, in})).
+template <ElementType T = float, class I>
+BasicTensor<T> initializer(const I& init, const Shape& shape) {
+  auto tensor = BasicTensor<T>::uninitialized(shape);
+  initialize(tensor, init);
+  return tensor;
+}
+
+}  // namespace duet::initializer
 // Checkpoints: a cell's parameters in one file (MindSpore's save_checkpoint / load_checkpoint),
 // and optionally its optimiser's state, so that training can resume.
 //
@@ -8171,10 +10280,11 @@ inline std::string shown_name(std::string_view name) {
 
 // Writes a checkpoint to a temporary file beside its destination and renames it into place
 // on commit, so the destination is always either the old file or the whole new one. The
-// temporary file is removed if the writer is destroyed before commit.
+// temporary file is removed if the writer is destroyed before commit. `where` names the file
+// in messages ("checkpoint '<path>'"); safetensors files are written the same way.
 class CheckpointWriter {
  public:
-  explicit CheckpointWriter(const std::filesystem::path& path) : path_(path), where_(checkpoint_where(path)) {
+  CheckpointWriter(const std::filesystem::path& path, const std::string& where) : path_(path), where_(where) {
     if (!path.has_filename()) throw IOError(where_ + ": the path names no file");
     static std::atomic<unsigned long> serial{0};
     temp_ = path.parent_path() / ("." + path.filename().string() + ".tmp-" + std::to_string(::getpid()) + "-" +
@@ -8203,10 +10313,13 @@ class CheckpointWriter {
   void u8(std::uint8_t v) { bytes(std::array{std::byte{v}}); }
   void u32(std::uint32_t v) { little_endian<4>(v); }
   void i64(std::int64_t v) { little_endian<8>(static_cast<std::uint64_t>(v)); }
+  void u64(std::uint64_t v) { little_endian<8>(v); }
 
-  // Appends the checksum, makes the file durable, and renames it over the destination.
+  // CRC-32 of every byte written so far.
+  std::uint32_t checksum() const { return static_cast<std::uint32_t>(crc_); }
+
+  // Makes the file durable and renames it over the destination.
   void commit() {
-    u32(static_cast<std::uint32_t>(crc_));
     bool ok = std::fflush(file_) == 0 && ::fsync(::fileno(file_)) == 0;
     std::string why = ok ? "" : system_message();
     if (std::fclose(std::exchange(file_, nullptr)) != 0 && ok) {
@@ -8236,15 +10349,15 @@ class CheckpointWriter {
   bool committed_ = false;
 };
 
-// A whole file. The buffer is sized by the file's size on disk, and grows with what arrives
-// when that is unknown or the file grows meanwhile, so a file costs what it holds, whatever its
-// fields claim.
-inline std::vector<unsigned char> read_checkpoint_file(const std::filesystem::path& path) {
+// A whole file; `where` names it in messages. The buffer is sized by the file's size on disk,
+// and grows with what arrives when that is unknown or the file grows meanwhile, so a file costs
+// what it holds, whatever its fields claim.
+inline std::vector<unsigned char> read_whole_file(const std::filesystem::path& path, const std::string& where) {
   struct Closer {
     void operator()(std::FILE* f) const { std::fclose(f); }
   };
   const std::unique_ptr<std::FILE, Closer> file(std::fopen(path.c_str(), "rb"));
-  if (file == nullptr) throw IOError(checkpoint_where(path) + ": cannot open: " + system_message());
+  if (file == nullptr) throw IOError(where + ": cannot open: " + system_message());
   std::error_code unknown;
   const auto size = static_cast<std::size_t>(std::filesystem::file_size(path, unknown));
   std::vector<unsigned char> bytes;
@@ -8256,7 +10369,7 @@ inline std::vector<unsigned char> read_checkpoint_file(const std::filesystem::pa
     const std::size_t got = std::fread(bytes.data() + have, 1, grow, file.get());
     bytes.resize(have + got);
     if (got < grow) {
-      if (std::ferror(file.get()) != 0) throw IOError(checkpoint_where(path) + ": read failed: " + system_message());
+      if (std::ferror(file.get()) != 0) throw IOError(where + ": read failed: " + system_message());
       return bytes;
     }
   }
@@ -8523,7 +10636,7 @@ template <ElementType T>
 void write_checkpoint(const std::filesystem::path& path, const std::vector<CheckpointTarget<T>>& parameters,
                       std::string_view optimizer = {}, std::int64_t global_step = 0,
                       const std::vector<CheckpointTarget<T>>& state = {}) {
-  CheckpointWriter out(path);
+  CheckpointWriter out(path, checkpoint_where(path));
   out.bytes(std::as_bytes(std::span(checkpoint_magic)));
   out.u32(checkpoint_version);
   write_records(out, parameters);
@@ -8533,6 +10646,7 @@ void write_checkpoint(const std::filesystem::path& path, const std::vector<Check
     out.i64(global_step);
     write_records(out, state);
   }
+  out.u32(out.checksum());
   out.commit();
 }
 
@@ -8698,7 +10812,7 @@ CheckpointLoad load_checkpoint(const std::filesystem::path& path, nn::BasicDynam
                                CheckpointLoadOptions options = {}) {
   const std::string where = detail::checkpoint_where(path);
   const auto parameters = detail::parameter_targets(cell, where);
-  return detail::load_parameters(std::span<const unsigned char>(detail::read_checkpoint_file(path)), parameters,
+  return detail::load_parameters(std::span<const unsigned char>(detail::read_whole_file(path, where)), parameters,
                                  options, where);
 }
 
@@ -8713,7 +10827,7 @@ void load_checkpoint(const std::filesystem::path& path, nn::BasicDynamicCell<T>&
   const std::string where = detail::checkpoint_where(path);
   const auto parameters = detail::parameter_targets(cell, where);
   const auto state = detail::optimizer_targets(parameters, optimizer, where);
-  detail::load_training_state(std::span<const unsigned char>(detail::read_checkpoint_file(path)), parameters,
+  detail::load_training_state(std::span<const unsigned char>(detail::read_whole_file(path, where)), parameters,
                               optimizer, state, where);
 }
 
@@ -8738,7 +10852,8 @@ void load_checkpoint_bytes(std::span<const std::byte> bytes, nn::BasicDynamicCel
 // What a checkpoint file holds, checked as a load checks it (checksum, every field), with no
 // cell needed: a FormatError or IOError otherwise.
 inline CheckpointInfo checkpoint_info(const std::filesystem::path& path) {
-  return detail::info_of(detail::read_checkpoint_file(path), detail::checkpoint_where(path));
+  const std::string where = detail::checkpoint_where(path);
+  return detail::info_of(detail::read_whole_file(path, where), where);
 }
 
 inline CheckpointInfo checkpoint_info_bytes(std::span<const std::byte> bytes) {
@@ -8746,6 +10861,424 @@ inline CheckpointInfo checkpoint_info_bytes(std::span<const std::byte> bytes) {
 }
 
 }  // namespace duet
+// safetensors files: a cell's named tensors in the format of Hugging Face's safetensors, which
+// PyTorch (safetensors.torch.save_file / load_file), JAX, MindSpore's converters and most
+// model hubs read and write. duet::io::save_safetensors(net, path) and
+// duet::io::load_safetensors(path, net, options).
+//
+// Format (https://github.com/huggingface/safetensors, "Format"):
+//
+//   8              u64, little-endian: N, the header's length in bytes
+//   N              the header: UTF-8 JSON, an object starting with '{' (trailing spaces allowed):
+//                    {"<name>": {"dtype": "F32", "shape": [4, 3], "data_offsets": [begin, end]},
+//                     ..., "__metadata__": {"<key>": "<string>", ...}}
+//                  offsets count from the first byte after the header; end is one past the last
+//   rest           the tensors' elements, row-major, little-endian; the tensors' byte ranges
+//                  cover it exactly, with no overlap and no gap
+//
+// Which tensors: those save_checkpoint writes, by the same names, the paths of
+// cell.parameters() ("dense_relu_sequential.0.weight"). A cell's tensors that are not trained
+// (BatchNorm's moving mean and variance, once duet has such layers) are saved and loaded with
+// them as soon as checkpoints hold them, because both formats take their tensors from the same
+// place (duet::detail::parameter_targets).
+//
+// Element types: a cell's tensors are written as their element type says (F32, F64). A file may
+// hold F32, F64, I32, I64 and U8 tensors, the element types duet has; a tensor of any other
+// dtype (F16, BF16, BOOL, ...) is refused, by a strict load with an error that names it and its
+// dtype, by a load that is not strict by listing it in ckpt_not_load.
+//
+// Reading takes any bytes: nothing is allocated from a size the file states. The file is read
+// whole into a buffer of its size on disk (as a checkpoint is), the header's length is checked
+// against that, the header is parsed (nested at most as deep as a header goes, no repeated key),
+// and every tensor's offsets are checked against the data's size, its shape and dtype, and the
+// other tensors' ranges, before anything is copied into the cell. A malformed file is a
+// duet::FormatError naming what and where; a file that cannot be read is a duet::IOError; on
+// either the cell is left as it was.
+//
+// This header is part of <duet/duet.hpp>, and so nlohmann-json (header-only; Debian's
+// nlohmann-json3-dev) is one of duet's required dependencies, with Eigen, Boost's headers and
+// zlib: exchanging weights with PyTorch is what most users of a library for running networks
+// need, it then works from the single header with nothing more to include or link, and a
+// header-only library costs no build step. The price is parsing json.hpp in every translation
+// unit that includes duet.hpp: about a third of its parse time (1.5 of 4 s with g++ 12,
+// -fsyntax-only; a precompiled header, as the tests use, pays it once).
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+
+namespace duet::io {
+
+namespace detail {
+
+// The reference implementation's limit; a longer header is taken as corrupt.
+inline constexpr std::uint64_t max_safetensors_header_bytes = 100'000'000;
+
+// The header's length before it, and the alignment of the data that save_safetensors keeps by
+// padding the header with spaces (as the reference writer does), so that a reader may map the
+// file and use the elements in place.
+inline constexpr std::size_t safetensors_length_bytes = 8;
+inline constexpr std::size_t safetensors_alignment = 8;
+
+// Every dtype of the format, with its size, and the duet type of those duet reads.
+struct SafetensorsDType {
+  std::string_view name;
+  std::size_t size;
+  std::optional<DType> dtype;
+};
+
+inline constexpr std::array<SafetensorsDType, 15> safetensors_dtypes{{
+    {"F32", 4, DType::float32},
+    {"F64", 8, DType::float64},
+    {"I32", 4, DType::int32},
+    {"I64", 8, DType::int64},
+    {"U8", 1, DType::uint8},
+    {"BOOL", 1, std::nullopt},
+    {"I8", 1, std::nullopt},
+    {"I16", 2, std::nullopt},
+    {"U16", 2, std::nullopt},
+    {"U32", 4, std::nullopt},
+    {"U64", 8, std::nullopt},
+    {"F16", 2, std::nullopt},
+    {"BF16", 2, std::nullopt},
+    {"F8_E4M3", 1, std::nullopt},
+    {"F8_E5M2", 1, std::nullopt},
+}};
+
+inline constexpr std::string_view safetensors_readable = "F32, F64, I32, I64 and U8";
+
+inline const SafetensorsDType* find_safetensors_dtype(std::string_view name) {
+  const auto found = std::ranges::find(safetensors_dtypes, name, &SafetensorsDType::name);
+  return found == safetensors_dtypes.end() ? nullptr : &*found;
+}
+
+inline std::string_view safetensors_name_of(DType t) {
+  return std::ranges::find(safetensors_dtypes, std::optional(t), &SafetensorsDType::dtype)->name;
+}
+
+inline std::string safetensors_where(const std::filesystem::path& path) {
+  return std::string("safetensors file '").append(path.string()).append("'");
+}
+inline const std::string safetensors_data_where = "safetensors data";
+
+// A file's tensor that a load cannot fill a duet tensor from, and why.
+struct RefusedTensor {
+  std::string_view name;
+  std::string dtype;
+  std::string reason;
+};
+
+// A safetensors file's tensors, which point into its bytes (records) and its parsed header
+// (names): the header is kept here for them.
+struct ParsedSafetensors {
+  nlohmann::json header;
+  std::vector<duet::detail::CheckpointRecord> tensors;
+  std::vector<RefusedTensor> refused;
+};
+
+// Text from the file (a JSON value, a parser's message quoting it), cut for a message.
+inline std::string shown_text(std::string_view text) {
+  constexpr std::size_t most = 200;
+  return std::string(text.substr(0, most)).append(text.size() > most ? "..." : "");
+}
+
+// Parses the header, refusing nesting deeper than {"name": {"shape": [...]}} and a key that an
+// object repeats (JSON's parsers keep either silently; the format forbids both).
+inline nlohmann::json parse_safetensors_header(std::string_view text, const std::string& where) {
+  constexpr int deepest = 3;
+  std::vector<std::unordered_set<std::string>> keys;
+  const auto check = [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
+    using Event = nlohmann::json::parse_event_t;
+    if ((event == Event::object_start || event == Event::array_start) && depth >= deepest) {
+      throw FormatError(where + ": malformed header: values nested deeper than a safetensors header's " +
+                        std::to_string(deepest) + " levels");
+    }
+    if (event == Event::object_start) keys.emplace_back();
+    if (event == Event::object_end) keys.pop_back();
+    if (event == Event::key && !keys.back().insert(parsed.get<std::string>()).second) {
+      throw FormatError(where + ": malformed header: the key " + duet::detail::shown_name(parsed.get<std::string>()) +
+                        " appears twice in one object");
+    }
+    return true;
+  };
+  try {
+    return nlohmann::json::parse(text.begin(), text.end(), check);
+  } catch (const nlohmann::json::exception& e) {
+    throw FormatError(where + ": malformed header: " + shown_text(e.what()));
+  }
+}
+
+// A tensor's description in the header: dtype, shape and offsets, each checked.
+class SafetensorsEntry {
+ public:
+  SafetensorsEntry(const std::string& name, const nlohmann::json& info, const std::string& where)
+      : who_(where + ": malformed header: tensor " + duet::detail::shown_name(name)) {
+    if (!info.is_object()) fail(" is ", shown_text(info.dump()), ", not an object of dtype, shape and data_offsets");
+    const nlohmann::json& dtype = field(info, "dtype");
+    if (!dtype.is_string()) fail("'s dtype is ", shown_text(dtype.dump()), ", not a string");
+    dtype_name = dtype.get<std::string>();
+    const nlohmann::json& shape = field(info, "shape");
+    if (!shape.is_array()) fail("'s shape is ", shown_text(shape.dump()), ", not an array");
+    for (const auto& d : shape) dims.push_back(count(d, "shape"));
+    const nlohmann::json& offsets = field(info, "data_offsets");
+    if (!offsets.is_array() || offsets.size() != 2) {
+      fail("'s data_offsets are ", shown_text(offsets.dump()), ", not an array [begin, end]");
+    }
+    begin = count(offsets[0], "data_offsets");
+    end = count(offsets[1], "data_offsets");
+    if (begin > end) fail("'s data_offsets [", range(), "] end before they begin");
+  }
+
+  // Built by appending: GCC 12 at -O3 warns falsely (-Wstringop-overflow) on "literal" + a
+  // temporary std::string.
+  template <class... Parts>
+  [[noreturn]] void fail(const Parts&... parts) const {
+    std::string message = who_;
+    (message.append(parts), ...);
+    throw FormatError(message);
+  }
+  std::string range() const { return std::to_string(begin) + ", " + std::to_string(end); }
+  std::string shape_text() const {
+    std::string out = "[";
+    for (std::size_t i = 0; i < dims.size(); ++i) out += (i == 0 ? "" : ", ") + std::to_string(dims[i]);
+    return out + "]";
+  }
+
+  std::string dtype_name;
+  std::vector<std::uint64_t> dims;
+  std::uint64_t begin = 0;
+  std::uint64_t end = 0;
+
+ private:
+  const nlohmann::json& field(const nlohmann::json& info, const char* key) const {
+    const auto found = info.find(key);
+    if (found == info.end()) fail(" has no ", key);
+    return *found;
+  }
+
+  // A size or offset: a non-negative integer that an index_t holds.
+  std::uint64_t count(const nlohmann::json& v, const char* what) const {
+    if (!v.is_number_unsigned() || v.get<std::uint64_t>() > std::uint64_t(std::numeric_limits<index_t>::max())) {
+      fail("'s ", what, " includes ", shown_text(v.dump()), ", not an integer from 0 to 2^63 - 1");
+    }
+    return v.get<std::uint64_t>();
+  }
+
+  std::string who_;
+};
+
+// A file's byte range and the tensor it belongs to, for the check that the ranges tile the data.
+struct SafetensorsRange {
+  std::uint64_t begin;
+  std::uint64_t end;
+  std::string_view name;
+};
+
+inline void check_tiling(std::vector<SafetensorsRange> ranges, std::uint64_t data_size, const std::string& where) {
+  std::ranges::sort(ranges, [](const auto& a, const auto& b) { return std::tie(a.begin, a.end) < std::tie(b.begin, b.end); });
+  std::uint64_t covered = 0;
+  std::string_view last;
+  for (const auto& r : ranges) {
+    const std::string who = std::string("tensor ").append(duet::detail::shown_name(r.name));
+    const std::string span =
+        std::string("[").append(std::to_string(r.begin)).append(", ").append(std::to_string(r.end)).append(")");
+    if (r.begin < covered) {
+      throw FormatError(where + ": malformed header: " + who + "'s bytes " + span + " overlap those of tensor " +
+                        duet::detail::shown_name(last) + ", which end at " + std::to_string(covered));
+    }
+    if (r.begin > covered) {
+      throw FormatError(where + ": malformed header: the data's bytes [" + std::to_string(covered) + ", " +
+                        std::to_string(r.begin) + ") belong to no tensor (" + who + " starts at " +
+                        std::to_string(r.begin) + ")");
+    }
+    covered = r.end;
+    last = r.name;
+  }
+  if (covered != data_size) {
+    throw FormatError(where + ": malformed header: the data's bytes [" + std::to_string(covered) + ", " +
+                      std::to_string(data_size) + ") at the end of the file belong to no tensor");
+  }
+}
+
+// A safetensors file, checked for everything but whether it fits a cell.
+inline ParsedSafetensors parse_safetensors(std::span<const unsigned char> bytes, const std::string& where) {
+  const std::size_t n = bytes.size();
+  if (n < safetensors_length_bytes) {
+    throw FormatError(where + ": truncated: " + std::to_string(n) + " bytes, fewer than the " +
+                      std::to_string(safetensors_length_bytes) + " of the header's length");
+  }
+  std::uint64_t header_size = 0;
+  for (std::size_t i = 0; i < safetensors_length_bytes; ++i) header_size |= std::uint64_t{bytes[i]} << (8 * i);
+  const std::uint64_t after = n - safetensors_length_bytes;
+  if (header_size > after) {
+    throw FormatError(where + ": truncated or not a safetensors file: its header's length is " +
+                      std::to_string(header_size) + " bytes, but " + std::to_string(after) + " follow it");
+  }
+  if (header_size > max_safetensors_header_bytes) {
+    throw FormatError(where + ": malformed: its header's length is " + std::to_string(header_size) +
+                      " bytes, more than safetensors allows (" + std::to_string(max_safetensors_header_bytes) + ")");
+  }
+  const auto header = bytes.subspan(safetensors_length_bytes, static_cast<std::size_t>(header_size));
+  if (header.empty() || header[0] != '{') {
+    throw FormatError(where + ": not a safetensors file: its header does not start with '{'");
+  }
+  ParsedSafetensors file;
+  file.header =
+      parse_safetensors_header({reinterpret_cast<const char*>(header.data()), header.size()}, where);
+  const std::size_t data_start = safetensors_length_bytes + header.size();
+  const std::uint64_t data_size = n - data_start;
+  std::vector<SafetensorsRange> ranges;
+  // Names are views of the header's keys, which live as long as the header.
+  for (auto it = file.header.cbegin(); it != file.header.cend(); ++it) {
+    const std::string& name = it.key();
+    const nlohmann::json& info = it.value();
+    if (name == "__metadata__") {
+      const bool strings = info.is_object() && std::ranges::all_of(info, [](const auto& v) { return v.is_string(); });
+      if (!strings) {
+        throw FormatError(where + ": malformed header: __metadata__ is " + shown_text(info.dump()) +
+                          ", not an object of strings");
+      }
+      continue;
+    }
+    const SafetensorsEntry entry(name, info, where);
+    if (entry.end > data_size) {
+      entry.fail("'s data_offsets [", entry.range(), "] run past the data's end at ", std::to_string(data_size));
+    }
+    const std::uint64_t bytes_held = entry.end - entry.begin;
+    ranges.push_back({entry.begin, entry.end, name});
+    const SafetensorsDType* type = find_safetensors_dtype(entry.dtype_name);
+    if (type == nullptr) {
+      file.refused.push_back({name, entry.dtype_name, "a dtype safetensors does not define"});
+      continue;
+    }
+    // Saturates past what 64 bits count, so no product overflows and a zero dimension still gives 0.
+    const std::uint64_t limit = std::numeric_limits<std::uint64_t>::max() / type->size;
+    std::uint64_t numel = 1;
+    for (const std::uint64_t d : entry.dims) numel = (d == 0 || numel <= limit / d) ? numel * d : limit + 1;
+    if (numel > limit || numel * type->size != bytes_held) {
+      entry.fail(" of dtype ", entry.dtype_name, " and shape ", entry.shape_text(), " needs ",
+                 numel > limit ? "2^64 bytes or more" : std::to_string(numel * type->size) + " bytes",
+                 ", but its data_offsets [", entry.range(), "] hold ", std::to_string(bytes_held));
+    }
+    if (!type->dtype) {
+      file.refused.push_back({name, entry.dtype_name, "which duet does not read"});
+    } else if (entry.dims.size() > static_cast<std::size_t>(max_rank)) {
+      file.refused.push_back({name, entry.dtype_name,
+                              "of rank " + std::to_string(entry.dims.size()) + ", more than duet's " +
+                                  std::to_string(max_rank)});
+    } else {
+      Shape shape;
+      for (const std::uint64_t d : entry.dims) shape.push_back(static_cast<index_t>(d));
+      file.tensors.push_back({name, *type->dtype, shape, data_start + static_cast<std::size_t>(entry.begin),
+                              static_cast<std::size_t>(bytes_held)});
+    }
+  }
+  check_tiling(std::move(ranges), data_size, where);
+  return file;
+}
+
+// Checks the whole file, then copies what matches into the cell's tensors.
+template <ElementType T>
+CheckpointLoad load_safetensors_into(std::span<const unsigned char> bytes,
+                                     const std::vector<duet::detail::CheckpointTarget<T>>& targets,
+                                     const CheckpointLoadOptions& options, const std::string& where) {
+  const ParsedSafetensors file = parse_safetensors(bytes, where);
+  if (options.strict && !file.refused.empty()) {
+    const RefusedTensor& r = file.refused.front();
+    const auto target = std::ranges::find(targets, r.name, &duet::detail::CheckpointTarget<T>::name);
+    throw FormatError(where + ": tensor " + duet::detail::shown_name(r.name) + " has dtype " +
+                      duet::detail::shown_name(r.dtype) + ", " + r.reason + " (duet reads " +
+                      std::string(safetensors_readable) + ")" +
+                      (target == targets.end() ? std::string()
+                                               : "; the cell's parameter is " +
+                                                     std::string(name_of(target->tensor->dtype())) + " " +
+                                                     to_string(target->tensor->shape())));
+  }
+  CheckpointLoad unmatched;
+  const auto source = duet::detail::match_records(file.tensors, targets, duet::detail::parameter_words, where,
+                                                  options.strict ? nullptr : &unmatched);
+  for (const RefusedTensor& r : file.refused) unmatched.ckpt_not_load.emplace_back(r.name);
+  duet::detail::copy_records(bytes, targets, source);
+  return unmatched;
+}
+
+}  // namespace detail
+
+// Writes every parameter of cell (and the cells below it) to path as a safetensors file,
+// atomically (on any failure path keeps its previous contents), with the metadata
+// {"format": "pt"}: duet's layers keep their tensors in PyTorch's layout (nn::Dense's weight is
+// [out, in], as torch.nn.Linear's), which is what the "pt" format declares to Hugging Face's
+// loaders. A cell without parameters is a ValueError.
+template <ElementType T>
+void save_safetensors(nn::BasicDynamicCell<T>& cell, const std::filesystem::path& path) {
+  const std::string where = detail::safetensors_where(path);
+  const auto targets = duet::detail::parameter_targets(cell, where);
+  nlohmann::ordered_json header;
+  header["__metadata__"] = {{"format", "pt"}};
+  std::uint64_t offset = 0;
+  for (const auto& [name, t] : targets) {
+    if (name == "__metadata__") {
+      throw ValueError(where + ": " + cell.type_name() + " has a parameter named __metadata__, which the format reserves");
+    }
+    const std::uint64_t size = std::uint64_t(t->numel()) * sizeof(T);
+    header[name] = {{"dtype", detail::safetensors_name_of(t->dtype())},
+                    {"shape", std::vector<index_t>(t->shape().begin(), t->shape().end())},
+                    {"data_offsets", {offset, offset + size}}};
+    offset += size;
+  }
+  std::string text = header.dump();
+  text.append((detail::safetensors_alignment - text.size() % detail::safetensors_alignment) %
+                  detail::safetensors_alignment,
+              ' ');
+  duet::detail::CheckpointWriter out(path, where);
+  out.u64(text.size());
+  out.bytes(std::as_bytes(std::span(text)));
+  for (const auto& [name, t] : targets) {
+    out.bytes(std::as_bytes(std::span<const T>(t->data(), static_cast<std::size_t>(t->numel()))));
+  }
+  out.commit();
+}
+
+// Reads a safetensors file into cell's parameters, by name. Strict (the default): the file must
+// hold exactly the cell's parameters, with their element types and shapes; the first difference
+// is a duet::FormatError naming the parameter and both shapes or types, or the names only the
+// file or only the cell has. Not strict ({.strict = false}): loads the tensors that match and
+// returns the names of the others: the cell's that kept their values (param_not_load) and the
+// file's that were not used (ckpt_not_load; among them any tensor of a dtype duet does not
+// read). The whole file is checked before anything is copied: on any error the cell is left as
+// it was.
+template <ElementType T>
+CheckpointLoad load_safetensors(const std::filesystem::path& path, nn::BasicDynamicCell<T>& cell,
+                                CheckpointLoadOptions options = {}) {
+  const std::string where = detail::safetensors_where(path);
+  const auto targets = duet::detail::parameter_targets(cell, where);
+  return detail::load_safetensors_into(std::span<const unsigned char>(duet::detail::read_whole_file(path, where)),
+                                       targets, options, where);
+}
+
+// The same for the bytes of a safetensors file already in memory.
+template <ElementType T>
+CheckpointLoad load_safetensors_bytes(std::span<const std::byte> bytes, nn::BasicDynamicCell<T>& cell,
+                                      CheckpointLoadOptions options = {}) {
+  const auto& where = detail::safetensors_data_where;
+  return detail::load_safetensors_into(duet::detail::unsigned_bytes(bytes),
+                                       duet::detail::parameter_targets(cell, where), options, where);
+}
+
+}  // namespace duet::io
 // Activation layers and the elementwise functions behind them.
 //
 // An elementwise function is a type with a name and an Eigen array form. The same type is a
@@ -8755,12 +11288,21 @@ inline CheckpointInfo checkpoint_info_bytes(std::span<const std::byte> bytes) {
 #include <array>
 #include <string>
 #include <string_view>
+#include <tuple>
+#include <type_traits>
 #include <utility>
+
+#include <unsupported/Eigen/SpecialFunctions>  // erf, for the exact GELU
 
 
 namespace duet {
 
 namespace fn {
+
+// Whether Fn's derivative is computed from its input (Fn::grad_array(dy, x)) rather than from
+// its output (Fn::grad_array(dy, y)), as for log or abs, whose input the output does not give.
+template <class Fn>
+inline constexpr bool grad_from_input = requires { requires Fn::grad_from_input; };
 
 struct Relu {
   static constexpr std::string_view name = "ReLU";
@@ -8793,6 +11335,157 @@ struct Relu {
   }
 };
 
+// The activations below have no vector form, so a product runs them as the map kernel after
+// the finished product rather than in its registers (backend::Native::dense); only ReLU takes
+// the register path. Those differentiated from their output (sigmoid, tanh, LeakyReLU, ELU,
+// softplus) also fuse into a product in a graph being trained; GELU and SiLU need their
+// input, and stay nodes of their own there.
+
+// 1 / (1 + exp(-x)); derivative y (1 - y).
+struct Sigmoid {
+  static constexpr std::string_view name = "Sigmoid";
+  template <class A>
+  static auto array(const A& a) {
+    return a.logistic();
+  }
+  template <class G, class Y>
+  static auto grad_array(const G& dy, const Y& y) {
+    using S = typename Y::Scalar;
+    return dy * (y * (S(1) - y));
+  }
+};
+
+// Derivative 1 - y².
+struct Tanh {
+  static constexpr std::string_view name = "Tanh";
+  template <class A>
+  static auto array(const A& a) {
+    return a.tanh();
+  }
+  template <class G, class Y>
+  static auto grad_array(const G& dy, const Y& y) {
+    using S = typename Y::Scalar;
+    return dy * (S(1) - y.square());
+  }
+};
+
+// x Φ(x), Φ the standard normal distribution: exactly, 0.5 x (1 + erf(x / √2)), or with
+// Approximate, 0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³))) (MindSpore's approximate=True,
+// PyTorch's approximate='tanh').
+template <bool Approximate>
+struct Gelu {
+  static constexpr std::string_view name = Approximate ? "GELU(tanh)" : "GELU(erf)";
+  static constexpr bool grad_from_input = true;
+  static constexpr double sqrt_2_over_pi = 0.7978845608028654;
+  static constexpr double inv_sqrt_2 = 0.7071067811865476;
+  static constexpr double inv_sqrt_2pi = 0.3989422804014327;
+  static constexpr double cubic = 0.044715;
+
+  template <class A>
+  static auto inner(const A& a) {
+    using S = typename A::Scalar;
+    return S(sqrt_2_over_pi) * (a + S(cubic) * a.cube());
+  }
+  template <class A>
+  static auto array(const A& a) {
+    using S = typename A::Scalar;
+    if constexpr (Approximate) return S(0.5) * a * (S(1) + inner(a).tanh());
+    else return S(0.5) * a * (S(1) + (a * S(inv_sqrt_2)).erf());
+  }
+  // Φ(x) + x φ(x), or for the tanh form with t = tanh(u(x)):
+  // 0.5 (1 + t) + 0.5 x (1 - t²) u'(x), u'(x) = √(2/π) (1 + 3 · 0.044715 x²).
+  template <class G, class X>
+  static auto grad_array(const G& dy, const X& x) {
+    using S = typename X::Scalar;
+    if constexpr (Approximate) {
+      const auto t = inner(x).tanh();
+      return dy * (S(0.5) * (S(1) + t) +
+                   S(0.5) * x * (S(1) - t.square()) * (S(sqrt_2_over_pi) * (S(1) + S(3 * cubic) * x.square())));
+    } else {
+      return dy * (S(0.5) * (S(1) + (x * S(inv_sqrt_2)).erf()) + S(inv_sqrt_2pi) * x * (S(-0.5) * x.square()).exp());
+    }
+  }
+};
+
+// x · sigmoid(x) (MindSpore's SiLU, also called swish); derivative s (1 + x (1 - s)).
+struct Silu {
+  static constexpr std::string_view name = "SiLU";
+  static constexpr bool grad_from_input = true;
+  template <class A>
+  static auto array(const A& a) {
+    return a * a.logistic();
+  }
+  template <class G, class X>
+  static auto grad_array(const G& dy, const X& x) {
+    using S = typename X::Scalar;
+    const auto s = x.logistic();
+    return dy * (s * (S(1) + x * (S(1) - s)));
+  }
+};
+
+// The activations with a parameter keep it as a member; ops::leaky_relu and friends check it.
+// Their derivative is read off the output, which tells which side of 0 the input was on only
+// for alpha >= 0: a negative alpha is refused where the function is made.
+inline void check_alpha(double alpha, const std::string& who) {
+  if (!(alpha >= 0)) {
+    throw ValueError(who + ": alpha must be at least 0 (its gradient is taken from its output), got " +
+                     std::to_string(alpha));
+  }
+}
+
+// x for x > 0, alpha x otherwise; the derivative at 0 is alpha, as PyTorch's.
+struct LeakyRelu {
+  static constexpr std::string_view name = "LeakyReLU";
+  double alpha = 0.2;
+  template <class A>
+  auto array(const A& a) const {
+    using S = typename A::Scalar;
+    return (a > S(0)).select(a, a * static_cast<S>(alpha));
+  }
+  template <class G, class Y>
+  auto grad_array(const G& dy, const Y& y) const {
+    using S = typename Y::Scalar;
+    return (y > S(0)).select(dy, dy * static_cast<S>(alpha));
+  }
+};
+
+// x for x > 0, alpha (exp(x) - 1) otherwise; the derivative there is y + alpha.
+struct Elu {
+  static constexpr std::string_view name = "ELU";
+  double alpha = 1.0;
+  template <class A>
+  auto array(const A& a) const {
+    using S = typename A::Scalar;
+    return (a > S(0)).select(a, static_cast<S>(alpha) * a.expm1());
+  }
+  template <class G, class Y>
+  auto grad_array(const G& dy, const Y& y) const {
+    using S = typename Y::Scalar;
+    return (y > S(0)).select(dy, dy * (y + static_cast<S>(alpha)));
+  }
+};
+
+// log(1 + exp(beta x)) / beta, and x itself where beta x > threshold (MindSpore's and
+// PyTorch's softplus, which turn linear there to keep exp from overflowing). The derivative
+// sigmoid(beta x) is 1 - exp(-beta y), from the output.
+struct Softplus {
+  static constexpr std::string_view name = "Softplus";
+  double beta = 1.0;
+  double threshold = 20.0;
+  template <class A>
+  auto array(const A& a) const {
+    using S = typename A::Scalar;
+    const S b = static_cast<S>(beta);
+    return (a * b > static_cast<S>(threshold)).select(a, (a * b).exp().log1p() / b);
+  }
+  template <class G, class Y>
+  auto grad_array(const G& dy, const Y& y) const {
+    using S = typename Y::Scalar;
+    const S b = static_cast<S>(beta);
+    return (y * b > static_cast<S>(threshold)).select(dy, dy * -(y * -b).expm1());
+  }
+};
+
 }  // namespace fn
 
 namespace ops {
@@ -8803,37 +11496,43 @@ struct MapGradOp;
 // Fns applied elementwise, in order, in one pass. Capture makes one per function; O1 fuses
 // chains (relu(tanh(x)) is one MapOp<Tanh, Relu>), and products absorb them as epilogues.
 template <class... Fns>
-struct MapOp {
+struct MapOp : Primitive<MapOp<Fns...>> {
   static_assert(sizeof...(Fns) >= 1);
-  using layer_type = MapOp;
   static constexpr int arity = 1;
-  static constexpr bool is_view = false;
   static constexpr bool is_elementwise = true;
 
+  // The functions' parameters (LeakyReLU's alpha), if they have any. They are values held
+  // by the node rather than template arguments: a float cannot be one under clang 14, and
+  // nn::LeakyReLU(alpha) takes its alpha at run time, as MindSpore's does.
+  std::tuple<Fns...> fns{};
+  MapOp() = default;
+  explicit MapOp(std::tuple<Fns...> f) : fns(std::move(f)) {}
+
   static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
-  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
-    Backend::template map<Fns...>(a.in<T>(), a.in_shape().numel(), a.out<T>());
+    Backend::map(fns, a.in<T>(), a.in_shape().numel(), a.out<T>());
   }
 
   template <class C>
   static constexpr bool accepts_epilogue = requires { C::elementwise_functions; };
   template <class... Gs>
-  auto absorb(const MapOp<Gs...>&) const {
-    return MapOp<Fns..., Gs...>{};
+  auto absorb(const MapOp<Gs...>& next) const {
+    return MapOp<Fns..., Gs...>{std::tuple_cat(fns, next.fns)};
   }
   static constexpr auto elementwise_functions = sizeof...(Fns);
+  // Whether the functions have no parameters, so that an op keeping only their types (the
+  // arithmetic ops' epilogues) runs them as this one does.
+  static constexpr bool parameterless = (std::is_empty_v<Fns> && ...);
 
   // A single function is differentiated from its output; a fused chain would need the values
   // between its functions, which it never stores.
   static constexpr bool differentiable = sizeof...(Fns) == 1;
-  static constexpr bool has_parameters = false;
-  static constexpr std::array grad_operands{graph::Operand::grad, graph::Operand::output};
-  template <bool InputGrad>
+  template <std::size_t K>
+    requires(K == 0)
   auto grad_op() const {
-    return MapGradOp<Fns...>{};
+    return MapGradOp<Fns...>{std::get<0>(fns)};
   }
 
   static std::string op_name() {
@@ -8841,33 +11540,70 @@ struct MapOp {
     ((s += (s.empty() ? "" : " + ") + std::string(Fns::name)), ...);
     return s;
   }
-  std::string label() const { return op_name(); }
 };
 
-// dx = dy · Fn'(x), from dy and the forward output y.
+// dx = dy · Fn'(x), from dy and the forward output y (or its input x, fn::grad_from_input).
 template <class Fn>
-struct MapGradOp {
-  using layer_type = MapGradOp;
+struct MapGradOp : Primitive<MapGradOp<Fn>> {
+  static constexpr std::array reads{graph::Operand::grad,
+                                    fn::grad_from_input<Fn> ? graph::Operand::input0 : graph::Operand::output};
   static constexpr int arity = 2;
-  static constexpr bool is_view = false;
-  static constexpr bool is_elementwise = false;
+
+  Fn fn{};
+  MapGradOp() = default;
+  explicit MapGradOp(Fn f) : fn(std::move(f)) {}
 
   static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
-  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
-    Backend::template map_grad<Fn>(a.in<T>(0), a.in<T>(1), a.in_shape().numel(), a.out<T>());
+    Backend::map_grad(fn, a.in<T>(0), a.in<T>(1), a.in_shape().numel(), a.out<T>());
   }
 
   static std::string op_name() { return std::string(Fn::name) + "Grad"; }
-  std::string label() const { return op_name(); }
 };
 
 template <class X>
 auto relu(X&& x) {
   return apply(MapOp<fn::Relu>{}, std::forward<X>(x));
 }
+
+template <class X>
+auto sigmoid(X&& x) {
+  return apply(MapOp<fn::Sigmoid>{}, std::forward<X>(x));
+}
+template <class X>
+auto tanh(X&& x) {
+  return apply(MapOp<fn::Tanh>{}, std::forward<X>(x));
+}
+// MindSpore's ops.gelu(x, approximate='none'): gelu(x) is the exact (erf) form,
+// gelu<true>(x) the tanh form. A template argument: the two are different graph nodes.
+template <bool Approximate = false, class X>
+auto gelu(X&& x) {
+  return apply(MapOp<fn::Gelu<Approximate>>{}, std::forward<X>(x));
+}
+template <class X>
+auto silu(X&& x) {
+  return apply(MapOp<fn::Silu>{}, std::forward<X>(x));
+}
+template <class X>
+auto leaky_relu(X&& x, double alpha = 0.2) {
+  fn::check_alpha(alpha, "ops::leaky_relu");
+  return apply(MapOp<fn::LeakyRelu>{std::tuple{fn::LeakyRelu{alpha}}}, std::forward<X>(x));
+}
+template <class X>
+auto elu(X&& x, double alpha = 1.0) {
+  fn::check_alpha(alpha, "ops::elu");
+  return apply(MapOp<fn::Elu>{std::tuple{fn::Elu{alpha}}}, std::forward<X>(x));
+}
+template <class X>
+auto softplus(X&& x, double beta = 1.0, double threshold = 20.0) {
+  if (!(beta > 0)) throw ValueError("ops::softplus: beta must be positive, got " + std::to_string(beta));
+  return apply(MapOp<fn::Softplus>{std::tuple{fn::Softplus{beta, threshold}}}, std::forward<X>(x));
+}
+
+inline const bool activations_listed =
+    list_operations({"relu", "sigmoid", "tanh", "gelu", "gelu_tanh", "silu", "leaky_relu", "elu", "softplus"});
 
 }  // namespace ops
 
@@ -8885,6 +11621,41 @@ class BasicReLU : public Cell<BasicReLU<T>, CONTEXT_MODE, T> {
 };
 
 using ReLU = BasicReLU<float>;
+
+// An activation layer: Fn elementwise, with Fn's parameters given to the constructor
+// (nn::LeakyReLU(0.1), nn::Softplus(2.0, 10.0)), checked as the ops:: functions check them.
+template <class Fn, ElementType T = float>
+class Activation : public Cell<Activation<Fn, T>, CONTEXT_MODE, T> {
+ public:
+  Activation() = default;
+  template <class P, class... Ps>
+    requires(std::is_arithmetic_v<P> && (std::is_arithmetic_v<Ps> && ...))
+  explicit Activation(P p, Ps... ps) : fn_{static_cast<double>(p), static_cast<double>(ps)...} {
+    if constexpr (requires { fn_.alpha; }) fn::check_alpha(fn_.alpha, "nn::" + std::string(Fn::name));
+    if constexpr (requires { fn_.beta; }) {
+      if (!(fn_.beta > 0)) throw ValueError(type_name() + ": beta must be positive, got " + std::to_string(fn_.beta));
+    }
+  }
+
+  template <class X>
+  auto construct(X&& x) {
+    return apply(ops::MapOp<Fn>{std::tuple{fn_}}, std::forward<X>(x));
+  }
+  std::string type_name() const override { return "nn::" + std::string(Fn::name); }
+
+ private:
+  Fn fn_{};
+};
+
+// MindSpore's activation cells.
+using Sigmoid = Activation<fn::Sigmoid>;
+using Tanh = Activation<fn::Tanh>;
+using GELU = Activation<fn::Gelu<true>>;  // MindSpore's nn.GELU(approximate=True), its default
+using GELUExact = Activation<fn::Gelu<false>>;  // nn.GELU(approximate=False)
+using SiLU = Activation<fn::Silu>;
+using LeakyReLU = Activation<fn::LeakyRelu>;  // alpha 0.2 by default, as MindSpore's
+using ELU = Activation<fn::Elu>;              // alpha 1.0
+using Softplus = Activation<fn::Softplus>;    // beta 1, threshold 20
 
 }  // namespace nn
 }  // namespace duet
@@ -9018,7 +11789,9 @@ using DynamicSequentialCell = BasicDynamicSequentialCell<float>;
 // Fully connected layers: nn::Dense and the operations it captures as (MatMul, BiasAdd).
 
 #include <cmath>
+#include <optional>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 
@@ -9038,14 +11811,15 @@ struct BiasAddGradOp;
 // x · Wᵀ over the last axis of x, then the epilogue: the bias if Bias, then each Fn. Capture
 // makes it with an empty epilogue; fuse_epilogues grows it.
 template <class Layer, bool Bias = false, class... Fns>
-struct MatMulOp {
+struct MatMulOp : Primitive<MatMulOp<Layer, Bias, Fns...>> {
   using layer_type = Layer;
   using value_type = typename Layer::value_type;
   static constexpr int arity = 1;
-  static constexpr bool is_view = false;
-  static constexpr bool is_elementwise = false;
 
   const Layer* layer;
+  std::tuple<Fns...> fns{};  // the epilogue functions' parameters (fn::LeakyRelu's alpha)
+  MatMulOp(const Layer* l) : layer(l) {}
+  MatMulOp(const Layer* l, std::tuple<Fns...> f) : layer(l), fns(std::move(f)) {}
 
   static constexpr ShapeResult rule(index_t in, index_t out, const Shape& x) {
     Shape y = x;
@@ -9070,32 +11844,28 @@ struct MatMulOp {
   }
 
   // The same product with the weight kept pre-packed between calls (JitLevel::O2).
-  auto with_packed_weight() const { return PackedMatMulOp<Layer, Bias, Fns...>{{layer}}; }
+  auto with_packed_weight() const { return PackedMatMulOp<Layer, Bias, Fns...>{{layer, fns}}; }
 
   // Takes this layer's bias first, then any elementwise functions.
   template <class C>
   static constexpr bool accepts_epilogue =
       (std::is_same_v<C, BiasAddOp<Layer>> && !Bias && sizeof...(Fns) == 0) || requires { C::elementwise_functions; };
-  auto absorb(const BiasAddOp<Layer>&) const { return MatMulOp<Layer, true, Fns...>{layer}; }
+  auto absorb(const BiasAddOp<Layer>&) const { return MatMulOp<Layer, true, Fns...>{layer, fns}; }
   template <class... Gs>
-  auto absorb(const MapOp<Gs...>&) const {
-    return MatMulOp<Layer, Bias, Fns..., Gs...>{layer};
+  auto absorb(const MapOp<Gs...>& next) const {
+    return MatMulOp<Layer, Bias, Fns..., Gs...>{layer, std::tuple_cat(fns, next.fns)};
   }
 
-  // Its gradient op reads the forward output only to differentiate an activation epilogue,
-  // and can do so for one function.
-  static constexpr bool differentiable = sizeof...(Fns) <= 1;
+  // Its gradient op differentiates an activation epilogue from the forward output, so it can
+  // do so for one function whose derivative the output gives.
+  static constexpr bool differentiable = sizeof...(Fns) == 0 || (sizeof...(Fns) == 1 && (!fn::grad_from_input<Fns> && ...));
   static constexpr bool has_parameters = true;
-  static constexpr auto grad_operands = [] {
-    if constexpr (sizeof...(Fns) == 0)
-      return std::array{graph::Operand::grad, graph::Operand::input0};
-    else
-      return std::array{graph::Operand::grad, graph::Operand::input0, graph::Operand::output};
-  }();
-  template <bool InputGrad>
+  template <std::size_t K>
+    requires(K == 0)
   auto grad_op() const {
-    return DenseGradOp<Layer, Bias, InputGrad, Fns...>{layer};
+    return DenseGradOp<Layer, Bias, true, Fns...>{layer, fns};
   }
+  auto parameter_grad_op() const { return DenseGradOp<Layer, Bias, false, Fns...>{layer, fns}; }
 
   static std::string op_name() { return with_epilogue("MatMul"); }
   std::string label() const { return layer->label(); }
@@ -9111,7 +11881,7 @@ struct MatMulOp {
   void product(const graph::KernelArgs& a) const {
     const index_t in_channels = layer->in_channels();
     const index_t rows = in_channels == 0 ? 0 : a.in_shape().numel() / in_channels;
-    const Epilogue<T, Fns...> epilogue{Bias ? layer->bias.data() : nullptr};
+    const Epilogue<T, Fns...> epilogue{Bias ? layer->bias.data() : nullptr, fns};
     constexpr index_t In = Layer::in_static;
     constexpr index_t Out = Layer::out_static;
     if constexpr (PackedWeight) {
@@ -9139,14 +11909,14 @@ struct PackedMatMulOp : MatMulOp<Layer, Bias, Fns...> {
 
 // x + bias over the last axis, bias being the layer's.
 template <class Layer>
-struct BiasAddOp {
+struct BiasAddOp : Primitive<BiasAddOp<Layer>> {
   using layer_type = Layer;
   using value_type = typename Layer::value_type;
   static constexpr int arity = 1;
-  static constexpr bool is_view = false;
   static constexpr bool is_elementwise = true;
 
   const Layer* layer;
+  BiasAddOp(const Layer* l) : layer(l) {}
 
   static constexpr ShapeResult rule(index_t out, const Shape& x) {
     if (x.rank() > 0 && out != dyn && x.back() != dyn && x.back() != out) {
@@ -9164,11 +11934,12 @@ struct BiasAddOp {
   }
 
   static constexpr bool has_parameters = true;
-  static constexpr std::array grad_operands{graph::Operand::grad};
-  template <bool InputGrad>
+  template <std::size_t K>
+    requires(K == 0)
   auto grad_op() const {
-    return BiasAddGradOp<Layer, InputGrad>{layer};
+    return BiasAddGradOp<Layer, true>{layer};
   }
+  auto parameter_grad_op() const { return BiasAddGradOp<Layer, false>{layer}; }
 
   static std::string op_name() { return "BiasAdd"; }
   std::string label() const { return layer->label(); }
@@ -9178,18 +11949,23 @@ struct BiasAddOp {
 // dW, db and, if InputGrad, dx. The activation mask and the bias sum are taken in the same
 // kernel as the products, as the forward fused them.
 template <class Layer, bool Bias, bool InputGrad, class... Fns>
-struct DenseGradOp {
+struct DenseGradOp : Primitive<DenseGradOp<Layer, Bias, InputGrad, Fns...>> {
   using layer_type = Layer;
   using value_type = typename Layer::value_type;
-  static constexpr int arity = sizeof...(Fns) == 0 ? 2 : 3;  // dy, x[, y]
-  static constexpr bool is_view = false;
-  static constexpr bool is_elementwise = false;
+  static constexpr auto reads = [] {
+    if constexpr (sizeof...(Fns) == 0)
+      return std::array{graph::Operand::grad, graph::Operand::input0};
+    else
+      return std::array{graph::Operand::grad, graph::Operand::input0, graph::Operand::output};
+  }();
+  static constexpr int arity = static_cast<int>(reads.size());  // dy, x[, y]
   static constexpr bool is_sink = !InputGrad;
 
   const Layer* layer;
+  std::tuple<Fns...> fns;
+  DenseGradOp(const Layer* l, std::tuple<Fns...> f) : layer(l), fns(std::move(f)) {}
 
   static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {InputGrad ? in[1] : Shape{}}; }
-  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
@@ -9202,7 +11978,7 @@ struct DenseGradOp {
     const index_t rows = in_channels == 0 ? 0 : a.in_shape(1).numel() / in_channels;
     Backend::template dense_backward<Layer::in_static, Layer::out_static, T, Fns...>(DenseBackwardArgs<T>{
         a.in<T>(0), a.in<T>(1), sizeof...(Fns) == 0 ? nullptr : a.in<T>(2), rows, in_channels, layer->weight.data(),
-        layer->out_channels(), InputGrad ? a.out<T>() : nullptr, dw, accumulate_w, db, accumulate_b});
+        layer->out_channels(), InputGrad ? a.out<T>() : nullptr, dw, accumulate_w, db, accumulate_b}, fns);
   }
 
   static std::string op_name() {
@@ -9217,19 +11993,19 @@ struct DenseGradOp {
 
 // The gradient of BiasAddOp: db is the column sum of dy, and dx is dy itself (a view).
 template <class Layer, bool InputGrad>
-struct BiasAddGradOp {
+struct BiasAddGradOp : Primitive<BiasAddGradOp<Layer, InputGrad>> {
   using layer_type = Layer;
   using value_type = typename Layer::value_type;
+  static constexpr std::array reads{graph::Operand::grad};
   static constexpr int arity = 1;
   static constexpr bool is_view = InputGrad;
   static constexpr bool has_side_effects = true;
-  static constexpr bool is_elementwise = false;
   static constexpr bool is_sink = !InputGrad;
 
   const Layer* layer;
+  BiasAddGradOp(const Layer* l) : layer(l) {}
 
   static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {InputGrad ? in[0] : Shape{}}; }
-  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
@@ -9247,6 +12023,14 @@ struct BiasAddGradOp {
 
 namespace nn {
 
+// nn::Dense's initialisers (MindSpore's weight_init, bias_init): any duet::initializer, or a
+// user's; left unset, MindSpore's defaults.
+template <ElementType T>
+struct DenseOptions {
+  std::optional<initializer::AnyInitializer<T>> weight_init = std::nullopt;
+  std::optional<initializer::AnyInitializer<T>> bias_init = std::nullopt;
+};
+
 // y = x · weightᵀ + bias over the last axis of x (MindSpore's nn.Dense). In and Out are
 // compile-time sizes, or duet::dyn for sizes given to the constructor at run time.
 template <index_t In = dyn, index_t Out = dyn, ElementType T = float>
@@ -9262,21 +12046,33 @@ class Dense : public Cell<Dense<In, Out, T>, CONTEXT_MODE, T> {
   BasicParameter<T> bias;    // [out_channels]
   DUET_CELL_MEMBERS(weight, bias);
 
-  Dense() requires(In != dyn && Out != dyn) : Dense(In, Out) {}
+  using Options = DenseOptions<T>;
 
-  // MindSpore 2.x's default initialisation, from the global generator (set_seed): weight
-  // HeUniform(a = sqrt(5)), which is U(-1/sqrt(in), 1/sqrt(in)); bias U(-1/sqrt(in), 1/sqrt(in)).
-  Dense(index_t in_channels, index_t out_channels) : in_(in_channels), out_(out_channels) {
+  Dense() requires(In != dyn && Out != dyn) : Dense(In, Out) {}
+  // nn::Dense<784, 512> fc{{.weight_init = initializer::HeNormal{}, .bias_init = initializer::Zero{}}};
+  explicit Dense(Options options) requires(In != dyn && Out != dyn) : Dense(In, Out, std::move(options)) {}
+
+  // The weight, then the bias, from the global generator (set_seed). Unset options are MindSpore
+  // 2.x's defaults: weight HeUniform(negative_slope = sqrt(5)) and bias Uniform(1/sqrt(in)),
+  // both U(-1/sqrt(in), 1/sqrt(in)), drawn here as that Uniform so that the bound is T's
+  // 1/sqrt(in) for every T.
+  Dense(index_t in_channels, index_t out_channels, Options options = {}) : in_(in_channels), out_(out_channels) {
     if ((In != dyn && in_channels != In) || (Out != dyn && out_channels != Out) || in_channels <= 0 ||
         out_channels <= 0) {
       throw ValueError(type_name() + ": cannot be built with in_channels " + std::to_string(in_channels) +
                        " and out_channels " + std::to_string(out_channels));
     }
-    const T bound = T(1) / std::sqrt(static_cast<T>(in_channels));
+    const initializer::Uniform mindspore_default{static_cast<double>(T(1) / std::sqrt(static_cast<T>(in_channels)))};
+    const initializer::AnyInitializer<T> weight_init = options.weight_init.value_or(mindspore_default);
+    const initializer::AnyInitializer<T> bias_init = options.bias_init.value_or(mindspore_default);
+    auto weight_value = BasicTensor<T>::uninitialized({out_channels, in_channels});
+    auto bias_value = BasicTensor<T>::uninitialized({out_channels});
     with_global_generator([&](Generator& gen) {
-      weight = BasicParameter<T>(uniform<T>({out_channels, in_channels}, -bound, bound, gen));
-      bias = BasicParameter<T>(uniform<T>({out_channels}, -bound, bound, gen));
+      initialize_option(weight_value, weight_init, "weight_init", gen);
+      initialize_option(bias_value, bias_init, "bias_init", gen);
     });
+    weight = BasicParameter<T>(std::move(weight_value));
+    bias = BasicParameter<T>(std::move(bias_value));
   }
 
   index_t in_channels() const {
@@ -9306,6 +12102,15 @@ class Dense : public Cell<Dense<In, Out, T>, CONTEXT_MODE, T> {
  private:
   static std::string size_name(index_t n) { return n == dyn ? "dyn" : std::to_string(n); }
 
+  void initialize_option(BasicTensor<T>& value, const initializer::AnyInitializer<T>& init, const char* option,
+                         Generator& gen) const {
+    try {
+      initializer::initialize(value, init, gen);
+    } catch (const ValueError& e) {
+      throw ValueError(type_name() + " " + option + ": " + e.what());
+    }
+  }
+
   index_t in_;
   index_t out_;
 };
@@ -9318,30 +12123,882 @@ class Dense : public Cell<Dense<In, Out, T>, CONTEXT_MODE, T> {
 #include <string>
 #include <utility>
 
+// Shape operations: reshape, transpose/permute, expand_dims, squeeze, concat, stack, split,
+// slice/strided_slice and gather, in both modes (MindSpore's ops.reshape, ops.transpose, ...).
+//
+// Every argument that decides the output's shape is known at compile time, so that graph
+// mode has a static shape to check the next layer against: a single list or axis is a
+// template argument (reshape<2, -1>(x), transpose<1, 0>(x), concat<1>(a, b, c)); the two or
+// three lists of slice and strided_slice are tag values, ops::ints<...>, since one template
+// can hold only one list (slice(x, ints<1, 0>, ints<2, -1>)).
+//
+// duet's tensors are contiguous and row-major: a view is one run of its input's elements, in
+// order, with a shape. So reshape, expand_dims and squeeze are views (no kernel, no copy),
+// and so is a slice along the first axis only (split<0, ...>, or slice and strided_slice
+// cutting axis 0 with stride 1), which begins further into the input's block. transpose,
+// concat, stack, gather and the other slices copy: their elements are not such a run.
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <limits>
+#include <span>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
 
 namespace duet {
 namespace ops {
 
-// The gradient of a reshape: dy viewed with the shape of the forward input.
-struct ReshapeLikeOp {
-  using layer_type = ReshapeLikeOp;
+// A list of integers fixed at compile time: the begin, end and strides of a slice.
+template <index_t... V>
+struct Ints {
+  static constexpr std::array<index_t, sizeof...(V)> values{V...};
+};
+template <index_t... V>
+inline constexpr Ints<V...> ints{};
+
+// An end past every axis's last element: strided_slice's "to the end".
+inline constexpr index_t to_end = std::numeric_limits<index_t>::max();
+
+namespace detail {
+
+// axis in [-rank, rank) as an index in [0, rank), or -1 when it is out of range.
+constexpr int axis_index(int axis, int rank) {
+  const int a = axis < 0 ? axis + rank : axis;
+  return a < 0 || a >= rank ? -1 : a;
+}
+
+template <class V>
+std::string list_text(std::initializer_list<V> values) {
+  std::string out;
+  for (V v : values) out += (out.empty() ? "" : ", ") + std::to_string(v);
+  return out;
+}
+
+// x with axis `at` removed (at < rank) or a size inserted before it.
+constexpr Shape without_axis(const Shape& x, int at) {
+  Shape out;
+  for (int i = 0; i < x.rank(); ++i)
+    if (i != at) out.push_back(x[i]);
+  return out;
+}
+constexpr Shape with_axis(const Shape& x, int at, index_t size) {
+  Shape out;
+  for (int i = 0; i <= x.rank(); ++i) {
+    if (i == at) out.push_back(size);
+    if (i < x.rank()) out.push_back(x[i]);
+  }
+  return out;
+}
+
+// Copies `rows` runs of `count` elements, run r from src + r * src_row to dst + r * dst_row.
+template <class T>
+void copy_runs(const T* src, index_t src_row, T* dst, index_t dst_row, index_t rows, index_t count) {
+  for (index_t r = 0; r < rows; ++r) std::copy_n(src + r * src_row, count, dst + r * dst_row);
+}
+
+// Row-major strides of a shape, in elements.
+constexpr std::array<index_t, max_rank> strides_of(const Shape& x) {
+  std::array<index_t, max_rank> stride{};
+  index_t s = 1;
+  for (int a = x.rank() - 1; a >= 0; --a) {
+    stride[static_cast<std::size_t>(a)] = s;
+    s *= x[a];
+  }
+  return stride;
+}
+
+// Calls f(i, j) for each output element i, in order, and the input element j it reads, where
+// output element 0 reads input element `first` and one step along output axis a moves
+// stride[a] in the input: the walk of transpose and of slices.
+template <class F>
+void for_each_strided(index_t first, const std::array<index_t, max_rank>& stride, const Shape& out, F&& f) {
+  const int rank = out.rank();
+  const index_t n = out.numel();
+  if (n == 0) return;
+  const index_t inner = rank == 0 ? 1 : out[-1];
+  const index_t inner_step = rank == 0 ? 0 : stride[static_cast<std::size_t>(rank - 1)];
+  std::array<index_t, max_rank> index{};
+  index_t j = first;
+  for (index_t i = 0; i < n; i += inner) {
+    for (index_t k = 0; k < inner; ++k) f(i + k, j + k * inner_step);
+    // The odometer over the outer axes, last first.
+    for (int axis = rank - 2; axis >= 0; --axis) {
+      const std::size_t ax = static_cast<std::size_t>(axis);
+      ++index[ax];
+      j += stride[ax];
+      if (index[ax] < out[axis]) break;
+      j -= stride[ax] * index[ax];
+      index[ax] = 0;
+    }
+  }
+}
+
+}  // namespace detail
+
+// The gradient of a view that only changes the shape: dy viewed with the forward input's shape.
+struct ReshapeLikeOp : Primitive<ReshapeLikeOp> {
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0};
   static constexpr int arity = 2;  // dy, the forward input (for its shape)
   static constexpr bool is_view = true;
-  static constexpr bool is_elementwise = false;
 
   static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
-  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
 
   static std::string op_name() { return "ReshapeLike"; }
-  std::string label() const { return op_name(); }
 };
 
-// [N, d1, d2, ...] -> [N, d1 * d2 * ...].
-struct FlattenOp {
-  using layer_type = FlattenOp;
+// ----------------------------------------------------------------------------------------
+// reshape<D...>(x): MindSpore's reshape(input, shape). One size may be -1, inferred from the
+// element count. A view.
+
+constexpr ShapeResult reshape_rule(const Shape& x, Shape to) {
+  int inferred = -1;
+  index_t known = 1;
+  for (int i = 0; i < to.rank(); ++i) {
+    if (to[i] == dyn) inferred = i;
+    else known *= to[i];
+  }
+  const index_t n = x.numel();
+  if (n == dyn) return {to};  // the inferred size stays dynamic
+  if (inferred < 0) return known == n ? ShapeResult{to} : fault(to, ShapeFault::total_elements, known);
+  if (known == 0 || n % known != 0) return fault(to, ShapeFault::elements_multiple, known);
+  to[inferred] = n / known;
+  return {to};
+}
+
+template <index_t... D>
+struct ReshapeOp : Primitive<ReshapeOp<D...>> {
+  static_assert(((D >= 0 || D == -1) && ...), "duet::ops::reshape: sizes must be >= 0, or -1 for one inferred size");
+  static_assert((0 + ... + int{D == -1}) <= 1, "duet::ops::reshape: at most one size may be -1 (inferred)");
   static constexpr int arity = 1;
   static constexpr bool is_view = true;
-  static constexpr bool is_elementwise = false;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return reshape_rule(in[0], Shape{D...}); }
+
+  template <std::size_t K>
+    requires(K == 0)
+  auto grad_op() const {
+    return ReshapeLikeOp{};
+  }
+
+  static std::string op_name() { return "Reshape<" + detail::list_text<index_t>({D...}) + ">"; }
+  std::string label() const { return "ops::reshape<" + detail::list_text<index_t>({D...}) + ">"; }
+};
+
+template <index_t... D, class X>
+auto reshape(X&& x) {
+  return apply(ReshapeOp<D...>{}, std::forward<X>(x));
+}
+
+// ----------------------------------------------------------------------------------------
+// expand_dims<Axis>(x): a size-1 axis inserted at Axis, in [-rank - 1, rank] (MindSpore's
+// expand_dims(input_x, axis)). A view.
+
+template <int Axis>
+struct ExpandDimsOp : Primitive<ExpandDimsOp<Axis>> {
+  static constexpr int arity = 1;
+  static constexpr bool is_view = true;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    const Shape& x = in[0];
+    const int at = Axis < 0 ? Axis + x.rank() + 1 : Axis;
+    if (x.leading_unknown()) {
+      // Counted from the end, the axis is among the known trailing ones; from the front, not.
+      if (Axis >= 0 || at < 0) return {Shape::any()};
+      Shape out = Shape::any();
+      for (index_t d : detail::with_axis(x, at, 1)) out.push_back(d);
+      return {out};
+    }
+    if (at < 0 || at > x.rank()) return fault(x, ShapeFault::min_rank, Axis < 0 ? -Axis - 1 : Axis);
+    return {detail::with_axis(x, at, 1)};
+  }
+
+  template <std::size_t K>
+    requires(K == 0)
+  auto grad_op() const {
+    return ReshapeLikeOp{};
+  }
+
+  static std::string op_name() { return "ExpandDims<" + std::to_string(Axis) + ">"; }
+  std::string label() const { return "ops::expand_dims<" + std::to_string(Axis) + ">"; }
+};
+
+template <int Axis, class X>
+auto expand_dims(X&& x) {
+  return apply(ExpandDimsOp<Axis>{}, std::forward<X>(x));
+}
+
+// ----------------------------------------------------------------------------------------
+// squeeze<Axes...>(x): the size-1 axes named removed, or every size-1 axis when none is
+// (MindSpore's squeeze(input, axis)). A view.
+
+template <int... Axes>
+struct SqueezeOp : Primitive<SqueezeOp<Axes...>> {
+  static constexpr int arity = 1;
+  static constexpr bool is_view = true;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    const Shape& x = in[0];
+    if constexpr (sizeof...(Axes) == 0) {
+      // Which axes go depends on sizes compile time may not know: then so is the result.
+      if (!x.is_concrete()) return {Shape::any()};
+      Shape out;
+      for (index_t d : x)
+        if (d != 1) out.push_back(d);
+      return {out};
+    } else {
+      if (x.leading_unknown()) return {Shape::any()};
+      std::array<bool, max_rank> drop{};
+      for (int axis : {Axes...}) {
+        const int a = detail::axis_index(axis, x.rank());
+        if (a < 0) return fault(x, ShapeFault::min_rank, axis < 0 ? -axis : axis + 1);
+        if (x[a] != 1 && x[a] != dyn) return fault(x, ShapeFault::axis_not_one, axis);
+        drop[static_cast<std::size_t>(a)] = true;
+      }
+      Shape out;
+      for (int i = 0; i < x.rank(); ++i)
+        if (!drop[static_cast<std::size_t>(i)]) out.push_back(x[i]);
+      return {out};
+    }
+  }
+
+  template <std::size_t K>
+    requires(K == 0)
+  auto grad_op() const {
+    return ReshapeLikeOp{};
+  }
+
+  static std::string op_name() { return "Squeeze<" + detail::list_text<int>({Axes...}) + ">"; }
+  std::string label() const { return "ops::squeeze<" + detail::list_text<int>({Axes...}) + ">"; }
+};
+
+template <int... Axes, class X>
+auto squeeze(X&& x) {
+  return apply(SqueezeOp<Axes...>{}, std::forward<X>(x));
+}
+
+// ----------------------------------------------------------------------------------------
+// transpose<P...>(x): output axis i is input axis P[i] (MindSpore's transpose(input,
+// input_perm); permute(input, axis) is the same). A copy: the output's elements are the
+// input's in another order, which a contiguous row-major view cannot express.
+
+namespace detail {
+template <std::size_t N>
+constexpr bool is_permutation(const std::array<int, N>& p) {
+  std::array<bool, N> seen{};
+  for (int v : p) {
+    if (v < 0 || v >= static_cast<int>(N) || seen[static_cast<std::size_t>(v)]) return false;
+    seen[static_cast<std::size_t>(v)] = true;
+  }
+  return true;
+}
+}  // namespace detail
+
+template <int... P>
+struct TransposeOp : Primitive<TransposeOp<P...>> {
+  static constexpr std::array<int, sizeof...(P)> perm{P...};
+  static_assert(detail::is_permutation(perm),
+                "duet::ops::transpose: the axes must be a permutation of 0, 1, ..., rank - 1");
+  static constexpr int rank = static_cast<int>(sizeof...(P));
+  // As the gradient of the inverse permutation, it reads the incoming gradient only.
+  static constexpr std::array reads{graph::Operand::grad};
+  static constexpr int arity = 1;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    const Shape& x = in[0];
+    if (x.leading_unknown() && x.rank() <= rank) return {Shape::any()};
+    if (x.rank() != rank) return fault(x, ShapeFault::exact_rank, rank);
+    Shape out;
+    for (int a : perm) out.push_back(x[a]);
+    return {out};
+  }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const auto in_stride = detail::strides_of(a.in_shape());
+    std::array<index_t, max_rank> stride{};
+    for (std::size_t i = 0; i < perm.size(); ++i) stride[i] = in_stride[static_cast<std::size_t>(perm[i])];
+    const T* in = a.in<T>();
+    T* out = a.out<T>();
+    detail::for_each_strided(0, stride, a.output_shape, [&](index_t i, index_t j) { out[i] = in[j]; });
+  }
+
+  template <std::size_t K>
+    requires(K == 0)
+  auto grad_op() const {
+    return []<std::size_t... I>(std::index_sequence<I...>) {
+      constexpr std::array<int, sizeof...(P)> inverse = [] {
+        std::array<int, sizeof...(P)> inv{};
+        for (std::size_t i = 0; i < sizeof...(P); ++i) inv[static_cast<std::size_t>(perm[i])] = static_cast<int>(i);
+        return inv;
+      }();
+      return TransposeOp<inverse[I]...>{};
+    }(std::make_index_sequence<sizeof...(P)>{});
+  }
+
+  static std::string op_name() { return "Transpose<" + detail::list_text<int>({P...}) + ">"; }
+  std::string label() const { return "ops::transpose<" + detail::list_text<int>({P...}) + ">"; }
+};
+
+template <int... P, class X>
+auto transpose(X&& x) {
+  return apply(TransposeOp<P...>{}, std::forward<X>(x));
+}
+template <int... P, class X>
+auto permute(X&& x) {
+  return transpose<P...>(std::forward<X>(x));
+}
+
+// ----------------------------------------------------------------------------------------
+// concat<Axis>(x0, x1, ...): the inputs joined along Axis, their other sizes equal (MindSpore's
+// concat(tensors, axis)). N inputs, N a template argument of the op. A copy.
+
+namespace detail {
+
+// The inputs' common sizes, axis `except` aside (-1: none), into `common` (dyn where every
+// input's is): the first input whose rank or a size differs, or 0 when none does.
+constexpr int merge_sizes(std::span<const Shape> in, int except, Shape& common) {
+  common = in[0];
+  for (std::size_t k = 1; k < in.size(); ++k) {
+    const Shape& x = in[k];
+    if (x.rank() != common.rank()) return static_cast<int>(k);
+    for (int i = 0; i < x.rank(); ++i) {
+      if (i == except) continue;
+      if (common[i] == dyn) common[i] = x[i];
+      else if (x[i] != dyn && x[i] != common[i]) return static_cast<int>(k);
+    }
+  }
+  return 0;
+}
+
+constexpr index_t numel_before(const Shape& x, int axis) {
+  index_t n = 1;
+  for (int i = 0; i < axis; ++i) n *= x[i];
+  return n;
+}
+
+// concat's and stack's kernel: each row of the output's axes before `a` holds a block of
+// every input in turn.
+template <class T>
+void join_blocks(const graph::KernelArgs& args, std::size_t inputs, int a) {
+  const Shape& out = args.output_shape;
+  index_t offset = 0;
+  for (std::size_t k = 0; k < inputs; ++k) {
+    const index_t block = args.in_shape(k).numel_from(a);
+    copy_runs(args.in<T>(k), block, args.out<T>() + offset, out.numel_from(a), numel_before(out, a), block);
+    offset += block;
+  }
+}
+
+// Their gradients' kernel: from each row of dy, the block that begins `offset` into it.
+template <class T>
+void take_block(const graph::KernelArgs& args, int a, index_t offset) {
+  const Shape& dy = args.in_shape(0);
+  const index_t block = args.output_shape.numel_from(a);
+  copy_runs(args.in<T>(0) + offset, dy.numel_from(a), args.out<T>(), block, numel_before(dy, a), block);
+}
+
+}  // namespace detail
+
+template <int Axis, int K>
+struct ConcatGradOp;
+
+template <int Axis, int N>
+struct ConcatOp : Primitive<ConcatOp<Axis, N>> {
+  static_assert(N >= 1, "duet::ops::concat: needs at least one input");
+  static constexpr int arity = N;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    for (const Shape& x : in)
+      if (x.leading_unknown()) return {Shape::any()};
+    const int a = detail::axis_index(Axis, in[0].rank());
+    if (a < 0) return fault(in[0], ShapeFault::min_rank, Axis < 0 ? -Axis : Axis + 1);
+    Shape out;
+    if (const int k = detail::merge_sizes(in, a, out)) return fault(out, ShapeFault::sizes_except_axis, a, k);
+    for (std::size_t k = 1; k < in.size(); ++k) out[a] = out[a] == dyn || in[k][a] == dyn ? dyn : out[a] + in[k][a];
+    return {out};
+  }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& args) const {
+    detail::join_blocks<T>(args, N, detail::axis_index(Axis, args.output_shape.rank()));
+  }
+
+  template <std::size_t K>
+    requires(K < static_cast<std::size_t>(N))
+  auto grad_op() const {
+    return ConcatGradOp<Axis, static_cast<int>(K)>{};
+  }
+
+  static std::string op_name() { return "Concat<" + std::to_string(Axis) + ">"; }
+  std::string label() const { return "ops::concat<" + std::to_string(Axis) + ">"; }
+};
+
+// d/d input K of concat: input K's block of dy. It reads inputs 0 to K for their sizes along
+// the axis, which place input K's block.
+template <int Axis, int K>
+struct ConcatGradOp : Primitive<ConcatGradOp<Axis, K>> {
+  static constexpr auto reads = []<std::size_t... I>(std::index_sequence<I...>) {
+    return std::array{graph::Operand::grad, graph::input_operand(I)...};
+  }(std::make_index_sequence<static_cast<std::size_t>(K) + 1>{});
+  static constexpr int arity = K + 2;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[static_cast<std::size_t>(K) + 1]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& args) const {
+    const int a = detail::axis_index(Axis, args.in_shape(0).rank());
+    index_t offset = 0;
+    for (std::size_t k = 1; k <= static_cast<std::size_t>(K); ++k) offset += args.in_shape(k).numel_from(a);
+    detail::take_block<T>(args, a, offset);
+  }
+
+  static std::string op_name() { return "ConcatGrad<" + std::to_string(Axis) + ", " + std::to_string(K) + ">"; }
+};
+
+template <int Axis = 0, class X0, class... X>
+auto concat(const X0& x0, const X&... x) {
+  return apply(ConcatOp<Axis, 1 + static_cast<int>(sizeof...(X))>{}, x0, x...);
+}
+
+// ----------------------------------------------------------------------------------------
+// stack<Axis>(x0, x1, ...): inputs of one shape stacked along a new axis Axis, in
+// [-rank - 1, rank] (MindSpore's stack(tensors, axis)). A copy: concat's kernel, each
+// input's block being all of it past the axis.
+
+template <int Axis, int K>
+struct StackGradOp;
+
+template <int Axis, int N>
+struct StackOp : Primitive<StackOp<Axis, N>> {
+  static_assert(N >= 1, "duet::ops::stack: needs at least one input");
+  static constexpr int arity = N;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    for (const Shape& x : in)
+      if (x.leading_unknown()) return {Shape::any()};
+    Shape common;
+    if (const int k = detail::merge_sizes(in, -1, common)) return fault(common, ShapeFault::shapes_differ, 0, k);
+    const int a = detail::axis_index(Axis, common.rank() + 1);
+    if (a < 0) return fault(common, ShapeFault::min_rank, Axis < 0 ? -Axis - 1 : Axis);
+    return {detail::with_axis(common, a, N)};
+  }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& args) const {
+    detail::join_blocks<T>(args, N, detail::axis_index(Axis, args.output_shape.rank()));
+  }
+
+  template <std::size_t K>
+    requires(K < static_cast<std::size_t>(N))
+  auto grad_op() const {
+    return StackGradOp<Axis, static_cast<int>(K)>{};
+  }
+
+  static std::string op_name() { return "Stack<" + std::to_string(Axis) + ">"; }
+  std::string label() const { return "ops::stack<" + std::to_string(Axis) + ">"; }
+};
+
+// d/d input K of stack: entry K of dy along the stacked axis.
+template <int Axis, int K>
+struct StackGradOp : Primitive<StackGradOp<Axis, K>> {
+  static constexpr std::array reads{graph::Operand::grad};
+  static constexpr int arity = 1;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    const Shape& dy = in[0];
+    if (dy.leading_unknown()) return {Shape::any()};
+    return {detail::without_axis(dy, detail::axis_index(Axis, dy.rank()))};
+  }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& args) const {
+    const int a = detail::axis_index(Axis, args.in_shape(0).rank());
+    detail::take_block<T>(args, a, K * args.output_shape.numel_from(a));
+  }
+
+  static std::string op_name() { return "StackGrad<" + std::to_string(Axis) + ", " + std::to_string(K) + ">"; }
+};
+
+template <int Axis = 0, class X0, class... X>
+auto stack(const X0& x0, const X&... x) {
+  return apply(StackOp<Axis, 1 + static_cast<int>(sizeof...(X))>{}, x0, x...);
+}
+
+// ----------------------------------------------------------------------------------------
+// Slices. A slice reads, along each axis a, count[a] elements step[a] apart from start[a]; its
+// gradient scatters dy back into zeros of the input's shape. One rule per kind of slice
+// gives that window from the input's shape; the kernels are shared.
+
+namespace detail {
+
+struct Window {
+  Shape count;
+  std::array<index_t, max_rank> start{};
+  std::array<index_t, max_rank> step{};
+  ShapeFault fault = ShapeFault::none;
+  index_t expected = 0;
+};
+
+// The window a slice op reads from an input of shape x, as a shape rule's result.
+template <class Op>
+constexpr ShapeResult window_result(const Shape& x) {
+  if (x.leading_unknown()) return {Shape::any()};
+  const Window w = Op::window(x);
+  if (w.fault != ShapeFault::none) return fault(x, w.fault, w.expected);
+  return {w.count};
+}
+
+template <class T>
+void read_window(const Window& w, const Shape& in, const T* x, T* y) {
+  const auto in_stride = strides_of(in);
+  std::array<index_t, max_rank> stride{};
+  index_t first = 0;
+  for (std::size_t a = 0; a < static_cast<std::size_t>(in.rank()); ++a) {
+    stride[a] = in_stride[a] * w.step[a];
+    first += in_stride[a] * w.start[a];
+  }
+  for_each_strided(first, stride, w.count, [&](index_t i, index_t j) { y[i] = x[j]; });
+}
+
+template <class T>
+void scatter_window(const Window& w, const Shape& in, const T* dy, T* dx) {
+  std::fill_n(dx, in.numel(), T(0));
+  const auto in_stride = strides_of(in);
+  std::array<index_t, max_rank> stride{};
+  index_t first = 0;
+  for (std::size_t a = 0; a < static_cast<std::size_t>(in.rank()); ++a) {
+    stride[a] = in_stride[a] * w.step[a];
+    first += in_stride[a] * w.start[a];
+  }
+  for_each_strided(first, stride, w.count, [&](index_t i, index_t j) { dx[j] = dy[i]; });
+}
+
+}  // namespace detail
+
+// The gradient of slice op Fwd: dy in Fwd's window of zeros shaped like the forward input.
+template <class Fwd>
+struct SliceGradOp : Primitive<SliceGradOp<Fwd>> {
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0};
+  static constexpr int arity = 2;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& args) const {
+    detail::scatter_window(Fwd::window(args.in_shape(1)), args.in_shape(1), args.in<T>(0), args.out<T>());
+  }
+
+  static std::string op_name() { return Fwd::op_name() + "Grad"; }
+};
+
+// What every slice op shares: its rule and kernel from its window, its gradient.
+template <class Self>
+struct SlicePrimitive : Primitive<Self> {
+  static constexpr int arity = 1;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return detail::window_result<Self>(in[0]); }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    detail::read_window(Self::window(a.in_shape()), a.in_shape(), a.in<T>(), a.out<T>());
+  }
+
+  template <std::size_t K>
+    requires(K == 0)
+  auto grad_op() const {
+    return SliceGradOp<Self>{};
+  }
+};
+
+// strided_slice(x, ints<begin...>, ints<end...>, ints<strides...>): along axis a, from
+// begin[a] up to (not including) end[a], strides[a] apart, as Python's x[begin:end:stride];
+// negative indices count from the end, indices past either end are clamped, a negative
+// stride walks backwards. Axes past the lists are taken whole (MindSpore's strided_slice
+// without its masks). slice(x, ints<begin...>, ints<size...>) takes size[a] elements from
+// begin[a] (-1: the rest), which must lie inside the axis (MindSpore's slice).
+template <class Begin, class End, class Strides, bool Checked>
+struct StridedSliceOp : SlicePrimitive<StridedSliceOp<Begin, End, Strides, Checked>> {
+  static constexpr std::size_t n = Begin::values.size();
+  static_assert(End::values.size() == n && Strides::values.size() == n,
+                "duet::ops::strided_slice: begin, end and strides must have one entry per axis sliced");
+  static_assert(std::ranges::none_of(Strides::values, [](index_t s) { return s == 0; }),
+                "duet::ops::strided_slice: a stride cannot be 0");
+
+  // Cutting the first axis only, one step at a time: the elements are one run of the input's.
+  static constexpr bool is_view = [] {
+    if (n == 0) return true;
+    if (Strides::values[0] != 1) return false;
+    for (std::size_t a = 1; a < n; ++a) {
+      if (Begin::values[a] != 0 || End::values[a] != to_end || Strides::values[a] != 1) return false;
+    }
+    return true;
+  }();
+  index_t view_offset(const Shape& x) const { return x.rank() == 0 ? 0 : window(x).start[0] * x.numel_from(1); }
+
+  static constexpr detail::Window window(const Shape& x) {
+    detail::Window w;
+    w.count = x;
+    if (static_cast<int>(n) > x.rank()) {
+      w.fault = ShapeFault::min_rank;
+      w.expected = static_cast<index_t>(n);
+      return w;
+    }
+    for (std::size_t a = 0; a < static_cast<std::size_t>(x.rank()); ++a) {
+      const int axis = static_cast<int>(a);
+      const index_t size = x[axis];
+      w.step[a] = 1;
+      if (a >= n) continue;
+      if (size == dyn) {
+        w.count[axis] = dyn;
+        continue;
+      }
+      const index_t stride = Strides::values[a];
+      index_t b = Begin::values[a];
+      index_t e = End::values[a];
+      if constexpr (Checked) {
+        if (e == to_end) e = size;
+        if (b > size || e < b || e > size) {
+          w.fault = ShapeFault::slice_range;
+          w.expected = axis;
+          return w;
+        }
+      }
+      if (b < 0) b += size;
+      if (e < 0) e += size;
+      // Python's clamping: [0, size] walking forwards, [-1, size - 1] backwards.
+      const index_t lo = stride > 0 ? 0 : -1;
+      const index_t hi = stride > 0 ? size : size - 1;
+      b = std::clamp(b, lo, hi);
+      e = std::clamp(e, lo, hi);
+      const index_t span = stride > 0 ? e - b : b - e;
+      const index_t abs_stride = stride > 0 ? stride : -stride;
+      w.start[a] = b;
+      w.step[a] = stride;
+      w.count[axis] = span <= 0 ? 0 : (span + abs_stride - 1) / abs_stride;
+    }
+    return w;
+  }
+
+  static std::string op_name() {
+    return std::string(Checked ? "Slice" : "StridedSlice") + "<" + lists() + ">";
+  }
+  std::string label() const { return std::string(Checked ? "ops::slice" : "ops::strided_slice") + "<" + lists() + ">"; }
+
+ private:
+  static std::string lists() {
+    const auto text = [](const auto& values) {
+      std::string out = "[";
+      for (index_t v : values) {
+        out += (out.size() > 1 ? ", " : "") + (v == to_end ? std::string("end") : std::to_string(v));
+      }
+      return out + "]";
+    };
+    return text(Begin::values) + ", " + text(End::values) + (Checked ? std::string() : ", " + text(Strides::values));
+  }
+};
+
+template <class X, index_t... B, index_t... E, index_t... S>
+auto strided_slice(X&& x, Ints<B...>, Ints<E...>, Ints<S...>) {
+  return apply(StridedSliceOp<Ints<B...>, Ints<E...>, Ints<S...>, false>{}, std::forward<X>(x));
+}
+
+template <class X, index_t... B, index_t... Size>
+auto slice(X&& x, Ints<B...>, Ints<Size...>) {
+  static_assert(sizeof...(B) == sizeof...(Size),
+                "duet::ops::slice: begin and size must have one entry per axis sliced");
+  static_assert(((B >= 0) && ...), "duet::ops::slice: begin must be >= 0");
+  static_assert(((Size >= -1) && ...), "duet::ops::slice: a size must be >= 0, or -1 for the rest of the axis");
+  using Op = StridedSliceOp<Ints<B...>, Ints<(Size == -1 ? to_end : B + Size)...>, Ints<(B * 0 + 1)...>, true>;
+  return apply(Op{}, std::forward<X>(x));
+}
+
+// ----------------------------------------------------------------------------------------
+// split<Axis, Sizes...>(x): x cut along Axis into pieces of these sizes, which must add up to
+// the axis's size (MindSpore's split(tensor, split_size_or_sections, axis) with sections).
+// duet's operations make one value each, so split returns a std::tuple of one slice
+// operation per piece: each reads x, and the gradients of the pieces that are used add up
+// in x's gradient. Sizes are template arguments because they give the number of outputs.
+
+namespace detail {
+// Where each piece begins: the sizes before it, added.
+template <std::size_t N>
+constexpr std::array<index_t, N> prefix_sums(const std::array<index_t, N>& sizes) {
+  std::array<index_t, N> b{};
+  for (std::size_t i = 1; i < N; ++i) b[i] = b[i - 1] + sizes[i - 1];
+  return b;
+}
+}  // namespace detail
+
+template <int Axis, index_t Total, index_t Begin, index_t Size>
+struct SplitOp : SlicePrimitive<SplitOp<Axis, Total, Begin, Size>> {
+  // A piece along the first axis is one run of the input's elements.
+  static constexpr bool is_view = Axis == 0;
+  index_t view_offset(const Shape& x) const { return Begin * x.numel_from(1); }
+
+  static constexpr detail::Window window(const Shape& x) {
+    detail::Window w;
+    w.count = x;
+    w.step.fill(1);
+    const int a = detail::axis_index(Axis, x.rank());
+    if (a < 0) {
+      w.fault = ShapeFault::min_rank;
+      w.expected = Axis < 0 ? -Axis : Axis + 1;
+    } else if (x[a] != dyn && x[a] != Total) {
+      w.fault = ShapeFault::axis_size;
+      w.expected = Total;
+    } else {
+      w.start[static_cast<std::size_t>(a)] = Begin;
+      w.count[a] = Size;
+    }
+    return w;
+  }
+
+  static std::string op_name() {
+    return "Split<" + std::to_string(Axis) + ">[" + std::to_string(Begin) + ":" + std::to_string(Begin + Size) + "]";
+  }
+  std::string label() const {
+    return "ops::split<" + std::to_string(Axis) + "> piece [" + std::to_string(Begin) + ", " +
+           std::to_string(Begin + Size) + ") of " + std::to_string(Total);
+  }
+};
+
+template <int Axis, index_t... Sizes, class X>
+auto split(const X& x) {
+  static_assert(sizeof...(Sizes) >= 1, "duet::ops::split: give the size of each piece");
+  static_assert(((Sizes >= 0) && ...), "duet::ops::split: sizes must be >= 0");
+  constexpr std::array<index_t, sizeof...(Sizes)> sizes{Sizes...};
+  constexpr std::array<index_t, sizeof...(Sizes)> begins = detail::prefix_sums(sizes);
+  constexpr index_t total = begins.back() + sizes.back();
+  return [&]<std::size_t... I>(std::index_sequence<I...>) {
+    return std::make_tuple(apply(SplitOp<Axis, total, begins[I], sizes[I]>{}, x)...);
+  }(std::make_index_sequence<sizeof...(Sizes)>{});
+}
+
+// ----------------------------------------------------------------------------------------
+// gather<Axis>(params, indices): the slices of params along Axis that int32 indices name,
+// in the indices' shape: output shape params[:Axis] + indices + params[Axis + 1:]
+// (MindSpore's gather(input_params, input_indices, axis)). An index outside [0, size) is a
+// duet::IndexError. The indices have no gradient; params' gradient adds dy's slices back
+// where they were read from, so an index read twice gets both.
+
+namespace detail {
+// Checks every index before anything is read with it.
+inline void check_indices(const std::int32_t* idx, index_t n, index_t bound, const std::string& who) {
+  for (index_t i = 0; i < n; ++i) {
+    if (idx[i] < 0 || idx[i] >= bound) {
+      throw IndexError(who + ": index " + std::to_string(idx[i]) + " (element " + std::to_string(i) +
+                       " of the indices) is out of range [0, " + std::to_string(bound) + ")");
+    }
+  }
+}
+
+// Calls f(output offset, params offset, count) for each run of `inner` elements gather copies.
+template <class F>
+void for_each_gathered(const Shape& params, int a, const std::int32_t* idx, index_t n_idx, F&& f) {
+  const index_t inner = params.numel_from(a + 1);
+  const index_t rows = params.numel() / params.numel_from(a);
+  const index_t size = params[a];
+  for (index_t r = 0; r < rows; ++r) {
+    for (index_t j = 0; j < n_idx; ++j) f((r * n_idx + j) * inner, (r * size + idx[j]) * inner, inner);
+  }
+}
+}  // namespace detail
+
+template <int Axis>
+struct GatherGradOp;
+
+template <int Axis>
+struct GatherOp : Primitive<GatherOp<Axis>> {
+  static constexpr int arity = 2;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    const Shape& p = in[0];
+    const Shape& idx = in[1];
+    if (p.leading_unknown() || idx.leading_unknown()) return {Shape::any()};
+    const int a = detail::axis_index(Axis, p.rank());
+    if (a < 0) return fault(p, ShapeFault::min_rank, Axis < 0 ? -Axis : Axis + 1);
+    Shape out;
+    for (int i = 0; i < a; ++i) out.push_back(p[i]);
+    for (index_t d : idx) out.push_back(d);
+    for (int i = a + 1; i < p.rank(); ++i) out.push_back(p[i]);
+    return {out};
+  }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& args) const {
+    const Shape& p = args.in_shape(0);
+    const int a = detail::axis_index(Axis, p.rank());
+    const std::int32_t* idx = args.in<std::int32_t>(1);
+    const index_t n_idx = args.in_shape(1).numel();
+    detail::check_indices(idx, n_idx, p[a], label());
+    const T* x = args.in<T>(0);
+    T* y = args.out<T>();
+    detail::for_each_gathered(p, a, idx, n_idx, [&](index_t o, index_t i, index_t n) { std::copy_n(x + i, n, y + o); });
+  }
+
+  template <std::size_t K>
+    requires(K < 2)
+  auto grad_op() const {
+    if constexpr (K == 0) return GatherGradOp<Axis>{};
+    else return NoGradient{};
+  }
+
+  static std::string op_name() { return "Gather<" + std::to_string(Axis) + ">"; }
+  std::string label() const { return "ops::gather<" + std::to_string(Axis) + ">"; }
+};
+
+// d/d params of gather: zeros, with each slice of dy added where its index points.
+template <int Axis>
+struct GatherGradOp : Primitive<GatherGradOp<Axis>> {
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0, graph::Operand::input1};
+  static constexpr int arity = 3;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& args) const {
+    const Shape& p = args.in_shape(1);
+    const int a = detail::axis_index(Axis, p.rank());
+    const std::int32_t* idx = args.in<std::int32_t>(2);
+    const index_t n_idx = args.in_shape(2).numel();
+    detail::check_indices(idx, n_idx, p[a], "ops::gather<" + std::to_string(Axis) + "> (gradient)");
+    const T* dy = args.in<T>(0);
+    T* dx = args.out<T>();
+    std::fill_n(dx, p.numel(), T(0));
+    detail::for_each_gathered(p, a, idx, n_idx, [&](index_t o, index_t i, index_t n) {
+      for (index_t k = 0; k < n; ++k) dx[i + k] += dy[o + k];
+    });
+  }
+
+  static std::string op_name() { return "GatherGrad<" + std::to_string(Axis) + ">"; }
+};
+
+template <int Axis = 0, class P, class I>
+auto gather(const P& params, const I& indices) {
+  static_assert(std::is_same_v<typename std::remove_cvref_t<I>::value_type, std::int32_t>,
+                "duet::ops::gather: the indices must be int32 tensors");
+  return apply(GatherOp<Axis>{}, params, indices);
+}
+
+inline const bool shape_listed = list_operations({"reshape", "transpose", "permute", "expand_dims", "squeeze", "concat",
+                                                  "stack", "split", "slice", "strided_slice", "gather"});
+
+}  // namespace ops
+}  // namespace duet
+
+namespace duet {
+namespace ops {
+
+// [N, d1, d2, ...] -> [N, d1 * d2 * ...].
+struct FlattenOp : Primitive<FlattenOp> {
+  static constexpr int arity = 1;
+  static constexpr bool is_view = true;
 
   static constexpr ShapeResult infer_static(std::span<const Shape> in) {
     const Shape& x = in[0];
@@ -9351,11 +13008,9 @@ struct FlattenOp {
     if (x.rank() < 2) return fault(Shape{1, x.numel()}, ShapeFault::batch_dimension, 2);
     return {Shape{x[0], x.numel_from(1)}};
   }
-  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
 
-  static constexpr bool has_parameters = false;
-  static constexpr std::array grad_operands{graph::Operand::grad, graph::Operand::input0};
-  template <bool InputGrad>
+  template <std::size_t K>
+    requires(K == 0)
   auto grad_op() const {
     return ReshapeLikeOp{};
   }
@@ -9390,9 +13045,11 @@ using Flatten = BasicFlatten<float>;
 }  // namespace duet
 // Losses: cells of two inputs (prediction, target) that reduce to what training minimises.
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 
@@ -9416,6 +13073,8 @@ namespace ops {
 
 template <bool Sparse, Reduction R>
 struct SoftmaxCrossEntropyGradOp;
+template <Reduction R>
+struct SoftmaxCrossEntropyLabelGradOp;
 
 // The reduced shape of a loss over per-row (or per-element) values of shape `rows`.
 constexpr Shape reduced(const Shape& rows, Reduction r) { return r == Reduction::none ? rows : Shape{}; }
@@ -9423,11 +13082,9 @@ constexpr Shape reduced(const Shape& rows, Reduction r) { return r == Reduction:
 // Logits [..., classes] and labels [...] (sparse) or [..., classes]; the loss per row, or its
 // mean or sum.
 template <bool Sparse, Reduction R>
-struct SoftmaxCrossEntropyOp {
+struct SoftmaxCrossEntropyOp : Primitive<SoftmaxCrossEntropyOp<Sparse, R>> {
   using layer_type = nn::BasicSoftmaxCrossEntropyWithLogits<Sparse, R, float>;
   static constexpr int arity = 2;
-  static constexpr bool is_view = false;
-  static constexpr bool is_elementwise = false;
 
   static constexpr ShapeResult infer_static(std::span<const Shape> in) {
     const Shape& z = in[0];
@@ -9464,11 +13121,11 @@ struct SoftmaxCrossEntropyOp {
                                                     a.out<T>());
   }
 
-  static constexpr bool has_parameters = false;
-  static constexpr std::array grad_operands{graph::Operand::grad, graph::Operand::input0, graph::Operand::input1};
-  template <bool InputGrad>
+  template <std::size_t K>
   auto grad_op() const {
-    return SoftmaxCrossEntropyGradOp<Sparse, R>{};
+    if constexpr (K == 0) return SoftmaxCrossEntropyGradOp<Sparse, R>{};
+    else if constexpr (Sparse) return NoGradient{};  // class indices
+    else return SoftmaxCrossEntropyLabelGradOp<R>{};
   }
 
   static std::string op_name() { return "SoftmaxCrossEntropy"; }
@@ -9476,14 +13133,11 @@ struct SoftmaxCrossEntropyOp {
 };
 
 template <bool Sparse, Reduction R>
-struct SoftmaxCrossEntropyGradOp {
-  using layer_type = SoftmaxCrossEntropyGradOp;
+struct SoftmaxCrossEntropyGradOp : Primitive<SoftmaxCrossEntropyGradOp<Sparse, R>> {
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0, graph::Operand::input1};
   static constexpr int arity = 3;  // g, logits, labels
-  static constexpr bool is_view = false;
-  static constexpr bool is_elementwise = false;
 
   static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
-  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
@@ -9494,19 +13148,16 @@ struct SoftmaxCrossEntropyGradOp {
   }
 
   static std::string op_name() { return "SoftmaxCrossEntropyGrad"; }
-  std::string label() const { return op_name(); }
 };
 
-template <Reduction R>
+template <Reduction R, bool Target>
 struct MSEGradOp;
 
 // (prediction - target)² per element, or its mean or sum.
 template <Reduction R>
-struct MSEOp {
+struct MSEOp : Primitive<MSEOp<R>> {
   using layer_type = nn::BasicMSELoss<R, float>;
   static constexpr int arity = 2;
-  static constexpr bool is_view = false;
-  static constexpr bool is_elementwise = false;
 
   static constexpr ShapeResult infer_static(std::span<const Shape> in) {
     if (in[0].is_concrete() && in[1].is_concrete() && !(in[0] == in[1])) {
@@ -9514,33 +13165,30 @@ struct MSEOp {
     }
     return {reduced(in[0], R)};
   }
-  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
     Backend::mse(a.in<T>(0), a.in<T>(1), a.in_shape(0).numel(), R, a.out<T>());
   }
 
-  static constexpr bool has_parameters = false;
-  static constexpr std::array grad_operands{graph::Operand::grad, graph::Operand::input0, graph::Operand::input1};
-  template <bool InputGrad>
+  // d/d target is d/d prediction with the two swapped: 2 (target - prediction).
+  template <std::size_t K>
+    requires(K < 2)
   auto grad_op() const {
-    return MSEGradOp<R>{};
+    return MSEGradOp<R, K == 1>{};
   }
 
   static std::string op_name() { return "MSE"; }
   std::string label() const { return "nn::MSELoss"; }
 };
 
-template <Reduction R>
-struct MSEGradOp {
-  using layer_type = MSEGradOp;
-  static constexpr int arity = 3;  // g, prediction, target
-  static constexpr bool is_view = false;
-  static constexpr bool is_elementwise = false;
+template <Reduction R, bool Target>
+struct MSEGradOp : Primitive<MSEGradOp<R, Target>> {
+  static constexpr std::array reads{graph::Operand::grad, Target ? graph::Operand::input1 : graph::Operand::input0,
+                                    Target ? graph::Operand::input0 : graph::Operand::input1};
+  static constexpr int arity = 3;  // g, the value differentiated, the other
 
   static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
-  ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
@@ -9548,7 +13196,33 @@ struct MSEGradOp {
   }
 
   static std::string op_name() { return "MSEGrad"; }
-  std::string label() const { return op_name(); }
+};
+
+// d/d labels of the dense form: -log_softmax(logits), scaled as the loss reduces. (MindSpore
+// gives labels no gradient; PyTorch gives this one, the derivative.)
+template <Reduction R>
+struct SoftmaxCrossEntropyLabelGradOp : Primitive<SoftmaxCrossEntropyLabelGradOp<R>> {
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0};
+  static constexpr int arity = 2;  // g, logits
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const T* g = a.in<T>(0);
+    const T* z = a.in<T>(1);
+    T* d = a.out<T>();
+    const index_t classes = a.in_shape(1).back();
+    const index_t rows = classes == 0 ? 0 : a.in_shape(1).numel() / classes;
+    for (index_t i = 0; i < rows; ++i) {
+      const T* row = z + i * classes;
+      const T lse = kernels::log_sum_exp(row, classes);
+      const T scale = R == Reduction::none ? g[i] : R == Reduction::mean ? g[0] / static_cast<T>(rows) : g[0];
+      for (index_t c = 0; c < classes; ++c) d[i * classes + c] = (lse - row[c]) * scale;
+    }
+  }
+
+  static std::string op_name() { return "SoftmaxCrossEntropyLabelGrad"; }
 };
 
 template <bool Sparse = false, Reduction R = Reduction::none, class Z, class Labels>
@@ -9606,14 +13280,799 @@ using MSELoss = BasicMSELoss<R, float>;
 
 }  // namespace nn
 }  // namespace duet
+
+// ---------------------------------------------------------------------------------------------
+// More losses (MindSpore's nn.L1Loss, SmoothL1Loss, KLDivLoss, BCEWithLogitsLoss, NLLLoss and
+// CrossEntropyLoss). `reduction` is a template argument, as for the two above: it changes the
+// output's shape, hence the graph's type. Numbers that do not change the shape (beta,
+// label_smoothing, ignore_index) are members of the operation.
+namespace duet {
+namespace nn {
+
+template <class Fn, Reduction R, ElementType T>
+class BasicPointwiseLoss;
+template <bool Logits, Reduction R, ElementType T>
+class BasicClassLoss;
+
+}  // namespace nn
+
+namespace fn {
+
+// The pointwise losses: value(x, y) per element, and its partial derivative in each argument,
+// partial<K>(x, y), all on Eigen arrays so that the kernels vectorise (exp, log1p, logistic).
+// They return expressions, evaluated once into the output: no temporary array per call.
+// Each formula is PyTorch's, stated beside it; MindSpore's are the same.
+
+// torch.nn.L1Loss: |x - y|. d/dx = sign(x - y), 0 at x = y (torch.sign(0) = 0).
+struct L1Loss {
+  static constexpr std::string_view name = "nn::L1Loss";
+  template <class X, class Y>
+  auto value(const X& x, const Y& y) const {
+    return (x - y).abs();
+  }
+  template <int K, class X, class Y>
+  auto partial(const X& x, const Y& y) const {
+    using S = typename X::Scalar;
+    return S(K == 0 ? 1 : -1) * (x - y).sign();
+  }
+};
+
+// torch.nn.SmoothL1Loss(beta): 0.5 d² / beta where |d| < beta, |d| - 0.5 beta elsewhere,
+// d = x - y. beta = 0 is the L1 loss (the quadratic branch is never taken).
+struct SmoothL1Loss {
+  static constexpr std::string_view name = "nn::SmoothL1Loss";
+  double beta = 1.0;
+  void validate() const {
+    if (!(beta >= 0)) throw ValueError("nn::SmoothL1Loss: beta must be >= 0, got " + std::to_string(beta));
+  }
+  template <class X, class Y>
+  auto value(const X& x, const Y& y) const {
+    using S = typename X::Scalar;
+    const S b = static_cast<S>(beta);
+    return ((x - y).abs() < b).select(S(0.5) * (x - y).square() / b, (x - y).abs() - S(0.5) * b);
+  }
+  template <int K, class X, class Y>
+  auto partial(const X& x, const Y& y) const {
+    using S = typename X::Scalar;
+    const S b = static_cast<S>(beta);
+    return S(K == 0 ? 1 : -1) * ((x - y).abs() < b).select((x - y) / b, (x - y).sign());
+  }
+};
+
+// MindSpore's nn.KLDivLoss (torch.nn.KLDivLoss, log_target=False): the input x is a
+// log-probability, the target y a probability, and the loss y (log y - x), 0 where y = 0
+// (torch.xlogy). d/dx = -y; d/dy = log y + 1 - x, which is -inf at y = 0 as the function's
+// slope is.
+struct KLDivLoss {
+  static constexpr std::string_view name = "nn::KLDivLoss";
+  template <class X, class Y>
+  auto value(const X& x, const Y& y) const {
+    using S = typename X::Scalar;
+    return (y == S(0)).select(X::Zero(x.rows(), x.cols()), y * (y.log() - x));
+  }
+  template <int K, class X, class Y>
+  auto partial(const X& x, const Y& y) const {
+    using S = typename X::Scalar;
+    if constexpr (K == 0) return -y;
+    else return y.log() + S(1) - x;
+  }
+};
+
+// torch.nn.BCEWithLogitsLoss: -[y log σ(x) + (1 - y) log(1 - σ(x))], in the form that neither
+// overflows nor loses digits for large |x|: max(x, 0) - x y + log1p(exp(-|x|)).
+// d/dx = σ(x) - y; d/dy = -x.
+struct BCEWithLogitsLoss {
+  static constexpr std::string_view name = "nn::BCEWithLogitsLoss";
+  template <class X, class Y>
+  auto value(const X& x, const Y& y) const {
+    using S = typename X::Scalar;
+    return x.max(S(0)) - x * y + (-x.abs()).exp().log1p();
+  }
+  template <int K, class X, class Y>
+  auto partial(const X& x, const Y& y) const {
+    if constexpr (K == 0) return x.logistic() - y;
+    else return -x;
+  }
+};
+
+}  // namespace fn
+
+namespace ops {
+
+namespace detail {
+
+// A loss over per-element values of `values` shape: they, or their mean or sum.
+template <Reduction R, class T, class A>
+void reduce_loss(const A& values, index_t n, T* out) {
+  using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
+  if constexpr (R == Reduction::none) ::Eigen::Map<Array>(out, n) = values;
+  else if constexpr (R == Reduction::sum) out[0] = n == 0 ? T(0) : values.sum();
+  else out[0] = n == 0 ? T(0) : values.sum() / static_cast<T>(n);
+}
+
+// The incoming gradient of a reduced loss as each of its `count` terms sees it.
+template <Reduction R, class T>
+T reduced_scale(const T* g, index_t count) {
+  if constexpr (R == Reduction::mean) return count == 0 ? T(0) : g[0] / static_cast<T>(count);
+  else return g[0];
+}
+
+}  // namespace detail
+
+template <class Fn, Reduction R, int K>
+struct PointwiseLossGradOp;
+
+// Fn's loss between a prediction and a target of the same shape, per element or reduced.
+template <class Fn, Reduction R>
+struct PointwiseLossOp : Primitive<PointwiseLossOp<Fn, R>> {
+  using layer_type = nn::BasicPointwiseLoss<Fn, R, float>;
+  static constexpr int arity = 2;
+  Fn fn;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    if (in[0].is_concrete() && in[1].is_concrete() && !(in[0] == in[1])) {
+      return fault(reduced(in[0], R), ShapeFault::shapes_differ, 0, 1);
+    }
+    return {reduced(in[0], R)};
+  }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
+    const index_t n = a.in_shape(0).numel();
+    detail::reduce_loss<R>(fn.value(::Eigen::Map<const Array>(a.in<T>(0), n), ::Eigen::Map<const Array>(a.in<T>(1), n)),
+                           n, a.out<T>());
+  }
+
+  template <std::size_t K>
+    requires(K < 2)
+  auto grad_op() const {
+    return PointwiseLossGradOp<Fn, R, static_cast<int>(K)>{{}, fn};
+  }
+
+  static std::string op_name() { return std::string(Fn::name).substr(4); }
+  std::string label() const { return std::string(Fn::name); }
+};
+
+// d/d input K of PointwiseLossOp: the partial times the incoming gradient, which is one value
+// per element (no reduction) or one for all.
+template <class Fn, Reduction R, int K>
+struct PointwiseLossGradOp : Primitive<PointwiseLossGradOp<Fn, R, K>> {
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0, graph::Operand::input1};
+  static constexpr int arity = 3;  // g, prediction, target
+  Fn fn;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1 + K]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
+    const index_t n = a.in_shape(1).numel();
+    const auto partial =
+        fn.template partial<K>(::Eigen::Map<const Array>(a.in<T>(1), n), ::Eigen::Map<const Array>(a.in<T>(2), n));
+    if constexpr (R == Reduction::none) {
+      ::Eigen::Map<Array>(a.out<T>(), n) = partial * ::Eigen::Map<const Array>(a.in<T>(0), n);
+    } else {
+      ::Eigen::Map<Array>(a.out<T>(), n) = partial * detail::reduced_scale<R>(a.in<T>(0), n);
+    }
+  }
+
+  static std::string op_name() { return std::string(Fn::name).substr(4) + "Grad" + std::to_string(K); }
+};
+
+template <class Fn, Reduction R, class X, class Y>
+auto pointwise_loss(const Fn& fn, const X& prediction, const Y& target) {
+  static_assert(
+      std::is_same_v<typename std::remove_cvref_t<X>::value_type, typename std::remove_cvref_t<Y>::value_type>,
+      "duet::ops: a loss's prediction and target must have the same element type");
+  if constexpr (requires { fn.validate(); }) fn.validate();
+  return apply(PointwiseLossOp<Fn, R>{{}, fn}, prediction, target);
+}
+
+// MindSpore's ops.l1_loss(input, target, reduction='mean').
+template <Reduction R = Reduction::mean, class X, class Y>
+auto l1_loss(const X& input, const Y& target) {
+  return pointwise_loss<fn::L1Loss, R>(fn::L1Loss{}, input, target);
+}
+
+// MindSpore's ops.smooth_l1_loss(input, target, beta=1.0, reduction='none').
+template <Reduction R = Reduction::none, class X, class Y>
+auto smooth_l1_loss(const X& input, const Y& target, double beta = 1.0) {
+  return pointwise_loss<fn::SmoothL1Loss, R>(fn::SmoothL1Loss{beta}, input, target);
+}
+
+// MindSpore's ops.kl_div(logits, labels, reduction='mean'): logits are log-probabilities.
+// 'mean' averages over every element, as MindSpore's and PyTorch's 'mean' do; the KL
+// divergence proper is 'sum' divided by the batch size (their 'batchmean').
+template <Reduction R = Reduction::mean, class X, class Y>
+auto kl_div(const X& logits, const Y& labels) {
+  return pointwise_loss<fn::KLDivLoss, R>(fn::KLDivLoss{}, logits, labels);
+}
+
+// MindSpore's ops.binary_cross_entropy_with_logits(logits, label, weight=None,
+// pos_weight=None, reduction='mean'), without weight and pos_weight.
+template <Reduction R = Reduction::mean, class X, class Y>
+auto binary_cross_entropy_with_logits(const X& logits, const Y& label) {
+  return pointwise_loss<fn::BCEWithLogitsLoss, R>(fn::BCEWithLogitsLoss{}, logits, label);
+}
+
+
+// MindSpore's keyword arguments of nn.CrossEntropyLoss and nn.NLLLoss, weight aside: labels
+// equal to ignore_index add nothing and do not count in the mean; label_smoothing ε takes the
+// target distribution q to (1 - ε) q + ε / classes.
+struct CrossEntropyOptions {
+  int ignore_index = -100;
+  double label_smoothing = 0.0;
+
+  void validate(std::string_view who) const {
+    if (!(label_smoothing >= 0 && label_smoothing <= 1)) {
+      throw ValueError(std::string(who) + ": label_smoothing must be in [0, 1], got " +
+                       std::to_string(label_smoothing));
+    }
+  }
+};
+
+template <bool Sparse, bool Logits, Reduction R>
+struct ClassLossGradOp;
+template <bool Logits, Reduction R>
+struct ClassLossLabelGradOp;
+
+// The loss of a distribution over the last axis against a class (Sparse: int32 labels [...])
+// or a target distribution (labels [..., classes]): -Σ_c q_c lp_c per row, where lp is the
+// input itself (NLLLoss, log-probabilities) or log_softmax of it (Logits: CrossEntropyLoss),
+// and q the target, smoothed. PyTorch: torch.nn.functional.nll_loss / cross_entropy(input,
+// target, ignore_index, reduction, label_smoothing), classes on the last axis rather than on
+// axis 1 (the same for the usual [batch, classes]). 'mean' divides by the rows not ignored.
+template <bool Sparse, bool Logits, Reduction R>
+struct ClassLossOp : Primitive<ClassLossOp<Sparse, Logits, R>> {
+  using layer_type = nn::BasicClassLoss<Logits, R, float>;
+  static constexpr int arity = 2;
+  static constexpr std::string_view name = Logits ? "nn::CrossEntropyLoss" : "nn::NLLLoss";
+  CrossEntropyOptions options;
+
+  // The rule of softmax cross-entropy: [..., classes] against [...] or [..., classes].
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    return SoftmaxCrossEntropyOp<Sparse, R>::infer_static(in);
+  }
+  ShapeResult infer(std::span<const Shape> in) const { return SoftmaxCrossEntropyOp<Sparse, R>{}.infer(in); }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
+    const auto [rows, classes] = shape_of(a);
+    const T* z = a.in<T>(0);
+    T* out = a.out<T>();
+    const T keep = static_cast<T>(1 - options.label_smoothing);
+    const T spread = static_cast<T>(options.label_smoothing / static_cast<double>(classes));
+    T total = 0;
+    for (index_t i = 0; i < rows; ++i) {
+      const T* row = z + i * classes;
+      const T shift = log_normaliser<Backend>(row, classes);
+      const ::Eigen::Map<const Array> lp_plus_shift(row, classes);
+      T loss = 0;
+      if constexpr (Sparse) {
+        const std::int32_t label = a.in<std::int32_t>(1)[i];
+        if (label != options.ignore_index) {
+          const index_t c = checked_label(label, i, classes);
+          loss = -(keep * (row[c] - shift) + spread * (lp_plus_shift.sum() - static_cast<T>(classes) * shift));
+        }
+      } else {
+        const ::Eigen::Map<const Array> p(a.in<T>(1) + i * classes, classes);
+        loss = -((keep * p + spread) * (lp_plus_shift - shift)).sum();
+      }
+      if constexpr (R == Reduction::none) out[i] = loss;
+      else total += loss;
+    }
+    if constexpr (R == Reduction::sum) out[0] = total;
+    if constexpr (R == Reduction::mean) {
+      const index_t counted = counted_rows(a);
+      out[0] = counted == 0 ? T(0) : total / static_cast<T>(counted);
+    }
+  }
+
+  template <std::size_t K>
+    requires(K < 2)
+  auto grad_op() const {
+    if constexpr (K == 0) return ClassLossGradOp<Sparse, Logits, R>{{}, options};
+    else if constexpr (Sparse) return NoGradient{};  // class indices
+    else return ClassLossLabelGradOp<Logits, R>{{}, options};
+  }
+
+  static std::string op_name() { return Logits ? "CrossEntropy" : "NLL"; }
+  std::string label() const { return std::string(name); }
+
+  // What the kernels share with the gradients'.
+  static std::pair<index_t, index_t> shape_of(const graph::KernelArgs& a, std::size_t input = 0) {
+    const index_t classes = a.in_shape(input).back();
+    return {classes == 0 ? 0 : a.in_shape(input).numel() / classes, classes};
+  }
+  // log Σ exp(row), by which logits exceed log-probabilities; 0 for log-probabilities.
+  template <class Backend, class T>
+  static T log_normaliser(const T* row, index_t classes) {
+    if constexpr (Logits) return kernels::log_sum_exp(row, classes);
+    else return T(0);
+  }
+  // The rows 'mean' divides by: those whose label is not ignore_index (all, for distributions).
+  index_t counted_rows(const graph::KernelArgs& a, std::size_t logits = 0) const {
+    const index_t rows = shape_of(a, logits).first;
+    if constexpr (!Sparse) {
+      return rows;
+    } else {
+      const std::int32_t* labels = a.in<std::int32_t>(logits + 1);
+      return static_cast<index_t>(std::count_if(labels, labels + rows, [&](std::int32_t l) { return l != options.ignore_index; }));
+    }
+  }
+  index_t checked_label(std::int32_t label, index_t row, index_t classes) const {
+    if (label < 0 || label >= classes) {
+      throw ValueError(std::string(name) + ": label " +
+                       std::to_string(label) + " of sample " + std::to_string(row) + " is outside [0, " +
+                       std::to_string(classes) + ") and is not ignore_index (" +
+                       std::to_string(options.ignore_index) + ")");
+    }
+    return label;
+  }
+};
+
+// d/d input of ClassLossOp, row by row: -q (log-probabilities in), or softmax · Σq - q
+// (logits in), times the incoming gradient as the reduction spreads it.
+template <bool Sparse, bool Logits, Reduction R>
+struct ClassLossGradOp : Primitive<ClassLossGradOp<Sparse, Logits, R>> {
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0, graph::Operand::input1};
+  static constexpr int arity = 3;  // g, input, labels
+  CrossEntropyOptions options;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    using Forward = ClassLossOp<Sparse, Logits, R>;
+    using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
+    const Forward forward{{}, options};
+    const auto [rows, classes] = Forward::shape_of(a, 1);
+    const T* g = a.in<T>(0);
+    const T* z = a.in<T>(1);
+    const T keep = static_cast<T>(1 - options.label_smoothing);
+    const T spread = static_cast<T>(options.label_smoothing / static_cast<double>(classes));
+    const T shared = R == Reduction::none ? T(0) : detail::reduced_scale<R>(g, forward.counted_rows(a, 1));
+    for (index_t i = 0; i < rows; ++i) {
+      const T* row = z + i * classes;
+      ::Eigen::Map<Array> d(a.out<T>() + i * classes, classes);
+      const T scale = R == Reduction::none ? g[i] : shared;
+      if constexpr (Sparse) {
+        const std::int32_t label = a.in<std::int32_t>(2)[i];
+        if (label == options.ignore_index) {
+          d.setZero();
+          continue;
+        }
+        const index_t c = forward.checked_label(label, i, classes);
+        // Σq = 1 here.
+        if constexpr (Logits) {
+          const T lse = Forward::template log_normaliser<Backend>(row, classes);
+          d = (::Eigen::Map<const Array>(row, classes) - lse).exp() - spread;
+        } else {
+          d.setConstant(-spread);
+        }
+        d[c] -= keep;
+        d *= scale;
+      } else {
+        const auto q = keep * ::Eigen::Map<const Array>(a.in<T>(2) + i * classes, classes) + spread;
+        if constexpr (Logits) {
+          const T lse = Forward::template log_normaliser<Backend>(row, classes);
+          const T q_sum = q.sum();
+          d = ((::Eigen::Map<const Array>(row, classes) - lse).exp() * q_sum - q) * scale;
+        } else {
+          d = -q * scale;
+        }
+      }
+    }
+  }
+
+  static std::string op_name() { return Logits ? "CrossEntropyGrad" : "NLLGrad"; }
+};
+
+// d/d target distribution of the dense form: -(1 - ε) lp, times the incoming gradient.
+// (MindSpore gives labels no gradient; PyTorch gives this one, the derivative.)
+template <bool Logits, Reduction R>
+struct ClassLossLabelGradOp : Primitive<ClassLossLabelGradOp<Logits, R>> {
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0};
+  static constexpr int arity = 2;  // g, input
+  CrossEntropyOptions options;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    using Forward = ClassLossOp<false, Logits, R>;
+    using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
+    const auto [rows, classes] = Forward::shape_of(a, 1);
+    const T* g = a.in<T>(0);
+    const T keep = static_cast<T>(1 - options.label_smoothing);
+    for (index_t i = 0; i < rows; ++i) {
+      const T* row = a.in<T>(1) + i * classes;
+      const T scale = R == Reduction::none ? g[i] : detail::reduced_scale<R>(g, rows);
+      const T shift = Forward::template log_normaliser<Backend>(row, classes);
+      ::Eigen::Map<Array>(a.out<T>() + i * classes, classes) =
+          -keep * scale * (::Eigen::Map<const Array>(row, classes) - shift);
+    }
+  }
+
+  static std::string op_name() { return Logits ? "CrossEntropyLabelGrad" : "NLLLabelGrad"; }
+};
+
+template <bool Logits, Reduction R, class X, class Labels>
+auto class_loss(const X& input, const Labels& labels, const CrossEntropyOptions& options) {
+  using L = typename std::remove_cvref_t<Labels>::value_type;
+  constexpr bool sparse = std::is_same_v<L, std::int32_t>;
+  static_assert(sparse || (Logits && std::is_same_v<L, typename std::remove_cvref_t<X>::value_type>),
+                "duet::ops: the labels of nn::NLLLoss are int32 class indices; those of nn::CrossEntropyLoss "
+                "are int32 class indices or distributions of the input's element type");
+  options.validate(ClassLossOp<sparse, Logits, R>::name);
+  return apply(ClassLossOp<sparse, Logits, R>{{}, options}, input, labels);
+}
+
+// MindSpore's ops.nll_loss(inputs, target, ignore_index=-100, reduction='mean',
+// label_smoothing=0.0), without weight: inputs are log-probabilities, target int32 classes.
+template <Reduction R = Reduction::mean, class X, class Labels>
+auto nll_loss(const X& inputs, const Labels& target, const CrossEntropyOptions& options = {}) {
+  return class_loss<false, R>(inputs, target, options);
+}
+
+// MindSpore's ops.cross_entropy(input, target, ignore_index=-100, reduction='mean',
+// label_smoothing=0.0), without weight: input are logits, target int32 classes or
+// probabilities (the form follows the labels' element type, as in MindSpore).
+template <Reduction R = Reduction::mean, class X, class Labels>
+auto cross_entropy(const X& input, const Labels& target, const CrossEntropyOptions& options = {}) {
+  return class_loss<true, R>(input, target, options);
+}
+
+inline const bool losses_listed = list_operations(
+    {"l1_loss", "smooth_l1_loss", "kl_div", "binary_cross_entropy_with_logits", "nll_loss", "cross_entropy"});
+
+}  // namespace ops
+
+namespace nn {
+
+// A loss cell over one of the pointwise functions above; the names below are MindSpore's.
+template <class Fn, Reduction R = Reduction::mean, ElementType T = float>
+class BasicPointwiseLoss : public Cell<BasicPointwiseLoss<Fn, R, T>, CONTEXT_MODE, T> {
+ public:
+  // The function's numbers, MindSpore's keyword arguments: nn::SmoothL1Loss<>({.beta = 0.5}).
+  explicit BasicPointwiseLoss(Fn fn = {}) : fn_(fn) {
+    if constexpr (requires { fn.validate(); }) fn.validate();
+  }
+
+  template <class X, class Y>
+  auto construct(const X& prediction, const Y& target) {
+    return ops::pointwise_loss<Fn, R>(fn_, prediction, target);
+  }
+  std::string type_name() const override { return std::string(Fn::name); }
+
+ private:
+  Fn fn_;
+};
+
+// MindSpore's nn.NLLLoss(ignore_index=-100, reduction='mean'), without weight, and
+// nn.CrossEntropyLoss(ignore_index=-100, reduction='mean', label_smoothing=0.0):
+// nn::CrossEntropyLoss<> loss({.label_smoothing = 0.1}).
+template <bool Logits, Reduction R, ElementType T>
+class BasicClassLoss : public Cell<BasicClassLoss<Logits, R, T>, CONTEXT_MODE, T> {
+ public:
+  explicit BasicClassLoss(ops::CrossEntropyOptions options = {}) : options_(options) { options_.validate(type_name()); }
+  template <class X, class Labels>
+  auto construct(const X& input, const Labels& labels) {
+    return ops::class_loss<Logits, R>(input, labels, options_);
+  }
+  std::string type_name() const override { return std::string(ops::ClassLossOp<false, Logits, R>::name); }
+
+ private:
+  ops::CrossEntropyOptions options_;
+};
+
+template <Reduction R = Reduction::mean, ElementType T = float>
+using BasicNLLLoss = BasicClassLoss<false, R, T>;
+template <Reduction R = Reduction::mean, ElementType T = float>
+using BasicCrossEntropyLoss = BasicClassLoss<true, R, T>;
+template <Reduction R = Reduction::mean>
+using NLLLoss = BasicNLLLoss<R, float>;
+template <Reduction R = Reduction::mean>
+using CrossEntropyLoss = BasicCrossEntropyLoss<R, float>;
+
+template <Reduction R = Reduction::mean>
+using L1Loss = BasicPointwiseLoss<fn::L1Loss, R, float>;
+
+template <Reduction R = Reduction::mean>
+using KLDivLoss = BasicPointwiseLoss<fn::KLDivLoss, R, float>;
+
+// MindSpore's nn.BCEWithLogitsLoss(reduction='mean'), without weight and pos_weight.
+template <Reduction R = Reduction::mean>
+using BCEWithLogitsLoss = BasicPointwiseLoss<fn::BCEWithLogitsLoss, R, float>;
+
+// MindSpore's nn.SmoothL1Loss(beta=1.0, reduction='none'): nn::SmoothL1Loss<>({.beta = 0.5}).
+template <Reduction R = Reduction::none>
+using SmoothL1Loss = BasicPointwiseLoss<fn::SmoothL1Loss, R, float>;
+
+}  // namespace nn
+}  // namespace duet
+// Normalisation layers: nn::LayerNorm and the operation it captures.
+
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include <Eigen/Core>
+
+
+namespace duet {
+namespace ops {
+
+template <class Layer, bool InputGrad>
+struct LayerNormGradOp;
+
+namespace detail {
+
+// The statistics of one row of a layer norm: its mean and 1 / sqrt(variance + eps). The
+// variance is taken around the mean in a second pass, which loses no digits when the mean is
+// large against the spread (E[x²] - E[x]² would).
+template <class T>
+struct RowStatistics {
+  T mean;
+  T rstd;
+};
+
+template <class T, class Row>
+RowStatistics<T> row_statistics(const Row& x, double epsilon) {
+  const T mean = x.mean();
+  const T variance = (x - mean).square().mean();
+  return {mean, T(1) / std::sqrt(variance + static_cast<T>(epsilon))};
+}
+
+}  // namespace detail
+
+// (x - mean) / sqrt(var + eps) · gamma + beta over the last axis of x, gamma and beta being
+// the layer's.
+template <class Layer>
+struct LayerNormOp : Primitive<LayerNormOp<Layer>> {
+  using layer_type = Layer;
+  using value_type = typename Layer::value_type;
+  static constexpr int arity = 1;
+
+  const Layer* layer;
+  LayerNormOp(const Layer* l) : layer(l) {}
+
+  static constexpr ShapeResult rule(index_t n, const Shape& x) {
+    if (x.rank() == 0) return x.leading_unknown() ? ShapeResult{x} : fault(x, ShapeFault::min_rank, 1);
+    if (n != dyn && x.back() != dyn && x.back() != n) return fault(x, ShapeFault::last_dimension, n);
+    return {x};
+  }
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return rule(Layer::normalized_static, in[0]); }
+  ShapeResult infer(std::span<const Shape> in) const { return rule(layer->normalized_size(), in[0]); }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
+    const index_t n = layer->normalized_size();
+    const index_t rows = a.in_shape().numel() / n;
+    const ::Eigen::Map<const Array> gamma(layer->gamma.data(), n);
+    const ::Eigen::Map<const Array> beta(layer->beta.data(), n);
+    for (index_t i = 0; i < rows; ++i) {
+      const ::Eigen::Map<const Array> x(a.in<T>() + i * n, n);
+      const auto s = detail::row_statistics<T>(x, layer->epsilon());
+      ::Eigen::Map<Array>(a.out<T>() + i * n, n) = (x - s.mean) * s.rstd * gamma + beta;
+    }
+  }
+
+  static constexpr bool has_parameters = true;
+  template <std::size_t K>
+    requires(K == 0)
+  auto grad_op() const {
+    return LayerNormGradOp<Layer, true>{layer};
+  }
+  auto parameter_grad_op() const { return LayerNormGradOp<Layer, false>{layer}; }
+
+  static std::string op_name() { return "LayerNorm"; }
+  std::string label() const { return layer->label(); }
+};
+
+// The gradient of LayerNormOp, from dy and x (the statistics are taken again, which costs a
+// pass over x and saves keeping them between forward and backward). With x̂ the normalised
+// row and h = dy · gamma: dx = rstd · (h - mean(h) - x̂ · mean(h · x̂)); dgamma = Σ_rows dy · x̂;
+// dbeta = Σ_rows dy.
+template <class Layer, bool InputGrad>
+struct LayerNormGradOp : Primitive<LayerNormGradOp<Layer, InputGrad>> {
+  using layer_type = Layer;
+  using value_type = typename Layer::value_type;
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0};
+  static constexpr int arity = 2;  // dy, x
+  static constexpr bool is_sink = !InputGrad;
+
+  const Layer* layer;
+  LayerNormGradOp(const Layer* l) : layer(l) {}
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {InputGrad ? in[1] : Shape{}}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
+    const std::uint64_t pass = duet::detail::current_backward_pass();
+    bool accumulate_gamma = false;
+    bool accumulate_beta = false;
+    const index_t n = layer->normalized_size();
+    ::Eigen::Map<Array> dgamma(layer->gamma.grad_for_write(pass, &accumulate_gamma), n);
+    ::Eigen::Map<Array> dbeta(layer->beta.grad_for_write(pass, &accumulate_beta), n);
+    if (!accumulate_gamma) dgamma.setZero();
+    if (!accumulate_beta) dbeta.setZero();
+    const ::Eigen::Map<const Array> gamma(layer->gamma.data(), n);
+    const index_t rows = a.in_shape(1).numel() / n;
+    for (index_t i = 0; i < rows; ++i) {
+      const ::Eigen::Map<const Array> dy(a.in<T>(0) + i * n, n);
+      const ::Eigen::Map<const Array> x(a.in<T>(1) + i * n, n);
+      const auto s = detail::row_statistics<T>(x, layer->epsilon());
+      const auto x_hat = (x - s.mean) * s.rstd;  // an expression: no array per row
+      dgamma += dy * x_hat;
+      dbeta += dy;
+      if constexpr (InputGrad) {
+        const auto h = dy * gamma;
+        const T mean_h = h.mean();
+        const T mean_h_x_hat = (h * x_hat).mean();
+        ::Eigen::Map<Array>(a.out<T>() + i * n, n) = s.rstd * (h - mean_h - x_hat * mean_h_x_hat);
+      }
+    }
+  }
+
+  static std::string op_name() { return InputGrad ? "LayerNormGrad" : "LayerNormGrad (parameters only)"; }
+  std::string label() const { return layer->label(); }
+};
+
+inline const bool normalization_listed = list_operations({"LayerNorm"});
+
+}  // namespace ops
+
+namespace nn {
+
+// MindSpore's nn.LayerNorm(normalized_shape, begin_norm_axis=-1, begin_params_axis=-1,
+// epsilon=1e-7) with its default axes: each row of the last axis is normalised to mean 0 and
+// variance 1, then scaled by gamma and shifted by beta (ones and zeros at first), both of
+// that axis's size. N is the size at compile time (nn::LayerNorm<512>), or duet::dyn for one
+// given to the constructor. epsilon defaults to MindSpore's 1e-7; PyTorch's nn.LayerNorm uses
+// 1e-5, so give that to match a PyTorch model: nn::LayerNorm<512>(512, 1e-5).
+template <index_t N = dyn, ElementType T = float>
+class LayerNorm : public Cell<LayerNorm<N, T>, CONTEXT_MODE, T> {
+  static_assert(N == dyn || N > 0, "nn::LayerNorm<N>: N must be positive (or duet::dyn)");
+
+ public:
+  static constexpr index_t normalized_static = N;
+
+  BasicParameter<T> gamma;  // [normalized_shape]
+  BasicParameter<T> beta;   // [normalized_shape]
+  DUET_CELL_MEMBERS(gamma, beta);
+
+  LayerNorm() requires(N != dyn) : LayerNorm(N) {}
+
+  explicit LayerNorm(index_t normalized_shape, double epsilon = 1e-7) : n_(normalized_shape), epsilon_(epsilon) {
+    if ((N != dyn && normalized_shape != N) || normalized_shape <= 0) {
+      throw ValueError(type_name() + ": cannot be built with normalized_shape " + std::to_string(normalized_shape));
+    }
+    if (!(epsilon > 0)) throw ValueError(type_name() + ": epsilon must be > 0, got " + std::to_string(epsilon));
+    gamma = BasicParameter<T>(ones<T>({normalized_shape}));
+    beta = BasicParameter<T>(zeros<T>({normalized_shape}));
+  }
+
+  index_t normalized_size() const {
+    if constexpr (N != dyn)
+      return N;
+    else
+      return n_;
+  }
+  double epsilon() const { return epsilon_; }
+
+  template <class X>
+  auto construct(X&& x) {
+    return apply(ops::LayerNormOp<LayerNorm>{this}, std::forward<X>(x));
+  }
+
+  std::string type_name() const override {
+    std::string s = "nn::LayerNorm<" + (N == dyn ? std::string("dyn") : std::to_string(N));
+    if constexpr (!std::is_same_v<T, float>) s += ", " + std::string(name_of(dtype_of<T>));
+    return s + ">";
+  }
+
+ private:
+  index_t n_;
+  double epsilon_;
+};
+
+}  // namespace nn
+}  // namespace duet
 // Wrappers that turn a network into something to train (MindSpore's nn.WithLossCell and
 // nn.TrainOneStepCell).
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
+// Gradient clipping by global norm (MindSpore's ops.clip_by_global_norm).
+//
+// It works on gradients once backward has made them, outside the graph, so it is the same code
+// in both modes: on the list value_and_grad returns (clip, then call the optimiser with it), or
+// inside nn::TrainOneStepCell ({.clip_global_norm = 1.0}), which clips the gradients backward
+// left in the parameters before the optimiser reads them.
+
+#include <cmath>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+
+namespace duet::ops {
+
+namespace detail {
+
+inline void check_clip_norm(double clip_norm) {
+  if (!(clip_norm > 0) || !std::isfinite(clip_norm)) {
+    throw ValueError("ops::clip_by_global_norm: clip_norm must be positive and finite, got " +
+                     std::to_string(clip_norm));
+  }
+}
+
+// sqrt(Σ over every tensor of Σ x²), accumulated in double: float gradients of a large model
+// would lose the small ones' squares in a float sum. Tensors is a range of tensor pointers.
+template <class Tensors>
+double global_norm_of(const Tensors& tensors) {
+  double sum = 0;
+  for (const auto* t : tensors) {
+    for (auto v : t->values()) sum += static_cast<double>(v) * static_cast<double>(v);
+  }
+  return std::sqrt(sum);
+}
+
+// Scales each tensor in place by clip_norm / max(norm, clip_norm); those whose norm is within
+// clip_norm are left bit for bit as they are. Returns the norm before clipping.
+template <class Tensors>
+double clip_in_place(const Tensors& tensors, double clip_norm) {
+  check_clip_norm(clip_norm);
+  const double norm = global_norm_of(tensors);
+  if (norm > clip_norm || !std::isfinite(norm)) {
+    const double factor = clip_norm / norm;
+    for (auto* t : tensors) {
+      using T = std::remove_cvref_t<decltype(t->values()[0])>;
+      for (auto& v : t->values()) v = static_cast<T>(v * factor);
+    }
+  }
+  return norm;
+}
+
+}  // namespace detail
+
+// The global norm of a list of tensors: the norm of all their elements taken together.
+template <ElementType T>
+double global_norm(const std::vector<BasicTensor<T>>& x) {
+  std::vector<const BasicTensor<T>*> all;
+  for (const auto& t : x) all.push_back(&t);
+  return detail::global_norm_of(all);
+}
+
+// MindSpore's ops.clip_by_global_norm(x, clip_norm=1.0, use_norm=None): each tensor times
+// clip_norm / max(global_norm(x), clip_norm), so that the clipped list's global norm is at most
+// clip_norm. New tensors; x is not changed. A NaN or infinite norm goes through the same formula,
+// as in MindSpore.
+template <ElementType T>
+std::vector<BasicTensor<T>> clip_by_global_norm(const std::vector<BasicTensor<T>>& x, double clip_norm = 1.0) {
+  std::vector<BasicTensor<T>> out;
+  std::vector<BasicTensor<T>*> all;
+  out.reserve(x.size());
+  for (const auto& t : x) all.push_back(&out.emplace_back(t.clone()));
+  detail::clip_in_place(all, clip_norm);
+  return out;
+}
+
+}  // namespace duet::ops
 
 namespace duet::nn {
 
@@ -9649,6 +14108,13 @@ class WithLossCell
   Loss& loss_fn_;
 };
 
+// What a training step does besides forward, backward and update.
+struct TrainOneStepConfig {
+  // Clip the gradients to this global norm before the update (ops::clip_by_global_norm over
+  // every gradient the optimiser reads); none if empty.
+  std::optional<double> clip_global_norm;
+};
+
 // One training step per call: forward, loss, backward and the optimiser's update. In graph
 // mode the first three are one compiled graph run by one evaluator call; the update follows
 // in the same call, over the gradients that run left in the parameters.
@@ -9657,8 +14123,10 @@ class TrainOneStepCell {
   using T = typename NetWithLoss::value_type;
 
  public:
-  TrainOneStepCell(NetWithLoss& net_with_loss, Optimizer& optimizer)
-      : grad_(net_with_loss, {}, std::nullopt), optimizer_(optimizer) {}
+  TrainOneStepCell(NetWithLoss& net_with_loss, Optimizer& optimizer, TrainOneStepConfig config = {})
+      : grad_(net_with_loss, {}, std::nullopt), optimizer_(optimizer), config_(config) {
+    if (config_.clip_global_norm) ops::detail::check_clip_norm(*config_.clip_global_norm);
+  }
 
   // Returns the loss of the batch, before the update. A step that fails changes nothing. An
   // empty batch is refused: it has no gradient, yet an update would still advance the
@@ -9671,18 +14139,2185 @@ class TrainOneStepCell {
       throw ValueError("nn::TrainOneStepCell: the batch is empty; a training step needs at least one sample");
     }
     BasicTensor<T> loss = grad_.value_and_parameter_grads(xs...);
-    if (std::ranges::all_of(loss.values(), [](T v) { return std::isfinite(v); })) optimizer_.step();
+    if (!std::ranges::all_of(loss.values(), [](T v) { return std::isfinite(v); })) return loss;
+    // Clipping reads the gradients backward left, the same in both modes, so both clip alike.
+    // A gradient whose norm is not finite skips the update, as a NaN loss does; the norm is
+    // kept for the caller to see (last_global_norm).
+    if (config_.clip_global_norm) {
+      const std::uint64_t pass = duet::detail::current_backward_pass();
+      std::vector<BasicTensor<T>*> grads;
+      for (BasicParameter<T>* p : optimizer_.parameters()) {
+        if (p->has_grad_from(pass)) grads.push_back(&p->grad);
+      }
+      last_global_norm_ = ops::detail::clip_in_place(grads, *config_.clip_global_norm);
+      if (!std::isfinite(last_global_norm_)) return loss;
+    }
+    optimizer_.step();
     return loss;
   }
 
   Optimizer& optimizer() { return optimizer_; }
+  // The global norm of the last step's gradients before clipping (with clip_global_norm set).
+  double last_global_norm() const { return last_global_norm_; }
 
  private:
   GradFunction<NetWithLoss&, void> grad_;
   Optimizer& optimizer_;
+  TrainOneStepConfig config_;
+  double last_global_norm_ = 0;
 };
 
 }  // namespace duet::nn
+// Arithmetic: + - * / and the other binary elementwise functions, with numpy broadcasting,
+// between tensors and with scalars, in both modes (MindSpore's ops.add, ops.mul, ...).
+//
+// A binary function is a type with apply(a, b) and the partial derivative of each argument,
+// partial<K>(a, b). One operation, BroadcastOp<Fn>, runs any of them: its shape rule is
+// numpy's, its kernel walks the output once, and the gradient of input K is that partial
+// times the incoming gradient, summed over the axes input K was broadcast along (so that it
+// has input K's shape). With a scalar the same functions run in ScalarOp, which keeps the
+// scalar in the operation rather than in a tensor.
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstddef>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+
+
+namespace duet {
+
+namespace fn {
+
+struct Add {
+  static constexpr std::string_view name = "Add";
+  template <class T>
+  static T apply(T a, T b) {
+    return a + b;
+  }
+  template <int K, class T>
+  static T partial(T, T) {
+    return T(1);
+  }
+};
+
+struct Sub {
+  static constexpr std::string_view name = "Sub";
+  template <class T>
+  static T apply(T a, T b) {
+    return a - b;
+  }
+  template <int K, class T>
+  static T partial(T, T) {
+    return K == 0 ? T(1) : T(-1);
+  }
+};
+
+struct Mul {
+  static constexpr std::string_view name = "Mul";
+  template <class T>
+  static T apply(T a, T b) {
+    return a * b;
+  }
+  template <int K, class T>
+  static T partial(T a, T b) {
+    return K == 0 ? b : a;
+  }
+};
+
+struct Div {
+  static constexpr std::string_view name = "Div";
+  template <class T>
+  static T apply(T a, T b) {
+    return a / b;
+  }
+  template <int K, class T>
+  static T partial(T a, T b) {
+    return K == 0 ? T(1) / b : -a / (b * b);
+  }
+};
+
+// Ties send half the gradient each way, as PyTorch does: the derivative there is undefined,
+// and any other choice makes maximum(x, x) differ from x.
+struct Maximum {
+  static constexpr std::string_view name = "Maximum";
+  template <class T>
+  static T apply(T a, T b) {
+    return a != a || a > b ? a : b;  // NaN propagates from either side
+  }
+  template <int K, class T>
+  static T partial(T a, T b) {
+    if (a == b) return T(0.5);
+    return (K == 0) == (a > b) ? T(1) : T(0);
+  }
+};
+
+struct Minimum {
+  static constexpr std::string_view name = "Minimum";
+  template <class T>
+  static T apply(T a, T b) {
+    return a != a || a < b ? a : b;
+  }
+  template <int K, class T>
+  static T partial(T a, T b) {
+    if (a == b) return T(0.5);
+    return (K == 0) == (a < b) ? T(1) : T(0);
+  }
+};
+
+// a^b. d/db = a^b · log a, which is NaN for a < 0 as the real power is; at a = 0 it is 0
+// where the power itself is (b > 0), as PyTorch defines it.
+struct Pow {
+  static constexpr std::string_view name = "Pow";
+  template <class T>
+  static T apply(T a, T b) {
+    return static_cast<T>(std::pow(a, b));
+  }
+  template <int K, class T>
+  static T partial(T a, T b) {
+    if constexpr (K == 0) {
+      return b == T(0) ? T(0) : static_cast<T>(b * std::pow(a, b - T(1)));
+    } else {
+      return a == T(0) && b > T(0) ? T(0) : static_cast<T>(std::pow(a, b) * std::log(a));
+    }
+  }
+};
+
+}  // namespace fn
+
+namespace ops {
+
+// numpy's broadcasting of two shapes, aligned at their last axes: each pair of sizes must be
+// equal or one of them 1. A dynamic size matches anything, and unknown leading axes stay
+// unknown.
+constexpr ShapeResult broadcast_shapes(const Shape& a, const Shape& b) {
+  const int rank = std::max(a.rank(), b.rank());
+  std::array<index_t, max_rank> dims{};
+  bool ok = true;
+  for (int i = 1; i <= rank; ++i) {
+    const index_t da = i <= a.rank() ? a[-i] : (a.leading_unknown() ? dyn : 1);
+    const index_t db = i <= b.rank() ? b[-i] : (b.leading_unknown() ? dyn : 1);
+    index_t d = da;
+    if (da == db || db == 1) d = da;
+    else if (da == 1) d = db;
+    else if (da == dyn) d = db;
+    else if (db == dyn) d = da;
+    else ok = false;
+    dims[static_cast<std::size_t>(rank - i)] = d;
+  }
+  Shape out = a.leading_unknown() || b.leading_unknown() ? Shape::any() : Shape{};
+  for (int i = 0; i < rank; ++i) out.push_back(dims[static_cast<std::size_t>(i)]);
+  // Which input to blame: the one of lower rank, or the second.
+  if (!ok) return fault(out, ShapeFault::broadcast, 0, b.rank() <= a.rank() ? 1 : 0);
+  return {out};
+}
+
+namespace detail {
+
+// Where each output element reads an input broadcast to the output's shape: the input's
+// strides in the output's axes, 0 along broadcast axes.
+inline std::array<index_t, max_rank> broadcast_strides(const Shape& in, const Shape& out) {
+  std::array<index_t, max_rank> strides{};
+  index_t stride = 1;
+  for (int i = 1; i <= out.rank(); ++i) {
+    const std::size_t axis = static_cast<std::size_t>(out.rank() - i);
+    if (i <= in.rank() && in[-i] != 1) {
+      strides[axis] = stride;
+    }
+    if (i <= in.rank()) stride *= in[-i];
+  }
+  return strides;
+}
+
+// Calls row(first, count, start, step) for each run of output elements [first, first + count)
+// along which every input advances by a constant step: input k is read at start[k] +
+// j * step[k] for the j-th element of the run. The whole output is one run when the shapes
+// are equal, a row of the last axis otherwise.
+template <std::size_t N, class Row>
+void for_each_broadcast_row(const std::array<Shape, N>& in, const Shape& out, Row&& row) {
+  const index_t n = out.numel();
+  if (n == 0) return;
+  std::array<index_t, N> at{};
+  std::array<index_t, N> step{};
+  if (std::all_of(in.begin(), in.end(), [&](const Shape& s) { return s == out; })) {
+    step.fill(1);
+    row(index_t{0}, n, at, step);
+    return;
+  }
+  std::array<std::array<index_t, max_rank>, N> strides;
+  for (std::size_t k = 0; k < N; ++k) strides[k] = broadcast_strides(in[k], out);
+  const int rank = out.rank();
+  const index_t inner = rank == 0 ? 1 : out[-1];
+  for (std::size_t k = 0; k < N; ++k) step[k] = rank == 0 ? 0 : strides[k][static_cast<std::size_t>(rank - 1)];
+  std::array<index_t, max_rank> index{};
+  for (index_t i = 0; i < n; i += inner) {
+    row(i, inner, at, step);
+    // The odometer over the outer axes, last first.
+    for (int axis = rank - 2; axis >= 0; --axis) {
+      const std::size_t ax = static_cast<std::size_t>(axis);
+      ++index[ax];
+      for (std::size_t k = 0; k < N; ++k) at[k] += strides[k][ax];
+      if (index[ax] < out[axis]) break;
+      for (std::size_t k = 0; k < N; ++k) at[k] -= strides[k][ax] * index[ax];
+      index[ax] = 0;
+    }
+  }
+}
+
+// Calls f(i, ia, ib) for each output element i, with the elements ia and ib of the two inputs
+// it reads, in the order of the output; then done(first, count) after each run, while the run
+// is still in cache (an epilogue's pass).
+template <class F, class Done = void (*)(index_t, index_t)>
+void for_each_broadcast(const Shape& a, const Shape& b, const Shape& out, F&& f,
+                        Done&& done = [](index_t, index_t) {}) {
+  for_each_broadcast_row<2>(std::array<Shape, 2>{a, b}, out,
+                            [&](index_t first, index_t count, const std::array<index_t, 2>& start,
+                                const std::array<index_t, 2>& step) {
+                              // In runs that stay in cache until done() has seen them.
+                              constexpr index_t run = 1024;
+                              for (index_t r = 0; r < count; r += run) {
+                                const index_t end = std::min(count, r + run);
+                                for (index_t j = r; j < end; ++j) {
+                                  f(first + j, start[0] + j * step[0], start[1] + j * step[1]);
+                                }
+                                done(first + r, end - r);
+                              }
+                            });
+}
+
+}  // namespace detail
+
+template <class Fn, int K>
+struct BroadcastGradOp;
+template <class Fn, class... Epilogue>
+struct BroadcastOp;
+
+// An elementwise expression tree over the inputs of a fused operation: input I, or Fn of two
+// subtrees.
+template <int I>
+struct Arg {};
+template <class Fn, class L, class R>
+struct Apply {};
+
+namespace detail {
+
+// A run of up to `block` elements of one operand: strided in an input, contiguous in a block
+// buffer.
+template <class T>
+struct Operand {
+  const T* data;
+  index_t stride;
+  T operator[](index_t j) const { return data[j * stride]; }
+};
+
+inline constexpr index_t block = 256;
+
+// Evaluates a tree on a run of `count` (<= block) output elements, each subtree into a block
+// buffer of its own, a loop per node. Every intermediate value is stored in T before the next
+// node reads it, so the compiler cannot contract a multiply and an add into one FMA: the
+// result is the unfused operations' bit for bit, as PyNative computes them.
+template <class Tree>
+struct tree;
+template <int I>
+struct tree<Arg<I>> {
+  static constexpr std::size_t buffers = 0;
+  template <class T, std::size_t N>
+  static Operand<T> eval(const std::array<const T*, N>& in, const std::array<index_t, N>& start,
+                         const std::array<index_t, N>& step, index_t, T*, T*) {
+    return {in[I] + start[I], step[I]};
+  }
+  static std::string text() { return std::string(1, static_cast<char>('a' + I)); }
+};
+template <class Fn, class L, class R>
+struct tree<Apply<Fn, L, R>> {
+  // Blocks of scratch the subtrees need: one per inner node, the root writing to its destination.
+  static constexpr std::size_t buffers = tree<L>::buffers + tree<R>::buffers + 2;
+  template <class T, std::size_t N>
+  static Operand<T> eval(const std::array<const T*, N>& in, const std::array<index_t, N>& start,
+                         const std::array<index_t, N>& step, index_t count, T* destination, T* scratch) {
+    const Operand<T> l = tree<L>::eval(in, start, step, count, scratch, scratch + block);
+    const Operand<T> r = tree<R>::eval(in, start, step, count, scratch + block * (1 + tree<L>::buffers),
+                                       scratch + block * (2 + tree<L>::buffers));
+    for (index_t j = 0; j < count; ++j) destination[j] = Fn::apply(l[j], r[j]);
+    return {destination, 1};
+  }
+  static std::string text() { return std::string(Fn::name) + "(" + tree<L>::text() + ", " + tree<R>::text() + ")"; }
+};
+
+}  // namespace detail
+
+// A chain of binary elementwise operations fused into one pass over N inputs (Tree), then the
+// unary functions Epilogue: what fuse_epilogues makes of `x * w + b` in a graph that is not
+// differentiated, so the intermediate values are never written.
+template <std::size_t N, class Tree, class... Epilogue>
+struct ElementwiseOp : Primitive<ElementwiseOp<N, Tree, Epilogue...>> {
+  static constexpr int arity = static_cast<int>(N);
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    ShapeResult r{in[0]};
+    for (std::size_t k = 1; k < N && r.ok(); ++k) {
+      r = broadcast_shapes(r.shape, in[k]);
+      if (!r.ok()) r.input = static_cast<int>(k);
+    }
+    return r;
+  }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    std::array<const T*, N> in;
+    std::array<Shape, N> shapes;
+    for (std::size_t k = 0; k < N; ++k) {
+      in[k] = a.in<T>(k);
+      shapes[k] = a.in_shape(k);
+    }
+    T* out = a.out<T>();
+    std::array<T, detail::block * detail::tree<Tree>::buffers> scratch;
+    detail::for_each_broadcast_row<N>(
+        shapes, a.output_shape,
+        [&](index_t first, index_t count, const std::array<index_t, N>& start, const std::array<index_t, N>& step) {
+          for (index_t done = 0; done < count; done += detail::block) {
+            const index_t n = std::min(detail::block, count - done);
+            std::array<index_t, N> at = start;
+            for (std::size_t k = 0; k < N; ++k) at[k] += done * step[k];
+            detail::tree<Tree>::eval(in, at, step, n, out + first + done, scratch.data());
+            if constexpr (sizeof...(Epilogue) > 0)
+              Backend::template map<Epilogue...>(out + first + done, n, out + first + done);
+          }
+        });
+  }
+
+  // Functions with parameters (LeakyReLU's alpha) are not taken: the op holds no values
+  // for its epilogue, and would run them with their defaults.
+  template <class C>
+  static constexpr bool accepts_epilogue = requires { requires C::parameterless; };
+  template <class... Gs>
+  auto absorb(const MapOp<Gs...>&) const {
+    return ElementwiseOp<N, Tree, Epilogue..., Gs...>{};
+  }
+  // This value as input Pos of a binary elementwise operation: one more input, one more level.
+  template <int Pos, class Fn2>
+    requires(sizeof...(Epilogue) == 0)
+  auto absorb_operand(const BroadcastOp<Fn2>&) const {
+    using Other = Arg<static_cast<int>(N)>;
+    return ElementwiseOp<N + 1, std::conditional_t<Pos == 0, Apply<Fn2, Tree, Other>, Apply<Fn2, Other, Tree>>>{};
+  }
+
+  // It keeps none of the values between its steps: a graph to differentiate is not fused so.
+  static constexpr bool differentiable = false;
+
+  static std::string op_name() {
+    std::string s = "Elementwise " + detail::tree<Tree>::text();
+    ((s += " + " + std::string(Epilogue::name)), ...);
+    return s;
+  }
+};
+
+// Fn(a, b) elementwise, a and b broadcast to a common shape, then the unary functions Epilogue
+// (fuse_epilogues moves elementwise functions that follow it here, so the value is written
+// once).
+template <class Fn, class... Epilogue>
+struct BroadcastOp : Primitive<BroadcastOp<Fn, Epilogue...>> {
+  using layer_type = BroadcastOp<Fn>;
+  static constexpr int arity = 2;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return broadcast_shapes(in[0], in[1]); }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const T* x = a.in<T>(0);
+    const T* y = a.in<T>(1);
+    T* out = a.out<T>();
+    detail::for_each_broadcast(
+        a.in_shape(0), a.in_shape(1), a.output_shape,
+        [&](index_t i, index_t ia, index_t ib) { out[i] = Fn::apply(x[ia], y[ib]); },
+        [&](index_t first, index_t count) {
+          if constexpr (sizeof...(Epilogue) > 0) Backend::template map<Epilogue...>(out + first, count, out + first);
+        });
+  }
+
+  // Functions with parameters (LeakyReLU's alpha) are not taken: the op holds no values
+  // for its epilogue, and would run them with their defaults.
+  template <class C>
+  static constexpr bool accepts_epilogue = requires { requires C::parameterless; };
+  template <class... Gs>
+  auto absorb(const MapOp<Gs...>&) const {
+    return BroadcastOp<Fn, Epilogue..., Gs...>{};
+  }
+  template <int Pos, class Fn2>
+    requires(sizeof...(Epilogue) == 0)
+  auto absorb_operand(const BroadcastOp<Fn2>& next) const {
+    return ElementwiseOp<2, Apply<Fn, Arg<0>, Arg<1>>>{}.template absorb_operand<Pos>(next);
+  }
+
+  // Fused with an epilogue it keeps no value between Fn and the epilogue to differentiate from.
+  static constexpr bool differentiable = sizeof...(Epilogue) == 0;
+  template <std::size_t K>
+    requires(K < 2)
+  auto grad_op() const {
+    return BroadcastGradOp<Fn, static_cast<int>(K)>{};
+  }
+
+  static std::string op_name() {
+    std::string s(Fn::name);
+    ((s += " + " + std::string(Epilogue::name)), ...);
+    return s;
+  }
+};
+
+// d/d input K of Fn(a, b): dy · partial_K(a, b), summed over the axes input K was broadcast
+// along.
+template <class Fn, int K>
+struct BroadcastGradOp : Primitive<BroadcastGradOp<Fn, K>> {
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0, graph::Operand::input1};
+  static constexpr int arity = 3;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1 + K]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const T* dy = a.in<T>(0);
+    const T* x = a.in<T>(1);
+    const T* y = a.in<T>(2);
+    T* d = a.out<T>();
+    const Shape& target = a.in_shape(1 + K);
+    const Shape& out = a.in_shape(0);
+    if (target == out) {
+      detail::for_each_broadcast(a.in_shape(1), a.in_shape(2), out, [&](index_t i, index_t ia, index_t ib) {
+        d[i] = dy[i] * Fn::template partial<K>(x[ia], y[ib]);
+      });
+      return;
+    }
+    std::fill_n(d, target.numel(), T(0));
+    detail::for_each_broadcast(a.in_shape(1), a.in_shape(2), out, [&](index_t i, index_t ia, index_t ib) {
+      d[K == 0 ? ia : ib] += dy[i] * Fn::template partial<K>(x[ia], y[ib]);
+    });
+  }
+
+  static std::string op_name() { return std::string(Fn::name) + "Grad" + std::to_string(K); }
+};
+
+template <class Fn, bool ScalarFirst>
+struct ScalarGradOp;
+
+// Fn(x, s) (or Fn(s, x) if ScalarFirst) elementwise, s a number the operation holds.
+template <class Fn, bool ScalarFirst>
+struct ScalarOp : Primitive<ScalarOp<Fn, ScalarFirst>> {
+  static constexpr int arity = 1;
+  double scalar;
+  ScalarOp(double s) : scalar(s) {}
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const T* x = a.in<T>();
+    T* out = a.out<T>();
+    const T s = static_cast<T>(scalar);
+    const index_t n = a.in_shape().numel();
+    for (index_t i = 0; i < n; ++i) out[i] = ScalarFirst ? Fn::apply(s, x[i]) : Fn::apply(x[i], s);
+  }
+
+  template <std::size_t K>
+    requires(K == 0)
+  auto grad_op() const {
+    return ScalarGradOp<Fn, ScalarFirst>{scalar};
+  }
+
+  static std::string op_name() { return std::string(Fn::name) + (ScalarFirst ? "(scalar, x)" : "(x, scalar)"); }
+};
+
+template <class Fn, bool ScalarFirst>
+struct ScalarGradOp : Primitive<ScalarGradOp<Fn, ScalarFirst>> {
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0};
+  static constexpr int arity = 2;
+  double scalar;
+  ScalarGradOp(double s) : scalar(s) {}
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const T* dy = a.in<T>(0);
+    const T* x = a.in<T>(1);
+    T* d = a.out<T>();
+    const T s = static_cast<T>(scalar);
+    const index_t n = a.in_shape(1).numel();
+    for (index_t i = 0; i < n; ++i) {
+      d[i] = dy[i] * (ScalarFirst ? Fn::template partial<1>(s, x[i]) : Fn::template partial<0>(x[i], s));
+    }
+  }
+
+  static std::string op_name() { return std::string(Fn::name) + "ScalarGrad"; }
+};
+
+inline const bool arithmetic_listed =
+    list_operations({"add", "sub", "mul", "div", "maximum", "minimum", "pow", "neg", "add_scalar", "sub_scalar",
+                     "mul_scalar", "div_scalar", "scalar_sub", "scalar_div", "pow_scalar", "scalar_pow"});
+
+// What may stand on either side of an arithmetic operator: a tensor, a static tensor, or a
+// symbolic tensor in construct.
+template <class X>
+concept TensorLike = is_tensor_v<std::remove_cvref_t<X>> || is_static_tensor_v<std::remove_cvref_t<X>> ||
+                     nn::is_parameter_v<std::remove_cvref_t<X>> || graph::Symbolic<X>;
+
+template <class S>
+concept Scalar = std::is_arithmetic_v<std::remove_cvref_t<S>>;
+
+// What arithmetic takes: tensors and numbers, at least one a tensor.
+template <class A, class B>
+concept Operands = (TensorLike<A> || Scalar<A>) && (TensorLike<B> || Scalar<B>) && (TensorLike<A> || TensorLike<B>);
+
+// A static tensor's BasicTensor, anything else as it is.
+template <class X>
+decltype(auto) operand(const X& x) {
+  if constexpr (is_static_tensor_v<X>) return tensor_of(x);
+  else return (x);
+}
+
+// Fn(a, b) for any mix of tensors and numbers (two numbers are not an operation).
+template <class Fn, class A, class B>
+auto binary(const A& a, const B& b) {
+  if constexpr (Scalar<A>) {
+    return apply(ScalarOp<Fn, true>{static_cast<double>(a)}, operand(b));
+  } else if constexpr (Scalar<B>) {
+    return apply(ScalarOp<Fn, false>{static_cast<double>(b)}, operand(a));
+  } else {
+    static_assert(std::is_same_v<typename std::remove_cvref_t<A>::value_type, typename std::remove_cvref_t<B>::value_type>,
+                  "duet::ops: both operands of an arithmetic operation must have the same element type");
+    return apply(BroadcastOp<Fn>{}, a, b);
+  }
+}
+
+template <class A, class B>
+  requires Operands<A, B>
+auto add(const A& a, const B& b) {
+  return binary<fn::Add>(a, b);
+}
+template <class A, class B>
+  requires Operands<A, B>
+auto sub(const A& a, const B& b) {
+  return binary<fn::Sub>(a, b);
+}
+template <class A, class B>
+  requires Operands<A, B>
+auto mul(const A& a, const B& b) {
+  return binary<fn::Mul>(a, b);
+}
+template <class A, class B>
+  requires Operands<A, B>
+auto div(const A& a, const B& b) {
+  return binary<fn::Div>(a, b);
+}
+template <class A, class B>
+  requires Operands<A, B>
+auto maximum(const A& a, const B& b) {
+  return binary<fn::Maximum>(a, b);
+}
+template <class A, class B>
+  requires Operands<A, B>
+auto minimum(const A& a, const B& b) {
+  return binary<fn::Minimum>(a, b);
+}
+template <class A, class B>
+  requires Operands<A, B>
+auto pow(const A& a, const B& b) {
+  return binary<fn::Pow>(a, b);
+}
+
+template <class X>
+  requires TensorLike<X>
+auto neg(const X& x) {
+  return binary<fn::Mul>(x, -1);
+}
+
+}  // namespace ops
+
+// The operators, found by argument-dependent lookup on duet's tensors and graph::Sym.
+#define DUET_DETAIL_ARITHMETIC_OPERATOR(op, function)                                                   \
+  template <class A, class B>                                                                          \
+    requires ops::Operands<A, B>                                                                       \
+  auto operator op(const A& a, const B& b) {                                                           \
+    return ops::function(a, b);                                                                        \
+  }
+DUET_DETAIL_ARITHMETIC_OPERATOR(+, add)
+DUET_DETAIL_ARITHMETIC_OPERATOR(-, sub)
+DUET_DETAIL_ARITHMETIC_OPERATOR(*, mul)
+DUET_DETAIL_ARITHMETIC_OPERATOR(/, div)
+
+template <class X>
+  requires ops::TensorLike<X>
+auto operator-(const X& x) {
+  return ops::neg(x);
+}
+
+namespace graph {
+using duet::operator+;
+using duet::operator-;
+using duet::operator*;
+using duet::operator/;
+}  // namespace graph
+
+#undef DUET_DETAIL_ARITHMETIC_OPERATOR
+
+}  // namespace duet
+// Reductions: sum, mean, max and min over axes, with keep_dims, and argmax, argmin (MindSpore's
+// ops.sum(x, dim, keepdim), ReduceSum(keep_dims), ops.argmax), in both modes.
+//
+// Spelling. The reduced axes shape the output, and graph mode computes every node's shape
+// while the program compiles, so they are template arguments, given as tag values:
+//   ops::sum(x)                                   every axis, a scalar
+//   ops::sum(x, ops::axes<1>)                     axis 1 ([2, 3, 4] -> [2, 4])
+//   ops::mean(x, ops::axes<0, -1>, ops::keep_dims)  axes 0 and -1, kept as 1 ([2, 3, 4] -> [1, 3, 1])
+//   ops::argmax(x), ops::argmax(x, ops::axis<0>, ops::keep_dims)   one axis, -1 by default
+// Negative axes count from the end, as in numpy. The same axis twice does not compile.
+//
+// Gradients. sum and mean send the incoming gradient back along the reduced axes (mean divided
+// by the number of elements reduced). max and min send it to the elements equal to the
+// extreme; where several are, it is split evenly among them, as PyTorch's amax/amin do: any
+// other choice makes max(x) of a constant tensor depend on an arbitrary index, and splitting
+// keeps the gradient's sum equal to the incoming one. A NaN extreme sends its gradient to the
+// NaN elements. argmax and argmin make int32 indices and have no gradient: they declare
+// `differentiable = false`, so a gradient that reaches them does not compile in graph mode
+// and throws duet::ValueError in PyNative mode.
+//
+// Kernels. Both modes call the same kernel, so they agree bit for bit. Each output
+// accumulates in the element type. The input is seen as groups (one per output element),
+// after merging neighbouring axes of the same kind and dropping axes of size 1:
+//  - the reduced axes are the innermost: each group is contiguous, reduced by Eigen's
+//    vectorised reduction (per-lane partial results combined at the end: a fixed order for a
+//    given length and build);
+//  - one block of reduced axes with kept axes inside it ([outer, reduced, inner]): the output
+//    row of `inner` elements is accumulated row by row of the input, in increasing index
+//    along the reduced block, each row one vectorised pass (a strided, cache-friendly walk);
+//  - anything else (reduced axes not adjacent, as axes 0 and 2 of a 4-D tensor): each group
+//    in increasing input index, one running value.
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+
+#include <Eigen/Core>
+
+
+namespace duet {
+namespace ops {
+
+// The reduced axes, as a template value: ops::axes<1>, ops::axes<0, 2>; none means every axis.
+template <int... A>
+struct Axes {
+  static constexpr std::array<int, sizeof...(A)> values{A...};
+  static constexpr bool distinct = [] {
+    for (std::size_t i = 0; i < values.size(); ++i) {
+      for (std::size_t j = i + 1; j < values.size(); ++j) {
+        if (values[i] == values[j]) return false;
+      }
+    }
+    return true;
+  }();
+  static_assert(distinct, "duet::ops::axes: an axis is listed twice");
+};
+template <int... A>
+inline constexpr Axes<A...> axes{};
+// One axis (argmax, argmin).
+template <int A>
+inline constexpr Axes<A> axis{};
+
+// Keeps the reduced axes in the output, with size 1 (MindSpore's keep_dims=True).
+struct KeepDims {};
+inline constexpr KeepDims keep_dims{};
+
+namespace detail {
+
+// Which axes of a shape of rank `rank` the values name; false if one is out of range, with
+// `needed` the rank it would need.
+struct AxisMask {
+  std::array<bool, max_rank> reduced{};
+  bool ok = true;
+  index_t needed = 0;
+};
+
+template <std::size_t N>
+constexpr AxisMask axis_mask(int rank, const std::array<int, N>& values) {
+  AxisMask m;
+  if constexpr (N == 0) {
+    for (int i = 0; i < rank; ++i) m.reduced[static_cast<std::size_t>(i)] = true;
+  }
+  for (int a : values) {
+    const int normal = a < 0 ? a + rank : a;
+    if (normal < 0 || normal >= rank) {
+      m.ok = false;
+      m.needed = std::max<index_t>(m.needed, a < 0 ? -a : a + 1);
+      continue;
+    }
+    m.reduced[static_cast<std::size_t>(normal)] = true;
+  }
+  return m;
+}
+
+// The output shape of reducing `in` over `values` (every axis if none). An input of unknown
+// leading axes gives a scalar when every axis is reduced without keep_dims, its known
+// trailing axes when the axes are negative and among them, and an unknown shape otherwise.
+// NonEmpty: the reduction has no identity (max, min, argmax), so a reduced axis of size 0 is
+// refused.
+template <std::size_t N>
+constexpr ShapeResult reduced_shape(const Shape& in, const std::array<int, N>& values, bool keep, bool non_empty) {
+  if (in.leading_unknown()) {
+    if (N == 0) return {keep ? Shape::any() : Shape{}};
+    for (int a : values) {
+      if (a >= 0 || -a > in.rank()) return {Shape::any()};
+    }
+  }
+  const AxisMask m = axis_mask(in.rank(), values);
+  if (!m.ok) return fault(Shape::any(), ShapeFault::min_rank, m.needed);
+  Shape out = in.leading_unknown() ? Shape::any() : Shape{};
+  bool empty = false;
+  for (int i = 0; i < in.rank(); ++i) {
+    if (!m.reduced[static_cast<std::size_t>(i)]) out.push_back(in[i]);
+    else {
+      empty = empty || in[i] == 0;
+      if (keep) out.push_back(1);
+    }
+  }
+  if (non_empty && empty) return fault(out, ShapeFault::empty_reduction, 0);
+  return {out};
+}
+
+// A reduction of a concrete shape, as groups of input elements, one group per output element
+// in the output's order. Neighbouring axes of the same kind are merged and axes of size 1
+// dropped; the lists are innermost first, each axis with its stride in the input.
+struct ReduceLayout {
+  std::array<index_t, max_rank> kept_size{}, kept_stride{}, red_size{}, red_stride{};
+  int kept = 0;
+  int red = 0;
+  index_t outputs = 1;
+  index_t group = 1;
+
+  // Each group contiguous: the reduced axes are the innermost.
+  bool contiguous() const { return red == 1 && red_stride[0] == 1; }
+  // [outer, reduced, inner]: one block of reduced axes, the innermost axis kept.
+  bool strided() const { return red == 1 && kept >= 1 && kept_stride[0] == 1 && kept <= 2; }
+  index_t inner() const { return kept_size[0]; }
+
+  // f(j, base) for each output j, base the offset of its group's first element.
+  template <class F>
+  void for_each_group(F&& f) const {
+    std::array<index_t, max_rank> index{};
+    index_t base = 0;
+    for (index_t j = 0; j < outputs; ++j) {
+      f(j, base);
+      for (int a = 0; a < kept; ++a) {
+        const std::size_t ax = static_cast<std::size_t>(a);
+        base += kept_stride[ax];
+        if (++index[ax] < kept_size[ax]) break;
+        base -= kept_stride[ax] * index[ax];
+        index[ax] = 0;
+      }
+    }
+  }
+
+  // f(offset) for each element of a group, in increasing input index (offsets from its base).
+  template <class F>
+  void for_each_in_group(F&& f) const {
+    if (red <= 1) {
+      const index_t stride = red == 0 ? 0 : red_stride[0];
+      for (index_t r = 0; r < group; ++r) f(r * stride);
+      return;
+    }
+    std::array<index_t, max_rank> index{};
+    index_t offset = 0;
+    for (index_t r = 0; r < group; ++r) {
+      f(offset);
+      for (int a = 0; a < red; ++a) {
+        const std::size_t ax = static_cast<std::size_t>(a);
+        offset += red_stride[ax];
+        if (++index[ax] < red_size[ax]) break;
+        offset -= red_stride[ax] * index[ax];
+        index[ax] = 0;
+      }
+    }
+  }
+};
+
+inline ReduceLayout reduce_layout(const Shape& in, const AxisMask& m) {
+  ReduceLayout l;
+  index_t stride = 1;
+  int last_kind = -1;  // 0 kept, 1 reduced: the kind of the entry appended last
+  for (int i = in.rank() - 1; i >= 0; --i) {
+    const index_t d = in[i];
+    const bool reduced = m.reduced[static_cast<std::size_t>(i)];
+    if (reduced) l.group *= d;
+    else l.outputs *= d;
+    if (d != 1) {
+      auto& size = reduced ? l.red_size : l.kept_size;
+      auto& strides = reduced ? l.red_stride : l.kept_stride;
+      int& count = reduced ? l.red : l.kept;
+      if (last_kind == static_cast<int>(reduced)) {
+        size[static_cast<std::size_t>(count - 1)] *= d;
+      } else {
+        size[static_cast<std::size_t>(count)] = d;
+        strides[static_cast<std::size_t>(count)] = stride;
+        ++count;
+        last_kind = static_cast<int>(reduced);
+      }
+    }
+    stride *= d;
+  }
+  return l;
+}
+
+template <class T>
+using ArrayMap = ::Eigen::Map<::Eigen::Array<T, ::Eigen::Dynamic, 1>>;
+template <class T>
+using ConstArrayMap = ::Eigen::Map<const ::Eigen::Array<T, ::Eigen::Dynamic, 1>>;
+
+// What each reduction does with one group: its first element, then combine with each next.
+struct SumReducer {
+  static constexpr std::string_view name = "ReduceSum";
+  static constexpr bool mean = false;
+  static constexpr bool non_empty = false;
+  template <class T>
+  static T combine(T a, T b) {
+    return a + b;
+  }
+  template <class T>
+  static T redux(const ConstArrayMap<T>& g) {
+    return g.sum();
+  }
+  template <class T>
+  static void combine_rows(ArrayMap<T>& acc, const ConstArrayMap<T>& row) {
+    acc += row;
+  }
+};
+
+struct MeanReducer : SumReducer {
+  static constexpr std::string_view name = "ReduceMean";
+  static constexpr bool mean = true;
+};
+
+struct MaxReducer {
+  static constexpr std::string_view name = "ReduceMax";
+  static constexpr bool mean = false;
+  static constexpr bool non_empty = true;
+  template <class T>
+  static T combine(T a, T b) {
+    return fn::Maximum::apply(a, b);
+  }
+  template <class T>
+  static T redux(const ConstArrayMap<T>& g) {
+    return g.template maxCoeff<::Eigen::PropagateNaN>();
+  }
+  template <class T>
+  static void combine_rows(ArrayMap<T>& acc, const ConstArrayMap<T>& row) {
+    acc = acc.binaryExpr(row, ::Eigen::internal::scalar_max_op<T, T, ::Eigen::PropagateNaN>());
+  }
+};
+
+struct MinReducer {
+  static constexpr std::string_view name = "ReduceMin";
+  static constexpr bool mean = false;
+  static constexpr bool non_empty = true;
+  template <class T>
+  static T combine(T a, T b) {
+    return fn::Minimum::apply(a, b);
+  }
+  template <class T>
+  static T redux(const ConstArrayMap<T>& g) {
+    return g.template minCoeff<::Eigen::PropagateNaN>();
+  }
+  template <class T>
+  static void combine_rows(ArrayMap<T>& acc, const ConstArrayMap<T>& row) {
+    acc = acc.binaryExpr(row, ::Eigen::internal::scalar_min_op<T, T, ::Eigen::PropagateNaN>());
+  }
+};
+
+template <class AxesT, bool Keep>
+std::string reduce_name(std::string_view op) {
+  std::string s(op);
+  s += "(axis=";
+  if (AxesT::values.empty()) s += "all";
+  for (std::size_t i = 0; i < AxesT::values.size(); ++i) s += (i ? "," : "") + std::to_string(AxesT::values[i]);
+  return s + (Keep ? ", keep_dims)" : ")");
+}
+
+}  // namespace detail
+
+template <class Reducer, class AxesT, bool Keep>
+struct ReduceGradOp;
+
+// Reducer over the axes AxesT (every axis if empty), the reduced axes kept as 1 if Keep.
+template <class Reducer, class AxesT, bool Keep>
+struct ReduceOp : Primitive<ReduceOp<Reducer, AxesT, Keep>> {
+  static constexpr int arity = 1;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    return detail::reduced_shape(in[0], AxesT::values, Keep, Reducer::non_empty);
+  }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const T* x = a.in<T>();
+    T* out = a.out<T>();
+    const Shape& in = a.in_shape();
+    const detail::ReduceLayout l = detail::reduce_layout(in, detail::axis_mask(in.rank(), AxesT::values));
+    if (l.outputs == 0) return;
+    if (l.group == 0) {
+      // Only sum and mean get here (the rule refuses an empty max): 0, and 0/0 for the mean.
+      std::fill_n(out, l.outputs, Reducer::mean ? std::numeric_limits<T>::quiet_NaN() : T(0));
+      return;
+    }
+    if (l.contiguous()) {
+      for (index_t j = 0; j < l.outputs; ++j) out[j] = Reducer::redux(detail::ConstArrayMap<T>(x + j * l.group, l.group));
+    } else if (l.strided()) {
+      const index_t inner = l.inner();
+      const index_t outer = l.outputs / inner;
+      for (index_t o = 0; o < outer; ++o) {
+        const T* block = x + o * l.group * inner;
+        detail::ArrayMap<T> acc(out + o * inner, inner);
+        acc = detail::ConstArrayMap<T>(block, inner);
+        for (index_t r = 1; r < l.group; ++r) Reducer::combine_rows(acc, detail::ConstArrayMap<T>(block + r * inner, inner));
+      }
+    } else {
+      l.for_each_group([&](index_t j, index_t base) {
+        bool first = true;
+        T acc{};
+        l.for_each_in_group([&](index_t off) {
+          acc = first ? x[base + off] : Reducer::combine(acc, x[base + off]);
+          first = false;
+        });
+        out[j] = acc;
+      });
+    }
+    if constexpr (Reducer::mean) {
+      const T count = static_cast<T>(l.group);
+      for (index_t j = 0; j < l.outputs; ++j) out[j] /= count;
+    }
+  }
+
+  template <std::size_t K>
+    requires(K == 0)
+  auto grad_op() const {
+    return ReduceGradOp<Reducer, AxesT, Keep>{};
+  }
+
+  static std::string op_name() { return detail::reduce_name<AxesT, Keep>(Reducer::name); }
+};
+
+// d/dx of a reduction: sum and mean spread dy over each group (mean divided by its size);
+// max and min send it to the elements equal to the extreme, split evenly among ties.
+template <class Reducer, class AxesT, bool Keep>
+struct ReduceGradOp : Primitive<ReduceGradOp<Reducer, AxesT, Keep>> {
+  static constexpr bool extreme = Reducer::non_empty;
+  static constexpr auto reads = [] {
+    if constexpr (extreme) return std::array{graph::Operand::grad, graph::Operand::input0, graph::Operand::output};
+    else return std::array{graph::Operand::grad, graph::Operand::input0};
+  }();
+  static constexpr int arity = static_cast<int>(reads.size());
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const T* dy = a.in<T>(0);
+    const T* x = a.in<T>(1);
+    T* d = a.out<T>();
+    const Shape& in = a.in_shape(1);
+    const detail::ReduceLayout l = detail::reduce_layout(in, detail::axis_mask(in.rank(), AxesT::values));
+    if (l.outputs == 0 || l.group == 0) return;
+    if constexpr (extreme) {
+      const T* y = a.in<T>(2);
+      l.for_each_group([&](index_t j, index_t base) {
+        const T m = y[j];
+        const bool nan = m != m;
+        auto hit = [&](T v) { return v == m || (nan && v != v); };
+        index_t ties = 0;
+        l.for_each_in_group([&](index_t off) { ties += hit(x[base + off]) ? 1 : 0; });
+        const T share = dy[j] / static_cast<T>(ties);
+        l.for_each_in_group([&](index_t off) { d[base + off] = hit(x[base + off]) ? share : T(0); });
+      });
+    } else {
+      const T scale = Reducer::mean ? T(1) / static_cast<T>(l.group) : T(1);
+      if (l.contiguous()) {
+        for (index_t j = 0; j < l.outputs; ++j) std::fill_n(d + j * l.group, l.group, dy[j] * scale);
+      } else if (l.strided()) {
+        const index_t inner = l.inner();
+        for (index_t o = 0; o < l.outputs / inner; ++o) {
+          const detail::ConstArrayMap<T> g(dy + o * inner, inner);
+          for (index_t r = 0; r < l.group; ++r) detail::ArrayMap<T>(d + (o * l.group + r) * inner, inner) = g * scale;
+        }
+      } else {
+        l.for_each_group([&](index_t j, index_t base) {
+          l.for_each_in_group([&](index_t off) { d[base + off] = dy[j] * scale; });
+        });
+      }
+    }
+  }
+
+  static std::string op_name() { return detail::reduce_name<AxesT, Keep>(Reducer::name) + "Grad"; }
+};
+
+// The index of the first largest (smallest) element along one axis, as int32 (numpy's and
+// MindSpore's choice on ties); a NaN counts as the largest and the smallest, as in numpy. In
+// is the input's element type: the kernel is instantiated for the output's (int32).
+template <bool Max, int Axis, bool Keep, class In>
+struct ArgExtremeOp : Primitive<ArgExtremeOp<Max, Axis, Keep, In>> {
+  using value_type = std::int32_t;
+  static constexpr int arity = 1;
+  static constexpr bool differentiable = false;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    return detail::reduced_shape(in[0], std::array<int, 1>{Axis}, Keep, true);
+  }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const In* x = a.in<In>();
+    T* out = a.out<T>();
+    const Shape& in = a.in_shape();
+    const int axis = Axis < 0 ? Axis + in.rank() : Axis;
+    const index_t size = in[axis];
+    const index_t inner = in.numel_from(axis + 1);
+    const index_t outer = inner == 0 || size == 0 ? 0 : in.numel() / (size * inner);
+    auto better = [](In v, In best) { return (v != v && best == best) || (Max ? v > best : v < best); };
+    for (index_t o = 0; o < outer; ++o) {
+      const In* block = x + o * size * inner;
+      T* idx = out + o * inner;
+      std::fill_n(idx, inner, T(0));
+      // Along the axis outermost, so that each step reads a contiguous row of the input.
+      for (index_t r = 1; r < size; ++r) {
+        for (index_t i = 0; i < inner; ++i) {
+          if (better(block[r * inner + i], block[idx[i] * inner + i])) idx[i] = static_cast<T>(r);
+        }
+      }
+    }
+  }
+
+  static std::string op_name() {
+    return std::string(Max ? "Argmax" : "Argmin") + "(axis=" + std::to_string(Axis) + (Keep ? ", keep_dims)" : ")");
+  }
+};
+
+inline const bool reduction_listed = list_operations({"sum", "mean", "max", "min", "argmax", "argmin"});
+
+namespace detail {
+
+template <class X>
+using element_of = typename std::remove_cvref_t<X>::value_type;
+
+template <class Reducer, class X, class AxesT, class... Keep>
+auto reduce(const X& x, AxesT, Keep...) {
+  static_assert(sizeof...(Keep) <= 1 && (std::is_same_v<Keep, KeepDims> && ...),
+                "duet::ops: a reduction takes the tensor, then optionally ops::axes<...>, then optionally ops::keep_dims");
+  return apply(ReduceOp<Reducer, AxesT, sizeof...(Keep) == 1>{}, operand(x));
+}
+
+template <bool Max, class X, int A, class... Keep>
+auto arg_extreme(const X& x, Axes<A>, Keep...) {
+  static_assert(sizeof...(Keep) <= 1 && (std::is_same_v<Keep, KeepDims> && ...),
+                "duet::ops: argmax and argmin take the tensor, then optionally ops::axis<A>, then optionally ops::keep_dims");
+  return apply(ArgExtremeOp<Max, A, sizeof...(Keep) == 1, element_of<X>>{}, operand(x));
+}
+
+}  // namespace detail
+
+// sum(x), sum(x, keep_dims), sum(x, axes<...>), sum(x, axes<...>, keep_dims); the same for
+// mean, max and min.
+#define DUET_DETAIL_REDUCTION(name, Reducer)                           \
+  template <TensorLike X, int... A, class... Keep>                     \
+  auto name(const X& x, Axes<A...> a, Keep... keep) {                  \
+    return detail::reduce<detail::Reducer>(x, a, keep...);             \
+  }                                                                    \
+  template <TensorLike X, class... Keep>                               \
+    requires((std::is_same_v<Keep, KeepDims> && ...))                  \
+  auto name(const X& x, Keep... keep) {                                \
+    return detail::reduce<detail::Reducer>(x, Axes<>{}, keep...);      \
+  }
+DUET_DETAIL_REDUCTION(sum, SumReducer)
+DUET_DETAIL_REDUCTION(mean, MeanReducer)
+DUET_DETAIL_REDUCTION(max, MaxReducer)
+DUET_DETAIL_REDUCTION(min, MinReducer)
+#undef DUET_DETAIL_REDUCTION
+
+// argmax(x) (axis -1, MindSpore's ops.Argmax default), argmax(x, axis<A>), with keep_dims.
+template <TensorLike X, int A = -1, class... Keep>
+auto argmax(const X& x, Axes<A> a = {}, Keep... keep) {
+  return detail::arg_extreme<true>(x, a, keep...);
+}
+template <TensorLike X, int A = -1, class... Keep>
+auto argmin(const X& x, Axes<A> a = {}, Keep... keep) {
+  return detail::arg_extreme<false>(x, a, keep...);
+}
+
+}  // namespace ops
+}  // namespace duet
+// Matrix products: ops::matmul(a, b) with numpy's and MindSpore's semantics, and with
+// MindSpore's BatchMatMul(transpose_a, transpose_b) flags, in both modes.
+//
+//   ops::matmul(a, b)                          [..., m, k] · [..., k, n] -> [..., m, n]
+//   ops::matmul(a, b, ops::transpose_a)        a given as [..., k, m]
+//   ops::matmul(a, b, ops::transpose_b)        b given as [..., n, k] (a weight as [out, in])
+//   ops::matmul(a, b, ops::transpose_a, ops::transpose_b)
+// The batch axes (all but the last two) broadcast as numpy's do. A 1-D a is a row [1, k] and a
+// 1-D b a column [k, 1], the added axis dropped from the result (numpy's rule; a transpose of
+// a 1-D input is refused). The flags are tags, so the operation's type carries them and graph
+// mode computes the output's static shape, and checks the inner dimensions, at compile time:
+// a mismatch names both shapes.
+//
+// Gradients, C = op(A)·op(B), each summed over the batch axes its input was broadcast along:
+//   no transposes: dA = dC·Bᵀ,     dB = Aᵀ·dC
+//   transpose_a:   dA = B·dCᵀ,     dB = A·dC
+//   transpose_b:   dA = dC·B,      dB = dCᵀ·A
+//   both:          dA = Bᵀ·dCᵀ,    dB = dCᵀ·Aᵀ
+// Each is a product of the same kind, so one kernel serves the forward and both gradients.
+//
+// Kernel: each 2-D product X'·Y' (X' = X or Xᵀ as stored, the same for Y) takes
+//  - duet's GEMM (the backend's dense(), kernels::gemm in backend::Native) when X' = X and
+//    Y' = Yᵀ, and the result is written rather than added to: that is gemm's layout, C = A·Bᵀ
+//    with both row-major, and it applies to the forward product with transpose_b (a weight as
+//    [out, in]), and to dA of the product without transposes (dC·Bᵀ), the gradient a
+//    network's layers take most;
+//  - an Eigen product on Maps of the row-major storage otherwise (Xᵀ or a plain Y, and
+//    gradients summed over broadcast batch axes, which add into the output): Eigen reads a
+//    transposed Map in place, where gemm would need a transposed copy of the operand.
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <span>
+#include <string>
+#include <tuple>
+#include <type_traits>
+
+#include <Eigen/Core>
+
+
+namespace duet {
+namespace ops {
+
+struct TransposeA {};
+struct TransposeB {};
+// MindSpore's BatchMatMul(transpose_a=True) and (transpose_b=True), as tags.
+inline constexpr TransposeA transpose_a{};
+inline constexpr TransposeB transpose_b{};
+
+namespace detail {
+
+// The axes of s before its last `matrix` axes, unknown leading axes kept unknown.
+constexpr Shape batch_of(const Shape& s, int matrix) {
+  Shape b = s.leading_unknown() ? Shape::any() : Shape{};
+  for (int i = 0; i + matrix < s.rank(); ++i) b.push_back(s[i]);
+  return b;
+}
+
+// An operand as a batch of stored matrices: a 1-D a is one row, a 1-D b one column.
+struct MatrixView {
+  Shape batch;
+  index_t rows = 0;
+  index_t cols = 0;
+};
+
+constexpr MatrixView matrix_view(const Shape& s, bool first) {
+  if (s.rank() == 1 && !s.leading_unknown()) return first ? MatrixView{Shape{}, 1, s[0]} : MatrixView{Shape{}, s[0], 1};
+  return {batch_of(s, 2), s[-2], s[-1]};
+}
+
+template <bool TA, bool TB>
+constexpr ShapeResult matmul_shape(const Shape& a, const Shape& b) {
+  // An unknown rank might be 1 or more: nothing is known of the result.
+  if ((a.leading_unknown() && a.rank() < 2) || (b.leading_unknown() && b.rank() < 2)) return {Shape::any()};
+  for (int k = 0; k < 2; ++k) {
+    const Shape& s = k == 0 ? a : b;
+    const bool transposed = k == 0 ? TA : TB;
+    if (s.rank() < (transposed ? 2 : 1)) return fault(Shape::any(), ShapeFault::min_rank, transposed ? 2 : 1, k);
+  }
+  const MatrixView va = matrix_view(a, true), vb = matrix_view(b, false);
+  const index_t m = TA ? va.cols : va.rows, ka = TA ? va.rows : va.cols;
+  const index_t kb = TB ? vb.cols : vb.rows, n = TB ? vb.rows : vb.cols;
+  const ShapeResult batch = broadcast_shapes(va.batch, vb.batch);
+  Shape out = batch.shape;
+  if (a.rank() > 1) out.push_back(m);
+  if (b.rank() > 1) out.push_back(n);
+  if (ka != kb && ka != dyn && kb != dyn) return fault(out, ShapeFault::inner_dimensions, 0, 1);
+  if (!batch.ok()) return fault(out, ShapeFault::broadcast, 0, batch.input);
+  return {out};
+}
+
+// c (+)= X'·Y', X stored [xr, xc] and Y [yr, yc], row-major; X' is Xᵀ if tx, Y' is Yᵀ if ty.
+template <class Backend, class T>
+void product(const T* x, index_t xr, index_t xc, bool tx, const T* y, index_t yr, index_t yc, bool ty, T* c,
+             bool accumulate) {
+  const index_t m = tx ? xc : xr, k = tx ? xr : xc, n = ty ? yr : yc;
+  if (m == 0 || n == 0) return;
+  if (k == 0) {
+    if (!accumulate) std::fill_n(c, m * n, T(0));
+    return;
+  }
+  if (!tx && ty && !accumulate) {
+    Backend::template dense<dyn, dyn>(x, m, k, y, n, Epilogue<T>{}, c);
+    return;
+  }
+  using Matrix = backend::detail::RowMajorMatrix<T, dyn, dyn>;
+  const ::Eigen::Map<const Matrix> X(x, xr, xc), Y(y, yr, yc);
+  ::Eigen::Map<Matrix> C(c, m, n);
+  auto store = [&](const auto& p) {
+    if (accumulate) C.noalias() += p;
+    else C.noalias() = p;
+  };
+  if (tx && ty) store(X.transpose() * Y.transpose());
+  else if (tx) store(X.transpose() * Y);
+  else if (ty) store(X * Y.transpose());
+  else store(X * Y);
+}
+
+// The products of a batch: for each batch index of the result of broadcasting a's and b's
+// batches, f(i, ia, ib) with the matrix indices of the result, a and b.
+template <class F>
+void for_each_batch(const MatrixView& a, const MatrixView& b, F&& f) {
+  const Shape out = broadcast_shapes(a.batch, b.batch).shape;
+  for_each_broadcast(a.batch, b.batch, out, f);
+}
+
+}  // namespace detail
+
+template <bool TA, bool TB, int K>
+struct BatchMatMulGradOp;
+
+template <bool TA, bool TB>
+struct BatchMatMulOp : Primitive<BatchMatMulOp<TA, TB>> {
+  static constexpr int arity = 2;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return detail::matmul_shape<TA, TB>(in[0], in[1]); }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const auto va = detail::matrix_view(a.in_shape(0), true), vb = detail::matrix_view(a.in_shape(1), false);
+    const T* x = a.in<T>(0);
+    const T* y = a.in<T>(1);
+    T* c = a.out<T>();
+    const index_t m = TA ? va.cols : va.rows, n = TB ? vb.rows : vb.cols;
+    const index_t sa = va.rows * va.cols, sb = vb.rows * vb.cols;
+    detail::for_each_batch(va, vb, [&](index_t i, index_t ia, index_t ib) {
+      detail::product<Backend>(x + ia * sa, va.rows, va.cols, TA, y + ib * sb, vb.rows, vb.cols, TB, c + i * m * n,
+                               false);
+    });
+  }
+
+  template <std::size_t K>
+    requires(K < 2)
+  auto grad_op() const {
+    return BatchMatMulGradOp<TA, TB, static_cast<int>(K)>{};
+  }
+
+  static std::string op_name() {
+    return std::string("BatchMatMul") + (TA ? "(transpose_a" : "") + (TA && TB ? ", " : TB ? "(" : "") +
+           (TB ? "transpose_b" : "") + (TA || TB ? ")" : "");
+  }
+};
+
+// d/d input K of op(A)·op(B), by the table at the top of this header, summed over the batch
+// axes input K was broadcast along.
+template <bool TA, bool TB, int K>
+struct BatchMatMulGradOp : Primitive<BatchMatMulGradOp<TA, TB, K>> {
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0, graph::Operand::input1};
+  static constexpr int arity = 3;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1 + K]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const auto va = detail::matrix_view(a.in_shape(1), true), vb = detail::matrix_view(a.in_shape(2), false);
+    const T* dc = a.in<T>(0);
+    const T* x = a.in<T>(1);
+    const T* y = a.in<T>(2);
+    T* d = a.out<T>();
+    const index_t m = TA ? va.cols : va.rows, n = TB ? vb.rows : vb.cols;
+    const index_t sa = va.rows * va.cols, sb = vb.rows * vb.cols;
+    const detail::MatrixView& target = K == 0 ? va : vb;
+    const Shape out_batch = broadcast_shapes(va.batch, vb.batch).shape;
+    // Each target matrix is written once unless its input was broadcast along batch axes.
+    const bool accumulate = target.batch.numel() != out_batch.numel();
+    if (accumulate) std::fill_n(d, a.in_shape(1 + K).numel(), T(0));
+    detail::for_each_batch(va, vb, [&](index_t i, index_t ia, index_t ib) {
+      const T* g = dc + i * m * n;
+      const T* A = x + ia * sa;
+      const T* B = y + ib * sb;
+      if constexpr (K == 0) {
+        T* out = d + ia * sa;
+        if constexpr (!TA && !TB) detail::product<Backend>(g, m, n, false, B, vb.rows, vb.cols, true, out, accumulate);
+        else if constexpr (TA && !TB) detail::product<Backend>(B, vb.rows, vb.cols, false, g, m, n, true, out, accumulate);
+        else if constexpr (!TA && TB) detail::product<Backend>(g, m, n, false, B, vb.rows, vb.cols, false, out, accumulate);
+        else detail::product<Backend>(B, vb.rows, vb.cols, true, g, m, n, true, out, accumulate);
+      } else {
+        T* out = d + ib * sb;
+        if constexpr (!TA && !TB) detail::product<Backend>(A, va.rows, va.cols, true, g, m, n, false, out, accumulate);
+        else if constexpr (TA && !TB) detail::product<Backend>(A, va.rows, va.cols, false, g, m, n, false, out, accumulate);
+        else if constexpr (!TA && TB) detail::product<Backend>(g, m, n, true, A, va.rows, va.cols, false, out, accumulate);
+        else detail::product<Backend>(g, m, n, true, A, va.rows, va.cols, true, out, accumulate);
+      }
+    });
+  }
+
+  static std::string op_name() { return BatchMatMulOp<TA, TB>::op_name() + "Grad" + std::to_string(K); }
+};
+
+inline const bool matmul_listed = list_operations({"matmul"});
+
+template <TensorLike A, TensorLike B, class... Flags>
+auto matmul(const A& a, const B& b, Flags...) {
+  using F = std::tuple<Flags...>;
+  static_assert(std::is_same_v<F, std::tuple<>> || std::is_same_v<F, std::tuple<TransposeA>> ||
+                    std::is_same_v<F, std::tuple<TransposeB>> || std::is_same_v<F, std::tuple<TransposeA, TransposeB>>,
+                "duet::ops::matmul: the flags are ops::transpose_a, ops::transpose_b or both, in that order");
+  constexpr bool ta = (std::is_same_v<Flags, TransposeA> || ...);
+  constexpr bool tb = (std::is_same_v<Flags, TransposeB> || ...);
+  static_assert(std::is_same_v<typename A::value_type, typename B::value_type>,
+                "duet::ops::matmul: both factors must have the same element type");
+  return apply(BatchMatMulOp<ta, tb>{}, a, b);
+}
+
+}  // namespace ops
+}  // namespace duet
+// softmax and log_softmax along one axis (MindSpore's ops.softmax(x, axis=-1),
+// ops.log_softmax, nn.Softmax(axis), nn.LogSoftmax(axis)), in both modes.
+//
+// The axis is a member of the operation, not a template argument as the reductions' axes are:
+// the output has the input's shape whatever the axis, so graph mode needs it only when the
+// kernel runs, and nn::Softmax(axis) takes it at run time as MindSpore's does. Its range is
+// checked against the input's rank where the rule runs on concrete shapes (ShapeError).
+//
+// Numerically stable: each slice has its maximum m subtracted before exp, so the largest term
+// is exp(0) = 1 and logits of 1000 give no inf or NaN; log_softmax is x - m - log Σ exp(x - m),
+// never the log of a rounded-to-zero probability. Gradients come from the output y:
+//   softmax:     dx = y · (dy - Σ dy·y)
+//   log_softmax: dx = dy - exp(y) · Σ dy
+// The kernels use the reductions' layout ([outer, axis, inner]): a contiguous slice per row
+// when the axis is the last one (Eigen's vectorised exp and sums), otherwise a row of `inner`
+// elements at a time along the axis, with the running maximum and sum in a per-thread scratch
+// row that stops growing once it has the largest size seen (no allocation per call once warm).
+
+#include <cmath>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <Eigen/Core>
+
+
+namespace duet {
+namespace ops {
+
+namespace detail {
+
+// [outer, size, inner] around one axis of a concrete shape.
+struct AxisLayout {
+  index_t outer = 0;
+  index_t size = 0;
+  index_t inner = 0;
+};
+
+inline AxisLayout axis_layout(const Shape& s, int axis) {
+  const int a = axis < 0 ? axis + s.rank() : axis;
+  AxisLayout l{1, s[a], s.numel_from(a + 1)};
+  for (int i = 0; i < a; ++i) l.outer *= s[i];
+  return l;
+}
+
+template <class T>
+T* scratch_row(index_t n) {
+  thread_local std::vector<T> row;
+  if (row.size() < static_cast<std::size_t>(n)) row.resize(static_cast<std::size_t>(n));
+  return row.data();
+}
+
+template <class Self>
+struct AxisMember {
+  int axis = -1;
+
+  ShapeResult infer(std::span<const Shape> in) const {
+    const Shape& x = in[0];
+    if (!x.leading_unknown() && (axis >= x.rank() || axis < -x.rank())) {
+      return fault(x, ShapeFault::min_rank, axis < 0 ? -axis : axis + 1);
+    }
+    return {x};
+  }
+  std::string label() const { return Self::op_name() + "(axis=" + std::to_string(axis) + ")"; }
+};
+
+}  // namespace detail
+
+template <bool Log>
+struct SoftmaxGradOp;
+
+template <bool Log>
+struct SoftmaxOp : Primitive<SoftmaxOp<Log>>, detail::AxisMember<SoftmaxOp<Log>> {
+  using detail::AxisMember<SoftmaxOp<Log>>::infer;
+  using detail::AxisMember<SoftmaxOp<Log>>::label;
+  static constexpr int arity = 1;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    using detail::ArrayMap;
+    using detail::ConstArrayMap;
+    const auto l = detail::axis_layout(a.in_shape(), this->axis);
+    const T* x = a.in<T>();
+    T* y = a.out<T>();
+    if (l.size == 0 || l.inner == 0) return;
+    const index_t block = l.size * l.inner;
+    if (l.inner == 1) {
+      for (index_t o = 0; o < l.outer; ++o) {
+        const ConstArrayMap<T> xs(x + o * block, l.size);
+        ArrayMap<T> ys(y + o * block, l.size);
+        const T m = xs.template maxCoeff<::Eigen::PropagateNaN>();
+        ys = (xs - m).exp();
+        const T s = ys.sum();
+        if constexpr (Log) ys = xs - m - std::log(s);
+        else ys /= s;
+      }
+      return;
+    }
+    T* scratch = detail::scratch_row<T>(2 * l.inner);
+    ArrayMap<T> m(scratch, l.inner), s(scratch + l.inner, l.inner);
+    for (index_t o = 0; o < l.outer; ++o) {
+      const T* xb = x + o * block;
+      T* yb = y + o * block;
+      auto row = [&](index_t r) { return ConstArrayMap<T>(xb + r * l.inner, l.inner); };
+      auto out = [&](index_t r) { return ArrayMap<T>(yb + r * l.inner, l.inner); };
+      m = row(0);
+      for (index_t r = 1; r < l.size; ++r) m = m.binaryExpr(row(r), ::Eigen::internal::scalar_max_op<T, T, ::Eigen::PropagateNaN>());
+      s.setZero();
+      for (index_t r = 0; r < l.size; ++r) {
+        auto yr = out(r);
+        yr = (row(r) - m).exp();
+        s += yr;
+      }
+      if constexpr (Log) {
+        s = m + s.log();
+        for (index_t r = 0; r < l.size; ++r) out(r) = row(r) - s;
+      } else {
+        for (index_t r = 0; r < l.size; ++r) out(r) /= s;
+      }
+    }
+  }
+
+  template <std::size_t K>
+    requires(K == 0)
+  auto grad_op() const {
+    return SoftmaxGradOp<Log>{{}, {this->axis}};
+  }
+
+  static std::string op_name() { return Log ? "LogSoftmax" : "Softmax"; }
+};
+
+template <bool Log>
+struct SoftmaxGradOp : Primitive<SoftmaxGradOp<Log>>, detail::AxisMember<SoftmaxGradOp<Log>> {
+  using detail::AxisMember<SoftmaxGradOp<Log>>::infer;
+  using detail::AxisMember<SoftmaxGradOp<Log>>::label;
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::output};
+  static constexpr int arity = 2;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    using detail::ArrayMap;
+    using detail::ConstArrayMap;
+    const auto l = detail::axis_layout(a.in_shape(), this->axis);
+    const T* dy = a.in<T>(0);
+    const T* y = a.in<T>(1);
+    T* dx = a.out<T>();
+    if (l.size == 0 || l.inner == 0) return;
+    const index_t block = l.size * l.inner;
+    if (l.inner == 1) {
+      for (index_t o = 0; o < l.outer; ++o) {
+        const ConstArrayMap<T> g(dy + o * block, l.size), ys(y + o * block, l.size);
+        ArrayMap<T> d(dx + o * block, l.size);
+        if constexpr (Log) d = g - ys.exp() * g.sum();
+        else d = ys * (g - (g * ys).sum());
+      }
+      return;
+    }
+    ArrayMap<T> s(detail::scratch_row<T>(l.inner), l.inner);
+    for (index_t o = 0; o < l.outer; ++o) {
+      auto g = [&](index_t r) { return ConstArrayMap<T>(dy + o * block + r * l.inner, l.inner); };
+      auto ys = [&](index_t r) { return ConstArrayMap<T>(y + o * block + r * l.inner, l.inner); };
+      auto d = [&](index_t r) { return ArrayMap<T>(dx + o * block + r * l.inner, l.inner); };
+      s.setZero();
+      for (index_t r = 0; r < l.size; ++r) {
+        if constexpr (Log) s += g(r);
+        else s += g(r) * ys(r);
+      }
+      for (index_t r = 0; r < l.size; ++r) {
+        if constexpr (Log) d(r) = g(r) - ys(r).exp() * s;
+        else d(r) = ys(r) * (g(r) - s);
+      }
+    }
+  }
+
+  static std::string op_name() { return Log ? "LogSoftmaxGrad" : "SoftmaxGrad"; }
+};
+
+inline const bool softmax_listed = list_operations({"softmax", "log_softmax"});
+
+template <TensorLike X>
+auto softmax(const X& x, int axis = -1) {
+  return apply(SoftmaxOp<false>{{}, {axis}}, operand(x));
+}
+template <TensorLike X>
+auto log_softmax(const X& x, int axis = -1) {
+  return apply(SoftmaxOp<true>{{}, {axis}}, operand(x));
+}
+
+}  // namespace ops
+
+namespace nn {
+
+// MindSpore's nn.Softmax(axis=-1) and nn.LogSoftmax(axis=-1).
+template <bool Log, ElementType T>
+class BasicSoftmax : public Cell<BasicSoftmax<Log, T>, CONTEXT_MODE, T> {
+ public:
+  explicit BasicSoftmax(int axis = -1) : axis_(axis) {}
+  template <class X>
+  auto construct(X&& x) {
+    if constexpr (Log) return ops::log_softmax(std::forward<X>(x), axis_);
+    else return ops::softmax(std::forward<X>(x), axis_);
+  }
+  std::string type_name() const override { return Log ? "nn::LogSoftmax" : "nn::Softmax"; }
+
+ private:
+  int axis_;
+};
+
+using Softmax = BasicSoftmax<false, float>;
+using LogSoftmax = BasicSoftmax<true, float>;
+
+}  // namespace nn
+}  // namespace duet
+// Elementwise functions (MindSpore's ops.exp, log, sqrt, rsqrt, abs, square, clip_by_value),
+// where, and the comparisons that build its condition, in both modes.
+//
+// The unary functions are fn:: types run by ops::MapOp (nn/activation.hpp), like the
+// activations: chains of them fuse into one pass, and into the epilogue of the product before
+// them, in graph mode. Each is differentiated from its output where the output gives the
+// derivative (exp, sqrt, rsqrt), from its input otherwise (fn::grad_from_input: log, abs,
+// square, clip_by_value); a product cannot take the latter as an epilogue in a graph being
+// trained (passes.hpp's absorbs), so there they stay nodes of their own.
+//
+// Out of a function's domain the result is IEEE's, never an error, as in numpy and PyTorch:
+// log(x < 0) and sqrt(x < 0) are NaN, log(0) is -inf, rsqrt(0) is inf, and NaN propagates
+// through every function here (clip_by_value too).
+//
+// Comparisons make UInt8 tensors of 0 and 1 (duet has no bool), with numpy broadcasting
+// between two tensors, or against a number. They have no gradient: their output carries none,
+// so a gradient never flows back through them, and differentiating a function that uses one
+// (to build a where's condition) is no error.
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+
+
+namespace duet {
+
+namespace fn {
+
+struct Exp {
+  static constexpr std::string_view name = "Exp";
+  template <class A>
+  static auto array(const A& a) {
+    return a.exp();
+  }
+  template <class G, class Y>
+  static auto grad_array(const G& dy, const Y& y) {
+    return dy * y;
+  }
+};
+
+// log(x): NaN for x < 0, -inf at 0.
+struct Log {
+  static constexpr std::string_view name = "Log";
+  static constexpr bool grad_from_input = true;
+  template <class A>
+  static auto array(const A& a) {
+    return a.log();
+  }
+  template <class G, class X>
+  static auto grad_array(const G& dy, const X& x) {
+    return dy / x;
+  }
+};
+
+// sqrt(x): NaN for x < 0; its derivative 1 / (2 sqrt(x)) is inf at 0, as PyTorch's.
+struct Sqrt {
+  static constexpr std::string_view name = "Sqrt";
+  template <class A>
+  static auto array(const A& a) {
+    return a.sqrt();
+  }
+  template <class G, class Y>
+  static auto grad_array(const G& dy, const Y& y) {
+    using S = typename Y::Scalar;
+    return dy / (S(2) * y);
+  }
+};
+
+// 1 / sqrt(x), as a division of the correctly rounded root: Eigen's rsqrt may take the
+// processor's estimate, whose bits differ between a vector and a scalar.
+struct Rsqrt {
+  static constexpr std::string_view name = "Rsqrt";
+  template <class A>
+  static auto array(const A& a) {
+    return a.sqrt().inverse();
+  }
+  // d/dx x^(-1/2) = -y³ / 2.
+  template <class G, class Y>
+  static auto grad_array(const G& dy, const Y& y) {
+    using S = typename Y::Scalar;
+    return dy * (S(-0.5) * y.cube());
+  }
+};
+
+// |x|; its derivative at 0 is taken as 0, as PyTorch's (sign(x) · dy).
+struct Abs {
+  static constexpr std::string_view name = "Abs";
+  static constexpr bool grad_from_input = true;
+  template <class A>
+  static auto array(const A& a) {
+    return a.abs();
+  }
+  template <class G, class X>
+  static auto grad_array(const G& dy, const X& x) {
+    return dy * x.sign();
+  }
+};
+
+struct Square {
+  static constexpr std::string_view name = "Square";
+  static constexpr bool grad_from_input = true;
+  template <class A>
+  static auto array(const A& a) {
+    return a.square();
+  }
+  template <class G, class X>
+  static auto grad_array(const G& dy, const X& x) {
+    using S = typename X::Scalar;
+    return dy * (S(2) * x);
+  }
+};
+
+// min(max(x, lo), hi), so hi wherever lo > hi, as MindSpore's and PyTorch's; NaN stays NaN.
+// The gradient passes where lo <= x <= hi (PyTorch's clamp: bounds included), from the input,
+// since the output cannot tell a clipped value from one equal to a bound.
+struct ClipByValue {
+  static constexpr std::string_view name = "ClipByValue";
+  static constexpr bool grad_from_input = true;
+  double lo = 0;
+  double hi = 0;
+  template <class A>
+  auto array(const A& a) const {
+    using S = typename A::Scalar;
+    return a
+        .binaryExpr(A::Constant(a.rows(), a.cols(), static_cast<S>(lo)),
+                    ::Eigen::internal::scalar_max_op<S, S, ::Eigen::PropagateNaN>())
+        .binaryExpr(A::Constant(a.rows(), a.cols(), static_cast<S>(hi)),
+                    ::Eigen::internal::scalar_min_op<S, S, ::Eigen::PropagateNaN>());
+  }
+  template <class G, class X>
+  auto grad_array(const G& dy, const X& x) const {
+    using S = typename X::Scalar;
+    return (x >= static_cast<S>(lo) && x <= static_cast<S>(hi)).select(dy, G::Zero(dy.rows(), dy.cols()));
+  }
+};
+
+// The comparisons: each names the one with its operands swapped (a number on the left).
+struct Greater;
+struct Less;
+struct GreaterEqual;
+struct LessEqual;
+struct Greater {
+  static constexpr std::string_view name = "Greater";
+  using swapped = Less;
+  template <class T>
+  static bool apply(T a, T b) {
+    return a > b;
+  }
+};
+struct Less {
+  static constexpr std::string_view name = "Less";
+  using swapped = Greater;
+  template <class T>
+  static bool apply(T a, T b) {
+    return a < b;
+  }
+};
+struct GreaterEqual {
+  static constexpr std::string_view name = "GreaterEqual";
+  using swapped = LessEqual;
+  template <class T>
+  static bool apply(T a, T b) {
+    return a >= b;
+  }
+};
+struct LessEqual {
+  static constexpr std::string_view name = "LessEqual";
+  using swapped = GreaterEqual;
+  template <class T>
+  static bool apply(T a, T b) {
+    return a <= b;
+  }
+};
+struct Equal {
+  static constexpr std::string_view name = "Equal";
+  using swapped = Equal;
+  template <class T>
+  static bool apply(T a, T b) {
+    return a == b;
+  }
+};
+struct NotEqual {
+  static constexpr std::string_view name = "NotEqual";
+  using swapped = NotEqual;
+  template <class T>
+  static bool apply(T a, T b) {
+    return a != b;
+  }
+};
+
+}  // namespace fn
+
+namespace ops {
+
+// Fn(a, b) as 0 or 1, a and b of element type In broadcast together (numpy's rule).
+template <class Fn, class In>
+struct CompareOp : Primitive<CompareOp<Fn, In>> {
+  using value_type = std::uint8_t;
+  static constexpr int arity = 2;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return broadcast_shapes(in[0], in[1]); }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const In* x = a.in<In>(0);
+    const In* y = a.in<In>(1);
+    T* out = a.out<T>();
+    detail::for_each_broadcast(a.in_shape(0), a.in_shape(1), a.output_shape,
+                               [&](index_t i, index_t ia, index_t ib) { out[i] = Fn::apply(x[ia], y[ib]); });
+  }
+
+  template <std::size_t K>
+    requires(K < 2)
+  NoGradient grad_op() const {
+    return {};
+  }
+
+  static std::string op_name() { return std::string(Fn::name); }
+};
+
+// Fn(x, s) as 0 or 1, s a number the operation holds (converted to In, as the comparison
+// would be made in In).
+template <class Fn, class In>
+struct CompareScalarOp : Primitive<CompareScalarOp<Fn, In>> {
+  using value_type = std::uint8_t;
+  static constexpr int arity = 1;
+  double scalar;
+  CompareScalarOp(double s) : scalar(s) {}
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const In* x = a.in<In>();
+    T* out = a.out<T>();
+    const In s = static_cast<In>(scalar);
+    const index_t n = a.in_shape().numel();
+    for (index_t i = 0; i < n; ++i) out[i] = Fn::apply(x[i], s);
+  }
+
+  template <std::size_t K>
+    requires(K == 0)
+  NoGradient grad_op() const {
+    return {};
+  }
+
+  static std::string op_name() { return std::string(Fn::name) + "(x, scalar)"; }
+};
+
+namespace detail {
+
+// Calls f(i, i0, i1, i2) for each element i of out, with the elements of three inputs of
+// these shapes broadcast to it.
+template <class F>
+void for_each_broadcast3(const std::array<Shape, 3>& in, const Shape& out, F&& f) {
+  const index_t n = out.numel();
+  if (in[0] == out && in[1] == out && in[2] == out) {
+    for (index_t i = 0; i < n; ++i) f(i, i, i, i);
+    return;
+  }
+  const std::array strides{broadcast_strides(in[0], out), broadcast_strides(in[1], out),
+                           broadcast_strides(in[2], out)};
+  std::array<index_t, max_rank> index{};
+  std::array<index_t, 3> at{};
+  for (index_t i = 0; i < n; ++i) {
+    f(i, at[0], at[1], at[2]);
+    for (int axis = out.rank() - 1; axis >= 0; --axis) {
+      const std::size_t ax = static_cast<std::size_t>(axis);
+      ++index[ax];
+      for (std::size_t k = 0; k < 3; ++k) at[k] += strides[k][ax];
+      if (index[ax] < out[axis]) break;
+      for (std::size_t k = 0; k < 3; ++k) at[k] -= strides[k][ax] * index[ax];
+      index[ax] = 0;
+    }
+  }
+}
+
+}  // namespace detail
+
+template <class T, int K>
+struct WhereGradOp;
+
+// cond ? a : b elementwise, the three broadcast together; cond is UInt8, true where not 0.
+template <class T>
+struct WhereOp : Primitive<WhereOp<T>> {
+  using value_type = T;
+  static constexpr int arity = 3;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    // A broadcast fault names the culprit (input) and the input it does not broadcast with
+    // (expected).
+    const ShapeResult ab = broadcast_shapes(in[1], in[2]);
+    if (!ab.ok()) return fault(ab.shape, ShapeFault::broadcast, ab.input == 0 ? 2 : 1, 1 + ab.input);
+    const ShapeResult all = broadcast_shapes(in[0], ab.shape);
+    if (!all.ok()) return fault(all.shape, ShapeFault::broadcast, in[1].rank() >= in[2].rank() ? 1 : 2, 0);
+    return all;
+  }
+
+  template <class Backend, class U>
+  void run(const graph::KernelArgs& a) const {
+    const std::uint8_t* c = a.in<std::uint8_t>(0);
+    const T* x = a.in<T>(1);
+    const T* y = a.in<T>(2);
+    T* out = a.out<T>();
+    detail::for_each_broadcast3({a.in_shape(0), a.in_shape(1), a.in_shape(2)}, a.output_shape,
+                                [&](index_t i, index_t ic, index_t ia, index_t ib) { out[i] = c[ic] != 0 ? x[ia] : y[ib]; });
+  }
+
+  template <std::size_t K>
+    requires(K < 3)
+  auto grad_op() const {
+    if constexpr (K == 0) return NoGradient{};
+    else return WhereGradOp<T, static_cast<int>(K)>{};
+  }
+
+  static std::string op_name() { return "Select"; }
+};
+
+// d/d a (K = 1) or d/d b (K = 2) of where(cond, a, b): dy where the condition picks that
+// input, 0 elsewhere, summed over the axes the input was broadcast along.
+template <class T, int K>
+struct WhereGradOp : Primitive<WhereGradOp<T, K>> {
+  using value_type = T;
+  // a and b are read for their shapes only.
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0, graph::Operand::input1,
+                                    graph::Operand::input2};
+  static constexpr int arity = 4;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1 + K]}; }
+
+  template <class Backend, class U>
+  void run(const graph::KernelArgs& a) const {
+    const U* dy = a.in<U>(0);
+    const std::uint8_t* c = a.in<std::uint8_t>(1);
+    U* d = a.out<U>();
+    const Shape& target = a.in_shape(1 + K);
+    const Shape& out = a.in_shape(0);
+    const bool picks = K == 1;
+    const bool summed = !(target == out);
+    if (summed) std::fill_n(d, target.numel(), U(0));
+    detail::for_each_broadcast3({a.in_shape(1), a.in_shape(2), a.in_shape(3)}, out,
+                                [&](index_t i, index_t ic, index_t ia, index_t ib) {
+                                  const U g = (c[ic] != 0) == picks ? dy[i] : U(0);
+                                  if (summed) d[K == 1 ? ia : ib] += g;
+                                  else d[i] = g;
+                                });
+  }
+
+  static std::string op_name() { return "SelectGrad" + std::to_string(K); }
+};
+
+inline const bool math_listed =
+    list_operations({"exp", "log", "sqrt", "rsqrt", "abs", "square", "clip_by_value", "where", "greater", "less",
+                     "equal", "greater_equal", "less_equal", "not_equal"});
+
+template <class X>
+  requires TensorLike<X>
+auto exp(const X& x) {
+  return apply(MapOp<fn::Exp>{}, operand(x));
+}
+template <class X>
+  requires TensorLike<X>
+auto log(const X& x) {
+  return apply(MapOp<fn::Log>{}, operand(x));
+}
+template <class X>
+  requires TensorLike<X>
+auto sqrt(const X& x) {
+  return apply(MapOp<fn::Sqrt>{}, operand(x));
+}
+template <class X>
+  requires TensorLike<X>
+auto rsqrt(const X& x) {
+  return apply(MapOp<fn::Rsqrt>{}, operand(x));
+}
+template <class X>
+  requires TensorLike<X>
+auto abs(const X& x) {
+  return apply(MapOp<fn::Abs>{}, operand(x));
+}
+template <class X>
+  requires TensorLike<X>
+auto square(const X& x) {
+  return apply(MapOp<fn::Square>{}, operand(x));
+}
+// MindSpore's ops.clip_by_value(x, clip_value_min, clip_value_max), with number bounds.
+template <class X>
+  requires TensorLike<X>
+auto clip_by_value(const X& x, double clip_value_min, double clip_value_max) {
+  return apply(MapOp<fn::ClipByValue>{std::tuple{fn::ClipByValue{clip_value_min, clip_value_max}}}, operand(x));
+}
+
+// Fn(a, b) as UInt8 0/1, between two tensors (broadcast) or a tensor and a number.
+template <class Fn, class A, class B>
+auto compare(const A& a, const B& b) {
+  if constexpr (Scalar<A>) {
+    return apply(CompareScalarOp<typename Fn::swapped, typename B::value_type>{static_cast<double>(a)}, operand(b));
+  } else if constexpr (Scalar<B>) {
+    return apply(CompareScalarOp<Fn, typename A::value_type>{static_cast<double>(b)}, operand(a));
+  } else {
+    static_assert(std::is_same_v<typename A::value_type, typename B::value_type>,
+                  "duet::ops: both operands of a comparison must have the same element type");
+    return apply(CompareOp<Fn, typename A::value_type>{}, operand(a), operand(b));
+  }
+}
+
+#define DUET_DETAIL_COMPARISON(function, Fn)                                                             \
+  template <class A, class B>                                                                          \
+    requires((TensorLike<A> || Scalar<A>) && (TensorLike<B> || Scalar<B>) && (TensorLike<A> || TensorLike<B>)) \
+  auto function(const A& a, const B& b) {                                                              \
+    return compare<fn::Fn>(a, b);                                                                      \
+  }
+DUET_DETAIL_COMPARISON(greater, Greater)
+DUET_DETAIL_COMPARISON(less, Less)
+DUET_DETAIL_COMPARISON(greater_equal, GreaterEqual)
+DUET_DETAIL_COMPARISON(less_equal, LessEqual)
+DUET_DETAIL_COMPARISON(equal, Equal)
+DUET_DETAIL_COMPARISON(not_equal, NotEqual)
+#undef DUET_DETAIL_COMPARISON
+
+// MindSpore's ops.where(condition, x, y): x where condition is not 0, y elsewhere, the three
+// broadcast together. The condition gets no gradient; x and y get dy where each is chosen.
+template <class C, class A, class B>
+  requires(TensorLike<C> && TensorLike<A> && TensorLike<B>)
+auto where(const C& condition, const A& x, const B& y) {
+  static_assert(std::is_same_v<typename C::value_type, std::uint8_t>,
+                "duet::ops::where: the condition is a UInt8 tensor, as the comparisons (ops::greater, ...) make");
+  static_assert(std::is_same_v<typename A::value_type, typename B::value_type>,
+                "duet::ops::where: x and y must have the same element type");
+  return apply(WhereOp<typename A::value_type>{}, operand(condition), operand(x), operand(y));
+}
+
+}  // namespace ops
+}  // namespace duet
+// duet::summary: a network's cells with their output shapes and parameter counts, and the
+// totals (Keras's model.summary(), torchinfo's summary).
+//
+// It runs the network once, eagerly, on zeros of the given shape, as torchinfo runs a forward
+// pass: every cell, whatever its mode (a graph-mode or jit cell, a runtime-built network that
+// graph mode would trace), then runs as in PyNative mode and reports each call, which is how
+// each cell's output shape is known. The run changes no parameter and no mode, makes no graph
+// or trace of the network, and draws no random number; forward hooks run, as in any eager call.
+// A duet::jit function the network calls runs compiled, as in any call: the cells it calls are
+// not seen ("--").
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdio>
+#include <iostream>
+#include <ostream>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+
+namespace duet {
+
+struct SummaryRow {
+  std::string name = {};  // the path from the network ("dense_relu_sequential.0"); "" for the network
+  std::string type_name = {};  // "nn::Dense<784, 512>"
+  int depth = 0;          // 0 for the network, 1 for its members, ...
+  std::vector<Shape> output_shapes = {};  // one per call during the summary's run, in order
+  index_t parameters = 0;            // elements of the parameters the cell holds itself
+  bool has_children = false;
+};
+
+struct Summary {
+  std::string network = {};  // the network's type name
+  Shape input_shape = {};
+  std::vector<SummaryRow> rows = {};  // every cell, depth first (cells_and_names order)
+  index_t total_parameters = 0;  // each parameter counted once, even if held twice
+  index_t trainable_parameters = 0;
+  std::size_t parameter_bytes = 0;
+
+  // The table operator<< prints.
+  std::string text() const;
+};
+
+namespace detail {
+
+// 669706 -> "669,706".
+inline std::string with_thousands(std::size_t n) {
+  const std::string digits = std::to_string(n);
+  std::string out;
+  for (std::size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return out;
+}
+
+inline std::string output_column(const SummaryRow& row) {
+  if (row.output_shapes.empty()) return "--";
+  bool all_same = true;
+  for (const Shape& s : row.output_shapes) all_same = all_same && s == row.output_shapes.front();
+  if (all_same) {
+    const std::string one = to_string(row.output_shapes.front());
+    const std::size_t calls = row.output_shapes.size();
+    return calls == 1 ? one : one + " (" + std::to_string(calls) + " calls)";
+  }
+  std::string shapes;
+  for (const Shape& s : row.output_shapes) shapes += (shapes.empty() ? "" : ", ") + to_string(s);
+  return shapes;
+}
+
+// A cell made only of others holds no parameters of its own: "--", as torchinfo prints, so
+// that the column adds up to the total.
+inline std::string parameter_column(const SummaryRow& row) {
+  return row.parameters == 0 && row.has_children ? "--" : with_thousands(static_cast<std::size_t>(row.parameters));
+}
+
+inline std::string layer_column(const SummaryRow& row) {
+  const std::string indent(static_cast<std::size_t>(2 * row.depth), ' ');
+  return indent + (row.name.empty() ? row.type_name : row.name + " (" + row.type_name + ")");
+}
+
+// Sets the thread's call observer for its lifetime (exceptions included).
+template <ElementType T>
+class ObservedRun {
+ public:
+  explicit ObservedRun(const nn::BasicForwardHook<T>& observer)
+      : outer_(std::exchange(nn::detail::call_observer<T>, &observer)) {}
+  ObservedRun(const ObservedRun&) = delete;
+  ObservedRun& operator=(const ObservedRun&) = delete;
+  ~ObservedRun() { nn::detail::call_observer<T> = outer_; }
+
+ private:
+  const nn::BasicForwardHook<T>* outer_;
+};
+
+}  // namespace detail
+
+inline std::string Summary::text() const {
+  const std::string headers[3] = {"Layer (type)", "Output Shape", "Param #"};
+  std::size_t widths[3] = {headers[0].size(), headers[1].size(), headers[2].size()};
+  std::vector<std::array<std::string, 3>> cells;
+  for (const SummaryRow& row : rows) {
+    cells.push_back({detail::layer_column(row), detail::output_column(row), detail::parameter_column(row)});
+    for (std::size_t c = 0; c < 3; ++c) widths[c] = std::max(widths[c], cells.back()[c].size());
+  }
+  const auto line = [&](const std::string& layer, const std::string& output, const std::string& params) {
+    return layer + std::string(widths[0] - layer.size() + 3, ' ') + output +
+           std::string(widths[1] - output.size() + 3 + widths[2] - params.size(), ' ') + params + "\n";
+  };
+  const std::string rule(widths[0] + widths[1] + widths[2] + 6, '=');
+  std::string out = "Summary of " + network + " for an input of " + to_string(input_shape) + "\n";
+  out += rule + "\n" + line(headers[0], headers[1], headers[2]) + rule + "\n";
+  for (const auto& c : cells) out += line(c[0], c[1], c[2]);
+  out += rule + "\n";
+  out += "Total params: " + detail::with_thousands(static_cast<std::size_t>(total_parameters)) + "\n";
+  out += "Trainable params: " + detail::with_thousands(static_cast<std::size_t>(trainable_parameters)) + "\n";
+  out += "Non-trainable params: " +
+         detail::with_thousands(static_cast<std::size_t>(total_parameters - trainable_parameters)) + "\n";
+  char mib[32];
+  std::snprintf(mib, sizeof mib, "%.2f", static_cast<double>(parameter_bytes) / (1024.0 * 1024.0));
+  out += "Params size: " + detail::with_thousands(parameter_bytes) + " bytes (" + mib + " MiB)\n";
+  return out;
+}
+
+inline std::ostream& operator<<(std::ostream& os, const Summary& s) { return os << s.text(); }
+
+// Prints the summary of `net` for an input of `input_shape` (every dimension known: the batch
+// too) to `out`, and returns it. A shape a layer cannot take is the layer's ShapeError, with
+// the summary's call in front.
+template <ElementType T>
+Summary summary(nn::BasicDynamicCell<T>& net, const Shape& input_shape, std::ostream& out = std::cout) {
+  const std::string where = "duet::summary(" + net.type_name() + ", input " + to_string(input_shape) + ")";
+  if (!input_shape.is_concrete()) {
+    throw ValueError(where + ": every dimension of the input shape must be known, the batch size too");
+  }
+  Summary result{.network = net.type_name(), .input_shape = input_shape};
+  std::unordered_map<const nn::BasicDynamicCell<T>*, std::size_t> row_of;
+  std::unordered_map<const nn::BasicDynamicCell<T>*, int> depth_of;
+  std::set<const nn::BasicParameter<T>*> counted;
+  // cells_and_names lists a parent before its children, so each cell's depth is known when it comes.
+  for (auto& [name, cell] : net.cells_and_names()) {
+    SummaryRow row{.name = name, .type_name = cell->type_name(), .depth = depth_of[cell]};
+    cell->for_each_own_parameter([&](std::string_view, nn::BasicParameter<T>& p) {
+      row.parameters += p.numel();
+      if (!counted.insert(&p).second) return;
+      result.total_parameters += p.numel();
+      if (p.requires_grad) result.trainable_parameters += p.numel();
+      result.parameter_bytes += static_cast<std::size_t>(p.numel()) * sizeof(T);
+    });
+    cell->for_each_child([&](std::string_view, nn::BasicDynamicCell<T>& child) {
+      row.has_children = true;
+      depth_of[&child] = row.depth + 1;
+    });
+    row_of[cell] = result.rows.size();
+    result.rows.push_back(std::move(row));
+  }
+  const nn::BasicForwardHook<T> observer = [&](const nn::BasicDynamicCell<T>& cell, const BasicTensor<T>&,
+                                               const BasicTensor<T>& output) {
+    if (const auto it = row_of.find(&cell); it != row_of.end()) result.rows[it->second].output_shapes.push_back(output.shape());
+  };
+  {
+    const detail::ObservedRun<T> observed(observer);
+    try {
+      static_cast<void>(net(BasicTensor<T>(input_shape)));
+    } catch (const ShapeError& e) {
+      throw ShapeError(where + ": " + e.what());
+    }
+  }
+  out << result;
+  return result;
+}
+
+}  // namespace duet
 // Training helpers: evaluation of a classifier over a data set, and a terminal progress bar.
 
 #include <chrono>
