@@ -46,7 +46,7 @@ struct Epoch {
   double test_accuracy;
 };
 
-std::vector<Epoch> train(Mode mode, int epochs, const std::string& dir) {
+std::vector<Epoch> fit(Mode mode, int epochs, const std::string& dir) {
   set_context({.mode = mode});
   set_seed(1);
   ResidualMLP net;
@@ -91,8 +91,8 @@ int main(int argc, char** argv) {
   }
   try {
     std::vector<Epoch> pynative, graph;
-    if (mode != "graph") pynative = train(PYNATIVE_MODE, epochs, dir);
-    if (mode != "pynative") graph = train(GRAPH_MODE, epochs, dir);
+    if (mode != "graph") pynative = fit(PYNATIVE_MODE, epochs, dir);
+    if (mode != "pynative") graph = fit(GRAPH_MODE, epochs, dir);
     if (mode == "both") {
       bool same = pynative.size() == graph.size();
       for (std::size_t e = 0; same && e < pynative.size(); ++e) {
