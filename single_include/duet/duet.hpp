@@ -11537,7 +11537,7 @@ struct MapOp : Primitive<MapOp<Fns...>> {
 
   static std::string op_name() {
     std::string s;
-    ((s += (s.empty() ? "" : " + ") + std::string(Fns::name)), ...);
+    ((s += s.empty() ? "" : " + ", s += Fns::name), ...);
     return s;
   }
 };
@@ -12176,7 +12176,10 @@ constexpr int axis_index(int axis, int rank) {
 template <class V>
 std::string list_text(std::initializer_list<V> values) {
   std::string out;
-  for (V v : values) out += (out.empty() ? "" : ", ") + std::to_string(v);
+  for (V v : values) {
+    if (!out.empty()) out += ", ";
+    out += std::to_string(v);
+  }
   return out;
 }
 
@@ -15045,7 +15048,10 @@ std::string reduce_name(std::string_view op) {
   std::string s(op);
   s += "(axis=";
   if (AxesT::values.empty()) s += "all";
-  for (std::size_t i = 0; i < AxesT::values.size(); ++i) s += (i ? "," : "") + std::to_string(AxesT::values[i]);
+  for (std::size_t i = 0; i < AxesT::values.size(); ++i) {
+    if (i) s += ',';
+    s += std::to_string(AxesT::values[i]);
+  }
   return s + (Keep ? ", keep_dims)" : ")");
 }
 

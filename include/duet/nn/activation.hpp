@@ -260,7 +260,7 @@ struct MapOp : Primitive<MapOp<Fns...>> {
 
   static std::string op_name() {
     std::string s;
-    ((s += (s.empty() ? "" : " + ") + std::string(Fns::name)), ...);
+    ((s += s.empty() ? "" : " + ", s += Fns::name), ...);
     return s;
   }
 };

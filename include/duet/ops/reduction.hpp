@@ -281,7 +281,10 @@ std::string reduce_name(std::string_view op) {
   std::string s(op);
   s += "(axis=";
   if (AxesT::values.empty()) s += "all";
-  for (std::size_t i = 0; i < AxesT::values.size(); ++i) s += (i ? "," : "") + std::to_string(AxesT::values[i]);
+  for (std::size_t i = 0; i < AxesT::values.size(); ++i) {
+    if (i) s += ',';
+    s += std::to_string(AxesT::values[i]);
+  }
   return s + (Keep ? ", keep_dims)" : ")");
 }
 

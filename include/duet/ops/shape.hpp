@@ -54,7 +54,10 @@ constexpr int axis_index(int axis, int rank) {
 template <class V>
 std::string list_text(std::initializer_list<V> values) {
   std::string out;
-  for (V v : values) out += (out.empty() ? "" : ", ") + std::to_string(v);
+  for (V v : values) {
+    if (!out.empty()) out += ", ";
+    out += std::to_string(v);
+  }
   return out;
 }
 
