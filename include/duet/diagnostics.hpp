@@ -9,6 +9,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 
@@ -249,6 +250,28 @@ template <class Layer, ShapeFault F, index_t N, class ShapeOf>
 using rejection = rejected<Layer, decltype(requirement<F, N>()),
                            decltype(shape_type<ShapeOf>(
                                std::make_index_sequence<static_cast<std::size_t>(ShapeOf::shape.rank())>{}))>;
+
+// Reports Op's shape rule broken by inputs whose shapes compile time knows (Inputs::shape...):
+// the op, its requirement and the culprit's shape, and the other operand's shape where the
+// fault is between two. Instantiated where the op meets its inputs (a capture, or a call on
+// static tensors), so that the error points at that line.
+template <class Op, class... Inputs>
+constexpr void report_static_fault() {
+  constexpr ShapeResult r = Op::infer_static(std::array<Shape, sizeof...(Inputs)>{Inputs::shape...});
+  if constexpr (!r.ok()) {
+    using In = std::tuple<Inputs...>;
+    using Layer = typename Op::layer_type;
+    using Culprit = std::tuple_element_t<static_cast<std::size_t>(r.input), In>;
+    if constexpr (r.fault == ShapeFault::broadcast) {
+      static_cast<void>(sizeof(broadcast_rejection<Layer, Culprit, std::tuple_element_t<broadcast_partner(r), In>>));
+    } else if constexpr (r.fault == ShapeFault::inner_dimensions) {
+      static_cast<void>(
+          sizeof(inner_dimension_rejection<Layer, Culprit, std::tuple_element_t<r.input == 0 ? 1 : 0, In>>));
+    } else {
+      static_cast<void>(sizeof(rejection<Layer, r.fault, r.expected, Culprit>));
+    }
+  }
+}
 
 }  // namespace diagnostic
 }  // namespace duet

@@ -393,10 +393,7 @@ auto quietly(const Sym<G, Out>& x, F&& f) {
 template <class Op, class G, std::size_t Out>
 auto append(const Op& op, const Sym<G, Out>& x) {
   static_cast<void>(sizeof(diagnostic::check_operation<Op>));
-  constexpr ShapeResult r = Op::infer_static(std::array<Shape, 1>{G::shapes[Out]});
-  if constexpr (!r.ok() && reports_faults<G>()) {
-    static_cast<void>(sizeof(diagnostic::rejection<typename Op::layer_type, r.fault, r.expected, Sym<G, Out>>));
-  }
+  if constexpr (reports_faults<G>()) diagnostic::report_static_fault<Op, Sym<G, Out>>();
   auto g = make_graph(hana::append(x.graph.nodes, Node<Op, Out>{op}));
   return Sym<decltype(g), G::size>{g};
 }
@@ -422,19 +419,8 @@ template <class Op, class G0, std::size_t O0, class... Rest>
   requires(sizeof...(Rest) >= 1 && (Symbolic<Rest> && ...))
 auto append(const Op& op, const Sym<G0, O0>& x0, const Rest&... rest) {
   static_cast<void>(sizeof(diagnostic::check_operation<Op>));
-  constexpr ShapeResult r = Op::infer_static(std::array<Shape, 1 + sizeof...(Rest)>{G0::shapes[O0], Rest::shape...});
-  if constexpr (!r.ok() && reports_faults<G0>() && (reports_faults<typename Rest::graph_type>() && ...)) {
-    using Inputs = std::tuple<Sym<G0, O0>, Rest...>;
-    using Culprit = std::tuple_element_t<static_cast<std::size_t>(r.input), Inputs>;
-    if constexpr (r.fault == ShapeFault::broadcast) {
-      using Other = std::tuple_element_t<broadcast_partner(r), Inputs>;
-      static_cast<void>(sizeof(diagnostic::broadcast_rejection<typename Op::layer_type, Culprit, Other>));
-    } else if constexpr (r.fault == ShapeFault::inner_dimensions) {
-      using Other = std::tuple_element_t<r.input == 0 ? 1 : 0, Inputs>;
-      static_cast<void>(sizeof(diagnostic::inner_dimension_rejection<typename Op::layer_type, Culprit, Other>));
-    } else {
-      static_cast<void>(sizeof(diagnostic::rejection<typename Op::layer_type, r.fault, r.expected, Culprit>));
-    }
+  if constexpr (reports_faults<G0>() && (reports_faults<typename Rest::graph_type>() && ...)) {
+    diagnostic::report_static_fault<Op, Sym<G0, O0>, Rest...>();
   }
   auto [merged, outs] = detail::merge_all(x0.graph, std::index_sequence<O0>{}, rest...);
   // merged is passed, not captured: clang 14 cannot capture a structured binding.
