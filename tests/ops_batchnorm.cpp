@@ -441,3 +441,24 @@ TEST_CASE("nn::BatchNorm + nn::Dropout: a network trains with the same losses in
   CHECK(runs[0].losses.back() < runs[0].losses.front());  // it learns
   CHECK(runs[0].metrics.samples == 24);
 }
+
+TEST_CASE("set_train: a network built at run time is traced again after a switch, and agrees with PyNative") {
+  duet_test::ModeGuard guard;
+  const duet::Tensor x = duet::uniform(Shape{6, 4}, -1.0f, 1.0f, std::uint64_t{100});
+  std::vector<std::vector<float>> outputs[2];
+  for (duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+    duet::set_context({.mode = mode});
+    duet::set_seed(101);
+    duet::nn::DynamicSequentialCell net;
+    net.append(duet::nn::Dense<4, 3>());
+    net.append(duet::nn::BatchNorm1d<3>());
+    net.append(duet::nn::Dropout(0.5));
+    auto& out = outputs[mode == duet::GRAPH_MODE ? 1 : 0];
+    for (bool training : {true, false, true, true, false}) {
+      net.set_train(training);
+      out.push_back(values(net(x)));
+    }
+  }
+  CHECK(outputs[0] == outputs[1]);
+  CHECK(outputs[1][2] != outputs[1][3]);  // a new mask per training call, also when replayed
+}

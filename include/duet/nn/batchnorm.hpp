@@ -339,13 +339,7 @@ class BatchNorm : public Cell<BatchNorm<Dims, C, T>, CONTEXT_MODE, T> {
 
   template <class X>
   auto construct(X&& x) {
-    if constexpr (graph::Symbolic<X>) {
-      return apply(ops::BatchNormOp<BatchNorm, graph::phase_of<X>()>{this}, x);
-    } else if (this->training()) {
-      return apply(ops::BatchNormOp<BatchNorm, graph::Phase::train>{this}, std::forward<X>(x));
-    } else {
-      return apply(ops::BatchNormOp<BatchNorm, graph::Phase::eval>{this}, std::forward<X>(x));
-    }
+    return ops::apply_in_phase<ops::BatchNormOp>(this, std::forward<X>(x));
   }
 
   std::string type_name() const override {

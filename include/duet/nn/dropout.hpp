@@ -146,13 +146,7 @@ class BasicDropout : public Cell<BasicDropout<T>, CONTEXT_MODE, T> {
 
   template <class X>
   auto construct(X&& x) {
-    if constexpr (graph::Symbolic<X>) {
-      return apply(ops::DropoutOp<BasicDropout, graph::phase_of<X>()>{this}, x);
-    } else if (this->training()) {
-      return apply(ops::DropoutOp<BasicDropout, graph::Phase::train>{this}, std::forward<X>(x));
-    } else {
-      return apply(ops::DropoutOp<BasicDropout, graph::Phase::eval>{this}, std::forward<X>(x));
-    }
+    return ops::apply_in_phase<ops::DropoutOp>(this, std::forward<X>(x));
   }
 
   std::string type_name() const override {

@@ -10,7 +10,9 @@
 #pragma once
 
 #include <string>
+#include <utility>
 
+#include "../eager.hpp"
 #include "../error.hpp"
 #include "../graph.hpp"
 
@@ -36,5 +38,18 @@ struct PhaseOf {
                     "set_train on the whole network, or run it in PyNative mode");
   }
 };
+
+// What such a layer's construct does: applies Op<Layer, P> to x, P being x's phase in graph
+// capture, and the layer's setting on a tensor (PyNative).
+template <template <class, graph::Phase> class Op, class Layer, class X>
+auto apply_in_phase(Layer* layer, X&& x) {
+  if constexpr (graph::Symbolic<X>) {
+    return apply(Op<Layer, graph::phase_of<X>()>{layer}, x);
+  } else if (layer->training()) {
+    return apply(Op<Layer, graph::Phase::train>{layer}, std::forward<X>(x));
+  } else {
+    return apply(Op<Layer, graph::Phase::eval>{layer}, std::forward<X>(x));
+  }
+}
 
 }  // namespace duet::ops
