@@ -3,6 +3,12 @@
 // Layout NCL / NCHW: the statistics of channel c are taken over every axis but axis 1. Each
 // channel's elements lie in `batch` contiguous runs of `spatial` elements (one per sample),
 // which the kernels read as Eigen arrays, so they vectorise without a transposed copy.
+// Measured (g++ 12 -O2, no -march, one core of the project's AMD EPYC, medians of 21, while
+// other jobs shared the machine): [32, 64, 28, 28] float, training (two passes for the
+// statistics, one to normalise) 1.49 ms, evaluation 0.58 ms, against 0.17 ms for a memcpy of
+// the input and 21 ms for the same statistics in plain loops in double. BatchNorm1d on [N, C]
+// has runs of one element, so it goes channel by channel with strided reads (not vectorised
+// across channels; a row-wise form would need scratch for C statistics).
 //
 // Training (set_train()) normalises with the batch's statistics, mean and biased variance,
 // and moves the moving statistics towards them; evaluation normalises with the moving
