@@ -35,6 +35,7 @@ enum class ShapeFault : unsigned char {
   sizes_except_axis,  // every input's sizes must match input 0's except along axis `expected` (concat)
   axis_size,          // the input's size along the operation's axis must be `expected` (split)
   slice_range,        // the input's axis `expected` must hold the slice's range (slice)
+  channel_dimension,  // the input's dimension 1 (channels, NCHW) must equal `expected` (BatchNorm)
 };
 
 // What a shape rule returns: the output shape and, if the inputs break the rule, which way.
@@ -116,6 +117,9 @@ inline std::string describe_fault(const ShapeResult& r, std::string_view layer, 
     case ShapeFault::slice_range:
       what = "an input whose axis " + e + " holds the slice's range";
       break;
+    case ShapeFault::channel_dimension:
+      what = "an input whose dimension 1 (channels) is " + e;
+      break;
   }
   if (r.fault == ShapeFault::broadcast && inputs.size() > 1) {
     const std::size_t a = static_cast<std::size_t>(r.input);
@@ -175,6 +179,8 @@ template <index_t N>
 struct size_along_the_axis_must_be {};
 template <index_t N>
 struct axis_must_hold_the_slice {};
+template <index_t N>
+struct channel_dimension_must_be {};
 
 // Not derived from std::false_type: compilers would then print integral_constant<bool, false>
 // instead of this type's name.
@@ -209,6 +215,8 @@ constexpr auto requirement() {
     return size_along_the_axis_must_be<N>{};
   else if constexpr (F == ShapeFault::slice_range)
     return axis_must_hold_the_slice<N>{};
+  else if constexpr (F == ShapeFault::channel_dimension)
+    return channel_dimension_must_be<N>{};
   else
     return inputs_must_have_the_same_shape{};
 }

@@ -248,6 +248,86 @@ struct SameShapeAs {
   static constexpr Shape value = S::shape;
 };
 
+// What a graph is captured for: training or evaluation (MindSpore's set_train). A layer that
+// behaves differently in the two (nn::BatchNorm2d, nn::Dropout) reads the phase from its
+// input's type and appends that phase's operation, so the two forms of a network are two
+// types, compiled and cached apart, and an evaluation form can be rewritten by passes (a
+// BatchNorm folded into the convolution before it) without touching the training form. A
+// capture is for training unless its inputs' pattern is an Evaluation.
+enum class Phase : unsigned char { train, eval };
+
+template <class Pattern>
+struct Evaluation {
+  static constexpr Shape value = Pattern::value;
+};
+
+template <Phase P, class Pattern>
+using pattern_in_phase = std::conditional_t<P == Phase::eval, Evaluation<Pattern>, Pattern>;
+
+template <class G>
+constexpr Phase phase_of_graph();
+
+namespace detail {
+template <class Pattern>
+struct pattern_phase {
+  static constexpr Phase value = Phase::train;
+};
+template <class P>
+struct pattern_phase<Evaluation<P>> {
+  static constexpr Phase value = Phase::eval;
+};
+// A quiet capture (graph::quietly, a SequentialCell's chain) is in the phase of the value it
+// continues.
+template <class P>
+struct pattern_phase<Quiet<P>> : pattern_phase<P> {};
+template <class S>
+struct pattern_phase<SameShapeAs<S>> {
+  static constexpr Phase value = phase_of_graph<typename S::graph_type>();
+};
+}  // namespace detail
+
+// The phase G is captured for: its inputs'. (A graph of parameters alone is a training one.)
+template <class G>
+constexpr Phase phase_of_graph() {
+  Phase phase = Phase::train;
+  bool found = false;
+  for_each_index<G::size>([&](auto i) {
+    using Op = typename node_at<G, decltype(i)::value>::op_type;
+    if constexpr (is_input_op_v<Op>) {
+      if (!found) phase = detail::pattern_phase<typename Op::pattern>::value;
+      found = true;
+    }
+  });
+  return phase;
+}
+
+// The phase a symbolic tensor is captured in, for a layer's construct.
+template <class X>
+constexpr Phase phase_of() {
+  return phase_of_graph<typename std::remove_cvref_t<X>::graph_type>();
+}
+
+// An operation whose behaviour depends on the phase declares it, `static constexpr Phase
+// phase`, and says which phase its layer is set to now, `Phase requested_phase() const`.
+template <class Op>
+concept PhaseDependent = requires(const Op& op) {
+  { Op::phase } -> std::convertible_to<Phase>;
+  { op.requested_phase() } -> std::same_as<Phase>;
+};
+
+// The first node of G whose operation depends on the phase, or G::size if none does (then
+// the network's two forms are one, and only the training form is ever made).
+template <class G>
+constexpr std::size_t first_phase_dependent_node() {
+  std::size_t first = G::size;
+  for_each_index<G::size>([&](auto i) {
+    if constexpr (PhaseDependent<typename node_at<G, decltype(i)::value>::op_type>) {
+      if (first == G::size) first = decltype(i)::value;
+    }
+  });
+  return first;
+}
+
 // Whether appending to G reports a broken shape rule: unless G was captured on a Quiet
 // input. (Node 0 is an input: each graph starts as one, and merging keeps the first graph's
 // nodes in front.)
