@@ -417,7 +417,8 @@ TEST_CASE("nn::BatchNorm + nn::Dropout: a network trains with the same losses in
     duet::nn::TrainOneStepCell step(with_loss, adam);
     duet::data::DataLoader loader(duet::data::ImageDataset(images, labels, 3), 8);
     Run run;
-    net.set_train();
+    // Cells start in evaluation; a training step puts its network in training.
+    CHECK(net.training());
     for (int epoch = 0; epoch < 3; ++epoch) {
       for (const duet::data::Batch& batch : loader) run.losses.push_back(step(batch.images, batch.labels).item());
     }
