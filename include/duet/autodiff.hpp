@@ -172,6 +172,10 @@ auto backward_inputs(const G& g, const Built& built) {
 }
 
 // Walks forward nodes I-1, I-2, ..., 0. Grads[i] is the node holding d(output)/d(value i).
+// Capture lays nodes out in depth-first post-order from the output (graph::detail::merge_from),
+// so this is the order the tape walks its records in (Tape::backward_order): a value's
+// gradients add up in the same order in both modes, the sum so far on the left, and its
+// producer runs backward once, on the sum.
 template <std::size_t I, auto Grads, auto Leads, class G, class Built>
 auto backward_from(const G& g, const Built& built) {
   if constexpr (I == 0) {
