@@ -68,15 +68,19 @@ bool logged(const std::string& what) {
   return std::any_of(log.begin(), log.end(), [&](const std::string& line) { return line.find(what) != std::string::npos; });
 }
 
-struct Residual : nn::Cell<Residual> {
+// stem, then Readers' function of its output s, then head.
+template <class Readers>
+struct StemHead : nn::Cell<StemHead<Readers>> {
   nn::Dense<16, 16> stem;
   nn::Dense<16, 4> head;
   DUET_CELL_MEMBERS(stem, head);
-  auto construct(auto x) {
-    auto s = stem(x);
-    return head(s + s * 2.0f);
-  }
+  auto construct(auto x) { return head(Readers{}(stem(x))); }
 };
+
+struct TwoReaders {
+  auto operator()(const auto& s) const { return s + s * 2.0f; }
+};
+using Residual = StemHead<TwoReaders>;
 
 // x + f(x), stacked: without shared work captured once, 2^8 copies of the first block.
 struct Block : nn::Cell<Block> {
@@ -102,24 +106,11 @@ struct Stacked : nn::Cell<Stacked> {
 
 // s read by three operations, then by four (one reading it twice): the sums of their
 // gradients, in an order operand evaluation does not change.
-struct ThreeReaders : nn::Cell<ThreeReaders> {
-  nn::Dense<16, 16> stem;
-  nn::Dense<16, 4> head;
-  DUET_CELL_MEMBERS(stem, head);
-  auto construct(auto x) {
-    auto s = stem(x);
-    return head(ops::exp(s * 0.25f) + ops::sigmoid(s) + s);
-  }
+struct ThreeReaders {
+  auto operator()(const auto& s) const { return ops::exp(s * 0.25f) + ops::sigmoid(s) + s; }
 };
-
-struct FourReaders : nn::Cell<FourReaders> {
-  nn::Dense<16, 16> stem;
-  nn::Dense<16, 4> head;
-  DUET_CELL_MEMBERS(stem, head);
-  auto construct(auto x) {
-    auto s = stem(x);
-    return head(ops::sigmoid(s) + s * s + ops::tanh(s));
-  }
+struct FourReaders {
+  auto operator()(const auto& s) const { return ops::sigmoid(s) + s * s + ops::tanh(s); }
 };
 
 // Two layers of one type on one input: their captures have one type, and which layer is
@@ -161,9 +152,9 @@ TEST_CASE("sharing: eight stacked residual blocks give a graph linear in their n
 
 TEST_CASE("sharing: a value with three and with four gradient contributions, bit for bit in both modes") {
   set_seed(13);
-  ThreeReaders three;
+  StemHead<ThreeReaders> three;
   check_modes_agree(three, uniform<float>({8, 16}, -1.0f, 1.0f, 5));
-  FourReaders four;
+  StemHead<FourReaders> four;
   check_modes_agree(four, uniform<float>({8, 16}, -1.0f, 1.0f, 6));
 }
 
