@@ -140,6 +140,11 @@ TEST_CASE("sharing: a value two operations read is captured once, and both modes
   const std::string dump = captured_dump(net);
   CHECK(count(dump, "'stem'") == 2);  // its MatMul and BiasAdd, once each
   CHECK(dump.find("ambiguous") == std::string::npos);
+  // Fusion leaves s, which two operations read, a value of its own: the stem's product takes
+  // its bias as epilogue, and nothing after it.
+  const std::string optimized = graph_ir(net).optimized.text;
+  CHECK(count(optimized, "'stem'") == 1);
+  CHECK(count(optimized, "MatMul + BiasAdd(%0)") == 1);
   check_modes_agree(net, uniform<float>({8, 16}, -1.0f, 1.0f, 3));
 }
 
