@@ -420,7 +420,7 @@ class GradFunction {
   }
 
   // Graph mode for a cell built at run time (it has no construct to capture), or whose capture
-  // is ambiguous (pipeline::Compiled::ambiguity): the whole step, forward, loss and backward,
+  // is ambiguous (graph::Sym::ambiguity): the whole step, forward, loss and backward,
   // is traced on the first call for each input signature and structure, and replayed after
   // (PIJit, default JitConfig). Parameters' gradients are written by the replay's gradient
   // steps, as the tape's backward writes them.
@@ -477,23 +477,22 @@ class GradFunction {
       }
       fn_.ensure_named();  // an ambiguous capture names its layers
     }
-    const auto compiled =
+    const auto forward =
         pipeline::compile<JitConfig{}, true,
                           pipeline::Input<typename X::value_type, typename graph::pattern_of<X>::type>...>(
             [&](const auto&... in) { return fn_(in...); });
-    if (!compiled.ambiguity.empty()) {
+    if (!forward.ambiguity.empty()) {
       if constexpr (!WithInput && autodiff::detail::CellLike<Fn>) {
         if (can_trace()) {
-          duet::detail::log_ambiguous_capture<StepCall>(where()(), compiled.ambiguity,
+          duet::detail::log_ambiguous_capture<StepCall>(where()(), forward.ambiguity,
                                                             "forward and backward as a traced graph (PIJit)");
           return traced_step(xs...);
         }
       }
-      duet::detail::log_ambiguous_capture<GradFunction>(where()(), compiled.ambiguity,
+      duet::detail::log_ambiguous_capture<GradFunction>(where()(), forward.ambiguity,
                                                         "forward and backward in PyNative mode");
       return run_eager<WithInput>(input_grad, xs...);
     }
-    const auto& forward = compiled.program;
     duet::detail::begin_backward_pass();
     if constexpr (WithInput) {
       return autodiff::detail::at_position<sizeof...(X)>(*grad_position_, [&](auto k) {

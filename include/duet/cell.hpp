@@ -538,10 +538,10 @@ class Cell : public BasicDynamicCell<T> {
     }
     if (!captured.program->ambiguity.empty()) return traced_form()(xs...);
     return pipeline::execute<jit_config>(
-        this->id(), captured.program->program, [this] { return this->type_name() + "::construct"; }, xs...);
+        this->id(), *captured.program, [this] { return this->type_name() + "::construct"; }, xs...);
   }
 
-  // Graph mode when capture cannot make the graph (pipeline::Compiled::ambiguity): construct
+  // Graph mode when capture cannot make the graph (graph::Sym::ambiguity): construct
   // traced on tensors (PIJit) on the first call for each input shape, and replayed after. The
   // trace knows each value at run time, which the captured graph's types cannot.
   struct TracedConstruct {

@@ -107,7 +107,7 @@ GraphText dump(const Sym<G, Out>& program, const std::string& title) {
     for (std::size_t a : Node::args) dot << "  n" << a << " -> n" << I << ";\n";
   });
   text << "  return %" << Out << "\n";
-  // Such a program does not run (pipeline::Compiled): the dump says so, and why.
+  // Such a program does not run (pipeline::compile): the dump says so, and why.
   if (!program.ambiguity.empty()) text << "  ambiguous capture, runs traced instead: " << program.ambiguity << "\n";
   text << "}\n";
   dot << "}\n";

@@ -132,7 +132,7 @@ inline void jit_log(std::string line) {
 }
 
 // Says in the log, once per Key type (a caller's type: one type, one capture), that `who`
-// does not run as the static graph capture made, why (pipeline::Compiled::ambiguity) and what
+// does not run as the static graph capture made, why (graph::Sym::ambiguity) and what
 // runs instead.
 template <class Key>
 void log_ambiguous_capture(const std::string& who, const std::string& why, const std::string& instead) {

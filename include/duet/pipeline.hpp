@@ -30,24 +30,18 @@ namespace duet::pipeline {
 template <class T, class Pattern>
 struct Input {};
 
-// A compiled program, and whether it may run: capture merged two nodes of one type on the same
-// inputs that were two values (graph::Sym::ambiguity, which names them), then the program
-// computes one where the function computes two, and the caller runs the function another way
-// (a trace, which knows each value at run time).
-template <class Program>
-struct Compiled {
-  Program program;
-  std::string ambiguity;
-};
-
 // f captured on Inputs (input K being the K-th) and optimised; Differentiated keeps every
-// operation differentiable, for a graph that build_backward extends.
+// operation differentiable, for a graph that build_backward extends. The program keeps the
+// capture's ambiguity (graph::Sym::ambiguity): when it is not empty, the program computes one
+// value where the function computes two, and the caller runs the function another way (a
+// trace, which knows each value at run time).
 template <JitConfig Config, bool Differentiated, class... Inputs, class F>
 auto compile(F&& f) {
   return [&]<class... T, class... P, std::size_t... K>(std::index_sequence<K...>, Input<T, P>*...) {
     const auto captured = f(graph::input<T, P, K>()...);
-    return Compiled<decltype(passes::optimize<Config, Differentiated>(captured))>{
-        passes::optimize<Config, Differentiated>(captured), captured.ambiguity};
+    auto program = passes::optimize<Config, Differentiated>(captured);
+    program.ambiguity = captured.ambiguity;
+    return program;
   }(std::index_sequence_for<Inputs...>{}, static_cast<Inputs*>(nullptr)...);
 }
 
