@@ -172,6 +172,10 @@ auto backward_inputs(const G& g, const Built& built) {
 }
 
 // Walks forward nodes I-1, I-2, ..., 0. Grads[i] is the node holding d(output)/d(value i).
+// Capture lays nodes out in depth-first post-order from the output (graph::detail::merge_from),
+// so this is the order the tape walks its records in (Tape::backward_order): a value's
+// gradients add up in the same order in both modes, the sum so far on the left, and its
+// producer runs backward once, on the sum.
 template <std::size_t I, auto Grads, auto Leads, class G, class Built>
 auto backward_from(const G& g, const Built& built) {
   if constexpr (I == 0) {
@@ -399,22 +403,27 @@ class GradFunction {
     if constexpr (graph::Capturable<FnRef&, X...>) {
       if (autodiff::detail::mode_of<Fn>() == GRAPH_MODE) return run_graph<WithInput>(input_grad, xs...);
     } else if constexpr (!WithInput && autodiff::detail::CellLike<Fn>) {
-      if (autodiff::detail::mode_of<Fn>() == GRAPH_MODE && autodiff::active_tape() == nullptr &&
-          pijit::active_trace() == nullptr) {
-        return traced_step_.get([this] {
-          return TracedStep(StepCall{this}, {.mode = JitMode::PIJit,
-                                             .name = fn_.label() + " forward and backward in graph mode "
-                                                                   "(argument 0: the network's structure)"});
-        })(nn::detail::structure_generation().load(std::memory_order_acquire), xs...);
-      }
+      if (autodiff::detail::mode_of<Fn>() == GRAPH_MODE && can_trace()) return traced_step(xs...);
     }
     return run_eager<WithInput>(input_grad, xs...);
   }
 
-  // Graph mode for a cell built at run time (it has no construct to capture): the whole step,
-  // forward, loss and backward, is traced on the first call for each input signature and
-  // structure, and replayed after (PIJit, default JitConfig). Parameters' gradients are written
-  // by the replay's gradient steps, as the tape's backward writes them.
+  static bool can_trace() { return autodiff::active_tape() == nullptr && pijit::active_trace() == nullptr; }
+
+  template <class... X>
+  auto traced_step(const X&... xs) {
+    return traced_step_.get([this] {
+      return TracedStep(StepCall{this}, {.mode = JitMode::PIJit,
+                                         .name = fn_.label() + " forward and backward in graph mode "
+                                                               "(argument 0: the network's structure)"});
+    })(nn::detail::structure_generation().load(std::memory_order_acquire), xs...);
+  }
+
+  // Graph mode for a cell built at run time (it has no construct to capture), or whose capture
+  // is ambiguous (graph::Sym::ambiguity): the whole step, forward, loss and backward,
+  // is traced on the first call for each input signature and structure, and replayed after
+  // (PIJit, default JitConfig). Parameters' gradients are written by the replay's gradient
+  // steps, as the tape's backward writes them.
   struct StepCall {
     GradFunction* self;
     template <class... X>
@@ -466,6 +475,7 @@ class GradFunction {
                         " is differentiated in graph mode, but a cell in it has a hook; "
                         "hooks run in PyNative mode only");
       }
+      fn_.ensure_named();  // an ambiguous capture names its layers
     }
     const auto capture = [&](auto phase) {
       return pipeline::compile<JitConfig{}, true,
@@ -474,7 +484,19 @@ class GradFunction {
                                                                        typename graph::pattern_of<X>::type>>...>(
           [&](const auto&... in) { return fn_(in...); });
     };
-    return pipeline::in_requested_phase(capture, [&](const auto& forward) {
+    return pipeline::in_requested_phase(capture, [&](const auto& forward) -> BasicTensor<V> {
+      if (!forward.ambiguity.empty()) {
+        if constexpr (!WithInput && autodiff::detail::CellLike<Fn>) {
+          if (can_trace()) {
+            duet::detail::log_ambiguous_capture<StepCall>(where()(), forward.ambiguity,
+                                                          "forward and backward as a traced graph (PIJit)");
+            return traced_step(xs...);
+          }
+        }
+        duet::detail::log_ambiguous_capture<GradFunction>(where()(), forward.ambiguity,
+                                                          "forward and backward in PyNative mode");
+        return run_eager<WithInput>(input_grad, xs...);
+      }
       duet::detail::begin_backward_pass();
       if constexpr (WithInput) {
         return autodiff::detail::at_position<sizeof...(X)>(*grad_position_, [&](auto k) {

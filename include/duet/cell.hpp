@@ -514,9 +514,11 @@ class Cell : public BasicDynamicCell<T> {
   // A PyNative grad records the operations as they run; a graph would be one opaque call to
   // its tape. Under a recording tape, a graph-mode cell therefore runs its construct eagerly:
   // the same numbers, and gradients that reach its parameters. So does a cell duet::summary
-  // observes, so that the call of each cell inside it is seen.
+  // observes, so that the call of each cell inside it is seen, and one a PIJit trace runs
+  // through, whose replay would otherwise read the graph's output as a constant.
   static bool runs_as_graph() {
-    return effective_mode(M) == GRAPH_MODE && autodiff::active_tape() == nullptr && detail::call_observer<T> == nullptr;
+    return effective_mode(M) == GRAPH_MODE && autodiff::active_tape() == nullptr && detail::call_observer<T> == nullptr &&
+           pijit::active_trace() == nullptr;
   }
 
   // Capture, optimise, run, in the phase the network's layers are set to. Capture and passes
@@ -532,6 +534,7 @@ class Cell : public BasicDynamicCell<T> {
     return pipeline::in_requested_phase(
         [&](auto phase) -> const auto& { return captured<decltype(phase)::value, Patterns...>(xs...); },
         [&](const auto& program) {
+          if (!program.ambiguity.empty()) return traced_form()(xs...);
           return pipeline::execute<jit_config>(
               this->id(), program, [this] { return this->type_name() + "::construct"; }, xs...);
         });
@@ -556,8 +559,31 @@ class Cell : public BasicDynamicCell<T> {
       cache.owner = 0;  // stays invalid if capturing throws
       cache.program.emplace(capture());
       cache.owner = this->id();
+      if (!cache.program->ambiguity.empty()) {
+        duet::detail::log_ambiguous_capture<Derived>(this->type_name() + "::construct", cache.program->ambiguity,
+                                                     "as a traced graph (PIJit)");
+      }
     }
     return *cache.program;
+  }
+
+  // Graph mode when capture cannot make the graph (graph::Sym::ambiguity): construct
+  // traced on tensors (PIJit) on the first call for each input shape, and replayed after. The
+  // trace knows each value at run time, which the captured graph's types cannot.
+  struct TracedConstruct {
+    Cell* cell;
+    template <class... X>
+    auto operator()(const X&... xs) const {
+      return cell->run_construct(xs...);
+    }
+  };
+  using TracedForm = JitFunction<jit_config, TracedConstruct>;
+
+  TracedForm& traced_form() {
+    return traced_form_.get([this] {
+      return TracedForm(TracedConstruct{this},
+                        {.mode = JitMode::PIJit, .name = this->type_name() + "::construct, traced"});
+    });
   }
 
   template <class Captured>
@@ -568,6 +594,8 @@ class Cell : public BasicDynamicCell<T> {
     }
     (std::make_index_sequence<static_cast<std::size_t>(s.rank())>{});
   }
+
+  duet::detail::OwnForm<TracedForm> traced_form_;
 
   template <class F>
   void for_each_member(F&& f) {

@@ -9,18 +9,22 @@
 // Every node holds an operation: the contract it meets is in operation.hpp.
 #pragma once
 
+#include <algorithm>
 #include <array>
+#include <atomic>
 #include <boost/hana/append.hpp>
 #include <boost/hana/at.hpp>
 #include <boost/hana/length.hpp>
 #include <boost/hana/tuple.hpp>
 #include <boost/hana/unpack.hpp>
 #include <cstddef>
+#include <cstdint>
 #include <span>
 #include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "diagnostics.hpp"
 #include "operation.hpp"
@@ -126,6 +130,17 @@ struct reassignment_during_capture {
   "compute with graph operations, or run C++ on the value with duet::host(...) (a host node, "               \
   "JitSyntaxLevel::lax)"
 
+// Capture merges two nodes of one type on the same inputs into one (graph::detail::merge_from),
+// but the type cannot tell whether they are one value: `wq(x)` and `wk(x)` with wq, wk two
+// nn::Dense<64, 64>, or `s * 2` and `s * 3`, have the types of `s` and `s` again. Each node
+// therefore carries a run-time id, new for each node append makes, the parameter's own for a
+// parameter node, none (0) for graph inputs (which are one value per index). Ids are even; a
+// parameter's is its address with the low bit set, so the two never meet.
+inline std::uint64_t new_node_id() {
+  static std::atomic<std::uint64_t> last{0};
+  return last.fetch_add(2, std::memory_order_relaxed) + 2;
+}
+
 template <class G, std::size_t Out>
 struct Sym {
   using graph_type = G;
@@ -133,6 +148,11 @@ struct Sym {
   static constexpr std::size_t output = Out;
   static constexpr Shape shape = G::shapes[Out];
   G graph;
+  // Capture's run-time knowledge (passes and build_backward leave it behind): each node's id,
+  // and, when a merge met two nodes of one type, inputs and place whose ids differ, what they
+  // are. Such a graph computes one value where the function computes two: it must not run.
+  std::array<std::uint64_t, G::size> ids{};
+  std::string ambiguity{};
 
   // A graph is captured before it runs: reading a value then, or branching on one, cannot be
   // a graph operation. These say so, instead of "no member named item".
@@ -393,10 +413,49 @@ constexpr std::size_t find_input() {
   return found;
 }
 
-// Appends b's nodes after `built`, the same input appearing once. Map[j] is where b's node j
-// ends up. Other shared work is not detected: a value used by both sides is computed twice.
+// Where a node of type Target is in Nodes (a hana::tuple of nodes), or its length if nowhere.
+// Place Hint is tried first: a graph merged into one it extends has each node where the
+// other has it. Anywhere = false looks there only: for a node without inputs (a parameter),
+// whose type says nothing of which one it is, so that `x * gamma + beta` does not meet gamma
+// where beta is; inside a shared prefix, it is where the other graph has it.
+template <class Target, class Nodes, std::size_t Hint, bool Anywhere>
+struct position_of;
+template <class Target, class... Nodes, std::size_t Hint, bool Anywhere>
+struct position_of<Target, hana::tuple<Nodes...>, Hint, Anywhere> {
+  static constexpr std::size_t value = [] {
+    constexpr std::array<bool, sizeof...(Nodes) + 1> same{std::is_same_v<Target, Nodes>..., true};
+    if (Hint < sizeof...(Nodes) && same[Hint]) return Hint;
+    if (!Anywhere) return sizeof...(Nodes);
+    std::size_t i = 0;
+    while (!same[i]) ++i;
+    return i;
+  }();
+};
+
+// The run-time half of a merge: the ids of the nodes built so far, and the first ambiguity met.
+struct Merged {
+  std::vector<std::uint64_t> ids;
+  std::string ambiguity;
+
+  void note(const std::string& why) {
+    if (ambiguity.empty()) ambiguity = why;
+  }
+  template <std::size_t N>
+  std::array<std::uint64_t, N> id_array() const {
+    std::array<std::uint64_t, N> a{};
+    std::copy_n(ids.begin(), N, a.begin());
+    return a;
+  }
+};
+
+// Appends b's nodes after `built`, each value once: a node of b whose type (op and renumbered
+// inputs) is already built is that node, provided the ids agree; if they do not, the merge is
+// ambiguous (Sym::ambiguity) and says which two nodes it met. Map[j] is where b's node j ends
+// up. Shared work is thus captured once: `x + f(x)` holds x's nodes once, and the graph of
+// stacked residual blocks grows linearly with their number.
 template <std::size_t J, class GB, class Built, std::size_t... Map>
-auto merge_from(const GB& b, const Built& built, std::index_sequence<Map...> map) {
+auto merge_from(const GB& b, std::span<const std::uint64_t> b_ids, const Built& built,
+                std::index_sequence<Map...> map, Merged& merged) {
   if constexpr (J == GB::size) {
     return std::pair{make_graph(built), map};
   } else {
@@ -408,15 +467,26 @@ auto merge_from(const GB& b, const Built& built, std::index_sequence<Map...> map
         using Existing = std::remove_cvref_t<decltype(hana::at_c<found>(built))>;
         static_assert(std::is_same_v<Existing, N>,
                       "duet: one graph input is used with two different element types or shape patterns");
-        return merge_from<J + 1>(b, built, std::index_sequence<Map..., found>{});
+        return merge_from<J + 1>(b, b_ids, built, std::index_sequence<Map..., found>{}, merged);
       } else {
-        return merge_from<J + 1>(b, hana::append(built, hana::at_c<J>(b.nodes)),
-                                 std::index_sequence<Map..., built_size>{});
+        merged.ids.push_back(b_ids[J]);
+        return merge_from<J + 1>(b, b_ids, hana::append(built, hana::at_c<J>(b.nodes)),
+                                 std::index_sequence<Map..., built_size>{}, merged);
       }
     } else {
-      return merge_from<J + 1>(
-          b, hana::append(built, renumbered(hana::at_c<J>(b.nodes), map, std::make_index_sequence<N::arity>{})),
-          std::index_sequence<Map..., built_size>{});
+      auto node = renumbered(hana::at_c<J>(b.nodes), map, std::make_index_sequence<N::arity>{});
+      constexpr std::size_t found = position_of<decltype(node), Built, J, (N::arity > 0)>::value;
+      if constexpr (found < built_size) {
+        if (merged.ids[found] != b_ids[J]) {
+          merged.note("%" + std::to_string(found) + " " + hana::at_c<found>(built).op.label() + " and " +
+                      node.op.label() + " are one operation type on the same inputs, but two values");
+        }
+        return merge_from<J + 1>(b, b_ids, built, std::index_sequence<Map..., found>{}, merged);
+      } else {
+        merged.ids.push_back(b_ids[J]);
+        return merge_from<J + 1>(b, b_ids, hana::append(built, node), std::index_sequence<Map..., built_size>{},
+                                 merged);
+      }
     }
   }
 }
@@ -464,8 +534,11 @@ auto quietly(const Sym<G, Out>& x, F&& f) {
   using X = Sym<G, Out>;
   const auto q = f(input<typename X::value_type, Quiet<SameShapeAs<X>>>());
   using Q = std::remove_cvref_t<decltype(q)>;
-  auto [g, map] = detail::merge_from<1>(q.graph, x.graph.nodes, std::index_sequence<Out>{});
-  return Sym<decltype(g), detail::at<Q::output>(decltype(map){})>{g};
+  detail::Merged merged{{x.ids.begin(), x.ids.end()}, x.ambiguity};
+  auto [g, map] = detail::merge_from<1>(q.graph, q.ids, x.graph.nodes, std::index_sequence<Out>{}, merged);
+  merged.note(q.ambiguity);
+  return Sym<decltype(g), detail::at<Q::output>(decltype(map){})>{g, merged.id_array<decltype(g)::size>(),
+                                                                   merged.ambiguity};
 }
 
 // Appends `op` applied to x. The rule runs here, at capture, so a compile-time mismatch is
@@ -475,7 +548,10 @@ auto append(const Op& op, const Sym<G, Out>& x) {
   static_cast<void>(sizeof(diagnostic::check_operation<Op>));
   if constexpr (reports_faults<G>()) diagnostic::report_static_fault<Op, Sym<G, Out>>();
   auto g = make_graph(hana::append(x.graph.nodes, Node<Op, Out>{op}));
-  return Sym<decltype(g), G::size>{g};
+  std::array<std::uint64_t, G::size + 1> ids{};
+  std::copy(x.ids.begin(), x.ids.end(), ids.begin());
+  ids[G::size] = new_node_id();
+  return Sym<decltype(g), G::size>{g, ids, x.ambiguity};
 }
 
 namespace detail {
@@ -483,13 +559,14 @@ namespace detail {
 // Merges the graphs of xs... after g, each input once; Outs are where the values used so far
 // live in the result (the nodes already there keep their places).
 template <class G, std::size_t... Outs>
-auto merge_all(const G& g, std::index_sequence<Outs...> outs) {
+auto merge_all(const G& g, Merged&, std::index_sequence<Outs...> outs) {
   return std::pair{g, outs};
 }
 template <class G, std::size_t... Outs, class GB, std::size_t B, class... Rest>
-auto merge_all(const G& g, std::index_sequence<Outs...>, const Sym<GB, B>& b, const Rest&... rest) {
-  auto [merged, map] = merge_from<0>(b.graph, g.nodes, std::index_sequence<>{});
-  return merge_all(merged, std::index_sequence<Outs..., at<B>(decltype(map){})>{}, rest...);
+auto merge_all(const G& g, Merged& ids, std::index_sequence<Outs...>, const Sym<GB, B>& b, const Rest&... rest) {
+  ids.note(b.ambiguity);
+  auto [merged, map] = merge_from<0>(b.graph, b.ids, g.nodes, std::index_sequence<>{}, ids);
+  return merge_all(merged, ids, std::index_sequence<Outs..., at<B>(decltype(map){})>{}, rest...);
 }
 
 }  // namespace detail
@@ -502,12 +579,14 @@ auto append(const Op& op, const Sym<G0, O0>& x0, const Rest&... rest) {
   if constexpr (reports_faults<G0>() && (reports_faults<typename Rest::graph_type>() && ...)) {
     diagnostic::report_static_fault<Op, Sym<G0, O0>, Rest...>();
   }
-  auto [merged, outs] = detail::merge_all(x0.graph, std::index_sequence<O0>{}, rest...);
+  detail::Merged ids{{x0.ids.begin(), x0.ids.end()}, x0.ambiguity};
+  auto [merged, outs] = detail::merge_all(x0.graph, ids, std::index_sequence<O0>{}, rest...);
   // merged is passed, not captured: clang 14 cannot capture a structured binding.
   auto g = [&op]<class M, std::size_t... Args>(const M& m, std::index_sequence<Args...>) {
     return make_graph(hana::append(m.nodes, Node<Op, Args...>{op}));
   }(merged, decltype(outs){});
-  return Sym<decltype(g), decltype(merged)::size>{g};
+  ids.ids.push_back(new_node_id());
+  return Sym<decltype(g), decltype(merged)::size>{g, ids.id_array<decltype(g)::size>(), ids.ambiguity};
 }
 
 }  // namespace duet::graph

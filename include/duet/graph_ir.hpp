@@ -107,7 +107,10 @@ GraphText dump(const Sym<G, Out>& program, const std::string& title) {
     dot << "  n" << I << " [label=\"" << label << "\"];\n";
     for (std::size_t a : Node::args) dot << "  n" << a << " -> n" << I << ";\n";
   });
-  text << "  return %" << Out << "\n}\n";
+  text << "  return %" << Out << "\n";
+  // Such a program does not run (pipeline::compile): the dump says so, and why.
+  if (!program.ambiguity.empty()) text << "  ambiguous capture, runs traced instead: " << program.ambiguity << "\n";
+  text << "}\n";
   dot << "}\n";
   return {text.str(), dot.str()};
 }
@@ -135,7 +138,9 @@ GraphIR graph_ir(C& cell, Pattern = {}) {
           return cell(graph::input<typename C::value_type, In>());
         },
         [&](const auto& captured) {
-          return GraphIR{graph::dump(captured, title), graph::dump(passes::optimize<Config>(captured), title)};
+          auto optimized = passes::optimize<Config>(captured);
+          optimized.ambiguity = captured.ambiguity;  // the optimised graph does not run either
+          return GraphIR{graph::dump(captured, title), graph::dump(optimized, title)};
         });
   }
 }

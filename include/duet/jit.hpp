@@ -130,6 +130,18 @@ inline void jit_log(std::string line) {
   std::lock_guard lock(stats.mutex);
   stats.log.push_back(std::move(line));
 }
+
+// Says in the log, once per Key type (a caller's type: one type, one capture), that `who`
+// does not run as the static graph capture made, why (graph::Sym::ambiguity) and what
+// runs instead.
+template <class Key>
+void log_ambiguous_capture(const std::string& who, const std::string& why, const std::string& instead) {
+  static std::once_flag once;
+  std::call_once(once, [&] {
+    jit_log(who + ": runs " + instead + ", not as a static graph: at capture, " + why +
+            ", which their types cannot tell apart (README, Guarantees: \"Shared values in graph mode\")");
+  });
+}
 }  // namespace detail
 
 // Compilations of every jitted function so far.
@@ -448,9 +460,15 @@ class JitFunction {
                       "duet::jit: JitSyntaxLevel::strict: the function calls duet::host, a host callback, which is "
                       "not a graph operation; use JitSyntaxLevel::lax to run it as a graph break");
       }
-      return passes::optimize<Config>(captured);
+      auto program = passes::optimize<Config>(captured);
+      program.ambiguity = captured.ambiguity;  // the optimised graph cannot run either
+      return program;
     };
     return pipeline::in_requested_phase(capture, [&](const auto& program) {
+      if (!program.ambiguity.empty()) {
+        detail::log_ambiguous_capture<JitFunction>(options_.name, program.ambiguity, "in PyNative mode");
+        return eager(args...);
+      }
       return std::apply(
           [&](const auto&... t) {
             return pipeline::execute<Config>(owner, program, [this] { return options_.name; }, t...);

@@ -34,11 +34,17 @@ template <class T, class Pattern>
 struct Input {};
 
 // f captured on Inputs (input K being the K-th) and optimised; Differentiated keeps every
-// operation differentiable, for a graph that build_backward extends.
+// operation differentiable, for a graph that build_backward extends. The program keeps the
+// capture's ambiguity (graph::Sym::ambiguity): when it is not empty, the program computes one
+// value where the function computes two, and the caller runs the function another way (a
+// trace, which knows each value at run time).
 template <JitConfig Config, bool Differentiated, class... Inputs, class F>
 auto compile(F&& f) {
   return [&]<class... T, class... P, std::size_t... K>(std::index_sequence<K...>, Input<T, P>*...) {
-    return passes::optimize<Config, Differentiated>(f(graph::input<T, P, K>()...));
+    const auto captured = f(graph::input<T, P, K>()...);
+    auto program = passes::optimize<Config, Differentiated>(captured);
+    program.ambiguity = captured.ambiguity;
+    return program;
   }(std::index_sequence_for<Inputs...>{}, static_cast<Inputs*>(nullptr)...);
 }
 

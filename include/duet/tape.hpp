@@ -3,6 +3,7 @@
 // appends to its backward graph.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstdint>
@@ -57,6 +58,8 @@ class Entry {
  public:
   virtual ~Entry() = default;
   virtual void backward(Tape& tape) = 0;
+  // Appends the entries of the values it reads, in the order it reads them.
+  virtual void append_inputs(const Tape&, std::vector<std::size_t>&) const {}
 };
 
 // An entry whose value can receive a gradient.
@@ -102,6 +105,12 @@ class Tape {
     return index_of(x.tape_id()) < entries_.size();
   }
 
+  // The entry x is, entries_.size() if none.
+  template <class T>
+  std::size_t position_of(const BasicTensor<T>& x) const {
+    return index_of(x.tape_id());
+  }
+
   template <class T>
   ValueEntry<T>* entry_of(const BasicTensor<T>& x) const {
     const std::size_t i = index_of(x.tape_id());
@@ -116,11 +125,21 @@ class Tape {
   template <class T, class Hook>
   BasicTensor<T>* begin_cell(const BasicTensor<T>& input, Hook hook);
 
-  // Seeds d(output)/d(output) = 1 and runs every record's gradient, last first.
+  // Seeds d(output)/d(output) = 1 and runs the gradient of every record the output depends
+  // on, in backward_order.
   template <class T>
   void backward(const BasicTensor<T>& output);
 
  private:
+  // The records `from` depends on, as graph capture lays out a program's nodes: a depth-first
+  // post-order from the output, each record's inputs left to right, reversed. Walking them
+  // so, the gradients reaching one value add up in the order graph mode's backward graph adds
+  // them (autodiff::build_backward walks the captured nodes last first), whatever order C++
+  // evaluated the operands of an expression in (g++ and clang++ differ). With a cell's
+  // backward hook, the records keep the order they were made in: the hook runs once every
+  // record made after its cell was entered has run, and hooks run in PyNative mode only.
+  std::vector<std::size_t> backward_order(std::size_t from) const;
+
   static std::uint64_t next_generation() {
     static std::atomic<std::uint64_t> last{0};
     return last.fetch_add(1, std::memory_order_relaxed) + 1;
@@ -139,6 +158,7 @@ class Tape {
 
   std::uint64_t generation_;
   std::vector<std::unique_ptr<Entry>> entries_;
+  bool has_cell_hooks_ = false;
 };
 
 // Makes a tape the active one for its lifetime (nested scopes restore the outer tape).
@@ -169,6 +189,11 @@ template <class Op, class Out, class... In>
 class OpEntry final : public ValueEntry<Out> {
  public:
   OpEntry(const Op& op, const BasicTensor<Out>& y, const BasicTensor<In>&... x) : op_(op), output_(y), inputs_(x...) {}
+
+  void append_inputs(const Tape& tape, std::vector<std::size_t>& out) const override {
+    std::apply([&](const auto&... x) { ((tape.tracks(x) ? out.push_back(tape.position_of(x)) : void()), ...); },
+               inputs_);
+  }
 
   void backward(Tape& tape) override {
     const BasicTensor<Out>* g = this->grad();
@@ -292,7 +317,43 @@ BasicTensor<T>* Tape::begin_cell(const BasicTensor<T>& input, Hook hook) {
   auto entry = std::make_unique<CellEntry<T, Hook>>(input, std::move(hook));
   BasicTensor<T>* slot = &entry->output;
   entries_.push_back(std::move(entry));
+  has_cell_hooks_ = true;
   return slot;
+}
+
+inline std::vector<std::size_t> Tape::backward_order(std::size_t from) const {
+  std::vector<std::size_t> order;
+  if (has_cell_hooks_) {
+    for (std::size_t i = entries_.size(); i-- > 0;) order.push_back(i);
+    return order;
+  }
+  // Each record's inputs, in one array: record i reads inputs[begin[i]] to inputs[begin[i + 1]].
+  std::vector<std::size_t> inputs;
+  std::vector<std::size_t> begin(entries_.size() + 1, 0);
+  for (std::size_t i = 0; i < entries_.size(); ++i) {
+    begin[i] = inputs.size();
+    entries_[i]->append_inputs(*this, inputs);
+  }
+  begin[entries_.size()] = inputs.size();
+  std::vector<bool> visited(entries_.size(), false);
+  // (record, its next input to visit): a loop, not recursion, for deep networks' long chains.
+  std::vector<std::pair<std::size_t, std::size_t>> stack{{from, begin[from]}};
+  visited[from] = true;
+  while (!stack.empty()) {
+    auto& [record, next] = stack.back();
+    if (next == begin[record + 1]) {
+      order.push_back(record);
+      stack.pop_back();
+      continue;
+    }
+    const std::size_t input = inputs[next++];
+    if (!visited[input]) {
+      visited[input] = true;
+      stack.emplace_back(input, begin[input]);
+    }
+  }
+  std::reverse(order.begin(), order.end());
+  return order;
 }
 
 template <class T>
@@ -305,7 +366,7 @@ void Tape::backward(const BasicTensor<T>& output) {
   Recording off(nullptr);
   detail::begin_backward_pass();
   if (pijit::Trace* trace = pijit::active_trace()) trace->record_backward_pass();
-  for (std::size_t i = entries_.size(); i-- > 0;) entries_[i]->backward(*this);
+  for (std::size_t i : backward_order(index_of(output.tape_id()))) entries_[i]->backward(*this);
 }
 
 }  // namespace autodiff

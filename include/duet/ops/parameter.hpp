@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdint>
 #include <span>
 #include <string>
 
@@ -78,7 +79,9 @@ namespace duet::graph {
 template <class T>
 auto parameter(const nn::BasicParameter<T>& p) {
   using G = Graph<Node<ops::ParameterOp<T>>>;
-  return Sym<G, 0>{G{hana::make_tuple(Node<ops::ParameterOp<T>>{ops::ParameterOp<T>{&p}})}};
+  // Its id is the parameter's: each read of one parameter is the same value.
+  return Sym<G, 0>{G{hana::make_tuple(Node<ops::ParameterOp<T>>{ops::ParameterOp<T>{&p}})},
+                   {reinterpret_cast<std::uintptr_t>(&p) | 1u}};
 }
 
 }  // namespace duet::graph

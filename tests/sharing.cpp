@@ -1,0 +1,228 @@
+// Shared work in graph capture (include/duet/graph.hpp, merge_from) and the one order in which
+// both modes add up the gradients reaching a value (tape.hpp, autodiff.hpp): a value several
+// operations read is captured once, and its gradient is bit for bit PyNative's.
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "support.hpp"
+
+using namespace duet;
+using duet_test::ModeGuard;
+
+namespace {
+
+template <class T>
+bool same_bits(const BasicTensor<T>& a, const BasicTensor<T>& b) {
+  return a.shape() == b.shape() && std::equal(a.data(), a.data() + a.numel(), b.data());
+}
+
+// The value and every gradient value_and_grad gives in `mode`: with the input's first when
+// with_input, else the parameters' alone (a training step's path).
+template <class Net, class T>
+ValueAndGrads<T> gradients_in(Mode mode, Net& net, const BasicTensor<T>& x, bool with_input) {
+  set_context({.mode = mode});
+  if (with_input) return value_and_grad(net, net.parameters(), 0)(x);
+  return value_and_grad(net, net.parameters())(x);
+}
+
+// Forward and every gradient, both ways of asking for them, bit for bit in both modes.
+template <class Net, class T>
+void check_modes_agree(Net& net, const BasicTensor<T>& x) {
+  ModeGuard guard;
+  set_context({.mode = PYNATIVE_MODE});
+  const BasicTensor<T> eager = net(x);
+  set_context({.mode = GRAPH_MODE});
+  CHECK(same_bits(eager, net(x)));
+  for (bool with_input : {true, false}) {
+    CAPTURE(with_input);
+    const auto pynative = gradients_in(PYNATIVE_MODE, net, x, with_input);
+    const auto graph = gradients_in(GRAPH_MODE, net, x, with_input);
+    CHECK(same_bits(pynative.value, graph.value));
+    REQUIRE(pynative.grads.size() == graph.grads.size());
+    for (std::size_t i = 0; i < graph.grads.size(); ++i) {
+      CAPTURE(i);
+      CHECK(same_bits(pynative.grads[i], graph.grads[i]));
+    }
+  }
+}
+
+template <class Net>
+using captured_graph = typename decltype(std::declval<Net&>()(graph::input<float, graph::AnyShape>()))::graph_type;
+
+template <class Net>
+std::string captured_dump(Net& net) {
+  net.ensure_named();
+  return graph::dump(net(graph::input<typename Net::value_type, graph::AnyShape>()), "net").text;
+}
+
+std::size_t count(const std::string& text, const std::string& what) {
+  std::size_t n = 0;
+  for (std::size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
+bool logged(const std::string& what) {
+  const auto log = jit_compile_log();
+  return std::any_of(log.begin(), log.end(), [&](const std::string& line) { return line.find(what) != std::string::npos; });
+}
+
+// stem, then Readers' function of its output s, then head.
+template <class Readers>
+struct StemHead : nn::Cell<StemHead<Readers>> {
+  nn::Dense<16, 16> stem;
+  nn::Dense<16, 4> head;
+  DUET_CELL_MEMBERS(stem, head);
+  auto construct(auto x) { return head(Readers{}(stem(x))); }
+};
+
+struct TwoReaders {
+  auto operator()(const auto& s) const { return s + s * 2.0f; }
+};
+using Residual = StemHead<TwoReaders>;
+
+// x + f(x), stacked: without shared work captured once, 2^8 copies of the first block.
+struct Block : nn::Cell<Block> {
+  nn::Dense<16, 16> fc;
+  DUET_CELL_MEMBERS(fc);
+  auto construct(auto x) { return x + ops::tanh(fc(x)); }
+};
+
+struct Stacked : nn::Cell<Stacked> {
+  Block b0, b1, b2, b3, b4, b5, b6, b7;
+  DUET_CELL_MEMBERS(b0, b1, b2, b3, b4, b5, b6, b7);
+  auto construct(auto x) {
+    auto x1 = b0(x);
+    auto x2 = b1(x1);
+    auto x3 = b2(x2);
+    auto x4 = b3(x3);
+    auto x5 = b4(x4);
+    auto x6 = b5(x5);
+    auto x7 = b6(x6);
+    return b7(x7);
+  }
+};
+
+// s read by three operations, then by four (one reading it twice): the sums of their
+// gradients, in an order operand evaluation does not change.
+struct ThreeReaders {
+  auto operator()(const auto& s) const { return ops::exp(s * 0.25f) + ops::sigmoid(s) + s; }
+};
+struct FourReaders {
+  auto operator()(const auto& s) const { return ops::sigmoid(s) + s * s + ops::tanh(s); }
+};
+
+// Two layers of one type on one input: their captures have one type, and which layer is
+// which is known at run time only.
+struct Attention : nn::Cell<Attention, CONTEXT_MODE, double> {
+  nn::Dense<6, 6, double> wq;
+  nn::Dense<6, 6, double> wk;
+  DUET_CELL_MEMBERS(wq, wk);
+  auto construct(auto x) { return ops::matmul(wq(x), wk(x), ops::transpose_b); }
+};
+
+struct TwoScalars : nn::Cell<TwoScalars> {
+  nn::Dense<16, 16> stem;
+  DUET_CELL_MEMBERS(stem);
+  auto construct(auto x) {
+    auto s = stem(x);
+    return s * 2.0f + s * 3.0f;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("sharing: a value two operations read is captured once, and both modes agree bit for bit") {
+  set_seed(11);
+  Residual net;
+  static_assert(captured_graph<Residual>::size == 7, "input, stem (2), mul, add, head (2)");
+  const std::string dump = captured_dump(net);
+  CHECK(count(dump, "'stem'") == 2);  // its MatMul and BiasAdd, once each
+  CHECK(dump.find("ambiguous") == std::string::npos);
+  // Fusion leaves s, which two operations read, a value of its own: the stem's product takes
+  // its bias as epilogue, and nothing after it.
+  const std::string optimized = graph_ir(net).optimized.text;
+  CHECK(count(optimized, "'stem'") == 1);
+  CHECK(count(optimized, "MatMul + BiasAdd(%0)") == 1);
+  check_modes_agree(net, uniform<float>({8, 16}, -1.0f, 1.0f, 3));
+}
+
+TEST_CASE("sharing: eight stacked residual blocks give a graph linear in their number") {
+  set_seed(12);
+  Stacked net;
+  static_assert(captured_graph<Stacked>::size == 1 + 8 * 4, "input, then MatMul, BiasAdd, Tanh, Add per block");
+  check_modes_agree(net, uniform<float>({8, 16}, -1.0f, 1.0f, 4));
+}
+
+TEST_CASE("sharing: a value with three and with four gradient contributions, bit for bit in both modes") {
+  set_seed(13);
+  StemHead<ThreeReaders> three;
+  check_modes_agree(three, uniform<float>({8, 16}, -1.0f, 1.0f, 5));
+  StemHead<FourReaders> four;
+  check_modes_agree(four, uniform<float>({8, 16}, -1.0f, 1.0f, 6));
+}
+
+TEST_CASE("sharing: two layers of one type on one input run traced in graph mode, equal to PyNative and to finite differences") {
+  ModeGuard guard;
+  set_seed(14);
+  Attention net;
+  const std::string dump = captured_dump(net);
+  CHECK(dump.find("ambiguous capture") != std::string::npos);
+  CHECK(dump.find("'wq'") != std::string::npos);
+  CHECK(dump.find("'wk'") != std::string::npos);
+  const BasicTensor<double> x = uniform<double>({5, 6}, -1.0, 1.0, 7);
+  check_modes_agree(net, x);
+  CHECK(logged("Attention::construct: runs as a traced graph (PIJit)"));
+  CHECK(logged("Attention::construct: runs forward and backward in PyNative mode"));
+  CHECK(logged("Attention::construct: runs forward and backward as a traced graph (PIJit)"));
+  CHECK(logged("'wq' and nn::Dense<6, 6, Float64> 'wk' are one operation type on the same inputs, but two values"));
+
+  // d(sum of scores)/d(wq.weight) by central differences, against graph mode's.
+  set_context({.mode = GRAPH_MODE});
+  const auto analytic = value_and_grad(net, net.parameters())(x);
+  const auto total = [&] {
+    EagerScope eager;
+    const BasicTensor<double> y = net(x);
+    double s = 0;
+    for (index_t i = 0; i < y.numel(); ++i) s += y.data()[i];
+    return s;
+  };
+  const auto parameters = net.parameters();
+  REQUIRE(analytic.grads.size() == parameters.size());
+  for (std::size_t p = 0; p < parameters.size(); ++p) {
+    double* w = parameters[p].parameter->data();
+    for (index_t i = 0; i < parameters[p].parameter->numel(); i += 5) {
+      const double saved = w[i];
+      w[i] = saved + 1e-6;
+      const double up = total();
+      w[i] = saved - 1e-6;
+      const double down = total();
+      w[i] = saved;
+      CHECK(analytic.grads[p].data()[i] == doctest::Approx((up - down) / 2e-6).epsilon(1e-6));
+    }
+  }
+}
+
+TEST_CASE("sharing: s * 2 + s * 3 is five times s in both modes") {
+  ModeGuard guard;
+  set_seed(15);
+  TwoScalars net;
+  const BasicTensor<float> x = uniform<float>({4, 16}, -1.0f, 1.0f, 8);
+  set_context({.mode = PYNATIVE_MODE});
+  const BasicTensor<float> s = net.stem(x);
+  const BasicTensor<float> eager = net(x);
+  set_context({.mode = GRAPH_MODE});
+  const BasicTensor<float> graph = net(x);
+  CHECK(same_bits(eager, graph));
+  for (index_t i = 0; i < s.numel(); ++i) CHECK(graph.data()[i] == doctest::Approx(5.0 * s.data()[i]).epsilon(1e-6));
+  check_modes_agree(net, x);
+}
+
+TEST_CASE("sharing: a jitted function whose capture is ambiguous runs in PyNative mode, and says so") {
+  auto f = jit([](auto x) { return x * 2.0f + x * 3.0f; }, {.name = "ambiguous scalars"});
+  const BasicTensor<float> x = uniform<float>({3, 4}, -1.0f, 1.0f, 9);
+  const BasicTensor<float> y = f(x);
+  for (index_t i = 0; i < x.numel(); ++i) CHECK(y.data()[i] == doctest::Approx(5.0 * x.data()[i]).epsilon(1e-6));
+  CHECK(logged("ambiguous scalars: runs in PyNative mode"));
+}
