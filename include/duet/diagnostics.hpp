@@ -34,6 +34,8 @@ enum class ShapeFault : unsigned char {
   sizes_except_axis,  // every input's sizes must match input 0's except along axis `expected` (concat)
   axis_size,          // the input's size along the operation's axis must be `expected` (split)
   slice_range,        // the input's axis `expected` must hold the slice's range (slice)
+  channels,           // the input's channel axis (axis 1, NCHW) must be `expected` (convolution)
+  spatial_size,       // each spatial axis must be at least `expected`: the dilated kernel less the padding
 };
 
 // What a shape rule returns: the output shape and, if the inputs break the rule, which way.
@@ -115,6 +117,12 @@ inline std::string describe_fault(const ShapeResult& r, std::string_view layer, 
     case ShapeFault::slice_range:
       what = "an input whose axis " + e + " holds the slice's range";
       break;
+    case ShapeFault::channels:
+      what = "an input of " + e + " channels (axis 1)";
+      break;
+    case ShapeFault::spatial_size:
+      what = "an input whose spatial sizes are at least " + e + " (the dilated kernel's extent less the padding)";
+      break;
   }
   if (r.fault == ShapeFault::broadcast && inputs.size() > 1) {
     const std::size_t a = static_cast<std::size_t>(r.input);
@@ -174,6 +182,11 @@ template <index_t N>
 struct size_along_the_axis_must_be {};
 template <index_t N>
 struct axis_must_hold_the_slice {};
+template <index_t N>
+struct channels_must_be {};
+// The dilated kernel's extent less the padding: a smaller input leaves no output.
+template <index_t N>
+struct spatial_sizes_must_be_at_least {};
 
 // Not derived from std::false_type: compilers would then print integral_constant<bool, false>
 // instead of this type's name.
@@ -208,6 +221,10 @@ constexpr auto requirement() {
     return size_along_the_axis_must_be<N>{};
   else if constexpr (F == ShapeFault::slice_range)
     return axis_must_hold_the_slice<N>{};
+  else if constexpr (F == ShapeFault::channels)
+    return channels_must_be<N>{};
+  else if constexpr (F == ShapeFault::spatial_size)
+    return spatial_sizes_must_be_at_least<N>{};
   else
     return inputs_must_have_the_same_shape{};
 }
