@@ -1,6 +1,5 @@
 // A Conv2d whose dilated kernel, less its padding, is larger than its input.
-// expect: layer_accepts<duet::nn::Conv2d<1, 2, 5, 1, 1, 2, 1(, float)?>,
-// duet::diagnostic::spatial_sizes_must_be_at_least<7>, duet::diagnostic::input_shape<1, 1, 6, 9>
+// expect: layer_accepts<duet::nn::Conv2d<1, 2, 5, 1, 1, 2(, 1)?(, float)?>, duet::diagnostic::spatial_sizes_must_be_at_least<7>, duet::diagnostic::input_shape<1, 1, 6, 9>
 #include <duet/duet.hpp>
 
 int main() {

@@ -56,40 +56,34 @@ namespace detail {
 template <class T>
 using ConvMatrix = ::Eigen::Matrix<T, ::Eigen::Dynamic, ::Eigen::Dynamic, ::Eigen::RowMajor>;
 
-// The output columns [begin, end) whose taps at column offset `offset` land inside a row of
-// `width` (each pixel reads x at ow · stride + offset).
-inline void inside_columns(index_t offset, index_t stride, index_t width, index_t out_width, index_t& begin,
-                           index_t& end) {
-  begin = offset >= 0 ? 0 : (-offset + stride - 1) / stride;
-  end = offset >= width ? 0 : std::min(out_width, (width - 1 - offset) / stride + 1);
-  begin = std::min(begin, end);
-}
-
-// f(p, k, i) for every patch element of one group: output pixel p, column k of the patch
-// (channel, kernel row, kernel column), and i the index of the input element it reads within
-// the group's channels, or -1 in the padding.
+// f(at, i) for every element of one group's patches, in the order they are stored: `at` is
+// the element's place in col[P, depth] (output pixel, then input channel, kernel row, kernel
+// column), i the input element it reads within the group's channels ([in / groups, H, W]),
+// or -1 in the padding. In storage order, im2col writes each row of col front to back.
 template <class F>
 void for_each_tap(const ConvProblem& q, F&& f) {
-  const index_t depth = q.depth();
-  for (index_t c = 0; c < q.in_per_group(); ++c) {
-    for (index_t a = 0; a < q.kernel_h; ++a) {
-      for (index_t b = 0; b < q.kernel_w; ++b) {
-        const index_t k = (c * q.kernel_h + a) * q.kernel_w + b;
-        const index_t column_offset = b * q.dilation_w - q.pad_left;
-        index_t begin = 0, end = 0;
-        inside_columns(column_offset, q.stride_w, q.width, q.out_width, begin, end);
-        for (index_t oh = 0; oh < q.out_height; ++oh) {
-          const index_t h = oh * q.stride_h + a * q.dilation_h - q.pad_top;
-          const bool row_inside = h >= 0 && h < q.height;
-          const index_t row = oh * q.out_width;
-          if (!row_inside) {
-            for (index_t ow = 0; ow < q.out_width; ++ow) f((row + ow) * depth + k, index_t{-1});
+  index_t at = 0;
+  for (index_t oh = 0; oh < q.out_height; ++oh) {
+    const index_t h0 = oh * q.stride_h - q.pad_top;
+    for (index_t ow = 0; ow < q.out_width; ++ow) {
+      const index_t w0 = ow * q.stride_w - q.pad_left;
+      const bool columns_inside = w0 >= 0 && w0 + (q.kernel_w - 1) * q.dilation_w < q.width;
+      for (index_t c = 0; c < q.in_per_group(); ++c) {
+        for (index_t a = 0; a < q.kernel_h; ++a) {
+          const index_t h = h0 + a * q.dilation_h;
+          if (h < 0 || h >= q.height) {
+            for (index_t b = 0; b < q.kernel_w; ++b) f(at++, index_t{-1});
             continue;
           }
-          const index_t base = c * q.image() + h * q.width + column_offset;
-          for (index_t ow = 0; ow < begin; ++ow) f((row + ow) * depth + k, index_t{-1});
-          for (index_t ow = begin; ow < end; ++ow) f((row + ow) * depth + k, base + ow * q.stride_w);
-          for (index_t ow = end; ow < q.out_width; ++ow) f((row + ow) * depth + k, index_t{-1});
+          const index_t row = c * q.image() + h * q.width;
+          if (columns_inside) {
+            for (index_t b = 0; b < q.kernel_w; ++b) f(at++, row + w0 + b * q.dilation_w);
+          } else {
+            for (index_t b = 0; b < q.kernel_w; ++b) {
+              const index_t w = w0 + b * q.dilation_w;
+              f(at++, w >= 0 && w < q.width ? row + w : index_t{-1});
+            }
+          }
         }
       }
     }
