@@ -140,16 +140,6 @@ std::vector<std::vector<D>> parameter_grads(Layer& conv, const D& x, const D& w)
   return grads;
 }
 
-bool same_bits(const std::vector<D>& a, const std::vector<D>& b) {
-  if (a.size() != b.size()) return false;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    if (!(a[i].shape() == b[i].shape()) || std::memcmp(a[i].data(), b[i].data(), sizeof(double) * a[i].numel()) != 0) {
-      return false;
-    }
-  }
-  return true;
-}
-
 template <class Layer>
 void check_parameter_gradients(Layer& conv, const Shape& x_shape) {
   const D x = random_input(x_shape, -1, 1, 40);
