@@ -250,7 +250,7 @@ TEST_CASE("nn::Conv2d, nn::Conv1d: shape errors name the layer and the input, ba
   };
   duet::nn::Conv2d<> conv(3, 4, 5, {.pad_mode = PadMode::valid});
   CHECK(message([&] { conv(duet::ones({2, 2, 8, 8})); }) ==
-        "nn::Conv2d<dyn, dyn, dyn> expects an input of 3 channels (axis 1), got [2, 2, 8, 8]");
+        "nn::Conv2d<dyn, dyn, dyn> expects an input whose dimension 1 (channels) is 3, got [2, 2, 8, 8]");
   CHECK(message([&] { conv(duet::ones({3, 8, 8})); }) == "nn::Conv2d<dyn, dyn, dyn> expects an input of rank 4, got [3, 8, 8]");
   CHECK(message([&] { conv(duet::ones({1, 3, 4, 8})); }) ==
         "nn::Conv2d<dyn, dyn, dyn> expects an input whose spatial sizes are at least 5 (the dilated kernel's extent "

@@ -9,6 +9,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 
@@ -34,7 +35,7 @@ enum class ShapeFault : unsigned char {
   sizes_except_axis,  // every input's sizes must match input 0's except along axis `expected` (concat)
   axis_size,          // the input's size along the operation's axis must be `expected` (split)
   slice_range,        // the input's axis `expected` must hold the slice's range (slice)
-  channels,           // the input's channel axis (axis 1, NCHW) must be `expected` (convolution)
+  channel_dimension,  // the input's dimension 1 (channels, NCHW) must equal `expected` (BatchNorm, Conv)
   spatial_size,       // each spatial axis must be at least `expected`: the dilated kernel less the padding
 };
 
@@ -117,8 +118,8 @@ inline std::string describe_fault(const ShapeResult& r, std::string_view layer, 
     case ShapeFault::slice_range:
       what = "an input whose axis " + e + " holds the slice's range";
       break;
-    case ShapeFault::channels:
-      what = "an input of " + e + " channels (axis 1)";
+    case ShapeFault::channel_dimension:
+      what = "an input whose dimension 1 (channels) is " + e;
       break;
     case ShapeFault::spatial_size:
       what = "an input whose spatial sizes are at least " + e + " (the dilated kernel's extent less the padding)";
@@ -183,7 +184,7 @@ struct size_along_the_axis_must_be {};
 template <index_t N>
 struct axis_must_hold_the_slice {};
 template <index_t N>
-struct channels_must_be {};
+struct channel_dimension_must_be {};
 // The dilated kernel's extent less the padding: a smaller input leaves no output.
 template <index_t N>
 struct spatial_sizes_must_be_at_least {};
@@ -221,8 +222,8 @@ constexpr auto requirement() {
     return size_along_the_axis_must_be<N>{};
   else if constexpr (F == ShapeFault::slice_range)
     return axis_must_hold_the_slice<N>{};
-  else if constexpr (F == ShapeFault::channels)
-    return channels_must_be<N>{};
+  else if constexpr (F == ShapeFault::channel_dimension)
+    return channel_dimension_must_be<N>{};
   else if constexpr (F == ShapeFault::spatial_size)
     return spatial_sizes_must_be_at_least<N>{};
   else
@@ -266,6 +267,28 @@ template <class Layer, ShapeFault F, index_t N, class ShapeOf>
 using rejection = rejected<Layer, decltype(requirement<F, N>()),
                            decltype(shape_type<ShapeOf>(
                                std::make_index_sequence<static_cast<std::size_t>(ShapeOf::shape.rank())>{}))>;
+
+// Reports Op's shape rule broken by inputs whose shapes compile time knows (Inputs::shape...):
+// the op, its requirement and the culprit's shape, and the other operand's shape where the
+// fault is between two. Instantiated where the op meets its inputs (a capture, or a call on
+// static tensors), so that the error points at that line.
+template <class Op, class... Inputs>
+constexpr void report_static_fault() {
+  constexpr ShapeResult r = Op::infer_static(std::array<Shape, sizeof...(Inputs)>{Inputs::shape...});
+  if constexpr (!r.ok()) {
+    using In = std::tuple<Inputs...>;
+    using Layer = typename Op::layer_type;
+    using Culprit = std::tuple_element_t<static_cast<std::size_t>(r.input), In>;
+    if constexpr (r.fault == ShapeFault::broadcast) {
+      static_cast<void>(sizeof(broadcast_rejection<Layer, Culprit, std::tuple_element_t<broadcast_partner(r), In>>));
+    } else if constexpr (r.fault == ShapeFault::inner_dimensions) {
+      static_cast<void>(
+          sizeof(inner_dimension_rejection<Layer, Culprit, std::tuple_element_t<r.input == 0 ? 1 : 0, In>>));
+    } else {
+      static_cast<void>(sizeof(rejection<Layer, r.fault, r.expected, Culprit>));
+    }
+  }
+}
 
 }  // namespace diagnostic
 }  // namespace duet

@@ -1,5 +1,5 @@
 // A Conv2d whose in_channels do not match the channels of the layer before it.
-// expect: layer_accepts<duet::nn::Conv2d<4, 8, 3(, 1, 0, 1, 1)?(, float)?>, duet::diagnostic::channels_must_be<4>, duet::diagnostic::input_shape<2, 6, 10, 10>
+// expect: layer_accepts<duet::nn::Conv2d<4, 8, 3(, 1, 0, 1, 1)?(, float)?>, duet::diagnostic::channel_dimension_must_be<4>, duet::diagnostic::input_shape<2, 6, 10, 10>
 #include <duet/duet.hpp>
 
 struct Net : duet::nn::Cell<Net> {

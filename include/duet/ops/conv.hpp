@@ -146,7 +146,7 @@ constexpr ShapeResult conv_shape(const ConvGeometry& g, const Shape& x) {
       r = fault(r.shape, ShapeFault::spatial_size, axis.smallest);
     }
   }
-  if (g.in != dyn && in[1] != dyn && in[1] != g.in) return fault(r.shape, ShapeFault::channels, g.in);
+  if (g.in != dyn && in[1] != dyn && in[1] != g.in) return fault(r.shape, ShapeFault::channel_dimension, g.in);
   return r;
 }
 
