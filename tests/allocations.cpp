@@ -95,3 +95,26 @@ TEST_CASE("PyNative mode also runs from the pool once warm (no hooks registered)
   net(x);
   CHECK(allocations_during([&] { net(x); }) == 0);
 }
+
+namespace {
+struct ConvNetwork : nn::Cell<ConvNetwork> {
+  nn::Conv2d<1, 4, 5, 1, 2> conv{{.has_bias = true}};
+  nn::ReLU relu;
+  nn::Conv2d<4, 8, 3, 2, nn::PadMode::same, 1, 4> grouped;
+  nn::Flatten flatten;
+  nn::Dense<8 * 14 * 14, 10> fc;
+  DUET_CELL_MEMBERS(conv, relu, grouped, flatten, fc);
+  auto construct(auto x) { return fc(flatten(grouped(relu(conv(x))))); }
+};
+}  // namespace
+
+TEST_CASE("graph mode: convolutions take their patch buffers from the pool, no allocation once warm") {
+  ModeGuard guard;
+  set_context({.mode = GRAPH_MODE});
+  ConvNetwork net;
+  for (index_t batch : {1, 16}) {
+    const Tensor x = ones({batch, 1, 28, 28});
+    net(x);
+    for (int call = 0; call < 3; ++call) CHECK(allocations_during([&] { net(x); }) == 0);
+  }
+}

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <map>
 #include <string>
@@ -161,6 +162,19 @@ inline double dot(const D& a, const D& b) {
   double s = 0;
   for (duet::index_t i = 0; i < a.numel(); ++i) s += a.data()[i] * b.data()[i];
   return s;
+}
+
+// Whether two lists of tensors (gradients from the two modes) have the same shapes and the
+// same bits: a NaN matches itself, -0 does not match 0.
+inline bool same_bits(const std::vector<D>& a, const std::vector<D>& b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (!(a[i].shape() == b[i].shape()) ||
+        std::memcmp(a[i].data(), b[i].data(), sizeof(double) * static_cast<std::size_t>(a[i].numel())) != 0) {
+      return false;
+    }
+  }
+  return true;
 }
 
 // Every case of every family, by the name the operation is listed under.

@@ -195,16 +195,6 @@ std::vector<std::vector<D>> parameter_grads_in_both_modes(Net& net, Loss& loss, 
   return grads;
 }
 
-bool same_bits(const std::vector<D>& a, const std::vector<D>& b) {
-  if (a.size() != b.size()) return false;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    if (!(a[i].shape() == b[i].shape()) || !std::equal(a[i].data(), a[i].data() + a[i].numel(), b[i].data())) {
-      return false;
-    }
-  }
-  return true;
-}
-
 }  // namespace
 
 TEST_CASE("nn::LayerNorm: gamma and beta's gradients match finite differences, the same in both modes") {

@@ -35,7 +35,8 @@ enum class ShapeFault : unsigned char {
   sizes_except_axis,  // every input's sizes must match input 0's except along axis `expected` (concat)
   axis_size,          // the input's size along the operation's axis must be `expected` (split)
   slice_range,        // the input's axis `expected` must hold the slice's range (slice)
-  channel_dimension,  // the input's dimension 1 (channels, NCHW) must equal `expected` (BatchNorm)
+  channel_dimension,  // the input's dimension 1 (channels, NCHW) must equal `expected` (BatchNorm, Conv)
+  spatial_size,       // each spatial axis must be at least `expected`: the dilated kernel less the padding
 };
 
 // What a shape rule returns: the output shape and, if the inputs break the rule, which way.
@@ -120,6 +121,9 @@ inline std::string describe_fault(const ShapeResult& r, std::string_view layer, 
     case ShapeFault::channel_dimension:
       what = "an input whose dimension 1 (channels) is " + e;
       break;
+    case ShapeFault::spatial_size:
+      what = "an input whose spatial sizes are at least " + e + " (the dilated kernel's extent less the padding)";
+      break;
   }
   if (r.fault == ShapeFault::broadcast && inputs.size() > 1) {
     const std::size_t a = static_cast<std::size_t>(r.input);
@@ -181,6 +185,9 @@ template <index_t N>
 struct axis_must_hold_the_slice {};
 template <index_t N>
 struct channel_dimension_must_be {};
+// The dilated kernel's extent less the padding: a smaller input leaves no output.
+template <index_t N>
+struct spatial_sizes_must_be_at_least {};
 
 // Not derived from std::false_type: compilers would then print integral_constant<bool, false>
 // instead of this type's name.
@@ -217,6 +224,8 @@ constexpr auto requirement() {
     return axis_must_hold_the_slice<N>{};
   else if constexpr (F == ShapeFault::channel_dimension)
     return channel_dimension_must_be<N>{};
+  else if constexpr (F == ShapeFault::spatial_size)
+    return spatial_sizes_must_be_at_least<N>{};
   else
     return inputs_must_have_the_same_shape{};
 }

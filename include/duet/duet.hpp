@@ -35,6 +35,7 @@
 #include "operation.hpp"
 #include "ops/arithmetic.hpp"
 #include "ops/clip.hpp"
+#include "ops/conv.hpp"
 #include "ops/reduction.hpp"
 #include "ops/matmul.hpp"
 #include "ops/softmax.hpp"

@@ -297,6 +297,18 @@ void initialize(BasicTensor<T>& tensor, const I& init, Generator& gen) {
   if constexpr (Initializer<I, T>) init.fill(tensor, gen);  // no second error after the assertion
 }
 
+// initialize() for a layer's option (weight_init, bias_init): an initialiser's ValueError is
+// rethrown naming the layer and the option ("nn::Dense<4, 2> weight_init: ...").
+template <ElementType T, class I>
+void initialize_option(BasicTensor<T>& tensor, const I& init, Generator& gen, const std::string& layer,
+                       const char* option) {
+  try {
+    initialize(tensor, init, gen);
+  } catch (const ValueError& e) {
+    throw ValueError(layer + " " + option + ": " + e.what());
+  }
+}
+
 // The same, drawing from the global generator (set_seed).
 template <ElementType T, class I>
 void initialize(BasicTensor<T>& tensor, const I& init) {

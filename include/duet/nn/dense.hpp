@@ -287,8 +287,8 @@ class Dense : public Cell<Dense<In, Out, T>, CONTEXT_MODE, T> {
     auto weight_value = BasicTensor<T>::uninitialized({out_channels, in_channels});
     auto bias_value = BasicTensor<T>::uninitialized({out_channels});
     with_global_generator([&](Generator& gen) {
-      initialize_option(weight_value, weight_init, "weight_init", gen);
-      initialize_option(bias_value, bias_init, "bias_init", gen);
+      initializer::initialize_option(weight_value, weight_init, gen, type_name(), "weight_init");
+      initializer::initialize_option(bias_value, bias_init, gen, type_name(), "bias_init");
     });
     weight = BasicParameter<T>(std::move(weight_value));
     bias = BasicParameter<T>(std::move(bias_value));
@@ -320,15 +320,6 @@ class Dense : public Cell<Dense<In, Out, T>, CONTEXT_MODE, T> {
 
  private:
   static std::string size_name(index_t n) { return n == dyn ? "dyn" : std::to_string(n); }
-
-  void initialize_option(BasicTensor<T>& value, const initializer::AnyInitializer<T>& init, const char* option,
-                         Generator& gen) const {
-    try {
-      initializer::initialize(value, init, gen);
-    } catch (const ValueError& e) {
-      throw ValueError(type_name() + " " + option + ": " + e.what());
-    }
-  }
 
   index_t in_;
   index_t out_;

@@ -1,0 +1,495 @@
+// Convolutions: nn::Conv2d and nn::Conv1d (MindSpore's nn.Conv2d and nn.Conv1d, depthwise
+// with groups = channels), and the operations they capture.
+//
+//   nn::Conv2d<In, Out, Kernel, Stride = 1, Padding = 0, Dilation = 1, Groups = 1>
+//       compile-time sized: static shapes are checked through it while the program compiles.
+//       Padding is a number (MindSpore's pad_mode "pad" with that padding on every side) or
+//       nn::PadMode::same / nn::PadMode::valid;
+//   nn::Conv2d<>(in, out, kernel, {.stride, .pad_mode, .padding, .dilation, .group, .has_bias,
+//                .weight_init, .bias_init})
+//       run-time sized, with MindSpore's defaults (pad_mode "same", no bias);
+//   nn::Conv1d<...> and nn::Conv1d<>(...) the same on NCL inputs.
+//
+// MindSpore's conventions, where PyTorch's differ:
+//  - pad_mode "same" gives ceil(size / stride) outputs, padding split evenly with the odd one
+//    after (bottom, right), as MindSpore and TensorFlow do; PyTorch's padding="same" refuses
+//    strides above 1. "valid" pads nothing. "pad" pads `padding` on each side, as PyTorch's
+//    padding.
+//  - has_bias defaults to false (PyTorch's bias to true); the layer without bias has no bias
+//    parameter, so checkpoints hold `weight` alone, with `bias` when it has one (Dense's names).
+//  - the run-time form defaults to pad_mode "same"; the compile-time form's Padding defaults
+//    to 0 (the issue's signature, PyTorch's default, MindSpore's "valid").
+//  - the weight is [out, in / group, kh, kw] ([out, in / group, k] for Conv1d), initialised
+//    as MindSpore 2.x does by default (HeUniform(sqrt(5)), and the bias Uniform(1/sqrt(fan_in))):
+//    both U(-1/sqrt(fan_in), 1/sqrt(fan_in)), fan_in = in / group · kh · kw, PyTorch's default.
+//  - the option is MindSpore's `group` (PyTorch's `groups`).
+//
+// The geometry (kernel, stride, padding, dilation, groups) is a template argument of the
+// compile-time form, since the output's static shape needs it; the run-time form keeps it in
+// the layer and its shape rule runs on it at run time (Dense's split).
+//
+// Algorithm: im2col on duet's GEMM for the forward product, Eigen's products for the two
+// gradients (kernels/conv.hpp gives the layout). Measured single-threaded in float, medians,
+// on the project's 2-core machine while other builds loaded it (load average 9 to 11, so
+// only the ratios mean much), forward of one layer, im2col + duet's GEMM / direct loops (an
+// axpy per tap over output rows) / im2col + Eigen's product:
+//   LeNet conv1, 1->6 5x5 pad 2, batch 64:   2.0 / 8.7 to 32 / 1.5 ms
+//   LeNet conv2, 6->16 5x5, batch 64:        1.4 / 29 to 65 / 1.6 to 1.9 ms
+//   3x3 64->64 pad 1 on 28x28, batch 32:     111 to 291 / 1096 to 3263 / 101 to 333 ms
+// Direct convolution loses even at one input channel, so there is no direct path; duet's
+// GEMM and Eigen's are within the noise of each other, and the forward takes duet's (one
+// product kernel for Dense and Conv, its per-ISA dispatch). im2col itself is a third of the
+// forward time at 64 channels: an implicit GEMM that packs patches straight into the GEMM's
+// panels would save it, and is the next step for speed.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include "../backend.hpp"
+#include "../cell.hpp"
+#include "../eager.hpp"
+#include "../initializer.hpp"
+#include "../kernels/conv.hpp"
+#include "../operation.hpp"
+#include "../random.hpp"
+
+namespace duet {
+
+namespace nn {
+
+// MindSpore's pad_mode.
+enum class PadMode : unsigned char { same, valid, pad };
+
+}  // namespace nn
+
+namespace ops {
+
+// A convolution's settings, from its layer: the compile-time form's as a constant (dyn where
+// the run-time form leaves them open), the run-time form's from its members. Spatial is 1
+// (NCL) or 2 (NCHW); a 1-D convolution is a 2-D one of height 1, so axis 0 below is then the
+// height of 1 with a kernel of 1.
+struct ConvGeometry {
+  int spatial = 2;
+  index_t in = dyn;
+  index_t out = dyn;
+  index_t kernel = dyn;  // dyn: nothing but the ranks and channels is known at compile time
+  index_t stride = 1;
+  nn::PadMode pad_mode = nn::PadMode::pad;
+  index_t padding = 0;
+  index_t dilation = 1;
+  index_t groups = 1;
+
+  constexpr index_t extent() const { return dilation * (kernel - 1) + 1; }
+};
+
+namespace detail {
+
+// One spatial axis: its output size and the padding before it, or the smallest input size
+// that leaves an output (`smallest`, when `size` is below it).
+struct ConvAxis {
+  index_t out = dyn;
+  index_t pad_before = 0;
+  index_t smallest = 0;
+};
+
+constexpr ConvAxis conv_axis(const ConvGeometry& g, index_t size, bool real_axis) {
+  if (!real_axis) return {size, 0, 0};  // the height of 1 of a 1-D convolution
+  if (g.kernel == dyn) return {dyn, 0, 0};
+  const index_t extent = g.extent();
+  switch (g.pad_mode) {
+    case nn::PadMode::same: {
+      if (size == dyn) return {dyn, 0, 0};
+      const index_t out = (size + g.stride - 1) / g.stride;
+      const index_t total = std::max<index_t>(0, (out - 1) * g.stride + extent - size);
+      return {out, total / 2, 0};
+    }
+    case nn::PadMode::valid:
+    case nn::PadMode::pad: {
+      const index_t pad = g.pad_mode == nn::PadMode::pad ? g.padding : 0;
+      const index_t smallest = std::max<index_t>(1, extent - 2 * pad);
+      if (size == dyn) return {dyn, pad, smallest};
+      if (size < smallest) return {dyn, pad, smallest};
+      return {(size + 2 * pad - extent) / g.stride + 1, pad, smallest};
+    }
+  }
+  return {};
+}
+
+// The shape rule: [N, in, (H,) W] -> [N, out, (OH,) OW].
+constexpr ShapeResult conv_shape(const ConvGeometry& g, const Shape& x) {
+  const int rank = g.spatial + 2;
+  Shape in = x;
+  if (x.leading_unknown()) {
+    if (x.rank() > rank) return fault(Shape::any(), ShapeFault::exact_rank, rank);
+    in = Shape{};
+    for (int i = 0; i < rank - x.rank(); ++i) in.push_back(dyn);
+    for (int i = 0; i < x.rank(); ++i) in.push_back(x[i]);
+  }
+  Shape y{in.rank() > 0 ? in[0] : dyn, g.out};
+  if (in.rank() != rank) {
+    for (int i = 0; i < g.spatial; ++i) y.push_back(dyn);
+    return fault(y, ShapeFault::exact_rank, rank);
+  }
+  ShapeResult r{y};
+  for (int i = 0; i < g.spatial; ++i) {
+    const ConvAxis axis = conv_axis(g, in[2 + i], true);
+    r.shape.push_back(axis.out);
+    if (axis.out == dyn && in[2 + i] != dyn && axis.smallest > 0 && r.ok()) {
+      r = fault(r.shape, ShapeFault::spatial_size, axis.smallest);
+    }
+  }
+  if (g.in != dyn && in[1] != dyn && in[1] != g.in) return fault(r.shape, ShapeFault::channel_dimension, g.in);
+  return r;
+}
+
+// The sizes of one convolution of g on an input of shape x (which its rule accepted).
+inline kernels::ConvProblem conv_problem(const ConvGeometry& g, const Shape& x) {
+  const bool two_d = g.spatial == 2;
+  const index_t height = two_d ? x[2] : 1;
+  const index_t width = x[-1];
+  const ConvAxis h = conv_axis(g, height, two_d);
+  const ConvAxis w = conv_axis(g, width, true);
+  kernels::ConvProblem q;
+  q.batch = x[0];
+  q.in = g.in;
+  q.out = g.out;
+  q.groups = g.groups;
+  q.height = height;
+  q.width = width;
+  q.out_height = h.out;
+  q.out_width = w.out;
+  q.kernel_h = two_d ? g.kernel : 1;
+  q.kernel_w = g.kernel;
+  q.stride_h = two_d ? g.stride : 1;
+  q.stride_w = g.stride;
+  q.dilation_h = two_d ? g.dilation : 1;
+  q.dilation_w = g.dilation;
+  q.pad_top = h.pad_before;
+  q.pad_left = w.pad_before;
+  return q;
+}
+
+// Scratch for the patches of one group of one sample: from the thread's block cache, so a
+// warm graph allocates nothing (as the GEMM's own packing buffer).
+template <class T>
+T* patch_buffer(duet::detail::Storage& storage, const kernels::ConvProblem& q) {
+  storage = duet::detail::Storage(static_cast<std::size_t>(q.pixels() * q.depth()) * sizeof(T));
+  return reinterpret_cast<T*>(storage.data());
+}
+
+}  // namespace detail
+
+template <class Layer, bool InputGrad>
+struct ConvGradOp;
+
+// y = conv(x, weight) + bias (when the layer has one), the layer's.
+template <class Layer>
+struct ConvOp : Primitive<ConvOp<Layer>> {
+  using layer_type = Layer;
+  using value_type = typename Layer::value_type;
+  static constexpr int arity = 1;
+
+  const Layer* layer;
+  ConvOp(const Layer* l) : layer(l) {}
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    return detail::conv_shape(Layer::static_geometry, in[0]);
+  }
+  ShapeResult infer(std::span<const Shape> in) const { return detail::conv_shape(layer->geometry(), in[0]); }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const kernels::ConvProblem q = detail::conv_problem(layer->geometry(), a.in_shape());
+    const T* x = a.in<T>();
+    const T* w = layer->weight.data();
+    const T* bias = layer->has_bias() ? layer->bias.data() : nullptr;
+    T* y = a.out<T>();
+    const index_t og = q.out_per_group();
+    duet::detail::Storage storage;
+    T* col = detail::patch_buffer<T>(storage, q);
+    for (index_t n = 0; n < q.batch; ++n) {
+      for (index_t g = 0; g < q.groups; ++g) {
+        kernels::im2col(q, x + (n * q.in + g * q.in_per_group()) * q.image(), col);
+        T* yg = y + (n * q.out + g * og) * q.pixels();
+        Backend::template dense<dyn, dyn>(w + g * og * q.depth(), og, q.depth(), col, q.pixels(), Epilogue<T>{}, yg);
+      }
+      if (bias != nullptr) kernels::add_channel_bias(y + n * q.out * q.pixels(), q.out, q.pixels(), bias);
+    }
+  }
+
+  static constexpr bool has_parameters = true;
+  template <std::size_t K>
+    requires(K == 0)
+  auto grad_op() const {
+    return ConvGradOp<Layer, true>{layer};
+  }
+  auto parameter_grad_op() const { return ConvGradOp<Layer, false>{layer}; }
+
+  static std::string op_name() { return Layer::spatial == 2 ? "Conv2d" : "Conv1d"; }
+  std::string label() const { return layer->label(); }
+};
+
+// The gradient of ConvOp from dy and x: dweight, dbias and, if InputGrad, dx. The patches are
+// taken from x again rather than kept from the forward pass, which would hold depth times the
+// input between the passes.
+template <class Layer, bool InputGrad>
+struct ConvGradOp : Primitive<ConvGradOp<Layer, InputGrad>> {
+  using layer_type = Layer;
+  using value_type = typename Layer::value_type;
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0};
+  static constexpr int arity = 2;  // dy, x
+  static constexpr bool is_sink = !InputGrad;
+
+  const Layer* layer;
+  ConvGradOp(const Layer* l) : layer(l) {}
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {InputGrad ? in[1] : Shape{}}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const kernels::ConvProblem q = detail::conv_problem(layer->geometry(), a.in_shape(1));
+    const std::uint64_t pass = duet::detail::current_backward_pass();
+    bool accumulate_w = false;
+    bool accumulate_b = false;
+    T* dw = layer->weight.grad_for_write(pass, &accumulate_w);
+    T* db = layer->has_bias() ? layer->bias.grad_for_write(pass, &accumulate_b) : nullptr;
+    const T* dy = a.in<T>(0);
+    const T* x = a.in<T>(1);
+    const T* w = layer->weight.data();
+    const index_t og = q.out_per_group();
+    duet::detail::Storage storage;
+    T* col = detail::patch_buffer<T>(storage, q);
+    T* dx = InputGrad ? a.out<T>() : nullptr;
+    if (dx != nullptr) std::fill_n(dx, q.batch * q.in * q.image(), T(0));
+    for (index_t n = 0; n < q.batch; ++n) {
+      for (index_t g = 0; g < q.groups; ++g) {
+        const T* dyg = dy + (n * q.out + g * og) * q.pixels();
+        const index_t xg = (n * q.in + g * q.in_per_group()) * q.image();
+        kernels::im2col(q, x + xg, col);
+        kernels::conv_weight_gradient(q, dyg, col, dw + g * og * q.depth(), accumulate_w || n > 0);
+        if (dx != nullptr) {
+          // col is free again: it takes the patches' gradient.
+          kernels::conv_patch_gradient(q, dyg, w + g * og * q.depth(), col);
+          kernels::col2im_add(q, col, dx + xg);
+        }
+      }
+      if (db != nullptr) kernels::channel_sums(dy + n * q.out * q.pixels(), q.out, q.pixels(), db, accumulate_b || n > 0);
+    }
+    if (q.batch == 0) {
+      if (!accumulate_w) std::fill_n(dw, layer->weight.numel(), T(0));
+      if (db != nullptr && !accumulate_b) std::fill_n(db, q.out, T(0));
+    }
+  }
+
+  static std::string op_name() {
+    const std::string name = Layer::spatial == 2 ? "Conv2dGrad" : "Conv1dGrad";
+    return InputGrad ? name : name + " (parameters only)";
+  }
+  std::string label() const { return layer->label(); }
+};
+
+inline const bool conv_listed = list_operations({"Conv2d", "Conv1d"});
+
+}  // namespace ops
+
+namespace nn {
+
+// The initialisers and bias of a convolution whose geometry is in its type.
+template <ElementType T>
+struct ConvInit {
+  bool has_bias = false;
+  std::optional<initializer::AnyInitializer<T>> weight_init = std::nullopt;
+  std::optional<initializer::AnyInitializer<T>> bias_init = std::nullopt;
+};
+
+// MindSpore's arguments after kernel_size, in its order, with its defaults.
+template <ElementType T>
+struct ConvOptions {
+  index_t stride = 1;
+  PadMode pad_mode = PadMode::same;
+  index_t padding = 0;
+  index_t dilation = 1;
+  index_t group = 1;
+  bool has_bias = false;
+  std::optional<initializer::AnyInitializer<T>> weight_init = std::nullopt;
+  std::optional<initializer::AnyInitializer<T>> bias_init = std::nullopt;
+};
+
+namespace detail {
+
+template <auto Padding>
+constexpr PadMode pad_mode_of() {
+  if constexpr (std::is_same_v<decltype(Padding), PadMode>) return Padding;
+  else return PadMode::pad;
+}
+
+template <auto Padding>
+constexpr index_t padding_of() {
+  if constexpr (std::is_same_v<decltype(Padding), PadMode>) return 0;
+  else return static_cast<index_t>(Padding);
+}
+
+}  // namespace detail
+
+// What Conv2d (Spatial = 2, NCHW) and Conv1d (Spatial = 1, NCL) share; Layer is the one
+// deriving from it, the name compile-time errors show. See the top of this header.
+template <class Layer, int Spatial, index_t In, index_t Out, index_t Kernel, index_t Stride, auto Padding,
+          index_t Dilation, index_t Groups, ElementType T>
+class BasicConv : public Cell<Layer, CONTEXT_MODE, T> {
+  static constexpr bool sized = Kernel != dyn;
+  static_assert(std::is_same_v<decltype(Padding), PadMode> || std::is_integral_v<decltype(Padding)>,
+                "nn::Conv: Padding is a number or nn::PadMode::same / nn::PadMode::valid");
+  static_assert(sized || (In == dyn && Out == dyn && Stride == 1 && detail::padding_of<Padding>() == 0 &&
+                          detail::pad_mode_of<Padding>() == PadMode::pad && Dilation == 1 && Groups == 1),
+                "nn::Conv<>: the run-time sized form takes its sizes and settings from the constructor; give all "
+                "of In, Out and Kernel as template arguments, or none");
+  static_assert(!sized || (In > 0 && Out > 0 && Kernel > 0), "nn::Conv: In, Out and Kernel must be positive");
+  static_assert(Stride > 0 && Dilation > 0 && Groups > 0, "nn::Conv: Stride, Dilation and Groups must be positive");
+  static_assert(detail::padding_of<Padding>() >= 0, "nn::Conv: Padding must not be negative");
+  static_assert(!sized || (In % Groups == 0 && Out % Groups == 0),
+                "nn::Conv: In and Out must be multiples of Groups (depthwise: Groups = In)");
+
+ public:
+  static constexpr int spatial = Spatial;
+  static constexpr ops::ConvGeometry static_geometry{Spatial,          In, Out, Kernel, Stride,
+                                                     detail::pad_mode_of<Padding>(), detail::padding_of<Padding>(),
+                                                     Dilation,         Groups};
+
+  BasicParameter<T> weight;  // [out, in / group, kh, kw] ([out, in / group, k] for Conv1d)
+  BasicParameter<T> bias;    // [out], when has_bias
+
+  using Init = ConvInit<T>;
+  using Options = ConvOptions<T>;
+
+  // nn::Conv2d<1, 6, 5, 1, 2> conv{{.has_bias = true}};
+  explicit BasicConv(Init init = {}) requires(sized)
+      : BasicConv(In, Out, Kernel,
+                  Options{Stride, static_geometry.pad_mode, static_geometry.padding, Dilation, Groups, init.has_bias,
+                          std::move(init.weight_init), std::move(init.bias_init)}) {}
+
+  // The weight, then the bias, from the global generator (set_seed).
+  BasicConv(index_t in_channels, index_t out_channels, index_t kernel_size, Options options = {})
+      : geometry_{Spatial,           in_channels, out_channels,     kernel_size, options.stride,
+                  options.pad_mode,  options.padding, options.dilation, options.group},
+        has_bias_(options.has_bias) {
+    validate();
+    const index_t fan_in = in_channels / options.group * (Spatial == 2 ? kernel_size * kernel_size : kernel_size);
+    const initializer::Uniform mindspore_default{static_cast<double>(T(1) / std::sqrt(static_cast<T>(fan_in)))};
+    Shape weight_shape{out_channels, in_channels / options.group, kernel_size};
+    if (Spatial == 2) weight_shape.push_back(kernel_size);
+    auto weight_value = BasicTensor<T>::uninitialized(weight_shape);
+    auto bias_value = BasicTensor<T>::uninitialized({out_channels});
+    with_global_generator([&](Generator& gen) {
+      initializer::initialize_option(weight_value, options.weight_init.value_or(mindspore_default), gen, type_name(),
+                                     "weight_init");
+      if (has_bias_) {
+        initializer::initialize_option(bias_value, options.bias_init.value_or(mindspore_default), gen, type_name(),
+                                       "bias_init");
+      }
+    });
+    weight = BasicParameter<T>(std::move(weight_value));
+    if (has_bias_) bias = BasicParameter<T>(std::move(bias_value));
+  }
+
+  const ops::ConvGeometry& geometry() const { return geometry_; }
+  index_t in_channels() const { return geometry_.in; }
+  index_t out_channels() const { return geometry_.out; }
+  bool has_bias() const { return has_bias_; }
+
+  template <class X>
+  auto construct(X&& x) {
+    return apply(ops::ConvOp<Layer>{static_cast<const Layer*>(this)}, std::forward<X>(x));
+  }
+
+  // weight, and bias only if the layer has one: a layer without bias trains and saves no
+  // parameter that does nothing.
+  void for_each_own_parameter(const typename BasicDynamicCell<T>::ParameterVisitor& visit) override {
+    visit("weight", weight);
+    if (has_bias_) visit("bias", bias);
+  }
+
+  // "nn::Conv2d<1, 6, 5, 1, 2>": the template arguments up to the last that is not its default.
+  std::string type_name() const override {
+    std::string s = Spatial == 2 ? "nn::Conv2d<" : "nn::Conv1d<";
+    if constexpr (sized) {
+      constexpr bool mode = std::is_same_v<decltype(Padding), PadMode>;
+      const std::string arguments[] = {std::to_string(In), std::to_string(Out), std::to_string(Kernel),
+                                       std::to_string(Stride),
+                                       mode ? "nn::PadMode::" + pad_mode_name(static_geometry.pad_mode)
+                                            : std::to_string(static_geometry.padding),
+                                       std::to_string(Dilation), std::to_string(Groups)};
+      const bool is_default[] = {false, false, false, Stride == 1, !mode && static_geometry.padding == 0,
+                                 Dilation == 1, Groups == 1};
+      std::size_t shown = std::is_same_v<T, float> ? 3 : 7;
+      for (std::size_t i = 3; i < 7; ++i) shown = is_default[i] ? shown : std::max(shown, i + 1);
+      for (std::size_t i = 0; i < shown; ++i) s += (i == 0 ? "" : ", ") + arguments[i];
+    } else {
+      s += "dyn, dyn, dyn";
+    }
+    if constexpr (!std::is_same_v<T, float>) s += ", " + std::string(name_of(dtype_of<T>));
+    return s + ">";
+  }
+
+ private:
+  static std::string pad_mode_name(PadMode m) {
+    return m == PadMode::same ? "same" : m == PadMode::valid ? "valid" : "pad";
+  }
+
+  void validate() const {
+    const ops::ConvGeometry& g = geometry_;
+    auto refuse = [&](const std::string& why) { throw ValueError(type_name() + ": " + why); };
+    if (sized && (g.in != In || g.out != Out || g.kernel != Kernel)) {
+      refuse("cannot be built with in_channels " + std::to_string(g.in) + ", out_channels " + std::to_string(g.out) +
+             " and kernel_size " + std::to_string(g.kernel));
+    }
+    if (g.in <= 0 || g.out <= 0 || g.kernel <= 0) {
+      refuse("in_channels, out_channels and kernel_size must be positive, got " + std::to_string(g.in) + ", " +
+             std::to_string(g.out) + " and " + std::to_string(g.kernel));
+    }
+    if (g.stride <= 0 || g.dilation <= 0 || g.groups <= 0) {
+      refuse("stride, dilation and group must be positive, got " + std::to_string(g.stride) + ", " +
+             std::to_string(g.dilation) + " and " + std::to_string(g.groups));
+    }
+    if (g.in % g.groups != 0 || g.out % g.groups != 0) {
+      refuse("in_channels (" + std::to_string(g.in) + ") and out_channels (" + std::to_string(g.out) +
+             ") must be multiples of group (" + std::to_string(g.groups) + ")");
+    }
+    if (g.padding < 0) refuse("padding must not be negative, got " + std::to_string(g.padding));
+    // MindSpore refuses a padding that its pad_mode would ignore.
+    if (g.pad_mode != PadMode::pad && g.padding != 0) {
+      refuse("padding must be 0 unless pad_mode is \"pad\", got " + std::to_string(g.padding) + " with pad_mode \"" +
+             pad_mode_name(g.pad_mode) + "\"");
+    }
+  }
+
+
+  ops::ConvGeometry geometry_;
+  bool has_bias_;
+};
+
+template <index_t In = dyn, index_t Out = dyn, index_t Kernel = dyn, index_t Stride = 1, auto Padding = 0,
+          index_t Dilation = 1, index_t Groups = 1, ElementType T = float>
+class Conv2d : public BasicConv<Conv2d<In, Out, Kernel, Stride, Padding, Dilation, Groups, T>, 2, In, Out, Kernel,
+                                Stride, Padding, Dilation, Groups, T> {
+ public:
+  using Conv2d::BasicConv::BasicConv;
+};
+
+template <index_t In = dyn, index_t Out = dyn, index_t Kernel = dyn, index_t Stride = 1, auto Padding = 0,
+          index_t Dilation = 1, index_t Groups = 1, ElementType T = float>
+class Conv1d : public BasicConv<Conv1d<In, Out, Kernel, Stride, Padding, Dilation, Groups, T>, 1, In, Out, Kernel,
+                                Stride, Padding, Dilation, Groups, T> {
+ public:
+  using Conv1d::BasicConv::BasicConv;
+};
+
+}  // namespace nn
+}  // namespace duet
