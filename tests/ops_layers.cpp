@@ -157,6 +157,17 @@ const bool layer_cases = add_cases([](std::multimap<std::string, Case>& m) {
   add_loss_cases<Reduction::none>(m);
   add_loss_cases<Reduction::mean>(m);
   add_loss_cases<Reduction::sum>(m);
+  // KLDivLoss's batchmean: the sum over the size of axis 0 (MindSpore's), on 2-D and 3-D inputs.
+  for (const Shape& shape : {Shape{3, 4}, Shape{2, 3, 2}}) {
+    Case c = case_of<2>({shape, shape}, [](const auto& x, const auto& y) { return duet::ops::kl_div<Reduction::batchmean>(x, y); },
+                        0.1, 2.0);
+    c.reference = [](const std::vector<D>& xs) {
+      std::vector<double> per;
+      for (index_t j = 0; j < xs[0].numel(); ++j) per.push_back(kl_div(xs[0].data()[j], xs[1].data()[j]));
+      return reduced(per, xs[0].shape(), Reduction::mean, static_cast<double>(xs[0].shape()[0]));
+    };
+    m.emplace("kl_div", std::move(c));
+  }
   // LayerNorm with gamma and beta away from their ones and zeros, so that both matter.
   for (const Shape& shape : {Shape{3, 5}, Shape{2, 3, 4}}) {
     const index_t n = shape.back();
@@ -282,12 +293,14 @@ TEST_CASE("losses: in WithLossCell, the same parameter gradients in both modes")
   duet::nn::BasicPointwiseLoss<duet::fn::L1Loss, Reduction::mean, double> l1;
   duet::nn::BasicPointwiseLoss<duet::fn::SmoothL1Loss, Reduction::sum, double> smooth({.beta = 0.5});
   duet::nn::BasicPointwiseLoss<duet::fn::KLDivLoss, Reduction::mean, double> kl;
+  duet::nn::BasicPointwiseLoss<duet::fn::KLDivLoss, Reduction::batchmean, double> kl_batchmean;
   duet::nn::BasicPointwiseLoss<duet::fn::BCEWithLogitsLoss, Reduction::mean, double> bce;
   duet::nn::BasicNLLLoss<Reduction::mean, double> nll;
   duet::nn::BasicCrossEntropyLoss<Reduction::mean, double> ce({.label_smoothing = 0.1});
   check(l1, target);
   check(smooth, target);
   check(kl, target);
+  check(kl_batchmean, target);
   check(bce, target);
   check(nll, classes);
   check(ce, classes);
@@ -331,6 +344,12 @@ TEST_CASE("losses: MindSpore's documented values and defaults, and errors that n
   } catch (const duet::ShapeError& e) {
     CHECK(std::string(e.what()) == "nn::L1Loss expects inputs of matching shapes, got [2, 4] and [3]");
   }
+  // KLDivLoss 'batchmean': the sum over axis 0's size, here 2 rows; a scalar has no axis 0.
+  const duet::Tensor half = duet::Tensor({2, 2}, {0.5f, 0.5f, 0.5f, 0.5f});
+  const duet::Tensor log_quarter = duet::Tensor({2, 2}, {std::log(0.25f), std::log(0.25f), std::log(0.25f), std::log(0.25f)});
+  CHECK(duet::nn::KLDivLoss<Reduction::batchmean>()(log_quarter, half).item() == doctest::Approx(std::log(2.0)));
+  CHECK(duet::nn::KLDivLoss<Reduction::mean>()(log_quarter, half).item() == doctest::Approx(std::log(2.0) / 2));
+  CHECK_THROWS_AS(duet::nn::KLDivLoss<Reduction::batchmean>()(duet::ones(Shape{}), duet::ones(Shape{})), duet::ShapeError);
   CHECK_THROWS_AS(duet::nn::SmoothL1Loss<>({.beta = -1.0}), duet::ValueError);
   CHECK_THROWS_AS(duet::nn::CrossEntropyLoss<>({.label_smoothing = 1.5}), duet::ValueError);
 }

@@ -36,8 +36,10 @@ struct Epilogue {
   std::tuple<Fns...> fns{};  // their parameters, if any (LeakyReLU's alpha)
 };
 
-// How a loss turns per-element losses into its output (MindSpore's `reduction`).
-enum class Reduction : unsigned char { none, mean, sum };
+// How a loss turns per-element losses into its output (MindSpore's `reduction`). batchmean
+// (the sum over the size of axis 0) is nn::KLDivLoss's only, as in MindSpore; the other
+// losses refuse it at compile time.
+enum class Reduction : unsigned char { none, mean, sum, batchmean };
 
 // The scalars of one optimiser step, computed once per step for all parameters.
 struct AdamStep {

@@ -42,6 +42,7 @@ constexpr Shape reduced(const Shape& rows, Reduction r) { return r == Reduction:
 // mean or sum.
 template <bool Sparse, Reduction R>
 struct SoftmaxCrossEntropyOp : Primitive<SoftmaxCrossEntropyOp<Sparse, R>> {
+  static_assert(R != Reduction::batchmean, "duet: Reduction::batchmean is nn::KLDivLoss's only, as in MindSpore");
   using layer_type = nn::BasicSoftmaxCrossEntropyWithLogits<Sparse, R, float>;
   static constexpr int arity = 2;
 
@@ -115,6 +116,7 @@ struct MSEGradOp;
 // (prediction - target)² per element, or its mean or sum.
 template <Reduction R>
 struct MSEOp : Primitive<MSEOp<R>> {
+  static_assert(R != Reduction::batchmean, "duet: Reduction::batchmean is nn::KLDivLoss's only, as in MindSpore");
   using layer_type = nn::BasicMSELoss<R, float>;
   static constexpr int arity = 2;
 
@@ -340,19 +342,29 @@ namespace ops {
 
 namespace detail {
 
-// A loss over per-element values of `values` shape: they, or their mean or sum.
+// What a mean divides the sum of a loss's n values, of shape `s`, by: n, or for batchmean
+// the size of axis 0 (MindSpore's KLDivLoss; a scalar has none, refused by the shape rule).
+template <Reduction R>
+index_t mean_count(const Shape& s) {
+  if constexpr (R == Reduction::batchmean) return s.rank() == 0 ? 0 : s[0];
+  else return s.numel();
+}
+
+// A loss over per-element values of `values` shape: they, or their sum, or that sum divided
+// by `count` (mean_count).
 template <Reduction R, class T, class A>
-void reduce_loss(const A& values, index_t n, T* out) {
+void reduce_loss(const A& values, index_t n, index_t count, T* out) {
   using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
   if constexpr (R == Reduction::none) ::Eigen::Map<Array>(out, n) = values;
   else if constexpr (R == Reduction::sum) out[0] = n == 0 ? T(0) : values.sum();
-  else out[0] = n == 0 ? T(0) : values.sum() / static_cast<T>(n);
+  else out[0] = n == 0 || count == 0 ? T(0) : values.sum() / static_cast<T>(count);
 }
 
-// The incoming gradient of a reduced loss as each of its `count` terms sees it.
+// The incoming gradient of a reduced loss as each of its terms sees it; a mean's terms are
+// `count`.
 template <Reduction R, class T>
 T reduced_scale(const T* g, index_t count) {
-  if constexpr (R == Reduction::mean) return count == 0 ? T(0) : g[0] / static_cast<T>(count);
+  if constexpr (R == Reduction::mean || R == Reduction::batchmean) return count == 0 ? T(0) : g[0] / static_cast<T>(count);
   else return g[0];
 }
 
@@ -364,6 +376,7 @@ struct PointwiseLossGradOp;
 // Fn's loss between a prediction and a target of the same shape, per element or reduced.
 template <class Fn, Reduction R>
 struct PointwiseLossOp : Primitive<PointwiseLossOp<Fn, R>> {
+  static_assert(R != Reduction::batchmean || std::is_same_v<Fn, fn::KLDivLoss>, "duet: Reduction::batchmean is nn::KLDivLoss's only, as in MindSpore");
   using layer_type = nn::BasicPointwiseLoss<Fn, R, float>;
   static constexpr int arity = 2;
   Fn fn;
@@ -371,6 +384,10 @@ struct PointwiseLossOp : Primitive<PointwiseLossOp<Fn, R>> {
   static constexpr ShapeResult infer_static(std::span<const Shape> in) {
     if (in[0].is_concrete() && in[1].is_concrete() && !(in[0] == in[1])) {
       return fault(reduced(in[0], R), ShapeFault::shapes_differ, 0, 1);
+    }
+    // batchmean divides by the size of axis 0, which a scalar does not have (MindSpore refuses it).
+    if (R == Reduction::batchmean && in[0].rank() == 0 && !in[0].leading_unknown()) {
+      return fault(Shape{}, ShapeFault::min_rank, 1);
     }
     return {reduced(in[0], R)};
   }
@@ -380,7 +397,7 @@ struct PointwiseLossOp : Primitive<PointwiseLossOp<Fn, R>> {
     using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
     const index_t n = a.in_shape(0).numel();
     detail::reduce_loss<R>(fn.value(::Eigen::Map<const Array>(a.in<T>(0), n), ::Eigen::Map<const Array>(a.in<T>(1), n)),
-                           n, a.out<T>());
+                           n, detail::mean_count<R>(a.in_shape(0)), a.out<T>());
   }
 
   template <std::size_t K>
@@ -412,7 +429,7 @@ struct PointwiseLossGradOp : Primitive<PointwiseLossGradOp<Fn, R, K>> {
     if constexpr (R == Reduction::none) {
       ::Eigen::Map<Array>(a.out<T>(), n) = partial * ::Eigen::Map<const Array>(a.in<T>(0), n);
     } else {
-      ::Eigen::Map<Array>(a.out<T>(), n) = partial * detail::reduced_scale<R>(a.in<T>(0), n);
+      ::Eigen::Map<Array>(a.out<T>(), n) = partial * detail::reduced_scale<R>(a.in<T>(0), detail::mean_count<R>(a.in_shape(1)));
     }
   }
 
@@ -442,7 +459,7 @@ auto smooth_l1_loss(const X& input, const Y& target, double beta = 1.0) {
 
 // MindSpore's ops.kl_div(logits, labels, reduction='mean'): logits are log-probabilities.
 // 'mean' averages over every element, as MindSpore's and PyTorch's 'mean' do; the KL
-// divergence proper is 'sum' divided by the batch size (their 'batchmean').
+// divergence proper is Reduction::batchmean, the sum divided by the size of axis 0.
 template <Reduction R = Reduction::mean, class X, class Y>
 auto kl_div(const X& logits, const Y& labels) {
   return pointwise_loss<fn::KLDivLoss, R>(fn::KLDivLoss{}, logits, labels);
@@ -484,6 +501,7 @@ struct ClassLossLabelGradOp;
 // axis 1 (the same for the usual [batch, classes]). 'mean' divides by the rows not ignored.
 template <bool Sparse, bool Logits, Reduction R>
 struct ClassLossOp : Primitive<ClassLossOp<Sparse, Logits, R>> {
+  static_assert(R != Reduction::batchmean, "duet: Reduction::batchmean is nn::KLDivLoss's only, as in MindSpore");
   using layer_type = nn::BasicClassLoss<Logits, R, float>;
   static constexpr int arity = 2;
   static constexpr std::string_view name = Logits ? "nn::CrossEntropyLoss" : "nn::NLLLoss";
