@@ -66,3 +66,84 @@ TEST_CASE("Dense with runtime sizes and in float64") {
   CHECK_THROWS_WITH_AS((nn::Dense<4, 2>(5, 2)),
                        "nn::Dense<4, 2>: cannot be built with in_channels 5 and out_channels 2", ValueError);
 }
+
+TEST_CASE("Dense without a bias (MindSpore's has_bias=False): x · weightᵀ in both modes, saved without a bias") {
+  ModeGuard guard;
+  set_seed(3);
+  nn::Dense<8, 4> with_bias;
+  set_seed(3);
+  nn::Dense<8, 4, float, false> no_bias;  // the same weight: it is drawn first
+  CHECK(duet_test::values_of(no_bias.weight) == duet_test::values_of(with_bias.weight));
+  REQUIRE(no_bias.parameters().size() == 1);
+  CHECK(no_bias.type_name() == "nn::Dense<8, 4, Float32, no bias>");
+
+  nn::Dense<3, 2, float, false> dense;
+  dense.weight.set_data(Tensor({2, 3}, {1, 2, 3, 4, 5, 6}));
+  const Tensor x({2, 3}, {1, 0, -1, 2, 1, 0});
+  for (Mode m : {PYNATIVE_MODE, GRAPH_MODE}) {
+    set_context({.mode = m});
+    const Tensor y = dense(x);
+    CHECK(y(0, 0) == 1 - 3);
+    CHECK(y(0, 1) == 4 - 6);
+    CHECK(y(1, 0) == 2 + 2);
+    CHECK(y(1, 1) == 8 + 5);
+  }
+  const auto path = std::filesystem::temp_directory_path() / "duet_dense_no_bias.ckpt";
+  save_checkpoint(dense, path);
+  const CheckpointInfo info = checkpoint_info(path);
+  REQUIRE(info.parameters.size() == 1);
+  CHECK(info.parameters[0].name == "weight");
+  nn::Dense<3, 2, float, false> loaded;
+  load_checkpoint(path, loaded);
+  CHECK(duet_test::values_of(loaded.weight) == duet_test::values_of(dense.weight));
+  nn::Dense<3, 2> biased;
+  CHECK_THROWS_AS(load_checkpoint(path, biased), FormatError);  // strict: its bias is missing
+  std::filesystem::remove(path);
+  CHECK_THROWS_WITH_AS((nn::Dense<3, 2, float, false>({.bias_init = initializer::Zero{}})),
+                       "nn::Dense<3, 2, Float32, no bias>: bias_init is given, but the layer has no bias (HasBias = false)",
+                       ValueError);
+}
+
+namespace {
+template <class Activation>
+struct NoBiasNet : nn::Cell<NoBiasNet<Activation>> {
+  nn::Dense<6, 5, float, false> fc{};
+  Activation act{};
+  nn::Dense<5, 3> out{};
+  DUET_CELL_MEMBERS(fc, act, out);
+  template <class X>
+  auto construct(X&& x) {
+    return out(act(fc(std::forward<X>(x))));
+  }
+};
+}  // namespace
+
+TEST_CASE("Dense without a bias takes its activation as the product's epilogue, in graph mode and in a trace") {
+  ModeGuard guard;
+  set_seed(7);
+  NoBiasNet<nn::Sigmoid> net;
+  const GraphIR ir = graph_ir(net, shape<dyn, 6>);
+  CHECK(ir.optimized.text.find("MatMul + Sigmoid(%0)") != std::string::npos);
+  const Tensor x = randn({11, 6}, 8);
+  const Tensor target = randn({11, 3}, 9);
+  nn::MSELoss<> loss;
+  nn::WithLossCell with_loss(net, loss);
+  set_context({.mode = PYNATIVE_MODE});
+  const auto expected = value_and_grad(with_loss, net.parameters())(x, target);
+  set_context({.mode = GRAPH_MODE});
+  const auto got = value_and_grad(with_loss, net.parameters())(x, target);
+  CHECK(got.value.item() == expected.value.item());
+  REQUIRE(got.grads.size() == 3);  // fc.weight, out.weight, out.bias
+  for (std::size_t i = 0; i < got.grads.size(); ++i) {
+    CHECK(duet_test::values_of(got.grads[i]) == duet_test::values_of(expected.grads[i]));
+  }
+
+  // Sized at run time, in a network built at run time: PIJit replays it with PyNative's values.
+  set_context({.mode = PYNATIVE_MODE});
+  nn::DynamicSequentialCell dynamic;
+  dynamic.append(nn::Dense<dyn, dyn, float, false>(6, 5));
+  dynamic.append(nn::GELU{});
+  dynamic.append(nn::Dense<>(5, 3));
+  auto f = jit([&](const Tensor& v) { return dynamic(v); }, {.mode = JitMode::PIJit, .name = "no bias"});
+  for (int call = 0; call < 2; ++call) CHECK(duet_test::values_of(f(x)) == duet_test::values_of(dynamic(x)));
+}

@@ -65,10 +65,11 @@ struct MatMulOp : Primitive<MatMulOp<Layer, Bias, Fns...>> {
   // The same product with the weight kept pre-packed between calls (JitLevel::O2).
   auto with_packed_weight() const { return PackedMatMulOp<Layer, Bias, Fns...>{{layer, fns}}; }
 
-  // Takes this layer's bias first, then any elementwise functions.
+  // Takes this layer's bias first (if it has one), then any elementwise functions.
   template <class C>
   static constexpr bool accepts_epilogue =
-      (std::is_same_v<C, BiasAddOp<Layer>> && !Bias && sizeof...(Fns) == 0) || requires { C::elementwise_functions; };
+      (std::is_same_v<C, BiasAddOp<Layer>> && Layer::has_bias && !Bias && sizeof...(Fns) == 0) ||
+      requires { C::elementwise_functions; };
   auto absorb(const BiasAddOp<Layer>&) const { return MatMulOp<Layer, true, Fns...>{layer, fns}; }
   template <class... Gs>
   auto absorb(const MapOp<Gs...>& next) const {
@@ -100,7 +101,9 @@ struct MatMulOp : Primitive<MatMulOp<Layer, Bias, Fns...>> {
   void product(const graph::KernelArgs& a) const {
     const index_t in_channels = layer->in_channels();
     const index_t rows = in_channels == 0 ? 0 : a.in_shape().numel() / in_channels;
-    const Epilogue<T, Fns...> epilogue{Bias ? layer->bias.data() : nullptr, fns};
+    const T* bias = nullptr;
+    if constexpr (Bias) bias = layer->bias.data();
+    const Epilogue<T, Fns...> epilogue{bias, fns};
     constexpr index_t In = Layer::in_static;
     constexpr index_t Out = Layer::out_static;
     if constexpr (PackedWeight) {
@@ -192,7 +195,8 @@ struct DenseGradOp : Primitive<DenseGradOp<Layer, Bias, InputGrad, Fns...>> {
     bool accumulate_w = false;
     bool accumulate_b = false;
     T* dw = layer->weight.grad_for_write(pass, &accumulate_w);
-    T* db = Bias ? layer->bias.grad_for_write(pass, &accumulate_b) : nullptr;
+    T* db = nullptr;
+    if constexpr (Bias) db = layer->bias.grad_for_write(pass, &accumulate_b);
     const index_t in_channels = layer->in_channels();
     const index_t rows = in_channels == 0 ? 0 : a.in_shape(1).numel() / in_channels;
     Backend::template dense_backward<Layer::in_static, Layer::out_static, T, Fns...>(DenseBackwardArgs<T>{
@@ -243,27 +247,42 @@ struct BiasAddGradOp : Primitive<BiasAddGradOp<Layer, InputGrad>> {
 namespace nn {
 
 // nn::Dense's initialisers (MindSpore's weight_init, bias_init): any duet::initializer, or a
-// user's; left unset, MindSpore's defaults.
+// user's; left unset, MindSpore's defaults. (MindSpore's has_bias is a template argument of
+// nn::Dense: it decides which nodes the layer captures.)
 template <ElementType T>
 struct DenseOptions {
   std::optional<initializer::AnyInitializer<T>> weight_init = std::nullopt;
   std::optional<initializer::AnyInitializer<T>> bias_init = std::nullopt;
 };
 
+namespace detail {
+// A Dense layer's parameters, the checkpoint entries: weight and, if it has one, bias.
+template <ElementType T, bool HasBias>
+struct DenseParameters {
+  BasicParameter<T> weight;  // [out_channels, in_channels]
+  BasicParameter<T> bias;    // [out_channels]
+  DUET_CELL_MEMBERS(weight, bias);
+};
+template <ElementType T>
+struct DenseParameters<T, false> {
+  BasicParameter<T> weight;
+  DUET_CELL_MEMBERS(weight);
+};
+}  // namespace detail
+
 // y = x · weightᵀ + bias over the last axis of x (MindSpore's nn.Dense). In and Out are
-// compile-time sizes, or duet::dyn for sizes given to the constructor at run time.
-template <index_t In = dyn, index_t Out = dyn, ElementType T = float>
-class Dense : public Cell<Dense<In, Out, T>, CONTEXT_MODE, T> {
+// compile-time sizes, or duet::dyn for sizes given to the constructor at run time. HasBias
+// false is MindSpore's has_bias=False: no bias parameter, y = x · weightᵀ.
+template <index_t In = dyn, index_t Out = dyn, ElementType T = float, bool HasBias = true>
+class Dense : public Cell<Dense<In, Out, T, HasBias>, CONTEXT_MODE, T>, public detail::DenseParameters<T, HasBias> {
   static_assert(In == dyn || In > 0, "nn::Dense<In, Out>: In must be positive (or duet::dyn)");
   static_assert(Out == dyn || Out > 0, "nn::Dense<In, Out>: Out must be positive (or duet::dyn)");
 
  public:
   static constexpr index_t in_static = In;
   static constexpr index_t out_static = Out;
-
-  BasicParameter<T> weight;  // [out_channels, in_channels]
-  BasicParameter<T> bias;    // [out_channels]
-  DUET_CELL_MEMBERS(weight, bias);
+  static constexpr bool has_bias = HasBias;
+  using detail::DenseParameters<T, HasBias>::weight;
 
   using Options = DenseOptions<T>;
 
@@ -282,16 +301,21 @@ class Dense : public Cell<Dense<In, Out, T>, CONTEXT_MODE, T> {
                        " and out_channels " + std::to_string(out_channels));
     }
     const initializer::Uniform mindspore_default{static_cast<double>(T(1) / std::sqrt(static_cast<T>(in_channels)))};
+    if (!HasBias && options.bias_init) {
+      throw ValueError(type_name() + ": bias_init is given, but the layer has no bias (HasBias = false)");
+    }
     const initializer::AnyInitializer<T> weight_init = options.weight_init.value_or(mindspore_default);
-    const initializer::AnyInitializer<T> bias_init = options.bias_init.value_or(mindspore_default);
     auto weight_value = BasicTensor<T>::uninitialized({out_channels, in_channels});
-    auto bias_value = BasicTensor<T>::uninitialized({out_channels});
     with_global_generator([&](Generator& gen) {
       initializer::initialize_option(weight_value, weight_init, gen, type_name(), "weight_init");
-      initializer::initialize_option(bias_value, bias_init, gen, type_name(), "bias_init");
+      if constexpr (HasBias) {
+        auto bias_value = BasicTensor<T>::uninitialized({out_channels});
+        initializer::initialize_option(bias_value, options.bias_init.value_or(mindspore_default), gen, type_name(),
+                                       "bias_init");
+        this->bias = BasicParameter<T>(std::move(bias_value));
+      }
     });
     weight = BasicParameter<T>(std::move(weight_value));
-    bias = BasicParameter<T>(std::move(bias_value));
   }
 
   index_t in_channels() const {
@@ -309,12 +333,14 @@ class Dense : public Cell<Dense<In, Out, T>, CONTEXT_MODE, T> {
 
   template <class X>
   auto construct(X&& x) {
-    return apply(ops::BiasAddOp<Dense>{this}, apply(ops::MatMulOp<Dense>{this}, std::forward<X>(x)));
+    if constexpr (HasBias) return apply(ops::BiasAddOp<Dense>{this}, apply(ops::MatMulOp<Dense>{this}, std::forward<X>(x)));
+    else return apply(ops::MatMulOp<Dense>{this}, std::forward<X>(x));
   }
 
   std::string type_name() const override {
     std::string s = "nn::Dense<" + size_name(In) + ", " + size_name(Out);
-    if constexpr (!std::is_same_v<T, float>) s += ", " + std::string(name_of(dtype_of<T>));
+    if constexpr (!std::is_same_v<T, float> || !HasBias) s += ", " + std::string(name_of(dtype_of<T>));
+    if constexpr (!HasBias) s += ", no bias";
     return s + ">";
   }
 
