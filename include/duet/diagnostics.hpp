@@ -34,6 +34,8 @@ enum class ShapeFault : unsigned char {
   sizes_except_axis,  // every input's sizes must match input 0's except along axis `expected` (concat)
   axis_size,          // the input's size along the operation's axis must be `expected` (split)
   slice_range,        // the input's axis `expected` must hold the slice's range (slice)
+  spatial_size,       // each spatial axis (after batch and channels) must be at least `expected` (a window)
+  channel_dimension,  // the input's axis 1 (channels, NCHW) must be `expected`
 };
 
 // What a shape rule returns: the output shape and, if the inputs break the rule, which way.
@@ -115,6 +117,12 @@ inline std::string describe_fault(const ShapeResult& r, std::string_view layer, 
     case ShapeFault::slice_range:
       what = "an input whose axis " + e + " holds the slice's range";
       break;
+    case ShapeFault::spatial_size:
+      what = "an input whose spatial axes (after batch and channels) are each at least " + e + ", to hold its window";
+      break;
+    case ShapeFault::channel_dimension:
+      what = "an input of " + e + " channels (axis 1)";
+      break;
   }
   if (r.fault == ShapeFault::broadcast && inputs.size() > 1) {
     const std::size_t a = static_cast<std::size_t>(r.input);
@@ -174,6 +182,10 @@ template <index_t N>
 struct size_along_the_axis_must_be {};
 template <index_t N>
 struct axis_must_hold_the_slice {};
+template <index_t N>
+struct spatial_size_must_be_at_least {};
+template <index_t N>
+struct channels_must_be {};
 
 // Not derived from std::false_type: compilers would then print integral_constant<bool, false>
 // instead of this type's name.
@@ -208,6 +220,10 @@ constexpr auto requirement() {
     return size_along_the_axis_must_be<N>{};
   else if constexpr (F == ShapeFault::slice_range)
     return axis_must_hold_the_slice<N>{};
+  else if constexpr (F == ShapeFault::spatial_size)
+    return spatial_size_must_be_at_least<N>{};
+  else if constexpr (F == ShapeFault::channel_dimension)
+    return channels_must_be<N>{};
   else
     return inputs_must_have_the_same_shape{};
 }

@@ -35,6 +35,7 @@
 #include "ops/clip.hpp"
 #include "ops/reduction.hpp"
 #include "ops/matmul.hpp"
+#include "ops/pool.hpp"
 #include "ops/softmax.hpp"
 #include "ops/math.hpp"
 #include "ops/shape.hpp"
