@@ -25,6 +25,7 @@
 #include "nn/activation.hpp"
 #include "nn/container.hpp"
 #include "nn/dense.hpp"
+#include "nn/embedding.hpp"
 #include "nn/flatten.hpp"
 #include "nn/loss.hpp"
 #include "nn/normalization.hpp"
