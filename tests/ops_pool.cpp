@@ -254,4 +254,14 @@ TEST_CASE("Embedding, GroupNorm and the pooling layers train a network with the 
     CHECK(eager[s] == graph[s]);
   }
   CHECK(eager.back() < 0.9f * eager.front());
+  // Called with its int32 indices alone, in each mode.
+  duet_test::ModeGuard guard;
+  duet::set_seed(21);
+  TokenImageNet<duet::CONTEXT_MODE> net;
+  const duet::Tensor pynative = net(x);
+  duet::set_context({.mode = duet::GRAPH_MODE});
+  const duet::Tensor graph_out = net(x);
+  REQUIRE(pynative.shape() == Shape{24, 3});
+  REQUIRE(graph_out.shape() == Shape{24, 3});
+  CHECK(std::equal(pynative.data(), pynative.data() + 72, graph_out.data()));
 }

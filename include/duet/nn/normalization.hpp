@@ -5,6 +5,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -54,16 +55,67 @@ struct GroupLayout {
 
 }  // namespace detail
 
-// (x - mean) / sqrt(var + eps) · gamma + beta over the last axis of x, gamma and beta being
-// the layer's.
-template <class Layer>
-struct LayerNormOp : Primitive<LayerNormOp<Layer>> {
+// What the normalisation operations share: the layer whose gamma and beta they read, and their
+// gradient operations, GradOp<Layer, true> making dx and the parameters' gradients,
+// GradOp<Layer, false> the parameters' alone.
+template <class Self, class Layer, template <class, bool> class GradOp>
+struct AffineNormOp : Primitive<Self> {
   using layer_type = Layer;
   using value_type = typename Layer::value_type;
   static constexpr int arity = 1;
+  static constexpr bool has_parameters = true;
 
   const Layer* layer;
-  LayerNormOp(const Layer* l) : layer(l) {}
+  AffineNormOp(const Layer* l) : layer(l) {}
+
+  template <std::size_t K>
+    requires(K == 0)
+  auto grad_op() const {
+    return GradOp<Layer, true>{layer};
+  }
+  auto parameter_grad_op() const { return GradOp<Layer, false>{layer}; }
+  std::string label() const { return layer->label(); }
+};
+
+// Their gradient operations read dy and x (the statistics are taken again, which costs a pass
+// over x and saves keeping them between forward and backward).
+template <class Self, class Layer, bool InputGrad>
+struct AffineNormGradOp : Primitive<Self> {
+  using layer_type = Layer;
+  using value_type = typename Layer::value_type;
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0};
+  static constexpr int arity = 2;  // dy, x
+  static constexpr bool is_sink = !InputGrad;
+
+  const Layer* layer;
+  AffineNormGradOp(const Layer* l) : layer(l) {}
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {InputGrad ? in[1] : Shape{}}; }
+  std::string label() const { return layer->label(); }
+
+ protected:
+  // gamma's and beta's gradients in this backward pass, zeroed unless an earlier operation of
+  // the pass wrote them (a layer used twice).
+  template <class T>
+  std::array<T*, 2> parameter_grads() const {
+    const std::uint64_t pass = duet::detail::current_backward_pass();
+    std::array<T*, 2> grads{};
+    std::size_t i = 0;
+    for (const auto* p : {&layer->gamma, &layer->beta}) {
+      bool accumulate = false;
+      grads[i] = p->grad_for_write(pass, &accumulate);
+      if (!accumulate) std::fill_n(grads[i], p->numel(), T(0));
+      ++i;
+    }
+    return grads;
+  }
+};
+
+// (x - mean) / sqrt(var + eps) · gamma + beta over the last axis of x, gamma and beta being
+// the layer's.
+template <class Layer>
+struct LayerNormOp : AffineNormOp<LayerNormOp<Layer>, Layer, LayerNormGradOp> {
+  using AffineNormOp<LayerNormOp<Layer>, Layer, LayerNormGradOp>::AffineNormOp;
 
   static constexpr ShapeResult rule(index_t n, const Shape& x) {
     if (x.rank() == 0) return x.leading_unknown() ? ShapeResult{x} : fault(x, ShapeFault::min_rank, 1);
@@ -71,11 +123,12 @@ struct LayerNormOp : Primitive<LayerNormOp<Layer>> {
     return {x};
   }
   static constexpr ShapeResult infer_static(std::span<const Shape> in) { return rule(Layer::normalized_static, in[0]); }
-  ShapeResult infer(std::span<const Shape> in) const { return rule(layer->normalized_size(), in[0]); }
+  ShapeResult infer(std::span<const Shape> in) const { return rule(this->layer->normalized_size(), in[0]); }
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
     using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
+    const Layer* layer = this->layer;
     const index_t n = layer->normalized_size();
     const index_t rows = a.in_shape().numel() / n;
     const ::Eigen::Map<const Array> gamma(layer->gamma.data(), n);
@@ -87,46 +140,23 @@ struct LayerNormOp : Primitive<LayerNormOp<Layer>> {
     }
   }
 
-  static constexpr bool has_parameters = true;
-  template <std::size_t K>
-    requires(K == 0)
-  auto grad_op() const {
-    return LayerNormGradOp<Layer, true>{layer};
-  }
-  auto parameter_grad_op() const { return LayerNormGradOp<Layer, false>{layer}; }
-
   static std::string op_name() { return "LayerNorm"; }
-  std::string label() const { return layer->label(); }
 };
 
-// The gradient of LayerNormOp, from dy and x (the statistics are taken again, which costs a
-// pass over x and saves keeping them between forward and backward). With x̂ the normalised
-// row and h = dy · gamma: dx = rstd · (h - mean(h) - x̂ · mean(h · x̂)); dgamma = Σ_rows dy · x̂;
-// dbeta = Σ_rows dy.
+// The gradient of LayerNormOp. With x̂ the normalised row and h = dy · gamma: dx = rstd · (h -
+// mean(h) - x̂ · mean(h · x̂)); dgamma = Σ_rows dy · x̂; dbeta = Σ_rows dy.
 template <class Layer, bool InputGrad>
-struct LayerNormGradOp : Primitive<LayerNormGradOp<Layer, InputGrad>> {
-  using layer_type = Layer;
-  using value_type = typename Layer::value_type;
-  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0};
-  static constexpr int arity = 2;  // dy, x
-  static constexpr bool is_sink = !InputGrad;
-
-  const Layer* layer;
-  LayerNormGradOp(const Layer* l) : layer(l) {}
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {InputGrad ? in[1] : Shape{}}; }
+struct LayerNormGradOp : AffineNormGradOp<LayerNormGradOp<Layer, InputGrad>, Layer, InputGrad> {
+  using AffineNormGradOp<LayerNormGradOp<Layer, InputGrad>, Layer, InputGrad>::AffineNormGradOp;
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
     using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
-    const std::uint64_t pass = duet::detail::current_backward_pass();
-    bool accumulate_gamma = false;
-    bool accumulate_beta = false;
+    const Layer* layer = this->layer;
     const index_t n = layer->normalized_size();
-    ::Eigen::Map<Array> dgamma(layer->gamma.grad_for_write(pass, &accumulate_gamma), n);
-    ::Eigen::Map<Array> dbeta(layer->beta.grad_for_write(pass, &accumulate_beta), n);
-    if (!accumulate_gamma) dgamma.setZero();
-    if (!accumulate_beta) dbeta.setZero();
+    const auto [gamma_grad, beta_grad] = this->template parameter_grads<T>();
+    ::Eigen::Map<Array> dgamma(gamma_grad, n);
+    ::Eigen::Map<Array> dbeta(beta_grad, n);
     const ::Eigen::Map<const Array> gamma(layer->gamma.data(), n);
     const index_t rows = a.in_shape(1).numel() / n;
     for (index_t i = 0; i < rows; ++i) {
@@ -146,7 +176,6 @@ struct LayerNormGradOp : Primitive<LayerNormGradOp<Layer, InputGrad>> {
   }
 
   static std::string op_name() { return InputGrad ? "LayerNormGrad" : "LayerNormGrad (parameters only)"; }
-  std::string label() const { return layer->label(); }
 };
 
 // (x - mean) / sqrt(var + eps) · gamma[c] + beta[c], the statistics taken over each group of
@@ -154,13 +183,8 @@ struct LayerNormGradOp : Primitive<LayerNormGradOp<Layer, InputGrad>> {
 // channel. In NCHW a group is one contiguous block: its statistics are a layer norm's over a
 // row of that block's size.
 template <class Layer>
-struct GroupNormOp : Primitive<GroupNormOp<Layer>> {
-  using layer_type = Layer;
-  using value_type = typename Layer::value_type;
-  static constexpr int arity = 1;
-
-  const Layer* layer;
-  GroupNormOp(const Layer* l) : layer(l) {}
+struct GroupNormOp : AffineNormOp<GroupNormOp<Layer>, Layer, GroupNormGradOp> {
+  using AffineNormOp<GroupNormOp<Layer>, Layer, GroupNormGradOp>::AffineNormOp;
 
   // [N, C, *] with C the layer's channels.
   static constexpr ShapeResult rule(index_t channels, const Shape& x) {
@@ -170,11 +194,12 @@ struct GroupNormOp : Primitive<GroupNormOp<Layer>> {
     return {x};
   }
   static constexpr ShapeResult infer_static(std::span<const Shape> in) { return rule(Layer::channels_static, in[0]); }
-  ShapeResult infer(std::span<const Shape> in) const { return rule(layer->num_channels(), in[0]); }
+  ShapeResult infer(std::span<const Shape> in) const { return rule(this->layer->num_channels(), in[0]); }
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
     using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
+    const Layer* layer = this->layer;
     const detail::GroupLayout g(a.in_shape(), layer->num_groups());
     const T* gamma = layer->gamma.data();
     const T* beta = layer->beta.data();
@@ -190,46 +215,22 @@ struct GroupNormOp : Primitive<GroupNormOp<Layer>> {
     }
   }
 
-  static constexpr bool has_parameters = true;
-  template <std::size_t K>
-    requires(K == 0)
-  auto grad_op() const {
-    return GroupNormGradOp<Layer, true>{layer};
-  }
-  auto parameter_grad_op() const { return GroupNormGradOp<Layer, false>{layer}; }
-
   static std::string op_name() { return "GroupNorm"; }
-  std::string label() const { return layer->label(); }
 };
 
-// The gradient of GroupNormOp, from dy and x (the statistics taken again, as LayerNormGradOp
-// does). Per group, with x̂ the normalised block and h = dy · gamma[c]: dx = rstd · (h - mean(h)
-// - x̂ · mean(h · x̂)); dgamma[c] = Σ dy · x̂ and dbeta[c] = Σ dy over the samples and positions
-// of channel c. mean(h) and mean(h · x̂) come from the per-channel sums dbeta and dgamma take.
+// The gradient of GroupNormOp. Per group, with x̂ the normalised block and h = dy · gamma[c]:
+// dx = rstd · (h - mean(h) - x̂ · mean(h · x̂)); dgamma[c] = Σ dy · x̂ and dbeta[c] = Σ dy over
+// the samples and positions of channel c. mean(h) and mean(h · x̂) come from the per-channel
+// sums dbeta and dgamma take.
 template <class Layer, bool InputGrad>
-struct GroupNormGradOp : Primitive<GroupNormGradOp<Layer, InputGrad>> {
-  using layer_type = Layer;
-  using value_type = typename Layer::value_type;
-  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0};
-  static constexpr int arity = 2;  // dy, x
-  static constexpr bool is_sink = !InputGrad;
-
-  const Layer* layer;
-  GroupNormGradOp(const Layer* l) : layer(l) {}
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {InputGrad ? in[1] : Shape{}}; }
+struct GroupNormGradOp : AffineNormGradOp<GroupNormGradOp<Layer, InputGrad>, Layer, InputGrad> {
+  using AffineNormGradOp<GroupNormGradOp<Layer, InputGrad>, Layer, InputGrad>::AffineNormGradOp;
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
     using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
-    const std::uint64_t pass = duet::detail::current_backward_pass();
-    bool accumulate_gamma = false;
-    bool accumulate_beta = false;
-    const index_t channels = layer->num_channels();
-    T* dgamma = layer->gamma.grad_for_write(pass, &accumulate_gamma);
-    T* dbeta = layer->beta.grad_for_write(pass, &accumulate_beta);
-    if (!accumulate_gamma) std::fill_n(dgamma, channels, T(0));
-    if (!accumulate_beta) std::fill_n(dbeta, channels, T(0));
+    const Layer* layer = this->layer;
+    const auto [dgamma, dbeta] = this->template parameter_grads<T>();
     const T* gamma = layer->gamma.data();
     const detail::GroupLayout g(a.in_shape(1), layer->num_groups());
     for (index_t b = 0; b < g.blocks; ++b) {
@@ -264,7 +265,6 @@ struct GroupNormGradOp : Primitive<GroupNormGradOp<Layer, InputGrad>> {
   }
 
   static std::string op_name() { return InputGrad ? "GroupNormGrad" : "GroupNormGrad (parameters only)"; }
-  std::string label() const { return layer->label(); }
 };
 
 inline const bool normalization_listed = list_operations({"LayerNorm", "GroupNorm"});

