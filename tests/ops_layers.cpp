@@ -419,6 +419,7 @@ const bool group_norm_embedding_cases = add_cases([](std::multimap<std::string, 
 
 template <auto Setting>
 struct GroupNormNet : duet::nn::Cell<GroupNormNet<Setting>, Setting, double> {
+  using input_value_type = std::int32_t;
   duet::nn::Embedding<6, 8, double> embedding;  // [N, 3] -> [N, 3, 8]
   duet::nn::GroupNorm<2, 4, double> norm;        // on [N, 4, 6]
   duet::nn::BasicFlatten<double> flatten;

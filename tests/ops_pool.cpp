@@ -208,6 +208,7 @@ namespace {
 // Tokens as a 4-channel image: every layer of this pool part in one network.
 template <auto Setting>
 struct TokenImageNet : duet::nn::Cell<TokenImageNet<Setting>, Setting> {
+  using input_value_type = std::int32_t;                // called with token indices
   duet::nn::Embedding<12, 8> embedding;                 // [N, 16] -> [N, 16, 8]
   duet::nn::GroupNorm<2, 4> norm;                       // [N, 4, 4, 8]
   duet::nn::MaxPool2d<2, 2> max_pool;                   // [N, 4, 2, 4]

@@ -369,6 +369,13 @@ constexpr Mode mode_of_setting() {
   if constexpr (std::is_same_v<S, JitConfig>) return GRAPH_MODE;
   else return Setting;
 }
+// Whether cell C declares (input_value_type) that its input holds U values.
+template <class C, class U>
+constexpr bool declares_input_value_type() {
+  if constexpr (requires { typename C::input_value_type; }) return std::is_same_v<typename C::input_value_type, U>;
+  else return false;
+}
+
 template <auto Setting>
 constexpr JitConfig jit_config_of_setting() {
   if constexpr (std::is_same_v<std::remove_cvref_t<decltype(Setting)>, JitConfig>) return Setting;
@@ -434,11 +441,14 @@ class Cell : public BasicDynamicCell<T> {
     return to_static_tensor<Captured>((*this)(x.tensor()));
   }
 
-  // One tensor of another element type (int32 indices for a network that begins with an
-  // nn::Embedding): construct runs in this cell's mode, as for a tensor of T. Its forward hooks
-  // take tensors of T, so a hook on this cell is refused rather than skipped.
+  // One tensor of the element type the cell declares its input has, when that is not T:
+  // `using input_value_type = std::int32_t;` in nn::Embedding and in a network that begins with
+  // one (any other cell given a tensor of another type does not compile: its operations would
+  // read the elements as T's). construct runs in this cell's mode, as for a tensor of T. Its
+  // forward hooks take tensors of T, so a hook on this cell is refused rather than skipped.
   template <ElementType U>
-    requires(!std::is_same_v<U, T> && HasConstruct<Derived, BasicTensor<U>>)
+    requires(!std::is_same_v<U, T> && detail::declares_input_value_type<Derived, U>() &&
+             HasConstruct<Derived, BasicTensor<U>>)
   auto operator()(const BasicTensor<U>& x) {
     if (this->has_own_hooks()) {
       throw ModeError(this->label() + " has a hook, but hooks take tensors of its element type, and it is called with " +

@@ -143,6 +143,7 @@ class Embedding : public Cell<Embedding<Vocab, Dim, T>, CONTEXT_MODE, T> {
 
  public:
   static constexpr index_t embedding_static = Dim;
+  using input_value_type = std::int32_t;  // called with indices (Cell's call for them)
 
   BasicParameter<T> embedding_table;  // [vocab_size, embedding_size]
   DUET_CELL_MEMBERS(embedding_table);
