@@ -162,7 +162,7 @@ struct MaxPoolKind {
   // (no short circuit): a compare-and-select the compiler vectorises.
   template <class T>
   static T combine(T acc, T v) {
-    return (v > acc) | (v != v) ? v : acc;
+    return ((v > acc) | (v != v)) ? v : acc;
   }
   template <class T>
   static T finish(T acc, index_t) {
