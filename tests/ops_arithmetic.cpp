@@ -108,6 +108,23 @@ TEST_CASE("ops: operators take tensors, static tensors and numbers, and say whic
   }
 }
 
+TEST_CASE("ops: on static tensors outside construct, the result keeps the static shape the rule gives") {
+  const auto a = duet::full<float>(duet::shape<2, 3>, 2.0f);
+  const auto b = duet::ones(duet::shape<3>);
+  const auto y = duet::ops::exp(a * b - 1.0f);
+  static_assert(std::is_same_v<std::remove_cvref_t<decltype(y)>, duet::StaticTensor<float, 2, 3>>);
+  const auto s = duet::ops::sum(y, duet::ops::axes<1>);
+  static_assert(std::is_same_v<std::remove_cvref_t<decltype(s)>, duet::StaticTensor<float, 2>>);
+  CHECK(s(1) == doctest::Approx(3 * std::exp(1.0)));
+  const auto p = duet::ops::matmul(a, duet::ones(duet::shape<3, 4>));
+  static_assert(std::is_same_v<std::remove_cvref_t<decltype(p)>, duet::StaticTensor<float, 2, 4>>);
+  CHECK(p(0, 3) == 6.0f);
+  // A dynamic batch stays dynamic, and a plain tensor operand makes the result a plain tensor.
+  const duet::StaticTensor<float, duet::dyn, 3> batch(duet::ones({5, 3}));
+  static_assert(std::is_same_v<std::remove_cvref_t<decltype(batch + b)>, duet::StaticTensor<float, duet::dyn, 3>>);
+  static_assert(std::is_same_v<std::remove_cvref_t<decltype(a + duet::ones({3}))>, duet::Tensor>);
+}
+
 TEST_CASE("ops: an elementwise chain fuses into one pass in graph mode and gives PyNative's values bit for bit") {
   duet_test::ModeGuard guard;
   auto f = [](const auto& x, const auto& w, const auto& b) { return duet::ops::relu(x * w + b) - x / b; };

@@ -484,7 +484,7 @@ TEST_CASE("nn::GroupNorm: MindSpore's parameters and eps, static and run-time si
     static_cast<void>(sized(duet::ones({2, 6, 3})));
     FAIL("no error");
   } catch (const duet::ShapeError& e) {
-    CHECK(std::string(e.what()) == "nn::GroupNorm<dyn, dyn> expects an input of 4 channels (axis 1), got [2, 6, 3]");
+    CHECK(std::string(e.what()) == "nn::GroupNorm<dyn, dyn> expects an input whose dimension 1 (channels) is 4, got [2, 6, 3]");
   }
   CHECK_THROWS_AS(static_cast<void>(fixed(duet::ones({4}))), duet::ShapeError);
   CHECK_THROWS_AS(duet::nn::GroupNorm<>(3, 4), duet::ValueError);

@@ -467,23 +467,29 @@ class GradFunction {
                         "hooks run in PyNative mode only");
       }
     }
-    auto forward = pipeline::compile<JitConfig{}, true,
-                                     pipeline::Input<typename X::value_type, typename graph::pattern_of<X>::type>...>(
-        [&](const auto&... in) { return fn_(in...); });
-    duet::detail::begin_backward_pass();
-    if constexpr (WithInput) {
-      return autodiff::detail::at_position<sizeof...(X)>(*grad_position_, [&](auto k) {
-        if constexpr (differentiable_input<V, decltype(k)::value, X...>()) {
-          auto training = autodiff::build_backward<decltype(k)::value>(forward, &input_grad);
-          return BasicTensor<V>(pipeline::execute<JitConfig{}>(id_, training, where(), tensor_of(xs)...));
-        } else {
-          return BasicTensor<V>();
-        }
-      });
-    } else {
-      auto training = autodiff::build_backward<>(forward);
-      return pipeline::execute<JitConfig{}>(id_, training, where(), tensor_of(xs)...);
-    }
+    const auto capture = [&](auto phase) {
+      return pipeline::compile<JitConfig{}, true,
+                               pipeline::Input<typename X::value_type,
+                                               graph::pattern_in_phase<decltype(phase)::value,
+                                                                       typename graph::pattern_of<X>::type>>...>(
+          [&](const auto&... in) { return fn_(in...); });
+    };
+    return pipeline::in_requested_phase(capture, [&](const auto& forward) {
+      duet::detail::begin_backward_pass();
+      if constexpr (WithInput) {
+        return autodiff::detail::at_position<sizeof...(X)>(*grad_position_, [&](auto k) {
+          if constexpr (differentiable_input<V, decltype(k)::value, X...>()) {
+            auto training = autodiff::build_backward<decltype(k)::value>(forward, &input_grad);
+            return BasicTensor<V>(pipeline::execute<JitConfig{}>(id_, training, where(), tensor_of(xs)...));
+          } else {
+            return BasicTensor<V>();
+          }
+        });
+      } else {
+        auto training = autodiff::build_backward<>(forward);
+        return BasicTensor<V>(pipeline::execute<JitConfig{}>(id_, training, where(), tensor_of(xs)...));
+      }
+    });
   }
 
   // What messages call the function: the cell's construct, or "the differentiated function".

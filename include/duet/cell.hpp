@@ -145,6 +145,7 @@ class BasicDynamicCell {
   BasicDynamicCell(BasicDynamicCell&& other) noexcept
       : name_(std::move(other.name_)),
         named_(other.named_.load()),
+        training_(other.training_.load()),
         hooks_(std::exchange(other.hooks_, {})),
         backward_hooks_(std::exchange(other.backward_hooks_, {})),
         last_hook_id_(other.last_hook_id_) {}
@@ -237,6 +238,20 @@ class BasicDynamicCell {
     return found;
   }
 
+  // MindSpore's Cell.set_train(mode=True): this cell and every cell below it are set to train
+  // (true) or to evaluate (false). Only layers that differ between the two read it (BatchNorm
+  // uses batch statistics and updates its moving ones in training, Dropout drops only in
+  // training). As in MindSpore, a cell starts in evaluation (training() is false): call
+  // set_train() before training a network that has such layers. A cell built at run time is
+  // traced again after a switch (its trace holds the phase's operations); a Cell's two graph
+  // forms are both kept (pipeline::in_requested_phase).
+  BasicDynamicCell& set_train(bool mode = true) {
+    for (auto& [path, cell] : cells_and_names()) cell->training_.store(mode, std::memory_order_relaxed);
+    structure_changed();
+    return *this;
+  }
+  bool training() const { return training_.load(std::memory_order_relaxed); }
+
   // Gives this cell and all below it their paths, if no call or parent has done so yet.
   void ensure_named() {
     if (named_.load(std::memory_order_acquire)) return;
@@ -323,6 +338,7 @@ class BasicDynamicCell {
   std::string name_;
   std::atomic<bool> named_{false};
   std::atomic<bool> registered_{false};  // found registered with the cell whose construct called it
+  std::atomic<bool> training_{false};    // MindSpore's Cell.training, false until set_train
   std::vector<std::pair<long, BasicForwardHook<T>>> hooks_;
   std::vector<std::pair<long, BasicBackwardHook<T>>> backward_hooks_;
   long last_hook_id_ = 0;
@@ -534,8 +550,9 @@ class Cell : public BasicDynamicCell<T> {
     return effective_mode(M) == GRAPH_MODE && autodiff::active_tape() == nullptr && detail::call_observer<T> == nullptr;
   }
 
-  // Capture, optimise, run. Capture and passes cost nothing at run time (they are types);
-  // the plan for the inputs' shapes is kept per thread, so repeated shapes skip planning.
+  // Capture, optimise, run, in the phase the network's layers are set to. Capture and passes
+  // cost nothing at run time (they are types); the plan for the inputs' shapes is kept per
+  // thread and form, so repeated shapes skip planning.
   template <class... Patterns, class... Ts>
   auto run_graph(const BasicTensor<Ts>&... xs) {
     if (this->has_hooks_in_tree()) {
@@ -543,26 +560,35 @@ class Cell : public BasicDynamicCell<T> {
                       " runs in graph mode, but a cell in it has a hook; hooks see intermediate values "
                       "in PyNative mode only (set_context({.mode = PYNATIVE_MODE}))");
     }
+    return pipeline::in_requested_phase(
+        [&](auto phase) -> const auto& { return captured<decltype(phase)::value, Patterns...>(xs...); },
+        [&](const auto& program) {
+          return pipeline::execute<jit_config>(
+              this->id(), program, [this] { return this->type_name() + "::construct"; }, xs...);
+        });
+  }
+
+  // construct is captured once per cell, thread and phase, as MindSpore compiles it once per
+  // phase: on a small network capturing costs as much as running. Values construct reads while
+  // it is captured are constants of the graph. A cell's id is never reused, and a moved cell
+  // gets a new one, so the program's references to this cell and its members stay valid.
+  template <graph::Phase P, class... Patterns, class... Ts>
+  const auto& captured(const BasicTensor<Ts>&...) {
     const auto capture = [&] {
-      return pipeline::compile<jit_config, false, pipeline::Input<Ts, Patterns>...>(
+      return pipeline::compile<jit_config, false, pipeline::Input<Ts, graph::pattern_in_phase<P, Patterns>>...>(
           [&](const auto&... in) { return run_construct(in...); });
     };
-    // construct is captured once per cell and thread, as MindSpore compiles it once: on a small
-    // network capturing costs as much as running. Values construct reads while it is captured
-    // are constants of the graph. A cell's id is never reused, and a moved cell gets a new one,
-    // so the program's references to this cell and its members stay valid.
     using Program = decltype(capture());
     thread_local struct {
       std::uint64_t owner = 0;
       std::optional<Program> program;
-    } captured;
-    if (captured.owner != this->id()) {
-      captured.owner = 0;  // stays invalid if capturing throws
-      captured.program.emplace(capture());
-      captured.owner = this->id();
+    } cache;
+    if (cache.owner != this->id()) {
+      cache.owner = 0;  // stays invalid if capturing throws
+      cache.program.emplace(capture());
+      cache.owner = this->id();
     }
-    return pipeline::execute<jit_config>(
-        this->id(), *captured.program, [this] { return this->type_name() + "::construct"; }, xs...);
+    return *cache.program;
   }
 
   template <class Captured>

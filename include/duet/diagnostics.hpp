@@ -9,6 +9,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 
@@ -35,7 +36,7 @@ enum class ShapeFault : unsigned char {
   axis_size,          // the input's size along the operation's axis must be `expected` (split)
   slice_range,        // the input's axis `expected` must hold the slice's range (slice)
   spatial_size,       // each spatial axis (after batch and channels) must be at least `expected` (a window)
-  channel_dimension,  // the input's axis 1 (channels, NCHW) must be `expected`
+  channel_dimension,  // the input's dimension 1 (channels, NCHW) must equal `expected` (BatchNorm)
 };
 
 // What a shape rule returns: the output shape and, if the inputs break the rule, which way.
@@ -121,7 +122,7 @@ inline std::string describe_fault(const ShapeResult& r, std::string_view layer, 
       what = "an input whose spatial axes (after batch and channels) are each at least " + e + ", to hold its window";
       break;
     case ShapeFault::channel_dimension:
-      what = "an input of " + e + " channels (axis 1)";
+      what = "an input whose dimension 1 (channels) is " + e;
       break;
   }
   if (r.fault == ShapeFault::broadcast && inputs.size() > 1) {
@@ -185,7 +186,7 @@ struct axis_must_hold_the_slice {};
 template <index_t N>
 struct spatial_size_must_be_at_least {};
 template <index_t N>
-struct channels_must_be {};
+struct channel_dimension_must_be {};
 
 // Not derived from std::false_type: compilers would then print integral_constant<bool, false>
 // instead of this type's name.
@@ -223,7 +224,7 @@ constexpr auto requirement() {
   else if constexpr (F == ShapeFault::spatial_size)
     return spatial_size_must_be_at_least<N>{};
   else if constexpr (F == ShapeFault::channel_dimension)
-    return channels_must_be<N>{};
+    return channel_dimension_must_be<N>{};
   else
     return inputs_must_have_the_same_shape{};
 }
@@ -265,6 +266,28 @@ template <class Layer, ShapeFault F, index_t N, class ShapeOf>
 using rejection = rejected<Layer, decltype(requirement<F, N>()),
                            decltype(shape_type<ShapeOf>(
                                std::make_index_sequence<static_cast<std::size_t>(ShapeOf::shape.rank())>{}))>;
+
+// Reports Op's shape rule broken by inputs whose shapes compile time knows (Inputs::shape...):
+// the op, its requirement and the culprit's shape, and the other operand's shape where the
+// fault is between two. Instantiated where the op meets its inputs (a capture, or a call on
+// static tensors), so that the error points at that line.
+template <class Op, class... Inputs>
+constexpr void report_static_fault() {
+  constexpr ShapeResult r = Op::infer_static(std::array<Shape, sizeof...(Inputs)>{Inputs::shape...});
+  if constexpr (!r.ok()) {
+    using In = std::tuple<Inputs...>;
+    using Layer = typename Op::layer_type;
+    using Culprit = std::tuple_element_t<static_cast<std::size_t>(r.input), In>;
+    if constexpr (r.fault == ShapeFault::broadcast) {
+      static_cast<void>(sizeof(broadcast_rejection<Layer, Culprit, std::tuple_element_t<broadcast_partner(r), In>>));
+    } else if constexpr (r.fault == ShapeFault::inner_dimensions) {
+      static_cast<void>(
+          sizeof(inner_dimension_rejection<Layer, Culprit, std::tuple_element_t<r.input == 0 ? 1 : 0, In>>));
+    } else {
+      static_cast<void>(sizeof(rejection<Layer, r.fault, r.expected, Culprit>));
+    }
+  }
+}
 
 }  // namespace diagnostic
 }  // namespace duet

@@ -96,14 +96,39 @@ decltype(auto) graph_operand(const X& x) {
   else return (x);
 }
 
+template <class X>
+struct StaticOperand {
+  static constexpr Shape shape = X::static_shape;
+};
+
+// An operation on static tensors outside construct: its rule is checked at compile time, as in
+// construct, and the result is a StaticTensor of the shape the rule gives.
+template <class Op, class... X>
+auto run_static(const Op& op, const X&... xs) {
+  diagnostic::report_static_fault<Op, StaticOperand<X>...>();
+  auto y = run_into_new<DefaultBackend>(op, tensor_of(xs)...);
+  constexpr ShapeResult r = Op::infer_static(std::array<Shape, sizeof...(X)>{X::static_shape...});
+  if constexpr (r.ok() && !r.shape.leading_unknown()) {
+    return [&]<std::size_t... I>(std::index_sequence<I...>) {
+      return StaticTensor<typename decltype(y)::value_type, r.shape[static_cast<int>(I)]...>(std::move(y));
+    }
+    (std::make_index_sequence<static_cast<std::size_t>(r.shape.rank())>{});
+  } else {
+    return y;
+  }
+}
+
 }  // namespace detail
 
 // The one entry point layers use: on symbolic tensors it records the operation in the graph,
-// on real tensors it runs it now. A cell's parameter may be an operand in either mode.
+// on static tensors it checks the shapes at compile time and runs it now, on other tensors it
+// runs it now. A cell's parameter may be an operand in either mode.
 template <class Op, class X>
 auto apply(const Op& op, X&& x) {
   if constexpr (graph::Symbolic<X>) {
     return graph::append(op, x);
+  } else if constexpr (is_static_tensor_v<std::remove_cvref_t<X>>) {
+    return detail::run_static(op, x);
   } else if constexpr (nn::is_parameter_v<std::remove_cvref_t<X>>) {
     return detail::run_into_new<DefaultBackend>(op, detail::eager_operand(x));
   } else {
@@ -121,6 +146,8 @@ auto apply(const Op& op, const A& a, const B& b, const C&... c) {
                   "every tensor the graph reads as an input of the captured function (a cell's own "
                   "parameters may be used directly)");
     return graph::append(op, detail::graph_operand(a), detail::graph_operand(b), detail::graph_operand(c)...);
+  } else if constexpr (is_static_tensor_v<A> && is_static_tensor_v<B> && (is_static_tensor_v<C> && ...)) {
+    return detail::run_static(op, a, b, c...);
   } else {
     return detail::run_into_new<DefaultBackend>(op, detail::eager_operand(a), detail::eager_operand(b),
                                                 detail::eager_operand(c)...);

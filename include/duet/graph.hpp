@@ -248,6 +248,86 @@ struct SameShapeAs {
   static constexpr Shape value = S::shape;
 };
 
+// What a graph is captured for: training or evaluation (MindSpore's set_train). A layer that
+// behaves differently in the two (nn::BatchNorm2d, nn::Dropout) reads the phase from its
+// input's type and appends that phase's operation, so the two forms of a network are two
+// types, compiled and cached apart, and an evaluation form can be rewritten by passes (a
+// BatchNorm folded into the convolution before it) without touching the training form. A
+// capture is for training unless its inputs' pattern is an Evaluation.
+enum class Phase : unsigned char { train, eval };
+
+template <class Pattern>
+struct Evaluation {
+  static constexpr Shape value = Pattern::value;
+};
+
+template <Phase P, class Pattern>
+using pattern_in_phase = std::conditional_t<P == Phase::eval, Evaluation<Pattern>, Pattern>;
+
+template <class G>
+constexpr Phase phase_of_graph();
+
+namespace detail {
+template <class Pattern>
+struct pattern_phase {
+  static constexpr Phase value = Phase::train;
+};
+template <class P>
+struct pattern_phase<Evaluation<P>> {
+  static constexpr Phase value = Phase::eval;
+};
+// A quiet capture (graph::quietly, a SequentialCell's chain) is in the phase of the value it
+// continues.
+template <class P>
+struct pattern_phase<Quiet<P>> : pattern_phase<P> {};
+template <class S>
+struct pattern_phase<SameShapeAs<S>> {
+  static constexpr Phase value = phase_of_graph<typename S::graph_type>();
+};
+}  // namespace detail
+
+// The phase G is captured for: its inputs'. (A graph of parameters alone is a training one.)
+template <class G>
+constexpr Phase phase_of_graph() {
+  Phase phase = Phase::train;
+  bool found = false;
+  for_each_index<G::size>([&](auto i) {
+    using Op = typename node_at<G, decltype(i)::value>::op_type;
+    if constexpr (is_input_op_v<Op>) {
+      if (!found) phase = detail::pattern_phase<typename Op::pattern>::value;
+      found = true;
+    }
+  });
+  return phase;
+}
+
+// The phase a symbolic tensor is captured in, for a layer's construct.
+template <class X>
+constexpr Phase phase_of() {
+  return phase_of_graph<typename std::remove_cvref_t<X>::graph_type>();
+}
+
+// An operation whose behaviour depends on the phase declares it, `static constexpr Phase
+// phase`, and says which phase its layer is set to now, `Phase requested_phase() const`.
+template <class Op>
+concept PhaseDependent = requires(const Op& op) {
+  { Op::phase } -> std::convertible_to<Phase>;
+  { op.requested_phase() } -> std::same_as<Phase>;
+};
+
+// The first node of G whose operation depends on the phase, or G::size if none does (then
+// the network's two forms are one, and only the training form is ever made).
+template <class G>
+constexpr std::size_t first_phase_dependent_node() {
+  std::size_t first = G::size;
+  for_each_index<G::size>([&](auto i) {
+    if constexpr (PhaseDependent<typename node_at<G, decltype(i)::value>::op_type>) {
+      if (first == G::size) first = decltype(i)::value;
+    }
+  });
+  return first;
+}
+
 // Whether appending to G reports a broken shape rule: unless G was captured on a Quiet
 // input. (Node 0 is an input: each graph starts as one, and merging keeps the first graph's
 // nodes in front.)
@@ -393,10 +473,7 @@ auto quietly(const Sym<G, Out>& x, F&& f) {
 template <class Op, class G, std::size_t Out>
 auto append(const Op& op, const Sym<G, Out>& x) {
   static_cast<void>(sizeof(diagnostic::check_operation<Op>));
-  constexpr ShapeResult r = Op::infer_static(std::array<Shape, 1>{G::shapes[Out]});
-  if constexpr (!r.ok() && reports_faults<G>()) {
-    static_cast<void>(sizeof(diagnostic::rejection<typename Op::layer_type, r.fault, r.expected, Sym<G, Out>>));
-  }
+  if constexpr (reports_faults<G>()) diagnostic::report_static_fault<Op, Sym<G, Out>>();
   auto g = make_graph(hana::append(x.graph.nodes, Node<Op, Out>{op}));
   return Sym<decltype(g), G::size>{g};
 }
@@ -422,19 +499,8 @@ template <class Op, class G0, std::size_t O0, class... Rest>
   requires(sizeof...(Rest) >= 1 && (Symbolic<Rest> && ...))
 auto append(const Op& op, const Sym<G0, O0>& x0, const Rest&... rest) {
   static_cast<void>(sizeof(diagnostic::check_operation<Op>));
-  constexpr ShapeResult r = Op::infer_static(std::array<Shape, 1 + sizeof...(Rest)>{G0::shapes[O0], Rest::shape...});
-  if constexpr (!r.ok() && reports_faults<G0>() && (reports_faults<typename Rest::graph_type>() && ...)) {
-    using Inputs = std::tuple<Sym<G0, O0>, Rest...>;
-    using Culprit = std::tuple_element_t<static_cast<std::size_t>(r.input), Inputs>;
-    if constexpr (r.fault == ShapeFault::broadcast) {
-      using Other = std::tuple_element_t<broadcast_partner(r), Inputs>;
-      static_cast<void>(sizeof(diagnostic::broadcast_rejection<typename Op::layer_type, Culprit, Other>));
-    } else if constexpr (r.fault == ShapeFault::inner_dimensions) {
-      using Other = std::tuple_element_t<r.input == 0 ? 1 : 0, Inputs>;
-      static_cast<void>(sizeof(diagnostic::inner_dimension_rejection<typename Op::layer_type, Culprit, Other>));
-    } else {
-      static_cast<void>(sizeof(diagnostic::rejection<typename Op::layer_type, r.fault, r.expected, Culprit>));
-    }
+  if constexpr (reports_faults<G0>() && (reports_faults<typename Rest::graph_type>() && ...)) {
+    diagnostic::report_static_fault<Op, Sym<G0, O0>, Rest...>();
   }
   auto [merged, outs] = detail::merge_all(x0.graph, std::index_sequence<O0>{}, rest...);
   // merged is passed, not captured: clang 14 cannot capture a structured binding.

@@ -13,6 +13,7 @@
 #include "evaluator.hpp"
 #include "graph.hpp"
 #include "passes.hpp"
+#include "pipeline.hpp"
 
 namespace duet {
 
@@ -126,9 +127,16 @@ GraphIR graph_ir(C& cell, Pattern = {}) {
     return {};
   } else {
     cell.ensure_named();
-    auto captured = cell(graph::input<typename C::value_type, Pattern>());
     const std::string title = cell.type_name();
-    return {graph::dump(captured, title), graph::dump(passes::optimize<Config>(captured), title)};
+    // The form the network's layers are set to (set_train), as a call would run.
+    return pipeline::in_requested_phase(
+        [&](auto phase) {
+          using In = graph::pattern_in_phase<decltype(phase)::value, Pattern>;
+          return cell(graph::input<typename C::value_type, In>());
+        },
+        [&](const auto& captured) {
+          return GraphIR{graph::dump(captured, title), graph::dump(passes::optimize<Config>(captured), title)};
+        });
   }
 }
 

@@ -436,29 +436,34 @@ class JitFunction {
 
   template <class... Args>
   auto run_graph(std::uint64_t owner, const Args&... args) {
-    auto captured = [&]<std::size_t... I>(std::index_sequence<I...>) {
-      return fn_(symbolic<I, Args...>(args)...);
-    }(std::index_sequence_for<Args...>{});
-    using Captured = decltype(captured);
-    static_assert(graph::Symbolic<Captured>, "duet::jit: the function must return a tensor computed from its inputs");
-    using G = typename Captured::graph_type;
-    if constexpr (Config.jit_syntax_level == JitSyntaxLevel::strict) {
-      static_assert(graph::first_host_node<G>() == G::size,
-                    "duet::jit: JitSyntaxLevel::strict: the function calls duet::host, a host callback, which is "
-                    "not a graph operation; use JitSyntaxLevel::lax to run it as a graph break");
-    }
-    const auto program = passes::optimize<Config>(captured);
-    return std::apply(
-        [&](const auto&... t) {
-          return pipeline::execute<Config>(owner, program, [this] { return options_.name; }, t...);
-        },
-        std::tuple_cat(tensor_tuple(args)...));
+    const auto capture = [&](auto phase) {
+      auto captured = [&]<std::size_t... I>(std::index_sequence<I...>) {
+        return fn_(symbolic<I, Args...>(args, phase)...);
+      }(std::index_sequence_for<Args...>{});
+      using Captured = decltype(captured);
+      static_assert(graph::Symbolic<Captured>, "duet::jit: the function must return a tensor computed from its inputs");
+      using G = typename Captured::graph_type;
+      if constexpr (Config.jit_syntax_level == JitSyntaxLevel::strict) {
+        static_assert(graph::first_host_node<G>() == G::size,
+                      "duet::jit: JitSyntaxLevel::strict: the function calls duet::host, a host callback, which is "
+                      "not a graph operation; use JitSyntaxLevel::lax to run it as a graph break");
+      }
+      return passes::optimize<Config>(captured);
+    };
+    return pipeline::in_requested_phase(capture, [&](const auto& program) {
+      return std::apply(
+          [&](const auto&... t) {
+            return pipeline::execute<Config>(owner, program, [this] { return options_.name; }, t...);
+          },
+          std::tuple_cat(tensor_tuple(args)...));
+    });
   }
 
-  template <std::size_t I, class... Args, class X>
-  static decltype(auto) symbolic(const X& x) {
+  template <std::size_t I, class... Args, class X, graph::Phase P = graph::Phase::train>
+  static decltype(auto) symbolic(const X& x, pipeline::PhaseConstant<P> = {}) {
     if constexpr (detail::is_tensor_argument_v<X>) {
-      return graph::input<typename X::value_type, typename graph::pattern_of<X>::type, detail::tensor_index<I, Args...>()>();
+      return graph::input<typename X::value_type, graph::pattern_in_phase<P, typename graph::pattern_of<X>::type>,
+                          detail::tensor_index<I, Args...>()>();
     } else {
       return argument(x);
     }

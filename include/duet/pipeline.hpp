@@ -16,7 +16,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <utility>
+
+#include <boost/hana/at.hpp>
 
 #include "evaluator.hpp"
 #include "graph.hpp"
@@ -37,6 +40,29 @@ auto compile(F&& f) {
   return [&]<class... T, class... P, std::size_t... K>(std::index_sequence<K...>, Input<T, P>*...) {
     return passes::optimize<Config, Differentiated>(f(graph::input<T, P, K>()...));
   }(std::index_sequence_for<Inputs...>{}, static_cast<Inputs*>(nullptr)...);
+}
+
+template <graph::Phase P>
+using PhaseConstant = std::integral_constant<graph::Phase, P>;
+
+// run(program), program being what capture(PhaseConstant<P>{}) makes for the phase the
+// network's layers are set to (set_train). The training form is made first: its type says
+// whether any operation depends on the phase, and if one does, its layer says which form to
+// run. Each form's plan is cached apart (cached_plan keys on the graph's type), so switching
+// back and forth keeps both. Every phase-dependent kernel checks its layer again when it
+// runs, so a form whose layers have been switched since (one layer alone, say) is refused,
+// never run stale.
+template <class Capture, class Run>
+decltype(auto) in_requested_phase(Capture&& capture, Run&& run) {
+  auto&& train = capture(PhaseConstant<graph::Phase::train>{});
+  using G = typename std::remove_cvref_t<decltype(train)>::graph_type;
+  constexpr std::size_t first = graph::first_phase_dependent_node<G>();
+  if constexpr (first < G::size) {
+    if (boost::hana::at_c<first>(train.graph.nodes).op.requested_phase() == graph::Phase::eval) {
+      return run(capture(PhaseConstant<graph::Phase::eval>{}));
+    }
+  }
+  return run(train);
 }
 
 // The plan of the last input shapes `owner` ran this graph type with on this thread. Per

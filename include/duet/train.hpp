@@ -7,7 +7,10 @@
 #include <cstdio>
 #include <ostream>
 #include <string>
+#include <utility>
+#include <vector>
 
+#include "cell.hpp"
 #include "data.hpp"
 #include "tensor.hpp"
 
@@ -35,10 +38,36 @@ inline index_t correct_predictions(const Tensor& logits, const BasicTensor<std::
   return correct;
 }
 
+namespace detail {
+// Sets a network to evaluation (set_train(false)) for its life, then gives every cell in it
+// back its own setting, even when the evaluation throws.
+template <class Net>
+class EvaluationScope {
+ public:
+  explicit EvaluationScope(Net& net) {
+    for (auto& [path, cell] : net.cells_and_names()) saved_.emplace_back(cell, cell->training());
+    net.set_train(false);
+  }
+  EvaluationScope(const EvaluationScope&) = delete;
+  EvaluationScope& operator=(const EvaluationScope&) = delete;
+  // Parents come before their children (cells_and_names is depth first), so a child's own
+  // setting is restored after its parent's, which set_train also gives the children.
+  ~EvaluationScope() {
+    for (auto& [cell, training] : saved_) cell->set_train(training);
+  }
+
+ private:
+  std::vector<std::pair<nn::BasicDynamicCell<typename Net::value_type>*, bool>> saved_;
+};
+}  // namespace detail
+
 // One pass over the loader's current epoch: mean loss (loss_fn must reduce by mean) and
-// accuracy of net, each batch weighted by its size.
+// accuracy of net, each batch weighted by its size. A cell runs in evaluation meanwhile
+// (MindSpore's Model.eval sets set_train(False)): Dropout passes its input through, BatchNorm
+// uses its moving statistics and leaves them as they are; each cell's setting is restored after.
 template <class Net, class Loss>
 Metrics evaluate(Net& net, Loss& loss_fn, data::DataLoader& loader) {
+  const detail::EvaluationScope<Net> evaluation(net);
   Metrics m;
   double loss_sum = 0;
   index_t correct = 0;

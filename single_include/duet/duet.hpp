@@ -4132,6 +4132,7 @@ inline std::string readable_type_name(const std::type_info& type) {
 #include <span>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 
@@ -4370,6 +4371,28 @@ template <class Layer, ShapeFault F, index_t N, class ShapeOf>
 using rejection = rejected<Layer, decltype(requirement<F, N>()),
                            decltype(shape_type<ShapeOf>(
                                std::make_index_sequence<static_cast<std::size_t>(ShapeOf::shape.rank())>{}))>;
+
+// Reports Op's shape rule broken by inputs whose shapes compile time knows (Inputs::shape...):
+// the op, its requirement and the culprit's shape, and the other operand's shape where the
+// fault is between two. Instantiated where the op meets its inputs (a capture, or a call on
+// static tensors), so that the error points at that line.
+template <class Op, class... Inputs>
+constexpr void report_static_fault() {
+  constexpr ShapeResult r = Op::infer_static(std::array<Shape, sizeof...(Inputs)>{Inputs::shape...});
+  if constexpr (!r.ok()) {
+    using In = std::tuple<Inputs...>;
+    using Layer = typename Op::layer_type;
+    using Culprit = std::tuple_element_t<static_cast<std::size_t>(r.input), In>;
+    if constexpr (r.fault == ShapeFault::broadcast) {
+      static_cast<void>(sizeof(broadcast_rejection<Layer, Culprit, std::tuple_element_t<broadcast_partner(r), In>>));
+    } else if constexpr (r.fault == ShapeFault::inner_dimensions) {
+      static_cast<void>(
+          sizeof(inner_dimension_rejection<Layer, Culprit, std::tuple_element_t<r.input == 0 ? 1 : 0, In>>));
+    } else {
+      static_cast<void>(sizeof(rejection<Layer, r.fault, r.expected, Culprit>));
+    }
+  }
+}
 
 }  // namespace diagnostic
 }  // namespace duet
@@ -4994,10 +5017,7 @@ auto quietly(const Sym<G, Out>& x, F&& f) {
 template <class Op, class G, std::size_t Out>
 auto append(const Op& op, const Sym<G, Out>& x) {
   static_cast<void>(sizeof(diagnostic::check_operation<Op>));
-  constexpr ShapeResult r = Op::infer_static(std::array<Shape, 1>{G::shapes[Out]});
-  if constexpr (!r.ok() && reports_faults<G>()) {
-    static_cast<void>(sizeof(diagnostic::rejection<typename Op::layer_type, r.fault, r.expected, Sym<G, Out>>));
-  }
+  if constexpr (reports_faults<G>()) diagnostic::report_static_fault<Op, Sym<G, Out>>();
   auto g = make_graph(hana::append(x.graph.nodes, Node<Op, Out>{op}));
   return Sym<decltype(g), G::size>{g};
 }
@@ -5023,19 +5043,8 @@ template <class Op, class G0, std::size_t O0, class... Rest>
   requires(sizeof...(Rest) >= 1 && (Symbolic<Rest> && ...))
 auto append(const Op& op, const Sym<G0, O0>& x0, const Rest&... rest) {
   static_cast<void>(sizeof(diagnostic::check_operation<Op>));
-  constexpr ShapeResult r = Op::infer_static(std::array<Shape, 1 + sizeof...(Rest)>{G0::shapes[O0], Rest::shape...});
-  if constexpr (!r.ok() && reports_faults<G0>() && (reports_faults<typename Rest::graph_type>() && ...)) {
-    using Inputs = std::tuple<Sym<G0, O0>, Rest...>;
-    using Culprit = std::tuple_element_t<static_cast<std::size_t>(r.input), Inputs>;
-    if constexpr (r.fault == ShapeFault::broadcast) {
-      using Other = std::tuple_element_t<broadcast_partner(r), Inputs>;
-      static_cast<void>(sizeof(diagnostic::broadcast_rejection<typename Op::layer_type, Culprit, Other>));
-    } else if constexpr (r.fault == ShapeFault::inner_dimensions) {
-      using Other = std::tuple_element_t<r.input == 0 ? 1 : 0, Inputs>;
-      static_cast<void>(sizeof(diagnostic::inner_dimension_rejection<typename Op::layer_type, Culprit, Other>));
-    } else {
-      static_cast<void>(sizeof(diagnostic::rejection<typename Op::layer_type, r.fault, r.expected, Culprit>));
-    }
+  if constexpr (reports_faults<G0>() && (reports_faults<typename Rest::graph_type>() && ...)) {
+    diagnostic::report_static_fault<Op, Sym<G0, O0>, Rest...>();
   }
   auto [merged, outs] = detail::merge_all(x0.graph, std::index_sequence<O0>{}, rest...);
   // merged is passed, not captured: clang 14 cannot capture a structured binding.
@@ -6232,14 +6241,39 @@ decltype(auto) graph_operand(const X& x) {
   else return (x);
 }
 
+template <class X>
+struct StaticOperand {
+  static constexpr Shape shape = X::static_shape;
+};
+
+// An operation on static tensors outside construct: its rule is checked at compile time, as in
+// construct, and the result is a StaticTensor of the shape the rule gives.
+template <class Op, class... X>
+auto run_static(const Op& op, const X&... xs) {
+  diagnostic::report_static_fault<Op, StaticOperand<X>...>();
+  auto y = run_into_new<DefaultBackend>(op, tensor_of(xs)...);
+  constexpr ShapeResult r = Op::infer_static(std::array<Shape, sizeof...(X)>{X::static_shape...});
+  if constexpr (r.ok() && !r.shape.leading_unknown()) {
+    return [&]<std::size_t... I>(std::index_sequence<I...>) {
+      return StaticTensor<typename decltype(y)::value_type, r.shape[static_cast<int>(I)]...>(std::move(y));
+    }
+    (std::make_index_sequence<static_cast<std::size_t>(r.shape.rank())>{});
+  } else {
+    return y;
+  }
+}
+
 }  // namespace detail
 
 // The one entry point layers use: on symbolic tensors it records the operation in the graph,
-// on real tensors it runs it now. A cell's parameter may be an operand in either mode.
+// on static tensors it checks the shapes at compile time and runs it now, on other tensors it
+// runs it now. A cell's parameter may be an operand in either mode.
 template <class Op, class X>
 auto apply(const Op& op, X&& x) {
   if constexpr (graph::Symbolic<X>) {
     return graph::append(op, x);
+  } else if constexpr (is_static_tensor_v<std::remove_cvref_t<X>>) {
+    return detail::run_static(op, x);
   } else if constexpr (nn::is_parameter_v<std::remove_cvref_t<X>>) {
     return detail::run_into_new<DefaultBackend>(op, detail::eager_operand(x));
   } else {
@@ -6257,6 +6291,8 @@ auto apply(const Op& op, const A& a, const B& b, const C&... c) {
                   "every tensor the graph reads as an input of the captured function (a cell's own "
                   "parameters may be used directly)");
     return graph::append(op, detail::graph_operand(a), detail::graph_operand(b), detail::graph_operand(c)...);
+  } else if constexpr (is_static_tensor_v<A> && is_static_tensor_v<B> && (is_static_tensor_v<C> && ...)) {
+    return detail::run_static(op, a, b, c...);
   } else {
     return detail::run_into_new<DefaultBackend>(op, detail::eager_operand(a), detail::eager_operand(b),
                                                 detail::eager_operand(c)...);
@@ -14674,20 +14710,13 @@ concept Scalar = std::is_arithmetic_v<std::remove_cvref_t<S>>;
 template <class A, class B>
 concept Operands = (TensorLike<A> || Scalar<A>) && (TensorLike<B> || Scalar<B>) && (TensorLike<A> || TensorLike<B>);
 
-// A static tensor's BasicTensor, anything else as it is.
-template <class X>
-decltype(auto) operand(const X& x) {
-  if constexpr (is_static_tensor_v<X>) return tensor_of(x);
-  else return (x);
-}
-
 // Fn(a, b) for any mix of tensors and numbers (two numbers are not an operation).
 template <class Fn, class A, class B>
 auto binary(const A& a, const B& b) {
   if constexpr (Scalar<A>) {
-    return apply(ScalarOp<Fn, true>{static_cast<double>(a)}, operand(b));
+    return apply(ScalarOp<Fn, true>{static_cast<double>(a)}, b);
   } else if constexpr (Scalar<B>) {
-    return apply(ScalarOp<Fn, false>{static_cast<double>(b)}, operand(a));
+    return apply(ScalarOp<Fn, false>{static_cast<double>(b)}, a);
   } else {
     static_assert(std::is_same_v<typename std::remove_cvref_t<A>::value_type, typename std::remove_cvref_t<B>::value_type>,
                   "duet::ops: both operands of an arithmetic operation must have the same element type");
@@ -15223,14 +15252,14 @@ template <class Reducer, class X, class AxesT, class... Keep>
 auto reduce(const X& x, AxesT, Keep...) {
   static_assert(sizeof...(Keep) <= 1 && (std::is_same_v<Keep, KeepDims> && ...),
                 "duet::ops: a reduction takes the tensor, then optionally ops::axes<...>, then optionally ops::keep_dims");
-  return apply(ReduceOp<Reducer, AxesT, sizeof...(Keep) == 1>{}, operand(x));
+  return apply(ReduceOp<Reducer, AxesT, sizeof...(Keep) == 1>{}, x);
 }
 
 template <bool Max, class X, int A, class... Keep>
 auto arg_extreme(const X& x, Axes<A>, Keep...) {
   static_assert(sizeof...(Keep) <= 1 && (std::is_same_v<Keep, KeepDims> && ...),
                 "duet::ops: argmax and argmin take the tensor, then optionally ops::axis<A>, then optionally ops::keep_dims");
-  return apply(ArgExtremeOp<Max, A, sizeof...(Keep) == 1, element_of<X>>{}, operand(x));
+  return apply(ArgExtremeOp<Max, A, sizeof...(Keep) == 1, element_of<X>>{}, x);
 }
 
 }  // namespace detail
@@ -15677,11 +15706,11 @@ inline const bool softmax_listed = list_operations({"softmax", "log_softmax"});
 
 template <TensorLike X>
 auto softmax(const X& x, int axis = -1) {
-  return apply(SoftmaxOp<false>{{}, {axis}}, operand(x));
+  return apply(SoftmaxOp<false>{{}, {axis}}, x);
 }
 template <TensorLike X>
 auto log_softmax(const X& x, int axis = -1) {
-  return apply(SoftmaxOp<true>{{}, {axis}}, operand(x));
+  return apply(SoftmaxOp<true>{{}, {axis}}, x);
 }
 
 }  // namespace ops
@@ -16071,51 +16100,51 @@ inline const bool math_listed =
 template <class X>
   requires TensorLike<X>
 auto exp(const X& x) {
-  return apply(MapOp<fn::Exp>{}, operand(x));
+  return apply(MapOp<fn::Exp>{}, x);
 }
 template <class X>
   requires TensorLike<X>
 auto log(const X& x) {
-  return apply(MapOp<fn::Log>{}, operand(x));
+  return apply(MapOp<fn::Log>{}, x);
 }
 template <class X>
   requires TensorLike<X>
 auto sqrt(const X& x) {
-  return apply(MapOp<fn::Sqrt>{}, operand(x));
+  return apply(MapOp<fn::Sqrt>{}, x);
 }
 template <class X>
   requires TensorLike<X>
 auto rsqrt(const X& x) {
-  return apply(MapOp<fn::Rsqrt>{}, operand(x));
+  return apply(MapOp<fn::Rsqrt>{}, x);
 }
 template <class X>
   requires TensorLike<X>
 auto abs(const X& x) {
-  return apply(MapOp<fn::Abs>{}, operand(x));
+  return apply(MapOp<fn::Abs>{}, x);
 }
 template <class X>
   requires TensorLike<X>
 auto square(const X& x) {
-  return apply(MapOp<fn::Square>{}, operand(x));
+  return apply(MapOp<fn::Square>{}, x);
 }
 // MindSpore's ops.clip_by_value(x, clip_value_min, clip_value_max), with number bounds.
 template <class X>
   requires TensorLike<X>
 auto clip_by_value(const X& x, double clip_value_min, double clip_value_max) {
-  return apply(MapOp<fn::ClipByValue>{std::tuple{fn::ClipByValue{clip_value_min, clip_value_max}}}, operand(x));
+  return apply(MapOp<fn::ClipByValue>{std::tuple{fn::ClipByValue{clip_value_min, clip_value_max}}}, x);
 }
 
 // Fn(a, b) as UInt8 0/1, between two tensors (broadcast) or a tensor and a number.
 template <class Fn, class A, class B>
 auto compare(const A& a, const B& b) {
   if constexpr (Scalar<A>) {
-    return apply(CompareScalarOp<typename Fn::swapped, typename B::value_type>{static_cast<double>(a)}, operand(b));
+    return apply(CompareScalarOp<typename Fn::swapped, typename B::value_type>{static_cast<double>(a)}, b);
   } else if constexpr (Scalar<B>) {
-    return apply(CompareScalarOp<Fn, typename A::value_type>{static_cast<double>(b)}, operand(a));
+    return apply(CompareScalarOp<Fn, typename A::value_type>{static_cast<double>(b)}, a);
   } else {
     static_assert(std::is_same_v<typename A::value_type, typename B::value_type>,
                   "duet::ops: both operands of a comparison must have the same element type");
-    return apply(CompareOp<Fn, typename A::value_type>{}, operand(a), operand(b));
+    return apply(CompareOp<Fn, typename A::value_type>{}, a, b);
   }
 }
 
@@ -16142,7 +16171,7 @@ auto where(const C& condition, const A& x, const B& y) {
                 "duet::ops::where: the condition is a UInt8 tensor, as the comparisons (ops::greater, ...) make");
   static_assert(std::is_same_v<typename A::value_type, typename B::value_type>,
                 "duet::ops::where: x and y must have the same element type");
-  return apply(WhereOp<typename A::value_type>{}, operand(condition), operand(x), operand(y));
+  return apply(WhereOp<typename A::value_type>{}, condition, x, y);
 }
 
 }  // namespace ops

@@ -66,6 +66,10 @@ class TrainOneStepCell {
   TrainOneStepCell(NetWithLoss& net_with_loss, Optimizer& optimizer, TrainOneStepConfig config = {})
       : grad_(net_with_loss, {}, std::nullopt), optimizer_(optimizer), config_(config) {
     if (config_.clip_global_norm) ops::detail::check_clip_norm(*config_.clip_global_norm);
+    // Cells start in evaluation (MindSpore's default); a training step that ran BatchNorm on
+    // its moving statistics and Dropout as the identity would train quietly wrong. MindSpore's
+    // Model.train sets the network to training before its steps; a step made here does too.
+    net_with_loss.set_train(true);
   }
 
   // Returns the loss of the batch, before the update. A step that fails changes nothing. An

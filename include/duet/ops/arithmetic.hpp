@@ -505,20 +505,13 @@ concept Scalar = std::is_arithmetic_v<std::remove_cvref_t<S>>;
 template <class A, class B>
 concept Operands = (TensorLike<A> || Scalar<A>) && (TensorLike<B> || Scalar<B>) && (TensorLike<A> || TensorLike<B>);
 
-// A static tensor's BasicTensor, anything else as it is.
-template <class X>
-decltype(auto) operand(const X& x) {
-  if constexpr (is_static_tensor_v<X>) return tensor_of(x);
-  else return (x);
-}
-
 // Fn(a, b) for any mix of tensors and numbers (two numbers are not an operation).
 template <class Fn, class A, class B>
 auto binary(const A& a, const B& b) {
   if constexpr (Scalar<A>) {
-    return apply(ScalarOp<Fn, true>{static_cast<double>(a)}, operand(b));
+    return apply(ScalarOp<Fn, true>{static_cast<double>(a)}, b);
   } else if constexpr (Scalar<B>) {
-    return apply(ScalarOp<Fn, false>{static_cast<double>(b)}, operand(a));
+    return apply(ScalarOp<Fn, false>{static_cast<double>(b)}, a);
   } else {
     static_assert(std::is_same_v<typename std::remove_cvref_t<A>::value_type, typename std::remove_cvref_t<B>::value_type>,
                   "duet::ops: both operands of an arithmetic operation must have the same element type");

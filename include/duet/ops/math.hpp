@@ -365,51 +365,51 @@ inline const bool math_listed =
 template <class X>
   requires TensorLike<X>
 auto exp(const X& x) {
-  return apply(MapOp<fn::Exp>{}, operand(x));
+  return apply(MapOp<fn::Exp>{}, x);
 }
 template <class X>
   requires TensorLike<X>
 auto log(const X& x) {
-  return apply(MapOp<fn::Log>{}, operand(x));
+  return apply(MapOp<fn::Log>{}, x);
 }
 template <class X>
   requires TensorLike<X>
 auto sqrt(const X& x) {
-  return apply(MapOp<fn::Sqrt>{}, operand(x));
+  return apply(MapOp<fn::Sqrt>{}, x);
 }
 template <class X>
   requires TensorLike<X>
 auto rsqrt(const X& x) {
-  return apply(MapOp<fn::Rsqrt>{}, operand(x));
+  return apply(MapOp<fn::Rsqrt>{}, x);
 }
 template <class X>
   requires TensorLike<X>
 auto abs(const X& x) {
-  return apply(MapOp<fn::Abs>{}, operand(x));
+  return apply(MapOp<fn::Abs>{}, x);
 }
 template <class X>
   requires TensorLike<X>
 auto square(const X& x) {
-  return apply(MapOp<fn::Square>{}, operand(x));
+  return apply(MapOp<fn::Square>{}, x);
 }
 // MindSpore's ops.clip_by_value(x, clip_value_min, clip_value_max), with number bounds.
 template <class X>
   requires TensorLike<X>
 auto clip_by_value(const X& x, double clip_value_min, double clip_value_max) {
-  return apply(MapOp<fn::ClipByValue>{std::tuple{fn::ClipByValue{clip_value_min, clip_value_max}}}, operand(x));
+  return apply(MapOp<fn::ClipByValue>{std::tuple{fn::ClipByValue{clip_value_min, clip_value_max}}}, x);
 }
 
 // Fn(a, b) as UInt8 0/1, between two tensors (broadcast) or a tensor and a number.
 template <class Fn, class A, class B>
 auto compare(const A& a, const B& b) {
   if constexpr (Scalar<A>) {
-    return apply(CompareScalarOp<typename Fn::swapped, typename B::value_type>{static_cast<double>(a)}, operand(b));
+    return apply(CompareScalarOp<typename Fn::swapped, typename B::value_type>{static_cast<double>(a)}, b);
   } else if constexpr (Scalar<B>) {
-    return apply(CompareScalarOp<Fn, typename A::value_type>{static_cast<double>(b)}, operand(a));
+    return apply(CompareScalarOp<Fn, typename A::value_type>{static_cast<double>(b)}, a);
   } else {
     static_assert(std::is_same_v<typename A::value_type, typename B::value_type>,
                   "duet::ops: both operands of a comparison must have the same element type");
-    return apply(CompareOp<Fn, typename A::value_type>{}, operand(a), operand(b));
+    return apply(CompareOp<Fn, typename A::value_type>{}, a, b);
   }
 }
 
@@ -436,7 +436,7 @@ auto where(const C& condition, const A& x, const B& y) {
                 "duet::ops::where: the condition is a UInt8 tensor, as the comparisons (ops::greater, ...) make");
   static_assert(std::is_same_v<typename A::value_type, typename B::value_type>,
                 "duet::ops::where: x and y must have the same element type");
-  return apply(WhereOp<typename A::value_type>{}, operand(condition), operand(x), operand(y));
+  return apply(WhereOp<typename A::value_type>{}, condition, x, y);
 }
 
 }  // namespace ops

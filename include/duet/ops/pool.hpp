@@ -509,20 +509,20 @@ inline const bool pool_listed = list_operations({"max_pool2d", "avg_pool2d", "ad
 template <index_t Kernel, index_t Stride = Kernel, index_t Padding = 0, TensorLike X>
 auto max_pool2d(const X& x) {
   constexpr Pool2dWindow w{Kernel, Kernel, Stride, Stride, PadMode::pad, Padding, Padding};
-  return apply(Pool2dOp<detail::MaxPoolKind, w>{}, operand(x));
+  return apply(Pool2dOp<detail::MaxPoolKind, w>{}, x);
 }
 
 // MindSpore's ops.avg_pool2d(x, kernel_size, stride=1, padding=0, count_include_pad=True).
 template <index_t Kernel, index_t Stride = 1, index_t Padding = 0, TensorLike X>
 auto avg_pool2d(const X& x) {
   constexpr Pool2dWindow w{Kernel, Kernel, Stride, Stride, PadMode::pad, Padding, Padding};
-  return apply(Pool2dOp<detail::AvgPoolKind, w>{}, operand(x));
+  return apply(Pool2dOp<detail::AvgPoolKind, w>{}, x);
 }
 
 // MindSpore's ops.adaptive_avg_pool2d(x, output_size): <1> is global average pooling.
 template <index_t OutH, index_t OutW = OutH, TensorLike X>
 auto adaptive_avg_pool2d(const X& x) {
-  return apply(AdaptiveAvgPool2dOp<OutH, OutW>{}, operand(x));
+  return apply(AdaptiveAvgPool2dOp<OutH, OutW>{}, x);
 }
 
 }  // namespace ops

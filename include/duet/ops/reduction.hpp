@@ -456,14 +456,14 @@ template <class Reducer, class X, class AxesT, class... Keep>
 auto reduce(const X& x, AxesT, Keep...) {
   static_assert(sizeof...(Keep) <= 1 && (std::is_same_v<Keep, KeepDims> && ...),
                 "duet::ops: a reduction takes the tensor, then optionally ops::axes<...>, then optionally ops::keep_dims");
-  return apply(ReduceOp<Reducer, AxesT, sizeof...(Keep) == 1>{}, operand(x));
+  return apply(ReduceOp<Reducer, AxesT, sizeof...(Keep) == 1>{}, x);
 }
 
 template <bool Max, class X, int A, class... Keep>
 auto arg_extreme(const X& x, Axes<A>, Keep...) {
   static_assert(sizeof...(Keep) <= 1 && (std::is_same_v<Keep, KeepDims> && ...),
                 "duet::ops: argmax and argmin take the tensor, then optionally ops::axis<A>, then optionally ops::keep_dims");
-  return apply(ArgExtremeOp<Max, A, sizeof...(Keep) == 1, element_of<X>>{}, operand(x));
+  return apply(ArgExtremeOp<Max, A, sizeof...(Keep) == 1, element_of<X>>{}, x);
 }
 
 }  // namespace detail

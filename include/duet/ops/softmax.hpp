@@ -186,11 +186,11 @@ inline const bool softmax_listed = list_operations({"softmax", "log_softmax"});
 
 template <TensorLike X>
 auto softmax(const X& x, int axis = -1) {
-  return apply(SoftmaxOp<false>{{}, {axis}}, operand(x));
+  return apply(SoftmaxOp<false>{{}, {axis}}, x);
 }
 template <TensorLike X>
 auto log_softmax(const X& x, int axis = -1) {
-  return apply(SoftmaxOp<true>{{}, {axis}}, operand(x));
+  return apply(SoftmaxOp<true>{{}, {axis}}, x);
 }
 
 }  // namespace ops
