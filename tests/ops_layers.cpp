@@ -205,6 +205,29 @@ bool same_bits(const std::vector<D>& a, const std::vector<D>& b) {
   return true;
 }
 
+// Every parameter's gradient under loss(net(x), y): the same bits in both modes, and each
+// element against central differences of the loss. Returns PyNative's gradients.
+template <class Net, class Loss, class X, class Y>
+std::vector<D> check_parameter_grads(Net& net, Loss& loss, const X& x, const Y& y) {
+  const auto grads = parameter_grads_in_both_modes(net, loss, x, y);
+  CHECK(same_bits(grads[0], grads[1]));
+  duet::nn::WithLossCell with_loss(net, loss);
+  auto loss_value = [&] {
+    duet::set_context({.mode = duet::PYNATIVE_MODE});
+    return with_loss(x, y).item();
+  };
+  const auto params = net.parameters();
+  for (std::size_t p = 0; p < params.size(); ++p) {
+    auto& value = *params[p].parameter;
+    for (index_t j = 0; j < value.numel(); ++j) {
+      const double fd = finite_difference(value, j, loss_value);
+      INFO(params[p].name, "[", j, "]");
+      CHECK(std::abs(grads[0][p].data()[j] - fd) <= 1e-7 + 1e-6 * std::abs(fd));
+    }
+  }
+  return grads[0];
+}
+
 }  // namespace
 
 TEST_CASE("nn::LayerNorm: gamma and beta's gradients match finite differences, the same in both modes") {
@@ -216,23 +239,8 @@ TEST_CASE("nn::LayerNorm: gamma and beta's gradients match finite differences, t
   duet::nn::BasicMSELoss<Reduction::mean, double> loss;
   const D x = random_input({6, 4}, -1, 1, 9);
   const D target = random_input({6, 5}, -1, 1, 10);
-  const auto grads = parameter_grads_in_both_modes(net, loss, x, target);
-  CHECK(same_bits(grads[0], grads[1]));
-  duet::nn::WithLossCell with_loss(net, loss);
-  auto loss_value = [&] {
-    duet::set_context({.mode = duet::PYNATIVE_MODE});
-    return with_loss(x, target).item();
-  };
-  const auto params = net.parameters();
-  REQUIRE(params.size() == 4);  // fc.weight, fc.bias, norm.gamma, norm.beta
-  for (std::size_t p = 0; p < params.size(); ++p) {
-    auto& value = *params[p].parameter;
-    for (index_t j = 0; j < value.numel(); ++j) {
-      const double fd = finite_difference(value, j, loss_value);
-      INFO(params[p].name, "[", j, "]");
-      CHECK(std::abs(grads[0][p].data()[j] - fd) <= 1e-7 + 1e-6 * std::abs(fd));
-    }
-  }
+  REQUIRE(net.parameters().size() == 4);  // fc.weight, fc.bias, norm.gamma, norm.beta
+  check_parameter_grads(net, loss, x, target);
 }
 
 TEST_CASE("nn::LayerNorm: MindSpore's parameters and epsilon, static and run-time sizes, errors") {
@@ -443,27 +451,13 @@ TEST_CASE("nn::GroupNorm and nn::Embedding: gamma, beta and the table's gradient
   const std::int32_t values[] = {5, 1, 2, 3, 5, 4, 1, 3, 2};
   std::copy(values, values + 9, x.data());
   const D target = random_input({3, 2}, -1, 1, 15);
-  const auto grads = parameter_grads_in_both_modes(net, loss, x, target);
-  CHECK(same_bits(grads[0], grads[1]));
-  duet::nn::WithLossCell with_loss(net, loss);
-  auto loss_value = [&] {
-    duet::set_context({.mode = duet::PYNATIVE_MODE});
-    return with_loss(x, target).item();
-  };
   const auto params = net.parameters();
   REQUIRE(params.size() == 5);  // embedding.embedding_table, norm.gamma, norm.beta, fc.weight, fc.bias
   CHECK(params[0].name == "embedding.embedding_table");
   CHECK(params[1].name == "norm.gamma");
   CHECK(params[2].name == "norm.beta");
-  for (std::size_t p = 0; p < params.size(); ++p) {
-    auto& value = *params[p].parameter;
-    for (index_t j = 0; j < value.numel(); ++j) {
-      const double fd = finite_difference(value, j, loss_value);
-      INFO(params[p].name, "[", j, "]");
-      CHECK(std::abs(grads[0][p].data()[j] - fd) <= 1e-7 + 1e-6 * std::abs(fd));
-    }
-  }
-  for (index_t j = 0; j < 8; ++j) CHECK(grads[0][0].data()[j] == 0.0);  // row 0, never looked up
+  const std::vector<D> grads = check_parameter_grads(net, loss, x, target);
+  for (index_t j = 0; j < 8; ++j) CHECK(grads[0].data()[j] == 0.0);  // row 0, never looked up
 }
 
 TEST_CASE("nn::GroupNorm: MindSpore's parameters and eps, static and run-time sizes, errors") {
