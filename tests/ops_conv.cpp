@@ -253,12 +253,12 @@ TEST_CASE("nn::Conv2d, nn::Conv1d: shape errors name the layer and the input, ba
         "nn::Conv2d<dyn, dyn, dyn> expects an input whose dimension 1 (channels) is 3, got [2, 2, 8, 8]");
   CHECK(message([&] { conv(duet::ones({3, 8, 8})); }) == "nn::Conv2d<dyn, dyn, dyn> expects an input of rank 4, got [3, 8, 8]");
   CHECK(message([&] { conv(duet::ones({1, 3, 4, 8})); }) ==
-        "nn::Conv2d<dyn, dyn, dyn> expects an input whose spatial sizes are at least 5 (the dilated kernel's extent "
-        "less the padding), got [1, 3, 4, 8]");
+        "nn::Conv2d<dyn, dyn, dyn> expects an input whose spatial axes (after batch and channels) are each at least "
+        "5, to hold its window less the padding, got [1, 3, 4, 8]");
   duet::nn::Conv1d<2, 2, 3, 1, 0, 3> dilated;  // extent 7
   CHECK(message([&] { dilated(duet::ones({1, 2, 6})); }) ==
-        "nn::Conv1d<2, 2, 3, 1, 0, 3> expects an input whose spatial sizes are at least 7 (the dilated kernel's "
-        "extent less the padding), got [1, 2, 6]");
+        "nn::Conv1d<2, 2, 3, 1, 0, 3> expects an input whose spatial axes (after batch and channels) are each at "
+        "least 7, to hold its window less the padding, got [1, 2, 6]");
   CHECK_THROWS_AS(duet::nn::Conv2d<>(3, 4, 3, {.group = 2}), duet::ValueError);
   CHECK_THROWS_AS(duet::nn::Conv2d<>(3, 4, 0), duet::ValueError);
   CHECK_THROWS_AS(duet::nn::Conv2d<>(3, 4, 3, {.stride = 0}), duet::ValueError);

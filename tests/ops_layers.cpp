@@ -206,6 +206,29 @@ std::vector<std::vector<D>> parameter_grads_in_both_modes(Net& net, Loss& loss, 
   return grads;
 }
 
+// Every parameter's gradient under loss(net(x), y): the same bits in both modes, and each
+// element against central differences of the loss. Returns PyNative's gradients.
+template <class Net, class Loss, class X, class Y>
+std::vector<D> check_parameter_grads(Net& net, Loss& loss, const X& x, const Y& y) {
+  const auto grads = parameter_grads_in_both_modes(net, loss, x, y);
+  CHECK(same_bits(grads[0], grads[1]));
+  duet::nn::WithLossCell with_loss(net, loss);
+  auto loss_value = [&] {
+    duet::set_context({.mode = duet::PYNATIVE_MODE});
+    return with_loss(x, y).item();
+  };
+  const auto params = net.parameters();
+  for (std::size_t p = 0; p < params.size(); ++p) {
+    auto& value = *params[p].parameter;
+    for (index_t j = 0; j < value.numel(); ++j) {
+      const double fd = finite_difference(value, j, loss_value);
+      INFO(params[p].name, "[", j, "]");
+      CHECK(std::abs(grads[0][p].data()[j] - fd) <= 1e-7 + 1e-6 * std::abs(fd));
+    }
+  }
+  return grads[0];
+}
+
 }  // namespace
 
 TEST_CASE("nn::LayerNorm: gamma and beta's gradients match finite differences, the same in both modes") {
@@ -217,23 +240,8 @@ TEST_CASE("nn::LayerNorm: gamma and beta's gradients match finite differences, t
   duet::nn::BasicMSELoss<Reduction::mean, double> loss;
   const D x = random_input({6, 4}, -1, 1, 9);
   const D target = random_input({6, 5}, -1, 1, 10);
-  const auto grads = parameter_grads_in_both_modes(net, loss, x, target);
-  CHECK(same_bits(grads[0], grads[1]));
-  duet::nn::WithLossCell with_loss(net, loss);
-  auto loss_value = [&] {
-    duet::set_context({.mode = duet::PYNATIVE_MODE});
-    return with_loss(x, target).item();
-  };
-  const auto params = net.parameters();
-  REQUIRE(params.size() == 4);  // fc.weight, fc.bias, norm.gamma, norm.beta
-  for (std::size_t p = 0; p < params.size(); ++p) {
-    auto& value = *params[p].parameter;
-    for (index_t j = 0; j < value.numel(); ++j) {
-      const double fd = finite_difference(value, j, loss_value);
-      INFO(params[p].name, "[", j, "]");
-      CHECK(std::abs(grads[0][p].data()[j] - fd) <= 1e-7 + 1e-6 * std::abs(fd));
-    }
-  }
+  REQUIRE(net.parameters().size() == 4);  // fc.weight, fc.bias, norm.gamma, norm.beta
+  check_parameter_grads(net, loss, x, target);
 }
 
 TEST_CASE("nn::LayerNorm: MindSpore's parameters and epsilon, static and run-time sizes, errors") {
@@ -352,4 +360,180 @@ TEST_CASE("losses: MindSpore's documented values and defaults, and errors that n
   CHECK_THROWS_AS(duet::nn::KLDivLoss<Reduction::batchmean>()(duet::ones(Shape{}), duet::ones(Shape{})), duet::ShapeError);
   CHECK_THROWS_AS(duet::nn::SmoothL1Loss<>({.beta = -1.0}), duet::ValueError);
   CHECK_THROWS_AS(duet::nn::CrossEntropyLoss<>({.label_smoothing = 1.5}), duet::ValueError);
+}
+
+namespace {
+
+// PyTorch's torch.nn.GroupNorm: each group of channels of each sample normalised over its
+// channels and positions with the biased variance, then γ[c] · x̂ + β[c].
+D group_norm_reference(const D& x, index_t groups, const D& gamma, const D& beta, double eps) {
+  const index_t n = x.shape()[0], c = x.shape()[1], s = x.shape().numel_from(2), cg = c / groups;
+  D y = duet::zeros<double>(x.shape());
+  for (index_t i = 0; i < n; ++i) {
+    for (index_t g = 0; g < groups; ++g) {
+      double mean = 0, var = 0;
+      const double count = static_cast<double>(cg * s);
+      for (index_t ch = g * cg; ch < (g + 1) * cg; ++ch) {
+        for (index_t j = 0; j < s; ++j) mean += x.data()[(i * c + ch) * s + j] / count;
+      }
+      for (index_t ch = g * cg; ch < (g + 1) * cg; ++ch) {
+        for (index_t j = 0; j < s; ++j) var += std::pow(x.data()[(i * c + ch) * s + j] - mean, 2) / count;
+      }
+      for (index_t ch = g * cg; ch < (g + 1) * cg; ++ch) {
+        for (index_t j = 0; j < s; ++j) {
+          const index_t at = (i * c + ch) * s + j;
+          y.data()[at] = (x.data()[at] - mean) / std::sqrt(var + eps) * gamma.data()[ch] + beta.data()[ch];
+        }
+      }
+    }
+  }
+  return y;
+}
+
+Labels indices_of(const Shape& shape, std::int32_t vocab, std::uint64_t seed) {
+  duet::Generator gen(seed);
+  const D u = duet::uniform<double>(shape, 0.0, static_cast<double>(vocab), gen);
+  Labels idx(shape);
+  for (index_t i = 0; i < idx.numel(); ++i) idx.data()[i] = std::min(vocab - 1, static_cast<std::int32_t>(u.data()[i]));
+  return idx;
+}
+
+const bool group_norm_embedding_cases = add_cases([](std::multimap<std::string, Case>& m) {
+  // GroupNorm with gamma and beta away from their ones and zeros: images, sequences, vectors.
+  for (const auto& [shape, groups] : {std::pair{Shape{2, 6, 3, 2}, index_t{3}}, std::pair{Shape{3, 4, 5}, index_t{2}},
+                                      std::pair{Shape{2, 4}, index_t{2}}}) {
+    const index_t channels = shape[1];
+    auto norm = std::make_shared<duet::nn::GroupNorm<duet::dyn, duet::dyn, double>>(groups, channels);
+    norm->gamma.set_data(random_input({channels}, 0.5, 1.5, 200));
+    norm->beta.set_data(random_input({channels}, -1.0, 1.0, 201));
+    Case c = case_of<1>({shape}, [norm](const auto& x) { return (*norm)(x); }, -2.0, 2.0);
+    c.reference = [norm, g = groups](const std::vector<D>& xs) {
+      return group_norm_reference(xs[0], g, norm->gamma, norm->beta, 1e-5);
+    };
+    m.emplace("GroupNorm", std::move(c));
+  }
+  // Embedding: its input has no gradient, so the harness checks its value in both modes against
+  // a plain lookup (the table's gradient is checked below), indices read more than once.
+  auto table = std::make_shared<duet::nn::Embedding<7, 3, double>>();
+  const Labels idx = indices_of({4, 5}, 7, 202);
+  Case c;
+  c.reference = [table, idx](const std::vector<D>&) {
+    D y = duet::zeros<double>(Shape{4, 5, 3});
+    for (index_t i = 0; i < 20; ++i) {
+      for (index_t j = 0; j < 3; ++j) y.data()[i * 3 + j] = table->embedding_table(idx.data()[i], j);
+    }
+    return y;
+  };
+  c.value_in_mode = [table, idx](const std::vector<D>&, duet::Mode mode) {
+    duet::set_context({.mode = mode});
+    auto lookup = [table](const auto& i) { return (*table)(i); };
+    const D y = mode == duet::GRAPH_MODE ? duet::jit(lookup)(idx) : lookup(idx);
+    duet::set_context({.mode = duet::PYNATIVE_MODE});
+    return y;
+  };
+  m.emplace("Embedding", std::move(c));
+});
+
+template <auto Setting>
+struct GroupNormNet : duet::nn::Cell<GroupNormNet<Setting>, Setting, double> {
+  using input_value_type = std::int32_t;
+  duet::nn::Embedding<6, 8, double> embedding;  // [N, 3] -> [N, 3, 8]
+  duet::nn::GroupNorm<2, 4, double> norm;        // on [N, 4, 6]
+  duet::nn::BasicFlatten<double> flatten;
+  duet::nn::Dense<24, 2, double> fc;
+  DUET_CELL_MEMBERS(embedding, norm, flatten, fc);
+  auto construct(auto x) { return fc(flatten(norm(duet::ops::reshape<-1, 4, 6>(embedding(x))))); }
+};
+
+}  // namespace
+
+TEST_CASE("nn::GroupNorm and nn::Embedding: gamma, beta and the table's gradients match finite differences, the same in both modes") {
+  duet_test::ModeGuard guard;
+  duet::set_seed(11);
+  GroupNormNet<duet::CONTEXT_MODE> net;
+  net.norm.gamma.set_data(random_input({4}, 0.5, 1.5, 12));
+  net.norm.beta.set_data(random_input({4}, -1.0, 1.0, 13));
+  net.embedding.embedding_table.set_data(random_input({6, 8}, -1.0, 1.0, 14));
+  duet::nn::BasicMSELoss<Reduction::mean, double> loss;
+  // Index 5 appears twice and index 0 never: its rows' gradients add, and row 0's is zero.
+  Labels x({3, 3});
+  const std::int32_t values[] = {5, 1, 2, 3, 5, 4, 1, 3, 2};
+  std::copy(values, values + 9, x.data());
+  const D target = random_input({3, 2}, -1, 1, 15);
+  const auto params = net.parameters();
+  REQUIRE(params.size() == 5);  // embedding.embedding_table, norm.gamma, norm.beta, fc.weight, fc.bias
+  CHECK(params[0].name == "embedding.embedding_table");
+  CHECK(params[1].name == "norm.gamma");
+  CHECK(params[2].name == "norm.beta");
+  const std::vector<D> grads = check_parameter_grads(net, loss, x, target);
+  for (index_t j = 0; j < 8; ++j) CHECK(grads[0].data()[j] == 0.0);  // row 0, never looked up
+}
+
+TEST_CASE("nn::GroupNorm: MindSpore's parameters and eps, static and run-time sizes, errors") {
+  duet::nn::GroupNorm<2, 4> fixed;
+  duet::nn::GroupNorm<> sized(2, 4);
+  const auto params = fixed.parameters();
+  REQUIRE(params.size() == 2);
+  CHECK(params[0].name == "gamma");
+  CHECK(params[1].name == "beta");
+  CHECK(fixed.epsilon() == 1e-5);
+  const duet::Tensor x = duet::randn({2, 4, 3, 3}, 5);
+  const duet::Tensor y = fixed(x);
+  const duet::Tensor z = sized(x);
+  CHECK(std::equal(y.data(), y.data() + y.numel(), z.data()));
+  // A static shape goes through with its channels checked while compiling.
+  static_assert(std::is_same_v<decltype(fixed(duet::ones(duet::shape<2, 4, 3, 3>))), duet::StaticTensor<float, 2, 4, 3, 3>>);
+  try {
+    static_cast<void>(sized(duet::ones({2, 6, 3})));
+    FAIL("no error");
+  } catch (const duet::ShapeError& e) {
+    CHECK(std::string(e.what()) == "nn::GroupNorm<dyn, dyn> expects an input whose dimension 1 (channels) is 4, got [2, 6, 3]");
+  }
+  CHECK_THROWS_AS(static_cast<void>(fixed(duet::ones({4}))), duet::ShapeError);
+  CHECK_THROWS_AS(duet::nn::GroupNorm<>(3, 4), duet::ValueError);
+  CHECK_THROWS_AS(duet::nn::GroupNorm<>(0, 4), duet::ValueError);
+  CHECK_THROWS_AS(duet::nn::GroupNorm<>(2, 4, 0.0), duet::ValueError);
+}
+
+TEST_CASE("nn::Embedding: MindSpore's table and initialiser, padding_idx, and an out-of-range index in both modes") {
+  duet_test::ModeGuard guard;
+  duet::set_seed(3);
+  duet::nn::Embedding<10, 4> embedding({.padding_idx = 2});
+  const auto params = embedding.parameters();
+  REQUIRE(params.size() == 1);
+  CHECK(params[0].name == "embedding_table");
+  CHECK(embedding.embedding_table.shape() == Shape{10, 4});
+  // MindSpore's 'normal': Normal(sigma=0.01).
+  double sum_sq = 0;
+  for (index_t i = 0; i < 40; ++i) sum_sq += embedding.embedding_table.data()[i] * embedding.embedding_table.data()[i];
+  CHECK(std::sqrt(sum_sq / 36) < 0.03);
+  for (index_t j = 0; j < 4; ++j) CHECK(embedding.embedding_table(2, j) == 0.0f);
+  Labels idx({2, 3});
+  const std::int32_t good[] = {0, 9, 2, 2, 5, 1};
+  std::copy(good, good + 6, idx.data());
+  const duet::Tensor y = embedding(idx);
+  REQUIRE(y.shape() == Shape{2, 3, 4});
+  for (index_t j = 0; j < 4; ++j) CHECK(y(0, 1, j) == embedding.embedding_table(9, j));
+  idx.data()[4] = 10;
+  for (duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+    duet::set_context({.mode = mode});
+    auto lookup = duet::jit([&](const auto& i) { return embedding(i); });
+    try {
+      static_cast<void>(mode == duet::GRAPH_MODE ? lookup(idx) : embedding(idx));
+      FAIL("no error");
+    } catch (const duet::IndexError& e) {
+      CHECK(std::string(e.what()) ==
+            "nn::Embedding<10, 4>: index 10 (element 4 of the indices) is out of range [0, 10)");
+    }
+  }
+  idx.data()[4] = -1;
+  CHECK_THROWS_AS(static_cast<void>(embedding(idx)), duet::IndexError);
+  try {
+    static_cast<void>(embedding(duet::ones({2})));
+    FAIL("no error");
+  } catch (const duet::ValueError& e) {
+    CHECK(std::string(e.what()) == "nn::Embedding<10, 4> takes int32 indices, got a tensor of Float32");
+  }
+  CHECK_THROWS_AS(duet::nn::Embedding<>(0, 4), duet::ValueError);
+  CHECK_THROWS_AS(duet::nn::Embedding<>(4, 4, {.padding_idx = 4}), duet::ValueError);
 }

@@ -270,6 +270,8 @@ class BasicDynamicCell {
   // replaced) calls this, so that graph mode traces it again instead of replaying the old one.
   static void structure_changed() { detail::structure_generation().fetch_add(1, std::memory_order_acq_rel); }
 
+  bool has_own_hooks() const { return !hooks_.empty() || !backward_hooks_.empty(); }
+
   // Refuses a call from the construct of a cell that holds this one as a member without
   // registering it. Once this cell was found registered, later calls only read a flag.
   void check_registered() {
@@ -383,6 +385,13 @@ constexpr Mode mode_of_setting() {
   if constexpr (std::is_same_v<S, JitConfig>) return GRAPH_MODE;
   else return Setting;
 }
+// Whether cell C declares (input_value_type) that its input holds U values.
+template <class C, class U>
+constexpr bool declares_input_value_type() {
+  if constexpr (requires { typename C::input_value_type; }) return std::is_same_v<typename C::input_value_type, U>;
+  else return false;
+}
+
 template <auto Setting>
 constexpr JitConfig jit_config_of_setting() {
   if constexpr (std::is_same_v<std::remove_cvref_t<decltype(Setting)>, JitConfig>) return Setting;
@@ -446,6 +455,28 @@ class Cell : public BasicDynamicCell<T> {
       }
     }
     return to_static_tensor<Captured>((*this)(x.tensor()));
+  }
+
+  // One tensor of the element type the cell declares its input has, when that is not T:
+  // `using input_value_type = std::int32_t;` in nn::Embedding and in a network that begins with
+  // one (any other cell given a tensor of another type does not compile: its operations would
+  // read the elements as T's). construct runs in this cell's mode, as for a tensor of T. Its
+  // forward hooks take tensors of T, so a hook on this cell is refused rather than skipped.
+  template <ElementType U>
+    requires(!std::is_same_v<U, T> && detail::declares_input_value_type<Derived, U>() &&
+             HasConstruct<Derived, BasicTensor<U>>)
+  auto operator()(const BasicTensor<U>& x) {
+    if (this->has_own_hooks()) {
+      throw ModeError(this->label() + " has a hook, but hooks take tensors of its element type, and it is called with " +
+                      std::string(name_of(dtype_of<U>)) + " values");
+    }
+    this->check_registered();
+    this->ensure_named();
+    if constexpr (can_capture()) {
+      if (runs_as_graph()) return run_graph<graph::AnyShape>(x);
+    }
+    EagerScope eager;
+    return run_construct(x);
   }
 
   // Cells whose construct takes several tensors (a network with its loss, say). They are not

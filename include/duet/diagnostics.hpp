@@ -36,7 +36,7 @@ enum class ShapeFault : unsigned char {
   axis_size,          // the input's size along the operation's axis must be `expected` (split)
   slice_range,        // the input's axis `expected` must hold the slice's range (slice)
   channel_dimension,  // the input's dimension 1 (channels, NCHW) must equal `expected` (BatchNorm, Conv)
-  spatial_size,       // each spatial axis must be at least `expected`: the dilated kernel less the padding
+  spatial_size,       // each spatial axis must be at least `expected`: the (dilated) window less the padding
 };
 
 // What a shape rule returns: the output shape and, if the inputs break the rule, which way.
@@ -118,11 +118,12 @@ inline std::string describe_fault(const ShapeResult& r, std::string_view layer, 
     case ShapeFault::slice_range:
       what = "an input whose axis " + e + " holds the slice's range";
       break;
+    case ShapeFault::spatial_size:
+      what = "an input whose spatial axes (after batch and channels) are each at least " + e +
+             ", to hold its window less the padding";
+      break;
     case ShapeFault::channel_dimension:
       what = "an input whose dimension 1 (channels) is " + e;
-      break;
-    case ShapeFault::spatial_size:
-      what = "an input whose spatial sizes are at least " + e + " (the dilated kernel's extent less the padding)";
       break;
   }
   if (r.fault == ShapeFault::broadcast && inputs.size() > 1) {
@@ -185,7 +186,8 @@ template <index_t N>
 struct axis_must_hold_the_slice {};
 template <index_t N>
 struct channel_dimension_must_be {};
-// The dilated kernel's extent less the padding: a smaller input leaves no output.
+// A window's extent (a convolution's kernel, dilated) less the padding: a smaller input leaves
+// no output.
 template <index_t N>
 struct spatial_sizes_must_be_at_least {};
 

@@ -19,7 +19,9 @@ class Generator {
  public:
   explicit Generator(std::uint64_t seed = 0) { this->seed(seed); }
 
+  // Reseeding also drops a pending second normal draw, which belongs to the old sequence.
   void seed(std::uint64_t seed) {
+    has_spare_ = false;
     for (auto& word : state_) {
       seed += 0x9E3779B97F4A7C15ull;
       std::uint64_t z = seed;

@@ -1,9 +1,11 @@
-// Normalisation layers: nn::LayerNorm and the operation it captures.
+// Normalisation layers: nn::LayerNorm, nn::GroupNorm and the operations they capture.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -19,6 +21,8 @@ namespace ops {
 
 template <class Layer, bool InputGrad>
 struct LayerNormGradOp;
+template <class Layer, bool InputGrad>
+struct GroupNormGradOp;
 
 namespace detail {
 
@@ -38,18 +42,80 @@ RowStatistics<T> row_statistics(const Row& x, double epsilon) {
   return {mean, T(1) / std::sqrt(variance + static_cast<T>(epsilon))};
 }
 
+// An [N, C, *] input as N · groups contiguous blocks of channels_per_group planes.
+struct GroupLayout {
+  index_t groups, channels_per_group, spatial, block, blocks;
+  GroupLayout(const Shape& x, index_t num_groups)
+      : groups(num_groups),
+        channels_per_group(x[1] / num_groups),
+        spatial(x.numel_from(2)),
+        block(channels_per_group * spatial),
+        blocks(x[0] * num_groups) {}
+};
+
 }  // namespace detail
+
+// What the normalisation operations share: the layer whose gamma and beta they read, and their
+// gradient operations, GradOp<Layer, true> making dx and the parameters' gradients,
+// GradOp<Layer, false> the parameters' alone.
+template <class Self, class Layer, template <class, bool> class GradOp>
+struct AffineNormOp : Primitive<Self> {
+  using layer_type = Layer;
+  using value_type = typename Layer::value_type;
+  static constexpr int arity = 1;
+  static constexpr bool has_parameters = true;
+
+  const Layer* layer;
+  AffineNormOp(const Layer* l) : layer(l) {}
+
+  template <std::size_t K>
+    requires(K == 0)
+  auto grad_op() const {
+    return GradOp<Layer, true>{layer};
+  }
+  auto parameter_grad_op() const { return GradOp<Layer, false>{layer}; }
+  std::string label() const { return layer->label(); }
+};
+
+// Their gradient operations read dy and x (the statistics are taken again, which costs a pass
+// over x and saves keeping them between forward and backward).
+template <class Self, class Layer, bool InputGrad>
+struct AffineNormGradOp : Primitive<Self> {
+  using layer_type = Layer;
+  using value_type = typename Layer::value_type;
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0};
+  static constexpr int arity = 2;  // dy, x
+  static constexpr bool is_sink = !InputGrad;
+
+  const Layer* layer;
+  AffineNormGradOp(const Layer* l) : layer(l) {}
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {InputGrad ? in[1] : Shape{}}; }
+  std::string label() const { return layer->label(); }
+
+ protected:
+  // gamma's and beta's gradients in this backward pass, zeroed unless an earlier operation of
+  // the pass wrote them (a layer used twice).
+  template <class T>
+  std::array<T*, 2> parameter_grads() const {
+    const std::uint64_t pass = duet::detail::current_backward_pass();
+    std::array<T*, 2> grads{};
+    std::size_t i = 0;
+    for (const auto* p : {&layer->gamma, &layer->beta}) {
+      bool accumulate = false;
+      grads[i] = p->grad_for_write(pass, &accumulate);
+      if (!accumulate) std::fill_n(grads[i], p->numel(), T(0));
+      ++i;
+    }
+    return grads;
+  }
+};
 
 // (x - mean) / sqrt(var + eps) · gamma + beta over the last axis of x, gamma and beta being
 // the layer's.
 template <class Layer>
-struct LayerNormOp : Primitive<LayerNormOp<Layer>> {
-  using layer_type = Layer;
-  using value_type = typename Layer::value_type;
-  static constexpr int arity = 1;
-
-  const Layer* layer;
-  LayerNormOp(const Layer* l) : layer(l) {}
+struct LayerNormOp : AffineNormOp<LayerNormOp<Layer>, Layer, LayerNormGradOp> {
+  using AffineNormOp<LayerNormOp<Layer>, Layer, LayerNormGradOp>::AffineNormOp;
 
   static constexpr ShapeResult rule(index_t n, const Shape& x) {
     if (x.rank() == 0) return x.leading_unknown() ? ShapeResult{x} : fault(x, ShapeFault::min_rank, 1);
@@ -57,11 +123,12 @@ struct LayerNormOp : Primitive<LayerNormOp<Layer>> {
     return {x};
   }
   static constexpr ShapeResult infer_static(std::span<const Shape> in) { return rule(Layer::normalized_static, in[0]); }
-  ShapeResult infer(std::span<const Shape> in) const { return rule(layer->normalized_size(), in[0]); }
+  ShapeResult infer(std::span<const Shape> in) const { return rule(this->layer->normalized_size(), in[0]); }
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
     using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
+    const Layer* layer = this->layer;
     const index_t n = layer->normalized_size();
     const index_t rows = a.in_shape().numel() / n;
     const ::Eigen::Map<const Array> gamma(layer->gamma.data(), n);
@@ -73,46 +140,23 @@ struct LayerNormOp : Primitive<LayerNormOp<Layer>> {
     }
   }
 
-  static constexpr bool has_parameters = true;
-  template <std::size_t K>
-    requires(K == 0)
-  auto grad_op() const {
-    return LayerNormGradOp<Layer, true>{layer};
-  }
-  auto parameter_grad_op() const { return LayerNormGradOp<Layer, false>{layer}; }
-
   static std::string op_name() { return "LayerNorm"; }
-  std::string label() const { return layer->label(); }
 };
 
-// The gradient of LayerNormOp, from dy and x (the statistics are taken again, which costs a
-// pass over x and saves keeping them between forward and backward). With x̂ the normalised
-// row and h = dy · gamma: dx = rstd · (h - mean(h) - x̂ · mean(h · x̂)); dgamma = Σ_rows dy · x̂;
-// dbeta = Σ_rows dy.
+// The gradient of LayerNormOp. With x̂ the normalised row and h = dy · gamma: dx = rstd · (h -
+// mean(h) - x̂ · mean(h · x̂)); dgamma = Σ_rows dy · x̂; dbeta = Σ_rows dy.
 template <class Layer, bool InputGrad>
-struct LayerNormGradOp : Primitive<LayerNormGradOp<Layer, InputGrad>> {
-  using layer_type = Layer;
-  using value_type = typename Layer::value_type;
-  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0};
-  static constexpr int arity = 2;  // dy, x
-  static constexpr bool is_sink = !InputGrad;
-
-  const Layer* layer;
-  LayerNormGradOp(const Layer* l) : layer(l) {}
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {InputGrad ? in[1] : Shape{}}; }
+struct LayerNormGradOp : AffineNormGradOp<LayerNormGradOp<Layer, InputGrad>, Layer, InputGrad> {
+  using AffineNormGradOp<LayerNormGradOp<Layer, InputGrad>, Layer, InputGrad>::AffineNormGradOp;
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
     using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
-    const std::uint64_t pass = duet::detail::current_backward_pass();
-    bool accumulate_gamma = false;
-    bool accumulate_beta = false;
+    const Layer* layer = this->layer;
     const index_t n = layer->normalized_size();
-    ::Eigen::Map<Array> dgamma(layer->gamma.grad_for_write(pass, &accumulate_gamma), n);
-    ::Eigen::Map<Array> dbeta(layer->beta.grad_for_write(pass, &accumulate_beta), n);
-    if (!accumulate_gamma) dgamma.setZero();
-    if (!accumulate_beta) dbeta.setZero();
+    const auto [gamma_grad, beta_grad] = this->template parameter_grads<T>();
+    ::Eigen::Map<Array> dgamma(gamma_grad, n);
+    ::Eigen::Map<Array> dbeta(beta_grad, n);
     const ::Eigen::Map<const Array> gamma(layer->gamma.data(), n);
     const index_t rows = a.in_shape(1).numel() / n;
     for (index_t i = 0; i < rows; ++i) {
@@ -132,10 +176,98 @@ struct LayerNormGradOp : Primitive<LayerNormGradOp<Layer, InputGrad>> {
   }
 
   static std::string op_name() { return InputGrad ? "LayerNormGrad" : "LayerNormGrad (parameters only)"; }
-  std::string label() const { return layer->label(); }
 };
 
-inline const bool normalization_listed = list_operations({"LayerNorm"});
+// (x - mean) / sqrt(var + eps) · gamma[c] + beta[c], the statistics taken over each group of
+// channels of each sample (with every spatial position of those channels), gamma and beta per
+// channel. In NCHW a group is one contiguous block: its statistics are a layer norm's over a
+// row of that block's size.
+template <class Layer>
+struct GroupNormOp : AffineNormOp<GroupNormOp<Layer>, Layer, GroupNormGradOp> {
+  using AffineNormOp<GroupNormOp<Layer>, Layer, GroupNormGradOp>::AffineNormOp;
+
+  // [N, C, *] with C the layer's channels.
+  static constexpr ShapeResult rule(index_t channels, const Shape& x) {
+    if (x.leading_unknown()) return {x};
+    if (x.rank() < 2) return fault(x, ShapeFault::min_rank, 2);
+    if (channels != dyn && x[1] != dyn && x[1] != channels) return fault(x, ShapeFault::channel_dimension, channels);
+    return {x};
+  }
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return rule(Layer::channels_static, in[0]); }
+  ShapeResult infer(std::span<const Shape> in) const { return rule(this->layer->num_channels(), in[0]); }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
+    const Layer* layer = this->layer;
+    const detail::GroupLayout g(a.in_shape(), layer->num_groups());
+    const T* gamma = layer->gamma.data();
+    const T* beta = layer->beta.data();
+    for (index_t b = 0; b < g.blocks; ++b) {
+      const index_t at = b * g.block;
+      const auto s = detail::row_statistics<T>(::Eigen::Map<const Array>(a.in<T>() + at, g.block), layer->epsilon());
+      for (index_t k = 0; k < g.channels_per_group; ++k) {
+        const index_t c = (b % g.groups) * g.channels_per_group + k;
+        const index_t plane = at + k * g.spatial;
+        ::Eigen::Map<Array>(a.out<T>() + plane, g.spatial) =
+            (::Eigen::Map<const Array>(a.in<T>() + plane, g.spatial) - s.mean) * s.rstd * gamma[c] + beta[c];
+      }
+    }
+  }
+
+  static std::string op_name() { return "GroupNorm"; }
+};
+
+// The gradient of GroupNormOp. Per group, with x̂ the normalised block and h = dy · gamma[c]:
+// dx = rstd · (h - mean(h) - x̂ · mean(h · x̂)); dgamma[c] = Σ dy · x̂ and dbeta[c] = Σ dy over
+// the samples and positions of channel c. mean(h) and mean(h · x̂) come from the per-channel
+// sums dbeta and dgamma take.
+template <class Layer, bool InputGrad>
+struct GroupNormGradOp : AffineNormGradOp<GroupNormGradOp<Layer, InputGrad>, Layer, InputGrad> {
+  using AffineNormGradOp<GroupNormGradOp<Layer, InputGrad>, Layer, InputGrad>::AffineNormGradOp;
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
+    const Layer* layer = this->layer;
+    const auto [dgamma, dbeta] = this->template parameter_grads<T>();
+    const T* gamma = layer->gamma.data();
+    const detail::GroupLayout g(a.in_shape(1), layer->num_groups());
+    for (index_t b = 0; b < g.blocks; ++b) {
+      const index_t at = b * g.block;
+      const auto s = detail::row_statistics<T>(::Eigen::Map<const Array>(a.in<T>(1) + at, g.block), layer->epsilon());
+      T sum_h{0};
+      T sum_h_x_hat{0};
+      for (index_t k = 0; k < g.channels_per_group; ++k) {
+        const index_t c = (b % g.groups) * g.channels_per_group + k;
+        const index_t plane = at + k * g.spatial;
+        const ::Eigen::Map<const Array> dy(a.in<T>(0) + plane, g.spatial);
+        const auto x_hat = (::Eigen::Map<const Array>(a.in<T>(1) + plane, g.spatial) - s.mean) * s.rstd;
+        const T dy_sum = dy.sum();
+        const T dy_x_hat = (dy * x_hat).sum();
+        dgamma[c] += dy_x_hat;
+        dbeta[c] += dy_sum;
+        sum_h += gamma[c] * dy_sum;
+        sum_h_x_hat += gamma[c] * dy_x_hat;
+      }
+      if constexpr (InputGrad) {
+        const T mean_h = sum_h / static_cast<T>(g.block);
+        const T mean_h_x_hat = sum_h_x_hat / static_cast<T>(g.block);
+        for (index_t k = 0; k < g.channels_per_group; ++k) {
+          const index_t c = (b % g.groups) * g.channels_per_group + k;
+          const index_t plane = at + k * g.spatial;
+          const ::Eigen::Map<const Array> dy(a.in<T>(0) + plane, g.spatial);
+          const auto x_hat = (::Eigen::Map<const Array>(a.in<T>(1) + plane, g.spatial) - s.mean) * s.rstd;
+          ::Eigen::Map<Array>(a.out<T>() + plane, g.spatial) = s.rstd * (dy * gamma[c] - mean_h - x_hat * mean_h_x_hat);
+        }
+      }
+    }
+  }
+
+  static std::string op_name() { return InputGrad ? "GroupNormGrad" : "GroupNormGrad (parameters only)"; }
+};
+
+inline const bool normalization_listed = list_operations({"LayerNorm", "GroupNorm"});
 
 }  // namespace ops
 
@@ -190,6 +322,75 @@ class LayerNorm : public Cell<LayerNorm<N, T>, CONTEXT_MODE, T> {
 
  private:
   index_t n_;
+  double epsilon_;
+};
+
+// MindSpore's nn.GroupNorm(num_groups, num_channels, eps=1e-5, affine=True) on [N, C, *]
+// inputs: the channels are split into num_groups groups of consecutive channels, each group of
+// each sample normalised to mean 0 and variance 1 over its channels and positions, then each
+// channel scaled by gamma and shifted by beta (ones and zeros at first; the checkpoint names
+// are MindSpore's, gamma and beta; PyTorch calls them weight and bias). Groups and Channels
+// are compile-time sizes (nn::GroupNorm<2, 8>), or duet::dyn for sizes given to the
+// constructor. Always affine.
+template <index_t Groups = dyn, index_t Channels = dyn, ElementType T = float>
+class GroupNorm : public Cell<GroupNorm<Groups, Channels, T>, CONTEXT_MODE, T> {
+  static_assert(Groups == dyn || Groups > 0, "nn::GroupNorm<Groups, Channels>: Groups must be positive (or duet::dyn)");
+  static_assert(Channels == dyn || Channels > 0,
+                "nn::GroupNorm<Groups, Channels>: Channels must be positive (or duet::dyn)");
+  static_assert(Groups == dyn || Channels == dyn || Channels % Groups == 0,
+                "nn::GroupNorm<Groups, Channels>: Channels must be a multiple of Groups");
+
+ public:
+  static constexpr index_t channels_static = Channels;
+
+  BasicParameter<T> gamma;  // [num_channels]
+  BasicParameter<T> beta;   // [num_channels]
+  DUET_CELL_MEMBERS(gamma, beta);
+
+  GroupNorm() requires(Groups != dyn && Channels != dyn) : GroupNorm(Groups, Channels) {}
+
+  GroupNorm(index_t num_groups, index_t num_channels, double eps = 1e-5)
+      : groups_(num_groups), channels_(num_channels), epsilon_(eps) {
+    if ((Groups != dyn && num_groups != Groups) || (Channels != dyn && num_channels != Channels) || num_groups <= 0 ||
+        num_channels <= 0 || num_channels % num_groups != 0) {
+      throw ValueError(type_name() + ": cannot be built with num_groups " + std::to_string(num_groups) +
+                       " and num_channels " + std::to_string(num_channels) +
+                       " (num_channels must be a positive multiple of num_groups)");
+    }
+    if (!(eps > 0)) throw ValueError(type_name() + ": eps must be > 0, got " + std::to_string(eps));
+    gamma = BasicParameter<T>(ones<T>({num_channels}));
+    beta = BasicParameter<T>(zeros<T>({num_channels}));
+  }
+
+  index_t num_groups() const {
+    if constexpr (Groups != dyn)
+      return Groups;
+    else
+      return groups_;
+  }
+  index_t num_channels() const {
+    if constexpr (Channels != dyn)
+      return Channels;
+    else
+      return channels_;
+  }
+  double epsilon() const { return epsilon_; }
+
+  template <class X>
+  auto construct(X&& x) {
+    return apply(ops::GroupNormOp<GroupNorm>{this}, std::forward<X>(x));
+  }
+
+  std::string type_name() const override {
+    auto size = [](index_t n) { return n == dyn ? std::string("dyn") : std::to_string(n); };
+    std::string s = "nn::GroupNorm<" + size(Groups) + ", " + size(Channels);
+    if constexpr (!std::is_same_v<T, float>) s += ", " + std::string(name_of(dtype_of<T>));
+    return s + ">";
+  }
+
+ private:
+  index_t groups_;
+  index_t channels_;
   double epsilon_;
 };
 

@@ -58,17 +58,11 @@
 #include "../eager.hpp"
 #include "../initializer.hpp"
 #include "../kernels/conv.hpp"
+#include "../nn/pad_mode.hpp"
 #include "../operation.hpp"
 #include "../random.hpp"
 
 namespace duet {
-
-namespace nn {
-
-// MindSpore's pad_mode.
-enum class PadMode : unsigned char { same, valid, pad };
-
-}  // namespace nn
 
 namespace ops {
 
@@ -423,7 +417,7 @@ class BasicConv : public Cell<Layer, CONTEXT_MODE, T> {
       constexpr bool mode = std::is_same_v<decltype(Padding), PadMode>;
       const std::string arguments[] = {std::to_string(In), std::to_string(Out), std::to_string(Kernel),
                                        std::to_string(Stride),
-                                       mode ? "nn::PadMode::" + pad_mode_name(static_geometry.pad_mode)
+                                       mode ? "nn::PadMode::" + std::string(name_of(static_geometry.pad_mode))
                                             : std::to_string(static_geometry.padding),
                                        std::to_string(Dilation), std::to_string(Groups)};
       const bool is_default[] = {false, false, false, Stride == 1, !mode && static_geometry.padding == 0,
@@ -439,9 +433,6 @@ class BasicConv : public Cell<Layer, CONTEXT_MODE, T> {
   }
 
  private:
-  static std::string pad_mode_name(PadMode m) {
-    return m == PadMode::same ? "same" : m == PadMode::valid ? "valid" : "pad";
-  }
 
   void validate() const {
     const ops::ConvGeometry& g = geometry_;
@@ -466,7 +457,7 @@ class BasicConv : public Cell<Layer, CONTEXT_MODE, T> {
     // MindSpore refuses a padding that its pad_mode would ignore.
     if (g.pad_mode != PadMode::pad && g.padding != 0) {
       refuse("padding must be 0 unless pad_mode is \"pad\", got " + std::to_string(g.padding) + " with pad_mode \"" +
-             pad_mode_name(g.pad_mode) + "\"");
+             std::string(name_of(g.pad_mode)) + "\"");
     }
   }
 

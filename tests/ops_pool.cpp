@@ -1,0 +1,268 @@
+// Pooling (include/duet/ops/pool.hpp): its cases in the gradient harness, each value against
+// plain loops over each window written from MindSpore's pad_mode rules, and what the harness
+// does not cover: the argmax's tie-breaking and NaN, shapes at compile time and run time,
+// MindSpore's defaults, and the layers in a network in both modes.
+#include <cmath>
+#include <limits>
+#include <memory>
+
+#include "ops_harness.hpp"
+
+namespace {
+
+using namespace duet_test::ops;
+using duet::index_t;
+using duet::nn::PadMode;
+
+// One pooling configuration along both spatial axes, as MindSpore documents it.
+struct Spec {
+  index_t kernel, stride;
+  PadMode mode;
+  index_t padding = 0;
+  bool count_include_pad = true;
+
+  // Output size and padding before the first element along an axis of `in` elements.
+  std::pair<index_t, index_t> axis(index_t in) const {
+    if (mode == PadMode::same) {
+      const index_t out = static_cast<index_t>(std::ceil(static_cast<double>(in) / static_cast<double>(stride)));
+      const index_t total = std::max<index_t>(0, (out - 1) * stride + kernel - in);
+      return {out, total / 2};
+    }
+    const index_t p = mode == PadMode::pad ? padding : 0;
+    return {static_cast<index_t>(std::floor(static_cast<double>(in + 2 * p - kernel) / static_cast<double>(stride))) + 1,
+            p};
+  }
+};
+
+// Max or average over each window, by the definition: the window's elements inside the input.
+D pool_reference(const D& x, const Spec& s, bool max) {
+  const index_t n = x.shape()[0], c = x.shape()[1], h = x.shape()[2], w = x.shape()[3];
+  const auto [oh, pt] = s.axis(h);
+  const auto [ow, pl] = s.axis(w);
+  D y = duet::zeros<double>(Shape{n, c, oh, ow});
+  for (index_t p = 0; p < n * c; ++p) {
+    for (index_t i = 0; i < oh; ++i) {
+      for (index_t j = 0; j < ow; ++j) {
+        double best = -std::numeric_limits<double>::infinity();
+        double sum = 0;
+        index_t count = 0;
+        for (index_t a = i * s.stride - pt; a < i * s.stride - pt + s.kernel; ++a) {
+          for (index_t b = j * s.stride - pl; b < j * s.stride - pl + s.kernel; ++b) {
+            if (a < 0 || a >= h || b < 0 || b >= w) continue;
+            const double v = x.data()[(p * h + a) * w + b];
+            best = std::max(best, v);
+            sum += v;
+            ++count;
+          }
+        }
+        if (s.mode == PadMode::pad && s.count_include_pad) count = s.kernel * s.kernel;
+        y.data()[(p * oh + i) * ow + j] = max ? best : sum / static_cast<double>(count);
+      }
+    }
+  }
+  return y;
+}
+
+// The average of bin [floor(i H / OH), ceil((i + 1) H / OH)) x [the same along W].
+D adaptive_reference(const D& x, index_t out_h, index_t out_w) {
+  const index_t n = x.shape()[0], c = x.shape()[1], h = x.shape()[2], w = x.shape()[3];
+  D y = duet::zeros<double>(Shape{n, c, out_h, out_w});
+  for (index_t p = 0; p < n * c; ++p) {
+    for (index_t i = 0; i < out_h; ++i) {
+      for (index_t j = 0; j < out_w; ++j) {
+        const auto h0 = static_cast<index_t>(std::floor(static_cast<double>(i * h) / static_cast<double>(out_h)));
+        const auto h1 = static_cast<index_t>(std::ceil(static_cast<double>((i + 1) * h) / static_cast<double>(out_h)));
+        const auto w0 = static_cast<index_t>(std::floor(static_cast<double>(j * w) / static_cast<double>(out_w)));
+        const auto w1 = static_cast<index_t>(std::ceil(static_cast<double>((j + 1) * w) / static_cast<double>(out_w)));
+        double sum = 0;
+        for (index_t a = h0; a < h1; ++a) {
+          for (index_t b = w0; b < w1; ++b) sum += x.data()[(p * h + a) * w + b];
+        }
+        y.data()[(p * out_h + i) * out_w + j] = sum / static_cast<double>((h1 - h0) * (w1 - w0));
+      }
+    }
+  }
+  return y;
+}
+
+template <class F>
+void add_pool_case(std::multimap<std::string, Case>& m, const std::string& name, Shape shape, F f,
+                   std::function<D(const std::vector<D>&)> reference) {
+  Case c = case_of<1>({shape}, f, -2.0, 2.0);
+  c.reference = std::move(reference);
+  m.emplace(name, std::move(c));
+}
+
+const bool pool_cases = add_cases([](std::multimap<std::string, Case>& m) {
+  namespace ops = duet::ops;
+  namespace nn = duet::nn;
+  const Shape odd{2, 3, 5, 7};
+  // The functional forms: pad_mode pad, MindSpore's stride defaults.
+  add_pool_case(m, "max_pool2d", odd, [](const auto& x) { return ops::max_pool2d<2>(x); },
+                [](const std::vector<D>& xs) { return pool_reference(xs[0], {2, 2, PadMode::pad}, true); });
+  add_pool_case(m, "max_pool2d", odd, [](const auto& x) { return ops::max_pool2d<3, 2, 1>(x); },
+                [](const std::vector<D>& xs) { return pool_reference(xs[0], {3, 2, PadMode::pad, 1}, true); });
+  add_pool_case(m, "avg_pool2d", odd, [](const auto& x) { return ops::avg_pool2d<2>(x); },
+                [](const std::vector<D>& xs) { return pool_reference(xs[0], {2, 1, PadMode::pad}, false); });
+  add_pool_case(m, "avg_pool2d", odd, [](const auto& x) { return ops::avg_pool2d<3, 2, 1>(x); },
+                [](const std::vector<D>& xs) { return pool_reference(xs[0], {3, 2, PadMode::pad, 1}, false); });
+  // The layers: each pad_mode, overlapping and non-overlapping windows.
+  auto layer_case = [&](const std::string& name, auto layer, Spec spec, bool max) {
+    auto cell = std::make_shared<decltype(layer)>();
+    add_pool_case(m, name, odd, [cell](const auto& x) { return (*cell)(x); },
+                  [spec, max](const std::vector<D>& xs) { return pool_reference(xs[0], spec, max); });
+  };
+  layer_case("max_pool2d", nn::MaxPool2d<3, 2, PadMode::same, 0, double>{}, {3, 2, PadMode::same}, true);
+  layer_case("max_pool2d", nn::MaxPool2d<2, 1, PadMode::valid, 0, double>{}, {2, 1, PadMode::valid}, true);
+  layer_case("max_pool2d", nn::MaxPool2d<4, 3, PadMode::pad, 2, double>{}, {4, 3, PadMode::pad, 2}, true);
+  layer_case("avg_pool2d", nn::AvgPool2d<3, 2, PadMode::same, 0, true, double>{}, {3, 2, PadMode::same}, false);
+  layer_case("avg_pool2d", nn::AvgPool2d<2, 2, PadMode::valid, 0, true, double>{}, {2, 2, PadMode::valid}, false);
+  layer_case("avg_pool2d", nn::AvgPool2d<3, 1, PadMode::pad, 1, false, double>{}, {3, 1, PadMode::pad, 1, false},
+             false);
+  // Adaptive: global, dividing bins, overlapping bins (5 rows into 3, 7 columns into 2).
+  add_pool_case(m, "adaptive_avg_pool2d", odd, [](const auto& x) { return ops::adaptive_avg_pool2d<1>(x); },
+                [](const std::vector<D>& xs) { return adaptive_reference(xs[0], 1, 1); });
+  add_pool_case(m, "adaptive_avg_pool2d", odd, [](const auto& x) { return ops::adaptive_avg_pool2d<3, 2>(x); },
+                [](const std::vector<D>& xs) { return adaptive_reference(xs[0], 3, 2); });
+  auto global = std::make_shared<nn::AdaptiveAvgPool2d<2, 7, double>>();
+  add_pool_case(m, "adaptive_avg_pool2d", odd, [global](const auto& x) { return (*global)(x); },
+                [](const std::vector<D>& xs) { return adaptive_reference(xs[0], 2, 7); });
+});
+
+// The gradient of sum(max_pool2d(x)) in a mode.
+template <class F>
+D pool_gradient(const D& x, duet::Mode mode, F f) {
+  duet_test::ModeGuard guard;
+  duet::set_context({.mode = mode});
+  auto loss = [f](const auto& v) { return duet::ops::sum(f(v)); };
+  return duet::grad(loss)(x);
+}
+
+}  // namespace
+
+TEST_CASE("max_pool2d: a tie goes to the window's first maximal element, a NaN wins, the same in both modes") {
+  // Plane 0: a constant 3x3 (every window all ties); plane 1: a NaN at (1, 2) among ties.
+  D x = duet::zeros<double>(Shape{1, 2, 3, 3});
+  for (index_t i = 0; i < 18; ++i) x.data()[i] = 1.0;
+  x.data()[9 + 5] = std::nan("");
+  auto pool = [](const auto& v) { return duet::ops::max_pool2d<2, 1>(v); };  // four overlapping 2x2 windows
+  const D y = pool(x);
+  CHECK(y.data()[0] == 1.0);
+  CHECK(std::isnan(y.data()[5]));   // window (0, 1) of plane 1 holds the NaN
+  CHECK(y.data()[6] == 1.0);        // window (1, 0) does not
+  const D eager = pool_gradient(x, duet::PYNATIVE_MODE, pool);
+  const D graph = pool_gradient(x, duet::GRAPH_MODE, pool);
+  // Window (i, j)'s first element is (i, j): each window sends its 1 there.
+  const double expected_plane0[] = {1, 1, 0, 1, 1, 0, 0, 0, 0};
+  for (index_t i = 0; i < 9; ++i) {
+    CHECK(eager.data()[i] == expected_plane0[i]);
+    CHECK(graph.data()[i] == expected_plane0[i]);
+  }
+  // Plane 1: windows (0, 1) and (1, 1) hold the NaN at (1, 2), which takes both their gradients.
+  const double expected_plane1[] = {1, 0, 0, 1, 0, 2, 0, 0, 0};
+  for (index_t i = 0; i < 9; ++i) {
+    CHECK(eager.data()[9 + i] == expected_plane1[i]);
+    CHECK(graph.data()[9 + i] == expected_plane1[i]);
+  }
+}
+
+TEST_CASE("pooling layers: MindSpore's output sizes, and shapes checked at compile time and at run time") {
+  namespace nn = duet::nn;
+  // MindSpore's example: nn.MaxPool2d(kernel_size=3, stride=1) on [1, 2, 4, 4] gives [1, 2, 2, 2].
+  nn::MaxPool2d<3> pool;
+  CHECK(pool(duet::ones({1, 2, 4, 4})).shape() == Shape{1, 2, 2, 2});
+  // The static shape of each layer's output, as graph mode computes it while compiling.
+  const auto x = duet::ones(duet::shape<2, 3, 28, 28>);
+  nn::MaxPool2d<2, 2> lenet_pool;
+  nn::AvgPool2d<3, 2, PadMode::same> same;
+  nn::AvgPool2d<3, 2, PadMode::pad, 1> padded;
+  nn::AdaptiveAvgPool2d<1> global;
+  static_assert(std::is_same_v<decltype(lenet_pool(x)), duet::StaticTensor<float, 2, 3, 14, 14>>);
+  static_assert(std::is_same_v<decltype(same(x)), duet::StaticTensor<float, 2, 3, 14, 14>>);
+  static_assert(std::is_same_v<decltype(padded(x)), duet::StaticTensor<float, 2, 3, 14, 14>>);
+  static_assert(std::is_same_v<decltype(global(x)), duet::StaticTensor<float, 2, 3, 1, 1>>);
+  CHECK(global(x).tensor()(0, 0, 0, 0) == 1.0f);
+  CHECK(padded(x).tensor()(0, 0, 0, 0) == doctest::Approx(4.0 / 9));  // a corner: 4 of 9 inside, padding counted
+  CHECK(same(x).tensor()(0, 0, 13, 13) == 1.0f);                       // "same" divides by the elements inside
+  nn::MaxPool2d<5> too_large;
+  try {
+    static_cast<void>(too_large(duet::ones({1, 1, 4, 6})));
+    FAIL("no error");
+  } catch (const duet::ShapeError& e) {
+    CHECK(std::string(e.what()) ==
+          "nn::MaxPool2d<5, 1, valid, 0> expects an input whose spatial axes (after batch and channels) are each at "
+          "least 5, to hold its window less the padding, got [1, 1, 4, 6]");
+  }
+  try {
+    static_cast<void>(duet::ops::avg_pool2d<2>(duet::ones({4, 4})));
+    FAIL("no error");
+  } catch (const duet::ShapeError& e) {
+    CHECK(std::string(e.what()) ==
+          "ops::avg_pool2d(kernel=2x2, stride=1x1, pad_mode=pad, padding=0x0) expects an input of rank 4, got [4, 4]");
+  }
+  CHECK_THROWS_AS(nn::AdaptiveAvgPool2d<2>()(duet::ones({1, 1, 0, 3})), duet::ShapeError);
+}
+
+namespace {
+
+// Tokens as a 4-channel image: every layer of this pool part in one network.
+template <auto Setting>
+struct TokenImageNet : duet::nn::Cell<TokenImageNet<Setting>, Setting> {
+  using input_value_type = std::int32_t;                // called with token indices
+  duet::nn::Embedding<12, 8> embedding;                 // [N, 16] -> [N, 16, 8]
+  duet::nn::GroupNorm<2, 4> norm;                       // [N, 4, 4, 8]
+  duet::nn::MaxPool2d<2, 2> max_pool;                   // [N, 4, 2, 4]
+  duet::nn::AvgPool2d<3, 1, PadMode::same> avg_pool;   // [N, 4, 2, 4]
+  duet::nn::AdaptiveAvgPool2d<1, 2> pool;               // [N, 4, 1, 2]
+  duet::nn::Flatten flatten;
+  duet::nn::Dense<8, 3> fc;
+  DUET_CELL_MEMBERS(embedding, norm, max_pool, avg_pool, pool, flatten, fc);
+  auto construct(auto x) {
+    auto image = duet::ops::reshape<-1, 4, 4, 8>(embedding(x));
+    return fc(flatten(pool(avg_pool(max_pool(norm(image))))));
+  }
+};
+
+std::vector<float> train_token_net(duet::Mode mode, const duet::BasicTensor<std::int32_t>& x,
+                                   const duet::BasicTensor<std::int32_t>& y) {
+  duet_test::ModeGuard guard;
+  duet::set_context({.mode = mode});
+  duet::set_seed(21);
+  TokenImageNet<duet::CONTEXT_MODE> net;
+  duet::nn::CrossEntropyLoss<> loss;
+  duet::nn::WithLossCell with_loss(net, loss);
+  duet::nn::Adam adam(net.parameters(), {.learning_rate = 0.05});
+  duet::nn::TrainOneStepCell step(with_loss, adam);
+  std::vector<float> losses;
+  for (int s = 0; s < 8; ++s) losses.push_back(step(x, y).item());
+  return losses;
+}
+
+}  // namespace
+
+TEST_CASE("Embedding, GroupNorm and the pooling layers train a network with the same losses in both modes") {
+  duet::BasicTensor<std::int32_t> x({24, 16});
+  duet::BasicTensor<std::int32_t> y({24});
+  duet::Generator gen(5);
+  const D u = duet::uniform<double>(Shape{24, 16}, 0.0, 12.0, gen);
+  for (index_t i = 0; i < x.numel(); ++i) x.data()[i] = static_cast<std::int32_t>(u.data()[i]);
+  for (index_t i = 0; i < 24; ++i) y.data()[i] = x.data()[i * 16] % 3;  // the class is in the first token
+  const auto eager = train_token_net(duet::PYNATIVE_MODE, x, y);
+  const auto graph = train_token_net(duet::GRAPH_MODE, x, y);
+  REQUIRE(eager.size() == graph.size());
+  for (std::size_t s = 0; s < eager.size(); ++s) {
+    INFO("step ", s);
+    CHECK(eager[s] == graph[s]);
+  }
+  CHECK(eager.back() < 0.9f * eager.front());
+  // Called with its int32 indices alone, in each mode.
+  duet_test::ModeGuard guard;
+  duet::set_seed(21);
+  TokenImageNet<duet::CONTEXT_MODE> net;
+  const duet::Tensor pynative = net(x);
+  duet::set_context({.mode = duet::GRAPH_MODE});
+  const duet::Tensor graph_out = net(x);
+  REQUIRE(pynative.shape() == Shape{24, 3});
+  REQUIRE(graph_out.shape() == Shape{24, 3});
+  CHECK(std::equal(pynative.data(), pynative.data() + 72, graph_out.data()));
+}
