@@ -189,10 +189,12 @@ struct Elu {
 };
 
 // log(1 + exp(beta x)) / beta, and x itself where beta x > threshold (MindSpore's and
-// PyTorch's softplus, which turn linear there to keep exp from overflowing). The derivative
-// sigmoid(beta x) is 1 - exp(-beta y), from the output.
+// PyTorch's softplus, which turn linear there to keep exp from overflowing). The derivative,
+// sigmoid(beta x) or 1 on the linear side, comes from the input: the output cannot tell the
+// sides apart just below the threshold, where log1p(exp(beta x)) already exceeds it.
 struct Softplus {
   static constexpr std::string_view name = "Softplus";
+  static constexpr bool grad_from_input = true;
   double beta = 1.0;
   double threshold = 20.0;
   template <class A>
@@ -201,11 +203,11 @@ struct Softplus {
     const S b = static_cast<S>(beta);
     return (a * b > static_cast<S>(threshold)).select(a, (a * b).exp().log1p() / b);
   }
-  template <class G, class Y>
-  auto grad_array(const G& dy, const Y& y) const {
-    using S = typename Y::Scalar;
+  template <class G, class X>
+  auto grad_array(const G& dy, const X& x) const {
+    using S = typename X::Scalar;
     const S b = static_cast<S>(beta);
-    return (y * b > static_cast<S>(threshold)).select(dy, dy * -(y * -b).expm1());
+    return (x * b > static_cast<S>(threshold)).select(dy, dy * (x * b).logistic());
   }
 };
 
