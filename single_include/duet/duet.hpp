@@ -5831,18 +5831,22 @@ class OpStep final : public Step {
     if constexpr (graph::runs_kernel<Op>()) run_kernel(data, values);
   }
 
-  // A product takes its layer's bias and then a ReLU, as the graph passes fuse them.
+  // A product takes its layer's bias (when the layer has one) and then a ReLU, as the graph
+  // passes fuse them.
   std::unique_ptr<Step> absorb(const Step& next) const override {
     if constexpr (detail::is_matmul_v<Op>) {
+      using L = typename Op::layer_type;
       const EpilogueInfo e = next.as_epilogue();
       if (e.kind == EpilogueInfo::Kind::bias && e.layer == op_.layer) {
-        if constexpr (std::is_same_v<Op, ops::MatMulOp<typename Op::layer_type, false>>) {
-          return detail::fused<ops::MatMulOp<typename Op::layer_type, true>, T>({op_.layer}, *this, next.output);
+        if constexpr (std::is_same_v<Op, ops::MatMulOp<L, false>> && L::has_bias) {
+          return detail::fused<ops::MatMulOp<L, true>, T>({op_.layer}, *this, next.output);
         }
       }
       if (e.kind == EpilogueInfo::Kind::relu) {
-        if constexpr (std::is_same_v<Op, ops::MatMulOp<typename Op::layer_type, true>>) {
-          return detail::fused<ops::MatMulOp<typename Op::layer_type, true, fn::Relu>, T>({op_.layer}, *this, next.output);
+        if constexpr (std::is_same_v<Op, ops::MatMulOp<L, true>>) {
+          return detail::fused<ops::MatMulOp<L, true, fn::Relu>, T>({op_.layer}, *this, next.output);
+        } else if constexpr (std::is_same_v<Op, ops::MatMulOp<L, false>> && !L::has_bias) {
+          return detail::fused<ops::MatMulOp<L, false, fn::Relu>, T>({op_.layer}, *this, next.output);
         }
       }
     } else {
