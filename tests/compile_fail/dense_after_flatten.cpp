@@ -1,5 +1,5 @@
 // A Dense whose input size does not match what Flatten produces from a static input shape.
-// expect: layer_accepts<duet::nn::Dense<100, 10(, float)?>, duet::diagnostic::last_dimension_must_be<100>,
+// expect: layer_accepts<duet::nn::Dense<100, 10(, float)?(, true)?>, duet::diagnostic::last_dimension_must_be<100>,
 // duet::diagnostic::input_shape<64, 784>
 #include <duet/duet.hpp>
 

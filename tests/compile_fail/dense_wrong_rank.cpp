@@ -1,5 +1,5 @@
 // A Dense applied to a rank-0 (scalar) input.
-// expect: layer_accepts<duet::nn::Dense<4, 2(, float)?>, duet::diagnostic::rank_must_be_at_least<1>,
+// expect: layer_accepts<duet::nn::Dense<4, 2(, float)?(, true)?>, duet::diagnostic::rank_must_be_at_least<1>,
 // duet::diagnostic::input_shape<>
 #include <duet/duet.hpp>
 

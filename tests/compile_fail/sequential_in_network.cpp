@@ -1,6 +1,6 @@
 // The README's first network with a Dense whose input size does not follow its neighbour,
 // called in both modes: reported once, from the SequentialCell's constructor.
-// expect: layer_accepts<duet::nn::Dense<500, 10(, float)?>, duet::diagnostic::last_dimension_must_be<500>, duet::diagnostic::input_shape_after_unknown_leading_dims<512>
+// expect: layer_accepts<duet::nn::Dense<500, 10(, float)?(, true)?>, duet::diagnostic::last_dimension_must_be<500>, duet::diagnostic::input_shape_after_unknown_leading_dims<512>
 #include <duet/duet.hpp>
 
 #ifdef DUET_COMPILE_FAIL

@@ -1,5 +1,5 @@
 // A SequentialCell whose second Dense does not take what the first one gives, in any mode.
-// expect: layer_accepts<duet::nn::Dense<256, 10(, float)?>, duet::diagnostic::last_dimension_must_be<256>,
+// expect: layer_accepts<duet::nn::Dense<256, 10(, float)?(, true)?>, duet::diagnostic::last_dimension_must_be<256>,
 // duet::diagnostic::input_shape_after_unknown_leading_dims<512>
 #include <duet/duet.hpp>
 
