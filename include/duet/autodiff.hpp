@@ -398,8 +398,18 @@ class GradFunction {
     }
   }
 
+  // One step: what its forward pass changes (BatchNorm's moving statistics, Dropout's
+  // generator) stays only if forward and backward both succeed.
   template <bool WithInput, class V, class... X>
   BasicTensor<V> forward_backward(BasicTensor<V>& input_grad, const X&... xs) {
+    duet::detail::StepScope step;
+    BasicTensor<V> value = forward_backward_in_mode<WithInput>(input_grad, xs...);
+    step.commit();
+    return value;
+  }
+
+  template <bool WithInput, class V, class... X>
+  BasicTensor<V> forward_backward_in_mode(BasicTensor<V>& input_grad, const X&... xs) {
     if constexpr (graph::Capturable<FnRef&, X...>) {
       if (autodiff::detail::mode_of<Fn>() == GRAPH_MODE) return run_graph<WithInput>(input_grad, xs...);
     } else if constexpr (!WithInput && autodiff::detail::CellLike<Fn>) {
