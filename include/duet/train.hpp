@@ -45,19 +45,18 @@ template <class Net>
 class EvaluationScope {
  public:
   explicit EvaluationScope(Net& net) {
-    for (auto& [path, cell] : net.cells_and_names()) saved_.emplace_back(cell, cell->training());
+    for (auto& [path, cell] : net.cells_and_names()) saved_.emplace_back(cell, cell->phase_setting());
     net.set_train(false);
   }
   EvaluationScope(const EvaluationScope&) = delete;
   EvaluationScope& operator=(const EvaluationScope&) = delete;
-  // Parents come before their children (cells_and_names is depth first), so a child's own
-  // setting is restored after its parent's, which set_train also gives the children.
   ~EvaluationScope() {
-    for (auto& [cell, training] : saved_) cell->set_train(training);
+    for (auto& [cell, setting] : saved_) cell->restore_phase_setting(setting);
   }
 
  private:
-  std::vector<std::pair<nn::BasicDynamicCell<typename Net::value_type>*, bool>> saved_;
+  using DynamicCell = nn::BasicDynamicCell<typename Net::value_type>;
+  std::vector<std::pair<DynamicCell*, typename DynamicCell::PhaseSetting>> saved_;
 };
 }  // namespace detail
 

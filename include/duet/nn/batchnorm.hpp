@@ -363,6 +363,8 @@ class BatchNorm : public Cell<BatchNorm<Dims, C, T>, CONTEXT_MODE, T>, public du
     std::ranges::copy(saved_variance_, moving_variance.data());
   }
 
+  bool depends_on_phase() const override { return true; }
+
   std::string type_name() const override {
     std::string s = "nn::BatchNorm" + std::to_string(Dims) + "d<" + (C == dyn ? std::string("dyn") : std::to_string(C));
     if constexpr (!std::is_same_v<T, float>) s += ", " + std::string(name_of(dtype_of<T>));

@@ -154,6 +154,8 @@ class BasicDropout : public Cell<BasicDropout<T>, CONTEXT_MODE, T>, public duet:
     return ops::apply_in_phase<ops::DropoutOp>(this, std::forward<X>(x));
   }
 
+  bool depends_on_phase() const override { return true; }
+
   std::string type_name() const override {
     std::string s = "nn::Dropout";
     if constexpr (!std::is_same_v<T, float>) s += "<" + std::string(name_of(dtype_of<T>)) + ">";
