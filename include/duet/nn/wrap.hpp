@@ -72,7 +72,8 @@ class TrainOneStepCell {
     net_with_loss.set_train(true);
   }
 
-  // Returns the loss of the batch, before the update. A step that fails changes nothing. An
+  // Returns the loss of the batch, before the update. A step that fails or skips its update
+  // changes nothing, not even BatchNorm's moving statistics or Dropout's generator. An
   // empty batch is refused: it has no gradient, yet an update would still advance the
   // optimiser (its step count, and momentum moving the parameters). A batch whose loss is NaN
   // or infinite (NaN or Inf inputs, or a model that diverged) skips the update, which would
@@ -82,6 +83,7 @@ class TrainOneStepCell {
     if (((tensor_of(xs).numel() == 0) || ...)) {
       throw ValueError("nn::TrainOneStepCell: the batch is empty; a training step needs at least one sample");
     }
+    duet::detail::StepScope step;
     BasicTensor<T> loss = grad_.value_and_parameter_grads(xs...);
     if (!std::ranges::all_of(loss.values(), [](T v) { return std::isfinite(v); })) return loss;
     // Clipping reads the gradients backward left, the same in both modes, so both clip alike.
@@ -97,6 +99,7 @@ class TrainOneStepCell {
       if (!std::isfinite(last_global_norm_)) return loss;
     }
     optimizer_.step();
+    step.commit();
     return loss;
   }
 
