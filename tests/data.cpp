@@ -277,7 +277,7 @@ TEST_CASE("a last global batch smaller than the shard count is left out on every
     CHECK(shard.size() == 2);
     CHECK(epoch_order(shard).size() == 4);
   }
-  CHECK(data::DataLoader(numbered(14), 2, {.num_shards = 3, .shard_id = 1}).size() == 3);
+  CHECK(data::DataLoader(numbered(15), 2, {.num_shards = 3, .shard_id = 1}).size() == 3);
 }
 
 TEST_CASE("a loader checks its shard") {
