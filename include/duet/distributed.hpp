@@ -367,10 +367,14 @@ inline void init(const InitConfig& config = {}) {
   int initialized = 0;
   MPI_Initialized(&initialized);
   if (initialized == 0) {
-    // Only the thread that called init talks to MPI; duet's kernel threads never do.
+    // Training steps may run on any thread, one at a time; duet's kernel threads never call MPI.
     int provided = 0;
-    if (MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided) != MPI_SUCCESS) {
+    if (MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided) != MPI_SUCCESS) {
       throw CommunicationError("duet::distributed::init: MPI_Init_thread failed");
+    }
+    if (provided < MPI_THREAD_SERIALIZED) {
+      throw CommunicationError("duet::distributed::init: this MPI cannot be called from more than one thread "
+                               "(MPI_THREAD_SERIALIZED), which training steps on other threads need");
     }
   }
   static detail::Finalizer finalizer;
