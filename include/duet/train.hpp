@@ -14,6 +14,7 @@
 
 #include "cell.hpp"
 #include "data.hpp"
+#include "parallel.hpp"
 #include "tensor.hpp"
 
 namespace duet::train {
@@ -77,6 +78,8 @@ concept ClassificationLoader = std::ranges::input_range<L> && requires(std::rang
 // mean) and accuracy of net, each batch weighted by its size. A cell runs in evaluation meanwhile
 // (MindSpore's Model.eval sets set_train(False)): Dropout passes its input through, BatchNorm
 // uses its moving statistics and leaves them as they are; each cell's setting is restored after.
+// A sharded loader's metrics are summed over the ranks (duet/distributed.hpp), so that every
+// rank returns the whole data set's.
 template <class Net, class Loss, ClassificationLoader Loader>
 Metrics evaluate(Net& net, Loss& loss_fn, Loader& loader) {
   const detail::EvaluationScope<Net> evaluation(net);
@@ -90,6 +93,21 @@ Metrics evaluate(Net& net, Loss& loss_fn, Loader& loader) {
     loss_sum += static_cast<double>(loss_fn(logits, batch.labels).item()) * static_cast<double>(n);
     correct += correct_predictions(logits, batch.labels);
     m.samples += n;
+  }
+  if constexpr (requires { loader.options().num_shards; }) {
+    if (loader.options().num_shards > 1) {
+      duet::detail::DataParallelRuntime* runtime = duet::detail::data_parallel_runtime().load(std::memory_order_acquire);
+      if (runtime == nullptr) {
+        throw ModeError("duet::train::evaluate: the loader is shard " + std::to_string(loader.options().shard_id) +
+                        " of " + std::to_string(loader.options().num_shards) +
+                        ", but no rank group exists to sum the shards' metrics; call duet::distributed::init()");
+      }
+      double sums[] = {loss_sum, static_cast<double>(correct), static_cast<double>(m.samples)};
+      runtime->all_reduce_sum(sums);
+      loss_sum = sums[0];
+      correct = static_cast<index_t>(sums[1]);
+      m.samples = static_cast<index_t>(sums[2]);
+    }
   }
   if (m.samples > 0) {
     m.loss = loss_sum / static_cast<double>(m.samples);
