@@ -13,7 +13,7 @@
 #   clang   clang++, the generated single header, address + undefined-behaviour sanitizers
 #           (leak checking on): unit tests, compile-fail, install; line tables only. The unit
 #           tests at -O0: clang's warnings do not depend on optimisation, and sanitized -O1
-#           took 3.4 times -O0's CPU time (tools/compile_costs.md), most of the stage; the
+#           took 3.3 times -O0's CPU time (tools/compile_costs.md), most of the stage; the
 #           kernels' tests, whose loops are the suite's run time, and the other programs at -O1
 #           (the sanitizers' documentation suggests it; both keep the stack traces exact).
 #           One build serves both: a separate unsanitised clang build proved nothing more
