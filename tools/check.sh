@@ -11,8 +11,11 @@
 #           them, run the -O3 code), examples (their outputs compared), benchmarks (built, not
 #           run), each public header on its own, compile-fail, install
 #   clang   clang++, the generated single header, address + undefined-behaviour sanitizers
-#           (leak checking on): unit tests, compile-fail, install; -O1 and line tables only, as
-#           the sanitizers' documentation suggests (-O1 keeps the reports' stack traces exact).
+#           (leak checking on): unit tests, compile-fail, install; line tables only. The unit
+#           tests at -O0: clang's warnings do not depend on optimisation, and sanitized -O1
+#           took 3.3 times -O0's CPU time (tools/compile_costs.md), most of the stage; the
+#           kernels' tests, whose loops are the suite's run time, and the other programs at -O1
+#           (the sanitizers' documentation suggests it; both keep the stack traces exact).
 #           One build serves both: a separate unsanitised clang build proved nothing more
 #   tsan    thread sanitizer: the concurrency tests (tests/threads.cpp alone, CTest label threads)
 #   fuzz    libFuzzer with address + undefined-behaviour sanitizers: each fuzzer of tests/fuzz
@@ -84,7 +87,7 @@ for stage in "${stages[@]}"; do
     clang)
       ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
         run_stage clang "$build/clang" "" "" -DCMAKE_CXX_COMPILER=clang++ -DDUET_USE_SINGLE_INCLUDE=ON \
-        -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1" \
+        -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1" -DDUET_TEST_OPTIMIZATION=-O0 \
         -DDUET_SANITIZE=address,undefined -DDUET_BUILD_EXAMPLES=OFF -DDUET_BUILD_BENCHMARKS=OFF -DDUET_CHECK_HEADERS=OFF
       ;;
     tsan)
