@@ -21,6 +21,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <iostream>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -2845,6 +2846,7 @@ void sgd_update(T* p, const T* g, T* momentum, index_t n, const SgdCoefficients<
 #include <string>
 #include <typeindex>
 #include <typeinfo>
+#include <vector>
 
 // duet::BasicTensor: a row-major, contiguous, reference-counted n-d array with a runtime shape,
 // and duet::StaticTensor, the same with its shape (or part of it) fixed in the type.
@@ -3382,6 +3384,59 @@ inline std::uint64_t begin_backward_pass() {
   static std::atomic<std::uint64_t> last{0};
   return current_backward_pass() = last.fetch_add(1, std::memory_order_relaxed) + 1;
 }
+
+// State that a forward pass changes (BatchNorm's moving statistics, Dropout's generator) and
+// that a training step must leave as it was when it fails: such a step throws after the
+// forward ran (a loss refusing its labels) or skips its update (a loss that is not finite).
+// The owner saves its state the first time a step changes it and puts it back if the step
+// does not commit; saving into buffers kept from step to step allocates nothing once warm.
+class StepState {
+ public:
+  virtual void save_for_step() = 0;
+  virtual void restore_step() = 0;
+
+ protected:
+  ~StepState() = default;
+};
+
+struct StepLog {
+  int depth = 0;  // nested steps (a TrainOneStepCell's gradient) commit with the outermost
+  std::vector<StepState*> saved;
+};
+inline StepLog& step_log() {
+  thread_local StepLog log;
+  return log;
+}
+
+// Called before a forward pass changes `state`. Outside a step (a forward call alone) the
+// change is final at once, as the call itself is.
+inline void will_change(StepState& state) {
+  StepLog& log = step_log();
+  if (log.depth == 0 || std::ranges::find(log.saved, &state) != log.saved.end()) return;
+  state.save_for_step();
+  log.saved.push_back(&state);
+}
+
+// One training step on this thread (value_and_grad's call, TrainOneStepCell's): every
+// StepState it changes is put back when it ends without commit(), by an exception or not.
+class StepScope {
+ public:
+  StepScope() { ++step_log().depth; }
+  StepScope(const StepScope&) = delete;
+  StepScope& operator=(const StepScope&) = delete;
+  ~StepScope() {
+    StepLog& log = step_log();
+    if (--log.depth > 0) return;
+    if (!committed_) {
+      for (auto it = log.saved.rbegin(); it != log.saved.rend(); ++it) (*it)->restore_step();
+    }
+    log.saved.clear();
+  }
+  void commit() { committed_ = true; }
+
+ private:
+  bool committed_ = false;
+};
 }  // namespace detail
 
 namespace nn {
@@ -3905,6 +3960,7 @@ using DefaultBackend = backend::Native;
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <ostream>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -4019,7 +4075,25 @@ inline Mode effective_mode(Mode declared) {
 #include <cstdlib>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <typeinfo>
+#include <utility>
+
+// MindSpore's pad_mode, shared by the layers that slide a window (convolution, pooling).
+
+#include <string_view>
+
+namespace duet::nn {
+
+// same: ceil(size / stride) outputs, the padding split evenly with the odd one after (bottom,
+// right); valid: no padding; pad: a given padding on each side (PyTorch's padding).
+enum class PadMode : unsigned char { same, valid, pad };
+
+constexpr std::string_view name_of(PadMode m) {
+  return m == PadMode::same ? "same" : m == PadMode::valid ? "valid" : "pad";
+}
+
+}  // namespace duet::nn
 
 #if __has_include(<cxxabi.h>)
 #include <cxxabi.h>
@@ -4027,6 +4101,30 @@ inline Mode effective_mode(Mode declared) {
 #endif
 
 namespace duet::detail {
+
+// The demangler writes an enum template argument as a cast, "(duet::Mode)0"; these are the
+// spellings a user writes instead, for the enums that appear in cells' template arguments.
+inline std::string spell_enum_arguments(std::string name) {
+  const auto spelled = [](auto value, std::string_view cast, std::string spelling) {
+    return std::pair{std::string(cast) + std::to_string(static_cast<int>(value)), std::move(spelling)};
+  };
+  const std::pair<std::string, std::string> spellings[] = {
+      spelled(Mode::graph, "(Mode)", "GRAPH_MODE"),
+      spelled(Mode::pynative, "(Mode)", "PYNATIVE_MODE"),
+      spelled(Mode::context, "(Mode)", "CONTEXT_MODE"),
+      spelled(nn::PadMode::same, "(nn::PadMode)", "nn::PadMode::same"),
+      spelled(nn::PadMode::valid, "(nn::PadMode)", "nn::PadMode::valid"),
+      spelled(nn::PadMode::pad, "(nn::PadMode)", "nn::PadMode::pad"),
+      spelled(Reduction::none, "(Reduction)", "Reduction::none"),
+      spelled(Reduction::mean, "(Reduction)", "Reduction::mean"),
+      spelled(Reduction::sum, "(Reduction)", "Reduction::sum"),
+      spelled(Reduction::batchmean, "(Reduction)", "Reduction::batchmean"),
+  };
+  for (const auto& [cast, spelling] : spellings) {
+    for (std::size_t at; (at = name.find(cast)) != std::string::npos;) name.replace(at, cast.size(), spelling);
+  }
+  return name;
+}
 
 // "duet::nn::Dense<784l, 512l, float>" becomes "nn::Dense<784, 512, float>": the name a user
 // wrote, for cell type names in messages and graph dumps.
@@ -4047,7 +4145,7 @@ inline std::string readable_type_name(const std::type_info& type) {
     if (name[i] == 'l' && digit_before && closes) continue;
     out += name[i];
   }
-  return out;
+  return spell_enum_arguments(std::move(out));
 }
 
 }  // namespace duet::detail
@@ -5799,6 +5897,9 @@ class Step {
   virtual EpilogueInfo as_epilogue() const = 0;
   virtual bool is_view() const = 0;
   virtual bool runs_kernel() const = 0;
+  // What graph_ir prints for it: the operation's name, and who runs it (empty if nobody else).
+  virtual std::string op_name() const = 0;
+  virtual std::string label() const = 0;
 
   std::vector<std::size_t> inputs;
   std::size_t output = 0;
@@ -5876,6 +5977,8 @@ class OpStep final : public Step {
 
   bool is_view() const override { return Op::is_view; }
   bool runs_kernel() const override { return graph::runs_kernel<Op>(); }
+  std::string op_name() const override { return Op::op_name(); }
+  std::string label() const override { return op_.label() == Op::op_name() ? std::string() : op_.label(); }
 
  private:
   // Instantiated only for ops with a kernel: views have none.
@@ -5901,7 +6004,35 @@ class BackwardPassStep final : public Step {
   EpilogueInfo as_epilogue() const override { return {}; }
   bool is_view() const override { return false; }
   bool runs_kernel() const override { return true; }
+  std::string op_name() const override { return "BeginBackwardPass"; }
+  std::string label() const override { return {}; }
 };
+
+// A trace as text, one line per step in graph_ir's form ("%3 = MatMul(%0) : [1, 6]  nn::Dense<6, 6> 'wq'"),
+// each input or constant on a line of its own before its first reader.
+inline std::string describe(const std::vector<Value>& values, const std::vector<std::unique_ptr<Step>>& steps,
+                            std::size_t output) {
+  std::string text;
+  std::vector<bool> shown(values.size(), false);
+  const auto show_source = [&](std::size_t v) {
+    const Value& value = values[v];
+    if (shown[v] || (value.kind != Value::Kind::input && value.kind != Value::Kind::constant)) return;
+    shown[v] = true;
+    text += "  %" + std::to_string(v) + " = " +
+            (value.kind == Value::Kind::input ? "Input " + std::to_string(value.input) : std::string("Constant")) +
+            " : " + to_string(value.shape) + "\n";
+  };
+  for (const auto& step : steps) {
+    for (std::size_t v : step->inputs) show_source(v);
+    std::string args;
+    for (std::size_t v : step->inputs) args += (args.empty() ? "%" : ", %") + std::to_string(v);
+    const std::string who = step->label();
+    text += "  %" + std::to_string(step->output) + " = " + step->op_name() + (args.empty() ? "" : "(" + args + ")") +
+            " : " + to_string(values[step->output].shape) + (who.empty() ? "" : "  " + who) + "\n";
+  }
+  show_source(output);
+  return text + "  return %" + std::to_string(output) + "\n";
+}
 
 class Trace {
  public:
@@ -7287,6 +7418,9 @@ class Replay {
     layout();
   }
 
+  // The steps it replays, after fusion, as graph_ir prints them.
+  std::string describe() const { return pijit::describe(values_, steps_, output_); }
+
   std::size_t traced_steps() const { return traced_steps_; }
   std::size_t steps() const { return steps_.size(); }
 
@@ -8116,6 +8250,7 @@ class BasicDynamicCell {
       : name_(std::move(other.name_)),
         named_(other.named_.load()),
         training_(other.training_.load()),
+        phase_chosen_(other.phase_chosen_.load()),
         hooks_(std::exchange(other.hooks_, {})),
         backward_hooks_(std::exchange(other.backward_hooks_, {})),
         last_hook_id_(other.last_hook_id_) {}
@@ -8216,11 +8351,48 @@ class BasicDynamicCell {
   // traced again after a switch (its trace holds the phase's operations); a Cell's two graph
   // forms are both kept (pipeline::in_requested_phase).
   BasicDynamicCell& set_train(bool mode = true) {
-    for (auto& [path, cell] : cells_and_names()) cell->training_.store(mode, std::memory_order_relaxed);
+    for (auto& [path, cell] : cells_and_names()) {
+      cell->training_.store(mode, std::memory_order_relaxed);
+      cell->phase_chosen_.store(true, std::memory_order_relaxed);
+    }
     structure_changed();
     return *this;
   }
   bool training() const { return training_.load(std::memory_order_relaxed); }
+
+  // What a temporary switch (train::evaluate) gives back to each cell: its setting, and
+  // whether anybody chose it, so that the switch does not count as a choice.
+  struct PhaseSetting {
+    bool training;
+    bool chosen;
+  };
+  PhaseSetting phase_setting() const { return {training(), phase_chosen_.load(std::memory_order_relaxed)}; }
+  void restore_phase_setting(PhaseSetting setting) {
+    training_.store(setting.training, std::memory_order_relaxed);
+    phase_chosen_.store(setting.chosen, std::memory_order_relaxed);
+    structure_changed();
+  }
+
+  // Whether the cell computes differently in training and evaluation (BatchNorm, Dropout).
+  virtual bool depends_on_phase() const { return false; }
+
+  // A gradient through such a cell that nobody set_train-ed is almost always a training loop
+  // that forgot set_train(true): it trains on the moving statistics with Dropout off, and
+  // nothing fails. Says so on `out` (std::cerr), once per cell for the program's life. Calling
+  // set_train(false) says evaluation is meant (fine-tuning with BatchNorm frozen) and silences
+  // it. value_and_grad and grad call this on their first call.
+  void warn_if_phase_unchosen(std::ostream& out) {
+    for (auto& [path, cell] : cells_and_names()) {
+      if (!cell->depends_on_phase() || cell->phase_chosen_.load(std::memory_order_relaxed) ||
+          cell->phase_warned_.exchange(true)) {
+        continue;
+      }
+      out << "duet: warning: a gradient is taken through " << cell->label()
+          << ", which nobody set to train or evaluate, so it runs in evaluation (BatchNorm on its moving "
+             "statistics, Dropout as the identity); call set_train(true) on the network to train it, or "
+             "set_train(false) if evaluation is meant\n";
+    }
+  }
 
   // Gives this cell and all below it their paths, if no call or parent has done so yet.
   void ensure_named() {
@@ -8309,6 +8481,8 @@ class BasicDynamicCell {
   std::atomic<bool> named_{false};
   std::atomic<bool> registered_{false};  // found registered with the cell whose construct called it
   std::atomic<bool> training_{false};    // MindSpore's Cell.training, false until set_train
+  std::atomic<bool> phase_chosen_{false};  // set_train was called on it or above it
+  std::atomic<bool> phase_warned_{false};  // warn_if_phase_unchosen said so already
   std::vector<std::pair<long, BasicForwardHook<T>>> hooks_;
   std::vector<std::pair<long, BasicBackwardHook<T>>> backward_hooks_;
   long last_hook_id_ = 0;
@@ -8982,8 +9156,25 @@ class GradFunction {
     }
   }
 
+  // One step: what its forward pass changes (BatchNorm's moving statistics, Dropout's
+  // generator) stays only if forward and backward both succeed.
   template <bool WithInput, class V, class... X>
   BasicTensor<V> forward_backward(BasicTensor<V>& input_grad, const X&... xs) {
+    if constexpr (autodiff::detail::CellLike<Fn>) {
+      if (!phase_checked_) {
+        fn_.ensure_named();
+        fn_.warn_if_phase_unchosen(std::cerr);
+        phase_checked_ = true;
+      }
+    }
+    duet::detail::StepScope step;
+    BasicTensor<V> value = forward_backward_in_mode<WithInput>(input_grad, xs...);
+    step.commit();
+    return value;
+  }
+
+  template <bool WithInput, class V, class... X>
+  BasicTensor<V> forward_backward_in_mode(BasicTensor<V>& input_grad, const X&... xs) {
     if constexpr (graph::Capturable<FnRef&, X...>) {
       if (autodiff::detail::mode_of<Fn>() == GRAPH_MODE) return run_graph<WithInput>(input_grad, xs...);
     } else if constexpr (!WithInput && autodiff::detail::CellLike<Fn>) {
@@ -9109,6 +9300,7 @@ class GradFunction {
   std::optional<std::size_t> grad_position_;
   std::uint64_t id_ = duet::detail::new_plan_owner();
   duet::detail::OwnForm<TracedStep> traced_step_;
+  bool phase_checked_ = false;  // the first call warns of layers nobody set_train-ed
 };
 
 // MindSpore's value_and_grad(fn, grad_position, weights). fn is a cell (kept by reference) or
@@ -9782,6 +9974,14 @@ struct LoaderOptions {
   std::uint64_t seed = 0;
   // Leave out the last batch when it is smaller than batch_size, instead of returning it short.
   bool drop_last = false;
+  // Data parallelism (MindSpore's num_shards/shard_id): the loader serves shard shard_id of
+  // every global batch of batch_size * num_shards samples, the samples at positions shard_id,
+  // shard_id + num_shards, ... of it. Every shard shuffles alike (the same seed gives the same
+  // epoch order), so the shards' batches together are one process's batches of the global size.
+  // A last global batch of fewer than num_shards samples is left out on every shard: some shard
+  // would get an empty batch.
+  index_t num_shards = 1;
+  index_t shard_id = 0;
 };
 
 // Cuts a data set into batches, one epoch at a time:
@@ -9825,14 +10025,25 @@ class DataLoader {
     if (batch_size_ <= 0) {
       throw ValueError("duet::data::DataLoader: batch_size must be positive, got " + std::to_string(batch_size_));
     }
+    if (options_.num_shards <= 0 || options_.shard_id < 0 || options_.shard_id >= options_.num_shards) {
+      throw ValueError("duet::data::DataLoader: shard_id must be in 0.." + std::to_string(options_.num_shards - 1) +
+                       " with num_shards positive, got shard " + std::to_string(options_.shard_id) + " of " +
+                       std::to_string(options_.num_shards));
+    }
     start_epoch(0);
   }
 
-  // Batches per epoch (PyTorch's len(loader), MindSpore's get_dataset_size()).
+  // Batches per epoch (PyTorch's len(loader), MindSpore's get_dataset_size()), the same on every shard.
   index_t size() const {
-    return options_.drop_last ? data_.size() / batch_size_ : (data_.size() + batch_size_ - 1) / batch_size_;
+    const index_t global = global_batch_size();
+    if (options_.drop_last || data_.size() % global < options_.num_shards) return data_.size() / global;
+    return data_.size() / global + 1;
   }
+  // Samples per batch on this shard (the last batch may have fewer).
   index_t batch_size() const { return batch_size_; }
+  // Samples per batch over all shards.
+  index_t global_batch_size() const { return batch_size_ * options_.num_shards; }
+  const LoaderOptions& options() const { return options_; }
   const ImageDataset& dataset() const { return data_; }
   std::uint64_t epoch() const { return epoch_; }
 
@@ -9851,8 +10062,9 @@ class DataLoader {
   // The next batch of this epoch, or nullptr when the epoch is over.
   const Batch* next() {
     if (next_batch_ == size()) return nullptr;
-    const index_t first = next_batch_ * batch_size_;
-    make_batch(first, std::min(batch_size_, data_.size() - first));
+    const index_t first = next_batch_ * global_batch_size() + options_.shard_id;
+    const index_t shards = options_.num_shards;
+    make_batch(first, std::min(batch_size_, (data_.size() - first + shards - 1) / shards));
     ++next_batch_;
     return &batch_;
   }
@@ -9865,6 +10077,7 @@ class DataLoader {
   std::default_sentinel_t end() const { return {}; }
 
  private:
+  // The samples at positions first, first + num_shards, ... of this epoch's order.
   void make_batch(index_t first, index_t count) {
     const index_t h = data_.height();
     const index_t w = data_.width();
@@ -9877,7 +10090,7 @@ class DataLoader {
     const index_t pixels = h * w;
     const std::uint8_t* images = data_.images().data();
     for (index_t k = 0; k < count; ++k) {
-      const index_t sample = order_[static_cast<std::size_t>(first + k)];
+      const index_t sample = order_[static_cast<std::size_t>(first + k * options_.num_shards)];
       const std::uint8_t* from = images + sample * pixels;
       float* to = batch_.images.data() + k * pixels;
       for (index_t p = 0; p < pixels; ++p) to[p] = static_cast<float>(from[p]) / 255.0f;
@@ -10006,11 +10219,59 @@ GraphText dump(const Sym<G, Out>& program, const std::string& title) {
   return {text.str(), dot.str()};
 }
 
+namespace detail {
+inline std::string dot_of_text(const std::string& title, const std::string& text) {
+  return "digraph \"" + dot_text(title) + "\" {\n  node [shape=box, fontname=\"monospace\"];\n  trace [label=\"" +
+         dot_text(text) + "\"];\n}\n";
+}
+
+// What runs instead of an ambiguous capture: the cell traced (PIJit) on an input of the
+// pattern's shape, unknown sizes taken as 2 (BatchNorm trains on no fewer), as recorded and as
+// replayed after fusion. Tracing runs the network; what that changes (BatchNorm's moving
+// statistics, Dropout's generator) is put back, as for a step that does not commit.
+template <JitConfig Config, class C>
+GraphIR traced_ir(C& cell, const std::string& title, Shape pattern, const std::string& why) {
+  using T = typename C::value_type;
+  const std::string head = "graph " + title + " {\n  ambiguous capture, so it runs as a traced graph (PIJit), not as "
+                           "a static graph: " + why + "\n";
+  const auto ir = [&](const std::string& captured, const std::string& optimized) {
+    return GraphIR{{head + captured + "}\n", dot_of_text(title, head + captured)},
+                   {head + optimized + "}\n", dot_of_text(title, head + optimized)}};
+  };
+  if (pattern.leading_unknown()) {
+    const std::string note = "  traced on its first call for each input shape: give graph_ir an input shape "
+                             "(duet::shape<dyn, ...>) to see the trace\n";
+    return ir(note, note);
+  }
+  for (int a = 0; a < pattern.rank(); ++a) pattern[a] = pattern[a] == dyn ? 2 : pattern[a];
+  const duet::detail::StepScope discarded;
+  pijit::Trace trace;
+  BasicTensor<T> x = zeros<T>(pattern);
+  trace.add_input(x, 0);
+  BasicTensor<T> y;
+  {
+    pijit::Tracing tracing(&trace);
+    EagerScope eager;
+    y = BasicTensor<T>(cell(x));
+  }
+  const std::size_t out = trace.find(y);
+  if (!trace.broken().empty() || out == trace.values().size()) {
+    const std::string note = "  graph break, runs eagerly: " + trace.broken() + "\n";
+    return ir(note, note);
+  }
+  const std::string traced_on = "  traced on an input of shape " + to_string(pattern) + "\n";
+  std::string captured = traced_on + pijit::describe(trace.values(), trace.steps(), out);
+  const pijit::Replay replay(std::move(trace), out, Config.jit_level);
+  return ir(captured, traced_on + replay.describe());
+}
+}  // namespace detail
+
 }  // namespace graph
 
 // The graph of cell for inputs of the given pattern (duet::shape<dyn, 1, 28, 28>, say; by
 // default an input of unknown shape, as when a runtime tensor is passed), optimised at the
-// jit level of Config.
+// jit level of Config. A capture that is ambiguous (README, Guarantees: "Shared values in graph
+// mode") does not run, so graph_ir shows the trace that runs instead.
 template <JitConfig Config = JitConfig{}, class C, class Pattern = graph::AnyShape>
 GraphIR graph_ir(C& cell, Pattern = {}) {
   if constexpr (nn::RuntimeBuilt<C>) {
@@ -10029,8 +10290,10 @@ GraphIR graph_ir(C& cell, Pattern = {}) {
           return cell(graph::input<typename C::value_type, In>());
         },
         [&](const auto& captured) {
+          if (!captured.ambiguity.empty()) {
+            return graph::detail::traced_ir<Config>(cell, title, Pattern::value, captured.ambiguity);
+          }
           auto optimized = passes::optimize<Config>(captured);
-          optimized.ambiguity = captured.ambiguity;  // the optimised graph does not run either
           return GraphIR{graph::dump(captured, title), graph::dump(optimized, title)};
         });
   }
@@ -10432,6 +10695,123 @@ BasicTensor<T> initializer(const I& init, const Shape& shape) {
 #include <utility>
 #include <vector>
 
+// Data parallelism's settings (MindSpore's set_auto_parallel_context) and the interface through
+// which a training step, an optimiser and an evaluation reach the runtime that
+// duet/distributed.hpp provides. This header needs no MPI: a program that never includes
+// distributed.hpp has no runtime, and asking for DATA_PARALLEL without one is an error.
+
+#include <atomic>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+
+namespace duet {
+
+// MindSpore's ParallelMode: STAND_ALONE (one process) and DATA_PARALLEL (every rank holds the
+// whole network and a shard of each batch). The other MindSpore modes split the network itself.
+enum class ParallelMode : unsigned char { STAND_ALONE, DATA_PARALLEL };
+
+// Fields left empty keep their current value, as ContextConfig's do.
+struct AutoParallelConfig {
+  std::optional<ParallelMode> parallel_mode = std::nullopt;
+  // true: the update uses the mean of the ranks' gradients (weighted by their samples, so it is
+  // the gradient of the global batch's mean loss); false: their sum (MindSpore's default).
+  std::optional<bool> gradients_mean = std::nullopt;
+};
+
+struct AutoParallelContext {
+  ParallelMode parallel_mode = ParallelMode::STAND_ALONE;
+  bool gradients_mean = false;
+};
+
+namespace detail {
+inline std::atomic<ParallelMode>& parallel_mode() {
+  static std::atomic<ParallelMode> mode{ParallelMode::STAND_ALONE};
+  return mode;
+}
+inline std::atomic<bool>& gradients_mean() {
+  static std::atomic<bool> mean{false};
+  return mean;
+}
+}  // namespace detail
+
+inline void set_auto_parallel_context(const AutoParallelConfig& config) {
+  if (config.parallel_mode) {
+    if (*config.parallel_mode != ParallelMode::STAND_ALONE && *config.parallel_mode != ParallelMode::DATA_PARALLEL) {
+      throw ValueError("duet::set_auto_parallel_context: parallel_mode must be STAND_ALONE or DATA_PARALLEL");
+    }
+    detail::parallel_mode().store(*config.parallel_mode, std::memory_order_relaxed);
+  }
+  if (config.gradients_mean) detail::gradients_mean().store(*config.gradients_mean, std::memory_order_relaxed);
+}
+
+inline AutoParallelContext get_auto_parallel_context() {
+  return {detail::parallel_mode().load(std::memory_order_relaxed),
+          detail::gradients_mean().load(std::memory_order_relaxed)};
+}
+
+namespace detail {
+
+// What duet/distributed.hpp implements over MPI. Every call is collective: all ranks make it,
+// in the same order, or it fails with a duet::Error after the runtime's timeout.
+class DataParallelRuntime {
+ public:
+  DataParallelRuntime() = default;
+  DataParallelRuntime(const DataParallelRuntime&) = delete;
+  DataParallelRuntime& operator=(const DataParallelRuntime&) = delete;
+  virtual ~DataParallelRuntime() = default;
+
+  virtual int rank() const = 0;
+  virtual int group_size() const = 0;
+  // Checks that every rank has parameters of the same names and shapes (ValueError naming the
+  // first difference otherwise), then gives every rank rank 0's values.
+  virtual void broadcast_parameters(const std::vector<nn::NamedParameter<float>>& params) = 0;
+  // Replaces the gradients backward pass `pass` left in params by their mean over the ranks,
+  // each rank weighted by `samples` (or by their sum), and loss by the samples-weighted mean of
+  // the ranks' losses. A parameter some rank's pass reached gets a gradient on every rank.
+  virtual void all_reduce_gradients(const std::vector<nn::Parameter*>& params, std::uint64_t pass, Tensor& loss,
+                                    double samples, bool mean) = 0;
+  // Each value becomes its sum over the ranks.
+  virtual void all_reduce_sum(std::span<double> values) = 0;
+};
+
+// Set by duet::distributed::init().
+inline std::atomic<DataParallelRuntime*>& data_parallel_runtime() {
+  static std::atomic<DataParallelRuntime*> runtime{nullptr};
+  return runtime;
+}
+
+// The backward pass whose gradients the runtime last all-reduced on this thread: an optimiser
+// step in DATA_PARALLEL over any other pass would update each rank differently.
+inline std::uint64_t& all_reduced_backward_pass() {
+  thread_local std::uint64_t pass = 0;
+  return pass;
+}
+
+// The runtime a training step of `who` synchronises through, or nullptr when it trains alone.
+// Either half of the set-up without the other is refused: each rank would train on its own.
+inline DataParallelRuntime* training_runtime(std::string_view who) {
+  DataParallelRuntime* runtime = data_parallel_runtime().load(std::memory_order_acquire);
+  const bool data_parallel = parallel_mode().load(std::memory_order_relaxed) == ParallelMode::DATA_PARALLEL;
+  if (data_parallel && runtime == nullptr) {
+    throw ModeError(std::string(who) +
+                    ": the parallel mode is DATA_PARALLEL but no rank group exists; include <duet/distributed.hpp> "
+                    "and call duet::distributed::init() first");
+  }
+  if (!data_parallel && runtime != nullptr && runtime->group_size() > 1) {
+    throw ModeError(std::string(who) + ": duet::distributed::init() joined " + std::to_string(runtime->group_size()) +
+                    " ranks but the parallel mode is STAND_ALONE, so each rank would train its own network; call "
+                    "duet::set_auto_parallel_context({.parallel_mode = duet::ParallelMode::DATA_PARALLEL})");
+  }
+  return data_parallel ? runtime : nullptr;
+}
+
+}  // namespace detail
+}  // namespace duet
 
 namespace duet::nn {
 
@@ -10529,9 +10909,17 @@ class BasicOptimizer {
   BasicOptimizer& operator=(const BasicOptimizer&) = delete;
   virtual ~BasicOptimizer() = default;
 
-  // Updates every parameter the calling thread's last backward pass reached.
+  // Updates every parameter the calling thread's last backward pass reached. In DATA_PARALLEL
+  // that pass's gradients must have been all-reduced (nn::TrainOneStepCell does it), or each
+  // rank would move its parameters its own way.
   void step() {
     const std::uint64_t pass = duet::detail::current_backward_pass();
+    if (duet::detail::parallel_mode().load(std::memory_order_relaxed) == ParallelMode::DATA_PARALLEL &&
+        duet::detail::all_reduced_backward_pass() != pass) {
+      throw ModeError(std::string(type_name()) +
+                      ".step(): DATA_PARALLEL, but the gradients of the last backward pass were not all-reduced "
+                      "across the ranks; train with nn::TrainOneStepCell");
+    }
     begin_step();
     for (std::size_t i = 0; i < params_.size(); ++i) {
       if (params_[i]->has_grad_from(pass)) update(i, params_[i]->grad.data());
@@ -12154,7 +12542,8 @@ using Softplus = Activation<fn::Softplus>;    // beta 1, threshold 20
 // Training (set_train()) normalises with the batch's statistics, mean and biased variance,
 // and moves the moving statistics towards them; evaluation normalises with the moving
 // statistics and leaves them alone. Both are the same kernels in both modes, so the outputs,
-// the gradients and the moving statistics agree bit for bit.
+// the gradients and the moving statistics agree bit for bit. A training step that fails after
+// the forward pass ran puts the moving statistics back (duet::detail::StepState).
 //
 // Folding into a convolution (graph mode at evaluation, issue 11): an evaluation BatchNorm is
 // the per-channel affine map y = x · scale + shift of BatchNorm::evaluation_affine(), which a
@@ -12163,6 +12552,7 @@ using Softplus = Activation<fn::Softplus>;    // beta 1, threshold 20
 // only the evaluation form has that node type, so training is never folded. The folded weight
 // can be kept as the parameters' derived() form, remade when any of them changes version().
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -12309,6 +12699,7 @@ struct BatchNormOp : Primitive<BatchNormOp<Layer, P>>, PhaseOf<Layer, P> {
       layer.check_batch(a.in_shape());
       const T momentum = static_cast<T>(layer.momentum());
       const T unbiased = static_cast<T>(runs.count()) / static_cast<T>(runs.count() - 1);
+      duet::detail::will_change(layer);
       T* moving_mean = layer.moving_mean.data();
       T* moving_variance = layer.moving_variance.data();
       for (index_t c = 0; c < runs.channels; ++c) {
@@ -12456,7 +12847,7 @@ namespace nn {
 // moving one is the unbiased one (· m / (m - 1)), as in both; the batch is normalised with the
 // biased one. Training needs more than one value per channel.
 template <int Dims, index_t C = dyn, ElementType T = float>
-class BatchNorm : public Cell<BatchNorm<Dims, C, T>, CONTEXT_MODE, T> {
+class BatchNorm : public Cell<BatchNorm<Dims, C, T>, CONTEXT_MODE, T>, public duet::detail::StepState {
   static_assert(Dims == 1 || Dims == 2, "nn::BatchNorm<Dims>: Dims is 1 (BatchNorm1d) or 2 (BatchNorm2d)");
   static_assert(C == dyn || C > 0, "nn::BatchNorm2d<C>: C must be positive (or duet::dyn)");
 
@@ -12535,6 +12926,20 @@ class BatchNorm : public Cell<BatchNorm<Dims, C, T>, CONTEXT_MODE, T> {
     return ops::apply_in_phase<ops::BatchNormOp>(this, std::forward<X>(x));
   }
 
+  // Training moves the moving statistics; a step that fails puts them back.
+  void save_for_step() override {
+    const auto& mean = std::as_const(moving_mean);
+    const auto& variance = std::as_const(moving_variance);
+    saved_mean_.assign(mean.data(), mean.data() + mean.numel());
+    saved_variance_.assign(variance.data(), variance.data() + variance.numel());
+  }
+  void restore_step() override {
+    std::ranges::copy(saved_mean_, moving_mean.data());
+    std::ranges::copy(saved_variance_, moving_variance.data());
+  }
+
+  bool depends_on_phase() const override { return true; }
+
   std::string type_name() const override {
     std::string s = "nn::BatchNorm" + std::to_string(Dims) + "d<" + (C == dyn ? std::string("dyn") : std::to_string(C));
     if constexpr (!std::is_same_v<T, float>) s += ", " + std::string(name_of(dtype_of<T>));
@@ -12545,6 +12950,8 @@ class BatchNorm : public Cell<BatchNorm<Dims, C, T>, CONTEXT_MODE, T> {
   index_t features_;
   double eps_;
   double momentum_;
+  std::vector<T> saved_mean_;
+  std::vector<T> saved_variance_;
 };
 
 template <index_t C = dyn, ElementType T = float>
@@ -13039,7 +13446,7 @@ class Dense : public Cell<Dense<In, Out, T, HasBias>, CONTEXT_MODE, T>, public d
 // Seeded: a layer draws its masks from a generator of its own, seeded from the global one
 // (duet::set_seed) when the layer is made, one draw per element in row-major order per
 // training call. Both modes run the same kernel once per call, so they draw the same masks in
-// the same order and give the same losses.
+// the same order and give the same losses. A training step that fails gives its draws back.
 //
 // The mask is not kept: the gradient recovers it from the input and the output. A kept
 // element's output is x / (1 - p), which is 0 only if x is (|1 / (1 - p)| >= 1: no
@@ -13083,6 +13490,7 @@ struct DropoutOp : Primitive<DropoutOp<Layer, P>>, PhaseOf<Layer, P> {
       T* y = a.out<T>();
       const float p = this->layer->p();
       const T scale = T(1) / (T(1) - static_cast<T>(p));
+      duet::detail::will_change(*this->layer);
       Generator& gen = this->layer->generator();
       for (index_t i = 0; i < n; ++i) {
         // Drawn as float whatever T is, so that float and double networks drop alike.
@@ -13152,7 +13560,7 @@ namespace nn {
 
 // MindSpore's nn.Dropout(p=0.5) (see the header's comment): p in [0, 1).
 template <ElementType T>
-class BasicDropout : public Cell<BasicDropout<T>, CONTEXT_MODE, T> {
+class BasicDropout : public Cell<BasicDropout<T>, CONTEXT_MODE, T>, public duet::detail::StepState {
  public:
   explicit BasicDropout(double p = 0.5) : p_(static_cast<float>(p)) {
     if (!(p >= 0 && p < 1)) {
@@ -13169,10 +13577,16 @@ class BasicDropout : public Cell<BasicDropout<T>, CONTEXT_MODE, T> {
   // The masks' generator; training kernels draw from it (one training call at a time).
   Generator& generator() const { return generator_; }
 
+  // A step that fails gives back the draws it took, so the next one drops what it would have.
+  void save_for_step() override { saved_ = generator_; }
+  void restore_step() override { generator_ = saved_; }
+
   template <class X>
   auto construct(X&& x) {
     return ops::apply_in_phase<ops::DropoutOp>(this, std::forward<X>(x));
   }
+
+  bool depends_on_phase() const override { return true; }
 
   std::string type_name() const override {
     std::string s = "nn::Dropout";
@@ -13183,6 +13597,7 @@ class BasicDropout : public Cell<BasicDropout<T>, CONTEXT_MODE, T> {
  private:
   float p_;
   mutable Generator generator_;
+  Generator saved_;
 };
 
 using Dropout = BasicDropout<float>;
@@ -15484,9 +15899,11 @@ class GroupNorm : public Cell<GroupNorm<Groups, Channels, T>, CONTEXT_MODE, T> {
 
 #include <algorithm>
 #include <cmath>
+#include <concepts>
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -15611,13 +16028,18 @@ struct TrainOneStepConfig {
 // One training step per call: forward, loss, backward and the optimiser's update. In graph
 // mode the first three are one compiled graph run by one evaluator call; the update follows
 // in the same call, over the gradients that run left in the parameters.
+//
+// In DATA_PARALLEL (duet/distributed.hpp) the first step first gives every rank rank 0's
+// parameters, and each step all-reduces the gradients between backward and the update, in
+// both modes, so that every rank applies the same update; the loss returned is then the
+// global batch's.
 template <class NetWithLoss, class Optimizer>
 class TrainOneStepCell {
   using T = typename NetWithLoss::value_type;
 
  public:
   TrainOneStepCell(NetWithLoss& net_with_loss, Optimizer& optimizer, TrainOneStepConfig config = {})
-      : grad_(net_with_loss, {}, std::nullopt), optimizer_(optimizer), config_(config) {
+      : net_with_loss_(net_with_loss), grad_(net_with_loss, {}, std::nullopt), optimizer_(optimizer), config_(config) {
     if (config_.clip_global_norm) ops::detail::check_clip_norm(*config_.clip_global_norm);
     // Cells start in evaluation (MindSpore's default); a training step that ran BatchNorm on
     // its moving statistics and Dropout as the identity would train quietly wrong. MindSpore's
@@ -15625,7 +16047,8 @@ class TrainOneStepCell {
     net_with_loss.set_train(true);
   }
 
-  // Returns the loss of the batch, before the update. A step that fails changes nothing. An
+  // Returns the loss of the batch, before the update. A step that fails or skips its update
+  // changes nothing, not even BatchNorm's moving statistics or Dropout's generator. An
   // empty batch is refused: it has no gradient, yet an update would still advance the
   // optimiser (its step count, and momentum moving the parameters). A batch whose loss is NaN
   // or infinite (NaN or Inf inputs, or a model that diverged) skips the update, which would
@@ -15635,7 +16058,25 @@ class TrainOneStepCell {
     if (((tensor_of(xs).numel() == 0) || ...)) {
       throw ValueError("nn::TrainOneStepCell: the batch is empty; a training step needs at least one sample");
     }
+    duet::detail::StepScope step;
+    duet::detail::DataParallelRuntime* parallel = duet::detail::training_runtime("nn::TrainOneStepCell");
+    if (parallel != nullptr && !parameters_broadcast_) {
+      if constexpr (std::same_as<T, float>) {
+        parallel->broadcast_parameters(net_with_loss_.parameters());
+      } else {
+        throw ModeError("nn::TrainOneStepCell: DATA_PARALLEL trains float networks only");
+      }
+      parameters_broadcast_ = true;
+    }
     BasicTensor<T> loss = grad_.value_and_parameter_grads(xs...);
+    if constexpr (std::same_as<T, float>) {
+      // Before the finiteness check: a NaN on one rank must skip the update on all of them.
+      if (parallel != nullptr) {
+        const auto samples = static_cast<double>(tensor_of(std::get<0>(std::forward_as_tuple(xs...))).dim(0));
+        parallel->all_reduce_gradients(optimizer_.parameters(), duet::detail::current_backward_pass(), loss, samples,
+                                       get_auto_parallel_context().gradients_mean);
+      }
+    }
     if (!std::ranges::all_of(loss.values(), [](T v) { return std::isfinite(v); })) return loss;
     // Clipping reads the gradients backward left, the same in both modes, so both clip alike.
     // A gradient whose norm is not finite skips the update, as a NaN loss does; the norm is
@@ -15650,6 +16091,7 @@ class TrainOneStepCell {
       if (!std::isfinite(last_global_norm_)) return loss;
     }
     optimizer_.step();
+    step.commit();
     return loss;
   }
 
@@ -15658,10 +16100,12 @@ class TrainOneStepCell {
   double last_global_norm() const { return last_global_norm_; }
 
  private:
+  NetWithLoss& net_with_loss_;
   GradFunction<NetWithLoss&, void> grad_;
   Optimizer& optimizer_;
   TrainOneStepConfig config_;
   double last_global_norm_ = 0;
+  bool parameters_broadcast_ = false;
 };
 
 }  // namespace duet::nn
@@ -16454,21 +16898,6 @@ void channel_sums(const T* dy, index_t channels, index_t pixels, T* db, bool acc
 }
 
 }  // namespace duet::kernels
-// MindSpore's pad_mode, shared by the layers that slide a window (convolution, pooling).
-
-#include <string_view>
-
-namespace duet::nn {
-
-// same: ceil(size / stride) outputs, the padding split evenly with the odd one after (bottom,
-// right); valid: no padding; pad: a given padding on each side (PyTorch's padding).
-enum class PadMode : unsigned char { same, valid, pad };
-
-constexpr std::string_view name_of(PadMode m) {
-  return m == PadMode::same ? "same" : m == PadMode::valid ? "valid" : "pad";
-}
-
-}  // namespace duet::nn
 
 namespace duet {
 
@@ -19044,7 +19473,9 @@ Summary summary(nn::BasicDynamicCell<T>& net, const Shape& input_shape, std::ost
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <concepts>
 #include <ostream>
+#include <ranges>
 #include <string>
 #include <utility>
 #include <vector>
@@ -19059,12 +19490,13 @@ struct Metrics {
 };
 
 // How many rows of logits [B, C] have their largest value at the row's label.
-inline index_t correct_predictions(const Tensor& logits, const BasicTensor<std::int32_t>& labels) {
+template <ElementType T>
+index_t correct_predictions(const BasicTensor<T>& logits, const BasicTensor<std::int32_t>& labels) {
   const index_t rows = logits.dim(0);
   const index_t classes = logits.dim(1);
   index_t correct = 0;
   for (index_t r = 0; r < rows; ++r) {
-    const float* row = logits.data() + r * classes;
+    const T* row = logits.data() + r * classes;
     index_t best = 0;
     for (index_t c = 1; c < classes; ++c) {
       if (row[c] > row[best]) best = c;
@@ -19081,44 +19513,80 @@ template <class Net>
 class EvaluationScope {
  public:
   explicit EvaluationScope(Net& net) {
-    for (auto& [path, cell] : net.cells_and_names()) saved_.emplace_back(cell, cell->training());
+    for (auto& [path, cell] : net.cells_and_names()) saved_.emplace_back(cell, cell->phase_setting());
     net.set_train(false);
   }
   EvaluationScope(const EvaluationScope&) = delete;
   EvaluationScope& operator=(const EvaluationScope&) = delete;
-  // Parents come before their children (cells_and_names is depth first), so a child's own
-  // setting is restored after its parent's, which set_train also gives the children.
   ~EvaluationScope() {
-    for (auto& [cell, training] : saved_) cell->set_train(training);
+    for (auto& [cell, setting] : saved_) cell->restore_phase_setting(setting);
   }
 
  private:
-  std::vector<std::pair<nn::BasicDynamicCell<typename Net::value_type>*, bool>> saved_;
+  using DynamicCell = nn::BasicDynamicCell<typename Net::value_type>;
+  std::vector<std::pair<DynamicCell*, typename DynamicCell::PhaseSetting>> saved_;
 };
 }  // namespace detail
 
-// One pass over the loader's current epoch: mean loss (loss_fn must reduce by mean) and
-// accuracy of net, each batch weighted by its size. A cell runs in evaluation meanwhile
+// What evaluate reads: a range of batches (a range-for over it runs one pass), each with
+// `images`, what the network takes (any shape, channel count or element type), and `labels`,
+// the class indices [B] as BasicTensor<std::int32_t>. data::DataLoader is one; so is a
+// std::vector of such structs.
+template <class L>
+concept ClassificationLoader = std::ranges::input_range<L> && requires(std::ranges::range_reference_t<L> batch) {
+  batch.images;
+  { batch.labels } -> std::convertible_to<const BasicTensor<std::int32_t>&>;
+};
+
+// One pass over the loader (a DataLoader's current epoch): mean loss (loss_fn must reduce by
+// mean) and accuracy of net, each batch weighted by its size. A cell runs in evaluation meanwhile
 // (MindSpore's Model.eval sets set_train(False)): Dropout passes its input through, BatchNorm
 // uses its moving statistics and leaves them as they are; each cell's setting is restored after.
-template <class Net, class Loss>
-Metrics evaluate(Net& net, Loss& loss_fn, data::DataLoader& loader) {
+// A sharded loader's metrics are summed over the ranks (duet/distributed.hpp), so that every
+// rank returns the whole data set's.
+template <class Net, class Loss, ClassificationLoader Loader>
+Metrics evaluate(Net& net, Loss& loss_fn, Loader& loader) {
   const detail::EvaluationScope<Net> evaluation(net);
   Metrics m;
   double loss_sum = 0;
   index_t correct = 0;
-  for (const data::Batch& batch : loader) {
-    const Tensor logits = net(batch.images);
+  for (const auto& batch : loader) {
+    const auto output = net(batch.images);
+    const auto& logits = tensor_of(output);
     const index_t n = batch.labels.numel();
     loss_sum += static_cast<double>(loss_fn(logits, batch.labels).item()) * static_cast<double>(n);
     correct += correct_predictions(logits, batch.labels);
     m.samples += n;
+  }
+  if constexpr (requires { loader.options().num_shards; }) {
+    if (loader.options().num_shards > 1) {
+      duet::detail::DataParallelRuntime* runtime = duet::detail::data_parallel_runtime().load(std::memory_order_acquire);
+      if (runtime == nullptr) {
+        throw ModeError("duet::train::evaluate: the loader is shard " + std::to_string(loader.options().shard_id) +
+                        " of " + std::to_string(loader.options().num_shards) +
+                        ", but no rank group exists to sum the shards' metrics; call duet::distributed::init()");
+      }
+      double sums[] = {loss_sum, static_cast<double>(correct), static_cast<double>(m.samples)};
+      runtime->all_reduce_sum(sums);
+      loss_sum = sums[0];
+      correct = static_cast<index_t>(sums[1]);
+      m.samples = static_cast<index_t>(sums[2]);
+    }
   }
   if (m.samples > 0) {
     m.loss = loss_sum / static_cast<double>(m.samples);
     m.accuracy = static_cast<double>(correct) / static_cast<double>(m.samples);
   }
   return m;
+}
+
+// Anything else: one error that says what a loader is, rather than a failed constraint.
+template <class Net, class Loss, class Loader>
+Metrics evaluate(Net&, Loss&, Loader&) {
+  static_assert(ClassificationLoader<Loader>,
+                "duet::train::evaluate: the loader must be a range of batches with .images (the network's input) "
+                "and .labels (BasicTensor<std::int32_t>), see duet::train::ClassificationLoader");
+  return {};
 }
 
 // "epoch 2/5 [##########..........]  469/938  loss 0.4127  21034 ex/s  ETA 0:04", redrawn in
