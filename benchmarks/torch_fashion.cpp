@@ -1,0 +1,178 @@
+// The libtorch reference for the Fashion-MNIST examples (examples/lenet5.cpp and
+// examples/resnet_fashion.cpp): the same networks and recipe (Adam 1e-3, batch 64, softmax
+// cross-entropy, Dropout 0.2 and BatchNorm with PyTorch's momentum 0.1, which is MindSpore's
+// and duet's 0.9) in libtorch eager mode on one thread. The batches come from duet's
+// DataLoader with the examples' shuffle seed, so both libraries see the same images in the
+// same order; the weights are libtorch's own draws from --seed.
+//
+//   torch_fashion [--net lenet5|resnet] [--epochs 5] [--seed 1] [--data DIR]
+//
+// Prints per epoch the training loss, the test loss and accuracy, and the training time of
+// the epoch (the test pass excluded), to set against the duet example's epoch.
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+#include <string>
+
+#include <torch/torch.h>
+
+#include <duet/duet.hpp>
+
+namespace {
+
+// conv1 1->6 5x5 pad 2, ReLU, MaxPool 2; conv2 6->16 5x5, ReLU, MaxPool 2; 400->120->84->10.
+struct LeNet5Impl : torch::nn::Module {
+  torch::nn::Conv2d conv1{torch::nn::Conv2dOptions(1, 6, 5).padding(2)};
+  torch::nn::Conv2d conv2{torch::nn::Conv2dOptions(6, 16, 5)};
+  torch::nn::Linear fc1{400, 120}, fc2{120, 84}, fc3{84, 10};
+
+  LeNet5Impl() {
+    register_module("conv1", conv1);
+    register_module("conv2", conv2);
+    register_module("fc1", fc1);
+    register_module("fc2", fc2);
+    register_module("fc3", fc3);
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = torch::max_pool2d(torch::relu(conv1(x)), 2);
+    x = torch::max_pool2d(torch::relu(conv2(x)), 2);
+    return fc3(torch::relu(fc2(torch::relu(fc1(x.flatten(1))))));
+  }
+};
+TORCH_MODULE(LeNet5);
+
+torch::nn::Conv2d conv3x3(int64_t in, int64_t out, int64_t stride) {
+  return torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, 3).stride(stride).padding(1).bias(false));
+}
+
+// examples/resnet_fashion.cpp's blocks: relu(bn2(conv2(relu(bn1(conv1(x))))) + skip(x)), the
+// skip a 1x1 stride-2 convolution with BatchNorm where the block halves the size.
+struct BlockImpl : torch::nn::Module {
+  torch::nn::Conv2d conv1, conv2;
+  torch::nn::BatchNorm2d bn1, bn2;
+  torch::nn::Conv2d project{nullptr};
+  torch::nn::BatchNorm2d bn_project{nullptr};
+
+  BlockImpl(int64_t in, int64_t out, int64_t stride)
+      : conv1(conv3x3(in, out, stride)), conv2(conv3x3(out, out, 1)), bn1(out), bn2(out) {
+    register_module("conv1", conv1);
+    register_module("bn1", bn1);
+    register_module("conv2", conv2);
+    register_module("bn2", bn2);
+    if (stride != 1) {
+      project = register_module("project", torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, 1).stride(stride).bias(false)));
+      bn_project = register_module("bn_project", torch::nn::BatchNorm2d(out));
+    }
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    torch::Tensor skip = project ? bn_project(project(x)) : x;
+    return torch::relu(bn2(conv2(torch::relu(bn1(conv1(x))))) + skip);
+  }
+};
+TORCH_MODULE(Block);
+
+struct ResNetImpl : torch::nn::Module {
+  torch::nn::Conv2d stem{conv3x3(1, 16, 1)};
+  torch::nn::BatchNorm2d bn_stem{16};
+  Block stage1{16, 16, 1}, stage2{16, 32, 2}, stage3{32, 64, 2};
+  torch::nn::Dropout dropout{0.2};
+  torch::nn::Linear head{64, 10};
+
+  ResNetImpl() {
+    register_module("stem", stem);
+    register_module("bn_stem", bn_stem);
+    register_module("stage1", stage1);
+    register_module("stage2", stage2);
+    register_module("stage3", stage3);
+    register_module("dropout", dropout);
+    register_module("head", head);
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = stage3(stage2(stage1(torch::relu(bn_stem(stem(x))))));
+    return head(dropout(torch::adaptive_avg_pool2d(x, {1, 1}).flatten(1)));
+  }
+};
+TORCH_MODULE(ResNet);
+
+torch::Tensor images_of(const duet::data::Batch& batch) {
+  const duet::Shape& s = batch.images.shape();
+  return torch::from_blob(const_cast<float*>(batch.images.data()), {s[0], s[1], s[2], s[3]}, torch::kFloat32);
+}
+
+torch::Tensor labels_of(const duet::data::Batch& batch) {
+  return torch::from_blob(const_cast<std::int32_t*>(batch.labels.data()), {batch.labels.numel()}, torch::kInt32)
+      .to(torch::kInt64);
+}
+
+template <class Net>
+void fit(Net net, int epochs, const std::string& dir, const char* name) {
+  duet::data::DataLoader train_data(duet::data::load_fashion_mnist(dir, duet::data::Split::train), 64,
+                                    {.shuffle = true, .seed = 1});
+  duet::data::DataLoader test_data(duet::data::load_fashion_mnist(dir, duet::data::Split::test), 1000);
+  torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(1e-3));
+  for (int e = 1; e <= epochs; ++e) {
+    net->train();
+    double sum = 0;
+    int64_t seen = 0;
+    const auto start = std::chrono::steady_clock::now();
+    for (const duet::data::Batch& batch : train_data) {
+      adam.zero_grad();
+      torch::Tensor loss = torch::cross_entropy_loss(net->forward(images_of(batch)), labels_of(batch));
+      loss.backward();
+      adam.step();
+      sum += loss.item<double>() * static_cast<double>(batch.labels.numel());
+      seen += batch.labels.numel();
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    net->eval();
+    torch::NoGradGuard no_grad;
+    double test_loss = 0;
+    int64_t correct = 0, total = 0;
+    for (const duet::data::Batch& batch : test_data) {
+      torch::Tensor logits = net->forward(images_of(batch));
+      torch::Tensor labels = labels_of(batch);
+      test_loss += torch::cross_entropy_loss(logits, labels, {}, at::Reduction::Sum).item<double>();
+      correct += logits.argmax(1).eq(labels).sum().item<int64_t>();
+      total += labels.numel();
+    }
+    std::printf("libtorch %s epoch %d: train loss %.6f  test loss %.6f  test accuracy %.4f  epoch %.1f s\n", name, e,
+                sum / static_cast<double>(seen), test_loss / static_cast<double>(total),
+                static_cast<double>(correct) / static_cast<double>(total), seconds);
+    std::fflush(stdout);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string net = "lenet5";
+  int epochs = 5;
+  uint64_t seed = 1;
+  std::string dir = duet::data::fashion_mnist_dir;
+  for (int i = 1; i < argc; i += 2) {
+    const std::string flag = argv[i];
+    if (i + 1 < argc && flag == "--net") net = argv[i + 1];
+    else if (i + 1 < argc && flag == "--epochs") epochs = std::atoi(argv[i + 1]);
+    else if (i + 1 < argc && flag == "--seed") seed = std::strtoull(argv[i + 1], nullptr, 10);
+    else if (i + 1 < argc && flag == "--data") dir = argv[i + 1];
+    else {
+      std::cerr << "usage: torch_fashion [--net lenet5|resnet] [--epochs N] [--seed S] [--data DIR]\n";
+      return 2;
+    }
+  }
+  at::set_num_threads(1);
+  torch::manual_seed(seed);
+  try {
+    if (net == "lenet5") fit(LeNet5(), epochs, dir, "lenet5");
+    else if (net == "resnet") fit(ResNet(), epochs, dir, "resnet");
+    else {
+      std::cerr << "torch_fashion: --net is lenet5 or resnet, got '" << net << "'\n";
+      return 2;
+    }
+  } catch (const duet::Error& e) {
+    std::cerr << "torch_fashion: " << e.what() << '\n';
+    return 1;
+  }
+  return 0;
+}
