@@ -8,7 +8,7 @@
 // Channels are kept small so that an epoch stays within minutes on one core (README gives
 // the measured epoch time).
 //
-//   resnet_fashion [--epochs 5] [--steps N] [--mode both|graph|pynative] [--data DIR]
+//   resnet_fashion [--epochs 5 | --steps N] [--mode both|graph|pynative] [--data DIR]
 #include "fashion_fit.hpp"
 
 namespace {
