@@ -5,8 +5,8 @@
 // (DUET_BENCH_TORCH) and, for the convolution, oneDNN's convolution primitives
 // (DUET_BENCH_DNNL: f32, nchw, the CPU engine), all in this process on the same sizes:
 //
-//   OMP_NUM_THREADS=1 build/benchmarks/duet_benchmarks --benchmark_filter=conv/ \
-//       --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
+//   OMP_NUM_THREADS=1 build/benchmarks/duet_benchmarks --benchmark_filter=conv/
+//       --benchmark_repetitions=5 --benchmark_report_aggregates_only=true   (one line)
 //
 // The CPU and the kernels' instruction set are in the table's context (optim.cpp adds them).
 // duet's forward+backward row differentiates sum(conv(x) · dy), which adds one elementwise
