@@ -21,6 +21,8 @@
 
 #if DUET_BENCH_TORCH
 #include <torch/torch.h>
+
+#include "torch_nets.hpp"
 #endif
 #if DUET_BENCH_DNNL
 #include <dnnl.hpp>
@@ -109,30 +111,10 @@ void conv3x3_backward(benchmark::State& state) {
 }
 
 #if DUET_BENCH_TORCH
-struct TorchLeNet5Impl : torch::nn::Module {
-  torch::nn::Conv2d conv1{torch::nn::Conv2dOptions(1, 6, 5).padding(2)};
-  torch::nn::Conv2d conv2{torch::nn::Conv2dOptions(6, 16, 5)};
-  torch::nn::Linear fc1{400, 120}, fc2{120, 84}, fc3{84, 10};
-
-  TorchLeNet5Impl() {
-    register_module("conv1", conv1);
-    register_module("conv2", conv2);
-    register_module("fc1", fc1);
-    register_module("fc2", fc2);
-    register_module("fc3", fc3);
-  }
-  torch::Tensor forward(torch::Tensor x) {
-    x = torch::max_pool2d(torch::relu(conv1(x)), 2);
-    x = torch::max_pool2d(torch::relu(conv2(x)), 2);
-    return fc3(torch::relu(fc2(torch::relu(fc1(x.flatten(1))))));
-  }
-};
-TORCH_MODULE(TorchLeNet5);
-
 void torch_lenet5_forward(benchmark::State& state) {
   at::set_num_threads(1);
   torch::NoGradGuard no_grad;
-  TorchLeNet5 net;
+  torch_nets::LeNet5 net;
   net->eval();
   const torch::Tensor x = torch::rand({state.range(0), 1, 28, 28});
   for (auto _ : state) {
@@ -144,7 +126,7 @@ void torch_lenet5_forward(benchmark::State& state) {
 
 void torch_lenet5_train_step(benchmark::State& state) {
   at::set_num_threads(1);
-  TorchLeNet5 net;
+  torch_nets::LeNet5 net;
   torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(1e-3));
   const torch::Tensor x = torch::rand({state.range(0), 1, 28, 28});
   const torch::Tensor labels = torch::arange(state.range(0)).remainder(10);
