@@ -1,14 +1,24 @@
 // Elementwise operations: the chain gelu(x * w + b) at [256, 512] (w a row, b a column) fused
 // into one pass by graph mode, against the same chain unfused (JitLevel::O0: one node per
-// operation, each writing its value), against PyNative, and against a memory floor: one read of
-// x and one write of the output, the least any implementation moves. (libtorch eager joins this
-// table with issue 12's benchmark rows, when libtorch is linked.)
+// operation, each writing its value), against PyNative, against libtorch eager on one thread
+// (when the benchmarks link libtorch: DUET_BENCH_TORCH), and against a memory floor: one read
+// of x and one write of the output, the least any implementation moves.
+//
+// Then what PyNative pays per operation, apart from its kernel: a chain of additions on [1, 4]
+// tensors, whose kernels cost a few nanoseconds, reported per node (counter per_node).
+//
+//   build/benchmarks/duet_benchmarks --benchmark_filter='ops/' --benchmark_repetitions=5
+//                                    --benchmark_report_aggregates_only=true
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
 #include <cstring>
 
 #include <duet/duet.hpp>
+
+#if DUET_BENCH_TORCH
+#include <torch/torch.h>
+#endif
 
 namespace {
 
@@ -51,6 +61,26 @@ void BM_chain_pynative(benchmark::State& state) {
   report_bytes(state);
 }
 
+#if DUET_BENCH_TORCH
+// The same chain in libtorch eager mode, on one thread like duet: three operations, each
+// writing its value, with torch::gelu's default (erf) form, ops::gelu's.
+void BM_chain_torch(benchmark::State& state) {
+  at::set_num_threads(1);
+  const Inputs in;
+  auto as_torch = [](const Tensor& t, at::IntArrayRef shape) {
+    return torch::from_blob(const_cast<float*>(t.data()), shape, torch::kFloat32).clone();
+  };
+  const torch::Tensor x = as_torch(in.x, {rows, cols});
+  const torch::Tensor w = as_torch(in.w, {cols});
+  const torch::Tensor b = as_torch(in.b, {rows, 1});
+  for (auto _ : state) {
+    torch::Tensor y = torch::gelu(x * w + b);
+    benchmark::DoNotOptimize(y.data_ptr());
+  }
+  report_bytes(state);
+}
+#endif
+
 // The floor: a copy of the same bytes, read once and written once.
 void BM_chain_memory_floor(benchmark::State& state) {
   const Inputs in;
@@ -63,9 +93,27 @@ void BM_chain_memory_floor(benchmark::State& state) {
   report_bytes(state);
 }
 
+// PyNative's cost per node: state.range(0) additions, one after the other, on [1, 4] tensors.
+void BM_pynative_per_node(benchmark::State& state) {
+  set_context({.mode = PYNATIVE_MODE});
+  const index_t nodes = state.range(0);
+  const Tensor x = ones({1, 4});
+  for (auto _ : state) {
+    Tensor y = x;
+    for (index_t i = 0; i < nodes; ++i) y = y + x;
+    benchmark::DoNotOptimize(y.data());
+  }
+  state.counters["per_node"] =
+      benchmark::Counter(static_cast<double>(state.iterations() * nodes), benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+}
+
 }  // namespace
 
 BENCHMARK(BM_chain_graph<JitLevel::O1>)->Name("ops/gelu(x*w+b)/graph_fused");
 BENCHMARK(BM_chain_graph<JitLevel::O0>)->Name("ops/gelu(x*w+b)/graph_unfused");
 BENCHMARK(BM_chain_pynative)->Name("ops/gelu(x*w+b)/pynative");
+#if DUET_BENCH_TORCH
+BENCHMARK(BM_chain_torch)->Name("ops/gelu(x*w+b)/libtorch_eager");
+#endif
 BENCHMARK(BM_chain_memory_floor)->Name("ops/gelu(x*w+b)/memory_floor_copy");
+BENCHMARK(BM_pynative_per_node)->Name("ops/pynative_per_node/add[1,4]")->Arg(16);

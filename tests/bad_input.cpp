@@ -2,7 +2,8 @@
 // and Inf inputs, returns a non-finite loss) and leaves the network's parameters and the
 // optimiser's state as they were. The optimiser's moments are private, so its state is
 // compared through what it does next: one more valid step must give the parameters a twin
-// that never saw the bad batch gets.
+// that never saw the bad batch gets. A network with BatchNorm and Dropout checks that the
+// state forward passes change (moving statistics, masks' generator) is kept too.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -18,23 +19,37 @@ using duet_test::ModeGuard;
 namespace {
 
 using Labels = BasicTensor<std::int32_t>;
-using Net = duet_test::SeedNetwork<>;
 using Loss = nn::SoftmaxCrossEntropyWithLogits<true, Reduction::mean>;
 
+// The seed network with the layers whose forward pass changes state.
+struct NormalizedNetwork : nn::Cell<NormalizedNetwork> {
+  nn::Flatten flatten;
+  nn::Dense<784, 32> fc1;
+  nn::BatchNorm1d<32> bn;
+  nn::ReLU relu;
+  nn::Dropout drop{0.25};
+  nn::Dense<32, 10> fc2;
+  DUET_CELL_MEMBERS(flatten, fc1, bn, relu, drop, fc2);
+  auto construct(auto x) { return fc2(drop(relu(bn(fc1(flatten(x)))))); }
+};
+
 // A network with its loss, optimiser and training step; the same seed gives the same trainer.
-struct Trainer {
+template <class Net>
+struct BasicTrainer {
   Net net;
   Loss loss;
   nn::WithLossCell<Net, Loss> with_loss{net, loss};
   nn::Adam adam{net.parameters(), {.learning_rate = 0.01}};
   nn::TrainOneStepCell<nn::WithLossCell<Net, Loss>, nn::Adam> step{with_loss, adam};
 
+  // Every parameter, BatchNorm's moving statistics included.
   std::vector<std::vector<float>> parameter_values() {
     std::vector<std::vector<float>> values;
     for (const auto& [name, p] : net.parameters()) values.emplace_back(p->data(), p->data() + p->numel());
     return values;
   }
 };
+using Trainer = BasicTrainer<duet_test::SeedNetwork<>>;
 
 // Bitwise, so that NaNs compare equal to themselves and -0 differs from 0.
 bool same_bits(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
@@ -57,16 +72,16 @@ Labels labels(index_t rows) {
 
 // Runs `bad` (which must make a's step fail or go non-finite) between valid steps of a and of
 // its twin b, in each mode, and checks a ends where b does.
-template <class Bad>
+template <class Net = duet_test::SeedNetwork<>, class Bad>
 void check_leaves_training_state_unchanged(Bad bad) {
   for (const Mode mode : {GRAPH_MODE, PYNATIVE_MODE}) {
     INFO(std::string(mode == GRAPH_MODE ? "graph mode" : "PyNative mode"));
     ModeGuard guard;
     set_context({.mode = mode});
     set_seed(7);
-    Trainer a;
+    BasicTrainer<Net> a;
     set_seed(7);
-    Trainer b;
+    BasicTrainer<Net> b;
     // A first step gives Adam moments, so a step taken on bad data would move the parameters.
     a.step(images(4, 1), labels(4));
     b.step(images(4, 1), labels(4));
@@ -139,4 +154,46 @@ TEST_CASE("NaN or Inf in a batch gives a non-finite loss, no exception, and chan
       }
     }
   });
+}
+
+TEST_CASE("a step that throws after BatchNorm and Dropout ran leaves their moving statistics and masks as they were") {
+  using Normalized = BasicTrainer<NormalizedNetwork>;
+  check_leaves_training_state_unchanged<NormalizedNetwork>([](Normalized& t) {
+    Labels y = labels(4);
+    y(2) = 10;
+    CHECK_THROWS_AS(t.step(images(4, 3), y), ValueError);
+    CHECK_THROWS_AS(t.step(images(4, 3), labels(3)), ShapeError);
+  });
+}
+
+TEST_CASE("a step whose loss is not finite skips its update and leaves BatchNorm and Dropout as they were") {
+  using Normalized = BasicTrainer<NormalizedNetwork>;
+  check_leaves_training_state_unchanged<NormalizedNetwork>([](Normalized& t) {
+    Tensor x = images(4, 3);
+    x(1, 0, 5, 5) = std::numeric_limits<float>::quiet_NaN();
+    CHECK(!std::isfinite(t.step(x, labels(4)).item()));
+  });
+}
+
+TEST_CASE("value_and_grad that throws leaves BatchNorm and Dropout as they were; one that succeeds moves them") {
+  check_leaves_training_state_unchanged<NormalizedNetwork>([](BasicTrainer<NormalizedNetwork>& t) {
+    auto step = value_and_grad(t.with_loss, t.net.parameters());
+    Labels y = labels(4);
+    y(0) = -1;
+    CHECK_THROWS_AS(step(images(4, 3), y), ValueError);
+  });
+  // The same call given good labels changes them: the test above would notice a layer that
+  // never moved its statistics.
+  ModeGuard guard;
+  for (const Mode mode : {GRAPH_MODE, PYNATIVE_MODE}) {
+    set_context({.mode = mode});
+    BasicTrainer<NormalizedNetwork> t;
+    t.net.set_train(true);
+    const auto before = t.parameter_values();
+    Generator masks_before = t.net.drop.generator();
+    auto step = value_and_grad(t.with_loss, t.net.parameters());
+    step(images(4, 3), labels(4));
+    CHECK(!same_bits(t.parameter_values(), before));
+    CHECK(t.net.drop.generator().next() != masks_before.next());
+  }
 }

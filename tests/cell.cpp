@@ -38,6 +38,23 @@ TEST_CASE("cells_and_names walks the tree depth first; names are paths from the 
   CHECK(net.type_name().find("SeedNetwork") != std::string::npos);
 }
 
+namespace {
+template <duet::Mode M, duet::nn::PadMode P, duet::Reduction R>
+struct EnumArguments : duet::nn::Cell<EnumArguments<M, P, R>, M> {
+  duet::nn::ReLU relu;
+  DUET_CELL_MEMBERS(relu);
+  auto construct(auto x) { return relu(x); }
+};
+}  // namespace
+
+TEST_CASE("type names spell enum template arguments as written, not as casts such as (Mode)0") {
+  CHECK(EnumArguments<GRAPH_MODE, nn::PadMode::same, Reduction::mean>().type_name() ==
+        "(anonymous namespace)::EnumArguments<GRAPH_MODE, nn::PadMode::same, Reduction::mean>");
+  CHECK(EnumArguments<PYNATIVE_MODE, nn::PadMode::pad, Reduction::none>().type_name() ==
+        "(anonymous namespace)::EnumArguments<PYNATIVE_MODE, nn::PadMode::pad, Reduction::none>");
+  CHECK(duet_test::SeedNetwork<CONTEXT_MODE>().type_name() == "duet_test::SeedNetwork<CONTEXT_MODE>");
+}
+
 TEST_CASE("forward hooks see every cell, in order, with its input and output, in PyNative mode") {
   ModeGuard guard;
   set_context({.mode = PYNATIVE_MODE});

@@ -237,3 +237,53 @@ TEST_CASE("Fashion-MNIST loads as 60000 and 10000 images of 28x28 in 10 classes"
   for (index_t i = 0; i < 937; ++i) loader.next();
   CHECK(loader.next()->images.dim(0) == 60000 - 937 * 64);
 }
+
+TEST_CASE("shards of a loader together serve one process's batches of the global size, in its order") {
+  for (const bool drop_last : {false, true}) {
+    // 23 samples, global batches of 3 x 2: three of 6, one of 5 (shards of 2, 2 and 1).
+    data::DataLoader whole(numbered(23), 6, {.shuffle = true, .seed = 5, .drop_last = drop_last});
+    std::vector<data::DataLoader> shards;
+    for (index_t s = 0; s < 3; ++s) {
+      shards.emplace_back(numbered(23), 2,
+                          data::LoaderOptions{.shuffle = true, .seed = 5, .drop_last = drop_last, .num_shards = 3, .shard_id = s});
+    }
+    for (int epoch = 0; epoch < 2; ++epoch) {
+      whole.start_epoch(static_cast<std::uint64_t>(epoch));
+      for (auto& shard : shards) {
+        shard.start_epoch(static_cast<std::uint64_t>(epoch));
+        CHECK(shard.size() == whole.size());
+        CHECK(shard.global_batch_size() == 6);
+      }
+      while (const data::Batch* batch = whole.next()) {
+        std::vector<index_t> expected = samples_of(*batch);
+        std::vector<index_t> together;
+        for (auto& shard : shards) {
+          const std::vector<index_t> part = samples_of(*shard.next());
+          together.insert(together.end(), part.begin(), part.end());
+        }
+        std::ranges::sort(expected);
+        std::ranges::sort(together);
+        CHECK(together == expected);
+      }
+      for (auto& shard : shards) CHECK(shard.next() == nullptr);
+    }
+  }
+}
+
+TEST_CASE("a last global batch smaller than the shard count is left out on every shard") {
+  // 13 samples in global batches of 2 x 3 = 6: the last holds one sample, and two shards none.
+  for (index_t s = 0; s < 3; ++s) {
+    data::DataLoader shard(numbered(13), 2, {.num_shards = 3, .shard_id = s});
+    CHECK(shard.size() == 2);
+    CHECK(epoch_order(shard).size() == 4);
+  }
+  CHECK(data::DataLoader(numbered(15), 2, {.num_shards = 3, .shard_id = 1}).size() == 3);
+}
+
+TEST_CASE("a loader checks its shard") {
+  CHECK_THROWS_WITH_AS(data::DataLoader(numbered(3), 1, {.num_shards = 2, .shard_id = 2}),
+                       "duet::data::DataLoader: shard_id must be in 0..1 with num_shards positive, got shard 2 of 2",
+                       ValueError);
+  CHECK_THROWS_AS(data::DataLoader(numbered(3), 1, {.num_shards = 0}), ValueError);
+  CHECK_THROWS_AS(data::DataLoader(numbered(3), 1, {.num_shards = 2, .shard_id = -1}), ValueError);
+}

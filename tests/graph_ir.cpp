@@ -1,4 +1,5 @@
 #include <string>
+#include <vector>
 
 #include "support.hpp"
 
@@ -67,4 +68,41 @@ TEST_CASE("graph_ir's DOT output escapes quotes, backslashes, newlines, <, > and
                                              "\"];\n"
                                              "  n0 -> n1;\n"
                                              "}\n");
+}
+
+namespace {
+// Two layers of one type on one input: its capture is ambiguous, so it runs traced.
+struct TwoQueries : nn::Cell<TwoQueries> {
+  nn::Dense<6, 6> wq;
+  nn::Dense<6, 6> wk;
+  nn::BatchNorm1d<6> bn;
+  DUET_CELL_MEMBERS(wq, wk, bn);
+  auto construct(auto x) { return ops::matmul(wq(x), bn(wk(x)), ops::transpose_b); }
+};
+}  // namespace
+
+TEST_CASE("graph_ir of an ambiguous capture shows the trace that runs, not the merged program") {
+  TwoQueries net;
+  net.set_train(true);
+  const std::vector<float> moving_mean(net.bn.moving_mean.data(), net.bn.moving_mean.data() + 6);
+  const GraphIR ir = graph_ir(net, shape<dyn, 6>);
+  for (const GraphText* g : {&ir.captured, &ir.optimized}) {
+    CHECK(g->text.find("ambiguous capture, so it runs as a traced graph (PIJit), not as a static graph: ") !=
+          std::string::npos);
+    CHECK(g->text.find("  traced on an input of shape [2, 6]\n  %0 = Input 0 : [2, 6]\n") != std::string::npos);
+    CHECK(g->text.find("= BatchMatMul(transpose_b)(%") != std::string::npos);
+    CHECK(g->dot.find("traced on an input of shape [2, 6]") != std::string::npos);
+  }
+  // Both products, where the merged program has one; in the order the compiler called them.
+  CHECK(ir.captured.text.find("= MatMul(%0) : [2, 6]  nn::Dense<6, 6> 'wq'\n") != std::string::npos);
+  CHECK(ir.captured.text.find("= MatMul(%0) : [2, 6]  nn::Dense<6, 6> 'wk'\n") != std::string::npos);
+  CHECK(ir.captured.text.find("= BatchNorm(%") != std::string::npos);
+  CHECK(ir.optimized.text.find("= MatMul + BiasAdd(%0) : [2, 6]  nn::Dense<6, 6> 'wq'\n") != std::string::npos);
+  CHECK(ir.optimized.text.find("= MatMul + BiasAdd(%0) : [2, 6]  nn::Dense<6, 6> 'wk'\n") != std::string::npos);
+  CHECK(ir.optimized.text.find("= BiasAdd(") == std::string::npos);  // fused into the products
+  // Tracing ran BatchNorm in training; its moving statistics are as they were.
+  CHECK(std::vector<float>(net.bn.moving_mean.data(), net.bn.moving_mean.data() + 6) == moving_mean);
+  // An input of unknown rank cannot be traced: graph_ir says how to see the trace.
+  CHECK(graph_ir(net).captured.text.find("give graph_ir an input shape (duet::shape<dyn, ...>) to see the trace") !=
+        std::string::npos);
 }

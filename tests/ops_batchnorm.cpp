@@ -5,6 +5,9 @@
 // both modes; evaluation with the moving statistics; the forms graph mode keeps and refuses;
 // checkpoints; errors; and a network with BatchNorm and Dropout trained in both modes.
 #include <filesystem>
+#include <iostream>
+#include <sstream>
+#include <string>
 
 #include "ops_harness.hpp"
 
@@ -267,6 +270,53 @@ TEST_CASE("set_train: grad and jit differentiate and run the form the layers ask
     }
     CHECK(outputs[0] == outputs[1]);
     CHECK(grads[0] == grads[1]);
+  }
+}
+
+namespace {
+// What `body` writes on std::cerr.
+template <class F>
+std::string cerr_of(F body) {
+  std::ostringstream captured;
+  std::streambuf* const original = std::cerr.rdbuf(captured.rdbuf());
+  try {
+    body();
+  } catch (...) {
+    std::cerr.rdbuf(original);
+    throw;
+  }
+  std::cerr.rdbuf(original);
+  return captured.str();
+}
+}  // namespace
+
+TEST_CASE("set_train: a gradient through BatchNorm or Dropout that nobody set_train-ed warns once per layer") {
+  duet_test::ModeGuard guard;
+  const duet::Tensor x = duet::uniform(Shape{6, 4}, -1.0f, 1.0f, std::uint64_t{65});
+  for (duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+    CAPTURE(mode);
+    duet::set_context({.mode = mode});
+    Counted<duet::CONTEXT_MODE> forgot;
+    // evaluate() switches phases for a while; that is not the user's choice.
+    duet::train::detail::EvaluationScope<Counted<duet::CONTEXT_MODE>>{forgot};
+    auto g = duet::grad(forgot);
+    const std::string first = cerr_of([&] { g(x); });
+    CHECK(first.find("duet: warning: a gradient is taken through nn::BatchNorm1d<3> 'bn', which nobody set to "
+                     "train or evaluate, so it runs in evaluation") != std::string::npos);
+    CHECK(first.find("nn::Dropout 'drop'") != std::string::npos);
+    CHECK(first.find("set_train(false) if evaluation is meant") != std::string::npos);
+    CHECK(first.find("nn::Dense") == std::string::npos);  // the same either phase: no warning
+    // Once per layer, also for another gradient of it.
+    CHECK(cerr_of([&] { g(x); }).empty());
+    CHECK(cerr_of([&] { duet::grad(forgot)(x); }).empty());
+
+    // Frozen BatchNorm on purpose, and a training loop that remembered: silent.
+    Counted<duet::CONTEXT_MODE> frozen;
+    frozen.set_train(false);
+    CHECK(cerr_of([&] { duet::grad(frozen)(x); }).empty());
+    Counted<duet::CONTEXT_MODE> training;
+    training.set_train(true);
+    CHECK(cerr_of([&] { duet::grad(training)(x); }).empty());
   }
 }
 

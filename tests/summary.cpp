@@ -20,11 +20,11 @@ std::string summary_text(Net& net, const Shape& input) {
   return out.str();
 }
 
-const std::string seed_network_summary = R"(Summary of SeedNetwork<(Mode)2> for an input of [64, 1, 28, 28]
+const std::string seed_network_summary = R"(Summary of SeedNetwork<CONTEXT_MODE> for an input of [64, 1, 28, 28]
 ==========================================================================
 Layer (type)                                        Output Shape   Param #
 ==========================================================================
-SeedNetwork<(Mode)2>                                [64, 10]            --
+SeedNetwork<CONTEXT_MODE>                           [64, 10]            --
   flatten (nn::Flatten)                             [64, 784]            0
   dense_relu_sequential (nn::SequentialCell)        [64, 10]            --
     dense_relu_sequential.0 (nn::Dense<784, 512>)   [64, 512]      401,920
@@ -228,7 +228,7 @@ TEST_CASE("summary: a wrong input shape is the layer's ShapeError, and graph mod
   Network seed;
   std::ostringstream sink;
   CHECK_THROWS_WITH_AS(summary(seed, {64, 1, 28, 27}, sink),
-                       "duet::summary(SeedNetwork<(Mode)2>, input [64, 1, 28, 27]): nn::Dense<784, 512> "
+                       "duet::summary(SeedNetwork<CONTEXT_MODE>, input [64, 1, 28, 27]): nn::Dense<784, 512> "
                        "'dense_relu_sequential.0' expects an input whose last dimension is 784, got [64, 756]",
                        ShapeError);
   auto runtime = runtime_built();
@@ -243,7 +243,7 @@ TEST_CASE("summary: a wrong input shape is the layer's ShapeError, and graph mod
   CHECK(jit_compile_count() == compiles + 1);
 
   CHECK_THROWS_WITH_AS(summary(seed, {dyn, 1, 28, 28}, sink),
-                       "duet::summary(SeedNetwork<(Mode)2>, input [?, 1, 28, 28]): every dimension of the input shape "
+                       "duet::summary(SeedNetwork<CONTEXT_MODE>, input [?, 1, 28, 28]): every dimension of the input shape "
                        "must be known, the batch size too",
                        ValueError);
 }

@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <iostream>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -398,8 +399,25 @@ class GradFunction {
     }
   }
 
+  // One step: what its forward pass changes (BatchNorm's moving statistics, Dropout's
+  // generator) stays only if forward and backward both succeed.
   template <bool WithInput, class V, class... X>
   BasicTensor<V> forward_backward(BasicTensor<V>& input_grad, const X&... xs) {
+    if constexpr (autodiff::detail::CellLike<Fn>) {
+      if (!phase_checked_) {
+        fn_.ensure_named();
+        fn_.warn_if_phase_unchosen(std::cerr);
+        phase_checked_ = true;
+      }
+    }
+    duet::detail::StepScope step;
+    BasicTensor<V> value = forward_backward_in_mode<WithInput>(input_grad, xs...);
+    step.commit();
+    return value;
+  }
+
+  template <bool WithInput, class V, class... X>
+  BasicTensor<V> forward_backward_in_mode(BasicTensor<V>& input_grad, const X&... xs) {
     if constexpr (graph::Capturable<FnRef&, X...>) {
       if (autodiff::detail::mode_of<Fn>() == GRAPH_MODE) return run_graph<WithInput>(input_grad, xs...);
     } else if constexpr (!WithInput && autodiff::detail::CellLike<Fn>) {
@@ -525,6 +543,7 @@ class GradFunction {
   std::optional<std::size_t> grad_position_;
   std::uint64_t id_ = duet::detail::new_plan_owner();
   duet::detail::OwnForm<TracedStep> traced_step_;
+  bool phase_checked_ = false;  // the first call warns of layers nobody set_train-ed
 };
 
 // MindSpore's value_and_grad(fn, grad_position, weights). fn is a cell (kept by reference) or

@@ -21,6 +21,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <ostream>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -146,6 +147,7 @@ class BasicDynamicCell {
       : name_(std::move(other.name_)),
         named_(other.named_.load()),
         training_(other.training_.load()),
+        phase_chosen_(other.phase_chosen_.load()),
         hooks_(std::exchange(other.hooks_, {})),
         backward_hooks_(std::exchange(other.backward_hooks_, {})),
         last_hook_id_(other.last_hook_id_) {}
@@ -246,11 +248,48 @@ class BasicDynamicCell {
   // traced again after a switch (its trace holds the phase's operations); a Cell's two graph
   // forms are both kept (pipeline::in_requested_phase).
   BasicDynamicCell& set_train(bool mode = true) {
-    for (auto& [path, cell] : cells_and_names()) cell->training_.store(mode, std::memory_order_relaxed);
+    for (auto& [path, cell] : cells_and_names()) {
+      cell->training_.store(mode, std::memory_order_relaxed);
+      cell->phase_chosen_.store(true, std::memory_order_relaxed);
+    }
     structure_changed();
     return *this;
   }
   bool training() const { return training_.load(std::memory_order_relaxed); }
+
+  // What a temporary switch (train::evaluate) gives back to each cell: its setting, and
+  // whether anybody chose it, so that the switch does not count as a choice.
+  struct PhaseSetting {
+    bool training;
+    bool chosen;
+  };
+  PhaseSetting phase_setting() const { return {training(), phase_chosen_.load(std::memory_order_relaxed)}; }
+  void restore_phase_setting(PhaseSetting setting) {
+    training_.store(setting.training, std::memory_order_relaxed);
+    phase_chosen_.store(setting.chosen, std::memory_order_relaxed);
+    structure_changed();
+  }
+
+  // Whether the cell computes differently in training and evaluation (BatchNorm, Dropout).
+  virtual bool depends_on_phase() const { return false; }
+
+  // A gradient through such a cell that nobody set_train-ed is almost always a training loop
+  // that forgot set_train(true): it trains on the moving statistics with Dropout off, and
+  // nothing fails. Says so on `out` (std::cerr), once per cell for the program's life. Calling
+  // set_train(false) says evaluation is meant (fine-tuning with BatchNorm frozen) and silences
+  // it. value_and_grad and grad call this on their first call.
+  void warn_if_phase_unchosen(std::ostream& out) {
+    for (auto& [path, cell] : cells_and_names()) {
+      if (!cell->depends_on_phase() || cell->phase_chosen_.load(std::memory_order_relaxed) ||
+          cell->phase_warned_.exchange(true)) {
+        continue;
+      }
+      out << "duet: warning: a gradient is taken through " << cell->label()
+          << ", which nobody set to train or evaluate, so it runs in evaluation (BatchNorm on its moving "
+             "statistics, Dropout as the identity); call set_train(true) on the network to train it, or "
+             "set_train(false) if evaluation is meant\n";
+    }
+  }
 
   // Gives this cell and all below it their paths, if no call or parent has done so yet.
   void ensure_named() {
@@ -339,6 +378,8 @@ class BasicDynamicCell {
   std::atomic<bool> named_{false};
   std::atomic<bool> registered_{false};  // found registered with the cell whose construct called it
   std::atomic<bool> training_{false};    // MindSpore's Cell.training, false until set_train
+  std::atomic<bool> phase_chosen_{false};  // set_train was called on it or above it
+  std::atomic<bool> phase_warned_{false};  // warn_if_phase_unchosen said so already
   std::vector<std::pair<long, BasicForwardHook<T>>> hooks_;
   std::vector<std::pair<long, BasicBackwardHook<T>>> backward_hooks_;
   long last_hook_id_ = 0;

@@ -111,6 +111,14 @@ struct LoaderOptions {
   std::uint64_t seed = 0;
   // Leave out the last batch when it is smaller than batch_size, instead of returning it short.
   bool drop_last = false;
+  // Data parallelism (MindSpore's num_shards/shard_id): the loader serves shard shard_id of
+  // every global batch of batch_size * num_shards samples, the samples at positions shard_id,
+  // shard_id + num_shards, ... of it. Every shard shuffles alike (the same seed gives the same
+  // epoch order), so the shards' batches together are one process's batches of the global size.
+  // A last global batch of fewer than num_shards samples is left out on every shard: some shard
+  // would get an empty batch.
+  index_t num_shards = 1;
+  index_t shard_id = 0;
 };
 
 // Cuts a data set into batches, one epoch at a time:
@@ -154,14 +162,25 @@ class DataLoader {
     if (batch_size_ <= 0) {
       throw ValueError("duet::data::DataLoader: batch_size must be positive, got " + std::to_string(batch_size_));
     }
+    if (options_.num_shards <= 0 || options_.shard_id < 0 || options_.shard_id >= options_.num_shards) {
+      throw ValueError("duet::data::DataLoader: shard_id must be in 0.." + std::to_string(options_.num_shards - 1) +
+                       " with num_shards positive, got shard " + std::to_string(options_.shard_id) + " of " +
+                       std::to_string(options_.num_shards));
+    }
     start_epoch(0);
   }
 
-  // Batches per epoch (PyTorch's len(loader), MindSpore's get_dataset_size()).
+  // Batches per epoch (PyTorch's len(loader), MindSpore's get_dataset_size()), the same on every shard.
   index_t size() const {
-    return options_.drop_last ? data_.size() / batch_size_ : (data_.size() + batch_size_ - 1) / batch_size_;
+    const index_t global = global_batch_size();
+    if (options_.drop_last || data_.size() % global < options_.num_shards) return data_.size() / global;
+    return data_.size() / global + 1;
   }
+  // Samples per batch on this shard (the last batch may have fewer).
   index_t batch_size() const { return batch_size_; }
+  // Samples per batch over all shards.
+  index_t global_batch_size() const { return batch_size_ * options_.num_shards; }
+  const LoaderOptions& options() const { return options_; }
   const ImageDataset& dataset() const { return data_; }
   std::uint64_t epoch() const { return epoch_; }
 
@@ -180,8 +199,9 @@ class DataLoader {
   // The next batch of this epoch, or nullptr when the epoch is over.
   const Batch* next() {
     if (next_batch_ == size()) return nullptr;
-    const index_t first = next_batch_ * batch_size_;
-    make_batch(first, std::min(batch_size_, data_.size() - first));
+    const index_t first = next_batch_ * global_batch_size() + options_.shard_id;
+    const index_t shards = options_.num_shards;
+    make_batch(first, std::min(batch_size_, (data_.size() - first + shards - 1) / shards));
     ++next_batch_;
     return &batch_;
   }
@@ -194,6 +214,7 @@ class DataLoader {
   std::default_sentinel_t end() const { return {}; }
 
  private:
+  // The samples at positions first, first + num_shards, ... of this epoch's order.
   void make_batch(index_t first, index_t count) {
     const index_t h = data_.height();
     const index_t w = data_.width();
@@ -206,7 +227,7 @@ class DataLoader {
     const index_t pixels = h * w;
     const std::uint8_t* images = data_.images().data();
     for (index_t k = 0; k < count; ++k) {
-      const index_t sample = order_[static_cast<std::size_t>(first + k)];
+      const index_t sample = order_[static_cast<std::size_t>(first + k * options_.num_shards)];
       const std::uint8_t* from = images + sample * pixels;
       float* to = batch_.images.data() + k * pixels;
       for (index_t p = 0; p < pixels; ++p) to[p] = static_cast<float>(from[p]) / 255.0f;

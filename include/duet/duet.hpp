@@ -34,6 +34,7 @@
 #include "nn/optim.hpp"
 #include "nn/wrap.hpp"
 #include "operation.hpp"
+#include "parallel.hpp"
 #include "ops/arithmetic.hpp"
 #include "ops/clip.hpp"
 #include "ops/conv.hpp"

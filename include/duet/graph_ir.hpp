@@ -14,6 +14,8 @@
 #include "graph.hpp"
 #include "passes.hpp"
 #include "pipeline.hpp"
+#include "pijit.hpp"
+#include "trace.hpp"
 
 namespace duet {
 
@@ -115,11 +117,59 @@ GraphText dump(const Sym<G, Out>& program, const std::string& title) {
   return {text.str(), dot.str()};
 }
 
+namespace detail {
+inline std::string dot_of_text(const std::string& title, const std::string& text) {
+  return "digraph \"" + dot_text(title) + "\" {\n  node [shape=box, fontname=\"monospace\"];\n  trace [label=\"" +
+         dot_text(text) + "\"];\n}\n";
+}
+
+// What runs instead of an ambiguous capture: the cell traced (PIJit) on an input of the
+// pattern's shape, unknown sizes taken as 2 (BatchNorm trains on no fewer), as recorded and as
+// replayed after fusion. Tracing runs the network; what that changes (BatchNorm's moving
+// statistics, Dropout's generator) is put back, as for a step that does not commit.
+template <JitConfig Config, class C>
+GraphIR traced_ir(C& cell, const std::string& title, Shape pattern, const std::string& why) {
+  using T = typename C::value_type;
+  const std::string head = "graph " + title + " {\n  ambiguous capture, so it runs as a traced graph (PIJit), not as "
+                           "a static graph: " + why + "\n";
+  const auto ir = [&](const std::string& captured, const std::string& optimized) {
+    return GraphIR{{head + captured + "}\n", dot_of_text(title, head + captured)},
+                   {head + optimized + "}\n", dot_of_text(title, head + optimized)}};
+  };
+  if (pattern.leading_unknown()) {
+    const std::string note = "  traced on its first call for each input shape: give graph_ir an input shape "
+                             "(duet::shape<dyn, ...>) to see the trace\n";
+    return ir(note, note);
+  }
+  for (int a = 0; a < pattern.rank(); ++a) pattern[a] = pattern[a] == dyn ? 2 : pattern[a];
+  const duet::detail::StepScope discarded;
+  pijit::Trace trace;
+  BasicTensor<T> x = zeros<T>(pattern);
+  trace.add_input(x, 0);
+  BasicTensor<T> y;
+  {
+    pijit::Tracing tracing(&trace);
+    EagerScope eager;
+    y = BasicTensor<T>(cell(x));
+  }
+  const std::size_t out = trace.find(y);
+  if (!trace.broken().empty() || out == trace.values().size()) {
+    const std::string note = "  graph break, runs eagerly: " + trace.broken() + "\n";
+    return ir(note, note);
+  }
+  const std::string traced_on = "  traced on an input of shape " + to_string(pattern) + "\n";
+  std::string captured = traced_on + pijit::describe(trace.values(), trace.steps(), out);
+  const pijit::Replay replay(std::move(trace), out, Config.jit_level);
+  return ir(captured, traced_on + replay.describe());
+}
+}  // namespace detail
+
 }  // namespace graph
 
 // The graph of cell for inputs of the given pattern (duet::shape<dyn, 1, 28, 28>, say; by
 // default an input of unknown shape, as when a runtime tensor is passed), optimised at the
-// jit level of Config.
+// jit level of Config. A capture that is ambiguous (README, Guarantees: "Shared values in graph
+// mode") does not run, so graph_ir shows the trace that runs instead.
 template <JitConfig Config = JitConfig{}, class C, class Pattern = graph::AnyShape>
 GraphIR graph_ir(C& cell, Pattern = {}) {
   if constexpr (nn::RuntimeBuilt<C>) {
@@ -138,8 +188,10 @@ GraphIR graph_ir(C& cell, Pattern = {}) {
           return cell(graph::input<typename C::value_type, In>());
         },
         [&](const auto& captured) {
+          if (!captured.ambiguity.empty()) {
+            return graph::detail::traced_ir<Config>(cell, title, Pattern::value, captured.ambiguity);
+          }
           auto optimized = passes::optimize<Config>(captured);
-          optimized.ambiguity = captured.ambiguity;  // the optimised graph does not run either
           return GraphIR{graph::dump(captured, title), graph::dump(optimized, title)};
         });
   }

@@ -9,6 +9,7 @@
 #include <string>
 #include <typeindex>
 #include <typeinfo>
+#include <vector>
 
 #include "tensor.hpp"
 
@@ -25,6 +26,59 @@ inline std::uint64_t begin_backward_pass() {
   static std::atomic<std::uint64_t> last{0};
   return current_backward_pass() = last.fetch_add(1, std::memory_order_relaxed) + 1;
 }
+
+// State that a forward pass changes (BatchNorm's moving statistics, Dropout's generator) and
+// that a training step must leave as it was when it fails: such a step throws after the
+// forward ran (a loss refusing its labels) or skips its update (a loss that is not finite).
+// The owner saves its state the first time a step changes it and puts it back if the step
+// does not commit; saving into buffers kept from step to step allocates nothing once warm.
+class StepState {
+ public:
+  virtual void save_for_step() = 0;
+  virtual void restore_step() = 0;
+
+ protected:
+  ~StepState() = default;
+};
+
+struct StepLog {
+  int depth = 0;  // nested steps (a TrainOneStepCell's gradient) commit with the outermost
+  std::vector<StepState*> saved;
+};
+inline StepLog& step_log() {
+  thread_local StepLog log;
+  return log;
+}
+
+// Called before a forward pass changes `state`. Outside a step (a forward call alone) the
+// change is final at once, as the call itself is.
+inline void will_change(StepState& state) {
+  StepLog& log = step_log();
+  if (log.depth == 0 || std::ranges::find(log.saved, &state) != log.saved.end()) return;
+  state.save_for_step();
+  log.saved.push_back(&state);
+}
+
+// One training step on this thread (value_and_grad's call, TrainOneStepCell's): every
+// StepState it changes is put back when it ends without commit(), by an exception or not.
+class StepScope {
+ public:
+  StepScope() { ++step_log().depth; }
+  StepScope(const StepScope&) = delete;
+  StepScope& operator=(const StepScope&) = delete;
+  ~StepScope() {
+    StepLog& log = step_log();
+    if (--log.depth > 0) return;
+    if (!committed_) {
+      for (auto it = log.saved.rbegin(); it != log.saved.rend(); ++it) (*it)->restore_step();
+    }
+    log.saved.clear();
+  }
+  void commit() { committed_ = true; }
+
+ private:
+  bool committed_ = false;
+};
 }  // namespace detail
 
 namespace nn {

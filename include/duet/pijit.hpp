@@ -42,6 +42,9 @@ class Replay {
     layout();
   }
 
+  // The steps it replays, after fusion, as graph_ir prints them.
+  std::string describe() const { return pijit::describe(values_, steps_, output_); }
+
   std::size_t traced_steps() const { return traced_steps_; }
   std::size_t steps() const { return steps_.size(); }
 

@@ -77,6 +77,9 @@ class Step {
   virtual EpilogueInfo as_epilogue() const = 0;
   virtual bool is_view() const = 0;
   virtual bool runs_kernel() const = 0;
+  // What graph_ir prints for it: the operation's name, and who runs it (empty if nobody else).
+  virtual std::string op_name() const = 0;
+  virtual std::string label() const = 0;
 
   std::vector<std::size_t> inputs;
   std::size_t output = 0;
@@ -154,6 +157,8 @@ class OpStep final : public Step {
 
   bool is_view() const override { return Op::is_view; }
   bool runs_kernel() const override { return graph::runs_kernel<Op>(); }
+  std::string op_name() const override { return Op::op_name(); }
+  std::string label() const override { return op_.label() == Op::op_name() ? std::string() : op_.label(); }
 
  private:
   // Instantiated only for ops with a kernel: views have none.
@@ -179,7 +184,35 @@ class BackwardPassStep final : public Step {
   EpilogueInfo as_epilogue() const override { return {}; }
   bool is_view() const override { return false; }
   bool runs_kernel() const override { return true; }
+  std::string op_name() const override { return "BeginBackwardPass"; }
+  std::string label() const override { return {}; }
 };
+
+// A trace as text, one line per step in graph_ir's form ("%3 = MatMul(%0) : [1, 6]  nn::Dense<6, 6> 'wq'"),
+// each input or constant on a line of its own before its first reader.
+inline std::string describe(const std::vector<Value>& values, const std::vector<std::unique_ptr<Step>>& steps,
+                            std::size_t output) {
+  std::string text;
+  std::vector<bool> shown(values.size(), false);
+  const auto show_source = [&](std::size_t v) {
+    const Value& value = values[v];
+    if (shown[v] || (value.kind != Value::Kind::input && value.kind != Value::Kind::constant)) return;
+    shown[v] = true;
+    text += "  %" + std::to_string(v) + " = " +
+            (value.kind == Value::Kind::input ? "Input " + std::to_string(value.input) : std::string("Constant")) +
+            " : " + to_string(value.shape) + "\n";
+  };
+  for (const auto& step : steps) {
+    for (std::size_t v : step->inputs) show_source(v);
+    std::string args;
+    for (std::size_t v : step->inputs) args += (args.empty() ? "%" : ", %") + std::to_string(v);
+    const std::string who = step->label();
+    text += "  %" + std::to_string(step->output) + " = " + step->op_name() + (args.empty() ? "" : "(" + args + ")") +
+            " : " + to_string(values[step->output].shape) + (who.empty() ? "" : "  " + who) + "\n";
+  }
+  show_source(output);
+  return text + "  return %" + std::to_string(output) + "\n";
+}
 
 class Trace {
  public:

@@ -5,13 +5,16 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <concepts>
 #include <ostream>
+#include <ranges>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "cell.hpp"
 #include "data.hpp"
+#include "parallel.hpp"
 #include "tensor.hpp"
 
 namespace duet::train {
@@ -23,12 +26,13 @@ struct Metrics {
 };
 
 // How many rows of logits [B, C] have their largest value at the row's label.
-inline index_t correct_predictions(const Tensor& logits, const BasicTensor<std::int32_t>& labels) {
+template <ElementType T>
+index_t correct_predictions(const BasicTensor<T>& logits, const BasicTensor<std::int32_t>& labels) {
   const index_t rows = logits.dim(0);
   const index_t classes = logits.dim(1);
   index_t correct = 0;
   for (index_t r = 0; r < rows; ++r) {
-    const float* row = logits.data() + r * classes;
+    const T* row = logits.data() + r * classes;
     index_t best = 0;
     for (index_t c = 1; c < classes; ++c) {
       if (row[c] > row[best]) best = c;
@@ -45,44 +49,80 @@ template <class Net>
 class EvaluationScope {
  public:
   explicit EvaluationScope(Net& net) {
-    for (auto& [path, cell] : net.cells_and_names()) saved_.emplace_back(cell, cell->training());
+    for (auto& [path, cell] : net.cells_and_names()) saved_.emplace_back(cell, cell->phase_setting());
     net.set_train(false);
   }
   EvaluationScope(const EvaluationScope&) = delete;
   EvaluationScope& operator=(const EvaluationScope&) = delete;
-  // Parents come before their children (cells_and_names is depth first), so a child's own
-  // setting is restored after its parent's, which set_train also gives the children.
   ~EvaluationScope() {
-    for (auto& [cell, training] : saved_) cell->set_train(training);
+    for (auto& [cell, setting] : saved_) cell->restore_phase_setting(setting);
   }
 
  private:
-  std::vector<std::pair<nn::BasicDynamicCell<typename Net::value_type>*, bool>> saved_;
+  using DynamicCell = nn::BasicDynamicCell<typename Net::value_type>;
+  std::vector<std::pair<DynamicCell*, typename DynamicCell::PhaseSetting>> saved_;
 };
 }  // namespace detail
 
-// One pass over the loader's current epoch: mean loss (loss_fn must reduce by mean) and
-// accuracy of net, each batch weighted by its size. A cell runs in evaluation meanwhile
+// What evaluate reads: a range of batches (a range-for over it runs one pass), each with
+// `images`, what the network takes (any shape, channel count or element type), and `labels`,
+// the class indices [B] as BasicTensor<std::int32_t>. data::DataLoader is one; so is a
+// std::vector of such structs.
+template <class L>
+concept ClassificationLoader = std::ranges::input_range<L> && requires(std::ranges::range_reference_t<L> batch) {
+  batch.images;
+  { batch.labels } -> std::convertible_to<const BasicTensor<std::int32_t>&>;
+};
+
+// One pass over the loader (a DataLoader's current epoch): mean loss (loss_fn must reduce by
+// mean) and accuracy of net, each batch weighted by its size. A cell runs in evaluation meanwhile
 // (MindSpore's Model.eval sets set_train(False)): Dropout passes its input through, BatchNorm
 // uses its moving statistics and leaves them as they are; each cell's setting is restored after.
-template <class Net, class Loss>
-Metrics evaluate(Net& net, Loss& loss_fn, data::DataLoader& loader) {
+// A sharded loader's metrics are summed over the ranks (duet/distributed.hpp), so that every
+// rank returns the whole data set's.
+template <class Net, class Loss, ClassificationLoader Loader>
+Metrics evaluate(Net& net, Loss& loss_fn, Loader& loader) {
   const detail::EvaluationScope<Net> evaluation(net);
   Metrics m;
   double loss_sum = 0;
   index_t correct = 0;
-  for (const data::Batch& batch : loader) {
-    const Tensor logits = net(batch.images);
+  for (const auto& batch : loader) {
+    const auto output = net(batch.images);
+    const auto& logits = tensor_of(output);
     const index_t n = batch.labels.numel();
     loss_sum += static_cast<double>(loss_fn(logits, batch.labels).item()) * static_cast<double>(n);
     correct += correct_predictions(logits, batch.labels);
     m.samples += n;
+  }
+  if constexpr (requires { loader.options().num_shards; }) {
+    if (loader.options().num_shards > 1) {
+      duet::detail::DataParallelRuntime* runtime = duet::detail::data_parallel_runtime().load(std::memory_order_acquire);
+      if (runtime == nullptr) {
+        throw ModeError("duet::train::evaluate: the loader is shard " + std::to_string(loader.options().shard_id) +
+                        " of " + std::to_string(loader.options().num_shards) +
+                        ", but no rank group exists to sum the shards' metrics; call duet::distributed::init()");
+      }
+      double sums[] = {loss_sum, static_cast<double>(correct), static_cast<double>(m.samples)};
+      runtime->all_reduce_sum(sums);
+      loss_sum = sums[0];
+      correct = static_cast<index_t>(sums[1]);
+      m.samples = static_cast<index_t>(sums[2]);
+    }
   }
   if (m.samples > 0) {
     m.loss = loss_sum / static_cast<double>(m.samples);
     m.accuracy = static_cast<double>(correct) / static_cast<double>(m.samples);
   }
   return m;
+}
+
+// Anything else: one error that says what a loader is, rather than a failed constraint.
+template <class Net, class Loss, class Loader>
+Metrics evaluate(Net&, Loss&, Loader&) {
+  static_assert(ClassificationLoader<Loader>,
+                "duet::train::evaluate: the loader must be a range of batches with .images (the network's input) "
+                "and .labels (BasicTensor<std::int32_t>), see duet::train::ClassificationLoader");
+  return {};
 }
 
 // "epoch 2/5 [##########..........]  469/938  loss 0.4127  21034 ex/s  ETA 0:04", redrawn in

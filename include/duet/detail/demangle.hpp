@@ -3,7 +3,13 @@
 #include <cstdlib>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <typeinfo>
+#include <utility>
+
+#include "../backend.hpp"
+#include "../context.hpp"
+#include "../nn/pad_mode.hpp"
 
 #if __has_include(<cxxabi.h>)
 #include <cxxabi.h>
@@ -11,6 +17,30 @@
 #endif
 
 namespace duet::detail {
+
+// The demangler writes an enum template argument as a cast, "(duet::Mode)0"; these are the
+// spellings a user writes instead, for the enums that appear in cells' template arguments.
+inline std::string spell_enum_arguments(std::string name) {
+  const auto spelled = [](auto value, std::string_view cast, std::string spelling) {
+    return std::pair{std::string(cast) + std::to_string(static_cast<int>(value)), std::move(spelling)};
+  };
+  const std::pair<std::string, std::string> spellings[] = {
+      spelled(Mode::graph, "(Mode)", "GRAPH_MODE"),
+      spelled(Mode::pynative, "(Mode)", "PYNATIVE_MODE"),
+      spelled(Mode::context, "(Mode)", "CONTEXT_MODE"),
+      spelled(nn::PadMode::same, "(nn::PadMode)", "nn::PadMode::same"),
+      spelled(nn::PadMode::valid, "(nn::PadMode)", "nn::PadMode::valid"),
+      spelled(nn::PadMode::pad, "(nn::PadMode)", "nn::PadMode::pad"),
+      spelled(Reduction::none, "(Reduction)", "Reduction::none"),
+      spelled(Reduction::mean, "(Reduction)", "Reduction::mean"),
+      spelled(Reduction::sum, "(Reduction)", "Reduction::sum"),
+      spelled(Reduction::batchmean, "(Reduction)", "Reduction::batchmean"),
+  };
+  for (const auto& [cast, spelling] : spellings) {
+    for (std::size_t at; (at = name.find(cast)) != std::string::npos;) name.replace(at, cast.size(), spelling);
+  }
+  return name;
+}
 
 // "duet::nn::Dense<784l, 512l, float>" becomes "nn::Dense<784, 512, float>": the name a user
 // wrote, for cell type names in messages and graph dumps.
@@ -31,7 +61,7 @@ inline std::string readable_type_name(const std::type_info& type) {
     if (name[i] == 'l' && digit_before && closes) continue;
     out += name[i];
   }
-  return out;
+  return spell_enum_arguments(std::move(out));
 }
 
 }  // namespace duet::detail

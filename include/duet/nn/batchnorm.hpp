@@ -13,7 +13,8 @@
 // Training (set_train()) normalises with the batch's statistics, mean and biased variance,
 // and moves the moving statistics towards them; evaluation normalises with the moving
 // statistics and leaves them alone. Both are the same kernels in both modes, so the outputs,
-// the gradients and the moving statistics agree bit for bit.
+// the gradients and the moving statistics agree bit for bit. A training step that fails after
+// the forward pass ran puts the moving statistics back (duet::detail::StepState).
 //
 // Folding into a convolution (graph mode at evaluation, issue 11): an evaluation BatchNorm is
 // the per-channel affine map y = x · scale + shift of BatchNorm::evaluation_affine(), which a
@@ -23,6 +24,7 @@
 // can be kept as the parameters' derived() form, remade when any of them changes version().
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -122,6 +124,7 @@ struct BatchNormOp : Primitive<BatchNormOp<Layer, P>>, PhaseOf<Layer, P> {
       layer.check_batch(a.in_shape());
       const T momentum = static_cast<T>(layer.momentum());
       const T unbiased = static_cast<T>(runs.count()) / static_cast<T>(runs.count() - 1);
+      duet::detail::will_change(layer);
       T* moving_mean = layer.moving_mean.data();
       T* moving_variance = layer.moving_variance.data();
       for (index_t c = 0; c < runs.channels; ++c) {
@@ -269,7 +272,7 @@ namespace nn {
 // moving one is the unbiased one (· m / (m - 1)), as in both; the batch is normalised with the
 // biased one. Training needs more than one value per channel.
 template <int Dims, index_t C = dyn, ElementType T = float>
-class BatchNorm : public Cell<BatchNorm<Dims, C, T>, CONTEXT_MODE, T> {
+class BatchNorm : public Cell<BatchNorm<Dims, C, T>, CONTEXT_MODE, T>, public duet::detail::StepState {
   static_assert(Dims == 1 || Dims == 2, "nn::BatchNorm<Dims>: Dims is 1 (BatchNorm1d) or 2 (BatchNorm2d)");
   static_assert(C == dyn || C > 0, "nn::BatchNorm2d<C>: C must be positive (or duet::dyn)");
 
@@ -348,6 +351,20 @@ class BatchNorm : public Cell<BatchNorm<Dims, C, T>, CONTEXT_MODE, T> {
     return ops::apply_in_phase<ops::BatchNormOp>(this, std::forward<X>(x));
   }
 
+  // Training moves the moving statistics; a step that fails puts them back.
+  void save_for_step() override {
+    const auto& mean = std::as_const(moving_mean);
+    const auto& variance = std::as_const(moving_variance);
+    saved_mean_.assign(mean.data(), mean.data() + mean.numel());
+    saved_variance_.assign(variance.data(), variance.data() + variance.numel());
+  }
+  void restore_step() override {
+    std::ranges::copy(saved_mean_, moving_mean.data());
+    std::ranges::copy(saved_variance_, moving_variance.data());
+  }
+
+  bool depends_on_phase() const override { return true; }
+
   std::string type_name() const override {
     std::string s = "nn::BatchNorm" + std::to_string(Dims) + "d<" + (C == dyn ? std::string("dyn") : std::to_string(C));
     if constexpr (!std::is_same_v<T, float>) s += ", " + std::string(name_of(dtype_of<T>));
@@ -358,6 +375,8 @@ class BatchNorm : public Cell<BatchNorm<Dims, C, T>, CONTEXT_MODE, T> {
   index_t features_;
   double eps_;
   double momentum_;
+  std::vector<T> saved_mean_;
+  std::vector<T> saved_variance_;
 };
 
 template <index_t C = dyn, ElementType T = float>

@@ -8,7 +8,7 @@
 // Seeded: a layer draws its masks from a generator of its own, seeded from the global one
 // (duet::set_seed) when the layer is made, one draw per element in row-major order per
 // training call. Both modes run the same kernel once per call, so they draw the same masks in
-// the same order and give the same losses.
+// the same order and give the same losses. A training step that fails gives its draws back.
 //
 // The mask is not kept: the gradient recovers it from the input and the output. A kept
 // element's output is x / (1 - p), which is 0 only if x is (|1 / (1 - p)| >= 1: no
@@ -58,6 +58,7 @@ struct DropoutOp : Primitive<DropoutOp<Layer, P>>, PhaseOf<Layer, P> {
       T* y = a.out<T>();
       const float p = this->layer->p();
       const T scale = T(1) / (T(1) - static_cast<T>(p));
+      duet::detail::will_change(*this->layer);
       Generator& gen = this->layer->generator();
       for (index_t i = 0; i < n; ++i) {
         // Drawn as float whatever T is, so that float and double networks drop alike.
@@ -127,7 +128,7 @@ namespace nn {
 
 // MindSpore's nn.Dropout(p=0.5) (see the header's comment): p in [0, 1).
 template <ElementType T>
-class BasicDropout : public Cell<BasicDropout<T>, CONTEXT_MODE, T> {
+class BasicDropout : public Cell<BasicDropout<T>, CONTEXT_MODE, T>, public duet::detail::StepState {
  public:
   explicit BasicDropout(double p = 0.5) : p_(static_cast<float>(p)) {
     if (!(p >= 0 && p < 1)) {
@@ -144,10 +145,16 @@ class BasicDropout : public Cell<BasicDropout<T>, CONTEXT_MODE, T> {
   // The masks' generator; training kernels draw from it (one training call at a time).
   Generator& generator() const { return generator_; }
 
+  // A step that fails gives back the draws it took, so the next one drops what it would have.
+  void save_for_step() override { saved_ = generator_; }
+  void restore_step() override { generator_ = saved_; }
+
   template <class X>
   auto construct(X&& x) {
     return ops::apply_in_phase<ops::DropoutOp>(this, std::forward<X>(x));
   }
+
+  bool depends_on_phase() const override { return true; }
 
   std::string type_name() const override {
     std::string s = "nn::Dropout";
@@ -158,6 +165,7 @@ class BasicDropout : public Cell<BasicDropout<T>, CONTEXT_MODE, T> {
  private:
   float p_;
   mutable Generator generator_;
+  Generator saved_;
 };
 
 using Dropout = BasicDropout<float>;

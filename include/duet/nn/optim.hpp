@@ -18,6 +18,7 @@
 
 #include "../backend.hpp"
 #include "../error.hpp"
+#include "../parallel.hpp"
 #include "../parameter.hpp"
 #include "../tensor.hpp"
 
@@ -117,9 +118,17 @@ class BasicOptimizer {
   BasicOptimizer& operator=(const BasicOptimizer&) = delete;
   virtual ~BasicOptimizer() = default;
 
-  // Updates every parameter the calling thread's last backward pass reached.
+  // Updates every parameter the calling thread's last backward pass reached. In DATA_PARALLEL
+  // that pass's gradients must have been all-reduced (nn::TrainOneStepCell does it), or each
+  // rank would move its parameters its own way.
   void step() {
     const std::uint64_t pass = duet::detail::current_backward_pass();
+    if (duet::detail::parallel_mode().load(std::memory_order_relaxed) == ParallelMode::DATA_PARALLEL &&
+        duet::detail::all_reduced_backward_pass() != pass) {
+      throw ModeError(std::string(type_name()) +
+                      ".step(): DATA_PARALLEL, but the gradients of the last backward pass were not all-reduced "
+                      "across the ranks; train with nn::TrainOneStepCell");
+    }
     begin_step();
     for (std::size_t i = 0; i < params_.size(); ++i) {
       if (params_[i]->has_grad_from(pass)) update(i, params_[i]->grad.data());

@@ -4,15 +4,18 @@
 
 #include <algorithm>
 #include <cmath>
+#include <concepts>
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 #include "../autodiff.hpp"
 #include "../cell.hpp"
 #include "../ops/clip.hpp"
+#include "../parallel.hpp"
 
 namespace duet::nn {
 
@@ -58,13 +61,18 @@ struct TrainOneStepConfig {
 // One training step per call: forward, loss, backward and the optimiser's update. In graph
 // mode the first three are one compiled graph run by one evaluator call; the update follows
 // in the same call, over the gradients that run left in the parameters.
+//
+// In DATA_PARALLEL (duet/distributed.hpp) the first step first gives every rank rank 0's
+// parameters, and each step all-reduces the gradients between backward and the update, in
+// both modes, so that every rank applies the same update; the loss returned is then the
+// global batch's.
 template <class NetWithLoss, class Optimizer>
 class TrainOneStepCell {
   using T = typename NetWithLoss::value_type;
 
  public:
   TrainOneStepCell(NetWithLoss& net_with_loss, Optimizer& optimizer, TrainOneStepConfig config = {})
-      : grad_(net_with_loss, {}, std::nullopt), optimizer_(optimizer), config_(config) {
+      : net_with_loss_(net_with_loss), grad_(net_with_loss, {}, std::nullopt), optimizer_(optimizer), config_(config) {
     if (config_.clip_global_norm) ops::detail::check_clip_norm(*config_.clip_global_norm);
     // Cells start in evaluation (MindSpore's default); a training step that ran BatchNorm on
     // its moving statistics and Dropout as the identity would train quietly wrong. MindSpore's
@@ -72,7 +80,8 @@ class TrainOneStepCell {
     net_with_loss.set_train(true);
   }
 
-  // Returns the loss of the batch, before the update. A step that fails changes nothing. An
+  // Returns the loss of the batch, before the update. A step that fails or skips its update
+  // changes nothing, not even BatchNorm's moving statistics or Dropout's generator. An
   // empty batch is refused: it has no gradient, yet an update would still advance the
   // optimiser (its step count, and momentum moving the parameters). A batch whose loss is NaN
   // or infinite (NaN or Inf inputs, or a model that diverged) skips the update, which would
@@ -82,7 +91,25 @@ class TrainOneStepCell {
     if (((tensor_of(xs).numel() == 0) || ...)) {
       throw ValueError("nn::TrainOneStepCell: the batch is empty; a training step needs at least one sample");
     }
+    duet::detail::StepScope step;
+    duet::detail::DataParallelRuntime* parallel = duet::detail::training_runtime("nn::TrainOneStepCell");
+    if (parallel != nullptr && !parameters_broadcast_) {
+      if constexpr (std::same_as<T, float>) {
+        parallel->broadcast_parameters(net_with_loss_.parameters());
+      } else {
+        throw ModeError("nn::TrainOneStepCell: DATA_PARALLEL trains float networks only");
+      }
+      parameters_broadcast_ = true;
+    }
     BasicTensor<T> loss = grad_.value_and_parameter_grads(xs...);
+    if constexpr (std::same_as<T, float>) {
+      // Before the finiteness check: a NaN on one rank must skip the update on all of them.
+      if (parallel != nullptr) {
+        const auto samples = static_cast<double>(tensor_of(std::get<0>(std::forward_as_tuple(xs...))).dim(0));
+        parallel->all_reduce_gradients(optimizer_.parameters(), duet::detail::current_backward_pass(), loss, samples,
+                                       get_auto_parallel_context().gradients_mean);
+      }
+    }
     if (!std::ranges::all_of(loss.values(), [](T v) { return std::isfinite(v); })) return loss;
     // Clipping reads the gradients backward left, the same in both modes, so both clip alike.
     // A gradient whose norm is not finite skips the update, as a NaN loss does; the norm is
@@ -97,6 +124,7 @@ class TrainOneStepCell {
       if (!std::isfinite(last_global_norm_)) return loss;
     }
     optimizer_.step();
+    step.commit();
     return loss;
   }
 
@@ -105,10 +133,12 @@ class TrainOneStepCell {
   double last_global_norm() const { return last_global_norm_; }
 
  private:
+  NetWithLoss& net_with_loss_;
   GradFunction<NetWithLoss&, void> grad_;
   Optimizer& optimizer_;
   TrainOneStepConfig config_;
   double last_global_norm_ = 0;
+  bool parameters_broadcast_ = false;
 };
 
 }  // namespace duet::nn

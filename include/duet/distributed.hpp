@@ -1,0 +1,416 @@
+// Data-parallel training over MPI (MindSpore's mindspore.communication on CPU, PyTorch's DDP):
+//
+//   duet::distributed::init();
+//   duet::set_auto_parallel_context({.parallel_mode = duet::ParallelMode::DATA_PARALLEL, .gradients_mean = true});
+//   data::DataLoader loader(data, 32, {.shuffle = true, .seed = 1,
+//                                      .num_shards = duet::distributed::get_group_size(),
+//                                      .shard_id = duet::distributed::get_rank()});
+//   ... nn::TrainOneStepCell as in one process ...
+//
+// run with `mpirun -np N program`. Not part of duet/duet.hpp: only programs that include this
+// header need MPI (CMake target duet::distributed).
+//
+// Every collective waits at most the timeout (InitConfig::timeout_seconds, else the
+// environment variable DUET_DISTRIBUTED_TIMEOUT, else 60 s) and then throws
+// duet::distributed::CommunicationError: a rank that died, hangs or skipped a step stops the
+// others instead of hanging them. An exception that leaves main on any rank (the terminate
+// handler init() installs) prints it and aborts every rank with MPI_Abort; a program that
+// catches a duet::Error itself calls duet::distributed::abort.
+#pragma once
+
+// duet uses MPI's C interface; the deprecated C++ bindings do not compile warning-free.
+#ifndef OMPI_SKIP_MPICXX
+#define OMPI_SKIP_MPICXX 1
+#endif
+#ifndef MPICH_SKIP_MPICXX
+#define MPICH_SKIP_MPICXX 1
+#endif
+#include <mpi.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include "error.hpp"
+#include "parallel.hpp"
+#include "parameter.hpp"
+#include "shape.hpp"
+#include "tensor.hpp"
+
+namespace duet::distributed {
+
+// A collective that failed or did not complete in time.
+class CommunicationError : public Error {
+ public:
+  using Error::Error;
+};
+
+struct InitConfig {
+  // How long a collective may wait for the other ranks; empty: DUET_DISTRIBUTED_TIMEOUT, else 60.
+  std::optional<double> timeout_seconds = std::nullopt;
+  // Gradients and parameters travel in buffers of about this size, each its own collective.
+  std::size_t bucket_bytes = std::size_t{4} << 20;
+};
+
+namespace detail {
+
+// 64-bit FNV-1a: the networks' descriptions are compared by hash first, in one collective.
+inline std::uint64_t fnv1a(std::string_view text) {
+  std::uint64_t h = 14695981039346656037ull;
+  for (const char c : text) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+  return h;
+}
+
+// Where each parameter's elements go in the buffers of one collective each: parameters in
+// order, a bucket closed before it would pass the size (a parameter larger alone has its own).
+struct Bucket {
+  std::size_t first = 0;  // parameters [first, last)
+  std::size_t last = 0;
+  index_t elements = 0;
+};
+
+inline std::vector<Bucket> plan_buckets(const std::vector<index_t>& sizes, std::size_t bucket_bytes) {
+  const auto limit = static_cast<index_t>(std::max<std::size_t>(bucket_bytes / sizeof(float), 1));
+  std::vector<Bucket> buckets;
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    if (buckets.empty() || (buckets.back().elements > 0 && buckets.back().elements + sizes[i] > limit)) {
+      buckets.push_back({i, i, 0});
+    }
+    buckets.back().last = i + 1;
+    buckets.back().elements += sizes[i];
+  }
+  return buckets;
+}
+
+class MpiRuntime final : public duet::detail::DataParallelRuntime {
+ public:
+  MpiRuntime(MPI_Comm comm, double timeout_seconds, std::size_t bucket_bytes)
+      : comm_(comm), timeout_seconds_(timeout_seconds), bucket_bytes_(bucket_bytes) {
+    MPI_Comm_rank(comm_, &rank_);
+    MPI_Comm_size(comm_, &size_);
+  }
+
+  int rank() const override { return rank_; }
+  int group_size() const override { return size_; }
+  double timeout_seconds() const { return timeout_seconds_; }
+  MPI_Comm communicator() const { return comm_; }
+
+  void broadcast_parameters(const std::vector<nn::NamedParameter<float>>& params) override {
+    check_same_network(params);
+    std::vector<index_t> sizes;
+    for (const auto& p : params) sizes.push_back(p.parameter->numel());
+    const std::vector<Bucket> buckets = plan_buckets(sizes, bucket_bytes_);
+    std::vector<std::vector<float>> buffers(buckets.size());
+    std::vector<MPI_Request> requests(buckets.size(), MPI_REQUEST_NULL);
+    for (std::size_t b = 0; b < buckets.size(); ++b) {
+      buffers[b].resize(static_cast<std::size_t>(buckets[b].elements));
+      if (rank_ == 0) {
+        float* to = buffers[b].data();
+        for (std::size_t i = buckets[b].first; i < buckets[b].last; ++i) {
+          const nn::Parameter& p = *params[i].parameter;
+          to = std::copy_n(p.data(), p.numel(), to);
+        }
+      }
+      check(MPI_Ibcast(buffers[b].data(), static_cast<int>(buckets[b].elements), MPI_FLOAT, 0, comm_, &requests[b]),
+            "broadcasting the parameters");
+    }
+    wait(requests, "broadcasting the parameters from rank 0");
+    if (rank_ == 0) return;
+    for (std::size_t b = 0; b < buckets.size(); ++b) {
+      const float* from = buffers[b].data();
+      for (std::size_t i = buckets[b].first; i < buckets[b].last; ++i) {
+        nn::Parameter& p = *params[i].parameter;
+        // Non-const data() moves the version, so packed weights (O2) are made again.
+        std::copy_n(from, p.numel(), p.data());
+        from += p.numel();
+      }
+    }
+  }
+
+  // Gradient buckets start in backward order (the last parameters' gradients are the first
+  // done), each as soon as it is packed, so packing overlaps the buckets already in flight.
+  void all_reduce_gradients(const std::vector<nn::Parameter*>& params, std::uint64_t pass, Tensor& loss,
+                            double samples, bool mean) override {
+    const double weight = mean ? samples : 1.0;
+    // [weight, weighted loss..., reached by this rank's pass per parameter]
+    const std::size_t losses = static_cast<std::size_t>(loss.numel());
+    std::vector<double> meta(1 + losses + params.size());
+    meta[0] = weight;
+    for (std::size_t k = 0; k < losses; ++k) meta[1 + k] = static_cast<double>(loss.data()[k]) * weight;
+    for (std::size_t i = 0; i < params.size(); ++i) meta[1 + losses + i] = params[i]->has_grad_from(pass) ? 1 : 0;
+    std::vector<MPI_Request> requests(1, MPI_REQUEST_NULL);
+    check(MPI_Iallreduce(MPI_IN_PLACE, meta.data(), static_cast<int>(meta.size()), MPI_DOUBLE, MPI_SUM, comm_,
+                         requests.data()),
+          "all-reducing the step's sample counts and losses");
+
+    std::vector<nn::Parameter*> order(params.rbegin(), params.rend());
+    std::vector<index_t> sizes;
+    for (const nn::Parameter* p : order) sizes.push_back(p->numel());
+    const std::vector<Bucket> buckets = plan_buckets(sizes, bucket_bytes_);
+    gradient_buffers_.resize(buckets.size());
+    const auto scale = static_cast<float>(weight);
+    for (std::size_t b = 0; b < buckets.size(); ++b) {
+      std::vector<float>& buffer = gradient_buffers_[b];
+      buffer.resize(static_cast<std::size_t>(buckets[b].elements));
+      float* to = buffer.data();
+      for (std::size_t i = buckets[b].first; i < buckets[b].last; ++i) {
+        const nn::Parameter& p = *order[i];
+        if (p.has_grad_from(pass)) {
+          to = std::transform(p.grad.data(), p.grad.data() + p.numel(), to, [scale](float g) { return g * scale; });
+        } else {
+          to = std::fill_n(to, p.numel(), 0.0f);
+        }
+      }
+      requests.push_back(MPI_REQUEST_NULL);
+      check(MPI_Iallreduce(MPI_IN_PLACE, buffer.data(), static_cast<int>(buffer.size()), MPI_FLOAT, MPI_SUM, comm_,
+                           &requests.back()),
+            "all-reducing the gradients");
+    }
+    wait(requests, "all-reducing the gradients");
+
+    const double total = meta[0];
+    const auto unscale = static_cast<float>(1.0 / total);
+    for (std::size_t b = 0; b < buckets.size(); ++b) {
+      const float* from = gradient_buffers_[b].data();
+      for (std::size_t i = buckets[b].first; i < buckets[b].last; ++i) {
+        nn::Parameter& p = *order[i];
+        const std::size_t index = params.size() - 1 - i;
+        if (meta[1 + losses + index] > 0) {
+          bool accumulate = false;
+          float* grad = p.grad_for_write(pass, &accumulate);
+          std::transform(from, from + p.numel(), grad, [unscale](float g) { return g * unscale; });
+        }
+        from += p.numel();
+      }
+    }
+    Tensor reduced(loss.shape());
+    for (std::size_t k = 0; k < losses; ++k) reduced.data()[k] = static_cast<float>(meta[1 + k] / total);
+    loss = reduced;
+    duet::detail::all_reduced_backward_pass() = pass;
+  }
+
+  void all_reduce_sum(std::span<double> values) override {
+    MPI_Request request = MPI_REQUEST_NULL;
+    check(MPI_Iallreduce(MPI_IN_PLACE, values.data(), static_cast<int>(values.size()), MPI_DOUBLE, MPI_SUM, comm_,
+                         &request),
+          "summing values over the ranks");
+    wait(std::span(&request, 1), "summing values over the ranks");
+  }
+
+ private:
+  std::string where() const {
+    return "duet::distributed (rank " + std::to_string(rank_) + " of " + std::to_string(size_) + "): ";
+  }
+
+  void check(int code, std::string_view what) const {
+    if (code == MPI_SUCCESS) return;
+    char text[MPI_MAX_ERROR_STRING];
+    int length = 0;
+    MPI_Error_string(code, text, &length);
+    throw CommunicationError(where() + std::string(what) + " failed: " + std::string(text, static_cast<std::size_t>(length)));
+  }
+
+  // MPI_Wait cannot give up; polling with a deadline can. Each MPI_Testall also moves the
+  // collective on (a large all-reduce goes in segments, each sent from inside a call), so the
+  // loop yields the core between calls instead of sleeping: a 50 us sleep made a 2.7 MB
+  // all-reduce several times slower.
+  void wait(std::span<MPI_Request> requests, std::string_view what) const {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_seconds_);
+    for (;;) {
+      int done = 0;
+      check(MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done, MPI_STATUSES_IGNORE), what);
+      if (done != 0) return;
+      if (std::chrono::steady_clock::now() > deadline) {
+        char seconds[32];
+        std::snprintf(seconds, sizeof seconds, "%g", timeout_seconds_);
+        throw CommunicationError(where() + std::string(what) + " did not complete within " + seconds +
+                                 " s: another rank stopped, died or took another path (the timeout is "
+                                 "InitConfig::timeout_seconds or DUET_DISTRIBUTED_TIMEOUT)");
+      }
+      std::this_thread::yield();
+    }
+  }
+
+  static std::string describe(const nn::NamedParameter<float>& p) {
+    return "'" + p.name + "' " + to_string(p.parameter->shape());
+  }
+
+  // Compares hashes of the ranks' parameter lists; when they differ, every rank learns the
+  // first difference of the first rank that differs from rank 0, and all throw alike.
+  void check_same_network(const std::vector<nn::NamedParameter<float>>& params) {
+    std::string text;
+    for (const auto& p : params) text += describe(p) + "\n";
+    const std::uint64_t h = fnv1a(text);
+    std::uint64_t bounds[2] = {h, ~h};  // max of h and of ~h: equal hashes iff max(h) == ~max(~h)
+    MPI_Request request = MPI_REQUEST_NULL;
+    check(MPI_Iallreduce(MPI_IN_PLACE, bounds, 2, MPI_UINT64_T, MPI_MAX, comm_, &request), "comparing the networks");
+    wait(std::span(&request, 1), "comparing the ranks' networks");
+    if (bounds[0] == ~bounds[1]) return;
+
+    // Rank 0's list, to each rank.
+    unsigned long long length = text.size();
+    check(MPI_Ibcast(&length, 1, MPI_UNSIGNED_LONG_LONG, 0, comm_, &request), "comparing the networks");
+    wait(std::span(&request, 1), "comparing the ranks' networks");
+    std::string reference = rank_ == 0 ? text : std::string(static_cast<std::size_t>(length), '\0');
+    check(MPI_Ibcast(reference.data(), static_cast<int>(length), MPI_CHAR, 0, comm_, &request), "comparing the networks");
+    wait(std::span(&request, 1), "comparing the ranks' networks");
+    std::vector<std::string> expected;
+    for (std::size_t from = 0, to; (to = reference.find('\n', from)) != std::string::npos; from = to + 1) {
+      expected.push_back(reference.substr(from, to - from));
+    }
+    std::string difference;
+    for (std::size_t i = 0; difference.empty() && i < std::max(expected.size(), params.size()); ++i) {
+      const std::string mine = i < params.size() ? describe(params[i]) : "no parameter";
+      const std::string zeros = i < expected.size() ? expected[i] : "no parameter";
+      if (mine != zeros) {
+        difference = "rank " + std::to_string(rank_) + " has " + mine + " as parameter " + std::to_string(i) +
+                     " where rank 0 has " + zeros;
+      }
+    }
+    // Every rank's difference (empty when it matches rank 0), to every rank.
+    int mine_length = static_cast<int>(difference.size());
+    std::vector<int> lengths(static_cast<std::size_t>(size_));
+    check(MPI_Iallgather(&mine_length, 1, MPI_INT, lengths.data(), 1, MPI_INT, comm_, &request), "comparing the networks");
+    wait(std::span(&request, 1), "comparing the ranks' networks");
+    std::vector<int> offsets(lengths.size(), 0);
+    for (std::size_t r = 1; r < lengths.size(); ++r) offsets[r] = offsets[r - 1] + lengths[r - 1];
+    std::string all(static_cast<std::size_t>(offsets.back() + lengths.back()), '\0');
+    check(MPI_Iallgatherv(difference.data(), mine_length, MPI_CHAR, all.data(), lengths.data(), offsets.data(),
+                          MPI_CHAR, comm_, &request),
+          "comparing the networks");
+    wait(std::span(&request, 1), "comparing the ranks' networks");
+    for (std::size_t r = 0; r < lengths.size(); ++r) {
+      if (lengths[r] > 0) {
+        throw ValueError(where() + "the ranks' networks differ: " +
+                         all.substr(static_cast<std::size_t>(offsets[r]), static_cast<std::size_t>(lengths[r])));
+      }
+    }
+    // Equal lists with different hashes cannot happen; fail loudly rather than train apart.
+    throw ValueError(where() + "the ranks' networks hash differently, yet list the same parameters");
+  }
+
+  MPI_Comm comm_;
+  int rank_ = 0;
+  int size_ = 1;
+  double timeout_seconds_;
+  std::size_t bucket_bytes_;
+  std::vector<std::vector<float>> gradient_buffers_;  // kept, so steps do not allocate them again
+};
+
+inline std::unique_ptr<MpiRuntime>& runtime_storage() {
+  static std::unique_ptr<MpiRuntime> runtime;
+  return runtime;
+}
+
+inline MpiRuntime& runtime(std::string_view who) {
+  MpiRuntime* r = runtime_storage().get();
+  if (r == nullptr) {
+    throw ModeError("duet::distributed::" + std::string(who) + ": call duet::distributed::init() first");
+  }
+  return *r;
+}
+
+inline double timeout_from_environment() {
+  const char* env = std::getenv("DUET_DISTRIBUTED_TIMEOUT");
+  if (env == nullptr) return 60.0;
+  char* end = nullptr;
+  const double seconds = std::strtod(env, &end);
+  if (end == env || *end != '\0' || !(seconds > 0)) {
+    throw ValueError("duet::distributed::init: DUET_DISTRIBUTED_TIMEOUT must be a positive number of seconds, got '" +
+                     std::string(env) + "'");
+  }
+  return seconds;
+}
+
+// Finalises MPI when the program ends normally.
+struct Finalizer {
+  Finalizer() = default;
+  Finalizer(const Finalizer&) = delete;
+  Finalizer& operator=(const Finalizer&) = delete;
+  ~Finalizer() {
+    duet::detail::data_parallel_runtime().store(nullptr, std::memory_order_release);
+    runtime_storage().reset();
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized == 0) MPI_Finalize();
+  }
+};
+
+}  // namespace detail
+
+// Prints message on stderr and ends every rank (MPI_Abort), with exit status `code`.
+[[noreturn]] inline void abort(std::string_view message, int code = 1) {
+  std::fprintf(stderr, "%.*s\n", static_cast<int>(message.size()), message.data());
+  std::fflush(stderr);
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (initialized != 0) MPI_Abort(MPI_COMM_WORLD, code);
+  std::_Exit(code);
+}
+
+// MindSpore's init(): joins the ranks mpirun started (one process alone is a group of 1).
+// Calling it again changes nothing.
+inline void init(const InitConfig& config = {}) {
+  if (detail::runtime_storage() != nullptr) return;
+  const double timeout = config.timeout_seconds ? *config.timeout_seconds : detail::timeout_from_environment();
+  if (!(timeout > 0)) throw ValueError("duet::distributed::init: timeout_seconds must be positive");
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (initialized == 0) {
+    // Training steps may run on any thread, one at a time; duet's kernel threads never call MPI.
+    int provided = 0;
+    if (MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided) != MPI_SUCCESS) {
+      throw CommunicationError("duet::distributed::init: MPI_Init_thread failed");
+    }
+    if (provided < MPI_THREAD_SERIALIZED) {
+      throw CommunicationError("duet::distributed::init: this MPI cannot be called from more than one thread "
+                               "(MPI_THREAD_SERIALIZED), which training steps on other threads need");
+    }
+  }
+  static detail::Finalizer finalizer;
+  MPI_Comm comm = MPI_COMM_NULL;
+  MPI_Comm_dup(MPI_COMM_WORLD, &comm);
+  // Errors come back as codes, which become CommunicationError, instead of aborting in MPI.
+  MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
+  detail::runtime_storage() = std::make_unique<detail::MpiRuntime>(comm, timeout, config.bucket_bytes);
+  duet::detail::data_parallel_runtime().store(detail::runtime_storage().get(), std::memory_order_release);
+  // An exception leaving main would otherwise end this rank alone, and the others would wait
+  // for it until their timeout.
+  std::set_terminate([] {
+    std::string what = "an unknown exception";
+    if (const std::exception_ptr e = std::current_exception()) {
+      try {
+        std::rethrow_exception(e);
+      } catch (const std::exception& x) {
+        what = x.what();
+      } catch (...) {
+      }
+    }
+    int rank = 0;
+    int size = 1;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &size);
+    abort("duet::distributed: rank " + std::to_string(rank) + " of " + std::to_string(size) + " stopped: " + what +
+          "; aborting all ranks");
+  });
+}
+
+// MindSpore's get_rank(): this process's number, 0 .. get_group_size() - 1.
+inline int get_rank() { return detail::runtime("get_rank").rank(); }
+// MindSpore's get_group_size(): how many processes train together.
+inline int get_group_size() { return detail::runtime("get_group_size").group_size(); }
+
+// Each value becomes its sum over the ranks (for metrics a program gathers itself).
+inline void all_reduce_sum(std::span<double> values) { detail::runtime("all_reduce_sum").all_reduce_sum(values); }
+
+}  // namespace duet::distributed
