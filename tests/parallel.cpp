@@ -52,6 +52,8 @@ TEST_CASE("DATA_PARALLEL without duet::distributed::init() refuses to train, in 
     auto value_and_grads = value_and_grad(with_loss, net.parameters());
     value_and_grads(x, y);
     CHECK_THROWS_WITH_AS(sgd.step(), doctest::Contains("nn::SGD.step(): DATA_PARALLEL, but the gradients"), ModeError);
+    CHECK_THROWS_WITH_AS(sgd(value_and_grads(x, y).grads),
+                         doctest::Contains("nn::SGD(grads): DATA_PARALLEL, but the gradients"), ModeError);
     CHECK(std::ranges::equal(net.weight.values(), before.values()));
     set_auto_parallel_context({.parallel_mode = ParallelMode::STAND_ALONE});
     step(x, y);
