@@ -10909,17 +10909,10 @@ class BasicOptimizer {
   BasicOptimizer& operator=(const BasicOptimizer&) = delete;
   virtual ~BasicOptimizer() = default;
 
-  // Updates every parameter the calling thread's last backward pass reached. In DATA_PARALLEL
-  // that pass's gradients must have been all-reduced (nn::TrainOneStepCell does it), or each
-  // rank would move its parameters its own way.
+  // Updates every parameter the calling thread's last backward pass reached.
   void step() {
     const std::uint64_t pass = duet::detail::current_backward_pass();
-    if (duet::detail::parallel_mode().load(std::memory_order_relaxed) == ParallelMode::DATA_PARALLEL &&
-        duet::detail::all_reduced_backward_pass() != pass) {
-      throw ModeError(std::string(type_name()) +
-                      ".step(): DATA_PARALLEL, but the gradients of the last backward pass were not all-reduced "
-                      "across the ranks; train with nn::TrainOneStepCell");
-    }
+    require_all_reduced(pass, ".step()");
     begin_step();
     for (std::size_t i = 0; i < params_.size(); ++i) {
       if (params_[i]->has_grad_from(pass)) update(i, params_[i]->grad.data());
@@ -10929,6 +10922,7 @@ class BasicOptimizer {
 
   // MindSpore's optimizer(grads): one gradient per parameter, in order.
   void operator()(const std::vector<BasicTensor<T>>& grads) {
+    require_all_reduced(duet::detail::current_backward_pass(), "(grads)");
     if (grads.size() != params_.size()) {
       throw ValueError("optimizer: got " + std::to_string(grads.size()) + " gradients for " +
                        std::to_string(params_.size()) + " parameters");
@@ -10975,6 +10969,18 @@ class BasicOptimizer {
   std::vector<BasicParameter<T>*> params_;
   LearningRate learning_rate_;
   std::int64_t global_step_ = 0;
+
+ private:
+  // In DATA_PARALLEL an update must use gradients all-reduced across the ranks (nn::TrainOneStepCell
+  // does it), or each rank would move its parameters its own way, with no error anywhere.
+  void require_all_reduced(std::uint64_t pass, const char* call) const {
+    if (duet::detail::parallel_mode().load(std::memory_order_relaxed) == ParallelMode::DATA_PARALLEL &&
+        duet::detail::all_reduced_backward_pass() != pass) {
+      throw ModeError(std::string(type_name()) + call +
+                      ": DATA_PARALLEL, but the gradients of the last backward pass were not all-reduced across the "
+                      "ranks; train with nn::TrainOneStepCell");
+    }
+  }
 };
 
 struct SGDConfig {
