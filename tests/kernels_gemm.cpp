@@ -163,6 +163,44 @@ TEST_CASE_TEMPLATE("kernels::gemm: NaN goes through the product, the bias and Re
   });
 }
 
+TEST_CASE_TEMPLATE("kernels::gemm_kn: b stored as [k, n], the reference's values and gemm's bits on bᵀ", T, float, double) {
+  duet_test::for_each_isa([] {
+    std::mt19937 gen(9);
+    for (const Case& s : cases()) {
+      CAPTURE(s.m);
+      CAPTURE(s.k);
+      CAPTURE(s.n);
+      const std::vector<T> a = random_values<T>(static_cast<std::size_t>(s.m * s.k), gen);
+      const std::vector<T> b = random_values<T>(static_cast<std::size_t>(s.n * s.k), gen);  // [n, k]
+      std::vector<T> bt(b.size());                                                            // [k, n]
+      for (index_t j = 0; j < s.n; ++j) {
+        for (index_t p = 0; p < s.k; ++p) bt[static_cast<std::size_t>(p * s.n + j)] = b[static_cast<std::size_t>(j * s.k + p)];
+      }
+      const auto size = static_cast<std::size_t>(s.m * s.n);
+      std::vector<T> c_storage(size + 2, T(7));
+      T* c = c_storage.data() + 1;
+      kernels::gemm_kn(a.data(), s.m, s.k, bt.data(), s.n, c);
+      CHECK(duet_test::relative_difference(as_double(c, size), reference<T>(a.data(), s.m, s.k, b.data(), s.n, nullptr, false)) <=
+            tolerance<T>);
+      CHECK(c_storage.front() == T(7));
+      CHECK(c_storage.back() == T(7));
+      // Where gemm takes its blocked product (more than one row), the packed panels are the same
+      // and so are the sums.
+      if (s.m > 1) {
+        std::vector<T> expected(size);
+        kernels::gemm(a.data(), s.m, s.k, b.data(), s.n, nullptr, expected.data());
+        CHECK(std::equal(expected.begin(), expected.end(), c));
+      }
+    }
+  });
+}
+
+TEST_CASE("kernels::gemm_kn with k = 0 writes zeros") {
+  std::vector<float> c(6, 7.0f);
+  kernels::gemm_kn<float>(nullptr, 2, 0, nullptr, 3, c.data());
+  CHECK(std::all_of(c.begin(), c.end(), [](float v) { return v == 0.0f; }));
+}
+
 TEST_CASE("kernels::gemm refuses a weight packed for another shape") {
   const std::vector<float> a(2 * 8, 1.0f);
   const std::vector<float> b(4 * 8, 1.0f);

@@ -135,6 +135,14 @@ struct Eigen {
     }
   }
 
+  // c[m, n] = a[m, k] · b[k, n], all row-major: the product whose right operand is laid out
+  // as im2col lays out an image's patches (ops/conv.hpp), which dense() would need transposed.
+  template <class T>
+  static void matmul(const T* a, index_t m, index_t k, const T* b, index_t n, T* c) {
+    using Matrix = detail::RowMajorMatrix<T, dyn, dyn>;
+    ::Eigen::Map<Matrix>(c, m, n).noalias() = ::Eigen::Map<const Matrix>(a, m, k) * ::Eigen::Map<const Matrix>(b, k, n);
+  }
+
   // dense() with a layer's weight, kept pre-packed from call to call where the backend has a
   // packed form (JitLevel::O2). Eigen packs inside each product, so here it is dense().
   template <index_t In, index_t Out, class T, class... Fns>
@@ -371,6 +379,12 @@ struct Native : Eigen {
     } else {
       Eigen::dense<In, Out>(x, rows, in, w, out, epilogue, y);
     }
+  }
+
+  template <class T>
+  static void matmul(const T* a, index_t m, index_t k, const T* b, index_t n, T* c) {
+    if constexpr (kernels::gemm_supports<T>) kernels::gemm_kn(a, m, k, b, n, c);
+    else Eigen::matmul(a, m, k, b, n, c);
   }
 
   // The weight is packed once per version of it (the parameter keeps the packed form), not

@@ -243,4 +243,21 @@ void gemm(const T* a, index_t m, index_t k, const T* b, index_t n, std::type_ide
   }
 }
 
+// c[m, n] = Σ_k a[m, k] · b[k, n]: gemm with b stored the other way round, [k, n] row-major, as
+// an image's patches are (kernels/conv.hpp), with neither bias nor functions. The blocked
+// product at every size, so the result has the same bits whether m is 1 or more; b's panels
+// are packed from the rows of b, which is the only difference from gemm on bᵀ, and the sums
+// are gemm's sums in the same order. After the first call on a thread for a given size, no
+// heap allocation.
+template <class T>
+  requires gemm_supports<T>
+void gemm_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c) {
+  if (m == 0 || n == 0) return;
+  if (k == 0) {
+    std::fill_n(c, m * n, T(0));
+    return;
+  }
+  detail::with_kernels(active_isa(), [&]<class Kernels>(Kernels) { Kernels::blocked_kn(a, m, k, b, n, c); });
+}
+
 }  // namespace duet::kernels

@@ -47,6 +47,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <span>
 #include <string>
@@ -171,11 +172,11 @@ inline kernels::ConvProblem conv_problem(const ConvGeometry& g, const Shape& x) 
   return q;
 }
 
-// Scratch for the patches of one group of one sample: from the thread's block cache, so a
-// warm graph allocates nothing (as the GEMM's own packing buffer).
+// Scratch of `count` elements (the patches of one group of one sample, ...): from the thread's
+// block cache, so a warm graph allocates nothing (as the GEMM's own packing buffer).
 template <class T>
-T* patch_buffer(duet::detail::Storage& storage, const kernels::ConvProblem& q) {
-  storage = duet::detail::Storage(static_cast<std::size_t>(q.pixels() * q.depth()) * sizeof(T));
+T* scratch(duet::detail::Storage& storage, index_t count) {
+  storage = duet::detail::Storage(static_cast<std::size_t>(count) * sizeof(T));
   return reinterpret_cast<T*>(storage.data());
 }
 
@@ -208,12 +209,12 @@ struct ConvOp : Primitive<ConvOp<Layer>> {
     T* y = a.out<T>();
     const index_t og = q.out_per_group();
     duet::detail::Storage storage;
-    T* col = detail::patch_buffer<T>(storage, q);
+    T* col = detail::scratch<T>(storage, q.depth() * q.pixels());
     for (index_t n = 0; n < q.batch; ++n) {
       for (index_t g = 0; g < q.groups; ++g) {
         kernels::im2col(q, x + (n * q.in + g * q.in_per_group()) * q.image(), col);
         T* yg = y + (n * q.out + g * og) * q.pixels();
-        Backend::template dense<dyn, dyn>(w + g * og * q.depth(), og, q.depth(), col, q.pixels(), Epilogue<T>{}, yg);
+        Backend::matmul(w + g * og * q.depth(), og, q.depth(), col, q.pixels(), yg);
       }
       if (bias != nullptr) kernels::add_channel_bias(y + n * q.out * q.pixels(), q.out, q.pixels(), bias);
     }
@@ -259,19 +260,30 @@ struct ConvGradOp : Primitive<ConvGradOp<Layer, InputGrad>> {
     const T* x = a.in<T>(1);
     const T* w = layer->weight.data();
     const index_t og = q.out_per_group();
-    duet::detail::Storage storage;
-    T* col = detail::patch_buffer<T>(storage, q);
+    const index_t weights = og * q.depth();  // one group's
+    duet::detail::Storage col_storage, sample_storage, wt_storage;
+    T* col = detail::scratch<T>(col_storage, q.depth() * q.pixels());
+    // One sample's part of a group's weight gradient, added to those before it.
+    T* dw_sample = detail::scratch<T>(sample_storage, weights);
     T* dx = InputGrad ? a.out<T>() : nullptr;
-    if (dx != nullptr) std::fill_n(dx, q.batch * q.in * q.image(), T(0));
+    // Each group's weight as [depth, out_g], the left operand of the patches' gradient.
+    T* wt = dx != nullptr ? detail::scratch<T>(wt_storage, q.groups * weights) : nullptr;
+    if (dx != nullptr) {
+      std::fill_n(dx, q.batch * q.in * q.image(), T(0));
+      for (index_t g = 0; g < q.groups; ++g) kernels::transpose(w + g * weights, og, q.depth(), wt + g * weights);
+    }
     for (index_t n = 0; n < q.batch; ++n) {
       for (index_t g = 0; g < q.groups; ++g) {
         const T* dyg = dy + (n * q.out + g * og) * q.pixels();
         const index_t xg = (n * q.in + g * q.in_per_group()) * q.image();
+        T* dwg = dw + g * weights;
         kernels::im2col(q, x + xg, col);
-        kernels::conv_weight_gradient(q, dyg, col, dw + g * og * q.depth(), accumulate_w || n > 0);
+        const bool add = accumulate_w || n > 0;
+        Backend::template dense<dyn, dyn>(dyg, og, q.pixels(), col, q.depth(), Epilogue<T>{}, add ? dw_sample : dwg);
+        if (add) std::transform(dwg, dwg + weights, dw_sample, dwg, std::plus<T>{});
         if (dx != nullptr) {
           // col is free again: it takes the patches' gradient.
-          kernels::conv_patch_gradient(q, dyg, w + g * og * q.depth(), col);
+          Backend::matmul(wt + g * weights, q.depth(), og, dyg, q.pixels(), col);
           kernels::col2im_add(q, col, dx + xg);
         }
       }

@@ -114,6 +114,35 @@ void pack_panel(const T* src, index_t ld, int rows, index_t depth, T* dst) {
   }
 }
 
+// Within each vector, the G x Q lanes (G = KG blocks of Q) as Q x G: lane q·G + i from lane
+// i·Q + q.
+template <class T, int... I>
+Vec<T> transpose_lanes(Vec<T> v, std::integer_sequence<int, I...>) {
+  constexpr int G = KG<T>;
+  constexpr int Q = lanes<T> / G;
+  return __builtin_shufflevector(v, v, (I % G * Q + I / G)...);
+}
+
+// pack_panel's panel from B stored transposed, as bt[k, n] (ld apart): the same layout, for
+// products whose right operand is an image's patches rather than a weight (kernels/conv.hpp).
+// A group's KG rows of bt, L columns each, are the panel's KG vectors transposed: block j of
+// row i goes to block i of vector j (transpose_blocks), then each vector's lanes from
+// row-major KG x Q to Q x KG.
+template <class T>
+void pack_panel_kn(const T* src, index_t ld, int cols, index_t depth, T* dst) {
+  constexpr int L = lanes<T>;
+  constexpr int G = KG<T>;
+  for (index_t g0 = 0; g0 < depth; g0 += G, dst += G * L) {
+    Vec<T> r[G];
+    for (int i = 0; i < G; ++i) {
+      const T* from = src + (g0 + i) * ld;
+      r[i] = g0 + i >= depth ? Vec<T>{} : cols == L ? load(from) : load_first(from, cols);
+    }
+    transpose_blocks<L / G, T>(r);
+    for (int j = 0; j < G; ++j) store<T>(dst + j * L, transpose_lanes<T>(r[j], std::make_integer_sequence<int, L>{}));
+  }
+}
+
 // One group of k for a tile: acc[i] += the group of row i of A, broadcast, times the panel's KG
 // vectors at bp. Partial: only rest < KG values of A remain, and A is not read past them. A
 // function rather than a lambda: GCC does not give lambdas the target of their region.
@@ -173,10 +202,11 @@ template <class T, class... Fns>
   }
 }
 
-// packed: B already packed, or null to pack each panel as it is reached.
+// packed: B already packed, or null to pack each panel as it is reached. b_kn: b is stored
+// transposed, as [k, n] (never packed ahead).
 template <class T, class... Fns>
 void gemm_blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
-                  const PackedWeight<T>* packed) {
+                  const PackedWeight<T>* packed, bool b_kn = false) {
   constexpr int L = lanes<T>;
   constexpr auto size = static_cast<index_t>(sizeof(T));
   const index_t kc = balanced_block(k, KC_bytes / size, KG<T>);
@@ -192,6 +222,7 @@ void gemm_blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const
         const index_t depth = std::min(kc, k - k0);
         const T* bp = panel;
         if (packed != nullptr) bp = packed->panel(j0, k0);
+        else if (b_kn) pack_panel_kn(b + k0 * n + j0, n, cols, depth, panel);
         else pack_panel(b + j0 * k + k0, k, cols, depth, panel);
         // A packed panel comes from L3 or memory, and its first tile would wait for it. The
         // panels lie in the order they are used, so each tile fetches a slice of the next one
@@ -234,6 +265,11 @@ struct Kernels {
   static void blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
                       const PackedWeight<T>* packed) {
     gemm_blocked<T, Fns...>(a, m, k, b, n, bias, c, packed);
+  }
+
+  template <class T>
+  static void blocked_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c) {
+    gemm_blocked<T>(a, m, k, b, n, nullptr, c, nullptr, true);
   }
 
   // Every panel of b ([n, k]) into dst, panel after panel, panel_size elements apart.
