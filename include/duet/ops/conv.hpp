@@ -28,19 +28,25 @@
 // compile-time form, since the output's static shape needs it; the run-time form keeps it in
 // the layer and its shape rule runs on it at run time (Dense's split).
 //
-// Algorithm: im2col on duet's GEMM for the forward product, Eigen's products for the two
-// gradients (kernels/conv.hpp gives the layout). Measured single-threaded in float, medians,
-// on the project's 2-core machine while other builds loaded it (load average 9 to 11, so
-// only the ratios mean much), forward of one layer, im2col + duet's GEMM / direct loops (an
-// axpy per tap over output rows) / im2col + Eigen's product:
+// Algorithm: im2col, one kernel tap to a row, and duet's packed GEMM for all three products
+// (the forward, the weight's gradient and the input's); kernels/conv.hpp gives the layout.
+// Measured single-threaded in float, medians of processor time, on the project's 2-core AMD
+// EPYC (AVX-512) while other builds loaded it (load average 11 to 14), forward of one layer,
+// im2col + duet's GEMM / direct loops (an axpy per tap over output rows) / im2col + Eigen's
+// product, with patches one pixel to a row:
 //   LeNet conv1, 1->6 5x5 pad 2, batch 64:   2.0 / 8.7 to 32 / 1.5 ms
 //   LeNet conv2, 6->16 5x5, batch 64:        1.4 / 29 to 65 / 1.6 to 1.9 ms
 //   3x3 64->64 pad 1 on 28x28, batch 32:     111 to 291 / 1096 to 3263 / 101 to 333 ms
-// Direct convolution loses even at one input channel, so there is no direct path; duet's
-// GEMM and Eigen's are within the noise of each other, and the forward takes duet's (one
-// product kernel for Dense and Conv, its per-ISA dispatch). im2col itself is a third of the
-// forward time at 64 channels: an implicit GEMM that packs patches straight into the GEMM's
-// panels would save it, and is the next step for speed.
+// Direct convolution loses even at one input channel, so there is no direct path. With
+// patches one pixel to a row, im2col and col2im took 36% of the 3x3 layer's forward+backward
+// (122 ms, Eigen's gradient products 38 ms of it). Patches one tap to a row (copies of input
+// rows) with the products on duet's GEMM (gemm_kn packing the patches' panels from their rows)
+// brought it, in the benchmark binary (benchmarks/conv.cpp, same load), to 25.9 ms forward
+// (from 37.9; libtorch 29.8, oneDNN 26.5) and 87.0 ms forward+backward (from 122.6; libtorch
+// 70.8, oneDNN 89.1), the GEMM's micro-kernel 59% of it; LeNet-5's training step at batch 64
+// to 9.5 ms (from 11.0; libtorch 12.4). What remains is the products themselves: packing the
+// patches' panels straight from the image (implicit GEMM) would save im2col's copy, a few
+// percent.
 #pragma once
 
 #include <algorithm>
