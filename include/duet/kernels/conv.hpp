@@ -21,7 +21,14 @@
 // Measured single-threaded (float, AVX-512, medians of CPU time on the project's 2-core
 // machine under load), the 3x3 64->64 convolution on 28x28 at batch 32 spent about 36% of a
 // forward+backward step in im2col and col2im by pixel rows (122 ms, of which Eigen's two
-// gradient products 38 ms); see ops/conv.hpp for the times with this layout.
+// gradient products 38 ms); see ops/conv.hpp for the times with this layout. An implicit GEMM
+// (panels packed straight from the image) was not built: with this layout, im2col's copies are
+// about 8% of that step, the most it could save.
+//
+// Bits: the products are gemm's, whose instruction sets differ in the last bits (gemm.hpp), so
+// under DUET_ISA=baseline, avx2 and avx512 a convolution's gradients now differ as its forward
+// did already (Eigen's products gave every set the same gradient bits); under one set, both
+// modes run these very loops and agree bit for bit.
 #pragma once
 
 #include <algorithm>
