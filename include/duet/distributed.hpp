@@ -89,8 +89,12 @@ inline std::vector<Bucket> plan_buckets(const std::vector<index_t>& sizes, std::
 
 class MpiRuntime final : public duet::detail::DataParallelRuntime {
  public:
-  MpiRuntime(MPI_Comm comm, double timeout_seconds, std::size_t bucket_bytes)
-      : comm_(comm), timeout_seconds_(timeout_seconds), bucket_bytes_(bucket_bytes) {
+  // comm carries the training steps, sums_comm the sums of metrics: a rank that stops
+  // training early and sums its metrics while another still trains must not have the two
+  // collectives matched with each other (MPI fails that inside, with its own message, or mixes
+  // the data); apart, both time out with duet's.
+  MpiRuntime(MPI_Comm comm, MPI_Comm sums_comm, double timeout_seconds, std::size_t bucket_bytes)
+      : comm_(comm), sums_comm_(sums_comm), timeout_seconds_(timeout_seconds), bucket_bytes_(bucket_bytes) {
     MPI_Comm_rank(comm_, &rank_);
     MPI_Comm_size(comm_, &size_);
   }
@@ -193,8 +197,8 @@ class MpiRuntime final : public duet::detail::DataParallelRuntime {
 
   void all_reduce_sum(std::span<double> values) override {
     MPI_Request request = MPI_REQUEST_NULL;
-    check(MPI_Iallreduce(MPI_IN_PLACE, values.data(), static_cast<int>(values.size()), MPI_DOUBLE, MPI_SUM, comm_,
-                         &request),
+    check(MPI_Iallreduce(MPI_IN_PLACE, values.data(), static_cast<int>(values.size()), MPI_DOUBLE, MPI_SUM,
+                         sums_comm_, &request),
           "summing values over the ranks");
     wait(std::span(&request, 1), "summing values over the ranks");
   }
@@ -288,6 +292,7 @@ class MpiRuntime final : public duet::detail::DataParallelRuntime {
   }
 
   MPI_Comm comm_;
+  MPI_Comm sums_comm_;
   int rank_ = 0;
   int size_ = 1;
   double timeout_seconds_;
@@ -366,11 +371,13 @@ inline void init(const InitConfig& config = {}) {
     }
   }
   static detail::Finalizer finalizer;
-  MPI_Comm comm = MPI_COMM_NULL;
-  MPI_Comm_dup(MPI_COMM_WORLD, &comm);
-  // Errors come back as codes, which become CommunicationError, instead of aborting in MPI.
-  MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
-  detail::runtime_storage() = std::make_unique<detail::MpiRuntime>(comm, timeout, config.bucket_bytes);
+  MPI_Comm comms[2] = {MPI_COMM_NULL, MPI_COMM_NULL};
+  for (MPI_Comm& comm : comms) {
+    MPI_Comm_dup(MPI_COMM_WORLD, &comm);
+    // Errors come back as codes, which become CommunicationError, instead of aborting in MPI.
+    MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
+  }
+  detail::runtime_storage() = std::make_unique<detail::MpiRuntime>(comms[0], comms[1], timeout, config.bucket_bytes);
   duet::detail::data_parallel_runtime().store(detail::runtime_storage().get(), std::memory_order_release);
   // An exception leaving main would otherwise end this rank alone, and the others would wait
   // for it until their timeout.
