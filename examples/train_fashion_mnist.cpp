@@ -139,7 +139,8 @@ int train(const Options& o, const Group& group, Network& model, Optimizer& optim
   };
   const index_t shards = o.split_batch;
   data::DataLoader train_data(data::load_fashion_mnist(o.data, data::Split::train), o.batch_size / group.ranks / shards,
-                              shard({.shuffle = true, .seed = o.seed, .num_shards = shards}));
+                              shards > 1 ? data::LoaderOptions{.shuffle = true, .seed = o.seed, .num_shards = shards}
+                                         : shard({.shuffle = true, .seed = o.seed}));
   // --split-batch: train_data is shard 0, these the others, taken in step with it.
   std::deque<data::DataLoader> other_shards;
   for (index_t k = 1; k < shards; ++k) {

@@ -157,8 +157,8 @@ BatchShare batch_share(const Loss& loss, const Labels& labels, index_t rows, std
   if constexpr (requires { Loss::reduction; }) {
     if (Loss::reduction == Reduction::none) {
       throw ModeError(std::string(who) + ": " + loss.label() +
-                      " has Reduction::none; DATA_PARALLEL combines the ranks' losses, which needs them reduced to "
-                      "one number (Reduction::mean or Reduction::sum)");
+                      " has Reduction::none; combining batches (or the ranks' shares of one) needs a loss reduced "
+                      "to one number (Reduction::mean or Reduction::sum)");
     }
     share.summed = Loss::reduction == Reduction::sum;
   }
