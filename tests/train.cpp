@@ -1,6 +1,7 @@
 // train::evaluate (include/duet/train.hpp) over loaders other than data::DataLoader: a
 // user-written one of three-channel float images, and one of double images for a double
-// network, in both modes, against the loss and accuracy taken batch by batch by hand.
+// network, in both modes, against the loss and accuracy taken batch by batch by hand; rows
+// labelled ignore_index, sum-reduced losses and an empty loader.
 #include <algorithm>
 #include <cstdint>
 #include <vector>
