@@ -4,11 +4,13 @@
 // (distributed_run.cmake).
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <csignal>
 #include <duet/distributed.hpp>
 #include <duet/duet.hpp>
 #include <exception>
 #include <functional>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -80,12 +82,26 @@ Run epoch(Step&& step, Net& net, Loss& loss, data::DataLoader& loader) {
   return run;
 }
 
+// How the ranks train in compare_with_one_process: nn::TrainOneStepCell, or a loop written by
+// hand with value_and_grad, distributed::GradReducer and optimizer(grads).
+enum class Loop { train_one_step_cell, grad_reducer };
+
+// The rows loss averages in a batch labelled y: those not ignored.
+template <class Loss>
+double counted_rows(const Loss& loss, const BasicTensor<std::int32_t>& y) {
+  if constexpr (requires { loss.options(); }) {
+    return static_cast<double>(std::ranges::count_if(y.values(), [&](std::int32_t l) { return l != loss.options().ignore_index; }));
+  } else {
+    return static_cast<double>(y.numel());
+  }
+}
+
 // One epoch with two ranks from different initial weights, and the same epoch in one
 // process on the global batches from rank 0's weights.
-void compare_with_one_process(Mode mode) {
+template <class Loss>
+void compare_with_one_process(Mode mode, Loss& loss, Loop loop = Loop::train_one_step_cell) {
   init_two_ranks();
   set_context({.mode = mode});
-  nn::SoftmaxCrossEntropyWithLogits<true, Reduction::mean> loss;
 
   set_seed(1);
   SmallNet<8> reference_net;
@@ -106,12 +122,31 @@ void compare_with_one_process(Mode mode) {
   nn::WithLossCell with_loss(net, loss);
   nn::Adam adam(net.parameters(), {.learning_rate = 0.05});
   set_auto_parallel_context({.parallel_mode = ParallelMode::DATA_PARALLEL, .gradients_mean = true});
-  nn::TrainOneStepCell step(with_loss, adam);
   data::DataLoader shard(small_dataset(), 4,
                          {.shuffle = true, .seed = 7, .num_shards = 2, .shard_id = distributed::get_rank()});
   REQUIRE(shard.size() == whole.size());
-  const Run together = epoch([&](const Tensor& x, const BasicTensor<std::int32_t>& y) { return step(x, y).item(); },
-                             net, loss, shard);
+  Run together;
+  if (loop == Loop::train_one_step_cell) {
+    nn::TrainOneStepCell step(with_loss, adam);
+    together = epoch([&](const Tensor& x, const BasicTensor<std::int32_t>& y) { return step(x, y).item(); }, net,
+                     loss, shard);
+  } else {
+    distributed::GradReducer reducer(net.parameters(), {.mean = Loss::reduction == Reduction::mean});
+    auto rank_value_and_grads = value_and_grad(with_loss, net.parameters());
+    together = epoch(
+        [&](const Tensor& x, const BasicTensor<std::int32_t>& y) {
+          auto out = rank_value_and_grads(x, y);
+          CHECK_THROWS_WITH_AS(adam(out.grads), doctest::Contains("were not all-reduced"), ModeError);
+          const double rows = counted_rows(loss, y);
+          out.grads = reducer(out.grads, rows);
+          adam(out.grads);
+          const bool summed = Loss::reduction == Reduction::sum;
+          std::vector<double> sums{out.value.item() * (summed ? 1 : rows), rows};
+          distributed::all_reduce_sum(sums);
+          return static_cast<float>(summed ? sums[0] : sums[0] / sums[1]);
+        },
+        net, loss, shard);
+  }
   set_auto_parallel_context({.parallel_mode = ParallelMode::STAND_ALONE, .gradients_mean = false});
 
   REQUIRE(together.losses.size() == alone.losses.size());
@@ -125,19 +160,132 @@ void compare_with_one_process(Mode mode) {
   for (const auto& slot : adam.state()) {
     for (const Tensor& moment : *slot.tensors) CHECK(same_on_every_rank(moment));
   }
-  CHECK(together.metrics.samples == 44);
+  CHECK(together.metrics.samples == alone.metrics.samples);
   CHECK(together.metrics.accuracy == alone.metrics.accuracy);
   CHECK(std::abs(together.metrics.loss - alone.metrics.loss) <= 1e-5 * alone.metrics.loss);
+}
+
+void compare_losses_with_one_process(Mode mode) {
+  nn::SoftmaxCrossEntropyWithLogits<true, Reduction::mean> mean;
+  compare_with_one_process(mode, mean);
+  // The ranks' batches hold different numbers of rows labelled 2, which count in neither.
+  nn::CrossEntropyLoss<> ignoring({.ignore_index = 2});
+  compare_with_one_process(mode, ignoring);
+  nn::CrossEntropyLoss<Reduction::sum> sum;
+  compare_with_one_process(mode, sum);
+  nn::CrossEntropyLoss<Reduction::sum> sum_ignoring({.ignore_index = 2});
+  compare_with_one_process(mode, sum_ignoring);
 }
 
 }  // namespace
 
 TEST_CASE("distributed: two ranks train as one process with the global batch, PyNative mode") {
-  compare_with_one_process(PYNATIVE_MODE);
+  compare_losses_with_one_process(PYNATIVE_MODE);
 }
 
 TEST_CASE("distributed: two ranks train as one process with the global batch, graph mode") {
-  compare_with_one_process(GRAPH_MODE);
+  compare_losses_with_one_process(GRAPH_MODE);
+}
+
+TEST_CASE("distributed: a loop written by hand with GradReducer trains as one process, both modes") {
+  for (const Mode mode : {PYNATIVE_MODE, GRAPH_MODE}) {
+    CAPTURE(mode);
+    nn::SoftmaxCrossEntropyWithLogits<true, Reduction::mean> mean;
+    compare_with_one_process(mode, mean, Loop::grad_reducer);
+    nn::CrossEntropyLoss<> ignoring({.ignore_index = 2});
+    compare_with_one_process(mode, ignoring, Loop::grad_reducer);
+    nn::CrossEntropyLoss<Reduction::sum> sum;
+    compare_with_one_process(mode, sum, Loop::grad_reducer);
+  }
+}
+
+namespace {
+struct BatchNormNet : nn::Cell<BatchNormNet> {
+  nn::Flatten flatten;
+  nn::Dense<16, 8> fc1;
+  nn::BatchNorm1d<8> bn;
+  nn::ReLU relu;
+  nn::Dense<8, 3> fc2;
+  DUET_CELL_MEMBERS(flatten, fc1, bn, relu, fc2);
+
+  auto construct(auto x) { return fc2(relu(bn(fc1(flatten(x))))); }
+};
+
+// BatchNorm's moving statistics after the first step of one process on the global batch, and
+// after each step of two ranks (through TrainOneStepCell or GradReducer).
+void check_moving_statistics(Mode mode, Loop loop) {
+  init_two_ranks();
+  set_context({.mode = mode});
+  nn::SoftmaxCrossEntropyWithLogits<true, Reduction::mean> loss;
+  set_seed(3);
+  BatchNormNet alone;
+  {
+    nn::WithLossCell with_loss(alone, loss);
+    nn::SGD sgd(alone.parameters());
+    alone.set_train(true);
+    auto value_and_grads = value_and_grad(with_loss, sgd.parameters());
+    data::DataLoader whole(small_dataset(), 8, {.shuffle = true, .seed = 7});
+    const data::Batch& batch = *whole.next();
+    sgd(value_and_grads(batch.images, batch.labels).grads);
+  }
+
+  set_seed(static_cast<std::uint64_t>(3 + distributed::get_rank()));
+  BatchNormNet net;
+  nn::WithLossCell with_loss(net, loss);
+  nn::SGD sgd(net.parameters());
+  set_auto_parallel_context({.parallel_mode = ParallelMode::DATA_PARALLEL, .gradients_mean = true});
+  nn::TrainOneStepCell cell_step(with_loss, sgd);
+  std::optional<distributed::GradReducer> reducer;
+  if (loop == Loop::grad_reducer) reducer.emplace(net.parameters());
+  auto value_and_grads = value_and_grad(with_loss, sgd.parameters());
+  data::DataLoader shard(small_dataset(), 4,
+                         {.shuffle = true, .seed = 7, .num_shards = 2, .shard_id = distributed::get_rank()});
+  bool first = true;
+  for (const data::Batch& batch : shard) {
+    if (loop == Loop::train_one_step_cell) {
+      cell_step(batch.images, batch.labels);
+    } else {
+      auto out = value_and_grads(batch.images, batch.labels);
+      sgd((*reducer)(out.grads, static_cast<double>(batch.labels.numel())));
+    }
+    CHECK(same_on_every_rank(net.bn.moving_mean));
+    CHECK(same_on_every_rank(net.bn.moving_variance));
+    // After the first step, from the same weights: the mean of the two halves' batch means is
+    // the global batch's. (Their variances are the halves' own, not the global batch's.)
+    if (first) CHECK(relative_difference(net.bn.moving_mean, alone.bn.moving_mean) <= 1e-5);
+    first = false;
+  }
+  set_auto_parallel_context({.parallel_mode = ParallelMode::STAND_ALONE});
+  // So rank 0's checkpoint and every rank's evaluation hold the same network.
+  data::DataLoader all(small_dataset(), 16);
+  const train::Metrics m = train::evaluate(net, loss, all);
+  std::vector<double> sums{m.loss};
+  distributed::all_reduce_sum(sums);
+  CHECK(sums[0] == 2 * m.loss);
+}
+}  // namespace
+
+TEST_CASE("distributed: BatchNorm's moving statistics are the same on every rank") {
+  for (const Mode mode : {PYNATIVE_MODE, GRAPH_MODE}) {
+    CAPTURE(mode);
+    check_moving_statistics(mode, Loop::train_one_step_cell);
+    check_moving_statistics(mode, Loop::grad_reducer);
+  }
+}
+
+TEST_CASE("distributed: a loader that is not sharded is refused at the first step") {
+  init_two_ranks();
+  SmallNet<8> net;
+  nn::SoftmaxCrossEntropyWithLogits<true, Reduction::mean> loss;
+  nn::WithLossCell with_loss(net, loss);
+  nn::SGD sgd(net.parameters());
+  set_auto_parallel_context({.parallel_mode = ParallelMode::DATA_PARALLEL, .gradients_mean = true});
+  nn::TrainOneStepCell step(with_loss, sgd);
+  data::DataLoader unsharded(small_dataset(), 4, {.shuffle = true, .seed = 7});
+  const data::Batch& batch = *unsharded.next();
+  CHECK_THROWS_WITH_AS(step(batch.images, batch.labels),
+                       doctest::Contains("the first batch is the same on all 2 ranks"), ValueError);
+  set_auto_parallel_context({.parallel_mode = ParallelMode::STAND_ALONE});
 }
 
 TEST_CASE("distributed: networks that differ between ranks are named at the first step") {
@@ -185,7 +333,8 @@ TEST_CASE("distributed: half of the set-up is refused, not trained alone") {
 // doctest catches what a case throws; terminating from the handler is what an exception that
 // leaves a program's main does.
 namespace {
-void train_until(const std::function<void(int step)>& at_step) {
+// at_step returns false to end the rank's training there.
+void train_until(const std::function<bool(int step)>& at_step) {
   try {
     init_two_ranks();
     set_auto_parallel_context({.parallel_mode = ParallelMode::DATA_PARALLEL, .gradients_mean = true});
@@ -201,7 +350,7 @@ void train_until(const std::function<void(int step)>& at_step) {
         shard.start_epoch(shard.epoch() + 1);
         batch = shard.next();
       }
-      at_step(k);
+      if (!at_step(k)) return;
       step(batch->images, batch->labels);
     }
   } catch (...) {
@@ -213,17 +362,32 @@ void train_until(const std::function<void(int step)>& at_step) {
 TEST_CASE("distributed fault: a rank that hangs" * doctest::skip()) {
   train_until([](int k) {
     if (k == 3 && distributed::get_rank() == 1) std::this_thread::sleep_for(std::chrono::seconds(60));
+    return true;
   });
 }
 
 TEST_CASE("distributed fault: a rank that throws" * doctest::skip()) {
   train_until([](int k) {
     if (k == 3 && distributed::get_rank() == 1) throw ValueError("the test's rank 1 fails at step 3");
+    return true;
   });
 }
 
 TEST_CASE("distributed fault: a rank that is killed" * doctest::skip()) {
   train_until([](int k) {
     if (k == 3 && distributed::get_rank() == 1) std::raise(SIGKILL);
+    return true;
   });
+}
+
+// Rank 0 stops training after 3 steps and sums its metrics, while rank 1 waits in its fourth
+// step: two different collectives, which must time out with duet's message, not meet in MPI.
+TEST_CASE("distributed fault: a rank that takes fewer steps" * doctest::skip()) {
+  train_until([](int k) { return k < 3 || distributed::get_rank() == 1; });
+  try {
+    std::vector<double> metrics{1, 2, 3};
+    distributed::all_reduce_sum(metrics);
+  } catch (...) {
+    std::terminate();
+  }
 }

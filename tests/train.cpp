@@ -1,6 +1,8 @@
 // train::evaluate (include/duet/train.hpp) over loaders other than data::DataLoader: a
 // user-written one of three-channel float images, and one of double images for a double
-// network, in both modes, against the loss and accuracy taken batch by batch by hand.
+// network, in both modes, against the loss and accuracy taken batch by batch by hand; rows
+// labelled ignore_index, sum-reduced losses and an empty loader.
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -90,4 +92,51 @@ TEST_CASE("train::evaluate takes a user-written loader of three-channel float im
 
 TEST_CASE("train::evaluate takes a loader of double images for a double network") {
   check_evaluates_colour_batches<double>();
+}
+
+TEST_CASE("train::evaluate leaves rows labelled ignore_index out of loss and accuracy, and takes a temporary range") {
+  duet_test::ModeGuard guard;
+  for (const duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+    CAPTURE(mode);
+    duet::set_context({.mode = mode});
+    duet::set_seed(5);
+    Classifier<float> net;
+    duet::nn::CrossEntropyLoss<> mean_loss({.ignore_index = 1});
+    duet::nn::CrossEntropyLoss<duet::Reduction::sum> sum_loss({.ignore_index = 1});
+    const duet::train::Metrics mean = duet::train::evaluate(net, mean_loss, colour_batches<float>());
+    const duet::train::Metrics sum = duet::train::evaluate(net, sum_loss, colour_batches<float>());
+
+    net.set_train(false);
+    double loss_sum = 0;
+    index_t correct = 0;
+    index_t counted = 0;
+    for (const auto& b : colour_batches<float>()) {
+      const duet::Tensor logits = net(b.images);
+      loss_sum += static_cast<double>(sum_loss(logits, b.labels).item());
+      for (index_t r = 0; r < logits.dim(0); ++r) {
+        if (b.labels(r) == 1) continue;
+        ++counted;
+        index_t best = 0;
+        for (index_t c = 1; c < 3; ++c) best = logits(r, c) > logits(r, best) ? c : best;
+        correct += best == b.labels(r) ? 1 : 0;
+      }
+    }
+    CHECK(counted == 7);  // 11 rows, 4 labelled 1
+    for (const duet::train::Metrics& m : {mean, sum}) {
+      CHECK(m.samples == counted);
+      CHECK(m.loss == doctest::Approx(loss_sum / 7).epsilon(1e-6));
+      CHECK(m.accuracy == static_cast<double>(correct) / 7);
+    }
+  }
+}
+
+TEST_CASE("train::evaluate refuses a loader with nothing to evaluate") {
+  Classifier<float> net;
+  duet::nn::CrossEntropyLoss<> loss({.ignore_index = 0});
+  CHECK_THROWS_WITH_AS(duet::train::evaluate(net, loss, std::vector<ColourBatch<float>>{}),
+                       doctest::Contains("the loader gave no sample to evaluate"), duet::ValueError);
+  std::vector<ColourBatch<float>> ignored = colour_batches<float>();
+  for (auto& b : ignored) std::ranges::fill(b.labels.values(), 0);
+  CHECK_THROWS_WITH_AS(duet::train::evaluate(net, loss, ignored),
+                       doctest::Contains("every label is the loss's ignore_index"), duet::ValueError);
 }

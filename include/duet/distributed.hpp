@@ -29,10 +29,12 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -64,13 +66,6 @@ struct InitConfig {
 
 namespace detail {
 
-// 64-bit FNV-1a: the networks' descriptions are compared by hash first, in one collective.
-inline std::uint64_t fnv1a(std::string_view text) {
-  std::uint64_t h = 14695981039346656037ull;
-  for (const char c : text) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
-  return h;
-}
-
 // Where each parameter's elements go in the buffers of one collective each: parameters in
 // order, a bucket closed before it would pass the size (a parameter larger alone has its own).
 struct Bucket {
@@ -94,8 +89,12 @@ inline std::vector<Bucket> plan_buckets(const std::vector<index_t>& sizes, std::
 
 class MpiRuntime final : public duet::detail::DataParallelRuntime {
  public:
-  MpiRuntime(MPI_Comm comm, double timeout_seconds, std::size_t bucket_bytes)
-      : comm_(comm), timeout_seconds_(timeout_seconds), bucket_bytes_(bucket_bytes) {
+  // comm carries the training steps, sums_comm the sums of metrics: a rank that stops
+  // training early and sums its metrics while another still trains must not have the two
+  // collectives matched with each other (MPI fails that inside, with its own message, or mixes
+  // the data); apart, both time out with duet's.
+  MpiRuntime(MPI_Comm comm, MPI_Comm sums_comm, double timeout_seconds, std::size_t bucket_bytes)
+      : comm_(comm), sums_comm_(sums_comm), timeout_seconds_(timeout_seconds), bucket_bytes_(bucket_bytes) {
     MPI_Comm_rank(comm_, &rank_);
     MPI_Comm_size(comm_, &size_);
   }
@@ -139,36 +138,31 @@ class MpiRuntime final : public duet::detail::DataParallelRuntime {
 
   // Gradient buckets start in backward order (the last parameters' gradients are the first
   // done), each as soon as it is packed, so packing overlaps the buckets already in flight.
-  void all_reduce_gradients(const std::vector<nn::Parameter*>& params, std::uint64_t pass, Tensor& loss,
-                            double samples, bool mean) override {
-    const double weight = mean ? samples : 1.0;
-    // [weight, weighted loss..., reached by this rank's pass per parameter]
-    const std::size_t losses = static_cast<std::size_t>(loss.numel());
-    std::vector<double> meta(1 + losses + params.size());
-    meta[0] = weight;
-    for (std::size_t k = 0; k < losses; ++k) meta[1 + k] = static_cast<double>(loss.data()[k]) * weight;
-    for (std::size_t i = 0; i < params.size(); ++i) meta[1 + losses + i] = params[i]->has_grad_from(pass) ? 1 : 0;
+  void all_reduce_gradients(std::span<const duet::detail::GradientView> grads, std::span<double> values, bool mean,
+                            const std::function<float*(std::size_t)>& write) override {
+    // [values..., has it per gradient]
+    std::vector<double> meta(values.begin(), values.end());
+    for (const duet::detail::GradientView& g : grads) meta.push_back(g.data != nullptr ? 1 : 0);
     std::vector<MPI_Request> requests(1, MPI_REQUEST_NULL);
     check(MPI_Iallreduce(MPI_IN_PLACE, meta.data(), static_cast<int>(meta.size()), MPI_DOUBLE, MPI_SUM, comm_,
                          requests.data()),
-          "all-reducing the step's sample counts and losses");
+          "all-reducing the step's weights and losses");
 
-    std::vector<nn::Parameter*> order(params.rbegin(), params.rend());
     std::vector<index_t> sizes;
-    for (const nn::Parameter* p : order) sizes.push_back(p->numel());
+    for (auto g = grads.rbegin(); g != grads.rend(); ++g) sizes.push_back(g->size);
     const std::vector<Bucket> buckets = plan_buckets(sizes, bucket_bytes_);
     gradient_buffers_.resize(buckets.size());
-    const auto scale = static_cast<float>(weight);
+    const auto scale = static_cast<float>(values[0]);
     for (std::size_t b = 0; b < buckets.size(); ++b) {
       std::vector<float>& buffer = gradient_buffers_[b];
       buffer.resize(static_cast<std::size_t>(buckets[b].elements));
       float* to = buffer.data();
       for (std::size_t i = buckets[b].first; i < buckets[b].last; ++i) {
-        const nn::Parameter& p = *order[i];
-        if (p.has_grad_from(pass)) {
-          to = std::transform(p.grad.data(), p.grad.data() + p.numel(), to, [scale](float g) { return g * scale; });
+        const duet::detail::GradientView& g = grads[grads.size() - 1 - i];
+        if (g.data != nullptr) {
+          to = std::transform(g.data, g.data + g.size, to, [scale](float x) { return x * scale; });
         } else {
-          to = std::fill_n(to, p.numel(), 0.0f);
+          to = std::fill_n(to, g.size, 0.0f);
         }
       }
       requests.push_back(MPI_REQUEST_NULL);
@@ -178,31 +172,33 @@ class MpiRuntime final : public duet::detail::DataParallelRuntime {
     }
     wait(requests, "all-reducing the gradients");
 
-    const double total = meta[0];
-    const auto unscale = static_cast<float>(1.0 / total);
+    std::copy_n(meta.begin(), values.size(), values.begin());
+    const double total = values[0];
+    const auto unscale = static_cast<float>(!mean ? 1.0 : total > 0 ? 1.0 / total : 0.0);
     for (std::size_t b = 0; b < buckets.size(); ++b) {
       const float* from = gradient_buffers_[b].data();
       for (std::size_t i = buckets[b].first; i < buckets[b].last; ++i) {
-        nn::Parameter& p = *order[i];
-        const std::size_t index = params.size() - 1 - i;
-        if (meta[1 + losses + index] > 0) {
-          bool accumulate = false;
-          float* grad = p.grad_for_write(pass, &accumulate);
-          std::transform(from, from + p.numel(), grad, [unscale](float g) { return g * unscale; });
+        const std::size_t index = grads.size() - 1 - i;
+        if (meta[values.size() + index] > 0) {
+          std::transform(from, from + sizes[i], write(index), [unscale](float g) { return g * unscale; });
         }
-        from += p.numel();
+        from += sizes[i];
       }
     }
-    Tensor reduced(loss.shape());
-    for (std::size_t k = 0; k < losses; ++k) reduced.data()[k] = static_cast<float>(meta[1 + k] / total);
-    loss = reduced;
-    duet::detail::all_reduced_backward_pass() = pass;
+  }
+
+  bool same_on_every_rank(std::uint64_t hash) override {
+    std::uint64_t bounds[2] = {hash, ~hash};  // max of h and of ~h: equal hashes iff max(h) == ~max(~h)
+    MPI_Request request = MPI_REQUEST_NULL;
+    check(MPI_Iallreduce(MPI_IN_PLACE, bounds, 2, MPI_UINT64_T, MPI_MAX, comm_, &request), "comparing hashes");
+    wait(std::span(&request, 1), "comparing the ranks' hashes");
+    return bounds[0] == ~bounds[1];
   }
 
   void all_reduce_sum(std::span<double> values) override {
     MPI_Request request = MPI_REQUEST_NULL;
-    check(MPI_Iallreduce(MPI_IN_PLACE, values.data(), static_cast<int>(values.size()), MPI_DOUBLE, MPI_SUM, comm_,
-                         &request),
+    check(MPI_Iallreduce(MPI_IN_PLACE, values.data(), static_cast<int>(values.size()), MPI_DOUBLE, MPI_SUM,
+                         sums_comm_, &request),
           "summing values over the ranks");
     wait(std::span(&request, 1), "summing values over the ranks");
   }
@@ -250,12 +246,8 @@ class MpiRuntime final : public duet::detail::DataParallelRuntime {
   void check_same_network(const std::vector<nn::NamedParameter<float>>& params) {
     std::string text;
     for (const auto& p : params) text += describe(p) + "\n";
-    const std::uint64_t h = fnv1a(text);
-    std::uint64_t bounds[2] = {h, ~h};  // max of h and of ~h: equal hashes iff max(h) == ~max(~h)
+    if (same_on_every_rank(duet::detail::fnv1a(text))) return;
     MPI_Request request = MPI_REQUEST_NULL;
-    check(MPI_Iallreduce(MPI_IN_PLACE, bounds, 2, MPI_UINT64_T, MPI_MAX, comm_, &request), "comparing the networks");
-    wait(std::span(&request, 1), "comparing the ranks' networks");
-    if (bounds[0] == ~bounds[1]) return;
 
     // Rank 0's list, to each rank.
     unsigned long long length = text.size();
@@ -300,6 +292,7 @@ class MpiRuntime final : public duet::detail::DataParallelRuntime {
   }
 
   MPI_Comm comm_;
+  MPI_Comm sums_comm_;
   int rank_ = 0;
   int size_ = 1;
   double timeout_seconds_;
@@ -378,11 +371,13 @@ inline void init(const InitConfig& config = {}) {
     }
   }
   static detail::Finalizer finalizer;
-  MPI_Comm comm = MPI_COMM_NULL;
-  MPI_Comm_dup(MPI_COMM_WORLD, &comm);
-  // Errors come back as codes, which become CommunicationError, instead of aborting in MPI.
-  MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
-  detail::runtime_storage() = std::make_unique<detail::MpiRuntime>(comm, timeout, config.bucket_bytes);
+  MPI_Comm comms[2] = {MPI_COMM_NULL, MPI_COMM_NULL};
+  for (MPI_Comm& comm : comms) {
+    MPI_Comm_dup(MPI_COMM_WORLD, &comm);
+    // Errors come back as codes, which become CommunicationError, instead of aborting in MPI.
+    MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
+  }
+  detail::runtime_storage() = std::make_unique<detail::MpiRuntime>(comms[0], comms[1], timeout, config.bucket_bytes);
   duet::detail::data_parallel_runtime().store(detail::runtime_storage().get(), std::memory_order_release);
   // An exception leaving main would otherwise end this rank alone, and the others would wait
   // for it until their timeout.
@@ -409,6 +404,73 @@ inline void init(const InitConfig& config = {}) {
 inline int get_rank() { return detail::runtime("get_rank").rank(); }
 // MindSpore's get_group_size(): how many processes train together.
 inline int get_group_size() { return detail::runtime("get_group_size").group_size(); }
+
+struct GradReducerConfig {
+  // true: the mean of the ranks' gradients, each weighted by the rows its loss averaged (the
+  // global batch's gradient); false: their sum (MindSpore's mean=False).
+  bool mean = true;
+};
+
+// MindSpore's nn.DistributedGradReducer, for training loops written by hand (GANs, gradient
+// accumulation):
+//
+//   duet::distributed::GradReducer reducer(net.parameters(), {.mean = true});
+//   auto out = value_and_grads(x, y);
+//   out.grads = reducer(out.grads, rows);   // before anything that reads them
+//   optimizer(out.grads);
+//
+// Constructing it gives every rank rank 0's parameters (checking that the networks match), as
+// nn::TrainOneStepCell's first step does. Each call all-reduces the gradients of the
+// parameters with requires_grad (in order: value_and_grad's), with the same buckets as
+// TrainOneStepCell, and averages the parameters nothing trains (BatchNorm's moving statistics)
+// over the ranks in the same collective (their plain mean). In DATA_PARALLEL, optimizer(grads)
+// accepts the vector returned (or a copy), until the next backward pass, and refuses any other.
+class GradReducer {
+ public:
+  explicit GradReducer(const std::vector<nn::NamedParameter<float>>& params, GradReducerConfig config = {})
+      : runtime_(detail::runtime("GradReducer")), config_(config) {
+    runtime_.broadcast_parameters(params);
+    for (const auto& p : params) (p.parameter->requires_grad ? trained_ : buffers_).push_back(p.parameter);
+  }
+
+  // grads: one per trained parameter, in order. rows: what this rank's gradient weighs in the
+  // mean: the rows its loss averaged (those not ignored); equal on every rank, the mean is
+  // MindSpore's (the sum divided by the group size). A loss with Reduction::sum needs
+  // {.mean = false}: the one batch's gradient is then the ranks' sum.
+  std::vector<Tensor> operator()(const std::vector<Tensor>& grads, double rows = 1) {
+    if (grads.size() != trained_.size()) {
+      throw ValueError("duet::distributed::GradReducer: got " + std::to_string(grads.size()) + " gradients for " +
+                       std::to_string(trained_.size()) + " trained parameters");
+    }
+    if (!(rows >= 0) || !std::isfinite(rows)) {
+      throw ValueError("duet::distributed::GradReducer: rows must be a finite number >= 0, got " + std::to_string(rows));
+    }
+    std::vector<duet::detail::GradientView> views;
+    std::vector<Tensor> reduced;
+    for (std::size_t i = 0; i < grads.size(); ++i) {
+      if (!(grads[i].shape() == trained_[i]->shape())) {
+        throw ShapeError("duet::distributed::GradReducer: gradient " + std::to_string(i) + " has shape " +
+                         to_string(grads[i].shape()) + ", its parameter " + to_string(trained_[i]->shape()));
+      }
+      views.push_back({grads[i].data(), grads[i].numel()});
+      reduced.emplace_back(grads[i].shape());
+    }
+    duet::detail::all_reduce_step(
+        runtime_, views, [&](std::size_t i) { return reduced[i].data(); }, {}, buffers_,
+        {.summed = !config_.mean, .counted_rows = rows, .rows = 1}, config_.mean);
+    duet::detail::ReducedGradients& set = duet::detail::all_reduced_gradient_set();
+    set.pass = duet::detail::current_backward_pass();
+    set.data.clear();
+    for (const Tensor& g : reduced) set.data.push_back(g.data());
+    return reduced;
+  }
+
+ private:
+  detail::MpiRuntime& runtime_;
+  GradReducerConfig config_;
+  std::vector<nn::Parameter*> trained_;
+  std::vector<nn::Parameter*> buffers_;
+};
 
 // Each value becomes its sum over the ranks (for metrics a program gathers itself).
 inline void all_reduce_sum(std::span<double> values) { detail::runtime("all_reduce_sum").all_reduce_sum(values); }

@@ -4,14 +4,17 @@
 // distributed.hpp has no runtime, and asking for DATA_PARALLEL without one is an error.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "backend.hpp"
 #include "error.hpp"
 #include "parameter.hpp"
 #include "tensor.hpp"
@@ -63,6 +66,19 @@ inline AutoParallelContext get_auto_parallel_context() {
 
 namespace detail {
 
+// 64-bit FNV-1a, continuing from h: what ranks compare in one collective (their networks'
+// descriptions, their first batches) is hashed first.
+inline std::uint64_t fnv1a(std::string_view bytes, std::uint64_t h = 14695981039346656037ull) {
+  for (const char c : bytes) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+  return h;
+}
+
+// A gradient a rank contributes to an all-reduce.
+struct GradientView {
+  const float* data = nullptr;  // nullptr: none this step
+  index_t size = 0;
+};
+
 // What duet/distributed.hpp implements over MPI. Every call is collective: all ranks make it,
 // in the same order, or it fails with a duet::Error after the runtime's timeout.
 class DataParallelRuntime {
@@ -77,11 +93,15 @@ class DataParallelRuntime {
   // Checks that every rank has parameters of the same names and shapes (ValueError naming the
   // first difference otherwise), then gives every rank rank 0's values.
   virtual void broadcast_parameters(const std::vector<nn::NamedParameter<float>>& params) = 0;
-  // Replaces the gradients backward pass `pass` left in params by their mean over the ranks,
-  // each rank weighted by `samples` (or by their sum), and loss by the samples-weighted mean of
-  // the ranks' losses. A parameter some rank's pass reached gets a gradient on every rank.
-  virtual void all_reduce_gradients(const std::vector<nn::Parameter*>& params, std::uint64_t pass, Tensor& loss,
-                                    double samples, bool mean) = 0;
+  // One step's reduction. `values` are summed over the ranks first, in one collective;
+  // values[0] is this rank's weight. Then each gradient (data nullptr: this rank has none,
+  // counted as zeros) times the weight is summed over the ranks, in buckets started in reverse
+  // order (backward's), divided by the summed weight when `mean` (zeros when that is 0), and
+  // written to write(i), for each gradient i that some rank has.
+  virtual void all_reduce_gradients(std::span<const GradientView> grads, std::span<double> values, bool mean,
+                                    const std::function<float*(std::size_t)>& write) = 0;
+  // Whether `hash` is the same on every rank.
+  virtual bool same_on_every_rank(std::uint64_t hash) = 0;
   // Each value becomes its sum over the ranks.
   virtual void all_reduce_sum(std::span<double> values) = 0;
 };
@@ -97,6 +117,91 @@ inline std::atomic<DataParallelRuntime*>& data_parallel_runtime() {
 inline std::uint64_t& all_reduced_backward_pass() {
   thread_local std::uint64_t pass = 0;
   return pass;
+}
+
+// The gradients distributed::GradReducer last returned on this thread, and the backward pass
+// then current: optimizer(grads) accepts them in DATA_PARALLEL until the next backward pass.
+struct ReducedGradients {
+  std::uint64_t pass = 0;
+  std::vector<const float*> data;
+};
+inline ReducedGradients& all_reduced_gradient_set() {
+  thread_local ReducedGradients set;
+  return set;
+}
+
+// What a rank's batch weighs in the global batch's loss (DATA_PARALLEL).
+struct BatchShare {
+  // Reduction::sum: the ranks' losses and gradients add up, as the one batch's would.
+  bool summed = false;
+  // Otherwise: the rows the loss averaged (those not ignored); each rank's loss and gradient
+  // count in proportion to them.
+  double counted_rows = 0;
+  // The batch's rows, by which the ranks' moving statistics are averaged.
+  double rows = 0;
+};
+
+// The label a loss leaves out (nn::CrossEntropyLoss's and nn::NLLLoss's ignore_index), if any.
+template <class Loss>
+std::optional<std::int32_t> ignored_label(const Loss& loss) {
+  if constexpr (requires { loss.options().ignore_index; }) return loss.options().ignore_index;
+  else return std::nullopt;
+}
+
+// The share of `loss` (a loss cell) over a batch of `rows` with these labels. Losses state
+// their reduction (a static member `reduction`); one that does not, such as a cell of the
+// user's own, is taken to average the batch's rows.
+template <class Loss, class Labels>
+BatchShare batch_share(const Loss& loss, const Labels& labels, index_t rows, std::string_view who) {
+  BatchShare share{.summed = false, .counted_rows = static_cast<double>(rows), .rows = static_cast<double>(rows)};
+  if constexpr (requires { Loss::reduction; }) {
+    if (Loss::reduction == Reduction::none) {
+      throw ModeError(std::string(who) + ": " + loss.label() +
+                      " has Reduction::none; combining batches (or the ranks' shares of one) needs a loss reduced "
+                      "to one number (Reduction::mean or Reduction::sum)");
+    }
+    share.summed = Loss::reduction == Reduction::sum;
+  }
+  if constexpr (std::same_as<Labels, BasicTensor<std::int32_t>>) {
+    if (const std::optional<std::int32_t> ignored = ignored_label(loss)) {
+      share.counted_rows = static_cast<double>(std::ranges::count_if(labels.values(), [&](std::int32_t l) { return l != *ignored; }));
+    }
+  }
+  return share;
+}
+
+// The reduction a data-parallel step makes, shared by nn::TrainOneStepCell and
+// distributed::GradReducer: gradients (see DataParallelRuntime::all_reduce_gradients), `loss`
+// (each element becomes the global batch's: the ranks' sum, or their mean weighted by counted
+// rows), and `buffers`, the parameters nothing trains (BatchNorm's moving statistics), which
+// become their mean over the ranks weighted by rows. Parameters equal on every rank, such as
+// frozen weights, stay exactly as they are: the sums are in double, where n * x is exact.
+// With gradients_mean the gradients are the global batch's; without, their sum over the ranks
+// (MindSpore's default).
+inline void all_reduce_step(DataParallelRuntime& runtime, std::span<const GradientView> grads,
+                            const std::function<float*(std::size_t)>& write, std::span<float> loss,
+                            const std::vector<nn::Parameter*>& buffers, const BatchShare& share, bool gradients_mean) {
+  const bool weighted = gradients_mean && !share.summed;
+  const double loss_weight = share.summed ? 1.0 : share.counted_rows;
+  // [gradient weight, loss weight, rows, weighted losses..., weighted buffers...]
+  std::vector<double> values{weighted ? share.counted_rows : 1.0, loss_weight, share.rows};
+  for (const float l : loss) values.push_back(static_cast<double>(l) * loss_weight);
+  for (const nn::Parameter* b : buffers) {
+    for (const float v : b->values()) values.push_back(static_cast<double>(v) * share.rows);
+  }
+  runtime.all_reduce_gradients(grads, values, weighted, write);
+  const double counted = values[1];
+  std::size_t k = 3;
+  for (float& l : loss) {
+    const double sum = values[k++];
+    l = static_cast<float>(share.summed ? sum : counted > 0 ? sum / counted : 0.0);
+  }
+  for (nn::Parameter* b : buffers) {
+    // Non-const data() moves the version, so what was made from the old values is made again.
+    for (float& v : b->values()) {
+      v = static_cast<float>(values[k++] / values[2]);
+    }
+  }
 }
 
 // The runtime a training step of `who` synchronises through, or nullptr when it trains alone.

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <optional>
 #include <concepts>
 #include <ostream>
 #include <ranges>
@@ -22,16 +23,19 @@ namespace duet::train {
 struct Metrics {
   double loss = 0;      // mean over samples
   double accuracy = 0;  // top-1, in [0, 1]
-  index_t samples = 0;
+  index_t samples = 0;  // those counted: not those whose label is the loss's ignore_index
 };
 
-// How many rows of logits [B, C] have their largest value at the row's label.
+// How many rows of logits [B, C] have their largest value at the row's label; rows labelled
+// `ignored` do not count.
 template <ElementType T>
-index_t correct_predictions(const BasicTensor<T>& logits, const BasicTensor<std::int32_t>& labels) {
+index_t correct_predictions(const BasicTensor<T>& logits, const BasicTensor<std::int32_t>& labels,
+                            std::optional<std::int32_t> ignored = std::nullopt) {
   const index_t rows = logits.dim(0);
   const index_t classes = logits.dim(1);
   index_t correct = 0;
   for (index_t r = 0; r < rows; ++r) {
+    if (labels.data()[r] == ignored) continue;
     const T* row = logits.data() + r * classes;
     index_t best = 0;
     for (index_t c = 1; c < classes; ++c) {
@@ -74,14 +78,17 @@ concept ClassificationLoader = std::ranges::input_range<L> && requires(std::rang
   { batch.labels } -> std::convertible_to<const BasicTensor<std::int32_t>&>;
 };
 
-// One pass over the loader (a DataLoader's current epoch): mean loss (loss_fn must reduce by
-// mean) and accuracy of net, each batch weighted by its size. A cell runs in evaluation meanwhile
+// One pass over the loader (a DataLoader's current epoch, or a temporary range): mean loss per
+// sample and accuracy of net. loss_fn reduces by mean (each batch weighs the rows it counted)
+// or sum; rows whose label is its ignore_index (nn::CrossEntropyLoss, nn::NLLLoss) count in
+// neither, as they do not in training. A loader with no sample is an error. A cell runs in evaluation meanwhile
 // (MindSpore's Model.eval sets set_train(False)): Dropout passes its input through, BatchNorm
 // uses its moving statistics and leaves them as they are; each cell's setting is restored after.
 // A sharded loader's metrics are summed over the ranks (duet/distributed.hpp), so that every
 // rank returns the whole data set's.
-template <class Net, class Loss, ClassificationLoader Loader>
-Metrics evaluate(Net& net, Loss& loss_fn, Loader& loader) {
+template <class Net, class Loss, class Loader>
+  requires ClassificationLoader<Loader>
+Metrics evaluate(Net& net, Loss& loss_fn, Loader&& loader) {
   const detail::EvaluationScope<Net> evaluation(net);
   Metrics m;
   double loss_sum = 0;
@@ -89,10 +96,13 @@ Metrics evaluate(Net& net, Loss& loss_fn, Loader& loader) {
   for (const auto& batch : loader) {
     const auto output = net(batch.images);
     const auto& logits = tensor_of(output);
-    const index_t n = batch.labels.numel();
-    loss_sum += static_cast<double>(loss_fn(logits, batch.labels).item()) * static_cast<double>(n);
-    correct += correct_predictions(logits, batch.labels);
-    m.samples += n;
+    const BasicTensor<std::int32_t>& labels = batch.labels;
+    const duet::detail::BatchShare share =
+        duet::detail::batch_share(loss_fn, labels, labels.numel(), "duet::train::evaluate");
+    const auto loss = static_cast<double>(loss_fn(logits, labels).item());
+    loss_sum += share.summed ? loss : loss * share.counted_rows;
+    correct += correct_predictions(logits, labels, duet::detail::ignored_label(loss_fn));
+    m.samples += static_cast<index_t>(share.counted_rows);
   }
   if constexpr (requires { loader.options().num_shards; }) {
     if (loader.options().num_shards > 1) {
@@ -109,16 +119,19 @@ Metrics evaluate(Net& net, Loss& loss_fn, Loader& loader) {
       m.samples = static_cast<index_t>(sums[2]);
     }
   }
-  if (m.samples > 0) {
-    m.loss = loss_sum / static_cast<double>(m.samples);
-    m.accuracy = static_cast<double>(correct) / static_cast<double>(m.samples);
+  // Loss 0 and accuracy 0 would read as a result.
+  if (m.samples == 0) {
+    throw ValueError("duet::train::evaluate: the loader gave no sample to evaluate (an empty data set or epoch, or "
+                     "every label is the loss's ignore_index)");
   }
+  m.loss = loss_sum / static_cast<double>(m.samples);
+  m.accuracy = static_cast<double>(correct) / static_cast<double>(m.samples);
   return m;
 }
 
 // Anything else: one error that says what a loader is, rather than a failed constraint.
 template <class Net, class Loss, class Loader>
-Metrics evaluate(Net&, Loss&, Loader&) {
+Metrics evaluate(Net&, Loss&, Loader&&) {
   static_assert(ClassificationLoader<Loader>,
                 "duet::train::evaluate: the loader must be a range of batches with .images (the network's input) "
                 "and .labels (BasicTensor<std::int32_t>), see duet::train::ClassificationLoader");

@@ -215,6 +215,7 @@ template <bool Sparse = false, Reduction R = Reduction::none, ElementType T = fl
 class BasicSoftmaxCrossEntropyWithLogits
     : public Cell<BasicSoftmaxCrossEntropyWithLogits<Sparse, R, T>, CONTEXT_MODE, T> {
  public:
+  static constexpr Reduction reduction = R;
   template <class Z, class Labels>
   auto construct(const Z& logits, const Labels& labels) {
     return ops::softmax_cross_entropy<Sparse, R>(logits, labels);
@@ -229,6 +230,7 @@ using SoftmaxCrossEntropyWithLogits = BasicSoftmaxCrossEntropyWithLogits<Sparse,
 template <Reduction R = Reduction::mean, ElementType T = float>
 class BasicMSELoss : public Cell<BasicMSELoss<R, T>, CONTEXT_MODE, T> {
  public:
+  static constexpr Reduction reduction = R;
   template <class X, class Y>
   auto construct(const X& prediction, const Y& target) {
     return ops::mse<R>(prediction, target);
@@ -713,6 +715,7 @@ namespace nn {
 template <class Fn, Reduction R = Reduction::mean, ElementType T = float>
 class BasicPointwiseLoss : public Cell<BasicPointwiseLoss<Fn, R, T>, CONTEXT_MODE, T> {
  public:
+  static constexpr Reduction reduction = R;
   // The function's numbers, MindSpore's keyword arguments: nn::SmoothL1Loss<>({.beta = 0.5}).
   explicit BasicPointwiseLoss(Fn fn = {}) : fn_(fn) {
     if constexpr (requires { fn.validate(); }) fn.validate();
@@ -734,7 +737,9 @@ class BasicPointwiseLoss : public Cell<BasicPointwiseLoss<Fn, R, T>, CONTEXT_MOD
 template <bool Logits, Reduction R, ElementType T>
 class BasicClassLoss : public Cell<BasicClassLoss<Logits, R, T>, CONTEXT_MODE, T> {
  public:
+  static constexpr Reduction reduction = R;
   explicit BasicClassLoss(ops::CrossEntropyOptions options = {}) : options_(options) { options_.validate(type_name()); }
+  const ops::CrossEntropyOptions& options() const { return options_; }
   template <class X, class Labels>
   auto construct(const X& input, const Labels& labels) {
     return ops::class_loss<Logits, R>(input, labels, options_);

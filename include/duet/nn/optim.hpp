@@ -7,7 +7,9 @@
 // path, optimizer)), which is how training resumes.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
+#include <concepts>
 #include <cstdint>
 #include <functional>
 #include <numbers>
@@ -131,7 +133,7 @@ class BasicOptimizer {
 
   // MindSpore's optimizer(grads): one gradient per parameter, in order.
   void operator()(const std::vector<BasicTensor<T>>& grads) {
-    require_all_reduced(duet::detail::current_backward_pass(), "(grads)");
+    if (!is_all_reduced_set(grads)) require_all_reduced(duet::detail::current_backward_pass(), "(grads)");
     if (grads.size() != params_.size()) {
       throw ValueError("optimizer: got " + std::to_string(grads.size()) + " gradients for " +
                        std::to_string(params_.size()) + " parameters");
@@ -187,7 +189,19 @@ class BasicOptimizer {
         duet::detail::all_reduced_backward_pass() != pass) {
       throw ModeError(std::string(type_name()) + call +
                       ": DATA_PARALLEL, but the gradients of the last backward pass were not all-reduced across the "
-                      "ranks; train with nn::TrainOneStepCell");
+                      "ranks; train with nn::TrainOneStepCell, or pass them through duet::distributed::GradReducer");
+    }
+  }
+
+  // Whether grads are those distributed::GradReducer returned since the last backward pass
+  // (their elements, since the vector may have been copied).
+  static bool is_all_reduced_set(const std::vector<BasicTensor<T>>& grads) {
+    if constexpr (std::same_as<T, float>) {
+      const duet::detail::ReducedGradients& set = duet::detail::all_reduced_gradient_set();
+      return set.pass == duet::detail::current_backward_pass() && !grads.empty() &&
+             std::ranges::equal(grads, set.data, [](const Tensor& g, const float* d) { return g.data() == d; });
+    } else {
+      return false;
     }
   }
 };

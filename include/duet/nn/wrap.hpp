@@ -39,6 +39,7 @@ class WithLossCell
   }
 
   Backbone& backbone() { return backbone_; }
+  Loss& loss_fn() { return loss_fn_; }
 
   void for_each_child(const typename BasicDynamicCell<T>::ChildVisitor& visit) override {
     visit("", backbone_);
@@ -95,7 +96,7 @@ class TrainOneStepCell {
     duet::detail::DataParallelRuntime* parallel = duet::detail::training_runtime("nn::TrainOneStepCell");
     if (parallel != nullptr && !parameters_broadcast_) {
       if constexpr (std::same_as<T, float>) {
-        parallel->broadcast_parameters(net_with_loss_.parameters());
+        start_data_parallel(*parallel, xs...);
       } else {
         throw ModeError("nn::TrainOneStepCell: DATA_PARALLEL trains float networks only");
       }
@@ -104,11 +105,7 @@ class TrainOneStepCell {
     BasicTensor<T> loss = grad_.value_and_parameter_grads(xs...);
     if constexpr (std::same_as<T, float>) {
       // Before the finiteness check: a NaN on one rank must skip the update on all of them.
-      if (parallel != nullptr) {
-        const auto samples = static_cast<double>(tensor_of(std::get<0>(std::forward_as_tuple(xs...))).dim(0));
-        parallel->all_reduce_gradients(optimizer_.parameters(), duet::detail::current_backward_pass(), loss, samples,
-                                       get_auto_parallel_context().gradients_mean);
-      }
+      if (parallel != nullptr) all_reduce(*parallel, loss, xs...);
     }
     if (!std::ranges::all_of(loss.values(), [](T v) { return std::isfinite(v); })) return loss;
     // Clipping reads the gradients backward left, the same in both modes, so both clip alike.
@@ -133,12 +130,70 @@ class TrainOneStepCell {
   double last_global_norm() const { return last_global_norm_; }
 
  private:
+  // The first data-parallel step: every rank gets rank 0's parameters, and a loader that gives
+  // every rank the same batches (not sharded) is refused: the ranks would repeat one another.
+  template <class... X>
+  void start_data_parallel(duet::detail::DataParallelRuntime& parallel, const X&... xs) {
+    const std::vector<NamedParameter<float>> params = net_with_loss_.parameters();
+    parallel.broadcast_parameters(params);
+    for (const auto& p : params) {
+      if (!p.parameter->requires_grad) buffers_.push_back(p.parameter);
+    }
+    std::uint64_t hash = duet::detail::fnv1a({});
+    ((hash = duet::detail::fnv1a(bytes_of(tensor_of(xs)), hash)), ...);
+    if (parallel.group_size() > 1 && parallel.same_on_every_rank(hash)) {
+      throw ValueError("nn::TrainOneStepCell: DATA_PARALLEL, but the first batch is the same on all " +
+                       std::to_string(parallel.group_size()) +
+                       " ranks, so each would train on the same data; shard the loader: data::DataLoader(dataset, "
+                       "batch, {.num_shards = duet::distributed::get_group_size(), .shard_id = "
+                       "duet::distributed::get_rank()})");
+    }
+  }
+
+  template <class E>
+  static std::string_view bytes_of(const BasicTensor<E>& t) {
+    return {reinterpret_cast<const char*>(t.data()), static_cast<std::size_t>(t.numel()) * sizeof(E)};
+  }
+
+  // The gradients backward left, the loss and the moving statistics become the global batch's.
+  template <class... X>
+  void all_reduce(duet::detail::DataParallelRuntime& parallel, BasicTensor<float>& loss, const X&... xs) {
+    if (loss.numel() != 1) {
+      throw ModeError("nn::TrainOneStepCell: DATA_PARALLEL combines the ranks' losses, which needs each reduced to "
+                      "one number; this loss has shape " + to_string(loss.shape()));
+    }
+    const auto inputs = std::forward_as_tuple(xs...);
+    const index_t rows = tensor_of(std::get<0>(inputs)).dim(0);
+    duet::detail::BatchShare share{.summed = false, .counted_rows = static_cast<double>(rows),
+                                   .rows = static_cast<double>(rows)};
+    if constexpr (requires { net_with_loss_.loss_fn(); } && sizeof...(X) == 2) {
+      share = duet::detail::batch_share(net_with_loss_.loss_fn(), tensor_of(std::get<1>(inputs)), rows,
+                                        "nn::TrainOneStepCell");
+    }
+    const std::uint64_t pass = duet::detail::current_backward_pass();
+    const std::vector<BasicParameter<float>*>& params = optimizer_.parameters();
+    std::vector<duet::detail::GradientView> grads;
+    grads.reserve(params.size());
+    for (const BasicParameter<float>* p : params) {
+      grads.push_back({p->has_grad_from(pass) ? p->grad.data() : nullptr, p->numel()});
+    }
+    duet::detail::all_reduce_step(
+        parallel, grads,
+        [&](std::size_t i) {
+          bool accumulate = false;
+          return params[i]->grad_for_write(pass, &accumulate);
+        },
+        loss.values(), buffers_, share, get_auto_parallel_context().gradients_mean);
+    duet::detail::all_reduced_backward_pass() = pass;
+  }
+
   NetWithLoss& net_with_loss_;
   GradFunction<NetWithLoss&, void> grad_;
   Optimizer& optimizer_;
   TrainOneStepConfig config_;
   double last_global_norm_ = 0;
   bool parameters_broadcast_ = false;
+  std::vector<BasicParameter<float>*> buffers_;  // parameters nothing trains: moving statistics
 };
 
 }  // namespace duet::nn
