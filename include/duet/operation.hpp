@@ -224,6 +224,19 @@ index_t view_offset(const Op& op, const Shape& input) {
   else return 0;
 }
 
+// Whether a gradient reaching a NoGradient input of type In, of an operation whose output is
+// Out, would be lost: integer labels, conditions and comparisons' outputs carry none to lose.
+// Both modes refuse the loss at run time with this message.
+template <class In, class Out>
+inline constexpr bool loses_gradient = std::is_floating_point_v<In> && std::is_floating_point_v<Out>;
+
+inline std::string lost_gradient_message(const std::string& op, std::size_t k) {
+  const std::string input = std::to_string(k);
+  return "duet::grad: " + op + " has no gradient for input " + input + " (its grad_op<" + input +
+         ">() is ops::NoGradient), but that input depends on what is differentiated: its gradient would be a "
+         "silent zero";
+}
+
 // Whether grad_op<K>() of Op gives an actual gradient, not NoGradient.
 template <class Op, std::size_t K>
 constexpr bool input_has_gradient() {
