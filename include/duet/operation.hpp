@@ -143,8 +143,11 @@ constexpr bool has_parameters() {
 
 namespace detail {
 
+// A grad_op<K> that deduces void (`if constexpr (K == 0) return ...;` with no other branch)
+// gives no gradient: it counts as missing, so the contract's check names the input.
 template <class Op, std::size_t K>
-concept has_grad_op = requires(const Op& op) { op.template grad_op<K>(); };
+concept has_grad_op = requires(const Op& op) { op.template grad_op<K>(); } &&
+                      !std::is_void_v<decltype(std::declval<const Op&>().template grad_op<K>())>;
 
 template <class Op>
 constexpr bool declares_non_differentiable() {
