@@ -228,3 +228,54 @@ TEST_CASE("out-of-range labels are a duet error, not a crash") {
                        "nn::SoftmaxCrossEntropyWithLogits expects inputs of matching shapes, got [2, 3] and [3]",
                        ShapeError);
 }
+
+namespace {
+// a * b, whose author declared input 1 without a gradient.
+struct HalfProductGrad : ops::Primitive<HalfProductGrad> {
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input1};
+  static constexpr int arity = 2;
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    for (index_t i = 0; i < a.output_shape.numel(); ++i) a.out<T>()[i] = a.in<T>(0)[i] * a.in<T>(1)[i];
+  }
+  static std::string op_name() { return "HalfProductGrad"; }
+};
+struct HalfProduct : ops::Primitive<HalfProduct> {
+  static constexpr int arity = 2;
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    for (index_t i = 0; i < a.output_shape.numel(); ++i) a.out<T>()[i] = a.in<T>(0)[i] * a.in<T>(1)[i];
+  }
+  template <std::size_t K>
+    requires(K < 2)
+  auto grad_op() const {
+    if constexpr (K == 0) return HalfProductGrad{};
+    else return ops::NoGradient{};
+  }
+  static std::string op_name() { return "HalfProduct"; }
+};
+}  // namespace
+
+TEST_CASE("grad: a gradient that reaches an input declared ops::NoGradient is a ValueError, not a zero") {
+  ModeGuard guard;
+  const auto f = [](const auto& a, const auto& b) { return ops::sum(apply(HalfProduct{}, a, b)); };
+  const Tensor a = ones({2, 2}) * 3.0f;
+  const Tensor b = ones({2, 2});
+  for (const Mode mode : {PYNATIVE_MODE, GRAPH_MODE}) {
+    CAPTURE(mode);
+    set_context({.mode = mode});
+    try {
+      static_cast<void>(grad(f, 1)(a, b));
+      FAIL("no error");
+    } catch (const ValueError& e) {
+      CHECK(std::string(e.what()) ==
+            "duet::grad: HalfProduct has no gradient for input 1 (its grad_op<1>() is ops::NoGradient), but that "
+            "input depends on what is differentiated: its gradient would be a silent zero");
+    }
+    // Input 0's gradient is given, and input 1 not differentiated: no error.
+    const Tensor da = grad(f, 0)(a, b);
+    CHECK(da.data()[0] == 1.0f);
+  }
+}

@@ -163,6 +163,13 @@ const bool shape_cases = add_cases([](std::multimap<std::string, Case>& m) {
       checked<1>({{4, 6}},
                  [](const auto& x) { return duet::ops::strided_slice(x, ints<-1, 1>, ints<-5, -1>, ints<-1, 3>); },
                  [=](const std::vector<D>& xs) { return sliced(xs[0], {4, 2}, {3, 1}, {-1, 3}); }));
+  // to_end with a negative stride runs past the first element: x[2::-1, -1::-2].
+  add("strided_slice", checked<1>({{4, 6}},
+                                  [](const auto& x) {
+                                    using duet::ops::to_end;
+                                    return duet::ops::strided_slice(x, ints<2, -1>, ints<to_end, to_end>, ints<-1, -2>);
+                                  },
+                                  [=](const std::vector<D>& xs) { return sliced(xs[0], {3, 3}, {2, 5}, {-1, -2}); }));
 
   const auto gathered = [](const D& p, const I32& idx, int axis) {
     Shape out;

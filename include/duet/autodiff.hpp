@@ -172,6 +172,64 @@ auto backward_inputs(const G& g, const Built& built) {
   }
 }
 
+// Whether input K of node I is an edge whose gradient a NoGradient declaration loses
+// (operation.hpp, loses_gradient).
+template <class G, std::size_t I, std::size_t K>
+constexpr bool loses_gradient_at() {
+  using N = graph::node_at<G, I>;
+  if constexpr (input_has_gradient<typename N::op_type, K>()) return false;
+  else return loses_gradient<graph::node_value_t<G, N::args[K]>, graph::node_value_t<G, I>>;
+}
+
+// Throws if a node the output's gradient reaches has an input without a gradient whose value
+// depends on what is differentiated: the tape's refusal (OpEntry::input_backward), at run
+// time, because grad_position is a run-time index and every position's backward graph is
+// compiled. Leads, extended through such inputs, says what depends on what is differentiated.
+template <auto Leads, std::size_t Out, class G>
+void refuse_lost_gradients(const G& g) {
+  static constexpr auto found = [] {
+    std::array<bool, G::size> depends = Leads;
+    bool any_lost = false;
+    graph::for_each_index<G::size>([&](auto i) {
+      constexpr std::size_t I = decltype(i)::value;
+      using N = graph::node_at<G, I>;
+      if constexpr (!graph::is_input_op_v<typename N::op_type> && DifferentiableOperation<typename N::op_type>) {
+        [&]<std::size_t... K>(std::index_sequence<K...>) {
+          const bool lost = ((loses_gradient_at<G, I, K>() && depends[N::args[K]]) || ...);
+          depends[I] = depends[I] || lost;
+          any_lost = any_lost || lost;
+        }(std::make_index_sequence<N::arity>{});
+      }
+    });
+    return std::pair{depends, any_lost};
+  }();
+  if constexpr (found.second) {
+    // Which nodes the output's gradient reaches: consumers come after producers.
+    std::array<bool, G::size> reached{};
+    reached[Out] = true;
+    graph::for_each_index<G::size>([&](auto r) {
+      constexpr std::size_t I = G::size - 1 - decltype(r)::value;
+      using N = graph::node_at<G, I>;
+      using Op = typename N::op_type;
+      if constexpr (!graph::is_input_op_v<Op> && DifferentiableOperation<Op>) {
+        if (!reached[I]) return;
+        [&]<std::size_t... K>(std::index_sequence<K...>) {
+          const auto visit = [&](auto k) {
+            constexpr std::size_t k_ = decltype(k)::value;
+            if constexpr (input_has_gradient<Op, k_>()) {
+              reached[N::args[k_]] = true;
+            } else if constexpr (loses_gradient_at<G, I, k_>()) {
+              if (found.first[N::args[k_]])
+                throw ValueError(lost_gradient_message(boost::hana::at_c<I>(g.nodes).op.label(), k_));
+            }
+          };
+          (visit(std::integral_constant<std::size_t, K>{}), ...);
+        }(std::make_index_sequence<N::arity>{});
+      }
+    });
+  }
+}
+
 // Walks forward nodes I-1, I-2, ..., 0. Grads[i] is the node holding d(output)/d(value i).
 // Capture lays nodes out in depth-first post-order from the output (graph::detail::merge_from),
 // so this is the order the tape walks its records in (Tape::backward_order): a value's
@@ -269,6 +327,7 @@ auto build_backward(const graph::Sym<G0, Out>& program, BasicTensor<T>*... input
   auto [built, grads_tag] =
       detail::backward_from<G::size, detail::with(none, Out, G::size), leads>(forward.graph, seeded);
   static constexpr auto grads = decltype(grads_tag)::value;
+  detail::refuse_lost_gradients<leads, Out>(forward.graph);
   // An input the output does not depend on has a zero gradient, as in MindSpore.
   auto zeros = boost::hana::make_tuple(graph::Node<ops::FillLikeOp<0>, detail::input_node<G, Wrt>()>{}...);
   constexpr std::size_t zeros_at = decltype(boost::hana::length(built))::value;

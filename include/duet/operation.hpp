@@ -143,8 +143,11 @@ constexpr bool has_parameters() {
 
 namespace detail {
 
+// A grad_op<K> that deduces void (`if constexpr (K == 0) return ...;` with no other branch)
+// gives no gradient: it counts as missing, so the contract's check names the input.
 template <class Op, std::size_t K>
-concept has_grad_op = requires(const Op& op) { op.template grad_op<K>(); };
+concept has_grad_op = requires(const Op& op) { op.template grad_op<K>(); } &&
+                      !std::is_void_v<decltype(std::declval<const Op&>().template grad_op<K>())>;
 
 template <class Op>
 constexpr bool declares_non_differentiable() {
@@ -222,6 +225,19 @@ template <class Op>
 index_t view_offset(const Op& op, const Shape& input) {
   if constexpr (requires { op.view_offset(input); }) return op.view_offset(input);
   else return 0;
+}
+
+// Whether a gradient reaching a NoGradient input of type In, of an operation whose output is
+// Out, would be lost: integer labels, conditions and comparisons' outputs carry none to lose.
+// Both modes refuse the loss at run time with this message.
+template <class In, class Out>
+inline constexpr bool loses_gradient = std::is_floating_point_v<In> && std::is_floating_point_v<Out>;
+
+inline std::string lost_gradient_message(const std::string& op, std::size_t k) {
+  const std::string input = std::to_string(k);
+  return "duet::grad: " + op + " has no gradient for input " + input + " (its grad_op<" + input +
+         ">() is ops::NoGradient), but that input depends on what is differentiated: its gradient would be a "
+         "silent zero";
 }
 
 // Whether grad_op<K>() of Op gives an actual gradient, not NoGradient.

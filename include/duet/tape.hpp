@@ -215,6 +215,8 @@ class OpEntry final : public ValueEntry<Out> {
       if (!tape.tracks(x)) return;
       tape.entry_of(x)->accumulate(run_grad(op_.template grad_op<K>(), g));
       parameters_written = parameters_written || K == 0;
+    } else if constexpr (loses_gradient<std::tuple_element_t<K, std::tuple<In...>>, Out>) {
+      if (tape.tracks(std::get<K>(inputs_))) throw ValueError(lost_gradient_message(op_.label(), K));
     }
   }
 

@@ -40,7 +40,8 @@ struct Ints {
 template <index_t... V>
 inline constexpr Ints<V...> ints{};
 
-// An end past every axis's last element: strided_slice's "to the end".
+// An end past every axis's last element, in the direction of the stride: strided_slice's "to
+// the end" (Python's omitted end, x[b::s]).
 inline constexpr index_t to_end = std::numeric_limits<index_t>::max();
 
 namespace detail {
@@ -652,6 +653,8 @@ struct StridedSliceOp : SlicePrimitive<StridedSliceOp<Begin, End, Strides, Check
       }
       if (b < 0) b += size;
       if (e < 0) e += size;
+      // to_end is Python's omitted end: past the last element in the stride's direction.
+      if (End::values[a] == to_end && stride < 0) e = -1;
       // Python's clamping: [0, size] walking forwards, [-1, size - 1] backwards.
       const index_t lo = stride > 0 ? 0 : -1;
       const index_t hi = stride > 0 ? size : size - 1;
