@@ -45,7 +45,8 @@ constexpr JitConfig o2{.jit_level = O2};
 
 // What graph mode's folded evaluation may differ from PyNative's (and from double precision)
 // by, as duet_test::relative_difference measures it: the largest difference over the largest
-// value. Measured on this stack: below 4e-7 against PyNative, as PyNative is against double.
+// value. Measured on this stack over seeds 1 to 8 at O1: at most 4.1e-7 against PyNative and
+// 3.0e-7 against double, where PyNative itself is at most 2.5e-7 from double.
 constexpr double fold_tolerance = 2e-6;
 
 bool bitwise_equal(const Tensor& a, const Tensor& b) {
