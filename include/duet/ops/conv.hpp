@@ -326,12 +326,12 @@ struct ConvGradOp : Primitive<ConvGradOp<Layer, InputGrad>> {
   std::string label() const { return layer->label(); }
 };
 
-// A convolution's weight and bias with the evaluation BatchNorm after it folded in:
-// W'[c] = W[c] · scale[c] and b'[c] = (b[c] - moving_mean[c]) · scale[c] + beta[c], scale[c]
-// being gamma[c] / sqrt(moving_variance[c] + eps) (BatchNorm::evaluation_scale). The products
-// are then rounded differently from the BatchNorm's own (x - mean) · scale + beta: the folded
-// output agrees with the unfolded one to a few ulps, not bit for bit (README, "Graph mode and
-// PyNative mode agree bit for bit").
+// A convolution's weight and bias with the evaluation BatchNorm after it folded in, from
+// BatchNorm::evaluation_affine()'s y = x · scale + shift per channel: W'[c] = W[c] · scale[c]
+// and b'[c] = b[c] · scale[c] + shift[c], scale being gamma / sqrt(moving_variance + eps) and
+// shift beta - moving_mean · scale. They round differently from the BatchNorm's own
+// (x - mean) · scale + beta after the convolution: the folded output agrees with the unfolded
+// one within a tolerance, not bit for bit (README, "BatchNorm folding at evaluation").
 template <class T>
 struct FoldedConv {
   BasicTensor<T> weight;
@@ -402,14 +402,15 @@ struct ConvEpilogueOp : Primitive<ConvEpilogueOp<Layer, Norm, Fns...>> {
         [&] {
           const index_t out = layer->out_channels();
           const index_t per_channel = weight.numel() / out;
+          const auto affine = bn.evaluation_affine();
           FoldedConv<T> f{BasicTensor<T>::uninitialized(weight.shape()), BasicTensor<T>::uninitialized({out})};
           for (index_t c = 0; c < out; ++c) {
-            const T scale = bn.evaluation_scale(c);
+            const T scale = affine.scale[static_cast<std::size_t>(c)];
             const T* w = weight.data() + c * per_channel;
             T* folded = f.weight.data() + c * per_channel;
             for (index_t k = 0; k < per_channel; ++k) folded[k] = w[k] * scale;
             const T b = layer->has_bias() ? bias.data()[c] : T(0);
-            f.bias.data()[c] = (b - bn.moving_mean.data()[c]) * scale + bn.beta.data()[c];
+            f.bias.data()[c] = b * scale + affine.shift[static_cast<std::size_t>(c)];
           }
           return f;
         },
