@@ -11,6 +11,11 @@
 // The CPU and the kernels' instruction set are in the table's context (optim.cpp adds them).
 // duet's forward+backward row differentiates sum(conv(x) · dy), which adds one elementwise
 // product and a sum to the convolution's three products.
+//
+// The evaluation rows run LeNet-5 and examples/resnet_fashion's network (set_train(false)) at
+// batch 64 in graph mode at O0, where each convolution, BatchNorm and ReLU is its own pass,
+// and at O1, where each BatchNorm is folded into the convolution before it and bias and ReLU
+// run in the convolution's epilogue (LeNet-5 has no BatchNorm: only the epilogue).
 #include <duet/duet.hpp>
 
 #include <benchmark/benchmark.h>
@@ -18,6 +23,7 @@
 #include <cstdint>
 
 #include "../examples/lenet5.hpp"
+#include "../examples/resnet_fashion.hpp"
 
 #if DUET_BENCH_TORCH
 #include <torch/torch.h>
@@ -73,6 +79,20 @@ void lenet5_train_step(benchmark::State& state) {
   for (auto _ : state) {
     Tensor l = step(x, labels);
     benchmark::DoNotOptimize(l.data());
+  }
+  state.SetItemsProcessed(state.iterations() * state.range(0));
+}
+
+template <class Net, JitLevel Level>
+void eval_forward(benchmark::State& state) {
+  const ModeScope scope(GRAPH_MODE);
+  Net net;
+  net.set_train(false);
+  auto forward = jit<JitConfig{.jit_level = Level}>([&net](auto x) { return net(x); });
+  const Tensor x = uniform({state.range(0), 1, 28, 28}, 0.0f, 1.0f, 1);
+  for (auto _ : state) {
+    Tensor y = forward(x);
+    benchmark::DoNotOptimize(y.data());
   }
   state.SetItemsProcessed(state.iterations() * state.range(0));
 }
@@ -241,6 +261,10 @@ BENCHMARK(lenet5_forward<GRAPH_MODE>)->Name("conv/lenet5_forward/graph")->Arg(1)
 BENCHMARK(lenet5_forward<PYNATIVE_MODE>)->Name("conv/lenet5_forward/pynative")->Arg(1)->Arg(64);
 BENCHMARK(lenet5_train_step<GRAPH_MODE>)->Name("conv/lenet5_train_step/graph")->Arg(64);
 BENCHMARK(lenet5_train_step<PYNATIVE_MODE>)->Name("conv/lenet5_train_step/pynative")->Arg(64);
+BENCHMARK(eval_forward<LeNet5, O0>)->Name("conv/lenet5_eval_forward/graph_O0")->Arg(64);
+BENCHMARK(eval_forward<LeNet5, O1>)->Name("conv/lenet5_eval_forward/graph_O1")->Arg(64);
+BENCHMARK(eval_forward<resnet_fashion::ResNetFashion, O0>)->Name("conv/resnet_fashion_eval_forward/graph_O0")->Arg(64);
+BENCHMARK(eval_forward<resnet_fashion::ResNetFashion, O1>)->Name("conv/resnet_fashion_eval_forward/graph_O1")->Arg(64);
 BENCHMARK(conv3x3_forward<GRAPH_MODE>)->Name("conv/3x3_64x64_28x28_b32_forward/graph");
 BENCHMARK(conv3x3_forward<PYNATIVE_MODE>)->Name("conv/3x3_64x64_28x28_b32_forward/pynative");
 BENCHMARK(conv3x3_backward<GRAPH_MODE>)->Name("conv/3x3_64x64_28x28_b32_backward/graph");

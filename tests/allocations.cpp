@@ -118,3 +118,27 @@ TEST_CASE("graph mode: convolutions take their patch buffers from the pool, no a
     for (int call = 0; call < 3; ++call) CHECK(allocations_during([&] { net(x); }) == 0);
   }
 }
+
+namespace {
+struct ConvBatchNormNetwork : nn::Cell<ConvBatchNormNetwork> {
+  nn::Conv2d<1, 4, 3, 1, 1> conv;
+  nn::BatchNorm2d<4> bn;
+  nn::ReLU relu;
+  DUET_CELL_MEMBERS(conv, bn, relu);
+  auto construct(auto x) { return relu(bn(conv(x))); }
+};
+}  // namespace
+
+TEST_CASE("graph mode: a convolution with a BatchNorm folded in allocates nothing once warm, refolding only after a change") {
+  ModeGuard guard;
+  set_context({.mode = GRAPH_MODE});
+  ConvBatchNormNetwork net;
+  net.set_train(false);
+  REQUIRE(graph_ir(net).optimized.text.find("Conv2d + BatchNorm(folded) + ReLU") != std::string::npos);
+  const Tensor x = ones({8, 1, 12, 12});
+  net(x);
+  for (int call = 0; call < 3; ++call) CHECK(allocations_during([&] { net(x); }) == 0);
+  net.bn.moving_mean.data()[0] = 0.5f;
+  CHECK(allocations_during([&] { net(x); }) > 0);  // the fold is made again, once
+  CHECK(allocations_during([&] { net(x); }) == 0);
+}

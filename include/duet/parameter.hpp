@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -121,25 +122,29 @@ class BasicParameter : public BasicTensor<T> {
   bool has_grad_from(std::uint64_t pass) const { return grad_pass_ == pass; }
 
   // A form of the values a kernel computes from them and keeps (the pre-packed weight of
-  // JitLevel::O2): make() runs on first use, and again whenever the values may have changed
-  // since (version(), which optimisers, set_data, checkpoint loading and any non-const access
-  // move), so a stale form is never returned. One form per parameter; safe from several
-  // threads, and a returned form outlives a concurrent remake.
+  // JitLevel::O2, the weight with a BatchNorm folded in): make() runs on first use, and again
+  // whenever the values, or any of the tensors in `also` that the form is made from too, may
+  // have changed since (version(), which optimisers, set_data, checkpoint loading and any
+  // non-const access move), so a stale form is never returned. One form per parameter; safe
+  // from several threads, and a returned form outlives a concurrent remake.
   template <class Form, class Make>
-  std::shared_ptr<const Form> derived(Make&& make) const {
+  std::shared_ptr<const Form> derived(Make&& make, std::initializer_list<const BasicTensor<T>*> also = {}) const {
     DerivedForm& d = derived_;
     std::lock_guard lock(d.mutex);
     const BasicTensor<T>& values = *this;
-    const BasicTensor<T>& seen = d.source;
-    // The same first element means the same block: d.source keeps that block from being reused.
-    const bool current = d.form != nullptr && d.type == typeid(Form) && seen.data() == values.data() &&
-                         seen.shape() == values.shape() && d.version == values.version();
+    // The same first element means the same block: the handles kept stop that block from being reused.
+    const auto same = [](const Seen& seen, const BasicTensor<T>& now) {
+      return seen.values.data() == now.data() && seen.values.shape() == now.shape() && seen.version == now.version();
+    };
+    bool current = d.form != nullptr && d.type == typeid(Form) && same(d.source, values) && d.also.size() == also.size();
+    for (std::size_t i = 0; current && i < also.size(); ++i) current = same(d.also[i], *also.begin()[i]);
     if (!current) {
       d.form.reset();  // frees the old form before the new one is made, not after
       d.form = std::make_shared<const Form>(make());
       d.type = typeid(Form);
-      d.source = values;
-      d.version = values.version();
+      d.source = {values, values.version()};
+      d.also.clear();
+      for (const BasicTensor<T>* t : also) d.also.push_back({*t, t->version()});
     }
     return std::static_pointer_cast<const Form>(d.form);
   }
@@ -153,10 +158,15 @@ class BasicParameter : public BasicTensor<T> {
  private:
   mutable std::uint64_t grad_pass_ = 0;
 
+  // A tensor a form was made from, as it was then.
+  struct Seen {
+    BasicTensor<T> values;  // a handle: the block cannot be reused for other values meanwhile
+    std::uint64_t version = 0;
+  };
   struct DerivedForm {
     std::mutex mutex;
-    BasicTensor<T> source;  // a handle: the block cannot be reused for other values meanwhile
-    std::uint64_t version = 0;
+    Seen source;
+    std::vector<Seen> also;
     std::type_index type = typeid(void);
     std::shared_ptr<const void> form;
 
@@ -165,7 +175,8 @@ class BasicParameter : public BasicTensor<T> {
     DerivedForm(DerivedForm&&) noexcept {}
     DerivedForm& operator=(DerivedForm&&) noexcept {
       form.reset();
-      source = BasicTensor<T>();
+      source = Seen{};
+      also.clear();
       return *this;
     }
     DerivedForm(const DerivedForm&) = delete;

@@ -52,11 +52,14 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 
@@ -65,6 +68,8 @@
 #include "../eager.hpp"
 #include "../initializer.hpp"
 #include "../kernels/conv.hpp"
+#include "../nn/activation.hpp"
+#include "../nn/batchnorm.hpp"
 #include "../nn/pad_mode.hpp"
 #include "../operation.hpp"
 #include "../random.hpp"
@@ -186,10 +191,42 @@ T* scratch(duet::detail::Storage& storage, index_t count) {
   return reinterpret_cast<T*>(storage.data());
 }
 
+// y = fns(conv(x, w) + bias) for a convolution of geometry g, x and y being a's input and
+// output; bias may be null. The bias and the functions go over each sample's planes right
+// after its products, while they are still in cache: the bias is per output channel, a row
+// of the product, which the GEMM's epilogue (a bias per column) cannot take.
+template <class Backend, class T, class... Fns>
+void convolve(const ConvGeometry& g, const graph::KernelArgs& a, const T* w, const T* bias,
+              const std::tuple<Fns...>& fns) {
+  const kernels::ConvProblem q = conv_problem(g, a.in_shape());
+  const T* x = a.in<T>();
+  T* y = a.out<T>();
+  const index_t og = q.out_per_group();
+  duet::detail::Storage storage;
+  T* col = scratch<T>(storage, q.depth() * q.pixels());
+  for (index_t n = 0; n < q.batch; ++n) {
+    for (index_t gr = 0; gr < q.groups; ++gr) {
+      kernels::im2col(q, x + (n * q.in + gr * q.in_per_group()) * q.image(), col);
+      T* yg = y + (n * q.out + gr * og) * q.pixels();
+      Backend::matmul(w + gr * og * q.depth(), og, q.depth(), col, q.pixels(), yg);
+    }
+    T* yn = y + n * q.out * q.pixels();
+    if (bias != nullptr) kernels::add_channel_bias(yn, q.out, q.pixels(), bias);
+    if constexpr (sizeof...(Fns) > 0) Backend::map(fns, yn, q.out * q.pixels(), yn);
+  }
+}
+
 }  // namespace detail
 
 template <class Layer, bool InputGrad>
 struct ConvGradOp;
+template <class Layer, class Norm, class... Fns>
+struct ConvEpilogueOp;
+
+template <class C>
+inline constexpr bool is_evaluation_batchnorm_v = false;
+template <class Norm>
+inline constexpr bool is_evaluation_batchnorm_v<BatchNormOp<Norm, graph::Phase::eval>> = true;
 
 // y = conv(x, weight) + bias (when the layer has one), the layer's.
 template <class Layer>
@@ -208,22 +245,21 @@ struct ConvOp : Primitive<ConvOp<Layer>> {
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
-    const kernels::ConvProblem q = detail::conv_problem(layer->geometry(), a.in_shape());
-    const T* x = a.in<T>();
-    const T* w = layer->weight.data();
     const T* bias = layer->has_bias() ? layer->bias.data() : nullptr;
-    T* y = a.out<T>();
-    const index_t og = q.out_per_group();
-    duet::detail::Storage storage;
-    T* col = detail::scratch<T>(storage, q.depth() * q.pixels());
-    for (index_t n = 0; n < q.batch; ++n) {
-      for (index_t g = 0; g < q.groups; ++g) {
-        kernels::im2col(q, x + (n * q.in + g * q.in_per_group()) * q.image(), col);
-        T* yg = y + (n * q.out + g * og) * q.pixels();
-        Backend::matmul(w + g * og * q.depth(), og, q.depth(), col, q.pixels(), yg);
-      }
-      if (bias != nullptr) kernels::add_channel_bias(y + n * q.out * q.pixels(), q.out, q.pixels(), bias);
-    }
+    detail::convolve<Backend>(layer->geometry(), a, layer->weight.data(), bias, std::tuple<>{});
+  }
+
+  // At evaluation (passes::fuse_epilogues, in a graph that is not differentiated) it takes the
+  // BatchNorm after it, folded into its weight and bias, then elementwise functions.
+  template <class C>
+  static constexpr bool accepts_epilogue = is_evaluation_batchnorm_v<C> || requires { C::elementwise_functions; };
+  template <class Norm>
+  auto absorb(const BatchNormOp<Norm, graph::Phase::eval>& next) const {
+    return ConvEpilogueOp<Layer, Norm>{layer, next.layer, {}};
+  }
+  template <class... Gs>
+  auto absorb(const MapOp<Gs...>& next) const {
+    return ConvEpilogueOp<Layer, void, Gs...>{layer, nullptr, next.fns};
   }
 
   static constexpr bool has_parameters = true;
@@ -306,6 +342,98 @@ struct ConvGradOp : Primitive<ConvGradOp<Layer, InputGrad>> {
     return InputGrad ? name : name + " (parameters only)";
   }
   std::string label() const { return layer->label(); }
+};
+
+// A convolution's weight and bias with the evaluation BatchNorm after it folded in, from
+// BatchNorm::evaluation_affine()'s y = x · scale + shift per channel: W'[c] = W[c] · scale[c]
+// and b'[c] = b[c] · scale[c] + shift[c], scale being gamma / sqrt(moving_variance + eps) and
+// shift beta - moving_mean · scale. They round differently from the BatchNorm's own
+// (x - mean) · scale + beta after the convolution: the folded output agrees with the unfolded
+// one within a tolerance, not bit for bit (README, "BatchNorm folding at evaluation").
+template <class T>
+struct FoldedConv {
+  BasicTensor<T> weight;
+  BasicTensor<T> bias;
+};
+
+// y = Fns(conv(x) + bias) with the BatchNorm Norm after it folded into the convolution (Norm
+// void: none), the evaluation form that fuse_epilogues makes of (Conv, BatchNorm, functions).
+// It has no gradient: only graphs that are not differentiated take it, and training graphs
+// keep the BatchNorm's training op, which no convolution absorbs.
+template <class Layer, class Norm, class... Fns>
+struct ConvEpilogueOp : Primitive<ConvEpilogueOp<Layer, Norm, Fns...>> {
+  using layer_type = Layer;
+  using value_type = typename Layer::value_type;
+  static constexpr int arity = 1;
+  static constexpr bool differentiable = false;
+  static constexpr bool folds = !std::is_void_v<Norm>;
+
+  const Layer* layer;
+  std::conditional_t<folds, Norm*, std::nullptr_t> norm;
+  std::tuple<Fns...> fns;
+  ConvEpilogueOp(const Layer* l, decltype(norm) n, std::tuple<Fns...> f) : layer(l), norm(n), fns(std::move(f)) {}
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return ConvOp<Layer>::infer_static(in); }
+  ShapeResult infer(std::span<const Shape> in) const { return ConvOp<Layer>{layer}.infer(in); }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    if constexpr (folds) {
+      // The BatchNorm's own check: a layer switched to training alone is refused, not folded stale.
+      PhaseOf<Norm, graph::Phase::eval>{norm}.check_phase();
+      const std::shared_ptr<const FoldedConv<T>> folded = fold<T>();
+      detail::convolve<Backend>(layer->geometry(), a, folded->weight.data(), folded->bias.data(), fns);
+    } else {
+      const T* bias = layer->has_bias() ? layer->bias.data() : nullptr;
+      detail::convolve<Backend>(layer->geometry(), a, layer->weight.data(), bias, fns);
+    }
+  }
+
+  template <class C>
+  static constexpr bool accepts_epilogue = requires { C::elementwise_functions; };
+  template <class... Gs>
+  auto absorb(const MapOp<Gs...>& next) const {
+    return ConvEpilogueOp<Layer, Norm, Fns..., Gs...>{layer, norm, std::tuple_cat(fns, next.fns)};
+  }
+
+  static std::string op_name() {
+    std::string s = Layer::spatial == 2 ? "Conv2d" : "Conv1d";
+    if (folds) s += " + BatchNorm(folded)";
+    ((s += " + ", s += Fns::name), ...);
+    return s;
+  }
+  std::string label() const {
+    if constexpr (folds) return layer->label() + " + " + norm->label();
+    else return layer->label();
+  }
+
+ private:
+  // The folded weight and bias, kept as the weight's derived form and made again whenever the
+  // weight, the bias or any of the BatchNorm's four tensors has been written since: after a
+  // training step, set_data or load_checkpoint the next evaluation folds the new values.
+  template <class T>
+  std::shared_ptr<const FoldedConv<T>> fold() const {
+    const Norm& bn = *norm;  // reads leave the parameters' version() alone
+    const auto& weight = layer->weight;
+    const BasicTensor<T>& bias = layer->bias;
+    return weight.template derived<FoldedConv<T>>(
+        [&] {
+          const index_t out = layer->out_channels();
+          const index_t per_channel = weight.numel() / out;
+          const auto affine = bn.evaluation_affine();
+          FoldedConv<T> f{BasicTensor<T>::uninitialized(weight.shape()), BasicTensor<T>::uninitialized({out})};
+          for (index_t c = 0; c < out; ++c) {
+            const T scale = affine.scale[static_cast<std::size_t>(c)];
+            const T* w = weight.data() + c * per_channel;
+            T* folded = f.weight.data() + c * per_channel;
+            for (index_t k = 0; k < per_channel; ++k) folded[k] = w[k] * scale;
+            const T b = layer->has_bias() ? bias.data()[c] : T(0);
+            f.bias.data()[c] = b * scale + affine.shift[static_cast<std::size_t>(c)];
+          }
+          return f;
+        },
+        {&bias, &bn.gamma, &bn.beta, &bn.moving_mean, &bn.moving_variance});
+  }
 };
 
 inline const bool conv_listed = list_operations({"Conv2d", "Conv1d"});
