@@ -16,6 +16,9 @@
 #include <string>
 #include <vector>
 
+#include "../examples/lenet5.hpp"
+#include "../examples/network.hpp"
+
 namespace {
 
 namespace fs = std::filesystem;
@@ -143,6 +146,63 @@ TEST_CASE("io::load_onnx: a loaded model trains, with the same losses and parame
     REQUIRE(weights[0].size() == weights[1].size());
     for (std::size_t i = 0; i < weights[0].size(); ++i) CHECK(same_bits(weights[0][i], weights[1][i]));
   }
+}
+
+// The C++ networks of examples/ with PyTorch's weights give PyTorch's outputs, in both modes.
+template <class Net>
+void check_weights_into(const fs::path& dir, const std::string& name) {
+  const Reference& r = *std::ranges::find(models, name, &Reference::name);
+  const Tensor x = read_floats(dir / (name + ".input.bin"), r.input);
+  const Tensor want = read_floats(dir / (name + ".output.bin"), {4, 10});
+  Net net;
+  const duet::CheckpointLoad left = duet::io::load_onnx_weights(dir / (name + "_opset13.onnx"), net);
+  CHECK(left.ckpt_not_load.empty());
+  const Tensor pynative = net(x);
+  check_close(pynative, want, name + " in C++, PyNative mode");
+  ModeScope graph(duet::GRAPH_MODE);
+  const Tensor in_graph = net(x);
+  check_close(in_graph, want, name + " in C++, graph mode");
+}
+
+TEST_CASE("io::load_onnx_weights: PyTorch's weights in examples' seed network and LeNet-5 give PyTorch's outputs") {
+  REQUIRE_REFERENCES(dir);
+  check_weights_into<Network>(*dir, "mlp");
+  check_weights_into<LeNet5>(*dir, "lenet5");
+}
+
+TEST_CASE("io::load_onnx_weights: a name or shape that does not fit names both, and copies nothing") {
+  REQUIRE_REFERENCES(dir);
+  LeNet5 net;
+  const Tensor before = Tensor(net.conv1.weight).clone();
+  const fs::path file = *dir / "lenet5_opset17.onnx";
+  const std::string where = "ONNX file " + file.string() + ": ";
+  CHECK_THROWS_WITH_AS(duet::io::load_onnx_weights(file, net, {{"fc1.weight", "fc2.weight"}}),
+                       (where + "the network's parameter 'fc1.weight' [120, 400] does not fit initializer 'fc2.weight' [84, 120]").c_str(),
+                       duet::FormatError);
+  CHECK_THROWS_WITH_AS(duet::io::load_onnx_weights(file, net, {{"fc9.weight", "fc2.weight"}}),
+                       (where + "the name map gives 'fc2.weight' for 'fc9.weight', which is not a parameter of LeNet5").c_str(),
+                       duet::ValueError);
+  CHECK_THROWS_WITH_AS(duet::io::load_onnx_weights(*dir / "mlp_opset17.onnx", net),
+                       ("ONNX file " + (*dir / "mlp_opset17.onnx").string() +
+                        ": the network's parameter 'conv1.weight' [6, 1, 5, 5] has no initializer 'conv1.weight' (give its name in the name map)").c_str(),
+                       duet::FormatError);
+  CHECK(same_bits(Tensor(net.conv1.weight), before));
+}
+
+TEST_CASE("io::load_onnx_weights: by an explicit name map, into a network built at run time") {
+  REQUIRE_REFERENCES(dir);
+  duet::nn::DynamicSequentialCell net;
+  net.append(duet::nn::Dense<>(784, 512));
+  net.append(duet::nn::ReLU{});
+  net.append(duet::nn::Dense<>(512, 512));
+  net.append(duet::nn::ReLU{});
+  net.append(duet::nn::Dense<>(512, 10));
+  std::map<std::string, std::string> map;
+  for (const std::string layer : {"0", "2", "4"})
+    for (const std::string what : {".weight", ".bias"}) map[layer + what] = "dense_relu_sequential." + layer + what;
+  CHECK(duet::io::load_onnx_weights(*dir / "mlp_opset17.onnx", net, map).ckpt_not_load.empty());
+  check_close(net(read_floats(*dir / "mlp.input.bin", {4, 784})), read_floats(*dir / "mlp.output.bin", {4, 10}),
+              "the seed network built at run time");
 }
 
 // --- errors, on models built here --------------------------------------------------------------

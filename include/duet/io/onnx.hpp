@@ -49,12 +49,15 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <initializer_list>
 #include <map>
 #include <memory>
-#include <numeric>
+#include <optional>
 #include <set>
 #include <span>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -197,6 +200,67 @@ Tensor onnx_concat(const A& a, const B& b, int axis) {
 
 inline std::string onnx_quoted(const std::string& s) { return "'" + s + "'"; }
 
+// The tensor's elements as T, checked against its shape; external data is refused.
+template <class T>
+std::vector<T> onnx_elements(const onnx::TensorProto& t, const std::string& what, index_t count, const std::string& where) {
+  if (t.data_location() == onnx::TensorProto::EXTERNAL) {
+    throw ValueError(where + ": " + what + " keeps its data in an external file, which duet does not read");
+  }
+  std::vector<T> out;
+  if (t.has_raw_data()) {
+    const std::string& raw = t.raw_data();
+    if (raw.size() != static_cast<std::size_t>(count) * sizeof(T)) {
+      throw FormatError(where + ": " + what + " has " + std::to_string(raw.size()) + " bytes of data, its shape needs " +
+                        std::to_string(static_cast<std::size_t>(count) * sizeof(T)));
+    }
+    out.resize(static_cast<std::size_t>(count));
+    std::memcpy(out.data(), raw.data(), raw.size());
+    return out;
+  }
+  const auto take = [&](const auto& field) {
+    if (field.size() != count) {
+      throw FormatError(where + ": " + what + " has " + std::to_string(field.size()) + " elements, its shape needs " +
+                        std::to_string(count));
+    }
+    out.assign(field.begin(), field.end());
+  };
+  if constexpr (std::is_same_v<T, float>) take(t.float_data());
+  else take(t.int64_data());
+  return out;
+}
+
+// The tensor's shape; a size no file could hold data for is refused before anything is read.
+inline Shape onnx_shape(const onnx::TensorProto& t, const std::string& what, const std::string& where) {
+  if (t.dims_size() > max_rank) {
+    throw ValueError(where + ": " + what + " has rank " + std::to_string(t.dims_size()) + ", above duet's " +
+                     std::to_string(max_rank));
+  }
+  Shape s;
+  index_t n = 1;
+  for (const std::int64_t d : t.dims()) {
+    if (d < 0 || d > (std::int64_t{1} << 40) || (d > 0 && n > (std::int64_t{1} << 40) / d)) {
+      throw FormatError(where + ": " + what + " has a dimension of " + std::to_string(d) + ", which no data fits");
+    }
+    n *= d;
+    s.push_back(static_cast<index_t>(d));
+  }
+  return s;
+}
+
+// Parses the bytes of an ONNX file; `where` names them in errors.
+inline onnx::ModelProto parse_onnx(std::span<const std::byte> bytes, const std::string& where) {
+  if (bytes.size() > static_cast<std::size_t>(INT_MAX)) throw FormatError(where + ": larger than protobuf's 2 GB limit");
+  onnx::ModelProto proto;
+  if (!proto.ParseFromArray(bytes.data(), static_cast<int>(bytes.size()))) {
+    throw FormatError(where + ": not an ONNX model (the protobuf message does not parse)");
+  }
+  if (!proto.has_graph()) throw FormatError(where + ": the model has no graph");
+  return proto;
+}
+
+inline std::string onnx_where(const std::filesystem::path& path) { return "ONNX file " + path.string(); }
+
+
 }  // namespace detail
 
 // A network read from an ONNX file (load_onnx). Its forward runs the graph's nodes in order.
@@ -321,65 +385,19 @@ class OnnxBuilder {
     throw FormatError(where_ + ": the model imports no opset of the default ONNX domain");
   }
 
-  // The tensor's elements as T, checked against its shape; external data is refused.
-  template <class T>
-  std::vector<T> elements(const onnx::TensorProto& t, const std::string& what, index_t count) const {
-    if (t.data_location() == onnx::TensorProto::EXTERNAL) {
-      throw ValueError(where_ + ": " + what + " keeps its data in an external file, which duet does not read");
-    }
-    std::vector<T> out;
-    if (t.has_raw_data()) {
-      const std::string& raw = t.raw_data();
-      if (raw.size() != static_cast<std::size_t>(count) * sizeof(T)) {
-        throw FormatError(where_ + ": " + what + " has " + std::to_string(raw.size()) + " bytes of data, its shape needs " +
-                          std::to_string(static_cast<std::size_t>(count) * sizeof(T)));
-      }
-      out.resize(static_cast<std::size_t>(count));
-      std::memcpy(out.data(), raw.data(), raw.size());
-      return out;
-    }
-    const auto take = [&](const auto& field) {
-      if (field.size() != count) {
-        throw FormatError(where_ + ": " + what + " has " + std::to_string(field.size()) +
-                          " elements, its shape needs " + std::to_string(count));
-      }
-      out.assign(field.begin(), field.end());
-    };
-    if constexpr (std::is_same_v<T, float>) take(t.float_data());
-    else take(t.int64_data());
-    return out;
-  }
-
-  Shape shape_of(const onnx::TensorProto& t, const std::string& what) const {
-    if (t.dims_size() > max_rank) {
-      throw ValueError(where_ + ": " + what + " has rank " + std::to_string(t.dims_size()) + ", above duet's " +
-                       std::to_string(max_rank));
-    }
-    Shape s;
-    index_t n = 1;
-    for (const std::int64_t d : t.dims()) {
-      if (d < 0 || d > (std::int64_t{1} << 40) || (d > 0 && n > (std::int64_t{1} << 40) / d)) {
-        throw FormatError(where_ + ": " + what + " has a dimension of " + std::to_string(d) + ", which no data fits");
-      }
-      n *= d;
-      s.push_back(static_cast<index_t>(d));
-    }
-    return s;
-  }
-
   // A float initializer becomes a parameter, an int64 one a list of integers.
   void add_initializer(const onnx::TensorProto& t) {
     const std::string what = "initializer " + detail::onnx_quoted(t.name());
     if (t.name().empty()) throw FormatError(where_ + ": an initializer has no name");
     if (defined(t.name())) throw FormatError(where_ + ": " + what + " is defined twice");
-    const Shape shape = shape_of(t, what);
+    const Shape shape = detail::onnx_shape(t, what, where_);
     if (t.data_type() == onnx::TensorProto::FLOAT) {
-      const std::vector<float> data = elements<float>(t, what, shape.numel());
+      const std::vector<float> data = detail::onnx_elements<float>(t, what, shape.numel(), where_);
       model_.parameters_.push_back(std::make_unique<nn::Parameter>(Tensor(shape, std::span<const float>(data))));
       model_.parameter_names_.push_back(t.name());
       operands_[t.name()] = {Kind::parameter, model_.parameters_.size() - 1};
     } else if (t.data_type() == onnx::TensorProto::INT64) {
-      integers_[t.name()] = elements<std::int64_t>(t, what, shape.numel());
+      integers_[t.name()] = detail::onnx_elements<std::int64_t>(t, what, shape.numel(), where_);
     } else {
       throw ValueError(where_ + ": " + what + " has ONNX data type " + std::to_string(t.data_type()) +
                        "; duet reads float32 and int64 initializers");
@@ -680,12 +698,12 @@ class OnnxBuilder {
     if (a.name() == "value") {
       const onnx::TensorProto& t = a.t();
       const std::string what = node + "'s value";
-      const Shape shape = shape_of(t, what);
+      const Shape shape = detail::onnx_shape(t, what, where_);
       if (t.data_type() == onnx::TensorProto::FLOAT) {
-        const std::vector<float> data = elements<float>(t, what, shape.numel());
+        const std::vector<float> data = detail::onnx_elements<float>(t, what, shape.numel(), where_);
         add_float(Tensor(shape, std::span<const float>(data)));
       } else if (t.data_type() == onnx::TensorProto::INT64) {
-        integers_[name] = elements<std::int64_t>(t, what, shape.numel());
+        integers_[name] = detail::onnx_elements<std::int64_t>(t, what, shape.numel(), where_);
       } else {
         unsupported(node, "a value of ONNX data type " + std::to_string(t.data_type()));
       }
@@ -969,20 +987,72 @@ class OnnxBuilder {
 
 // The model in the bytes of an ONNX file; `where` names them in errors.
 inline OnnxModel load_onnx_bytes(std::span<const std::byte> bytes, const std::string& where = "ONNX data") {
-  if (bytes.size() > static_cast<std::size_t>(INT_MAX)) throw FormatError(where + ": larger than protobuf's 2 GB limit");
-  onnx::ModelProto proto;
-  if (!proto.ParseFromArray(bytes.data(), static_cast<int>(bytes.size()))) {
-    throw FormatError(where + ": not an ONNX model (the protobuf message does not parse)");
-  }
-  if (!proto.has_graph()) throw FormatError(where + ": the model has no graph");
+  const onnx::ModelProto proto = detail::parse_onnx(bytes, where);
   return OnnxBuilder(proto, where).build();
 }
 
 // Reads an ONNX model file into a network duet runs in either mode (see the top of this file).
 inline OnnxModel load_onnx(const std::filesystem::path& path) {
-  const std::string where = "ONNX file " + path.string();
+  const std::string where = detail::onnx_where(path);
   const std::vector<unsigned char> bytes = duet::detail::read_whole_file(path, where);
   return load_onnx_bytes(std::as_bytes(std::span(bytes)), where);
+}
+
+// Copies the float initializers of an ONNX file into a network defined in C++ (any cell, in
+// either mode: a compile-time Cell such as examples/lenet5.hpp's LeNet5), each parameter from
+// the initializer of its own name ("fc1.weight", as torch.onnx.export names a module's weight),
+// or of the name `name_map` gives for it (network's name -> initializer's name: duet's BatchNorm
+// "bn.gamma" from PyTorch's "bn.weight"). All or nothing: every parameter must find an
+// initializer of its shape, or nothing is copied and a duet::FormatError names the first that
+// does not (with both shapes); a name_map entry for no parameter of the network is a
+// duet::ValueError. Returns, in ckpt_not_load, the float initializers that were not used.
+inline CheckpointLoad load_onnx_weights(const std::filesystem::path& path, nn::DynamicCell& net,
+                                        const std::map<std::string, std::string>& name_map = {}) {
+  const std::string where = detail::onnx_where(path);
+  const std::vector<unsigned char> bytes = duet::detail::read_whole_file(path, where);
+  const onnx::ModelProto proto = detail::parse_onnx(std::as_bytes(std::span(bytes)), where);
+  std::map<std::string, const onnx::TensorProto*> initializers;
+  for (const onnx::TensorProto& t : proto.graph().initializer()) initializers[t.name()] = &t;
+  const auto targets = duet::detail::parameter_targets(net, where);
+  for (const auto& [name, source] : name_map) {
+    if (std::ranges::find(targets, name, &duet::detail::CheckpointTarget<float>::name) == targets.end()) {
+      throw ValueError(where + ": the name map gives " + detail::onnx_quoted(source) + " for " + detail::onnx_quoted(name) +
+                       ", which is not a parameter of " + net.type_name());
+    }
+  }
+  std::vector<std::vector<float>> values;
+  std::set<std::string> used;
+  for (const auto& [name, tensor] : targets) {
+    const auto mapped = name_map.find(name);
+    const std::string& source = mapped == name_map.end() ? name : mapped->second;
+    const std::string parameter = "the network's parameter " + detail::onnx_quoted(name) + " " + to_string(tensor->shape());
+    const auto found = initializers.find(source);
+    if (found == initializers.end()) {
+      throw FormatError(where + ": " + parameter + " has no initializer " + detail::onnx_quoted(source) +
+                        (mapped == name_map.end() ? " (give its name in the name map)" : ""));
+    }
+    const onnx::TensorProto& t = *found->second;
+    const std::string what = "initializer " + detail::onnx_quoted(source);
+    if (t.data_type() != onnx::TensorProto::FLOAT) {
+      throw FormatError(where + ": " + parameter + " is float32, " + what + " has ONNX data type " +
+                        std::to_string(t.data_type()));
+    }
+    const Shape shape = detail::onnx_shape(t, what, where);
+    if (!(shape == tensor->shape())) {
+      throw FormatError(where + ": " + parameter + " does not fit " + what + " " + to_string(shape));
+    }
+    values.push_back(detail::onnx_elements<float>(t, what, shape.numel(), where));
+    used.insert(source);
+  }
+  const auto parameters = net.parameters();  // targets' order
+  for (std::size_t i = 0; i < parameters.size(); ++i) {
+    nn::Parameter& p = *parameters[i].parameter;
+    p.set_data(Tensor(p.shape(), std::span<const float>(values[i])));
+  }
+  CheckpointLoad left;
+  for (const auto& [name, t] : initializers)
+    if (t->data_type() == onnx::TensorProto::FLOAT && !used.contains(name)) left.ckpt_not_load.push_back(name);
+  return left;
 }
 
 }  // namespace duet::io
