@@ -205,6 +205,23 @@ TEST_CASE("io::load_onnx_weights: by an explicit name map, into a network built 
               "the seed network built at run time");
 }
 
+TEST_CASE("io::load_onnx: the fuzzer's seed models load and run, the same in both modes") {
+  // tests/fuzz/make_onnx_corpus.py: every operator the loader reads (gemm.onnx at opset 13, the rest 17).
+  const fs::path corpus = fs::path(__FILE__).parent_path() / "fuzz" / "corpus" / "onnx";
+  for (const std::string name : {"gemm", "conv", "gelu", "shape"}) {
+    INFO(name);
+    duet::io::OnnxModel net = duet::io::load_onnx(corpus / (name + ".onnx"));
+    Shape shape;
+    for (const std::int64_t d : net.input_dims()) shape.push_back(d);
+    const Tensor x = duet::randn(shape, 7);
+    const Tensor eager = net(x);
+    for (duet::index_t i = 0; i < eager.numel(); ++i) CHECK(std::isfinite(eager.data()[i]));
+    duet::io::OnnxModel traced = duet::io::load_onnx(corpus / (name + ".onnx"));
+    ModeScope graph(duet::GRAPH_MODE);
+    CHECK(same_bits(traced(x), eager));
+  }
+}
+
 // --- errors, on models built here --------------------------------------------------------------
 
 onnx::ModelProto model_of(int opset = 17) {
@@ -311,6 +328,23 @@ TEST_CASE("io::load_onnx: an unsupported operator or attribute names the node an
     onnx::ModelProto m = model_of(11);
     add_node(m, "Relu", "r", {"x"});
     CHECK(message_of<duet::ValueError>(m).find("opset 11; duet reads opsets 13 to 17") != std::string::npos);
+  }
+}
+
+TEST_CASE("io::load_onnx: a Reshape to more elements than index_t counts is a ShapeError naming the node") {
+  onnx::ModelProto m = model_of();
+  onnx::TensorProto* to = m.mutable_graph()->add_initializer();
+  to->set_name("to");
+  to->set_data_type(onnx::TensorProto::INT64);
+  to->add_dims(3);
+  for (const std::int64_t d : {std::int64_t{1} << 40, std::int64_t{1} << 40, std::int64_t{1} << 40}) to->add_int64_data(d);
+  add_node(m, "Reshape", "big", {"x", "to"});
+  duet::io::OnnxModel net = load(m);
+  try {
+    net(duet::ones({2, 3}));
+    FAIL("no ShapeError");
+  } catch (const duet::ShapeError& e) {
+    CHECK(std::string(e.what()).starts_with("ONNX node 'big' (Reshape): "));
   }
 }
 

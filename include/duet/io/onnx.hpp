@@ -26,6 +26,9 @@
 //   dilation, symmetric pads or SAME_UPPER/VALID, group)
 //   MaxPool, AveragePool (2-D square windows of    ops::Pool2dOp: the windows are template
 //   kernel 2 or 3, stride 1 or 2, pad 0 or 1)      arguments, so only these are instantiated
+//   Pad (zeros) before an AveragePool              that pooling counting its padding (torch's
+//                                                  AvgPool2d(count_include_pad=True)); a Pad of
+//                                                  nothing is the identity; other Pads are refused
 //   GlobalAveragePool                              ops::adaptive_avg_pool2d<1>
 //   BatchNormalization (inference)                 (x - mean) * scale / sqrt(var + eps) + B
 //   Flatten, Reshape (constant shape)              views
@@ -50,6 +53,7 @@
 #include <filesystem>
 #include <functional>
 #include <initializer_list>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -90,10 +94,15 @@ struct OnnxReshapeOp : ops::Primitive<OnnxReshapeOp> {
       if (outer == 0) to = Shape{0, x.numel_from(flatten_axis)};
       return {to};
     }
+    index_t known = 1;
     for (std::size_t i = 0; i < dims.size(); ++i) {
       const std::int64_t d = dims[i];
       if (d == 0 && static_cast<int>(i) >= x.rank()) return fault(x, ShapeFault::min_rank, static_cast<int>(i) + 1);
       to.push_back(d == 0 ? x[static_cast<int>(i)] : d == -1 ? dyn : static_cast<index_t>(d));
+      // A file's sizes can be any int64: a product past index_t's range fits no input.
+      if (to[-1] != dyn && __builtin_mul_overflow(known, to[-1], &known)) {
+        return fault(x, ShapeFault::total_elements, std::numeric_limits<index_t>::max());
+      }
     }
     return ops::reshape_rule(x, to);
   }
@@ -274,6 +283,9 @@ class OnnxModel : public nn::DynamicCell {
 
   // The ONNX operators of the model's steps, in order (a GELU pattern is one "Gelu").
   const std::vector<std::string>& operators() const { return operators_; }
+  // The input's shape as the file declares it: -1 for a dimension it names rather than sizes
+  // (torch.onnx.export's dynamic_axes, the batch), empty when it declares none.
+  const std::vector<std::int64_t>& input_dims() const { return input_dims_; }
 
  protected:
   Tensor forward(const Tensor& x) override {
@@ -328,6 +340,7 @@ class OnnxModel : public nn::DynamicCell {
   std::vector<std::unique_ptr<detail::OnnxConv>> convs_;
   std::vector<Step> steps_;
   std::vector<std::string> operators_;
+  std::vector<std::int64_t> input_dims_;
   std::size_t value_count_ = 1;  // value 0 is the input
   std::size_t output_ = 0;
 };
@@ -419,6 +432,10 @@ class OnnxBuilder {
     if (type.has_tensor_type() && type.tensor_type().elem_type() != onnx::TensorProto::FLOAT) {
       throw ValueError(where_ + ": the graph's input " + detail::onnx_quoted(input->name()) + " has ONNX data type " +
                        std::to_string(type.tensor_type().elem_type()) + "; duet's networks take float32");
+    }
+    if (type.has_tensor_type() && type.tensor_type().has_shape()) {
+      for (const onnx::TensorShapeProto::Dimension& d : type.tensor_type().shape().dim())
+        model_.input_dims_.push_back(d.has_dim_value() ? d.dim_value() : -1);
     }
     operands_[input->name()] = {Kind::value, 0};
   }
