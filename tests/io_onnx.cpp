@@ -111,10 +111,10 @@ TEST_CASE("io::load_onnx: the initializers are the network's parameters, by thei
   CHECK(mlp.operators() == std::vector<std::string>{"Flatten", "Gemm", "Relu", "Gemm", "Relu", "Gemm"});
 
   duet::io::OnnxModel resnet = duet::io::load_onnx(*dir / "resnet_opset17.onnx");
-  for (const auto& [name, p] : resnet.parameters()) {
-    INFO(name);
-    const bool statistic = name == "norm.running_mean" || name == "norm.running_var";
-    CHECK(p->requires_grad == !statistic);
+  for (const auto& named : resnet.parameters()) {
+    INFO(named.name);
+    const bool statistic = named.name == "norm.running_mean" || named.name == "norm.running_var";
+    CHECK(named.parameter->requires_grad == !statistic);
   }
   duet::io::OnnxModel operators = duet::io::load_onnx(*dir / "operators_opset13.onnx");
   CHECK(std::ranges::count(operators.operators(), "Gelu") == 1);  // torch's Erf pattern
