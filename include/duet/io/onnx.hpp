@@ -1,0 +1,1075 @@
+// ONNX models: duet::io::load_onnx(path) builds a network at run time from a model that
+// torch.onnx.export (or any exporter) wrote, at opsets 13 to 17.
+//
+// The file is parsed by the official ONNX library's protobuf classes (Debian's libonnx-dev), so
+// this header is not part of <duet/duet.hpp>: include <duet/io/onnx.hpp> and link the CMake
+// target duet::onnx, which exists when CMake finds ONNX. Users who do not include it need
+// neither ONNX nor protobuf.
+//
+// The network is an io::OnnxModel, a DynamicCell whose forward runs the graph's nodes, in the
+// file's (topological) order, as duet's own operations: a Gemm is ops::matmul and ops::add, a
+// Conv duet's convolution, and so on. So it runs in PyNative mode and, like any network built
+// at run time, in graph mode (traced on its first call and replayed), with the same bits in
+// both. The initializers of floating type are its parameters, under their ONNX names
+// ("fc1.weight", "onnx::Conv_123"), so they train (TrainOneStepCell, value_and_grad), print in
+// duet::summary, and load and save with checkpoints and safetensors. BatchNormalization's mean
+// and variance are parameters with requires_grad = false, as duet's BatchNorm keeps its moving
+// statistics; integer initializers (Reshape's target shape) and Constant nodes are constants.
+//
+// The operators (ONNX's names; what duet runs):
+//   Gemm (alpha, beta, transA, transB), MatMul     ops::matmul (+ ops::add, scalar products)
+//   Add, Sub, Mul, Div                             ops::add, sub, mul, div (numpy broadcasting)
+//   Relu, Sigmoid, Tanh, Softmax, LogSoftmax       ops::relu, sigmoid, tanh, softmax, log_softmax
+//   Div, Erf, Add, Mul, Mul (torch's GELU below    ops::gelu (erf form), when the five nodes are
+//   opset 20: x * (erf(x / sqrt 2) + 1) * 0.5)     exactly that pattern; any other Erf is refused
+//   Conv (2-D: square kernels, one stride, one     duet's convolution (ops::ConvOp)
+//   dilation, symmetric pads or SAME_UPPER/VALID, group)
+//   MaxPool, AveragePool (2-D square windows of    ops::Pool2dOp: the windows are template
+//   kernel 2 or 3, stride 1 or 2, pad 0 or 1)      arguments, so only these are instantiated
+//   Pad (zeros) before an AveragePool              that pooling counting its padding (torch's
+//                                                  AvgPool2d(count_include_pad=True)); a Pad of
+//                                                  nothing is the identity; other Pads are refused
+//   GlobalAveragePool                              ops::adaptive_avg_pool2d<1>
+//   BatchNormalization (inference)                 (x - mean) * scale / sqrt(var + eps) + B
+//   Flatten, Reshape (constant shape)              views
+//   Transpose (rank 2 to 4), Concat (rank <= 4)    ops::transpose<...>, ops::concat<Axis>
+//   Identity, Dropout (inference), Constant        no operation
+// Anything else, and any attribute or setting the list does not cover, is a duet::ValueError
+// when the file is loaded, naming the node, its operator and what is not supported. A file that
+// is not a well-formed model (not protobuf, a node reading a name nothing defines, an
+// initializer whose data does not fit its shape, more than one input or output) is a
+// duet::FormatError naming what and where; nothing is allocated from a size the file states
+// before the data is checked to be there.
+#pragma once
+
+#include <onnx/onnx_pb.h>
+
+#include <algorithm>
+#include <array>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <initializer_list>
+#include <limits>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "../duet.hpp"
+
+namespace duet::io {
+
+namespace detail {
+
+// A view with a target shape chosen at run time: ONNX's Reshape (0 keeps the input's size,
+// -1 is inferred) and Flatten(axis). duet's reshape<D...> takes its sizes as template
+// arguments, which a model read at run time cannot give; the gradient is the same view back.
+struct OnnxReshapeOp : ops::Primitive<OnnxReshapeOp> {
+  static constexpr int arity = 1;
+  static constexpr bool is_view = true;
+
+  std::vector<std::int64_t> dims;  // Reshape's target; empty for Flatten
+  int flatten_axis = -1;           // Flatten's axis, or -1
+  std::string who;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape>) { return {Shape::any()}; }
+  ShapeResult infer(std::span<const Shape> in) const {
+    const Shape& x = in[0];
+    Shape to;
+    if (flatten_axis >= 0) {
+      if (flatten_axis > x.rank()) return fault(x, ShapeFault::min_rank, flatten_axis);
+      index_t outer = 1;
+      for (int i = 0; i < flatten_axis; ++i) outer *= x[i];
+      to = Shape{outer, x.numel() / std::max<index_t>(outer, 1)};
+      if (outer == 0) to = Shape{0, x.numel_from(flatten_axis)};
+      return {to};
+    }
+    index_t known = 1;
+    for (std::size_t i = 0; i < dims.size(); ++i) {
+      const std::int64_t d = dims[i];
+      if (d == 0 && static_cast<int>(i) >= x.rank()) return fault(x, ShapeFault::min_rank, static_cast<int>(i) + 1);
+      to.push_back(d == 0 ? x[static_cast<int>(i)] : d == -1 ? dyn : static_cast<index_t>(d));
+      // A file's sizes can be any int64: a product past index_t's range fits no input.
+      if (to[-1] != dyn && __builtin_mul_overflow(known, to[-1], &known)) {
+        return fault(x, ShapeFault::total_elements, std::numeric_limits<index_t>::max());
+      }
+    }
+    return ops::reshape_rule(x, to);
+  }
+
+  template <std::size_t K>
+    requires(K == 0)
+  auto grad_op() const {
+    return ops::ReshapeLikeOp{};
+  }
+
+  static std::string op_name() { return "Reshape"; }
+  std::string label() const { return who; }
+};
+
+// Conv's settings and parameters in the form duet's ConvOp reads from its layer.
+struct OnnxConv {
+  using value_type = float;
+  static constexpr int spatial = 2;
+  static constexpr ops::ConvGeometry static_geometry{};
+
+  ops::ConvGeometry g;
+  const nn::Parameter& weight;
+  const nn::Parameter& bias;  // the weight itself when there is none: has_bias() says which
+  bool with_bias = false;
+  std::string who;
+
+  const ops::ConvGeometry& geometry() const { return g; }
+  bool has_bias() const { return with_bias; }
+  std::string label() const { return who; }
+};
+
+template <class Kind, index_t K, index_t S, index_t P, bool CountPad>
+Tensor onnx_pool(const Tensor& x) {
+  constexpr ops::Pool2dWindow w{K, K, S, S, nn::PadMode::pad, P, P, CountPad};
+  return apply(ops::Pool2dOp<Kind, w>{}, x);
+}
+
+// The pooling windows duet instantiates for ONNX models: each is a kernel of its own.
+using OnnxPoolFn = Tensor (*)(const Tensor&);
+template <class Kind, bool CountPad>
+OnnxPoolFn onnx_pool_for(index_t kernel, index_t stride, index_t pad) {
+  const auto pick = [&]<index_t K>() -> OnnxPoolFn {
+    if (stride == 1) return pad == 0 ? &onnx_pool<Kind, K, 1, 0, CountPad> : &onnx_pool<Kind, K, 1, 1, CountPad>;
+    if (stride == 2) return pad == 0 ? &onnx_pool<Kind, K, 2, 0, CountPad> : &onnx_pool<Kind, K, 2, 1, CountPad>;
+    return nullptr;
+  };
+  if (pad < 0 || pad > 1) return nullptr;
+  if (kernel == 2) return pick.template operator()<2>();
+  if (kernel == 3) return pick.template operator()<3>();
+  return nullptr;
+}
+inline constexpr std::string_view onnx_pool_windows = "kernel 2 or 3, stride 1 or 2, padding 0 or 1";
+
+constexpr std::size_t factorial(std::size_t n) { return n <= 1 ? 1 : n * factorial(n - 1); }
+
+template <std::size_t R>
+constexpr auto permutations() {
+  std::array<std::array<int, R>, factorial(R)> out{};
+  std::array<int, R> p{};
+  for (std::size_t i = 0; i < R; ++i) p[i] = static_cast<int>(i);
+  std::size_t n = 0;
+  do out[n++] = p;
+  while (std::next_permutation(p.begin(), p.end()));
+  return out;
+}
+
+template <std::size_t R, std::size_t I, std::size_t... A>
+Tensor onnx_transpose_nth(const Tensor& x, std::index_sequence<A...>) {
+  static constexpr auto perm = permutations<R>()[I];
+  return ops::transpose<perm[A]...>(x);
+}
+
+// ops::transpose<P...> for a permutation known at run time, of rank R.
+template <std::size_t R>
+Tensor onnx_transpose_rank(const Tensor& x, const std::vector<int>& perm) {
+  static constexpr auto perms = permutations<R>();
+  return [&]<std::size_t... I>(std::index_sequence<I...>) {
+    Tensor out;
+    static_cast<void>(((std::ranges::equal(perms[I], perm)
+                            ? (out = onnx_transpose_nth<R, I>(x, std::make_index_sequence<R>{}), true)
+                            : false) ||
+                       ...));
+    return out;
+  }(std::make_index_sequence<perms.size()>{});
+}
+
+inline Tensor onnx_transpose(const Tensor& x, const std::vector<int>& perm) {
+  switch (perm.size()) {
+    case 2: return onnx_transpose_rank<2>(x, perm);
+    case 3: return onnx_transpose_rank<3>(x, perm);
+    default: return onnx_transpose_rank<4>(x, perm);
+  }
+}
+
+template <class A, class B>
+Tensor onnx_concat(const A& a, const B& b, int axis) {
+  switch (axis) {
+    case 0: return ops::concat<0>(a, b);
+    case 1: return ops::concat<1>(a, b);
+    case 2: return ops::concat<2>(a, b);
+    default: return ops::concat<3>(a, b);
+  }
+}
+
+inline std::string onnx_quoted(const std::string& s) { return "'" + s + "'"; }
+
+// The tensor's elements as T, checked against its shape; external data is refused.
+template <class T>
+std::vector<T> onnx_elements(const onnx::TensorProto& t, const std::string& what, index_t count, const std::string& where) {
+  if (t.data_location() == onnx::TensorProto::EXTERNAL) {
+    throw ValueError(where + ": " + what + " keeps its data in an external file, which duet does not read");
+  }
+  std::vector<T> out;
+  if (t.has_raw_data()) {
+    const std::string& raw = t.raw_data();
+    if (raw.size() != static_cast<std::size_t>(count) * sizeof(T)) {
+      throw FormatError(where + ": " + what + " has " + std::to_string(raw.size()) + " bytes of data, its shape needs " +
+                        std::to_string(static_cast<std::size_t>(count) * sizeof(T)));
+    }
+    out.resize(static_cast<std::size_t>(count));
+    std::memcpy(out.data(), raw.data(), raw.size());
+    return out;
+  }
+  const auto take = [&](const auto& field) {
+    if (field.size() != count) {
+      throw FormatError(where + ": " + what + " has " + std::to_string(field.size()) + " elements, its shape needs " +
+                        std::to_string(count));
+    }
+    out.assign(field.begin(), field.end());
+  };
+  if constexpr (std::is_same_v<T, float>) take(t.float_data());
+  else take(t.int64_data());
+  return out;
+}
+
+// The tensor's shape; a size no file could hold data for is refused before anything is read.
+inline Shape onnx_shape(const onnx::TensorProto& t, const std::string& what, const std::string& where) {
+  if (t.dims_size() > max_rank) {
+    throw ValueError(where + ": " + what + " has rank " + std::to_string(t.dims_size()) + ", above duet's " +
+                     std::to_string(max_rank));
+  }
+  Shape s;
+  index_t n = 1;
+  for (const std::int64_t d : t.dims()) {
+    if (d < 0 || d > (std::int64_t{1} << 40) || (d > 0 && n > (std::int64_t{1} << 40) / d)) {
+      throw FormatError(where + ": " + what + " has a dimension of " + std::to_string(d) + ", which no data fits");
+    }
+    n *= d;
+    s.push_back(static_cast<index_t>(d));
+  }
+  return s;
+}
+
+// Parses the bytes of an ONNX file; `where` names them in errors.
+inline onnx::ModelProto parse_onnx(std::span<const std::byte> bytes, const std::string& where) {
+  if (bytes.size() > static_cast<std::size_t>(INT_MAX)) throw FormatError(where + ": larger than protobuf's 2 GB limit");
+  onnx::ModelProto proto;
+  if (!proto.ParseFromArray(bytes.data(), static_cast<int>(bytes.size()))) {
+    throw FormatError(where + ": not an ONNX model (the protobuf message does not parse)");
+  }
+  if (!proto.has_graph()) throw FormatError(where + ": the model has no graph");
+  return proto;
+}
+
+inline std::string onnx_where(const std::filesystem::path& path) { return "ONNX file " + path.string(); }
+
+
+}  // namespace detail
+
+// A network read from an ONNX file (load_onnx). Its forward runs the graph's nodes in order.
+class OnnxModel : public nn::DynamicCell {
+ public:
+  std::string type_name() const override { return "io::OnnxModel"; }
+
+  void for_each_own_parameter(const ParameterVisitor& visit) override {
+    for (std::size_t i = 0; i < parameters_.size(); ++i) visit(parameter_names_[i], *parameters_[i]);
+  }
+
+  // The ONNX operators of the model's steps, in order (a GELU pattern is one "Gelu").
+  const std::vector<std::string>& operators() const { return operators_; }
+  // The input's shape as the file declares it: -1 for a dimension it names rather than sizes
+  // (torch.onnx.export's dynamic_axes, the batch), empty when it declares none.
+  const std::vector<std::int64_t>& input_dims() const { return input_dims_; }
+
+ protected:
+  Tensor forward(const Tensor& x) override {
+    std::vector<Tensor> values(value_count_);
+    values[0] = x;
+    for (const Step& step : steps_) {
+      try {
+        values[step.output] = step.run(*this, values);
+      } catch (const ShapeError& e) {
+        throw ShapeError(step.who + ": " + e.what());
+      } catch (const IndexError& e) {
+        throw IndexError(step.who + ": " + e.what());
+      } catch (const ValueError& e) {
+        throw ValueError(step.who + ": " + e.what());
+      }
+    }
+    return values[output_];
+  }
+
+ private:
+  friend class OnnxBuilder;
+
+  // Where a node's operand lives: a value the forward pass computes, a parameter, a constant.
+  struct Operand {
+    enum class Kind : unsigned char { value, parameter, constant } kind = Kind::value;
+    std::size_t index = 0;
+  };
+  struct Step {
+    std::function<Tensor(const OnnxModel&, std::vector<Tensor>&)> run;
+    std::size_t output = 0;
+    std::string who;
+  };
+
+  // f(operand) with the operand's own type, so that a parameter reaches the operation as one
+  // (the tape then gives its gradient to the parameter).
+  template <class F>
+  Tensor with(const Operand& o, const std::vector<Tensor>& values, F&& f) const {
+    switch (o.kind) {
+      case Operand::Kind::parameter: return f(static_cast<const nn::Parameter&>(*parameters_[o.index]));
+      case Operand::Kind::constant: return f(constants_[o.index]);
+      default: return f(values[o.index]);
+    }
+  }
+  template <class F>
+  Tensor with(const Operand& a, const Operand& b, const std::vector<Tensor>& values, F&& f) const {
+    return with(a, values, [&](const auto& x) { return with(b, values, [&](const auto& y) { return f(x, y); }); });
+  }
+
+  std::vector<std::unique_ptr<nn::Parameter>> parameters_;
+  std::vector<std::string> parameter_names_;
+  std::vector<Tensor> constants_;
+  std::vector<std::unique_ptr<detail::OnnxConv>> convs_;
+  std::vector<Step> steps_;
+  std::vector<std::string> operators_;
+  std::vector<std::int64_t> input_dims_;
+  std::size_t value_count_ = 1;  // value 0 is the input
+  std::size_t output_ = 0;
+};
+
+// Builds an OnnxModel from a parsed ModelProto, checking everything it reads.
+class OnnxBuilder {
+ public:
+  using Operand = OnnxModel::Operand;
+  using Kind = Operand::Kind;
+
+  OnnxBuilder(const onnx::ModelProto& proto, std::string where) : proto_(proto), where_(std::move(where)) {}
+
+  OnnxModel build() {
+    check_opset();
+    const onnx::GraphProto& g = proto_.graph();
+    for (const onnx::TensorProto& t : g.initializer()) add_initializer(t);
+    find_input(g);
+    for (const onnx::NodeProto& n : g.node())
+      for (const std::string& in : n.input()) ++consumers_[in];
+    for (const onnx::ValueInfoProto& o : g.output()) ++consumers_[o.name()];
+    // Constants first (they read nothing): a pattern read at its first node (GELU's) then sees
+    // the constants its later nodes read.
+    for (int i = 0; i < g.node_size(); ++i) {
+      if (g.node(i).op_type() != "Constant") continue;
+      add_node(g.node(i), i);
+      skipped_.insert(i);
+    }
+    for (int i = 0; i < g.node_size(); ++i) {
+      if (skipped_.contains(i)) continue;
+      add_node(g.node(i), i);
+    }
+    if (g.output_size() != 1) {
+      throw FormatError(where_ + ": the graph has " + std::to_string(g.output_size()) +
+                        " outputs; duet's networks give one tensor");
+    }
+    const Operand out = operand_of(g.output(0).name(), "the graph's output");
+    if (out.kind != Kind::value || out.index == 0) {
+      throw ValueError(where_ + ": the graph's output " + detail::onnx_quoted(g.output(0).name()) +
+                       " is not computed by any node; duet runs models whose output is an operation's");
+    }
+    model_.output_ = out.index;
+    return std::move(model_);
+  }
+
+ private:
+  void check_opset() {
+    for (const onnx::OperatorSetIdProto& set : proto_.opset_import()) {
+      if (!set.domain().empty() && set.domain() != "ai.onnx") continue;
+      if (set.version() < 13 || set.version() > 17) {
+        throw ValueError(where_ + ": the model uses opset " + std::to_string(set.version()) +
+                         "; duet reads opsets 13 to 17 (torch.onnx.export(..., opset_version=17))");
+      }
+      return;
+    }
+    throw FormatError(where_ + ": the model imports no opset of the default ONNX domain");
+  }
+
+  // A float initializer becomes a parameter, an int64 one a list of integers.
+  void add_initializer(const onnx::TensorProto& t) {
+    const std::string what = "initializer " + detail::onnx_quoted(t.name());
+    if (t.name().empty()) throw FormatError(where_ + ": an initializer has no name");
+    if (defined(t.name())) throw FormatError(where_ + ": " + what + " is defined twice");
+    const Shape shape = detail::onnx_shape(t, what, where_);
+    if (t.data_type() == onnx::TensorProto::FLOAT) {
+      const std::vector<float> data = detail::onnx_elements<float>(t, what, shape.numel(), where_);
+      model_.parameters_.push_back(std::make_unique<nn::Parameter>(Tensor(shape, std::span<const float>(data))));
+      model_.parameter_names_.push_back(t.name());
+      operands_[t.name()] = {Kind::parameter, model_.parameters_.size() - 1};
+    } else if (t.data_type() == onnx::TensorProto::INT64) {
+      integers_[t.name()] = detail::onnx_elements<std::int64_t>(t, what, shape.numel(), where_);
+    } else {
+      throw ValueError(where_ + ": " + what + " has ONNX data type " + std::to_string(t.data_type()) +
+                       "; duet reads float32 and int64 initializers");
+    }
+  }
+
+  void find_input(const onnx::GraphProto& g) {
+    const onnx::ValueInfoProto* input = nullptr;
+    for (const onnx::ValueInfoProto& v : g.input()) {
+      if (defined(v.name())) continue;  // an initializer listed as an input (older exporters)
+      if (input != nullptr) {
+        throw FormatError(where_ + ": the graph has more than one input (" + detail::onnx_quoted(input->name()) +
+                          ", " + detail::onnx_quoted(v.name()) + "); duet's networks take one tensor");
+      }
+      input = &v;
+    }
+    if (input == nullptr) throw FormatError(where_ + ": the graph has no input");
+    const auto& type = input->type();
+    if (type.has_tensor_type() && type.tensor_type().elem_type() != onnx::TensorProto::FLOAT) {
+      throw ValueError(where_ + ": the graph's input " + detail::onnx_quoted(input->name()) + " has ONNX data type " +
+                       std::to_string(type.tensor_type().elem_type()) + "; duet's networks take float32");
+    }
+    if (type.has_tensor_type() && type.tensor_type().has_shape()) {
+      for (const onnx::TensorShapeProto::Dimension& d : type.tensor_type().shape().dim())
+        model_.input_dims_.push_back(d.has_dim_value() ? d.dim_value() : -1);
+    }
+    operands_[input->name()] = {Kind::value, 0};
+  }
+
+  bool defined(const std::string& name) const { return operands_.contains(name) || integers_.contains(name); }
+
+  Operand operand_of(const std::string& name, const std::string& reader) const {
+    const auto it = operands_.find(name);
+    if (it == operands_.end()) {
+      throw FormatError(where_ + ": " + reader + " reads " + detail::onnx_quoted(name) +
+                        (integers_.contains(name) ? ", an int64 tensor, as a float one"
+                                                  : ", which no input, initializer or earlier node defines"));
+    }
+    return it->second;
+  }
+
+  // --- attributes ---------------------------------------------------------------------------
+
+  std::string who(const onnx::NodeProto& n, int index) const {
+    return "ONNX node " + detail::onnx_quoted(n.name().empty() ? "#" + std::to_string(index) : n.name()) + " (" +
+           n.op_type() + ")";
+  }
+
+  [[noreturn]] void unsupported(const std::string& node, const std::string& what) const {
+    throw ValueError(where_ + ": " + node + ": " + what + " is not supported");
+  }
+
+  static const onnx::AttributeProto* attribute(const onnx::NodeProto& n, const std::string& name) {
+    for (const onnx::AttributeProto& a : n.attribute())
+      if (a.name() == name) return &a;
+    return nullptr;
+  }
+
+  // Every attribute of n must be one the operator's conversion reads.
+  void known_attributes(const onnx::NodeProto& n, const std::string& node, std::initializer_list<std::string_view> known) const {
+    for (const onnx::AttributeProto& a : n.attribute()) {
+      if (std::ranges::find(known, a.name()) == known.end()) unsupported(node, "attribute " + detail::onnx_quoted(a.name()));
+    }
+  }
+
+  std::int64_t int_attr(const onnx::NodeProto& n, const std::string& name, std::int64_t fallback) const {
+    const onnx::AttributeProto* a = attribute(n, name);
+    return a == nullptr ? fallback : a->i();
+  }
+  float float_attr(const onnx::NodeProto& n, const std::string& name, float fallback) const {
+    const onnx::AttributeProto* a = attribute(n, name);
+    return a == nullptr ? fallback : a->f();
+  }
+  std::vector<std::int64_t> ints_attr(const onnx::NodeProto& n, const std::string& name) const {
+    const onnx::AttributeProto* a = attribute(n, name);
+    if (a == nullptr) return {};
+    return {a->ints().begin(), a->ints().end()};
+  }
+  std::string string_attr(const onnx::NodeProto& n, const std::string& name, const std::string& fallback) const {
+    const onnx::AttributeProto* a = attribute(n, name);
+    return a == nullptr ? fallback : a->s();
+  }
+
+  static std::string list_text(const std::vector<std::int64_t>& v) {
+    std::string s = "[";
+    for (std::size_t i = 0; i < v.size(); ++i) s += (i > 0 ? ", " : "") + std::to_string(v[i]);
+    return s + "]";
+  }
+
+  // One value for both spatial axes: a pair of equal values (or none: the fallback).
+  std::int64_t square(const onnx::NodeProto& n, const std::string& node, const std::string& name, std::int64_t fallback) const {
+    const std::vector<std::int64_t> v = ints_attr(n, name);
+    if (v.empty()) return fallback;
+    if (v.size() != 2 || v[0] != v[1]) unsupported(node, name + " " + list_text(v) + " (duet takes 2-D windows, equal on both axes)");
+    return v[0];
+  }
+  std::int64_t symmetric_pads(const onnx::NodeProto& n, const std::string& node) const {
+    const std::vector<std::int64_t> v = ints_attr(n, "pads");
+    if (v.empty()) return 0;
+    if (v.size() != 4 || std::ranges::count(v, v[0]) != 4) unsupported(node, "pads " + list_text(v) + " (duet pads all sides alike)");
+    return v[0];
+  }
+
+  // --- nodes ----------------------------------------------------------------------------------
+
+  std::size_t new_value(const std::string& name, const std::string& node) {
+    if (name.empty()) throw FormatError(where_ + ": " + node + " has an output with no name");
+    if (defined(name)) throw FormatError(where_ + ": " + node + ": " + detail::onnx_quoted(name) + " is defined twice");
+    operands_[name] = {Kind::value, model_.value_count_};
+    return model_.value_count_++;
+  }
+
+  void add_step(const std::string& op, const onnx::NodeProto& n, const std::string& node,
+                std::function<Tensor(const OnnxModel&, std::vector<Tensor>&)> run) {
+    const std::size_t out = new_value(n.output(0), node);
+    model_.steps_.push_back({std::move(run), out, node});
+    model_.operators_.push_back(op);
+  }
+
+  void arity(const onnx::NodeProto& n, const std::string& node, int least, int most) const {
+    if (n.input_size() < least || n.input_size() > most) {
+      throw FormatError(where_ + ": " + node + " has " + std::to_string(n.input_size()) + " inputs, its operator takes " +
+                        (least == most ? std::to_string(least) : std::to_string(least) + " to " + std::to_string(most)));
+    }
+    if (n.output_size() < 1) throw FormatError(where_ + ": " + node + " has no output");
+    for (int i = 1; i < n.output_size(); ++i) {
+      if (!n.output(i).empty() && consumers_.contains(n.output(i))) {
+        unsupported(node, "its output " + std::to_string(i) + " (" + detail::onnx_quoted(n.output(i)) + ")");
+      }
+    }
+  }
+
+  // The float value of a one-element constant operand, if it is one.
+  std::optional<float> scalar_constant(const std::string& name) const {
+    const auto it = operands_.find(name);
+    if (it == operands_.end()) return std::nullopt;
+    const Tensor* t = nullptr;
+    if (it->second.kind == Kind::constant) t = &model_.constants_[it->second.index];
+    else if (it->second.kind == Kind::parameter) t = model_.parameters_[it->second.index].get();
+    if (t == nullptr || t->numel() != 1) return std::nullopt;
+    return t->data()[0];
+  }
+
+  // The node reading `name`, when exactly one node does (and the graph's output does not).
+  int only_reader(const std::string& name) const {
+    const auto count = consumers_.find(name);
+    if (count == consumers_.end() || count->second != 1) return -1;
+    const onnx::GraphProto& g = proto_.graph();
+    for (int i = 0; i < g.node_size(); ++i)
+      if (std::ranges::find(g.node(i).input(), name) != g.node(i).input().end()) return i;
+    return -1;
+  }
+
+  // The other input of a two-input node than `name`, or "" when it does not read it.
+  static std::string other_input(const onnx::NodeProto& n, const std::string& name) {
+    if (n.input_size() != 2) return "";
+    if (n.input(0) == name) return n.input(1);
+    if (n.input(1) == name) return n.input(0);
+    return "";
+  }
+
+  // torch.onnx.export's GELU below opset 20: Mul(Mul(x, Add(Erf(Div(x, sqrt 2)), 1)), 0.5),
+  // factors in either order. On a match, the Div becomes one Gelu step and the rest are skipped.
+  bool gelu_pattern(const onnx::NodeProto& div, int index) {
+    const onnx::GraphProto& g = proto_.graph();
+    if (div.op_type() != "Div" || div.input_size() != 2 || div.output_size() != 1) return false;
+    const std::optional<float> root2 = scalar_constant(div.input(1));
+    if (!root2 || std::abs(*root2 - std::sqrt(2.0f)) > 1e-6f) return false;
+    const std::string& x = div.input(0);
+    const int erf = only_reader(div.output(0));
+    if (erf < 0 || g.node(erf).op_type() != "Erf" || g.node(erf).output_size() != 1) return false;
+    const int add = only_reader(g.node(erf).output(0));
+    if (add < 0 || g.node(add).op_type() != "Add") return false;
+    const std::optional<float> one = scalar_constant(other_input(g.node(add), g.node(erf).output(0)));
+    if (!one || *one != 1.0f) return false;
+    const int mul = only_reader(g.node(add).output(0));
+    if (mul < 0 || g.node(mul).op_type() != "Mul" || other_input(g.node(mul), g.node(add).output(0)) != x) return false;
+    const int half = only_reader(g.node(mul).output(0));
+    if (half < 0 || g.node(half).op_type() != "Mul") return false;
+    const std::optional<float> h = scalar_constant(other_input(g.node(half), g.node(mul).output(0)));
+    if (!h || *h != 0.5f) return false;
+    for (const int i : {erf, add, mul, half})
+      if (i <= index || !g.node(i).attribute().empty()) return false;
+    const Operand in = operand_of(x, who(div, index));
+    const std::string node = "ONNX nodes " + detail::onnx_quoted(div.name()) + " to " +
+                             detail::onnx_quoted(g.node(half).name()) + " (GELU: Div, Erf, Add, Mul, Mul)";
+    skipped_.insert({erf, add, mul});
+    skipped_.insert(half);
+    const std::size_t out = new_value(g.node(half).output(0), node);
+    model_.steps_.push_back({[in](const OnnxModel& m, std::vector<Tensor>& v) {
+                               return m.with(in, v, [](const auto& a) { return Tensor(ops::gelu(a)); });
+                             },
+                             out, node});
+    model_.operators_.push_back("Gelu");
+    return true;
+  }
+
+  void add_node(const onnx::NodeProto& n, int index) {
+    const std::string node = who(n, index);
+    if (!n.domain().empty() && n.domain() != "ai.onnx") unsupported(node, "the operator domain " + detail::onnx_quoted(n.domain()));
+    const std::string& op = n.op_type();
+    if (gelu_pattern(n, index)) return;
+    const auto input = [&](int i) { return operand_of(n.input(i), node); };
+
+    if (op == "Identity" || op == "Dropout") {
+      arity(n, node, 1, op == "Dropout" ? 3 : 1);
+      known_attributes(n, node, {"seed"});
+      if (op == "Dropout" && n.input_size() == 3 && !n.input(2).empty()) {
+        unsupported(node, "a training_mode input (duet runs an ONNX Dropout as in inference, the identity)");
+      }
+      if (n.output(0).empty() || defined(n.output(0))) throw FormatError(where_ + ": " + node + " has no new output name");
+      operands_[n.output(0)] = input(0);  // no operation: its output is its input
+      return;
+    }
+    if (op == "Constant") {
+      arity(n, node, 0, 0);
+      add_constant(n, node);
+      return;
+    }
+    if (op == "Add" || op == "Sub" || op == "Mul" || op == "Div") {
+      arity(n, node, 2, 2);
+      known_attributes(n, node, {});
+      const Operand a = input(0);
+      const Operand b = input(1);
+      const char kind = op[0];
+      add_step(op, n, node, [a, b, kind](const OnnxModel& m, std::vector<Tensor>& v) {
+        return m.with(a, b, v, [kind](const auto& x, const auto& y) -> Tensor {
+          switch (kind) {
+            case 'A': return ops::add(x, y);
+            case 'S': return ops::sub(x, y);
+            case 'M': return ops::mul(x, y);
+            default: return ops::div(x, y);
+          }
+        });
+      });
+      return;
+    }
+    if (op == "Relu" || op == "Sigmoid" || op == "Tanh") {
+      arity(n, node, 1, 1);
+      known_attributes(n, node, {});
+      const Operand a = input(0);
+      const char kind = op[0];
+      add_step(op, n, node, [a, kind](const OnnxModel& m, std::vector<Tensor>& v) {
+        return m.with(a, v, [kind](const auto& x) -> Tensor {
+          if (kind == 'R') return ops::relu(x);
+          if (kind == 'S') return ops::sigmoid(x);
+          return ops::tanh(x);
+        });
+      });
+      return;
+    }
+    if (op == "Softmax" || op == "LogSoftmax") {
+      arity(n, node, 1, 1);
+      known_attributes(n, node, {"axis"});
+      const Operand a = input(0);
+      const int axis = static_cast<int>(int_attr(n, "axis", -1));
+      const bool log = op == "LogSoftmax";
+      add_step(op, n, node, [a, axis, log](const OnnxModel& m, std::vector<Tensor>& v) {
+        return m.with(a, v, [&](const auto& x) -> Tensor { return log ? ops::log_softmax(x, axis) : ops::softmax(x, axis); });
+      });
+      return;
+    }
+    if (op == "MatMul") {
+      arity(n, node, 2, 2);
+      known_attributes(n, node, {});
+      const Operand a = input(0);
+      const Operand b = input(1);
+      add_step(op, n, node, [a, b](const OnnxModel& m, std::vector<Tensor>& v) {
+        return m.with(a, b, v, [](const auto& x, const auto& y) -> Tensor { return ops::matmul(x, y); });
+      });
+      return;
+    }
+    if (op == "Gemm") return add_gemm(n, node);
+    if (op == "Conv") return add_conv(n, node);
+    if (op == "MaxPool" || op == "AveragePool") return add_pool(n, node, index);
+    if (op == "Pad") return add_pad(n, node, index);
+    if (op == "GlobalAveragePool") {
+      arity(n, node, 1, 1);
+      known_attributes(n, node, {});
+      const Operand a = input(0);
+      add_step(op, n, node, [a](const OnnxModel& m, std::vector<Tensor>& v) {
+        return m.with(a, v, [](const auto& x) -> Tensor { return ops::adaptive_avg_pool2d<1>(x); });
+      });
+      return;
+    }
+    if (op == "BatchNormalization") return add_batchnorm(n, node);
+    if (op == "Flatten" || op == "Reshape") return add_reshape(n, node);
+    if (op == "Transpose") return add_transpose(n, node);
+    if (op == "Concat") return add_concat(n, node);
+    unsupported(node, "the operator " + op);
+  }
+
+  void add_constant(const onnx::NodeProto& n, const std::string& node) {
+    if (n.attribute_size() != 1) throw FormatError(where_ + ": " + node + " has " + std::to_string(n.attribute_size()) + " attributes, not one");
+    const onnx::AttributeProto& a = n.attribute(0);
+    const std::string& name = n.output(0);
+    if (name.empty() || defined(name)) throw FormatError(where_ + ": " + node + " has no new output name");
+    const auto add_float = [&](Tensor t) {
+      model_.constants_.push_back(std::move(t));
+      operands_[name] = {Kind::constant, model_.constants_.size() - 1};
+    };
+    if (a.name() == "value") {
+      const onnx::TensorProto& t = a.t();
+      const std::string what = node + "'s value";
+      const Shape shape = detail::onnx_shape(t, what, where_);
+      if (t.data_type() == onnx::TensorProto::FLOAT) {
+        const std::vector<float> data = detail::onnx_elements<float>(t, what, shape.numel(), where_);
+        add_float(Tensor(shape, std::span<const float>(data)));
+      } else if (t.data_type() == onnx::TensorProto::INT64) {
+        integers_[name] = detail::onnx_elements<std::int64_t>(t, what, shape.numel(), where_);
+      } else {
+        unsupported(node, "a value of ONNX data type " + std::to_string(t.data_type()));
+      }
+    } else if (a.name() == "value_float") {
+      add_float(Tensor(Shape{}, {a.f()}));
+    } else if (a.name() == "value_floats") {
+      const std::vector<float> data(a.floats().begin(), a.floats().end());
+      add_float(Tensor(Shape{static_cast<index_t>(data.size())}, std::span<const float>(data)));
+    } else if (a.name() == "value_int") {
+      integers_[name] = {a.i()};
+    } else if (a.name() == "value_ints") {
+      integers_[name] = {a.ints().begin(), a.ints().end()};
+    } else {
+      unsupported(node, "attribute " + detail::onnx_quoted(a.name()));
+    }
+  }
+
+  void add_gemm(const onnx::NodeProto& n, const std::string& node) {
+    arity(n, node, 2, 3);
+    known_attributes(n, node, {"alpha", "beta", "transA", "transB"});
+    const Operand a = operand_of(n.input(0), node);
+    const Operand b = operand_of(n.input(1), node);
+    const bool has_c = n.input_size() == 3 && !n.input(2).empty();
+    const Operand c = has_c ? operand_of(n.input(2), node) : Operand{};
+    const float alpha = float_attr(n, "alpha", 1.0f);
+    const float beta = float_attr(n, "beta", 1.0f);
+    const bool ta = int_attr(n, "transA", 0) != 0;
+    const bool tb = int_attr(n, "transB", 0) != 0;
+    add_step("Gemm", n, node, [=](const OnnxModel& m, std::vector<Tensor>& v) {
+      Tensor y = m.with(a, b, v, [&](const auto& x, const auto& w) -> Tensor {
+        if (ta && tb) return ops::matmul(x, w, ops::transpose_a, ops::transpose_b);
+        if (ta) return ops::matmul(x, w, ops::transpose_a);
+        if (tb) return ops::matmul(x, w, ops::transpose_b);
+        return ops::matmul(x, w);
+      });
+      if (alpha != 1.0f) y = ops::mul(y, alpha);
+      if (!has_c) return y;
+      return m.with(c, v, [&](const auto& bias) -> Tensor {
+        if (beta == 1.0f) return ops::add(y, bias);
+        return ops::add(y, ops::mul(bias, beta));
+      });
+    });
+  }
+
+  // A Conv's weight and bias must be initializers: duet's convolution reads its geometry from
+  // the weight's shape, and writes their gradients as a layer's.
+  const nn::Parameter& parameter_input(const onnx::NodeProto& n, int i, const std::string& node) const {
+    const Operand o = operand_of(n.input(i), node);
+    if (o.kind != Kind::parameter) unsupported(node, "input " + std::to_string(i) + " that is not a float initializer");
+    return *model_.parameters_[o.index];
+  }
+
+  void add_conv(const onnx::NodeProto& n, const std::string& node) {
+    arity(n, node, 2, 3);
+    known_attributes(n, node, {"auto_pad", "dilations", "group", "kernel_shape", "pads", "strides"});
+    const Operand x = operand_of(n.input(0), node);
+    const nn::Parameter& w = parameter_input(n, 1, node);
+    const bool with_bias = n.input_size() == 3 && !n.input(2).empty();
+    const nn::Parameter& b = with_bias ? parameter_input(n, 2, node) : w;
+    if (w.shape().rank() != 4 || w.dim(2) != w.dim(3)) {
+      unsupported(node, "a weight of shape " + to_string(w.shape()) + " (duet's Conv is 2-D with square kernels)");
+    }
+    const std::int64_t group = int_attr(n, "group", 1);
+    if (group < 1 || w.dim(0) % group != 0) throw FormatError(where_ + ": " + node + ": group " + std::to_string(group) + " does not divide the weight's " + std::to_string(w.dim(0)) + " output channels");
+    if (with_bias && (b.shape().rank() != 1 || b.dim(0) != w.dim(0))) {
+      throw FormatError(where_ + ": " + node + ": bias of shape " + to_string(b.shape()) + " for a weight of shape " + to_string(w.shape()));
+    }
+    ops::ConvGeometry g;
+    g.spatial = 2;
+    g.out = w.dim(0);
+    g.in = w.dim(1) * group;
+    g.groups = group;
+    g.kernel = square(n, node, "kernel_shape", w.dim(2));
+    if (g.kernel != w.dim(2)) throw FormatError(where_ + ": " + node + ": kernel_shape does not match the weight's " + to_string(w.shape()));
+    g.stride = square(n, node, "strides", 1);
+    g.dilation = square(n, node, "dilations", 1);
+    if (g.stride < 1 || g.dilation < 1) unsupported(node, "a stride or dilation below 1");
+    const std::string auto_pad = string_attr(n, "auto_pad", "NOTSET");
+    if (auto_pad == "NOTSET") {
+      g.pad_mode = nn::PadMode::pad;
+      g.padding = symmetric_pads(n, node);
+    } else if (auto_pad == "VALID") {
+      g.pad_mode = nn::PadMode::valid;
+    } else if (auto_pad == "SAME_UPPER") {
+      g.pad_mode = nn::PadMode::same;  // the odd padding after, as duet's "same"
+    } else {
+      unsupported(node, "auto_pad " + auto_pad);
+    }
+    if (g.padding < 0) unsupported(node, "negative padding");
+    model_.convs_.push_back(std::make_unique<detail::OnnxConv>(detail::OnnxConv{g, w, b, with_bias, node}));
+    const detail::OnnxConv* layer = model_.convs_.back().get();
+    add_step("Conv", n, node, [x, layer](const OnnxModel& m, std::vector<Tensor>& v) {
+      return m.with(x, v, [layer](const auto& in) -> Tensor { return apply(ops::ConvOp<detail::OnnxConv>{layer}, in); });
+    });
+  }
+
+  void add_pool(const onnx::NodeProto& n, const std::string& node, int index) {
+    const bool max = n.op_type() == "MaxPool";
+    arity(n, node, 1, 1);
+    if (max) known_attributes(n, node, {"auto_pad", "ceil_mode", "dilations", "kernel_shape", "pads", "storage_order", "strides"});
+    else known_attributes(n, node, {"auto_pad", "ceil_mode", "count_include_pad", "kernel_shape", "pads", "strides"});
+    if (int_attr(n, "ceil_mode", 0) != 0) unsupported(node, "ceil_mode 1");
+    if (int_attr(n, "storage_order", 0) != 0) unsupported(node, "storage_order 1");
+    if (square(n, node, "dilations", 1) != 1) unsupported(node, "dilations other than 1");
+    const std::string auto_pad = string_attr(n, "auto_pad", "NOTSET");
+    if (auto_pad != "NOTSET" && auto_pad != "VALID") unsupported(node, "auto_pad " + auto_pad);
+    const std::int64_t kernel = square(n, node, "kernel_shape", 0);
+    const std::int64_t stride = square(n, node, "strides", 1);
+    const auto padded = pool_padding_.find(index);
+    const bool pad_node = padded != pool_padding_.end();
+    const std::int64_t pad = pad_node ? padded->second : auto_pad == "VALID" ? 0 : symmetric_pads(n, node);
+    const bool count_pad = pad_node || int_attr(n, "count_include_pad", 0) != 0;
+    detail::OnnxPoolFn fn = nullptr;
+    if (max) fn = detail::onnx_pool_for<ops::detail::MaxPoolKind, true>(kernel, stride, pad);
+    else if (count_pad || pad == 0) fn = detail::onnx_pool_for<ops::detail::AvgPoolKind, true>(kernel, stride, pad);
+    else fn = detail::onnx_pool_for<ops::detail::AvgPoolKind, false>(kernel, stride, pad);
+    if (fn == nullptr) {
+      unsupported(node, "the window kernel " + std::to_string(kernel) + ", stride " + std::to_string(stride) + ", padding " +
+                            std::to_string(pad) + " (duet's ONNX import has " + std::string(detail::onnx_pool_windows) + ")");
+    }
+    const Operand x = operand_of(n.input(0), node);
+    if (x.kind != Kind::value) unsupported(node, "pooling an initializer");
+    add_step(n.op_type(), n, node, [x, fn](const OnnxModel&, std::vector<Tensor>& v) { return fn(v[x.index]); });
+  }
+
+  // torch.onnx.export writes AvgPool2d(count_include_pad=True) as a Pad of zeros before an
+  // AveragePool without padding: the pair is duet's average pooling that counts its padding.
+  // A Pad of nothing is the identity.
+  void add_pad(const onnx::NodeProto& n, const std::string& node, int index) {
+    arity(n, node, 2, 4);
+    known_attributes(n, node, {"mode"});
+    if (string_attr(n, "mode", "constant") != "constant") unsupported(node, "mode " + string_attr(n, "mode", ""));
+    const auto pads = integers_.find(n.input(1));
+    if (pads == integers_.end()) unsupported(node, "pads that are not a constant int64 tensor");
+    if (n.input_size() >= 3 && !n.input(2).empty()) {
+      const std::optional<float> value = scalar_constant(n.input(2));
+      if (!value || *value != 0.0f) unsupported(node, "a padding value other than a constant 0");
+    }
+    if (n.input_size() == 4 && !n.input(3).empty()) unsupported(node, "the axes input");
+    const std::vector<std::int64_t>& p = pads->second;
+    const Operand x = operand_of(n.input(0), node);
+    if (n.output(0).empty() || defined(n.output(0))) throw FormatError(where_ + ": " + node + " has no new output name");
+    if (std::ranges::all_of(p, [](std::int64_t v) { return v == 0; })) {
+      operands_[n.output(0)] = x;
+      return;
+    }
+    const int pool = only_reader(n.output(0));
+    const bool spatial = p.size() == 8 && p[0] == 0 && p[1] == 0 && p[4] == 0 && p[5] == 0 &&
+                         std::ranges::count(p, p[2]) == 4;
+    if (pool < 0 || pool <= index || proto_.graph().node(pool).op_type() != "AveragePool" || !spatial ||
+        symmetric_pads(proto_.graph().node(pool), node) != 0) {
+      unsupported(node, "pads " + list_text(p) + " other than before an AveragePool, equal on each spatial side");
+    }
+    pool_padding_[pool] = p[2];
+    operands_[n.output(0)] = x;
+  }
+
+  void add_batchnorm(const onnx::NodeProto& n, const std::string& node) {
+    arity(n, node, 5, 5);
+    known_attributes(n, node, {"epsilon", "momentum", "training_mode"});
+    if (int_attr(n, "training_mode", 0) != 0) unsupported(node, "training_mode 1");
+    const Operand x = operand_of(n.input(0), node);
+    if (x.kind != Kind::value) unsupported(node, "normalising an initializer");
+    std::array<Operand, 4> p{};
+    for (int i = 1; i <= 4; ++i) {
+      parameter_input(n, i, node);
+      p[static_cast<std::size_t>(i - 1)] = operand_of(n.input(i), node);
+    }
+    const index_t channels = model_.parameters_[p[0].index]->numel();
+    for (const Operand& o : p) {
+      const nn::Parameter& t = *model_.parameters_[o.index];
+      if (t.shape().rank() != 1 || t.dim(0) != channels) {
+        throw FormatError(where_ + ": " + node + ": its scale, bias, mean and variance must be [C] alike, got " + to_string(t.shape()));
+      }
+    }
+    // The statistics are not trained, as duet's BatchNorm's moving mean and variance.
+    model_.parameters_[p[2].index]->requires_grad = false;
+    model_.parameters_[p[3].index]->requires_grad = false;
+    const double eps = float_attr(n, "epsilon", 1e-5f);
+    const std::string step_who = node;
+    add_step("BatchNormalization", n, node, [=](const OnnxModel& m, std::vector<Tensor>& v) {
+      // [C] viewed as [C, 1, ...] to broadcast along axis 1 of the input.
+      const auto per_channel = [&](const Operand& o) -> Tensor {
+        const Tensor& in = v[x.index];
+        std::vector<std::int64_t> dims{channels};
+        for (int i = 2; i < in.shape().rank(); ++i) dims.push_back(1);
+        return apply(detail::OnnxReshapeOp{{}, dims, -1, step_who}, *m.parameters_[o.index]);
+      };
+      const Tensor scale = ops::mul(per_channel(p[0]), ops::rsqrt(ops::add(per_channel(p[3]), eps)));
+      return m.with(x, v, [&](const auto& in) -> Tensor {
+        return ops::add(ops::mul(ops::sub(in, per_channel(p[2])), scale), per_channel(p[1]));
+      });
+    });
+  }
+
+  void add_reshape(const onnx::NodeProto& n, const std::string& node) {
+    detail::OnnxReshapeOp op;
+    op.who = node;
+    if (n.op_type() == "Flatten") {
+      arity(n, node, 1, 1);
+      known_attributes(n, node, {"axis"});
+      const std::int64_t axis = int_attr(n, "axis", 1);
+      if (axis < 0 || axis > max_rank) unsupported(node, "axis " + std::to_string(axis) + " (duet takes 0 to the input's rank)");
+      op.flatten_axis = static_cast<int>(axis);
+    } else {
+      arity(n, node, 2, 2);
+      known_attributes(n, node, {"allowzero"});
+      const auto shape = integers_.find(n.input(1));
+      if (shape == integers_.end()) unsupported(node, "a target shape that is not a constant int64 tensor");
+      op.dims = shape->second;
+      if (op.dims.size() > static_cast<std::size_t>(max_rank) || std::ranges::count(op.dims, -1) > 1 ||
+          std::ranges::any_of(op.dims, [](std::int64_t d) { return d < -1; })) {
+        throw FormatError(where_ + ": " + node + ": the target shape " + list_text(op.dims) + " is not a shape");
+      }
+      if (int_attr(n, "allowzero", 0) != 0 && std::ranges::count(op.dims, 0) > 0) unsupported(node, "allowzero 1 with a size 0");
+    }
+    const Operand x = operand_of(n.input(0), node);
+    add_step(n.op_type(), n, node, [x, op](const OnnxModel& m, std::vector<Tensor>& v) {
+      return m.with(x, v, [&](const auto& in) -> Tensor { return apply(op, in); });
+    });
+  }
+
+  void add_transpose(const onnx::NodeProto& n, const std::string& node) {
+    arity(n, node, 1, 1);
+    known_attributes(n, node, {"perm"});
+    const std::vector<std::int64_t> given = ints_attr(n, "perm");
+    if (given.empty()) unsupported(node, "a Transpose without perm");
+    std::vector<int> perm(given.begin(), given.end());
+    std::vector<int> sorted = perm;
+    std::ranges::sort(sorted);
+    for (std::size_t i = 0; i < sorted.size(); ++i)
+      if (sorted[i] != static_cast<int>(i)) throw FormatError(where_ + ": " + node + ": perm " + list_text(given) + " is not a permutation");
+    if (perm.size() < 2 || perm.size() > 4) unsupported(node, "perm " + list_text(given) + " (duet's ONNX import transposes ranks 2 to 4)");
+    const Operand x = operand_of(n.input(0), node);
+    if (x.kind != Kind::value) unsupported(node, "transposing an initializer");
+    add_step("Transpose", n, node, [x, perm, node](const OnnxModel&, std::vector<Tensor>& v) {
+      const Tensor& in = v[x.index];
+      if (in.shape().rank() != static_cast<int>(perm.size())) {
+        throw ShapeError("perm of " + std::to_string(perm.size()) + " axes for an input of shape " + to_string(in.shape()));
+      }
+      return detail::onnx_transpose(in, perm);
+    });
+  }
+
+  void add_concat(const onnx::NodeProto& n, const std::string& node) {
+    if (n.input_size() < 1) throw FormatError(where_ + ": " + node + " has no input");
+    arity(n, node, 1, INT_MAX);
+    known_attributes(n, node, {"axis"});
+    const onnx::AttributeProto* axis_attr = attribute(n, "axis");
+    if (axis_attr == nullptr) throw FormatError(where_ + ": " + node + " has no axis");
+    const int axis = static_cast<int>(axis_attr->i());
+    std::vector<Operand> in;
+    for (const std::string& name : n.input()) in.push_back(operand_of(name, node));
+    add_step("Concat", n, node, [in, axis](const OnnxModel& m, std::vector<Tensor>& v) {
+      const auto rank_of = [&](const Operand& o) { return m.with(o, v, [](const auto& t) { return Tensor(t); }).shape().rank(); };
+      const int rank = rank_of(in[0]);
+      const int a = axis < 0 ? axis + rank : axis;
+      if (a < 0 || a >= rank || rank > 4) {
+        throw ShapeError("axis " + std::to_string(axis) + " for inputs of rank " + std::to_string(rank) +
+                         " (duet's ONNX import concatenates ranks up to 4)");
+      }
+      // Pairwise: concat<Axis>(a, b) is one instantiation per axis.
+      Tensor acc = m.with(in[0], v, [](const auto& t) { return Tensor(t); });
+      if (in.size() == 1) return acc;
+      for (std::size_t i = 1; i < in.size(); ++i) {
+        acc = m.with(in[i], v, [&](const auto& t) { return detail::onnx_concat(acc, t, a); });
+      }
+      return acc;
+    });
+  }
+
+  const onnx::ModelProto& proto_;
+  std::string where_;
+  OnnxModel model_;
+  std::map<std::string, Operand> operands_;
+  std::map<std::string, std::vector<std::int64_t>> integers_;
+  std::map<std::string, int> consumers_;
+  std::set<int> skipped_;
+  std::map<int, std::int64_t> pool_padding_;  // an AveragePool's padding, from the Pad before it
+};
+
+// The model in the bytes of an ONNX file; `where` names them in errors.
+inline OnnxModel load_onnx_bytes(std::span<const std::byte> bytes, const std::string& where = "ONNX data") {
+  const onnx::ModelProto proto = detail::parse_onnx(bytes, where);
+  return OnnxBuilder(proto, where).build();
+}
+
+// Reads an ONNX model file into a network duet runs in either mode (see the top of this file).
+inline OnnxModel load_onnx(const std::filesystem::path& path) {
+  const std::string where = detail::onnx_where(path);
+  const std::vector<unsigned char> bytes = duet::detail::read_whole_file(path, where);
+  return load_onnx_bytes(std::as_bytes(std::span(bytes)), where);
+}
+
+// Copies the float initializers of an ONNX file into a network defined in C++ (any cell, in
+// either mode: a compile-time Cell such as examples/lenet5.hpp's LeNet5), each parameter from
+// the initializer of its own name ("fc1.weight", as torch.onnx.export names a module's weight),
+// or of the name `name_map` gives for it (network's name -> initializer's name: duet's BatchNorm
+// "bn.gamma" from PyTorch's "bn.weight"). All or nothing: every parameter must find an
+// initializer of its shape, or nothing is copied and a duet::FormatError names the first that
+// does not (with both shapes); a name_map entry for no parameter of the network is a
+// duet::ValueError. Returns, in ckpt_not_load, the float initializers that were not used.
+inline CheckpointLoad load_onnx_weights(const std::filesystem::path& path, nn::DynamicCell& net,
+                                        const std::map<std::string, std::string>& name_map = {}) {
+  const std::string where = detail::onnx_where(path);
+  const std::vector<unsigned char> bytes = duet::detail::read_whole_file(path, where);
+  const onnx::ModelProto proto = detail::parse_onnx(std::as_bytes(std::span(bytes)), where);
+  std::map<std::string, const onnx::TensorProto*> initializers;
+  for (const onnx::TensorProto& t : proto.graph().initializer()) initializers[t.name()] = &t;
+  const auto targets = duet::detail::parameter_targets(net, where);
+  for (const auto& [name, source] : name_map) {
+    if (std::ranges::find(targets, name, &duet::detail::CheckpointTarget<float>::name) == targets.end()) {
+      throw ValueError(where + ": the name map gives " + detail::onnx_quoted(source) + " for " + detail::onnx_quoted(name) +
+                       ", which is not a parameter of " + net.type_name());
+    }
+  }
+  std::vector<std::vector<float>> values;
+  std::set<std::string> used;
+  for (const auto& [name, tensor] : targets) {
+    const auto mapped = name_map.find(name);
+    const std::string& source = mapped == name_map.end() ? name : mapped->second;
+    const std::string parameter = "the network's parameter " + detail::onnx_quoted(name) + " " + to_string(tensor->shape());
+    const auto found = initializers.find(source);
+    if (found == initializers.end()) {
+      throw FormatError(where + ": " + parameter + " has no initializer " + detail::onnx_quoted(source) +
+                        (mapped == name_map.end() ? " (give its name in the name map)" : ""));
+    }
+    const onnx::TensorProto& t = *found->second;
+    const std::string what = "initializer " + detail::onnx_quoted(source);
+    if (t.data_type() != onnx::TensorProto::FLOAT) {
+      throw FormatError(where + ": " + parameter + " is float32, " + what + " has ONNX data type " +
+                        std::to_string(t.data_type()));
+    }
+    const Shape shape = detail::onnx_shape(t, what, where);
+    if (!(shape == tensor->shape())) {
+      throw FormatError(where + ": " + parameter + " does not fit " + what + " " + to_string(shape));
+    }
+    values.push_back(detail::onnx_elements<float>(t, what, shape.numel(), where));
+    used.insert(source);
+  }
+  const auto parameters = net.parameters();  // targets' order
+  for (std::size_t i = 0; i < parameters.size(); ++i) {
+    nn::Parameter& p = *parameters[i].parameter;
+    p.set_data(Tensor(p.shape(), std::span<const float>(values[i])));
+  }
+  CheckpointLoad left;
+  for (const auto& [name, t] : initializers)
+    if (t->data_type() == onnx::TensorProto::FLOAT && !used.contains(name)) left.ckpt_not_load.push_back(name);
+  return left;
+}
+
+}  // namespace duet::io

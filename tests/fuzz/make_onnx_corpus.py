@@ -1,0 +1,76 @@
+#!/usr/bin/python3
+"""Writes fuzz_onnx's seed corpus (tests/fuzz/corpus/onnx): one small model per group of the
+operators duet/io/onnx.hpp reads, small enough for the fuzzer to mutate. Needs python3-onnx.
+
+Usage: make_onnx_corpus.py <dir>
+"""
+import os
+import sys
+
+import numpy as np
+from onnx import TensorProto, checker, helper, numpy_helper
+
+
+def model(name, nodes, initializers, in_shape, out_shape, opset=17):
+    graph = helper.make_graph(
+        nodes, name, [helper.make_tensor_value_info("x", TensorProto.FLOAT, in_shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, out_shape)],
+        [numpy_helper.from_array(np.asarray(v, dtype=np.int64 if k.startswith("shape") else np.float32), k)
+         for k, v in initializers.items()])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    checker.check_model(m)
+    return m
+
+
+def main():
+    out = sys.argv[1]
+    rng = np.random.default_rng(0)
+    r = lambda *s: rng.standard_normal(s).astype(np.float32)
+    models = {
+        "gemm": model("gemm", [
+            helper.make_node("Gemm", ["x", "w", "b"], ["h"], transB=1, alpha=1.5),
+            helper.make_node("Relu", ["h"], ["a"]),
+            helper.make_node("MatMul", ["a", "m"], ["p"]),
+            helper.make_node("Sigmoid", ["p"], ["s"]),
+            helper.make_node("Sub", ["s", "c"], ["d"]),
+            helper.make_node("Tanh", ["d"], ["y"])],
+            {"w": r(3, 4), "b": r(3), "m": r(3, 2), "c": r(2)}, [2, 4], [2, 2], opset=13),
+        "conv": model("conv", [
+            helper.make_node("Conv", ["x", "k", "kb"], ["c"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+            helper.make_node("MaxPool", ["c"], ["p"], kernel_shape=[2, 2], strides=[2, 2]),
+            helper.make_node("Pad", ["p", "shape_pads"], ["q"], mode="constant"),
+            helper.make_node("AveragePool", ["q"], ["a"], kernel_shape=[3, 3], strides=[1, 1]),
+            helper.make_node("BatchNormalization", ["a", "g", "be", "mu", "var"], ["n"], epsilon=1e-5),
+            helper.make_node("GlobalAveragePool", ["n"], ["gp"]),
+            helper.make_node("Flatten", ["gp"], ["f"], axis=1),
+            helper.make_node("LogSoftmax", ["f"], ["y"], axis=1)],
+            {"k": r(3, 2, 3, 3), "kb": r(3), "shape_pads": [0, 0, 1, 1, 0, 0, 1, 1], "g": r(3), "be": r(3),
+             "mu": r(3), "var": np.abs(r(3)) + 0.5}, [1, 2, 6, 6], [1, 3]),
+        "gelu": model("gelu", [
+            helper.make_node("Constant", [], ["root2"], value=numpy_helper.from_array(np.float32(np.sqrt(2)))),
+            helper.make_node("Constant", [], ["one"], value=numpy_helper.from_array(np.float32(1))),
+            helper.make_node("Constant", [], ["half"], value=numpy_helper.from_array(np.float32(0.5))),
+            helper.make_node("Div", ["x", "root2"], ["d"]),
+            helper.make_node("Erf", ["d"], ["e"]),
+            helper.make_node("Add", ["e", "one"], ["a"]),
+            helper.make_node("Mul", ["x", "a"], ["m"]),
+            helper.make_node("Mul", ["m", "half"], ["g"]),
+            helper.make_node("Softmax", ["g"], ["y"], axis=-1)],
+            {}, [2, 4], [2, 4]),
+        "shape": model("shape", [
+            helper.make_node("Reshape", ["x", "shape_to"], ["r"]),
+            helper.make_node("Transpose", ["r"], ["t"], perm=[0, 2, 1]),
+            helper.make_node("Identity", ["t"], ["i"]),
+            helper.make_node("Dropout", ["i"], ["o"]),
+            helper.make_node("Concat", ["o", "t", "o"], ["c"], axis=2),
+            helper.make_node("Div", ["c", "two"], ["y"])],
+            {"shape_to": [0, 2, -1], "two": [2.0]}, [2, 4], [2, 2, 6]),
+    }
+    os.makedirs(out, exist_ok=True)
+    for name, m in models.items():
+        with open(os.path.join(out, name + ".onnx"), "wb") as f:
+            f.write(m.SerializeToString())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,404 @@
+// duet::io::load_onnx against PyTorch: tests/onnx_references.py exports the models and writes
+// PyTorch's outputs into $DUET_ONNX_REFERENCES (CTest runs it first); without them (no torch)
+// those cases report themselves skipped. The error cases build their models here with the ONNX
+// library's protobuf classes.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <duet/duet.hpp>
+#include <duet/io/onnx.hpp>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "../examples/lenet5.hpp"
+#include "../examples/network.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+using duet::Shape;
+using duet::Tensor;
+
+std::optional<fs::path> references() {
+  const char* dir = std::getenv("DUET_ONNX_REFERENCES");
+  if (dir == nullptr || !fs::exists(fs::path(dir) / "mlp_opset13.onnx")) return std::nullopt;
+  return fs::path(dir);
+}
+
+#define REQUIRE_REFERENCES(dir)                                                                                     \
+  const std::optional<fs::path> dir = references();                                                                 \
+  if (!dir) {                                                                                                       \
+    MESSAGE("SKIPPED: no PyTorch references (DUET_ONNX_REFERENCES unset or empty: tests/onnx_references.py needs " \
+            "python3-torch and python3-onnx)");                                                                     \
+    return;                                                                                                         \
+  }
+
+Tensor read_floats(const fs::path& path, const Shape& shape) {
+  std::ifstream in(path, std::ios::binary);
+  REQUIRE(in);
+  std::vector<float> data(static_cast<std::size_t>(shape.numel()));
+  in.read(reinterpret_cast<char*>(data.data()), static_cast<std::streamsize>(data.size() * sizeof(float)));
+  REQUIRE(in.gcount() == static_cast<std::streamsize>(data.size() * sizeof(float)));
+  return Tensor(shape, std::span<const float>(data));
+}
+
+struct Reference {
+  std::string name;
+  Shape input;
+};
+const std::vector<Reference> models{
+    {"mlp", {4, 1, 28, 28}}, {"lenet5", {4, 1, 28, 28}}, {"resnet", {4, 1, 28, 28}}, {"operators", {4, 16}}};
+
+// Within 1e-5 of the largest magnitude in PyTorch's output.
+void check_close(const Tensor& got, const Tensor& want, const std::string& what) {
+  INFO(what);
+  REQUIRE(got.shape() == want.shape());
+  float scale = 0;
+  for (duet::index_t i = 0; i < want.numel(); ++i) scale = std::max(scale, std::abs(want.data()[i]));
+  for (duet::index_t i = 0; i < want.numel(); ++i) {
+    INFO("element " << i << ": duet " << got.data()[i] << ", PyTorch " << want.data()[i]);
+    CHECK(std::abs(got.data()[i] - want.data()[i]) <= 1e-5f * scale);
+  }
+}
+
+bool same_bits(const Tensor& a, const Tensor& b) {
+  return a.shape() == b.shape() && std::equal(a.data(), a.data() + a.numel(), b.data());
+}
+
+struct ModeScope {
+  explicit ModeScope(duet::Mode m) { duet::set_context({.mode = m}); }
+  ~ModeScope() { duet::set_context({.mode = duet::PYNATIVE_MODE}); }
+};
+
+TEST_CASE("io::load_onnx: PyTorch's models give PyTorch's outputs in both modes, bit for bit between them") {
+  REQUIRE_REFERENCES(dir);
+  for (const Reference& r : models) {
+    const Tensor x = read_floats(*dir / (r.name + ".input.bin"), r.input);
+    for (const int opset : {13, 17}) {
+      const std::string file = r.name + "_opset" + std::to_string(opset) + ".onnx";
+      duet::io::OnnxModel eager = duet::io::load_onnx(*dir / file);
+      const Tensor want = read_floats(*dir / (r.name + ".output.bin"), eager(x).shape());
+      const Tensor pynative = eager(x);
+      check_close(pynative, want, file + " in PyNative mode");
+
+      duet::io::OnnxModel traced = duet::io::load_onnx(*dir / file);
+      ModeScope graph(duet::GRAPH_MODE);
+      const auto log_before = duet::jit_compile_log().size();
+      const Tensor first = traced(x);
+      const Tensor replayed = traced(x);
+      CHECK(duet::jit_compile_log().size() == log_before + 1);
+      CHECK(duet::jit_compile_log().back().find("io::OnnxModel in graph mode") != std::string::npos);
+      CHECK(same_bits(first, pynative));
+      CHECK(same_bits(replayed, pynative));
+    }
+  }
+}
+
+TEST_CASE("io::load_onnx: the initializers are the network's parameters, by their ONNX names") {
+  REQUIRE_REFERENCES(dir);
+  duet::io::OnnxModel mlp = duet::io::load_onnx(*dir / "mlp_opset17.onnx");
+  std::vector<std::string> names;
+  for (const auto& [name, p] : mlp.parameters()) names.push_back(name);
+  CHECK(names == std::vector<std::string>{"dense_relu_sequential.0.weight", "dense_relu_sequential.0.bias",
+                                          "dense_relu_sequential.2.weight", "dense_relu_sequential.2.bias",
+                                          "dense_relu_sequential.4.weight", "dense_relu_sequential.4.bias"});
+  CHECK(mlp.operators() == std::vector<std::string>{"Flatten", "Gemm", "Relu", "Gemm", "Relu", "Gemm"});
+
+  duet::io::OnnxModel resnet = duet::io::load_onnx(*dir / "resnet_opset17.onnx");
+  for (const auto& named : resnet.parameters()) {
+    INFO(named.name);
+    const bool statistic = named.name == "norm.running_mean" || named.name == "norm.running_var";
+    CHECK(named.parameter->requires_grad == !statistic);
+  }
+  duet::io::OnnxModel operators = duet::io::load_onnx(*dir / "operators_opset13.onnx");
+  CHECK(std::ranges::count(operators.operators(), "Gelu") == 1);  // torch's Erf pattern
+}
+
+TEST_CASE("io::load_onnx: a loaded model trains, with the same losses and parameters in both modes") {
+  REQUIRE_REFERENCES(dir);
+  for (const std::string name : {"lenet5", "resnet", "operators"}) {
+    INFO(name);
+    const Reference& r = *std::ranges::find(models, name, &Reference::name);
+    const Tensor x = read_floats(*dir / (name + ".input.bin"), r.input);
+    const duet::BasicTensor<std::int32_t> labels({4}, {1, 3, 5, 7});
+    std::vector<std::vector<float>> losses(2);
+    std::vector<std::vector<Tensor>> weights(2);
+    for (const int m : {0, 1}) {
+      ModeScope mode(m == 0 ? duet::PYNATIVE_MODE : duet::GRAPH_MODE);
+      duet::io::OnnxModel net = duet::io::load_onnx(*dir / (name + "_opset17.onnx"));
+      const Tensor before = Tensor(*net.parameters().front().parameter).clone();
+      duet::nn::SoftmaxCrossEntropyWithLogits<true, duet::Reduction::mean> loss;
+      duet::nn::WithLossCell with_loss(net, loss);
+      duet::nn::SGD sgd(net.parameters(), {.learning_rate = 0.05});
+      duet::nn::TrainOneStepCell step(with_loss, sgd);
+      for (int i = 0; i < 3; ++i) losses[static_cast<std::size_t>(m)].push_back(step(x, labels).item());
+      for (const auto& [n, p] : net.parameters()) weights[static_cast<std::size_t>(m)].push_back(Tensor(*p).clone());
+      CHECK_FALSE(same_bits(Tensor(*net.parameters().front().parameter), before));
+    }
+    CHECK(losses[0] == losses[1]);
+    CHECK(losses[0].back() < losses[0].front());
+    REQUIRE(weights[0].size() == weights[1].size());
+    for (std::size_t i = 0; i < weights[0].size(); ++i) CHECK(same_bits(weights[0][i], weights[1][i]));
+  }
+}
+
+// The C++ networks of examples/ with PyTorch's weights give PyTorch's outputs, in both modes.
+template <class Net>
+void check_weights_into(const fs::path& dir, const std::string& name) {
+  const Reference& r = *std::ranges::find(models, name, &Reference::name);
+  const Tensor x = read_floats(dir / (name + ".input.bin"), r.input);
+  const Tensor want = read_floats(dir / (name + ".output.bin"), {4, 10});
+  Net net;
+  const duet::CheckpointLoad left = duet::io::load_onnx_weights(dir / (name + "_opset13.onnx"), net);
+  CHECK(left.ckpt_not_load.empty());
+  const Tensor pynative = net(x);
+  check_close(pynative, want, name + " in C++, PyNative mode");
+  ModeScope graph(duet::GRAPH_MODE);
+  const Tensor in_graph = net(x);
+  check_close(in_graph, want, name + " in C++, graph mode");
+}
+
+TEST_CASE("io::load_onnx_weights: PyTorch's weights in examples' seed network and LeNet-5 give PyTorch's outputs") {
+  REQUIRE_REFERENCES(dir);
+  check_weights_into<Network>(*dir, "mlp");
+  check_weights_into<LeNet5>(*dir, "lenet5");
+}
+
+TEST_CASE("io::load_onnx_weights: a name or shape that does not fit names both, and copies nothing") {
+  REQUIRE_REFERENCES(dir);
+  LeNet5 net;
+  const Tensor before = Tensor(net.conv1.weight).clone();
+  const fs::path file = *dir / "lenet5_opset17.onnx";
+  const std::string where = "ONNX file " + file.string() + ": ";
+  CHECK_THROWS_WITH_AS(duet::io::load_onnx_weights(file, net, {{"fc1.weight", "fc2.weight"}}),
+                       (where + "the network's parameter 'fc1.weight' [120, 400] does not fit initializer 'fc2.weight' [84, 120]").c_str(),
+                       duet::FormatError);
+  CHECK_THROWS_WITH_AS(duet::io::load_onnx_weights(file, net, {{"fc9.weight", "fc2.weight"}}),
+                       (where + "the name map gives 'fc2.weight' for 'fc9.weight', which is not a parameter of LeNet5").c_str(),
+                       duet::ValueError);
+  CHECK_THROWS_WITH_AS(duet::io::load_onnx_weights(*dir / "mlp_opset17.onnx", net),
+                       ("ONNX file " + (*dir / "mlp_opset17.onnx").string() +
+                        ": the network's parameter 'conv1.weight' [6, 1, 5, 5] has no initializer 'conv1.weight' (give its name in the name map)").c_str(),
+                       duet::FormatError);
+  CHECK(same_bits(Tensor(net.conv1.weight), before));
+}
+
+TEST_CASE("io::load_onnx_weights: by an explicit name map, into a network built at run time") {
+  REQUIRE_REFERENCES(dir);
+  duet::nn::DynamicSequentialCell net;
+  net.append(duet::nn::Dense<>(784, 512));
+  net.append(duet::nn::ReLU{});
+  net.append(duet::nn::Dense<>(512, 512));
+  net.append(duet::nn::ReLU{});
+  net.append(duet::nn::Dense<>(512, 10));
+  std::map<std::string, std::string> map;
+  for (const std::string layer : {"0", "2", "4"})
+    for (const std::string what : {".weight", ".bias"}) map[layer + what] = "dense_relu_sequential." + layer + what;
+  CHECK(duet::io::load_onnx_weights(*dir / "mlp_opset17.onnx", net, map).ckpt_not_load.empty());
+  check_close(net(read_floats(*dir / "mlp.input.bin", {4, 784})), read_floats(*dir / "mlp.output.bin", {4, 10}),
+              "the seed network built at run time");
+}
+
+TEST_CASE("io::load_onnx: the fuzzer's seed models load and run, the same in both modes") {
+  // tests/fuzz/make_onnx_corpus.py: every operator the loader reads (gemm.onnx at opset 13, the rest 17).
+  const fs::path corpus = fs::path(__FILE__).parent_path() / "fuzz" / "corpus" / "onnx";
+  for (const std::string name : {"gemm", "conv", "gelu", "shape"}) {
+    INFO(name);
+    duet::io::OnnxModel net = duet::io::load_onnx(corpus / (name + ".onnx"));
+    Shape shape;
+    for (const std::int64_t d : net.input_dims()) shape.push_back(d);
+    const Tensor x = duet::randn(shape, 7);
+    const Tensor eager = net(x);
+    for (duet::index_t i = 0; i < eager.numel(); ++i) CHECK(std::isfinite(eager.data()[i]));
+    duet::io::OnnxModel traced = duet::io::load_onnx(corpus / (name + ".onnx"));
+    ModeScope graph(duet::GRAPH_MODE);
+    CHECK(same_bits(traced(x), eager));
+  }
+}
+
+// --- errors, on models built here --------------------------------------------------------------
+
+onnx::ModelProto model_of(int opset = 17) {
+  onnx::ModelProto m;
+  m.set_ir_version(8);
+  auto* set = m.add_opset_import();
+  set->set_domain("");
+  set->set_version(opset);
+  auto* g = m.mutable_graph();
+  g->set_name("g");
+  auto* in = g->add_input();
+  in->set_name("x");
+  in->mutable_type()->mutable_tensor_type()->set_elem_type(onnx::TensorProto::FLOAT);
+  g->add_output()->set_name("y");
+  return m;
+}
+
+onnx::NodeProto* add_node(onnx::ModelProto& m, const std::string& op, const std::string& name,
+                          std::initializer_list<std::string> in, const std::string& out = "y") {
+  onnx::NodeProto* n = m.mutable_graph()->add_node();
+  n->set_op_type(op);
+  n->set_name(name);
+  for (const std::string& i : in) n->add_input(i);
+  n->add_output(out);
+  return n;
+}
+
+onnx::TensorProto* add_initializer(onnx::ModelProto& m, const std::string& name, std::initializer_list<std::int64_t> dims,
+                                   std::size_t count) {
+  onnx::TensorProto* t = m.mutable_graph()->add_initializer();
+  t->set_name(name);
+  t->set_data_type(onnx::TensorProto::FLOAT);
+  for (const std::int64_t d : dims) t->add_dims(d);
+  for (std::size_t i = 0; i < count; ++i) t->add_float_data(0.5f * static_cast<float>(i));
+  return t;
+}
+
+duet::io::OnnxModel load(const onnx::ModelProto& m) {
+  const std::string bytes = m.SerializeAsString();
+  return duet::io::load_onnx_bytes(std::as_bytes(std::span(bytes)), "test.onnx");
+}
+
+template <class E>
+std::string message_of(const onnx::ModelProto& m) {
+  try {
+    load(m);
+  } catch (const E& e) {
+    return e.what();
+  }
+  FAIL("no exception of the expected type");
+  return "";
+}
+
+TEST_CASE("io::load_onnx: a model built here runs, and reads its attributes") {
+  onnx::ModelProto m = model_of();
+  add_initializer(m, "w", {3, 2}, 6);
+  add_initializer(m, "b", {3}, 3);
+  onnx::NodeProto* gemm = add_node(m, "Gemm", "fc", {"x", "w", "b"}, "h");
+  auto* tb = gemm->add_attribute();
+  tb->set_name("transB");
+  tb->set_type(onnx::AttributeProto::INT);
+  tb->set_i(1);
+  auto* alpha = gemm->add_attribute();
+  alpha->set_name("alpha");
+  alpha->set_type(onnx::AttributeProto::FLOAT);
+  alpha->set_f(2.0f);
+  add_node(m, "Sigmoid", "act", {"h"});
+  duet::io::OnnxModel net = load(m);
+  const Tensor y = net(Tensor({1, 2}, {1.f, -1.f}));
+  // w = [[0, .5], [1, 1.5], [2, 2.5]], b = [0, .5, 1]: 2 * x.w^T + b = [-1, -0.5, 0]
+  const Tensor want = duet::ops::sigmoid(Tensor({1, 3}, {-1.f, -0.5f, 0.f}));
+  CHECK(same_bits(y, want));
+}
+
+TEST_CASE("io::load_onnx: an unsupported operator or attribute names the node and the operator") {
+  {
+    onnx::ModelProto m = model_of();
+    add_node(m, "LSTM", "rnn", {"x"});
+    const std::string e = message_of<duet::ValueError>(m);
+    CHECK(e == "test.onnx: ONNX node 'rnn' (LSTM): the operator LSTM is not supported");
+  }
+  {
+    onnx::ModelProto m = model_of();
+    auto* a = add_node(m, "Softmax", "sm", {"x"})->add_attribute();
+    a->set_name("bogus");
+    a->set_type(onnx::AttributeProto::INT);
+    CHECK(message_of<duet::ValueError>(m) == "test.onnx: ONNX node 'sm' (Softmax): attribute 'bogus' is not supported");
+  }
+  {
+    onnx::ModelProto m = model_of();
+    auto* a = add_node(m, "MaxPool", "pool", {"x"})->add_attribute();
+    a->set_name("kernel_shape");
+    a->add_ints(5);
+    a->add_ints(5);
+    CHECK(message_of<duet::ValueError>(m).find("ONNX node 'pool' (MaxPool): the window kernel 5, stride 1, padding 0") !=
+          std::string::npos);
+  }
+  {
+    onnx::ModelProto m = model_of();
+    add_node(m, "Erf", "erf", {"x"});  // not torch's GELU pattern
+    CHECK(message_of<duet::ValueError>(m) == "test.onnx: ONNX node 'erf' (Erf): the operator Erf is not supported");
+  }
+  {
+    onnx::ModelProto m = model_of(11);
+    add_node(m, "Relu", "r", {"x"});
+    CHECK(message_of<duet::ValueError>(m).find("opset 11; duet reads opsets 13 to 17") != std::string::npos);
+  }
+}
+
+TEST_CASE("io::load_onnx: a Reshape to more elements than index_t counts is a ShapeError naming the node") {
+  onnx::ModelProto m = model_of();
+  onnx::TensorProto* to = m.mutable_graph()->add_initializer();
+  to->set_name("to");
+  to->set_data_type(onnx::TensorProto::INT64);
+  to->add_dims(3);
+  for (const std::int64_t d : {std::int64_t{1} << 40, std::int64_t{1} << 40, std::int64_t{1} << 40}) to->add_int64_data(d);
+  add_node(m, "Reshape", "big", {"x", "to"});
+  duet::io::OnnxModel net = load(m);
+  try {
+    net(duet::ones({2, 3}));
+    FAIL("no ShapeError");
+  } catch (const duet::ShapeError& e) {
+    CHECK(std::string(e.what()).starts_with("ONNX node 'big' (Reshape): "));
+  }
+}
+
+TEST_CASE("io::load_onnx: a malformed model is a FormatError, never a crash") {
+  {
+    const std::string junk = "not a protobuf \xff\xff\xff\xff";
+    CHECK_THROWS_WITH_AS(duet::io::load_onnx_bytes(std::as_bytes(std::span(junk)), "junk.onnx"),
+                         "junk.onnx: not an ONNX model (the protobuf message does not parse)", duet::FormatError);
+  }
+  {
+    onnx::ModelProto m = model_of();
+    add_node(m, "Add", "add", {"x", "nowhere"});
+    CHECK(message_of<duet::FormatError>(m) ==
+          "test.onnx: ONNX node 'add' (Add) reads 'nowhere', which no input, initializer or earlier node defines");
+  }
+  {
+    onnx::ModelProto m = model_of();
+    add_initializer(m, "w", {3, 2}, 5);
+    add_node(m, "MatMul", "mm", {"x", "w"});
+    CHECK(message_of<duet::FormatError>(m) == "test.onnx: initializer 'w' has 5 elements, its shape needs 6");
+  }
+  {
+    onnx::ModelProto m = model_of();
+    onnx::TensorProto* t = add_initializer(m, "w", {1 << 20, 1 << 20}, 0);
+    t->set_raw_data("abcd");
+    add_node(m, "MatMul", "mm", {"x", "w"});
+    CHECK(message_of<duet::FormatError>(m).find("initializer 'w' has 4 bytes of data") != std::string::npos);
+  }
+  {
+    onnx::ModelProto m = model_of();
+    CHECK(message_of<duet::FormatError>(m) ==
+          "test.onnx: the graph's output reads 'y', which no input, initializer or earlier node defines");
+  }
+  {
+    onnx::ModelProto m = model_of();
+    add_initializer(m, "y", {1}, 1);
+    CHECK(message_of<duet::ValueError>(m).find("is not computed by any node") != std::string::npos);
+  }
+  REQUIRE_REFERENCES(dir);
+  // Every prefix of a real file, and a changed byte at each of many places: a model or a duet error.
+  std::ifstream in(*dir / "lenet5_opset17.onnx", std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto try_load = [](const std::string& b) {
+    try {
+      duet::io::load_onnx_bytes(std::as_bytes(std::span(b)));
+    } catch (const duet::Error&) {
+    }
+  };
+  for (std::size_t n = 0; n < bytes.size(); n += 97) try_load(bytes.substr(0, n));
+  for (std::size_t i = 0; i < bytes.size(); i += 61) {
+    std::string changed = bytes;
+    changed[i] = static_cast<char>(changed[i] ^ 0x5a);
+    try_load(changed);
+  }
+}
+
+}  // namespace

@@ -1,0 +1,146 @@
+#!/usr/bin/python3
+"""References for duet's ONNX import, computed by PyTorch (Debian's python3-torch).
+
+Builds, with fixed seeds, the seed MLP (examples/network.hpp), LeNet-5 (examples/lenet5.hpp), a
+small residual CNN and a network of the remaining operators; exports each with torch.onnx.export
+at opsets 13 and 17, and writes a fixed input and PyTorch's output for it:
+
+    <dir>/<model>_opset<13|17>.onnx
+    <dir>/<model>.input.bin, <dir>/<model>.output.bin     float32, little-endian, row-major
+
+Usage: onnx_references.py <dir>. Exits 77 (CTest's "skipped") when torch or onnx is missing.
+"""
+import os
+import sys
+
+try:
+    import numpy as np
+    import onnx
+    import torch
+    from torch import nn
+except ImportError as missing:
+    print(f"SKIPPED: {missing.name} is not installed (Debian: python3-torch, python3-onnx)")
+    sys.exit(77)
+
+
+class SeedMLP(nn.Module):
+    # The attribute names are duet's SeedNetwork's, so the ONNX initializers carry its names.
+    def __init__(self):
+        super().__init__()
+        self.flatten = nn.Flatten()
+        self.dense_relu_sequential = nn.Sequential(
+            nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+
+    def forward(self, x):
+        return self.dense_relu_sequential(self.flatten(x))
+
+
+class LeNet5(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 6, 5, padding=2)
+        self.pool1 = nn.MaxPool2d(2, 2)
+        self.conv2 = nn.Conv2d(6, 16, 5)
+        self.pool2 = nn.MaxPool2d(2, 2)
+        self.fc1 = nn.Linear(400, 120)
+        self.fc2 = nn.Linear(120, 84)
+        self.fc3 = nn.Linear(84, 10)
+
+    def forward(self, x):
+        a = self.pool1(torch.relu(self.conv1(x)))
+        b = self.pool2(torch.relu(self.conv2(a)))
+        h = torch.flatten(b, 1)
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(h)))))
+
+
+def conv_bn(cin, cout, stride=1, kernel=3):
+    return nn.Sequential(nn.Conv2d(cin, cout, kernel, stride, kernel // 2, bias=False), nn.BatchNorm2d(cout))
+
+
+class Block(nn.Module):
+    def __init__(self, cin, cout, stride):
+        super().__init__()
+        self.a = conv_bn(cin, cout, stride)
+        self.b = conv_bn(cout, cout)
+        self.skip = conv_bn(cin, cout, stride, 1) if stride != 1 or cin != cout else nn.Identity()
+
+    def forward(self, x):
+        return torch.relu(self.b(torch.relu(self.a(x))) + self.skip(x))
+
+
+class ResidualCNN(nn.Module):
+    # Eval-mode export folds each Conv's BatchNorm into it; the BatchNorm1d stays a node. AvgPool2d
+    # counting its padding is exported as a Pad and an AveragePool.
+    def __init__(self):
+        super().__init__()
+        self.stem = conv_bn(1, 8)
+        self.pool = nn.MaxPool2d(3, 2, 1)
+        self.block1 = Block(8, 8, 1)
+        self.block2 = Block(8, 16, 2)
+        self.avg = nn.AvgPool2d(3, 2, 1)
+        self.gap = nn.AdaptiveAvgPool2d(1)
+        self.norm = nn.BatchNorm1d(16)
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x):
+        h = self.pool(torch.relu(self.stem(x)))
+        h = self.avg(self.block2(self.block1(h)))
+        return torch.log_softmax(self.fc(self.norm(torch.flatten(self.gap(h), 1))), dim=1)
+
+
+class Operators(nn.Module):
+    # The operators the three networks above do not use.
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 32)
+        self.inner = nn.Linear(8, 6)
+        self.head = nn.Linear(48, 10)
+
+    def forward(self, x):
+        h = nn.functional.gelu(self.fc(x)).reshape(-1, 4, 8).transpose(1, 2)
+        c = torch.tanh(torch.cat([h, torch.sigmoid(h)], dim=2))
+        s = (c - 0.5) * 2.0 / 3.0
+        return torch.softmax(self.head(torch.flatten(self.inner(s), 1)), dim=1)
+
+
+def randomise_batchnorm(model):
+    for m in model.modules():
+        if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):
+            with torch.no_grad():
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.5, 0.5)
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 2.0)
+
+
+MODELS = {
+    "mlp": (SeedMLP, (4, 1, 28, 28)),
+    "lenet5": (LeNet5, (4, 1, 28, 28)),
+    "resnet": (ResidualCNN, (4, 1, 28, 28)),
+    "operators": (Operators, (4, 16)),
+}
+
+
+def main():
+    out = sys.argv[1]
+    os.makedirs(out, exist_ok=True)
+    for seed, (name, (make, shape)) in enumerate(MODELS.items()):
+        torch.manual_seed(seed)
+        model = make()
+        randomise_batchnorm(model)
+        model.eval()
+        x = torch.randn(*shape)
+        with torch.no_grad():
+            y = model(x)
+        x.numpy().astype("<f4").tofile(os.path.join(out, f"{name}.input.bin"))
+        y.numpy().astype("<f4").tofile(os.path.join(out, f"{name}.output.bin"))
+        for opset in (13, 17):
+            path = os.path.join(out, f"{name}_opset{opset}.onnx")
+            torch.onnx.export(model, x, path, opset_version=opset, input_names=["input"], output_names=["output"],
+                              dynamic_axes={"input": {0: "batch"}, "output": {0: "batch"}})
+            onnx.checker.check_model(onnx.load(path))
+        print(f"{name}: input {list(shape)}, output {list(y.shape)}")
+
+
+if __name__ == "__main__":
+    main()
