@@ -1424,6 +1424,35 @@ void pack_panel(const T* src, index_t ld, int rows, index_t depth, T* dst) {
   }
 }
 
+// Within each vector, the G x Q lanes (G = KG blocks of Q) as Q x G: lane q·G + i from lane
+// i·Q + q.
+template <class T, int... I>
+Vec<T> transpose_lanes(Vec<T> v, std::integer_sequence<int, I...>) {
+  constexpr int G = KG<T>;
+  constexpr int Q = lanes<T> / G;
+  return __builtin_shufflevector(v, v, (I % G * Q + I / G)...);
+}
+
+// pack_panel's panel from B stored transposed, as bt[k, n] (ld apart): the same layout, for
+// products whose right operand is an image's patches rather than a weight (kernels/conv.hpp).
+// A group's KG rows of bt, L columns each, are the panel's KG vectors transposed: block j of
+// row i goes to block i of vector j (transpose_blocks), then each vector's lanes from
+// row-major KG x Q to Q x KG.
+template <class T>
+void pack_panel_kn(const T* src, index_t ld, int cols, index_t depth, T* dst) {
+  constexpr int L = lanes<T>;
+  constexpr int G = KG<T>;
+  for (index_t g0 = 0; g0 < depth; g0 += G, dst += G * L) {
+    Vec<T> r[G];
+    for (int i = 0; i < G; ++i) {
+      const T* from = src + (g0 + i) * ld;
+      r[i] = g0 + i >= depth ? Vec<T>{} : cols == L ? load(from) : load_first(from, cols);
+    }
+    transpose_blocks<L / G, T>(r);
+    for (int j = 0; j < G; ++j) store<T>(dst + j * L, transpose_lanes<T>(r[j], std::make_integer_sequence<int, L>{}));
+  }
+}
+
 // One group of k for a tile: acc[i] += the group of row i of A, broadcast, times the panel's KG
 // vectors at bp. Partial: only rest < KG values of A remain, and A is not read past them. A
 // function rather than a lambda: GCC does not give lambdas the target of their region.
@@ -1483,10 +1512,11 @@ template <class T, class... Fns>
   }
 }
 
-// packed: B already packed, or null to pack each panel as it is reached.
+// packed: B already packed, or null to pack each panel as it is reached. b_kn: b is stored
+// transposed, as [k, n] (never packed ahead).
 template <class T, class... Fns>
 void gemm_blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
-                  const PackedWeight<T>* packed) {
+                  const PackedWeight<T>* packed, bool b_kn = false) {
   constexpr int L = lanes<T>;
   constexpr auto size = static_cast<index_t>(sizeof(T));
   const index_t kc = balanced_block(k, KC_bytes / size, KG<T>);
@@ -1502,6 +1532,7 @@ void gemm_blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const
         const index_t depth = std::min(kc, k - k0);
         const T* bp = panel;
         if (packed != nullptr) bp = packed->panel(j0, k0);
+        else if (b_kn) pack_panel_kn(b + k0 * n + j0, n, cols, depth, panel);
         else pack_panel(b + j0 * k + k0, k, cols, depth, panel);
         // A packed panel comes from L3 or memory, and its first tile would wait for it. The
         // panels lie in the order they are used, so each tile fetches a slice of the next one
@@ -1544,6 +1575,11 @@ struct Kernels {
   static void blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
                       const PackedWeight<T>* packed) {
     gemm_blocked<T, Fns...>(a, m, k, b, n, bias, c, packed);
+  }
+
+  template <class T>
+  static void blocked_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c) {
+    gemm_blocked<T>(a, m, k, b, n, nullptr, c, nullptr, true);
   }
 
   // Every panel of b ([n, k]) into dst, panel after panel, panel_size elements apart.
@@ -1675,6 +1711,35 @@ void pack_panel(const T* src, index_t ld, int rows, index_t depth, T* dst) {
   }
 }
 
+// Within each vector, the G x Q lanes (G = KG blocks of Q) as Q x G: lane q·G + i from lane
+// i·Q + q.
+template <class T, int... I>
+Vec<T> transpose_lanes(Vec<T> v, std::integer_sequence<int, I...>) {
+  constexpr int G = KG<T>;
+  constexpr int Q = lanes<T> / G;
+  return __builtin_shufflevector(v, v, (I % G * Q + I / G)...);
+}
+
+// pack_panel's panel from B stored transposed, as bt[k, n] (ld apart): the same layout, for
+// products whose right operand is an image's patches rather than a weight (kernels/conv.hpp).
+// A group's KG rows of bt, L columns each, are the panel's KG vectors transposed: block j of
+// row i goes to block i of vector j (transpose_blocks), then each vector's lanes from
+// row-major KG x Q to Q x KG.
+template <class T>
+void pack_panel_kn(const T* src, index_t ld, int cols, index_t depth, T* dst) {
+  constexpr int L = lanes<T>;
+  constexpr int G = KG<T>;
+  for (index_t g0 = 0; g0 < depth; g0 += G, dst += G * L) {
+    Vec<T> r[G];
+    for (int i = 0; i < G; ++i) {
+      const T* from = src + (g0 + i) * ld;
+      r[i] = g0 + i >= depth ? Vec<T>{} : cols == L ? load(from) : load_first(from, cols);
+    }
+    transpose_blocks<L / G, T>(r);
+    for (int j = 0; j < G; ++j) store<T>(dst + j * L, transpose_lanes<T>(r[j], std::make_integer_sequence<int, L>{}));
+  }
+}
+
 // One group of k for a tile: acc[i] += the group of row i of A, broadcast, times the panel's KG
 // vectors at bp. Partial: only rest < KG values of A remain, and A is not read past them. A
 // function rather than a lambda: GCC does not give lambdas the target of their region.
@@ -1734,10 +1799,11 @@ template <class T, class... Fns>
   }
 }
 
-// packed: B already packed, or null to pack each panel as it is reached.
+// packed: B already packed, or null to pack each panel as it is reached. b_kn: b is stored
+// transposed, as [k, n] (never packed ahead).
 template <class T, class... Fns>
 void gemm_blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
-                  const PackedWeight<T>* packed) {
+                  const PackedWeight<T>* packed, bool b_kn = false) {
   constexpr int L = lanes<T>;
   constexpr auto size = static_cast<index_t>(sizeof(T));
   const index_t kc = balanced_block(k, KC_bytes / size, KG<T>);
@@ -1753,6 +1819,7 @@ void gemm_blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const
         const index_t depth = std::min(kc, k - k0);
         const T* bp = panel;
         if (packed != nullptr) bp = packed->panel(j0, k0);
+        else if (b_kn) pack_panel_kn(b + k0 * n + j0, n, cols, depth, panel);
         else pack_panel(b + j0 * k + k0, k, cols, depth, panel);
         // A packed panel comes from L3 or memory, and its first tile would wait for it. The
         // panels lie in the order they are used, so each tile fetches a slice of the next one
@@ -1795,6 +1862,11 @@ struct Kernels {
   static void blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
                       const PackedWeight<T>* packed) {
     gemm_blocked<T, Fns...>(a, m, k, b, n, bias, c, packed);
+  }
+
+  template <class T>
+  static void blocked_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c) {
+    gemm_blocked<T>(a, m, k, b, n, nullptr, c, nullptr, true);
   }
 
   // Every panel of b ([n, k]) into dst, panel after panel, panel_size elements apart.
@@ -1926,6 +1998,35 @@ void pack_panel(const T* src, index_t ld, int rows, index_t depth, T* dst) {
   }
 }
 
+// Within each vector, the G x Q lanes (G = KG blocks of Q) as Q x G: lane q·G + i from lane
+// i·Q + q.
+template <class T, int... I>
+Vec<T> transpose_lanes(Vec<T> v, std::integer_sequence<int, I...>) {
+  constexpr int G = KG<T>;
+  constexpr int Q = lanes<T> / G;
+  return __builtin_shufflevector(v, v, (I % G * Q + I / G)...);
+}
+
+// pack_panel's panel from B stored transposed, as bt[k, n] (ld apart): the same layout, for
+// products whose right operand is an image's patches rather than a weight (kernels/conv.hpp).
+// A group's KG rows of bt, L columns each, are the panel's KG vectors transposed: block j of
+// row i goes to block i of vector j (transpose_blocks), then each vector's lanes from
+// row-major KG x Q to Q x KG.
+template <class T>
+void pack_panel_kn(const T* src, index_t ld, int cols, index_t depth, T* dst) {
+  constexpr int L = lanes<T>;
+  constexpr int G = KG<T>;
+  for (index_t g0 = 0; g0 < depth; g0 += G, dst += G * L) {
+    Vec<T> r[G];
+    for (int i = 0; i < G; ++i) {
+      const T* from = src + (g0 + i) * ld;
+      r[i] = g0 + i >= depth ? Vec<T>{} : cols == L ? load(from) : load_first(from, cols);
+    }
+    transpose_blocks<L / G, T>(r);
+    for (int j = 0; j < G; ++j) store<T>(dst + j * L, transpose_lanes<T>(r[j], std::make_integer_sequence<int, L>{}));
+  }
+}
+
 // One group of k for a tile: acc[i] += the group of row i of A, broadcast, times the panel's KG
 // vectors at bp. Partial: only rest < KG values of A remain, and A is not read past them. A
 // function rather than a lambda: GCC does not give lambdas the target of their region.
@@ -1985,10 +2086,11 @@ template <class T, class... Fns>
   }
 }
 
-// packed: B already packed, or null to pack each panel as it is reached.
+// packed: B already packed, or null to pack each panel as it is reached. b_kn: b is stored
+// transposed, as [k, n] (never packed ahead).
 template <class T, class... Fns>
 void gemm_blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
-                  const PackedWeight<T>* packed) {
+                  const PackedWeight<T>* packed, bool b_kn = false) {
   constexpr int L = lanes<T>;
   constexpr auto size = static_cast<index_t>(sizeof(T));
   const index_t kc = balanced_block(k, KC_bytes / size, KG<T>);
@@ -2004,6 +2106,7 @@ void gemm_blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const
         const index_t depth = std::min(kc, k - k0);
         const T* bp = panel;
         if (packed != nullptr) bp = packed->panel(j0, k0);
+        else if (b_kn) pack_panel_kn(b + k0 * n + j0, n, cols, depth, panel);
         else pack_panel(b + j0 * k + k0, k, cols, depth, panel);
         // A packed panel comes from L3 or memory, and its first tile would wait for it. The
         // panels lie in the order they are used, so each tile fetches a slice of the next one
@@ -2046,6 +2149,11 @@ struct Kernels {
   static void blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
                       const PackedWeight<T>* packed) {
     gemm_blocked<T, Fns...>(a, m, k, b, n, bias, c, packed);
+  }
+
+  template <class T>
+  static void blocked_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c) {
+    gemm_blocked<T>(a, m, k, b, n, nullptr, c, nullptr, true);
   }
 
   // Every panel of b ([n, k]) into dst, panel after panel, panel_size elements apart.
@@ -2166,6 +2274,23 @@ void gemm(const T* a, index_t m, index_t k, const T* b, index_t n, std::type_ide
     case detail::Path::none:
       break;
   }
+}
+
+// c[m, n] = Σ_k a[m, k] · b[k, n]: gemm with b stored the other way round, [k, n] row-major, as
+// an image's patches are (kernels/conv.hpp), with neither bias nor functions. The blocked
+// product at every size, so the result has the same bits whether m is 1 or more; b's panels
+// are packed from the rows of b, which is the only difference from gemm on bᵀ, and the sums
+// are gemm's sums in the same order. After the first call on a thread for a given size, no
+// heap allocation.
+template <class T>
+  requires gemm_supports<T>
+void gemm_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c) {
+  if (m == 0 || n == 0) return;
+  if (k == 0) {
+    std::fill_n(c, m * n, T(0));
+    return;
+  }
+  detail::with_kernels(active_isa(), [&]<class Kernels>(Kernels) { Kernels::blocked_kn(a, m, k, b, n, c); });
 }
 
 }  // namespace duet::kernels
@@ -2841,6 +2966,7 @@ void sgd_update(T* p, const T* g, T* momentum, index_t n, const SgdCoefficients<
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -3479,25 +3605,29 @@ class BasicParameter : public BasicTensor<T> {
   bool has_grad_from(std::uint64_t pass) const { return grad_pass_ == pass; }
 
   // A form of the values a kernel computes from them and keeps (the pre-packed weight of
-  // JitLevel::O2): make() runs on first use, and again whenever the values may have changed
-  // since (version(), which optimisers, set_data, checkpoint loading and any non-const access
-  // move), so a stale form is never returned. One form per parameter; safe from several
-  // threads, and a returned form outlives a concurrent remake.
+  // JitLevel::O2, the weight with a BatchNorm folded in): make() runs on first use, and again
+  // whenever the values, or any of the tensors in `also` that the form is made from too, may
+  // have changed since (version(), which optimisers, set_data, checkpoint loading and any
+  // non-const access move), so a stale form is never returned. One form per parameter; safe
+  // from several threads, and a returned form outlives a concurrent remake.
   template <class Form, class Make>
-  std::shared_ptr<const Form> derived(Make&& make) const {
+  std::shared_ptr<const Form> derived(Make&& make, std::initializer_list<const BasicTensor<T>*> also = {}) const {
     DerivedForm& d = derived_;
     std::lock_guard lock(d.mutex);
     const BasicTensor<T>& values = *this;
-    const BasicTensor<T>& seen = d.source;
-    // The same first element means the same block: d.source keeps that block from being reused.
-    const bool current = d.form != nullptr && d.type == typeid(Form) && seen.data() == values.data() &&
-                         seen.shape() == values.shape() && d.version == values.version();
+    // The same first element means the same block: the handles kept stop that block from being reused.
+    const auto same = [](const Seen& seen, const BasicTensor<T>& now) {
+      return seen.values.data() == now.data() && seen.values.shape() == now.shape() && seen.version == now.version();
+    };
+    bool current = d.form != nullptr && d.type == typeid(Form) && same(d.source, values) && d.also.size() == also.size();
+    for (std::size_t i = 0; current && i < also.size(); ++i) current = same(d.also[i], *also.begin()[i]);
     if (!current) {
       d.form.reset();  // frees the old form before the new one is made, not after
       d.form = std::make_shared<const Form>(make());
       d.type = typeid(Form);
-      d.source = values;
-      d.version = values.version();
+      d.source = {values, values.version()};
+      d.also.clear();
+      for (const BasicTensor<T>* t : also) d.also.push_back({*t, t->version()});
     }
     return std::static_pointer_cast<const Form>(d.form);
   }
@@ -3511,10 +3641,15 @@ class BasicParameter : public BasicTensor<T> {
  private:
   mutable std::uint64_t grad_pass_ = 0;
 
+  // A tensor a form was made from, as it was then.
+  struct Seen {
+    BasicTensor<T> values;  // a handle: the block cannot be reused for other values meanwhile
+    std::uint64_t version = 0;
+  };
   struct DerivedForm {
     std::mutex mutex;
-    BasicTensor<T> source;  // a handle: the block cannot be reused for other values meanwhile
-    std::uint64_t version = 0;
+    Seen source;
+    std::vector<Seen> also;
     std::type_index type = typeid(void);
     std::shared_ptr<const void> form;
 
@@ -3523,7 +3658,8 @@ class BasicParameter : public BasicTensor<T> {
     DerivedForm(DerivedForm&&) noexcept {}
     DerivedForm& operator=(DerivedForm&&) noexcept {
       form.reset();
-      source = BasicTensor<T>();
+      source = Seen{};
+      also.clear();
       return *this;
     }
     DerivedForm(const DerivedForm&) = delete;
@@ -3664,6 +3800,14 @@ struct Eigen {
       if (epilogue.bias != nullptr) add_bias(y, rows, out, epilogue.bias, y);
       map(epilogue.fns, y, rows * out, y);
     }
+  }
+
+  // c[m, n] = a[m, k] · b[k, n], all row-major: the product whose right operand is laid out
+  // as im2col lays out an image's patches (ops/conv.hpp), which dense() would need transposed.
+  template <class T>
+  static void matmul(const T* a, index_t m, index_t k, const T* b, index_t n, T* c) {
+    using Matrix = detail::RowMajorMatrix<T, dyn, dyn>;
+    ::Eigen::Map<Matrix>(c, m, n).noalias() = ::Eigen::Map<const Matrix>(a, m, k) * ::Eigen::Map<const Matrix>(b, k, n);
   }
 
   // dense() with a layer's weight, kept pre-packed from call to call where the backend has a
@@ -3902,6 +4046,12 @@ struct Native : Eigen {
     } else {
       Eigen::dense<In, Out>(x, rows, in, w, out, epilogue, y);
     }
+  }
+
+  template <class T>
+  static void matmul(const T* a, index_t m, index_t k, const T* b, index_t n, T* c) {
+    if constexpr (kernels::gemm_supports<T>) kernels::gemm_kn(a, m, k, b, n, c);
+    else Eigen::matmul(a, m, k, b, n, c);
   }
 
   // The weight is packed once per version of it (the parameter keeps the packed form), not
@@ -4684,8 +4834,11 @@ constexpr bool has_parameters() {
 
 namespace detail {
 
+// A grad_op<K> that deduces void (`if constexpr (K == 0) return ...;` with no other branch)
+// gives no gradient: it counts as missing, so the contract's check names the input.
 template <class Op, std::size_t K>
-concept has_grad_op = requires(const Op& op) { op.template grad_op<K>(); };
+concept has_grad_op = requires(const Op& op) { op.template grad_op<K>(); } &&
+                      !std::is_void_v<decltype(std::declval<const Op&>().template grad_op<K>())>;
 
 template <class Op>
 constexpr bool declares_non_differentiable() {
@@ -4763,6 +4916,19 @@ template <class Op>
 index_t view_offset(const Op& op, const Shape& input) {
   if constexpr (requires { op.view_offset(input); }) return op.view_offset(input);
   else return 0;
+}
+
+// Whether a gradient reaching a NoGradient input of type In, of an operation whose output is
+// Out, would be lost: integer labels, conditions and comparisons' outputs carry none to lose.
+// Both modes refuse the loss at run time with this message.
+template <class In, class Out>
+inline constexpr bool loses_gradient = std::is_floating_point_v<In> && std::is_floating_point_v<Out>;
+
+inline std::string lost_gradient_message(const std::string& op, std::size_t k) {
+  const std::string input = std::to_string(k);
+  return "duet::grad: " + op + " has no gradient for input " + input + " (its grad_op<" + input +
+         ">() is ops::NoGradient), but that input depends on what is differentiated: its gradient would be a "
+         "silent zero";
 }
 
 // Whether grad_op<K>() of Op gives an actual gradient, not NoGradient.
@@ -6382,6 +6548,8 @@ class OpEntry final : public ValueEntry<Out> {
       if (!tape.tracks(x)) return;
       tape.entry_of(x)->accumulate(run_grad(op_.template grad_op<K>(), g));
       parameters_written = parameters_written || K == 0;
+    } else if constexpr (loses_gradient<std::tuple_element_t<K, std::tuple<In...>>, Out>) {
+      if (tape.tracks(std::get<K>(inputs_))) throw ValueError(lost_gradient_message(op_.label(), K));
     }
   }
 
@@ -8575,7 +8743,7 @@ class Cell : public BasicDynamicCell<T> {
   // Graph capture: construct appends this cell's nodes to the graph its inputs belong to.
   // Hooks cannot run inside a graph: refused here rather than silently dropped.
   template <graph::Symbolic... S>
-    requires(sizeof...(S) >= 1 && capturable_construct<Derived>())
+    requires(sizeof...(S) >= 1 && capturable_construct<Derived>() && !NonGenericConstruct<Derived>)
   auto operator()(const S&... xs) {
     if (this->has_hooks_in_tree()) {
       throw ModeError(this->label() +
@@ -8929,6 +9097,64 @@ auto backward_inputs(const G& g, const Built& built) {
   }
 }
 
+// Whether input K of node I is an edge whose gradient a NoGradient declaration loses
+// (operation.hpp, loses_gradient).
+template <class G, std::size_t I, std::size_t K>
+constexpr bool loses_gradient_at() {
+  using N = graph::node_at<G, I>;
+  if constexpr (input_has_gradient<typename N::op_type, K>()) return false;
+  else return loses_gradient<graph::node_value_t<G, N::args[K]>, graph::node_value_t<G, I>>;
+}
+
+// Throws if a node the output's gradient reaches has an input without a gradient whose value
+// depends on what is differentiated: the tape's refusal (OpEntry::input_backward), at run
+// time, because grad_position is a run-time index and every position's backward graph is
+// compiled. Leads, extended through such inputs, says what depends on what is differentiated.
+template <auto Leads, std::size_t Out, class G>
+void refuse_lost_gradients(const G& g) {
+  static constexpr auto found = [] {
+    std::array<bool, G::size> depends = Leads;
+    bool any_lost = false;
+    graph::for_each_index<G::size>([&](auto i) {
+      constexpr std::size_t I = decltype(i)::value;
+      using N = graph::node_at<G, I>;
+      if constexpr (!graph::is_input_op_v<typename N::op_type> && DifferentiableOperation<typename N::op_type>) {
+        [&]<std::size_t... K>(std::index_sequence<K...>) {
+          const bool lost = ((loses_gradient_at<G, I, K>() && depends[N::args[K]]) || ...);
+          depends[I] = depends[I] || lost;
+          any_lost = any_lost || lost;
+        }(std::make_index_sequence<N::arity>{});
+      }
+    });
+    return std::pair{depends, any_lost};
+  }();
+  if constexpr (found.second) {
+    // Which nodes the output's gradient reaches: consumers come after producers.
+    std::array<bool, G::size> reached{};
+    reached[Out] = true;
+    graph::for_each_index<G::size>([&](auto r) {
+      constexpr std::size_t I = G::size - 1 - decltype(r)::value;
+      using N = graph::node_at<G, I>;
+      using Op = typename N::op_type;
+      if constexpr (!graph::is_input_op_v<Op> && DifferentiableOperation<Op>) {
+        if (!reached[I]) return;
+        [&]<std::size_t... K>(std::index_sequence<K...>) {
+          const auto visit = [&](auto k) {
+            constexpr std::size_t k_ = decltype(k)::value;
+            if constexpr (input_has_gradient<Op, k_>()) {
+              reached[N::args[k_]] = true;
+            } else if constexpr (loses_gradient_at<G, I, k_>()) {
+              if (found.first[N::args[k_]])
+                throw ValueError(lost_gradient_message(boost::hana::at_c<I>(g.nodes).op.label(), k_));
+            }
+          };
+          (visit(std::integral_constant<std::size_t, K>{}), ...);
+        }(std::make_index_sequence<N::arity>{});
+      }
+    });
+  }
+}
+
 // Walks forward nodes I-1, I-2, ..., 0. Grads[i] is the node holding d(output)/d(value i).
 // Capture lays nodes out in depth-first post-order from the output (graph::detail::merge_from),
 // so this is the order the tape walks its records in (Tape::backward_order): a value's
@@ -9026,6 +9252,7 @@ auto build_backward(const graph::Sym<G0, Out>& program, BasicTensor<T>*... input
   auto [built, grads_tag] =
       detail::backward_from<G::size, detail::with(none, Out, G::size), leads>(forward.graph, seeded);
   static constexpr auto grads = decltype(grads_tag)::value;
+  detail::refuse_lost_gradients<leads, Out>(forward.graph);
   // An input the output does not depend on has a zero gradient, as in MindSpore.
   auto zeros = boost::hana::make_tuple(graph::Node<ops::FillLikeOp<0>, detail::input_node<G, Wrt>()>{}...);
   constexpr std::size_t zeros_at = decltype(boost::hana::length(built))::value;
@@ -10686,7 +10913,9 @@ BasicTensor<T> initializer(const I& init, const Shape& shape) {
 // state() and set_global_step expose that state for checkpoints (duet::save_checkpoint(net,
 // path, optimizer)), which is how training resumes.
 
+#include <algorithm>
 #include <cmath>
+#include <concepts>
 #include <cstdint>
 #include <functional>
 #include <numbers>
@@ -10700,8 +10929,10 @@ BasicTensor<T> initializer(const I& init, const Shape& shape) {
 // duet/distributed.hpp provides. This header needs no MPI: a program that never includes
 // distributed.hpp has no runtime, and asking for DATA_PARALLEL without one is an error.
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <span>
 #include <string>
@@ -10756,6 +10987,19 @@ inline AutoParallelContext get_auto_parallel_context() {
 
 namespace detail {
 
+// 64-bit FNV-1a, continuing from h: what ranks compare in one collective (their networks'
+// descriptions, their first batches) is hashed first.
+inline std::uint64_t fnv1a(std::string_view bytes, std::uint64_t h = 14695981039346656037ull) {
+  for (const char c : bytes) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+  return h;
+}
+
+// A gradient a rank contributes to an all-reduce.
+struct GradientView {
+  const float* data = nullptr;  // nullptr: none this step
+  index_t size = 0;
+};
+
 // What duet/distributed.hpp implements over MPI. Every call is collective: all ranks make it,
 // in the same order, or it fails with a duet::Error after the runtime's timeout.
 class DataParallelRuntime {
@@ -10770,11 +11014,15 @@ class DataParallelRuntime {
   // Checks that every rank has parameters of the same names and shapes (ValueError naming the
   // first difference otherwise), then gives every rank rank 0's values.
   virtual void broadcast_parameters(const std::vector<nn::NamedParameter<float>>& params) = 0;
-  // Replaces the gradients backward pass `pass` left in params by their mean over the ranks,
-  // each rank weighted by `samples` (or by their sum), and loss by the samples-weighted mean of
-  // the ranks' losses. A parameter some rank's pass reached gets a gradient on every rank.
-  virtual void all_reduce_gradients(const std::vector<nn::Parameter*>& params, std::uint64_t pass, Tensor& loss,
-                                    double samples, bool mean) = 0;
+  // One step's reduction. `values` are summed over the ranks first, in one collective;
+  // values[0] is this rank's weight. Then each gradient (data nullptr: this rank has none,
+  // counted as zeros) times the weight is summed over the ranks, in buckets started in reverse
+  // order (backward's), divided by the summed weight when `mean` (zeros when that is 0), and
+  // written to write(i), for each gradient i that some rank has.
+  virtual void all_reduce_gradients(std::span<const GradientView> grads, std::span<double> values, bool mean,
+                                    const std::function<float*(std::size_t)>& write) = 0;
+  // Whether `hash` is the same on every rank.
+  virtual bool same_on_every_rank(std::uint64_t hash) = 0;
   // Each value becomes its sum over the ranks.
   virtual void all_reduce_sum(std::span<double> values) = 0;
 };
@@ -10790,6 +11038,91 @@ inline std::atomic<DataParallelRuntime*>& data_parallel_runtime() {
 inline std::uint64_t& all_reduced_backward_pass() {
   thread_local std::uint64_t pass = 0;
   return pass;
+}
+
+// The gradients distributed::GradReducer last returned on this thread, and the backward pass
+// then current: optimizer(grads) accepts them in DATA_PARALLEL until the next backward pass.
+struct ReducedGradients {
+  std::uint64_t pass = 0;
+  std::vector<const float*> data;
+};
+inline ReducedGradients& all_reduced_gradient_set() {
+  thread_local ReducedGradients set;
+  return set;
+}
+
+// What a rank's batch weighs in the global batch's loss (DATA_PARALLEL).
+struct BatchShare {
+  // Reduction::sum: the ranks' losses and gradients add up, as the one batch's would.
+  bool summed = false;
+  // Otherwise: the rows the loss averaged (those not ignored); each rank's loss and gradient
+  // count in proportion to them.
+  double counted_rows = 0;
+  // The batch's rows, by which the ranks' moving statistics are averaged.
+  double rows = 0;
+};
+
+// The label a loss leaves out (nn::CrossEntropyLoss's and nn::NLLLoss's ignore_index), if any.
+template <class Loss>
+std::optional<std::int32_t> ignored_label(const Loss& loss) {
+  if constexpr (requires { loss.options().ignore_index; }) return loss.options().ignore_index;
+  else return std::nullopt;
+}
+
+// The share of `loss` (a loss cell) over a batch of `rows` with these labels. Losses state
+// their reduction (a static member `reduction`); one that does not, such as a cell of the
+// user's own, is taken to average the batch's rows.
+template <class Loss, class Labels>
+BatchShare batch_share(const Loss& loss, const Labels& labels, index_t rows, std::string_view who) {
+  BatchShare share{.summed = false, .counted_rows = static_cast<double>(rows), .rows = static_cast<double>(rows)};
+  if constexpr (requires { Loss::reduction; }) {
+    if (Loss::reduction == Reduction::none) {
+      throw ModeError(std::string(who) + ": " + loss.label() +
+                      " has Reduction::none; combining batches (or the ranks' shares of one) needs a loss reduced "
+                      "to one number (Reduction::mean or Reduction::sum)");
+    }
+    share.summed = Loss::reduction == Reduction::sum;
+  }
+  if constexpr (std::same_as<Labels, BasicTensor<std::int32_t>>) {
+    if (const std::optional<std::int32_t> ignored = ignored_label(loss)) {
+      share.counted_rows = static_cast<double>(std::ranges::count_if(labels.values(), [&](std::int32_t l) { return l != *ignored; }));
+    }
+  }
+  return share;
+}
+
+// The reduction a data-parallel step makes, shared by nn::TrainOneStepCell and
+// distributed::GradReducer: gradients (see DataParallelRuntime::all_reduce_gradients), `loss`
+// (each element becomes the global batch's: the ranks' sum, or their mean weighted by counted
+// rows), and `buffers`, the parameters nothing trains (BatchNorm's moving statistics), which
+// become their mean over the ranks weighted by rows. Parameters equal on every rank, such as
+// frozen weights, stay exactly as they are: the sums are in double, where n * x is exact.
+// With gradients_mean the gradients are the global batch's; without, their sum over the ranks
+// (MindSpore's default).
+inline void all_reduce_step(DataParallelRuntime& runtime, std::span<const GradientView> grads,
+                            const std::function<float*(std::size_t)>& write, std::span<float> loss,
+                            const std::vector<nn::Parameter*>& buffers, const BatchShare& share, bool gradients_mean) {
+  const bool weighted = gradients_mean && !share.summed;
+  const double loss_weight = share.summed ? 1.0 : share.counted_rows;
+  // [gradient weight, loss weight, rows, weighted losses..., weighted buffers...]
+  std::vector<double> values{weighted ? share.counted_rows : 1.0, loss_weight, share.rows};
+  for (const float l : loss) values.push_back(static_cast<double>(l) * loss_weight);
+  for (const nn::Parameter* b : buffers) {
+    for (const float v : b->values()) values.push_back(static_cast<double>(v) * share.rows);
+  }
+  runtime.all_reduce_gradients(grads, values, weighted, write);
+  const double counted = values[1];
+  std::size_t k = 3;
+  for (float& l : loss) {
+    const double sum = values[k++];
+    l = static_cast<float>(share.summed ? sum : counted > 0 ? sum / counted : 0.0);
+  }
+  for (nn::Parameter* b : buffers) {
+    // Non-const data() moves the version, so what was made from the old values is made again.
+    for (float& v : b->values()) {
+      v = static_cast<float>(values[k++] / values[2]);
+    }
+  }
 }
 
 // The runtime a training step of `who` synchronises through, or nullptr when it trains alone.
@@ -10922,7 +11255,7 @@ class BasicOptimizer {
 
   // MindSpore's optimizer(grads): one gradient per parameter, in order.
   void operator()(const std::vector<BasicTensor<T>>& grads) {
-    require_all_reduced(duet::detail::current_backward_pass(), "(grads)");
+    if (!is_all_reduced_set(grads)) require_all_reduced(duet::detail::current_backward_pass(), "(grads)");
     if (grads.size() != params_.size()) {
       throw ValueError("optimizer: got " + std::to_string(grads.size()) + " gradients for " +
                        std::to_string(params_.size()) + " parameters");
@@ -10978,7 +11311,19 @@ class BasicOptimizer {
         duet::detail::all_reduced_backward_pass() != pass) {
       throw ModeError(std::string(type_name()) + call +
                       ": DATA_PARALLEL, but the gradients of the last backward pass were not all-reduced across the "
-                      "ranks; train with nn::TrainOneStepCell");
+                      "ranks; train with nn::TrainOneStepCell, or pass them through duet::distributed::GradReducer");
+    }
+  }
+
+  // Whether grads are those distributed::GradReducer returned since the last backward pass
+  // (their elements, since the vector may have been copied).
+  static bool is_all_reduced_set(const std::vector<BasicTensor<T>>& grads) {
+    if constexpr (std::same_as<T, float>) {
+      const duet::detail::ReducedGradients& set = duet::detail::all_reduced_gradient_set();
+      return set.pass == duet::detail::current_backward_pass() && !grads.empty() &&
+             std::ranges::equal(grads, set.data, [](const Tensor& g, const float* d) { return g.data() == d; });
+    } else {
+      return false;
     }
   }
 };
@@ -12551,12 +12896,14 @@ using Softplus = Activation<fn::Softplus>;    // beta 1, threshold 20
 // the gradients and the moving statistics agree bit for bit. A training step that fails after
 // the forward pass ran puts the moving statistics back (duet::detail::StepState).
 //
-// Folding into a convolution (graph mode at evaluation, issue 11): an evaluation BatchNorm is
-// the per-channel affine map y = x · scale + shift of BatchNorm::evaluation_affine(), which a
-// pass can fold into the weight and bias of the convolution before it (W'[c] = W[c] · scale[c],
-// b'[c] = b[c] · scale[c] + shift[c]) when it meets (Conv, BatchNormOp<Layer, Phase::eval>);
-// only the evaluation form has that node type, so training is never folded. The folded weight
-// can be kept as the parameters' derived() form, remade when any of them changes version().
+// Folding into a convolution (graph mode at evaluation, O1 and O2): an evaluation BatchNorm is
+// the per-channel affine map y = x · scale + shift of BatchNorm::evaluation_affine(), which
+// passes::fuse_epilogues folds into the weight and bias of the convolution before it
+// (W'[c] = W[c] · scale[c], b'[c] = b[c] · scale[c] + shift[c]) when it meets
+// (Conv, BatchNormOp<Layer, Phase::eval>): ops/conv.hpp's ConvEpilogueOp. Only the evaluation
+// form has that node type, so training is never folded. The folded weight is the conv
+// weight's derived() form, remade when the weight, the bias or any of this layer's four
+// tensors changes version().
 
 #include <algorithm>
 #include <array>
@@ -13665,7 +14012,8 @@ struct Ints {
 template <index_t... V>
 inline constexpr Ints<V...> ints{};
 
-// An end past every axis's last element: strided_slice's "to the end".
+// An end past every axis's last element, in the direction of the stride: strided_slice's "to
+// the end" (Python's omitted end, x[b::s]).
 inline constexpr index_t to_end = std::numeric_limits<index_t>::max();
 
 namespace detail {
@@ -14277,6 +14625,8 @@ struct StridedSliceOp : SlicePrimitive<StridedSliceOp<Begin, End, Strides, Check
       }
       if (b < 0) b += size;
       if (e < 0) e += size;
+      // to_end is Python's omitted end: past the last element in the stride's direction.
+      if (End::values[a] == to_end && stride < 0) e = -1;
       // Python's clamping: [0, size] walking forwards, [-1, size - 1] backwards.
       const index_t lo = stride > 0 ? 0 : -1;
       const index_t hi = stride > 0 ? size : size - 1;
@@ -14954,6 +15304,7 @@ template <bool Sparse = false, Reduction R = Reduction::none, ElementType T = fl
 class BasicSoftmaxCrossEntropyWithLogits
     : public Cell<BasicSoftmaxCrossEntropyWithLogits<Sparse, R, T>, CONTEXT_MODE, T> {
  public:
+  static constexpr Reduction reduction = R;
   template <class Z, class Labels>
   auto construct(const Z& logits, const Labels& labels) {
     return ops::softmax_cross_entropy<Sparse, R>(logits, labels);
@@ -14968,6 +15319,7 @@ using SoftmaxCrossEntropyWithLogits = BasicSoftmaxCrossEntropyWithLogits<Sparse,
 template <Reduction R = Reduction::mean, ElementType T = float>
 class BasicMSELoss : public Cell<BasicMSELoss<R, T>, CONTEXT_MODE, T> {
  public:
+  static constexpr Reduction reduction = R;
   template <class X, class Y>
   auto construct(const X& prediction, const Y& target) {
     return ops::mse<R>(prediction, target);
@@ -15452,6 +15804,7 @@ namespace nn {
 template <class Fn, Reduction R = Reduction::mean, ElementType T = float>
 class BasicPointwiseLoss : public Cell<BasicPointwiseLoss<Fn, R, T>, CONTEXT_MODE, T> {
  public:
+  static constexpr Reduction reduction = R;
   // The function's numbers, MindSpore's keyword arguments: nn::SmoothL1Loss<>({.beta = 0.5}).
   explicit BasicPointwiseLoss(Fn fn = {}) : fn_(fn) {
     if constexpr (requires { fn.validate(); }) fn.validate();
@@ -15473,7 +15826,9 @@ class BasicPointwiseLoss : public Cell<BasicPointwiseLoss<Fn, R, T>, CONTEXT_MOD
 template <bool Logits, Reduction R, ElementType T>
 class BasicClassLoss : public Cell<BasicClassLoss<Logits, R, T>, CONTEXT_MODE, T> {
  public:
+  static constexpr Reduction reduction = R;
   explicit BasicClassLoss(ops::CrossEntropyOptions options = {}) : options_(options) { options_.validate(type_name()); }
+  const ops::CrossEntropyOptions& options() const { return options_; }
   template <class X, class Labels>
   auto construct(const X& input, const Labels& labels) {
     return ops::class_loss<Logits, R>(input, labels, options_);
@@ -16004,8 +16359,9 @@ class WithLossCell
   using T = typename Backbone::value_type;
 
  public:
-  // A backbone built at run time cannot be captured into a graph, so neither can this cell.
-  static constexpr bool capturable = !RuntimeBuilt<Backbone>;
+  // A backbone built at run time, or with a construct of tensors (PyNative only), cannot be
+  // captured into a graph, so neither can this cell.
+  static constexpr bool capturable = !RuntimeBuilt<Backbone> && !NonGenericConstruct<Backbone>;
 
   WithLossCell(Backbone& backbone, Loss& loss_fn) : backbone_(backbone), loss_fn_(loss_fn) {}
 
@@ -16015,6 +16371,7 @@ class WithLossCell
   }
 
   Backbone& backbone() { return backbone_; }
+  Loss& loss_fn() { return loss_fn_; }
 
   void for_each_child(const typename BasicDynamicCell<T>::ChildVisitor& visit) override {
     visit("", backbone_);
@@ -16071,7 +16428,7 @@ class TrainOneStepCell {
     duet::detail::DataParallelRuntime* parallel = duet::detail::training_runtime("nn::TrainOneStepCell");
     if (parallel != nullptr && !parameters_broadcast_) {
       if constexpr (std::same_as<T, float>) {
-        parallel->broadcast_parameters(net_with_loss_.parameters());
+        start_data_parallel(*parallel, xs...);
       } else {
         throw ModeError("nn::TrainOneStepCell: DATA_PARALLEL trains float networks only");
       }
@@ -16080,11 +16437,7 @@ class TrainOneStepCell {
     BasicTensor<T> loss = grad_.value_and_parameter_grads(xs...);
     if constexpr (std::same_as<T, float>) {
       // Before the finiteness check: a NaN on one rank must skip the update on all of them.
-      if (parallel != nullptr) {
-        const auto samples = static_cast<double>(tensor_of(std::get<0>(std::forward_as_tuple(xs...))).dim(0));
-        parallel->all_reduce_gradients(optimizer_.parameters(), duet::detail::current_backward_pass(), loss, samples,
-                                       get_auto_parallel_context().gradients_mean);
-      }
+      if (parallel != nullptr) all_reduce(*parallel, loss, xs...);
     }
     if (!std::ranges::all_of(loss.values(), [](T v) { return std::isfinite(v); })) return loss;
     // Clipping reads the gradients backward left, the same in both modes, so both clip alike.
@@ -16109,12 +16462,70 @@ class TrainOneStepCell {
   double last_global_norm() const { return last_global_norm_; }
 
  private:
+  // The first data-parallel step: every rank gets rank 0's parameters, and a loader that gives
+  // every rank the same batches (not sharded) is refused: the ranks would repeat one another.
+  template <class... X>
+  void start_data_parallel(duet::detail::DataParallelRuntime& parallel, const X&... xs) {
+    const std::vector<NamedParameter<float>> params = net_with_loss_.parameters();
+    parallel.broadcast_parameters(params);
+    for (const auto& p : params) {
+      if (!p.parameter->requires_grad) buffers_.push_back(p.parameter);
+    }
+    std::uint64_t hash = duet::detail::fnv1a({});
+    ((hash = duet::detail::fnv1a(bytes_of(tensor_of(xs)), hash)), ...);
+    if (parallel.group_size() > 1 && parallel.same_on_every_rank(hash)) {
+      throw ValueError("nn::TrainOneStepCell: DATA_PARALLEL, but the first batch is the same on all " +
+                       std::to_string(parallel.group_size()) +
+                       " ranks, so each would train on the same data; shard the loader: data::DataLoader(dataset, "
+                       "batch, {.num_shards = duet::distributed::get_group_size(), .shard_id = "
+                       "duet::distributed::get_rank()})");
+    }
+  }
+
+  template <class E>
+  static std::string_view bytes_of(const BasicTensor<E>& t) {
+    return {reinterpret_cast<const char*>(t.data()), static_cast<std::size_t>(t.numel()) * sizeof(E)};
+  }
+
+  // The gradients backward left, the loss and the moving statistics become the global batch's.
+  template <class... X>
+  void all_reduce(duet::detail::DataParallelRuntime& parallel, BasicTensor<float>& loss, const X&... xs) {
+    if (loss.numel() != 1) {
+      throw ModeError("nn::TrainOneStepCell: DATA_PARALLEL combines the ranks' losses, which needs each reduced to "
+                      "one number; this loss has shape " + to_string(loss.shape()));
+    }
+    const auto inputs = std::forward_as_tuple(xs...);
+    const index_t rows = tensor_of(std::get<0>(inputs)).dim(0);
+    duet::detail::BatchShare share{.summed = false, .counted_rows = static_cast<double>(rows),
+                                   .rows = static_cast<double>(rows)};
+    if constexpr (requires { net_with_loss_.loss_fn(); } && sizeof...(X) == 2) {
+      share = duet::detail::batch_share(net_with_loss_.loss_fn(), tensor_of(std::get<1>(inputs)), rows,
+                                        "nn::TrainOneStepCell");
+    }
+    const std::uint64_t pass = duet::detail::current_backward_pass();
+    const std::vector<BasicParameter<float>*>& params = optimizer_.parameters();
+    std::vector<duet::detail::GradientView> grads;
+    grads.reserve(params.size());
+    for (const BasicParameter<float>* p : params) {
+      grads.push_back({p->has_grad_from(pass) ? p->grad.data() : nullptr, p->numel()});
+    }
+    duet::detail::all_reduce_step(
+        parallel, grads,
+        [&](std::size_t i) {
+          bool accumulate = false;
+          return params[i]->grad_for_write(pass, &accumulate);
+        },
+        loss.values(), buffers_, share, get_auto_parallel_context().gradients_mean);
+    duet::detail::all_reduced_backward_pass() = pass;
+  }
+
   NetWithLoss& net_with_loss_;
   GradFunction<NetWithLoss&, void> grad_;
   Optimizer& optimizer_;
   TrainOneStepConfig config_;
   double last_global_norm_ = 0;
   bool parameters_broadcast_ = false;
+  std::vector<BasicParameter<float>*> buffers_;  // parameters nothing trains: moving statistics
 };
 
 }  // namespace duet::nn
@@ -16737,45 +17148,71 @@ using duet::operator/;
 // compile-time form, since the output's static shape needs it; the run-time form keeps it in
 // the layer and its shape rule runs on it at run time (Dense's split).
 //
-// Algorithm: im2col on duet's GEMM for the forward product, Eigen's products for the two
-// gradients (kernels/conv.hpp gives the layout). Measured single-threaded in float, medians,
-// on the project's 2-core machine while other builds loaded it (load average 9 to 11, so
-// only the ratios mean much), forward of one layer, im2col + duet's GEMM / direct loops (an
-// axpy per tap over output rows) / im2col + Eigen's product:
+// Algorithm: im2col, one kernel tap to a row, and duet's packed GEMM for all three products
+// (the forward, the weight's gradient and the input's); kernels/conv.hpp gives the layout.
+// Measured single-threaded in float, medians of processor time, on the project's 2-core AMD
+// EPYC (AVX-512) while other builds loaded it (load average 11 to 14), forward of one layer,
+// im2col + duet's GEMM / direct loops (an axpy per tap over output rows) / im2col + Eigen's
+// product, with patches one pixel to a row:
 //   LeNet conv1, 1->6 5x5 pad 2, batch 64:   2.0 / 8.7 to 32 / 1.5 ms
 //   LeNet conv2, 6->16 5x5, batch 64:        1.4 / 29 to 65 / 1.6 to 1.9 ms
 //   3x3 64->64 pad 1 on 28x28, batch 32:     111 to 291 / 1096 to 3263 / 101 to 333 ms
-// Direct convolution loses even at one input channel, so there is no direct path; duet's
-// GEMM and Eigen's are within the noise of each other, and the forward takes duet's (one
-// product kernel for Dense and Conv, its per-ISA dispatch). im2col itself is a third of the
-// forward time at 64 channels: an implicit GEMM that packs patches straight into the GEMM's
-// panels would save it, and is the next step for speed.
+// Direct convolution loses even at one input channel, so there is no direct path. With
+// patches one pixel to a row, im2col and col2im took 36% of the 3x3 layer's forward+backward
+// (122 ms, Eigen's gradient products 38 ms of it). Patches one tap to a row (copies of input
+// rows) with the products on duet's GEMM (gemm_kn packing the patches' panels from their rows)
+// brought it, in the benchmark binary (benchmarks/conv.cpp, same load), to 25.9 ms forward
+// (from 37.9; libtorch 29.8, oneDNN 26.5) and 87.0 ms forward+backward (from 122.6; libtorch
+// 70.8, oneDNN 89.1), the GEMM's micro-kernel 59% of it; LeNet-5's training step at batch 64
+// to 9.5 ms (from 11.0; libtorch 12.4). What remains is the products themselves: packing the
+// patches' panels straight from the image (implicit GEMM) would save im2col's copy, a few
+// percent.
 
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 
 // The loops of a convolution around its matrix products (ops/conv.hpp runs them): im2col,
-// which lays out the input patches one output pixel to a row, col2im, which adds such rows
-// back into an image, and the products of the two gradients.
+// which lays out the input patches one kernel tap to a row, and col2im, which adds such rows
+// back into an image.
 //
 // Layout: images NCHW (a 1-D convolution is a 2-D one of height 1), the weight
 // [out, in / groups, kh, kw], so that one output channel's weights are one contiguous row of
-// depth = in / groups · kh · kw. For one sample and one group, with col[P, depth] (P output
-// pixels) its patches:
-//   forward           y[out_g, P]     = w[out_g, depth] · colᵀ       duet's GEMM (C = A · Bᵀ)
-//   backward, data    dcol[P, depth]  = dyᵀ · w,   then col2im        Eigen
-//   backward, weight  dw[out_g, depth] += dy · col                    Eigen
-// The forward product is exactly gemm's C = A · Bᵀ with both operands row-major and writes
-// NCHW directly, without a transpose; the gradients' products take a transposed operand and
-// add over the batch, which Eigen's product does in place. Patches one pixel to a row make
-// the forward product's B operand, which gemm packs in panels of rows.
+// depth = in / groups · kh · kw. For one sample and one group, with col[depth, P] (P output
+// pixels) its patches, one row per tap (c, a, b):
+//   forward           y[out_g, P]      = w[out_g, depth] · col               gemm_kn
+//   backward, weight  dw[out_g, depth] += dy[out_g, P] · colᵀ                gemm
+//   backward, data    dcol[depth, P]   = wᵀ[depth, out_g] · dy, then col2im  gemm_kn
+// All three are duet's packed GEMM (kernels/gemm.hpp, through the backend's dense() and
+// matmul()), which runs per instruction set: gemm when both operands have the sum's index
+// innermost (dy's rows and col's rows for the weight), gemm_kn when the right one has it
+// outermost (col for the forward, dy for the data), packing its panels from rows rather than
+// columns. Only wᵀ, out · depth numbers, is copied, once per call; y and dx come out NCHW.
+//
+// Why a row per tap rather than a row per pixel (the patch as a row, which gemm takes as it
+// stands in the forward): a tap's row is a strided copy of input rows, a plain copy at stride
+// 1, and col2im's adds run along the same rows; a pixel's row gathers depth scattered values.
+// Measured single-threaded (float, AVX-512, medians of CPU time on the project's 2-core
+// machine under load), the 3x3 64->64 convolution on 28x28 at batch 32 spent about 36% of a
+// forward+backward step in im2col and col2im by pixel rows (122 ms, of which Eigen's two
+// gradient products 38 ms); see ops/conv.hpp for the times with this layout. An implicit GEMM
+// (panels packed straight from the image) was not built: with this layout, im2col's copies are
+// about 8% of that step, the most it could save.
+//
+// Bits: the products are gemm's, whose instruction sets differ in the last bits (gemm.hpp), so
+// under DUET_ISA=baseline, avx2 and avx512 a convolution's gradients now differ as its forward
+// did already (Eigen's products gave every set the same gradient bits); under one set, both
+// modes run these very loops and agree bit for bit.
 
 #include <algorithm>
 
@@ -16813,37 +17250,27 @@ struct ConvProblem {
 
 namespace detail {
 
-template <class T>
-using ConvMatrix = ::Eigen::Matrix<T, ::Eigen::Dynamic, ::Eigen::Dynamic, ::Eigen::RowMajor>;
+// First o >= 0 with o · stride >= v.
+inline index_t first_multiple_at_least(index_t v, index_t stride) { return v <= 0 ? 0 : (v + stride - 1) / stride; }
 
-// f(at, i) for every element of one group's patches, in the order they are stored: `at` is
-// the element's place in col[P, depth] (output pixel, then input channel, kernel row, kernel
-// column), i the input element it reads within the group's channels ([in / groups, H, W]),
-// or -1 in the padding. In storage order, im2col writes each row of col front to back.
+// f(at, lo, hi, from) for every row of one group's patches and every output row oh in it: the
+// run of out_width values at col[at] (row (c, a, b) of col[depth, P], pixels oh · OW on) takes,
+// for ow in [lo, hi), the input element x[from + (ow - lo) · stride_w] within the group's
+// channels ([in / groups, H, W]), and lies in the padding outside [lo, hi) (lo = hi = 0 when
+// the whole input row is padding).
 template <class F>
-void for_each_tap(const ConvProblem& q, F&& f) {
+void for_each_tap_row(const ConvProblem& q, F&& f) {
   index_t at = 0;
-  for (index_t oh = 0; oh < q.out_height; ++oh) {
-    const index_t h0 = oh * q.stride_h - q.pad_top;
-    for (index_t ow = 0; ow < q.out_width; ++ow) {
-      const index_t w0 = ow * q.stride_w - q.pad_left;
-      const bool columns_inside = w0 >= 0 && w0 + (q.kernel_w - 1) * q.dilation_w < q.width;
-      for (index_t c = 0; c < q.in_per_group(); ++c) {
-        for (index_t a = 0; a < q.kernel_h; ++a) {
-          const index_t h = h0 + a * q.dilation_h;
-          if (h < 0 || h >= q.height) {
-            for (index_t b = 0; b < q.kernel_w; ++b) f(at++, index_t{-1});
-            continue;
-          }
-          const index_t row = c * q.image() + h * q.width;
-          if (columns_inside) {
-            for (index_t b = 0; b < q.kernel_w; ++b) f(at++, row + w0 + b * q.dilation_w);
-          } else {
-            for (index_t b = 0; b < q.kernel_w; ++b) {
-              const index_t w = w0 + b * q.dilation_w;
-              f(at++, w >= 0 && w < q.width ? row + w : index_t{-1});
-            }
-          }
+  for (index_t c = 0; c < q.in_per_group(); ++c) {
+    for (index_t a = 0; a < q.kernel_h; ++a) {
+      for (index_t b = 0; b < q.kernel_w; ++b) {
+        const index_t shift = b * q.dilation_w - q.pad_left;  // w = ow · stride + shift
+        const index_t lo = std::min(q.out_width, first_multiple_at_least(-shift, q.stride_w));
+        const index_t hi = std::max(lo, std::min(q.out_width, first_multiple_at_least(q.width - shift, q.stride_w)));
+        for (index_t oh = 0; oh < q.out_height; ++oh, at += q.out_width) {
+          const index_t h = oh * q.stride_h - q.pad_top + a * q.dilation_h;
+          if (h < 0 || h >= q.height) f(at, index_t{0}, index_t{0}, index_t{0});
+          else f(at, lo, hi, c * q.image() + h * q.width + lo * q.stride_w + shift);
         }
       }
     }
@@ -16852,19 +17279,42 @@ void for_each_tap(const ConvProblem& q, F&& f) {
 
 }  // namespace detail
 
-// col[P, depth] = the patches of x, one group's channels of one sample ([in / groups, H, W]),
-// zeros where a patch reaches into the padding.
+// col[depth, P] = the patches of x, one group's channels of one sample ([in / groups, H, W]):
+// row (c, a, b) holds what kernel tap (a, b) of channel c reads at every output pixel, zero
+// where it reaches into the padding. A row is a strided copy of input rows (a plain copy at
+// stride 1), which vectorises; the forward product and the weight's gradient both contract
+// over it as it stands (see the top).
 template <class T>
 void im2col(const ConvProblem& q, const T* x, T* col) {
-  detail::for_each_tap(q, [&](index_t at, index_t i) { col[at] = i < 0 ? T(0) : x[i]; });
+  detail::for_each_tap_row(q, [&](index_t at, index_t lo, index_t hi, index_t from) {
+    T* out = col + at;
+    std::fill(out, out + lo, T(0));
+    const T* in = x + from;
+    if (q.stride_w == 1) std::copy(in, in + (hi - lo), out + lo);
+    else for (index_t o = lo; o < hi; ++o) out[o] = in[(o - lo) * q.stride_w];
+    std::fill(out + hi, out + q.out_width, T(0));
+  });
 }
 
-// dx += the rows of col added back where im2col took them from.
+// dx += the rows of col[depth, P] added back where im2col took them from.
 template <class T>
 void col2im_add(const ConvProblem& q, const T* col, T* dx) {
-  detail::for_each_tap(q, [&](index_t at, index_t i) {
-    if (i >= 0) dx[i] += col[at];
+  detail::for_each_tap_row(q, [&](index_t at, index_t lo, index_t hi, index_t from) {
+    const T* in = col + at;
+    T* out = dx + from;
+    if (q.stride_w == 1) {
+      for (index_t o = lo; o < hi; ++o) out[o - lo] += in[o];
+    } else {
+      for (index_t o = lo; o < hi; ++o) out[(o - lo) * q.stride_w] += in[o];
+    }
   });
+}
+
+// to[cols, rows] = from[rows, cols]ᵀ, both row-major.
+template <class T>
+void transpose(const T* from, index_t rows, index_t cols, T* to) {
+  using M = ::Eigen::Matrix<T, ::Eigen::Dynamic, ::Eigen::Dynamic, ::Eigen::RowMajor>;
+  ::Eigen::Map<M>(to, cols, rows) = ::Eigen::Map<const M>(from, rows, cols).transpose();
 }
 
 // y[c, p] += bias[c] for the `channels` planes of `pixels` values of one sample.
@@ -16873,27 +17323,6 @@ void add_channel_bias(T* y, index_t channels, index_t pixels, const T* bias) {
   using Planes = ::Eigen::Array<T, ::Eigen::Dynamic, ::Eigen::Dynamic, ::Eigen::RowMajor>;
   ::Eigen::Map<Planes> Y(y, channels, pixels);
   Y.colwise() += ::Eigen::Map<const ::Eigen::Array<T, ::Eigen::Dynamic, 1>>(bias, channels);
-}
-
-// dcol[P, depth] = dy[out_g, P]ᵀ · w[out_g, depth]: the patches' gradient of one group.
-template <class T>
-void conv_patch_gradient(const ConvProblem& q, const T* dy, const T* w, T* dcol) {
-  using M = detail::ConvMatrix<T>;
-  const ::Eigen::Map<const M> DY(dy, q.out_per_group(), q.pixels());
-  const ::Eigen::Map<const M> W(w, q.out_per_group(), q.depth());
-  ::Eigen::Map<M>(dcol, q.pixels(), q.depth()).noalias() = DY.transpose() * W;
-}
-
-// dw[out_g, depth] (+)= dy[out_g, P] · col[P, depth]: one sample's part of a group's weight
-// gradient.
-template <class T>
-void conv_weight_gradient(const ConvProblem& q, const T* dy, const T* col, T* dw, bool accumulate) {
-  using M = detail::ConvMatrix<T>;
-  const ::Eigen::Map<const M> DY(dy, q.out_per_group(), q.pixels());
-  const ::Eigen::Map<const M> COL(col, q.pixels(), q.depth());
-  ::Eigen::Map<M> DW(dw, q.out_per_group(), q.depth());
-  if (accumulate) DW.noalias() += DY * COL;
-  else DW.noalias() = DY * COL;
 }
 
 // db[c] (+)= Σ_p dy[c, p] over the `channels` planes of one sample.
@@ -17017,18 +17446,50 @@ inline kernels::ConvProblem conv_problem(const ConvGeometry& g, const Shape& x) 
   return q;
 }
 
-// Scratch for the patches of one group of one sample: from the thread's block cache, so a
-// warm graph allocates nothing (as the GEMM's own packing buffer).
+// Scratch of `count` elements (the patches of one group of one sample, ...): from the thread's
+// block cache, so a warm graph allocates nothing (as the GEMM's own packing buffer).
 template <class T>
-T* patch_buffer(duet::detail::Storage& storage, const kernels::ConvProblem& q) {
-  storage = duet::detail::Storage(static_cast<std::size_t>(q.pixels() * q.depth()) * sizeof(T));
+T* scratch(duet::detail::Storage& storage, index_t count) {
+  storage = duet::detail::Storage(static_cast<std::size_t>(count) * sizeof(T));
   return reinterpret_cast<T*>(storage.data());
+}
+
+// y = fns(conv(x, w) + bias) for a convolution of geometry g, x and y being a's input and
+// output; bias may be null. The bias and the functions go over each sample's planes right
+// after its products, while they are still in cache: the bias is per output channel, a row
+// of the product, which the GEMM's epilogue (a bias per column) cannot take.
+template <class Backend, class T, class... Fns>
+void convolve(const ConvGeometry& g, const graph::KernelArgs& a, const T* w, const T* bias,
+              const std::tuple<Fns...>& fns) {
+  const kernels::ConvProblem q = conv_problem(g, a.in_shape());
+  const T* x = a.in<T>();
+  T* y = a.out<T>();
+  const index_t og = q.out_per_group();
+  duet::detail::Storage storage;
+  T* col = scratch<T>(storage, q.depth() * q.pixels());
+  for (index_t n = 0; n < q.batch; ++n) {
+    for (index_t gr = 0; gr < q.groups; ++gr) {
+      kernels::im2col(q, x + (n * q.in + gr * q.in_per_group()) * q.image(), col);
+      T* yg = y + (n * q.out + gr * og) * q.pixels();
+      Backend::matmul(w + gr * og * q.depth(), og, q.depth(), col, q.pixels(), yg);
+    }
+    T* yn = y + n * q.out * q.pixels();
+    if (bias != nullptr) kernels::add_channel_bias(yn, q.out, q.pixels(), bias);
+    if constexpr (sizeof...(Fns) > 0) Backend::map(fns, yn, q.out * q.pixels(), yn);
+  }
 }
 
 }  // namespace detail
 
 template <class Layer, bool InputGrad>
 struct ConvGradOp;
+template <class Layer, class Norm, class... Fns>
+struct ConvEpilogueOp;
+
+template <class C>
+inline constexpr bool is_evaluation_batchnorm_v = false;
+template <class Norm>
+inline constexpr bool is_evaluation_batchnorm_v<BatchNormOp<Norm, graph::Phase::eval>> = true;
 
 // y = conv(x, weight) + bias (when the layer has one), the layer's.
 template <class Layer>
@@ -17047,22 +17508,21 @@ struct ConvOp : Primitive<ConvOp<Layer>> {
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
-    const kernels::ConvProblem q = detail::conv_problem(layer->geometry(), a.in_shape());
-    const T* x = a.in<T>();
-    const T* w = layer->weight.data();
     const T* bias = layer->has_bias() ? layer->bias.data() : nullptr;
-    T* y = a.out<T>();
-    const index_t og = q.out_per_group();
-    duet::detail::Storage storage;
-    T* col = detail::patch_buffer<T>(storage, q);
-    for (index_t n = 0; n < q.batch; ++n) {
-      for (index_t g = 0; g < q.groups; ++g) {
-        kernels::im2col(q, x + (n * q.in + g * q.in_per_group()) * q.image(), col);
-        T* yg = y + (n * q.out + g * og) * q.pixels();
-        Backend::template dense<dyn, dyn>(w + g * og * q.depth(), og, q.depth(), col, q.pixels(), Epilogue<T>{}, yg);
-      }
-      if (bias != nullptr) kernels::add_channel_bias(y + n * q.out * q.pixels(), q.out, q.pixels(), bias);
-    }
+    detail::convolve<Backend>(layer->geometry(), a, layer->weight.data(), bias, std::tuple<>{});
+  }
+
+  // At evaluation (passes::fuse_epilogues, in a graph that is not differentiated) it takes the
+  // BatchNorm after it, folded into its weight and bias, then elementwise functions.
+  template <class C>
+  static constexpr bool accepts_epilogue = is_evaluation_batchnorm_v<C> || requires { C::elementwise_functions; };
+  template <class Norm>
+  auto absorb(const BatchNormOp<Norm, graph::Phase::eval>& next) const {
+    return ConvEpilogueOp<Layer, Norm>{layer, next.layer, {}};
+  }
+  template <class... Gs>
+  auto absorb(const MapOp<Gs...>& next) const {
+    return ConvEpilogueOp<Layer, void, Gs...>{layer, nullptr, next.fns};
   }
 
   static constexpr bool has_parameters = true;
@@ -17105,19 +17565,30 @@ struct ConvGradOp : Primitive<ConvGradOp<Layer, InputGrad>> {
     const T* x = a.in<T>(1);
     const T* w = layer->weight.data();
     const index_t og = q.out_per_group();
-    duet::detail::Storage storage;
-    T* col = detail::patch_buffer<T>(storage, q);
+    const index_t weights = og * q.depth();  // one group's
+    duet::detail::Storage col_storage, sample_storage, wt_storage;
+    T* col = detail::scratch<T>(col_storage, q.depth() * q.pixels());
+    // One sample's part of a group's weight gradient, added to those before it.
+    T* dw_sample = detail::scratch<T>(sample_storage, weights);
     T* dx = InputGrad ? a.out<T>() : nullptr;
-    if (dx != nullptr) std::fill_n(dx, q.batch * q.in * q.image(), T(0));
+    // Each group's weight as [depth, out_g], the left operand of the patches' gradient.
+    T* wt = dx != nullptr ? detail::scratch<T>(wt_storage, q.groups * weights) : nullptr;
+    if (dx != nullptr) {
+      std::fill_n(dx, q.batch * q.in * q.image(), T(0));
+      for (index_t g = 0; g < q.groups; ++g) kernels::transpose(w + g * weights, og, q.depth(), wt + g * weights);
+    }
     for (index_t n = 0; n < q.batch; ++n) {
       for (index_t g = 0; g < q.groups; ++g) {
         const T* dyg = dy + (n * q.out + g * og) * q.pixels();
         const index_t xg = (n * q.in + g * q.in_per_group()) * q.image();
+        T* dwg = dw + g * weights;
         kernels::im2col(q, x + xg, col);
-        kernels::conv_weight_gradient(q, dyg, col, dw + g * og * q.depth(), accumulate_w || n > 0);
+        const bool add = accumulate_w || n > 0;
+        Backend::template dense<dyn, dyn>(dyg, og, q.pixels(), col, q.depth(), Epilogue<T>{}, add ? dw_sample : dwg);
+        if (add) std::transform(dwg, dwg + weights, dw_sample, dwg, std::plus<T>{});
         if (dx != nullptr) {
           // col is free again: it takes the patches' gradient.
-          kernels::conv_patch_gradient(q, dyg, w + g * og * q.depth(), col);
+          Backend::matmul(wt + g * weights, q.depth(), og, dyg, q.pixels(), col);
           kernels::col2im_add(q, col, dx + xg);
         }
       }
@@ -17134,6 +17605,98 @@ struct ConvGradOp : Primitive<ConvGradOp<Layer, InputGrad>> {
     return InputGrad ? name : name + " (parameters only)";
   }
   std::string label() const { return layer->label(); }
+};
+
+// A convolution's weight and bias with the evaluation BatchNorm after it folded in, from
+// BatchNorm::evaluation_affine()'s y = x · scale + shift per channel: W'[c] = W[c] · scale[c]
+// and b'[c] = b[c] · scale[c] + shift[c], scale being gamma / sqrt(moving_variance + eps) and
+// shift beta - moving_mean · scale. They round differently from the BatchNorm's own
+// (x - mean) · scale + beta after the convolution: the folded output agrees with the unfolded
+// one within a tolerance, not bit for bit (README, "BatchNorm folding at evaluation").
+template <class T>
+struct FoldedConv {
+  BasicTensor<T> weight;
+  BasicTensor<T> bias;
+};
+
+// y = Fns(conv(x) + bias) with the BatchNorm Norm after it folded into the convolution (Norm
+// void: none), the evaluation form that fuse_epilogues makes of (Conv, BatchNorm, functions).
+// It has no gradient: only graphs that are not differentiated take it, and training graphs
+// keep the BatchNorm's training op, which no convolution absorbs.
+template <class Layer, class Norm, class... Fns>
+struct ConvEpilogueOp : Primitive<ConvEpilogueOp<Layer, Norm, Fns...>> {
+  using layer_type = Layer;
+  using value_type = typename Layer::value_type;
+  static constexpr int arity = 1;
+  static constexpr bool differentiable = false;
+  static constexpr bool folds = !std::is_void_v<Norm>;
+
+  const Layer* layer;
+  std::conditional_t<folds, Norm*, std::nullptr_t> norm;
+  std::tuple<Fns...> fns;
+  ConvEpilogueOp(const Layer* l, decltype(norm) n, std::tuple<Fns...> f) : layer(l), norm(n), fns(std::move(f)) {}
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return ConvOp<Layer>::infer_static(in); }
+  ShapeResult infer(std::span<const Shape> in) const { return ConvOp<Layer>{layer}.infer(in); }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    if constexpr (folds) {
+      // The BatchNorm's own check: a layer switched to training alone is refused, not folded stale.
+      PhaseOf<Norm, graph::Phase::eval>{norm}.check_phase();
+      const std::shared_ptr<const FoldedConv<T>> folded = fold<T>();
+      detail::convolve<Backend>(layer->geometry(), a, folded->weight.data(), folded->bias.data(), fns);
+    } else {
+      const T* bias = layer->has_bias() ? layer->bias.data() : nullptr;
+      detail::convolve<Backend>(layer->geometry(), a, layer->weight.data(), bias, fns);
+    }
+  }
+
+  template <class C>
+  static constexpr bool accepts_epilogue = requires { C::elementwise_functions; };
+  template <class... Gs>
+  auto absorb(const MapOp<Gs...>& next) const {
+    return ConvEpilogueOp<Layer, Norm, Fns..., Gs...>{layer, norm, std::tuple_cat(fns, next.fns)};
+  }
+
+  static std::string op_name() {
+    std::string s = Layer::spatial == 2 ? "Conv2d" : "Conv1d";
+    if (folds) s += " + BatchNorm(folded)";
+    ((s += " + ", s += Fns::name), ...);
+    return s;
+  }
+  std::string label() const {
+    if constexpr (folds) return layer->label() + " + " + norm->label();
+    else return layer->label();
+  }
+
+ private:
+  // The folded weight and bias, kept as the weight's derived form and made again whenever the
+  // weight, the bias or any of the BatchNorm's four tensors has been written since: after a
+  // training step, set_data or load_checkpoint the next evaluation folds the new values.
+  template <class T>
+  std::shared_ptr<const FoldedConv<T>> fold() const {
+    const Norm& bn = *norm;  // reads leave the parameters' version() alone
+    const auto& weight = layer->weight;
+    const BasicTensor<T>& bias = layer->bias;
+    return weight.template derived<FoldedConv<T>>(
+        [&] {
+          const index_t out = layer->out_channels();
+          const index_t per_channel = weight.numel() / out;
+          const auto affine = bn.evaluation_affine();
+          FoldedConv<T> f{BasicTensor<T>::uninitialized(weight.shape()), BasicTensor<T>::uninitialized({out})};
+          for (index_t c = 0; c < out; ++c) {
+            const T scale = affine.scale[static_cast<std::size_t>(c)];
+            const T* w = weight.data() + c * per_channel;
+            T* folded = f.weight.data() + c * per_channel;
+            for (index_t k = 0; k < per_channel; ++k) folded[k] = w[k] * scale;
+            const T b = layer->has_bias() ? bias.data()[c] : T(0);
+            f.bias.data()[c] = b * scale + affine.shift[static_cast<std::size_t>(c)];
+          }
+          return f;
+        },
+        {&bias, &bn.gamma, &bn.beta, &bn.moving_mean, &bn.moving_variance});
+  }
 };
 
 inline const bool conv_listed = list_operations({"Conv2d", "Conv1d"});
@@ -19482,6 +20045,7 @@ Summary summary(nn::BasicDynamicCell<T>& net, const Shape& input_shape, std::ost
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <optional>
 #include <concepts>
 #include <ostream>
 #include <ranges>
@@ -19495,16 +20059,19 @@ namespace duet::train {
 struct Metrics {
   double loss = 0;      // mean over samples
   double accuracy = 0;  // top-1, in [0, 1]
-  index_t samples = 0;
+  index_t samples = 0;  // those counted: not those whose label is the loss's ignore_index
 };
 
-// How many rows of logits [B, C] have their largest value at the row's label.
+// How many rows of logits [B, C] have their largest value at the row's label; rows labelled
+// `ignored` do not count.
 template <ElementType T>
-index_t correct_predictions(const BasicTensor<T>& logits, const BasicTensor<std::int32_t>& labels) {
+index_t correct_predictions(const BasicTensor<T>& logits, const BasicTensor<std::int32_t>& labels,
+                            std::optional<std::int32_t> ignored = std::nullopt) {
   const index_t rows = logits.dim(0);
   const index_t classes = logits.dim(1);
   index_t correct = 0;
   for (index_t r = 0; r < rows; ++r) {
+    if (labels.data()[r] == ignored) continue;
     const T* row = logits.data() + r * classes;
     index_t best = 0;
     for (index_t c = 1; c < classes; ++c) {
@@ -19547,14 +20114,17 @@ concept ClassificationLoader = std::ranges::input_range<L> && requires(std::rang
   { batch.labels } -> std::convertible_to<const BasicTensor<std::int32_t>&>;
 };
 
-// One pass over the loader (a DataLoader's current epoch): mean loss (loss_fn must reduce by
-// mean) and accuracy of net, each batch weighted by its size. A cell runs in evaluation meanwhile
+// One pass over the loader (a DataLoader's current epoch, or a temporary range): mean loss per
+// sample and accuracy of net. loss_fn reduces by mean (each batch weighs the rows it counted)
+// or sum; rows whose label is its ignore_index (nn::CrossEntropyLoss, nn::NLLLoss) count in
+// neither, as they do not in training. A loader with no sample is an error. A cell runs in evaluation meanwhile
 // (MindSpore's Model.eval sets set_train(False)): Dropout passes its input through, BatchNorm
 // uses its moving statistics and leaves them as they are; each cell's setting is restored after.
 // A sharded loader's metrics are summed over the ranks (duet/distributed.hpp), so that every
 // rank returns the whole data set's.
-template <class Net, class Loss, ClassificationLoader Loader>
-Metrics evaluate(Net& net, Loss& loss_fn, Loader& loader) {
+template <class Net, class Loss, class Loader>
+  requires ClassificationLoader<Loader>
+Metrics evaluate(Net& net, Loss& loss_fn, Loader&& loader) {
   const detail::EvaluationScope<Net> evaluation(net);
   Metrics m;
   double loss_sum = 0;
@@ -19562,10 +20132,13 @@ Metrics evaluate(Net& net, Loss& loss_fn, Loader& loader) {
   for (const auto& batch : loader) {
     const auto output = net(batch.images);
     const auto& logits = tensor_of(output);
-    const index_t n = batch.labels.numel();
-    loss_sum += static_cast<double>(loss_fn(logits, batch.labels).item()) * static_cast<double>(n);
-    correct += correct_predictions(logits, batch.labels);
-    m.samples += n;
+    const BasicTensor<std::int32_t>& labels = batch.labels;
+    const duet::detail::BatchShare share =
+        duet::detail::batch_share(loss_fn, labels, labels.numel(), "duet::train::evaluate");
+    const auto loss = static_cast<double>(loss_fn(logits, labels).item());
+    loss_sum += share.summed ? loss : loss * share.counted_rows;
+    correct += correct_predictions(logits, labels, duet::detail::ignored_label(loss_fn));
+    m.samples += static_cast<index_t>(share.counted_rows);
   }
   if constexpr (requires { loader.options().num_shards; }) {
     if (loader.options().num_shards > 1) {
@@ -19582,16 +20155,19 @@ Metrics evaluate(Net& net, Loss& loss_fn, Loader& loader) {
       m.samples = static_cast<index_t>(sums[2]);
     }
   }
-  if (m.samples > 0) {
-    m.loss = loss_sum / static_cast<double>(m.samples);
-    m.accuracy = static_cast<double>(correct) / static_cast<double>(m.samples);
+  // Loss 0 and accuracy 0 would read as a result.
+  if (m.samples == 0) {
+    throw ValueError("duet::train::evaluate: the loader gave no sample to evaluate (an empty data set or epoch, or "
+                     "every label is the loss's ignore_index)");
   }
+  m.loss = loss_sum / static_cast<double>(m.samples);
+  m.accuracy = static_cast<double>(correct) / static_cast<double>(m.samples);
   return m;
 }
 
 // Anything else: one error that says what a loader is, rather than a failed constraint.
 template <class Net, class Loss, class Loader>
-Metrics evaluate(Net&, Loss&, Loader&) {
+Metrics evaluate(Net&, Loss&, Loader&&) {
   static_assert(ClassificationLoader<Loader>,
                 "duet::train::evaluate: the loader must be a range of batches with .images (the network's input) "
                 "and .labels (BasicTensor<std::int32_t>), see duet::train::ClassificationLoader");
