@@ -2,9 +2,9 @@
 // function eagerly under a trace (trace.hpp); the trace is then optimised as the jit level
 // says, as graph mode's passes do (O1: each op takes the ops after it as its epilogue by its
 // own rules, a product its bias into its kernel and then activations, an elementwise op the
-// functions after it; O2: products also keep their weights packed between calls), and planned (intermediate values in
-// reused slots of one arena), and later calls replay it: one call per step, no virtual cell
-// dispatch, no hooks to look up, no allocation once warm.
+// functions after it; O2: products also keep their weights packed between calls), and planned
+// (intermediate values in reused slots of one arena), and later calls replay it: one call per
+// step, no virtual cell dispatch, no hooks to look up, no allocation once warm.
 //
 // What a trace cannot hold is a graph break: a function that makes its result from something
 // no duet operation computed runs eagerly on every call instead. Control flow that depends on
@@ -32,9 +32,9 @@ namespace duet::pijit {
 // A step and the elementwise steps its op takes as epilogue (Step::takes_functions), run one
 // after the other on one buffer: the functions in place on the step's output, so the values in
 // between are never stored apart and no slot holds them. Each runs its own kernel, the one
-// PyNative runs: the bits are PyNative's and graph mode's, whose products run such functions
-// as a pass over their finished output too (backend::Native::dense), and one step of a chain
-// of epilogue types is compiled for no pair of ops.
+// PyNative runs, so the bits are PyNative's, and graph mode's, whose fused products run such
+// functions over their finished output too (backend::Native::dense; ReLU, exact in any layout,
+// in registers). It is one class for every op and function: nothing is compiled per pair.
 class EpilogueChain final : public Step {
  public:
   // `next` taken into `head` (which may already be a chain); it alone read head's value.

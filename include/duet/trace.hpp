@@ -78,17 +78,10 @@ class Step {
   virtual EpilogueRole as_epilogue() const { return {}; }
   // This step with `next` (writing `output`) taken into its own kernel, when its op takes it
   // so (a product its layer's bias); null otherwise.
-  virtual std::unique_ptr<Step> absorb(const EpilogueRole& next, std::size_t output) const {
-    (void)next;
-    (void)output;
-    return nullptr;
-  }
+  virtual std::unique_ptr<Step> absorb(const EpilogueRole& /*next*/, std::size_t /*output*/) const { return nullptr; }
   // Whether its op takes elementwise functions (of the role's kind) as epilogue, which then run
   // in place on its output (pijit.hpp's EpilogueChain).
-  virtual bool takes_functions(bool parameterless) const {
-    (void)parameterless;
-    return false;
-  }
+  virtual bool takes_functions(bool /*parameterless*/) const { return false; }
   // This step reading its weight packed between calls (JitLevel::O2), if it has a weight.
   virtual std::unique_ptr<Step> with_packed_weight() const = 0;
   virtual bool is_view() const = 0;
@@ -132,8 +125,8 @@ class OpStep final : public Step {
     if constexpr (graph::runs_kernel<Op>()) run_kernel(data, values);
   }
 
-  // The layer's own bias add, if the op's rule takes it; a bias add of another layer never
-  // follows a product directly in a trace, but the layer is compared all the same.
+  // The layer's own bias add, if the op's rule takes it: the rule names the type, and two
+  // layers may share one, so the layer is compared too.
   std::unique_ptr<Step> absorb(const EpilogueRole& next, std::size_t output) const override {
     if constexpr (requires { typename Op::layer_type::value_type; }) {
       using Bias = ops::BiasAddOp<typename Op::layer_type>;
