@@ -1,6 +1,9 @@
 // jit: results equal to PyNative at every level and execution mode, and every caching rule.
 #include "support.hpp"
 
+#include "../examples/custom_operation.hpp"
+
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <sstream>
@@ -246,6 +249,151 @@ TEST_CASE("PIJit traces a network built at run time, replays it, and re-traces o
   net[1].register_forward_hook([&](const nn::DynamicCell&, const Tensor&, const Tensor&) { ++calls; });
   f(randn({3, 3, 4}, 9));
   CHECK(calls == 1);
+}
+
+namespace {
+// The last compile log line of the jitted function `name`.
+std::string log_line_of(const std::string& name) {
+  const auto log = jit_compile_log();
+  const auto it = std::find_if(log.rbegin(), log.rend(), [&](const std::string& l) { return l.rfind(name + ":", 0) == 0; });
+  REQUIRE(it != log.rend());
+  return *it;
+}
+
+// A user's elementwise function, x / (1 + |x|), differentiated from its input: nothing of
+// duet's names it, yet products take it as epilogue by its kind, as they take GELU.
+struct Softsign {
+  static constexpr std::string_view name = "Softsign";
+  static constexpr bool grad_from_input = true;
+  template <class A>
+  static auto array(const A& a) {
+    using S = typename A::Scalar;
+    return a / (S(1) + a.abs());
+  }
+  template <class G, class X>
+  static auto grad_array(const G& dy, const X& x) {
+    using S = typename X::Scalar;
+    return dy / (S(1) + x.abs()).square();
+  }
+};
+
+// The same layers as a cell, for graph mode's compiled form: sized at run time too, since a
+// product of sizes known at compile time runs other kernels, with other bits.
+template <class Act>
+struct DenseAct : nn::Cell<DenseAct<Act>> {
+  nn::Dense<> fc1{12, 10};
+  Act act;
+  nn::Dense<> fc2{10, 4};
+  DUET_CELL_MEMBERS(fc1, act, fc2);
+  auto construct(auto x) { return fc2(act(fc1(x))); }
+};
+
+template <class Act>
+nn::DynamicSequentialCell dense_act_network() {
+  set_seed(21);
+  nn::DynamicSequentialCell net;
+  net.append(nn::Dense<>(12, 10));
+  net.append(Act{});
+  net.append(nn::Dense<>(10, 4));
+  return net;
+}
+
+// Dense, Act, Dense built at run time: PIJit at O1 and O2 replays MatMul + BiasAdd + Act as
+// one step, with the bits of PyNative and of graph mode (the same layers as a cell), forward;
+// a traced training step (O1) fuses Act where its gradient reads the output the fused step
+// writes, and gives PyNative's and graph mode's loss and gradients.
+template <class Act>
+void check_fused_activation(const std::string& name, bool grad_from_output) {
+  CAPTURE(name);
+  ModeGuard guard;
+  auto net = dense_act_network<Act>();
+  set_seed(21);
+  DenseAct<Act> cell;
+  for (std::size_t i = 0; i < 4; ++i) {
+    REQUIRE(duet_test::values_of(*cell.parameters()[i].parameter) == duet_test::values_of(*net.parameters()[i].parameter));
+  }
+  const Tensor x = randn({13, 12}, 30);  // 13 rows: a tail after the vectors of every width
+  set_context({.mode = PYNATIVE_MODE});
+  const auto expected = duet_test::values_of(net(x));
+  set_context({.mode = GRAPH_MODE});
+  CHECK(duet_test::values_of(cell(x)) == expected);
+  set_context({.mode = PYNATIVE_MODE});
+  auto o1 = jit<JitConfig{.jit_level = O1}>([&](const Tensor& v) { return net(v); }, {.mode = JitMode::PIJit, .name = "o1 " + name});
+  auto o2 = jit<JitConfig{.jit_level = O2}>([&](const Tensor& v) { return net(v); }, {.mode = JitMode::PIJit, .name = "o2 " + name});
+  for (int call = 0; call < 3; ++call) {  // the trace, then replays
+    CHECK(duet_test::values_of(o1(x)) == expected);
+    CHECK(duet_test::values_of(o2(x)) == expected);
+  }
+  CHECK(log_line_of("o1 " + name) == "o1 " + name + ": compile #1: first call (traced 5 operations, replays 2 steps: MatMul + BiasAdd + " + name + "; MatMul + BiasAdd)");
+  CHECK(log_line_of("o2 " + name) == "o2 " + name + ": compile #1: first call (traced 5 operations, replays 2 steps: PackedMatMul + BiasAdd + " + name + "; PackedMatMul + BiasAdd)");
+
+  nn::MSELoss<> loss;
+  nn::WithLossCell traced_loss(net, loss);
+  nn::WithLossCell graph_loss(cell, loss);
+  const Tensor target = randn({13, 4}, 32);
+  const auto pynative = value_and_grad(traced_loss, net.parameters())(x, target);
+  set_context({.mode = GRAPH_MODE});
+  const auto graph = value_and_grad(graph_loss, cell.parameters())(x, target);
+  const std::size_t log_before = jit_compile_log().size();
+  auto traced = value_and_grad(traced_loss, net.parameters());
+  for (int call = 0; call < 2; ++call) {  // the trace, then its replay
+    const auto got = traced(x, target);
+    CHECK(got.value.item() == pynative.value.item());
+    CHECK(got.value.item() == graph.value.item());
+    REQUIRE(got.grads.size() == 4);
+    for (std::size_t i = 0; i < got.grads.size(); ++i) {
+      CAPTURE(i);
+      CHECK(duet_test::values_of(got.grads[i]) == duet_test::values_of(pynative.grads[i]));
+      CHECK(duet_test::values_of(got.grads[i]) == duet_test::values_of(graph.grads[i]));
+    }
+  }
+  const auto log = jit_compile_log();
+  REQUIRE(log.size() == log_before + 1);
+  // A gradient read off the input reads the bias add's value, which then stays a value.
+  CHECK(log.back().find(grad_from_output ? "MatMul + BiasAdd + " + name + ";" : "MatMul + BiasAdd; " + name + ";") !=
+        std::string::npos);
+}
+}  // namespace
+
+TEST_CASE("PIJit fuses each activation into the product before it by the product's own rule, bit for bit") {
+  check_fused_activation<nn::GELU>("GELU(tanh)", false);
+  check_fused_activation<nn::GELUExact>("GELU(erf)", false);
+  check_fused_activation<nn::Sigmoid>("Sigmoid", true);
+  check_fused_activation<nn::Tanh>("Tanh", true);
+  check_fused_activation<nn::ReLU>("ReLU", true);
+  check_fused_activation<nn::SiLU>("SiLU", false);
+  check_fused_activation<nn::Activation<Softsign>>("Softsign", false);
+}
+
+TEST_CASE("PIJit: an op without an epilogue rule, or whose rule refuses, stays a step, with PyNative's bits") {
+  ModeGuard guard;
+  set_context({.mode = PYNATIVE_MODE});
+  set_seed(22);
+  nn::Dense<> dense(12, 10);
+  const Tensor x = randn({13, 12}, 33);
+  const Tensor b = randn({10}, 34);
+  const auto check = [&](const std::string& name, auto f, const std::string& steps) {
+    CAPTURE(name);
+    auto jitted = jit(f, {.mode = JitMode::PIJit, .name = name});
+    for (int call = 0; call < 2; ++call) CHECK(duet_test::values_of(jitted(x)) == duet_test::values_of(f(x)));
+    CHECK(log_line_of(name).find("steps: " + steps + ")") != std::string::npos);
+  };
+  // Softmax is no elementwise function: no product takes it.
+  check("softmax", [&](const Tensor& v) { return ops::softmax(dense(v)); }, "MatMul + BiasAdd; Softmax");
+  // Multiplying by a number has no epilogue rule: the ReLU after it runs on its own.
+  check("scalar", [&](const Tensor& v) { return ops::relu(v * 2.0f); }, "Mul(x, scalar); ReLU");
+  // The README's user-written gate takes a function without parameters, as duet's binary ops
+  // do, and refuses LeakyReLU, whose alpha it could not keep.
+  check("gate", [&](const Tensor& v) { return ops::tanh(custom::gate(dense(v), b)); }, "MatMul + BiasAdd; Gate + Tanh");
+  check("gate leaky", [&](const Tensor& v) { return ops::leaky_relu(custom::gate(dense(v), b), 0.1); },
+        "MatMul + BiasAdd; Gate; LeakyReLU");
+  // A value another step reads too is kept.
+  check("twice", [&](const Tensor& v) {
+    const Tensor y = dense(v);
+    return ops::sigmoid(y) * y;
+  }, "MatMul + BiasAdd; Sigmoid; Mul");
+  // Functions after functions: the product takes each in turn.
+  check("chain", [&](const Tensor& v) { return ops::exp(ops::leaky_relu(dense(v), 0.1)); }, "MatMul + BiasAdd + LeakyReLU + Exp");
 }
 
 TEST_CASE("PIJit: a function whose result no duet operation made runs eagerly, correctly") {

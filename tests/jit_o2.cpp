@@ -111,7 +111,7 @@ TEST_CASE("PIJit follows jit_level: O0 replays each traced operation, O1 fuses, 
   const auto line = [&](const std::string& name) {
     return *std::find_if(log.rbegin(), log.rend(), [&](const std::string& l) { return l.rfind(name + ":", 0) == 0; });
   };
-  CHECK(line("o0") == "o0: compile #1: first call (traced 5 operations, replays 5 steps)");
-  CHECK(line("o1") == "o1: compile #1: first call (traced 5 operations, replays 2 steps)");
-  CHECK(line("o2") == "o2: compile #1: first call (traced 5 operations, replays 2 steps)");
+  CHECK(line("o0") == "o0: compile #1: first call (traced 5 operations, replays 5 steps: MatMul; BiasAdd; ReLU; MatMul; BiasAdd)");
+  CHECK(line("o1") == "o1: compile #1: first call (traced 5 operations, replays 2 steps: MatMul + BiasAdd + ReLU; MatMul + BiasAdd)");
+  CHECK(line("o2") == "o2: compile #1: first call (traced 5 operations, replays 2 steps: PackedMatMul + BiasAdd + ReLU; PackedMatMul + BiasAdd)");
 }

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <string>
 #include <tuple>
+#include <type_traits>
 
 #include <Eigen/Core>
 #if !EIGEN_VERSION_AT_LEAST(3, 4, 0)
@@ -361,6 +362,9 @@ struct Native : Eigen {
   template <class... Fns, class T>
   static void map(const std::tuple<Fns...>& fns, const T* x, index_t n, T* y) {
     if constexpr (kernels::gemm_supports<T, Fns...>) kernels::map<Fns...>(x, n, y);
+    // Functions without parameters are made afresh: GCC 12 takes a copy of an empty tuple (a
+    // fused product's epilogue) for uninitialised memory (-Wmaybe-uninitialized).
+    else if constexpr ((std::is_empty_v<Fns> && ...)) Eigen::map<Fns...>(x, n, y);
     else Eigen::map(fns, x, n, y);
   }
   template <class... Fns, class T>

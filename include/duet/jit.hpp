@@ -402,7 +402,7 @@ class JitFunction {
     if (broken.empty()) {
       replay = std::make_shared<pijit::Replay>(std::move(trace), out, Config.jit_level);
       note = "traced " + std::to_string(replay->traced_steps()) + " operations, replays " +
-             std::to_string(replay->steps()) + " steps";
+             std::to_string(replay->steps()) + " steps: " + replay->step_names();
     }
     compile(cache, s, std::move(replay), note);
     return Result(y);

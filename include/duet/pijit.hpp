@@ -1,9 +1,10 @@
 // PIJit: jit for networks built at run time. The first call with given input shapes runs the
 // function eagerly under a trace (trace.hpp); the trace is then optimised as the jit level
-// says, as graph mode's passes do (O1: each product takes its bias and ReLU as epilogue; O2:
-// products also keep their weights packed between calls), and planned (intermediate values in
-// reused slots of one arena), and later calls replay it: one call per step, no virtual cell
-// dispatch, no hooks to look up, no allocation once warm.
+// says, as graph mode's passes do (O1: each op takes the ops after it as its epilogue by its
+// own rules, a product its bias into its kernel and then activations, an elementwise op the
+// functions after it; O2: products also keep their weights packed between calls), and planned
+// (intermediate values in reused slots of one arena), and later calls replay it: one call per
+// step, no virtual cell dispatch, no hooks to look up, no allocation once warm.
 //
 // What a trace cannot hold is a graph break: a function that makes its result from something
 // no duet operation computed runs eagerly on every call instead. Control flow that depends on
@@ -28,6 +29,66 @@
 
 namespace duet::pijit {
 
+// A step and the elementwise steps its op takes as epilogue (Step::takes_functions), run one
+// after the other on one buffer: the functions in place on the step's output, so the values in
+// between are never stored apart and no slot holds them. Each runs its own kernel, the one
+// PyNative runs, so the bits are PyNative's, and graph mode's, whose fused products run such
+// functions over their finished output too (backend::Native::dense; ReLU, exact in any layout,
+// in registers). It is one class for every op and function: nothing is compiled per pair.
+class EpilogueChain final : public Step {
+ public:
+  // `next` taken into `head` (which may already be a chain); it alone read head's value.
+  static std::unique_ptr<Step> append(std::unique_ptr<Step> head, std::unique_ptr<Step> next) {
+    auto* chain = dynamic_cast<EpilogueChain*>(head.get());
+    if (chain == nullptr) {
+      auto made = std::make_unique<EpilogueChain>(std::move(head), std::vector<std::shared_ptr<Step>>{});
+      chain = made.get();
+      head = std::move(made);
+    }
+    chain->tail_.push_back(std::move(next));
+    chain->write_to(chain->tail_.back()->output);
+    return head;
+  }
+
+  EpilogueChain(std::unique_ptr<Step> head, std::vector<std::shared_ptr<Step>> tail)
+      : head_(std::move(head)), tail_(std::move(tail)) {
+    inputs = head_->inputs;
+    write_to(tail_.empty() ? head_->output : tail_.back()->output);
+  }
+
+  void run(void* const* data, const std::vector<Value>& values) const override {
+    head_->run(data, values);
+    for (const auto& t : tail_) t->run(data, values);
+  }
+  // The fused op takes more functions as the head's op does; a bias only before functions.
+  bool takes_functions(bool parameterless) const override { return head_->takes_functions(parameterless); }
+  std::unique_ptr<Step> with_packed_weight() const override {
+    auto packed = head_->with_packed_weight();
+    if (packed == nullptr) return nullptr;
+    return std::make_unique<EpilogueChain>(std::move(packed), tail_);
+  }
+  bool is_view() const override { return false; }
+  bool runs_kernel() const override { return true; }
+  std::string op_name() const override {
+    std::string name = head_->op_name();
+    for (const auto& t : tail_) name += " + " + t->op_name();
+    return name;
+  }
+  std::string label() const override { return head_->label(); }
+
+ private:
+  // Every part writes value v, the chain's output, and the functions read it.
+  void write_to(std::size_t v) {
+    output = v;
+    head_->output = v;
+    for (const auto& t : tail_) t->inputs[0] = t->output = v;
+  }
+
+  std::unique_ptr<Step> head_;
+  // Shared, so that a chain with its head's weight packed (O2) is made without copying steps.
+  std::vector<std::shared_ptr<Step>> tail_;
+};
+
 // A trace made ready to run again: fused, with its memory laid out.
 class Replay {
  public:
@@ -47,6 +108,14 @@ class Replay {
 
   std::size_t traced_steps() const { return traced_steps_; }
   std::size_t steps() const { return steps_.size(); }
+
+  // The steps a call runs, by name ("MatMul + BiasAdd + GELU(tanh); MatMul + BiasAdd"): what
+  // fusion made of the trace, for the compile log.
+  std::string step_names() const {
+    std::string names;
+    for (const auto& step : steps_) names += (names.empty() ? "" : "; ") + step->op_name();
+    return names;
+  }
 
   // Whether a cell the trace went through has a hook now: the replay would skip it, so the
   // caller runs the function eagerly instead and the hook runs.
@@ -85,8 +154,11 @@ class Replay {
   }
 
  private:
-  // A product followed by its bias add, then a ReLU, becomes one step when nothing else reads
-  // the values in between.
+  // A unary step becomes part of the step before it when it alone reads that step's value and
+  // that step's op takes it as epilogue, by its own rules (graph mode's fuse_epilogues asks the
+  // same ones): a product its bias into its kernel, then activations; an elementwise op the
+  // functions after it. A training step's trace keeps each value its gradient steps read, since
+  // they are readers too, so the rules are those of a graph that is not differentiated.
   void fuse() {
     std::vector<std::size_t> readers(values_.size(), 0);
     for (const auto& s : steps_) {
@@ -98,8 +170,13 @@ class Replay {
       if (!fused.empty()) {
         const Step& last = *fused.back();
         if (step->inputs.size() == 1 && step->inputs[0] == last.output && readers[last.output] == 1) {
-          if (auto merged = last.absorb(*step)) {
+          const EpilogueRole role = step->as_epilogue();
+          if (auto merged = last.absorb(role, step->output)) {
             fused.back() = std::move(merged);
+            continue;
+          }
+          if (role.kind == EpilogueRole::Kind::functions && last.takes_functions(role.parameterless)) {
+            fused.back() = EpilogueChain::append(std::move(fused.back()), std::move(step));
             continue;
           }
         }

@@ -23,10 +23,9 @@
 namespace duet {
 namespace fn {
 struct Relu;
+struct LeakyRelu;
 }  // namespace fn
 namespace ops {
-template <class Layer, bool Bias, class... Fns>
-struct MatMulOp;
 template <class Layer>
 struct BiasAddOp;
 template <class... Fns>
@@ -58,10 +57,16 @@ struct Value {
   const void* data = nullptr;          // Kind::constant
 };
 
-// What a step would be as the epilogue of a product, for fusion after the trace.
-struct EpilogueInfo {
-  enum class Kind : unsigned char { none, bias, relu };
+// What a step is as the epilogue of the step before it, for fusion after the trace (pijit.hpp).
+// A trace holds its steps behind this interface, and no code sees a producer's type and its
+// consumer's together, so each step states once what kind of epilogue its op would be, and the
+// producer's own rule (accepts_epilogue) is asked about that kind: the rules read a consumer's
+// kind (its layer's bias; elementwise functions, with parameters or without), never which
+// functions it runs. Nothing is compiled per pair of op types.
+struct EpilogueRole {
+  enum class Kind : unsigned char { none, bias, functions };
   Kind kind = Kind::none;
+  bool parameterless = false;   // Kind::functions: none holds a parameter (LeakyReLU's alpha)
   const void* layer = nullptr;  // Kind::bias: whose bias
 };
 
@@ -70,11 +75,15 @@ class Step {
   virtual ~Step() = default;
   // data[v] is value v's memory; views are resolved before.
   virtual void run(void* const* data, const std::vector<Value>& values) const = 0;
-  // This step followed by `next` as one step, when this step can take it as its epilogue.
-  virtual std::unique_ptr<Step> absorb(const Step& next) const = 0;
+  virtual EpilogueRole as_epilogue() const { return {}; }
+  // This step with `next` (writing `output`) taken into its own kernel, when its op takes it
+  // so (a product its layer's bias); null otherwise.
+  virtual std::unique_ptr<Step> absorb(const EpilogueRole& /*next*/, std::size_t /*output*/) const { return nullptr; }
+  // Whether its op takes elementwise functions (of the role's kind) as epilogue, which then run
+  // in place on its output (pijit.hpp's EpilogueChain).
+  virtual bool takes_functions(bool /*parameterless*/) const { return false; }
   // This step reading its weight packed between calls (JitLevel::O2), if it has a weight.
   virtual std::unique_ptr<Step> with_packed_weight() const = 0;
-  virtual EpilogueInfo as_epilogue() const = 0;
   virtual bool is_view() const = 0;
   virtual bool runs_kernel() const = 0;
   // What graph_ir prints for it: the operation's name, and who runs it (empty if nobody else).
@@ -98,9 +107,13 @@ std::unique_ptr<Step> fused(const Op& op, const Step& from, std::size_t output) 
 }
 
 template <class X>
-inline constexpr bool is_matmul_v = false;
-template <class L, bool B, class... Fns>
-inline constexpr bool is_matmul_v<ops::MatMulOp<L, B, Fns...>> = true;
+inline constexpr bool is_bias_add_v = false;
+template <class L>
+inline constexpr bool is_bias_add_v<ops::BiasAddOp<L>> = true;
+
+// Op's own epilogue rule, asked of consumer C.
+template <class Op, class C>
+inline constexpr bool accepts_epilogue = requires { requires Op::template accepts_epilogue<C>; };
 }  // namespace detail
 
 template <class Op, class T>
@@ -112,28 +125,27 @@ class OpStep final : public Step {
     if constexpr (graph::runs_kernel<Op>()) run_kernel(data, values);
   }
 
-  // A product takes its layer's bias (when the layer has one) and then a ReLU, as the graph
-  // passes fuse them.
-  std::unique_ptr<Step> absorb(const Step& next) const override {
-    if constexpr (detail::is_matmul_v<Op>) {
-      using L = typename Op::layer_type;
-      const EpilogueInfo e = next.as_epilogue();
-      if (e.kind == EpilogueInfo::Kind::bias && e.layer == op_.layer) {
-        if constexpr (std::is_same_v<Op, ops::MatMulOp<L, false>> && L::has_bias) {
-          return detail::fused<ops::MatMulOp<L, true>, T>({op_.layer}, *this, next.output);
+  // The layer's own bias add, if the op's rule takes it: the rule names the type, and two
+  // layers may share one, so the layer is compared too.
+  std::unique_ptr<Step> absorb(const EpilogueRole& next, std::size_t output) const override {
+    if constexpr (requires { typename Op::layer_type::value_type; }) {
+      using Bias = ops::BiasAddOp<typename Op::layer_type>;
+      if constexpr (detail::accepts_epilogue<Op, Bias>) {
+        if (next.kind == EpilogueRole::Kind::bias && next.layer == op_.layer) {
+          const auto with_bias = op_.absorb(Bias{op_.layer});
+          return detail::fused<std::remove_cvref_t<decltype(with_bias)>, T>(with_bias, *this, output);
         }
       }
-      if (e.kind == EpilogueInfo::Kind::relu) {
-        if constexpr (std::is_same_v<Op, ops::MatMulOp<L, true>>) {
-          return detail::fused<ops::MatMulOp<L, true, fn::Relu>, T>({op_.layer}, *this, next.output);
-        } else if constexpr (std::is_same_v<Op, ops::MatMulOp<L, false>> && !L::has_bias) {
-          return detail::fused<ops::MatMulOp<L, false, fn::Relu>, T>({op_.layer}, *this, next.output);
-        }
-      }
-    } else {
-      (void)next;
     }
+    (void)next;
+    (void)output;
     return nullptr;
+  }
+
+  // A one-function MapOp of the kind asked stands for any: the rules read only the kind.
+  bool takes_functions(bool parameterless) const override {
+    return parameterless ? detail::accepts_epilogue<Op, ops::MapOp<fn::Relu>>
+                         : detail::accepts_epilogue<Op, ops::MapOp<fn::LeakyRelu>>;
   }
 
   std::unique_ptr<Step> with_packed_weight() const override {
@@ -144,12 +156,11 @@ class OpStep final : public Step {
     }
   }
 
-  EpilogueInfo as_epilogue() const override {
-    if constexpr (std::is_same_v<Op, ops::MapOp<fn::Relu>>) {
-      return {EpilogueInfo::Kind::relu, nullptr};
-    } else if constexpr (requires { op_.layer; } && !detail::is_matmul_v<Op>) {
-      if constexpr (std::is_same_v<Op, ops::BiasAddOp<typename Op::layer_type>>) return {EpilogueInfo::Kind::bias, op_.layer};
-      else return {};
+  EpilogueRole as_epilogue() const override {
+    if constexpr (requires { Op::elementwise_functions; }) {
+      return {EpilogueRole::Kind::functions, Op::parameterless, nullptr};
+    } else if constexpr (detail::is_bias_add_v<Op>) {
+      return {EpilogueRole::Kind::bias, false, op_.layer};
     } else {
       return {};
     }
@@ -179,9 +190,7 @@ class OpStep final : public Step {
 class BackwardPassStep final : public Step {
  public:
   void run(void* const*, const std::vector<Value>&) const override { duet::detail::begin_backward_pass(); }
-  std::unique_ptr<Step> absorb(const Step&) const override { return nullptr; }
   std::unique_ptr<Step> with_packed_weight() const override { return nullptr; }
-  EpilogueInfo as_epilogue() const override { return {}; }
   bool is_view() const override { return false; }
   bool runs_kernel() const override { return true; }
   std::string op_name() const override { return "BeginBackwardPass"; }
