@@ -130,6 +130,14 @@ auto make_graph(const Nodes& nodes) {
       nodes, [](const auto&... n) { return Graph<std::remove_cvref_t<decltype(n)>...>{hana::make_tuple(n...)}; });
 }
 
+// G with node appended: the larger graph made straight from G's nodes, without the tuple
+// hana::append would build on the way (an append per captured operation, each as long as the
+// graph so far).
+template <class... Nodes, class New>
+Graph<Nodes..., New> with_node(const Graph<Nodes...>& g, const New& node) {
+  return hana::unpack(g.nodes, [&node](const auto&... n) { return Graph<Nodes..., New>{hana::make_tuple(n..., node)}; });
+}
+
 // The element type of the value an op makes from inputs whose first has type First.
 template <class Op, class First>
 constexpr auto op_value_type() {
@@ -582,7 +590,7 @@ template <class Op, class G, std::size_t Out>
 auto append(const Op& op, const Sym<G, Out>& x) {
   static_cast<void>(sizeof(diagnostic::check_operation<Op>));
   if constexpr (reports_faults<G>()) diagnostic::report_static_fault<Op, Sym<G, Out>>();
-  auto g = make_graph(hana::append(x.graph.nodes, Node<Op, Out>{op}));
+  auto g = with_node(x.graph, Node<Op, Out>{op});
   std::array<std::uint64_t, G::size + 1> ids{};
   std::copy(x.ids.begin(), x.ids.end(), ids.begin());
   ids[G::size] = new_node_id();
@@ -618,7 +626,7 @@ auto append(const Op& op, const Sym<G0, O0>& x0, const Rest&... rest) {
   auto [merged, outs] = detail::merge_all(x0.graph, ids, std::index_sequence<O0>{}, rest...);
   // merged is passed, not captured: clang 14 cannot capture a structured binding.
   auto g = [&op]<class M, std::size_t... Args>(const M& m, std::index_sequence<Args...>) {
-    return make_graph(hana::append(m.nodes, Node<Op, Args...>{op}));
+    return with_node(m, Node<Op, Args...>{op});
   }(merged, decltype(outs){});
   ids.ids.push_back(new_node_id());
   return Sym<decltype(g), decltype(merged)::size>{g, ids.id_array<decltype(g)::size>(), ids.ambiguity};
