@@ -53,8 +53,10 @@ struct Node {
 };
 
 // Node N's shape rule applied to its inputs' shapes, taken from the shapes of the nodes before it.
-template <class N, std::size_t Count>
-constexpr ShapeResult static_rule(const std::array<Shape, Count>& shapes) {
+// A span, not the graph's array: every graph captured on the way to a network has its own
+// size, and the rule of each node is instantiated once, not once per graph it is in.
+template <class N>
+constexpr ShapeResult static_rule(std::span<const Shape> shapes) {
   std::array<Shape, N::arity> in{};
   for (std::size_t k = 0; k < N::arity; ++k) in[k] = shapes[N::args[k]];
   return N::op_type::infer_static(in);
@@ -68,17 +70,59 @@ constexpr std::array<Shape, sizeof...(Nodes)> infer_static_shapes() {
   return shapes;
 }
 
+template <class Op>
+inline constexpr bool declares_value_type = requires { typename Op::value_type; };
+
+template <class N>
+constexpr std::size_t first_argument() {
+  if constexpr (N::arity == 0)
+    return 0;
+  else
+    return N::args[0];
+}
+
+// For each node, the node whose operation declares its element type: itself, or (an operation
+// that keeps its input's type) its first input's source. An array computed once per graph: the
+// type recursion it replaces ran back through the graph for every captured value, and a network
+// of n nodes is captured through n graphs.
+template <class... Nodes>
+constexpr std::array<std::size_t, sizeof...(Nodes)> value_type_sources() {
+  constexpr std::array<bool, sizeof...(Nodes)> declares{declares_value_type<typename Nodes::op_type>...};
+  constexpr std::array<std::size_t, sizeof...(Nodes)> first{first_argument<Nodes>()...};
+  std::array<std::size_t, sizeof...(Nodes)> source{};
+  for (std::size_t i = 0; i < sizeof...(Nodes); ++i) source[i] = declares[i] ? i : source[first[i]];
+  return source;
+}
+
+namespace detail {
+// Node lookup by index without a tuple access: Graph::node_table derives from indexed<I, Node>
+// for each node, and select<I> finds the one base with that I by overload resolution, where
+// hana::at_c instantiates an accessor per graph and index.
+template <std::size_t I, class T>
+struct indexed {
+  using type = T;
+};
+template <class Indices, class... Ts>
+struct index_table;
+template <std::size_t... I, class... Ts>
+struct index_table<std::index_sequence<I...>, Ts...> : indexed<I, Ts>... {};
+template <std::size_t I, class T>
+indexed<I, T> select(const indexed<I, T>&);
+}  // namespace detail
+
 template <class... Nodes>
 struct Graph {
   static constexpr std::size_t size = sizeof...(Nodes);
   // Shape inference: every node's output shape as far as compile time knows it.
   static constexpr std::array<Shape, size> shapes = infer_static_shapes<Nodes...>();
+  static constexpr std::array<std::size_t, size> value_type_source = value_type_sources<Nodes...>();
   using nodes_type = hana::tuple<Nodes...>;
+  using node_table = detail::index_table<std::index_sequence_for<Nodes...>, Nodes...>;
   nodes_type nodes;
 };
 
 template <class G, std::size_t I>
-using node_at = std::remove_cvref_t<decltype(hana::at_c<I>(std::declval<typename G::nodes_type&>()))>;
+using node_at = typename decltype(detail::select<I>(std::declval<const typename G::node_table&>()))::type;
 
 template <class Nodes>
 auto make_graph(const Nodes& nodes) {
@@ -86,10 +130,18 @@ auto make_graph(const Nodes& nodes) {
       nodes, [](const auto&... n) { return Graph<std::remove_cvref_t<decltype(n)>...>{hana::make_tuple(n...)}; });
 }
 
+// G with node appended: the larger graph made straight from G's nodes, without the tuple
+// hana::append would build on the way (an append per captured operation, each as long as the
+// graph so far).
+template <class... Nodes, class New>
+Graph<Nodes..., New> with_node(const Graph<Nodes...>& g, const New& node) {
+  return hana::unpack(g.nodes, [&node](const auto&... n) { return Graph<Nodes..., New>{hana::make_tuple(n..., node)}; });
+}
+
 // The element type of the value an op makes from inputs whose first has type First.
 template <class Op, class First>
 constexpr auto op_value_type() {
-  if constexpr (requires { typename Op::value_type; })
+  if constexpr (declares_value_type<Op>)
     return std::type_identity<typename Op::value_type>{};
   else
     return std::type_identity<First>{};
@@ -97,18 +149,9 @@ constexpr auto op_value_type() {
 template <class Op, class First>
 using op_value_t = typename decltype(op_value_type<Op, First>())::type;
 
-template <class G, std::size_t I>
-constexpr auto node_value_type() {
-  using N = node_at<G, I>;
-  if constexpr (N::arity == 0)
-    return std::type_identity<typename N::op_type::value_type>{};
-  else
-    return std::type_identity<
-        op_value_t<typename N::op_type, typename decltype(node_value_type<G, N::args[0]>())::type>>{};
-}
 // The element type of node I's value.
 template <class G, std::size_t I>
-using node_value_t = typename decltype(node_value_type<G, I>())::type;
+using node_value_t = typename node_at<G, G::value_type_source[I]>::op_type::value_type;
 
 // A symbolic tensor: the value of node Out of graph G.
 template <class>
@@ -547,7 +590,7 @@ template <class Op, class G, std::size_t Out>
 auto append(const Op& op, const Sym<G, Out>& x) {
   static_cast<void>(sizeof(diagnostic::check_operation<Op>));
   if constexpr (reports_faults<G>()) diagnostic::report_static_fault<Op, Sym<G, Out>>();
-  auto g = make_graph(hana::append(x.graph.nodes, Node<Op, Out>{op}));
+  auto g = with_node(x.graph, Node<Op, Out>{op});
   std::array<std::uint64_t, G::size + 1> ids{};
   std::copy(x.ids.begin(), x.ids.end(), ids.begin());
   ids[G::size] = new_node_id();
@@ -583,7 +626,7 @@ auto append(const Op& op, const Sym<G0, O0>& x0, const Rest&... rest) {
   auto [merged, outs] = detail::merge_all(x0.graph, ids, std::index_sequence<O0>{}, rest...);
   // merged is passed, not captured: clang 14 cannot capture a structured binding.
   auto g = [&op]<class M, std::size_t... Args>(const M& m, std::index_sequence<Args...>) {
-    return make_graph(hana::append(m.nodes, Node<Op, Args...>{op}));
+    return with_node(m, Node<Op, Args...>{op});
   }(merged, decltype(outs){});
   ids.ids.push_back(new_node_id());
   return Sym<decltype(g), decltype(merged)::size>{g, ids.id_array<decltype(g)::size>(), ids.ambiguity};
