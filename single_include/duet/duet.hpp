@@ -41,6 +41,7 @@
 #include <cmath>
 #include <string>
 #include <tuple>
+#include <type_traits>
 
 #include <Eigen/Core>
 #if !EIGEN_VERSION_AT_LEAST(3, 4, 0)
@@ -4028,6 +4029,9 @@ struct Native : Eigen {
   template <class... Fns, class T>
   static void map(const std::tuple<Fns...>& fns, const T* x, index_t n, T* y) {
     if constexpr (kernels::gemm_supports<T, Fns...>) kernels::map<Fns...>(x, n, y);
+    // Functions without parameters are made afresh: GCC 12 takes a copy of an empty tuple (a
+    // fused product's epilogue) for uninitialised memory (-Wmaybe-uninitialized).
+    else if constexpr ((std::is_empty_v<Fns> && ...)) Eigen::map<Fns...>(x, n, y);
     else Eigen::map(fns, x, n, y);
   }
   template <class... Fns, class T>
@@ -4962,8 +4966,10 @@ struct Node {
 };
 
 // Node N's shape rule applied to its inputs' shapes, taken from the shapes of the nodes before it.
-template <class N, std::size_t Count>
-constexpr ShapeResult static_rule(const std::array<Shape, Count>& shapes) {
+// A span, not the graph's array: every graph captured on the way to a network has its own
+// size, and the rule of each node is instantiated once, not once per graph it is in.
+template <class N>
+constexpr ShapeResult static_rule(std::span<const Shape> shapes) {
   std::array<Shape, N::arity> in{};
   for (std::size_t k = 0; k < N::arity; ++k) in[k] = shapes[N::args[k]];
   return N::op_type::infer_static(in);
@@ -4977,17 +4983,59 @@ constexpr std::array<Shape, sizeof...(Nodes)> infer_static_shapes() {
   return shapes;
 }
 
+template <class Op>
+inline constexpr bool declares_value_type = requires { typename Op::value_type; };
+
+template <class N>
+constexpr std::size_t first_argument() {
+  if constexpr (N::arity == 0)
+    return 0;
+  else
+    return N::args[0];
+}
+
+// For each node, the node whose operation declares its element type: itself, or (an operation
+// that keeps its input's type) its first input's source. An array computed once per graph: the
+// type recursion it replaces ran back through the graph for every captured value, and a network
+// of n nodes is captured through n graphs.
+template <class... Nodes>
+constexpr std::array<std::size_t, sizeof...(Nodes)> value_type_sources() {
+  constexpr std::array<bool, sizeof...(Nodes)> declares{declares_value_type<typename Nodes::op_type>...};
+  constexpr std::array<std::size_t, sizeof...(Nodes)> first{first_argument<Nodes>()...};
+  std::array<std::size_t, sizeof...(Nodes)> source{};
+  for (std::size_t i = 0; i < sizeof...(Nodes); ++i) source[i] = declares[i] ? i : source[first[i]];
+  return source;
+}
+
+namespace detail {
+// Node lookup by index without a tuple access: Graph::node_table derives from indexed<I, Node>
+// for each node, and select<I> finds the one base with that I by overload resolution, where
+// hana::at_c instantiates an accessor per graph and index.
+template <std::size_t I, class T>
+struct indexed {
+  using type = T;
+};
+template <class Indices, class... Ts>
+struct index_table;
+template <std::size_t... I, class... Ts>
+struct index_table<std::index_sequence<I...>, Ts...> : indexed<I, Ts>... {};
+template <std::size_t I, class T>
+indexed<I, T> select(const indexed<I, T>&);
+}  // namespace detail
+
 template <class... Nodes>
 struct Graph {
   static constexpr std::size_t size = sizeof...(Nodes);
   // Shape inference: every node's output shape as far as compile time knows it.
   static constexpr std::array<Shape, size> shapes = infer_static_shapes<Nodes...>();
+  static constexpr std::array<std::size_t, size> value_type_source = value_type_sources<Nodes...>();
   using nodes_type = hana::tuple<Nodes...>;
+  using node_table = detail::index_table<std::index_sequence_for<Nodes...>, Nodes...>;
   nodes_type nodes;
 };
 
 template <class G, std::size_t I>
-using node_at = std::remove_cvref_t<decltype(hana::at_c<I>(std::declval<typename G::nodes_type&>()))>;
+using node_at = typename decltype(detail::select<I>(std::declval<const typename G::node_table&>()))::type;
 
 template <class Nodes>
 auto make_graph(const Nodes& nodes) {
@@ -4995,10 +5043,18 @@ auto make_graph(const Nodes& nodes) {
       nodes, [](const auto&... n) { return Graph<std::remove_cvref_t<decltype(n)>...>{hana::make_tuple(n...)}; });
 }
 
+// G with node appended: the larger graph made straight from G's nodes, without the tuple
+// hana::append would build on the way (an append per captured operation, each as long as the
+// graph so far).
+template <class... Nodes, class New>
+Graph<Nodes..., New> with_node(const Graph<Nodes...>& g, const New& node) {
+  return hana::unpack(g.nodes, [&node](const auto&... n) { return Graph<Nodes..., New>{hana::make_tuple(n..., node)}; });
+}
+
 // The element type of the value an op makes from inputs whose first has type First.
 template <class Op, class First>
 constexpr auto op_value_type() {
-  if constexpr (requires { typename Op::value_type; })
+  if constexpr (declares_value_type<Op>)
     return std::type_identity<typename Op::value_type>{};
   else
     return std::type_identity<First>{};
@@ -5006,18 +5062,9 @@ constexpr auto op_value_type() {
 template <class Op, class First>
 using op_value_t = typename decltype(op_value_type<Op, First>())::type;
 
-template <class G, std::size_t I>
-constexpr auto node_value_type() {
-  using N = node_at<G, I>;
-  if constexpr (N::arity == 0)
-    return std::type_identity<typename N::op_type::value_type>{};
-  else
-    return std::type_identity<
-        op_value_t<typename N::op_type, typename decltype(node_value_type<G, N::args[0]>())::type>>{};
-}
 // The element type of node I's value.
 template <class G, std::size_t I>
-using node_value_t = typename decltype(node_value_type<G, I>())::type;
+using node_value_t = typename node_at<G, G::value_type_source[I]>::op_type::value_type;
 
 // A symbolic tensor: the value of node Out of graph G.
 template <class>
@@ -5456,7 +5503,7 @@ template <class Op, class G, std::size_t Out>
 auto append(const Op& op, const Sym<G, Out>& x) {
   static_cast<void>(sizeof(diagnostic::check_operation<Op>));
   if constexpr (reports_faults<G>()) diagnostic::report_static_fault<Op, Sym<G, Out>>();
-  auto g = make_graph(hana::append(x.graph.nodes, Node<Op, Out>{op}));
+  auto g = with_node(x.graph, Node<Op, Out>{op});
   std::array<std::uint64_t, G::size + 1> ids{};
   std::copy(x.ids.begin(), x.ids.end(), ids.begin());
   ids[G::size] = new_node_id();
@@ -5492,7 +5539,7 @@ auto append(const Op& op, const Sym<G0, O0>& x0, const Rest&... rest) {
   auto [merged, outs] = detail::merge_all(x0.graph, ids, std::index_sequence<O0>{}, rest...);
   // merged is passed, not captured: clang 14 cannot capture a structured binding.
   auto g = [&op]<class M, std::size_t... Args>(const M& m, std::index_sequence<Args...>) {
-    return make_graph(hana::append(m.nodes, Node<Op, Args...>{op}));
+    return with_node(m, Node<Op, Args...>{op});
   }(merged, decltype(outs){});
   ids.ids.push_back(new_node_id());
   return Sym<decltype(g), decltype(merged)::size>{g, ids.id_array<decltype(g)::size>(), ids.ambiguity};
@@ -6009,10 +6056,9 @@ auto parameter(const nn::BasicParameter<T>& p) {
 namespace duet {
 namespace fn {
 struct Relu;
+struct LeakyRelu;
 }  // namespace fn
 namespace ops {
-template <class Layer, bool Bias, class... Fns>
-struct MatMulOp;
 template <class Layer>
 struct BiasAddOp;
 template <class... Fns>
@@ -6044,10 +6090,16 @@ struct Value {
   const void* data = nullptr;          // Kind::constant
 };
 
-// What a step would be as the epilogue of a product, for fusion after the trace.
-struct EpilogueInfo {
-  enum class Kind : unsigned char { none, bias, relu };
+// What a step is as the epilogue of the step before it, for fusion after the trace (pijit.hpp).
+// A trace holds its steps behind this interface, and no code sees a producer's type and its
+// consumer's together, so each step states once what kind of epilogue its op would be, and the
+// producer's own rule (accepts_epilogue) is asked about that kind: the rules read a consumer's
+// kind (its layer's bias; elementwise functions, with parameters or without), never which
+// functions it runs. Nothing is compiled per pair of op types.
+struct EpilogueRole {
+  enum class Kind : unsigned char { none, bias, functions };
   Kind kind = Kind::none;
+  bool parameterless = false;   // Kind::functions: none holds a parameter (LeakyReLU's alpha)
   const void* layer = nullptr;  // Kind::bias: whose bias
 };
 
@@ -6056,11 +6108,15 @@ class Step {
   virtual ~Step() = default;
   // data[v] is value v's memory; views are resolved before.
   virtual void run(void* const* data, const std::vector<Value>& values) const = 0;
-  // This step followed by `next` as one step, when this step can take it as its epilogue.
-  virtual std::unique_ptr<Step> absorb(const Step& next) const = 0;
+  virtual EpilogueRole as_epilogue() const { return {}; }
+  // This step with `next` (writing `output`) taken into its own kernel, when its op takes it
+  // so (a product its layer's bias); null otherwise.
+  virtual std::unique_ptr<Step> absorb(const EpilogueRole& /*next*/, std::size_t /*output*/) const { return nullptr; }
+  // Whether its op takes elementwise functions (of the role's kind) as epilogue, which then run
+  // in place on its output (pijit.hpp's EpilogueChain).
+  virtual bool takes_functions(bool /*parameterless*/) const { return false; }
   // This step reading its weight packed between calls (JitLevel::O2), if it has a weight.
   virtual std::unique_ptr<Step> with_packed_weight() const = 0;
-  virtual EpilogueInfo as_epilogue() const = 0;
   virtual bool is_view() const = 0;
   virtual bool runs_kernel() const = 0;
   // What graph_ir prints for it: the operation's name, and who runs it (empty if nobody else).
@@ -6084,9 +6140,13 @@ std::unique_ptr<Step> fused(const Op& op, const Step& from, std::size_t output) 
 }
 
 template <class X>
-inline constexpr bool is_matmul_v = false;
-template <class L, bool B, class... Fns>
-inline constexpr bool is_matmul_v<ops::MatMulOp<L, B, Fns...>> = true;
+inline constexpr bool is_bias_add_v = false;
+template <class L>
+inline constexpr bool is_bias_add_v<ops::BiasAddOp<L>> = true;
+
+// Op's own epilogue rule, asked of consumer C.
+template <class Op, class C>
+inline constexpr bool accepts_epilogue = requires { requires Op::template accepts_epilogue<C>; };
 }  // namespace detail
 
 template <class Op, class T>
@@ -6098,28 +6158,27 @@ class OpStep final : public Step {
     if constexpr (graph::runs_kernel<Op>()) run_kernel(data, values);
   }
 
-  // A product takes its layer's bias (when the layer has one) and then a ReLU, as the graph
-  // passes fuse them.
-  std::unique_ptr<Step> absorb(const Step& next) const override {
-    if constexpr (detail::is_matmul_v<Op>) {
-      using L = typename Op::layer_type;
-      const EpilogueInfo e = next.as_epilogue();
-      if (e.kind == EpilogueInfo::Kind::bias && e.layer == op_.layer) {
-        if constexpr (std::is_same_v<Op, ops::MatMulOp<L, false>> && L::has_bias) {
-          return detail::fused<ops::MatMulOp<L, true>, T>({op_.layer}, *this, next.output);
+  // The layer's own bias add, if the op's rule takes it: the rule names the type, and two
+  // layers may share one, so the layer is compared too.
+  std::unique_ptr<Step> absorb(const EpilogueRole& next, std::size_t output) const override {
+    if constexpr (requires { typename Op::layer_type::value_type; }) {
+      using Bias = ops::BiasAddOp<typename Op::layer_type>;
+      if constexpr (detail::accepts_epilogue<Op, Bias>) {
+        if (next.kind == EpilogueRole::Kind::bias && next.layer == op_.layer) {
+          const auto with_bias = op_.absorb(Bias{op_.layer});
+          return detail::fused<std::remove_cvref_t<decltype(with_bias)>, T>(with_bias, *this, output);
         }
       }
-      if (e.kind == EpilogueInfo::Kind::relu) {
-        if constexpr (std::is_same_v<Op, ops::MatMulOp<L, true>>) {
-          return detail::fused<ops::MatMulOp<L, true, fn::Relu>, T>({op_.layer}, *this, next.output);
-        } else if constexpr (std::is_same_v<Op, ops::MatMulOp<L, false>> && !L::has_bias) {
-          return detail::fused<ops::MatMulOp<L, false, fn::Relu>, T>({op_.layer}, *this, next.output);
-        }
-      }
-    } else {
-      (void)next;
     }
+    (void)next;
+    (void)output;
     return nullptr;
+  }
+
+  // A one-function MapOp of the kind asked stands for any: the rules read only the kind.
+  bool takes_functions(bool parameterless) const override {
+    return parameterless ? detail::accepts_epilogue<Op, ops::MapOp<fn::Relu>>
+                         : detail::accepts_epilogue<Op, ops::MapOp<fn::LeakyRelu>>;
   }
 
   std::unique_ptr<Step> with_packed_weight() const override {
@@ -6130,12 +6189,11 @@ class OpStep final : public Step {
     }
   }
 
-  EpilogueInfo as_epilogue() const override {
-    if constexpr (std::is_same_v<Op, ops::MapOp<fn::Relu>>) {
-      return {EpilogueInfo::Kind::relu, nullptr};
-    } else if constexpr (requires { op_.layer; } && !detail::is_matmul_v<Op>) {
-      if constexpr (std::is_same_v<Op, ops::BiasAddOp<typename Op::layer_type>>) return {EpilogueInfo::Kind::bias, op_.layer};
-      else return {};
+  EpilogueRole as_epilogue() const override {
+    if constexpr (requires { Op::elementwise_functions; }) {
+      return {EpilogueRole::Kind::functions, Op::parameterless, nullptr};
+    } else if constexpr (detail::is_bias_add_v<Op>) {
+      return {EpilogueRole::Kind::bias, false, op_.layer};
     } else {
       return {};
     }
@@ -6165,9 +6223,7 @@ class OpStep final : public Step {
 class BackwardPassStep final : public Step {
  public:
   void run(void* const*, const std::vector<Value>&) const override { duet::detail::begin_backward_pass(); }
-  std::unique_ptr<Step> absorb(const Step&) const override { return nullptr; }
   std::unique_ptr<Step> with_packed_weight() const override { return nullptr; }
-  EpilogueInfo as_epilogue() const override { return {}; }
   bool is_view() const override { return false; }
   bool runs_kernel() const override { return true; }
   std::string op_name() const override { return "BeginBackwardPass"; }
@@ -7550,10 +7606,11 @@ auto optimize(const graph::Sym<G, Out>& program) {
 }  // namespace duet::passes
 // PIJit: jit for networks built at run time. The first call with given input shapes runs the
 // function eagerly under a trace (trace.hpp); the trace is then optimised as the jit level
-// says, as graph mode's passes do (O1: each product takes its bias and ReLU as epilogue; O2:
-// products also keep their weights packed between calls), and planned (intermediate values in
-// reused slots of one arena), and later calls replay it: one call per step, no virtual cell
-// dispatch, no hooks to look up, no allocation once warm.
+// says, as graph mode's passes do (O1: each op takes the ops after it as its epilogue by its
+// own rules, a product its bias into its kernel and then activations, an elementwise op the
+// functions after it; O2: products also keep their weights packed between calls), and planned
+// (intermediate values in reused slots of one arena), and later calls replay it: one call per
+// step, no virtual cell dispatch, no hooks to look up, no allocation once warm.
 //
 // What a trace cannot hold is a graph break: a function that makes its result from something
 // no duet operation computed runs eagerly on every call instead. Control flow that depends on
@@ -7571,6 +7628,66 @@ auto optimize(const graph::Sym<G, Out>& program) {
 
 
 namespace duet::pijit {
+
+// A step and the elementwise steps its op takes as epilogue (Step::takes_functions), run one
+// after the other on one buffer: the functions in place on the step's output, so the values in
+// between are never stored apart and no slot holds them. Each runs its own kernel, the one
+// PyNative runs, so the bits are PyNative's, and graph mode's, whose fused products run such
+// functions over their finished output too (backend::Native::dense; ReLU, exact in any layout,
+// in registers). It is one class for every op and function: nothing is compiled per pair.
+class EpilogueChain final : public Step {
+ public:
+  // `next` taken into `head` (which may already be a chain); it alone read head's value.
+  static std::unique_ptr<Step> append(std::unique_ptr<Step> head, std::unique_ptr<Step> next) {
+    auto* chain = dynamic_cast<EpilogueChain*>(head.get());
+    if (chain == nullptr) {
+      auto made = std::make_unique<EpilogueChain>(std::move(head), std::vector<std::shared_ptr<Step>>{});
+      chain = made.get();
+      head = std::move(made);
+    }
+    chain->tail_.push_back(std::move(next));
+    chain->write_to(chain->tail_.back()->output);
+    return head;
+  }
+
+  EpilogueChain(std::unique_ptr<Step> head, std::vector<std::shared_ptr<Step>> tail)
+      : head_(std::move(head)), tail_(std::move(tail)) {
+    inputs = head_->inputs;
+    write_to(tail_.empty() ? head_->output : tail_.back()->output);
+  }
+
+  void run(void* const* data, const std::vector<Value>& values) const override {
+    head_->run(data, values);
+    for (const auto& t : tail_) t->run(data, values);
+  }
+  // The fused op takes more functions as the head's op does; a bias only before functions.
+  bool takes_functions(bool parameterless) const override { return head_->takes_functions(parameterless); }
+  std::unique_ptr<Step> with_packed_weight() const override {
+    auto packed = head_->with_packed_weight();
+    if (packed == nullptr) return nullptr;
+    return std::make_unique<EpilogueChain>(std::move(packed), tail_);
+  }
+  bool is_view() const override { return false; }
+  bool runs_kernel() const override { return true; }
+  std::string op_name() const override {
+    std::string name = head_->op_name();
+    for (const auto& t : tail_) name += " + " + t->op_name();
+    return name;
+  }
+  std::string label() const override { return head_->label(); }
+
+ private:
+  // Every part writes value v, the chain's output, and the functions read it.
+  void write_to(std::size_t v) {
+    output = v;
+    head_->output = v;
+    for (const auto& t : tail_) t->inputs[0] = t->output = v;
+  }
+
+  std::unique_ptr<Step> head_;
+  // Shared, so that a chain with its head's weight packed (O2) is made without copying steps.
+  std::vector<std::shared_ptr<Step>> tail_;
+};
 
 // A trace made ready to run again: fused, with its memory laid out.
 class Replay {
@@ -7591,6 +7708,14 @@ class Replay {
 
   std::size_t traced_steps() const { return traced_steps_; }
   std::size_t steps() const { return steps_.size(); }
+
+  // The steps a call runs, by name ("MatMul + BiasAdd + GELU(tanh); MatMul + BiasAdd"): what
+  // fusion made of the trace, for the compile log.
+  std::string step_names() const {
+    std::string names;
+    for (const auto& step : steps_) names += (names.empty() ? "" : "; ") + step->op_name();
+    return names;
+  }
 
   // Whether a cell the trace went through has a hook now: the replay would skip it, so the
   // caller runs the function eagerly instead and the hook runs.
@@ -7629,8 +7754,11 @@ class Replay {
   }
 
  private:
-  // A product followed by its bias add, then a ReLU, becomes one step when nothing else reads
-  // the values in between.
+  // A unary step becomes part of the step before it when it alone reads that step's value and
+  // that step's op takes it as epilogue, by its own rules (graph mode's fuse_epilogues asks the
+  // same ones): a product its bias into its kernel, then activations; an elementwise op the
+  // functions after it. A training step's trace keeps each value its gradient steps read, since
+  // they are readers too, so the rules are those of a graph that is not differentiated.
   void fuse() {
     std::vector<std::size_t> readers(values_.size(), 0);
     for (const auto& s : steps_) {
@@ -7642,8 +7770,13 @@ class Replay {
       if (!fused.empty()) {
         const Step& last = *fused.back();
         if (step->inputs.size() == 1 && step->inputs[0] == last.output && readers[last.output] == 1) {
-          if (auto merged = last.absorb(*step)) {
+          const EpilogueRole role = step->as_epilogue();
+          if (auto merged = last.absorb(role, step->output)) {
             fused.back() = std::move(merged);
+            continue;
+          }
+          if (role.kind == EpilogueRole::Kind::functions && last.takes_functions(role.parameterless)) {
+            fused.back() = EpilogueChain::append(std::move(fused.back()), std::move(step));
             continue;
           }
         }
@@ -8174,7 +8307,7 @@ class JitFunction {
     if (broken.empty()) {
       replay = std::make_shared<pijit::Replay>(std::move(trace), out, Config.jit_level);
       note = "traced " + std::to_string(replay->traced_steps()) + " operations, replays " +
-             std::to_string(replay->steps()) + " steps";
+             std::to_string(replay->steps()) + " steps: " + replay->step_names();
     }
     compile(cache, s, std::move(replay), note);
     return Result(y);
