@@ -472,7 +472,7 @@ class Cell : public BasicDynamicCell<T> {
   // Graph capture: construct appends this cell's nodes to the graph its inputs belong to.
   // Hooks cannot run inside a graph: refused here rather than silently dropped.
   template <graph::Symbolic... S>
-    requires(sizeof...(S) >= 1 && capturable_construct<Derived>() && !NonGenericConstruct<Derived>)
+    requires(sizeof...(S) >= 1 && capturable_construct<Derived>())
   auto operator()(const S&... xs) {
     if (this->has_hooks_in_tree()) {
       throw ModeError(this->label() +

@@ -8876,7 +8876,7 @@ class Cell : public BasicDynamicCell<T> {
   // Graph capture: construct appends this cell's nodes to the graph its inputs belong to.
   // Hooks cannot run inside a graph: refused here rather than silently dropped.
   template <graph::Symbolic... S>
-    requires(sizeof...(S) >= 1 && capturable_construct<Derived>() && !NonGenericConstruct<Derived>)
+    requires(sizeof...(S) >= 1 && capturable_construct<Derived>())
   auto operator()(const S&... xs) {
     if (this->has_hooks_in_tree()) {
       throw ModeError(this->label() +
@@ -16492,9 +16492,8 @@ class WithLossCell
   using T = typename Backbone::value_type;
 
  public:
-  // A backbone built at run time, or with a construct of tensors (PyNative only), cannot be
-  // captured into a graph, so neither can this cell.
-  static constexpr bool capturable = !RuntimeBuilt<Backbone> && !NonGenericConstruct<Backbone>;
+  // A backbone built at run time cannot be captured into a graph, so neither can this cell.
+  static constexpr bool capturable = !RuntimeBuilt<Backbone>;
 
   WithLossCell(Backbone& backbone, Loss& loss_fn) : backbone_(backbone), loss_fn_(loss_fn) {}
 
