@@ -132,6 +132,38 @@ TEST_CASE("a network of fixed mode trains in that mode, whatever the context") {
   for (std::size_t i = 0; i < eager.size(); ++i) CHECK(graph[i] == doctest::Approx(eager[i]).epsilon(1e-4));
 }
 
+// The README's non-generic construct, accepted in a Cell<Net, PYNATIVE_MODE> only.
+struct OfTensors : nn::Cell<OfTensors, PYNATIVE_MODE> {
+  nn::Dense<3, 2> fc;
+  DUET_CELL_MEMBERS(fc);
+  Tensor construct(const Tensor& x) { return fc(x); }
+};
+struct Generic : nn::Cell<Generic, PYNATIVE_MODE> {
+  nn::Dense<3, 2> fc;
+  DUET_CELL_MEMBERS(fc);
+  auto construct(auto x) { return fc(x); }
+};
+
+TEST_CASE("a PyNative cell whose construct takes tensors trains, as its generic twin does") {
+  const auto losses = [](auto& net) {
+    nn::MSELoss<> loss;
+    nn::WithLossCell with_loss(net, loss);
+    nn::SGD sgd(net.parameters(), {.learning_rate = 0.1});
+    nn::TrainOneStepCell step(with_loss, sgd);
+    std::vector<float> out;
+    for (int i = 0; i < 3; ++i) out.push_back(step(randn({4, 3}, 5), ones({4, 2})).item());
+    return out;
+  };
+  set_seed(3);
+  OfTensors of_tensors;
+  set_seed(3);
+  Generic generic;
+  const auto got = losses(of_tensors);
+  CHECK(got == losses(generic));
+  CHECK(got.back() < got.front());
+  CHECK(grad(of_tensors, of_tensors.parameters())(ones({1, 3})).size() == 2);
+}
+
 TEST_CASE("a graph-mode cell under a PyNative grad runs eagerly, so the tape reaches its parameters") {
   ModeGuard guard;
   set_context({.mode = PYNATIVE_MODE});

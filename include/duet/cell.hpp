@@ -417,6 +417,15 @@ template <class C>
 concept NonGenericConstruct = requires { &C::construct; };
 
 namespace detail {
+// Names C through the operator's own template parameters, so that a constraint on it is asked
+// when the operator is considered, not when Cell<Derived> is instantiated: clang 14 checks a
+// non-dependent concept at the base's instantiation, while Derived is still incomplete, and
+// keeps that answer ("no construct").
+template <class C, class...>
+struct deferred {
+  using type = C;
+};
+
 template <auto Setting>
 constexpr Mode mode_of_setting() {
   using S = std::remove_cvref_t<decltype(Setting)>;
@@ -472,7 +481,8 @@ class Cell : public BasicDynamicCell<T> {
   // Graph capture: construct appends this cell's nodes to the graph its inputs belong to.
   // Hooks cannot run inside a graph: refused here rather than silently dropped.
   template <graph::Symbolic... S>
-    requires(sizeof...(S) >= 1 && capturable_construct<Derived>())
+    requires(sizeof...(S) >= 1 && capturable_construct<typename detail::deferred<Derived, S...>::type>() &&
+             !NonGenericConstruct<typename detail::deferred<Derived, S...>::type>)
   auto operator()(const S&... xs) {
     if (this->has_hooks_in_tree()) {
       throw ModeError(this->label() +
@@ -632,7 +642,7 @@ class Cell : public BasicDynamicCell<T> {
       cache.program.emplace(capture());
       cache.owner = this->id();
       if (!cache.program->ambiguity.empty()) {
-        duet::detail::log_ambiguous_capture<Derived>(this->type_name() + "::construct", cache.program->ambiguity,
+        duet::detail::log_ambiguous_capture(this->type_name() + "::construct", cache.program->ambiguity,
                                                      "as a traced graph (PIJit)");
       }
     }

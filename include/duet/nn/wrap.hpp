@@ -28,8 +28,9 @@ class WithLossCell
   using T = typename Backbone::value_type;
 
  public:
-  // A backbone built at run time cannot be captured into a graph, so neither can this cell.
-  static constexpr bool capturable = !RuntimeBuilt<Backbone>;
+  // A backbone built at run time, or with a construct of tensors (PyNative only), cannot be
+  // captured into a graph, so neither can this cell.
+  static constexpr bool capturable = !RuntimeBuilt<Backbone> && !NonGenericConstruct<Backbone>;
 
   WithLossCell(Backbone& backbone, Loss& loss_fn) : backbone_(backbone), loss_fn_(loss_fn) {}
 
