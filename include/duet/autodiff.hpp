@@ -565,12 +565,12 @@ class GradFunction {
       if (!forward.ambiguity.empty()) {
         if constexpr (!WithInput && autodiff::detail::CellLike<Fn>) {
           if (can_trace()) {
-            duet::detail::log_ambiguous_capture<StepCall>(where()(), forward.ambiguity,
+            duet::detail::log_ambiguous_capture(where()(), forward.ambiguity,
                                                           "forward and backward as a traced graph (PIJit)");
             return traced_step(xs...);
           }
         }
-        duet::detail::log_ambiguous_capture<GradFunction>(where()(), forward.ambiguity,
+        duet::detail::log_ambiguous_capture(where()(), forward.ambiguity,
                                                           "forward and backward in PyNative mode");
         return run_eager<WithInput>(input_grad, xs...);
       }

@@ -27,6 +27,7 @@
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
+#include <set>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -120,6 +121,8 @@ struct JitStats {
   std::atomic<std::uint64_t> functions{0};
   std::mutex mutex;
   std::vector<std::string> log;
+  std::set<std::string> ambiguities_logged;    // log_ambiguous_capture's
+  std::set<std::string> ambiguities_explained;
 };
 inline JitStats& jit_stats() {
   static JitStats stats;
@@ -131,16 +134,20 @@ inline void jit_log(std::string line) {
   stats.log.push_back(std::move(line));
 }
 
-// Says in the log, once per Key type (a caller's type: one type, one capture), that `who`
-// does not run as the static graph capture made, why (graph::Sym::ambiguity) and what
-// runs instead.
-template <class Key>
-void log_ambiguous_capture(const std::string& who, const std::string& why, const std::string& instead) {
-  static std::once_flag once;
-  std::call_once(once, [&] {
-    jit_log(who + ": runs " + instead + ", not as a static graph: at capture, " + why +
-            ", which their types cannot tell apart (README, Guarantees: \"Shared values in graph mode\")");
-  });
+// Says in the log that `who` does not run as the static graph capture made and what runs
+// instead, once per (who, why, instead): a loop of calls logs it once. The reason is spelled
+// out the first time only: one network met in forward, gradient and training-step paths is one
+// ambiguity, not three paragraphs.
+inline void log_ambiguous_capture(const std::string& who, const std::string& why, const std::string& instead) {
+  auto& stats = jit_stats();
+  std::lock_guard lock(stats.mutex);
+  if (!stats.ambiguities_logged.insert(who + '\n' + why + '\n' + instead).second) return;
+  const bool explained = !stats.ambiguities_explained.insert(who + '\n' + why).second;
+  stats.log.push_back(who + ": runs " + instead + ", not as a static graph: " +
+                      (explained ? std::string("its capture is ambiguous, as logged above")
+                                 : "at capture, " + why +
+                                       ", which their types cannot tell apart (README, Guarantees: \"Shared values in "
+                                       "graph mode\")"));
 }
 }  // namespace detail
 
@@ -466,7 +473,7 @@ class JitFunction {
     };
     return pipeline::in_requested_phase(capture, [&](const auto& program) {
       if (!program.ambiguity.empty()) {
-        detail::log_ambiguous_capture<JitFunction>(options_.name, program.ambiguity, "in PyNative mode");
+        detail::log_ambiguous_capture(options_.name, program.ambiguity, "in PyNative mode");
         return eager(args...);
       }
       return std::apply(

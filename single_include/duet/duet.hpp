@@ -5908,6 +5908,7 @@ auto evaluate(const graph::Sym<G, Out>& program, const Inputs&... inputs) {
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
+#include <set>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -8025,6 +8026,8 @@ struct JitStats {
   std::atomic<std::uint64_t> functions{0};
   std::mutex mutex;
   std::vector<std::string> log;
+  std::set<std::string> ambiguities_logged;    // log_ambiguous_capture's
+  std::set<std::string> ambiguities_explained;
 };
 inline JitStats& jit_stats() {
   static JitStats stats;
@@ -8036,16 +8039,20 @@ inline void jit_log(std::string line) {
   stats.log.push_back(std::move(line));
 }
 
-// Says in the log, once per Key type (a caller's type: one type, one capture), that `who`
-// does not run as the static graph capture made, why (graph::Sym::ambiguity) and what
-// runs instead.
-template <class Key>
-void log_ambiguous_capture(const std::string& who, const std::string& why, const std::string& instead) {
-  static std::once_flag once;
-  std::call_once(once, [&] {
-    jit_log(who + ": runs " + instead + ", not as a static graph: at capture, " + why +
-            ", which their types cannot tell apart (README, Guarantees: \"Shared values in graph mode\")");
-  });
+// Says in the log that `who` does not run as the static graph capture made and what runs
+// instead, once per (who, why, instead): a loop of calls logs it once. The reason is spelled
+// out the first time only: one network met in forward, gradient and training-step paths is one
+// ambiguity, not three paragraphs.
+inline void log_ambiguous_capture(const std::string& who, const std::string& why, const std::string& instead) {
+  auto& stats = jit_stats();
+  std::lock_guard lock(stats.mutex);
+  if (!stats.ambiguities_logged.insert(who + '\n' + why + '\n' + instead).second) return;
+  const bool explained = !stats.ambiguities_explained.insert(who + '\n' + why).second;
+  stats.log.push_back(who + ": runs " + instead + ", not as a static graph: " +
+                      (explained ? std::string("its capture is ambiguous, as logged above")
+                                 : "at capture, " + why +
+                                       ", which their types cannot tell apart (README, Guarantees: \"Shared values in "
+                                       "graph mode\")"));
 }
 }  // namespace detail
 
@@ -8371,7 +8378,7 @@ class JitFunction {
     };
     return pipeline::in_requested_phase(capture, [&](const auto& program) {
       if (!program.ambiguity.empty()) {
-        detail::log_ambiguous_capture<JitFunction>(options_.name, program.ambiguity, "in PyNative mode");
+        detail::log_ambiguous_capture(options_.name, program.ambiguity, "in PyNative mode");
         return eager(args...);
       }
       return std::apply(
@@ -8821,6 +8828,15 @@ template <class C>
 concept NonGenericConstruct = requires { &C::construct; };
 
 namespace detail {
+// Names C through the operator's own template parameters, so that a constraint on it is asked
+// when the operator is considered, not when Cell<Derived> is instantiated: clang 14 checks a
+// non-dependent concept at the base's instantiation, while Derived is still incomplete, and
+// keeps that answer ("no construct").
+template <class C, class...>
+struct deferred {
+  using type = C;
+};
+
 template <auto Setting>
 constexpr Mode mode_of_setting() {
   using S = std::remove_cvref_t<decltype(Setting)>;
@@ -8876,7 +8892,8 @@ class Cell : public BasicDynamicCell<T> {
   // Graph capture: construct appends this cell's nodes to the graph its inputs belong to.
   // Hooks cannot run inside a graph: refused here rather than silently dropped.
   template <graph::Symbolic... S>
-    requires(sizeof...(S) >= 1 && capturable_construct<Derived>())
+    requires(sizeof...(S) >= 1 && capturable_construct<typename detail::deferred<Derived, S...>::type>() &&
+             !NonGenericConstruct<typename detail::deferred<Derived, S...>::type>)
   auto operator()(const S&... xs) {
     if (this->has_hooks_in_tree()) {
       throw ModeError(this->label() +
@@ -9036,7 +9053,7 @@ class Cell : public BasicDynamicCell<T> {
       cache.program.emplace(capture());
       cache.owner = this->id();
       if (!cache.program->ambiguity.empty()) {
-        duet::detail::log_ambiguous_capture<Derived>(this->type_name() + "::construct", cache.program->ambiguity,
+        duet::detail::log_ambiguous_capture(this->type_name() + "::construct", cache.program->ambiguity,
                                                      "as a traced graph (PIJit)");
       }
     }
@@ -9623,12 +9640,12 @@ class GradFunction {
       if (!forward.ambiguity.empty()) {
         if constexpr (!WithInput && autodiff::detail::CellLike<Fn>) {
           if (can_trace()) {
-            duet::detail::log_ambiguous_capture<StepCall>(where()(), forward.ambiguity,
+            duet::detail::log_ambiguous_capture(where()(), forward.ambiguity,
                                                           "forward and backward as a traced graph (PIJit)");
             return traced_step(xs...);
           }
         }
-        duet::detail::log_ambiguous_capture<GradFunction>(where()(), forward.ambiguity,
+        duet::detail::log_ambiguous_capture(where()(), forward.ambiguity,
                                                           "forward and backward in PyNative mode");
         return run_eager<WithInput>(input_grad, xs...);
       }
@@ -16492,8 +16509,9 @@ class WithLossCell
   using T = typename Backbone::value_type;
 
  public:
-  // A backbone built at run time cannot be captured into a graph, so neither can this cell.
-  static constexpr bool capturable = !RuntimeBuilt<Backbone>;
+  // A backbone built at run time, or with a construct of tensors (PyNative only), cannot be
+  // captured into a graph, so neither can this cell.
+  static constexpr bool capturable = !RuntimeBuilt<Backbone> && !NonGenericConstruct<Backbone>;
 
   WithLossCell(Backbone& backbone, Loss& loss_fn) : backbone_(backbone), loss_fn_(loss_fn) {}
 
