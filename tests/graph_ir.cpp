@@ -1,9 +1,11 @@
+#include <algorithm>
 #include <string>
 #include <vector>
 
 #include "support.hpp"
 
 using namespace duet;
+using duet_test::ModeGuard;
 using duet_test::SeedNetwork;
 
 TEST_CASE("graph_ir shows the captured and the optimised graph") {
@@ -106,3 +108,33 @@ TEST_CASE("graph_ir of an ambiguous capture shows the trace that runs, not the m
   CHECK(graph_ir(net).captured.text.find("give graph_ir an input shape (duet::shape<dyn, ...>) to see the trace") !=
         std::string::npos);
 }
+
+TEST_CASE("graph_ir of a network built at run time shows the trace graph mode runs") {
+  set_seed(3);
+  nn::DynamicSequentialCell net;
+  net.append(nn::Dense<>(4, 3));
+  net.append(nn::ReLU());
+  net.append(nn::Dense<>(3, 2));
+  const GraphIR ir = graph_ir(net, shape<dyn, 4>);
+  for (const GraphText* g : {&ir.captured, &ir.optimized}) {
+    CHECK(g->text.find("built at run time, so graph mode runs it as a traced graph (PIJit)\n") != std::string::npos);
+    CHECK(g->text.find("  traced on an input of shape [2, 4]\n  %0 = Input 0 : [2, 4]\n") != std::string::npos);
+  }
+  CHECK(ir.captured.text.find("= MatMul(%0) : [2, 3]") != std::string::npos);
+  CHECK(ir.captured.text.find("= ReLU(%") != std::string::npos);
+  CHECK(ir.optimized.text.find("  %3 = MatMul + BiasAdd + ReLU(%0) : [2, 3]  nn::Dense<dyn, dyn> '0'\n"
+                                "  %5 = MatMul + BiasAdd(%3) : [2, 2]  nn::Dense<dyn, dyn> '2'\n  return %5\n") !=
+        std::string::npos);
+  // What graph mode then runs is that replay, and gives the same values as PyNative mode.
+  ModeGuard guard;
+  const Tensor x = uniform<float>({5, 4}, -1.0f, 1.0f, 4);
+  set_context({.mode = PYNATIVE_MODE});
+  const Tensor eager = net(x);
+  set_context({.mode = GRAPH_MODE});
+  const Tensor graph = net(x);
+  CHECK(std::equal(eager.data(), eager.data() + eager.numel(), graph.data()));
+  const auto log = jit_compile_log();
+  CHECK(std::any_of(log.begin(), log.end(),
+                    [](const std::string& l) { return l.find("MatMul + BiasAdd + ReLU") != std::string::npos; }));
+}
+

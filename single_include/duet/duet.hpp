@@ -10602,15 +10602,15 @@ inline std::string dot_of_text(const std::string& title, const std::string& text
          dot_text(text) + "\"];\n}\n";
 }
 
-// What runs instead of an ambiguous capture: the cell traced (PIJit) on an input of the
-// pattern's shape, unknown sizes taken as 2 (BatchNorm trains on no fewer), as recorded and as
-// replayed after fusion. Tracing runs the network; what that changes (BatchNorm's moving
-// statistics, Dropout's generator) is put back, as for a step that does not commit.
+// What graph mode runs when there is no static graph (a capture that is ambiguous, a network
+// built at run time): the cell traced (PIJit) on an input of the pattern's shape, unknown sizes
+// taken as 2 (BatchNorm trains on no fewer), as recorded and as replayed after fusion. Tracing
+// runs the network; what that changes (BatchNorm's moving statistics, Dropout's generator) is
+// put back, as for a step that does not commit.
 template <JitConfig Config, class C>
-GraphIR traced_ir(C& cell, const std::string& title, Shape pattern, const std::string& why) {
+GraphIR traced_ir(C& cell, const std::string& title, Shape pattern, const std::string& how) {
   using T = typename C::value_type;
-  const std::string head = "graph " + title + " {\n  ambiguous capture, so it runs as a traced graph (PIJit), not as "
-                           "a static graph: " + why + "\n";
+  const std::string head = "graph " + title + " {\n  " + how + "\n";
   const auto ir = [&](const std::string& captured, const std::string& optimized) {
     return GraphIR{{head + captured + "}\n", dot_of_text(title, head + captured)},
                    {head + optimized + "}\n", dot_of_text(title, head + optimized)}};
@@ -10647,19 +10647,17 @@ GraphIR traced_ir(C& cell, const std::string& title, Shape pattern, const std::s
 
 // The graph of cell for inputs of the given pattern (duet::shape<dyn, 1, 28, 28>, say; by
 // default an input of unknown shape, as when a runtime tensor is passed), optimised at the
-// jit level of Config. A capture that is ambiguous (README, Guarantees: "Shared values in graph
-// mode") does not run, so graph_ir shows the trace that runs instead.
+// jit level of Config. Where graph mode has no static graph to run, graph_ir shows the trace
+// that runs instead: for a capture that is ambiguous (README, Guarantees: "Shared values in
+// graph mode") and for a network built at run time (nn::DynamicSequentialCell, a class
+// deriving from nn::DynamicCell), which has no construct to capture.
 template <JitConfig Config = JitConfig{}, class C, class Pattern = graph::AnyShape>
 GraphIR graph_ir(C& cell, Pattern = {}) {
+  cell.ensure_named();
+  const std::string title = cell.type_name();
   if constexpr (nn::RuntimeBuilt<C>) {
-    static_assert(!nn::RuntimeBuilt<C>,
-                  "duet::graph_ir: a network built at run time (nn::DynamicSequentialCell, or a class deriving "
-                  "from nn::DynamicCell) has no construct to capture; graph mode traces it on its first call, "
-                  "and duet::jit_compile_log() says what the trace became");
-    return {};
+    return graph::detail::traced_ir<Config>(cell, title, Pattern::value, "built at run time, so graph mode runs it as a traced graph (PIJit)");
   } else {
-    cell.ensure_named();
-    const std::string title = cell.type_name();
     // The form the network's layers are set to (set_train), as a call would run.
     return pipeline::in_requested_phase(
         [&](auto phase) {
@@ -10668,7 +10666,9 @@ GraphIR graph_ir(C& cell, Pattern = {}) {
         },
         [&](const auto& captured) {
           if (!captured.ambiguity.empty()) {
-            return graph::detail::traced_ir<Config>(cell, title, Pattern::value, captured.ambiguity);
+            return graph::detail::traced_ir<Config>(cell, title, Pattern::value,
+                                                    "ambiguous capture, so it runs as a traced graph (PIJit), not as a static graph: " +
+                                                        captured.ambiguity);
           }
           auto optimized = passes::optimize<Config>(captured);
           return GraphIR{graph::dump(captured, title), graph::dump(optimized, title)};
