@@ -212,3 +212,45 @@ TEST_CASE("a BatchNorm switched to training alone is refused by the folded form,
   net.bn2.set_train(true);
   CHECK_THROWS_WITH_AS(net(x), doctest::Contains("nn::BatchNorm2d<4> 'bn2' is set to train"), ModeError);
 }
+
+TEST_CASE("a network built at run time folds at evaluation too (PIJit), with graph mode's bits, and never stale") {
+  duet_test::ModeGuard guard;
+  set_seed(21);
+  ConvStack<> net;
+  give_statistics(net);
+  net.set_train(false);
+  nn::DynamicSequentialCell dynamic;
+  auto& conv1 = dynamic.append(nn::Conv2d<3, 8, 3, 1, 1>{{.has_bias = true}});
+  auto& bn1 = dynamic.append(nn::BatchNorm2d<8>{});
+  dynamic.append(nn::ReLU{});
+  dynamic.append(nn::Conv2d<8, 4, 3, 2, nn::PadMode::same>{});
+  dynamic.append(nn::BatchNorm2d<4>{});
+  dynamic.append(nn::ReLU{});
+  const auto from = net.parameters();
+  const auto to = dynamic.parameters();
+  REQUIRE(from.size() == to.size());
+  for (std::size_t i = 0; i < from.size(); ++i) to[i].parameter->set_data(from[i].parameter->clone());
+  dynamic.set_train(false);
+
+  const std::string text = graph_ir(dynamic, shape<dyn, 3, 9, 9>).optimized.text;
+  CHECK(text.find("= Conv2d + BatchNorm(folded) + ReLU(%0) : [2, 8, 9, 9]") != std::string::npos);
+  CHECK(text.find("nn::Conv2d<3, 8, 3, 1, 1> '0' + nn::BatchNorm2d<8> '1'") != std::string::npos);
+  CHECK(text.find("= Conv2d + BatchNorm(folded) + ReLU(%") != text.rfind("= Conv2d + BatchNorm(folded) + ReLU(%"));
+  CHECK(text.find("moving statistics") == std::string::npos);
+
+  const Tensor x = randn({4, 3, 9, 9}, 22) * 3.0f;
+  set_context({.mode = GRAPH_MODE});
+  // The same fold and the same kernels as graph mode's static network: its bits.
+  CHECK(bitwise_equal(dynamic(x), net(x)));
+  CHECK(duet_test::relative_difference(duet_test::values_of(dynamic(x)), duet_test::values_of(pynative(dynamic, x))) <
+        fold_tolerance);
+  CHECK_FALSE(bitwise_equal(dynamic(x), pynative(dynamic, x)));
+  // A moving statistic and a weight written in place: the replay folds again.
+  for (auto* bn : {&net.bn1.moving_variance, &bn1.moving_variance}) bn->data()[3] *= 4.0f;
+  for (auto* w : {&net.conv1.weight, &conv1.weight}) w->data()[5] += 0.5f;
+  CHECK(bitwise_equal(dynamic(x), net(x)));
+  // At O0 nothing folds: PyNative's bits.
+  auto o0_trace = jit<o0>([&](const Tensor& v) { return dynamic(v); }, {.mode = JitMode::PIJit});
+  CHECK(bitwise_equal(o0_trace(x), pynative(dynamic, x)));
+}
+

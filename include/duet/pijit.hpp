@@ -62,6 +62,7 @@ class EpilogueChain final : public Step {
   }
   // The fused op takes more functions as the head's op does; a bias only before functions.
   bool takes_functions(bool parameterless) const override { return head_->takes_functions(parameterless); }
+  bool rounds_differently() const override { return head_->rounds_differently(); }
   std::unique_ptr<Step> with_packed_weight() const override {
     auto packed = head_->with_packed_weight();
     if (packed == nullptr) return nullptr;
@@ -107,6 +108,11 @@ class Replay {
   std::string describe() const { return pijit::describe(values_, steps_, output_); }
 
   std::size_t traced_steps() const { return traced_steps_; }
+  // Whether a step rounds differently from the trace it replaces (a folded BatchNorm): the
+  // replay's results then differ from the traced call's within a tolerance.
+  bool rounds_differently() const {
+    return std::any_of(steps_.begin(), steps_.end(), [](const auto& step) { return step->rounds_differently(); });
+  }
   std::size_t steps() const { return steps_.size(); }
 
   // The steps a call runs, by name ("MatMul + BiasAdd + GELU(tanh); MatMul + BiasAdd"): what

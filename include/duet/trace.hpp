@@ -5,6 +5,7 @@
 
 #include <array>
 #include <atomic>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -17,6 +18,7 @@
 #include "backend.hpp"
 #include "error.hpp"
 #include "graph.hpp"
+#include "ops/evaluation_norm.hpp"
 #include "parameter.hpp"
 #include "tensor.hpp"
 
@@ -64,10 +66,13 @@ struct Value {
 // kind (its layer's bias; elementwise functions, with parameters or without), never which
 // functions it runs. Nothing is compiled per pair of op types.
 struct EpilogueRole {
-  enum class Kind : unsigned char { none, bias, functions };
+  enum class Kind : unsigned char { none, bias, functions, normalization };
   Kind kind = Kind::none;
   bool parameterless = false;   // Kind::functions: none holds a parameter (LeakyReLU's alpha)
   const void* layer = nullptr;  // Kind::bias: whose bias
+  // Kind::normalization: an ops::EvaluationNorm<T> of the trace's element type, the BatchNorm
+  // at evaluation that the product before it may fold in.
+  std::shared_ptr<const void> norm{};
 };
 
 class Step {
@@ -82,6 +87,9 @@ class Step {
   // Whether its op takes elementwise functions (of the role's kind) as epilogue, which then run
   // in place on its output (pijit.hpp's EpilogueChain).
   virtual bool takes_functions(bool /*parameterless*/) const { return false; }
+  // Whether it rounds differently from the steps it replaced (a BatchNorm folded into a
+  // convolution's weight): its results agree with theirs within a tolerance, not bit for bit.
+  virtual bool rounds_differently() const { return false; }
   // This step reading its weight packed between calls (JitLevel::O2), if it has a weight.
   virtual std::unique_ptr<Step> with_packed_weight() const = 0;
   virtual bool is_view() const = 0;
@@ -137,6 +145,12 @@ class OpStep final : public Step {
         }
       }
     }
+    if constexpr (requires(const ops::EvaluationNorm<T>& norm) { op_.absorb(norm); }) {
+      if (next.kind == EpilogueRole::Kind::normalization) {
+        const auto folded = op_.absorb(*static_cast<const ops::EvaluationNorm<T>*>(next.norm.get()));
+        return detail::fused<std::remove_cvref_t<decltype(folded)>, T>(folded, *this, output);
+      }
+    }
     (void)next;
     (void)output;
     return nullptr;
@@ -161,9 +175,17 @@ class OpStep final : public Step {
       return {EpilogueRole::Kind::functions, Op::parameterless, nullptr};
     } else if constexpr (detail::is_bias_add_v<Op>) {
       return {EpilogueRole::Kind::bias, false, op_.layer};
+    } else if constexpr (requires { { op_.evaluation_norm() } -> std::same_as<ops::EvaluationNorm<T>>; }) {
+      return {EpilogueRole::Kind::normalization, false, nullptr,
+              std::make_shared<const ops::EvaluationNorm<T>>(op_.evaluation_norm())};
     } else {
       return {};
     }
+  }
+
+  bool rounds_differently() const override {
+    if constexpr (requires { Op::folds; }) return Op::folds;
+    else return false;
   }
 
   bool is_view() const override { return Op::is_view; }

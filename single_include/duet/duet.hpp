@@ -6044,6 +6044,7 @@ auto parameter(const nn::BasicParameter<T>& p) {
 
 #include <array>
 #include <atomic>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -6053,6 +6054,56 @@ auto parameter(const nn::BasicParameter<T>& p) {
 #include <utility>
 #include <vector>
 
+// A BatchNorm at evaluation as what a convolution before it folds in, whatever the layer's type:
+// its per-channel affine map, the tensors the fold watches for changes, its label and its
+// train/evaluate setting. Graph mode's passes meet the layer's own type, but PIJit's fusion
+// holds steps of erased types (trace.hpp: no code sees a producer's type and its consumer's
+// together), so both fold through this one description, with the same code and the same bits.
+
+#include <array>
+#include <string>
+#include <vector>
+
+
+namespace duet::ops {
+
+// y = x · scale + shift per channel.
+template <class T>
+struct AffineMap {
+  std::vector<T> scale;
+  std::vector<T> shift;
+};
+
+template <class T>
+class EvaluationNorm {
+ public:
+  template <class Layer>
+  static EvaluationNorm of(const Layer& layer) {
+    return EvaluationNorm(&layer, {&layer.gamma, &layer.beta, &layer.moving_mean, &layer.moving_variance},
+                          [](const void* l) { return static_cast<const Layer*>(l)->label(); },
+                          [](const void* l) { return static_cast<const Layer*>(l)->training(); },
+                          [](const void* l) { return static_cast<const Layer*>(l)->evaluation_affine(); });
+  }
+
+  std::string label() const { return label_(layer_); }
+  bool training() const { return training_(layer_); }
+  AffineMap<T> evaluation_affine() const { return affine_(layer_); }
+  // gamma, beta, moving mean, moving variance: a write to any makes the fold stale.
+  const std::array<const BasicTensor<T>*, 4>& tensors() const { return tensors_; }
+
+ private:
+  EvaluationNorm(const void* layer, std::array<const BasicTensor<T>*, 4> tensors, std::string (*label)(const void*),
+                 bool (*training)(const void*), AffineMap<T> (*affine)(const void*))
+      : layer_(layer), tensors_(tensors), label_(label), training_(training), affine_(affine) {}
+
+  const void* layer_;
+  std::array<const BasicTensor<T>*, 4> tensors_;
+  std::string (*label_)(const void*);
+  bool (*training_)(const void*);
+  AffineMap<T> (*affine_)(const void*);
+};
+
+}  // namespace duet::ops
 
 namespace duet {
 namespace fn {
@@ -6098,10 +6149,13 @@ struct Value {
 // kind (its layer's bias; elementwise functions, with parameters or without), never which
 // functions it runs. Nothing is compiled per pair of op types.
 struct EpilogueRole {
-  enum class Kind : unsigned char { none, bias, functions };
+  enum class Kind : unsigned char { none, bias, functions, normalization };
   Kind kind = Kind::none;
   bool parameterless = false;   // Kind::functions: none holds a parameter (LeakyReLU's alpha)
   const void* layer = nullptr;  // Kind::bias: whose bias
+  // Kind::normalization: an ops::EvaluationNorm<T> of the trace's element type, the BatchNorm
+  // at evaluation that the product before it may fold in.
+  std::shared_ptr<const void> norm{};
 };
 
 class Step {
@@ -6116,6 +6170,9 @@ class Step {
   // Whether its op takes elementwise functions (of the role's kind) as epilogue, which then run
   // in place on its output (pijit.hpp's EpilogueChain).
   virtual bool takes_functions(bool /*parameterless*/) const { return false; }
+  // Whether it rounds differently from the steps it replaced (a BatchNorm folded into a
+  // convolution's weight): its results agree with theirs within a tolerance, not bit for bit.
+  virtual bool rounds_differently() const { return false; }
   // This step reading its weight packed between calls (JitLevel::O2), if it has a weight.
   virtual std::unique_ptr<Step> with_packed_weight() const = 0;
   virtual bool is_view() const = 0;
@@ -6171,6 +6228,12 @@ class OpStep final : public Step {
         }
       }
     }
+    if constexpr (requires(const ops::EvaluationNorm<T>& norm) { op_.absorb(norm); }) {
+      if (next.kind == EpilogueRole::Kind::normalization) {
+        const auto folded = op_.absorb(*static_cast<const ops::EvaluationNorm<T>*>(next.norm.get()));
+        return detail::fused<std::remove_cvref_t<decltype(folded)>, T>(folded, *this, output);
+      }
+    }
     (void)next;
     (void)output;
     return nullptr;
@@ -6195,9 +6258,17 @@ class OpStep final : public Step {
       return {EpilogueRole::Kind::functions, Op::parameterless, nullptr};
     } else if constexpr (detail::is_bias_add_v<Op>) {
       return {EpilogueRole::Kind::bias, false, op_.layer};
+    } else if constexpr (requires { { op_.evaluation_norm() } -> std::same_as<ops::EvaluationNorm<T>>; }) {
+      return {EpilogueRole::Kind::normalization, false, nullptr,
+              std::make_shared<const ops::EvaluationNorm<T>>(op_.evaluation_norm())};
     } else {
       return {};
     }
+  }
+
+  bool rounds_differently() const override {
+    if constexpr (requires { Op::folds; }) return Op::folds;
+    else return false;
   }
 
   bool is_view() const override { return Op::is_view; }
@@ -7663,6 +7734,7 @@ class EpilogueChain final : public Step {
   }
   // The fused op takes more functions as the head's op does; a bias only before functions.
   bool takes_functions(bool parameterless) const override { return head_->takes_functions(parameterless); }
+  bool rounds_differently() const override { return head_->rounds_differently(); }
   std::unique_ptr<Step> with_packed_weight() const override {
     auto packed = head_->with_packed_weight();
     if (packed == nullptr) return nullptr;
@@ -7708,6 +7780,11 @@ class Replay {
   std::string describe() const { return pijit::describe(values_, steps_, output_); }
 
   std::size_t traced_steps() const { return traced_steps_; }
+  // Whether a step rounds differently from the trace it replaces (a folded BatchNorm): the
+  // replay's results then differ from the traced call's within a tolerance.
+  bool rounds_differently() const {
+    return std::any_of(steps_.begin(), steps_.end(), [](const auto& step) { return step->rounds_differently(); });
+  }
   std::size_t steps() const { return steps_.size(); }
 
   // The steps a call runs, by name ("MatMul + BiasAdd + GELU(tanh); MatMul + BiasAdd"): what
@@ -8195,9 +8272,7 @@ class JitFunction {
         }
         return eager(args...);
       }
-      const auto inputs = std::apply([](const auto&... t) { return std::array<const void*, sizeof...(t)>{t.data()...}; },
-                                     std::tuple_cat(tensor_tuple(args)...));
-      return entry->replay->template run<typename Result::value_type>(inputs);
+      return replayed<typename Result::value_type>(*entry->replay, args...);
     }
     if constexpr (Capturable<Args...>) {
       return Result(run_graph(entry->owner, args...));
@@ -8293,6 +8368,13 @@ class JitFunction {
     return nullptr;
   }
 
+  template <class T, class... Args>
+  static BasicTensor<T> replayed(const pijit::Replay& replay, const Args&... args) {
+    const auto inputs = std::apply([](const auto&... t) { return std::array<const void*, sizeof...(t)>{t.data()...}; },
+                                   std::tuple_cat(tensor_tuple(args)...));
+    return replay.template run<T>(inputs);
+  }
+
   // PIJit's compilation: run the function eagerly under a trace, keep the trace for replay.
   template <std::size_t N, class... Args>
   auto trace(detail::CompileCache<N>& cache, const detail::Signature<N>& s, const Args&... args) {
@@ -8316,7 +8398,13 @@ class JitFunction {
       note = "traced " + std::to_string(replay->traced_steps()) + " operations, replays " +
              std::to_string(replay->steps()) + " steps: " + replay->step_names();
     }
-    compile(cache, s, std::move(replay), note);
+    compile(cache, s, replay, note);
+    // A replay that folds a BatchNorm (evaluation, which changes no state) rounds differently
+    // from the eager run that traced it: the traced call returns the replay's result too, so
+    // that every call of this shape gives the same bits.
+    if (replay != nullptr && replay->rounds_differently()) {
+      return replayed<typename Result::value_type>(*replay, args...);
+    }
     return Result(y);
   }
 
@@ -13227,6 +13315,13 @@ struct BatchNormOp : Primitive<BatchNormOp<Layer, P>>, PhaseOf<Layer, P> {
   }
   auto parameter_grad_op() const { return BatchNormGradOp<Layer, P, false>{this->layer}; }
 
+  // What a convolution before it folds in (ops/conv.hpp), graph mode's passes and PIJit's alike.
+  ops::EvaluationNorm<value_type> evaluation_norm() const
+    requires(P == graph::Phase::eval)
+  {
+    return ops::EvaluationNorm<value_type>::of(*this->layer);
+  }
+
   static std::string op_name() { return P == graph::Phase::train ? "BatchNorm" : "BatchNorm (moving statistics)"; }
   std::string label() const { return this->layer->label(); }
 
@@ -13398,10 +13493,7 @@ class BatchNorm : public Cell<BatchNorm<Dims, C, T>, CONTEXT_MODE, T>, public du
 
   // Evaluation's map per channel, y = x · scale + shift with scale = gamma / sqrt(moving_variance
   // + eps) and shift = beta - moving_mean · scale: what a convolution before it can absorb.
-  struct Affine {
-    std::vector<T> scale;
-    std::vector<T> shift;
-  };
+  using Affine = ops::AffineMap<T>;
   Affine evaluation_affine() const {
     const auto n = static_cast<std::size_t>(num_features());
     Affine a{std::vector<T>(n), std::vector<T>(n)};
@@ -17668,7 +17760,11 @@ struct ConvOp : Primitive<ConvOp<Layer>> {
   static constexpr bool accepts_epilogue = is_evaluation_batchnorm_v<C> || requires { C::elementwise_functions; };
   template <class Norm>
   auto absorb(const BatchNormOp<Norm, graph::Phase::eval>& next) const {
-    return ConvEpilogueOp<Layer, Norm>{layer, next.layer, {}};
+    return absorb(next.evaluation_norm());
+  }
+  // PIJit's fusion (trace.hpp), which sees the BatchNorm only through this description.
+  auto absorb(const EvaluationNorm<value_type>& norm) const {
+    return ConvEpilogueOp<Layer, EvaluationNorm<value_type>>{layer, norm, {}};
   }
   template <class... Gs>
   auto absorb(const MapOp<Gs...>& next) const {
@@ -17769,8 +17865,8 @@ struct FoldedConv {
   BasicTensor<T> bias;
 };
 
-// y = Fns(conv(x) + bias) with the BatchNorm Norm after it folded into the convolution (Norm
-// void: none), the evaluation form that fuse_epilogues makes of (Conv, BatchNorm, functions).
+// y = Fns(conv(x) + bias) with the BatchNorm after it folded into the convolution (Norm is
+// EvaluationNorm<T>, or void: none), the evaluation form that fuse_epilogues makes of (Conv, BatchNorm, functions).
 // It has no gradient: only graphs that are not differentiated take it, and training graphs
 // keep the BatchNorm's training op, which no convolution absorbs.
 template <class Layer, class Norm, class... Fns>
@@ -17782,7 +17878,7 @@ struct ConvEpilogueOp : Primitive<ConvEpilogueOp<Layer, Norm, Fns...>> {
   static constexpr bool folds = !std::is_void_v<Norm>;
 
   const Layer* layer;
-  std::conditional_t<folds, Norm*, std::nullptr_t> norm;
+  std::conditional_t<folds, Norm, std::nullptr_t> norm;
   std::tuple<Fns...> fns;
   ConvEpilogueOp(const Layer* l, decltype(norm) n, std::tuple<Fns...> f) : layer(l), norm(n), fns(std::move(f)) {}
 
@@ -17793,7 +17889,7 @@ struct ConvEpilogueOp : Primitive<ConvEpilogueOp<Layer, Norm, Fns...>> {
   void run(const graph::KernelArgs& a) const {
     if constexpr (folds) {
       // The BatchNorm's own check: a layer switched to training alone is refused, not folded stale.
-      PhaseOf<Norm, graph::Phase::eval>{norm}.check_phase();
+      PhaseOf<const Norm, graph::Phase::eval>{&norm}.check_phase();
       const std::shared_ptr<const FoldedConv<T>> folded = fold<T>();
       detail::convolve<Backend>(layer->geometry(), a, folded->weight.data(), folded->bias.data(), fns);
     } else {
@@ -17816,7 +17912,7 @@ struct ConvEpilogueOp : Primitive<ConvEpilogueOp<Layer, Norm, Fns...>> {
     return s;
   }
   std::string label() const {
-    if constexpr (folds) return layer->label() + " + " + norm->label();
+    if constexpr (folds) return layer->label() + " + " + norm.label();
     else return layer->label();
   }
 
@@ -17826,14 +17922,14 @@ struct ConvEpilogueOp : Primitive<ConvEpilogueOp<Layer, Norm, Fns...>> {
   // training step, set_data or load_checkpoint the next evaluation folds the new values.
   template <class T>
   std::shared_ptr<const FoldedConv<T>> fold() const {
-    const Norm& bn = *norm;  // reads leave the parameters' version() alone
+    const auto& watched = norm.tensors();
     const auto& weight = layer->weight;
     const BasicTensor<T>& bias = layer->bias;
     return weight.template derived<FoldedConv<T>>(
         [&] {
           const index_t out = layer->out_channels();
           const index_t per_channel = weight.numel() / out;
-          const auto affine = bn.evaluation_affine();
+          const auto affine = norm.evaluation_affine();
           FoldedConv<T> f{BasicTensor<T>::uninitialized(weight.shape()), BasicTensor<T>::uninitialized({out})};
           for (index_t c = 0; c < out; ++c) {
             const T scale = affine.scale[static_cast<std::size_t>(c)];
@@ -17845,7 +17941,7 @@ struct ConvEpilogueOp : Primitive<ConvEpilogueOp<Layer, Norm, Fns...>> {
           }
           return f;
         },
-        {&bias, &bn.gamma, &bn.beta, &bn.moving_mean, &bn.moving_variance});
+        {&bias, watched[0], watched[1], watched[2], watched[3]});
   }
 };
 

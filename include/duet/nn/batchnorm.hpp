@@ -38,6 +38,7 @@
 #include <Eigen/Core>
 
 #include "../cell.hpp"
+#include "../ops/evaluation_norm.hpp"
 #include "../eager.hpp"
 #include "../operation.hpp"
 #include "../ops/phase.hpp"
@@ -150,6 +151,13 @@ struct BatchNormOp : Primitive<BatchNormOp<Layer, P>>, PhaseOf<Layer, P> {
     return BatchNormGradOp<Layer, P, true>{this->layer};
   }
   auto parameter_grad_op() const { return BatchNormGradOp<Layer, P, false>{this->layer}; }
+
+  // What a convolution before it folds in (ops/conv.hpp), graph mode's passes and PIJit's alike.
+  ops::EvaluationNorm<value_type> evaluation_norm() const
+    requires(P == graph::Phase::eval)
+  {
+    return ops::EvaluationNorm<value_type>::of(*this->layer);
+  }
 
   static std::string op_name() { return P == graph::Phase::train ? "BatchNorm" : "BatchNorm (moving statistics)"; }
   std::string label() const { return this->layer->label(); }
@@ -322,10 +330,7 @@ class BatchNorm : public Cell<BatchNorm<Dims, C, T>, CONTEXT_MODE, T>, public du
 
   // Evaluation's map per channel, y = x · scale + shift with scale = gamma / sqrt(moving_variance
   // + eps) and shift = beta - moving_mean · scale: what a convolution before it can absorb.
-  struct Affine {
-    std::vector<T> scale;
-    std::vector<T> shift;
-  };
+  using Affine = ops::AffineMap<T>;
   Affine evaluation_affine() const {
     const auto n = static_cast<std::size_t>(num_features());
     Affine a{std::vector<T>(n), std::vector<T>(n)};

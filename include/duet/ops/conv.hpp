@@ -255,7 +255,11 @@ struct ConvOp : Primitive<ConvOp<Layer>> {
   static constexpr bool accepts_epilogue = is_evaluation_batchnorm_v<C> || requires { C::elementwise_functions; };
   template <class Norm>
   auto absorb(const BatchNormOp<Norm, graph::Phase::eval>& next) const {
-    return ConvEpilogueOp<Layer, Norm>{layer, next.layer, {}};
+    return absorb(next.evaluation_norm());
+  }
+  // PIJit's fusion (trace.hpp), which sees the BatchNorm only through this description.
+  auto absorb(const EvaluationNorm<value_type>& norm) const {
+    return ConvEpilogueOp<Layer, EvaluationNorm<value_type>>{layer, norm, {}};
   }
   template <class... Gs>
   auto absorb(const MapOp<Gs...>& next) const {
@@ -356,8 +360,8 @@ struct FoldedConv {
   BasicTensor<T> bias;
 };
 
-// y = Fns(conv(x) + bias) with the BatchNorm Norm after it folded into the convolution (Norm
-// void: none), the evaluation form that fuse_epilogues makes of (Conv, BatchNorm, functions).
+// y = Fns(conv(x) + bias) with the BatchNorm after it folded into the convolution (Norm is
+// EvaluationNorm<T>, or void: none), the evaluation form that fuse_epilogues makes of (Conv, BatchNorm, functions).
 // It has no gradient: only graphs that are not differentiated take it, and training graphs
 // keep the BatchNorm's training op, which no convolution absorbs.
 template <class Layer, class Norm, class... Fns>
@@ -369,7 +373,7 @@ struct ConvEpilogueOp : Primitive<ConvEpilogueOp<Layer, Norm, Fns...>> {
   static constexpr bool folds = !std::is_void_v<Norm>;
 
   const Layer* layer;
-  std::conditional_t<folds, Norm*, std::nullptr_t> norm;
+  std::conditional_t<folds, Norm, std::nullptr_t> norm;
   std::tuple<Fns...> fns;
   ConvEpilogueOp(const Layer* l, decltype(norm) n, std::tuple<Fns...> f) : layer(l), norm(n), fns(std::move(f)) {}
 
@@ -380,7 +384,7 @@ struct ConvEpilogueOp : Primitive<ConvEpilogueOp<Layer, Norm, Fns...>> {
   void run(const graph::KernelArgs& a) const {
     if constexpr (folds) {
       // The BatchNorm's own check: a layer switched to training alone is refused, not folded stale.
-      PhaseOf<Norm, graph::Phase::eval>{norm}.check_phase();
+      PhaseOf<const Norm, graph::Phase::eval>{&norm}.check_phase();
       const std::shared_ptr<const FoldedConv<T>> folded = fold<T>();
       detail::convolve<Backend>(layer->geometry(), a, folded->weight.data(), folded->bias.data(), fns);
     } else {
@@ -403,7 +407,7 @@ struct ConvEpilogueOp : Primitive<ConvEpilogueOp<Layer, Norm, Fns...>> {
     return s;
   }
   std::string label() const {
-    if constexpr (folds) return layer->label() + " + " + norm->label();
+    if constexpr (folds) return layer->label() + " + " + norm.label();
     else return layer->label();
   }
 
@@ -413,14 +417,14 @@ struct ConvEpilogueOp : Primitive<ConvEpilogueOp<Layer, Norm, Fns...>> {
   // training step, set_data or load_checkpoint the next evaluation folds the new values.
   template <class T>
   std::shared_ptr<const FoldedConv<T>> fold() const {
-    const Norm& bn = *norm;  // reads leave the parameters' version() alone
+    const auto& watched = norm.tensors();
     const auto& weight = layer->weight;
     const BasicTensor<T>& bias = layer->bias;
     return weight.template derived<FoldedConv<T>>(
         [&] {
           const index_t out = layer->out_channels();
           const index_t per_channel = weight.numel() / out;
-          const auto affine = bn.evaluation_affine();
+          const auto affine = norm.evaluation_affine();
           FoldedConv<T> f{BasicTensor<T>::uninitialized(weight.shape()), BasicTensor<T>::uninitialized({out})};
           for (index_t c = 0; c < out; ++c) {
             const T scale = affine.scale[static_cast<std::size_t>(c)];
@@ -432,7 +436,7 @@ struct ConvEpilogueOp : Primitive<ConvEpilogueOp<Layer, Norm, Fns...>> {
           }
           return f;
         },
-        {&bias, &bn.gamma, &bn.beta, &bn.moving_mean, &bn.moving_variance});
+        {&bias, watched[0], watched[1], watched[2], watched[3]});
   }
 };
 
