@@ -178,8 +178,9 @@ class FrozenCompiles {
 // Compilations of every jitted function so far.
 inline std::uint64_t jit_compile_count() { return detail::jit_stats().compiles.load(); }
 
-// One line per compilation, in order: which function, its compile number, and why; and one when
-// a PIJit trace is set aside because a cell in it has a hook now.
+// One line per compilation, in order: which function, its compile number, and why; one when
+// a PIJit trace is set aside because a cell in it has a hook now; and a "warning: " line when a
+// function passes its max_compiled_forms under RecompilePolicy::warn.
 inline std::vector<std::string> jit_compile_log() {
   auto& s = detail::jit_stats();
   std::lock_guard lock(s.mutex);
@@ -294,7 +295,7 @@ class JitFunction {
     };
     const std::tuple<decltype(zeros<T>(specs.shape))...> inputs{zeros_for(specs)...};
     std::apply(
-        [this](const auto&... x) {
+        [&](const auto&... x) {
           check_signature(x...);
           auto& cache = compile_cache<std::remove_cvref_t<decltype(x)>...>();
           {
