@@ -25,6 +25,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <concepts>
 #include <cstdint>
 #include <cstring>
 #include <deque>
@@ -148,9 +149,7 @@ void log_ambiguous_capture(const std::string& who, const std::string& why, const
             ", which their types cannot tell apart (README, Guarantees: \"Shared values in graph mode\")");
   });
 }
-}  // namespace detail
 
-namespace detail {
 inline std::atomic<bool> compiles_frozen_flag{false};
 }  // namespace detail
 

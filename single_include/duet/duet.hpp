@@ -5942,6 +5942,7 @@ auto evaluate(const graph::Sym<G, Out>& program, const Inputs&... inputs) {
 
 #include <algorithm>
 #include <atomic>
+#include <concepts>
 #include <cstdint>
 #include <cstring>
 #include <deque>
@@ -8088,9 +8089,7 @@ void log_ambiguous_capture(const std::string& who, const std::string& why, const
             ", which their types cannot tell apart (README, Guarantees: \"Shared values in graph mode\")");
   });
 }
-}  // namespace detail
 
-namespace detail {
 inline std::atomic<bool> compiles_frozen_flag{false};
 }  // namespace detail
 
