@@ -165,6 +165,25 @@ TEST_CASE("freeze_compiles: a runtime-built cell in graph mode traces no new sha
                      "shape [3, 3, 4] -> [5, 3, 4]") != std::string::npos);
 }
 
+TEST_CASE("freeze_compiles: a training step over a runtime-built network in graph mode traces no new shape") {
+  ModeGuard mode;
+  set_context({.mode = GRAPH_MODE});
+  auto net = runtime_network();
+  nn::MSELoss<> loss;
+  nn::WithLossCell with_loss(net, loss);
+  auto step = value_and_grad(with_loss, net.parameters());
+  const Tensor x = randn({3, 3, 4}, 10);
+  const Tensor target = randn({3, 4}, 11);
+  const double first = step(x, target).value.item();  // traced now
+  FrozenCompiles frozen;
+  CHECK(step(x, target).value.item() == first);  // replayed
+  const auto weights = duet_test::values_of(*net.parameters()[0].parameter);
+  const std::string message = message_of([&] { step(randn({6, 3, 4}, 12), randn({6, 4}, 13)); });
+  CHECK(message.find("compiles are frozen (duet::freeze_compiles), and this call would compile form #2: argument 1 "
+                     "shape [3, 3, 4] -> [6, 3, 4]") != std::string::npos);
+  CHECK(duet_test::values_of(*net.parameters()[0].parameter) == weights);
+}
+
 TEST_CASE("precompile: the form is compiled before the first call, which then does not compile") {
   auto f = jit<JitConfig{.jit_level = O2, .max_compiled_forms = 2}>([](auto x) { return ops::relu(x); },
                                                                      {.name = "warm"});
