@@ -41,6 +41,14 @@ class IOError : public Error {
   using Error::Error;
 };
 
+// A compilation the recompilation contract forbids: one form more than a jitted function's
+// JitConfig::max_compiled_forms, or any compilation after duet::freeze_compiles(). Not a
+// ModeError: the call itself is valid, the program has said it may not compile again.
+class RecompileError : public Error {
+ public:
+  using Error::Error;
+};
+
 class FormatError : public IOError {
  public:
   using IOError::IOError;

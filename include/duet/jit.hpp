@@ -16,10 +16,16 @@
 // pattern instead, when one is given: a dynamic dimension then means one compiled form for all
 // its sizes), the value of each other argument (unless wrapped in duet::mutable_), and the
 // current values of the hash_args.
+//
+// The recompilation contract: JitConfig::max_compiled_forms bounds the forms of one function
+// (RecompileError or a warning, as JitConfig::on_recompile_limit says), freeze_compiles() makes
+// every later compilation an error, and f.precompile(TensorSpec...) compiles a form ahead of
+// its first call.
 #pragma once
 
 #include <algorithm>
 #include <atomic>
+#include <concepts>
 #include <cstdint>
 #include <cstring>
 #include <deque>
@@ -38,6 +44,7 @@
 #include "backend.hpp"
 #include "context.hpp"
 #include "detail/demangle.hpp"
+#include "error.hpp"
 #include "evaluator.hpp"
 #include "graph.hpp"
 #include "host.hpp"
@@ -149,13 +156,37 @@ inline void log_ambiguous_capture(const std::string& who, const std::string& why
                                        ", which their types cannot tell apart (README, Guarantees: \"Shared values in "
                                        "graph mode\")"));
 }
+
+inline std::atomic<bool> compiles_frozen_flag{false};
 }  // namespace detail
+
+// For serving: after freeze_compiles(), every compilation (a jitted function's new form, a
+// PIJit trace, a runtime-built cell traced in graph mode on its first call) throws
+// duet::RecompileError saying what would have compiled and why. Forms compiled before run as
+// ever. A static graph (Cell<...>) is compiled with the program and is not concerned; its plan
+// for a new input shape is not a compilation either.
+inline void freeze_compiles() { detail::compiles_frozen_flag.store(true, std::memory_order_release); }
+inline void unfreeze_compiles() { detail::compiles_frozen_flag.store(false, std::memory_order_release); }
+inline bool compiles_frozen() { return detail::compiles_frozen_flag.load(std::memory_order_acquire); }
+
+// Compiles frozen for a scope (a test, a serving loop), then as they were before it.
+class FrozenCompiles {
+ public:
+  FrozenCompiles() : was_frozen_(detail::compiles_frozen_flag.exchange(true, std::memory_order_acq_rel)) {}
+  ~FrozenCompiles() { detail::compiles_frozen_flag.store(was_frozen_, std::memory_order_release); }
+  FrozenCompiles(const FrozenCompiles&) = delete;
+  FrozenCompiles& operator=(const FrozenCompiles&) = delete;
+
+ private:
+  bool was_frozen_;
+};
 
 // Compilations of every jitted function so far.
 inline std::uint64_t jit_compile_count() { return detail::jit_stats().compiles.load(); }
 
-// One line per compilation, in order: which function, its compile number, and why; and one when
-// a PIJit trace is set aside because a cell in it has a hook now.
+// One line per compilation, in order: which function, its compile number, and why; one when
+// a PIJit trace is set aside because a cell in it has a hook now; and a "warning: " line when a
+// function passes its max_compiled_forms under RecompilePolicy::warn.
 inline std::vector<std::string> jit_compile_log() {
   auto& s = detail::jit_stats();
   std::lock_guard lock(s.mutex);
@@ -247,6 +278,42 @@ class JitFunction {
   std::uint64_t compile_count() const { return state_->compiles.load(); }
   const std::string& name() const { return options_.name; }
 
+  // Compiles the form for tensor arguments of these dtypes and shapes ahead of the first call,
+  // so that call does not stall: by calling the function once on zeros, as the first call
+  // would on its inputs (PIJit traces it; PSJit plans it, on this thread, and at O2 packs the
+  // weights). It counts toward max_compiled_forms and is refused while compiles are frozen; a
+  // form already compiled is left as it is. What that call changes (a BatchNorm's moving
+  // statistics in training, Dropout's generator) is put back, as for a step that does not
+  // commit: the zeros leave no trace but the form. Every argument is a tensor of element type T.
+  template <ElementType T = float, class... Specs>
+    requires(std::same_as<Specs, TensorSpec> && ...)
+  void precompile(const Specs&... specs) {
+    if (!get_context().jit_enabled) return;  // nothing compiles
+    std::size_t k = 0;
+    const auto zeros_for = [&](const TensorSpec& spec) {
+      if (spec.dtype != dtype_of<T> || !spec.shape.is_concrete()) {
+        throw ValueError(options_.name + ": precompile<" + std::string(name_of(dtype_of<T>)) + "> takes concrete " +
+                         std::string(name_of(dtype_of<T>)) + " shapes, got " + std::string(name_of(spec.dtype)) + " " +
+                         to_string(spec.shape) + " for tensor " + std::to_string(k));
+      }
+      ++k;
+      return zeros<T>(spec.shape);
+    };
+    const std::tuple<decltype(zeros<T>(specs.shape))...> inputs{zeros_for(specs)...};
+    std::apply(
+        [&](const auto&... x) {
+          check_signature(x...);
+          auto& cache = compile_cache<std::remove_cvref_t<decltype(x)>...>();
+          {
+            std::shared_lock lock(cache.mutex);
+            if (find(cache, signature_of(x...)) != nullptr) return;
+          }
+          const detail::StepScope discarded;
+          (void)compiled(x...);
+        },
+        inputs);
+  }
+
   template <class... Args>
   auto operator()(const Args&... args) {
     if constexpr ((graph::Symbolic<Args> || ...)) {
@@ -277,8 +344,12 @@ class JitFunction {
       std::unique_lock lock(cache.mutex);
       entry = find(cache, signature);
       if (entry == nullptr) {
-        if (options_.mode == JitMode::PIJit) return trace(cache, signature, args...);
-        entry = &compile(cache, signature, nullptr);
+        const std::string reason = why_compiled(cache, signature);
+        if (options_.mode == JitMode::PIJit) {
+          admit(state_->compiles.load() + 1, reason);  // before the trace runs the function for nothing
+          return trace(cache, signature, reason, args...);
+        }
+        entry = &compile(cache, signature, reason, nullptr);
       }
     }
     if (options_.mode == JitMode::PIJit) {
@@ -302,6 +373,7 @@ class JitFunction {
 
   struct State {
     std::atomic<std::uint64_t> compiles{0};
+    std::atomic<bool> warned{false};  // RecompilePolicy::warn says it once
     std::mutex mutex;
     std::vector<std::pair<std::type_index, std::shared_ptr<void>>> caches;
   };
@@ -395,7 +467,8 @@ class JitFunction {
 
   // PIJit's compilation: run the function eagerly under a trace, keep the trace for replay.
   template <std::size_t N, class... Args>
-  auto trace(detail::CompileCache<N>& cache, const detail::Signature<N>& s, const Args&... args) {
+  auto trace(detail::CompileCache<N>& cache, const detail::Signature<N>& s, const std::string& reason,
+             const Args&... args) {
     pijit::Trace trace;
     auto inputs = std::make_tuple(traced_argument(args)...);
     std::size_t k = 0;
@@ -416,7 +489,7 @@ class JitFunction {
       note = "traced " + std::to_string(replay->traced_steps()) + " operations, replays " +
              std::to_string(replay->steps()) + " steps: " + replay->step_names();
     }
-    compile(cache, s, replay, note);
+    compile(cache, s, reason, replay, note);
     // A replay that folds a BatchNorm (evaluation, which changes no state) rounds differently
     // from the eager run that traced it: the traced call returns the replay's result too, so
     // that every call of this shape gives the same bits.
@@ -438,14 +511,41 @@ class JitFunction {
   }
 
   template <std::size_t N>
+  static std::string why_compiled(const detail::CompileCache<N>& cache, const detail::Signature<N>& s) {
+    return cache.entries.empty() ? std::string("first call") : detail::why_recompiled(cache.entries.back().signature, s);
+  }
+
+  // The recompilation contract, asked before form `number` is made: refused while compiles are
+  // frozen, and past max_compiled_forms as on_recompile_limit says.
+  void admit(std::uint64_t number, const std::string& reason) const {
+    if (compiles_frozen()) {
+      throw RecompileError(options_.name + ": compiles are frozen (duet::freeze_compiles), and this call would compile " +
+                           "form #" + std::to_string(number) + ": " + reason);
+    }
+    constexpr std::size_t limit = Config.max_compiled_forms;
+    if (limit == 0 || number <= limit) return;
+    const std::string text = options_.name + ": compile #" + std::to_string(number) + " exceeds max_compiled_forms = " +
+                             std::to_string(limit) + ": " + reason;
+    if constexpr (Config.on_recompile_limit == RecompilePolicy::raise) {
+      throw RecompileError(text);
+    } else if (!state_->warned.exchange(true)) {
+      detail::jit_log("warning: " + text);
+    }
+  }
+
+  template <std::size_t N>
   const typename detail::CompileCache<N>::Entry& compile(detail::CompileCache<N>& cache, const detail::Signature<N>& s,
+                                                          const std::string& reason,
                                                           std::shared_ptr<const pijit::Replay> replay,
                                                           const std::string& note = {}) {
-    const std::uint64_t number = ++state_->compiles;
-    auto& stats = detail::jit_stats();
-    stats.compiles.fetch_add(1);
-    const std::string reason = cache.entries.empty() ? std::string("first call")
-                                                     : detail::why_recompiled(cache.entries.back().signature, s);
+    // Reserved by compare-and-swap: the caches of two argument lists have their own locks, so
+    // two of this function's forms may be compiled at once, and the limit must hold for both.
+    std::uint64_t number = state_->compiles.load();
+    do {
+      admit(number + 1, reason);
+    } while (!state_->compiles.compare_exchange_weak(number, number + 1));
+    ++number;
+    detail::jit_stats().compiles.fetch_add(1);
     detail::jit_log(options_.name + ": compile #" + std::to_string(number) + ": " + reason +
                     (note.empty() ? "" : " (" + note + ")"));
     cache.entries.push_back({s, duet::detail::new_plan_owner(), std::move(replay)});

@@ -1,6 +1,7 @@
 // JitConfig: how graph mode compiles a function or cell (MindSpore's mindspore.JitConfig).
 #pragma once
 
+#include <cstddef>
 #include <string>
 #include <string_view>
 
@@ -28,6 +29,10 @@ enum class ExecMode : unsigned char { automatic, sink, no_sink };
 // names the node and the function or construct it was captured from.
 enum class DebugLevel : unsigned char { release, debug };
 
+// What a call does that would compile one form more than JitConfig::max_compiled_forms:
+// raise throws duet::RecompileError; warn says so once in the compile log and compiles.
+enum class RecompilePolicy : unsigned char { raise, warn };
+
 // A structural type, so that jit<JitConfig{...}> makes the configuration part of the program:
 // it changes which passes run and what the evaluator checks.
 struct JitConfig {
@@ -35,11 +40,19 @@ struct JitConfig {
   ExecMode exec_mode = ExecMode::automatic;
   JitSyntaxLevel jit_syntax_level = JitSyntaxLevel::lax;
   DebugLevel debug_level = DebugLevel::release;
+  // Compiled forms (input signatures) one jitted function may make; 0: any number. A limit
+  // turns a recompilation storm, otherwise found only by its slowness, into an error naming
+  // the argument that changed.
+  std::size_t max_compiled_forms = 0;
+  RecompilePolicy on_recompile_limit = RecompilePolicy::raise;
 
-  // MindSpore's spellings: parse("O2", "auto", "STRICT", "RELEASE"). Unknown values throw
-  // duet::ValueError at run time, and do not compile in a constant expression.
+  // MindSpore's spellings: parse("O2", "auto", "STRICT", "RELEASE"), and the recompilation
+  // limit in the same style: parse("O1", "auto", "LAX", "RELEASE", "4", "WARN"). Unknown values
+  // throw duet::ValueError at run time, and do not compile in a constant expression.
   static constexpr JitConfig parse(std::string_view jit_level, std::string_view exec_mode = "auto",
-                                   std::string_view jit_syntax_level = "LAX", std::string_view debug_level = "RELEASE") {
+                                   std::string_view jit_syntax_level = "LAX", std::string_view debug_level = "RELEASE",
+                                   std::string_view max_compiled_forms = "0",
+                                   std::string_view on_recompile_limit = "RAISE") {
     JitConfig c;
     c.jit_level = jit_level == "O0"   ? JitLevel::O0
                   : jit_level == "O1" ? JitLevel::O1
@@ -56,6 +69,11 @@ struct JitConfig {
     c.debug_level = debug_level == "RELEASE" ? DebugLevel::release
                     : debug_level == "DEBUG" ? DebugLevel::debug
                                              : invalid<DebugLevel>("debug_level", debug_level, "RELEASE or DEBUG");
+    c.max_compiled_forms = count("max_compiled_forms", max_compiled_forms);
+    c.on_recompile_limit = on_recompile_limit == "RAISE"  ? RecompilePolicy::raise
+                           : on_recompile_limit == "WARN" ? RecompilePolicy::warn
+                                                          : invalid<RecompilePolicy>("on_recompile_limit",
+                                                                                     on_recompile_limit, "RAISE or WARN");
     return c;
   }
 
@@ -66,6 +84,16 @@ struct JitConfig {
   static constexpr E invalid(std::string_view field, std::string_view value, std::string_view allowed) {
     throw ValueError("duet::JitConfig: " + std::string(field) + " must be " + std::string(allowed) + ", got '" +
                      std::string(value) + "'");
+  }
+
+  // A decimal count; std::from_chars is not constexpr in C++20, so the digits are read here.
+  static constexpr std::size_t count(std::string_view field, std::string_view value) {
+    if (value.empty() || value.find_first_not_of("0123456789") != std::string_view::npos) {
+      return invalid<std::size_t>(field, value, "a count of forms (0: any)");
+    }
+    std::size_t n = 0;
+    for (char c : value) n = n * 10 + static_cast<std::size_t>(c - '0');
+    return n;
   }
 };
 

@@ -111,6 +111,14 @@ class IOError : public Error {
   using Error::Error;
 };
 
+// A compilation the recompilation contract forbids: one form more than a jitted function's
+// JitConfig::max_compiled_forms, or any compilation after duet::freeze_compiles(). Not a
+// ModeError: the call itself is valid, the program has said it may not compile again.
+class RecompileError : public Error {
+ public:
+  using Error::Error;
+};
+
 class FormatError : public IOError {
  public:
   using IOError::IOError;
@@ -5548,6 +5556,7 @@ auto append(const Op& op, const Sym<G0, O0>& x0, const Rest&... rest) {
 }  // namespace duet::graph
 // JitConfig: how graph mode compiles a function or cell (MindSpore's mindspore.JitConfig).
 
+#include <cstddef>
 #include <string>
 #include <string_view>
 
@@ -5574,6 +5583,10 @@ enum class ExecMode : unsigned char { automatic, sink, no_sink };
 // names the node and the function or construct it was captured from.
 enum class DebugLevel : unsigned char { release, debug };
 
+// What a call does that would compile one form more than JitConfig::max_compiled_forms:
+// raise throws duet::RecompileError; warn says so once in the compile log and compiles.
+enum class RecompilePolicy : unsigned char { raise, warn };
+
 // A structural type, so that jit<JitConfig{...}> makes the configuration part of the program:
 // it changes which passes run and what the evaluator checks.
 struct JitConfig {
@@ -5581,11 +5594,19 @@ struct JitConfig {
   ExecMode exec_mode = ExecMode::automatic;
   JitSyntaxLevel jit_syntax_level = JitSyntaxLevel::lax;
   DebugLevel debug_level = DebugLevel::release;
+  // Compiled forms (input signatures) one jitted function may make; 0: any number. A limit
+  // turns a recompilation storm, otherwise found only by its slowness, into an error naming
+  // the argument that changed.
+  std::size_t max_compiled_forms = 0;
+  RecompilePolicy on_recompile_limit = RecompilePolicy::raise;
 
-  // MindSpore's spellings: parse("O2", "auto", "STRICT", "RELEASE"). Unknown values throw
-  // duet::ValueError at run time, and do not compile in a constant expression.
+  // MindSpore's spellings: parse("O2", "auto", "STRICT", "RELEASE"), and the recompilation
+  // limit in the same style: parse("O1", "auto", "LAX", "RELEASE", "4", "WARN"). Unknown values
+  // throw duet::ValueError at run time, and do not compile in a constant expression.
   static constexpr JitConfig parse(std::string_view jit_level, std::string_view exec_mode = "auto",
-                                   std::string_view jit_syntax_level = "LAX", std::string_view debug_level = "RELEASE") {
+                                   std::string_view jit_syntax_level = "LAX", std::string_view debug_level = "RELEASE",
+                                   std::string_view max_compiled_forms = "0",
+                                   std::string_view on_recompile_limit = "RAISE") {
     JitConfig c;
     c.jit_level = jit_level == "O0"   ? JitLevel::O0
                   : jit_level == "O1" ? JitLevel::O1
@@ -5602,6 +5623,11 @@ struct JitConfig {
     c.debug_level = debug_level == "RELEASE" ? DebugLevel::release
                     : debug_level == "DEBUG" ? DebugLevel::debug
                                              : invalid<DebugLevel>("debug_level", debug_level, "RELEASE or DEBUG");
+    c.max_compiled_forms = count("max_compiled_forms", max_compiled_forms);
+    c.on_recompile_limit = on_recompile_limit == "RAISE"  ? RecompilePolicy::raise
+                           : on_recompile_limit == "WARN" ? RecompilePolicy::warn
+                                                          : invalid<RecompilePolicy>("on_recompile_limit",
+                                                                                     on_recompile_limit, "RAISE or WARN");
     return c;
   }
 
@@ -5612,6 +5638,16 @@ struct JitConfig {
   static constexpr E invalid(std::string_view field, std::string_view value, std::string_view allowed) {
     throw ValueError("duet::JitConfig: " + std::string(field) + " must be " + std::string(allowed) + ", got '" +
                      std::string(value) + "'");
+  }
+
+  // A decimal count; std::from_chars is not constexpr in C++20, so the digits are read here.
+  static constexpr std::size_t count(std::string_view field, std::string_view value) {
+    if (value.empty() || value.find_first_not_of("0123456789") != std::string_view::npos) {
+      return invalid<std::size_t>(field, value, "a count of forms (0: any)");
+    }
+    std::size_t n = 0;
+    for (char c : value) n = n * 10 + static_cast<std::size_t>(c - '0');
+    return n;
   }
 };
 
@@ -5898,9 +5934,15 @@ auto evaluate(const graph::Sym<G, Out>& program, const Inputs&... inputs) {
 // pattern instead, when one is given: a dynamic dimension then means one compiled form for all
 // its sizes), the value of each other argument (unless wrapped in duet::mutable_), and the
 // current values of the hash_args.
+//
+// The recompilation contract: JitConfig::max_compiled_forms bounds the forms of one function
+// (RecompileError or a warning, as JitConfig::on_recompile_limit says), freeze_compiles() makes
+// every later compilation an error, and f.precompile(TensorSpec...) compiles a form ahead of
+// its first call.
 
 #include <algorithm>
 #include <atomic>
+#include <concepts>
 #include <cstdint>
 #include <cstring>
 #include <deque>
@@ -8131,13 +8173,37 @@ inline void log_ambiguous_capture(const std::string& who, const std::string& why
                                        ", which their types cannot tell apart (README, Guarantees: \"Shared values in "
                                        "graph mode\")"));
 }
+
+inline std::atomic<bool> compiles_frozen_flag{false};
 }  // namespace detail
+
+// For serving: after freeze_compiles(), every compilation (a jitted function's new form, a
+// PIJit trace, a runtime-built cell traced in graph mode on its first call) throws
+// duet::RecompileError saying what would have compiled and why. Forms compiled before run as
+// ever. A static graph (Cell<...>) is compiled with the program and is not concerned; its plan
+// for a new input shape is not a compilation either.
+inline void freeze_compiles() { detail::compiles_frozen_flag.store(true, std::memory_order_release); }
+inline void unfreeze_compiles() { detail::compiles_frozen_flag.store(false, std::memory_order_release); }
+inline bool compiles_frozen() { return detail::compiles_frozen_flag.load(std::memory_order_acquire); }
+
+// Compiles frozen for a scope (a test, a serving loop), then as they were before it.
+class FrozenCompiles {
+ public:
+  FrozenCompiles() : was_frozen_(detail::compiles_frozen_flag.exchange(true, std::memory_order_acq_rel)) {}
+  ~FrozenCompiles() { detail::compiles_frozen_flag.store(was_frozen_, std::memory_order_release); }
+  FrozenCompiles(const FrozenCompiles&) = delete;
+  FrozenCompiles& operator=(const FrozenCompiles&) = delete;
+
+ private:
+  bool was_frozen_;
+};
 
 // Compilations of every jitted function so far.
 inline std::uint64_t jit_compile_count() { return detail::jit_stats().compiles.load(); }
 
-// One line per compilation, in order: which function, its compile number, and why; and one when
-// a PIJit trace is set aside because a cell in it has a hook now.
+// One line per compilation, in order: which function, its compile number, and why; one when
+// a PIJit trace is set aside because a cell in it has a hook now; and a "warning: " line when a
+// function passes its max_compiled_forms under RecompilePolicy::warn.
 inline std::vector<std::string> jit_compile_log() {
   auto& s = detail::jit_stats();
   std::lock_guard lock(s.mutex);
@@ -8229,6 +8295,42 @@ class JitFunction {
   std::uint64_t compile_count() const { return state_->compiles.load(); }
   const std::string& name() const { return options_.name; }
 
+  // Compiles the form for tensor arguments of these dtypes and shapes ahead of the first call,
+  // so that call does not stall: by calling the function once on zeros, as the first call
+  // would on its inputs (PIJit traces it; PSJit plans it, on this thread, and at O2 packs the
+  // weights). It counts toward max_compiled_forms and is refused while compiles are frozen; a
+  // form already compiled is left as it is. What that call changes (a BatchNorm's moving
+  // statistics in training, Dropout's generator) is put back, as for a step that does not
+  // commit: the zeros leave no trace but the form. Every argument is a tensor of element type T.
+  template <ElementType T = float, class... Specs>
+    requires(std::same_as<Specs, TensorSpec> && ...)
+  void precompile(const Specs&... specs) {
+    if (!get_context().jit_enabled) return;  // nothing compiles
+    std::size_t k = 0;
+    const auto zeros_for = [&](const TensorSpec& spec) {
+      if (spec.dtype != dtype_of<T> || !spec.shape.is_concrete()) {
+        throw ValueError(options_.name + ": precompile<" + std::string(name_of(dtype_of<T>)) + "> takes concrete " +
+                         std::string(name_of(dtype_of<T>)) + " shapes, got " + std::string(name_of(spec.dtype)) + " " +
+                         to_string(spec.shape) + " for tensor " + std::to_string(k));
+      }
+      ++k;
+      return zeros<T>(spec.shape);
+    };
+    const std::tuple<decltype(zeros<T>(specs.shape))...> inputs{zeros_for(specs)...};
+    std::apply(
+        [&](const auto&... x) {
+          check_signature(x...);
+          auto& cache = compile_cache<std::remove_cvref_t<decltype(x)>...>();
+          {
+            std::shared_lock lock(cache.mutex);
+            if (find(cache, signature_of(x...)) != nullptr) return;
+          }
+          const detail::StepScope discarded;
+          (void)compiled(x...);
+        },
+        inputs);
+  }
+
   template <class... Args>
   auto operator()(const Args&... args) {
     if constexpr ((graph::Symbolic<Args> || ...)) {
@@ -8259,8 +8361,12 @@ class JitFunction {
       std::unique_lock lock(cache.mutex);
       entry = find(cache, signature);
       if (entry == nullptr) {
-        if (options_.mode == JitMode::PIJit) return trace(cache, signature, args...);
-        entry = &compile(cache, signature, nullptr);
+        const std::string reason = why_compiled(cache, signature);
+        if (options_.mode == JitMode::PIJit) {
+          admit(state_->compiles.load() + 1, reason);  // before the trace runs the function for nothing
+          return trace(cache, signature, reason, args...);
+        }
+        entry = &compile(cache, signature, reason, nullptr);
       }
     }
     if (options_.mode == JitMode::PIJit) {
@@ -8284,6 +8390,7 @@ class JitFunction {
 
   struct State {
     std::atomic<std::uint64_t> compiles{0};
+    std::atomic<bool> warned{false};  // RecompilePolicy::warn says it once
     std::mutex mutex;
     std::vector<std::pair<std::type_index, std::shared_ptr<void>>> caches;
   };
@@ -8377,7 +8484,8 @@ class JitFunction {
 
   // PIJit's compilation: run the function eagerly under a trace, keep the trace for replay.
   template <std::size_t N, class... Args>
-  auto trace(detail::CompileCache<N>& cache, const detail::Signature<N>& s, const Args&... args) {
+  auto trace(detail::CompileCache<N>& cache, const detail::Signature<N>& s, const std::string& reason,
+             const Args&... args) {
     pijit::Trace trace;
     auto inputs = std::make_tuple(traced_argument(args)...);
     std::size_t k = 0;
@@ -8398,7 +8506,7 @@ class JitFunction {
       note = "traced " + std::to_string(replay->traced_steps()) + " operations, replays " +
              std::to_string(replay->steps()) + " steps: " + replay->step_names();
     }
-    compile(cache, s, replay, note);
+    compile(cache, s, reason, replay, note);
     // A replay that folds a BatchNorm (evaluation, which changes no state) rounds differently
     // from the eager run that traced it: the traced call returns the replay's result too, so
     // that every call of this shape gives the same bits.
@@ -8420,14 +8528,41 @@ class JitFunction {
   }
 
   template <std::size_t N>
+  static std::string why_compiled(const detail::CompileCache<N>& cache, const detail::Signature<N>& s) {
+    return cache.entries.empty() ? std::string("first call") : detail::why_recompiled(cache.entries.back().signature, s);
+  }
+
+  // The recompilation contract, asked before form `number` is made: refused while compiles are
+  // frozen, and past max_compiled_forms as on_recompile_limit says.
+  void admit(std::uint64_t number, const std::string& reason) const {
+    if (compiles_frozen()) {
+      throw RecompileError(options_.name + ": compiles are frozen (duet::freeze_compiles), and this call would compile " +
+                           "form #" + std::to_string(number) + ": " + reason);
+    }
+    constexpr std::size_t limit = Config.max_compiled_forms;
+    if (limit == 0 || number <= limit) return;
+    const std::string text = options_.name + ": compile #" + std::to_string(number) + " exceeds max_compiled_forms = " +
+                             std::to_string(limit) + ": " + reason;
+    if constexpr (Config.on_recompile_limit == RecompilePolicy::raise) {
+      throw RecompileError(text);
+    } else if (!state_->warned.exchange(true)) {
+      detail::jit_log("warning: " + text);
+    }
+  }
+
+  template <std::size_t N>
   const typename detail::CompileCache<N>::Entry& compile(detail::CompileCache<N>& cache, const detail::Signature<N>& s,
+                                                          const std::string& reason,
                                                           std::shared_ptr<const pijit::Replay> replay,
                                                           const std::string& note = {}) {
-    const std::uint64_t number = ++state_->compiles;
-    auto& stats = detail::jit_stats();
-    stats.compiles.fetch_add(1);
-    const std::string reason = cache.entries.empty() ? std::string("first call")
-                                                     : detail::why_recompiled(cache.entries.back().signature, s);
+    // Reserved by compare-and-swap: the caches of two argument lists have their own locks, so
+    // two of this function's forms may be compiled at once, and the limit must hold for both.
+    std::uint64_t number = state_->compiles.load();
+    do {
+      admit(number + 1, reason);
+    } while (!state_->compiles.compare_exchange_weak(number, number + 1));
+    ++number;
+    detail::jit_stats().compiles.fetch_add(1);
     detail::jit_log(options_.name + ": compile #" + std::to_string(number) + ": " + reason +
                     (note.empty() ? "" : " (" + note + ")"));
     cache.entries.push_back({s, duet::detail::new_plan_owner(), std::move(replay)});
