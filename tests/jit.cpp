@@ -197,6 +197,49 @@ TEST_CASE("LAX: a host callback is a graph break that runs eagerly between compi
   CHECK(f(x).shape() == Shape{4, 3});
 }
 
+namespace {
+struct Halving : nn::Cell<Halving> {
+  nn::Dense<3, 3> fc;
+  DUET_CELL_MEMBERS(fc);
+  static constexpr unsigned break_line = __LINE__ + 2;
+  auto construct(auto v) {
+    return host<allowed_break>([](const Tensor& t) { return t * 0.5f; }, fc(v));
+  }
+};
+}  // namespace
+
+TEST_CASE("graph breaks are listed where they are called; COMPATIBLE runs the ones marked allowed_break") {
+  nn::Dense<3, 3> dense;
+  auto halve = [](const Tensor& t) { return t * 0.5f; };
+  auto lax = jit([&](auto x) { return host(halve, dense(x)); });
+  auto compatible = jit<JitConfig{.jit_syntax_level = JitSyntaxLevel::compatible}>(
+      [&](auto x) { return host<allowed_break>(halve, dense(x)); });
+  const Tensor x = randn({4, 3}, 2);
+  const auto expected = duet_test::values_of(halve(dense(x)));
+  CHECK(duet_test::values_of(lax(x)) == expected);
+  CHECK(duet_test::values_of(compatible(x)) == expected);
+  CHECK(JitConfig::parse("O1", "auto", "COMPATIBLE").jit_syntax_level == JitSyntaxLevel::compatible);
+  CHECK_THROWS_WITH_AS(JitConfig::parse("O1", "auto", "LOOSE"),
+                       doctest::Contains("jit_syntax_level must be STRICT, COMPATIBLE or LAX, got 'LOOSE'"), ValueError);
+
+  // graph_ir names each break and the line that calls it.
+  Halving net;
+  const std::string text = graph_ir(net).captured.text;
+  CAPTURE(text);
+  CHECK(text.find("= Host(%2) : [..., 3]  [output]  duet::host<allowed_break> at " + std::string(__FILE__) + ":" +
+                  std::to_string(Halving::break_line) + "\n") != std::string::npos);
+  // A trace (PIJit) breaks there, and its compile log says where.
+  const unsigned traced_line = __LINE__ + 1;
+  auto traced = jit([&](const Tensor& v) { return host(halve, dense(v)); }, {.mode = JitMode::PIJit, .name = "breaks"});
+  CHECK(duet_test::values_of(traced(x)) == expected);
+  const auto log = jit_compile_log();
+  CHECK(std::any_of(log.begin(), log.end(), [&](const std::string& line) {
+    return line.find("breaks: compile #1: first call (graph break, runs eagerly: the function calls duet::host, a host "
+                     "callback, at " + std::string(__FILE__) + ":" + std::to_string(traced_line) + ")") !=
+           std::string::npos;
+  }));
+}
+
 TEST_CASE("DEBUG names the node and the function, and checks every node for NaN and infinity") {
   nn::Dense<2, 2> dense;
   auto debug = jit<JitConfig{.debug_level = DebugLevel::debug}>([&](auto x) { return dense(x); }, {.name = "net"});

@@ -3,8 +3,9 @@
 // duet::print is a graph operation: in either mode, and at every jit level, it prints the value
 // when it is computed and passes it on unchanged (as a view), so a user never has to take jit
 // away to see a value. duet::host runs any C++ function on a value: a host node, a graph
-// break that runs eagerly between compiled parts. A jit function of JitSyntaxLevel::strict
-// refuses host nodes at compile time.
+// break that runs eagerly between compiled parts, named by the line that calls it. A jit
+// function (or a cell's construct) of JitSyntaxLevel::strict refuses host nodes at compile
+// time, and one of JitSyntaxLevel::compatible those not marked duet::allowed_break.
 #pragma once
 
 #include <algorithm>
@@ -13,10 +14,12 @@
 #include <iostream>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "eager.hpp"
 #include "graph.hpp"
+#include "jit_config.hpp"
 #include "print.hpp"
 #include "tensor.hpp"
 
@@ -28,6 +31,18 @@ inline std::mutex& print_mutex() {
   return m;
 }
 }  // namespace detail
+
+// Where a call was made, taken as a default argument is. Not std::source_location: libstdc++
+// 12 leaves it empty under clang 14, which lacks __builtin_source_location; the builtins
+// below are in both compilers.
+struct SourceLocation {
+  const char* file = "";
+  unsigned line = 0;
+  static constexpr SourceLocation current(const char* file = __builtin_FILE(), unsigned line = __builtin_LINE()) {
+    return {file, line};
+  }
+  std::string to_string() const { return std::string(file) + ":" + std::to_string(line); }
+};
 
 namespace ops {
 
@@ -73,7 +88,8 @@ struct PrintOp {
 };
 
 // Calls a C++ function on the value; its result (of the same shape) is the node's value.
-template <class T>
+// Allowed: the call was marked an intended graph break (duet::host<duet::allowed_break>).
+template <class T, bool Allowed = false>
 struct HostOp {
   using layer_type = HostOp;
   using value_type = T;
@@ -81,8 +97,10 @@ struct HostOp {
   static constexpr bool is_view = false;
   static constexpr bool is_elementwise = false;
   static constexpr bool is_host = true;
+  static constexpr bool allowed_break = Allowed;
 
   std::function<BasicTensor<T>(const BasicTensor<T>&)> fn;
+  SourceLocation where;  // the duet::host call: what graph_ir and the compile log name
 
   static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
   ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
@@ -100,20 +118,45 @@ struct HostOp {
   }
 
   static std::string op_name() { return "Host"; }
-  std::string label() const { return "duet::host"; }
+  std::string label() const {
+    return std::string(Allowed ? "duet::host<allowed_break>" : "duet::host") + " at " + where.to_string();
+  }
 };
 
 }  // namespace ops
 
+// Marks a host callback as an intended graph break: duet::host<duet::allowed_break>(fn, x).
+// JitSyntaxLevel::compatible accepts such breaks only.
+struct allowed_break {};
+
 namespace graph {
-// The first host node of G, or G::size.
-template <class G>
+// The first host node of G, or G::size; with UnmarkedOnly, the first not marked allowed_break.
+template <class G, bool UnmarkedOnly = false>
 constexpr std::size_t first_host_node() {
   std::size_t found = G::size;
   for_each_index<G::size>([&](auto i) {
-    if (found == G::size && is_host_op<typename node_at<G, decltype(i)::value>::op_type>()) found = decltype(i)::value;
+    using Op = typename node_at<G, decltype(i)::value>::op_type;
+    if constexpr (is_host_op<Op>()) {
+      if (found == G::size && !(UnmarkedOnly && Op::allowed_break)) found = decltype(i)::value;
+    }
   });
   return found;
+}
+
+// The jit syntax level of Config, checked on a captured graph G, for every front end (a cell's
+// construct, a jitted function, grad): strict refuses every host callback, compatible those
+// not marked allowed_break, lax none.
+template <JitConfig Config, class G>
+constexpr void check_syntax_level() {
+  if constexpr (Config.jit_syntax_level == JitSyntaxLevel::strict) {
+    static_assert(first_host_node<G>() == G::size,
+                  "duet::jit: JitSyntaxLevel::strict: the function calls duet::host, a host callback, which is not "
+                  "a graph operation; use JitSyntaxLevel::lax to run it as a graph break");
+  } else if constexpr (Config.jit_syntax_level == JitSyntaxLevel::compatible) {
+    static_assert(first_host_node<G, true>() == G::size,
+                  "duet::jit: JitSyntaxLevel::compatible: the function calls duet::host without marking the graph "
+                  "break as intended; write duet::host<duet::allowed_break>(fn, x), or use JitSyntaxLevel::lax");
+  }
 }
 }  // namespace graph
 
@@ -125,11 +168,15 @@ auto print(X&& x, const char* label = "", std::ostream& out = std::cout) {
 }
 
 // Runs fn (a function from a tensor to a tensor of the same shape) on x: now in PyNative, or
-// as a host node (a graph break) in a graph.
-template <class F, class X>
-auto host(F&& fn, X&& x) {
+// as a host node (a graph break) in a graph, named by where it is called. Mark, with
+// duet::host<duet::allowed_break>(fn, x), a break that is intended.
+template <class Mark = void, class F, class X>
+auto host(F&& fn, X&& x, SourceLocation where = SourceLocation::current()) {
+  static_assert(std::is_void_v<Mark> || std::is_same_v<Mark, allowed_break>,
+                "duet::host<Mark>: Mark is duet::allowed_break, or nothing");
   using T = typename std::remove_cvref_t<X>::value_type;
-  return apply(ops::HostOp<T>{std::function<BasicTensor<T>(const BasicTensor<T>&)>(std::forward<F>(fn))},
+  return apply(ops::HostOp<T, std::is_same_v<Mark, allowed_break>>{
+                   std::function<BasicTensor<T>(const BasicTensor<T>&)>(std::forward<F>(fn)), where},
                std::forward<X>(x));
 }
 

@@ -573,11 +573,7 @@ class JitFunction {
       using Captured = decltype(captured);
       static_assert(graph::Symbolic<Captured>, "duet::jit: the function must return a tensor computed from its inputs");
       using G = typename Captured::graph_type;
-      if constexpr (Config.jit_syntax_level == JitSyntaxLevel::strict) {
-        static_assert(graph::first_host_node<G>() == G::size,
-                      "duet::jit: JitSyntaxLevel::strict: the function calls duet::host, a host callback, which is "
-                      "not a graph operation; use JitSyntaxLevel::lax to run it as a graph break");
-      }
+      graph::check_syntax_level<Config, G>();
       auto program = passes::optimize<Config>(captured);
       program.ambiguity = captured.ambiguity;  // the optimised graph cannot run either
       return program;

@@ -16,10 +16,11 @@ namespace duet {
 // forward pass the packing of every weight. All three give the same numbers.
 enum class JitLevel : unsigned char { O0, O1, O2 };
 
-// How much of C++ a jitted function may use. strict: anything that is not a graph operation
-// (a host callback) is a compile error; lax: it becomes a host node, a graph break that runs
-// eagerly between the compiled parts.
-enum class JitSyntaxLevel : unsigned char { strict, lax };
+// How much of C++ a jitted function (or a cell's construct) may use. strict: anything that is
+// not a graph operation (a host callback) is a compile error; lax: it becomes a host node, a
+// graph break that runs eagerly between the compiled parts; compatible, between the two (as
+// MindSpore's COMPATIBLE is): only breaks marked duet::host<duet::allowed_break>.
+enum class JitSyntaxLevel : unsigned char { strict, compatible, lax };
 
 // sink: the whole graph is one compiled call (one arena, slots reused); no_sink: node by node,
 // each node's output in its own buffer; automatic: sink.
@@ -62,10 +63,11 @@ struct JitConfig {
                   : exec_mode == "sink"    ? ExecMode::sink
                   : exec_mode == "no_sink" ? ExecMode::no_sink
                                            : invalid<ExecMode>("exec_mode", exec_mode, "auto, sink or no_sink");
-    c.jit_syntax_level = jit_syntax_level == "STRICT" ? JitSyntaxLevel::strict
-                         : jit_syntax_level == "LAX"  ? JitSyntaxLevel::lax
-                                                      : invalid<JitSyntaxLevel>("jit_syntax_level", jit_syntax_level,
-                                                                                "STRICT or LAX");
+    c.jit_syntax_level = jit_syntax_level == "STRICT"       ? JitSyntaxLevel::strict
+                         : jit_syntax_level == "COMPATIBLE" ? JitSyntaxLevel::compatible
+                         : jit_syntax_level == "LAX"        ? JitSyntaxLevel::lax
+                                                            : invalid<JitSyntaxLevel>("jit_syntax_level", jit_syntax_level,
+                                                                                      "STRICT, COMPATIBLE or LAX");
     c.debug_level = debug_level == "RELEASE" ? DebugLevel::release
                     : debug_level == "DEBUG" ? DebugLevel::debug
                                              : invalid<DebugLevel>("debug_level", debug_level, "RELEASE or DEBUG");

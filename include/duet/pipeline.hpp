@@ -23,6 +23,7 @@
 
 #include "evaluator.hpp"
 #include "graph.hpp"
+#include "host.hpp"
 #include "jit_config.hpp"
 #include "passes.hpp"
 #include "tensor.hpp"
@@ -42,6 +43,7 @@ template <JitConfig Config, bool Differentiated, class... Inputs, class F>
 auto compile(F&& f) {
   return [&]<class... T, class... P, std::size_t... K>(std::index_sequence<K...>, Input<T, P>*...) {
     const auto captured = f(graph::input<T, P, K>()...);
+    graph::check_syntax_level<Config, typename decltype(captured)::graph_type>();
     auto program = passes::optimize<Config, Differentiated>(captured);
     program.ambiguity = captured.ambiguity;
     return program;

@@ -269,7 +269,10 @@ class Trace {
     }
     // A host callback is C++ the replay would run on values it never saw made: the caller runs
     // eagerly instead, so that it is a plain call every time.
-    if constexpr (graph::is_host_op<Op>()) mark_broken("calls duet::host, a host callback");
+    if constexpr (graph::is_host_op<Op>()) {
+      mark_broken(std::string("calls duet::host, a host callback") + (Op::allowed_break ? " marked allowed_break" : "") +
+                  ", at " + op.where.to_string());
+    }
     auto step = std::make_unique<OpStep<Op, T>>(op);
     (step->inputs.push_back(value_of(x)), ...);
     Value v;

@@ -5570,10 +5570,11 @@ namespace duet {
 // forward pass the packing of every weight. All three give the same numbers.
 enum class JitLevel : unsigned char { O0, O1, O2 };
 
-// How much of C++ a jitted function may use. strict: anything that is not a graph operation
-// (a host callback) is a compile error; lax: it becomes a host node, a graph break that runs
-// eagerly between the compiled parts.
-enum class JitSyntaxLevel : unsigned char { strict, lax };
+// How much of C++ a jitted function (or a cell's construct) may use. strict: anything that is
+// not a graph operation (a host callback) is a compile error; lax: it becomes a host node, a
+// graph break that runs eagerly between the compiled parts; compatible, between the two (as
+// MindSpore's COMPATIBLE is): only breaks marked duet::host<duet::allowed_break>.
+enum class JitSyntaxLevel : unsigned char { strict, compatible, lax };
 
 // sink: the whole graph is one compiled call (one arena, slots reused); no_sink: node by node,
 // each node's output in its own buffer; automatic: sink.
@@ -5616,10 +5617,11 @@ struct JitConfig {
                   : exec_mode == "sink"    ? ExecMode::sink
                   : exec_mode == "no_sink" ? ExecMode::no_sink
                                            : invalid<ExecMode>("exec_mode", exec_mode, "auto, sink or no_sink");
-    c.jit_syntax_level = jit_syntax_level == "STRICT" ? JitSyntaxLevel::strict
-                         : jit_syntax_level == "LAX"  ? JitSyntaxLevel::lax
-                                                      : invalid<JitSyntaxLevel>("jit_syntax_level", jit_syntax_level,
-                                                                                "STRICT or LAX");
+    c.jit_syntax_level = jit_syntax_level == "STRICT"       ? JitSyntaxLevel::strict
+                         : jit_syntax_level == "COMPATIBLE" ? JitSyntaxLevel::compatible
+                         : jit_syntax_level == "LAX"        ? JitSyntaxLevel::lax
+                                                            : invalid<JitSyntaxLevel>("jit_syntax_level", jit_syntax_level,
+                                                                                      "STRICT, COMPATIBLE or LAX");
     c.debug_level = debug_level == "RELEASE" ? DebugLevel::release
                     : debug_level == "DEBUG" ? DebugLevel::debug
                                              : invalid<DebugLevel>("debug_level", debug_level, "RELEASE or DEBUG");
@@ -5963,8 +5965,9 @@ auto evaluate(const graph::Sym<G, Out>& program, const Inputs&... inputs) {
 // duet::print is a graph operation: in either mode, and at every jit level, it prints the value
 // when it is computed and passes it on unchanged (as a view), so a user never has to take jit
 // away to see a value. duet::host runs any C++ function on a value: a host node, a graph
-// break that runs eagerly between compiled parts. A jit function of JitSyntaxLevel::strict
-// refuses host nodes at compile time.
+// break that runs eagerly between compiled parts, named by the line that calls it. A jit
+// function (or a cell's construct) of JitSyntaxLevel::strict refuses host nodes at compile
+// time, and one of JitSyntaxLevel::compatible those not marked duet::allowed_break.
 
 #include <algorithm>
 #include <array>
@@ -5972,6 +5975,7 @@ auto evaluate(const graph::Sym<G, Out>& program, const Inputs&... inputs) {
 #include <iostream>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 // PyNative evaluation of one operation: run its shape rule, allocate its output from the
@@ -6394,7 +6398,10 @@ class Trace {
     }
     // A host callback is C++ the replay would run on values it never saw made: the caller runs
     // eagerly instead, so that it is a plain call every time.
-    if constexpr (graph::is_host_op<Op>()) mark_broken("calls duet::host, a host callback");
+    if constexpr (graph::is_host_op<Op>()) {
+      mark_broken(std::string("calls duet::host, a host callback") + (Op::allowed_break ? " marked allowed_break" : "") +
+                  ", at " + op.where.to_string());
+    }
     auto step = std::make_unique<OpStep<Op, T>>(op);
     (step->inputs.push_back(value_of(x)), ...);
     Value v;
@@ -7421,6 +7428,18 @@ inline std::mutex& print_mutex() {
 }
 }  // namespace detail
 
+// Where a call was made, taken as a default argument is. Not std::source_location: libstdc++
+// 12 leaves it empty under clang 14, which lacks __builtin_source_location; the builtins
+// below are in both compilers.
+struct SourceLocation {
+  const char* file = "";
+  unsigned line = 0;
+  static constexpr SourceLocation current(const char* file = __builtin_FILE(), unsigned line = __builtin_LINE()) {
+    return {file, line};
+  }
+  std::string to_string() const { return std::string(file) + ":" + std::to_string(line); }
+};
+
 namespace ops {
 
 struct IdentityGradOp : Primitive<IdentityGradOp> {
@@ -7465,7 +7484,8 @@ struct PrintOp {
 };
 
 // Calls a C++ function on the value; its result (of the same shape) is the node's value.
-template <class T>
+// Allowed: the call was marked an intended graph break (duet::host<duet::allowed_break>).
+template <class T, bool Allowed = false>
 struct HostOp {
   using layer_type = HostOp;
   using value_type = T;
@@ -7473,8 +7493,10 @@ struct HostOp {
   static constexpr bool is_view = false;
   static constexpr bool is_elementwise = false;
   static constexpr bool is_host = true;
+  static constexpr bool allowed_break = Allowed;
 
   std::function<BasicTensor<T>(const BasicTensor<T>&)> fn;
+  SourceLocation where;  // the duet::host call: what graph_ir and the compile log name
 
   static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
   ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
@@ -7492,20 +7514,45 @@ struct HostOp {
   }
 
   static std::string op_name() { return "Host"; }
-  std::string label() const { return "duet::host"; }
+  std::string label() const {
+    return std::string(Allowed ? "duet::host<allowed_break>" : "duet::host") + " at " + where.to_string();
+  }
 };
 
 }  // namespace ops
 
+// Marks a host callback as an intended graph break: duet::host<duet::allowed_break>(fn, x).
+// JitSyntaxLevel::compatible accepts such breaks only.
+struct allowed_break {};
+
 namespace graph {
-// The first host node of G, or G::size.
-template <class G>
+// The first host node of G, or G::size; with UnmarkedOnly, the first not marked allowed_break.
+template <class G, bool UnmarkedOnly = false>
 constexpr std::size_t first_host_node() {
   std::size_t found = G::size;
   for_each_index<G::size>([&](auto i) {
-    if (found == G::size && is_host_op<typename node_at<G, decltype(i)::value>::op_type>()) found = decltype(i)::value;
+    using Op = typename node_at<G, decltype(i)::value>::op_type;
+    if constexpr (is_host_op<Op>()) {
+      if (found == G::size && !(UnmarkedOnly && Op::allowed_break)) found = decltype(i)::value;
+    }
   });
   return found;
+}
+
+// The jit syntax level of Config, checked on a captured graph G, for every front end (a cell's
+// construct, a jitted function, grad): strict refuses every host callback, compatible those
+// not marked allowed_break, lax none.
+template <JitConfig Config, class G>
+constexpr void check_syntax_level() {
+  if constexpr (Config.jit_syntax_level == JitSyntaxLevel::strict) {
+    static_assert(first_host_node<G>() == G::size,
+                  "duet::jit: JitSyntaxLevel::strict: the function calls duet::host, a host callback, which is not "
+                  "a graph operation; use JitSyntaxLevel::lax to run it as a graph break");
+  } else if constexpr (Config.jit_syntax_level == JitSyntaxLevel::compatible) {
+    static_assert(first_host_node<G, true>() == G::size,
+                  "duet::jit: JitSyntaxLevel::compatible: the function calls duet::host without marking the graph "
+                  "break as intended; write duet::host<duet::allowed_break>(fn, x), or use JitSyntaxLevel::lax");
+  }
 }
 }  // namespace graph
 
@@ -7517,11 +7564,15 @@ auto print(X&& x, const char* label = "", std::ostream& out = std::cout) {
 }
 
 // Runs fn (a function from a tensor to a tensor of the same shape) on x: now in PyNative, or
-// as a host node (a graph break) in a graph.
-template <class F, class X>
-auto host(F&& fn, X&& x) {
+// as a host node (a graph break) in a graph, named by where it is called. Mark, with
+// duet::host<duet::allowed_break>(fn, x), a break that is intended.
+template <class Mark = void, class F, class X>
+auto host(F&& fn, X&& x, SourceLocation where = SourceLocation::current()) {
+  static_assert(std::is_void_v<Mark> || std::is_same_v<Mark, allowed_break>,
+                "duet::host<Mark>: Mark is duet::allowed_break, or nothing");
   using T = typename std::remove_cvref_t<X>::value_type;
-  return apply(ops::HostOp<T>{std::function<BasicTensor<T>(const BasicTensor<T>&)>(std::forward<F>(fn))},
+  return apply(ops::HostOp<T, std::is_same_v<Mark, allowed_break>>{
+                   std::function<BasicTensor<T>(const BasicTensor<T>&)>(std::forward<F>(fn)), where},
                std::forward<X>(x));
 }
 
@@ -8016,6 +8067,7 @@ template <JitConfig Config, bool Differentiated, class... Inputs, class F>
 auto compile(F&& f) {
   return [&]<class... T, class... P, std::size_t... K>(std::index_sequence<K...>, Input<T, P>*...) {
     const auto captured = f(graph::input<T, P, K>()...);
+    graph::check_syntax_level<Config, typename decltype(captured)::graph_type>();
     auto program = passes::optimize<Config, Differentiated>(captured);
     program.ambiguity = captured.ambiguity;
     return program;
@@ -8590,11 +8642,7 @@ class JitFunction {
       using Captured = decltype(captured);
       static_assert(graph::Symbolic<Captured>, "duet::jit: the function must return a tensor computed from its inputs");
       using G = typename Captured::graph_type;
-      if constexpr (Config.jit_syntax_level == JitSyntaxLevel::strict) {
-        static_assert(graph::first_host_node<G>() == G::size,
-                      "duet::jit: JitSyntaxLevel::strict: the function calls duet::host, a host callback, which is "
-                      "not a graph operation; use JitSyntaxLevel::lax to run it as a graph break");
-      }
+      graph::check_syntax_level<Config, G>();
       auto program = passes::optimize<Config>(captured);
       program.ambiguity = captured.ambiguity;  // the optimised graph cannot run either
       return program;
@@ -13271,9 +13319,10 @@ using Softplus = Activation<fn::Softplus>;    // beta 1, threshold 20
 //
 // Folding into a convolution (graph mode at evaluation, O1 and O2): an evaluation BatchNorm is
 // the per-channel affine map y = x · scale + shift of BatchNorm::evaluation_affine(), which
-// passes::fuse_epilogues folds into the weight and bias of the convolution before it
-// (W'[c] = W[c] · scale[c], b'[c] = b[c] · scale[c] + shift[c]) when it meets
-// (Conv, BatchNormOp<Layer, Phase::eval>): ops/conv.hpp's ConvEpilogueOp. Only the evaluation
+// passes::fuse_epilogues (and PIJit's fusion, through ops::EvaluationNorm) folds into the
+// weight and bias of the convolution before it (W'[c] = W[c] · scale[c], b'[c] = b[c] ·
+// scale[c] + shift[c]) when it meets (Conv, BatchNormOp<Layer, Phase::eval>): ops/conv.hpp's
+// ConvEpilogueOp. Only the evaluation
 // form has that node type, so training is never folded. The folded weight is the conv
 // weight's derived() form, remade when the weight, the bias or any of this layer's four
 // tensors changes version().

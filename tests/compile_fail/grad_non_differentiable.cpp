@@ -1,5 +1,5 @@
 // A gradient in graph mode that must flow through a host callback, which has none.
-// expect: operation_is_differentiable<duet::ops::HostOp<float> ?>
+// expect: operation_is_differentiable<duet::ops::HostOp<float, false> ?>
 #include <duet/duet.hpp>
 
 int main() {

@@ -18,9 +18,10 @@
 //
 // Folding into a convolution (graph mode at evaluation, O1 and O2): an evaluation BatchNorm is
 // the per-channel affine map y = x · scale + shift of BatchNorm::evaluation_affine(), which
-// passes::fuse_epilogues folds into the weight and bias of the convolution before it
-// (W'[c] = W[c] · scale[c], b'[c] = b[c] · scale[c] + shift[c]) when it meets
-// (Conv, BatchNormOp<Layer, Phase::eval>): ops/conv.hpp's ConvEpilogueOp. Only the evaluation
+// passes::fuse_epilogues (and PIJit's fusion, through ops::EvaluationNorm) folds into the
+// weight and bias of the convolution before it (W'[c] = W[c] · scale[c], b'[c] = b[c] ·
+// scale[c] + shift[c]) when it meets (Conv, BatchNormOp<Layer, Phase::eval>): ops/conv.hpp's
+// ConvEpilogueOp. Only the evaluation
 // form has that node type, so training is never folded. The folded weight is the conv
 // weight's derived() form, remade when the weight, the bias or any of this layer's four
 // tensors changes version().
