@@ -70,7 +70,8 @@ struct ModeDifference {
   std::string stage = {};      // "forward", "output" (the whole network) or "gradient"
   std::size_t node = 0;   // forward: %node of graph_ir's optimized dump
   std::string operation = {};  // forward: "MatMul + BiasAdd + ReLU"; gradient: the parameter's name
-  std::string cell = {};       // the layer that runs it, "nn::Dense<784, 512> 'dense_relu_sequential.0'"
+  std::string cell = {};       // the layer that runs it, "nn::Dense<784, 512> 'dense_relu_sequential.0'",
+                               // or the cell whose construct calls it
   Shape shape = {};
   index_t element = 0;           // the worst element, row-major
   std::vector<index_t> index = {};    // the same, one index per axis
@@ -266,10 +267,12 @@ void compare_forward(ModeReport& report, Net& net, const CompareOptions& options
                                  ": no PyNative operation stands for it, not compared");
           return;
         }
+        // The layer the operation names, as graph_ir shows it; else the cell whose construct
+        // called it, as PyNative saw it run.
         const std::string label = boost::hana::at_c<I>(program.graph.nodes).op.label();
         record_comparison(report, values, static_cast<decltype(values)>(p->data), shape,
                           ModeDifference{.stage = "forward", .node = I, .operation = name,
-                                         .cell = label == name ? std::string() : label},
+                                         .cell = label == name ? p->cell : label},
                           options);
       }
     };

@@ -55,6 +55,7 @@ struct Value {
   std::size_t view_bytes = 0;          // Kind::view: where in that memory it begins
   std::shared_ptr<const void> handle;  // Kind::constant, or any kind in a trace that keeps values:
   const void* data = nullptr;          // keeps the tensor's storage alive, and its elements
+  std::string cell;                    // in a trace that keeps values: the cell running when it was made
 };
 
 // What a step is as the epilogue of the step before it, for fusion after the trace (pijit.hpp).
@@ -265,6 +266,7 @@ class Trace {
         auto handle = std::make_shared<BasicTensor<T>>(y);
         v.data = handle->data();
         v.handle = std::move(handle);
+        if (!running_.empty()) v.cell = running_.back();
       }
     }
     step->output = values_.size();
