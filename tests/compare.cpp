@@ -2,9 +2,11 @@
 // both modes, forward and gradients; a user's operation whose fused graph form computes
 // something else is found, named, and its worst element given with both values.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "support.hpp"
 
@@ -56,10 +58,83 @@ struct ShiftRelu : ops::Primitive<ShiftRelu> {
 
 ShiftRelu Shift::absorb(const ops::MapOp<fn::Relu>&) const { return ShiftRelu(amount); }
 
+// dx = dy: the gradient of x + amount.
+struct PassGrad : ops::Primitive<PassGrad> {
+  static constexpr std::array reads{graph::Operand::grad};
+  static constexpr int arity = 1;
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    std::copy_n(a.in<T>(), a.in_shape().numel(), a.out<T>());
+  }
+  static std::string op_name() { return "OffsetGrad"; }
+};
+
+// dx = dy where the output y is positive: ReLU's gradient through the offset, deliberately
+// 1.001 times too large.
+struct OffsetReluGrad : ops::Primitive<OffsetReluGrad> {
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::output};
+  static constexpr int arity = 2;
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    for (index_t i = 0; i < a.in_shape().numel(); ++i) {
+      a.out<T>()[i] = a.in<T>(1)[i] > T(0) ? a.in<T>(0)[i] * T(1.001) : T(0);
+    }
+  }
+  static std::string op_name() { return "OffsetReluGrad"; }
+};
+
+struct OffsetRelu;
+
+// x + amount, differentiable, fused with a ReLU after it into OffsetRelu: a forward kernel
+// that is right, and a gradient that is not. Graph mode differentiates the fused form.
+struct Offset : ops::Primitive<Offset> {
+  static constexpr int arity = 1;
+  static constexpr bool is_elementwise = true;
+  explicit Offset(float a) : amount(a) {}
+  float amount;
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    for (index_t i = 0; i < a.in_shape().numel(); ++i) a.out<T>()[i] = a.in<T>()[i] + T(amount);
+  }
+  template <std::size_t K>
+    requires(K == 0)
+  PassGrad grad_op() const {
+    return {};
+  }
+  static std::string op_name() { return "Offset"; }
+  template <class C>
+  static constexpr bool accepts_epilogue = std::is_same_v<C, ops::MapOp<fn::Relu>>;
+  OffsetRelu absorb(const ops::MapOp<fn::Relu>&) const;
+};
+
+struct OffsetRelu : ops::Primitive<OffsetRelu> {
+  static constexpr int arity = 1;
+  static constexpr bool is_elementwise = true;
+  explicit OffsetRelu(float a) : amount(a) {}
+  float amount;
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    for (index_t i = 0; i < a.in_shape().numel(); ++i) a.out<T>()[i] = std::max(a.in<T>()[i] + T(amount), T(0));
+  }
+  template <std::size_t K>
+    requires(K == 0)
+  OffsetReluGrad grad_op() const {
+    return {};
+  }
+  static std::string op_name() { return "Offset + ReLU"; }
+};
+
+OffsetRelu Offset::absorb(const ops::MapOp<fn::Relu>&) const { return OffsetRelu(amount); }
+
 }  // namespace compare_test
 
 namespace {
 
+using compare_test::Offset;
 using compare_test::Shift;
 
 struct Shifted : nn::Cell<Shifted> {
@@ -69,6 +144,16 @@ struct Shifted : nn::Cell<Shifted> {
   auto construct(auto x) {
     const auto h = hidden(x);
     return head(ops::relu(apply(Shift(0.25f), h)));
+  }
+};
+
+struct OffsetNet : nn::Cell<OffsetNet> {
+  nn::Dense<4, 6> hidden;
+  nn::Dense<6, 3> head;
+  DUET_CELL_MEMBERS(hidden, head);
+  auto construct(auto x) {
+    const auto h = hidden(x);
+    return head(ops::relu(apply(Offset(0.25f), h)));
   }
 };
 
@@ -149,6 +234,40 @@ TEST_CASE("compare_modes: a user's operation whose fused form differs is named, 
   // Within a tolerance that covers the difference (and the head's, which reads the shifted
   // values), the modes agree.
   CHECK(compare_modes(net, x, {.atol = 1e-2}).empty());
+}
+
+TEST_CASE("compare_modes: a loss cell whose gradient differs between the modes names the parameter") {
+  duet_test::ModeGuard guard;
+  OffsetNet net;
+  nn::MSELoss<> loss;
+  nn::WithLossCell with_loss(net, loss);
+  const Tensor x = randn({5, 4}, 3);
+  const Tensor target = zeros({5, 3});
+  // The fused forward kernel is right: the forward passes agree, the loss's included.
+  CHECK(compare_modes(net, x).empty());
+  const ModeReport report = compare_modes(with_loss, x, target);
+  REQUIRE_FALSE(report.empty());
+  const ModeDifference& d = *report.difference;
+  CHECK(d.stage == "gradient");
+  // The first parameter, in parameters() order, whose gradient flows through Offset + ReLU.
+  CHECK(d.operation == "hidden.weight");
+  CHECK(d.shape == Shape{6, 4});
+  CHECK(report.to_string().find("the modes differ first in the gradient of parameter 'hidden.weight' : [6, 4]") == 0);
+
+  // Both values at the worst element, as value_and_grad gives them in each mode.
+  std::vector<Tensor> grads;
+  for (Mode mode : {PYNATIVE_MODE, GRAPH_MODE}) {
+    set_context({.mode = mode});
+    grads.push_back(value_and_grad(with_loss, with_loss.parameters())(x, target).grads[0]);
+  }
+  double worst = 0;
+  for (index_t i = 0; i < grads[0].numel(); ++i) {
+    worst = std::max(worst, std::fabs(double(grads[1].data()[i]) - double(grads[0].data()[i])));
+  }
+  CHECK(d.pynative == double(grads[0].data()[d.element]));
+  CHECK(d.graph == double(grads[1].data()[d.element]));
+  CHECK(d.max_abs_error == worst);
+  CHECK(d.graph == doctest::Approx(d.pynative * 1.001).epsilon(1e-5));
 }
 
 TEST_CASE("compare_modes leaves the network and the context as they were") {

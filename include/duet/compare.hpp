@@ -174,8 +174,8 @@ class TracePairing {
   // The trace's value standing for a node, or nothing.
   const pijit::Value* pair(const std::string& op_name, const Shape& shape) {
     const std::vector<std::string> parts = fused_parts(op_name);
-    const auto& steps = const_cast<pijit::Trace&>(trace_).steps();
-    const auto& values = const_cast<pijit::Trace&>(trace_).values();
+    const auto& steps = trace_.steps();
+    const auto& values = trace_.values();
     for (std::size_t s = next_; s + parts.size() <= steps.size(); ++s) {
       bool same = true;
       for (std::size_t k = 0; k < parts.size() && same; ++k) same = steps[s + k]->op_name() == parts[k];

@@ -314,7 +314,9 @@ class Trace {
   std::vector<std::function<bool()>>& cells() { return cells_; }
 
   std::vector<Value>& values() { return values_; }
+  const std::vector<Value>& values() const { return values_; }
   std::vector<std::unique_ptr<Step>>& steps() { return steps_; }
+  const std::vector<std::unique_ptr<Step>>& steps() const { return steps_; }
   // Why the trace cannot be replayed, or empty.
   const std::string& broken() const { return broken_; }
 
