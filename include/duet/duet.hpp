@@ -4,6 +4,7 @@
 #include "autodiff.hpp"
 #include "backend.hpp"
 #include "cell.hpp"
+#include "compare.hpp"
 #include "config.hpp"
 #include "context.hpp"
 #include "data.hpp"

@@ -210,9 +210,19 @@ void check_finite(const T* values, const Shape& shape, const std::string& contex
 }
 }  // namespace detail
 
-// Runs a graph with a plan made for these inputs' shapes; inputs in the order of their index.
-template <class Backend = DefaultBackend, JitConfig Config = JitConfig{}, class G, std::size_t Out, class... Inputs>
-auto run(const graph::Sym<G, Out>& program, const graph::Plan<G, sizeof...(Inputs)>& p, const Inputs&... inputs) {
+namespace graph {
+// What run_observed shows each node's value to. This one is nothing, and costs nothing.
+struct NoObserver {};
+}  // namespace graph
+
+// run(), showing each node's value to `observe` as soon as its kernel has run (before its slot
+// may be reused): observe(std::integral_constant<std::size_t, I>{}, const T* values, shape) for
+// every node I that makes a value, inputs included. duet::compare_modes reads graph mode's
+// intermediate values so.
+template <class Backend = DefaultBackend, JitConfig Config = JitConfig{}, class G, std::size_t Out, class Observer,
+          class... Inputs>
+auto run_observed(const graph::Sym<G, Out>& program, const graph::Plan<G, sizeof...(Inputs)>& p, Observer&& observe,
+                  const Inputs&... inputs) {
   using Result = graph::node_value_t<G, Out>;
   constexpr std::size_t n = G::size;
   constexpr graph::BufferPlan<n> buffers = graph::plan_buffers<G, Out, Config.exec_mode != ExecMode::no_sink>();
@@ -258,6 +268,10 @@ auto run(const graph::Sym<G, Out>& program, const graph::Plan<G, sizeof...(Input
         }
       }
     }
+    if constexpr (!std::is_same_v<std::remove_cvref_t<Observer>, graph::NoObserver> && !graph::is_sink<Op>()) {
+      observe(std::integral_constant<std::size_t, I>{}, static_cast<const graph::node_value_t<G, I>*>(data[I]),
+              p.shapes[I]);
+    }
   });
 
   constexpr std::size_t out_root = buffers.root[Out];
@@ -272,6 +286,12 @@ auto run(const graph::Sym<G, Out>& program, const graph::Plan<G, sizeof...(Input
   } else {
     return result;
   }
+}
+
+// Runs a graph with a plan made for these inputs' shapes; inputs in the order of their index.
+template <class Backend = DefaultBackend, JitConfig Config = JitConfig{}, class G, std::size_t Out, class... Inputs>
+auto run(const graph::Sym<G, Out>& program, const graph::Plan<G, sizeof...(Inputs)>& p, const Inputs&... inputs) {
+  return run_observed<Backend, Config>(program, p, graph::NoObserver{}, inputs...);
 }
 
 namespace detail {

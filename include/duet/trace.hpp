@@ -55,8 +55,9 @@ struct Value {
   std::size_t input = 0;               // Kind::input: which argument
   std::size_t view_of = 0;             // Kind::view: the value whose memory it shares
   std::size_t view_bytes = 0;          // Kind::view: where in that memory it begins
-  std::shared_ptr<const void> handle;  // Kind::constant: keeps the tensor's storage alive
-  const void* data = nullptr;          // Kind::constant
+  std::shared_ptr<const void> handle;  // Kind::constant, or any kind in a trace that keeps values:
+  const void* data = nullptr;          // keeps the tensor's storage alive, and its elements
+  std::string cell;                    // in a trace that keeps values: the cell running when it was made
 };
 
 // What a step is as the epilogue of the step before it, for fusion after the trace (pijit.hpp).
@@ -285,10 +286,23 @@ class Trace {
       v.view_bytes = (in.kind == Value::Kind::view ? in.view_bytes : 0) +
                      static_cast<std::size_t>(view_offset(op, in.shape)) * sizeof(T);
     }
+    if constexpr (!graph::is_sink<Op>()) {
+      if (keep_values_) {
+        auto handle = std::make_shared<BasicTensor<T>>(y);
+        v.data = handle->data();
+        v.handle = std::move(handle);
+        if (!running_.empty()) v.cell = running_.back();
+      }
+    }
     step->output = values_.size();
     add(std::move(v), y);
     steps_.push_back(std::move(step));
   }
+
+  // Every value a step makes stays readable (Value::data) for the trace's life, as PyNative
+  // computed it: duet::compare_modes reads them against graph mode's. A trace to replay keeps
+  // none, since replay computes them again.
+  void keep_values() { keep_values_ = true; }
 
   // A backward pass begins (parameters' gradients are assigned afresh from here): a step, so
   // that each replay begins its own.
@@ -325,7 +339,9 @@ class Trace {
   std::vector<std::function<bool()>>& cells() { return cells_; }
 
   std::vector<Value>& values() { return values_; }
+  const std::vector<Value>& values() const { return values_; }
   std::vector<std::unique_ptr<Step>>& steps() { return steps_; }
+  const std::vector<std::unique_ptr<Step>>& steps() const { return steps_; }
   // Why the trace cannot be replayed, or empty.
   const std::string& broken() const { return broken_; }
 
@@ -369,6 +385,7 @@ class Trace {
   std::vector<std::string> running_;
   std::string broken_;
   bool parameter_gradients_ = false;
+  bool keep_values_ = false;
 };
 
 // Names a cell as running in the active trace, if any, for its lifetime.

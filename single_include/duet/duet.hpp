@@ -5837,9 +5837,19 @@ void check_finite(const T* values, const Shape& shape, const std::string& contex
 }
 }  // namespace detail
 
-// Runs a graph with a plan made for these inputs' shapes; inputs in the order of their index.
-template <class Backend = DefaultBackend, JitConfig Config = JitConfig{}, class G, std::size_t Out, class... Inputs>
-auto run(const graph::Sym<G, Out>& program, const graph::Plan<G, sizeof...(Inputs)>& p, const Inputs&... inputs) {
+namespace graph {
+// What run_observed shows each node's value to. This one is nothing, and costs nothing.
+struct NoObserver {};
+}  // namespace graph
+
+// run(), showing each node's value to `observe` as soon as its kernel has run (before its slot
+// may be reused): observe(std::integral_constant<std::size_t, I>{}, const T* values, shape) for
+// every node I that makes a value, inputs included. duet::compare_modes reads graph mode's
+// intermediate values so.
+template <class Backend = DefaultBackend, JitConfig Config = JitConfig{}, class G, std::size_t Out, class Observer,
+          class... Inputs>
+auto run_observed(const graph::Sym<G, Out>& program, const graph::Plan<G, sizeof...(Inputs)>& p, Observer&& observe,
+                  const Inputs&... inputs) {
   using Result = graph::node_value_t<G, Out>;
   constexpr std::size_t n = G::size;
   constexpr graph::BufferPlan<n> buffers = graph::plan_buffers<G, Out, Config.exec_mode != ExecMode::no_sink>();
@@ -5885,6 +5895,10 @@ auto run(const graph::Sym<G, Out>& program, const graph::Plan<G, sizeof...(Input
         }
       }
     }
+    if constexpr (!std::is_same_v<std::remove_cvref_t<Observer>, graph::NoObserver> && !graph::is_sink<Op>()) {
+      observe(std::integral_constant<std::size_t, I>{}, static_cast<const graph::node_value_t<G, I>*>(data[I]),
+              p.shapes[I]);
+    }
   });
 
   constexpr std::size_t out_root = buffers.root[Out];
@@ -5899,6 +5913,12 @@ auto run(const graph::Sym<G, Out>& program, const graph::Plan<G, sizeof...(Input
   } else {
     return result;
   }
+}
+
+// Runs a graph with a plan made for these inputs' shapes; inputs in the order of their index.
+template <class Backend = DefaultBackend, JitConfig Config = JitConfig{}, class G, std::size_t Out, class... Inputs>
+auto run(const graph::Sym<G, Out>& program, const graph::Plan<G, sizeof...(Inputs)>& p, const Inputs&... inputs) {
+  return run_observed<Backend, Config>(program, p, graph::NoObserver{}, inputs...);
 }
 
 namespace detail {
@@ -6184,8 +6204,9 @@ struct Value {
   std::size_t input = 0;               // Kind::input: which argument
   std::size_t view_of = 0;             // Kind::view: the value whose memory it shares
   std::size_t view_bytes = 0;          // Kind::view: where in that memory it begins
-  std::shared_ptr<const void> handle;  // Kind::constant: keeps the tensor's storage alive
-  const void* data = nullptr;          // Kind::constant
+  std::shared_ptr<const void> handle;  // Kind::constant, or any kind in a trace that keeps values:
+  const void* data = nullptr;          // keeps the tensor's storage alive, and its elements
+  std::string cell;                    // in a trace that keeps values: the cell running when it was made
 };
 
 // What a step is as the epilogue of the step before it, for fusion after the trace (pijit.hpp).
@@ -6414,10 +6435,23 @@ class Trace {
       v.view_bytes = (in.kind == Value::Kind::view ? in.view_bytes : 0) +
                      static_cast<std::size_t>(view_offset(op, in.shape)) * sizeof(T);
     }
+    if constexpr (!graph::is_sink<Op>()) {
+      if (keep_values_) {
+        auto handle = std::make_shared<BasicTensor<T>>(y);
+        v.data = handle->data();
+        v.handle = std::move(handle);
+        if (!running_.empty()) v.cell = running_.back();
+      }
+    }
     step->output = values_.size();
     add(std::move(v), y);
     steps_.push_back(std::move(step));
   }
+
+  // Every value a step makes stays readable (Value::data) for the trace's life, as PyNative
+  // computed it: duet::compare_modes reads them against graph mode's. A trace to replay keeps
+  // none, since replay computes them again.
+  void keep_values() { keep_values_ = true; }
 
   // A backward pass begins (parameters' gradients are assigned afresh from here): a step, so
   // that each replay begins its own.
@@ -6454,7 +6488,9 @@ class Trace {
   std::vector<std::function<bool()>>& cells() { return cells_; }
 
   std::vector<Value>& values() { return values_; }
+  const std::vector<Value>& values() const { return values_; }
   std::vector<std::unique_ptr<Step>>& steps() { return steps_; }
+  const std::vector<std::unique_ptr<Step>>& steps() const { return steps_; }
   // Why the trace cannot be replayed, or empty.
   const std::string& broken() const { return broken_; }
 
@@ -6498,6 +6534,7 @@ class Trace {
   std::vector<std::string> running_;
   std::string broken_;
   bool parameter_gradients_ = false;
+  bool keep_values_ = false;
 };
 
 // Names a cell as running in the active trace, if any, for its lifetime.
@@ -9983,6 +10020,865 @@ auto grad(Fn&& fn, Weights&&... weights_and_position) {
 }
 
 }  // namespace duet
+// duet::compare_modes: where PyNative and graph mode disagree on one network, and
+// duet::runs_in_both_modes: whether a network captures as a static graph at all.
+//
+// Both modes run the same kernels, so they agree bit for bit (README, Guarantees); when they
+// do not (a user's operation whose fused graph form computes something else, BatchNorm folded
+// at evaluation), the output alone does not say where. compare_modes runs the network once
+// in each mode on the same weights and inputs and reads every intermediate value of both:
+// PyNative's from a trace that keeps them (pijit::Trace::keep_values), graph mode's from the
+// evaluator as each node runs (run_observed). It walks graph mode's nodes in the order they
+// run and pairs each with the PyNative operations it stands for: a fused node
+// ("MatMul + BiasAdd + ReLU") with that run of operations, whose last makes its value.
+
+#include <array>
+#include <boost/hana/at.hpp>
+#include <cmath>
+#include <cstddef>
+#include <optional>
+#include <ostream>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+// Wrappers that turn a network into something to train (MindSpore's nn.WithLossCell and
+// nn.TrainOneStepCell).
+
+#include <algorithm>
+#include <cmath>
+#include <concepts>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+// Gradient clipping by global norm (MindSpore's ops.clip_by_global_norm).
+//
+// It works on gradients once backward has made them, outside the graph, so it is the same code
+// in both modes: on the list value_and_grad returns (clip, then call the optimiser with it), or
+// inside nn::TrainOneStepCell ({.clip_global_norm = 1.0}), which clips the gradients backward
+// left in the parameters before the optimiser reads them.
+
+#include <cmath>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+
+namespace duet::ops {
+
+namespace detail {
+
+inline void check_clip_norm(double clip_norm) {
+  if (!(clip_norm > 0) || !std::isfinite(clip_norm)) {
+    throw ValueError("ops::clip_by_global_norm: clip_norm must be positive and finite, got " +
+                     std::to_string(clip_norm));
+  }
+}
+
+// sqrt(Σ over every tensor of Σ x²), accumulated in double: float gradients of a large model
+// would lose the small ones' squares in a float sum. Tensors is a range of tensor pointers.
+template <class Tensors>
+double global_norm_of(const Tensors& tensors) {
+  double sum = 0;
+  for (const auto* t : tensors) {
+    for (auto v : t->values()) sum += static_cast<double>(v) * static_cast<double>(v);
+  }
+  return std::sqrt(sum);
+}
+
+// Scales each tensor in place by clip_norm / max(norm, clip_norm); those whose norm is within
+// clip_norm are left bit for bit as they are. Returns the norm before clipping.
+template <class Tensors>
+double clip_in_place(const Tensors& tensors, double clip_norm) {
+  check_clip_norm(clip_norm);
+  const double norm = global_norm_of(tensors);
+  if (norm > clip_norm || !std::isfinite(norm)) {
+    const double factor = clip_norm / norm;
+    for (auto* t : tensors) {
+      using T = std::remove_cvref_t<decltype(t->values()[0])>;
+      for (auto& v : t->values()) v = static_cast<T>(v * factor);
+    }
+  }
+  return norm;
+}
+
+}  // namespace detail
+
+// The global norm of a list of tensors: the norm of all their elements taken together.
+template <ElementType T>
+double global_norm(const std::vector<BasicTensor<T>>& x) {
+  std::vector<const BasicTensor<T>*> all;
+  for (const auto& t : x) all.push_back(&t);
+  return detail::global_norm_of(all);
+}
+
+// MindSpore's ops.clip_by_global_norm(x, clip_norm=1.0, use_norm=None): each tensor times
+// clip_norm / max(global_norm(x), clip_norm), so that the clipped list's global norm is at most
+// clip_norm. New tensors; x is not changed. A NaN or infinite norm goes through the same formula,
+// as in MindSpore.
+template <ElementType T>
+std::vector<BasicTensor<T>> clip_by_global_norm(const std::vector<BasicTensor<T>>& x, double clip_norm = 1.0) {
+  std::vector<BasicTensor<T>> out;
+  std::vector<BasicTensor<T>*> all;
+  out.reserve(x.size());
+  for (const auto& t : x) all.push_back(&out.emplace_back(t.clone()));
+  detail::clip_in_place(all, clip_norm);
+  return out;
+}
+
+}  // namespace duet::ops
+// Data parallelism's settings (MindSpore's set_auto_parallel_context) and the interface through
+// which a training step, an optimiser and an evaluation reach the runtime that
+// duet/distributed.hpp provides. This header needs no MPI: a program that never includes
+// distributed.hpp has no runtime, and asking for DATA_PARALLEL without one is an error.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+
+namespace duet {
+
+// MindSpore's ParallelMode: STAND_ALONE (one process) and DATA_PARALLEL (every rank holds the
+// whole network and a shard of each batch). The other MindSpore modes split the network itself.
+enum class ParallelMode : unsigned char { STAND_ALONE, DATA_PARALLEL };
+
+// Fields left empty keep their current value, as ContextConfig's do.
+struct AutoParallelConfig {
+  std::optional<ParallelMode> parallel_mode = std::nullopt;
+  // true: the update uses the mean of the ranks' gradients (weighted by their samples, so it is
+  // the gradient of the global batch's mean loss); false: their sum (MindSpore's default).
+  std::optional<bool> gradients_mean = std::nullopt;
+};
+
+struct AutoParallelContext {
+  ParallelMode parallel_mode = ParallelMode::STAND_ALONE;
+  bool gradients_mean = false;
+};
+
+namespace detail {
+inline std::atomic<ParallelMode>& parallel_mode() {
+  static std::atomic<ParallelMode> mode{ParallelMode::STAND_ALONE};
+  return mode;
+}
+inline std::atomic<bool>& gradients_mean() {
+  static std::atomic<bool> mean{false};
+  return mean;
+}
+}  // namespace detail
+
+inline void set_auto_parallel_context(const AutoParallelConfig& config) {
+  if (config.parallel_mode) {
+    if (*config.parallel_mode != ParallelMode::STAND_ALONE && *config.parallel_mode != ParallelMode::DATA_PARALLEL) {
+      throw ValueError("duet::set_auto_parallel_context: parallel_mode must be STAND_ALONE or DATA_PARALLEL");
+    }
+    detail::parallel_mode().store(*config.parallel_mode, std::memory_order_relaxed);
+  }
+  if (config.gradients_mean) detail::gradients_mean().store(*config.gradients_mean, std::memory_order_relaxed);
+}
+
+inline AutoParallelContext get_auto_parallel_context() {
+  return {detail::parallel_mode().load(std::memory_order_relaxed),
+          detail::gradients_mean().load(std::memory_order_relaxed)};
+}
+
+namespace detail {
+
+// 64-bit FNV-1a, continuing from h: what ranks compare in one collective (their networks'
+// descriptions, their first batches) is hashed first.
+inline std::uint64_t fnv1a(std::string_view bytes, std::uint64_t h = 14695981039346656037ull) {
+  for (const char c : bytes) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+  return h;
+}
+
+// A gradient a rank contributes to an all-reduce.
+struct GradientView {
+  const float* data = nullptr;  // nullptr: none this step
+  index_t size = 0;
+};
+
+// What duet/distributed.hpp implements over MPI. Every call is collective: all ranks make it,
+// in the same order, or it fails with a duet::Error after the runtime's timeout.
+class DataParallelRuntime {
+ public:
+  DataParallelRuntime() = default;
+  DataParallelRuntime(const DataParallelRuntime&) = delete;
+  DataParallelRuntime& operator=(const DataParallelRuntime&) = delete;
+  virtual ~DataParallelRuntime() = default;
+
+  virtual int rank() const = 0;
+  virtual int group_size() const = 0;
+  // Checks that every rank has parameters of the same names and shapes (ValueError naming the
+  // first difference otherwise), then gives every rank rank 0's values.
+  virtual void broadcast_parameters(const std::vector<nn::NamedParameter<float>>& params) = 0;
+  // One step's reduction. `values` are summed over the ranks first, in one collective;
+  // values[0] is this rank's weight. Then each gradient (data nullptr: this rank has none,
+  // counted as zeros) times the weight is summed over the ranks, in buckets started in reverse
+  // order (backward's), divided by the summed weight when `mean` (zeros when that is 0), and
+  // written to write(i), for each gradient i that some rank has.
+  virtual void all_reduce_gradients(std::span<const GradientView> grads, std::span<double> values, bool mean,
+                                    const std::function<float*(std::size_t)>& write) = 0;
+  // Whether `hash` is the same on every rank.
+  virtual bool same_on_every_rank(std::uint64_t hash) = 0;
+  // Each value becomes its sum over the ranks.
+  virtual void all_reduce_sum(std::span<double> values) = 0;
+};
+
+// Set by duet::distributed::init().
+inline std::atomic<DataParallelRuntime*>& data_parallel_runtime() {
+  static std::atomic<DataParallelRuntime*> runtime{nullptr};
+  return runtime;
+}
+
+// The backward pass whose gradients the runtime last all-reduced on this thread: an optimiser
+// step in DATA_PARALLEL over any other pass would update each rank differently.
+inline std::uint64_t& all_reduced_backward_pass() {
+  thread_local std::uint64_t pass = 0;
+  return pass;
+}
+
+// The gradients distributed::GradReducer last returned on this thread, and the backward pass
+// then current: optimizer(grads) accepts them in DATA_PARALLEL until the next backward pass.
+struct ReducedGradients {
+  std::uint64_t pass = 0;
+  std::vector<const float*> data;
+};
+inline ReducedGradients& all_reduced_gradient_set() {
+  thread_local ReducedGradients set;
+  return set;
+}
+
+// What a rank's batch weighs in the global batch's loss (DATA_PARALLEL).
+struct BatchShare {
+  // Reduction::sum: the ranks' losses and gradients add up, as the one batch's would.
+  bool summed = false;
+  // Otherwise: the rows the loss averaged (those not ignored); each rank's loss and gradient
+  // count in proportion to them.
+  double counted_rows = 0;
+  // The batch's rows, by which the ranks' moving statistics are averaged.
+  double rows = 0;
+};
+
+// The label a loss leaves out (nn::CrossEntropyLoss's and nn::NLLLoss's ignore_index), if any.
+template <class Loss>
+std::optional<std::int32_t> ignored_label(const Loss& loss) {
+  if constexpr (requires { loss.options().ignore_index; }) return loss.options().ignore_index;
+  else return std::nullopt;
+}
+
+// The share of `loss` (a loss cell) over a batch of `rows` with these labels. Losses state
+// their reduction (a static member `reduction`); one that does not, such as a cell of the
+// user's own, is taken to average the batch's rows.
+template <class Loss, class Labels>
+BatchShare batch_share(const Loss& loss, const Labels& labels, index_t rows, std::string_view who) {
+  BatchShare share{.summed = false, .counted_rows = static_cast<double>(rows), .rows = static_cast<double>(rows)};
+  if constexpr (requires { Loss::reduction; }) {
+    if (Loss::reduction == Reduction::none) {
+      throw ModeError(std::string(who) + ": " + loss.label() +
+                      " has Reduction::none; combining batches (or the ranks' shares of one) needs a loss reduced "
+                      "to one number (Reduction::mean or Reduction::sum)");
+    }
+    share.summed = Loss::reduction == Reduction::sum;
+  }
+  if constexpr (std::same_as<Labels, BasicTensor<std::int32_t>>) {
+    if (const std::optional<std::int32_t> ignored = ignored_label(loss)) {
+      share.counted_rows = static_cast<double>(std::ranges::count_if(labels.values(), [&](std::int32_t l) { return l != *ignored; }));
+    }
+  }
+  return share;
+}
+
+// The reduction a data-parallel step makes, shared by nn::TrainOneStepCell and
+// distributed::GradReducer: gradients (see DataParallelRuntime::all_reduce_gradients), `loss`
+// (each element becomes the global batch's: the ranks' sum, or their mean weighted by counted
+// rows), and `buffers`, the parameters nothing trains (BatchNorm's moving statistics), which
+// become their mean over the ranks weighted by rows. Parameters equal on every rank, such as
+// frozen weights, stay exactly as they are: the sums are in double, where n * x is exact.
+// With gradients_mean the gradients are the global batch's; without, their sum over the ranks
+// (MindSpore's default).
+inline void all_reduce_step(DataParallelRuntime& runtime, std::span<const GradientView> grads,
+                            const std::function<float*(std::size_t)>& write, std::span<float> loss,
+                            const std::vector<nn::Parameter*>& buffers, const BatchShare& share, bool gradients_mean) {
+  const bool weighted = gradients_mean && !share.summed;
+  const double loss_weight = share.summed ? 1.0 : share.counted_rows;
+  // [gradient weight, loss weight, rows, weighted losses..., weighted buffers...]
+  std::vector<double> values{weighted ? share.counted_rows : 1.0, loss_weight, share.rows};
+  for (const float l : loss) values.push_back(static_cast<double>(l) * loss_weight);
+  for (const nn::Parameter* b : buffers) {
+    for (const float v : b->values()) values.push_back(static_cast<double>(v) * share.rows);
+  }
+  runtime.all_reduce_gradients(grads, values, weighted, write);
+  const double counted = values[1];
+  std::size_t k = 3;
+  for (float& l : loss) {
+    const double sum = values[k++];
+    l = static_cast<float>(share.summed ? sum : counted > 0 ? sum / counted : 0.0);
+  }
+  for (nn::Parameter* b : buffers) {
+    // Non-const data() moves the version, so what was made from the old values is made again.
+    for (float& v : b->values()) {
+      v = static_cast<float>(values[k++] / values[2]);
+    }
+  }
+}
+
+// The runtime a training step of `who` synchronises through, or nullptr when it trains alone.
+// Either half of the set-up without the other is refused: each rank would train on its own.
+inline DataParallelRuntime* training_runtime(std::string_view who) {
+  DataParallelRuntime* runtime = data_parallel_runtime().load(std::memory_order_acquire);
+  const bool data_parallel = parallel_mode().load(std::memory_order_relaxed) == ParallelMode::DATA_PARALLEL;
+  if (data_parallel && runtime == nullptr) {
+    throw ModeError(std::string(who) +
+                    ": the parallel mode is DATA_PARALLEL but no rank group exists; include <duet/distributed.hpp> "
+                    "and call duet::distributed::init() first");
+  }
+  if (!data_parallel && runtime != nullptr && runtime->group_size() > 1) {
+    throw ModeError(std::string(who) + ": duet::distributed::init() joined " + std::to_string(runtime->group_size()) +
+                    " ranks but the parallel mode is STAND_ALONE, so each rank would train its own network; call "
+                    "duet::set_auto_parallel_context({.parallel_mode = duet::ParallelMode::DATA_PARALLEL})");
+  }
+  return data_parallel ? runtime : nullptr;
+}
+
+}  // namespace detail
+}  // namespace duet
+
+namespace duet::nn {
+
+// loss_fn(backbone(data), label). The backbone is transparent to naming, so the parameters
+// keep the names they have in the backbone alone ("dense_relu_sequential.0.weight"), and a
+// checkpoint of either loads into the other. It runs in the backbone's mode if that is fixed.
+template <class Backbone, class Loss>
+class WithLossCell
+    : public Cell<WithLossCell<Backbone, Loss>, detail::fixed_mode_of<Backbone>(), typename Backbone::value_type> {
+  using T = typename Backbone::value_type;
+
+ public:
+  // A backbone built at run time, or with a construct of tensors (PyNative only), cannot be
+  // captured into a graph, so neither can this cell.
+  static constexpr bool capturable = !RuntimeBuilt<Backbone> && !NonGenericConstruct<Backbone>;
+
+  WithLossCell(Backbone& backbone, Loss& loss_fn) : backbone_(backbone), loss_fn_(loss_fn) {}
+
+  template <class X, class Y>
+  auto construct(const X& data, const Y& label) {
+    return loss_fn_(backbone_(data), label);
+  }
+
+  Backbone& backbone() { return backbone_; }
+  Loss& loss_fn() { return loss_fn_; }
+
+  void for_each_child(const typename BasicDynamicCell<T>::ChildVisitor& visit) override {
+    visit("", backbone_);
+    visit("loss_fn", loss_fn_);
+  }
+  std::string type_name() const override { return "nn::WithLossCell"; }
+
+ private:
+  Backbone& backbone_;
+  Loss& loss_fn_;
+};
+
+// What a training step does besides forward, backward and update.
+struct TrainOneStepConfig {
+  // Clip the gradients to this global norm before the update (ops::clip_by_global_norm over
+  // every gradient the optimiser reads); none if empty.
+  std::optional<double> clip_global_norm;
+};
+
+// One training step per call: forward, loss, backward and the optimiser's update. In graph
+// mode the first three are one compiled graph run by one evaluator call; the update follows
+// in the same call, over the gradients that run left in the parameters.
+//
+// In DATA_PARALLEL (duet/distributed.hpp) the first step first gives every rank rank 0's
+// parameters, and each step all-reduces the gradients between backward and the update, in
+// both modes, so that every rank applies the same update; the loss returned is then the
+// global batch's.
+template <class NetWithLoss, class Optimizer>
+class TrainOneStepCell {
+  using T = typename NetWithLoss::value_type;
+
+ public:
+  TrainOneStepCell(NetWithLoss& net_with_loss, Optimizer& optimizer, TrainOneStepConfig config = {})
+      : net_with_loss_(net_with_loss), grad_(net_with_loss, {}, std::nullopt), optimizer_(optimizer), config_(config) {
+    if (config_.clip_global_norm) ops::detail::check_clip_norm(*config_.clip_global_norm);
+    // Cells start in evaluation (MindSpore's default); a training step that ran BatchNorm on
+    // its moving statistics and Dropout as the identity would train quietly wrong. MindSpore's
+    // Model.train sets the network to training before its steps; a step made here does too.
+    net_with_loss.set_train(true);
+  }
+
+  // Returns the loss of the batch, before the update. A step that fails or skips its update
+  // changes nothing, not even BatchNorm's moving statistics or Dropout's generator. An
+  // empty batch is refused: it has no gradient, yet an update would still advance the
+  // optimiser (its step count, and momentum moving the parameters). A batch whose loss is NaN
+  // or infinite (NaN or Inf inputs, or a model that diverged) skips the update, which would
+  // write NaN into every parameter and moment for good; the caller sees the loss.
+  template <class... X>
+  BasicTensor<T> operator()(const X&... xs) {
+    if (((tensor_of(xs).numel() == 0) || ...)) {
+      throw ValueError("nn::TrainOneStepCell: the batch is empty; a training step needs at least one sample");
+    }
+    duet::detail::StepScope step;
+    duet::detail::DataParallelRuntime* parallel = duet::detail::training_runtime("nn::TrainOneStepCell");
+    if (parallel != nullptr && !parameters_broadcast_) {
+      if constexpr (std::same_as<T, float>) {
+        start_data_parallel(*parallel, xs...);
+      } else {
+        throw ModeError("nn::TrainOneStepCell: DATA_PARALLEL trains float networks only");
+      }
+      parameters_broadcast_ = true;
+    }
+    BasicTensor<T> loss = grad_.value_and_parameter_grads(xs...);
+    if constexpr (std::same_as<T, float>) {
+      // Before the finiteness check: a NaN on one rank must skip the update on all of them.
+      if (parallel != nullptr) all_reduce(*parallel, loss, xs...);
+    }
+    if (!std::ranges::all_of(loss.values(), [](T v) { return std::isfinite(v); })) return loss;
+    // Clipping reads the gradients backward left, the same in both modes, so both clip alike.
+    // A gradient whose norm is not finite skips the update, as a NaN loss does; the norm is
+    // kept for the caller to see (last_global_norm).
+    if (config_.clip_global_norm) {
+      const std::uint64_t pass = duet::detail::current_backward_pass();
+      std::vector<BasicTensor<T>*> grads;
+      for (BasicParameter<T>* p : optimizer_.parameters()) {
+        if (p->has_grad_from(pass)) grads.push_back(&p->grad);
+      }
+      last_global_norm_ = ops::detail::clip_in_place(grads, *config_.clip_global_norm);
+      if (!std::isfinite(last_global_norm_)) return loss;
+    }
+    optimizer_.step();
+    step.commit();
+    return loss;
+  }
+
+  Optimizer& optimizer() { return optimizer_; }
+  // The global norm of the last step's gradients before clipping (with clip_global_norm set).
+  double last_global_norm() const { return last_global_norm_; }
+
+ private:
+  // The first data-parallel step: every rank gets rank 0's parameters, and a loader that gives
+  // every rank the same batches (not sharded) is refused: the ranks would repeat one another.
+  template <class... X>
+  void start_data_parallel(duet::detail::DataParallelRuntime& parallel, const X&... xs) {
+    const std::vector<NamedParameter<float>> params = net_with_loss_.parameters();
+    parallel.broadcast_parameters(params);
+    for (const auto& p : params) {
+      if (!p.parameter->requires_grad) buffers_.push_back(p.parameter);
+    }
+    std::uint64_t hash = duet::detail::fnv1a({});
+    ((hash = duet::detail::fnv1a(bytes_of(tensor_of(xs)), hash)), ...);
+    if (parallel.group_size() > 1 && parallel.same_on_every_rank(hash)) {
+      throw ValueError("nn::TrainOneStepCell: DATA_PARALLEL, but the first batch is the same on all " +
+                       std::to_string(parallel.group_size()) +
+                       " ranks, so each would train on the same data; shard the loader: data::DataLoader(dataset, "
+                       "batch, {.num_shards = duet::distributed::get_group_size(), .shard_id = "
+                       "duet::distributed::get_rank()})");
+    }
+  }
+
+  template <class E>
+  static std::string_view bytes_of(const BasicTensor<E>& t) {
+    return {reinterpret_cast<const char*>(t.data()), static_cast<std::size_t>(t.numel()) * sizeof(E)};
+  }
+
+  // The gradients backward left, the loss and the moving statistics become the global batch's.
+  template <class... X>
+  void all_reduce(duet::detail::DataParallelRuntime& parallel, BasicTensor<float>& loss, const X&... xs) {
+    if (loss.numel() != 1) {
+      throw ModeError("nn::TrainOneStepCell: DATA_PARALLEL combines the ranks' losses, which needs each reduced to "
+                      "one number; this loss has shape " + to_string(loss.shape()));
+    }
+    const auto inputs = std::forward_as_tuple(xs...);
+    const index_t rows = tensor_of(std::get<0>(inputs)).dim(0);
+    duet::detail::BatchShare share{.summed = false, .counted_rows = static_cast<double>(rows),
+                                   .rows = static_cast<double>(rows)};
+    if constexpr (requires { net_with_loss_.loss_fn(); } && sizeof...(X) == 2) {
+      share = duet::detail::batch_share(net_with_loss_.loss_fn(), tensor_of(std::get<1>(inputs)), rows,
+                                        "nn::TrainOneStepCell");
+    }
+    const std::uint64_t pass = duet::detail::current_backward_pass();
+    const std::vector<BasicParameter<float>*>& params = optimizer_.parameters();
+    std::vector<duet::detail::GradientView> grads;
+    grads.reserve(params.size());
+    for (const BasicParameter<float>* p : params) {
+      grads.push_back({p->has_grad_from(pass) ? p->grad.data() : nullptr, p->numel()});
+    }
+    duet::detail::all_reduce_step(
+        parallel, grads,
+        [&](std::size_t i) {
+          bool accumulate = false;
+          return params[i]->grad_for_write(pass, &accumulate);
+        },
+        loss.values(), buffers_, share, get_auto_parallel_context().gradients_mean);
+    duet::detail::all_reduced_backward_pass() = pass;
+  }
+
+  NetWithLoss& net_with_loss_;
+  GradFunction<NetWithLoss&, void> grad_;
+  Optimizer& optimizer_;
+  TrainOneStepConfig config_;
+  double last_global_norm_ = 0;
+  bool parameters_broadcast_ = false;
+  std::vector<BasicParameter<float>*> buffers_;  // parameters nothing trains: moving statistics
+};
+
+}  // namespace duet::nn
+
+namespace duet {
+
+// Whether Net captures as a static graph for inputs of shape Pattern (duet::shape<dyn, 784>'s
+// type, StaticShape<dyn, 784>), so that graph mode runs it as one: a Cell with a generic
+// construct whose operations all accept that shape. A network built at run time, a construct
+// of duet::Tensor, or a cell calling one (WithLossCell over a DynamicSequentialCell) is traced
+// or runs eagerly instead. Checked while the program compiles, as graph capture's own shape
+// checks are; a capture found ambiguous when it runs (README: "Shared values in graph mode")
+// still runs traced.
+namespace detail {
+// A cell graph capture may call: not built at run time, generic, calling nothing built so.
+template <class Net>
+concept capture_candidate =
+    !nn::RuntimeBuilt<Net> && !nn::NonGenericConstruct<Net> && nn::capturable_construct<Net>();
+}  // namespace detail
+
+template <class Net, class Pattern = graph::AnyShape>
+concept runs_in_both_modes =
+    detail::capture_candidate<Net> && requires(Net& net) { net(graph::input<typename Net::value_type, Pattern>()); };
+
+// Tolerances as numpy.isclose's: graph's value g agrees with PyNative's p when
+// |g - p| <= atol + rtol * |p|, or both are NaN. The defaults ask for what the modes promise:
+// the same values, bit for bit (a folded BatchNorm at evaluation needs about rtol 2e-6).
+struct CompareOptions {
+  double rtol = 0;
+  double atol = 0;
+};
+
+// One value on which the modes disagree.
+struct ModeDifference {
+  std::string stage = {};      // "forward", "output" (the whole network) or "gradient"
+  std::size_t node = 0;   // forward: %node of graph_ir's optimized dump
+  std::string operation = {};  // forward: "MatMul + BiasAdd + ReLU"; gradient: the parameter's name
+  std::string cell = {};       // the layer that runs it, "nn::Dense<784, 512> 'dense_relu_sequential.0'",
+                               // or the cell whose construct calls it
+  Shape shape = {};
+  index_t element = 0;           // the worst element, row-major
+  std::vector<index_t> index = {};    // the same, one index per axis
+  double graph = 0;              // its value in graph mode
+  double pynative = 0;           // and in PyNative mode
+  double max_abs_error = 0;      // over the value's elements
+  double max_rel_error = 0;      // |g - p| / |p|, over elements where p is not 0
+};
+
+struct ModeReport {
+  std::optional<ModeDifference> difference = {};  // the first, in the order graph mode runs
+  std::size_t values_compared = 0;
+  // What could not be compared, and why (a graph node no PyNative operation stands for).
+  std::vector<std::string> notes = {};
+
+  bool empty() const { return !difference.has_value(); }
+  bool agree() const { return empty(); }
+  std::string to_string() const;
+};
+
+inline std::ostream& operator<<(std::ostream& os, const ModeReport& report) { return os << report.to_string(); }
+
+namespace detail {
+
+// The worst element of graph's value against PyNative's, and whether any is beyond tolerance.
+struct ValueComparison {
+  bool differs = false;
+  index_t worst = 0;
+  double graph = 0, pynative = 0, max_abs = 0, max_rel = 0;
+};
+
+template <class T>
+ValueComparison compare_values(const T* g, const T* p, index_t n, const CompareOptions& options) {
+  ValueComparison c;
+  double worst_excess = -1;
+  for (index_t i = 0; i < n; ++i) {
+    const auto a = static_cast<double>(g[i]);
+    const auto b = static_cast<double>(p[i]);
+    if (std::isnan(a) && std::isnan(b)) continue;
+    // A NaN on one side only is the worst there is.
+    const double abs = std::isnan(a) || std::isnan(b) ? INFINITY : std::fabs(a - b);
+    const double excess = abs - (options.atol + options.rtol * std::fabs(b));
+    if (abs > c.max_abs) c.max_abs = abs;
+    if (b != 0 && abs / std::fabs(b) > c.max_rel) c.max_rel = abs / std::fabs(b);
+    if (excess > 0) c.differs = true;
+    if (excess > worst_excess) {
+      worst_excess = excess;
+      c.worst = i;
+      c.graph = a;
+      c.pynative = b;
+    }
+  }
+  return c;
+}
+
+inline std::vector<index_t> index_of_element(const Shape& shape, index_t flat) {
+  std::vector<index_t> index(static_cast<std::size_t>(shape.rank()));
+  for (int a = shape.rank(); a-- > 0;) {
+    index[static_cast<std::size_t>(a)] = shape[a] == 0 ? 0 : flat % shape[a];
+    flat = shape[a] == 0 ? 0 : flat / shape[a];
+  }
+  return index;
+}
+
+template <class T>
+void record_comparison(ModeReport& report, const T* g, const T* p, const Shape& shape, ModeDifference where,
+                       const CompareOptions& options) {
+  ++report.values_compared;
+  if (report.difference) return;
+  const ValueComparison c = compare_values(g, p, shape.numel(), options);
+  if (!c.differs) return;
+  where.shape = shape;
+  where.element = c.worst;
+  where.index = index_of_element(shape, c.worst);
+  where.graph = c.graph;
+  where.pynative = c.pynative;
+  where.max_abs_error = c.max_abs;
+  where.max_rel_error = c.max_rel;
+  report.difference = std::move(where);
+}
+
+// "MatMul + BiasAdd + ReLU" -> {"MatMul", "BiasAdd", "ReLU"}: the operations a fused node
+// took in, each a step of PyNative's trace.
+inline std::vector<std::string> fused_parts(const std::string& op_name) {
+  std::vector<std::string> parts;
+  std::size_t begin = 0;
+  for (std::size_t plus; (plus = op_name.find(" + ", begin)) != std::string::npos; begin = plus + 3) {
+    parts.push_back(op_name.substr(begin, plus - begin));
+  }
+  parts.push_back(op_name.substr(begin));
+  return parts;
+}
+
+// Pairs graph nodes, in the order they run, with the trace's steps: the first run of steps
+// from `next` on whose names are the node's parts and whose last makes a value of its shape.
+class TracePairing {
+ public:
+  explicit TracePairing(const pijit::Trace& trace) : trace_(trace) {}
+
+  // The trace's value standing for a node, or nothing.
+  const pijit::Value* pair(const std::string& op_name, const Shape& shape) {
+    const std::vector<std::string> parts = fused_parts(op_name);
+    const auto& steps = trace_.steps();
+    const auto& values = trace_.values();
+    for (std::size_t s = next_; s + parts.size() <= steps.size(); ++s) {
+      bool same = true;
+      for (std::size_t k = 0; k < parts.size() && same; ++k) same = steps[s + k]->op_name() == parts[k];
+      const pijit::Value& v = values[steps[s + parts.size() - 1]->output];
+      if (same && v.shape == shape && v.data != nullptr) {
+        next_ = s + parts.size();
+        return &v;
+      }
+    }
+    return nullptr;
+  }
+
+ private:
+  const pijit::Trace& trace_;
+  std::size_t next_ = 0;
+};
+
+// Switches the global context's mode for its lifetime.
+class ContextModeScope {
+ public:
+  explicit ContextModeScope(Mode mode) : saved_(get_context().mode) { set_context({.mode = mode}); }
+  ContextModeScope(const ContextModeScope&) = delete;
+  ContextModeScope& operator=(const ContextModeScope&) = delete;
+  ~ContextModeScope() { set_context({.mode = saved_}); }
+
+ private:
+  Mode saved_;
+};
+
+template <class Net>
+constexpr JitConfig graph_config_of() {
+  if constexpr (requires { Net::jit_config; }) return Net::jit_config;
+  else return JitConfig{};
+}
+
+// The forward pass in both modes, node by node. Each run is a step that does not commit, so
+// both start from the network as it was (BatchNorm's statistics, Dropout's generator) and
+// leave it so.
+template <class Net, class... X>
+void compare_forward(ModeReport& report, Net& net, const CompareOptions& options, const X&... xs) {
+  using T = typename Net::value_type;
+  pijit::Trace trace;
+  trace.keep_values();
+  auto inputs = std::make_tuple(BasicTensor<typename X::value_type>(tensor_of(xs))...);
+  [&]<std::size_t... K>(std::index_sequence<K...>) { (trace.add_input(std::get<K>(inputs), K), ...); }
+  (std::index_sequence_for<X...>{});
+  BasicTensor<T> pynative_out;
+  {
+    const StepScope discarded;
+    const pijit::Tracing tracing(&trace);
+    const EagerScope eager;
+    pynative_out = std::apply([&](const auto&... in) { return BasicTensor<T>(net(in...)); }, inputs);
+  }
+
+  constexpr JitConfig Config = graph_config_of<Net>();
+  const auto capture = [&](auto phase) {
+    return pipeline::compile<Config, false,
+                             pipeline::Input<typename X::value_type,
+                                             graph::pattern_in_phase<decltype(phase)::value,
+                                                                     typename graph::pattern_of<X>::type>>...>(
+        [&](const auto&... in) { return net(in...); });
+  };
+  pipeline::in_requested_phase(capture, [&](const auto& program) {
+    if (!program.ambiguity.empty()) {
+      // Graph mode runs such a network as a trace of PyNative's own operations (README,
+      // "Shared values in graph mode"): there are no graph nodes to pair, only the output.
+      report.notes.push_back("the capture is ambiguous (" + program.ambiguity +
+                             "), so graph mode runs it traced (PIJit): only the output is compared");
+      const StepScope discarded;
+      const ContextModeScope graph_mode(GRAPH_MODE);
+      const BasicTensor<T> graph_out(net(tensor_of(xs)...));
+      if (graph_out.shape() == pynative_out.shape()) {
+        record_comparison(report, graph_out.data(), pynative_out.data(), graph_out.shape(),
+                          ModeDifference{.stage = "output", .cell = net.label()}, options);
+      }
+      return 0;
+    }
+    using G = typename std::remove_cvref_t<decltype(program)>::graph_type;
+    TracePairing pairing(trace);
+    const auto observe = [&](auto i, const auto* values, const Shape& shape) {
+      constexpr std::size_t I = decltype(i)::value;
+      using Node = graph::node_at<G, I>;
+      // Inputs and parameters are the same tensors in both modes.
+      if constexpr (Node::arity > 0) {
+        const std::string name = Node::op_type::op_name();
+        const pijit::Value* p = pairing.pair(name, shape);
+        if (p == nullptr) {
+          report.notes.push_back("%" + std::to_string(I) + " " + name + " : " + duet::to_string(shape) +
+                                 ": no PyNative operation stands for it, not compared");
+          return;
+        }
+        // The layer the operation names, as graph_ir shows it; else the cell whose construct
+        // called it, as PyNative saw it run.
+        const std::string label = boost::hana::at_c<I>(program.graph.nodes).op.label();
+        record_comparison(report, values, static_cast<decltype(values)>(p->data), shape,
+                          ModeDifference{.stage = "forward", .node = I, .operation = name,
+                                         .cell = label == name ? p->cell : label},
+                          options);
+      }
+    };
+    const StepScope discarded;
+    const auto tensors = std::make_tuple(tensor_of(xs)...);
+    std::apply(
+        [&](const auto&... in) {
+          const auto p = plan<Config>(program, std::array<Shape, sizeof...(X)>{in.shape()...},
+                                      net.type_name() + "::construct");
+          run_observed<DefaultBackend, Config>(program, p, observe, in...);
+        },
+        tensors);
+    return 0;
+  });
+}
+
+template <class Net>
+inline constexpr bool is_loss_cell = false;
+template <class Backbone, class Loss>
+inline constexpr bool is_loss_cell<nn::WithLossCell<Backbone, Loss>> = true;
+
+// The loss's gradients in both modes, PyNative's tape against graph mode's backward graph,
+// parameter by parameter in parameters() order. The graph-mode half switches the context for
+// its call, so the cell must follow it.
+template <class Net, class... X>
+void compare_gradients(ModeReport& report, Net& net, const CompareOptions& options, const X&... xs) {
+  if constexpr (Net::mode != CONTEXT_MODE) {
+    throw ModeError("duet::compare_modes: " + net.label() +
+                    " is fixed to one mode, so its gradients cannot be taken in the other; compare the "
+                    "gradients of a cell that follows the context (nn::Cell<Net>)");
+  } else {
+    const auto parameters = net.parameters();
+    const auto grads_in = [&](Mode mode) {
+      const StepScope discarded;
+      const ContextModeScope scope(mode);
+      return value_and_grad(net, parameters)(xs...).grads;
+    };
+    const auto pynative = grads_in(PYNATIVE_MODE);
+    const auto graph = grads_in(GRAPH_MODE);
+    for (std::size_t k = 0; k < parameters.size(); ++k) {
+      record_comparison(report, graph[k].data(), pynative[k].data(), graph[k].shape(),
+                        ModeDifference{.stage = "gradient", .operation = parameters[k].name}, options);
+    }
+  }
+}
+
+template <class Net, class... X>
+ModeReport compare_modes(Net& net, const CompareOptions& options, const X&... xs) {
+  static_assert(capture_candidate<Net> && graph::Capturable<Net&, X...>,
+                "duet::compare_modes: the network does not capture as a static graph for this input "
+                "(see duet::runs_in_both_modes): graph mode would trace it or run it eagerly");
+  net.ensure_named();
+  ModeReport report;
+  compare_forward(report, net, options, xs...);
+  if constexpr (is_loss_cell<Net>) {
+    if (report.empty()) compare_gradients(report, net, options, xs...);
+  }
+  return report;
+}
+
+}  // namespace detail
+
+// Runs net on x in PyNative mode and in graph mode, on the same weights, and reports the
+// first graph node whose value differs beyond the tolerances. The network is left as it was.
+template <class Net, class X>
+ModeReport compare_modes(Net& net, const X& x, const CompareOptions& options = {}) {
+  return detail::compare_modes(net, options, x);
+}
+
+// The same for a construct of two inputs. Given a loss cell (nn::WithLossCell) and its data
+// and labels, then, if the forward pass agrees, the first parameter whose gradient of the loss
+// does not.
+template <class Net, class X, class Y>
+ModeReport compare_modes(Net& net, const X& x, const Y& y, const CompareOptions& options = {}) {
+  return detail::compare_modes(net, options, x, y);
+}
+
+inline std::string ModeReport::to_string() const {
+  std::ostringstream os;
+  if (!difference) {
+    os << "the modes agree (" << values_compared << " values compared)\n";
+  } else {
+    const ModeDifference& d = *difference;
+    os << "the modes differ ";
+    if (d.stage == "forward") {
+      os << "first at node %" << d.node << " " << d.operation << (d.cell.empty() ? "" : " of " + d.cell);
+    } else if (d.stage == "gradient") {
+      os << "first in the gradient of parameter '" << d.operation << "'";
+    } else {
+      os << "at the output of " << d.cell;
+    }
+    std::string index;
+    for (index_t i : d.index) index += (index.empty() ? "" : ", ") + std::to_string(i);
+    std::ostringstream values;
+    values.precision(9);
+    values << "graph " << d.graph << ", PyNative " << d.pynative;
+    os << " : " << duet::to_string(d.shape) << "\n  worst element " << d.element << " [" << index << "]: "
+       << values.str() << "\n  max abs error " << d.max_abs_error << ", max rel error " << d.max_rel_error << "\n";
+  }
+  for (const std::string& note : notes) os << "  note: " << note << "\n";
+  return os.str();
+}
+
+}  // namespace duet
 // Data for training: image data sets held in memory as bytes, Fashion-MNIST, and a DataLoader
 // that cuts a data set into shuffled float batches.
 //
@@ -11345,227 +12241,6 @@ BasicTensor<T> initializer(const I& init, const Shape& shape) {
 #include <utility>
 #include <vector>
 
-// Data parallelism's settings (MindSpore's set_auto_parallel_context) and the interface through
-// which a training step, an optimiser and an evaluation reach the runtime that
-// duet/distributed.hpp provides. This header needs no MPI: a program that never includes
-// distributed.hpp has no runtime, and asking for DATA_PARALLEL without one is an error.
-
-#include <algorithm>
-#include <atomic>
-#include <cstdint>
-#include <functional>
-#include <optional>
-#include <span>
-#include <string>
-#include <string_view>
-#include <vector>
-
-
-namespace duet {
-
-// MindSpore's ParallelMode: STAND_ALONE (one process) and DATA_PARALLEL (every rank holds the
-// whole network and a shard of each batch). The other MindSpore modes split the network itself.
-enum class ParallelMode : unsigned char { STAND_ALONE, DATA_PARALLEL };
-
-// Fields left empty keep their current value, as ContextConfig's do.
-struct AutoParallelConfig {
-  std::optional<ParallelMode> parallel_mode = std::nullopt;
-  // true: the update uses the mean of the ranks' gradients (weighted by their samples, so it is
-  // the gradient of the global batch's mean loss); false: their sum (MindSpore's default).
-  std::optional<bool> gradients_mean = std::nullopt;
-};
-
-struct AutoParallelContext {
-  ParallelMode parallel_mode = ParallelMode::STAND_ALONE;
-  bool gradients_mean = false;
-};
-
-namespace detail {
-inline std::atomic<ParallelMode>& parallel_mode() {
-  static std::atomic<ParallelMode> mode{ParallelMode::STAND_ALONE};
-  return mode;
-}
-inline std::atomic<bool>& gradients_mean() {
-  static std::atomic<bool> mean{false};
-  return mean;
-}
-}  // namespace detail
-
-inline void set_auto_parallel_context(const AutoParallelConfig& config) {
-  if (config.parallel_mode) {
-    if (*config.parallel_mode != ParallelMode::STAND_ALONE && *config.parallel_mode != ParallelMode::DATA_PARALLEL) {
-      throw ValueError("duet::set_auto_parallel_context: parallel_mode must be STAND_ALONE or DATA_PARALLEL");
-    }
-    detail::parallel_mode().store(*config.parallel_mode, std::memory_order_relaxed);
-  }
-  if (config.gradients_mean) detail::gradients_mean().store(*config.gradients_mean, std::memory_order_relaxed);
-}
-
-inline AutoParallelContext get_auto_parallel_context() {
-  return {detail::parallel_mode().load(std::memory_order_relaxed),
-          detail::gradients_mean().load(std::memory_order_relaxed)};
-}
-
-namespace detail {
-
-// 64-bit FNV-1a, continuing from h: what ranks compare in one collective (their networks'
-// descriptions, their first batches) is hashed first.
-inline std::uint64_t fnv1a(std::string_view bytes, std::uint64_t h = 14695981039346656037ull) {
-  for (const char c : bytes) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
-  return h;
-}
-
-// A gradient a rank contributes to an all-reduce.
-struct GradientView {
-  const float* data = nullptr;  // nullptr: none this step
-  index_t size = 0;
-};
-
-// What duet/distributed.hpp implements over MPI. Every call is collective: all ranks make it,
-// in the same order, or it fails with a duet::Error after the runtime's timeout.
-class DataParallelRuntime {
- public:
-  DataParallelRuntime() = default;
-  DataParallelRuntime(const DataParallelRuntime&) = delete;
-  DataParallelRuntime& operator=(const DataParallelRuntime&) = delete;
-  virtual ~DataParallelRuntime() = default;
-
-  virtual int rank() const = 0;
-  virtual int group_size() const = 0;
-  // Checks that every rank has parameters of the same names and shapes (ValueError naming the
-  // first difference otherwise), then gives every rank rank 0's values.
-  virtual void broadcast_parameters(const std::vector<nn::NamedParameter<float>>& params) = 0;
-  // One step's reduction. `values` are summed over the ranks first, in one collective;
-  // values[0] is this rank's weight. Then each gradient (data nullptr: this rank has none,
-  // counted as zeros) times the weight is summed over the ranks, in buckets started in reverse
-  // order (backward's), divided by the summed weight when `mean` (zeros when that is 0), and
-  // written to write(i), for each gradient i that some rank has.
-  virtual void all_reduce_gradients(std::span<const GradientView> grads, std::span<double> values, bool mean,
-                                    const std::function<float*(std::size_t)>& write) = 0;
-  // Whether `hash` is the same on every rank.
-  virtual bool same_on_every_rank(std::uint64_t hash) = 0;
-  // Each value becomes its sum over the ranks.
-  virtual void all_reduce_sum(std::span<double> values) = 0;
-};
-
-// Set by duet::distributed::init().
-inline std::atomic<DataParallelRuntime*>& data_parallel_runtime() {
-  static std::atomic<DataParallelRuntime*> runtime{nullptr};
-  return runtime;
-}
-
-// The backward pass whose gradients the runtime last all-reduced on this thread: an optimiser
-// step in DATA_PARALLEL over any other pass would update each rank differently.
-inline std::uint64_t& all_reduced_backward_pass() {
-  thread_local std::uint64_t pass = 0;
-  return pass;
-}
-
-// The gradients distributed::GradReducer last returned on this thread, and the backward pass
-// then current: optimizer(grads) accepts them in DATA_PARALLEL until the next backward pass.
-struct ReducedGradients {
-  std::uint64_t pass = 0;
-  std::vector<const float*> data;
-};
-inline ReducedGradients& all_reduced_gradient_set() {
-  thread_local ReducedGradients set;
-  return set;
-}
-
-// What a rank's batch weighs in the global batch's loss (DATA_PARALLEL).
-struct BatchShare {
-  // Reduction::sum: the ranks' losses and gradients add up, as the one batch's would.
-  bool summed = false;
-  // Otherwise: the rows the loss averaged (those not ignored); each rank's loss and gradient
-  // count in proportion to them.
-  double counted_rows = 0;
-  // The batch's rows, by which the ranks' moving statistics are averaged.
-  double rows = 0;
-};
-
-// The label a loss leaves out (nn::CrossEntropyLoss's and nn::NLLLoss's ignore_index), if any.
-template <class Loss>
-std::optional<std::int32_t> ignored_label(const Loss& loss) {
-  if constexpr (requires { loss.options().ignore_index; }) return loss.options().ignore_index;
-  else return std::nullopt;
-}
-
-// The share of `loss` (a loss cell) over a batch of `rows` with these labels. Losses state
-// their reduction (a static member `reduction`); one that does not, such as a cell of the
-// user's own, is taken to average the batch's rows.
-template <class Loss, class Labels>
-BatchShare batch_share(const Loss& loss, const Labels& labels, index_t rows, std::string_view who) {
-  BatchShare share{.summed = false, .counted_rows = static_cast<double>(rows), .rows = static_cast<double>(rows)};
-  if constexpr (requires { Loss::reduction; }) {
-    if (Loss::reduction == Reduction::none) {
-      throw ModeError(std::string(who) + ": " + loss.label() +
-                      " has Reduction::none; combining batches (or the ranks' shares of one) needs a loss reduced "
-                      "to one number (Reduction::mean or Reduction::sum)");
-    }
-    share.summed = Loss::reduction == Reduction::sum;
-  }
-  if constexpr (std::same_as<Labels, BasicTensor<std::int32_t>>) {
-    if (const std::optional<std::int32_t> ignored = ignored_label(loss)) {
-      share.counted_rows = static_cast<double>(std::ranges::count_if(labels.values(), [&](std::int32_t l) { return l != *ignored; }));
-    }
-  }
-  return share;
-}
-
-// The reduction a data-parallel step makes, shared by nn::TrainOneStepCell and
-// distributed::GradReducer: gradients (see DataParallelRuntime::all_reduce_gradients), `loss`
-// (each element becomes the global batch's: the ranks' sum, or their mean weighted by counted
-// rows), and `buffers`, the parameters nothing trains (BatchNorm's moving statistics), which
-// become their mean over the ranks weighted by rows. Parameters equal on every rank, such as
-// frozen weights, stay exactly as they are: the sums are in double, where n * x is exact.
-// With gradients_mean the gradients are the global batch's; without, their sum over the ranks
-// (MindSpore's default).
-inline void all_reduce_step(DataParallelRuntime& runtime, std::span<const GradientView> grads,
-                            const std::function<float*(std::size_t)>& write, std::span<float> loss,
-                            const std::vector<nn::Parameter*>& buffers, const BatchShare& share, bool gradients_mean) {
-  const bool weighted = gradients_mean && !share.summed;
-  const double loss_weight = share.summed ? 1.0 : share.counted_rows;
-  // [gradient weight, loss weight, rows, weighted losses..., weighted buffers...]
-  std::vector<double> values{weighted ? share.counted_rows : 1.0, loss_weight, share.rows};
-  for (const float l : loss) values.push_back(static_cast<double>(l) * loss_weight);
-  for (const nn::Parameter* b : buffers) {
-    for (const float v : b->values()) values.push_back(static_cast<double>(v) * share.rows);
-  }
-  runtime.all_reduce_gradients(grads, values, weighted, write);
-  const double counted = values[1];
-  std::size_t k = 3;
-  for (float& l : loss) {
-    const double sum = values[k++];
-    l = static_cast<float>(share.summed ? sum : counted > 0 ? sum / counted : 0.0);
-  }
-  for (nn::Parameter* b : buffers) {
-    // Non-const data() moves the version, so what was made from the old values is made again.
-    for (float& v : b->values()) {
-      v = static_cast<float>(values[k++] / values[2]);
-    }
-  }
-}
-
-// The runtime a training step of `who` synchronises through, or nullptr when it trains alone.
-// Either half of the set-up without the other is refused: each rank would train on its own.
-inline DataParallelRuntime* training_runtime(std::string_view who) {
-  DataParallelRuntime* runtime = data_parallel_runtime().load(std::memory_order_acquire);
-  const bool data_parallel = parallel_mode().load(std::memory_order_relaxed) == ParallelMode::DATA_PARALLEL;
-  if (data_parallel && runtime == nullptr) {
-    throw ModeError(std::string(who) +
-                    ": the parallel mode is DATA_PARALLEL but no rank group exists; include <duet/distributed.hpp> "
-                    "and call duet::distributed::init() first");
-  }
-  if (!data_parallel && runtime != nullptr && runtime->group_size() > 1) {
-    throw ModeError(std::string(who) + ": duet::distributed::init() joined " + std::to_string(runtime->group_size()) +
-                    " ranks but the parallel mode is STAND_ALONE, so each rank would train its own network; call "
-                    "duet::set_auto_parallel_context({.parallel_mode = duet::ParallelMode::DATA_PARALLEL})");
-  }
-  return data_parallel ? runtime : nullptr;
-}
-
-}  // namespace detail
-}  // namespace duet
 
 namespace duet::nn {
 
@@ -16684,277 +17359,6 @@ class GroupNorm : public Cell<GroupNorm<Groups, Channels, T>, CONTEXT_MODE, T> {
 
 }  // namespace nn
 }  // namespace duet
-// Wrappers that turn a network into something to train (MindSpore's nn.WithLossCell and
-// nn.TrainOneStepCell).
-
-#include <algorithm>
-#include <cmath>
-#include <concepts>
-#include <cstdint>
-#include <optional>
-#include <string>
-#include <tuple>
-#include <utility>
-#include <vector>
-
-// Gradient clipping by global norm (MindSpore's ops.clip_by_global_norm).
-//
-// It works on gradients once backward has made them, outside the graph, so it is the same code
-// in both modes: on the list value_and_grad returns (clip, then call the optimiser with it), or
-// inside nn::TrainOneStepCell ({.clip_global_norm = 1.0}), which clips the gradients backward
-// left in the parameters before the optimiser reads them.
-
-#include <cmath>
-#include <string>
-#include <type_traits>
-#include <vector>
-
-
-namespace duet::ops {
-
-namespace detail {
-
-inline void check_clip_norm(double clip_norm) {
-  if (!(clip_norm > 0) || !std::isfinite(clip_norm)) {
-    throw ValueError("ops::clip_by_global_norm: clip_norm must be positive and finite, got " +
-                     std::to_string(clip_norm));
-  }
-}
-
-// sqrt(Σ over every tensor of Σ x²), accumulated in double: float gradients of a large model
-// would lose the small ones' squares in a float sum. Tensors is a range of tensor pointers.
-template <class Tensors>
-double global_norm_of(const Tensors& tensors) {
-  double sum = 0;
-  for (const auto* t : tensors) {
-    for (auto v : t->values()) sum += static_cast<double>(v) * static_cast<double>(v);
-  }
-  return std::sqrt(sum);
-}
-
-// Scales each tensor in place by clip_norm / max(norm, clip_norm); those whose norm is within
-// clip_norm are left bit for bit as they are. Returns the norm before clipping.
-template <class Tensors>
-double clip_in_place(const Tensors& tensors, double clip_norm) {
-  check_clip_norm(clip_norm);
-  const double norm = global_norm_of(tensors);
-  if (norm > clip_norm || !std::isfinite(norm)) {
-    const double factor = clip_norm / norm;
-    for (auto* t : tensors) {
-      using T = std::remove_cvref_t<decltype(t->values()[0])>;
-      for (auto& v : t->values()) v = static_cast<T>(v * factor);
-    }
-  }
-  return norm;
-}
-
-}  // namespace detail
-
-// The global norm of a list of tensors: the norm of all their elements taken together.
-template <ElementType T>
-double global_norm(const std::vector<BasicTensor<T>>& x) {
-  std::vector<const BasicTensor<T>*> all;
-  for (const auto& t : x) all.push_back(&t);
-  return detail::global_norm_of(all);
-}
-
-// MindSpore's ops.clip_by_global_norm(x, clip_norm=1.0, use_norm=None): each tensor times
-// clip_norm / max(global_norm(x), clip_norm), so that the clipped list's global norm is at most
-// clip_norm. New tensors; x is not changed. A NaN or infinite norm goes through the same formula,
-// as in MindSpore.
-template <ElementType T>
-std::vector<BasicTensor<T>> clip_by_global_norm(const std::vector<BasicTensor<T>>& x, double clip_norm = 1.0) {
-  std::vector<BasicTensor<T>> out;
-  std::vector<BasicTensor<T>*> all;
-  out.reserve(x.size());
-  for (const auto& t : x) all.push_back(&out.emplace_back(t.clone()));
-  detail::clip_in_place(all, clip_norm);
-  return out;
-}
-
-}  // namespace duet::ops
-
-namespace duet::nn {
-
-// loss_fn(backbone(data), label). The backbone is transparent to naming, so the parameters
-// keep the names they have in the backbone alone ("dense_relu_sequential.0.weight"), and a
-// checkpoint of either loads into the other. It runs in the backbone's mode if that is fixed.
-template <class Backbone, class Loss>
-class WithLossCell
-    : public Cell<WithLossCell<Backbone, Loss>, detail::fixed_mode_of<Backbone>(), typename Backbone::value_type> {
-  using T = typename Backbone::value_type;
-
- public:
-  // A backbone built at run time, or with a construct of tensors (PyNative only), cannot be
-  // captured into a graph, so neither can this cell.
-  static constexpr bool capturable = !RuntimeBuilt<Backbone> && !NonGenericConstruct<Backbone>;
-
-  WithLossCell(Backbone& backbone, Loss& loss_fn) : backbone_(backbone), loss_fn_(loss_fn) {}
-
-  template <class X, class Y>
-  auto construct(const X& data, const Y& label) {
-    return loss_fn_(backbone_(data), label);
-  }
-
-  Backbone& backbone() { return backbone_; }
-  Loss& loss_fn() { return loss_fn_; }
-
-  void for_each_child(const typename BasicDynamicCell<T>::ChildVisitor& visit) override {
-    visit("", backbone_);
-    visit("loss_fn", loss_fn_);
-  }
-  std::string type_name() const override { return "nn::WithLossCell"; }
-
- private:
-  Backbone& backbone_;
-  Loss& loss_fn_;
-};
-
-// What a training step does besides forward, backward and update.
-struct TrainOneStepConfig {
-  // Clip the gradients to this global norm before the update (ops::clip_by_global_norm over
-  // every gradient the optimiser reads); none if empty.
-  std::optional<double> clip_global_norm;
-};
-
-// One training step per call: forward, loss, backward and the optimiser's update. In graph
-// mode the first three are one compiled graph run by one evaluator call; the update follows
-// in the same call, over the gradients that run left in the parameters.
-//
-// In DATA_PARALLEL (duet/distributed.hpp) the first step first gives every rank rank 0's
-// parameters, and each step all-reduces the gradients between backward and the update, in
-// both modes, so that every rank applies the same update; the loss returned is then the
-// global batch's.
-template <class NetWithLoss, class Optimizer>
-class TrainOneStepCell {
-  using T = typename NetWithLoss::value_type;
-
- public:
-  TrainOneStepCell(NetWithLoss& net_with_loss, Optimizer& optimizer, TrainOneStepConfig config = {})
-      : net_with_loss_(net_with_loss), grad_(net_with_loss, {}, std::nullopt), optimizer_(optimizer), config_(config) {
-    if (config_.clip_global_norm) ops::detail::check_clip_norm(*config_.clip_global_norm);
-    // Cells start in evaluation (MindSpore's default); a training step that ran BatchNorm on
-    // its moving statistics and Dropout as the identity would train quietly wrong. MindSpore's
-    // Model.train sets the network to training before its steps; a step made here does too.
-    net_with_loss.set_train(true);
-  }
-
-  // Returns the loss of the batch, before the update. A step that fails or skips its update
-  // changes nothing, not even BatchNorm's moving statistics or Dropout's generator. An
-  // empty batch is refused: it has no gradient, yet an update would still advance the
-  // optimiser (its step count, and momentum moving the parameters). A batch whose loss is NaN
-  // or infinite (NaN or Inf inputs, or a model that diverged) skips the update, which would
-  // write NaN into every parameter and moment for good; the caller sees the loss.
-  template <class... X>
-  BasicTensor<T> operator()(const X&... xs) {
-    if (((tensor_of(xs).numel() == 0) || ...)) {
-      throw ValueError("nn::TrainOneStepCell: the batch is empty; a training step needs at least one sample");
-    }
-    duet::detail::StepScope step;
-    duet::detail::DataParallelRuntime* parallel = duet::detail::training_runtime("nn::TrainOneStepCell");
-    if (parallel != nullptr && !parameters_broadcast_) {
-      if constexpr (std::same_as<T, float>) {
-        start_data_parallel(*parallel, xs...);
-      } else {
-        throw ModeError("nn::TrainOneStepCell: DATA_PARALLEL trains float networks only");
-      }
-      parameters_broadcast_ = true;
-    }
-    BasicTensor<T> loss = grad_.value_and_parameter_grads(xs...);
-    if constexpr (std::same_as<T, float>) {
-      // Before the finiteness check: a NaN on one rank must skip the update on all of them.
-      if (parallel != nullptr) all_reduce(*parallel, loss, xs...);
-    }
-    if (!std::ranges::all_of(loss.values(), [](T v) { return std::isfinite(v); })) return loss;
-    // Clipping reads the gradients backward left, the same in both modes, so both clip alike.
-    // A gradient whose norm is not finite skips the update, as a NaN loss does; the norm is
-    // kept for the caller to see (last_global_norm).
-    if (config_.clip_global_norm) {
-      const std::uint64_t pass = duet::detail::current_backward_pass();
-      std::vector<BasicTensor<T>*> grads;
-      for (BasicParameter<T>* p : optimizer_.parameters()) {
-        if (p->has_grad_from(pass)) grads.push_back(&p->grad);
-      }
-      last_global_norm_ = ops::detail::clip_in_place(grads, *config_.clip_global_norm);
-      if (!std::isfinite(last_global_norm_)) return loss;
-    }
-    optimizer_.step();
-    step.commit();
-    return loss;
-  }
-
-  Optimizer& optimizer() { return optimizer_; }
-  // The global norm of the last step's gradients before clipping (with clip_global_norm set).
-  double last_global_norm() const { return last_global_norm_; }
-
- private:
-  // The first data-parallel step: every rank gets rank 0's parameters, and a loader that gives
-  // every rank the same batches (not sharded) is refused: the ranks would repeat one another.
-  template <class... X>
-  void start_data_parallel(duet::detail::DataParallelRuntime& parallel, const X&... xs) {
-    const std::vector<NamedParameter<float>> params = net_with_loss_.parameters();
-    parallel.broadcast_parameters(params);
-    for (const auto& p : params) {
-      if (!p.parameter->requires_grad) buffers_.push_back(p.parameter);
-    }
-    std::uint64_t hash = duet::detail::fnv1a({});
-    ((hash = duet::detail::fnv1a(bytes_of(tensor_of(xs)), hash)), ...);
-    if (parallel.group_size() > 1 && parallel.same_on_every_rank(hash)) {
-      throw ValueError("nn::TrainOneStepCell: DATA_PARALLEL, but the first batch is the same on all " +
-                       std::to_string(parallel.group_size()) +
-                       " ranks, so each would train on the same data; shard the loader: data::DataLoader(dataset, "
-                       "batch, {.num_shards = duet::distributed::get_group_size(), .shard_id = "
-                       "duet::distributed::get_rank()})");
-    }
-  }
-
-  template <class E>
-  static std::string_view bytes_of(const BasicTensor<E>& t) {
-    return {reinterpret_cast<const char*>(t.data()), static_cast<std::size_t>(t.numel()) * sizeof(E)};
-  }
-
-  // The gradients backward left, the loss and the moving statistics become the global batch's.
-  template <class... X>
-  void all_reduce(duet::detail::DataParallelRuntime& parallel, BasicTensor<float>& loss, const X&... xs) {
-    if (loss.numel() != 1) {
-      throw ModeError("nn::TrainOneStepCell: DATA_PARALLEL combines the ranks' losses, which needs each reduced to "
-                      "one number; this loss has shape " + to_string(loss.shape()));
-    }
-    const auto inputs = std::forward_as_tuple(xs...);
-    const index_t rows = tensor_of(std::get<0>(inputs)).dim(0);
-    duet::detail::BatchShare share{.summed = false, .counted_rows = static_cast<double>(rows),
-                                   .rows = static_cast<double>(rows)};
-    if constexpr (requires { net_with_loss_.loss_fn(); } && sizeof...(X) == 2) {
-      share = duet::detail::batch_share(net_with_loss_.loss_fn(), tensor_of(std::get<1>(inputs)), rows,
-                                        "nn::TrainOneStepCell");
-    }
-    const std::uint64_t pass = duet::detail::current_backward_pass();
-    const std::vector<BasicParameter<float>*>& params = optimizer_.parameters();
-    std::vector<duet::detail::GradientView> grads;
-    grads.reserve(params.size());
-    for (const BasicParameter<float>* p : params) {
-      grads.push_back({p->has_grad_from(pass) ? p->grad.data() : nullptr, p->numel()});
-    }
-    duet::detail::all_reduce_step(
-        parallel, grads,
-        [&](std::size_t i) {
-          bool accumulate = false;
-          return params[i]->grad_for_write(pass, &accumulate);
-        },
-        loss.values(), buffers_, share, get_auto_parallel_context().gradients_mean);
-    duet::detail::all_reduced_backward_pass() = pass;
-  }
-
-  NetWithLoss& net_with_loss_;
-  GradFunction<NetWithLoss&, void> grad_;
-  Optimizer& optimizer_;
-  TrainOneStepConfig config_;
-  double last_global_norm_ = 0;
-  bool parameters_broadcast_ = false;
-  std::vector<BasicParameter<float>*> buffers_;  // parameters nothing trains: moving statistics
-};
-
-}  // namespace duet::nn
 // Arithmetic: + - * / and the other binary elementwise functions, with numpy broadcasting,
 // between tensors and with scalars, in both modes (MindSpore's ops.add, ops.mul, ...).
 //

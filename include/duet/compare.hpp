@@ -1,0 +1,379 @@
+// duet::compare_modes: where PyNative and graph mode disagree on one network, and
+// duet::runs_in_both_modes: whether a network captures as a static graph at all.
+//
+// Both modes run the same kernels, so they agree bit for bit (README, Guarantees); when they
+// do not (a user's operation whose fused graph form computes something else, BatchNorm folded
+// at evaluation), the output alone does not say where. compare_modes runs the network once
+// in each mode on the same weights and inputs and reads every intermediate value of both:
+// PyNative's from a trace that keeps them (pijit::Trace::keep_values), graph mode's from the
+// evaluator as each node runs (run_observed). It walks graph mode's nodes in the order they
+// run and pairs each with the PyNative operations it stands for: a fused node
+// ("MatMul + BiasAdd + ReLU") with that run of operations, whose last makes its value.
+#pragma once
+
+#include <array>
+#include <boost/hana/at.hpp>
+#include <cmath>
+#include <cstddef>
+#include <optional>
+#include <ostream>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "autodiff.hpp"
+#include "cell.hpp"
+#include "context.hpp"
+#include "error.hpp"
+#include "evaluator.hpp"
+#include "graph.hpp"
+#include "nn/wrap.hpp"
+#include "parameter.hpp"
+#include "pipeline.hpp"
+#include "tensor.hpp"
+#include "trace.hpp"
+
+namespace duet {
+
+// Whether Net captures as a static graph for inputs of shape Pattern (duet::shape<dyn, 784>'s
+// type, StaticShape<dyn, 784>), so that graph mode runs it as one: a Cell with a generic
+// construct whose operations all accept that shape. A network built at run time, a construct
+// of duet::Tensor, or a cell calling one (WithLossCell over a DynamicSequentialCell) is traced
+// or runs eagerly instead. Checked while the program compiles, as graph capture's own shape
+// checks are; a capture found ambiguous when it runs (README: "Shared values in graph mode")
+// still runs traced.
+namespace detail {
+// A cell graph capture may call: not built at run time, generic, calling nothing built so.
+template <class Net>
+concept capture_candidate =
+    !nn::RuntimeBuilt<Net> && !nn::NonGenericConstruct<Net> && nn::capturable_construct<Net>();
+}  // namespace detail
+
+template <class Net, class Pattern = graph::AnyShape>
+concept runs_in_both_modes =
+    detail::capture_candidate<Net> && requires(Net& net) { net(graph::input<typename Net::value_type, Pattern>()); };
+
+// Tolerances as numpy.isclose's: graph's value g agrees with PyNative's p when
+// |g - p| <= atol + rtol * |p|, or both are NaN. The defaults ask for what the modes promise:
+// the same values, bit for bit (a folded BatchNorm at evaluation needs about rtol 2e-6).
+struct CompareOptions {
+  double rtol = 0;
+  double atol = 0;
+};
+
+// One value on which the modes disagree.
+struct ModeDifference {
+  std::string stage = {};      // "forward", "output" (the whole network) or "gradient"
+  std::size_t node = 0;   // forward: %node of graph_ir's optimized dump
+  std::string operation = {};  // forward: "MatMul + BiasAdd + ReLU"; gradient: the parameter's name
+  std::string cell = {};       // the layer that runs it, "nn::Dense<784, 512> 'dense_relu_sequential.0'",
+                               // or the cell whose construct calls it
+  Shape shape = {};
+  index_t element = 0;           // the worst element, row-major
+  std::vector<index_t> index = {};    // the same, one index per axis
+  double graph = 0;              // its value in graph mode
+  double pynative = 0;           // and in PyNative mode
+  double max_abs_error = 0;      // over the value's elements
+  double max_rel_error = 0;      // |g - p| / |p|, over elements where p is not 0
+};
+
+struct ModeReport {
+  std::optional<ModeDifference> difference = {};  // the first, in the order graph mode runs
+  std::size_t values_compared = 0;
+  // What could not be compared, and why (a graph node no PyNative operation stands for).
+  std::vector<std::string> notes = {};
+
+  bool empty() const { return !difference.has_value(); }
+  bool agree() const { return empty(); }
+  std::string to_string() const;
+};
+
+inline std::ostream& operator<<(std::ostream& os, const ModeReport& report) { return os << report.to_string(); }
+
+namespace detail {
+
+// The worst element of graph's value against PyNative's, and whether any is beyond tolerance.
+struct ValueComparison {
+  bool differs = false;
+  index_t worst = 0;
+  double graph = 0, pynative = 0, max_abs = 0, max_rel = 0;
+};
+
+template <class T>
+ValueComparison compare_values(const T* g, const T* p, index_t n, const CompareOptions& options) {
+  ValueComparison c;
+  double worst_excess = -1;
+  for (index_t i = 0; i < n; ++i) {
+    const auto a = static_cast<double>(g[i]);
+    const auto b = static_cast<double>(p[i]);
+    if (std::isnan(a) && std::isnan(b)) continue;
+    // A NaN on one side only is the worst there is.
+    const double abs = std::isnan(a) || std::isnan(b) ? INFINITY : std::fabs(a - b);
+    const double excess = abs - (options.atol + options.rtol * std::fabs(b));
+    if (abs > c.max_abs) c.max_abs = abs;
+    if (b != 0 && abs / std::fabs(b) > c.max_rel) c.max_rel = abs / std::fabs(b);
+    if (excess > 0) c.differs = true;
+    if (excess > worst_excess) {
+      worst_excess = excess;
+      c.worst = i;
+      c.graph = a;
+      c.pynative = b;
+    }
+  }
+  return c;
+}
+
+inline std::vector<index_t> index_of_element(const Shape& shape, index_t flat) {
+  std::vector<index_t> index(static_cast<std::size_t>(shape.rank()));
+  for (int a = shape.rank(); a-- > 0;) {
+    index[static_cast<std::size_t>(a)] = shape[a] == 0 ? 0 : flat % shape[a];
+    flat = shape[a] == 0 ? 0 : flat / shape[a];
+  }
+  return index;
+}
+
+template <class T>
+void record_comparison(ModeReport& report, const T* g, const T* p, const Shape& shape, ModeDifference where,
+                       const CompareOptions& options) {
+  ++report.values_compared;
+  if (report.difference) return;
+  const ValueComparison c = compare_values(g, p, shape.numel(), options);
+  if (!c.differs) return;
+  where.shape = shape;
+  where.element = c.worst;
+  where.index = index_of_element(shape, c.worst);
+  where.graph = c.graph;
+  where.pynative = c.pynative;
+  where.max_abs_error = c.max_abs;
+  where.max_rel_error = c.max_rel;
+  report.difference = std::move(where);
+}
+
+// "MatMul + BiasAdd + ReLU" -> {"MatMul", "BiasAdd", "ReLU"}: the operations a fused node
+// took in, each a step of PyNative's trace.
+inline std::vector<std::string> fused_parts(const std::string& op_name) {
+  std::vector<std::string> parts;
+  std::size_t begin = 0;
+  for (std::size_t plus; (plus = op_name.find(" + ", begin)) != std::string::npos; begin = plus + 3) {
+    parts.push_back(op_name.substr(begin, plus - begin));
+  }
+  parts.push_back(op_name.substr(begin));
+  return parts;
+}
+
+// Pairs graph nodes, in the order they run, with the trace's steps: the first run of steps
+// from `next` on whose names are the node's parts and whose last makes a value of its shape.
+class TracePairing {
+ public:
+  explicit TracePairing(const pijit::Trace& trace) : trace_(trace) {}
+
+  // The trace's value standing for a node, or nothing.
+  const pijit::Value* pair(const std::string& op_name, const Shape& shape) {
+    const std::vector<std::string> parts = fused_parts(op_name);
+    const auto& steps = trace_.steps();
+    const auto& values = trace_.values();
+    for (std::size_t s = next_; s + parts.size() <= steps.size(); ++s) {
+      bool same = true;
+      for (std::size_t k = 0; k < parts.size() && same; ++k) same = steps[s + k]->op_name() == parts[k];
+      const pijit::Value& v = values[steps[s + parts.size() - 1]->output];
+      if (same && v.shape == shape && v.data != nullptr) {
+        next_ = s + parts.size();
+        return &v;
+      }
+    }
+    return nullptr;
+  }
+
+ private:
+  const pijit::Trace& trace_;
+  std::size_t next_ = 0;
+};
+
+// Switches the global context's mode for its lifetime.
+class ContextModeScope {
+ public:
+  explicit ContextModeScope(Mode mode) : saved_(get_context().mode) { set_context({.mode = mode}); }
+  ContextModeScope(const ContextModeScope&) = delete;
+  ContextModeScope& operator=(const ContextModeScope&) = delete;
+  ~ContextModeScope() { set_context({.mode = saved_}); }
+
+ private:
+  Mode saved_;
+};
+
+template <class Net>
+constexpr JitConfig graph_config_of() {
+  if constexpr (requires { Net::jit_config; }) return Net::jit_config;
+  else return JitConfig{};
+}
+
+// The forward pass in both modes, node by node. Each run is a step that does not commit, so
+// both start from the network as it was (BatchNorm's statistics, Dropout's generator) and
+// leave it so.
+template <class Net, class... X>
+void compare_forward(ModeReport& report, Net& net, const CompareOptions& options, const X&... xs) {
+  using T = typename Net::value_type;
+  pijit::Trace trace;
+  trace.keep_values();
+  auto inputs = std::make_tuple(BasicTensor<typename X::value_type>(tensor_of(xs))...);
+  [&]<std::size_t... K>(std::index_sequence<K...>) { (trace.add_input(std::get<K>(inputs), K), ...); }
+  (std::index_sequence_for<X...>{});
+  BasicTensor<T> pynative_out;
+  {
+    const StepScope discarded;
+    const pijit::Tracing tracing(&trace);
+    const EagerScope eager;
+    pynative_out = std::apply([&](const auto&... in) { return BasicTensor<T>(net(in...)); }, inputs);
+  }
+
+  constexpr JitConfig Config = graph_config_of<Net>();
+  const auto capture = [&](auto phase) {
+    return pipeline::compile<Config, false,
+                             pipeline::Input<typename X::value_type,
+                                             graph::pattern_in_phase<decltype(phase)::value,
+                                                                     typename graph::pattern_of<X>::type>>...>(
+        [&](const auto&... in) { return net(in...); });
+  };
+  pipeline::in_requested_phase(capture, [&](const auto& program) {
+    if (!program.ambiguity.empty()) {
+      // Graph mode runs such a network as a trace of PyNative's own operations (README,
+      // "Shared values in graph mode"): there are no graph nodes to pair, only the output.
+      report.notes.push_back("the capture is ambiguous (" + program.ambiguity +
+                             "), so graph mode runs it traced (PIJit): only the output is compared");
+      const StepScope discarded;
+      const ContextModeScope graph_mode(GRAPH_MODE);
+      const BasicTensor<T> graph_out(net(tensor_of(xs)...));
+      if (graph_out.shape() == pynative_out.shape()) {
+        record_comparison(report, graph_out.data(), pynative_out.data(), graph_out.shape(),
+                          ModeDifference{.stage = "output", .cell = net.label()}, options);
+      }
+      return 0;
+    }
+    using G = typename std::remove_cvref_t<decltype(program)>::graph_type;
+    TracePairing pairing(trace);
+    const auto observe = [&](auto i, const auto* values, const Shape& shape) {
+      constexpr std::size_t I = decltype(i)::value;
+      using Node = graph::node_at<G, I>;
+      // Inputs and parameters are the same tensors in both modes.
+      if constexpr (Node::arity > 0) {
+        const std::string name = Node::op_type::op_name();
+        const pijit::Value* p = pairing.pair(name, shape);
+        if (p == nullptr) {
+          report.notes.push_back("%" + std::to_string(I) + " " + name + " : " + duet::to_string(shape) +
+                                 ": no PyNative operation stands for it, not compared");
+          return;
+        }
+        // The layer the operation names, as graph_ir shows it; else the cell whose construct
+        // called it, as PyNative saw it run.
+        const std::string label = boost::hana::at_c<I>(program.graph.nodes).op.label();
+        record_comparison(report, values, static_cast<decltype(values)>(p->data), shape,
+                          ModeDifference{.stage = "forward", .node = I, .operation = name,
+                                         .cell = label == name ? p->cell : label},
+                          options);
+      }
+    };
+    const StepScope discarded;
+    const auto tensors = std::make_tuple(tensor_of(xs)...);
+    std::apply(
+        [&](const auto&... in) {
+          const auto p = plan<Config>(program, std::array<Shape, sizeof...(X)>{in.shape()...},
+                                      net.type_name() + "::construct");
+          run_observed<DefaultBackend, Config>(program, p, observe, in...);
+        },
+        tensors);
+    return 0;
+  });
+}
+
+template <class Net>
+inline constexpr bool is_loss_cell = false;
+template <class Backbone, class Loss>
+inline constexpr bool is_loss_cell<nn::WithLossCell<Backbone, Loss>> = true;
+
+// The loss's gradients in both modes, PyNative's tape against graph mode's backward graph,
+// parameter by parameter in parameters() order. The graph-mode half switches the context for
+// its call, so the cell must follow it.
+template <class Net, class... X>
+void compare_gradients(ModeReport& report, Net& net, const CompareOptions& options, const X&... xs) {
+  if constexpr (Net::mode != CONTEXT_MODE) {
+    throw ModeError("duet::compare_modes: " + net.label() +
+                    " is fixed to one mode, so its gradients cannot be taken in the other; compare the "
+                    "gradients of a cell that follows the context (nn::Cell<Net>)");
+  } else {
+    const auto parameters = net.parameters();
+    const auto grads_in = [&](Mode mode) {
+      const StepScope discarded;
+      const ContextModeScope scope(mode);
+      return value_and_grad(net, parameters)(xs...).grads;
+    };
+    const auto pynative = grads_in(PYNATIVE_MODE);
+    const auto graph = grads_in(GRAPH_MODE);
+    for (std::size_t k = 0; k < parameters.size(); ++k) {
+      record_comparison(report, graph[k].data(), pynative[k].data(), graph[k].shape(),
+                        ModeDifference{.stage = "gradient", .operation = parameters[k].name}, options);
+    }
+  }
+}
+
+template <class Net, class... X>
+ModeReport compare_modes(Net& net, const CompareOptions& options, const X&... xs) {
+  static_assert(capture_candidate<Net> && graph::Capturable<Net&, X...>,
+                "duet::compare_modes: the network does not capture as a static graph for this input "
+                "(see duet::runs_in_both_modes): graph mode would trace it or run it eagerly");
+  net.ensure_named();
+  ModeReport report;
+  compare_forward(report, net, options, xs...);
+  if constexpr (is_loss_cell<Net>) {
+    if (report.empty()) compare_gradients(report, net, options, xs...);
+  }
+  return report;
+}
+
+}  // namespace detail
+
+// Runs net on x in PyNative mode and in graph mode, on the same weights, and reports the
+// first graph node whose value differs beyond the tolerances. The network is left as it was.
+template <class Net, class X>
+ModeReport compare_modes(Net& net, const X& x, const CompareOptions& options = {}) {
+  return detail::compare_modes(net, options, x);
+}
+
+// The same for a construct of two inputs. Given a loss cell (nn::WithLossCell) and its data
+// and labels, then, if the forward pass agrees, the first parameter whose gradient of the loss
+// does not.
+template <class Net, class X, class Y>
+ModeReport compare_modes(Net& net, const X& x, const Y& y, const CompareOptions& options = {}) {
+  return detail::compare_modes(net, options, x, y);
+}
+
+inline std::string ModeReport::to_string() const {
+  std::ostringstream os;
+  if (!difference) {
+    os << "the modes agree (" << values_compared << " values compared)\n";
+  } else {
+    const ModeDifference& d = *difference;
+    os << "the modes differ ";
+    if (d.stage == "forward") {
+      os << "first at node %" << d.node << " " << d.operation << (d.cell.empty() ? "" : " of " + d.cell);
+    } else if (d.stage == "gradient") {
+      os << "first in the gradient of parameter '" << d.operation << "'";
+    } else {
+      os << "at the output of " << d.cell;
+    }
+    std::string index;
+    for (index_t i : d.index) index += (index.empty() ? "" : ", ") + std::to_string(i);
+    std::ostringstream values;
+    values.precision(9);
+    values << "graph " << d.graph << ", PyNative " << d.pynative;
+    os << " : " << duet::to_string(d.shape) << "\n  worst element " << d.element << " [" << index << "]: "
+       << values.str() << "\n  max abs error " << d.max_abs_error << ", max rel error " << d.max_rel_error << "\n";
+  }
+  for (const std::string& note : notes) os << "  note: " << note << "\n";
+  return os.str();
+}
+
+}  // namespace duet

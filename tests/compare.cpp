@@ -1,0 +1,306 @@
+// duet::compare_modes and duet::runs_in_both_modes: the seed network agrees with itself in
+// both modes, forward and gradients; a user's operation whose fused graph form computes
+// something else is found, named, and its worst element given with both values.
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "support.hpp"
+
+using namespace duet;
+using duet_test::SeedNetwork;
+
+// A named namespace: the fused form's contract members are not all read, which clang reports
+// for internal linkage.
+namespace compare_test {
+
+// x + amount: a user's elementwise operation, which graph mode fuses with a ReLU after it
+// into ShiftRelu, its own rule says.
+struct ShiftRelu;
+
+struct Shift : ops::Primitive<Shift> {
+  static constexpr int arity = 1;
+  static constexpr bool is_elementwise = true;
+  static constexpr bool differentiable = false;
+  explicit Shift(float a) : amount(a) {}
+  float amount;
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    for (index_t i = 0; i < a.in_shape().numel(); ++i) a.out<T>()[i] = a.in<T>()[i] + T(amount);
+  }
+  static std::string op_name() { return "Shift"; }
+  template <class C>
+  static constexpr bool accepts_epilogue = std::is_same_v<C, ops::MapOp<fn::Relu>>;
+  ShiftRelu absorb(const ops::MapOp<fn::Relu>&) const;
+};
+
+// The fused form, deliberately wrong: it adds 1e-3 more than Shift then ReLU would, so graph
+// mode (which runs it at O1) and PyNative (which runs Shift, then ReLU) disagree.
+struct ShiftRelu : ops::Primitive<ShiftRelu> {
+  static constexpr int arity = 1;
+  static constexpr bool is_elementwise = true;
+  static constexpr bool differentiable = false;
+  explicit ShiftRelu(float a) : amount(a) {}
+  float amount;
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    for (index_t i = 0; i < a.in_shape().numel(); ++i) {
+      a.out<T>()[i] = std::max(a.in<T>()[i] + T(amount) + T(1e-3), T(0));
+    }
+  }
+  static std::string op_name() { return "Shift + ReLU"; }
+};
+
+ShiftRelu Shift::absorb(const ops::MapOp<fn::Relu>&) const { return ShiftRelu(amount); }
+
+// dx = dy: the gradient of x + amount.
+struct PassGrad : ops::Primitive<PassGrad> {
+  static constexpr std::array reads{graph::Operand::grad};
+  static constexpr int arity = 1;
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    std::copy_n(a.in<T>(), a.in_shape().numel(), a.out<T>());
+  }
+  static std::string op_name() { return "OffsetGrad"; }
+};
+
+// dx = dy where the output y is positive: ReLU's gradient through the offset, deliberately
+// 1.001 times too large.
+struct OffsetReluGrad : ops::Primitive<OffsetReluGrad> {
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::output};
+  static constexpr int arity = 2;
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    for (index_t i = 0; i < a.in_shape().numel(); ++i) {
+      a.out<T>()[i] = a.in<T>(1)[i] > T(0) ? a.in<T>(0)[i] * T(1.001) : T(0);
+    }
+  }
+  static std::string op_name() { return "OffsetReluGrad"; }
+};
+
+struct OffsetRelu;
+
+// x + amount, differentiable, fused with a ReLU after it into OffsetRelu: a forward kernel
+// that is right, and a gradient that is not. Graph mode differentiates the fused form.
+struct Offset : ops::Primitive<Offset> {
+  static constexpr int arity = 1;
+  static constexpr bool is_elementwise = true;
+  explicit Offset(float a) : amount(a) {}
+  float amount;
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    for (index_t i = 0; i < a.in_shape().numel(); ++i) a.out<T>()[i] = a.in<T>()[i] + T(amount);
+  }
+  template <std::size_t K>
+    requires(K == 0)
+  PassGrad grad_op() const {
+    return {};
+  }
+  static std::string op_name() { return "Offset"; }
+  template <class C>
+  static constexpr bool accepts_epilogue = std::is_same_v<C, ops::MapOp<fn::Relu>>;
+  OffsetRelu absorb(const ops::MapOp<fn::Relu>&) const;
+};
+
+struct OffsetRelu : ops::Primitive<OffsetRelu> {
+  static constexpr int arity = 1;
+  static constexpr bool is_elementwise = true;
+  explicit OffsetRelu(float a) : amount(a) {}
+  float amount;
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    for (index_t i = 0; i < a.in_shape().numel(); ++i) a.out<T>()[i] = std::max(a.in<T>()[i] + T(amount), T(0));
+  }
+  template <std::size_t K>
+    requires(K == 0)
+  OffsetReluGrad grad_op() const {
+    return {};
+  }
+  static std::string op_name() { return "Offset + ReLU"; }
+};
+
+OffsetRelu Offset::absorb(const ops::MapOp<fn::Relu>&) const { return OffsetRelu(amount); }
+
+}  // namespace compare_test
+
+namespace {
+
+using compare_test::Offset;
+using compare_test::Shift;
+
+struct Shifted : nn::Cell<Shifted> {
+  nn::Dense<4, 6> hidden;
+  nn::Dense<6, 3> head;
+  DUET_CELL_MEMBERS(hidden, head);
+  auto construct(auto x) {
+    const auto h = hidden(x);
+    return head(ops::relu(apply(Shift(0.25f), h)));
+  }
+};
+
+struct OffsetNet : nn::Cell<OffsetNet> {
+  nn::Dense<4, 6> hidden;
+  nn::Dense<6, 3> head;
+  DUET_CELL_MEMBERS(hidden, head);
+  auto construct(auto x) {
+    const auto h = hidden(x);
+    return head(ops::relu(apply(Offset(0.25f), h)));
+  }
+};
+
+// h * 2 and h * 3 are one operation type on the same input, yet two values: an ambiguous
+// capture, which graph mode runs traced.
+struct TwoProducts : nn::Cell<TwoProducts> {
+  nn::Dense<4, 4> dense;
+  DUET_CELL_MEMBERS(dense);
+  auto construct(auto x) {
+    const auto h = dense(x);
+    return h * 2.f + h * 3.f;
+  }
+};
+
+using SeedPattern = StaticShape<dyn, 1, 28, 28>;
+
+}  // namespace
+
+// Checked while this file compiles: the seed network captures for its input, a network built at
+// run time never does (graph mode traces it), nor does a loss cell over one.
+static_assert(runs_in_both_modes<SeedNetwork<>, SeedPattern>);
+static_assert(runs_in_both_modes<SeedNetwork<GRAPH_MODE>>);
+static_assert(runs_in_both_modes<Shifted, StaticShape<dyn, 4>>);
+static_assert(!runs_in_both_modes<nn::DynamicSequentialCell>);
+static_assert(!runs_in_both_modes<nn::WithLossCell<nn::DynamicSequentialCell, nn::MSELoss<>>>);
+
+TEST_CASE("compare_modes: the seed network agrees with itself, forward and gradients, bit for bit") {
+  SeedNetwork<> net;
+  const Tensor x = randn({4, 1, 28, 28}, 7);
+  const ModeReport forward = compare_modes(net, x);
+  CHECK(forward.empty());
+  CHECK(forward.agree());
+  CHECK(forward.notes.empty());
+  // Flatten, then the three fused products (graph_ir's optimized dump): each paired with PyNative.
+  CHECK(forward.values_compared == 4);
+  CHECK(forward.to_string() == "the modes agree (4 values compared)\n");
+
+  // With its loss: the forward pass and the loss's nodes, then the gradients of its six
+  // parameters.
+  nn::SoftmaxCrossEntropyWithLogits<true, Reduction::mean> loss;
+  nn::WithLossCell with_loss(net, loss);
+  const BasicTensor<std::int32_t> labels({4}, {1, 0, 9, 3});
+  const ModeReport training = compare_modes(with_loss, x, labels);
+  CHECK(training.empty());
+  CHECK(training.notes.empty());
+  // The four values above, the loss, the six gradients.
+  CHECK(training.values_compared == 4 + 1 + 6);
+}
+
+TEST_CASE("compare_modes: a user's operation whose fused form differs is named, with its worst element") {
+  Shifted net;
+  const Tensor x = randn({5, 4}, 3);
+  const ModeReport report = compare_modes(net, x);
+  REQUIRE_FALSE(report.empty());
+  CHECK_FALSE(report.agree());
+  const ModeDifference& d = *report.difference;
+  CHECK(d.stage == "forward");
+  CHECK(d.operation == "Shift + ReLU");
+  CHECK(d.shape == Shape{5, 6});
+  // Shift names no layer, so the cell whose construct calls it is named.
+  CHECK(d.cell == net.label());
+  // The node as graph_ir's optimized dump numbers it.
+  const std::string ir = graph_ir(net, shape<dyn, 4>).optimized.text;
+  CHECK(ir.find("%" + std::to_string(d.node) + " = Shift + ReLU(") != std::string::npos);
+
+  // Both values at the worst element, computed here from the hidden layer's output: PyNative's
+  // is ReLU(h + 0.25), graph mode's the fused kernel's, and no element differs more.
+  const Tensor h = net.hidden(x);
+  double worst = 0;
+  for (index_t i = 0; i < h.numel(); ++i) {
+    const float p = std::max(h.data()[i] + 0.25f, 0.f);
+    const float g = std::max(h.data()[i] + 0.25f + 1e-3f, 0.f);
+    worst = std::max(worst, std::fabs(double(g) - double(p)));
+  }
+  REQUIRE(d.index.size() == 2);
+  CHECK(d.element == d.index[0] * 6 + d.index[1]);
+  const float hv = h(d.index[0], d.index[1]);
+  CHECK(d.pynative == double(std::max(hv + 0.25f, 0.f)));
+  CHECK(d.graph == double(std::max(hv + 0.25f + 1e-3f, 0.f)));
+  CHECK(std::fabs(d.graph - d.pynative) == worst);
+  CHECK(d.max_abs_error == worst);
+  CHECK(worst == doctest::Approx(1e-3).epsilon(1e-3));
+  const std::string text = report.to_string();
+  CHECK(text.find("the modes differ first at node %" + std::to_string(d.node) + " Shift + ReLU of " + net.label() +
+                  " : [5, 6]") == 0);
+  CHECK(text.find("worst element " + std::to_string(d.element) + " [" + std::to_string(d.index[0]) + ", " +
+                  std::to_string(d.index[1]) + "]") != std::string::npos);
+
+  // Within a tolerance that covers the difference (and the head's, which reads the shifted
+  // values), the modes agree.
+  CHECK(compare_modes(net, x, {.atol = 1e-2}).empty());
+}
+
+TEST_CASE("compare_modes: a loss cell whose gradient differs between the modes names the parameter") {
+  duet_test::ModeGuard guard;
+  OffsetNet net;
+  nn::MSELoss<> loss;
+  nn::WithLossCell with_loss(net, loss);
+  const Tensor x = randn({5, 4}, 3);
+  const Tensor target = zeros({5, 3});
+  // The fused forward kernel is right: the forward passes agree, the loss's included.
+  CHECK(compare_modes(net, x).empty());
+  const ModeReport report = compare_modes(with_loss, x, target);
+  REQUIRE_FALSE(report.empty());
+  const ModeDifference& d = *report.difference;
+  CHECK(d.stage == "gradient");
+  // The first parameter, in parameters() order, whose gradient flows through Offset + ReLU.
+  CHECK(d.operation == "hidden.weight");
+  CHECK(d.shape == Shape{6, 4});
+  CHECK(report.to_string().find("the modes differ first in the gradient of parameter 'hidden.weight' : [6, 4]") == 0);
+
+  // Both values at the worst element, as value_and_grad gives them in each mode.
+  std::vector<Tensor> grads;
+  for (Mode mode : {PYNATIVE_MODE, GRAPH_MODE}) {
+    set_context({.mode = mode});
+    grads.push_back(value_and_grad(with_loss, with_loss.parameters())(x, target).grads[0]);
+  }
+  double worst = 0;
+  for (index_t i = 0; i < grads[0].numel(); ++i) {
+    worst = std::max(worst, std::fabs(double(grads[1].data()[i]) - double(grads[0].data()[i])));
+  }
+  CHECK(d.pynative == double(grads[0].data()[d.element]));
+  CHECK(d.graph == double(grads[1].data()[d.element]));
+  CHECK(d.max_abs_error == worst);
+  CHECK(d.graph == doctest::Approx(d.pynative * 1.001).epsilon(1e-5));
+}
+
+TEST_CASE("compare_modes: an ambiguous capture runs traced in graph mode, and only its output is compared") {
+  TwoProducts net;
+  const ModeReport report = compare_modes(net, randn({3, 4}, 5));
+  CHECK(report.empty());
+  CHECK(report.values_compared == 1);
+  REQUIRE(report.notes.size() == 1);
+  CHECK(report.notes[0].find("the capture is ambiguous (") == 0);
+  CHECK(report.notes[0].find("only the output is compared") != std::string::npos);
+}
+
+TEST_CASE("compare_modes leaves the network and the context as they were") {
+  duet_test::ModeGuard guard;
+  set_context({.mode = PYNATIVE_MODE});
+  SeedNetwork<> net;
+  const Tensor x = randn({2, 1, 28, 28}, 11);
+  const Tensor before = net(x);
+  nn::MSELoss<> loss;
+  nn::WithLossCell with_loss(net, loss);
+  CHECK(compare_modes(with_loss, x, zeros({2, 10})).empty());
+  CHECK(get_context().mode == PYNATIVE_MODE);
+  const Tensor after = net(x);
+  CHECK(std::equal(before.data(), before.data() + before.numel(), after.data()));
+}
