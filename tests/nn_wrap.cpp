@@ -1,6 +1,7 @@
 // Training: both modes learn a small synthetic problem with the same loss curve, and a
 // checkpoint saved in one mode loads into the other.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <filesystem>
 #include <string>
@@ -376,3 +377,83 @@ TEST_CASE("a training step with a hook runs eagerly in graph mode, and the compi
   auto eager_net = network_from("8-16-3");
   CHECK(train_runtime(PYNATIVE_MODE, eager_net, data, 3) == graph);
 }
+
+namespace {
+// A learned scale read in construct but left out of DUET_CELL_MEMBERS (a new user's slip).
+struct Unlisted : nn::Cell<Unlisted> {
+  nn::Dense<6, 4> fc;
+  nn::Parameter w{ones({4})};
+  DUET_CELL_MEMBERS(fc);
+  auto construct(auto x) { return fc(x) * w; }
+};
+struct WithNorm : nn::Cell<WithNorm> {
+  nn::Dense<6, 4> fc;
+  nn::BatchNorm1d<4> bn;
+  DUET_CELL_MEMBERS(fc, bn);
+  auto construct(auto x) { return bn(fc(x)); }
+};
+}  // namespace
+
+TEST_CASE("training that would do nothing is an error: weights of another network, a parameter nobody registered") {
+  ModeGuard guard;
+  for (const Mode mode : {PYNATIVE_MODE, GRAPH_MODE}) {
+    CAPTURE(mode);
+    set_context({.mode = mode});
+    const Tensor x = randn({8, 6}, 3);
+    const Tensor y = randn({8, 4}, 4);
+    nn::MSELoss<> loss;
+
+    WithNorm net1;
+    WithNorm net2;
+    nn::WithLossCell with_loss(net2, loss);
+    nn::Adam adam(net1.parameters(), {.learning_rate = 1e-2});
+    nn::TrainOneStepCell step(with_loss, adam);
+    const auto before = duet_test::values_of(net2.bn.moving_mean);
+    CHECK_THROWS_WITH_AS(step(x, y),
+                         "nn::TrainOneStepCell: the function reads none of the 4 trainable parameters it is "
+                         "differentiated with respect to, so every gradient would be zero and training would do nothing; are they another "
+                         "network's (an optimizer made over net1.parameters() training net2)?",
+                         ValueError);
+    CHECK(duet_test::values_of(net2.bn.moving_mean) == before);  // the failed step changed nothing
+    CHECK_THROWS_WITH_AS(value_and_grad(with_loss, net1.parameters())(x, y),
+                         doctest::Contains("duet::value_and_grad: the function reads none of the 4 trainable parameters"),
+                         ValueError);
+
+    Unlisted unlisted;
+    nn::WithLossCell unlisted_loss(unlisted, loss);
+    nn::SGD sgd(unlisted.parameters(), {.learning_rate = 0.5});
+    nn::TrainOneStepCell unlisted_step(unlisted_loss, sgd);
+    const std::string message = "a parameter of shape [4] gets a gradient but is not a parameter of ";
+    CHECK_THROWS_WITH_AS(unlisted_step(x, y), doctest::Contains(("nn::TrainOneStepCell: " + message).c_str()), ValueError);
+    CHECK_THROWS_WITH_AS(value_and_grad(unlisted, unlisted.parameters())(x),
+                         doctest::Contains("Unlisted (a construct reads it, but the cell that holds it does not list it in DUET_CELL_MEMBERS"), ValueError);
+    // Listed in the weights, it is differentiated as asked.
+    std::vector<nn::Parameter*> with_w{&unlisted.w};
+    CHECK(value_and_grad(unlisted, with_w)(x).grads.size() == 1);
+  }
+}
+
+TEST_CASE("a training step after a manual set_train(false) is refused, not run in evaluation") {
+  ModeGuard guard;
+  for (const Mode mode : {PYNATIVE_MODE, GRAPH_MODE}) {
+    CAPTURE(mode);
+    set_context({.mode = mode});
+    WithNorm net;
+    nn::MSELoss<> loss;
+    nn::WithLossCell with_loss(net, loss);
+    nn::SGD sgd(net.parameters(), {.learning_rate = 0.1});
+    nn::TrainOneStepCell step(with_loss, sgd);
+    const Tensor x = randn({8, 6}, 5);
+    const Tensor y = randn({8, 4}, 6);
+    step(x, y);
+    net.set_train(false);
+    (void)net(x);  // a validation pass
+    CHECK_THROWS_WITH_AS(step(x, y),
+                         doctest::Contains("nn::TrainOneStepCell: nn::BatchNorm1d<4> 'bn' is set to evaluate "
+                                           "(set_train(false) since this step was made)"),
+                         ModeError);
+    net.set_train(true);
+    CHECK(std::isfinite(step(x, y).item()));
+  }
+}
+

@@ -387,6 +387,38 @@ auto at_position(std::size_t position, F&& f) {
   return result;
 }
 
+// After a backward pass for `weights`, two mistakes that would otherwise train nothing, quietly:
+// a pass that reached none of them (all their gradients zero: they are another network's, an
+// optimiser made over net1.parameters() training net2), and, asked of `network` (a pointer to
+// a cell, or nullptr), a parameter that got a gradient but is neither one of `weights` nor a parameter of
+// the network (read in construct but missing from DUET_CELL_MEMBERS: neither trained nor saved).
+template <class W, class Network>
+void check_weights_reached(const std::vector<nn::BasicParameter<W>*>& weights, Network network,
+                           const std::string& who) {
+  const std::uint64_t pass = duet::detail::current_backward_pass();
+  const auto trainable = std::ranges::count_if(weights, [](const auto* p) { return p->requires_grad; });
+  if (trainable > 0 && std::ranges::none_of(weights, [&](const auto* p) { return p->has_grad_from(pass); })) {
+    throw ValueError(who + ": the function reads none of the " + std::to_string(trainable) +
+                     " trainable parameters it is differentiated with respect to, so every gradient would be zero and "
+                     "training would do nothing; are they another network's (an optimizer made over "
+                     "net1.parameters() training net2)?");
+  }
+  if constexpr (!std::is_same_v<Network, std::nullptr_t>) {
+    const auto registered = network->parameters();
+    for (const void* written : duet::detail::written_in_pass()) {
+      const auto is = [&](const auto* p) { return static_cast<const void*>(p) == written; };
+      if (std::ranges::any_of(weights, is) ||
+          std::ranges::any_of(registered, [&](const auto& named) { return is(named.parameter); })) {
+        continue;
+      }
+      const auto* p = static_cast<const nn::BasicParameter<W>*>(written);
+      throw ValueError(who + ": a parameter of shape " + to_string(p->shape()) + " gets a gradient but is not a "
+                       "parameter of " + network->type_name() + " (a construct reads it, but the cell that holds it "
+                       "does not list it in DUET_CELL_MEMBERS(...)), so it would be neither trained nor saved");
+    }
+  }
+}
+
 }  // namespace autodiff::detail
 
 // A function with its gradient: what value_and_grad and grad return. Calls run the function
@@ -421,12 +453,26 @@ class GradFunction {
       out.value = forward_backward<false>(input_grad, xs...);
     }
     if constexpr (!std::is_void_v<W>) {
+      check_weights_reached();
       const std::uint64_t pass = duet::detail::current_backward_pass();
       for (nn::BasicParameter<W>* p : weights_) {
         out.grads.push_back(p->has_grad_from(pass) ? p->grad.clone() : zeros<W>(p->shape()));
       }
     }
     return out;
+  }
+
+  // The checks of autodiff::detail::check_weights_reached, of the last call's backward pass
+  // (the registration check on the first call only: it is the network's structure).
+  void check_weights_reached() {
+    if constexpr (autodiff::detail::CellLike<Fn>) {
+      if (!weights_checked_) {
+        weights_checked_ = true;
+        autodiff::detail::check_weights_reached(weights_, &fn_, "duet::value_and_grad");
+        return;
+      }
+    }
+    autodiff::detail::check_weights_reached(weights_, nullptr, "duet::value_and_grad");
   }
 
   // The value, with the gradients left in the parameters' grad tensors and none copied out:
@@ -603,6 +649,7 @@ class GradFunction {
   std::uint64_t id_ = duet::detail::new_plan_owner();
   duet::detail::OwnForm<TracedStep> traced_step_;
   bool phase_checked_ = false;  // the first call warns of layers nobody set_train-ed
+  bool weights_checked_ = false;
 };
 
 // MindSpore's value_and_grad(fn, grad_position, weights). fn is a cell (kept by reference) or

@@ -22,9 +22,18 @@ inline std::uint64_t& current_backward_pass() {
   return pass;
 }
 
+// The parameters whose gradient the calling thread's backward pass has written, in the order
+// first written: what a training step checks against its network's registered parameters.
+// Cleared, not freed, by each new pass, so training does not allocate once warm.
+inline std::vector<const void*>& written_in_pass() {
+  thread_local std::vector<const void*> written;
+  return written;
+}
+
 // Makes the calling thread's next backward pass, unique in the program.
 inline std::uint64_t begin_backward_pass() {
   static std::atomic<std::uint64_t> last{0};
+  written_in_pass().clear();
   return current_backward_pass() = last.fetch_add(1, std::memory_order_relaxed) + 1;
 }
 
@@ -114,6 +123,7 @@ class BasicParameter : public BasicTensor<T> {
   T* grad_for_write(std::uint64_t pass, bool* accumulate) const {
     if (!(grad.shape() == this->shape())) grad = BasicTensor<T>(this->shape());
     *accumulate = grad_pass_ == pass;
+    if (!*accumulate && pass == duet::detail::current_backward_pass()) duet::detail::written_in_pass().push_back(this);
     grad_pass_ = pass;
     return grad.data();
   }

@@ -3514,9 +3514,18 @@ inline std::uint64_t& current_backward_pass() {
   return pass;
 }
 
+// The parameters whose gradient the calling thread's backward pass has written, in the order
+// first written: what a training step checks against its network's registered parameters.
+// Cleared, not freed, by each new pass, so training does not allocate once warm.
+inline std::vector<const void*>& written_in_pass() {
+  thread_local std::vector<const void*> written;
+  return written;
+}
+
 // Makes the calling thread's next backward pass, unique in the program.
 inline std::uint64_t begin_backward_pass() {
   static std::atomic<std::uint64_t> last{0};
+  written_in_pass().clear();
   return current_backward_pass() = last.fetch_add(1, std::memory_order_relaxed) + 1;
 }
 
@@ -3606,6 +3615,7 @@ class BasicParameter : public BasicTensor<T> {
   T* grad_for_write(std::uint64_t pass, bool* accumulate) const {
     if (!(grad.shape() == this->shape())) grad = BasicTensor<T>(this->shape());
     *accumulate = grad_pass_ == pass;
+    if (!*accumulate && pass == duet::detail::current_backward_pass()) duet::detail::written_in_pass().push_back(this);
     grad_pass_ = pass;
     return grad.data();
   }
@@ -9770,6 +9780,38 @@ auto at_position(std::size_t position, F&& f) {
   return result;
 }
 
+// After a backward pass for `weights`, two mistakes that would otherwise train nothing, quietly:
+// a pass that reached none of them (all their gradients zero: they are another network's, an
+// optimiser made over net1.parameters() training net2), and, asked of `network` (a pointer to
+// a cell, or nullptr), a parameter that got a gradient but is neither one of `weights` nor a parameter of
+// the network (read in construct but missing from DUET_CELL_MEMBERS: neither trained nor saved).
+template <class W, class Network>
+void check_weights_reached(const std::vector<nn::BasicParameter<W>*>& weights, Network network,
+                           const std::string& who) {
+  const std::uint64_t pass = duet::detail::current_backward_pass();
+  const auto trainable = std::ranges::count_if(weights, [](const auto* p) { return p->requires_grad; });
+  if (trainable > 0 && std::ranges::none_of(weights, [&](const auto* p) { return p->has_grad_from(pass); })) {
+    throw ValueError(who + ": the function reads none of the " + std::to_string(trainable) +
+                     " trainable parameters it is differentiated with respect to, so every gradient would be zero and "
+                     "training would do nothing; are they another network's (an optimizer made over "
+                     "net1.parameters() training net2)?");
+  }
+  if constexpr (!std::is_same_v<Network, std::nullptr_t>) {
+    const auto registered = network->parameters();
+    for (const void* written : duet::detail::written_in_pass()) {
+      const auto is = [&](const auto* p) { return static_cast<const void*>(p) == written; };
+      if (std::ranges::any_of(weights, is) ||
+          std::ranges::any_of(registered, [&](const auto& named) { return is(named.parameter); })) {
+        continue;
+      }
+      const auto* p = static_cast<const nn::BasicParameter<W>*>(written);
+      throw ValueError(who + ": a parameter of shape " + to_string(p->shape()) + " gets a gradient but is not a "
+                       "parameter of " + network->type_name() + " (a construct reads it, but the cell that holds it "
+                       "does not list it in DUET_CELL_MEMBERS(...)), so it would be neither trained nor saved");
+    }
+  }
+}
+
 }  // namespace autodiff::detail
 
 // A function with its gradient: what value_and_grad and grad return. Calls run the function
@@ -9804,12 +9846,26 @@ class GradFunction {
       out.value = forward_backward<false>(input_grad, xs...);
     }
     if constexpr (!std::is_void_v<W>) {
+      check_weights_reached();
       const std::uint64_t pass = duet::detail::current_backward_pass();
       for (nn::BasicParameter<W>* p : weights_) {
         out.grads.push_back(p->has_grad_from(pass) ? p->grad.clone() : zeros<W>(p->shape()));
       }
     }
     return out;
+  }
+
+  // The checks of autodiff::detail::check_weights_reached, of the last call's backward pass
+  // (the registration check on the first call only: it is the network's structure).
+  void check_weights_reached() {
+    if constexpr (autodiff::detail::CellLike<Fn>) {
+      if (!weights_checked_) {
+        weights_checked_ = true;
+        autodiff::detail::check_weights_reached(weights_, &fn_, "duet::value_and_grad");
+        return;
+      }
+    }
+    autodiff::detail::check_weights_reached(weights_, nullptr, "duet::value_and_grad");
   }
 
   // The value, with the gradients left in the parameters' grad tensors and none copied out:
@@ -9986,6 +10042,7 @@ class GradFunction {
   std::uint64_t id_ = duet::detail::new_plan_owner();
   duet::detail::OwnForm<TracedStep> traced_step_;
   bool phase_checked_ = false;  // the first call warns of layers nobody set_train-ed
+  bool weights_checked_ = false;
 };
 
 // MindSpore's value_and_grad(fn, grad_position, weights). fn is a cell (kept by reference) or
@@ -10420,6 +10477,10 @@ class TrainOneStepCell {
     // its moving statistics and Dropout as the identity would train quietly wrong. MindSpore's
     // Model.train sets the network to training before its steps; a step made here does too.
     net_with_loss.set_train(true);
+    net_with_loss.ensure_named();
+    for (const auto& [path, cell] : net_with_loss.cells_and_names()) {
+      if (cell->depends_on_phase()) phase_layers_.push_back(cell);
+    }
   }
 
   // Returns the loss of the batch, before the update. A step that fails or skips its update
@@ -10433,6 +10494,16 @@ class TrainOneStepCell {
     if (((tensor_of(xs).numel() == 0) || ...)) {
       throw ValueError("nn::TrainOneStepCell: the batch is empty; a training step needs at least one sample");
     }
+    // A manual validation pass (net.set_train(false)) not undone: the step would train with
+    // BatchNorm on its moving statistics and Dropout off, quietly, so it refuses instead.
+    for (const BasicDynamicCell<T>* layer : phase_layers_) {
+      if (!layer->training()) {
+        throw ModeError("nn::TrainOneStepCell: " + layer->label() +
+                        " is set to evaluate (set_train(false) since this step was made), so the step would "
+                        "train with BatchNorm on its moving statistics and Dropout off; call set_train(true) on "
+                        "the network before training again (duet::train::evaluate puts the setting back itself)");
+      }
+    }
     duet::detail::StepScope step;
     duet::detail::DataParallelRuntime* parallel = duet::detail::training_runtime("nn::TrainOneStepCell");
     if (parallel != nullptr && !parameters_broadcast_) {
@@ -10444,6 +10515,12 @@ class TrainOneStepCell {
       parameters_broadcast_ = true;
     }
     BasicTensor<T> loss = grad_.value_and_parameter_grads(xs...);
+    if (weights_checked_) {
+      autodiff::detail::check_weights_reached(optimizer_.parameters(), nullptr, "nn::TrainOneStepCell");
+    } else {
+      autodiff::detail::check_weights_reached(optimizer_.parameters(), &net_with_loss_, "nn::TrainOneStepCell");
+      weights_checked_ = true;
+    }
     if constexpr (std::same_as<T, float>) {
       // Before the finiteness check: a NaN on one rank must skip the update on all of them.
       if (parallel != nullptr) all_reduce(*parallel, loss, xs...);
@@ -10534,6 +10611,8 @@ class TrainOneStepCell {
   TrainOneStepConfig config_;
   double last_global_norm_ = 0;
   bool parameters_broadcast_ = false;
+  bool weights_checked_ = false;  // the network's parameters against those its first step wrote
+  std::vector<const BasicDynamicCell<T>*> phase_layers_;  // BatchNorm, Dropout: they must still train
   std::vector<BasicParameter<float>*> buffers_;  // parameters nothing trains: moving statistics
 };
 

@@ -80,6 +80,10 @@ class TrainOneStepCell {
     // its moving statistics and Dropout as the identity would train quietly wrong. MindSpore's
     // Model.train sets the network to training before its steps; a step made here does too.
     net_with_loss.set_train(true);
+    net_with_loss.ensure_named();
+    for (const auto& [path, cell] : net_with_loss.cells_and_names()) {
+      if (cell->depends_on_phase()) phase_layers_.push_back(cell);
+    }
   }
 
   // Returns the loss of the batch, before the update. A step that fails or skips its update
@@ -93,6 +97,16 @@ class TrainOneStepCell {
     if (((tensor_of(xs).numel() == 0) || ...)) {
       throw ValueError("nn::TrainOneStepCell: the batch is empty; a training step needs at least one sample");
     }
+    // A manual validation pass (net.set_train(false)) not undone: the step would train with
+    // BatchNorm on its moving statistics and Dropout off, quietly, so it refuses instead.
+    for (const BasicDynamicCell<T>* layer : phase_layers_) {
+      if (!layer->training()) {
+        throw ModeError("nn::TrainOneStepCell: " + layer->label() +
+                        " is set to evaluate (set_train(false) since this step was made), so the step would "
+                        "train with BatchNorm on its moving statistics and Dropout off; call set_train(true) on "
+                        "the network before training again (duet::train::evaluate puts the setting back itself)");
+      }
+    }
     duet::detail::StepScope step;
     duet::detail::DataParallelRuntime* parallel = duet::detail::training_runtime("nn::TrainOneStepCell");
     if (parallel != nullptr && !parameters_broadcast_) {
@@ -104,6 +118,12 @@ class TrainOneStepCell {
       parameters_broadcast_ = true;
     }
     BasicTensor<T> loss = grad_.value_and_parameter_grads(xs...);
+    if (weights_checked_) {
+      autodiff::detail::check_weights_reached(optimizer_.parameters(), nullptr, "nn::TrainOneStepCell");
+    } else {
+      autodiff::detail::check_weights_reached(optimizer_.parameters(), &net_with_loss_, "nn::TrainOneStepCell");
+      weights_checked_ = true;
+    }
     if constexpr (std::same_as<T, float>) {
       // Before the finiteness check: a NaN on one rank must skip the update on all of them.
       if (parallel != nullptr) all_reduce(*parallel, loss, xs...);
@@ -194,6 +214,8 @@ class TrainOneStepCell {
   TrainOneStepConfig config_;
   double last_global_norm_ = 0;
   bool parameters_broadcast_ = false;
+  bool weights_checked_ = false;  // the network's parameters against those its first step wrote
+  std::vector<const BasicDynamicCell<T>*> phase_layers_;  // BatchNorm, Dropout: they must still train
   std::vector<BasicParameter<float>*> buffers_;  // parameters nothing trains: moving statistics
 };
 
