@@ -71,6 +71,27 @@ TEST_CASE("graph mode: zero heap allocations per call after the first, for each 
   CHECK(a00 == b00);
 }
 
+namespace {
+struct RecordsHidden : nn::Cell<RecordsHidden> {
+  nn::Dense<8, 8> fc1;
+  nn::Dense<8, 2> fc2;
+  DUET_CELL_MEMBERS(fc1, fc2);
+  auto construct(auto x) { return fc2(record_value(fc1(x), "hidden")); }
+};
+}  // namespace
+
+TEST_CASE("graph mode: a record_value node costs no allocation while no recorder is alive") {
+  ModeGuard guard;
+  set_context({.mode = GRAPH_MODE});
+  RecordsHidden net;
+  const Tensor x = ones({4, 8});
+  net(x);
+  for (int call = 0; call < 3; ++call) CHECK(allocations_during([&] { net(x); }) == 0);
+  ValueRecorder recorder;
+  CHECK(allocations_during([&] { net(x); }) > 0);  // the copy it keeps
+  CHECK(recorder.get("hidden").shape() == Shape{4, 8});
+}
+
 TEST_CASE("graph mode on a statically shaped input: zero allocations per call after the first") {
   ModeGuard guard;
   set_context({.mode = GRAPH_MODE});

@@ -1,11 +1,13 @@
 // Golden strings from numpy 1.24: str(np.array(values, dtype=...)) with default print options.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <duet/duet.hpp>
 #include <limits>
 #include <sstream>
 #include <string>
+#include <vector>
 
 using namespace duet;
 
@@ -430,3 +432,58 @@ TEST_CASE("print: operator<< and static tensors") {
   ss << s << ' ' << zeros<std::int32_t>(shape<3>);
   CHECK(ss.str() == "[[ 1.   2.5]\n [-3.   4. ]] [0 0 0]");
 }
+
+namespace {
+// The seed network's shape, with its hidden activation recorded.
+struct Recorded : nn::Cell<Recorded> {
+  nn::Dense<4, 3> fc1;
+  nn::ReLU relu;
+  nn::Dense<3, 2> fc2;
+  DUET_CELL_MEMBERS(fc1, relu, fc2);
+  auto construct(auto x) { return fc2(record_value(relu(fc1(x)), "hidden")); }
+};
+}  // namespace
+
+TEST_CASE("record_value: a graph's intermediate value, read after the call, the same in both modes") {
+  const Mode saved = get_context().mode;
+  Recorded net;
+  const Tensor x = randn({5, 4}, 3);
+  const Tensor hidden = net.relu(net.fc1(x));
+  std::vector<std::vector<float>> seen;
+  for (const Mode mode : {PYNATIVE_MODE, GRAPH_MODE}) {
+    set_context({.mode = mode});
+    {
+      const Tensor no_recorder = net(x);  // nothing is kept, nothing fails
+      CHECK(no_recorder.shape() == Shape{5, 2});
+    }
+    ValueRecorder recorder;
+    const Tensor y = net(x);
+    REQUIRE(recorder.contains("hidden"));
+    CHECK(recorder.tags() == std::vector<std::string>{"hidden"});
+    const Tensor& h = recorder.get("hidden");
+    CHECK(h.shape() == Shape{5, 3});
+    seen.emplace_back(h.data(), h.data() + h.numel());
+    CHECK(std::equal(h.data(), h.data() + h.numel(), hidden.data()));
+    CHECK_THROWS_WITH_AS(recorder.get("output"),
+                         "duet::ValueRecorder: no value was recorded under 'output' (recorded: 'hidden')", ValueError);
+    CHECK_THROWS_WITH_AS(recorder.get<double>("hidden"),
+                         "duet::ValueRecorder: 'hidden' holds Float32 values, asked for Float64", ValueError);
+  }
+  set_context({.mode = saved});
+  // In a jitted function, at O2, and in a PIJit trace's replay.
+  for (int call = 0; call < 2; ++call) {
+    ValueRecorder recorder;
+    auto o2 = jit<JitConfig{.jit_level = O2}>([&](auto v) { return record_value(net.fc1(v) * 2.0f, "scaled"); });
+    o2(x);
+    const Tensor expected = net.fc1(x) * 2.0f;
+    CHECK(std::equal(expected.data(), expected.data() + expected.numel(), recorder.get("scaled").data()));
+  }
+  auto traced = jit([&](const Tensor& v) { return record_value(net.fc1(v), "traced"); }, {.mode = JitMode::PIJit});
+  traced(x);  // the trace
+  ValueRecorder recorder;
+  traced(x);  // a replay
+  const Tensor expected = net.fc1(x);
+  REQUIRE(recorder.contains("traced"));
+  CHECK(std::equal(expected.data(), expected.data() + expected.numel(), recorder.get("traced").data()));
+}
+

@@ -1,4 +1,5 @@
-// Where a graph meets the host: printing a live value, and calling back into C++.
+// Where a graph meets the host: printing a live value, recording it for after the call, and
+// calling back into C++.
 //
 // duet::print is a graph operation: in either mode, and at every jit level, it prints the value
 // when it is computed and passes it on unchanged (as a view), so a user never has to take jit
@@ -12,10 +13,13 @@
 #include <array>
 #include <functional>
 #include <iostream>
+#include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "eager.hpp"
 #include "graph.hpp"
@@ -44,6 +48,63 @@ struct SourceLocation {
   std::string to_string() const { return std::string(file) + ":" + std::to_string(line); }
 };
 
+// The values duet::record_value records on this thread while it lives: a compiled graph's
+// intermediate tensors, read after the call without leaving graph mode (PyNative records them
+// as it runs, too). Without a recorder the recording nodes look at nothing: no copy, no
+// allocation, one thread-local read. Recorders nest; the innermost records. A tag recorded
+// again keeps the newest value.
+class ValueRecorder {
+ public:
+  ValueRecorder() : outer_(active()) { active() = this; }
+  ~ValueRecorder() { active() = outer_; }
+  ValueRecorder(const ValueRecorder&) = delete;
+  ValueRecorder& operator=(const ValueRecorder&) = delete;
+
+  bool contains(const std::string& tag) const { return values_.contains(tag); }
+  std::vector<std::string> tags() const {
+    std::vector<std::string> out;
+    for (const auto& [tag, entry] : values_) out.push_back(tag);
+    return out;
+  }
+
+  template <ElementType T = float>
+  const BasicTensor<T>& get(const std::string& tag) const {
+    const auto it = values_.find(tag);
+    if (it == values_.end()) {
+      std::string recorded;
+      for (const auto& [t, entry] : values_) recorded += (recorded.empty() ? "'" : ", '") + t + "'";
+      throw ValueError("duet::ValueRecorder: no value was recorded under '" + tag + "' (recorded: " +
+                       (recorded.empty() ? std::string("none") : recorded) + ")");
+    }
+    if (it->second.dtype != dtype_of<T>) {
+      throw ValueError("duet::ValueRecorder: '" + tag + "' holds " + std::string(name_of(it->second.dtype)) +
+                       " values, asked for " + std::string(name_of(dtype_of<T>)));
+    }
+    return *static_cast<const BasicTensor<T>*>(it->second.value.get());
+  }
+
+  // The recorder of the calling thread, or null.
+  static ValueRecorder*& active() {
+    thread_local ValueRecorder* recorder = nullptr;
+    return recorder;
+  }
+
+  template <class T>
+  void record(const char* tag, const T* values, const Shape& shape) {
+    auto copy = std::make_shared<BasicTensor<T>>(BasicTensor<T>::uninitialized(shape));
+    std::copy_n(values, copy->numel(), copy->data());
+    values_[tag] = Entry{dtype_of<T>, std::move(copy)};
+  }
+
+ private:
+  struct Entry {
+    DType dtype;
+    std::shared_ptr<const void> value;
+  };
+  std::map<std::string, Entry> values_;
+  ValueRecorder* outer_;
+};
+
 namespace ops {
 
 struct IdentityGradOp : Primitive<IdentityGradOp> {
@@ -54,19 +115,33 @@ struct IdentityGradOp : Primitive<IdentityGradOp> {
   static std::string op_name() { return "Identity"; }
 };
 
-// Prints "label: value" (numpy's format) when the value is computed; outputs its input.
-struct PrintOp {
-  using layer_type = PrintOp;
+// What PrintOp and RecordOp share: a view of the input, whose kernel only looks at it (so it
+// runs at every jit level, in both modes) and whose gradient passes through.
+template <class Derived>
+struct LookOp {
+  using layer_type = Derived;
   static constexpr int arity = 1;
   static constexpr bool is_view = true;
   static constexpr bool has_side_effects = true;
   static constexpr bool is_elementwise = false;
 
-  const char* text;        // the label; a string literal or a string that outlives the graph
-  std::ostream* out;
-
   static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
   ShapeResult infer(std::span<const Shape> in) const { return infer_static(in); }
+
+  template <std::size_t K>
+    requires(K == 0)
+  auto grad_op() const {
+    return IdentityGradOp{};
+  }
+
+  std::string label() const { return Derived::op_name(); }
+};
+
+// Prints "label: value" (numpy's format) when the value is computed; outputs its input.
+struct PrintOp : LookOp<PrintOp> {
+  const char* text;        // the label; a string literal or a string that outlives the graph
+  std::ostream* out;
+  PrintOp(const char* t, std::ostream* o) : text(t), out(o) {}
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
@@ -77,14 +152,20 @@ struct PrintOp {
     *out << (text[0] != '\0' ? std::string(text) + ": " : std::string()) << copy << '\n';
   }
 
-  template <std::size_t K>
-    requires(K == 0)
-  auto grad_op() const {
-    return IdentityGradOp{};
+  static std::string op_name() { return "Print"; }
+};
+
+// Records the value under `tag` in the thread's duet::ValueRecorder, when there is one.
+struct RecordOp : LookOp<RecordOp> {
+  const char* tag;  // a string literal or a string that outlives the graph
+  explicit RecordOp(const char* t) : tag(t) {}
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    if (ValueRecorder* recorder = ValueRecorder::active()) recorder->record(tag, a.in<T>(), a.in_shape());
   }
 
-  static std::string op_name() { return "Print"; }
-  std::string label() const { return op_name(); }
+  static std::string op_name() { return "Record"; }
 };
 
 // Calls a C++ function on the value; its result (of the same shape) is the node's value.
@@ -165,6 +246,14 @@ constexpr void check_syntax_level() {
 template <class X>
 auto print(X&& x, const char* label = "", std::ostream& out = std::cout) {
   return apply(ops::PrintOp{label, &out}, std::forward<X>(x));
+}
+
+// Records x under `tag` in the calling thread's duet::ValueRecorder, if one is alive, when it is
+// computed, and returns it: in PyNative at once, in a graph when the graph runs. The tag must
+// outlive the graph (a literal, say).
+template <class X>
+auto record_value(X&& x, const char* tag) {
+  return apply(ops::RecordOp{tag}, std::forward<X>(x));
 }
 
 // Runs fn (a function from a tensor to a tensor of the same shape) on x: now in PyNative, or
