@@ -1,3 +1,7 @@
+#include <string>
+#include <utility>
+#include <vector>
+
 #include "support.hpp"
 
 using namespace duet;
@@ -18,6 +22,20 @@ TEST_CASE("SequentialCell runs its cells in order and gives access to each") {
                                     duet_test::layer_of(seq.get<2>().weight, seq.get<2>().bias, false)});
   CHECK(duet_test::relative_difference(duet_test::values_of(eager), expected) <= 1e-5);
   CHECK(duet_test::relative_difference(duet_test::values_of(graph), expected) <= 1e-5);
+}
+
+TEST_CASE("SequentialCell takes named cells moved in, with their parameters, and names them by index") {
+  nn::Dense<4, 3> first;
+  nn::ReLU relu;
+  nn::Dense<3, 2> last;
+  const auto first_weight = duet_test::values_of(first.weight);
+  const auto last_bias = duet_test::values_of(last.bias);
+  nn::SequentialCell seq(std::move(first), std::move(relu), std::move(last));
+  CHECK(duet_test::values_of(seq.get<0>().weight) == first_weight);
+  CHECK(duet_test::values_of(seq.get<2>().bias) == last_bias);
+  std::vector<std::string> names;
+  for (const auto& p : seq.parameters()) names.push_back(p.name);
+  CHECK(names == std::vector<std::string>{"0.weight", "0.bias", "2.weight", "2.bias"});
 }
 
 TEST_CASE("DynamicSequentialCell holds any DynamicCell, static ones included, and names them by index") {

@@ -1,5 +1,6 @@
 // Optimisers against the update rules written out by hand, and learning-rate schedules.
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "support.hpp"
@@ -144,6 +145,41 @@ std::string value_error_of(F&& f) {
 }
 
 }  // namespace
+
+TEST_CASE("an invalid hyper-parameter is a ValueError naming the optimiser, the option and the value") {
+  Single s;
+  const auto nan = std::numeric_limits<double>::quiet_NaN();
+  CHECK(value_error_of([&] { nn::Adam(s.params(), {.learning_rate = -1.0}); }) ==
+        "nn::Adam: learning_rate must be >= 0, got -1");
+  CHECK(value_error_of([&] { nn::SGD(s.params(), {.learning_rate = nan}); }) ==
+        "nn::SGD: learning_rate must be finite and >= 0, got nan");
+  CHECK(value_error_of([&] { nn::SGD(s.params(), {.momentum = -0.5}); }) == "nn::SGD: momentum must be >= 0, got -0.5");
+  CHECK(value_error_of([&] { nn::SGD(s.params(), {.momentum = 0.0, .nesterov = true}); }) ==
+        "nn::SGD: momentum must be > 0 with nesterov, got 0");
+  CHECK(value_error_of([&] { nn::SGD(s.params(), {.dampening = -0.1}); }) ==
+        "nn::SGD: dampening must be >= 0, got -0.1");
+  CHECK(value_error_of([&] { nn::SGD(s.params(), {.weight_decay = -1e-4}); }) ==
+        "nn::SGD: weight_decay must be >= 0, got -1e-04");
+  CHECK(value_error_of([&] { nn::Adam(s.params(), {.beta1 = 1.0}); }) == "nn::Adam: beta1 must be in [0, 1), got 1");
+  CHECK(value_error_of([&] { nn::Adam(s.params(), {.beta2 = -0.1}); }) ==
+        "nn::Adam: beta2 must be in [0, 1), got -0.1");
+  CHECK(value_error_of([&] { nn::Adam(s.params(), {.eps = 0.0}); }) == "nn::Adam: eps must be > 0, got 0");
+  CHECK(value_error_of([&] { nn::AdamW(s.params(), {.weight_decay = -0.01}); }) ==
+        "nn::AdamW: weight_decay must be >= 0, got -0.01");
+  CHECK(value_error_of([&] { nn::Adam(s.params(), {.eps = std::numeric_limits<double>::infinity()}); }) ==
+        "nn::Adam: eps must be finite and > 0, got inf");
+
+  // MindSpore accepts momentum above 1 (it diverges, but is not malformed) and a rate of 0.
+  CHECK_NOTHROW(nn::SGD(s.params(), {.learning_rate = 0.0, .momentum = 2.0}));
+
+  // A schedule that turns negative is refused at the step that would use it, before any update.
+  nn::SGD sgd(s.params(), {.learning_rate = nn::PiecewiseConstantLR{{1}, {0.1, -0.1}}});
+  sgd({gradients[0]});
+  const float after_one_step = s.p(0);
+  CHECK(value_error_of([&] { sgd({gradients[1]}); }) == "nn::SGD: learning_rate must be >= 0, got -0.1 at step 1");
+  CHECK(s.p(0) == after_one_step);
+  CHECK(sgd.global_step() == 1);
+}
 
 TEST_CASE("an optimiser of no parameters is a ValueError that names the likely cause") {
   Forgetful forgetful;

@@ -12510,6 +12510,7 @@ class BasicOptimizer {
   void step() {
     const std::uint64_t pass = duet::detail::current_backward_pass();
     require_all_reduced(pass, ".step()");
+    require_learning_rate();
     begin_step();
     for (std::size_t i = 0; i < params_.size(); ++i) {
       if (params_[i]->has_grad_from(pass)) update(i, params_[i]->grad.data());
@@ -12530,6 +12531,7 @@ class BasicOptimizer {
                          ", its parameter " + to_string(params_[i]->shape()));
       }
     }
+    require_learning_rate();
     begin_step();
     for (std::size_t i = 0; i < params_.size(); ++i) update(i, grads[i].data());
     ++global_step_;
@@ -12551,6 +12553,23 @@ class BasicOptimizer {
   }
 
  protected:
+  // A bad hyper-parameter is refused where it is written, not found later as a loss that
+  // diverges or never moves: "nn::Adam: learning_rate must be >= 0, got -1". Every optimiser
+  // checks its options through this, from its constructor (type_name() names it there).
+  void require_option(std::string_view option, double value, bool valid, std::string_view rule,
+                      std::string_view when = {}) const {
+    if (valid && std::isfinite(value)) return;
+    throw ValueError(std::string(type_name()) + ": " + std::string(option) + " must be " +
+                     (std::isfinite(value) ? "" : "finite and ") + std::string(rule) + ", got " +
+                     duet::detail::chars_of(value) + std::string(when));
+  }
+  // A schedule is a function, so its rate is checked at every step as well as at construction.
+  void require_learning_rate() const {
+    const double lr = learning_rate();
+    require_option("learning_rate", lr, lr >= 0, ">= 0",
+                   global_step_ == 0 ? "" : " at step " + std::to_string(global_step_));
+  }
+
   // Computes what is shared by all parameters this step.
   virtual void begin_step() = 0;
   virtual void update(std::size_t i, const T* grad) = 0;
@@ -12606,9 +12625,12 @@ class BasicSGD final : public BasicOptimizer<T> {
   template <class Params>
   explicit BasicSGD(const Params& params, SGDConfig config = {})
       : BasicOptimizer<T>(params, config.learning_rate), config_(std::move(config)) {
-    if (config_.momentum < 0 || config_.weight_decay < 0 || (config_.nesterov && config_.momentum <= 0)) {
-      throw ValueError("nn::SGD: momentum and weight_decay must be >= 0, and nesterov needs momentum > 0");
-    }
+    // As MindSpore's nn.SGD: momentum may exceed 1 (it diverges, but is not refused).
+    this->require_learning_rate();
+    this->require_option("momentum", config_.momentum, config_.momentum >= 0, ">= 0");
+    this->require_option("momentum", config_.momentum, !config_.nesterov || config_.momentum > 0, "> 0 with nesterov");
+    this->require_option("dampening", config_.dampening, config_.dampening >= 0, ">= 0");
+    this->require_option("weight_decay", config_.weight_decay, config_.weight_decay >= 0, ">= 0");
     if (config_.momentum > 0) momentum_ = this->zero_state();
   }
 
@@ -12651,11 +12673,11 @@ class BasicAdam final : public BasicOptimizer<T> {
         config_(std::move(config)),
         m_(this->zero_state()),
         v_(this->zero_state()) {
-    if (!(config_.beta1 >= 0 && config_.beta1 < 1 && config_.beta2 >= 0 && config_.beta2 < 1 && config_.eps > 0 &&
-          config_.weight_decay >= 0)) {
-      throw ValueError(std::string(Decoupled ? "nn::AdamW" : "nn::Adam") +
-                       ": needs 0 <= beta1, beta2 < 1, eps > 0 and weight_decay >= 0");
-    }
+    this->require_learning_rate();
+    this->require_option("beta1", config_.beta1, config_.beta1 >= 0 && config_.beta1 < 1, "in [0, 1)");
+    this->require_option("beta2", config_.beta2, config_.beta2 >= 0 && config_.beta2 < 1, "in [0, 1)");
+    this->require_option("eps", config_.eps, config_.eps > 0, "> 0");
+    this->require_option("weight_decay", config_.weight_decay, config_.weight_decay >= 0, ">= 0");
   }
 
   // AdamW decays weights by default (0.01, as MindSpore's and PyTorch's AdamW); Adam does not.
@@ -14589,6 +14611,7 @@ using BatchNorm2d = BatchNorm<2, C, T>;
 #include <boost/hana/fold_left.hpp>
 #include <boost/hana/for_each.hpp>
 #include <boost/hana/tuple.hpp>
+#include <concepts>
 #include <memory>
 #include <string>
 #include <type_traits>
@@ -14608,7 +14631,13 @@ class SequentialCell : public Cell<SequentialCell<First, Rest...>, CONTEXT_MODE,
 
  public:
   SequentialCell() { check_neighbours(); }
-  explicit SequentialCell(First first, Rest... rest) : cells_(std::move(first), std::move(rest)...) {
+  // Takes cells by forwarding reference so that a named cell is one short error below, not the
+  // deleted copy constructors of the cell, its parameters and its compiled forms.
+  template <class C, class... Cs>
+  requires(sizeof...(Cs) == sizeof...(Rest) && std::constructible_from<First, std::remove_cvref_t<C>> &&
+           (std::constructible_from<Rest, std::remove_cvref_t<Cs>> && ...))
+  explicit SequentialCell(C&& first, Cs&&... rest)
+      : cells_(moved_in(std::forward<C>(first)), moved_in(std::forward<Cs>(rest))...) {
     check_neighbours();
   }
 
@@ -14655,8 +14684,20 @@ class SequentialCell : public Cell<SequentialCell<First, Rest...>, CONTEXT_MODE,
     if constexpr (!neighbours_fit()) static_cast<void>(sizeof(typename decltype(neighbour_rejection())::type));
   }
 
+  template <class C>
+  static std::remove_reference_t<C>&& moved_in(C&& cell) {
+    static_assert(!std::is_lvalue_reference_v<C>,
+                  "nn::SequentialCell: cells are not copyable (a copy would train apart from its original); pass "
+                  "temporaries, SequentialCell(nn::Dense<4, 8>{}, nn::ReLU{}), or move named cells in: std::move(a)");
+    return static_cast<std::remove_reference_t<C>&&>(cell);
+  }
+
   boost::hana::tuple<First, Rest...> cells_;
 };
+
+// SequentialCell seq(nn::Dense<4, 8>{}, nn::ReLU{}) holds the cells' own types.
+template <class C, class... Cs>
+SequentialCell(C&&, Cs&&...) -> SequentialCell<std::remove_cvref_t<C>, std::remove_cvref_t<Cs>...>;
 
 // A list of cells built at run time (sizes and layers from a config file, say). Its structure is
 // not known when the program compiles, so graph mode cannot capture it: it traces it on the

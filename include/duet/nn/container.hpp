@@ -5,6 +5,7 @@
 #include <boost/hana/fold_left.hpp>
 #include <boost/hana/for_each.hpp>
 #include <boost/hana/tuple.hpp>
+#include <concepts>
 #include <memory>
 #include <string>
 #include <type_traits>
@@ -25,7 +26,13 @@ class SequentialCell : public Cell<SequentialCell<First, Rest...>, CONTEXT_MODE,
 
  public:
   SequentialCell() { check_neighbours(); }
-  explicit SequentialCell(First first, Rest... rest) : cells_(std::move(first), std::move(rest)...) {
+  // Takes cells by forwarding reference so that a named cell is one short error below, not the
+  // deleted copy constructors of the cell, its parameters and its compiled forms.
+  template <class C, class... Cs>
+  requires(sizeof...(Cs) == sizeof...(Rest) && std::constructible_from<First, std::remove_cvref_t<C>> &&
+           (std::constructible_from<Rest, std::remove_cvref_t<Cs>> && ...))
+  explicit SequentialCell(C&& first, Cs&&... rest)
+      : cells_(moved_in(std::forward<C>(first)), moved_in(std::forward<Cs>(rest))...) {
     check_neighbours();
   }
 
@@ -72,8 +79,20 @@ class SequentialCell : public Cell<SequentialCell<First, Rest...>, CONTEXT_MODE,
     if constexpr (!neighbours_fit()) static_cast<void>(sizeof(typename decltype(neighbour_rejection())::type));
   }
 
+  template <class C>
+  static std::remove_reference_t<C>&& moved_in(C&& cell) {
+    static_assert(!std::is_lvalue_reference_v<C>,
+                  "nn::SequentialCell: cells are not copyable (a copy would train apart from its original); pass "
+                  "temporaries, SequentialCell(nn::Dense<4, 8>{}, nn::ReLU{}), or move named cells in: std::move(a)");
+    return static_cast<std::remove_reference_t<C>&&>(cell);
+  }
+
   boost::hana::tuple<First, Rest...> cells_;
 };
+
+// SequentialCell seq(nn::Dense<4, 8>{}, nn::ReLU{}) holds the cells' own types.
+template <class C, class... Cs>
+SequentialCell(C&&, Cs&&...) -> SequentialCell<std::remove_cvref_t<C>, std::remove_cvref_t<Cs>...>;
 
 // A list of cells built at run time (sizes and layers from a config file, say). Its structure is
 // not known when the program compiles, so graph mode cannot capture it: it traces it on the
