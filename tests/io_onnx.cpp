@@ -222,6 +222,19 @@ TEST_CASE("io::load_onnx: the fuzzer's seed models load and run, the same in bot
   }
 }
 
+TEST_CASE("io::load_onnx: the fuzzer's findings in its corpus are duet errors, never a crash") {
+  // make_onnx_corpus.py's broken_*.onnx; each has its own case below, with its message.
+  const fs::path corpus = fs::path(__FILE__).parent_path() / "fuzz" / "corpus" / "onnx";
+  int seen = 0;
+  for (const fs::directory_entry& file : fs::directory_iterator(corpus)) {
+    if (!file.path().filename().string().starts_with("broken_")) continue;
+    INFO(file.path().filename().string());
+    ++seen;
+    CHECK_THROWS_AS(duet::io::load_onnx(file.path())(duet::ones({1, 2, 6, 6})), duet::Error);
+  }
+  CHECK(seen == 9);
+}
+
 // --- errors, on models built here --------------------------------------------------------------
 
 onnx::ModelProto model_of(int opset = 17) {
@@ -398,6 +411,112 @@ TEST_CASE("io::load_onnx: a malformed model is a FormatError, never a crash") {
     std::string changed = bytes;
     changed[i] = static_cast<char>(changed[i] ^ 0x5a);
     try_load(changed);
+  }
+}
+
+// --- the fuzzer's findings (tests/fuzz/fuzz_onnx.cpp; each input is in tests/fuzz/corpus/onnx) --
+
+onnx::AttributeProto* add_ints(onnx::NodeProto* n, const std::string& name, std::initializer_list<std::int64_t> v) {
+  onnx::AttributeProto* a = n->add_attribute();
+  a->set_name(name);
+  a->set_type(onnx::AttributeProto::INTS);
+  for (const std::int64_t i : v) a->add_ints(i);
+  return a;
+}
+
+onnx::AttributeProto* add_int(onnx::NodeProto* n, const std::string& name, std::int64_t v) {
+  onnx::AttributeProto* a = n->add_attribute();
+  a->set_name(name);
+  a->set_type(onnx::AttributeProto::INT);
+  a->set_i(v);
+  return a;
+}
+
+TEST_CASE("io::load_onnx: an empty initializer in raw bytes loads (empty_raw_initializer.onnx)") {
+  // Its vector has no storage: the copy of its 0 bytes was a memcpy to a null pointer.
+  onnx::ModelProto m = model_of();
+  onnx::TensorProto* t = add_initializer(m, "w", {0}, 0);
+  t->set_raw_data("");
+  add_node(m, "Add", "add", {"x", "w"});
+  duet::io::OnnxModel net = load(m);
+  REQUIRE(net.parameters().size() == 1);
+  CHECK(net.parameters()[0].parameter->shape() == Shape{0});
+}
+
+TEST_CASE("io::load_onnx: a node without outputs is a FormatError, also inside the GELU pattern (gelu_no_output.onnx)") {
+  // The pattern looked at its last Mul's output(0) before the node itself was checked.
+  onnx::ModelProto m = model_of();
+  const auto constant = [&](const std::string& name, float v) {
+    onnx::AttributeProto* a = add_node(m, "Constant", "", {}, name)->add_attribute();
+    a->set_name("value_float");
+    a->set_type(onnx::AttributeProto::FLOAT);
+    a->set_f(v);
+  };
+  constant("root2", std::sqrt(2.0f));
+  constant("one", 1.0f);
+  constant("half", 0.5f);
+  add_node(m, "Div", "div", {"x", "root2"}, "d");
+  add_node(m, "Erf", "erf", {"d"}, "e");
+  add_node(m, "Add", "add", {"e", "one"}, "a");
+  add_node(m, "Mul", "mul", {"x", "a"}, "mx");
+  add_node(m, "Mul", "times_half", {"mx", "half"})->clear_output();
+  CHECK(message_of<duet::FormatError>(m) == "test.onnx: ONNX node 'times_half' (Mul) has no output");
+}
+
+TEST_CASE("io::load_onnx: a Conv group above the output channels is a FormatError (conv_group_overflow.onnx)") {
+  // 0 output channels are divisible by any group: g.in = in * group overflowed.
+  onnx::ModelProto m = model_of();
+  add_initializer(m, "w", {0, 4, 1, 1}, 0);
+  add_int(add_node(m, "Conv", "conv", {"x", "w"}), "group", std::int64_t{1} << 62);
+  CHECK(message_of<duet::FormatError>(m) ==
+        "test.onnx: ONNX node 'conv' (Conv): group 4611686018427387904 does not divide the weight's 0 output channels");
+}
+
+TEST_CASE("io::load_onnx: Conv sizes that overflow or ask for any output size are refused (conv_*.onnx)") {
+  const auto conv = [](const std::string& attribute, std::initializer_list<std::int64_t> v) {
+    onnx::ModelProto m = model_of();
+    add_initializer(m, "w", {3, 2, 3, 3}, 54);
+    add_ints(add_node(m, "Conv", "conv", {"x", "w"}), attribute, v);
+    return message_of<duet::ValueError>(m);
+  };
+  // dilation * (kernel - 1) overflowed in the window's extent
+  CHECK(conv("dilations", {std::int64_t{1} << 62, std::int64_t{1} << 62}) ==
+        "test.onnx: ONNX node 'conv' (Conv): strides 1 and dilations 4611686018427387904 (duet's ONNX import takes "
+        "windows and steps below 2^31) is not supported");
+  CHECK(conv("strides", {INT64_MAX, INT64_MAX}).find("strides 9223372036854775807 and dilations 1") != std::string::npos);
+  // size + 2 * pad overflowed; 100000 asked for a 448 GB output of a 6x6 input
+  CHECK(conv("pads", {std::int64_t{1} << 62, std::int64_t{1} << 62, std::int64_t{1} << 62, std::int64_t{1} << 62}) ==
+        "test.onnx: ONNX node 'conv' (Conv): padding 4611686018427387904 for a window of 3 (duet's ONNX import pads 0 "
+        "to half the window) is not supported");
+  CHECK(conv("pads", {100000, 100000, 100000, 100000}).find("padding 100000 for a window of 3") != std::string::npos);
+  // a dilated window may pad half its extent: 2 * (3 - 1) + 1 = 5, padding 2
+  onnx::ModelProto m = model_of();
+  add_initializer(m, "w", {3, 2, 3, 3}, 54);
+  onnx::NodeProto* n = add_node(m, "Conv", "conv", {"x", "w"});
+  add_ints(n, "dilations", {2, 2});
+  add_ints(n, "pads", {2, 2, 2, 2});
+  duet::io::OnnxModel net = load(m);
+  CHECK(net(duet::ones({1, 2, 6, 6})).shape() == Shape{1, 3, 6, 6});
+}
+
+TEST_CASE("io::load_onnx: an axis or perm beyond int is refused, not narrowed (softmax_axis_2pow32.onnx, ...)") {
+  {
+    onnx::ModelProto m = model_of();
+    add_int(add_node(m, "Softmax", "sm", {"x"}), "axis", std::int64_t{1} << 32);
+    CHECK(message_of<duet::FormatError>(m) ==
+          "test.onnx: ONNX node 'sm' (Softmax): axis 4294967296 is beyond every rank (duet's highest is 8)");
+  }
+  {
+    onnx::ModelProto m = model_of();
+    add_int(add_node(m, "Concat", "cat", {"x", "x"}), "axis", (std::int64_t{1} << 32) + 1);
+    CHECK(message_of<duet::FormatError>(m).find("ONNX node 'cat' (Concat): axis 4294967297 is beyond every rank") !=
+          std::string::npos);
+  }
+  {
+    onnx::ModelProto m = model_of();
+    add_ints(add_node(m, "Transpose", "t", {"x"}), "perm", {(std::int64_t{1} << 32) + 1, std::int64_t{1} << 32});
+    CHECK(message_of<duet::FormatError>(m) ==
+          "test.onnx: ONNX node 't' (Transpose): perm [4294967297, 4294967296] is not a permutation");
   }
 }
 

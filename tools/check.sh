@@ -54,6 +54,8 @@ fuzz_stage() {
   echo "=== stage fuzz ==="
   cmake -S "$root" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDUET_WERROR=ON -DCMAKE_CXX_COMPILER=clang++ \
     -DDUET_BUILD_FUZZERS=ON -DDUET_BUILD_EXAMPLES=OFF -DDUET_BUILD_BENCHMARKS=OFF
+  # fuzz_onnx exists where CMake found ONNX (duet::onnx).
+  if grep -q "^build tests/fuzz/fuzz_onnx:" "$dir/build.ninja"; then fuzzers+=(onnx); fi
   cmake --build "$dir" -j "$jobs" --target "${fuzzers[@]/#/fuzz_}"
   for name in "${fuzzers[@]}"; do
     rm -rf "$dir/run/$name"

@@ -3,7 +3,8 @@
 // the loader's operators take, and must either give a tensor or throw a duet::Error. Anything
 // else is a bug: a sanitizer report, another exception (left uncaught, so libFuzzer reports it),
 // a hang, or an allocation beyond -malloc_limit_mb. The seed corpus (corpus/onnx) is small
-// models of every operator the loader reads, written by make_onnx_corpus.py.
+// models of every operator the loader reads and the inputs that once crashed it (broken_*),
+// written by make_onnx_corpus.py; onnx.dict has the names and sizes a model spells.
 #include <cstddef>
 #include <cstdint>
 #include <duet/duet.hpp>

@@ -11,15 +11,25 @@ import numpy as np
 from onnx import TensorProto, checker, helper, numpy_helper
 
 
-def model(name, nodes, initializers, in_shape, out_shape, opset=17):
+def model(name, nodes, initializers, in_shape, out_shape, opset=17, check=True):
     graph = helper.make_graph(
         nodes, name, [helper.make_tensor_value_info("x", TensorProto.FLOAT, in_shape)],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, out_shape)],
         [numpy_helper.from_array(np.asarray(v, dtype=np.int64 if k.startswith("shape") else np.float32), k)
          for k, v in initializers.items()])
     m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-    checker.check_model(m)
+    if check:
+        checker.check_model(m)
     return m
+
+
+def broken(name, nodes, initializers=None):
+    """A model the fuzzer found crashing the loader (tests/io_onnx.cpp has each as a test)."""
+    return model(name, nodes, initializers or {}, [1, 2, 6, 6], None, check=False)
+
+
+def constant(name, v):
+    return helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.float32(v)))
 
 
 def main():
@@ -65,6 +75,29 @@ def main():
             helper.make_node("Concat", ["o", "t", "o"], ["c"], axis=2),
             helper.make_node("Div", ["c", "two"], ["y"])],
             {"shape_to": [0, 2, -1], "two": [2.0]}, [2, 4], [2, 2, 6]),
+        # The fuzzer's findings: each was a sanitizer report before the loader checked it.
+        "broken_empty_raw_initializer": broken("empty", [helper.make_node("Add", ["x", "w"], ["y"])],
+                                               {"w": np.zeros(0)}),
+        "broken_gelu_no_output": broken("gelu", [
+            constant("root2", np.sqrt(2)), constant("one", 1), constant("half", 0.5),
+            helper.make_node("Div", ["x", "root2"], ["d"]),
+            helper.make_node("Erf", ["d"], ["e"]),
+            helper.make_node("Add", ["e", "one"], ["a"]),
+            helper.make_node("Mul", ["x", "a"], ["m"]),
+            helper.make_node("Mul", ["m", "half"], [])]),
+        "broken_conv_group_overflow": broken("conv", [helper.make_node("Conv", ["x", "w"], ["y"], group=1 << 62)],
+                                             {"w": np.zeros((0, 4, 1, 1))}),
+        "broken_conv_dilation_overflow": broken("conv", [
+            helper.make_node("Conv", ["x", "w"], ["y"], dilations=[1 << 62, 1 << 62])], {"w": r(3, 2, 3, 3)}),
+        "broken_conv_pads_overflow": broken("conv", [
+            helper.make_node("Conv", ["x", "w"], ["y"], pads=[1 << 62] * 4)], {"w": r(3, 2, 3, 3)}),
+        "broken_conv_pads_huge_output": broken("conv", [
+            helper.make_node("Conv", ["x", "w"], ["y"], pads=[100000] * 4)], {"w": r(3, 2, 3, 3)}),
+        "broken_softmax_axis_2pow32": broken("softmax", [helper.make_node("Softmax", ["x"], ["y"], axis=1 << 32)]),
+        "broken_concat_axis_2pow32": broken("concat", [
+            helper.make_node("Concat", ["x", "x"], ["y"], axis=(1 << 32) + 1)]),
+        "broken_transpose_perm_2pow32": broken("transpose", [
+            helper.make_node("Transpose", ["x"], ["y"], perm=[(1 << 32) + 1, 1 << 32])]),
     }
     os.makedirs(out, exist_ok=True)
     for name, m in models.items():

@@ -23,7 +23,8 @@
 //   Div, Erf, Add, Mul, Mul (torch's GELU below    ops::gelu (erf form), when the five nodes are
 //   opset 20: x * (erf(x / sqrt 2) + 1) * 0.5)     exactly that pattern; any other Erf is refused
 //   Conv (2-D: square kernels, one stride, one     duet's convolution (ops::ConvOp)
-//   dilation, symmetric pads or SAME_UPPER/VALID, group)
+//   dilation, symmetric pads of at most half the
+//   window or SAME_UPPER/VALID, group)
 //   MaxPool, AveragePool (2-D square windows of    ops::Pool2dOp: the windows are template
 //   kernel 2 or 3, stride 1 or 2, pad 0 or 1)      arguments, so only these are instantiated
 //   Pad (zeros) before an AveragePool              that pooling counting its padding (torch's
@@ -223,7 +224,9 @@ std::vector<T> onnx_elements(const onnx::TensorProto& t, const std::string& what
                         std::to_string(static_cast<std::size_t>(count) * sizeof(T)));
     }
     out.resize(static_cast<std::size_t>(count));
-    std::memcpy(out.data(), raw.data(), raw.size());
+    // An empty tensor's vector has no storage: memcpy from or to a null pointer is undefined
+    // even for 0 bytes.
+    if (!raw.empty()) std::memcpy(out.data(), raw.data(), raw.size());
     return out;
   }
   const auto take = [&](const auto& field) {
@@ -358,8 +361,13 @@ class OnnxBuilder {
     const onnx::GraphProto& g = proto_.graph();
     for (const onnx::TensorProto& t : g.initializer()) add_initializer(t);
     find_input(g);
-    for (const onnx::NodeProto& n : g.node())
+    // Every node has an output before any is read: the GELU pattern looks at nodes ahead of
+    // the one being added, and protobuf's output(0) of an empty list is out of bounds.
+    for (int i = 0; i < g.node_size(); ++i) {
+      const onnx::NodeProto& n = g.node(i);
+      if (n.output_size() < 1) throw FormatError(where_ + ": " + who(n, i) + " has no output");
       for (const std::string& in : n.input()) ++consumers_[in];
+    }
     for (const onnx::ValueInfoProto& o : g.output()) ++consumers_[o.name()];
     // Constants first (they read nothing): a pattern read at its first node (GELU's) then sees
     // the constants its later nodes read.
@@ -484,6 +492,16 @@ class OnnxBuilder {
     const onnx::AttributeProto* a = attribute(n, name);
     return a == nullptr ? fallback : a->f();
   }
+  // An axis of any rank duet has, negative from the end (ONNX's convention); the int64 is
+  // checked before it narrows to int, where 2^32 would pass as axis 0.
+  int axis_attr(const onnx::NodeProto& n, const std::string& node, std::int64_t fallback) const {
+    const std::int64_t axis = int_attr(n, "axis", fallback);
+    if (axis < -max_rank || axis >= max_rank) {
+      throw FormatError(where_ + ": " + node + ": axis " + std::to_string(axis) + " is beyond every rank (duet's highest is " +
+                        std::to_string(max_rank) + ")");
+    }
+    return static_cast<int>(axis);
+  }
   std::vector<std::int64_t> ints_attr(const onnx::NodeProto& n, const std::string& name) const {
     const onnx::AttributeProto* a = attribute(n, name);
     if (a == nullptr) return {};
@@ -535,7 +553,6 @@ class OnnxBuilder {
       throw FormatError(where_ + ": " + node + " has " + std::to_string(n.input_size()) + " inputs, its operator takes " +
                         (least == most ? std::to_string(least) : std::to_string(least) + " to " + std::to_string(most)));
     }
-    if (n.output_size() < 1) throw FormatError(where_ + ": " + node + " has no output");
     for (int i = 1; i < n.output_size(); ++i) {
       if (!n.output(i).empty() && consumers_.contains(n.output(i))) {
         unsupported(node, "its output " + std::to_string(i) + " (" + detail::onnx_quoted(n.output(i)) + ")");
@@ -666,7 +683,7 @@ class OnnxBuilder {
       arity(n, node, 1, 1);
       known_attributes(n, node, {"axis"});
       const Operand a = input(0);
-      const int axis = static_cast<int>(int_attr(n, "axis", -1));
+      const int axis = axis_attr(n, node, -1);
       const bool log = op == "LogSoftmax";
       add_step(op, n, node, [a, axis, log](const OnnxModel& m, std::vector<Tensor>& v) {
         return m.with(a, v, [&](const auto& x) -> Tensor { return log ? ops::log_softmax(x, axis) : ops::softmax(x, axis); });
@@ -780,11 +797,12 @@ class OnnxBuilder {
     const nn::Parameter& w = parameter_input(n, 1, node);
     const bool with_bias = n.input_size() == 3 && !n.input(2).empty();
     const nn::Parameter& b = with_bias ? parameter_input(n, 2, node) : w;
-    if (w.shape().rank() != 4 || w.dim(2) != w.dim(3)) {
+    if (w.shape().rank() != 4 || w.dim(2) != w.dim(3) || w.dim(2) < 1) {
       unsupported(node, "a weight of shape " + to_string(w.shape()) + " (duet's Conv is 2-D with square kernels)");
     }
     const std::int64_t group = int_attr(n, "group", 1);
-    if (group < 1 || w.dim(0) % group != 0) throw FormatError(where_ + ": " + node + ": group " + std::to_string(group) + " does not divide the weight's " + std::to_string(w.dim(0)) + " output channels");
+    // A group above the output channels divides none but 0, and would overflow g.in below.
+    if (group < 1 || group > std::max<index_t>(w.dim(0), 1) || w.dim(0) % group != 0) throw FormatError(where_ + ": " + node + ": group " + std::to_string(group) + " does not divide the weight's " + std::to_string(w.dim(0)) + " output channels");
     if (with_bias && (b.shape().rank() != 1 || b.dim(0) != w.dim(0))) {
       throw FormatError(where_ + ": " + node + ": bias of shape " + to_string(b.shape()) + " for a weight of shape " + to_string(w.shape()));
     }
@@ -798,6 +816,14 @@ class OnnxBuilder {
     g.stride = square(n, node, "strides", 1);
     g.dilation = square(n, node, "dilations", 1);
     if (g.stride < 1 || g.dilation < 1) unsupported(node, "a stride or dilation below 1");
+    // A file's sizes can be any int64: bounded here, the convolution's window arithmetic
+    // (extent, padded size) cannot overflow.
+    constexpr index_t most = index_t{1} << 31;
+    index_t span = 0;
+    if (g.stride > most || __builtin_mul_overflow(g.dilation, g.kernel - 1, &span) || span >= most) {
+      unsupported(node, "strides " + std::to_string(g.stride) + " and dilations " + std::to_string(g.dilation) +
+                            " (duet's ONNX import takes windows and steps below 2^31)");
+    }
     const std::string auto_pad = string_attr(n, "auto_pad", "NOTSET");
     if (auto_pad == "NOTSET") {
       g.pad_mode = nn::PadMode::pad;
@@ -809,7 +835,12 @@ class OnnxBuilder {
     } else {
       unsupported(node, "auto_pad " + auto_pad);
     }
-    if (g.padding < 0) unsupported(node, "negative padding");
+    // torch's own limit for pooling: more padding only adds outputs that see nothing but
+    // zeros, and lets a small file ask for outputs of any size.
+    if (g.padding < 0 || g.padding > g.extent() / 2) {
+      unsupported(node, "padding " + std::to_string(g.padding) + " for a window of " + std::to_string(g.extent()) +
+                            " (duet's ONNX import pads 0 to half the window)");
+    }
     model_.convs_.push_back(std::make_unique<detail::OnnxConv>(detail::OnnxConv{g, w, b, with_bias, node}));
     const detail::OnnxConv* layer = model_.convs_.back().get();
     add_step("Conv", n, node, [x, layer](const OnnxModel& m, std::vector<Tensor>& v) {
@@ -948,12 +979,13 @@ class OnnxBuilder {
     known_attributes(n, node, {"perm"});
     const std::vector<std::int64_t> given = ints_attr(n, "perm");
     if (given.empty()) unsupported(node, "a Transpose without perm");
-    std::vector<int> perm(given.begin(), given.end());
-    std::vector<int> sorted = perm;
+    // Checked as int64s: narrowed first, 2^32 + 1 would pass as axis 1.
+    std::vector<std::int64_t> sorted = given;
     std::ranges::sort(sorted);
     for (std::size_t i = 0; i < sorted.size(); ++i)
-      if (sorted[i] != static_cast<int>(i)) throw FormatError(where_ + ": " + node + ": perm " + list_text(given) + " is not a permutation");
-    if (perm.size() < 2 || perm.size() > 4) unsupported(node, "perm " + list_text(given) + " (duet's ONNX import transposes ranks 2 to 4)");
+      if (sorted[i] != static_cast<std::int64_t>(i)) throw FormatError(where_ + ": " + node + ": perm " + list_text(given) + " is not a permutation");
+    if (given.size() < 2 || given.size() > 4) unsupported(node, "perm " + list_text(given) + " (duet's ONNX import transposes ranks 2 to 4)");
+    const std::vector<int> perm(given.begin(), given.end());
     const Operand x = operand_of(n.input(0), node);
     if (x.kind != Kind::value) unsupported(node, "transposing an initializer");
     add_step("Transpose", n, node, [x, perm, node](const OnnxModel&, std::vector<Tensor>& v) {
@@ -969,9 +1001,8 @@ class OnnxBuilder {
     if (n.input_size() < 1) throw FormatError(where_ + ": " + node + " has no input");
     arity(n, node, 1, INT_MAX);
     known_attributes(n, node, {"axis"});
-    const onnx::AttributeProto* axis_attr = attribute(n, "axis");
-    if (axis_attr == nullptr) throw FormatError(where_ + ": " + node + " has no axis");
-    const int axis = static_cast<int>(axis_attr->i());
+    if (attribute(n, "axis") == nullptr) throw FormatError(where_ + ": " + node + " has no axis");
+    const int axis = axis_attr(n, node, 0);
     std::vector<Operand> in;
     for (const std::string& name : n.input()) in.push_back(operand_of(name, node));
     add_step("Concat", n, node, [in, axis](const OnnxModel& m, std::vector<Tensor>& v) {
