@@ -486,17 +486,19 @@ TEST_CASE("io::load_onnx: Conv sizes that overflow or ask for any output size ar
   CHECK(conv("strides", {INT64_MAX, INT64_MAX}).find("strides 9223372036854775807 and dilations 1") != std::string::npos);
   // size + 2 * pad overflowed; 100000 asked for a 448 GB output of a 6x6 input
   CHECK(conv("pads", {std::int64_t{1} << 62, std::int64_t{1} << 62, std::int64_t{1} << 62, std::int64_t{1} << 62}) ==
-        "test.onnx: ONNX node 'conv' (Conv): padding 4611686018427387904 for a window of 3 (duet's ONNX import pads 0 "
-        "to half the window) is not supported");
+        "test.onnx: ONNX node 'conv' (Conv): padding 4611686018427387904 for a window of 3 (duet's ONNX import pads "
+        "less than the window, at most a full convolution) is not supported");
   CHECK(conv("pads", {100000, 100000, 100000, 100000}).find("padding 100000 for a window of 3") != std::string::npos);
-  // a dilated window may pad half its extent: 2 * (3 - 1) + 1 = 5, padding 2
+  CHECK(conv("pads", {3, 3, 3, 3}).find("padding 3 for a window of 3") != std::string::npos);
+  // A full convolution: a dilated window's extent 2 * (3 - 1) + 1 = 5, padding 4; every output
+  // sees an input element, the corners one each.
   onnx::ModelProto m = model_of();
   add_initializer(m, "w", {3, 2, 3, 3}, 54);
   onnx::NodeProto* n = add_node(m, "Conv", "conv", {"x", "w"});
   add_ints(n, "dilations", {2, 2});
-  add_ints(n, "pads", {2, 2, 2, 2});
+  add_ints(n, "pads", {4, 4, 4, 4});
   duet::io::OnnxModel net = load(m);
-  CHECK(net(duet::ones({1, 2, 6, 6})).shape() == Shape{1, 3, 6, 6});
+  CHECK(net(duet::ones({1, 2, 6, 6})).shape() == Shape{1, 3, 10, 10});
 }
 
 TEST_CASE("io::load_onnx: an axis or perm beyond int is refused, not narrowed (softmax_axis_2pow32.onnx, ...)") {

@@ -18724,7 +18724,7 @@ struct ConvEpilogueOp : Primitive<ConvEpilogueOp<Layer, Norm, Fns...>> {
     const BasicTensor<T>& bias = layer->bias;
     return weight.template derived<FoldedConv<T>>(
         [&] {
-          const index_t out = layer->out_channels();
+          const index_t out = layer->geometry().out;
           const index_t per_channel = weight.numel() / out;
           const auto affine = norm.evaluation_affine();
           FoldedConv<T> f{BasicTensor<T>::uninitialized(weight.shape()), BasicTensor<T>::uninitialized({out})};

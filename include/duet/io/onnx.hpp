@@ -23,8 +23,8 @@
 //   Div, Erf, Add, Mul, Mul (torch's GELU below    ops::gelu (erf form), when the five nodes are
 //   opset 20: x * (erf(x / sqrt 2) + 1) * 0.5)     exactly that pattern; any other Erf is refused
 //   Conv (2-D: square kernels, one stride, one     duet's convolution (ops::ConvOp)
-//   dilation, symmetric pads of at most half the
-//   window or SAME_UPPER/VALID, group)
+//   dilation, symmetric pads below the window's
+//   extent or SAME_UPPER/VALID, group)
 //   MaxPool, AveragePool (2-D square windows of    ops::Pool2dOp: the windows are template
 //   kernel 2 or 3, stride 1 or 2, pad 0 or 1)      arguments, so only these are instantiated
 //   Pad (zeros) before an AveragePool              that pooling counting its padding (torch's
@@ -835,11 +835,12 @@ class OnnxBuilder {
     } else {
       unsupported(node, "auto_pad " + auto_pad);
     }
-    // torch's own limit for pooling: more padding only adds outputs that see nothing but
-    // zeros, and lets a small file ask for outputs of any size.
-    if (g.padding < 0 || g.padding > g.extent() / 2) {
+    // A full convolution (padding extent - 1) is as far as padding can go with every output
+    // seeing some input: more only adds outputs of nothing but zeros, and would let a small
+    // file ask for outputs of any size.
+    if (g.padding < 0 || g.padding >= g.extent()) {
       unsupported(node, "padding " + std::to_string(g.padding) + " for a window of " + std::to_string(g.extent()) +
-                            " (duet's ONNX import pads 0 to half the window)");
+                            " (duet's ONNX import pads less than the window, at most a full convolution)");
     }
     model_.convs_.push_back(std::make_unique<detail::OnnxConv>(detail::OnnxConv{g, w, b, with_bias, node}));
     const detail::OnnxConv* layer = model_.convs_.back().get();
