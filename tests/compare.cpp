@@ -168,6 +168,15 @@ struct TwoProducts : nn::Cell<TwoProducts> {
   }
 };
 
+// A member read by construct: a constant of the graph captured by the first graph-mode call,
+// read afresh by every PyNative call (README, "Capture time and run time").
+struct Scaled : nn::Cell<Scaled> {
+  nn::Dense<4, 3> fc;
+  float scale = 2.0f;
+  DUET_CELL_MEMBERS(fc);
+  auto construct(auto x) { return fc(x) * scale; }
+};
+
 using SeedPattern = StaticShape<dyn, 1, 28, 28>;
 
 }  // namespace
@@ -304,3 +313,20 @@ TEST_CASE("compare_modes leaves the network and the context as they were") {
   const Tensor after = net(x);
   CHECK(std::equal(before.data(), before.data() + before.numel(), after.data()));
 }
+
+TEST_CASE("compare_modes compares the program graph mode keeps, with the constants its capture read") {
+  duet_test::ModeGuard guard;
+  Scaled net;
+  const Tensor x = randn({2, 4}, 8);
+  CHECK(compare_modes(net, x).agree());  // its first graph-mode program, scale 2 in both
+  set_context({.mode = GRAPH_MODE});
+  const Tensor before = net(x);
+  net.scale = 1.0f;  // PyNative reads 1 now; graph mode's program keeps 2
+  CHECK(std::equal(before.data(), before.data() + before.numel(), net(x).data()));
+  const ModeReport report = compare_modes(net, x);
+  REQUIRE_FALSE(report.agree());
+  const ModeDifference& d = *report.difference;
+  CHECK(d.stage == "forward");
+  CHECK(d.graph == doctest::Approx(2.0 * d.pynative));
+}
+

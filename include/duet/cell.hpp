@@ -566,6 +566,16 @@ class Cell : public BasicDynamicCell<T> {
     });
   }
 
+  // The program a graph-mode call with inputs like xs runs in phase P: the one captured by the
+  // first such call and kept, with the values construct read then as its constants.
+  // duet::compare_modes reads it, so that it compares what graph mode really runs.
+  template <graph::Phase P, class... Patterns, class... Ts>
+  const auto& graph_program(const BasicTensor<Ts>&... xs) {
+    this->check_registered();
+    this->ensure_named();
+    return captured<P, Patterns...>(xs...);
+  }
+
  protected:
   BasicTensor<T> forward(const BasicTensor<T>& x) override {
     if constexpr (!HasConstruct<Derived, BasicTensor<T>>) {

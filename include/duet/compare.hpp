@@ -231,12 +231,11 @@ void compare_forward(ModeReport& report, Net& net, const CompareOptions& options
   }
 
   constexpr JitConfig Config = graph_config_of<Net>();
-  const auto capture = [&](auto phase) {
-    return pipeline::compile<Config, false,
-                             pipeline::Input<typename X::value_type,
-                                             graph::pattern_in_phase<decltype(phase)::value,
-                                                                     typename graph::pattern_of<X>::type>>...>(
-        [&](const auto&... in) { return net(in...); });
+  // The program the cell's own graph-mode calls run, kept since the first of them: a value
+  // construct read then (a member flag, a scale) is a constant of it, and may differ from
+  // what PyNative reads now; capturing afresh would hide that.
+  const auto capture = [&](auto phase) -> const auto& {
+    return net.template graph_program<decltype(phase)::value, typename graph::pattern_of<X>::type...>(tensor_of(xs)...);
   };
   pipeline::in_requested_phase(capture, [&](const auto& program) {
     if (!program.ambiguity.empty()) {

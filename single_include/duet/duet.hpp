@@ -9384,6 +9384,16 @@ class Cell : public BasicDynamicCell<T> {
     });
   }
 
+  // The program a graph-mode call with inputs like xs runs in phase P: the one captured by the
+  // first such call and kept, with the values construct read then as its constants.
+  // duet::compare_modes reads it, so that it compares what graph mode really runs.
+  template <graph::Phase P, class... Patterns, class... Ts>
+  const auto& graph_program(const BasicTensor<Ts>&... xs) {
+    this->check_registered();
+    this->ensure_named();
+    return captured<P, Patterns...>(xs...);
+  }
+
  protected:
   BasicTensor<T> forward(const BasicTensor<T>& x) override {
     if constexpr (!HasConstruct<Derived, BasicTensor<T>>) {
@@ -10901,12 +10911,11 @@ void compare_forward(ModeReport& report, Net& net, const CompareOptions& options
   }
 
   constexpr JitConfig Config = graph_config_of<Net>();
-  const auto capture = [&](auto phase) {
-    return pipeline::compile<Config, false,
-                             pipeline::Input<typename X::value_type,
-                                             graph::pattern_in_phase<decltype(phase)::value,
-                                                                     typename graph::pattern_of<X>::type>>...>(
-        [&](const auto&... in) { return net(in...); });
+  // The program the cell's own graph-mode calls run, kept since the first of them: a value
+  // construct read then (a member flag, a scale) is a constant of it, and may differ from
+  // what PyNative reads now; capturing afresh would hide that.
+  const auto capture = [&](auto phase) -> const auto& {
+    return net.template graph_program<decltype(phase)::value, typename graph::pattern_of<X>::type...>(tensor_of(xs)...);
   };
   pipeline::in_requested_phase(capture, [&](const auto& program) {
     if (!program.ambiguity.empty()) {
