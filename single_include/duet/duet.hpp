@@ -12575,8 +12575,8 @@ class BasicOptimizer {
   // A schedule is a function, so its rate is checked at every step as well as at construction.
   void require_learning_rate() const {
     const double lr = learning_rate();
-    require_option("learning_rate", lr, lr >= 0, ">= 0",
-                   global_step_ == 0 ? "" : " at step " + std::to_string(global_step_));
+    if (lr >= 0 && std::isfinite(lr)) return;  // the step's text is made only for the error: no allocation
+    require_option("learning_rate", lr, false, ">= 0", global_step_ == 0 ? "" : " at step " + std::to_string(global_step_));
   }
 
   // Computes what is shared by all parameters this step.
