@@ -271,8 +271,10 @@ class Trace {
     // A host callback is C++ the replay would run on values it never saw made: the caller runs
     // eagerly instead, so that it is a plain call every time.
     if constexpr (graph::is_host_op<Op>()) {
-      mark_broken(std::string("calls duet::host, a host callback") + (Op::allowed_break ? " marked allowed_break" : "") +
-                  ", at " + op.where.to_string());
+      std::string what = Op::allowed_break ? "calls duet::host, a host callback marked allowed_break, at "
+                                           : "calls duet::host, a host callback, at ";
+      what += op.where.to_string();
+      mark_broken(what);
     }
     auto step = std::make_unique<OpStep<Op, T>>(op);
     (step->inputs.push_back(value_of(x)), ...);

@@ -6434,8 +6434,10 @@ class Trace {
     // A host callback is C++ the replay would run on values it never saw made: the caller runs
     // eagerly instead, so that it is a plain call every time.
     if constexpr (graph::is_host_op<Op>()) {
-      mark_broken(std::string("calls duet::host, a host callback") + (Op::allowed_break ? " marked allowed_break" : "") +
-                  ", at " + op.where.to_string());
+      std::string what = Op::allowed_break ? "calls duet::host, a host callback marked allowed_break, at "
+                                           : "calls duet::host, a host callback, at ";
+      what += op.where.to_string();
+      mark_broken(what);
     }
     auto step = std::make_unique<OpStep<Op, T>>(op);
     (step->inputs.push_back(value_of(x)), ...);
@@ -7488,7 +7490,14 @@ struct SourceLocation {
   static constexpr SourceLocation current(const char* file = __builtin_FILE(), unsigned line = __builtin_LINE()) {
     return {file, line};
   }
-  std::string to_string() const { return std::string(file) + ":" + std::to_string(line); }
+  // Appended, not a chain of operator+: g++ 12 warns of bounds (-Warray-bounds) inside such a
+  // chain at -O1, falsely.
+  std::string to_string() const {
+    std::string s = file;
+    s += ':';
+    s += std::to_string(line);
+    return s;
+  }
 };
 
 // The values duet::record_value records on this thread while it lives: a compiled graph's
@@ -7643,7 +7652,9 @@ struct HostOp {
 
   static std::string op_name() { return "Host"; }
   std::string label() const {
-    return std::string(Allowed ? "duet::host<allowed_break>" : "duet::host") + " at " + where.to_string();
+    std::string s = Allowed ? "duet::host<allowed_break> at " : "duet::host at ";
+    s += where.to_string();
+    return s;
   }
 };
 
