@@ -253,7 +253,11 @@ struct CompareScalarOp : Primitive<CompareScalarOp<Fn, In>> {
     return {};
   }
 
-  static std::string op_name() { return std::string(Fn::name) + "(x, scalar)"; }
+  static std::string op_name() {
+    std::string name = Fn::name;  // appended: see CMakeLists.txt on GCC 12's string warnings
+    name += "(x, scalar)";
+    return name;
+  }
 };
 
 namespace detail {
