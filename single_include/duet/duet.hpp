@@ -20737,11 +20737,7 @@ struct CompareScalarOp : Primitive<CompareScalarOp<Fn, In>> {
     return {};
   }
 
-  static std::string op_name() {
-    std::string name = Fn::name;  // appended: see CMakeLists.txt on GCC 12's string warnings
-    name += "(x, scalar)";
-    return name;
-  }
+  static std::string op_name() { return std::string(Fn::name) + "(x, scalar)"; }
 };
 
 namespace detail {
