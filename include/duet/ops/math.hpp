@@ -19,6 +19,7 @@
 #pragma once
 
 #include <array>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -61,12 +62,25 @@ struct Log {
   }
 };
 
+namespace detail {
+// Eigen's vectorised sqrt under EIGEN_FAST_MATH (its default) refines the processor's
+// reciprocal-root estimate once: not correctly rounded (sqrt(4) came out below 2), and not the
+// same bits on Intel and AMD, whose estimates differ. IEEE's root is one instruction per lane;
+// a scalar functor keeps it without naming any instruction set here.
+struct RoundedSqrt {
+  template <class T>
+  T operator()(T v) const {
+    return std::sqrt(v);
+  }
+};
+}  // namespace detail
+
 // sqrt(x): NaN for x < 0; its derivative 1 / (2 sqrt(x)) is inf at 0, as PyTorch's.
 struct Sqrt {
   static constexpr std::string_view name = "Sqrt";
   template <class A>
   static auto array(const A& a) {
-    return a.sqrt();
+    return a.unaryExpr(detail::RoundedSqrt{});
   }
   template <class G, class Y>
   static auto grad_array(const G& dy, const Y& y) {
@@ -76,12 +90,12 @@ struct Sqrt {
 };
 
 // 1 / sqrt(x), as a division of the correctly rounded root: Eigen's rsqrt may take the
-// processor's estimate, whose bits differ between a vector and a scalar.
+// processor's estimate, whose bits differ between a vector and a scalar and between vendors.
 struct Rsqrt {
   static constexpr std::string_view name = "Rsqrt";
   template <class A>
   static auto array(const A& a) {
-    return a.sqrt().inverse();
+    return a.unaryExpr(detail::RoundedSqrt{}).inverse();
   }
   // d/dx x^(-1/2) = -y³ / 2.
   template <class G, class Y>
