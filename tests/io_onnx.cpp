@@ -208,7 +208,7 @@ TEST_CASE("io::load_onnx_weights: by an explicit name map, into a network built 
 TEST_CASE("io::load_onnx: the fuzzer's seed models load and run, the same in both modes") {
   // tests/fuzz/make_onnx_corpus.py: every operator the loader reads (gemm.onnx at opset 13, the rest 17).
   const fs::path corpus = fs::path(__FILE__).parent_path() / "fuzz" / "corpus" / "onnx";
-  for (const std::string name : {"gemm", "conv", "gelu", "shape"}) {
+  for (const std::string name : {"gemm", "conv", "gelu", "shape", "view"}) {
     INFO(name);
     duet::io::OnnxModel net = duet::io::load_onnx(corpus / (name + ".onnx"));
     Shape shape;
@@ -272,6 +272,22 @@ onnx::TensorProto* add_initializer(onnx::ModelProto& m, const std::string& name,
   return t;
 }
 
+onnx::AttributeProto* add_ints(onnx::NodeProto* n, const std::string& name, std::initializer_list<std::int64_t> v) {
+  onnx::AttributeProto* a = n->add_attribute();
+  a->set_name(name);
+  a->set_type(onnx::AttributeProto::INTS);
+  for (const std::int64_t i : v) a->add_ints(i);
+  return a;
+}
+
+onnx::AttributeProto* add_int(onnx::NodeProto* n, const std::string& name, std::int64_t v) {
+  onnx::AttributeProto* a = n->add_attribute();
+  a->set_name(name);
+  a->set_type(onnx::AttributeProto::INT);
+  a->set_i(v);
+  return a;
+}
+
 duet::io::OnnxModel load(const onnx::ModelProto& m) {
   const std::string bytes = m.SerializeAsString();
   return duet::io::load_onnx_bytes(std::as_bytes(std::span(bytes)), "test.onnx");
@@ -307,6 +323,112 @@ TEST_CASE("io::load_onnx: a model built here runs, and reads its attributes") {
   // w = [[0, .5], [1, 1.5], [2, 2.5]], b = [0, .5, 1]: 2 * x.w^T + b = [-1, -0.5, 0]
   const Tensor want = duet::ops::sigmoid(Tensor({1, 3}, {-1.f, -0.5f, 0.f}));
   CHECK(same_bits(y, want));
+}
+
+TEST_CASE("io::load_onnx: LeakyRelu and Elu take ONNX's alpha, and its defaults") {
+  const auto model = [](const std::string& op, std::optional<float> alpha) {
+    onnx::ModelProto m = model_of();
+    onnx::NodeProto* n = add_node(m, op, "act", {"x"});
+    if (alpha) {
+      onnx::AttributeProto* a = n->add_attribute();
+      a->set_name("alpha");
+      a->set_type(onnx::AttributeProto::FLOAT);
+      a->set_f(*alpha);
+    }
+    return m;
+  };
+  const Tensor x({1, 4}, {-2.f, -0.5f, 0.f, 3.f});
+  CHECK(same_bits(load(model("LeakyRelu", std::nullopt))(x), duet::ops::leaky_relu(x, 0.01f)));
+  CHECK(same_bits(load(model("LeakyRelu", 0.3f))(x), duet::ops::leaky_relu(x, 0.3f)));
+  CHECK(same_bits(load(model("Elu", std::nullopt))(x), duet::ops::elu(x, 1.0)));
+  CHECK(same_bits(load(model("Elu", 0.7f))(x), duet::ops::elu(x, 0.7f)));
+  CHECK(load(model("Elu", 0.7f))(x)(0, 0) == doctest::Approx(0.7 * std::expm1(-2.0)));
+  // duet differentiates them from their output, which a negative slope makes ambiguous.
+  CHECK(message_of<duet::ValueError>(model("LeakyRelu", -0.1f)).starts_with(
+      "test.onnx: ONNX node 'act' (LeakyRelu): alpha must be at least 0"));
+}
+
+TEST_CASE("io::load_onnx: an input must have the shape the file declares, any size where it names a dimension") {
+  onnx::ModelProto m = model_of();
+  auto* shape = m.mutable_graph()->mutable_input(0)->mutable_type()->mutable_tensor_type()->mutable_shape();
+  shape->add_dim()->set_dim_param("batch");
+  shape->add_dim()->set_dim_value(3);
+  add_node(m, "Relu", "r", {"x"});
+  duet::io::OnnxModel net = load(m);
+  CHECK(net.input_dims() == std::vector<std::int64_t>{-1, 3});
+  CHECK(net(duet::ones({5, 3})).shape() == Shape{5, 3});
+  CHECK_THROWS_WITH_AS(net(duet::ones({5, 4})), "io::OnnxModel: the model's input 'x' [batch, 3], as the file declares it, got [5, 4]",
+                       duet::ShapeError);
+  CHECK_THROWS_WITH_AS(net(duet::ones({1, 5, 3})),
+                       "io::OnnxModel: the model's input 'x' [batch, 3], as the file declares it, got [1, 5, 3]", duet::ShapeError);
+  ModeScope graph(duet::GRAPH_MODE);
+  CHECK_THROWS_AS(net(duet::ones({2, 4})), duet::ShapeError);
+}
+
+TEST_CASE("io::load_onnx: a Reshape to sizes read from a Shape, as torch writes x.view(x.size(0), -1), follows the batch") {
+  // Shape -> Gather(0) -> Unsqueeze -> Concat with [-1] -> Reshape, and Cast, Squeeze on the way.
+  const auto model = [](std::int64_t index, bool whole_shape_in_concat = false) {
+    onnx::ModelProto m = model_of();
+    const auto ints = [&](const std::string& name, std::vector<std::int64_t> v) {
+      onnx::AttributeProto* a = add_node(m, "Constant", name, {}, name)->add_attribute();
+      a->set_name("value_ints");
+      a->set_type(onnx::AttributeProto::INTS);
+      for (const std::int64_t i : v) a->add_ints(i);
+    };
+    add_node(m, "Relu", "relu", {"x"}, "h");
+    add_node(m, "Shape", "shape", {"h"}, "s");
+    ints("index", {index});
+    ints("axes", {0});
+    ints("rest", {-1});
+    add_node(m, "Gather", "gather", {"s", "index"}, "b");
+    add_int(add_node(m, "Cast", "cast", {"b"}, "b64"), "to", onnx::TensorProto::INT64);
+    add_node(m, "Squeeze", "squeeze", {"b64", "axes"}, "bs");
+    add_node(m, "Unsqueeze", "unsqueeze", {"bs", "axes"}, "b1");
+    add_int(add_node(m, "Concat", "concat", {whole_shape_in_concat ? "s" : "b1", "rest"}, "to"), "axis", 0);
+    add_node(m, "Reshape", "view", {"h", "to"});
+    return m;
+  };
+  for (const duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+    ModeScope scope(mode);
+    duet::io::OnnxModel net = load(model(0));
+    CHECK(net.operators() == std::vector<std::string>{"Relu", "Reshape"});
+    for (const duet::index_t batch : {4, 2, 4}) {
+      const Tensor x = duet::randn({batch, 3, 2, 2}, 5);
+      const Tensor y = net(x);
+      CHECK(y.shape() == Shape{batch, 12});
+      CHECK(same_bits(y, duet::ops::relu(x).reshape({batch, 12})));
+    }
+    // Dimension -4 of a rank-4 input is its first; -5 is none, found when it runs.
+    CHECK(net(duet::ones({3, 1, 1, 2})).shape() == Shape{3, 2});
+    duet::io::OnnxModel past = load(model(-5));
+    CHECK_THROWS_WITH_AS(past(duet::ones({3, 1, 1, 2})),
+                         "ONNX node 'view' (Reshape): a Gather of dimension -5 of a Shape of [3, 1, 1, 2]", duet::ShapeError);
+  }
+  CHECK(message_of<duet::FormatError>(model(9)) == "test.onnx: ONNX node 'gather' (Gather): index 9 of a Shape");
+  CHECK(message_of<duet::ValueError>(model(0, true)) ==
+        "test.onnx: ONNX node 'concat' (Concat): concatenating a whole Shape (duet reads a Shape's dimensions one by one, by "
+        "Gather) is not supported");
+  onnx::ModelProto floats = model_of();
+  add_initializer(floats, "w", {2}, 2);
+  add_node(floats, "Gather", "lookup", {"w", "x"});
+  CHECK(message_of<duet::ValueError>(floats) ==
+        "test.onnx: ONNX node 'lookup' (Gather): the operator Gather on a float tensor (duet reads it in shape arithmetic "
+        "only) is not supported");
+}
+
+TEST_CASE("io::load_onnx: an error while running names the node once") {
+  onnx::ModelProto m = model_of();
+  add_initializer(m, "w", {2, 1, 3, 3}, 18);
+  add_node(m, "Conv", "conv", {"x", "w"});
+  duet::io::OnnxModel net = load(m);
+  try {
+    net(duet::ones({4, 9}));
+    FAIL("a rank-2 input ran through a Conv");
+  } catch (const duet::ShapeError& e) {
+    const std::string what = e.what();
+    CHECK(what.starts_with("ONNX node 'conv' (Conv)"));
+    CHECK(what.find("ONNX node", 1) == std::string::npos);
+  }
 }
 
 TEST_CASE("io::load_onnx: an unsupported operator or attribute names the node and the operator") {
@@ -357,7 +479,9 @@ TEST_CASE("io::load_onnx: a Reshape to more elements than index_t counts is a Sh
     net(duet::ones({2, 3}));
     FAIL("no ShapeError");
   } catch (const duet::ShapeError& e) {
-    CHECK(std::string(e.what()).starts_with("ONNX node 'big' (Reshape): "));
+    const std::string what = e.what();
+    CHECK(what.starts_with("ONNX node 'big' (Reshape)"));
+    CHECK(what.find("ONNX node", 1) == std::string::npos);
   }
 }
 
@@ -415,22 +539,6 @@ TEST_CASE("io::load_onnx: a malformed model is a FormatError, never a crash") {
 }
 
 // --- the fuzzer's findings (tests/fuzz/fuzz_onnx.cpp; each input is in tests/fuzz/corpus/onnx) --
-
-onnx::AttributeProto* add_ints(onnx::NodeProto* n, const std::string& name, std::initializer_list<std::int64_t> v) {
-  onnx::AttributeProto* a = n->add_attribute();
-  a->set_name(name);
-  a->set_type(onnx::AttributeProto::INTS);
-  for (const std::int64_t i : v) a->add_ints(i);
-  return a;
-}
-
-onnx::AttributeProto* add_int(onnx::NodeProto* n, const std::string& name, std::int64_t v) {
-  onnx::AttributeProto* a = n->add_attribute();
-  a->set_name(name);
-  a->set_type(onnx::AttributeProto::INT);
-  a->set_i(v);
-  return a;
-}
 
 TEST_CASE("io::load_onnx: an empty initializer in raw bytes loads (empty_raw_initializer.onnx)") {
   // Its vector has no storage: the copy of its 0 bytes was a memcpy to a null pointer.

@@ -99,8 +99,10 @@ class Operators(nn.Module):
     def forward(self, x):
         h = nn.functional.gelu(self.fc(x)).reshape(-1, 4, 8).transpose(1, 2)
         c = torch.tanh(torch.cat([h, torch.sigmoid(h)], dim=2))
-        s = (c - 0.5) * 2.0 / 3.0
-        return torch.softmax(self.head(torch.flatten(self.inner(s), 1)), dim=1)
+        s = nn.functional.elu(nn.functional.leaky_relu(c - 0.5, 0.1) * 2.0, 0.7) / 3.0
+        i = self.inner(s)
+        # Exported with a dynamic batch as Shape, Gather, Unsqueeze, Concat and Reshape.
+        return torch.softmax(self.head(i.view(i.size(0), -1)), dim=1)
 
 
 def randomise_batchnorm(model):

@@ -75,6 +75,18 @@ def main():
             helper.make_node("Concat", ["o", "t", "o"], ["c"], axis=2),
             helper.make_node("Div", ["c", "two"], ["y"])],
             {"shape_to": [0, 2, -1], "two": [2.0]}, [2, 4], [2, 2, 6]),
+        "view": model("view", [
+            helper.make_node("LeakyRelu", ["x"], ["h"], alpha=0.1),
+            helper.make_node("Shape", ["h"], ["s"]),
+            helper.make_node("Constant", [], ["zero"], value=numpy_helper.from_array(np.int64(0))),
+            helper.make_node("Gather", ["s", "zero"], ["b"], axis=0),
+            helper.make_node("Constant", [], ["axes"], value=numpy_helper.from_array(np.array([0], np.int64))),
+            helper.make_node("Unsqueeze", ["b", "axes"], ["b1"]),
+            helper.make_node("Cast", ["b1"], ["b64"], to=TensorProto.INT64),
+            helper.make_node("Concat", ["b64", "shape_rest"], ["to"], axis=0),
+            helper.make_node("Reshape", ["h", "to"], ["r"]),
+            helper.make_node("Elu", ["r"], ["y"], alpha=0.5)],
+            {"shape_rest": [-1]}, [2, 3, 2, 2], [2, 12]),
         # The fuzzer's findings: each was a sanitizer report before the loader checked it.
         "broken_empty_raw_initializer": broken("empty", [helper.make_node("Add", ["x", "w"], ["y"])],
                                                {"w": np.zeros(0)}),

@@ -20,6 +20,7 @@
 //   Gemm (alpha, beta, transA, transB), MatMul     ops::matmul (+ ops::add, scalar products)
 //   Add, Sub, Mul, Div                             ops::add, sub, mul, div (numpy broadcasting)
 //   Relu, Sigmoid, Tanh, Softmax, LogSoftmax       ops::relu, sigmoid, tanh, softmax, log_softmax
+//   LeakyRelu, Elu (alpha >= 0)                    ops::leaky_relu, elu
 //   Div, Erf, Add, Mul, Mul (torch's GELU below    ops::gelu (erf form), when the five nodes are
 //   opset 20: x * (erf(x / sqrt 2) + 1) * 0.5)     exactly that pattern; any other Erf is refused
 //   Conv (2-D: square kernels, one stride, one     duet's convolution (ops::ConvOp)
@@ -32,7 +33,10 @@
 //                                                  nothing is the identity; other Pads are refused
 //   GlobalAveragePool                              ops::adaptive_avg_pool2d<1>
 //   BatchNormalization (inference)                 (x - mean) * scale / sqrt(var + eps) + B
-//   Flatten, Reshape (constant shape)              views
+//   Flatten, Reshape                               views; Reshape's target a constant or made by
+//   Shape, Gather, Unsqueeze, Squeeze, Cast,       shape arithmetic on int64s, as torch writes
+//   Concat of int64s                               x.view(x.size(0), -1): no step, the sizes are
+//                                                  read from the values' shapes as Reshape runs
 //   Transpose (rank 2 to 4), Concat (rank <= 4)    ops::transpose<...>, ops::concat<Axis>
 //   Identity, Dropout (inference), Constant        no operation
 // Anything else, and any attribute or setting the list does not cover, is a duet::ValueError
@@ -75,6 +79,22 @@ namespace detail {
 // A view with a target shape chosen at run time: ONNX's Reshape (0 keeps the input's size,
 // -1 is inferred) and Flatten(axis). duet's reshape<D...> takes its sizes as template
 // arguments, which a model read at run time cannot give; the gradient is the same view back.
+// An element of an int64 tensor that shape arithmetic made (torch writes x.view(x.size(0), -1)
+// as Shape, Gather, Unsqueeze, Concat and Reshape): a constant, or the size of one dimension of
+// a value, known only when the network runs (the batch).
+struct OnnxSize {
+  std::int64_t constant = 0;
+  std::size_t value = 0;  // the value whose dimension it is, when sized
+  std::optional<int> axis;  // that dimension (negative from the back); none for a constant
+};
+
+// Such a tensor, flat (the rank-0 and rank-1 tensors of shape arithmetic), or the whole shape of
+// a value, whose length is that value's rank.
+struct OnnxSizes {
+  std::vector<OnnxSize> elements;
+  std::optional<std::size_t> shape_of;
+};
+
 struct OnnxReshapeOp : ops::Primitive<OnnxReshapeOp> {
   static constexpr int arity = 1;
   static constexpr bool is_view = true;
@@ -292,17 +312,23 @@ class OnnxModel : public nn::DynamicCell {
 
  protected:
   Tensor forward(const Tensor& x) override {
+    check_input(x.shape());
     std::vector<Tensor> values(value_count_);
     values[0] = x;
     for (const Step& step : steps_) {
+      // A layer the step made under the node's name already names it.
+      const auto located = [&step](const std::exception& e) {
+        const std::string_view what = e.what();
+        return what.starts_with(step.who) ? std::string(what) : step.who + ": " + std::string(what);
+      };
       try {
         values[step.output] = step.run(*this, values);
       } catch (const ShapeError& e) {
-        throw ShapeError(step.who + ": " + e.what());
+        throw ShapeError(located(e));
       } catch (const IndexError& e) {
-        throw IndexError(step.who + ": " + e.what());
+        throw IndexError(located(e));
       } catch (const ValueError& e) {
-        throw ValueError(step.who + ": " + e.what());
+        throw ValueError(located(e));
       }
     }
     return values[output_];
@@ -321,6 +347,43 @@ class OnnxModel : public nn::DynamicCell {
     std::size_t output = 0;
     std::string who;
   };
+
+  // The target a Reshape computed by shape arithmetic reads, from the values' shapes now.
+  static std::vector<std::int64_t> resolve(const detail::OnnxSizes& sizes, const std::vector<Tensor>& values) {
+    if (sizes.shape_of) {
+      const Shape& shape = values[*sizes.shape_of].shape();
+      return {shape.begin(), shape.end()};
+    }
+    std::vector<std::int64_t> dims;
+    for (const detail::OnnxSize& e : sizes.elements) {
+      if (!e.axis) {
+        dims.push_back(e.constant);
+        continue;
+      }
+      const Shape& shape = values[e.value].shape();
+      if (*e.axis < -shape.rank() || *e.axis >= shape.rank()) {
+        throw ShapeError("a Gather of dimension " + std::to_string(*e.axis) + " of a Shape of " + to_string(shape));
+      }
+      dims.push_back(shape[*e.axis]);
+    }
+    return dims;
+  }
+
+  // As onnxruntime does, the input must have the shape the file declares, any size where it
+  // names a dimension: otherwise a Flatten or a broadcast can make a wrong input run (a
+  // [4, 784] batch through a model exported for [batch, 1, 28, 28]).
+  void check_input(const Shape& shape) const {
+    if (input_dims_.empty()) return;
+    bool fits = static_cast<std::size_t>(shape.rank()) == input_dims_.size();
+    for (int i = 0; fits && i < shape.rank(); ++i) {
+      const std::int64_t want = input_dims_[static_cast<std::size_t>(i)];
+      fits = want < 0 || want == shape[i];
+    }
+    if (!fits) {
+      throw ShapeError("io::OnnxModel: the model's input " + declared_input_ + ", as the file declares it, got " +
+                       to_string(shape));
+    }
+  }
 
   // f(operand) with the operand's own type, so that a parameter reaches the operation as one
   // (the tape then gives its gradient to the parameter).
@@ -344,6 +407,7 @@ class OnnxModel : public nn::DynamicCell {
   std::vector<Step> steps_;
   std::vector<std::string> operators_;
   std::vector<std::int64_t> input_dims_;
+  std::string declared_input_;  // "'input' [batch, 1, 28, 28]", for the error below
   std::size_t value_count_ = 1;  // value 0 is the input
   std::size_t output_ = 0;
 };
@@ -442,19 +506,26 @@ class OnnxBuilder {
                        std::to_string(type.tensor_type().elem_type()) + "; duet's networks take float32");
     }
     if (type.has_tensor_type() && type.tensor_type().has_shape()) {
-      for (const onnx::TensorShapeProto::Dimension& d : type.tensor_type().shape().dim())
+      std::string dims;
+      for (const onnx::TensorShapeProto::Dimension& d : type.tensor_type().shape().dim()) {
         model_.input_dims_.push_back(d.has_dim_value() ? d.dim_value() : -1);
+        dims += (dims.empty() ? "" : ", ") + (d.has_dim_value()         ? std::to_string(d.dim_value())
+                                              : d.dim_param().empty() ? std::string("?")
+                                                                      : d.dim_param());
+      }
+      model_.declared_input_ = detail::onnx_quoted(input->name()) + " [" + dims + "]";
     }
     operands_[input->name()] = {Kind::value, 0};
   }
 
-  bool defined(const std::string& name) const { return operands_.contains(name) || integers_.contains(name); }
+  bool integer(const std::string& name) const { return integers_.contains(name) || sizes_.contains(name); }
+  bool defined(const std::string& name) const { return operands_.contains(name) || integer(name); }
 
   Operand operand_of(const std::string& name, const std::string& reader) const {
     const auto it = operands_.find(name);
     if (it == operands_.end()) {
       throw FormatError(where_ + ": " + reader + " reads " + detail::onnx_quoted(name) +
-                        (integers_.contains(name) ? ", an int64 tensor, as a float one"
+                        (integer(name) ? ", an int64 tensor, as a float one"
                                                   : ", which no input, initializer or earlier node defines"));
     }
     return it->second;
@@ -665,16 +736,25 @@ class OnnxBuilder {
       });
       return;
     }
-    if (op == "Relu" || op == "Sigmoid" || op == "Tanh") {
+    if (op == "Relu" || op == "Sigmoid" || op == "Tanh" || op == "LeakyRelu" || op == "Elu") {
       arity(n, node, 1, 1);
-      known_attributes(n, node, {});
+      const bool has_alpha = op == "LeakyRelu" || op == "Elu";
+      if (has_alpha) known_attributes(n, node, {"alpha"});
+      else known_attributes(n, node, {});
+      // ONNX's defaults, which are PyTorch's.
+      const double alpha = float_attr(n, "alpha", op == "Elu" ? 1.0f : 0.01f);
+      if (has_alpha) fn::check_alpha(alpha, where_ + ": " + node);
       const Operand a = input(0);
       const char kind = op[0];
-      add_step(op, n, node, [a, kind](const OnnxModel& m, std::vector<Tensor>& v) {
-        return m.with(a, v, [kind](const auto& x) -> Tensor {
-          if (kind == 'R') return ops::relu(x);
-          if (kind == 'S') return ops::sigmoid(x);
-          return ops::tanh(x);
+      add_step(op, n, node, [a, kind, alpha](const OnnxModel& m, std::vector<Tensor>& v) {
+        return m.with(a, v, [kind, alpha](const auto& x) -> Tensor {
+          switch (kind) {
+            case 'R': return ops::relu(x);
+            case 'S': return ops::sigmoid(x);
+            case 'T': return ops::tanh(x);
+            case 'L': return ops::leaky_relu(x, alpha);
+            default: return ops::elu(x, alpha);
+          }
         });
       });
       return;
@@ -716,6 +796,7 @@ class OnnxBuilder {
     if (op == "BatchNormalization") return add_batchnorm(n, node);
     if (op == "Flatten" || op == "Reshape") return add_reshape(n, node);
     if (op == "Transpose") return add_transpose(n, node);
+    if (shape_arithmetic(n, node)) return;
     if (op == "Concat") return add_concat(n, node);
     unsupported(node, "the operator " + op);
   }
@@ -950,6 +1031,7 @@ class OnnxBuilder {
 
   void add_reshape(const onnx::NodeProto& n, const std::string& node) {
     detail::OnnxReshapeOp op;
+    std::optional<detail::OnnxSizes> target;  // computed by shape arithmetic, resolved as it runs
     op.who = node;
     if (n.op_type() == "Flatten") {
       arity(n, node, 1, 1);
@@ -960,19 +1042,113 @@ class OnnxBuilder {
     } else {
       arity(n, node, 2, 2);
       known_attributes(n, node, {"allowzero"});
-      const auto shape = integers_.find(n.input(1));
-      if (shape == integers_.end()) unsupported(node, "a target shape that is not a constant int64 tensor");
-      op.dims = shape->second;
-      if (op.dims.size() > static_cast<std::size_t>(max_rank) || std::ranges::count(op.dims, -1) > 1 ||
+      target = sizes_of(n.input(1));
+      if (!target) unsupported(node, "a target shape that is not an int64 tensor");
+      // The constants of the target are checked now; a size read from a shape is one.
+      for (const detail::OnnxSize& e : target->elements)
+        if (!e.axis) op.dims.push_back(e.constant);
+      if (target->elements.size() > static_cast<std::size_t>(max_rank) || std::ranges::count(op.dims, -1) > 1 ||
           std::ranges::any_of(op.dims, [](std::int64_t d) { return d < -1; })) {
         throw FormatError(where_ + ": " + node + ": the target shape " + list_text(op.dims) + " is not a shape");
       }
       if (int_attr(n, "allowzero", 0) != 0 && std::ranges::count(op.dims, 0) > 0) unsupported(node, "allowzero 1 with a size 0");
+      if (integers_.contains(n.input(1))) target.reset();  // all constant: op.dims is the target
     }
     const Operand x = operand_of(n.input(0), node);
-    add_step(n.op_type(), n, node, [x, op](const OnnxModel& m, std::vector<Tensor>& v) {
-      return m.with(x, v, [&](const auto& in) -> Tensor { return apply(op, in); });
+    add_step(n.op_type(), n, node, [x, op, target](const OnnxModel& m, std::vector<Tensor>& v) {
+      if (!target) return m.with(x, v, [&](const auto& in) -> Tensor { return apply(op, in); });
+      detail::OnnxReshapeOp resolved = op;
+      resolved.dims = OnnxModel::resolve(*target, v);
+      return m.with(x, v, [&](const auto& in) -> Tensor { return apply(resolved, in); });
     });
+  }
+
+  // --- shape arithmetic ------------------------------------------------------------------------
+
+  // The int64 tensor of that name as sizes, if it is one.
+  std::optional<detail::OnnxSizes> sizes_of(const std::string& name) const {
+    if (const auto it = sizes_.find(name); it != sizes_.end()) return it->second;
+    const auto constant = integers_.find(name);
+    if (constant == integers_.end()) return std::nullopt;
+    detail::OnnxSizes sizes;
+    for (const std::int64_t c : constant->second) sizes.elements.push_back({.constant = c, .value = 0, .axis = std::nullopt});
+    return sizes;
+  }
+
+  const std::vector<std::int64_t>& constant_ints(const onnx::NodeProto& n, const std::string& node, int input,
+                                                 const std::string& what) const {
+    const auto it = integers_.find(n.input(input));
+    if (it == integers_.end()) unsupported(node, what + " that are not a constant int64 tensor");
+    return it->second;
+  }
+
+  // Shape, Gather, Unsqueeze, Squeeze, Cast and Concat on int64 tensors, as torch.onnx.export
+  // writes x.view(x.size(0), -1) with a dynamic batch: they make no step, only the sizes a
+  // Reshape resolves when it runs. False for a node that is not shape arithmetic.
+  bool shape_arithmetic(const onnx::NodeProto& n, const std::string& node) {
+    const std::string& op = n.op_type();
+    const bool integers_in = n.input_size() > 0 && integer(n.input(0));
+    if (op != "Shape" && !((op == "Gather" || op == "Unsqueeze" || op == "Squeeze" || op == "Cast" || op == "Concat") && integers_in)) {
+      if (op == "Shape" || op == "Gather" || op == "Unsqueeze" || op == "Squeeze" || op == "Cast") {
+        unsupported(node, "the operator " + op + " on a float tensor (duet reads it in shape arithmetic only)");
+      }
+      return false;
+    }
+    detail::OnnxSizes out;
+    if (op == "Shape") {
+      arity(n, node, 1, 1);
+      known_attributes(n, node, {});
+      if (integers_in) unsupported(node, "the Shape of an int64 tensor");
+      const Operand x = operand_of(n.input(0), node);
+      if (x.kind == Kind::value) {
+        out.shape_of = x.index;
+      } else {
+        const Shape shape = x.kind == Kind::parameter ? model_.parameters_[x.index]->shape() : model_.constants_[x.index].shape();
+        for (const index_t d : shape) out.elements.push_back({.constant = d, .value = 0, .axis = std::nullopt});
+      }
+    } else if (op == "Gather") {
+      arity(n, node, 2, 2);
+      known_attributes(n, node, {"axis"});
+      if (int_attr(n, "axis", 0) != 0) unsupported(node, "a Gather of int64s along an axis other than 0");
+      const detail::OnnxSizes from = *sizes_of(n.input(0));
+      for (const std::int64_t i : constant_ints(n, node, 1, "indices")) {
+        if (from.shape_of) {
+          if (i < -max_rank || i >= max_rank) throw FormatError(where_ + ": " + node + ": index " + std::to_string(i) + " of a Shape");
+          out.elements.push_back({.constant = 0, .value = *from.shape_of, .axis = static_cast<int>(i)});
+        } else {
+          const auto size = static_cast<std::int64_t>(from.elements.size());
+          if (i < -size || i >= size) {
+            throw FormatError(where_ + ": " + node + ": index " + std::to_string(i) + " of " + std::to_string(size) + " elements");
+          }
+          out.elements.push_back(from.elements[static_cast<std::size_t>(i < 0 ? i + size : i)]);
+        }
+      }
+    } else if (op == "Concat") {
+      known_attributes(n, node, {"axis"});
+      const std::int64_t axis = int_attr(n, "axis", 0);
+      if (axis != 0 && axis != -1) throw FormatError(where_ + ": " + node + ": axis " + std::to_string(axis) + " of int64 vectors");
+      for (const std::string& name : n.input()) {
+        const std::optional<detail::OnnxSizes> part = sizes_of(name);
+        if (!part) unsupported(node, "concatenating float and int64 tensors");
+        if (part->shape_of) unsupported(node, "concatenating a whole Shape (duet reads a Shape's dimensions one by one, by Gather)");
+        out.elements.insert(out.elements.end(), part->elements.begin(), part->elements.end());
+      }
+    } else {
+      // Unsqueeze, Squeeze and Cast to int64 leave the elements as they are.
+      if (op == "Cast") {
+        arity(n, node, 1, 1);
+        known_attributes(n, node, {"to"});
+        if (int_attr(n, "to", 0) != onnx::TensorProto::INT64) unsupported(node, "a Cast of int64s to another type");
+      } else {
+        arity(n, node, 1, 2);
+        known_attributes(n, node, {});
+        if (n.input_size() == 2) static_cast<void>(constant_ints(n, node, 1, "axes"));
+      }
+      out = *sizes_of(n.input(0));
+    }
+    if (n.output(0).empty() || defined(n.output(0))) throw FormatError(where_ + ": " + node + " has no new output name");
+    sizes_[n.output(0)] = std::move(out);
+    return true;
   }
 
   void add_transpose(const onnx::NodeProto& n, const std::string& node) {
@@ -1029,6 +1205,7 @@ class OnnxBuilder {
   OnnxModel model_;
   std::map<std::string, Operand> operands_;
   std::map<std::string, std::vector<std::int64_t>> integers_;
+  std::map<std::string, detail::OnnxSizes> sizes_;  // int64 tensors shape arithmetic made
   std::map<std::string, int> consumers_;
   std::set<int> skipped_;
   std::map<int, std::int64_t> pool_padding_;  // an AveragePool's padding, from the Pad before it
