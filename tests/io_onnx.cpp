@@ -53,7 +53,8 @@ struct Reference {
   Shape input;
 };
 const std::vector<Reference> models{
-    {"mlp", {4, 1, 28, 28}}, {"lenet5", {4, 1, 28, 28}}, {"resnet", {4, 1, 28, 28}}, {"operators", {4, 16}}};
+    {"mlp", {4, 1, 28, 28}}, {"lenet5", {4, 1, 28, 28}}, {"resnet", {4, 1, 28, 28}}, {"operators", {4, 16}},
+    {"temporal", {4, 3, 12}}};
 
 // Within 1e-5 of the largest magnitude in PyTorch's output.
 void check_close(const Tensor& got, const Tensor& want, const std::string& what) {
@@ -122,7 +123,7 @@ TEST_CASE("io::load_onnx: the initializers are the network's parameters, by thei
 
 TEST_CASE("io::load_onnx: a loaded model trains, with the same losses and parameters in both modes") {
   REQUIRE_REFERENCES(dir);
-  for (const std::string name : {"lenet5", "resnet", "operators"}) {
+  for (const std::string name : {"lenet5", "resnet", "operators", "temporal"}) {
     INFO(name);
     const Reference& r = *std::ranges::find(models, name, &Reference::name);
     const Tensor x = read_floats(*dir / (name + ".input.bin"), r.input);
@@ -414,6 +415,23 @@ TEST_CASE("io::load_onnx: a Reshape to sizes read from a Shape, as torch writes 
   CHECK(message_of<duet::ValueError>(floats) ==
         "test.onnx: ONNX node 'lookup' (Gather): the operator Gather on a float tensor (duet reads it in shape arithmetic "
         "only) is not supported");
+}
+
+TEST_CASE("io::load_onnx: a 1-D Conv's window and pads have one axis") {
+  const auto conv1d = [](std::initializer_list<std::int64_t> kernel, std::initializer_list<std::int64_t> pads) {
+    onnx::ModelProto m = model_of();
+    add_initializer(m, "w", {2, 1, 3}, 6);
+    onnx::NodeProto* n = add_node(m, "Conv", "conv", {"x", "w"});
+    add_ints(n, "kernel_shape", kernel);
+    add_ints(n, "pads", pads);
+    return m;
+  };
+  duet::io::OnnxModel net = load(conv1d({3}, {1, 1}));
+  CHECK(net(duet::ones({1, 1, 5})).shape() == Shape{1, 2, 5});
+  CHECK(message_of<duet::ValueError>(conv1d({3, 3}, {1, 1})) ==
+        "test.onnx: ONNX node 'conv' (Conv): kernel_shape [3, 3] (a 1-D window) is not supported");
+  CHECK(message_of<duet::ValueError>(conv1d({3}, {1, 1, 1, 1})) ==
+        "test.onnx: ONNX node 'conv' (Conv): pads [1, 1, 1, 1] (duet pads all sides alike) is not supported");
 }
 
 TEST_CASE("io::load_onnx: an error while running names the node once") {

@@ -2,7 +2,7 @@
 """References for duet's ONNX import, computed by PyTorch (Debian's python3-torch).
 
 Builds, with fixed seeds, the seed MLP (examples/network.hpp), LeNet-5 (examples/lenet5.hpp), a
-small residual CNN and a network of the remaining operators; exports each with torch.onnx.export
+small residual CNN, a network of the remaining operators and one of 1-D convolutions; exports each with torch.onnx.export
 at opsets 13 and 17, and writes a fixed input and PyTorch's output for it:
 
     <dir>/<model>_opset<13|17>.onnx
@@ -105,6 +105,18 @@ class Operators(nn.Module):
         return torch.softmax(self.head(i.view(i.size(0), -1)), dim=1)
 
 
+class Temporal(nn.Module):
+    # 1-D convolutions on [N, C, L], one grouped, strided and dilated.
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv1d(3, 6, 3, padding=1)
+        self.c2 = nn.Conv1d(6, 4, 3, stride=2, dilation=2, groups=2)
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(self.c2(torch.relu(self.c1(x))), 1))
+
+
 def randomise_batchnorm(model):
     for m in model.modules():
         if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):
@@ -120,6 +132,7 @@ MODELS = {
     "lenet5": (LeNet5, (4, 1, 28, 28)),
     "resnet": (ResidualCNN, (4, 1, 28, 28)),
     "operators": (Operators, (4, 16)),
+    "temporal": (Temporal, (4, 3, 12)),
 }
 
 

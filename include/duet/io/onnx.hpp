@@ -23,9 +23,10 @@
 //   LeakyRelu, Elu (alpha >= 0)                    ops::leaky_relu, elu
 //   Div, Erf, Add, Mul, Mul (torch's GELU below    ops::gelu (erf form), when the five nodes are
 //   opset 20: x * (erf(x / sqrt 2) + 1) * 0.5)     exactly that pattern; any other Erf is refused
-//   Conv (2-D: square kernels, one stride, one     duet's convolution (ops::ConvOp)
-//   dilation, symmetric pads below the window's
-//   extent or SAME_UPPER/VALID, group)
+//   Conv (1-D, or 2-D with square kernels; one     duet's convolution (ops::ConvOp), as
+//   stride, one dilation, symmetric pads below    nn::Conv1d and nn::Conv2d
+//   the window's extent or SAME_UPPER/VALID,
+//   group)
 //   MaxPool, AveragePool (2-D square windows of    ops::Pool2dOp: the windows are template
 //   kernel 2 or 3, stride 1 or 2, pad 0 or 1)      arguments, so only these are instantiated
 //   Pad (zeros) before an AveragePool              that pooling counting its padding (torch's
@@ -139,10 +140,11 @@ struct OnnxReshapeOp : ops::Primitive<OnnxReshapeOp> {
 };
 
 // Conv's settings and parameters in the form duet's ConvOp reads from its layer.
+template <int Spatial>
 struct OnnxConv {
   using value_type = float;
-  static constexpr int spatial = 2;
-  static constexpr ops::ConvGeometry static_geometry{};
+  static constexpr int spatial = Spatial;
+  static constexpr ops::ConvGeometry static_geometry{Spatial};
 
   ops::ConvGeometry g;
   const nn::Parameter& weight;
@@ -403,7 +405,8 @@ class OnnxModel : public nn::DynamicCell {
   std::vector<std::unique_ptr<nn::Parameter>> parameters_;
   std::vector<std::string> parameter_names_;
   std::vector<Tensor> constants_;
-  std::vector<std::unique_ptr<detail::OnnxConv>> convs_;
+  std::vector<std::unique_ptr<detail::OnnxConv<1>>> convs1d_;
+  std::vector<std::unique_ptr<detail::OnnxConv<2>>> convs2d_;
   std::vector<Step> steps_;
   std::vector<std::string> operators_;
   std::vector<std::int64_t> input_dims_;
@@ -590,16 +593,22 @@ class OnnxBuilder {
   }
 
   // One value for both spatial axes: a pair of equal values (or none: the fallback).
-  std::int64_t square(const onnx::NodeProto& n, const std::string& node, const std::string& name, std::int64_t fallback) const {
+  // A window's size, stride or dilation: one per spatial axis (2 unless a Conv is 1-D), all equal.
+  std::int64_t square(const onnx::NodeProto& n, const std::string& node, const std::string& name, std::int64_t fallback,
+                      int spatial = 2) const {
     const std::vector<std::int64_t> v = ints_attr(n, name);
     if (v.empty()) return fallback;
-    if (v.size() != 2 || v[0] != v[1]) unsupported(node, name + " " + list_text(v) + " (duet takes 2-D windows, equal on both axes)");
+    if (v.size() != static_cast<std::size_t>(spatial) || std::ranges::count(v, v[0]) != spatial) {
+      unsupported(node, name + " " + list_text(v) + (spatial == 2 ? " (duet takes 2-D windows, equal on both axes)" : " (a 1-D window)"));
+    }
     return v[0];
   }
-  std::int64_t symmetric_pads(const onnx::NodeProto& n, const std::string& node) const {
+  std::int64_t symmetric_pads(const onnx::NodeProto& n, const std::string& node, int spatial = 2) const {
     const std::vector<std::int64_t> v = ints_attr(n, "pads");
     if (v.empty()) return 0;
-    if (v.size() != 4 || std::ranges::count(v, v[0]) != 4) unsupported(node, "pads " + list_text(v) + " (duet pads all sides alike)");
+    if (v.size() != 2 * static_cast<std::size_t>(spatial) || std::ranges::count(v, v[0]) != 2 * spatial) {
+      unsupported(node, "pads " + list_text(v) + " (duet pads all sides alike)");
+    }
     return v[0];
   }
 
@@ -878,8 +887,10 @@ class OnnxBuilder {
     const nn::Parameter& w = parameter_input(n, 1, node);
     const bool with_bias = n.input_size() == 3 && !n.input(2).empty();
     const nn::Parameter& b = with_bias ? parameter_input(n, 2, node) : w;
-    if (w.shape().rank() != 4 || w.dim(2) != w.dim(3) || w.dim(2) < 1) {
-      unsupported(node, "a weight of shape " + to_string(w.shape()) + " (duet's Conv is 2-D with square kernels)");
+    // [out, in / group, k] for a 1-D Conv, [out, in / group, k, k] for a 2-D one.
+    const int spatial = w.shape().rank() - 2;
+    if ((spatial != 1 && spatial != 2) || (spatial == 2 && w.dim(2) != w.dim(3)) || w.dim(2) < 1) {
+      unsupported(node, "a weight of shape " + to_string(w.shape()) + " (duet's Conv is 1-D, or 2-D with square kernels)");
     }
     const std::int64_t group = int_attr(n, "group", 1);
     // A group above the output channels divides none but 0, and would overflow g.in below.
@@ -888,14 +899,14 @@ class OnnxBuilder {
       throw FormatError(where_ + ": " + node + ": bias of shape " + to_string(b.shape()) + " for a weight of shape " + to_string(w.shape()));
     }
     ops::ConvGeometry g;
-    g.spatial = 2;
+    g.spatial = spatial;
     g.out = w.dim(0);
     g.in = w.dim(1) * group;
     g.groups = group;
-    g.kernel = square(n, node, "kernel_shape", w.dim(2));
+    g.kernel = square(n, node, "kernel_shape", w.dim(2), spatial);
     if (g.kernel != w.dim(2)) throw FormatError(where_ + ": " + node + ": kernel_shape does not match the weight's " + to_string(w.shape()));
-    g.stride = square(n, node, "strides", 1);
-    g.dilation = square(n, node, "dilations", 1);
+    g.stride = square(n, node, "strides", 1, spatial);
+    g.dilation = square(n, node, "dilations", 1, spatial);
     if (g.stride < 1 || g.dilation < 1) unsupported(node, "a stride or dilation below 1");
     // A file's sizes can be any int64: bounded here, the convolution's window arithmetic
     // (extent, padded size) cannot overflow.
@@ -908,7 +919,7 @@ class OnnxBuilder {
     const std::string auto_pad = string_attr(n, "auto_pad", "NOTSET");
     if (auto_pad == "NOTSET") {
       g.pad_mode = nn::PadMode::pad;
-      g.padding = symmetric_pads(n, node);
+      g.padding = symmetric_pads(n, node, spatial);
     } else if (auto_pad == "VALID") {
       g.pad_mode = nn::PadMode::valid;
     } else if (auto_pad == "SAME_UPPER") {
@@ -923,10 +934,17 @@ class OnnxBuilder {
       unsupported(node, "padding " + std::to_string(g.padding) + " for a window of " + std::to_string(g.extent()) +
                             " (duet's ONNX import pads less than the window, at most a full convolution)");
     }
-    model_.convs_.push_back(std::make_unique<detail::OnnxConv>(detail::OnnxConv{g, w, b, with_bias, node}));
-    const detail::OnnxConv* layer = model_.convs_.back().get();
+    if (spatial == 1) add_conv_step(n, node, x, model_.convs1d_, detail::OnnxConv<1>{g, w, b, with_bias, node});
+    else add_conv_step(n, node, x, model_.convs2d_, detail::OnnxConv<2>{g, w, b, with_bias, node});
+  }
+
+  template <class Layer>
+  void add_conv_step(const onnx::NodeProto& n, const std::string& node, Operand x, std::vector<std::unique_ptr<Layer>>& layers,
+                     Layer made) {
+    layers.push_back(std::make_unique<Layer>(std::move(made)));
+    const Layer* layer = layers.back().get();
     add_step("Conv", n, node, [x, layer](const OnnxModel& m, std::vector<Tensor>& v) {
-      return m.with(x, v, [layer](const auto& in) -> Tensor { return apply(ops::ConvOp<detail::OnnxConv>{layer}, in); });
+      return m.with(x, v, [layer](const auto& in) -> Tensor { return apply(ops::ConvOp<Layer>{layer}, in); });
     });
   }
 
