@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -37,6 +38,9 @@ TEST_CASE("graph_ir shows the captured and the optimised graph") {
             "  %4 = MatMul + BiasAdd(%3) : [?, 10]  [output]  nn::Dense<512, 10> 'dense_relu_sequential.4'\n"
             "  return %4\n"
             "}\n");
+  std::ostringstream printed;
+  printed << ir;
+  CHECK(printed.str() == ir.optimized.text);  // what graph mode runs
 }
 
 TEST_CASE("graph_ir's DOT output has one node per graph node and one edge per argument") {

@@ -4,6 +4,7 @@
 
 #include <boost/hana/at.hpp>
 #include <cstddef>
+#include <ostream>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -166,14 +167,9 @@ GraphIR traced_ir(C& cell, const std::string& title, Shape pattern, const std::s
 
 }  // namespace graph
 
-// The graph of cell for inputs of the given pattern (duet::shape<dyn, 1, 28, 28>, say; by
-// default an input of unknown shape, as when a runtime tensor is passed), optimised at the
-// jit level of Config. Where graph mode has no static graph to run, graph_ir shows the trace
-// that runs instead: for a capture that is ambiguous (README, Guarantees: "Shared values in
-// graph mode") and for a network built at run time (nn::DynamicSequentialCell, a class
-// deriving from nn::DynamicCell), which has no construct to capture.
-template <JitConfig Config = JitConfig{}, class C, class Pattern = graph::AnyShape>
-GraphIR graph_ir(C& cell, Pattern = {}) {
+namespace detail {
+template <JitConfig Config, class C, class Pattern>
+GraphIR graph_ir_of(C& cell, Pattern) {
   cell.ensure_named();
   const std::string title = cell.type_name();
   if constexpr (nn::RuntimeBuilt<C>) {
@@ -196,5 +192,28 @@ GraphIR graph_ir(C& cell, Pattern = {}) {
         });
   }
 }
+}  // namespace detail
+
+// The graph of cell for inputs of the given pattern (duet::shape<dyn, 1, 28, 28>, say; by
+// default an input of unknown shape, as when a runtime tensor is passed), optimised at the
+// jit level of Config. Where graph mode has no static graph to run, graph_ir shows the trace
+// that runs instead: for a capture that is ambiguous (README, Guarantees: "Shared values in
+// graph mode") and for a network built at run time (nn::DynamicSequentialCell, a class
+// deriving from nn::DynamicCell), which has no construct to capture.
+template <JitConfig Config = JitConfig{}, class C, class Pattern = graph::AnyShape>
+GraphIR graph_ir(C& cell, Pattern = {}) {
+  // A tensor here failed deep inside with "'value' is not a member of BasicTensor".
+  if constexpr (!requires { Shape(Pattern::value); }) {
+    static_assert(requires { Shape(Pattern::value); },
+                  "duet::graph_ir(net, pattern): the pattern is an input shape written as a type, "
+                  "duet::shape<duet::dyn, 784> (duet::dyn: any size), not a tensor");
+    return {};
+  } else {
+    return detail::graph_ir_of<Config>(cell, Pattern{});
+  }
+}
+
+// What graph mode runs: std::cout << duet::graph_ir(net, duet::shape<duet::dyn, 784>).
+inline std::ostream& operator<<(std::ostream& os, const GraphIR& ir) { return os << ir.optimized.text; }
 
 }  // namespace duet

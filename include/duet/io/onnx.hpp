@@ -376,15 +376,18 @@ class OnnxModel : public nn::DynamicCell {
   // [4, 784] batch through a model exported for [batch, 1, 28, 28]).
   void check_input(const Shape& shape) const {
     if (input_dims_.empty()) return;
-    bool fits = static_cast<std::size_t>(shape.rank()) == input_dims_.size();
-    for (int i = 0; fits && i < shape.rank(); ++i) {
+    if (static_cast<std::size_t>(shape.rank()) != input_dims_.size()) throw wrong_input(shape, "");
+    for (int i = 0; i < shape.rank(); ++i) {
       const std::int64_t want = input_dims_[static_cast<std::size_t>(i)];
-      fits = want < 0 || want == shape[i];
+      if (want >= 0 && want != shape[i]) {
+        // torch.onnx.export fixes every size it is not told is dynamic, the batch too.
+        throw wrong_input(shape, i == 0 ? " (a model exported with dynamic_axes={'input': {0: 'batch'}} takes any batch)" : "");
+      }
     }
-    if (!fits) {
-      throw ShapeError("io::OnnxModel: the model's input " + declared_input_ + ", as the file declares it, got " +
-                       to_string(shape));
-    }
+  }
+  ShapeError wrong_input(const Shape& shape, const std::string& hint) const {
+    return ShapeError("io::OnnxModel: the model's input " + declared_input_ + ", as the file declares it, got " +
+                      to_string(shape) + hint);
   }
 
   // f(operand) with the operand's own type, so that a parameter reaches the operation as one
