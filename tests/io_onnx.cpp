@@ -417,6 +417,17 @@ TEST_CASE("io::load_onnx: a Reshape to sizes read from a Shape, as torch writes 
   CHECK(message_of<duet::ValueError>(model(0, true)) ==
         "test.onnx: ONNX node 'concat' (Concat): concatenating a whole Shape (duet reads a Shape's dimensions one by one, by "
         "Gather) is not supported");
+  // A chain of Concats of a list with itself doubles it at each node: bounded at a shape's rank.
+  onnx::ModelProto doubling = model_of();
+  onnx::AttributeProto* one = add_node(doubling, "Constant", "c", {}, "l1")->add_attribute();
+  one->set_name("value_ints");
+  one->set_type(onnx::AttributeProto::INTS);
+  one->add_ints(-1);
+  for (int k = 1; k <= 8; k *= 2) {
+    const std::string in = "l" + std::to_string(k);
+    add_int(add_node(doubling, "Concat", "cat" + std::to_string(2 * k), {in, in}, "l" + std::to_string(2 * k)), "axis", 0);
+  }
+  CHECK(message_of<duet::FormatError>(doubling) == "test.onnx: ONNX node 'cat16' (Concat): 16 int64s where a shape has at most 8");
   onnx::ModelProto floats = model_of();
   add_initializer(floats, "w", {2}, 2);
   add_node(floats, "Gather", "lookup", {"w", "x"});

@@ -1063,7 +1063,7 @@ class OnnxBuilder {
     } else {
       arity(n, node, 2, 2);
       known_attributes(n, node, {"allowzero"});
-      target = sizes_of(n.input(1));
+      target = sizes_of(n.input(1), node);
       if (!target) unsupported(node, "a target shape that is not an int64 tensor");
       // The constants of the target are checked now; a size read from a shape is one.
       for (const detail::OnnxSize& e : target->elements)
@@ -1086,11 +1086,22 @@ class OnnxBuilder {
 
   // --- shape arithmetic ------------------------------------------------------------------------
 
+  // A shape has at most max_rank sizes. Bounding every list here keeps a small file from asking
+  // for much memory: a chain of Concats of a list with itself doubles it at each node, and a
+  // long constant copied by every node of a chain grows with the square of the file.
+  void check_sizes(std::size_t count, const std::string& node) const {
+    if (count > static_cast<std::size_t>(max_rank)) {
+      throw FormatError(where_ + ": " + node + ": " + std::to_string(count) + " int64s where a shape has at most " +
+                        std::to_string(max_rank));
+    }
+  }
+
   // The int64 tensor of that name as sizes, if it is one.
-  std::optional<detail::OnnxSizes> sizes_of(const std::string& name) const {
+  std::optional<detail::OnnxSizes> sizes_of(const std::string& name, const std::string& node) const {
     if (const auto it = sizes_.find(name); it != sizes_.end()) return it->second;
     const auto constant = integers_.find(name);
     if (constant == integers_.end()) return std::nullopt;
+    check_sizes(constant->second.size(), node);
     detail::OnnxSizes sizes;
     for (const std::int64_t c : constant->second) sizes.elements.push_back({.constant = c, .value = 0, .axis = std::nullopt});
     return sizes;
@@ -1131,8 +1142,10 @@ class OnnxBuilder {
       arity(n, node, 2, 2);
       known_attributes(n, node, {"axis"});
       if (int_attr(n, "axis", 0) != 0) unsupported(node, "a Gather of int64s along an axis other than 0");
-      const detail::OnnxSizes from = *sizes_of(n.input(0));
-      for (const std::int64_t i : constant_ints(n, node, 1, "indices")) {
+      const detail::OnnxSizes from = *sizes_of(n.input(0), node);
+      const std::vector<std::int64_t>& indices = constant_ints(n, node, 1, "indices");
+      check_sizes(indices.size(), node);
+      for (const std::int64_t i : indices) {
         if (from.shape_of) {
           if (i < -max_rank || i >= max_rank) throw FormatError(where_ + ": " + node + ": index " + std::to_string(i) + " of a Shape");
           out.elements.push_back({.constant = 0, .value = *from.shape_of, .axis = static_cast<int>(i)});
@@ -1149,10 +1162,11 @@ class OnnxBuilder {
       const std::int64_t axis = int_attr(n, "axis", 0);
       if (axis != 0 && axis != -1) throw FormatError(where_ + ": " + node + ": axis " + std::to_string(axis) + " of int64 vectors");
       for (const std::string& name : n.input()) {
-        const std::optional<detail::OnnxSizes> part = sizes_of(name);
+        const std::optional<detail::OnnxSizes> part = sizes_of(name, node);
         if (!part) unsupported(node, "concatenating float and int64 tensors");
         if (part->shape_of) unsupported(node, "concatenating a whole Shape (duet reads a Shape's dimensions one by one, by Gather)");
         out.elements.insert(out.elements.end(), part->elements.begin(), part->elements.end());
+        check_sizes(out.elements.size(), node);
       }
     } else {
       // Unsqueeze, Squeeze and Cast to int64 leave the elements as they are.
@@ -1165,7 +1179,7 @@ class OnnxBuilder {
         known_attributes(n, node, {});
         if (n.input_size() == 2) static_cast<void>(constant_ints(n, node, 1, "axes"));
       }
-      out = *sizes_of(n.input(0));
+      out = *sizes_of(n.input(0), node);
     }
     if (n.output(0).empty() || defined(n.output(0))) throw FormatError(where_ + ": " + node + " has no new output name");
     sizes_[n.output(0)] = std::move(out);
