@@ -294,6 +294,18 @@ duet::io::OnnxModel load(const onnx::ModelProto& m) {
   return duet::io::load_onnx_bytes(std::as_bytes(std::span(bytes)), "test.onnx");
 }
 
+// Running net on x is a ShapeError whose text begins with the node, and names no node again.
+void check_shape_error_names_once(duet::io::OnnxModel& net, const Tensor& x, const std::string& node) {
+  try {
+    net(x);
+    FAIL("no ShapeError");
+  } catch (const duet::ShapeError& e) {
+    const std::string what = e.what();
+    CHECK(what.starts_with(node));
+    CHECK(what.find("ONNX node", 1) == std::string::npos);
+  }
+}
+
 template <class E>
 std::string message_of(const onnx::ModelProto& m) {
   try {
@@ -458,14 +470,7 @@ TEST_CASE("io::load_onnx: an error while running names the node once") {
   add_initializer(m, "w", {2, 1, 3, 3}, 18);
   add_node(m, "Conv", "conv", {"x", "w"});
   duet::io::OnnxModel net = load(m);
-  try {
-    net(duet::ones({4, 9}));
-    FAIL("a rank-2 input ran through a Conv");
-  } catch (const duet::ShapeError& e) {
-    const std::string what = e.what();
-    CHECK(what.starts_with("ONNX node 'conv' (Conv)"));
-    CHECK(what.find("ONNX node", 1) == std::string::npos);
-  }
+  check_shape_error_names_once(net, duet::ones({4, 9}), "ONNX node 'conv' (Conv)");  // a rank-2 input to a Conv
 }
 
 TEST_CASE("io::load_onnx: an unsupported operator or attribute names the node and the operator") {
@@ -512,14 +517,7 @@ TEST_CASE("io::load_onnx: a Reshape to more elements than index_t counts is a Sh
   for (const std::int64_t d : {std::int64_t{1} << 40, std::int64_t{1} << 40, std::int64_t{1} << 40}) to->add_int64_data(d);
   add_node(m, "Reshape", "big", {"x", "to"});
   duet::io::OnnxModel net = load(m);
-  try {
-    net(duet::ones({2, 3}));
-    FAIL("no ShapeError");
-  } catch (const duet::ShapeError& e) {
-    const std::string what = e.what();
-    CHECK(what.starts_with("ONNX node 'big' (Reshape)"));
-    CHECK(what.find("ONNX node", 1) == std::string::npos);
-  }
+  check_shape_error_names_once(net, duet::ones({2, 3}), "ONNX node 'big' (Reshape)");
 }
 
 TEST_CASE("io::load_onnx: a malformed model is a FormatError, never a crash") {
