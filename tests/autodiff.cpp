@@ -6,6 +6,8 @@
 
 #include "support.hpp"
 
+namespace tests_autodiff {
+
 using namespace duet;
 using duet_test::ModeGuard;
 
@@ -279,3 +281,5 @@ TEST_CASE("grad: a gradient that reaches an input declared ops::NoGradient is a 
     CHECK(da.data()[0] == 1.0f);
   }
 }
+
+}  // namespace tests_autodiff

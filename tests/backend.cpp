@@ -1,5 +1,7 @@
 #include "support.hpp"
 
+namespace tests_backend {
+
 using namespace duet;
 using duet_test::SeedNetwork;
 
@@ -40,3 +42,5 @@ TEST_CASE("backend::Eigen::dense applies bias then each epilogue function") {
   backend::Eigen::dense<dyn, dyn>(x, 1, 2, w, 2, Epilogue<float>{}, y);
   CHECK(y[1] == -2.0f);
 }
+
+}  // namespace tests_backend

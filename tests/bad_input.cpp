@@ -13,6 +13,8 @@
 
 #include "support.hpp"
 
+namespace tests_bad_input {
+
 using namespace duet;
 using duet_test::ModeGuard;
 
@@ -197,3 +199,5 @@ TEST_CASE("value_and_grad that throws leaves BatchNorm and Dropout as they were;
     CHECK(t.net.drop.generator().next() != masks_before.next());
   }
 }
+
+}  // namespace tests_bad_input

@@ -3,6 +3,8 @@
 
 #include "support.hpp"
 
+namespace tests_cell {
+
 using namespace duet;
 using duet_test::ModeGuard;
 using duet_test::SeedNetwork;
@@ -407,3 +409,5 @@ TEST_CASE("a PyNative cell may hold a DynamicSequentialCell, whose cells live ou
   CHECK(holder(ones({3, 4})).shape() == Shape{3, 2});
   CHECK(holder.parameters().size() == 2);
 }
+
+}  // namespace tests_cell

@@ -10,6 +10,8 @@
 
 #include "support.hpp"
 
+namespace tests_compare {
+
 using namespace duet;
 using duet_test::SeedNetwork;
 
@@ -330,3 +332,4 @@ TEST_CASE("compare_modes compares the program graph mode keeps, with the constan
   CHECK(d.graph == doctest::Approx(2.0 * d.pynative));
 }
 
+}  // namespace tests_compare

@@ -2,6 +2,8 @@
 
 #include <duet/duet.hpp>
 
+namespace tests_context {
+
 TEST_CASE("the context starts in PyNative mode and set_context changes only what it names") {
   CHECK(duet::get_context().mode == duet::PYNATIVE_MODE);
   duet::set_context({.mode = duet::GRAPH_MODE});
@@ -28,3 +30,5 @@ TEST_CASE("inside an eager call, cells that follow the context run eagerly whate
   CHECK(duet::effective_mode(duet::CONTEXT_MODE) == duet::GRAPH_MODE);
   duet::set_context({.mode = duet::PYNATIVE_MODE});
 }
+
+}  // namespace tests_context

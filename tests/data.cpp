@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+namespace tests_data {
+
 using namespace duet;
 namespace fs = std::filesystem;
 
@@ -287,3 +289,5 @@ TEST_CASE("a loader checks its shard") {
   CHECK_THROWS_AS(data::DataLoader(numbered(3), 1, {.num_shards = 0}), ValueError);
   CHECK_THROWS_AS(data::DataLoader(numbered(3), 1, {.num_shards = 2, .shard_id = -1}), ValueError);
 }
+
+}  // namespace tests_data

@@ -5,6 +5,8 @@
 
 #include "support.hpp"
 
+namespace tests_equivalence {
+
 using namespace duet;
 using duet_test::ModeGuard;
 using duet_test::SeedNetwork;
@@ -122,3 +124,5 @@ TEST_CASE("property: random widths and batches through fixed-depth stacks in bot
   }
   check_modes_agree(gen, nn::Dense<4, 4>{}, nn::ReLU{}, nn::Dense<4, 4>{}, nn::ReLU{}, nn::Dense<4, 4>{});
 }
+
+}  // namespace tests_equivalence

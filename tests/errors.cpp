@@ -1,6 +1,8 @@
 // Run-time shape errors: a duet exception naming the layer and the shapes, in both modes.
 #include "support.hpp"
 
+namespace tests_errors {
+
 using namespace duet;
 using duet_test::ModeGuard;
 using duet_test::SeedNetwork;
@@ -61,3 +63,5 @@ TEST_CASE("a failed call leaves the parameters as they were") {
   const auto& after = net.dense_relu_sequential.get<0>().weight;
   for (index_t i = 0; i < before.numel(); ++i) REQUIRE(before.data()[i] == after.data()[i]);
 }
+
+}  // namespace tests_errors

@@ -1,5 +1,7 @@
 #include "support.hpp"
 
+namespace tests_evaluator {
+
 using namespace duet;
 using duet_test::SeedNetwork;
 
@@ -45,3 +47,5 @@ TEST_CASE("a zero batch gives an empty output") {
   const Tensor y = evaluate(program, zeros({0, 1, 28, 28}));
   CHECK(y.shape() == Shape{0, 10});
 }
+
+}  // namespace tests_evaluator

@@ -2,6 +2,8 @@
 
 #include "support.hpp"
 
+namespace tests_graph {
+
 using namespace duet;
 using duet_test::SeedNetwork;
 
@@ -60,3 +62,5 @@ TEST_CASE("quietly: the graph a capture would give, without reporting a broken s
                                diagnostic::rejected<nn::Dense<100, 10>, diagnostic::last_dimension_must_be<100>,
                                                     diagnostic::input_shape<dyn, 512>>>);
 }
+
+}  // namespace tests_graph

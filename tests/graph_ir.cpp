@@ -5,6 +5,8 @@
 
 #include "support.hpp"
 
+namespace tests_graph_ir {
+
 using namespace duet;
 using duet_test::ModeGuard;
 using duet_test::SeedNetwork;
@@ -142,3 +144,4 @@ TEST_CASE("graph_ir of a network built at run time shows the trace graph mode ru
                     [](const std::string& l) { return l.find("MatMul + BiasAdd + ReLU") != std::string::npos; }));
 }
 
+}  // namespace tests_graph_ir

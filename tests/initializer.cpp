@@ -4,6 +4,8 @@
 
 #include "support.hpp"
 
+namespace tests_initializer {
+
 using namespace duet;
 using duet_test::ModeGuard;
 namespace init = duet::initializer;
@@ -380,3 +382,5 @@ TEST_CASE("initializer: nn::Dense names itself and the option when an initialise
                        "and at least 0, got -2",
                        ValueError);
 }
+
+}  // namespace tests_initializer

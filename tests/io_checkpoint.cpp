@@ -12,6 +12,8 @@
 
 #include "support.hpp"
 
+namespace tests_io_checkpoint {
+
 using namespace duet;
 using duet_test::Bytes;
 using duet_test::format_error_of;
@@ -634,3 +636,5 @@ TEST_CASE("an optimizer state that does not fit is named, and nothing changes") 
                                            "cell, so its state has no name to go by");
   }
 }
+
+}  // namespace tests_io_checkpoint

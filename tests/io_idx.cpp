@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+namespace tests_io_idx {
+
 using namespace duet;
 namespace fs = std::filesystem;
 
@@ -295,3 +297,5 @@ TEST_CASE("the Fashion-MNIST files read as 60000 and 10000 images of 28x28 with 
   CHECK(std::vector<int>(test_labels.data(), test_labels.data() + 10) ==
         std::vector<int>{9, 2, 1, 1, 6, 1, 4, 6, 5, 7});
 }
+
+}  // namespace tests_io_idx

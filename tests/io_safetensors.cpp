@@ -10,6 +10,8 @@
 
 #include "support.hpp"
 
+namespace tests_io_safetensors {
+
 using namespace duet;
 using duet_test::Bytes;
 using duet_test::format_error_of;
@@ -440,3 +442,5 @@ TEST_CASE("an independent reader (Python, json + numpy) reads duet's safetensors
   CHECK(result.ckpt_not_load == std::vector<std::string>{"bn.num_batches_tracked", "half"});
   check_python_values(partial, {"0.weight", "0.bias", "2.weight", "2.bias"});
 }
+
+}  // namespace tests_io_safetensors

@@ -9,6 +9,8 @@
 #include <sstream>
 #include <vector>
 
+namespace tests_jit {
+
 using namespace duet;
 using duet_test::ModeGuard;
 using duet_test::SeedNetwork;
@@ -479,3 +481,5 @@ TEST_CASE("grad and value_and_grad go through a jitted function, in both modes")
   }
   CHECK(jitted.compile_count() == 0);  // differentiated where it was called, never compiled alone
 }
+
+}  // namespace tests_jit

@@ -7,6 +7,8 @@
 #include <thread>
 #include <vector>
 
+namespace tests_jit_contract {
+
 using namespace duet;
 using duet_test::ModeGuard;
 
@@ -262,3 +264,5 @@ TEST_CASE("precompile under PIJit: the trace is made ahead, the first call repla
     CHECK(duet_test::values_of(f(x)) == duet_test::values_of(net(x)));
   }
 }
+
+}  // namespace tests_jit_contract

@@ -10,6 +10,8 @@
 #include <vector>
 #include <unistd.h>
 
+namespace tests_jit_o2 {
+
 using namespace duet;
 using duet_test::SeedNetwork;
 
@@ -115,3 +117,5 @@ TEST_CASE("PIJit follows jit_level: O0 replays each traced operation, O1 fuses, 
   CHECK(line("o1") == "o1: compile #1: first call (traced 5 operations, replays 2 steps: MatMul + BiasAdd + ReLU; MatMul + BiasAdd)");
   CHECK(line("o2") == "o2: compile #1: first call (traced 5 operations, replays 2 steps: PackedMatMul + BiasAdd + ReLU; PackedMatMul + BiasAdd)");
 }
+
+}  // namespace tests_jit_o2

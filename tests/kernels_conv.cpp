@@ -9,6 +9,8 @@
 #include <random>
 #include <vector>
 
+namespace tests_kernels_conv {
+
 using namespace duet;
 
 namespace {
@@ -203,3 +205,5 @@ TEST_CASE("a float Conv2d's value and gradients against plain loops, the same bi
     }
   }
 }
+
+}  // namespace tests_kernels_conv

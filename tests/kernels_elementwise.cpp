@@ -8,6 +8,8 @@
 #include <type_traits>
 #include <vector>
 
+namespace tests_kernels_elementwise {
+
 using namespace duet;
 
 namespace {
@@ -214,3 +216,5 @@ TEST_CASE_TEMPLATE("kernels::map applies the functions' vector form, in place or
 }
 
 }  // namespace
+
+}  // namespace tests_kernels_elementwise

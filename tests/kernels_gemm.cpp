@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+namespace tests_kernels_gemm {
+
 using namespace duet;
 
 namespace {
@@ -343,3 +345,5 @@ TEST_CASE("backend::Native keeps a weight packed for the instruction set that ru
     });
   });
 }
+
+}  // namespace tests_kernels_gemm

@@ -5,6 +5,8 @@
 #include <type_traits>
 #include <vector>
 
+namespace tests_kernels_optim {
+
 using namespace duet;
 
 namespace {
@@ -160,3 +162,5 @@ TEST_CASE("kernels::sgd_update without momentum needs no momentum buffer") {
 }
 
 }  // namespace
+
+}  // namespace tests_kernels_optim

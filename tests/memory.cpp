@@ -3,6 +3,8 @@
 #include <duet/duet.hpp>
 #include <thread>
 
+namespace tests_memory {
+
 using namespace duet::detail;
 
 TEST_CASE("size classes: every size fits its class, with at most 25% slack above 1 KiB") {
@@ -44,3 +46,5 @@ TEST_CASE("tensors may be released on another thread than the one that made them
     moved = duet::Tensor();
   }).join();
 }
+
+}  // namespace tests_memory

@@ -3,6 +3,8 @@
 
 #include "support.hpp"
 
+namespace tests_nn_activation {
+
 using namespace duet;
 using duet_test::ModeGuard;
 
@@ -54,3 +56,5 @@ TEST_CASE("a product's fused ReLU epilogue also keeps NaN") {
   CHECK(std::isnan(y(0, 0)));
   CHECK(std::isnan(y(0, 1)));
 }
+
+}  // namespace tests_nn_activation

@@ -4,6 +4,8 @@
 
 #include "support.hpp"
 
+namespace tests_nn_container {
+
 using namespace duet;
 using duet_test::ModeGuard;
 
@@ -167,3 +169,5 @@ TEST_CASE("graph mode runs a network built at run time eagerly where it cannot b
   CHECK(duet_test::values_of(run_in(GRAPH_MODE, later, x)) == duet_test::values_of(run_in(PYNATIVE_MODE, later, x)));
   CHECK(later_calls == 2);
 }
+
+}  // namespace tests_nn_container

@@ -2,6 +2,8 @@
 
 #include "support.hpp"
 
+namespace tests_nn_dense {
+
 using namespace duet;
 using duet_test::ModeGuard;
 
@@ -147,3 +149,5 @@ TEST_CASE("Dense without a bias takes its activation as the product's epilogue, 
   auto f = jit([&](const Tensor& v) { return dynamic(v); }, {.mode = JitMode::PIJit, .name = "no bias"});
   for (int call = 0; call < 2; ++call) CHECK(duet_test::values_of(f(x)) == duet_test::values_of(dynamic(x)));
 }
+
+}  // namespace tests_nn_dense

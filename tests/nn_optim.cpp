@@ -5,6 +5,8 @@
 
 #include "support.hpp"
 
+namespace tests_nn_optim {
+
 using namespace duet;
 
 namespace {
@@ -221,3 +223,5 @@ TEST_CASE("an optimiser exposes its state by slot, and its step can be set to re
   CHECK(value_error_of([&] { momentum.set_global_step(-1); }) == "nn::SGD: global step -1 is negative");
   CHECK(momentum.global_step() == 5);
 }
+
+}  // namespace tests_nn_optim

@@ -9,6 +9,8 @@
 
 #include "support.hpp"
 
+namespace tests_nn_wrap {
+
 using namespace duet;
 using duet_test::ModeGuard;
 
@@ -457,3 +459,4 @@ TEST_CASE("a training step after a manual set_train(false) is refused, not run i
   }
 }
 
+}  // namespace tests_nn_wrap

@@ -2,6 +2,8 @@
 // the harness does not cover (operators on every kind of tensor, errors).
 #include "ops_harness.hpp"
 
+namespace tests_ops_arithmetic {
+
 namespace {
 
 using namespace duet_test::ops;
@@ -147,3 +149,5 @@ TEST_CASE("ops: an elementwise chain fuses into one pass in graph mode and gives
   CHECK(text.find("Elementwise Sub(Add(Mul(a, b), c) + ReLU") == std::string::npos);  // an epilogue ends a chain
   CHECK(text.find("Elementwise Add(Mul(a, b), c) + ReLU(%0, %1, %2)") != std::string::npos);
 }
+
+}  // namespace tests_ops_arithmetic

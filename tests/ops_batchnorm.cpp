@@ -11,6 +11,8 @@
 
 #include "ops_harness.hpp"
 
+namespace tests_ops_batchnorm {
+
 namespace {
 
 using namespace duet_test::ops;
@@ -513,3 +515,5 @@ TEST_CASE("set_train: a network built at run time is traced again after a switch
   CHECK(outputs[0] == outputs[1]);
   CHECK(outputs[1][2] != outputs[1][3]);  // a new mask per training call, also when replayed
 }
+
+}  // namespace tests_ops_batchnorm

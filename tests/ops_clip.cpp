@@ -5,6 +5,8 @@
 
 #include "support.hpp"
 
+namespace tests_ops_clip {
+
 using namespace duet;
 using duet_test::ModeGuard;
 
@@ -135,3 +137,5 @@ TEST_CASE("clip_by_global_norm on value_and_grad's gradients, then the optimiser
   }
   CHECK(losses[0] == losses[1]);
 }
+
+}  // namespace tests_ops_clip

@@ -12,6 +12,8 @@
 
 #include "ops_harness.hpp"
 
+namespace tests_ops_conv {
+
 namespace {
 
 using namespace duet_test::ops;
@@ -338,3 +340,5 @@ TEST_CASE("a small convolutional network trains with Adam, with the same losses 
   CHECK(same_losses(dynamic_pynative, dynamic_graph));
   CHECK(dynamic_pynative.back() < dynamic_pynative.front());
 }
+
+}  // namespace tests_ops_conv

@@ -4,6 +4,8 @@
 #include "../examples/custom_operation.hpp"
 #include "ops_harness.hpp"
 
+namespace tests_ops_custom {
+
 namespace {
 
 using namespace duet_test::ops;
@@ -60,3 +62,5 @@ TEST_CASE("ops: a user's layer with its own parameter trains in both modes, with
   ScaledOnce once;
   CHECK(duet::graph_ir(once, duet::shape<duet::dyn, 4>).optimized.text.find("Parameter") != std::string::npos);
 }
+
+}  // namespace tests_ops_custom

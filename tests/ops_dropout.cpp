@@ -3,6 +3,8 @@
 // masks in both modes, the identity in evaluation, exact gradients at zero inputs, and errors.
 #include "ops_harness.hpp"
 
+namespace tests_ops_dropout {
+
 namespace {
 
 using namespace duet_test::ops;
@@ -115,3 +117,5 @@ TEST_CASE("nn::Dropout: MindSpore 2's p, errors") {
   const duet::Tensor x = duet::uniform(Shape{3, 3}, -1.0f, 1.0f, std::uint64_t{50});
   CHECK(values(none(x)) == values(x));
 }
+
+}  // namespace tests_ops_dropout

@@ -5,6 +5,8 @@
 // without a case fails the harness.
 #include "ops_harness.hpp"
 
+namespace tests_ops_gradients {
+
 using namespace duet_test::ops;
 
 TEST_CASE("ops: every listed operation has a case in the gradient harness") {
@@ -85,3 +87,5 @@ TEST_CASE("ops: gradients of every input match finite differences, and the modes
     }
   }
 }
+
+}  // namespace tests_ops_gradients

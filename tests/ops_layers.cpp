@@ -4,6 +4,8 @@
 // training through WithLossCell in both modes).
 #include "ops_harness.hpp"
 
+namespace tests_ops_layers {
+
 namespace {
 
 using namespace duet_test::ops;
@@ -537,3 +539,5 @@ TEST_CASE("nn::Embedding: MindSpore's table and initialiser, padding_idx, and an
   CHECK_THROWS_AS(duet::nn::Embedding<>(0, 4), duet::ValueError);
   CHECK_THROWS_AS(duet::nn::Embedding<>(4, 4, {.padding_idx = 4}), duet::ValueError);
 }
+
+}  // namespace tests_ops_layers

@@ -8,6 +8,8 @@
 
 #include "ops_harness.hpp"
 
+namespace tests_ops_math {
+
 namespace {
 
 using namespace duet_test::ops;
@@ -368,3 +370,5 @@ TEST_CASE("activations with a parameter check it where they are made") {
   nn::Softplus soft(2.0, 1.0);  // linear above x = 0.5
   CHECK(soft(Tensor({1}, {0.75f}))(0) == 0.75f);
 }
+
+}  // namespace tests_ops_math

@@ -2,6 +2,8 @@
 // plain loops in double, and what the harness does not cover (shape errors, static shapes).
 #include "ops_harness.hpp"
 
+namespace tests_ops_matmul {
+
 namespace {
 
 using namespace duet_test::ops;
@@ -137,3 +139,5 @@ TEST_CASE("ops: matmul of static tensors has its static shape in graph mode") {
   static_assert(ops::BatchMatMulOp<false, true>::infer_static(std::array<Shape, 2>{Shape{2, 3, 4}, Shape{5, 4}}).shape ==
                 Shape{2, 3, 5});
 }
+
+}  // namespace tests_ops_matmul

@@ -8,6 +8,8 @@
 
 #include "ops_harness.hpp"
 
+namespace tests_ops_pool {
+
 namespace {
 
 using namespace duet_test::ops;
@@ -266,3 +268,5 @@ TEST_CASE("Embedding, GroupNorm and the pooling layers train a network with the 
   REQUIRE(graph_out.shape() == Shape{24, 3});
   CHECK(std::equal(pynative.data(), pynative.data() + 72, graph_out.data()));
 }
+
+}  // namespace tests_ops_pool

@@ -3,6 +3,8 @@
 // gradients, shape errors).
 #include "ops_harness.hpp"
 
+namespace tests_ops_reduction {
+
 namespace {
 
 using namespace duet_test::ops;
@@ -219,3 +221,5 @@ TEST_CASE("ops: a gradient through argmax is refused in PyNative mode with a Val
           "duet::grad: Argmax(axis=-1) is not differentiable, but a gradient flows through it");
   }
 }
+
+}  // namespace tests_ops_reduction

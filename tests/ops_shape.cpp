@@ -7,6 +7,8 @@
 
 #include "ops_harness.hpp"
 
+namespace tests_ops_shape {
+
 namespace {
 
 using namespace duet_test::ops;
@@ -330,3 +332,5 @@ TEST_CASE("ops: PIJit replays views that begin inside their input, as the output
   CHECK(f.compile_count() == 1);
   CHECK(g.compile_count() == 1);
 }
+
+}  // namespace tests_ops_shape

@@ -3,6 +3,8 @@
 // the cells in a SequentialCell, axis errors).
 #include "ops_harness.hpp"
 
+namespace tests_ops_softmax {
+
 namespace {
 
 using namespace duet_test::ops;
@@ -109,3 +111,5 @@ TEST_CASE("ops: a softmax axis out of range is a ShapeError naming the operation
     CHECK(std::string(e.what()) == "Softmax(axis=2) expects an input of rank at least 3, got [2, 3]");
   }
 }
+
+}  // namespace tests_ops_softmax

@@ -6,6 +6,8 @@
 
 #include "support.hpp"
 
+namespace tests_parallel {
+
 using namespace duet;
 
 namespace {
@@ -70,3 +72,5 @@ TEST_CASE("evaluating a sharded loader without a rank group is refused, not one 
   CHECK_THROWS_WITH_AS(train::evaluate(net, loss, shard),
                        doctest::Contains("the loader is shard 1 of 2, but no rank group exists"), ModeError);
 }
+
+}  // namespace tests_parallel

@@ -6,6 +6,8 @@
 #include <utility>
 #include <vector>
 
+namespace tests_parameter {
+
 using namespace duet;
 
 namespace {
@@ -56,3 +58,5 @@ TEST_CASE("Parameter::derived: a form of another type replaces the one kept") {
   CHECK(*p.derived<std::string>([] { return std::string("packed"); }) == "packed");
   CHECK(p.derived<Sum>([&] { return sum_of(p); })->total == 3.0f);
 }
+
+}  // namespace tests_parameter

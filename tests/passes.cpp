@@ -2,6 +2,8 @@
 
 #include "support.hpp"
 
+namespace tests_passes {
+
 using namespace duet;
 using duet_test::SeedNetwork;
 
@@ -76,3 +78,5 @@ TEST_CASE("buffer plan: views alias, the output writes into the result, slots ar
   // Nine nodes' values live in two slots: each is free again once its reader has run.
   static_assert(unfused.slot_count == 2);
 }
+
+}  // namespace tests_passes

@@ -13,6 +13,8 @@
 
 #include "support.hpp"
 
+namespace tests_passes_fold {
+
 using namespace duet;
 
 namespace {
@@ -254,3 +256,4 @@ TEST_CASE("a network built at run time folds at evaluation too (PIJit), with gra
   CHECK(bitwise_equal(o0_trace(x), pynative(dynamic, x)));
 }
 
+}  // namespace tests_passes_fold

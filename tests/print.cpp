@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+namespace tests_print {
+
 using namespace duet;
 
 namespace {
@@ -487,3 +489,4 @@ TEST_CASE("record_value: a graph's intermediate value, read after the call, the 
   CHECK(std::equal(expected.data(), expected.data() + expected.numel(), recorder.get("traced").data()));
 }
 
+}  // namespace tests_print

@@ -3,6 +3,8 @@
 #include <cmath>
 #include <duet/duet.hpp>
 
+namespace tests_random {
+
 TEST_CASE("seeded creation is reproducible and independent of the global generator") {
   const auto a = duet::randn({1000}, 42);
   duet::set_seed(7);
@@ -52,3 +54,5 @@ TEST_CASE("the generator's first draws are fixed across compilers and platforms"
   duet::Generator g(0);
   CHECK(g.next() == 0x99EC5F36CB75F2B4ull);
 }
+
+}  // namespace tests_random

@@ -2,6 +2,8 @@
 
 #include <duet/duet.hpp>
 
+namespace tests_shape {
+
 using duet::dyn;
 using duet::Shape;
 
@@ -38,3 +40,5 @@ TEST_CASE("StaticShape carries its value in the type") {
   constexpr Shape s = duet::shape<3, 4>;
   static_assert(s.numel() == 12);
 }
+
+}  // namespace tests_shape

@@ -9,6 +9,8 @@
 
 #include "support.hpp"
 
+namespace tests_sharing {
+
 using namespace duet;
 using duet_test::ModeGuard;
 
@@ -232,3 +234,5 @@ TEST_CASE("sharing: a jitted function whose capture is ambiguous runs in PyNativ
   for (index_t i = 0; i < x.numel(); ++i) CHECK(y.data()[i] == doctest::Approx(5.0 * x.data()[i]).epsilon(1e-6));
   CHECK(logged("ambiguous scalars: runs in PyNative mode") == 1);
 }
+
+}  // namespace tests_sharing

@@ -6,6 +6,8 @@
 #include "../examples/network.hpp"
 #include "support.hpp"
 
+namespace tests_summary {
+
 using namespace duet;
 using duet_test::ModeGuard;
 
@@ -274,3 +276,5 @@ TEST_CASE("summary: a cell called inside a jit function runs compiled with it, u
   CHECK(unseen.rows.at(0).output_shapes == std::vector<Shape>{{2, 3}});
   CHECK(unseen.rows.at(1).output_shapes.empty());
 }
+
+}  // namespace tests_summary

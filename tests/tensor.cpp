@@ -4,6 +4,8 @@
 #include <duet/duet.hpp>
 #include <type_traits>
 
+namespace tests_tensor {
+
 using duet::Shape;
 using duet::Tensor;
 
@@ -117,3 +119,5 @@ TEST_CASE("StaticTensor: the shape is in the type and checked on adoption") {
   CHECK_THROWS_WITH_AS((duet::StaticTensor<float, duet::dyn, 3>(duet::zeros({5, 4}))),
                        "duet::StaticTensor[?, 3]: got a tensor of shape [5, 4]", duet::ShapeError);
 }
+
+}  // namespace tests_tensor

@@ -8,6 +8,8 @@
 
 #include "support.hpp"
 
+namespace tests_train {
+
 namespace {
 
 using duet::index_t;
@@ -140,3 +142,5 @@ TEST_CASE("train::evaluate refuses a loader with nothing to evaluate") {
   CHECK_THROWS_WITH_AS(duet::train::evaluate(net, loss, ignored),
                        doctest::Contains("every label is the loss's ignore_index"), duet::ValueError);
 }
+
+}  // namespace tests_train
