@@ -4393,6 +4393,7 @@ inline std::string readable_type_name(const std::type_info& type) {
 #include <span>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 // Shape rules' results and how a broken rule is reported: a static_assert naming the layer,
 // its requirement and the input shape when the shapes are known at compile time, a
@@ -5761,17 +5762,100 @@ struct Plan {
 }  // namespace graph
 
 namespace detail {
+// What plan() reads of one node, through functions of its op's type: the loop over the nodes
+// is then compiled once, and each op type's functions once for every graph it is in, where a
+// loop unrolled over the graph (a lambda per node) compiled every node of every graph anew.
+struct PlanNode {
+  const void* op = nullptr;
+  ShapeResult (*infer)(const void* op, std::span<const Shape> in) = nullptr;
+  std::string (*label)(const void* op) = nullptr;
+  std::string (*op_name)() = nullptr;
+  bool is_input = false;
+  std::size_t input = 0;  // is_input: which argument
+  std::span<const std::size_t> args;
+};
+
+template <class Op>
+ShapeResult infer_node(const void* op, std::span<const Shape> in) {
+  return static_cast<const Op*>(op)->infer(in);
+}
+template <class Op>
+std::string label_node(const void* op) {
+  return static_cast<const Op*>(op)->label();
+}
+
+template <class Node>
+PlanNode plan_node(const typename Node::op_type& op) {
+  using Op = typename Node::op_type;
+  PlanNode p;
+  p.op = &op;
+  p.op_name = &Op::op_name;
+  p.args = Node::args;
+  if constexpr (graph::is_input_op_v<Op>) {
+    p.is_input = true;
+    p.input = Op::index;
+  } else {
+    p.infer = &infer_node<Op>;
+    p.label = &label_node<Op>;
+  }
+  return p;
+}
+
 // How a failing node is named: in debug, by its place in the graph and the function or cell
 // it was captured from (`where`), so a user finds the line of construct that made it.
+inline std::string node_context(bool debug, const std::string& op_name, std::size_t index, std::string_view where) {
+  if (!debug) return {};
+  return "duet (debug): in " + std::string(where) + ", node %" + std::to_string(index) + " (" + op_name + "): ";
+}
 template <JitConfig Config, class Op>
 std::string node_context(std::size_t index, std::string_view where) {
-  if constexpr (Config.debug_level == DebugLevel::debug) {
-    return "duet (debug): in " + std::string(where) + ", node %" + std::to_string(index) + " (" + Op::op_name() + "): ";
-  } else {
-    (void)index;
-    (void)where;
-    return {};
+  if constexpr (Config.debug_level == DebugLevel::debug) return node_context(true, Op::op_name(), index, where);
+  else return {};
+}
+
+// Every node's shape for these input shapes (patterns: the shapes capture inferred, -1 where a
+// dimension is dynamic).
+inline void infer_shapes(std::span<const PlanNode> nodes, std::span<const Shape> patterns,
+                         std::span<const Shape> input_shapes, std::span<Shape> shapes, bool debug,
+                         std::string_view where) {
+  std::vector<Shape> in;
+  for (std::size_t i = 0; i < nodes.size(); ++i) {
+    const PlanNode& node = nodes[i];
+    if (node.is_input) {
+      const Shape& s = input_shapes[node.input];
+      if (!graph::fits(patterns[i], s)) {
+        throw ShapeError(node_context(debug, node.op_name(), i, where) + "duet: graph input " + std::to_string(node.input) +
+                         " must have shape " + to_string(patterns[i]) + ", got " + to_string(s));
+      }
+      shapes[i] = s;
+    } else {
+      in.clear();
+      for (std::size_t a : node.args) in.push_back(shapes[a]);
+      const ShapeResult r = node.infer(node.op, in);
+      if (!r.ok()) throw ShapeError(node_context(debug, node.op_name(), i, where) + describe_fault(r, node.label(node.op), in));
+      shapes[i] = r.shape;
+    }
   }
+}
+
+// Places the slots one after another, each 64-byte aligned and as large as the largest value
+// it holds; offset[i] is where node i's slot begins. Returns the arena's size.
+inline std::size_t lay_out_slots(std::span<const graph::Storage> storage, std::span<const std::size_t> slot,
+                                 std::size_t slot_count, std::span<const std::size_t> element_size,
+                                 std::span<const Shape> shapes, std::span<std::size_t> offset) {
+  std::vector<std::size_t> slot_bytes(slot_count), slot_offset(slot_count);
+  for (std::size_t i = 0; i < storage.size(); ++i) {
+    if (storage[i] != graph::Storage::slot) continue;
+    const auto bytes = static_cast<std::size_t>(shapes[i].numel()) * element_size[i];
+    if (bytes > slot_bytes[slot[i]]) slot_bytes[slot[i]] = bytes;
+  }
+  std::size_t arena_bytes = 0;
+  for (std::size_t s = 0; s < slot_count; ++s) {
+    slot_offset[s] = arena_bytes;
+    arena_bytes += (slot_bytes[s] + block_alignment - 1) / block_alignment * block_alignment;
+  }
+  for (std::size_t i = 0; i < storage.size(); ++i) offset[i] = slot_count == 0 ? 0 : slot_offset[slot[i]];
+  return arena_bytes;
 }
 }  // namespace detail
 
@@ -5786,49 +5870,16 @@ graph::Plan<G, Inputs> plan(const graph::Sym<G, Out>& program, const std::array<
     return std::array<std::size_t, n>{sizeof(graph::node_value_t<G, I>)...};
   }
   (std::make_index_sequence<n>{});
+  const std::array<detail::PlanNode, n> nodes = [&]<std::size_t... I>(std::index_sequence<I...>) {
+    return std::array<detail::PlanNode, n>{
+        detail::plan_node<graph::node_at<G, I>>(boost::hana::at_c<I>(program.graph.nodes).op)...};
+  }(std::make_index_sequence<n>{});
   graph::Plan<G, Inputs> p;
   p.input_shapes = input_shapes;
   p.where = std::move(where);
-  graph::for_each_index<n>([&](auto i) {
-    constexpr std::size_t I = decltype(i)::value;
-    using Node = graph::node_at<G, I>;
-    using Op = typename Node::op_type;
-    const Op& op = boost::hana::at_c<I>(program.graph.nodes).op;
-    if constexpr (graph::is_input_op_v<Op>) {
-      const Shape& s = input_shapes[Op::index];
-      if (!graph::fits(G::shapes[I], s)) {
-        throw ShapeError(detail::node_context<Config, Op>(I, p.where) + "duet: graph input " + std::to_string(Op::index) +
-                         " must have shape " + to_string(G::shapes[I]) + ", got " + to_string(s));
-      }
-      p.shapes[I] = s;
-    } else {
-      std::array<Shape, Node::arity> copies{};
-      std::span<const Shape> in;
-      if constexpr (Node::arity == 1) {
-        in = std::span<const Shape>(&p.shapes[Node::args[0]], 1);
-      } else {
-        for (std::size_t k = 0; k < Node::arity; ++k) copies[k] = p.shapes[Node::args[k]];
-        in = copies;
-      }
-      const ShapeResult r = op.infer(in);
-      if (!r.ok()) throw ShapeError(detail::node_context<Config, Op>(I, p.where) + describe_fault(r, op.label(), in));
-      p.shapes[I] = r.shape;
-    }
-  });
+  detail::infer_shapes(nodes, G::shapes, input_shapes, p.shapes, Config.debug_level == DebugLevel::debug, p.where);
 
-  // Slots one after another, each 64-byte aligned.
-  std::array<std::size_t, n> slot_bytes{};
-  for (std::size_t i = 0; i < n; ++i) {
-    if (buffers.storage[i] != graph::Storage::slot) continue;
-    const auto bytes = static_cast<std::size_t>(p.shapes[i].numel()) * element_size[i];
-    if (bytes > slot_bytes[buffers.slot[i]]) slot_bytes[buffers.slot[i]] = bytes;
-  }
-  std::array<std::size_t, n> slot_offset{};
-  for (std::size_t s = 0; s < buffers.slot_count; ++s) {
-    slot_offset[s] = p.arena_bytes;
-    p.arena_bytes += (slot_bytes[s] + detail::block_alignment - 1) / detail::block_alignment * detail::block_alignment;
-  }
-  for (std::size_t i = 0; i < n; ++i) p.offset[i] = slot_offset[buffers.slot[i]];
+  p.arena_bytes = detail::lay_out_slots(buffers.storage, buffers.slot, buffers.slot_count, element_size, p.shapes, p.offset);
   return p;
 }
 
