@@ -1,7 +1,9 @@
 // duet::io::load_onnx against PyTorch: tests/onnx_references.py exports the models and writes
 // PyTorch's outputs into $DUET_ONNX_REFERENCES (CTest runs it first); without them (no torch)
 // those cases report themselves skipped. The error cases build their models here with the ONNX
-// library's protobuf classes.
+// library's protobuf classes. duet::io::export_onnx's models are read back by load_onnx and
+// checked by tests/onnx_check_export.py ($DUET_ONNX_EXPORT_CHECK): onnx.checker, and an
+// evaluation of the file in numpy.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -18,6 +20,8 @@
 
 #include "../examples/lenet5.hpp"
 #include "../examples/network.hpp"
+#include "../examples/resnet_fashion.hpp"
+#include "support.hpp"
 
 namespace {
 
@@ -663,6 +667,120 @@ TEST_CASE("io::load_onnx: an axis or perm beyond int is refused, not narrowed (s
     CHECK(message_of<duet::FormatError>(m) ==
           "test.onnx: ONNX node 't' (Transpose): perm [4294967297, 4294967296] is not a permutation");
   }
+}
+
+
+// A python3 that has onnx and numpy, and the export checker's path; nothing if there is none.
+std::optional<std::string> export_checker() {
+  const char* script = std::getenv("DUET_ONNX_EXPORT_CHECK");
+  if (script == nullptr) return std::nullopt;
+  for (const std::string python : {"python3", "/usr/bin/python3"}) {
+    if (std::system((python + " -c 'import onnx, numpy' 2>/dev/null").c_str()) == 0) {
+      return python + " " + script;
+    }
+  }
+  return std::nullopt;
+}
+
+void write_floats(const fs::path& path, const Tensor& t) {
+  std::ofstream out(path, std::ios::binary);
+  out.write(reinterpret_cast<const char*>(t.data()), static_cast<std::streamsize>(t.numel() * sizeof(float)));
+  REQUIRE(out);
+}
+
+// Exports net for `shape`, then: load_onnx gives back its parameters under their names and
+// its output at evaluation (PyNative's, computed here), in both modes, bit for bit; and
+// onnx.checker accepts the file and a numpy evaluation of it gives that output.
+template <class Net>
+void check_export(Net& net, const Shape& shape, const std::string& name, const duet_test::TempDir& dir) {
+  INFO(name);
+  const fs::path file = dir.path / (name + ".onnx");
+  const bool training = net.training();
+  duet::io::export_onnx(net, shape, file);
+  CHECK(net.training() == training);  // it ran at evaluation, and gave the setting back
+  net.set_train(false);
+  const Tensor x = duet::randn(shape);
+  Tensor want;
+  {
+    const duet::EagerScope eager;
+    want = Tensor(net(x));
+  }
+  duet::io::OnnxModel loaded = duet::io::load_onnx(file);
+  std::vector<std::string> names, loaded_names;
+  for (const auto& p : net.parameters()) names.push_back(p.name);
+  for (const auto& p : loaded.parameters()) loaded_names.push_back(p.name);
+  std::ranges::sort(names);
+  std::ranges::sort(loaded_names);
+  CHECK(loaded_names == names);
+  CHECK(same_bits(loaded(x), want));
+  {
+    ModeScope graph(duet::GRAPH_MODE);
+    CHECK(same_bits(loaded(x), want));
+  }
+  if (const auto checker = export_checker()) {
+    write_floats(dir.path / (name + ".in"), x);
+    write_floats(dir.path / (name + ".out"), want);
+    const std::string command = *checker + " " + (dir.path / (name + ".onnx")).string() + " " +
+                                (dir.path / (name + ".in")).string() + " " + (dir.path / (name + ".out")).string();
+    CHECK(std::system(command.c_str()) == 0);
+  } else {
+    MESSAGE("SKIPPED: the exported model is not checked by onnx.checker (no python3 with onnx and numpy, or "
+            "DUET_ONNX_EXPORT_CHECK unset)");
+  }
+}
+
+TEST_CASE("io::export_onnx: the seed network, LeNet-5 and the residual CNN load back with their outputs and names") {
+  const duet_test::TempDir dir;
+  SeedNetwork<> seed;
+  check_export(seed, Shape{3, 1, 28, 28}, "seed", dir);
+  LeNet5 lenet;
+  check_export(lenet, Shape{2, 1, 28, 28}, "lenet5", dir);
+  resnet_fashion::ResNetFashion resnet;
+  {  // moving statistics other than 0 and 1, so that BatchNormalization's inputs matter
+    const duet::EagerScope eager;
+    resnet.set_train(true);
+    for (int step = 0; step < 2; ++step) (void)Tensor(resnet(duet::randn(Shape{8, 1, 28, 28})));
+  }
+  check_export(resnet, Shape{2, 1, 28, 28}, "resnet", dir);
+}
+
+TEST_CASE("io::export_onnx: with dynamic_batch the model takes any batch") {
+  const duet_test::TempDir dir;
+  LeNet5 lenet;
+  lenet.set_train(false);
+  duet::io::export_onnx(lenet, Shape{2, 1, 28, 28}, dir.path / "lenet5.onnx", {.dynamic_batch = true});
+  duet::io::OnnxModel loaded = duet::io::load_onnx(dir.path / "lenet5.onnx");
+  CHECK(loaded.input_dims() == std::vector<std::int64_t>{-1, 1, 28, 28});
+  const Tensor x = duet::randn(Shape{5, 1, 28, 28});
+  const duet::EagerScope eager;
+  CHECK(same_bits(loaded(x), Tensor(lenet(x))));
+}
+
+struct Scaled : duet::nn::Cell<Scaled> {
+  duet::nn::Dense<4, 3> dense;
+  DUET_CELL_MEMBERS(dense);
+  auto construct(auto x) { return dense(x) * 2.0f; }
+};
+
+TEST_CASE("io::export_onnx: an operation with no ONNX form, or an input shape that is not concrete, is a ValueError") {
+  const duet_test::TempDir dir;
+  const auto value_error_of = [](auto&& f) -> std::string {
+    try {
+      f();
+    } catch (const duet::ValueError& e) {
+      return e.what();
+    }
+    FAIL("expected a duet::ValueError");
+    return {};
+  };
+  Scaled net;
+  const fs::path file = dir.path / "scaled.onnx";
+  const std::string message = value_error_of([&] { duet::io::export_onnx(net, Shape{2, 4}, file); });
+  CHECK(message.find("Mul(x, scalar)") != std::string::npos);
+  CHECK(message.find("has no ONNX form") != std::string::npos);
+  CHECK(dir.listing().empty());  // nothing written, not even the temporary file
+  const std::string shape = value_error_of([&] { duet::io::export_onnx(net, Shape{-1, 4}, file); });
+  CHECK(shape.find("the input shape must be concrete") != std::string::npos);
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -18,6 +19,7 @@
 #include "backend.hpp"
 #include "error.hpp"
 #include "graph.hpp"
+#include "interchange.hpp"
 #include "ops/evaluation_norm.hpp"
 #include "parameter.hpp"
 #include "tensor.hpp"
@@ -98,6 +100,9 @@ class Step {
   // What graph_ir prints for it: the operation's name, and who runs it (empty if nobody else).
   virtual std::string op_name() const = 0;
   virtual std::string label() const = 0;
+  // What it is in ONNX's vocabulary (interchange.hpp), for io::export_onnx; empty if its op
+  // does not say.
+  virtual ops::Interchange interchange(std::span<const Shape> /*in*/) const { return {}; }
 
   std::vector<std::size_t> inputs;
   std::size_t output = 0;
@@ -193,6 +198,10 @@ class OpStep final : public Step {
   bool runs_kernel() const override { return graph::runs_kernel<Op>(); }
   std::string op_name() const override { return Op::op_name(); }
   std::string label() const override { return op_.label() == Op::op_name() ? std::string() : op_.label(); }
+  ops::Interchange interchange(std::span<const Shape> in) const override {
+    if constexpr (requires { op_.interchange(in); }) return op_.interchange(in);
+    else return {};
+  }
 
  private:
   // Instantiated only for ops with a kernel: views have none.

@@ -6180,11 +6180,78 @@ auto parameter(const nn::BasicParameter<T>& p) {
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
+// What an operation is in the vocabulary of ONNX, the format other frameworks read: the
+// description io::export_onnx writes, given by the operation itself so that adding an
+// operation touches one file. It names ONNX's operators and attributes as plain strings and
+// numbers; only io/onnx.hpp turns them into the format, so duet itself needs no ONNX library.
+//
+// An operation describes itself with an optional member
+//
+//   Interchange interchange(std::span<const Shape> in) const
+//
+// given its inputs' shapes: one node, or a short chain (a product over a batch of matrices is
+// a Transpose of its weight, then a MatMul). An operation without it is not exported, and
+// export_onnx says which one stopped it.
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace duet::ops {
+
+// An input of a described node: one of the operation's own inputs, a parameter of its layer
+// (the exporter finds its name among the network's parameters), a constant of int64s (a
+// Reshape's target shape), or the value an earlier node of the same description makes.
+struct InterchangeInput {
+  enum class Kind : unsigned char { input, parameter, int64s, earlier };
+  Kind kind = Kind::input;
+  std::size_t index = 0;            // Kind::input: which input; Kind::earlier: which node
+  const void* parameter = nullptr;  // Kind::parameter: the BasicParameter<T>, T the network's
+  std::vector<std::int64_t> int64s;
+
+  static InterchangeInput operand(std::size_t k) { return {Kind::input, k, nullptr, {}}; }
+  static InterchangeInput of_parameter(const void* p) { return {Kind::parameter, 0, p, {}}; }
+  static InterchangeInput constant(std::vector<std::int64_t> values) {
+    return {Kind::int64s, 0, nullptr, std::move(values)};
+  }
+  static InterchangeInput node(std::size_t k) { return {Kind::earlier, k, nullptr, {}}; }
+};
+
+struct InterchangeAttribute {
+  enum class Kind : unsigned char { integer, real, integers };
+  std::string name;
+  Kind kind = Kind::integer;
+  std::int64_t integer = 0;
+  float real = 0;
+  std::vector<std::int64_t> integers;
+
+  static InterchangeAttribute of(std::string n, std::int64_t v) { return {std::move(n), Kind::integer, v, 0, {}}; }
+  static InterchangeAttribute of_real(std::string n, double v) {
+    return {std::move(n), Kind::real, 0, static_cast<float>(v), {}};
+  }
+  static InterchangeAttribute of(std::string n, std::vector<std::int64_t> v) {
+    return {std::move(n), Kind::integers, 0, 0, std::move(v)};
+  }
+};
+
+struct InterchangeNode {
+  std::string op_type;  // ONNX's operator ("Gemm", "Conv", "Relu")
+  std::vector<InterchangeInput> inputs;
+  std::vector<InterchangeAttribute> attributes;
+};
+
+// The operation's nodes in order; the last one's value is the operation's.
+using Interchange = std::vector<InterchangeNode>;
+
+}  // namespace duet::ops
 // A BatchNorm at evaluation as what a convolution before it folds in, whatever the layer's type:
 // its per-channel affine map, the tensors the fold watches for changes, its label and its
 // train/evaluate setting. Graph mode's passes meet the layer's own type, but PIJit's fusion
@@ -6312,6 +6379,9 @@ class Step {
   // What graph_ir prints for it: the operation's name, and who runs it (empty if nobody else).
   virtual std::string op_name() const = 0;
   virtual std::string label() const = 0;
+  // What it is in ONNX's vocabulary (interchange.hpp), for io::export_onnx; empty if its op
+  // does not say.
+  virtual ops::Interchange interchange(std::span<const Shape> /*in*/) const { return {}; }
 
   std::vector<std::size_t> inputs;
   std::size_t output = 0;
@@ -6407,6 +6477,10 @@ class OpStep final : public Step {
   bool runs_kernel() const override { return graph::runs_kernel<Op>(); }
   std::string op_name() const override { return Op::op_name(); }
   std::string label() const override { return op_.label() == Op::op_name() ? std::string() : op_.label(); }
+  ops::Interchange interchange(std::span<const Shape> in) const override {
+    if constexpr (requires { op_.interchange(in); }) return op_.interchange(in);
+    else return {};
+  }
 
  private:
   // Instantiated only for ops with a kernel: views have none.
@@ -13899,6 +13973,7 @@ inline constexpr bool grad_from_input = requires { requires Fn::grad_from_input;
 
 struct Relu {
   static constexpr std::string_view name = "ReLU";
+  static ops::InterchangeNode interchange() { return {"Relu", {}, {}}; }
   // NaN stays NaN, as IEEE and numpy's maximum say; a plain max(x, 0) would turn it into 0.
   template <class A>
   static auto array(const A& a) {
@@ -13937,6 +14012,7 @@ struct Relu {
 // 1 / (1 + exp(-x)); derivative y (1 - y).
 struct Sigmoid {
   static constexpr std::string_view name = "Sigmoid";
+  static ops::InterchangeNode interchange() { return {"Sigmoid", {}, {}}; }
   template <class A>
   static auto array(const A& a) {
     return a.logistic();
@@ -13951,6 +14027,7 @@ struct Sigmoid {
 // Derivative 1 - y².
 struct Tanh {
   static constexpr std::string_view name = "Tanh";
+  static ops::InterchangeNode interchange() { return {"Tanh", {}, {}}; }
   template <class A>
   static auto array(const A& a) {
     return a.tanh();
@@ -14029,6 +14106,7 @@ inline void check_alpha(double alpha, const std::string& who) {
 // x for x > 0, alpha x otherwise; the derivative at 0 is alpha, as PyTorch's.
 struct LeakyRelu {
   static constexpr std::string_view name = "LeakyReLU";
+  ops::InterchangeNode interchange() const { return {"LeakyRelu", {}, {ops::InterchangeAttribute::of_real("alpha", alpha)}}; }
   double alpha = 0.2;
   template <class A>
   auto array(const A& a) const {
@@ -14045,6 +14123,7 @@ struct LeakyRelu {
 // x for x > 0, alpha (exp(x) - 1) otherwise; the derivative there is y + alpha.
 struct Elu {
   static constexpr std::string_view name = "ELU";
+  ops::InterchangeNode interchange() const { return {"Elu", {}, {ops::InterchangeAttribute::of_real("alpha", alpha)}}; }
   double alpha = 1.0;
   template <class A>
   auto array(const A& a) const {
@@ -14087,6 +14166,10 @@ namespace ops {
 
 template <class Fn>
 struct MapGradOp;
+
+// Whether an elementwise function says what it is in ONNX (MapOp::interchange).
+template <class Fn>
+inline constexpr bool has_interchange = requires(const Fn& f) { f.interchange(); };
 
 // Fns applied elementwise, in order, in one pass. Capture makes one per function; O1 fuses
 // chains (relu(tanh(x)) is one MapOp<Tanh, Relu>), and products absorb them as epilogues.
@@ -14134,6 +14217,21 @@ struct MapOp : Primitive<MapOp<Fns...>> {
     std::string s;
     ((s += s.empty() ? "" : " + ", s += Fns::name), ...);
     return s;
+  }
+
+  // ONNX: a node per function, each function saying what it is (fn::Relu::interchange); empty
+  // if one does not.
+  Interchange interchange(std::span<const Shape>) const {
+    if constexpr ((has_interchange<Fns> && ...)) {
+      Interchange nodes;
+      std::apply([&](const auto&... f) { (nodes.push_back(f.interchange()), ...); }, fns);
+      for (std::size_t k = 0; k < nodes.size(); ++k) {
+        nodes[k].inputs = {k == 0 ? InterchangeInput::operand(0) : InterchangeInput::node(k - 1)};
+      }
+      return nodes;
+    } else {
+      return {};
+    }
   }
 };
 
@@ -14463,6 +14561,21 @@ struct BatchNormOp : Primitive<BatchNormOp<Layer, P>>, PhaseOf<Layer, P> {
 
   static std::string op_name() { return P == graph::Phase::train ? "BatchNorm" : "BatchNorm (moving statistics)"; }
   std::string label() const { return this->layer->label(); }
+
+  // ONNX: BatchNormalization in inference, from the moving statistics (export_onnx traces the
+  // network at evaluation).
+  Interchange interchange(std::span<const Shape>) const {
+    if constexpr (P == graph::Phase::eval) {
+      using I = InterchangeInput;
+      const Layer& l = *this->layer;
+      return {{"BatchNormalization",
+               {I::operand(0), I::of_parameter(&l.gamma), I::of_parameter(&l.beta), I::of_parameter(&l.moving_mean),
+                I::of_parameter(&l.moving_variance)},
+               {InterchangeAttribute::of_real("epsilon", l.eps())}}};
+    } else {
+      return {};
+    }
+  }
 
  private:
   // y = (x - mean) · scale + beta over channel c, scale being gamma / sqrt(var + eps).
@@ -14926,6 +15039,20 @@ struct MatMulOp : Primitive<MatMulOp<Layer, Bias, Fns...>> {
   static std::string op_name() { return with_epilogue("MatMul"); }
   std::string label() const { return layer->label(); }
 
+  // ONNX: Gemm(x, W, transB = 1) on a matrix; on other ranks a MatMul by Wᵀ. Only the plain
+  // product: PyNative, which export_onnx traces, runs the epilogue as ops of their own.
+  Interchange interchange(std::span<const Shape> in) const {
+    if constexpr (Bias || sizeof...(Fns) > 0) {
+      return {};
+    } else {
+      using I = InterchangeInput;
+      if (in[0].rank() == 2) {
+        return {{"Gemm", {I::operand(0), I::of_parameter(&layer->weight)}, {InterchangeAttribute::of("transB", 1)}}};
+      }
+      return {{"Transpose", {I::of_parameter(&layer->weight)}, {}}, {"MatMul", {I::operand(0), I::node(0)}, {}}};
+    }
+  }
+
  protected:
   // Built in a local, not a by-value parameter: g++ 12 at -O1 and above warns (-Warray-bounds,
   // a false positive) on the inlined move of a returned parameter string.
@@ -15004,6 +15131,10 @@ struct BiasAddOp : Primitive<BiasAddOp<Layer>> {
 
   static std::string op_name() { return "BiasAdd"; }
   std::string label() const { return layer->label(); }
+
+  Interchange interchange(std::span<const Shape>) const {
+    return {{"Add", {InterchangeInput::operand(0), InterchangeInput::of_parameter(&layer->bias)}, {}}};
+  }
 };
 
 // The gradient of MatMulOp<Layer, Bias, Fns...>: from dy (and y, when Fns need it) it makes
@@ -15267,6 +15398,12 @@ struct DropoutOp : Primitive<DropoutOp<Layer, P>>, PhaseOf<Layer, P> {
 
   static std::string op_name() { return P == graph::Phase::train ? "Dropout" : "Dropout (identity)"; }
   std::string label() const { return this->layer->label(); }
+
+  // ONNX: at evaluation, what it is, the identity.
+  Interchange interchange(std::span<const Shape>) const {
+    if constexpr (P == graph::Phase::eval) return {{"Identity", {InterchangeInput::operand(0)}, {}}};
+    else return {};
+  }
 };
 
 // Training: dx = dy / (1 - p) where the element was kept, 0 where it was dropped (recovered from
@@ -16465,6 +16602,9 @@ struct FlattenOp : Primitive<FlattenOp> {
 
   static std::string op_name() { return "Flatten"; }
   std::string label() const { return "nn::Flatten"; }
+  Interchange interchange(std::span<const Shape>) const {
+    return {{"Flatten", {InterchangeInput::operand(0)}, {InterchangeAttribute::of("axis", 1)}}};
+  }
 };
 
 template <class X>
@@ -17685,6 +17825,7 @@ namespace fn {
 
 struct Add {
   static constexpr std::string_view name = "Add";
+  static constexpr std::string_view onnx = "Add";  // its operator in ONNX
   template <class T>
   static T apply(T a, T b) {
     return a + b;
@@ -17697,6 +17838,7 @@ struct Add {
 
 struct Sub {
   static constexpr std::string_view name = "Sub";
+  static constexpr std::string_view onnx = "Sub";  // its operator in ONNX
   template <class T>
   static T apply(T a, T b) {
     return a - b;
@@ -17709,6 +17851,7 @@ struct Sub {
 
 struct Mul {
   static constexpr std::string_view name = "Mul";
+  static constexpr std::string_view onnx = "Mul";  // its operator in ONNX
   template <class T>
   static T apply(T a, T b) {
     return a * b;
@@ -17721,6 +17864,7 @@ struct Mul {
 
 struct Div {
   static constexpr std::string_view name = "Div";
+  static constexpr std::string_view onnx = "Div";  // its operator in ONNX
   template <class T>
   static T apply(T a, T b) {
     return a / b;
@@ -17735,6 +17879,7 @@ struct Div {
 // and any other choice makes maximum(x, x) differ from x.
 struct Maximum {
   static constexpr std::string_view name = "Maximum";
+  static constexpr std::string_view onnx = "Max";  // its operator in ONNX
   template <class T>
   static T apply(T a, T b) {
     return a != a || a > b ? a : b;  // NaN propagates from either side
@@ -17748,6 +17893,7 @@ struct Maximum {
 
 struct Minimum {
   static constexpr std::string_view name = "Minimum";
+  static constexpr std::string_view onnx = "Min";  // its operator in ONNX
   template <class T>
   static T apply(T a, T b) {
     return a != a || a < b ? a : b;
@@ -17763,6 +17909,7 @@ struct Minimum {
 // where the power itself is (b > 0), as PyTorch defines it.
 struct Pow {
   static constexpr std::string_view name = "Pow";
+  static constexpr std::string_view onnx = "Pow";  // its operator in ONNX
   template <class T>
   static T apply(T a, T b) {
     return static_cast<T>(std::pow(a, b));
@@ -18055,6 +18202,15 @@ struct BroadcastOp : Primitive<BroadcastOp<Fn, Epilogue...>> {
     std::string s(Fn::name);
     ((s += " + " + std::string(Epilogue::name)), ...);
     return s;
+  }
+
+  // ONNX broadcasts as numpy does, as duet does.
+  Interchange interchange(std::span<const Shape>) const {
+    if constexpr (sizeof...(Epilogue) == 0 && requires { Fn::onnx; }) {
+      return {{std::string(Fn::onnx), {InterchangeInput::operand(0), InterchangeInput::operand(1)}, {}}};
+    } else {
+      return {};
+    }
   }
 };
 
@@ -18668,6 +18824,30 @@ struct ConvOp : Primitive<ConvOp<Layer>> {
 
   static std::string op_name() { return Layer::spatial == 2 ? "Conv2d" : "Conv1d"; }
   std::string label() const { return layer->label(); }
+
+  // ONNX: Conv, its padding explicit: SAME's is uneven for some sizes, known from the input's.
+  Interchange interchange(std::span<const Shape> in) const {
+    const ConvGeometry g = layer->geometry();
+    std::vector<std::int64_t> begin, end;
+    for (int i = 0; i < g.spatial; ++i) {
+      const index_t size = in[0][2 + i];
+      const detail::ConvAxis axis = detail::conv_axis(g, size, true);
+      begin.push_back(axis.pad_before);
+      end.push_back(g.pad_mode == nn::PadMode::same
+                        ? std::max<index_t>(0, (axis.out - 1) * g.stride + g.extent() - size) - axis.pad_before
+                        : axis.pad_before);
+    }
+    std::vector<std::int64_t> pads = begin;
+    pads.insert(pads.end(), end.begin(), end.end());
+    const auto each = [&](index_t v) { return std::vector<std::int64_t>(static_cast<std::size_t>(g.spatial), v); };
+    using I = InterchangeInput;
+    using A = InterchangeAttribute;
+    InterchangeNode conv{"Conv", {I::operand(0), I::of_parameter(&layer->weight)},
+                         {A::of("kernel_shape", each(g.kernel)), A::of("strides", each(g.stride)),
+                          A::of("dilations", each(g.dilation)), A::of("pads", std::move(pads)), A::of("group", g.groups)}};
+    if (layer->has_bias()) conv.inputs.push_back(I::of_parameter(&layer->bias));
+    return {std::move(conv)};
+  }
 };
 
 // The gradient of ConvOp from dy and x: dweight, dbias and, if InputGrad, dx. The patches are
@@ -20131,6 +20311,29 @@ struct Pool2dOp : Primitive<Pool2dOp<Kind, Win, Layer>> {
     if constexpr (std::is_void_v<Layer>) return std::string(Kind::function) + detail::window_text<Win>();
     else return layer->label();
   }
+
+  // ONNX: MaxPool or AveragePool, the padding explicit (SAME's depends on the input's size); an
+  // average counts the padding as duet's does (only in pad_mode pad with count_include_pad).
+  Interchange interchange(std::span<const Shape> in) const {
+    const index_t k[2] = {Win.kernel_h, Win.kernel_w}, s[2] = {Win.stride_h, Win.stride_w}, p[2] = {Win.pad_h, Win.pad_w};
+    std::vector<std::int64_t> pads(4);
+    for (int i = 0; i < 2; ++i) {
+      const index_t size = in[0][2 + i];
+      const detail::PoolAxis axis = detail::pool_axis(size, k[i], s[i], Win.pad_mode, p[i]);
+      pads[i] = axis.pad_before;
+      pads[2 + i] = Win.pad_mode == nn::PadMode::same
+                        ? std::max<index_t>(0, (axis.out - 1) * s[i] + k[i] - size) - axis.pad_before
+                        : axis.pad_before;
+    }
+    using A = InterchangeAttribute;
+    InterchangeNode pool{std::is_same_v<Kind, detail::MaxPoolKind> ? "MaxPool" : "AveragePool",
+                         {InterchangeInput::operand(0)},
+                         {A::of("kernel_shape", {k[0], k[1]}), A::of("strides", {s[0], s[1]}), A::of("pads", pads)}};
+    if constexpr (!std::is_same_v<Kind, detail::MaxPoolKind>) {
+      pool.attributes.push_back(A::of("count_include_pad", Win.pad_mode == nn::PadMode::pad && Win.count_include_pad));
+    }
+    return {std::move(pool)};
+  }
 };
 
 // d/dx of Pool2dOp, from dy and x.
@@ -20204,6 +20407,11 @@ struct AdaptiveAvgPool2dOp : Primitive<AdaptiveAvgPool2dOp<OutH, OutW, Layer>> {
 
   static std::string op_name() {
     return "AdaptiveAvgPool2d(output_size=" + std::to_string(OutH) + "x" + std::to_string(OutW) + ")";
+  }
+  // ONNX has the global average (output 1x1) only.
+  Interchange interchange(std::span<const Shape>) const {
+    if constexpr (OutH == 1 && OutW == 1) return {{"GlobalAveragePool", {InterchangeInput::operand(0)}, {}}};
+    else return {};
   }
   std::string label() const {
     if constexpr (std::is_void_v<Layer>) {
@@ -20471,6 +20679,10 @@ struct SoftmaxOp : Primitive<SoftmaxOp<Log>>, detail::AxisMember<SoftmaxOp<Log>>
   }
 
   static std::string op_name() { return Log ? "LogSoftmax" : "Softmax"; }
+  // ONNX's (opset 13 on) takes one axis, as this does.
+  Interchange interchange(std::span<const Shape>) const {
+    return {{op_name(), {InterchangeInput::operand(0)}, {InterchangeAttribute::of("axis", this->axis)}}};
+  }
 };
 
 template <bool Log>

@@ -1,5 +1,6 @@
 // ONNX models: duet::io::load_onnx(path) builds a network at run time from a model that
-// torch.onnx.export (or any exporter) wrote, at opsets 13 to 17.
+// torch.onnx.export (or any exporter) wrote, at opsets 13 to 17; duet::io::export_onnx(net,
+// input_shape, path) writes a duet network as one (at the end of this file).
 //
 // The file is parsed by the official ONNX library's protobuf classes (Debian's libonnx-dev), so
 // this header is not part of <duet/duet.hpp>: include <duet/io/onnx.hpp> and link the CMake
@@ -1314,6 +1315,232 @@ inline CheckpointLoad load_onnx_weights(const std::filesystem::path& path, nn::D
   for (const auto& [name, t] : initializers)
     if (t->data_type() == onnx::TensorProto::FLOAT && !used.contains(name)) left.ckpt_not_load.push_back(name);
   return left;
+}
+
+
+// What export_onnx writes beside the graph.
+struct OnnxExportOptions {
+  // Axis 0 of the input and the output is named "batch" rather than sized, so that the model
+  // takes any batch (torch.onnx.export's dynamic_axes). The graph must then not fix the batch
+  // itself (a Reshape to a static shape); Flatten and the layers do not.
+  bool dynamic_batch = false;
+  std::string graph_name = "duet";
+};
+
+namespace detail {
+
+template <class T>
+constexpr int onnx_type() {
+  if constexpr (std::is_same_v<T, float>) return onnx::TensorProto::FLOAT;
+  else if constexpr (std::is_same_v<T, double>) return onnx::TensorProto::DOUBLE;
+  else return onnx::TensorProto::INT64;
+}
+
+// An initializer of raw little-endian bytes (the only byte order duet runs on, x86-64).
+template <class T>
+void set_onnx_tensor(onnx::TensorProto& t, const std::string& name, const Shape& shape, const T* values) {
+  t.set_name(name);
+  t.set_data_type(onnx_type<T>());
+  for (int i = 0; i < shape.rank(); ++i) t.add_dims(shape[i]);
+  t.set_raw_data(reinterpret_cast<const char*>(values), static_cast<std::size_t>(shape.numel()) * sizeof(T));
+}
+
+inline void set_onnx_value_info(onnx::ValueInfoProto& info, const std::string& name, int type, const Shape& shape,
+                                bool dynamic_batch) {
+  info.set_name(name);
+  onnx::TypeProto_Tensor& tensor = *info.mutable_type()->mutable_tensor_type();
+  tensor.set_elem_type(type);
+  for (int i = 0; i < shape.rank(); ++i) {
+    onnx::TensorShapeProto_Dimension& d = *tensor.mutable_shape()->add_dim();
+    if (i == 0 && dynamic_batch) d.set_dim_param("batch");
+    else d.set_dim_value(shape[i]);
+  }
+}
+
+// Builds the model from a trace of PyNative's operations: each step says what it is in ONNX's
+// vocabulary (ops::Interchange); this names values, writes parameters as initializers under
+// the network's names for them, and checks that every step has a form.
+template <class T>
+class OnnxExporter {
+ public:
+  OnnxExporter(const pijit::Trace& trace, std::vector<nn::NamedParameter<T>> parameters, std::string where)
+      : trace_(trace), where_(std::move(where)) {
+    for (const auto& p : parameters) parameters_.emplace(static_cast<const void*>(p.parameter), p);
+  }
+
+  onnx::ModelProto build(std::size_t output, const OnnxExportOptions& options) {
+    onnx::ModelProto model;
+    model.set_ir_version(8);
+    model.set_producer_name("duet");
+    onnx::OperatorSetIdProto& opset = *model.add_opset_import();
+    opset.set_domain("");
+    opset.set_version(17);
+    graph_ = model.mutable_graph();
+    graph_->set_name(options.graph_name);
+    output_ = output;
+    const auto& values = trace_.values();
+    for (std::size_t v = 0; v < values.size(); ++v) {
+      if (values[v].kind == pijit::Value::Kind::input) {
+        set_onnx_value_info(*graph_->add_input(), "input", onnx_type<T>(), values[v].shape, options.dynamic_batch);
+      }
+    }
+    for (const auto& step : trace_.steps()) add_step(*step);
+    if (values[output].kind == pijit::Value::Kind::input || values[output].kind == pijit::Value::Kind::constant) {
+      onnx::NodeProto& node = *graph_->add_node();
+      node.set_op_type("Identity");
+      node.add_input(value_name(output, false));
+      node.add_output("output");
+    }
+    set_onnx_value_info(*graph_->add_output(), "output", onnx_type<T>(), values[output].shape, options.dynamic_batch);
+    return model;
+  }
+
+ private:
+  // "input", "output", a parameter's or constant's initializer, or v<N> for the value %N.
+  std::string value_name(std::size_t v, bool producing) {
+    const pijit::Value& value = trace_.values()[v];
+    if (value.kind == pijit::Value::Kind::input) return "input";
+    if (v == output_ && (producing || value.kind != pijit::Value::Kind::constant)) return "output";
+    if (value.kind == pijit::Value::Kind::constant) {
+      // A parameter read as a tensor (ops::ParameterOp's operand) keeps its name.
+      for (const auto& [key, p] : parameters_) {
+        if (p.parameter->data() == value.data) return parameter_name(key);
+      }
+      const std::string name = "constant" + std::to_string(v);
+      if (written_.insert(name).second) {
+        set_onnx_tensor(*graph_->add_initializer(), name, value.shape, static_cast<const T*>(value.data));
+      }
+      return name;
+    }
+    return "v" + std::to_string(v);
+  }
+
+  std::string parameter_name(const void* key) {
+    const auto found = parameters_.find(key);
+    if (found == parameters_.end()) return {};
+    const nn::NamedParameter<T>& p = found->second;
+    if (written_.insert(p.name).second) {
+      set_onnx_tensor(*graph_->add_initializer(), p.name, p.parameter->shape(), p.parameter->data());
+    }
+    return p.name;
+  }
+
+  void add_step(const pijit::Step& step) {
+    const auto& values = trace_.values();
+    std::vector<Shape> shapes;
+    for (std::size_t v : step.inputs) shapes.push_back(values[v].shape);
+    const ops::Interchange nodes = step.interchange(shapes);
+    const std::string who = step.op_name() + (step.label().empty() ? "" : " (" + step.label() + ")");
+    if (nodes.empty()) {
+      throw ValueError(where_ + ": " + who + " has no ONNX form; the operations export_onnx writes are those whose "
+                                            "op gives interchange() (the README lists them)");
+    }
+    const std::string out = value_name(step.output, true);
+    for (std::size_t k = 0; k < nodes.size(); ++k) {
+      const ops::InterchangeNode& n = nodes[k];
+      onnx::NodeProto& node = *graph_->add_node();
+      node.set_op_type(n.op_type);
+      node.set_name("%" + std::to_string(step.output) + (nodes.size() > 1 ? "." + std::to_string(k) : "") + " " + who);
+      for (std::size_t i = 0; i < n.inputs.size(); ++i) node.add_input(input_name(n.inputs[i], step, out, who, i));
+      node.add_output(k + 1 == nodes.size() ? out : out + "." + std::to_string(k));
+      for (const ops::InterchangeAttribute& a : n.attributes) {
+        onnx::AttributeProto& attribute = *node.add_attribute();
+        attribute.set_name(a.name);
+        switch (a.kind) {
+          case ops::InterchangeAttribute::Kind::integer:
+            attribute.set_type(onnx::AttributeProto::INT);
+            attribute.set_i(a.integer);
+            break;
+          case ops::InterchangeAttribute::Kind::real:
+            attribute.set_type(onnx::AttributeProto::FLOAT);
+            attribute.set_f(a.real);
+            break;
+          case ops::InterchangeAttribute::Kind::integers:
+            attribute.set_type(onnx::AttributeProto::INTS);
+            for (std::int64_t v : a.integers) attribute.add_ints(v);
+            break;
+        }
+      }
+    }
+  }
+
+  std::string input_name(const ops::InterchangeInput& in, const pijit::Step& step, const std::string& out,
+                         const std::string& who, std::size_t position) {
+    using Kind = ops::InterchangeInput::Kind;
+    switch (in.kind) {
+      case Kind::input:
+        return value_name(step.inputs.at(in.index), false);
+      case Kind::earlier:
+        return out + "." + std::to_string(in.index);
+      case Kind::int64s: {
+        const std::string name = out + ".constant" + std::to_string(position);
+        const Shape shape{static_cast<index_t>(in.int64s.size())};
+        set_onnx_tensor(*graph_->add_initializer(), name, shape, in.int64s.data());
+        return name;
+      }
+      case Kind::parameter: {
+        std::string name = parameter_name(in.parameter);
+        if (name.empty()) {
+          throw ValueError(where_ + ": " + who + " reads a parameter that is not among the network's parameters (" +
+                           std::string(nn::detail::unregistered_members_hint) + ")");
+        }
+        return name;
+      }
+    }
+    return {};
+  }
+
+  const pijit::Trace& trace_;
+  std::string where_;
+  std::map<const void*, nn::NamedParameter<T>> parameters_;
+  std::set<std::string> written_;
+  onnx::GraphProto* graph_ = nullptr;
+  std::size_t output_ = 0;
+};
+
+}  // namespace detail
+
+// Writes a network as an ONNX model (opset 17) for one input shape: a trace of the network
+// running once in PyNative mode at evaluation (Dropout the identity, BatchNorm its moving
+// statistics; every cell's own setting is given back after), each operation written as ONNX's
+// operator for it and each parameter as an initializer under its name in the network
+// ("dense_relu_sequential.0.weight"), so load_onnx and load_onnx_weights read it back and
+// onnx.checker accepts it. The operations that have an ONNX form say so (ops::Interchange,
+// interchange.hpp): the layers (Dense, Conv1d/2d, BatchNorm, pooling, Flatten, Dropout), the
+// activations and numpy-broadcasting Add, Sub, Mul, Div, Maximum, Minimum and Pow; anything
+// else is a duet::ValueError naming it. The file is written beside the destination and
+// renamed into place, as checkpoints are.
+template <class Net>
+void export_onnx(Net& net, const Shape& input_shape, const std::filesystem::path& path,
+                 const OnnxExportOptions& options = {}) {
+  using T = typename Net::value_type;
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
+                "duet::io::export_onnx: the network's values must be float or double");
+  const std::string where = "duet::io::export_onnx(" + net.type_name() + ", " + path.string() + ")";
+  if (!input_shape.is_concrete() || input_shape.rank() == 0) {
+    throw ValueError(where + ": the input shape must be concrete and of rank 1 or more, got " + to_string(input_shape));
+  }
+  const train::detail::EvaluationScope<Net> evaluation(net);
+  pijit::Trace trace;
+  trace.keep_values();
+  BasicTensor<T> input = zeros<T>(input_shape);
+  trace.add_input(input, 0);
+  BasicTensor<T> out;
+  {
+    const duet::detail::StepScope discarded;
+    const pijit::Tracing tracing(&trace);
+    const EagerScope eager;
+    out = BasicTensor<T>(net(input));
+  }
+  if (!trace.broken().empty()) throw ValueError(where + ": the network cannot be traced: " + trace.broken());
+  const std::size_t output = trace.find(out);
+  if (output >= trace.values().size()) throw ValueError(where + ": the network's output is not made from its input");
+  const onnx::ModelProto model = detail::OnnxExporter<T>(trace, net.parameters(), where).build(output, options);
+  std::string bytes;
+  if (!model.SerializeToString(&bytes)) throw IOError(where + ": the model could not be serialised");
+  duet::detail::CheckpointWriter file(path, "ONNX file " + path.string());
+  file.bytes(std::as_bytes(std::span(bytes)));
+  file.commit();
 }
 
 }  // namespace duet::io

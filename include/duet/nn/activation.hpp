@@ -29,6 +29,7 @@ inline constexpr bool grad_from_input = requires { requires Fn::grad_from_input;
 
 struct Relu {
   static constexpr std::string_view name = "ReLU";
+  static ops::InterchangeNode interchange() { return {"Relu", {}, {}}; }
   // NaN stays NaN, as IEEE and numpy's maximum say; a plain max(x, 0) would turn it into 0.
   template <class A>
   static auto array(const A& a) {
@@ -67,6 +68,7 @@ struct Relu {
 // 1 / (1 + exp(-x)); derivative y (1 - y).
 struct Sigmoid {
   static constexpr std::string_view name = "Sigmoid";
+  static ops::InterchangeNode interchange() { return {"Sigmoid", {}, {}}; }
   template <class A>
   static auto array(const A& a) {
     return a.logistic();
@@ -81,6 +83,7 @@ struct Sigmoid {
 // Derivative 1 - y².
 struct Tanh {
   static constexpr std::string_view name = "Tanh";
+  static ops::InterchangeNode interchange() { return {"Tanh", {}, {}}; }
   template <class A>
   static auto array(const A& a) {
     return a.tanh();
@@ -159,6 +162,7 @@ inline void check_alpha(double alpha, const std::string& who) {
 // x for x > 0, alpha x otherwise; the derivative at 0 is alpha, as PyTorch's.
 struct LeakyRelu {
   static constexpr std::string_view name = "LeakyReLU";
+  ops::InterchangeNode interchange() const { return {"LeakyRelu", {}, {ops::InterchangeAttribute::of_real("alpha", alpha)}}; }
   double alpha = 0.2;
   template <class A>
   auto array(const A& a) const {
@@ -175,6 +179,7 @@ struct LeakyRelu {
 // x for x > 0, alpha (exp(x) - 1) otherwise; the derivative there is y + alpha.
 struct Elu {
   static constexpr std::string_view name = "ELU";
+  ops::InterchangeNode interchange() const { return {"Elu", {}, {ops::InterchangeAttribute::of_real("alpha", alpha)}}; }
   double alpha = 1.0;
   template <class A>
   auto array(const A& a) const {
@@ -217,6 +222,10 @@ namespace ops {
 
 template <class Fn>
 struct MapGradOp;
+
+// Whether an elementwise function says what it is in ONNX (MapOp::interchange).
+template <class Fn>
+inline constexpr bool has_interchange = requires(const Fn& f) { f.interchange(); };
 
 // Fns applied elementwise, in order, in one pass. Capture makes one per function; O1 fuses
 // chains (relu(tanh(x)) is one MapOp<Tanh, Relu>), and products absorb them as epilogues.
@@ -264,6 +273,21 @@ struct MapOp : Primitive<MapOp<Fns...>> {
     std::string s;
     ((s += s.empty() ? "" : " + ", s += Fns::name), ...);
     return s;
+  }
+
+  // ONNX: a node per function, each function saying what it is (fn::Relu::interchange); empty
+  // if one does not.
+  Interchange interchange(std::span<const Shape>) const {
+    if constexpr ((has_interchange<Fns> && ...)) {
+      Interchange nodes;
+      std::apply([&](const auto&... f) { (nodes.push_back(f.interchange()), ...); }, fns);
+      for (std::size_t k = 0; k < nodes.size(); ++k) {
+        nodes[k].inputs = {k == 0 ? InterchangeInput::operand(0) : InterchangeInput::node(k - 1)};
+      }
+      return nodes;
+    } else {
+      return {};
+    }
   }
 };
 

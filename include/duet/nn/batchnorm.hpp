@@ -163,6 +163,21 @@ struct BatchNormOp : Primitive<BatchNormOp<Layer, P>>, PhaseOf<Layer, P> {
   static std::string op_name() { return P == graph::Phase::train ? "BatchNorm" : "BatchNorm (moving statistics)"; }
   std::string label() const { return this->layer->label(); }
 
+  // ONNX: BatchNormalization in inference, from the moving statistics (export_onnx traces the
+  // network at evaluation).
+  Interchange interchange(std::span<const Shape>) const {
+    if constexpr (P == graph::Phase::eval) {
+      using I = InterchangeInput;
+      const Layer& l = *this->layer;
+      return {{"BatchNormalization",
+               {I::operand(0), I::of_parameter(&l.gamma), I::of_parameter(&l.beta), I::of_parameter(&l.moving_mean),
+                I::of_parameter(&l.moving_variance)},
+               {InterchangeAttribute::of_real("epsilon", l.eps())}}};
+    } else {
+      return {};
+    }
+  }
+
  private:
   // y = (x - mean) · scale + beta over channel c, scale being gamma / sqrt(var + eps).
   template <class T>

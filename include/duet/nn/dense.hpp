@@ -90,6 +90,20 @@ struct MatMulOp : Primitive<MatMulOp<Layer, Bias, Fns...>> {
   static std::string op_name() { return with_epilogue("MatMul"); }
   std::string label() const { return layer->label(); }
 
+  // ONNX: Gemm(x, W, transB = 1) on a matrix; on other ranks a MatMul by Wᵀ. Only the plain
+  // product: PyNative, which export_onnx traces, runs the epilogue as ops of their own.
+  Interchange interchange(std::span<const Shape> in) const {
+    if constexpr (Bias || sizeof...(Fns) > 0) {
+      return {};
+    } else {
+      using I = InterchangeInput;
+      if (in[0].rank() == 2) {
+        return {{"Gemm", {I::operand(0), I::of_parameter(&layer->weight)}, {InterchangeAttribute::of("transB", 1)}}};
+      }
+      return {{"Transpose", {I::of_parameter(&layer->weight)}, {}}, {"MatMul", {I::operand(0), I::node(0)}, {}}};
+    }
+  }
+
  protected:
   // Built in a local, not a by-value parameter: g++ 12 at -O1 and above warns (-Warray-bounds,
   // a false positive) on the inlined move of a returned parameter string.
@@ -168,6 +182,10 @@ struct BiasAddOp : Primitive<BiasAddOp<Layer>> {
 
   static std::string op_name() { return "BiasAdd"; }
   std::string label() const { return layer->label(); }
+
+  Interchange interchange(std::span<const Shape>) const {
+    return {{"Add", {InterchangeInput::operand(0), InterchangeInput::of_parameter(&layer->bias)}, {}}};
+  }
 };
 
 // The gradient of MatMulOp<Layer, Bias, Fns...>: from dy (and y, when Fns need it) it makes

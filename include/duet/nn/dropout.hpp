@@ -79,6 +79,12 @@ struct DropoutOp : Primitive<DropoutOp<Layer, P>>, PhaseOf<Layer, P> {
 
   static std::string op_name() { return P == graph::Phase::train ? "Dropout" : "Dropout (identity)"; }
   std::string label() const { return this->layer->label(); }
+
+  // ONNX: at evaluation, what it is, the identity.
+  Interchange interchange(std::span<const Shape>) const {
+    if constexpr (P == graph::Phase::eval) return {{"Identity", {InterchangeInput::operand(0)}, {}}};
+    else return {};
+  }
 };
 
 // Training: dx = dy / (1 - p) where the element was kept, 0 where it was dropped (recovered from

@@ -34,6 +34,9 @@ struct FlattenOp : Primitive<FlattenOp> {
 
   static std::string op_name() { return "Flatten"; }
   std::string label() const { return "nn::Flatten"; }
+  Interchange interchange(std::span<const Shape>) const {
+    return {{"Flatten", {InterchangeInput::operand(0)}, {InterchangeAttribute::of("axis", 1)}}};
+  }
 };
 
 template <class X>

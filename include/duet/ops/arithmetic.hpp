@@ -29,6 +29,7 @@ namespace fn {
 
 struct Add {
   static constexpr std::string_view name = "Add";
+  static constexpr std::string_view onnx = "Add";  // its operator in ONNX
   template <class T>
   static T apply(T a, T b) {
     return a + b;
@@ -41,6 +42,7 @@ struct Add {
 
 struct Sub {
   static constexpr std::string_view name = "Sub";
+  static constexpr std::string_view onnx = "Sub";  // its operator in ONNX
   template <class T>
   static T apply(T a, T b) {
     return a - b;
@@ -53,6 +55,7 @@ struct Sub {
 
 struct Mul {
   static constexpr std::string_view name = "Mul";
+  static constexpr std::string_view onnx = "Mul";  // its operator in ONNX
   template <class T>
   static T apply(T a, T b) {
     return a * b;
@@ -65,6 +68,7 @@ struct Mul {
 
 struct Div {
   static constexpr std::string_view name = "Div";
+  static constexpr std::string_view onnx = "Div";  // its operator in ONNX
   template <class T>
   static T apply(T a, T b) {
     return a / b;
@@ -79,6 +83,7 @@ struct Div {
 // and any other choice makes maximum(x, x) differ from x.
 struct Maximum {
   static constexpr std::string_view name = "Maximum";
+  static constexpr std::string_view onnx = "Max";  // its operator in ONNX
   template <class T>
   static T apply(T a, T b) {
     return a != a || a > b ? a : b;  // NaN propagates from either side
@@ -92,6 +97,7 @@ struct Maximum {
 
 struct Minimum {
   static constexpr std::string_view name = "Minimum";
+  static constexpr std::string_view onnx = "Min";  // its operator in ONNX
   template <class T>
   static T apply(T a, T b) {
     return a != a || a < b ? a : b;
@@ -107,6 +113,7 @@ struct Minimum {
 // where the power itself is (b > 0), as PyTorch defines it.
 struct Pow {
   static constexpr std::string_view name = "Pow";
+  static constexpr std::string_view onnx = "Pow";  // its operator in ONNX
   template <class T>
   static T apply(T a, T b) {
     return static_cast<T>(std::pow(a, b));
@@ -399,6 +406,15 @@ struct BroadcastOp : Primitive<BroadcastOp<Fn, Epilogue...>> {
     std::string s(Fn::name);
     ((s += " + " + std::string(Epilogue::name)), ...);
     return s;
+  }
+
+  // ONNX broadcasts as numpy does, as duet does.
+  Interchange interchange(std::span<const Shape>) const {
+    if constexpr (sizeof...(Epilogue) == 0 && requires { Fn::onnx; }) {
+      return {{std::string(Fn::onnx), {InterchangeInput::operand(0), InterchangeInput::operand(1)}, {}}};
+    } else {
+      return {};
+    }
   }
 };
 

@@ -276,6 +276,30 @@ struct ConvOp : Primitive<ConvOp<Layer>> {
 
   static std::string op_name() { return Layer::spatial == 2 ? "Conv2d" : "Conv1d"; }
   std::string label() const { return layer->label(); }
+
+  // ONNX: Conv, its padding explicit: SAME's is uneven for some sizes, known from the input's.
+  Interchange interchange(std::span<const Shape> in) const {
+    const ConvGeometry g = layer->geometry();
+    std::vector<std::int64_t> begin, end;
+    for (int i = 0; i < g.spatial; ++i) {
+      const index_t size = in[0][2 + i];
+      const detail::ConvAxis axis = detail::conv_axis(g, size, true);
+      begin.push_back(axis.pad_before);
+      end.push_back(g.pad_mode == nn::PadMode::same
+                        ? std::max<index_t>(0, (axis.out - 1) * g.stride + g.extent() - size) - axis.pad_before
+                        : axis.pad_before);
+    }
+    std::vector<std::int64_t> pads = begin;
+    pads.insert(pads.end(), end.begin(), end.end());
+    const auto each = [&](index_t v) { return std::vector<std::int64_t>(static_cast<std::size_t>(g.spatial), v); };
+    using I = InterchangeInput;
+    using A = InterchangeAttribute;
+    InterchangeNode conv{"Conv", {I::operand(0), I::of_parameter(&layer->weight)},
+                         {A::of("kernel_shape", each(g.kernel)), A::of("strides", each(g.stride)),
+                          A::of("dilations", each(g.dilation)), A::of("pads", std::move(pads)), A::of("group", g.groups)}};
+    if (layer->has_bias()) conv.inputs.push_back(I::of_parameter(&layer->bias));
+    return {std::move(conv)};
+  }
 };
 
 // The gradient of ConvOp from dy and x: dweight, dbias and, if InputGrad, dx. The patches are

@@ -132,6 +132,10 @@ struct SoftmaxOp : Primitive<SoftmaxOp<Log>>, detail::AxisMember<SoftmaxOp<Log>>
   }
 
   static std::string op_name() { return Log ? "LogSoftmax" : "Softmax"; }
+  // ONNX's (opset 13 on) takes one axis, as this does.
+  Interchange interchange(std::span<const Shape>) const {
+    return {{op_name(), {InterchangeInput::operand(0)}, {InterchangeAttribute::of("axis", this->axis)}}};
+  }
 };
 
 template <bool Log>

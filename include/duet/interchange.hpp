@@ -1,0 +1,67 @@
+// What an operation is in the vocabulary of ONNX, the format other frameworks read: the
+// description io::export_onnx writes, given by the operation itself so that adding an
+// operation touches one file. It names ONNX's operators and attributes as plain strings and
+// numbers; only io/onnx.hpp turns them into the format, so duet itself needs no ONNX library.
+//
+// An operation describes itself with an optional member
+//
+//   Interchange interchange(std::span<const Shape> in) const
+//
+// given its inputs' shapes: one node, or a short chain (a product over a batch of matrices is
+// a Transpose of its weight, then a MatMul). An operation without it is not exported, and
+// export_onnx says which one stopped it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace duet::ops {
+
+// An input of a described node: one of the operation's own inputs, a parameter of its layer
+// (the exporter finds its name among the network's parameters), a constant of int64s (a
+// Reshape's target shape), or the value an earlier node of the same description makes.
+struct InterchangeInput {
+  enum class Kind : unsigned char { input, parameter, int64s, earlier };
+  Kind kind = Kind::input;
+  std::size_t index = 0;            // Kind::input: which input; Kind::earlier: which node
+  const void* parameter = nullptr;  // Kind::parameter: the BasicParameter<T>, T the network's
+  std::vector<std::int64_t> int64s;
+
+  static InterchangeInput operand(std::size_t k) { return {Kind::input, k, nullptr, {}}; }
+  static InterchangeInput of_parameter(const void* p) { return {Kind::parameter, 0, p, {}}; }
+  static InterchangeInput constant(std::vector<std::int64_t> values) {
+    return {Kind::int64s, 0, nullptr, std::move(values)};
+  }
+  static InterchangeInput node(std::size_t k) { return {Kind::earlier, k, nullptr, {}}; }
+};
+
+struct InterchangeAttribute {
+  enum class Kind : unsigned char { integer, real, integers };
+  std::string name;
+  Kind kind = Kind::integer;
+  std::int64_t integer = 0;
+  float real = 0;
+  std::vector<std::int64_t> integers;
+
+  static InterchangeAttribute of(std::string n, std::int64_t v) { return {std::move(n), Kind::integer, v, 0, {}}; }
+  static InterchangeAttribute of_real(std::string n, double v) {
+    return {std::move(n), Kind::real, 0, static_cast<float>(v), {}};
+  }
+  static InterchangeAttribute of(std::string n, std::vector<std::int64_t> v) {
+    return {std::move(n), Kind::integers, 0, 0, std::move(v)};
+  }
+};
+
+struct InterchangeNode {
+  std::string op_type;  // ONNX's operator ("Gemm", "Conv", "Relu")
+  std::vector<InterchangeInput> inputs;
+  std::vector<InterchangeAttribute> attributes;
+};
+
+// The operation's nodes in order; the last one's value is the operation's.
+using Interchange = std::vector<InterchangeNode>;
+
+}  // namespace duet::ops

@@ -1,0 +1,160 @@
+"""Checks a model duet::io::export_onnx wrote, with tools duet did not write.
+
+    python3 onnx_check_export.py MODEL INPUT OUTPUT
+
+onnx.checker.check_model (full check, with ONNX's shape inference) must accept MODEL; then
+the model is evaluated here, in float64 with numpy, from the file alone (its nodes, attributes
+and initializers, read by the ONNX library), on INPUT, and must give OUTPUT, duet's own output
+(both raw float32 files, shapes from the model), within 1e-5 of OUTPUT's largest magnitude.
+Exit code 0 if both hold; 1 with the reason otherwise.
+"""
+import sys
+
+import numpy as np
+import onnx
+import onnx.checker
+import onnx.numpy_helper
+
+
+def attributes(node):
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+def windows(x, kernel, strides, pads, dilations, fill):
+    """x [N, C, *spatial] padded with fill, as [N, C, *out, *kernel] views of its windows."""
+    spatial = len(kernel)
+    x = np.pad(x, [(0, 0), (0, 0)] + [(pads[i], pads[i + spatial]) for i in range(spatial)], constant_values=fill)
+    out = [(x.shape[2 + i] - dilations[i] * (kernel[i] - 1) - 1) // strides[i] + 1 for i in range(spatial)]
+    result = np.empty(x.shape[:2] + tuple(out) + tuple(kernel), x.dtype)
+    for index in np.ndindex(*out):
+        for k in np.ndindex(*kernel):
+            at = tuple(index[i] * strides[i] + k[i] * dilations[i] for i in range(spatial))
+            result[(slice(None), slice(None)) + index + k] = x[(slice(None), slice(None)) + at]
+    return result
+
+
+def conv(x, w, b, a):
+    spatial = w.ndim - 2
+    group = a.get("group", 1)
+    kernel = list(w.shape[2:])
+    patches = windows(x, kernel, a.get("strides", [1] * spatial), a.get("pads", [0] * 2 * spatial),
+                      a.get("dilations", [1] * spatial), 0.0)
+    per_group_in, out_channels = x.shape[1] // group, w.shape[0]
+    per_group_out = out_channels // group
+    outputs = []
+    for g in range(group):
+        p = patches[:, g * per_group_in:(g + 1) * per_group_in]
+        k = w[g * per_group_out:(g + 1) * per_group_out]
+        axes = list(range(2 + spatial, 2 + 2 * spatial))
+        outputs.append(np.tensordot(p, k, axes=([1] + axes, [1] + list(range(2, 2 + spatial)))))
+    y = np.concatenate(outputs, axis=-1)  # [N, *out, O]
+    y = np.moveaxis(y, -1, 1)
+    if b is not None:
+        y = y + b.reshape((1, -1) + (1,) * spatial)
+    return y
+
+
+def pool(x, a, kind):
+    kernel = a["kernel_shape"]
+    spatial = len(kernel)
+    pads = a.get("pads", [0] * 2 * spatial)
+    strides = a.get("strides", [1] * spatial)
+    axes = tuple(range(2 + spatial, 2 + 2 * spatial))
+    if kind == "MaxPool":
+        return windows(x, kernel, strides, pads, [1] * spatial, -np.inf).max(axis=axes)
+    total = windows(x, kernel, strides, pads, [1] * spatial, 0.0).sum(axis=axes)
+    if a.get("count_include_pad", 0):
+        return total / np.prod(kernel)
+    count = windows(np.ones_like(x), kernel, strides, pads, [1] * spatial, 0.0).sum(axis=axes)
+    return total / count
+
+
+def run(model, x):
+    values = {i.name: onnx.numpy_helper.to_array(i).astype(np.float64) if i.data_type != onnx.TensorProto.INT64
+              else onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
+    values[model.graph.input[0].name] = x.astype(np.float64)
+    for node in model.graph.node:
+        a = attributes(node)
+        ins = [values[name] if name else None for name in node.input]
+        op = node.op_type
+        if op == "Gemm":
+            A, B = ins[0], ins[1]
+            A = A.T if a.get("transA", 0) else A
+            B = B.T if a.get("transB", 0) else B
+            y = a.get("alpha", 1.0) * (A @ B)
+            if len(ins) > 2 and ins[2] is not None:
+                y = y + a.get("beta", 1.0) * ins[2]
+        elif op == "MatMul":
+            y = np.matmul(ins[0], ins[1])
+        elif op == "Transpose":
+            y = np.transpose(ins[0], a.get("perm"))
+        elif op in ("Add", "Sub", "Mul", "Div", "Pow", "Max", "Min"):
+            f = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.divide, "Pow": np.power,
+                 "Max": np.maximum, "Min": np.minimum}[op]
+            y = f(ins[0], ins[1])
+        elif op == "Relu":
+            y = np.maximum(ins[0], 0)
+        elif op == "Sigmoid":
+            y = 1 / (1 + np.exp(-ins[0]))
+        elif op == "Tanh":
+            y = np.tanh(ins[0])
+        elif op == "LeakyRelu":
+            y = np.where(ins[0] > 0, ins[0], a.get("alpha", 0.01) * ins[0])
+        elif op == "Elu":
+            y = np.where(ins[0] > 0, ins[0], a.get("alpha", 1.0) * np.expm1(ins[0]))
+        elif op in ("Softmax", "LogSoftmax"):
+            shifted = ins[0] - ins[0].max(axis=a.get("axis", -1), keepdims=True)
+            log_sum = np.log(np.exp(shifted).sum(axis=a.get("axis", -1), keepdims=True))
+            y = shifted - log_sum if op == "LogSoftmax" else np.exp(shifted - log_sum)
+        elif op == "Flatten":
+            axis = a.get("axis", 1)
+            y = ins[0].reshape(int(np.prod(ins[0].shape[:axis])), -1)
+        elif op == "Identity":
+            y = ins[0]
+        elif op == "Conv":
+            y = conv(ins[0], ins[1], ins[2] if len(ins) > 2 else None, a)
+        elif op in ("MaxPool", "AveragePool"):
+            y = pool(ins[0], a, op)
+        elif op == "GlobalAveragePool":
+            y = ins[0].mean(axis=tuple(range(2, ins[0].ndim)), keepdims=True)
+        elif op == "BatchNormalization":
+            shape = (1, -1) + (1,) * (ins[0].ndim - 2)
+            scale, bias, mean, var = (v.reshape(shape) for v in ins[1:5])
+            y = (ins[0] - mean) / np.sqrt(var + a.get("epsilon", 1e-5)) * scale + bias
+        else:
+            raise SystemExit(f"onnx_check_export.py: no evaluation here for {op} (node {node.name})")
+        values[node.output[0]] = y
+    return values[model.graph.output[0].name]
+
+
+def dims(value_info, batch):
+    return [d.dim_value if d.HasField("dim_value") else batch for d in value_info.type.tensor_type.shape.dim]
+
+
+def main():
+    model_path, input_path, output_path = sys.argv[1:4]
+    model = onnx.load(model_path)
+    try:
+        onnx.checker.check_model(model, full_check=True)
+    except Exception as e:  # the checker's own exception types vary between versions
+        print(f"onnx.checker rejects {model_path}: {e}")
+        return 1
+    x = np.fromfile(input_path, np.float32)
+    in_dims = dims(model.graph.input[0], None)
+    batch = x.size // int(np.prod([d for d in in_dims if d is not None]))
+    x = x.reshape(dims(model.graph.input[0], batch))
+    want = np.fromfile(output_path, np.float32).reshape(dims(model.graph.output[0], batch))
+    got = run(model, x)
+    if got.shape != want.shape:
+        print(f"{model_path}: evaluated shape {got.shape}, duet's {want.shape}")
+        return 1
+    error = np.abs(got - want).max()
+    if error > 1e-5 * max(np.abs(want).max(), 1e-30):
+        print(f"{model_path}: largest difference {error} from duet's output (largest magnitude {np.abs(want).max()})")
+        return 1
+    print(f"{model_path}: accepted by onnx.checker; evaluated within {error:.3g} of duet's output")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
