@@ -2,8 +2,7 @@
 // PyTorch's outputs into $DUET_ONNX_REFERENCES (CTest runs it first); without them (no torch)
 // those cases report themselves skipped. The error cases build their models here with the ONNX
 // library's protobuf classes. duet::io::export_onnx's models are read back by load_onnx and
-// checked by tests/onnx_check_export.py ($DUET_ONNX_EXPORT_CHECK): onnx.checker, and an
-// evaluation of the file in numpy.
+// checked by tests/onnx_check_export.py: onnx.checker, and an evaluation of the file in numpy.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -670,10 +669,10 @@ TEST_CASE("io::load_onnx: an axis or perm beyond int is refused, not narrowed (s
 }
 
 
-// A python3 that has onnx and numpy, and the export checker's path; nothing if there is none.
+// A python3 that has onnx and numpy, and the export checker (tests/onnx_check_export.py, whose
+// path CMake defines); nothing if there is none.
 std::optional<std::string> export_checker() {
-  const char* script = std::getenv("DUET_ONNX_EXPORT_CHECK");
-  if (script == nullptr) return std::nullopt;
+  const std::string script = DUET_ONNX_EXPORT_CHECK;
   for (const std::string python : {"python3", "/usr/bin/python3"}) {
     if (std::system((python + " -c 'import onnx, numpy' 2>/dev/null").c_str()) == 0) {
       return python + " " + script;
@@ -724,8 +723,7 @@ void check_export(Net& net, const Shape& shape, const std::string& name, const d
                                 (dir.path / (name + ".in")).string() + " " + (dir.path / (name + ".out")).string();
     CHECK(std::system(command.c_str()) == 0);
   } else {
-    MESSAGE("SKIPPED: the exported model is not checked by onnx.checker (no python3 with onnx and numpy, or "
-            "DUET_ONNX_EXPORT_CHECK unset)");
+    MESSAGE("SKIPPED: the exported model is not checked by onnx.checker (no python3 with onnx and numpy)");
   }
 }
 
