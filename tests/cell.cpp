@@ -51,9 +51,9 @@ struct EnumArguments : duet::nn::Cell<EnumArguments<M, P, R>, M> {
 
 TEST_CASE("type names spell enum template arguments as written, not as casts such as (Mode)0") {
   CHECK(EnumArguments<GRAPH_MODE, nn::PadMode::same, Reduction::mean>().type_name() ==
-        "(anonymous namespace)::EnumArguments<GRAPH_MODE, nn::PadMode::same, Reduction::mean>");
+        "tests_cell::(anonymous namespace)::EnumArguments<GRAPH_MODE, nn::PadMode::same, Reduction::mean>");
   CHECK(EnumArguments<PYNATIVE_MODE, nn::PadMode::pad, Reduction::none>().type_name() ==
-        "(anonymous namespace)::EnumArguments<PYNATIVE_MODE, nn::PadMode::pad, Reduction::none>");
+        "tests_cell::(anonymous namespace)::EnumArguments<PYNATIVE_MODE, nn::PadMode::pad, Reduction::none>");
   CHECK(duet_test::SeedNetwork<CONTEXT_MODE>().type_name() == "duet_test::SeedNetwork<CONTEXT_MODE>");
 }
 
@@ -353,10 +353,10 @@ struct Holder : nn::Cell<Holder, PYNATIVE_MODE> {
 TEST_CASE("a member cell missing from DUET_CELL_MEMBERS is an error on the first call, in both modes") {
   using unregistered::refusal;
   ModeGuard guard;
-  const std::string no_list = refusal("unregistered::NoList", "nn::Dense<4, 3>");
-  const std::string partial_second = refusal("unregistered::Partial", "nn::Dense<3, 2>");
-  const std::string inner_second = refusal("unregistered::Partial 'inner'", "nn::Dense<3, 2>");
-  const std::string two_dense = refusal("unregistered::TwoInputs", "nn::Dense<4, 2>");
+  const std::string no_list = refusal("tests_cell::unregistered::NoList", "nn::Dense<4, 3>");
+  const std::string partial_second = refusal("tests_cell::unregistered::Partial", "nn::Dense<3, 2>");
+  const std::string inner_second = refusal("tests_cell::unregistered::Partial 'inner'", "nn::Dense<3, 2>");
+  const std::string two_dense = refusal("tests_cell::unregistered::TwoInputs", "nn::Dense<4, 2>");
   for (Mode mode : {PYNATIVE_MODE, GRAPH_MODE}) {
     CAPTURE(mode);
     set_context({.mode = mode});
