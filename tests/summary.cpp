@@ -206,17 +206,17 @@ TEST_CASE("summary: a cell called twice shows each call; one never called shows 
   CHECK(s.rows[4].output_shapes == std::vector<Shape>{{5, 4}, {5, 4}});
   CHECK(s.rows[5].output_shapes.empty());
   CHECK(s.total_parameters == 28 + 20 + 15);
-  CHECK(sink.str() == R"(Summary of (anonymous namespace)::Reused for an input of [5, 2, 3]
-==========================================================
-Layer (type)                    Output Shape       Param #
-==========================================================
-(anonymous namespace)::Reused   [5, 4]                  --
-  flatten (nn::Flatten)         [5, 6], [5, 4]           0
-  fc1 (nn::Dense<6, 4>)         [5, 4]                  28
-  fc2 (nn::Dense<4, 4>)         [5, 4]                  20
-  relu (nn::ReLU)               [5, 4] (2 calls)         0
-  spare (nn::Dense<4, 3>)       --                      15
-==========================================================
+  CHECK(sink.str() == R"(Summary of tests_summary::(anonymous namespace)::Reused for an input of [5, 2, 3]
+=========================================================================
+Layer (type)                                   Output Shape       Param #
+=========================================================================
+tests_summary::(anonymous namespace)::Reused   [5, 4]                  --
+  flatten (nn::Flatten)                        [5, 6], [5, 4]           0
+  fc1 (nn::Dense<6, 4>)                        [5, 4]                  28
+  fc2 (nn::Dense<4, 4>)                        [5, 4]                  20
+  relu (nn::ReLU)                              [5, 4] (2 calls)         0
+  spare (nn::Dense<4, 3>)                      --                      15
+=========================================================================
 Total params: 63
 Trainable params: 63
 Non-trainable params: 0
