@@ -18,7 +18,9 @@
 #           took 3.3 times -O0's CPU time (tools/compile_costs.md), most of the stage; the
 #           kernels' tests, whose loops are the suite's run time, and the other programs at -O1
 #           (the sanitizers' documentation suggests it; both keep the stack traces exact).
-#           One build serves both: a separate unsanitised clang build proved nothing more
+#           One build serves both: a separate unsanitised clang build proved nothing more.
+#           File by file (DUET_UNITY_TESTS=OFF): clang with the sanitizers on a batch of the
+#           heaviest files was killed for memory beside a second job, on 23 GB
 #   tsan    thread sanitizer: the concurrency tests (tests/threads.cpp alone, CTest label threads)
 #   fuzz    libFuzzer with address + undefined-behaviour sanitizers: each fuzzer of tests/fuzz
 #           for DUET_FUZZ_SECONDS (60) from a copy of its seed corpus (and with its dictionary,
@@ -92,7 +94,7 @@ for stage in "${stages[@]}"; do
       ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
         run_stage clang "$build/clang" "" "" -DCMAKE_CXX_COMPILER=clang++ -DDUET_USE_SINGLE_INCLUDE=ON \
         -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1" -DDUET_TEST_OPTIMIZATION=-O0 \
-        -DDUET_SANITIZE=address,undefined -DDUET_BUILD_EXAMPLES=OFF -DDUET_BUILD_BENCHMARKS=OFF -DDUET_CHECK_HEADERS=OFF
+        -DDUET_UNITY_TESTS=OFF -DDUET_SANITIZE=address,undefined -DDUET_BUILD_EXAMPLES=OFF -DDUET_BUILD_BENCHMARKS=OFF -DDUET_CHECK_HEADERS=OFF
       ;;
     tsan)
       TSAN_OPTIONS=halt_on_error=1 run_stage tsan "$build/tsan" duet_thread_tests "-L threads" \
