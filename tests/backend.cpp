@@ -20,7 +20,7 @@ struct CountingBackend : DefaultBackend {
 
 }  // namespace
 
-TEST_CASE("a backend deriving from another swaps one kernel; the graph is unchanged") {
+TEST_CASE("a backend deriving from another swaps one kernel, the graph is unchanged") {
   SeedNetwork<> net;
   auto program = passes::optimize(net(graph::input<float, graph::AnyShape>()));
   const Tensor x = randn({4, 1, 28, 28}, 1);

@@ -130,7 +130,7 @@ TEST_CASE("a label below 0 or not below the class count is a ValueError naming i
   });
 }
 
-TEST_CASE("an empty batch is a ValueError and changes nothing; its forward pass and loss are fine") {
+TEST_CASE("an empty batch is a ValueError and changes nothing, its forward pass and loss are fine") {
   check_leaves_training_state_unchanged([](Trainer& t) {
     CHECK_THROWS_AS(t.step(images(0, 3), labels(0)), ValueError);
     const Tensor logits = t.net(images(0, 3));
@@ -177,7 +177,7 @@ TEST_CASE("a step whose loss is not finite skips its update and leaves BatchNorm
   });
 }
 
-TEST_CASE("value_and_grad that throws leaves BatchNorm and Dropout as they were; one that succeeds moves them") {
+TEST_CASE("value_and_grad that throws leaves BatchNorm and Dropout as they were, one that succeeds moves them") {
   check_leaves_training_state_unchanged<NormalizedNetwork>([](BasicTrainer<NormalizedNetwork>& t) {
     auto step = value_and_grad(t.with_loss, t.net.parameters());
     Labels y = labels(4);

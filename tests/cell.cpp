@@ -24,7 +24,7 @@ TEST_CASE("parameters() names every parameter by its path, with its shape") {
   CHECK(params[0].parameter == &net.dense_relu_sequential.get<0>().weight);
 }
 
-TEST_CASE("cells_and_names walks the tree depth first; names are paths from the first root used") {
+TEST_CASE("cells_and_names walks the tree depth first, names are paths from the first root used") {
   SeedNetwork<> net;
   const auto cells = net.cells_and_names();
   std::vector<std::string> names;
@@ -270,7 +270,7 @@ struct NewNames : nn::Cell<NewNames> {
 };
 }  // namespace
 
-TEST_CASE("PyNative cells may take Tensor in construct and reassign x; written generic, graph mode agrees") {
+TEST_CASE("PyNative cells may take Tensor in construct and reassign x, written generic, graph mode agrees") {
   ModeGuard guard;
   const Tensor x = uniform({3, 4}, -1.0f, 1.0f, 5);
   set_seed(11);

@@ -182,7 +182,7 @@ TEST_CASE("batch tensors are reused when nobody holds them, and left alone when 
   CHECK(samples_of(kept) == kept_samples);
 }
 
-TEST_CASE("a data set checks its shapes and labels; a loader its batch size") {
+TEST_CASE("a data set checks its shapes and labels, a loader its batch size") {
   const auto images = BasicTensor<std::uint8_t>::uninitialized({3, 2, 2});
   CHECK_THROWS_WITH_AS(data::ImageDataset(images, BasicTensor<std::int32_t>({2}), 10),
                        "duet::data::ImageDataset: 3 images need labels of shape [3], got [2]", ShapeError);

@@ -56,7 +56,7 @@ TEST_CASE("modes agree when each is fixed by template argument, across random in
   (void)eager;
 }
 
-TEST_CASE("property: random Dense/ReLU stacks, inputs and batch sizes; PyNative against the reference") {
+TEST_CASE("property: random Dense/ReLU stacks, inputs and batch sizes, PyNative against the reference") {
   Generator gen(2024);
   for (int trial = 0; trial < 25; ++trial) {
     const auto depth = 1 + static_cast<int>(gen.next() % 4);

@@ -29,7 +29,7 @@ TEST_CASE("a runtime-sized layer reports its own sizes") {
   }
 }
 
-TEST_CASE("Flatten needs a batch axis; Dense needs at least one axis") {
+TEST_CASE("Flatten needs a batch axis, Dense needs at least one axis") {
   ModeGuard guard;
   nn::Flatten flatten;
   nn::Dense<1, 1> dense;

@@ -24,7 +24,7 @@ TEST_CASE("construct on a symbolic input captures a flat list of nodes with infe
   CHECK(boost::hana::at_c<2>(captured.graph.nodes).op.layer == &net.dense_relu_sequential.get<0>());
 }
 
-TEST_CASE("a runtime tensor's shape is unknown at capture; everything after the first Dense is static") {
+TEST_CASE("a runtime tensor's shape is unknown at capture, everything after the first Dense is static") {
   SeedNetwork<> net;
   auto captured = net(graph::input<float, graph::AnyShape>());
   using G = decltype(captured)::graph_type;

@@ -158,7 +158,7 @@ TEST_CASE("initializer: Zero, One and Constant fill exactly, integer tensors too
   static_assert(init::Initializer<init::XavierUniform, double>);
 }
 
-TEST_CASE("initializer: the same seed gives the same values; constants draw nothing") {
+TEST_CASE("initializer: the same seed gives the same values, constants draw nothing") {
   set_seed(11);
   const auto a = init::initializer(init::HeNormal{}, {64, 32});
   const auto a2 = init::initializer(init::XavierUniform{}, {64, 32});

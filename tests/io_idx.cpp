@@ -169,7 +169,7 @@ TEST_CASE("every truncation of a valid IDX file, plain or gzipped, is a FormatEr
   }
 }
 
-TEST_CASE("trailing bytes are a FormatError, inside or after the gzip data; further gzip members are read on") {
+TEST_CASE("trailing bytes are a FormatError, inside or after the gzip data, further gzip members are read on") {
   TempDir dir;
   const Bytes file = idx_u8({2, 3, 2}, small_data);
   Bytes longer = file;

@@ -222,7 +222,7 @@ TEST_CASE("tensors' byte ranges must cover the data exactly: overlaps, gaps and 
         bad + "the data's bytes [0, 8) belong to no tensor (tensor 'bias' starts at 8)");
 }
 
-TEST_CASE("a tensor of another shape, type or name is named with both; not strict, the rest loads") {
+TEST_CASE("a tensor of another shape, type or name is named with both, not strict, the rest loads") {
   const std::string where = data_where;
   CHECK(load_error("{" + tensor("weight", "F32", "[4]", 0, 16) + "," + bias + "}", 24) ==
         where + "parameter 'weight' has shape [2, 2] in the cell but [4] in the file");

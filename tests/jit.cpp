@@ -41,7 +41,7 @@ TEST_CASE("jit gives PyNative's results at every jit_level and exec_mode") {
   check_config_matches_pynative<JitConfig{.debug_level = DebugLevel::debug}>();
 }
 
-TEST_CASE("a jitted function runs as a graph whatever the context; the plain function stays dynamic") {
+TEST_CASE("a jitted function runs as a graph whatever the context, the plain function stays dynamic") {
   ModeGuard guard;
   set_context({.mode = PYNATIVE_MODE});
   SeedNetwork<> net;
@@ -140,7 +140,7 @@ TEST_CASE("compile_once: a re-created jitted function reuses the compiled form")
   CHECK(jit_compile_count() - before == 4);
 }
 
-TEST_CASE("input_signature fixes what the function accepts; a dynamic dimension is one compiled form") {
+TEST_CASE("input_signature fixes what the function accepts, a dynamic dimension is one compiled form") {
   SeedNetwork<> net;
   auto f = jit([&](auto x) { return net(x); }, {.input_signature = {{float32, {dyn, 1, 28, 28}}}});
   f(ones({1, 1, 28, 28}));
@@ -210,7 +210,7 @@ struct Halving : nn::Cell<Halving> {
 };
 }  // namespace
 
-TEST_CASE("graph breaks are listed where they are called; COMPATIBLE runs the ones marked allowed_break") {
+TEST_CASE("graph breaks are listed where they are called, COMPATIBLE runs the ones marked allowed_break") {
   nn::Dense<3, 3> dense;
   auto halve = [](const Tensor& t) { return t * 0.5f; };
   auto lax = jit([&](auto x) { return host(halve, dense(x)); });

@@ -46,7 +46,7 @@ TEST_CASE("O2 gives O1's bits at every batch size, again and again") {
   }
 }
 
-TEST_CASE("O2's graph reads packed weights; O1's does not") {
+TEST_CASE("O2's graph reads packed weights, O1's does not") {
   SeedNetwork<> net;
   const std::string o1 = graph_ir<o1_config>(net).optimized.text;
   const std::string o2 = graph_ir<o2_config>(net).optimized.text;

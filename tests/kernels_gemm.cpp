@@ -298,7 +298,7 @@ TEST_CASE("a weight packed under another instruction set is not read: the produc
   });
 }
 
-TEST_CASE("DUET_ISA names the kernels to start with; kernel_isa and set_kernel_isa") {
+TEST_CASE("DUET_ISA names the kernels to start with, kernel_isa and set_kernel_isa") {
   using kernels::Isa;
   CHECK(kernels::detail::initial_isa(nullptr) == kernels::best_supported_isa());
   CHECK(kernels::detail::initial_isa("") == kernels::best_supported_isa());

@@ -26,7 +26,7 @@ TEST_CASE("ReLU is max(x, 0) in both modes and keeps NaN and infinities as IEEE 
   }
 }
 
-TEST_CASE("ops::relu on a temporary nobody else holds works in place; on a shared tensor it copies") {
+TEST_CASE("ops::relu on a temporary nobody else holds works in place, on a shared tensor it copies") {
   Tensor shared = full({4}, -1.0f);
   const Tensor fresh = ops::relu(shared);
   CHECK_FALSE(fresh.shares_storage_with(shared));

@@ -48,7 +48,7 @@ std::vector<float> values(const duet::Tensor& t) { return {t.data(), t.data() + 
 
 }  // namespace
 
-TEST_CASE("nn::Dropout: seeded masks, the same in both modes call after call; the identity in evaluation") {
+TEST_CASE("nn::Dropout: seeded masks, the same in both modes call after call, the identity in evaluation") {
   duet_test::ModeGuard guard;
   const duet::Tensor x = duet::uniform(Shape{5, 6}, -1.0f, 1.0f, std::uint64_t{30});
   std::vector<std::vector<std::vector<float>>> outputs;

@@ -105,7 +105,7 @@ Tensor pynative(Net& net, const Tensor& x) {
 
 }  // namespace
 
-TEST_CASE("graph_ir at evaluation shows Conv2d + BatchNorm(folded) + ReLU at O1 and O2; O0 and training do not fold") {
+TEST_CASE("graph_ir at evaluation shows Conv2d + BatchNorm(folded) + ReLU at O1 and O2, O0 and training do not fold") {
   ConvStack<> net;
   net.set_train(false);
   for (const std::string& text : {graph_ir<o1>(net).optimized.text, graph_ir<o2>(net).optimized.text}) {
@@ -123,7 +123,7 @@ TEST_CASE("graph_ir at evaluation shows Conv2d + BatchNorm(folded) + ReLU at O1 
   CHECK(training.find("= BatchNorm(%1)") != std::string::npos);
 }
 
-TEST_CASE("folded evaluation agrees with PyNative and with double precision within the tolerance; O0 bit for bit") {
+TEST_CASE("folded evaluation agrees with PyNative and with double precision within the tolerance, O0 bit for bit") {
   set_seed(3);
   ConvStack<> net;
   give_statistics(net);

@@ -197,7 +197,7 @@ struct Reused : nn::Cell<Reused> {
 };
 }  // namespace
 
-TEST_CASE("summary: a cell called twice shows each call; one never called shows --") {
+TEST_CASE("summary: a cell called twice shows each call, one never called shows --") {
   Reused net;
   std::ostringstream sink;
   const Summary s = summary(net, {5, 2, 3}, sink);
