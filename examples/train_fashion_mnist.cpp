@@ -22,7 +22,6 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
-#include <Eigen/Core>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -262,7 +261,7 @@ int main(int argc, char** argv) {
       usage("--distributed: this build has no MPI (CMake did not find it)");
 #endif
     }
-    Eigen::setNbThreads(o.threads);
+    duet::set_num_threads(o.threads);
     duet::set_context({.mode = o.mode == "graph" ? duet::GRAPH_MODE : duet::PYNATIVE_MODE});
     duet::set_seed(o.seed);
     Network model;

@@ -4,6 +4,7 @@
 // result with the same call made on one thread. The tsan stage of tools/check.sh runs the
 // cases named "threads: ..." under ThreadSanitizer, which is what finds the races; without it
 // these cases catch only races that corrupt results.
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstring>
@@ -183,4 +184,30 @@ TEST_CASE("threads: concurrent first uses of Parameter::derived make the form on
   CHECK(makes == 1);
   for (const auto& form : got) CHECK(form == got.front());
   CHECK(got.front()->total == 64.0f);
+}
+
+// Threads inside operations (threads.hpp) under callers of its own: four callers at batches
+// large enough to share their products, with a budget of two threads in all, so that at most
+// one helper runs beside them, whoever holds it, and every result is one thread's.
+TEST_CASE("threads: concurrent callers share the operations' thread budget and get one thread's bits") {
+  const int saved = get_num_threads();
+  set_num_threads(threads_available ? 2 : 1);
+  std::vector<Tensor> inputs;
+  for (std::size_t i = 0; i < thread_count; ++i) inputs.push_back(randn({96 + 32 * static_cast<index_t>(i), 1, 28, 28}, 200 + i));
+  duet_test::SeedNetwork<GRAPH_MODE> net;
+  const long shared_before = detail::shared_runs().load();
+  std::atomic<bool> done{false};
+  int most_helpers = 0;
+  std::thread monitor([&] {
+    while (!done.load()) most_helpers = std::max(most_helpers, detail::helpers_in_use().load());
+  });
+  const auto outputs = concurrent_forward(net, inputs);
+  done = true;
+  monitor.join();
+  CHECK(most_helpers <= get_num_threads() - 1);
+  CHECK(detail::helpers_in_use().load() == 0);
+  if (threads_available) CHECK(detail::shared_runs().load() > shared_before);
+  set_num_threads(1);
+  check_against_one_thread(net, inputs, outputs);
+  set_num_threads(saved);
 }

@@ -202,20 +202,13 @@ struct Eigen {
   // dx = dz · w.
   template <index_t In, index_t Out, class T, class... Fns>
   static void dense_backward(const DenseBackwardArgs<T>& a, const std::tuple<Fns...>& fns = {}) {
-    static_assert(sizeof...(Fns) <= 1, "duet: a product's epilogue differentiates through one function at most");
     using XMatrix = detail::RowMajorMatrix<T, dyn, In>;
     using WMatrix = detail::RowMajorMatrix<T, Out, In>;
     using YMatrix = detail::RowMajorMatrix<T, dyn, Out>;
     ::Eigen::Map<const XMatrix> X(a.x, a.rows, a.in);
     ::Eigen::Map<const WMatrix> W(a.w, a.out, a.in);
-    const T* dz = a.dy;
     duet::detail::Storage masked;
-    if constexpr (sizeof...(Fns) == 1) {
-      masked = duet::detail::Storage(static_cast<std::size_t>(a.rows * a.out) * sizeof(T));
-      T* m = reinterpret_cast<T*>(masked.data());
-      map_grad(std::get<0>(fns), a.dy, a.y, a.rows * a.out, m);
-      dz = m;
-    }
+    const T* dz = masked_gradient(a, fns, masked);
     ::Eigen::Map<const YMatrix> DZ(dz, a.rows, a.out);
     ::Eigen::Map<WMatrix> DW(a.dw, a.out, a.in);
     if (a.accumulate_w) DW.noalias() += DZ.transpose() * X;
@@ -330,6 +323,21 @@ struct Eigen {
                                                     s.momentum != 0, s.nesterov, s.first_step});
   }
 
+  // dz = dy · Fn'(y) for a product's epilogue function, in `masked`; dy itself without one.
+  template <class T, class... Fns>
+  static const T* masked_gradient(const DenseBackwardArgs<T>& a, const std::tuple<Fns...>& fns,
+                                  duet::detail::Storage& masked) {
+    static_assert(sizeof...(Fns) <= 1, "duet: a product's epilogue differentiates through one function at most");
+    if constexpr (sizeof...(Fns) == 1) {
+      masked = duet::detail::Storage(static_cast<std::size_t>(a.rows * a.out) * sizeof(T));
+      T* m = reinterpret_cast<T*>(masked.data());
+      map_grad(std::get<0>(fns), a.dy, a.y, a.rows * a.out, m);
+      return m;
+    } else {
+      return a.dy;
+    }
+  }
+
   template <class T>
   static void column_sums(const T* x, index_t rows, index_t cols, T* sums, bool accumulate) {
     using Matrix = detail::RowMajorMatrix<T, dyn, dyn>;
@@ -389,6 +397,27 @@ struct Native : Eigen {
   static void matmul(const T* a, index_t m, index_t k, const T* b, index_t n, T* c) {
     if constexpr (kernels::gemm_supports<T>) kernels::gemm_kn(a, m, k, b, n, c);
     else Eigen::matmul(a, m, k, b, n, c);
+  }
+
+  // Both products on duet's GEMM, so that they run on the instruction set chosen at run time
+  // and on every thread, as the forward product does: dx = dz · w is gemm_kn (w is [out, in],
+  // the [k, n] it reads), and dw (+)= dzᵀ · x is gemm_kn on a transposed copy of dz, which
+  // costs rows·out copies against the product's rows·out·in multiply-adds and leaves x, the
+  // larger operand, read in place.
+  template <index_t In, index_t Out, class T, class... Fns>
+  static void dense_backward(const DenseBackwardArgs<T>& a, const std::tuple<Fns...>& fns = {}) {
+    if constexpr (!kernels::gemm_supports<T>) {
+      Eigen::dense_backward<In, Out>(a, fns);
+    } else {
+      duet::detail::Storage masked;
+      const T* dz = masked_gradient(a, fns, masked);
+      duet::detail::Storage transposed(static_cast<std::size_t>(a.rows * a.out) * sizeof(T));
+      T* dzt = reinterpret_cast<T*>(transposed.data());
+      kernels::transpose(dz, a.rows, a.out, dzt);
+      kernels::gemm_kn(dzt, a.out, a.rows, a.x, a.in, a.dw, a.accumulate_w);
+      if (a.db != nullptr) column_sums(dz, a.rows, a.out, a.db, a.accumulate_b);
+      if (a.dx != nullptr) kernels::gemm_kn(dz, a.rows, a.out, a.w, a.in, a.dx);
+    }
   }
 
   // The weight is packed once per version of it (the parameter keeps the packed form), not

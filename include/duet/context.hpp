@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "error.hpp"
+#include "threads.hpp"
 
 namespace duet {
 
@@ -30,11 +31,14 @@ struct ContextConfig {
   // false turns every duet::jit function into plain PyNative execution, for debugging; the
   // environment variable DUET_JIT=0 sets it at start-up.
   std::optional<bool> jit_enabled = std::nullopt;
+  // The threads duet's operations may use in all (duet::set_num_threads, threads.hpp).
+  std::optional<int> num_threads = std::nullopt;
 };
 
 struct Context {
   Mode mode = PYNATIVE_MODE;
   bool jit_enabled = true;
+  int num_threads = 1;
 };
 
 namespace detail {
@@ -58,7 +62,9 @@ inline std::atomic<bool>& jit_enabled() {
 }
 }  // namespace detail
 
+// Every field is checked before any is applied: a refused call changes nothing.
 inline void set_context(const ContextConfig& config) {
+  if (config.num_threads) detail::checked_num_threads(*config.num_threads, "duet::set_context: num_threads");
   if (config.mode) {
     // CONTEXT_MODE is what a cell follows, not a mode the context can be in.
     if (*config.mode != GRAPH_MODE && *config.mode != PYNATIVE_MODE) {
@@ -67,6 +73,7 @@ inline void set_context(const ContextConfig& config) {
     detail::context_mode().store(*config.mode, std::memory_order_relaxed);
   }
   if (config.jit_enabled) detail::jit_enabled().store(*config.jit_enabled, std::memory_order_relaxed);
+  if (config.num_threads) detail::num_threads_storage().store(*config.num_threads, std::memory_order_relaxed);
 }
 
 namespace detail {
@@ -93,7 +100,7 @@ class EagerScope {
 
 inline Context get_context() {
   return Context{detail::context_mode().load(std::memory_order_relaxed),
-                 detail::jit_enabled().load(std::memory_order_relaxed)};
+                 detail::jit_enabled().load(std::memory_order_relaxed), get_num_threads()};
 }
 
 // The mode a cell declared with `declared` runs in right now.

@@ -160,6 +160,10 @@ class FormatError : public IOError {
 //    the one store, so the output never takes a second pass.
 // Every path adds the bias to the finished sum and then applies the functions, in the order
 // separate BiasAdd and map kernels would: fused and unfused evaluation agree to the bit.
+// The GEMM gives whole panels of columns to each thread (threads.hpp) when the product is large
+// enough to share: every element's sum is the same code in the same order on any thread, so
+// the bits do not depend on the number of threads. The GEMV stays on one: it is bound by
+// reading the weight, and waking a second thread costs more than the time it could save there.
 //
 // The GEMV and the GEMM exist once per instruction set (AVX-512, AVX2 + FMA, baseline), in
 // detail/gemm_impl.hpp, compiled once per set below; each call runs the set chosen at
@@ -406,6 +410,195 @@ inline void empty_cache() {
   if (detail::BlockCache* cache = detail::thread_block_cache()) cache->clear();
 }
 
+}  // namespace duet
+// Threads inside an operation: how many, and who may use them.
+//
+// duet splits its large products (Dense forward and backward, the convolutions' products)
+// across threads with OpenMP, which the compilers and Debian provide (libgomp with g++, libomp
+// with clang), rather than a pool of its own: OpenMP keeps its workers alive between regions,
+// lets OMP_NUM_THREADS and OMP_WAIT_POLICY tune them as they tune libtorch and oneDNN, and is
+// the one runtime a program that also uses those libraries already has. oneTBB would have done
+// as well; OpenMP needs nothing beyond the compiler's flag (CMake's duet::duet adds it when
+// OpenMP is found, or build with -fopenmp). Built without it, duet runs on one thread, and
+// asking for more is an error rather than a setting quietly not applied.
+//
+// How many: duet::set_num_threads(n), set_context({.num_threads = n}), or DUET_NUM_THREADS=n
+// read at start-up; by default OpenMP's own number (OMP_NUM_THREADS, else one per core).
+//
+// The policy, for one model called from several user threads at once: n is a budget for the
+// whole process, not per call. A product takes as many helper threads as it can use (each must
+// get enough work to pay for waking it: small products and batch 1 stay on the calling thread)
+// from the n - 1 that are free at that moment, and runs on the rest itself; while another call
+// holds the helpers, it runs on its own thread. So duet never runs more than n - 1 threads of
+// its own beside the callers, whatever the number of callers, and a call made inside the
+// user's own OpenMP parallel region takes none. The split is by blocks of output columns, each
+// computed by the same code in the same order as on one thread: results are the same bits for
+// every thread count.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <exception>
+#include <string>
+#include <string_view>
+
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace duet {
+
+// Whether this program was built with OpenMP, so that duet can use more than one thread.
+inline constexpr bool threads_available =
+#ifdef _OPENMP
+    true;
+#else
+    false;
+#endif
+
+namespace detail {
+
+inline int checked_num_threads(long n, std::string_view where) {
+  if (n < 1 || n > 1024) {
+    throw ValueError(std::string(where) + ": the number of threads must be in [1, 1024], got " + std::to_string(n));
+  }
+  if (n > 1 && !threads_available) {
+    throw ValueError(std::string(where) + " asks for " + std::to_string(n) +
+                     " threads, but this program was built without OpenMP, so duet runs on one: build with "
+                     "-fopenmp (CMake: link duet::duet, which adds it where OpenMP is found)");
+  }
+  return static_cast<int>(n);
+}
+
+// The number to start with, given the value of DUET_NUM_THREADS (null or empty: OpenMP's).
+inline int initial_num_threads(const char* env) {
+  if (env == nullptr || *env == '\0') {
+#ifdef _OPENMP
+    return std::max(1, omp_get_max_threads());
+#else
+    return 1;
+#endif
+  }
+  char* end = nullptr;
+  const long n = std::strtol(env, &end, 10);
+  const std::string where = "DUET_NUM_THREADS=" + std::string(env);
+  if (*end != '\0') throw ValueError(where + ": not a whole number");
+  return checked_num_threads(n, where);
+}
+
+inline std::atomic<int>& num_threads_storage() {
+  static std::atomic<int> n{initial_num_threads(std::getenv("DUET_NUM_THREADS"))};
+  return n;
+}
+
+// Helper threads (beyond the callers) that products run on now, across the process.
+inline std::atomic<int>& helpers_in_use() {
+  static std::atomic<int> n{0};
+  return n;
+}
+
+// Up to `wanted` helpers from the budget, given back at the end of the scope; none while the
+// budget is spent or inside an OpenMP region someone else opened.
+class HelperLease {
+ public:
+  explicit HelperLease(int wanted) {
+#ifdef _OPENMP
+    if (wanted <= 0 || omp_in_parallel()) return;
+    const int budget = num_threads_storage().load(std::memory_order_relaxed) - 1;
+    int in_use = helpers_in_use().load(std::memory_order_relaxed);
+    while (in_use < budget) {
+      const int take = std::min(wanted, budget - in_use);
+      if (helpers_in_use().compare_exchange_weak(in_use, in_use + take, std::memory_order_acquire)) {
+        granted_ = take;
+        return;
+      }
+    }
+#else
+    (void)wanted;
+#endif
+  }
+  HelperLease(const HelperLease&) = delete;
+  HelperLease& operator=(const HelperLease&) = delete;
+  ~HelperLease() {
+    if (granted_ > 0) helpers_in_use().fetch_sub(granted_, std::memory_order_release);
+  }
+  int threads() const { return 1 + granted_; }
+
+ private:
+  int granted_ = 0;
+};
+
+}  // namespace detail
+
+// The number of threads duet's operations may use in all (see the policy above).
+inline int get_num_threads() { return detail::num_threads_storage().load(std::memory_order_relaxed); }
+
+// From the next operation on. More than one needs a build with OpenMP (duet::ValueError
+// otherwise); more than the cores is allowed, and only slows things down.
+inline void set_num_threads(int n) {
+  detail::num_threads_storage().store(detail::checked_num_threads(n, "duet::set_num_threads"), std::memory_order_relaxed);
+}
+
+namespace detail {
+
+// The threads a product of `work` multiply-adds over `blocks` independent blocks can use: one
+// per block at most, and each with at least min_work, so that waking a helper (a few
+// microseconds) costs little next to its share.
+inline int useful_threads(index_t work, index_t blocks) {
+  constexpr index_t min_work = index_t{1} << 18;
+  const index_t by_work = std::max<index_t>(1, work / min_work);
+  return static_cast<int>(std::min<index_t>({by_work, blocks, get_num_threads()}));
+}
+
+// How many operations have run on more than one thread since the program started: what shows
+// that a setting took effect (tests, benchmarks), since the results cannot.
+inline std::atomic<long>& shared_runs() {
+  static std::atomic<long> n{0};
+  return n;
+}
+
+// f(begin, end, slot) over [0, blocks) cut into contiguous ranges, one per thread, with up to
+// `threads` threads (fewer if the budget is short). slot < threads numbers the range, so each
+// can have scratch of its own. An exception thrown by f on any thread is rethrown here, after
+// every thread has finished.
+template <class F>
+void parallel_blocks(index_t blocks, int threads, F&& f) {
+  HelperLease lease(threads - 1);
+  const int team = lease.threads();
+  if (team == 1) {
+    f(index_t{0}, blocks, 0);
+    return;
+  }
+#ifdef _OPENMP
+  std::exception_ptr error;
+#pragma omp parallel num_threads(team)
+  {
+    const int t = omp_get_thread_num();
+    const int n = omp_get_num_threads();
+    if (t == 0 && n > 1) shared_runs().fetch_add(1, std::memory_order_relaxed);
+    try {
+      f(blocks * t / n, blocks * (t + 1) / n, t);
+    } catch (...) {
+#pragma omp critical(duet_parallel_blocks_error)
+      if (!error) error = std::current_exception();
+    }
+  }
+  if (error) std::rethrow_exception(error);
+#endif
+}
+
+// f(i0, i1) over [0, n) for an elementwise pass costing about `work` multiply-adds per element,
+// cut at multiples of 1024 elements (whole vectors of every set).
+template <class F>
+void parallel_elements(index_t n, index_t work, F&& f) {
+  constexpr index_t block = 1024;
+  const index_t blocks = (n + block - 1) / block;
+  parallel_blocks(blocks, useful_threads(n * work, blocks),
+                  [&](index_t b0, index_t b1, int) { f(b0 * block, std::min(n, b1 * block)); });
+}
+
+}  // namespace detail
 }  // namespace duet
 // The one place where the instruction sets differ: per set, the vector width, the tile height
 // and the few operations GCC's vector extensions do not spell (FMA, masked memory access, the
@@ -1465,22 +1658,36 @@ void pack_panel_kn(const T* src, index_t ld, int cols, index_t depth, T* dst) {
 // One group of k for a tile: acc[i] += the group of row i of A, broadcast, times the panel's KG
 // vectors at bp. Partial: only rest < KG values of A remain, and A is not read past them. A
 // function rather than a lambda: GCC does not give lambdas the target of their region.
+// The MR broadcasts first, then each vector of B once, for every row: MR x KG accumulators, MR
+// broadcasts and one vector of B are all the registers it holds (16 for AVX2's 3 x 4, 31 of
+// AVX-512's 32 for 6 x 4). Holding the KG vectors of B instead needed one register more than
+// AVX2 has, and the accumulator spilled to the stack put a store and a load in its chain of
+// FMAs (AVX2 with clang: 38% of the FMA peak, now 80-95%).
+// Each accumulator still takes its FMAs in the order of k: the order between them changes no
+// bit. The loops over the tile are unrolled by pragma here and in micro_kernel's store loop:
+// GCC keeps an array in registers only where every index is a constant, and left to itself it
+// kept these loops rolled, kept acc in memory and stored all of it at every step (with the
+// register fix alone, GCC's AVX2 product stayed at 25% of the peak; with both, 60-80%, level
+// with OpenBLAS on the same machine; benchmarks/gemm.cpp).
 template <bool Partial, class T>
 [[gnu::always_inline]] inline void tile_step(Vec<T> (&acc)[MR][KG<T>], const T* const (&ar)[MR], index_t p, const T* bp,
                                              std::size_t rest) {
   constexpr int G = KG<T>;
-  Vec<T> bv[G];
-  for (int j = 0; j < G; ++j) bv[j] = load(bp + j * lanes<T>);
+  Vec<T> av[MR];
   for (int i = 0; i < MR; ++i) {
-    Vec<T> av;
     if constexpr (Partial) {
       T group[G] = {};
       std::memcpy(group, ar[i] + p, rest * sizeof(T));
-      av = broadcast_group<T>(group);
+      av[i] = broadcast_group<T>(group);
     } else {
-      av = broadcast_group<T>(ar[i] + p);
+      av[i] = broadcast_group<T>(ar[i] + p);
     }
-    for (int j = 0; j < G; ++j) acc[i][j] = fma<T>(av, bv[j], acc[i][j]);
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < G; ++j) {
+    const Vec<T> bv = load(bp + j * lanes<T>);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) acc[i][j] = fma<T>(av[i], bv, acc[i][j]);
   }
 }
 
@@ -1500,7 +1707,10 @@ template <class T, class... Fns>
   for (index_t p = 0; p < whole; p += G, bp += G * L) tile_step<false, T>(acc, ar, p, bp, 0);
   // The last, partial group: A is not read past depth (its row may end there).
   if (whole < depth) tile_step<true, T>(acc, ar, whole, bp, static_cast<std::size_t>(depth - whole));
-  for (int i = 0; i < MR && i < rows; ++i, c += ldc) {
+  // A fixed trip count, unrolled, so that every index of acc is a constant (see tile_step).
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i, c += ldc) {
+    if (i >= rows) continue;
     fold_level<G / 2, T>(acc[i], G / 2);
     Vec<T> v = acc[i][0];
     if (cols == L) {
@@ -1521,20 +1731,18 @@ template <class T, class... Fns>
   }
 }
 
-// packed: B already packed, or null to pack each panel as it is reached. b_kn: b is stored
-// transposed, as [k, n] (never packed ahead).
+// Panels [p0, p1) of C (columns p0·L .. p1·L), every row: the blocked product's work for one
+// thread. panel: scratch for one packed panel of B, unless packed. b_kn: b is stored
+// transposed, as [k, n] (never packed ahead). accumulate: adds to C instead of writing it.
 template <class T, class... Fns>
-void gemm_blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
-                  const PackedWeight<T>* packed, bool b_kn = false) {
+void gemm_panels(index_t p0, index_t p1, const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
+                 const PackedWeight<T>* packed, bool b_kn, bool accumulate, index_t kc, index_t mc, T* panel) {
   constexpr int L = lanes<T>;
   constexpr auto size = static_cast<index_t>(sizeof(T));
-  const index_t kc = balanced_block(k, KC_bytes / size, KG<T>);
-  const index_t mc = balanced_block(m, std::max<index_t>(MR, MC_bytes / (k * size)), MR);
-  ::duet::detail::Storage scratch(packed != nullptr ? 0 : static_cast<std::size_t>(kc * L * size));
-  T* panel = reinterpret_cast<T*>(scratch.data());
+  const index_t n1 = std::min(n, p1 * L);
   for (index_t m0 = 0; m0 < m; m0 += mc) {
     const index_t m1 = std::min(m, m0 + mc);
-    for (index_t j0 = 0; j0 < n; j0 += L) {
+    for (index_t j0 = p0 * L; j0 < n1; j0 += L) {
       const int cols = static_cast<int>(std::min<index_t>(L, n - j0));
       const T* bias_panel = bias == nullptr ? nullptr : bias + j0;
       for (index_t k0 = 0; k0 < k; k0 += kc) {
@@ -1558,7 +1766,7 @@ void gemm_blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const
         index_t fetched = 0;
         for (index_t i0 = m0; i0 < m1; i0 += MR) {
           micro_kernel<T, Fns...>(depth, a + i0 * k + k0, k, static_cast<int>(std::min<index_t>(MR, m1 - i0)), bp,
-                                  c + i0 * n + j0, n, cols, k0 == 0, k0 + depth == k, bias_panel);
+                                  c + i0 * n + j0, n, cols, k0 == 0 && !accumulate, k0 + depth == k, bias_panel);
           for (const index_t until = std::min(ahead_bytes, fetched + slice); fetched < until; fetched += 64) {
             __builtin_prefetch(ahead + fetched, 0, 2);
           }
@@ -1566,6 +1774,27 @@ void gemm_blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const
       }
     }
   }
+}
+
+// The product on as many threads as it can use (threads.hpp), each taking whole panels of
+// columns, so that every element of C is summed by the same code in the same order whatever
+// the number of threads.
+template <class T, class... Fns>
+void gemm_blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
+                  const PackedWeight<T>* packed, bool b_kn = false, bool accumulate = false) {
+  constexpr int L = lanes<T>;
+  constexpr auto size = static_cast<index_t>(sizeof(T));
+  const index_t kc = balanced_block(k, KC_bytes / size, KG<T>);
+  const index_t mc = balanced_block(m, std::max<index_t>(MR, MC_bytes / (k * size)), MR);
+  const index_t panels = (n + L - 1) / L;
+  const int threads = ::duet::detail::useful_threads(m * n * k, panels);
+  const index_t panel_elements = packed != nullptr ? 0 : kc * L;
+  ::duet::detail::Storage scratch(static_cast<std::size_t>(threads * panel_elements * size));
+  T* panels_scratch = reinterpret_cast<T*>(scratch.data());
+  ::duet::detail::parallel_blocks(panels, threads, [&](index_t p0, index_t p1, int slot) {
+    gemm_panels<T, Fns...>(p0, p1, a, m, k, b, n, bias, c, packed, b_kn, accumulate, kc, mc,
+                           panels_scratch + slot * panel_elements);
+  });
 }
 
 // The entry points gemm() and PackedWeight dispatch to (with_kernels in gemm.hpp).
@@ -1587,8 +1816,8 @@ struct Kernels {
   }
 
   template <class T>
-  static void blocked_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c) {
-    gemm_blocked<T>(a, m, k, b, n, nullptr, c, nullptr, true);
+  static void blocked_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c, bool accumulate) {
+    gemm_blocked<T>(a, m, k, b, n, nullptr, c, nullptr, true, accumulate);
   }
 
   // Every panel of b ([n, k]) into dst, panel after panel, panel_size elements apart.
@@ -1752,22 +1981,36 @@ void pack_panel_kn(const T* src, index_t ld, int cols, index_t depth, T* dst) {
 // One group of k for a tile: acc[i] += the group of row i of A, broadcast, times the panel's KG
 // vectors at bp. Partial: only rest < KG values of A remain, and A is not read past them. A
 // function rather than a lambda: GCC does not give lambdas the target of their region.
+// The MR broadcasts first, then each vector of B once, for every row: MR x KG accumulators, MR
+// broadcasts and one vector of B are all the registers it holds (16 for AVX2's 3 x 4, 31 of
+// AVX-512's 32 for 6 x 4). Holding the KG vectors of B instead needed one register more than
+// AVX2 has, and the accumulator spilled to the stack put a store and a load in its chain of
+// FMAs (AVX2 with clang: 38% of the FMA peak, now 80-95%).
+// Each accumulator still takes its FMAs in the order of k: the order between them changes no
+// bit. The loops over the tile are unrolled by pragma here and in micro_kernel's store loop:
+// GCC keeps an array in registers only where every index is a constant, and left to itself it
+// kept these loops rolled, kept acc in memory and stored all of it at every step (with the
+// register fix alone, GCC's AVX2 product stayed at 25% of the peak; with both, 60-80%, level
+// with OpenBLAS on the same machine; benchmarks/gemm.cpp).
 template <bool Partial, class T>
 [[gnu::always_inline]] inline void tile_step(Vec<T> (&acc)[MR][KG<T>], const T* const (&ar)[MR], index_t p, const T* bp,
                                              std::size_t rest) {
   constexpr int G = KG<T>;
-  Vec<T> bv[G];
-  for (int j = 0; j < G; ++j) bv[j] = load(bp + j * lanes<T>);
+  Vec<T> av[MR];
   for (int i = 0; i < MR; ++i) {
-    Vec<T> av;
     if constexpr (Partial) {
       T group[G] = {};
       std::memcpy(group, ar[i] + p, rest * sizeof(T));
-      av = broadcast_group<T>(group);
+      av[i] = broadcast_group<T>(group);
     } else {
-      av = broadcast_group<T>(ar[i] + p);
+      av[i] = broadcast_group<T>(ar[i] + p);
     }
-    for (int j = 0; j < G; ++j) acc[i][j] = fma<T>(av, bv[j], acc[i][j]);
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < G; ++j) {
+    const Vec<T> bv = load(bp + j * lanes<T>);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) acc[i][j] = fma<T>(av[i], bv, acc[i][j]);
   }
 }
 
@@ -1787,7 +2030,10 @@ template <class T, class... Fns>
   for (index_t p = 0; p < whole; p += G, bp += G * L) tile_step<false, T>(acc, ar, p, bp, 0);
   // The last, partial group: A is not read past depth (its row may end there).
   if (whole < depth) tile_step<true, T>(acc, ar, whole, bp, static_cast<std::size_t>(depth - whole));
-  for (int i = 0; i < MR && i < rows; ++i, c += ldc) {
+  // A fixed trip count, unrolled, so that every index of acc is a constant (see tile_step).
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i, c += ldc) {
+    if (i >= rows) continue;
     fold_level<G / 2, T>(acc[i], G / 2);
     Vec<T> v = acc[i][0];
     if (cols == L) {
@@ -1808,20 +2054,18 @@ template <class T, class... Fns>
   }
 }
 
-// packed: B already packed, or null to pack each panel as it is reached. b_kn: b is stored
-// transposed, as [k, n] (never packed ahead).
+// Panels [p0, p1) of C (columns p0·L .. p1·L), every row: the blocked product's work for one
+// thread. panel: scratch for one packed panel of B, unless packed. b_kn: b is stored
+// transposed, as [k, n] (never packed ahead). accumulate: adds to C instead of writing it.
 template <class T, class... Fns>
-void gemm_blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
-                  const PackedWeight<T>* packed, bool b_kn = false) {
+void gemm_panels(index_t p0, index_t p1, const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
+                 const PackedWeight<T>* packed, bool b_kn, bool accumulate, index_t kc, index_t mc, T* panel) {
   constexpr int L = lanes<T>;
   constexpr auto size = static_cast<index_t>(sizeof(T));
-  const index_t kc = balanced_block(k, KC_bytes / size, KG<T>);
-  const index_t mc = balanced_block(m, std::max<index_t>(MR, MC_bytes / (k * size)), MR);
-  ::duet::detail::Storage scratch(packed != nullptr ? 0 : static_cast<std::size_t>(kc * L * size));
-  T* panel = reinterpret_cast<T*>(scratch.data());
+  const index_t n1 = std::min(n, p1 * L);
   for (index_t m0 = 0; m0 < m; m0 += mc) {
     const index_t m1 = std::min(m, m0 + mc);
-    for (index_t j0 = 0; j0 < n; j0 += L) {
+    for (index_t j0 = p0 * L; j0 < n1; j0 += L) {
       const int cols = static_cast<int>(std::min<index_t>(L, n - j0));
       const T* bias_panel = bias == nullptr ? nullptr : bias + j0;
       for (index_t k0 = 0; k0 < k; k0 += kc) {
@@ -1845,7 +2089,7 @@ void gemm_blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const
         index_t fetched = 0;
         for (index_t i0 = m0; i0 < m1; i0 += MR) {
           micro_kernel<T, Fns...>(depth, a + i0 * k + k0, k, static_cast<int>(std::min<index_t>(MR, m1 - i0)), bp,
-                                  c + i0 * n + j0, n, cols, k0 == 0, k0 + depth == k, bias_panel);
+                                  c + i0 * n + j0, n, cols, k0 == 0 && !accumulate, k0 + depth == k, bias_panel);
           for (const index_t until = std::min(ahead_bytes, fetched + slice); fetched < until; fetched += 64) {
             __builtin_prefetch(ahead + fetched, 0, 2);
           }
@@ -1853,6 +2097,27 @@ void gemm_blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const
       }
     }
   }
+}
+
+// The product on as many threads as it can use (threads.hpp), each taking whole panels of
+// columns, so that every element of C is summed by the same code in the same order whatever
+// the number of threads.
+template <class T, class... Fns>
+void gemm_blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
+                  const PackedWeight<T>* packed, bool b_kn = false, bool accumulate = false) {
+  constexpr int L = lanes<T>;
+  constexpr auto size = static_cast<index_t>(sizeof(T));
+  const index_t kc = balanced_block(k, KC_bytes / size, KG<T>);
+  const index_t mc = balanced_block(m, std::max<index_t>(MR, MC_bytes / (k * size)), MR);
+  const index_t panels = (n + L - 1) / L;
+  const int threads = ::duet::detail::useful_threads(m * n * k, panels);
+  const index_t panel_elements = packed != nullptr ? 0 : kc * L;
+  ::duet::detail::Storage scratch(static_cast<std::size_t>(threads * panel_elements * size));
+  T* panels_scratch = reinterpret_cast<T*>(scratch.data());
+  ::duet::detail::parallel_blocks(panels, threads, [&](index_t p0, index_t p1, int slot) {
+    gemm_panels<T, Fns...>(p0, p1, a, m, k, b, n, bias, c, packed, b_kn, accumulate, kc, mc,
+                           panels_scratch + slot * panel_elements);
+  });
 }
 
 // The entry points gemm() and PackedWeight dispatch to (with_kernels in gemm.hpp).
@@ -1874,8 +2139,8 @@ struct Kernels {
   }
 
   template <class T>
-  static void blocked_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c) {
-    gemm_blocked<T>(a, m, k, b, n, nullptr, c, nullptr, true);
+  static void blocked_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c, bool accumulate) {
+    gemm_blocked<T>(a, m, k, b, n, nullptr, c, nullptr, true, accumulate);
   }
 
   // Every panel of b ([n, k]) into dst, panel after panel, panel_size elements apart.
@@ -2039,22 +2304,36 @@ void pack_panel_kn(const T* src, index_t ld, int cols, index_t depth, T* dst) {
 // One group of k for a tile: acc[i] += the group of row i of A, broadcast, times the panel's KG
 // vectors at bp. Partial: only rest < KG values of A remain, and A is not read past them. A
 // function rather than a lambda: GCC does not give lambdas the target of their region.
+// The MR broadcasts first, then each vector of B once, for every row: MR x KG accumulators, MR
+// broadcasts and one vector of B are all the registers it holds (16 for AVX2's 3 x 4, 31 of
+// AVX-512's 32 for 6 x 4). Holding the KG vectors of B instead needed one register more than
+// AVX2 has, and the accumulator spilled to the stack put a store and a load in its chain of
+// FMAs (AVX2 with clang: 38% of the FMA peak, now 80-95%).
+// Each accumulator still takes its FMAs in the order of k: the order between them changes no
+// bit. The loops over the tile are unrolled by pragma here and in micro_kernel's store loop:
+// GCC keeps an array in registers only where every index is a constant, and left to itself it
+// kept these loops rolled, kept acc in memory and stored all of it at every step (with the
+// register fix alone, GCC's AVX2 product stayed at 25% of the peak; with both, 60-80%, level
+// with OpenBLAS on the same machine; benchmarks/gemm.cpp).
 template <bool Partial, class T>
 [[gnu::always_inline]] inline void tile_step(Vec<T> (&acc)[MR][KG<T>], const T* const (&ar)[MR], index_t p, const T* bp,
                                              std::size_t rest) {
   constexpr int G = KG<T>;
-  Vec<T> bv[G];
-  for (int j = 0; j < G; ++j) bv[j] = load(bp + j * lanes<T>);
+  Vec<T> av[MR];
   for (int i = 0; i < MR; ++i) {
-    Vec<T> av;
     if constexpr (Partial) {
       T group[G] = {};
       std::memcpy(group, ar[i] + p, rest * sizeof(T));
-      av = broadcast_group<T>(group);
+      av[i] = broadcast_group<T>(group);
     } else {
-      av = broadcast_group<T>(ar[i] + p);
+      av[i] = broadcast_group<T>(ar[i] + p);
     }
-    for (int j = 0; j < G; ++j) acc[i][j] = fma<T>(av, bv[j], acc[i][j]);
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < G; ++j) {
+    const Vec<T> bv = load(bp + j * lanes<T>);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) acc[i][j] = fma<T>(av[i], bv, acc[i][j]);
   }
 }
 
@@ -2074,7 +2353,10 @@ template <class T, class... Fns>
   for (index_t p = 0; p < whole; p += G, bp += G * L) tile_step<false, T>(acc, ar, p, bp, 0);
   // The last, partial group: A is not read past depth (its row may end there).
   if (whole < depth) tile_step<true, T>(acc, ar, whole, bp, static_cast<std::size_t>(depth - whole));
-  for (int i = 0; i < MR && i < rows; ++i, c += ldc) {
+  // A fixed trip count, unrolled, so that every index of acc is a constant (see tile_step).
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i, c += ldc) {
+    if (i >= rows) continue;
     fold_level<G / 2, T>(acc[i], G / 2);
     Vec<T> v = acc[i][0];
     if (cols == L) {
@@ -2095,20 +2377,18 @@ template <class T, class... Fns>
   }
 }
 
-// packed: B already packed, or null to pack each panel as it is reached. b_kn: b is stored
-// transposed, as [k, n] (never packed ahead).
+// Panels [p0, p1) of C (columns p0·L .. p1·L), every row: the blocked product's work for one
+// thread. panel: scratch for one packed panel of B, unless packed. b_kn: b is stored
+// transposed, as [k, n] (never packed ahead). accumulate: adds to C instead of writing it.
 template <class T, class... Fns>
-void gemm_blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
-                  const PackedWeight<T>* packed, bool b_kn = false) {
+void gemm_panels(index_t p0, index_t p1, const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
+                 const PackedWeight<T>* packed, bool b_kn, bool accumulate, index_t kc, index_t mc, T* panel) {
   constexpr int L = lanes<T>;
   constexpr auto size = static_cast<index_t>(sizeof(T));
-  const index_t kc = balanced_block(k, KC_bytes / size, KG<T>);
-  const index_t mc = balanced_block(m, std::max<index_t>(MR, MC_bytes / (k * size)), MR);
-  ::duet::detail::Storage scratch(packed != nullptr ? 0 : static_cast<std::size_t>(kc * L * size));
-  T* panel = reinterpret_cast<T*>(scratch.data());
+  const index_t n1 = std::min(n, p1 * L);
   for (index_t m0 = 0; m0 < m; m0 += mc) {
     const index_t m1 = std::min(m, m0 + mc);
-    for (index_t j0 = 0; j0 < n; j0 += L) {
+    for (index_t j0 = p0 * L; j0 < n1; j0 += L) {
       const int cols = static_cast<int>(std::min<index_t>(L, n - j0));
       const T* bias_panel = bias == nullptr ? nullptr : bias + j0;
       for (index_t k0 = 0; k0 < k; k0 += kc) {
@@ -2132,7 +2412,7 @@ void gemm_blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const
         index_t fetched = 0;
         for (index_t i0 = m0; i0 < m1; i0 += MR) {
           micro_kernel<T, Fns...>(depth, a + i0 * k + k0, k, static_cast<int>(std::min<index_t>(MR, m1 - i0)), bp,
-                                  c + i0 * n + j0, n, cols, k0 == 0, k0 + depth == k, bias_panel);
+                                  c + i0 * n + j0, n, cols, k0 == 0 && !accumulate, k0 + depth == k, bias_panel);
           for (const index_t until = std::min(ahead_bytes, fetched + slice); fetched < until; fetched += 64) {
             __builtin_prefetch(ahead + fetched, 0, 2);
           }
@@ -2140,6 +2420,27 @@ void gemm_blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const
       }
     }
   }
+}
+
+// The product on as many threads as it can use (threads.hpp), each taking whole panels of
+// columns, so that every element of C is summed by the same code in the same order whatever
+// the number of threads.
+template <class T, class... Fns>
+void gemm_blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
+                  const PackedWeight<T>* packed, bool b_kn = false, bool accumulate = false) {
+  constexpr int L = lanes<T>;
+  constexpr auto size = static_cast<index_t>(sizeof(T));
+  const index_t kc = balanced_block(k, KC_bytes / size, KG<T>);
+  const index_t mc = balanced_block(m, std::max<index_t>(MR, MC_bytes / (k * size)), MR);
+  const index_t panels = (n + L - 1) / L;
+  const int threads = ::duet::detail::useful_threads(m * n * k, panels);
+  const index_t panel_elements = packed != nullptr ? 0 : kc * L;
+  ::duet::detail::Storage scratch(static_cast<std::size_t>(threads * panel_elements * size));
+  T* panels_scratch = reinterpret_cast<T*>(scratch.data());
+  ::duet::detail::parallel_blocks(panels, threads, [&](index_t p0, index_t p1, int slot) {
+    gemm_panels<T, Fns...>(p0, p1, a, m, k, b, n, bias, c, packed, b_kn, accumulate, kc, mc,
+                           panels_scratch + slot * panel_elements);
+  });
 }
 
 // The entry points gemm() and PackedWeight dispatch to (with_kernels in gemm.hpp).
@@ -2161,8 +2462,8 @@ struct Kernels {
   }
 
   template <class T>
-  static void blocked_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c) {
-    gemm_blocked<T>(a, m, k, b, n, nullptr, c, nullptr, true);
+  static void blocked_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c, bool accumulate) {
+    gemm_blocked<T>(a, m, k, b, n, nullptr, c, nullptr, true, accumulate);
   }
 
   // Every panel of b ([n, k]) into dst, panel after panel, panel_size elements apart.
@@ -2285,21 +2586,38 @@ void gemm(const T* a, index_t m, index_t k, const T* b, index_t n, std::type_ide
   }
 }
 
-// c[m, n] = Σ_k a[m, k] · b[k, n]: gemm with b stored the other way round, [k, n] row-major, as
-// an image's patches are (kernels/conv.hpp), with neither bias nor functions. The blocked
-// product at every size, so the result has the same bits whether m is 1 or more; b's panels
-// are packed from the rows of b, which is the only difference from gemm on bᵀ, and the sums
-// are gemm's sums in the same order. After the first call on a thread for a given size, no
-// heap allocation.
+// to[cols, rows] = from[rows, cols]ᵀ, both row-major: the copy an operand takes where a product
+// needs it the other way round (a convolution's weight, a layer's output gradient). In square
+// blocks, so that both sides move whole cache lines.
+template <class T>
+void transpose(const T* from, index_t rows, index_t cols, T* to) {
+  constexpr index_t block = 32;
+  for (index_t r0 = 0; r0 < rows; r0 += block) {
+    const index_t r1 = std::min(rows, r0 + block);
+    for (index_t c0 = 0; c0 < cols; c0 += block) {
+      const index_t c1 = std::min(cols, c0 + block);
+      for (index_t c = c0; c < c1; ++c) {
+        for (index_t r = r0; r < r1; ++r) to[c * rows + r] = from[r * cols + c];
+      }
+    }
+  }
+}
+
+// c[m, n] (+)= Σ_k a[m, k] · b[k, n]: gemm with b stored the other way round, [k, n] row-major,
+// as an image's patches and a layer's input under its weight gradient are, with neither bias
+// nor functions; accumulate adds to c instead of writing it. The blocked product at every
+// size, so the result has the same bits whether m is 1 or more; b's panels are packed from the
+// rows of b, which is the only difference from gemm on bᵀ, and the sums are gemm's sums in the
+// same order. After the first call on a thread for a given size, no heap allocation.
 template <class T>
   requires gemm_supports<T>
-void gemm_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c) {
+void gemm_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c, bool accumulate = false) {
   if (m == 0 || n == 0) return;
   if (k == 0) {
-    std::fill_n(c, m * n, T(0));
+    if (!accumulate) std::fill_n(c, m * n, T(0));
     return;
   }
-  detail::with_kernels(active_isa(), [&]<class Kernels>(Kernels) { Kernels::blocked_kn(a, m, k, b, n, c); });
+  detail::with_kernels(active_isa(), [&]<class Kernels>(Kernels) { Kernels::blocked_kn(a, m, k, b, n, c, accumulate); });
 }
 
 }  // namespace duet::kernels
@@ -2681,7 +2999,9 @@ void map(const T* x, index_t n, T* y) {
 // tail is one masked vector through the same code, not a scalar loop. Every set computes each
 // element with the operations of the scalar formula in its order, unfused (DUET_BEGIN_UNFUSED),
 // and IEEE's +, -, ·, / and sqrt are correctly rounded: every set gives the bits of that
-// formula evaluated in T, on any CPU and for any tail (tests/kernels_optim.cpp).
+// formula evaluated in T, on any CPU and for any tail (tests/kernels_optim.cpp). Large
+// parameters are cut into ranges for several threads (threads.hpp); elementwise, that changes
+// no bit.
 
 
 namespace duet::kernels {
@@ -2960,13 +3280,21 @@ namespace duet::kernels {
 // One Adam step on n values: p, m and v updated in place from g. No alignment is assumed.
 template <class T>
 void adam_update(T* p, const T* g, T* m, T* v, index_t n, const AdamCoefficients<T>& c) {
-  detail::with_target(active_isa(), [&](auto target) { adam_step(target, p, g, m, v, n, c); });
+  const Isa isa = active_isa();
+  ::duet::detail::parallel_elements(n, 4, [&](index_t i0, index_t i1) {
+    detail::with_target(isa, [&](auto target) { adam_step(target, p + i0, g + i0, m + i0, v + i0, i1 - i0, c); });
+  });
 }
 
 // One SGD step on n values; momentum is read and written only with_momentum.
 template <class T>
 void sgd_update(T* p, const T* g, T* momentum, index_t n, const SgdCoefficients<T>& c) {
-  detail::with_target(active_isa(), [&](auto target) { sgd_step(target, p, g, momentum, n, c); });
+  const Isa isa = active_isa();
+  ::duet::detail::parallel_elements(n, 2, [&](index_t i0, index_t i1) {
+    detail::with_target(isa, [&](auto target) {
+      sgd_step(target, p + i0, g + i0, c.with_momentum ? momentum + i0 : momentum, i1 - i0, c);
+    });
+  });
 }
 
 }  // namespace duet::kernels
@@ -3887,20 +4215,13 @@ struct Eigen {
   // dx = dz · w.
   template <index_t In, index_t Out, class T, class... Fns>
   static void dense_backward(const DenseBackwardArgs<T>& a, const std::tuple<Fns...>& fns = {}) {
-    static_assert(sizeof...(Fns) <= 1, "duet: a product's epilogue differentiates through one function at most");
     using XMatrix = detail::RowMajorMatrix<T, dyn, In>;
     using WMatrix = detail::RowMajorMatrix<T, Out, In>;
     using YMatrix = detail::RowMajorMatrix<T, dyn, Out>;
     ::Eigen::Map<const XMatrix> X(a.x, a.rows, a.in);
     ::Eigen::Map<const WMatrix> W(a.w, a.out, a.in);
-    const T* dz = a.dy;
     duet::detail::Storage masked;
-    if constexpr (sizeof...(Fns) == 1) {
-      masked = duet::detail::Storage(static_cast<std::size_t>(a.rows * a.out) * sizeof(T));
-      T* m = reinterpret_cast<T*>(masked.data());
-      map_grad(std::get<0>(fns), a.dy, a.y, a.rows * a.out, m);
-      dz = m;
-    }
+    const T* dz = masked_gradient(a, fns, masked);
     ::Eigen::Map<const YMatrix> DZ(dz, a.rows, a.out);
     ::Eigen::Map<WMatrix> DW(a.dw, a.out, a.in);
     if (a.accumulate_w) DW.noalias() += DZ.transpose() * X;
@@ -4015,6 +4336,21 @@ struct Eigen {
                                                     s.momentum != 0, s.nesterov, s.first_step});
   }
 
+  // dz = dy · Fn'(y) for a product's epilogue function, in `masked`; dy itself without one.
+  template <class T, class... Fns>
+  static const T* masked_gradient(const DenseBackwardArgs<T>& a, const std::tuple<Fns...>& fns,
+                                  duet::detail::Storage& masked) {
+    static_assert(sizeof...(Fns) <= 1, "duet: a product's epilogue differentiates through one function at most");
+    if constexpr (sizeof...(Fns) == 1) {
+      masked = duet::detail::Storage(static_cast<std::size_t>(a.rows * a.out) * sizeof(T));
+      T* m = reinterpret_cast<T*>(masked.data());
+      map_grad(std::get<0>(fns), a.dy, a.y, a.rows * a.out, m);
+      return m;
+    } else {
+      return a.dy;
+    }
+  }
+
   template <class T>
   static void column_sums(const T* x, index_t rows, index_t cols, T* sums, bool accumulate) {
     using Matrix = detail::RowMajorMatrix<T, dyn, dyn>;
@@ -4074,6 +4410,27 @@ struct Native : Eigen {
   static void matmul(const T* a, index_t m, index_t k, const T* b, index_t n, T* c) {
     if constexpr (kernels::gemm_supports<T>) kernels::gemm_kn(a, m, k, b, n, c);
     else Eigen::matmul(a, m, k, b, n, c);
+  }
+
+  // Both products on duet's GEMM, so that they run on the instruction set chosen at run time
+  // and on every thread, as the forward product does: dx = dz · w is gemm_kn (w is [out, in],
+  // the [k, n] it reads), and dw (+)= dzᵀ · x is gemm_kn on a transposed copy of dz, which
+  // costs rows·out copies against the product's rows·out·in multiply-adds and leaves x, the
+  // larger operand, read in place.
+  template <index_t In, index_t Out, class T, class... Fns>
+  static void dense_backward(const DenseBackwardArgs<T>& a, const std::tuple<Fns...>& fns = {}) {
+    if constexpr (!kernels::gemm_supports<T>) {
+      Eigen::dense_backward<In, Out>(a, fns);
+    } else {
+      duet::detail::Storage masked;
+      const T* dz = masked_gradient(a, fns, masked);
+      duet::detail::Storage transposed(static_cast<std::size_t>(a.rows * a.out) * sizeof(T));
+      T* dzt = reinterpret_cast<T*>(transposed.data());
+      kernels::transpose(dz, a.rows, a.out, dzt);
+      kernels::gemm_kn(dzt, a.out, a.rows, a.x, a.in, a.dw, a.accumulate_w);
+      if (a.db != nullptr) column_sums(dz, a.rows, a.out, a.db, a.accumulate_b);
+      if (a.dx != nullptr) kernels::gemm_kn(dz, a.rows, a.out, a.w, a.in, a.dx);
+    }
   }
 
   // The weight is packed once per version of it (the parameter keeps the packed form), not
@@ -4169,11 +4526,14 @@ struct ContextConfig {
   // false turns every duet::jit function into plain PyNative execution, for debugging; the
   // environment variable DUET_JIT=0 sets it at start-up.
   std::optional<bool> jit_enabled = std::nullopt;
+  // The threads duet's operations may use in all (duet::set_num_threads, threads.hpp).
+  std::optional<int> num_threads = std::nullopt;
 };
 
 struct Context {
   Mode mode = PYNATIVE_MODE;
   bool jit_enabled = true;
+  int num_threads = 1;
 };
 
 namespace detail {
@@ -4197,7 +4557,9 @@ inline std::atomic<bool>& jit_enabled() {
 }
 }  // namespace detail
 
+// Every field is checked before any is applied: a refused call changes nothing.
 inline void set_context(const ContextConfig& config) {
+  if (config.num_threads) detail::checked_num_threads(*config.num_threads, "duet::set_context: num_threads");
   if (config.mode) {
     // CONTEXT_MODE is what a cell follows, not a mode the context can be in.
     if (*config.mode != GRAPH_MODE && *config.mode != PYNATIVE_MODE) {
@@ -4206,6 +4568,7 @@ inline void set_context(const ContextConfig& config) {
     detail::context_mode().store(*config.mode, std::memory_order_relaxed);
   }
   if (config.jit_enabled) detail::jit_enabled().store(*config.jit_enabled, std::memory_order_relaxed);
+  if (config.num_threads) detail::num_threads_storage().store(*config.num_threads, std::memory_order_relaxed);
 }
 
 namespace detail {
@@ -4232,7 +4595,7 @@ class EagerScope {
 
 inline Context get_context() {
   return Context{detail::context_mode().load(std::memory_order_relaxed),
-                 detail::jit_enabled().load(std::memory_order_relaxed)};
+                 detail::jit_enabled().load(std::memory_order_relaxed), get_num_threads()};
 }
 
 // The mode a cell declared with `declared` runs in right now.
@@ -18593,13 +18956,6 @@ void col2im_add(const ConvProblem& q, const T* col, T* dx) {
       for (index_t o = lo; o < hi; ++o) out[(o - lo) * q.stride_w] += in[o];
     }
   });
-}
-
-// to[cols, rows] = from[rows, cols]ᵀ, both row-major.
-template <class T>
-void transpose(const T* from, index_t rows, index_t cols, T* to) {
-  using M = ::Eigen::Matrix<T, ::Eigen::Dynamic, ::Eigen::Dynamic, ::Eigen::RowMajor>;
-  ::Eigen::Map<M>(to, cols, rows) = ::Eigen::Map<const M>(from, rows, cols).transpose();
 }
 
 // y[c, p] += bias[c] for the `channels` planes of `pixels` values of one sample.

@@ -128,13 +128,6 @@ void col2im_add(const ConvProblem& q, const T* col, T* dx) {
   });
 }
 
-// to[cols, rows] = from[rows, cols]ᵀ, both row-major.
-template <class T>
-void transpose(const T* from, index_t rows, index_t cols, T* to) {
-  using M = ::Eigen::Matrix<T, ::Eigen::Dynamic, ::Eigen::Dynamic, ::Eigen::RowMajor>;
-  ::Eigen::Map<M>(to, cols, rows) = ::Eigen::Map<const M>(from, rows, cols).transpose();
-}
-
 // y[c, p] += bias[c] for the `channels` planes of `pixels` values of one sample.
 template <class T>
 void add_channel_bias(T* y, index_t channels, index_t pixels, const T* bias) {

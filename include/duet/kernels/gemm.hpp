@@ -17,6 +17,10 @@
 //    the one store, so the output never takes a second pass.
 // Every path adds the bias to the finished sum and then applies the functions, in the order
 // separate BiasAdd and map kernels would: fused and unfused evaluation agree to the bit.
+// The GEMM gives whole panels of columns to each thread (threads.hpp) when the product is large
+// enough to share: every element's sum is the same code in the same order on any thread, so
+// the bits do not depend on the number of threads. The GEMV stays on one: it is bound by
+// reading the weight, and waking a second thread costs more than the time it could save there.
 //
 // The GEMV and the GEMM exist once per instruction set (AVX-512, AVX2 + FMA, baseline), in
 // detail/gemm_impl.hpp, compiled once per set below; each call runs the set chosen at
@@ -35,6 +39,7 @@
 #include "../config.hpp"
 #include "../error.hpp"
 #include "../memory.hpp"
+#include "../threads.hpp"
 #include "simd/arch.hpp"
 #include "simd/isa.hpp"
 
@@ -243,21 +248,38 @@ void gemm(const T* a, index_t m, index_t k, const T* b, index_t n, std::type_ide
   }
 }
 
-// c[m, n] = Σ_k a[m, k] · b[k, n]: gemm with b stored the other way round, [k, n] row-major, as
-// an image's patches are (kernels/conv.hpp), with neither bias nor functions. The blocked
-// product at every size, so the result has the same bits whether m is 1 or more; b's panels
-// are packed from the rows of b, which is the only difference from gemm on bᵀ, and the sums
-// are gemm's sums in the same order. After the first call on a thread for a given size, no
-// heap allocation.
+// to[cols, rows] = from[rows, cols]ᵀ, both row-major: the copy an operand takes where a product
+// needs it the other way round (a convolution's weight, a layer's output gradient). In square
+// blocks, so that both sides move whole cache lines.
+template <class T>
+void transpose(const T* from, index_t rows, index_t cols, T* to) {
+  constexpr index_t block = 32;
+  for (index_t r0 = 0; r0 < rows; r0 += block) {
+    const index_t r1 = std::min(rows, r0 + block);
+    for (index_t c0 = 0; c0 < cols; c0 += block) {
+      const index_t c1 = std::min(cols, c0 + block);
+      for (index_t c = c0; c < c1; ++c) {
+        for (index_t r = r0; r < r1; ++r) to[c * rows + r] = from[r * cols + c];
+      }
+    }
+  }
+}
+
+// c[m, n] (+)= Σ_k a[m, k] · b[k, n]: gemm with b stored the other way round, [k, n] row-major,
+// as an image's patches and a layer's input under its weight gradient are, with neither bias
+// nor functions; accumulate adds to c instead of writing it. The blocked product at every
+// size, so the result has the same bits whether m is 1 or more; b's panels are packed from the
+// rows of b, which is the only difference from gemm on bᵀ, and the sums are gemm's sums in the
+// same order. After the first call on a thread for a given size, no heap allocation.
 template <class T>
   requires gemm_supports<T>
-void gemm_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c) {
+void gemm_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c, bool accumulate = false) {
   if (m == 0 || n == 0) return;
   if (k == 0) {
-    std::fill_n(c, m * n, T(0));
+    if (!accumulate) std::fill_n(c, m * n, T(0));
     return;
   }
-  detail::with_kernels(active_isa(), [&]<class Kernels>(Kernels) { Kernels::blocked_kn(a, m, k, b, n, c); });
+  detail::with_kernels(active_isa(), [&]<class Kernels>(Kernels) { Kernels::blocked_kn(a, m, k, b, n, c, accumulate); });
 }
 
 }  // namespace duet::kernels

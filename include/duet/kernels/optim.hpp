@@ -12,10 +12,13 @@
 // tail is one masked vector through the same code, not a scalar loop. Every set computes each
 // element with the operations of the scalar formula in its order, unfused (DUET_BEGIN_UNFUSED),
 // and IEEE's +, -, ·, / and sqrt are correctly rounded: every set gives the bits of that
-// formula evaluated in T, on any CPU and for any tail (tests/kernels_optim.cpp).
+// formula evaluated in T, on any CPU and for any tail (tests/kernels_optim.cpp). Large
+// parameters are cut into ranges for several threads (threads.hpp); elementwise, that changes
+// no bit.
 #pragma once
 
 #include "../config.hpp"
+#include "../threads.hpp"
 #include "simd/arch.hpp"
 #include "simd/dispatch.hpp"
 
@@ -82,13 +85,21 @@ namespace duet::kernels {
 // One Adam step on n values: p, m and v updated in place from g. No alignment is assumed.
 template <class T>
 void adam_update(T* p, const T* g, T* m, T* v, index_t n, const AdamCoefficients<T>& c) {
-  detail::with_target(active_isa(), [&](auto target) { adam_step(target, p, g, m, v, n, c); });
+  const Isa isa = active_isa();
+  ::duet::detail::parallel_elements(n, 4, [&](index_t i0, index_t i1) {
+    detail::with_target(isa, [&](auto target) { adam_step(target, p + i0, g + i0, m + i0, v + i0, i1 - i0, c); });
+  });
 }
 
 // One SGD step on n values; momentum is read and written only with_momentum.
 template <class T>
 void sgd_update(T* p, const T* g, T* momentum, index_t n, const SgdCoefficients<T>& c) {
-  detail::with_target(active_isa(), [&](auto target) { sgd_step(target, p, g, momentum, n, c); });
+  const Isa isa = active_isa();
+  ::duet::detail::parallel_elements(n, 2, [&](index_t i0, index_t i1) {
+    detail::with_target(isa, [&](auto target) {
+      sgd_step(target, p + i0, g + i0, c.with_momentum ? momentum + i0 : momentum, i1 - i0, c);
+    });
+  });
 }
 
 }  // namespace duet::kernels

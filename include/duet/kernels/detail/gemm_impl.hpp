@@ -219,20 +219,18 @@ template <class T, class... Fns>
   }
 }
 
-// packed: B already packed, or null to pack each panel as it is reached. b_kn: b is stored
-// transposed, as [k, n] (never packed ahead).
+// Panels [p0, p1) of C (columns p0·L .. p1·L), every row: the blocked product's work for one
+// thread. panel: scratch for one packed panel of B, unless packed. b_kn: b is stored
+// transposed, as [k, n] (never packed ahead). accumulate: adds to C instead of writing it.
 template <class T, class... Fns>
-void gemm_blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
-                  const PackedWeight<T>* packed, bool b_kn = false) {
+void gemm_panels(index_t p0, index_t p1, const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
+                 const PackedWeight<T>* packed, bool b_kn, bool accumulate, index_t kc, index_t mc, T* panel) {
   constexpr int L = lanes<T>;
   constexpr auto size = static_cast<index_t>(sizeof(T));
-  const index_t kc = balanced_block(k, KC_bytes / size, KG<T>);
-  const index_t mc = balanced_block(m, std::max<index_t>(MR, MC_bytes / (k * size)), MR);
-  ::duet::detail::Storage scratch(packed != nullptr ? 0 : static_cast<std::size_t>(kc * L * size));
-  T* panel = reinterpret_cast<T*>(scratch.data());
+  const index_t n1 = std::min(n, p1 * L);
   for (index_t m0 = 0; m0 < m; m0 += mc) {
     const index_t m1 = std::min(m, m0 + mc);
-    for (index_t j0 = 0; j0 < n; j0 += L) {
+    for (index_t j0 = p0 * L; j0 < n1; j0 += L) {
       const int cols = static_cast<int>(std::min<index_t>(L, n - j0));
       const T* bias_panel = bias == nullptr ? nullptr : bias + j0;
       for (index_t k0 = 0; k0 < k; k0 += kc) {
@@ -256,7 +254,7 @@ void gemm_blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const
         index_t fetched = 0;
         for (index_t i0 = m0; i0 < m1; i0 += MR) {
           micro_kernel<T, Fns...>(depth, a + i0 * k + k0, k, static_cast<int>(std::min<index_t>(MR, m1 - i0)), bp,
-                                  c + i0 * n + j0, n, cols, k0 == 0, k0 + depth == k, bias_panel);
+                                  c + i0 * n + j0, n, cols, k0 == 0 && !accumulate, k0 + depth == k, bias_panel);
           for (const index_t until = std::min(ahead_bytes, fetched + slice); fetched < until; fetched += 64) {
             __builtin_prefetch(ahead + fetched, 0, 2);
           }
@@ -264,6 +262,27 @@ void gemm_blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const
       }
     }
   }
+}
+
+// The product on as many threads as it can use (threads.hpp), each taking whole panels of
+// columns, so that every element of C is summed by the same code in the same order whatever
+// the number of threads.
+template <class T, class... Fns>
+void gemm_blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
+                  const PackedWeight<T>* packed, bool b_kn = false, bool accumulate = false) {
+  constexpr int L = lanes<T>;
+  constexpr auto size = static_cast<index_t>(sizeof(T));
+  const index_t kc = balanced_block(k, KC_bytes / size, KG<T>);
+  const index_t mc = balanced_block(m, std::max<index_t>(MR, MC_bytes / (k * size)), MR);
+  const index_t panels = (n + L - 1) / L;
+  const int threads = ::duet::detail::useful_threads(m * n * k, panels);
+  const index_t panel_elements = packed != nullptr ? 0 : kc * L;
+  ::duet::detail::Storage scratch(static_cast<std::size_t>(threads * panel_elements * size));
+  T* panels_scratch = reinterpret_cast<T*>(scratch.data());
+  ::duet::detail::parallel_blocks(panels, threads, [&](index_t p0, index_t p1, int slot) {
+    gemm_panels<T, Fns...>(p0, p1, a, m, k, b, n, bias, c, packed, b_kn, accumulate, kc, mc,
+                           panels_scratch + slot * panel_elements);
+  });
 }
 
 // The entry points gemm() and PackedWeight dispatch to (with_kernels in gemm.hpp).
@@ -285,8 +304,8 @@ struct Kernels {
   }
 
   template <class T>
-  static void blocked_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c) {
-    gemm_blocked<T>(a, m, k, b, n, nullptr, c, nullptr, true);
+  static void blocked_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c, bool accumulate) {
+    gemm_blocked<T>(a, m, k, b, n, nullptr, c, nullptr, true, accumulate);
   }
 
   // Every panel of b ([n, k]) into dst, panel after panel, panel_size elements apart.
