@@ -1,14 +1,180 @@
 // The dense kernel alone, on the seed network's layers: backend::Native (kernels::gemm, the
 // epilogue fused in registers) against backend::Eigen (Eigen's product, then the epilogue as
-// an array expression), and Native with the weight kept packed between calls (JitLevel::O2).
+// an array expression), Native with the weight kept packed between calls (JitLevel::O2), and,
+// where they are found, OpenBLAS's sgemm and oneDNN's matmul with the same bias and ReLU.
 // Same weights, inputs and epilogues for all.
+//
+// Every row reports GFLOP/s and `of_peak`, the share of the FMA peak measured in the same
+// process (gemm/fma_peak/<set>: independent chains of FMAs on the widest set the CPU runs, one
+// thread; /threads:2 on two), so that the rows mean something on any machine. Batch 1 is
+// bound by reading the weights instead: gemm/weight_read/<in>x<out> streams the same bytes once
+// per iteration (the floor), and the batch-1 rows report `of_floor`.
 #include <duet/duet.hpp>
 
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <string>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#ifdef DUET_BENCH_OPENBLAS
+#include <cblas.h>
+#endif
+#ifdef DUET_BENCH_DNNL
+#include <dnnl.hpp>
+#endif
+
 namespace {
 
 using namespace duet;
+
+// ---- The limits ------------------------------------------------------------------------------
+
+#if defined(__x86_64__)
+// Chains of FMAs on registers, as many as hide the FMA latency on every x86 core with two FMA
+// units (latency 4-5). Returns a sum of the chains so that none is dropped.
+constexpr int chains = 12;
+
+__attribute__((target("avx2,fma"))) float fma_chains_avx2(long iterations) {
+  __m256 acc[chains];
+#pragma GCC unroll 12
+  for (int i = 0; i < chains; ++i) acc[i] = _mm256_set1_ps(1.0f + 0.01f * static_cast<float>(i));
+  const __m256 scale = _mm256_set1_ps(0.999f), shift = _mm256_set1_ps(0.001f);
+  for (long n = 0; n < iterations; ++n) {
+#pragma GCC unroll 12
+    for (int i = 0; i < chains; ++i) acc[i] = _mm256_fmadd_ps(acc[i], scale, shift);
+  }
+  float sum = 0;
+  for (int i = 0; i < chains; ++i) sum += acc[i][0];
+  return sum;
+}
+
+__attribute__((target("avx512f"))) float fma_chains_avx512(long iterations) {
+  __m512 acc[chains];
+#pragma GCC unroll 12
+  for (int i = 0; i < chains; ++i) acc[i] = _mm512_set1_ps(1.0f + 0.01f * static_cast<float>(i));
+  const __m512 scale = _mm512_set1_ps(0.999f), shift = _mm512_set1_ps(0.001f);
+  for (long n = 0; n < iterations; ++n) {
+#pragma GCC unroll 12
+    for (int i = 0; i < chains; ++i) acc[i] = _mm512_fmadd_ps(acc[i], scale, shift);
+  }
+  float sum = 0;
+  for (int i = 0; i < chains; ++i) sum += acc[i][0];
+  return sum;
+}
+#endif
+
+// Floating-point operations per iteration of the chains on the widest set, and the chains.
+struct Peak {
+  double flops_per_iteration = 0;
+  float (*run)(long) = nullptr;
+  std::string isa;
+};
+
+Peak widest_fma() {
+#if defined(__x86_64__)
+  if (kernels::cpu_supports(kernels::Isa::avx512)) return {2.0 * chains * 16, fma_chains_avx512, "avx512"};
+  if (kernels::cpu_supports(kernels::Isa::avx2)) return {2.0 * chains * 8, fma_chains_avx2, "avx2"};
+#endif
+  return {};
+}
+
+// GFLOP/s of the chains on `threads` threads together, in wall time.
+double measure_peak(int threads, double seconds) {
+  const Peak peak = widest_fma();
+  if (peak.run == nullptr) return 0;
+  const long iterations = 20'000'000;
+  double best = 0;
+  for (const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+       std::chrono::steady_clock::now() < until;) {
+    const auto start = std::chrono::steady_clock::now();
+    float sink = 0;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+#endif
+    sink += peak.run(iterations);
+    benchmark::DoNotOptimize(sink);
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    best = std::max(best, peak.flops_per_iteration * static_cast<double>(iterations) * threads / elapsed / 1e9);
+  }
+  return best;
+}
+
+// One thread's peak, measured once per process, for the rows' `of_peak`.
+double single_thread_peak() {
+  static const double peak = measure_peak(1, 0.5);
+  return peak;
+}
+
+void BM_fma_peak(benchmark::State& state) {
+  const int threads = static_cast<int>(state.range(0));
+  if (widest_fma().run == nullptr) {
+    state.SkipWithError("no AVX2 or AVX-512 on this CPU");
+    return;
+  }
+#ifndef _OPENMP
+  if (threads > 1) {
+    state.SkipWithError("built without OpenMP");
+    return;
+  }
+#endif
+  double gflops = 0;
+  for (auto _ : state) gflops = measure_peak(threads, 0.2);
+  state.counters["GFLOP/s"] = gflops;
+  state.SetLabel(widest_fma().isa);
+}
+
+// Runs body once per iteration, timed here in wall time (the rows are registered with
+// UseManualTime), and reports GFLOP/s and the share of one thread's measured peak.
+template <class Body>
+double timed_loop(benchmark::State& state, double flops_per_iteration, Body&& body) {
+  double total = 0;
+  for (auto _ : state) {
+    const auto start = std::chrono::steady_clock::now();
+    body();
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    state.SetIterationTime(seconds);
+    total += seconds;
+  }
+  const double gflops = flops_per_iteration * static_cast<double>(state.iterations()) / total / 1e9;
+  state.counters["GFLOP/s"] = gflops;
+  if (const double peak = single_thread_peak(); peak > 0) state.counters["of_peak"] = gflops / peak;
+  return total / static_cast<double>(state.iterations());
+}
+
+// Reading In x Out floats once, four 16-byte vectors at a time (more than L3 or memory
+// deliver per cycle, on any x86-64 build): the time a batch-1 product cannot beat.
+template <index_t In, index_t Out>
+double weight_read_seconds(const float* w) {
+  using Quad = float __attribute__((vector_size(16)));
+  constexpr index_t n = In * Out;
+  static_assert(n % 16 == 0);
+  double best = 1e9;
+  for (int repeat = 0; repeat < 50; ++repeat) {
+    const auto start = std::chrono::steady_clock::now();
+    Quad s[4] = {};
+    for (index_t i = 0; i < n; i += 16) {
+      for (int q = 0; q < 4; ++q) {
+        Quad v;
+        std::memcpy(&v, w + i + 4 * q, sizeof v);
+        s[q] += v;
+      }
+    }
+    const Quad total = s[0] + s[1] + s[2] + s[3];
+    benchmark::DoNotOptimize(total);
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  return best;
+}
+
+// ---- duet and Eigen ------------------------------------------------------------------------
 
 template <class Backend, bool PackedWeight, index_t In, index_t Out, class... Fns>
 void BM_dense(benchmark::State& state) {
@@ -18,22 +184,101 @@ void BM_dense(benchmark::State& state) {
   const Tensor b = uniform<float>({Out}, -0.05f, 0.05f);
   const Epilogue<float, Fns...> epilogue{b.data()};
   Tensor y = zeros({rows, Out});
-  for (auto _ : state) {
+  const double seconds = timed_loop(state, 2.0 * static_cast<double>(rows * In * Out), [&] {
     if constexpr (PackedWeight) Backend::template dense_packed<In, Out>(x.data(), rows, In, w, Out, epilogue, y.data());
     else Backend::template dense<In, Out>(x.data(), rows, In, w.data(), Out, epilogue, y.data());
     benchmark::DoNotOptimize(y.data());
     benchmark::ClobberMemory();
-  }
-  state.SetItemsProcessed(state.iterations() * rows * In * Out);  // multiply-adds
+  });
+  if (rows == 1) state.counters["of_floor"] = weight_read_seconds<In, Out>(w.data()) / seconds;
 }
+
+template <index_t In, index_t Out>
+void BM_weight_read(benchmark::State& state) {
+  const Tensor w = uniform<float>({Out, In}, -0.05f, 0.05f);
+  double seconds = 0;
+  for (auto _ : state) {
+    seconds = weight_read_seconds<In, Out>(w.data());
+    state.SetIterationTime(seconds);
+  }
+  state.counters["GB/s"] = static_cast<double>(In * Out) * sizeof(float) / seconds / 1e9;
+}
+
+// ---- References ----------------------------------------------------------------------------
+
+#ifdef DUET_BENCH_OPENBLAS
+// sgemm, then the bias and ReLU in one pass over the output, as a user of BLAS writes it.
+template <index_t In, index_t Out, bool Relu>
+void BM_openblas(benchmark::State& state) {
+  const index_t rows = state.range(0);
+  const Tensor x = uniform<float>({rows, In}, -1.0f, 1.0f);
+  const Tensor w = uniform<float>({Out, In}, -0.05f, 0.05f);
+  const Tensor b = uniform<float>({Out}, -0.05f, 0.05f);
+  Tensor y = zeros({rows, Out});
+  openblas_set_num_threads(1);
+  timed_loop(state, 2.0 * static_cast<double>(rows * In * Out), [&] {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(rows), Out, In, 1.0f, x.data(), In, w.data(),
+                In, 0.0f, y.data(), Out);
+    float* out = y.data();
+    for (index_t r = 0; r < rows; ++r, out += Out) {
+      for (index_t j = 0; j < Out; ++j) out[j] = Relu ? std::max(out[j] + b.data()[j], 0.0f) : out[j] + b.data()[j];
+    }
+    benchmark::DoNotOptimize(y.data());
+    benchmark::ClobberMemory();
+  });
+}
+#endif
+
+#ifdef DUET_BENCH_DNNL
+// oneDNN's matmul primitive with the bias and a ReLU post-op (its fused epilogue), weights as
+// [in, out] viewed from duet's [out, in] (format tag ba), made once outside the loop.
+template <index_t In, index_t Out, bool Relu>
+void BM_onednn(benchmark::State& state) {
+  const index_t rows = state.range(0);
+  using tag = dnnl::memory::format_tag;
+  constexpr auto f32 = dnnl::memory::data_type::f32;
+  dnnl::engine engine{dnnl::engine::kind::cpu, 0};
+  dnnl::stream stream{engine};
+  const dnnl::memory::desc src_md{{rows, In}, f32, tag::ab}, weight_md{{In, Out}, f32, tag::ba},
+      bias_md{{1, Out}, f32, tag::ab}, dst_md{{rows, Out}, f32, tag::ab};
+  dnnl::post_ops post;
+  if (Relu) post.append_eltwise(1.0f, dnnl::algorithm::eltwise_relu, 0.0f, 0.0f);
+  dnnl::primitive_attr attr;
+  attr.set_post_ops(post);
+  const dnnl::matmul::primitive_desc pd{{src_md, weight_md, bias_md, dst_md}, attr, engine};
+  const dnnl::matmul matmul{pd};
+  const Tensor x = uniform<float>({rows, In}, -1.0f, 1.0f);
+  const Tensor w = uniform<float>({Out, In}, -0.05f, 0.05f);
+  const Tensor b = uniform<float>({Out}, -0.05f, 0.05f);
+  Tensor y = zeros({rows, Out});
+  dnnl::memory src{src_md, engine, const_cast<float*>(x.data())}, weight{weight_md, engine, const_cast<float*>(w.data())},
+      bias{bias_md, engine, const_cast<float*>(b.data())}, dst{dst_md, engine, y.data()};
+  timed_loop(state, 2.0 * static_cast<double>(rows * In * Out), [&] {
+    matmul.execute(stream, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, weight}, {DNNL_ARG_BIAS, bias}, {DNNL_ARG_DST, dst}});
+    stream.wait();
+    benchmark::DoNotOptimize(y.data());
+  });
+}
+#endif
 
 }  // namespace
 
-BENCHMARK(BM_dense<backend::Native, false, 784, 512, fn::Relu>)->Name("gemm/native/784x512+relu")->Arg(1)->Arg(64)->Arg(256);
-BENCHMARK(BM_dense<backend::Native, true, 784, 512, fn::Relu>)->Name("gemm/native_packed/784x512+relu")->Arg(64)->Arg(256);
-BENCHMARK(BM_dense<backend::Eigen, false, 784, 512, fn::Relu>)->Name("gemm/eigen/784x512+relu")->Arg(1)->Arg(64)->Arg(256);
-BENCHMARK(BM_dense<backend::Native, false, 512, 512, fn::Relu>)->Name("gemm/native/512x512+relu")->Arg(1)->Arg(64)->Arg(256);
-BENCHMARK(BM_dense<backend::Native, true, 512, 512, fn::Relu>)->Name("gemm/native_packed/512x512+relu")->Arg(64)->Arg(256);
-BENCHMARK(BM_dense<backend::Eigen, false, 512, 512, fn::Relu>)->Name("gemm/eigen/512x512+relu")->Arg(1)->Arg(64)->Arg(256);
-BENCHMARK(BM_dense<backend::Native, false, 512, 10>)->Name("gemm/native/512x10")->Arg(1)->Arg(64)->Arg(256);
-BENCHMARK(BM_dense<backend::Eigen, false, 512, 10>)->Name("gemm/eigen/512x10")->Arg(1)->Arg(64)->Arg(256);
+BENCHMARK(BM_fma_peak)->Name("gemm/fma_peak/threads")->Arg(1)->Arg(2)->Iterations(3)->UseRealTime();
+BENCHMARK(BM_weight_read<784, 512>)->Name("gemm/weight_read/784x512")->UseManualTime();
+BENCHMARK(BM_weight_read<512, 512>)->Name("gemm/weight_read/512x512")->UseManualTime();
+BENCHMARK(BM_dense<backend::Native, false, 784, 512, fn::Relu>)->Name("gemm/native/784x512+relu")->Arg(1)->Arg(64)->Arg(256)->UseManualTime();
+BENCHMARK(BM_dense<backend::Native, true, 784, 512, fn::Relu>)->Name("gemm/native_packed/784x512+relu")->Arg(64)->Arg(256)->UseManualTime();
+BENCHMARK(BM_dense<backend::Eigen, false, 784, 512, fn::Relu>)->Name("gemm/eigen/784x512+relu")->Arg(1)->Arg(64)->Arg(256)->UseManualTime();
+BENCHMARK(BM_dense<backend::Native, false, 512, 512, fn::Relu>)->Name("gemm/native/512x512+relu")->Arg(1)->Arg(64)->Arg(256)->UseManualTime();
+BENCHMARK(BM_dense<backend::Native, true, 512, 512, fn::Relu>)->Name("gemm/native_packed/512x512+relu")->Arg(64)->Arg(256)->UseManualTime();
+BENCHMARK(BM_dense<backend::Eigen, false, 512, 512, fn::Relu>)->Name("gemm/eigen/512x512+relu")->Arg(1)->Arg(64)->Arg(256)->UseManualTime();
+BENCHMARK(BM_dense<backend::Native, false, 512, 10>)->Name("gemm/native/512x10")->Arg(1)->Arg(64)->Arg(256)->UseManualTime();
+BENCHMARK(BM_dense<backend::Eigen, false, 512, 10>)->Name("gemm/eigen/512x10")->Arg(1)->Arg(64)->Arg(256)->UseManualTime();
+#ifdef DUET_BENCH_OPENBLAS
+BENCHMARK(BM_openblas<784, 512, true>)->Name("gemm/openblas/784x512+relu")->Arg(1)->Arg(64)->Arg(256)->UseManualTime();
+BENCHMARK(BM_openblas<512, 512, true>)->Name("gemm/openblas/512x512+relu")->Arg(1)->Arg(64)->Arg(256)->UseManualTime();
+#endif
+#ifdef DUET_BENCH_DNNL
+BENCHMARK(BM_onednn<784, 512, true>)->Name("gemm/onednn/784x512+relu")->Arg(1)->Arg(64)->Arg(256)->UseManualTime();
+BENCHMARK(BM_onednn<512, 512, true>)->Name("gemm/onednn/512x512+relu")->Arg(1)->Arg(64)->Arg(256)->UseManualTime();
+#endif
