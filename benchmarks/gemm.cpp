@@ -18,9 +18,6 @@
 #include <cstring>
 #include <string>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -31,47 +28,29 @@
 #include <dnnl.hpp>
 #endif
 
+// ---- The limits ------------------------------------------------------------------------------
+
+#if DUET_X86_KERNELS
+DUET_BEGIN_AVX2
+namespace duet_bench::avx2 {
+using namespace duet::kernels::detail::avx2;
+#include "fma_chains.hpp"
+}  // namespace duet_bench::avx2
+DUET_END_ISA
+
+DUET_BEGIN_AVX512
+namespace duet_bench::avx512 {
+using namespace duet::kernels::detail::avx512;
+#include "fma_chains.hpp"
+}  // namespace duet_bench::avx512
+DUET_END_ISA
+#endif
+
 namespace {
 
 using namespace duet;
 
-// ---- The limits ------------------------------------------------------------------------------
-
-#if defined(__x86_64__)
-// Chains of FMAs on registers, as many as hide the FMA latency on every x86 core with two FMA
-// units (latency 4-5). Returns a sum of the chains so that none is dropped.
-constexpr int chains = 12;
-
-__attribute__((target("avx2,fma"))) float fma_chains_avx2(long iterations) {
-  __m256 acc[chains];
-#pragma GCC unroll 12
-  for (int i = 0; i < chains; ++i) acc[i] = _mm256_set1_ps(1.0f + 0.01f * static_cast<float>(i));
-  const __m256 scale = _mm256_set1_ps(0.999f), shift = _mm256_set1_ps(0.001f);
-  for (long n = 0; n < iterations; ++n) {
-#pragma GCC unroll 12
-    for (int i = 0; i < chains; ++i) acc[i] = _mm256_fmadd_ps(acc[i], scale, shift);
-  }
-  float sum = 0;
-  for (int i = 0; i < chains; ++i) sum += acc[i][0];
-  return sum;
-}
-
-__attribute__((target("avx512f"))) float fma_chains_avx512(long iterations) {
-  __m512 acc[chains];
-#pragma GCC unroll 12
-  for (int i = 0; i < chains; ++i) acc[i] = _mm512_set1_ps(1.0f + 0.01f * static_cast<float>(i));
-  const __m512 scale = _mm512_set1_ps(0.999f), shift = _mm512_set1_ps(0.001f);
-  for (long n = 0; n < iterations; ++n) {
-#pragma GCC unroll 12
-    for (int i = 0; i < chains; ++i) acc[i] = _mm512_fmadd_ps(acc[i], scale, shift);
-  }
-  float sum = 0;
-  for (int i = 0; i < chains; ++i) sum += acc[i][0];
-  return sum;
-}
-#endif
-
-// Floating-point operations per iteration of the chains on the widest set, and the chains.
+// The chains on the widest set the CPU runs, and their floating-point operations per iteration.
 struct Peak {
   double flops_per_iteration = 0;
   float (*run)(long) = nullptr;
@@ -79,9 +58,11 @@ struct Peak {
 };
 
 Peak widest_fma() {
-#if defined(__x86_64__)
-  if (kernels::cpu_supports(kernels::Isa::avx512)) return {2.0 * chains * 16, fma_chains_avx512, "avx512"};
-  if (kernels::cpu_supports(kernels::Isa::avx2)) return {2.0 * chains * 8, fma_chains_avx2, "avx2"};
+#if DUET_X86_KERNELS
+  if (kernels::cpu_supports(kernels::Isa::avx512)) {
+    return {duet_bench::avx512::fma_chains_flops, duet_bench::avx512::fma_chains, "avx512"};
+  }
+  if (kernels::cpu_supports(kernels::Isa::avx2)) return {duet_bench::avx2::fma_chains_flops, duet_bench::avx2::fma_chains, "avx2"};
 #endif
   return {};
 }
