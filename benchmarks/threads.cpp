@@ -24,37 +24,35 @@ struct ThreadCount {
   ~ThreadCount() { set_num_threads(saved); }
 };
 
-void report_sharing(benchmark::State& state, long shared_before) {
-  state.counters["shared"] = static_cast<double>(detail::shared_runs().load() - shared_before) /
-                             static_cast<double>(state.iterations());
-}
-
-template <int Threads>
-void BM_threads_forward(benchmark::State& state) {
+// Calls `call` once to warm it, then once per iteration on `Threads` threads, and reports the
+// share of calls that ran shared and the items (batch rows) per second.
+template <int Threads, class Call>
+void measure(benchmark::State& state, Call&& call) {
   if (Threads > 1 && !threads_available) {
     state.SkipWithError("built without OpenMP");
     return;
   }
   ThreadCount count(Threads);
-  SeedNetwork<GRAPH_MODE> net;
-  const Tensor x = uniform({state.range(0), 1, 28, 28}, 0.0f, 1.0f, 1);
-  (void)net(x);
+  call();
   const long before = detail::shared_runs().load();
-  for (auto _ : state) {
-    Tensor y = net(x);
-    benchmark::DoNotOptimize(y.data());
-  }
-  report_sharing(state, before);
+  for (auto _ : state) call();
+  state.counters["shared"] =
+      static_cast<double>(detail::shared_runs().load() - before) / static_cast<double>(state.iterations());
   state.SetItemsProcessed(state.iterations() * state.range(0));
 }
 
 template <int Threads>
+void BM_threads_forward(benchmark::State& state) {
+  SeedNetwork<GRAPH_MODE> net;
+  const Tensor x = uniform({state.range(0), 1, 28, 28}, 0.0f, 1.0f, 1);
+  measure<Threads>(state, [&] {
+    Tensor y = net(x);
+    benchmark::DoNotOptimize(y.data());
+  });
+}
+
+template <int Threads>
 void BM_threads_train_step(benchmark::State& state) {
-  if (Threads > 1 && !threads_available) {
-    state.SkipWithError("built without OpenMP");
-    return;
-  }
-  ThreadCount count(Threads);
   const index_t batch = state.range(0);
   SeedNetwork<GRAPH_MODE> net;
   nn::SoftmaxCrossEntropyWithLogits<true, Reduction::mean> loss;
@@ -64,14 +62,10 @@ void BM_threads_train_step(benchmark::State& state) {
   const Tensor x = uniform({batch, 1, 28, 28}, 0.0f, 1.0f, 1);
   BasicTensor<std::int32_t> labels({batch});
   for (index_t i = 0; i < batch; ++i) labels(i) = static_cast<std::int32_t>(i % 10);
-  (void)step(x, labels);
-  const long before = detail::shared_runs().load();
-  for (auto _ : state) {
+  measure<Threads>(state, [&] {
     Tensor l = step(x, labels);
     benchmark::DoNotOptimize(l.data());
-  }
-  report_sharing(state, before);
-  state.SetItemsProcessed(state.iterations() * batch);
+  });
 }
 
 }  // namespace
