@@ -82,6 +82,15 @@ const bool shape_cases = add_cases([](std::multimap<std::string, Case>& m) {
                               [=](const std::vector<D>& xs) { return transposed(xs, {2, 0, 1}); }));
   add("permute", checked<1>({{2, 3, 4}}, [](const auto& x) { return duet::ops::permute<1, 2, 0>(x); },
                             [=](const std::vector<D>& xs) { return transposed(xs, {1, 2, 0}); }));
+  // The permutation given at run time: one operation for all, its gradient the inverse.
+  add("transpose", checked<1>({{2, 3, 4}}, [](const auto& x) { return duet::ops::transpose(x, {2, 0, 1}); },
+                              [=](const std::vector<D>& xs) { return transposed(xs, {2, 0, 1}); }));
+  add("transpose", checked<1>({{2, 1, 3, 2}},
+                              [](const auto& x) {
+                                const std::vector<int> perm{3, 1, 0, 2};
+                                return duet::ops::transpose(x, perm);
+                              },
+                              [=](const std::vector<D>& xs) { return transposed(xs, {3, 1, 0, 2}); }));
 
   // Along `axis`, the inputs one after the other.
   const auto concatenated = [](const std::vector<D>& xs, int axis) {
@@ -287,6 +296,8 @@ TEST_CASE("ops: shape errors name the operation and the shapes, in both modes") 
            "ops::concat<0> expects inputs of one rank whose sizes match except along axis 0, got [3, 4], [2, 5]");
     auto transpose = duet::jit([](const auto& t) { return duet::ops::transpose<0, 2, 1>(t); });
     expect([&] { return transpose(x); }, "ops::transpose<0, 2, 1> expects an input of rank 3, got [3, 4]");
+    auto permuted = duet::jit([](const auto& t) { return duet::ops::transpose(t, {0, 2, 1}); });
+    expect([&] { return permuted(x); }, "ops::transpose(x, {0, 2, 1}) expects an input of rank 3, got [3, 4]");
     auto squeeze = duet::jit([](const auto& t) { return duet::ops::squeeze<1>(t); });
     expect([&] { return squeeze(x); }, "ops::squeeze<1> expects an input whose axis 1 has size 1, got [3, 4]");
     auto split = duet::jit([](const auto& t) { return std::get<0>(duet::ops::split<1, 2, 3>(t)); });
@@ -294,6 +305,18 @@ TEST_CASE("ops: shape errors name the operation and the shapes, in both modes") 
     auto slice = duet::jit([](const auto& t) { return duet::ops::slice(t, duet::ops::ints<2>, duet::ops::ints<2>); });
     expect([&] { return slice(x); },
            "ops::slice<[2], [4]> expects an input whose axis 0 holds the slice's range, got [3, 4]");
+  }
+}
+
+TEST_CASE("ops: transpose refuses a run-time perm that is not a permutation, in both modes") {
+  duet_test::ModeGuard guard;
+  const D x = random_input({3, 4}, -1, 1, 8);
+  for (duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+    duet::set_context({.mode = mode});
+    for (const std::vector<int>& perm : std::vector<std::vector<int>>{{0, 0}, {1, 2}, {-1, 0}, {0, 1, 2, 3, 4, 5, 6, 7, 8}}) {
+      auto f = duet::jit([&](const auto& t) { return duet::ops::transpose(t, perm); });
+      CHECK_THROWS_WITH_AS(f(x), doctest::Contains("is not a permutation of 0, 1, ..., rank - 1"), duet::ValueError);
+    }
   }
 }
 

@@ -15925,13 +15925,17 @@ constexpr int axis_index(int axis, int rank) {
 }
 
 template <class V>
-std::string list_text(std::initializer_list<V> values) {
+std::string list_text(std::span<const V> values) {
   std::string out;
   for (V v : values) {
     if (!out.empty()) out += ", ";
     out += std::to_string(v);
   }
   return out;
+}
+template <class V>
+std::string list_text(std::initializer_list<V> values) {
+  return list_text(std::span<const V>(values.begin(), values.size()));
 }
 
 // x with axis `at` removed (at < rank) or a size inserted before it.
@@ -16153,6 +16157,28 @@ constexpr bool is_permutation(const std::array<int, N>& p) {
 }
 }  // namespace detail
 
+namespace detail {
+// Both forms' shape rule: output axis i is x's axis perm[i].
+constexpr ShapeResult transpose_rule(const Shape& x, std::span<const int> perm) {
+  const int rank = static_cast<int>(perm.size());
+  if (x.leading_unknown() && x.rank() <= rank) return {Shape::any()};
+  if (x.rank() != rank) return fault(x, ShapeFault::exact_rank, rank);
+  Shape out;
+  for (int a : perm) out.push_back(x[a]);
+  return {out};
+}
+
+template <class T>
+void transpose_run(const graph::KernelArgs& a, std::span<const int> perm) {
+  const auto in_stride = strides_of(a.in_shape());
+  std::array<index_t, max_rank> stride{};
+  for (std::size_t i = 0; i < perm.size(); ++i) stride[i] = in_stride[static_cast<std::size_t>(perm[i])];
+  const T* in = a.in<T>();
+  T* out = a.out<T>();
+  for_each_strided(0, stride, a.output_shape, [&](index_t i, index_t j) { out[i] = in[j]; });
+}
+}  // namespace detail
+
 template <int... P>
 struct TransposeOp : Primitive<TransposeOp<P...>> {
   static constexpr std::array<int, sizeof...(P)> perm{P...};
@@ -16163,23 +16189,11 @@ struct TransposeOp : Primitive<TransposeOp<P...>> {
   static constexpr std::array reads{graph::Operand::grad};
   static constexpr int arity = 1;
 
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
-    const Shape& x = in[0];
-    if (x.leading_unknown() && x.rank() <= rank) return {Shape::any()};
-    if (x.rank() != rank) return fault(x, ShapeFault::exact_rank, rank);
-    Shape out;
-    for (int a : perm) out.push_back(x[a]);
-    return {out};
-  }
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return detail::transpose_rule(in[0], perm); }
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
-    const auto in_stride = detail::strides_of(a.in_shape());
-    std::array<index_t, max_rank> stride{};
-    for (std::size_t i = 0; i < perm.size(); ++i) stride[i] = in_stride[static_cast<std::size_t>(perm[i])];
-    const T* in = a.in<T>();
-    T* out = a.out<T>();
-    detail::for_each_strided(0, stride, a.output_shape, [&](index_t i, index_t j) { out[i] = in[j]; });
+    detail::transpose_run<T>(a, perm);
   }
 
   template <std::size_t K>
@@ -16202,6 +16216,68 @@ struct TransposeOp : Primitive<TransposeOp<P...>> {
 template <int... P, class X>
 auto transpose(X&& x) {
   return apply(TransposeOp<P...>{}, std::forward<X>(x));
+}
+
+// transpose(x, perm): the permutation given at run time (MindSpore's transpose(input,
+// input_perm) with a tuple the program computes; an ONNX model's Transpose). One operation for
+// every permutation, where each transpose<P...> is a type and a kernel of its own: code that
+// chooses among many permutations compiles one (the ONNX import chose among 32). Graph mode
+// checks its shape when the network first runs, not at compile time.
+struct PermuteOp : Primitive<PermuteOp> {
+  static constexpr std::array reads{graph::Operand::grad};
+  static constexpr int arity = 1;
+
+  std::array<int, max_rank> order{};
+  int rank = 0;
+
+  std::span<const int> perm() const { return {order.data(), static_cast<std::size_t>(rank)}; }
+
+  static constexpr ShapeResult infer_static(std::span<const Shape>) { return {Shape::any()}; }
+  ShapeResult infer(std::span<const Shape> in) const { return detail::transpose_rule(in[0], perm()); }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    detail::transpose_run<T>(a, perm());
+  }
+
+  template <std::size_t K>
+    requires(K == 0)
+  PermuteOp grad_op() const {
+    PermuteOp inverse;
+    inverse.rank = rank;
+    for (int i = 0; i < rank; ++i) inverse.order[static_cast<std::size_t>(order[static_cast<std::size_t>(i)])] = i;
+    return inverse;
+  }
+
+  static std::string op_name() { return "Transpose"; }
+  std::string label() const {
+    return "ops::transpose(x, {" + detail::list_text<int>(perm()) + "})";
+  }
+};
+
+// Throws duet::ValueError unless perm is a permutation of 0, 1, ..., n - 1 with n at most
+// duet::max_rank; the input's rank is checked against n like any shape.
+template <class X>
+auto transpose(X&& x, std::span<const int> perm) {
+  PermuteOp op;
+  op.rank = static_cast<int>(perm.size());
+  std::array<bool, max_rank> seen{};
+  bool valid = perm.size() <= max_rank;
+  for (std::size_t i = 0; valid && i < perm.size(); ++i) {
+    const int a = perm[i];
+    valid = a >= 0 && a < op.rank && !seen[static_cast<std::size_t>(a)];
+    if (valid) seen[static_cast<std::size_t>(a)] = true;
+    if (valid) op.order[i] = a;
+  }
+  if (!valid) {
+    throw ValueError("duet::ops::transpose: {" + detail::list_text<int>(perm) +
+                     "} is not a permutation of 0, 1, ..., rank - 1 (of at most " + std::to_string(max_rank) + " axes)");
+  }
+  return apply(op, std::forward<X>(x));
+}
+template <class X>
+auto transpose(X&& x, std::initializer_list<int> perm) {
+  return transpose(std::forward<X>(x), std::span<const int>(perm.begin(), perm.size()));
 }
 template <int... P, class X>
 auto permute(X&& x) {

@@ -39,7 +39,7 @@
 //   Shape, Gather, Unsqueeze, Squeeze, Cast,       shape arithmetic on int64s, as torch writes
 //   Concat of int64s                               x.view(x.size(0), -1): no step, the sizes are
 //                                                  read from the values' shapes as Reshape runs
-//   Transpose (rank 2 to 4), Concat (rank <= 4)    ops::transpose<...>, ops::concat<Axis>
+//   Transpose (rank <= 8), Concat (rank <= 4)      ops::transpose(x, perm), ops::concat<Axis>
 //   Identity, Dropout (inference), Constant        no operation
 // Anything else, and any attribute or setting the list does not cover, is a duet::ValueError
 // when the file is loaded, naming the node, its operator and what is not supported. A file that
@@ -179,47 +179,6 @@ OnnxPoolFn onnx_pool_for(index_t kernel, index_t stride, index_t pad) {
   return nullptr;
 }
 inline constexpr std::string_view onnx_pool_windows = "kernel 2 or 3, stride 1 or 2, padding 0 or 1";
-
-constexpr std::size_t factorial(std::size_t n) { return n <= 1 ? 1 : n * factorial(n - 1); }
-
-template <std::size_t R>
-constexpr auto permutations() {
-  std::array<std::array<int, R>, factorial(R)> out{};
-  std::array<int, R> p{};
-  for (std::size_t i = 0; i < R; ++i) p[i] = static_cast<int>(i);
-  std::size_t n = 0;
-  do out[n++] = p;
-  while (std::next_permutation(p.begin(), p.end()));
-  return out;
-}
-
-template <std::size_t R, std::size_t I, std::size_t... A>
-Tensor onnx_transpose_nth(const Tensor& x, std::index_sequence<A...>) {
-  static constexpr auto perm = permutations<R>()[I];
-  return ops::transpose<perm[A]...>(x);
-}
-
-// ops::transpose<P...> for a permutation known at run time, of rank R.
-template <std::size_t R>
-Tensor onnx_transpose_rank(const Tensor& x, const std::vector<int>& perm) {
-  static constexpr auto perms = permutations<R>();
-  return [&]<std::size_t... I>(std::index_sequence<I...>) {
-    Tensor out;
-    static_cast<void>(((std::ranges::equal(perms[I], perm)
-                            ? (out = onnx_transpose_nth<R, I>(x, std::make_index_sequence<R>{}), true)
-                            : false) ||
-                       ...));
-    return out;
-  }(std::make_index_sequence<perms.size()>{});
-}
-
-inline Tensor onnx_transpose(const Tensor& x, const std::vector<int>& perm) {
-  switch (perm.size()) {
-    case 2: return onnx_transpose_rank<2>(x, perm);
-    case 3: return onnx_transpose_rank<3>(x, perm);
-    default: return onnx_transpose_rank<4>(x, perm);
-  }
-}
 
 template <class A, class B>
 Tensor onnx_concat(const A& a, const B& b, int axis) {
@@ -1197,7 +1156,9 @@ class OnnxBuilder {
     std::ranges::sort(sorted);
     for (std::size_t i = 0; i < sorted.size(); ++i)
       if (sorted[i] != static_cast<std::int64_t>(i)) throw FormatError(where_ + ": " + node + ": perm " + list_text(given) + " is not a permutation");
-    if (given.size() < 2 || given.size() > 4) unsupported(node, "perm " + list_text(given) + " (duet's ONNX import transposes ranks 2 to 4)");
+    if (given.size() > static_cast<std::size_t>(max_rank)) {
+      unsupported(node, "perm " + list_text(given) + " (duet's ONNX import transposes ranks up to " + std::to_string(max_rank) + ")");
+    }
     const std::vector<int> perm(given.begin(), given.end());
     const Operand x = operand_of(n.input(0), node);
     if (x.kind != Kind::value) unsupported(node, "transposing an initializer");
@@ -1206,7 +1167,7 @@ class OnnxBuilder {
       if (in.shape().rank() != static_cast<int>(perm.size())) {
         throw ShapeError("perm of " + std::to_string(perm.size()) + " axes for an input of shape " + to_string(in.shape()));
       }
-      return detail::onnx_transpose(in, perm);
+      return ops::transpose(in, perm);
     });
   }
 
