@@ -16262,12 +16262,14 @@ auto transpose(X&& x, std::span<const int> perm) {
   PermuteOp op;
   op.rank = static_cast<int>(perm.size());
   std::array<bool, max_rank> seen{};
-  bool valid = perm.size() <= max_rank;
+  bool valid = perm.size() <= static_cast<std::size_t>(max_rank);
   for (std::size_t i = 0; valid && i < perm.size(); ++i) {
     const int a = perm[i];
     valid = a >= 0 && a < op.rank && !seen[static_cast<std::size_t>(a)];
-    if (valid) seen[static_cast<std::size_t>(a)] = true;
-    if (valid) op.order[i] = a;
+    if (valid) {
+      seen[static_cast<std::size_t>(a)] = true;
+      op.order[i] = a;
+    }
   }
   if (!valid) {
     throw ValueError("duet::ops::transpose: {" + detail::list_text<int>(perm) +
