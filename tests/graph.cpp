@@ -21,7 +21,7 @@ TEST_CASE("construct on a symbolic input captures a flat list of nodes with infe
   static_assert(std::is_same_v<graph::node_at<G, 2>::op_type, ops::MatMulOp<nn::Dense<784, 512>>>);
   static_assert(std::is_same_v<graph::node_at<G, 4>, graph::Node<ops::MapOp<fn::Relu>, 3>>);
   // The nodes point at the cells that made them: parameters are read live.
-  CHECK(boost::hana::at_c<2>(captured.graph.nodes).op.layer == &net.dense_relu_sequential.get<0>());
+  CHECK(graph::get<2>(captured.graph).op.layer == &net.dense_relu_sequential.get<0>());
 }
 
 TEST_CASE("a runtime tensor's shape is unknown at capture, everything after the first Dense is static") {
@@ -50,7 +50,7 @@ TEST_CASE("quietly: the graph a capture would give, without reporting a broken s
   const auto direct = fits(x);
   const auto quiet = graph::quietly(x, [&](const auto& q) { return fits(q); });
   static_assert(std::is_same_v<decltype(quiet), decltype(direct)>);
-  CHECK(boost::hana::at_c<1>(quiet.graph.nodes).op.layer == &fits);
+  CHECK(graph::get<1>(quiet.graph).op.layer == &fits);
   static_assert(std::is_void_v<graph::first_rejection<decltype(direct)::graph_type>>);
 
   // Dense<100, 10> on [?, 784] would not compile captured directly; quietly it gives the rule's

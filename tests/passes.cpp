@@ -20,7 +20,7 @@ TEST_CASE("fuse_epilogues folds bias adds and ReLUs into the products") {
       std::is_same_v<graph::node_at<G, 3>, graph::Node<ops::MatMulOp<nn::Dense<512, 512>, true, fn::Relu>, 2>>);
   static_assert(std::is_same_v<graph::node_at<G, 4>, graph::Node<ops::MatMulOp<nn::Dense<512, 10>, true>, 3>>);
   static_assert(G::shapes[4] == Shape{dyn, 10});
-  CHECK(boost::hana::at_c<3>(optimized.graph.nodes).op.layer == &net.dense_relu_sequential.get<2>());
+  CHECK(graph::get<3>(optimized.graph).op.layer == &net.dense_relu_sequential.get<2>());
 }
 
 TEST_CASE("O2 packs the weights of an inference graph, not of a graph being trained (they change every step)") {
@@ -33,7 +33,7 @@ TEST_CASE("O2 packs the weights of an inference graph, not of a graph being trai
                                ops::PackedMatMulOp<nn::Dense<784, 512>, true, fn::Relu>>);
   static_assert(std::is_same_v<graph::node_at<Inference, 4>::op_type, ops::PackedMatMulOp<nn::Dense<512, 10>, true>>);
   static_assert(std::is_same_v<graph::node_at<Training, 2>::op_type, ops::MatMulOp<nn::Dense<784, 512>, true, fn::Relu>>);
-  CHECK(boost::hana::at_c<2>(passes::optimize<o2>(captured).graph.nodes).op.layer == &net.dense_relu_sequential.get<0>());
+  CHECK(graph::get<2>(passes::optimize<o2>(captured).graph).op.layer == &net.dense_relu_sequential.get<0>());
 }
 
 TEST_CASE("a value read twice is not fused away, and the output is never fused into a later node") {

@@ -9,10 +9,6 @@
 #pragma once
 
 #include <array>
-#include <boost/hana/append.hpp>
-#include <boost/hana/at.hpp>
-#include <boost/hana/concat.hpp>
-#include <boost/hana/length.hpp>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -145,7 +141,7 @@ auto with_grad_node(const Built& built, const GradOp& gop) {
   auto node = [&]<std::size_t... J>(std::index_sequence<J...>) {
     return graph::Node<GradOp, operand_index<GradOp::reads[J], N, I, Grad>()...>{gop};
   }(std::make_index_sequence<GradOp::reads.size()>{});
-  return boost::hana::append(built, node);
+  return graph::with_nodes(built, node);
 }
 
 // The gradients of forward node I's inputs K, K+1, ...: each input that leads to something
@@ -161,12 +157,12 @@ auto backward_inputs(const G& g, const Built& built) {
     return backward_inputs<K + 1, I, Grads, Leads>(g, built);
   } else {
     constexpr std::size_t a = N::args[K];
-    constexpr std::size_t k = decltype(boost::hana::length(built))::value;
-    auto with_grad = with_grad_node<N, I, Grads[I]>(built, boost::hana::at_c<I>(g.nodes).op.template grad_op<K>());
+    constexpr std::size_t k = Built::size;
+    auto with_grad = with_grad_node<N, I, Grads[I]>(built, graph::get<I>(g).op.template grad_op<K>());
     if constexpr (Grads[a] == no_grad) {
       return backward_inputs<K + 1, I, with(Grads, a, k), Leads>(g, with_grad);
     } else {
-      auto summed = boost::hana::append(with_grad, graph::Node<ops::GradAddOp, Grads[a], k>{});
+      auto summed = graph::with_nodes(with_grad, graph::Node<ops::GradAddOp, Grads[a], k>{});
       return backward_inputs<K + 1, I, with(Grads, a, k + 1), Leads>(g, summed);
     }
   }
@@ -220,7 +216,7 @@ void refuse_lost_gradients(const G& g) {
               reached[N::args[k_]] = true;
             } else if constexpr (loses_gradient_at<G, I, k_>()) {
               if (found.first[N::args[k_]])
-                throw ValueError(lost_gradient_message(boost::hana::at_c<I>(g.nodes).op.label(), k_));
+                throw ValueError(lost_gradient_message(graph::get<I>(g).op.label(), k_));
             }
           };
           (visit(std::integral_constant<std::size_t, K>{}), ...);
@@ -256,7 +252,7 @@ auto backward_from(const G& g, const Built& built) {
       constexpr bool via_input0 = N::arity >= 1 && input_has_gradient<Op, 0>() && Leads[N::args[0]];
       const auto with_params = [&] {
         if constexpr (has_parameters<Op>() && !via_input0)
-          return with_grad_node<N, i, Grads[i]>(built, boost::hana::at_c<i>(g.nodes).op.parameter_grad_op());
+          return with_grad_node<N, i, Grads[i]>(built, graph::get<i>(g).op.parameter_grad_op());
         else
           return built;
       }();
@@ -297,8 +293,7 @@ auto with_input(const graph::Sym<G, Out>& program) {
   if constexpr (detail::input_node<G, K>() < G::size) {
     return program;
   } else {
-    auto g = graph::make_graph(
-        boost::hana::append(program.graph.nodes, graph::Node<graph::InputOp<K, graph::AnyShape, T>>{}));
+    auto g = graph::with_node(program.graph, graph::Node<graph::InputOp<K, graph::AnyShape, T>>{});
     return graph::Sym<decltype(g), Out>{g};
   }
 }
@@ -323,23 +318,22 @@ auto build_backward(const graph::Sym<G0, Out>& program, BasicTensor<T>*... input
     a.fill(detail::no_grad);
     return a;
   }();
-  auto seeded = boost::hana::append(forward.graph.nodes, graph::Node<ops::FillLikeOp<1>, Out>{});
+  auto seeded = graph::with_nodes(forward.graph, graph::Node<ops::FillLikeOp<1>, Out>{});
   auto [built, grads_tag] =
       detail::backward_from<G::size, detail::with(none, Out, G::size), leads>(forward.graph, seeded);
   static constexpr auto grads = decltype(grads_tag)::value;
   detail::refuse_lost_gradients<leads, Out>(forward.graph);
-  // An input the output does not depend on has a zero gradient, as in MindSpore.
-  auto zeros = boost::hana::make_tuple(graph::Node<ops::FillLikeOp<0>, detail::input_node<G, Wrt>()>{}...);
-  constexpr std::size_t zeros_at = decltype(boost::hana::length(built))::value;
+  constexpr std::size_t zeros_at = std::remove_cvref_t<decltype(built)>::size;
   [[maybe_unused]] static constexpr auto sources =
       detail::store_sources<grads, zeros_at, detail::input_node<G, Wrt>()...>();
   const std::tuple<BasicTensor<T>*...> destinations{input_grads...};
-  auto stores = [&]<std::size_t... J>(std::index_sequence<J...>) {
-    return boost::hana::make_tuple(
-        graph::Node<ops::StoreOp<std::tuple_element_t<J, std::tuple<T...>>>, sources[J]>{std::get<J>(destinations)}...);
-  }
-  (std::index_sequence_for<T...>{});
-  auto training = graph::make_graph(boost::hana::concat(boost::hana::concat(built, zeros), stores));
+  // An input the output does not depend on has a zero gradient, as in MindSpore.
+  // built is passed, not captured: clang 14 cannot capture a structured binding.
+  auto training = [&]<class Built, std::size_t... J>(const Built& nodes, std::index_sequence<J...>) {
+    return graph::make_graph(graph::with_nodes(
+        nodes, graph::Node<ops::FillLikeOp<0>, detail::input_node<G, Wrt>()>{}...,
+        graph::Node<ops::StoreOp<std::tuple_element_t<J, std::tuple<T...>>>, sources[J]>{std::get<J>(destinations)}...));
+  }(built, std::index_sequence_for<T...>{});
   return graph::Sym<decltype(training), Out>{training};
 }
 

@@ -12,7 +12,6 @@
 #pragma once
 
 #include <array>
-#include <boost/hana/at.hpp>
 #include <cmath>
 #include <cstddef>
 #include <optional>
@@ -268,7 +267,7 @@ void compare_forward(ModeReport& report, Net& net, const CompareOptions& options
         }
         // The layer the operation names, as graph_ir shows it; else the cell whose construct
         // called it, as PyNative saw it run.
-        const std::string label = boost::hana::at_c<I>(program.graph.nodes).op.label();
+        const std::string label = graph::get<I>(program.graph).op.label();
         record_comparison(report, values, static_cast<decltype(values)>(p->data), shape,
                           ModeDifference{.stage = "forward", .node = I, .operation = name,
                                          .cell = label == name ? p->cell : label},

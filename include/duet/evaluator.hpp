@@ -18,7 +18,6 @@
 #include <string_view>
 #include <type_traits>
 #include <atomic>
-#include <boost/hana/at.hpp>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -235,7 +234,7 @@ graph::Plan<G, Inputs> plan(const graph::Sym<G, Out>& program, const std::array<
   (std::make_index_sequence<n>{});
   const std::array<detail::PlanNode, n> nodes = [&]<std::size_t... I>(std::index_sequence<I...>) {
     return std::array<detail::PlanNode, n>{
-        detail::plan_node<graph::node_at<G, I>>(boost::hana::at_c<I>(program.graph.nodes).op)...};
+        detail::plan_node<graph::node_at<G, I>>(graph::get<I>(program.graph).op)...};
   }(std::make_index_sequence<n>{});
   graph::Plan<G, Inputs> p;
   p.input_shapes = input_shapes;
@@ -291,7 +290,7 @@ auto run_observed(const graph::Sym<G, Out>& program, const graph::Plan<G, sizeof
       data[I] = const_cast<void*>(input[Op::index]);
     } else {
       if constexpr (buffers.storage[I] == graph::Storage::view) {
-        const auto& op = boost::hana::at_c<I>(program.graph.nodes).op;
+        const auto& op = graph::get<I>(program.graph).op;
         data[I] = static_cast<char*>(data[Node::args[0]]) +
                   view_offset(op, p.shapes[Node::args[0]]) * static_cast<index_t>(sizeof(graph::node_value_t<G, I>));
       } else if constexpr (buffers.storage[I] == graph::Storage::output) {
@@ -305,7 +304,7 @@ auto run_observed(const graph::Sym<G, Out>& program, const graph::Plan<G, sizeof
       if constexpr (graph::runs_kernel<Op>()) {
         std::array<const void*, Node::arity> in;
         for (std::size_t k = 0; k < Node::arity; ++k) in[k] = data[Node::args[k]];
-        const auto& op = boost::hana::at_c<I>(program.graph.nodes).op;
+        const auto& op = graph::get<I>(program.graph).op;
         using T = graph::node_value_t<G, I>;
         if constexpr (Node::arity == 1) {
           op.template run<Backend, T>(graph::KernelArgs{in.data(), &p.shapes[Node::args[0]], data[I], p.shapes[I]});

@@ -1,6 +1,6 @@
 // Graph capture: the compile-time IR of graph mode.
 //
-// A graph is a flat list of nodes (a hana::tuple), each an operation applied to the outputs of
+// A graph is a flat list of nodes (a NodeList), each an operation applied to the outputs of
 // earlier nodes named by index, like SSA. Calling a cell's construct on a Sym (a symbolic
 // tensor: a graph plus the index of the node it stands for) appends nodes instead of
 // computing, so construct(Sym) returns the whole network as a type. The list stays flat, not
@@ -12,11 +12,6 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <boost/hana/append.hpp>
-#include <boost/hana/at.hpp>
-#include <boost/hana/length.hpp>
-#include <boost/hana/tuple.hpp>
-#include <boost/hana/unpack.hpp>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -32,8 +27,6 @@
 #include "tensor.hpp"
 
 namespace duet::graph {
-
-namespace hana = boost::hana;
 
 // Calls f(std::integral_constant<std::size_t, I>{}) for I = 0, 1, ..., N-1 in order: the one
 // loop over a graph's nodes at compile time. (A fold over lambdas nested in a lambda with a
@@ -95,47 +88,93 @@ constexpr std::array<std::size_t, sizeof...(Nodes)> value_type_sources() {
 }
 
 namespace detail {
-// Node lookup by index without a tuple access: Graph::node_table derives from indexed<I, Node>
-// for each node, and select<I> finds the one base with that I by overload resolution, where
-// hana::at_c instantiates an accessor per graph and index.
-template <std::size_t I, class T>
-struct indexed {
-  using type = T;
+// Node I of a list, held in a base of its own. A lookup by index is overload resolution
+// against these bases (select, get): what it instantiates depends on I and the node's type
+// only, so it is shared by every graph that has that node there, where a tuple's accessor is
+// instantiated per tuple type and index, and capture makes a new tuple type per operation.
+template <std::size_t I, class N>
+struct slot {
+  N node;
 };
-template <class Indices, class... Ts>
-struct index_table;
-template <std::size_t... I, class... Ts>
-struct index_table<std::index_sequence<I...>, Ts...> : indexed<I, Ts>... {};
-template <std::size_t I, class T>
-indexed<I, T> select(const indexed<I, T>&);
+template <class Indices, class... Nodes>
+struct slots;
+template <std::size_t... I, class... Nodes>
+struct slots<std::index_sequence<I...>, Nodes...> : slot<I, Nodes>... {
+  slots() = default;
+  explicit slots(std::in_place_t, const Nodes&... n) : slot<I, Nodes>{n}... {}
+};
+template <std::size_t I, class N>
+std::type_identity<N> select(const slot<I, N>&);
 }  // namespace detail
 
+// A list of nodes: what the passes and the backward builder grow a graph in, node by node.
+// It is not a Graph, whose shape inference would run on every list on the way.
 template <class... Nodes>
-struct Graph {
+struct NodeList : detail::slots<std::index_sequence_for<Nodes...>, Nodes...> {
   static constexpr std::size_t size = sizeof...(Nodes);
-  // Shape inference: every node's output shape as far as compile time knows it.
-  static constexpr std::array<Shape, size> shapes = infer_static_shapes<Nodes...>();
-  static constexpr std::array<std::size_t, size> value_type_source = value_type_sources<Nodes...>();
-  using nodes_type = hana::tuple<Nodes...>;
-  using node_table = detail::index_table<std::index_sequence_for<Nodes...>, Nodes...>;
-  nodes_type nodes;
+  using list_type = NodeList;
+  using detail::slots<std::index_sequence_for<Nodes...>, Nodes...>::slots;
 };
 
-template <class G, std::size_t I>
-using node_at = typename decltype(detail::select<I>(std::declval<const typename G::node_table&>()))::type;
+template <class... Nodes>
+struct Graph : NodeList<Nodes...> {
+  // Shape inference: every node's output shape as far as compile time knows it.
+  static constexpr std::array<Shape, sizeof...(Nodes)> shapes = infer_static_shapes<Nodes...>();
+  static constexpr std::array<std::size_t, sizeof...(Nodes)> value_type_source = value_type_sources<Nodes...>();
+  using NodeList<Nodes...>::NodeList;
+  Graph() = default;
+  explicit Graph(const NodeList<Nodes...>& nodes) : NodeList<Nodes...>(nodes) {}
+};
 
-template <class Nodes>
-auto make_graph(const Nodes& nodes) {
-  return hana::unpack(
-      nodes, [](const auto&... n) { return Graph<std::remove_cvref_t<decltype(n)>...>{hana::make_tuple(n...)}; });
+// The type of node I of a graph or list.
+template <class G, std::size_t I>
+using node_at = typename decltype(detail::select<I>(std::declval<const G&>()))::type;
+
+// Node I of a graph or list.
+template <std::size_t I, class N>
+constexpr const N& get(const detail::slot<I, N>& s) {
+  return s.node;
 }
 
-// G with node appended: the larger graph made straight from G's nodes, without the tuple
-// hana::append would build on the way (an append per captured operation, each as long as the
-// graph so far).
+namespace detail {
+template <class To, class L, std::size_t... I, class... Tail>
+To rebuilt(const L& from, std::index_sequence<I...>, const Tail&... tail) {
+  return To(std::in_place, get<I>(from)..., tail...);
+}
+}  // namespace detail
+
+// The graph of a list's nodes.
+template <class... Nodes>
+Graph<Nodes...> make_graph(const NodeList<Nodes...>& nodes) {
+  return Graph<Nodes...>(nodes);
+}
+
+// A list or graph with nodes appended, made in one function (of as many copies as nodes) per
+// list: capture appends once per operation.
+template <class... Nodes, class... New>
+NodeList<Nodes..., New...> with_nodes(const NodeList<Nodes...>& list, const New&... nodes) {
+  return detail::rebuilt<NodeList<Nodes..., New...>>(list, std::index_sequence_for<Nodes...>{}, nodes...);
+}
 template <class... Nodes, class New>
 Graph<Nodes..., New> with_node(const Graph<Nodes...>& g, const New& node) {
-  return hana::unpack(g.nodes, [&node](const auto&... n) { return Graph<Nodes..., New>{hana::make_tuple(n..., node)}; });
+  return detail::rebuilt<Graph<Nodes..., New>>(g, std::index_sequence_for<Nodes...>{}, node);
+}
+
+// A list without its node R, nodes appended: a fusion moves a node to the end.
+template <std::size_t R, class L, class... New>
+auto without(const L& list, const New&... nodes) {
+  return [&]<std::size_t... I>(std::index_sequence<I...>) {
+    constexpr std::array<std::size_t, sizeof...(I)> from{(I < R ? I : I + 1)...};
+    return NodeList<node_at<L, from[I]>..., New...>(std::in_place, get<from[I]>(list)..., nodes...);
+  }(std::make_index_sequence<L::size - 1>{});
+}
+
+// A list of f(node) for each node of g.
+template <class L, class F>
+auto transformed(const L& list, F&& f) {
+  return [&]<std::size_t... I>(std::index_sequence<I...>) {
+    return NodeList<decltype(f(get<I>(list)))...>(std::in_place, f(get<I>(list))...);
+  }(std::make_index_sequence<L::size>{});
 }
 
 // The element type of the value an op makes from inputs whose first has type First.
@@ -443,20 +482,19 @@ auto renumbered(const N& n, std::index_sequence<Map...>, std::index_sequence<A..
 
 namespace detail {
 
-template <class Nodes, std::size_t K>
+template <class L, std::size_t K>
 constexpr std::size_t find_input() {
-  constexpr std::size_t n = decltype(hana::length(std::declval<Nodes>()))::value;
-  std::size_t found = n;
-  for_each_index<n>([&](auto i) {
-    using Op = typename std::remove_cvref_t<decltype(hana::at_c<decltype(i)::value>(std::declval<Nodes&>()))>::op_type;
+  std::size_t found = L::size;
+  for_each_index<L::size>([&](auto i) {
+    using Op = typename node_at<L, decltype(i)::value>::op_type;
     if constexpr (is_input_op_v<Op>) {
-      if (found == n && Op::index == K) found = decltype(i)::value;
+      if (found == L::size && Op::index == K) found = decltype(i)::value;
     }
   });
   return found;
 }
 
-// Where a node of type Target is in Nodes (a hana::tuple of nodes), or its length if nowhere.
+// Where a node of type Target is in a NodeList, or its length if nowhere.
 // Place Hint is tried first: a graph merged into one it extends has each node where the
 // other has it. Anywhere = false looks there only: for a node without inputs (a parameter),
 // whose type says nothing of which one it is, so that `x * gamma + beta` does not meet gamma
@@ -464,7 +502,7 @@ constexpr std::size_t find_input() {
 template <class Target, class Nodes, std::size_t Hint, bool Anywhere>
 struct position_of;
 template <class Target, class... Nodes, std::size_t Hint, bool Anywhere>
-struct position_of<Target, hana::tuple<Nodes...>, Hint, Anywhere> {
+struct position_of<Target, NodeList<Nodes...>, Hint, Anywhere> {
   static constexpr std::size_t value = [] {
     constexpr std::array<bool, sizeof...(Nodes) + 1> same{std::is_same_v<Target, Nodes>..., true};
     if (Hint < sizeof...(Nodes) && same[Hint]) return Hint;
@@ -503,31 +541,31 @@ auto merge_from(const GB& b, std::span<const std::uint64_t> b_ids, const Built& 
     return std::pair{make_graph(built), map};
   } else {
     using N = node_at<GB, J>;
-    constexpr std::size_t built_size = decltype(hana::length(built))::value;
+    constexpr std::size_t built_size = Built::size;
     if constexpr (is_input_op_v<typename N::op_type>) {
       constexpr std::size_t found = find_input<Built, N::op_type::index>();
       if constexpr (found < built_size) {
-        using Existing = std::remove_cvref_t<decltype(hana::at_c<found>(built))>;
+        using Existing = node_at<Built, found>;
         static_assert(std::is_same_v<Existing, N>,
                       "duet: one graph input is used with two different element types or shape patterns");
         return merge_from<J + 1>(b, b_ids, built, std::index_sequence<Map..., found>{}, merged);
       } else {
         merged.ids.push_back(b_ids[J]);
-        return merge_from<J + 1>(b, b_ids, hana::append(built, hana::at_c<J>(b.nodes)),
+        return merge_from<J + 1>(b, b_ids, with_nodes(built, get<J>(b)),
                                  std::index_sequence<Map..., built_size>{}, merged);
       }
     } else {
-      auto node = renumbered(hana::at_c<J>(b.nodes), map, std::make_index_sequence<N::arity>{});
+      auto node = renumbered(get<J>(b), map, std::make_index_sequence<N::arity>{});
       constexpr std::size_t found = position_of<decltype(node), Built, J, (N::arity > 0)>::value;
       if constexpr (found < built_size) {
         if (merged.ids[found] != b_ids[J]) {
-          merged.note("%" + std::to_string(found) + " " + hana::at_c<found>(built).op.label() + " and " +
+          merged.note("%" + std::to_string(found) + " " + get<found>(built).op.label() + " and " +
                       node.op.label() + " are one operation type on the same inputs, but two values");
         }
         return merge_from<J + 1>(b, b_ids, built, std::index_sequence<Map..., found>{}, merged);
       } else {
         merged.ids.push_back(b_ids[J]);
-        return merge_from<J + 1>(b, b_ids, hana::append(built, node), std::index_sequence<Map..., built_size>{},
+        return merge_from<J + 1>(b, b_ids, with_nodes(built, node), std::index_sequence<Map..., built_size>{},
                                  merged);
       }
     }
@@ -578,7 +616,8 @@ auto quietly(const Sym<G, Out>& x, F&& f) {
   const auto q = f(input<typename X::value_type, Quiet<SameShapeAs<X>>>());
   using Q = std::remove_cvref_t<decltype(q)>;
   detail::Merged merged{{x.ids.begin(), x.ids.end()}, x.ambiguity};
-  auto [g, map] = detail::merge_from<1>(q.graph, q.ids, x.graph.nodes, std::index_sequence<Out>{}, merged);
+  auto [g, map] = detail::merge_from<1>(q.graph, q.ids, static_cast<const typename G::list_type&>(x.graph),
+                                              std::index_sequence<Out>{}, merged);
   merged.note(q.ambiguity);
   return Sym<decltype(g), detail::at<Q::output>(decltype(map){})>{g, merged.id_array<decltype(g)::size>(),
                                                                    merged.ambiguity};
@@ -608,7 +647,7 @@ auto merge_all(const G& g, Merged&, std::index_sequence<Outs...> outs) {
 template <class G, std::size_t... Outs, class GB, std::size_t B, class... Rest>
 auto merge_all(const G& g, Merged& ids, std::index_sequence<Outs...>, const Sym<GB, B>& b, const Rest&... rest) {
   ids.note(b.ambiguity);
-  auto [merged, map] = merge_from<0>(b.graph, b.ids, g.nodes, std::index_sequence<>{}, ids);
+  auto [merged, map] = merge_from<0>(b.graph, b.ids, static_cast<const typename G::list_type&>(g), std::index_sequence<>{}, ids);
   return merge_all(merged, ids, std::index_sequence<Outs..., at<B>(decltype(map){})>{}, rest...);
 }
 

@@ -2,7 +2,6 @@
 // passes (MindSpore users get this from save_graphs).
 #pragma once
 
-#include <boost/hana/at.hpp>
 #include <cstddef>
 #include <ostream>
 #include <sstream>
@@ -76,7 +75,7 @@ GraphText dump(const Sym<G, Out>& program, const std::string& title) {
   graph::for_each_index<G::size>([&](auto i) {
     constexpr std::size_t I = decltype(i)::value;
     using Node = node_at<G, I>;
-    const auto& op = boost::hana::at_c<I>(program.graph.nodes).op;
+    const auto& op = graph::get<I>(program.graph).op;
     std::string what = Node::op_type::op_name();
     if constexpr (Node::arity > 0) {
       what += "(";

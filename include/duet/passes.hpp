@@ -11,12 +11,6 @@
 #pragma once
 
 #include <array>
-#include <boost/hana/append.hpp>
-#include <boost/hana/drop_back.hpp>
-#include <boost/hana/remove_at.hpp>
-#include <boost/hana/length.hpp>
-#include <boost/hana/transform.hpp>
-#include <boost/hana/unpack.hpp>
 #include <cstddef>
 #include <utility>
 
@@ -25,8 +19,6 @@
 #include "tape.hpp"
 
 namespace duet::passes {
-
-namespace hana = boost::hana;
 
 // How many nodes read each node's value; the graph's output counts as one more reader.
 template <class G, std::size_t Out>
@@ -60,11 +52,10 @@ namespace detail {
 // moved past them reads nothing they make.
 template <class Built, std::size_t R>
 constexpr bool only_sources_after() {
-  constexpr std::size_t size = decltype(hana::length(std::declval<Built>()))::value;
   bool ok = true;
-  graph::for_each_index<size>([&](auto i) {
+  graph::for_each_index<Built::size>([&](auto i) {
     constexpr std::size_t I = decltype(i)::value;
-    if constexpr (I > R) ok = ok && std::remove_cvref_t<decltype(hana::at_c<I>(std::declval<Built&>()))>::arity == 0;
+    if constexpr (I > R) ok = ok && graph::node_at<Built, I>::arity == 0;
   });
   return ok;
 }
@@ -109,51 +100,51 @@ auto fuse_from(const G& g, const Built& built, std::index_sequence<Map...> map) 
     return graph::Sym<decltype(fused), m[Out]>{fused};
   } else {
     using N = graph::node_at<G, J>;
-    const N& n = hana::at_c<J>(g.nodes);
-    constexpr std::size_t built_size = decltype(hana::length(built))::value;
+    const N& n = graph::get<J>(g);
+    constexpr std::size_t built_size = Built::size;
     if constexpr (N::arity == 1) {
       constexpr std::array<std::size_t, J> m{Map...};
       constexpr std::size_t a = N::args[0];
       constexpr std::size_t r = m[a];
-      using P = std::remove_cvref_t<decltype(hana::at_c<r>(built))>;
+      using P = graph::node_at<Built, r>;
       if constexpr (r + 1 == built_size && user_counts<G, Out>()[a] == 1 &&
                     absorbs<typename P::op_type, typename N::op_type, Differentiated>) {
-        const P& p = hana::at_c<r>(built);
+        const P& p = graph::get<r>(built);
         auto absorbed = p.op.absorb(n.op);
         auto with_args = [&]<std::size_t... A>(std::index_sequence<A...>) {
           return graph::Node<decltype(absorbed), P::args[A]...>{absorbed};
         }
         (std::make_index_sequence<P::arity>{});
-        return fuse_from<J + 1, Out, Differentiated>(g, hana::append(hana::drop_back(built), with_args),
+        return fuse_from<J + 1, Out, Differentiated>(g, graph::without<r>(built, with_args),
                                      std::index_sequence<Map..., r>{});
       } else {
         return fuse_from<J + 1, Out, Differentiated>(
-            g, hana::append(built, graph::renumbered(n, map, std::make_index_sequence<N::arity>{})),
+            g, graph::with_nodes(built, graph::renumbered(n, map, std::make_index_sequence<N::arity>{})),
             std::index_sequence<Map..., built_size>{});
       }
     } else if constexpr (N::arity == 2) {
       constexpr int pos = operand_to_absorb<G, J, Out, Built, Map...>();
       constexpr std::array<std::size_t, J> m{Map...};
       constexpr std::size_t r = m[N::args[pos < 0 ? 0 : pos]];
-      using P = std::remove_cvref_t<decltype(hana::at_c<r>(built))>;
+      using P = graph::node_at<Built, r>;
       if constexpr (pos >= 0 && absorbs_operand<typename P::op_type, typename N::op_type, pos, Differentiated>) {
         // P's node leaves its place for one at the end that also reads the other input.
         static constexpr auto moved = moved_to_end<r, built_size - 1, Map..., r>();
-        const P& p = hana::at_c<r>(built);
+        const P& p = graph::get<r>(built);
         auto absorbed = p.op.template absorb_operand<pos>(n.op);
         auto with_args = [&]<std::size_t... A>(std::index_sequence<A...>) {
           return graph::Node<decltype(absorbed), P::args[A]..., moved[N::args[1 - pos]]>{absorbed};
         }(std::make_index_sequence<P::arity>{});
-        return fuse_from<J + 1, Out, Differentiated>(g, hana::append(hana::remove_at_c<r>(built), with_args),
+        return fuse_from<J + 1, Out, Differentiated>(g, graph::without<r>(built, with_args),
                                                      as_sequence<moved>(std::make_index_sequence<J + 1>{}));
       } else {
         return fuse_from<J + 1, Out, Differentiated>(
-            g, hana::append(built, graph::renumbered(n, map, std::make_index_sequence<N::arity>{})),
+            g, graph::with_nodes(built, graph::renumbered(n, map, std::make_index_sequence<N::arity>{})),
             std::index_sequence<Map..., built_size>{});
       }
     } else {
       return fuse_from<J + 1, Out, Differentiated>(g,
-                                   hana::append(built, graph::renumbered(n, map, std::make_index_sequence<N::arity>{})),
+                                   graph::with_nodes(built, graph::renumbered(n, map, std::make_index_sequence<N::arity>{})),
                                    std::index_sequence<Map..., built_size>{});
     }
   }
@@ -165,7 +156,7 @@ auto fuse_from(const G& g, const Built& built, std::index_sequence<Map...> map) 
 // feeds it, and fuses chains of elementwise functions, so each value is written once.
 template <bool Differentiated = false, class G, std::size_t Out>
 auto fuse_epilogues(const graph::Sym<G, Out>& program) {
-  return detail::fuse_from<0, Out, Differentiated>(program.graph, hana::make_tuple(), std::index_sequence<>{});
+  return detail::fuse_from<0, Out, Differentiated>(program.graph, graph::NodeList<>{}, std::index_sequence<>{});
 }
 
 // Each op that can read its weight pre-packed (with_packed_weight()) is replaced by that
@@ -173,7 +164,7 @@ auto fuse_epilogues(const graph::Sym<G, Out>& program) {
 // would only add a pass over them.
 template <class G, std::size_t Out>
 auto pack_weights(const graph::Sym<G, Out>& program) {
-  auto nodes = hana::transform(program.graph.nodes, []<class Op, std::size_t... A>(const graph::Node<Op, A...>& n) {
+  auto nodes = graph::transformed(program.graph, []<class Op, std::size_t... A>(const graph::Node<Op, A...>& n) {
     if constexpr (requires { n.op.with_packed_weight(); }) {
       return graph::Node<decltype(n.op.with_packed_weight()), A...>{n.op.with_packed_weight()};
     } else {

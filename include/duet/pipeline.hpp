@@ -19,7 +19,6 @@
 #include <type_traits>
 #include <utility>
 
-#include <boost/hana/at.hpp>
 
 #include "evaluator.hpp"
 #include "graph.hpp"
@@ -66,7 +65,7 @@ decltype(auto) in_requested_phase(Capture&& capture, Run&& run) {
   using G = typename std::remove_cvref_t<decltype(train)>::graph_type;
   constexpr std::size_t first = graph::first_phase_dependent_node<G>();
   if constexpr (first < G::size) {
-    if (boost::hana::at_c<first>(train.graph.nodes).op.requested_phase() == graph::Phase::eval) {
+    if (graph::get<first>(train.graph).op.requested_phase() == graph::Phase::eval) {
       return run(capture(PhaseConstant<graph::Phase::eval>{}));
     }
   }

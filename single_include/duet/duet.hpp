@@ -14,10 +14,6 @@
 // gradient ops, hence the same kernels.
 
 #include <array>
-#include <boost/hana/append.hpp>
-#include <boost/hana/at.hpp>
-#include <boost/hana/concat.hpp>
-#include <boost/hana/length.hpp>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -4750,7 +4746,6 @@ inline std::string readable_type_name(const std::type_info& type) {
 #include <string_view>
 #include <type_traits>
 #include <atomic>
-#include <boost/hana/at.hpp>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -5053,7 +5048,7 @@ constexpr void report_static_fault() {
 }  // namespace duet
 // Graph capture: the compile-time IR of graph mode.
 //
-// A graph is a flat list of nodes (a hana::tuple), each an operation applied to the outputs of
+// A graph is a flat list of nodes (a NodeList), each an operation applied to the outputs of
 // earlier nodes named by index, like SSA. Calling a cell's construct on a Sym (a symbolic
 // tensor: a graph plus the index of the node it stands for) appends nodes instead of
 // computing, so construct(Sym) returns the whole network as a type. The list stays flat, not
@@ -5064,11 +5059,6 @@ constexpr void report_static_fault() {
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <boost/hana/append.hpp>
-#include <boost/hana/at.hpp>
-#include <boost/hana/length.hpp>
-#include <boost/hana/tuple.hpp>
-#include <boost/hana/unpack.hpp>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -5328,8 +5318,6 @@ constexpr bool input_has_gradient() {
 
 namespace duet::graph {
 
-namespace hana = boost::hana;
-
 // Calls f(std::integral_constant<std::size_t, I>{}) for I = 0, 1, ..., N-1 in order: the one
 // loop over a graph's nodes at compile time. (A fold over lambdas nested in a lambda with a
 // template parameter pack crashes clang 14; this shape does not.)
@@ -5390,47 +5378,93 @@ constexpr std::array<std::size_t, sizeof...(Nodes)> value_type_sources() {
 }
 
 namespace detail {
-// Node lookup by index without a tuple access: Graph::node_table derives from indexed<I, Node>
-// for each node, and select<I> finds the one base with that I by overload resolution, where
-// hana::at_c instantiates an accessor per graph and index.
-template <std::size_t I, class T>
-struct indexed {
-  using type = T;
+// Node I of a list, held in a base of its own. A lookup by index is overload resolution
+// against these bases (select, get): what it instantiates depends on I and the node's type
+// only, so it is shared by every graph that has that node there, where a tuple's accessor is
+// instantiated per tuple type and index, and capture makes a new tuple type per operation.
+template <std::size_t I, class N>
+struct slot {
+  N node;
 };
-template <class Indices, class... Ts>
-struct index_table;
-template <std::size_t... I, class... Ts>
-struct index_table<std::index_sequence<I...>, Ts...> : indexed<I, Ts>... {};
-template <std::size_t I, class T>
-indexed<I, T> select(const indexed<I, T>&);
+template <class Indices, class... Nodes>
+struct slots;
+template <std::size_t... I, class... Nodes>
+struct slots<std::index_sequence<I...>, Nodes...> : slot<I, Nodes>... {
+  slots() = default;
+  explicit slots(std::in_place_t, const Nodes&... n) : slot<I, Nodes>{n}... {}
+};
+template <std::size_t I, class N>
+std::type_identity<N> select(const slot<I, N>&);
 }  // namespace detail
 
+// A list of nodes: what the passes and the backward builder grow a graph in, node by node.
+// It is not a Graph, whose shape inference would run on every list on the way.
 template <class... Nodes>
-struct Graph {
+struct NodeList : detail::slots<std::index_sequence_for<Nodes...>, Nodes...> {
   static constexpr std::size_t size = sizeof...(Nodes);
-  // Shape inference: every node's output shape as far as compile time knows it.
-  static constexpr std::array<Shape, size> shapes = infer_static_shapes<Nodes...>();
-  static constexpr std::array<std::size_t, size> value_type_source = value_type_sources<Nodes...>();
-  using nodes_type = hana::tuple<Nodes...>;
-  using node_table = detail::index_table<std::index_sequence_for<Nodes...>, Nodes...>;
-  nodes_type nodes;
+  using list_type = NodeList;
+  using detail::slots<std::index_sequence_for<Nodes...>, Nodes...>::slots;
 };
 
-template <class G, std::size_t I>
-using node_at = typename decltype(detail::select<I>(std::declval<const typename G::node_table&>()))::type;
+template <class... Nodes>
+struct Graph : NodeList<Nodes...> {
+  // Shape inference: every node's output shape as far as compile time knows it.
+  static constexpr std::array<Shape, sizeof...(Nodes)> shapes = infer_static_shapes<Nodes...>();
+  static constexpr std::array<std::size_t, sizeof...(Nodes)> value_type_source = value_type_sources<Nodes...>();
+  using NodeList<Nodes...>::NodeList;
+  Graph() = default;
+  explicit Graph(const NodeList<Nodes...>& nodes) : NodeList<Nodes...>(nodes) {}
+};
 
-template <class Nodes>
-auto make_graph(const Nodes& nodes) {
-  return hana::unpack(
-      nodes, [](const auto&... n) { return Graph<std::remove_cvref_t<decltype(n)>...>{hana::make_tuple(n...)}; });
+// The type of node I of a graph or list.
+template <class G, std::size_t I>
+using node_at = typename decltype(detail::select<I>(std::declval<const G&>()))::type;
+
+// Node I of a graph or list.
+template <std::size_t I, class N>
+constexpr const N& get(const detail::slot<I, N>& s) {
+  return s.node;
 }
 
-// G with node appended: the larger graph made straight from G's nodes, without the tuple
-// hana::append would build on the way (an append per captured operation, each as long as the
-// graph so far).
+namespace detail {
+template <class To, class L, std::size_t... I, class... Tail>
+To rebuilt(const L& from, std::index_sequence<I...>, const Tail&... tail) {
+  return To(std::in_place, get<I>(from)..., tail...);
+}
+}  // namespace detail
+
+// The graph of a list's nodes.
+template <class... Nodes>
+Graph<Nodes...> make_graph(const NodeList<Nodes...>& nodes) {
+  return Graph<Nodes...>(nodes);
+}
+
+// A list or graph with nodes appended, made in one function (of as many copies as nodes) per
+// list: capture appends once per operation.
+template <class... Nodes, class... New>
+NodeList<Nodes..., New...> with_nodes(const NodeList<Nodes...>& list, const New&... nodes) {
+  return detail::rebuilt<NodeList<Nodes..., New...>>(list, std::index_sequence_for<Nodes...>{}, nodes...);
+}
 template <class... Nodes, class New>
 Graph<Nodes..., New> with_node(const Graph<Nodes...>& g, const New& node) {
-  return hana::unpack(g.nodes, [&node](const auto&... n) { return Graph<Nodes..., New>{hana::make_tuple(n..., node)}; });
+  return detail::rebuilt<Graph<Nodes..., New>>(g, std::index_sequence_for<Nodes...>{}, node);
+}
+
+// A list without its node R, nodes appended: a fusion moves a node to the end.
+template <std::size_t R, class L, class... New>
+auto without(const L& list, const New&... nodes) {
+  return [&]<std::size_t... I>(std::index_sequence<I...>) {
+    constexpr std::array<std::size_t, sizeof...(I)> from{(I < R ? I : I + 1)...};
+    return NodeList<node_at<L, from[I]>..., New...>(std::in_place, get<from[I]>(list)..., nodes...);
+  }(std::make_index_sequence<L::size - 1>{});
+}
+
+// A list of f(node) for each node of g.
+template <class L, class F>
+auto transformed(const L& list, F&& f) {
+  return [&]<std::size_t... I>(std::index_sequence<I...>) {
+    return NodeList<decltype(f(get<I>(list)))...>(std::in_place, f(get<I>(list))...);
+  }(std::make_index_sequence<L::size>{});
 }
 
 // The element type of the value an op makes from inputs whose first has type First.
@@ -5738,20 +5772,19 @@ auto renumbered(const N& n, std::index_sequence<Map...>, std::index_sequence<A..
 
 namespace detail {
 
-template <class Nodes, std::size_t K>
+template <class L, std::size_t K>
 constexpr std::size_t find_input() {
-  constexpr std::size_t n = decltype(hana::length(std::declval<Nodes>()))::value;
-  std::size_t found = n;
-  for_each_index<n>([&](auto i) {
-    using Op = typename std::remove_cvref_t<decltype(hana::at_c<decltype(i)::value>(std::declval<Nodes&>()))>::op_type;
+  std::size_t found = L::size;
+  for_each_index<L::size>([&](auto i) {
+    using Op = typename node_at<L, decltype(i)::value>::op_type;
     if constexpr (is_input_op_v<Op>) {
-      if (found == n && Op::index == K) found = decltype(i)::value;
+      if (found == L::size && Op::index == K) found = decltype(i)::value;
     }
   });
   return found;
 }
 
-// Where a node of type Target is in Nodes (a hana::tuple of nodes), or its length if nowhere.
+// Where a node of type Target is in a NodeList, or its length if nowhere.
 // Place Hint is tried first: a graph merged into one it extends has each node where the
 // other has it. Anywhere = false looks there only: for a node without inputs (a parameter),
 // whose type says nothing of which one it is, so that `x * gamma + beta` does not meet gamma
@@ -5759,7 +5792,7 @@ constexpr std::size_t find_input() {
 template <class Target, class Nodes, std::size_t Hint, bool Anywhere>
 struct position_of;
 template <class Target, class... Nodes, std::size_t Hint, bool Anywhere>
-struct position_of<Target, hana::tuple<Nodes...>, Hint, Anywhere> {
+struct position_of<Target, NodeList<Nodes...>, Hint, Anywhere> {
   static constexpr std::size_t value = [] {
     constexpr std::array<bool, sizeof...(Nodes) + 1> same{std::is_same_v<Target, Nodes>..., true};
     if (Hint < sizeof...(Nodes) && same[Hint]) return Hint;
@@ -5798,31 +5831,31 @@ auto merge_from(const GB& b, std::span<const std::uint64_t> b_ids, const Built& 
     return std::pair{make_graph(built), map};
   } else {
     using N = node_at<GB, J>;
-    constexpr std::size_t built_size = decltype(hana::length(built))::value;
+    constexpr std::size_t built_size = Built::size;
     if constexpr (is_input_op_v<typename N::op_type>) {
       constexpr std::size_t found = find_input<Built, N::op_type::index>();
       if constexpr (found < built_size) {
-        using Existing = std::remove_cvref_t<decltype(hana::at_c<found>(built))>;
+        using Existing = node_at<Built, found>;
         static_assert(std::is_same_v<Existing, N>,
                       "duet: one graph input is used with two different element types or shape patterns");
         return merge_from<J + 1>(b, b_ids, built, std::index_sequence<Map..., found>{}, merged);
       } else {
         merged.ids.push_back(b_ids[J]);
-        return merge_from<J + 1>(b, b_ids, hana::append(built, hana::at_c<J>(b.nodes)),
+        return merge_from<J + 1>(b, b_ids, with_nodes(built, get<J>(b)),
                                  std::index_sequence<Map..., built_size>{}, merged);
       }
     } else {
-      auto node = renumbered(hana::at_c<J>(b.nodes), map, std::make_index_sequence<N::arity>{});
+      auto node = renumbered(get<J>(b), map, std::make_index_sequence<N::arity>{});
       constexpr std::size_t found = position_of<decltype(node), Built, J, (N::arity > 0)>::value;
       if constexpr (found < built_size) {
         if (merged.ids[found] != b_ids[J]) {
-          merged.note("%" + std::to_string(found) + " " + hana::at_c<found>(built).op.label() + " and " +
+          merged.note("%" + std::to_string(found) + " " + get<found>(built).op.label() + " and " +
                       node.op.label() + " are one operation type on the same inputs, but two values");
         }
         return merge_from<J + 1>(b, b_ids, built, std::index_sequence<Map..., found>{}, merged);
       } else {
         merged.ids.push_back(b_ids[J]);
-        return merge_from<J + 1>(b, b_ids, hana::append(built, node), std::index_sequence<Map..., built_size>{},
+        return merge_from<J + 1>(b, b_ids, with_nodes(built, node), std::index_sequence<Map..., built_size>{},
                                  merged);
       }
     }
@@ -5873,7 +5906,8 @@ auto quietly(const Sym<G, Out>& x, F&& f) {
   const auto q = f(input<typename X::value_type, Quiet<SameShapeAs<X>>>());
   using Q = std::remove_cvref_t<decltype(q)>;
   detail::Merged merged{{x.ids.begin(), x.ids.end()}, x.ambiguity};
-  auto [g, map] = detail::merge_from<1>(q.graph, q.ids, x.graph.nodes, std::index_sequence<Out>{}, merged);
+  auto [g, map] = detail::merge_from<1>(q.graph, q.ids, static_cast<const typename G::list_type&>(x.graph),
+                                              std::index_sequence<Out>{}, merged);
   merged.note(q.ambiguity);
   return Sym<decltype(g), detail::at<Q::output>(decltype(map){})>{g, merged.id_array<decltype(g)::size>(),
                                                                    merged.ambiguity};
@@ -5903,7 +5937,7 @@ auto merge_all(const G& g, Merged&, std::index_sequence<Outs...> outs) {
 template <class G, std::size_t... Outs, class GB, std::size_t B, class... Rest>
 auto merge_all(const G& g, Merged& ids, std::index_sequence<Outs...>, const Sym<GB, B>& b, const Rest&... rest) {
   ids.note(b.ambiguity);
-  auto [merged, map] = merge_from<0>(b.graph, b.ids, g.nodes, std::index_sequence<>{}, ids);
+  auto [merged, map] = merge_from<0>(b.graph, b.ids, static_cast<const typename G::list_type&>(g), std::index_sequence<>{}, ids);
   return merge_all(merged, ids, std::index_sequence<Outs..., at<B>(decltype(map){})>{}, rest...);
 }
 
@@ -6235,7 +6269,7 @@ graph::Plan<G, Inputs> plan(const graph::Sym<G, Out>& program, const std::array<
   (std::make_index_sequence<n>{});
   const std::array<detail::PlanNode, n> nodes = [&]<std::size_t... I>(std::index_sequence<I...>) {
     return std::array<detail::PlanNode, n>{
-        detail::plan_node<graph::node_at<G, I>>(boost::hana::at_c<I>(program.graph.nodes).op)...};
+        detail::plan_node<graph::node_at<G, I>>(graph::get<I>(program.graph).op)...};
   }(std::make_index_sequence<n>{});
   graph::Plan<G, Inputs> p;
   p.input_shapes = input_shapes;
@@ -6291,7 +6325,7 @@ auto run_observed(const graph::Sym<G, Out>& program, const graph::Plan<G, sizeof
       data[I] = const_cast<void*>(input[Op::index]);
     } else {
       if constexpr (buffers.storage[I] == graph::Storage::view) {
-        const auto& op = boost::hana::at_c<I>(program.graph.nodes).op;
+        const auto& op = graph::get<I>(program.graph).op;
         data[I] = static_cast<char*>(data[Node::args[0]]) +
                   view_offset(op, p.shapes[Node::args[0]]) * static_cast<index_t>(sizeof(graph::node_value_t<G, I>));
       } else if constexpr (buffers.storage[I] == graph::Storage::output) {
@@ -6305,7 +6339,7 @@ auto run_observed(const graph::Sym<G, Out>& program, const graph::Plan<G, sizeof
       if constexpr (graph::runs_kernel<Op>()) {
         std::array<const void*, Node::arity> in;
         for (std::size_t k = 0; k < Node::arity; ++k) in[k] = data[Node::args[k]];
-        const auto& op = boost::hana::at_c<I>(program.graph.nodes).op;
+        const auto& op = graph::get<I>(program.graph).op;
         using T = graph::node_value_t<G, I>;
         if constexpr (Node::arity == 1) {
           op.template run<Backend, T>(graph::KernelArgs{in.data(), &p.shapes[Node::args[0]], data[I], p.shapes[I]});
@@ -6527,7 +6561,7 @@ template <class T>
 auto parameter(const nn::BasicParameter<T>& p) {
   using G = Graph<Node<ops::ParameterOp<T>>>;
   // Its id is the parameter's: each read of one parameter is the same value.
-  return Sym<G, 0>{G{hana::make_tuple(Node<ops::ParameterOp<T>>{ops::ParameterOp<T>{&p}})},
+  return Sym<G, 0>{G{std::in_place, Node<ops::ParameterOp<T>>{ops::ParameterOp<T>{&p}}},
                    {reinterpret_cast<std::uintptr_t>(&p) | 1u}};
 }
 
@@ -8224,19 +8258,11 @@ auto host(F&& fn, X&& x, SourceLocation where = SourceLocation::current()) {
 //                                  inference graphs)
 
 #include <array>
-#include <boost/hana/append.hpp>
-#include <boost/hana/drop_back.hpp>
-#include <boost/hana/remove_at.hpp>
-#include <boost/hana/length.hpp>
-#include <boost/hana/transform.hpp>
-#include <boost/hana/unpack.hpp>
 #include <cstddef>
 #include <utility>
 
 
 namespace duet::passes {
-
-namespace hana = boost::hana;
 
 // How many nodes read each node's value; the graph's output counts as one more reader.
 template <class G, std::size_t Out>
@@ -8270,11 +8296,10 @@ namespace detail {
 // moved past them reads nothing they make.
 template <class Built, std::size_t R>
 constexpr bool only_sources_after() {
-  constexpr std::size_t size = decltype(hana::length(std::declval<Built>()))::value;
   bool ok = true;
-  graph::for_each_index<size>([&](auto i) {
+  graph::for_each_index<Built::size>([&](auto i) {
     constexpr std::size_t I = decltype(i)::value;
-    if constexpr (I > R) ok = ok && std::remove_cvref_t<decltype(hana::at_c<I>(std::declval<Built&>()))>::arity == 0;
+    if constexpr (I > R) ok = ok && graph::node_at<Built, I>::arity == 0;
   });
   return ok;
 }
@@ -8319,51 +8344,51 @@ auto fuse_from(const G& g, const Built& built, std::index_sequence<Map...> map) 
     return graph::Sym<decltype(fused), m[Out]>{fused};
   } else {
     using N = graph::node_at<G, J>;
-    const N& n = hana::at_c<J>(g.nodes);
-    constexpr std::size_t built_size = decltype(hana::length(built))::value;
+    const N& n = graph::get<J>(g);
+    constexpr std::size_t built_size = Built::size;
     if constexpr (N::arity == 1) {
       constexpr std::array<std::size_t, J> m{Map...};
       constexpr std::size_t a = N::args[0];
       constexpr std::size_t r = m[a];
-      using P = std::remove_cvref_t<decltype(hana::at_c<r>(built))>;
+      using P = graph::node_at<Built, r>;
       if constexpr (r + 1 == built_size && user_counts<G, Out>()[a] == 1 &&
                     absorbs<typename P::op_type, typename N::op_type, Differentiated>) {
-        const P& p = hana::at_c<r>(built);
+        const P& p = graph::get<r>(built);
         auto absorbed = p.op.absorb(n.op);
         auto with_args = [&]<std::size_t... A>(std::index_sequence<A...>) {
           return graph::Node<decltype(absorbed), P::args[A]...>{absorbed};
         }
         (std::make_index_sequence<P::arity>{});
-        return fuse_from<J + 1, Out, Differentiated>(g, hana::append(hana::drop_back(built), with_args),
+        return fuse_from<J + 1, Out, Differentiated>(g, graph::without<r>(built, with_args),
                                      std::index_sequence<Map..., r>{});
       } else {
         return fuse_from<J + 1, Out, Differentiated>(
-            g, hana::append(built, graph::renumbered(n, map, std::make_index_sequence<N::arity>{})),
+            g, graph::with_nodes(built, graph::renumbered(n, map, std::make_index_sequence<N::arity>{})),
             std::index_sequence<Map..., built_size>{});
       }
     } else if constexpr (N::arity == 2) {
       constexpr int pos = operand_to_absorb<G, J, Out, Built, Map...>();
       constexpr std::array<std::size_t, J> m{Map...};
       constexpr std::size_t r = m[N::args[pos < 0 ? 0 : pos]];
-      using P = std::remove_cvref_t<decltype(hana::at_c<r>(built))>;
+      using P = graph::node_at<Built, r>;
       if constexpr (pos >= 0 && absorbs_operand<typename P::op_type, typename N::op_type, pos, Differentiated>) {
         // P's node leaves its place for one at the end that also reads the other input.
         static constexpr auto moved = moved_to_end<r, built_size - 1, Map..., r>();
-        const P& p = hana::at_c<r>(built);
+        const P& p = graph::get<r>(built);
         auto absorbed = p.op.template absorb_operand<pos>(n.op);
         auto with_args = [&]<std::size_t... A>(std::index_sequence<A...>) {
           return graph::Node<decltype(absorbed), P::args[A]..., moved[N::args[1 - pos]]>{absorbed};
         }(std::make_index_sequence<P::arity>{});
-        return fuse_from<J + 1, Out, Differentiated>(g, hana::append(hana::remove_at_c<r>(built), with_args),
+        return fuse_from<J + 1, Out, Differentiated>(g, graph::without<r>(built, with_args),
                                                      as_sequence<moved>(std::make_index_sequence<J + 1>{}));
       } else {
         return fuse_from<J + 1, Out, Differentiated>(
-            g, hana::append(built, graph::renumbered(n, map, std::make_index_sequence<N::arity>{})),
+            g, graph::with_nodes(built, graph::renumbered(n, map, std::make_index_sequence<N::arity>{})),
             std::index_sequence<Map..., built_size>{});
       }
     } else {
       return fuse_from<J + 1, Out, Differentiated>(g,
-                                   hana::append(built, graph::renumbered(n, map, std::make_index_sequence<N::arity>{})),
+                                   graph::with_nodes(built, graph::renumbered(n, map, std::make_index_sequence<N::arity>{})),
                                    std::index_sequence<Map..., built_size>{});
     }
   }
@@ -8375,7 +8400,7 @@ auto fuse_from(const G& g, const Built& built, std::index_sequence<Map...> map) 
 // feeds it, and fuses chains of elementwise functions, so each value is written once.
 template <bool Differentiated = false, class G, std::size_t Out>
 auto fuse_epilogues(const graph::Sym<G, Out>& program) {
-  return detail::fuse_from<0, Out, Differentiated>(program.graph, hana::make_tuple(), std::index_sequence<>{});
+  return detail::fuse_from<0, Out, Differentiated>(program.graph, graph::NodeList<>{}, std::index_sequence<>{});
 }
 
 // Each op that can read its weight pre-packed (with_packed_weight()) is replaced by that
@@ -8383,7 +8408,7 @@ auto fuse_epilogues(const graph::Sym<G, Out>& program) {
 // would only add a pass over them.
 template <class G, std::size_t Out>
 auto pack_weights(const graph::Sym<G, Out>& program) {
-  auto nodes = hana::transform(program.graph.nodes, []<class Op, std::size_t... A>(const graph::Node<Op, A...>& n) {
+  auto nodes = graph::transformed(program.graph, []<class Op, std::size_t... A>(const graph::Node<Op, A...>& n) {
     if constexpr (requires { n.op.with_packed_weight(); }) {
       return graph::Node<decltype(n.op.with_packed_weight()), A...>{n.op.with_packed_weight()};
     } else {
@@ -8684,7 +8709,6 @@ class Replay {
 #include <type_traits>
 #include <utility>
 
-#include <boost/hana/at.hpp>
 
 
 namespace duet::pipeline {
@@ -8725,7 +8749,7 @@ decltype(auto) in_requested_phase(Capture&& capture, Run&& run) {
   using G = typename std::remove_cvref_t<decltype(train)>::graph_type;
   constexpr std::size_t first = graph::first_phase_dependent_node<G>();
   if constexpr (first < G::size) {
-    if (boost::hana::at_c<first>(train.graph.nodes).op.requested_phase() == graph::Phase::eval) {
+    if (graph::get<first>(train.graph).op.requested_phase() == graph::Phase::eval) {
       return run(capture(PhaseConstant<graph::Phase::eval>{}));
     }
   }
@@ -10136,7 +10160,7 @@ auto with_grad_node(const Built& built, const GradOp& gop) {
   auto node = [&]<std::size_t... J>(std::index_sequence<J...>) {
     return graph::Node<GradOp, operand_index<GradOp::reads[J], N, I, Grad>()...>{gop};
   }(std::make_index_sequence<GradOp::reads.size()>{});
-  return boost::hana::append(built, node);
+  return graph::with_nodes(built, node);
 }
 
 // The gradients of forward node I's inputs K, K+1, ...: each input that leads to something
@@ -10152,12 +10176,12 @@ auto backward_inputs(const G& g, const Built& built) {
     return backward_inputs<K + 1, I, Grads, Leads>(g, built);
   } else {
     constexpr std::size_t a = N::args[K];
-    constexpr std::size_t k = decltype(boost::hana::length(built))::value;
-    auto with_grad = with_grad_node<N, I, Grads[I]>(built, boost::hana::at_c<I>(g.nodes).op.template grad_op<K>());
+    constexpr std::size_t k = Built::size;
+    auto with_grad = with_grad_node<N, I, Grads[I]>(built, graph::get<I>(g).op.template grad_op<K>());
     if constexpr (Grads[a] == no_grad) {
       return backward_inputs<K + 1, I, with(Grads, a, k), Leads>(g, with_grad);
     } else {
-      auto summed = boost::hana::append(with_grad, graph::Node<ops::GradAddOp, Grads[a], k>{});
+      auto summed = graph::with_nodes(with_grad, graph::Node<ops::GradAddOp, Grads[a], k>{});
       return backward_inputs<K + 1, I, with(Grads, a, k + 1), Leads>(g, summed);
     }
   }
@@ -10211,7 +10235,7 @@ void refuse_lost_gradients(const G& g) {
               reached[N::args[k_]] = true;
             } else if constexpr (loses_gradient_at<G, I, k_>()) {
               if (found.first[N::args[k_]])
-                throw ValueError(lost_gradient_message(boost::hana::at_c<I>(g.nodes).op.label(), k_));
+                throw ValueError(lost_gradient_message(graph::get<I>(g).op.label(), k_));
             }
           };
           (visit(std::integral_constant<std::size_t, K>{}), ...);
@@ -10247,7 +10271,7 @@ auto backward_from(const G& g, const Built& built) {
       constexpr bool via_input0 = N::arity >= 1 && input_has_gradient<Op, 0>() && Leads[N::args[0]];
       const auto with_params = [&] {
         if constexpr (has_parameters<Op>() && !via_input0)
-          return with_grad_node<N, i, Grads[i]>(built, boost::hana::at_c<i>(g.nodes).op.parameter_grad_op());
+          return with_grad_node<N, i, Grads[i]>(built, graph::get<i>(g).op.parameter_grad_op());
         else
           return built;
       }();
@@ -10288,8 +10312,7 @@ auto with_input(const graph::Sym<G, Out>& program) {
   if constexpr (detail::input_node<G, K>() < G::size) {
     return program;
   } else {
-    auto g = graph::make_graph(
-        boost::hana::append(program.graph.nodes, graph::Node<graph::InputOp<K, graph::AnyShape, T>>{}));
+    auto g = graph::with_node(program.graph, graph::Node<graph::InputOp<K, graph::AnyShape, T>>{});
     return graph::Sym<decltype(g), Out>{g};
   }
 }
@@ -10314,23 +10337,22 @@ auto build_backward(const graph::Sym<G0, Out>& program, BasicTensor<T>*... input
     a.fill(detail::no_grad);
     return a;
   }();
-  auto seeded = boost::hana::append(forward.graph.nodes, graph::Node<ops::FillLikeOp<1>, Out>{});
+  auto seeded = graph::with_nodes(forward.graph, graph::Node<ops::FillLikeOp<1>, Out>{});
   auto [built, grads_tag] =
       detail::backward_from<G::size, detail::with(none, Out, G::size), leads>(forward.graph, seeded);
   static constexpr auto grads = decltype(grads_tag)::value;
   detail::refuse_lost_gradients<leads, Out>(forward.graph);
-  // An input the output does not depend on has a zero gradient, as in MindSpore.
-  auto zeros = boost::hana::make_tuple(graph::Node<ops::FillLikeOp<0>, detail::input_node<G, Wrt>()>{}...);
-  constexpr std::size_t zeros_at = decltype(boost::hana::length(built))::value;
+  constexpr std::size_t zeros_at = std::remove_cvref_t<decltype(built)>::size;
   [[maybe_unused]] static constexpr auto sources =
       detail::store_sources<grads, zeros_at, detail::input_node<G, Wrt>()...>();
   const std::tuple<BasicTensor<T>*...> destinations{input_grads...};
-  auto stores = [&]<std::size_t... J>(std::index_sequence<J...>) {
-    return boost::hana::make_tuple(
-        graph::Node<ops::StoreOp<std::tuple_element_t<J, std::tuple<T...>>>, sources[J]>{std::get<J>(destinations)}...);
-  }
-  (std::index_sequence_for<T...>{});
-  auto training = graph::make_graph(boost::hana::concat(boost::hana::concat(built, zeros), stores));
+  // An input the output does not depend on has a zero gradient, as in MindSpore.
+  // built is passed, not captured: clang 14 cannot capture a structured binding.
+  auto training = [&]<class Built, std::size_t... J>(const Built& nodes, std::index_sequence<J...>) {
+    return graph::make_graph(graph::with_nodes(
+        nodes, graph::Node<ops::FillLikeOp<0>, detail::input_node<G, Wrt>()>{}...,
+        graph::Node<ops::StoreOp<std::tuple_element_t<J, std::tuple<T...>>>, sources[J]>{std::get<J>(destinations)}...));
+  }(built, std::index_sequence_for<T...>{});
   return graph::Sym<decltype(training), Out>{training};
 }
 
@@ -10688,7 +10710,6 @@ auto grad(Fn&& fn, Weights&&... weights_and_position) {
 // ("MatMul + BiasAdd + ReLU") with that run of operations, whose last makes its value.
 
 #include <array>
-#include <boost/hana/at.hpp>
 #include <cmath>
 #include <cstddef>
 #include <optional>
@@ -11447,7 +11468,7 @@ void compare_forward(ModeReport& report, Net& net, const CompareOptions& options
         }
         // The layer the operation names, as graph_ir shows it; else the cell whose construct
         // called it, as PyNative saw it run.
-        const std::string label = boost::hana::at_c<I>(program.graph.nodes).op.label();
+        const std::string label = graph::get<I>(program.graph).op.label();
         record_comparison(report, values, static_cast<decltype(values)>(p->data), shape,
                           ModeDifference{.stage = "forward", .node = I, .operation = name,
                                          .cell = label == name ? p->cell : label},
@@ -12331,7 +12352,6 @@ class DataLoader {
 // graph_ir: what graph mode made of a cell, as text and as Graphviz DOT, before and after the
 // passes (MindSpore users get this from save_graphs).
 
-#include <boost/hana/at.hpp>
 #include <cstddef>
 #include <ostream>
 #include <sstream>
@@ -12398,7 +12418,7 @@ GraphText dump(const Sym<G, Out>& program, const std::string& title) {
   graph::for_each_index<G::size>([&](auto i) {
     constexpr std::size_t I = decltype(i)::value;
     using Node = node_at<G, I>;
-    const auto& op = boost::hana::at_c<I>(program.graph.nodes).op;
+    const auto& op = graph::get<I>(program.graph).op;
     std::string what = Node::op_type::op_name();
     if constexpr (Node::arity > 0) {
       what += "(";

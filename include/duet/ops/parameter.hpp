@@ -80,7 +80,7 @@ template <class T>
 auto parameter(const nn::BasicParameter<T>& p) {
   using G = Graph<Node<ops::ParameterOp<T>>>;
   // Its id is the parameter's: each read of one parameter is the same value.
-  return Sym<G, 0>{G{hana::make_tuple(Node<ops::ParameterOp<T>>{ops::ParameterOp<T>{&p}})},
+  return Sym<G, 0>{G{std::in_place, Node<ops::ParameterOp<T>>{ops::ParameterOp<T>{&p}}},
                    {reinterpret_cast<std::uintptr_t>(&p) | 1u}};
 }
 
