@@ -160,15 +160,6 @@ Graph<Nodes..., New> with_node(const Graph<Nodes...>& g, const New& node) {
   return detail::rebuilt<Graph<Nodes..., New>>(g, std::index_sequence_for<Nodes...>{}, node);
 }
 
-// A list without its node R, nodes appended: a fusion moves a node to the end.
-template <std::size_t R, class L, class... New>
-auto without(const L& list, const New&... nodes) {
-  return [&]<std::size_t... I>(std::index_sequence<I...>) {
-    constexpr std::array<std::size_t, sizeof...(I)> from{(I < R ? I : I + 1)...};
-    return NodeList<node_at<L, from[I]>..., New...>(std::in_place, get<from[I]>(list)..., nodes...);
-  }(std::make_index_sequence<L::size - 1>{});
-}
-
 // A list of f(node) for each node of g.
 template <class L, class F>
 auto transformed(const L& list, F&& f) {
@@ -385,6 +376,24 @@ struct pattern_phase<Quiet<P>> : pattern_phase<P> {};
 template <class S>
 struct pattern_phase<SameShapeAs<S>> {
   static constexpr Phase value = phase_of_graph<typename S::graph_type>();
+};
+}  // namespace detail
+
+// The input of a part captured apart from the graph it continues (spliced): the shape and the
+// phase of the value it continues, spelled out, so that a chain of parts does not nest their
+// types in one another.
+template <Phase P, bool LeadingUnknown, index_t... Dims>
+struct Continuing {
+  static constexpr Shape value = [] {
+    Shape s = LeadingUnknown ? Shape::any() : Shape{};
+    (s.push_back(Dims), ...);
+    return s;
+  }();
+};
+namespace detail {
+template <Phase P, bool L, index_t... D>
+struct pattern_phase<Continuing<P, L, D...>> {
+  static constexpr Phase value = P;
 };
 }  // namespace detail
 
@@ -634,6 +643,81 @@ auto append(const Op& op, const Sym<G, Out>& x) {
   std::copy(x.ids.begin(), x.ids.end(), ids.begin());
   ids[G::size] = new_node_id();
   return Sym<decltype(g), G::size>{g, ids, x.ambiguity};
+}
+
+// A symbolic input standing for x's value in a part captured apart (spliced after x): of x's
+// element type, shape and phase, quiet if x's capture is.
+template <class X>
+auto continuation() {
+  using G = typename X::graph_type;
+  return []<std::size_t... I>(std::index_sequence<I...>) {
+    using C = Continuing<phase_of_graph<G>(), X::shape.leading_unknown(), X::shape[static_cast<int>(I)]...>;
+    return input<typename X::value_type, std::conditional_t<reports_faults<G>(), C, Quiet<C>>>();
+  }(std::make_index_sequence<static_cast<std::size_t>(X::shape.rank())>{});
+}
+
+namespace detail {
+// Where spliced puts things: part c's node j (j > 0; node 0 is its input) lands at
+// base[c] + j - 1, and its input is the value of the part before it (out[c - 1], or x's).
+template <std::size_t Size0, std::size_t Out0, class... Parts>
+struct Splice {
+  static constexpr std::size_t parts = sizeof...(Parts);
+  static constexpr std::array<std::size_t, parts> sizes{Parts::graph_type::size...};
+  static constexpr std::array<std::size_t, parts> outputs{Parts::output...};
+  static constexpr std::array<std::size_t, parts + 1> base = [] {
+    std::array<std::size_t, parts + 1> b{};
+    b[0] = Size0;
+    for (std::size_t c = 0; c < parts; ++c) b[c + 1] = b[c] + sizes[c] - 1;
+    return b;
+  }();
+  static constexpr std::size_t size = base[parts];
+  static constexpr std::size_t where(std::size_t c, std::size_t j) {
+    if (j > 0) return base[c] + j - 1;
+    return c == 0 ? Out0 : where(c - 1, outputs[c - 1]);
+  }
+  static constexpr std::size_t output = parts == 0 ? Out0 : where(parts - 1, outputs[parts - 1]);
+  // For node K after x's: its part and its place there.
+  static constexpr std::array<std::size_t, size - Size0> part = [] {
+    std::array<std::size_t, size - Size0> a{};
+    for (std::size_t c = 0; c < parts; ++c)
+      for (std::size_t j = 1; j < sizes[c]; ++j) a[base[c] + j - 1 - Size0] = c;
+    return a;
+  }();
+  template <std::size_t K>
+  static constexpr std::size_t place = K + Size0 - base[part[K]] + 1;
+
+  template <std::size_t K, class N = node_at<typename node_at<NodeList<Parts...>, part[K]>::graph_type, place<K>>,
+            class A = std::make_index_sequence<N::arity>>
+  struct renumbered_node;
+  template <std::size_t K, class N, std::size_t... A>
+  struct renumbered_node<K, N, std::index_sequence<A...>> {
+    using type = Node<typename N::op_type, where(part[K], N::args[A])...>;
+  };
+  template <std::size_t K>
+  static typename renumbered_node<K>::type node(const NodeList<const Parts*...>& p) {
+    return {get<place<K>>(get<part[K]>(p)->graph).op};
+  }
+};
+}  // namespace detail
+
+// x's graph, then each part's nodes after the value before it: parts[0] captured on
+// continuation<X>(), parts[c] on continuation of parts[c - 1]. The result is the graph that
+// capturing them one after the other on x would give, made in one function: appending to x's
+// graph would copy it once per node, so a chain of n nodes would cost n^2.
+template <class G0, std::size_t Out0, class... Parts>
+auto spliced(const Sym<G0, Out0>& x, const Parts&... parts) {
+  using S = detail::Splice<G0::size, Out0, Parts...>;
+  const NodeList<const Parts*...> all(std::in_place, &parts...);
+  auto g = [&]<std::size_t... I, std::size_t... K>(std::index_sequence<I...>, std::index_sequence<K...>) {
+    return Graph<node_at<G0, I>..., typename S::template renumbered_node<K>::type...>(
+        std::in_place, get<I>(x.graph)..., S::template node<K>(all)...);
+  }(std::make_index_sequence<G0::size>{}, std::make_index_sequence<S::size - G0::size>{});
+  Sym<decltype(g), S::output> y{std::move(g), {}, x.ambiguity};
+  std::copy(x.ids.begin(), x.ids.end(), y.ids.begin());
+  auto at = y.ids.begin() + G0::size;
+  ((at = std::copy(parts.ids.begin() + 1, parts.ids.end(), at)), ...);
+  ((y.ambiguity.empty() ? void(y.ambiguity = parts.ambiguity) : void()), ...);
+  return y;
 }
 
 namespace detail {

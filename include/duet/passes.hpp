@@ -55,7 +55,7 @@ constexpr bool only_sources_after() {
   bool ok = true;
   graph::for_each_index<Built::size>([&](auto i) {
     constexpr std::size_t I = decltype(i)::value;
-    if constexpr (I > R) ok = ok && graph::node_at<Built, I>::arity == 0;
+    if constexpr (I > R) ok = ok && graph::node_at<Built, I>::node::arity == 0;
   });
   return ok;
 }
@@ -89,65 +89,116 @@ constexpr auto as_sequence(std::index_sequence<I...>) {
   return std::index_sequence<A[I]...>{};
 }
 
-// Walks the nodes in order, building the fused list. Map[j] is where node j's value lives in
-// the new list. A unary consumer folds into the node that computes its input when that node
-// is the last one built, absorbs it, and nobody else reads the value in between.
+// How a fused node's operation is made from the captured graph's: node J's own (Take), or
+// the operation of a fused node (From) absorbing node J's, as its epilogue (Pos < 0) or through
+// its input Pos.
+template <std::size_t J>
+struct Take {};
+template <class From, std::size_t J, int Pos>
+struct Absorb {};
+
+template <std::size_t J, class G>
+auto op_of(Take<J>, const G& g) {
+  return graph::get<J>(g).op;
+}
+template <class From, std::size_t J, int Pos, class G>
+auto op_of(Absorb<From, J, Pos>, const G& g) {
+  if constexpr (Pos < 0) return op_of(From{}, g).absorb(graph::get<J>(g).op);
+  else return op_of(From{}, g).template absorb_operand<Pos>(graph::get<J>(g).op);
+}
+
+// A node of the fused list and how to make its operation.
+template <class Node, class Recipe>
+struct Step {
+  using node = Node;
+  using recipe = Recipe;
+};
+
+template <class L, class X>
+struct appended;
+template <class... S, class X>
+struct appended<graph::NodeList<S...>, X> {
+  using type = graph::NodeList<S..., X>;
+};
+
+// L without its element R, then X.
+template <std::size_t R, class L, class X, class I = std::make_index_sequence<L::size - 1>>
+struct moved_out;
+template <std::size_t R, class L, class X, std::size_t... I>
+struct moved_out<R, L, X, std::index_sequence<I...>> {
+  using type = graph::NodeList<graph::node_at<L, (I < R ? I : I + 1)>..., X>;
+};
+
+// A node of Op reading what node type P reads, then Extra.
+template <class Op, class P, class A, std::size_t... Extra>
+struct with_args;
+template <class Op, class P, std::size_t... A, std::size_t... Extra>
+struct with_args<Op, P, std::index_sequence<A...>, Extra...> {
+  using type = graph::Node<Op, P::args[A]..., Extra...>;
+};
+template <class Op, class P, std::size_t... Extra>
+using with_args_of = typename with_args<Op, P, std::make_index_sequence<P::arity>, Extra...>::type;
+
+// Walks the nodes in order, planning the fused list: a NodeList of Steps, and where the output
+// is. Map[j] is where node j's value lives in the new list. A unary consumer folds into the
+// node that computes its input when that node is the last one planned, absorbs it, and nobody
+// else reads the value in between. Types only: the list is made once, from the plan
+// (fuse_epilogues), where growing it node by node would copy it once per node.
 template <std::size_t J, std::size_t Out, bool Differentiated, class G, class Built, std::size_t... Map>
-auto fuse_from(const G& g, const Built& built, std::index_sequence<Map...> map) {
+auto fuse_from(std::index_sequence<Map...> map) {
   if constexpr (J == G::size) {
     constexpr std::array<std::size_t, G::size> m{Map...};
-    auto fused = graph::make_graph(built);
-    return graph::Sym<decltype(fused), m[Out]>{fused};
+    return std::pair<std::type_identity<Built>, std::integral_constant<std::size_t, m[Out]>>{};
   } else {
     using N = graph::node_at<G, J>;
-    const N& n = graph::get<J>(g);
+    using Kept = Step<decltype(graph::renumbered(std::declval<const N&>(), map, std::make_index_sequence<N::arity>{})),
+                      Take<J>>;
     constexpr std::size_t built_size = Built::size;
     if constexpr (N::arity == 1) {
       constexpr std::array<std::size_t, J> m{Map...};
       constexpr std::size_t a = N::args[0];
       constexpr std::size_t r = m[a];
-      using P = graph::node_at<Built, r>;
+      using PS = graph::node_at<Built, r>;
+      using P = typename PS::node;
       if constexpr (r + 1 == built_size && user_counts<G, Out>()[a] == 1 &&
                     absorbs<typename P::op_type, typename N::op_type, Differentiated>) {
-        const P& p = graph::get<r>(built);
-        auto absorbed = p.op.absorb(n.op);
-        auto with_args = [&]<std::size_t... A>(std::index_sequence<A...>) {
-          return graph::Node<decltype(absorbed), P::args[A]...>{absorbed};
-        }
-        (std::make_index_sequence<P::arity>{});
-        return fuse_from<J + 1, Out, Differentiated>(g, graph::without<r>(built, with_args),
-                                     std::index_sequence<Map..., r>{});
+        using Absorbed = decltype(std::declval<const P&>().op.absorb(std::declval<const N&>().op));
+        using Fused = Step<with_args_of<Absorbed, P>, Absorb<typename PS::recipe, J, -1>>;
+        return fuse_from<J + 1, Out, Differentiated, G, typename moved_out<r, Built, Fused>::type>(
+            std::index_sequence<Map..., r>{});
       } else {
-        return fuse_from<J + 1, Out, Differentiated>(
-            g, graph::with_nodes(built, graph::renumbered(n, map, std::make_index_sequence<N::arity>{})),
+        return fuse_from<J + 1, Out, Differentiated, G, typename appended<Built, Kept>::type>(
             std::index_sequence<Map..., built_size>{});
       }
     } else if constexpr (N::arity == 2) {
       constexpr int pos = operand_to_absorb<G, J, Out, Built, Map...>();
       constexpr std::array<std::size_t, J> m{Map...};
       constexpr std::size_t r = m[N::args[pos < 0 ? 0 : pos]];
-      using P = graph::node_at<Built, r>;
+      using PS = graph::node_at<Built, r>;
+      using P = typename PS::node;
       if constexpr (pos >= 0 && absorbs_operand<typename P::op_type, typename N::op_type, pos, Differentiated>) {
         // P's node leaves its place for one at the end that also reads the other input.
         static constexpr auto moved = moved_to_end<r, built_size - 1, Map..., r>();
-        const P& p = graph::get<r>(built);
-        auto absorbed = p.op.template absorb_operand<pos>(n.op);
-        auto with_args = [&]<std::size_t... A>(std::index_sequence<A...>) {
-          return graph::Node<decltype(absorbed), P::args[A]..., moved[N::args[1 - pos]]>{absorbed};
-        }(std::make_index_sequence<P::arity>{});
-        return fuse_from<J + 1, Out, Differentiated>(g, graph::without<r>(built, with_args),
-                                                     as_sequence<moved>(std::make_index_sequence<J + 1>{}));
+        using Absorbed =
+            decltype(std::declval<const P&>().op.template absorb_operand<pos>(std::declval<const N&>().op));
+        using Fused = Step<with_args_of<Absorbed, P, moved[N::args[1 - pos]]>, Absorb<typename PS::recipe, J, pos>>;
+        return fuse_from<J + 1, Out, Differentiated, G, typename moved_out<r, Built, Fused>::type>(
+            as_sequence<moved>(std::make_index_sequence<J + 1>{}));
       } else {
-        return fuse_from<J + 1, Out, Differentiated>(
-            g, graph::with_nodes(built, graph::renumbered(n, map, std::make_index_sequence<N::arity>{})),
+        return fuse_from<J + 1, Out, Differentiated, G, typename appended<Built, Kept>::type>(
             std::index_sequence<Map..., built_size>{});
       }
     } else {
-      return fuse_from<J + 1, Out, Differentiated>(g,
-                                   graph::with_nodes(built, graph::renumbered(n, map, std::make_index_sequence<N::arity>{})),
-                                   std::index_sequence<Map..., built_size>{});
+      return fuse_from<J + 1, Out, Differentiated, G, typename appended<Built, Kept>::type>(
+          std::index_sequence<Map..., built_size>{});
     }
   }
+}
+
+template <std::size_t Out, class G, class... S>
+auto made_from_plan(const G& g, graph::NodeList<S...>*) {
+  using F = graph::Graph<typename S::node...>;
+  return graph::Sym<F, Out>{F(std::in_place, typename S::node{op_of(typename S::recipe{}, g)}...)};
 }
 
 }  // namespace detail
@@ -156,7 +207,9 @@ auto fuse_from(const G& g, const Built& built, std::index_sequence<Map...> map) 
 // feeds it, and fuses chains of elementwise functions, so each value is written once.
 template <bool Differentiated = false, class G, std::size_t Out>
 auto fuse_epilogues(const graph::Sym<G, Out>& program) {
-  return detail::fuse_from<0, Out, Differentiated>(program.graph, graph::NodeList<>{}, std::index_sequence<>{});
+  using Plan = decltype(detail::fuse_from<0, Out, Differentiated, G, graph::NodeList<>>(std::index_sequence<>{}));
+  using Built = typename Plan::first_type::type;
+  return detail::made_from_plan<Plan::second_type::value>(program.graph, static_cast<Built*>(nullptr));
 }
 
 // Each op that can read its weight pre-packed (with_packed_weight()) is replaced by that

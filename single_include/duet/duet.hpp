@@ -5450,15 +5450,6 @@ Graph<Nodes..., New> with_node(const Graph<Nodes...>& g, const New& node) {
   return detail::rebuilt<Graph<Nodes..., New>>(g, std::index_sequence_for<Nodes...>{}, node);
 }
 
-// A list without its node R, nodes appended: a fusion moves a node to the end.
-template <std::size_t R, class L, class... New>
-auto without(const L& list, const New&... nodes) {
-  return [&]<std::size_t... I>(std::index_sequence<I...>) {
-    constexpr std::array<std::size_t, sizeof...(I)> from{(I < R ? I : I + 1)...};
-    return NodeList<node_at<L, from[I]>..., New...>(std::in_place, get<from[I]>(list)..., nodes...);
-  }(std::make_index_sequence<L::size - 1>{});
-}
-
 // A list of f(node) for each node of g.
 template <class L, class F>
 auto transformed(const L& list, F&& f) {
@@ -5675,6 +5666,24 @@ struct pattern_phase<Quiet<P>> : pattern_phase<P> {};
 template <class S>
 struct pattern_phase<SameShapeAs<S>> {
   static constexpr Phase value = phase_of_graph<typename S::graph_type>();
+};
+}  // namespace detail
+
+// The input of a part captured apart from the graph it continues (spliced): the shape and the
+// phase of the value it continues, spelled out, so that a chain of parts does not nest their
+// types in one another.
+template <Phase P, bool LeadingUnknown, index_t... Dims>
+struct Continuing {
+  static constexpr Shape value = [] {
+    Shape s = LeadingUnknown ? Shape::any() : Shape{};
+    (s.push_back(Dims), ...);
+    return s;
+  }();
+};
+namespace detail {
+template <Phase P, bool L, index_t... D>
+struct pattern_phase<Continuing<P, L, D...>> {
+  static constexpr Phase value = P;
 };
 }  // namespace detail
 
@@ -5924,6 +5933,81 @@ auto append(const Op& op, const Sym<G, Out>& x) {
   std::copy(x.ids.begin(), x.ids.end(), ids.begin());
   ids[G::size] = new_node_id();
   return Sym<decltype(g), G::size>{g, ids, x.ambiguity};
+}
+
+// A symbolic input standing for x's value in a part captured apart (spliced after x): of x's
+// element type, shape and phase, quiet if x's capture is.
+template <class X>
+auto continuation() {
+  using G = typename X::graph_type;
+  return []<std::size_t... I>(std::index_sequence<I...>) {
+    using C = Continuing<phase_of_graph<G>(), X::shape.leading_unknown(), X::shape[static_cast<int>(I)]...>;
+    return input<typename X::value_type, std::conditional_t<reports_faults<G>(), C, Quiet<C>>>();
+  }(std::make_index_sequence<static_cast<std::size_t>(X::shape.rank())>{});
+}
+
+namespace detail {
+// Where spliced puts things: part c's node j (j > 0; node 0 is its input) lands at
+// base[c] + j - 1, and its input is the value of the part before it (out[c - 1], or x's).
+template <std::size_t Size0, std::size_t Out0, class... Parts>
+struct Splice {
+  static constexpr std::size_t parts = sizeof...(Parts);
+  static constexpr std::array<std::size_t, parts> sizes{Parts::graph_type::size...};
+  static constexpr std::array<std::size_t, parts> outputs{Parts::output...};
+  static constexpr std::array<std::size_t, parts + 1> base = [] {
+    std::array<std::size_t, parts + 1> b{};
+    b[0] = Size0;
+    for (std::size_t c = 0; c < parts; ++c) b[c + 1] = b[c] + sizes[c] - 1;
+    return b;
+  }();
+  static constexpr std::size_t size = base[parts];
+  static constexpr std::size_t where(std::size_t c, std::size_t j) {
+    if (j > 0) return base[c] + j - 1;
+    return c == 0 ? Out0 : where(c - 1, outputs[c - 1]);
+  }
+  static constexpr std::size_t output = parts == 0 ? Out0 : where(parts - 1, outputs[parts - 1]);
+  // For node K after x's: its part and its place there.
+  static constexpr std::array<std::size_t, size - Size0> part = [] {
+    std::array<std::size_t, size - Size0> a{};
+    for (std::size_t c = 0; c < parts; ++c)
+      for (std::size_t j = 1; j < sizes[c]; ++j) a[base[c] + j - 1 - Size0] = c;
+    return a;
+  }();
+  template <std::size_t K>
+  static constexpr std::size_t place = K + Size0 - base[part[K]] + 1;
+
+  template <std::size_t K, class N = node_at<typename node_at<NodeList<Parts...>, part[K]>::graph_type, place<K>>,
+            class A = std::make_index_sequence<N::arity>>
+  struct renumbered_node;
+  template <std::size_t K, class N, std::size_t... A>
+  struct renumbered_node<K, N, std::index_sequence<A...>> {
+    using type = Node<typename N::op_type, where(part[K], N::args[A])...>;
+  };
+  template <std::size_t K>
+  static typename renumbered_node<K>::type node(const NodeList<const Parts*...>& p) {
+    return {get<place<K>>(get<part[K]>(p)->graph).op};
+  }
+};
+}  // namespace detail
+
+// x's graph, then each part's nodes after the value before it: parts[0] captured on
+// continuation<X>(), parts[c] on continuation of parts[c - 1]. The result is the graph that
+// capturing them one after the other on x would give, made in one function: appending to x's
+// graph would copy it once per node, so a chain of n nodes would cost n^2.
+template <class G0, std::size_t Out0, class... Parts>
+auto spliced(const Sym<G0, Out0>& x, const Parts&... parts) {
+  using S = detail::Splice<G0::size, Out0, Parts...>;
+  const NodeList<const Parts*...> all(std::in_place, &parts...);
+  auto g = [&]<std::size_t... I, std::size_t... K>(std::index_sequence<I...>, std::index_sequence<K...>) {
+    return Graph<node_at<G0, I>..., typename S::template renumbered_node<K>::type...>(
+        std::in_place, get<I>(x.graph)..., S::template node<K>(all)...);
+  }(std::make_index_sequence<G0::size>{}, std::make_index_sequence<S::size - G0::size>{});
+  Sym<decltype(g), S::output> y{std::move(g), {}, x.ambiguity};
+  std::copy(x.ids.begin(), x.ids.end(), y.ids.begin());
+  auto at = y.ids.begin() + G0::size;
+  ((at = std::copy(parts.ids.begin() + 1, parts.ids.end(), at)), ...);
+  ((y.ambiguity.empty() ? void(y.ambiguity = parts.ambiguity) : void()), ...);
+  return y;
 }
 
 namespace detail {
@@ -8299,7 +8383,7 @@ constexpr bool only_sources_after() {
   bool ok = true;
   graph::for_each_index<Built::size>([&](auto i) {
     constexpr std::size_t I = decltype(i)::value;
-    if constexpr (I > R) ok = ok && graph::node_at<Built, I>::arity == 0;
+    if constexpr (I > R) ok = ok && graph::node_at<Built, I>::node::arity == 0;
   });
   return ok;
 }
@@ -8333,65 +8417,116 @@ constexpr auto as_sequence(std::index_sequence<I...>) {
   return std::index_sequence<A[I]...>{};
 }
 
-// Walks the nodes in order, building the fused list. Map[j] is where node j's value lives in
-// the new list. A unary consumer folds into the node that computes its input when that node
-// is the last one built, absorbs it, and nobody else reads the value in between.
+// How a fused node's operation is made from the captured graph's: node J's own (Take), or
+// the operation of a fused node (From) absorbing node J's, as its epilogue (Pos < 0) or through
+// its input Pos.
+template <std::size_t J>
+struct Take {};
+template <class From, std::size_t J, int Pos>
+struct Absorb {};
+
+template <std::size_t J, class G>
+auto op_of(Take<J>, const G& g) {
+  return graph::get<J>(g).op;
+}
+template <class From, std::size_t J, int Pos, class G>
+auto op_of(Absorb<From, J, Pos>, const G& g) {
+  if constexpr (Pos < 0) return op_of(From{}, g).absorb(graph::get<J>(g).op);
+  else return op_of(From{}, g).template absorb_operand<Pos>(graph::get<J>(g).op);
+}
+
+// A node of the fused list and how to make its operation.
+template <class Node, class Recipe>
+struct Step {
+  using node = Node;
+  using recipe = Recipe;
+};
+
+template <class L, class X>
+struct appended;
+template <class... S, class X>
+struct appended<graph::NodeList<S...>, X> {
+  using type = graph::NodeList<S..., X>;
+};
+
+// L without its element R, then X.
+template <std::size_t R, class L, class X, class I = std::make_index_sequence<L::size - 1>>
+struct moved_out;
+template <std::size_t R, class L, class X, std::size_t... I>
+struct moved_out<R, L, X, std::index_sequence<I...>> {
+  using type = graph::NodeList<graph::node_at<L, (I < R ? I : I + 1)>..., X>;
+};
+
+// A node of Op reading what node type P reads, then Extra.
+template <class Op, class P, class A, std::size_t... Extra>
+struct with_args;
+template <class Op, class P, std::size_t... A, std::size_t... Extra>
+struct with_args<Op, P, std::index_sequence<A...>, Extra...> {
+  using type = graph::Node<Op, P::args[A]..., Extra...>;
+};
+template <class Op, class P, std::size_t... Extra>
+using with_args_of = typename with_args<Op, P, std::make_index_sequence<P::arity>, Extra...>::type;
+
+// Walks the nodes in order, planning the fused list: a NodeList of Steps, and where the output
+// is. Map[j] is where node j's value lives in the new list. A unary consumer folds into the
+// node that computes its input when that node is the last one planned, absorbs it, and nobody
+// else reads the value in between. Types only: the list is made once, from the plan
+// (fuse_epilogues), where growing it node by node would copy it once per node.
 template <std::size_t J, std::size_t Out, bool Differentiated, class G, class Built, std::size_t... Map>
-auto fuse_from(const G& g, const Built& built, std::index_sequence<Map...> map) {
+auto fuse_from(std::index_sequence<Map...> map) {
   if constexpr (J == G::size) {
     constexpr std::array<std::size_t, G::size> m{Map...};
-    auto fused = graph::make_graph(built);
-    return graph::Sym<decltype(fused), m[Out]>{fused};
+    return std::pair<std::type_identity<Built>, std::integral_constant<std::size_t, m[Out]>>{};
   } else {
     using N = graph::node_at<G, J>;
-    const N& n = graph::get<J>(g);
+    using Kept = Step<decltype(graph::renumbered(std::declval<const N&>(), map, std::make_index_sequence<N::arity>{})),
+                      Take<J>>;
     constexpr std::size_t built_size = Built::size;
     if constexpr (N::arity == 1) {
       constexpr std::array<std::size_t, J> m{Map...};
       constexpr std::size_t a = N::args[0];
       constexpr std::size_t r = m[a];
-      using P = graph::node_at<Built, r>;
+      using PS = graph::node_at<Built, r>;
+      using P = typename PS::node;
       if constexpr (r + 1 == built_size && user_counts<G, Out>()[a] == 1 &&
                     absorbs<typename P::op_type, typename N::op_type, Differentiated>) {
-        const P& p = graph::get<r>(built);
-        auto absorbed = p.op.absorb(n.op);
-        auto with_args = [&]<std::size_t... A>(std::index_sequence<A...>) {
-          return graph::Node<decltype(absorbed), P::args[A]...>{absorbed};
-        }
-        (std::make_index_sequence<P::arity>{});
-        return fuse_from<J + 1, Out, Differentiated>(g, graph::without<r>(built, with_args),
-                                     std::index_sequence<Map..., r>{});
+        using Absorbed = decltype(std::declval<const P&>().op.absorb(std::declval<const N&>().op));
+        using Fused = Step<with_args_of<Absorbed, P>, Absorb<typename PS::recipe, J, -1>>;
+        return fuse_from<J + 1, Out, Differentiated, G, typename moved_out<r, Built, Fused>::type>(
+            std::index_sequence<Map..., r>{});
       } else {
-        return fuse_from<J + 1, Out, Differentiated>(
-            g, graph::with_nodes(built, graph::renumbered(n, map, std::make_index_sequence<N::arity>{})),
+        return fuse_from<J + 1, Out, Differentiated, G, typename appended<Built, Kept>::type>(
             std::index_sequence<Map..., built_size>{});
       }
     } else if constexpr (N::arity == 2) {
       constexpr int pos = operand_to_absorb<G, J, Out, Built, Map...>();
       constexpr std::array<std::size_t, J> m{Map...};
       constexpr std::size_t r = m[N::args[pos < 0 ? 0 : pos]];
-      using P = graph::node_at<Built, r>;
+      using PS = graph::node_at<Built, r>;
+      using P = typename PS::node;
       if constexpr (pos >= 0 && absorbs_operand<typename P::op_type, typename N::op_type, pos, Differentiated>) {
         // P's node leaves its place for one at the end that also reads the other input.
         static constexpr auto moved = moved_to_end<r, built_size - 1, Map..., r>();
-        const P& p = graph::get<r>(built);
-        auto absorbed = p.op.template absorb_operand<pos>(n.op);
-        auto with_args = [&]<std::size_t... A>(std::index_sequence<A...>) {
-          return graph::Node<decltype(absorbed), P::args[A]..., moved[N::args[1 - pos]]>{absorbed};
-        }(std::make_index_sequence<P::arity>{});
-        return fuse_from<J + 1, Out, Differentiated>(g, graph::without<r>(built, with_args),
-                                                     as_sequence<moved>(std::make_index_sequence<J + 1>{}));
+        using Absorbed =
+            decltype(std::declval<const P&>().op.template absorb_operand<pos>(std::declval<const N&>().op));
+        using Fused = Step<with_args_of<Absorbed, P, moved[N::args[1 - pos]]>, Absorb<typename PS::recipe, J, pos>>;
+        return fuse_from<J + 1, Out, Differentiated, G, typename moved_out<r, Built, Fused>::type>(
+            as_sequence<moved>(std::make_index_sequence<J + 1>{}));
       } else {
-        return fuse_from<J + 1, Out, Differentiated>(
-            g, graph::with_nodes(built, graph::renumbered(n, map, std::make_index_sequence<N::arity>{})),
+        return fuse_from<J + 1, Out, Differentiated, G, typename appended<Built, Kept>::type>(
             std::index_sequence<Map..., built_size>{});
       }
     } else {
-      return fuse_from<J + 1, Out, Differentiated>(g,
-                                   graph::with_nodes(built, graph::renumbered(n, map, std::make_index_sequence<N::arity>{})),
-                                   std::index_sequence<Map..., built_size>{});
+      return fuse_from<J + 1, Out, Differentiated, G, typename appended<Built, Kept>::type>(
+          std::index_sequence<Map..., built_size>{});
     }
   }
+}
+
+template <std::size_t Out, class G, class... S>
+auto made_from_plan(const G& g, graph::NodeList<S...>*) {
+  using F = graph::Graph<typename S::node...>;
+  return graph::Sym<F, Out>{F(std::in_place, typename S::node{op_of(typename S::recipe{}, g)}...)};
 }
 
 }  // namespace detail
@@ -8400,7 +8535,9 @@ auto fuse_from(const G& g, const Built& built, std::index_sequence<Map...> map) 
 // feeds it, and fuses chains of elementwise functions, so each value is written once.
 template <bool Differentiated = false, class G, std::size_t Out>
 auto fuse_epilogues(const graph::Sym<G, Out>& program) {
-  return detail::fuse_from<0, Out, Differentiated>(program.graph, graph::NodeList<>{}, std::index_sequence<>{});
+  using Plan = decltype(detail::fuse_from<0, Out, Differentiated, G, graph::NodeList<>>(std::index_sequence<>{}));
+  using Built = typename Plan::first_type::type;
+  return detail::made_from_plan<Plan::second_type::value>(program.graph, static_cast<Built*>(nullptr));
 }
 
 // Each op that can read its weight pre-packed (with_packed_weight()) is replaced by that
@@ -15254,8 +15391,25 @@ class SequentialCell : public Cell<SequentialCell<First, Rest...>, CONTEXT_MODE,
  private:
   template <class X>
   auto chain(X&& x) {
-    return boost::hana::fold_left(cells_, std::forward<X>(x),
-                                  [](auto&& acc, auto& cell) { return cell(std::forward<decltype(acc)>(acc)); });
+    if constexpr (graph::Symbolic<X>) {
+      return captured_from<0>(x);
+    } else {
+      return boost::hana::fold_left(cells_, std::forward<X>(x),
+                                    [](auto&& acc, auto& cell) { return cell(std::forward<decltype(acc)>(acc)); });
+    }
+  }
+
+  // Captures cell I on an input of its own, standing for the value of the cell before it, and splices
+  // the cells' graphs after x's at the end: each cell appended to the graph so far would copy
+  // it, and a chain's capture would cost the square of its length.
+  template <std::size_t I, class X, class... Parts>
+  auto captured_from(const X& x, const Parts&... parts) {
+    if constexpr (I == size()) {
+      return graph::spliced(x, parts...);
+    } else {
+      using Last = typename decltype((std::type_identity<std::remove_cvref_t<X>>{}, ..., std::type_identity<Parts>{}))::type;
+      return captured_from<I + 1>(x, parts..., boost::hana::at_c<I>(cells_)(graph::continuation<Last>()));
+    }
   }
 
   // Capturing the chain on an input of unknown shape runs every layer's shape rule against

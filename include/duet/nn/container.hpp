@@ -63,8 +63,25 @@ class SequentialCell : public Cell<SequentialCell<First, Rest...>, CONTEXT_MODE,
  private:
   template <class X>
   auto chain(X&& x) {
-    return boost::hana::fold_left(cells_, std::forward<X>(x),
-                                  [](auto&& acc, auto& cell) { return cell(std::forward<decltype(acc)>(acc)); });
+    if constexpr (graph::Symbolic<X>) {
+      return captured_from<0>(x);
+    } else {
+      return boost::hana::fold_left(cells_, std::forward<X>(x),
+                                    [](auto&& acc, auto& cell) { return cell(std::forward<decltype(acc)>(acc)); });
+    }
+  }
+
+  // Captures cell I on an input of its own, standing for the value of the cell before it, and splices
+  // the cells' graphs after x's at the end: each cell appended to the graph so far would copy
+  // it, and a chain's capture would cost the square of its length.
+  template <std::size_t I, class X, class... Parts>
+  auto captured_from(const X& x, const Parts&... parts) {
+    if constexpr (I == size()) {
+      return graph::spliced(x, parts...);
+    } else {
+      using Last = typename decltype((std::type_identity<std::remove_cvref_t<X>>{}, ..., std::type_identity<Parts>{}))::type;
+      return captured_from<I + 1>(x, parts..., boost::hana::at_c<I>(cells_)(graph::continuation<Last>()));
+    }
   }
 
   // Capturing the chain on an input of unknown shape runs every layer's shape rule against
