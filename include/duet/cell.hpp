@@ -490,7 +490,23 @@ class Cell : public BasicDynamicCell<T> {
                       "see intermediate values in PyNative mode only");
     }
     this->check_registered();
-    return run_construct(xs...);
+    if constexpr (captured_apart<S...>()) {
+      return graph::spliced(xs..., run_construct(graph::continuation<S...>()));
+    } else {
+      return run_construct(xs...);
+    }
+  }
+
+  // Whether a call on one symbolic input is captured on an input of its own and spliced after
+  // the input's graph: appending each of its operations to that graph would copy the graph
+  // once per operation.
+  template <class... S>
+  static constexpr bool captured_apart() {
+    if constexpr (sizeof...(S) == 1) {
+      return graph::Symbolic<decltype(std::declval<Derived&>().construct(graph::continuation<S...>()))>;
+    } else {
+      return false;
+    }
   }
 
   // A statically shaped input: both modes check it against the layers at compile time and

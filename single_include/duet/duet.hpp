@@ -9126,22 +9126,109 @@ struct CompileCache {
   std::deque<Entry> entries;  // a deque: an entry does not move when others are added
 };
 
+// The part of a jitted function that does not depend on the function: its options, its
+// compiled forms and the recompilation contract. A base of its own, so that this code is
+// compiled once, not once per jitted function type (each cell has a few).
+class JitBase {
+ public:
+  // Compilations of this function (of every function of its type, with compile_once).
+  std::uint64_t compile_count() const { return state_->compiles.load(); }
+  const std::string& name() const { return options_.name; }
+
+ protected:
+  struct State {
+    std::atomic<std::uint64_t> compiles{0};
+    std::atomic<bool> warned{false};  // RecompilePolicy::warn says it once
+    std::mutex mutex;
+    std::vector<std::pair<std::type_index, std::shared_ptr<void>>> caches;
+  };
+
+  JitBase(JitOptions options, std::size_t max_compiled_forms, RecompilePolicy on_limit)
+      : options_(std::move(options)), state_(std::make_shared<State>()), limit_(max_compiled_forms), on_limit_(on_limit) {
+    if (options_.name.empty()) options_.name = "jit function #" + std::to_string(++jit_stats().functions);
+  }
+
+  // Entries are never removed, so a pointer to one stays valid once the lock is released.
+  template <std::size_t N>
+  static const typename CompileCache<N>::Entry* find(CompileCache<N>& cache, const Signature<N>& s) {
+    for (const auto& e : cache.entries) {
+      if (e.signature == s) return &e;
+    }
+    return nullptr;
+  }
+
+  template <std::size_t N>
+  static std::string why_compiled(const CompileCache<N>& cache, const Signature<N>& s) {
+    return cache.entries.empty() ? std::string("first call") : why_recompiled(cache.entries.back().signature, s);
+  }
+
+  // The recompilation contract, asked before form `number` is made: refused while compiles are
+  // frozen, and past max_compiled_forms as on_recompile_limit says.
+  void admit(std::uint64_t number, const std::string& reason) const {
+    if (compiles_frozen()) {
+      throw RecompileError(options_.name + ": compiles are frozen (duet::freeze_compiles), and this call would compile " +
+                           "form #" + std::to_string(number) + ": " + reason);
+    }
+    if (limit_ == 0 || number <= limit_) return;
+    const std::string text = options_.name + ": compile #" + std::to_string(number) + " exceeds max_compiled_forms = " +
+                             std::to_string(limit_) + ": " + reason;
+    if (on_limit_ == RecompilePolicy::raise) {
+      throw RecompileError(text);
+    } else if (!state_->warned.exchange(true)) {
+      jit_log("warning: " + text);
+    }
+  }
+
+  template <std::size_t N>
+  const typename CompileCache<N>::Entry& compile(CompileCache<N>& cache, const Signature<N>& s,
+                                                          const std::string& reason,
+                                                          std::shared_ptr<const pijit::Replay> replay,
+                                                          const std::string& note = {}) {
+    // Reserved by compare-and-swap: the caches of two argument lists have their own locks, so
+    // two of this function's forms may be compiled at once, and the limit must hold for both.
+    std::uint64_t number = state_->compiles.load();
+    do {
+      admit(number + 1, reason);
+    } while (!state_->compiles.compare_exchange_weak(number, number + 1));
+    ++number;
+    jit_stats().compiles.fetch_add(1);
+    jit_log(options_.name + ": compile #" + std::to_string(number) + ": " + reason +
+                    (note.empty() ? "" : " (" + note + ")"));
+    cache.entries.push_back({s, duet::detail::new_plan_owner(), std::move(replay)});
+    return cache.entries.back();
+  }
+
+  template <std::size_t N>
+  CompileCache<N>& compile_cache() {
+    using Cache = CompileCache<N>;
+    std::lock_guard lock(state_->mutex);
+    const std::type_index key(typeid(Cache));
+    for (auto& [type, cache] : state_->caches) {
+      if (type == key) return *static_cast<Cache*>(cache.get());
+    }
+    state_->caches.emplace_back(key, std::make_shared<Cache>());
+    return *static_cast<Cache*>(state_->caches.back().second.get());
+  }
+
+  JitOptions options_;
+  std::shared_ptr<State> state_;
+
+ private:
+  std::size_t limit_;
+  RecompilePolicy on_limit_;
+};
+
 }  // namespace detail
 
 template <JitConfig Config, class Fn>
-class JitFunction {
+class JitFunction : public detail::JitBase {
   using FnRef = std::remove_reference_t<Fn>;
 
  public:
   JitFunction(Fn fn, JitOptions options)
-      : fn_(std::forward<Fn>(fn)), options_(std::move(options)), state_(std::make_shared<State>()) {
-    if (options_.name.empty()) options_.name = "jit function #" + std::to_string(++detail::jit_stats().functions);
+      : JitBase(std::move(options), Config.max_compiled_forms, Config.on_recompile_limit), fn_(std::forward<Fn>(fn)) {
     if (options_.compile_once) state_ = shared_state();
   }
-
-  // Compilations of this function (of every function of its type, with compile_once).
-  std::uint64_t compile_count() const { return state_->compiles.load(); }
-  const std::string& name() const { return options_.name; }
 
   // Compiles the form for tensor arguments of these dtypes and shapes ahead of the first call,
   // so that call does not stall: by calling the function once on zeros, as the first call
@@ -9168,7 +9255,7 @@ class JitFunction {
     std::apply(
         [&](const auto&... x) {
           check_signature(x...);
-          auto& cache = compile_cache<std::remove_cvref_t<decltype(x)>...>();
+          auto& cache = compile_cache<sizeof...(x)>();
           {
             std::shared_lock lock(cache.mutex);
             if (find(cache, signature_of(x...)) != nullptr) return;
@@ -9197,7 +9284,7 @@ class JitFunction {
     // A PyNative grad records operations as they run; a compiled call would hide them from it.
     if (!get_context().jit_enabled || autodiff::active_tape() != nullptr) return eager(args...);
     check_signature(args...);
-    auto& cache = compile_cache<Args...>();
+    auto& cache = compile_cache<sizeof...(Args)>();
     const auto signature = signature_of(args...);
     const typename detail::CompileCache<sizeof...(Args)>::Entry* entry = nullptr;
     {
@@ -9234,19 +9321,6 @@ class JitFunction {
       throw ValueError(options_.name + ": the function is not generic over its tensors, so it cannot be captured "
                                        "as a static graph (PSJit); jit it with {.mode = JitMode::PIJit}");
     }
-  }
-
-  struct State {
-    std::atomic<std::uint64_t> compiles{0};
-    std::atomic<bool> warned{false};  // RecompilePolicy::warn says it once
-    std::mutex mutex;
-    std::vector<std::pair<std::type_index, std::shared_ptr<void>>> caches;
-  };
-
-  // What compile_once shares: one state per function type (and configuration).
-  static std::shared_ptr<State> shared_state() {
-    static const auto state = std::make_shared<State>();
-    return state;
   }
 
   template <class X>
@@ -9313,16 +9387,6 @@ class JitFunction {
     return s;
   }
 
-  // Entries are never removed, so a pointer to one stays valid once the lock is released.
-  template <std::size_t N>
-  static const typename detail::CompileCache<N>::Entry* find(detail::CompileCache<N>& cache,
-                                                              const detail::Signature<N>& s) {
-    for (const auto& e : cache.entries) {
-      if (e.signature == s) return &e;
-    }
-    return nullptr;
-  }
-
   template <class T, class... Args>
   static BasicTensor<T> replayed(const pijit::Replay& replay, const Args&... args) {
     const auto inputs = std::apply([](const auto&... t) { return std::array<const void*, sizeof...(t)>{t.data()...}; },
@@ -9373,60 +9437,6 @@ class JitFunction {
   template <class X>
   static void mark_input(pijit::Trace& trace, X& x, std::size_t& k) {
     if constexpr (is_tensor_v<X>) trace.add_input(x, k++);
-  }
-
-  template <std::size_t N>
-  static std::string why_compiled(const detail::CompileCache<N>& cache, const detail::Signature<N>& s) {
-    return cache.entries.empty() ? std::string("first call") : detail::why_recompiled(cache.entries.back().signature, s);
-  }
-
-  // The recompilation contract, asked before form `number` is made: refused while compiles are
-  // frozen, and past max_compiled_forms as on_recompile_limit says.
-  void admit(std::uint64_t number, const std::string& reason) const {
-    if (compiles_frozen()) {
-      throw RecompileError(options_.name + ": compiles are frozen (duet::freeze_compiles), and this call would compile " +
-                           "form #" + std::to_string(number) + ": " + reason);
-    }
-    constexpr std::size_t limit = Config.max_compiled_forms;
-    if (limit == 0 || number <= limit) return;
-    const std::string text = options_.name + ": compile #" + std::to_string(number) + " exceeds max_compiled_forms = " +
-                             std::to_string(limit) + ": " + reason;
-    if constexpr (Config.on_recompile_limit == RecompilePolicy::raise) {
-      throw RecompileError(text);
-    } else if (!state_->warned.exchange(true)) {
-      detail::jit_log("warning: " + text);
-    }
-  }
-
-  template <std::size_t N>
-  const typename detail::CompileCache<N>::Entry& compile(detail::CompileCache<N>& cache, const detail::Signature<N>& s,
-                                                          const std::string& reason,
-                                                          std::shared_ptr<const pijit::Replay> replay,
-                                                          const std::string& note = {}) {
-    // Reserved by compare-and-swap: the caches of two argument lists have their own locks, so
-    // two of this function's forms may be compiled at once, and the limit must hold for both.
-    std::uint64_t number = state_->compiles.load();
-    do {
-      admit(number + 1, reason);
-    } while (!state_->compiles.compare_exchange_weak(number, number + 1));
-    ++number;
-    detail::jit_stats().compiles.fetch_add(1);
-    detail::jit_log(options_.name + ": compile #" + std::to_string(number) + ": " + reason +
-                    (note.empty() ? "" : " (" + note + ")"));
-    cache.entries.push_back({s, duet::detail::new_plan_owner(), std::move(replay)});
-    return cache.entries.back();
-  }
-
-  template <class... Args>
-  detail::CompileCache<sizeof...(Args)>& compile_cache() {
-    using Cache = detail::CompileCache<sizeof...(Args)>;
-    std::lock_guard lock(state_->mutex);
-    const std::type_index key(typeid(Cache));
-    for (auto& [type, cache] : state_->caches) {
-      if (type == key) return *static_cast<Cache*>(cache.get());
-    }
-    state_->caches.emplace_back(key, std::make_shared<Cache>());
-    return *static_cast<Cache*>(state_->caches.back().second.get());
   }
 
   template <class... Args>
@@ -9481,9 +9491,13 @@ class JitFunction {
     else return std::tuple<>();
   }
 
+  // What compile_once shares: one state per function type (and configuration).
+  static std::shared_ptr<State> shared_state() {
+    static const auto state = std::make_shared<State>();
+    return state;
+  }
+
   Fn fn_;
-  JitOptions options_;
-  std::shared_ptr<State> state_;
 };
 
 namespace detail {
@@ -9968,7 +9982,23 @@ class Cell : public BasicDynamicCell<T> {
                       "see intermediate values in PyNative mode only");
     }
     this->check_registered();
-    return run_construct(xs...);
+    if constexpr (captured_apart<S...>()) {
+      return graph::spliced(xs..., run_construct(graph::continuation<S...>()));
+    } else {
+      return run_construct(xs...);
+    }
+  }
+
+  // Whether a call on one symbolic input is captured on an input of its own and spliced after
+  // the input's graph: appending each of its operations to that graph would copy the graph
+  // once per operation.
+  template <class... S>
+  static constexpr bool captured_apart() {
+    if constexpr (sizeof...(S) == 1) {
+      return graph::Symbolic<decltype(std::declval<Derived&>().construct(graph::continuation<S...>()))>;
+    } else {
+      return false;
+    }
   }
 
   // A statically shaped input: both modes check it against the layers at compile time and
