@@ -1,4 +1,7 @@
+#include <cstdint>
+#include <set>
 #include <type_traits>
+#include <utility>
 
 #include "support.hpp"
 
@@ -61,6 +64,65 @@ TEST_CASE("quietly: the graph a capture would give, without reporting a broken s
   static_assert(std::is_same_v<graph::first_rejection<G>,
                                diagnostic::rejected<nn::Dense<100, 10>, diagnostic::last_dimension_must_be<100>,
                                                     diagnostic::input_shape<dyn, 512>>>);
+}
+
+namespace {
+// A cell that gives back its input: spliced, its output is the value it continues.
+struct PassThrough : nn::Cell<PassThrough> {
+  auto construct(auto x) { return x; }
+};
+// A residual block: its input is read twice, by the branch and by the add.
+struct Residual : nn::Cell<Residual> {
+  nn::Dense<8, 8> fc;
+  nn::ReLU relu;
+  DUET_CELL_MEMBERS(fc, relu);
+  auto construct(auto x) { return relu(fc(x)) + x; }
+};
+}  // namespace
+
+TEST_CASE("a cell captured apart and spliced gives the graph appending its operations would give") {
+  const auto x = graph::input<float, StaticShape<dyn, 8>>();
+  Residual block;
+  nn::Dense<8, 8> fc2;
+  // By hand, operation by operation on x's graph: what appending makes.
+  const auto by_operations = block.relu(block.fc(x)) + x;
+  const auto by_cell = block(x);
+  static_assert(std::is_same_v<decltype(by_cell), decltype(by_operations)>);
+  CHECK(graph::get<1>(by_cell.graph).op.layer == &block.fc);
+  CHECK(by_cell.ids[0] == by_operations.ids[0]);
+  CHECK(by_cell.ids[1] != by_cell.ids[2]);
+  CHECK(by_cell.ambiguity.empty());
+
+  // Spliced after a longer graph, the block's nodes follow it, reading its output.
+  const auto y = fc2(x);
+  const auto z = block(y);
+  using G = decltype(z)::graph_type;
+  static_assert(G::size == decltype(y)::graph_type::size + 4);
+  static_assert(graph::node_at<G, 3>::args[0] == decltype(y)::output);
+  static_assert(std::is_same_v<graph::node_at<G, G::size - 1>, graph::Node<ops::BroadcastOp<fn::Add>, G::size - 2, 2>>);
+  CHECK(graph::get<3>(z.graph).op.layer == &block.fc);
+
+  // A cell that returns its input adds nothing, and its output is the value it continues.
+  PassThrough pass;
+  const auto p = pass(y);
+  static_assert(std::is_same_v<decltype(p), decltype(y)>);
+  CHECK(p.ids == y.ids);
+}
+
+TEST_CASE("a deep SequentialCell is captured as one chain, each node reading the one before") {
+  using Pair = nn::SequentialCell<nn::Dense<4, 4>, nn::ReLU>;
+  nn::SequentialCell<Pair, Pair, Pair, Pair, Pair, Pair, Pair, Pair> net;
+  const auto y = net(graph::input<float, StaticShape<dyn, 4>>());
+  using G = decltype(y)::graph_type;
+  static_assert(G::size == 1 + 8 * 3);
+  static_assert(decltype(y)::output == G::size - 1);
+  static_assert([]<std::size_t... I>(std::index_sequence<I...>) {
+    return ((graph::node_at<G, I + 1>::args[0] == I) && ...);
+  }(std::make_index_sequence<G::size - 1>{}));
+  CHECK(graph::get<22>(y.graph).op.layer == &net.get<7>().get<0>());
+  // Every node has its own id.
+  std::set<std::uint64_t> ids(y.ids.begin() + 1, y.ids.end());
+  CHECK(ids.size() == G::size - 1);
 }
 
 }  // namespace tests_graph
