@@ -527,31 +527,28 @@ class GradFunction {
 
   static bool can_trace() { return autodiff::active_tape() == nullptr && pijit::active_trace() == nullptr; }
 
-  template <class... X>
-  auto traced_step(const X&... xs) {
-    return traced_step_.get([this] {
-      return TracedStep(StepCall{this}, {.mode = JitMode::PIJit,
-                                         .name = fn_.label() + " forward and backward in graph mode "
-                                                               "(argument 0: the network's structure)"});
-    })(nn::detail::structure_generation().load(std::memory_order_acquire), xs...);
-  }
-
   // Graph mode for a cell built at run time (it has no construct to capture), or whose capture
   // is ambiguous (graph::Sym::ambiguity): the whole step, forward, loss and backward,
   // is traced on the first call for each input signature and structure, and replayed after
   // (PIJit, default JitConfig). Parameters' gradients are written by the replay's gradient
-  // steps, as the tape's backward writes them.
-  struct StepCall {
-    GradFunction* self;
-    template <class... X>
-      requires((is_tensor_v<X> || is_static_tensor_v<X>) && ...)
-    BasicTensor<value_t<X...>> operator()(std::uint64_t /*structure*/, const X&... xs) const {
-      if (pijit::Trace* trace = pijit::active_trace()) trace->allow_parameter_gradients();
-      BasicTensor<value_t<X...>> no_input_grad;
-      return self->template run_eager<false>(no_input_grad, xs...);
-    }
-  };
-  using TracedStep = JitFunction<JitConfig{}, StepCall>;
+  // steps, as the tape's backward writes them. Its first argument is the structure generation:
+  // a network changed since the trace is traced again.
+  template <class... X>
+  auto traced_step(const X&... xs) {
+    using R = BasicTensor<value_t<X...>>;
+    using Step =
+        JitFunction<JitConfig{}, duet::detail::ErasedCall<R, std::uint64_t, BasicTensor<typename X::value_type>...>>;
+    return forms_.template get<Step>([this] {
+      return Step({this,
+                   [](void* self, const std::uint64_t&, const BasicTensor<typename X::value_type>&... x) {
+                     if (pijit::Trace* trace = pijit::active_trace()) trace->allow_parameter_gradients();
+                     R no_input_grad;
+                     return static_cast<GradFunction*>(self)->template run_eager<false>(no_input_grad, x...);
+                   }},
+                  {.mode = JitMode::PIJit,
+                   .name = fn_.label() + " forward and backward in graph mode (argument 0: the network's structure)"});
+    })(nn::detail::structure_generation().load(std::memory_order_acquire), tensor_of(xs)...);
+  }
 
   template <bool WithInput, class V, class... X>
   BasicTensor<V> run_eager(BasicTensor<V>& input_grad, const X&... xs) {
@@ -641,7 +638,7 @@ class GradFunction {
   std::vector<nn::BasicParameter<WeightType>*> weights_;
   std::optional<std::size_t> grad_position_;
   std::uint64_t id_ = duet::detail::new_plan_owner();
-  duet::detail::OwnForm<TracedStep> traced_step_;
+  duet::detail::OwnForms forms_;  // traced_step's
   bool phase_checked_ = false;  // the first call warns of layers nobody set_train-ed
   bool weights_checked_ = false;
 };

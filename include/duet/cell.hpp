@@ -338,7 +338,7 @@ class BasicDynamicCell {
   using GraphForm = JitFunction<JitConfig{}, GraphCall>;
 
   GraphForm& graph_form() {
-    return graph_form_.get([this] {
+    return forms_.get<GraphForm>([this] {
       return GraphForm(GraphCall{this},
                        {.mode = JitMode::PIJit, .name = label() + " in graph mode (argument 1: its structure)"});
     });
@@ -383,7 +383,9 @@ class BasicDynamicCell {
   std::vector<std::pair<long, BasicForwardHook<T>>> hooks_;
   std::vector<std::pair<long, BasicBackwardHook<T>>> backward_hooks_;
   long last_hook_id_ = 0;
-  duet::detail::OwnForm<GraphForm> graph_form_;
+
+ protected:
+  duet::detail::OwnForms forms_;  // this cell's jitted forms: graph_form, Cell's traced_form
 };
 
 using DynamicCell = BasicDynamicCell<float>;
@@ -642,7 +644,7 @@ class Cell : public BasicDynamicCell<T> {
     return pipeline::in_requested_phase(
         [&](auto phase) -> const auto& { return captured<decltype(phase)::value, Patterns...>(xs...); },
         [&](const auto& program) {
-          if (!program.ambiguity.empty()) return traced_form()(xs...);
+          if (!program.ambiguity.empty()) return traced_form<Ts...>()(xs...);
           return pipeline::execute<jit_config>(
               this->id(), program, [this] { return this->type_name() + "::construct"; }, xs...);
         });
@@ -678,19 +680,15 @@ class Cell : public BasicDynamicCell<T> {
   // Graph mode when capture cannot make the graph (graph::Sym::ambiguity): construct
   // traced on tensors (PIJit) on the first call for each input shape, and replayed after. The
   // trace knows each value at run time, which the captured graph's types cannot.
-  struct TracedConstruct {
-    Cell* cell;
-    template <class... X>
-    auto operator()(const X&... xs) const {
-      return cell->run_construct(xs...);
-    }
-  };
-  using TracedForm = JitFunction<jit_config, TracedConstruct>;
-
-  TracedForm& traced_form() {
-    return traced_form_.get([this] {
-      return TracedForm(TracedConstruct{this},
-                        {.mode = JitMode::PIJit, .name = this->type_name() + "::construct, traced"});
+  template <class... Ts>
+  auto& traced_form() {
+    using R = BasicTensor<typename decltype(run_construct(std::declval<const BasicTensor<Ts>&>()...))::value_type>;
+    using Form = JitFunction<jit_config, duet::detail::ErasedCall<R, BasicTensor<Ts>...>>;
+    return this->forms_.template get<Form>([this] {
+      return Form({this, [](void* self, const BasicTensor<Ts>&... xs) {
+                     return R(static_cast<Cell*>(self)->run_construct(xs...));
+                   }},
+                  {.mode = JitMode::PIJit, .name = this->type_name() + "::construct, traced"});
     });
   }
 
@@ -702,8 +700,6 @@ class Cell : public BasicDynamicCell<T> {
     }
     (std::make_index_sequence<static_cast<std::size_t>(s.rank())>{});
   }
-
-  duet::detail::OwnForm<TracedForm> traced_form_;
 
   template <class F>
   void for_each_member(F&& f) {

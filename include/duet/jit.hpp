@@ -345,6 +345,105 @@ class JitBase {
     return *static_cast<Cache*>(state_->caches.back().second.get());
   }
 
+  // PIJit's compilation once the function has run under `trace` and returned value `out`: the
+  // replay, or null when the trace broke and the function runs eagerly.
+  template <std::size_t N>
+  std::shared_ptr<const pijit::Replay> kept(CompileCache<N>& cache, const Signature<N>& s, const std::string& reason,
+                                            pijit::Trace&& trace, std::size_t out, JitLevel level) {
+    std::string broken = trace.broken();
+    if (broken.empty() && out == trace.values().size()) broken = "the function returns a value no duet operation made";
+    std::shared_ptr<const pijit::Replay> replay;
+    std::string note = "graph break, runs eagerly: " + broken;
+    if (broken.empty()) {
+      replay = std::make_shared<pijit::Replay>(std::move(trace), out, level);
+      note = "traced " + std::to_string(replay->traced_steps()) + " operations, replays " +
+             std::to_string(replay->steps()) + " steps: " + replay->step_names();
+    }
+    compile(cache, s, reason, replay, note);
+    return replay;
+  }
+
+  // What follows depends on the argument types only: shared by every function called with them.
+  template <class X>
+  static decltype(auto) argument(const X& x) {
+    if constexpr (is_tensor_argument_v<X>) return tensor_of(x);
+    else if constexpr (is_mutable_v<X>) return (x.value);
+    else return (x);
+  }
+
+  template <class... Args>
+  void check_signature(const Args&... args) const {
+    const auto& specs = options_.input_signature;
+    if (specs.empty()) return;
+    constexpr std::size_t tensors = tensor_count<Args...>();
+    if (specs.size() != tensors) {
+      throw ValueError(options_.name + ": input_signature describes " + std::to_string(specs.size()) +
+                       " tensors, the call passes " + std::to_string(tensors));
+    }
+    [&]<std::size_t... I>(std::index_sequence<I...>) {
+      (check_one<tensor_index<I, Args...>()>(args), ...);
+    }(std::index_sequence_for<Args...>{});
+  }
+
+  template <std::size_t K, class X>
+  void check_one(const X& x) const {
+    if constexpr (is_tensor_argument_v<X>) {
+      const TensorSpec& spec = options_.input_signature[K];
+      const auto& t = tensor_of(x);
+      if (t.dtype() != spec.dtype || !graph::fits(spec.shape, t.shape())) {
+        throw ShapeError(options_.name + ": input_signature says tensor " + std::to_string(K) + " is " +
+                         std::string(name_of(spec.dtype)) + " " + to_string(spec.shape) + ", got " +
+                         std::string(name_of(t.dtype())) + " " + to_string(t.shape()));
+      }
+    }
+  }
+
+  template <class... Args>
+  Signature<sizeof...(Args)> signature_of(const Args&... args) const {
+    Signature<sizeof...(Args)> s;
+    const auto all = std::forward_as_tuple(args...);
+    graph::for_each_index<sizeof...(Args)>([&](auto i) {
+      constexpr std::size_t I = decltype(i)::value;
+      using X = std::tuple_element_t<I, std::tuple<Args...>>;
+      if constexpr (is_tensor_argument_v<X>) {
+        const auto& t = tensor_of(std::get<I>(all));
+        s.dtypes[I] = t.dtype();
+        // With an input_signature, the pattern (dynamic dimensions and all) is the key.
+        s.shapes[I] = options_.input_signature.empty() ? t.shape()
+                                                       : options_.input_signature[tensor_index<I, Args...>()].shape;
+      } else if constexpr (!is_mutable_v<X>) {
+        s.values[I] = value_hash(std::get<I>(all));
+      }
+    });
+    s.hash_args.reserve(options_.hash_args.size());
+    for (const HashArg& h : options_.hash_args) s.hash_args.push_back(h.hash());
+    return s;
+  }
+
+  template <class T, class... Args>
+  static BasicTensor<T> replayed(const pijit::Replay& replay, const Args&... args) {
+    const auto inputs = std::apply([](const auto&... t) { return std::array<const void*, sizeof...(t)>{t.data()...}; },
+                                   std::tuple_cat(tensor_tuple(args)...));
+    return replay.template run<T>(inputs);
+  }
+
+  template <class X>
+  static auto traced_argument(const X& x) {
+    if constexpr (is_tensor_argument_v<X>) return BasicTensor<typename X::value_type>(tensor_of(x));
+    else return argument(x);
+  }
+
+  template <class X>
+  static void mark_input(pijit::Trace& trace, X& x, std::size_t& k) {
+    if constexpr (is_tensor_v<X>) trace.add_input(x, k++);
+  }
+
+  template <class X>
+  static auto tensor_tuple(const X& x) {
+    if constexpr (is_tensor_argument_v<X>) return std::tuple<const BasicTensor<typename X::value_type>&>(tensor_of(x));
+    else return std::tuple<>();
+  }
+
   JitOptions options_;
   std::shared_ptr<State> state_;
 
@@ -458,75 +557,12 @@ class JitFunction : public detail::JitBase {
     }
   }
 
-  template <class X>
-  static decltype(auto) argument(const X& x) {
-    if constexpr (detail::is_tensor_argument_v<X>) return tensor_of(x);
-    else if constexpr (detail::is_mutable_v<X>) return (x.value);
-    else return (x);
-  }
-
   // DUET_JIT=0 or set_context({.jit_enabled = false}): the function as plain PyNative code.
   template <class... Args>
   auto eager(const Args&... args) {
     EagerScope eager;
     auto y = fn_(argument(args)...);
     return BasicTensor<typename decltype(y)::value_type>(y);
-  }
-
-  template <class... Args>
-  void check_signature(const Args&... args) const {
-    const auto& specs = options_.input_signature;
-    if (specs.empty()) return;
-    constexpr std::size_t tensors = detail::tensor_count<Args...>();
-    if (specs.size() != tensors) {
-      throw ValueError(options_.name + ": input_signature describes " + std::to_string(specs.size()) +
-                       " tensors, the call passes " + std::to_string(tensors));
-    }
-    [&]<std::size_t... I>(std::index_sequence<I...>) {
-      (check_one<detail::tensor_index<I, Args...>()>(args), ...);
-    }(std::index_sequence_for<Args...>{});
-  }
-
-  template <std::size_t K, class X>
-  void check_one(const X& x) const {
-    if constexpr (detail::is_tensor_argument_v<X>) {
-      const TensorSpec& spec = options_.input_signature[K];
-      const auto& t = tensor_of(x);
-      if (t.dtype() != spec.dtype || !graph::fits(spec.shape, t.shape())) {
-        throw ShapeError(options_.name + ": input_signature says tensor " + std::to_string(K) + " is " +
-                         std::string(name_of(spec.dtype)) + " " + to_string(spec.shape) + ", got " +
-                         std::string(name_of(t.dtype())) + " " + to_string(t.shape()));
-      }
-    }
-  }
-
-  template <class... Args>
-  detail::Signature<sizeof...(Args)> signature_of(const Args&... args) const {
-    detail::Signature<sizeof...(Args)> s;
-    const auto all = std::forward_as_tuple(args...);
-    graph::for_each_index<sizeof...(Args)>([&](auto i) {
-      constexpr std::size_t I = decltype(i)::value;
-      using X = std::tuple_element_t<I, std::tuple<Args...>>;
-      if constexpr (detail::is_tensor_argument_v<X>) {
-        const auto& t = tensor_of(std::get<I>(all));
-        s.dtypes[I] = t.dtype();
-        // With an input_signature, the pattern (dynamic dimensions and all) is the key.
-        s.shapes[I] = options_.input_signature.empty() ? t.shape()
-                                                       : options_.input_signature[detail::tensor_index<I, Args...>()].shape;
-      } else if constexpr (!detail::is_mutable_v<X>) {
-        s.values[I] = detail::value_hash(std::get<I>(all));
-      }
-    });
-    s.hash_args.reserve(options_.hash_args.size());
-    for (const HashArg& h : options_.hash_args) s.hash_args.push_back(h.hash());
-    return s;
-  }
-
-  template <class T, class... Args>
-  static BasicTensor<T> replayed(const pijit::Replay& replay, const Args&... args) {
-    const auto inputs = std::apply([](const auto&... t) { return std::array<const void*, sizeof...(t)>{t.data()...}; },
-                                   std::tuple_cat(tensor_tuple(args)...));
-    return replay.template run<T>(inputs);
   }
 
   // PIJit's compilation: run the function eagerly under a trace, keep the trace for replay.
@@ -544,16 +580,7 @@ class JitFunction : public detail::JitBase {
     }();
     using Result = BasicTensor<typename decltype(y)::value_type>;
     const std::size_t out = trace.find(y);
-    std::string broken = trace.broken();
-    if (broken.empty() && out == trace.values().size()) broken = "the function returns a value no duet operation made";
-    std::shared_ptr<const pijit::Replay> replay;
-    std::string note = "graph break, runs eagerly: " + broken;
-    if (broken.empty()) {
-      replay = std::make_shared<pijit::Replay>(std::move(trace), out, Config.jit_level);
-      note = "traced " + std::to_string(replay->traced_steps()) + " operations, replays " +
-             std::to_string(replay->steps()) + " steps: " + replay->step_names();
-    }
-    compile(cache, s, reason, replay, note);
+    const auto replay = kept(cache, s, reason, std::move(trace), out, Config.jit_level);
     // A replay that folds a BatchNorm (evaluation, which changes no state) rounds differently
     // from the eager run that traced it: the traced call returns the replay's result too, so
     // that every call of this shape gives the same bits.
@@ -561,17 +588,6 @@ class JitFunction : public detail::JitBase {
       return replayed<typename Result::value_type>(*replay, args...);
     }
     return Result(y);
-  }
-
-  template <class X>
-  static auto traced_argument(const X& x) {
-    if constexpr (detail::is_tensor_argument_v<X>) return BasicTensor<typename X::value_type>(tensor_of(x));
-    else return argument(x);
-  }
-
-  template <class X>
-  static void mark_input(pijit::Trace& trace, X& x, std::size_t& k) {
-    if constexpr (is_tensor_v<X>) trace.add_input(x, k++);
   }
 
   template <class... Args>
@@ -620,12 +636,6 @@ class JitFunction : public detail::JitBase {
     }(std::index_sequence_for<Args...>{});
   }();
 
-  template <class X>
-  static auto tensor_tuple(const X& x) {
-    if constexpr (detail::is_tensor_argument_v<X>) return std::tuple<const BasicTensor<typename X::value_type>&>(tensor_of(x));
-    else return std::tuple<>();
-  }
-
   // What compile_once shares: one state per function type (and configuration).
   static std::shared_ptr<State> shared_state() {
     static const auto state = std::make_shared<State>();
@@ -636,28 +646,43 @@ class JitFunction : public detail::JitBase {
 };
 
 namespace detail {
-// A jitted function an object makes of itself on first use (a runtime-built cell's graph form,
-// say), calling back into that object. A moved object makes its own, so none calls into an
-// object that has moved. Concurrent first uses make it once.
-template <class F>
-class OwnForm {
+// The jitted functions an object makes of itself on first use (a runtime-built cell's graph
+// form, a cell's traced form), calling back into that object: one per function type. A moved
+// object makes its own, so none calls into an object that has moved. Concurrent first uses
+// make each once.
+class OwnForms {
  public:
-  OwnForm() = default;
-  OwnForm(OwnForm&&) noexcept {}
-  OwnForm& operator=(OwnForm&&) noexcept { return *this; }
-  OwnForm(const OwnForm&) = delete;
-  OwnForm& operator=(const OwnForm&) = delete;
-  ~OwnForm() = default;
+  OwnForms() = default;
+  OwnForms(OwnForms&&) noexcept {}
+  OwnForms& operator=(OwnForms&&) noexcept { return *this; }
+  OwnForms(const OwnForms&) = delete;
+  OwnForms& operator=(const OwnForms&) = delete;
+  ~OwnForms() = default;
 
-  template <class Make>
+  template <class F, class Make>
   F& get(Make&& make) {
-    std::call_once(made_, [&] { form_ = std::make_unique<F>(make()); });
-    return *form_;
+    std::lock_guard lock(mutex_);
+    for (const auto& [type, form] : forms_) {
+      if (type == typeid(F)) return *static_cast<F*>(form.get());
+    }
+    forms_.emplace_back(typeid(F), std::make_shared<F>(make()));
+    return *static_cast<F*>(forms_.back().second.get());
   }
 
  private:
-  std::once_flag made_;
-  std::unique_ptr<F> form_;
+  std::mutex mutex_;
+  std::vector<std::pair<std::type_index, std::shared_ptr<void>>> forms_;
+};
+
+// A call into an object, erased to its argument list. A jitted function of it is compiled once
+// for every object type with that argument list (a traced form per cell type, with the whole
+// jit machinery, is most of what a network costs to compile), and it is not generic over its
+// tensors, so it is traced (PIJit), never captured as a second static graph.
+template <class R, class... Args>
+struct ErasedCall {
+  void* self;
+  R (*call)(void*, const Args&...);
+  R operator()(const Args&... args) const { return call(self, args...); }
 };
 }  // namespace detail
 

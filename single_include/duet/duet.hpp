@@ -9210,6 +9210,105 @@ class JitBase {
     return *static_cast<Cache*>(state_->caches.back().second.get());
   }
 
+  // PIJit's compilation once the function has run under `trace` and returned value `out`: the
+  // replay, or null when the trace broke and the function runs eagerly.
+  template <std::size_t N>
+  std::shared_ptr<const pijit::Replay> kept(CompileCache<N>& cache, const Signature<N>& s, const std::string& reason,
+                                            pijit::Trace&& trace, std::size_t out, JitLevel level) {
+    std::string broken = trace.broken();
+    if (broken.empty() && out == trace.values().size()) broken = "the function returns a value no duet operation made";
+    std::shared_ptr<const pijit::Replay> replay;
+    std::string note = "graph break, runs eagerly: " + broken;
+    if (broken.empty()) {
+      replay = std::make_shared<pijit::Replay>(std::move(trace), out, level);
+      note = "traced " + std::to_string(replay->traced_steps()) + " operations, replays " +
+             std::to_string(replay->steps()) + " steps: " + replay->step_names();
+    }
+    compile(cache, s, reason, replay, note);
+    return replay;
+  }
+
+  // What follows depends on the argument types only: shared by every function called with them.
+  template <class X>
+  static decltype(auto) argument(const X& x) {
+    if constexpr (is_tensor_argument_v<X>) return tensor_of(x);
+    else if constexpr (is_mutable_v<X>) return (x.value);
+    else return (x);
+  }
+
+  template <class... Args>
+  void check_signature(const Args&... args) const {
+    const auto& specs = options_.input_signature;
+    if (specs.empty()) return;
+    constexpr std::size_t tensors = tensor_count<Args...>();
+    if (specs.size() != tensors) {
+      throw ValueError(options_.name + ": input_signature describes " + std::to_string(specs.size()) +
+                       " tensors, the call passes " + std::to_string(tensors));
+    }
+    [&]<std::size_t... I>(std::index_sequence<I...>) {
+      (check_one<tensor_index<I, Args...>()>(args), ...);
+    }(std::index_sequence_for<Args...>{});
+  }
+
+  template <std::size_t K, class X>
+  void check_one(const X& x) const {
+    if constexpr (is_tensor_argument_v<X>) {
+      const TensorSpec& spec = options_.input_signature[K];
+      const auto& t = tensor_of(x);
+      if (t.dtype() != spec.dtype || !graph::fits(spec.shape, t.shape())) {
+        throw ShapeError(options_.name + ": input_signature says tensor " + std::to_string(K) + " is " +
+                         std::string(name_of(spec.dtype)) + " " + to_string(spec.shape) + ", got " +
+                         std::string(name_of(t.dtype())) + " " + to_string(t.shape()));
+      }
+    }
+  }
+
+  template <class... Args>
+  Signature<sizeof...(Args)> signature_of(const Args&... args) const {
+    Signature<sizeof...(Args)> s;
+    const auto all = std::forward_as_tuple(args...);
+    graph::for_each_index<sizeof...(Args)>([&](auto i) {
+      constexpr std::size_t I = decltype(i)::value;
+      using X = std::tuple_element_t<I, std::tuple<Args...>>;
+      if constexpr (is_tensor_argument_v<X>) {
+        const auto& t = tensor_of(std::get<I>(all));
+        s.dtypes[I] = t.dtype();
+        // With an input_signature, the pattern (dynamic dimensions and all) is the key.
+        s.shapes[I] = options_.input_signature.empty() ? t.shape()
+                                                       : options_.input_signature[tensor_index<I, Args...>()].shape;
+      } else if constexpr (!is_mutable_v<X>) {
+        s.values[I] = value_hash(std::get<I>(all));
+      }
+    });
+    s.hash_args.reserve(options_.hash_args.size());
+    for (const HashArg& h : options_.hash_args) s.hash_args.push_back(h.hash());
+    return s;
+  }
+
+  template <class T, class... Args>
+  static BasicTensor<T> replayed(const pijit::Replay& replay, const Args&... args) {
+    const auto inputs = std::apply([](const auto&... t) { return std::array<const void*, sizeof...(t)>{t.data()...}; },
+                                   std::tuple_cat(tensor_tuple(args)...));
+    return replay.template run<T>(inputs);
+  }
+
+  template <class X>
+  static auto traced_argument(const X& x) {
+    if constexpr (is_tensor_argument_v<X>) return BasicTensor<typename X::value_type>(tensor_of(x));
+    else return argument(x);
+  }
+
+  template <class X>
+  static void mark_input(pijit::Trace& trace, X& x, std::size_t& k) {
+    if constexpr (is_tensor_v<X>) trace.add_input(x, k++);
+  }
+
+  template <class X>
+  static auto tensor_tuple(const X& x) {
+    if constexpr (is_tensor_argument_v<X>) return std::tuple<const BasicTensor<typename X::value_type>&>(tensor_of(x));
+    else return std::tuple<>();
+  }
+
   JitOptions options_;
   std::shared_ptr<State> state_;
 
@@ -9323,75 +9422,12 @@ class JitFunction : public detail::JitBase {
     }
   }
 
-  template <class X>
-  static decltype(auto) argument(const X& x) {
-    if constexpr (detail::is_tensor_argument_v<X>) return tensor_of(x);
-    else if constexpr (detail::is_mutable_v<X>) return (x.value);
-    else return (x);
-  }
-
   // DUET_JIT=0 or set_context({.jit_enabled = false}): the function as plain PyNative code.
   template <class... Args>
   auto eager(const Args&... args) {
     EagerScope eager;
     auto y = fn_(argument(args)...);
     return BasicTensor<typename decltype(y)::value_type>(y);
-  }
-
-  template <class... Args>
-  void check_signature(const Args&... args) const {
-    const auto& specs = options_.input_signature;
-    if (specs.empty()) return;
-    constexpr std::size_t tensors = detail::tensor_count<Args...>();
-    if (specs.size() != tensors) {
-      throw ValueError(options_.name + ": input_signature describes " + std::to_string(specs.size()) +
-                       " tensors, the call passes " + std::to_string(tensors));
-    }
-    [&]<std::size_t... I>(std::index_sequence<I...>) {
-      (check_one<detail::tensor_index<I, Args...>()>(args), ...);
-    }(std::index_sequence_for<Args...>{});
-  }
-
-  template <std::size_t K, class X>
-  void check_one(const X& x) const {
-    if constexpr (detail::is_tensor_argument_v<X>) {
-      const TensorSpec& spec = options_.input_signature[K];
-      const auto& t = tensor_of(x);
-      if (t.dtype() != spec.dtype || !graph::fits(spec.shape, t.shape())) {
-        throw ShapeError(options_.name + ": input_signature says tensor " + std::to_string(K) + " is " +
-                         std::string(name_of(spec.dtype)) + " " + to_string(spec.shape) + ", got " +
-                         std::string(name_of(t.dtype())) + " " + to_string(t.shape()));
-      }
-    }
-  }
-
-  template <class... Args>
-  detail::Signature<sizeof...(Args)> signature_of(const Args&... args) const {
-    detail::Signature<sizeof...(Args)> s;
-    const auto all = std::forward_as_tuple(args...);
-    graph::for_each_index<sizeof...(Args)>([&](auto i) {
-      constexpr std::size_t I = decltype(i)::value;
-      using X = std::tuple_element_t<I, std::tuple<Args...>>;
-      if constexpr (detail::is_tensor_argument_v<X>) {
-        const auto& t = tensor_of(std::get<I>(all));
-        s.dtypes[I] = t.dtype();
-        // With an input_signature, the pattern (dynamic dimensions and all) is the key.
-        s.shapes[I] = options_.input_signature.empty() ? t.shape()
-                                                       : options_.input_signature[detail::tensor_index<I, Args...>()].shape;
-      } else if constexpr (!detail::is_mutable_v<X>) {
-        s.values[I] = detail::value_hash(std::get<I>(all));
-      }
-    });
-    s.hash_args.reserve(options_.hash_args.size());
-    for (const HashArg& h : options_.hash_args) s.hash_args.push_back(h.hash());
-    return s;
-  }
-
-  template <class T, class... Args>
-  static BasicTensor<T> replayed(const pijit::Replay& replay, const Args&... args) {
-    const auto inputs = std::apply([](const auto&... t) { return std::array<const void*, sizeof...(t)>{t.data()...}; },
-                                   std::tuple_cat(tensor_tuple(args)...));
-    return replay.template run<T>(inputs);
   }
 
   // PIJit's compilation: run the function eagerly under a trace, keep the trace for replay.
@@ -9409,16 +9445,7 @@ class JitFunction : public detail::JitBase {
     }();
     using Result = BasicTensor<typename decltype(y)::value_type>;
     const std::size_t out = trace.find(y);
-    std::string broken = trace.broken();
-    if (broken.empty() && out == trace.values().size()) broken = "the function returns a value no duet operation made";
-    std::shared_ptr<const pijit::Replay> replay;
-    std::string note = "graph break, runs eagerly: " + broken;
-    if (broken.empty()) {
-      replay = std::make_shared<pijit::Replay>(std::move(trace), out, Config.jit_level);
-      note = "traced " + std::to_string(replay->traced_steps()) + " operations, replays " +
-             std::to_string(replay->steps()) + " steps: " + replay->step_names();
-    }
-    compile(cache, s, reason, replay, note);
+    const auto replay = kept(cache, s, reason, std::move(trace), out, Config.jit_level);
     // A replay that folds a BatchNorm (evaluation, which changes no state) rounds differently
     // from the eager run that traced it: the traced call returns the replay's result too, so
     // that every call of this shape gives the same bits.
@@ -9426,17 +9453,6 @@ class JitFunction : public detail::JitBase {
       return replayed<typename Result::value_type>(*replay, args...);
     }
     return Result(y);
-  }
-
-  template <class X>
-  static auto traced_argument(const X& x) {
-    if constexpr (detail::is_tensor_argument_v<X>) return BasicTensor<typename X::value_type>(tensor_of(x));
-    else return argument(x);
-  }
-
-  template <class X>
-  static void mark_input(pijit::Trace& trace, X& x, std::size_t& k) {
-    if constexpr (is_tensor_v<X>) trace.add_input(x, k++);
   }
 
   template <class... Args>
@@ -9485,12 +9501,6 @@ class JitFunction : public detail::JitBase {
     }(std::index_sequence_for<Args...>{});
   }();
 
-  template <class X>
-  static auto tensor_tuple(const X& x) {
-    if constexpr (detail::is_tensor_argument_v<X>) return std::tuple<const BasicTensor<typename X::value_type>&>(tensor_of(x));
-    else return std::tuple<>();
-  }
-
   // What compile_once shares: one state per function type (and configuration).
   static std::shared_ptr<State> shared_state() {
     static const auto state = std::make_shared<State>();
@@ -9501,28 +9511,43 @@ class JitFunction : public detail::JitBase {
 };
 
 namespace detail {
-// A jitted function an object makes of itself on first use (a runtime-built cell's graph form,
-// say), calling back into that object. A moved object makes its own, so none calls into an
-// object that has moved. Concurrent first uses make it once.
-template <class F>
-class OwnForm {
+// The jitted functions an object makes of itself on first use (a runtime-built cell's graph
+// form, a cell's traced form), calling back into that object: one per function type. A moved
+// object makes its own, so none calls into an object that has moved. Concurrent first uses
+// make each once.
+class OwnForms {
  public:
-  OwnForm() = default;
-  OwnForm(OwnForm&&) noexcept {}
-  OwnForm& operator=(OwnForm&&) noexcept { return *this; }
-  OwnForm(const OwnForm&) = delete;
-  OwnForm& operator=(const OwnForm&) = delete;
-  ~OwnForm() = default;
+  OwnForms() = default;
+  OwnForms(OwnForms&&) noexcept {}
+  OwnForms& operator=(OwnForms&&) noexcept { return *this; }
+  OwnForms(const OwnForms&) = delete;
+  OwnForms& operator=(const OwnForms&) = delete;
+  ~OwnForms() = default;
 
-  template <class Make>
+  template <class F, class Make>
   F& get(Make&& make) {
-    std::call_once(made_, [&] { form_ = std::make_unique<F>(make()); });
-    return *form_;
+    std::lock_guard lock(mutex_);
+    for (const auto& [type, form] : forms_) {
+      if (type == typeid(F)) return *static_cast<F*>(form.get());
+    }
+    forms_.emplace_back(typeid(F), std::make_shared<F>(make()));
+    return *static_cast<F*>(forms_.back().second.get());
   }
 
  private:
-  std::once_flag made_;
-  std::unique_ptr<F> form_;
+  std::mutex mutex_;
+  std::vector<std::pair<std::type_index, std::shared_ptr<void>>> forms_;
+};
+
+// A call into an object, erased to its argument list. A jitted function of it is compiled once
+// for every object type with that argument list (a traced form per cell type, with the whole
+// jit machinery, is most of what a network costs to compile), and it is not generic over its
+// tensors, so it is traced (PIJit), never captured as a second static graph.
+template <class R, class... Args>
+struct ErasedCall {
+  void* self;
+  R (*call)(void*, const Args&...);
+  R operator()(const Args&... args) const { return call(self, args...); }
 };
 }  // namespace detail
 
@@ -9830,7 +9855,7 @@ class BasicDynamicCell {
   using GraphForm = JitFunction<JitConfig{}, GraphCall>;
 
   GraphForm& graph_form() {
-    return graph_form_.get([this] {
+    return forms_.get<GraphForm>([this] {
       return GraphForm(GraphCall{this},
                        {.mode = JitMode::PIJit, .name = label() + " in graph mode (argument 1: its structure)"});
     });
@@ -9875,7 +9900,9 @@ class BasicDynamicCell {
   std::vector<std::pair<long, BasicForwardHook<T>>> hooks_;
   std::vector<std::pair<long, BasicBackwardHook<T>>> backward_hooks_;
   long last_hook_id_ = 0;
-  duet::detail::OwnForm<GraphForm> graph_form_;
+
+ protected:
+  duet::detail::OwnForms forms_;  // this cell's jitted forms: graph_form, Cell's traced_form
 };
 
 using DynamicCell = BasicDynamicCell<float>;
@@ -10134,7 +10161,7 @@ class Cell : public BasicDynamicCell<T> {
     return pipeline::in_requested_phase(
         [&](auto phase) -> const auto& { return captured<decltype(phase)::value, Patterns...>(xs...); },
         [&](const auto& program) {
-          if (!program.ambiguity.empty()) return traced_form()(xs...);
+          if (!program.ambiguity.empty()) return traced_form<Ts...>()(xs...);
           return pipeline::execute<jit_config>(
               this->id(), program, [this] { return this->type_name() + "::construct"; }, xs...);
         });
@@ -10170,19 +10197,15 @@ class Cell : public BasicDynamicCell<T> {
   // Graph mode when capture cannot make the graph (graph::Sym::ambiguity): construct
   // traced on tensors (PIJit) on the first call for each input shape, and replayed after. The
   // trace knows each value at run time, which the captured graph's types cannot.
-  struct TracedConstruct {
-    Cell* cell;
-    template <class... X>
-    auto operator()(const X&... xs) const {
-      return cell->run_construct(xs...);
-    }
-  };
-  using TracedForm = JitFunction<jit_config, TracedConstruct>;
-
-  TracedForm& traced_form() {
-    return traced_form_.get([this] {
-      return TracedForm(TracedConstruct{this},
-                        {.mode = JitMode::PIJit, .name = this->type_name() + "::construct, traced"});
+  template <class... Ts>
+  auto& traced_form() {
+    using R = BasicTensor<typename decltype(run_construct(std::declval<const BasicTensor<Ts>&>()...))::value_type>;
+    using Form = JitFunction<jit_config, duet::detail::ErasedCall<R, BasicTensor<Ts>...>>;
+    return this->forms_.template get<Form>([this] {
+      return Form({this, [](void* self, const BasicTensor<Ts>&... xs) {
+                     return R(static_cast<Cell*>(self)->run_construct(xs...));
+                   }},
+                  {.mode = JitMode::PIJit, .name = this->type_name() + "::construct, traced"});
     });
   }
 
@@ -10194,8 +10217,6 @@ class Cell : public BasicDynamicCell<T> {
     }
     (std::make_index_sequence<static_cast<std::size_t>(s.rank())>{});
   }
-
-  duet::detail::OwnForm<TracedForm> traced_form_;
 
   template <class F>
   void for_each_member(F&& f) {
@@ -10713,31 +10734,28 @@ class GradFunction {
 
   static bool can_trace() { return autodiff::active_tape() == nullptr && pijit::active_trace() == nullptr; }
 
-  template <class... X>
-  auto traced_step(const X&... xs) {
-    return traced_step_.get([this] {
-      return TracedStep(StepCall{this}, {.mode = JitMode::PIJit,
-                                         .name = fn_.label() + " forward and backward in graph mode "
-                                                               "(argument 0: the network's structure)"});
-    })(nn::detail::structure_generation().load(std::memory_order_acquire), xs...);
-  }
-
   // Graph mode for a cell built at run time (it has no construct to capture), or whose capture
   // is ambiguous (graph::Sym::ambiguity): the whole step, forward, loss and backward,
   // is traced on the first call for each input signature and structure, and replayed after
   // (PIJit, default JitConfig). Parameters' gradients are written by the replay's gradient
-  // steps, as the tape's backward writes them.
-  struct StepCall {
-    GradFunction* self;
-    template <class... X>
-      requires((is_tensor_v<X> || is_static_tensor_v<X>) && ...)
-    BasicTensor<value_t<X...>> operator()(std::uint64_t /*structure*/, const X&... xs) const {
-      if (pijit::Trace* trace = pijit::active_trace()) trace->allow_parameter_gradients();
-      BasicTensor<value_t<X...>> no_input_grad;
-      return self->template run_eager<false>(no_input_grad, xs...);
-    }
-  };
-  using TracedStep = JitFunction<JitConfig{}, StepCall>;
+  // steps, as the tape's backward writes them. Its first argument is the structure generation:
+  // a network changed since the trace is traced again.
+  template <class... X>
+  auto traced_step(const X&... xs) {
+    using R = BasicTensor<value_t<X...>>;
+    using Step =
+        JitFunction<JitConfig{}, duet::detail::ErasedCall<R, std::uint64_t, BasicTensor<typename X::value_type>...>>;
+    return forms_.template get<Step>([this] {
+      return Step({this,
+                   [](void* self, const std::uint64_t&, const BasicTensor<typename X::value_type>&... x) {
+                     if (pijit::Trace* trace = pijit::active_trace()) trace->allow_parameter_gradients();
+                     R no_input_grad;
+                     return static_cast<GradFunction*>(self)->template run_eager<false>(no_input_grad, x...);
+                   }},
+                  {.mode = JitMode::PIJit,
+                   .name = fn_.label() + " forward and backward in graph mode (argument 0: the network's structure)"});
+    })(nn::detail::structure_generation().load(std::memory_order_acquire), tensor_of(xs)...);
+  }
 
   template <bool WithInput, class V, class... X>
   BasicTensor<V> run_eager(BasicTensor<V>& input_grad, const X&... xs) {
@@ -10827,7 +10845,7 @@ class GradFunction {
   std::vector<nn::BasicParameter<WeightType>*> weights_;
   std::optional<std::size_t> grad_position_;
   std::uint64_t id_ = duet::detail::new_plan_owner();
-  duet::detail::OwnForm<TracedStep> traced_step_;
+  duet::detail::OwnForms forms_;  // traced_step's
   bool phase_checked_ = false;  // the first call warns of layers nobody set_train-ed
   bool weights_checked_ = false;
 };
