@@ -287,27 +287,11 @@ class Trace {
     }
     auto step = std::make_unique<OpStep<Op, T>>(op);
     (step->inputs.push_back(value_of(x)), ...);
-    Value v;
-    v.element_size = graph::is_sink<Op>() ? 0 : sizeof(T);
-    v.shape = graph::is_sink<Op>() ? Shape{} : y.shape();
+    std::size_t view_offset_bytes = 0;
     if constexpr (Op::is_view) {
-      v.kind = Value::Kind::view;
-      v.view_of = root_of(step->inputs[0]);
-      const Value& in = values_[step->inputs[0]];
-      v.view_bytes = (in.kind == Value::Kind::view ? in.view_bytes : 0) +
-                     static_cast<std::size_t>(view_offset(op, in.shape)) * sizeof(T);
+      view_offset_bytes = static_cast<std::size_t>(view_offset(op, values_[step->inputs[0]].shape)) * sizeof(T);
     }
-    if constexpr (!graph::is_sink<Op>()) {
-      if (keep_values_) {
-        auto handle = std::make_shared<BasicTensor<T>>(y);
-        v.data = handle->data();
-        v.handle = std::move(handle);
-        if (!running_.empty()) v.cell = running_.back();
-      }
-    }
-    step->output = values_.size();
-    add(std::move(v), y);
-    steps_.push_back(std::move(step));
+    keep(std::move(step), y, graph::is_sink<Op>(), Op::is_view, view_offset_bytes);
   }
 
   // Every value a step makes stays readable (Value::data) for the trace's life, as PyNative
@@ -381,6 +365,29 @@ class Trace {
   std::size_t root_of(std::size_t v) const {
     while (values_[v].kind == Value::Kind::view) v = values_[v].view_of;
     return v;
+  }
+
+  // The op-independent half of record, compiled once per element type rather than per op.
+  template <class T>
+  void keep(std::unique_ptr<Step> step, BasicTensor<T>& y, bool sink, bool view, std::size_t view_offset_bytes) {
+    Value v;
+    v.element_size = sink ? 0 : sizeof(T);
+    v.shape = sink ? Shape{} : y.shape();
+    if (view) {
+      v.kind = Value::Kind::view;
+      v.view_of = root_of(step->inputs[0]);
+      const Value& in = values_[step->inputs[0]];
+      v.view_bytes = (in.kind == Value::Kind::view ? in.view_bytes : 0) + view_offset_bytes;
+    }
+    if (!sink && keep_values_) {
+      auto handle = std::make_shared<BasicTensor<T>>(y);
+      v.data = handle->data();
+      v.handle = std::move(handle);
+      if (!running_.empty()) v.cell = running_.back();
+    }
+    step->output = values_.size();
+    add(std::move(v), y);
+    steps_.push_back(std::move(step));
   }
 
   template <class T>

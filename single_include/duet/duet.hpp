@@ -7047,27 +7047,11 @@ class Trace {
     }
     auto step = std::make_unique<OpStep<Op, T>>(op);
     (step->inputs.push_back(value_of(x)), ...);
-    Value v;
-    v.element_size = graph::is_sink<Op>() ? 0 : sizeof(T);
-    v.shape = graph::is_sink<Op>() ? Shape{} : y.shape();
+    std::size_t view_offset_bytes = 0;
     if constexpr (Op::is_view) {
-      v.kind = Value::Kind::view;
-      v.view_of = root_of(step->inputs[0]);
-      const Value& in = values_[step->inputs[0]];
-      v.view_bytes = (in.kind == Value::Kind::view ? in.view_bytes : 0) +
-                     static_cast<std::size_t>(view_offset(op, in.shape)) * sizeof(T);
+      view_offset_bytes = static_cast<std::size_t>(view_offset(op, values_[step->inputs[0]].shape)) * sizeof(T);
     }
-    if constexpr (!graph::is_sink<Op>()) {
-      if (keep_values_) {
-        auto handle = std::make_shared<BasicTensor<T>>(y);
-        v.data = handle->data();
-        v.handle = std::move(handle);
-        if (!running_.empty()) v.cell = running_.back();
-      }
-    }
-    step->output = values_.size();
-    add(std::move(v), y);
-    steps_.push_back(std::move(step));
+    keep(std::move(step), y, graph::is_sink<Op>(), Op::is_view, view_offset_bytes);
   }
 
   // Every value a step makes stays readable (Value::data) for the trace's life, as PyNative
@@ -7141,6 +7125,29 @@ class Trace {
   std::size_t root_of(std::size_t v) const {
     while (values_[v].kind == Value::Kind::view) v = values_[v].view_of;
     return v;
+  }
+
+  // The op-independent half of record, compiled once per element type rather than per op.
+  template <class T>
+  void keep(std::unique_ptr<Step> step, BasicTensor<T>& y, bool sink, bool view, std::size_t view_offset_bytes) {
+    Value v;
+    v.element_size = sink ? 0 : sizeof(T);
+    v.shape = sink ? Shape{} : y.shape();
+    if (view) {
+      v.kind = Value::Kind::view;
+      v.view_of = root_of(step->inputs[0]);
+      const Value& in = values_[step->inputs[0]];
+      v.view_bytes = (in.kind == Value::Kind::view ? in.view_bytes : 0) + view_offset_bytes;
+    }
+    if (!sink && keep_values_) {
+      auto handle = std::make_shared<BasicTensor<T>>(y);
+      v.data = handle->data();
+      v.handle = std::move(handle);
+      if (!running_.empty()) v.cell = running_.back();
+    }
+    step->output = values_.size();
+    add(std::move(v), y);
+    steps_.push_back(std::move(step));
   }
 
   template <class T>
@@ -15541,6 +15548,7 @@ using DynamicSequentialCell = BasicDynamicSequentialCell<float>;
 }  // namespace duet::nn
 // Fully connected layers: nn::Dense and the operations it captures as (MatMul, BiasAdd).
 
+#include <array>
 #include <cmath>
 #include <optional>
 #include <string>
@@ -15823,6 +15831,38 @@ struct DenseParameters<T, false> {
   BasicParameter<T> weight;
   DUET_CELL_MEMBERS(weight);
 };
+
+// A Dense's weight, then its bias, from the global generator (set_seed); `fixed` holds its
+// compile-time sizes (dyn where none). Unset options are MindSpore 2.x's defaults: weight
+// HeUniform(negative_slope = sqrt(5)) and bias Uniform(1/sqrt(in)), both U(-1/sqrt(in),
+// 1/sqrt(in)), drawn here as that Uniform so that the bound is T's 1/sqrt(in) for every T.
+// Not a member of Dense: compiled once per element type, not once per layer size.
+template <ElementType T, bool HasBias>
+void initialize_dense(DenseParameters<T, HasBias>& parameters, const BasicDynamicCell<T>& cell,
+                      std::array<index_t, 2> fixed, std::array<index_t, 2> sizes, const DenseOptions<T>& options) {
+  const auto [in_channels, out_channels] = sizes;
+  if ((fixed[0] != dyn && in_channels != fixed[0]) || (fixed[1] != dyn && out_channels != fixed[1]) ||
+      in_channels <= 0 || out_channels <= 0) {
+    throw ValueError(cell.type_name() + ": cannot be built with in_channels " + std::to_string(in_channels) +
+                     " and out_channels " + std::to_string(out_channels));
+  }
+  const initializer::Uniform mindspore_default{static_cast<double>(T(1) / std::sqrt(static_cast<T>(in_channels)))};
+  if (!HasBias && options.bias_init) {
+    throw ValueError(cell.type_name() + ": bias_init is given, but the layer has no bias (HasBias = false)");
+  }
+  const initializer::AnyInitializer<T> weight_init = options.weight_init.value_or(mindspore_default);
+  auto weight_value = BasicTensor<T>::uninitialized({out_channels, in_channels});
+  with_global_generator([&](Generator& gen) {
+    initializer::initialize_option(weight_value, weight_init, gen, cell.type_name(), "weight_init");
+    if constexpr (HasBias) {
+      auto bias_value = BasicTensor<T>::uninitialized({out_channels});
+      initializer::initialize_option(bias_value, options.bias_init.value_or(mindspore_default), gen, cell.type_name(),
+                                     "bias_init");
+      parameters.bias = BasicParameter<T>(std::move(bias_value));
+    }
+  });
+  parameters.weight = BasicParameter<T>(std::move(weight_value));
+}
 }  // namespace detail
 
 // y = x · weightᵀ + bias over the last axis of x (MindSpore's nn.Dense). In and Out are
@@ -15845,32 +15885,8 @@ class Dense : public Cell<Dense<In, Out, T, HasBias>, CONTEXT_MODE, T>, public d
   // nn::Dense<784, 512> fc{{.weight_init = initializer::HeNormal{}, .bias_init = initializer::Zero{}}};
   explicit Dense(Options options) requires(In != dyn && Out != dyn) : Dense(In, Out, std::move(options)) {}
 
-  // The weight, then the bias, from the global generator (set_seed). Unset options are MindSpore
-  // 2.x's defaults: weight HeUniform(negative_slope = sqrt(5)) and bias Uniform(1/sqrt(in)),
-  // both U(-1/sqrt(in), 1/sqrt(in)), drawn here as that Uniform so that the bound is T's
-  // 1/sqrt(in) for every T.
   Dense(index_t in_channels, index_t out_channels, Options options = {}) : in_(in_channels), out_(out_channels) {
-    if ((In != dyn && in_channels != In) || (Out != dyn && out_channels != Out) || in_channels <= 0 ||
-        out_channels <= 0) {
-      throw ValueError(type_name() + ": cannot be built with in_channels " + std::to_string(in_channels) +
-                       " and out_channels " + std::to_string(out_channels));
-    }
-    const initializer::Uniform mindspore_default{static_cast<double>(T(1) / std::sqrt(static_cast<T>(in_channels)))};
-    if (!HasBias && options.bias_init) {
-      throw ValueError(type_name() + ": bias_init is given, but the layer has no bias (HasBias = false)");
-    }
-    const initializer::AnyInitializer<T> weight_init = options.weight_init.value_or(mindspore_default);
-    auto weight_value = BasicTensor<T>::uninitialized({out_channels, in_channels});
-    with_global_generator([&](Generator& gen) {
-      initializer::initialize_option(weight_value, weight_init, gen, type_name(), "weight_init");
-      if constexpr (HasBias) {
-        auto bias_value = BasicTensor<T>::uninitialized({out_channels});
-        initializer::initialize_option(bias_value, options.bias_init.value_or(mindspore_default), gen, type_name(),
-                                       "bias_init");
-        this->bias = BasicParameter<T>(std::move(bias_value));
-      }
-    });
-    weight = BasicParameter<T>(std::move(weight_value));
+    detail::initialize_dense<T, HasBias>(*this, *this, {In, Out}, {in_channels, out_channels}, options);
   }
 
   index_t in_channels() const {

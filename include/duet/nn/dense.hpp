@@ -1,6 +1,7 @@
 // Fully connected layers: nn::Dense and the operations it captures as (MatMul, BiasAdd).
 #pragma once
 
+#include <array>
 #include <cmath>
 #include <optional>
 #include <string>
@@ -289,6 +290,38 @@ struct DenseParameters<T, false> {
   BasicParameter<T> weight;
   DUET_CELL_MEMBERS(weight);
 };
+
+// A Dense's weight, then its bias, from the global generator (set_seed); `fixed` holds its
+// compile-time sizes (dyn where none). Unset options are MindSpore 2.x's defaults: weight
+// HeUniform(negative_slope = sqrt(5)) and bias Uniform(1/sqrt(in)), both U(-1/sqrt(in),
+// 1/sqrt(in)), drawn here as that Uniform so that the bound is T's 1/sqrt(in) for every T.
+// Not a member of Dense: compiled once per element type, not once per layer size.
+template <ElementType T, bool HasBias>
+void initialize_dense(DenseParameters<T, HasBias>& parameters, const BasicDynamicCell<T>& cell,
+                      std::array<index_t, 2> fixed, std::array<index_t, 2> sizes, const DenseOptions<T>& options) {
+  const auto [in_channels, out_channels] = sizes;
+  if ((fixed[0] != dyn && in_channels != fixed[0]) || (fixed[1] != dyn && out_channels != fixed[1]) ||
+      in_channels <= 0 || out_channels <= 0) {
+    throw ValueError(cell.type_name() + ": cannot be built with in_channels " + std::to_string(in_channels) +
+                     " and out_channels " + std::to_string(out_channels));
+  }
+  const initializer::Uniform mindspore_default{static_cast<double>(T(1) / std::sqrt(static_cast<T>(in_channels)))};
+  if (!HasBias && options.bias_init) {
+    throw ValueError(cell.type_name() + ": bias_init is given, but the layer has no bias (HasBias = false)");
+  }
+  const initializer::AnyInitializer<T> weight_init = options.weight_init.value_or(mindspore_default);
+  auto weight_value = BasicTensor<T>::uninitialized({out_channels, in_channels});
+  with_global_generator([&](Generator& gen) {
+    initializer::initialize_option(weight_value, weight_init, gen, cell.type_name(), "weight_init");
+    if constexpr (HasBias) {
+      auto bias_value = BasicTensor<T>::uninitialized({out_channels});
+      initializer::initialize_option(bias_value, options.bias_init.value_or(mindspore_default), gen, cell.type_name(),
+                                     "bias_init");
+      parameters.bias = BasicParameter<T>(std::move(bias_value));
+    }
+  });
+  parameters.weight = BasicParameter<T>(std::move(weight_value));
+}
 }  // namespace detail
 
 // y = x · weightᵀ + bias over the last axis of x (MindSpore's nn.Dense). In and Out are
@@ -311,32 +344,8 @@ class Dense : public Cell<Dense<In, Out, T, HasBias>, CONTEXT_MODE, T>, public d
   // nn::Dense<784, 512> fc{{.weight_init = initializer::HeNormal{}, .bias_init = initializer::Zero{}}};
   explicit Dense(Options options) requires(In != dyn && Out != dyn) : Dense(In, Out, std::move(options)) {}
 
-  // The weight, then the bias, from the global generator (set_seed). Unset options are MindSpore
-  // 2.x's defaults: weight HeUniform(negative_slope = sqrt(5)) and bias Uniform(1/sqrt(in)),
-  // both U(-1/sqrt(in), 1/sqrt(in)), drawn here as that Uniform so that the bound is T's
-  // 1/sqrt(in) for every T.
   Dense(index_t in_channels, index_t out_channels, Options options = {}) : in_(in_channels), out_(out_channels) {
-    if ((In != dyn && in_channels != In) || (Out != dyn && out_channels != Out) || in_channels <= 0 ||
-        out_channels <= 0) {
-      throw ValueError(type_name() + ": cannot be built with in_channels " + std::to_string(in_channels) +
-                       " and out_channels " + std::to_string(out_channels));
-    }
-    const initializer::Uniform mindspore_default{static_cast<double>(T(1) / std::sqrt(static_cast<T>(in_channels)))};
-    if (!HasBias && options.bias_init) {
-      throw ValueError(type_name() + ": bias_init is given, but the layer has no bias (HasBias = false)");
-    }
-    const initializer::AnyInitializer<T> weight_init = options.weight_init.value_or(mindspore_default);
-    auto weight_value = BasicTensor<T>::uninitialized({out_channels, in_channels});
-    with_global_generator([&](Generator& gen) {
-      initializer::initialize_option(weight_value, weight_init, gen, type_name(), "weight_init");
-      if constexpr (HasBias) {
-        auto bias_value = BasicTensor<T>::uninitialized({out_channels});
-        initializer::initialize_option(bias_value, options.bias_init.value_or(mindspore_default), gen, type_name(),
-                                       "bias_init");
-        this->bias = BasicParameter<T>(std::move(bias_value));
-      }
-    });
-    weight = BasicParameter<T>(std::move(weight_value));
+    detail::initialize_dense<T, HasBias>(*this, *this, {In, Out}, {in_channels, out_channels}, options);
   }
 
   index_t in_channels() const {
