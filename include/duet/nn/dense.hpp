@@ -299,7 +299,7 @@ struct DenseParameters<T, false> {
 template <ElementType T, bool HasBias>
 void initialize_dense(DenseParameters<T, HasBias>& parameters, const BasicDynamicCell<T>& cell,
                       std::array<index_t, 2> fixed, std::array<index_t, 2> sizes, const DenseOptions<T>& options) {
-  const auto [in_channels, out_channels] = sizes;
+  const index_t in_channels = sizes[0], out_channels = sizes[1];  // not a structured binding: clang 14 cannot capture one
   if ((fixed[0] != dyn && in_channels != fixed[0]) || (fixed[1] != dyn && out_channels != fixed[1]) ||
       in_channels <= 0 || out_channels <= 0) {
     throw ValueError(cell.type_name() + ": cannot be built with in_channels " + std::to_string(in_channels) +
