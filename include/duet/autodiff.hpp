@@ -135,35 +135,57 @@ constexpr std::size_t operand_index() {
     return N::args[static_cast<std::size_t>(O) - 1];
 }
 
-// Appends gop, reading what it declares around forward node I (gradient in node Grad).
-template <class N, std::size_t I, std::size_t Grad, class GradOp, class Built>
-auto with_grad_node(const Built& built, const GradOp& gop) {
-  auto node = [&]<std::size_t... J>(std::index_sequence<J...>) {
-    return graph::Node<GradOp, operand_index<GradOp::reads[J], N, I, Grad>()...>{gop};
-  }(std::make_index_sequence<GradOp::reads.size()>{});
-  return graph::with_nodes(built, node);
-}
+// How a gradient node's operation is made from the forward graph (graph::Step's recipe):
+// forward node I's gradient op for its input K, or its parameters' gradient op.
+template <std::size_t I, std::size_t K>
+struct InputGrad {
+  template <class G>
+  static auto make(const G& g) {
+    return graph::get<I>(g).op.template grad_op<K>();
+  }
+};
+template <std::size_t I>
+struct ParameterGrad {
+  template <class G>
+  static auto make(const G& g) {
+    return graph::get<I>(g).op.parameter_grad_op();
+  }
+};
+
+// The node of gradient op Op around forward node I (of type N; its gradient in node Grad).
+template <class Op, class N, std::size_t I, std::size_t Grad, std::size_t... J>
+auto grad_node(std::index_sequence<J...>) -> graph::Node<Op, operand_index<Op::reads[J], N, I, Grad>()...>;
+
+// Built with the step of Recipe's op appended, reading what the op declares around forward
+// node I of G (its gradient in node Grad).
+template <class G, std::size_t I, std::size_t Grad, class Recipe, class Built>
+struct with_grad_step {
+  using Op = decltype(Recipe::make(std::declval<const G&>()));
+  using node = decltype(grad_node<Op, graph::node_at<G, I>, I, Grad>(std::make_index_sequence<Op::reads.size()>{}));
+  using type = typename graph::appended<Built, graph::Step<node, Recipe>>::type;
+};
 
 // The gradients of forward node I's inputs K, K+1, ...: each input that leads to something
-// differentiated gets its gradient op, summed with what it already has. Returns the nodes
-// built and the new Grads.
+// differentiated gets its gradient op, summed with what it already has. Types only (the plan
+// build_backward makes the list from): the steps built, and the new Grads.
 template <std::size_t K, std::size_t I, auto Grads, auto Leads, class G, class Built>
-auto backward_inputs(const G& g, const Built& built) {
+auto backward_inputs() {
   using N = graph::node_at<G, I>;
   using Op = typename N::op_type;
   if constexpr (K == N::arity) {
-    return std::pair{built, value_tag<Grads>{}};
+    return std::pair<std::type_identity<Built>, value_tag<Grads>>{};
   } else if constexpr (!input_has_gradient<Op, K>() || !Leads[N::args[K]]) {
-    return backward_inputs<K + 1, I, Grads, Leads>(g, built);
+    return backward_inputs<K + 1, I, Grads, Leads, G, Built>();
   } else {
     constexpr std::size_t a = N::args[K];
     constexpr std::size_t k = Built::size;
-    auto with_grad = with_grad_node<N, I, Grads[I]>(built, graph::get<I>(g).op.template grad_op<K>());
+    using WithGrad = typename with_grad_step<G, I, Grads[I], InputGrad<I, K>, Built>::type;
     if constexpr (Grads[a] == no_grad) {
-      return backward_inputs<K + 1, I, with(Grads, a, k), Leads>(g, with_grad);
+      return backward_inputs<K + 1, I, with(Grads, a, k), Leads, G, WithGrad>();
     } else {
-      auto summed = graph::with_nodes(with_grad, graph::Node<ops::GradAddOp, Grads[a], k>{});
-      return backward_inputs<K + 1, I, with(Grads, a, k + 1), Leads>(g, summed);
+      using Sum = graph::Node<ops::GradAddOp, Grads[a], k>;
+      using Summed = typename graph::appended<WithGrad, graph::Step<Sum, graph::Made<ops::GradAddOp>>>::type;
+      return backward_inputs<K + 1, I, with(Grads, a, k + 1), Leads, G, Summed>();
     }
   }
 }
@@ -230,37 +252,41 @@ void refuse_lost_gradients(const G& g) {
 // Capture lays nodes out in depth-first post-order from the output (graph::detail::merge_from),
 // so this is the order the tape walks its records in (Tape::backward_order): a value's
 // gradients add up in the same order in both modes, the sum so far on the left, and its
-// producer runs backward once, on the sum.
+// producer runs backward once, on the sum. Types only, as backward_inputs.
 template <std::size_t I, auto Grads, auto Leads, class G, class Built>
-auto backward_from(const G& g, const Built& built) {
+auto backward_from() {
   if constexpr (I == 0) {
-    return std::pair{built, value_tag<Grads>{}};
+    return std::pair<std::type_identity<Built>, value_tag<Grads>>{};
   } else {
     constexpr std::size_t i = I - 1;
     using N = graph::node_at<G, i>;
     using Op = typename N::op_type;
     if constexpr (Grads[i] == no_grad || graph::is_input_op_v<Op>) {
-      return backward_from<i, Grads, Leads>(g, built);
+      return backward_from<i, Grads, Leads, G, Built>();
     } else if constexpr (!DifferentiableOperation<Op>) {
       // An operation that gives some inputs' gradients is reported by the contract's check.
       if constexpr (!diagnostic::check_operation<Op>::partial)
         static_cast<void>(sizeof(diagnostic::require_differentiable<typename Op::layer_type>));
-      return backward_from<i, Grads, Leads>(g, built);
+      return backward_from<i, Grads, Leads, G, Built>();
     } else {
       // An op with parameters writes their gradients from input 0's gradient op, or from its
       // own parameter_grad_op when input 0 needs none.
       constexpr bool via_input0 = N::arity >= 1 && input_has_gradient<Op, 0>() && Leads[N::args[0]];
-      const auto with_params = [&] {
-        if constexpr (has_parameters<Op>() && !via_input0)
-          return with_grad_node<N, i, Grads[i]>(built, graph::get<i>(g).op.parameter_grad_op());
-        else
-          return built;
-      }();
-      auto [inputs_built, grads_tag] = backward_inputs<0, i, Grads, Leads>(g, with_params);
-      return backward_from<i, decltype(grads_tag)::value, Leads>(g, inputs_built);
+      using WithParameters = typename std::conditional_t<has_parameters<Op>() && !via_input0,
+                                                         with_grad_step<G, i, Grads[i], ParameterGrad<i>, Built>,
+                                                         std::type_identity<Built>>::type;
+      using Inputs = decltype(backward_inputs<0, i, Grads, Leads, G, WithParameters>());
+      return backward_from<i, Inputs::second_type::value, Leads, G, typename Inputs::first_type::type>();
     }
   }
 }
+
+// The steps a training graph's plan begins with: the forward nodes as they are, then the seed
+// d(output)/d(output) = 1.
+template <class G, std::size_t Out, std::size_t... J>
+auto backward_start(std::index_sequence<J...>)
+    -> graph::NodeList<graph::Step<graph::node_at<G, J>, graph::Take<J>>...,
+                       graph::Step<graph::Node<ops::FillLikeOp<1>, Out>, graph::Made<ops::FillLikeOp<1>>>>;
 
 template <class G, std::size_t K>
 constexpr std::size_t input_node() {
@@ -318,22 +344,21 @@ auto build_backward(const graph::Sym<G0, Out>& program, BasicTensor<T>*... input
     a.fill(detail::no_grad);
     return a;
   }();
-  auto seeded = graph::with_nodes(forward.graph, graph::Node<ops::FillLikeOp<1>, Out>{});
-  auto [built, grads_tag] =
-      detail::backward_from<G::size, detail::with(none, Out, G::size), leads>(forward.graph, seeded);
-  static constexpr auto grads = decltype(grads_tag)::value;
+  using Start = decltype(detail::backward_start<G, Out>(std::make_index_sequence<G::size>{}));
+  using Plan = decltype(detail::backward_from<G::size, detail::with(none, Out, G::size), leads, G, Start>());
+  using Built = typename Plan::first_type::type;
+  static constexpr auto grads = Plan::second_type::value;
   detail::refuse_lost_gradients<leads, Out>(forward.graph);
-  constexpr std::size_t zeros_at = std::remove_cvref_t<decltype(built)>::size;
+  constexpr std::size_t zeros_at = Built::size;
   [[maybe_unused]] static constexpr auto sources =
       detail::store_sources<grads, zeros_at, detail::input_node<G, Wrt>()...>();
   const std::tuple<BasicTensor<T>*...> destinations{input_grads...};
   // An input the output does not depend on has a zero gradient, as in MindSpore.
-  // built is passed, not captured: clang 14 cannot capture a structured binding.
-  auto training = [&]<class Built, std::size_t... J>(const Built& nodes, std::index_sequence<J...>) {
-    return graph::make_graph(graph::with_nodes(
-        nodes, graph::Node<ops::FillLikeOp<0>, detail::input_node<G, Wrt>()>{}...,
-        graph::Node<ops::StoreOp<std::tuple_element_t<J, std::tuple<T...>>>, sources[J]>{std::get<J>(destinations)}...));
-  }(built, std::index_sequence_for<T...>{});
+  auto training = [&]<std::size_t... J>(std::index_sequence<J...>) {
+    return graph::from_plan<graph::Graph>(
+        forward.graph, static_cast<Built*>(nullptr), graph::Node<ops::FillLikeOp<0>, detail::input_node<G, Wrt>()>{}...,
+        graph::Node<ops::StoreOp<std::tuple_element_t<J, std::tuple<T...>>>, sources[J]>{std::get<J>(destinations)}...);
+  }(std::index_sequence_for<T...>{});
   return graph::Sym<decltype(training), Out>{training};
 }
 

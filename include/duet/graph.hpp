@@ -160,6 +160,45 @@ Graph<Nodes..., New> with_node(const Graph<Nodes...>& g, const New& node) {
   return detail::rebuilt<Graph<Nodes..., New>>(g, std::index_sequence_for<Nodes...>{}, node);
 }
 
+// A list built from a plan in types. Each Step names a node type and its recipe, a type whose
+// make(g) makes the node's operation from the graph g the plan was made from. The passes and
+// the backward builder plan in types and build the list once: growing it node by node would
+// instantiate a function copying the list so far per node, quadratic in the graph's size.
+template <class Node, class Recipe>
+struct Step {
+  using node = Node;
+  using recipe = Recipe;
+};
+
+// Recipes: node J's operation as it is; an operation of type Op made afresh.
+template <std::size_t J>
+struct Take {
+  template <class G>
+  static auto make(const G& g) {
+    return get<J>(g).op;
+  }
+};
+template <class Op>
+struct Made {
+  template <class G>
+  static Op make(const G&) {
+    return Op{};
+  }
+};
+
+template <class L, class X>
+struct appended;
+template <class... S, class X>
+struct appended<NodeList<S...>, X> {
+  using type = NodeList<S..., X>;
+};
+
+// The list (or graph: L = Graph) a plan of steps S makes from g, then the nodes tail.
+template <template <class...> class L = NodeList, class G, class... S, class... Tail>
+L<typename S::node..., Tail...> from_plan(const G& g, NodeList<S...>*, const Tail&... tail) {
+  return L<typename S::node..., Tail...>(std::in_place, typename S::node{S::recipe::make(g)}..., tail...);
+}
+
 // A list of f(node) for each node of g.
 template <class L, class F>
 auto transformed(const L& list, F&& f) {

@@ -89,36 +89,16 @@ constexpr auto as_sequence(std::index_sequence<I...>) {
   return std::index_sequence<A[I]...>{};
 }
 
-// How a fused node's operation is made from the captured graph's: node J's own (Take), or
-// the operation of a fused node (From) absorbing node J's, as its epilogue (Pos < 0) or through
-// its input Pos.
-template <std::size_t J>
-struct Take {};
+// How a fused node's operation is made from the captured graph's (graph::Step's recipe): node
+// J's own (graph::Take), or the operation of a fused node (From) absorbing node J's, as its
+// epilogue (Pos < 0) or through its input Pos.
 template <class From, std::size_t J, int Pos>
-struct Absorb {};
-
-template <std::size_t J, class G>
-auto op_of(Take<J>, const G& g) {
-  return graph::get<J>(g).op;
-}
-template <class From, std::size_t J, int Pos, class G>
-auto op_of(Absorb<From, J, Pos>, const G& g) {
-  if constexpr (Pos < 0) return op_of(From{}, g).absorb(graph::get<J>(g).op);
-  else return op_of(From{}, g).template absorb_operand<Pos>(graph::get<J>(g).op);
-}
-
-// A node of the fused list and how to make its operation.
-template <class Node, class Recipe>
-struct Step {
-  using node = Node;
-  using recipe = Recipe;
-};
-
-template <class L, class X>
-struct appended;
-template <class... S, class X>
-struct appended<graph::NodeList<S...>, X> {
-  using type = graph::NodeList<S..., X>;
+struct Absorb {
+  template <class G>
+  static auto make(const G& g) {
+    if constexpr (Pos < 0) return From::make(g).absorb(graph::get<J>(g).op);
+    else return From::make(g).template absorb_operand<Pos>(graph::get<J>(g).op);
+  }
 };
 
 // L without its element R, then X.
@@ -151,8 +131,9 @@ auto fuse_from(std::index_sequence<Map...> map) {
     return std::pair<std::type_identity<Built>, std::integral_constant<std::size_t, m[Out]>>{};
   } else {
     using N = graph::node_at<G, J>;
-    using Kept = Step<decltype(graph::renumbered(std::declval<const N&>(), map, std::make_index_sequence<N::arity>{})),
-                      Take<J>>;
+    using Kept =
+        graph::Step<decltype(graph::renumbered(std::declval<const N&>(), map, std::make_index_sequence<N::arity>{})),
+                    graph::Take<J>>;
     constexpr std::size_t built_size = Built::size;
     if constexpr (N::arity == 1) {
       constexpr std::array<std::size_t, J> m{Map...};
@@ -163,11 +144,11 @@ auto fuse_from(std::index_sequence<Map...> map) {
       if constexpr (r + 1 == built_size && user_counts<G, Out>()[a] == 1 &&
                     absorbs<typename P::op_type, typename N::op_type, Differentiated>) {
         using Absorbed = decltype(std::declval<const P&>().op.absorb(std::declval<const N&>().op));
-        using Fused = Step<with_args_of<Absorbed, P>, Absorb<typename PS::recipe, J, -1>>;
+        using Fused = graph::Step<with_args_of<Absorbed, P>, Absorb<typename PS::recipe, J, -1>>;
         return fuse_from<J + 1, Out, Differentiated, G, typename moved_out<r, Built, Fused>::type>(
             std::index_sequence<Map..., r>{});
       } else {
-        return fuse_from<J + 1, Out, Differentiated, G, typename appended<Built, Kept>::type>(
+        return fuse_from<J + 1, Out, Differentiated, G, typename graph::appended<Built, Kept>::type>(
             std::index_sequence<Map..., built_size>{});
       }
     } else if constexpr (N::arity == 2) {
@@ -181,24 +162,19 @@ auto fuse_from(std::index_sequence<Map...> map) {
         static constexpr auto moved = moved_to_end<r, built_size - 1, Map..., r>();
         using Absorbed =
             decltype(std::declval<const P&>().op.template absorb_operand<pos>(std::declval<const N&>().op));
-        using Fused = Step<with_args_of<Absorbed, P, moved[N::args[1 - pos]]>, Absorb<typename PS::recipe, J, pos>>;
+        using Fused =
+            graph::Step<with_args_of<Absorbed, P, moved[N::args[1 - pos]]>, Absorb<typename PS::recipe, J, pos>>;
         return fuse_from<J + 1, Out, Differentiated, G, typename moved_out<r, Built, Fused>::type>(
             as_sequence<moved>(std::make_index_sequence<J + 1>{}));
       } else {
-        return fuse_from<J + 1, Out, Differentiated, G, typename appended<Built, Kept>::type>(
+        return fuse_from<J + 1, Out, Differentiated, G, typename graph::appended<Built, Kept>::type>(
             std::index_sequence<Map..., built_size>{});
       }
     } else {
-      return fuse_from<J + 1, Out, Differentiated, G, typename appended<Built, Kept>::type>(
+      return fuse_from<J + 1, Out, Differentiated, G, typename graph::appended<Built, Kept>::type>(
           std::index_sequence<Map..., built_size>{});
     }
   }
-}
-
-template <std::size_t Out, class G, class... S>
-auto made_from_plan(const G& g, graph::NodeList<S...>*) {
-  using F = graph::Graph<typename S::node...>;
-  return graph::Sym<F, Out>{F(std::in_place, typename S::node{op_of(typename S::recipe{}, g)}...)};
 }
 
 }  // namespace detail
@@ -209,7 +185,8 @@ template <bool Differentiated = false, class G, std::size_t Out>
 auto fuse_epilogues(const graph::Sym<G, Out>& program) {
   using Plan = decltype(detail::fuse_from<0, Out, Differentiated, G, graph::NodeList<>>(std::index_sequence<>{}));
   using Built = typename Plan::first_type::type;
-  return detail::made_from_plan<Plan::second_type::value>(program.graph, static_cast<Built*>(nullptr));
+  auto fused = graph::from_plan<graph::Graph>(program.graph, static_cast<Built*>(nullptr));
+  return graph::Sym<decltype(fused), Plan::second_type::value>{fused};
 }
 
 // Each op that can read its weight pre-packed (with_packed_weight()) is replaced by that
