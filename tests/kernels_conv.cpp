@@ -156,7 +156,7 @@ Tensor float_tensor(const std::vector<double>& v, const Shape& shape) {
 
 }  // namespace
 
-TEST_CASE("a float Conv2d's value and gradients against plain loops, the same bits in both modes, in every set") {
+TEST_CASE("a float Conv2d's value and gradients against plain loops, the same bits in both modes, in every set" * duet_test::every_isa) {
   duet_test::ModeGuard guard;
   std::mt19937 gen(5);
   for (const Geometry& g : geometries) {

@@ -89,15 +89,15 @@ void check_exp(T lowest, T highest, std::int64_t stride) {
   });
 }
 
-TEST_CASE("kernels::exp is within 2 ulp of std::exp over float's range, under every instruction set") {
+TEST_CASE("kernels::exp is within 2 ulp of std::exp over float's range, under every instruction set" * duet_test::every_isa) {
   check_exp<float>(-104.0f, 89.0f, 509);
 }
 
-TEST_CASE("kernels::exp is within 2 ulp of std::exp over double's range, under every instruction set") {
+TEST_CASE("kernels::exp is within 2 ulp of std::exp over double's range, under every instruction set" * duet_test::every_isa) {
   check_exp<double>(-746.0, 710.0, (std::int64_t(1) << 41) + 12345);
 }
 
-TEST_CASE_TEMPLATE("kernels::exp: overflow, underflow, infinities and NaN", T, float, double) {
+TEST_CASE_TEMPLATE("kernels::exp: overflow, underflow, infinities and NaN" * duet_test::every_isa, T, float, double) {
   constexpr T inf = std::numeric_limits<T>::infinity();
   const std::vector<T> x = {T(1000), inf, T(-1000), -inf, std::numeric_limits<T>::quiet_NaN(), T(0), T(-0.0)};
   duet_test::for_each_isa([&] {
@@ -113,7 +113,7 @@ TEST_CASE_TEMPLATE("kernels::exp: overflow, underflow, infinities and NaN", T, f
   });
 }
 
-TEST_CASE("kernels: zero lengths read and write nothing") {
+TEST_CASE("kernels: zero lengths read and write nothing" * duet_test::every_isa) {
   float guard = 5;
   duet_test::for_each_isa([&] {
     kernels::exp(&guard, 0, &guard);
@@ -144,7 +144,7 @@ double reference_lse(const std::vector<T>& z) {
   return m + std::log(s);
 }
 
-TEST_CASE_TEMPLATE("kernels: a row's softmax cross-entropy and its gradient against double precision", T, float,
+TEST_CASE_TEMPLATE("kernels: a row's softmax cross-entropy and its gradient against double precision" * duet_test::every_isa, T, float,
                    double) {
   std::mt19937 gen(3);
   for (index_t n : lengths) {
@@ -190,7 +190,7 @@ TEST_CASE_TEMPLATE("kernels: a row's softmax cross-entropy and its gradient agai
   }
 }
 
-TEST_CASE_TEMPLATE("kernels::map applies the functions' vector form, in place or not", T, float, double) {
+TEST_CASE_TEMPLATE("kernels::map applies the functions' vector form, in place or not" * duet_test::every_isa, T, float, double) {
   std::mt19937 gen(5);
   for (index_t n : lengths) {
     CAPTURE(n);

@@ -110,14 +110,14 @@ void check_shape(index_t m, index_t k, index_t n, std::mt19937& gen) {
 
 }  // namespace
 
-TEST_CASE_TEMPLATE("kernels::gemm matches a double-precision reference on many shapes", T, float, double) {
+TEST_CASE_TEMPLATE("kernels::gemm matches a double-precision reference on many shapes" * duet_test::every_isa, T, float, double) {
   duet_test::for_each_isa([] {
     std::mt19937 gen(7);
     for (const Case& s : cases()) check_shape<dyn, dyn, T>(s.m, s.k, s.n, gen);
   });
 }
 
-TEST_CASE_TEMPLATE("kernels::gemm with compile-time sizes, small and large", T, float, double) {
+TEST_CASE_TEMPLATE("kernels::gemm with compile-time sizes, small and large" * duet_test::every_isa, T, float, double) {
   duet_test::for_each_isa([] {
     std::mt19937 gen(8);
     for (index_t m : {0, 1, 2, 3, 17, 64}) {
@@ -134,7 +134,7 @@ TEST_CASE_TEMPLATE("kernels::gemm with compile-time sizes, small and large", T, 
   });
 }
 
-TEST_CASE_TEMPLATE("kernels::gemm: NaN goes through the product, the bias and ReLU", T, float, double) {
+TEST_CASE_TEMPLATE("kernels::gemm: NaN goes through the product, the bias and ReLU" * duet_test::every_isa, T, float, double) {
   duet_test::for_each_isa([] {
     const T nan = std::numeric_limits<T>::quiet_NaN();
     std::mt19937 gen(9);
@@ -165,7 +165,7 @@ TEST_CASE_TEMPLATE("kernels::gemm: NaN goes through the product, the bias and Re
   });
 }
 
-TEST_CASE_TEMPLATE("kernels::gemm_kn: b stored as [k, n], the reference's values and gemm's bits on bᵀ", T, float, double) {
+TEST_CASE_TEMPLATE("kernels::gemm_kn: b stored as [k, n], the reference's values and gemm's bits on bᵀ" * duet_test::every_isa, T, float, double) {
   duet_test::for_each_isa([] {
     std::mt19937 gen(9);
     for (const Case& s : cases()) {
@@ -215,7 +215,7 @@ TEST_CASE("kernels::gemm refuses a weight packed for another shape") {
                        "duet::kernels::gemm: a weight packed as [4, 7] for a product with [4, 8]", ShapeError);
 }
 
-TEST_CASE("kernels::gemm with k = 0: an empty sum, so the output is the epilogue of zero") {
+TEST_CASE("kernels::gemm with k = 0: an empty sum, so the output is the epilogue of zero" * duet_test::every_isa) {
   duet_test::for_each_isa([] {
     const float bias[3] = {-1, 0, 2};
     float c[6] = {7, 7, 7, 7, 7, 7};
@@ -261,7 +261,7 @@ TEST_CASE("backend::Native computes what backend::Eigen does, through the epilog
   CHECK(yi[1] == 0);
 }
 
-TEST_CASE("graph mode and PyNative agree bit for bit under each instruction set") {
+TEST_CASE("graph mode and PyNative agree bit for bit under each instruction set" * duet_test::every_isa) {
   duet_test::ModeGuard guard;
   duet_test::SeedNetwork<> net;
   duet_test::for_each_isa([&] {
@@ -279,7 +279,7 @@ TEST_CASE("graph mode and PyNative agree bit for bit under each instruction set"
   });
 }
 
-TEST_CASE("a weight packed under another instruction set is not read: the product packs for its own") {
+TEST_CASE("a weight packed under another instruction set is not read: the product packs for its own" * duet_test::every_isa) {
   std::mt19937 gen(10);
   const index_t m = 20, k = 70, n = 40;
   const std::vector<float> a = random_values<float>(static_cast<std::size_t>(m * k), gen);
@@ -298,7 +298,7 @@ TEST_CASE("a weight packed under another instruction set is not read: the produc
   });
 }
 
-TEST_CASE("DUET_ISA names the kernels to start with, kernel_isa and set_kernel_isa") {
+TEST_CASE("DUET_ISA names the kernels to start with, kernel_isa and set_kernel_isa" * duet_test::every_isa) {
   using kernels::Isa;
   CHECK(kernels::detail::initial_isa(nullptr) == kernels::best_supported_isa());
   CHECK(kernels::detail::initial_isa("") == kernels::best_supported_isa());
@@ -323,7 +323,7 @@ TEST_CASE("DUET_ISA names the kernels to start with, kernel_isa and set_kernel_i
   kernels::set_active_isa(saved);
 }
 
-TEST_CASE("backend::Native keeps a weight packed for the instruction set that runs, repacking after a switch") {
+TEST_CASE("backend::Native keeps a weight packed for the instruction set that runs, repacking after a switch" * duet_test::every_isa) {
   const index_t rows = 16, in = 40, out = 24;
   const nn::Parameter w(randn({out, in}, 11));
   const Tensor x = randn({rows, in}, 12);

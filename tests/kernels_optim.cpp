@@ -95,7 +95,7 @@ void check_adam(const kernels::AdamCoefficients<T>& c) {
   }
 }
 
-TEST_CASE_TEMPLATE("kernels::adam_update follows Adam's formula under every instruction set", T, float, double) {
+TEST_CASE_TEMPLATE("kernels::adam_update follows Adam's formula under every instruction set" * duet_test::every_isa, T, float, double) {
   // lr 1e-3 at step 3 (bias corrections 1 - 0.9³ and 1 - 0.999³).
   const double b1 = 0.9, b2 = 0.999, lr = 1e-3;
   const double root = std::sqrt(1 - b2 * b2 * b2);
@@ -144,14 +144,14 @@ void check_sgd(const kernels::SgdCoefficients<T>& c) {
   }
 }
 
-TEST_CASE_TEMPLATE("kernels::sgd_update follows SGD's formula under every instruction set", T, float, double) {
+TEST_CASE_TEMPLATE("kernels::sgd_update follows SGD's formula under every instruction set" * duet_test::every_isa, T, float, double) {
   SUBCASE("plain, with weight decay") { check_sgd<T>({T(0.1), T(0.01), T(0), T(1), false, false, false}); }
   SUBCASE("momentum, first step") { check_sgd<T>({T(0.1), T(0), T(0.9), T(0.8), true, false, true}); }
   SUBCASE("momentum with dampening") { check_sgd<T>({T(0.1), T(0.01), T(0.9), T(0.8), true, false, false}); }
   SUBCASE("Nesterov") { check_sgd<T>({T(0.1), T(0.01), T(0.9), T(1), true, true, false}); }
 }
 
-TEST_CASE("kernels::sgd_update without momentum needs no momentum buffer") {
+TEST_CASE("kernels::sgd_update without momentum needs no momentum buffer" * duet_test::every_isa) {
   std::vector<float> p = {1, 2, 3}, g = {1, 1, 1};
   duet_test::for_each_isa([&] {
     auto q = p;

@@ -51,7 +51,7 @@ TEST_CASE("num_threads: set_num_threads, set_context and get_context agree, and 
   CHECK(detail::initial_num_threads("1") == 1);
 }
 
-TEST_CASE("num_threads: a large product is shared by two threads and gives one thread's bits, on every instruction set") {
+TEST_CASE("num_threads: a large product is shared by two threads and gives one thread's bits, on every instruction set" * duet_test::every_isa) {
   if (!threads_available) {
     MESSAGE("SKIPPED: built without OpenMP");
     return;

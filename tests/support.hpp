@@ -82,6 +82,13 @@ std::vector<double> values_of(const duet::BasicTensor<T>& t) {
   return std::vector<double>(t.data(), t.data() + t.numel());
 }
 
+// Marks a case whose body runs under every instruction set itself (for_each_isa, or a loop of
+// its own over them): the whole-suite reruns under DUET_ISA=avx2 and baseline skip it
+// (tests/CMakeLists.txt), since they would only repeat it: under the clang stage's ASan, each
+// rerun took 260 s, and the GEMM's cases alone take 250 s when run one by one.
+// TEST_CASE("name" * duet_test::every_isa).
+inline const doctest::test_suite every_isa("every_isa");
+
 // Runs body once under each instruction set this CPU runs (so a machine with AVX-512 tests all
 // three sets of kernels in one process), then restores the set the process started with.
 template <class Body>
