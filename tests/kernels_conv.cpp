@@ -52,6 +52,7 @@ const Geometry geometries[] = {
     {6, 16, 1, 14, 14, 5, 1, 0, 1},  // its second
     {3, 5, 1, 7, 9, 3, 2, 1, 1},     // odd sizes, stride 2
     {2, 3, 1, 6, 5, 2, 3, 2, 1},     // stride over the kernel, padding past it
+    {3, 2, 1, 5, 6, 2, 1, 3, 1},     // padding past the kernel at stride 1
     {4, 4, 2, 9, 8, 3, 1, 2, 2},     // dilation, groups
     {8, 8, 8, 7, 7, 3, 2, 1, 1},     // depthwise
     {2, 2, 1, 5, 1, 3, 1, 1, 1},     // a width of 1

@@ -113,6 +113,8 @@ const bool conv_cases = add_cases([](std::multimap<std::string, Case>& m) {
       {2, 2, {.kernel = 3, .stride = 2, .padding = 1}, false, {1, 2, 6, 5}, {2, 2, 8}},             // stride, padding
       {2, 3, {.kernel = 2, .stride = 2, .mode = PadMode::same}, true, {1, 2, 5, 4}, {1, 2, 7}},     // odd "same" padding
       {1, 2, {.kernel = 3, .mode = PadMode::same}, false, {1, 1, 4, 5}, {2, 1, 6}},                 // "same", stride 1
+      {2, 2, {.kernel = 4, .mode = PadMode::same}, true, {1, 2, 5, 6}, {1, 2, 7}},                  // uneven "same", stride 1
+      {2, 3, {.kernel = 2, .padding = 2}, false, {1, 2, 3, 4}, {2, 2, 4}},                          // padding past the kernel
       {2, 2, {.kernel = 2, .mode = PadMode::valid, .dilation = 2}, true, {1, 2, 5, 5}, {1, 2, 7}},  // dilation
       {4, 2, {.kernel = 3, .padding = 1, .groups = 2}, true, {1, 4, 4, 3}, {1, 4, 5}},              // groups
       {3, 3, {.kernel = 3, .stride = 2, .padding = 1, .groups = 3}, false, {2, 3, 5, 5}, {2, 3, 6}},  // depthwise

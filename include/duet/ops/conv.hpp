@@ -331,14 +331,22 @@ struct ConvGradOp : Primitive<ConvGradOp<Layer, InputGrad>> {
     const T* w = layer->weight.data();
     const index_t og = q.out_per_group();
     const index_t weights = og * q.depth();  // one group's
+    T* dx = InputGrad ? a.out<T>() : nullptr;
+    // dx as a convolution of dy (kernels::data_gradient_convolution), or as the patches'
+    // gradient wᵀ · dy added back by col2im.
+    const bool convolve_dx = dx != nullptr && kernels::has_data_gradient_convolution(q);
+    const kernels::ConvProblem t = convolve_dx ? kernels::data_gradient_convolution(q) : q;
     duet::detail::Storage col_storage, sample_storage, wt_storage;
-    T* col = detail::scratch<T>(col_storage, q.depth() * q.pixels());
+    // The patches of x, then (once the weight's gradient has read them) those of dy or the
+    // patches' gradient.
+    T* col = detail::scratch<T>(col_storage, std::max(q.depth() * q.pixels(), t.depth() * t.pixels()));
     // One sample's part of a group's weight gradient, added to those before it.
     T* dw_sample = detail::scratch<T>(sample_storage, weights);
-    T* dx = InputGrad ? a.out<T>() : nullptr;
-    // Each group's weight as [depth, out_g], the left operand of the patches' gradient.
+    // Each group's weight as the data gradient's product reads it: flipped, or as [depth, out_g].
     T* wt = dx != nullptr ? detail::scratch<T>(wt_storage, q.groups * weights) : nullptr;
-    if (dx != nullptr) {
+    if (convolve_dx) {
+      for (index_t g = 0; g < q.groups; ++g) kernels::flipped_weight(q, w + g * weights, wt + g * weights);
+    } else if (dx != nullptr) {
       std::fill_n(dx, q.batch * q.in * q.image(), T(0));
       for (index_t g = 0; g < q.groups; ++g) kernels::transpose(w + g * weights, og, q.depth(), wt + g * weights);
     }
@@ -351,8 +359,10 @@ struct ConvGradOp : Primitive<ConvGradOp<Layer, InputGrad>> {
         const bool add = accumulate_w || n > 0;
         Backend::template dense<dyn, dyn>(dyg, og, q.pixels(), col, q.depth(), Epilogue<T>{}, add ? dw_sample : dwg);
         if (add) std::transform(dwg, dwg + weights, dw_sample, dwg, std::plus<T>{});
-        if (dx != nullptr) {
-          // col is free again: it takes the patches' gradient.
+        if (convolve_dx) {
+          kernels::im2col(t, dyg, col);
+          Backend::matmul(wt + g * weights, t.out, t.depth(), col, t.pixels(), dx + xg);
+        } else if (dx != nullptr) {
           Backend::matmul(wt + g * weights, q.depth(), og, dyg, q.pixels(), col);
           kernels::col2im_add(q, col, dx + xg);
         }
