@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include <duet/io/safetensors.hpp>
+
 #include "support.hpp"
 
 namespace tests_io_safetensors {

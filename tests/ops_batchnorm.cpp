@@ -9,6 +9,8 @@
 #include <sstream>
 #include <string>
 
+#include <duet/io/safetensors.hpp>
+
 #include "ops_harness.hpp"
 
 namespace tests_ops_batchnorm {

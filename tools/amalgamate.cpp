@@ -1,9 +1,11 @@
-// Builds single_include/duet/duet.hpp: include/duet/duet.hpp with every duet header it
-// reaches through #include "..." inlined once, in order. The output has no timestamp, so the
-// same include/ always gives the same bytes and a test can tell when it is stale.
+// Builds single_include/duet: duet.hpp, include/duet/duet.hpp with every duet header it reaches
+// through #include "..." inlined once, in order; and each header duet.hpp leaves out because
+// its library costs every program to parse (io/safetensors.hpp and nlohmann/json), as
+// #include "../duet.hpp" and what that does not hold already. The outputs have no timestamp,
+// so the same include/ always gives the same bytes and a test can tell when one is stale.
 //
-//   duet_amalgamate <include/duet/duet.hpp> <output>           writes output
-//   duet_amalgamate --check <include/duet/duet.hpp> <output>   exits 1 if output is stale
+//   duet_amalgamate <include/duet> <single_include/duet>           writes them
+//   duet_amalgamate --check <include/duet> <single_include/duet>   exits 1 if one is stale
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
@@ -42,15 +44,32 @@ void inline_file(const fs::path& file, std::set<fs::path>& seen, std::ostringstr
   }
 }
 
-std::string amalgamate(const fs::path& entry) {
-  std::ostringstream out;
-  out << "// duet: one neural network, two modes. Single-header edition.\n"
-         "// Generated from include/duet by tools/amalgamate.cpp; edit include/, then run\n"
-         "// `cmake --build <build> --target single_include`.\n"
-         "#pragma once\n";
-  std::set<fs::path> seen;
-  inline_file(entry, seen, out);
-  return out.str();
+// The headers outside duet.hpp, each generated beside it at the same relative path.
+const char* const opt_in_headers[] = {"io/safetensors.hpp"};
+
+const char* const banner =
+    "// duet: one neural network, two modes. Single-header edition.\n"
+    "// Generated from include/duet by tools/amalgamate.cpp; edit include/, then run\n"
+    "// `cmake --build <build> --target single_include`.\n"
+    "#pragma once\n";
+
+// Each output's path relative to the output directory, and its text.
+std::vector<std::pair<fs::path, std::string>> amalgamate(const fs::path& from) {
+  std::vector<std::pair<fs::path, std::string>> outputs;
+  std::set<fs::path> in_duet;
+  std::ostringstream duet;
+  duet << banner;
+  inline_file(from / "duet.hpp", in_duet, duet);
+  outputs.emplace_back("duet.hpp", duet.str());
+  for (const fs::path header : opt_in_headers) {
+    std::set<fs::path> seen = in_duet;
+    std::ostringstream out;
+    out << banner << "#include \"" << fs::path("duet.hpp").lexically_relative(header.parent_path()).generic_string()
+        << "\"\n";
+    inline_file(from / header, seen, out);
+    outputs.emplace_back(header, out.str());
+  }
+  return outputs;
 }
 
 std::string read(const fs::path& file) {
@@ -66,22 +85,25 @@ int main(int argc, char** argv) {
   try {
     const bool check = argc == 4 && std::string(argv[1]) == "--check";
     if (argc != 3 && !check) {
-      std::cerr << "usage: duet_amalgamate [--check] <include/duet/duet.hpp> <output>\n";
+      std::cerr << "usage: duet_amalgamate [--check] <include/duet> <single_include/duet>\n";
       return 2;
     }
-    const fs::path entry = argv[check ? 2 : 1];
-    const fs::path output = argv[check ? 3 : 2];
-    const std::string text = amalgamate(entry);
-    if (check) {
-      if (!fs::exists(output) || read(output) != text) {
-        std::cerr << output.string() << " is stale: regenerate it with `cmake --build <build> --target single_include`\n";
-        return 1;
+    const fs::path from = argv[check ? 2 : 1];
+    const fs::path to = argv[check ? 3 : 2];
+    int stale = 0;
+    for (const auto& [name, text] : amalgamate(from)) {
+      const fs::path output = to / name;
+      if (check) {
+        if (!fs::exists(output) || read(output) != text) {
+          std::cerr << output.string() << " is stale: regenerate it with `cmake --build <build> --target single_include`\n";
+          stale = 1;
+        }
+        continue;
       }
-      return 0;
+      fs::create_directories(output.parent_path());
+      std::ofstream(output, std::ios::binary) << text;
     }
-    fs::create_directories(output.parent_path());
-    std::ofstream(output, std::ios::binary) << text;
-    return 0;
+    return stale;
   } catch (const std::exception& e) {
     std::cerr << "duet_amalgamate: " << e.what() << '\n';
     return 2;

@@ -1,4 +1,6 @@
-// duet: one neural network, two modes. Include this header for all of duet.
+// duet: one neural network, two modes. Include this header for all of duet but the headers
+// whose libraries cost every program to parse: <duet/io/safetensors.hpp> (nlohmann/json) and
+// <duet/io/onnx.hpp> (ONNX, protobuf).
 #pragma once
 
 #include "autodiff.hpp"
@@ -19,7 +21,6 @@
 #include "initializer.hpp"
 #include "io/checkpoint.hpp"
 #include "io/idx.hpp"
-#include "io/safetensors.hpp"
 #include "jit.hpp"
 #include "jit_config.hpp"
 #include "memory.hpp"

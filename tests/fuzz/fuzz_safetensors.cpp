@@ -8,6 +8,8 @@
 #include <span>
 #include <vector>
 
+#include <duet/io/safetensors.hpp>
+
 #include "network.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {

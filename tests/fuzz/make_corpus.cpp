@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include <duet/io/safetensors.hpp>
+
 #include "network.hpp"
 
 namespace fs = std::filesystem;
