@@ -215,6 +215,29 @@ TEST_CASE_TEMPLATE("kernels::map applies the functions' vector form, in place or
   }
 }
 
+// The gradient all-reduce's packing (distributed.hpp): each element one IEEE product, so the
+// bits of the scalar loop under every set, in place or not, nothing written past n.
+TEST_CASE_TEMPLATE("kernels::scale multiplies as the scalar loop does, in place or not" * duet_test::every_isa, T, float,
+                   double) {
+  std::mt19937 gen(9);
+  const T a = T(1) / T(3);
+  for (index_t n : lengths) {
+    CAPTURE(n);
+    const auto x = random_values<T>(n, -1e3, 1e3, gen);
+    duet_test::for_each_isa([&] {
+      std::vector<T> y(x.size() + 1, T(7));
+      kernels::scale(x.data(), n, a, y.data());
+      bool same = true;
+      for (std::size_t i = 0; i < x.size(); ++i) same = same && y[i] == x[i] * a;
+      CHECK(same);
+      CHECK(y.back() == T(7));
+      auto in_place = x;
+      kernels::scale(in_place.data(), n, a, in_place.data());
+      CHECK(std::memcmp(in_place.data(), y.data(), x.size() * sizeof(T)) == 0);
+    });
+  }
+}
+
 }  // namespace
 
 }  // namespace tests_kernels_elementwise

@@ -124,7 +124,7 @@ class FormatError : public IOError {
 
 }  // namespace duet
 // Elementwise kernels and the row reductions of softmax cross-entropy: exp, log-sum-exp, the
-// softmax gradient of a row, sums, and a map of vector functions (fn::Relu).
+// softmax gradient of a row, sums, a scaled copy, and a map of vector functions (fn::Relu).
 //
 // Written once (detail/elementwise_impl.hpp) on the vectors of each instruction set, compiled
 // per set below and chosen at run time (simd/isa.hpp, duet::kernel_isa()); a row's tail is one
@@ -2696,6 +2696,14 @@ void exp_step(Target, const T* x, index_t n, T* y) {
 }
 
 template <class T>
+void scale_step(Target, const T* x, index_t n, T a, T* y) {
+  for (index_t i = 0; i < n; i += lanes<T>) {
+    const int count = lanes_from<T>(i, n);
+    store_lanes<T>(y + i, a * load_lanes(x + i, count), count);
+  }
+}
+
+template <class T>
 T sum_step(Target, const T* x, index_t n) {
   Vec<T> s{};
   for (index_t i = 0; i < n; i += lanes<T>) s += load_lanes(x + i, lanes_from<T>(i, n));
@@ -2794,6 +2802,14 @@ void exp_step(Target, const T* x, index_t n, T* y) {
 }
 
 template <class T>
+void scale_step(Target, const T* x, index_t n, T a, T* y) {
+  for (index_t i = 0; i < n; i += lanes<T>) {
+    const int count = lanes_from<T>(i, n);
+    store_lanes<T>(y + i, a * load_lanes(x + i, count), count);
+  }
+}
+
+template <class T>
 T sum_step(Target, const T* x, index_t n) {
   Vec<T> s{};
   for (index_t i = 0; i < n; i += lanes<T>) s += load_lanes(x + i, lanes_from<T>(i, n));
@@ -2888,6 +2904,14 @@ void exp_step(Target, const T* x, index_t n, T* y) {
   for (index_t i = 0; i < n; i += lanes<T>) {
     const int count = lanes_from<T>(i, n);
     store_lanes<T>(y + i, exp<T>(load_lanes(x + i, count)), count);
+  }
+}
+
+template <class T>
+void scale_step(Target, const T* x, index_t n, T a, T* y) {
+  for (index_t i = 0; i < n; i += lanes<T>) {
+    const int count = lanes_from<T>(i, n);
+    store_lanes<T>(y + i, a * load_lanes(x + i, count), count);
   }
 }
 
@@ -2996,6 +3020,12 @@ void softmax_grad(const T* z, index_t n, T lse, index_t label, T scale, T* d) {
 template <VectorElement T>
 void softmax_grad(const T* z, const T* p, index_t n, T lse, T mass, T scale, T* d) {
   detail::with_target(active_isa(), [&](auto target) { softmax_grad_step(target, z, p, n, lse, mass, scale, d); });
+}
+
+// y[i] = a·x[i]; y may be x.
+template <VectorElement T>
+void scale(const T* x, index_t n, T a, T* y) {
+  detail::with_target(active_isa(), [&](auto target) { scale_step(target, x, n, a, y); });
 }
 
 // y[i] = Fns(x[i]), the functions applied in order; y may be x.

@@ -1,5 +1,5 @@
 // Elementwise kernels and the row reductions of softmax cross-entropy: exp, log-sum-exp, the
-// softmax gradient of a row, sums, and a map of vector functions (fn::Relu).
+// softmax gradient of a row, sums, a scaled copy, and a map of vector functions (fn::Relu).
 //
 // Written once (detail/elementwise_impl.hpp) on the vectors of each instruction set, compiled
 // per set below and chosen at run time (simd/isa.hpp, duet::kernel_isa()); a row's tail is one
@@ -78,6 +78,12 @@ void softmax_grad(const T* z, index_t n, T lse, index_t label, T scale, T* d) {
 template <VectorElement T>
 void softmax_grad(const T* z, const T* p, index_t n, T lse, T mass, T scale, T* d) {
   detail::with_target(active_isa(), [&](auto target) { softmax_grad_step(target, z, p, n, lse, mass, scale, d); });
+}
+
+// y[i] = a·x[i]; y may be x.
+template <VectorElement T>
+void scale(const T* x, index_t n, T a, T* y) {
+  detail::with_target(active_isa(), [&](auto target) { scale_step(target, x, n, a, y); });
 }
 
 // y[i] = Fns(x[i]), the functions applied in order; y may be x.

@@ -31,6 +31,14 @@ void exp_step(Target, const T* x, index_t n, T* y) {
 }
 
 template <class T>
+void scale_step(Target, const T* x, index_t n, T a, T* y) {
+  for (index_t i = 0; i < n; i += lanes<T>) {
+    const int count = lanes_from<T>(i, n);
+    store_lanes<T>(y + i, a * load_lanes(x + i, count), count);
+  }
+}
+
+template <class T>
 T sum_step(Target, const T* x, index_t n) {
   Vec<T> s{};
   for (index_t i = 0; i < n; i += lanes<T>) s += load_lanes(x + i, lanes_from<T>(i, n));
