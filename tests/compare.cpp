@@ -200,7 +200,7 @@ TEST_CASE("compare_modes: the seed network agrees with itself, forward and gradi
   CHECK(forward.notes.empty());
   // Flatten, then the three fused products (graph_ir's optimized dump): each paired with PyNative.
   CHECK(forward.values_compared == 4);
-  CHECK(forward.to_string() == "the modes agree (4 values compared)\n");
+  CHECK(forward.to_string() == "the modes agree (4 values compared)");
 
   // With its loss: the forward pass and the loss's nodes, then the gradients of its six
   // parameters.

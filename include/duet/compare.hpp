@@ -371,7 +371,11 @@ inline std::string ModeReport::to_string() const {
        << values.str() << "\n  max abs error " << d.max_abs_error << ", max rel error " << d.max_rel_error << "\n";
   }
   for (const std::string& note : notes) os << "  note: " << note << "\n";
-  return os.str();
+  // Lines end with a newline, the last excepted, so that `std::cout << report << '\n'` prints
+  // no blank line, as printing a tensor does.
+  std::string text = os.str();
+  text.pop_back();
+  return text;
 }
 
 }  // namespace duet
