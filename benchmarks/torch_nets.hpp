@@ -1,4 +1,5 @@
-// The libtorch forms of examples/lenet5.hpp and examples/resnet_fashion.cpp, for the
+// The libtorch forms of examples/network.hpp's seed network, examples/lenet5.hpp and
+// examples/resnet_fashion.cpp, for the
 // references that run beside duet (torch_fashion.cpp, conv.cpp).
 #pragma once
 
@@ -7,6 +8,19 @@
 #include <torch/torch.h>
 
 namespace torch_nets {
+
+// The seed network: Flatten, 784->512, ReLU, 512->512, ReLU, 512->10.
+struct SeedImpl : torch::nn::Module {
+  torch::nn::Linear fc1{784, 512}, fc2{512, 512}, fc3{512, 10};
+
+  SeedImpl() {
+    register_module("fc1", fc1);
+    register_module("fc2", fc2);
+    register_module("fc3", fc3);
+  }
+  torch::Tensor forward(torch::Tensor x) { return fc3(torch::relu(fc2(torch::relu(fc1(x.flatten(1)))))); }
+};
+TORCH_MODULE(Seed);
 
 // conv1 1->6 5x5 pad 2, ReLU, MaxPool 2; conv2 6->16 5x5, ReLU, MaxPool 2; 400->120->84->10.
 struct LeNet5Impl : torch::nn::Module {
