@@ -15,8 +15,8 @@
 // Rank 0 prints and writes the checkpoint.
 //
 // --split-batch K (one process) takes each batch's gradient as `mpirun -np K ... --distributed`
-// does: shard by shard (the loaders' shards), each shard's gradient scaled by its rows, summed
-// in rank order, times 1/rows, as the all-reduce computes it (exactly so for K = 2, where the
+// does: shard by shard (the loaders' shards), each shard's gradient scaled by its share of the
+// rows, summed in rank order, as the all-reduce computes it (exactly so for K = 2, where the
 // order of a sum of two does not matter). It tells summation order apart from any other
 // difference between the ranks and one process (README, "Data parallelism (MPI)").
 #include <sys/resource.h>
@@ -158,25 +158,21 @@ int train(const Options& o, const Group& group, Network& model, Optimizer& optim
       }
       parts.push_back(part);
     }
+    double rows = 0;
+    for (const data::Batch* part : parts) rows += static_cast<double>(part->labels.numel());
     std::vector<Tensor> sums;
     double loss_sum = 0;
-    double rows = 0;
     for (const data::Batch* part : parts) {
       const ValueAndGrads<float> out = value_and_grads(part->images, part->labels);
       const auto n = static_cast<double>(part->labels.numel());
-      const auto scale = static_cast<float>(n);
+      const auto share = static_cast<float>(n / rows);
       for (std::size_t i = 0; i < out.grads.size(); ++i) {
         if (sums.size() == i) sums.emplace_back(out.grads[i].shape());
         float* sum = sums[i].data();
         const float* g = out.grads[i].data();
-        for (index_t j = 0; j < sums[i].numel(); ++j) sum[j] += g[j] * scale;
+        for (index_t j = 0; j < sums[i].numel(); ++j) sum[j] += g[j] * share;
       }
       loss_sum += static_cast<double>(out.value.item()) * n;
-      rows += n;
-    }
-    const auto unscale = static_cast<float>(1.0 / rows);
-    for (Tensor& sum : sums) {
-      for (float& v : sum.values()) v *= unscale;
     }
     optimizer(sums);
     return static_cast<float>(loss_sum / rows);

@@ -199,6 +199,73 @@ TEST_CASE("distributed: a loop written by hand with GradReducer trains as one pr
   }
 }
 
+// A gradient every rank has, of 64 KB or more, is summed in a collective of its own where it
+// is to end (in GradReducer's output, in the parameter's gradient for TrainOneStepCell); the
+// others travel in a bucket. Both give the weighted mean.
+TEST_CASE("distributed: large gradients summed in place and small ones in buckets give the weighted mean") {
+  init_two_ranks();
+  const int rank = distributed::get_rank();
+  set_seed(5);  // the same weights on both ranks
+  SmallNet<1024> net;  // fc1.weight [1024, 16]: 64 KB
+  const std::vector<nn::NamedParameter<float>> params = net.parameters();
+
+  SUBCASE("GradReducer") {
+    set_auto_parallel_context({.parallel_mode = ParallelMode::DATA_PARALLEL, .gradients_mean = true});
+    distributed::GradReducer reducer(params);
+    // Rank r's gradients are (r + 1)·(i mod 7), over 3 rows on rank 0 and 1 on rank 1: the
+    // mean 0.75·a + 0.25·2a = 1.25·a, exact in float.
+    std::vector<Tensor> grads;
+    for (const auto& p : params) {
+      Tensor g = BasicTensor<float>::uninitialized(p.parameter->shape());
+      for (index_t i = 0; i < g.numel(); ++i) g.data()[i] = static_cast<float>((rank + 1) * (i % 7));
+      grads.push_back(g);
+    }
+    const std::vector<Tensor> given = [&] {
+      std::vector<Tensor> copies;
+      for (const Tensor& g : grads) copies.push_back(g.clone());
+      return copies;
+    }();
+    const std::vector<Tensor> reduced = reducer(grads, rank == 0 ? 3 : 1);
+    REQUIRE(reduced.size() == grads.size());
+    for (std::size_t k = 0; k < reduced.size(); ++k) {
+      CAPTURE(params[k].name);
+      bool exact = true;
+      for (index_t i = 0; i < reduced[k].numel(); ++i) exact = exact && reduced[k].data()[i] == 1.25f * static_cast<float>(i % 7);
+      CHECK(exact);
+      CHECK(std::equal(grads[k].values().begin(), grads[k].values().end(), given[k].values().begin()));  // untouched
+    }
+  }
+
+  SUBCASE("TrainOneStepCell") {
+    nn::SoftmaxCrossEntropyWithLogits<true, Reduction::mean> loss;
+    nn::WithLossCell with_loss(net, loss);
+    nn::SGD sgd(net.parameters(), {.learning_rate = 0.1});
+    data::DataLoader shard(small_dataset(), 4, {.shuffle = true, .seed = 7, .num_shards = 2, .shard_id = rank});
+    const data::Batch& batch = *shard.next();
+    // This rank's own gradient, before the step (the weights are rank 0's on both ranks).
+    auto value_and_grads = value_and_grad(with_loss, sgd.parameters());
+    std::vector<Tensor> own;
+    for (const Tensor& g : value_and_grads(batch.images, batch.labels).grads) own.push_back(g.clone());
+    set_auto_parallel_context({.parallel_mode = ParallelMode::DATA_PARALLEL, .gradients_mean = true});
+    nn::TrainOneStepCell step(with_loss, sgd);
+    step(batch.images, batch.labels);
+    const std::vector<nn::Parameter*>& trained = sgd.parameters();
+    REQUIRE(trained.size() == own.size());
+    for (std::size_t k = 0; k < own.size(); ++k) {
+      std::vector<double> mean(own[k].values().begin(), own[k].values().end());
+      distributed::all_reduce_sum(mean);  // equal batches of 4: the mean is half the sum
+      double worst = 0;
+      for (index_t i = 0; i < own[k].numel(); ++i) {
+        const double expected = mean[static_cast<std::size_t>(i)] / 2;
+        worst = std::max(worst, std::abs(trained[k]->grad.data()[i] - expected) / std::max(std::abs(expected), 1e-6));
+      }
+      CHECK(worst <= 1e-6);
+      CHECK(same_on_every_rank(*trained[k]));
+    }
+  }
+  set_auto_parallel_context({.parallel_mode = ParallelMode::STAND_ALONE, .gradients_mean = false});
+}
+
 namespace {
 struct BatchNormNet : nn::Cell<BatchNormNet> {
   nn::Flatten flatten;

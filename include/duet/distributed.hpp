@@ -137,31 +137,63 @@ class MpiRuntime final : public duet::detail::DataParallelRuntime {
     }
   }
 
-  // Gradient buckets start in backward order (the last parameters' gradients are the first
-  // done), each as soon as it is packed, so packing overlaps the buckets already in flight.
+  // The step's weights, losses and the has-it flags go first, in a collective of their own:
+  // from them every rank knows its share of the mean (its weight over the sum) and which
+  // gradients every rank has, so all start the same collectives. A gradient every rank has, of
+  // 64 KB or more, is summed where it is to end (write(i)): this rank's share of it written
+  // there in one pass (none when it is there already and the share is 1), then reduced in
+  // place, in a collective of its own. The rest are packed into buckets in backward order (the
+  // last parameters' gradients are the first done), each started as soon as it is packed, and
+  // copied out after. Packing and unpacking the seed network's 2.68 MB took 13 % of a rank's
+  // step. Scaling before the sum gives, for shares that are powers of two (equal batches over
+  // 2^k ranks), the bits of scaling after it.
   void all_reduce_gradients(std::span<const duet::detail::GradientView> grads, std::span<double> values, bool mean,
                             const std::function<float*(std::size_t)>& write) override {
     // [values..., has it per gradient]
     std::vector<double> meta(values.begin(), values.end());
     for (const duet::detail::GradientView& g : grads) meta.push_back(g.data != nullptr ? 1 : 0);
-    std::vector<MPI_Request> requests(1, MPI_REQUEST_NULL);
+    MPI_Request meta_request = MPI_REQUEST_NULL;
     check(MPI_Iallreduce(MPI_IN_PLACE, meta.data(), static_cast<int>(meta.size()), MPI_DOUBLE, MPI_SUM, comm_,
-                         requests.data()),
+                         &meta_request),
           "all-reducing the step's weights and losses");
+    wait(std::span(&meta_request, 1), "all-reducing the step's weights and losses");
+    const double total = meta[0];
+    const auto share = static_cast<float>(!mean ? values[0] : total > 0 ? values[0] / total : 0.0);
+    const std::size_t flags = values.size();
+    std::copy_n(meta.begin(), values.size(), values.begin());
+
+    std::vector<float*> targets(grads.size(), nullptr);
+    for (std::size_t i = 0; i < grads.size(); ++i) {
+      if (meta[flags + i] > 0) targets[i] = write(i);
+    }
+    constexpr index_t direct_elements = (64 << 10) / sizeof(float);
+    std::vector<MPI_Request> requests;
+    std::vector<std::size_t> bucketed;  // indices, in backward order
+    for (std::size_t i = grads.size(); i-- > 0;) {
+      const duet::detail::GradientView& g = grads[i];
+      if (meta[flags + i] < size_ || g.size < direct_elements) {
+        bucketed.push_back(i);
+        continue;
+      }
+      if (targets[i] != g.data || share != 1) kernels::scale(g.data, g.size, share, targets[i]);
+      requests.push_back(MPI_REQUEST_NULL);
+      check(MPI_Iallreduce(MPI_IN_PLACE, targets[i], static_cast<int>(g.size), MPI_FLOAT, MPI_SUM, comm_,
+                           &requests.back()),
+            "all-reducing the gradients");
+    }
 
     std::vector<index_t> sizes;
-    for (auto g = grads.rbegin(); g != grads.rend(); ++g) sizes.push_back(g->size);
+    for (const std::size_t i : bucketed) sizes.push_back(grads[i].size);
     const std::vector<Bucket> buckets = plan_buckets(sizes, bucket_bytes_);
     gradient_buffers_.resize(buckets.size());
-    const auto scale = static_cast<float>(values[0]);
     for (std::size_t b = 0; b < buckets.size(); ++b) {
       std::vector<float>& buffer = gradient_buffers_[b];
       buffer.resize(static_cast<std::size_t>(buckets[b].elements));
       float* to = buffer.data();
-      for (std::size_t i = buckets[b].first; i < buckets[b].last; ++i) {
-        const duet::detail::GradientView& g = grads[grads.size() - 1 - i];
+      for (std::size_t k = buckets[b].first; k < buckets[b].last; ++k) {
+        const duet::detail::GradientView& g = grads[bucketed[k]];
         if (g.data != nullptr) {
-          kernels::scale(g.data, g.size, scale, to);
+          kernels::scale(g.data, g.size, share, to);
         } else {
           std::fill_n(to, g.size, 0.0f);
         }
@@ -174,17 +206,12 @@ class MpiRuntime final : public duet::detail::DataParallelRuntime {
     }
     wait(requests, "all-reducing the gradients");
 
-    std::copy_n(meta.begin(), values.size(), values.begin());
-    const double total = values[0];
-    const auto unscale = static_cast<float>(!mean ? 1.0 : total > 0 ? 1.0 / total : 0.0);
     for (std::size_t b = 0; b < buckets.size(); ++b) {
       const float* from = gradient_buffers_[b].data();
-      for (std::size_t i = buckets[b].first; i < buckets[b].last; ++i) {
-        const std::size_t index = grads.size() - 1 - i;
-        if (meta[values.size() + index] > 0) {
-          kernels::scale(from, sizes[i], unscale, write(index));
-        }
-        from += sizes[i];
+      for (std::size_t k = buckets[b].first; k < buckets[b].last; ++k) {
+        const std::size_t i = bucketed[k];
+        if (targets[i] != nullptr) std::copy_n(from, grads[i].size, targets[i]);
+        from += grads[i].size;
       }
     }
   }

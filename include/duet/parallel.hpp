@@ -95,9 +95,9 @@ class DataParallelRuntime {
   virtual void broadcast_parameters(const std::vector<nn::NamedParameter<float>>& params) = 0;
   // One step's reduction. `values` are summed over the ranks first, in one collective;
   // values[0] is this rank's weight. Then each gradient (data nullptr: this rank has none,
-  // counted as zeros) times the weight is summed over the ranks, in buckets started in reverse
-  // order (backward's), divided by the summed weight when `mean` (zeros when that is 0), and
-  // written to write(i), for each gradient i that some rank has.
+  // counted as zeros) times the weight, divided by the summed weight when `mean` (zeros when
+  // that is 0), is summed over the ranks, in collectives started in reverse order (backward's),
+  // into write(i), for each gradient i that some rank has.
   virtual void all_reduce_gradients(std::span<const GradientView> grads, std::span<double> values, bool mean,
                                     const std::function<float*(std::size_t)>& write) = 0;
   // Whether `hash` is the same on every rank.
