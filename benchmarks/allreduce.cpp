@@ -15,21 +15,14 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <string>
 #include <vector>
+
+#include "cpu_model.hpp"
 
 namespace {
 
 using namespace duet;
-
-std::string cpu_model() {
-  std::ifstream cpuinfo("/proc/cpuinfo");
-  for (std::string line; std::getline(cpuinfo, line);) {
-    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
-  }
-  return "unknown";
-}
 
 struct Times {
   double best;
@@ -80,7 +73,7 @@ int main() {
     set_seed(1);
     if (distributed::get_rank() == 0) {
       const char* algorithm = std::getenv("OMPI_MCA_coll_libnbc_iallreduce_algorithm");
-      std::printf("%s, %d ranks, %s, libnbc iallreduce algorithm %s\n\n", cpu_model().c_str(),
+      std::printf("%s, %d ranks, %s, libnbc iallreduce algorithm %s\n\n", duet_bench::cpu_model().c_str(),
                   distributed::get_group_size(), kernel_isa().data(), algorithm != nullptr ? algorithm : "(unset)");
       std::printf("| gradients | size | duet best ms | duet median ms | MPI_Allreduce best ms | median ms |\n");
       std::printf("|---|---:|---:|---:|---:|---:|\n");

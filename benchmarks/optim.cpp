@@ -13,22 +13,14 @@
 
 #include <algorithm>
 #include <ctime>
-#include <fstream>
 #include <string>
 #include <vector>
+
+#include "cpu_model.hpp"
 
 namespace {
 
 using namespace duet;
-
-// The CPU's name and the kernels' set, printed in the benchmark's context.
-std::string cpu_model() {
-  std::ifstream cpuinfo("/proc/cpuinfo");
-  for (std::string line; std::getline(cpuinfo, line);) {
-    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
-  }
-  return "unknown";
-}
 
 // The floor: each of `written` arrays gets g added, in one pass. Compiled for each instruction
 // set and chosen when loaded, so the floor does not depend on the flags this file is built with.
@@ -115,7 +107,7 @@ void sgd_momentum(benchmark::State& state, kernels::Isa isa) {
 
 // One row per instruction set the CPU runs, registered before main() runs them.
 [[maybe_unused]] const bool registered = [] {
-  benchmark::AddCustomContext("cpu_model", cpu_model());
+  benchmark::AddCustomContext("cpu_model", duet_bench::cpu_model());
   benchmark::AddCustomContext("kernel_isa", std::string(kernel_isa()));
   for (kernels::Isa isa : kernels::all_isas) {
     if (!kernels::cpu_supports(isa)) continue;
