@@ -179,6 +179,17 @@ struct Scaled : nn::Cell<Scaled> {
   auto construct(auto x) { return fc(x) * scale; }
 };
 
+// At evaluation graph mode folds the BatchNorm into the convolution's weight and bias, which
+// moves the last bits (README, "BatchNorm folding").
+struct ConvNorm : nn::Cell<ConvNorm> {
+  nn::Conv2d<1, 8, 3> conv;
+  nn::BatchNorm2d<8> bn;
+  nn::ReLU relu;
+  nn::Flatten flatten;
+  DUET_CELL_MEMBERS(conv, bn, relu, flatten);
+  auto construct(auto x) { return flatten(relu(bn(conv(x)))); }
+};
+
 using SeedPattern = StaticShape<dyn, 1, 28, 28>;
 
 }  // namespace
@@ -330,6 +341,23 @@ TEST_CASE("compare_modes compares the program graph mode keeps, with the constan
   const ModeDifference& d = *report.difference;
   CHECK(d.stage == "forward");
   CHECK(d.graph == doctest::Approx(2.0 * d.pynative));
+}
+
+TEST_CASE("compare_modes names a folded BatchNorm's node where the folding moves the values") {
+  ConvNorm net;
+  for (index_t c = 0; c < 8; ++c) {
+    net.bn.gamma.data()[c] = 1.7f + 0.1f * static_cast<float>(c);
+    net.bn.moving_mean.data()[c] = 0.1f * static_cast<float>(c);
+    net.bn.moving_variance.data()[c] = 0.3f + 0.05f * static_cast<float>(c);
+  }
+  net.set_train(false);
+  const Tensor x = randn({2, 1, 12, 12}, 4);
+  const ModeReport exact = compare_modes(net, x);
+  CHECK(exact.notes.empty());  // every node paired, the folded one too
+  REQUIRE_FALSE(exact.agree());
+  CHECK(exact.difference->operation == "Conv2d + BatchNorm(folded) + ReLU");
+  CHECK(exact.difference->max_abs_error < 1e-5);  // last bits of values near 1
+  CHECK(compare_modes(net, x, CompareOptions{.rtol = 1e-5, .atol = 1e-6}).agree());
 }
 
 }  // namespace tests_compare

@@ -11671,7 +11671,7 @@ class TracePairing {
     const auto& values = trace_.values();
     for (std::size_t s = next_; s + parts.size() <= steps.size(); ++s) {
       bool same = true;
-      for (std::size_t k = 0; k < parts.size() && same; ++k) same = steps[s + k]->op_name() == parts[k];
+      for (std::size_t k = 0; k < parts.size() && same; ++k) same = stands_for(steps[s + k]->op_name(), parts[k]);
       const pijit::Value& v = values[steps[s + parts.size() - 1]->output];
       if (same && v.shape == shape && v.data != nullptr) {
         next_ = s + parts.size();
@@ -11682,6 +11682,15 @@ class TracePairing {
   }
 
  private:
+  // A folded part ("BatchNorm(folded)", the normalisation taken into a convolution's weight
+  // at evaluation) stands for the PyNative step it replaced ("BatchNorm (moving statistics)"):
+  // compared, so that where the folding moves the values is the node the report names.
+  static bool stands_for(const std::string& step, const std::string& part) {
+    constexpr std::string_view folded = "(folded)";
+    if (part.size() <= folded.size() || !part.ends_with(folded)) return step == part;
+    return step.starts_with(std::string_view(part).substr(0, part.size() - folded.size()));
+  }
+
   const pijit::Trace& trace_;
   std::size_t next_ = 0;
 };
