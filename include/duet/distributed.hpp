@@ -392,9 +392,10 @@ inline void init(const InitConfig& config = {}) {
 #ifdef OPEN_MPI
     // Open MPI's nonblocking all-reduce (libnbc) takes a binomial tree below 4 ranks and for any
     // in-place call, which each of duet's is: the whole buffer goes to one rank and back. Its
-    // ring sends each rank's share once each way; with 2 ranks on this project's machine it
-    // all-reduced the seed network's 2.68 MB in 0.7 ms instead of 1.8 (benchmarks/allreduce.cpp).
-    // A choice of the user's own in the environment stands.
+    // ring sends each rank's share once each way; with 2 ranks on this project's machine an
+    // MPI_Iallreduce of the seed network's 2.68 MB took 0.7 ms instead of 1.7 (duet's whole
+    // gradient all-reduce: benchmarks/allreduce.cpp). A choice of the user's own in the
+    // environment stands.
     setenv("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "1", 0);
 #endif
     // Training steps may run on any thread, one at a time; duet's kernel threads never call MPI.
