@@ -1,6 +1,6 @@
 // The dense kernel alone, on the seed network's layers: backend::Native (kernels::gemm, the
 // epilogue fused in registers) against backend::Eigen (Eigen's product, then the epilogue as
-// an array expression), Native with the weight kept packed between calls (JitLevel::O2), and,
+// an array expression), Native with the weight kept packed between calls (inference graphs at O1 and O2), and,
 // where they are found, OpenBLAS's sgemm and oneDNN's matmul with the same bias and ReLU.
 // Same weights, inputs and epilogues for all.
 //

@@ -64,9 +64,9 @@ void BM_runtime_network_pynative(benchmark::State& state) {
 }
 
 // The latency of a jitted function's first call, the request that would stall a server: without
-// precompile it compiles the form (PSJit: captures and plans; O2: packs each weight; PIJit:
+// precompile it compiles the form (PSJit: captures, plans and packs each weight; PIJit:
 // traces), with it the form was made ahead and the call only runs. A new network per
-// iteration, since O2's packed weights are kept by the parameters; the timer (manual) covers
+// iteration, since packed weights are kept by the parameters; the timer (manual) covers
 // the first call alone. On a shared machine a preempted call weighs on the mean, so the
 // counters give medians: of the first call, and of the second (the same form run again), whose
 // difference is the stall.
@@ -118,7 +118,5 @@ BENCHMARK(BM_pijit<nn::GELU, JitLevel::O1>)->Name("jit/PIJit_gelu_network_O1")->
 
 BENCHMARK(BM_first_call<JitMode::PSJit, JitLevel::O1, false>)->Name("jit/first_call/PSJit_O1")->Arg(1)->Arg(64)->UseManualTime()->Iterations(100);
 BENCHMARK(BM_first_call<JitMode::PSJit, JitLevel::O1, true>)->Name("jit/first_call/PSJit_O1_precompiled")->Arg(1)->Arg(64)->UseManualTime()->Iterations(100);
-BENCHMARK(BM_first_call<JitMode::PSJit, JitLevel::O2, false>)->Name("jit/first_call/PSJit_O2")->Arg(1)->Arg(64)->UseManualTime()->Iterations(100);
-BENCHMARK(BM_first_call<JitMode::PSJit, JitLevel::O2, true>)->Name("jit/first_call/PSJit_O2_precompiled")->Arg(1)->Arg(64)->UseManualTime()->Iterations(100);
 BENCHMARK(BM_first_call<JitMode::PIJit, JitLevel::O1, false>)->Name("jit/first_call/PIJit_O1")->Arg(1)->Arg(64)->UseManualTime()->Iterations(100);
 BENCHMARK(BM_first_call<JitMode::PIJit, JitLevel::O1, true>)->Name("jit/first_call/PIJit_O1_precompiled")->Arg(1)->Arg(64)->UseManualTime()->Iterations(100);

@@ -35,9 +35,9 @@ TEST_CASE("graph_ir shows the captured and the optimised graph") {
             " {\n"
             "  %0 = Input 0 : [?, 1, 28, 28]  [input]\n"
             "  %1 = Flatten(%0) : [?, 784]  [view of %0]  nn::Flatten\n"
-            "  %2 = MatMul + BiasAdd + ReLU(%1) : [?, 512]  [slot 0]  nn::Dense<784, 512> 'dense_relu_sequential.0'\n"
-            "  %3 = MatMul + BiasAdd + ReLU(%2) : [?, 512]  [slot 1]  nn::Dense<512, 512> 'dense_relu_sequential.2'\n"
-            "  %4 = MatMul + BiasAdd(%3) : [?, 10]  [output]  nn::Dense<512, 10> 'dense_relu_sequential.4'\n"
+            "  %2 = PackedMatMul + BiasAdd + ReLU(%1) : [?, 512]  [slot 0]  nn::Dense<784, 512> 'dense_relu_sequential.0'\n"
+            "  %3 = PackedMatMul + BiasAdd + ReLU(%2) : [?, 512]  [slot 1]  nn::Dense<512, 512> 'dense_relu_sequential.2'\n"
+            "  %4 = PackedMatMul + BiasAdd(%3) : [?, 10]  [output]  nn::Dense<512, 10> 'dense_relu_sequential.4'\n"
             "  return %4\n"
             "}\n");
   std::ostringstream printed;
@@ -50,7 +50,7 @@ TEST_CASE("graph_ir's DOT output has one node per graph node and one edge per ar
   const GraphIR ir = graph_ir(net);
   const std::string& dot = ir.optimized.dot;
   CHECK(dot.rfind("digraph \"", 0) == 0);
-  CHECK(dot.find("n2 [label=\"%2 MatMul + BiasAdd + ReLU\\n[?, 512] (slot 0)\\nnn::Dense&lt;784, 512&gt; "
+  CHECK(dot.find("n2 [label=\"%2 PackedMatMul + BiasAdd + ReLU\\n[?, 512] (slot 0)\\nnn::Dense&lt;784, 512&gt; "
                  "'dense_relu_sequential.0'\"];") != std::string::npos);
   CHECK(dot.find("n3 -> n4;") != std::string::npos);
   CHECK(dot.find("n0 [label=\"%0 Input 0\\n[...] (input)\"];") != std::string::npos);
@@ -71,7 +71,7 @@ TEST_CASE("graph_ir's DOT output escapes quotes, backslashes, newlines, <, > and
                                              "\" {\n"
                                              "  node [shape=box, fontname=\"monospace\"];\n"
                                              "  n0 [label=\"%0 Input 0\\n[...] (input)\"];\n"
-                                             "  n1 [label=\"%1 MatMul + BiasAdd\\n[..., 2] (output)\\n" +
+                                             "  n1 [label=\"%1 PackedMatMul + BiasAdd\\n[..., 2] (output)\\n" +
                                              escaped +
                                              "\"];\n"
                                              "  n0 -> n1;\n"
@@ -105,8 +105,8 @@ TEST_CASE("graph_ir of an ambiguous capture shows the trace that runs, not the m
   CHECK(ir.captured.text.find("= MatMul(%0) : [2, 6]  nn::Dense<6, 6> 'wq'\n") != std::string::npos);
   CHECK(ir.captured.text.find("= MatMul(%0) : [2, 6]  nn::Dense<6, 6> 'wk'\n") != std::string::npos);
   CHECK(ir.captured.text.find("= BatchNorm(%") != std::string::npos);
-  CHECK(ir.optimized.text.find("= MatMul + BiasAdd(%0) : [2, 6]  nn::Dense<6, 6> 'wq'\n") != std::string::npos);
-  CHECK(ir.optimized.text.find("= MatMul + BiasAdd(%0) : [2, 6]  nn::Dense<6, 6> 'wk'\n") != std::string::npos);
+  CHECK(ir.optimized.text.find("= PackedMatMul + BiasAdd(%0) : [2, 6]  nn::Dense<6, 6> 'wq'\n") != std::string::npos);
+  CHECK(ir.optimized.text.find("= PackedMatMul + BiasAdd(%0) : [2, 6]  nn::Dense<6, 6> 'wk'\n") != std::string::npos);
   CHECK(ir.optimized.text.find("= BiasAdd(") == std::string::npos);  // fused into the products
   // Tracing ran BatchNorm in training; its moving statistics are as they were.
   CHECK(std::vector<float>(net.bn.moving_mean.data(), net.bn.moving_mean.data() + 6) == moving_mean);
@@ -128,8 +128,8 @@ TEST_CASE("graph_ir of a network built at run time shows the trace graph mode ru
   }
   CHECK(ir.captured.text.find("= MatMul(%0) : [2, 3]") != std::string::npos);
   CHECK(ir.captured.text.find("= ReLU(%") != std::string::npos);
-  CHECK(ir.optimized.text.find("  %3 = MatMul + BiasAdd + ReLU(%0) : [2, 3]  nn::Dense<dyn, dyn> '0'\n"
-                                "  %5 = MatMul + BiasAdd(%3) : [2, 2]  nn::Dense<dyn, dyn> '2'\n  return %5\n") !=
+  CHECK(ir.optimized.text.find("  %3 = PackedMatMul + BiasAdd + ReLU(%0) : [2, 3]  nn::Dense<dyn, dyn> '0'\n"
+                                "  %5 = PackedMatMul + BiasAdd(%3) : [2, 2]  nn::Dense<dyn, dyn> '2'\n  return %5\n") !=
         std::string::npos);
   // What graph mode then runs is that replay, and gives the same values as PyNative mode.
   ModeGuard guard;

@@ -112,8 +112,8 @@ TEST_CASE("graph mode traces a network built at run time once per shape and stru
   CHECK(jit_compile_count() == before + 1);
   // Flatten, then MatMul, BiasAdd (and ReLU) per layer: 9 operations; O1 fuses each layer's.
   CHECK(log_has(log_before, "nn::DynamicSequentialCell in graph mode"));
-  CHECK(log_has(log_before, "traced 9 operations, replays 4 steps: Flatten; MatMul + BiasAdd + ReLU; MatMul + BiasAdd + ReLU; "
-                            "MatMul + BiasAdd)"));
+  CHECK(log_has(log_before, "traced 9 operations, replays 4 steps: Flatten; PackedMatMul + BiasAdd + ReLU; PackedMatMul + BiasAdd + ReLU; "
+                            "PackedMatMul + BiasAdd)"));
   const Tensor wider = randn({8, 3, 4}, 41);
   CHECK(duet_test::values_of(run_in(GRAPH_MODE, net, wider)) == duet_test::values_of(run_in(PYNATIVE_MODE, net, wider)));
   CHECK(jit_compile_count() == before + 2);

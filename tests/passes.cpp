@@ -9,7 +9,7 @@ using duet_test::SeedNetwork;
 
 TEST_CASE("fuse_epilogues folds bias adds and ReLUs into the products") {
   SeedNetwork<> net;
-  auto optimized = passes::optimize(net(graph::input<float, StaticShape<dyn, 1, 28, 28>>()));
+  auto optimized = passes::fuse_epilogues(net(graph::input<float, StaticShape<dyn, 1, 28, 28>>()));
   using G = decltype(optimized)::graph_type;
   static_assert(G::size == 5);
   static_assert(decltype(optimized)::output == 4);
@@ -23,17 +23,23 @@ TEST_CASE("fuse_epilogues folds bias adds and ReLUs into the products") {
   CHECK(graph::get<3>(optimized.graph).op.layer == &net.dense_relu_sequential.get<2>());
 }
 
-TEST_CASE("O2 packs the weights of an inference graph, not of a graph being trained (they change every step)") {
+TEST_CASE("O1 and O2 pack the weights of an inference graph, not of a graph being trained (they change every step)") {
   SeedNetwork<> net;
   auto captured = net(graph::input<float, graph::AnyShape>());
+  constexpr JitConfig o1{.jit_level = O1};
   constexpr JitConfig o2{.jit_level = O2};
-  using Inference = decltype(passes::optimize<o2>(captured))::graph_type;
-  using Training = decltype(passes::optimize<o2, true>(captured))::graph_type;
+  using Inference = decltype(passes::optimize<o1>(captured))::graph_type;
+  using Training = decltype(passes::optimize<o1, true>(captured))::graph_type;
   static_assert(std::is_same_v<graph::node_at<Inference, 2>::op_type,
                                ops::PackedMatMulOp<nn::Dense<784, 512>, true, fn::Relu>>);
   static_assert(std::is_same_v<graph::node_at<Inference, 4>::op_type, ops::PackedMatMulOp<nn::Dense<512, 10>, true>>);
   static_assert(std::is_same_v<graph::node_at<Training, 2>::op_type, ops::MatMulOp<nn::Dense<784, 512>, true, fn::Relu>>);
-  CHECK(graph::get<2>(passes::optimize<o2>(captured).graph).op.layer == &net.dense_relu_sequential.get<0>());
+  static_assert(std::is_same_v<decltype(passes::optimize<o2>(captured)), decltype(passes::optimize<o1>(captured))>);
+  static_assert(std::is_same_v<decltype(passes::optimize<o2, true>(captured)), decltype(passes::optimize<o1, true>(captured))>);
+  static_assert(std::is_same_v<graph::node_at<decltype(passes::optimize<JitConfig{.jit_level = O0}>(captured))::graph_type,
+                                              2>::op_type,
+                               ops::MatMulOp<nn::Dense<784, 512>>>);
+  CHECK(graph::get<2>(passes::optimize<o1>(captured).graph).op.layer == &net.dense_relu_sequential.get<0>());
 }
 
 TEST_CASE("a value read twice is not fused away, and the output is never fused into a later node") {

@@ -145,7 +145,8 @@ struct Eigen {
   }
 
   // dense() with a layer's weight, kept pre-packed from call to call where the backend has a
-  // packed form (JitLevel::O2). Eigen packs inside each product, so here it is dense().
+  // packed form (graphs not trained, at O1 and O2). Eigen packs inside each product, so here
+  // it is dense().
   template <index_t In, index_t Out, class T, class... Fns>
   static void dense_packed(const T* x, index_t rows, index_t in, const nn::BasicParameter<T>& w, index_t out,
                            const Epilogue<T, Fns...>& epilogue, T* y) {

@@ -190,9 +190,13 @@ class TracePairing {
  private:
   // A folded part ("BatchNorm(folded)", the normalisation taken into a convolution's weight
   // at evaluation) stands for the PyNative step it replaced ("BatchNorm (moving statistics)"):
-  // compared, so that where the folding moves the values is the node the report names.
+  // compared, so that where the folding moves the values is the node the report names. A
+  // packed product ("PackedMatMul", its weight read from the packed copy) stands for the
+  // product PyNative ran ("MatMul").
   static bool stands_for(const std::string& step, const std::string& part) {
     constexpr std::string_view folded = "(folded)";
+    constexpr std::string_view packed = "Packed";
+    if (part.starts_with(packed)) return step == std::string_view(part).substr(packed.size());
     if (part.size() <= folded.size() || !part.ends_with(folded)) return step == part;
     return step.starts_with(std::string_view(part).substr(0, part.size() - folded.size()));
   }

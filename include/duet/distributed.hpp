@@ -130,7 +130,7 @@ class MpiRuntime final : public duet::detail::DataParallelRuntime {
       const float* from = buffers[b].data();
       for (std::size_t i = buckets[b].first; i < buckets[b].last; ++i) {
         nn::Parameter& p = *params[i].parameter;
-        // Non-const data() moves the version, so packed weights (O2) are made again.
+        // Non-const data() moves the version, so packed weights are made again.
         std::copy_n(from, p.numel(), p.data());
         from += p.numel();
       }

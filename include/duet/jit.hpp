@@ -3,7 +3,7 @@
 //
 //   auto run_with_jit = duet::jit(run);                                   // function transform
 //   auto run = duet::jit([&](auto x) { return model(x); });               // decorator form
-//   auto fast = duet::jit<duet::JitConfig{.jit_level = duet::O2}>(run);   // with a configuration
+//   auto plain = duet::jit<duet::JitConfig{.jit_level = duet::O0}>(run);  // with a configuration
 //   struct Net : nn::Cell<Net, duet::JitConfig{}> {...};                  // jit on construct
 //
 // Calling a jitted function captures it on symbolic tensors (a compile-time graph), checks and
@@ -466,8 +466,8 @@ class JitFunction : public detail::JitBase {
 
   // Compiles the form for tensor arguments of these dtypes and shapes ahead of the first call,
   // so that call does not stall: by calling the function once on zeros, as the first call
-  // would on its inputs (PIJit traces it; PSJit plans it, on this thread, and at O2 packs the
-  // weights). It counts toward max_compiled_forms and is refused while compiles are frozen; a
+  // would on its inputs (PIJit traces it; PSJit plans it, on this thread, and at O1 and O2
+  // packs the weights). It counts toward max_compiled_forms and is refused while compiles are frozen; a
   // form already compiled is left as it is. What that call changes (a BatchNorm's moving
   // statistics in training, Dropout's generator) is put back, as for a step that does not
   // commit: the zeros leave no trace but the form. Every argument is a tensor of element type T.

@@ -131,8 +131,8 @@ class BasicParameter : public BasicTensor<T> {
   // Whether backward pass `pass` wrote this parameter's gradient (it did not reach it otherwise).
   bool has_grad_from(std::uint64_t pass) const { return grad_pass_ == pass; }
 
-  // A form of the values a kernel computes from them and keeps (the pre-packed weight of
-  // JitLevel::O2, the weight with a BatchNorm folded in): make() runs on first use, and again
+  // A form of the values a kernel computes from them and keeps (the pre-packed weight of an
+  // inference graph, the weight with a BatchNorm folded in): make() runs on first use, and again
   // whenever the values, or any of the tensors in `also` that the form is made from too, may
   // have changed since (version(), which optimisers, set_data, checkpoint loading and any
   // non-const access move), so a stale form is never returned. One form per parameter; safe

@@ -6,8 +6,8 @@
 //   views                          is_view nodes get no buffer (evaluator's plan)
 //   fuse_epilogues                 bias adds and activations move into the product before them,
 //                                  elementwise chains become one pass (O1 and O2)
-//   pack_weights                   products keep their weights pre-packed between calls (O2,
-//                                  inference graphs)
+//   pack_weights                   products keep their weights pre-packed between calls (O1 and
+//                                  O2, graphs not being trained)
 #pragma once
 
 #include <array>
@@ -210,7 +210,7 @@ auto pack_weights(const graph::Sym<G, Out>& program) {
 template <JitConfig Config = JitConfig{}, bool Differentiated = false, class G, std::size_t Out>
 auto optimize(const graph::Sym<G, Out>& program) {
   if constexpr (Config.jit_level == JitLevel::O0) return program;
-  else if constexpr (Config.jit_level == JitLevel::O1 || Differentiated) return fuse_epilogues<Differentiated>(program);
+  else if constexpr (Differentiated) return fuse_epilogues<Differentiated>(program);
   else return pack_weights(fuse_epilogues<Differentiated>(program));
 }
 

@@ -2,7 +2,8 @@
 // function eagerly under a trace (trace.hpp); the trace is then optimised as the jit level
 // says, as graph mode's passes do (O1: each op takes the ops after it as its epilogue by its
 // own rules, a product its bias into its kernel and then activations, an elementwise op the
-// functions after it; O2: products also keep their weights packed between calls), and planned
+// functions after it, and, unless the function trains, products keep their weights packed
+// between calls), and planned
 // (intermediate values in reused slots of one arena), and later calls replay it: one call per
 // step, no virtual cell dispatch, no hooks to look up, no allocation once warm.
 //
@@ -86,7 +87,7 @@ class EpilogueChain final : public Step {
   }
 
   std::unique_ptr<Step> head_;
-  // Shared, so that a chain with its head's weight packed (O2) is made without copying steps.
+  // Shared, so that a chain with its head's weight packed is made without copying steps.
   std::vector<std::shared_ptr<Step>> tail_;
 };
 
@@ -100,7 +101,9 @@ class Replay {
         output_(output),
         traced_steps_(steps_.size()) {
     if (level != JitLevel::O0) fuse();
-    if (level == JitLevel::O2) pack_weights();
+    // A trace that trains writes its weights between calls: packing them would be one more
+    // pass over each weight per call (graph mode's passes skip training graphs too).
+    if (level != JitLevel::O0 && !trace.differentiates()) pack_weights();
     layout();
   }
 

@@ -93,7 +93,7 @@ class Step {
   // Whether it rounds differently from the steps it replaced (a BatchNorm folded into a
   // convolution's weight): its results agree with theirs within a tolerance, not bit for bit.
   virtual bool rounds_differently() const { return false; }
-  // This step reading its weight packed between calls (JitLevel::O2), if it has a weight.
+  // This step reading its weight packed between calls (JitLevel O1 and O2), if it has a weight.
   virtual std::unique_ptr<Step> with_packed_weight() const = 0;
   virtual bool is_view() const = 0;
   virtual bool runs_kernel() const = 0;
@@ -302,6 +302,7 @@ class Trace {
   // A backward pass begins (parameters' gradients are assigned afresh from here): a step, so
   // that each replay begins its own.
   void record_backward_pass() {
+    differentiates_ = true;
     auto step = std::make_unique<BackwardPassStep>();
     step->output = values_.size();
     values_.push_back(Value{});
@@ -311,6 +312,10 @@ class Trace {
   // The traced function is a whole training step, whose parameters' gradients are written in
   // place by its gradient ops: those are steps to replay, not breaks.
   void allow_parameter_gradients() { parameter_gradients_ = true; }
+
+  // Whether the traced function differentiates (a backward pass began in it): its weights are
+  // then those being trained, written between calls.
+  bool differentiates() const { return differentiates_; }
 
   // The value a tensor is, or nothing if the trace never saw it.
   template <class T>
@@ -403,6 +408,7 @@ class Trace {
   std::vector<std::string> running_;
   std::string broken_;
   bool parameter_gradients_ = false;
+  bool differentiates_ = false;
   bool keep_values_ = false;
 };
 

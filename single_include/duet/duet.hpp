@@ -4007,8 +4007,8 @@ class BasicParameter : public BasicTensor<T> {
   // Whether backward pass `pass` wrote this parameter's gradient (it did not reach it otherwise).
   bool has_grad_from(std::uint64_t pass) const { return grad_pass_ == pass; }
 
-  // A form of the values a kernel computes from them and keeps (the pre-packed weight of
-  // JitLevel::O2, the weight with a BatchNorm folded in): make() runs on first use, and again
+  // A form of the values a kernel computes from them and keeps (the pre-packed weight of an
+  // inference graph, the weight with a BatchNorm folded in): make() runs on first use, and again
   // whenever the values, or any of the tensors in `also` that the form is made from too, may
   // have changed since (version(), which optimisers, set_data, checkpoint loading and any
   // non-const access move), so a stale form is never returned. One form per parameter; safe
@@ -4214,7 +4214,8 @@ struct Eigen {
   }
 
   // dense() with a layer's weight, kept pre-packed from call to call where the backend has a
-  // packed form (JitLevel::O2). Eigen packs inside each product, so here it is dense().
+  // packed form (graphs not trained, at O1 and O2). Eigen packs inside each product, so here
+  // it is dense().
   template <index_t In, index_t Out, class T, class... Fns>
   static void dense_packed(const T* x, index_t rows, index_t in, const nn::BasicParameter<T>& w, index_t out,
                            const Epilogue<T, Fns...>& epilogue, T* y) {
@@ -6156,9 +6157,12 @@ namespace duet {
 
 // Optimisation level. O0 runs the captured graph kernel by kernel (views are still aliases and
 // nothing is dispatched or allocated per node); O1 adds fusion of elementwise chains and of
-// bias/activation epilogues into the products; O2 also keeps each product's weight packed
-// between calls (packed again only after the weight is written), which spares a batched
-// forward pass the packing of every weight. All three give the same numbers.
+// bias/activation epilogues into the products and, in graphs that do not train, keeps each
+// product's weight packed between calls (packed again only after the weight is written; the
+// copy costs the weight's size again), which spares a batched forward pass the packing of
+// every weight: 7 to 10 % of a batch of 64 on the seed network. O2 is O1: what MindSpore's O2
+// adds, the whole graph sunk into one call, is ExecMode::sink here, the default at every
+// level. All three give the same numbers.
 enum class JitLevel : unsigned char { O0, O1, O2 };
 
 // How much of C++ a jitted function (or a cell's construct) may use. strict: anything that is
@@ -6584,7 +6588,7 @@ auto evaluate(const graph::Sym<G, Out>& program, const Inputs&... inputs) {
 //
 //   auto run_with_jit = duet::jit(run);                                   // function transform
 //   auto run = duet::jit([&](auto x) { return model(x); });               // decorator form
-//   auto fast = duet::jit<duet::JitConfig{.jit_level = duet::O2}>(run);   // with a configuration
+//   auto plain = duet::jit<duet::JitConfig{.jit_level = duet::O0}>(run);  // with a configuration
 //   struct Net : nn::Cell<Net, duet::JitConfig{}> {...};                  // jit on construct
 //
 // Calling a jitted function captures it on symbolic tensors (a compile-time graph), checks and
@@ -6952,7 +6956,7 @@ class Step {
   // Whether it rounds differently from the steps it replaced (a BatchNorm folded into a
   // convolution's weight): its results agree with theirs within a tolerance, not bit for bit.
   virtual bool rounds_differently() const { return false; }
-  // This step reading its weight packed between calls (JitLevel::O2), if it has a weight.
+  // This step reading its weight packed between calls (JitLevel O1 and O2), if it has a weight.
   virtual std::unique_ptr<Step> with_packed_weight() const = 0;
   virtual bool is_view() const = 0;
   virtual bool runs_kernel() const = 0;
@@ -7161,6 +7165,7 @@ class Trace {
   // A backward pass begins (parameters' gradients are assigned afresh from here): a step, so
   // that each replay begins its own.
   void record_backward_pass() {
+    differentiates_ = true;
     auto step = std::make_unique<BackwardPassStep>();
     step->output = values_.size();
     values_.push_back(Value{});
@@ -7170,6 +7175,10 @@ class Trace {
   // The traced function is a whole training step, whose parameters' gradients are written in
   // place by its gradient ops: those are steps to replay, not breaks.
   void allow_parameter_gradients() { parameter_gradients_ = true; }
+
+  // Whether the traced function differentiates (a backward pass began in it): its weights are
+  // then those being trained, written between calls.
+  bool differentiates() const { return differentiates_; }
 
   // The value a tensor is, or nothing if the trace never saw it.
   template <class T>
@@ -7262,6 +7271,7 @@ class Trace {
   std::vector<std::string> running_;
   std::string broken_;
   bool parameter_gradients_ = false;
+  bool differentiates_ = false;
   bool keep_values_ = false;
 };
 
@@ -8444,8 +8454,8 @@ auto host(F&& fn, X&& x, SourceLocation where = SourceLocation::current()) {
 //   views                          is_view nodes get no buffer (evaluator's plan)
 //   fuse_epilogues                 bias adds and activations move into the product before them,
 //                                  elementwise chains become one pass (O1 and O2)
-//   pack_weights                   products keep their weights pre-packed between calls (O2,
-//                                  inference graphs)
+//   pack_weights                   products keep their weights pre-packed between calls (O1 and
+//                                  O2, graphs not being trained)
 
 #include <array>
 #include <cstddef>
@@ -8644,7 +8654,7 @@ auto pack_weights(const graph::Sym<G, Out>& program) {
 template <JitConfig Config = JitConfig{}, bool Differentiated = false, class G, std::size_t Out>
 auto optimize(const graph::Sym<G, Out>& program) {
   if constexpr (Config.jit_level == JitLevel::O0) return program;
-  else if constexpr (Config.jit_level == JitLevel::O1 || Differentiated) return fuse_epilogues<Differentiated>(program);
+  else if constexpr (Differentiated) return fuse_epilogues<Differentiated>(program);
   else return pack_weights(fuse_epilogues<Differentiated>(program));
 }
 
@@ -8653,7 +8663,8 @@ auto optimize(const graph::Sym<G, Out>& program) {
 // function eagerly under a trace (trace.hpp); the trace is then optimised as the jit level
 // says, as graph mode's passes do (O1: each op takes the ops after it as its epilogue by its
 // own rules, a product its bias into its kernel and then activations, an elementwise op the
-// functions after it; O2: products also keep their weights packed between calls), and planned
+// functions after it, and, unless the function trains, products keep their weights packed
+// between calls), and planned
 // (intermediate values in reused slots of one arena), and later calls replay it: one call per
 // step, no virtual cell dispatch, no hooks to look up, no allocation once warm.
 //
@@ -8731,7 +8742,7 @@ class EpilogueChain final : public Step {
   }
 
   std::unique_ptr<Step> head_;
-  // Shared, so that a chain with its head's weight packed (O2) is made without copying steps.
+  // Shared, so that a chain with its head's weight packed is made without copying steps.
   std::vector<std::shared_ptr<Step>> tail_;
 };
 
@@ -8745,7 +8756,9 @@ class Replay {
         output_(output),
         traced_steps_(steps_.size()) {
     if (level != JitLevel::O0) fuse();
-    if (level == JitLevel::O2) pack_weights();
+    // A trace that trains writes its weights between calls: packing them would be one more
+    // pass over each weight per call (graph mode's passes skip training graphs too).
+    if (level != JitLevel::O0 && !trace.differentiates()) pack_weights();
     layout();
   }
 
@@ -9414,8 +9427,8 @@ class JitFunction : public detail::JitBase {
 
   // Compiles the form for tensor arguments of these dtypes and shapes ahead of the first call,
   // so that call does not stall: by calling the function once on zeros, as the first call
-  // would on its inputs (PIJit traces it; PSJit plans it, on this thread, and at O2 packs the
-  // weights). It counts toward max_compiled_forms and is refused while compiles are frozen; a
+  // would on its inputs (PIJit traces it; PSJit plans it, on this thread, and at O1 and O2
+  // packs the weights). It counts toward max_compiled_forms and is refused while compiles are frozen; a
   // form already compiled is left as it is. What that call changes (a BatchNorm's moving
   // statistics in training, Dropout's generator) is put back, as for a step that does not
   // commit: the zeros leave no trace but the form. Every argument is a tensor of element type T.
@@ -11684,9 +11697,13 @@ class TracePairing {
  private:
   // A folded part ("BatchNorm(folded)", the normalisation taken into a convolution's weight
   // at evaluation) stands for the PyNative step it replaced ("BatchNorm (moving statistics)"):
-  // compared, so that where the folding moves the values is the node the report names.
+  // compared, so that where the folding moves the values is the node the report names. A
+  // packed product ("PackedMatMul", its weight read from the packed copy) stands for the
+  // product PyNative ran ("MatMul").
   static bool stands_for(const std::string& step, const std::string& part) {
     constexpr std::string_view folded = "(folded)";
+    constexpr std::string_view packed = "Packed";
+    if (part.starts_with(packed)) return step == std::string_view(part).substr(packed.size());
     if (part.size() <= folded.size() || !part.ends_with(folded)) return step == part;
     return step.starts_with(std::string_view(part).substr(0, part.size() - folded.size()));
   }
@@ -15300,7 +15317,7 @@ struct MatMulOp : Primitive<MatMulOp<Layer, Bias, Fns...>> {
     product<Backend, T, false>(a);
   }
 
-  // The same product with the weight kept pre-packed between calls (JitLevel::O2).
+  // The same product with the weight kept pre-packed between calls (inference graphs at O1 and O2).
   auto with_packed_weight() const { return PackedMatMulOp<Layer, Bias, Fns...>{{layer, fns}}; }
 
   // Takes this layer's bias first (if it has one), then any elementwise functions.

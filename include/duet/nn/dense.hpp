@@ -63,7 +63,7 @@ struct MatMulOp : Primitive<MatMulOp<Layer, Bias, Fns...>> {
     product<Backend, T, false>(a);
   }
 
-  // The same product with the weight kept pre-packed between calls (JitLevel::O2).
+  // The same product with the weight kept pre-packed between calls (inference graphs at O1 and O2).
   auto with_packed_weight() const { return PackedMatMulOp<Layer, Bias, Fns...>{{layer, fns}}; }
 
   // Takes this layer's bias first (if it has one), then any elementwise functions.
