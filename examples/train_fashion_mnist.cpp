@@ -120,8 +120,9 @@ void sum_over_ranks([[maybe_unused]] const Group& group, [[maybe_unused]] std::s
 #endif
 }
 
-template <class Optimizer>
-int train(const Options& o, const Group& group, Network& model, Optimizer& optimizer) {
+// The optimiser through its base class: the step calls its update through one virtual call per
+// parameter, and this function compiles once, not once per optimiser type.
+int train(const Options& o, const Group& group, Network& model, duet::nn::BasicOptimizer<float>& optimizer) {
   using namespace duet;
   nn::SoftmaxCrossEntropyWithLogits<true, Reduction::mean> loss;
   nn::WithLossCell with_loss(model, loss);
