@@ -60,6 +60,12 @@ TEST_CASE("O1's and O2's graphs read packed weights, O0's does not") {
     CHECK(optimized.find("PackedMatMul + BiasAdd + ReLU(%1)") != std::string::npos);
     CHECK(optimized.find("PackedMatMul + BiasAdd(%3)") != std::string::npos);
   }
+  // Without a config of its own, graph_ir shows the level the cell is compiled at (it showed
+  // the default level's packed, fused graph for a cell compiled at O0).
+  SeedNetwork<o0_config> plain;
+  const std::string unfused = graph_ir(plain).optimized.text;
+  CHECK(unfused.find("= MatMul(%1)") != std::string::npos);
+  CHECK(unfused.find("Packed") == std::string::npos);
 }
 
 TEST_CASE("a packed weight is packed again after an optimiser step, set_data, a write, a load or a new parameter") {

@@ -449,6 +449,14 @@ constexpr JitConfig jit_config_of_setting() {
   if constexpr (std::is_same_v<std::remove_cvref_t<decltype(Setting)>, JitConfig>) return Setting;
   else return JitConfig{};
 }
+
+// How graph mode compiles network Net: its own JitConfig (nn::Cell<Net, JitConfig{...}>), else
+// the default one (a cell that follows the context, a network built at run time).
+template <class Net>
+constexpr JitConfig graph_config_of() {
+  if constexpr (requires { Net::jit_config; }) return Net::jit_config;
+  else return JitConfig{};
+}
 }  // namespace detail
 
 // What a user's network derives from. Setting fixes how the cell runs whatever the context:

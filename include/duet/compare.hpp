@@ -217,12 +217,6 @@ class ContextModeScope {
   Mode saved_;
 };
 
-template <class Net>
-constexpr JitConfig graph_config_of() {
-  if constexpr (requires { Net::jit_config; }) return Net::jit_config;
-  else return JitConfig{};
-}
-
 // The forward pass in both modes, node by node. Each run is a step that does not commit, so
 // both start from the network as it was (BatchNorm's statistics, Dropout's generator) and
 // leave it so.
@@ -242,7 +236,7 @@ void compare_forward(ModeReport& report, Net& net, const CompareOptions& options
     pynative_out = std::apply([&](const auto&... in) { return BasicTensor<T>(net(in...)); }, inputs);
   }
 
-  constexpr JitConfig Config = graph_config_of<Net>();
+  constexpr JitConfig Config = nn::detail::graph_config_of<Net>();
   // The program the cell's own graph-mode calls run, kept since the first of them: a value
   // construct read then (a member flag, a scale) is a constant of it, and may differ from
   // what PyNative reads now; capturing afresh would hide that.

@@ -199,7 +199,7 @@ GraphIR graph_ir_of(C& cell, Pattern) {
 // that runs instead: for a capture that is ambiguous (README, Guarantees: "Shared values in
 // graph mode") and for a network built at run time (nn::DynamicSequentialCell, a class
 // deriving from nn::DynamicCell), which has no construct to capture.
-template <JitConfig Config = JitConfig{}, class C, class Pattern = graph::AnyShape>
+template <JitConfig Config, class C, class Pattern = graph::AnyShape>
 GraphIR graph_ir(C& cell, Pattern = {}) {
   // A tensor here failed deep inside with "'value' is not a member of BasicTensor".
   if constexpr (!requires { Shape(Pattern::value); }) {
@@ -210,6 +210,13 @@ GraphIR graph_ir(C& cell, Pattern = {}) {
   } else {
     return detail::graph_ir_of<Config>(cell, Pattern{});
   }
+}
+
+// At the level graph mode compiles the cell at: its own JitConfig (nn::Cell<Net, JitConfig{...}>),
+// else the default. It showed the default level's graph for a cell compiled at O0.
+template <class C, class Pattern = graph::AnyShape>
+GraphIR graph_ir(C& cell, Pattern pattern = {}) {
+  return graph_ir<nn::detail::graph_config_of<C>()>(cell, pattern);
 }
 
 // What graph mode runs: std::cout << duet::graph_ir(net, duet::shape<duet::dyn, 784>).

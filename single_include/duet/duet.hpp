@@ -10062,6 +10062,14 @@ constexpr JitConfig jit_config_of_setting() {
   if constexpr (std::is_same_v<std::remove_cvref_t<decltype(Setting)>, JitConfig>) return Setting;
   else return JitConfig{};
 }
+
+// How graph mode compiles network Net: its own JitConfig (nn::Cell<Net, JitConfig{...}>), else
+// the default one (a cell that follows the context, a network built at run time).
+template <class Net>
+constexpr JitConfig graph_config_of() {
+  if constexpr (requires { Net::jit_config; }) return Net::jit_config;
+  else return JitConfig{};
+}
 }  // namespace detail
 
 // What a user's network derives from. Setting fixes how the cell runs whatever the context:
@@ -11724,12 +11732,6 @@ class ContextModeScope {
   Mode saved_;
 };
 
-template <class Net>
-constexpr JitConfig graph_config_of() {
-  if constexpr (requires { Net::jit_config; }) return Net::jit_config;
-  else return JitConfig{};
-}
-
 // The forward pass in both modes, node by node. Each run is a step that does not commit, so
 // both start from the network as it was (BatchNorm's statistics, Dropout's generator) and
 // leave it so.
@@ -11749,7 +11751,7 @@ void compare_forward(ModeReport& report, Net& net, const CompareOptions& options
     pynative_out = std::apply([&](const auto&... in) { return BasicTensor<T>(net(in...)); }, inputs);
   }
 
-  constexpr JitConfig Config = graph_config_of<Net>();
+  constexpr JitConfig Config = nn::detail::graph_config_of<Net>();
   // The program the cell's own graph-mode calls run, kept since the first of them: a value
   // construct read then (a member flag, a scale) is a constant of it, and may differ from
   // what PyNative reads now; capturing afresh would hide that.
@@ -12865,7 +12867,7 @@ GraphIR graph_ir_of(C& cell, Pattern) {
 // that runs instead: for a capture that is ambiguous (README, Guarantees: "Shared values in
 // graph mode") and for a network built at run time (nn::DynamicSequentialCell, a class
 // deriving from nn::DynamicCell), which has no construct to capture.
-template <JitConfig Config = JitConfig{}, class C, class Pattern = graph::AnyShape>
+template <JitConfig Config, class C, class Pattern = graph::AnyShape>
 GraphIR graph_ir(C& cell, Pattern = {}) {
   // A tensor here failed deep inside with "'value' is not a member of BasicTensor".
   if constexpr (!requires { Shape(Pattern::value); }) {
@@ -12876,6 +12878,13 @@ GraphIR graph_ir(C& cell, Pattern = {}) {
   } else {
     return detail::graph_ir_of<Config>(cell, Pattern{});
   }
+}
+
+// At the level graph mode compiles the cell at: its own JitConfig (nn::Cell<Net, JitConfig{...}>),
+// else the default. It showed the default level's graph for a cell compiled at O0.
+template <class C, class Pattern = graph::AnyShape>
+GraphIR graph_ir(C& cell, Pattern pattern = {}) {
+  return graph_ir<nn::detail::graph_config_of<C>()>(cell, pattern);
 }
 
 // What graph mode runs: std::cout << duet::graph_ir(net, duet::shape<duet::dyn, 784>).
