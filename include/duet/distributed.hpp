@@ -63,6 +63,9 @@ struct InitConfig {
   std::optional<double> timeout_seconds = std::nullopt;
   // Gradients and parameters travel in buffers of about this size, each its own collective.
   std::size_t bucket_bytes = std::size_t{4} << 20;
+  // nn::TrainOneStepCell starts summing gradients while backward still runs (from its second
+  // step: the first counts each gradient's writes). false: after backward, as GradReducer does.
+  bool overlap_backward = true;
 };
 
 namespace detail {
@@ -94,8 +97,9 @@ class MpiRuntime final : public duet::detail::DataParallelRuntime {
   // training early and sums its metrics while another still trains must not have the two
   // collectives matched with each other (MPI fails that inside, with its own message, or mixes
   // the data); apart, both time out with duet's.
-  MpiRuntime(MPI_Comm comm, MPI_Comm sums_comm, double timeout_seconds, std::size_t bucket_bytes)
-      : comm_(comm), sums_comm_(sums_comm), timeout_seconds_(timeout_seconds), bucket_bytes_(bucket_bytes) {
+  MpiRuntime(MPI_Comm comm, MPI_Comm sums_comm, double timeout_seconds, std::size_t bucket_bytes, bool overlap)
+      : comm_(comm), sums_comm_(sums_comm), timeout_seconds_(timeout_seconds), bucket_bytes_(bucket_bytes),
+        overlap_(overlap) {
     MPI_Comm_rank(comm_, &rank_);
     MPI_Comm_size(comm_, &size_);
   }
@@ -224,6 +228,33 @@ class MpiRuntime final : public duet::detail::DataParallelRuntime {
     return bounds[0] == ~bounds[1];
   }
 
+  void start_sum(float* data, index_t n) override {
+    started_.push_back(MPI_REQUEST_NULL);
+    check(MPI_Iallreduce(MPI_IN_PLACE, data, static_cast<int>(n), MPI_FLOAT, MPI_SUM, comm_, &started_.back()),
+          "all-reducing the gradients");
+  }
+
+  void start_sum(std::span<double> values) override {
+    started_.push_back(MPI_REQUEST_NULL);
+    check(MPI_Iallreduce(MPI_IN_PLACE, values.data(), static_cast<int>(values.size()), MPI_DOUBLE, MPI_SUM, comm_,
+                         &started_.back()),
+          "all-reducing the step's values");
+  }
+
+  void test_sums() override {
+    int done = 0;
+    check(MPI_Testall(static_cast<int>(started_.size()), started_.data(), &done, MPI_STATUSES_IGNORE),
+          "all-reducing the gradients");
+  }
+
+  void wait_sums(std::string_view what) override {
+    wait(started_, what);
+    started_.clear();
+  }
+
+  bool overlaps_backward() const override { return overlap_ && size_ > 1; }
+  std::size_t bucket_bytes() const override { return bucket_bytes_; }
+
   void all_reduce_sum(std::span<double> values) override {
     MPI_Request request = MPI_REQUEST_NULL;
     check(MPI_Iallreduce(MPI_IN_PLACE, values.data(), static_cast<int>(values.size()), MPI_DOUBLE, MPI_SUM,
@@ -326,6 +357,8 @@ class MpiRuntime final : public duet::detail::DataParallelRuntime {
   int size_ = 1;
   double timeout_seconds_;
   std::size_t bucket_bytes_;
+  bool overlap_;
+  std::vector<MPI_Request> started_;  // start_sum's, until wait_sums
   std::vector<std::vector<float>> gradient_buffers_;  // kept, so steps do not allocate them again
 };
 
@@ -415,7 +448,8 @@ inline void init(const InitConfig& config = {}) {
     // Errors come back as codes, which become CommunicationError, instead of aborting in MPI.
     MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
   }
-  detail::runtime_storage() = std::make_unique<detail::MpiRuntime>(comms[0], comms[1], timeout, config.bucket_bytes);
+  detail::runtime_storage() = std::make_unique<detail::MpiRuntime>(comms[0], comms[1], timeout, config.bucket_bytes,
+                                                                config.overlap_backward);
   duet::detail::data_parallel_runtime().store(detail::runtime_storage().get(), std::memory_order_release);
   // An exception leaving main would otherwise end this rank alone, and the others would wait
   // for it until their timeout.

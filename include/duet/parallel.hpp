@@ -12,10 +12,12 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "backend.hpp"
 #include "error.hpp"
+#include "kernels/elementwise.hpp"
 #include "parameter.hpp"
 #include "tensor.hpp"
 
@@ -102,6 +104,17 @@ class DataParallelRuntime {
                                     const std::function<float*(std::size_t)>& write) = 0;
   // Whether `hash` is the same on every rank.
   virtual bool same_on_every_rank(std::uint64_t hash) = 0;
+  // Nonblocking sums over the ranks, in place, each a collective of its own that every rank
+  // starts in the same order (OverlappedReduction's). test_sums moves the started ones on
+  // without waiting; wait_sums waits for all of them, within the timeout.
+  virtual void start_sum(float* data, index_t n) = 0;
+  virtual void start_sum(std::span<double> values) = 0;
+  virtual void test_sums() = 0;
+  virtual void wait_sums(std::string_view what) = 0;
+  // Whether training steps sum their gradients while backward runs (OverlappedReduction), and
+  // in buffers of about how many bytes.
+  virtual bool overlaps_backward() const = 0;
+  virtual std::size_t bucket_bytes() const = 0;
   // Each value becomes its sum over the ranks.
   virtual void all_reduce_sum(std::span<double> values) = 0;
 };
@@ -178,18 +191,22 @@ BatchShare batch_share(const Loss& loss, const Labels& labels, index_t rows, std
 // frozen weights, stay exactly as they are: the sums are in double, where n * x is exact.
 // With gradients_mean the gradients are the global batch's; without, their sum over the ranks
 // (MindSpore's default).
-inline void all_reduce_step(DataParallelRuntime& runtime, std::span<const GradientView> grads,
-                            const std::function<float*(std::size_t)>& write, std::span<float> loss,
-                            const std::vector<nn::Parameter*>& buffers, const BatchShare& share, bool gradients_mean) {
-  const bool weighted = gradients_mean && !share.summed;
+// [gradient weight, loss weight, rows, weighted losses..., weighted buffers...]: what a step's
+// ranks sum besides the gradients (all_reduce_step).
+inline std::vector<double> step_values(std::span<const float> loss, const std::vector<nn::Parameter*>& buffers,
+                                       const BatchShare& share, bool weighted) {
   const double loss_weight = share.summed ? 1.0 : share.counted_rows;
-  // [gradient weight, loss weight, rows, weighted losses..., weighted buffers...]
   std::vector<double> values{weighted ? share.counted_rows : 1.0, loss_weight, share.rows};
   for (const float l : loss) values.push_back(static_cast<double>(l) * loss_weight);
   for (const nn::Parameter* b : buffers) {
     for (const float v : b->values()) values.push_back(static_cast<double>(v) * share.rows);
   }
-  runtime.all_reduce_gradients(grads, values, weighted, write);
+  return values;
+}
+
+// The losses and buffers from step_values summed over the ranks.
+inline void apply_step_values(std::span<const double> values, std::span<float> loss,
+                              const std::vector<nn::Parameter*>& buffers, const BatchShare& share) {
   const double counted = values[1];
   std::size_t k = 3;
   for (float& l : loss) {
@@ -203,6 +220,219 @@ inline void all_reduce_step(DataParallelRuntime& runtime, std::span<const Gradie
     }
   }
 }
+
+inline void all_reduce_step(DataParallelRuntime& runtime, std::span<const GradientView> grads,
+                            const std::function<float*(std::size_t)>& write, std::span<float> loss,
+                            const std::vector<nn::Parameter*>& buffers, const BatchShare& share, bool gradients_mean) {
+  const bool weighted = gradients_mean && !share.summed;
+  std::vector<double> values = step_values(loss, buffers, share, weighted);
+  runtime.all_reduce_gradients(grads, values, weighted, write);
+  apply_step_values(values, loss, buffers, share);
+}
+
+// Counts each parameter's gradient writes in a backward pass: what OverlappedReduction needs
+// to know when a gradient is final. index maps a parameter to its place in the optimiser's list.
+class GradientWriteCounter final : public GradientObserver {
+ public:
+  GradientWriteCounter(const std::unordered_map<const void*, std::size_t>& index, std::vector<int>& writes)
+      : index_(index), writes_(writes) {
+    writes_.assign(index_.size(), 0);
+  }
+  void will_write(const void* parameter) override {
+    if (const auto it = index_.find(parameter); it != index_.end()) ++writes_[it->second];
+  }
+  void writes_done() override {}
+
+ private:
+  const std::unordered_map<const void*, std::size_t>& index_;
+  std::vector<int>& writes_;
+};
+
+// Sets the calling thread's gradient observer for its lifetime.
+class GradientObserverScope {
+ public:
+  explicit GradientObserverScope(GradientObserver* observer) : saved_(gradient_observer()) {
+    gradient_observer() = observer;
+  }
+  GradientObserverScope(const GradientObserverScope&) = delete;
+  GradientObserverScope& operator=(const GradientObserverScope&) = delete;
+  ~GradientObserverScope() { gradient_observer() = saved_; }
+
+ private:
+  GradientObserver* saved_;
+};
+
+// One data-parallel step's reduction, its gradients summed while backward still runs (the
+// issue's overlap, PyTorch DDP's buckets): all_reduce_step's result, bit for bit where the
+// shares are powers of two. The optimiser's parameters are planned once, in reverse order
+// (backward's), into units: each gradient of 64 KB or more alone, summed in place in the
+// parameter's gradient; runs of smaller ones packed into buckets of the runtime's size. Every
+// rank starts the units in that order, each once all its gradients are final: a gradient is
+// final when an op that wrote it has ended (gradient_writes_done) and it has been written as
+// many times as in the step that recorded the counts (GradientWriteCounter, the first). The
+// weights' sum comes first, started before backward: it gives each rank its share of the mean.
+// Losses, moving statistics and which gradients each rank wrote follow backward, in a small
+// sum of their own; a gradient no rank wrote stays unwritten, as all_reduce_step leaves it.
+class OverlappedReduction final : public GradientObserver {
+ public:
+  struct Unit {
+    std::size_t first = 0;  // positions [first, last) in backward order
+    std::size_t last = 0;
+    bool in_place = false;
+    index_t elements = 0;
+  };
+
+  // Units of parameters of these sizes, in backward order (the last parameter first).
+  static std::vector<Unit> plan(const std::vector<index_t>& sizes, std::size_t bucket_bytes) {
+    constexpr index_t in_place_elements = (64 << 10) / sizeof(float);
+    const auto limit = static_cast<index_t>(std::max<std::size_t>(bucket_bytes / sizeof(float), 1));
+    std::vector<Unit> units;
+    bool open = false;
+    for (std::size_t k = 0; k < sizes.size(); ++k) {
+      const index_t n = sizes[sizes.size() - 1 - k];
+      if (n >= in_place_elements) {
+        units.push_back({k, k + 1, true, n});
+        open = false;
+        continue;
+      }
+      if (!open || units.back().elements + n > limit) units.push_back({k, k, false, 0});
+      open = true;
+      units.back().last = k + 1;
+      units.back().elements += n;
+    }
+    return units;
+  }
+
+  // writes: each parameter's gradient writes in the recorded step; buffers and weights: the
+  // sums' storage, kept by the caller between steps (a step that throws leaves its sums to the
+  // runtime, which may still write them). `weight` is this rank's weight in the mean
+  // (BatchShare).
+  OverlappedReduction(DataParallelRuntime& runtime, const std::vector<nn::BasicParameter<float>*>& params,
+                      const std::unordered_map<const void*, std::size_t>& index, const std::vector<int>& writes,
+                      const std::vector<Unit>& units, std::vector<std::vector<float>>& buffers,
+                      std::vector<double>& weights, double weight, bool mean)
+      : runtime_(runtime), params_(params), index_(index), writes_(writes), units_(units), buffers_(buffers),
+        weights_(weights), mean_(mean), weight_(weight), count_(params.size(), 0), final_(params.size(), false),
+        sent_(params.size(), false) {
+    buffers_.resize(units_.size());
+    weights_.assign(1, weight);
+    runtime_.start_sum(std::span<double>(weights_));
+  }
+
+  void will_write(const void* parameter) override {
+    const auto it = index_.find(parameter);
+    if (it == index_.end()) return;
+    const std::size_t i = it->second;
+    if (sent_[i]) {
+      throw ModeError("nn::TrainOneStepCell (DATA_PARALLEL): backward wrote the gradient of parameter " +
+                      std::to_string(i) + " " + to_string(params_[i]->shape()) + " after it was sent to the other "
+                      "ranks: this step writes it more often (" + std::to_string(count_[i] + 1) +
+                      " times) than the first step did (" + std::to_string(writes_[i]) +
+                      "); a network whose backward changes between steps needs duet::distributed::InitConfig{"
+                      ".overlap_backward = false}");
+    }
+    ++count_[i];
+    written_.push_back(i);
+  }
+
+  void writes_done() override {
+    for (const std::size_t i : written_) final_[i] = final_[i] || count_[i] >= writes_[i];
+    written_.clear();
+    start_ready();
+    if (started_ > 0) runtime_.test_sums();
+  }
+
+  // After backward, with no observer set: starts what is left, sums `values` (step_values'
+  // losses and buffers) with which gradients each rank wrote, and leaves the sums in the
+  // parameters' gradients.
+  void finish(std::vector<double>& values) {
+    std::fill(final_.begin(), final_.end(), true);
+    start_ready();
+    const std::size_t flags = values.size();
+    for (std::size_t i = 0; i < params_.size(); ++i) values.push_back(count_[i] > 0 ? 1 : 0);
+    runtime_.start_sum(std::span<double>(values));
+    runtime_.wait_sums("all-reducing the gradients");
+    for (std::size_t u = 0; u < units_.size(); ++u) {
+      const float* from = buffers_[u].data();
+      for (std::size_t k = units_[u].first; k < units_[u].last; ++k) {
+        const std::size_t i = position(k);
+        nn::BasicParameter<float>& p = *params_[i];
+        if (values[flags + i] == 0) {
+          p.forget_grad(current_backward_pass());  // no rank wrote it: unwritten, as all_reduce_step leaves it
+        } else if (!units_[u].in_place) {
+          bool accumulate = false;
+          std::copy_n(from, p.numel(), p.grad_for_write(current_backward_pass(), &accumulate));
+        }
+        from += p.numel();
+      }
+    }
+    values.resize(flags);
+  }
+
+ private:
+  std::size_t position(std::size_t k) const { return params_.size() - 1 - k; }
+
+  void start_ready() {
+    while (started_ < units_.size()) {
+      const Unit& unit = units_[started_];
+      for (std::size_t k = unit.first; k < unit.last; ++k) {
+        if (!final_[position(k)]) return;
+      }
+      if (started_ == 0) {
+        runtime_.wait_sums("all-reducing the step's weights");
+        share_ = static_cast<float>(!mean_ ? weight_ : weights_[0] > 0 ? weight_ / weights_[0] : 0.0);
+      }
+      start(unit, buffers_[started_]);
+      ++started_;
+    }
+  }
+
+  void start(const Unit& unit, std::vector<float>& buffer) {
+    for (std::size_t k = unit.first; k < unit.last; ++k) sent_[position(k)] = true;
+    if (unit.in_place) {
+      const std::size_t i = position(unit.first);
+      nn::BasicParameter<float>& p = *params_[i];
+      float* g = p.grad.data();
+      if (count_[i] == 0) {  // this rank has none; only finish() starts such a unit, with no observer
+        bool accumulate = false;
+        g = p.grad_for_write(current_backward_pass(), &accumulate);
+        std::fill_n(g, p.numel(), 0.0f);
+      } else if (share_ != 1) {
+        kernels::scale(g, p.numel(), share_, g);
+      }
+      runtime_.start_sum(g, p.numel());
+      return;
+    }
+    buffer.resize(static_cast<std::size_t>(unit.elements));
+    float* to = buffer.data();
+    for (std::size_t k = unit.first; k < unit.last; ++k) {
+      const nn::BasicParameter<float>& p = *params_[position(k)];
+      if (count_[position(k)] > 0) {
+        kernels::scale(p.grad.data(), p.numel(), share_, to);
+      } else {
+        std::fill_n(to, p.numel(), 0.0f);
+      }
+      to += p.numel();
+    }
+    runtime_.start_sum(buffer.data(), unit.elements);
+  }
+
+  DataParallelRuntime& runtime_;
+  const std::vector<nn::BasicParameter<float>*>& params_;
+  const std::unordered_map<const void*, std::size_t>& index_;
+  const std::vector<int>& writes_;
+  const std::vector<Unit>& units_;
+  std::vector<std::vector<float>>& buffers_;
+  std::vector<double>& weights_;  // this rank's weight, then (summed) the ranks'
+  bool mean_;
+  double weight_;
+  float share_ = 1;
+  std::vector<int> count_;
+  std::vector<bool> final_;
+  std::vector<bool> sent_;
+  std::vector<std::size_t> written_;
+  std::size_t started_ = 0;
+};
 
 // The runtime a training step of `who` synchronises through, or nullptr when it trains alone.
 // Either half of the set-up without the other is refused: each rank would train on its own.

@@ -30,6 +30,31 @@ inline std::vector<const void*>& written_in_pass() {
   return written;
 }
 
+// Told of a backward pass's gradient writes as they happen, on the thread that runs it: which
+// parameter a kernel is about to write (grad_for_write), and that every kernel called so far
+// has finished (an op that writes parameters' gradients asks for their buffers first and
+// computes after, so only its end says they are written). A data-parallel training step
+// starts summing the gradients that are final while backward goes on.
+class GradientObserver {
+ public:
+  virtual void will_write(const void* parameter) = 0;
+  virtual void writes_done() = 0;
+
+ protected:
+  ~GradientObserver() = default;
+};
+
+inline GradientObserver*& gradient_observer() {
+  thread_local GradientObserver* observer = nullptr;
+  return observer;
+}
+
+// Called at the end of each op that writes parameters' gradients. One that does not call it
+// only makes its gradients known as final later (at the next op's call, or the pass's end).
+inline void gradient_writes_done() {
+  if (GradientObserver* observer = gradient_observer()) observer->writes_done();
+}
+
 // Makes the calling thread's next backward pass, unique in the program.
 inline std::uint64_t begin_backward_pass() {
   static std::atomic<std::uint64_t> last{0};
@@ -124,8 +149,14 @@ class BasicParameter : public BasicTensor<T> {
     if (!(grad.shape() == this->shape())) grad = BasicTensor<T>(this->shape());
     *accumulate = grad_pass_ == pass;
     if (!*accumulate && pass == duet::detail::current_backward_pass()) duet::detail::written_in_pass().push_back(this);
+    if (duet::detail::GradientObserver* observer = duet::detail::gradient_observer()) observer->will_write(this);
     grad_pass_ = pass;
     return grad.data();
+  }
+
+  // Forgets the gradient of backward pass `pass`, as if it had not reached this parameter.
+  void forget_grad(std::uint64_t pass) const {
+    if (grad_pass_ == pass) grad_pass_ = 0;
   }
 
   // Whether backward pass `pass` wrote this parameter's gradient (it did not reach it otherwise).

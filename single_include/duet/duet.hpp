@@ -3906,6 +3906,31 @@ inline std::vector<const void*>& written_in_pass() {
   return written;
 }
 
+// Told of a backward pass's gradient writes as they happen, on the thread that runs it: which
+// parameter a kernel is about to write (grad_for_write), and that every kernel called so far
+// has finished (an op that writes parameters' gradients asks for their buffers first and
+// computes after, so only its end says they are written). A data-parallel training step
+// starts summing the gradients that are final while backward goes on.
+class GradientObserver {
+ public:
+  virtual void will_write(const void* parameter) = 0;
+  virtual void writes_done() = 0;
+
+ protected:
+  ~GradientObserver() = default;
+};
+
+inline GradientObserver*& gradient_observer() {
+  thread_local GradientObserver* observer = nullptr;
+  return observer;
+}
+
+// Called at the end of each op that writes parameters' gradients. One that does not call it
+// only makes its gradients known as final later (at the next op's call, or the pass's end).
+inline void gradient_writes_done() {
+  if (GradientObserver* observer = gradient_observer()) observer->writes_done();
+}
+
 // Makes the calling thread's next backward pass, unique in the program.
 inline std::uint64_t begin_backward_pass() {
   static std::atomic<std::uint64_t> last{0};
@@ -4000,8 +4025,14 @@ class BasicParameter : public BasicTensor<T> {
     if (!(grad.shape() == this->shape())) grad = BasicTensor<T>(this->shape());
     *accumulate = grad_pass_ == pass;
     if (!*accumulate && pass == duet::detail::current_backward_pass()) duet::detail::written_in_pass().push_back(this);
+    if (duet::detail::GradientObserver* observer = duet::detail::gradient_observer()) observer->will_write(this);
     grad_pass_ = pass;
     return grad.data();
+  }
+
+  // Forgets the gradient of backward pass `pass`, as if it had not reached this parameter.
+  void forget_grad(std::uint64_t pass) const {
+    if (grad_pass_ == pass) grad_pass_ = 0;
   }
 
   // Whether backward pass `pass` wrote this parameter's gradient (it did not reach it otherwise).
@@ -6709,6 +6740,7 @@ struct ParameterGradOp : Primitive<ParameterGradOp<T>> {
     } else {
       std::copy_n(dy, n, g);
     }
+    duet::detail::gradient_writes_done();
   }
 
   static std::string op_name() { return "ParameterGrad"; }
@@ -11046,6 +11078,7 @@ auto grad(Fn&& fn, Weights&&... weights_and_position) {
 #include <optional>
 #include <string>
 #include <tuple>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -11138,6 +11171,7 @@ std::vector<BasicTensor<T>> clip_by_global_norm(const std::vector<BasicTensor<T>
 #include <span>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 
@@ -11224,6 +11258,17 @@ class DataParallelRuntime {
                                     const std::function<float*(std::size_t)>& write) = 0;
   // Whether `hash` is the same on every rank.
   virtual bool same_on_every_rank(std::uint64_t hash) = 0;
+  // Nonblocking sums over the ranks, in place, each a collective of its own that every rank
+  // starts in the same order (OverlappedReduction's). test_sums moves the started ones on
+  // without waiting; wait_sums waits for all of them, within the timeout.
+  virtual void start_sum(float* data, index_t n) = 0;
+  virtual void start_sum(std::span<double> values) = 0;
+  virtual void test_sums() = 0;
+  virtual void wait_sums(std::string_view what) = 0;
+  // Whether training steps sum their gradients while backward runs (OverlappedReduction), and
+  // in buffers of about how many bytes.
+  virtual bool overlaps_backward() const = 0;
+  virtual std::size_t bucket_bytes() const = 0;
   // Each value becomes its sum over the ranks.
   virtual void all_reduce_sum(std::span<double> values) = 0;
 };
@@ -11300,18 +11345,22 @@ BatchShare batch_share(const Loss& loss, const Labels& labels, index_t rows, std
 // frozen weights, stay exactly as they are: the sums are in double, where n * x is exact.
 // With gradients_mean the gradients are the global batch's; without, their sum over the ranks
 // (MindSpore's default).
-inline void all_reduce_step(DataParallelRuntime& runtime, std::span<const GradientView> grads,
-                            const std::function<float*(std::size_t)>& write, std::span<float> loss,
-                            const std::vector<nn::Parameter*>& buffers, const BatchShare& share, bool gradients_mean) {
-  const bool weighted = gradients_mean && !share.summed;
+// [gradient weight, loss weight, rows, weighted losses..., weighted buffers...]: what a step's
+// ranks sum besides the gradients (all_reduce_step).
+inline std::vector<double> step_values(std::span<const float> loss, const std::vector<nn::Parameter*>& buffers,
+                                       const BatchShare& share, bool weighted) {
   const double loss_weight = share.summed ? 1.0 : share.counted_rows;
-  // [gradient weight, loss weight, rows, weighted losses..., weighted buffers...]
   std::vector<double> values{weighted ? share.counted_rows : 1.0, loss_weight, share.rows};
   for (const float l : loss) values.push_back(static_cast<double>(l) * loss_weight);
   for (const nn::Parameter* b : buffers) {
     for (const float v : b->values()) values.push_back(static_cast<double>(v) * share.rows);
   }
-  runtime.all_reduce_gradients(grads, values, weighted, write);
+  return values;
+}
+
+// The losses and buffers from step_values summed over the ranks.
+inline void apply_step_values(std::span<const double> values, std::span<float> loss,
+                              const std::vector<nn::Parameter*>& buffers, const BatchShare& share) {
   const double counted = values[1];
   std::size_t k = 3;
   for (float& l : loss) {
@@ -11325,6 +11374,219 @@ inline void all_reduce_step(DataParallelRuntime& runtime, std::span<const Gradie
     }
   }
 }
+
+inline void all_reduce_step(DataParallelRuntime& runtime, std::span<const GradientView> grads,
+                            const std::function<float*(std::size_t)>& write, std::span<float> loss,
+                            const std::vector<nn::Parameter*>& buffers, const BatchShare& share, bool gradients_mean) {
+  const bool weighted = gradients_mean && !share.summed;
+  std::vector<double> values = step_values(loss, buffers, share, weighted);
+  runtime.all_reduce_gradients(grads, values, weighted, write);
+  apply_step_values(values, loss, buffers, share);
+}
+
+// Counts each parameter's gradient writes in a backward pass: what OverlappedReduction needs
+// to know when a gradient is final. index maps a parameter to its place in the optimiser's list.
+class GradientWriteCounter final : public GradientObserver {
+ public:
+  GradientWriteCounter(const std::unordered_map<const void*, std::size_t>& index, std::vector<int>& writes)
+      : index_(index), writes_(writes) {
+    writes_.assign(index_.size(), 0);
+  }
+  void will_write(const void* parameter) override {
+    if (const auto it = index_.find(parameter); it != index_.end()) ++writes_[it->second];
+  }
+  void writes_done() override {}
+
+ private:
+  const std::unordered_map<const void*, std::size_t>& index_;
+  std::vector<int>& writes_;
+};
+
+// Sets the calling thread's gradient observer for its lifetime.
+class GradientObserverScope {
+ public:
+  explicit GradientObserverScope(GradientObserver* observer) : saved_(gradient_observer()) {
+    gradient_observer() = observer;
+  }
+  GradientObserverScope(const GradientObserverScope&) = delete;
+  GradientObserverScope& operator=(const GradientObserverScope&) = delete;
+  ~GradientObserverScope() { gradient_observer() = saved_; }
+
+ private:
+  GradientObserver* saved_;
+};
+
+// One data-parallel step's reduction, its gradients summed while backward still runs (the
+// issue's overlap, PyTorch DDP's buckets): all_reduce_step's result, bit for bit where the
+// shares are powers of two. The optimiser's parameters are planned once, in reverse order
+// (backward's), into units: each gradient of 64 KB or more alone, summed in place in the
+// parameter's gradient; runs of smaller ones packed into buckets of the runtime's size. Every
+// rank starts the units in that order, each once all its gradients are final: a gradient is
+// final when an op that wrote it has ended (gradient_writes_done) and it has been written as
+// many times as in the step that recorded the counts (GradientWriteCounter, the first). The
+// weights' sum comes first, started before backward: it gives each rank its share of the mean.
+// Losses, moving statistics and which gradients each rank wrote follow backward, in a small
+// sum of their own; a gradient no rank wrote stays unwritten, as all_reduce_step leaves it.
+class OverlappedReduction final : public GradientObserver {
+ public:
+  struct Unit {
+    std::size_t first = 0;  // positions [first, last) in backward order
+    std::size_t last = 0;
+    bool in_place = false;
+    index_t elements = 0;
+  };
+
+  // Units of parameters of these sizes, in backward order (the last parameter first).
+  static std::vector<Unit> plan(const std::vector<index_t>& sizes, std::size_t bucket_bytes) {
+    constexpr index_t in_place_elements = (64 << 10) / sizeof(float);
+    const auto limit = static_cast<index_t>(std::max<std::size_t>(bucket_bytes / sizeof(float), 1));
+    std::vector<Unit> units;
+    bool open = false;
+    for (std::size_t k = 0; k < sizes.size(); ++k) {
+      const index_t n = sizes[sizes.size() - 1 - k];
+      if (n >= in_place_elements) {
+        units.push_back({k, k + 1, true, n});
+        open = false;
+        continue;
+      }
+      if (!open || units.back().elements + n > limit) units.push_back({k, k, false, 0});
+      open = true;
+      units.back().last = k + 1;
+      units.back().elements += n;
+    }
+    return units;
+  }
+
+  // writes: each parameter's gradient writes in the recorded step; buffers and weights: the
+  // sums' storage, kept by the caller between steps (a step that throws leaves its sums to the
+  // runtime, which may still write them). `weight` is this rank's weight in the mean
+  // (BatchShare).
+  OverlappedReduction(DataParallelRuntime& runtime, const std::vector<nn::BasicParameter<float>*>& params,
+                      const std::unordered_map<const void*, std::size_t>& index, const std::vector<int>& writes,
+                      const std::vector<Unit>& units, std::vector<std::vector<float>>& buffers,
+                      std::vector<double>& weights, double weight, bool mean)
+      : runtime_(runtime), params_(params), index_(index), writes_(writes), units_(units), buffers_(buffers),
+        weights_(weights), mean_(mean), weight_(weight), count_(params.size(), 0), final_(params.size(), false),
+        sent_(params.size(), false) {
+    buffers_.resize(units_.size());
+    weights_.assign(1, weight);
+    runtime_.start_sum(std::span<double>(weights_));
+  }
+
+  void will_write(const void* parameter) override {
+    const auto it = index_.find(parameter);
+    if (it == index_.end()) return;
+    const std::size_t i = it->second;
+    if (sent_[i]) {
+      throw ModeError("nn::TrainOneStepCell (DATA_PARALLEL): backward wrote the gradient of parameter " +
+                      std::to_string(i) + " " + to_string(params_[i]->shape()) + " after it was sent to the other "
+                      "ranks: this step writes it more often (" + std::to_string(count_[i] + 1) +
+                      " times) than the first step did (" + std::to_string(writes_[i]) +
+                      "); a network whose backward changes between steps needs duet::distributed::InitConfig{"
+                      ".overlap_backward = false}");
+    }
+    ++count_[i];
+    written_.push_back(i);
+  }
+
+  void writes_done() override {
+    for (const std::size_t i : written_) final_[i] = final_[i] || count_[i] >= writes_[i];
+    written_.clear();
+    start_ready();
+    if (started_ > 0) runtime_.test_sums();
+  }
+
+  // After backward, with no observer set: starts what is left, sums `values` (step_values'
+  // losses and buffers) with which gradients each rank wrote, and leaves the sums in the
+  // parameters' gradients.
+  void finish(std::vector<double>& values) {
+    std::fill(final_.begin(), final_.end(), true);
+    start_ready();
+    const std::size_t flags = values.size();
+    for (std::size_t i = 0; i < params_.size(); ++i) values.push_back(count_[i] > 0 ? 1 : 0);
+    runtime_.start_sum(std::span<double>(values));
+    runtime_.wait_sums("all-reducing the gradients");
+    for (std::size_t u = 0; u < units_.size(); ++u) {
+      const float* from = buffers_[u].data();
+      for (std::size_t k = units_[u].first; k < units_[u].last; ++k) {
+        const std::size_t i = position(k);
+        nn::BasicParameter<float>& p = *params_[i];
+        if (values[flags + i] == 0) {
+          p.forget_grad(current_backward_pass());  // no rank wrote it: unwritten, as all_reduce_step leaves it
+        } else if (!units_[u].in_place) {
+          bool accumulate = false;
+          std::copy_n(from, p.numel(), p.grad_for_write(current_backward_pass(), &accumulate));
+        }
+        from += p.numel();
+      }
+    }
+    values.resize(flags);
+  }
+
+ private:
+  std::size_t position(std::size_t k) const { return params_.size() - 1 - k; }
+
+  void start_ready() {
+    while (started_ < units_.size()) {
+      const Unit& unit = units_[started_];
+      for (std::size_t k = unit.first; k < unit.last; ++k) {
+        if (!final_[position(k)]) return;
+      }
+      if (started_ == 0) {
+        runtime_.wait_sums("all-reducing the step's weights");
+        share_ = static_cast<float>(!mean_ ? weight_ : weights_[0] > 0 ? weight_ / weights_[0] : 0.0);
+      }
+      start(unit, buffers_[started_]);
+      ++started_;
+    }
+  }
+
+  void start(const Unit& unit, std::vector<float>& buffer) {
+    for (std::size_t k = unit.first; k < unit.last; ++k) sent_[position(k)] = true;
+    if (unit.in_place) {
+      const std::size_t i = position(unit.first);
+      nn::BasicParameter<float>& p = *params_[i];
+      float* g = p.grad.data();
+      if (count_[i] == 0) {  // this rank has none; only finish() starts such a unit, with no observer
+        bool accumulate = false;
+        g = p.grad_for_write(current_backward_pass(), &accumulate);
+        std::fill_n(g, p.numel(), 0.0f);
+      } else if (share_ != 1) {
+        kernels::scale(g, p.numel(), share_, g);
+      }
+      runtime_.start_sum(g, p.numel());
+      return;
+    }
+    buffer.resize(static_cast<std::size_t>(unit.elements));
+    float* to = buffer.data();
+    for (std::size_t k = unit.first; k < unit.last; ++k) {
+      const nn::BasicParameter<float>& p = *params_[position(k)];
+      if (count_[position(k)] > 0) {
+        kernels::scale(p.grad.data(), p.numel(), share_, to);
+      } else {
+        std::fill_n(to, p.numel(), 0.0f);
+      }
+      to += p.numel();
+    }
+    runtime_.start_sum(buffer.data(), unit.elements);
+  }
+
+  DataParallelRuntime& runtime_;
+  const std::vector<nn::BasicParameter<float>*>& params_;
+  const std::unordered_map<const void*, std::size_t>& index_;
+  const std::vector<int>& writes_;
+  const std::vector<Unit>& units_;
+  std::vector<std::vector<float>>& buffers_;
+  std::vector<double>& weights_;  // this rank's weight, then (summed) the ranks'
+  bool mean_;
+  double weight_;
+  float share_ = 1;
+  std::vector<int> count_;
+  std::vector<bool> final_;
+  std::vector<bool> sent_;
+  std::vector<std::size_t> written_;
+  std::size_t started_ = 0;
+};
 
 // The runtime a training step of `who` synchronises through, or nullptr when it trains alone.
 // Either half of the set-up without the other is refused: each rank would train on its own.
@@ -11395,9 +11657,10 @@ struct TrainOneStepConfig {
 // in the same call, over the gradients that run left in the parameters.
 //
 // In DATA_PARALLEL (duet/distributed.hpp) the first step first gives every rank rank 0's
-// parameters, and each step all-reduces the gradients between backward and the update, in
-// both modes, so that every rank applies the same update; the loss returned is then the
-// global batch's.
+// parameters, and each step all-reduces the gradients before the update, in both modes, so
+// that every rank applies the same update (from the second step on, each as soon as backward
+// has finished it: duet::detail::OverlappedReduction); the loss returned is then the global
+// batch's.
 template <class NetWithLoss, class Optimizer>
 class TrainOneStepCell {
   using T = typename NetWithLoss::value_type;
@@ -11447,7 +11710,16 @@ class TrainOneStepCell {
       }
       parameters_broadcast_ = true;
     }
-    BasicTensor<T> loss = grad_.value_and_parameter_grads(xs...);
+    BasicTensor<T> loss;
+    if constexpr (std::same_as<T, float>) {
+      if (parallel != nullptr && parallel->overlaps_backward()) {
+        loss = overlapped_step(*parallel, xs...);
+      } else {
+        loss = grad_.value_and_parameter_grads(xs...);
+      }
+    } else {
+      loss = grad_.value_and_parameter_grads(xs...);
+    }
     if (weights_checked_) {
       autodiff::detail::check_weights_reached(optimizer_.parameters(), nullptr, "nn::TrainOneStepCell");
     } else {
@@ -11457,6 +11729,7 @@ class TrainOneStepCell {
     if constexpr (std::same_as<T, float>) {
       // Before the finiteness check: a NaN on one rank must skip the update on all of them.
       if (parallel != nullptr) all_reduce(*parallel, loss, xs...);
+      overlapped_.reset();
     }
     if (!std::ranges::all_of(loss.values(), [](T v) { return std::isfinite(v); })) return loss;
     // Clipping reads the gradients backward left, the same in both modes, so both clip alike.
@@ -11506,13 +11779,9 @@ class TrainOneStepCell {
     return {reinterpret_cast<const char*>(t.data()), static_cast<std::size_t>(t.numel()) * sizeof(E)};
   }
 
-  // The gradients backward left, the loss and the moving statistics become the global batch's.
+  // What this rank's batch weighs in the global batch.
   template <class... X>
-  void all_reduce(duet::detail::DataParallelRuntime& parallel, BasicTensor<float>& loss, const X&... xs) {
-    if (loss.numel() != 1) {
-      throw ModeError("nn::TrainOneStepCell: DATA_PARALLEL combines the ranks' losses, which needs each reduced to "
-                      "one number; this loss has shape " + to_string(loss.shape()));
-    }
+  duet::detail::BatchShare batch_share(const X&... xs) const {
     const auto inputs = std::forward_as_tuple(xs...);
     const index_t rows = tensor_of(std::get<0>(inputs)).dim(0);
     duet::detail::BatchShare share{.summed = false, .counted_rows = static_cast<double>(rows),
@@ -11520,6 +11789,59 @@ class TrainOneStepCell {
     if constexpr (requires { net_with_loss_.loss_fn(); } && sizeof...(X) == 2) {
       share = duet::detail::batch_share(net_with_loss_.loss_fn(), tensor_of(std::get<1>(inputs)), rows,
                                         "nn::TrainOneStepCell");
+    }
+    return share;
+  }
+
+  // Forward and backward with the gradients' sums started as they become final
+  // (duet::detail::OverlappedReduction), from the second step on; the first counts how often
+  // backward writes each gradient.
+  template <class... X>
+  BasicTensor<float> overlapped_step(duet::detail::DataParallelRuntime& parallel, const X&... xs) {
+    const std::vector<BasicParameter<float>*>& params = optimizer_.parameters();
+    if (!writes_recorded_) {
+      if (gradient_index_.empty()) {
+        std::vector<index_t> sizes;
+        for (std::size_t i = 0; i < params.size(); ++i) {
+          gradient_index_.emplace(params[i], i);
+          sizes.push_back(params[i]->numel());
+        }
+        units_ = duet::detail::OverlappedReduction::plan(sizes, parallel.bucket_bytes());
+      }
+      std::vector<int> writes;
+      duet::detail::GradientWriteCounter counter(gradient_index_, writes);
+      BasicTensor<float> loss;
+      {
+        const duet::detail::GradientObserverScope scope(&counter);
+        loss = grad_.value_and_parameter_grads(xs...);
+      }
+      writes_ = std::move(writes);
+      writes_recorded_ = true;
+      return loss;
+    }
+    const duet::detail::BatchShare share = batch_share(xs...);
+    const bool weighted = get_auto_parallel_context().gradients_mean && !share.summed;
+    overlapped_.emplace(parallel, params, gradient_index_, writes_, units_, overlap_buffers_, overlap_weights_,
+                        weighted ? share.counted_rows : 1.0, weighted);
+    const duet::detail::GradientObserverScope scope(&*overlapped_);
+    return grad_.value_and_parameter_grads(xs...);
+  }
+
+  // The gradients backward left, the loss and the moving statistics become the global batch's.
+  template <class... X>
+  void all_reduce(duet::detail::DataParallelRuntime& parallel, BasicTensor<float>& loss, const X&... xs) {
+    if (loss.numel() != 1) {
+      throw ModeError("nn::TrainOneStepCell: DATA_PARALLEL combines the ranks' losses, which needs each reduced to "
+                      "one number; this loss has shape " + to_string(loss.shape()));
+    }
+    const duet::detail::BatchShare share = batch_share(xs...);
+    if (overlapped_) {
+      const bool weighted = get_auto_parallel_context().gradients_mean && !share.summed;
+      std::vector<double> values = duet::detail::step_values(loss.values(), buffers_, share, weighted);
+      overlapped_->finish(values);
+      duet::detail::apply_step_values(values, loss.values(), buffers_, share);
+      duet::detail::all_reduced_backward_pass() = duet::detail::current_backward_pass();
+      return;
     }
     const std::uint64_t pass = duet::detail::current_backward_pass();
     const std::vector<BasicParameter<float>*>& params = optimizer_.parameters();
@@ -11547,6 +11869,15 @@ class TrainOneStepCell {
   bool weights_checked_ = false;  // the network's parameters against those its first step wrote
   std::vector<const BasicDynamicCell<T>*> phase_layers_;  // BatchNorm, Dropout: they must still train
   std::vector<BasicParameter<float>*> buffers_;  // parameters nothing trains: moving statistics
+  // DATA_PARALLEL with overlap_backward: the optimiser's parameters' places, their units, how
+  // often the first step's backward wrote each gradient, the sums' storage, this step's sums.
+  std::unordered_map<const void*, std::size_t> gradient_index_;
+  std::vector<duet::detail::OverlappedReduction::Unit> units_;
+  std::vector<int> writes_;
+  bool writes_recorded_ = false;
+  std::vector<std::vector<float>> overlap_buffers_;
+  std::vector<double> overlap_weights_;
+  std::optional<duet::detail::OverlappedReduction> overlapped_;
 };
 
 }  // namespace duet::nn
@@ -14961,6 +15292,7 @@ struct BatchNormGradOp : Primitive<BatchNormGradOp<Layer, P, InputGrad>> {
         }
       }
     }
+    duet::detail::gradient_writes_done();
   }
 
   static std::string op_name() {
@@ -15487,6 +15819,7 @@ struct DenseGradOp : Primitive<DenseGradOp<Layer, Bias, InputGrad, Fns...>> {
     Backend::template dense_backward<Layer::in_static, Layer::out_static, T, Fns...>(DenseBackwardArgs<T>{
         a.in<T>(0), a.in<T>(1), sizeof...(Fns) == 0 ? nullptr : a.in<T>(2), rows, in_channels, layer->weight.data(),
         layer->out_channels(), InputGrad ? a.out<T>() : nullptr, dw, accumulate_w, db, accumulate_b}, fns);
+    duet::detail::gradient_writes_done();
   }
 
   static std::string op_name() {
@@ -15521,6 +15854,7 @@ struct BiasAddGradOp : Primitive<BiasAddGradOp<Layer, InputGrad>> {
     T* db = layer->bias.grad_for_write(duet::detail::current_backward_pass(), &accumulate);
     const index_t cols = layer->out_channels();
     Backend::bias_grad(a.in<T>(), cols == 0 ? 0 : a.in_shape().numel() / cols, cols, db, accumulate);
+    duet::detail::gradient_writes_done();
   }
 
   static std::string op_name() { return InputGrad ? "BiasAddGrad" : "BiasAddGrad (parameters only)"; }
@@ -19361,6 +19695,7 @@ struct ConvGradOp : Primitive<ConvGradOp<Layer, InputGrad>> {
       if (!accumulate_w) std::fill_n(dw, layer->weight.numel(), T(0));
       if (db != nullptr && !accumulate_b) std::fill_n(db, q.out, T(0));
     }
+    duet::detail::gradient_writes_done();
   }
 
   static std::string op_name() {

@@ -265,6 +265,7 @@ struct BatchNormGradOp : Primitive<BatchNormGradOp<Layer, P, InputGrad>> {
         }
       }
     }
+    duet::detail::gradient_writes_done();
   }
 
   static std::string op_name() {

@@ -224,6 +224,7 @@ struct DenseGradOp : Primitive<DenseGradOp<Layer, Bias, InputGrad, Fns...>> {
     Backend::template dense_backward<Layer::in_static, Layer::out_static, T, Fns...>(DenseBackwardArgs<T>{
         a.in<T>(0), a.in<T>(1), sizeof...(Fns) == 0 ? nullptr : a.in<T>(2), rows, in_channels, layer->weight.data(),
         layer->out_channels(), InputGrad ? a.out<T>() : nullptr, dw, accumulate_w, db, accumulate_b}, fns);
+    duet::detail::gradient_writes_done();
   }
 
   static std::string op_name() {
@@ -258,6 +259,7 @@ struct BiasAddGradOp : Primitive<BiasAddGradOp<Layer, InputGrad>> {
     T* db = layer->bias.grad_for_write(duet::detail::current_backward_pass(), &accumulate);
     const index_t cols = layer->out_channels();
     Backend::bias_grad(a.in<T>(), cols == 0 ? 0 : a.in_shape().numel() / cols, cols, db, accumulate);
+    duet::detail::gradient_writes_done();
   }
 
   static std::string op_name() { return InputGrad ? "BiasAddGrad" : "BiasAddGrad (parameters only)"; }

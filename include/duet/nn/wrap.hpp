@@ -9,6 +9,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -65,9 +66,10 @@ struct TrainOneStepConfig {
 // in the same call, over the gradients that run left in the parameters.
 //
 // In DATA_PARALLEL (duet/distributed.hpp) the first step first gives every rank rank 0's
-// parameters, and each step all-reduces the gradients between backward and the update, in
-// both modes, so that every rank applies the same update; the loss returned is then the
-// global batch's.
+// parameters, and each step all-reduces the gradients before the update, in both modes, so
+// that every rank applies the same update (from the second step on, each as soon as backward
+// has finished it: duet::detail::OverlappedReduction); the loss returned is then the global
+// batch's.
 template <class NetWithLoss, class Optimizer>
 class TrainOneStepCell {
   using T = typename NetWithLoss::value_type;
@@ -117,7 +119,16 @@ class TrainOneStepCell {
       }
       parameters_broadcast_ = true;
     }
-    BasicTensor<T> loss = grad_.value_and_parameter_grads(xs...);
+    BasicTensor<T> loss;
+    if constexpr (std::same_as<T, float>) {
+      if (parallel != nullptr && parallel->overlaps_backward()) {
+        loss = overlapped_step(*parallel, xs...);
+      } else {
+        loss = grad_.value_and_parameter_grads(xs...);
+      }
+    } else {
+      loss = grad_.value_and_parameter_grads(xs...);
+    }
     if (weights_checked_) {
       autodiff::detail::check_weights_reached(optimizer_.parameters(), nullptr, "nn::TrainOneStepCell");
     } else {
@@ -127,6 +138,7 @@ class TrainOneStepCell {
     if constexpr (std::same_as<T, float>) {
       // Before the finiteness check: a NaN on one rank must skip the update on all of them.
       if (parallel != nullptr) all_reduce(*parallel, loss, xs...);
+      overlapped_.reset();
     }
     if (!std::ranges::all_of(loss.values(), [](T v) { return std::isfinite(v); })) return loss;
     // Clipping reads the gradients backward left, the same in both modes, so both clip alike.
@@ -176,13 +188,9 @@ class TrainOneStepCell {
     return {reinterpret_cast<const char*>(t.data()), static_cast<std::size_t>(t.numel()) * sizeof(E)};
   }
 
-  // The gradients backward left, the loss and the moving statistics become the global batch's.
+  // What this rank's batch weighs in the global batch.
   template <class... X>
-  void all_reduce(duet::detail::DataParallelRuntime& parallel, BasicTensor<float>& loss, const X&... xs) {
-    if (loss.numel() != 1) {
-      throw ModeError("nn::TrainOneStepCell: DATA_PARALLEL combines the ranks' losses, which needs each reduced to "
-                      "one number; this loss has shape " + to_string(loss.shape()));
-    }
+  duet::detail::BatchShare batch_share(const X&... xs) const {
     const auto inputs = std::forward_as_tuple(xs...);
     const index_t rows = tensor_of(std::get<0>(inputs)).dim(0);
     duet::detail::BatchShare share{.summed = false, .counted_rows = static_cast<double>(rows),
@@ -190,6 +198,59 @@ class TrainOneStepCell {
     if constexpr (requires { net_with_loss_.loss_fn(); } && sizeof...(X) == 2) {
       share = duet::detail::batch_share(net_with_loss_.loss_fn(), tensor_of(std::get<1>(inputs)), rows,
                                         "nn::TrainOneStepCell");
+    }
+    return share;
+  }
+
+  // Forward and backward with the gradients' sums started as they become final
+  // (duet::detail::OverlappedReduction), from the second step on; the first counts how often
+  // backward writes each gradient.
+  template <class... X>
+  BasicTensor<float> overlapped_step(duet::detail::DataParallelRuntime& parallel, const X&... xs) {
+    const std::vector<BasicParameter<float>*>& params = optimizer_.parameters();
+    if (!writes_recorded_) {
+      if (gradient_index_.empty()) {
+        std::vector<index_t> sizes;
+        for (std::size_t i = 0; i < params.size(); ++i) {
+          gradient_index_.emplace(params[i], i);
+          sizes.push_back(params[i]->numel());
+        }
+        units_ = duet::detail::OverlappedReduction::plan(sizes, parallel.bucket_bytes());
+      }
+      std::vector<int> writes;
+      duet::detail::GradientWriteCounter counter(gradient_index_, writes);
+      BasicTensor<float> loss;
+      {
+        const duet::detail::GradientObserverScope scope(&counter);
+        loss = grad_.value_and_parameter_grads(xs...);
+      }
+      writes_ = std::move(writes);
+      writes_recorded_ = true;
+      return loss;
+    }
+    const duet::detail::BatchShare share = batch_share(xs...);
+    const bool weighted = get_auto_parallel_context().gradients_mean && !share.summed;
+    overlapped_.emplace(parallel, params, gradient_index_, writes_, units_, overlap_buffers_, overlap_weights_,
+                        weighted ? share.counted_rows : 1.0, weighted);
+    const duet::detail::GradientObserverScope scope(&*overlapped_);
+    return grad_.value_and_parameter_grads(xs...);
+  }
+
+  // The gradients backward left, the loss and the moving statistics become the global batch's.
+  template <class... X>
+  void all_reduce(duet::detail::DataParallelRuntime& parallel, BasicTensor<float>& loss, const X&... xs) {
+    if (loss.numel() != 1) {
+      throw ModeError("nn::TrainOneStepCell: DATA_PARALLEL combines the ranks' losses, which needs each reduced to "
+                      "one number; this loss has shape " + to_string(loss.shape()));
+    }
+    const duet::detail::BatchShare share = batch_share(xs...);
+    if (overlapped_) {
+      const bool weighted = get_auto_parallel_context().gradients_mean && !share.summed;
+      std::vector<double> values = duet::detail::step_values(loss.values(), buffers_, share, weighted);
+      overlapped_->finish(values);
+      duet::detail::apply_step_values(values, loss.values(), buffers_, share);
+      duet::detail::all_reduced_backward_pass() = duet::detail::current_backward_pass();
+      return;
     }
     const std::uint64_t pass = duet::detail::current_backward_pass();
     const std::vector<BasicParameter<float>*>& params = optimizer_.parameters();
@@ -217,6 +278,15 @@ class TrainOneStepCell {
   bool weights_checked_ = false;  // the network's parameters against those its first step wrote
   std::vector<const BasicDynamicCell<T>*> phase_layers_;  // BatchNorm, Dropout: they must still train
   std::vector<BasicParameter<float>*> buffers_;  // parameters nothing trains: moving statistics
+  // DATA_PARALLEL with overlap_backward: the optimiser's parameters' places, their units, how
+  // often the first step's backward wrote each gradient, the sums' storage, this step's sums.
+  std::unordered_map<const void*, std::size_t> gradient_index_;
+  std::vector<duet::detail::OverlappedReduction::Unit> units_;
+  std::vector<int> writes_;
+  bool writes_recorded_ = false;
+  std::vector<std::vector<float>> overlap_buffers_;
+  std::vector<double> overlap_weights_;
+  std::optional<duet::detail::OverlappedReduction> overlapped_;
 };
 
 }  // namespace duet::nn

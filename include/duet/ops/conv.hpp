@@ -373,6 +373,7 @@ struct ConvGradOp : Primitive<ConvGradOp<Layer, InputGrad>> {
       if (!accumulate_w) std::fill_n(dw, layer->weight.numel(), T(0));
       if (db != nullptr && !accumulate_b) std::fill_n(db, q.out, T(0));
     }
+    duet::detail::gradient_writes_done();
   }
 
   static std::string op_name() {

@@ -41,6 +41,7 @@ struct ParameterGradOp : Primitive<ParameterGradOp<T>> {
     } else {
       std::copy_n(dy, n, g);
     }
+    duet::detail::gradient_writes_done();
   }
 
   static std::string op_name() { return "ParameterGrad"; }
