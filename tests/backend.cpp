@@ -26,6 +26,12 @@ TEST_CASE("a backend deriving from another swaps one kernel, the graph is unchan
   const Tensor x = randn({4, 1, 28, 28}, 1);
   dense_calls = 0;
   const Tensor counted = evaluate<CountingBackend>(program, x);
+  // The graph reads packed weights (O1); the replaced dense() still runs, not the base's
+  // dense_packed, which would bypass it.
+  static_assert(std::is_same_v<graph::node_at<decltype(program)::graph_type, 2>::op_type,
+                               ops::PackedMatMulOp<nn::Dense<784, 512>, true, fn::Relu>>);
+  static_assert(backend::packs_as_dense<DefaultBackend, 784, 512, float, fn::Relu>());
+  static_assert(!backend::packs_as_dense<CountingBackend, 784, 512, float, fn::Relu>());
   CHECK(dense_calls == 3);
   const Tensor plain = evaluate(program, x);
   CHECK(duet_test::relative_difference(duet_test::values_of(counted), duet_test::values_of(plain)) == 0);

@@ -146,7 +146,8 @@ struct Eigen {
 
   // dense() with a layer's weight, kept pre-packed from call to call where the backend has a
   // packed form (graphs not trained, at O1 and O2). Eigen packs inside each product, so here
-  // it is dense().
+  // it is dense(). dense_packed_of names the backend whose dense() it computes (packs_as_dense).
+  using dense_packed_of = Eigen;
   template <index_t In, index_t Out, class T, class... Fns>
   static void dense_packed(const T* x, index_t rows, index_t in, const nn::BasicParameter<T>& w, index_t out,
                            const Epilogue<T, Fns...>& epilogue, T* y) {
@@ -424,6 +425,7 @@ struct Native : Eigen {
   // The weight is packed once per version of it (the parameter keeps the packed form), not
   // on every call; the product reads the same numbers in the same order, so the result is
   // the bits of dense().
+  using dense_packed_of = Native;
   template <index_t In, index_t Out, class T, class... Fns>
   static void dense_packed(const T* x, index_t rows, index_t in, const nn::BasicParameter<T>& w, index_t out,
                            const Epilogue<T, Fns...>& epilogue, T* y) {
@@ -444,6 +446,22 @@ struct Native : Eigen {
   }
 };
 
+}  // namespace backend
+
+namespace backend {
+// Whether a product may call Backend::dense_packed for what Backend::dense computes. A backend
+// deriving from another that replaces dense() alone inherits a dense_packed that would bypass
+// the replacement (tests/backend.cpp's counting backend saw no calls once O1 packed weights): its
+// products call dense() then, which runs the replacement and packs on every call.
+template <class Backend, index_t In, index_t Out, class T, class... Fns>
+constexpr bool packs_as_dense() {
+  if constexpr (requires { typename Backend::dense_packed_of; }) {
+    return &Backend::template dense<In, Out, T, Fns...> ==
+           &Backend::dense_packed_of::template dense<In, Out, T, Fns...>;
+  } else {
+    return false;
+  }
+}
 }  // namespace backend
 
 #ifdef DUET_DEFAULT_BACKEND

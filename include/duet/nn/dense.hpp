@@ -124,7 +124,7 @@ struct MatMulOp : Primitive<MatMulOp<Layer, Bias, Fns...>> {
     const Epilogue<T, Fns...> epilogue{bias, fns};
     constexpr index_t In = Layer::in_static;
     constexpr index_t Out = Layer::out_static;
-    if constexpr (PackedWeight) {
+    if constexpr (PackedWeight && backend::packs_as_dense<Backend, In, Out, T, Fns...>()) {
       Backend::template dense_packed<In, Out>(a.in<T>(), rows, in_channels, layer->weight, layer->out_channels(),
                                               epilogue, a.out<T>());
     } else {
