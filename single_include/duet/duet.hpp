@@ -11535,7 +11535,7 @@ class OverlappedReduction final : public GradientObserver {
           bool accumulate = false;
           std::copy_n(from, p.numel(), p.grad_for_write(current_backward_pass(), &accumulate));
         }
-        from += p.numel();
+        if (!units_[u].in_place) from += p.numel();  // an in-place unit has no buffer
       }
     }
     values.resize(flags);
