@@ -220,7 +220,9 @@ int train(const Options& o, const Group& group, Network& model, duet::nn::BasicO
       const index_t n = batch.labels.numel() * shards;
       loss_sum += static_cast<double>(batch_loss) * static_cast<double>(n);
       seen += n;
-      if (tty) bar.update(++batches, loss_sum / static_cast<double>(seen), seen);
+      // Every rank takes its share at the same pace, so the group's rate is this rank's times
+      // the ranks (the epoch's line below sums them exactly).
+      if (tty) bar.update(++batches, loss_sum / static_cast<double>(seen), seen * group.ranks);
     }
     if (tty) bar.finish();
     double sums[] = {loss_sum, static_cast<double>(seen)};
