@@ -227,18 +227,27 @@ TEST_CASE("set_train: graph mode keeps a training and an evaluation form, runs t
   net.set_train(false);
   CHECK(values(net(x)) == expected[3]);
   CHECK(net.constructs == 2);  // one capture per form, both kept
-  // One layer switched alone: the network's form (training, asked by its first such layer)
-  // no longer agrees with it, and is refused rather than run with that layer in training.
+  // One layer switched alone: the network's layers no longer agree on one form, and it is
+  // refused rather than run with a layer in the other's phase; the error names both layers
+  // (either may be the one switched), whichever comes first.
+  net.set_train();
+  const std::string one_phase =
+      " (set_train); graph mode captures a network in one phase, which all its layers must share: call set_train "
+      "on the whole network, or run it in PyNative mode";
+  net.bn.set_train(false);
+  try {
+    static_cast<void>(net(x));
+    FAIL("no error");
+  } catch (const duet::ModeError& e) {
+    CHECK(std::string(e.what()) == "nn::BatchNorm1d<3> 'bn' is set to evaluate and nn::Dropout 'drop' to train" + one_phase);
+  }
   net.set_train();
   net.drop.set_train(false);
   try {
     static_cast<void>(net(x));
     FAIL("no error");
   } catch (const duet::ModeError& e) {
-    CHECK(std::string(e.what()) ==
-          "nn::Dropout 'drop' is set to evaluate (set_train), but runs in a graph captured for training; graph "
-          "mode captures a network in one phase, which all its layers must share: call set_train on the whole "
-          "network, or run it in PyNative mode");
+    CHECK(std::string(e.what()) == "nn::BatchNorm1d<3> 'bn' is set to train and nn::Dropout 'drop' to evaluate" + one_phase);
   }
   // PyNative mode runs each layer as it is set: the mask of no dropout on training's batch statistics.
   duet::set_context({.mode = duet::PYNATIVE_MODE});

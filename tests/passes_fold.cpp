@@ -212,7 +212,12 @@ TEST_CASE("a BatchNorm switched to training alone is refused by the folded form,
   const Tensor x = randn({2, 3, 8, 8}, 19);
   (void)net(x);
   net.bn2.set_train(true);
-  CHECK_THROWS_WITH_AS(net(x), doctest::Contains("nn::BatchNorm2d<4> 'bn2' is set to train"), ModeError);
+  CHECK_THROWS_WITH_AS(net(x), doctest::Contains("nn::BatchNorm2d<8> 'bn1' is set to evaluate and nn::BatchNorm2d<4> 'bn2' to train"), ModeError);
+  // The other way round: the error names the layer the user switched too, not only the one
+  // whose operation would run in the other form.
+  net.set_train(true);
+  net.bn1.set_train(false);
+  CHECK_THROWS_WITH_AS(net(x), doctest::Contains("nn::BatchNorm2d<8> 'bn1' is set to evaluate and nn::BatchNorm2d<4> 'bn2' to train"), ModeError);
 }
 
 TEST_CASE("a network built at run time folds at evaluation too (PIJit), with graph mode's bits, and never stale") {

@@ -463,19 +463,25 @@ template <class Op>
 concept PhaseDependent = requires(const Op& op) {
   { Op::phase } -> std::convertible_to<Phase>;
   { op.requested_phase() } -> std::same_as<Phase>;
+  { op.layer_label() } -> std::convertible_to<std::string>;
 };
 
-// The first node of G whose operation depends on the phase, or G::size if none does (then
-// the network's two forms are one, and only the training form is ever made).
+// The nodes of G whose operations depend on the phase, in order.
 template <class G>
-constexpr std::size_t first_phase_dependent_node() {
-  std::size_t first = G::size;
+constexpr auto phase_dependent_nodes() {
+  constexpr std::size_t count = [] {
+    std::size_t n = 0;
+    for_each_index<G::size>([&](auto i) {
+      if constexpr (PhaseDependent<typename node_at<G, decltype(i)::value>::op_type>) ++n;
+    });
+    return n;
+  }();
+  std::array<std::size_t, count> nodes{};
+  std::size_t n = 0;
   for_each_index<G::size>([&](auto i) {
-    if constexpr (PhaseDependent<typename node_at<G, decltype(i)::value>::op_type>) {
-      if (first == G::size) first = decltype(i)::value;
-    }
+    if constexpr (PhaseDependent<typename node_at<G, decltype(i)::value>::op_type>) nodes[n++] = decltype(i)::value;
   });
-  return first;
+  return nodes;
 }
 
 // Whether appending to G reports a broken shape rule: unless G was captured on a Quiet

@@ -20,6 +20,7 @@
 #include <utility>
 
 
+#include "error.hpp"
 #include "evaluator.hpp"
 #include "graph.hpp"
 #include "host.hpp"
@@ -52,10 +53,32 @@ auto compile(F&& f) {
 template <graph::Phase P>
 using PhaseConstant = std::integral_constant<graph::Phase, P>;
 
+// The phase the layers of the phase-dependent nodes of g are set to. When they disagree, the
+// error names the first two that do: the kernels' own check (ops::PhaseOf) could only blame
+// the layer whose operation ran in the other phase's form, which need not be the one the user
+// switched.
+template <class G, auto nodes>
+graph::Phase agreed_phase(const G& g) {
+  const auto& lead = graph::get<nodes[0]>(g).op;
+  const graph::Phase phase = lead.requested_phase();
+  const auto setting = [](graph::Phase p) { return p == graph::Phase::train ? "train" : "evaluate"; };
+  [&]<std::size_t... K>(std::index_sequence<K...>) {
+    const auto agrees = [&](const auto& op) {
+      if (op.requested_phase() == phase) return true;
+      throw ModeError(lead.layer_label() + " is set to " + setting(phase) + " and " + op.layer_label() + " to " +
+                      setting(op.requested_phase()) +
+                      " (set_train); graph mode captures a network in one phase, which all its layers must "
+                      "share: call set_train on the whole network, or run it in PyNative mode");
+    };
+    static_cast<void>((agrees(graph::get<nodes[K]>(g).op) && ...));
+  }(std::make_index_sequence<nodes.size()>{});
+  return phase;
+}
+
 // run(program), program being what capture(PhaseConstant<P>{}) makes for the phase the
 // network's layers are set to (set_train). The training form is made first: its type says
-// whether any operation depends on the phase, and if one does, its layer says which form to
-// run. Each form's plan is cached apart (cached_plan keys on the graph's type), so switching
+// whether any operation depends on the phase, and if any do, their layers say which form to
+// run, and must agree (agreed_phase). Each form's plan is cached apart (cached_plan keys on the graph's type), so switching
 // back and forth keeps both. Every phase-dependent kernel checks its layer again when it
 // runs, so a form whose layers have been switched since (one layer alone, say) is refused,
 // never run stale.
@@ -63,9 +86,9 @@ template <class Capture, class Run>
 decltype(auto) in_requested_phase(Capture&& capture, Run&& run) {
   auto&& train = capture(PhaseConstant<graph::Phase::train>{});
   using G = typename std::remove_cvref_t<decltype(train)>::graph_type;
-  constexpr std::size_t first = graph::first_phase_dependent_node<G>();
-  if constexpr (first < G::size) {
-    if (graph::get<first>(train.graph).op.requested_phase() == graph::Phase::eval) {
+  constexpr auto nodes = graph::phase_dependent_nodes<G>();
+  if constexpr (!nodes.empty()) {
+    if (agreed_phase<G, nodes>(train.graph) == graph::Phase::eval) {
       return run(capture(PhaseConstant<graph::Phase::eval>{}));
     }
   }

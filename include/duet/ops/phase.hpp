@@ -27,6 +27,7 @@ struct PhaseOf {
   explicit PhaseOf(Layer* l) : layer(l) {}
 
   graph::Phase requested_phase() const { return layer->training() ? graph::Phase::train : graph::Phase::eval; }
+  std::string layer_label() const { return layer->label(); }
 
   // Called first by the operation's kernel.
   void check_phase() const {
