@@ -396,6 +396,41 @@ TEST_CASE("distributed: half of the set-up is refused, not trained alone") {
   set_auto_parallel_context({.parallel_mode = ParallelMode::STAND_ALONE});
 }
 
+TEST_CASE("distributed: the first step gives every rank rank 0's optimiser state; evaluate refuses ranks that differ") {
+  init_two_ranks();
+  const int rank = distributed::get_rank();
+  nn::SoftmaxCrossEntropyWithLogits<true, Reduction::mean> loss;
+  const auto test_shard = [&] { return data::DataLoader(small_dataset(), 4, {.num_shards = 2, .shard_id = rank}); };
+  set_seed(static_cast<std::uint64_t>(11 + rank));
+  SmallNet<8> net;
+  // Before the first step each rank has its own weights (as after a loop of one's own that
+  // left the parallel mode STAND_ALONE): their metrics' sum would describe no network.
+  CHECK_THROWS_WITH_AS(train::evaluate(net, loss, test_shard()),
+                       doctest::Contains("the ranks' networks differ ('fc1.weight' first)"), ModeError);
+  // Rank 0 alone has moments and a step count, as after resuming a checkpoint that rank 0 saved.
+  nn::Adam adam(net.parameters(), {.learning_rate = 0.05});
+  if (rank == 0) {
+    std::uint64_t seed = 12;
+    for (const auto& slot : adam.state()) {
+      for (Tensor& t : *slot.tensors) t = uniform(t.shape(), 0.01f, 0.02f, seed++);
+    }
+    adam.set_global_step(5);
+  }
+  set_auto_parallel_context({.parallel_mode = ParallelMode::DATA_PARALLEL, .gradients_mean = true});
+  nn::WithLossCell with_loss(net, loss);
+  nn::TrainOneStepCell step(with_loss, adam);
+  data::DataLoader shard = test_shard();
+  const data::Batch& batch = *shard.next();
+  step(batch.images, batch.labels);
+  CHECK(adam.global_step() == 6);
+  for (const auto& slot : adam.state()) {
+    for (const Tensor& moment : *slot.tensors) CHECK(same_on_every_rank(moment));
+  }
+  for (const auto& p : net.parameters()) CHECK(same_on_every_rank(*p.parameter));
+  CHECK_NOTHROW(train::evaluate(net, loss, test_shard()));
+  set_auto_parallel_context({.parallel_mode = ParallelMode::STAND_ALONE});
+}
+
 // Faults: each ends the job, so ctest runs each on its own and checks the exit and the output.
 // doctest catches what a case throws; terminating from the handler is what an exception that
 // leaves a program's main does.

@@ -75,6 +75,12 @@ inline std::uint64_t fnv1a(std::string_view bytes, std::uint64_t h = 14695981039
   return h;
 }
 
+// A tensor's values as bytes, for fnv1a.
+template <class E>
+std::string_view tensor_bytes(const BasicTensor<E>& t) {
+  return {reinterpret_cast<const char*>(t.data()), static_cast<std::size_t>(t.numel()) * sizeof(E)};
+}
+
 // A gradient a rank contributes to an all-reduce.
 struct GradientView {
   const float* data = nullptr;  // nullptr: none this step
@@ -118,6 +124,24 @@ class DataParallelRuntime {
   // Each value becomes its sum over the ranks.
   virtual void all_reduce_sum(std::span<double> values) = 0;
 };
+
+// Where the ranks' params first differ, if they do ("'fc1.weight'", or their names and shapes):
+// every rank gets the same answer, in two collectives when none differs (names and shapes,
+// then values), one more per parameter up to the first that does otherwise.
+template <class T>
+std::optional<std::string> first_difference_between_ranks(DataParallelRuntime& runtime,
+                                                          const std::vector<nn::NamedParameter<T>>& params) {
+  std::string names;
+  for (const auto& p : params) names += p.name + to_string(p.parameter->shape()) + "\n";
+  if (!runtime.same_on_every_rank(fnv1a(names))) return "the parameters' names or shapes";
+  std::uint64_t hash = fnv1a({});
+  for (const auto& p : params) hash = fnv1a(tensor_bytes<T>(*p.parameter), hash);
+  if (runtime.same_on_every_rank(hash)) return std::nullopt;
+  for (const auto& p : params) {
+    if (!runtime.same_on_every_rank(fnv1a(tensor_bytes<T>(*p.parameter)))) return "'" + p.name + "'";
+  }
+  return std::nullopt;  // unreachable: the whole hash differed, so one part does
+}
 
 // Set by duet::distributed::init().
 inline std::atomic<DataParallelRuntime*>& data_parallel_runtime() {

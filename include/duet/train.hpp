@@ -85,10 +85,30 @@ concept ClassificationLoader = std::ranges::input_range<L> && requires(std::rang
 // (MindSpore's Model.eval sets set_train(False)): Dropout passes its input through, BatchNorm
 // uses its moving statistics and leaves them as they are; each cell's setting is restored after.
 // A sharded loader's metrics are summed over the ranks (duet/distributed.hpp), so that every
-// rank returns the whole data set's.
+// rank returns the whole data set's; ranks whose networks differ are refused.
 template <class Net, class Loss, class Loader>
   requires ClassificationLoader<Loader>
 Metrics evaluate(Net& net, Loss& loss_fn, Loader&& loader) {
+  duet::detail::DataParallelRuntime* runtime = nullptr;
+  if constexpr (requires { loader.options().num_shards; }) {
+    if (loader.options().num_shards > 1) {
+      runtime = duet::detail::data_parallel_runtime().load(std::memory_order_acquire);
+      if (runtime == nullptr) {
+        throw ModeError("duet::train::evaluate: the loader is shard " + std::to_string(loader.options().shard_id) +
+                        " of " + std::to_string(loader.options().num_shards) +
+                        ", but no rank group exists to sum the shards' metrics; call duet::distributed::init()");
+      }
+      // Metrics summed over ranks whose networks differ describe no network, and look like a result.
+      if (const auto where = duet::detail::first_difference_between_ranks(*runtime, net.parameters())) {
+        throw ModeError("duet::train::evaluate: the ranks' networks differ (" + *where +
+                        " first), so the sum of their metrics would describe no network. Ranks agree from "
+                        "nn::TrainOneStepCell's first step (which gives every rank rank 0's parameters) when every "
+                        "step reduces the gradients over the ranks (set_auto_parallel_context(DATA_PARALLEL), or "
+                        "distributed::GradReducer in a loop of your own); before that step, build the network "
+                        "with the same seed on every rank");
+      }
+    }
+  }
   const detail::EvaluationScope<Net> evaluation(net);
   Metrics m;
   double loss_sum = 0;
@@ -104,20 +124,12 @@ Metrics evaluate(Net& net, Loss& loss_fn, Loader&& loader) {
     correct += correct_predictions(logits, labels, duet::detail::ignored_label(loss_fn));
     m.samples += static_cast<index_t>(share.counted_rows);
   }
-  if constexpr (requires { loader.options().num_shards; }) {
-    if (loader.options().num_shards > 1) {
-      duet::detail::DataParallelRuntime* runtime = duet::detail::data_parallel_runtime().load(std::memory_order_acquire);
-      if (runtime == nullptr) {
-        throw ModeError("duet::train::evaluate: the loader is shard " + std::to_string(loader.options().shard_id) +
-                        " of " + std::to_string(loader.options().num_shards) +
-                        ", but no rank group exists to sum the shards' metrics; call duet::distributed::init()");
-      }
-      double sums[] = {loss_sum, static_cast<double>(correct), static_cast<double>(m.samples)};
-      runtime->all_reduce_sum(sums);
-      loss_sum = sums[0];
-      correct = static_cast<index_t>(sums[1]);
-      m.samples = static_cast<index_t>(sums[2]);
-    }
+  if (runtime != nullptr) {
+    double sums[] = {loss_sum, static_cast<double>(correct), static_cast<double>(m.samples)};
+    runtime->all_reduce_sum(sums);
+    loss_sum = sums[0];
+    correct = static_cast<index_t>(sums[1]);
+    m.samples = static_cast<index_t>(sums[2]);
   }
   // Loss 0 and accuracy 0 would read as a result.
   if (m.samples == 0) {

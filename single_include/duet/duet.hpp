@@ -11275,6 +11275,12 @@ inline std::uint64_t fnv1a(std::string_view bytes, std::uint64_t h = 14695981039
   return h;
 }
 
+// A tensor's values as bytes, for fnv1a.
+template <class E>
+std::string_view tensor_bytes(const BasicTensor<E>& t) {
+  return {reinterpret_cast<const char*>(t.data()), static_cast<std::size_t>(t.numel()) * sizeof(E)};
+}
+
 // A gradient a rank contributes to an all-reduce.
 struct GradientView {
   const float* data = nullptr;  // nullptr: none this step
@@ -11318,6 +11324,24 @@ class DataParallelRuntime {
   // Each value becomes its sum over the ranks.
   virtual void all_reduce_sum(std::span<double> values) = 0;
 };
+
+// Where the ranks' params first differ, if they do ("'fc1.weight'", or their names and shapes):
+// every rank gets the same answer, in two collectives when none differs (names and shapes,
+// then values), one more per parameter up to the first that does otherwise.
+template <class T>
+std::optional<std::string> first_difference_between_ranks(DataParallelRuntime& runtime,
+                                                          const std::vector<nn::NamedParameter<T>>& params) {
+  std::string names;
+  for (const auto& p : params) names += p.name + to_string(p.parameter->shape()) + "\n";
+  if (!runtime.same_on_every_rank(fnv1a(names))) return "the parameters' names or shapes";
+  std::uint64_t hash = fnv1a({});
+  for (const auto& p : params) hash = fnv1a(tensor_bytes<T>(*p.parameter), hash);
+  if (runtime.same_on_every_rank(hash)) return std::nullopt;
+  for (const auto& p : params) {
+    if (!runtime.same_on_every_rank(fnv1a(tensor_bytes<T>(*p.parameter)))) return "'" + p.name + "'";
+  }
+  return std::nullopt;  // unreachable: the whole hash differed, so one part does
+}
 
 // Set by duet::distributed::init().
 inline std::atomic<DataParallelRuntime*>& data_parallel_runtime() {
@@ -11703,7 +11727,7 @@ struct TrainOneStepConfig {
 // in the same call, over the gradients that run left in the parameters.
 //
 // In DATA_PARALLEL (duet/distributed.hpp) the first step first gives every rank rank 0's
-// parameters, and each step all-reduces the gradients before the update, in both modes, so
+// parameters and optimiser state, and each step all-reduces the gradients before the update, in both modes, so
 // that every rank applies the same update (from the second step on, each as soon as backward
 // has finished it: duet::detail::OverlappedReduction); the loss returned is then the global
 // batch's.
@@ -11800,17 +11824,19 @@ class TrainOneStepCell {
   double last_global_norm() const { return last_global_norm_; }
 
  private:
-  // The first data-parallel step: every rank gets rank 0's parameters, and a loader that gives
-  // every rank the same batches (not sharded) is refused: the ranks would repeat one another.
+  // The first data-parallel step: every rank gets rank 0's parameters and optimiser state, and
+  // a loader that gives every rank the same batches (not sharded) is refused: the ranks would
+  // repeat one another.
   template <class... X>
   void start_data_parallel(duet::detail::DataParallelRuntime& parallel, const X&... xs) {
     const std::vector<NamedParameter<float>> params = net_with_loss_.parameters();
     parallel.broadcast_parameters(params);
+    broadcast_optimizer_state(parallel, params);
     for (const auto& p : params) {
       if (!p.parameter->requires_grad) buffers_.push_back(p.parameter);
     }
     std::uint64_t hash = duet::detail::fnv1a({});
-    ((hash = duet::detail::fnv1a(bytes_of(tensor_of(xs)), hash)), ...);
+    ((hash = duet::detail::fnv1a(duet::detail::tensor_bytes(tensor_of(xs)), hash)), ...);
     if (parallel.group_size() > 1 && parallel.same_on_every_rank(hash)) {
       throw ValueError("nn::TrainOneStepCell: DATA_PARALLEL, but the first batch is the same on all " +
                        std::to_string(parallel.group_size()) +
@@ -11820,9 +11846,44 @@ class TrainOneStepCell {
     }
   }
 
-  template <class E>
-  static std::string_view bytes_of(const BasicTensor<E>& t) {
-    return {reinterpret_cast<const char*>(t.data()), static_cast<std::size_t>(t.numel()) * sizeof(E)};
+  // Rank 0's moments and step count, as its parameters: a checkpoint is saved by rank 0 alone,
+  // and resumed there alone it would leave the other ranks' moments at zero, each rank then
+  // updating the same weights its own way from the first step on, with the same losses printed.
+  void broadcast_optimizer_state(duet::detail::DataParallelRuntime& parallel,
+                                 const std::vector<NamedParameter<float>>& params) {
+    const std::vector<BasicParameter<float>*>& order = optimizer_.parameters();
+    const auto name_of = [&](std::size_t i) {
+      const auto named = std::ranges::find(params, order[i], &NamedParameter<float>::parameter);
+      return named != params.end() ? named->name : "parameter " + std::to_string(i);
+    };
+    // The state's tensors moved into parameters for broadcast_parameters (which also refuses
+    // ranks whose optimisers differ), then back.
+    const auto slots = optimizer_.state();
+    std::vector<BasicParameter<float>> held;
+    std::vector<NamedParameter<float>> named;
+    for (const auto& slot : slots) {
+      for (std::size_t i = 0; i < slot.tensors->size(); ++i) {
+        held.emplace_back(std::move((*slot.tensors)[i]));
+        named.push_back({std::string(slot.name) + "." + name_of(i), nullptr});
+      }
+    }
+    for (std::size_t k = 0; k < held.size(); ++k) named[k].parameter = &held[k];
+    const auto put_back = [&] {
+      std::size_t k = 0;
+      for (const auto& slot : slots) {
+        for (BasicTensor<float>& tensor : *slot.tensors) tensor = std::move(static_cast<BasicTensor<float>&>(held[k++]));
+      }
+    };
+    try {
+      parallel.broadcast_parameters(named);
+    } catch (...) {
+      put_back();
+      throw;
+    }
+    put_back();
+    double step[] = {parallel.rank() == 0 ? static_cast<double>(optimizer_.global_step()) : 0.0};
+    parallel.all_reduce_sum(step);
+    optimizer_.set_global_step(static_cast<std::int64_t>(step[0]));
   }
 
   // What this rank's batch weighs in the global batch.
@@ -22312,10 +22373,30 @@ concept ClassificationLoader = std::ranges::input_range<L> && requires(std::rang
 // (MindSpore's Model.eval sets set_train(False)): Dropout passes its input through, BatchNorm
 // uses its moving statistics and leaves them as they are; each cell's setting is restored after.
 // A sharded loader's metrics are summed over the ranks (duet/distributed.hpp), so that every
-// rank returns the whole data set's.
+// rank returns the whole data set's; ranks whose networks differ are refused.
 template <class Net, class Loss, class Loader>
   requires ClassificationLoader<Loader>
 Metrics evaluate(Net& net, Loss& loss_fn, Loader&& loader) {
+  duet::detail::DataParallelRuntime* runtime = nullptr;
+  if constexpr (requires { loader.options().num_shards; }) {
+    if (loader.options().num_shards > 1) {
+      runtime = duet::detail::data_parallel_runtime().load(std::memory_order_acquire);
+      if (runtime == nullptr) {
+        throw ModeError("duet::train::evaluate: the loader is shard " + std::to_string(loader.options().shard_id) +
+                        " of " + std::to_string(loader.options().num_shards) +
+                        ", but no rank group exists to sum the shards' metrics; call duet::distributed::init()");
+      }
+      // Metrics summed over ranks whose networks differ describe no network, and look like a result.
+      if (const auto where = duet::detail::first_difference_between_ranks(*runtime, net.parameters())) {
+        throw ModeError("duet::train::evaluate: the ranks' networks differ (" + *where +
+                        " first), so the sum of their metrics would describe no network. Ranks agree from "
+                        "nn::TrainOneStepCell's first step (which gives every rank rank 0's parameters) when every "
+                        "step reduces the gradients over the ranks (set_auto_parallel_context(DATA_PARALLEL), or "
+                        "distributed::GradReducer in a loop of your own); before that step, build the network "
+                        "with the same seed on every rank");
+      }
+    }
+  }
   const detail::EvaluationScope<Net> evaluation(net);
   Metrics m;
   double loss_sum = 0;
@@ -22331,20 +22412,12 @@ Metrics evaluate(Net& net, Loss& loss_fn, Loader&& loader) {
     correct += correct_predictions(logits, labels, duet::detail::ignored_label(loss_fn));
     m.samples += static_cast<index_t>(share.counted_rows);
   }
-  if constexpr (requires { loader.options().num_shards; }) {
-    if (loader.options().num_shards > 1) {
-      duet::detail::DataParallelRuntime* runtime = duet::detail::data_parallel_runtime().load(std::memory_order_acquire);
-      if (runtime == nullptr) {
-        throw ModeError("duet::train::evaluate: the loader is shard " + std::to_string(loader.options().shard_id) +
-                        " of " + std::to_string(loader.options().num_shards) +
-                        ", but no rank group exists to sum the shards' metrics; call duet::distributed::init()");
-      }
-      double sums[] = {loss_sum, static_cast<double>(correct), static_cast<double>(m.samples)};
-      runtime->all_reduce_sum(sums);
-      loss_sum = sums[0];
-      correct = static_cast<index_t>(sums[1]);
-      m.samples = static_cast<index_t>(sums[2]);
-    }
+  if (runtime != nullptr) {
+    double sums[] = {loss_sum, static_cast<double>(correct), static_cast<double>(m.samples)};
+    runtime->all_reduce_sum(sums);
+    loss_sum = sums[0];
+    correct = static_cast<index_t>(sums[1]);
+    m.samples = static_cast<index_t>(sums[2]);
   }
   // Loss 0 and accuracy 0 would read as a result.
   if (m.samples == 0) {

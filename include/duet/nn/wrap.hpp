@@ -66,7 +66,7 @@ struct TrainOneStepConfig {
 // in the same call, over the gradients that run left in the parameters.
 //
 // In DATA_PARALLEL (duet/distributed.hpp) the first step first gives every rank rank 0's
-// parameters, and each step all-reduces the gradients before the update, in both modes, so
+// parameters and optimiser state, and each step all-reduces the gradients before the update, in both modes, so
 // that every rank applies the same update (from the second step on, each as soon as backward
 // has finished it: duet::detail::OverlappedReduction); the loss returned is then the global
 // batch's.
@@ -163,17 +163,19 @@ class TrainOneStepCell {
   double last_global_norm() const { return last_global_norm_; }
 
  private:
-  // The first data-parallel step: every rank gets rank 0's parameters, and a loader that gives
-  // every rank the same batches (not sharded) is refused: the ranks would repeat one another.
+  // The first data-parallel step: every rank gets rank 0's parameters and optimiser state, and
+  // a loader that gives every rank the same batches (not sharded) is refused: the ranks would
+  // repeat one another.
   template <class... X>
   void start_data_parallel(duet::detail::DataParallelRuntime& parallel, const X&... xs) {
     const std::vector<NamedParameter<float>> params = net_with_loss_.parameters();
     parallel.broadcast_parameters(params);
+    broadcast_optimizer_state(parallel, params);
     for (const auto& p : params) {
       if (!p.parameter->requires_grad) buffers_.push_back(p.parameter);
     }
     std::uint64_t hash = duet::detail::fnv1a({});
-    ((hash = duet::detail::fnv1a(bytes_of(tensor_of(xs)), hash)), ...);
+    ((hash = duet::detail::fnv1a(duet::detail::tensor_bytes(tensor_of(xs)), hash)), ...);
     if (parallel.group_size() > 1 && parallel.same_on_every_rank(hash)) {
       throw ValueError("nn::TrainOneStepCell: DATA_PARALLEL, but the first batch is the same on all " +
                        std::to_string(parallel.group_size()) +
@@ -183,9 +185,44 @@ class TrainOneStepCell {
     }
   }
 
-  template <class E>
-  static std::string_view bytes_of(const BasicTensor<E>& t) {
-    return {reinterpret_cast<const char*>(t.data()), static_cast<std::size_t>(t.numel()) * sizeof(E)};
+  // Rank 0's moments and step count, as its parameters: a checkpoint is saved by rank 0 alone,
+  // and resumed there alone it would leave the other ranks' moments at zero, each rank then
+  // updating the same weights its own way from the first step on, with the same losses printed.
+  void broadcast_optimizer_state(duet::detail::DataParallelRuntime& parallel,
+                                 const std::vector<NamedParameter<float>>& params) {
+    const std::vector<BasicParameter<float>*>& order = optimizer_.parameters();
+    const auto name_of = [&](std::size_t i) {
+      const auto named = std::ranges::find(params, order[i], &NamedParameter<float>::parameter);
+      return named != params.end() ? named->name : "parameter " + std::to_string(i);
+    };
+    // The state's tensors moved into parameters for broadcast_parameters (which also refuses
+    // ranks whose optimisers differ), then back.
+    const auto slots = optimizer_.state();
+    std::vector<BasicParameter<float>> held;
+    std::vector<NamedParameter<float>> named;
+    for (const auto& slot : slots) {
+      for (std::size_t i = 0; i < slot.tensors->size(); ++i) {
+        held.emplace_back(std::move((*slot.tensors)[i]));
+        named.push_back({std::string(slot.name) + "." + name_of(i), nullptr});
+      }
+    }
+    for (std::size_t k = 0; k < held.size(); ++k) named[k].parameter = &held[k];
+    const auto put_back = [&] {
+      std::size_t k = 0;
+      for (const auto& slot : slots) {
+        for (BasicTensor<float>& tensor : *slot.tensors) tensor = std::move(static_cast<BasicTensor<float>&>(held[k++]));
+      }
+    };
+    try {
+      parallel.broadcast_parameters(named);
+    } catch (...) {
+      put_back();
+      throw;
+    }
+    put_back();
+    double step[] = {parallel.rank() == 0 ? static_cast<double>(optimizer_.global_step()) : 0.0};
+    parallel.all_reduce_sum(step);
+    optimizer_.set_global_step(static_cast<std::int64_t>(step[0]));
   }
 
   // What this rank's batch weighs in the global batch.
