@@ -290,8 +290,9 @@ class MpiRuntime final : public duet::detail::DataParallelRuntime {
         char seconds[32];
         std::snprintf(seconds, sizeof seconds, "%g", timeout_seconds_);
         throw CommunicationError(where() + std::string(what) + " did not complete within " + seconds +
-                                 " s: another rank stopped, died or took another path (the timeout is "
-                                 "InitConfig::timeout_seconds or DUET_DISTRIBUTED_TIMEOUT)");
+                                 " s: another rank stopped, died or took another path (fewer steps: a loader of another "
+                                 "batch size or length there); the timeout is InitConfig::timeout_seconds or "
+                                 "DUET_DISTRIBUTED_TIMEOUT");
       }
       std::this_thread::yield();
     }
