@@ -396,7 +396,7 @@ TEST_CASE("distributed: half of the set-up is refused, not trained alone") {
   set_auto_parallel_context({.parallel_mode = ParallelMode::STAND_ALONE});
 }
 
-TEST_CASE("distributed: the first step gives every rank rank 0's optimiser state; evaluate refuses ranks that differ") {
+TEST_CASE("distributed: the first step gives every rank rank 0's optimiser state, and evaluate refuses ranks that differ") {
   init_two_ranks();
   const int rank = distributed::get_rank();
   nn::SoftmaxCrossEntropyWithLogits<true, Reduction::mean> loss;
