@@ -431,6 +431,47 @@ TEST_CASE("distributed: the first step gives every rank rank 0's optimiser state
   set_auto_parallel_context({.parallel_mode = ParallelMode::STAND_ALONE});
 }
 
+namespace {
+struct DropoutNet : nn::Cell<DropoutNet> {
+  SmallNet<8> body;
+  nn::Dropout drop{0.5};
+  DUET_CELL_MEMBERS(body, drop);
+  auto construct(auto x) { return drop(body(x)); }
+};
+}  // namespace
+
+TEST_CASE("distributed: the first step gives every rank rank 0's Dropout generators") {
+  init_two_ranks();
+  const int rank = distributed::get_rank();
+  DropoutNet net;
+  // Rank 0's as a checkpoint resumed on rank 0 alone leaves it: its own, the others' fresh.
+  net.drop.reseed(static_cast<std::uint64_t>(100 + rank));
+  const auto words = [&] {
+    const GeneratorState state = net.drop.generator().state();
+    BasicTensor<float> out({16});
+    // Each word's 16-bit pieces, which floats hold exactly.
+    for (std::size_t w = 0; w < 4; ++w) {
+      for (std::size_t k = 0; k < 4; ++k) out.data()[w * 4 + k] = static_cast<float>((state.words[w] >> (16 * k)) & 0xFFFF);
+    }
+    return out;
+  };
+  Generator rank0(100);
+  CHECK_FALSE(same_on_every_rank(words()));
+  nn::SoftmaxCrossEntropyWithLogits<true, Reduction::mean> loss;
+  nn::SGD sgd(net.parameters());
+  set_auto_parallel_context({.parallel_mode = ParallelMode::DATA_PARALLEL, .gradients_mean = true});
+  nn::WithLossCell with_loss(net, loss);
+  nn::TrainOneStepCell step(with_loss, sgd);
+  data::DataLoader shard(small_dataset(), 4, {.num_shards = 2, .shard_id = rank});
+  const data::Batch& batch = *shard.next();
+  step(batch.images, batch.labels);
+  CHECK(same_on_every_rank(words()));
+  // Rank 0's, moved on by the step's draws: one per output, 3 per row.
+  for (index_t i = 0; i < batch.images.dim(0) * 3; ++i) rank0.next();
+  CHECK(net.drop.generator().state() == rank0.state());
+  set_auto_parallel_context({.parallel_mode = ParallelMode::STAND_ALONE});
+}
+
 // Faults: each ends the job, so ctest runs each on its own and checks the exit and the output.
 // doctest catches what a case throws; terminating from the handler is what an exception that
 // leaves a program's main does.

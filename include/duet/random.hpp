@@ -6,14 +6,29 @@
 // why the same seed gives the same network in PyNative and graph mode.
 #pragma once
 
+#include <array>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <mutex>
 #include <numbers>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "tensor.hpp"
 
 namespace duet {
+
+// Everything a Generator will draw from: its xoshiro words and a pending second normal draw.
+// What a checkpoint saves of a layer's generator (Dropout's), so that training resumes with
+// the masks it would have drawn.
+struct GeneratorState {
+  std::array<std::uint64_t, 4> words{};
+  bool has_spare = false;
+  double spare = 0;
+  friend bool operator==(const GeneratorState&, const GeneratorState&) = default;
+};
 
 class Generator {
  public:
@@ -29,6 +44,15 @@ class Generator {
       z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
       word = z ^ (z >> 31);
     }
+  }
+
+  GeneratorState state() const { return {{state_[0], state_[1], state_[2], state_[3]}, has_spare_, spare_}; }
+  // All-zero words are xoshiro's one fixed point, never reached from a seed: it would draw
+  // zeros for ever, so callers check (checkpoints refuse it as malformed).
+  void set_state(const GeneratorState& s) {
+    for (std::size_t i = 0; i < 4; ++i) state_[i] = s.words[i];
+    has_spare_ = s.has_spare;
+    spare_ = s.spare;
   }
 
   std::uint64_t next() {
@@ -82,6 +106,28 @@ class Generator {
 };
 
 namespace detail {
+// A cell that draws from a generator of its own while it trains (Dropout). A checkpoint saved
+// with an optimiser holds that generator's state, under the cell's path, and resuming from it
+// restores the state: the resumed run then draws what the uninterrupted one would have.
+class GeneratorOwner {
+ public:
+  virtual Generator& owned_generator() = 0;
+
+ protected:
+  ~GeneratorOwner() = default;
+};
+
+// The generators of the cells in `cell`'s tree that own one, in its order, with their cells'
+// paths: what checkpoints save and data-parallel training gives every rank from rank 0.
+template <class Cell>
+std::vector<std::pair<std::string, Generator*>> named_generators(Cell& cell) {
+  std::vector<std::pair<std::string, Generator*>> out;
+  for (const auto& [path, c] : cell.cells_and_names()) {
+    if (auto* owner = dynamic_cast<GeneratorOwner*>(c)) out.emplace_back(path, &owner->owned_generator());
+  }
+  return out;
+}
+
 struct GlobalGenerator {
   std::mutex mutex;
   Generator generator{0};

@@ -11678,6 +11678,197 @@ inline DataParallelRuntime* training_runtime(std::string_view who) {
 
 }  // namespace detail
 }  // namespace duet
+// Seeded random numbers that are the same on every compiler and standard library.
+//
+// std::uniform_real_distribution and std::normal_distribution are implementation-defined, so
+// duet draws its own: xoshiro256** seeded through splitmix64, uniform floats from the top
+// bits, normals by Box-Muller. Both modes build their weights from this generator, which is
+// why the same seed gives the same network in PyNative and graph mode.
+
+#include <array>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <numbers>
+#include <string>
+#include <utility>
+#include <vector>
+
+
+namespace duet {
+
+// Everything a Generator will draw from: its xoshiro words and a pending second normal draw.
+// What a checkpoint saves of a layer's generator (Dropout's), so that training resumes with
+// the masks it would have drawn.
+struct GeneratorState {
+  std::array<std::uint64_t, 4> words{};
+  bool has_spare = false;
+  double spare = 0;
+  friend bool operator==(const GeneratorState&, const GeneratorState&) = default;
+};
+
+class Generator {
+ public:
+  explicit Generator(std::uint64_t seed = 0) { this->seed(seed); }
+
+  // Reseeding also drops a pending second normal draw, which belongs to the old sequence.
+  void seed(std::uint64_t seed) {
+    has_spare_ = false;
+    for (auto& word : state_) {
+      seed += 0x9E3779B97F4A7C15ull;
+      std::uint64_t z = seed;
+      z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+      z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+      word = z ^ (z >> 31);
+    }
+  }
+
+  GeneratorState state() const { return {{state_[0], state_[1], state_[2], state_[3]}, has_spare_, spare_}; }
+  // All-zero words are xoshiro's one fixed point, never reached from a seed: it would draw
+  // zeros for ever, so callers check (checkpoints refuse it as malformed).
+  void set_state(const GeneratorState& s) {
+    for (std::size_t i = 0; i < 4; ++i) state_[i] = s.words[i];
+    has_spare_ = s.has_spare;
+    spare_ = s.spare;
+  }
+
+  std::uint64_t next() {
+    const std::uint64_t result = rotl(state_[1] * 5, 7) * 9;
+    const std::uint64_t t = state_[1] << 17;
+    state_[2] ^= state_[0];
+    state_[3] ^= state_[1];
+    state_[1] ^= state_[2];
+    state_[0] ^= state_[3];
+    state_[2] ^= t;
+    state_[3] = rotl(state_[3], 45);
+    return result;
+  }
+
+  // Uniform in [0, 1), with all the precision T can hold.
+  template <class T>
+  T uniform01() {
+    if constexpr (std::is_same_v<T, float>) {
+      return static_cast<float>(next() >> 40) * 0x1.0p-24f;
+    } else {
+      return static_cast<T>(static_cast<double>(next() >> 11) * 0x1.0p-53);
+    }
+  }
+
+  template <class T>
+  T uniform(T low, T high) {
+    return low + (high - low) * uniform01<T>();
+  }
+
+  // Standard normal, Box-Muller in double so float and double draws agree to float precision.
+  template <class T>
+  T normal() {
+    if (has_spare_) {
+      has_spare_ = false;
+      return static_cast<T>(spare_);
+    }
+    double u1 = 0;
+    while (u1 == 0) u1 = uniform01<double>();
+    const double u2 = uniform01<double>();
+    const double r = std::sqrt(-2.0 * std::log(u1));
+    spare_ = r * std::sin(2.0 * std::numbers::pi * u2);
+    has_spare_ = true;
+    return static_cast<T>(r * std::cos(2.0 * std::numbers::pi * u2));
+  }
+
+ private:
+  static std::uint64_t rotl(std::uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+  std::uint64_t state_[4]{};
+  double spare_ = 0;
+  bool has_spare_ = false;
+};
+
+namespace detail {
+// A cell that draws from a generator of its own while it trains (Dropout). A checkpoint saved
+// with an optimiser holds that generator's state, under the cell's path, and resuming from it
+// restores the state: the resumed run then draws what the uninterrupted one would have.
+class GeneratorOwner {
+ public:
+  virtual Generator& owned_generator() = 0;
+
+ protected:
+  ~GeneratorOwner() = default;
+};
+
+// The generators of the cells in `cell`'s tree that own one, in its order, with their cells'
+// paths: what checkpoints save and data-parallel training gives every rank from rank 0.
+template <class Cell>
+std::vector<std::pair<std::string, Generator*>> named_generators(Cell& cell) {
+  std::vector<std::pair<std::string, Generator*>> out;
+  for (const auto& [path, c] : cell.cells_and_names()) {
+    if (auto* owner = dynamic_cast<GeneratorOwner*>(c)) out.emplace_back(path, &owner->owned_generator());
+  }
+  return out;
+}
+
+struct GlobalGenerator {
+  std::mutex mutex;
+  Generator generator{0};
+};
+inline GlobalGenerator& global_generator() {
+  static GlobalGenerator g;
+  return g;
+}
+}  // namespace detail
+
+// Reseeds the generator that layer initialisers and the unseeded creation functions draw
+// from (MindSpore's set_seed). The default seed is 0, so programs are reproducible by default.
+inline void set_seed(std::uint64_t seed) {
+  auto& g = detail::global_generator();
+  std::lock_guard lock(g.mutex);
+  g.generator.seed(seed);
+}
+
+// Runs fn(Generator&) with the global generator locked.
+template <class F>
+decltype(auto) with_global_generator(F&& fn) {
+  auto& g = detail::global_generator();
+  std::lock_guard lock(g.mutex);
+  return fn(g.generator);
+}
+
+template <ElementType T = float>
+BasicTensor<T> uniform(const Shape& shape, T low, T high, Generator& gen) {
+  auto t = BasicTensor<T>::uninitialized(shape);
+  for (T& v : t.values()) v = gen.uniform<T>(low, high);
+  return t;
+}
+
+template <ElementType T = float>
+BasicTensor<T> randn(const Shape& shape, Generator& gen) {
+  auto t = BasicTensor<T>::uninitialized(shape);
+  for (T& v : t.values()) v = gen.normal<T>();
+  return t;
+}
+
+// Seeded: the same seed gives the same tensor, whatever else has drawn numbers.
+template <ElementType T = float>
+BasicTensor<T> uniform(const Shape& shape, T low, T high, std::uint64_t seed) {
+  Generator gen(seed);
+  return uniform<T>(shape, low, high, gen);
+}
+template <ElementType T = float>
+BasicTensor<T> randn(const Shape& shape, std::uint64_t seed) {
+  Generator gen(seed);
+  return randn<T>(shape, gen);
+}
+
+// Unseeded: draws from the global generator (see set_seed).
+template <ElementType T = float>
+BasicTensor<T> uniform(const Shape& shape, T low = 0, T high = 1) {
+  return with_global_generator([&](Generator& gen) { return uniform<T>(shape, low, high, gen); });
+}
+template <ElementType T = float>
+BasicTensor<T> randn(const Shape& shape) {
+  return with_global_generator([&](Generator& gen) { return randn<T>(shape, gen); });
+}
+
+}  // namespace duet
 
 namespace duet::nn {
 
@@ -11832,6 +12023,7 @@ class TrainOneStepCell {
     const std::vector<NamedParameter<float>> params = net_with_loss_.parameters();
     parallel.broadcast_parameters(params);
     broadcast_optimizer_state(parallel, params);
+    broadcast_generators(parallel);
     for (const auto& p : params) {
       if (!p.parameter->requires_grad) buffers_.push_back(p.parameter);
     }
@@ -11884,6 +12076,42 @@ class TrainOneStepCell {
     double step[] = {parallel.rank() == 0 ? static_cast<double>(optimizer_.global_step()) : 0.0};
     parallel.all_reduce_sum(step);
     optimizer_.set_global_step(static_cast<std::int64_t>(step[0]));
+  }
+
+  // Rank 0's Dropout generators, for the same reason: resumed on rank 0 alone, the other ranks
+  // would draw the masks of freshly built layers, not those the run that saved it would have.
+  void broadcast_generators(duet::detail::DataParallelRuntime& parallel) {
+    const auto generators = duet::detail::named_generators(net_with_loss_);
+    std::uint64_t names = duet::detail::fnv1a(std::to_string(generators.size()));
+    for (const auto& [path, generator] : generators) names = duet::detail::fnv1a(path, names);
+    if (!parallel.same_on_every_rank(names)) {
+      throw ValueError("nn::TrainOneStepCell: the ranks' networks have different Dropout layers (" +
+                       std::to_string(generators.size()) + " on rank " + std::to_string(parallel.rank()) +
+                       "); every rank must build the same network");
+    }
+    // Each word as four 16-bit pieces in doubles, which the sum with the other ranks' zeros
+    // keeps exact.
+    const bool source = parallel.rank() == 0;
+    std::vector<double> values;
+    for (const auto& [path, generator] : generators) {
+      const GeneratorState state = generator->state();
+      for (std::uint64_t word : state.words) {
+        for (int piece = 0; piece < 4; ++piece) values.push_back(source ? double((word >> (16 * piece)) & 0xFFFF) : 0);
+      }
+      values.push_back(source && state.has_spare ? 1 : 0);
+      values.push_back(source ? state.spare : 0);
+    }
+    parallel.all_reduce_sum(values);
+    std::size_t k = 0;
+    for (const auto& [path, generator] : generators) {
+      GeneratorState state;
+      for (std::uint64_t& word : state.words) {
+        for (int piece = 0; piece < 4; ++piece) word |= static_cast<std::uint64_t>(values[k++]) << (16 * piece);
+      }
+      state.has_spare = values[k++] != 0;
+      state.spare = values[k++];
+      generator->set_state(state);
+    }
   }
 
   // What this rank's batch weighs in the global batch.
@@ -12742,151 +12970,6 @@ inline BasicTensor<std::uint8_t> read_idx_u8(const std::filesystem::path& path) 
 }
 
 }  // namespace duet::io
-// Seeded random numbers that are the same on every compiler and standard library.
-//
-// std::uniform_real_distribution and std::normal_distribution are implementation-defined, so
-// duet draws its own: xoshiro256** seeded through splitmix64, uniform floats from the top
-// bits, normals by Box-Muller. Both modes build their weights from this generator, which is
-// why the same seed gives the same network in PyNative and graph mode.
-
-#include <cmath>
-#include <cstdint>
-#include <mutex>
-#include <numbers>
-
-
-namespace duet {
-
-class Generator {
- public:
-  explicit Generator(std::uint64_t seed = 0) { this->seed(seed); }
-
-  // Reseeding also drops a pending second normal draw, which belongs to the old sequence.
-  void seed(std::uint64_t seed) {
-    has_spare_ = false;
-    for (auto& word : state_) {
-      seed += 0x9E3779B97F4A7C15ull;
-      std::uint64_t z = seed;
-      z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-      z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-      word = z ^ (z >> 31);
-    }
-  }
-
-  std::uint64_t next() {
-    const std::uint64_t result = rotl(state_[1] * 5, 7) * 9;
-    const std::uint64_t t = state_[1] << 17;
-    state_[2] ^= state_[0];
-    state_[3] ^= state_[1];
-    state_[1] ^= state_[2];
-    state_[0] ^= state_[3];
-    state_[2] ^= t;
-    state_[3] = rotl(state_[3], 45);
-    return result;
-  }
-
-  // Uniform in [0, 1), with all the precision T can hold.
-  template <class T>
-  T uniform01() {
-    if constexpr (std::is_same_v<T, float>) {
-      return static_cast<float>(next() >> 40) * 0x1.0p-24f;
-    } else {
-      return static_cast<T>(static_cast<double>(next() >> 11) * 0x1.0p-53);
-    }
-  }
-
-  template <class T>
-  T uniform(T low, T high) {
-    return low + (high - low) * uniform01<T>();
-  }
-
-  // Standard normal, Box-Muller in double so float and double draws agree to float precision.
-  template <class T>
-  T normal() {
-    if (has_spare_) {
-      has_spare_ = false;
-      return static_cast<T>(spare_);
-    }
-    double u1 = 0;
-    while (u1 == 0) u1 = uniform01<double>();
-    const double u2 = uniform01<double>();
-    const double r = std::sqrt(-2.0 * std::log(u1));
-    spare_ = r * std::sin(2.0 * std::numbers::pi * u2);
-    has_spare_ = true;
-    return static_cast<T>(r * std::cos(2.0 * std::numbers::pi * u2));
-  }
-
- private:
-  static std::uint64_t rotl(std::uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
-  std::uint64_t state_[4]{};
-  double spare_ = 0;
-  bool has_spare_ = false;
-};
-
-namespace detail {
-struct GlobalGenerator {
-  std::mutex mutex;
-  Generator generator{0};
-};
-inline GlobalGenerator& global_generator() {
-  static GlobalGenerator g;
-  return g;
-}
-}  // namespace detail
-
-// Reseeds the generator that layer initialisers and the unseeded creation functions draw
-// from (MindSpore's set_seed). The default seed is 0, so programs are reproducible by default.
-inline void set_seed(std::uint64_t seed) {
-  auto& g = detail::global_generator();
-  std::lock_guard lock(g.mutex);
-  g.generator.seed(seed);
-}
-
-// Runs fn(Generator&) with the global generator locked.
-template <class F>
-decltype(auto) with_global_generator(F&& fn) {
-  auto& g = detail::global_generator();
-  std::lock_guard lock(g.mutex);
-  return fn(g.generator);
-}
-
-template <ElementType T = float>
-BasicTensor<T> uniform(const Shape& shape, T low, T high, Generator& gen) {
-  auto t = BasicTensor<T>::uninitialized(shape);
-  for (T& v : t.values()) v = gen.uniform<T>(low, high);
-  return t;
-}
-
-template <ElementType T = float>
-BasicTensor<T> randn(const Shape& shape, Generator& gen) {
-  auto t = BasicTensor<T>::uninitialized(shape);
-  for (T& v : t.values()) v = gen.normal<T>();
-  return t;
-}
-
-// Seeded: the same seed gives the same tensor, whatever else has drawn numbers.
-template <ElementType T = float>
-BasicTensor<T> uniform(const Shape& shape, T low, T high, std::uint64_t seed) {
-  Generator gen(seed);
-  return uniform<T>(shape, low, high, gen);
-}
-template <ElementType T = float>
-BasicTensor<T> randn(const Shape& shape, std::uint64_t seed) {
-  Generator gen(seed);
-  return randn<T>(shape, gen);
-}
-
-// Unseeded: draws from the global generator (see set_seed).
-template <ElementType T = float>
-BasicTensor<T> uniform(const Shape& shape, T low = 0, T high = 1) {
-  return with_global_generator([&](Generator& gen) { return uniform<T>(shape, low, high, gen); });
-}
-template <ElementType T = float>
-BasicTensor<T> randn(const Shape& shape) {
-  return with_global_generator([&](Generator& gen) { return randn<T>(shape, gen); });
-}
-
-}  // namespace duet
 
 namespace duet::data {
 
@@ -13654,11 +13737,11 @@ BasicTensor<T> initializer(const I& init, const Shape& shape) {
 // Checkpoints: a cell's parameters in one file (MindSpore's save_checkpoint / load_checkpoint),
 // and optionally its optimiser's state, so that training can resume.
 //
-// Format, version 2; every integer is little-endian:
+// Format, version 3; every integer is little-endian:
 //
 //   size           field
 //   8              magic "DUETCKPT"
-//   4              u32 version: 2
+//   4              u32 version: 3
 //   4              u32 number of parameters
 //   per parameter, in the cell's order (a reader accepts any order), a record:
 //     4            u32 name length, then the name's bytes: the parameter's path in the cell,
@@ -13675,10 +13758,20 @@ BasicTensor<T> initializer(const I& init, const Shape& shape) {
 //   per state tensor, a record as above, named "<slot>.<parameter's name>":
 //                  "moment1.dense_relu_sequential.0.weight" (Adam: moment1, moment2; SGD with
 //                  momentum: momentum)
+//   4              u32 number of generators (present with the optimiser's state only): the
+//                  random streams of the cells that draw while they train (nn::Dropout's masks)
+//   per generator, in the cell's order:
+//     4            u32 name length, then the name: "generator.<the cell's path>",
+//                  "generator.classifier.1" ("generator" for a root cell)
+//     8 × 4        u64 the four words of its xoshiro256** state, not all zero
+//     1            u8 1 when a second normal draw is pending, else 0
+//     8            f64 that draw (0 when none), finite
 //   4              u32 CRC-32 (zlib's crc32) of every byte before it
 //
-// Version 1 is the same up to the parameters' records, which the checksum follows directly;
-// it is still read.
+// Version 2 is the same without the generators, and version 1 without the optimiser's state
+// either (the checksum follows the parameters' records); both are still read. Resuming from a
+// version 2 file leaves the generators as they are, so a network with Dropout then draws other
+// masks than the run that saved it.
 //
 // Names are paths from the cell saved, which are the same whichever mode the cell runs in,
 // so a checkpoint saved from a network in graph mode loads into the same network in PyNative
@@ -13691,6 +13784,7 @@ BasicTensor<T> initializer(const I& init, const Shape& shape) {
 #include <array>
 #include <atomic>
 #include <bit>
+#include <cmath>
 #include <cerrno>
 #include <cstddef>
 #include <cstdint>
@@ -14056,6 +14150,7 @@ struct CheckpointInfo {
   std::string optimizer;  // "nn::Adam", or "" when the file holds no optimiser state
   std::int64_t global_step = 0;
   std::vector<CheckpointEntry> optimizer_state;
+  std::vector<std::string> generators;  // "generator.<cell path>", saved with the optimiser's state
 };
 
 struct CheckpointLoadOptions {
@@ -14075,14 +14170,17 @@ struct CheckpointLoad {
 namespace detail {
 
 inline constexpr std::string_view checkpoint_magic = "DUETCKPT";
-inline constexpr std::uint32_t checkpoint_version = 2;
+inline constexpr std::uint32_t checkpoint_version = 3;
 // Magic, version, count; the checksum; each record's name length, type and rank; the
-// optimiser section's name length, then its step and count when there is one.
+// optimiser section's name length, then its step and count when there is one, and the
+// generators' count; each generator's name length and state.
 inline constexpr std::uint64_t checkpoint_header_bytes = 8 + 4 + 4;
 inline constexpr std::uint64_t checkpoint_optimizer_bytes = 4;
 inline constexpr std::uint64_t checkpoint_optimizer_state_bytes = 8 + 4;
 inline constexpr std::uint64_t checkpoint_checksum_bytes = 4;
 inline constexpr std::uint64_t checkpoint_record_header_bytes = 4 + 1 + 1;
+inline constexpr std::uint64_t checkpoint_generators_bytes = 4;
+inline constexpr std::uint64_t checkpoint_generator_bytes = 4 + 8 * 4 + 1 + 8;
 
 inline std::string checkpoint_where(const std::filesystem::path& path) { return "checkpoint '" + path.string() + "'"; }
 
@@ -14247,6 +14345,33 @@ class CheckpointParser {
     return out;
   }
 
+  // A version 3 file's generators, their count first.
+  std::vector<std::pair<std::string_view, GeneratorState>> generators() {
+    const auto count = little_endian(4, "the generator count");
+    std::vector<std::pair<std::string_view, GeneratorState>> out;
+    std::unordered_set<std::string_view> seen;
+    for (std::uint64_t i = 0; i < count; ++i) {
+      const std::string what = "generator #" + std::to_string(i);
+      const auto name = text(static_cast<std::size_t>(little_endian(4, what + "'s name length")), what + "'s name");
+      const std::string who = "generator " + shown_name(name);
+      GeneratorState state;
+      for (std::size_t w = 0; w < state.words.size(); ++w) {
+        state.words[w] = little_endian(8, who + "'s word " + std::to_string(w));
+      }
+      const auto pending = little_endian(1, who + "'s pending-draw flag");
+      state.spare = std::bit_cast<double>(little_endian(8, who + "'s pending draw"));
+      std::string wrong;
+      if (state.words == decltype(state.words){}) wrong = "all-zero words, which would draw only zeros";
+      else if (pending > 1) wrong = "a pending-draw flag of " + std::to_string(pending) + ", not 0 or 1";
+      else if (!std::isfinite(state.spare)) wrong = "a pending draw that is not finite";
+      if (!wrong.empty()) throw FormatError(where_ + ": malformed: " + who + " has " + wrong);
+      state.has_spare = pending == 1;
+      if (!seen.insert(name).second) throw FormatError(where_ + ": " + who + " appears twice in the file");
+      out.emplace_back(name, state);
+    }
+    return out;
+  }
+
  private:
   CheckpointRecord record(std::uint32_t index, const std::string& noun) {
     const std::string what = noun + " #" + std::to_string(index);
@@ -14299,6 +14424,7 @@ struct ParsedCheckpoint {
   std::string_view optimizer;  // empty when the file holds no optimiser state
   std::int64_t global_step = 0;
   std::vector<CheckpointRecord> optimizer_state;
+  std::vector<std::pair<std::string_view, GeneratorState>> generators;
 };
 
 // A checkpoint file, checked for everything but whether it fits a cell. `expected` is the
@@ -14350,12 +14476,13 @@ inline ParsedCheckpoint parse_checkpoint(std::span<const unsigned char> bytes, s
       }
       const auto count = static_cast<std::uint32_t>(in.little_endian(4, "the optimizer state count"));
       file.optimizer_state = in.records(count, "optimizer state");
+      if (file.version >= 3) file.generators = in.generators();
     }
   }
   if (in.remaining() != 0) {
     throw FormatError(where + ": malformed: " + std::to_string(in.remaining()) + " unexpected bytes at byte " +
                       std::to_string(in.position()) + ", after the " +
-                      (file.optimizer.empty() ? "parameters" : "optimizer state"));
+                      (file.optimizer.empty() ? "parameters" : file.version >= 3 ? "generators" : "optimizer state"));
   }
   return file;
 }
@@ -14369,8 +14496,10 @@ inline std::vector<CheckpointEntry> entries_of(const std::vector<CheckpointRecor
 
 inline CheckpointInfo info_of(std::span<const unsigned char> bytes, const std::string& where) {
   const ParsedCheckpoint file = parse_checkpoint(bytes, 0, where);
+  std::vector<std::string> generators;
+  for (const auto& g : file.generators) generators.emplace_back(g.first);
   return {file.version, entries_of(file.parameters), std::string(file.optimizer), file.global_step,
-          entries_of(file.optimizer_state)};
+          entries_of(file.optimizer_state), std::move(generators)};
 }
 
 // A tensor a load fills, by the name the file gives it.
@@ -14388,6 +14517,23 @@ std::vector<CheckpointTarget<T>> parameter_targets(nn::BasicDynamicCell<T>& cell
   for (auto& [name, p] : cell.parameters()) out.push_back({std::move(name), p});
   if (out.empty()) {
     throw ValueError(where + ": " + cell.type_name() + " has no parameters; " + nn::detail::unregistered_members_hint);
+  }
+  return out;
+}
+
+// A generator a checkpoint holds, by the name the file gives it.
+struct GeneratorTarget {
+  std::string name;
+  Generator* generator;
+};
+
+// The generators of the cells in the tree that own one (nn::Dropout), in the cell's order,
+// named "generator.<path>".
+template <ElementType T>
+std::vector<GeneratorTarget> generator_targets(nn::BasicDynamicCell<T>& cell) {
+  std::vector<GeneratorTarget> out;
+  for (const auto& [path, generator] : named_generators(cell)) {
+    out.push_back({path.empty() ? "generator" : "generator." + path, generator});
   }
   return out;
 }
@@ -14429,14 +14575,26 @@ std::uint64_t records_size(const std::vector<CheckpointTarget<T>>& targets) {
   return size;
 }
 
+// What a checkpoint saved with an optimiser holds beside the parameters.
+template <ElementType T>
+struct TrainingTargets {
+  std::string_view optimizer;  // its type name; empty for a checkpoint of parameters only
+  std::int64_t global_step = 0;
+  std::vector<CheckpointTarget<T>> state;
+  std::vector<GeneratorTarget> generators;
+};
+
 // The size of a checkpoint of these tensors: a shorter file that fails its checksum is taken
 // as cut.
 template <ElementType T>
-std::uint64_t checkpoint_size(const std::vector<CheckpointTarget<T>>& parameters, std::string_view optimizer = {},
-                              const std::vector<CheckpointTarget<T>>& state = {}) {
-  return checkpoint_header_bytes + records_size(parameters) + checkpoint_optimizer_bytes +
-         (optimizer.empty() ? 0 : optimizer.size() + checkpoint_optimizer_state_bytes + records_size(state)) +
-         checkpoint_checksum_bytes;
+std::uint64_t checkpoint_size(const std::vector<CheckpointTarget<T>>& parameters, const TrainingTargets<T>& training = {}) {
+  std::uint64_t size = checkpoint_header_bytes + records_size(parameters) + checkpoint_optimizer_bytes +
+                       checkpoint_checksum_bytes;
+  if (training.optimizer.empty()) return size;
+  size += training.optimizer.size() + checkpoint_optimizer_state_bytes + records_size(training.state) +
+          checkpoint_generators_bytes;
+  for (const auto& g : training.generators) size += checkpoint_generator_bytes + g.name.size();
+  return size;
 }
 
 template <ElementType T>
@@ -14454,17 +14612,25 @@ void write_records(CheckpointWriter& out, const std::vector<CheckpointTarget<T>>
 
 template <ElementType T>
 void write_checkpoint(const std::filesystem::path& path, const std::vector<CheckpointTarget<T>>& parameters,
-                      std::string_view optimizer = {}, std::int64_t global_step = 0,
-                      const std::vector<CheckpointTarget<T>>& state = {}) {
+                      const TrainingTargets<T>& training = {}) {
   CheckpointWriter out(path, checkpoint_where(path));
   out.bytes(std::as_bytes(std::span(checkpoint_magic)));
   out.u32(checkpoint_version);
   write_records(out, parameters);
-  out.u32(static_cast<std::uint32_t>(optimizer.size()));
-  if (!optimizer.empty()) {
-    out.bytes(std::as_bytes(std::span(optimizer)));
-    out.i64(global_step);
-    write_records(out, state);
+  out.u32(static_cast<std::uint32_t>(training.optimizer.size()));
+  if (!training.optimizer.empty()) {
+    out.bytes(std::as_bytes(std::span(training.optimizer)));
+    out.i64(training.global_step);
+    write_records(out, training.state);
+    out.u32(static_cast<std::uint32_t>(training.generators.size()));
+    for (const auto& [name, generator] : training.generators) {
+      out.u32(static_cast<std::uint32_t>(name.size()));
+      out.bytes(std::as_bytes(std::span(name)));
+      const GeneratorState state = generator->state();
+      for (std::uint64_t word : state.words) out.u64(word);
+      out.u8(state.has_spare ? 1 : 0);
+      out.u64(std::bit_cast<std::uint64_t>(state.spare));
+    }
   }
   out.u32(out.checksum());
   out.commit();
@@ -14484,6 +14650,21 @@ struct MatchWords {
   std::string noun;
   std::string holder;
 };
+
+// A strict match's names: those only the file has (`unknown`) and those only the holder has.
+inline void check_all_matched(const std::vector<std::string_view>& unknown, const std::vector<std::string_view>& missing,
+                              const MatchWords& words, const std::string& where) {
+  if (unknown.empty() && missing.empty()) return;
+  std::string message = where + ": ";
+  if (!unknown.empty()) {
+    message += "the file's " + words.noun + "(s) " + name_list(unknown) + " are not in " + words.holder;
+  }
+  if (!missing.empty()) {
+    message += std::string(unknown.empty() ? "" : ", and ") + "the file has no value for " + words.holder + "'s " +
+               words.noun + "(s) " + name_list(missing);
+  }
+  throw FormatError(message);
+}
 
 // For each target, the record of its name, type and shape, or nullptr. A strict match throws
 // on the first difference of type or shape, then on names in the file or the holder only;
@@ -14527,17 +14708,32 @@ std::vector<const CheckpointRecord*> match_records(const std::vector<CheckpointR
   if (unmatched != nullptr) {
     for (const auto name : missing) unmatched->param_not_load.emplace_back(name);
     for (const auto name : unknown) unmatched->ckpt_not_load.emplace_back(name);
-  } else if (!unknown.empty() || !missing.empty()) {
-    std::string message = where + ": ";
-    if (!unknown.empty()) {
-      message += "the file's " + words.noun + "(s) " + name_list(unknown) + " are not in " + words.holder;
-    }
-    if (!missing.empty()) {
-      message += std::string(unknown.empty() ? "" : ", and ") + "the file has no value for " + words.holder + "'s " +
-                 words.noun + "(s) " + name_list(missing);
-    }
-    throw FormatError(message);
+  } else {
+    check_all_matched(unknown, missing, words, where);
   }
+  return source;
+}
+
+// For each generator, its state in the file. A version 2 file holds none: the generators are
+// left as they are (nullptr). Otherwise the names must be the cell's, all of them.
+inline std::vector<const GeneratorState*> match_generators(const ParsedCheckpoint& file,
+                                                           const std::vector<GeneratorTarget>& generators,
+                                                           const std::string& where) {
+  std::vector<const GeneratorState*> source(generators.size(), nullptr);
+  if (file.version < 3) return source;
+  std::unordered_map<std::string_view, std::size_t> index;
+  for (std::size_t i = 0; i < generators.size(); ++i) index.emplace(generators[i].name, i);
+  std::vector<std::string_view> unknown;
+  for (const auto& [name, state] : file.generators) {
+    const auto found = index.find(name);
+    if (found == index.end()) unknown.push_back(name);
+    else source[found->second] = &state;
+  }
+  std::vector<std::string_view> missing;
+  for (std::size_t i = 0; i < generators.size(); ++i) {
+    if (source[i] == nullptr) missing.push_back(generators[i].name);
+  }
+  check_all_matched(unknown, missing, {"generator", "the cell"}, where);
   return source;
 }
 
@@ -14566,13 +14762,14 @@ CheckpointLoad load_parameters(std::span<const unsigned char> bytes, const std::
   return unmatched;
 }
 
-// The same with the optimiser's state, which must match as strictly as the parameters.
+// The same with the optimiser's state and the generators, which must match as strictly as the
+// parameters.
 template <ElementType T>
 void load_training_state(std::span<const unsigned char> bytes, const std::vector<CheckpointTarget<T>>& parameters,
-                         nn::BasicOptimizer<T>& optimizer, const std::vector<CheckpointTarget<T>>& state,
+                         nn::BasicOptimizer<T>& optimizer, const TrainingTargets<T>& training,
                          const std::string& where) {
-  const std::string_view type = optimizer.type_name();
-  const ParsedCheckpoint file = parse_checkpoint(bytes, checkpoint_size(parameters, type, state), where);
+  const std::string_view type = training.optimizer;
+  const ParsedCheckpoint file = parse_checkpoint(bytes, checkpoint_size(parameters, training), where);
   const auto parameter_source = match_records(file.parameters, parameters, parameter_words, where, nullptr);
   if (file.optimizer.empty()) {
     throw FormatError(where + ": holds no optimizer state" +
@@ -14584,11 +14781,23 @@ void load_training_state(std::span<const unsigned char> bytes, const std::vector
     throw FormatError(where + ": holds the state of an optimizer " + shown_name(file.optimizer) + ", not of an " +
                       std::string(type));
   }
-  const auto state_source =
-      match_records(file.optimizer_state, state, {"optimizer state", "the " + std::string(type)}, where, nullptr);
+  const auto state_source = match_records(file.optimizer_state, training.state,
+                                          {"optimizer state", "the " + std::string(type)}, where, nullptr);
+  const auto generator_source = match_generators(file, training.generators, where);
   copy_records(bytes, parameters, parameter_source);
-  copy_records(bytes, state, state_source);
+  copy_records(bytes, training.state, state_source);
   optimizer.set_global_step(file.global_step);
+  for (std::size_t i = 0; i < generator_source.size(); ++i) {
+    if (generator_source[i] != nullptr) training.generators[i].generator->set_state(*generator_source[i]);
+  }
+}
+
+// What save_checkpoint(cell, path, optimizer) saves beside the parameters, and a load restores.
+template <ElementType T>
+TrainingTargets<T> training_targets(nn::BasicDynamicCell<T>& cell, const std::vector<CheckpointTarget<T>>& parameters,
+                                    nn::BasicOptimizer<T>& optimizer, const std::string& where) {
+  return {optimizer.type_name(), optimizer.global_step(), optimizer_targets(parameters, optimizer, where),
+          generator_targets(cell)};
 }
 
 inline std::span<const unsigned char> unsigned_bytes(std::span<const std::byte> bytes) {
@@ -14607,16 +14816,16 @@ void save_checkpoint(nn::BasicDynamicCell<T>& cell, const std::filesystem::path&
 }
 
 // The same, with the state of the optimiser that trains cell (its type, step count and, per
-// parameter, its moments or momentum, named by the cell's parameter names), so that
-// load_checkpoint(path, net, optimizer) resumes training where it stopped, in a new process
-// too. Every parameter the optimiser updates must be one of cell's (a ValueError otherwise).
+// parameter, its moments or momentum, named by the cell's parameter names) and of the
+// generators its Dropout layers draw masks from, so that load_checkpoint(path, net, optimizer)
+// resumes training where it stopped, in a new process too, bit for bit. Every parameter the
+// optimiser updates must be one of cell's (a ValueError otherwise).
 template <ElementType T>
 void save_checkpoint(nn::BasicDynamicCell<T>& cell, const std::filesystem::path& path,
                      nn::BasicOptimizer<T>& optimizer) {
   const std::string where = detail::checkpoint_where(path);
   const auto parameters = detail::parameter_targets(cell, where);
-  detail::write_checkpoint(path, parameters, optimizer.type_name(), optimizer.global_step(),
-                           detail::optimizer_targets(parameters, optimizer, where));
+  detail::write_checkpoint(path, parameters, detail::training_targets(cell, parameters, optimizer, where));
 }
 
 // Reads a checkpoint into cell's parameters. Strict (the default): the file must hold
@@ -14637,8 +14846,9 @@ CheckpointLoad load_checkpoint(const std::filesystem::path& path, nn::BasicDynam
 }
 
 // Reads a checkpoint saved with an optimiser into cell and optimizer, strictly: parameters,
-// optimiser type (nn::Adam is not nn::AdamW) and every state tensor must match, or a
-// FormatError names the difference and nothing changes. The optimiser's hyper-parameters
+// optimiser type (nn::Adam is not nn::AdamW), every state tensor and the Dropout layers'
+// generators must match, or a FormatError names the difference and nothing changes (a
+// version 2 file holds no generators and leaves them as they are). The optimiser's hyper-parameters
 // (learning rate or schedule, betas, momentum) are its own, not the file's; its step count
 // comes from the file, so a schedule goes on from where it was.
 template <ElementType T>
@@ -14646,9 +14856,8 @@ void load_checkpoint(const std::filesystem::path& path, nn::BasicDynamicCell<T>&
                      nn::BasicOptimizer<T>& optimizer) {
   const std::string where = detail::checkpoint_where(path);
   const auto parameters = detail::parameter_targets(cell, where);
-  const auto state = detail::optimizer_targets(parameters, optimizer, where);
   detail::load_training_state(std::span<const unsigned char>(detail::read_whole_file(path, where)), parameters,
-                              optimizer, state, where);
+                              optimizer, detail::training_targets(cell, parameters, optimizer, where), where);
 }
 
 // The same for the bytes of a checkpoint already in memory.
@@ -14665,8 +14874,8 @@ void load_checkpoint_bytes(std::span<const std::byte> bytes, nn::BasicDynamicCel
                            nn::BasicOptimizer<T>& optimizer) {
   const auto& where = detail::checkpoint_data_where;
   const auto parameters = detail::parameter_targets(cell, where);
-  const auto state = detail::optimizer_targets(parameters, optimizer, where);
-  detail::load_training_state(detail::unsigned_bytes(bytes), parameters, optimizer, state, where);
+  detail::load_training_state(detail::unsigned_bytes(bytes), parameters, optimizer,
+                              detail::training_targets(cell, parameters, optimizer, where), where);
 }
 
 // What a checkpoint file holds, checked as a load checks it (checksum, every field), with no
@@ -16099,6 +16308,8 @@ class Dense : public Cell<Dense<In, Out, T, HasBias>, CONTEXT_MODE, T>, public d
 // (duet::set_seed) when the layer is made, one draw per element in row-major order per
 // training call. Both modes run the same kernel once per call, so they draw the same masks in
 // the same order and give the same losses. A training step that fails gives its draws back.
+// A checkpoint saved with an optimiser holds the generator's state ("generator.<path>"), so
+// training resumed from it draws the masks the uninterrupted run would have.
 //
 // The mask is not kept: the gradient recovers it from the input and the output. A kept
 // element's output is x / (1 - p), which is 0 only if x is (|1 / (1 - p)| >= 1: no
@@ -16218,7 +16429,9 @@ namespace nn {
 
 // MindSpore's nn.Dropout(p=0.5) (see the header's comment): p in [0, 1).
 template <ElementType T>
-class BasicDropout : public Cell<BasicDropout<T>, CONTEXT_MODE, T>, public duet::detail::StepState {
+class BasicDropout : public Cell<BasicDropout<T>, CONTEXT_MODE, T>,
+                     public duet::detail::StepState,
+                     public duet::detail::GeneratorOwner {
  public:
   explicit BasicDropout(double p = 0.5) : p_(static_cast<float>(p)) {
     if (!(p >= 0 && p < 1)) {
@@ -16234,6 +16447,8 @@ class BasicDropout : public Cell<BasicDropout<T>, CONTEXT_MODE, T>, public duet:
   void reseed(std::uint64_t seed) { generator_.seed(seed); }
   // The masks' generator; training kernels draw from it (one training call at a time).
   Generator& generator() const { return generator_; }
+
+  Generator& owned_generator() override { return generator_; }
 
   // A step that fails gives back the draws it took, so the next one drops what it would have.
   void save_for_step() override { saved_ = generator_; }

@@ -1,6 +1,6 @@
 // libFuzzer harness for the checkpoint reader. Any bytes must load into the network (strictly,
 // not strictly, and with Adam's or SGD's state) or throw a duet::Error that leaves its
-// parameters and the optimiser's state bit-identical, and checkpoint_info must list them or
+// parameters, its Dropout's generator and the optimiser's state bit-identical, and checkpoint_info must list them or
 // throw the same way (aborting otherwise). Anything else is a bug in the reader: a sanitizer
 // report, another exception (left uncaught, so libFuzzer reports it), a hang, or an
 // allocation beyond -malloc_limit_mb.
@@ -29,6 +29,11 @@ std::vector<std::byte> snapshot(Model& m) {
   using duet_fuzz::append;
   std::vector<std::byte> out;
   for (const auto& [name, p] : m.net.parameters()) append(out, std::as_bytes(p->values()));
+  // Field by field: the struct's padding holds no value.
+  const duet::GeneratorState generator = m.net.get<3>().generator().state();
+  append(out, std::as_bytes(std::span(generator.words)));
+  append(out, std::as_bytes(std::span(&generator.has_spare, 1)));
+  append(out, std::as_bytes(std::span(&generator.spare, 1)));
   const auto optimizer = [&](auto& o) {
     const std::int64_t step = o.global_step();
     append(out, std::as_bytes(std::span(&step, 1)));

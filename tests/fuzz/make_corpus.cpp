@@ -15,6 +15,7 @@
 #include <iterator>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <duet/io/safetensors.hpp>
@@ -163,16 +164,18 @@ void append_records(Bytes& out, const std::vector<Record>& records) {
   }
 }
 
-// A version 2 file's optimiser section; an empty type writes none.
+// A version 2 or 3 file's optimiser section; an empty type writes none. Version 3 adds the
+// generators.
 struct OptimizerSection {
   std::string type;
   std::int64_t step = 0;
   std::vector<Record> state;
+  std::vector<std::pair<std::string, duet::GeneratorState>> generators = {};
 };
 
 // The format of include/duet/io/checkpoint.hpp, written independently of save_checkpoint (which
 // it is checked against) so that it can also write files save_checkpoint never would. Version
-// 1 has no optimiser section.
+// 1 has no optimiser section, version 2 no generators.
 Bytes checkpoint(const std::vector<Record>& records, std::uint32_t version, const OptimizerSection& optimizer = {}) {
   Bytes out{'D', 'U', 'E', 'T', 'C', 'K', 'P', 'T'};
   append_little_endian(out, version);
@@ -183,6 +186,16 @@ Bytes checkpoint(const std::vector<Record>& records, std::uint32_t version, cons
     if (!optimizer.type.empty()) {
       append_little_endian(out, static_cast<std::uint64_t>(optimizer.step));
       append_records(out, optimizer.state);
+      if (version >= 3) {
+        append_little_endian(out, static_cast<std::uint32_t>(optimizer.generators.size()));
+        for (const auto& [name, state] : optimizer.generators) {
+          append_little_endian(out, static_cast<std::uint32_t>(name.size()));
+          out.insert(out.end(), name.begin(), name.end());
+          for (std::uint64_t word : state.words) append_little_endian(out, word);
+          out.push_back(state.has_spare ? 1 : 0);
+          append_little_endian(out, std::bit_cast<std::uint64_t>(state.spare));
+        }
+      }
     }
   }
   append_little_endian(out, static_cast<std::uint32_t>(crc32_z(crc32_z(0, nullptr, 0), out.data(), out.size())));
@@ -217,7 +230,7 @@ void write_version_1_corpus(const fs::path& dir) {
   Bytes damaged = valid;
   damaged[valid.size() - 10] ^= 0x40;
   write(dir / "broken_checksum", damaged);
-  write(dir / "broken_version", checkpoint(records, 3));
+  write(dir / "broken_version", checkpoint(records, 4));
   write(dir / "broken_missing_parameter", checkpoint(std::vector<Record>(records.begin(), records.end() - 1), 1));
   std::vector<Record> twice = records;
   twice.back() = twice.front();
@@ -231,25 +244,18 @@ void write_version_1_corpus(const fs::path& dir) {
 void write_version_2_corpus(const fs::path& dir) {
   duet::set_seed(1);
   duet_fuzz::Network net;
-  duet::save_checkpoint(net, dir / "v2_valid");
-  const std::vector<Record> records = records_of(net);
-  if (checkpoint(records, 2) != read(dir / "v2_valid")) {
-    throw std::runtime_error("checkpoint() differs from save_checkpoint");
-  }
+  write(dir / "v2_valid", checkpoint(records_of(net), 2));
 
   duet_fuzz::Adam adam(net.parameters());
   take_steps(net, adam, 3);
-  duet::save_checkpoint(net, dir / "v2_adam", adam);
   const OptimizerSection adam_section{"nn::Adam", adam.global_step(), state_records_of(net, adam)};
-  if (checkpoint(records_of(net), 2, adam_section) != read(dir / "v2_adam")) {
-    throw std::runtime_error("checkpoint() with optimizer state differs from save_checkpoint");
-  }
+  write(dir / "v2_adam", checkpoint(records_of(net), 2, adam_section));
   duet_fuzz::SGD sgd(net.parameters(), duet_fuzz::sgd_config);
   take_steps(net, sgd, 2);
-  duet::save_checkpoint(net, dir / "v2_sgd_momentum", sgd);
+  write(dir / "v2_sgd_momentum", checkpoint(records_of(net), 2, {"nn::SGD", sgd.global_step(), state_records_of(net, sgd)}));
   duet::nn::AdamW adamw(net.parameters());
   take_steps(net, adamw, 1);
-  duet::save_checkpoint(net, dir / "v2_adamw", adamw);
+  write(dir / "v2_adamw", checkpoint(records_of(net), 2, {"nn::AdamW", adamw.global_step(), state_records_of(net, adamw)}));
 
   OptimizerSection missing = adam_section;
   missing.state.pop_back();
@@ -257,6 +263,40 @@ void write_version_2_corpus(const fs::path& dir) {
   OptimizerSection negative = adam_section;
   negative.step = -1;
   write(dir / "v2_broken_negative_step", checkpoint(records_of(net), 2, negative));
+}
+
+// Version 3 files, as save_checkpoint writes them (checked against checkpoint()): with Adam's
+// state and the Dropout's generator, and broken generators.
+void write_version_3_corpus(const fs::path& dir) {
+  duet::set_seed(1);
+  duet_fuzz::Network net;
+  duet::save_checkpoint(net, dir / "v3_valid");
+  if (checkpoint(records_of(net), 3) != read(dir / "v3_valid")) {
+    throw std::runtime_error("checkpoint() differs from save_checkpoint");
+  }
+  duet_fuzz::Adam adam(net.parameters());
+  take_steps(net, adam, 3);
+  auto& dropout = net.get<3>();
+  for (int i = 0; i < 5; ++i) dropout.generator().next();
+  duet::save_checkpoint(net, dir / "v3_adam", adam);
+  const OptimizerSection adam_section{
+      "nn::Adam", adam.global_step(), state_records_of(net, adam), {{"generator.3", dropout.generator().state()}}};
+  if (checkpoint(records_of(net), 3, adam_section) != read(dir / "v3_adam")) {
+    throw std::runtime_error("checkpoint() with optimizer state differs from save_checkpoint");
+  }
+  duet_fuzz::SGD sgd(net.parameters(), duet_fuzz::sgd_config);
+  take_steps(net, sgd, 2);
+  duet::save_checkpoint(net, dir / "v3_sgd_momentum", sgd);
+
+  OptimizerSection zero = adam_section;
+  zero.generators[0].second = duet::GeneratorState{};
+  write(dir / "v3_broken_zero_generator", checkpoint(records_of(net), 3, zero));
+  OptimizerSection other_name = adam_section;
+  other_name.generators[0].first = "generator.2";
+  write(dir / "v3_broken_generator_name", checkpoint(records_of(net), 3, other_name));
+  OptimizerSection none = adam_section;
+  none.generators.clear();
+  write(dir / "v3_broken_missing_generator", checkpoint(records_of(net), 3, none));
 }
 
 // ---- safetensors --------------------------------------------------------------------------
@@ -367,5 +407,6 @@ int main(int argc, char** argv) {
   write_idx_corpus(root / "idx");
   write_version_1_corpus(root / "checkpoint");
   write_version_2_corpus(root / "checkpoint");
+  write_version_3_corpus(root / "checkpoint");
   write_safetensors_corpus(root / "safetensors");
 }

@@ -12,8 +12,10 @@
 namespace duet_fuzz {
 
 // Small, so that a whole checkpoint is a few hundred bytes for the fuzzer to mutate; two
-// layers of different shapes, so that a mutated file can swap or reshape them.
-using Network = duet::nn::SequentialCell<duet::nn::Dense<3, 4>, duet::nn::ReLU, duet::nn::Dense<4, 2>>;
+// layers of different shapes, so that a mutated file can swap or reshape them; a Dropout,
+// whose generator checkpoints with an optimiser hold ("generator.3").
+using Network =
+    duet::nn::SequentialCell<duet::nn::Dense<3, 4>, duet::nn::ReLU, duet::nn::Dense<4, 2>, duet::nn::Dropout>;
 
 // The optimisers whose state fuzz_checkpoint loads along with the network's parameters.
 using Adam = duet::nn::Adam;

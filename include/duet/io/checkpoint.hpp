@@ -1,11 +1,11 @@
 // Checkpoints: a cell's parameters in one file (MindSpore's save_checkpoint / load_checkpoint),
 // and optionally its optimiser's state, so that training can resume.
 //
-// Format, version 2; every integer is little-endian:
+// Format, version 3; every integer is little-endian:
 //
 //   size           field
 //   8              magic "DUETCKPT"
-//   4              u32 version: 2
+//   4              u32 version: 3
 //   4              u32 number of parameters
 //   per parameter, in the cell's order (a reader accepts any order), a record:
 //     4            u32 name length, then the name's bytes: the parameter's path in the cell,
@@ -22,10 +22,20 @@
 //   per state tensor, a record as above, named "<slot>.<parameter's name>":
 //                  "moment1.dense_relu_sequential.0.weight" (Adam: moment1, moment2; SGD with
 //                  momentum: momentum)
+//   4              u32 number of generators (present with the optimiser's state only): the
+//                  random streams of the cells that draw while they train (nn::Dropout's masks)
+//   per generator, in the cell's order:
+//     4            u32 name length, then the name: "generator.<the cell's path>",
+//                  "generator.classifier.1" ("generator" for a root cell)
+//     8 × 4        u64 the four words of its xoshiro256** state, not all zero
+//     1            u8 1 when a second normal draw is pending, else 0
+//     8            f64 that draw (0 when none), finite
 //   4              u32 CRC-32 (zlib's crc32) of every byte before it
 //
-// Version 1 is the same up to the parameters' records, which the checksum follows directly;
-// it is still read.
+// Version 2 is the same without the generators, and version 1 without the optimiser's state
+// either (the checksum follows the parameters' records); both are still read. Resuming from a
+// version 2 file leaves the generators as they are, so a network with Dropout then draws other
+// masks than the run that saved it.
 //
 // Names are paths from the cell saved, which are the same whichever mode the cell runs in,
 // so a checkpoint saved from a network in graph mode loads into the same network in PyNative
@@ -39,6 +49,7 @@
 #include <array>
 #include <atomic>
 #include <bit>
+#include <cmath>
 #include <cerrno>
 #include <cstddef>
 #include <cstdint>
@@ -59,6 +70,7 @@
 #include "../dtype.hpp"
 #include "../error.hpp"
 #include "../nn/optim.hpp"
+#include "../random.hpp"
 #include "../shape.hpp"
 
 namespace duet {
@@ -81,6 +93,7 @@ struct CheckpointInfo {
   std::string optimizer;  // "nn::Adam", or "" when the file holds no optimiser state
   std::int64_t global_step = 0;
   std::vector<CheckpointEntry> optimizer_state;
+  std::vector<std::string> generators;  // "generator.<cell path>", saved with the optimiser's state
 };
 
 struct CheckpointLoadOptions {
@@ -100,14 +113,17 @@ struct CheckpointLoad {
 namespace detail {
 
 inline constexpr std::string_view checkpoint_magic = "DUETCKPT";
-inline constexpr std::uint32_t checkpoint_version = 2;
+inline constexpr std::uint32_t checkpoint_version = 3;
 // Magic, version, count; the checksum; each record's name length, type and rank; the
-// optimiser section's name length, then its step and count when there is one.
+// optimiser section's name length, then its step and count when there is one, and the
+// generators' count; each generator's name length and state.
 inline constexpr std::uint64_t checkpoint_header_bytes = 8 + 4 + 4;
 inline constexpr std::uint64_t checkpoint_optimizer_bytes = 4;
 inline constexpr std::uint64_t checkpoint_optimizer_state_bytes = 8 + 4;
 inline constexpr std::uint64_t checkpoint_checksum_bytes = 4;
 inline constexpr std::uint64_t checkpoint_record_header_bytes = 4 + 1 + 1;
+inline constexpr std::uint64_t checkpoint_generators_bytes = 4;
+inline constexpr std::uint64_t checkpoint_generator_bytes = 4 + 8 * 4 + 1 + 8;
 
 inline std::string checkpoint_where(const std::filesystem::path& path) { return "checkpoint '" + path.string() + "'"; }
 
@@ -272,6 +288,33 @@ class CheckpointParser {
     return out;
   }
 
+  // A version 3 file's generators, their count first.
+  std::vector<std::pair<std::string_view, GeneratorState>> generators() {
+    const auto count = little_endian(4, "the generator count");
+    std::vector<std::pair<std::string_view, GeneratorState>> out;
+    std::unordered_set<std::string_view> seen;
+    for (std::uint64_t i = 0; i < count; ++i) {
+      const std::string what = "generator #" + std::to_string(i);
+      const auto name = text(static_cast<std::size_t>(little_endian(4, what + "'s name length")), what + "'s name");
+      const std::string who = "generator " + shown_name(name);
+      GeneratorState state;
+      for (std::size_t w = 0; w < state.words.size(); ++w) {
+        state.words[w] = little_endian(8, who + "'s word " + std::to_string(w));
+      }
+      const auto pending = little_endian(1, who + "'s pending-draw flag");
+      state.spare = std::bit_cast<double>(little_endian(8, who + "'s pending draw"));
+      std::string wrong;
+      if (state.words == decltype(state.words){}) wrong = "all-zero words, which would draw only zeros";
+      else if (pending > 1) wrong = "a pending-draw flag of " + std::to_string(pending) + ", not 0 or 1";
+      else if (!std::isfinite(state.spare)) wrong = "a pending draw that is not finite";
+      if (!wrong.empty()) throw FormatError(where_ + ": malformed: " + who + " has " + wrong);
+      state.has_spare = pending == 1;
+      if (!seen.insert(name).second) throw FormatError(where_ + ": " + who + " appears twice in the file");
+      out.emplace_back(name, state);
+    }
+    return out;
+  }
+
  private:
   CheckpointRecord record(std::uint32_t index, const std::string& noun) {
     const std::string what = noun + " #" + std::to_string(index);
@@ -324,6 +367,7 @@ struct ParsedCheckpoint {
   std::string_view optimizer;  // empty when the file holds no optimiser state
   std::int64_t global_step = 0;
   std::vector<CheckpointRecord> optimizer_state;
+  std::vector<std::pair<std::string_view, GeneratorState>> generators;
 };
 
 // A checkpoint file, checked for everything but whether it fits a cell. `expected` is the
@@ -375,12 +419,13 @@ inline ParsedCheckpoint parse_checkpoint(std::span<const unsigned char> bytes, s
       }
       const auto count = static_cast<std::uint32_t>(in.little_endian(4, "the optimizer state count"));
       file.optimizer_state = in.records(count, "optimizer state");
+      if (file.version >= 3) file.generators = in.generators();
     }
   }
   if (in.remaining() != 0) {
     throw FormatError(where + ": malformed: " + std::to_string(in.remaining()) + " unexpected bytes at byte " +
                       std::to_string(in.position()) + ", after the " +
-                      (file.optimizer.empty() ? "parameters" : "optimizer state"));
+                      (file.optimizer.empty() ? "parameters" : file.version >= 3 ? "generators" : "optimizer state"));
   }
   return file;
 }
@@ -394,8 +439,10 @@ inline std::vector<CheckpointEntry> entries_of(const std::vector<CheckpointRecor
 
 inline CheckpointInfo info_of(std::span<const unsigned char> bytes, const std::string& where) {
   const ParsedCheckpoint file = parse_checkpoint(bytes, 0, where);
+  std::vector<std::string> generators;
+  for (const auto& g : file.generators) generators.emplace_back(g.first);
   return {file.version, entries_of(file.parameters), std::string(file.optimizer), file.global_step,
-          entries_of(file.optimizer_state)};
+          entries_of(file.optimizer_state), std::move(generators)};
 }
 
 // A tensor a load fills, by the name the file gives it.
@@ -413,6 +460,23 @@ std::vector<CheckpointTarget<T>> parameter_targets(nn::BasicDynamicCell<T>& cell
   for (auto& [name, p] : cell.parameters()) out.push_back({std::move(name), p});
   if (out.empty()) {
     throw ValueError(where + ": " + cell.type_name() + " has no parameters; " + nn::detail::unregistered_members_hint);
+  }
+  return out;
+}
+
+// A generator a checkpoint holds, by the name the file gives it.
+struct GeneratorTarget {
+  std::string name;
+  Generator* generator;
+};
+
+// The generators of the cells in the tree that own one (nn::Dropout), in the cell's order,
+// named "generator.<path>".
+template <ElementType T>
+std::vector<GeneratorTarget> generator_targets(nn::BasicDynamicCell<T>& cell) {
+  std::vector<GeneratorTarget> out;
+  for (const auto& [path, generator] : named_generators(cell)) {
+    out.push_back({path.empty() ? "generator" : "generator." + path, generator});
   }
   return out;
 }
@@ -454,14 +518,26 @@ std::uint64_t records_size(const std::vector<CheckpointTarget<T>>& targets) {
   return size;
 }
 
+// What a checkpoint saved with an optimiser holds beside the parameters.
+template <ElementType T>
+struct TrainingTargets {
+  std::string_view optimizer;  // its type name; empty for a checkpoint of parameters only
+  std::int64_t global_step = 0;
+  std::vector<CheckpointTarget<T>> state;
+  std::vector<GeneratorTarget> generators;
+};
+
 // The size of a checkpoint of these tensors: a shorter file that fails its checksum is taken
 // as cut.
 template <ElementType T>
-std::uint64_t checkpoint_size(const std::vector<CheckpointTarget<T>>& parameters, std::string_view optimizer = {},
-                              const std::vector<CheckpointTarget<T>>& state = {}) {
-  return checkpoint_header_bytes + records_size(parameters) + checkpoint_optimizer_bytes +
-         (optimizer.empty() ? 0 : optimizer.size() + checkpoint_optimizer_state_bytes + records_size(state)) +
-         checkpoint_checksum_bytes;
+std::uint64_t checkpoint_size(const std::vector<CheckpointTarget<T>>& parameters, const TrainingTargets<T>& training = {}) {
+  std::uint64_t size = checkpoint_header_bytes + records_size(parameters) + checkpoint_optimizer_bytes +
+                       checkpoint_checksum_bytes;
+  if (training.optimizer.empty()) return size;
+  size += training.optimizer.size() + checkpoint_optimizer_state_bytes + records_size(training.state) +
+          checkpoint_generators_bytes;
+  for (const auto& g : training.generators) size += checkpoint_generator_bytes + g.name.size();
+  return size;
 }
 
 template <ElementType T>
@@ -479,17 +555,25 @@ void write_records(CheckpointWriter& out, const std::vector<CheckpointTarget<T>>
 
 template <ElementType T>
 void write_checkpoint(const std::filesystem::path& path, const std::vector<CheckpointTarget<T>>& parameters,
-                      std::string_view optimizer = {}, std::int64_t global_step = 0,
-                      const std::vector<CheckpointTarget<T>>& state = {}) {
+                      const TrainingTargets<T>& training = {}) {
   CheckpointWriter out(path, checkpoint_where(path));
   out.bytes(std::as_bytes(std::span(checkpoint_magic)));
   out.u32(checkpoint_version);
   write_records(out, parameters);
-  out.u32(static_cast<std::uint32_t>(optimizer.size()));
-  if (!optimizer.empty()) {
-    out.bytes(std::as_bytes(std::span(optimizer)));
-    out.i64(global_step);
-    write_records(out, state);
+  out.u32(static_cast<std::uint32_t>(training.optimizer.size()));
+  if (!training.optimizer.empty()) {
+    out.bytes(std::as_bytes(std::span(training.optimizer)));
+    out.i64(training.global_step);
+    write_records(out, training.state);
+    out.u32(static_cast<std::uint32_t>(training.generators.size()));
+    for (const auto& [name, generator] : training.generators) {
+      out.u32(static_cast<std::uint32_t>(name.size()));
+      out.bytes(std::as_bytes(std::span(name)));
+      const GeneratorState state = generator->state();
+      for (std::uint64_t word : state.words) out.u64(word);
+      out.u8(state.has_spare ? 1 : 0);
+      out.u64(std::bit_cast<std::uint64_t>(state.spare));
+    }
   }
   out.u32(out.checksum());
   out.commit();
@@ -509,6 +593,21 @@ struct MatchWords {
   std::string noun;
   std::string holder;
 };
+
+// A strict match's names: those only the file has (`unknown`) and those only the holder has.
+inline void check_all_matched(const std::vector<std::string_view>& unknown, const std::vector<std::string_view>& missing,
+                              const MatchWords& words, const std::string& where) {
+  if (unknown.empty() && missing.empty()) return;
+  std::string message = where + ": ";
+  if (!unknown.empty()) {
+    message += "the file's " + words.noun + "(s) " + name_list(unknown) + " are not in " + words.holder;
+  }
+  if (!missing.empty()) {
+    message += std::string(unknown.empty() ? "" : ", and ") + "the file has no value for " + words.holder + "'s " +
+               words.noun + "(s) " + name_list(missing);
+  }
+  throw FormatError(message);
+}
 
 // For each target, the record of its name, type and shape, or nullptr. A strict match throws
 // on the first difference of type or shape, then on names in the file or the holder only;
@@ -552,17 +651,32 @@ std::vector<const CheckpointRecord*> match_records(const std::vector<CheckpointR
   if (unmatched != nullptr) {
     for (const auto name : missing) unmatched->param_not_load.emplace_back(name);
     for (const auto name : unknown) unmatched->ckpt_not_load.emplace_back(name);
-  } else if (!unknown.empty() || !missing.empty()) {
-    std::string message = where + ": ";
-    if (!unknown.empty()) {
-      message += "the file's " + words.noun + "(s) " + name_list(unknown) + " are not in " + words.holder;
-    }
-    if (!missing.empty()) {
-      message += std::string(unknown.empty() ? "" : ", and ") + "the file has no value for " + words.holder + "'s " +
-                 words.noun + "(s) " + name_list(missing);
-    }
-    throw FormatError(message);
+  } else {
+    check_all_matched(unknown, missing, words, where);
   }
+  return source;
+}
+
+// For each generator, its state in the file. A version 2 file holds none: the generators are
+// left as they are (nullptr). Otherwise the names must be the cell's, all of them.
+inline std::vector<const GeneratorState*> match_generators(const ParsedCheckpoint& file,
+                                                           const std::vector<GeneratorTarget>& generators,
+                                                           const std::string& where) {
+  std::vector<const GeneratorState*> source(generators.size(), nullptr);
+  if (file.version < 3) return source;
+  std::unordered_map<std::string_view, std::size_t> index;
+  for (std::size_t i = 0; i < generators.size(); ++i) index.emplace(generators[i].name, i);
+  std::vector<std::string_view> unknown;
+  for (const auto& [name, state] : file.generators) {
+    const auto found = index.find(name);
+    if (found == index.end()) unknown.push_back(name);
+    else source[found->second] = &state;
+  }
+  std::vector<std::string_view> missing;
+  for (std::size_t i = 0; i < generators.size(); ++i) {
+    if (source[i] == nullptr) missing.push_back(generators[i].name);
+  }
+  check_all_matched(unknown, missing, {"generator", "the cell"}, where);
   return source;
 }
 
@@ -591,13 +705,14 @@ CheckpointLoad load_parameters(std::span<const unsigned char> bytes, const std::
   return unmatched;
 }
 
-// The same with the optimiser's state, which must match as strictly as the parameters.
+// The same with the optimiser's state and the generators, which must match as strictly as the
+// parameters.
 template <ElementType T>
 void load_training_state(std::span<const unsigned char> bytes, const std::vector<CheckpointTarget<T>>& parameters,
-                         nn::BasicOptimizer<T>& optimizer, const std::vector<CheckpointTarget<T>>& state,
+                         nn::BasicOptimizer<T>& optimizer, const TrainingTargets<T>& training,
                          const std::string& where) {
-  const std::string_view type = optimizer.type_name();
-  const ParsedCheckpoint file = parse_checkpoint(bytes, checkpoint_size(parameters, type, state), where);
+  const std::string_view type = training.optimizer;
+  const ParsedCheckpoint file = parse_checkpoint(bytes, checkpoint_size(parameters, training), where);
   const auto parameter_source = match_records(file.parameters, parameters, parameter_words, where, nullptr);
   if (file.optimizer.empty()) {
     throw FormatError(where + ": holds no optimizer state" +
@@ -609,11 +724,23 @@ void load_training_state(std::span<const unsigned char> bytes, const std::vector
     throw FormatError(where + ": holds the state of an optimizer " + shown_name(file.optimizer) + ", not of an " +
                       std::string(type));
   }
-  const auto state_source =
-      match_records(file.optimizer_state, state, {"optimizer state", "the " + std::string(type)}, where, nullptr);
+  const auto state_source = match_records(file.optimizer_state, training.state,
+                                          {"optimizer state", "the " + std::string(type)}, where, nullptr);
+  const auto generator_source = match_generators(file, training.generators, where);
   copy_records(bytes, parameters, parameter_source);
-  copy_records(bytes, state, state_source);
+  copy_records(bytes, training.state, state_source);
   optimizer.set_global_step(file.global_step);
+  for (std::size_t i = 0; i < generator_source.size(); ++i) {
+    if (generator_source[i] != nullptr) training.generators[i].generator->set_state(*generator_source[i]);
+  }
+}
+
+// What save_checkpoint(cell, path, optimizer) saves beside the parameters, and a load restores.
+template <ElementType T>
+TrainingTargets<T> training_targets(nn::BasicDynamicCell<T>& cell, const std::vector<CheckpointTarget<T>>& parameters,
+                                    nn::BasicOptimizer<T>& optimizer, const std::string& where) {
+  return {optimizer.type_name(), optimizer.global_step(), optimizer_targets(parameters, optimizer, where),
+          generator_targets(cell)};
 }
 
 inline std::span<const unsigned char> unsigned_bytes(std::span<const std::byte> bytes) {
@@ -632,16 +759,16 @@ void save_checkpoint(nn::BasicDynamicCell<T>& cell, const std::filesystem::path&
 }
 
 // The same, with the state of the optimiser that trains cell (its type, step count and, per
-// parameter, its moments or momentum, named by the cell's parameter names), so that
-// load_checkpoint(path, net, optimizer) resumes training where it stopped, in a new process
-// too. Every parameter the optimiser updates must be one of cell's (a ValueError otherwise).
+// parameter, its moments or momentum, named by the cell's parameter names) and of the
+// generators its Dropout layers draw masks from, so that load_checkpoint(path, net, optimizer)
+// resumes training where it stopped, in a new process too, bit for bit. Every parameter the
+// optimiser updates must be one of cell's (a ValueError otherwise).
 template <ElementType T>
 void save_checkpoint(nn::BasicDynamicCell<T>& cell, const std::filesystem::path& path,
                      nn::BasicOptimizer<T>& optimizer) {
   const std::string where = detail::checkpoint_where(path);
   const auto parameters = detail::parameter_targets(cell, where);
-  detail::write_checkpoint(path, parameters, optimizer.type_name(), optimizer.global_step(),
-                           detail::optimizer_targets(parameters, optimizer, where));
+  detail::write_checkpoint(path, parameters, detail::training_targets(cell, parameters, optimizer, where));
 }
 
 // Reads a checkpoint into cell's parameters. Strict (the default): the file must hold
@@ -662,8 +789,9 @@ CheckpointLoad load_checkpoint(const std::filesystem::path& path, nn::BasicDynam
 }
 
 // Reads a checkpoint saved with an optimiser into cell and optimizer, strictly: parameters,
-// optimiser type (nn::Adam is not nn::AdamW) and every state tensor must match, or a
-// FormatError names the difference and nothing changes. The optimiser's hyper-parameters
+// optimiser type (nn::Adam is not nn::AdamW), every state tensor and the Dropout layers'
+// generators must match, or a FormatError names the difference and nothing changes (a
+// version 2 file holds no generators and leaves them as they are). The optimiser's hyper-parameters
 // (learning rate or schedule, betas, momentum) are its own, not the file's; its step count
 // comes from the file, so a schedule goes on from where it was.
 template <ElementType T>
@@ -671,9 +799,8 @@ void load_checkpoint(const std::filesystem::path& path, nn::BasicDynamicCell<T>&
                      nn::BasicOptimizer<T>& optimizer) {
   const std::string where = detail::checkpoint_where(path);
   const auto parameters = detail::parameter_targets(cell, where);
-  const auto state = detail::optimizer_targets(parameters, optimizer, where);
   detail::load_training_state(std::span<const unsigned char>(detail::read_whole_file(path, where)), parameters,
-                              optimizer, state, where);
+                              optimizer, detail::training_targets(cell, parameters, optimizer, where), where);
 }
 
 // The same for the bytes of a checkpoint already in memory.
@@ -690,8 +817,8 @@ void load_checkpoint_bytes(std::span<const std::byte> bytes, nn::BasicDynamicCel
                            nn::BasicOptimizer<T>& optimizer) {
   const auto& where = detail::checkpoint_data_where;
   const auto parameters = detail::parameter_targets(cell, where);
-  const auto state = detail::optimizer_targets(parameters, optimizer, where);
-  detail::load_training_state(detail::unsigned_bytes(bytes), parameters, optimizer, state, where);
+  detail::load_training_state(detail::unsigned_bytes(bytes), parameters, optimizer,
+                              detail::training_targets(cell, parameters, optimizer, where), where);
 }
 
 // What a checkpoint file holds, checked as a load checks it (checksum, every field), with no

@@ -9,6 +9,8 @@
 // (duet::set_seed) when the layer is made, one draw per element in row-major order per
 // training call. Both modes run the same kernel once per call, so they draw the same masks in
 // the same order and give the same losses. A training step that fails gives its draws back.
+// A checkpoint saved with an optimiser holds the generator's state ("generator.<path>"), so
+// training resumed from it draws the masks the uninterrupted run would have.
 //
 // The mask is not kept: the gradient recovers it from the input and the output. A kept
 // element's output is x / (1 - p), which is 0 only if x is (|1 / (1 - p)| >= 1: no
@@ -134,7 +136,9 @@ namespace nn {
 
 // MindSpore's nn.Dropout(p=0.5) (see the header's comment): p in [0, 1).
 template <ElementType T>
-class BasicDropout : public Cell<BasicDropout<T>, CONTEXT_MODE, T>, public duet::detail::StepState {
+class BasicDropout : public Cell<BasicDropout<T>, CONTEXT_MODE, T>,
+                     public duet::detail::StepState,
+                     public duet::detail::GeneratorOwner {
  public:
   explicit BasicDropout(double p = 0.5) : p_(static_cast<float>(p)) {
     if (!(p >= 0 && p < 1)) {
@@ -150,6 +154,8 @@ class BasicDropout : public Cell<BasicDropout<T>, CONTEXT_MODE, T>, public duet:
   void reseed(std::uint64_t seed) { generator_.seed(seed); }
   // The masks' generator; training kernels draw from it (one training call at a time).
   Generator& generator() const { return generator_; }
+
+  Generator& owned_generator() override { return generator_; }
 
   // A step that fails gives back the draws it took, so the next one drops what it would have.
   void save_for_step() override { saved_ = generator_; }

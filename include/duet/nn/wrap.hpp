@@ -17,6 +17,7 @@
 #include "../cell.hpp"
 #include "../ops/clip.hpp"
 #include "../parallel.hpp"
+#include "../random.hpp"
 
 namespace duet::nn {
 
@@ -171,6 +172,7 @@ class TrainOneStepCell {
     const std::vector<NamedParameter<float>> params = net_with_loss_.parameters();
     parallel.broadcast_parameters(params);
     broadcast_optimizer_state(parallel, params);
+    broadcast_generators(parallel);
     for (const auto& p : params) {
       if (!p.parameter->requires_grad) buffers_.push_back(p.parameter);
     }
@@ -223,6 +225,42 @@ class TrainOneStepCell {
     double step[] = {parallel.rank() == 0 ? static_cast<double>(optimizer_.global_step()) : 0.0};
     parallel.all_reduce_sum(step);
     optimizer_.set_global_step(static_cast<std::int64_t>(step[0]));
+  }
+
+  // Rank 0's Dropout generators, for the same reason: resumed on rank 0 alone, the other ranks
+  // would draw the masks of freshly built layers, not those the run that saved it would have.
+  void broadcast_generators(duet::detail::DataParallelRuntime& parallel) {
+    const auto generators = duet::detail::named_generators(net_with_loss_);
+    std::uint64_t names = duet::detail::fnv1a(std::to_string(generators.size()));
+    for (const auto& [path, generator] : generators) names = duet::detail::fnv1a(path, names);
+    if (!parallel.same_on_every_rank(names)) {
+      throw ValueError("nn::TrainOneStepCell: the ranks' networks have different Dropout layers (" +
+                       std::to_string(generators.size()) + " on rank " + std::to_string(parallel.rank()) +
+                       "); every rank must build the same network");
+    }
+    // Each word as four 16-bit pieces in doubles, which the sum with the other ranks' zeros
+    // keeps exact.
+    const bool source = parallel.rank() == 0;
+    std::vector<double> values;
+    for (const auto& [path, generator] : generators) {
+      const GeneratorState state = generator->state();
+      for (std::uint64_t word : state.words) {
+        for (int piece = 0; piece < 4; ++piece) values.push_back(source ? double((word >> (16 * piece)) & 0xFFFF) : 0);
+      }
+      values.push_back(source && state.has_spare ? 1 : 0);
+      values.push_back(source ? state.spare : 0);
+    }
+    parallel.all_reduce_sum(values);
+    std::size_t k = 0;
+    for (const auto& [path, generator] : generators) {
+      GeneratorState state;
+      for (std::uint64_t& word : state.words) {
+        for (int piece = 0; piece < 4; ++piece) word |= static_cast<std::uint64_t>(values[k++]) << (16 * piece);
+      }
+      state.has_spare = values[k++] != 0;
+      state.spare = values[k++];
+      generator->set_state(state);
+    }
   }
 
   // What this rank's batch weighs in the global batch.
