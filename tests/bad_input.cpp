@@ -35,6 +35,19 @@ struct NormalizedNetwork : nn::Cell<NormalizedNetwork> {
   auto construct(auto x) { return fc2(drop(relu(bn(fc1(flatten(x)))))); }
 };
 
+// NormalizedNetwork whose last layer, sized at run time, expects 33 features: a call fails
+// there, after BatchNorm and Dropout ran (PyNative runs them one by one).
+struct LateMismatchNetwork : nn::Cell<LateMismatchNetwork> {
+  nn::Flatten flatten;
+  nn::Dense<784, 32> fc1;
+  nn::BatchNorm1d<32> bn;
+  nn::ReLU relu;
+  nn::Dropout drop{0.25};
+  nn::Dense<> fc2{33, 10};
+  DUET_CELL_MEMBERS(flatten, fc1, bn, relu, drop, fc2);
+  auto construct(auto x) { return fc2(drop(relu(bn(fc1(flatten(x)))))); }
+};
+
 // A network with its loss, optimiser and training step; the same seed gives the same trainer.
 template <class Net>
 struct BasicTrainer {
@@ -165,6 +178,29 @@ TEST_CASE("a step that throws after BatchNorm and Dropout ran leaves their movin
     y(2) = 10;
     CHECK_THROWS_AS(t.step(images(4, 3), y), ValueError);
     CHECK_THROWS_AS(t.step(images(4, 3), labels(3)), ShapeError);
+  });
+}
+
+TEST_CASE("a forward call that throws after BatchNorm and Dropout ran leaves them as they were") {
+  // Found by a new user: PyNative's layers ran one by one and kept their changes when a later
+  // one threw, and a network's loss that threw kept them in both modes.
+  for (const Mode mode : {GRAPH_MODE, PYNATIVE_MODE}) {
+    INFO(std::string(mode == GRAPH_MODE ? "graph mode" : "PyNative mode"));
+    ModeGuard guard;
+    set_context({.mode = mode});
+    LateMismatchNetwork net;
+    net.set_train(true);
+    const std::vector<float> mean_before(net.bn.moving_mean.data(), net.bn.moving_mean.data() + 32);
+    const GeneratorState masks_before = net.drop.generator().state();
+    CHECK_THROWS_AS(net(images(4, 3)), ShapeError);
+    CHECK(std::vector<float>(net.bn.moving_mean.data(), net.bn.moving_mean.data() + 32) == mean_before);
+    CHECK(net.drop.generator().state() == masks_before);
+  }
+  check_leaves_training_state_unchanged<NormalizedNetwork>([](BasicTrainer<NormalizedNetwork>& t) {
+    t.net.set_train(true);
+    Labels y = labels(4);
+    y(1) = 10;
+    CHECK_THROWS_AS(t.with_loss(images(4, 3), y), ValueError);
   });
 }
 

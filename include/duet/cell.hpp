@@ -157,31 +157,7 @@ class BasicDynamicCell {
   }
 
   BasicTensor<T> operator()(const BasicTensor<T>& x) {
-    check_registered();
-    ensure_named();
-    const BasicForwardHook<T>* observer = detail::call_observer<T>;
-    if (observer == nullptr && effective_mode(CONTEXT_MODE) == GRAPH_MODE && autodiff::active_tape() == nullptr &&
-        pijit::active_trace() == nullptr && traced_in_graph_mode()) {
-      return graph_form()(x, detail::structure_generation().load(std::memory_order_acquire));
-    }
-    const pijit::TracedCell traced([this] { return label(); });
-    if (pijit::Trace* trace = traced.trace()) {
-      trace->note_cell([this] { return has_hooks_in_tree(); });
-      if (!hooks_.empty() || !backward_hooks_.empty()) trace->mark_broken("has a hook, which sees values in PyNative mode only");
-    }
-    BasicTensor<T>* traced_output = nullptr;
-    if (!backward_hooks_.empty()) {
-      if (autodiff::Tape* tape = autodiff::active_tape()) {
-        traced_output = tape->begin_cell(x, [this](const BasicTensor<T>& grad_input, const BasicTensor<T>& grad_output) {
-          for (const auto& [id, hook] : backward_hooks_) hook(*this, grad_input, grad_output);
-        });
-      }
-    }
-    BasicTensor<T> y = forward(x);
-    if (traced_output != nullptr) *traced_output = y;
-    for (const auto& [id, hook] : hooks_) hook(*this, x, y);
-    if (observer != nullptr) (*observer)(*this, x, y);
-    return y;
+    return duet::detail::all_or_nothing([&] { return call(x); });
   }
 
   // Unique for the life of the program, unlike the address: what caches of compiled plans key on.
@@ -328,6 +304,35 @@ class BasicDynamicCell {
   }
 
  private:
+  // operator()'s call: hooks, then forward in this cell's mode.
+  BasicTensor<T> call(const BasicTensor<T>& x) {
+    check_registered();
+    ensure_named();
+    const BasicForwardHook<T>* observer = detail::call_observer<T>;
+    if (observer == nullptr && effective_mode(CONTEXT_MODE) == GRAPH_MODE && autodiff::active_tape() == nullptr &&
+        pijit::active_trace() == nullptr && traced_in_graph_mode()) {
+      return graph_form()(x, detail::structure_generation().load(std::memory_order_acquire));
+    }
+    const pijit::TracedCell traced([this] { return label(); });
+    if (pijit::Trace* trace = traced.trace()) {
+      trace->note_cell([this] { return has_hooks_in_tree(); });
+      if (!hooks_.empty() || !backward_hooks_.empty()) trace->mark_broken("has a hook, which sees values in PyNative mode only");
+    }
+    BasicTensor<T>* traced_output = nullptr;
+    if (!backward_hooks_.empty()) {
+      if (autodiff::Tape* tape = autodiff::active_tape()) {
+        traced_output = tape->begin_cell(x, [this](const BasicTensor<T>& grad_input, const BasicTensor<T>& grad_output) {
+          for (const auto& [id, hook] : backward_hooks_) hook(*this, grad_input, grad_output);
+        });
+      }
+    }
+    BasicTensor<T> y = forward(x);
+    if (traced_output != nullptr) *traced_output = y;
+    for (const auto& [id, hook] : hooks_) hook(*this, x, y);
+    if (observer != nullptr) (*observer)(*this, x, y);
+    return y;
+  }
+
   // Graph mode for a cell built at run time: PIJit at the default JitConfig, traced on the first
   // call for each input shape and structure, replayed after. Its second argument is the
   // structure generation: a network changed since the trace is traced again.
@@ -528,7 +533,8 @@ class Cell : public BasicDynamicCell<T> {
       if (runs_as_graph()) {
         this->check_registered();
         this->ensure_named();
-        return to_static_tensor<Captured>(run_graph<StaticShape<D...>>(x.tensor()));
+        return to_static_tensor<Captured>(
+            duet::detail::all_or_nothing([&] { return run_graph<StaticShape<D...>>(x.tensor()); }));
       }
     }
     return to_static_tensor<Captured>((*this)(x.tensor()));
@@ -547,30 +553,34 @@ class Cell : public BasicDynamicCell<T> {
       throw ModeError(this->label() + " has a hook, but hooks take tensors of its element type, and it is called with " +
                       std::string(name_of(dtype_of<U>)) + " values");
     }
-    this->check_registered();
-    this->ensure_named();
-    if constexpr (can_capture()) {
-      if (runs_as_graph()) return run_graph<graph::AnyShape>(x);
-    }
-    EagerScope eager;
-    return run_construct(x);
+    return duet::detail::all_or_nothing([&] {
+      this->check_registered();
+      this->ensure_named();
+      if constexpr (can_capture()) {
+        if (runs_as_graph()) return run_graph<graph::AnyShape>(x);
+      }
+      EagerScope eager;
+      return run_construct(x);
+    });
   }
 
   // Cells whose construct takes several tensors (a network with its loss, say). They are not
   // DynamicCells of one input, so they run no forward hooks of their own.
   template <class... X>
   requires(sizeof...(X) >= 2 && ((is_tensor_v<X> || is_static_tensor_v<X>)&&...)) auto operator()(const X&... xs) {
-    this->check_registered();
-    this->ensure_named();
-    if constexpr (can_capture() && graph::Capturable<Derived&, X...>) {
-      if (runs_as_graph()) return run_graph<typename graph::pattern_of<X>::type...>(tensor_of(xs)...);
-    } else if constexpr (M != PYNATIVE_MODE) {
-      // construct calls a cell built at run time, so it cannot be captured: it runs on the
-      // tensors, and each cell it calls follows the mode itself (graph mode traces that one).
-      if (runs_as_graph()) return run_construct(tensor_of(xs)...);
-    }
-    EagerScope eager;
-    return run_construct(tensor_of(xs)...);
+    return duet::detail::all_or_nothing([&] {
+      this->check_registered();
+      this->ensure_named();
+      if constexpr (can_capture() && graph::Capturable<Derived&, X...>) {
+        if (runs_as_graph()) return run_graph<typename graph::pattern_of<X>::type...>(tensor_of(xs)...);
+      } else if constexpr (M != PYNATIVE_MODE) {
+        // construct calls a cell built at run time, so it cannot be captured: it runs on the
+        // tensors, and each cell it calls follows the mode itself (graph mode traces that one).
+        if (runs_as_graph()) return run_construct(tensor_of(xs)...);
+      }
+      EagerScope eager;
+      return run_construct(tensor_of(xs)...);
+    });
   }
 
   std::string type_name() const override { return duet::detail::readable_type_name(typeid(Derived)); }

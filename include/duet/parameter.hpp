@@ -85,8 +85,8 @@ inline StepLog& step_log() {
   return log;
 }
 
-// Called before a forward pass changes `state`. Outside a step (a forward call alone) the
-// change is final at once, as the call itself is.
+// Called before a forward pass changes `state`. Outside a step (state changed by a kernel run
+// outside any cell's call) the change is final at once, as the run itself is.
 inline void will_change(StepState& state) {
   StepLog& log = step_log();
   if (log.depth == 0 || std::ranges::find(log.saved, &state) != log.saved.end()) return;
@@ -114,6 +114,17 @@ class StepScope {
  private:
   bool committed_ = false;
 };
+
+// Runs a cell's forward call as one step of its own when no step is open: a call that throws
+// (a shape error at a later layer, a label out of range in the loss) after BatchNorm or Dropout
+// ran leaves their state as it was, as a failed training step does.
+template <class F>
+auto all_or_nothing(F&& call) {
+  StepScope scope;
+  auto result = std::forward<F>(call)();
+  scope.commit();
+  return result;
+}
 }  // namespace detail
 
 namespace nn {
