@@ -168,6 +168,27 @@ TEST_CASE("max_pool2d: a tie goes to the window's first maximal element, a NaN w
   }
 }
 
+TEST_CASE("max_pool2d: windows that tile the input keep the first maximal element and the NaN rule") {
+  // 2x2 windows at stride 2 on 5x5 (its own loop, max_pool2d_backward_tiled): plane 0 all
+  // ties, plane 1 ties with a NaN at (2, 3); row 4 and column 4 are in no window.
+  D x = duet::zeros<double>(Shape{1, 2, 5, 5});
+  for (index_t i = 0; i < 50; ++i) x.data()[i] = 1.0;
+  x.data()[25 + 2 * 5 + 3] = std::nan("");
+  auto pool = [](const auto& v) { return duet::ops::max_pool2d<2>(v); };
+  const D eager = pool_gradient(x, duet::PYNATIVE_MODE, pool);
+  const D graph = pool_gradient(x, duet::GRAPH_MODE, pool);
+  for (index_t i = 0; i < 50; ++i) {
+    const index_t plane = i / 25, h = i % 25 / 5, w = i % 5;
+    // Each window's first element takes its 1, but window (1, 1)'s NaN at (2, 3) takes it there.
+    const bool nan_window = plane == 1 && h / 2 == 1 && w / 2 == 1;
+    const bool first = h % 2 == 0 && w % 2 == 0 && h < 4 && w < 4;
+    const double expected = nan_window ? (h == 2 && w == 3 ? 1 : 0) : first ? 1 : 0;
+    CAPTURE(i);
+    CHECK(eager.data()[i] == expected);
+    CHECK(graph.data()[i] == expected);
+  }
+}
+
 TEST_CASE("pooling layers: MindSpore's output sizes, and shapes checked at compile time and at run time") {
   namespace nn = duet::nn;
   // MindSpore's example: nn.MaxPool2d(kernel_size=3, stride=1) on [1, 2, 4, 4] gives [1, 2, 2, 2].

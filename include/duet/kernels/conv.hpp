@@ -140,8 +140,15 @@ void col2im_add(const ConvProblem& q, const T* col, T* dx) {
 // tile (the AVX-512 micro-kernel alone, in L1: 81 GFLOP/s at depth 64, 95 at depth 256).
 // Measured on the 3x3 64->64 layer, 28x28, batch 32, forward and backward, one thread, the
 // fastest of 20 runs alternating with the old build: 114.3 -> 107.5 ms (libtorch 88.5 in
-// the same runs). Strides above 1 keep the product and col2im.
-inline bool has_data_gradient_convolution(const ConvProblem& q) { return q.stride_h == 1 && q.stride_w == 1; }
+// the same runs). Strides above 1 keep the product and col2im, and so do layers with more
+// output channels than input channels (LeNet-5's 6 -> 16): the convolution's patches of dy
+// would be out_g / in_g times the size of col2im's rows, and its product only in_g columns
+// wide (6, a third of an AVX-512 vector), so its im2col's copies became the step's largest
+// cost. Measured on LeNet-5's training step at batch 64, AMD EPYC (Zen 5, AVX-512), one
+// thread: see ops/conv.hpp.
+inline bool has_data_gradient_convolution(const ConvProblem& q) {
+  return q.stride_h == 1 && q.stride_w == 1 && q.out_per_group() <= q.in_per_group();
+}
 
 // That convolution, for one group of one sample (has_data_gradient_convolution(q)): its input
 // is dy's out_g channels, its output dx's in_g channels.

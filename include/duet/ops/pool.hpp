@@ -49,7 +49,9 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <cstddef>
+#include <cstdint>
 #include <span>
 #include <string>
 #include <string_view>
@@ -230,10 +232,86 @@ void pool2d_forward(const PoolGeometry& g, const T* x, T* y) {
   }
 }
 
+// max_pool2d_backward where the windows tile the input (stride = kernel, no padding, no
+// window past the edge), as in LeNet-5's and most CNNs' 2x2 pooling: each element lies in one
+// window at most, so dx is written once, window by window, with no zeroing pass first and no
+// bounds per window. A row of windows goes tap by tap across a chunk of columns, keeping each
+// window's maximum and tap in arrays, so that the loops over columns vectorise (a window at a
+// time, its taps' compare-and-select chain ran at about 40 cycles a window). Measured on
+// LeNet-5's training step at batch 64 (AMD EPYC Zen 5, one thread), the general loop below
+// was 15% of the step. dx = 0 + dy where the general loop adds dy to a zero, so that the two
+// give the same bits, -0 included.
+// c ? a : b through the bits, which compilers keep branch-free and vectorise: a branch on
+// which tap holds a window's maximum is a coin toss on real data (g++ 12 -O3 branched on the
+// conditional expression it took for a conditional addition: 1.2 ms against 0.4 for LeNet-5's
+// first pooling at batch 64; the compare loop's selects vectorise as they are).
+template <class T>
+T select_bits(bool c, T a, T b) {
+  using U = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>;
+  const U mask = U(0) - U(c);
+  return std::bit_cast<T>(static_cast<U>((std::bit_cast<U>(a) & mask) | (std::bit_cast<U>(b) & ~mask)));
+}
+
+template <Pool2dWindow Win, class T>
+void max_pool2d_backward_tiled(const PoolGeometry& g, const T* dy, const T* x, T* dx) {
+  constexpr index_t KH = Win.kernel_h;
+  constexpr index_t KW = Win.kernel_w;
+  constexpr index_t chunk = 64;
+  const index_t W = g.W;
+  T best[chunk];
+  std::int32_t at[chunk];
+  for (index_t p = 0; p < g.planes; ++p) {
+    const T* xp = x + p * g.H * W;
+    T* dxp = dx + p * g.H * W;
+    const T* dyp = dy + p * g.OH * g.OW;
+    for (index_t oh = 0; oh < g.OH; ++oh) {
+      const T* xr = xp + oh * KH * W;
+      T* dxr = dxp + oh * KH * W;
+      const T* dyr = dyp + oh * g.OW;
+      for (index_t ow0 = 0; ow0 < g.OW; ow0 += chunk) {
+        const index_t n = std::min(chunk, g.OW - ow0);
+        const T* xc = xr + ow0 * KW;
+        T* dxc = dxr + ow0 * KW;
+        const T* dyc = dyr + ow0;
+        for (index_t i = 0; i < n; ++i) {
+          best[i] = xc[i * KW];
+          at[i] = 0;
+        }
+        for (index_t kh = 0; kh < KH; ++kh) {
+          for (index_t kw = 0; kw < KW; ++kw) {
+            const T* xt = xc + kh * W + kw;
+            for (index_t i = 0; i < n; ++i) {
+              const T v = xt[i * KW];
+              const bool take = (v > best[i]) | ((v != v) & (best[i] == best[i]));
+              best[i] = take ? v : best[i];
+              at[i] = take ? static_cast<std::int32_t>(kh * KW + kw) : at[i];
+            }
+          }
+        }
+        for (index_t kh = 0; kh < KH; ++kh) {
+          for (index_t kw = 0; kw < KW; ++kw) {
+            T* dxt = dxc + kh * W + kw;
+            const auto tap = static_cast<std::int32_t>(kh * KW + kw);
+            for (index_t i = 0; i < n; ++i) dxt[i * KW] = select_bits(at[i] == tap, T(0) + dyc[i], T(0));
+          }
+        }
+      }
+      for (index_t kh = 0; kh < KH; ++kh) std::fill(dxr + kh * W + g.OW * KW, dxr + (kh + 1) * W, T(0));
+    }
+    std::fill(dxp + g.OH * KH * W, dxp + g.H * W, T(0));
+  }
+}
+
 // dx of max pooling: each dy to its window's first maximal element (a NaN counting as larger
 // than any number).
 template <Pool2dWindow Win, class T>
 void max_pool2d_backward(const PoolGeometry& g, const T* dy, const T* x, T* dx) {
+  if constexpr (Win.stride_h == Win.kernel_h && Win.stride_w == Win.kernel_w) {
+    if (g.pad_top == 0 && g.pad_left == 0 && g.OH * Win.kernel_h <= g.H && g.OW * Win.kernel_w <= g.W) {
+      max_pool2d_backward_tiled<Win>(g, dy, x, dx);
+      return;
+    }
+  }
   std::fill_n(dx, g.planes * g.H * g.W, T(0));
   for (index_t p = 0; p < g.planes; ++p) {
     const T* xp = x + p * g.H * g.W;
