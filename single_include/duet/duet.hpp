@@ -9858,6 +9858,8 @@ class BasicDynamicCell {
     duet::detail::live_hook_count().fetch_sub(static_cast<long>(hooks_.size() + backward_hooks_.size()));
   }
 
+  // The cell on x, in its mode. A call that throws leaves what its layers change (BatchNorm's
+  // moving statistics, Dropout's draws) as it was.
   BasicTensor<T> operator()(const BasicTensor<T>& x) {
     return duet::detail::all_or_nothing([&] { return call(x); });
   }
