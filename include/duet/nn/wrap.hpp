@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <concepts>
 #include <cstdint>
@@ -229,37 +230,37 @@ class TrainOneStepCell {
 
   // Rank 0's Dropout generators, for the same reason: resumed on rank 0 alone, the other ranks
   // would draw the masks of freshly built layers, not those the run that saved it would have.
+  // Each travels as a parameter "generator.<path>" of its state's 16-bit pieces (exact in
+  // floats) through broadcast_parameters, which also refuses ranks whose Dropout layers differ.
   void broadcast_generators(duet::detail::DataParallelRuntime& parallel) {
+    constexpr int words = 4 + 1;  // the xoshiro words, then the pending draw's bits
+    constexpr index_t pieces = 4 * words + 1;  // and the pending flag
     const auto generators = duet::detail::named_generators(net_with_loss_);
-    std::uint64_t names = duet::detail::fnv1a(std::to_string(generators.size()));
-    for (const auto& [path, generator] : generators) names = duet::detail::fnv1a(path, names);
-    if (!parallel.same_on_every_rank(names)) {
-      throw ValueError("nn::TrainOneStepCell: the ranks' networks have different Dropout layers (" +
-                       std::to_string(generators.size()) + " on rank " + std::to_string(parallel.rank()) +
-                       "); every rank must build the same network");
-    }
-    // Each word as four 16-bit pieces in doubles, which the sum with the other ranks' zeros
-    // keeps exact.
-    const bool source = parallel.rank() == 0;
-    std::vector<double> values;
+    std::vector<BasicParameter<float>> held;
+    held.reserve(generators.size());
+    std::vector<NamedParameter<float>> named;
     for (const auto& [path, generator] : generators) {
       const GeneratorState state = generator->state();
-      for (std::uint64_t word : state.words) {
-        for (int piece = 0; piece < 4; ++piece) values.push_back(source ? double((word >> (16 * piece)) & 0xFFFF) : 0);
+      std::uint64_t bits[words] = {state.words[0], state.words[1], state.words[2], state.words[3],
+                                   std::bit_cast<std::uint64_t>(state.spare)};
+      BasicTensor<float> t = zeros<float>({pieces});
+      for (int w = 0; w < words; ++w) {
+        for (int piece = 0; piece < 4; ++piece) t.data()[4 * w + piece] = static_cast<float>((bits[w] >> (16 * piece)) & 0xFFFF);
       }
-      values.push_back(source && state.has_spare ? 1 : 0);
-      values.push_back(source ? state.spare : 0);
+      t.data()[pieces - 1] = state.has_spare ? 1.0f : 0.0f;
+      held.emplace_back(std::move(t));
+      named.push_back({path.empty() ? "generator" : "generator." + path, nullptr});
     }
-    parallel.all_reduce_sum(values);
-    std::size_t k = 0;
-    for (const auto& [path, generator] : generators) {
-      GeneratorState state;
-      for (std::uint64_t& word : state.words) {
-        for (int piece = 0; piece < 4; ++piece) word |= static_cast<std::uint64_t>(values[k++]) << (16 * piece);
+    for (std::size_t i = 0; i < held.size(); ++i) named[i].parameter = &held[i];
+    parallel.broadcast_parameters(named);
+    for (std::size_t i = 0; i < held.size(); ++i) {
+      const float* v = held[i].data();
+      std::uint64_t bits[words] = {};
+      for (int w = 0; w < words; ++w) {
+        for (int piece = 0; piece < 4; ++piece) bits[w] |= static_cast<std::uint64_t>(v[4 * w + piece]) << (16 * piece);
       }
-      state.has_spare = values[k++] != 0;
-      state.spare = values[k++];
-      generator->set_state(state);
+      GeneratorState state{{bits[0], bits[1], bits[2], bits[3]}, v[pieces - 1] != 0, std::bit_cast<double>(bits[4])};
+      generators[i].second->set_state(state);
     }
   }
 
