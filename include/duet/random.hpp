@@ -117,13 +117,22 @@ class GeneratorOwner {
   ~GeneratorOwner() = default;
 };
 
-// The generators of the cells in `cell`'s tree that own one, in its order, with their cells'
-// paths: what checkpoints save and data-parallel training gives every rank from rank 0.
+// A generator in a cell's tree, named "generator.<the cell's path>" ("generator" for the root):
+// the name checkpoints save it under and data-parallel training broadcasts it by.
+struct NamedGenerator {
+  std::string name;
+  Generator* generator;
+};
+
+// The generators of the cells in `cell`'s tree that own one, in its order: what checkpoints
+// save and data-parallel training gives every rank from rank 0.
 template <class Cell>
-std::vector<std::pair<std::string, Generator*>> named_generators(Cell& cell) {
-  std::vector<std::pair<std::string, Generator*>> out;
+std::vector<NamedGenerator> named_generators(Cell& cell) {
+  std::vector<NamedGenerator> out;
   for (const auto& [path, c] : cell.cells_and_names()) {
-    if (auto* owner = dynamic_cast<GeneratorOwner*>(c)) out.emplace_back(path, &owner->owned_generator());
+    if (auto* owner = dynamic_cast<GeneratorOwner*>(c)) {
+      out.push_back({path.empty() ? "generator" : "generator." + path, &owner->owned_generator()});
+    }
   }
   return out;
 }

@@ -11819,13 +11819,22 @@ class GeneratorOwner {
   ~GeneratorOwner() = default;
 };
 
-// The generators of the cells in `cell`'s tree that own one, in its order, with their cells'
-// paths: what checkpoints save and data-parallel training gives every rank from rank 0.
+// A generator in a cell's tree, named "generator.<the cell's path>" ("generator" for the root):
+// the name checkpoints save it under and data-parallel training broadcasts it by.
+struct NamedGenerator {
+  std::string name;
+  Generator* generator;
+};
+
+// The generators of the cells in `cell`'s tree that own one, in its order: what checkpoints
+// save and data-parallel training gives every rank from rank 0.
 template <class Cell>
-std::vector<std::pair<std::string, Generator*>> named_generators(Cell& cell) {
-  std::vector<std::pair<std::string, Generator*>> out;
+std::vector<NamedGenerator> named_generators(Cell& cell) {
+  std::vector<NamedGenerator> out;
   for (const auto& [path, c] : cell.cells_and_names()) {
-    if (auto* owner = dynamic_cast<GeneratorOwner*>(c)) out.emplace_back(path, &owner->owned_generator());
+    if (auto* owner = dynamic_cast<GeneratorOwner*>(c)) {
+      out.push_back({path.empty() ? "generator" : "generator." + path, &owner->owned_generator()});
+    }
   }
   return out;
 }
@@ -12113,7 +12122,7 @@ class TrainOneStepCell {
     std::vector<BasicParameter<float>> held;
     held.reserve(generators.size());
     std::vector<NamedParameter<float>> named;
-    for (const auto& [path, generator] : generators) {
+    for (const auto& [name, generator] : generators) {
       const GeneratorState state = generator->state();
       std::uint64_t bits[words] = {state.words[0], state.words[1], state.words[2], state.words[3],
                                    std::bit_cast<std::uint64_t>(state.spare)};
@@ -12123,7 +12132,7 @@ class TrainOneStepCell {
       }
       t.data()[pieces - 1] = state.has_spare ? 1.0f : 0.0f;
       held.emplace_back(std::move(t));
-      named.push_back({path.empty() ? "generator" : "generator." + path, nullptr});
+      named.push_back({name, nullptr});
     }
     for (std::size_t i = 0; i < held.size(); ++i) named[i].parameter = &held[i];
     parallel.broadcast_parameters(named);
@@ -12134,7 +12143,7 @@ class TrainOneStepCell {
         for (int piece = 0; piece < 4; ++piece) bits[w] |= static_cast<std::uint64_t>(v[4 * w + piece]) << (16 * piece);
       }
       GeneratorState state{{bits[0], bits[1], bits[2], bits[3]}, v[pieces - 1] != 0, std::bit_cast<double>(bits[4])};
-      generators[i].second->set_state(state);
+      generators[i].generator->set_state(state);
     }
   }
 
@@ -14545,23 +14554,6 @@ std::vector<CheckpointTarget<T>> parameter_targets(nn::BasicDynamicCell<T>& cell
   return out;
 }
 
-// A generator a checkpoint holds, by the name the file gives it.
-struct GeneratorTarget {
-  std::string name;
-  Generator* generator;
-};
-
-// The generators of the cells in the tree that own one (nn::Dropout), in the cell's order,
-// named "generator.<path>".
-template <ElementType T>
-std::vector<GeneratorTarget> generator_targets(nn::BasicDynamicCell<T>& cell) {
-  std::vector<GeneratorTarget> out;
-  for (const auto& [path, generator] : named_generators(cell)) {
-    out.push_back({path.empty() ? "generator" : "generator." + path, generator});
-  }
-  return out;
-}
-
 // The optimiser's state tensors, named "<slot>.<parameter's name>" after the cell's names for
 // the parameters the optimiser updates.
 template <ElementType T>
@@ -14605,7 +14597,7 @@ struct TrainingTargets {
   std::string_view optimizer;  // its type name; empty for a checkpoint of parameters only
   std::int64_t global_step = 0;
   std::vector<CheckpointTarget<T>> state;
-  std::vector<GeneratorTarget> generators;
+  std::vector<NamedGenerator> generators;
 };
 
 // The size of a checkpoint of these tensors: a shorter file that fails its checksum is taken
@@ -14741,7 +14733,7 @@ std::vector<const CheckpointRecord*> match_records(const std::vector<CheckpointR
 // For each generator, its state in the file. A version 2 file holds none: the generators are
 // left as they are (nullptr). Otherwise the names must be the cell's, all of them.
 inline std::vector<const GeneratorState*> match_generators(const ParsedCheckpoint& file,
-                                                           const std::vector<GeneratorTarget>& generators,
+                                                           const std::vector<NamedGenerator>& generators,
                                                            const std::string& where) {
   std::vector<const GeneratorState*> source(generators.size(), nullptr);
   if (file.version < 3) return source;
@@ -14821,7 +14813,7 @@ template <ElementType T>
 TrainingTargets<T> training_targets(nn::BasicDynamicCell<T>& cell, const std::vector<CheckpointTarget<T>>& parameters,
                                     nn::BasicOptimizer<T>& optimizer, const std::string& where) {
   return {optimizer.type_name(), optimizer.global_step(), optimizer_targets(parameters, optimizer, where),
-          generator_targets(cell)};
+          named_generators(cell)};
 }
 
 inline std::span<const unsigned char> unsigned_bytes(std::span<const std::byte> bytes) {
@@ -21356,6 +21348,14 @@ T select_bits(bool c, T a, T b) {
   return std::bit_cast<T>(static_cast<U>((std::bit_cast<U>(a) & mask) | (std::bit_cast<U>(b) & ~mask)));
 }
 
+// Whether v takes over as a window's maximum from best: a larger value, or the first NaN (the
+// forward pass's maximum is NaN once any is, and the gradient goes to the first). Branch-free
+// by using | and &: on random data the branch of "a new maximum" is mispredicted often.
+template <class T>
+bool takes_max(T v, T best) {
+  return (v > best) | ((v != v) & (best == best));
+}
+
 template <Pool2dWindow Win, class T>
 void max_pool2d_backward_tiled(const PoolGeometry& g, const T* dy, const T* x, T* dx) {
   constexpr index_t KH = Win.kernel_h;
@@ -21386,7 +21386,7 @@ void max_pool2d_backward_tiled(const PoolGeometry& g, const T* dy, const T* x, T
             const T* xt = xc + kh * W + kw;
             for (index_t i = 0; i < n; ++i) {
               const T v = xt[i * KW];
-              const bool take = (v > best[i]) | ((v != v) & (best[i] == best[i]));
+              const bool take = takes_max(v, best[i]);
               best[i] = take ? v : best[i];
               at[i] = take ? static_cast<std::int32_t>(kh * KW + kw) : at[i];
             }
@@ -21433,8 +21433,7 @@ void max_pool2d_backward(const PoolGeometry& g, const T* dy, const T* x, T* dx) 
           for (index_t kw = kw_lo; kw < kw_hi; ++kw) {
             const index_t i = (r.first + kh) * g.W + c0 + kw;
             const T v = xp[i];
-            // Branch-free: on random data the branch of "a new maximum" is mispredicted often.
-            const bool take = (v > best) | ((v != v) & (best == best));
+            const bool take = takes_max(v, best);
             best = take ? v : best;
             at = take ? i : at;
           }

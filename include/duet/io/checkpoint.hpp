@@ -464,23 +464,6 @@ std::vector<CheckpointTarget<T>> parameter_targets(nn::BasicDynamicCell<T>& cell
   return out;
 }
 
-// A generator a checkpoint holds, by the name the file gives it.
-struct GeneratorTarget {
-  std::string name;
-  Generator* generator;
-};
-
-// The generators of the cells in the tree that own one (nn::Dropout), in the cell's order,
-// named "generator.<path>".
-template <ElementType T>
-std::vector<GeneratorTarget> generator_targets(nn::BasicDynamicCell<T>& cell) {
-  std::vector<GeneratorTarget> out;
-  for (const auto& [path, generator] : named_generators(cell)) {
-    out.push_back({path.empty() ? "generator" : "generator." + path, generator});
-  }
-  return out;
-}
-
 // The optimiser's state tensors, named "<slot>.<parameter's name>" after the cell's names for
 // the parameters the optimiser updates.
 template <ElementType T>
@@ -524,7 +507,7 @@ struct TrainingTargets {
   std::string_view optimizer;  // its type name; empty for a checkpoint of parameters only
   std::int64_t global_step = 0;
   std::vector<CheckpointTarget<T>> state;
-  std::vector<GeneratorTarget> generators;
+  std::vector<NamedGenerator> generators;
 };
 
 // The size of a checkpoint of these tensors: a shorter file that fails its checksum is taken
@@ -660,7 +643,7 @@ std::vector<const CheckpointRecord*> match_records(const std::vector<CheckpointR
 // For each generator, its state in the file. A version 2 file holds none: the generators are
 // left as they are (nullptr). Otherwise the names must be the cell's, all of them.
 inline std::vector<const GeneratorState*> match_generators(const ParsedCheckpoint& file,
-                                                           const std::vector<GeneratorTarget>& generators,
+                                                           const std::vector<NamedGenerator>& generators,
                                                            const std::string& where) {
   std::vector<const GeneratorState*> source(generators.size(), nullptr);
   if (file.version < 3) return source;
@@ -740,7 +723,7 @@ template <ElementType T>
 TrainingTargets<T> training_targets(nn::BasicDynamicCell<T>& cell, const std::vector<CheckpointTarget<T>>& parameters,
                                     nn::BasicOptimizer<T>& optimizer, const std::string& where) {
   return {optimizer.type_name(), optimizer.global_step(), optimizer_targets(parameters, optimizer, where),
-          generator_targets(cell)};
+          named_generators(cell)};
 }
 
 inline std::span<const unsigned char> unsigned_bytes(std::span<const std::byte> bytes) {

@@ -239,7 +239,7 @@ class TrainOneStepCell {
     std::vector<BasicParameter<float>> held;
     held.reserve(generators.size());
     std::vector<NamedParameter<float>> named;
-    for (const auto& [path, generator] : generators) {
+    for (const auto& [name, generator] : generators) {
       const GeneratorState state = generator->state();
       std::uint64_t bits[words] = {state.words[0], state.words[1], state.words[2], state.words[3],
                                    std::bit_cast<std::uint64_t>(state.spare)};
@@ -249,7 +249,7 @@ class TrainOneStepCell {
       }
       t.data()[pieces - 1] = state.has_spare ? 1.0f : 0.0f;
       held.emplace_back(std::move(t));
-      named.push_back({path.empty() ? "generator" : "generator." + path, nullptr});
+      named.push_back({name, nullptr});
     }
     for (std::size_t i = 0; i < held.size(); ++i) named[i].parameter = &held[i];
     parallel.broadcast_parameters(named);
@@ -260,7 +260,7 @@ class TrainOneStepCell {
         for (int piece = 0; piece < 4; ++piece) bits[w] |= static_cast<std::uint64_t>(v[4 * w + piece]) << (16 * piece);
       }
       GeneratorState state{{bits[0], bits[1], bits[2], bits[3]}, v[pieces - 1] != 0, std::bit_cast<double>(bits[4])};
-      generators[i].second->set_state(state);
+      generators[i].generator->set_state(state);
     }
   }
 

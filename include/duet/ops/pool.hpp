@@ -252,6 +252,14 @@ T select_bits(bool c, T a, T b) {
   return std::bit_cast<T>(static_cast<U>((std::bit_cast<U>(a) & mask) | (std::bit_cast<U>(b) & ~mask)));
 }
 
+// Whether v takes over as a window's maximum from best: a larger value, or the first NaN (the
+// forward pass's maximum is NaN once any is, and the gradient goes to the first). Branch-free
+// by using | and &: on random data the branch of "a new maximum" is mispredicted often.
+template <class T>
+bool takes_max(T v, T best) {
+  return (v > best) | ((v != v) & (best == best));
+}
+
 template <Pool2dWindow Win, class T>
 void max_pool2d_backward_tiled(const PoolGeometry& g, const T* dy, const T* x, T* dx) {
   constexpr index_t KH = Win.kernel_h;
@@ -282,7 +290,7 @@ void max_pool2d_backward_tiled(const PoolGeometry& g, const T* dy, const T* x, T
             const T* xt = xc + kh * W + kw;
             for (index_t i = 0; i < n; ++i) {
               const T v = xt[i * KW];
-              const bool take = (v > best[i]) | ((v != v) & (best[i] == best[i]));
+              const bool take = takes_max(v, best[i]);
               best[i] = take ? v : best[i];
               at[i] = take ? static_cast<std::int32_t>(kh * KW + kw) : at[i];
             }
@@ -329,8 +337,7 @@ void max_pool2d_backward(const PoolGeometry& g, const T* dy, const T* x, T* dx) 
           for (index_t kw = kw_lo; kw < kw_hi; ++kw) {
             const index_t i = (r.first + kh) * g.W + c0 + kw;
             const T v = xp[i];
-            // Branch-free: on random data the branch of "a new maximum" is mispredicted often.
-            const bool take = (v > best) | ((v != v) & (best == best));
+            const bool take = takes_max(v, best);
             best = take ? v : best;
             at = take ? i : at;
           }
