@@ -427,8 +427,8 @@ TEST_CASE("nn::BatchNorm: errors name the layer, its rule and the input") {
     CHECK(bn1(duet::ones({1, 4})).shape() == Shape{1, 4});
   }
   CHECK_THROWS_AS(duet::nn::BatchNorm2d<>(0), duet::ValueError);
-  CHECK_THROWS_AS(duet::nn::BatchNorm2d<3>(4), duet::ValueError);
-  CHECK_THROWS_AS(duet::nn::BatchNorm2d<3>(3, 0.0), duet::ValueError);
+  CHECK(message([] { duet::nn::BatchNorm2d<3> b(4); }) == "nn::BatchNorm2d<3>: cannot be built with num_features 4");
+  CHECK(message([] { duet::nn::BatchNorm2d<3> b(3, 0.0); }) == "nn::BatchNorm2d<3>: eps must be > 0, got 0.000000");
   CHECK_THROWS_AS(duet::nn::BatchNorm2d<3>(3, 1e-5, 1.5), duet::ValueError);
   // Static shapes are checked when the network compiles (tests/compile_fail/batchnorm_channels.cpp).
   const auto y = bn(duet::ones(duet::shape<2, 3, 4, 4>));

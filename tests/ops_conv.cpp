@@ -8,6 +8,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "ops_harness.hpp"
@@ -247,7 +248,7 @@ TEST_CASE("nn::Conv2d, nn::Conv1d: shape errors name the layer and the input, ba
   auto message = [](auto&& f) {
     try {
       f();
-    } catch (const duet::ShapeError& e) {
+    } catch (const duet::Error& e) {
       return std::string(e.what());
     }
     return std::string("no error");
@@ -272,6 +273,46 @@ TEST_CASE("nn::Conv2d, nn::Conv1d: shape errors name the layer and the input, ba
   } catch (const duet::ValueError& e) {
     CHECK(std::string(e.what()) ==
           "nn::Conv2d<dyn, dyn, dyn>: padding must be 0 unless pad_mode is \"pad\", got 1 with pad_mode \"same\"");
+  }
+  // A compile-time sized layer given sizes or settings at run time takes only its type's: its
+  // static shape rule is the type's (the run-time form's default pad_mode "same" is not).
+  CHECK(message([] { duet::nn::Conv2d<3, 4, 3> c(3, 5, 3); }) ==
+        "nn::Conv2d<3, 4, 3>: cannot be built with in_channels 3, out_channels 5 and kernel_size 3");
+  CHECK(message([] { duet::nn::Conv2d<3, 4, 3> c(3, 4, 3); }) ==
+        "nn::Conv2d<3, 4, 3>: cannot be built with stride 1, pad_mode \"same\", padding 0, dilation 1 and group 1: "
+        "its type fixes them; give only has_bias and the initialisers (nn::Conv2d<3, 4, 3>{{.has_bias = true}})");
+  duet::nn::Conv2d<3, 4, 3, 2, 1> matching(3, 4, 3, {.stride = 2, .pad_mode = PadMode::pad, .padding = 1, .has_bias = true});
+  CHECK(matching.has_bias());
+  CHECK(matching.type_name() == "nn::Conv2d<3, 4, 3, 2, 1>");
+}
+
+TEST_CASE("nn::Conv2d, nn::BatchNorm2d: the compile-time sized forms are the run-time forms with sizes in their types") {
+  // Outside graph capture a sized layer is its run-time form, so a network's layers of every
+  // size share that cell's code (the reason: compile time, tools/compile_costs.md).
+  static_assert(std::is_base_of_v<duet::nn::Conv2d<>, duet::nn::Conv2d<1, 6, 5, 1, 2>>);
+  static_assert(std::is_base_of_v<duet::nn::Conv1d<>, duet::nn::Conv1d<2, 2, 3, 1, 0, 3>>);
+  static_assert(std::is_base_of_v<duet::nn::BatchNorm2d<>, duet::nn::BatchNorm2d<6>>);
+  static_assert(std::is_base_of_v<duet::nn::Conv2d<3, 4, 3, 1, 0, 1, 1, double>::runtime_type,
+                                  duet::nn::Conv2d<3, 4, 3, 1, 0, 1, 1, double>>);
+  duet_test::ModeGuard guard;
+  duet::set_seed(5);
+  duet::nn::Conv2d<2, 3, 3, 1, 1> sized{{.has_bias = true}};
+  duet::set_seed(5);
+  duet::nn::Conv2d<> runtime(2, 3, 3, {.pad_mode = PadMode::pad, .padding = 1, .has_bias = true});
+  // The same draws from the same seed, the same names, and called alone the same numbers in
+  // both modes; the sized one keeps its static shape.
+  CHECK(sized.weight.shape() == runtime.weight.shape());
+  CHECK(std::memcmp(sized.weight.data(), runtime.weight.data(), static_cast<std::size_t>(sized.weight.numel()) * sizeof(float)) == 0);
+  CHECK(sized.type_name() == "nn::Conv2d<2, 3, 3, 1, 1>");
+  const duet::Tensor x = duet::randn({2, 2, 5, 5}, 3);
+  for (duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+    duet::set_context({.mode = mode});
+    const duet::Tensor a = sized(x);
+    const duet::Tensor b = runtime(x);
+    CHECK(std::memcmp(a.data(), b.data(), static_cast<std::size_t>(a.numel()) * sizeof(float)) == 0);
+    const auto s = sized(duet::StaticTensor<float, 2, 2, 5, 5>(x));
+    static_assert(std::is_same_v<std::remove_cvref_t<decltype(s)>, duet::StaticTensor<float, 2, 3, 5, 5>>);
+    CHECK(std::memcmp(s.tensor().data(), b.data(), static_cast<std::size_t>(b.numel()) * sizeof(float)) == 0);
   }
 }
 

@@ -496,17 +496,11 @@ class Cell : public BasicDynamicCell<T> {
   }
 
   // Graph capture: construct appends this cell's nodes to the graph its inputs belong to.
-  // Hooks cannot run inside a graph: refused here rather than silently dropped.
   template <graph::Symbolic... S>
     requires(sizeof...(S) >= 1 && capturable_construct<typename detail::deferred<Derived, S...>::type>() &&
              !NonGenericConstruct<typename detail::deferred<Derived, S...>::type>)
   auto operator()(const S&... xs) {
-    if (this->has_hooks_in_tree()) {
-      throw ModeError(this->label() +
-                      " is captured into a graph (graph mode or jit), but it or a cell in it has a hook; hooks "
-                      "see intermediate values in PyNative mode only");
-    }
-    this->check_registered();
+    check_capture();
     if constexpr (captured_apart<S...>()) {
       return graph::spliced(xs..., run_construct(graph::continuation<S...>()));
     } else {
@@ -589,6 +583,26 @@ class Cell : public BasicDynamicCell<T> {
 
  protected:
   bool traced_in_graph_mode() const override { return false; }
+
+  // Before a call on symbolic tensors. Hooks cannot run inside a graph: refused here rather
+  // than silently dropped.
+  void check_capture() {
+    if (this->has_hooks_in_tree()) {
+      throw ModeError(this->label() +
+                      " is captured into a graph (graph mode or jit), but it or a cell in it has a hook; hooks "
+                      "see intermediate values in PyNative mode only");
+    }
+    this->check_registered();
+  }
+
+  template <class Captured>
+  static auto to_static_tensor(BasicTensor<T> y) {
+    constexpr Shape s = Captured::shape;
+    return [&]<std::size_t... I>(std::index_sequence<I...>) {
+      return StaticTensor<T, s[static_cast<int>(I)]...>(std::move(y));
+    }
+    (std::make_index_sequence<static_cast<std::size_t>(s.rank())>{});
+  }
 
  public:
 
@@ -712,15 +726,6 @@ class Cell : public BasicDynamicCell<T> {
     });
   }
 
-  template <class Captured>
-  static auto to_static_tensor(BasicTensor<T> y) {
-    constexpr Shape s = Captured::shape;
-    return [&]<std::size_t... I>(std::index_sequence<I...>) {
-      return StaticTensor<T, s[static_cast<int>(I)]...>(std::move(y));
-    }
-    (std::make_index_sequence<static_cast<std::size_t>(s.rank())>{});
-  }
-
   template <class F>
   void for_each_member(F&& f) {
     if constexpr (hana::Struct<Derived>::value) {
@@ -731,7 +736,52 @@ class Cell : public BasicDynamicCell<T> {
   }
 };
 
+// A layer whose sizes are template arguments (nn::Conv2d<1, 6, 5>, nn::BatchNorm2d<16>), as its
+// run-time sized form Runtime (nn::Conv2d<>, nn::BatchNorm2d<>) with those sizes in its type.
+// Captured into a graph it appends what Layer::sized_construct makes, an operation whose
+// static shape rule checks the network while the program compiles; everywhere else (PyNative
+// mode, a call alone in graph mode) it is Runtime. So a network's layers of one kind share one
+// cell's code whatever their sizes: the PyNative operations with their gradients and traces,
+// the cell's own graph forms. As a cell type each, examples/resnet_fashion.cpp's 7 sizes of
+// convolution took a fifth of its compile time.
+template <class Layer, class Runtime>
+class SizedLayer : public Runtime {
+  using T = typename Runtime::value_type;
+
+ public:
+  using Runtime::Runtime;
+
+  BasicTensor<T> operator()(const BasicTensor<T>& x) { return Runtime::operator()(x); }
+
+  // Captured on an input of its own and spliced after x's graph, as Cell's calls are.
+  template <graph::Symbolic S>
+  auto operator()(const S& x) {
+    this->check_capture();
+    return graph::spliced(x, static_cast<Layer*>(this)->sized_construct(graph::continuation<S>()));
+  }
+
+  // A static shape is checked against the sizes in the type while the program compiles.
+  template <index_t... D>
+  auto operator()(const StaticTensor<T, D...>& x) {
+    using Captured = decltype(std::declval<Layer&>().sized_construct(graph::input<T, StaticShape<D...>>()));
+    return Runtime::template to_static_tensor<Captured>(Runtime::operator()(x.tensor()));
+  }
+};
+
 namespace detail {
+// An operation's layer as its run-time sized form (SizedLayer), whose functions the operation's
+// kernels and descriptions call, so that they are compiled once for all sizes; any other layer
+// (ONNX import's description of a node, say) as itself.
+template <class Layer>
+auto* runtime_form(Layer* layer) {
+  if constexpr (requires { typename std::remove_const_t<Layer>::runtime_type; }) {
+    using R = typename std::remove_const_t<Layer>::runtime_type;
+    return static_cast<std::conditional_t<std::is_const_v<Layer>, const R, R>*>(layer);
+  } else {
+    return layer;
+  }
+}
+
 // The mode a callable's type fixes: a cell's own (a JitConfig fixes GRAPH_MODE), and
 // CONTEXT_MODE for a cell that follows the context or for anything that is not a cell.
 template <class F>

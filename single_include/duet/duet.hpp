@@ -10198,17 +10198,11 @@ class Cell : public BasicDynamicCell<T> {
   }
 
   // Graph capture: construct appends this cell's nodes to the graph its inputs belong to.
-  // Hooks cannot run inside a graph: refused here rather than silently dropped.
   template <graph::Symbolic... S>
     requires(sizeof...(S) >= 1 && capturable_construct<typename detail::deferred<Derived, S...>::type>() &&
              !NonGenericConstruct<typename detail::deferred<Derived, S...>::type>)
   auto operator()(const S&... xs) {
-    if (this->has_hooks_in_tree()) {
-      throw ModeError(this->label() +
-                      " is captured into a graph (graph mode or jit), but it or a cell in it has a hook; hooks "
-                      "see intermediate values in PyNative mode only");
-    }
-    this->check_registered();
+    check_capture();
     if constexpr (captured_apart<S...>()) {
       return graph::spliced(xs..., run_construct(graph::continuation<S...>()));
     } else {
@@ -10291,6 +10285,26 @@ class Cell : public BasicDynamicCell<T> {
 
  protected:
   bool traced_in_graph_mode() const override { return false; }
+
+  // Before a call on symbolic tensors. Hooks cannot run inside a graph: refused here rather
+  // than silently dropped.
+  void check_capture() {
+    if (this->has_hooks_in_tree()) {
+      throw ModeError(this->label() +
+                      " is captured into a graph (graph mode or jit), but it or a cell in it has a hook; hooks "
+                      "see intermediate values in PyNative mode only");
+    }
+    this->check_registered();
+  }
+
+  template <class Captured>
+  static auto to_static_tensor(BasicTensor<T> y) {
+    constexpr Shape s = Captured::shape;
+    return [&]<std::size_t... I>(std::index_sequence<I...>) {
+      return StaticTensor<T, s[static_cast<int>(I)]...>(std::move(y));
+    }
+    (std::make_index_sequence<static_cast<std::size_t>(s.rank())>{});
+  }
 
  public:
 
@@ -10414,15 +10428,6 @@ class Cell : public BasicDynamicCell<T> {
     });
   }
 
-  template <class Captured>
-  static auto to_static_tensor(BasicTensor<T> y) {
-    constexpr Shape s = Captured::shape;
-    return [&]<std::size_t... I>(std::index_sequence<I...>) {
-      return StaticTensor<T, s[static_cast<int>(I)]...>(std::move(y));
-    }
-    (std::make_index_sequence<static_cast<std::size_t>(s.rank())>{});
-  }
-
   template <class F>
   void for_each_member(F&& f) {
     if constexpr (hana::Struct<Derived>::value) {
@@ -10433,7 +10438,52 @@ class Cell : public BasicDynamicCell<T> {
   }
 };
 
+// A layer whose sizes are template arguments (nn::Conv2d<1, 6, 5>, nn::BatchNorm2d<16>), as its
+// run-time sized form Runtime (nn::Conv2d<>, nn::BatchNorm2d<>) with those sizes in its type.
+// Captured into a graph it appends what Layer::sized_construct makes, an operation whose
+// static shape rule checks the network while the program compiles; everywhere else (PyNative
+// mode, a call alone in graph mode) it is Runtime. So a network's layers of one kind share one
+// cell's code whatever their sizes: the PyNative operations with their gradients and traces,
+// the cell's own graph forms. As a cell type each, examples/resnet_fashion.cpp's 7 sizes of
+// convolution took a fifth of its compile time.
+template <class Layer, class Runtime>
+class SizedLayer : public Runtime {
+  using T = typename Runtime::value_type;
+
+ public:
+  using Runtime::Runtime;
+
+  BasicTensor<T> operator()(const BasicTensor<T>& x) { return Runtime::operator()(x); }
+
+  // Captured on an input of its own and spliced after x's graph, as Cell's calls are.
+  template <graph::Symbolic S>
+  auto operator()(const S& x) {
+    this->check_capture();
+    return graph::spliced(x, static_cast<Layer*>(this)->sized_construct(graph::continuation<S>()));
+  }
+
+  // A static shape is checked against the sizes in the type while the program compiles.
+  template <index_t... D>
+  auto operator()(const StaticTensor<T, D...>& x) {
+    using Captured = decltype(std::declval<Layer&>().sized_construct(graph::input<T, StaticShape<D...>>()));
+    return Runtime::template to_static_tensor<Captured>(Runtime::operator()(x.tensor()));
+  }
+};
+
 namespace detail {
+// An operation's layer as its run-time sized form (SizedLayer), whose functions the operation's
+// kernels and descriptions call, so that they are compiled once for all sizes; any other layer
+// (ONNX import's description of a node, say) as itself.
+template <class Layer>
+auto* runtime_form(Layer* layer) {
+  if constexpr (requires { typename std::remove_const_t<Layer>::runtime_type; }) {
+    using R = typename std::remove_const_t<Layer>::runtime_type;
+    return static_cast<std::conditional_t<std::is_const_v<Layer>, const R, R>*>(layer);
+  } else {
+    return layer;
+  }
+}
+
 // The mode a callable's type fixes: a cell's own (a JitConfig fixes GRAPH_MODE), and
 // CONTEXT_MODE for a cell that follows the context or for anything that is not a cell.
 template <class F>
@@ -15453,6 +15503,106 @@ ChannelStatistics<T> channel_statistics(const T* x, const ChannelRuns& runs, ind
   return {mean, squares / count};
 }
 
+// y = (x - mean) · scale + beta over channel c, scale being gamma / sqrt(var + eps).
+template <class T>
+void normalize(const T* x, T* y, const detail::ChannelRuns& runs, index_t c, T mean, T scale, T beta) {
+  using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
+  for (index_t n = 0; n < runs.batch; ++n) {
+    const index_t at = runs.offset(n, c);
+    ::Eigen::Map<Array>(y + at, runs.spatial) = (::Eigen::Map<const Array>(x + at, runs.spatial) - mean) * scale + beta;
+  }
+}
+
+// BatchNormOp's kernel, for a layer of any size.
+template <graph::Phase P, class T, class Layer>
+void batch_norm(Layer& layer, const graph::KernelArgs& a) {
+  const ChannelRuns runs(a.in_shape());
+  const T* x = a.in<T>();
+  T* y = a.out<T>();
+  const Layer& read = layer;  // reads leave the parameters' version() alone
+  if constexpr (P == graph::Phase::train) {
+    layer.check_batch(a.in_shape());
+    const T momentum = static_cast<T>(layer.momentum());
+    const T unbiased = static_cast<T>(runs.count()) / static_cast<T>(runs.count() - 1);
+    duet::detail::will_change(layer);
+    T* moving_mean = layer.moving_mean.data();
+    T* moving_variance = layer.moving_variance.data();
+    for (index_t c = 0; c < runs.channels; ++c) {
+      const auto s = channel_statistics(x, runs, c);
+      normalize(x, y, runs, c, s.mean, read.gamma.data()[c] / std::sqrt(s.variance + static_cast<T>(read.eps())),
+                read.beta.data()[c]);
+      moving_mean[c] = momentum * moving_mean[c] + (1 - momentum) * s.mean;
+      moving_variance[c] = momentum * moving_variance[c] + (1 - momentum) * s.variance * unbiased;
+    }
+  } else {
+    for (index_t c = 0; c < runs.channels; ++c) {
+      normalize(x, y, runs, c, read.moving_mean.data()[c], read.evaluation_scale(c), read.beta.data()[c]);
+    }
+  }
+}
+
+// BatchNormGradOp's kernel: dgamma, dbeta and, if input_grad, dx (a's output) from dy and x.
+template <graph::Phase P, class T, class Layer>
+void batch_norm_gradient(Layer& layer, const graph::KernelArgs& a, bool input_grad) {
+  using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
+  const ChannelRuns runs(a.in_shape(1));
+  const T* dy = a.in<T>(0);
+  const T* x = a.in<T>(1);
+  // gamma and beta without requires_grad (affine = false) keep no gradient.
+  T* dgamma = nullptr;
+  T* dbeta = nullptr;
+  bool accumulate_gamma = false;
+  bool accumulate_beta = false;
+  if (layer.gamma.requires_grad) {
+    const std::uint64_t pass = duet::detail::current_backward_pass();
+    dgamma = layer.gamma.grad_for_write(pass, &accumulate_gamma);
+    dbeta = layer.beta.grad_for_write(pass, &accumulate_beta);
+  }
+  const Layer& read = layer;  // reads leave the parameters' version() alone
+  const T count = static_cast<T>(runs.count());
+  const T eps = static_cast<T>(read.eps());
+  for (index_t c = 0; c < runs.channels; ++c) {
+    T mean;
+    T rstd;
+    if constexpr (P == graph::Phase::train) {
+      const auto s = channel_statistics(x, runs, c);
+      mean = s.mean;
+      rstd = T(1) / std::sqrt(s.variance + eps);
+    } else {
+      mean = read.moving_mean.data()[c];
+      rstd = T(1) / std::sqrt(read.moving_variance.data()[c] + eps);
+    }
+    T sum_dy = 0;
+    T sum_dy_x_hat = 0;
+    for (index_t n = 0; n < runs.batch; ++n) {
+      const index_t at = runs.offset(n, c);
+      const ::Eigen::Map<const Array> g(dy + at, runs.spatial);
+      const ::Eigen::Map<const Array> xs(x + at, runs.spatial);
+      sum_dy += g.sum();
+      sum_dy_x_hat += (g * ((xs - mean) * rstd)).sum();
+    }
+    if (dgamma != nullptr) {
+      dgamma[c] = accumulate_gamma ? dgamma[c] + sum_dy_x_hat : sum_dy_x_hat;
+      dbeta[c] = accumulate_beta ? dbeta[c] + sum_dy : sum_dy;
+    }
+    if (input_grad) {
+      const T scale = read.gamma.data()[c] * rstd;
+      for (index_t n = 0; n < runs.batch; ++n) {
+        const index_t at = runs.offset(n, c);
+        const ::Eigen::Map<const Array> g(dy + at, runs.spatial);
+        ::Eigen::Map<Array> dx(a.out<T>() + at, runs.spatial);
+        if constexpr (P == graph::Phase::train) {
+          const ::Eigen::Map<const Array> xs(x + at, runs.spatial);
+          dx = scale * (g - sum_dy / count - (xs - mean) * rstd * (sum_dy_x_hat / count));
+        } else {
+          dx = scale * g;
+        }
+      }
+    }
+  }
+  duet::detail::gradient_writes_done();
+}
+
 }  // namespace detail
 
 // (x - mean) / sqrt(var + eps) · gamma + beta per channel; in training (P = train) mean and
@@ -15479,30 +15629,7 @@ struct BatchNormOp : Primitive<BatchNormOp<Layer, P>>, PhaseOf<Layer, P> {
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
     this->check_phase();
-    const detail::ChannelRuns runs(a.in_shape());
-    const T* x = a.in<T>();
-    T* y = a.out<T>();
-    Layer& layer = *this->layer;
-    const Layer& read = layer;  // reads leave the parameters' version() alone
-    if constexpr (P == graph::Phase::train) {
-      layer.check_batch(a.in_shape());
-      const T momentum = static_cast<T>(layer.momentum());
-      const T unbiased = static_cast<T>(runs.count()) / static_cast<T>(runs.count() - 1);
-      duet::detail::will_change(layer);
-      T* moving_mean = layer.moving_mean.data();
-      T* moving_variance = layer.moving_variance.data();
-      for (index_t c = 0; c < runs.channels; ++c) {
-        const auto s = detail::channel_statistics(x, runs, c);
-        normalize(x, y, runs, c, s.mean, read.gamma.data()[c] / std::sqrt(s.variance + static_cast<T>(read.eps())),
-                  read.beta.data()[c]);
-        moving_mean[c] = momentum * moving_mean[c] + (1 - momentum) * s.mean;
-        moving_variance[c] = momentum * moving_variance[c] + (1 - momentum) * s.variance * unbiased;
-      }
-    } else {
-      for (index_t c = 0; c < runs.channels; ++c) {
-        normalize(x, y, runs, c, read.moving_mean.data()[c], read.evaluation_scale(c), read.beta.data()[c]);
-      }
-    }
+    detail::batch_norm<P, T>(*nn::detail::runtime_form(this->layer), a);
   }
 
   static constexpr bool has_parameters = true;
@@ -15538,16 +15665,6 @@ struct BatchNormOp : Primitive<BatchNormOp<Layer, P>>, PhaseOf<Layer, P> {
     }
   }
 
- private:
-  // y = (x - mean) · scale + beta over channel c, scale being gamma / sqrt(var + eps).
-  template <class T>
-  static void normalize(const T* x, T* y, const detail::ChannelRuns& runs, index_t c, T mean, T scale, T beta) {
-    using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
-    for (index_t n = 0; n < runs.batch; ++n) {
-      const index_t at = runs.offset(n, c);
-      ::Eigen::Map<Array>(y + at, runs.spatial) = (::Eigen::Map<const Array>(x + at, runs.spatial) - mean) * scale + beta;
-    }
-  }
 };
 
 // The gradient of BatchNormOp, from dy and x. With x̂ = (x - mean) · rstd and m the channel's
@@ -15569,63 +15686,7 @@ struct BatchNormGradOp : Primitive<BatchNormGradOp<Layer, P, InputGrad>> {
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
-    using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
-    const detail::ChannelRuns runs(a.in_shape(1));
-    const T* dy = a.in<T>(0);
-    const T* x = a.in<T>(1);
-    // gamma and beta without requires_grad (affine = false) keep no gradient.
-    T* dgamma = nullptr;
-    T* dbeta = nullptr;
-    bool accumulate_gamma = false;
-    bool accumulate_beta = false;
-    if (layer->gamma.requires_grad) {
-      const std::uint64_t pass = duet::detail::current_backward_pass();
-      dgamma = layer->gamma.grad_for_write(pass, &accumulate_gamma);
-      dbeta = layer->beta.grad_for_write(pass, &accumulate_beta);
-    }
-    const Layer& read = *layer;  // reads leave the parameters' version() alone
-    const T count = static_cast<T>(runs.count());
-    const T eps = static_cast<T>(read.eps());
-    for (index_t c = 0; c < runs.channels; ++c) {
-      T mean;
-      T rstd;
-      if constexpr (P == graph::Phase::train) {
-        const auto s = detail::channel_statistics(x, runs, c);
-        mean = s.mean;
-        rstd = T(1) / std::sqrt(s.variance + eps);
-      } else {
-        mean = read.moving_mean.data()[c];
-        rstd = T(1) / std::sqrt(read.moving_variance.data()[c] + eps);
-      }
-      T sum_dy = 0;
-      T sum_dy_x_hat = 0;
-      for (index_t n = 0; n < runs.batch; ++n) {
-        const index_t at = runs.offset(n, c);
-        const ::Eigen::Map<const Array> g(dy + at, runs.spatial);
-        const ::Eigen::Map<const Array> xs(x + at, runs.spatial);
-        sum_dy += g.sum();
-        sum_dy_x_hat += (g * ((xs - mean) * rstd)).sum();
-      }
-      if (dgamma != nullptr) {
-        dgamma[c] = accumulate_gamma ? dgamma[c] + sum_dy_x_hat : sum_dy_x_hat;
-        dbeta[c] = accumulate_beta ? dbeta[c] + sum_dy : sum_dy;
-      }
-      if constexpr (InputGrad) {
-        const T scale = read.gamma.data()[c] * rstd;
-        for (index_t n = 0; n < runs.batch; ++n) {
-          const index_t at = runs.offset(n, c);
-          const ::Eigen::Map<const Array> g(dy + at, runs.spatial);
-          ::Eigen::Map<Array> dx(a.out<T>() + at, runs.spatial);
-          if constexpr (P == graph::Phase::train) {
-            const ::Eigen::Map<const Array> xs(x + at, runs.spatial);
-            dx = scale * (g - sum_dy / count - (xs - mean) * rstd * (sum_dy_x_hat / count));
-          } else {
-            dx = scale * g;
-          }
-        }
-      }
-    }
-    duet::detail::gradient_writes_done();
+    detail::batch_norm_gradient<P, T>(*nn::detail::runtime_form(layer), a, InputGrad);
   }
 
   static std::string op_name() {
@@ -15658,13 +15719,23 @@ namespace nn {
 // MindSpore 2.9 announces a switch to PyTorch's convention). The batch variance entering the
 // moving one is the unbiased one (· m / (m - 1)), as in both; the batch is normalised with the
 // biased one. Training needs more than one value per channel.
+//
+// BatchNorm2d<C> is BatchNorm2d<> with C in its type (SizedLayer): graph capture checks the
+// input's channels against it while the program compiles.
+template <int Dims, ElementType T>
+std::string batch_norm_name(index_t channels) {
+  std::string s = "nn::BatchNorm" + std::to_string(Dims) + "d<" + (channels == dyn ? std::string("dyn") : std::to_string(channels));
+  if constexpr (!std::is_same_v<T, float>) s += ", " + std::string(name_of(dtype_of<T>));
+  return s + ">";
+}
+
 template <int Dims, index_t C = dyn, ElementType T = float>
 class BatchNorm : public Cell<BatchNorm<Dims, C, T>, CONTEXT_MODE, T>, public duet::detail::StepState {
   static_assert(Dims == 1 || Dims == 2, "nn::BatchNorm<Dims>: Dims is 1 (BatchNorm1d) or 2 (BatchNorm2d)");
-  static_assert(C == dyn || C > 0, "nn::BatchNorm2d<C>: C must be positive (or duet::dyn)");
 
  public:
-  static constexpr index_t channels_static = C;
+  using runtime_type = BatchNorm;
+  static constexpr index_t channels_static = dyn;
   static constexpr int min_rank = Dims == 1 ? 2 : 4;
   static constexpr int max_rank = Dims == 1 ? 3 : 4;
 
@@ -15674,11 +15745,14 @@ class BatchNorm : public Cell<BatchNorm<Dims, C, T>, CONTEXT_MODE, T>, public du
   BasicParameter<T> moving_variance;  // [C], not trained
   DUET_CELL_MEMBERS(gamma, beta, moving_mean, moving_variance);
 
-  BatchNorm() requires(C != dyn) : BatchNorm(C) {}
-
   explicit BatchNorm(index_t num_features, double eps = 1e-5, double momentum = 0.9, bool affine = true)
-      : features_(num_features), eps_(eps), momentum_(momentum) {
-    if ((C != dyn && num_features != C) || num_features <= 0) {
+      : BatchNorm(num_features, eps, momentum, affine, false) {}
+
+ protected:
+  // A BatchNorm<Dims, C>'s, named as its type.
+  BatchNorm(index_t num_features, double eps, double momentum, bool affine, bool sized)
+      : features_(num_features), eps_(eps), momentum_(momentum), sized_(sized) {
+    if (num_features <= 0) {
       throw ValueError(type_name() + ": cannot be built with num_features " + std::to_string(num_features));
     }
     if (!(eps > 0)) throw ValueError(type_name() + ": eps must be > 0, got " + std::to_string(eps));
@@ -15696,12 +15770,8 @@ class BatchNorm : public Cell<BatchNorm<Dims, C, T>, CONTEXT_MODE, T>, public du
     moving_variance.requires_grad = false;
   }
 
-  index_t num_features() const {
-    if constexpr (C != dyn)
-      return C;
-    else
-      return features_;
-  }
+ public:
+  index_t num_features() const { return features_; }
   double eps() const { return eps_; }
   double momentum() const { return momentum_; }
 
@@ -15749,18 +15819,42 @@ class BatchNorm : public Cell<BatchNorm<Dims, C, T>, CONTEXT_MODE, T>, public du
 
   bool depends_on_phase() const override { return true; }
 
-  std::string type_name() const override {
-    std::string s = "nn::BatchNorm" + std::to_string(Dims) + "d<" + (C == dyn ? std::string("dyn") : std::to_string(C));
-    if constexpr (!std::is_same_v<T, float>) s += ", " + std::string(name_of(dtype_of<T>));
-    return s + ">";
-  }
+  std::string type_name() const override { return batch_norm_name<Dims, T>(sized_ ? features_ : dyn); }
 
  private:
   index_t features_;
   double eps_;
   double momentum_;
+  bool sized_;
   std::vector<T> saved_mean_;
   std::vector<T> saved_variance_;
+};
+
+template <int Dims, index_t C, ElementType T>
+  requires(C != dyn)
+class BatchNorm<Dims, C, T> : public SizedLayer<BatchNorm<Dims, C, T>, BatchNorm<Dims, dyn, T>> {
+  static_assert(C > 0, "nn::BatchNorm2d<C>: C must be positive (or duet::dyn)");
+  using Sized = SizedLayer<BatchNorm, BatchNorm<Dims, dyn, T>>;
+
+ public:
+  static constexpr index_t channels_static = C;
+
+  BatchNorm() : BatchNorm(C) {}
+  explicit BatchNorm(index_t num_features, double eps = 1e-5, double momentum = 0.9, bool affine = true)
+      : Sized(checked(num_features), eps, momentum, affine, true) {}
+
+  template <graph::Symbolic S>
+  auto sized_construct(const S& x) {
+    return ops::apply_in_phase<ops::BatchNormOp>(this, x);
+  }
+
+ private:
+  static index_t checked(index_t num_features) {
+    if (num_features != C) {
+      throw ValueError(batch_norm_name<Dims, T>(C) + ": cannot be built with num_features " + std::to_string(num_features));
+    }
+    return num_features;
+  }
 };
 
 template <index_t C = dyn, ElementType T = float>
@@ -19505,7 +19599,9 @@ using duet::operator/;
 //
 // The geometry (kernel, stride, padding, dilation, groups) is a template argument of the
 // compile-time form, since the output's static shape needs it; the run-time form keeps it in
-// the layer and its shape rule runs on it at run time (Dense's split).
+// the layer and its shape rule runs on it at run time. The compile-time form is the run-time
+// one with its geometry in its type as well (SizedLayer, cell.hpp): only graph capture sees
+// the type, and a network's convolutions of every size share the rest of their code.
 //
 // Algorithm: im2col, one kernel tap to a row, and duet's packed GEMM for all three products
 // (the forward, the weight's gradient and the input's); kernels/conv.hpp gives the layout.
@@ -19922,6 +20018,132 @@ void convolve(const ConvGeometry& g, const graph::KernelArgs& a, const T* w, con
   }
 }
 
+// ConvOp's ONNX node: Conv, its padding explicit: SAME's is uneven for some sizes, known from the input's.
+template <class Runtime>
+Interchange conv_interchange(const Runtime* layer, std::span<const Shape> in) {
+  const ConvGeometry g = layer->geometry();
+  std::vector<std::int64_t> begin, end;
+  for (int i = 0; i < g.spatial; ++i) {
+    const index_t size = in[0][2 + i];
+    const detail::ConvAxis axis = detail::conv_axis(g, size, true);
+    begin.push_back(axis.pad_before);
+    end.push_back(g.pad_mode == nn::PadMode::same
+                      ? std::max<index_t>(0, (axis.out - 1) * g.stride + g.extent() - size) - axis.pad_before
+                      : axis.pad_before);
+  }
+  std::vector<std::int64_t> pads = begin;
+  pads.insert(pads.end(), end.begin(), end.end());
+  const auto each = [&](index_t v) { return std::vector<std::int64_t>(static_cast<std::size_t>(g.spatial), v); };
+  using I = InterchangeInput;
+  using A = InterchangeAttribute;
+  InterchangeNode conv{"Conv", {I::operand(0), I::of_parameter(&layer->weight)},
+                       {A::of("kernel_shape", each(g.kernel)), A::of("strides", each(g.stride)),
+                        A::of("dilations", each(g.dilation)), A::of("pads", std::move(pads)), A::of("group", g.groups)}};
+  if (layer->has_bias()) conv.inputs.push_back(I::of_parameter(&layer->bias));
+  return {std::move(conv)};
+}
+
+// ConvGradOp's kernel: dweight, dbias and, if input_grad, dx (a's output) from dy and x (a's inputs).
+template <class Backend, class T, class Runtime>
+void conv_gradient(const Runtime* layer, const graph::KernelArgs& a, bool input_grad) {
+  const kernels::ConvProblem q = detail::conv_problem(layer->geometry(), a.in_shape(1));
+  const std::uint64_t pass = duet::detail::current_backward_pass();
+  bool accumulate_w = false;
+  bool accumulate_b = false;
+  T* dw = layer->weight.grad_for_write(pass, &accumulate_w);
+  T* db = layer->has_bias() ? layer->bias.grad_for_write(pass, &accumulate_b) : nullptr;
+  const T* dy = a.in<T>(0);
+  const T* x = a.in<T>(1);
+  const T* w = layer->weight.data();
+  const index_t og = q.out_per_group();
+  const index_t weights = og * q.depth();  // one group's
+  T* dx = input_grad ? a.out<T>() : nullptr;
+  // dx as a convolution of dy (kernels::data_gradient_convolution), or as the patches'
+  // gradient wᵀ · dy added back by col2im.
+  const bool convolve_dx = dx != nullptr && kernels::has_data_gradient_convolution(q);
+  const kernels::ConvProblem t = convolve_dx ? kernels::data_gradient_convolution(q) : q;
+  duet::detail::Storage col_storage, sample_storage, wt_storage;
+  // The patches of x, then (once the weight's gradient has read them) those of dy or the
+  // patches' gradient.
+  T* col = detail::scratch<T>(col_storage, std::max(q.depth() * q.pixels(), t.depth() * t.pixels()));
+  // One sample's part of a group's weight gradient, added to those before it.
+  T* dw_sample = detail::scratch<T>(sample_storage, weights);
+  // Each group's weight as the data gradient's product reads it: flipped, or as [depth, out_g].
+  T* wt = dx != nullptr ? detail::scratch<T>(wt_storage, q.groups * weights) : nullptr;
+  if (convolve_dx) {
+    for (index_t g = 0; g < q.groups; ++g) kernels::flipped_weight(q, w + g * weights, wt + g * weights);
+  } else if (dx != nullptr) {
+    std::fill_n(dx, q.batch * q.in * q.image(), T(0));
+    for (index_t g = 0; g < q.groups; ++g) kernels::transpose(w + g * weights, og, q.depth(), wt + g * weights);
+  }
+  for (index_t n = 0; n < q.batch; ++n) {
+    for (index_t g = 0; g < q.groups; ++g) {
+      const T* dyg = dy + (n * q.out + g * og) * q.pixels();
+      const index_t xg = (n * q.in + g * q.in_per_group()) * q.image();
+      T* dwg = dw + g * weights;
+      kernels::im2col(q, x + xg, col);
+      const bool add = accumulate_w || n > 0;
+      Backend::template dense<dyn, dyn>(dyg, og, q.pixels(), col, q.depth(), Epilogue<T>{}, add ? dw_sample : dwg);
+      if (add) std::transform(dwg, dwg + weights, dw_sample, dwg, std::plus<T>{});
+      if (convolve_dx) {
+        kernels::im2col(t, dyg, col);
+        Backend::matmul(wt + g * weights, t.out, t.depth(), col, t.pixels(), dx + xg);
+      } else if (dx != nullptr) {
+        Backend::matmul(wt + g * weights, q.depth(), og, dyg, q.pixels(), col);
+        kernels::col2im_add(q, col, dx + xg);
+      }
+    }
+    if (db != nullptr) kernels::channel_sums(dy + n * q.out * q.pixels(), q.out, q.pixels(), db, accumulate_b || n > 0);
+  }
+  if (q.batch == 0) {
+    if (!accumulate_w) std::fill_n(dw, layer->weight.numel(), T(0));
+    if (db != nullptr && !accumulate_b) std::fill_n(db, q.out, T(0));
+  }
+  duet::detail::gradient_writes_done();
+}
+
+}  // namespace detail
+
+// A convolution's weight and bias with the evaluation BatchNorm after it folded in, from
+// BatchNorm::evaluation_affine()'s y = x · scale + shift per channel: W'[c] = W[c] · scale[c]
+// and b'[c] = b[c] · scale[c] + shift[c], scale being gamma / sqrt(moving_variance + eps) and
+// shift beta - moving_mean · scale. They round differently from the BatchNorm's own
+// (x - mean) · scale + beta after the convolution: the folded output agrees with the unfolded
+// one within a tolerance, not bit for bit (README, "BatchNorm folding at evaluation").
+template <class T>
+struct FoldedConv {
+  BasicTensor<T> weight;
+  BasicTensor<T> bias;
+};
+
+namespace detail {
+// The folded weight and bias, kept as the weight's derived form and made again whenever the
+// weight, the bias or any of the BatchNorm's four tensors has been written since: after a
+// training step, set_data or load_checkpoint the next evaluation folds the new values.
+template <class T, class Runtime, class Norm>
+std::shared_ptr<const FoldedConv<T>> folded_conv(const Runtime* layer, const Norm& norm) {
+  const auto& watched = norm.tensors();
+  const auto& weight = layer->weight;
+  const BasicTensor<T>& bias = layer->bias;
+  return weight.template derived<FoldedConv<T>>(
+      [&] {
+        const index_t out = layer->geometry().out;
+        const index_t per_channel = weight.numel() / out;
+        const auto affine = norm.evaluation_affine();
+        FoldedConv<T> f{BasicTensor<T>::uninitialized(weight.shape()), BasicTensor<T>::uninitialized({out})};
+        for (index_t c = 0; c < out; ++c) {
+          const T scale = affine.scale[static_cast<std::size_t>(c)];
+          const T* w = weight.data() + c * per_channel;
+          T* folded = f.weight.data() + c * per_channel;
+          for (index_t k = 0; k < per_channel; ++k) folded[k] = w[k] * scale;
+          const T b = layer->has_bias() ? bias.data()[c] : T(0);
+          f.bias.data()[c] = b * scale + affine.shift[static_cast<std::size_t>(c)];
+        }
+        return f;
+      },
+      {&bias, watched[0], watched[1], watched[2], watched[3]});
+}
+
 }  // namespace detail
 
 template <class Layer, bool InputGrad>
@@ -19984,28 +20206,7 @@ struct ConvOp : Primitive<ConvOp<Layer>> {
   std::string label() const { return layer->label(); }
 
   // ONNX: Conv, its padding explicit: SAME's is uneven for some sizes, known from the input's.
-  Interchange interchange(std::span<const Shape> in) const {
-    const ConvGeometry g = layer->geometry();
-    std::vector<std::int64_t> begin, end;
-    for (int i = 0; i < g.spatial; ++i) {
-      const index_t size = in[0][2 + i];
-      const detail::ConvAxis axis = detail::conv_axis(g, size, true);
-      begin.push_back(axis.pad_before);
-      end.push_back(g.pad_mode == nn::PadMode::same
-                        ? std::max<index_t>(0, (axis.out - 1) * g.stride + g.extent() - size) - axis.pad_before
-                        : axis.pad_before);
-    }
-    std::vector<std::int64_t> pads = begin;
-    pads.insert(pads.end(), end.begin(), end.end());
-    const auto each = [&](index_t v) { return std::vector<std::int64_t>(static_cast<std::size_t>(g.spatial), v); };
-    using I = InterchangeInput;
-    using A = InterchangeAttribute;
-    InterchangeNode conv{"Conv", {I::operand(0), I::of_parameter(&layer->weight)},
-                         {A::of("kernel_shape", each(g.kernel)), A::of("strides", each(g.stride)),
-                          A::of("dilations", each(g.dilation)), A::of("pads", std::move(pads)), A::of("group", g.groups)}};
-    if (layer->has_bias()) conv.inputs.push_back(I::of_parameter(&layer->bias));
-    return {std::move(conv)};
-  }
+  Interchange interchange(std::span<const Shape> in) const { return detail::conv_interchange(nn::detail::runtime_form(layer), in); }
 };
 
 // The gradient of ConvOp from dy and x: dweight, dbias and, if InputGrad, dx. The patches are
@@ -20026,60 +20227,7 @@ struct ConvGradOp : Primitive<ConvGradOp<Layer, InputGrad>> {
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
-    const kernels::ConvProblem q = detail::conv_problem(layer->geometry(), a.in_shape(1));
-    const std::uint64_t pass = duet::detail::current_backward_pass();
-    bool accumulate_w = false;
-    bool accumulate_b = false;
-    T* dw = layer->weight.grad_for_write(pass, &accumulate_w);
-    T* db = layer->has_bias() ? layer->bias.grad_for_write(pass, &accumulate_b) : nullptr;
-    const T* dy = a.in<T>(0);
-    const T* x = a.in<T>(1);
-    const T* w = layer->weight.data();
-    const index_t og = q.out_per_group();
-    const index_t weights = og * q.depth();  // one group's
-    T* dx = InputGrad ? a.out<T>() : nullptr;
-    // dx as a convolution of dy (kernels::data_gradient_convolution), or as the patches'
-    // gradient wᵀ · dy added back by col2im.
-    const bool convolve_dx = dx != nullptr && kernels::has_data_gradient_convolution(q);
-    const kernels::ConvProblem t = convolve_dx ? kernels::data_gradient_convolution(q) : q;
-    duet::detail::Storage col_storage, sample_storage, wt_storage;
-    // The patches of x, then (once the weight's gradient has read them) those of dy or the
-    // patches' gradient.
-    T* col = detail::scratch<T>(col_storage, std::max(q.depth() * q.pixels(), t.depth() * t.pixels()));
-    // One sample's part of a group's weight gradient, added to those before it.
-    T* dw_sample = detail::scratch<T>(sample_storage, weights);
-    // Each group's weight as the data gradient's product reads it: flipped, or as [depth, out_g].
-    T* wt = dx != nullptr ? detail::scratch<T>(wt_storage, q.groups * weights) : nullptr;
-    if (convolve_dx) {
-      for (index_t g = 0; g < q.groups; ++g) kernels::flipped_weight(q, w + g * weights, wt + g * weights);
-    } else if (dx != nullptr) {
-      std::fill_n(dx, q.batch * q.in * q.image(), T(0));
-      for (index_t g = 0; g < q.groups; ++g) kernels::transpose(w + g * weights, og, q.depth(), wt + g * weights);
-    }
-    for (index_t n = 0; n < q.batch; ++n) {
-      for (index_t g = 0; g < q.groups; ++g) {
-        const T* dyg = dy + (n * q.out + g * og) * q.pixels();
-        const index_t xg = (n * q.in + g * q.in_per_group()) * q.image();
-        T* dwg = dw + g * weights;
-        kernels::im2col(q, x + xg, col);
-        const bool add = accumulate_w || n > 0;
-        Backend::template dense<dyn, dyn>(dyg, og, q.pixels(), col, q.depth(), Epilogue<T>{}, add ? dw_sample : dwg);
-        if (add) std::transform(dwg, dwg + weights, dw_sample, dwg, std::plus<T>{});
-        if (convolve_dx) {
-          kernels::im2col(t, dyg, col);
-          Backend::matmul(wt + g * weights, t.out, t.depth(), col, t.pixels(), dx + xg);
-        } else if (dx != nullptr) {
-          Backend::matmul(wt + g * weights, q.depth(), og, dyg, q.pixels(), col);
-          kernels::col2im_add(q, col, dx + xg);
-        }
-      }
-      if (db != nullptr) kernels::channel_sums(dy + n * q.out * q.pixels(), q.out, q.pixels(), db, accumulate_b || n > 0);
-    }
-    if (q.batch == 0) {
-      if (!accumulate_w) std::fill_n(dw, layer->weight.numel(), T(0));
-      if (db != nullptr && !accumulate_b) std::fill_n(db, q.out, T(0));
-    }
-    duet::detail::gradient_writes_done();
+    detail::conv_gradient<Backend, T>(nn::detail::runtime_form(layer), a, InputGrad);
   }
 
   static std::string op_name() {
@@ -20087,18 +20235,6 @@ struct ConvGradOp : Primitive<ConvGradOp<Layer, InputGrad>> {
     return InputGrad ? name : name + " (parameters only)";
   }
   std::string label() const { return layer->label(); }
-};
-
-// A convolution's weight and bias with the evaluation BatchNorm after it folded in, from
-// BatchNorm::evaluation_affine()'s y = x · scale + shift per channel: W'[c] = W[c] · scale[c]
-// and b'[c] = b[c] · scale[c] + shift[c], scale being gamma / sqrt(moving_variance + eps) and
-// shift beta - moving_mean · scale. They round differently from the BatchNorm's own
-// (x - mean) · scale + beta after the convolution: the folded output agrees with the unfolded
-// one within a tolerance, not bit for bit (README, "BatchNorm folding at evaluation").
-template <class T>
-struct FoldedConv {
-  BasicTensor<T> weight;
-  BasicTensor<T> bias;
 };
 
 // y = Fns(conv(x) + bias) with the BatchNorm after it folded into the convolution (Norm is
@@ -20153,31 +20289,9 @@ struct ConvEpilogueOp : Primitive<ConvEpilogueOp<Layer, Norm, Fns...>> {
   }
 
  private:
-  // The folded weight and bias, kept as the weight's derived form and made again whenever the
-  // weight, the bias or any of the BatchNorm's four tensors has been written since: after a
-  // training step, set_data or load_checkpoint the next evaluation folds the new values.
   template <class T>
   std::shared_ptr<const FoldedConv<T>> fold() const {
-    const auto& watched = norm.tensors();
-    const auto& weight = layer->weight;
-    const BasicTensor<T>& bias = layer->bias;
-    return weight.template derived<FoldedConv<T>>(
-        [&] {
-          const index_t out = layer->geometry().out;
-          const index_t per_channel = weight.numel() / out;
-          const auto affine = norm.evaluation_affine();
-          FoldedConv<T> f{BasicTensor<T>::uninitialized(weight.shape()), BasicTensor<T>::uninitialized({out})};
-          for (index_t c = 0; c < out; ++c) {
-            const T scale = affine.scale[static_cast<std::size_t>(c)];
-            const T* w = weight.data() + c * per_channel;
-            T* folded = f.weight.data() + c * per_channel;
-            for (index_t k = 0; k < per_channel; ++k) folded[k] = w[k] * scale;
-            const T b = layer->has_bias() ? bias.data()[c] : T(0);
-            f.bias.data()[c] = b * scale + affine.shift[static_cast<std::size_t>(c)];
-          }
-          return f;
-        },
-        {&bias, watched[0], watched[1], watched[2], watched[3]});
+    return detail::folded_conv<T>(nn::detail::runtime_form(layer), norm);
   }
 };
 
@@ -20224,29 +20338,44 @@ constexpr index_t padding_of() {
 
 }  // namespace detail
 
-// What Conv2d (Spatial = 2, NCHW) and Conv1d (Spatial = 1, NCL) share; Layer is the one
-// deriving from it, the name compile-time errors show. See the top of this header.
-template <class Layer, int Spatial, index_t In, index_t Out, index_t Kernel, index_t Stride, auto Padding,
-          index_t Dilation, index_t Groups, ElementType T>
-class BasicConv : public Cell<Layer, CONTEXT_MODE, T> {
-  static constexpr bool sized = Kernel != dyn;
-  static_assert(std::is_same_v<decltype(Padding), PadMode> || std::is_integral_v<decltype(Padding)>,
-                "nn::Conv: Padding is a number or nn::PadMode::same / nn::PadMode::valid");
-  static_assert(sized || (In == dyn && Out == dyn && Stride == 1 && detail::padding_of<Padding>() == 0 &&
-                          detail::pad_mode_of<Padding>() == PadMode::pad && Dilation == 1 && Groups == 1),
-                "nn::Conv<>: the run-time sized form takes its sizes and settings from the constructor; give all "
-                "of In, Out and Kernel as template arguments, or none");
-  static_assert(!sized || (In > 0 && Out > 0 && Kernel > 0), "nn::Conv: In, Out and Kernel must be positive");
-  static_assert(Stride > 0 && Dilation > 0 && Groups > 0, "nn::Conv: Stride, Dilation and Groups must be positive");
-  static_assert(detail::padding_of<Padding>() >= 0, "nn::Conv: Padding must not be negative");
-  static_assert(!sized || (In % Groups == 0 && Out % Groups == 0),
-                "nn::Conv: In and Out must be multiples of Groups (depthwise: Groups = In)");
+// How a convolution names itself: "nn::Conv2d<1, 6, 5, 1, 2>" for a compile-time sized one
+// (its template arguments up to the last that is not its default; pad_named when Padding is a
+// PadMode), "nn::Conv2d<dyn, dyn, dyn>" for a run-time sized one (sized empty).
+struct ConvName {
+  bool sized = false;
+  bool pad_named = false;
+};
 
+template <ElementType T>
+std::string conv_type_name(const ops::ConvGeometry& g, ConvName form) {
+  std::string s = g.spatial == 2 ? "nn::Conv2d<" : "nn::Conv1d<";
+  if (form.sized) {
+    const std::string arguments[] = {std::to_string(g.in), std::to_string(g.out), std::to_string(g.kernel),
+                                     std::to_string(g.stride),
+                                     form.pad_named ? "nn::PadMode::" + std::string(name_of(g.pad_mode))
+                                                    : std::to_string(g.padding),
+                                     std::to_string(g.dilation), std::to_string(g.groups)};
+    const bool is_default[] = {false, false, false, g.stride == 1, !form.pad_named && g.padding == 0,
+                               g.dilation == 1, g.groups == 1};
+    std::size_t shown = std::is_same_v<T, float> ? 3 : 7;
+    for (std::size_t i = 3; i < 7; ++i) shown = is_default[i] ? shown : std::max(shown, i + 1);
+    for (std::size_t i = 0; i < shown; ++i) s += (i == 0 ? "" : ", ") + arguments[i];
+  } else {
+    s += "dyn, dyn, dyn";
+  }
+  if constexpr (!std::is_same_v<T, float>) s += ", " + std::string(name_of(dtype_of<T>));
+  return s + ">";
+}
+
+// What Conv2d (Spatial = 2, NCHW) and Conv1d (Spatial = 1, NCL) share, sizes and settings held
+// as values: nn::Conv2d<> itself, and what a compile-time sized one (SizedConv) runs as outside
+// graph capture. Layer is the run-time form deriving from it.
+template <class Layer, int Spatial, ElementType T>
+class BasicConv : public Cell<Layer, CONTEXT_MODE, T> {
  public:
+  using runtime_type = Layer;
   static constexpr int spatial = Spatial;
-  static constexpr ops::ConvGeometry static_geometry{Spatial,          In, Out, Kernel, Stride,
-                                                     detail::pad_mode_of<Padding>(), detail::padding_of<Padding>(),
-                                                     Dilation,         Groups};
+  static constexpr ops::ConvGeometry static_geometry{Spatial};
 
   BasicParameter<T> weight;  // [out, in / group, kh, kw] ([out, in / group, k] for Conv1d)
   BasicParameter<T> bias;    // [out], when has_bias
@@ -20254,17 +20383,36 @@ class BasicConv : public Cell<Layer, CONTEXT_MODE, T> {
   using Init = ConvInit<T>;
   using Options = ConvOptions<T>;
 
-  // nn::Conv2d<1, 6, 5, 1, 2> conv{{.has_bias = true}};
-  explicit BasicConv(Init init = {}) requires(sized)
-      : BasicConv(In, Out, Kernel,
-                  Options{Stride, static_geometry.pad_mode, static_geometry.padding, Dilation, Groups, init.has_bias,
-                          std::move(init.weight_init), std::move(init.bias_init)}) {}
-
   // The weight, then the bias, from the global generator (set_seed).
   BasicConv(index_t in_channels, index_t out_channels, index_t kernel_size, Options options = {})
+      : BasicConv(in_channels, out_channels, kernel_size, std::move(options), ConvName{}) {}
+
+  const ops::ConvGeometry& geometry() const { return geometry_; }
+  index_t in_channels() const { return geometry_.in; }
+  index_t out_channels() const { return geometry_.out; }
+  bool has_bias() const { return has_bias_; }
+
+  template <class X>
+  auto construct(X&& x) {
+    return apply(ops::ConvOp<Layer>{static_cast<const Layer*>(this)}, std::forward<X>(x));
+  }
+
+  // weight, and bias only if the layer has one: a layer without bias trains and saves no
+  // parameter that does nothing.
+  void for_each_own_parameter(const typename BasicDynamicCell<T>::ParameterVisitor& visit) override {
+    visit("weight", weight);
+    if (has_bias_) visit("bias", bias);
+  }
+
+  std::string type_name() const override { return conv_type_name<T>(geometry_, name_); }
+
+ protected:
+  // A compile-time sized convolution's, named as its type.
+  BasicConv(index_t in_channels, index_t out_channels, index_t kernel_size, Options options, ConvName name)
       : geometry_{Spatial,           in_channels, out_channels,     kernel_size, options.stride,
                   options.pad_mode,  options.padding, options.dilation, options.group},
-        has_bias_(options.has_bias) {
+        has_bias_(options.has_bias),
+        name_(name) {
     validate();
     const index_t fan_in = in_channels / options.group * (Spatial == 2 ? kernel_size * kernel_size : kernel_size);
     const initializer::Uniform mindspore_default{static_cast<double>(T(1) / std::sqrt(static_cast<T>(fan_in)))};
@@ -20284,54 +20432,10 @@ class BasicConv : public Cell<Layer, CONTEXT_MODE, T> {
     if (has_bias_) bias = BasicParameter<T>(std::move(bias_value));
   }
 
-  const ops::ConvGeometry& geometry() const { return geometry_; }
-  index_t in_channels() const { return geometry_.in; }
-  index_t out_channels() const { return geometry_.out; }
-  bool has_bias() const { return has_bias_; }
-
-  template <class X>
-  auto construct(X&& x) {
-    return apply(ops::ConvOp<Layer>{static_cast<const Layer*>(this)}, std::forward<X>(x));
-  }
-
-  // weight, and bias only if the layer has one: a layer without bias trains and saves no
-  // parameter that does nothing.
-  void for_each_own_parameter(const typename BasicDynamicCell<T>::ParameterVisitor& visit) override {
-    visit("weight", weight);
-    if (has_bias_) visit("bias", bias);
-  }
-
-  // "nn::Conv2d<1, 6, 5, 1, 2>": the template arguments up to the last that is not its default.
-  std::string type_name() const override {
-    std::string s = Spatial == 2 ? "nn::Conv2d<" : "nn::Conv1d<";
-    if constexpr (sized) {
-      constexpr bool mode = std::is_same_v<decltype(Padding), PadMode>;
-      const std::string arguments[] = {std::to_string(In), std::to_string(Out), std::to_string(Kernel),
-                                       std::to_string(Stride),
-                                       mode ? "nn::PadMode::" + std::string(name_of(static_geometry.pad_mode))
-                                            : std::to_string(static_geometry.padding),
-                                       std::to_string(Dilation), std::to_string(Groups)};
-      const bool is_default[] = {false, false, false, Stride == 1, !mode && static_geometry.padding == 0,
-                                 Dilation == 1, Groups == 1};
-      std::size_t shown = std::is_same_v<T, float> ? 3 : 7;
-      for (std::size_t i = 3; i < 7; ++i) shown = is_default[i] ? shown : std::max(shown, i + 1);
-      for (std::size_t i = 0; i < shown; ++i) s += (i == 0 ? "" : ", ") + arguments[i];
-    } else {
-      s += "dyn, dyn, dyn";
-    }
-    if constexpr (!std::is_same_v<T, float>) s += ", " + std::string(name_of(dtype_of<T>));
-    return s + ">";
-  }
-
  private:
-
   void validate() const {
     const ops::ConvGeometry& g = geometry_;
     auto refuse = [&](const std::string& why) { throw ValueError(type_name() + ": " + why); };
-    if (sized && (g.in != In || g.out != Out || g.kernel != Kernel)) {
-      refuse("cannot be built with in_channels " + std::to_string(g.in) + ", out_channels " + std::to_string(g.out) +
-             " and kernel_size " + std::to_string(g.kernel));
-    }
     if (g.in <= 0 || g.out <= 0 || g.kernel <= 0) {
       refuse("in_channels, out_channels and kernel_size must be positive, got " + std::to_string(g.in) + ", " +
              std::to_string(g.out) + " and " + std::to_string(g.kernel));
@@ -20352,25 +20456,109 @@ class BasicConv : public Cell<Layer, CONTEXT_MODE, T> {
     }
   }
 
-
   ops::ConvGeometry geometry_;
   bool has_bias_;
+  ConvName name_;
+};
+
+// A convolution whose sizes and settings are template arguments: Runtime (its run-time form)
+// with its geometry in its type as well. Captured into a graph it is ConvOp<Layer>, whose
+// static shape rule checks the network while the program compiles; everywhere else it is
+// Runtime (SizedLayer).
+template <class Layer, class Runtime, index_t In, index_t Out, index_t Kernel, index_t Stride, auto Padding,
+          index_t Dilation, index_t Groups>
+class SizedConv : public SizedLayer<Layer, Runtime> {
+  using T = typename Runtime::value_type;
+  static_assert(std::is_same_v<decltype(Padding), PadMode> || std::is_integral_v<decltype(Padding)>,
+                "nn::Conv: Padding is a number or nn::PadMode::same / nn::PadMode::valid");
+  static_assert(In != dyn && Out != dyn && Kernel != dyn,
+                "nn::Conv<>: the run-time sized form takes its sizes and settings from the constructor; give all "
+                "of In, Out and Kernel as template arguments, or none");
+  static_assert(In > 0 && Out > 0 && Kernel > 0, "nn::Conv: In, Out and Kernel must be positive");
+  static_assert(Stride > 0 && Dilation > 0 && Groups > 0, "nn::Conv: Stride, Dilation and Groups must be positive");
+  static_assert(detail::padding_of<Padding>() >= 0, "nn::Conv: Padding must not be negative");
+  static_assert(In % Groups == 0 && Out % Groups == 0,
+                "nn::Conv: In and Out must be multiples of Groups (depthwise: Groups = In)");
+  static constexpr ConvName name{true, std::is_same_v<decltype(Padding), PadMode>};
+
+ public:
+  static constexpr ops::ConvGeometry static_geometry{Runtime::spatial,
+                                                     In,
+                                                     Out,
+                                                     Kernel,
+                                                     Stride,
+                                                     detail::pad_mode_of<Padding>(),
+                                                     detail::padding_of<Padding>(),
+                                                     Dilation,
+                                                     Groups};
+  using typename Runtime::Init;
+  using typename Runtime::Options;
+
+  // nn::Conv2d<1, 6, 5, 1, 2> conv{{.has_bias = true}};
+  explicit SizedConv(Init init = {})
+      : SizedLayer<Layer, Runtime>(In, Out, Kernel,
+                                   Options{Stride, static_geometry.pad_mode, static_geometry.padding, Dilation, Groups, init.has_bias,
+                        std::move(init.weight_init), std::move(init.bias_init)},
+                name) {}
+
+  // The run-time form's constructor, for sizes and settings that must be the type's.
+  SizedConv(index_t in_channels, index_t out_channels, index_t kernel_size, Options options = {})
+      : SizedLayer<Layer, Runtime>(checked(in_channels, out_channels, kernel_size, options), out_channels, kernel_size,
+                                   std::move(options), name) {}
+
+  template <graph::Symbolic S>
+  auto sized_construct(const S& x) {
+    return apply(ops::ConvOp<Layer>{static_cast<const Layer*>(this)}, x);
+  }
+
+ private:
+  static index_t checked(index_t in, index_t out, index_t kernel, const Options& o) {
+    const std::string type = conv_type_name<T>(static_geometry, name);
+    if (in != In || out != Out || kernel != Kernel) {
+      throw ValueError(type + ": cannot be built with in_channels " + std::to_string(in) + ", out_channels " +
+                       std::to_string(out) + " and kernel_size " + std::to_string(kernel));
+    }
+    const ops::ConvGeometry& g = static_geometry;
+    if (o.stride != g.stride || o.pad_mode != g.pad_mode || o.padding != g.padding || o.dilation != g.dilation ||
+        o.group != g.groups) {
+      throw ValueError(type + ": cannot be built with stride " + std::to_string(o.stride) + ", pad_mode \"" +
+                       std::string(name_of(o.pad_mode)) + "\", padding " + std::to_string(o.padding) + ", dilation " +
+                       std::to_string(o.dilation) + " and group " + std::to_string(o.group) +
+                       ": its type fixes them; give only has_bias and the initialisers (" + type +
+                       "{{.has_bias = true}})");
+    }
+    return in;
+  }
+};
+
+// Conv2d<> and Conv1d<> (every argument but T left at its default) are the run-time forms.
+template <int Spatial, index_t In, index_t Out, index_t Kernel, index_t Stride, auto Padding, index_t Dilation,
+          index_t Groups, ElementType T, class Layer, class Runtime>
+using conv_base = std::conditional_t<
+    In == dyn && Out == dyn && Kernel == dyn && Stride == 1 && std::is_same_v<decltype(Padding), int> &&
+        detail::padding_of<Padding>() == 0 && Dilation == 1 && Groups == 1,
+    BasicConv<Layer, Spatial, T>, SizedConv<Layer, Runtime, In, Out, Kernel, Stride, Padding, Dilation, Groups>>;
+
+template <index_t In = dyn, index_t Out = dyn, index_t Kernel = dyn, index_t Stride = 1, auto Padding = 0,
+          index_t Dilation = 1, index_t Groups = 1, ElementType T = float>
+class Conv2d : public conv_base<2, In, Out, Kernel, Stride, Padding, Dilation, Groups, T,
+                                Conv2d<In, Out, Kernel, Stride, Padding, Dilation, Groups, T>, Conv2d<dyn, dyn, dyn, 1, 0, 1, 1, T>> {
+  using Base = conv_base<2, In, Out, Kernel, Stride, Padding, Dilation, Groups, T,
+                         Conv2d<In, Out, Kernel, Stride, Padding, Dilation, Groups, T>, Conv2d<dyn, dyn, dyn, 1, 0, 1, 1, T>>;
+
+ public:
+  using Base::Base;
 };
 
 template <index_t In = dyn, index_t Out = dyn, index_t Kernel = dyn, index_t Stride = 1, auto Padding = 0,
           index_t Dilation = 1, index_t Groups = 1, ElementType T = float>
-class Conv2d : public BasicConv<Conv2d<In, Out, Kernel, Stride, Padding, Dilation, Groups, T>, 2, In, Out, Kernel,
-                                Stride, Padding, Dilation, Groups, T> {
- public:
-  using Conv2d::BasicConv::BasicConv;
-};
+class Conv1d : public conv_base<1, In, Out, Kernel, Stride, Padding, Dilation, Groups, T,
+                                Conv1d<In, Out, Kernel, Stride, Padding, Dilation, Groups, T>, Conv1d<dyn, dyn, dyn, 1, 0, 1, 1, T>> {
+  using Base = conv_base<1, In, Out, Kernel, Stride, Padding, Dilation, Groups, T,
+                         Conv1d<In, Out, Kernel, Stride, Padding, Dilation, Groups, T>, Conv1d<dyn, dyn, dyn, 1, 0, 1, 1, T>>;
 
-template <index_t In = dyn, index_t Out = dyn, index_t Kernel = dyn, index_t Stride = 1, auto Padding = 0,
-          index_t Dilation = 1, index_t Groups = 1, ElementType T = float>
-class Conv1d : public BasicConv<Conv1d<In, Out, Kernel, Stride, Padding, Dilation, Groups, T>, 1, In, Out, Kernel,
-                                Stride, Padding, Dilation, Groups, T> {
  public:
-  using Conv1d::BasicConv::BasicConv;
+  using Base::Base;
 };
 
 }  // namespace nn

@@ -93,6 +93,106 @@ ChannelStatistics<T> channel_statistics(const T* x, const ChannelRuns& runs, ind
   return {mean, squares / count};
 }
 
+// y = (x - mean) · scale + beta over channel c, scale being gamma / sqrt(var + eps).
+template <class T>
+void normalize(const T* x, T* y, const detail::ChannelRuns& runs, index_t c, T mean, T scale, T beta) {
+  using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
+  for (index_t n = 0; n < runs.batch; ++n) {
+    const index_t at = runs.offset(n, c);
+    ::Eigen::Map<Array>(y + at, runs.spatial) = (::Eigen::Map<const Array>(x + at, runs.spatial) - mean) * scale + beta;
+  }
+}
+
+// BatchNormOp's kernel, for a layer of any size.
+template <graph::Phase P, class T, class Layer>
+void batch_norm(Layer& layer, const graph::KernelArgs& a) {
+  const ChannelRuns runs(a.in_shape());
+  const T* x = a.in<T>();
+  T* y = a.out<T>();
+  const Layer& read = layer;  // reads leave the parameters' version() alone
+  if constexpr (P == graph::Phase::train) {
+    layer.check_batch(a.in_shape());
+    const T momentum = static_cast<T>(layer.momentum());
+    const T unbiased = static_cast<T>(runs.count()) / static_cast<T>(runs.count() - 1);
+    duet::detail::will_change(layer);
+    T* moving_mean = layer.moving_mean.data();
+    T* moving_variance = layer.moving_variance.data();
+    for (index_t c = 0; c < runs.channels; ++c) {
+      const auto s = channel_statistics(x, runs, c);
+      normalize(x, y, runs, c, s.mean, read.gamma.data()[c] / std::sqrt(s.variance + static_cast<T>(read.eps())),
+                read.beta.data()[c]);
+      moving_mean[c] = momentum * moving_mean[c] + (1 - momentum) * s.mean;
+      moving_variance[c] = momentum * moving_variance[c] + (1 - momentum) * s.variance * unbiased;
+    }
+  } else {
+    for (index_t c = 0; c < runs.channels; ++c) {
+      normalize(x, y, runs, c, read.moving_mean.data()[c], read.evaluation_scale(c), read.beta.data()[c]);
+    }
+  }
+}
+
+// BatchNormGradOp's kernel: dgamma, dbeta and, if input_grad, dx (a's output) from dy and x.
+template <graph::Phase P, class T, class Layer>
+void batch_norm_gradient(Layer& layer, const graph::KernelArgs& a, bool input_grad) {
+  using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
+  const ChannelRuns runs(a.in_shape(1));
+  const T* dy = a.in<T>(0);
+  const T* x = a.in<T>(1);
+  // gamma and beta without requires_grad (affine = false) keep no gradient.
+  T* dgamma = nullptr;
+  T* dbeta = nullptr;
+  bool accumulate_gamma = false;
+  bool accumulate_beta = false;
+  if (layer.gamma.requires_grad) {
+    const std::uint64_t pass = duet::detail::current_backward_pass();
+    dgamma = layer.gamma.grad_for_write(pass, &accumulate_gamma);
+    dbeta = layer.beta.grad_for_write(pass, &accumulate_beta);
+  }
+  const Layer& read = layer;  // reads leave the parameters' version() alone
+  const T count = static_cast<T>(runs.count());
+  const T eps = static_cast<T>(read.eps());
+  for (index_t c = 0; c < runs.channels; ++c) {
+    T mean;
+    T rstd;
+    if constexpr (P == graph::Phase::train) {
+      const auto s = channel_statistics(x, runs, c);
+      mean = s.mean;
+      rstd = T(1) / std::sqrt(s.variance + eps);
+    } else {
+      mean = read.moving_mean.data()[c];
+      rstd = T(1) / std::sqrt(read.moving_variance.data()[c] + eps);
+    }
+    T sum_dy = 0;
+    T sum_dy_x_hat = 0;
+    for (index_t n = 0; n < runs.batch; ++n) {
+      const index_t at = runs.offset(n, c);
+      const ::Eigen::Map<const Array> g(dy + at, runs.spatial);
+      const ::Eigen::Map<const Array> xs(x + at, runs.spatial);
+      sum_dy += g.sum();
+      sum_dy_x_hat += (g * ((xs - mean) * rstd)).sum();
+    }
+    if (dgamma != nullptr) {
+      dgamma[c] = accumulate_gamma ? dgamma[c] + sum_dy_x_hat : sum_dy_x_hat;
+      dbeta[c] = accumulate_beta ? dbeta[c] + sum_dy : sum_dy;
+    }
+    if (input_grad) {
+      const T scale = read.gamma.data()[c] * rstd;
+      for (index_t n = 0; n < runs.batch; ++n) {
+        const index_t at = runs.offset(n, c);
+        const ::Eigen::Map<const Array> g(dy + at, runs.spatial);
+        ::Eigen::Map<Array> dx(a.out<T>() + at, runs.spatial);
+        if constexpr (P == graph::Phase::train) {
+          const ::Eigen::Map<const Array> xs(x + at, runs.spatial);
+          dx = scale * (g - sum_dy / count - (xs - mean) * rstd * (sum_dy_x_hat / count));
+        } else {
+          dx = scale * g;
+        }
+      }
+    }
+  }
+  duet::detail::gradient_writes_done();
+}
+
 }  // namespace detail
 
 // (x - mean) / sqrt(var + eps) · gamma + beta per channel; in training (P = train) mean and
@@ -119,30 +219,7 @@ struct BatchNormOp : Primitive<BatchNormOp<Layer, P>>, PhaseOf<Layer, P> {
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
     this->check_phase();
-    const detail::ChannelRuns runs(a.in_shape());
-    const T* x = a.in<T>();
-    T* y = a.out<T>();
-    Layer& layer = *this->layer;
-    const Layer& read = layer;  // reads leave the parameters' version() alone
-    if constexpr (P == graph::Phase::train) {
-      layer.check_batch(a.in_shape());
-      const T momentum = static_cast<T>(layer.momentum());
-      const T unbiased = static_cast<T>(runs.count()) / static_cast<T>(runs.count() - 1);
-      duet::detail::will_change(layer);
-      T* moving_mean = layer.moving_mean.data();
-      T* moving_variance = layer.moving_variance.data();
-      for (index_t c = 0; c < runs.channels; ++c) {
-        const auto s = detail::channel_statistics(x, runs, c);
-        normalize(x, y, runs, c, s.mean, read.gamma.data()[c] / std::sqrt(s.variance + static_cast<T>(read.eps())),
-                  read.beta.data()[c]);
-        moving_mean[c] = momentum * moving_mean[c] + (1 - momentum) * s.mean;
-        moving_variance[c] = momentum * moving_variance[c] + (1 - momentum) * s.variance * unbiased;
-      }
-    } else {
-      for (index_t c = 0; c < runs.channels; ++c) {
-        normalize(x, y, runs, c, read.moving_mean.data()[c], read.evaluation_scale(c), read.beta.data()[c]);
-      }
-    }
+    detail::batch_norm<P, T>(*nn::detail::runtime_form(this->layer), a);
   }
 
   static constexpr bool has_parameters = true;
@@ -178,16 +255,6 @@ struct BatchNormOp : Primitive<BatchNormOp<Layer, P>>, PhaseOf<Layer, P> {
     }
   }
 
- private:
-  // y = (x - mean) · scale + beta over channel c, scale being gamma / sqrt(var + eps).
-  template <class T>
-  static void normalize(const T* x, T* y, const detail::ChannelRuns& runs, index_t c, T mean, T scale, T beta) {
-    using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
-    for (index_t n = 0; n < runs.batch; ++n) {
-      const index_t at = runs.offset(n, c);
-      ::Eigen::Map<Array>(y + at, runs.spatial) = (::Eigen::Map<const Array>(x + at, runs.spatial) - mean) * scale + beta;
-    }
-  }
 };
 
 // The gradient of BatchNormOp, from dy and x. With x̂ = (x - mean) · rstd and m the channel's
@@ -209,63 +276,7 @@ struct BatchNormGradOp : Primitive<BatchNormGradOp<Layer, P, InputGrad>> {
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
-    using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
-    const detail::ChannelRuns runs(a.in_shape(1));
-    const T* dy = a.in<T>(0);
-    const T* x = a.in<T>(1);
-    // gamma and beta without requires_grad (affine = false) keep no gradient.
-    T* dgamma = nullptr;
-    T* dbeta = nullptr;
-    bool accumulate_gamma = false;
-    bool accumulate_beta = false;
-    if (layer->gamma.requires_grad) {
-      const std::uint64_t pass = duet::detail::current_backward_pass();
-      dgamma = layer->gamma.grad_for_write(pass, &accumulate_gamma);
-      dbeta = layer->beta.grad_for_write(pass, &accumulate_beta);
-    }
-    const Layer& read = *layer;  // reads leave the parameters' version() alone
-    const T count = static_cast<T>(runs.count());
-    const T eps = static_cast<T>(read.eps());
-    for (index_t c = 0; c < runs.channels; ++c) {
-      T mean;
-      T rstd;
-      if constexpr (P == graph::Phase::train) {
-        const auto s = detail::channel_statistics(x, runs, c);
-        mean = s.mean;
-        rstd = T(1) / std::sqrt(s.variance + eps);
-      } else {
-        mean = read.moving_mean.data()[c];
-        rstd = T(1) / std::sqrt(read.moving_variance.data()[c] + eps);
-      }
-      T sum_dy = 0;
-      T sum_dy_x_hat = 0;
-      for (index_t n = 0; n < runs.batch; ++n) {
-        const index_t at = runs.offset(n, c);
-        const ::Eigen::Map<const Array> g(dy + at, runs.spatial);
-        const ::Eigen::Map<const Array> xs(x + at, runs.spatial);
-        sum_dy += g.sum();
-        sum_dy_x_hat += (g * ((xs - mean) * rstd)).sum();
-      }
-      if (dgamma != nullptr) {
-        dgamma[c] = accumulate_gamma ? dgamma[c] + sum_dy_x_hat : sum_dy_x_hat;
-        dbeta[c] = accumulate_beta ? dbeta[c] + sum_dy : sum_dy;
-      }
-      if constexpr (InputGrad) {
-        const T scale = read.gamma.data()[c] * rstd;
-        for (index_t n = 0; n < runs.batch; ++n) {
-          const index_t at = runs.offset(n, c);
-          const ::Eigen::Map<const Array> g(dy + at, runs.spatial);
-          ::Eigen::Map<Array> dx(a.out<T>() + at, runs.spatial);
-          if constexpr (P == graph::Phase::train) {
-            const ::Eigen::Map<const Array> xs(x + at, runs.spatial);
-            dx = scale * (g - sum_dy / count - (xs - mean) * rstd * (sum_dy_x_hat / count));
-          } else {
-            dx = scale * g;
-          }
-        }
-      }
-    }
-    duet::detail::gradient_writes_done();
+    detail::batch_norm_gradient<P, T>(*nn::detail::runtime_form(layer), a, InputGrad);
   }
 
   static std::string op_name() {
@@ -298,13 +309,23 @@ namespace nn {
 // MindSpore 2.9 announces a switch to PyTorch's convention). The batch variance entering the
 // moving one is the unbiased one (· m / (m - 1)), as in both; the batch is normalised with the
 // biased one. Training needs more than one value per channel.
+//
+// BatchNorm2d<C> is BatchNorm2d<> with C in its type (SizedLayer): graph capture checks the
+// input's channels against it while the program compiles.
+template <int Dims, ElementType T>
+std::string batch_norm_name(index_t channels) {
+  std::string s = "nn::BatchNorm" + std::to_string(Dims) + "d<" + (channels == dyn ? std::string("dyn") : std::to_string(channels));
+  if constexpr (!std::is_same_v<T, float>) s += ", " + std::string(name_of(dtype_of<T>));
+  return s + ">";
+}
+
 template <int Dims, index_t C = dyn, ElementType T = float>
 class BatchNorm : public Cell<BatchNorm<Dims, C, T>, CONTEXT_MODE, T>, public duet::detail::StepState {
   static_assert(Dims == 1 || Dims == 2, "nn::BatchNorm<Dims>: Dims is 1 (BatchNorm1d) or 2 (BatchNorm2d)");
-  static_assert(C == dyn || C > 0, "nn::BatchNorm2d<C>: C must be positive (or duet::dyn)");
 
  public:
-  static constexpr index_t channels_static = C;
+  using runtime_type = BatchNorm;
+  static constexpr index_t channels_static = dyn;
   static constexpr int min_rank = Dims == 1 ? 2 : 4;
   static constexpr int max_rank = Dims == 1 ? 3 : 4;
 
@@ -314,11 +335,14 @@ class BatchNorm : public Cell<BatchNorm<Dims, C, T>, CONTEXT_MODE, T>, public du
   BasicParameter<T> moving_variance;  // [C], not trained
   DUET_CELL_MEMBERS(gamma, beta, moving_mean, moving_variance);
 
-  BatchNorm() requires(C != dyn) : BatchNorm(C) {}
-
   explicit BatchNorm(index_t num_features, double eps = 1e-5, double momentum = 0.9, bool affine = true)
-      : features_(num_features), eps_(eps), momentum_(momentum) {
-    if ((C != dyn && num_features != C) || num_features <= 0) {
+      : BatchNorm(num_features, eps, momentum, affine, false) {}
+
+ protected:
+  // A BatchNorm<Dims, C>'s, named as its type.
+  BatchNorm(index_t num_features, double eps, double momentum, bool affine, bool sized)
+      : features_(num_features), eps_(eps), momentum_(momentum), sized_(sized) {
+    if (num_features <= 0) {
       throw ValueError(type_name() + ": cannot be built with num_features " + std::to_string(num_features));
     }
     if (!(eps > 0)) throw ValueError(type_name() + ": eps must be > 0, got " + std::to_string(eps));
@@ -336,12 +360,8 @@ class BatchNorm : public Cell<BatchNorm<Dims, C, T>, CONTEXT_MODE, T>, public du
     moving_variance.requires_grad = false;
   }
 
-  index_t num_features() const {
-    if constexpr (C != dyn)
-      return C;
-    else
-      return features_;
-  }
+ public:
+  index_t num_features() const { return features_; }
   double eps() const { return eps_; }
   double momentum() const { return momentum_; }
 
@@ -389,18 +409,42 @@ class BatchNorm : public Cell<BatchNorm<Dims, C, T>, CONTEXT_MODE, T>, public du
 
   bool depends_on_phase() const override { return true; }
 
-  std::string type_name() const override {
-    std::string s = "nn::BatchNorm" + std::to_string(Dims) + "d<" + (C == dyn ? std::string("dyn") : std::to_string(C));
-    if constexpr (!std::is_same_v<T, float>) s += ", " + std::string(name_of(dtype_of<T>));
-    return s + ">";
-  }
+  std::string type_name() const override { return batch_norm_name<Dims, T>(sized_ ? features_ : dyn); }
 
  private:
   index_t features_;
   double eps_;
   double momentum_;
+  bool sized_;
   std::vector<T> saved_mean_;
   std::vector<T> saved_variance_;
+};
+
+template <int Dims, index_t C, ElementType T>
+  requires(C != dyn)
+class BatchNorm<Dims, C, T> : public SizedLayer<BatchNorm<Dims, C, T>, BatchNorm<Dims, dyn, T>> {
+  static_assert(C > 0, "nn::BatchNorm2d<C>: C must be positive (or duet::dyn)");
+  using Sized = SizedLayer<BatchNorm, BatchNorm<Dims, dyn, T>>;
+
+ public:
+  static constexpr index_t channels_static = C;
+
+  BatchNorm() : BatchNorm(C) {}
+  explicit BatchNorm(index_t num_features, double eps = 1e-5, double momentum = 0.9, bool affine = true)
+      : Sized(checked(num_features), eps, momentum, affine, true) {}
+
+  template <graph::Symbolic S>
+  auto sized_construct(const S& x) {
+    return ops::apply_in_phase<ops::BatchNormOp>(this, x);
+  }
+
+ private:
+  static index_t checked(index_t num_features) {
+    if (num_features != C) {
+      throw ValueError(batch_norm_name<Dims, T>(C) + ": cannot be built with num_features " + std::to_string(num_features));
+    }
+    return num_features;
+  }
 };
 
 template <index_t C = dyn, ElementType T = float>

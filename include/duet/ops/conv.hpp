@@ -26,7 +26,9 @@
 //
 // The geometry (kernel, stride, padding, dilation, groups) is a template argument of the
 // compile-time form, since the output's static shape needs it; the run-time form keeps it in
-// the layer and its shape rule runs on it at run time (Dense's split).
+// the layer and its shape rule runs on it at run time. The compile-time form is the run-time
+// one with its geometry in its type as well (SizedLayer, cell.hpp): only graph capture sees
+// the type, and a network's convolutions of every size share the rest of their code.
 //
 // Algorithm: im2col, one kernel tap to a row, and duet's packed GEMM for all three products
 // (the forward, the weight's gradient and the input's); kernels/conv.hpp gives the layout.
@@ -216,6 +218,132 @@ void convolve(const ConvGeometry& g, const graph::KernelArgs& a, const T* w, con
   }
 }
 
+// ConvOp's ONNX node: Conv, its padding explicit: SAME's is uneven for some sizes, known from the input's.
+template <class Runtime>
+Interchange conv_interchange(const Runtime* layer, std::span<const Shape> in) {
+  const ConvGeometry g = layer->geometry();
+  std::vector<std::int64_t> begin, end;
+  for (int i = 0; i < g.spatial; ++i) {
+    const index_t size = in[0][2 + i];
+    const detail::ConvAxis axis = detail::conv_axis(g, size, true);
+    begin.push_back(axis.pad_before);
+    end.push_back(g.pad_mode == nn::PadMode::same
+                      ? std::max<index_t>(0, (axis.out - 1) * g.stride + g.extent() - size) - axis.pad_before
+                      : axis.pad_before);
+  }
+  std::vector<std::int64_t> pads = begin;
+  pads.insert(pads.end(), end.begin(), end.end());
+  const auto each = [&](index_t v) { return std::vector<std::int64_t>(static_cast<std::size_t>(g.spatial), v); };
+  using I = InterchangeInput;
+  using A = InterchangeAttribute;
+  InterchangeNode conv{"Conv", {I::operand(0), I::of_parameter(&layer->weight)},
+                       {A::of("kernel_shape", each(g.kernel)), A::of("strides", each(g.stride)),
+                        A::of("dilations", each(g.dilation)), A::of("pads", std::move(pads)), A::of("group", g.groups)}};
+  if (layer->has_bias()) conv.inputs.push_back(I::of_parameter(&layer->bias));
+  return {std::move(conv)};
+}
+
+// ConvGradOp's kernel: dweight, dbias and, if input_grad, dx (a's output) from dy and x (a's inputs).
+template <class Backend, class T, class Runtime>
+void conv_gradient(const Runtime* layer, const graph::KernelArgs& a, bool input_grad) {
+  const kernels::ConvProblem q = detail::conv_problem(layer->geometry(), a.in_shape(1));
+  const std::uint64_t pass = duet::detail::current_backward_pass();
+  bool accumulate_w = false;
+  bool accumulate_b = false;
+  T* dw = layer->weight.grad_for_write(pass, &accumulate_w);
+  T* db = layer->has_bias() ? layer->bias.grad_for_write(pass, &accumulate_b) : nullptr;
+  const T* dy = a.in<T>(0);
+  const T* x = a.in<T>(1);
+  const T* w = layer->weight.data();
+  const index_t og = q.out_per_group();
+  const index_t weights = og * q.depth();  // one group's
+  T* dx = input_grad ? a.out<T>() : nullptr;
+  // dx as a convolution of dy (kernels::data_gradient_convolution), or as the patches'
+  // gradient wᵀ · dy added back by col2im.
+  const bool convolve_dx = dx != nullptr && kernels::has_data_gradient_convolution(q);
+  const kernels::ConvProblem t = convolve_dx ? kernels::data_gradient_convolution(q) : q;
+  duet::detail::Storage col_storage, sample_storage, wt_storage;
+  // The patches of x, then (once the weight's gradient has read them) those of dy or the
+  // patches' gradient.
+  T* col = detail::scratch<T>(col_storage, std::max(q.depth() * q.pixels(), t.depth() * t.pixels()));
+  // One sample's part of a group's weight gradient, added to those before it.
+  T* dw_sample = detail::scratch<T>(sample_storage, weights);
+  // Each group's weight as the data gradient's product reads it: flipped, or as [depth, out_g].
+  T* wt = dx != nullptr ? detail::scratch<T>(wt_storage, q.groups * weights) : nullptr;
+  if (convolve_dx) {
+    for (index_t g = 0; g < q.groups; ++g) kernels::flipped_weight(q, w + g * weights, wt + g * weights);
+  } else if (dx != nullptr) {
+    std::fill_n(dx, q.batch * q.in * q.image(), T(0));
+    for (index_t g = 0; g < q.groups; ++g) kernels::transpose(w + g * weights, og, q.depth(), wt + g * weights);
+  }
+  for (index_t n = 0; n < q.batch; ++n) {
+    for (index_t g = 0; g < q.groups; ++g) {
+      const T* dyg = dy + (n * q.out + g * og) * q.pixels();
+      const index_t xg = (n * q.in + g * q.in_per_group()) * q.image();
+      T* dwg = dw + g * weights;
+      kernels::im2col(q, x + xg, col);
+      const bool add = accumulate_w || n > 0;
+      Backend::template dense<dyn, dyn>(dyg, og, q.pixels(), col, q.depth(), Epilogue<T>{}, add ? dw_sample : dwg);
+      if (add) std::transform(dwg, dwg + weights, dw_sample, dwg, std::plus<T>{});
+      if (convolve_dx) {
+        kernels::im2col(t, dyg, col);
+        Backend::matmul(wt + g * weights, t.out, t.depth(), col, t.pixels(), dx + xg);
+      } else if (dx != nullptr) {
+        Backend::matmul(wt + g * weights, q.depth(), og, dyg, q.pixels(), col);
+        kernels::col2im_add(q, col, dx + xg);
+      }
+    }
+    if (db != nullptr) kernels::channel_sums(dy + n * q.out * q.pixels(), q.out, q.pixels(), db, accumulate_b || n > 0);
+  }
+  if (q.batch == 0) {
+    if (!accumulate_w) std::fill_n(dw, layer->weight.numel(), T(0));
+    if (db != nullptr && !accumulate_b) std::fill_n(db, q.out, T(0));
+  }
+  duet::detail::gradient_writes_done();
+}
+
+}  // namespace detail
+
+// A convolution's weight and bias with the evaluation BatchNorm after it folded in, from
+// BatchNorm::evaluation_affine()'s y = x · scale + shift per channel: W'[c] = W[c] · scale[c]
+// and b'[c] = b[c] · scale[c] + shift[c], scale being gamma / sqrt(moving_variance + eps) and
+// shift beta - moving_mean · scale. They round differently from the BatchNorm's own
+// (x - mean) · scale + beta after the convolution: the folded output agrees with the unfolded
+// one within a tolerance, not bit for bit (README, "BatchNorm folding at evaluation").
+template <class T>
+struct FoldedConv {
+  BasicTensor<T> weight;
+  BasicTensor<T> bias;
+};
+
+namespace detail {
+// The folded weight and bias, kept as the weight's derived form and made again whenever the
+// weight, the bias or any of the BatchNorm's four tensors has been written since: after a
+// training step, set_data or load_checkpoint the next evaluation folds the new values.
+template <class T, class Runtime, class Norm>
+std::shared_ptr<const FoldedConv<T>> folded_conv(const Runtime* layer, const Norm& norm) {
+  const auto& watched = norm.tensors();
+  const auto& weight = layer->weight;
+  const BasicTensor<T>& bias = layer->bias;
+  return weight.template derived<FoldedConv<T>>(
+      [&] {
+        const index_t out = layer->geometry().out;
+        const index_t per_channel = weight.numel() / out;
+        const auto affine = norm.evaluation_affine();
+        FoldedConv<T> f{BasicTensor<T>::uninitialized(weight.shape()), BasicTensor<T>::uninitialized({out})};
+        for (index_t c = 0; c < out; ++c) {
+          const T scale = affine.scale[static_cast<std::size_t>(c)];
+          const T* w = weight.data() + c * per_channel;
+          T* folded = f.weight.data() + c * per_channel;
+          for (index_t k = 0; k < per_channel; ++k) folded[k] = w[k] * scale;
+          const T b = layer->has_bias() ? bias.data()[c] : T(0);
+          f.bias.data()[c] = b * scale + affine.shift[static_cast<std::size_t>(c)];
+        }
+        return f;
+      },
+      {&bias, watched[0], watched[1], watched[2], watched[3]});
+}
+
 }  // namespace detail
 
 template <class Layer, bool InputGrad>
@@ -278,28 +406,7 @@ struct ConvOp : Primitive<ConvOp<Layer>> {
   std::string label() const { return layer->label(); }
 
   // ONNX: Conv, its padding explicit: SAME's is uneven for some sizes, known from the input's.
-  Interchange interchange(std::span<const Shape> in) const {
-    const ConvGeometry g = layer->geometry();
-    std::vector<std::int64_t> begin, end;
-    for (int i = 0; i < g.spatial; ++i) {
-      const index_t size = in[0][2 + i];
-      const detail::ConvAxis axis = detail::conv_axis(g, size, true);
-      begin.push_back(axis.pad_before);
-      end.push_back(g.pad_mode == nn::PadMode::same
-                        ? std::max<index_t>(0, (axis.out - 1) * g.stride + g.extent() - size) - axis.pad_before
-                        : axis.pad_before);
-    }
-    std::vector<std::int64_t> pads = begin;
-    pads.insert(pads.end(), end.begin(), end.end());
-    const auto each = [&](index_t v) { return std::vector<std::int64_t>(static_cast<std::size_t>(g.spatial), v); };
-    using I = InterchangeInput;
-    using A = InterchangeAttribute;
-    InterchangeNode conv{"Conv", {I::operand(0), I::of_parameter(&layer->weight)},
-                         {A::of("kernel_shape", each(g.kernel)), A::of("strides", each(g.stride)),
-                          A::of("dilations", each(g.dilation)), A::of("pads", std::move(pads)), A::of("group", g.groups)}};
-    if (layer->has_bias()) conv.inputs.push_back(I::of_parameter(&layer->bias));
-    return {std::move(conv)};
-  }
+  Interchange interchange(std::span<const Shape> in) const { return detail::conv_interchange(nn::detail::runtime_form(layer), in); }
 };
 
 // The gradient of ConvOp from dy and x: dweight, dbias and, if InputGrad, dx. The patches are
@@ -320,60 +427,7 @@ struct ConvGradOp : Primitive<ConvGradOp<Layer, InputGrad>> {
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
-    const kernels::ConvProblem q = detail::conv_problem(layer->geometry(), a.in_shape(1));
-    const std::uint64_t pass = duet::detail::current_backward_pass();
-    bool accumulate_w = false;
-    bool accumulate_b = false;
-    T* dw = layer->weight.grad_for_write(pass, &accumulate_w);
-    T* db = layer->has_bias() ? layer->bias.grad_for_write(pass, &accumulate_b) : nullptr;
-    const T* dy = a.in<T>(0);
-    const T* x = a.in<T>(1);
-    const T* w = layer->weight.data();
-    const index_t og = q.out_per_group();
-    const index_t weights = og * q.depth();  // one group's
-    T* dx = InputGrad ? a.out<T>() : nullptr;
-    // dx as a convolution of dy (kernels::data_gradient_convolution), or as the patches'
-    // gradient wᵀ · dy added back by col2im.
-    const bool convolve_dx = dx != nullptr && kernels::has_data_gradient_convolution(q);
-    const kernels::ConvProblem t = convolve_dx ? kernels::data_gradient_convolution(q) : q;
-    duet::detail::Storage col_storage, sample_storage, wt_storage;
-    // The patches of x, then (once the weight's gradient has read them) those of dy or the
-    // patches' gradient.
-    T* col = detail::scratch<T>(col_storage, std::max(q.depth() * q.pixels(), t.depth() * t.pixels()));
-    // One sample's part of a group's weight gradient, added to those before it.
-    T* dw_sample = detail::scratch<T>(sample_storage, weights);
-    // Each group's weight as the data gradient's product reads it: flipped, or as [depth, out_g].
-    T* wt = dx != nullptr ? detail::scratch<T>(wt_storage, q.groups * weights) : nullptr;
-    if (convolve_dx) {
-      for (index_t g = 0; g < q.groups; ++g) kernels::flipped_weight(q, w + g * weights, wt + g * weights);
-    } else if (dx != nullptr) {
-      std::fill_n(dx, q.batch * q.in * q.image(), T(0));
-      for (index_t g = 0; g < q.groups; ++g) kernels::transpose(w + g * weights, og, q.depth(), wt + g * weights);
-    }
-    for (index_t n = 0; n < q.batch; ++n) {
-      for (index_t g = 0; g < q.groups; ++g) {
-        const T* dyg = dy + (n * q.out + g * og) * q.pixels();
-        const index_t xg = (n * q.in + g * q.in_per_group()) * q.image();
-        T* dwg = dw + g * weights;
-        kernels::im2col(q, x + xg, col);
-        const bool add = accumulate_w || n > 0;
-        Backend::template dense<dyn, dyn>(dyg, og, q.pixels(), col, q.depth(), Epilogue<T>{}, add ? dw_sample : dwg);
-        if (add) std::transform(dwg, dwg + weights, dw_sample, dwg, std::plus<T>{});
-        if (convolve_dx) {
-          kernels::im2col(t, dyg, col);
-          Backend::matmul(wt + g * weights, t.out, t.depth(), col, t.pixels(), dx + xg);
-        } else if (dx != nullptr) {
-          Backend::matmul(wt + g * weights, q.depth(), og, dyg, q.pixels(), col);
-          kernels::col2im_add(q, col, dx + xg);
-        }
-      }
-      if (db != nullptr) kernels::channel_sums(dy + n * q.out * q.pixels(), q.out, q.pixels(), db, accumulate_b || n > 0);
-    }
-    if (q.batch == 0) {
-      if (!accumulate_w) std::fill_n(dw, layer->weight.numel(), T(0));
-      if (db != nullptr && !accumulate_b) std::fill_n(db, q.out, T(0));
-    }
-    duet::detail::gradient_writes_done();
+    detail::conv_gradient<Backend, T>(nn::detail::runtime_form(layer), a, InputGrad);
   }
 
   static std::string op_name() {
@@ -381,18 +435,6 @@ struct ConvGradOp : Primitive<ConvGradOp<Layer, InputGrad>> {
     return InputGrad ? name : name + " (parameters only)";
   }
   std::string label() const { return layer->label(); }
-};
-
-// A convolution's weight and bias with the evaluation BatchNorm after it folded in, from
-// BatchNorm::evaluation_affine()'s y = x · scale + shift per channel: W'[c] = W[c] · scale[c]
-// and b'[c] = b[c] · scale[c] + shift[c], scale being gamma / sqrt(moving_variance + eps) and
-// shift beta - moving_mean · scale. They round differently from the BatchNorm's own
-// (x - mean) · scale + beta after the convolution: the folded output agrees with the unfolded
-// one within a tolerance, not bit for bit (README, "BatchNorm folding at evaluation").
-template <class T>
-struct FoldedConv {
-  BasicTensor<T> weight;
-  BasicTensor<T> bias;
 };
 
 // y = Fns(conv(x) + bias) with the BatchNorm after it folded into the convolution (Norm is
@@ -447,31 +489,9 @@ struct ConvEpilogueOp : Primitive<ConvEpilogueOp<Layer, Norm, Fns...>> {
   }
 
  private:
-  // The folded weight and bias, kept as the weight's derived form and made again whenever the
-  // weight, the bias or any of the BatchNorm's four tensors has been written since: after a
-  // training step, set_data or load_checkpoint the next evaluation folds the new values.
   template <class T>
   std::shared_ptr<const FoldedConv<T>> fold() const {
-    const auto& watched = norm.tensors();
-    const auto& weight = layer->weight;
-    const BasicTensor<T>& bias = layer->bias;
-    return weight.template derived<FoldedConv<T>>(
-        [&] {
-          const index_t out = layer->geometry().out;
-          const index_t per_channel = weight.numel() / out;
-          const auto affine = norm.evaluation_affine();
-          FoldedConv<T> f{BasicTensor<T>::uninitialized(weight.shape()), BasicTensor<T>::uninitialized({out})};
-          for (index_t c = 0; c < out; ++c) {
-            const T scale = affine.scale[static_cast<std::size_t>(c)];
-            const T* w = weight.data() + c * per_channel;
-            T* folded = f.weight.data() + c * per_channel;
-            for (index_t k = 0; k < per_channel; ++k) folded[k] = w[k] * scale;
-            const T b = layer->has_bias() ? bias.data()[c] : T(0);
-            f.bias.data()[c] = b * scale + affine.shift[static_cast<std::size_t>(c)];
-          }
-          return f;
-        },
-        {&bias, watched[0], watched[1], watched[2], watched[3]});
+    return detail::folded_conv<T>(nn::detail::runtime_form(layer), norm);
   }
 };
 
@@ -518,29 +538,44 @@ constexpr index_t padding_of() {
 
 }  // namespace detail
 
-// What Conv2d (Spatial = 2, NCHW) and Conv1d (Spatial = 1, NCL) share; Layer is the one
-// deriving from it, the name compile-time errors show. See the top of this header.
-template <class Layer, int Spatial, index_t In, index_t Out, index_t Kernel, index_t Stride, auto Padding,
-          index_t Dilation, index_t Groups, ElementType T>
-class BasicConv : public Cell<Layer, CONTEXT_MODE, T> {
-  static constexpr bool sized = Kernel != dyn;
-  static_assert(std::is_same_v<decltype(Padding), PadMode> || std::is_integral_v<decltype(Padding)>,
-                "nn::Conv: Padding is a number or nn::PadMode::same / nn::PadMode::valid");
-  static_assert(sized || (In == dyn && Out == dyn && Stride == 1 && detail::padding_of<Padding>() == 0 &&
-                          detail::pad_mode_of<Padding>() == PadMode::pad && Dilation == 1 && Groups == 1),
-                "nn::Conv<>: the run-time sized form takes its sizes and settings from the constructor; give all "
-                "of In, Out and Kernel as template arguments, or none");
-  static_assert(!sized || (In > 0 && Out > 0 && Kernel > 0), "nn::Conv: In, Out and Kernel must be positive");
-  static_assert(Stride > 0 && Dilation > 0 && Groups > 0, "nn::Conv: Stride, Dilation and Groups must be positive");
-  static_assert(detail::padding_of<Padding>() >= 0, "nn::Conv: Padding must not be negative");
-  static_assert(!sized || (In % Groups == 0 && Out % Groups == 0),
-                "nn::Conv: In and Out must be multiples of Groups (depthwise: Groups = In)");
+// How a convolution names itself: "nn::Conv2d<1, 6, 5, 1, 2>" for a compile-time sized one
+// (its template arguments up to the last that is not its default; pad_named when Padding is a
+// PadMode), "nn::Conv2d<dyn, dyn, dyn>" for a run-time sized one (sized empty).
+struct ConvName {
+  bool sized = false;
+  bool pad_named = false;
+};
 
+template <ElementType T>
+std::string conv_type_name(const ops::ConvGeometry& g, ConvName form) {
+  std::string s = g.spatial == 2 ? "nn::Conv2d<" : "nn::Conv1d<";
+  if (form.sized) {
+    const std::string arguments[] = {std::to_string(g.in), std::to_string(g.out), std::to_string(g.kernel),
+                                     std::to_string(g.stride),
+                                     form.pad_named ? "nn::PadMode::" + std::string(name_of(g.pad_mode))
+                                                    : std::to_string(g.padding),
+                                     std::to_string(g.dilation), std::to_string(g.groups)};
+    const bool is_default[] = {false, false, false, g.stride == 1, !form.pad_named && g.padding == 0,
+                               g.dilation == 1, g.groups == 1};
+    std::size_t shown = std::is_same_v<T, float> ? 3 : 7;
+    for (std::size_t i = 3; i < 7; ++i) shown = is_default[i] ? shown : std::max(shown, i + 1);
+    for (std::size_t i = 0; i < shown; ++i) s += (i == 0 ? "" : ", ") + arguments[i];
+  } else {
+    s += "dyn, dyn, dyn";
+  }
+  if constexpr (!std::is_same_v<T, float>) s += ", " + std::string(name_of(dtype_of<T>));
+  return s + ">";
+}
+
+// What Conv2d (Spatial = 2, NCHW) and Conv1d (Spatial = 1, NCL) share, sizes and settings held
+// as values: nn::Conv2d<> itself, and what a compile-time sized one (SizedConv) runs as outside
+// graph capture. Layer is the run-time form deriving from it.
+template <class Layer, int Spatial, ElementType T>
+class BasicConv : public Cell<Layer, CONTEXT_MODE, T> {
  public:
+  using runtime_type = Layer;
   static constexpr int spatial = Spatial;
-  static constexpr ops::ConvGeometry static_geometry{Spatial,          In, Out, Kernel, Stride,
-                                                     detail::pad_mode_of<Padding>(), detail::padding_of<Padding>(),
-                                                     Dilation,         Groups};
+  static constexpr ops::ConvGeometry static_geometry{Spatial};
 
   BasicParameter<T> weight;  // [out, in / group, kh, kw] ([out, in / group, k] for Conv1d)
   BasicParameter<T> bias;    // [out], when has_bias
@@ -548,17 +583,36 @@ class BasicConv : public Cell<Layer, CONTEXT_MODE, T> {
   using Init = ConvInit<T>;
   using Options = ConvOptions<T>;
 
-  // nn::Conv2d<1, 6, 5, 1, 2> conv{{.has_bias = true}};
-  explicit BasicConv(Init init = {}) requires(sized)
-      : BasicConv(In, Out, Kernel,
-                  Options{Stride, static_geometry.pad_mode, static_geometry.padding, Dilation, Groups, init.has_bias,
-                          std::move(init.weight_init), std::move(init.bias_init)}) {}
-
   // The weight, then the bias, from the global generator (set_seed).
   BasicConv(index_t in_channels, index_t out_channels, index_t kernel_size, Options options = {})
+      : BasicConv(in_channels, out_channels, kernel_size, std::move(options), ConvName{}) {}
+
+  const ops::ConvGeometry& geometry() const { return geometry_; }
+  index_t in_channels() const { return geometry_.in; }
+  index_t out_channels() const { return geometry_.out; }
+  bool has_bias() const { return has_bias_; }
+
+  template <class X>
+  auto construct(X&& x) {
+    return apply(ops::ConvOp<Layer>{static_cast<const Layer*>(this)}, std::forward<X>(x));
+  }
+
+  // weight, and bias only if the layer has one: a layer without bias trains and saves no
+  // parameter that does nothing.
+  void for_each_own_parameter(const typename BasicDynamicCell<T>::ParameterVisitor& visit) override {
+    visit("weight", weight);
+    if (has_bias_) visit("bias", bias);
+  }
+
+  std::string type_name() const override { return conv_type_name<T>(geometry_, name_); }
+
+ protected:
+  // A compile-time sized convolution's, named as its type.
+  BasicConv(index_t in_channels, index_t out_channels, index_t kernel_size, Options options, ConvName name)
       : geometry_{Spatial,           in_channels, out_channels,     kernel_size, options.stride,
                   options.pad_mode,  options.padding, options.dilation, options.group},
-        has_bias_(options.has_bias) {
+        has_bias_(options.has_bias),
+        name_(name) {
     validate();
     const index_t fan_in = in_channels / options.group * (Spatial == 2 ? kernel_size * kernel_size : kernel_size);
     const initializer::Uniform mindspore_default{static_cast<double>(T(1) / std::sqrt(static_cast<T>(fan_in)))};
@@ -578,54 +632,10 @@ class BasicConv : public Cell<Layer, CONTEXT_MODE, T> {
     if (has_bias_) bias = BasicParameter<T>(std::move(bias_value));
   }
 
-  const ops::ConvGeometry& geometry() const { return geometry_; }
-  index_t in_channels() const { return geometry_.in; }
-  index_t out_channels() const { return geometry_.out; }
-  bool has_bias() const { return has_bias_; }
-
-  template <class X>
-  auto construct(X&& x) {
-    return apply(ops::ConvOp<Layer>{static_cast<const Layer*>(this)}, std::forward<X>(x));
-  }
-
-  // weight, and bias only if the layer has one: a layer without bias trains and saves no
-  // parameter that does nothing.
-  void for_each_own_parameter(const typename BasicDynamicCell<T>::ParameterVisitor& visit) override {
-    visit("weight", weight);
-    if (has_bias_) visit("bias", bias);
-  }
-
-  // "nn::Conv2d<1, 6, 5, 1, 2>": the template arguments up to the last that is not its default.
-  std::string type_name() const override {
-    std::string s = Spatial == 2 ? "nn::Conv2d<" : "nn::Conv1d<";
-    if constexpr (sized) {
-      constexpr bool mode = std::is_same_v<decltype(Padding), PadMode>;
-      const std::string arguments[] = {std::to_string(In), std::to_string(Out), std::to_string(Kernel),
-                                       std::to_string(Stride),
-                                       mode ? "nn::PadMode::" + std::string(name_of(static_geometry.pad_mode))
-                                            : std::to_string(static_geometry.padding),
-                                       std::to_string(Dilation), std::to_string(Groups)};
-      const bool is_default[] = {false, false, false, Stride == 1, !mode && static_geometry.padding == 0,
-                                 Dilation == 1, Groups == 1};
-      std::size_t shown = std::is_same_v<T, float> ? 3 : 7;
-      for (std::size_t i = 3; i < 7; ++i) shown = is_default[i] ? shown : std::max(shown, i + 1);
-      for (std::size_t i = 0; i < shown; ++i) s += (i == 0 ? "" : ", ") + arguments[i];
-    } else {
-      s += "dyn, dyn, dyn";
-    }
-    if constexpr (!std::is_same_v<T, float>) s += ", " + std::string(name_of(dtype_of<T>));
-    return s + ">";
-  }
-
  private:
-
   void validate() const {
     const ops::ConvGeometry& g = geometry_;
     auto refuse = [&](const std::string& why) { throw ValueError(type_name() + ": " + why); };
-    if (sized && (g.in != In || g.out != Out || g.kernel != Kernel)) {
-      refuse("cannot be built with in_channels " + std::to_string(g.in) + ", out_channels " + std::to_string(g.out) +
-             " and kernel_size " + std::to_string(g.kernel));
-    }
     if (g.in <= 0 || g.out <= 0 || g.kernel <= 0) {
       refuse("in_channels, out_channels and kernel_size must be positive, got " + std::to_string(g.in) + ", " +
              std::to_string(g.out) + " and " + std::to_string(g.kernel));
@@ -646,25 +656,109 @@ class BasicConv : public Cell<Layer, CONTEXT_MODE, T> {
     }
   }
 
-
   ops::ConvGeometry geometry_;
   bool has_bias_;
+  ConvName name_;
+};
+
+// A convolution whose sizes and settings are template arguments: Runtime (its run-time form)
+// with its geometry in its type as well. Captured into a graph it is ConvOp<Layer>, whose
+// static shape rule checks the network while the program compiles; everywhere else it is
+// Runtime (SizedLayer).
+template <class Layer, class Runtime, index_t In, index_t Out, index_t Kernel, index_t Stride, auto Padding,
+          index_t Dilation, index_t Groups>
+class SizedConv : public SizedLayer<Layer, Runtime> {
+  using T = typename Runtime::value_type;
+  static_assert(std::is_same_v<decltype(Padding), PadMode> || std::is_integral_v<decltype(Padding)>,
+                "nn::Conv: Padding is a number or nn::PadMode::same / nn::PadMode::valid");
+  static_assert(In != dyn && Out != dyn && Kernel != dyn,
+                "nn::Conv<>: the run-time sized form takes its sizes and settings from the constructor; give all "
+                "of In, Out and Kernel as template arguments, or none");
+  static_assert(In > 0 && Out > 0 && Kernel > 0, "nn::Conv: In, Out and Kernel must be positive");
+  static_assert(Stride > 0 && Dilation > 0 && Groups > 0, "nn::Conv: Stride, Dilation and Groups must be positive");
+  static_assert(detail::padding_of<Padding>() >= 0, "nn::Conv: Padding must not be negative");
+  static_assert(In % Groups == 0 && Out % Groups == 0,
+                "nn::Conv: In and Out must be multiples of Groups (depthwise: Groups = In)");
+  static constexpr ConvName name{true, std::is_same_v<decltype(Padding), PadMode>};
+
+ public:
+  static constexpr ops::ConvGeometry static_geometry{Runtime::spatial,
+                                                     In,
+                                                     Out,
+                                                     Kernel,
+                                                     Stride,
+                                                     detail::pad_mode_of<Padding>(),
+                                                     detail::padding_of<Padding>(),
+                                                     Dilation,
+                                                     Groups};
+  using typename Runtime::Init;
+  using typename Runtime::Options;
+
+  // nn::Conv2d<1, 6, 5, 1, 2> conv{{.has_bias = true}};
+  explicit SizedConv(Init init = {})
+      : SizedLayer<Layer, Runtime>(In, Out, Kernel,
+                                   Options{Stride, static_geometry.pad_mode, static_geometry.padding, Dilation, Groups, init.has_bias,
+                        std::move(init.weight_init), std::move(init.bias_init)},
+                name) {}
+
+  // The run-time form's constructor, for sizes and settings that must be the type's.
+  SizedConv(index_t in_channels, index_t out_channels, index_t kernel_size, Options options = {})
+      : SizedLayer<Layer, Runtime>(checked(in_channels, out_channels, kernel_size, options), out_channels, kernel_size,
+                                   std::move(options), name) {}
+
+  template <graph::Symbolic S>
+  auto sized_construct(const S& x) {
+    return apply(ops::ConvOp<Layer>{static_cast<const Layer*>(this)}, x);
+  }
+
+ private:
+  static index_t checked(index_t in, index_t out, index_t kernel, const Options& o) {
+    const std::string type = conv_type_name<T>(static_geometry, name);
+    if (in != In || out != Out || kernel != Kernel) {
+      throw ValueError(type + ": cannot be built with in_channels " + std::to_string(in) + ", out_channels " +
+                       std::to_string(out) + " and kernel_size " + std::to_string(kernel));
+    }
+    const ops::ConvGeometry& g = static_geometry;
+    if (o.stride != g.stride || o.pad_mode != g.pad_mode || o.padding != g.padding || o.dilation != g.dilation ||
+        o.group != g.groups) {
+      throw ValueError(type + ": cannot be built with stride " + std::to_string(o.stride) + ", pad_mode \"" +
+                       std::string(name_of(o.pad_mode)) + "\", padding " + std::to_string(o.padding) + ", dilation " +
+                       std::to_string(o.dilation) + " and group " + std::to_string(o.group) +
+                       ": its type fixes them; give only has_bias and the initialisers (" + type +
+                       "{{.has_bias = true}})");
+    }
+    return in;
+  }
+};
+
+// Conv2d<> and Conv1d<> (every argument but T left at its default) are the run-time forms.
+template <int Spatial, index_t In, index_t Out, index_t Kernel, index_t Stride, auto Padding, index_t Dilation,
+          index_t Groups, ElementType T, class Layer, class Runtime>
+using conv_base = std::conditional_t<
+    In == dyn && Out == dyn && Kernel == dyn && Stride == 1 && std::is_same_v<decltype(Padding), int> &&
+        detail::padding_of<Padding>() == 0 && Dilation == 1 && Groups == 1,
+    BasicConv<Layer, Spatial, T>, SizedConv<Layer, Runtime, In, Out, Kernel, Stride, Padding, Dilation, Groups>>;
+
+template <index_t In = dyn, index_t Out = dyn, index_t Kernel = dyn, index_t Stride = 1, auto Padding = 0,
+          index_t Dilation = 1, index_t Groups = 1, ElementType T = float>
+class Conv2d : public conv_base<2, In, Out, Kernel, Stride, Padding, Dilation, Groups, T,
+                                Conv2d<In, Out, Kernel, Stride, Padding, Dilation, Groups, T>, Conv2d<dyn, dyn, dyn, 1, 0, 1, 1, T>> {
+  using Base = conv_base<2, In, Out, Kernel, Stride, Padding, Dilation, Groups, T,
+                         Conv2d<In, Out, Kernel, Stride, Padding, Dilation, Groups, T>, Conv2d<dyn, dyn, dyn, 1, 0, 1, 1, T>>;
+
+ public:
+  using Base::Base;
 };
 
 template <index_t In = dyn, index_t Out = dyn, index_t Kernel = dyn, index_t Stride = 1, auto Padding = 0,
           index_t Dilation = 1, index_t Groups = 1, ElementType T = float>
-class Conv2d : public BasicConv<Conv2d<In, Out, Kernel, Stride, Padding, Dilation, Groups, T>, 2, In, Out, Kernel,
-                                Stride, Padding, Dilation, Groups, T> {
- public:
-  using Conv2d::BasicConv::BasicConv;
-};
+class Conv1d : public conv_base<1, In, Out, Kernel, Stride, Padding, Dilation, Groups, T,
+                                Conv1d<In, Out, Kernel, Stride, Padding, Dilation, Groups, T>, Conv1d<dyn, dyn, dyn, 1, 0, 1, 1, T>> {
+  using Base = conv_base<1, In, Out, Kernel, Stride, Padding, Dilation, Groups, T,
+                         Conv1d<In, Out, Kernel, Stride, Padding, Dilation, Groups, T>, Conv1d<dyn, dyn, dyn, 1, 0, 1, 1, T>>;
 
-template <index_t In = dyn, index_t Out = dyn, index_t Kernel = dyn, index_t Stride = 1, auto Padding = 0,
-          index_t Dilation = 1, index_t Groups = 1, ElementType T = float>
-class Conv1d : public BasicConv<Conv1d<In, Out, Kernel, Stride, Padding, Dilation, Groups, T>, 1, In, Out, Kernel,
-                                Stride, Padding, Dilation, Groups, T> {
  public:
-  using Conv1d::BasicConv::BasicConv;
+  using Base::Base;
 };
 
 }  // namespace nn
