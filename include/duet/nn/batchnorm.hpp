@@ -314,7 +314,8 @@ namespace nn {
 // input's channels against it while the program compiles.
 template <int Dims, ElementType T>
 std::string batch_norm_name(index_t channels) {
-  std::string s = "nn::BatchNorm" + std::to_string(Dims) + "d<" + (channels == dyn ? std::string("dyn") : std::to_string(channels));
+  std::string s = "nn::BatchNorm" + std::to_string(Dims) + "d<";
+  s += channels == dyn ? std::string("dyn") : std::to_string(channels);
   if constexpr (!std::is_same_v<T, float>) s += ", " + std::string(name_of(dtype_of<T>));
   return s + ">";
 }
@@ -441,7 +442,8 @@ class BatchNorm<Dims, C, T> : public SizedLayer<BatchNorm<Dims, C, T>, BatchNorm
  private:
   static index_t checked(index_t num_features) {
     if (num_features != C) {
-      throw ValueError(batch_norm_name<Dims, T>(C) + ": cannot be built with num_features " + std::to_string(num_features));
+      throw ValueError(batch_norm_name<Dims, T>(C) + ": cannot be built with num_features " +
+                       std::to_string(num_features));
     }
     return num_features;
   }

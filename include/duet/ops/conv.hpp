@@ -236,9 +236,11 @@ Interchange conv_interchange(const Runtime* layer, std::span<const Shape> in) {
   const auto each = [&](index_t v) { return std::vector<std::int64_t>(static_cast<std::size_t>(g.spatial), v); };
   using I = InterchangeInput;
   using A = InterchangeAttribute;
-  InterchangeNode conv{"Conv", {I::operand(0), I::of_parameter(&layer->weight)},
+  InterchangeNode conv{"Conv",
+                       {I::operand(0), I::of_parameter(&layer->weight)},
                        {A::of("kernel_shape", each(g.kernel)), A::of("strides", each(g.stride)),
-                        A::of("dilations", each(g.dilation)), A::of("pads", std::move(pads)), A::of("group", g.groups)}};
+                        A::of("dilations", each(g.dilation)), A::of("pads", std::move(pads)),
+                        A::of("group", g.groups)}};
   if (layer->has_bias()) conv.inputs.push_back(I::of_parameter(&layer->bias));
   return {std::move(conv)};
 }
@@ -406,7 +408,9 @@ struct ConvOp : Primitive<ConvOp<Layer>> {
   std::string label() const { return layer->label(); }
 
   // ONNX: Conv, its padding explicit: SAME's is uneven for some sizes, known from the input's.
-  Interchange interchange(std::span<const Shape> in) const { return detail::conv_interchange(nn::detail::runtime_form(layer), in); }
+  Interchange interchange(std::span<const Shape> in) const {
+    return detail::conv_interchange(nn::detail::runtime_form(layer), in);
+  }
 };
 
 // The gradient of ConvOp from dy and x: dweight, dbias and, if InputGrad, dx. The patches are
@@ -697,9 +701,9 @@ class SizedConv : public SizedLayer<Layer, Runtime> {
   // nn::Conv2d<1, 6, 5, 1, 2> conv{{.has_bias = true}};
   explicit SizedConv(Init init = {})
       : SizedLayer<Layer, Runtime>(In, Out, Kernel,
-                                   Options{Stride, static_geometry.pad_mode, static_geometry.padding, Dilation, Groups, init.has_bias,
-                        std::move(init.weight_init), std::move(init.bias_init)},
-                name) {}
+                                   Options{Stride, static_geometry.pad_mode, static_geometry.padding, Dilation, Groups,
+                                           init.has_bias, std::move(init.weight_init), std::move(init.bias_init)},
+                                   name) {}
 
   // The run-time form's constructor, for sizes and settings that must be the type's.
   SizedConv(index_t in_channels, index_t out_channels, index_t kernel_size, Options options = {})
@@ -742,7 +746,8 @@ using conv_base = std::conditional_t<
 template <index_t In = dyn, index_t Out = dyn, index_t Kernel = dyn, index_t Stride = 1, auto Padding = 0,
           index_t Dilation = 1, index_t Groups = 1, ElementType T = float>
 class Conv2d : public conv_base<2, In, Out, Kernel, Stride, Padding, Dilation, Groups, T,
-                                Conv2d<In, Out, Kernel, Stride, Padding, Dilation, Groups, T>, Conv2d<dyn, dyn, dyn, 1, 0, 1, 1, T>> {
+                                Conv2d<In, Out, Kernel, Stride, Padding, Dilation, Groups, T>,
+                                Conv2d<dyn, dyn, dyn, 1, 0, 1, 1, T>> {
   using Base = conv_base<2, In, Out, Kernel, Stride, Padding, Dilation, Groups, T,
                          Conv2d<In, Out, Kernel, Stride, Padding, Dilation, Groups, T>, Conv2d<dyn, dyn, dyn, 1, 0, 1, 1, T>>;
 
@@ -753,7 +758,8 @@ class Conv2d : public conv_base<2, In, Out, Kernel, Stride, Padding, Dilation, G
 template <index_t In = dyn, index_t Out = dyn, index_t Kernel = dyn, index_t Stride = 1, auto Padding = 0,
           index_t Dilation = 1, index_t Groups = 1, ElementType T = float>
 class Conv1d : public conv_base<1, In, Out, Kernel, Stride, Padding, Dilation, Groups, T,
-                                Conv1d<In, Out, Kernel, Stride, Padding, Dilation, Groups, T>, Conv1d<dyn, dyn, dyn, 1, 0, 1, 1, T>> {
+                                Conv1d<In, Out, Kernel, Stride, Padding, Dilation, Groups, T>,
+                                Conv1d<dyn, dyn, dyn, 1, 0, 1, 1, T>> {
   using Base = conv_base<1, In, Out, Kernel, Stride, Padding, Dilation, Groups, T,
                          Conv1d<In, Out, Kernel, Stride, Padding, Dilation, Groups, T>, Conv1d<dyn, dyn, dyn, 1, 0, 1, 1, T>>;
 
