@@ -279,8 +279,12 @@ TEST_CASE("nn::Conv2d, nn::Conv1d: shape errors name the layer and the input, ba
   CHECK(message([] { duet::nn::Conv2d<3, 4, 3> c(3, 5, 3); }) ==
         "nn::Conv2d<3, 4, 3>: cannot be built with in_channels 3, out_channels 5 and kernel_size 3");
   CHECK(message([] { duet::nn::Conv2d<3, 4, 3> c(3, 4, 3); }) ==
-        "nn::Conv2d<3, 4, 3>: cannot be built with stride 1, pad_mode \"same\", padding 0, dilation 1 and group 1: "
-        "its type fixes them; give only has_bias and the initialisers (nn::Conv2d<3, 4, 3>{{.has_bias = true}})");
+        "nn::Conv2d<3, 4, 3>: its type fixes stride 1, pad_mode \"pad\", padding 0, dilation 1 and group 1, got "
+        "stride 1, pad_mode \"same\", padding 0, dilation 1 and group 1 (the run-time options' defaults include "
+        "pad_mode \"same\"); give only has_bias and the initialisers: nn::Conv2d<3, 4, 3>{{.has_bias = true}}");
+  // "valid" is the same geometry as a padding of 0.
+  duet::nn::Conv2d<3, 4, 3> valid(3, 4, 3, {.pad_mode = PadMode::valid});
+  CHECK(valid.type_name() == "nn::Conv2d<3, 4, 3>");
   duet::nn::Conv2d<3, 4, 3, 2, 1> matching(3, 4, 3, {.stride = 2, .pad_mode = PadMode::pad, .padding = 1, .has_bias = true});
   CHECK(matching.has_bias());
   CHECK(matching.type_name() == "nn::Conv2d<3, 4, 3, 2, 1>");

@@ -723,13 +723,22 @@ class SizedConv : public SizedLayer<Layer, Runtime> {
                        std::to_string(out) + " and kernel_size " + std::to_string(kernel));
     }
     const ops::ConvGeometry& g = static_geometry;
-    if (o.stride != g.stride || o.pad_mode != g.pad_mode || o.padding != g.padding || o.dilation != g.dilation ||
-        o.group != g.groups) {
-      throw ValueError(type + ": cannot be built with stride " + std::to_string(o.stride) + ", pad_mode \"" +
-                       std::string(name_of(o.pad_mode)) + "\", padding " + std::to_string(o.padding) + ", dilation " +
-                       std::to_string(o.dilation) + " and group " + std::to_string(o.group) +
-                       ": its type fixes them; give only has_bias and the initialisers (" + type +
-                       "{{.has_bias = true}})");
+    // "valid" is "pad" with no padding: the same geometry.
+    const auto unpadded = [](PadMode mode, index_t padding) {
+      return mode == PadMode::valid || (mode == PadMode::pad && padding == 0);
+    };
+    const bool same_padding = (o.pad_mode == g.pad_mode && o.padding == g.padding) ||
+                              (unpadded(o.pad_mode, o.padding) && unpadded(g.pad_mode, g.padding));
+    if (o.stride != g.stride || !same_padding || o.dilation != g.dilation || o.group != g.groups) {
+      const auto settings = [](index_t stride, PadMode mode, index_t padding, index_t dilation, index_t group) {
+        return "stride " + std::to_string(stride) + ", pad_mode \"" + std::string(name_of(mode)) + "\", padding " +
+               std::to_string(padding) + ", dilation " + std::to_string(dilation) + " and group " +
+               std::to_string(group);
+      };
+      throw ValueError(type + ": its type fixes " + settings(g.stride, g.pad_mode, g.padding, g.dilation, g.groups) +
+                       ", got " + settings(o.stride, o.pad_mode, o.padding, o.dilation, o.group) +
+                       " (the run-time options' defaults include pad_mode \"same\"); give only has_bias and the "
+                       "initialisers: " + type + "{{.has_bias = true}}");
     }
     return in;
   }
