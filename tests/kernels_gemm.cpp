@@ -89,6 +89,13 @@ void check_shape(index_t m, index_t k, index_t n, std::mt19937& gen) {
     kernels::gemm<K, N, fn::Relu>(a, m, k, b.data(), n, bp, c);
     CHECK(duet_test::relative_difference(as_double(c, size), reference(a, m, k, b.data(), n, bp, true)) <=
           tolerance<T>);
+    // Beyond the sizes it unrolls, the compile-time sizes do not change the sums: nn::Dense<In,
+    // Out> runs gemm<dyn, dyn> there in both modes (backend::dense_depends_on_sizes).
+    if constexpr (!kernels::unrolls<K, N>) {
+      std::vector<T> dynamic(size);
+      kernels::gemm<dyn, dyn, fn::Relu>(a, m, k, b.data(), n, bp, dynamic.data());
+      CHECK(std::equal(dynamic.begin(), dynamic.end(), c));
+    }
     // With the weight packed beforehand (JitLevel::O2): the same bits.
     const kernels::PackedWeight<T> packed(b.data(), n, k);
     std::vector<T> from_packed(size);

@@ -69,6 +69,37 @@ TEST_CASE("Dense with runtime sizes and in float64") {
                        "nn::Dense<4, 2>: cannot be built with in_channels 5 and out_channels 2", ValueError);
 }
 
+TEST_CASE("Dense<In, Out> beyond the sizes the GEMM unrolls is Dense<> with its sizes in its type") {
+  // So a network's Dense layers of every such size share one cell's code (compile time,
+  // tools/compile_costs.md); the small ones the GEMM unrolls are cells of their own.
+  static_assert(std::is_base_of_v<nn::Dense<>, nn::Dense<20, 16>>);
+  static_assert(std::is_base_of_v<nn::Dense<dyn, dyn, double, false>, nn::Dense<20, 16, double, false>>);
+  static_assert(!std::is_base_of_v<nn::Dense<>, nn::Dense<8, 8>>);
+  static_assert(!std::is_base_of_v<nn::Dense<>, nn::Dense<dyn, 16>>);
+  ModeGuard guard;
+  set_seed(9);
+  nn::Dense<20, 16> sized;
+  set_seed(9);
+  nn::Dense<> runtime(20, 16);
+  CHECK(duet_test::values_of(sized.weight) == duet_test::values_of(runtime.weight));
+  CHECK(duet_test::values_of(sized.bias) == duet_test::values_of(runtime.bias));
+  CHECK(sized.type_name() == "nn::Dense<20, 16>");
+  CHECK(runtime.type_name() == "nn::Dense<dyn, dyn>");
+  CHECK(nn::Dense<20, 16, double, false>().type_name() == "nn::Dense<20, 16, Float64, no bias>");
+  const Tensor x = randn({5, 20}, 4);
+  for (Mode m : {PYNATIVE_MODE, GRAPH_MODE}) {
+    set_context({.mode = m});
+    const Tensor a = sized(x);
+    const Tensor b = runtime(x);
+    CHECK(duet_test::values_of(a) == duet_test::values_of(b));
+    const auto s = sized(StaticTensor<float, 5, 20>(x));
+    static_assert(std::is_same_v<std::remove_cvref_t<decltype(s)>, StaticTensor<float, 5, 16>>);
+    CHECK(duet_test::values_of(s.tensor()) == duet_test::values_of(b));
+  }
+  CHECK_THROWS_WITH_AS((nn::Dense<20, 16>(21, 16)),
+                       "nn::Dense<20, 16>: cannot be built with in_channels 21 and out_channels 16", ValueError);
+}
+
 TEST_CASE("Dense without a bias (MindSpore's has_bias=False): x · weightᵀ in both modes, saved without a bias") {
   ModeGuard guard;
   set_seed(3);

@@ -462,6 +462,16 @@ constexpr bool packs_as_dense() {
     return false;
   }
 }
+
+// Whether Backend's dense<In, Out> may give other bits than its dense<dyn, dyn>. Native's
+// differs only where the GEMM unrolls small static layers (or falls back to Eigen for types it
+// has no kernels for); Eigen's fixed-size products are other code. Where it does not, an
+// nn::Dense<In, Out> runs Dense<>'s code in both modes (nn::SizedLayer).
+template <class Backend, index_t In, index_t Out, class T>
+constexpr bool dense_depends_on_sizes() {
+  if constexpr (std::is_same_v<Backend, Native>) return !kernels::gemm_supports<T> || kernels::unrolls<In, Out>;
+  else return In != dyn || Out != dyn;
+}
 }  // namespace backend
 
 #ifdef DUET_DEFAULT_BACKEND

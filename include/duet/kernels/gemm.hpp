@@ -142,6 +142,11 @@ DUET_END_ISA
 
 namespace duet::kernels {
 
+// Whether gemm<K, N> takes the unrolled loop of small static layers: the one place where the
+// compile-time sizes change the order of the sums, and so the bits, of gemm<dyn, dyn>.
+template <index_t K, index_t N>
+inline constexpr bool unrolls = K != dyn && N != dyn && K * N <= 64;
+
 namespace detail {
 
 // f(Kernels) with the kernels of isa: the one switch from the run-time choice to code
@@ -171,7 +176,7 @@ enum class Path : unsigned char { none, unrolled, gemv, blocked };
 
 template <index_t K, index_t N>
 Path path_of(index_t m, index_t k, index_t n) {
-  if constexpr (K != dyn && N != dyn && K * N <= 64) {
+  if constexpr (unrolls<K, N>) {
     return Path::unrolled;
   } else {
     // k == 0 has no K block for the blocked path to finish on; the GEMV gives bias and Fns.

@@ -28,6 +28,13 @@ struct DenseGradOp;
 template <class Layer, bool InputGrad>
 struct BiasAddGradOp;
 
+namespace detail {
+// The sizes a layer's products are compiled for: its run-time form's, dyn where an
+// nn::Dense<In, Out> shares the code of nn::Dense<> (backend::dense_depends_on_sizes).
+template <class Layer>
+using DenseKernel = std::remove_pointer_t<decltype(nn::detail::runtime_form(std::declval<Layer*>()))>;
+}  // namespace detail
+
 // x · Wᵀ over the last axis of x, then the epilogue: the bias if Bias, then each Fn. Capture
 // makes it with an empty epilogue; fuse_epilogues grows it.
 template <class Layer, bool Bias = false, class... Fns>
@@ -122,8 +129,8 @@ struct MatMulOp : Primitive<MatMulOp<Layer, Bias, Fns...>> {
     const T* bias = nullptr;
     if constexpr (Bias) bias = layer->bias.data();
     const Epilogue<T, Fns...> epilogue{bias, fns};
-    constexpr index_t In = Layer::in_static;
-    constexpr index_t Out = Layer::out_static;
+    constexpr index_t In = detail::DenseKernel<Layer>::in_static;
+    constexpr index_t Out = detail::DenseKernel<Layer>::out_static;
     if constexpr (PackedWeight && backend::packs_as_dense<Backend, In, Out, T, Fns...>()) {
       Backend::template dense_packed<In, Out>(a.in<T>(), rows, in_channels, layer->weight, layer->out_channels(),
                                               epilogue, a.out<T>());
@@ -221,7 +228,8 @@ struct DenseGradOp : Primitive<DenseGradOp<Layer, Bias, InputGrad, Fns...>> {
     if constexpr (Bias) db = layer->bias.grad_for_write(pass, &accumulate_b);
     const index_t in_channels = layer->in_channels();
     const index_t rows = in_channels == 0 ? 0 : a.in_shape(1).numel() / in_channels;
-    Backend::template dense_backward<Layer::in_static, Layer::out_static, T, Fns...>(DenseBackwardArgs<T>{
+    using Kernel = detail::DenseKernel<Layer>;
+    Backend::template dense_backward<Kernel::in_static, Kernel::out_static, T, Fns...>(DenseBackwardArgs<T>{
         a.in<T>(0), a.in<T>(1), sizeof...(Fns) == 0 ? nullptr : a.in<T>(2), rows, in_channels, layer->weight.data(),
         layer->out_channels(), InputGrad ? a.out<T>() : nullptr, dw, accumulate_w, db, accumulate_b}, fns);
     duet::detail::gradient_writes_done();
@@ -329,12 +337,19 @@ void initialize_dense(DenseParameters<T, HasBias>& parameters, const BasicDynami
 // y = x · weightᵀ + bias over the last axis of x (MindSpore's nn.Dense). In and Out are
 // compile-time sizes, or duet::dyn for sizes given to the constructor at run time. HasBias
 // false is MindSpore's has_bias=False: no bias parameter, y = x · weightᵀ.
+//
+// Dense<In, Out> is Dense<> with the sizes in its type (SizedLayer): graph capture checks the
+// input against them while the program compiles, and the layer otherwise runs Dense<>'s code,
+// compiled once for all sizes. Except where the sizes change the product's code, and so
+// possibly its bits (small layers the GEMM unrolls, backend::dense_depends_on_sizes): such a
+// layer is a cell of its own, as a partly dyn one is.
 template <index_t In = dyn, index_t Out = dyn, ElementType T = float, bool HasBias = true>
 class Dense : public Cell<Dense<In, Out, T, HasBias>, CONTEXT_MODE, T>, public detail::DenseParameters<T, HasBias> {
   static_assert(In == dyn || In > 0, "nn::Dense<In, Out>: In must be positive (or duet::dyn)");
   static_assert(Out == dyn || Out > 0, "nn::Dense<In, Out>: Out must be positive (or duet::dyn)");
 
  public:
+  using runtime_type = Dense;
   static constexpr index_t in_static = In;
   static constexpr index_t out_static = Out;
   static constexpr bool has_bias = HasBias;
@@ -346,10 +361,17 @@ class Dense : public Cell<Dense<In, Out, T, HasBias>, CONTEXT_MODE, T>, public d
   // nn::Dense<784, 512> fc{{.weight_init = initializer::HeNormal{}, .bias_init = initializer::Zero{}}};
   explicit Dense(Options options) requires(In != dyn && Out != dyn) : Dense(In, Out, std::move(options)) {}
 
-  Dense(index_t in_channels, index_t out_channels, Options options = {}) : in_(in_channels), out_(out_channels) {
-    detail::initialize_dense<T, HasBias>(*this, *this, {In, Out}, {in_channels, out_channels}, options);
+  Dense(index_t in_channels, index_t out_channels, Options options = {})
+      : Dense(in_channels, out_channels, std::move(options), {In, Out}) {}
+
+ protected:
+  // A Dense<In, Out>'s: sized holds the sizes its type fixes, which it checks and is named by.
+  Dense(index_t in_channels, index_t out_channels, Options options, std::array<index_t, 2> sized)
+      : in_(in_channels), out_(out_channels), sized_(sized) {
+    detail::initialize_dense<T, HasBias>(*this, *this, sized, {in_channels, out_channels}, options);
   }
 
+ public:
   index_t in_channels() const {
     if constexpr (In != dyn)
       return In;
@@ -365,15 +387,22 @@ class Dense : public Cell<Dense<In, Out, T, HasBias>, CONTEXT_MODE, T>, public d
 
   template <class X>
   auto construct(X&& x) {
-    if constexpr (HasBias) return apply(ops::BiasAddOp<Dense>{this}, apply(ops::MatMulOp<Dense>{this}, std::forward<X>(x)));
-    else return apply(ops::MatMulOp<Dense>{this}, std::forward<X>(x));
+    return captured_as(this, std::forward<X>(x));
   }
 
   std::string type_name() const override {
-    std::string s = "nn::Dense<" + size_name(In) + ", " + size_name(Out);
+    std::string s = "nn::Dense<" + size_name(sized_[0]) + ", " + size_name(sized_[1]);
     if constexpr (!std::is_same_v<T, float> || !HasBias) s += ", " + std::string(name_of(dtype_of<T>));
     if constexpr (!HasBias) s += ", no bias";
     return s + ">";
+  }
+
+ protected:
+  // The operations of a Dense typed on layer: this one, or a Dense<In, Out> deriving from it.
+  template <class Layer, class X>
+  static auto captured_as(Layer* layer, X&& x) {
+    if constexpr (HasBias) return apply(ops::BiasAddOp<Layer>{layer}, apply(ops::MatMulOp<Layer>{layer}, std::forward<X>(x)));
+    else return apply(ops::MatMulOp<Layer>{layer}, std::forward<X>(x));
   }
 
  private:
@@ -381,6 +410,29 @@ class Dense : public Cell<Dense<In, Out, T, HasBias>, CONTEXT_MODE, T>, public d
 
   index_t in_;
   index_t out_;
+  std::array<index_t, 2> sized_;
+};
+
+template <index_t In, index_t Out, ElementType T, bool HasBias>
+  requires(In > 0 && Out > 0 && !backend::dense_depends_on_sizes<DefaultBackend, In, Out, T>())
+class Dense<In, Out, T, HasBias> : public SizedLayer<Dense<In, Out, T, HasBias>, Dense<dyn, dyn, T, HasBias>> {
+  using Runtime = Dense<dyn, dyn, T, HasBias>;
+  using Sized = SizedLayer<Dense, Runtime>;
+
+ public:
+  static constexpr index_t in_static = In;
+  static constexpr index_t out_static = Out;
+  using Options = DenseOptions<T>;
+
+  Dense() : Dense(In, Out) {}
+  explicit Dense(Options options) : Dense(In, Out, std::move(options)) {}
+  Dense(index_t in_channels, index_t out_channels, Options options = {})
+      : Sized(in_channels, out_channels, std::move(options), {In, Out}) {}
+
+  template <graph::Symbolic S>
+  auto sized_construct(const S& x) {
+    return Runtime::captured_as(this, x);
+  }
 };
 
 }  // namespace nn
