@@ -181,6 +181,11 @@ TEST_CASE("nn::Conv2d, nn::Conv1d: weight and bias gradients match finite differ
   check_parameter_gradients(depthwise, {2, 3, 4, 5});
   Conv1dD one_d(2, 3, 3, {.stride = 2, .pad_mode = PadMode::valid, .has_bias = true});
   check_parameter_gradients(one_d, {3, 2, 9});
+  // Few input channels at stride 1: the direct convolution (kernels::direct_convolution).
+  Conv2dD first_layer(1, 5, 5, {.pad_mode = PadMode::pad, .padding = 2, .has_bias = true});
+  check_parameter_gradients(first_layer, {3, 1, 6, 7});
+  Conv1dD first_1d(2, 3, 4, {.pad_mode = PadMode::same});
+  check_parameter_gradients(first_1d, {2, 2, 11});
 }
 
 TEST_CASE("nn::Conv2d: static shapes through stride, padding, dilation and pad_mode, in the output's type") {

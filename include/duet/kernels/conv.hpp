@@ -10,7 +10,9 @@
 //   backward, weight  dw[out_g, depth] += dy[out_g, P] · colᵀ                gemm
 //   backward, data    dcol[depth, P]   = wᵀ[depth, out_g] · dy, then col2im  gemm_kn
 // All three are duet's packed GEMM (kernels/gemm.hpp, through the backend's dense() and
-// matmul()), which runs per instruction set: gemm when both operands have the sum's index
+// matmul()), except the forward and the weight's gradient of layers of few input channels,
+// which the direct convolution below computes from a padded copy of each sample. The GEMM runs
+// per instruction set: gemm when both operands have the sum's index
 // innermost (dy's rows and col's rows for the weight), gemm_kn when the right one has it
 // outermost (col for the forward, dy for the data), packing its panels from rows rather than
 // columns. Only wᵀ, out · depth numbers, is copied, once per call; y and dx come out NCHW.
@@ -37,6 +39,28 @@
 #include <Eigen/Core>
 
 #include "../shape.hpp"
+#include "simd/arch.hpp"
+#include "simd/dispatch.hpp"
+#include "simd/isa.hpp"
+
+// The direct convolution once per instruction set, each in its namespace and target region.
+namespace duet::kernels::detail::baseline {
+#include "detail/conv_impl.hpp"
+}  // namespace duet::kernels::detail::baseline
+
+#if DUET_X86_KERNELS
+DUET_BEGIN_AVX2
+namespace duet::kernels::detail::avx2 {
+#include "detail/conv_impl.hpp"
+}  // namespace duet::kernels::detail::avx2
+DUET_END_ISA
+
+DUET_BEGIN_AVX512
+namespace duet::kernels::detail::avx512 {
+#include "detail/conv_impl.hpp"
+}  // namespace duet::kernels::detail::avx512
+DUET_END_ISA
+#endif
 
 namespace duet::kernels {
 
@@ -219,12 +243,88 @@ void flipped_weight(const ConvProblem& q, const T* w, T* wt) {
   }
 }
 
-// y[c, p] += bias[c] for the `channels` planes of `pixels` values of one sample.
+// ---- Direct convolution --------------------------------------------------------------------
+//
+// Layers of few input channels at stride 1 (LeNet-5's first, 1 -> 6, 5x5): their patches are
+// depth = in · kh · kw rows of every output pixel, the image copied kh · kw times, and the
+// products on them are short (6 rows of 25 for LeNet's conv1), so im2col, the GEMM's packing
+// and its narrow tiles cost more than the multiply-adds. Here each sample is copied once into
+// zero-padded planes (direct_padded) and the forward and the weight's gradient read it in
+// place, vectors along output rows (detail/conv_impl.hpp). The data gradient keeps the
+// products (a first layer has none to take).
+inline bool direct_convolution(const ConvProblem& q) {
+  return q.groups == 1 && q.stride_h == 1 && q.stride_w == 1 && q.dilation_h == 1 && q.dilation_w == 1 &&
+         q.in <= 2;
+}
+
+// The padded copy of one sample: in planes of `rows` rows, `pitch` elements apart, wide enough
+// for two whole vectors of the widest set past any output's taps.
+struct DirectLayout {
+  index_t pitch = 0;
+  index_t rows = 0;
+  constexpr index_t plane() const { return pitch * rows; }
+};
+
+template <class T>
+DirectLayout direct_layout(const ConvProblem& q) {
+  constexpr index_t widest = 64 / sizeof(T);
+  return {(q.out_width + 2 * widest - 1) / (2 * widest) * (2 * widest) + q.kernel_w - 1, q.out_height + q.kernel_h - 1};
+}
+
+// Elements of direct_weight_gradient's partial sums: a vector of the widest set per weight.
+template <class T>
+index_t direct_partial_size(const ConvProblem& q) {
+  return q.out * q.depth() * (64 / static_cast<index_t>(sizeof(T)));
+}
+
+// xp = one sample's x ([in, H, W]) in direct_layout's planes, zero around it.
+template <class T>
+void direct_padded(const ConvProblem& q, const T* x, T* xp) {
+  const DirectLayout l = direct_layout<T>(q);
+  std::fill_n(xp, q.in * l.plane(), T(0));
+  const index_t width = std::min(q.width, l.pitch - q.pad_left);
+  for (index_t c = 0; c < q.in; ++c) {
+    for (index_t h = 0; h < q.height && q.pad_top + h < l.rows; ++h) {
+      std::copy_n(x + (c * q.height + h) * q.width, width, xp + c * l.plane() + (q.pad_top + h) * l.pitch + q.pad_left);
+    }
+  }
+}
+
+// y = conv(x, w) for one sample ([out, OH, OW]) from its padded copy: each output's taps in
+// (c, a, b) order from zero, one multiply-add each (fused where the set has FMA).
+template <class T>
+void direct_convolve(Isa isa, const ConvProblem& q, const T* xp, const T* w, T* y) {
+  const DirectLayout l = direct_layout<T>(q);
+  detail::with_target(isa, [&](auto target) {
+    direct_conv_step(target, xp, l.pitch, l.plane(), w, q.in, q.out, q.kernel_h, q.kernel_w, q.out_height, q.out_width, y);
+  });
+}
+
+// One sample's part of the weight's gradient, added into partial (direct_partial_size
+// elements, zero before the first sample): per weight a vector of sums, lane i over the output
+// columns i, i + L, ... The lanes are added in order by direct_weight_sums once all the
+// samples are in, under the same isa.
+template <class T>
+void direct_weight_gradient(Isa isa, const ConvProblem& q, const T* xp, const T* dy, T* partial) {
+  const DirectLayout l = direct_layout<T>(q);
+  detail::with_target(isa, [&](auto target) {
+    direct_weight_step(target, xp, l.pitch, l.plane(), dy, q.in, q.out, q.kernel_h, q.kernel_w, q.out_height,
+                       q.out_width, partial);
+  });
+}
+
+template <class T>
+void direct_weight_sums(Isa isa, const ConvProblem& q, const T* partial, T* dw, bool accumulate) {
+  detail::with_target(isa, [&](auto target) { direct_weight_sums_step(target, partial, q.out * q.depth(), dw, accumulate); });
+}
+
+// y[c, p] += bias[c] for the `channels` planes of `pixels` values of one sample, plane by
+// plane: Eigen's colwise() on the row-major planes went down the columns, a stride of a plane
+// per element (a third of LeNet-5's first convolution's time).
 template <class T>
 void add_channel_bias(T* y, index_t channels, index_t pixels, const T* bias) {
-  using Planes = ::Eigen::Array<T, ::Eigen::Dynamic, ::Eigen::Dynamic, ::Eigen::RowMajor>;
-  ::Eigen::Map<Planes> Y(y, channels, pixels);
-  Y.colwise() += ::Eigen::Map<const ::Eigen::Array<T, ::Eigen::Dynamic, 1>>(bias, channels);
+  using Plane = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
+  for (index_t c = 0; c < channels; ++c) ::Eigen::Map<Plane>(y + c * pixels, pixels) += bias[c];
 }
 
 // db[c] (+)= Σ_p dy[c, p] over the `channels` planes of one sample.

@@ -39,8 +39,16 @@
 //   LeNet conv1, 1->6 5x5 pad 2, batch 64:   2.0 / 8.7 to 32 / 1.5 ms
 //   LeNet conv2, 6->16 5x5, batch 64:        1.4 / 29 to 65 / 1.6 to 1.9 ms
 //   3x3 64->64 pad 1 on 28x28, batch 32:     111 to 291 / 1096 to 3263 / 101 to 333 ms
-// Direct convolution loses even at one input channel, so there is no direct path. With
-// patches one pixel to a row, im2col and col2im took 36% of the 3x3 layer's forward+backward
+// Those direct loops lost even at one input channel; the direct convolution duet has now
+// (kernels/conv.hpp, direct_convolution) holds a tile of 6 output channels by two vectors of an
+// output row in registers, per instruction set, and takes layers of at most 2 input channels
+// at stride 1: LeNet conv1's forward 0.73 -> 0.13 ms (g++ -O2, AVX-512 Zen 5, one thread,
+// 2026-12-04), and its training step at batch 64 with the pooling and ReLU-gradient kernels
+// (kernels/pool.hpp, kernels::map_grad) 8.9 -> 3.4 ms. Its forward alone beat im2col + GEMM up
+// to 16 input channels on 28x28 (16 -> 16 3x3: 1.0 against 2.0 ms at batch 32), but not on
+// narrow rows (16 -> 32 on 14x14: 0.94 against 0.82) nor at 64 channels (24 against 17), and
+// LeNet's conv2 (6 -> 16, rows of 10) through the direct weight gradient made the step slower
+// (4.4 against 3.4 ms). With patches one pixel to a row, im2col and col2im took 36% of the 3x3 layer's forward+backward
 // (122 ms, Eigen's gradient products 38 ms of it). Patches one tap to a row (copies of input
 // rows) with the products on duet's GEMM (gemm_kn packing the patches' panels from their rows)
 // brought it, in the benchmark binary (benchmarks/conv.cpp, same load), to 25.9 ms forward
@@ -204,10 +212,18 @@ void convolve(const ConvGeometry& g, const graph::KernelArgs& a, const T* w, con
   const T* x = a.in<T>();
   T* y = a.out<T>();
   const index_t og = q.out_per_group();
+  const bool direct = kernels::direct_convolution(q);
+  const kernels::Isa isa = kernels::active_isa();
   duet::detail::Storage storage;
-  T* col = scratch<T>(storage, q.depth() * q.pixels());
+  // A sample's padded copy (direct), or a group's patches.
+  T* col = direct ? scratch<T>(storage, q.in * kernels::direct_layout<T>(q).plane())
+                  : scratch<T>(storage, q.depth() * q.pixels());
   for (index_t n = 0; n < q.batch; ++n) {
-    for (index_t gr = 0; gr < q.groups; ++gr) {
+    if (direct) {
+      kernels::direct_padded(q, x + n * q.in * q.image(), col);
+      kernels::direct_convolve(isa, q, col, w, y + n * q.out * q.pixels());
+    }
+    for (index_t gr = 0; gr < q.groups && !direct; ++gr) {
       kernels::im2col(q, x + (n * q.in + gr * q.in_per_group()) * q.image(), col);
       T* yg = y + (n * q.out + gr * og) * q.pixels();
       Backend::matmul(w + gr * og * q.depth(), og, q.depth(), col, q.pixels(), yg);
@@ -264,12 +280,20 @@ void conv_gradient(const Runtime* layer, const graph::KernelArgs& a, bool input_
   // gradient wᵀ · dy added back by col2im.
   const bool convolve_dx = dx != nullptr && kernels::has_data_gradient_convolution(q);
   const kernels::ConvProblem t = convolve_dx ? kernels::data_gradient_convolution(q) : q;
-  duet::detail::Storage col_storage, sample_storage, wt_storage;
+  const bool direct = kernels::direct_convolution(q);
+  const kernels::Isa isa = kernels::active_isa();
+  duet::detail::Storage col_storage, sample_storage, wt_storage, padded_storage;
   // The patches of x, then (once the weight's gradient has read them) those of dy or the
   // patches' gradient.
-  T* col = detail::scratch<T>(col_storage, std::max(q.depth() * q.pixels(), t.depth() * t.pixels()));
-  // One sample's part of a group's weight gradient, added to those before it.
-  T* dw_sample = detail::scratch<T>(sample_storage, weights);
+  T* col = !direct || dx != nullptr
+               ? detail::scratch<T>(col_storage, std::max(q.depth() * q.pixels(), t.depth() * t.pixels()))
+               : nullptr;
+  // One sample's part of a group's weight gradient, added to those before it; for the direct
+  // convolution, the weight gradient's partial sums over every sample.
+  T* dw_sample = direct ? detail::scratch<T>(sample_storage, kernels::direct_partial_size<T>(q))
+                        : detail::scratch<T>(sample_storage, weights);
+  if (direct) std::fill_n(dw_sample, kernels::direct_partial_size<T>(q), T(0));
+  T* padded = direct ? detail::scratch<T>(padded_storage, q.in * kernels::direct_layout<T>(q).plane()) : nullptr;
   // Each group's weight as the data gradient's product reads it: flipped, or as [depth, out_g].
   T* wt = dx != nullptr ? detail::scratch<T>(wt_storage, q.groups * weights) : nullptr;
   if (convolve_dx) {
@@ -283,10 +307,15 @@ void conv_gradient(const Runtime* layer, const graph::KernelArgs& a, bool input_
       const T* dyg = dy + (n * q.out + g * og) * q.pixels();
       const index_t xg = (n * q.in + g * q.in_per_group()) * q.image();
       T* dwg = dw + g * weights;
-      kernels::im2col(q, x + xg, col);
-      const bool add = accumulate_w || n > 0;
-      Backend::template dense<dyn, dyn>(dyg, og, q.pixels(), col, q.depth(), Epilogue<T>{}, add ? dw_sample : dwg);
-      if (add) std::transform(dwg, dwg + weights, dw_sample, dwg, std::plus<T>{});
+      if (direct) {
+        kernels::direct_padded(q, x + xg, padded);
+        kernels::direct_weight_gradient(isa, q, padded, dyg, dw_sample);
+      } else {
+        kernels::im2col(q, x + xg, col);
+        const bool add = accumulate_w || n > 0;
+        Backend::template dense<dyn, dyn>(dyg, og, q.pixels(), col, q.depth(), Epilogue<T>{}, add ? dw_sample : dwg);
+        if (add) std::transform(dwg, dwg + weights, dw_sample, dwg, std::plus<T>{});
+      }
       if (convolve_dx) {
         kernels::im2col(t, dyg, col);
         Backend::matmul(wt + g * weights, t.out, t.depth(), col, t.pixels(), dx + xg);
@@ -297,6 +326,7 @@ void conv_gradient(const Runtime* layer, const graph::KernelArgs& a, bool input_
     }
     if (db != nullptr) kernels::channel_sums(dy + n * q.out * q.pixels(), q.out, q.pixels(), db, accumulate_b || n > 0);
   }
+  if (direct) kernels::direct_weight_sums(isa, q, dw_sample, dw, accumulate_w);
   if (q.batch == 0) {
     if (!accumulate_w) std::fill_n(dw, layer->weight.numel(), T(0));
     if (db != nullptr && !accumulate_b) std::fill_n(db, q.out, T(0));
