@@ -3,8 +3,12 @@
 // does not cover: the argmax's tie-breaking and NaN, shapes at compile time and run time,
 // MindSpore's defaults, and the layers in a network in both modes.
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <memory>
+#include <random>
+#include <utility>
+#include <vector>
 
 #include "ops_harness.hpp"
 
@@ -186,6 +190,61 @@ TEST_CASE("max_pool2d: windows that tile the input keep the first maximal elemen
     CAPTURE(i);
     CHECK(eager.data()[i] == expected);
     CHECK(graph.data()[i] == expected);
+  }
+}
+
+namespace {
+// kernels::max_pool_2x2 and its gradient against plain loops over the rules ops/pool.hpp
+// states, bit for bit: ties, NaNs and -0 among random values, rows and columns no window covers.
+template <class T>
+void check_max_pool_2x2(index_t planes, index_t H, index_t W) {
+  CAPTURE(H);
+  CAPTURE(W);
+  const index_t OH = H / 2, OW = W / 2;
+  std::mt19937 gen(static_cast<unsigned>(H * 100 + W));
+  const T values[] = {T(-1), T(-0.0), T(0), T(1), T(2), std::numeric_limits<T>::quiet_NaN()};
+  std::vector<T> x(static_cast<std::size_t>(planes * H * W)), dy(static_cast<std::size_t>(planes * OH * OW));
+  for (T& v : x) v = values[gen() % (gen() % 9 == 0 ? 6 : 5)];
+  for (T& v : dy) v = values[gen() % 5];
+  std::vector<T> y_ref(dy.size()), dx_ref(x.size(), T(0));
+  for (index_t p = 0; p < planes; ++p) {
+    for (index_t oh = 0; oh < OH; ++oh) {
+      for (index_t ow = 0; ow < OW; ++ow) {
+        T tap[4];
+        index_t where[4];
+        for (int t = 0; t < 4; ++t) {
+          where[t] = (p * H + 2 * oh + t / 2) * W + 2 * ow + t % 2;
+          tap[t] = x[static_cast<std::size_t>(where[t])];
+        }
+        T value = tap[0], best = tap[0];
+        int at = 0;
+        for (int t = 1; t < 4; ++t) {
+          if (tap[t] > value || std::isnan(tap[t])) value = tap[t];  // the forward: the last NaN
+          if (tap[t] > best || (std::isnan(tap[t]) && !std::isnan(best))) {  // the gradient: the first
+            best = tap[t];
+            at = t;
+          }
+        }
+        const auto o = static_cast<std::size_t>((p * OH + oh) * OW + ow);
+        y_ref[o] = value;
+        dx_ref[static_cast<std::size_t>(where[at])] = T(0) + dy[o];
+      }
+    }
+  }
+  duet_test::for_each_isa([&] {
+    std::vector<T> y(y_ref.size()), dx(dx_ref.size(), T(7));
+    duet::kernels::max_pool_2x2(x.data(), planes, H, W, OH, OW, y.data());
+    duet::kernels::max_pool_2x2_backward(dy.data(), x.data(), planes, H, W, OH, OW, dx.data());
+    CHECK(std::memcmp(y.data(), y_ref.data(), y.size() * sizeof(T)) == 0);
+    CHECK(std::memcmp(dx.data(), dx_ref.data(), dx.size() * sizeof(T)) == 0);
+  });
+}
+}  // namespace
+
+TEST_CASE_TEMPLATE("max_pool2d 2x2 at stride 2: each instruction set's kernels give the rules' bits" * duet_test::every_isa,
+                   T, float, double) {
+  for (const auto& [h, w] : {std::pair<index_t, index_t>{28, 28}, {5, 37}, {10, 10}, {4, 70}, {2, 3}}) {
+    check_max_pool_2x2<T>(3, h, w);
   }
 }
 
