@@ -215,6 +215,31 @@ TEST_CASE_TEMPLATE("kernels::map applies the functions' vector form, in place or
   }
 }
 
+// ReLU's gradient in registers (backend::Native::map_grad): Eigen's select's bits, the
+// backend's other path, for NaN, -0 and zero outputs and any tail; in place or not.
+TEST_CASE_TEMPLATE("kernels::map_grad gives the bits of Eigen's select" * duet_test::every_isa, T, float, double) {
+  static_assert(kernels::VectorGradient<fn::Relu, T>);
+  static_assert(!kernels::VectorGradient<fn::Sigmoid, T>);
+  std::mt19937 gen(4);
+  for (index_t n : {1, 3, 8, 17, 64, 100}) {
+    CAPTURE(n);
+    std::vector<T> y = random_values<T>(n, -1, 1, gen), dy = random_values<T>(n, -2, 2, gen);
+    y[0] = std::numeric_limits<T>::quiet_NaN();
+    if (n > 2) y[1] = T(-0.0), y[2] = T(0), dy[2] = T(-0.0);
+    std::vector<T> expected(y.size());
+    backend::Eigen::map_grad<fn::Relu>(dy.data(), y.data(), n, expected.data());
+    duet_test::for_each_isa([&] {
+      std::vector<T> dx(y.size() + 1, T(7));
+      kernels::map_grad<fn::Relu>(dy.data(), y.data(), n, dx.data());
+      CHECK(std::memcmp(dx.data(), expected.data(), y.size() * sizeof(T)) == 0);
+      CHECK(dx.back() == T(7));
+      auto in_place = dy;
+      kernels::map_grad<fn::Relu>(in_place.data(), y.data(), n, in_place.data());
+      CHECK(std::memcmp(in_place.data(), expected.data(), y.size() * sizeof(T)) == 0);
+    });
+  }
+}
+
 // The gradient all-reduce's packing (distributed.hpp): each element one IEEE product, so the
 // bits of the scalar loop under every set, in place or not, nothing written past n.
 TEST_CASE_TEMPLATE("kernels::scale multiplies as the scalar loop does, in place or not" * duet_test::every_isa, T, float,

@@ -325,15 +325,16 @@ struct Eigen {
                                                     s.momentum != 0, s.nesterov, s.first_step});
   }
 
-  // dz = dy · Fn'(y) for a product's epilogue function, in `masked`; dy itself without one.
-  template <class T, class... Fns>
+  // dz = dy · Fn'(y) for a product's epilogue function, in `masked`, by Backend's map_grad;
+  // dy itself without one.
+  template <class Backend = Eigen, class T, class... Fns>
   static const T* masked_gradient(const DenseBackwardArgs<T>& a, const std::tuple<Fns...>& fns,
                                   duet::detail::Storage& masked) {
     static_assert(sizeof...(Fns) <= 1, "duet: a product's epilogue differentiates through one function at most");
     if constexpr (sizeof...(Fns) == 1) {
       masked = duet::detail::Storage(static_cast<std::size_t>(a.rows * a.out) * sizeof(T));
       T* m = reinterpret_cast<T*>(masked.data());
-      map_grad(std::get<0>(fns), a.dy, a.y, a.rows * a.out, m);
+      Backend::map_grad(std::get<0>(fns), a.dy, a.y, a.rows * a.out, m);
       return m;
     } else {
       return a.dy;
@@ -382,6 +383,18 @@ struct Native : Eigen {
     map(std::tuple<Fns...>{}, x, n, y);
   }
 
+  // map_grad() on the instruction set chosen at run time, for functions whose gradient has a
+  // vector form (fn::Relu's select: the same bits as Eigen's); the others go to Eigen.
+  template <class Fn, class T>
+  static void map_grad(const Fn& f, const T* dy, const T* y, index_t n, T* dx) {
+    if constexpr (kernels::VectorGradient<Fn, T>) kernels::map_grad<Fn>(dy, y, n, dx);
+    else Eigen::map_grad(f, dy, y, n, dx);
+  }
+  template <class Fn, class T>
+  static void map_grad(const T* dy, const T* y, index_t n, T* dx) {
+    map_grad(Fn{}, dy, y, n, dx);
+  }
+
   template <index_t In, index_t Out, class T, class... Fns>
   static void dense(const T* x, index_t rows, index_t in, const T* w, index_t out,
                     const Epilogue<T, Fns...>& epilogue, T* y) {
@@ -412,7 +425,7 @@ struct Native : Eigen {
       Eigen::dense_backward<In, Out>(a, fns);
     } else {
       duet::detail::Storage masked;
-      const T* dz = masked_gradient(a, fns, masked);
+      const T* dz = masked_gradient<Native>(a, fns, masked);
       duet::detail::Storage transposed(static_cast<std::size_t>(a.rows * a.out) * sizeof(T));
       T* dzt = reinterpret_cast<T*>(transposed.data());
       kernels::transpose(dz, a.rows, a.out, dzt);

@@ -93,4 +93,22 @@ void map(const T* x, index_t n, T* y) {
   detail::with_target(active_isa(), [&](auto target) { map_step<T, Fns...>(target, x, n, y); });
 }
 
+// A function whose gradient, from its output, the kernels can take in registers:
+// Fn::grad_in_place(dy, y) on a scalar and on a SIMD vector of the same element type.
+template <class Fn, class T>
+concept VectorGradient = VectorElement<T> && requires(T& s, detail::Vector<T, 16>& v16, detail::Vector<T, 32>& v32,
+                                                       detail::Vector<T, 64>& v64) {
+  Fn::grad_in_place(s, s);
+  Fn::grad_in_place(v16, v16);
+  Fn::grad_in_place(v32, v32);
+  Fn::grad_in_place(v64, v64);
+};
+
+// dx[i] = dy[i] · Fn'(x[i]), from y = Fn(x); dx may be dy.
+template <class Fn, class T>
+  requires VectorGradient<Fn, T>
+void map_grad(const T* dy, const T* y, index_t n, T* dx) {
+  detail::with_target(active_isa(), [&](auto target) { map_grad_step<T, Fn>(target, dy, y, n, dx); });
+}
+
 }  // namespace duet::kernels

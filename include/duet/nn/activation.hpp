@@ -57,6 +57,13 @@ struct Relu {
     using S = typename Y::Scalar;
     return (y <= S(0)).select(Y::Constant(y.rows(), y.cols(), S(0)), dy);
   }
+  // The same select on one value or one SIMD vector (kernels::map_grad), in place on dy as
+  // apply_in_place is on v. Eigen's select above runs one element at a time, with a branch:
+  // LeNet-5's two ReLU gradients were a quarter of its training step.
+  template <class V>
+  static void grad_in_place(V& dy, const V& y) {
+    dy = y <= V{} ? V{} : dy;
+  }
 };
 
 // The activations below have no vector form, so a product runs them as the map kernel after

@@ -99,3 +99,13 @@ void map_step(Target, const T* x, index_t n, T* y) {
     store_lanes<T>(y + i, v, count);
   }
 }
+
+template <class T, class Fn>
+void map_grad_step(Target, const T* dy, const T* y, index_t n, T* dx) {
+  for (index_t i = 0; i < n; i += lanes<T>) {
+    const int count = lanes_from<T>(i, n);
+    Vec<T> d = load_lanes(dy + i, count);
+    Fn::grad_in_place(d, load_lanes(y + i, count));
+    store_lanes<T>(dx + i, d, count);
+  }
+}
