@@ -761,11 +761,13 @@ Vec<T> sqrt(Vec<T> v) {
 // argument-dependent lookup.
 struct Target {};
 
+// x in every lane, as one broadcast: x - (+0) is x for every x, -0 and NaN included, so the
+// compilers fold the subtraction away. The loop over the lanes it replaces became masked
+// broadcasts and blends under g++ 12 -O3 -march=native (AVX-512), and pushed the direct
+// convolution's tile out of the registers.
 template <class T>
 Vec<T> splat(T x) {
-  Vec<T> v;
-  for (int i = 0; i < lanes<T>; ++i) v[i] = x;
-  return v;
+  return x - Vec<T>{};
 }
 
 // Lane i holds i.
@@ -980,11 +982,13 @@ Vec<T> sqrt(Vec<T> v) {
 // argument-dependent lookup.
 struct Target {};
 
+// x in every lane, as one broadcast: x - (+0) is x for every x, -0 and NaN included, so the
+// compilers fold the subtraction away. The loop over the lanes it replaces became masked
+// broadcasts and blends under g++ 12 -O3 -march=native (AVX-512), and pushed the direct
+// convolution's tile out of the registers.
 template <class T>
 Vec<T> splat(T x) {
-  Vec<T> v;
-  for (int i = 0; i < lanes<T>; ++i) v[i] = x;
-  return v;
+  return x - Vec<T>{};
 }
 
 // Lane i holds i.
@@ -1189,11 +1193,13 @@ Vec<T> sqrt(Vec<T> v) {
 // argument-dependent lookup.
 struct Target {};
 
+// x in every lane, as one broadcast: x - (+0) is x for every x, -0 and NaN included, so the
+// compilers fold the subtraction away. The loop over the lanes it replaces became masked
+// broadcasts and blends under g++ 12 -O3 -march=native (AVX-512), and pushed the direct
+// convolution's tile out of the registers.
 template <class T>
 Vec<T> splat(T x) {
-  Vec<T> v;
-  for (int i = 0; i < lanes<T>; ++i) v[i] = x;
-  return v;
+  return x - Vec<T>{};
 }
 
 // Lane i holds i.
@@ -2769,6 +2775,16 @@ void map_step(Target, const T* x, index_t n, T* y) {
     store_lanes<T>(y + i, v, count);
   }
 }
+
+template <class T, class Fn>
+void map_grad_step(Target, const T* dy, const T* y, index_t n, T* dx) {
+  for (index_t i = 0; i < n; i += lanes<T>) {
+    const int count = lanes_from<T>(i, n);
+    Vec<T> d = load_lanes(dy + i, count);
+    Fn::grad_in_place(d, load_lanes(y + i, count));
+    store_lanes<T>(dx + i, d, count);
+  }
+}
 }  // namespace duet::kernels::detail::baseline
 
 #if DUET_X86_KERNELS
@@ -2873,6 +2889,16 @@ void map_step(Target, const T* x, index_t n, T* y) {
     Vec<T> v = load_lanes(x + i, count);
     apply_all<Vec<T>, Fns...>(v);
     store_lanes<T>(y + i, v, count);
+  }
+}
+
+template <class T, class Fn>
+void map_grad_step(Target, const T* dy, const T* y, index_t n, T* dx) {
+  for (index_t i = 0; i < n; i += lanes<T>) {
+    const int count = lanes_from<T>(i, n);
+    Vec<T> d = load_lanes(dy + i, count);
+    Fn::grad_in_place(d, load_lanes(y + i, count));
+    store_lanes<T>(dx + i, d, count);
   }
 }
 }  // namespace duet::kernels::detail::avx2
@@ -2981,6 +3007,16 @@ void map_step(Target, const T* x, index_t n, T* y) {
     store_lanes<T>(y + i, v, count);
   }
 }
+
+template <class T, class Fn>
+void map_grad_step(Target, const T* dy, const T* y, index_t n, T* dx) {
+  for (index_t i = 0; i < n; i += lanes<T>) {
+    const int count = lanes_from<T>(i, n);
+    Vec<T> d = load_lanes(dy + i, count);
+    Fn::grad_in_place(d, load_lanes(y + i, count));
+    store_lanes<T>(dx + i, d, count);
+  }
+}
 }  // namespace duet::kernels::detail::avx512
 DUET_END_ISA
 #endif
@@ -3038,6 +3074,24 @@ template <class... Fns, class T>
   requires gemm_supports<T, Fns...>
 void map(const T* x, index_t n, T* y) {
   detail::with_target(active_isa(), [&](auto target) { map_step<T, Fns...>(target, x, n, y); });
+}
+
+// A function whose gradient, from its output, the kernels can take in registers:
+// Fn::grad_in_place(dy, y) on a scalar and on a SIMD vector of the same element type.
+template <class Fn, class T>
+concept VectorGradient = VectorElement<T> && requires(T& s, detail::Vector<T, 16>& v16, detail::Vector<T, 32>& v32,
+                                                       detail::Vector<T, 64>& v64) {
+  Fn::grad_in_place(s, s);
+  Fn::grad_in_place(v16, v16);
+  Fn::grad_in_place(v32, v32);
+  Fn::grad_in_place(v64, v64);
+};
+
+// dx[i] = dy[i] · Fn'(x[i]), from y = Fn(x); dx may be dy.
+template <class Fn, class T>
+  requires VectorGradient<Fn, T>
+void map_grad(const T* dy, const T* y, index_t n, T* dx) {
+  detail::with_target(active_isa(), [&](auto target) { map_grad_step<T, Fn>(target, dy, y, n, dx); });
 }
 
 }  // namespace duet::kernels
@@ -4441,15 +4495,16 @@ struct Eigen {
                                                     s.momentum != 0, s.nesterov, s.first_step});
   }
 
-  // dz = dy · Fn'(y) for a product's epilogue function, in `masked`; dy itself without one.
-  template <class T, class... Fns>
+  // dz = dy · Fn'(y) for a product's epilogue function, in `masked`, by Backend's map_grad;
+  // dy itself without one.
+  template <class Backend = Eigen, class T, class... Fns>
   static const T* masked_gradient(const DenseBackwardArgs<T>& a, const std::tuple<Fns...>& fns,
                                   duet::detail::Storage& masked) {
     static_assert(sizeof...(Fns) <= 1, "duet: a product's epilogue differentiates through one function at most");
     if constexpr (sizeof...(Fns) == 1) {
       masked = duet::detail::Storage(static_cast<std::size_t>(a.rows * a.out) * sizeof(T));
       T* m = reinterpret_cast<T*>(masked.data());
-      map_grad(std::get<0>(fns), a.dy, a.y, a.rows * a.out, m);
+      Backend::map_grad(std::get<0>(fns), a.dy, a.y, a.rows * a.out, m);
       return m;
     } else {
       return a.dy;
@@ -4498,6 +4553,18 @@ struct Native : Eigen {
     map(std::tuple<Fns...>{}, x, n, y);
   }
 
+  // map_grad() on the instruction set chosen at run time, for functions whose gradient has a
+  // vector form (fn::Relu's select: the same bits as Eigen's); the others go to Eigen.
+  template <class Fn, class T>
+  static void map_grad(const Fn& f, const T* dy, const T* y, index_t n, T* dx) {
+    if constexpr (kernels::VectorGradient<Fn, T>) kernels::map_grad<Fn>(dy, y, n, dx);
+    else Eigen::map_grad(f, dy, y, n, dx);
+  }
+  template <class Fn, class T>
+  static void map_grad(const T* dy, const T* y, index_t n, T* dx) {
+    map_grad(Fn{}, dy, y, n, dx);
+  }
+
   template <index_t In, index_t Out, class T, class... Fns>
   static void dense(const T* x, index_t rows, index_t in, const T* w, index_t out,
                     const Epilogue<T, Fns...>& epilogue, T* y) {
@@ -4528,7 +4595,7 @@ struct Native : Eigen {
       Eigen::dense_backward<In, Out>(a, fns);
     } else {
       duet::detail::Storage masked;
-      const T* dz = masked_gradient(a, fns, masked);
+      const T* dz = masked_gradient<Native>(a, fns, masked);
       duet::detail::Storage transposed(static_cast<std::size_t>(a.rows * a.out) * sizeof(T));
       T* dzt = reinterpret_cast<T*>(transposed.data());
       kernels::transpose(dz, a.rows, a.out, dzt);
@@ -15026,6 +15093,13 @@ struct Relu {
     using S = typename Y::Scalar;
     return (y <= S(0)).select(Y::Constant(y.rows(), y.cols(), S(0)), dy);
   }
+  // The same select on one value or one SIMD vector (kernels::map_grad), in place on dy as
+  // apply_in_place is on v. Eigen's select above runs one element at a time, with a branch:
+  // LeNet-5's two ReLU gradients were a quarter of its training step.
+  template <class V>
+  static void grad_in_place(V& dy, const V& y) {
+    dy = y <= V{} ? V{} : dy;
+  }
 };
 
 // The activations below have no vector form, so a product runs them as the map kernel after
@@ -19681,8 +19755,16 @@ using duet::operator/;
 //   LeNet conv1, 1->6 5x5 pad 2, batch 64:   2.0 / 8.7 to 32 / 1.5 ms
 //   LeNet conv2, 6->16 5x5, batch 64:        1.4 / 29 to 65 / 1.6 to 1.9 ms
 //   3x3 64->64 pad 1 on 28x28, batch 32:     111 to 291 / 1096 to 3263 / 101 to 333 ms
-// Direct convolution loses even at one input channel, so there is no direct path. With
-// patches one pixel to a row, im2col and col2im took 36% of the 3x3 layer's forward+backward
+// Those direct loops lost even at one input channel; the direct convolution duet has now
+// (kernels/conv.hpp, direct_convolution) holds a tile of 6 output channels by two vectors of an
+// output row in registers, per instruction set, and takes layers of at most 2 input channels
+// at stride 1: LeNet conv1's forward 0.73 -> 0.13 ms (g++ -O2, AVX-512 Zen 5, one thread,
+// 2026-12-04), and its training step at batch 64 with the pooling and ReLU-gradient kernels
+// (kernels/pool.hpp, kernels::map_grad) 8.9 -> 3.4 ms. Its forward alone beat im2col + GEMM up
+// to 16 input channels on 28x28 (16 -> 16 3x3: 1.0 against 2.0 ms at batch 32), but not on
+// narrow rows (16 -> 32 on 14x14: 0.94 against 0.82) nor at 64 channels (24 against 17), and
+// LeNet's conv2 (6 -> 16, rows of 10) through the direct weight gradient made the step slower
+// (4.4 against 3.4 ms). With patches one pixel to a row, im2col and col2im took 36% of the 3x3 layer's forward+backward
 // (122 ms, Eigen's gradient products 38 ms of it). Patches one tap to a row (copies of input
 // rows) with the products on duet's GEMM (gemm_kn packing the patches' panels from their rows)
 // brought it, in the benchmark binary (benchmarks/conv.cpp, same load), to 25.9 ms forward
@@ -19718,7 +19800,9 @@ using duet::operator/;
 //   backward, weight  dw[out_g, depth] += dy[out_g, P] · colᵀ                gemm
 //   backward, data    dcol[depth, P]   = wᵀ[depth, out_g] · dy, then col2im  gemm_kn
 // All three are duet's packed GEMM (kernels/gemm.hpp, through the backend's dense() and
-// matmul()), which runs per instruction set: gemm when both operands have the sum's index
+// matmul()), except the forward and the weight's gradient of layers of few input channels,
+// which the direct convolution below computes from a padded copy of each sample. The GEMM runs
+// per instruction set: gemm when both operands have the sum's index
 // innermost (dy's rows and col's rows for the weight), gemm_kn when the right one has it
 // outermost (col for the forward, dy for the data), packing its panels from rows rather than
 // columns. Only wᵀ, out · depth numbers, is copied, once per call; y and dx come out NCHW.
@@ -19743,6 +19827,484 @@ using duet::operator/;
 
 #include <Eigen/Core>
 
+
+// The direct convolution once per instruction set, each in its namespace and target region.
+namespace duet::kernels::detail::baseline {
+// One instruction set's direct convolution (kernels/conv.hpp describes when it runs), written
+// on the set's Vec<T>, lanes<T>, load, store, load_first, store_first, fma (simd/arch.hpp) and
+// splat (simd/detail/math.hpp).
+// No include guard and no includes: conv.hpp includes it once per set, inside that set's
+// namespace and target region.
+//
+// Both loops read the sample's input from a padded copy (direct_padded in conv.hpp): planes of
+// `rows` rows `pitch` apart, zero around the image and far enough past each row's last output
+// for whole vectors, so no load needs a bound.
+
+// y[o, p] = Σ_(c, a, b) w[o, c, a, b] · xp[c, oh + a, ow + b] for `valid` (at most R) output
+// channels of one sample, p = oh · cols + ow: each output's taps in (c, a, b) order, one FMA
+// each, from zero. A tile is R channels by two vectors of an output row: 12 accumulators, a
+// row's two vectors and the weight's broadcast fit the 16 registers of every set. Past the
+// last channel the tile repeats it, computed but not stored, so one instantiation serves any
+// channel count. The loops over the tile have fixed trip counts and are unrolled by pragma, so
+// that every index of acc is a constant and acc stays in registers (gemm_impl.hpp's tile_step
+// says why: rolled, GCC kept acc in memory, a load and a store in each FMA's chain; here at
+// half the speed).
+inline constexpr int direct_tile_channels = 6;
+
+template <class T>
+[[gnu::noinline]] void direct_tile_rows(const T* xp, index_t pitch, index_t plane, const T* w, int valid, index_t in,
+                                        index_t kh, index_t kw, index_t rows, index_t cols, T* y) {
+  constexpr int L = lanes<T>;
+  constexpr int R = direct_tile_channels;
+  const index_t depth = in * kh * kw;
+  const index_t pixels = rows * cols;
+  const T* wr[R];
+  for (int r = 0; r < R; ++r) wr[r] = w + std::min(r, valid - 1) * depth;
+  for (index_t oh = 0; oh < rows; ++oh) {
+    for (index_t ow = 0; ow < cols; ow += 2 * L) {
+      Vec<T> acc[R][2] = {};
+      for (index_t c = 0; c < in; ++c) {
+        for (index_t a = 0; a < kh; ++a) {
+          const T* x = xp + c * plane + (oh + a) * pitch + ow;
+          const index_t tap = (c * kh + a) * kw;
+          for (index_t b = 0; b < kw; ++b) {
+            const Vec<T> x0 = load(x + b);
+            const Vec<T> x1 = load(x + b + L);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; ++r) {
+              const Vec<T> weight = splat<T>(wr[r][tap + b]);
+              acc[r][0] = fma<T>(weight, x0, acc[r][0]);
+              acc[r][1] = fma<T>(weight, x1, acc[r][1]);
+            }
+          }
+        }
+      }
+      const index_t first = std::min<index_t>(L, cols - ow);
+      const index_t second = std::min<index_t>(L, cols - ow - first);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        if (r >= valid) continue;
+        T* out = y + r * pixels + oh * cols + ow;
+        if (first == L) store<T>(out, acc[r][0]);
+        else store_first<T>(out, acc[r][0], static_cast<int>(first));
+        if (second == L) store<T>(out + L, acc[r][1]);
+        else if (second > 0) store_first<T>(out + L, acc[r][1], static_cast<int>(second));
+      }
+    }
+  }
+}
+
+template <class T>
+void direct_conv_step(Target, const T* xp, index_t pitch, index_t plane, const T* w, index_t in, index_t out,
+                      index_t kh, index_t kw, index_t rows, index_t cols, T* y) {
+  constexpr int R = direct_tile_channels;
+  const index_t depth = in * kh * kw;
+  for (index_t o = 0; o < out; o += R) {
+    direct_tile_rows(xp, pitch, plane, w + o * depth, static_cast<int>(std::min<index_t>(R, out - o)), in, kh, kw, rows,
+                     cols, y + o * rows * cols);
+  }
+}
+
+// partial[(o · depth + t) · L + lane] += Σ dy[o, oh, ow] · xp[c, oh + a, ow + b] for tap
+// t = (c, a, b), over the pixels of one sample whose ow is lane mod L: the weight gradient's
+// sums, a vector per weight, which direct_weight_sums_step folds once every sample is in. A
+// tile is two output channels (the second repeating the first past the last channel, not
+// stored) by four taps of a kernel row: 8 accumulators. dy's lanes past a row's end load as
+// zero, so the padded copy's values there add nothing. Unrolled by pragma as the forward is.
+template <class T>
+[[gnu::noinline]] void direct_weight_tile(const T* xp, index_t pitch, index_t plane, const T* dy, int valid, index_t in,
+                                          index_t kh, index_t kw, index_t rows, index_t cols, T* partial) {
+  constexpr int L = lanes<T>;
+  constexpr int R = 2;
+  constexpr int B = 4;
+  const index_t depth = in * kh * kw;
+  const index_t pixels = rows * cols;
+  const T* dr[R];
+  for (int r = 0; r < R; ++r) dr[r] = dy + std::min(r, valid - 1) * pixels;
+  for (index_t c = 0; c < in; ++c) {
+    for (index_t a = 0; a < kh; ++a) {
+      for (index_t b0 = 0; b0 < kw; b0 += B) {
+        const index_t count = std::min<index_t>(B, kw - b0);
+        const index_t tap = (c * kh + a) * kw + b0;
+        Vec<T> acc[R][B];
+#pragma GCC unroll 2
+        for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+          for (int j = 0; j < B; ++j) acc[r][j] = j < count ? load(partial + (r * depth + tap + j) * L) : Vec<T>{};
+        }
+        for (index_t oh = 0; oh < rows; ++oh) {
+          const T* x = xp + c * plane + (oh + a) * pitch + b0;
+          for (index_t ow = 0; ow < cols; ow += L) {
+            const index_t n = std::min<index_t>(L, cols - ow);
+            Vec<T> d[R];
+#pragma GCC unroll 2
+            for (int r = 0; r < R; ++r) {
+              const T* from = dr[r] + oh * cols + ow;
+              d[r] = n == L ? load(from) : load_first(from, static_cast<int>(n));
+            }
+#pragma GCC unroll 4
+            for (int j = 0; j < B; ++j) {
+              if (j < count) {
+                const Vec<T> xv = load(x + ow + j);
+#pragma GCC unroll 2
+                for (int r = 0; r < R; ++r) acc[r][j] = fma<T>(d[r], xv, acc[r][j]);
+              }
+            }
+          }
+        }
+#pragma GCC unroll 2
+        for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+          for (int j = 0; j < B; ++j) {
+            if (r < valid && j < count) store<T>(partial + (r * depth + tap + j) * L, acc[r][j]);
+          }
+        }
+      }
+    }
+  }
+}
+
+template <class T>
+void direct_weight_step(Target, const T* xp, index_t pitch, index_t plane, const T* dy, index_t in, index_t out,
+                        index_t kh, index_t kw, index_t rows, index_t cols, T* partial) {
+  const index_t depth = in * kh * kw;
+  for (index_t o = 0; o < out; o += 2) {
+    direct_weight_tile(xp, pitch, plane, dy + o * rows * cols, static_cast<int>(std::min<index_t>(2, out - o)), in, kh, kw,
+                       rows, cols, partial + o * depth * lanes<T>);
+  }
+}
+
+// dw[i] (+)= the sum of the lanes of partial's vector i, lane by lane in order, for `count` weights.
+template <class T>
+void direct_weight_sums_step(Target, const T* partial, index_t count, T* dw, bool accumulate) {
+  constexpr int L = lanes<T>;
+  for (index_t i = 0; i < count; ++i) {
+    T s = partial[i * L];
+    for (int lane = 1; lane < L; ++lane) s += partial[i * L + lane];
+    dw[i] = accumulate ? dw[i] + s : s;
+  }
+}
+}  // namespace duet::kernels::detail::baseline
+
+#if DUET_X86_KERNELS
+DUET_BEGIN_AVX2
+namespace duet::kernels::detail::avx2 {
+// One instruction set's direct convolution (kernels/conv.hpp describes when it runs), written
+// on the set's Vec<T>, lanes<T>, load, store, load_first, store_first, fma (simd/arch.hpp) and
+// splat (simd/detail/math.hpp).
+// No include guard and no includes: conv.hpp includes it once per set, inside that set's
+// namespace and target region.
+//
+// Both loops read the sample's input from a padded copy (direct_padded in conv.hpp): planes of
+// `rows` rows `pitch` apart, zero around the image and far enough past each row's last output
+// for whole vectors, so no load needs a bound.
+
+// y[o, p] = Σ_(c, a, b) w[o, c, a, b] · xp[c, oh + a, ow + b] for `valid` (at most R) output
+// channels of one sample, p = oh · cols + ow: each output's taps in (c, a, b) order, one FMA
+// each, from zero. A tile is R channels by two vectors of an output row: 12 accumulators, a
+// row's two vectors and the weight's broadcast fit the 16 registers of every set. Past the
+// last channel the tile repeats it, computed but not stored, so one instantiation serves any
+// channel count. The loops over the tile have fixed trip counts and are unrolled by pragma, so
+// that every index of acc is a constant and acc stays in registers (gemm_impl.hpp's tile_step
+// says why: rolled, GCC kept acc in memory, a load and a store in each FMA's chain; here at
+// half the speed).
+inline constexpr int direct_tile_channels = 6;
+
+template <class T>
+[[gnu::noinline]] void direct_tile_rows(const T* xp, index_t pitch, index_t plane, const T* w, int valid, index_t in,
+                                        index_t kh, index_t kw, index_t rows, index_t cols, T* y) {
+  constexpr int L = lanes<T>;
+  constexpr int R = direct_tile_channels;
+  const index_t depth = in * kh * kw;
+  const index_t pixels = rows * cols;
+  const T* wr[R];
+  for (int r = 0; r < R; ++r) wr[r] = w + std::min(r, valid - 1) * depth;
+  for (index_t oh = 0; oh < rows; ++oh) {
+    for (index_t ow = 0; ow < cols; ow += 2 * L) {
+      Vec<T> acc[R][2] = {};
+      for (index_t c = 0; c < in; ++c) {
+        for (index_t a = 0; a < kh; ++a) {
+          const T* x = xp + c * plane + (oh + a) * pitch + ow;
+          const index_t tap = (c * kh + a) * kw;
+          for (index_t b = 0; b < kw; ++b) {
+            const Vec<T> x0 = load(x + b);
+            const Vec<T> x1 = load(x + b + L);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; ++r) {
+              const Vec<T> weight = splat<T>(wr[r][tap + b]);
+              acc[r][0] = fma<T>(weight, x0, acc[r][0]);
+              acc[r][1] = fma<T>(weight, x1, acc[r][1]);
+            }
+          }
+        }
+      }
+      const index_t first = std::min<index_t>(L, cols - ow);
+      const index_t second = std::min<index_t>(L, cols - ow - first);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        if (r >= valid) continue;
+        T* out = y + r * pixels + oh * cols + ow;
+        if (first == L) store<T>(out, acc[r][0]);
+        else store_first<T>(out, acc[r][0], static_cast<int>(first));
+        if (second == L) store<T>(out + L, acc[r][1]);
+        else if (second > 0) store_first<T>(out + L, acc[r][1], static_cast<int>(second));
+      }
+    }
+  }
+}
+
+template <class T>
+void direct_conv_step(Target, const T* xp, index_t pitch, index_t plane, const T* w, index_t in, index_t out,
+                      index_t kh, index_t kw, index_t rows, index_t cols, T* y) {
+  constexpr int R = direct_tile_channels;
+  const index_t depth = in * kh * kw;
+  for (index_t o = 0; o < out; o += R) {
+    direct_tile_rows(xp, pitch, plane, w + o * depth, static_cast<int>(std::min<index_t>(R, out - o)), in, kh, kw, rows,
+                     cols, y + o * rows * cols);
+  }
+}
+
+// partial[(o · depth + t) · L + lane] += Σ dy[o, oh, ow] · xp[c, oh + a, ow + b] for tap
+// t = (c, a, b), over the pixels of one sample whose ow is lane mod L: the weight gradient's
+// sums, a vector per weight, which direct_weight_sums_step folds once every sample is in. A
+// tile is two output channels (the second repeating the first past the last channel, not
+// stored) by four taps of a kernel row: 8 accumulators. dy's lanes past a row's end load as
+// zero, so the padded copy's values there add nothing. Unrolled by pragma as the forward is.
+template <class T>
+[[gnu::noinline]] void direct_weight_tile(const T* xp, index_t pitch, index_t plane, const T* dy, int valid, index_t in,
+                                          index_t kh, index_t kw, index_t rows, index_t cols, T* partial) {
+  constexpr int L = lanes<T>;
+  constexpr int R = 2;
+  constexpr int B = 4;
+  const index_t depth = in * kh * kw;
+  const index_t pixels = rows * cols;
+  const T* dr[R];
+  for (int r = 0; r < R; ++r) dr[r] = dy + std::min(r, valid - 1) * pixels;
+  for (index_t c = 0; c < in; ++c) {
+    for (index_t a = 0; a < kh; ++a) {
+      for (index_t b0 = 0; b0 < kw; b0 += B) {
+        const index_t count = std::min<index_t>(B, kw - b0);
+        const index_t tap = (c * kh + a) * kw + b0;
+        Vec<T> acc[R][B];
+#pragma GCC unroll 2
+        for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+          for (int j = 0; j < B; ++j) acc[r][j] = j < count ? load(partial + (r * depth + tap + j) * L) : Vec<T>{};
+        }
+        for (index_t oh = 0; oh < rows; ++oh) {
+          const T* x = xp + c * plane + (oh + a) * pitch + b0;
+          for (index_t ow = 0; ow < cols; ow += L) {
+            const index_t n = std::min<index_t>(L, cols - ow);
+            Vec<T> d[R];
+#pragma GCC unroll 2
+            for (int r = 0; r < R; ++r) {
+              const T* from = dr[r] + oh * cols + ow;
+              d[r] = n == L ? load(from) : load_first(from, static_cast<int>(n));
+            }
+#pragma GCC unroll 4
+            for (int j = 0; j < B; ++j) {
+              if (j < count) {
+                const Vec<T> xv = load(x + ow + j);
+#pragma GCC unroll 2
+                for (int r = 0; r < R; ++r) acc[r][j] = fma<T>(d[r], xv, acc[r][j]);
+              }
+            }
+          }
+        }
+#pragma GCC unroll 2
+        for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+          for (int j = 0; j < B; ++j) {
+            if (r < valid && j < count) store<T>(partial + (r * depth + tap + j) * L, acc[r][j]);
+          }
+        }
+      }
+    }
+  }
+}
+
+template <class T>
+void direct_weight_step(Target, const T* xp, index_t pitch, index_t plane, const T* dy, index_t in, index_t out,
+                        index_t kh, index_t kw, index_t rows, index_t cols, T* partial) {
+  const index_t depth = in * kh * kw;
+  for (index_t o = 0; o < out; o += 2) {
+    direct_weight_tile(xp, pitch, plane, dy + o * rows * cols, static_cast<int>(std::min<index_t>(2, out - o)), in, kh, kw,
+                       rows, cols, partial + o * depth * lanes<T>);
+  }
+}
+
+// dw[i] (+)= the sum of the lanes of partial's vector i, lane by lane in order, for `count` weights.
+template <class T>
+void direct_weight_sums_step(Target, const T* partial, index_t count, T* dw, bool accumulate) {
+  constexpr int L = lanes<T>;
+  for (index_t i = 0; i < count; ++i) {
+    T s = partial[i * L];
+    for (int lane = 1; lane < L; ++lane) s += partial[i * L + lane];
+    dw[i] = accumulate ? dw[i] + s : s;
+  }
+}
+}  // namespace duet::kernels::detail::avx2
+DUET_END_ISA
+
+DUET_BEGIN_AVX512
+namespace duet::kernels::detail::avx512 {
+// One instruction set's direct convolution (kernels/conv.hpp describes when it runs), written
+// on the set's Vec<T>, lanes<T>, load, store, load_first, store_first, fma (simd/arch.hpp) and
+// splat (simd/detail/math.hpp).
+// No include guard and no includes: conv.hpp includes it once per set, inside that set's
+// namespace and target region.
+//
+// Both loops read the sample's input from a padded copy (direct_padded in conv.hpp): planes of
+// `rows` rows `pitch` apart, zero around the image and far enough past each row's last output
+// for whole vectors, so no load needs a bound.
+
+// y[o, p] = Σ_(c, a, b) w[o, c, a, b] · xp[c, oh + a, ow + b] for `valid` (at most R) output
+// channels of one sample, p = oh · cols + ow: each output's taps in (c, a, b) order, one FMA
+// each, from zero. A tile is R channels by two vectors of an output row: 12 accumulators, a
+// row's two vectors and the weight's broadcast fit the 16 registers of every set. Past the
+// last channel the tile repeats it, computed but not stored, so one instantiation serves any
+// channel count. The loops over the tile have fixed trip counts and are unrolled by pragma, so
+// that every index of acc is a constant and acc stays in registers (gemm_impl.hpp's tile_step
+// says why: rolled, GCC kept acc in memory, a load and a store in each FMA's chain; here at
+// half the speed).
+inline constexpr int direct_tile_channels = 6;
+
+template <class T>
+[[gnu::noinline]] void direct_tile_rows(const T* xp, index_t pitch, index_t plane, const T* w, int valid, index_t in,
+                                        index_t kh, index_t kw, index_t rows, index_t cols, T* y) {
+  constexpr int L = lanes<T>;
+  constexpr int R = direct_tile_channels;
+  const index_t depth = in * kh * kw;
+  const index_t pixels = rows * cols;
+  const T* wr[R];
+  for (int r = 0; r < R; ++r) wr[r] = w + std::min(r, valid - 1) * depth;
+  for (index_t oh = 0; oh < rows; ++oh) {
+    for (index_t ow = 0; ow < cols; ow += 2 * L) {
+      Vec<T> acc[R][2] = {};
+      for (index_t c = 0; c < in; ++c) {
+        for (index_t a = 0; a < kh; ++a) {
+          const T* x = xp + c * plane + (oh + a) * pitch + ow;
+          const index_t tap = (c * kh + a) * kw;
+          for (index_t b = 0; b < kw; ++b) {
+            const Vec<T> x0 = load(x + b);
+            const Vec<T> x1 = load(x + b + L);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; ++r) {
+              const Vec<T> weight = splat<T>(wr[r][tap + b]);
+              acc[r][0] = fma<T>(weight, x0, acc[r][0]);
+              acc[r][1] = fma<T>(weight, x1, acc[r][1]);
+            }
+          }
+        }
+      }
+      const index_t first = std::min<index_t>(L, cols - ow);
+      const index_t second = std::min<index_t>(L, cols - ow - first);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        if (r >= valid) continue;
+        T* out = y + r * pixels + oh * cols + ow;
+        if (first == L) store<T>(out, acc[r][0]);
+        else store_first<T>(out, acc[r][0], static_cast<int>(first));
+        if (second == L) store<T>(out + L, acc[r][1]);
+        else if (second > 0) store_first<T>(out + L, acc[r][1], static_cast<int>(second));
+      }
+    }
+  }
+}
+
+template <class T>
+void direct_conv_step(Target, const T* xp, index_t pitch, index_t plane, const T* w, index_t in, index_t out,
+                      index_t kh, index_t kw, index_t rows, index_t cols, T* y) {
+  constexpr int R = direct_tile_channels;
+  const index_t depth = in * kh * kw;
+  for (index_t o = 0; o < out; o += R) {
+    direct_tile_rows(xp, pitch, plane, w + o * depth, static_cast<int>(std::min<index_t>(R, out - o)), in, kh, kw, rows,
+                     cols, y + o * rows * cols);
+  }
+}
+
+// partial[(o · depth + t) · L + lane] += Σ dy[o, oh, ow] · xp[c, oh + a, ow + b] for tap
+// t = (c, a, b), over the pixels of one sample whose ow is lane mod L: the weight gradient's
+// sums, a vector per weight, which direct_weight_sums_step folds once every sample is in. A
+// tile is two output channels (the second repeating the first past the last channel, not
+// stored) by four taps of a kernel row: 8 accumulators. dy's lanes past a row's end load as
+// zero, so the padded copy's values there add nothing. Unrolled by pragma as the forward is.
+template <class T>
+[[gnu::noinline]] void direct_weight_tile(const T* xp, index_t pitch, index_t plane, const T* dy, int valid, index_t in,
+                                          index_t kh, index_t kw, index_t rows, index_t cols, T* partial) {
+  constexpr int L = lanes<T>;
+  constexpr int R = 2;
+  constexpr int B = 4;
+  const index_t depth = in * kh * kw;
+  const index_t pixels = rows * cols;
+  const T* dr[R];
+  for (int r = 0; r < R; ++r) dr[r] = dy + std::min(r, valid - 1) * pixels;
+  for (index_t c = 0; c < in; ++c) {
+    for (index_t a = 0; a < kh; ++a) {
+      for (index_t b0 = 0; b0 < kw; b0 += B) {
+        const index_t count = std::min<index_t>(B, kw - b0);
+        const index_t tap = (c * kh + a) * kw + b0;
+        Vec<T> acc[R][B];
+#pragma GCC unroll 2
+        for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+          for (int j = 0; j < B; ++j) acc[r][j] = j < count ? load(partial + (r * depth + tap + j) * L) : Vec<T>{};
+        }
+        for (index_t oh = 0; oh < rows; ++oh) {
+          const T* x = xp + c * plane + (oh + a) * pitch + b0;
+          for (index_t ow = 0; ow < cols; ow += L) {
+            const index_t n = std::min<index_t>(L, cols - ow);
+            Vec<T> d[R];
+#pragma GCC unroll 2
+            for (int r = 0; r < R; ++r) {
+              const T* from = dr[r] + oh * cols + ow;
+              d[r] = n == L ? load(from) : load_first(from, static_cast<int>(n));
+            }
+#pragma GCC unroll 4
+            for (int j = 0; j < B; ++j) {
+              if (j < count) {
+                const Vec<T> xv = load(x + ow + j);
+#pragma GCC unroll 2
+                for (int r = 0; r < R; ++r) acc[r][j] = fma<T>(d[r], xv, acc[r][j]);
+              }
+            }
+          }
+        }
+#pragma GCC unroll 2
+        for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+          for (int j = 0; j < B; ++j) {
+            if (r < valid && j < count) store<T>(partial + (r * depth + tap + j) * L, acc[r][j]);
+          }
+        }
+      }
+    }
+  }
+}
+
+template <class T>
+void direct_weight_step(Target, const T* xp, index_t pitch, index_t plane, const T* dy, index_t in, index_t out,
+                        index_t kh, index_t kw, index_t rows, index_t cols, T* partial) {
+  const index_t depth = in * kh * kw;
+  for (index_t o = 0; o < out; o += 2) {
+    direct_weight_tile(xp, pitch, plane, dy + o * rows * cols, static_cast<int>(std::min<index_t>(2, out - o)), in, kh, kw,
+                       rows, cols, partial + o * depth * lanes<T>);
+  }
+}
+
+// dw[i] (+)= the sum of the lanes of partial's vector i, lane by lane in order, for `count` weights.
+template <class T>
+void direct_weight_sums_step(Target, const T* partial, index_t count, T* dw, bool accumulate) {
+  constexpr int L = lanes<T>;
+  for (index_t i = 0; i < count; ++i) {
+    T s = partial[i * L];
+    for (int lane = 1; lane < L; ++lane) s += partial[i * L + lane];
+    dw[i] = accumulate ? dw[i] + s : s;
+  }
+}
+}  // namespace duet::kernels::detail::avx512
+DUET_END_ISA
+#endif
 
 namespace duet::kernels {
 
@@ -19925,12 +20487,88 @@ void flipped_weight(const ConvProblem& q, const T* w, T* wt) {
   }
 }
 
-// y[c, p] += bias[c] for the `channels` planes of `pixels` values of one sample.
+// ---- Direct convolution --------------------------------------------------------------------
+//
+// Layers of few input channels at stride 1 (LeNet-5's first, 1 -> 6, 5x5): their patches are
+// depth = in · kh · kw rows of every output pixel, the image copied kh · kw times, and the
+// products on them are short (6 rows of 25 for LeNet's conv1), so im2col, the GEMM's packing
+// and its narrow tiles cost more than the multiply-adds. Here each sample is copied once into
+// zero-padded planes (direct_padded) and the forward and the weight's gradient read it in
+// place, vectors along output rows (detail/conv_impl.hpp). The data gradient keeps the
+// products (a first layer has none to take).
+inline bool direct_convolution(const ConvProblem& q) {
+  return q.groups == 1 && q.stride_h == 1 && q.stride_w == 1 && q.dilation_h == 1 && q.dilation_w == 1 &&
+         q.in <= 2;
+}
+
+// The padded copy of one sample: in planes of `rows` rows, `pitch` elements apart, wide enough
+// for two whole vectors of the widest set past any output's taps.
+struct DirectLayout {
+  index_t pitch = 0;
+  index_t rows = 0;
+  constexpr index_t plane() const { return pitch * rows; }
+};
+
+template <class T>
+DirectLayout direct_layout(const ConvProblem& q) {
+  constexpr index_t widest = 64 / sizeof(T);
+  return {(q.out_width + 2 * widest - 1) / (2 * widest) * (2 * widest) + q.kernel_w - 1, q.out_height + q.kernel_h - 1};
+}
+
+// Elements of direct_weight_gradient's partial sums: a vector of the widest set per weight.
+template <class T>
+index_t direct_partial_size(const ConvProblem& q) {
+  return q.out * q.depth() * (64 / static_cast<index_t>(sizeof(T)));
+}
+
+// xp = one sample's x ([in, H, W]) in direct_layout's planes, zero around it.
+template <class T>
+void direct_padded(const ConvProblem& q, const T* x, T* xp) {
+  const DirectLayout l = direct_layout<T>(q);
+  std::fill_n(xp, q.in * l.plane(), T(0));
+  const index_t width = std::min(q.width, l.pitch - q.pad_left);
+  for (index_t c = 0; c < q.in; ++c) {
+    for (index_t h = 0; h < q.height && q.pad_top + h < l.rows; ++h) {
+      std::copy_n(x + (c * q.height + h) * q.width, width, xp + c * l.plane() + (q.pad_top + h) * l.pitch + q.pad_left);
+    }
+  }
+}
+
+// y = conv(x, w) for one sample ([out, OH, OW]) from its padded copy: each output's taps in
+// (c, a, b) order from zero, one multiply-add each (fused where the set has FMA).
+template <class T>
+void direct_convolve(Isa isa, const ConvProblem& q, const T* xp, const T* w, T* y) {
+  const DirectLayout l = direct_layout<T>(q);
+  detail::with_target(isa, [&](auto target) {
+    direct_conv_step(target, xp, l.pitch, l.plane(), w, q.in, q.out, q.kernel_h, q.kernel_w, q.out_height, q.out_width, y);
+  });
+}
+
+// One sample's part of the weight's gradient, added into partial (direct_partial_size
+// elements, zero before the first sample): per weight a vector of sums, lane i over the output
+// columns i, i + L, ... The lanes are added in order by direct_weight_sums once all the
+// samples are in, under the same isa.
+template <class T>
+void direct_weight_gradient(Isa isa, const ConvProblem& q, const T* xp, const T* dy, T* partial) {
+  const DirectLayout l = direct_layout<T>(q);
+  detail::with_target(isa, [&](auto target) {
+    direct_weight_step(target, xp, l.pitch, l.plane(), dy, q.in, q.out, q.kernel_h, q.kernel_w, q.out_height,
+                       q.out_width, partial);
+  });
+}
+
+template <class T>
+void direct_weight_sums(Isa isa, const ConvProblem& q, const T* partial, T* dw, bool accumulate) {
+  detail::with_target(isa, [&](auto target) { direct_weight_sums_step(target, partial, q.out * q.depth(), dw, accumulate); });
+}
+
+// y[c, p] += bias[c] for the `channels` planes of `pixels` values of one sample, plane by
+// plane: Eigen's colwise() on the row-major planes went down the columns, a stride of a plane
+// per element (a third of LeNet-5's first convolution's time).
 template <class T>
 void add_channel_bias(T* y, index_t channels, index_t pixels, const T* bias) {
-  using Planes = ::Eigen::Array<T, ::Eigen::Dynamic, ::Eigen::Dynamic, ::Eigen::RowMajor>;
-  ::Eigen::Map<Planes> Y(y, channels, pixels);
-  Y.colwise() += ::Eigen::Map<const ::Eigen::Array<T, ::Eigen::Dynamic, 1>>(bias, channels);
+  using Plane = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
+  for (index_t c = 0; c < channels; ++c) ::Eigen::Map<Plane>(y + c * pixels, pixels) += bias[c];
 }
 
 // db[c] (+)= Σ_p dy[c, p] over the `channels` planes of one sample.
@@ -20073,10 +20711,18 @@ void convolve(const ConvGeometry& g, const graph::KernelArgs& a, const T* w, con
   const T* x = a.in<T>();
   T* y = a.out<T>();
   const index_t og = q.out_per_group();
+  const bool direct = kernels::direct_convolution(q);
+  const kernels::Isa isa = kernels::active_isa();
   duet::detail::Storage storage;
-  T* col = scratch<T>(storage, q.depth() * q.pixels());
+  // A sample's padded copy (direct), or a group's patches.
+  T* col = direct ? scratch<T>(storage, q.in * kernels::direct_layout<T>(q).plane())
+                  : scratch<T>(storage, q.depth() * q.pixels());
   for (index_t n = 0; n < q.batch; ++n) {
-    for (index_t gr = 0; gr < q.groups; ++gr) {
+    if (direct) {
+      kernels::direct_padded(q, x + n * q.in * q.image(), col);
+      kernels::direct_convolve(isa, q, col, w, y + n * q.out * q.pixels());
+    }
+    for (index_t gr = 0; gr < q.groups && !direct; ++gr) {
       kernels::im2col(q, x + (n * q.in + gr * q.in_per_group()) * q.image(), col);
       T* yg = y + (n * q.out + gr * og) * q.pixels();
       Backend::matmul(w + gr * og * q.depth(), og, q.depth(), col, q.pixels(), yg);
@@ -20133,12 +20779,20 @@ void conv_gradient(const Runtime* layer, const graph::KernelArgs& a, bool input_
   // gradient wᵀ · dy added back by col2im.
   const bool convolve_dx = dx != nullptr && kernels::has_data_gradient_convolution(q);
   const kernels::ConvProblem t = convolve_dx ? kernels::data_gradient_convolution(q) : q;
-  duet::detail::Storage col_storage, sample_storage, wt_storage;
+  const bool direct = kernels::direct_convolution(q);
+  const kernels::Isa isa = kernels::active_isa();
+  duet::detail::Storage col_storage, sample_storage, wt_storage, padded_storage;
   // The patches of x, then (once the weight's gradient has read them) those of dy or the
   // patches' gradient.
-  T* col = detail::scratch<T>(col_storage, std::max(q.depth() * q.pixels(), t.depth() * t.pixels()));
-  // One sample's part of a group's weight gradient, added to those before it.
-  T* dw_sample = detail::scratch<T>(sample_storage, weights);
+  T* col = !direct || dx != nullptr
+               ? detail::scratch<T>(col_storage, std::max(q.depth() * q.pixels(), t.depth() * t.pixels()))
+               : nullptr;
+  // One sample's part of a group's weight gradient, added to those before it; for the direct
+  // convolution, the weight gradient's partial sums over every sample.
+  T* dw_sample = direct ? detail::scratch<T>(sample_storage, kernels::direct_partial_size<T>(q))
+                        : detail::scratch<T>(sample_storage, weights);
+  if (direct) std::fill_n(dw_sample, kernels::direct_partial_size<T>(q), T(0));
+  T* padded = direct ? detail::scratch<T>(padded_storage, q.in * kernels::direct_layout<T>(q).plane()) : nullptr;
   // Each group's weight as the data gradient's product reads it: flipped, or as [depth, out_g].
   T* wt = dx != nullptr ? detail::scratch<T>(wt_storage, q.groups * weights) : nullptr;
   if (convolve_dx) {
@@ -20152,10 +20806,15 @@ void conv_gradient(const Runtime* layer, const graph::KernelArgs& a, bool input_
       const T* dyg = dy + (n * q.out + g * og) * q.pixels();
       const index_t xg = (n * q.in + g * q.in_per_group()) * q.image();
       T* dwg = dw + g * weights;
-      kernels::im2col(q, x + xg, col);
-      const bool add = accumulate_w || n > 0;
-      Backend::template dense<dyn, dyn>(dyg, og, q.pixels(), col, q.depth(), Epilogue<T>{}, add ? dw_sample : dwg);
-      if (add) std::transform(dwg, dwg + weights, dw_sample, dwg, std::plus<T>{});
+      if (direct) {
+        kernels::direct_padded(q, x + xg, padded);
+        kernels::direct_weight_gradient(isa, q, padded, dyg, dw_sample);
+      } else {
+        kernels::im2col(q, x + xg, col);
+        const bool add = accumulate_w || n > 0;
+        Backend::template dense<dyn, dyn>(dyg, og, q.pixels(), col, q.depth(), Epilogue<T>{}, add ? dw_sample : dwg);
+        if (add) std::transform(dwg, dwg + weights, dw_sample, dwg, std::plus<T>{});
+      }
       if (convolve_dx) {
         kernels::im2col(t, dyg, col);
         Backend::matmul(wt + g * weights, t.out, t.depth(), col, t.pixels(), dx + xg);
@@ -20166,6 +20825,7 @@ void conv_gradient(const Runtime* layer, const graph::KernelArgs& a, bool input_
     }
     if (db != nullptr) kernels::channel_sums(dy + n * q.out * q.pixels(), q.out, q.pixels(), db, accumulate_b || n > 0);
   }
+  if (direct) kernels::direct_weight_sums(isa, q, dw_sample, dw, accumulate_w);
   if (q.batch == 0) {
     if (!accumulate_w) std::fill_n(dw, layer->weight.numel(), T(0));
     if (db != nullptr && !accumulate_b) std::fill_n(db, q.out, T(0));
@@ -21415,7 +22075,10 @@ auto matmul(const A& a, const B& b, Flags...) {
 // machine): max pooling's forward is 2.4 to 7 times faster this way (2x2/2 on [64, 6, 28, 28]
 // and [64, 16, 10, 10], 3x3/2 pad 1 on [32, 64, 28, 28], 3x3/1 same on [32, 16, 28, 28]). Max
 // pooling's gradient is a branch-free argmax search (random data mispredicts "a new maximum")
-// and a scatter, one output at a time. Adaptive pooling sums
+// and a scatter, one output at a time. Max pooling over 2x2 windows at stride 2 that tile the
+// input, forward and gradient, is kernels/pool.hpp's per instruction set instead: these loops
+// vectorise only where the compiler is told the machine (g++ 12 -O3 -march=native); built
+// with -O2 they were two fifths of LeNet-5's training step. Adaptive pooling sums
 // each bin row by row with Eigen's vectorised reduction (a whole bin at once when it spans
 // full rows: global pooling is one contiguous sum per plane). Nothing is allocated beyond the
 // output.
@@ -21433,6 +22096,412 @@ auto matmul(const A& a, const B& b, Flags...) {
 
 #include <Eigen/Core>
 
+// Max pooling's kernels over 2x2 windows at stride 2 that tile the input (LeNet-5's and most
+// CNNs' pooling), once per instruction set: a vector of L outputs reads 2L values of each of
+// the window's two rows and splits them into left and right taps by shuffles. ops/pool.hpp's
+// general loops rely on the compiler to vectorise a strided compare-and-select, which g++ 12
+// does at -O3 with -march=native and not at -O2 or for the baseline alone; here every build
+// gets the set the machine has (simd/isa.hpp). The rules are ops/pool.hpp's, to the bit: the
+// taps in row-major order, a NaN winning the value (MaxPoolKind::combine) and the first NaN, or
+// else the first maximal tap, taking the gradient (takes_max), dx = 0 + dy there and zero
+// elsewhere, including the rows and columns no window covers.
+
+#include <algorithm>
+#include <utility>
+
+
+namespace duet::kernels::detail::baseline {
+// One instruction set's max pooling over 2x2 windows at stride 2 (kernels/pool.hpp), written on
+// the set's Vec<T>, lanes<T>, load, store and splat. No include guard and no includes: pool.hpp
+// includes it once per set, inside that set's namespace and target region.
+
+// The left (even) or right (odd) element of each of the L windows of two that 2L consecutive
+// values, a then b, hold; and back: the 2L values from the left and right elements.
+template <class T, int... I>
+Vec<T> left_taps(Vec<T> a, Vec<T> b, std::integer_sequence<int, I...>) {
+  return __builtin_shufflevector(a, b, (2 * I)...);
+}
+template <class T, int... I>
+Vec<T> right_taps(Vec<T> a, Vec<T> b, std::integer_sequence<int, I...>) {
+  return __builtin_shufflevector(a, b, (2 * I + 1)...);
+}
+template <class T, int... I>
+Vec<T> pairs_low(Vec<T> left, Vec<T> right, std::integer_sequence<int, I...>) {
+  return __builtin_shufflevector(left, right, (I % 2 * lanes<T> + I / 2)...);
+}
+template <class T, int... I>
+Vec<T> pairs_high(Vec<T> left, Vec<T> right, std::integer_sequence<int, I...>) {
+  return __builtin_shufflevector(left, right, (I % 2 * lanes<T> + (lanes<T> + I) / 2)...);
+}
+
+// The lanes of 2n consecutive values from p: whole vectors, or the first n of them (zero after).
+template <class T>
+void load_pairs(const T* p, index_t n, Vec<T>& a, Vec<T>& b) {
+  constexpr int L = lanes<T>;
+  if (n == L) {
+    a = load(p);
+    b = load(p + L);
+  } else {
+    const auto count = static_cast<int>(2 * n);
+    a = load_first(p, std::min(count, L));
+    b = count > L ? load_first(p + L, count - L) : Vec<T>{};
+  }
+}
+
+template <class T>
+void store_pairs(T* p, index_t n, Vec<T> a, Vec<T> b) {
+  constexpr int L = lanes<T>;
+  if (n == L) {
+    store<T>(p, a);
+    store<T>(p + L, b);
+  } else {
+    const auto count = static_cast<int>(2 * n);
+    store_first<T>(p, a, std::min(count, L));
+    if (count > L) store_first<T>(p + L, b, count - L);
+  }
+}
+
+// The four taps, in row-major order, of the n (at most L) windows from output column ow on.
+template <class T>
+struct Windows {
+  Vec<T> tap[4];
+  Windows(const T* row0, const T* row1, index_t n) {
+    constexpr auto all = std::make_integer_sequence<int, lanes<T>>{};
+    Vec<T> a0, b0, a1, b1;
+    load_pairs(row0, n, a0, b0);
+    load_pairs(row1, n, a1, b1);
+    tap[0] = left_taps<T>(a0, b0, all);
+    tap[1] = right_taps<T>(a0, b0, all);
+    tap[2] = left_taps<T>(a1, b1, all);
+    tap[3] = right_taps<T>(a1, b1, all);
+  }
+};
+
+// ops/pool.hpp's rules: MaxPoolKind::combine (a NaN wins the forward's value) and takes_max
+// (the first NaN, or else the first maximal tap, takes the gradient).
+template <class T>
+void max_pool_2x2_step(Target, const T* x, index_t planes, index_t H, index_t W, index_t OH, index_t OW, T* y) {
+  constexpr int L = lanes<T>;
+  for (index_t p = 0; p < planes; ++p) {
+    for (index_t oh = 0; oh < OH; ++oh) {
+      const T* row0 = x + (p * H + 2 * oh) * W;
+      T* out = y + (p * OH + oh) * OW;
+      for (index_t ow = 0; ow < OW; ow += L) {
+        const index_t n = std::min<index_t>(L, OW - ow);
+        const Windows<T> w(row0 + 2 * ow, row0 + W + 2 * ow, n);
+        Vec<T> m = w.tap[0];
+        for (int t = 1; t < 4; ++t) m = ((w.tap[t] > m) | (w.tap[t] != w.tap[t])) ? w.tap[t] : m;
+        if (n == L) store<T>(out + ow, m);
+        else store_first<T>(out + ow, m, static_cast<int>(n));
+      }
+    }
+  }
+}
+
+template <class T>
+void max_pool_2x2_backward_step(Target, const T* dy, const T* x, index_t planes, index_t H, index_t W, index_t OH,
+                                index_t OW, T* dx) {
+  constexpr int L = lanes<T>;
+  constexpr auto all = std::make_integer_sequence<int, L>{};
+  for (index_t p = 0; p < planes; ++p) {
+    for (index_t oh = 0; oh < OH; ++oh) {
+      const T* row0 = x + (p * H + 2 * oh) * W;
+      T* d0 = dx + (p * H + 2 * oh) * W;
+      const T* g = dy + (p * OH + oh) * OW;
+      for (index_t ow = 0; ow < OW; ow += L) {
+        const index_t n = std::min<index_t>(L, OW - ow);
+        const Windows<T> w(row0 + 2 * ow, row0 + W + 2 * ow, n);
+        Vec<T> best = w.tap[0];
+        Vec<T> at{};
+        for (int t = 1; t < 4; ++t) {
+          const auto take = (w.tap[t] > best) | ((w.tap[t] != w.tap[t]) & (best == best));
+          best = take ? w.tap[t] : best;
+          at = take ? splat(static_cast<T>(t)) : at;
+        }
+        // 0 + dy, as the general loop's sum onto a zero.
+        const Vec<T> grad = Vec<T>{} + (n == L ? load(g + ow) : load_first(g + ow, static_cast<int>(n)));
+        Vec<T> d[4];
+        for (int t = 0; t < 4; ++t) d[t] = at == splat(static_cast<T>(t)) ? grad : Vec<T>{};
+        store_pairs(d0 + 2 * ow, n, pairs_low<T>(d[0], d[1], all), pairs_high<T>(d[0], d[1], all));
+        store_pairs(d0 + W + 2 * ow, n, pairs_low<T>(d[2], d[3], all), pairs_high<T>(d[2], d[3], all));
+      }
+      std::fill(d0 + 2 * OW, d0 + W, T(0));
+      std::fill(d0 + W + 2 * OW, d0 + 2 * W, T(0));
+    }
+    std::fill(dx + (p * H + 2 * OH) * W, dx + (p + 1) * H * W, T(0));
+  }
+}
+}  // namespace duet::kernels::detail::baseline
+
+#if DUET_X86_KERNELS
+DUET_BEGIN_AVX2
+namespace duet::kernels::detail::avx2 {
+// One instruction set's max pooling over 2x2 windows at stride 2 (kernels/pool.hpp), written on
+// the set's Vec<T>, lanes<T>, load, store and splat. No include guard and no includes: pool.hpp
+// includes it once per set, inside that set's namespace and target region.
+
+// The left (even) or right (odd) element of each of the L windows of two that 2L consecutive
+// values, a then b, hold; and back: the 2L values from the left and right elements.
+template <class T, int... I>
+Vec<T> left_taps(Vec<T> a, Vec<T> b, std::integer_sequence<int, I...>) {
+  return __builtin_shufflevector(a, b, (2 * I)...);
+}
+template <class T, int... I>
+Vec<T> right_taps(Vec<T> a, Vec<T> b, std::integer_sequence<int, I...>) {
+  return __builtin_shufflevector(a, b, (2 * I + 1)...);
+}
+template <class T, int... I>
+Vec<T> pairs_low(Vec<T> left, Vec<T> right, std::integer_sequence<int, I...>) {
+  return __builtin_shufflevector(left, right, (I % 2 * lanes<T> + I / 2)...);
+}
+template <class T, int... I>
+Vec<T> pairs_high(Vec<T> left, Vec<T> right, std::integer_sequence<int, I...>) {
+  return __builtin_shufflevector(left, right, (I % 2 * lanes<T> + (lanes<T> + I) / 2)...);
+}
+
+// The lanes of 2n consecutive values from p: whole vectors, or the first n of them (zero after).
+template <class T>
+void load_pairs(const T* p, index_t n, Vec<T>& a, Vec<T>& b) {
+  constexpr int L = lanes<T>;
+  if (n == L) {
+    a = load(p);
+    b = load(p + L);
+  } else {
+    const auto count = static_cast<int>(2 * n);
+    a = load_first(p, std::min(count, L));
+    b = count > L ? load_first(p + L, count - L) : Vec<T>{};
+  }
+}
+
+template <class T>
+void store_pairs(T* p, index_t n, Vec<T> a, Vec<T> b) {
+  constexpr int L = lanes<T>;
+  if (n == L) {
+    store<T>(p, a);
+    store<T>(p + L, b);
+  } else {
+    const auto count = static_cast<int>(2 * n);
+    store_first<T>(p, a, std::min(count, L));
+    if (count > L) store_first<T>(p + L, b, count - L);
+  }
+}
+
+// The four taps, in row-major order, of the n (at most L) windows from output column ow on.
+template <class T>
+struct Windows {
+  Vec<T> tap[4];
+  Windows(const T* row0, const T* row1, index_t n) {
+    constexpr auto all = std::make_integer_sequence<int, lanes<T>>{};
+    Vec<T> a0, b0, a1, b1;
+    load_pairs(row0, n, a0, b0);
+    load_pairs(row1, n, a1, b1);
+    tap[0] = left_taps<T>(a0, b0, all);
+    tap[1] = right_taps<T>(a0, b0, all);
+    tap[2] = left_taps<T>(a1, b1, all);
+    tap[3] = right_taps<T>(a1, b1, all);
+  }
+};
+
+// ops/pool.hpp's rules: MaxPoolKind::combine (a NaN wins the forward's value) and takes_max
+// (the first NaN, or else the first maximal tap, takes the gradient).
+template <class T>
+void max_pool_2x2_step(Target, const T* x, index_t planes, index_t H, index_t W, index_t OH, index_t OW, T* y) {
+  constexpr int L = lanes<T>;
+  for (index_t p = 0; p < planes; ++p) {
+    for (index_t oh = 0; oh < OH; ++oh) {
+      const T* row0 = x + (p * H + 2 * oh) * W;
+      T* out = y + (p * OH + oh) * OW;
+      for (index_t ow = 0; ow < OW; ow += L) {
+        const index_t n = std::min<index_t>(L, OW - ow);
+        const Windows<T> w(row0 + 2 * ow, row0 + W + 2 * ow, n);
+        Vec<T> m = w.tap[0];
+        for (int t = 1; t < 4; ++t) m = ((w.tap[t] > m) | (w.tap[t] != w.tap[t])) ? w.tap[t] : m;
+        if (n == L) store<T>(out + ow, m);
+        else store_first<T>(out + ow, m, static_cast<int>(n));
+      }
+    }
+  }
+}
+
+template <class T>
+void max_pool_2x2_backward_step(Target, const T* dy, const T* x, index_t planes, index_t H, index_t W, index_t OH,
+                                index_t OW, T* dx) {
+  constexpr int L = lanes<T>;
+  constexpr auto all = std::make_integer_sequence<int, L>{};
+  for (index_t p = 0; p < planes; ++p) {
+    for (index_t oh = 0; oh < OH; ++oh) {
+      const T* row0 = x + (p * H + 2 * oh) * W;
+      T* d0 = dx + (p * H + 2 * oh) * W;
+      const T* g = dy + (p * OH + oh) * OW;
+      for (index_t ow = 0; ow < OW; ow += L) {
+        const index_t n = std::min<index_t>(L, OW - ow);
+        const Windows<T> w(row0 + 2 * ow, row0 + W + 2 * ow, n);
+        Vec<T> best = w.tap[0];
+        Vec<T> at{};
+        for (int t = 1; t < 4; ++t) {
+          const auto take = (w.tap[t] > best) | ((w.tap[t] != w.tap[t]) & (best == best));
+          best = take ? w.tap[t] : best;
+          at = take ? splat(static_cast<T>(t)) : at;
+        }
+        // 0 + dy, as the general loop's sum onto a zero.
+        const Vec<T> grad = Vec<T>{} + (n == L ? load(g + ow) : load_first(g + ow, static_cast<int>(n)));
+        Vec<T> d[4];
+        for (int t = 0; t < 4; ++t) d[t] = at == splat(static_cast<T>(t)) ? grad : Vec<T>{};
+        store_pairs(d0 + 2 * ow, n, pairs_low<T>(d[0], d[1], all), pairs_high<T>(d[0], d[1], all));
+        store_pairs(d0 + W + 2 * ow, n, pairs_low<T>(d[2], d[3], all), pairs_high<T>(d[2], d[3], all));
+      }
+      std::fill(d0 + 2 * OW, d0 + W, T(0));
+      std::fill(d0 + W + 2 * OW, d0 + 2 * W, T(0));
+    }
+    std::fill(dx + (p * H + 2 * OH) * W, dx + (p + 1) * H * W, T(0));
+  }
+}
+}  // namespace duet::kernels::detail::avx2
+DUET_END_ISA
+
+DUET_BEGIN_AVX512
+namespace duet::kernels::detail::avx512 {
+// One instruction set's max pooling over 2x2 windows at stride 2 (kernels/pool.hpp), written on
+// the set's Vec<T>, lanes<T>, load, store and splat. No include guard and no includes: pool.hpp
+// includes it once per set, inside that set's namespace and target region.
+
+// The left (even) or right (odd) element of each of the L windows of two that 2L consecutive
+// values, a then b, hold; and back: the 2L values from the left and right elements.
+template <class T, int... I>
+Vec<T> left_taps(Vec<T> a, Vec<T> b, std::integer_sequence<int, I...>) {
+  return __builtin_shufflevector(a, b, (2 * I)...);
+}
+template <class T, int... I>
+Vec<T> right_taps(Vec<T> a, Vec<T> b, std::integer_sequence<int, I...>) {
+  return __builtin_shufflevector(a, b, (2 * I + 1)...);
+}
+template <class T, int... I>
+Vec<T> pairs_low(Vec<T> left, Vec<T> right, std::integer_sequence<int, I...>) {
+  return __builtin_shufflevector(left, right, (I % 2 * lanes<T> + I / 2)...);
+}
+template <class T, int... I>
+Vec<T> pairs_high(Vec<T> left, Vec<T> right, std::integer_sequence<int, I...>) {
+  return __builtin_shufflevector(left, right, (I % 2 * lanes<T> + (lanes<T> + I) / 2)...);
+}
+
+// The lanes of 2n consecutive values from p: whole vectors, or the first n of them (zero after).
+template <class T>
+void load_pairs(const T* p, index_t n, Vec<T>& a, Vec<T>& b) {
+  constexpr int L = lanes<T>;
+  if (n == L) {
+    a = load(p);
+    b = load(p + L);
+  } else {
+    const auto count = static_cast<int>(2 * n);
+    a = load_first(p, std::min(count, L));
+    b = count > L ? load_first(p + L, count - L) : Vec<T>{};
+  }
+}
+
+template <class T>
+void store_pairs(T* p, index_t n, Vec<T> a, Vec<T> b) {
+  constexpr int L = lanes<T>;
+  if (n == L) {
+    store<T>(p, a);
+    store<T>(p + L, b);
+  } else {
+    const auto count = static_cast<int>(2 * n);
+    store_first<T>(p, a, std::min(count, L));
+    if (count > L) store_first<T>(p + L, b, count - L);
+  }
+}
+
+// The four taps, in row-major order, of the n (at most L) windows from output column ow on.
+template <class T>
+struct Windows {
+  Vec<T> tap[4];
+  Windows(const T* row0, const T* row1, index_t n) {
+    constexpr auto all = std::make_integer_sequence<int, lanes<T>>{};
+    Vec<T> a0, b0, a1, b1;
+    load_pairs(row0, n, a0, b0);
+    load_pairs(row1, n, a1, b1);
+    tap[0] = left_taps<T>(a0, b0, all);
+    tap[1] = right_taps<T>(a0, b0, all);
+    tap[2] = left_taps<T>(a1, b1, all);
+    tap[3] = right_taps<T>(a1, b1, all);
+  }
+};
+
+// ops/pool.hpp's rules: MaxPoolKind::combine (a NaN wins the forward's value) and takes_max
+// (the first NaN, or else the first maximal tap, takes the gradient).
+template <class T>
+void max_pool_2x2_step(Target, const T* x, index_t planes, index_t H, index_t W, index_t OH, index_t OW, T* y) {
+  constexpr int L = lanes<T>;
+  for (index_t p = 0; p < planes; ++p) {
+    for (index_t oh = 0; oh < OH; ++oh) {
+      const T* row0 = x + (p * H + 2 * oh) * W;
+      T* out = y + (p * OH + oh) * OW;
+      for (index_t ow = 0; ow < OW; ow += L) {
+        const index_t n = std::min<index_t>(L, OW - ow);
+        const Windows<T> w(row0 + 2 * ow, row0 + W + 2 * ow, n);
+        Vec<T> m = w.tap[0];
+        for (int t = 1; t < 4; ++t) m = ((w.tap[t] > m) | (w.tap[t] != w.tap[t])) ? w.tap[t] : m;
+        if (n == L) store<T>(out + ow, m);
+        else store_first<T>(out + ow, m, static_cast<int>(n));
+      }
+    }
+  }
+}
+
+template <class T>
+void max_pool_2x2_backward_step(Target, const T* dy, const T* x, index_t planes, index_t H, index_t W, index_t OH,
+                                index_t OW, T* dx) {
+  constexpr int L = lanes<T>;
+  constexpr auto all = std::make_integer_sequence<int, L>{};
+  for (index_t p = 0; p < planes; ++p) {
+    for (index_t oh = 0; oh < OH; ++oh) {
+      const T* row0 = x + (p * H + 2 * oh) * W;
+      T* d0 = dx + (p * H + 2 * oh) * W;
+      const T* g = dy + (p * OH + oh) * OW;
+      for (index_t ow = 0; ow < OW; ow += L) {
+        const index_t n = std::min<index_t>(L, OW - ow);
+        const Windows<T> w(row0 + 2 * ow, row0 + W + 2 * ow, n);
+        Vec<T> best = w.tap[0];
+        Vec<T> at{};
+        for (int t = 1; t < 4; ++t) {
+          const auto take = (w.tap[t] > best) | ((w.tap[t] != w.tap[t]) & (best == best));
+          best = take ? w.tap[t] : best;
+          at = take ? splat(static_cast<T>(t)) : at;
+        }
+        // 0 + dy, as the general loop's sum onto a zero.
+        const Vec<T> grad = Vec<T>{} + (n == L ? load(g + ow) : load_first(g + ow, static_cast<int>(n)));
+        Vec<T> d[4];
+        for (int t = 0; t < 4; ++t) d[t] = at == splat(static_cast<T>(t)) ? grad : Vec<T>{};
+        store_pairs(d0 + 2 * ow, n, pairs_low<T>(d[0], d[1], all), pairs_high<T>(d[0], d[1], all));
+        store_pairs(d0 + W + 2 * ow, n, pairs_low<T>(d[2], d[3], all), pairs_high<T>(d[2], d[3], all));
+      }
+      std::fill(d0 + 2 * OW, d0 + W, T(0));
+      std::fill(d0 + W + 2 * OW, d0 + 2 * W, T(0));
+    }
+    std::fill(dx + (p * H + 2 * OH) * W, dx + (p + 1) * H * W, T(0));
+  }
+}
+}  // namespace duet::kernels::detail::avx512
+DUET_END_ISA
+#endif
+
+namespace duet::kernels {
+
+// y[p, oh, ow] = max of x[p, 2oh + {0, 1}, 2ow + {0, 1}] over `planes` planes of [H, W], with
+// 2 · OH <= H and 2 · OW <= W.
+template <class T>
+void max_pool_2x2(const T* x, index_t planes, index_t H, index_t W, index_t OH, index_t OW, T* y) {
+  detail::with_target(active_isa(), [&](auto target) { max_pool_2x2_step(target, x, planes, H, W, OH, OW, y); });
+}
+
+// dx of max_pool_2x2: each dy to its window's maximal tap, zero elsewhere.
+template <class T>
+void max_pool_2x2_backward(const T* dy, const T* x, index_t planes, index_t H, index_t W, index_t OH, index_t OW, T* dx) {
+  detail::with_target(active_isa(),
+                      [&](auto target) { max_pool_2x2_backward_step(target, dy, x, planes, H, W, OH, OW, dx); });
+}
+
+}  // namespace duet::kernels
 
 namespace duet {
 
@@ -21554,8 +22623,22 @@ constexpr index_t average_count(index_t rows, index_t cols) {
   return rows * cols;
 }
 
+// Whether Win is the 2x2 window at stride 2 and its windows tile g's input without padding:
+// the case kernels/pool.hpp runs per instruction set.
+template <Pool2dWindow Win>
+bool tiles_2x2(const PoolGeometry& g) {
+  if constexpr (Win.kernel_h == 2 && Win.kernel_w == 2 && Win.stride_h == 2 && Win.stride_w == 2) {
+    return g.pad_top == 0 && g.pad_left == 0 && 2 * g.OH <= g.H && 2 * g.OW <= g.W;
+  } else {
+    return false;
+  }
+}
+
 template <class Kind, Pool2dWindow Win, class T>
 void pool2d_forward(const PoolGeometry& g, const T* x, T* y) {
+  if constexpr (std::is_same_v<Kind, MaxPoolKind>) {
+    if (tiles_2x2<Win>(g)) return kernels::max_pool_2x2(x, g.planes, g.H, g.W, g.OH, g.OW, y);
+  }
   constexpr index_t KW = Win.kernel_w;
   constexpr index_t SW = Win.stride_w;
   for (index_t p = 0; p < g.planes; ++p) {
@@ -21682,6 +22765,7 @@ void max_pool2d_backward_tiled(const PoolGeometry& g, const T* dy, const T* x, T
 // than any number).
 template <Pool2dWindow Win, class T>
 void max_pool2d_backward(const PoolGeometry& g, const T* dy, const T* x, T* dx) {
+  if (tiles_2x2<Win>(g)) return kernels::max_pool_2x2_backward(dy, x, g.planes, g.H, g.W, g.OH, g.OW, dx);
   if constexpr (Win.stride_h == Win.kernel_h && Win.stride_w == Win.kernel_w) {
     if (g.pad_top == 0 && g.pad_left == 0 && g.OH * Win.kernel_h <= g.H && g.OW * Win.kernel_w <= g.W) {
       max_pool2d_backward_tiled<Win>(g, dy, x, dx);
