@@ -231,6 +231,39 @@ TEST_CASE("graph mode captures construct once per cell and thread, as MindSpore 
 }
 
 namespace {
+// The same, returning a loss to train on.
+struct CountingLoss : nn::Cell<CountingLoss> {
+  nn::Dense<3, 2> dense;
+  int constructs = 0;
+  DUET_CELL_MEMBERS(dense);
+  auto construct(auto x) {
+    ++constructs;
+    return ops::sum(dense(x));
+  }
+};
+}  // namespace
+
+TEST_CASE("graph mode captures a training step's construct once too, not at every step") {
+  ModeGuard guard;
+  set_context({.mode = GRAPH_MODE});
+  CountingLoss net;
+  nn::SGD sgd(net.parameters(), {.learning_rate = 0.1});
+  nn::TrainOneStepCell step(net, sgd);
+  const Tensor x = ones({2, 3});
+  const float first = step(x).item();
+  for (int i = 0; i < 3; ++i) step(x);
+  CHECK(net.constructs == 1);
+  CHECK(step(x).item() != first);  // and the steps still train
+  auto grads = value_and_grad(net, net.parameters());
+  grads(x);
+  grads(x);
+  CHECK(net.constructs == 2);  // another function: captured once for itself
+  set_context({.mode = PYNATIVE_MODE});
+  step(x);
+  CHECK(net.constructs == 3);
+}
+
+namespace {
 // construct as a PyTorch user writes it first: taking Tensor, reassigning x. A PyNative cell
 // runs it; a cell that may run as a graph must be written generic, with a new name per step.
 struct TensorConstruct : nn::Cell<TensorConstruct, PYNATIVE_MODE> {

@@ -616,12 +616,30 @@ class GradFunction {
       }
       fn_.ensure_named();  // an ambiguous capture names its layers
     }
-    const auto capture = [&](auto phase) {
-      return pipeline::compile<JitConfig{}, true,
-                               pipeline::Input<typename X::value_type,
-                                               graph::pattern_in_phase<decltype(phase)::value,
-                                                                       typename graph::pattern_of<X>::type>>...>(
-          [&](const auto&... in) { return fn_(in...); });
+    // The forward is captured once per function object, thread and phase, as a cell's graph
+    // form is (nn::Cell::captured): construct's C++ runs at the first step, not at every one,
+    // and what it reads then is a constant of the graph. Keyed by the id and the address: a
+    // copy of this function (same id) holds another fn_.
+    const auto capture = [&](auto phase) -> const auto& {
+      const auto compile = [&] {
+        return pipeline::compile<JitConfig{}, true,
+                                 pipeline::Input<typename X::value_type,
+                                                 graph::pattern_in_phase<decltype(phase)::value,
+                                                                         typename graph::pattern_of<X>::type>>...>(
+            [&](const auto&... in) { return fn_(in...); });
+      };
+      thread_local struct {
+        std::uint64_t owner = 0;
+        const void* self = nullptr;
+        std::optional<decltype(compile())> program;
+      } cache;
+      if (cache.owner != id_ || cache.self != this) {
+        cache.owner = 0;  // stays invalid if capturing throws
+        cache.program.emplace(compile());
+        cache.owner = id_;
+        cache.self = this;
+      }
+      return *cache.program;
     };
     return pipeline::in_requested_phase(capture, [&](const auto& forward) -> BasicTensor<V> {
       if (!forward.ambiguity.empty()) {
