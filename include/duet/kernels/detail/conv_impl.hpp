@@ -98,7 +98,9 @@ template <class T>
 #pragma GCC unroll 2
         for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 4
-          for (int j = 0; j < B; ++j) acc[r][j] = j < count ? load(partial + (r * depth + tap + j) * L) : Vec<T>{};
+          for (int j = 0; j < B; ++j) {
+            acc[r][j] = r < valid && j < count ? load(partial + (r * depth + tap + j) * L) : Vec<T>{};
+          }
         }
         for (index_t oh = 0; oh < rows; ++oh) {
           const T* x = xp + c * plane + (oh + a) * pitch + b0;
