@@ -621,25 +621,13 @@ class GradFunction {
     // and what it reads then is a constant of the graph. Keyed by the id and the address: a
     // copy of this function (same id) holds another fn_.
     const auto capture = [&](auto phase) -> const auto& {
-      const auto compile = [&] {
+      return pipeline::captured_once(std::pair(id_, static_cast<const void*>(this)), [&] {
         return pipeline::compile<JitConfig{}, true,
                                  pipeline::Input<typename X::value_type,
                                                  graph::pattern_in_phase<decltype(phase)::value,
                                                                          typename graph::pattern_of<X>::type>>...>(
             [&](const auto&... in) { return fn_(in...); });
-      };
-      thread_local struct {
-        std::uint64_t owner = 0;
-        const void* self = nullptr;
-        std::optional<decltype(compile())> program;
-      } cache;
-      if (cache.owner != id_ || cache.self != this) {
-        cache.owner = 0;  // stays invalid if capturing throws
-        cache.program.emplace(compile());
-        cache.owner = id_;
-        cache.self = this;
-      }
-      return *cache.program;
+      });
     };
     return pipeline::in_requested_phase(capture, [&](const auto& forward) -> BasicTensor<V> {
       if (!forward.ambiguity.empty()) {

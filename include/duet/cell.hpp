@@ -690,25 +690,16 @@ class Cell : public BasicDynamicCell<T> {
   // gets a new one, so the program's references to this cell and its members stay valid.
   template <graph::Phase P, class... Patterns, class... Ts>
   const auto& captured(const BasicTensor<Ts>&...) {
-    const auto capture = [&] {
-      return pipeline::compile<jit_config, false, pipeline::Input<Ts, graph::pattern_in_phase<P, Patterns>>...>(
-          [&](const auto&... in) { return run_construct(in...); });
-    };
-    using Program = decltype(capture());
-    thread_local struct {
-      std::uint64_t owner = 0;
-      std::optional<Program> program;
-    } cache;
-    if (cache.owner != this->id()) {
-      cache.owner = 0;  // stays invalid if capturing throws
-      cache.program.emplace(capture());
-      cache.owner = this->id();
-      if (!cache.program->ambiguity.empty()) {
-        duet::detail::log_ambiguous_capture(this->type_name() + "::construct", cache.program->ambiguity,
-                                                     "as a traced graph (PIJit)");
+    return pipeline::captured_once(this->id(), [&] {
+      auto program =
+          pipeline::compile<jit_config, false, pipeline::Input<Ts, graph::pattern_in_phase<P, Patterns>>...>(
+              [&](const auto&... in) { return run_construct(in...); });
+      if (!program.ambiguity.empty()) {
+        duet::detail::log_ambiguous_capture(this->type_name() + "::construct", program.ambiguity,
+                                            "as a traced graph (PIJit)");
       }
-    }
-    return *cache.program;
+      return program;
+    });
   }
 
   // Graph mode when capture cannot make the graph (graph::Sym::ambiguity): construct

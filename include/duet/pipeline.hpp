@@ -5,7 +5,8 @@
 //             non-tensor arguments for jit), through compile() where the inputs are tensors
 //   passes    passes::optimize<Config> rewrites that type (grad then appends the backward
 //             graph, autodiff::build_backward)
-//   plan      for the inputs' shapes, kept per owner and thread (cached_plan)
+//   plan      for the inputs' shapes, kept per owner and thread (cached_plan; the captured
+//             program is kept the same way, captured_once)
 //   run       the evaluator, in one call (execute)
 //
 // Capture and passes happen while the program compiles; plan once per new input shape; run
@@ -15,10 +16,10 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <utility>
-
 
 #include "error.hpp"
 #include "evaluator.hpp"
@@ -93,6 +94,24 @@ decltype(auto) in_requested_phase(Capture&& capture, Run&& run) {
     }
   }
   return run(train);
+}
+
+// The program compile() returns, compiled once for `key` on this thread and kept until another
+// key asks (the front ends' "captured once per owner, thread and phase"). One entry per
+// compile type, which is one per call site and program type: it costs nothing to keep, and
+// concurrent callers never share or lock it.
+template <class Key, class Compile>
+const auto& captured_once(const Key& key, Compile&& compile) {
+  thread_local struct {
+    std::optional<Key> key;
+    std::optional<decltype(compile())> program;
+  } cache;
+  if (cache.key != key) {
+    cache.key.reset();  // stays invalid if compiling throws
+    cache.program.emplace(compile());
+    cache.key = key;
+  }
+  return *cache.program;
 }
 
 // The plan of the last input shapes `owner` ran this graph type with on this thread. Per
