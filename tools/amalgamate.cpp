@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <regex>
 #include <set>
 #include <sstream>
@@ -20,12 +21,18 @@ namespace fs = std::filesystem;
 
 namespace {
 
-void inline_file(const fs::path& file, std::set<fs::path>& seen, std::ostringstream& out) {
+// Names #define'd as a quoted file name, for the headers that include a file through a macro
+// (kernels/detail/per_isa.hpp: #include DUET_KERNEL_BODY).
+using FileMacros = std::map<std::string, std::string>;
+
+void inline_file(const fs::path& file, std::set<fs::path>& seen, FileMacros& macros, std::ostringstream& out) {
   const fs::path canonical = fs::canonical(file);
   if (seen.contains(canonical)) return;
   std::ifstream in(canonical);
   if (!in) throw std::runtime_error("cannot read " + canonical.string());
   static const std::regex local_include(R"(^\s*#\s*include\s*"([^"]+)\"\s*$)");
+  static const std::regex macro_include(R"(^\s*#\s*include\s+([A-Za-z_]\w*)\s*$)");
+  static const std::regex file_macro(R"(^\s*#\s*define\s+([A-Za-z_]\w*)\s+"([^"]+)\"\s*$)");
   static const std::regex pragma_once(R"(^\s*#\s*pragma\s+once\s*$)");
   std::vector<std::string> lines;
   for (std::string line; std::getline(in, line);) lines.push_back(line);
@@ -37,8 +44,15 @@ void inline_file(const fs::path& file, std::set<fs::path>& seen, std::ostringstr
   for (const std::string& line : lines) {
     std::smatch m;
     if (std::regex_match(line, m, local_include)) {
-      inline_file(canonical.parent_path() / m[1].str(), seen, out);
+      inline_file(canonical.parent_path() / m[1].str(), seen, macros, out);
+    } else if (std::regex_match(line, m, macro_include)) {
+      const auto name = macros.find(m[1].str());
+      if (name == macros.end()) {
+        throw std::runtime_error(canonical.string() + " includes " + m[1].str() + ", which names no file here");
+      }
+      inline_file(canonical.parent_path() / name->second, seen, macros, out);
     } else if (!std::regex_match(line, pragma_once)) {
+      if (std::regex_match(line, m, file_macro)) macros[m[1].str()] = m[2].str();
       out << line << '\n';
     }
   }
@@ -57,16 +71,18 @@ const char* const banner =
 std::vector<std::pair<fs::path, std::string>> amalgamate(const fs::path& from) {
   std::vector<std::pair<fs::path, std::string>> outputs;
   std::set<fs::path> in_duet;
+  FileMacros macros;
   std::ostringstream duet;
   duet << banner;
-  inline_file(from / "duet.hpp", in_duet, duet);
+  inline_file(from / "duet.hpp", in_duet, macros, duet);
   outputs.emplace_back("duet.hpp", duet.str());
   for (const fs::path header : opt_in_headers) {
     std::set<fs::path> seen = in_duet;
     std::ostringstream out;
     out << banner << "#include \"" << fs::path("duet.hpp").lexically_relative(header.parent_path()).generic_string()
         << "\"\n";
-    inline_file(from / header, seen, out);
+    FileMacros header_macros = macros;
+    inline_file(from / header, seen, header_macros, out);
     outputs.emplace_back(header, out.str());
   }
   return outputs;

@@ -1536,6 +1536,19 @@ class PackedWeight {
 }  // namespace duet::kernels
 
 // The product once per instruction set, each in its namespace and target region.
+#define DUET_KERNEL_BODY "gemm_impl.hpp"
+// A kernel family's body once per instruction set, each in its set's namespace and target
+// region: the one place that lists the sets (simd/arch.hpp defines them). A family's header
+// defines DUET_KERNEL_BODY as its body's file name in this directory and includes this file:
+//
+//   #define DUET_KERNEL_BODY "pool_impl.hpp"
+//   #include "detail/per_isa.hpp"
+//
+// No include guard: every family includes it. tools/amalgamate.cpp follows the macro.
+#ifndef DUET_KERNEL_BODY
+#error "define DUET_KERNEL_BODY (the body's file name) before including kernels/detail/per_isa.hpp"
+#endif
+
 namespace duet::kernels::detail::baseline {
 // One instruction set's dense-layer kernels: the algorithm gemm.hpp describes, written once on
 // the set's Vec<T>, lanes<T>, KG<T>, MR, load, store, fma, load_first, store_first and broadcast_group
@@ -2504,6 +2517,8 @@ struct Kernels {
 }  // namespace duet::kernels::detail::avx512
 DUET_END_ISA
 #endif
+
+#undef DUET_KERNEL_BODY
 
 namespace duet::kernels {
 
@@ -2673,6 +2688,19 @@ decltype(auto) with_target(Isa isa, F&& f) {
 
 }  // namespace duet::kernels::detail
 
+#define DUET_KERNEL_BODY "elementwise_impl.hpp"
+// A kernel family's body once per instruction set, each in its set's namespace and target
+// region: the one place that lists the sets (simd/arch.hpp defines them). A family's header
+// defines DUET_KERNEL_BODY as its body's file name in this directory and includes this file:
+//
+//   #define DUET_KERNEL_BODY "pool_impl.hpp"
+//   #include "detail/per_isa.hpp"
+//
+// No include guard: every family includes it. tools/amalgamate.cpp follows the macro.
+#ifndef DUET_KERNEL_BODY
+#error "define DUET_KERNEL_BODY (the body's file name) before including kernels/detail/per_isa.hpp"
+#endif
+
 namespace duet::kernels::detail::baseline {
 // One instruction set's elementwise kernels (kernels/elementwise.hpp), written on its Vec<T>,
 // load, store, load_first, store_first, exp and the reductions of simd/detail/math.hpp. No
@@ -3020,6 +3048,8 @@ void map_grad_step(Target, const T* dy, const T* y, index_t n, T* dx) {
 }  // namespace duet::kernels::detail::avx512
 DUET_END_ISA
 #endif
+
+#undef DUET_KERNEL_BODY
 
 namespace duet::kernels {
 
@@ -3151,12 +3181,25 @@ struct SgdCoefficients {
 
 }  // namespace duet::kernels
 
+#define DUET_KERNEL_BODY "optim_impl.hpp"
+// A kernel family's body once per instruction set, each in its set's namespace and target
+// region: the one place that lists the sets (simd/arch.hpp defines them). A family's header
+// defines DUET_KERNEL_BODY as its body's file name in this directory and includes this file:
+//
+//   #define DUET_KERNEL_BODY "pool_impl.hpp"
+//   #include "detail/per_isa.hpp"
+//
+// No include guard: every family includes it. tools/amalgamate.cpp follows the macro.
+#ifndef DUET_KERNEL_BODY
+#error "define DUET_KERNEL_BODY (the body's file name) before including kernels/detail/per_isa.hpp"
+#endif
+
 namespace duet::kernels::detail::baseline {
-DUET_BEGIN_UNFUSED
 // One instruction set's optimiser updates (kernels/optim.hpp), written on its Vec<T>, load,
 // store, load_first, store_first and sqrt (simd/arch.hpp). No include guard and no includes:
-// optim.hpp includes it once per set, inside that set's namespace and target region, where
-// a·b + c is not fused.
+// optim.hpp includes it once per set (per_isa.hpp), inside that set's namespace and target
+// region; a·b + c is not fused anywhere in it (DUET_BEGIN_UNFUSED).
+DUET_BEGIN_UNFUSED
 
 // Adam on one vector of values, as the scalar formula writes it (AdamCoefficients).
 template <class T>
@@ -3225,17 +3268,18 @@ void sgd_step(Target, T* p, const T* g, T* buf, index_t n, const SgdCoefficients
     if (c.with_momentum) store_first<T>(buf + i, bv, rest);
   }
 }
+
 DUET_END_UNFUSED
 }  // namespace duet::kernels::detail::baseline
 
 #if DUET_X86_KERNELS
 DUET_BEGIN_AVX2
 namespace duet::kernels::detail::avx2 {
-DUET_BEGIN_UNFUSED
 // One instruction set's optimiser updates (kernels/optim.hpp), written on its Vec<T>, load,
 // store, load_first, store_first and sqrt (simd/arch.hpp). No include guard and no includes:
-// optim.hpp includes it once per set, inside that set's namespace and target region, where
-// a·b + c is not fused.
+// optim.hpp includes it once per set (per_isa.hpp), inside that set's namespace and target
+// region; a·b + c is not fused anywhere in it (DUET_BEGIN_UNFUSED).
+DUET_BEGIN_UNFUSED
 
 // Adam on one vector of values, as the scalar formula writes it (AdamCoefficients).
 template <class T>
@@ -3304,17 +3348,18 @@ void sgd_step(Target, T* p, const T* g, T* buf, index_t n, const SgdCoefficients
     if (c.with_momentum) store_first<T>(buf + i, bv, rest);
   }
 }
+
 DUET_END_UNFUSED
 }  // namespace duet::kernels::detail::avx2
 DUET_END_ISA
 
 DUET_BEGIN_AVX512
 namespace duet::kernels::detail::avx512 {
-DUET_BEGIN_UNFUSED
 // One instruction set's optimiser updates (kernels/optim.hpp), written on its Vec<T>, load,
 // store, load_first, store_first and sqrt (simd/arch.hpp). No include guard and no includes:
-// optim.hpp includes it once per set, inside that set's namespace and target region, where
-// a·b + c is not fused.
+// optim.hpp includes it once per set (per_isa.hpp), inside that set's namespace and target
+// region; a·b + c is not fused anywhere in it (DUET_BEGIN_UNFUSED).
+DUET_BEGIN_UNFUSED
 
 // Adam on one vector of values, as the scalar formula writes it (AdamCoefficients).
 template <class T>
@@ -3383,10 +3428,13 @@ void sgd_step(Target, T* p, const T* g, T* buf, index_t n, const SgdCoefficients
     if (c.with_momentum) store_first<T>(buf + i, bv, rest);
   }
 }
+
 DUET_END_UNFUSED
 }  // namespace duet::kernels::detail::avx512
 DUET_END_ISA
 #endif
+
+#undef DUET_KERNEL_BODY
 
 namespace duet::kernels {
 
@@ -9078,7 +9126,8 @@ class Replay {
 //             non-tensor arguments for jit), through compile() where the inputs are tensors
 //   passes    passes::optimize<Config> rewrites that type (grad then appends the backward
 //             graph, autodiff::build_backward)
-//   plan      for the inputs' shapes, kept per owner and thread (cached_plan)
+//   plan      for the inputs' shapes, kept per owner and thread (cached_plan; the captured
+//             program is kept the same way, captured_once)
 //   run       the evaluator, in one call (execute)
 //
 // Capture and passes happen while the program compiles; plan once per new input shape; run
@@ -9087,10 +9136,10 @@ class Replay {
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <utility>
-
 
 
 namespace duet::pipeline {
@@ -9158,6 +9207,24 @@ decltype(auto) in_requested_phase(Capture&& capture, Run&& run) {
     }
   }
   return run(train);
+}
+
+// The program compile() returns, compiled once for `key` on this thread and kept until another
+// key asks (the front ends' "captured once per owner, thread and phase"). One entry per
+// compile type, which is one per call site and program type: it costs nothing to keep, and
+// concurrent callers never share or lock it.
+template <class Key, class Compile>
+const auto& captured_once(const Key& key, Compile&& compile) {
+  thread_local struct {
+    std::optional<Key> key;
+    std::optional<decltype(compile())> program;
+  } cache;
+  if (cache.key != key) {
+    cache.key.reset();  // stays invalid if compiling throws
+    cache.program.emplace(compile());
+    cache.key = key;
+  }
+  return *cache.program;
 }
 
 // The plan of the last input shapes `owner` ran this graph type with on this thread. Per
@@ -10474,25 +10541,16 @@ class Cell : public BasicDynamicCell<T> {
   // gets a new one, so the program's references to this cell and its members stay valid.
   template <graph::Phase P, class... Patterns, class... Ts>
   const auto& captured(const BasicTensor<Ts>&...) {
-    const auto capture = [&] {
-      return pipeline::compile<jit_config, false, pipeline::Input<Ts, graph::pattern_in_phase<P, Patterns>>...>(
-          [&](const auto&... in) { return run_construct(in...); });
-    };
-    using Program = decltype(capture());
-    thread_local struct {
-      std::uint64_t owner = 0;
-      std::optional<Program> program;
-    } cache;
-    if (cache.owner != this->id()) {
-      cache.owner = 0;  // stays invalid if capturing throws
-      cache.program.emplace(capture());
-      cache.owner = this->id();
-      if (!cache.program->ambiguity.empty()) {
-        duet::detail::log_ambiguous_capture(this->type_name() + "::construct", cache.program->ambiguity,
-                                                     "as a traced graph (PIJit)");
+    return pipeline::captured_once(this->id(), [&] {
+      auto program =
+          pipeline::compile<jit_config, false, pipeline::Input<Ts, graph::pattern_in_phase<P, Patterns>>...>(
+              [&](const auto&... in) { return run_construct(in...); });
+      if (!program.ambiguity.empty()) {
+        duet::detail::log_ambiguous_capture(this->type_name() + "::construct", program.ambiguity,
+                                            "as a traced graph (PIJit)");
       }
-    }
-    return *cache.program;
+      return program;
+    });
   }
 
   // Graph mode when capture cannot make the graph (graph::Sym::ambiguity): construct
@@ -11165,25 +11223,13 @@ class GradFunction {
     // and what it reads then is a constant of the graph. Keyed by the id and the address: a
     // copy of this function (same id) holds another fn_.
     const auto capture = [&](auto phase) -> const auto& {
-      const auto compile = [&] {
+      return pipeline::captured_once(std::pair(id_, static_cast<const void*>(this)), [&] {
         return pipeline::compile<JitConfig{}, true,
                                  pipeline::Input<typename X::value_type,
                                                  graph::pattern_in_phase<decltype(phase)::value,
                                                                          typename graph::pattern_of<X>::type>>...>(
             [&](const auto&... in) { return fn_(in...); });
-      };
-      thread_local struct {
-        std::uint64_t owner = 0;
-        const void* self = nullptr;
-        std::optional<decltype(compile())> program;
-      } cache;
-      if (cache.owner != id_ || cache.self != this) {
-        cache.owner = 0;  // stays invalid if capturing throws
-        cache.program.emplace(compile());
-        cache.owner = id_;
-        cache.self = this;
-      }
-      return *cache.program;
+      });
     };
     return pipeline::in_requested_phase(capture, [&](const auto& forward) -> BasicTensor<V> {
       if (!forward.ambiguity.empty()) {
@@ -19847,6 +19893,19 @@ using duet::operator/;
 
 
 // The direct convolution once per instruction set, each in its namespace and target region.
+#define DUET_KERNEL_BODY "conv_impl.hpp"
+// A kernel family's body once per instruction set, each in its set's namespace and target
+// region: the one place that lists the sets (simd/arch.hpp defines them). A family's header
+// defines DUET_KERNEL_BODY as its body's file name in this directory and includes this file:
+//
+//   #define DUET_KERNEL_BODY "pool_impl.hpp"
+//   #include "detail/per_isa.hpp"
+//
+// No include guard: every family includes it. tools/amalgamate.cpp follows the macro.
+#ifndef DUET_KERNEL_BODY
+#error "define DUET_KERNEL_BODY (the body's file name) before including kernels/detail/per_isa.hpp"
+#endif
+
 namespace duet::kernels::detail::baseline {
 // One instruction set's direct convolution (kernels/conv.hpp describes when it runs), written
 // on the set's Vec<T>, lanes<T>, load, store, load_first, store_first, fma (simd/arch.hpp) and
@@ -20329,6 +20388,8 @@ void direct_weight_sums_step(Target, const T* partial, index_t count, T* dw, boo
 }  // namespace duet::kernels::detail::avx512
 DUET_END_ISA
 #endif
+
+#undef DUET_KERNEL_BODY
 
 namespace duet::kernels {
 
@@ -22134,6 +22195,19 @@ auto matmul(const A& a, const B& b, Flags...) {
 #include <utility>
 
 
+#define DUET_KERNEL_BODY "pool_impl.hpp"
+// A kernel family's body once per instruction set, each in its set's namespace and target
+// region: the one place that lists the sets (simd/arch.hpp defines them). A family's header
+// defines DUET_KERNEL_BODY as its body's file name in this directory and includes this file:
+//
+//   #define DUET_KERNEL_BODY "pool_impl.hpp"
+//   #include "detail/per_isa.hpp"
+//
+// No include guard: every family includes it. tools/amalgamate.cpp follows the macro.
+#ifndef DUET_KERNEL_BODY
+#error "define DUET_KERNEL_BODY (the body's file name) before including kernels/detail/per_isa.hpp"
+#endif
+
 namespace duet::kernels::detail::baseline {
 // One instruction set's max pooling over 2x2 windows at stride 2 (kernels/pool.hpp), written on
 // the set's Vec<T>, lanes<T>, load, store and splat. No include guard and no includes: pool.hpp
@@ -22508,6 +22582,8 @@ void max_pool_2x2_backward_step(Target, const T* dy, const T* x, index_t planes,
 }  // namespace duet::kernels::detail::avx512
 DUET_END_ISA
 #endif
+
+#undef DUET_KERNEL_BODY
 
 namespace duet::kernels {
 

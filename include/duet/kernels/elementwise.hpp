@@ -20,23 +20,8 @@
 #include "simd/arch.hpp"
 #include "simd/dispatch.hpp"
 
-namespace duet::kernels::detail::baseline {
-#include "detail/elementwise_impl.hpp"
-}  // namespace duet::kernels::detail::baseline
-
-#if DUET_X86_KERNELS
-DUET_BEGIN_AVX2
-namespace duet::kernels::detail::avx2 {
-#include "detail/elementwise_impl.hpp"
-}  // namespace duet::kernels::detail::avx2
-DUET_END_ISA
-
-DUET_BEGIN_AVX512
-namespace duet::kernels::detail::avx512 {
-#include "detail/elementwise_impl.hpp"
-}  // namespace duet::kernels::detail::avx512
-DUET_END_ISA
-#endif
+#define DUET_KERNEL_BODY "elementwise_impl.hpp"
+#include "detail/per_isa.hpp"
 
 namespace duet::kernels {
 

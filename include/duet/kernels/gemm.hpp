@@ -122,23 +122,8 @@ class PackedWeight {
 }  // namespace duet::kernels
 
 // The product once per instruction set, each in its namespace and target region.
-namespace duet::kernels::detail::baseline {
-#include "detail/gemm_impl.hpp"
-}  // namespace duet::kernels::detail::baseline
-
-#if DUET_X86_KERNELS
-DUET_BEGIN_AVX2
-namespace duet::kernels::detail::avx2 {
-#include "detail/gemm_impl.hpp"
-}  // namespace duet::kernels::detail::avx2
-DUET_END_ISA
-
-DUET_BEGIN_AVX512
-namespace duet::kernels::detail::avx512 {
-#include "detail/gemm_impl.hpp"
-}  // namespace duet::kernels::detail::avx512
-DUET_END_ISA
-#endif
+#define DUET_KERNEL_BODY "gemm_impl.hpp"
+#include "detail/per_isa.hpp"
 
 namespace duet::kernels {
 

@@ -59,29 +59,8 @@ struct SgdCoefficients {
 
 }  // namespace duet::kernels
 
-namespace duet::kernels::detail::baseline {
-DUET_BEGIN_UNFUSED
-#include "detail/optim_impl.hpp"
-DUET_END_UNFUSED
-}  // namespace duet::kernels::detail::baseline
-
-#if DUET_X86_KERNELS
-DUET_BEGIN_AVX2
-namespace duet::kernels::detail::avx2 {
-DUET_BEGIN_UNFUSED
-#include "detail/optim_impl.hpp"
-DUET_END_UNFUSED
-}  // namespace duet::kernels::detail::avx2
-DUET_END_ISA
-
-DUET_BEGIN_AVX512
-namespace duet::kernels::detail::avx512 {
-DUET_BEGIN_UNFUSED
-#include "detail/optim_impl.hpp"
-DUET_END_UNFUSED
-}  // namespace duet::kernels::detail::avx512
-DUET_END_ISA
-#endif
+#define DUET_KERNEL_BODY "optim_impl.hpp"
+#include "detail/per_isa.hpp"
 
 namespace duet::kernels {
 
