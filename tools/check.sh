@@ -11,15 +11,17 @@
 #           tests twice, once per compiler, no longer fitted CI's 90 minutes; the clang stage
 #           builds and runs them), examples (built -O3 as users build them, run, their outputs
 #           compared: the modes' agreement in g++'s optimised code), the other test programs
-#           (threads, heap allocations, ONNX, MPI), each public header on its own, compile-fail
+#           (threads, heap allocations, ONNX, MPI; at -O1, DUET_TEST_OPTIMIZATION), each public
+#           header on its own, compile-fail
 #           (the failing programs: their twins that must compile are the clang stage's, where
 #           they take a third of g++'s time), install
 #   clang   clang++, the generated single header, address + undefined-behaviour sanitizers
 #           (leak checking on): unit tests, compile-fail, install; line tables only. The unit
-#           tests at -O0: clang's warnings do not depend on optimisation, and sanitized -O1
-#           took 3.3 times -O0's CPU time (tools/compile_costs.md), most of the stage; the
-#           kernels' tests, whose loops are the suite's run time, and the other programs at -O1
-#           (the sanitizers' documentation suggests it; both keep the stack traces exact).
+#           tests and the other test programs at -O0: clang's warnings do not depend on
+#           optimisation, and sanitized -O1 took 3.3 times -O0's CPU time
+#           (tools/compile_costs.md), most of the stage; the kernels' tests, whose loops are
+#           the suite's run time, at -O1 (the sanitizers' documentation suggests it; both keep
+#           the stack traces exact).
 #           One build serves both: a separate unsanitised clang build proved nothing more.
 #           File by file (DUET_UNITY_TESTS=OFF): clang with the sanitizers on a batch of the
 #           heaviest files was killed for memory beside a second job, on 23 GB
@@ -40,6 +42,13 @@ jobs=${DUET_JOBS:-2}
 build=${DUET_BUILD_ROOT:-build-check}
 fuzz_seconds=${DUET_FUZZ_SECONDS:-60}
 stages=("$@")
+# Linking: lld (Debian's lld, which tools/install-deps.sh installs) links the clang stage's
+# sanitized test program (0.9 GB, -g1) in 8-10 s where ld.bfd took 49-60 s; and that program,
+# started once per test case (418 times), starts in 0.35 s instead of 0.77 s without PIE: most
+# of its start was the dynamic loader relocating 125 MB of data (perf: _dl_relocate_object and
+# its page faults). Only the clang stage drops PIE: ThreadSanitizer wants a PIE executable.
+link_flags=
+if command -v ld.lld >/dev/null; then link_flags=-fuse-ld=lld; fi
 [ ${#stages[@]} -gt 0 ] || stages=(gcc clang tsan fuzz)
 summary=()
 
@@ -50,7 +59,7 @@ run_stage() {
   shift 4
   local start=$SECONDS
   echo "=== stage $name ==="
-  cmake -S "$root" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DDUET_WERROR=ON "$@"
+  cmake -S "$root" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DDUET_WERROR=ON "-DCMAKE_EXE_LINKER_FLAGS=$link_flags" "$@"
   # shellcheck disable=SC2086
   cmake --build "$dir" -j "$jobs" ${targets:+--target $targets}
   # Tests run side by side, each with duet's default of a thread per core: OpenMP's helpers
@@ -67,7 +76,7 @@ fuzz_stage() {
   local -A pids
   echo "=== stage fuzz ==="
   cmake -S "$root" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1" \
-    -DDUET_WERROR=ON -DCMAKE_CXX_COMPILER=clang++ -DDUET_BUILD_FUZZERS=ON -DDUET_BUILD_EXAMPLES=OFF -DDUET_BUILD_BENCHMARKS=OFF
+    -DDUET_WERROR=ON "-DCMAKE_EXE_LINKER_FLAGS=$link_flags" -DCMAKE_CXX_COMPILER=clang++ -DDUET_BUILD_FUZZERS=ON -DDUET_BUILD_EXAMPLES=OFF -DDUET_BUILD_BENCHMARKS=OFF
   # fuzz_onnx exists where CMake found ONNX (duet::onnx).
   if grep -q "^build tests/fuzz/fuzz_onnx:" "$dir/build.ninja"; then fuzzers+=(onnx); fi
   cmake --build "$dir" -j "$jobs" --target "${fuzzers[@]/#/fuzz_}"
@@ -98,13 +107,14 @@ fuzz_stage() {
 for stage in "${stages[@]}"; do
   case $stage in
     gcc)
-      run_stage gcc "$build/gcc" "" "-LE compile_fail_ok" -DCMAKE_CXX_COMPILER=g++ -DDUET_NATIVE=OFF -DDUET_DIAGNOSTICS_ONLY=ON
+      run_stage gcc "$build/gcc" "" "-LE compile_fail_ok" -DCMAKE_CXX_COMPILER=g++ -DDUET_NATIVE=OFF -DDUET_DIAGNOSTICS_ONLY=ON \
+        -DDUET_TEST_OPTIMIZATION=-O1
       ;;
     clang)
       ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
         run_stage clang "$build/clang" "" "" -DCMAKE_CXX_COMPILER=clang++ -DDUET_USE_SINGLE_INCLUDE=ON \
         -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1" -DDUET_TEST_OPTIMIZATION=-O0 \
-        -DDUET_UNITY_TESTS=OFF -DDUET_SANITIZE=address,undefined -DDUET_BUILD_EXAMPLES=OFF -DDUET_BUILD_BENCHMARKS=OFF -DDUET_CHECK_HEADERS=OFF
+        "-DCMAKE_EXE_LINKER_FLAGS=$link_flags -no-pie" -DDUET_UNITY_TESTS=OFF -DDUET_SANITIZE=address,undefined -DDUET_BUILD_EXAMPLES=OFF -DDUET_BUILD_BENCHMARKS=OFF -DDUET_CHECK_HEADERS=OFF
       ;;
     tsan)
       TSAN_OPTIONS=halt_on_error=1 run_stage tsan "$build/tsan" duet_thread_tests "-L threads" \

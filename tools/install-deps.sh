@@ -5,7 +5,7 @@ set -eu
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -q
 apt-get install -y -q --no-install-recommends \
-  g++ clang libclang-rt-14-dev libomp-14-dev cmake make ninja-build ccache \
+  g++ clang lld libclang-rt-14-dev libomp-14-dev cmake make ninja-build ccache \
   libeigen3-dev libboost-dev doctest-dev libbenchmark-dev zlib1g-dev nlohmann-json3-dev \
   dataset-fashion-mnist python3-numpy libopenmpi-dev openmpi-bin \
   libonnx-dev libprotobuf-dev python3-onnx python3-torch
