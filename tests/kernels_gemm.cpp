@@ -204,6 +204,26 @@ TEST_CASE_TEMPLATE("kernels::gemm_kn: b stored as [k, n], the reference's values
   });
 }
 
+TEST_CASE_TEMPLATE("kernels::transpose: every element in its place, whole tiles and edges" * duet_test::every_isa, T, float,
+                   double) {
+  duet_test::for_each_isa([] {
+    for (index_t rows : {0, 1, 3, 7, 8, 9, 16, 17, 33, 256}) {
+      for (index_t cols : {1, 4, 10, 16, 31, 64, 784}) {
+        std::vector<T> from(static_cast<std::size_t>(rows * cols));
+        for (std::size_t i = 0; i < from.size(); ++i) from[i] = static_cast<T>(i) + T(0.5);
+        std::vector<T> to(from.size(), T(-1));
+        kernels::transpose(from.data(), rows, cols, to.data());
+        bool placed = true;
+        for (index_t r = 0; r < rows; ++r) {
+          for (index_t c = 0; c < cols; ++c) placed = placed && to[c * rows + r] == from[r * cols + c];
+        }
+        INFO("rows ", rows, ", cols ", cols);
+        CHECK(placed);
+      }
+    }
+  });
+}
+
 TEST_CASE("kernels::gemm_kn with k = 0 writes zeros") {
   std::vector<float> c(6, 7.0f);
   kernels::gemm_kn<float>(nullptr, 2, 0, nullptr, 3, c.data());
