@@ -240,6 +240,53 @@ TEST_CASE_TEMPLATE("kernels::map_grad gives the bits of Eigen's select" * duet_t
   }
 }
 
+// A layer's bias gradient (backend::Native::column_sums): every column summed in one order,
+// x0 + ((x1 + x2) + (x3 + x4)) + ..., the rows past the last group of four one by one, whatever
+// the set and the build (Eigen's colwise sum, which it replaces, orders the sums by its packet
+// width, so by the build's -march, and the rows' count); within the rounding bound of a double
+// sum; accumulating adds to what is there; nothing written past cols.
+TEST_CASE_TEMPLATE("kernels::column_sums: one order of sums for every column, set and build" * duet_test::every_isa, T,
+                   float, double) {
+  std::mt19937 gen(12);
+  for (index_t rows : {1, 2, 4, 5, 6, 9, 64, 255, 256}) {
+    for (index_t cols : {1, 3, 10, 16, 17, 100, 512}) {
+      CAPTURE(rows);
+      CAPTURE(cols);
+      const std::vector<T> x = random_values<T>(rows * cols, -100, 100, gen);
+      std::vector<T> ordered(static_cast<std::size_t>(cols));
+      for (index_t j = 0; j < cols; ++j) {
+        T s = x[static_cast<std::size_t>(j)];
+        index_t r = 1;
+        for (; r < ((rows - 1) & ~index_t{3}); r += 4) {
+          const auto at = [&](index_t i) { return x[static_cast<std::size_t>(i * cols + j)]; };
+          s = s + ((at(r) + at(r + 1)) + (at(r + 2) + at(r + 3)));
+        }
+        for (; r < rows; ++r) s = s + x[static_cast<std::size_t>(r * cols + j)];
+        ordered[static_cast<std::size_t>(j)] = s;
+      }
+      duet_test::for_each_isa([&] {
+        std::vector<T> sums(ordered.size() + 1, T(7));
+        kernels::column_sums(x.data(), rows, cols, sums.data(), false);
+        CHECK(std::memcmp(sums.data(), ordered.data(), ordered.size() * sizeof(T)) == 0);
+        CHECK(sums.back() == T(7));
+        for (index_t j = 0; j < cols; ++j) {
+          double exact = 0;
+          for (index_t r = 0; r < rows; ++r) exact += static_cast<double>(x[static_cast<std::size_t>(r * cols + j)]);
+          // Each of the rows - 1 additions rounds by at most half an ulp of a sum below 100 · rows.
+          const double bound = static_cast<double>(rows) * 100 * static_cast<double>(rows) *
+                               static_cast<double>(std::numeric_limits<T>::epsilon());
+          CHECK(std::abs(static_cast<double>(sums[static_cast<std::size_t>(j)]) - exact) <= bound);
+        }
+        kernels::column_sums(x.data(), rows, cols, sums.data(), true);
+        for (index_t j = 0; j < cols; ++j) {
+          const auto k = static_cast<std::size_t>(j);
+          CHECK(sums[k] == ordered[k] + ordered[k]);
+        }
+      });
+    }
+  }
+}
+
 // The gradient all-reduce's packing (distributed.hpp): each element one IEEE product, so the
 // bits of the scalar loop under every set, in place or not, nothing written past n.
 TEST_CASE_TEMPLATE("kernels::scale multiplies as the scalar loop does, in place or not" * duet_test::every_isa, T, float,

@@ -65,6 +65,13 @@ void softmax_grad(const T* z, const T* p, index_t n, T lse, T mass, T scale, T* 
   detail::with_target(active_isa(), [&](auto target) { softmax_grad_step(target, z, p, n, lse, mass, scale, d); });
 }
 
+// sums[j] (+)= Σ_r x[r, j], x row-major [rows, cols] with rows >= 1: a layer's bias gradient,
+// each column summed in the one order column_sums_step gives, whatever the set and the build.
+template <VectorElement T>
+void column_sums(const T* x, index_t rows, index_t cols, T* sums, bool accumulate) {
+  detail::with_target(active_isa(), [&](auto target) { column_sums_step(target, x, rows, cols, sums, accumulate); });
+}
+
 // y[i] = a·x[i]; y may be x.
 template <VectorElement T>
 void scale(const T* x, index_t n, T a, T* y) {
