@@ -43,19 +43,49 @@ std::vector<T> random_values(std::size_t count, std::mt19937& gen) {
   return v;
 }
 
-// Plain loops in double precision.
+// a bᵀ in plain loops in double precision.
 template <class T>
-std::vector<double> reference(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, bool relu) {
+std::vector<double> naive_product(const T* a, index_t m, index_t k, const T* b, index_t n) {
   std::vector<double> c(static_cast<std::size_t>(m * n));
   for (index_t i = 0; i < m; ++i) {
     for (index_t j = 0; j < n; ++j) {
       double s = 0;
       for (index_t p = 0; p < k; ++p) s += static_cast<double>(a[i * k + p]) * static_cast<double>(b[j * k + p]);
-      if (bias != nullptr) s += static_cast<double>(bias[j]);
-      c[static_cast<std::size_t>(i * n + j)] = relu && !std::isnan(s) ? std::max(s, 0.0) : s;
+      c[static_cast<std::size_t>(i * n + j)] = s;
     }
   }
   return c;
+}
+
+// The reference's epilogue on its product: the bias, then ReLU.
+template <class T>
+std::vector<double> epilogue(std::vector<double> c, index_t n, const T* bias, bool relu) {
+  for (std::size_t i = 0; i < c.size(); ++i) {
+    double& s = c[i];
+    if (bias != nullptr) s += static_cast<double>(bias[i % static_cast<std::size_t>(n)]);
+    if (relu && !std::isnan(s)) s = std::max(s, 0.0);
+  }
+  return c;
+}
+
+// One shape's operands and their product in double precision, made once and checked under
+// every instruction set: the naive loops, run for each set and each epilogue, were most of
+// these cases' time under the sanitizers. a begins one element into its buffer, so it is not
+// aligned the way a tensor's first element is (a view need not be).
+template <class T>
+struct Problem {
+  index_t m, k, n;
+  std::vector<T> a_storage, b, bias;
+  std::vector<double> product;
+  const T* a() const { return a_storage.data() + 1; }
+};
+
+template <class T>
+Problem<T> problem(index_t m, index_t k, index_t n, std::mt19937& gen) {
+  Problem<T> p{m, k, n, random_values<T>(static_cast<std::size_t>(m * k + 1), gen),
+               random_values<T>(static_cast<std::size_t>(n * k), gen), random_values<T>(static_cast<std::size_t>(n), gen), {}};
+  p.product = naive_product(p.a(), m, k, p.b.data(), n);
+  return p;
 }
 
 template <class T>
@@ -66,17 +96,16 @@ std::vector<double> as_double(const T* p, std::size_t count) {
 template <class T>
 constexpr double tolerance = std::is_same_v<T, float> ? 1e-5 : 1e-12;
 
-// Runs every combination of bias and ReLU on one shape. a and c start one element into their
-// buffers, so they are not aligned the way a tensor's first element is (a view need not be).
+// Runs every combination of bias and ReLU on one shape, under the instruction set that is active.
 template <index_t K, index_t N, class T>
-void check_shape(index_t m, index_t k, index_t n, std::mt19937& gen) {
+void check_shape(const Problem<T>& p) {
+  const index_t m = p.m, k = p.k, n = p.n;
   CAPTURE(m);
   CAPTURE(k);
   CAPTURE(n);
-  const std::vector<T> a_storage = random_values<T>(static_cast<std::size_t>(m * k + 1), gen);
-  const std::vector<T> b = random_values<T>(static_cast<std::size_t>(n * k), gen);
-  const std::vector<T> bias = random_values<T>(static_cast<std::size_t>(n), gen);
-  const T* a = a_storage.data() + 1;
+  const T* a = p.a();
+  const std::vector<T>& b = p.b;
+  const std::vector<T>& bias = p.bias;
   std::vector<T> c_storage(static_cast<std::size_t>(m * n + 2), T(7));
   T* c = c_storage.data() + 1;
   const auto size = static_cast<std::size_t>(m * n);
@@ -84,11 +113,9 @@ void check_shape(index_t m, index_t k, index_t n, std::mt19937& gen) {
     CAPTURE(with_bias);
     const T* bp = with_bias ? bias.data() : nullptr;
     kernels::gemm<K, N>(a, m, k, b.data(), n, bp, c);
-    CHECK(duet_test::relative_difference(as_double(c, size), reference(a, m, k, b.data(), n, bp, false)) <=
-          tolerance<T>);
+    CHECK(duet_test::relative_difference(as_double(c, size), epilogue(p.product, n, bp, false)) <= tolerance<T>);
     kernels::gemm<K, N, fn::Relu>(a, m, k, b.data(), n, bp, c);
-    CHECK(duet_test::relative_difference(as_double(c, size), reference(a, m, k, b.data(), n, bp, true)) <=
-          tolerance<T>);
+    CHECK(duet_test::relative_difference(as_double(c, size), epilogue(p.product, n, bp, true)) <= tolerance<T>);
     // Beyond the sizes it unrolls, the compile-time sizes do not change the sums: nn::Dense<In,
     // Out> runs gemm<dyn, dyn> there in both modes (backend::dense_depends_on_sizes).
     if constexpr (!kernels::unrolls<K, N>) {
@@ -118,27 +145,30 @@ void check_shape(index_t m, index_t k, index_t n, std::mt19937& gen) {
 }  // namespace
 
 TEST_CASE_TEMPLATE("kernels::gemm matches a double-precision reference on many shapes" * duet_test::every_isa, T, float, double) {
-  duet_test::for_each_isa([] {
-    std::mt19937 gen(7);
-    for (const Case& s : cases()) check_shape<dyn, dyn, T>(s.m, s.k, s.n, gen);
-  });
+  std::mt19937 gen(7);
+  for (const Case& s : cases()) {
+    const Problem<T> p = problem<T>(s.m, s.k, s.n, gen);
+    duet_test::for_each_isa([&] { check_shape<dyn, dyn, T>(p); });
+  }
 }
 
 TEST_CASE_TEMPLATE("kernels::gemm with compile-time sizes, small and large" * duet_test::every_isa, T, float, double) {
-  duet_test::for_each_isa([] {
-    std::mt19937 gen(8);
-    for (index_t m : {0, 1, 2, 3, 17, 64}) {
-      check_shape<4, 4, T>(m, 4, 4, gen);
-      check_shape<3, 5, T>(m, 3, 5, gen);
-      check_shape<8, 8, T>(m, 8, 8, gen);
-      check_shape<16, 16, T>(m, 16, 16, gen);
-      check_shape<17, 33, T>(m, 17, 33, gen);
-      check_shape<784, 512, T>(m, 784, 512, gen);
-      check_shape<512, 10, T>(m, 512, 10, gen);
-      check_shape<dyn, 10, T>(m, 512, 10, gen);
-      check_shape<784, dyn, T>(m, 784, 20, gen);
-    }
-  });
+  std::mt19937 gen(8);
+  auto check = [&]<index_t K, index_t N>(index_t m, index_t k, index_t n) {
+    const Problem<T> p = problem<T>(m, k, n, gen);
+    duet_test::for_each_isa([&] { check_shape<K, N, T>(p); });
+  };
+  for (index_t m : {0, 1, 2, 3, 17, 64}) {
+    check.template operator()<4, 4>(m, 4, 4);
+    check.template operator()<3, 5>(m, 3, 5);
+    check.template operator()<8, 8>(m, 8, 8);
+    check.template operator()<16, 16>(m, 16, 16);
+    check.template operator()<17, 33>(m, 17, 33);
+    check.template operator()<784, 512>(m, 784, 512);
+    check.template operator()<512, 10>(m, 512, 10);
+    check.template operator()<dyn, 10>(m, 512, 10);
+    check.template operator()<784, dyn>(m, 784, 20);
+  }
 }
 
 TEST_CASE_TEMPLATE("kernels::gemm: NaN goes through the product, the bias and ReLU" * duet_test::every_isa, T, float, double) {
@@ -173,35 +203,33 @@ TEST_CASE_TEMPLATE("kernels::gemm: NaN goes through the product, the bias and Re
 }
 
 TEST_CASE_TEMPLATE("kernels::gemm_kn: b stored as [k, n], the reference's values and gemm's bits on bᵀ" * duet_test::every_isa, T, float, double) {
-  duet_test::for_each_isa([] {
-    std::mt19937 gen(9);
-    for (const Case& s : cases()) {
-      CAPTURE(s.m);
-      CAPTURE(s.k);
-      CAPTURE(s.n);
-      const std::vector<T> a = random_values<T>(static_cast<std::size_t>(s.m * s.k), gen);
-      const std::vector<T> b = random_values<T>(static_cast<std::size_t>(s.n * s.k), gen);  // [n, k]
-      std::vector<T> bt(b.size());                                                            // [k, n]
-      for (index_t j = 0; j < s.n; ++j) {
-        for (index_t p = 0; p < s.k; ++p) bt[static_cast<std::size_t>(p * s.n + j)] = b[static_cast<std::size_t>(j * s.k + p)];
-      }
-      const auto size = static_cast<std::size_t>(s.m * s.n);
+  std::mt19937 gen(9);
+  for (const Case& s : cases()) {
+    CAPTURE(s.m);
+    CAPTURE(s.k);
+    CAPTURE(s.n);
+    const Problem<T> p = problem<T>(s.m, s.k, s.n, gen);
+    std::vector<T> bt(p.b.size());  // [k, n]
+    for (index_t j = 0; j < s.n; ++j) {
+      for (index_t q = 0; q < s.k; ++q) bt[static_cast<std::size_t>(q * s.n + j)] = p.b[static_cast<std::size_t>(j * s.k + q)];
+    }
+    const auto size = static_cast<std::size_t>(s.m * s.n);
+    duet_test::for_each_isa([&] {
       std::vector<T> c_storage(size + 2, T(7));
       T* c = c_storage.data() + 1;
-      kernels::gemm_kn(a.data(), s.m, s.k, bt.data(), s.n, c);
-      CHECK(duet_test::relative_difference(as_double(c, size), reference<T>(a.data(), s.m, s.k, b.data(), s.n, nullptr, false)) <=
-            tolerance<T>);
+      kernels::gemm_kn(p.a(), s.m, s.k, bt.data(), s.n, c);
+      CHECK(duet_test::relative_difference(as_double(c, size), p.product) <= tolerance<T>);
       CHECK(c_storage.front() == T(7));
       CHECK(c_storage.back() == T(7));
       // Where gemm takes its blocked product (more than one row), the packed panels are the same
       // and so are the sums.
       if (s.m > 1) {
         std::vector<T> expected(size);
-        kernels::gemm(a.data(), s.m, s.k, b.data(), s.n, nullptr, expected.data());
+        kernels::gemm(p.a(), s.m, s.k, p.b.data(), s.n, nullptr, expected.data());
         CHECK(std::equal(expected.begin(), expected.end(), c));
       }
-    }
-  });
+    });
+  }
 }
 
 TEST_CASE_TEMPLATE("kernels::transpose: every element in its place, whole tiles and edges" * duet_test::every_isa, T, float,
