@@ -16,7 +16,8 @@
 #           (the failing programs: their twins that must compile are the clang stage's, where
 #           they take a third of g++'s time), install
 #   clang   clang++, the generated single header, address + undefined-behaviour sanitizers
-#           (leak checking on): unit tests, compile-fail, install; line tables only. The unit
+#           (leak checking on, in each case's process or in a whole-suite run that holds the
+#           case: tests/leak_scan.cmake): unit tests, compile-fail, install; line tables only. The unit
 #           tests and the other test programs at -O0: clang's warnings do not depend on
 #           optimisation, and sanitized -O1 took 3.3 times -O0's CPU time
 #           (tools/compile_costs.md), most of the stage; the kernels' tests, whose loops are
