@@ -2,9 +2,9 @@
 # TEST_INCLUDE_FILES when the tests are built with AddressSanitizer): turns LeakSanitizer's
 # scan at exit off for the cases that also run in unit.isa_avx2 and unit.isa_baseline, whole
 # suites in one process each, with the scan on, so a leak in them is still reported, twice.
-# The scan reads all of the 0.9 GB program's data at every exit: 0.2 of the 0.5 s a case takes to
-# start and stop, once per case (418). The cases that loop over every instruction set
-# themselves (the every_isa suite) run only one by one, and keep their scan.
+# The scan reads all of the program's data at every exit: with the program at 0.9 GB, 0.2 of
+# the 0.5 s each of the 418 cases took to start and stop. The cases that loop over every
+# instruction set themselves (the every_isa suite) run only one by one, and keep their scan.
 #   DUET_TESTS: the test program (set by the file that includes this one)
 if(NOT EXISTS "${DUET_TESTS}")
   return()  # not built yet: doctest's list says so
