@@ -1,3 +1,4 @@
+#include <cstddef>
 #include <cstdint>
 #include <set>
 #include <type_traits>
@@ -64,6 +65,34 @@ TEST_CASE("quietly: the graph a capture would give, without reporting a broken s
   static_assert(std::is_same_v<graph::first_rejection<G>,
                                diagnostic::rejected<nn::Dense<100, 10>, diagnostic::last_dimension_must_be<100>,
                                                     diagnostic::input_shape<dyn, 512>>>);
+}
+
+namespace deep {
+// A graph of an input and 300 ReLUs, and a SequentialCell of 300 ReLUs, as types.
+template <std::size_t... I>
+auto relu_graph(std::index_sequence<I...>)
+    -> graph::Graph<graph::Node<graph::InputOp<0, StaticShape<2, 3>, float>>,
+                    graph::Node<ops::MapOp<fn::Relu>, I>...>;
+template <std::size_t... I>
+auto relu_cells(std::index_sequence<I...>) -> nn::SequentialCell<std::conditional_t<I >= 0, nn::ReLU, void>...>;
+using Graph = decltype(relu_graph(std::make_index_sequence<300>{}));
+}  // namespace deep
+
+// A loop over a graph's nodes or a chain's cells that is a fold, one operand each, does not
+// compile with clang beyond 256 of them (it nests a fold's operands): a network of 128 Dense +
+// ReLU pairs has 385 nodes. These are the compile-time loops such networks go through.
+// (tools/compile_bench.sh -c clang++ deep128 compiles the whole network.)
+TEST_CASE("compile-time loops over a graph and a chain take more nodes than a fold could") {
+  static_assert(deep::Graph::shapes[300] == Shape{2, 3});
+  static_assert(std::is_void_v<graph::first_rejection<deep::Graph>>);
+  static_assert(passes::user_counts<deep::Graph, 300>()[150] == 1);
+  static_assert([] {
+    std::size_t visited = 0;
+    graph::for_each_index<deep::Graph::size>([&](auto i) { visited += decltype(i)::value == visited; });
+    return visited;
+  }() == 301);
+  static_assert(decltype(deep::relu_cells(std::make_index_sequence<300>{}))::size() == 300);
+  CHECK(graph::phase_of_graph<deep::Graph>() == graph::Phase::train);
 }
 
 namespace {

@@ -265,6 +265,68 @@ namespace graph {
 struct NoObserver {};
 }  // namespace graph
 
+namespace detail {
+// What run_observed's nodes share.
+template <class Result>
+struct RunState {
+  void** data;                // each node's values
+  const void* const* inputs;  // the graph's inputs' values
+  const Shape* shapes;
+  const std::size_t* offset;  // into the arena, for slot nodes
+  std::byte* arena;
+  BasicTensor<Result>* result;
+  const std::string* where;
+};
+
+// Node i of run_observed, reading the nodes `args`: where its value lives (S), then its kernel.
+// A function of the operation's type and the node's storage, shared by every node of that
+// kind in every graph, rather than a lambda of run_observed (a function per node, named
+// after the graph: compile time and names that grow with the square of the network's depth).
+template <class Backend, JitConfig Config, graph::Storage S, class T, class Result, std::size_t Arity, class Op>
+void run_node(const Op& op, const std::size_t* args, std::size_t i, const RunState<Result>& state) {
+  constexpr std::size_t arity = Arity;
+  void** data = state.data;
+  if constexpr (S == graph::Storage::input) {
+    // Inputs are only read: kernels see them through KernelArgs::in, as const.
+    data[i] = const_cast<void*>(state.inputs[Op::index]);
+  } else {
+    if constexpr (S == graph::Storage::view) {
+      data[i] = static_cast<char*>(data[args[0]]) +
+                view_offset(op, state.shapes[args[0]]) * static_cast<index_t>(sizeof(T));
+    } else if constexpr (S == graph::Storage::output) {
+      *state.result = BasicTensor<Result>::uninitialized(state.shapes[i]);
+      data[i] = state.result->data();
+    } else if constexpr (S == graph::Storage::slot) {
+      data[i] = state.arena + state.offset[i];
+    } else {
+      data[i] = nullptr;
+    }
+    if constexpr (graph::runs_kernel<Op>()) {
+      std::array<const void*, arity> in;
+      for (std::size_t k = 0; k < arity; ++k) in[k] = data[args[k]];
+      if constexpr (arity == 1) {
+        op.template run<Backend, T>(graph::KernelArgs{in.data(), &state.shapes[args[0]], data[i], state.shapes[i]});
+      } else {
+        std::array<Shape, arity> in_shapes;
+        for (std::size_t k = 0; k < arity; ++k) in_shapes[k] = state.shapes[args[k]];
+        op.template run<Backend, T>(graph::KernelArgs{in.data(), in_shapes.data(), data[i], state.shapes[i]});
+      }
+      if constexpr (Config.debug_level == DebugLevel::debug && !Op::is_view && !graph::is_sink<Op>()) {
+        check_finite(static_cast<const T*>(data[i]), state.shapes[i], node_context<Config, Op>(i, *state.where));
+      }
+    }
+  }
+}
+
+template <std::size_t I, class Op, class T, class Observer>
+void show_node([[maybe_unused]] Observer& observe, [[maybe_unused]] const void* values,
+               [[maybe_unused]] const Shape& shape) {
+  if constexpr (!std::is_same_v<std::remove_cvref_t<Observer>, graph::NoObserver> && !graph::is_sink<Op>()) {
+    observe(std::integral_constant<std::size_t, I>{}, static_cast<const T*>(values), shape);
+  }
+}
+}  // namespace detail
+
 // run(), showing each node's value to `observe` as soon as its kernel has run (before its slot
 // may be reused): observe(std::integral_constant<std::size_t, I>{}, const T* values, shape) for
 // every node I that makes a value, inputs included. duet::compare_modes reads graph mode's
@@ -281,48 +343,18 @@ auto run_observed(const graph::Sym<G, Out>& program, const graph::Plan<G, sizeof
   detail::Storage arena(p.arena_bytes);
   BasicTensor<Result> result;
   std::array<void*, n> data;
-  graph::for_each_index<n>([&](auto i) {
-    constexpr std::size_t I = decltype(i)::value;
-    using Node = graph::node_at<G, I>;
-    using Op = typename Node::op_type;
-    if constexpr (buffers.storage[I] == graph::Storage::input) {
-      // Inputs are only read: kernels see them through KernelArgs::in, as const.
-      data[I] = const_cast<void*>(input[Op::index]);
-    } else {
-      if constexpr (buffers.storage[I] == graph::Storage::view) {
-        const auto& op = graph::get<I>(program.graph).op;
-        data[I] = static_cast<char*>(data[Node::args[0]]) +
-                  view_offset(op, p.shapes[Node::args[0]]) * static_cast<index_t>(sizeof(graph::node_value_t<G, I>));
-      } else if constexpr (buffers.storage[I] == graph::Storage::output) {
-        result = BasicTensor<Result>::uninitialized(p.shapes[I]);
-        data[I] = result.data();
-      } else if constexpr (buffers.storage[I] == graph::Storage::slot) {
-        data[I] = arena.data() + p.offset[I];
-      } else {
-        data[I] = nullptr;
-      }
-      if constexpr (graph::runs_kernel<Op>()) {
-        std::array<const void*, Node::arity> in;
-        for (std::size_t k = 0; k < Node::arity; ++k) in[k] = data[Node::args[k]];
-        const auto& op = graph::get<I>(program.graph).op;
-        using T = graph::node_value_t<G, I>;
-        if constexpr (Node::arity == 1) {
-          op.template run<Backend, T>(graph::KernelArgs{in.data(), &p.shapes[Node::args[0]], data[I], p.shapes[I]});
-        } else {
-          std::array<Shape, Node::arity> in_shapes;
-          for (std::size_t k = 0; k < Node::arity; ++k) in_shapes[k] = p.shapes[Node::args[k]];
-          op.template run<Backend, T>(graph::KernelArgs{in.data(), in_shapes.data(), data[I], p.shapes[I]});
-        }
-        if constexpr (Config.debug_level == DebugLevel::debug && !Op::is_view && !graph::is_sink<Op>()) {
-          detail::check_finite(static_cast<const T*>(data[I]), p.shapes[I], detail::node_context<Config, Op>(I, p.where));
-        }
-      }
-    }
-    if constexpr (!std::is_same_v<std::remove_cvref_t<Observer>, graph::NoObserver> && !graph::is_sink<Op>()) {
-      observe(std::integral_constant<std::size_t, I>{}, static_cast<const graph::node_value_t<G, I>*>(data[I]),
-              p.shapes[I]);
-    }
-  });
+  const detail::RunState<Result> state{data.data(), input.data(), p.shapes.data(), p.offset.data(), arena.data(),
+                                       &result,     &p.where};
+  // One call per node, in order (a braced list's elements), in this one function.
+  [&]<std::size_t... I>(std::index_sequence<I...>) {
+    [[maybe_unused]] const int in_order[] = {
+        0, (detail::run_node<Backend, Config, buffers.storage[I], graph::node_value_t<G, I>, Result,
+                             graph::node_at<G, I>::arity>(graph::get<I>(program.graph).op,
+                                                          graph::node_at<G, I>::args.data(), I, state),
+            detail::show_node<I, typename graph::node_at<G, I>::op_type, graph::node_value_t<G, I>>(observe, data[I],
+                                                                                                   p.shapes[I]),
+            0)...};
+  }(std::make_index_sequence<n>{});
 
   constexpr std::size_t out_root = buffers.root[Out];
   // Where the output's elements begin in its root's, when it is a view.

@@ -14,6 +14,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <span>
 #include <string>
 #include <tuple>
@@ -29,12 +30,25 @@
 namespace duet::graph {
 
 // Calls f(std::integral_constant<std::size_t, I>{}) for I = 0, 1, ..., N-1 in order: the one
-// loop over a graph's nodes at compile time. (A fold over lambdas nested in a lambda with a
-// template parameter pack crashes clang 14; this shape does not.)
+// loop over a graph's nodes at compile time. The calls are a braced list's elements, which run
+// in order, not a comma fold: clang nests a fold's operands and refuses more than 256 (a
+// network of 128 Dense + ReLU pairs has 385 nodes). (A fold over lambdas nested in a lambda
+// with a template parameter pack also crashes clang 14; this shape does not.)
 template <std::size_t N, class F>
 constexpr void for_each_index(F&& f) {
-  [&]<std::size_t... I>(std::index_sequence<I...>) { (f(std::integral_constant<std::size_t, I>{}), ...); }
+  [&]<std::size_t... I>(std::index_sequence<I...>) {
+    [[maybe_unused]] const int in_order[] = {0, (f(std::integral_constant<std::size_t, I>{}), 0)...};
+  }
   (std::make_index_sequence<N>{});
+}
+
+// Whether every one of a pack's conditions holds: all_of({C...}), where a fold (C && ...)
+// would nest as deep as the pack is long (for_each_index says why that matters).
+constexpr bool all_of(std::initializer_list<bool> conditions) {
+  for (const bool c : conditions) {
+    if (!c) return false;
+  }
+  return true;
 }
 
 template <class Op, std::size_t... Args>
@@ -55,11 +69,16 @@ constexpr ShapeResult static_rule(std::span<const Shape> shapes) {
   return N::op_type::infer_static(in);
 }
 
+// The nodes' shape rules, in order: a table, so that a loop over a graph's nodes is one
+// function of the graph, not one per node.
+template <class... Nodes>
+inline constexpr std::array<ShapeResult (*)(std::span<const Shape>), sizeof...(Nodes)> static_rules{
+    &static_rule<Nodes>...};
+
 template <class... Nodes>
 constexpr std::array<Shape, sizeof...(Nodes)> infer_static_shapes() {
   std::array<Shape, sizeof...(Nodes)> shapes{};
-  std::size_t i = 0;
-  ((shapes[i] = static_rule<Nodes>(shapes).shape, ++i), ...);
+  for (std::size_t i = 0; i < sizeof...(Nodes); ++i) shapes[i] = static_rules<Nodes...>[i](shapes).shape;
   return shapes;
 }
 
@@ -640,18 +659,25 @@ struct NodeInput {
   static constexpr Shape shape = G::shapes[node_at<G, I>::args[static_cast<std::size_t>(K)]];
 };
 
-template <class G, std::size_t I = 0>
+// The first node of a list whose shape rule does not hold, or the list's size.
+template <class... Nodes>
+constexpr std::size_t first_rejected(const NodeList<Nodes...>*, std::span<const Shape> shapes) {
+  for (std::size_t i = 0; i < sizeof...(Nodes); ++i) {
+    if (!static_rules<Nodes...>[i](shapes).ok()) return i;
+  }
+  return sizeof...(Nodes);
+}
+
+template <class G>
 constexpr auto first_rejection_of() {
+  constexpr std::size_t I = first_rejected(static_cast<const typename G::list_type*>(nullptr), G::shapes);
   if constexpr (I == G::size) {
     return std::type_identity<void>{};
   } else {
     using N = node_at<G, I>;
     constexpr ShapeResult r = static_rule<N>(G::shapes);
-    if constexpr (r.ok())
-      return first_rejection_of<G, I + 1>();
-    else
-      return std::type_identity<
-          diagnostic::rejection<typename N::op_type::layer_type, r.fault, r.expected, NodeInput<G, I, r.input>>>{};
+    return std::type_identity<
+        diagnostic::rejection<typename N::op_type::layer_type, r.fault, r.expected, NodeInput<G, I, r.input>>>{};
   }
 }
 // The report (diagnostic::rejection) of the first node of G whose shape rule does not hold on
@@ -728,21 +754,24 @@ struct Splice {
       for (std::size_t j = 1; j < sizes[c]; ++j) a[base[c] + j - 1 - Size0] = c;
     return a;
   }();
-  template <std::size_t K>
-  static constexpr std::size_t place = K + Size0 - base[part[K]] + 1;
+  static constexpr std::size_t place(std::size_t k) { return k + Size0 - base[part[k]] + 1; }
 
-  template <std::size_t K, class N = node_at<typename node_at<NodeList<Parts...>, part[K]>::graph_type, place<K>>,
+  template <std::size_t K, class N = node_at<typename node_at<NodeList<Parts...>, part[K]>::graph_type, place(K)>,
             class A = std::make_index_sequence<N::arity>>
   struct renumbered_node;
   template <std::size_t K, class N, std::size_t... A>
   struct renumbered_node<K, N, std::index_sequence<A...>> {
     using type = Node<typename N::op_type, where(part[K], N::args[A])...>;
   };
-  template <std::size_t K>
-  static typename renumbered_node<K>::type node(const NodeList<const Parts*...>& p) {
-    return {get<place<K>>(get<part[K]>(p)->graph).op};
-  }
 };
+
+// Node `Place`'s operation in a part. Not a member of Splice, whose name spells out every part:
+// a function per node named so makes the names the compiler mangles grow with the square of
+// the chain's length (two fifths of the bytes of names g++ made for a 128-layer network).
+template <std::size_t Place, class Part>
+const auto& op_at(const Part* part) {
+  return get<Place>(part->graph).op;
+}
 }  // namespace detail
 
 // x's graph, then each part's nodes after the value before it: parts[0] captured on
@@ -755,13 +784,17 @@ auto spliced(const Sym<G0, Out0>& x, const Parts&... parts) {
   const NodeList<const Parts*...> all(std::in_place, &parts...);
   auto g = [&]<std::size_t... I, std::size_t... K>(std::index_sequence<I...>, std::index_sequence<K...>) {
     return Graph<node_at<G0, I>..., typename S::template renumbered_node<K>::type...>(
-        std::in_place, get<I>(x.graph)..., S::template node<K>(all)...);
+        std::in_place, get<I>(x.graph)..., {detail::op_at<S::place(K)>(get<S::part[K]>(all))}...);
   }(std::make_index_sequence<G0::size>{}, std::make_index_sequence<S::size - G0::size>{});
   Sym<decltype(g), S::output> y{std::move(g), {}, x.ambiguity};
   std::copy(x.ids.begin(), x.ids.end(), y.ids.begin());
   auto at = y.ids.begin() + G0::size;
-  ((at = std::copy(parts.ids.begin() + 1, parts.ids.end(), at)), ...);
-  ((y.ambiguity.empty() ? void(y.ambiguity = parts.ambiguity) : void()), ...);
+  for (const std::span<const std::uint64_t> ids : {std::span<const std::uint64_t>(parts.ids)...}) {
+    at = std::copy(ids.begin() + 1, ids.end(), at);
+  }
+  for (const std::string* a : {&parts.ambiguity...}) {
+    if (y.ambiguity.empty()) y.ambiguity = *a;
+  }
   return y;
 }
 

@@ -12,6 +12,7 @@
 
 #include <array>
 #include <cstddef>
+#include <span>
 #include <utility>
 
 #include "graph.hpp"
@@ -20,14 +21,21 @@
 
 namespace duet::passes {
 
-// How many nodes read each node's value; the graph's output counts as one more reader.
+namespace detail {
+template <class... Nodes>
+constexpr void count_users(const graph::NodeList<Nodes...>*, std::span<std::size_t> users) {
+  for (const std::span<const std::size_t> args : {std::span<const std::size_t>(Nodes::args)...}) {
+    for (const std::size_t a : args) ++users[a];
+  }
+}
+}  // namespace detail
+
+// How many nodes read each node's value; the graph's output counts as one more reader. (A
+// loop over the nodes' argument lists, not a function per node.)
 template <class G, std::size_t Out>
 constexpr std::array<std::size_t, G::size> user_counts() {
   std::array<std::size_t, G::size> users{};
-  graph::for_each_index<G::size>([&](auto i) {
-    constexpr std::size_t I = decltype(i)::value;
-    for (std::size_t a : graph::node_at<G, I>::args) ++users[a];
-  });
+  detail::count_users(static_cast<const typename G::list_type*>(nullptr), users);
   ++users[Out];
   return users;
 }
@@ -192,15 +200,24 @@ auto fuse_epilogues(const graph::Sym<G, Out>& program) {
 // Each op that can read its weight pre-packed (with_packed_weight()) is replaced by that
 // form. Not for graphs being trained: their weights change at every step, and a packed copy
 // would only add a pass over them.
-template <class G, std::size_t Out>
-auto pack_weights(const graph::Sym<G, Out>& program) {
-  auto nodes = graph::transformed(program.graph, []<class Op, std::size_t... A>(const graph::Node<Op, A...>& n) {
+namespace detail {
+// A node with its weight packed. Not a lambda in pack_weights: a lambda's functions are named
+// after the graph, one per node, and such names grow with the square of the network's depth.
+struct PackedWeight {
+  template <class Op, std::size_t... A>
+  auto operator()(const graph::Node<Op, A...>& n) const {
     if constexpr (requires { n.op.with_packed_weight(); }) {
       return graph::Node<decltype(n.op.with_packed_weight()), A...>{n.op.with_packed_weight()};
     } else {
       return n;
     }
-  });
+  }
+};
+}  // namespace detail
+
+template <class G, std::size_t Out>
+auto pack_weights(const graph::Sym<G, Out>& program) {
+  auto nodes = graph::transformed(program.graph, detail::PackedWeight{});
   auto packed = graph::make_graph(nodes);
   return graph::Sym<decltype(packed), Out>{packed};
 }

@@ -5468,6 +5468,7 @@ constexpr void report_static_fault() {
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <span>
 #include <string>
 #include <tuple>
@@ -5726,12 +5727,25 @@ constexpr bool input_has_gradient() {
 namespace duet::graph {
 
 // Calls f(std::integral_constant<std::size_t, I>{}) for I = 0, 1, ..., N-1 in order: the one
-// loop over a graph's nodes at compile time. (A fold over lambdas nested in a lambda with a
-// template parameter pack crashes clang 14; this shape does not.)
+// loop over a graph's nodes at compile time. The calls are a braced list's elements, which run
+// in order, not a comma fold: clang nests a fold's operands and refuses more than 256 (a
+// network of 128 Dense + ReLU pairs has 385 nodes). (A fold over lambdas nested in a lambda
+// with a template parameter pack also crashes clang 14; this shape does not.)
 template <std::size_t N, class F>
 constexpr void for_each_index(F&& f) {
-  [&]<std::size_t... I>(std::index_sequence<I...>) { (f(std::integral_constant<std::size_t, I>{}), ...); }
+  [&]<std::size_t... I>(std::index_sequence<I...>) {
+    [[maybe_unused]] const int in_order[] = {0, (f(std::integral_constant<std::size_t, I>{}), 0)...};
+  }
   (std::make_index_sequence<N>{});
+}
+
+// Whether every one of a pack's conditions holds: all_of({C...}), where a fold (C && ...)
+// would nest as deep as the pack is long (for_each_index says why that matters).
+constexpr bool all_of(std::initializer_list<bool> conditions) {
+  for (const bool c : conditions) {
+    if (!c) return false;
+  }
+  return true;
 }
 
 template <class Op, std::size_t... Args>
@@ -5752,11 +5766,16 @@ constexpr ShapeResult static_rule(std::span<const Shape> shapes) {
   return N::op_type::infer_static(in);
 }
 
+// The nodes' shape rules, in order: a table, so that a loop over a graph's nodes is one
+// function of the graph, not one per node.
+template <class... Nodes>
+inline constexpr std::array<ShapeResult (*)(std::span<const Shape>), sizeof...(Nodes)> static_rules{
+    &static_rule<Nodes>...};
+
 template <class... Nodes>
 constexpr std::array<Shape, sizeof...(Nodes)> infer_static_shapes() {
   std::array<Shape, sizeof...(Nodes)> shapes{};
-  std::size_t i = 0;
-  ((shapes[i] = static_rule<Nodes>(shapes).shape, ++i), ...);
+  for (std::size_t i = 0; i < sizeof...(Nodes); ++i) shapes[i] = static_rules<Nodes...>[i](shapes).shape;
   return shapes;
 }
 
@@ -6337,18 +6356,25 @@ struct NodeInput {
   static constexpr Shape shape = G::shapes[node_at<G, I>::args[static_cast<std::size_t>(K)]];
 };
 
-template <class G, std::size_t I = 0>
+// The first node of a list whose shape rule does not hold, or the list's size.
+template <class... Nodes>
+constexpr std::size_t first_rejected(const NodeList<Nodes...>*, std::span<const Shape> shapes) {
+  for (std::size_t i = 0; i < sizeof...(Nodes); ++i) {
+    if (!static_rules<Nodes...>[i](shapes).ok()) return i;
+  }
+  return sizeof...(Nodes);
+}
+
+template <class G>
 constexpr auto first_rejection_of() {
+  constexpr std::size_t I = first_rejected(static_cast<const typename G::list_type*>(nullptr), G::shapes);
   if constexpr (I == G::size) {
     return std::type_identity<void>{};
   } else {
     using N = node_at<G, I>;
     constexpr ShapeResult r = static_rule<N>(G::shapes);
-    if constexpr (r.ok())
-      return first_rejection_of<G, I + 1>();
-    else
-      return std::type_identity<
-          diagnostic::rejection<typename N::op_type::layer_type, r.fault, r.expected, NodeInput<G, I, r.input>>>{};
+    return std::type_identity<
+        diagnostic::rejection<typename N::op_type::layer_type, r.fault, r.expected, NodeInput<G, I, r.input>>>{};
   }
 }
 // The report (diagnostic::rejection) of the first node of G whose shape rule does not hold on
@@ -6425,21 +6451,24 @@ struct Splice {
       for (std::size_t j = 1; j < sizes[c]; ++j) a[base[c] + j - 1 - Size0] = c;
     return a;
   }();
-  template <std::size_t K>
-  static constexpr std::size_t place = K + Size0 - base[part[K]] + 1;
+  static constexpr std::size_t place(std::size_t k) { return k + Size0 - base[part[k]] + 1; }
 
-  template <std::size_t K, class N = node_at<typename node_at<NodeList<Parts...>, part[K]>::graph_type, place<K>>,
+  template <std::size_t K, class N = node_at<typename node_at<NodeList<Parts...>, part[K]>::graph_type, place(K)>,
             class A = std::make_index_sequence<N::arity>>
   struct renumbered_node;
   template <std::size_t K, class N, std::size_t... A>
   struct renumbered_node<K, N, std::index_sequence<A...>> {
     using type = Node<typename N::op_type, where(part[K], N::args[A])...>;
   };
-  template <std::size_t K>
-  static typename renumbered_node<K>::type node(const NodeList<const Parts*...>& p) {
-    return {get<place<K>>(get<part[K]>(p)->graph).op};
-  }
 };
+
+// Node `Place`'s operation in a part. Not a member of Splice, whose name spells out every part:
+// a function per node named so makes the names the compiler mangles grow with the square of
+// the chain's length (two fifths of the bytes of names g++ made for a 128-layer network).
+template <std::size_t Place, class Part>
+const auto& op_at(const Part* part) {
+  return get<Place>(part->graph).op;
+}
 }  // namespace detail
 
 // x's graph, then each part's nodes after the value before it: parts[0] captured on
@@ -6452,13 +6481,17 @@ auto spliced(const Sym<G0, Out0>& x, const Parts&... parts) {
   const NodeList<const Parts*...> all(std::in_place, &parts...);
   auto g = [&]<std::size_t... I, std::size_t... K>(std::index_sequence<I...>, std::index_sequence<K...>) {
     return Graph<node_at<G0, I>..., typename S::template renumbered_node<K>::type...>(
-        std::in_place, get<I>(x.graph)..., S::template node<K>(all)...);
+        std::in_place, get<I>(x.graph)..., {detail::op_at<S::place(K)>(get<S::part[K]>(all))}...);
   }(std::make_index_sequence<G0::size>{}, std::make_index_sequence<S::size - G0::size>{});
   Sym<decltype(g), S::output> y{std::move(g), {}, x.ambiguity};
   std::copy(x.ids.begin(), x.ids.end(), y.ids.begin());
   auto at = y.ids.begin() + G0::size;
-  ((at = std::copy(parts.ids.begin() + 1, parts.ids.end(), at)), ...);
-  ((y.ambiguity.empty() ? void(y.ambiguity = parts.ambiguity) : void()), ...);
+  for (const std::span<const std::uint64_t> ids : {std::span<const std::uint64_t>(parts.ids)...}) {
+    at = std::copy(ids.begin() + 1, ids.end(), at);
+  }
+  for (const std::string* a : {&parts.ambiguity...}) {
+    if (y.ambiguity.empty()) y.ambiguity = *a;
+  }
   return y;
 }
 
@@ -6839,6 +6872,68 @@ namespace graph {
 struct NoObserver {};
 }  // namespace graph
 
+namespace detail {
+// What run_observed's nodes share.
+template <class Result>
+struct RunState {
+  void** data;                // each node's values
+  const void* const* inputs;  // the graph's inputs' values
+  const Shape* shapes;
+  const std::size_t* offset;  // into the arena, for slot nodes
+  std::byte* arena;
+  BasicTensor<Result>* result;
+  const std::string* where;
+};
+
+// Node i of run_observed, reading the nodes `args`: where its value lives (S), then its kernel.
+// A function of the operation's type and the node's storage, shared by every node of that
+// kind in every graph, rather than a lambda of run_observed (a function per node, named
+// after the graph: compile time and names that grow with the square of the network's depth).
+template <class Backend, JitConfig Config, graph::Storage S, class T, class Result, std::size_t Arity, class Op>
+void run_node(const Op& op, const std::size_t* args, std::size_t i, const RunState<Result>& state) {
+  constexpr std::size_t arity = Arity;
+  void** data = state.data;
+  if constexpr (S == graph::Storage::input) {
+    // Inputs are only read: kernels see them through KernelArgs::in, as const.
+    data[i] = const_cast<void*>(state.inputs[Op::index]);
+  } else {
+    if constexpr (S == graph::Storage::view) {
+      data[i] = static_cast<char*>(data[args[0]]) +
+                view_offset(op, state.shapes[args[0]]) * static_cast<index_t>(sizeof(T));
+    } else if constexpr (S == graph::Storage::output) {
+      *state.result = BasicTensor<Result>::uninitialized(state.shapes[i]);
+      data[i] = state.result->data();
+    } else if constexpr (S == graph::Storage::slot) {
+      data[i] = state.arena + state.offset[i];
+    } else {
+      data[i] = nullptr;
+    }
+    if constexpr (graph::runs_kernel<Op>()) {
+      std::array<const void*, arity> in;
+      for (std::size_t k = 0; k < arity; ++k) in[k] = data[args[k]];
+      if constexpr (arity == 1) {
+        op.template run<Backend, T>(graph::KernelArgs{in.data(), &state.shapes[args[0]], data[i], state.shapes[i]});
+      } else {
+        std::array<Shape, arity> in_shapes;
+        for (std::size_t k = 0; k < arity; ++k) in_shapes[k] = state.shapes[args[k]];
+        op.template run<Backend, T>(graph::KernelArgs{in.data(), in_shapes.data(), data[i], state.shapes[i]});
+      }
+      if constexpr (Config.debug_level == DebugLevel::debug && !Op::is_view && !graph::is_sink<Op>()) {
+        check_finite(static_cast<const T*>(data[i]), state.shapes[i], node_context<Config, Op>(i, *state.where));
+      }
+    }
+  }
+}
+
+template <std::size_t I, class Op, class T, class Observer>
+void show_node([[maybe_unused]] Observer& observe, [[maybe_unused]] const void* values,
+               [[maybe_unused]] const Shape& shape) {
+  if constexpr (!std::is_same_v<std::remove_cvref_t<Observer>, graph::NoObserver> && !graph::is_sink<Op>()) {
+    observe(std::integral_constant<std::size_t, I>{}, static_cast<const T*>(values), shape);
+  }
+}
+}  // namespace detail
+
 // run(), showing each node's value to `observe` as soon as its kernel has run (before its slot
 // may be reused): observe(std::integral_constant<std::size_t, I>{}, const T* values, shape) for
 // every node I that makes a value, inputs included. duet::compare_modes reads graph mode's
@@ -6855,48 +6950,18 @@ auto run_observed(const graph::Sym<G, Out>& program, const graph::Plan<G, sizeof
   detail::Storage arena(p.arena_bytes);
   BasicTensor<Result> result;
   std::array<void*, n> data;
-  graph::for_each_index<n>([&](auto i) {
-    constexpr std::size_t I = decltype(i)::value;
-    using Node = graph::node_at<G, I>;
-    using Op = typename Node::op_type;
-    if constexpr (buffers.storage[I] == graph::Storage::input) {
-      // Inputs are only read: kernels see them through KernelArgs::in, as const.
-      data[I] = const_cast<void*>(input[Op::index]);
-    } else {
-      if constexpr (buffers.storage[I] == graph::Storage::view) {
-        const auto& op = graph::get<I>(program.graph).op;
-        data[I] = static_cast<char*>(data[Node::args[0]]) +
-                  view_offset(op, p.shapes[Node::args[0]]) * static_cast<index_t>(sizeof(graph::node_value_t<G, I>));
-      } else if constexpr (buffers.storage[I] == graph::Storage::output) {
-        result = BasicTensor<Result>::uninitialized(p.shapes[I]);
-        data[I] = result.data();
-      } else if constexpr (buffers.storage[I] == graph::Storage::slot) {
-        data[I] = arena.data() + p.offset[I];
-      } else {
-        data[I] = nullptr;
-      }
-      if constexpr (graph::runs_kernel<Op>()) {
-        std::array<const void*, Node::arity> in;
-        for (std::size_t k = 0; k < Node::arity; ++k) in[k] = data[Node::args[k]];
-        const auto& op = graph::get<I>(program.graph).op;
-        using T = graph::node_value_t<G, I>;
-        if constexpr (Node::arity == 1) {
-          op.template run<Backend, T>(graph::KernelArgs{in.data(), &p.shapes[Node::args[0]], data[I], p.shapes[I]});
-        } else {
-          std::array<Shape, Node::arity> in_shapes;
-          for (std::size_t k = 0; k < Node::arity; ++k) in_shapes[k] = p.shapes[Node::args[k]];
-          op.template run<Backend, T>(graph::KernelArgs{in.data(), in_shapes.data(), data[I], p.shapes[I]});
-        }
-        if constexpr (Config.debug_level == DebugLevel::debug && !Op::is_view && !graph::is_sink<Op>()) {
-          detail::check_finite(static_cast<const T*>(data[I]), p.shapes[I], detail::node_context<Config, Op>(I, p.where));
-        }
-      }
-    }
-    if constexpr (!std::is_same_v<std::remove_cvref_t<Observer>, graph::NoObserver> && !graph::is_sink<Op>()) {
-      observe(std::integral_constant<std::size_t, I>{}, static_cast<const graph::node_value_t<G, I>*>(data[I]),
-              p.shapes[I]);
-    }
-  });
+  const detail::RunState<Result> state{data.data(), input.data(), p.shapes.data(), p.offset.data(), arena.data(),
+                                       &result,     &p.where};
+  // One call per node, in order (a braced list's elements), in this one function.
+  [&]<std::size_t... I>(std::index_sequence<I...>) {
+    [[maybe_unused]] const int in_order[] = {
+        0, (detail::run_node<Backend, Config, buffers.storage[I], graph::node_value_t<G, I>, Result,
+                             graph::node_at<G, I>::arity>(graph::get<I>(program.graph).op,
+                                                          graph::node_at<G, I>::args.data(), I, state),
+            detail::show_node<I, typename graph::node_at<G, I>::op_type, graph::node_value_t<G, I>>(observe, data[I],
+                                                                                                   p.shapes[I]),
+            0)...};
+  }(std::make_index_sequence<n>{});
 
   constexpr std::size_t out_root = buffers.root[Out];
   // Where the output's elements begin in its root's, when it is a view.
@@ -8812,19 +8877,27 @@ auto host(F&& fn, X&& x, SourceLocation where = SourceLocation::current()) {
 
 #include <array>
 #include <cstddef>
+#include <span>
 #include <utility>
 
 
 namespace duet::passes {
 
-// How many nodes read each node's value; the graph's output counts as one more reader.
+namespace detail {
+template <class... Nodes>
+constexpr void count_users(const graph::NodeList<Nodes...>*, std::span<std::size_t> users) {
+  for (const std::span<const std::size_t> args : {std::span<const std::size_t>(Nodes::args)...}) {
+    for (const std::size_t a : args) ++users[a];
+  }
+}
+}  // namespace detail
+
+// How many nodes read each node's value; the graph's output counts as one more reader. (A
+// loop over the nodes' argument lists, not a function per node.)
 template <class G, std::size_t Out>
 constexpr std::array<std::size_t, G::size> user_counts() {
   std::array<std::size_t, G::size> users{};
-  graph::for_each_index<G::size>([&](auto i) {
-    constexpr std::size_t I = decltype(i)::value;
-    for (std::size_t a : graph::node_at<G, I>::args) ++users[a];
-  });
+  detail::count_users(static_cast<const typename G::list_type*>(nullptr), users);
   ++users[Out];
   return users;
 }
@@ -8989,15 +9062,24 @@ auto fuse_epilogues(const graph::Sym<G, Out>& program) {
 // Each op that can read its weight pre-packed (with_packed_weight()) is replaced by that
 // form. Not for graphs being trained: their weights change at every step, and a packed copy
 // would only add a pass over them.
-template <class G, std::size_t Out>
-auto pack_weights(const graph::Sym<G, Out>& program) {
-  auto nodes = graph::transformed(program.graph, []<class Op, std::size_t... A>(const graph::Node<Op, A...>& n) {
+namespace detail {
+// A node with its weight packed. Not a lambda in pack_weights: a lambda's functions are named
+// after the graph, one per node, and such names grow with the square of the network's depth.
+struct PackedWeight {
+  template <class Op, std::size_t... A>
+  auto operator()(const graph::Node<Op, A...>& n) const {
     if constexpr (requires { n.op.with_packed_weight(); }) {
       return graph::Node<decltype(n.op.with_packed_weight()), A...>{n.op.with_packed_weight()};
     } else {
       return n;
     }
-  });
+  }
+};
+}  // namespace detail
+
+template <class G, std::size_t Out>
+auto pack_weights(const graph::Sym<G, Out>& program) {
+  auto nodes = graph::transformed(program.graph, detail::PackedWeight{});
   auto packed = graph::make_graph(nodes);
   return graph::Sym<decltype(packed), Out>{packed};
 }
@@ -16196,7 +16278,7 @@ namespace duet::nn {
 template <class First, class... Rest>
 class SequentialCell : public Cell<SequentialCell<First, Rest...>, CONTEXT_MODE, typename First::value_type> {
   using T = typename First::value_type;
-  static_assert((std::is_same_v<typename Rest::value_type, T> && ...),
+  static_assert(graph::all_of({std::is_same_v<typename Rest::value_type, T>...}),
                 "nn::SequentialCell: all cells must have the same element type");
 
  public:
@@ -16205,7 +16287,7 @@ class SequentialCell : public Cell<SequentialCell<First, Rest...>, CONTEXT_MODE,
   // deleted copy constructors of the cell, its parameters and its compiled forms.
   template <class C, class... Cs>
   requires(sizeof...(Cs) == sizeof...(Rest) && std::constructible_from<First, std::remove_cvref_t<C>> &&
-           (std::constructible_from<Rest, std::remove_cvref_t<Cs>> && ...))
+           graph::all_of({std::constructible_from<Rest, std::remove_cvref_t<Cs>>...}))
   explicit SequentialCell(C&& first, Cs&&... rest)
       : cells_(moved_in(std::forward<C>(first)), moved_in(std::forward<Cs>(rest))...) {
     check_neighbours();
@@ -16239,24 +16321,34 @@ class SequentialCell : public Cell<SequentialCell<First, Rest...>, CONTEXT_MODE,
   template <class X>
   auto chain(X&& x) {
     if constexpr (graph::Symbolic<X>) {
-      return captured_from<0>(x);
+      return captured_parts(x, std::make_index_sequence<size()>{});
     } else {
       return boost::hana::fold_left(cells_, std::forward<X>(x),
                                     [](auto&& acc, auto& cell) { return cell(std::forward<decltype(acc)>(acc)); });
     }
   }
 
-  // Captures cell I on an input of its own, standing for the value of the cell before it, and splices
-  // the cells' graphs after x's at the end: each cell appended to the graph so far would copy
-  // it, and a chain's capture would cost the square of its length.
-  template <std::size_t I, class X, class... Parts>
-  auto captured_from(const X& x, const Parts&... parts) {
-    if constexpr (I == size()) {
-      return graph::spliced(x, parts...);
-    } else {
-      using Last = typename decltype((std::type_identity<std::remove_cvref_t<X>>{}, ..., std::type_identity<Parts>{}))::type;
-      return captured_from<I + 1>(x, parts..., boost::hana::at_c<I>(cells_)(graph::continuation<Last>()));
-    }
+  template <std::size_t I>
+  using cell_at = std::remove_reference_t<decltype(boost::hana::at_c<I>(std::declval<boost::hana::tuple<First, Rest...>&>()))>;
+
+  // Cell I captured on an input of its own, a continuation of the value before it: part
+  // I - 1's output, or x's (X) for the first. Only the type of the part before is needed, so
+  // no part's type holds the parts before it. (Types, not functions: a function per cell named
+  // after the chain would make the names the compiler mangles grow with the chain's square.)
+  template <class X, std::size_t I>
+  struct part {
+    using before = typename std::conditional_t<I == 0, std::type_identity<X>, part<X, I - 1>>::type;
+    using type = decltype(std::declval<cell_at<I>&>()(graph::continuation<before>()));
+  };
+
+  // Captures each cell apart and splices the parts after x's graph at the end: each cell
+  // appended to the graph so far would copy it, and a chain's capture would cost the square of
+  // its length. The parts are a braced list's elements, so they are captured in order.
+  template <class X, std::size_t... I>
+  auto captured_parts(const X& x, std::index_sequence<I...>) {
+    const graph::NodeList<typename part<X, I>::type...> parts{
+        std::in_place, boost::hana::at_c<I>(cells_)(graph::continuation<typename part<X, I>::before>())...};
+    return graph::spliced(x, graph::get<I>(parts)...);
   }
 
   // Capturing the chain on an input of unknown shape runs every layer's shape rule against

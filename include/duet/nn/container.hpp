@@ -21,7 +21,7 @@ namespace duet::nn {
 template <class First, class... Rest>
 class SequentialCell : public Cell<SequentialCell<First, Rest...>, CONTEXT_MODE, typename First::value_type> {
   using T = typename First::value_type;
-  static_assert((std::is_same_v<typename Rest::value_type, T> && ...),
+  static_assert(graph::all_of({std::is_same_v<typename Rest::value_type, T>...}),
                 "nn::SequentialCell: all cells must have the same element type");
 
  public:
@@ -30,7 +30,7 @@ class SequentialCell : public Cell<SequentialCell<First, Rest...>, CONTEXT_MODE,
   // deleted copy constructors of the cell, its parameters and its compiled forms.
   template <class C, class... Cs>
   requires(sizeof...(Cs) == sizeof...(Rest) && std::constructible_from<First, std::remove_cvref_t<C>> &&
-           (std::constructible_from<Rest, std::remove_cvref_t<Cs>> && ...))
+           graph::all_of({std::constructible_from<Rest, std::remove_cvref_t<Cs>>...}))
   explicit SequentialCell(C&& first, Cs&&... rest)
       : cells_(moved_in(std::forward<C>(first)), moved_in(std::forward<Cs>(rest))...) {
     check_neighbours();
@@ -64,24 +64,34 @@ class SequentialCell : public Cell<SequentialCell<First, Rest...>, CONTEXT_MODE,
   template <class X>
   auto chain(X&& x) {
     if constexpr (graph::Symbolic<X>) {
-      return captured_from<0>(x);
+      return captured_parts(x, std::make_index_sequence<size()>{});
     } else {
       return boost::hana::fold_left(cells_, std::forward<X>(x),
                                     [](auto&& acc, auto& cell) { return cell(std::forward<decltype(acc)>(acc)); });
     }
   }
 
-  // Captures cell I on an input of its own, standing for the value of the cell before it, and splices
-  // the cells' graphs after x's at the end: each cell appended to the graph so far would copy
-  // it, and a chain's capture would cost the square of its length.
-  template <std::size_t I, class X, class... Parts>
-  auto captured_from(const X& x, const Parts&... parts) {
-    if constexpr (I == size()) {
-      return graph::spliced(x, parts...);
-    } else {
-      using Last = typename decltype((std::type_identity<std::remove_cvref_t<X>>{}, ..., std::type_identity<Parts>{}))::type;
-      return captured_from<I + 1>(x, parts..., boost::hana::at_c<I>(cells_)(graph::continuation<Last>()));
-    }
+  template <std::size_t I>
+  using cell_at = std::remove_reference_t<decltype(boost::hana::at_c<I>(std::declval<boost::hana::tuple<First, Rest...>&>()))>;
+
+  // Cell I captured on an input of its own, a continuation of the value before it: part
+  // I - 1's output, or x's (X) for the first. Only the type of the part before is needed, so
+  // no part's type holds the parts before it. (Types, not functions: a function per cell named
+  // after the chain would make the names the compiler mangles grow with the chain's square.)
+  template <class X, std::size_t I>
+  struct part {
+    using before = typename std::conditional_t<I == 0, std::type_identity<X>, part<X, I - 1>>::type;
+    using type = decltype(std::declval<cell_at<I>&>()(graph::continuation<before>()));
+  };
+
+  // Captures each cell apart and splices the parts after x's graph at the end: each cell
+  // appended to the graph so far would copy it, and a chain's capture would cost the square of
+  // its length. The parts are a braced list's elements, so they are captured in order.
+  template <class X, std::size_t... I>
+  auto captured_parts(const X& x, std::index_sequence<I...>) {
+    const graph::NodeList<typename part<X, I>::type...> parts{
+        std::in_place, boost::hana::at_c<I>(cells_)(graph::continuation<typename part<X, I>::before>())...};
+    return graph::spliced(x, graph::get<I>(parts)...);
   }
 
   // Capturing the chain on an input of unknown shape runs every layer's shape rule against
