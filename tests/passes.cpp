@@ -1,3 +1,4 @@
+#include <cstddef>
 #include <type_traits>
 
 #include "support.hpp"
@@ -55,6 +56,26 @@ TEST_CASE("a value read twice is not fused away, and the output is never fused i
   static_assert(O::size == 3);
   static_assert(std::is_same_v<node_at<O, 1>::op_type, ops::MatMulOp<nn::Dense<4, 4>>>);
   static_assert(decltype(optimized)::output == 1);
+}
+
+template <std::size_t N, class X>
+auto relus(const X& x) {
+  if constexpr (N == 0) return x;
+  else return relus<N - 1>(graph::append(ops::MapOp<fn::Relu>{}, x));
+}
+
+TEST_CASE("a chain of 40 elementwise functions fuses into operations of at most 17 functions") {
+  auto chain = relus<40>(graph::input<float, StaticShape<2, 3>>());
+  auto optimized = passes::fuse_epilogues(chain);
+  using O = decltype(optimized)::graph_type;
+  static_assert(O::size == 4);
+  static_assert(graph::node_at<O, 1>::op_type::elementwise_functions == 17);
+  static_assert(graph::node_at<O, 2>::op_type::elementwise_functions == 17);
+  static_assert(graph::node_at<O, 3>::op_type::elementwise_functions == 6);
+  const Tensor x = randn({2, 3}, 4);
+  const Tensor once = evaluate(graph::append(ops::MapOp<fn::Relu>{}, graph::input<float, StaticShape<2, 3>>()), x);
+  CHECK(duet_test::values_of(evaluate(optimized, x)) == duet_test::values_of(once));
+  CHECK(duet_test::values_of(evaluate(chain, x)) == duet_test::values_of(once));
 }
 
 TEST_CASE("user_counts counts readers and the output") {
