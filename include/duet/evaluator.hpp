@@ -282,9 +282,8 @@ struct RunState {
 // A function of the operation's type and the node's storage, shared by every node of that
 // kind in every graph, rather than a lambda of run_observed (a function per node, named
 // after the graph: compile time and names that grow with the square of the network's depth).
-template <class Backend, JitConfig Config, graph::Storage S, class T, class Result, std::size_t Arity, class Op>
+template <class Backend, JitConfig Config, graph::Storage S, class T, class Result, std::size_t arity, class Op>
 void run_node(const Op& op, const std::size_t* args, std::size_t i, const RunState<Result>& state) {
-  constexpr std::size_t arity = Arity;
   void** data = state.data;
   if constexpr (S == graph::Storage::input) {
     // Inputs are only read: kernels see them through KernelArgs::in, as const.

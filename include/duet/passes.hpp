@@ -212,9 +212,6 @@ auto fuse_epilogues(const graph::Sym<G, Out>& program) {
   return graph::Sym<decltype(fused), Plan::second_type::value>{fused};
 }
 
-// Each op that can read its weight pre-packed (with_packed_weight()) is replaced by that
-// form. Not for graphs being trained: their weights change at every step, and a packed copy
-// would only add a pass over them.
 namespace detail {
 // A node with its weight packed. Not a lambda in pack_weights: a lambda's functions are named
 // after the graph, one per node, and such names grow with the square of the network's depth.
@@ -230,6 +227,9 @@ struct PackedWeight {
 };
 }  // namespace detail
 
+// Each op that can read its weight pre-packed (with_packed_weight()) is replaced by that
+// form. Not for graphs being trained: their weights change at every step, and a packed copy
+// would only add a pass over them.
 template <class G, std::size_t Out>
 auto pack_weights(const graph::Sym<G, Out>& program) {
   auto nodes = graph::transformed(program.graph, detail::PackedWeight{});

@@ -6889,9 +6889,8 @@ struct RunState {
 // A function of the operation's type and the node's storage, shared by every node of that
 // kind in every graph, rather than a lambda of run_observed (a function per node, named
 // after the graph: compile time and names that grow with the square of the network's depth).
-template <class Backend, JitConfig Config, graph::Storage S, class T, class Result, std::size_t Arity, class Op>
+template <class Backend, JitConfig Config, graph::Storage S, class T, class Result, std::size_t arity, class Op>
 void run_node(const Op& op, const std::size_t* args, std::size_t i, const RunState<Result>& state) {
-  constexpr std::size_t arity = Arity;
   void** data = state.data;
   if constexpr (S == graph::Storage::input) {
     // Inputs are only read: kernels see them through KernelArgs::in, as const.
@@ -9074,9 +9073,6 @@ auto fuse_epilogues(const graph::Sym<G, Out>& program) {
   return graph::Sym<decltype(fused), Plan::second_type::value>{fused};
 }
 
-// Each op that can read its weight pre-packed (with_packed_weight()) is replaced by that
-// form. Not for graphs being trained: their weights change at every step, and a packed copy
-// would only add a pass over them.
 namespace detail {
 // A node with its weight packed. Not a lambda in pack_weights: a lambda's functions are named
 // after the graph, one per node, and such names grow with the square of the network's depth.
@@ -9092,6 +9088,9 @@ struct PackedWeight {
 };
 }  // namespace detail
 
+// Each op that can read its weight pre-packed (with_packed_weight()) is replaced by that
+// form. Not for graphs being trained: their weights change at every step, and a packed copy
+// would only add a pass over them.
 template <class G, std::size_t Out>
 auto pack_weights(const graph::Sym<G, Out>& program) {
   auto nodes = graph::transformed(program.graph, detail::PackedWeight{});
