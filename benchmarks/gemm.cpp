@@ -28,6 +28,8 @@
 #include <dnnl.hpp>
 #endif
 
+#include "peak.hpp"
+
 // ---- The limits ------------------------------------------------------------------------------
 
 #if DUET_X86_KERNELS
@@ -88,11 +90,14 @@ double measure_peak(int threads, double seconds) {
   return best;
 }
 
-// One thread's peak, measured once per process, for the rows' `of_peak`.
-double single_thread_peak() {
+}  // namespace
+
+double duet_bench::single_thread_peak() {
   static const double peak = measure_peak(1, 0.5);
   return peak;
 }
+
+namespace {
 
 void BM_fma_peak(benchmark::State& state) {
   const int threads = static_cast<int>(state.range(0));
@@ -126,7 +131,7 @@ double timed_loop(benchmark::State& state, double flops_per_iteration, Body&& bo
   }
   const double gflops = flops_per_iteration * static_cast<double>(state.iterations()) / total / 1e9;
   state.counters["GFLOP/s"] = gflops;
-  if (const double peak = single_thread_peak(); peak > 0) state.counters["of_peak"] = gflops / peak;
+  if (const double peak = duet_bench::single_thread_peak(); peak > 0) state.counters["of_peak"] = gflops / peak;
   return total / static_cast<double>(state.iterations());
 }
 
