@@ -17,6 +17,7 @@
 //    the one store, so the output never takes a second pass.
 // Every path adds the bias to the finished sum and then applies the functions, in the order
 // separate BiasAdd and map kernels would: fused and unfused evaluation agree to the bit.
+// gemm_kn, the product with B stored as [k, n], has a tile of its own (see there).
 // The GEMM gives whole panels of columns to each thread (threads.hpp) when the product is large
 // enough to share: every element's sum is the same code in the same order on any thread, so
 // the bits do not depend on the number of threads. The GEMV stays on one: it is bound by
@@ -80,6 +81,10 @@ void dense_unrolled(const T* a, index_t m, const T* b, const T* bias, T* c) {
 // 4 KiB K blocks were a few percent slower.
 inline constexpr index_t KC_bytes = 2048;
 inline constexpr index_t MC_bytes = 512 * 1024;
+// The product from B as [k, n] reads B's rows in place, a panel's K block from L2 (at 16 bytes
+// a cycle at most); measured on the seed's gradients and a 64-channel convolution, 16 KiB
+// blocks (in L1) were 5-15 % slower, from the partial sums they add to C, and 256 KiB no faster.
+inline constexpr index_t KN_panel_bytes = 64 * 1024;
 
 // Splits extent into the fewest blocks of at most limit, of equal size rounded up to a multiple
 // of step: 784 in blocks of 256 becomes 4 x 196 rather than 3 x 256 + 16.
@@ -249,12 +254,14 @@ void transpose(const T* from, index_t rows, index_t cols, T* to) {
   detail::with_target(active_isa(), [&](auto target) { transpose_step(target, from, rows, cols, to); });
 }
 
-// c[m, n] (+)= Σ_k a[m, k] · b[k, n]: gemm with b stored the other way round, [k, n] row-major,
-// as an image's patches and a layer's input under its weight gradient are, with neither bias
-// nor functions; accumulate adds to c instead of writing it. The blocked product at every
-// size, so the result has the same bits whether m is 1 or more; b's panels are packed from the
-// rows of b, which is the only difference from gemm on bᵀ, and the sums are gemm's sums in the
-// same order. After the first call on a thread for a given size, no heap allocation.
+// c[m, n] (+)= Σ_k a[m, k] · b[k, n]: b stored the other way round from gemm's, [k, n] row-major,
+// as an image's patches, a layer's weight under its input gradient and its input under its
+// weight gradient are, with neither bias nor functions; accumulate adds to c instead of
+// writing it. Its own tile (kn_kernel in detail/gemm_impl.hpp) reads the rows of b in place and
+// holds whole sums, so it neither packs b nor folds partial sums, which gemm's tile does per
+// K block: on the seed network's gradients (k = 64, the batch) that was a fifth of the time.
+// Every element is summed in the order of k, the same at any m and on any thread; its bits are
+// not gemm's on bᵀ. No heap allocation.
 template <class T>
   requires gemm_supports<T>
 void gemm_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c, bool accumulate = false) {

@@ -139,35 +139,6 @@ void pack_panel(const T* src, index_t ld, int rows, index_t depth, T* dst) {
   }
 }
 
-// Within each vector, the G x Q lanes (G = KG blocks of Q) as Q x G: lane q·G + i from lane
-// i·Q + q.
-template <class T, int... I>
-Vec<T> transpose_lanes(Vec<T> v, std::integer_sequence<int, I...>) {
-  constexpr int G = KG<T>;
-  constexpr int Q = lanes<T> / G;
-  return __builtin_shufflevector(v, v, (I % G * Q + I / G)...);
-}
-
-// pack_panel's panel from B stored transposed, as bt[k, n] (ld apart): the same layout, for
-// products whose right operand is an image's patches rather than a weight (kernels/conv.hpp).
-// A group's KG rows of bt, L columns each, are the panel's KG vectors transposed: block j of
-// row i goes to block i of vector j (transpose_blocks), then each vector's lanes from
-// row-major KG x Q to Q x KG.
-template <class T>
-void pack_panel_kn(const T* src, index_t ld, int cols, index_t depth, T* dst) {
-  constexpr int L = lanes<T>;
-  constexpr int G = KG<T>;
-  for (index_t g0 = 0; g0 < depth; g0 += G, dst += G * L) {
-    Vec<T> r[G];
-    for (int i = 0; i < G; ++i) {
-      const T* from = src + (g0 + i) * ld;
-      r[i] = g0 + i >= depth ? Vec<T>{} : cols == L ? load(from) : load_first(from, cols);
-    }
-    transpose_blocks<L / G, T>(r);
-    for (int j = 0; j < G; ++j) store<T>(dst + j * L, transpose_lanes<T>(r[j], std::make_integer_sequence<int, L>{}));
-  }
-}
-
 // One group of k for a tile: acc[i] += the group of row i of A, broadcast, times the panel's KG
 // vectors at bp. Partial: only rest < KG values of A remain, and A is not read past them. A
 // function rather than a lambda: GCC does not give lambdas the target of their region.
@@ -245,11 +216,10 @@ template <class T, class... Fns>
 }
 
 // Panels [p0, p1) of C (columns p0·L .. p1·L), every row: the blocked product's work for one
-// thread. panel: scratch for one packed panel of B, unless packed. b_kn: b is stored
-// transposed, as [k, n] (never packed ahead). accumulate: adds to C instead of writing it.
+// thread. panel: scratch for one packed panel of B, unless packed.
 template <class T, class... Fns>
 void gemm_panels(index_t p0, index_t p1, const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
-                 const PackedWeight<T>* packed, bool b_kn, bool accumulate, index_t kc, index_t mc, T* panel) {
+                 const PackedWeight<T>* packed, index_t kc, index_t mc, T* panel) {
   constexpr int L = lanes<T>;
   constexpr auto size = static_cast<index_t>(sizeof(T));
   const index_t n1 = std::min(n, p1 * L);
@@ -262,7 +232,6 @@ void gemm_panels(index_t p0, index_t p1, const T* a, index_t m, index_t k, const
         const index_t depth = std::min(kc, k - k0);
         const T* bp = panel;
         if (packed != nullptr) bp = packed->panel(j0, k0);
-        else if (b_kn) pack_panel_kn(b + k0 * n + j0, n, cols, depth, panel);
         else pack_panel(b + j0 * k + k0, k, cols, depth, panel);
         // A packed panel comes from L3 or memory, and its first tile would wait for it. The
         // panels lie in the order they are used, so each tile fetches a slice of the next one
@@ -279,7 +248,7 @@ void gemm_panels(index_t p0, index_t p1, const T* a, index_t m, index_t k, const
         index_t fetched = 0;
         for (index_t i0 = m0; i0 < m1; i0 += MR) {
           micro_kernel<T, Fns...>(depth, a + i0 * k + k0, k, static_cast<int>(std::min<index_t>(MR, m1 - i0)), bp,
-                                  c + i0 * n + j0, n, cols, k0 == 0 && !accumulate, k0 + depth == k, bias_panel);
+                                  c + i0 * n + j0, n, cols, k0 == 0, k0 + depth == k, bias_panel);
           for (const index_t until = std::min(ahead_bytes, fetched + slice); fetched < until; fetched += 64) {
             __builtin_prefetch(ahead + fetched, 0, 2);
           }
@@ -294,7 +263,7 @@ void gemm_panels(index_t p0, index_t p1, const T* a, index_t m, index_t k, const
 // the number of threads.
 template <class T, class... Fns>
 void gemm_blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
-                  const PackedWeight<T>* packed, bool b_kn = false, bool accumulate = false) {
+                  const PackedWeight<T>* packed) {
   constexpr int L = lanes<T>;
   constexpr auto size = static_cast<index_t>(sizeof(T));
   const index_t kc = balanced_block(k, KC_bytes / size, KG<T>);
@@ -305,8 +274,100 @@ void gemm_blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const
   ::duet::detail::Storage scratch(static_cast<std::size_t>(threads * panel_elements * size));
   T* panels_scratch = reinterpret_cast<T*>(scratch.data());
   ::duet::detail::parallel_blocks(panels, threads, [&](index_t p0, index_t p1, int slot) {
-    gemm_panels<T, Fns...>(p0, p1, a, m, k, b, n, bias, c, packed, b_kn, accumulate, kc, mc,
+    gemm_panels<T, Fns...>(p0, p1, a, m, k, b, n, bias, c, packed, kc, mc,
                            panels_scratch + slot * panel_elements);
+  });
+}
+
+// ---- B stored as [k, n] -----------------------------------------------------------------------
+
+// One k for a tile of the product from B as [k, n]: acc[i][j] += A[i][p], broadcast, times
+// vector j of row p of B. Partial: the tile's last columns end within it, and B is not read
+// past them (cols of NV_KN·L).
+template <bool Partial, class T>
+[[gnu::always_inline]] inline void kn_step(Vec<T> (&acc)[MR_KN][NV_KN], const T* const (&ar)[MR_KN], index_t p,
+                                           const T* bp, int cols) {
+  constexpr int L = lanes<T>;
+  Vec<T> bv[NV_KN];
+#pragma GCC unroll 4
+  for (int j = 0; j < NV_KN; ++j) {
+    if constexpr (Partial) {
+      const int count = std::min(L, cols - j * L);
+      bv[j] = count <= 0 ? Vec<T>{} : load_first(bp + j * L, count);
+    } else {
+      bv[j] = load(bp + j * L);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR_KN; ++i) {
+    const Vec<T> av = Vec<T>{} + ar[i][p];
+#pragma GCC unroll 4
+    for (int j = 0; j < NV_KN; ++j) acc[i][j] = fma<T>(av, bv[j], acc[i][j]);
+  }
+}
+
+// C tile (rows x cols, at most MR_KN x NV_KN·L) from MR_KN rows of A and depth rows of B as
+// [k, n], both read in place: the classic outer-product tile, whose accumulators hold finished
+// sums, so that no fold follows (gemm's tile folds KG partial sums per output: a quarter of its
+// time when k is a batch of 64, as in a weight gradient). Adds to C unless first.
+template <class T>
+[[gnu::noinline]] void kn_kernel(index_t depth, const T* a, index_t lda, int rows, const T* b, index_t ldb, int cols, T* c,
+                                 index_t ldc, bool first) {
+  constexpr int L = lanes<T>;
+  const T* ar[MR_KN];
+  for (int i = 0; i < MR_KN; ++i) ar[i] = a + std::min(i, rows - 1) * lda;
+  Vec<T> acc[MR_KN][NV_KN] = {};
+  if (cols == NV_KN * L) {
+    for (index_t p = 0; p < depth; ++p, b += ldb) kn_step<false, T>(acc, ar, p, b, cols);
+  } else {
+    for (index_t p = 0; p < depth; ++p, b += ldb) kn_step<true, T>(acc, ar, p, b, cols);
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR_KN; ++i, c += ldc) {
+    if (i >= rows) continue;
+#pragma GCC unroll 4
+    for (int j = 0; j < NV_KN; ++j) {
+      const int count = std::min(L, cols - j * L);
+      if (count <= 0) continue;
+      Vec<T> v = acc[i][j];
+      if (count == L) {
+        if (!first) v += load(c + j * L);
+        store<T>(c + j * L, v);
+      } else {
+        if (!first) v += load_first(c + j * L, count);
+        store_first<T>(c + j * L, v, count);
+      }
+    }
+  }
+}
+
+// c[m, n] (+)= a[m, k] · b[k, n] on as many threads as it can use, each taking whole panels of
+// NV_KN·L columns. Every element is one chain of FMAs in the order of k within a K block, the
+// blocks added to C in order, whatever the thread, tile or m. K blocks keep a panel's rows of
+// B (kc x NV_KN·L) in L2 across the M block's tiles, and M blocks keep A's block in half of it.
+template <class T>
+void gemm_kn_blocked(const T* a, index_t m, index_t k, const T* b, index_t n, T* c, bool accumulate) {
+  constexpr index_t W = NV_KN * lanes<T>;
+  constexpr auto size = static_cast<index_t>(sizeof(T));
+  const index_t kc = balanced_block(k, KN_panel_bytes / (W * size), 1);
+  const index_t mc = balanced_block(m, std::max<index_t>(MR_KN, MC_bytes / (kc * size)), MR_KN);
+  const index_t panels = (n + W - 1) / W;
+  const int threads = ::duet::detail::useful_threads(m * n * k, panels);
+  ::duet::detail::parallel_blocks(panels, threads, [&](index_t p0, index_t p1, int) {
+    const index_t n1 = std::min(n, p1 * W);
+    for (index_t k0 = 0; k0 < k; k0 += kc) {
+      const index_t depth = std::min(kc, k - k0);
+      for (index_t m0 = 0; m0 < m; m0 += mc) {
+        const index_t m1 = std::min(m, m0 + mc);
+        for (index_t j0 = p0 * W; j0 < n1; j0 += W) {
+          const int cols = static_cast<int>(std::min(W, n - j0));
+          for (index_t i0 = m0; i0 < m1; i0 += MR_KN) {
+            kn_kernel<T>(depth, a + i0 * k + k0, k, static_cast<int>(std::min<index_t>(MR_KN, m1 - i0)), b + k0 * n + j0, n,
+                         cols, c + i0 * n + j0, n, k0 == 0 && !accumulate);
+          }
+        }
+      }
+    }
   });
 }
 
@@ -330,7 +391,7 @@ struct Kernels {
 
   template <class T>
   static void blocked_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c, bool accumulate) {
-    gemm_blocked<T>(a, m, k, b, n, nullptr, c, nullptr, true, accumulate);
+    gemm_kn_blocked<T>(a, m, k, b, n, c, accumulate);
   }
 
   // Every panel of b ([n, k]) into dst, panel after panel, panel_size elements apart.

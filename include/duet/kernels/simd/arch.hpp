@@ -89,8 +89,14 @@ class FlushSubnormals {
 namespace duet::kernels::detail::baseline {
 
 inline constexpr int vector_bytes = 16;
-// Tile rows: MR x KG accumulators, KG vectors of B and a broadcast fit 16 registers.
+// Tile rows: MR x KG accumulators, KG vectors of B and a broadcast fit 16 registers. The
+// product from B as [k, n] (gemm_impl.hpp's kn_kernel): MR_KN x NV_KN accumulators, NV_KN
+// vectors of B, a broadcast and a product (no FMA). SSE2 broadcasts a value of A in two
+// instructions, which makes that tile 10-20 % slower than gemm's here (4 x 2 and 2 x 4 were
+// slower still); the sets with FMA broadcast from memory in one.
 inline constexpr int MR = 3;
+inline constexpr int MR_KN = 3;
+inline constexpr int NV_KN = 3;
 #include "detail/vector.hpp"
 
 // The first n lanes from p (0 < n <= lanes), zero in the others; never touches p[n] and on.
@@ -144,7 +150,10 @@ DUET_BEGIN_AVX2
 namespace duet::kernels::detail::avx2 {
 
 inline constexpr int vector_bytes = 32;
+// 16 registers: gemm's tile as the baseline's; 6 x 2 accumulators from B as [k, n] (12 + 2 + 1).
 inline constexpr int MR = 3;
+inline constexpr int MR_KN = 6;
+inline constexpr int NV_KN = 2;
 #include "detail/vector.hpp"
 
 // All ones in the lanes below n, as AVX2's masked loads and stores want.
@@ -203,8 +212,10 @@ DUET_BEGIN_AVX512
 namespace duet::kernels::detail::avx512 {
 
 inline constexpr int vector_bytes = 64;
-// 32 registers: twice the tile rows.
+// 32 registers: twice the tile rows; 6 x 4 accumulators from B as [k, n] (24 + 4 + 1).
 inline constexpr int MR = 6;
+inline constexpr int MR_KN = 6;
+inline constexpr int NV_KN = 4;
 #include "detail/vector.hpp"
 
 template <class T>
