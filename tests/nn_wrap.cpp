@@ -459,4 +459,48 @@ TEST_CASE("a training step after a manual set_train(false) is refused, not run i
   }
 }
 
+TEST_CASE("a parameter frozen after its optimizer was made stays where it is; one unfrozen after is refused by name") {
+  ModeGuard guard;
+  std::vector<std::vector<float>> losses;
+  for (const Mode mode : {PYNATIVE_MODE, GRAPH_MODE}) {
+    CAPTURE(mode);
+    set_context({.mode = mode});
+    const Tensor x = randn({4, 2, 4}, 5);
+    const Tensor y = randn({4, 3}, 6);
+    nn::MSELoss<> loss;
+    set_seed(3);
+    Small net;
+    nn::WithLossCell with_loss(net, loss);
+    nn::Adam adam(net.parameters(), {.learning_rate = 1e-2});
+    nn::TrainOneStepCell step(with_loss, adam);
+    std::vector<float> got{step(x, y).item()};  // graph mode captures with every parameter trained
+    auto& frozen = net.layers.get<0>().weight;
+    frozen.requires_grad = false;  // PyTorch's way: after the optimizer exists
+    const auto kept = duet_test::values_of(frozen);
+    const auto moving = duet_test::values_of(net.layers.get<2>().weight);
+    for (int i = 0; i < 3; ++i) got.push_back(step(x, y).item());
+    CHECK(duet_test::values_of(frozen) == kept);
+    CHECK(duet_test::values_of(net.layers.get<2>().weight) != moving);
+    losses.push_back(got);
+
+    // Left out when the optimizer was made, a parameter cannot join it later.
+    set_seed(3);
+    Small later;
+    later.layers.get<0>().bias.requires_grad = false;
+    nn::WithLossCell later_loss(later, loss);
+    nn::SGD sgd(later.parameters(), {.learning_rate = 0.1});
+    nn::TrainOneStepCell later_step(later_loss, sgd);
+    later_step(x, y);
+    later.layers.get<0>().bias.requires_grad = true;
+    const auto bias = duet_test::values_of(later.layers.get<0>().bias);
+    CHECK_THROWS_WITH_AS(later_step(x, y),
+                         "nn::SGD: parameter 'layers.0.bias' had requires_grad = false when the optimizer was made, so it "
+                         "is not among the parameters it trains, and has requires_grad = true now; make the optimizer "
+                         "after unfreezing it",
+                         ValueError);
+    CHECK(duet_test::values_of(later.layers.get<0>().bias) == bias);
+  }
+  CHECK(losses[0] == losses[1]);
+}
+
 }  // namespace tests_nn_wrap

@@ -14559,12 +14559,13 @@ struct PiecewiseConstantLR {
   }
 };
 
-// Rises linearly from 0 to lr over warmup_steps (MindSpore's WarmUpLR).
+// lr · min(t, warmup_steps) / warmup_steps: MindSpore's WarmUpLR, whose first step (t = 0)
+// has rate 0, so that a schedule ported from MindSpore gives the same numbers.
 struct WarmUpLR {
   double learning_rate;
   std::int64_t warmup_steps;
   double operator()(std::int64_t t) const {
-    return learning_rate * static_cast<double>(std::min(t + 1, warmup_steps)) / static_cast<double>(warmup_steps);
+    return learning_rate * static_cast<double>(std::min(t, warmup_steps)) / static_cast<double>(warmup_steps);
   }
 };
 
@@ -14581,7 +14582,11 @@ class BasicOptimizer {
  public:
   BasicOptimizer(const std::vector<NamedParameter<T>>& params, LearningRate lr) : learning_rate_(std::move(lr)) {
     for (const auto& p : params) {
-      if (p.parameter->requires_grad) params_.push_back(p.parameter);
+      if (p.parameter->requires_grad) {
+        params_.push_back(p.parameter);
+      } else {
+        left_out_.push_back(p);
+      }
     }
     if (params_.empty()) {
       throw ValueError(params.empty() ? std::string("optimizer: got no parameters; ") + detail::unregistered_members_hint
@@ -14604,9 +14609,10 @@ class BasicOptimizer {
     const std::uint64_t pass = duet::detail::current_backward_pass();
     require_all_reduced(pass, ".step()");
     require_learning_rate();
+    require_left_out_frozen();
     begin_step();
     for (std::size_t i = 0; i < params_.size(); ++i) {
-      if (params_[i]->has_grad_from(pass)) update(i, params_[i]->grad.data());
+      if (params_[i]->requires_grad && params_[i]->has_grad_from(pass)) update(i, params_[i]->grad.data());
     }
     ++global_step_;
   }
@@ -14625,8 +14631,11 @@ class BasicOptimizer {
       }
     }
     require_learning_rate();
+    require_left_out_frozen();
     begin_step();
-    for (std::size_t i = 0; i < params_.size(); ++i) update(i, grads[i].data());
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      if (params_[i]->requires_grad) update(i, grads[i].data());
+    }
     ++global_step_;
   }
 
@@ -14680,6 +14689,20 @@ class BasicOptimizer {
   std::int64_t global_step_ = 0;
 
  private:
+  // Freezing works both ways, as a PyTorch user expects. A parameter whose requires_grad is
+  // cleared after the optimiser was made stays where it is (and keeps its state), as PyTorch
+  // skips a parameter without a gradient: the update loops test the flag. One that had no
+  // requires_grad when the optimiser was made is not among those it trains, and setting the
+  // flag later cannot add it: that is refused, rather than leaving it untrained in silence.
+  void require_left_out_frozen() const {
+    for (const auto& p : left_out_) {
+      if (!p.parameter->requires_grad) continue;
+      throw ValueError(std::string(type_name()) + ": parameter '" + p.name +
+                       "' had requires_grad = false when the optimizer was made, so it is not among the parameters "
+                       "it trains, and has requires_grad = true now; make the optimizer after unfreezing it");
+    }
+  }
+
   // In DATA_PARALLEL an update must use gradients all-reduced across the ranks (nn::TrainOneStepCell
   // does it), or each rank would move its parameters its own way, with no error anywhere.
   void require_all_reduced(std::uint64_t pass, const char* call) const {
@@ -14690,6 +14713,8 @@ class BasicOptimizer {
                       "ranks; train with nn::TrainOneStepCell, or pass them through duet::distributed::GradReducer");
     }
   }
+
+  std::vector<NamedParameter<T>> left_out_;
 
   // Whether grads are those distributed::GradReducer returned since the last backward pass
   // (their elements, since the vector may have been copied).
