@@ -117,24 +117,6 @@ void BM_fma_peak(benchmark::State& state) {
   state.SetLabel(widest_fma().isa);
 }
 
-// Runs body once per iteration, timed here in wall time (the rows are registered with
-// UseManualTime), and reports GFLOP/s and the share of one thread's measured peak.
-template <class Body>
-double timed_loop(benchmark::State& state, double flops_per_iteration, Body&& body) {
-  double total = 0;
-  for (auto _ : state) {
-    const auto start = std::chrono::steady_clock::now();
-    body();
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    state.SetIterationTime(seconds);
-    total += seconds;
-  }
-  const double gflops = flops_per_iteration * static_cast<double>(state.iterations()) / total / 1e9;
-  state.counters["GFLOP/s"] = gflops;
-  if (const double peak = duet_bench::single_thread_peak(); peak > 0) state.counters["of_peak"] = gflops / peak;
-  return total / static_cast<double>(state.iterations());
-}
-
 // Reading In x Out floats once, four 16-byte vectors at a time (more than L3 or memory
 // deliver per cycle, on any x86-64 build): the time a batch-1 product cannot beat.
 template <index_t In, index_t Out>
@@ -170,7 +152,7 @@ void BM_dense(benchmark::State& state) {
   const Tensor b = uniform<float>({Out}, -0.05f, 0.05f);
   const Epilogue<float, Fns...> epilogue{b.data()};
   Tensor y = zeros({rows, Out});
-  const double seconds = timed_loop(state, 2.0 * static_cast<double>(rows * In * Out), [&] {
+  const double seconds = duet_bench::timed_loop(state, 2.0 * static_cast<double>(rows * In * Out), [&] {
     if constexpr (PackedWeight) Backend::template dense_packed<In, Out>(x.data(), rows, In, w, Out, epilogue, y.data());
     else Backend::template dense<In, Out>(x.data(), rows, In, w.data(), Out, epilogue, y.data());
     benchmark::DoNotOptimize(y.data());
@@ -202,7 +184,7 @@ void BM_openblas(benchmark::State& state) {
   const Tensor b = uniform<float>({Out}, -0.05f, 0.05f);
   Tensor y = zeros({rows, Out});
   openblas_set_num_threads(1);
-  timed_loop(state, 2.0 * static_cast<double>(rows * In * Out), [&] {
+  duet_bench::timed_loop(state, 2.0 * static_cast<double>(rows * In * Out), [&] {
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(rows), Out, In, 1.0f, x.data(), In, w.data(),
                 In, 0.0f, y.data(), Out);
     float* out = y.data();
@@ -239,7 +221,7 @@ void BM_onednn(benchmark::State& state) {
   Tensor y = zeros({rows, Out});
   dnnl::memory src{src_md, engine, const_cast<float*>(x.data())}, weight{weight_md, engine, const_cast<float*>(w.data())},
       bias{bias_md, engine, const_cast<float*>(b.data())}, dst{dst_md, engine, y.data()};
-  timed_loop(state, 2.0 * static_cast<double>(rows * In * Out), [&] {
+  duet_bench::timed_loop(state, 2.0 * static_cast<double>(rows * In * Out), [&] {
     matmul.execute(stream, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, weight}, {DNNL_ARG_BIAS, bias}, {DNNL_ARG_DST, dst}});
     stream.wait();
     benchmark::DoNotOptimize(y.data());

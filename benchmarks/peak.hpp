@@ -1,10 +1,34 @@
 // One thread's FMA peak, measured once per process (gemm.cpp: independent chains of FMAs on the
-// widest set the CPU runs), in GFLOP/s; 0 where the CPU has neither AVX2 nor AVX-512. Rows
-// that report `of_peak` divide by it, so that a share means the same on every machine.
+// widest set the CPU runs), in GFLOP/s; 0 where the CPU has neither AVX2 nor AVX-512; and the
+// loop of the rows that report GFLOP/s and `of_peak`, the share of that peak, so that a share
+// means the same on every machine.
 #pragma once
+
+#include <benchmark/benchmark.h>
+
+#include <chrono>
 
 namespace duet_bench {
 
 double single_thread_peak();
+
+// Runs body once per iteration, timed here in wall time (rows registered with UseManualTime
+// report that time), and reports GFLOP/s and the share of one thread's measured peak. Returns
+// the mean seconds per iteration.
+template <class Body>
+double timed_loop(benchmark::State& state, double flops_per_iteration, Body&& body) {
+  double total = 0;
+  for (auto _ : state) {
+    const auto start = std::chrono::steady_clock::now();
+    body();
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    state.SetIterationTime(seconds);
+    total += seconds;
+  }
+  const double gflops = flops_per_iteration * static_cast<double>(state.iterations()) / total / 1e9;
+  state.counters["GFLOP/s"] = gflops;
+  if (const double peak = single_thread_peak(); peak > 0) state.counters["of_peak"] = gflops / peak;
+  return total / static_cast<double>(state.iterations());
+}
 
 }  // namespace duet_bench

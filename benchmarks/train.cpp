@@ -10,7 +10,6 @@
 #include <benchmark/benchmark.h>
 
 #include <Eigen/Core>
-#include <chrono>
 #include <cmath>
 #include <cstdint>
 
@@ -42,22 +41,6 @@ double dense_step_flops(Net& net, index_t batch) {
   return flops;
 }
 
-// Runs step once per iteration and reports the items per second, and GFLOP/s and of_peak of
-// `flops` per step in wall time.
-template <class Step>
-void measure_steps(benchmark::State& state, double flops, Step&& step) {
-  double seconds = 0;
-  for (auto _ : state) {
-    const auto start = std::chrono::steady_clock::now();
-    step();
-    seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  }
-  const double gflops = flops * static_cast<double>(state.iterations()) / seconds / 1e9;
-  state.counters["GFLOP/s"] = gflops;
-  if (const double peak = duet_bench::single_thread_peak(); peak > 0) state.counters["of_peak"] = gflops / peak;
-  state.SetItemsProcessed(state.iterations() * state.range(0));
-}
-
 template <Mode M, class Optimizer = nn::SGD>
 void BM_train_step(benchmark::State& state) {
   const index_t batch = state.range(0);
@@ -68,10 +51,11 @@ void BM_train_step(benchmark::State& state) {
   nn::TrainOneStepCell step(with_loss, optimizer);
   const Tensor x = uniform({batch, 1, 28, 28}, 0.0f, 1.0f, 1);
   const auto labels = labels_for(batch);
-  measure_steps(state, dense_step_flops(net, batch), [&] {
+  duet_bench::timed_loop(state, dense_step_flops(net, batch), [&] {
     Tensor l = step(x, labels);
     benchmark::DoNotOptimize(l.data());
   });
+  state.SetItemsProcessed(state.iterations() * batch);
 }
 
 // The same step written by hand: Eigen products with noalias, bias, ReLU and their
@@ -93,7 +77,7 @@ void BM_train_step_eigen(benchmark::State& state) {
   Matrix dw1(512, 784), dw2(512, 512), dw3(10, 512);
   Row db1(512), db2(512), db3(10);
   const float lr = 1e-4f;
-  measure_steps(state, dense_step_flops(reference, batch), [&] {
+  duet_bench::timed_loop(state, dense_step_flops(reference, batch), [&] {
     h1.noalias() = x * w1.transpose();
     h1 = (h1.rowwise() + b1).cwiseMax(0.0f);
     h2.noalias() = h1 * w2.transpose();
@@ -127,6 +111,7 @@ void BM_train_step_eigen(benchmark::State& state) {
     b3 -= lr * db3;
     benchmark::DoNotOptimize(w1.data());
   });
+  state.SetItemsProcessed(state.iterations() * batch);
 }
 
 }  // namespace
