@@ -170,6 +170,30 @@ TEST_CASE("an abandoned epoch is not resumed: the next range-for starts the next
   CHECK(a.epoch() == 1);
 }
 
+TEST_CASE("train::evaluate on the training loader leaves its epochs as they were") {
+  const auto data = numbered(20);
+  data::DataLoader trained(data, 5, {.shuffle = true, .seed = 3});
+  data::DataLoader reference(data, 5, {.shuffle = true, .seed = 3});
+  nn::SequentialCell<nn::Flatten, nn::Dense<4, 3>> net;
+  nn::SoftmaxCrossEntropyWithLogits<true, Reduction::mean> loss;
+  CHECK(epoch_order(trained) == epoch_order(reference));
+  // Between epochs, as a training loop evaluates: the pass reads epoch 0 again.
+  const auto metrics = train::evaluate(net, loss, trained);
+  CHECK(metrics.samples == 20);
+  CHECK(trained.epoch() == 0);
+  CHECK(epoch_order(trained) == epoch_order(reference));
+  CHECK(trained.epoch() == 1);
+  // In the middle of an epoch, the next batch is the one that was next.
+  const data::Batch* taken = trained.next();
+  REQUIRE(taken == nullptr);  // epoch 1 is over; start epoch 2 by hand and take one batch
+  trained.start_epoch(2);
+  reference.start_epoch(2);
+  static_cast<void>(trained.next());
+  static_cast<void>(reference.next());
+  train::evaluate(net, loss, trained);
+  CHECK(samples_of(*trained.next()) == samples_of(*reference.next()));
+}
+
 TEST_CASE("batch tensors are reused when nobody holds them, and left alone when someone does") {
   data::DataLoader loader(numbered(12), 4);
   const float* first = loader.next()->images.data();

@@ -78,7 +78,8 @@ concept ClassificationLoader = std::ranges::input_range<L> && requires(std::rang
   { batch.labels } -> std::convertible_to<const BasicTensor<std::int32_t>&>;
 };
 
-// One pass over the loader (a DataLoader's current epoch, or a temporary range): mean loss per
+// One pass over the loader (a DataLoader's current epoch, which it leaves as it was for the
+// training loop's next pass, or a temporary range): mean loss per
 // sample and accuracy of net. loss_fn reduces by mean (each batch weighs the rows it counted)
 // or sum; rows whose label is its ignore_index (nn::CrossEntropyLoss, nn::NLLLoss) count in
 // neither, as they do not in training. A loader with no sample is an error. A cell runs in evaluation meanwhile
@@ -86,6 +87,24 @@ concept ClassificationLoader = std::ranges::input_range<L> && requires(std::rang
 // uses its moving statistics and leaves them as they are; each cell's setting is restored after.
 // A sharded loader's metrics are summed over the ranks (duet/distributed.hpp), so that every
 // rank returns the whole data set's; ranks whose networks differ are refused.
+namespace detail {
+// The batches evaluate reads. A range-for over a DataLoader starts its next epoch, so
+// evaluating on the training loader between epochs would take the next epoch's order, and the
+// training loop's next pass would start the one after it: the loader's epochs, and a run
+// resumed with start_epoch, would no longer be what training saw. A copy rewound to the
+// loader's current epoch leaves the loader where it was (copies share the images).
+template <class Loader>
+decltype(auto) one_pass(Loader&& loader) {
+  if constexpr (std::same_as<std::remove_cvref_t<Loader>, data::DataLoader>) {
+    data::DataLoader pass = loader;
+    pass.start_epoch(loader.epoch());
+    return pass;
+  } else {
+    return std::forward<Loader>(loader);
+  }
+}
+}  // namespace detail
+
 template <class Net, class Loss, class Loader>
   requires ClassificationLoader<Loader>
 Metrics evaluate(Net& net, Loss& loss_fn, Loader&& loader) {
@@ -113,7 +132,7 @@ Metrics evaluate(Net& net, Loss& loss_fn, Loader&& loader) {
   Metrics m;
   double loss_sum = 0;
   index_t correct = 0;
-  for (const auto& batch : loader) {
+  for (const auto& batch : detail::one_pass(std::forward<Loader>(loader))) {
     const auto output = net(batch.images);
     const auto& logits = tensor_of(output);
     const BasicTensor<std::int32_t>& labels = batch.labels;
