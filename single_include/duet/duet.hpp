@@ -18061,7 +18061,17 @@ struct StridedSliceOp : SlicePrimitive<StridedSliceOp<Begin, End, Strides, Check
       }
       return out + "]";
     };
-    return text(Begin::values) + ", " + text(End::values) + (Checked ? std::string() : ", " + text(Strides::values));
+    if constexpr (Checked) {
+      // ops::slice's own arguments, begin and size (-1: the rest of the axis), as the user wrote
+      // them, not the end they make.
+      std::array<index_t, Begin::values.size()> sizes{};
+      for (std::size_t i = 0; i < sizes.size(); ++i) {
+        sizes[i] = End::values[i] == to_end ? -1 : End::values[i] - Begin::values[i];
+      }
+      return text(Begin::values) + ", " + text(sizes);
+    } else {
+      return text(Begin::values) + ", " + text(End::values) + ", " + text(Strides::values);
+    }
   }
 };
 
