@@ -11,6 +11,7 @@
 // ("MatMul + BiasAdd + ReLU") with that run of operations, whose last makes its value.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstddef>
@@ -165,22 +166,28 @@ inline std::vector<std::string> fused_parts(const std::string& op_name) {
 }
 
 // Pairs graph nodes, in the order they run, with the trace's steps: the first run of steps
-// from `next` on whose names are the node's parts and whose last makes a value of its shape.
+// not paired yet whose names are the node's parts and whose last makes a value of its shape.
+// Not only runs after the last one paired: graph mode may run a node before one PyNative
+// ran first (the pieces of ops::split, each computed where it is used), and such a node would
+// find its steps passed.
 class TracePairing {
  public:
-  explicit TracePairing(const pijit::Trace& trace) : trace_(trace) {}
+  explicit TracePairing(const pijit::Trace& trace) : trace_(trace), paired_(trace.steps().size(), false) {}
 
   // The trace's value standing for a node, or nothing.
   const pijit::Value* pair(const std::string& op_name, const Shape& shape) {
     const std::vector<std::string> parts = fused_parts(op_name);
     const auto& steps = trace_.steps();
     const auto& values = trace_.values();
-    for (std::size_t s = next_; s + parts.size() <= steps.size(); ++s) {
+    while (first_free_ < paired_.size() && paired_[first_free_]) ++first_free_;
+    for (std::size_t s = first_free_; s + parts.size() <= steps.size(); ++s) {
       bool same = true;
-      for (std::size_t k = 0; k < parts.size() && same; ++k) same = stands_for(steps[s + k]->op_name(), parts[k]);
+      for (std::size_t k = 0; k < parts.size() && same; ++k) {
+        same = !paired_[s + k] && stands_for(steps[s + k]->op_name(), parts[k]);
+      }
       const pijit::Value& v = values[steps[s + parts.size() - 1]->output];
       if (same && v.shape == shape && v.data != nullptr) {
-        next_ = s + parts.size();
+        std::fill_n(paired_.begin() + static_cast<std::ptrdiff_t>(s), parts.size(), true);
         return &v;
       }
     }
@@ -202,7 +209,8 @@ class TracePairing {
   }
 
   const pijit::Trace& trace_;
-  std::size_t next_ = 0;
+  std::vector<bool> paired_;
+  std::size_t first_free_ = 0;
 };
 
 // Switches the global context's mode for its lifetime.
