@@ -459,7 +459,7 @@ TEST_CASE("a training step after a manual set_train(false) is refused, not run i
   }
 }
 
-TEST_CASE("a parameter frozen after its optimizer was made stays where it is; one unfrozen after is refused by name") {
+TEST_CASE("a parameter frozen after its optimizer was made stays where it is, one unfrozen after is refused by name") {
   ModeGuard guard;
   std::vector<std::vector<float>> losses;
   for (const Mode mode : {PYNATIVE_MODE, GRAPH_MODE}) {
