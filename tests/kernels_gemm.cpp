@@ -116,13 +116,13 @@ void check_shape(const Problem<T>& p) {
     CHECK(duet_test::relative_difference(as_double(c, size), epilogue(p.product, n, bp, false)) <= tolerance<T>);
     kernels::gemm<K, N, fn::Relu>(a, m, k, b.data(), n, bp, c);
     CHECK(duet_test::relative_difference(as_double(c, size), epilogue(p.product, n, bp, true)) <= tolerance<T>);
-    // Beyond the sizes it unrolls, the compile-time sizes do not change the sums: nn::Dense<In,
-    // Out> runs gemm<dyn, dyn> there in both modes (backend::dense_depends_on_sizes).
-    if constexpr (!kernels::unrolls<K, N>) {
-      std::vector<T> dynamic(size);
-      kernels::gemm<dyn, dyn, fn::Relu>(a, m, k, b.data(), n, bp, dynamic.data());
-      CHECK(std::equal(dynamic.begin(), dynamic.end(), c));
-    }
+    // The compile-time sizes do not change the sums, where they unroll the small layers' loop
+    // too: nn::Dense<In, Out> runs gemm<dyn, dyn> beyond those sizes in both modes
+    // (backend::dense_depends_on_sizes), and a small static layer agrees with the same layer
+    // loaded from ONNX, whose sizes are known at run time.
+    std::vector<T> dynamic(size);
+    kernels::gemm<dyn, dyn, fn::Relu>(a, m, k, b.data(), n, bp, dynamic.data());
+    CHECK(std::equal(dynamic.begin(), dynamic.end(), c));
     // With the weight packed beforehand (JitLevel::O2): the same bits.
     const kernels::PackedWeight<T> packed(b.data(), n, k);
     std::vector<T> from_packed(size);
@@ -264,15 +264,16 @@ TEST_CASE("kernels::gemm_kn with k = 0 writes zeros") {
 }
 
 TEST_CASE("kernels::gemm refuses a weight packed for another shape") {
-  const std::vector<float> a(2 * 8, 1.0f);
-  const std::vector<float> b(4 * 8, 1.0f);
-  std::vector<float> c(2 * 4);
-  const kernels::PackedWeight<float> packed(b.data(), 4, 7);
-  CHECK(kernels::reads_packed_weight(2, 8, 4));
-  CHECK_FALSE(kernels::reads_packed_weight(1, 8, 4));  // one row: a GEMV reads the weight in place
+  const std::vector<float> a(2 * 16, 1.0f);
+  const std::vector<float> b(8 * 16, 1.0f);
+  std::vector<float> c(2 * 8);
+  const kernels::PackedWeight<float> packed(b.data(), 8, 15);
+  CHECK(kernels::reads_packed_weight(2, 16, 8));
+  CHECK_FALSE(kernels::reads_packed_weight(1, 16, 8));  // one row: a GEMV reads the weight in place
+  CHECK_FALSE(kernels::reads_packed_weight(8, 8, 8));    // at most 64 weights: a plain loop, at any size
   CHECK_FALSE(kernels::reads_packed_weight<4, 4>(8, 4, 4));
-  CHECK_THROWS_WITH_AS(kernels::gemm(a.data(), 2, 8, b.data(), 4, nullptr, c.data(), &packed),
-                       "duet::kernels::gemm: a weight packed as [4, 7] for a product with [4, 8]", ShapeError);
+  CHECK_THROWS_WITH_AS(kernels::gemm(a.data(), 2, 16, b.data(), 8, nullptr, c.data(), &packed),
+                       "duet::kernels::gemm: a weight packed as [8, 15] for a product with [8, 16]", ShapeError);
 }
 
 TEST_CASE("kernels::gemm with k = 0: an empty sum, so the output is the epilogue of zero" * duet_test::every_isa) {

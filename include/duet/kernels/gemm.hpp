@@ -2,8 +2,9 @@
 //
 // A is the input [M, K] and B the weight [N, K], both row-major, so each output is a dot
 // product of two contiguous rows. Three paths, chosen by shape:
-//  - small static layers (K·N <= 64, as Dense<4, 4>): plain loops the compiler unrolls
-//    completely; packing, or a loop over vectors, would cost more than the arithmetic.
+//  - small layers (K·N <= 64, as Dense<4, 4>): plain loops, which the compiler unrolls
+//    completely where the sizes are constants; packing, or a loop over vectors, would cost
+//    more than the arithmetic. The same sums whether the sizes are constants or not.
 //  - one row (batch 1): a GEMV. Every weight is used once, so the time is the time to stream
 //    B from memory; it reads B in place, front to back, and a shuffle tree sums L rows'
 //    vectors into one vector of L results for the epilogue.
@@ -56,16 +57,21 @@ void apply_all(V& v) {
   (Fns::apply_in_place(v), ...);
 }
 
-// ---- Small static layers -------------------------------------------------------------------
+// ---- Small layers ----------------------------------------------------------------------------
 
+// k·n <= 64: one chain per output, in k order (a balanced tree measured slower on chains of
+// Dense<4, 4> layers, where each layer waits on the last one's stores). With K and N known at
+// compile time the compiler unrolls it completely; with sizes known only at run time the same
+// loop gives the same sums, so that a small layer's bits do not depend on whether its sizes
+// were constants (a static Dense<16, 3> and the same layer loaded from ONNX agree).
 template <index_t K, index_t N, class T, class... Fns>
-void dense_unrolled(const T* a, index_t m, const T* b, const T* bias, T* c) {
-  for (index_t i = 0; i < m; ++i, a += K, c += N) {
-    for (index_t j = 0; j < N; ++j) {
-      // One chain per output, in k order: a balanced tree measured slower on chains of
-      // Dense<4, 4> layers, where each layer waits on the last one's stores.
+void dense_small(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c) {
+  const index_t depth = K != dyn ? K : k;
+  const index_t width = N != dyn ? N : n;
+  for (index_t i = 0; i < m; ++i, a += depth, c += width) {
+    for (index_t j = 0; j < width; ++j) {
       T s = T(0);
-      for (index_t k = 0; k < K; ++k) s += a[k] * b[j * K + k];
+      for (index_t q = 0; q < depth; ++q) s += a[q] * b[j * depth + q];
       if (bias != nullptr) s += bias[j];
       apply_all<T, Fns...>(s);
       c[j] = s;
@@ -133,8 +139,9 @@ class PackedWeight {
 
 namespace duet::kernels {
 
-// Whether gemm<K, N> takes the unrolled loop of small static layers: the one place where the
-// compile-time sizes change the order of the sums, and so the bits, of gemm<dyn, dyn>.
+// Whether gemm<K, N> takes the small layers' loop unrolled: the one place where the
+// compile-time sizes change the product's code (not its sums: gemm<dyn, dyn> runs the same
+// loop at those sizes).
 template <index_t K, index_t N>
 inline constexpr bool unrolls = K != dyn && N != dyn && K * N <= 64;
 
@@ -163,16 +170,17 @@ PackedWeight<T>::PackedWeight(const T* b, index_t n, index_t k, Isa isa) : isa_(
   });
 }
 
-enum class Path : unsigned char { none, unrolled, gemv, blocked };
+enum class Path : unsigned char { none, small, gemv, blocked };
 
 template <index_t K, index_t N>
 Path path_of(index_t m, index_t k, index_t n) {
   if constexpr (unrolls<K, N>) {
-    return Path::unrolled;
+    return Path::small;
   } else {
-    // k == 0 has no K block for the blocked path to finish on; the GEMV gives bias and Fns.
-    if (m == 1 || k == 0) return Path::gemv;
-    return m > 0 && n > 0 ? Path::blocked : Path::none;
+    // k == 0 (no K block for the blocked path to finish on) is small too: bias and Fns.
+    if (k * n <= 64) return Path::small;
+    if (m == 1) return Path::gemv;
+    return m > 0 ? Path::blocked : Path::none;
   }
 }
 
@@ -204,7 +212,7 @@ struct PackedWeightFor : PackedWeight<T> {
 };
 
 // Whether gemm on these sizes reads a packed weight when given one: the blocked product does;
-// a GEMV reads every weight once, in place, and small static layers are unrolled.
+// a GEMV reads every weight once, in place, and small layers run plain loops.
 template <index_t K = dyn, index_t N = dyn>
 bool reads_packed_weight(index_t m, index_t k, index_t n) {
   return detail::path_of<K, N>(m, k, n) == detail::Path::blocked;
@@ -222,8 +230,8 @@ void gemm(const T* a, index_t m, index_t k, const T* b, index_t n, std::type_ide
           const PackedWeight<std::type_identity_t<T>>* packed_b = nullptr) {
   const Isa isa = active_isa();
   switch (detail::path_of<K, N>(m, k, n)) {
-    case detail::Path::unrolled:
-      if constexpr (K != dyn && N != dyn) detail::dense_unrolled<K, N, T, Fns...>(a, m, b, bias, c);
+    case detail::Path::small:
+      detail::dense_small<K, N, T, Fns...>(a, m, k, b, n, bias, c);
       break;
     case detail::Path::gemv:
       detail::with_kernels(isa, [&]<class Kernels>(Kernels) { Kernels::template gemv_rows<T, Fns...>(a, m, k, b, n, bias, c); });
