@@ -78,15 +78,6 @@ concept ClassificationLoader = std::ranges::input_range<L> && requires(std::rang
   { batch.labels } -> std::convertible_to<const BasicTensor<std::int32_t>&>;
 };
 
-// One pass over the loader (a DataLoader's current epoch, which it leaves as it was for the
-// training loop's next pass, or a temporary range): mean loss per
-// sample and accuracy of net. loss_fn reduces by mean (each batch weighs the rows it counted)
-// or sum; rows whose label is its ignore_index (nn::CrossEntropyLoss, nn::NLLLoss) count in
-// neither, as they do not in training. A loader with no sample is an error. A cell runs in evaluation meanwhile
-// (MindSpore's Model.eval sets set_train(False)): Dropout passes its input through, BatchNorm
-// uses its moving statistics and leaves them as they are; each cell's setting is restored after.
-// A sharded loader's metrics are summed over the ranks (duet/distributed.hpp), so that every
-// rank returns the whole data set's; ranks whose networks differ are refused.
 namespace detail {
 // The batches evaluate reads. A range-for over a DataLoader starts its next epoch, so
 // evaluating on the training loader between epochs would take the next epoch's order, and the
@@ -105,6 +96,15 @@ decltype(auto) one_pass(Loader&& loader) {
 }
 }  // namespace detail
 
+// One pass over the loader (a DataLoader's current epoch, which it leaves as it was for the
+// training loop's next pass, or a temporary range): mean loss per
+// sample and accuracy of net. loss_fn reduces by mean (each batch weighs the rows it counted)
+// or sum; rows whose label is its ignore_index (nn::CrossEntropyLoss, nn::NLLLoss) count in
+// neither, as they do not in training. A loader with no sample is an error. A cell runs in evaluation meanwhile
+// (MindSpore's Model.eval sets set_train(False)): Dropout passes its input through, BatchNorm
+// uses its moving statistics and leaves them as they are; each cell's setting is restored after.
+// A sharded loader's metrics are summed over the ranks (duet/distributed.hpp), so that every
+// rank returns the whole data set's; ranks whose networks differ are refused.
 template <class Net, class Loss, class Loader>
   requires ClassificationLoader<Loader>
 Metrics evaluate(Net& net, Loss& loss_fn, Loader&& loader) {
