@@ -62,47 +62,6 @@ concept absorbs_operand =
 
 namespace detail {
 
-// Whether every built node after position R has no inputs (graph inputs, parameters): a node
-// moved past them reads nothing they make.
-template <class Built, std::size_t R>
-constexpr bool only_sources_after() {
-  bool ok = true;
-  graph::for_each_index<Built::size>([&](auto i) {
-    constexpr std::size_t I = decltype(i)::value;
-    if constexpr (I > R) ok = ok && graph::node_at<Built, I>::node::arity == 0;
-  });
-  return ok;
-}
-
-// Which input of a binary node J the fusion can take: one read by J alone, made by a built
-// node with only sources (graph inputs, parameters) after it, the other input being another
-// node. -1 if neither.
-template <class G, std::size_t J, std::size_t Out, class Built, std::size_t... Map>
-constexpr int operand_to_absorb() {
-  using N = graph::node_at<G, J>;
-  constexpr std::array<std::size_t, J> m{Map...};
-  constexpr const auto& users = users_of<G, Out>;
-  const std::size_t a0 = N::args[0], a1 = N::args[1];
-  if (a0 == a1 || m[a0] == m[a1]) return -1;
-  if (users[a0] == 1 && only_sources_after<Built, m[N::args[0]]>()) return 0;
-  if (users[a1] == 1 && only_sources_after<Built, m[N::args[1]]>()) return 1;
-  return -1;
-}
-
-// Map after the built node at R is taken out and its value made by a node appended at the
-// end: later nodes move down one, R's users go to the end.
-template <std::size_t R, std::size_t End, std::size_t... Map>
-constexpr std::array<std::size_t, sizeof...(Map)> moved_to_end() {
-  std::array<std::size_t, sizeof...(Map)> m{Map...};
-  for (std::size_t& v : m) v = v == R ? End : v > R ? v - 1 : v;
-  return m;
-}
-
-template <auto A, std::size_t... I>
-constexpr auto as_sequence(std::index_sequence<I...>) {
-  return std::index_sequence<A[I]...>{};
-}
-
 // How a fused node's operation is made from the captured graph's (graph::Step's recipe): node
 // J's own (graph::Take), or the operation of a fused node (From) absorbing node J's, as its
 // epilogue (Pos < 0) or through its input Pos.
@@ -128,82 +87,185 @@ inline constexpr std::size_t absorbed_count<Absorb<From, J, Pos>> = 1 + absorbed
 // activation absorbs 2.
 inline constexpr std::size_t max_absorbed = 16;
 
-// L without its element R, then X.
-template <std::size_t R, class L, class X, class I = std::make_index_sequence<L::size - 1>>
-struct moved_out;
-template <std::size_t R, class L, class X, std::size_t... I>
-struct moved_out<R, L, X, std::index_sequence<I...>> {
-  using type = graph::NodeList<graph::node_at<L, (I < R ? I : I + 1)>..., X>;
+// Fusion walks the nodes in order. Each node either keeps its own step, appended to the plan,
+// or is absorbed by an earlier node's step: a unary consumer as its epilogue, a binary one
+// through the input it reads. The step a node makes holds the fused operation and its recipe.
+// What decides is local, which keeps the walk linear in the graph's size:
+//  - every node's step is the last of the plan when the node is planned, and a node's value
+//    read by one consumer only is the newest of its step's (an absorbed node reads the newest);
+//  - so a unary node can fold only into node J - 1's step, the last one;
+//  - a binary node into the step of the operand it alone reads, when only sources (graph inputs,
+//    parameters) were planned after that operand, and the other operand is in another step.
+// Where each step ends up is worked out once, from values, by fuse_layout. (Planned as a list
+// of the steps so far and a map of every node, carried from node to node, the walk had
+// template arguments that grew with each node: quadratic in depth.)
+enum class FuseKind : unsigned char { keep, epilogue, operand };
+
+// Node J's part of the plan (fuse_node): what it does, the operation and recipe of the step it
+// makes, that step's first node (two nodes share a step when they share it) and its arity.
+template <FuseKind Kind, std::size_t Into, int Pos, class Op, class Recipe, std::size_t Head, std::size_t Arity>
+struct FuseChoice {
+  static constexpr FuseKind kind = Kind;
+  static constexpr std::size_t into = Into;  // the node whose step this one absorbs
+  static constexpr int pos = Pos;            // the input it reads that step's value through
+  using op_type = Op;
+  using recipe = Recipe;
+  static constexpr std::size_t head = Head;
+  static constexpr std::size_t arity = Arity;
 };
 
-// A node of Op reading what node type P reads, then Extra.
-template <class Op, class P, class A, std::size_t... Extra>
-struct with_args;
-template <class Op, class P, std::size_t... A, std::size_t... Extra>
-struct with_args<Op, P, std::index_sequence<A...>, Extra...> {
-  using type = graph::Node<Op, P::args[A]..., Extra...>;
-};
-template <class Op, class P, std::size_t... Extra>
-using with_args_of = typename with_args<Op, P, std::make_index_sequence<P::arity>, Extra...>::type;
+template <class G, std::size_t Out, bool Differentiated, std::size_t J>
+struct fuse_node;
 
-// Walks the nodes in order, planning the fused list: a NodeList of Steps, and where the output
-// is. Map[j] is where node j's value lives in the new list. A unary consumer folds into the
-// node that computes its input when that node is the last one planned, absorbs it, and nobody
-// else reads the value in between. Types only: the list is made once, from the plan
-// (fuse_epilogues), where growing it node by node would copy it once per node.
-template <std::size_t J, std::size_t Out, bool Differentiated, class G, class Built, std::size_t... Map>
-auto fuse_from(std::index_sequence<Map...> map) {
-  if constexpr (J == G::size) {
-    constexpr std::array<std::size_t, G::size> m{Map...};
-    return std::pair<std::type_identity<Built>, std::integral_constant<std::size_t, m[Out]>>{};
+// One past the last node before J whose step reads anything (0 if none).
+template <class G, std::size_t Out, bool Differentiated, std::size_t J>
+inline constexpr std::size_t computing_before = fuse_node<G, Out, Differentiated, J - 1>::computing_through;
+template <class G, std::size_t Out, bool Differentiated>
+inline constexpr std::size_t computing_before<G, Out, Differentiated, 0> = 0;
+
+// Which input of binary node J can take its producer's step along: one J reads alone, with only
+// sources planned after it, the other input being in another step. -1 if neither.
+template <class G, std::size_t Out, bool Differentiated, std::size_t J>
+constexpr int operand_to_absorb() {
+  using N = graph::node_at<G, J>;
+  constexpr const auto& users = users_of<G, Out>;
+  constexpr std::size_t a0 = N::args[0], a1 = N::args[1];
+  if constexpr (a0 == a1 ||
+                fuse_node<G, Out, Differentiated, a0>::head == fuse_node<G, Out, Differentiated, a1>::head) {
+    return -1;
   } else {
-    using N = graph::node_at<G, J>;
-    using Kept =
-        graph::Step<decltype(graph::renumbered(std::declval<const N&>(), map, std::make_index_sequence<N::arity>{})),
-                    graph::Take<J>>;
-    constexpr std::size_t built_size = Built::size;
-    if constexpr (N::arity == 1) {
-      constexpr std::array<std::size_t, J> m{Map...};
-      constexpr std::size_t a = N::args[0];
-      constexpr std::size_t r = m[a];
-      using PS = graph::node_at<Built, r>;
-      using P = typename PS::node;
-      if constexpr (r + 1 == built_size && users_of<G, Out>[a] == 1 &&
-                    absorbed_count<typename PS::recipe> < max_absorbed &&
-                    absorbs<typename P::op_type, typename N::op_type, Differentiated>) {
-        using Absorbed = decltype(std::declval<const P&>().op.absorb(std::declval<const N&>().op));
-        using Fused = graph::Step<with_args_of<Absorbed, P>, Absorb<typename PS::recipe, J, -1>>;
-        return fuse_from<J + 1, Out, Differentiated, G, typename moved_out<r, Built, Fused>::type>(
-            std::index_sequence<Map..., r>{});
+    constexpr std::size_t computing = computing_before<G, Out, Differentiated, J>;
+    if (users[a0] == 1 && computing <= a0 + 1) return 0;
+    if (users[a1] == 1 && computing <= a1 + 1) return 1;
+    return -1;
+  }
+}
+
+template <class G, std::size_t Out, bool Differentiated, std::size_t J>
+auto fuse_choice() {
+  using N = graph::node_at<G, J>;
+  using C = typename N::op_type;
+  using Keep = FuseChoice<FuseKind::keep, J, -1, C, graph::Take<J>, J, N::arity>;
+  if constexpr (N::arity == 1) {
+    constexpr std::size_t a = N::args[0];
+    if constexpr (a + 1 == J && users_of<G, Out>[a] == 1) {
+      using P = fuse_node<G, Out, Differentiated, a>;
+      using Op = typename P::op_type;
+      if constexpr (absorbed_count<typename P::recipe> < max_absorbed && absorbs<Op, C, Differentiated>) {
+        using Absorbed = decltype(std::declval<const Op&>().absorb(std::declval<const C&>()));
+        return FuseChoice<FuseKind::epilogue, a, -1, Absorbed, Absorb<typename P::recipe, J, -1>, P::head, P::arity>{};
       } else {
-        return fuse_from<J + 1, Out, Differentiated, G, typename graph::appended<Built, Kept>::type>(
-            std::index_sequence<Map..., built_size>{});
-      }
-    } else if constexpr (N::arity == 2) {
-      constexpr int pos = operand_to_absorb<G, J, Out, Built, Map...>();
-      constexpr std::array<std::size_t, J> m{Map...};
-      constexpr std::size_t r = m[N::args[pos < 0 ? 0 : pos]];
-      using PS = graph::node_at<Built, r>;
-      using P = typename PS::node;
-      if constexpr (pos >= 0 && absorbed_count<typename PS::recipe> < max_absorbed &&
-                    absorbs_operand<typename P::op_type, typename N::op_type, pos, Differentiated>) {
-        // P's node leaves its place for one at the end that also reads the other input.
-        static constexpr auto moved = moved_to_end<r, built_size - 1, Map..., r>();
-        using Absorbed =
-            decltype(std::declval<const P&>().op.template absorb_operand<pos>(std::declval<const N&>().op));
-        using Fused =
-            graph::Step<with_args_of<Absorbed, P, moved[N::args[1 - pos]]>, Absorb<typename PS::recipe, J, pos>>;
-        return fuse_from<J + 1, Out, Differentiated, G, typename moved_out<r, Built, Fused>::type>(
-            as_sequence<moved>(std::make_index_sequence<J + 1>{}));
-      } else {
-        return fuse_from<J + 1, Out, Differentiated, G, typename graph::appended<Built, Kept>::type>(
-            std::index_sequence<Map..., built_size>{});
+        return Keep{};
       }
     } else {
-      return fuse_from<J + 1, Out, Differentiated, G, typename graph::appended<Built, Kept>::type>(
-          std::index_sequence<Map..., built_size>{});
+      return Keep{};
+    }
+  } else if constexpr (N::arity == 2) {
+    constexpr int pos = operand_to_absorb<G, Out, Differentiated, J>();
+    if constexpr (pos >= 0) {
+      constexpr std::size_t a = N::args[pos];
+      using P = fuse_node<G, Out, Differentiated, a>;
+      using Op = typename P::op_type;
+      if constexpr (absorbed_count<typename P::recipe> < max_absorbed && absorbs_operand<Op, C, pos, Differentiated>) {
+        using Absorbed = decltype(std::declval<const Op&>().template absorb_operand<pos>(std::declval<const C&>()));
+        return FuseChoice<FuseKind::operand, a, pos, Absorbed, Absorb<typename P::recipe, J, pos>, P::head,
+                          P::arity + 1>{};
+      } else {
+        return Keep{};
+      }
+    } else {
+      return Keep{};
+    }
+  } else {
+    return Keep{};
+  }
+}
+
+template <class G, std::size_t Out, bool Differentiated, std::size_t J>
+struct fuse_node : decltype(fuse_choice<G, Out, Differentiated, J>()) {
+  // One past the last node up to J whose step reads anything (0 if none).
+  static constexpr std::size_t computing_through =
+      fuse_node::arity != 0 ? J + 1 : computing_before<G, Out, Differentiated, J>;
+};
+
+// Where the plan puts each step (at the position of the node that made it last) and each
+// node's value, applying the choices in order. An absorbing operand's step leaves its place for
+// one at the end, which moves the steps after it down one: they are sources, read by no step,
+// so no argument changes. Positions a step reads never move after it is made.
+template <std::size_t N>
+struct FuseLayout {
+  std::array<std::size_t, N> map{};    // node -> position of the step holding its value
+  std::array<std::size_t, N> maker{};  // position -> the node whose step is there
+  std::size_t size = 0;
+};
+
+template <class G, std::size_t Out, bool Differentiated, std::size_t... J>
+constexpr FuseLayout<sizeof...(J)> fuse_layout(std::index_sequence<J...>) {
+  // A braced list plans the nodes in order: each finds the nodes before it planned, and no
+  // instantiation nests in the last one's (nested, a 300-layer network's 901 nodes passed g++'s
+  // limit of 900).
+  constexpr std::array<FuseKind, sizeof...(J)> kind{fuse_node<G, Out, Differentiated, J>::kind...};
+  constexpr std::array<std::size_t, sizeof...(J)> into{fuse_node<G, Out, Differentiated, J>::into...};
+  FuseLayout<sizeof...(J)> l;
+  for (std::size_t j = 0; j < sizeof...(J); ++j) {
+    if (kind[j] == FuseKind::keep) {
+      l.map[j] = l.size;
+      l.maker[l.size++] = j;
+    } else if (kind[j] == FuseKind::epilogue) {
+      l.map[j] = l.map[into[j]];
+      l.maker[l.map[j]] = j;
+    } else {
+      const std::size_t r = l.map[into[j]];
+      for (std::size_t i = 0; i < j; ++i) {
+        l.map[i] = l.map[i] == r ? l.size - 1 : l.map[i] > r ? l.map[i] - 1 : l.map[i];
+      }
+      for (std::size_t p = r; p + 1 < l.size; ++p) l.maker[p] = l.maker[p + 1];
+      l.maker[l.size - 1] = j;
+      l.map[j] = l.size - 1;
     }
   }
+  return l;
+}
+
+template <class G, std::size_t Out, bool Differentiated>
+inline constexpr auto fuse_layout_of = fuse_layout<G, Out, Differentiated>(std::make_index_sequence<G::size>{});
+
+// The node type of node J's step: its operation, reading what the absorbed step read (and, for
+// an operand, the other input), or its own inputs at their planned positions.
+template <class G, std::size_t Out, bool Differentiated, std::size_t J,
+          class A = std::make_index_sequence<graph::node_at<G, J>::arity>>
+struct fused_node_type;
+template <class G, std::size_t Out, bool Differentiated, std::size_t J, std::size_t... A>
+struct fused_node_type<G, Out, Differentiated, J, std::index_sequence<A...>> {
+  using F = fuse_node<G, Out, Differentiated, J>;
+  using N = graph::node_at<G, J>;
+  static constexpr const auto& map = fuse_layout_of<G, Out, Differentiated>.map;
+  template <std::size_t... P, std::size_t... Extra>
+  static auto with_args_of(std::index_sequence<P...>, std::index_sequence<Extra...>) {
+    using Absorbed = typename fused_node_type<G, Out, Differentiated, F::into>::type;
+    return std::type_identity<graph::Node<typename F::op_type, Absorbed::args[P]..., Extra...>>{};
+  }
+  static auto make() {
+    if constexpr (F::kind == FuseKind::keep) {
+      return std::type_identity<graph::Node<typename F::op_type, map[N::args[A]]...>>{};
+    } else {
+      using Absorbed = typename fused_node_type<G, Out, Differentiated, F::into>::type;
+      if constexpr (F::kind == FuseKind::epilogue) {
+        return with_args_of(std::make_index_sequence<Absorbed::arity>{}, std::index_sequence<>{});
+      } else {
+        return with_args_of(std::make_index_sequence<Absorbed::arity>{},
+                            std::index_sequence<map[N::args[1 - F::pos]]>{});
+      }
+    }
+  }
+  using type = typename decltype(make())::type;
+};
+
+template <class G, std::size_t Out, bool Differentiated, std::size_t... P>
+auto fused_steps(std::index_sequence<P...>) {
+  constexpr const auto& maker = fuse_layout_of<G, Out, Differentiated>.maker;
+  return graph::NodeList<graph::Step<typename fused_node_type<G, Out, Differentiated, maker[P]>::type,
+                                     typename fuse_node<G, Out, Differentiated, maker[P]>::recipe>...>{};
 }
 
 }  // namespace detail
@@ -212,10 +274,10 @@ auto fuse_from(std::index_sequence<Map...> map) {
 // feeds it, and fuses chains of elementwise functions, so each value is written once.
 template <bool Differentiated = false, class G, std::size_t Out>
 auto fuse_epilogues(const graph::Sym<G, Out>& program) {
-  using Plan = decltype(detail::fuse_from<0, Out, Differentiated, G, graph::NodeList<>>(std::index_sequence<>{}));
-  using Built = typename Plan::first_type::type;
+  constexpr const auto& layout = detail::fuse_layout_of<G, Out, Differentiated>;
+  using Built = decltype(detail::fused_steps<G, Out, Differentiated>(std::make_index_sequence<layout.size>{}));
   auto fused = graph::from_plan<graph::Graph>(program.graph, static_cast<Built*>(nullptr));
-  return graph::Sym<decltype(fused), Plan::second_type::value>{fused};
+  return graph::Sym<decltype(fused), layout.map[Out]>{fused};
 }
 
 namespace detail {
