@@ -178,7 +178,7 @@ auto backward_inputs() {
     return backward_inputs<K + 1, I, Grads, Leads, G, Built>();
   } else {
     constexpr std::size_t a = N::args[K];
-    constexpr std::size_t k = Built::size;
+    constexpr std::size_t k = graph::plan_size<Built>;
     using WithGrad = typename with_grad_step<G, I, Grads[I], InputGrad<I, K>, Built>::type;
     if constexpr (Grads[a] == no_grad) {
       return backward_inputs<K + 1, I, with(Grads, a, k), Leads, G, WithGrad>();

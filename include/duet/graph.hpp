@@ -212,6 +212,13 @@ struct appended<NodeList<S...>, X> {
   using type = NodeList<S..., X>;
 };
 
+// How many steps a plan holds, without completing its NodeList: a complete list has a base per
+// element, and a walk that asked each plan on the way its size made bases quadratic in number.
+template <class L>
+inline constexpr std::size_t plan_size = L::size;
+template <class... S>
+inline constexpr std::size_t plan_size<NodeList<S...>> = sizeof...(S);
+
 // The list (or graph: L = Graph) a plan of steps S makes from g, then the nodes tail.
 template <template <class...> class L = NodeList, class G, class... S, class... Tail>
 L<typename S::node..., Tail...> from_plan(const G& g, NodeList<S...>*, const Tail&... tail) {

@@ -6118,6 +6118,13 @@ struct appended<NodeList<S...>, X> {
   using type = NodeList<S..., X>;
 };
 
+// How many steps a plan holds, without completing its NodeList: a complete list has a base per
+// element, and a walk that asked each plan on the way its size made bases quadratic in number.
+template <class L>
+inline constexpr std::size_t plan_size = L::size;
+template <class... S>
+inline constexpr std::size_t plan_size<NodeList<S...>> = sizeof...(S);
+
 // The list (or graph: L = Graph) a plan of steps S makes from g, then the nodes tail.
 template <template <class...> class L = NodeList, class G, class... S, class... Tail>
 L<typename S::node..., Tail...> from_plan(const G& g, NodeList<S...>*, const Tail&... tail) {
@@ -11309,7 +11316,7 @@ auto backward_inputs() {
     return backward_inputs<K + 1, I, Grads, Leads, G, Built>();
   } else {
     constexpr std::size_t a = N::args[K];
-    constexpr std::size_t k = Built::size;
+    constexpr std::size_t k = graph::plan_size<Built>;
     using WithGrad = typename with_grad_step<G, I, Grads[I], InputGrad<I, K>, Built>::type;
     if constexpr (Grads[a] == no_grad) {
       return backward_inputs<K + 1, I, with(Grads, a, k), Leads, G, WithGrad>();
