@@ -120,9 +120,13 @@ constexpr std::array<std::size_t, N> with(std::array<std::size_t, N> a, std::siz
   return a;
 }
 
-template <auto V>
-struct value_tag {
-  static constexpr auto value = V;
+// What the backward walk returns at each step: the plan so far and where each value's gradient
+// is. Not a std::pair: each of the walk's steps would instantiate a pair type, and with it the
+// traits its constructors are constrained on, which were half of the walk's time (clang).
+template <class Built, auto Grads>
+struct BackwardPlan {
+  using built = Built;
+  static constexpr auto grads = Grads;
 };
 
 template <graph::Operand O, class N, std::size_t Self, std::size_t Grad>
@@ -173,7 +177,7 @@ auto backward_inputs() {
   using N = graph::node_at<G, I>;
   using Op = typename N::op_type;
   if constexpr (K == N::arity) {
-    return std::pair<std::type_identity<Built>, value_tag<Grads>>{};
+    return BackwardPlan<Built, Grads>{};
   } else if constexpr (!input_has_gradient<Op, K>() || !Leads[N::args[K]]) {
     return backward_inputs<K + 1, I, Grads, Leads, G, Built>();
   } else {
@@ -256,7 +260,7 @@ void refuse_lost_gradients(const G& g) {
 template <std::size_t I, auto Grads, auto Leads, class G, class Built>
 auto backward_from() {
   if constexpr (I == 0) {
-    return std::pair<std::type_identity<Built>, value_tag<Grads>>{};
+    return BackwardPlan<Built, Grads>{};
   } else {
     constexpr std::size_t i = I - 1;
     using N = graph::node_at<G, i>;
@@ -276,7 +280,7 @@ auto backward_from() {
                                                          with_grad_step<G, i, Grads[i], ParameterGrad<i>, Built>,
                                                          std::type_identity<Built>>::type;
       using Inputs = decltype(backward_inputs<0, i, Grads, Leads, G, WithParameters>());
-      return backward_from<i, Inputs::second_type::value, Leads, G, typename Inputs::first_type::type>();
+      return backward_from<i, Inputs::grads, Leads, G, typename Inputs::built>();
     }
   }
 }
@@ -346,8 +350,8 @@ auto build_backward(const graph::Sym<G0, Out>& program, BasicTensor<T>*... input
   }();
   using Start = decltype(detail::backward_start<G, Out>(std::make_index_sequence<G::size>{}));
   using Plan = decltype(detail::backward_from<G::size, detail::with(none, Out, G::size), leads, G, Start>());
-  using Built = typename Plan::first_type::type;
-  static constexpr auto grads = Plan::second_type::value;
+  using Built = typename Plan::built;
+  static constexpr auto grads = Plan::grads;
   detail::refuse_lost_gradients<leads, Out>(forward.graph);
   constexpr std::size_t zeros_at = Built::size;
   [[maybe_unused]] static constexpr auto sources =
