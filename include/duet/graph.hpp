@@ -145,9 +145,18 @@ struct Graph : NodeList<Nodes...> {
   explicit Graph(const NodeList<Nodes...>& nodes) : NodeList<Nodes...>(nodes) {}
 };
 
+namespace detail {
+// Deduction finds the base slot<I, N> by searching every base of the list, so a lookup costs the
+// list's size; a class remembers what it found, where an alias would search again at each use.
+template <class G, std::size_t I>
+struct node_type {
+  using type = typename decltype(select<I>(std::declval<const G&>()))::type;
+};
+}  // namespace detail
+
 // The type of node I of a graph or list.
 template <class G, std::size_t I>
-using node_at = typename decltype(detail::select<I>(std::declval<const G&>()))::type;
+using node_at = typename detail::node_type<G, I>::type;
 
 // Node I of a graph or list.
 template <std::size_t I, class N>

@@ -125,8 +125,9 @@ inline constexpr std::size_t computing_before<G, Out, Differentiated, 0> = 0;
 
 // Which input of binary node J can take its producer's step along: one J reads alone, with only
 // sources planned after it, the other input being in another step. -1 if neither.
-template <class G, std::size_t Out, bool Differentiated, std::size_t J, class N>
+template <class G, std::size_t Out, bool Differentiated, std::size_t J>
 constexpr int operand_to_absorb() {
+  using N = graph::node_at<G, J>;
   constexpr const auto& users = users_of<G, Out>;
   constexpr std::size_t a0 = N::args[0], a1 = N::args[1];
   if constexpr (a0 == a1 ||
@@ -140,8 +141,9 @@ constexpr int operand_to_absorb() {
   }
 }
 
-template <class G, std::size_t Out, bool Differentiated, std::size_t J, class N>
+template <class G, std::size_t Out, bool Differentiated, std::size_t J>
 auto fuse_choice() {
+  using N = graph::node_at<G, J>;
   using C = typename N::op_type;
   using Keep = FuseChoice<FuseKind::keep, J, -1, C, graph::Take<J>, J, N::arity>;
   if constexpr (N::arity == 1) {
@@ -159,7 +161,7 @@ auto fuse_choice() {
       return Keep{};
     }
   } else if constexpr (N::arity == 2) {
-    constexpr int pos = operand_to_absorb<G, Out, Differentiated, J, N>();
+    constexpr int pos = operand_to_absorb<G, Out, Differentiated, J>();
     if constexpr (pos >= 0) {
       constexpr std::size_t a = N::args[pos];
       using P = fuse_node<G, Out, Differentiated, a>;
@@ -179,18 +181,12 @@ auto fuse_choice() {
   }
 }
 
-template <class G, std::size_t Out, bool Differentiated, std::size_t J, class N>
-struct fuse_node_of : decltype(fuse_choice<G, Out, Differentiated, J, N>()) {
-  using node = N;
+template <class G, std::size_t Out, bool Differentiated, std::size_t J>
+struct fuse_node : decltype(fuse_choice<G, Out, Differentiated, J>()) {
   // One past the last node up to J whose step reads anything (0 if none).
   static constexpr std::size_t computing_through =
-      fuse_node_of::arity != 0 ? J + 1 : computing_before<G, Out, Differentiated, J>;
+      fuse_node::arity != 0 ? J + 1 : computing_before<G, Out, Differentiated, J>;
 };
-
-// Node J's part of the plan, its node's type looked up once: a lookup by index searches every
-// base of the graph, and the walk asks about each node up to four times.
-template <class G, std::size_t Out, bool Differentiated, std::size_t J>
-struct fuse_node : fuse_node_of<G, Out, Differentiated, J, graph::node_at<G, J>> {};
 
 // Where the plan puts each step (at the position of the node that made it last) and each
 // node's value, applying the choices in order. An absorbing operand's step leaves its place for
@@ -237,12 +233,12 @@ inline constexpr auto fuse_layout_of = fuse_layout<G, Out, Differentiated>(std::
 // The node type of node J's step: its operation, reading what the absorbed step read (and, for
 // an operand, the other input), or its own inputs at their planned positions.
 template <class G, std::size_t Out, bool Differentiated, std::size_t J,
-          class A = std::make_index_sequence<fuse_node<G, Out, Differentiated, J>::node::arity>>
+          class A = std::make_index_sequence<graph::node_at<G, J>::arity>>
 struct fused_node_type;
 template <class G, std::size_t Out, bool Differentiated, std::size_t J, std::size_t... A>
 struct fused_node_type<G, Out, Differentiated, J, std::index_sequence<A...>> {
   using F = fuse_node<G, Out, Differentiated, J>;
-  using N = typename F::node;
+  using N = graph::node_at<G, J>;
   static constexpr const auto& map = fuse_layout_of<G, Out, Differentiated>.map;
   template <std::size_t... P, std::size_t... Extra>
   static auto with_args_of(std::index_sequence<P...>, std::index_sequence<Extra...>) {
