@@ -206,6 +206,19 @@ struct SplitAttention : nn::Cell<SplitAttention> {
   }
 };
 
+// (h + x) * scale + bias fuses into one elementwise pass of three steps; the Add after it has
+// the same name and shape as the first of them.
+struct ResidualScale : nn::Cell<ResidualScale> {
+  nn::Dense<4, 4> fc;
+  nn::Parameter scale{Tensor({4}, {0.5f, -1.5f, 2.0f, 0.25f})};
+  nn::Parameter bias{Tensor({4}, {0.1f, 0.2f, -0.3f, 0.4f})};
+  DUET_CELL_MEMBERS(fc, scale, bias);
+  auto construct(auto x) {
+    const auto b = (fc(x) + x) * scale + bias;
+    return ops::tanh(b) + b;
+  }
+};
+
 }  // namespace
 
 // Checked while this file compiles: the seed network captures for its input, a network built at
@@ -363,6 +376,16 @@ TEST_CASE("compare_modes pairs every piece of a split, though graph mode runs th
   CHECK(report.notes.empty());
   CHECK(report.agree());
   CHECK(report.values_compared >= 9);
+}
+
+TEST_CASE("compare_modes pairs a fused elementwise chain with its steps, not a later node with them") {
+  ResidualScale net;
+  const std::string ir = graph_ir(net, shape<dyn, 4>).optimized.text;
+  REQUIRE(ir.find("Elementwise Add(Mul(Add(a, b), c), d)") != std::string::npos);
+  const ModeReport report = compare_modes(net, randn({3, 4}, 5));
+  CHECK(report.notes.empty());  // the fused node paired with its three steps
+  CHECK(report.agree());
+  CHECK(report.values_compared == 4);  // the product, the fused chain, tanh, the last Add
 }
 
 TEST_CASE("compare_modes names a folded BatchNorm's node where the folding moves the values") {

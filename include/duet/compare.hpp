@@ -153,15 +153,38 @@ void record_comparison(ModeReport& report, const T* g, const T* p, const Shape& 
   report.difference = std::move(where);
 }
 
+// "Add(Mul(Add(a, b), c), d)", a fused elementwise chain's tree (ops::ElementwiseOp): its
+// functions each after its operands, {"Add", "Mul", "Add"}, the order PyNative ran them in.
+inline void elementwise_tree_parts(std::string_view tree, std::vector<std::string>& parts) {
+  std::vector<std::string_view> open;
+  std::size_t begin = 0;
+  for (std::size_t i = 0; i < tree.size(); ++i) {
+    const char c = tree[i];
+    if (c == '(') open.push_back(tree.substr(begin, i - begin));
+    if (c == ')') {
+      parts.emplace_back(open.back());
+      open.pop_back();
+    }
+    if (c == '(' || c == ')' || c == ',' || c == ' ') begin = i + 1;
+  }
+}
+
 // "MatMul + BiasAdd + ReLU" -> {"MatMul", "BiasAdd", "ReLU"}: the operations a fused node
-// took in, each a step of PyNative's trace.
+// took in, each a step of PyNative's trace. An elementwise chain's tree counts as its steps:
+// unpaired, they were left for a later node of the same name and shape to pair with, which
+// then compared two different values and reported modes that agree as differing.
 inline std::vector<std::string> fused_parts(const std::string& op_name) {
+  constexpr std::string_view elementwise = "Elementwise ";
   std::vector<std::string> parts;
   std::size_t begin = 0;
+  const auto add = [&](std::string_view part) {
+    if (part.starts_with(elementwise)) elementwise_tree_parts(part.substr(elementwise.size()), parts);
+    else parts.emplace_back(part);
+  };
   for (std::size_t plus; (plus = op_name.find(" + ", begin)) != std::string::npos; begin = plus + 3) {
-    parts.push_back(op_name.substr(begin, plus - begin));
+    add(std::string_view(op_name).substr(begin, plus - begin));
   }
-  parts.push_back(op_name.substr(begin));
+  add(std::string_view(op_name).substr(begin));
   return parts;
 }
 
