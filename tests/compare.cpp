@@ -388,6 +388,14 @@ TEST_CASE("compare_modes pairs a fused elementwise chain with its steps, not a l
   CHECK(report.values_compared == 4);  // the product, the fused chain, tanh, the last Add
 }
 
+TEST_CASE("a fused node's parts: products with epilogues, elementwise trees, any user's name") {
+  using duet::detail::fused_parts;
+  CHECK(fused_parts("PackedMatMul + BiasAdd + ReLU") == std::vector<std::string>{"PackedMatMul", "BiasAdd", "ReLU"});
+  CHECK(fused_parts("Elementwise Add(Mul(Add(a, b), c), d) + ReLU") ==
+        std::vector<std::string>{"Add", "Mul", "Add", "ReLU"});
+  CHECK(fused_parts("Elementwise b), c)").empty());
+}
+
 TEST_CASE("compare_modes names a folded BatchNorm's node where the folding moves the values") {
   ConvNorm net;
   for (index_t c = 0; c < 8; ++c) {

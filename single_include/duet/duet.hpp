@@ -13113,14 +13113,15 @@ void record_comparison(ModeReport& report, const T* g, const T* p, const Shape& 
 }
 
 // "Add(Mul(Add(a, b), c), d)", a fused elementwise chain's tree (ops::ElementwiseOp): its
-// functions each after its operands, {"Add", "Mul", "Add"}, the order PyNative ran them in.
+// functions each after its operands, {"Add", "Mul", "Add"}, the order PyNative ran them in. A
+// user's operation may be named anything: an unmatched parenthesis is not a function.
 inline void elementwise_tree_parts(std::string_view tree, std::vector<std::string>& parts) {
   std::vector<std::string_view> open;
   std::size_t begin = 0;
   for (std::size_t i = 0; i < tree.size(); ++i) {
     const char c = tree[i];
     if (c == '(') open.push_back(tree.substr(begin, i - begin));
-    if (c == ')') {
+    if (c == ')' && !open.empty()) {
       parts.emplace_back(open.back());
       open.pop_back();
     }
