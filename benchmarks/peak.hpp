@@ -1,5 +1,5 @@
 // One thread's FMA peak, measured once per process (gemm.cpp: independent chains of FMAs on the
-// widest set the CPU runs), in GFLOP/s; 0 where the CPU has neither AVX2 nor AVX-512; and the
+// set duet's kernels run, kernel_isa()), in GFLOP/s; 0 where they run neither AVX2 nor AVX-512; and the
 // loop of the rows that report GFLOP/s and `of_peak`, the share of that peak, so that a share
 // means the same on every machine.
 #pragma once
