@@ -231,6 +231,51 @@ TEST_CASE("graph mode captures construct once per cell and thread, as MindSpore 
 }
 
 namespace {
+// Counts its construct's runs, as CountingCell does, around one or two operations.
+template <auto Setting>
+struct OneOperation : nn::Cell<OneOperation<Setting>, Setting> {
+  int constructs = 0;
+  auto construct(auto x) {
+    ++constructs;
+    return ops::tanh(x);
+  }
+};
+struct TwoOperations : nn::Cell<TwoOperations> {
+  int constructs = 0;
+  auto construct(auto x) {
+    ++constructs;
+    return ops::tanh(ops::relu(x));
+  }
+};
+}  // namespace
+
+TEST_CASE("a cell of one operation called alone in graph mode runs the operation, a cell of more is captured") {
+  ModeGuard guard;
+  const Tensor x = randn({4, 3}, 5);
+  set_context({.mode = PYNATIVE_MODE});
+  OneOperation<CONTEXT_MODE> one;
+  const Tensor eager = one(x);
+  set_context({.mode = GRAPH_MODE});
+  const Tensor graph = one(x);
+  one(x);
+  CHECK(one.constructs == 3);  // no graph of its own: a graph of one node has nothing to fuse or plan
+  CHECK(duet_test::values_of(graph) == duet_test::values_of(eager));
+  // Hooks are refused as in any graph-mode call, rather than run.
+  auto handle = one.register_forward_hook([](const nn::DynamicCell&, const Tensor&, const Tensor&) {});
+  CHECK_THROWS_AS(one(x), ModeError);
+  handle.remove();
+  // A cell that fixes graph mode asked for its graph, and one of two operations has one to fuse.
+  OneOperation<GRAPH_MODE> fixed;
+  TwoOperations two;
+  for (int i = 0; i < 2; ++i) {
+    fixed(x);
+    two(x);
+  }
+  CHECK(fixed.constructs == 1);
+  CHECK(two.constructs == 1);
+}
+
+namespace {
 // The same, returning a loss to train on.
 struct CountingLoss : nn::Cell<CountingLoss> {
   nn::Dense<3, 2> dense;

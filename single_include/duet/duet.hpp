@@ -11029,8 +11029,10 @@ class Cell : public BasicDynamicCell<T> {
     if constexpr (!HasConstruct<Derived, BasicTensor<T>>) {
       throw ModeError(this->label() + ": construct takes several inputs; call the cell with all of them");
     } else {
-      if constexpr (can_capture()) {
+      if constexpr (can_capture() && !runs_alone_as_its_operation()) {
         if (runs_as_graph()) return run_graph<graph::AnyShape>(x);
+      } else if constexpr (can_capture()) {
+        if (runs_as_graph()) refuse_hooks_in_graph();
       }
       EagerScope eager;
       return run_construct(x);
@@ -11061,16 +11063,44 @@ class Cell : public BasicDynamicCell<T> {
            pijit::active_trace() == nullptr;
   }
 
-  // Capture, optimise, run, in the phase the network's layers are set to. Capture and passes
-  // cost nothing at run time (they are types); the plan for the inputs' shapes is kept per
-  // thread and form, so repeated shapes skip planning.
-  template <class... Patterns, class... Ts>
-  auto run_graph(const BasicTensor<Ts>&... xs) {
+  void refuse_hooks_in_graph() {
     if (this->has_hooks_in_tree()) {
       throw ModeError(this->label() +
                       " runs in graph mode, but a cell in it has a hook; hooks see intermediate values "
                       "in PyNative mode only (set_context({.mode = PYNATIVE_MODE}))");
     }
+  }
+
+  // Whether this cell, called alone on one tensor in graph mode, would run a graph of one
+  // operation that graph mode runs as PyNative mode does: no neighbour to fuse with, no weight
+  // to keep packed (the one pass a single node can take). The operation itself is then that
+  // call, the same kernel and bits, and the cell carries no graph form of its own: a virtual
+  // forward's form is compiled with the cell's type whether or not anything calls it alone
+  // (tools/compile_costs.md, 2026-12-05). A cell that fixes graph mode or a JitConfig keeps its
+  // graph. The capture asked here is the one run_graph's would make (same input type), so a
+  // cell that keeps its form compiles its construct once.
+  static constexpr bool runs_alone_as_its_operation() {
+    if constexpr (M != CONTEXT_MODE) {
+      return false;
+    } else {
+      using Captured = decltype(std::declval<Derived&>().construct(
+          graph::input<T, graph::pattern_in_phase<graph::Phase::train, graph::AnyShape>, 0>()));
+      if constexpr (!graph::Symbolic<Captured>) {
+        return false;
+      } else {
+        using G = typename Captured::graph_type;
+        if constexpr (G::size != 2) return false;
+        else return !requires(const graph::node_at<G, 1>& node) { node.op.with_packed_weight(); };
+      }
+    }
+  }
+
+  // Capture, optimise, run, in the phase the network's layers are set to. Capture and passes
+  // cost nothing at run time (they are types); the plan for the inputs' shapes is kept per
+  // thread and form, so repeated shapes skip planning.
+  template <class... Patterns, class... Ts>
+  auto run_graph(const BasicTensor<Ts>&... xs) {
+    refuse_hooks_in_graph();
     return pipeline::in_requested_phase(
         [&](auto phase) -> const auto& { return captured<decltype(phase)::value, Patterns...>(xs...); },
         [&](const auto& program) {
