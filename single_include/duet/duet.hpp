@@ -11066,7 +11066,7 @@ class Cell : public BasicDynamicCell<T> {
   void refuse_hooks_in_graph() {
     if (this->has_hooks_in_tree()) {
       throw ModeError(this->label() +
-                      " runs in graph mode, but a cell in it has a hook; hooks see intermediate values "
+                      " runs in graph mode, but it or a cell in it has a hook; hooks see intermediate values "
                       "in PyNative mode only (set_context({.mode = PYNATIVE_MODE}))");
     }
   }
