@@ -94,6 +94,45 @@ TEST_CASE("num_threads: a large product is shared by two threads and gives one t
   });
 }
 
+TEST_CASE("num_threads: large elementwise passes and column sums are shared by two threads with one thread's bits, on every instruction set" * duet_test::every_isa) {
+  if (!threads_available) {
+    MESSAGE("SKIPPED: built without OpenMP");
+    return;
+  }
+  ThreadsGuard threads;
+  // Sizes off every block and vector boundary: 98 blocks of 1,024 elements with a partial
+  // one, and 6 strips of 64 columns with a partial one.
+  const index_t n = 100'003, rows = 300, cols = 333;
+  const auto x = random_values(static_cast<std::size_t>(n), 4);
+  const auto dy = random_values(static_cast<std::size_t>(n), 5);
+  const auto m = random_values(static_cast<std::size_t>(rows * cols), 6);
+  duet_test::for_each_isa([&] {
+    auto run = [&](index_t size) {
+      std::vector<float> y(static_cast<std::size_t>(size)), dx(y.size()), scaled(y.size());
+      std::vector<float> sums(static_cast<std::size_t>(cols), 0.25f);
+      kernels::map<fn::Relu>(x.data(), size, y.data());
+      kernels::map_grad<fn::Relu>(dy.data(), y.data(), size, dx.data());
+      kernels::scale(x.data(), size, 0.3f, scaled.data());
+      kernels::column_sums(m.data(), size == n ? rows : 2, cols, sums.data(), true);
+      for (const auto* part : {&dx, &scaled, &sums}) y.insert(y.end(), part->begin(), part->end());
+      return y;
+    };
+    set_num_threads(1);
+    const long before = detail::shared_runs().load();
+    const auto one = run(n);
+    CHECK(detail::shared_runs().load() == before);
+    set_num_threads(2);
+    const auto two = run(n);
+    CHECK(detail::shared_runs().load() == before + 4);
+    CHECK(same_bits(one, two));
+    // A batch-1 layer's pass is not worth waking a helper for.
+    const auto small = run(512);
+    CHECK(detail::shared_runs().load() == before + 4);
+    set_num_threads(1);
+    CHECK(same_bits(small, run(512)));
+  });
+}
+
 TEST_CASE("num_threads: training steps give the same bits on one and two threads, in both modes, and batch 1 stays on one") {
   ThreadsGuard threads;
   ModeGuard mode;

@@ -134,8 +134,10 @@ class FormatError : public IOError {
 // vectors (or FMA) can differ from another in the last bits of a loss or a gradient; under one
 // set every call gives the same bits, which is what makes graph and PyNative mode agree.
 // map() applies Fns::apply_in_place, the code a product's fused epilogue runs, so a map and an
-// epilogue give the same bits.
+// epilogue give the same bits. Large maps, scalings and column sums share the threads
+// (threads.hpp), in ranges of whole elements or columns.
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -3026,11 +3028,11 @@ T sum_step(Target, const T* x, index_t n) {
   return reduce_lanes<false, T>(s);
 }
 
-// sums[j] (+)= Σ_r x[r, j] over a row-major [rows, cols], a vector of columns at a time down the
-// rows: x₀ + ((x₁ + x₂) + (x₃ + x₄)) + ..., the rows past the last group of four one by one. The
+// sums[j] (+)= Σ_r x[r, j] over cols columns of rows ld apart, a vector of columns at a time down
+// the rows: x₀ + ((x₁ + x₂) + (x₃ + x₄)) + ..., the rows past the last group of four one by one. The
 // groups keep two additions in flight; the order is the same for every column and set.
 template <class T>
-void column_sums_step(Target, const T* x, index_t rows, index_t cols, T* sums, bool accumulate) {
+void column_sums_step(Target, const T* x, index_t rows, index_t cols, index_t ld, T* sums, bool accumulate) {
   const index_t groups_end = (rows - 1) & ~index_t{3};
   for (index_t j = 0; j < cols; j += lanes<T>) {
     const int count = lanes_from<T>(j, cols);
@@ -3038,10 +3040,10 @@ void column_sums_step(Target, const T* x, index_t rows, index_t cols, T* sums, b
     Vec<T> s = load_lanes(column, count);
     index_t r = 1;
     for (; r < groups_end; r += 4) {
-      s = s + ((load_lanes(column + r * cols, count) + load_lanes(column + (r + 1) * cols, count)) +
-               (load_lanes(column + (r + 2) * cols, count) + load_lanes(column + (r + 3) * cols, count)));
+      s = s + ((load_lanes(column + r * ld, count) + load_lanes(column + (r + 1) * ld, count)) +
+               (load_lanes(column + (r + 2) * ld, count) + load_lanes(column + (r + 3) * ld, count)));
     }
-    for (; r < rows; ++r) s = s + load_lanes(column + r * cols, count);
+    for (; r < rows; ++r) s = s + load_lanes(column + r * ld, count);
     if (accumulate) s = load_lanes(sums + j, count) + s;
     store_lanes<T>(sums + j, s, count);
   }
@@ -3163,11 +3165,11 @@ T sum_step(Target, const T* x, index_t n) {
   return reduce_lanes<false, T>(s);
 }
 
-// sums[j] (+)= Σ_r x[r, j] over a row-major [rows, cols], a vector of columns at a time down the
-// rows: x₀ + ((x₁ + x₂) + (x₃ + x₄)) + ..., the rows past the last group of four one by one. The
+// sums[j] (+)= Σ_r x[r, j] over cols columns of rows ld apart, a vector of columns at a time down
+// the rows: x₀ + ((x₁ + x₂) + (x₃ + x₄)) + ..., the rows past the last group of four one by one. The
 // groups keep two additions in flight; the order is the same for every column and set.
 template <class T>
-void column_sums_step(Target, const T* x, index_t rows, index_t cols, T* sums, bool accumulate) {
+void column_sums_step(Target, const T* x, index_t rows, index_t cols, index_t ld, T* sums, bool accumulate) {
   const index_t groups_end = (rows - 1) & ~index_t{3};
   for (index_t j = 0; j < cols; j += lanes<T>) {
     const int count = lanes_from<T>(j, cols);
@@ -3175,10 +3177,10 @@ void column_sums_step(Target, const T* x, index_t rows, index_t cols, T* sums, b
     Vec<T> s = load_lanes(column, count);
     index_t r = 1;
     for (; r < groups_end; r += 4) {
-      s = s + ((load_lanes(column + r * cols, count) + load_lanes(column + (r + 1) * cols, count)) +
-               (load_lanes(column + (r + 2) * cols, count) + load_lanes(column + (r + 3) * cols, count)));
+      s = s + ((load_lanes(column + r * ld, count) + load_lanes(column + (r + 1) * ld, count)) +
+               (load_lanes(column + (r + 2) * ld, count) + load_lanes(column + (r + 3) * ld, count)));
     }
-    for (; r < rows; ++r) s = s + load_lanes(column + r * cols, count);
+    for (; r < rows; ++r) s = s + load_lanes(column + r * ld, count);
     if (accumulate) s = load_lanes(sums + j, count) + s;
     store_lanes<T>(sums + j, s, count);
   }
@@ -3300,11 +3302,11 @@ T sum_step(Target, const T* x, index_t n) {
   return reduce_lanes<false, T>(s);
 }
 
-// sums[j] (+)= Σ_r x[r, j] over a row-major [rows, cols], a vector of columns at a time down the
-// rows: x₀ + ((x₁ + x₂) + (x₃ + x₄)) + ..., the rows past the last group of four one by one. The
+// sums[j] (+)= Σ_r x[r, j] over cols columns of rows ld apart, a vector of columns at a time down
+// the rows: x₀ + ((x₁ + x₂) + (x₃ + x₄)) + ..., the rows past the last group of four one by one. The
 // groups keep two additions in flight; the order is the same for every column and set.
 template <class T>
-void column_sums_step(Target, const T* x, index_t rows, index_t cols, T* sums, bool accumulate) {
+void column_sums_step(Target, const T* x, index_t rows, index_t cols, index_t ld, T* sums, bool accumulate) {
   const index_t groups_end = (rows - 1) & ~index_t{3};
   for (index_t j = 0; j < cols; j += lanes<T>) {
     const int count = lanes_from<T>(j, cols);
@@ -3312,10 +3314,10 @@ void column_sums_step(Target, const T* x, index_t rows, index_t cols, T* sums, b
     Vec<T> s = load_lanes(column, count);
     index_t r = 1;
     for (; r < groups_end; r += 4) {
-      s = s + ((load_lanes(column + r * cols, count) + load_lanes(column + (r + 1) * cols, count)) +
-               (load_lanes(column + (r + 2) * cols, count) + load_lanes(column + (r + 3) * cols, count)));
+      s = s + ((load_lanes(column + r * ld, count) + load_lanes(column + (r + 1) * ld, count)) +
+               (load_lanes(column + (r + 2) * ld, count) + load_lanes(column + (r + 3) * ld, count)));
     }
-    for (; r < rows; ++r) s = s + load_lanes(column + r * cols, count);
+    for (; r < rows; ++r) s = s + load_lanes(column + r * ld, count);
     if (accumulate) s = load_lanes(sums + j, count) + s;
     store_lanes<T>(sums + j, s, count);
   }
@@ -3433,24 +3435,48 @@ void softmax_grad(const T* z, const T* p, index_t n, T lse, T mass, T scale, T* 
   detail::with_target(active_isa(), [&](auto target) { softmax_grad_step(target, z, p, n, lse, mass, scale, d); });
 }
 
+// What a pass costs per element in threads.hpp's unit of work (multiply-adds): moving an element
+// in and out of L2 takes about as long as 8 FMAs, so a pass over a [256, 512] activation shares
+// the threads (one fewer pass on the caller's thread between a training step's products) and
+// one over a batch-1 layer stays on the caller's. Each element, or each column of a sum, is
+// computed by the same code whatever thread takes it: no bit depends on the thread count.
+inline constexpr index_t pass_work = 8;
+
 // sums[j] (+)= Σ_r x[r, j], x row-major [rows, cols] with rows >= 1: a layer's bias gradient,
 // each column summed in the one order column_sums_step gives, whatever the set and the build.
+// Threads take strips of whole columns.
 template <VectorElement T>
 void column_sums(const T* x, index_t rows, index_t cols, T* sums, bool accumulate) {
-  detail::with_target(active_isa(), [&](auto target) { column_sums_step(target, x, rows, cols, sums, accumulate); });
+  constexpr index_t strip = 64;  // columns: whole vectors of every set
+  const index_t strips = (cols + strip - 1) / strip;
+  const Isa isa = active_isa();
+  ::duet::detail::parallel_blocks(strips, ::duet::detail::useful_threads(rows * cols * pass_work, strips),
+                                  [&](index_t s0, index_t s1, int) {
+                                    const index_t j0 = s0 * strip;
+                                    const index_t j1 = std::min(cols, s1 * strip);
+                                    detail::with_target(isa, [&](auto target) {
+                                      column_sums_step(target, x + j0, rows, j1 - j0, cols, sums + j0, accumulate);
+                                    });
+                                  });
 }
 
 // y[i] = a·x[i]; y may be x.
 template <VectorElement T>
 void scale(const T* x, index_t n, T a, T* y) {
-  detail::with_target(active_isa(), [&](auto target) { scale_step(target, x, n, a, y); });
+  const Isa isa = active_isa();
+  ::duet::detail::parallel_elements(n, pass_work, [&](index_t i0, index_t i1) {
+    detail::with_target(isa, [&](auto target) { scale_step(target, x + i0, i1 - i0, a, y + i0); });
+  });
 }
 
 // y[i] = Fns(x[i]), the functions applied in order; y may be x.
 template <class... Fns, class T>
   requires gemm_supports<T, Fns...>
 void map(const T* x, index_t n, T* y) {
-  detail::with_target(active_isa(), [&](auto target) { map_step<T, Fns...>(target, x, n, y); });
+  const Isa isa = active_isa();
+  ::duet::detail::parallel_elements(n, pass_work, [&](index_t i0, index_t i1) {
+    detail::with_target(isa, [&](auto target) { map_step<T, Fns...>(target, x + i0, i1 - i0, y + i0); });
+  });
 }
 
 // A function whose gradient, from its output, the kernels can take in registers:
@@ -3468,7 +3494,10 @@ concept VectorGradient = VectorElement<T> && requires(T& s, detail::Vector<T, 16
 template <class Fn, class T>
   requires VectorGradient<Fn, T>
 void map_grad(const T* dy, const T* y, index_t n, T* dx) {
-  detail::with_target(active_isa(), [&](auto target) { map_grad_step<T, Fn>(target, dy, y, n, dx); });
+  const Isa isa = active_isa();
+  ::duet::detail::parallel_elements(n, pass_work, [&](index_t i0, index_t i1) {
+    detail::with_target(isa, [&](auto target) { map_grad_step<T, Fn>(target, dy + i0, y + i0, i1 - i0, dx + i0); });
+  });
 }
 
 }  // namespace duet::kernels

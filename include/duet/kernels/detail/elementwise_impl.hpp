@@ -45,11 +45,11 @@ T sum_step(Target, const T* x, index_t n) {
   return reduce_lanes<false, T>(s);
 }
 
-// sums[j] (+)= Σ_r x[r, j] over a row-major [rows, cols], a vector of columns at a time down the
-// rows: x₀ + ((x₁ + x₂) + (x₃ + x₄)) + ..., the rows past the last group of four one by one. The
+// sums[j] (+)= Σ_r x[r, j] over cols columns of rows ld apart, a vector of columns at a time down
+// the rows: x₀ + ((x₁ + x₂) + (x₃ + x₄)) + ..., the rows past the last group of four one by one. The
 // groups keep two additions in flight; the order is the same for every column and set.
 template <class T>
-void column_sums_step(Target, const T* x, index_t rows, index_t cols, T* sums, bool accumulate) {
+void column_sums_step(Target, const T* x, index_t rows, index_t cols, index_t ld, T* sums, bool accumulate) {
   const index_t groups_end = (rows - 1) & ~index_t{3};
   for (index_t j = 0; j < cols; j += lanes<T>) {
     const int count = lanes_from<T>(j, cols);
@@ -57,10 +57,10 @@ void column_sums_step(Target, const T* x, index_t rows, index_t cols, T* sums, b
     Vec<T> s = load_lanes(column, count);
     index_t r = 1;
     for (; r < groups_end; r += 4) {
-      s = s + ((load_lanes(column + r * cols, count) + load_lanes(column + (r + 1) * cols, count)) +
-               (load_lanes(column + (r + 2) * cols, count) + load_lanes(column + (r + 3) * cols, count)));
+      s = s + ((load_lanes(column + r * ld, count) + load_lanes(column + (r + 1) * ld, count)) +
+               (load_lanes(column + (r + 2) * ld, count) + load_lanes(column + (r + 3) * ld, count)));
     }
-    for (; r < rows; ++r) s = s + load_lanes(column + r * cols, count);
+    for (; r < rows; ++r) s = s + load_lanes(column + r * ld, count);
     if (accumulate) s = load_lanes(sums + j, count) + s;
     store_lanes<T>(sums + j, s, count);
   }
