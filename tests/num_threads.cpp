@@ -94,14 +94,14 @@ TEST_CASE("num_threads: a large product is shared by two threads and gives one t
   });
 }
 
-TEST_CASE("num_threads: large elementwise passes and column sums are shared by two threads with one thread's bits, on every instruction set" * duet_test::every_isa) {
+TEST_CASE("num_threads: large elementwise passes, column sums and transpositions are shared by two threads with one thread's bits, on every instruction set" * duet_test::every_isa) {
   if (!threads_available) {
     MESSAGE("SKIPPED: built without OpenMP");
     return;
   }
   ThreadsGuard threads;
   // Sizes off every block and vector boundary: 98 blocks of 1,024 elements with a partial
-  // one, and 6 strips of 64 columns with a partial one.
+  // one, 6 strips of 64 columns with a partial one, 5 strips of 64 rows with a partial one.
   const index_t n = 100'003, rows = 300, cols = 333;
   const auto x = random_values(static_cast<std::size_t>(n), 4);
   const auto dy = random_values(static_cast<std::size_t>(n), 5);
@@ -114,7 +114,10 @@ TEST_CASE("num_threads: large elementwise passes and column sums are shared by t
       kernels::map_grad<fn::Relu>(dy.data(), y.data(), size, dx.data());
       kernels::scale(x.data(), size, 0.3f, scaled.data());
       kernels::column_sums(m.data(), size == n ? rows : 2, cols, sums.data(), true);
-      for (const auto* part : {&dx, &scaled, &sums}) y.insert(y.end(), part->begin(), part->end());
+      const index_t t_rows = size == n ? rows : 2;
+      std::vector<float> transposed(static_cast<std::size_t>(t_rows * cols));
+      kernels::transpose(m.data(), t_rows, cols, transposed.data());
+      for (const auto* part : {&dx, &scaled, &sums, &transposed}) y.insert(y.end(), part->begin(), part->end());
       return y;
     };
     set_num_threads(1);
@@ -123,11 +126,11 @@ TEST_CASE("num_threads: large elementwise passes and column sums are shared by t
     CHECK(detail::shared_runs().load() == before);
     set_num_threads(2);
     const auto two = run(n);
-    CHECK(detail::shared_runs().load() == before + 4);
+    CHECK(detail::shared_runs().load() == before + 5);
     CHECK(same_bits(one, two));
     // A batch-1 layer's pass is not worth waking a helper for.
     const auto small = run(512);
-    CHECK(detail::shared_runs().load() == before + 4);
+    CHECK(detail::shared_runs().load() == before + 5);
     set_num_threads(1);
     CHECK(same_bits(small, run(512)));
   });

@@ -141,6 +141,12 @@ inline int useful_threads(index_t work, index_t blocks) {
   return static_cast<int>(std::min<index_t>({by_work, blocks, get_num_threads()}));
 }
 
+// What a pass over memory costs per element in this unit of work: moving an element in and out
+// of L2 takes about as long as 8 FMAs, so a pass over a [256, 512] activation shares the threads
+// (one fewer pass on the caller's thread between a training step's products) and one over a
+// batch-1 layer stays on the caller's.
+inline constexpr index_t pass_work = 8;
+
 // How many operations have run on more than one thread since the program started: what shows
 // that a setting took effect (tests, benchmarks), since the results cannot.
 inline std::atomic<long>& shared_runs() {

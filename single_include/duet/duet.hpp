@@ -553,6 +553,12 @@ inline int useful_threads(index_t work, index_t blocks) {
   return static_cast<int>(std::min<index_t>({by_work, blocks, get_num_threads()}));
 }
 
+// What a pass over memory costs per element in this unit of work: moving an element in and out
+// of L2 takes about as long as 8 FMAs, so a pass over a [256, 512] activation shares the threads
+// (one fewer pass on the caller's thread between a training step's products) and one over a
+// batch-1 layer stays on the caller's.
+inline constexpr index_t pass_work = 8;
+
 // How many operations have run on more than one thread since the program started: what shows
 // that a setting took effect (tests, benchmarks), since the results cannot.
 inline std::atomic<long>& shared_runs() {
@@ -1655,10 +1661,11 @@ Vec<T> sum_lanes(Vec<T> (&v)[lanes<T>]) {
 
 // ---- Transposition ---------------------------------------------------------------------------
 
-// to[cols, rows] = from[rows, cols]ᵀ: L x L tiles transposed in registers (transpose_blocks on
-// single lanes), the rows and columns past the last whole tile one element at a time.
+// to[cols, rows] = from[rows, cols]ᵀ, to's rows ldt apart: L x L tiles transposed in registers
+// (transpose_blocks on single lanes), the rows and columns past the last whole tile one element
+// at a time.
 template <class T>
-void transpose_step(Target, const T* from, index_t rows, index_t cols, T* to) {
+void transpose_step(Target, const T* from, index_t rows, index_t cols, T* to, index_t ldt) {
   constexpr int L = lanes<T>;
   const index_t rows_full = rows / L * L;
   const index_t cols_full = cols / L * L;
@@ -1667,14 +1674,14 @@ void transpose_step(Target, const T* from, index_t rows, index_t cols, T* to) {
       Vec<T> v[L];
       for (int i = 0; i < L; ++i) v[i] = load(from + (r + i) * cols + c);
       transpose_blocks<1, T>(v);
-      for (int i = 0; i < L; ++i) store<T>(to + (c + i) * rows + r, v[i]);
+      for (int i = 0; i < L; ++i) store<T>(to + (c + i) * ldt + r, v[i]);
     }
     for (index_t c = cols_full; c < cols; ++c) {
-      for (index_t i = r; i < r + L; ++i) to[c * rows + i] = from[i * cols + c];
+      for (index_t i = r; i < r + L; ++i) to[c * ldt + i] = from[i * cols + c];
     }
   }
   for (index_t r = rows_full; r < rows; ++r) {
-    for (index_t c = 0; c < cols; ++c) to[c * rows + r] = from[r * cols + c];
+    for (index_t c = 0; c < cols; ++c) to[c * ldt + r] = from[r * cols + c];
   }
 }
 
@@ -2064,10 +2071,11 @@ Vec<T> sum_lanes(Vec<T> (&v)[lanes<T>]) {
 
 // ---- Transposition ---------------------------------------------------------------------------
 
-// to[cols, rows] = from[rows, cols]ᵀ: L x L tiles transposed in registers (transpose_blocks on
-// single lanes), the rows and columns past the last whole tile one element at a time.
+// to[cols, rows] = from[rows, cols]ᵀ, to's rows ldt apart: L x L tiles transposed in registers
+// (transpose_blocks on single lanes), the rows and columns past the last whole tile one element
+// at a time.
 template <class T>
-void transpose_step(Target, const T* from, index_t rows, index_t cols, T* to) {
+void transpose_step(Target, const T* from, index_t rows, index_t cols, T* to, index_t ldt) {
   constexpr int L = lanes<T>;
   const index_t rows_full = rows / L * L;
   const index_t cols_full = cols / L * L;
@@ -2076,14 +2084,14 @@ void transpose_step(Target, const T* from, index_t rows, index_t cols, T* to) {
       Vec<T> v[L];
       for (int i = 0; i < L; ++i) v[i] = load(from + (r + i) * cols + c);
       transpose_blocks<1, T>(v);
-      for (int i = 0; i < L; ++i) store<T>(to + (c + i) * rows + r, v[i]);
+      for (int i = 0; i < L; ++i) store<T>(to + (c + i) * ldt + r, v[i]);
     }
     for (index_t c = cols_full; c < cols; ++c) {
-      for (index_t i = r; i < r + L; ++i) to[c * rows + i] = from[i * cols + c];
+      for (index_t i = r; i < r + L; ++i) to[c * ldt + i] = from[i * cols + c];
     }
   }
   for (index_t r = rows_full; r < rows; ++r) {
-    for (index_t c = 0; c < cols; ++c) to[c * rows + r] = from[r * cols + c];
+    for (index_t c = 0; c < cols; ++c) to[c * ldt + r] = from[r * cols + c];
   }
 }
 
@@ -2473,10 +2481,11 @@ Vec<T> sum_lanes(Vec<T> (&v)[lanes<T>]) {
 
 // ---- Transposition ---------------------------------------------------------------------------
 
-// to[cols, rows] = from[rows, cols]ᵀ: L x L tiles transposed in registers (transpose_blocks on
-// single lanes), the rows and columns past the last whole tile one element at a time.
+// to[cols, rows] = from[rows, cols]ᵀ, to's rows ldt apart: L x L tiles transposed in registers
+// (transpose_blocks on single lanes), the rows and columns past the last whole tile one element
+// at a time.
 template <class T>
-void transpose_step(Target, const T* from, index_t rows, index_t cols, T* to) {
+void transpose_step(Target, const T* from, index_t rows, index_t cols, T* to, index_t ldt) {
   constexpr int L = lanes<T>;
   const index_t rows_full = rows / L * L;
   const index_t cols_full = cols / L * L;
@@ -2485,14 +2494,14 @@ void transpose_step(Target, const T* from, index_t rows, index_t cols, T* to) {
       Vec<T> v[L];
       for (int i = 0; i < L; ++i) v[i] = load(from + (r + i) * cols + c);
       transpose_blocks<1, T>(v);
-      for (int i = 0; i < L; ++i) store<T>(to + (c + i) * rows + r, v[i]);
+      for (int i = 0; i < L; ++i) store<T>(to + (c + i) * ldt + r, v[i]);
     }
     for (index_t c = cols_full; c < cols; ++c) {
-      for (index_t i = r; i < r + L; ++i) to[c * rows + i] = from[i * cols + c];
+      for (index_t i = r; i < r + L; ++i) to[c * ldt + i] = from[i * cols + c];
     }
   }
   for (index_t r = rows_full; r < rows; ++r) {
-    for (index_t c = 0; c < cols; ++c) to[c * rows + r] = from[r * cols + c];
+    for (index_t c = 0; c < cols; ++c) to[c * ldt + r] = from[r * cols + c];
   }
 }
 
@@ -2940,10 +2949,20 @@ void gemm(const T* a, index_t m, index_t k, const T* b, index_t n, std::type_ide
 // needs it the other way round (a convolution's weight, a layer's output gradient). In tiles
 // of a vector's lanes square, transposed in registers: a layer's [256, 512] output gradient
 // took 100-146 us one element at a time in 32 x 32 blocks, on one thread between the
-// training step's products.
+// training step's products. Threads take strips of 64 rows (whole tiles of every set), each
+// writing its own part of every row of `to`.
 template <class T>
 void transpose(const T* from, index_t rows, index_t cols, T* to) {
-  detail::with_target(active_isa(), [&](auto target) { transpose_step(target, from, rows, cols, to); });
+  if (rows == 0 || cols == 0) return;
+  constexpr index_t strip = 64;
+  const index_t strips = (rows + strip - 1) / strip;
+  const Isa isa = active_isa();
+  ::duet::detail::parallel_blocks(
+      strips, ::duet::detail::useful_threads(rows * cols * ::duet::detail::pass_work, strips), [&](index_t s0, index_t s1, int) {
+        const index_t r0 = s0 * strip;
+        const index_t r1 = std::min(rows, s1 * strip);
+        detail::with_target(isa, [&](auto target) { transpose_step(target, from + r0 * cols, r1 - r0, cols, to + r0, rows); });
+      });
 }
 
 // c[m, n] (+)= Σ_k a[m, k] · b[k, n]: b stored the other way round from gemm's, [k, n] row-major,
@@ -3435,12 +3454,8 @@ void softmax_grad(const T* z, const T* p, index_t n, T lse, T mass, T scale, T* 
   detail::with_target(active_isa(), [&](auto target) { softmax_grad_step(target, z, p, n, lse, mass, scale, d); });
 }
 
-// What a pass costs per element in threads.hpp's unit of work (multiply-adds): moving an element
-// in and out of L2 takes about as long as 8 FMAs, so a pass over a [256, 512] activation shares
-// the threads (one fewer pass on the caller's thread between a training step's products) and
-// one over a batch-1 layer stays on the caller's. Each element, or each column of a sum, is
-// computed by the same code whatever thread takes it: no bit depends on the thread count.
-inline constexpr index_t pass_work = 8;
+// Each element, or each column of a sum, is computed by the same code whatever thread takes it
+// (threads.hpp's pass_work says when a pass is shared): no bit depends on the thread count.
 
 // sums[j] (+)= Σ_r x[r, j], x row-major [rows, cols] with rows >= 1: a layer's bias gradient,
 // each column summed in the one order column_sums_step gives, whatever the set and the build.
@@ -3450,7 +3465,7 @@ void column_sums(const T* x, index_t rows, index_t cols, T* sums, bool accumulat
   constexpr index_t strip = 64;  // columns: whole vectors of every set
   const index_t strips = (cols + strip - 1) / strip;
   const Isa isa = active_isa();
-  ::duet::detail::parallel_blocks(strips, ::duet::detail::useful_threads(rows * cols * pass_work, strips),
+  ::duet::detail::parallel_blocks(strips, ::duet::detail::useful_threads(rows * cols * ::duet::detail::pass_work, strips),
                                   [&](index_t s0, index_t s1, int) {
                                     const index_t j0 = s0 * strip;
                                     const index_t j1 = std::min(cols, s1 * strip);
@@ -3464,7 +3479,7 @@ void column_sums(const T* x, index_t rows, index_t cols, T* sums, bool accumulat
 template <VectorElement T>
 void scale(const T* x, index_t n, T a, T* y) {
   const Isa isa = active_isa();
-  ::duet::detail::parallel_elements(n, pass_work, [&](index_t i0, index_t i1) {
+  ::duet::detail::parallel_elements(n, ::duet::detail::pass_work, [&](index_t i0, index_t i1) {
     detail::with_target(isa, [&](auto target) { scale_step(target, x + i0, i1 - i0, a, y + i0); });
   });
 }
@@ -3474,7 +3489,7 @@ template <class... Fns, class T>
   requires gemm_supports<T, Fns...>
 void map(const T* x, index_t n, T* y) {
   const Isa isa = active_isa();
-  ::duet::detail::parallel_elements(n, pass_work, [&](index_t i0, index_t i1) {
+  ::duet::detail::parallel_elements(n, ::duet::detail::pass_work, [&](index_t i0, index_t i1) {
     detail::with_target(isa, [&](auto target) { map_step<T, Fns...>(target, x + i0, i1 - i0, y + i0); });
   });
 }
@@ -3495,7 +3510,7 @@ template <class Fn, class T>
   requires VectorGradient<Fn, T>
 void map_grad(const T* dy, const T* y, index_t n, T* dx) {
   const Isa isa = active_isa();
-  ::duet::detail::parallel_elements(n, pass_work, [&](index_t i0, index_t i1) {
+  ::duet::detail::parallel_elements(n, ::duet::detail::pass_work, [&](index_t i0, index_t i1) {
     detail::with_target(isa, [&](auto target) { map_grad_step<T, Fn>(target, dy + i0, y + i0, i1 - i0, dx + i0); });
   });
 }

@@ -67,12 +67,8 @@ void softmax_grad(const T* z, const T* p, index_t n, T lse, T mass, T scale, T* 
   detail::with_target(active_isa(), [&](auto target) { softmax_grad_step(target, z, p, n, lse, mass, scale, d); });
 }
 
-// What a pass costs per element in threads.hpp's unit of work (multiply-adds): moving an element
-// in and out of L2 takes about as long as 8 FMAs, so a pass over a [256, 512] activation shares
-// the threads (one fewer pass on the caller's thread between a training step's products) and
-// one over a batch-1 layer stays on the caller's. Each element, or each column of a sum, is
-// computed by the same code whatever thread takes it: no bit depends on the thread count.
-inline constexpr index_t pass_work = 8;
+// Each element, or each column of a sum, is computed by the same code whatever thread takes it
+// (threads.hpp's pass_work says when a pass is shared): no bit depends on the thread count.
 
 // sums[j] (+)= Σ_r x[r, j], x row-major [rows, cols] with rows >= 1: a layer's bias gradient,
 // each column summed in the one order column_sums_step gives, whatever the set and the build.
@@ -82,7 +78,7 @@ void column_sums(const T* x, index_t rows, index_t cols, T* sums, bool accumulat
   constexpr index_t strip = 64;  // columns: whole vectors of every set
   const index_t strips = (cols + strip - 1) / strip;
   const Isa isa = active_isa();
-  ::duet::detail::parallel_blocks(strips, ::duet::detail::useful_threads(rows * cols * pass_work, strips),
+  ::duet::detail::parallel_blocks(strips, ::duet::detail::useful_threads(rows * cols * ::duet::detail::pass_work, strips),
                                   [&](index_t s0, index_t s1, int) {
                                     const index_t j0 = s0 * strip;
                                     const index_t j1 = std::min(cols, s1 * strip);
@@ -96,7 +92,7 @@ void column_sums(const T* x, index_t rows, index_t cols, T* sums, bool accumulat
 template <VectorElement T>
 void scale(const T* x, index_t n, T a, T* y) {
   const Isa isa = active_isa();
-  ::duet::detail::parallel_elements(n, pass_work, [&](index_t i0, index_t i1) {
+  ::duet::detail::parallel_elements(n, ::duet::detail::pass_work, [&](index_t i0, index_t i1) {
     detail::with_target(isa, [&](auto target) { scale_step(target, x + i0, i1 - i0, a, y + i0); });
   });
 }
@@ -106,7 +102,7 @@ template <class... Fns, class T>
   requires gemm_supports<T, Fns...>
 void map(const T* x, index_t n, T* y) {
   const Isa isa = active_isa();
-  ::duet::detail::parallel_elements(n, pass_work, [&](index_t i0, index_t i1) {
+  ::duet::detail::parallel_elements(n, ::duet::detail::pass_work, [&](index_t i0, index_t i1) {
     detail::with_target(isa, [&](auto target) { map_step<T, Fns...>(target, x + i0, i1 - i0, y + i0); });
   });
 }
@@ -127,7 +123,7 @@ template <class Fn, class T>
   requires VectorGradient<Fn, T>
 void map_grad(const T* dy, const T* y, index_t n, T* dx) {
   const Isa isa = active_isa();
-  ::duet::detail::parallel_elements(n, pass_work, [&](index_t i0, index_t i1) {
+  ::duet::detail::parallel_elements(n, ::duet::detail::pass_work, [&](index_t i0, index_t i1) {
     detail::with_target(isa, [&](auto target) { map_grad_step<T, Fn>(target, dy + i0, y + i0, i1 - i0, dx + i0); });
   });
 }

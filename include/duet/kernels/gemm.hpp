@@ -256,10 +256,20 @@ void gemm(const T* a, index_t m, index_t k, const T* b, index_t n, std::type_ide
 // needs it the other way round (a convolution's weight, a layer's output gradient). In tiles
 // of a vector's lanes square, transposed in registers: a layer's [256, 512] output gradient
 // took 100-146 us one element at a time in 32 x 32 blocks, on one thread between the
-// training step's products.
+// training step's products. Threads take strips of 64 rows (whole tiles of every set), each
+// writing its own part of every row of `to`.
 template <class T>
 void transpose(const T* from, index_t rows, index_t cols, T* to) {
-  detail::with_target(active_isa(), [&](auto target) { transpose_step(target, from, rows, cols, to); });
+  if (rows == 0 || cols == 0) return;
+  constexpr index_t strip = 64;
+  const index_t strips = (rows + strip - 1) / strip;
+  const Isa isa = active_isa();
+  ::duet::detail::parallel_blocks(
+      strips, ::duet::detail::useful_threads(rows * cols * ::duet::detail::pass_work, strips), [&](index_t s0, index_t s1, int) {
+        const index_t r0 = s0 * strip;
+        const index_t r1 = std::min(rows, s1 * strip);
+        detail::with_target(isa, [&](auto target) { transpose_step(target, from + r0 * cols, r1 - r0, cols, to + r0, rows); });
+      });
 }
 
 // c[m, n] (+)= Σ_k a[m, k] · b[k, n]: b stored the other way round from gemm's, [k, n] row-major,

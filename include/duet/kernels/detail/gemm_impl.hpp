@@ -60,10 +60,11 @@ Vec<T> sum_lanes(Vec<T> (&v)[lanes<T>]) {
 
 // ---- Transposition ---------------------------------------------------------------------------
 
-// to[cols, rows] = from[rows, cols]ᵀ: L x L tiles transposed in registers (transpose_blocks on
-// single lanes), the rows and columns past the last whole tile one element at a time.
+// to[cols, rows] = from[rows, cols]ᵀ, to's rows ldt apart: L x L tiles transposed in registers
+// (transpose_blocks on single lanes), the rows and columns past the last whole tile one element
+// at a time.
 template <class T>
-void transpose_step(Target, const T* from, index_t rows, index_t cols, T* to) {
+void transpose_step(Target, const T* from, index_t rows, index_t cols, T* to, index_t ldt) {
   constexpr int L = lanes<T>;
   const index_t rows_full = rows / L * L;
   const index_t cols_full = cols / L * L;
@@ -72,14 +73,14 @@ void transpose_step(Target, const T* from, index_t rows, index_t cols, T* to) {
       Vec<T> v[L];
       for (int i = 0; i < L; ++i) v[i] = load(from + (r + i) * cols + c);
       transpose_blocks<1, T>(v);
-      for (int i = 0; i < L; ++i) store<T>(to + (c + i) * rows + r, v[i]);
+      for (int i = 0; i < L; ++i) store<T>(to + (c + i) * ldt + r, v[i]);
     }
     for (index_t c = cols_full; c < cols; ++c) {
-      for (index_t i = r; i < r + L; ++i) to[c * rows + i] = from[i * cols + c];
+      for (index_t i = r; i < r + L; ++i) to[c * ldt + i] = from[i * cols + c];
     }
   }
   for (index_t r = rows_full; r < rows; ++r) {
-    for (index_t c = 0; c < cols; ++c) to[c * rows + r] = from[r * cols + c];
+    for (index_t c = 0; c < cols; ++c) to[c * ldt + r] = from[r * cols + c];
   }
 }
 
