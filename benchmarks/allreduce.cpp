@@ -72,9 +72,13 @@ int main() {
     distributed::init();
     set_seed(1);
     if (distributed::get_rank() == 0) {
-      const char* algorithm = std::getenv("OMPI_MCA_coll_libnbc_iallreduce_algorithm");
-      std::printf("%s, %d ranks, %s, libnbc iallreduce algorithm %s\n\n", duet_bench::cpu_model().c_str(),
-                  distributed::get_group_size(), kernel_isa().data(), algorithm != nullptr ? algorithm : "(unset)");
+      const auto setting = [](const char* name) {
+        const char* value = std::getenv(name);
+        return value != nullptr ? value : "(unset)";
+      };
+      std::printf("%s, %d ranks, %s, libnbc iallreduce algorithm %s, vader single copy %s\n\n",
+                  duet_bench::cpu_model().c_str(), distributed::get_group_size(), kernel_isa().data(),
+                  setting("OMPI_MCA_coll_libnbc_iallreduce_algorithm"), setting("OMPI_MCA_btl_vader_single_copy_mechanism"));
       std::printf("| gradients | size | duet best ms | duet median ms | MPI_Allreduce best ms | median ms |\n");
       std::printf("|---|---:|---:|---:|---:|---:|\n");
     }

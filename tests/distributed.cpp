@@ -6,11 +6,13 @@
 
 #include <algorithm>
 #include <csignal>
+#include <cstdlib>
 #include <duet/distributed.hpp>
 #include <duet/duet.hpp>
 #include <exception>
 #include <functional>
 #include <optional>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -178,6 +180,22 @@ void compare_losses_with_one_process(Mode mode) {
 }
 
 }  // namespace
+
+#ifdef OPEN_MPI
+// What mpirun gave this rank, read before any case calls init().
+const bool environment_names_algorithm = std::getenv("OMPI_MCA_coll_libnbc_iallreduce_algorithm") != nullptr;
+const bool environment_names_copy = std::getenv("OMPI_MCA_btl_vader_single_copy_mechanism") != nullptr;
+
+TEST_CASE("distributed: init chooses Open MPI's ring all-reduce and copies through shared buffers, unless the environment chose") {
+  init_two_ranks();
+  const char* algorithm = std::getenv("OMPI_MCA_coll_libnbc_iallreduce_algorithm");
+  const char* copy = std::getenv("OMPI_MCA_btl_vader_single_copy_mechanism");
+  REQUIRE(algorithm != nullptr);
+  REQUIRE(copy != nullptr);
+  if (!environment_names_algorithm) CHECK(std::string(algorithm) == "1");
+  if (!environment_names_copy) CHECK(std::string(copy) == "none");
+}
+#endif
 
 TEST_CASE("distributed: two ranks train as one process with the global batch, PyNative mode") {
   compare_losses_with_one_process(PYNATIVE_MODE);

@@ -428,9 +428,16 @@ inline void init(const InitConfig& config = {}) {
     // in-place call, which each of duet's is: the whole buffer goes to one rank and back. Its
     // ring sends each rank's share once each way; with 2 ranks on this project's machine an
     // MPI_Iallreduce of the seed network's 2.68 MB took 0.7 ms instead of 1.7 (duet's whole
-    // gradient all-reduce: benchmarks/allreduce.cpp). A choice of the user's own in the
-    // environment stands.
+    // gradient all-reduce: benchmarks/allreduce.cpp).
     setenv("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "1", 0);
+    // Between ranks of one machine, Open MPI's shared-memory transport (vader) moves a message
+    // above 4 KB with one copy by the kernel (CMA, process_vm_readv), which pins the other
+    // process's pages per call; on this project's virtual machines that costs more than the copy
+    // saved: through the shared buffers instead, the seed network's all-reduce took 0.42 ms
+    // instead of 0.59 (MPI_Allreduce's own 0.29 instead of 0.47), and 2 ranks' epoch at batch
+    // 64 went from 0.86x to 1.0x one process's speed (README, "Data parallelism"). Either
+    // choice of the user's own in the environment stands.
+    setenv("OMPI_MCA_btl_vader_single_copy_mechanism", "none", 0);
 #endif
     // Training steps may run on any thread, one at a time; duet's kernel threads never call MPI.
     int provided = 0;
