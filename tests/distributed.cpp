@@ -495,7 +495,8 @@ TEST_CASE("distributed: the first step gives every rank rank 0's Dropout generat
 // leaves a program's main does.
 namespace {
 // at_step returns false to end the rank's training there.
-void train_until(const std::function<bool(int step)>& at_step) {
+// Trains until at_step(k) is false, then, with `evaluate`, evaluates on a sharded loader.
+void train_until(const std::function<bool(int step)>& at_step, bool evaluate = false) {
   try {
     init_two_ranks();
     set_auto_parallel_context({.parallel_mode = ParallelMode::DATA_PARALLEL, .gradients_mean = true});
@@ -511,7 +512,13 @@ void train_until(const std::function<bool(int step)>& at_step) {
         shard.start_epoch(shard.epoch() + 1);
         batch = shard.next();
       }
-      if (!at_step(k)) return;
+      if (!at_step(k)) {
+        if (evaluate) {
+          data::DataLoader test(small_dataset(), 4, {.num_shards = 2, .shard_id = distributed::get_rank()});
+          train::evaluate(net, loss, test);
+        }
+        return;
+      }
       step(batch->images, batch->labels);
     }
   } catch (...) {
@@ -543,6 +550,17 @@ TEST_CASE("distributed fault: a rank that is killed" * doctest::skip()) {
 
 // Rank 0 stops training after 3 steps and sums its metrics, while rank 1 waits in its fourth
 // step: two different collectives, which must time out with duet's message, not meet in MPI.
+// train::evaluate's checks and sums travel apart from the steps' collectives: met with a step's,
+// they ended the job in MPI's own words (MPI_ERR_TRUNCATE), or, against the first step's
+// network check, with a false "the ranks' networks differ".
+TEST_CASE("distributed fault: a rank that takes fewer steps then evaluates" * doctest::skip()) {
+  train_until([](int k) { return k < 3 || distributed::get_rank() == 1; }, true);
+}
+
+TEST_CASE("distributed fault: a rank that evaluates before the first step" * doctest::skip()) {
+  train_until([](int) { return distributed::get_rank() == 1; }, true);
+}
+
 TEST_CASE("distributed fault: a rank that takes fewer steps" * doctest::skip()) {
   train_until([](int k) { return k < 3 || distributed::get_rank() == 1; });
   try {

@@ -101,8 +101,8 @@ class MirrorRuntime final : public duet::detail::DataParallelRuntime {
       for (std::size_t k = 0; k < g.size(); ++k) to[k] = g[k] * share * static_cast<float>(ranks);
     }
   }
-  bool same_on_every_rank(std::uint64_t) override { return false; }
-  void all_reduce_sum(std::span<double> values) override {
+  bool same_on_every_rank(std::uint64_t, duet::detail::Stream) override { return false; }
+  void all_reduce_sum(std::span<double> values, duet::detail::Stream) override {
     for (double& v : values) v *= ranks;
   }
   void start_sum(float* data, index_t n) override {
@@ -110,7 +110,7 @@ class MirrorRuntime final : public duet::detail::DataParallelRuntime {
     ++gradient_sums;
     for (index_t k = 0; k < n; ++k) data[k] *= static_cast<float>(ranks);
   }
-  void start_sum(std::span<double> values) override { all_reduce_sum(values); }
+  void start_sum(std::span<double> values) override { all_reduce_sum(values, duet::detail::Stream::steps); }
   void test_sums() override {}
   void wait_sums(std::string_view) override {}
   bool overlaps_backward() const override { return true; }

@@ -93,12 +93,12 @@ inline std::vector<Bucket> plan_buckets(const std::vector<index_t>& sizes, std::
 
 class MpiRuntime final : public duet::detail::DataParallelRuntime {
  public:
-  // comm carries the training steps, sums_comm the sums of metrics: a rank that stops
-  // training early and sums its metrics while another still trains must not have the two
-  // collectives matched with each other (MPI fails that inside, with its own message, or mixes
-  // the data); apart, both time out with duet's.
-  MpiRuntime(MPI_Comm comm, MPI_Comm sums_comm, double timeout_seconds, std::size_t bucket_bytes, bool overlap)
-      : comm_(comm), sums_comm_(sums_comm), timeout_seconds_(timeout_seconds), bucket_bytes_(bucket_bytes),
+  // comm carries the training steps' collectives, between_steps_comm the others
+  // (duet::detail::Stream): a rank that stops training early and evaluates while another still
+  // trains must not have the two collectives matched with each other (MPI fails that inside,
+  // with its own message, or mixes the data); apart, both time out with duet's.
+  MpiRuntime(MPI_Comm comm, MPI_Comm between_steps_comm, double timeout_seconds, std::size_t bucket_bytes, bool overlap)
+      : comm_(comm), between_steps_comm_(between_steps_comm), timeout_seconds_(timeout_seconds), bucket_bytes_(bucket_bytes),
         overlap_(overlap) {
     MPI_Comm_rank(comm_, &rank_);
     MPI_Comm_size(comm_, &size_);
@@ -220,10 +220,11 @@ class MpiRuntime final : public duet::detail::DataParallelRuntime {
     }
   }
 
-  bool same_on_every_rank(std::uint64_t hash) override {
+  bool same_on_every_rank(std::uint64_t hash, duet::detail::Stream stream) override {
     std::uint64_t bounds[2] = {hash, ~hash};  // max of h and of ~h: equal hashes iff max(h) == ~max(~h)
     MPI_Request request = MPI_REQUEST_NULL;
-    check(MPI_Iallreduce(MPI_IN_PLACE, bounds, 2, MPI_UINT64_T, MPI_MAX, comm_, &request), "comparing hashes");
+    check(MPI_Iallreduce(MPI_IN_PLACE, bounds, 2, MPI_UINT64_T, MPI_MAX, communicator(stream), &request),
+          "comparing hashes");
     wait(std::span(&request, 1), "comparing the ranks' hashes");
     return bounds[0] == ~bounds[1];
   }
@@ -255,10 +256,10 @@ class MpiRuntime final : public duet::detail::DataParallelRuntime {
   bool overlaps_backward() const override { return overlap_ && size_ > 1; }
   std::size_t bucket_bytes() const override { return bucket_bytes_; }
 
-  void all_reduce_sum(std::span<double> values) override {
+  void all_reduce_sum(std::span<double> values, duet::detail::Stream stream) override {
     MPI_Request request = MPI_REQUEST_NULL;
     check(MPI_Iallreduce(MPI_IN_PLACE, values.data(), static_cast<int>(values.size()), MPI_DOUBLE, MPI_SUM,
-                         sums_comm_, &request),
+                         communicator(stream), &request),
           "summing values over the ranks");
     wait(std::span(&request, 1), "summing values over the ranks");
   }
@@ -307,7 +308,7 @@ class MpiRuntime final : public duet::detail::DataParallelRuntime {
   void check_same_network(const std::vector<nn::NamedParameter<float>>& params) {
     std::string text;
     for (const auto& p : params) text += describe(p) + "\n";
-    if (same_on_every_rank(duet::detail::fnv1a(text))) return;
+    if (same_on_every_rank(duet::detail::fnv1a(text), duet::detail::Stream::steps)) return;
     MPI_Request request = MPI_REQUEST_NULL;
 
     // Rank 0's list, to each rank.
@@ -352,8 +353,12 @@ class MpiRuntime final : public duet::detail::DataParallelRuntime {
     throw ValueError(where() + "the ranks' networks hash differently, yet list the same parameters");
   }
 
+  MPI_Comm communicator(duet::detail::Stream stream) const {
+    return stream == duet::detail::Stream::steps ? comm_ : between_steps_comm_;
+  }
+
   MPI_Comm comm_;
-  MPI_Comm sums_comm_;
+  MPI_Comm between_steps_comm_;
   int rank_ = 0;
   int size_ = 1;
   double timeout_seconds_;
@@ -553,6 +558,8 @@ class GradReducer {
 };
 
 // Each value becomes its sum over the ranks (for metrics a program gathers itself).
-inline void all_reduce_sum(std::span<double> values) { detail::runtime("all_reduce_sum").all_reduce_sum(values); }
+inline void all_reduce_sum(std::span<double> values) {
+  detail::runtime("all_reduce_sum").all_reduce_sum(values, duet::detail::Stream::between_steps);
+}
 
 }  // namespace duet::distributed

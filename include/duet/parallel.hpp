@@ -87,6 +87,13 @@ struct GradientView {
   index_t size = 0;
 };
 
+// The two streams of collectives: those of training steps, and those a program makes between
+// steps (train::evaluate's checks and sums, distributed::all_reduce_sum). Each is ordered on its
+// own, so that ranks at different points (one evaluating, one still in a step) each wait on
+// their own and stop with duet's timeout, instead of meeting in a collective of another shape,
+// which MPI reports as a truncated message or, shapes alike, completes with mixed values.
+enum class Stream { steps, between_steps };
+
 // What duet/distributed.hpp implements over MPI. Every call is collective: all ranks make it,
 // in the same order, or it fails with a duet::Error after the runtime's timeout.
 class DataParallelRuntime {
@@ -109,7 +116,7 @@ class DataParallelRuntime {
   virtual void all_reduce_gradients(std::span<const GradientView> grads, std::span<double> values, bool mean,
                                     const std::function<float*(std::size_t)>& write) = 0;
   // Whether `hash` is the same on every rank.
-  virtual bool same_on_every_rank(std::uint64_t hash) = 0;
+  virtual bool same_on_every_rank(std::uint64_t hash, Stream stream) = 0;
   // Nonblocking sums over the ranks, in place, each a collective of its own that every rank
   // starts in the same order (OverlappedReduction's). test_sums moves the started ones on
   // without waiting; wait_sums waits for all of them, within the timeout.
@@ -122,7 +129,7 @@ class DataParallelRuntime {
   virtual bool overlaps_backward() const = 0;
   virtual std::size_t bucket_bytes() const = 0;
   // Each value becomes its sum over the ranks.
-  virtual void all_reduce_sum(std::span<double> values) = 0;
+  virtual void all_reduce_sum(std::span<double> values, Stream stream) = 0;
 };
 
 // Where the ranks' params first differ, if they do ("'fc1.weight'", or their names and shapes):
@@ -130,15 +137,15 @@ class DataParallelRuntime {
 // then values), one more per parameter up to the first that does otherwise.
 template <class T>
 std::optional<std::string> first_difference_between_ranks(DataParallelRuntime& runtime,
-                                                          const std::vector<nn::NamedParameter<T>>& params) {
+                                                          const std::vector<nn::NamedParameter<T>>& params, Stream stream) {
   std::string names;
   for (const auto& p : params) names += p.name + to_string(p.parameter->shape()) + "\n";
-  if (!runtime.same_on_every_rank(fnv1a(names))) return "the parameters' names or shapes";
+  if (!runtime.same_on_every_rank(fnv1a(names), stream)) return "the parameters' names or shapes";
   std::uint64_t hash = fnv1a({});
   for (const auto& p : params) hash = fnv1a(tensor_bytes<T>(*p.parameter), hash);
-  if (runtime.same_on_every_rank(hash)) return std::nullopt;
+  if (runtime.same_on_every_rank(hash, stream)) return std::nullopt;
   for (const auto& p : params) {
-    if (!runtime.same_on_every_rank(fnv1a(tensor_bytes<T>(*p.parameter)))) return "'" + p.name + "'";
+    if (!runtime.same_on_every_rank(fnv1a(tensor_bytes<T>(*p.parameter)), stream)) return "'" + p.name + "'";
   }
   return std::nullopt;  // unreachable: the whole hash differed, so one part does
 }

@@ -118,7 +118,7 @@ Metrics evaluate(Net& net, Loss& loss_fn, Loader&& loader) {
                         ", but no rank group exists to sum the shards' metrics; call duet::distributed::init()");
       }
       // Metrics summed over ranks whose networks differ describe no network, and look like a result.
-      if (const auto where = duet::detail::first_difference_between_ranks(*runtime, net.parameters())) {
+      if (const auto where = duet::detail::first_difference_between_ranks(*runtime, net.parameters(), duet::detail::Stream::between_steps)) {
         throw ModeError("duet::train::evaluate: the ranks' networks differ (" + *where +
                         " first), so the sum of their metrics would describe no network. Ranks agree from "
                         "nn::TrainOneStepCell's first step (which gives every rank rank 0's parameters) when every "
@@ -145,7 +145,7 @@ Metrics evaluate(Net& net, Loss& loss_fn, Loader&& loader) {
   }
   if (runtime != nullptr) {
     double sums[] = {loss_sum, static_cast<double>(correct), static_cast<double>(m.samples)};
-    runtime->all_reduce_sum(sums);
+    runtime->all_reduce_sum(sums, duet::detail::Stream::between_steps);
     loss_sum = sums[0];
     correct = static_cast<index_t>(sums[1]);
     m.samples = static_cast<index_t>(sums[2]);

@@ -179,7 +179,7 @@ class TrainOneStepCell {
     }
     std::uint64_t hash = duet::detail::fnv1a({});
     ((hash = duet::detail::fnv1a(duet::detail::tensor_bytes(tensor_of(xs)), hash)), ...);
-    if (parallel.group_size() > 1 && parallel.same_on_every_rank(hash)) {
+    if (parallel.group_size() > 1 && parallel.same_on_every_rank(hash, duet::detail::Stream::steps)) {
       throw ValueError("nn::TrainOneStepCell: DATA_PARALLEL, but the first batch is the same on all " +
                        std::to_string(parallel.group_size()) +
                        " ranks, so each would train on the same data; shard the loader: data::DataLoader(dataset, "
@@ -224,7 +224,7 @@ class TrainOneStepCell {
     }
     put_back();
     double step[] = {parallel.rank() == 0 ? static_cast<double>(optimizer_.global_step()) : 0.0};
-    parallel.all_reduce_sum(step);
+    parallel.all_reduce_sum(step, duet::detail::Stream::steps);
     optimizer_.set_global_step(static_cast<std::int64_t>(step[0]));
   }
 
