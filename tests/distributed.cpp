@@ -11,7 +11,9 @@
 #include <duet/duet.hpp>
 #include <exception>
 #include <functional>
+#include <iostream>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -349,6 +351,82 @@ void check_moving_statistics(Mode mode, Loop loop) {
   CHECK(sums[0] == 2 * m.loss);
 }
 }  // namespace
+
+// A loop of one's own is checked as nn::TrainOneStepCell checks its own, on both ranks alike.
+TEST_CASE("distributed: GradReducer's first reduction and the optimiser's first update refuse ranks that would train apart or repeat one another") {
+  init_two_ranks();
+  const int rank = distributed::get_rank();
+  set_seed(5);
+  SmallNet<8> net;
+  const auto params = net.parameters();
+  const auto gradients = [&](float value) {
+    std::vector<Tensor> grads;
+    for (const auto& p : params) {
+      Tensor g(p.parameter->shape());
+      std::fill_n(g.data(), g.numel(), value);
+      grads.push_back(g);
+    }
+    return grads;
+  };
+  SUBCASE("a parameter changed on one rank after the reducer was made") {
+    distributed::GradReducer reducer(params);
+    if (rank == 1) params[2].parameter->data()[0] += 1.0f;
+    CHECK_THROWS_WITH_AS(reducer(gradients(static_cast<float>(rank + 1))),
+                         doctest::Contains("the ranks' parameters differ ('fc2.weight' first) at the first reduction"),
+                         ValueError);
+  }
+  SUBCASE("the same gradients on every rank (a loader not sharded)") {
+    distributed::GradReducer reducer(params);
+    CHECK_THROWS_WITH_AS(reducer(gradients(0.5f)), doctest::Contains("the first gradients are the same on all 2 ranks"),
+                         ValueError);
+  }
+  SUBCASE("gradients that are all zero prove nothing") {
+    distributed::GradReducer reducer(params);
+    CHECK_NOTHROW(reducer(gradients(0.0f)));
+  }
+  SUBCASE("an optimiser state resumed on one rank") {
+    distributed::GradReducer reducer(params);
+    nn::Adam adam(params, {.learning_rate = 1e-3});
+    if (rank == 0) adam.set_global_step(5);
+    const std::vector<Tensor> reduced = reducer(gradients(static_cast<float>(rank + 1)));
+    CHECK_THROWS_WITH_AS(adam(reduced), doctest::Contains("nn::Adam: the ranks' optimiser states differ (the step count"),
+                         ValueError);
+  }
+  SUBCASE("moments resumed on one rank") {
+    distributed::GradReducer reducer(params);
+    nn::Adam adam(params, {.learning_rate = 1e-3});
+    if (rank == 0) (*adam.state()[1].tensors)[0].data()[3] = 0.25f;
+    const std::vector<Tensor> reduced = reducer(gradients(static_cast<float>(rank + 1)));
+    CHECK_THROWS_WITH_AS(adam(reduced), doctest::Contains("nn::Adam: the ranks' optimiser states differ ('"), ValueError);
+    // Equal states pass, and are checked once.
+    nn::Adam equal(params, {.learning_rate = 1e-3});
+    CHECK_NOTHROW(equal(reduced));
+    CHECK_NOTHROW(equal(reducer(gradients(static_cast<float>(rank + 2)))));
+  }
+  SUBCASE("an update from gradients not reduced, the parallel mode never set, is said once") {
+    const AutoParallelContext saved = get_auto_parallel_context();
+    const bool chosen = duet::detail::parallel_mode_chosen().exchange(false);
+    duet::detail::parallel_mode().store(ParallelMode::STAND_ALONE);
+    nn::SoftmaxCrossEntropyWithLogits<true, Reduction::mean> loss;
+    nn::WithLossCell with_loss(net, loss);
+    nn::SGD sgd(params);
+    data::DataLoader shard(small_dataset(), 4, {.num_shards = 2, .shard_id = rank});
+    const data::Batch& batch = *shard.next();
+    std::ostringstream said;
+    std::streambuf* const cerr = std::cerr.rdbuf(said.rdbuf());
+    for (int k = 0; k < 2; ++k) sgd(value_and_grad(with_loss, sgd.parameters())(batch.images, batch.labels).grads);
+    // Set by the program, STAND_ALONE is what it means.
+    set_auto_parallel_context({.parallel_mode = ParallelMode::STAND_ALONE});
+    nn::SGD meant(params);
+    meant(value_and_grad(with_loss, meant.parameters())(batch.images, batch.labels).grads);
+    std::cerr.rdbuf(cerr);
+    set_auto_parallel_context({.parallel_mode = saved.parallel_mode, .gradients_mean = saved.gradients_mean});
+    duet::detail::parallel_mode_chosen().store(chosen);
+    const std::string text = said.str();
+    CHECK(text.find("nn::SGD updates from gradients that were not all-reduced across the ranks") != std::string::npos);
+    CHECK(text.find("duet: warning") == text.rfind("duet: warning"));
+  }
+}
 
 TEST_CASE("distributed: BatchNorm's moving statistics are the same on every rank") {
   for (const Mode mode : {PYNATIVE_MODE, GRAPH_MODE}) {

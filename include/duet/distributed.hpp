@@ -515,7 +515,13 @@ class GradReducer {
   explicit GradReducer(const std::vector<nn::NamedParameter<float>>& params, GradReducerConfig config = {})
       : runtime_(detail::runtime("GradReducer")), config_(config) {
     runtime_.broadcast_parameters(params);
-    for (const auto& p : params) (p.parameter->requires_grad ? trained_ : buffers_).push_back(p.parameter);
+    for (const auto& p : params) {
+      if (p.parameter->requires_grad) {
+        trained_.push_back(p);
+      } else {
+        buffers_.push_back(p.parameter);
+      }
+    }
   }
 
   // grads: one per trained parameter, in order. rows: what this rank's gradient weighs in the
@@ -533,12 +539,16 @@ class GradReducer {
     std::vector<duet::detail::GradientView> views;
     std::vector<Tensor> reduced;
     for (std::size_t i = 0; i < grads.size(); ++i) {
-      if (!(grads[i].shape() == trained_[i]->shape())) {
+      if (!(grads[i].shape() == trained_[i].parameter->shape())) {
         throw ShapeError("duet::distributed::GradReducer: gradient " + std::to_string(i) + " has shape " +
-                         to_string(grads[i].shape()) + ", its parameter " + to_string(trained_[i]->shape()));
+                         to_string(grads[i].shape()) + ", its parameter " + to_string(trained_[i].parameter->shape()));
       }
       views.push_back({grads[i].data(), grads[i].numel()});
       reduced.push_back(Tensor::uninitialized(grads[i].shape()));  // every rank has it: all_reduce_step writes it
+    }
+    if (!checked_) {
+      check_first_reduction(grads);
+      checked_ = true;
     }
     duet::detail::all_reduce_step(
         runtime_, views, [&](std::size_t i) { return reduced[i].data(); }, {}, buffers_,
@@ -551,10 +561,41 @@ class GradReducer {
   }
 
  private:
+  // What nn::TrainOneStepCell's first step finds for its own loop, found for a loop of the
+  // user's: ranks whose trained parameters changed apart after the reducer gave them rank 0's (a
+  // checkpoint loaded on some ranks only; buffers such as BatchNorm's moving statistics move
+  // apart in every forward pass, and the reduction averages them) would each train a network of
+  // their own, and ranks
+  // whose gradients are equal (a loader that is not sharded) would repeat one another; neither
+  // shows anywhere else. Gradients that are all zero prove nothing and pass.
+  void check_first_reduction(const std::vector<Tensor>& grads) {
+    if (const auto where = duet::detail::first_difference_between_ranks(runtime_, trained_, duet::detail::Stream::steps)) {
+      throw ValueError("duet::distributed::GradReducer: the ranks' parameters differ (" + *where +
+                       " first) at the first reduction, although making the reducer gave every rank rank 0's: some "
+                       "rank changed them since (a checkpoint loaded on some ranks only?); load it on every rank, or "
+                       "before making the reducer");
+    }
+    if (runtime_.group_size() == 1) return;
+    std::uint64_t hash = duet::detail::fnv1a({});
+    bool zero = true;
+    for (const Tensor& g : grads) {
+      hash = duet::detail::fnv1a(duet::detail::tensor_bytes(g), hash);
+      zero = zero && std::ranges::all_of(g.values(), [](float v) { return v == 0; });
+    }
+    if (runtime_.same_on_every_rank(hash, duet::detail::Stream::steps) && !zero) {
+      throw ValueError("duet::distributed::GradReducer: the first gradients are the same on all " +
+                       std::to_string(runtime_.group_size()) +
+                       " ranks, so each computed them from the same batch and the ranks would repeat one another; "
+                       "shard the loader: data::DataLoader(dataset, batch, {.num_shards = "
+                       "duet::distributed::get_group_size(), .shard_id = duet::distributed::get_rank()})");
+    }
+  }
+
   detail::MpiRuntime& runtime_;
   GradReducerConfig config_;
-  std::vector<nn::Parameter*> trained_;
+  std::vector<nn::NamedParameter<float>> trained_;
   std::vector<nn::Parameter*> buffers_;
+  bool checked_ = false;
 };
 
 // Each value becomes its sum over the ranks (for metrics a program gathers itself).

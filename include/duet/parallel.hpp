@@ -49,6 +49,12 @@ inline std::atomic<bool>& gradients_mean() {
   static std::atomic<bool> mean{false};
   return mean;
 }
+// Whether a program has set the parallel mode: STAND_ALONE left as it starts, with ranks joined,
+// is more often forgotten than meant.
+inline std::atomic<bool>& parallel_mode_chosen() {
+  static std::atomic<bool> chosen{false};
+  return chosen;
+}
 }  // namespace detail
 
 inline void set_auto_parallel_context(const AutoParallelConfig& config) {
@@ -57,6 +63,7 @@ inline void set_auto_parallel_context(const AutoParallelConfig& config) {
       throw ValueError("duet::set_auto_parallel_context: parallel_mode must be STAND_ALONE or DATA_PARALLEL");
     }
     detail::parallel_mode().store(*config.parallel_mode, std::memory_order_relaxed);
+    detail::parallel_mode_chosen().store(true, std::memory_order_relaxed);
   }
   if (config.gradients_mean) detail::gradients_mean().store(*config.gradients_mean, std::memory_order_relaxed);
 }

@@ -12,6 +12,7 @@
 #include <concepts>
 #include <cstdint>
 #include <functional>
+#include <iostream>
 #include <numbers>
 #include <string>
 #include <string_view>
@@ -141,7 +142,8 @@ class BasicOptimizer {
 
   // MindSpore's optimizer(grads): one gradient per parameter, in order.
   void operator()(const std::vector<BasicTensor<T>>& grads) {
-    if (!is_all_reduced_set(grads)) require_all_reduced(duet::detail::current_backward_pass(), "(grads)");
+    const bool all_reduced = is_all_reduced_set(grads);
+    if (!all_reduced) require_all_reduced(duet::detail::current_backward_pass(), "(grads)");
     if (grads.size() != params_.size()) {
       throw ValueError("optimizer: got " + std::to_string(grads.size()) + " gradients for " +
                        std::to_string(params_.size()) + " parameters");
@@ -154,6 +156,10 @@ class BasicOptimizer {
     }
     require_learning_rate();
     require_left_out_frozen();
+    if (all_reduced && !ranks_checked_) {
+      require_same_state_on_every_rank();
+      ranks_checked_ = true;
+    }
     begin_step();
     for (std::size_t i = 0; i < params_.size(); ++i) {
       if (params_[i]->requires_grad) update(i, grads[i].data());
@@ -227,16 +233,67 @@ class BasicOptimizer {
 
   // In DATA_PARALLEL an update must use gradients all-reduced across the ranks (nn::TrainOneStepCell
   // does it), or each rank would move its parameters its own way, with no error anywhere.
-  void require_all_reduced(std::uint64_t pass, const char* call) const {
-    if (duet::detail::parallel_mode().load(std::memory_order_relaxed) == ParallelMode::DATA_PARALLEL &&
-        duet::detail::all_reduced_backward_pass() != pass) {
+  // Outside it, with ranks joined by distributed::init(), that is what happens, and what a
+  // program that forgot both set_auto_parallel_context and GradReducer does: said once on
+  // std::cerr, unless the program set STAND_ALONE itself (ranks that each train their own
+  // network on purpose).
+  void require_all_reduced(std::uint64_t pass, const char* call) {
+    if (duet::detail::all_reduced_backward_pass() == pass) return;
+    if (duet::detail::parallel_mode().load(std::memory_order_relaxed) == ParallelMode::DATA_PARALLEL) {
       throw ModeError(std::string(type_name()) + call +
                       ": DATA_PARALLEL, but the gradients of the last backward pass were not all-reduced across the "
                       "ranks; train with nn::TrainOneStepCell, or pass them through duet::distributed::GradReducer");
     }
+    const duet::detail::DataParallelRuntime* runtime =
+        duet::detail::data_parallel_runtime().load(std::memory_order_acquire);
+    if (runtime != nullptr && runtime->group_size() > 1 && !warned_unreduced_ &&
+        !duet::detail::parallel_mode_chosen().load(std::memory_order_relaxed)) {
+      warned_unreduced_ = true;
+      std::cerr << "duet: warning: rank " << runtime->rank() << " of " << runtime->group_size() << ": " << type_name()
+                << " updates from gradients that were not all-reduced across the ranks (the parallel mode is "
+                   "STAND_ALONE), so each rank trains a network of its own; for data parallelism call "
+                   "duet::set_auto_parallel_context({.parallel_mode = duet::ParallelMode::DATA_PARALLEL, "
+                   ".gradients_mean = true}), or pass the gradients through duet::distributed::GradReducer; if "
+                   "that is meant, set the parallel mode to STAND_ALONE yourself\n";
+    }
+  }
+
+  // The first update from distributed::GradReducer's gradients: every rank updates the same
+  // parameters from the same gradients, so states that differ (a checkpoint's optimiser state
+  // loaded on some ranks only; nn::TrainOneStepCell gives every rank rank 0's itself) would move
+  // them apart from this step on, with the same losses printed everywhere.
+  void require_same_state_on_every_rank() {
+    duet::detail::DataParallelRuntime* runtime = duet::detail::data_parallel_runtime().load(std::memory_order_acquire);
+    if (runtime == nullptr || runtime->group_size() == 1) return;
+    const auto slot_hash = [](const OptimizerSlot<T>& slot) {
+      std::uint64_t hash = duet::detail::fnv1a(slot.name);
+      for (const BasicTensor<T>& t : *slot.tensors) hash = duet::detail::fnv1a(duet::detail::tensor_bytes(t), hash);
+      return hash;
+    };
+    const std::vector<OptimizerSlot<T>> slots = state();
+    const std::string step = std::to_string(global_step_);
+    std::uint64_t hash = duet::detail::fnv1a(step);
+    for (const OptimizerSlot<T>& slot : slots) hash = duet::detail::fnv1a(std::to_string(slot_hash(slot)), hash);
+    constexpr auto stream = duet::detail::Stream::steps;
+    if (runtime->same_on_every_rank(hash, stream)) return;
+    std::string where = "the step count, " + step + " on rank " + std::to_string(runtime->rank());
+    if (runtime->same_on_every_rank(duet::detail::fnv1a(step), stream)) {
+      for (const OptimizerSlot<T>& slot : slots) {
+        if (!runtime->same_on_every_rank(slot_hash(slot), stream)) {
+          where = "'" + std::string(slot.name) + "'";
+          break;
+        }
+      }
+    }
+    throw ValueError(std::string(type_name()) + ": the ranks' optimiser states differ (" + where +
+                     " first) at the first update from distributed::GradReducer's gradients, so each rank would move "
+                     "the same parameters its own way; load a checkpoint's optimiser state on every rank "
+                     "(nn::TrainOneStepCell gives every rank rank 0's itself)");
   }
 
   std::vector<NamedParameter<T>> left_out_;
+  bool ranks_checked_ = false;
+  bool warned_unreduced_ = false;
 
   // Whether grads are those distributed::GradReducer returned since the last backward pass
   // (their elements, since the vector may have been copied).
