@@ -428,6 +428,39 @@ TEST_CASE("distributed: GradReducer's first reduction and the optimiser's first 
   }
 }
 
+// With a seed per rank, or one rank a start_epoch behind, the shards overlap and leave samples
+// out, and each rank's batches still differ: nothing else shows it.
+TEST_CASE("distributed: sharded loaders cutting different epoch orders are refused at the first step, in both loops") {
+  init_two_ranks();
+  const int rank = distributed::get_rank();
+  set_seed(5);
+  SmallNet<8> net;
+  nn::SoftmaxCrossEntropyWithLogits<true, Reduction::mean> loss;
+  nn::WithLossCell with_loss(net, loss);
+  nn::SGD sgd(net.parameters());
+  SUBCASE("a seed per rank, TrainOneStepCell") {
+    const AutoParallelContext saved = get_auto_parallel_context();
+    set_auto_parallel_context({.parallel_mode = ParallelMode::DATA_PARALLEL, .gradients_mean = true});
+    nn::TrainOneStepCell step(with_loss, sgd);
+    data::DataLoader shard(small_dataset(), 4,
+                           {.shuffle = true, .seed = static_cast<std::uint64_t>(7 + rank), .num_shards = 2, .shard_id = rank});
+    const data::Batch& batch = *shard.next();
+    CHECK_THROWS_WITH_AS(step(batch.images, batch.labels),
+                         doctest::Contains("nn::TrainOneStepCell: the ranks' sharded loaders serve different epoch orders"),
+                         ValueError);
+    set_auto_parallel_context({.parallel_mode = saved.parallel_mode, .gradients_mean = saved.gradients_mean});
+  }
+  SUBCASE("one rank an epoch behind, GradReducer") {
+    distributed::GradReducer reducer(net.parameters());
+    data::DataLoader shard(small_dataset(), 4, {.shuffle = true, .seed = 7, .num_shards = 2, .shard_id = rank});
+    if (rank == 1) shard.start_epoch(1);
+    const data::Batch& batch = *shard.next();
+    const auto out = value_and_grad(with_loss, sgd.parameters())(batch.images, batch.labels);
+    CHECK_THROWS_WITH_AS(reducer(out.grads, static_cast<double>(batch.labels.numel())),
+                         doctest::Contains("duet::distributed::GradReducer: the ranks' sharded loaders"), ValueError);
+  }
+}
+
 TEST_CASE("distributed: BatchNorm's moving statistics are the same on every rank") {
   for (const Mode mode : {PYNATIVE_MODE, GRAPH_MODE}) {
     CAPTURE(mode);

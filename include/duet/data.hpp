@@ -7,6 +7,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
@@ -16,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "detail/hash.hpp"
 #include "error.hpp"
 #include "io/idx.hpp"
 #include "random.hpp"
@@ -121,6 +123,19 @@ struct LoaderOptions {
   index_t shard_id = 0;
 };
 
+namespace detail {
+// What the last batch a sharded loader served (in any thread) was cut from: its epoch's order,
+// as a hash of what makes it (seed when shuffled, epoch, data set size, global batch, shards,
+// drop_last) and of the batch's place in it; 0 before any. Ranks training together must serve
+// shards of one order: with a seed per rank, or one rank a start_epoch behind, the shards
+// overlap and leave samples out, and each rank's batches still differ. The first data-parallel
+// step compares it between the ranks (parallel.hpp, require_same_shard_order).
+inline std::atomic<std::uint64_t>& served_order() {
+  static std::atomic<std::uint64_t> order{0};
+  return order;
+}
+}  // namespace detail
+
 // Cuts a data set into batches, one epoch at a time:
 //
 //   data::DataLoader loader(data::load_fashion_mnist(), 64, {.shuffle = true, .seed = 1});
@@ -202,6 +217,18 @@ class DataLoader {
     const index_t first = next_batch_ * global_batch_size() + options_.shard_id;
     const index_t shards = options_.num_shards;
     make_batch(first, std::min(batch_size_, (data_.size() - first + shards - 1) / shards));
+    if (shards > 1) {
+      const std::uint64_t made_of[] = {options_.shuffle ? options_.seed : 0,
+                                       options_.shuffle,
+                                       epoch_,
+                                       static_cast<std::uint64_t>(data_.size()),
+                                       static_cast<std::uint64_t>(global_batch_size()),
+                                       static_cast<std::uint64_t>(shards),
+                                       options_.drop_last,
+                                       static_cast<std::uint64_t>(next_batch_)};
+      detail::served_order().store(
+          duet::detail::fnv1a({reinterpret_cast<const char*>(made_of), sizeof made_of}), std::memory_order_relaxed);
+    }
     ++next_batch_;
     return &batch_;
   }

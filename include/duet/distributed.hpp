@@ -589,6 +589,7 @@ class GradReducer {
                        "shard the loader: data::DataLoader(dataset, batch, {.num_shards = "
                        "duet::distributed::get_group_size(), .shard_id = duet::distributed::get_rank()})");
     }
+    duet::detail::require_same_shard_order(runtime_, "duet::distributed::GradReducer");
   }
 
   detail::MpiRuntime& runtime_;

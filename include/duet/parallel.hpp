@@ -16,6 +16,8 @@
 #include <vector>
 
 #include "backend.hpp"
+#include "data.hpp"
+#include "detail/hash.hpp"
 #include "error.hpp"
 #include "kernels/elementwise.hpp"
 #include "parameter.hpp"
@@ -74,13 +76,6 @@ inline AutoParallelContext get_auto_parallel_context() {
 }
 
 namespace detail {
-
-// 64-bit FNV-1a, continuing from h: what ranks compare in one collective (their networks'
-// descriptions, their first batches) is hashed first.
-inline std::uint64_t fnv1a(std::string_view bytes, std::uint64_t h = 14695981039346656037ull) {
-  for (const char c : bytes) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
-  return h;
-}
 
 // A tensor's values as bytes, for fnv1a.
 template <class E>
@@ -155,6 +150,19 @@ std::optional<std::string> first_difference_between_ranks(DataParallelRuntime& r
     if (!runtime.same_on_every_rank(fnv1a(tensor_bytes<T>(*p.parameter)), stream)) return "'" + p.name + "'";
   }
   return std::nullopt;  // unreachable: the whole hash differed, so one part does
+}
+
+// The first data-parallel step's check that the ranks' sharded loaders cut their shards from one
+// epoch order (data::detail::served_order: none on every rank passes too). `who` names the
+// caller in the error.
+inline void require_same_shard_order(DataParallelRuntime& runtime, std::string_view who) {
+  if (runtime.group_size() == 1) return;
+  if (runtime.same_on_every_rank(data::detail::served_order().load(std::memory_order_relaxed), Stream::steps)) return;
+  throw ValueError(std::string(who) +
+                   ": the ranks' sharded loaders serve different epoch orders (their .seed, .shuffle, epoch, data "
+                   "set, batch size or .num_shards differ), so the shards overlap and leave samples out while each "
+                   "rank's batches still differ; make the loaders alike on every rank, .shard_id apart, and start "
+                   "the same epoch everywhere");
 }
 
 // Set by duet::distributed::init().

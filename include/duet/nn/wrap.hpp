@@ -186,6 +186,7 @@ class TrainOneStepCell {
                        "batch, {.num_shards = duet::distributed::get_group_size(), .shard_id = "
                        "duet::distributed::get_rank()})");
     }
+    duet::detail::require_same_shard_order(parallel, "nn::TrainOneStepCell");
   }
 
   // Rank 0's moments and step count, as its parameters: a checkpoint is saved by rank 0 alone,

@@ -1,0 +1,16 @@
+// 64-bit FNV-1a: what ranks compare in one collective (their networks' descriptions, their first
+// batches, the order their loaders cut shards from) is hashed first, the same on every rank.
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+
+namespace duet::detail {
+
+// Continues from h.
+inline std::uint64_t fnv1a(std::string_view bytes, std::uint64_t h = 14695981039346656037ull) {
+  for (const char c : bytes) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+  return h;
+}
+
+}  // namespace duet::detail
