@@ -205,21 +205,4 @@ TEST_CASE("ops: reductions on static tensors compute their shapes at compile tim
   CHECK(eager.shape() == Shape{1, 3, 1});
 }
 
-TEST_CASE("ops: a gradient through argmax is refused in PyNative mode with a ValueError") {
-  duet_test::ModeGuard guard;
-  duet::set_context({.mode = duet::PYNATIVE_MODE});
-  // An int32 function of int32 input, so that differentiation reaches argmax's output; a
-  // function of tensors (not generic), so that only PyNative mode runs it (graph mode refuses
-  // it at compile time: tests/compile_fail/grad_through_argmax.cpp).
-  using I = duet::BasicTensor<std::int32_t>;
-  const I x({2, 3}, {1, 5, 2, 7, 0, 3});
-  try {
-    static_cast<void>(duet::grad([](const I& t) { return I(ops::argmax(t)); })(x));
-    FAIL("no error");
-  } catch (const duet::ValueError& e) {
-    CHECK(std::string(e.what()) ==
-          "duet::grad: Argmax(axis=-1) is not differentiable, but a gradient flows through it");
-  }
-}
-
 }  // namespace tests_ops_reduction

@@ -464,6 +464,11 @@ class GradFunction {
   template <class... X>
   ValueAndGrads<value_t<X...>> operator()(const X&... xs) {
     using V = value_t<X...>;
+    // An integer function's gradient would be zeros in the integer type: a wrong answer in silence.
+    static_assert(std::is_floating_point_v<V>,
+                  "duet::value_and_grad: the function's value has an integer element type (an int32 tensor, or "
+                  "argmax's output), and gradients exist only for floating-point values, as in PyTorch; "
+                  "differentiate a floating-point function");
     static_assert(std::is_void_v<W> || std::is_same_v<V, W>,
                   "duet::value_and_grad: the function's value and the weights have different element types");
     ValueAndGrads<V> out;

@@ -140,12 +140,21 @@ template <class Op, class A, class B, class... C>
 auto apply(const Op& op, const A& a, const B& b, const C&... c) {
   constexpr bool any_symbolic = graph::Symbolic<A> || graph::Symbolic<B> || (graph::Symbolic<C> || ...);
   if constexpr (any_symbolic) {
-    static_assert((graph::Symbolic<A> || nn::is_parameter_v<A>)&&(graph::Symbolic<B> || nn::is_parameter_v<B>)&&(
-                      (graph::Symbolic<C> || nn::is_parameter_v<C>)&&...),
+    constexpr bool readable = (graph::Symbolic<A> || nn::is_parameter_v<A>)&&(graph::Symbolic<B> ||
+                                                                            nn::is_parameter_v<B>)&&(
+        (graph::Symbolic<C> || nn::is_parameter_v<C>)&&...);
+    static_assert(readable,
                   "duet: an operation mixes a symbolic tensor (graph capture) and a real one; pass "
-                  "every tensor the graph reads as an input of the captured function (a cell's own "
-                  "parameters may be used directly)");
-    return graph::append(op, detail::graph_operand(a), detail::graph_operand(b), detail::graph_operand(c)...);
+                  "every tensor the graph reads as an input of the captured function. A cell's own "
+                  "parameters may be operands next to a symbolic tensor, but an operation on a cell's "
+                  "parameters alone (ops::exp(log_scale)) runs at once and gives a real tensor: store the "
+                  "parameter in the form the graph uses, or fix the cell to PyNative mode "
+                  "(nn::Cell<Net, PYNATIVE_MODE>; README, Known limits)");
+    // After the assertion, a symbolic operand stands for the result, so that the mistake is
+    // reported once, not again by every operation after it.
+    if constexpr (!readable && graph::Symbolic<A>) return a;
+    else if constexpr (!readable) return b;
+    else return graph::append(op, detail::graph_operand(a), detail::graph_operand(b), detail::graph_operand(c)...);
   } else if constexpr (is_static_tensor_v<A> && is_static_tensor_v<B> && (is_static_tensor_v<C> && ...)) {
     return detail::run_static(op, a, b, c...);
   } else {

@@ -8470,12 +8470,21 @@ template <class Op, class A, class B, class... C>
 auto apply(const Op& op, const A& a, const B& b, const C&... c) {
   constexpr bool any_symbolic = graph::Symbolic<A> || graph::Symbolic<B> || (graph::Symbolic<C> || ...);
   if constexpr (any_symbolic) {
-    static_assert((graph::Symbolic<A> || nn::is_parameter_v<A>)&&(graph::Symbolic<B> || nn::is_parameter_v<B>)&&(
-                      (graph::Symbolic<C> || nn::is_parameter_v<C>)&&...),
+    constexpr bool readable = (graph::Symbolic<A> || nn::is_parameter_v<A>)&&(graph::Symbolic<B> ||
+                                                                            nn::is_parameter_v<B>)&&(
+        (graph::Symbolic<C> || nn::is_parameter_v<C>)&&...);
+    static_assert(readable,
                   "duet: an operation mixes a symbolic tensor (graph capture) and a real one; pass "
-                  "every tensor the graph reads as an input of the captured function (a cell's own "
-                  "parameters may be used directly)");
-    return graph::append(op, detail::graph_operand(a), detail::graph_operand(b), detail::graph_operand(c)...);
+                  "every tensor the graph reads as an input of the captured function. A cell's own "
+                  "parameters may be operands next to a symbolic tensor, but an operation on a cell's "
+                  "parameters alone (ops::exp(log_scale)) runs at once and gives a real tensor: store the "
+                  "parameter in the form the graph uses, or fix the cell to PyNative mode "
+                  "(nn::Cell<Net, PYNATIVE_MODE>; README, Known limits)");
+    // After the assertion, a symbolic operand stands for the result, so that the mistake is
+    // reported once, not again by every operation after it.
+    if constexpr (!readable && graph::Symbolic<A>) return a;
+    else if constexpr (!readable) return b;
+    else return graph::append(op, detail::graph_operand(a), detail::graph_operand(b), detail::graph_operand(c)...);
   } else if constexpr (is_static_tensor_v<A> && is_static_tensor_v<B> && (is_static_tensor_v<C> && ...)) {
     return detail::run_static(op, a, b, c...);
   } else {
@@ -11685,6 +11694,11 @@ class GradFunction {
   template <class... X>
   ValueAndGrads<value_t<X...>> operator()(const X&... xs) {
     using V = value_t<X...>;
+    // An integer function's gradient would be zeros in the integer type: a wrong answer in silence.
+    static_assert(std::is_floating_point_v<V>,
+                  "duet::value_and_grad: the function's value has an integer element type (an int32 tensor, or "
+                  "argmax's output), and gradients exist only for floating-point values, as in PyTorch; "
+                  "differentiate a floating-point function");
     static_assert(std::is_void_v<W> || std::is_same_v<V, W>,
                   "duet::value_and_grad: the function's value and the weights have different element types");
     ValueAndGrads<V> out;
@@ -20511,12 +20525,26 @@ concept Scalar = std::is_arithmetic_v<std::remove_cvref_t<S>>;
 template <class A, class B>
 concept Operands = (TensorLike<A> || Scalar<A>) && (TensorLike<B> || Scalar<B>) && (TensorLike<A> || TensorLike<B>);
 
+// Whether number S with a tensor of X would lose its fraction: a floating-point number with an
+// integer tensor, which runs in the tensor's type (where PyTorch would promote to float).
+template <class S, class X>
+inline constexpr bool truncates =
+    std::is_floating_point_v<std::remove_cvref_t<S>> && std::is_integral_v<typename std::remove_cvref_t<X>::value_type>;
+
+// static_assert takes a literal.
+#define DUET_DETAIL_TRUNCATION_MESSAGE                                                                              \
+  "duet::ops: an integer tensor with a floating-point number: the operation runs in the tensor's element type, so " \
+  "the number would lose its fraction (x * 0.5 would be x * 0); write an integer, or compute on a floating-point "   \
+  "tensor"
+
 // Fn(a, b) for any mix of tensors and numbers (two numbers are not an operation).
 template <class Fn, class A, class B>
 auto binary(const A& a, const B& b) {
   if constexpr (Scalar<A>) {
+    static_assert(!truncates<A, B>, DUET_DETAIL_TRUNCATION_MESSAGE);
     return apply(ScalarOp<Fn, true>{static_cast<double>(a)}, b);
   } else if constexpr (Scalar<B>) {
+    static_assert(!truncates<B, A>, DUET_DETAIL_TRUNCATION_MESSAGE);
     return apply(ScalarOp<Fn, false>{static_cast<double>(b)}, a);
   } else {
     static_assert(std::is_same_v<typename std::remove_cvref_t<A>::value_type, typename std::remove_cvref_t<B>::value_type>,

@@ -521,12 +521,26 @@ concept Scalar = std::is_arithmetic_v<std::remove_cvref_t<S>>;
 template <class A, class B>
 concept Operands = (TensorLike<A> || Scalar<A>) && (TensorLike<B> || Scalar<B>) && (TensorLike<A> || TensorLike<B>);
 
+// Whether number S with a tensor of X would lose its fraction: a floating-point number with an
+// integer tensor, which runs in the tensor's type (where PyTorch would promote to float).
+template <class S, class X>
+inline constexpr bool truncates =
+    std::is_floating_point_v<std::remove_cvref_t<S>> && std::is_integral_v<typename std::remove_cvref_t<X>::value_type>;
+
+// static_assert takes a literal.
+#define DUET_DETAIL_TRUNCATION_MESSAGE                                                                              \
+  "duet::ops: an integer tensor with a floating-point number: the operation runs in the tensor's element type, so " \
+  "the number would lose its fraction (x * 0.5 would be x * 0); write an integer, or compute on a floating-point "   \
+  "tensor"
+
 // Fn(a, b) for any mix of tensors and numbers (two numbers are not an operation).
 template <class Fn, class A, class B>
 auto binary(const A& a, const B& b) {
   if constexpr (Scalar<A>) {
+    static_assert(!truncates<A, B>, DUET_DETAIL_TRUNCATION_MESSAGE);
     return apply(ScalarOp<Fn, true>{static_cast<double>(a)}, b);
   } else if constexpr (Scalar<B>) {
+    static_assert(!truncates<B, A>, DUET_DETAIL_TRUNCATION_MESSAGE);
     return apply(ScalarOp<Fn, false>{static_cast<double>(b)}, a);
   } else {
     static_assert(std::is_same_v<typename std::remove_cvref_t<A>::value_type, typename std::remove_cvref_t<B>::value_type>,
