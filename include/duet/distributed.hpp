@@ -575,21 +575,13 @@ class GradReducer {
                        "rank changed them since (a checkpoint loaded on some ranks only?); load it on every rank, or "
                        "before making the reducer");
     }
-    if (runtime_.group_size() == 1) return;
     std::uint64_t hash = duet::detail::fnv1a({});
     bool zero = true;
     for (const Tensor& g : grads) {
       hash = duet::detail::fnv1a(duet::detail::tensor_bytes(g), hash);
       zero = zero && std::ranges::all_of(g.values(), [](float v) { return v == 0; });
     }
-    if (runtime_.same_on_every_rank(hash, duet::detail::Stream::steps) && !zero) {
-      throw ValueError("duet::distributed::GradReducer: the first gradients are the same on all " +
-                       std::to_string(runtime_.group_size()) +
-                       " ranks, so each computed them from the same batch and the ranks would repeat one another; "
-                       "shard the loader: data::DataLoader(dataset, batch, {.num_shards = "
-                       "duet::distributed::get_group_size(), .shard_id = duet::distributed::get_rank()})");
-    }
-    duet::detail::require_same_shard_order(runtime_, "duet::distributed::GradReducer");
+    duet::detail::require_sharded_data(runtime_, hash, !zero, "duet::distributed::GradReducer", "the first gradients are");
   }
 
   detail::MpiRuntime& runtime_;

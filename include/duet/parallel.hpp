@@ -165,6 +165,23 @@ inline void require_same_shard_order(DataParallelRuntime& runtime, std::string_v
                    "the same epoch everywhere");
 }
 
+// The first data-parallel step's check that the ranks train on different data: `hash` is of
+// what this rank computes from (`what`: its first batch, its first gradients); equal on every
+// rank, the ranks would repeat one another. With `telling` false (gradients all zero) equal
+// hashes prove nothing. Then require_same_shard_order.
+inline void require_sharded_data(DataParallelRuntime& runtime, std::uint64_t hash, bool telling, std::string_view who,
+                                 std::string_view what) {
+  if (runtime.group_size() == 1) return;
+  if (runtime.same_on_every_rank(hash, Stream::steps) && telling) {
+    throw ValueError(std::string(who) + ": " + std::string(what) + " the same on all " +
+                     std::to_string(runtime.group_size()) +
+                     " ranks, so each would train on the same data; shard the loader: data::DataLoader(dataset, "
+                     "batch, {.num_shards = duet::distributed::get_group_size(), .shard_id = "
+                     "duet::distributed::get_rank()})");
+  }
+  require_same_shard_order(runtime, who);
+}
+
 // Set by duet::distributed::init().
 inline std::atomic<DataParallelRuntime*>& data_parallel_runtime() {
   static std::atomic<DataParallelRuntime*> runtime{nullptr};

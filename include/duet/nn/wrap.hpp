@@ -179,14 +179,7 @@ class TrainOneStepCell {
     }
     std::uint64_t hash = duet::detail::fnv1a({});
     ((hash = duet::detail::fnv1a(duet::detail::tensor_bytes(tensor_of(xs)), hash)), ...);
-    if (parallel.group_size() > 1 && parallel.same_on_every_rank(hash, duet::detail::Stream::steps)) {
-      throw ValueError("nn::TrainOneStepCell: DATA_PARALLEL, but the first batch is the same on all " +
-                       std::to_string(parallel.group_size()) +
-                       " ranks, so each would train on the same data; shard the loader: data::DataLoader(dataset, "
-                       "batch, {.num_shards = duet::distributed::get_group_size(), .shard_id = "
-                       "duet::distributed::get_rank()})");
-    }
-    duet::detail::require_same_shard_order(parallel, "nn::TrainOneStepCell");
+    duet::detail::require_sharded_data(parallel, hash, true, "nn::TrainOneStepCell", "DATA_PARALLEL, but the first batch is");
   }
 
   // Rank 0's moments and step count, as its parameters: a checkpoint is saved by rank 0 alone,
