@@ -684,8 +684,8 @@ class Cell : public BasicDynamicCell<T> {
   // graph. The capture asked here is the one run_graph's would make (same input type), so a
   // cell that keeps its form compiles its construct once.
   static constexpr bool runs_alone_as_its_operation() {
-    if constexpr (M != CONTEXT_MODE) {
-      return false;
+    if constexpr (M != CONTEXT_MODE || NonGenericConstruct<Derived>) {
+      return false;  // the constructor's assertion says why a non-generic construct is refused
     } else {
       using Captured = decltype(std::declval<Derived&>().construct(
           graph::input<T, graph::pattern_in_phase<graph::Phase::train, graph::AnyShape>, 0>()));

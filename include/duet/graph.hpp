@@ -75,10 +75,17 @@ template <class... Nodes>
 inline constexpr std::array<ShapeResult (*)(std::span<const Shape>), sizeof...(Nodes)> static_rules{
     &static_rule<Nodes>...};
 
+// A node whose rule its inputs break (reported where it was appended) has a shape nothing is
+// known of, "[...]", so that no rule after it breaks on the same mistake: its best guess would
+// carry the wrong size on (a residual add of the wrong input, then a LayerNorm of that sum, ...:
+// six errors for one input of the wrong width).
 template <class... Nodes>
 constexpr std::array<Shape, sizeof...(Nodes)> infer_static_shapes() {
   std::array<Shape, sizeof...(Nodes)> shapes{};
-  for (std::size_t i = 0; i < sizeof...(Nodes); ++i) shapes[i] = static_rules<Nodes...>[i](shapes).shape;
+  for (std::size_t i = 0; i < sizeof...(Nodes); ++i) {
+    const ShapeResult r = static_rules<Nodes...>[i](shapes);
+    shapes[i] = r.ok() ? r.shape : Shape::any();
+  }
   return shapes;
 }
 

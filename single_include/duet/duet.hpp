@@ -6025,10 +6025,17 @@ template <class... Nodes>
 inline constexpr std::array<ShapeResult (*)(std::span<const Shape>), sizeof...(Nodes)> static_rules{
     &static_rule<Nodes>...};
 
+// A node whose rule its inputs break (reported where it was appended) has a shape nothing is
+// known of, "[...]", so that no rule after it breaks on the same mistake: its best guess would
+// carry the wrong size on (a residual add of the wrong input, then a LayerNorm of that sum, ...:
+// six errors for one input of the wrong width).
 template <class... Nodes>
 constexpr std::array<Shape, sizeof...(Nodes)> infer_static_shapes() {
   std::array<Shape, sizeof...(Nodes)> shapes{};
-  for (std::size_t i = 0; i < sizeof...(Nodes); ++i) shapes[i] = static_rules<Nodes...>[i](shapes).shape;
+  for (std::size_t i = 0; i < sizeof...(Nodes); ++i) {
+    const ShapeResult r = static_rules<Nodes...>[i](shapes);
+    shapes[i] = r.ok() ? r.shape : Shape::any();
+  }
   return shapes;
 }
 
@@ -11133,8 +11140,8 @@ class Cell : public BasicDynamicCell<T> {
   // graph. The capture asked here is the one run_graph's would make (same input type), so a
   // cell that keeps its form compiles its construct once.
   static constexpr bool runs_alone_as_its_operation() {
-    if constexpr (M != CONTEXT_MODE) {
-      return false;
+    if constexpr (M != CONTEXT_MODE || NonGenericConstruct<Derived>) {
+      return false;  // the constructor's assertion says why a non-generic construct is refused
     } else {
       using Captured = decltype(std::declval<Derived&>().construct(
           graph::input<T, graph::pattern_in_phase<graph::Phase::train, graph::AnyShape>, 0>()));
