@@ -396,7 +396,7 @@ struct WithNorm : nn::Cell<WithNorm> {
 };
 }  // namespace
 
-TEST_CASE("training that would do nothing is an error: weights of another network, a parameter nobody registered") {
+TEST_CASE("training that would do nothing is an error: weights of another network, a parameter nobody registered, an empty batch") {
   ModeGuard guard;
   for (const Mode mode : {PYNATIVE_MODE, GRAPH_MODE}) {
     CAPTURE(mode);
@@ -432,6 +432,11 @@ TEST_CASE("training that would do nothing is an error: weights of another networ
     // Listed in the weights, it is differentiated as asked.
     std::vector<nn::Parameter*> with_w{&unlisted.w};
     CHECK(value_and_grad(unlisted, with_w)(x).grads.size() == 1);
+
+    // An empty batch: loss 0 and zero gradients, which an optimiser would still apply.
+    nn::WithLossCell own_loss(net1, loss);
+    CHECK_THROWS_WITH_AS(value_and_grad(own_loss, net1.parameters())(Tensor({0, 6}), Tensor({0, 4})),
+                         doctest::Contains("duet::value_and_grad: the batch is empty"), ValueError);
   }
 }
 

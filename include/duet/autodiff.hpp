@@ -537,6 +537,12 @@ class GradFunction {
   template <bool WithInput, class V, class... X>
   BasicTensor<V> forward_backward(BasicTensor<V>& input_grad, const X&... xs) {
     if constexpr (autodiff::detail::CellLike<Fn>) {
+      // A network's gradient over no sample is zeros (a mean loss over no row is 0), which an
+      // optimiser step would still apply: momentum and the step count move the parameters.
+      if (((tensor_of(xs).numel() == 0) || ...)) {
+        throw ValueError("duet::value_and_grad: the batch is empty, so the loss would be 0 and every gradient zero, "
+                         "which an optimiser step would still apply; give at least one sample");
+      }
       if (!phase_checked_) {
         fn_.ensure_named();
         fn_.warn_if_phase_unchosen(std::cerr);
