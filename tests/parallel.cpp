@@ -101,7 +101,11 @@ class MirrorRuntime final : public duet::detail::DataParallelRuntime {
       for (std::size_t k = 0; k < g.size(); ++k) to[k] = g[k] * share * static_cast<float>(ranks);
     }
   }
-  bool same_on_every_rank(std::uint64_t, duet::detail::Stream) override { return false; }
+  // Mirrored ranks hold the same batches, which the first step refuses as a loader not sharded:
+  // this answers as ranks with shards of one epoch order would (the order the same, the rest not).
+  bool same_on_every_rank(std::uint64_t hash, duet::detail::Stream) override {
+    return hash == data::detail::served_order().load();
+  }
   void all_reduce_sum(std::span<double> values, duet::detail::Stream) override {
     for (double& v : values) v *= ranks;
   }
