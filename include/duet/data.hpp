@@ -129,7 +129,7 @@ namespace detail {
 // drop_last) and of the batch's place in it; 0 before any. Ranks training together must serve
 // shards of one order: with a seed per rank, or one rank a start_epoch behind, the shards
 // overlap and leave samples out, and each rank's batches still differ. The first data-parallel
-// step compares it between the ranks (parallel.hpp, require_same_shard_order).
+// step compares it between the ranks (parallel.hpp, require_sharded_data).
 inline std::atomic<std::uint64_t>& served_order() {
   static std::atomic<std::uint64_t> order{0};
   return order;
@@ -226,8 +226,7 @@ class DataLoader {
                                        static_cast<std::uint64_t>(shards),
                                        options_.drop_last,
                                        static_cast<std::uint64_t>(next_batch_)};
-      detail::served_order().store(
-          duet::detail::fnv1a({reinterpret_cast<const char*>(made_of), sizeof made_of}), std::memory_order_relaxed);
+      detail::served_order().store(duet::detail::fnv1a_of(made_of), std::memory_order_relaxed);
     }
     ++next_batch_;
     return &batch_;

@@ -152,23 +152,11 @@ std::optional<std::string> first_difference_between_ranks(DataParallelRuntime& r
   return std::nullopt;  // unreachable: the whole hash differed, so one part does
 }
 
-// The first data-parallel step's check that the ranks' sharded loaders cut their shards from one
-// epoch order (data::detail::served_order: none on every rank passes too). `who` names the
-// caller in the error.
-inline void require_same_shard_order(DataParallelRuntime& runtime, std::string_view who) {
-  if (runtime.group_size() == 1) return;
-  if (runtime.same_on_every_rank(data::detail::served_order().load(std::memory_order_relaxed), Stream::steps)) return;
-  throw ValueError(std::string(who) +
-                   ": the ranks' sharded loaders serve different epoch orders (their .seed, .shuffle, epoch, data "
-                   "set, batch size or .num_shards differ), so the shards overlap and leave samples out while each "
-                   "rank's batches still differ; make the loaders alike on every rank, .shard_id apart, and start "
-                   "the same epoch everywhere");
-}
-
 // The first data-parallel step's check that the ranks train on different data: `hash` is of
 // what this rank computes from (`what`: its first batch, its first gradients); equal on every
 // rank, the ranks would repeat one another. With `telling` false (gradients all zero) equal
-// hashes prove nothing. Then require_same_shard_order.
+// hashes prove nothing. Then that their sharded loaders cut their shards from one epoch order
+// (data::detail::served_order; none on every rank passes too). `who` names the caller.
 inline void require_sharded_data(DataParallelRuntime& runtime, std::uint64_t hash, bool telling, std::string_view who,
                                  std::string_view what) {
   if (runtime.group_size() == 1) return;
@@ -179,7 +167,12 @@ inline void require_sharded_data(DataParallelRuntime& runtime, std::uint64_t has
                      "batch, {.num_shards = duet::distributed::get_group_size(), .shard_id = "
                      "duet::distributed::get_rank()})");
   }
-  require_same_shard_order(runtime, who);
+  if (runtime.same_on_every_rank(data::detail::served_order().load(std::memory_order_relaxed), Stream::steps)) return;
+  throw ValueError(std::string(who) +
+                   ": the ranks' sharded loaders serve different epoch orders (their .seed, .shuffle, epoch, data "
+                   "set, batch size or .num_shards differ), so the shards overlap and leave samples out while each "
+                   "rank's batches still differ; make the loaders alike on every rank, .shard_id apart, and start "
+                   "the same epoch everywhere");
 }
 
 // Set by duet::distributed::init().

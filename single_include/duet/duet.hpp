@@ -12114,6 +12114,7 @@ std::vector<BasicTensor<T>> clip_by_global_norm(const std::vector<BasicTensor<T>
 
 #include <cstdint>
 #include <string_view>
+#include <type_traits>
 
 namespace duet::detail {
 
@@ -12121,6 +12122,13 @@ namespace duet::detail {
 inline std::uint64_t fnv1a(std::string_view bytes, std::uint64_t h = 14695981039346656037ull) {
   for (const char c : bytes) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
   return h;
+}
+
+// The bytes of a value, as this machine stores them (the ranks run on one kind of machine).
+template <class V>
+  requires std::is_trivially_copyable_v<V>
+std::uint64_t fnv1a_of(const V& value, std::uint64_t h = 14695981039346656037ull) {
+  return fnv1a({reinterpret_cast<const char*>(&value), sizeof value}, h);
 }
 
 }  // namespace duet::detail
@@ -12817,7 +12825,7 @@ namespace detail {
 // drop_last) and of the batch's place in it; 0 before any. Ranks training together must serve
 // shards of one order: with a seed per rank, or one rank a start_epoch behind, the shards
 // overlap and leave samples out, and each rank's batches still differ. The first data-parallel
-// step compares it between the ranks (parallel.hpp, require_same_shard_order).
+// step compares it between the ranks (parallel.hpp, require_sharded_data).
 inline std::atomic<std::uint64_t>& served_order() {
   static std::atomic<std::uint64_t> order{0};
   return order;
@@ -12914,8 +12922,7 @@ class DataLoader {
                                        static_cast<std::uint64_t>(shards),
                                        options_.drop_last,
                                        static_cast<std::uint64_t>(next_batch_)};
-      detail::served_order().store(
-          duet::detail::fnv1a({reinterpret_cast<const char*>(made_of), sizeof made_of}), std::memory_order_relaxed);
+      detail::served_order().store(duet::detail::fnv1a_of(made_of), std::memory_order_relaxed);
     }
     ++next_batch_;
     return &batch_;
@@ -13090,23 +13097,11 @@ std::optional<std::string> first_difference_between_ranks(DataParallelRuntime& r
   return std::nullopt;  // unreachable: the whole hash differed, so one part does
 }
 
-// The first data-parallel step's check that the ranks' sharded loaders cut their shards from one
-// epoch order (data::detail::served_order: none on every rank passes too). `who` names the
-// caller in the error.
-inline void require_same_shard_order(DataParallelRuntime& runtime, std::string_view who) {
-  if (runtime.group_size() == 1) return;
-  if (runtime.same_on_every_rank(data::detail::served_order().load(std::memory_order_relaxed), Stream::steps)) return;
-  throw ValueError(std::string(who) +
-                   ": the ranks' sharded loaders serve different epoch orders (their .seed, .shuffle, epoch, data "
-                   "set, batch size or .num_shards differ), so the shards overlap and leave samples out while each "
-                   "rank's batches still differ; make the loaders alike on every rank, .shard_id apart, and start "
-                   "the same epoch everywhere");
-}
-
 // The first data-parallel step's check that the ranks train on different data: `hash` is of
 // what this rank computes from (`what`: its first batch, its first gradients); equal on every
 // rank, the ranks would repeat one another. With `telling` false (gradients all zero) equal
-// hashes prove nothing. Then require_same_shard_order.
+// hashes prove nothing. Then that their sharded loaders cut their shards from one epoch order
+// (data::detail::served_order; none on every rank passes too). `who` names the caller.
 inline void require_sharded_data(DataParallelRuntime& runtime, std::uint64_t hash, bool telling, std::string_view who,
                                  std::string_view what) {
   if (runtime.group_size() == 1) return;
@@ -13117,7 +13112,12 @@ inline void require_sharded_data(DataParallelRuntime& runtime, std::uint64_t has
                      "batch, {.num_shards = duet::distributed::get_group_size(), .shard_id = "
                      "duet::distributed::get_rank()})");
   }
-  require_same_shard_order(runtime, who);
+  if (runtime.same_on_every_rank(data::detail::served_order().load(std::memory_order_relaxed), Stream::steps)) return;
+  throw ValueError(std::string(who) +
+                   ": the ranks' sharded loaders serve different epoch orders (their .seed, .shuffle, epoch, data "
+                   "set, batch size or .num_shards differ), so the shards overlap and leave samples out while each "
+                   "rank's batches still differ; make the loaders alike on every rank, .shard_id apart, and start "
+                   "the same epoch everywhere");
 }
 
 // Set by duet::distributed::init().
@@ -15050,13 +15050,12 @@ class BasicOptimizer {
       return hash;
     };
     const std::vector<OptimizerSlot<T>> slots = state();
-    const std::string step = std::to_string(global_step_);
-    std::uint64_t hash = duet::detail::fnv1a(step);
-    for (const OptimizerSlot<T>& slot : slots) hash = duet::detail::fnv1a(std::to_string(slot_hash(slot)), hash);
+    std::uint64_t hash = duet::detail::fnv1a_of(global_step_);
+    for (const OptimizerSlot<T>& slot : slots) hash = duet::detail::fnv1a_of(slot_hash(slot), hash);
     constexpr auto stream = duet::detail::Stream::steps;
     if (runtime->same_on_every_rank(hash, stream)) return;
-    std::string where = "the step count, " + step + " on rank " + std::to_string(runtime->rank());
-    if (runtime->same_on_every_rank(duet::detail::fnv1a(step), stream)) {
+    std::string where = "the step count, " + std::to_string(global_step_) + " on rank " + std::to_string(runtime->rank());
+    if (runtime->same_on_every_rank(duet::detail::fnv1a_of(global_step_), stream)) {
       for (const OptimizerSlot<T>& slot : slots) {
         if (!runtime->same_on_every_rank(slot_hash(slot), stream)) {
           where = "'" + std::string(slot.name) + "'";

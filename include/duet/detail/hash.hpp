@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string_view>
+#include <type_traits>
 
 namespace duet::detail {
 
@@ -11,6 +12,13 @@ namespace duet::detail {
 inline std::uint64_t fnv1a(std::string_view bytes, std::uint64_t h = 14695981039346656037ull) {
   for (const char c : bytes) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
   return h;
+}
+
+// The bytes of a value, as this machine stores them (the ranks run on one kind of machine).
+template <class V>
+  requires std::is_trivially_copyable_v<V>
+std::uint64_t fnv1a_of(const V& value, std::uint64_t h = 14695981039346656037ull) {
+  return fnv1a({reinterpret_cast<const char*>(&value), sizeof value}, h);
 }
 
 }  // namespace duet::detail

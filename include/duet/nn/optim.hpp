@@ -271,13 +271,12 @@ class BasicOptimizer {
       return hash;
     };
     const std::vector<OptimizerSlot<T>> slots = state();
-    const std::string step = std::to_string(global_step_);
-    std::uint64_t hash = duet::detail::fnv1a(step);
-    for (const OptimizerSlot<T>& slot : slots) hash = duet::detail::fnv1a(std::to_string(slot_hash(slot)), hash);
+    std::uint64_t hash = duet::detail::fnv1a_of(global_step_);
+    for (const OptimizerSlot<T>& slot : slots) hash = duet::detail::fnv1a_of(slot_hash(slot), hash);
     constexpr auto stream = duet::detail::Stream::steps;
     if (runtime->same_on_every_rank(hash, stream)) return;
-    std::string where = "the step count, " + step + " on rank " + std::to_string(runtime->rank());
-    if (runtime->same_on_every_rank(duet::detail::fnv1a(step), stream)) {
+    std::string where = "the step count, " + std::to_string(global_step_) + " on rank " + std::to_string(runtime->rank());
+    if (runtime->same_on_every_rank(duet::detail::fnv1a_of(global_step_), stream)) {
       for (const OptimizerSlot<T>& slot : slots) {
         if (!runtime->same_on_every_rank(slot_hash(slot), stream)) {
           where = "'" + std::string(slot.name) + "'";
