@@ -1,7 +1,10 @@
-// Parameter::derived keeps a form computed from the values until they may have changed.
-// (set_data: tests/cell.cpp.)
+// Parameter::derived keeps a form computed from the values until they may have changed
+// (set_data: tests/cell.cpp); operations on a cell's parameters alone (nn::ParameterResult) in
+// both modes.
 #include "support.hpp"
 
+#include <cmath>
+#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
@@ -23,7 +26,107 @@ Sum sum_of(const nn::Parameter& p) {
   return s;
 }
 
+// A learned temperature, a difference of two parameters and weight tying: each an operation
+// on parameters alone, next to the input's operations.
+struct Tied : nn::Cell<Tied> {
+  nn::Parameter embed{randn({5, 3}, 11)};
+  nn::Parameter log_scale{Tensor({1}, {0.2f})};
+  nn::Parameter shift_a{Tensor({5}, {0.1f, -0.2f, 0.3f, 0.0f, 0.5f})};
+  nn::Parameter shift_b{Tensor({5}, {0.4f, 0.1f, -0.1f, 0.2f, 0.0f})};
+  DUET_CELL_MEMBERS(embed, log_scale, shift_a, shift_b);
+  auto construct(auto x) {
+    auto h = ops::matmul(x, embed);
+    return ops::matmul(h, ops::transpose<1, 0>(embed)) * ops::exp(log_scale * 2.f) + (shift_a - shift_b);
+  }
+};
+
+bool same_bits(const Tensor& a, const Tensor& b) {
+  return a.shape() == b.shape() &&
+         std::memcmp(a.data(), b.data(), static_cast<std::size_t>(a.numel()) * sizeof(float)) == 0;
+}
+
+// sum(net(x)) in double, by the network's own forward in PyNative mode.
+double summed_output(Tied& net, const Tensor& x) {
+  double total = 0;
+  for (const float v : net(x).values()) total += v;
+  return total;
+}
+
 }  // namespace
+
+TEST_CASE("operations on parameters alone: both modes give the same bits, forward and gradients, and the gradients of finite differences") {
+  duet_test::ModeGuard guard;
+  Tied net;
+  const Tensor x = randn({4, 5}, 3);
+  std::vector<Tensor> outputs;
+  std::vector<std::vector<Tensor>> grads;
+  for (const Mode mode : {PYNATIVE_MODE, GRAPH_MODE}) {
+    set_context({.mode = mode});
+    outputs.push_back(net(x));
+    grads.push_back(value_and_grad(net, net.parameters())(x).grads);
+  }
+  // A static graph: each parameter node appended where it is read, none merged with another.
+  const std::string ir = graph_ir(net, shape<dyn, 5>).optimized.text;
+  CHECK(ir.find("traced") == std::string::npos);
+  CHECK(ir.find("Exp(") != std::string::npos);
+  CHECK(same_bits(outputs[0], outputs[1]));
+  REQUIRE(grads[0].size() == 4);
+  for (std::size_t i = 0; i < 4; ++i) CHECK(same_bits(grads[0][i], grads[1][i]));
+  for (const Tensor& g : grads[1]) CHECK(std::isfinite(g.values()[0]));
+
+  // Central differences of sum(net(x)), one element of each parameter.
+  set_context({.mode = PYNATIVE_MODE});
+  const std::vector<nn::Parameter*> params{&net.embed, &net.log_scale, &net.shift_a, &net.shift_b};
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    nn::Parameter& p = *params[i];
+    const float saved = p.data()[1 % p.numel()];
+    const float h = 1e-2f;
+    p.data()[1 % p.numel()] = saved + h;
+    const double up = summed_output(net, x);
+    p.data()[1 % p.numel()] = saved - h;
+    const double down = summed_output(net, x);
+    p.data()[1 % p.numel()] = saved;
+    CAPTURE(i);
+    CHECK(grads[1][i].values()[static_cast<std::size_t>(1 % p.numel())] == doctest::Approx((up - down) / (2 * h)).epsilon(2e-3));
+  }
+}
+
+TEST_CASE("operations on parameters alone: graph mode reads the parameters at each call, and trains them") {
+  duet_test::ModeGuard guard;
+  set_context({.mode = GRAPH_MODE});
+  Tied net;
+  const Tensor x = randn({4, 5}, 3);
+  const Tensor before = net(x);
+  net.log_scale.set_data(Tensor({1}, {-0.4f}));
+  const Tensor graph_after = net(x);
+  set_context({.mode = PYNATIVE_MODE});
+  CHECK(same_bits(graph_after, net(x)));
+  CHECK_FALSE(same_bits(before, graph_after));
+
+  // A training step in graph mode moves every parameter, the temperature too.
+  set_context({.mode = GRAPH_MODE});
+  nn::MSELoss<> loss;
+  nn::WithLossCell with_loss(net, loss);
+  nn::SGD sgd(net.parameters(), {.learning_rate = 0.1});
+  nn::TrainOneStepCell step(with_loss, sgd);
+  const float scale = net.log_scale.values()[0];
+  const Tensor embed = net.embed.clone();
+  step(x, zeros({4, 5}));
+  CHECK(net.log_scale.values()[0] != scale);
+  CHECK_FALSE(same_bits(embed, net.embed));
+}
+
+TEST_CASE("operations on parameters alone, outside a network: a tensor, recorded by a tape") {
+  nn::Parameter p(Tensor({2}, {0.5f, -1.0f}));
+  const auto e = ops::exp(p * 2.f);
+  const Tensor t = e;
+  CHECK(t.values()[0] == doctest::Approx(std::exp(1.0)));
+  CHECK(e.shape() == Shape{2});
+  const auto result = value_and_grad([&](const Tensor& x) { return ops::sum(x * ops::exp(p)); },
+                                     std::vector<nn::Parameter*>{&p})(ones({2}));
+  REQUIRE(result.grads.size() == 1);
+  CHECK(result.grads[0].values()[1] == doctest::Approx(std::exp(-1.0)));
+}
 
 TEST_CASE("Parameter::derived is made once, and again after any write to the values") {
   nn::Parameter p(ones({2, 2}));

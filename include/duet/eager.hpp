@@ -4,6 +4,7 @@
 #pragma once
 
 #include <array>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 
@@ -89,11 +90,68 @@ decltype(auto) eager_operand(const X& x) {
   }
 }
 
-// An operand of an operation being captured: a parameter becomes a node of the graph.
-template <class X>
-decltype(auto) graph_operand(const X& x) {
+template <class P>
+const P& recipe_source(const P* parameter) {
+  return *parameter;
+}
+template <class R>
+const R& recipe_source(const R& result) {
+  return result;
+}
+
+// A result of operations on parameters alone, captured after `anchor`'s graph: each operand
+// after the one before it, so that every parameter node is appended, none merged
+// (graph::parameter_after says why), then the operation on them.
+template <class A, class X>
+auto parameter_result_after(const A& anchor, const X& x) {
+  if constexpr (nn::is_parameter_v<X>) {
+    return graph::parameter_after(anchor, x);
+  } else {
+    const auto made_after = [](const auto& self, const auto& last, const auto& first, const auto&... rest) {
+      auto made = parameter_result_after(last, recipe_source(first));
+      if constexpr (sizeof...(rest) == 0) return std::tuple(made);
+      else return std::tuple_cat(std::tuple(made), self(self, made, rest...));
+    };
+    return std::apply(
+        [&](const auto&... o) {
+          return std::apply([&](const auto&... made) { return graph::append(x.op, made...); },
+                            made_after(made_after, anchor, o...));
+        },
+        x.operands);
+  }
+}
+
+// An operand of an operation being captured, whose first symbolic operand is `anchor`: a
+// parameter becomes a node of the graph, and a result of operations on parameters alone those
+// operations on such nodes.
+template <class A, class X>
+decltype(auto) graph_operand(const A& anchor, const X& x) {
   if constexpr (nn::is_parameter_v<X>) return graph::parameter(x);
+  else if constexpr (nn::is_parameter_result_v<X>) return parameter_result_after(anchor, x);
   else return (x);
+}
+
+// The first symbolic one of xs.
+template <class X, class... Rest>
+const auto& first_symbolic(const X& x, const Rest&... rest) {
+  if constexpr (graph::Symbolic<X>) return x;
+  else return first_symbolic(rest...);
+}
+
+// What a ParameterResult keeps of an operand: a parameter by address (it is a cell's member,
+// and capture reads it live), a result whole.
+template <class X>
+auto recipe_operand(const X& x) {
+  if constexpr (nn::is_parameter_v<X>) return &x;
+  else return x;
+}
+
+// An operation on parameters alone, run now: its value, with how to make it again.
+template <class Op, class... X>
+auto run_on_parameters(const Op& op, const X&... xs) {
+  auto y = run_into_new<DefaultBackend>(op, eager_operand(xs)...);
+  using T = typename decltype(y)::value_type;
+  return nn::ParameterResult<T, Op, decltype(recipe_operand(xs))...>(std::move(y), op, recipe_operand(xs)...);
 }
 
 template <class X>
@@ -122,15 +180,16 @@ auto run_static(const Op& op, const X&... xs) {
 
 // The one entry point layers use: on symbolic tensors it records the operation in the graph,
 // on static tensors it checks the shapes at compile time and runs it now, on other tensors it
-// runs it now. A cell's parameter may be an operand in either mode.
+// runs it now. A cell's parameter may be an operand in either mode, and so may what operations
+// on parameters alone give (nn::ParameterResult).
 template <class Op, class X>
 auto apply(const Op& op, X&& x) {
   if constexpr (graph::Symbolic<X>) {
     return graph::append(op, x);
   } else if constexpr (is_static_tensor_v<std::remove_cvref_t<X>>) {
     return detail::run_static(op, x);
-  } else if constexpr (nn::is_parameter_v<std::remove_cvref_t<X>>) {
-    return detail::run_into_new<DefaultBackend>(op, detail::eager_operand(x));
+  } else if constexpr (nn::is_parameter_made_v<std::remove_cvref_t<X>>) {
+    return detail::run_on_parameters(op, x);
   } else {
     return run_eager(op, std::forward<X>(x));
   }
@@ -140,23 +199,29 @@ template <class Op, class A, class B, class... C>
 auto apply(const Op& op, const A& a, const B& b, const C&... c) {
   constexpr bool any_symbolic = graph::Symbolic<A> || graph::Symbolic<B> || (graph::Symbolic<C> || ...);
   if constexpr (any_symbolic) {
-    constexpr bool readable = (graph::Symbolic<A> || nn::is_parameter_v<A>)&&(graph::Symbolic<B> ||
-                                                                            nn::is_parameter_v<B>)&&(
-        (graph::Symbolic<C> || nn::is_parameter_v<C>)&&...);
+    constexpr bool readable = (graph::Symbolic<A> || nn::is_parameter_made_v<A>)&&(graph::Symbolic<B> ||
+                                                                                 nn::is_parameter_made_v<B>)&&(
+        (graph::Symbolic<C> || nn::is_parameter_made_v<C>)&&...);
     static_assert(readable,
                   "duet: an operation mixes a symbolic tensor (graph capture) and a real one; pass "
                   "every tensor the graph reads as an input of the captured function. A cell's own "
-                  "parameters may be operands next to a symbolic tensor, but an operation on a cell's "
-                  "parameters alone (ops::exp(log_scale)) runs at once and gives a real tensor: store the "
-                  "parameter in the form the graph uses, or fix the cell to PyNative mode "
-                  "(nn::Cell<Net, PYNATIVE_MODE>; README, Known limits)");
+                  "parameters, and what operations on them alone make (ops::exp(log_scale)), may be "
+                  "operands next to a symbolic tensor; a tensor made from anything else in construct is "
+                  "a value of the capture, not of each call: make it an nn::Parameter of the cell, or fix "
+                  "the cell to PyNative mode (nn::Cell<Net, PYNATIVE_MODE>)");
     // After the assertion, a symbolic operand stands for the result, so that the mistake is
     // reported once, not again by every operation after it.
     if constexpr (!readable && graph::Symbolic<A>) return a;
     else if constexpr (!readable) return b;
-    else return graph::append(op, detail::graph_operand(a), detail::graph_operand(b), detail::graph_operand(c)...);
+    else {
+      const auto& anchor = detail::first_symbolic(a, b, c...);
+      return graph::append(op, detail::graph_operand(anchor, a), detail::graph_operand(anchor, b),
+                           detail::graph_operand(anchor, c)...);
+    }
   } else if constexpr (is_static_tensor_v<A> && is_static_tensor_v<B> && (is_static_tensor_v<C> && ...)) {
     return detail::run_static(op, a, b, c...);
+  } else if constexpr (nn::is_parameter_made_v<A> && nn::is_parameter_made_v<B> && (nn::is_parameter_made_v<C> && ...)) {
+    return detail::run_on_parameters(op, a, b, c...);
   } else {
     return detail::run_into_new<DefaultBackend>(op, detail::eager_operand(a), detail::eager_operand(b),
                                                 detail::eager_operand(c)...);

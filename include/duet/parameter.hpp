@@ -8,8 +8,10 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <typeindex>
 #include <typeinfo>
+#include <utility>
 #include <vector>
 
 #include "tensor.hpp"
@@ -244,6 +246,31 @@ template <class X>
 inline constexpr bool is_parameter_v = false;
 template <class T>
 inline constexpr bool is_parameter_v<BasicParameter<T>> = true;
+
+// What an operation on a cell's parameters alone gives (ops::exp(log_scale), a transposed
+// weight): its value, computed at once as any operation's (a recording tape records it), and
+// the operation and operands it came from. A graph captured around it cannot read a value
+// computed before it runs (the parameters change between calls), so capture makes it again
+// from the operation and nodes that read the parameters when the graph runs (eager.hpp,
+// graph_operand), and graph mode trains the parameters through it as PyNative mode does.
+template <ElementType T, class Op, class... Operands>
+class ParameterResult : public BasicTensor<T> {
+ public:
+  ParameterResult(BasicTensor<T> value, const Op& op, const Operands&... operands)
+      : BasicTensor<T>(std::move(value)), op(op), operands(operands...) {}
+
+  Op op;
+  std::tuple<Operands...> operands;  // each a `const BasicParameter<U>*` or a ParameterResult
+};
+
+template <class X>
+inline constexpr bool is_parameter_result_v = false;
+template <class T, class Op, class... Operands>
+inline constexpr bool is_parameter_result_v<ParameterResult<T, Op, Operands...>> = true;
+
+// Made from parameters only, so that capture can make it again.
+template <class X>
+inline constexpr bool is_parameter_made_v = is_parameter_v<X> || is_parameter_result_v<X>;
 
 template <ElementType T>
 struct NamedParameter {

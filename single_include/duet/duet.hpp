@@ -3861,8 +3861,10 @@ void sgd_update(T* p, const T* g, T* momentum, index_t n, const SgdCoefficients<
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <typeindex>
 #include <typeinfo>
+#include <utility>
 #include <vector>
 
 // duet::BasicTensor: a row-major, contiguous, reference-counted n-d array with a runtime shape,
@@ -4618,6 +4620,31 @@ template <class X>
 inline constexpr bool is_parameter_v = false;
 template <class T>
 inline constexpr bool is_parameter_v<BasicParameter<T>> = true;
+
+// What an operation on a cell's parameters alone gives (ops::exp(log_scale), a transposed
+// weight): its value, computed at once as any operation's (a recording tape records it), and
+// the operation and operands it came from. A graph captured around it cannot read a value
+// computed before it runs (the parameters change between calls), so capture makes it again
+// from the operation and nodes that read the parameters when the graph runs (eager.hpp,
+// graph_operand), and graph mode trains the parameters through it as PyNative mode does.
+template <ElementType T, class Op, class... Operands>
+class ParameterResult : public BasicTensor<T> {
+ public:
+  ParameterResult(BasicTensor<T> value, const Op& op, const Operands&... operands)
+      : BasicTensor<T>(std::move(value)), op(op), operands(operands...) {}
+
+  Op op;
+  std::tuple<Operands...> operands;  // each a `const BasicParameter<U>*` or a ParameterResult
+};
+
+template <class X>
+inline constexpr bool is_parameter_result_v = false;
+template <class T, class Op, class... Operands>
+inline constexpr bool is_parameter_result_v<ParameterResult<T, Op, Operands...>> = true;
+
+// Made from parameters only, so that capture can make it again.
+template <class X>
+inline constexpr bool is_parameter_made_v = is_parameter_v<X> || is_parameter_result_v<X>;
 
 template <ElementType T>
 struct NamedParameter {
@@ -7344,6 +7371,7 @@ auto evaluate(const graph::Sym<G, Out>& program, const Inputs&... inputs) {
 // why the two modes agree.
 
 #include <array>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 
@@ -7443,6 +7471,20 @@ auto parameter(const nn::BasicParameter<T>& p) {
   // Its id is the parameter's: each read of one parameter is the same value.
   return Sym<G, 0>{G{std::in_place, Node<ops::ParameterOp<T>>{ops::ParameterOp<T>{&p}}},
                    {reinterpret_cast<std::uintptr_t>(&p) | 1u}};
+}
+
+// A parameter read after everything `anchor`'s graph holds: a node appended to that graph,
+// never merged. Merging places a node without inputs where the other graph has it, and two
+// parameters of one type there are indistinguishable to the type: `a - b` captured from two
+// one-node graphs would meet b where a is. Operations on parameters alone are captured this
+// way (eager.hpp, graph_operand).
+template <class T, class G, std::size_t Out>
+auto parameter_after(const Sym<G, Out>& anchor, const nn::BasicParameter<T>& p) {
+  auto g = with_node(anchor.graph, Node<ops::ParameterOp<T>>{ops::ParameterOp<T>{&p}});
+  std::array<std::uint64_t, G::size + 1> ids{};
+  std::copy(anchor.ids.begin(), anchor.ids.end(), ids.begin());
+  ids[G::size] = reinterpret_cast<std::uintptr_t>(&p) | 1u;
+  return Sym<decltype(g), G::size>{g, ids, anchor.ambiguity};
 }
 
 }  // namespace duet::graph
@@ -8426,11 +8468,68 @@ decltype(auto) eager_operand(const X& x) {
   }
 }
 
-// An operand of an operation being captured: a parameter becomes a node of the graph.
-template <class X>
-decltype(auto) graph_operand(const X& x) {
+template <class P>
+const P& recipe_source(const P* parameter) {
+  return *parameter;
+}
+template <class R>
+const R& recipe_source(const R& result) {
+  return result;
+}
+
+// A result of operations on parameters alone, captured after `anchor`'s graph: each operand
+// after the one before it, so that every parameter node is appended, none merged
+// (graph::parameter_after says why), then the operation on them.
+template <class A, class X>
+auto parameter_result_after(const A& anchor, const X& x) {
+  if constexpr (nn::is_parameter_v<X>) {
+    return graph::parameter_after(anchor, x);
+  } else {
+    const auto made_after = [](const auto& self, const auto& last, const auto& first, const auto&... rest) {
+      auto made = parameter_result_after(last, recipe_source(first));
+      if constexpr (sizeof...(rest) == 0) return std::tuple(made);
+      else return std::tuple_cat(std::tuple(made), self(self, made, rest...));
+    };
+    return std::apply(
+        [&](const auto&... o) {
+          return std::apply([&](const auto&... made) { return graph::append(x.op, made...); },
+                            made_after(made_after, anchor, o...));
+        },
+        x.operands);
+  }
+}
+
+// An operand of an operation being captured, whose first symbolic operand is `anchor`: a
+// parameter becomes a node of the graph, and a result of operations on parameters alone those
+// operations on such nodes.
+template <class A, class X>
+decltype(auto) graph_operand(const A& anchor, const X& x) {
   if constexpr (nn::is_parameter_v<X>) return graph::parameter(x);
+  else if constexpr (nn::is_parameter_result_v<X>) return parameter_result_after(anchor, x);
   else return (x);
+}
+
+// The first symbolic one of xs.
+template <class X, class... Rest>
+const auto& first_symbolic(const X& x, const Rest&... rest) {
+  if constexpr (graph::Symbolic<X>) return x;
+  else return first_symbolic(rest...);
+}
+
+// What a ParameterResult keeps of an operand: a parameter by address (it is a cell's member,
+// and capture reads it live), a result whole.
+template <class X>
+auto recipe_operand(const X& x) {
+  if constexpr (nn::is_parameter_v<X>) return &x;
+  else return x;
+}
+
+// An operation on parameters alone, run now: its value, with how to make it again.
+template <class Op, class... X>
+auto run_on_parameters(const Op& op, const X&... xs) {
+  auto y = run_into_new<DefaultBackend>(op, eager_operand(xs)...);
+  using T = typename decltype(y)::value_type;
+  return nn::ParameterResult<T, Op, decltype(recipe_operand(xs))...>(std::move(y), op, recipe_operand(xs)...);
 }
 
 template <class X>
@@ -8459,15 +8558,16 @@ auto run_static(const Op& op, const X&... xs) {
 
 // The one entry point layers use: on symbolic tensors it records the operation in the graph,
 // on static tensors it checks the shapes at compile time and runs it now, on other tensors it
-// runs it now. A cell's parameter may be an operand in either mode.
+// runs it now. A cell's parameter may be an operand in either mode, and so may what operations
+// on parameters alone give (nn::ParameterResult).
 template <class Op, class X>
 auto apply(const Op& op, X&& x) {
   if constexpr (graph::Symbolic<X>) {
     return graph::append(op, x);
   } else if constexpr (is_static_tensor_v<std::remove_cvref_t<X>>) {
     return detail::run_static(op, x);
-  } else if constexpr (nn::is_parameter_v<std::remove_cvref_t<X>>) {
-    return detail::run_into_new<DefaultBackend>(op, detail::eager_operand(x));
+  } else if constexpr (nn::is_parameter_made_v<std::remove_cvref_t<X>>) {
+    return detail::run_on_parameters(op, x);
   } else {
     return run_eager(op, std::forward<X>(x));
   }
@@ -8477,23 +8577,29 @@ template <class Op, class A, class B, class... C>
 auto apply(const Op& op, const A& a, const B& b, const C&... c) {
   constexpr bool any_symbolic = graph::Symbolic<A> || graph::Symbolic<B> || (graph::Symbolic<C> || ...);
   if constexpr (any_symbolic) {
-    constexpr bool readable = (graph::Symbolic<A> || nn::is_parameter_v<A>)&&(graph::Symbolic<B> ||
-                                                                            nn::is_parameter_v<B>)&&(
-        (graph::Symbolic<C> || nn::is_parameter_v<C>)&&...);
+    constexpr bool readable = (graph::Symbolic<A> || nn::is_parameter_made_v<A>)&&(graph::Symbolic<B> ||
+                                                                                 nn::is_parameter_made_v<B>)&&(
+        (graph::Symbolic<C> || nn::is_parameter_made_v<C>)&&...);
     static_assert(readable,
                   "duet: an operation mixes a symbolic tensor (graph capture) and a real one; pass "
                   "every tensor the graph reads as an input of the captured function. A cell's own "
-                  "parameters may be operands next to a symbolic tensor, but an operation on a cell's "
-                  "parameters alone (ops::exp(log_scale)) runs at once and gives a real tensor: store the "
-                  "parameter in the form the graph uses, or fix the cell to PyNative mode "
-                  "(nn::Cell<Net, PYNATIVE_MODE>; README, Known limits)");
+                  "parameters, and what operations on them alone make (ops::exp(log_scale)), may be "
+                  "operands next to a symbolic tensor; a tensor made from anything else in construct is "
+                  "a value of the capture, not of each call: make it an nn::Parameter of the cell, or fix "
+                  "the cell to PyNative mode (nn::Cell<Net, PYNATIVE_MODE>)");
     // After the assertion, a symbolic operand stands for the result, so that the mistake is
     // reported once, not again by every operation after it.
     if constexpr (!readable && graph::Symbolic<A>) return a;
     else if constexpr (!readable) return b;
-    else return graph::append(op, detail::graph_operand(a), detail::graph_operand(b), detail::graph_operand(c)...);
+    else {
+      const auto& anchor = detail::first_symbolic(a, b, c...);
+      return graph::append(op, detail::graph_operand(anchor, a), detail::graph_operand(anchor, b),
+                           detail::graph_operand(anchor, c)...);
+    }
   } else if constexpr (is_static_tensor_v<A> && is_static_tensor_v<B> && (is_static_tensor_v<C> && ...)) {
     return detail::run_static(op, a, b, c...);
+  } else if constexpr (nn::is_parameter_made_v<A> && nn::is_parameter_made_v<B> && (nn::is_parameter_made_v<C> && ...)) {
+    return detail::run_on_parameters(op, a, b, c...);
   } else {
     return detail::run_into_new<DefaultBackend>(op, detail::eager_operand(a), detail::eager_operand(b),
                                                 detail::eager_operand(c)...);
@@ -20534,11 +20640,11 @@ inline const bool arithmetic_listed =
     list_operations({"add", "sub", "mul", "div", "maximum", "minimum", "pow", "neg", "add_scalar", "sub_scalar",
                      "mul_scalar", "div_scalar", "scalar_sub", "scalar_div", "pow_scalar", "scalar_pow"});
 
-// What may stand on either side of an arithmetic operator: a tensor, a static tensor, or a
-// symbolic tensor in construct.
+// What may stand on either side of an arithmetic operator: a tensor, a static tensor, a
+// parameter or what operations on parameters alone made, or a symbolic tensor in construct.
 template <class X>
 concept TensorLike = is_tensor_v<std::remove_cvref_t<X>> || is_static_tensor_v<std::remove_cvref_t<X>> ||
-                     nn::is_parameter_v<std::remove_cvref_t<X>> || graph::Symbolic<X>;
+                     nn::is_parameter_made_v<std::remove_cvref_t<X>> || graph::Symbolic<X>;
 
 template <class S>
 concept Scalar = std::is_arithmetic_v<std::remove_cvref_t<S>>;

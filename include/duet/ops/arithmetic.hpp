@@ -508,11 +508,11 @@ inline const bool arithmetic_listed =
     list_operations({"add", "sub", "mul", "div", "maximum", "minimum", "pow", "neg", "add_scalar", "sub_scalar",
                      "mul_scalar", "div_scalar", "scalar_sub", "scalar_div", "pow_scalar", "scalar_pow"});
 
-// What may stand on either side of an arithmetic operator: a tensor, a static tensor, or a
-// symbolic tensor in construct.
+// What may stand on either side of an arithmetic operator: a tensor, a static tensor, a
+// parameter or what operations on parameters alone made, or a symbolic tensor in construct.
 template <class X>
 concept TensorLike = is_tensor_v<std::remove_cvref_t<X>> || is_static_tensor_v<std::remove_cvref_t<X>> ||
-                     nn::is_parameter_v<std::remove_cvref_t<X>> || graph::Symbolic<X>;
+                     nn::is_parameter_made_v<std::remove_cvref_t<X>> || graph::Symbolic<X>;
 
 template <class S>
 concept Scalar = std::is_arithmetic_v<std::remove_cvref_t<S>>;

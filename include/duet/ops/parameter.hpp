@@ -85,4 +85,18 @@ auto parameter(const nn::BasicParameter<T>& p) {
                    {reinterpret_cast<std::uintptr_t>(&p) | 1u}};
 }
 
+// A parameter read after everything `anchor`'s graph holds: a node appended to that graph,
+// never merged. Merging places a node without inputs where the other graph has it, and two
+// parameters of one type there are indistinguishable to the type: `a - b` captured from two
+// one-node graphs would meet b where a is. Operations on parameters alone are captured this
+// way (eager.hpp, graph_operand).
+template <class T, class G, std::size_t Out>
+auto parameter_after(const Sym<G, Out>& anchor, const nn::BasicParameter<T>& p) {
+  auto g = with_node(anchor.graph, Node<ops::ParameterOp<T>>{ops::ParameterOp<T>{&p}});
+  std::array<std::uint64_t, G::size + 1> ids{};
+  std::copy(anchor.ids.begin(), anchor.ids.end(), ids.begin());
+  ids[G::size] = reinterpret_cast<std::uintptr_t>(&p) | 1u;
+  return Sym<decltype(g), G::size>{g, ids, anchor.ambiguity};
+}
+
 }  // namespace duet::graph
