@@ -8584,9 +8584,10 @@ auto apply(const Op& op, const A& a, const B& b, const C&... c) {
                   "duet: an operation mixes a symbolic tensor (graph capture) and a real one; pass "
                   "every tensor the graph reads as an input of the captured function. A cell's own "
                   "parameters, and what operations on them alone make (ops::exp(log_scale)), may be "
-                  "operands next to a symbolic tensor; a tensor made from anything else in construct is "
-                  "a value of the capture, not of each call: make it an nn::Parameter of the cell, or fix "
-                  "the cell to PyNative mode (nn::Cell<Net, PYNATIVE_MODE>)");
+                  "operands next to a symbolic tensor; a tensor made from anything else in construct "
+                  "(duet::zeros, a member Tensor, Tensor::reshape of a parameter) is a value of the capture, "
+                  "not of each call: make it an nn::Parameter of the cell, reach it through ops:: "
+                  "(ops::reshape), or fix the cell to PyNative mode (nn::Cell<Net, PYNATIVE_MODE>)");
     // After the assertion, a symbolic operand stands for the result, so that the mistake is
     // reported once, not again by every operation after it.
     if constexpr (!readable && graph::Symbolic<A>) return a;
