@@ -738,7 +738,11 @@ class OnnxBuilder {
       const int axis = axis_attr(n, node, -1);
       const bool log = op == "LogSoftmax";
       add_step(op, n, node, [a, axis, log](const OnnxModel& m, std::vector<Tensor>& v) {
-        return m.with(a, v, [&](const auto& x) -> Tensor { return log ? ops::log_softmax(x, axis) : ops::softmax(x, axis); });
+        return m.with(a, v, [&](const auto& x) -> Tensor {
+          // Not ?: : on an initializer the two give different nn::ParameterResult types.
+          if (log) return ops::log_softmax(x, axis);
+          return ops::softmax(x, axis);
+        });
       });
       return;
     }
