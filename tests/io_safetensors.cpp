@@ -48,14 +48,14 @@ const std::string bias = tensor("bias", "F32", "[2]", 16, 24);
 std::span<const std::byte> as_span(const Bytes& bytes) { return std::as_bytes(std::span(bytes)); }
 
 template <class Cell>
-std::string load_error(const Bytes& file, Cell& cell, CheckpointLoadOptions options = {}) {
+std::string load_error(const Bytes& file, Cell& cell, io::SafetensorsLoadOptions options = {}) {
   const Bytes before = parameter_bytes(cell);
   const std::string message = format_error_of([&] { io::load_safetensors_bytes(as_span(file), cell, options); });
   CHECK(parameter_bytes(cell) == before);
   return message;
 }
 
-std::string load_error(const std::string& header, std::size_t data_size, CheckpointLoadOptions options = {}) {
+std::string load_error(const std::string& header, std::size_t data_size, io::SafetensorsLoadOptions options = {}) {
   nn::Dense<2, 2> cell;
   return load_error(safetensors_file(header, Bytes(data_size, 0x3F)), cell, options);
 }
@@ -71,7 +71,88 @@ void same_outputs(A& a, B& b, const Tensor& x) {
   CHECK(duet_test::values_of(a(x)) == duet_test::values_of(b(x)));
 }
 
+// tests/safetensors_torch.py's network in duet: tensors named differently in the two
+// libraries (BatchNorm's, LayerNorm's) and alike (Dense's).
+struct TorchNamed : nn::Cell<TorchNamed> {
+  nn::Dense<4, 6> fc1;
+  nn::BatchNorm1d<6> bn;
+  nn::ReLU relu;
+  nn::LayerNorm<6> ln;
+  nn::Dense<6, 3> fc2;
+  DUET_CELL_MEMBERS(fc1, bn, relu, ln, fc2);
+  auto construct(auto x) { return fc2(ln(relu(bn(fc1(x))))); }
+};
+
+struct Embedded : nn::Cell<Embedded> {
+  nn::Embedding<5, 3> emb;
+  DUET_CELL_MEMBERS(emb);
+  auto construct(auto x) { return emb(x); }
+};
+
+// The tensors the Python side reads (x, and duet's output y) or writes (its output y).
+struct InOut : nn::Cell<InOut> {
+  nn::Parameter x{zeros({5, 4})};
+  nn::Parameter y{zeros({5, 3})};
+  DUET_CELL_MEMBERS(x, y);
+  auto construct(auto v) { return v; }
+};
+struct Out : nn::Cell<Out> {
+  nn::Parameter y{zeros({5, 3})};
+  DUET_CELL_MEMBERS(y);
+  auto construct(auto v) { return v; }
+};
+
+// A TorchNamed whose moving statistics are not their initial values, in evaluation.
+void train_statistics(TorchNamed& net) {
+  net.set_train(true);
+  EagerScope eager;
+  static_cast<void>(net(randn({8, 4}, 21)));
+  net.set_train(false);
+}
+
 }  // namespace
+
+TEST_CASE("PyTorch's names: saved and loaded in them, and a file in them loaded in duet's names says so") {
+  TempDir dir;
+  const fs::path file = dir.path / "pytorch.safetensors";
+  set_seed(3);
+  TorchNamed net;
+  train_statistics(net);
+  io::save_safetensors(net, file, {.names = io::TensorNames::pytorch});
+  TorchNamed loaded;
+  const Tensor x = randn({5, 4}, 4);
+  io::load_safetensors(file, loaded, {.names = io::TensorNames::pytorch});
+  loaded.set_train(false);
+  same_outputs(net, loaded, x);
+
+  TorchNamed in_duet_names;
+  const std::string error = format_error_of([&] { io::load_safetensors(file, in_duet_names); });
+  CHECK(error.find("'bn.running_mean'") != std::string::npos);
+  CHECK(error.find("'bn.num_batches_tracked'") != std::string::npos);
+  CHECK(error.find("load it with {.names = duet::io::TensorNames::pytorch}") != std::string::npos);
+
+  set_seed(4);
+  Embedded embedded;
+  io::save_safetensors(embedded, file, {.names = io::TensorNames::pytorch});
+  Embedded embedded_loaded;
+  io::load_safetensors(file, embedded_loaded, {.names = io::TensorNames::pytorch});
+  CHECK(parameter_bytes(embedded) == parameter_bytes(embedded_loaded));
+  CHECK(format_error_of([&] { io::load_safetensors(file, embedded_loaded); }) ==
+        "safetensors file '" + file.string() +
+            "': the file's parameter(s) 'emb.weight' are not in the cell, and the file has no value for the cell's "
+            "parameter(s) 'emb.embedding_table'; the file names normalisation layers' and embeddings' tensors as "
+            "PyTorch does (weight, bias, running_mean, running_var): load it with {.names = "
+            "duet::io::TensorNames::pytorch}");
+
+  // A layer with a bias in the file and none in the cell: duet's convolutions have none by default.
+  nn::SequentialCell<nn::Dense<4, 3>> with_bias;
+  io::save_safetensors(with_bias, file);
+  nn::SequentialCell<nn::Dense<4, 3, float, false>> without;
+  CHECK(format_error_of([&] { io::load_safetensors(file, without); }) ==
+        "safetensors file '" + file.string() +
+            "': the file's parameter(s) '0.bias' are not in the cell; the cell's '0' has no bias: duet's "
+            "convolutions have none unless has_bias is set (PyTorch's have one unless bias=False)");
+}
 
 TEST_CASE("a network saved as safetensors and loaded into a fresh one computes the same bits, in each mode") {
   TempDir dir;
@@ -204,7 +285,7 @@ TEST_CASE("every malformed tensor entry is a FormatError naming the tensor") {
   CHECK(load_error("{" + tensor("weight", "F32", "[2]", 8, 0) + "}", 8) ==
         bad + "'s data_offsets [8, 0] end before they begin");
   CHECK(load_error("{" + tensor("weight", "F32", "[2,2]", 0, 16) + "}", 12) ==
-        bad + "'s data_offsets [0, 16] run past the data's end at 12");
+        bad + "'s data_offsets [0, 16] run past the data's end at 12 (a truncated file?)");
   CHECK(load_error("{" + tensor("weight", "F32", "[2,3]", 0, 16) + "}", 16) ==
         bad + " of dtype F32 and shape [2, 3] needs 24 bytes, but its data_offsets [0, 16] hold 16");
   CHECK(load_error("{" + tensor("weight", "F64", "[4294967296,4294967296,16]", 0, 16) + "}", 16) ==
@@ -443,6 +524,54 @@ TEST_CASE("an independent reader (Python, json + numpy) reads duet's safetensors
   CHECK(result.param_not_load.empty());
   CHECK(result.ckpt_not_load == std::vector<std::string>{"bn.num_batches_tracked", "half"});
   check_python_values(partial, {"0.weight", "0.bias", "2.weight", "2.bias"});
+}
+
+TEST_CASE("PyTorch loads duet's file in its names with load_state_dict(strict=True) and computes the same; duet loads PyTorch's") {
+  std::optional<std::string> python;
+  for (const std::string candidate : {"python3", "/usr/bin/python3"}) {
+    if (std::system((candidate + " -c 'import torch, numpy' >/dev/null 2>&1").c_str()) == 0) {
+      python = candidate;
+      break;
+    }
+  }
+  if (!python) {
+    MESSAGE("SKIPPED: no python3 with torch and numpy (Debian: python3-torch, python3-numpy), so the exchange "
+            "in PyTorch's names was not checked against PyTorch");
+    return;
+  }
+  TempDir dir;
+  const fs::path duet_file = dir.path / "duet.safetensors", io_file = dir.path / "io.safetensors",
+                 torch_file = dir.path / "torch.safetensors";
+  set_seed(6);
+  TorchNamed net;
+  train_statistics(net);
+  const Tensor x = randn({5, 4}, 9);
+  io::save_safetensors(net, duet_file, {.names = io::TensorNames::pytorch});
+  InOut io_tensors;
+  io_tensors.x.set_data(x.clone());
+  {
+    EagerScope eager;
+    io_tensors.y.set_data(net(x).clone());
+  }
+  io::save_safetensors(io_tensors, io_file);
+  run(*python + " " + quoted(fs::path(__FILE__).parent_path() / "safetensors_torch.py") + " " + quoted(duet_file) +
+      " " + quoted(io_file) + " " + quoted(torch_file));
+
+  // PyTorch's state_dict (num_batches_tracked included) into a fresh network: its output in both modes.
+  TorchNamed from_torch;
+  io::load_safetensors(torch_file, from_torch, {.names = io::TensorNames::pytorch});
+  from_torch.set_train(false);
+  Out torch_output;
+  io::load_safetensors(fs::path(torch_file.string() + ".out"), torch_output);
+  const std::vector<double> expected = duet_test::values_of(static_cast<const Tensor&>(torch_output.y));
+  duet_test::ModeGuard guard;
+  for (const Mode mode : {PYNATIVE_MODE, GRAPH_MODE}) {
+    set_context({.mode = mode});
+    const std::vector<double> y = duet_test::values_of(from_torch(x));
+    REQUIRE(y.size() == expected.size());
+    for (std::size_t i = 0; i < y.size(); ++i) CHECK(y[i] == doctest::Approx(expected[i]).epsilon(1e-5));
+  }
+  CHECK(duet_test::values_of(from_torch(x)) != duet_test::values_of(net(x)));
 }
 
 }  // namespace tests_io_safetensors

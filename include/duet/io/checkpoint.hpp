@@ -55,6 +55,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <span>
@@ -575,6 +576,10 @@ inline std::string name_list(const std::vector<std::string_view>& names) {
 struct MatchWords {
   std::string noun;
   std::string holder;
+  // What the names only the file has and those only the holder has suggest, appended to a
+  // strict match's error (a format's own knowledge: safetensors files from PyTorch).
+  std::function<std::string(const std::vector<std::string_view>& unknown, const std::vector<std::string_view>& missing)>
+      hint = {};
 };
 
 // A strict match's names: those only the file has (`unknown`) and those only the holder has.
@@ -589,6 +594,7 @@ inline void check_all_matched(const std::vector<std::string_view>& unknown, cons
     message += std::string(unknown.empty() ? "" : ", and ") + "the file has no value for " + words.holder + "'s " +
                words.noun + "(s) " + name_list(missing);
   }
+  if (words.hint) message += words.hint(unknown, missing);
   throw FormatError(message);
 }
 

@@ -63,7 +63,72 @@
 
 namespace duet::io {
 
+// Whose names a file's tensors carry. duet's layers use MindSpore's, which checkpoints keep:
+// a BatchNorm's gamma, beta, moving_mean and moving_variance, a LayerNorm's and a GroupNorm's
+// gamma and beta, an Embedding's embedding_table. PyTorch's state_dict() calls them weight,
+// bias, running_mean, running_var and weight, and a BatchNorm also keeps the I64 count
+// num_batches_tracked. Everything else is named alike.
+enum class TensorNames { duet, pytorch };
+
+struct SafetensorsLoadOptions {
+  // As CheckpointLoadOptions::strict: every tensor of the cell, and nothing else, with its type and shape.
+  bool strict = true;
+  TensorNames names = TensorNames::duet;
+};
+
+struct SafetensorsSaveOptions {
+  TensorNames names = TensorNames::duet;
+};
+
 namespace detail {
+
+// A cell's tensor's name in PyTorch's state_dict: its last part renamed where the two differ.
+inline std::string pytorch_name(std::string_view name) {
+  static constexpr std::pair<std::string_view, std::string_view> renamed[] = {
+      {"gamma", "weight"},
+      {"beta", "bias"},
+      {"moving_mean", "running_mean"},
+      {"moving_variance", "running_var"},
+      {"embedding_table", "weight"}};
+  const std::size_t dot = name.rfind('.');
+  const std::string_view last = dot == std::string_view::npos ? name : name.substr(dot + 1);
+  for (const auto& [from, to] : renamed) {
+    if (last == from) return std::string(name.substr(0, name.size() - last.size())) + std::string(to);
+  }
+  return std::string(name);
+}
+
+// The BatchNorms' step counts PyTorch keeps beside their running statistics: one per tensor
+// named "<layer>.moving_mean".
+template <ElementType T>
+std::vector<std::string> batchnorm_counts(const std::vector<duet::detail::CheckpointTarget<T>>& targets) {
+  constexpr std::string_view mean = "moving_mean";
+  std::vector<std::string> counts;
+  for (const auto& target : targets) {
+    const std::string_view name = target.name;
+    if (name == mean || (name.ends_with(mean) && name[name.size() - mean.size() - 1] == '.')) {
+      counts.push_back(std::string(name.substr(0, name.size() - mean.size())) + "num_batches_tracked");
+    }
+  }
+  return counts;
+}
+
+// The targets under the names `names` gives them; two that would share one are a ValueError.
+template <ElementType T>
+std::vector<duet::detail::CheckpointTarget<T>> named_targets(std::vector<duet::detail::CheckpointTarget<T>> targets,
+                                                             TensorNames names, const std::string& where) {
+  if (names == TensorNames::duet) return targets;
+  std::unordered_set<std::string> seen;
+  for (auto& target : targets) {
+    std::string renamed = pytorch_name(target.name);
+    if (!seen.insert(renamed).second) {
+      throw ValueError(where + ": two of the cell's tensors are named '" + renamed +
+                       "' in PyTorch's names (one of them is '" + target.name + "')");
+    }
+    target.name = std::move(renamed);
+  }
+  return targets;
+}
 
 // The reference implementation's limit; a longer header is taken as corrupt.
 inline constexpr std::uint64_t max_safetensors_header_bytes = 100'000'000;
@@ -296,7 +361,8 @@ inline ParsedSafetensors parse_safetensors(std::span<const unsigned char> bytes,
     }
     const SafetensorsEntry entry(name, info, where);
     if (entry.end > data_size) {
-      entry.fail("'s data_offsets [", entry.range(), "] run past the data's end at ", std::to_string(data_size));
+      entry.fail("'s data_offsets [", entry.range(), "] run past the data's end at ", std::to_string(data_size),
+                 " (a truncated file?)");
     }
     const std::uint64_t bytes_held = entry.end - entry.begin;
     ranges.push_back({entry.begin, entry.end, name});
@@ -331,12 +397,55 @@ inline ParsedSafetensors parse_safetensors(std::span<const unsigned char> bytes,
   return file;
 }
 
-// Checks the whole file, then copies what matches into the cell's tensors.
+// What the names only the file has and only the cell has suggest: a file in PyTorch's names
+// loaded in duet's, a convolution's bias the cell's layer does not have.
+template <ElementType T>
+std::string name_hint(const std::vector<std::string_view>& unknown, const std::vector<std::string_view>& missing,
+                      const std::vector<duet::detail::CheckpointTarget<T>>& targets, TensorNames names) {
+  std::string hint;
+  const auto last_is = [](std::string_view name, std::string_view last) {
+    return name == last || (name.ends_with(last) && name[name.size() - last.size() - 1] == '.');
+  };
+  const bool pytorch_file =
+      std::ranges::any_of(unknown, [&](std::string_view n) {
+        return last_is(n, "running_mean") || last_is(n, "running_var") || last_is(n, "num_batches_tracked");
+      }) ||
+      std::ranges::any_of(missing, [&](std::string_view n) {
+        return pytorch_name(n) != n && std::ranges::find(unknown, pytorch_name(n)) != unknown.end();
+      });
+  if (names == TensorNames::duet && pytorch_file) {
+    hint += "; the file names normalisation layers' and embeddings' tensors as PyTorch does (weight, bias, "
+            "running_mean, running_var): load it with {.names = duet::io::TensorNames::pytorch}";
+  }
+  const auto has = [&](const std::string& name) {
+    return std::ranges::find(targets, name, &duet::detail::CheckpointTarget<T>::name) != targets.end();
+  };
+  for (const std::string_view n : unknown) {
+    if (!last_is(n, "bias")) continue;
+    const std::string layer(n.substr(0, n.size() - std::string_view("bias").size()));
+    if (has(layer + "weight") && !has(layer + "bias")) {
+      hint += "; the cell's '" + (layer.empty() ? layer : layer.substr(0, layer.size() - 1)) +
+              "' has no bias: duet's convolutions have none unless has_bias is set (PyTorch's have one unless "
+              "bias=False)";
+      break;
+    }
+  }
+  return hint;
+}
+
+// Checks the whole file, then copies what matches into the cell's tensors (named as in the cell).
 template <ElementType T>
 CheckpointLoad load_safetensors_into(std::span<const unsigned char> bytes,
-                                     const std::vector<duet::detail::CheckpointTarget<T>>& targets,
-                                     const CheckpointLoadOptions& options, const std::string& where) {
+                                     const std::vector<duet::detail::CheckpointTarget<T>>& cell_targets,
+                                     const SafetensorsLoadOptions& options, const std::string& where) {
   const ParsedSafetensors file = parse_safetensors(bytes, where);
+  const auto targets = named_targets(cell_targets, options.names, where);
+  std::vector<duet::detail::CheckpointRecord> records = file.tensors;
+  if (options.names == TensorNames::pytorch) {
+    // PyTorch's BatchNorm step counts have no place in duet's layers (their momentum is fixed).
+    const std::vector<std::string> counts = batchnorm_counts(cell_targets);
+    std::erase_if(records, [&](const auto& r) { return std::ranges::find(counts, r.name) != counts.end(); });
+  }
   if (options.strict && !file.refused.empty()) {
     const RefusedTensor& r = file.refused.front();
     const auto target = std::ranges::find(targets, r.name, &duet::detail::CheckpointTarget<T>::name);
@@ -348,9 +457,12 @@ CheckpointLoad load_safetensors_into(std::span<const unsigned char> bytes,
                                                      std::string(name_of(target->tensor->dtype())) + " " +
                                                      to_string(target->tensor->shape())));
   }
+  duet::detail::MatchWords words = duet::detail::parameter_words;
+  words.hint = [&](const auto& unknown, const auto& missing) {
+    return name_hint(unknown, missing, targets, options.names);
+  };
   CheckpointLoad unmatched;
-  const auto source = duet::detail::match_records(file.tensors, targets, duet::detail::parameter_words, where,
-                                                  options.strict ? nullptr : &unmatched);
+  const auto source = duet::detail::match_records(records, targets, words, where, options.strict ? nullptr : &unmatched);
   for (const RefusedTensor& r : file.refused) unmatched.ckpt_not_load.emplace_back(r.name);
   duet::detail::copy_records(bytes, targets, source);
   return unmatched;
@@ -362,24 +474,31 @@ CheckpointLoad load_safetensors_into(std::span<const unsigned char> bytes,
 // atomically (on any failure path keeps its previous contents), with the metadata
 // {"format": "pt"}: duet's layers keep their tensors in PyTorch's layout (nn::Dense's weight is
 // [out, in], as torch.nn.Linear's), which is what the "pt" format declares to Hugging Face's
-// loaders. A cell without parameters is a ValueError.
+// loaders. With {.names = TensorNames::pytorch} the tensors carry PyTorch's names, and each
+// BatchNorm also gets the num_batches_tracked PyTorch's load_state_dict asks for (0: duet
+// does not count). A cell without parameters is a ValueError.
 template <ElementType T>
-void save_safetensors(nn::BasicDynamicCell<T>& cell, const std::filesystem::path& path) {
+void save_safetensors(nn::BasicDynamicCell<T>& cell, const std::filesystem::path& path,
+                      SafetensorsSaveOptions options = {}) {
   const std::string where = detail::safetensors_where(path);
-  const auto targets = duet::detail::parameter_targets(cell, where);
+  const auto cell_targets = duet::detail::parameter_targets(cell, where);
+  const auto targets = detail::named_targets(cell_targets, options.names, where);
+  const std::vector<std::string> counts =
+      options.names == TensorNames::pytorch ? detail::batchnorm_counts(cell_targets) : std::vector<std::string>{};
   nlohmann::ordered_json header;
   header["__metadata__"] = {{"format", "pt"}};
   std::uint64_t offset = 0;
-  for (const auto& [name, t] : targets) {
+  const auto add = [&](const std::string& name, DType dtype, const Shape& shape, std::uint64_t size) {
     if (name == "__metadata__") {
       throw ValueError(where + ": " + cell.type_name() + " has a parameter named __metadata__, which the format reserves");
     }
-    const std::uint64_t size = std::uint64_t(t->numel()) * sizeof(T);
-    header[name] = {{"dtype", detail::safetensors_name_of(t->dtype())},
-                    {"shape", std::vector<index_t>(t->shape().begin(), t->shape().end())},
+    header[name] = {{"dtype", detail::safetensors_name_of(dtype)},
+                    {"shape", std::vector<index_t>(shape.begin(), shape.end())},
                     {"data_offsets", {offset, offset + size}}};
     offset += size;
-  }
+  };
+  for (const auto& [name, t] : targets) add(name, t->dtype(), t->shape(), std::uint64_t(t->numel()) * sizeof(T));
+  for (const std::string& name : counts) add(name, DType::int64, Shape{}, sizeof(std::int64_t));
   std::string text = header.dump();
   text.append((detail::safetensors_alignment - text.size() % detail::safetensors_alignment) %
                   detail::safetensors_alignment,
@@ -390,6 +509,8 @@ void save_safetensors(nn::BasicDynamicCell<T>& cell, const std::filesystem::path
   for (const auto& [name, t] : targets) {
     out.bytes(std::as_bytes(std::span<const T>(t->data(), static_cast<std::size_t>(t->numel()))));
   }
+  const std::int64_t zero = 0;
+  for (std::size_t i = 0; i < counts.size(); ++i) out.bytes(std::as_bytes(std::span(&zero, 1)));
   out.commit();
 }
 
@@ -399,11 +520,12 @@ void save_safetensors(nn::BasicDynamicCell<T>& cell, const std::filesystem::path
 // file or only the cell has. Not strict ({.strict = false}): loads the tensors that match and
 // returns the names of the others: the cell's that kept their values (param_not_load) and the
 // file's that were not used (ckpt_not_load; among them any tensor of a dtype duet does not
-// read). The whole file is checked before anything is copied: on any error the cell is left as
-// it was.
+// read). {.names = TensorNames::pytorch} reads PyTorch's names (and leaves its BatchNorms'
+// num_batches_tracked aside). The whole file is checked before anything is copied: on any error
+// the cell is left as it was.
 template <ElementType T>
 CheckpointLoad load_safetensors(const std::filesystem::path& path, nn::BasicDynamicCell<T>& cell,
-                                CheckpointLoadOptions options = {}) {
+                                SafetensorsLoadOptions options = {}) {
   const std::string where = detail::safetensors_where(path);
   const auto targets = duet::detail::parameter_targets(cell, where);
   return detail::load_safetensors_into(std::span<const unsigned char>(duet::detail::read_whole_file(path, where)),
@@ -413,7 +535,7 @@ CheckpointLoad load_safetensors(const std::filesystem::path& path, nn::BasicDyna
 // The same for the bytes of a safetensors file already in memory.
 template <ElementType T>
 CheckpointLoad load_safetensors_bytes(std::span<const std::byte> bytes, nn::BasicDynamicCell<T>& cell,
-                                      CheckpointLoadOptions options = {}) {
+                                      SafetensorsLoadOptions options = {}) {
   const auto& where = detail::safetensors_data_where;
   return detail::load_safetensors_into(duet::detail::unsigned_bytes(bytes),
                                        duet::detail::parameter_targets(cell, where), options, where);
