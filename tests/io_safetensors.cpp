@@ -526,7 +526,7 @@ TEST_CASE("an independent reader (Python, json + numpy) reads duet's safetensors
   check_python_values(partial, {"0.weight", "0.bias", "2.weight", "2.bias"});
 }
 
-TEST_CASE("PyTorch loads duet's file in its names with load_state_dict(strict=True) and computes the same; duet loads PyTorch's") {
+TEST_CASE("PyTorch loads duet's file in its names with load_state_dict(strict=True) and computes the same, and duet loads PyTorch's") {
   std::optional<std::string> python;
   for (const std::string candidate : {"python3", "/usr/bin/python3"}) {
     if (std::system((candidate + " -c 'import torch, numpy' >/dev/null 2>&1").c_str()) == 0) {

@@ -6255,11 +6255,20 @@ struct reassignment_during_capture {
                 "write `auto y = layer(x);` (a new name per step) instead of reassigning `x = layer(x);`");
 };
 
-// static_assert takes a literal only; the three uses below share it through this macro.
+// static_assert takes a literal only; the uses below share it through this macro.
 #define DUET_DETAIL_NO_VALUE_MESSAGE                                                                        \
   "duet: a tensor's value does not exist while a graph is captured (item(), data(), a branch on a value); " \
   "compute with graph operations, or run C++ on the value with duet::host(...) (a host node, "               \
   "JitSyntaxLevel::lax)"
+
+// R, after saying that no value exists at capture. As a return type it is formed where the call
+// is, so the message comes first, before what the call's use breaks next (`if (h.item() > 0)
+// return a; return b;` gives two returns of different symbolic types).
+template <class Dependent, class R>
+struct value_during_capture {
+  static_assert(no_value_during_capture<Dependent>, DUET_DETAIL_NO_VALUE_MESSAGE);
+  using type = R;
+};
 
 // Capture merges two nodes of one type on the same inputs into one (graph::detail::merge_from),
 // but the type cannot tell whether they are one value: `wq(x)` and `wk(x)` with wq, wk two
@@ -6288,13 +6297,11 @@ struct Sym {
   // A graph is captured before it runs: reading a value then, or branching on one, cannot be
   // a graph operation. These say so, instead of "no member named item".
   template <class Dependent = void>
-  value_type item() const {
-    static_assert(no_value_during_capture<Dependent>, DUET_DETAIL_NO_VALUE_MESSAGE);
+  typename value_during_capture<Dependent, value_type>::type item() const {
     return {};
   }
   template <class Dependent = void>
-  const value_type* data() const {
-    static_assert(no_value_during_capture<Dependent>, DUET_DETAIL_NO_VALUE_MESSAGE);
+  typename value_during_capture<Dependent, const value_type*>::type data() const {
     return nullptr;
   }
   template <class Dependent = void>
