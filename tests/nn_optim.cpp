@@ -225,4 +225,49 @@ TEST_CASE("an optimiser exposes its state by slot, and its step can be set to re
   CHECK(momentum.global_step() == 5);
 }
 
+TEST_CASE("AdamW decays by 0.01 when the config leaves weight_decay unset, as PyTorch's, even with other fields set") {
+  Single a, b;
+  nn::AdamW unset(a.params(), {.learning_rate = 0.01});
+  nn::AdamW explicit_decay(b.params(), {.learning_rate = 0.01, .weight_decay = 0.01});
+  for (const Tensor& g : gradients) {
+    unset({g});
+    explicit_decay({g});
+  }
+  CHECK(std::equal(a.p.data(), a.p.data() + 3, b.p.data()));
+  Single c, d;
+  nn::Adam adam_unset(c.params(), {.learning_rate = 0.01});
+  nn::Adam adam_none(d.params(), {.learning_rate = 0.01, .weight_decay = 0.0});
+  for (const Tensor& g : gradients) {
+    adam_unset({g});
+    adam_none({g});
+  }
+  CHECK(std::equal(c.p.data(), c.p.data() + 3, d.p.data()));
+}
+
+TEST_CASE("weight decay applies to the parameters .decays chooses, by name and shape, in Adam, AdamW and SGD") {
+  // Zero gradients: only weight decay moves a parameter.
+  nn::Dense<3, 2> layer;
+  const auto matrices = [](std::string_view, const Shape& shape) { return shape.rank() >= 2; };
+  const std::vector<Tensor> zero{zeros({2, 3}), zeros({2})};
+  const auto moved = [&](auto& optimizer) {
+    const std::vector<float> weight(layer.weight.data(), layer.weight.data() + 6);
+    const std::vector<float> bias(layer.bias.data(), layer.bias.data() + 2);
+    optimizer(zero);
+    return std::pair{!std::equal(weight.begin(), weight.end(), layer.weight.data()),
+                     !std::equal(bias.begin(), bias.end(), layer.bias.data())};
+  };
+  layer.bias.set_data(Tensor({2}, {0.5f, -0.5f}));
+  nn::AdamW adamw(layer.parameters(), {.learning_rate = 0.1, .decays = matrices});
+  CHECK(moved(adamw) == std::pair{true, false});
+  nn::SGD sgd(layer.parameters(), {.learning_rate = 0.1, .weight_decay = 0.1, .decays = matrices});
+  CHECK(moved(sgd) == std::pair{true, false});
+  nn::Adam adam(layer.parameters(), {.learning_rate = 0.1, .weight_decay = 0.1,
+                                     .decays = [](std::string_view name, const Shape&) { return name == "bias"; }});
+  CHECK(moved(adam) == std::pair{false, true});
+  // Without names there is nothing to choose by.
+  CHECK(value_error_of([&] { nn::AdamW(std::vector<nn::Parameter*>{&layer.weight}, {.decays = matrices}); }) ==
+        "nn::AdamW: .decays chooses parameters by name, and the optimizer was given parameters without names; pass "
+        "net.parameters()");
+}
+
 }  // namespace tests_nn_optim

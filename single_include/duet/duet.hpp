@@ -14914,6 +14914,7 @@ BasicTensor<T> initializer(const I& init, const Shape& shape) {
 #include <functional>
 #include <iostream>
 #include <numbers>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -14986,6 +14987,11 @@ struct WarmUpLR {
   }
 };
 
+// Which parameters an optimiser's weight decay applies to, by name and shape, as PyTorch's
+// parameter groups are mostly used: `[](std::string_view, const Shape& s) { return s.rank() >= 2; }`
+// decays the weight matrices and kernels, not the biases or the norms' scales.
+using DecayFilter = std::function<bool(std::string_view name, const Shape& shape)>;
+
 // One kind of state an optimiser keeps per parameter ("moment1"): tensors[i] belongs to
 // parameters()[i] and has its shape.
 template <ElementType T>
@@ -15001,6 +15007,7 @@ class BasicOptimizer {
     for (const auto& p : params) {
       if (p.parameter->requires_grad) {
         params_.push_back(p.parameter);
+        names_.push_back(p.name);
       } else {
         left_out_.push_back(p);
       }
@@ -15098,6 +15105,19 @@ class BasicOptimizer {
   virtual void begin_step() = 0;
   virtual void update(std::size_t i, const T* grad) = 0;
 
+  // Per parameter, whether weight decay applies to it: empty when to all (no filter).
+  std::vector<bool> decay_mask(const DecayFilter& decays) const {
+    if (!decays) return {};
+    if (names_.empty()) {
+      throw ValueError(std::string(type_name()) +
+                       ": .decays chooses parameters by name, and the optimizer was given parameters without "
+                       "names; pass net.parameters()");
+    }
+    std::vector<bool> mask;
+    for (std::size_t i = 0; i < params_.size(); ++i) mask.push_back(decays(names_[i], params_[i]->shape()));
+    return mask;
+  }
+
   // A zero state tensor per parameter (moments, momentum buffers).
   std::vector<BasicTensor<T>> zero_state() const {
     std::vector<BasicTensor<T>> state;
@@ -15107,6 +15127,7 @@ class BasicOptimizer {
   }
 
   std::vector<BasicParameter<T>*> params_;
+  std::vector<std::string> names_;  // params_' names, when the optimizer was given them
   LearningRate learning_rate_;
   std::int64_t global_step_ = 0;
 
@@ -15207,6 +15228,7 @@ struct SGDConfig {
   double dampening = 0.0;
   double weight_decay = 0.0;
   bool nesterov = false;
+  DecayFilter decays = {};  // which parameters weight_decay applies to; unset: all
 };
 
 template <ElementType T = float, class Backend = DefaultBackend>
@@ -15222,6 +15244,7 @@ class BasicSGD final : public BasicOptimizer<T> {
     this->require_option("dampening", config_.dampening, config_.dampening >= 0, ">= 0");
     this->require_option("weight_decay", config_.weight_decay, config_.weight_decay >= 0, ">= 0");
     if (config_.momentum > 0) momentum_ = this->zero_state();
+    decays_ = this->decay_mask(config_.decays);
   }
 
   std::string_view type_name() const override { return "nn::SGD"; }
@@ -15235,15 +15258,20 @@ class BasicSGD final : public BasicOptimizer<T> {
   void begin_step() override {
     step_ = SgdStep{this->learning_rate(), config_.momentum, config_.dampening,
                     config_.weight_decay,  config_.nesterov, this->global_step_ == 0};
+    undecayed_ = step_;
+    undecayed_.weight_decay = 0;
   }
   void update(std::size_t i, const T* grad) override {
     BasicParameter<T>& p = *this->params_[i];
-    Backend::sgd_update(p.data(), grad, momentum_.empty() ? nullptr : momentum_[i].data(), p.numel(), step_);
+    Backend::sgd_update(p.data(), grad, momentum_.empty() ? nullptr : momentum_[i].data(), p.numel(),
+                        decays_.empty() || decays_[i] ? step_ : undecayed_);
   }
 
   SGDConfig config_;
   std::vector<BasicTensor<T>> momentum_;
+  std::vector<bool> decays_;
   SgdStep step_{};
+  SgdStep undecayed_{};
 };
 
 struct AdamConfig {
@@ -15251,29 +15279,33 @@ struct AdamConfig {
   double beta1 = 0.9;
   double beta2 = 0.999;
   double eps = 1e-8;
-  double weight_decay = 0.0;
+  // Unset: 0.01 for AdamW, 0 for Adam (PyTorch's defaults), also when other fields are set.
+  std::optional<double> weight_decay = std::nullopt;
+  DecayFilter decays = {};  // which parameters weight_decay applies to; unset: all
 };
 
 template <ElementType T = float, bool Decoupled = false, class Backend = DefaultBackend>
 class BasicAdam final : public BasicOptimizer<T> {
  public:
   template <class Params>
-  explicit BasicAdam(const Params& params, AdamConfig config = default_config())
+  explicit BasicAdam(const Params& params, AdamConfig config = {})
       : BasicOptimizer<T>(params, config.learning_rate),
         config_(std::move(config)),
+        weight_decay_(config_.weight_decay.value_or(default_config().weight_decay.value_or(0))),
         m_(this->zero_state()),
         v_(this->zero_state()) {
     this->require_learning_rate();
     this->require_option("beta1", config_.beta1, config_.beta1 >= 0 && config_.beta1 < 1, "in [0, 1)");
     this->require_option("beta2", config_.beta2, config_.beta2 >= 0 && config_.beta2 < 1, "in [0, 1)");
     this->require_option("eps", config_.eps, config_.eps > 0, "> 0");
-    this->require_option("weight_decay", config_.weight_decay, config_.weight_decay >= 0, ">= 0");
+    this->require_option("weight_decay", weight_decay_, weight_decay_ >= 0, ">= 0");
+    decays_ = this->decay_mask(config_.decays);
   }
 
-  // AdamW decays weights by default (0.01, as MindSpore's and PyTorch's AdamW); Adam does not.
+  // AdamW decays weights by default (0.01, as PyTorch's AdamW); Adam does not.
   static AdamConfig default_config() {
     AdamConfig c;
-    if (Decoupled) c.weight_decay = 0.01;
+    c.weight_decay = Decoupled ? 0.01 : 0.0;
     return c;
   }
 
@@ -15287,20 +15319,26 @@ class BasicAdam final : public BasicOptimizer<T> {
                      config_.beta1,
                      config_.beta2,
                      config_.eps,
-                     config_.weight_decay,
+                     weight_decay_,
                      Decoupled,
                      1 - std::pow(config_.beta1, t),
                      1 - std::pow(config_.beta2, t)};
+    undecayed_ = step_;
+    undecayed_.weight_decay = 0;
   }
   void update(std::size_t i, const T* grad) override {
     BasicParameter<T>& p = *this->params_[i];
-    Backend::adam_update(p.data(), grad, m_[i].data(), v_[i].data(), p.numel(), step_);
+    Backend::adam_update(p.data(), grad, m_[i].data(), v_[i].data(), p.numel(),
+                         decays_.empty() || decays_[i] ? step_ : undecayed_);
   }
 
   AdamConfig config_;
+  double weight_decay_;
+  std::vector<bool> decays_;
   std::vector<BasicTensor<T>> m_;
   std::vector<BasicTensor<T>> v_;
   AdamStep step_{};
+  AdamStep undecayed_{};
 };
 
 using SGD = BasicSGD<float>;
