@@ -227,7 +227,21 @@ TEST_CASE("out-of-range labels are a duet error, not a crash") {
   CHECK_THROWS_WITH_AS(loss(zeros({2, 3}), BasicTensor<std::int32_t>({2}, {0, 3})),
                        "nn::SoftmaxCrossEntropyWithLogits: label 3 of sample 1 is outside [0, 3)", ValueError);
   CHECK_THROWS_WITH_AS(loss(zeros({2, 3}), BasicTensor<std::int32_t>({3}, {0, 1, 2})),
-                       "nn::SoftmaxCrossEntropyWithLogits expects inputs of matching shapes, got [2, 3] and [3]",
+                       "nn::SoftmaxCrossEntropyWithLogits expects class labels of shape [2]: the logits' [2, 3] "
+                       "without the last axis, which holds the classes (PyTorch's [N, C, d...] logits are [N, d..., "
+                       "C] here), got [3]",
+                       ShapeError);
+  // Distributions have the logits' shape.
+  nn::SoftmaxCrossEntropyWithLogits<false, Reduction::mean> dense;
+  CHECK_THROWS_WITH_AS(dense(zeros({2, 3}), zeros({2, 4})),
+                       "nn::SoftmaxCrossEntropyWithLogits expects labels of the logits' shape [2, 3], a distribution "
+                       "over the classes (the last axis) per row, got [2, 4] (class indices are int32)",
+                       ShapeError);
+  nn::CrossEntropyLoss<> cross_entropy;
+  CHECK_THROWS_WITH_AS(cross_entropy(zeros({8, 16, 38}), BasicTensor<std::int32_t>({128})),
+                       "nn::CrossEntropyLoss expects class labels of shape [8, 16]: the logits' [8, 16, 38] without "
+                       "the last axis, which holds the classes (PyTorch's [N, C, d...] logits are [N, d..., C] here), "
+                       "got [128]",
                        ShapeError);
 }
 

@@ -5476,6 +5476,8 @@ enum class ShapeFault : unsigned char {
   slice_range,        // the input's axis `expected` must hold the slice's range (slice)
   channel_dimension,  // the input's dimension 1 (channels, NCHW) must equal `expected` (BatchNorm, Conv)
   spatial_size,       // each spatial axis must be at least `expected`: the (dilated) window less the padding
+  class_labels,       // a class loss's labels: the logits' shape without its last axis (`expected` 1: class
+                      // indices) or the logits' shape (`expected` 0: a distribution per row)
 };
 
 // What a shape rule returns: the output shape and, if the inputs break the rule, which way.
@@ -5527,6 +5529,21 @@ inline std::string describe_fault(const ShapeResult& r, std::string_view layer, 
     case ShapeFault::broadcast:
       what = "inputs of the same shape";
       break;
+    case ShapeFault::class_labels:
+      if (inputs.size() < 2) {
+        what = "labels that fit its logits";
+        break;
+      }
+      if (r.expected == 1) {
+        Shape rows;
+        for (int i = 0; i + 1 < inputs[0].rank(); ++i) rows.push_back(inputs[0][i]);
+        return std::string(layer) + " expects class labels of shape " + to_string(rows) + ": the logits' " +
+               to_string(inputs[0]) + " without the last axis, which holds the classes (PyTorch's [N, C, d...] "
+               "logits are [N, d..., C] here), got " + to_string(inputs[1]);
+      }
+      return std::string(layer) + " expects labels of the logits' shape " + to_string(inputs[0]) +
+             ", a distribution over the classes (the last axis) per row, got " + to_string(inputs[1]) +
+             " (class indices are int32)";
     case ShapeFault::inner_dimensions:
       what = "inputs whose inner dimensions match";
       break;
@@ -5602,6 +5619,8 @@ struct rank_must_be {};
 template <index_t N>
 struct elements_per_sample_must_be {};
 struct inputs_must_have_the_same_shape {};
+struct labels_must_have_the_logits_shape_without_the_class_axis {};
+struct labels_must_have_the_logits_shape {};
 // The other input's shape, which this one must broadcast with.
 template <class OtherShape>
 struct must_broadcast_with {};
@@ -5667,6 +5686,10 @@ constexpr auto requirement() {
     return channel_dimension_must_be<N>{};
   else if constexpr (F == ShapeFault::spatial_size)
     return spatial_sizes_must_be_at_least<N>{};
+  else if constexpr (F == ShapeFault::class_labels && N == 1)
+    return labels_must_have_the_logits_shape_without_the_class_axis{};
+  else if constexpr (F == ShapeFault::class_labels)
+    return labels_must_have_the_logits_shape{};
   else
     return inputs_must_have_the_same_shape{};
 }
@@ -19074,7 +19097,7 @@ struct SoftmaxCrossEntropyOp : Primitive<SoftmaxCrossEntropyOp<Sparse, R>> {
     for (int i = 0; i + 1 < z.rank(); ++i) rows.push_back(z[i]);
     const Shape& expected = Sparse ? rows : z;
     if (!labels.leading_unknown() && labels.is_concrete() && expected.is_concrete() && !(labels == expected)) {
-      return fault(reduced(rows, R), ShapeFault::shapes_differ, 0, 1);
+      return fault(reduced(rows, R), ShapeFault::class_labels, Sparse ? 1 : 0, 1);
     }
     return {reduced(rows, R)};
   }
@@ -19085,7 +19108,7 @@ struct SoftmaxCrossEntropyOp : Primitive<SoftmaxCrossEntropyOp<Sparse, R>> {
     Shape rows;
     for (int i = 0; i + 1 < in[0].rank(); ++i) rows.push_back(in[0][i]);
     if (!(in[1] == (Sparse ? rows : in[0]))) {
-      return fault(r.shape, ShapeFault::shapes_differ, 0, 1);
+      return fault(r.shape, ShapeFault::class_labels, Sparse ? 1 : 0, 1);
     }
     return r;
   }

@@ -57,7 +57,7 @@ struct SoftmaxCrossEntropyOp : Primitive<SoftmaxCrossEntropyOp<Sparse, R>> {
     for (int i = 0; i + 1 < z.rank(); ++i) rows.push_back(z[i]);
     const Shape& expected = Sparse ? rows : z;
     if (!labels.leading_unknown() && labels.is_concrete() && expected.is_concrete() && !(labels == expected)) {
-      return fault(reduced(rows, R), ShapeFault::shapes_differ, 0, 1);
+      return fault(reduced(rows, R), ShapeFault::class_labels, Sparse ? 1 : 0, 1);
     }
     return {reduced(rows, R)};
   }
@@ -68,7 +68,7 @@ struct SoftmaxCrossEntropyOp : Primitive<SoftmaxCrossEntropyOp<Sparse, R>> {
     Shape rows;
     for (int i = 0; i + 1 < in[0].rank(); ++i) rows.push_back(in[0][i]);
     if (!(in[1] == (Sparse ? rows : in[0]))) {
-      return fault(r.shape, ShapeFault::shapes_differ, 0, 1);
+      return fault(r.shape, ShapeFault::class_labels, Sparse ? 1 : 0, 1);
     }
     return r;
   }
