@@ -91,6 +91,13 @@ const bool math_cases = add_cases([](std::multimap<std::string, Case>& m) {
   add("where", make_case<2>({{3, 1}, {3, 4}},
                             [](const auto& a, const auto& b) { return duet::ops::where(duet::ops::less_equal(a, 0.0), a, b); },
                             [](double a, double b) { return a <= 0.0 ? a : b; }));
+  // A number for either branch (PyTorch's masked_fill), the tensor broadcast against the condition.
+  for (const auto& p : std::vector<std::vector<Shape>>{{{3, 4}, {3, 4}}, {{3, 4}, {4}}, {{3, 1}, {1, 4}}}) {
+    add("where", make_case<2>(p, [](const auto& a, const auto& b) { return duet::ops::where(duet::ops::greater(a, 0.0), -3.0, b); },
+                              [](double a, double b) { return a > 0 ? -3.0 : b; }));
+    add("where", make_case<2>(p, [](const auto& a, const auto& b) { return duet::ops::where(duet::ops::greater(a, 0.0), b, 2.5); },
+                              [](double a, double b) { return a > 0 ? b : 2.5; }));
+  }
 });
 
 }  // namespace

@@ -372,6 +372,72 @@ struct WhereGradOp : Primitive<WhereGradOp<T, K>> {
   static std::string op_name() { return "SelectGrad" + std::to_string(K); }
 };
 
+template <class T, bool ScalarIsX>
+struct WhereScalarGradOp;
+
+// where(condition, x, y) with x (ScalarIsX) or y a number: PyTorch's masked_fill(mask, value)
+// is where(mask, value, x). Inputs: the condition and the tensor, broadcast together.
+template <class T, bool ScalarIsX>
+struct WhereScalarOp : Primitive<WhereScalarOp<T, ScalarIsX>> {
+  using value_type = T;
+  static constexpr int arity = 2;
+  double value;
+  WhereScalarOp(double v) : value(v) {}
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return broadcast_shapes(in[0], in[1]); }
+
+  template <class Backend, class U>
+  void run(const graph::KernelArgs& a) const {
+    const std::uint8_t* c = a.in<std::uint8_t>(0);
+    const T* t = a.in<T>(1);
+    const T v = static_cast<T>(value);
+    T* out = a.out<T>();
+    detail::for_each_broadcast3({a.in_shape(0), a.in_shape(1), a.in_shape(1)}, a.output_shape,
+                                [&](index_t i, index_t ic, index_t it, index_t) {
+                                  out[i] = (c[ic] != 0) == ScalarIsX ? v : t[it];
+                                });
+  }
+
+  template <std::size_t K>
+    requires(K < 2)
+  auto grad_op() const {
+    if constexpr (K == 0) return NoGradient{};
+    else return WhereScalarGradOp<T, ScalarIsX>{};
+  }
+
+  static std::string op_name() { return ScalarIsX ? "SelectScalarX" : "SelectScalarY"; }
+};
+
+// d/d tensor of where with a number: dy where the condition picks the tensor, 0 elsewhere,
+// summed over the axes the tensor was broadcast along.
+template <class T, bool ScalarIsX>
+struct WhereScalarGradOp : Primitive<WhereScalarGradOp<T, ScalarIsX>> {
+  using value_type = T;
+  // The tensor is read for its shape only.
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0, graph::Operand::input1};
+  static constexpr int arity = 3;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[2]}; }
+
+  template <class Backend, class U>
+  void run(const graph::KernelArgs& a) const {
+    const U* dy = a.in<U>(0);
+    const std::uint8_t* c = a.in<std::uint8_t>(1);
+    U* d = a.out<U>();
+    const Shape& target = a.in_shape(2);
+    const Shape& out = a.in_shape(0);
+    const bool summed = !(target == out);
+    if (summed) std::fill_n(d, target.numel(), U(0));
+    detail::for_each_broadcast3({a.in_shape(1), target, target}, out, [&](index_t i, index_t ic, index_t it, index_t) {
+      const U g = (c[ic] != 0) == ScalarIsX ? U(0) : dy[i];
+      if (summed) d[it] += g;
+      else d[i] = g;
+    });
+  }
+
+  static std::string op_name() { return ScalarIsX ? "SelectScalarXGrad" : "SelectScalarYGrad"; }
+};
+
 inline const bool math_listed =
     list_operations({"exp", "log", "sqrt", "rsqrt", "abs", "square", "clip_by_value", "where", "greater", "less",
                      "equal", "greater_equal", "less_equal", "not_equal"});
@@ -451,6 +517,24 @@ auto where(const C& condition, const A& x, const B& y) {
   static_assert(std::is_same_v<typename A::value_type, typename B::value_type>,
                 "duet::ops::where: x and y must have the same element type");
   return apply(WhereOp<typename A::value_type>{}, condition, x, y);
+}
+
+// A number on either side: where(mask, -1e9f, scores) is PyTorch's scores.masked_fill(mask, -1e9).
+template <class C, class A, class S>
+  requires(TensorLike<C> && TensorLike<A> && Scalar<S>)
+auto where(const C& condition, const A& x, S y) {
+  static_assert(std::is_same_v<typename C::value_type, std::uint8_t>,
+                "duet::ops::where: the condition is a UInt8 tensor, as the comparisons (ops::greater, ...) make");
+  static_assert(!truncates<S, A>, DUET_DETAIL_TRUNCATION_MESSAGE);
+  return apply(WhereScalarOp<typename A::value_type, false>{static_cast<double>(y)}, condition, x);
+}
+template <class C, class S, class B>
+  requires(TensorLike<C> && Scalar<S> && TensorLike<B>)
+auto where(const C& condition, S x, const B& y) {
+  static_assert(std::is_same_v<typename C::value_type, std::uint8_t>,
+                "duet::ops::where: the condition is a UInt8 tensor, as the comparisons (ops::greater, ...) make");
+  static_assert(!truncates<S, B>, DUET_DETAIL_TRUNCATION_MESSAGE);
+  return apply(WhereScalarOp<typename B::value_type, true>{static_cast<double>(x)}, condition, y);
 }
 
 }  // namespace ops
