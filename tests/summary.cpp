@@ -277,4 +277,32 @@ TEST_CASE("summary: a cell called inside a jit function runs compiled with it, u
   CHECK(unseen.rows.at(1).output_shapes.empty());
 }
 
+namespace {
+
+// A network of int32 indices, as a language model begins.
+struct Tokens : nn::Cell<Tokens> {
+  using input_value_type = std::int32_t;
+  nn::Embedding<10, 4> embed;
+  nn::Dense<4, 3> head;
+  DUET_CELL_MEMBERS(embed, head);
+  auto construct(auto ids) { return head(embed(ids)); }
+};
+
+}  // namespace
+
+TEST_CASE("summary: a network of int32 indices runs on int32 zeros, in both modes") {
+  ModeGuard guard;
+  for (Mode m : {PYNATIVE_MODE, GRAPH_MODE}) {
+    set_context({.mode = m});
+    Tokens net;
+    std::ostringstream sink;
+    const Summary s = summary(net, {2, 5}, sink);
+    REQUIRE(s.rows.size() == 3);
+    CHECK(s.rows[0].output_shapes == std::vector<Shape>{{2, 5, 3}});
+    CHECK(s.rows[1].output_shapes == std::vector<Shape>{{2, 5, 4}});
+    CHECK(s.rows[2].output_shapes == std::vector<Shape>{{2, 5, 3}});
+    CHECK(s.total_parameters == 40 + 15);
+  }
+}
+
 }  // namespace tests_summary

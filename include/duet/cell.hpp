@@ -549,7 +549,7 @@ class Cell : public BasicDynamicCell<T> {
       throw ModeError(this->label() + " has a hook, but hooks take tensors of its element type, and it is called with " +
                       std::string(name_of(dtype_of<U>)) + " values");
     }
-    return duet::detail::all_or_nothing([&] {
+    auto y = duet::detail::all_or_nothing([&] {
       this->check_registered();
       this->ensure_named();
       if constexpr (can_capture()) {
@@ -558,6 +558,11 @@ class Cell : public BasicDynamicCell<T> {
       EagerScope eager;
       return run_construct(x);
     });
+    // duet::summary observes this call too (its input, of another element type, is not passed).
+    if constexpr (std::is_same_v<decltype(y), BasicTensor<T>>) {
+      if (const BasicForwardHook<T>* observer = detail::call_observer<T>) (*observer)(*this, BasicTensor<T>{}, y);
+    }
+    return y;
   }
 
   // Cells whose construct takes several tensors (a network with its loss, say). They are not

@@ -133,11 +133,11 @@ inline std::string Summary::text() const {
 
 inline std::ostream& operator<<(std::ostream& os, const Summary& s) { return os << s.text(); }
 
-// Prints the summary of `net` for an input of `input_shape` (every dimension known: the batch
-// too) to `out`, and returns it. A shape a layer cannot take is the layer's ShapeError, with
-// the summary's call in front.
-template <ElementType T>
-Summary summary(nn::BasicDynamicCell<T>& net, const Shape& input_shape, std::ostream& out = std::cout) {
+namespace detail {
+
+// The summary of `net`, whose call on zeros of the input shape `run(input_shape)` makes.
+template <ElementType T, class Run>
+Summary summary_of(nn::BasicDynamicCell<T>& net, const Shape& input_shape, std::ostream& out, Run run) {
   const std::string where = "duet::summary(" + net.type_name() + ", input " + to_string(input_shape) + ")";
   if (!input_shape.is_concrete()) {
     throw ValueError(where + ": every dimension of the input shape must be known, the batch size too");
@@ -170,13 +170,32 @@ Summary summary(nn::BasicDynamicCell<T>& net, const Shape& input_shape, std::ost
   {
     const detail::ObservedRun<T> observed(observer);
     try {
-      static_cast<void>(net(BasicTensor<T>(input_shape)));
+      run(input_shape);
     } catch (const ShapeError& e) {
       throw ShapeError(where + ": " + e.what());
     }
   }
   out << result;
   return result;
+}
+
+}  // namespace detail
+
+// Prints the summary of `net` for an input of `input_shape` (every dimension known: the batch
+// too) to `out`, and returns it. A shape a layer cannot take is the layer's ShapeError, with
+// the summary's call in front.
+template <ElementType T>
+Summary summary(nn::BasicDynamicCell<T>& net, const Shape& input_shape, std::ostream& out = std::cout) {
+  return detail::summary_of(net, input_shape, out, [&](const Shape& s) { static_cast<void>(net(BasicTensor<T>(s))); });
+}
+
+// A network whose input holds another element type than its values (`using input_value_type =
+// std::int32_t;`, a network that begins with an nn::Embedding) runs on zeros of that type.
+template <class Net>
+  requires requires { typename Net::input_value_type; }
+Summary summary(Net& net, const Shape& input_shape, std::ostream& out = std::cout) {
+  using U = typename Net::input_value_type;
+  return detail::summary_of(net, input_shape, out, [&](const Shape& s) { static_cast<void>(net(BasicTensor<U>(s))); });
 }
 
 }  // namespace duet

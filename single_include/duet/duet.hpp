@@ -11142,7 +11142,7 @@ class Cell : public BasicDynamicCell<T> {
       throw ModeError(this->label() + " has a hook, but hooks take tensors of its element type, and it is called with " +
                       std::string(name_of(dtype_of<U>)) + " values");
     }
-    return duet::detail::all_or_nothing([&] {
+    auto y = duet::detail::all_or_nothing([&] {
       this->check_registered();
       this->ensure_named();
       if constexpr (can_capture()) {
@@ -11151,6 +11151,11 @@ class Cell : public BasicDynamicCell<T> {
       EagerScope eager;
       return run_construct(x);
     });
+    // duet::summary observes this call too (its input, of another element type, is not passed).
+    if constexpr (std::is_same_v<decltype(y), BasicTensor<T>>) {
+      if (const BasicForwardHook<T>* observer = detail::call_observer<T>) (*observer)(*this, BasicTensor<T>{}, y);
+    }
+    return y;
   }
 
   // Cells whose construct takes several tensors (a network with its loss, say). They are not
@@ -25195,11 +25200,11 @@ inline std::string Summary::text() const {
 
 inline std::ostream& operator<<(std::ostream& os, const Summary& s) { return os << s.text(); }
 
-// Prints the summary of `net` for an input of `input_shape` (every dimension known: the batch
-// too) to `out`, and returns it. A shape a layer cannot take is the layer's ShapeError, with
-// the summary's call in front.
-template <ElementType T>
-Summary summary(nn::BasicDynamicCell<T>& net, const Shape& input_shape, std::ostream& out = std::cout) {
+namespace detail {
+
+// The summary of `net`, whose call on zeros of the input shape `run(input_shape)` makes.
+template <ElementType T, class Run>
+Summary summary_of(nn::BasicDynamicCell<T>& net, const Shape& input_shape, std::ostream& out, Run run) {
   const std::string where = "duet::summary(" + net.type_name() + ", input " + to_string(input_shape) + ")";
   if (!input_shape.is_concrete()) {
     throw ValueError(where + ": every dimension of the input shape must be known, the batch size too");
@@ -25232,13 +25237,32 @@ Summary summary(nn::BasicDynamicCell<T>& net, const Shape& input_shape, std::ost
   {
     const detail::ObservedRun<T> observed(observer);
     try {
-      static_cast<void>(net(BasicTensor<T>(input_shape)));
+      run(input_shape);
     } catch (const ShapeError& e) {
       throw ShapeError(where + ": " + e.what());
     }
   }
   out << result;
   return result;
+}
+
+}  // namespace detail
+
+// Prints the summary of `net` for an input of `input_shape` (every dimension known: the batch
+// too) to `out`, and returns it. A shape a layer cannot take is the layer's ShapeError, with
+// the summary's call in front.
+template <ElementType T>
+Summary summary(nn::BasicDynamicCell<T>& net, const Shape& input_shape, std::ostream& out = std::cout) {
+  return detail::summary_of(net, input_shape, out, [&](const Shape& s) { static_cast<void>(net(BasicTensor<T>(s))); });
+}
+
+// A network whose input holds another element type than its values (`using input_value_type =
+// std::int32_t;`, a network that begins with an nn::Embedding) runs on zeros of that type.
+template <class Net>
+  requires requires { typename Net::input_value_type; }
+Summary summary(Net& net, const Shape& input_shape, std::ostream& out = std::cout) {
+  using U = typename Net::input_value_type;
+  return detail::summary_of(net, input_shape, out, [&](const Shape& s) { static_cast<void>(net(BasicTensor<U>(s))); });
 }
 
 }  // namespace duet
