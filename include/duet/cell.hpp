@@ -444,6 +444,11 @@ constexpr Mode mode_of_setting() {
   if constexpr (std::is_same_v<S, JitConfig>) return GRAPH_MODE;
   else return Setting;
 }
+// False: the cell-and-type pair an assertion names when a cell is called with U values it does
+// not declare (Cell's operator()).
+template <class C, class U>
+inline constexpr bool cell_takes_element_type = false;
+
 // Whether cell C declares (input_value_type) that its input holds U values.
 template <class C, class U>
 constexpr bool declares_input_value_type() {
@@ -563,6 +568,20 @@ class Cell : public BasicDynamicCell<T> {
       if (const BasicForwardHook<T>* observer = detail::call_observer<T>) (*observer)(*this, BasicTensor<T>{}, y);
     }
     return y;
+  }
+
+  // A tensor of another element type that the cell does not declare: said here, instead of
+  // every overload's reasons (int64 ids in a torch.long habit, indices without a declaration, a
+  // double tensor for a float network).
+  template <ElementType U>
+    requires(!std::is_same_v<U, T> && !detail::declares_input_value_type<Derived, U>())
+  BasicTensor<T> operator()(const BasicTensor<U>&) {
+    static_assert(detail::cell_takes_element_type<Derived, U>,
+                  "duet::nn::Cell: called with a tensor of another element type than the cell's own (its "
+                  "parameters' and construct's); a network of int32 indices (nn::Embedding first) declares "
+                  "`using input_value_type = std::int32_t;` (int64 ids are converted to int32 first); other "
+                  "values are converted to the cell's type, or the layers made of it (nn::Dense<In, Out, double>)");
+    return {};  // of the cell's type, so that nothing after it adds errors
   }
 
   // Cells whose construct takes several tensors (a network with its loss, say). They are not

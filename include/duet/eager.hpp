@@ -178,6 +178,24 @@ auto run_static(const Op& op, const X&... xs) {
 
 }  // namespace detail
 
+namespace detail {
+// A class keyed on the operation, not its operands' graphs, so that a mistake is reported once,
+// not again for each capture of construct (each phase's input is another type).
+template <class Op>
+inline constexpr bool operands_readable_during_capture = false;
+template <class Op>
+struct real_tensor_during_capture {
+  static_assert(operands_readable_during_capture<Op>,
+                "duet: an operation mixes a symbolic tensor (graph capture) and a real one; pass "
+                "every tensor the graph reads as an input of the captured function. A cell's own "
+                "parameters, and what operations on them alone make (ops::exp(log_scale)), may be "
+                "operands next to a symbolic tensor; a tensor made from anything else in construct "
+                "(duet::zeros, a member Tensor, Tensor::reshape of a parameter) is a value of the capture, "
+                "not of each call: make it an nn::Parameter of the cell, reach it through ops:: "
+                "(ops::reshape), or fix the cell to PyNative mode (nn::Cell<Net, PYNATIVE_MODE>)");
+};
+}  // namespace detail
+
 // The one entry point layers use: on symbolic tensors it records the operation in the graph,
 // on static tensors it checks the shapes at compile time and runs it now, on other tensors it
 // runs it now. A cell's parameter may be an operand in either mode, and so may what operations
@@ -202,14 +220,7 @@ auto apply(const Op& op, const A& a, const B& b, const C&... c) {
     constexpr bool readable = (graph::Symbolic<A> || nn::is_parameter_made_v<A>)&&(graph::Symbolic<B> ||
                                                                                  nn::is_parameter_made_v<B>)&&(
         (graph::Symbolic<C> || nn::is_parameter_made_v<C>)&&...);
-    static_assert(readable,
-                  "duet: an operation mixes a symbolic tensor (graph capture) and a real one; pass "
-                  "every tensor the graph reads as an input of the captured function. A cell's own "
-                  "parameters, and what operations on them alone make (ops::exp(log_scale)), may be "
-                  "operands next to a symbolic tensor; a tensor made from anything else in construct "
-                  "(duet::zeros, a member Tensor, Tensor::reshape of a parameter) is a value of the capture, "
-                  "not of each call: make it an nn::Parameter of the cell, reach it through ops:: "
-                  "(ops::reshape), or fix the cell to PyNative mode (nn::Cell<Net, PYNATIVE_MODE>)");
+    if constexpr (!readable) static_cast<void>(sizeof(detail::real_tensor_during_capture<Op>));
     // After the assertion, a symbolic operand stands for the result, so that the mistake is
     // reported once, not again by every operation after it.
     if constexpr (!readable && graph::Symbolic<A>) return a;

@@ -270,7 +270,9 @@ inline constexpr bool no_value_during_capture = false;
 template <class>
 inline constexpr bool reassigned_during_capture = false;
 
-// A class keyed on the variable's type, so that `x = fc1(x); x = relu(x);` is reported once.
+// A class keyed on the variable's element type, not its graph, so that `x = fc1(x); x =
+// relu(x);` is reported once, not again for each capture of construct (each phase's input is
+// another type).
 template <class Variable>
 struct reassignment_during_capture {
   static_assert(reassigned_during_capture<Variable>,
@@ -338,7 +340,7 @@ struct Sym {
   // "no match for operator=" with both graphs spelled out.
   template <class G2, std::size_t Out2>
   Sym& operator=(const Sym<G2, Out2>&) {
-    static_cast<void>(sizeof(reassignment_during_capture<Sym>));
+    static_cast<void>(sizeof(reassignment_during_capture<value_type>));
     return *this;
   }
 };

@@ -6270,7 +6270,9 @@ inline constexpr bool no_value_during_capture = false;
 template <class>
 inline constexpr bool reassigned_during_capture = false;
 
-// A class keyed on the variable's type, so that `x = fc1(x); x = relu(x);` is reported once.
+// A class keyed on the variable's element type, not its graph, so that `x = fc1(x); x =
+// relu(x);` is reported once, not again for each capture of construct (each phase's input is
+// another type).
 template <class Variable>
 struct reassignment_during_capture {
   static_assert(reassigned_during_capture<Variable>,
@@ -6338,7 +6340,7 @@ struct Sym {
   // "no match for operator=" with both graphs spelled out.
   template <class G2, std::size_t Out2>
   Sym& operator=(const Sym<G2, Out2>&) {
-    static_cast<void>(sizeof(reassignment_during_capture<Sym>));
+    static_cast<void>(sizeof(reassignment_during_capture<value_type>));
     return *this;
   }
 };
@@ -8586,6 +8588,24 @@ auto run_static(const Op& op, const X&... xs) {
 
 }  // namespace detail
 
+namespace detail {
+// A class keyed on the operation, not its operands' graphs, so that a mistake is reported once,
+// not again for each capture of construct (each phase's input is another type).
+template <class Op>
+inline constexpr bool operands_readable_during_capture = false;
+template <class Op>
+struct real_tensor_during_capture {
+  static_assert(operands_readable_during_capture<Op>,
+                "duet: an operation mixes a symbolic tensor (graph capture) and a real one; pass "
+                "every tensor the graph reads as an input of the captured function. A cell's own "
+                "parameters, and what operations on them alone make (ops::exp(log_scale)), may be "
+                "operands next to a symbolic tensor; a tensor made from anything else in construct "
+                "(duet::zeros, a member Tensor, Tensor::reshape of a parameter) is a value of the capture, "
+                "not of each call: make it an nn::Parameter of the cell, reach it through ops:: "
+                "(ops::reshape), or fix the cell to PyNative mode (nn::Cell<Net, PYNATIVE_MODE>)");
+};
+}  // namespace detail
+
 // The one entry point layers use: on symbolic tensors it records the operation in the graph,
 // on static tensors it checks the shapes at compile time and runs it now, on other tensors it
 // runs it now. A cell's parameter may be an operand in either mode, and so may what operations
@@ -8610,14 +8630,7 @@ auto apply(const Op& op, const A& a, const B& b, const C&... c) {
     constexpr bool readable = (graph::Symbolic<A> || nn::is_parameter_made_v<A>)&&(graph::Symbolic<B> ||
                                                                                  nn::is_parameter_made_v<B>)&&(
         (graph::Symbolic<C> || nn::is_parameter_made_v<C>)&&...);
-    static_assert(readable,
-                  "duet: an operation mixes a symbolic tensor (graph capture) and a real one; pass "
-                  "every tensor the graph reads as an input of the captured function. A cell's own "
-                  "parameters, and what operations on them alone make (ops::exp(log_scale)), may be "
-                  "operands next to a symbolic tensor; a tensor made from anything else in construct "
-                  "(duet::zeros, a member Tensor, Tensor::reshape of a parameter) is a value of the capture, "
-                  "not of each call: make it an nn::Parameter of the cell, reach it through ops:: "
-                  "(ops::reshape), or fix the cell to PyNative mode (nn::Cell<Net, PYNATIVE_MODE>)");
+    if constexpr (!readable) static_cast<void>(sizeof(detail::real_tensor_during_capture<Op>));
     // After the assertion, a symbolic operand stands for the result, so that the mistake is
     // reported once, not again by every operation after it.
     if constexpr (!readable && graph::Symbolic<A>) return a;
@@ -11037,6 +11050,11 @@ constexpr Mode mode_of_setting() {
   if constexpr (std::is_same_v<S, JitConfig>) return GRAPH_MODE;
   else return Setting;
 }
+// False: the cell-and-type pair an assertion names when a cell is called with U values it does
+// not declare (Cell's operator()).
+template <class C, class U>
+inline constexpr bool cell_takes_element_type = false;
+
 // Whether cell C declares (input_value_type) that its input holds U values.
 template <class C, class U>
 constexpr bool declares_input_value_type() {
@@ -11156,6 +11174,20 @@ class Cell : public BasicDynamicCell<T> {
       if (const BasicForwardHook<T>* observer = detail::call_observer<T>) (*observer)(*this, BasicTensor<T>{}, y);
     }
     return y;
+  }
+
+  // A tensor of another element type that the cell does not declare: said here, instead of
+  // every overload's reasons (int64 ids in a torch.long habit, indices without a declaration, a
+  // double tensor for a float network).
+  template <ElementType U>
+    requires(!std::is_same_v<U, T> && !detail::declares_input_value_type<Derived, U>())
+  BasicTensor<T> operator()(const BasicTensor<U>&) {
+    static_assert(detail::cell_takes_element_type<Derived, U>,
+                  "duet::nn::Cell: called with a tensor of another element type than the cell's own (its "
+                  "parameters' and construct's); a network of int32 indices (nn::Embedding first) declares "
+                  "`using input_value_type = std::int32_t;` (int64 ids are converted to int32 first); other "
+                  "values are converted to the cell's type, or the layers made of it (nn::Dense<In, Out, double>)");
+    return {};  // of the cell's type, so that nothing after it adds errors
   }
 
   // Cells whose construct takes several tensors (a network with its loss, say). They are not
