@@ -91,6 +91,25 @@ const bool math_cases = add_cases([](std::multimap<std::string, Case>& m) {
   add("where", make_case<2>({{3, 1}, {3, 4}},
                             [](const auto& a, const auto& b) { return duet::ops::where(duet::ops::less_equal(a, 0.0), a, b); },
                             [](double a, double b) { return a <= 0.0 ? a : b; }));
+  // tril and triu: square, wide and tall matrices, a batch of them, diagonals above and below.
+  const auto triangle = [](bool lower, duet::index_t k) {
+    return [lower, k](const std::vector<D>& xs) {
+      D y = xs[0].clone();
+      const Shape& s = y.shape();
+      const duet::index_t rows = s[s.rank() - 2], cols = s[s.rank() - 1];
+      for (duet::index_t e = 0; e < y.numel(); ++e) {
+        const duet::index_t i = (e / cols) % rows, j = e % cols;
+        if (lower ? j - i > k : j - i < k) y.data()[e] = 0;
+      }
+      return y;
+    };
+  };
+  for (const Shape& s : std::vector<Shape>{{4, 4}, {3, 5}, {5, 3}, {2, 3, 4}}) {
+    for (const duet::index_t k : {0, 1, -1}) {
+      add("tril", make_case_with_reference<1>({s}, [k](const auto& a) { return duet::ops::tril(a, k); }, triangle(true, k)));
+      add("triu", make_case_with_reference<1>({s}, [k](const auto& a) { return duet::ops::triu(a, k); }, triangle(false, k)));
+    }
+  }
   // A number for either branch (PyTorch's masked_fill), the tensor broadcast against the condition.
   for (const auto& p : std::vector<std::vector<Shape>>{{{3, 4}, {3, 4}}, {{3, 4}, {4}}, {{3, 1}, {1, 4}}}) {
     add("where", make_case<2>(p, [](const auto& a, const auto& b) { return duet::ops::where(duet::ops::greater(a, 0.0), -3.0, b); },

@@ -90,6 +90,7 @@ decltype(auto) eager_operand(const X& x) {
   }
 }
 
+// What an operand a ParameterResult keeps stands for: the parameter, or the result itself.
 template <class P>
 const P& recipe_source(const P* parameter) {
   return *parameter;
@@ -176,9 +177,6 @@ auto run_static(const Op& op, const X&... xs) {
   }
 }
 
-}  // namespace detail
-
-namespace detail {
 // A class keyed on the operation, not its operands' graphs, so that a mistake is reported once,
 // not again for each capture of construct (each phase's input is another type).
 template <class Op>

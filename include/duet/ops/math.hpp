@@ -438,9 +438,47 @@ struct WhereScalarGradOp : Primitive<WhereScalarGradOp<T, ScalarIsX>> {
   static std::string op_name() { return ScalarIsX ? "SelectScalarXGrad" : "SelectScalarYGrad"; }
 };
 
+// torch.tril / triu (MindSpore's ops.tril, ops.triu): the matrices of the last two axes with
+// the elements above (Lower: kept on and below) or below (upper) diagonal k set to 0, the
+// diagonal k above the main one (k < 0 below it). Its gradient is the same mask on dy.
+template <bool Lower>
+struct TriangleOp : Primitive<TriangleOp<Lower>> {
+  // As its own gradient operation it reads the incoming gradient.
+  static constexpr std::array reads{graph::Operand::grad};
+  static constexpr int arity = 1;
+  index_t k;
+  TriangleOp(index_t diagonal) : k(diagonal) {}
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    if (!in[0].leading_unknown() && in[0].rank() < 2) return fault(in[0], ShapeFault::min_rank, 2);
+    return {in[0]};
+  }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const Shape& s = a.in_shape();
+    const index_t rows = s[s.rank() - 2], cols = s[s.rank() - 1];
+    const T* x = a.in<T>();
+    T* y = a.out<T>();
+    for (index_t m = 0, n = rows == 0 || cols == 0 ? 0 : s.numel() / (rows * cols); m < n; ++m) {
+      for (index_t i = 0; i < rows; ++i, x += cols, y += cols) {
+        for (index_t j = 0; j < cols; ++j) y[j] = (Lower ? j - i <= k : j - i >= k) ? x[j] : T(0);
+      }
+    }
+  }
+
+  template <std::size_t K>
+    requires(K == 0)
+  auto grad_op() const {
+    return TriangleOp{k};
+  }
+
+  static std::string op_name() { return Lower ? "Tril" : "Triu"; }
+};
+
 inline const bool math_listed =
     list_operations({"exp", "log", "sqrt", "rsqrt", "abs", "square", "clip_by_value", "where", "greater", "less",
-                     "equal", "greater_equal", "less_equal", "not_equal"});
+                     "equal", "greater_equal", "less_equal", "not_equal", "tril", "triu"});
 
 template <class X>
   requires TensorLike<X>
@@ -517,6 +555,17 @@ auto where(const C& condition, const A& x, const B& y) {
   static_assert(std::is_same_v<typename A::value_type, typename B::value_type>,
                 "duet::ops::where: x and y must have the same element type");
   return apply(WhereOp<typename A::value_type>{}, condition, x, y);
+}
+
+template <class X>
+  requires TensorLike<X>
+auto tril(const X& x, index_t diagonal = 0) {
+  return apply(TriangleOp<true>{diagonal}, x);
+}
+template <class X>
+  requires TensorLike<X>
+auto triu(const X& x, index_t diagonal = 0) {
+  return apply(TriangleOp<false>{diagonal}, x);
 }
 
 // A number on either side: where(mask, -1e9f, scores) is PyTorch's scores.masked_fill(mask, -1e9).
