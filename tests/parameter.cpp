@@ -47,8 +47,9 @@ bool same_bits(const Tensor& a, const Tensor& b) {
 
 // sum(net(x)) in double, by the network's own forward in PyNative mode.
 double summed_output(Tied& net, const Tensor& x) {
+  const Tensor y = net(x);
   double total = 0;
-  for (const float v : net(x).values()) total += v;
+  for (const float v : y.values()) total += v;
   return total;
 }
 
