@@ -219,6 +219,20 @@ struct ResidualScale : nn::Cell<ResidualScale> {
   }
 };
 
+// A shortcut computed before the main branch: PyNative runs side first, graph mode (in
+// post-order) fc2 first, and both are a product with a bias on [?, 3].
+struct SideFirst : nn::Cell<SideFirst> {
+  nn::Dense<4, 6> fc1;
+  nn::Dense<6, 3> fc2;
+  nn::Dense<4, 3> side;
+  DUET_CELL_MEMBERS(fc1, fc2, side);
+  auto construct(auto x) {
+    const auto s = side(x);
+    const auto o = fc2(ops::relu(fc1(x)));
+    return o + s;
+  }
+};
+
 }  // namespace
 
 // Checked while this file compiles: the seed network captures for its input, a network built at
@@ -386,6 +400,22 @@ TEST_CASE("compare_modes pairs a fused elementwise chain with its steps, not a l
   CHECK(report.notes.empty());  // the fused node paired with its three steps
   CHECK(report.agree());
   CHECK(report.values_compared == 4);  // the product, the fused chain, tanh, the last Add
+}
+
+TEST_CASE("compare_modes pairs a layer's node with that layer's steps, whichever branch construct runs first") {
+  SideFirst net;
+  const std::string ir = graph_ir(net, shape<dyn, 4>).optimized.text;
+  REQUIRE(ir.find("'fc2'") < ir.find("'side'"));  // graph mode runs fc2 first
+  for (const bool train : {false, true}) {
+    net.set_train(train);
+    const ModeReport report = compare_modes(net, randn({5, 4}, 3));
+    CHECK(report.notes.empty());
+    CHECK(report.agree());
+    CHECK(report.values_compared == 4);  // fc1 with its ReLU, fc2, side, the Add
+  }
+  nn::MSELoss<> mse;
+  nn::WithLossCell with_loss(net, mse);
+  CHECK(compare_modes(with_loss, randn({5, 4}, 3), randn({5, 3}, 4)).agree());
 }
 
 TEST_CASE("a fused node's parts: products with epilogues, elementwise trees, any user's name") {

@@ -14125,19 +14125,38 @@ inline std::vector<std::string> fused_parts(const std::string& op_name) {
 // not paired yet whose names are the node's parts and whose last makes a value of its shape.
 // Not only runs after the last one paired: graph mode may run a node before one PyNative
 // ran first (the pieces of ops::split, each computed where it is used), and such a node would
-// find its steps passed.
+// find its steps passed. Nor only by name and shape: a layer's node is paired with its own
+// layer's steps first, since graph mode runs nodes in post-order and PyNative in construct's
+// order (`s = side(x); o = fc2(fc1(x));` runs fc2 before side in graph mode, one operation
+// on one shape).
 class TracePairing {
  public:
   explicit TracePairing(const pijit::Trace& trace) : trace_(trace), paired_(trace.steps().size(), false) {}
 
-  // The trace's value standing for a node, or nothing.
-  const pijit::Value* pair(const std::string& op_name, const Shape& shape) {
+  // The trace's value standing for a node whose operation `label()` gives `label`, or nothing.
+  const pijit::Value* pair(const std::string& op_name, const std::string& label, const Shape& shape) {
     const std::vector<std::string> parts = fused_parts(op_name);
+    while (first_free_ < paired_.size() && paired_[first_free_]) ++first_free_;
+    if (const pijit::Value* v = first_run(parts, shape, [&](const std::string& cell) { return of_layer(label, cell); })) {
+      return v;
+    }
+    return first_run(parts, shape, [](const std::string&) { return true; });
+  }
+
+ private:
+  // Whether a step made in `cell` belongs to the layer `label` names: the layer itself, or the
+  // first of a fused pair ("nn::Conv2d<...> 'conv' + nn::BatchNorm2d<...> 'bn'").
+  static bool of_layer(const std::string& label, const std::string& cell) {
+    return !cell.empty() && label.starts_with(cell) &&
+           (label.size() == cell.size() || std::string_view(label).substr(cell.size()).starts_with(" + "));
+  }
+
+  template <class InCell>
+  const pijit::Value* first_run(const std::vector<std::string>& parts, const Shape& shape, InCell in_cell) {
     const auto& steps = trace_.steps();
     const auto& values = trace_.values();
-    while (first_free_ < paired_.size() && paired_[first_free_]) ++first_free_;
     for (std::size_t s = first_free_; s + parts.size() <= steps.size(); ++s) {
-      bool same = true;
+      bool same = in_cell(values[steps[s]->output].cell);
       for (std::size_t k = 0; k < parts.size() && same; ++k) {
         same = !paired_[s + k] && stands_for(steps[s + k]->op_name(), parts[k]);
       }
@@ -14150,7 +14169,6 @@ class TracePairing {
     return nullptr;
   }
 
- private:
   // A folded part ("BatchNorm(folded)", the normalisation taken into a convolution's weight
   // at evaluation) stands for the PyNative step it replaced ("BatchNorm (moving statistics)"):
   // compared, so that where the folding moves the values is the node the report names. A
@@ -14230,7 +14248,8 @@ void compare_forward(ModeReport& report, Net& net, const CompareOptions& options
       // Inputs and parameters are the same tensors in both modes.
       if constexpr (Node::arity > 0) {
         const std::string name = Node::op_type::op_name();
-        const pijit::Value* p = pairing.pair(name, shape);
+        const std::string label = graph::get<I>(program.graph).op.label();
+        const pijit::Value* p = pairing.pair(name, label, shape);
         if (p == nullptr) {
           report.notes.push_back("%" + std::to_string(I) + " " + name + " : " + duet::to_string(shape) +
                                  ": no PyNative operation stands for it, not compared");
@@ -14238,7 +14257,6 @@ void compare_forward(ModeReport& report, Net& net, const CompareOptions& options
         }
         // The layer the operation names, as graph_ir shows it; else the cell whose construct
         // called it, as PyNative saw it run.
-        const std::string label = graph::get<I>(program.graph).op.label();
         record_comparison(report, values, static_cast<decltype(values)>(p->data), shape,
                           ModeDifference{.stage = "forward", .node = I, .operation = name,
                                          .cell = label == name ? p->cell : label},
