@@ -52,6 +52,31 @@ TEST_CASE("Flatten needs a batch axis, Dense needs at least one axis") {
   }
 }
 
+// An operation construct calls itself names no layer: the error says whose construct it is in.
+struct ShiftedDense : nn::Cell<ShiftedDense> {
+  nn::Dense<4, 6> fc;
+  nn::Parameter shift{Tensor({5}, {1, 2, 3, 4, 5})};
+  DUET_CELL_MEMBERS(fc, shift);
+  auto construct(auto x) { return ops::relu(fc(x) + shift); }
+};
+
+TEST_CASE("an operation of construct that cannot take its shapes names the construct, in both modes") {
+  ModeGuard guard;
+  ShiftedDense net;
+  const std::string shapes =
+      " expects inputs whose shapes broadcast together (numpy's rule: sizes equal or 1, aligned at the last axis), "
+      "got [3, 6] and [5] (in tests_errors::ShiftedDense::construct)";
+  set_context({.mode = PYNATIVE_MODE});
+  CHECK_THROWS_WITH_AS(net(ones({3, 4})), ("Add" + shapes).c_str(), ShapeError);
+  set_context({.mode = GRAPH_MODE});
+  CHECK_THROWS_WITH_AS(net(ones({3, 4})), ("Add + ReLU" + shapes).c_str(), ShapeError);  // fused, as graph_ir shows
+  // Outside any construct there is nothing to add.
+  CHECK_THROWS_WITH_AS(ones({3, 6}) + ones({5}),
+                       "Add expects inputs whose shapes broadcast together (numpy's rule: sizes equal or 1, aligned at "
+                       "the last axis), got [3, 6] and [5]",
+                       ShapeError);
+}
+
 TEST_CASE("a failed call leaves the parameters as they were") {
   ModeGuard guard;
   SeedNetwork<> net;

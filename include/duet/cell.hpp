@@ -81,7 +81,7 @@ inline std::atomic<std::uint64_t>& structure_generation() {
 // (DUET_CELL_MEMBERS), or its parameters would be neither trained nor saved. Frames live on
 // the call stack, so keeping track costs no allocation.
 template <ElementType T>
-class RunningCell {
+class RunningCell final : public duet::detail::RunningConstruct {
  public:
   RunningCell(BasicDynamicCell<T>& cell, const void* object, std::size_t size)
       : cell_(cell), begin_(static_cast<const char*>(object)), end_(begin_ + size), outer_(innermost_) {
@@ -90,6 +90,7 @@ class RunningCell {
   RunningCell(const RunningCell&) = delete;
   RunningCell& operator=(const RunningCell&) = delete;
   ~RunningCell() { innermost_ = outer_; }
+  std::string where() const override { return cell_.type_name() + "::construct"; }
 
   static RunningCell* innermost() { return innermost_; }
   BasicDynamicCell<T>& cell() const { return cell_; }

@@ -316,4 +316,42 @@ constexpr void report_static_fault() {
 }
 
 }  // namespace diagnostic
+
+namespace detail {
+
+// The construct running on this thread in PyNative mode, innermost. An operation called
+// from construct itself (`fc(x) + shift`) names no layer in its shape error, so the error says
+// whose construct called it, as graph mode's plan names the program it runs. Frames live on
+// the call stack: keeping track costs no allocation.
+class RunningConstruct {
+ public:
+  RunningConstruct() : outer_(innermost_) { innermost_ = this; }
+  RunningConstruct(const RunningConstruct&) = delete;
+  RunningConstruct& operator=(const RunningConstruct&) = delete;
+  // "Net::construct", or nothing outside any construct.
+  static std::string innermost_where() { return innermost_ == nullptr ? std::string() : innermost_->where(); }
+
+ protected:
+  ~RunningConstruct() { innermost_ = outer_; }
+  virtual std::string where() const = 0;
+
+ private:
+  const RunningConstruct* outer_;
+  static inline thread_local const RunningConstruct* innermost_ = nullptr;
+};
+
+// Whether an operation's label names the layer that made it (nn::Dense<784, 512> 'fc1'), so
+// that its errors need no more context.
+template <class Op>
+inline constexpr bool names_its_layer = requires(const Op& op) { op.layer; };
+
+// Where an operation labelled `label` was called from, after its shape error: " (in
+// Net::construct)"; nothing outside any construct, or when the label names one of duet's cells
+// ("nn::L1Loss": the loss's own operation).
+inline std::string called_in(std::string_view label, std::string_view where) {
+  return where.empty() || label.starts_with("nn::") ? std::string() : " (in " + std::string(where) + ")";
+}
+
+}  // namespace detail
+
 }  // namespace duet

@@ -23,7 +23,12 @@ namespace detail {
 template <class Op, std::size_t N>
 Shape checked_output_shape(const Op& op, const std::array<Shape, N>& in) {
   const ShapeResult r = op.infer(in);
-  if (!r.ok()) throw ShapeError(describe_fault(r, op.label(), in));
+  if (!r.ok()) {
+    const std::string label = op.label();
+    std::string message = describe_fault(r, label, in);
+    if constexpr (!names_its_layer<Op>) message += called_in(label, RunningConstruct::innermost_where());
+    throw ShapeError(message);
+  }
   return r.shape;
 }
 

@@ -118,7 +118,7 @@ struct Plan {
   std::array<Shape, G::size> shapes;
   std::array<std::size_t, G::size> offset;  // bytes into the arena, for slot nodes
   std::size_t arena_bytes = 0;
-  std::string where;  // what the graph was captured from, for debug's messages
+  std::string where;  // what the graph was captured from, for its errors
 };
 
 }  // namespace graph
@@ -132,6 +132,7 @@ struct PlanNode {
   ShapeResult (*infer)(const void* op, std::span<const Shape> in) = nullptr;
   std::string (*label)(const void* op) = nullptr;
   std::string (*op_name)() = nullptr;
+  bool names_its_layer = false;
   bool is_input = false;
   std::size_t input = 0;  // is_input: which argument
   std::span<const std::size_t> args;
@@ -159,6 +160,7 @@ PlanNode plan_node(const typename Node::op_type& op) {
   } else {
     p.infer = &infer_node<Op>;
     p.label = &label_node<Op>;
+    p.names_its_layer = duet::detail::names_its_layer<Op>;
   }
   return p;
 }
@@ -194,7 +196,12 @@ inline void infer_shapes(std::span<const PlanNode> nodes, std::span<const Shape>
       in.clear();
       for (std::size_t a : node.args) in.push_back(shapes[a]);
       const ShapeResult r = node.infer(node.op, in);
-      if (!r.ok()) throw ShapeError(node_context(debug, node.op_name(), i, where) + describe_fault(r, node.label(node.op), in));
+      if (!r.ok()) {
+        // In debug the context comes first; else an operation naming no layer says where it is.
+        const std::string label = node.label(node.op);
+        throw ShapeError(node_context(debug, node.op_name(), i, where) + describe_fault(r, label, in) +
+                         (debug || node.names_its_layer ? std::string() : duet::detail::called_in(label, where)));
+      }
       shapes[i] = r.shape;
     }
   }

@@ -5755,6 +5755,44 @@ constexpr void report_static_fault() {
 }
 
 }  // namespace diagnostic
+
+namespace detail {
+
+// The construct running on this thread in PyNative mode, innermost. An operation called
+// from construct itself (`fc(x) + shift`) names no layer in its shape error, so the error says
+// whose construct called it, as graph mode's plan names the program it runs. Frames live on
+// the call stack: keeping track costs no allocation.
+class RunningConstruct {
+ public:
+  RunningConstruct() : outer_(innermost_) { innermost_ = this; }
+  RunningConstruct(const RunningConstruct&) = delete;
+  RunningConstruct& operator=(const RunningConstruct&) = delete;
+  // "Net::construct", or nothing outside any construct.
+  static std::string innermost_where() { return innermost_ == nullptr ? std::string() : innermost_->where(); }
+
+ protected:
+  ~RunningConstruct() { innermost_ = outer_; }
+  virtual std::string where() const = 0;
+
+ private:
+  const RunningConstruct* outer_;
+  static inline thread_local const RunningConstruct* innermost_ = nullptr;
+};
+
+// Whether an operation's label names the layer that made it (nn::Dense<784, 512> 'fc1'), so
+// that its errors need no more context.
+template <class Op>
+inline constexpr bool names_its_layer = requires(const Op& op) { op.layer; };
+
+// Where an operation labelled `label` was called from, after its shape error: " (in
+// Net::construct)"; nothing outside any construct, or when the label names one of duet's cells
+// ("nn::L1Loss": the loss's own operation).
+inline std::string called_in(std::string_view label, std::string_view where) {
+  return where.empty() || label.starts_with("nn::") ? std::string() : " (in " + std::string(where) + ")";
+}
+
+}  // namespace detail
+
 }  // namespace duet
 // Graph capture: the compile-time IR of graph mode.
 //
@@ -7060,7 +7098,7 @@ struct Plan {
   std::array<Shape, G::size> shapes;
   std::array<std::size_t, G::size> offset;  // bytes into the arena, for slot nodes
   std::size_t arena_bytes = 0;
-  std::string where;  // what the graph was captured from, for debug's messages
+  std::string where;  // what the graph was captured from, for its errors
 };
 
 }  // namespace graph
@@ -7074,6 +7112,7 @@ struct PlanNode {
   ShapeResult (*infer)(const void* op, std::span<const Shape> in) = nullptr;
   std::string (*label)(const void* op) = nullptr;
   std::string (*op_name)() = nullptr;
+  bool names_its_layer = false;
   bool is_input = false;
   std::size_t input = 0;  // is_input: which argument
   std::span<const std::size_t> args;
@@ -7101,6 +7140,7 @@ PlanNode plan_node(const typename Node::op_type& op) {
   } else {
     p.infer = &infer_node<Op>;
     p.label = &label_node<Op>;
+    p.names_its_layer = duet::detail::names_its_layer<Op>;
   }
   return p;
 }
@@ -7136,7 +7176,12 @@ inline void infer_shapes(std::span<const PlanNode> nodes, std::span<const Shape>
       in.clear();
       for (std::size_t a : node.args) in.push_back(shapes[a]);
       const ShapeResult r = node.infer(node.op, in);
-      if (!r.ok()) throw ShapeError(node_context(debug, node.op_name(), i, where) + describe_fault(r, node.label(node.op), in));
+      if (!r.ok()) {
+        // In debug the context comes first; else an operation naming no layer says where it is.
+        const std::string label = node.label(node.op);
+        throw ShapeError(node_context(debug, node.op_name(), i, where) + describe_fault(r, label, in) +
+                         (debug || node.names_its_layer ? std::string() : duet::detail::called_in(label, where)));
+      }
       shapes[i] = r.shape;
     }
   }
@@ -8433,7 +8478,12 @@ namespace detail {
 template <class Op, std::size_t N>
 Shape checked_output_shape(const Op& op, const std::array<Shape, N>& in) {
   const ShapeResult r = op.infer(in);
-  if (!r.ok()) throw ShapeError(describe_fault(r, op.label(), in));
+  if (!r.ok()) {
+    const std::string label = op.label();
+    std::string message = describe_fault(r, label, in);
+    if constexpr (!names_its_layer<Op>) message += called_in(label, RunningConstruct::innermost_where());
+    throw ShapeError(message);
+  }
   return r.shape;
 }
 
@@ -10685,7 +10735,7 @@ inline std::atomic<std::uint64_t>& structure_generation() {
 // (DUET_CELL_MEMBERS), or its parameters would be neither trained nor saved. Frames live on
 // the call stack, so keeping track costs no allocation.
 template <ElementType T>
-class RunningCell {
+class RunningCell final : public duet::detail::RunningConstruct {
  public:
   RunningCell(BasicDynamicCell<T>& cell, const void* object, std::size_t size)
       : cell_(cell), begin_(static_cast<const char*>(object)), end_(begin_ + size), outer_(innermost_) {
@@ -10694,6 +10744,7 @@ class RunningCell {
   RunningCell(const RunningCell&) = delete;
   RunningCell& operator=(const RunningCell&) = delete;
   ~RunningCell() { innermost_ = outer_; }
+  std::string where() const override { return cell_.type_name() + "::construct"; }
 
   static RunningCell* innermost() { return innermost_; }
   BasicDynamicCell<T>& cell() const { return cell_; }
