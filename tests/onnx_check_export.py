@@ -121,6 +121,12 @@ def run(model, x):
             shape = (1, -1) + (1,) * (ins[0].ndim - 2)
             scale, bias, mean, var = (v.reshape(shape) for v in ins[1:5])
             y = (ins[0] - mean) / np.sqrt(var + a.get("epsilon", 1e-5)) * scale + bias
+        elif op == "LayerNormalization":
+            axes = tuple(range(a.get("axis", -1) % ins[0].ndim, ins[0].ndim))
+            centred = ins[0] - ins[0].mean(axis=axes, keepdims=True)
+            y = centred / np.sqrt((centred ** 2).mean(axis=axes, keepdims=True) + a.get("epsilon", 1e-5)) * ins[1]
+            if len(ins) > 2 and ins[2] is not None:
+                y = y + ins[2]
         else:
             raise SystemExit(f"onnx_check_export.py: no evaluation here for {op} (node {node.name})")
         values[node.output[0]] = y

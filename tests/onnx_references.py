@@ -2,8 +2,9 @@
 """References for duet's ONNX import, computed by PyTorch (Debian's python3-torch).
 
 Builds, with fixed seeds, the seed MLP (examples/network.hpp), LeNet-5 (examples/lenet5.hpp), a
-small residual CNN, a network of the remaining operators and one of 1-D convolutions; exports each with torch.onnx.export
-at opsets 13 and 17, and writes a fixed input and PyTorch's output for it:
+small residual CNN, a network of the remaining operators, one of 1-D convolutions and one of
+LayerNorms; exports each with torch.onnx.export at opsets 13 and 17 (the LayerNorms at 17 only),
+and writes a fixed input and PyTorch's output for it:
 
     <dir>/<model>_opset<13|17>.onnx
     <dir>/<model>.input.bin, <dir>/<model>.output.bin     float32, little-endian, row-major
@@ -117,6 +118,21 @@ class Temporal(nn.Module):
         return self.fc(torch.flatten(self.c2(torch.relu(self.c1(x))), 1))
 
 
+class Norms(nn.Module):
+    # LayerNorm over the last axis and over the last two, as a transformer block has it;
+    # exported as LayerNormalization from opset 17 (below it, as a dozen arithmetic nodes).
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 24)
+        self.norm = nn.LayerNorm(24)
+        self.plane = nn.LayerNorm([4, 6])
+        self.head = nn.Linear(24, 10)
+
+    def forward(self, x):
+        h = nn.functional.gelu(self.norm(self.fc(x)))
+        return self.head(torch.flatten(self.plane(h.reshape(-1, 4, 6)), 1))
+
+
 def randomise_batchnorm(model):
     for m in model.modules():
         if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):
@@ -125,21 +141,26 @@ def randomise_batchnorm(model):
                 m.bias.uniform_(-0.5, 0.5)
                 m.running_mean.uniform_(-0.5, 0.5)
                 m.running_var.uniform_(0.5, 2.0)
+        if isinstance(m, nn.LayerNorm):
+            with torch.no_grad():
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.5, 0.5)
 
 
 MODELS = {
-    "mlp": (SeedMLP, (4, 1, 28, 28)),
-    "lenet5": (LeNet5, (4, 1, 28, 28)),
-    "resnet": (ResidualCNN, (4, 1, 28, 28)),
-    "operators": (Operators, (4, 16)),
-    "temporal": (Temporal, (4, 3, 12)),
+    "mlp": (SeedMLP, (4, 1, 28, 28), (13, 17)),
+    "lenet5": (LeNet5, (4, 1, 28, 28), (13, 17)),
+    "resnet": (ResidualCNN, (4, 1, 28, 28), (13, 17)),
+    "operators": (Operators, (4, 16), (13, 17)),
+    "temporal": (Temporal, (4, 3, 12), (13, 17)),
+    "norms": (Norms, (4, 16), (17,)),
 }
 
 
 def main():
     out = sys.argv[1]
     os.makedirs(out, exist_ok=True)
-    for seed, (name, (make, shape)) in enumerate(MODELS.items()):
+    for seed, (name, (make, shape, opsets)) in enumerate(MODELS.items()):
         torch.manual_seed(seed)
         model = make()
         randomise_batchnorm(model)
@@ -149,7 +170,7 @@ def main():
             y = model(x)
         x.numpy().astype("<f4").tofile(os.path.join(out, f"{name}.input.bin"))
         y.numpy().astype("<f4").tofile(os.path.join(out, f"{name}.output.bin"))
-        for opset in (13, 17):
+        for opset in opsets:
             path = os.path.join(out, f"{name}_opset{opset}.onnx")
             torch.onnx.export(model, x, path, opset_version=opset, input_names=["input"], output_names=["output"],
                               dynamic_axes={"input": {0: "batch"}, "output": {0: "batch"}})

@@ -17415,7 +17415,8 @@ struct MatMulOp : Primitive<MatMulOp<Layer, Bias, Fns...>> {
       if (in[0].rank() == 2) {
         return {{"Gemm", {I::operand(0), I::of_parameter(&layer->weight)}, {InterchangeAttribute::of("transB", 1)}}};
       }
-      return {{"Transpose", {I::of_parameter(&layer->weight)}, {}}, {"MatMul", {I::operand(0), I::node(0)}, {}}};
+      return {{"Transpose", {I::of_parameter(&layer->weight)}, {InterchangeAttribute::of("perm", std::vector<std::int64_t>{1, 0})}},
+              {"MatMul", {I::operand(0), I::node(0)}, {}}};
     }
   }
 
@@ -20058,6 +20059,14 @@ struct LayerNormOp : AffineNormOp<LayerNormOp<Layer>, Layer, LayerNormGradOp> {
   }
 
   static std::string op_name() { return "LayerNorm"; }
+
+  // ONNX: LayerNormalization (opset 17) over the last axis.
+  Interchange interchange(std::span<const Shape>) const {
+    using I = InterchangeInput;
+    return {{"LayerNormalization",
+             {I::operand(0), I::of_parameter(&this->layer->gamma), I::of_parameter(&this->layer->beta)},
+             {InterchangeAttribute::of("axis", -1), InterchangeAttribute::of_real("epsilon", this->layer->epsilon())}}};
+  }
 };
 
 // The gradient of LayerNormOp. With x̂ the normalised row and h = dy · gamma: dx = rstd · (h -

@@ -35,6 +35,9 @@
 //                                                  nothing is the identity; other Pads are refused
 //   GlobalAveragePool                              ops::adaptive_avg_pool2d<1>
 //   BatchNormalization (inference)                 (x - mean) * scale / sqrt(var + eps) + B
+//   LayerNormalization (opset 17, any axis)        the same over the axes from `axis` on, with
+//                                                  their own mean and variance (nn::LayerNorm's
+//                                                  arithmetic, in ops)
 //   Flatten, Reshape                               views; Reshape's target a constant or made by
 //   Shape, Gather, Unsqueeze, Squeeze, Cast,       shape arithmetic on int64s, as torch writes
 //   Concat of int64s                               x.view(x.size(0), -1): no step, the sizes are
@@ -770,6 +773,7 @@ class OnnxBuilder {
       return;
     }
     if (op == "BatchNormalization") return add_batchnorm(n, node);
+    if (op == "LayerNormalization") return add_layernorm(n, node);
     if (op == "Flatten" || op == "Reshape") return add_reshape(n, node);
     if (op == "Transpose") return add_transpose(n, node);
     if (shape_arithmetic(n, node)) return;
@@ -1014,6 +1018,50 @@ class OnnxBuilder {
     });
   }
 
+  // torch's nn.LayerNorm at opset 17. The axes from `axis` on are normalised as the rows of a
+  // matrix, so that one reduction over the last axis serves any axis, the rank and sizes being
+  // known only as the step runs.
+  void add_layernorm(const onnx::NodeProto& n, const std::string& node) {
+    arity(n, node, 2, 3);
+    known_attributes(n, node, {"axis", "epsilon", "stash_type"});
+    if (int_attr(n, "stash_type", 1) != 1) unsupported(node, "stash_type " + std::to_string(int_attr(n, "stash_type", 1)));
+    const Operand x = operand_of(n.input(0), node);
+    if (x.kind != Kind::value) unsupported(node, "normalising an initializer");
+    const auto parameter_operand = [&](int i) {
+      parameter_input(n, i, node);
+      return operand_of(n.input(i), node);
+    };
+    const Operand scale = parameter_operand(1);
+    const bool with_bias = n.input_size() == 3 && !n.input(2).empty();
+    const Operand bias = with_bias ? parameter_operand(2) : scale;
+    const Shape normalized = model_.parameters_[scale.index]->shape();
+    if (with_bias && model_.parameters_[bias.index]->shape() != normalized) {
+      throw FormatError(where_ + ": " + node + ": its scale " + to_string(normalized) + " and bias " +
+                        to_string(model_.parameters_[bias.index]->shape()) + " differ in shape");
+    }
+    const std::int64_t axis = int_attr(n, "axis", -1);
+    const double eps = float_attr(n, "epsilon", 1e-5f);
+    const std::string step_who = node;
+    add_step("LayerNormalization", n, node, [=](const OnnxModel& m, std::vector<Tensor>& v) {
+      const Tensor& in = v[x.index];
+      const int rank = in.shape().rank();
+      const std::int64_t first = axis < 0 ? axis + rank : axis;
+      if (first < 0 || first >= rank || in.shape().rank() - first != normalized.rank() ||
+          !std::equal(normalized.begin(), normalized.end(), in.shape().begin() + first)) {
+        throw ShapeError(step_who + " normalises from axis " + std::to_string(axis) + " with a scale of shape " +
+                         to_string(normalized) + ", which must be those axes' sizes, and is given " + to_string(in.shape()));
+      }
+      const Tensor rows = apply(detail::OnnxReshapeOp{{}, {-1, normalized.numel()}, -1, step_who}, in);
+      const Tensor centred = ops::sub(rows, ops::mean(rows, ops::axes<-1>, ops::keep_dims));
+      const Tensor variance = ops::mean(ops::square(centred), ops::axes<-1>, ops::keep_dims);
+      const Tensor normal = ops::mul(centred, ops::rsqrt(ops::add(variance, eps)));
+      const Tensor y = ops::mul(apply(detail::OnnxReshapeOp{{}, {in.shape().begin(), in.shape().end()}, -1, step_who}, normal),
+                                *m.parameters_[scale.index]);
+      if (!with_bias) return y;
+      return ops::add(y, *m.parameters_[bias.index]);
+    });
+  }
+
   void add_reshape(const onnx::NodeProto& n, const std::string& node) {
     detail::OnnxReshapeOp op;
     std::optional<detail::OnnxSizes> target;  // computed by shape arithmetic, resolved as it runs
@@ -1154,8 +1202,8 @@ class OnnxBuilder {
     arity(n, node, 1, 1);
     known_attributes(n, node, {"perm"});
     const std::vector<std::int64_t> given = ints_attr(n, "perm");
-    if (given.empty()) unsupported(node, "a Transpose without perm");
-    // Checked as int64s: narrowed first, 2^32 + 1 would pass as axis 1.
+    // Checked as int64s: narrowed first, 2^32 + 1 would pass as axis 1. No perm is ONNX's
+    // default, the axes reversed, known when the step sees its input's rank.
     std::vector<std::int64_t> sorted = given;
     std::ranges::sort(sorted);
     for (std::size_t i = 0; i < sorted.size(); ++i)
@@ -1163,15 +1211,22 @@ class OnnxBuilder {
     if (given.size() > static_cast<std::size_t>(max_rank)) {
       unsupported(node, "perm " + list_text(given) + " (duet's ONNX import transposes ranks up to " + std::to_string(max_rank) + ")");
     }
-    const std::vector<int> perm(given.begin(), given.end());
+    const std::vector<int> given_perm(given.begin(), given.end());
     const Operand x = operand_of(n.input(0), node);
-    if (x.kind != Kind::value) unsupported(node, "transposing an initializer");
-    add_step("Transpose", n, node, [x, perm, node](const OnnxModel&, std::vector<Tensor>& v) {
-      const Tensor& in = v[x.index];
-      if (in.shape().rank() != static_cast<int>(perm.size())) {
-        throw ShapeError("perm of " + std::to_string(perm.size()) + " axes for an input of shape " + to_string(in.shape()));
-      }
-      return ops::transpose(in, perm);
+    add_step("Transpose", n, node, [x, given_perm](const OnnxModel& m, std::vector<Tensor>& v) {
+      // An initializer too: export_onnx writes a Dense on more than two axes as a MatMul by its
+      // transposed weight.
+      return m.with(x, v, [&](const auto& in) -> Tensor {
+        const int rank = in.shape().rank();
+        std::vector<int> perm = given_perm;
+        if (perm.empty()) {
+          for (int axis = rank - 1; axis >= 0; --axis) perm.push_back(axis);
+        }
+        if (rank != static_cast<int>(perm.size())) {
+          throw ShapeError("perm of " + std::to_string(perm.size()) + " axes for an input of shape " + to_string(in.shape()));
+        }
+        return ops::transpose(in, perm);
+      });
     });
   }
 
@@ -1481,6 +1536,11 @@ void export_onnx(Net& net, const Shape& input_shape, const std::filesystem::path
   using T = typename Net::value_type;
   static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
                 "duet::io::export_onnx: the network's values must be float or double");
+  static_assert(!requires { typename Net::input_value_type; },
+                "duet::io::export_onnx: the network takes indices (input_value_type), and export writes "
+                "networks of float input only (nn::Embedding has no ONNX form); export the part after the "
+                "embedding, a cell of float input, and save the embedding table with save_checkpoint or "
+                "safetensors");
   const std::string where = "duet::io::export_onnx(" + net.type_name() + ", " + path.string() + ")";
   if (!input_shape.is_concrete() || input_shape.rank() == 0) {
     throw ValueError(where + ": the input shape must be concrete and of rank 1 or more, got " + to_string(input_shape));

@@ -108,7 +108,8 @@ struct MatMulOp : Primitive<MatMulOp<Layer, Bias, Fns...>> {
       if (in[0].rank() == 2) {
         return {{"Gemm", {I::operand(0), I::of_parameter(&layer->weight)}, {InterchangeAttribute::of("transB", 1)}}};
       }
-      return {{"Transpose", {I::of_parameter(&layer->weight)}, {}}, {"MatMul", {I::operand(0), I::node(0)}, {}}};
+      return {{"Transpose", {I::of_parameter(&layer->weight)}, {InterchangeAttribute::of("perm", std::vector<std::int64_t>{1, 0})}},
+              {"MatMul", {I::operand(0), I::node(0)}, {}}};
     }
   }
 

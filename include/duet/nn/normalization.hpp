@@ -141,6 +141,14 @@ struct LayerNormOp : AffineNormOp<LayerNormOp<Layer>, Layer, LayerNormGradOp> {
   }
 
   static std::string op_name() { return "LayerNorm"; }
+
+  // ONNX: LayerNormalization (opset 17) over the last axis.
+  Interchange interchange(std::span<const Shape>) const {
+    using I = InterchangeInput;
+    return {{"LayerNormalization",
+             {I::operand(0), I::of_parameter(&this->layer->gamma), I::of_parameter(&this->layer->beta)},
+             {InterchangeAttribute::of("axis", -1), InterchangeAttribute::of_real("epsilon", this->layer->epsilon())}}};
+  }
 };
 
 // The gradient of LayerNormOp. With x̂ the normalised row and h = dy · gamma: dx = rstd · (h -
