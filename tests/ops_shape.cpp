@@ -204,6 +204,18 @@ const bool shape_cases = add_cases([](std::multimap<std::string, Case>& m) {
   add("gather", checked<1>({{2, 3, 2}}, [](const auto& p, const auto& idx) { return duet::ops::gather<1>(p, idx); },
                            [=](const std::vector<D>& xs) { return gathered(xs[0], gather_indices, 1); },
                            std::tuple{gather_indices}));
+  // positions: the indices along one axis, whatever the values.
+  const auto counting = [](index_t n) {
+    D out = duet::zeros<double>(Shape{n});
+    for (index_t i = 0; i < n; ++i) out.data()[i] = static_cast<double>(i);
+    return out;
+  };
+  add("positions", make_value_case({{3, 5}}, [](const auto& x) { return duet::ops::positions<1>(x); },
+                                   [=](const std::vector<D>&) { return counting(5); }));
+  add("positions", make_value_case({{2, 3, 4}}, [](const auto& x) { return duet::ops::positions<0>(x); },
+                                   [=](const std::vector<D>&) { return counting(2); }));
+  add("positions", make_value_case({{2, 3, 4}}, [](const auto& x) { return duet::ops::positions<-2>(x); },
+                                   [=](const std::vector<D>&) { return counting(3); }));
 });
 
 template <class F>
@@ -317,6 +329,50 @@ TEST_CASE("ops: transpose refuses a run-time perm that is not a permutation, in 
       auto f = duet::jit([&](const auto& t) { return duet::ops::transpose(t, perm); });
       CHECK_THROWS_WITH_AS(f(x), doctest::Contains("is not a permutation of 0, 1, ..., rank - 1"), duet::ValueError);
     }
+  }
+}
+
+// A language model's input: token and position embeddings, the positions made from the ids,
+// so that one compiled graph serves every sequence length.
+struct TokensAndPositions : duet::nn::Cell<TokensAndPositions> {
+  duet::nn::Embedding<11, 4> tokens;
+  duet::nn::Embedding<8, 4> positions;
+  DUET_CELL_MEMBERS(tokens, positions);
+  using input_value_type = std::int32_t;
+  auto construct(auto ids) { return tokens(ids) + positions(duet::ops::positions<1>(ids)); }
+};
+
+TEST_CASE("ops: positions feed a positional Embedding in both modes, for any sequence length") {
+  duet_test::ModeGuard guard;
+  TokensAndPositions net;
+  for (const index_t t : {3, 5}) {
+    INFO("length ", t);
+    I32 ids(Shape{2, t});
+    for (index_t i = 0; i < ids.numel(); ++i) ids.data()[i] = static_cast<std::int32_t>((3 * i + 1) % 11);
+    duet::set_context({.mode = duet::PYNATIVE_MODE});
+    const duet::Tensor pynative = net(ids);
+    duet::set_context({.mode = duet::GRAPH_MODE});
+    const duet::Tensor graph = net(ids);
+    REQUIRE(pynative.shape() == Shape{2, t, 4});
+    CHECK(std::equal(graph.data(), graph.data() + graph.numel(), pynative.data()));
+    for (index_t b = 0; b < 2; ++b) {
+      for (index_t j = 0; j < t; ++j) {
+        for (index_t k = 0; k < 4; ++k) {
+          const float want = net.tokens.embedding_table(ids(b, j), k) + net.positions.embedding_table(j, k);
+          CHECK(pynative(b, j, k) == want);
+        }
+      }
+    }
+  }
+  // The position table trains: row j's gradient is the sum of dy over the batch at position j.
+  for (const duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+    duet::set_context({.mode = mode});
+    I32 ids(Shape{2, 3}, {1, 2, 3, 4, 5, 6});
+    const auto grads = duet::value_and_grad([&](const I32& x) { return duet::ops::sum(net(x)); },
+                                            net.positions.parameters())(ids)
+                           .grads;
+    REQUIRE(grads.size() == 1);
+    for (index_t j = 0; j < 8; ++j) CHECK(grads[0](j, 0) == (j < 3 ? 2.0f : 0.0f));
   }
 }
 

@@ -18895,8 +18895,48 @@ auto gather(const P& params, const I& indices) {
   return apply(GatherOp<Axis>{}, params, indices);
 }
 
+// 0, 1, ..., n - 1 as int32, n the size of x along Axis: a sequence's positions, made from the
+// sequence itself (PyTorch's torch.arange(x.size(1))) so that a positional Embedding serves any
+// length in graph mode too. x's values are not read, and get no gradient.
+template <int Axis>
+struct PositionsOp : Primitive<PositionsOp<Axis>> {
+  using value_type = std::int32_t;
+  static constexpr int arity = 1;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    const Shape& x = in[0];
+    const int a = detail::axis_index(Axis, x.rank());
+    if (a < 0) return x.leading_unknown() ? ShapeResult{Shape{dyn}} : fault(x, ShapeFault::min_rank, Axis < 0 ? -Axis : Axis + 1);
+    // Counted from the front, an axis of a shape with unknown leading axes is not known.
+    if (x.leading_unknown() && Axis >= 0) return {Shape{dyn}};
+    if (x[a] > std::numeric_limits<std::int32_t>::max()) return fault(x, ShapeFault::axis_size, std::numeric_limits<std::int32_t>::max());
+    return {Shape{x[a]}};
+  }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    T* out = a.out<T>();
+    for (index_t i = 0; i < a.output_shape.numel(); ++i) out[i] = static_cast<T>(i);
+  }
+
+  template <std::size_t K>
+    requires(K == 0)
+  NoGradient grad_op() const {
+    return {};
+  }
+
+  static std::string op_name() { return "Positions<" + std::to_string(Axis) + ">"; }
+  std::string label() const { return "ops::positions<" + std::to_string(Axis) + ">"; }
+};
+
+// ops::positions<1>(ids): [0, 1, ..., T - 1] for ids of shape [B, T].
+template <int Axis, class X>
+auto positions(const X& x) {
+  return apply(PositionsOp<Axis>{}, x);
+}
+
 inline const bool shape_listed = list_operations({"reshape", "transpose", "permute", "expand_dims", "squeeze", "concat",
-                                                  "stack", "split", "slice", "strided_slice", "gather"});
+                                                  "stack", "split", "slice", "strided_slice", "gather", "positions"});
 
 }  // namespace ops
 }  // namespace duet
