@@ -200,6 +200,24 @@ TEST_CASE("backward hooks see each cell's input and output gradients while a PyN
   CHECK_THROWS_AS(relu(x), ModeError);  // hooks are PyNative's; graph mode refuses rather than skips them
 }
 
+TEST_CASE("graph mode's refusal of a hook names the cell that has it") {
+  ModeGuard guard;
+  SeedNetwork<> net;
+  net.dense_relu_sequential.get<2>().register_forward_hook([](const nn::DynamicCell&, const Tensor&, const Tensor&) {});
+  set_context({.mode = GRAPH_MODE});
+  CHECK_THROWS_WITH_AS(net(ones({2, 1, 28, 28})),
+                       doctest::Contains("runs in graph mode, but nn::Dense<512, 512> 'dense_relu_sequential.2' in it "
+                                         "has a hook"),
+                       ModeError);
+  nn::SoftmaxCrossEntropyWithLogits<true, Reduction::mean> loss;
+  nn::WithLossCell with_loss(net, loss);
+  const BasicTensor<std::int32_t> labels({2}, {1, 2});
+  CHECK_THROWS_WITH_AS(value_and_grad(with_loss, net.parameters())(ones({2, 1, 28, 28}), labels),
+                       doctest::Contains("is differentiated in graph mode, but nn::Dense<512, 512> "
+                                         "'dense_relu_sequential.2' in it has a hook"),
+                       ModeError);
+}
+
 namespace {
 // Counts how often its construct runs: once per call in PyNative mode, once per capture in graph mode.
 struct CountingCell : nn::Cell<CountingCell> {

@@ -418,6 +418,19 @@ TEST_CASE("compare_modes pairs a layer's node with that layer's steps, whichever
   CHECK(compare_modes(with_loss, randn({5, 4}, 3), randn({5, 3}, 4)).agree());
 }
 
+TEST_CASE("compare_modes refuses a network with a hook, also after graph mode has captured it") {
+  duet_test::ModeGuard guard;
+  SideFirst net;
+  const Tensor x = randn({5, 4}, 3);
+  CHECK(compare_modes(net, x).agree());  // graph mode's program is captured and kept
+  auto handle = net.fc2.register_forward_hook([](const nn::DynamicCell&, const Tensor&, const Tensor&) {});
+  CHECK_THROWS_WITH_AS(compare_modes(net, x),
+                       doctest::Contains("runs in graph mode for the comparison, but nn::Dense<6, 3> 'fc2' in it has a hook"),
+                       ModeError);
+  handle.remove();
+  CHECK(compare_modes(net, x).agree());
+}
+
 TEST_CASE("a fused node's parts: products with epilogues, elementwise trees, any user's name") {
   using duet::detail::fused_parts;
   CHECK(fused_parts("PackedMatMul + BiasAdd + ReLU") == std::vector<std::string>{"PackedMatMul", "BiasAdd", "ReLU"});
@@ -441,6 +454,17 @@ TEST_CASE("compare_modes names a folded BatchNorm's node where the folding moves
   CHECK(exact.difference->operation == "Conv2d + BatchNorm(folded) + ReLU");
   CHECK(exact.difference->max_abs_error < 1e-5);  // last bits of values near 1
   CHECK(compare_modes(net, x, CompareOptions{.rtol = 1e-5, .atol = 1e-6}).agree());
+
+  // Its loss cell: the forward's difference is the report's, and a note says the gradients,
+  // taken without folding, agree.
+  nn::MSELoss<> mse;
+  nn::WithLossCell with_loss(net, mse);
+  const Tensor output = net(x);
+  const ModeReport loss_report = compare_modes(with_loss, x, randn(output.shape(), 5));
+  REQUIRE_FALSE(loss_report.agree());
+  CHECK(loss_report.difference->operation == "Conv2d + BatchNorm(folded) + ReLU");
+  REQUIRE(loss_report.notes.size() == 1);
+  CHECK(loss_report.notes[0].find("the gradients agree all the same (") == 0);
 }
 
 }  // namespace tests_compare

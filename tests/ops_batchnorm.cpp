@@ -333,6 +333,34 @@ TEST_CASE("set_train: a gradient through BatchNorm or Dropout that nobody set_tr
   }
 }
 
+TEST_CASE("set_train: training again after a validation that did not set_train(true) warns once") {
+  duet_test::ModeGuard guard;
+  const duet::Tensor x = duet::uniform(Shape{6, 4}, -1.0f, 1.0f, std::uint64_t{66});
+  for (duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+    CAPTURE(mode);
+    duet::set_context({.mode = mode});
+    Counted<duet::CONTEXT_MODE> net;
+    auto g = duet::grad(net);
+    net.set_train(true);
+    CHECK(cerr_of([&] { g(x); }).empty());
+    net.set_train(false);  // a validation pass...
+    static_cast<void>(net(x));
+    const std::string forgot = cerr_of([&] { g(x); });  // ...and back to training without set_train(true)
+    CHECK(forgot.find("duet: warning: a gradient is taken through nn::BatchNorm1d<3> 'bn', set to evaluate, after "
+                      "earlier gradients with it in training") != std::string::npos);
+    CHECK(forgot.find("call set_train(true) on the network before the next step") != std::string::npos);
+    CHECK(cerr_of([&] { g(x); }).empty());  // once
+    net.set_train(true);
+    CHECK(cerr_of([&] { g(x); }).empty());
+
+    // Frozen from the start (fine-tuning with BatchNorm on its statistics): silent.
+    Counted<duet::CONTEXT_MODE> frozen;
+    frozen.set_train(false);
+    auto f = duet::grad(frozen);
+    CHECK(cerr_of([&] { f(x); f(x); }).empty());
+  }
+}
+
 TEST_CASE("nn::BatchNorm: evaluation normalises with the moving statistics, in both modes") {
   duet_test::ModeGuard guard;
   const D x = random_input({3, 2, 2, 2}, -2, 2, 70);

@@ -147,6 +147,40 @@ TEST_CASE("summary: the run changes no parameter, mode, compiled form or random 
   CHECK(jit_compile_count() == compiles);
 }
 
+struct NormDrop : nn::Cell<NormDrop> {
+  nn::Dense<4, 6> fc;
+  nn::BatchNorm1d<6> bn;
+  nn::Dropout drop{0.5f};
+  nn::Dense<6, 2> head;
+  DUET_CELL_MEMBERS(fc, bn, drop, head);
+  auto construct(auto x) { return head(drop(bn(fc(x)))); }
+};
+
+TEST_CASE("summary: a network set to train keeps its moving statistics and its Dropout's draws") {
+  ModeGuard guard;
+  for (const Mode mode : {PYNATIVE_MODE, GRAPH_MODE}) {
+    set_context({.mode = mode});
+    const Tensor x = randn({8, 4}, 3);
+    set_seed(7);
+    NormDrop with;
+    set_seed(7);
+    NormDrop without;
+    with.set_train(true);
+    without.set_train(true);
+    const auto values = [](NormDrop& net) {
+      std::vector<std::vector<double>> out;
+      for (const auto& p : net.parameters()) out.push_back(duet_test::values_of(Tensor(*p.parameter)));
+      return out;
+    };
+    std::ostringstream sink;
+    summary(with, {8, 4}, sink);
+    CHECK(values(with) == values(without));
+    // The next training call draws the masks it would have drawn without the summary.
+    CHECK(duet_test::values_of(with(x)) == duet_test::values_of(without(x)));
+    CHECK(values(with) == values(without));
+  }
+}
+
 TEST_CASE("summary: cells whose mode is fixed, and cells with hooks, are seen too") {
   ModeGuard guard;
   set_context({.mode = PYNATIVE_MODE});

@@ -8,6 +8,7 @@
 // gradient ops, hence the same kernels.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -546,13 +547,34 @@ class GradFunction {
       if (!phase_checked_) {
         fn_.ensure_named();
         fn_.warn_if_phase_unchosen(std::cerr);
+        for (auto& [path, cell] : fn_.cells_and_names()) {
+          if (cell->depends_on_phase()) phase_layers_.push_back({cell->label(), [c = cell] { return c->training(); }});
+        }
         phase_checked_ = true;
       }
+      warn_if_back_from_evaluation(std::cerr);
     }
     duet::detail::StepScope step;
     BasicTensor<V> value = forward_backward_in_mode<WithInput>(input_grad, xs...);
     step.commit();
     return value;
+  }
+
+  // A gradient through those layers all set to evaluate, after earlier ones with them in
+  // training, is almost always a validation pass that did not call set_train(true) after it
+  // (TrainOneStepCell refuses it): training goes on with BatchNorm on its moving statistics
+  // and Dropout off, and nothing fails. Said once per gradient function; a few flag reads a step.
+  void warn_if_back_from_evaluation(std::ostream& out) {
+    if (std::ranges::any_of(phase_layers_, [](const PhaseLayer& l) { return l.training(); })) {
+      trained_ = true;
+      return;
+    }
+    if (!trained_ || evaluation_warned_) return;
+    evaluation_warned_ = true;
+    out << "duet: warning: a gradient is taken through " << phase_layers_.front().label
+        << ", set to evaluate, after earlier gradients with it in training: a validation that did not call "
+           "set_train(true) after it? Training goes on with BatchNorm on its moving statistics and Dropout off; "
+           "call set_train(true) on the network before the next step (said once)\n";
   }
 
   template <bool WithInput, class V, class... X>
@@ -625,9 +647,8 @@ class GradFunction {
   BasicTensor<V> run_graph(BasicTensor<V>& input_grad, const X&... xs) {
     if constexpr (autodiff::detail::CellLike<Fn>) {
       if (fn_.has_hooks_in_tree()) {
-        throw ModeError(fn_.label() +
-                        " is differentiated in graph mode, but a cell in it has a hook; "
-                        "hooks run in PyNative mode only");
+        throw ModeError(fn_.label() + " is differentiated in graph mode, but " + fn_.hook_holder() +
+                        " has a hook; hooks run in PyNative mode only");
       }
       fn_.ensure_named();  // an ambiguous capture names its layers
     }
@@ -686,6 +707,13 @@ class GradFunction {
   std::uint64_t id_ = duet::detail::new_plan_owner();
   duet::detail::OwnForms forms_;  // traced_step's
   bool phase_checked_ = false;  // the first call warns of layers nobody set_train-ed
+  struct PhaseLayer {
+    std::string label;
+    std::function<bool()> training;
+  };
+  std::vector<PhaseLayer> phase_layers_;  // BatchNorm, Dropout: the layers found at the first call
+  bool trained_ = false;                  // an earlier call ran one of them in training
+  bool evaluation_warned_ = false;
   bool weights_checked_ = false;
 };
 

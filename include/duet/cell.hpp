@@ -211,12 +211,25 @@ class BasicDynamicCell {
     duet::detail::live_hook_count().fetch_sub(static_cast<long>(before - hooks_.size() - backward_hooks_.size()));
   }
 
-  // Whether this cell or one below it has a forward or backward hook.
-  bool has_hooks_in_tree() {
-    if (duet::detail::live_hook_count().load() == 0) return false;
-    bool found = !hooks_.empty() || !backward_hooks_.empty();
-    for_each_child([&](std::string_view, BasicDynamicCell& c) { found = found || c.has_hooks_in_tree(); });
+  // This cell, or the first cell below it, that has a forward or backward hook; nullptr if none.
+  BasicDynamicCell* hooked_cell() {
+    if (duet::detail::live_hook_count().load() == 0) return nullptr;
+    if (!hooks_.empty() || !backward_hooks_.empty()) return this;
+    BasicDynamicCell* found = nullptr;
+    for_each_child([&](std::string_view, BasicDynamicCell& c) {
+      if (found == nullptr) found = c.hooked_cell();
+    });
     return found;
+  }
+  bool has_hooks_in_tree() { return hooked_cell() != nullptr; }
+
+  // Who holds the hook an error refuses: "it", or "nn::Dense<1568, 10> 'fc' in it", so that a
+  // user finds the hook among many cells.
+  std::string hook_holder() {
+    BasicDynamicCell* hooked = hooked_cell();
+    if (hooked == this || hooked == nullptr) return "it";
+    ensure_named();
+    return hooked->label() + " in it";
   }
 
   // MindSpore's Cell.set_train(mode=True): this cell and every cell below it are set to train
@@ -613,9 +626,8 @@ class Cell : public BasicDynamicCell<T> {
   // than silently dropped.
   void check_capture() {
     if (this->has_hooks_in_tree()) {
-      throw ModeError(this->label() +
-                      " is captured into a graph (graph mode or jit), but it or a cell in it has a hook; hooks "
-                      "see intermediate values in PyNative mode only");
+      throw ModeError(this->label() + " is captured into a graph (graph mode or jit), but " + this->hook_holder() +
+                      " has a hook; hooks see intermediate values in PyNative mode only");
     }
     this->check_registered();
   }
@@ -694,9 +706,9 @@ class Cell : public BasicDynamicCell<T> {
 
   void refuse_hooks_in_graph() {
     if (this->has_hooks_in_tree()) {
-      throw ModeError(this->label() +
-                      " runs in graph mode, but it or a cell in it has a hook; hooks see intermediate values "
-                      "in PyNative mode only (set_context({.mode = PYNATIVE_MODE}))");
+      throw ModeError(this->label() + " runs in graph mode, but " + this->hook_holder() +
+                      " has a hook; hooks see intermediate values in PyNative mode only "
+                      "(set_context({.mode = PYNATIVE_MODE}))");
     }
   }
 

@@ -380,10 +380,32 @@ ModeReport compare_modes(Net& net, const CompareOptions& options, const X&... xs
                 "duet::compare_modes: the network does not capture as a static graph for this input "
                 "(see duet::runs_in_both_modes): graph mode would trace it or run it eagerly");
   net.ensure_named();
+  // Graph mode's program may have been captured before the hook was added, and would run
+  // without it: refused, as graph mode's own calls refuse it.
+  if (net.has_hooks_in_tree()) {
+    throw ModeError("duet::compare_modes: " + net.label() + " runs in graph mode for the comparison, but " +
+                    net.hook_holder() + " has a hook; hooks see intermediate values in PyNative mode only "
+                    "(remove it for the comparison)");
+  }
   ModeReport report;
   compare_forward(report, net, options, xs...);
   if constexpr (is_loss_cell<Net>) {
-    if (report.empty()) compare_gradients(report, net, options, xs...);
+    if (report.empty()) {
+      compare_gradients(report, net, options, xs...);
+    } else {
+      // The first difference stays the report's; whether the gradients follow it is still
+      // worth knowing (a BatchNorm folded at evaluation moves the forward's last bits only).
+      ModeReport gradients;
+      compare_gradients(gradients, net, options, xs...);
+      std::ostringstream note;
+      if (gradients.agree()) {
+        note << "the gradients agree all the same (" << gradients.values_compared << " values compared)";
+      } else {
+        note << "the gradients differ too, first in parameter '" << gradients.difference->operation
+             << "' (max abs error " << gradients.difference->max_abs_error << ")";
+      }
+      report.notes.push_back(note.str());
+    }
   }
   return report;
 }
@@ -399,7 +421,7 @@ ModeReport compare_modes(Net& net, const X& x, const CompareOptions& options = {
 
 // The same for a construct of two inputs. Given a loss cell (nn::WithLossCell) and its data
 // and labels, then, if the forward pass agrees, the first parameter whose gradient of the loss
-// does not.
+// does not; if it differs, a note says whether the gradients agree.
 template <class Net, class X, class Y>
 ModeReport compare_modes(Net& net, const X& x, const Y& y, const CompareOptions& options = {}) {
   return detail::compare_modes(net, options, x, y);

@@ -169,6 +169,9 @@ Summary summary_of(nn::BasicDynamicCell<T>& net, const Shape& input_shape, std::
   };
   {
     const detail::ObservedRun<T> observed(observer);
+    // A step that does not commit: a network set to train puts back BatchNorm's moving
+    // statistics and Dropout's generator as they were.
+    const StepScope discarded;
     try {
       run(input_shape);
     } catch (const ShapeError& e) {

@@ -15,6 +15,7 @@
 // then planned and run like any other, in one evaluator call. Both modes call the same
 // gradient ops, hence the same kernels.
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -10865,12 +10866,25 @@ class BasicDynamicCell {
     duet::detail::live_hook_count().fetch_sub(static_cast<long>(before - hooks_.size() - backward_hooks_.size()));
   }
 
-  // Whether this cell or one below it has a forward or backward hook.
-  bool has_hooks_in_tree() {
-    if (duet::detail::live_hook_count().load() == 0) return false;
-    bool found = !hooks_.empty() || !backward_hooks_.empty();
-    for_each_child([&](std::string_view, BasicDynamicCell& c) { found = found || c.has_hooks_in_tree(); });
+  // This cell, or the first cell below it, that has a forward or backward hook; nullptr if none.
+  BasicDynamicCell* hooked_cell() {
+    if (duet::detail::live_hook_count().load() == 0) return nullptr;
+    if (!hooks_.empty() || !backward_hooks_.empty()) return this;
+    BasicDynamicCell* found = nullptr;
+    for_each_child([&](std::string_view, BasicDynamicCell& c) {
+      if (found == nullptr) found = c.hooked_cell();
+    });
     return found;
+  }
+  bool has_hooks_in_tree() { return hooked_cell() != nullptr; }
+
+  // Who holds the hook an error refuses: "it", or "nn::Dense<1568, 10> 'fc' in it", so that a
+  // user finds the hook among many cells.
+  std::string hook_holder() {
+    BasicDynamicCell* hooked = hooked_cell();
+    if (hooked == this || hooked == nullptr) return "it";
+    ensure_named();
+    return hooked->label() + " in it";
   }
 
   // MindSpore's Cell.set_train(mode=True): this cell and every cell below it are set to train
@@ -11267,9 +11281,8 @@ class Cell : public BasicDynamicCell<T> {
   // than silently dropped.
   void check_capture() {
     if (this->has_hooks_in_tree()) {
-      throw ModeError(this->label() +
-                      " is captured into a graph (graph mode or jit), but it or a cell in it has a hook; hooks "
-                      "see intermediate values in PyNative mode only");
+      throw ModeError(this->label() + " is captured into a graph (graph mode or jit), but " + this->hook_holder() +
+                      " has a hook; hooks see intermediate values in PyNative mode only");
     }
     this->check_registered();
   }
@@ -11348,9 +11361,9 @@ class Cell : public BasicDynamicCell<T> {
 
   void refuse_hooks_in_graph() {
     if (this->has_hooks_in_tree()) {
-      throw ModeError(this->label() +
-                      " runs in graph mode, but it or a cell in it has a hook; hooks see intermediate values "
-                      "in PyNative mode only (set_context({.mode = PYNATIVE_MODE}))");
+      throw ModeError(this->label() + " runs in graph mode, but " + this->hook_holder() +
+                      " has a hook; hooks see intermediate values in PyNative mode only "
+                      "(set_context({.mode = PYNATIVE_MODE}))");
     }
   }
 
@@ -12006,13 +12019,34 @@ class GradFunction {
       if (!phase_checked_) {
         fn_.ensure_named();
         fn_.warn_if_phase_unchosen(std::cerr);
+        for (auto& [path, cell] : fn_.cells_and_names()) {
+          if (cell->depends_on_phase()) phase_layers_.push_back({cell->label(), [c = cell] { return c->training(); }});
+        }
         phase_checked_ = true;
       }
+      warn_if_back_from_evaluation(std::cerr);
     }
     duet::detail::StepScope step;
     BasicTensor<V> value = forward_backward_in_mode<WithInput>(input_grad, xs...);
     step.commit();
     return value;
+  }
+
+  // A gradient through those layers all set to evaluate, after earlier ones with them in
+  // training, is almost always a validation pass that did not call set_train(true) after it
+  // (TrainOneStepCell refuses it): training goes on with BatchNorm on its moving statistics
+  // and Dropout off, and nothing fails. Said once per gradient function; a few flag reads a step.
+  void warn_if_back_from_evaluation(std::ostream& out) {
+    if (std::ranges::any_of(phase_layers_, [](const PhaseLayer& l) { return l.training(); })) {
+      trained_ = true;
+      return;
+    }
+    if (!trained_ || evaluation_warned_) return;
+    evaluation_warned_ = true;
+    out << "duet: warning: a gradient is taken through " << phase_layers_.front().label
+        << ", set to evaluate, after earlier gradients with it in training: a validation that did not call "
+           "set_train(true) after it? Training goes on with BatchNorm on its moving statistics and Dropout off; "
+           "call set_train(true) on the network before the next step (said once)\n";
   }
 
   template <bool WithInput, class V, class... X>
@@ -12085,9 +12119,8 @@ class GradFunction {
   BasicTensor<V> run_graph(BasicTensor<V>& input_grad, const X&... xs) {
     if constexpr (autodiff::detail::CellLike<Fn>) {
       if (fn_.has_hooks_in_tree()) {
-        throw ModeError(fn_.label() +
-                        " is differentiated in graph mode, but a cell in it has a hook; "
-                        "hooks run in PyNative mode only");
+        throw ModeError(fn_.label() + " is differentiated in graph mode, but " + fn_.hook_holder() +
+                        " has a hook; hooks run in PyNative mode only");
       }
       fn_.ensure_named();  // an ambiguous capture names its layers
     }
@@ -12146,6 +12179,13 @@ class GradFunction {
   std::uint64_t id_ = duet::detail::new_plan_owner();
   duet::detail::OwnForms forms_;  // traced_step's
   bool phase_checked_ = false;  // the first call warns of layers nobody set_train-ed
+  struct PhaseLayer {
+    std::string label;
+    std::function<bool()> training;
+  };
+  std::vector<PhaseLayer> phase_layers_;  // BatchNorm, Dropout: the layers found at the first call
+  bool trained_ = false;                  // an earlier call ran one of them in training
+  bool evaluation_warned_ = false;
   bool weights_checked_ = false;
 };
 
@@ -14363,10 +14403,32 @@ ModeReport compare_modes(Net& net, const CompareOptions& options, const X&... xs
                 "duet::compare_modes: the network does not capture as a static graph for this input "
                 "(see duet::runs_in_both_modes): graph mode would trace it or run it eagerly");
   net.ensure_named();
+  // Graph mode's program may have been captured before the hook was added, and would run
+  // without it: refused, as graph mode's own calls refuse it.
+  if (net.has_hooks_in_tree()) {
+    throw ModeError("duet::compare_modes: " + net.label() + " runs in graph mode for the comparison, but " +
+                    net.hook_holder() + " has a hook; hooks see intermediate values in PyNative mode only "
+                    "(remove it for the comparison)");
+  }
   ModeReport report;
   compare_forward(report, net, options, xs...);
   if constexpr (is_loss_cell<Net>) {
-    if (report.empty()) compare_gradients(report, net, options, xs...);
+    if (report.empty()) {
+      compare_gradients(report, net, options, xs...);
+    } else {
+      // The first difference stays the report's; whether the gradients follow it is still
+      // worth knowing (a BatchNorm folded at evaluation moves the forward's last bits only).
+      ModeReport gradients;
+      compare_gradients(gradients, net, options, xs...);
+      std::ostringstream note;
+      if (gradients.agree()) {
+        note << "the gradients agree all the same (" << gradients.values_compared << " values compared)";
+      } else {
+        note << "the gradients differ too, first in parameter '" << gradients.difference->operation
+             << "' (max abs error " << gradients.difference->max_abs_error << ")";
+      }
+      report.notes.push_back(note.str());
+    }
   }
   return report;
 }
@@ -14382,7 +14444,7 @@ ModeReport compare_modes(Net& net, const X& x, const CompareOptions& options = {
 
 // The same for a construct of two inputs. Given a loss cell (nn::WithLossCell) and its data
 // and labels, then, if the forward pass agrees, the first parameter whose gradient of the loss
-// does not.
+// does not; if it differs, a note says whether the gradients agree.
 template <class Net, class X, class Y>
 ModeReport compare_modes(Net& net, const X& x, const Y& y, const CompareOptions& options = {}) {
   return detail::compare_modes(net, options, x, y);
@@ -19867,11 +19929,19 @@ template <bool Logits, Reduction R, class X, class Labels>
 auto class_loss(const X& input, const Labels& labels, const CrossEntropyOptions& options) {
   using L = typename std::remove_cvref_t<Labels>::value_type;
   constexpr bool sparse = std::is_same_v<L, std::int32_t>;
-  static_assert(sparse || (Logits && std::is_same_v<L, typename std::remove_cvref_t<X>::value_type>),
-                "duet::ops: the labels of nn::NLLLoss are int32 class indices; those of nn::CrossEntropyLoss "
-                "are int32 class indices or distributions of the input's element type");
-  options.validate(ClassLossOp<sparse, Logits, R>::name);
-  return apply(ClassLossOp<sparse, Logits, R>{{}, options}, input, labels);
+  // PyTorch's class indices are int64 (torch.long); duet's, as MindSpore's, int32.
+  static_assert(sparse || !Logits || std::is_same_v<L, typename std::remove_cvref_t<X>::value_type>,
+                "duet::ops: nn::CrossEntropyLoss takes labels of int32 class indices (PyTorch's int64 torch.long "
+                "labels become a duet::BasicTensor<std::int32_t>), or distributions of the input's element type");
+  static_assert(sparse || Logits,
+                "duet::ops: nn::NLLLoss takes labels of int32 class indices (PyTorch's int64 torch.long labels "
+                "become a duet::BasicTensor<std::int32_t>)");
+  if constexpr (sparse || (Logits && std::is_same_v<L, typename std::remove_cvref_t<X>::value_type>)) {
+    options.validate(ClassLossOp<sparse, Logits, R>::name);
+    return apply(ClassLossOp<sparse, Logits, R>{{}, options}, input, labels);
+  } else {
+    return input;  // after the assertion: no second error from an operation on such labels
+  }
 }
 
 // MindSpore's ops.nll_loss(inputs, target, ignore_index=-100, reduction='mean',
@@ -25433,6 +25503,9 @@ Summary summary_of(nn::BasicDynamicCell<T>& net, const Shape& input_shape, std::
   };
   {
     const detail::ObservedRun<T> observed(observer);
+    // A step that does not commit: a network set to train puts back BatchNorm's moving
+    // statistics and Dropout's generator as they were.
+    const StepScope discarded;
     try {
       run(input_shape);
     } catch (const ShapeError& e) {

@@ -682,11 +682,19 @@ template <bool Logits, Reduction R, class X, class Labels>
 auto class_loss(const X& input, const Labels& labels, const CrossEntropyOptions& options) {
   using L = typename std::remove_cvref_t<Labels>::value_type;
   constexpr bool sparse = std::is_same_v<L, std::int32_t>;
-  static_assert(sparse || (Logits && std::is_same_v<L, typename std::remove_cvref_t<X>::value_type>),
-                "duet::ops: the labels of nn::NLLLoss are int32 class indices; those of nn::CrossEntropyLoss "
-                "are int32 class indices or distributions of the input's element type");
-  options.validate(ClassLossOp<sparse, Logits, R>::name);
-  return apply(ClassLossOp<sparse, Logits, R>{{}, options}, input, labels);
+  // PyTorch's class indices are int64 (torch.long); duet's, as MindSpore's, int32.
+  static_assert(sparse || !Logits || std::is_same_v<L, typename std::remove_cvref_t<X>::value_type>,
+                "duet::ops: nn::CrossEntropyLoss takes labels of int32 class indices (PyTorch's int64 torch.long "
+                "labels become a duet::BasicTensor<std::int32_t>), or distributions of the input's element type");
+  static_assert(sparse || Logits,
+                "duet::ops: nn::NLLLoss takes labels of int32 class indices (PyTorch's int64 torch.long labels "
+                "become a duet::BasicTensor<std::int32_t>)");
+  if constexpr (sparse || (Logits && std::is_same_v<L, typename std::remove_cvref_t<X>::value_type>)) {
+    options.validate(ClassLossOp<sparse, Logits, R>::name);
+    return apply(ClassLossOp<sparse, Logits, R>{{}, options}, input, labels);
+  } else {
+    return input;  // after the assertion: no second error from an operation on such labels
+  }
 }
 
 // MindSpore's ops.nll_loss(inputs, target, ignore_index=-100, reduction='mean',
