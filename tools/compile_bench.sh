@@ -5,8 +5,10 @@
 #   deepN         tools/compile_bench/deep.cpp: N Dense<64, 64> + ReLU pairs, forward in both modes
 #   deepN_train   the same with a training step in both modes
 #   resnet        examples/resnet_fashion.cpp (the residual CNN)
-# The deep programs are also linked and run: each exits non-zero unless the two modes agree
-# bit for bit.
+#   transformer   tools/compile_bench/transformer.cpp: one transformer block (embeddings,
+#                 LayerNorm, attention, GELU MLP), forward and AdamW steps in both modes
+# The deep and transformer programs are also linked and run: each exits non-zero unless the
+# two modes agree bit for bit.
 #
 #   tools/compile_bench.sh [-c g++|clang++|both] [-O -O2] [TARGET...]   (default: all targets, g++)
 #
@@ -25,7 +27,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 [ "$compilers" = both ] && compilers="g++ clang++"
-[ $# -gt 0 ] || set -- seed deep32 deep64 deep128 deep32_train deep64_train deep128_train resnet
+[ $# -gt 0 ] || set -- seed deep32 deep64 deep128 deep32_train deep64_train deep128_train resnet transformer
 
 out=${TMPDIR:-/tmp}/duet_compile_bench.$$
 mkdir -p "$out"
@@ -38,6 +40,7 @@ for cxx in $compilers; do
     case "$target" in
       seed) source=examples/train_fashion_mnist.cpp ;;
       resnet) source=examples/resnet_fashion.cpp ;;
+      transformer) source=tools/compile_bench/transformer.cpp ;;
       deep*_train) source=tools/compile_bench/deep.cpp
         depth=${target#deep}; depth=${depth%_train}
         defines="-DDUET_BENCH_DEPTH=$depth -DDUET_BENCH_TRAIN" ;;
@@ -58,7 +61,7 @@ for cxx in $compilers; do
     fi
     run=-
     case "$target" in
-      deep*)
+      deep* | transformer)
         "$cxx" "$out/$target.o" -lz -o "$out/$target"
         if "$out/$target" >/dev/null; then run=identical; else run=DIFFER; fi ;;
     esac
