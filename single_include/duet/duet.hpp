@@ -19925,20 +19925,29 @@ struct ClassLossLabelGradOp : Primitive<ClassLossLabelGradOp<Logits, R>> {
   static std::string op_name() { return Logits ? "CrossEntropyLabelGrad" : "NLLLabelGrad"; }
 };
 
-template <bool Logits, Reduction R, class X, class Labels>
-auto class_loss(const X& input, const Labels& labels, const CrossEntropyOptions& options) {
-  using L = typename std::remove_cvref_t<Labels>::value_type;
-  constexpr bool sparse = std::is_same_v<L, std::int32_t>;
-  // PyTorch's class indices are int64 (torch.long); duet's, as MindSpore's, int32.
-  static_assert(sparse || !Logits || std::is_same_v<L, typename std::remove_cvref_t<X>::value_type>,
+// Whether a class loss takes labels of element type Label for values of type Value. A class
+// keyed on the element types alone, not on the input's (real or symbolic) type: a training step
+// compiles the loss for several forms, and a wrong label type is then reported once, not once
+// per form. PyTorch's class indices are int64 (torch.long); duet's, as MindSpore's, int32.
+template <bool Logits, class Label, class Value>
+struct ClassLabelsCheck {
+  static constexpr bool sparse = std::is_same_v<Label, std::int32_t>;
+  static constexpr bool ok = sparse || (Logits && std::is_same_v<Label, Value>);
+  static_assert(sparse || !Logits || std::is_same_v<Label, Value>,
                 "duet::ops: nn::CrossEntropyLoss takes labels of int32 class indices (PyTorch's int64 torch.long "
                 "labels become a duet::BasicTensor<std::int32_t>), or distributions of the input's element type");
   static_assert(sparse || Logits,
                 "duet::ops: nn::NLLLoss takes labels of int32 class indices (PyTorch's int64 torch.long labels "
                 "become a duet::BasicTensor<std::int32_t>)");
-  if constexpr (sparse || (Logits && std::is_same_v<L, typename std::remove_cvref_t<X>::value_type>)) {
-    options.validate(ClassLossOp<sparse, Logits, R>::name);
-    return apply(ClassLossOp<sparse, Logits, R>{{}, options}, input, labels);
+};
+
+template <bool Logits, Reduction R, class X, class Labels>
+auto class_loss(const X& input, const Labels& labels, const CrossEntropyOptions& options) {
+  using L = typename std::remove_cvref_t<Labels>::value_type;
+  using Check = ClassLabelsCheck<Logits, L, typename std::remove_cvref_t<X>::value_type>;
+  if constexpr (Check::ok) {
+    options.validate(ClassLossOp<Check::sparse, Logits, R>::name);
+    return apply(ClassLossOp<Check::sparse, Logits, R>{{}, options}, input, labels);
   } else {
     return input;  // after the assertion: no second error from an operation on such labels
   }
