@@ -15,11 +15,12 @@
 #           (the failing programs: their twins that must compile are the clang stage's, where
 #           they take a third of g++'s time), install
 #   clang   clang++, the generated single header, address + undefined-behaviour sanitizers
-#           (leak checking on, in each case's process or in a whole-suite run that holds the
-#           case: tests/leak_scan.cmake; UBSan's null and alignment checks in the io tests and
-#           the kernels' only: tests/CMakeLists.txt): unit tests, each public header of include/
-#           on its own (clang parses them in 70 % of g++'s time), compile-fail, install; line
-#           tables only. The unit tests and the other test programs at -O0: clang's warnings do
+#           (leak checking on; UBSan's null and alignment checks in the io tests and the
+#           kernels' only: tests/CMakeLists.txt): unit tests, each public header of include/ on
+#           its own (clang parses them in 70 % of g++'s time), compile-fail, install; line
+#           tables only. The unit tests run as whole suites, one process each (unit.whole,
+#           unit.isa_*), not a process per case (label unit_case): starting and stopping the
+#           sanitized program was half of the stage's test time. The unit tests and the other test programs at -O0: clang's warnings do
 #           not depend on optimisation, and sanitized -O1 took 3.3 times -O0's CPU time
 #           (tools/compile_costs.md), most of the stage; the kernels' tests, whose loops are
 #           the suite's run time, at -O1 (the sanitizers' documentation suggests it; both keep
@@ -115,7 +116,7 @@ for stage in "${stages[@]}"; do
       ;;
     clang)
       ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-        run_stage clang "$build/clang" "" "" -DCMAKE_CXX_COMPILER=clang++ -DDUET_USE_SINGLE_INCLUDE=ON \
+        run_stage clang "$build/clang" "" "-LE unit_case" -DCMAKE_CXX_COMPILER=clang++ -DDUET_USE_SINGLE_INCLUDE=ON \
         -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1" -DDUET_TEST_OPTIMIZATION=-O0 \
         "-DCMAKE_EXE_LINKER_FLAGS=$link_flags -no-pie" -DDUET_UNITY_TESTS=ON -DDUET_UNITY_BATCH_SIZE=4 -DDUET_SANITIZE=address,undefined -DDUET_BUILD_EXAMPLES=OFF -DDUET_BUILD_BENCHMARKS=OFF
       ;;
