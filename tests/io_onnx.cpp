@@ -14,6 +14,7 @@
 #include <fstream>
 #include <iterator>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -213,7 +214,7 @@ TEST_CASE("io::load_onnx_weights: by an explicit name map, into a network built 
 TEST_CASE("io::load_onnx: the fuzzer's seed models load and run, the same in both modes") {
   // tests/fuzz/make_onnx_corpus.py: every operator the loader reads (gemm.onnx at opset 13, the rest 17).
   const fs::path corpus = fs::path(__FILE__).parent_path() / "fuzz" / "corpus" / "onnx";
-  for (const std::string name : {"gemm", "conv", "gelu", "shape", "view"}) {
+  for (const std::string name : {"gemm", "conv", "gelu", "shape", "view", "slice"}) {
     INFO(name);
     duet::io::OnnxModel net = duet::io::load_onnx(corpus / (name + ".onnx"));
     Shape shape;
@@ -796,6 +797,75 @@ TEST_CASE("io::export_onnx: LayerNorm is written as LayerNormalization, Dense on
   CHECK(std::ranges::count(nodes, std::string("Transpose"), &onnx::NodeProto::op_type) == 2);
 }
 
+// A transformer encoder block after its embeddings, as helper-67 wrote one: LayerNorm, one
+// product split into q, k and v, scaled scores, softmax, a GELU MLP, residuals, mean pooling.
+template <bool Exact>
+struct Encoder : duet::nn::Cell<Encoder<Exact>> {
+  static constexpr duet::index_t width = 8;
+  duet::nn::LayerNorm<> norm1{width, 1e-5};
+  duet::nn::Dense<width, 3 * width> qkv;
+  duet::nn::Dense<width, width> projection;
+  duet::nn::LayerNorm<> norm2{width, 1e-5};
+  duet::nn::Dense<width, 16> fc1;
+  duet::nn::Activation<duet::fn::Gelu<!Exact>> gelu;
+  duet::nn::Dense<16, width> fc2;
+  duet::nn::Dense<width, 3> head;
+  DUET_CELL_MEMBERS(norm1, qkv, projection, norm2, fc1, gelu, fc2, head);
+  auto construct(auto x) {
+    namespace ops = duet::ops;
+    const auto [q, k, v] = ops::split<-1, width, width, width>(qkv(norm1(x)));
+    auto scores = ops::matmul(q, ops::transpose<0, 2, 1>(k)) * (1.0f / std::sqrt(float(width)));
+    auto attended = x + projection(ops::matmul(ops::softmax(scores, -1), v));
+    auto out = attended + fc2(gelu(fc1(norm2(attended))));
+    return head(ops::mean(out, ops::axes<1>));
+  }
+};
+
+TEST_CASE("io::export_onnx: a transformer block (split, batched MatMul, GELU, numbers, ReduceMean) loads back") {
+  const duet_test::TempDir dir;
+  Encoder<true> exact;
+  check_export(exact, Shape{2, 5, 8}, "encoder", dir, false);
+  const auto op_types = [&](const std::string& name) {
+    onnx::ModelProto model;
+    std::ifstream in(dir.path / (name + ".onnx"), std::ios::binary);
+    REQUIRE(model.ParseFromIstream(&in));
+    std::multiset<std::string> ops;
+    for (const auto& n : model.graph().node()) ops.insert(n.op_type());
+    return ops;
+  };
+  const std::multiset<std::string> ops = op_types("encoder");
+  CHECK(ops.count("Slice") == 3);
+  CHECK(ops.count("Erf") == 1);  // torch's GELU pattern, read back as one GELU
+  CHECK(ops.count("ReduceMean") == 1);
+  CHECK(ops.count("Constant") == 4);  // the scale and GELU's three numbers, none a parameter
+  // The tanh form is written out node by node, and read back as those operations.
+  Encoder<false> approximate;
+  check_export(approximate, Shape{2, 5, 8}, "encoder_tanh", dir, false);
+  CHECK(op_types("encoder_tanh").count("Tanh") == 1);
+}
+
+// Operations whose ONNX forms are short chains, each checked by the same round trip.
+struct Assorted : duet::nn::Cell<Assorted> {
+  duet::nn::Dense<6, 12> fc;
+  DUET_CELL_MEMBERS(fc);
+  auto construct(auto x) {
+    namespace ops = duet::ops;
+    auto h = fc(x);                                                  // [2, 12]
+    auto r = ops::reshape<2, 3, 4>(h);                              // Reshape
+    auto s = ops::strided_slice(r, ops::ints<0, 2>, ops::ints<2, ops::to_end>, ops::ints<1, -1>);  // backwards
+    auto e = ops::expand_dims<1>(ops::sum(s, ops::axes<-1>));        // ReduceSum, Unsqueeze
+    auto c = ops::concat<-1>(e, ops::squeeze<1>(ops::expand_dims<1>(ops::max(r, ops::axes<1>, ops::keep_dims))));
+    auto t = ops::stack<0>(ops::silu(c), ops::softplus(c), ops::clip_by_value(c, -0.5, 0.5));
+    return ops::mean(ops::sqrt(ops::abs(t)) + ops::exp(-t) + 2.0f / (1.0f + ops::square(t)), ops::keep_dims);
+  }
+};
+
+TEST_CASE("io::export_onnx: shape operations, reductions, numbers on either side and elementwise chains load back") {
+  const duet_test::TempDir dir;
+  Assorted net;
+  check_export(net, Shape{2, 6}, "assorted", dir, false);
+}
+
 TEST_CASE("io::export_onnx: with dynamic_batch the model takes any batch") {
   const duet_test::TempDir dir;
   LeNet5 lenet;
@@ -808,10 +878,10 @@ TEST_CASE("io::export_onnx: with dynamic_batch the model takes any batch") {
   CHECK(same_bits(loaded(x), Tensor(lenet(x))));
 }
 
-struct Scaled : duet::nn::Cell<Scaled> {
+struct Masked : duet::nn::Cell<Masked> {
   duet::nn::Dense<4, 3> dense;
   DUET_CELL_MEMBERS(dense);
-  auto construct(auto x) { return dense(x) * 2.0f; }
+  auto construct(auto x) { return duet::ops::tril(dense(x)); }
 };
 
 TEST_CASE("io::export_onnx: an operation with no ONNX form, or an input shape that is not concrete, is a ValueError") {
@@ -825,10 +895,10 @@ TEST_CASE("io::export_onnx: an operation with no ONNX form, or an input shape th
     FAIL("expected a duet::ValueError");
     return {};
   };
-  Scaled net;
-  const fs::path file = dir.path / "scaled.onnx";
+  Masked net;
+  const fs::path file = dir.path / "masked.onnx";
   const std::string message = value_error_of([&] { duet::io::export_onnx(net, Shape{2, 4}, file); });
-  CHECK(message.find("Mul(x, scalar)") != std::string::npos);
+  CHECK(message.find("Tril") != std::string::npos);
   CHECK(message.find("has no ONNX form") != std::string::npos);
   CHECK(dir.listing().empty());  // nothing written, not even the temporary file
   const std::string shape = value_error_of([&] { duet::io::export_onnx(net, Shape{-1, 4}, file); });

@@ -8,6 +8,7 @@ and initializers, read by the ONNX library), on INPUT, and must give OUTPUT, due
 (both raw float32 files, shapes from the model), within 1e-5 of OUTPUT's largest magnitude.
 Exit code 0 if both hold; 1 with the reason otherwise.
 """
+import math
 import sys
 
 import numpy as np
@@ -127,6 +128,39 @@ def run(model, x):
             y = centred / np.sqrt((centred ** 2).mean(axis=axes, keepdims=True) + a.get("epsilon", 1e-5)) * ins[1]
             if len(ins) > 2 and ins[2] is not None:
                 y = y + ins[2]
+        elif op == "Constant":
+            y = onnx.numpy_helper.to_array(a["value"]).astype(np.float64)
+        elif op in ("Exp", "Log", "Sqrt", "Abs", "Neg", "Reciprocal", "Softplus", "Erf"):
+            f = {"Exp": np.exp, "Log": np.log, "Sqrt": np.sqrt, "Abs": np.abs, "Neg": np.negative,
+                 "Reciprocal": lambda v: 1 / v, "Softplus": lambda v: np.logaddexp(0, v), "Erf": np.vectorize(math.erf)}[op]
+            y = f(ins[0])
+        elif op == "Clip":
+            lo = ins[1] if len(ins) > 1 and ins[1] is not None else -np.inf
+            hi = ins[2] if len(ins) > 2 and ins[2] is not None else np.inf
+            y = np.minimum(np.maximum(ins[0], lo), hi)
+        elif op == "Slice":
+            starts, ends = ins[1], ins[2]
+            axes = ins[3] if len(ins) > 3 else range(len(starts))
+            steps = ins[4] if len(ins) > 4 else [1] * len(starts)
+            index = [slice(None)] * ins[0].ndim
+            for start, end, axis, step in zip(starts, ends, axes, steps):
+                # ONNX's ends below -size walk past the first element, which Python spells None.
+                end = None if end < -ins[0].shape[axis] else int(end)
+                index[int(axis)] = slice(int(start), end, int(step))
+            y = ins[0][tuple(index)]
+        elif op in ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin"):
+            axes = a.get("axes", ins[1] if len(ins) > 1 else None)
+            axes = None if axes is None or len(axes) == 0 else tuple(int(v) for v in axes)
+            f = {"ReduceSum": np.sum, "ReduceMean": np.mean, "ReduceMax": np.max, "ReduceMin": np.min}[op]
+            y = f(ins[0], axis=axes, keepdims=bool(a.get("keepdims", 1)))
+        elif op == "Unsqueeze":
+            y = np.expand_dims(ins[0], tuple(int(v) for v in ins[1]))
+        elif op == "Squeeze":
+            y = np.squeeze(ins[0], tuple(int(v) for v in ins[1]) if len(ins) > 1 else None)
+        elif op == "Reshape":
+            y = ins[0].reshape([int(d) for d in ins[1]])
+        elif op == "Concat":
+            y = np.concatenate(ins, axis=a["axis"])
         else:
             raise SystemExit(f"onnx_check_export.py: no evaluation here for {op} (node {node.name})")
         values[node.output[0]] = y

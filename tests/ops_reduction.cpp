@@ -77,6 +77,10 @@ Case reduction_case(Shape shape, F f, std::vector<int> axes, bool keep, Kind kin
   });
 }
 
+// Axes given at run time, for the cases below.
+constexpr std::array<int, 2> apart_axes{0, 2};
+constexpr std::array<int, 1> last_axis{-1};
+
 // Every spelling of one reduction: all axes, an inner axis, an outer axis, a middle one, two
 // that are not neighbours, negative axes, each with and without keep_dims.
 template <Kind K, class R>
@@ -95,6 +99,10 @@ void add_reduction(std::multimap<std::string, Case>& m, const std::string& name,
   add({2, 3, 4, 2}, [r](const auto& x) { return r(x, ops::axes<0, 2>); }, {0, 2}, false);
   add({2, 3, 4, 2}, [r](const auto& x) { return r(x, ops::axes<-1, 1>, ops::keep_dims); }, {-1, 1}, true);
   add({5}, [r](const auto& x) { return r(x, ops::axes<0>); }, {0}, false);
+  // The axes given at run time: one operation for every set of them.
+  add({2, 3, 4, 2}, [r](const auto& x) { return r(x, std::span<const int>(apart_axes)); }, {0, 2}, false);
+  add({2, 3, 4}, [r](const auto& x) { return r(x, std::span<const int>(last_axis), ops::keep_dims); }, {-1}, true);
+  add({3, 4}, [r](const auto& x) { return r(x, std::span<const int>()); }, {}, false);
 }
 
 template <Kind K, class F>

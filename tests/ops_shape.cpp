@@ -182,6 +182,21 @@ const bool shape_cases = add_cases([](std::multimap<std::string, Case>& m) {
                                   },
                                   [=](const std::vector<D>& xs) { return sliced(xs[0], {3, 3}, {2, 5}, {-1, -2}); }));
 
+  // The window given at run time: one operation for every window, the same rules.
+  add("slice", checked<1>({{4, 5}}, [](const auto& x) { return duet::ops::slice(x, {1, 2}, {2, -1}); },
+                          [=](const std::vector<D>& xs) { return sliced(xs[0], {2, 3}, {1, 2}, {1, 1}); }));
+  add("strided_slice",
+      checked<1>({{4, 6}}, [](const auto& x) { return duet::ops::strided_slice(x, {-1, 1}, {-5, -1}, {-1, 3}); },
+                 [=](const std::vector<D>& xs) { return sliced(xs[0], {4, 2}, {3, 1}, {-1, 3}); }));
+  add("strided_slice", checked<1>({{2, 4, 6}},
+                                  [](const auto& x) {
+                                    using duet::ops::to_end;
+                                    const std::vector<duet::index_t> begin{0, 2, -1}, end{to_end, to_end, to_end},
+                                        strides{1, -1, -2};
+                                    return duet::ops::strided_slice(x, begin, end, strides);
+                                  },
+                                  [=](const std::vector<D>& xs) { return sliced(xs[0], {2, 3, 3}, {0, 2, 5}, {1, -1, -2}); }));
+
   const auto gathered = [](const D& p, const I32& idx, int axis) {
     Shape out;
     for (int a = 0; a < axis; ++a) out.push_back(p.dim(a));
@@ -317,7 +332,43 @@ TEST_CASE("ops: shape errors name the operation and the shapes, in both modes") 
     auto slice = duet::jit([](const auto& t) { return duet::ops::slice(t, duet::ops::ints<2>, duet::ops::ints<2>); });
     expect([&] { return slice(x); },
            "ops::slice<[2], [2]> expects an input whose axis 0 holds the slice's range, got [3, 4]");
+    auto window = duet::jit([](const auto& t) { return duet::ops::slice(t, {0, 2}, {2, 3}); });
+    expect([&] { return window(x); },
+           "ops::slice(x, {0, 2}, {2, 3}) expects an input whose axis 1 holds the slice's range, got [3, 4]");
+    auto deep = duet::jit([](const auto& t) { return duet::ops::strided_slice(t, {0, 0, 0}, {1, 1, 1}, {1, 1, 1}); });
+    expect([&] { return deep(x); }, "expects an input of rank at least 3, got [3, 4]");
+    auto summed = duet::jit([](const auto& t) { return duet::ops::sum(t, {0, 2}); });
+    expect([&] { return summed(x); }, "ReduceSum(axis=0,2) expects an input of rank at least 3, got [3, 4]");
   }
+}
+
+TEST_CASE("ops: slices and reductions given at run time are the compile-time ones' bits, in both modes") {
+  duet_test::ModeGuard guard;
+  namespace ops = duet::ops;
+  using ops::ints;
+  const D x = random_input({4, 5, 6}, -1, 1, 12);
+  for (duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+    duet::set_context({.mode = mode});
+    const auto same = [&](auto given, auto typed) {
+      const D a = duet::jit(given)(x);
+      const D b = duet::jit(typed)(x);
+      REQUIRE(a.shape() == b.shape());
+      CHECK(std::equal(a.data(), a.data() + a.numel(), b.data()));
+    };
+    same([](const auto& t) { return ops::slice(t, {1, 0, 2}, {2, -1, 3}); },
+         [](const auto& t) { return ops::slice(t, ints<1, 0, 2>, ints<2, -1, 3>); });
+    same([](const auto& t) { return ops::strided_slice(t, {-1, 4}, {0, 0}, {-2, -3}); },
+         [](const auto& t) { return ops::strided_slice(t, ints<-1, 4>, ints<0, 0>, ints<-2, -3>); });
+    same([](const auto& t) { return ops::mean(t, {-1, 0}, ops::keep_dims); },
+         [](const auto& t) { return ops::mean(t, ops::axes<-1, 0>, ops::keep_dims); });
+    same([](const auto& t) { return ops::max(t, {1}); }, [](const auto& t) { return ops::max(t, ops::axes<1>); });
+    same([](const auto& t) { return ops::sum(t, std::span<const int>()); }, [](const auto& t) { return ops::sum(t); });
+  }
+  // The lists themselves are checked where they are given.
+  CHECK_THROWS_WITH_AS(ops::sum(x, {1, 1}), doctest::Contains("must be distinct"), duet::ValueError);
+  CHECK_THROWS_WITH_AS(ops::strided_slice(x, {0}, {1}, {0}), doctest::Contains("a stride cannot be 0"), duet::ValueError);
+  CHECK_THROWS_WITH_AS(ops::slice(x, {0, 1}, {1}), doctest::Contains("one entry per axis"), duet::ValueError);
+  CHECK_THROWS_WITH_AS(ops::slice(x, {-1}, {1}), doctest::Contains("begin must be >= 0"), duet::ValueError);
 }
 
 TEST_CASE("ops: transpose refuses a run-time perm that is not a permutation, in both modes") {

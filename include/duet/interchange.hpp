@@ -22,19 +22,23 @@ namespace duet::ops {
 
 // An input of a described node: one of the operation's own inputs, a parameter of its layer
 // (the exporter finds its name among the network's parameters), a constant of int64s (a
-// Reshape's target shape), or the value an earlier node of the same description makes.
+// Reshape's target shape), a number in the network's element type (x * 0.5: written as a
+// Constant node, which a reader does not take for a parameter to train), or the value an
+// earlier node of the same description makes.
 struct InterchangeInput {
-  enum class Kind : unsigned char { input, parameter, int64s, earlier };
+  enum class Kind : unsigned char { input, parameter, int64s, real, earlier };
   Kind kind = Kind::input;
   std::size_t index = 0;            // Kind::input: which input; Kind::earlier: which node
   const void* parameter = nullptr;  // Kind::parameter: the BasicParameter<T>, T the network's
   std::vector<std::int64_t> int64s;
+  double real = 0;
 
   static InterchangeInput operand(std::size_t k) { return {Kind::input, k, nullptr, {}}; }
   static InterchangeInput of_parameter(const void* p) { return {Kind::parameter, 0, p, {}}; }
   static InterchangeInput constant(std::vector<std::int64_t> values) {
     return {Kind::int64s, 0, nullptr, std::move(values)};
   }
+  static InterchangeInput number(double v) { return {Kind::real, 0, nullptr, {}, v}; }
   static InterchangeInput node(std::size_t k) { return {Kind::earlier, k, nullptr, {}}; }
 };
 
@@ -63,5 +67,19 @@ struct InterchangeNode {
 
 // The operation's nodes in order; the last one's value is the operation's.
 using Interchange = std::vector<InterchangeNode>;
+
+// A description used as one part of a longer one (an elementwise function in a fused chain):
+// its operand 0 becomes `in`, and its nodes' references to each other move past the `base`
+// nodes already written.
+inline void append_interchange(Interchange& to, Interchange part, const InterchangeInput& in) {
+  const std::size_t base = to.size();
+  for (InterchangeNode& n : part) {
+    for (InterchangeInput& i : n.inputs) {
+      if (i.kind == InterchangeInput::Kind::input) i = in;
+      else if (i.kind == InterchangeInput::Kind::earlier) i.index += base;
+    }
+    to.push_back(std::move(n));
+  }
+}
 
 }  // namespace duet::ops

@@ -119,6 +119,23 @@ inline bool list_operations(std::initializer_list<std::string_view> names) {
   return true;
 }
 
+namespace detail {
+// "1, 2, 3": an operation's list of axes or sizes, in its name and its messages.
+template <class V>
+std::string list_text(std::span<const V> values) {
+  std::string out;
+  for (V v : values) {
+    if (!out.empty()) out += ", ";
+    out += std::to_string(v);
+  }
+  return out;
+}
+template <class V>
+std::string list_text(std::initializer_list<V> values) {
+  return list_text(std::span<const V>(values.begin(), values.size()));
+}
+}  // namespace detail
+
 }  // namespace ops
 
 // An operation a graph or a tape can hold: its shape rule, its name and its flags.

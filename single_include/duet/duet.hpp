@@ -5936,6 +5936,23 @@ inline bool list_operations(std::initializer_list<std::string_view> names) {
   return true;
 }
 
+namespace detail {
+// "1, 2, 3": an operation's list of axes or sizes, in its name and its messages.
+template <class V>
+std::string list_text(std::span<const V> values) {
+  std::string out;
+  for (V v : values) {
+    if (!out.empty()) out += ", ";
+    out += std::to_string(v);
+  }
+  return out;
+}
+template <class V>
+std::string list_text(std::initializer_list<V> values) {
+  return list_text(std::span<const V>(values.begin(), values.size()));
+}
+}  // namespace detail
+
 }  // namespace ops
 
 // An operation a graph or a tape can hold: its shape rule, its name and its flags.
@@ -7606,19 +7623,23 @@ namespace duet::ops {
 
 // An input of a described node: one of the operation's own inputs, a parameter of its layer
 // (the exporter finds its name among the network's parameters), a constant of int64s (a
-// Reshape's target shape), or the value an earlier node of the same description makes.
+// Reshape's target shape), a number in the network's element type (x * 0.5: written as a
+// Constant node, which a reader does not take for a parameter to train), or the value an
+// earlier node of the same description makes.
 struct InterchangeInput {
-  enum class Kind : unsigned char { input, parameter, int64s, earlier };
+  enum class Kind : unsigned char { input, parameter, int64s, real, earlier };
   Kind kind = Kind::input;
   std::size_t index = 0;            // Kind::input: which input; Kind::earlier: which node
   const void* parameter = nullptr;  // Kind::parameter: the BasicParameter<T>, T the network's
   std::vector<std::int64_t> int64s;
+  double real = 0;
 
   static InterchangeInput operand(std::size_t k) { return {Kind::input, k, nullptr, {}}; }
   static InterchangeInput of_parameter(const void* p) { return {Kind::parameter, 0, p, {}}; }
   static InterchangeInput constant(std::vector<std::int64_t> values) {
     return {Kind::int64s, 0, nullptr, std::move(values)};
   }
+  static InterchangeInput number(double v) { return {Kind::real, 0, nullptr, {}, v}; }
   static InterchangeInput node(std::size_t k) { return {Kind::earlier, k, nullptr, {}}; }
 };
 
@@ -7647,6 +7668,20 @@ struct InterchangeNode {
 
 // The operation's nodes in order; the last one's value is the operation's.
 using Interchange = std::vector<InterchangeNode>;
+
+// A description used as one part of a longer one (an elementwise function in a fused chain):
+// its operand 0 becomes `in`, and its nodes' references to each other move past the `base`
+// nodes already written.
+inline void append_interchange(Interchange& to, Interchange part, const InterchangeInput& in) {
+  const std::size_t base = to.size();
+  for (InterchangeNode& n : part) {
+    for (InterchangeInput& i : n.inputs) {
+      if (i.kind == InterchangeInput::Kind::input) i = in;
+      else if (i.kind == InterchangeInput::Kind::earlier) i.index += base;
+    }
+    to.push_back(std::move(n));
+  }
+}
 
 }  // namespace duet::ops
 // A BatchNorm at evaluation as what a convolution before it folds in, whatever the layer's type:
@@ -16396,6 +16431,25 @@ struct Gelu {
   static constexpr double inv_sqrt_2pi = 0.3989422804014327;
   static constexpr double cubic = 0.044715;
 
+  // ONNX has no Gelu before opset 20. The exact form is written as torch.onnx.export writes it
+  // (Div, Erf, Add, Mul, Mul), which io::load_onnx reads back as one GELU; the tanh form as
+  // its formula, node by node.
+  static ops::Interchange interchange() {
+    using In = ops::InterchangeInput;
+    const auto node = [](const char* op, In a, In b) { return ops::InterchangeNode{op, {std::move(a), std::move(b)}, {}}; };
+    const In x = In::operand(0);
+    if constexpr (Approximate) {
+      return {node("Mul", x, x), node("Mul", In::node(0), x), node("Mul", In::node(1), In::number(cubic)),
+              node("Add", x, In::node(2)), node("Mul", In::node(3), In::number(sqrt_2_over_pi)),
+              {"Tanh", {In::node(4)}, {}}, node("Add", In::node(5), In::number(1)), node("Mul", x, In::node(6)),
+              node("Mul", In::node(7), In::number(0.5))};
+    } else {
+      return {node("Div", x, In::number(1.4142135623730951)), {"Erf", {In::node(0)}, {}},
+              node("Add", In::node(1), In::number(1)), node("Mul", x, In::node(2)),
+              node("Mul", In::node(3), In::number(0.5))};
+    }
+  }
+
   template <class A>
   static auto inner(const A& a) {
     using S = typename A::Scalar;
@@ -16426,6 +16480,10 @@ struct Gelu {
 struct Silu {
   static constexpr std::string_view name = "SiLU";
   static constexpr bool grad_from_input = true;
+  static ops::Interchange interchange() {
+    using In = ops::InterchangeInput;
+    return {{"Sigmoid", {In::operand(0)}, {}}, {"Mul", {In::operand(0), In::node(0)}, {}}};
+  }
   template <class A>
   static auto array(const A& a) {
     return a * a.logistic();
@@ -16491,6 +16549,14 @@ struct Softplus {
   static constexpr bool grad_from_input = true;
   double beta = 1.0;
   double threshold = 20.0;
+  // ONNX's Softplus, log(1 + exp(x)), has no threshold: past 20 the two differ by less than
+  // exp(-20) of x. A beta other than 1 scales around it.
+  ops::Interchange interchange() const {
+    using In = ops::InterchangeInput;
+    if (beta == 1.0) return {{"Softplus", {In::operand(0)}, {}}};
+    return {{"Mul", {In::operand(0), In::number(beta)}, {}}, {"Softplus", {In::node(0)}, {}},
+            {"Div", {In::node(1), In::number(beta)}, {}}};
+  }
   template <class A>
   auto array(const A& a) const {
     using S = typename A::Scalar;
@@ -16564,15 +16630,21 @@ struct MapOp : Primitive<MapOp<Fns...>> {
     return s;
   }
 
-  // ONNX: a node per function, each function saying what it is (fn::Relu::interchange); empty
-  // if one does not.
+  // ONNX: each function says what it is (fn::Relu::interchange), as one node reading its
+  // input or as nodes reading operand 0 (GELU's erf form); empty if one does not.
   Interchange interchange(std::span<const Shape>) const {
     if constexpr ((has_interchange<Fns> && ...)) {
       Interchange nodes;
-      std::apply([&](const auto&... f) { (nodes.push_back(f.interchange()), ...); }, fns);
-      for (std::size_t k = 0; k < nodes.size(); ++k) {
-        nodes[k].inputs = {k == 0 ? InterchangeInput::operand(0) : InterchangeInput::node(k - 1)};
-      }
+      const auto add = [&](auto part) {
+        const InterchangeInput in = nodes.empty() ? InterchangeInput::operand(0) : InterchangeInput::node(nodes.size() - 1);
+        if constexpr (std::is_same_v<decltype(part), InterchangeNode>) {
+          part.inputs = {InterchangeInput::operand(0)};
+          append_interchange(nodes, {std::move(part)}, in);
+        } else {
+          append_interchange(nodes, std::move(part), in);
+        }
+      };
+      std::apply([&](const auto&... f) { (add(f.interchange()), ...); }, fns);
       return nodes;
     } else {
       return {};
@@ -18051,20 +18123,6 @@ constexpr int axis_index(int axis, int rank) {
   return a < 0 || a >= rank ? -1 : a;
 }
 
-template <class V>
-std::string list_text(std::span<const V> values) {
-  std::string out;
-  for (V v : values) {
-    if (!out.empty()) out += ", ";
-    out += std::to_string(v);
-  }
-  return out;
-}
-template <class V>
-std::string list_text(std::initializer_list<V> values) {
-  return list_text(std::span<const V>(values.begin(), values.size()));
-}
-
 // x with axis `at` removed (at < rank) or a size inserted before it.
 constexpr Shape without_axis(const Shape& x, int at) {
   Shape out;
@@ -18173,6 +18231,12 @@ struct ReshapeOp : Primitive<ReshapeOp<D...>> {
 
   static std::string op_name() { return "Reshape<" + detail::list_text<index_t>({D...}) + ">"; }
   std::string label() const { return "ops::reshape<" + detail::list_text<index_t>({D...}) + ">"; }
+  // ONNX reads a 0 in the target as "this axis of the input" unless allowzero says otherwise.
+  Interchange interchange(std::span<const Shape>) const {
+    std::vector<InterchangeAttribute> zero;
+    if (((D == 0) || ...)) zero.push_back(InterchangeAttribute::of("allowzero", 1));
+    return {{"Reshape", {InterchangeInput::operand(0), InterchangeInput::constant({D...})}, std::move(zero)}};
+  }
 };
 
 template <index_t... D, class X>
@@ -18211,6 +18275,10 @@ struct ExpandDimsOp : Primitive<ExpandDimsOp<Axis>> {
 
   static std::string op_name() { return "ExpandDims<" + std::to_string(Axis) + ">"; }
   std::string label() const { return "ops::expand_dims<" + std::to_string(Axis) + ">"; }
+  // ONNX's Unsqueeze counts a negative axis from the end of the output, as this does.
+  Interchange interchange(std::span<const Shape>) const {
+    return {{"Unsqueeze", {InterchangeInput::operand(0), InterchangeInput::constant({Axis})}, {}}};
+  }
 };
 
 template <int Axis, class X>
@@ -18260,6 +18328,11 @@ struct SqueezeOp : Primitive<SqueezeOp<Axes...>> {
 
   static std::string op_name() { return "Squeeze<" + detail::list_text<int>({Axes...}) + ">"; }
   std::string label() const { return "ops::squeeze<" + detail::list_text<int>({Axes...}) + ">"; }
+  // Without axes, ONNX's Squeeze also removes every size-1 axis.
+  Interchange interchange(std::span<const Shape>) const {
+    if constexpr (sizeof...(Axes) == 0) return {{"Squeeze", {InterchangeInput::operand(0)}, {}}};
+    else return {{"Squeeze", {InterchangeInput::operand(0), InterchangeInput::constant({Axes...})}, {}}};
+  }
 };
 
 template <int... Axes, class X>
@@ -18338,6 +18411,9 @@ struct TransposeOp : Primitive<TransposeOp<P...>> {
 
   static std::string op_name() { return "Transpose<" + detail::list_text<int>({P...}) + ">"; }
   std::string label() const { return "ops::transpose<" + detail::list_text<int>({P...}) + ">"; }
+  Interchange interchange(std::span<const Shape>) const {
+    return {{"Transpose", {InterchangeInput::operand(0)}, {InterchangeAttribute::of("perm", std::vector<std::int64_t>{P...})}}};
+  }
 };
 
 template <int... P, class X>
@@ -18379,6 +18455,10 @@ struct PermuteOp : Primitive<PermuteOp> {
   static std::string op_name() { return "Transpose"; }
   std::string label() const {
     return "ops::transpose(x, {" + detail::list_text<int>(perm()) + "})";
+  }
+  Interchange interchange(std::span<const Shape>) const {
+    return {{"Transpose", {InterchangeInput::operand(0)},
+             {InterchangeAttribute::of("perm", std::vector<std::int64_t>(perm().begin(), perm().end()))}}};
   }
 };
 
@@ -18495,6 +18575,11 @@ struct ConcatOp : Primitive<ConcatOp<Axis, N>> {
   }
 
   static std::string op_name() { return "Concat<" + std::to_string(Axis) + ">"; }
+  Interchange interchange(std::span<const Shape>) const {
+    InterchangeNode n{"Concat", {}, {InterchangeAttribute::of("axis", std::int64_t{Axis})}};
+    for (std::size_t k = 0; k < static_cast<std::size_t>(N); ++k) n.inputs.push_back(InterchangeInput::operand(k));
+    return {std::move(n)};
+  }
   std::string label() const { return "ops::concat<" + std::to_string(Axis) + ">"; }
 };
 
@@ -18560,6 +18645,17 @@ struct StackOp : Primitive<StackOp<Axis, N>> {
   }
 
   static std::string op_name() { return "Stack<" + std::to_string(Axis) + ">"; }
+  // ONNX has no Stack: each input gets its new axis (Unsqueeze), then they are joined there.
+  Interchange interchange(std::span<const Shape>) const {
+    Interchange nodes;
+    InterchangeNode joined{"Concat", {}, {InterchangeAttribute::of("axis", std::int64_t{Axis})}};
+    for (std::size_t k = 0; k < static_cast<std::size_t>(N); ++k) {
+      nodes.push_back({"Unsqueeze", {InterchangeInput::operand(k), InterchangeInput::constant({Axis})}, {}});
+      joined.inputs.push_back(InterchangeInput::node(k));
+    }
+    nodes.push_back(std::move(joined));
+    return nodes;
+  }
   std::string label() const { return "ops::stack<" + std::to_string(Axis) + ">"; }
 };
 
@@ -18606,11 +18702,64 @@ struct Window {
 
 // The window a slice op reads from an input of shape x, as a shape rule's result.
 template <class Op>
-constexpr ShapeResult window_result(const Shape& x) {
+constexpr ShapeResult window_result(const Op& op, const Shape& x) {
   if (x.leading_unknown()) return {Shape::any()};
-  const Window w = Op::window(x);
+  const Window w = op.window(x);
   if (w.fault != ShapeFault::none) return fault(x, w.fault, w.expected);
   return {w.count};
+}
+
+// x[begin:end:stride] along the first begin.size() axes, the others whole: Python's rules
+// (negative indices count from the end, indices past either end are clamped, a negative
+// stride walks backwards, to_end is an omitted end), or with `checked` (ops::slice) begin and
+// end must lie inside the axis.
+constexpr Window strided_window(const Shape& x, std::span<const index_t> begin, std::span<const index_t> end,
+                                std::span<const index_t> strides, bool checked) {
+  const std::size_t n = begin.size();
+  Window w;
+  w.count = x;
+  if (static_cast<int>(n) > x.rank()) {
+    w.fault = ShapeFault::min_rank;
+    w.expected = static_cast<index_t>(n);
+    return w;
+  }
+  for (std::size_t a = 0; a < static_cast<std::size_t>(x.rank()); ++a) {
+    const int axis = static_cast<int>(a);
+    const index_t size = x[axis];
+    w.step[a] = 1;
+    if (a >= n) continue;
+    if (size == dyn) {
+      w.count[axis] = dyn;
+      continue;
+    }
+    const index_t stride = strides[a];
+    index_t b = begin[a];
+    index_t e = end[a];
+    if (checked) {
+      if (e == to_end) e = size;
+      if (b > size || e < b || e > size) {
+        w.fault = ShapeFault::slice_range;
+        w.expected = axis;
+        return w;
+      }
+    }
+    if (b < 0) b += size;
+    if (e < 0) e += size;
+    if (end[a] == to_end && stride < 0) e = -1;
+    // Python's clamping: [0, size] walking forwards, [-1, size - 1] backwards.
+    const index_t lo = stride > 0 ? 0 : -1;
+    const index_t hi = stride > 0 ? size : size - 1;
+    b = std::clamp(b, lo, hi);
+    e = std::clamp(e, lo, hi);
+    const index_t span = stride > 0 ? e - b : b - e;
+    const index_t abs_stride = stride > 0 ? stride : -stride;
+    w.start[a] = b;
+    // Counted without span + stride, which a stride near 2^63 (a run-time one) overflows; a
+    // step that is never taken is 1, so that the kernels' strides (size times step) stay small.
+    w.count[axis] = span <= 0 ? 0 : 1 + (span - 1) / abs_stride;
+    w.step[a] = w.count[axis] > 1 ? stride : 1;
+  }
+  return w;
 }
 
 template <class T>
@@ -18645,12 +18794,14 @@ template <class Fwd>
 struct SliceGradOp : Primitive<SliceGradOp<Fwd>> {
   static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0};
   static constexpr int arity = 2;
+  // Empty for the slices whose window is their type; the lists of a run-time one.
+  [[no_unique_address]] Fwd fwd{};
 
   static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& args) const {
-    detail::scatter_window(Fwd::window(args.in_shape(1)), args.in_shape(1), args.in<T>(0), args.out<T>());
+    detail::scatter_window(fwd.window(args.in_shape(1)), args.in_shape(1), args.in<T>(0), args.out<T>());
   }
 
   static std::string op_name() { return Fwd::op_name() + "Grad"; }
@@ -18661,18 +18812,47 @@ template <class Self>
 struct SlicePrimitive : Primitive<Self> {
   static constexpr int arity = 1;
 
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return detail::window_result<Self>(in[0]); }
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return detail::window_result(Self{}, in[0]); }
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
-    detail::read_window(Self::window(a.in_shape()), a.in_shape(), a.in<T>(), a.out<T>());
+    detail::read_window(self().window(a.in_shape()), a.in_shape(), a.in<T>(), a.out<T>());
   }
 
   template <std::size_t K>
     requires(K == 0)
   auto grad_op() const {
-    return SliceGradOp<Self>{};
+    SliceGradOp<Self> g;
+    g.fwd = self();
+    return g;
   }
+
+  // ONNX's Slice of the window, on the axes it cuts.
+  Interchange interchange(std::span<const Shape> in) const {
+    const Shape& x = in[0];
+    const detail::Window w = self().window(x);
+    std::vector<std::int64_t> starts, ends, axes, steps;
+    for (int a = 0; a < x.rank(); ++a) {
+      const auto i = static_cast<std::size_t>(a);
+      if (w.start[i] == 0 && w.step[i] == 1 && w.count[a] == x[a]) continue;
+      const index_t end = w.start[i] + w.count[a] * w.step[i];
+      starts.push_back(w.start[i]);
+      // Walking backwards past the first element: ONNX reads -1 as the last, -size - 1 as
+      // before the first.
+      ends.push_back(end < 0 ? -x[a] - 1 : end);
+      axes.push_back(a);
+      steps.push_back(w.step[i]);
+    }
+    if (axes.empty()) return {{"Identity", {InterchangeInput::operand(0)}, {}}};
+    return {{"Slice",
+             {InterchangeInput::operand(0), InterchangeInput::constant(std::move(starts)),
+              InterchangeInput::constant(std::move(ends)), InterchangeInput::constant(std::move(axes)),
+              InterchangeInput::constant(std::move(steps))},
+             {}}};
+  }
+
+ private:
+  const Self& self() const { return static_cast<const Self&>(*this); }
 };
 
 // strided_slice(x, ints<begin...>, ints<end...>, ints<strides...>): along axis a, from
@@ -18701,49 +18881,7 @@ struct StridedSliceOp : SlicePrimitive<StridedSliceOp<Begin, End, Strides, Check
   index_t view_offset(const Shape& x) const { return x.rank() == 0 ? 0 : window(x).start[0] * x.numel_from(1); }
 
   static constexpr detail::Window window(const Shape& x) {
-    detail::Window w;
-    w.count = x;
-    if (static_cast<int>(n) > x.rank()) {
-      w.fault = ShapeFault::min_rank;
-      w.expected = static_cast<index_t>(n);
-      return w;
-    }
-    for (std::size_t a = 0; a < static_cast<std::size_t>(x.rank()); ++a) {
-      const int axis = static_cast<int>(a);
-      const index_t size = x[axis];
-      w.step[a] = 1;
-      if (a >= n) continue;
-      if (size == dyn) {
-        w.count[axis] = dyn;
-        continue;
-      }
-      const index_t stride = Strides::values[a];
-      index_t b = Begin::values[a];
-      index_t e = End::values[a];
-      if constexpr (Checked) {
-        if (e == to_end) e = size;
-        if (b > size || e < b || e > size) {
-          w.fault = ShapeFault::slice_range;
-          w.expected = axis;
-          return w;
-        }
-      }
-      if (b < 0) b += size;
-      if (e < 0) e += size;
-      // to_end is Python's omitted end: past the last element in the stride's direction.
-      if (End::values[a] == to_end && stride < 0) e = -1;
-      // Python's clamping: [0, size] walking forwards, [-1, size - 1] backwards.
-      const index_t lo = stride > 0 ? 0 : -1;
-      const index_t hi = stride > 0 ? size : size - 1;
-      b = std::clamp(b, lo, hi);
-      e = std::clamp(e, lo, hi);
-      const index_t span = stride > 0 ? e - b : b - e;
-      const index_t abs_stride = stride > 0 ? stride : -stride;
-      w.start[a] = b;
-      w.step[a] = stride;
-      w.count[axis] = span <= 0 ? 0 : (span + abs_stride - 1) / abs_stride;
-    }
-    return w;
+    return detail::strided_window(x, Begin::values, End::values, Strides::values, Checked);
   }
 
   static std::string op_name() {
@@ -18787,6 +18925,98 @@ auto slice(X&& x, Ints<B...>, Ints<Size...>) {
   static_assert(((Size >= -1) && ...), "duet::ops::slice: a size must be >= 0, or -1 for the rest of the axis");
   using Op = StridedSliceOp<Ints<B...>, Ints<(Size == -1 ? to_end : B + Size)...>, Ints<(B * 0 + 1)...>, true>;
   return apply(Op{}, std::forward<X>(x));
+}
+
+// strided_slice(x, begin, end, strides) and slice(x, begin, size) with the lists given at run
+// time (a window the program computes; an ONNX model's Slice): the same rules, one operation
+// for every window, as transpose(x, perm) is for every permutation. Graph mode checks the
+// window against the input's shape when the network first runs, not at compile time.
+struct WindowSliceOp : SlicePrimitive<WindowSliceOp> {
+  std::array<index_t, max_rank> begin{};
+  std::array<index_t, max_rank> end{};
+  std::array<index_t, max_rank> strides{};
+  std::size_t n = 0;
+  bool checked = false;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape>) { return {Shape::any()}; }
+  ShapeResult infer(std::span<const Shape> in) const { return detail::window_result(*this, in[0]); }
+  detail::Window window(const Shape& x) const {
+    return detail::strided_window(x, std::span(begin).first(n), std::span(end).first(n), std::span(strides).first(n), checked);
+  }
+
+  static std::string op_name() { return "StridedSlice"; }
+  std::string label() const {
+    const auto text = [&](const std::array<index_t, max_rank>& values, bool as_size) {
+      std::string out = "{";
+      for (std::size_t a = 0; a < n; ++a) {
+        const index_t v = as_size ? (values[a] == to_end ? -1 : values[a] - begin[a]) : values[a];
+        out += (a > 0 ? ", " : "") + (v == to_end ? std::string("end") : std::to_string(v));
+      }
+      return out + "}";
+    };
+    if (checked) return "ops::slice(x, " + text(begin, false) + ", " + text(end, true) + ")";
+    return "ops::strided_slice(x, " + text(begin, false) + ", " + text(end, false) + ", " + text(strides, false) + ")";
+  }
+};
+
+namespace detail {
+inline WindowSliceOp window_slice(std::span<const index_t> begin, std::span<const index_t> end,
+                                  std::span<const index_t> strides, const char* who) {
+  if (end.size() != begin.size() || strides.size() != begin.size() || begin.size() > static_cast<std::size_t>(max_rank)) {
+    throw ValueError(std::string("duet::ops::") + who + ": the lists must have one entry per axis sliced, at most " +
+                     std::to_string(max_rank) + ", got " + std::to_string(begin.size()) + ", " + std::to_string(end.size()) +
+                     " and " + std::to_string(strides.size()));
+  }
+  WindowSliceOp op;
+  op.n = begin.size();
+  std::ranges::copy(begin, op.begin.begin());
+  std::ranges::copy(end, op.end.begin());
+  std::ranges::copy(strides, op.strides.begin());
+  // -2^63 has no negation: a stride is counted by its magnitude.
+  if (std::ranges::any_of(strides, [](index_t v) { return v == 0 || v == std::numeric_limits<index_t>::min(); })) {
+    throw ValueError(std::string("duet::ops::") + who + ": a stride cannot be 0 (or -2^63), got {" +
+                     list_text<index_t>(strides) + "}");
+  }
+  return op;
+}
+}  // namespace detail
+
+template <class X>
+auto strided_slice(X&& x, std::span<const index_t> begin, std::span<const index_t> end, std::span<const index_t> strides) {
+  return apply(detail::window_slice(begin, end, strides, "strided_slice"), std::forward<X>(x));
+}
+template <class X>
+auto strided_slice(X&& x, std::initializer_list<index_t> begin, std::initializer_list<index_t> end,
+                   std::initializer_list<index_t> strides) {
+  return strided_slice(std::forward<X>(x), std::span(begin.begin(), begin.size()), std::span(end.begin(), end.size()),
+                       std::span(strides.begin(), strides.size()));
+}
+
+// begin[a] >= 0, size[a] >= 0 or -1 for the rest of the axis; the window must lie inside x.
+template <class X>
+auto slice(X&& x, std::span<const index_t> begin, std::span<const index_t> size) {
+  if (size.size() != begin.size() || begin.size() > static_cast<std::size_t>(max_rank)) {
+    throw ValueError("duet::ops::slice: begin and size must have one entry per axis sliced, at most " +
+                     std::to_string(max_rank) + ", got " + std::to_string(begin.size()) + " and " +
+                     std::to_string(size.size()));
+  }
+  std::array<index_t, max_rank> end{};
+  std::array<index_t, max_rank> ones{};
+  for (std::size_t a = 0; a < begin.size(); ++a) {
+    if (begin[a] < 0 || size[a] < -1) {
+      throw ValueError("duet::ops::slice: begin must be >= 0 and a size >= 0, or -1 for the rest of the axis, got {" +
+                       detail::list_text<index_t>(begin) + "} and {" + detail::list_text<index_t>(size) + "}");
+    }
+    end[a] = size[a] == -1 ? to_end : begin[a] + size[a];
+    ones[a] = 1;
+  }
+  WindowSliceOp op = detail::window_slice(begin, std::span(end).first(begin.size()), std::span(ones).first(begin.size()), "slice");
+  op.checked = true;
+  return apply(op, std::forward<X>(x));
+}
+template <class X>
+auto slice(X&& x, std::initializer_list<index_t> begin, std::initializer_list<index_t> size) {
+  return slice(std::forward<X>(x), std::span(begin.begin(), begin.size()), std::span(size.begin(), size.size()));
 }
 
 // ----------------------------------------------------------------------------------------
@@ -20917,6 +21147,17 @@ struct ScalarOp : Primitive<ScalarOp<Fn, ScalarFirst>> {
   }
 
   static std::string op_name() { return std::string(Fn::name) + (ScalarFirst ? "(scalar, x)" : "(x, scalar)"); }
+
+  // The number as a Constant of the network's element type, in its place.
+  Interchange interchange(std::span<const Shape>) const {
+    if constexpr (requires { Fn::onnx; }) {
+      InterchangeNode n{std::string(Fn::onnx), {InterchangeInput::operand(0), InterchangeInput::number(scalar)}, {}};
+      if constexpr (ScalarFirst) std::swap(n.inputs[0], n.inputs[1]);
+      return {std::move(n)};
+    } else {
+      return {};
+    }
+  }
 };
 
 template <class Fn, bool ScalarFirst>
@@ -22710,6 +22951,7 @@ class Conv1d : public conv_base<1, In, Out, Kernel, Stride, Padding, Dilation, G
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
 #include <span>
 #include <string>
@@ -22746,6 +22988,22 @@ inline constexpr Axes<A> axis{};
 struct KeepDims {};
 inline constexpr KeepDims keep_dims{};
 
+// The reduced axes given at run time (ops::sum(x, {0, 2}); an ONNX model's ReduceMean): one
+// operation for every set of axes, as transpose(x, perm) is for every permutation. None means
+// every axis, as in Axes<>.
+struct AxesList {
+  std::array<int, max_rank> list{};
+  std::size_t count = 0;
+};
+
+namespace detail {
+template <int... A>
+constexpr std::span<const int> axes_of(Axes<A...>) {
+  return Axes<A...>::values;
+}
+constexpr std::span<const int> axes_of(const AxesList& a) { return std::span(a.list).first(a.count); }
+}  // namespace detail
+
 namespace detail {
 
 // Which axes of a shape of rank `rank` the values name; false if one is out of range, with
@@ -22756,10 +23014,9 @@ struct AxisMask {
   index_t needed = 0;
 };
 
-template <std::size_t N>
-constexpr AxisMask axis_mask(int rank, const std::array<int, N>& values) {
+constexpr AxisMask axis_mask(int rank, std::span<const int> values) {
   AxisMask m;
-  if constexpr (N == 0) {
+  if (values.empty()) {
     for (int i = 0; i < rank; ++i) m.reduced[static_cast<std::size_t>(i)] = true;
   }
   for (int a : values) {
@@ -22779,10 +23036,9 @@ constexpr AxisMask axis_mask(int rank, const std::array<int, N>& values) {
 // trailing axes when the axes are negative and among them, and an unknown shape otherwise.
 // NonEmpty: the reduction has no identity (max, min, argmax), so a reduced axis of size 0 is
 // refused.
-template <std::size_t N>
-constexpr ShapeResult reduced_shape(const Shape& in, const std::array<int, N>& values, bool keep, bool non_empty) {
+constexpr ShapeResult reduced_shape(const Shape& in, std::span<const int> values, bool keep, bool non_empty) {
   if (in.leading_unknown()) {
-    if (N == 0) return {keep ? Shape::any() : Shape{}};
+    if (values.empty()) return {keep ? Shape::any() : Shape{}};
     for (int a : values) {
       if (a >= 0 || -a > in.rank()) return {Shape::any()};
     }
@@ -22950,16 +23206,15 @@ struct MinReducer {
   }
 };
 
-template <class AxesT, bool Keep>
-std::string reduce_name(std::string_view op) {
+inline std::string reduce_name(std::string_view op, std::span<const int> values, bool keep) {
   std::string s(op);
   s += "(axis=";
-  if (AxesT::values.empty()) s += "all";
-  for (std::size_t i = 0; i < AxesT::values.size(); ++i) {
+  if (values.empty()) s += "all";
+  for (std::size_t i = 0; i < values.size(); ++i) {
     if (i) s += ',';
-    s += std::to_string(AxesT::values[i]);
+    s += std::to_string(values[i]);
   }
-  return s + (Keep ? ", keep_dims)" : ")");
+  return s + (keep ? ", keep_dims)" : ")");
 }
 
 }  // namespace detail
@@ -22968,12 +23223,20 @@ template <class Reducer, class AxesT, bool Keep>
 struct ReduceGradOp;
 
 // Reducer over the axes AxesT (every axis if empty), the reduced axes kept as 1 if Keep.
+// AxesT is Axes<A...>, or AxesList for axes given at run time, whose shape graph mode checks
+// when the network first runs.
 template <class Reducer, class AxesT, bool Keep>
 struct ReduceOp : Primitive<ReduceOp<Reducer, AxesT, Keep>> {
   static constexpr int arity = 1;
+  static constexpr bool runtime_axes = std::is_same_v<AxesT, AxesList>;
+  [[no_unique_address]] AxesT reduced{};
 
   static constexpr ShapeResult infer_static(std::span<const Shape> in) {
-    return detail::reduced_shape(in[0], AxesT::values, Keep, Reducer::non_empty);
+    if constexpr (runtime_axes) return {Shape::any()};
+    else return detail::reduced_shape(in[0], AxesT::values, Keep, Reducer::non_empty);
+  }
+  ShapeResult infer(std::span<const Shape> in) const {
+    return detail::reduced_shape(in[0], detail::axes_of(reduced), Keep, Reducer::non_empty);
   }
 
   template <class Backend, class T>
@@ -22981,7 +23244,7 @@ struct ReduceOp : Primitive<ReduceOp<Reducer, AxesT, Keep>> {
     const T* x = a.in<T>();
     T* out = a.out<T>();
     const Shape& in = a.in_shape();
-    const detail::ReduceLayout l = detail::reduce_layout(in, detail::axis_mask(in.rank(), AxesT::values));
+    const detail::ReduceLayout l = detail::reduce_layout(in, detail::axis_mask(in.rank(), detail::axes_of(reduced)));
     if (l.outputs == 0) return;
     if (l.group == 0) {
       // Only sum and mean get here (the rule refuses an empty max): 0, and 0/0 for the mean.
@@ -23019,10 +23282,28 @@ struct ReduceOp : Primitive<ReduceOp<Reducer, AxesT, Keep>> {
   template <std::size_t K>
     requires(K == 0)
   auto grad_op() const {
-    return ReduceGradOp<Reducer, AxesT, Keep>{};
+    ReduceGradOp<Reducer, AxesT, Keep> g;
+    g.reduced = reduced;
+    return g;
   }
 
-  static std::string op_name() { return detail::reduce_name<AxesT, Keep>(Reducer::name); }
+  static std::string op_name() {
+    if constexpr (runtime_axes) return std::string(Reducer::name) + (Keep ? "(keep_dims)" : "");
+    else return detail::reduce_name(Reducer::name, AxesT::values, Keep);
+  }
+  std::string label() const { return detail::reduce_name(Reducer::name, detail::axes_of(reduced), Keep); }
+
+  // The reducers' names are ONNX's operators. At opset 17 ReduceSum reads its axes as an
+  // input, the others as an attribute; no axes reduces them all, in both.
+  Interchange interchange(std::span<const Shape>) const {
+    InterchangeNode n{std::string(Reducer::name), {InterchangeInput::operand(0)}, {InterchangeAttribute::of("keepdims", Keep ? 1 : 0)}};
+    if (const std::span<const int> reduced_axes = detail::axes_of(reduced); !reduced_axes.empty()) {
+      const std::vector<std::int64_t> axes(reduced_axes.begin(), reduced_axes.end());
+      if (Reducer::name == "ReduceSum") n.inputs.push_back(InterchangeInput::constant(axes));
+      else n.attributes.push_back(InterchangeAttribute::of("axes", axes));
+    }
+    return {std::move(n)};
+  }
 };
 
 // d/dx of a reduction: sum and mean spread dy over each group (mean divided by its size);
@@ -23030,6 +23311,7 @@ struct ReduceOp : Primitive<ReduceOp<Reducer, AxesT, Keep>> {
 template <class Reducer, class AxesT, bool Keep>
 struct ReduceGradOp : Primitive<ReduceGradOp<Reducer, AxesT, Keep>> {
   static constexpr bool extreme = Reducer::non_empty;
+  [[no_unique_address]] AxesT reduced{};
   static constexpr auto reads = [] {
     if constexpr (extreme) return std::array{graph::Operand::grad, graph::Operand::input0, graph::Operand::output};
     else return std::array{graph::Operand::grad, graph::Operand::input0};
@@ -23044,7 +23326,7 @@ struct ReduceGradOp : Primitive<ReduceGradOp<Reducer, AxesT, Keep>> {
     const T* x = a.in<T>(1);
     T* d = a.out<T>();
     const Shape& in = a.in_shape(1);
-    const detail::ReduceLayout l = detail::reduce_layout(in, detail::axis_mask(in.rank(), AxesT::values));
+    const detail::ReduceLayout l = detail::reduce_layout(in, detail::axis_mask(in.rank(), detail::axes_of(reduced)));
     if (l.outputs == 0 || l.group == 0) return;
     if constexpr (extreme) {
       const T* y = a.in<T>(2);
@@ -23075,7 +23357,7 @@ struct ReduceGradOp : Primitive<ReduceGradOp<Reducer, AxesT, Keep>> {
     }
   }
 
-  static std::string op_name() { return detail::reduce_name<AxesT, Keep>(Reducer::name) + "Grad"; }
+  static std::string op_name() { return ReduceOp<Reducer, AxesT, Keep>::op_name() + "Grad"; }
 };
 
 // The index of the first largest (smallest) element along one axis, as int32 (numpy's and
@@ -23133,6 +23415,26 @@ auto reduce(const X& x, AxesT, Keep...) {
   return apply(ReduceOp<Reducer, AxesT, sizeof...(Keep) == 1>{}, x);
 }
 
+// The axes given at run time: each within [-max_rank, max_rank) and listed once; whether they
+// fit the input's rank is a shape error when it runs.
+template <class Reducer, class X, class... Keep>
+auto reduce_listed(const X& x, std::span<const int> axes, const char* who, Keep...) {
+  static_assert(sizeof...(Keep) <= 1 && (std::is_same_v<Keep, KeepDims> && ...),
+                "duet::ops: a reduction takes the tensor, then optionally the axes, then optionally ops::keep_dims");
+  ReduceOp<Reducer, AxesList, sizeof...(Keep) == 1> op;
+  bool valid = axes.size() <= static_cast<std::size_t>(max_rank);
+  for (std::size_t i = 0; valid && i < axes.size(); ++i) {
+    valid = axes[i] >= -max_rank && axes[i] < max_rank && std::ranges::count(axes.first(i), axes[i]) == 0;
+    op.reduced.list[i] = axes[i];
+  }
+  if (!valid) {
+    throw ValueError(std::string("duet::ops::") + who + ": the axes {" + list_text<int>(axes) +
+                     "} must be distinct, at most " + std::to_string(max_rank) + " of them");
+  }
+  op.reduced.count = axes.size();
+  return apply(op, x);
+}
+
 template <bool Max, class X, int A, class... Keep>
 auto arg_extreme(const X& x, Axes<A>, Keep...) {
   static_assert(sizeof...(Keep) <= 1 && (std::is_same_v<Keep, KeepDims> && ...),
@@ -23153,6 +23455,14 @@ auto arg_extreme(const X& x, Axes<A>, Keep...) {
     requires((std::is_same_v<Keep, KeepDims> && ...))                  \
   auto name(const X& x, Keep... keep) {                                \
     return detail::reduce<detail::Reducer>(x, Axes<>{}, keep...);      \
+  }                                                                    \
+  template <TensorLike X, class... Keep>                               \
+  auto name(const X& x, std::span<const int> axes, Keep... keep) {     \
+    return detail::reduce_listed<detail::Reducer>(x, axes, #name, keep...); \
+  }                                                                    \
+  template <TensorLike X, class... Keep>                               \
+  auto name(const X& x, std::initializer_list<int> axes, Keep... keep) { \
+    return detail::reduce_listed<detail::Reducer>(x, std::span(axes.begin(), axes.size()), #name, keep...); \
   }
 DUET_DETAIL_REDUCTION(sum, SumReducer)
 DUET_DETAIL_REDUCTION(mean, MeanReducer)
@@ -23333,6 +23643,23 @@ struct BatchMatMulOp : Primitive<BatchMatMulOp<TA, TB>> {
   static std::string op_name() {
     return std::string("BatchMatMul") + (TA ? "(transpose_a" : "") + (TA && TB ? ", " : TB ? "(" : "") +
            (TB ? "transpose_b" : "") + (TA || TB ? ")" : "");
+  }
+
+  // ONNX's MatMul broadcasts the batch axes as numpy's matmul does, as this does; a transposed
+  // factor is a Transpose of its last two axes first.
+  Interchange interchange(std::span<const Shape> in) const {
+    Interchange nodes;
+    std::array<InterchangeInput, 2> factor{InterchangeInput::operand(0), InterchangeInput::operand(1)};
+    for (std::size_t k = 0; k < 2; ++k) {
+      if (!(k == 0 ? TA : TB)) continue;
+      const int rank = in[k].rank();
+      std::vector<std::int64_t> perm;
+      for (int a = 0; a < rank; ++a) perm.push_back(a < rank - 2 ? a : a == rank - 2 ? rank - 1 : rank - 2);
+      nodes.push_back({"Transpose", {factor[k]}, {InterchangeAttribute::of("perm", std::move(perm))}});
+      factor[k] = InterchangeInput::node(nodes.size() - 1);
+    }
+    nodes.push_back({"MatMul", {factor[0], factor[1]}, {}});
+    return nodes;
   }
 };
 
@@ -24796,6 +25123,7 @@ namespace fn {
 
 struct Exp {
   static constexpr std::string_view name = "Exp";
+  static ops::InterchangeNode interchange() { return {"Exp", {}, {}}; }
   template <class A>
   static auto array(const A& a) {
     return a.exp();
@@ -24809,6 +25137,7 @@ struct Exp {
 // log(x): NaN for x < 0, -inf at 0.
 struct Log {
   static constexpr std::string_view name = "Log";
+  static ops::InterchangeNode interchange() { return {"Log", {}, {}}; }
   static constexpr bool grad_from_input = true;
   template <class A>
   static auto array(const A& a) {
@@ -24836,6 +25165,7 @@ struct RoundedSqrt {
 // sqrt(x): NaN for x < 0; its derivative 1 / (2 sqrt(x)) is inf at 0, as PyTorch's.
 struct Sqrt {
   static constexpr std::string_view name = "Sqrt";
+  static ops::InterchangeNode interchange() { return {"Sqrt", {}, {}}; }
   template <class A>
   static auto array(const A& a) {
     return a.unaryExpr(detail::RoundedSqrt{});
@@ -24851,6 +25181,9 @@ struct Sqrt {
 // processor's estimate, whose bits differ between a vector and a scalar and between vendors.
 struct Rsqrt {
   static constexpr std::string_view name = "Rsqrt";
+  static ops::Interchange interchange() {
+    return {{"Sqrt", {ops::InterchangeInput::operand(0)}, {}}, {"Reciprocal", {ops::InterchangeInput::node(0)}, {}}};
+  }
   template <class A>
   static auto array(const A& a) {
     return a.unaryExpr(detail::RoundedSqrt{}).inverse();
@@ -24866,6 +25199,7 @@ struct Rsqrt {
 // |x|; its derivative at 0 is taken as 0, as PyTorch's (sign(x) · dy).
 struct Abs {
   static constexpr std::string_view name = "Abs";
+  static ops::InterchangeNode interchange() { return {"Abs", {}, {}}; }
   static constexpr bool grad_from_input = true;
   template <class A>
   static auto array(const A& a) {
@@ -24879,6 +25213,9 @@ struct Abs {
 
 struct Square {
   static constexpr std::string_view name = "Square";
+  static ops::Interchange interchange() {
+    return {{"Mul", {ops::InterchangeInput::operand(0), ops::InterchangeInput::operand(0)}, {}}};
+  }
   static constexpr bool grad_from_input = true;
   template <class A>
   static auto array(const A& a) {
@@ -24899,6 +25236,11 @@ struct ClipByValue {
   static constexpr bool grad_from_input = true;
   double lo = 0;
   double hi = 0;
+  // ONNX's Clip also gives max wherever min > max.
+  ops::Interchange interchange() const {
+    using In = ops::InterchangeInput;
+    return {{"Clip", {In::operand(0), In::number(lo), In::number(hi)}, {}}};
+  }
   template <class A>
   auto array(const A& a) const {
     using S = typename A::Scalar;

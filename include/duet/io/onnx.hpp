@@ -693,24 +693,69 @@ class OnnxBuilder {
       add_constant(n, node);
       return;
     }
-    if (op == "Add" || op == "Sub" || op == "Mul" || op == "Div") {
+    if (op == "Add" || op == "Sub" || op == "Mul" || op == "Div" || op == "Pow" || op == "Max" || op == "Min") {
+      // ONNX's Max and Min take any number of inputs; duet reads two.
+      if ((op == "Max" || op == "Min") && n.input_size() != 2) unsupported(node, op + " of other than two inputs");
       arity(n, node, 2, 2);
       known_attributes(n, node, {});
       const Operand a = input(0);
       const Operand b = input(1);
-      const char kind = op[0];
+      const char kind = op == "Max" ? 'X' : op == "Min" ? 'N' : op[0];
       add_step(op, n, node, [a, b, kind](const OnnxModel& m, std::vector<Tensor>& v) {
         return m.with(a, b, v, [kind](const auto& x, const auto& y) -> Tensor {
           switch (kind) {
             case 'A': return ops::add(x, y);
             case 'S': return ops::sub(x, y);
             case 'M': return ops::mul(x, y);
+            case 'P': return ops::pow(x, y);
+            case 'X': return ops::maximum(x, y);
+            case 'N': return ops::minimum(x, y);
             default: return ops::div(x, y);
           }
         });
       });
       return;
     }
+    if (op == "Exp" || op == "Log" || op == "Sqrt" || op == "Abs" || op == "Neg" || op == "Reciprocal" || op == "Softplus") {
+      arity(n, node, 1, 1);
+      known_attributes(n, node, {});
+      const Operand a = input(0);
+      const std::string kind = op;
+      add_step(op, n, node, [a, kind](const OnnxModel& m, std::vector<Tensor>& v) {
+        return m.with(a, v, [&kind](const auto& x) -> Tensor {
+          if (kind == "Exp") return ops::exp(x);
+          if (kind == "Log") return ops::log(x);
+          if (kind == "Sqrt") return ops::sqrt(x);
+          if (kind == "Abs") return ops::abs(x);
+          if (kind == "Neg") return ops::neg(x);
+          if (kind == "Reciprocal") return ops::div(1.0, x);
+          // ONNX's log(1 + exp(x)); duet's turns linear past 20, where the two differ by less
+          // than exp(-20) of x.
+          return ops::softplus(x);
+        });
+      });
+      return;
+    }
+    if (op == "Clip") {
+      arity(n, node, 1, 3);
+      known_attributes(n, node, {});
+      const Operand a = input(0);
+      // The bounds are optional inputs, numbers the model holds.
+      const auto bound = [&](int i, double fallback) {
+        if (n.input_size() <= i || n.input(i).empty()) return fallback;
+        const std::optional<float> b = scalar_constant(n.input(i));
+        if (!b) unsupported(node, "a bound that is not a one-element constant");
+        return static_cast<double>(*b);
+      };
+      const double lo = bound(1, -std::numeric_limits<double>::infinity());
+      const double hi = bound(2, std::numeric_limits<double>::infinity());
+      add_step(op, n, node, [a, lo, hi](const OnnxModel& m, std::vector<Tensor>& v) {
+        return m.with(a, v, [&](const auto& x) -> Tensor { return ops::clip_by_value(x, lo, hi); });
+      });
+      return;
+    }
+    if (op == "Slice") return add_slice(n, node);
+    if (op == "ReduceSum" || op == "ReduceMean" || op == "ReduceMax" || op == "ReduceMin") return add_reduce(n, node);
     if (op == "Relu" || op == "Sigmoid" || op == "Tanh" || op == "LeakyRelu" || op == "Elu") {
       arity(n, node, 1, 1);
       const bool has_alpha = op == "LeakyRelu" || op == "Elu";
@@ -777,6 +822,7 @@ class OnnxBuilder {
     if (op == "Flatten" || op == "Reshape") return add_reshape(n, node);
     if (op == "Transpose") return add_transpose(n, node);
     if (shape_arithmetic(n, node)) return;
+    if (op == "Unsqueeze" || op == "Squeeze") return add_squeeze(n, node);
     if (op == "Concat") return add_concat(n, node);
     unsupported(node, "the operator " + op);
   }
@@ -1133,7 +1179,7 @@ class OnnxBuilder {
     const std::string& op = n.op_type();
     const bool integers_in = n.input_size() > 0 && integer(n.input(0));
     if (op != "Shape" && !((op == "Gather" || op == "Unsqueeze" || op == "Squeeze" || op == "Cast" || op == "Concat") && integers_in)) {
-      if (op == "Shape" || op == "Gather" || op == "Unsqueeze" || op == "Squeeze" || op == "Cast") {
+      if (op == "Shape" || op == "Gather" || op == "Cast") {
         unsupported(node, "the operator " + op + " on a float tensor (duet reads it in shape arithmetic only)");
       }
       return false;
@@ -1196,6 +1242,131 @@ class OnnxBuilder {
     if (n.output(0).empty() || defined(n.output(0))) throw FormatError(where_ + ": " + node + " has no new output name");
     sizes_[n.output(0)] = std::move(out);
     return true;
+  }
+
+  // Slice(data, starts, ends, axes, steps), the lists constant: ops::strided_slice with the
+  // lists given at run time, whose rules (negative indices from the end, clamping, negative
+  // steps) are ONNX's.
+  void add_slice(const onnx::NodeProto& n, const std::string& node) {
+    arity(n, node, 3, 5);
+    known_attributes(n, node, {});
+    const Operand x = operand_of(n.input(0), node);
+    const std::vector<std::int64_t> starts = constant_ints(n, node, 1, "starts");
+    const std::vector<std::int64_t> ends = constant_ints(n, node, 2, "ends");
+    std::vector<std::int64_t> axes;
+    if (n.input_size() > 3 && !n.input(3).empty()) axes = constant_ints(n, node, 3, "axes");
+    else for (std::size_t a = 0; a < starts.size(); ++a) axes.push_back(static_cast<std::int64_t>(a));
+    std::vector<std::int64_t> steps(starts.size(), 1);
+    if (n.input_size() > 4 && !n.input(4).empty()) steps = constant_ints(n, node, 4, "steps");
+    check_sizes(starts.size(), node);
+    if (ends.size() != starts.size() || axes.size() != starts.size() || steps.size() != starts.size()) {
+      throw FormatError(where_ + ": " + node + ": starts, ends, axes and steps of different lengths");
+    }
+    for (std::size_t i = 0; i < axes.size(); ++i) {
+      if (axes[i] < -max_rank || axes[i] >= max_rank || std::ranges::count(axes, axes[i]) > 1 || steps[i] == 0 ||
+          steps[i] == std::numeric_limits<std::int64_t>::min()) {
+        throw FormatError(where_ + ": " + node + ": axes " + list_text(axes) + " and steps " + list_text(steps) +
+                          " (each axis once, of a rank duet has; no step 0 or -2^63)");
+      }
+    }
+    add_step("Slice", n, node, [x, starts, ends, axes, steps](const OnnxModel& m, std::vector<Tensor>& v) {
+      return m.with(x, v, [&](const auto& in) -> Tensor {
+        const int rank = in.shape().rank();
+        std::array<index_t, max_rank> begin{}, end{}, stride{};
+        end.fill(ops::to_end);
+        stride.fill(1);
+        std::size_t used = 0;
+        for (std::size_t i = 0; i < axes.size(); ++i) {
+          const std::int64_t a = axes[i] < 0 ? axes[i] + rank : axes[i];
+          if (a < 0 || a >= rank) {
+            throw ShapeError("axes " + list_text(axes) + " for an input of shape " + to_string(in.shape()));
+          }
+          const auto k = static_cast<std::size_t>(a);
+          begin[k] = starts[i];
+          end[k] = ends[i];
+          stride[k] = steps[i];
+          used = std::max(used, k + 1);
+        }
+        return ops::strided_slice(in, std::span(begin).first(used), std::span(end).first(used), std::span(stride).first(used));
+      });
+    });
+  }
+
+  // ReduceSum's axes are an input from opset 13, the others' from 18 (an attribute before).
+  void add_reduce(const onnx::NodeProto& n, const std::string& node) {
+    arity(n, node, 1, 2);
+    known_attributes(n, node, {"axes", "keepdims", "noop_with_empty_axes"});
+    const Operand x = operand_of(n.input(0), node);
+    std::vector<std::int64_t> given = ints_attr(n, "axes");
+    if (n.input_size() == 2 && !n.input(1).empty()) given = constant_ints(n, node, 1, "axes");
+    check_sizes(given.size(), node);
+    std::vector<int> axes;
+    for (const std::int64_t a : given) {
+      if (a < -max_rank || a >= max_rank || std::ranges::count(given, a) > 1) {
+        throw FormatError(where_ + ": " + node + ": axes " + list_text(given) + " (each once, of a rank duet has)");
+      }
+      axes.push_back(static_cast<int>(a));
+    }
+    if (axes.empty() && int_attr(n, "noop_with_empty_axes", 0) != 0) {
+      if (n.output(0).empty() || defined(n.output(0))) throw FormatError(where_ + ": " + node + " has no new output name");
+      operands_[n.output(0)] = x;  // no axes and told so: the identity
+      return;
+    }
+    const bool keep = int_attr(n, "keepdims", 1) != 0;
+    const std::string op = n.op_type();
+    add_step(op, n, node, [x, axes, keep, op](const OnnxModel& m, std::vector<Tensor>& v) {
+      return m.with(x, v, [&](const auto& in) -> Tensor {
+        const std::span<const int> over(axes);
+        const auto reduce = [&](auto f) -> Tensor {
+          if (keep) return f(in, over, ops::keep_dims);
+          return f(in, over);
+        };
+        if (op == "ReduceSum") return reduce([](const auto&... a) { return ops::sum(a...); });
+        if (op == "ReduceMean") return reduce([](const auto&... a) { return ops::mean(a...); });
+        if (op == "ReduceMax") return reduce([](const auto&... a) { return ops::max(a...); });
+        return reduce([](const auto&... a) { return ops::min(a...); });
+      });
+    });
+  }
+
+  // Unsqueeze and Squeeze of a float tensor (of int64s they are shape arithmetic): a view
+  // with the size-1 axes added or removed, resolved when it runs.
+  void add_squeeze(const onnx::NodeProto& n, const std::string& node) {
+    arity(n, node, 1, 2);
+    known_attributes(n, node, {});
+    const bool add = n.op_type() == "Unsqueeze";
+    const Operand x = operand_of(n.input(0), node);
+    std::vector<std::int64_t> axes;
+    if (n.input_size() == 2 && !n.input(1).empty()) axes = constant_ints(n, node, 1, "axes");
+    if (add && axes.empty()) throw FormatError(where_ + ": " + node + " has no axes");
+    check_sizes(axes.size(), node);
+    detail::OnnxReshapeOp view;
+    view.who = node;
+    add_step(n.op_type(), n, node, [x, axes, add, view](const OnnxModel& m, std::vector<Tensor>& v) {
+      return m.with(x, v, [&](const auto& in) -> Tensor {
+        const Shape& s = in.shape();
+        const int rank = add ? s.rank() + static_cast<int>(axes.size()) : s.rank();
+        std::array<bool, max_rank> marked{};
+        for (const std::int64_t given : axes) {
+          const std::int64_t a = given < 0 ? given + rank : given;
+          if (a < 0 || a >= rank || rank > max_rank || marked[static_cast<std::size_t>(a)] ||
+              (!add && s[static_cast<int>(a)] != 1)) {
+            throw ShapeError(std::string(add ? "Unsqueeze" : "Squeeze") + " axes " + list_text(axes) +
+                             " for an input of shape " + to_string(s));
+          }
+          marked[static_cast<std::size_t>(a)] = true;
+        }
+        detail::OnnxReshapeOp resolved = view;
+        for (int i = 0, from = 0; i < rank; ++i) {
+          const bool here = marked[static_cast<std::size_t>(i)];
+          if (add) resolved.dims.push_back(here ? 1 : s[from++]);
+          else if (!here && !(axes.empty() && s[i] == 1)) resolved.dims.push_back(s[i]);
+        }
+        // A size 0 in the target would read as "this axis of the input".
+        if (std::ranges::count(resolved.dims, 0) > 0) throw ShapeError(std::string(add ? "Unsqueeze" : "Squeeze") + " of an empty tensor, shape " + to_string(s));
+        return apply(resolved, in);
+      });
+    });
   }
 
   void add_transpose(const onnx::NodeProto& n, const std::string& node) {
@@ -1458,10 +1629,14 @@ class OnnxExporter {
     const std::string out = value_name(step.output, true);
     for (std::size_t k = 0; k < nodes.size(); ++k) {
       const ops::InterchangeNode& n = nodes[k];
+      // A node's constants are named after it, and a Constant node comes before its reader.
+      const std::string part = out + (nodes.size() > 1 ? "." + std::to_string(k) : "");
+      std::vector<std::string> inputs;
+      for (std::size_t i = 0; i < n.inputs.size(); ++i) inputs.push_back(input_name(n.inputs[i], step, out, part, who, i));
       onnx::NodeProto& node = *graph_->add_node();
       node.set_op_type(n.op_type);
       node.set_name("%" + std::to_string(step.output) + (nodes.size() > 1 ? "." + std::to_string(k) : "") + " " + who);
-      for (std::size_t i = 0; i < n.inputs.size(); ++i) node.add_input(input_name(n.inputs[i], step, out, who, i));
+      for (const std::string& name : inputs) node.add_input(name);
       node.add_output(k + 1 == nodes.size() ? out : out + "." + std::to_string(k));
       for (const ops::InterchangeAttribute& a : n.attributes) {
         onnx::AttributeProto& attribute = *node.add_attribute();
@@ -1485,7 +1660,7 @@ class OnnxExporter {
   }
 
   std::string input_name(const ops::InterchangeInput& in, const pijit::Step& step, const std::string& out,
-                         const std::string& who, std::size_t position) {
+                         const std::string& part, const std::string& who, std::size_t position) {
     using Kind = ops::InterchangeInput::Kind;
     switch (in.kind) {
       case Kind::input:
@@ -1493,9 +1668,22 @@ class OnnxExporter {
       case Kind::earlier:
         return out + "." + std::to_string(in.index);
       case Kind::int64s: {
-        const std::string name = out + ".constant" + std::to_string(position);
+        const std::string name = part + ".constant" + std::to_string(position);
         const Shape shape{static_cast<index_t>(in.int64s.size())};
         set_onnx_tensor(*graph_->add_initializer(), name, shape, in.int64s.data());
+        return name;
+      }
+      case Kind::real: {
+        const std::string name = part + ".constant" + std::to_string(position);
+        onnx::NodeProto& constant = *graph_->add_node();
+        constant.set_op_type("Constant");
+        constant.set_name(name);
+        constant.add_output(name);
+        onnx::AttributeProto& value = *constant.add_attribute();
+        value.set_name("value");
+        value.set_type(onnx::AttributeProto::TENSOR);
+        const T number = static_cast<T>(in.real);
+        set_onnx_tensor(*value.mutable_t(), name, Shape{}, &number);
         return name;
       }
       case Kind::parameter: {

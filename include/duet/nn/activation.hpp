@@ -114,6 +114,25 @@ struct Gelu {
   static constexpr double inv_sqrt_2pi = 0.3989422804014327;
   static constexpr double cubic = 0.044715;
 
+  // ONNX has no Gelu before opset 20. The exact form is written as torch.onnx.export writes it
+  // (Div, Erf, Add, Mul, Mul), which io::load_onnx reads back as one GELU; the tanh form as
+  // its formula, node by node.
+  static ops::Interchange interchange() {
+    using In = ops::InterchangeInput;
+    const auto node = [](const char* op, In a, In b) { return ops::InterchangeNode{op, {std::move(a), std::move(b)}, {}}; };
+    const In x = In::operand(0);
+    if constexpr (Approximate) {
+      return {node("Mul", x, x), node("Mul", In::node(0), x), node("Mul", In::node(1), In::number(cubic)),
+              node("Add", x, In::node(2)), node("Mul", In::node(3), In::number(sqrt_2_over_pi)),
+              {"Tanh", {In::node(4)}, {}}, node("Add", In::node(5), In::number(1)), node("Mul", x, In::node(6)),
+              node("Mul", In::node(7), In::number(0.5))};
+    } else {
+      return {node("Div", x, In::number(1.4142135623730951)), {"Erf", {In::node(0)}, {}},
+              node("Add", In::node(1), In::number(1)), node("Mul", x, In::node(2)),
+              node("Mul", In::node(3), In::number(0.5))};
+    }
+  }
+
   template <class A>
   static auto inner(const A& a) {
     using S = typename A::Scalar;
@@ -144,6 +163,10 @@ struct Gelu {
 struct Silu {
   static constexpr std::string_view name = "SiLU";
   static constexpr bool grad_from_input = true;
+  static ops::Interchange interchange() {
+    using In = ops::InterchangeInput;
+    return {{"Sigmoid", {In::operand(0)}, {}}, {"Mul", {In::operand(0), In::node(0)}, {}}};
+  }
   template <class A>
   static auto array(const A& a) {
     return a * a.logistic();
@@ -209,6 +232,14 @@ struct Softplus {
   static constexpr bool grad_from_input = true;
   double beta = 1.0;
   double threshold = 20.0;
+  // ONNX's Softplus, log(1 + exp(x)), has no threshold: past 20 the two differ by less than
+  // exp(-20) of x. A beta other than 1 scales around it.
+  ops::Interchange interchange() const {
+    using In = ops::InterchangeInput;
+    if (beta == 1.0) return {{"Softplus", {In::operand(0)}, {}}};
+    return {{"Mul", {In::operand(0), In::number(beta)}, {}}, {"Softplus", {In::node(0)}, {}},
+            {"Div", {In::node(1), In::number(beta)}, {}}};
+  }
   template <class A>
   auto array(const A& a) const {
     using S = typename A::Scalar;
@@ -282,15 +313,21 @@ struct MapOp : Primitive<MapOp<Fns...>> {
     return s;
   }
 
-  // ONNX: a node per function, each function saying what it is (fn::Relu::interchange); empty
-  // if one does not.
+  // ONNX: each function says what it is (fn::Relu::interchange), as one node reading its
+  // input or as nodes reading operand 0 (GELU's erf form); empty if one does not.
   Interchange interchange(std::span<const Shape>) const {
     if constexpr ((has_interchange<Fns> && ...)) {
       Interchange nodes;
-      std::apply([&](const auto&... f) { (nodes.push_back(f.interchange()), ...); }, fns);
-      for (std::size_t k = 0; k < nodes.size(); ++k) {
-        nodes[k].inputs = {k == 0 ? InterchangeInput::operand(0) : InterchangeInput::node(k - 1)};
-      }
+      const auto add = [&](auto part) {
+        const InterchangeInput in = nodes.empty() ? InterchangeInput::operand(0) : InterchangeInput::node(nodes.size() - 1);
+        if constexpr (std::is_same_v<decltype(part), InterchangeNode>) {
+          part.inputs = {InterchangeInput::operand(0)};
+          append_interchange(nodes, {std::move(part)}, in);
+        } else {
+          append_interchange(nodes, std::move(part), in);
+        }
+      };
+      std::apply([&](const auto&... f) { (add(f.interchange()), ...); }, fns);
       return nodes;
     } else {
       return {};

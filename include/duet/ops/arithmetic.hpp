@@ -478,6 +478,17 @@ struct ScalarOp : Primitive<ScalarOp<Fn, ScalarFirst>> {
   }
 
   static std::string op_name() { return std::string(Fn::name) + (ScalarFirst ? "(scalar, x)" : "(x, scalar)"); }
+
+  // The number as a Constant of the network's element type, in its place.
+  Interchange interchange(std::span<const Shape>) const {
+    if constexpr (requires { Fn::onnx; }) {
+      InterchangeNode n{std::string(Fn::onnx), {InterchangeInput::operand(0), InterchangeInput::number(scalar)}, {}};
+      if constexpr (ScalarFirst) std::swap(n.inputs[0], n.inputs[1]);
+      return {std::move(n)};
+    } else {
+      return {};
+    }
+  }
 };
 
 template <class Fn, bool ScalarFirst>

@@ -38,6 +38,7 @@ namespace fn {
 
 struct Exp {
   static constexpr std::string_view name = "Exp";
+  static ops::InterchangeNode interchange() { return {"Exp", {}, {}}; }
   template <class A>
   static auto array(const A& a) {
     return a.exp();
@@ -51,6 +52,7 @@ struct Exp {
 // log(x): NaN for x < 0, -inf at 0.
 struct Log {
   static constexpr std::string_view name = "Log";
+  static ops::InterchangeNode interchange() { return {"Log", {}, {}}; }
   static constexpr bool grad_from_input = true;
   template <class A>
   static auto array(const A& a) {
@@ -78,6 +80,7 @@ struct RoundedSqrt {
 // sqrt(x): NaN for x < 0; its derivative 1 / (2 sqrt(x)) is inf at 0, as PyTorch's.
 struct Sqrt {
   static constexpr std::string_view name = "Sqrt";
+  static ops::InterchangeNode interchange() { return {"Sqrt", {}, {}}; }
   template <class A>
   static auto array(const A& a) {
     return a.unaryExpr(detail::RoundedSqrt{});
@@ -93,6 +96,9 @@ struct Sqrt {
 // processor's estimate, whose bits differ between a vector and a scalar and between vendors.
 struct Rsqrt {
   static constexpr std::string_view name = "Rsqrt";
+  static ops::Interchange interchange() {
+    return {{"Sqrt", {ops::InterchangeInput::operand(0)}, {}}, {"Reciprocal", {ops::InterchangeInput::node(0)}, {}}};
+  }
   template <class A>
   static auto array(const A& a) {
     return a.unaryExpr(detail::RoundedSqrt{}).inverse();
@@ -108,6 +114,7 @@ struct Rsqrt {
 // |x|; its derivative at 0 is taken as 0, as PyTorch's (sign(x) · dy).
 struct Abs {
   static constexpr std::string_view name = "Abs";
+  static ops::InterchangeNode interchange() { return {"Abs", {}, {}}; }
   static constexpr bool grad_from_input = true;
   template <class A>
   static auto array(const A& a) {
@@ -121,6 +128,9 @@ struct Abs {
 
 struct Square {
   static constexpr std::string_view name = "Square";
+  static ops::Interchange interchange() {
+    return {{"Mul", {ops::InterchangeInput::operand(0), ops::InterchangeInput::operand(0)}, {}}};
+  }
   static constexpr bool grad_from_input = true;
   template <class A>
   static auto array(const A& a) {
@@ -141,6 +151,11 @@ struct ClipByValue {
   static constexpr bool grad_from_input = true;
   double lo = 0;
   double hi = 0;
+  // ONNX's Clip also gives max wherever min > max.
+  ops::Interchange interchange() const {
+    using In = ops::InterchangeInput;
+    return {{"Clip", {In::operand(0), In::number(lo), In::number(hi)}, {}}};
+  }
   template <class A>
   auto array(const A& a) const {
     using S = typename A::Scalar;

@@ -163,6 +163,23 @@ struct BatchMatMulOp : Primitive<BatchMatMulOp<TA, TB>> {
     return std::string("BatchMatMul") + (TA ? "(transpose_a" : "") + (TA && TB ? ", " : TB ? "(" : "") +
            (TB ? "transpose_b" : "") + (TA || TB ? ")" : "");
   }
+
+  // ONNX's MatMul broadcasts the batch axes as numpy's matmul does, as this does; a transposed
+  // factor is a Transpose of its last two axes first.
+  Interchange interchange(std::span<const Shape> in) const {
+    Interchange nodes;
+    std::array<InterchangeInput, 2> factor{InterchangeInput::operand(0), InterchangeInput::operand(1)};
+    for (std::size_t k = 0; k < 2; ++k) {
+      if (!(k == 0 ? TA : TB)) continue;
+      const int rank = in[k].rank();
+      std::vector<std::int64_t> perm;
+      for (int a = 0; a < rank; ++a) perm.push_back(a < rank - 2 ? a : a == rank - 2 ? rank - 1 : rank - 2);
+      nodes.push_back({"Transpose", {factor[k]}, {InterchangeAttribute::of("perm", std::move(perm))}});
+      factor[k] = InterchangeInput::node(nodes.size() - 1);
+    }
+    nodes.push_back({"MatMul", {factor[0], factor[1]}, {}});
+    return nodes;
+  }
 };
 
 // d/d input K of op(A)·op(B), by the table at the top of this header, summed over the batch

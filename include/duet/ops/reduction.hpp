@@ -35,6 +35,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
 #include <span>
 #include <string>
@@ -72,6 +73,22 @@ inline constexpr Axes<A> axis{};
 struct KeepDims {};
 inline constexpr KeepDims keep_dims{};
 
+// The reduced axes given at run time (ops::sum(x, {0, 2}); an ONNX model's ReduceMean): one
+// operation for every set of axes, as transpose(x, perm) is for every permutation. None means
+// every axis, as in Axes<>.
+struct AxesList {
+  std::array<int, max_rank> list{};
+  std::size_t count = 0;
+};
+
+namespace detail {
+template <int... A>
+constexpr std::span<const int> axes_of(Axes<A...>) {
+  return Axes<A...>::values;
+}
+constexpr std::span<const int> axes_of(const AxesList& a) { return std::span(a.list).first(a.count); }
+}  // namespace detail
+
 namespace detail {
 
 // Which axes of a shape of rank `rank` the values name; false if one is out of range, with
@@ -82,10 +99,9 @@ struct AxisMask {
   index_t needed = 0;
 };
 
-template <std::size_t N>
-constexpr AxisMask axis_mask(int rank, const std::array<int, N>& values) {
+constexpr AxisMask axis_mask(int rank, std::span<const int> values) {
   AxisMask m;
-  if constexpr (N == 0) {
+  if (values.empty()) {
     for (int i = 0; i < rank; ++i) m.reduced[static_cast<std::size_t>(i)] = true;
   }
   for (int a : values) {
@@ -105,10 +121,9 @@ constexpr AxisMask axis_mask(int rank, const std::array<int, N>& values) {
 // trailing axes when the axes are negative and among them, and an unknown shape otherwise.
 // NonEmpty: the reduction has no identity (max, min, argmax), so a reduced axis of size 0 is
 // refused.
-template <std::size_t N>
-constexpr ShapeResult reduced_shape(const Shape& in, const std::array<int, N>& values, bool keep, bool non_empty) {
+constexpr ShapeResult reduced_shape(const Shape& in, std::span<const int> values, bool keep, bool non_empty) {
   if (in.leading_unknown()) {
-    if (N == 0) return {keep ? Shape::any() : Shape{}};
+    if (values.empty()) return {keep ? Shape::any() : Shape{}};
     for (int a : values) {
       if (a >= 0 || -a > in.rank()) return {Shape::any()};
     }
@@ -276,16 +291,15 @@ struct MinReducer {
   }
 };
 
-template <class AxesT, bool Keep>
-std::string reduce_name(std::string_view op) {
+inline std::string reduce_name(std::string_view op, std::span<const int> values, bool keep) {
   std::string s(op);
   s += "(axis=";
-  if (AxesT::values.empty()) s += "all";
-  for (std::size_t i = 0; i < AxesT::values.size(); ++i) {
+  if (values.empty()) s += "all";
+  for (std::size_t i = 0; i < values.size(); ++i) {
     if (i) s += ',';
-    s += std::to_string(AxesT::values[i]);
+    s += std::to_string(values[i]);
   }
-  return s + (Keep ? ", keep_dims)" : ")");
+  return s + (keep ? ", keep_dims)" : ")");
 }
 
 }  // namespace detail
@@ -294,12 +308,20 @@ template <class Reducer, class AxesT, bool Keep>
 struct ReduceGradOp;
 
 // Reducer over the axes AxesT (every axis if empty), the reduced axes kept as 1 if Keep.
+// AxesT is Axes<A...>, or AxesList for axes given at run time, whose shape graph mode checks
+// when the network first runs.
 template <class Reducer, class AxesT, bool Keep>
 struct ReduceOp : Primitive<ReduceOp<Reducer, AxesT, Keep>> {
   static constexpr int arity = 1;
+  static constexpr bool runtime_axes = std::is_same_v<AxesT, AxesList>;
+  [[no_unique_address]] AxesT reduced{};
 
   static constexpr ShapeResult infer_static(std::span<const Shape> in) {
-    return detail::reduced_shape(in[0], AxesT::values, Keep, Reducer::non_empty);
+    if constexpr (runtime_axes) return {Shape::any()};
+    else return detail::reduced_shape(in[0], AxesT::values, Keep, Reducer::non_empty);
+  }
+  ShapeResult infer(std::span<const Shape> in) const {
+    return detail::reduced_shape(in[0], detail::axes_of(reduced), Keep, Reducer::non_empty);
   }
 
   template <class Backend, class T>
@@ -307,7 +329,7 @@ struct ReduceOp : Primitive<ReduceOp<Reducer, AxesT, Keep>> {
     const T* x = a.in<T>();
     T* out = a.out<T>();
     const Shape& in = a.in_shape();
-    const detail::ReduceLayout l = detail::reduce_layout(in, detail::axis_mask(in.rank(), AxesT::values));
+    const detail::ReduceLayout l = detail::reduce_layout(in, detail::axis_mask(in.rank(), detail::axes_of(reduced)));
     if (l.outputs == 0) return;
     if (l.group == 0) {
       // Only sum and mean get here (the rule refuses an empty max): 0, and 0/0 for the mean.
@@ -345,10 +367,28 @@ struct ReduceOp : Primitive<ReduceOp<Reducer, AxesT, Keep>> {
   template <std::size_t K>
     requires(K == 0)
   auto grad_op() const {
-    return ReduceGradOp<Reducer, AxesT, Keep>{};
+    ReduceGradOp<Reducer, AxesT, Keep> g;
+    g.reduced = reduced;
+    return g;
   }
 
-  static std::string op_name() { return detail::reduce_name<AxesT, Keep>(Reducer::name); }
+  static std::string op_name() {
+    if constexpr (runtime_axes) return std::string(Reducer::name) + (Keep ? "(keep_dims)" : "");
+    else return detail::reduce_name(Reducer::name, AxesT::values, Keep);
+  }
+  std::string label() const { return detail::reduce_name(Reducer::name, detail::axes_of(reduced), Keep); }
+
+  // The reducers' names are ONNX's operators. At opset 17 ReduceSum reads its axes as an
+  // input, the others as an attribute; no axes reduces them all, in both.
+  Interchange interchange(std::span<const Shape>) const {
+    InterchangeNode n{std::string(Reducer::name), {InterchangeInput::operand(0)}, {InterchangeAttribute::of("keepdims", Keep ? 1 : 0)}};
+    if (const std::span<const int> reduced_axes = detail::axes_of(reduced); !reduced_axes.empty()) {
+      const std::vector<std::int64_t> axes(reduced_axes.begin(), reduced_axes.end());
+      if (Reducer::name == "ReduceSum") n.inputs.push_back(InterchangeInput::constant(axes));
+      else n.attributes.push_back(InterchangeAttribute::of("axes", axes));
+    }
+    return {std::move(n)};
+  }
 };
 
 // d/dx of a reduction: sum and mean spread dy over each group (mean divided by its size);
@@ -356,6 +396,7 @@ struct ReduceOp : Primitive<ReduceOp<Reducer, AxesT, Keep>> {
 template <class Reducer, class AxesT, bool Keep>
 struct ReduceGradOp : Primitive<ReduceGradOp<Reducer, AxesT, Keep>> {
   static constexpr bool extreme = Reducer::non_empty;
+  [[no_unique_address]] AxesT reduced{};
   static constexpr auto reads = [] {
     if constexpr (extreme) return std::array{graph::Operand::grad, graph::Operand::input0, graph::Operand::output};
     else return std::array{graph::Operand::grad, graph::Operand::input0};
@@ -370,7 +411,7 @@ struct ReduceGradOp : Primitive<ReduceGradOp<Reducer, AxesT, Keep>> {
     const T* x = a.in<T>(1);
     T* d = a.out<T>();
     const Shape& in = a.in_shape(1);
-    const detail::ReduceLayout l = detail::reduce_layout(in, detail::axis_mask(in.rank(), AxesT::values));
+    const detail::ReduceLayout l = detail::reduce_layout(in, detail::axis_mask(in.rank(), detail::axes_of(reduced)));
     if (l.outputs == 0 || l.group == 0) return;
     if constexpr (extreme) {
       const T* y = a.in<T>(2);
@@ -401,7 +442,7 @@ struct ReduceGradOp : Primitive<ReduceGradOp<Reducer, AxesT, Keep>> {
     }
   }
 
-  static std::string op_name() { return detail::reduce_name<AxesT, Keep>(Reducer::name) + "Grad"; }
+  static std::string op_name() { return ReduceOp<Reducer, AxesT, Keep>::op_name() + "Grad"; }
 };
 
 // The index of the first largest (smallest) element along one axis, as int32 (numpy's and
@@ -459,6 +500,26 @@ auto reduce(const X& x, AxesT, Keep...) {
   return apply(ReduceOp<Reducer, AxesT, sizeof...(Keep) == 1>{}, x);
 }
 
+// The axes given at run time: each within [-max_rank, max_rank) and listed once; whether they
+// fit the input's rank is a shape error when it runs.
+template <class Reducer, class X, class... Keep>
+auto reduce_listed(const X& x, std::span<const int> axes, const char* who, Keep...) {
+  static_assert(sizeof...(Keep) <= 1 && (std::is_same_v<Keep, KeepDims> && ...),
+                "duet::ops: a reduction takes the tensor, then optionally the axes, then optionally ops::keep_dims");
+  ReduceOp<Reducer, AxesList, sizeof...(Keep) == 1> op;
+  bool valid = axes.size() <= static_cast<std::size_t>(max_rank);
+  for (std::size_t i = 0; valid && i < axes.size(); ++i) {
+    valid = axes[i] >= -max_rank && axes[i] < max_rank && std::ranges::count(axes.first(i), axes[i]) == 0;
+    op.reduced.list[i] = axes[i];
+  }
+  if (!valid) {
+    throw ValueError(std::string("duet::ops::") + who + ": the axes {" + list_text<int>(axes) +
+                     "} must be distinct, at most " + std::to_string(max_rank) + " of them");
+  }
+  op.reduced.count = axes.size();
+  return apply(op, x);
+}
+
 template <bool Max, class X, int A, class... Keep>
 auto arg_extreme(const X& x, Axes<A>, Keep...) {
   static_assert(sizeof...(Keep) <= 1 && (std::is_same_v<Keep, KeepDims> && ...),
@@ -479,6 +540,14 @@ auto arg_extreme(const X& x, Axes<A>, Keep...) {
     requires((std::is_same_v<Keep, KeepDims> && ...))                  \
   auto name(const X& x, Keep... keep) {                                \
     return detail::reduce<detail::Reducer>(x, Axes<>{}, keep...);      \
+  }                                                                    \
+  template <TensorLike X, class... Keep>                               \
+  auto name(const X& x, std::span<const int> axes, Keep... keep) {     \
+    return detail::reduce_listed<detail::Reducer>(x, axes, #name, keep...); \
+  }                                                                    \
+  template <TensorLike X, class... Keep>                               \
+  auto name(const X& x, std::initializer_list<int> axes, Keep... keep) { \
+    return detail::reduce_listed<detail::Reducer>(x, std::span(axes.begin(), axes.size()), #name, keep...); \
   }
 DUET_DETAIL_REDUCTION(sum, SumReducer)
 DUET_DETAIL_REDUCTION(mean, MeanReducer)

@@ -53,20 +53,6 @@ constexpr int axis_index(int axis, int rank) {
   return a < 0 || a >= rank ? -1 : a;
 }
 
-template <class V>
-std::string list_text(std::span<const V> values) {
-  std::string out;
-  for (V v : values) {
-    if (!out.empty()) out += ", ";
-    out += std::to_string(v);
-  }
-  return out;
-}
-template <class V>
-std::string list_text(std::initializer_list<V> values) {
-  return list_text(std::span<const V>(values.begin(), values.size()));
-}
-
 // x with axis `at` removed (at < rank) or a size inserted before it.
 constexpr Shape without_axis(const Shape& x, int at) {
   Shape out;
@@ -175,6 +161,12 @@ struct ReshapeOp : Primitive<ReshapeOp<D...>> {
 
   static std::string op_name() { return "Reshape<" + detail::list_text<index_t>({D...}) + ">"; }
   std::string label() const { return "ops::reshape<" + detail::list_text<index_t>({D...}) + ">"; }
+  // ONNX reads a 0 in the target as "this axis of the input" unless allowzero says otherwise.
+  Interchange interchange(std::span<const Shape>) const {
+    std::vector<InterchangeAttribute> zero;
+    if (((D == 0) || ...)) zero.push_back(InterchangeAttribute::of("allowzero", 1));
+    return {{"Reshape", {InterchangeInput::operand(0), InterchangeInput::constant({D...})}, std::move(zero)}};
+  }
 };
 
 template <index_t... D, class X>
@@ -213,6 +205,10 @@ struct ExpandDimsOp : Primitive<ExpandDimsOp<Axis>> {
 
   static std::string op_name() { return "ExpandDims<" + std::to_string(Axis) + ">"; }
   std::string label() const { return "ops::expand_dims<" + std::to_string(Axis) + ">"; }
+  // ONNX's Unsqueeze counts a negative axis from the end of the output, as this does.
+  Interchange interchange(std::span<const Shape>) const {
+    return {{"Unsqueeze", {InterchangeInput::operand(0), InterchangeInput::constant({Axis})}, {}}};
+  }
 };
 
 template <int Axis, class X>
@@ -262,6 +258,11 @@ struct SqueezeOp : Primitive<SqueezeOp<Axes...>> {
 
   static std::string op_name() { return "Squeeze<" + detail::list_text<int>({Axes...}) + ">"; }
   std::string label() const { return "ops::squeeze<" + detail::list_text<int>({Axes...}) + ">"; }
+  // Without axes, ONNX's Squeeze also removes every size-1 axis.
+  Interchange interchange(std::span<const Shape>) const {
+    if constexpr (sizeof...(Axes) == 0) return {{"Squeeze", {InterchangeInput::operand(0)}, {}}};
+    else return {{"Squeeze", {InterchangeInput::operand(0), InterchangeInput::constant({Axes...})}, {}}};
+  }
 };
 
 template <int... Axes, class X>
@@ -340,6 +341,9 @@ struct TransposeOp : Primitive<TransposeOp<P...>> {
 
   static std::string op_name() { return "Transpose<" + detail::list_text<int>({P...}) + ">"; }
   std::string label() const { return "ops::transpose<" + detail::list_text<int>({P...}) + ">"; }
+  Interchange interchange(std::span<const Shape>) const {
+    return {{"Transpose", {InterchangeInput::operand(0)}, {InterchangeAttribute::of("perm", std::vector<std::int64_t>{P...})}}};
+  }
 };
 
 template <int... P, class X>
@@ -381,6 +385,10 @@ struct PermuteOp : Primitive<PermuteOp> {
   static std::string op_name() { return "Transpose"; }
   std::string label() const {
     return "ops::transpose(x, {" + detail::list_text<int>(perm()) + "})";
+  }
+  Interchange interchange(std::span<const Shape>) const {
+    return {{"Transpose", {InterchangeInput::operand(0)},
+             {InterchangeAttribute::of("perm", std::vector<std::int64_t>(perm().begin(), perm().end()))}}};
   }
 };
 
@@ -497,6 +505,11 @@ struct ConcatOp : Primitive<ConcatOp<Axis, N>> {
   }
 
   static std::string op_name() { return "Concat<" + std::to_string(Axis) + ">"; }
+  Interchange interchange(std::span<const Shape>) const {
+    InterchangeNode n{"Concat", {}, {InterchangeAttribute::of("axis", std::int64_t{Axis})}};
+    for (std::size_t k = 0; k < static_cast<std::size_t>(N); ++k) n.inputs.push_back(InterchangeInput::operand(k));
+    return {std::move(n)};
+  }
   std::string label() const { return "ops::concat<" + std::to_string(Axis) + ">"; }
 };
 
@@ -562,6 +575,17 @@ struct StackOp : Primitive<StackOp<Axis, N>> {
   }
 
   static std::string op_name() { return "Stack<" + std::to_string(Axis) + ">"; }
+  // ONNX has no Stack: each input gets its new axis (Unsqueeze), then they are joined there.
+  Interchange interchange(std::span<const Shape>) const {
+    Interchange nodes;
+    InterchangeNode joined{"Concat", {}, {InterchangeAttribute::of("axis", std::int64_t{Axis})}};
+    for (std::size_t k = 0; k < static_cast<std::size_t>(N); ++k) {
+      nodes.push_back({"Unsqueeze", {InterchangeInput::operand(k), InterchangeInput::constant({Axis})}, {}});
+      joined.inputs.push_back(InterchangeInput::node(k));
+    }
+    nodes.push_back(std::move(joined));
+    return nodes;
+  }
   std::string label() const { return "ops::stack<" + std::to_string(Axis) + ">"; }
 };
 
@@ -608,11 +632,64 @@ struct Window {
 
 // The window a slice op reads from an input of shape x, as a shape rule's result.
 template <class Op>
-constexpr ShapeResult window_result(const Shape& x) {
+constexpr ShapeResult window_result(const Op& op, const Shape& x) {
   if (x.leading_unknown()) return {Shape::any()};
-  const Window w = Op::window(x);
+  const Window w = op.window(x);
   if (w.fault != ShapeFault::none) return fault(x, w.fault, w.expected);
   return {w.count};
+}
+
+// x[begin:end:stride] along the first begin.size() axes, the others whole: Python's rules
+// (negative indices count from the end, indices past either end are clamped, a negative
+// stride walks backwards, to_end is an omitted end), or with `checked` (ops::slice) begin and
+// end must lie inside the axis.
+constexpr Window strided_window(const Shape& x, std::span<const index_t> begin, std::span<const index_t> end,
+                                std::span<const index_t> strides, bool checked) {
+  const std::size_t n = begin.size();
+  Window w;
+  w.count = x;
+  if (static_cast<int>(n) > x.rank()) {
+    w.fault = ShapeFault::min_rank;
+    w.expected = static_cast<index_t>(n);
+    return w;
+  }
+  for (std::size_t a = 0; a < static_cast<std::size_t>(x.rank()); ++a) {
+    const int axis = static_cast<int>(a);
+    const index_t size = x[axis];
+    w.step[a] = 1;
+    if (a >= n) continue;
+    if (size == dyn) {
+      w.count[axis] = dyn;
+      continue;
+    }
+    const index_t stride = strides[a];
+    index_t b = begin[a];
+    index_t e = end[a];
+    if (checked) {
+      if (e == to_end) e = size;
+      if (b > size || e < b || e > size) {
+        w.fault = ShapeFault::slice_range;
+        w.expected = axis;
+        return w;
+      }
+    }
+    if (b < 0) b += size;
+    if (e < 0) e += size;
+    if (end[a] == to_end && stride < 0) e = -1;
+    // Python's clamping: [0, size] walking forwards, [-1, size - 1] backwards.
+    const index_t lo = stride > 0 ? 0 : -1;
+    const index_t hi = stride > 0 ? size : size - 1;
+    b = std::clamp(b, lo, hi);
+    e = std::clamp(e, lo, hi);
+    const index_t span = stride > 0 ? e - b : b - e;
+    const index_t abs_stride = stride > 0 ? stride : -stride;
+    w.start[a] = b;
+    // Counted without span + stride, which a stride near 2^63 (a run-time one) overflows; a
+    // step that is never taken is 1, so that the kernels' strides (size times step) stay small.
+    w.count[axis] = span <= 0 ? 0 : 1 + (span - 1) / abs_stride;
+    w.step[a] = w.count[axis] > 1 ? stride : 1;
+  }
+  return w;
 }
 
 template <class T>
@@ -647,12 +724,14 @@ template <class Fwd>
 struct SliceGradOp : Primitive<SliceGradOp<Fwd>> {
   static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0};
   static constexpr int arity = 2;
+  // Empty for the slices whose window is their type; the lists of a run-time one.
+  [[no_unique_address]] Fwd fwd{};
 
   static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& args) const {
-    detail::scatter_window(Fwd::window(args.in_shape(1)), args.in_shape(1), args.in<T>(0), args.out<T>());
+    detail::scatter_window(fwd.window(args.in_shape(1)), args.in_shape(1), args.in<T>(0), args.out<T>());
   }
 
   static std::string op_name() { return Fwd::op_name() + "Grad"; }
@@ -663,18 +742,47 @@ template <class Self>
 struct SlicePrimitive : Primitive<Self> {
   static constexpr int arity = 1;
 
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return detail::window_result<Self>(in[0]); }
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return detail::window_result(Self{}, in[0]); }
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
-    detail::read_window(Self::window(a.in_shape()), a.in_shape(), a.in<T>(), a.out<T>());
+    detail::read_window(self().window(a.in_shape()), a.in_shape(), a.in<T>(), a.out<T>());
   }
 
   template <std::size_t K>
     requires(K == 0)
   auto grad_op() const {
-    return SliceGradOp<Self>{};
+    SliceGradOp<Self> g;
+    g.fwd = self();
+    return g;
   }
+
+  // ONNX's Slice of the window, on the axes it cuts.
+  Interchange interchange(std::span<const Shape> in) const {
+    const Shape& x = in[0];
+    const detail::Window w = self().window(x);
+    std::vector<std::int64_t> starts, ends, axes, steps;
+    for (int a = 0; a < x.rank(); ++a) {
+      const auto i = static_cast<std::size_t>(a);
+      if (w.start[i] == 0 && w.step[i] == 1 && w.count[a] == x[a]) continue;
+      const index_t end = w.start[i] + w.count[a] * w.step[i];
+      starts.push_back(w.start[i]);
+      // Walking backwards past the first element: ONNX reads -1 as the last, -size - 1 as
+      // before the first.
+      ends.push_back(end < 0 ? -x[a] - 1 : end);
+      axes.push_back(a);
+      steps.push_back(w.step[i]);
+    }
+    if (axes.empty()) return {{"Identity", {InterchangeInput::operand(0)}, {}}};
+    return {{"Slice",
+             {InterchangeInput::operand(0), InterchangeInput::constant(std::move(starts)),
+              InterchangeInput::constant(std::move(ends)), InterchangeInput::constant(std::move(axes)),
+              InterchangeInput::constant(std::move(steps))},
+             {}}};
+  }
+
+ private:
+  const Self& self() const { return static_cast<const Self&>(*this); }
 };
 
 // strided_slice(x, ints<begin...>, ints<end...>, ints<strides...>): along axis a, from
@@ -703,49 +811,7 @@ struct StridedSliceOp : SlicePrimitive<StridedSliceOp<Begin, End, Strides, Check
   index_t view_offset(const Shape& x) const { return x.rank() == 0 ? 0 : window(x).start[0] * x.numel_from(1); }
 
   static constexpr detail::Window window(const Shape& x) {
-    detail::Window w;
-    w.count = x;
-    if (static_cast<int>(n) > x.rank()) {
-      w.fault = ShapeFault::min_rank;
-      w.expected = static_cast<index_t>(n);
-      return w;
-    }
-    for (std::size_t a = 0; a < static_cast<std::size_t>(x.rank()); ++a) {
-      const int axis = static_cast<int>(a);
-      const index_t size = x[axis];
-      w.step[a] = 1;
-      if (a >= n) continue;
-      if (size == dyn) {
-        w.count[axis] = dyn;
-        continue;
-      }
-      const index_t stride = Strides::values[a];
-      index_t b = Begin::values[a];
-      index_t e = End::values[a];
-      if constexpr (Checked) {
-        if (e == to_end) e = size;
-        if (b > size || e < b || e > size) {
-          w.fault = ShapeFault::slice_range;
-          w.expected = axis;
-          return w;
-        }
-      }
-      if (b < 0) b += size;
-      if (e < 0) e += size;
-      // to_end is Python's omitted end: past the last element in the stride's direction.
-      if (End::values[a] == to_end && stride < 0) e = -1;
-      // Python's clamping: [0, size] walking forwards, [-1, size - 1] backwards.
-      const index_t lo = stride > 0 ? 0 : -1;
-      const index_t hi = stride > 0 ? size : size - 1;
-      b = std::clamp(b, lo, hi);
-      e = std::clamp(e, lo, hi);
-      const index_t span = stride > 0 ? e - b : b - e;
-      const index_t abs_stride = stride > 0 ? stride : -stride;
-      w.start[a] = b;
-      w.step[a] = stride;
-      w.count[axis] = span <= 0 ? 0 : (span + abs_stride - 1) / abs_stride;
-    }
-    return w;
+    return detail::strided_window(x, Begin::values, End::values, Strides::values, Checked);
   }
 
   static std::string op_name() {
@@ -789,6 +855,98 @@ auto slice(X&& x, Ints<B...>, Ints<Size...>) {
   static_assert(((Size >= -1) && ...), "duet::ops::slice: a size must be >= 0, or -1 for the rest of the axis");
   using Op = StridedSliceOp<Ints<B...>, Ints<(Size == -1 ? to_end : B + Size)...>, Ints<(B * 0 + 1)...>, true>;
   return apply(Op{}, std::forward<X>(x));
+}
+
+// strided_slice(x, begin, end, strides) and slice(x, begin, size) with the lists given at run
+// time (a window the program computes; an ONNX model's Slice): the same rules, one operation
+// for every window, as transpose(x, perm) is for every permutation. Graph mode checks the
+// window against the input's shape when the network first runs, not at compile time.
+struct WindowSliceOp : SlicePrimitive<WindowSliceOp> {
+  std::array<index_t, max_rank> begin{};
+  std::array<index_t, max_rank> end{};
+  std::array<index_t, max_rank> strides{};
+  std::size_t n = 0;
+  bool checked = false;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape>) { return {Shape::any()}; }
+  ShapeResult infer(std::span<const Shape> in) const { return detail::window_result(*this, in[0]); }
+  detail::Window window(const Shape& x) const {
+    return detail::strided_window(x, std::span(begin).first(n), std::span(end).first(n), std::span(strides).first(n), checked);
+  }
+
+  static std::string op_name() { return "StridedSlice"; }
+  std::string label() const {
+    const auto text = [&](const std::array<index_t, max_rank>& values, bool as_size) {
+      std::string out = "{";
+      for (std::size_t a = 0; a < n; ++a) {
+        const index_t v = as_size ? (values[a] == to_end ? -1 : values[a] - begin[a]) : values[a];
+        out += (a > 0 ? ", " : "") + (v == to_end ? std::string("end") : std::to_string(v));
+      }
+      return out + "}";
+    };
+    if (checked) return "ops::slice(x, " + text(begin, false) + ", " + text(end, true) + ")";
+    return "ops::strided_slice(x, " + text(begin, false) + ", " + text(end, false) + ", " + text(strides, false) + ")";
+  }
+};
+
+namespace detail {
+inline WindowSliceOp window_slice(std::span<const index_t> begin, std::span<const index_t> end,
+                                  std::span<const index_t> strides, const char* who) {
+  if (end.size() != begin.size() || strides.size() != begin.size() || begin.size() > static_cast<std::size_t>(max_rank)) {
+    throw ValueError(std::string("duet::ops::") + who + ": the lists must have one entry per axis sliced, at most " +
+                     std::to_string(max_rank) + ", got " + std::to_string(begin.size()) + ", " + std::to_string(end.size()) +
+                     " and " + std::to_string(strides.size()));
+  }
+  WindowSliceOp op;
+  op.n = begin.size();
+  std::ranges::copy(begin, op.begin.begin());
+  std::ranges::copy(end, op.end.begin());
+  std::ranges::copy(strides, op.strides.begin());
+  // -2^63 has no negation: a stride is counted by its magnitude.
+  if (std::ranges::any_of(strides, [](index_t v) { return v == 0 || v == std::numeric_limits<index_t>::min(); })) {
+    throw ValueError(std::string("duet::ops::") + who + ": a stride cannot be 0 (or -2^63), got {" +
+                     list_text<index_t>(strides) + "}");
+  }
+  return op;
+}
+}  // namespace detail
+
+template <class X>
+auto strided_slice(X&& x, std::span<const index_t> begin, std::span<const index_t> end, std::span<const index_t> strides) {
+  return apply(detail::window_slice(begin, end, strides, "strided_slice"), std::forward<X>(x));
+}
+template <class X>
+auto strided_slice(X&& x, std::initializer_list<index_t> begin, std::initializer_list<index_t> end,
+                   std::initializer_list<index_t> strides) {
+  return strided_slice(std::forward<X>(x), std::span(begin.begin(), begin.size()), std::span(end.begin(), end.size()),
+                       std::span(strides.begin(), strides.size()));
+}
+
+// begin[a] >= 0, size[a] >= 0 or -1 for the rest of the axis; the window must lie inside x.
+template <class X>
+auto slice(X&& x, std::span<const index_t> begin, std::span<const index_t> size) {
+  if (size.size() != begin.size() || begin.size() > static_cast<std::size_t>(max_rank)) {
+    throw ValueError("duet::ops::slice: begin and size must have one entry per axis sliced, at most " +
+                     std::to_string(max_rank) + ", got " + std::to_string(begin.size()) + " and " +
+                     std::to_string(size.size()));
+  }
+  std::array<index_t, max_rank> end{};
+  std::array<index_t, max_rank> ones{};
+  for (std::size_t a = 0; a < begin.size(); ++a) {
+    if (begin[a] < 0 || size[a] < -1) {
+      throw ValueError("duet::ops::slice: begin must be >= 0 and a size >= 0, or -1 for the rest of the axis, got {" +
+                       detail::list_text<index_t>(begin) + "} and {" + detail::list_text<index_t>(size) + "}");
+    }
+    end[a] = size[a] == -1 ? to_end : begin[a] + size[a];
+    ones[a] = 1;
+  }
+  WindowSliceOp op = detail::window_slice(begin, std::span(end).first(begin.size()), std::span(ones).first(begin.size()), "slice");
+  op.checked = true;
+  return apply(op, std::forward<X>(x));
+}
+template <class X>
+auto slice(X&& x, std::initializer_list<index_t> begin, std::initializer_list<index_t> size) {
+  return slice(std::forward<X>(x), std::span(begin.begin(), begin.size()), std::span(size.begin(), size.size()));
 }
 
 // ----------------------------------------------------------------------------------------
