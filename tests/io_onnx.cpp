@@ -698,10 +698,26 @@ std::optional<std::string> export_checker() {
   return std::nullopt;
 }
 
-void write_floats(const fs::path& path, const Tensor& t) {
+template <class U>
+void write_raw(const fs::path& path, const duet::BasicTensor<U>& t) {
   std::ofstream out(path, std::ios::binary);
-  out.write(reinterpret_cast<const char*>(t.data()), static_cast<std::streamsize>(t.numel() * sizeof(float)));
+  out.write(reinterpret_cast<const char*>(t.data()), static_cast<std::streamsize>(t.numel() * sizeof(U)));
   REQUIRE(out);
+}
+
+// onnx.checker accepts dir/name.onnx, and a numpy evaluation of it on x gives want.
+template <class U>
+void check_by_numpy(const duet_test::TempDir& dir, const std::string& name, const duet::BasicTensor<U>& x,
+                    const Tensor& want) {
+  if (const auto checker = export_checker()) {
+    write_raw(dir.path / (name + ".in"), x);
+    write_raw(dir.path / (name + ".out"), want);
+    const std::string command = *checker + " " + (dir.path / (name + ".onnx")).string() + " " +
+                                (dir.path / (name + ".in")).string() + " " + (dir.path / (name + ".out")).string();
+    CHECK(std::system(command.c_str()) == 0);
+  } else {
+    MESSAGE("SKIPPED: the exported model is not checked by onnx.checker (no python3 with onnx and numpy)");
+  }
 }
 
 // Exports net for `shape`, then: load_onnx gives back its parameters under their names and
@@ -739,15 +755,7 @@ void check_export(Net& net, const Shape& shape, const std::string& name, const d
     ModeScope graph(duet::GRAPH_MODE);
     CHECK(same_bits(loaded(x), pynative));
   }
-  if (const auto checker = export_checker()) {
-    write_floats(dir.path / (name + ".in"), x);
-    write_floats(dir.path / (name + ".out"), want);
-    const std::string command = *checker + " " + (dir.path / (name + ".onnx")).string() + " " +
-                                (dir.path / (name + ".in")).string() + " " + (dir.path / (name + ".out")).string();
-    CHECK(std::system(command.c_str()) == 0);
-  } else {
-    MESSAGE("SKIPPED: the exported model is not checked by onnx.checker (no python3 with onnx and numpy)");
-  }
+  check_by_numpy(dir, name, x, want);
 }
 
 TEST_CASE("io::export_onnx: the seed network, LeNet-5 and the residual CNN load back with their outputs and names") {
@@ -842,6 +850,35 @@ TEST_CASE("io::export_onnx: a transformer block (split, batched MatMul, GELU, nu
   Encoder<false> approximate;
   check_export(approximate, Shape{2, 5, 8}, "encoder_tanh", dir, false);
   CHECK(op_types("encoder_tanh").count("Tanh") == 1);
+}
+
+// helper-67's whole classifier: token and position embeddings ahead of the encoder block.
+struct TokenClassifier : duet::nn::Cell<TokenClassifier> {
+  using input_value_type = std::int32_t;
+  duet::nn::Embedding<16, 8> tokens;
+  duet::nn::Embedding<12, 8> positions;
+  Encoder<true> encoder;
+  DUET_CELL_MEMBERS(tokens, positions, encoder);
+  auto construct(auto ids) { return encoder(tokens(ids) + positions(duet::ops::positions<1>(ids))); }
+};
+
+TEST_CASE("io::export_onnx: a network of token ids has an int32 input, Gather for embeddings, Range for positions") {
+  const duet_test::TempDir dir;
+  TokenClassifier net;
+  net.set_train(false);
+  duet::BasicTensor<std::int32_t> ids = duet::zeros<std::int32_t>(Shape{2, 5});
+  for (duet::index_t i = 0; i < ids.numel(); ++i) ids.data()[i] = static_cast<std::int32_t>((i * 7 + 3) % 16);
+  const fs::path file = dir.path / "tokens.onnx";
+  duet::io::export_onnx(net, ids.shape(), file, {.dynamic_batch = true});
+  Tensor want;
+  {
+    const duet::EagerScope eager;
+    want = Tensor(net(ids));
+  }
+  check_by_numpy(dir, "tokens", ids, want);
+  // load_onnx reads float inputs only, and says what to do with one of indices.
+  CHECK_THROWS_WITH_AS(duet::io::load_onnx(file), doctest::Contains("(integers); load_onnx reads models of float32 input"),
+                       duet::ValueError);
 }
 
 // Operations whose ONNX forms are short chains, each checked by the same round trip.

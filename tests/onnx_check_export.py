@@ -14,6 +14,7 @@ import sys
 import numpy as np
 import onnx
 import onnx.checker
+import onnx.mapping
 import onnx.numpy_helper
 
 
@@ -70,10 +71,14 @@ def pool(x, a, kind):
     return total / count
 
 
+def wide(v):
+    """Floats evaluated in float64; integers (indices, sizes) kept."""
+    return v.astype(np.float64) if v.dtype.kind == "f" else v
+
+
 def run(model, x):
-    values = {i.name: onnx.numpy_helper.to_array(i).astype(np.float64) if i.data_type != onnx.TensorProto.INT64
-              else onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
-    values[model.graph.input[0].name] = x.astype(np.float64)
+    values = {i.name: wide(onnx.numpy_helper.to_array(i)) for i in model.graph.initializer}
+    values[model.graph.input[0].name] = wide(x)
     for node in model.graph.node:
         a = attributes(node)
         ins = [values[name] if name else None for name in node.input]
@@ -161,6 +166,14 @@ def run(model, x):
             y = ins[0].reshape([int(d) for d in ins[1]])
         elif op == "Concat":
             y = np.concatenate(ins, axis=a["axis"])
+        elif op == "Gather":
+            y = np.take(ins[0], ins[1].astype(np.int64), axis=a.get("axis", 0))
+        elif op == "Shape":
+            y = np.array(ins[0].shape[a.get("start", 0):a.get("end", None)], np.int64)
+        elif op == "Range":
+            y = np.arange(ins[0], ins[1], ins[2])
+        elif op == "Cast":
+            y = wide(ins[0].astype(onnx.mapping.TENSOR_TYPE_TO_NP_TYPE[a["to"]]))
         else:
             raise SystemExit(f"onnx_check_export.py: no evaluation here for {op} (node {node.name})")
         values[node.output[0]] = y
@@ -179,7 +192,8 @@ def main():
     except Exception as e:  # the checker's own exception types vary between versions
         print(f"onnx.checker rejects {model_path}: {e}")
         return 1
-    x = np.fromfile(input_path, np.float32)
+    in_type = model.graph.input[0].type.tensor_type.elem_type
+    x = np.fromfile(input_path, onnx.mapping.TENSOR_TYPE_TO_NP_TYPE[in_type])
     in_dims = dims(model.graph.input[0], None)
     batch = x.size // int(np.prod([d for d in in_dims if d is not None]))
     x = x.reshape(dims(model.graph.input[0], batch))

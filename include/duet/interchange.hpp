@@ -32,12 +32,14 @@ struct InterchangeInput {
   const void* parameter = nullptr;  // Kind::parameter: the BasicParameter<T>, T the network's
   std::vector<std::int64_t> int64s;
   double real = 0;
+  bool scalar = false;  // Kind::int64s: one int64 of rank 0 (Range's bounds), not a list
 
   static InterchangeInput operand(std::size_t k) { return {Kind::input, k, nullptr, {}}; }
   static InterchangeInput of_parameter(const void* p) { return {Kind::parameter, 0, p, {}}; }
   static InterchangeInput constant(std::vector<std::int64_t> values) {
     return {Kind::int64s, 0, nullptr, std::move(values)};
   }
+  static InterchangeInput integer(std::int64_t v) { return {Kind::int64s, 0, nullptr, {v}, 0, true}; }
   static InterchangeInput number(double v) { return {Kind::real, 0, nullptr, {}, v}; }
   static InterchangeInput node(std::size_t k) { return {Kind::earlier, k, nullptr, {}}; }
 };

@@ -54,6 +54,7 @@ struct Value {
   Kind kind = Kind::computed;
   Shape shape;
   std::size_t element_size = 0;
+  DType dtype = DType::float32;        // what the elements are (an exporter writes them so)
   std::size_t input = 0;               // Kind::input: which argument
   std::size_t view_of = 0;             // Kind::view: the value whose memory it shares
   std::size_t view_bytes = 0;          // Kind::view: where in that memory it begins
@@ -266,6 +267,7 @@ class Trace {
     v.kind = Value::Kind::input;
     v.shape = x.shape();
     v.element_size = sizeof(T);
+    v.dtype = dtype_of<T>;
     v.input = k;
     add(std::move(v), x);
   }
@@ -360,6 +362,7 @@ class Trace {
     c.kind = Value::Kind::constant;
     c.shape = x.shape();
     c.element_size = sizeof(T);
+    c.dtype = dtype_of<T>;
     auto handle = std::make_shared<BasicTensor<T>>(x);
     c.data = handle->data();
     c.handle = std::move(handle);
@@ -377,6 +380,7 @@ class Trace {
   void keep(std::unique_ptr<Step> step, BasicTensor<T>& y, bool sink, bool view, std::size_t view_offset_bytes) {
     Value v;
     v.element_size = sink ? 0 : sizeof(T);
+    v.dtype = dtype_of<T>;
     v.shape = sink ? Shape{} : y.shape();
     if (view) {
       v.kind = Value::Kind::view;

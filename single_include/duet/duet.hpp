@@ -7633,12 +7633,14 @@ struct InterchangeInput {
   const void* parameter = nullptr;  // Kind::parameter: the BasicParameter<T>, T the network's
   std::vector<std::int64_t> int64s;
   double real = 0;
+  bool scalar = false;  // Kind::int64s: one int64 of rank 0 (Range's bounds), not a list
 
   static InterchangeInput operand(std::size_t k) { return {Kind::input, k, nullptr, {}}; }
   static InterchangeInput of_parameter(const void* p) { return {Kind::parameter, 0, p, {}}; }
   static InterchangeInput constant(std::vector<std::int64_t> values) {
     return {Kind::int64s, 0, nullptr, std::move(values)};
   }
+  static InterchangeInput integer(std::int64_t v) { return {Kind::int64s, 0, nullptr, {v}, 0, true}; }
   static InterchangeInput number(double v) { return {Kind::real, 0, nullptr, {}, v}; }
   static InterchangeInput node(std::size_t k) { return {Kind::earlier, k, nullptr, {}}; }
 };
@@ -7765,6 +7767,7 @@ struct Value {
   Kind kind = Kind::computed;
   Shape shape;
   std::size_t element_size = 0;
+  DType dtype = DType::float32;        // what the elements are (an exporter writes them so)
   std::size_t input = 0;               // Kind::input: which argument
   std::size_t view_of = 0;             // Kind::view: the value whose memory it shares
   std::size_t view_bytes = 0;          // Kind::view: where in that memory it begins
@@ -7977,6 +7980,7 @@ class Trace {
     v.kind = Value::Kind::input;
     v.shape = x.shape();
     v.element_size = sizeof(T);
+    v.dtype = dtype_of<T>;
     v.input = k;
     add(std::move(v), x);
   }
@@ -8071,6 +8075,7 @@ class Trace {
     c.kind = Value::Kind::constant;
     c.shape = x.shape();
     c.element_size = sizeof(T);
+    c.dtype = dtype_of<T>;
     auto handle = std::make_shared<BasicTensor<T>>(x);
     c.data = handle->data();
     c.handle = std::move(handle);
@@ -8088,6 +8093,7 @@ class Trace {
   void keep(std::unique_ptr<Step> step, BasicTensor<T>& y, bool sink, bool view, std::size_t view_offset_bytes) {
     Value v;
     v.element_size = sink ? 0 : sizeof(T);
+    v.dtype = dtype_of<T>;
     v.shape = sink ? Shape{} : y.shape();
     if (view) {
       v.kind = Value::Kind::view;
@@ -19151,6 +19157,9 @@ struct GatherOp : Primitive<GatherOp<Axis>> {
   }
 
   static std::string op_name() { return "Gather<" + std::to_string(Axis) + ">"; }
+  Interchange interchange(std::span<const Shape>) const {
+    return {{"Gather", {InterchangeInput::operand(0), InterchangeInput::operand(1)}, {InterchangeAttribute::of("axis", Axis)}}};
+  }
   std::string label() const { return "ops::gather<" + std::to_string(Axis) + ">"; }
 };
 
@@ -19219,6 +19228,16 @@ struct PositionsOp : Primitive<PositionsOp<Axis>> {
 
   static std::string op_name() { return "Positions<" + std::to_string(Axis) + ">"; }
   std::string label() const { return "ops::positions<" + std::to_string(Axis) + ">"; }
+  // ONNX: Range(0, n, 1) for n the size the input has when it runs (Shape of that one axis),
+  // so that an exported model serves any length too.
+  Interchange interchange(std::span<const Shape> in) const {
+    using I = InterchangeInput;
+    const std::int64_t a = detail::axis_index(Axis, in[0].rank());
+    return {{"Shape", {I::operand(0)}, {InterchangeAttribute::of("start", a), InterchangeAttribute::of("end", a + 1)}},
+            {"Squeeze", {I::node(0), I::constant({0})}, {}},
+            {"Range", {I::integer(0), I::node(1), I::integer(1)}, {}},
+            {"Cast", {I::node(2)}, {InterchangeAttribute::of("to", 6)}}};  // 6: ONNX's INT32
+  }
 };
 
 // ops::positions<1>(ids): [0, 1, ..., T - 1] for ids of shape [B, T].
@@ -19293,6 +19312,11 @@ struct EmbeddingOp : Primitive<EmbeddingOp<Layer, In>> {
 
   static std::string op_name() { return "Embedding"; }
   std::string label() const { return layer->label(); }
+  // ONNX: the table's rows the indices name.
+  Interchange interchange(std::span<const Shape>) const {
+    return {{"Gather", {InterchangeInput::of_parameter(&layer->embedding_table), InterchangeInput::operand(0)},
+             {InterchangeAttribute::of("axis", 0)}}};
+  }
 };
 
 // d/d table of EmbeddingOp: each row of dy added to the table row its index names, in index

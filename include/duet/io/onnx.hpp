@@ -471,8 +471,14 @@ class OnnxBuilder {
     if (input == nullptr) throw FormatError(where_ + ": the graph has no input");
     const auto& type = input->type();
     if (type.has_tensor_type() && type.tensor_type().elem_type() != onnx::TensorProto::FLOAT) {
+      const int t = type.tensor_type().elem_type();
+      const bool indices = t == onnx::TensorProto::INT32 || t == onnx::TensorProto::INT64;
       throw ValueError(where_ + ": the graph's input " + detail::onnx_quoted(input->name()) + " has ONNX data type " +
-                       std::to_string(type.tensor_type().elem_type()) + "; duet's networks take float32");
+                       std::to_string(t) + (indices ? " (integers)" : "") +
+                       "; load_onnx reads models of float32 input" +
+                       (indices ? " (a model of token ids: load the part after its embedding, and run the "
+                                  "embedding in duet)"
+                                : ""));
     }
     if (type.has_tensor_type() && type.tensor_type().has_shape()) {
       std::string dims;
@@ -1509,6 +1515,19 @@ inline CheckpointLoad load_onnx_weights(const std::filesystem::path& path, nn::D
 }
 
 
+namespace detail {
+// What export_onnx traces a network on: its values' type, or the index type it declares.
+template <class Net, class T>
+struct ExportInput {
+  using type = T;
+};
+template <class Net, class T>
+  requires requires { typename Net::input_value_type; }
+struct ExportInput<Net, T> {
+  using type = typename Net::input_value_type;
+};
+}  // namespace detail
+
 // What export_onnx writes beside the graph.
 struct OnnxExportOptions {
   // Axis 0 of the input and the output is named "batch" rather than sized, so that the model
@@ -1520,20 +1539,28 @@ struct OnnxExportOptions {
 
 namespace detail {
 
-template <class T>
-constexpr int onnx_type() {
-  if constexpr (std::is_same_v<T, float>) return onnx::TensorProto::FLOAT;
-  else if constexpr (std::is_same_v<T, double>) return onnx::TensorProto::DOUBLE;
-  else return onnx::TensorProto::INT64;
+constexpr int onnx_type(DType t) {
+  switch (t) {
+    case DType::float32: return onnx::TensorProto::FLOAT;
+    case DType::float64: return onnx::TensorProto::DOUBLE;
+    case DType::int32: return onnx::TensorProto::INT32;
+    case DType::int64: return onnx::TensorProto::INT64;
+    case DType::uint8: return onnx::TensorProto::UINT8;
+  }
+  return onnx::TensorProto::UNDEFINED;
 }
 
 // An initializer of raw little-endian bytes (the only byte order duet runs on, x86-64).
+inline void set_onnx_tensor(onnx::TensorProto& t, const std::string& name, const Shape& shape, DType type,
+                            const void* values) {
+  t.set_name(name);
+  t.set_data_type(onnx_type(type));
+  for (int i = 0; i < shape.rank(); ++i) t.add_dims(shape[i]);
+  t.set_raw_data(static_cast<const char*>(values), static_cast<std::size_t>(shape.numel()) * size_of(type));
+}
 template <class T>
 void set_onnx_tensor(onnx::TensorProto& t, const std::string& name, const Shape& shape, const T* values) {
-  t.set_name(name);
-  t.set_data_type(onnx_type<T>());
-  for (int i = 0; i < shape.rank(); ++i) t.add_dims(shape[i]);
-  t.set_raw_data(reinterpret_cast<const char*>(values), static_cast<std::size_t>(shape.numel()) * sizeof(T));
+  set_onnx_tensor(t, name, shape, dtype_of<T>, values);
 }
 
 inline void set_onnx_value_info(onnx::ValueInfoProto& info, const std::string& name, int type, const Shape& shape,
@@ -1572,7 +1599,7 @@ class OnnxExporter {
     const auto& values = trace_.values();
     for (std::size_t v = 0; v < values.size(); ++v) {
       if (values[v].kind == pijit::Value::Kind::input) {
-        set_onnx_value_info(*graph_->add_input(), "input", onnx_type<T>(), values[v].shape, options.dynamic_batch);
+        set_onnx_value_info(*graph_->add_input(), "input", onnx_type(values[v].dtype), values[v].shape, options.dynamic_batch);
       }
     }
     for (const auto& step : trace_.steps()) add_step(*step);
@@ -1582,7 +1609,8 @@ class OnnxExporter {
       node.add_input(value_name(output, false));
       node.add_output("output");
     }
-    set_onnx_value_info(*graph_->add_output(), "output", onnx_type<T>(), values[output].shape, options.dynamic_batch);
+    set_onnx_value_info(*graph_->add_output(), "output", onnx_type(values[output].dtype), values[output].shape,
+                        options.dynamic_batch);
     return model;
   }
 
@@ -1598,9 +1626,7 @@ class OnnxExporter {
         if (p.parameter->data() == value.data) return parameter_name(key);
       }
       const std::string name = "constant" + std::to_string(v);
-      if (written_.insert(name).second) {
-        set_onnx_tensor(*graph_->add_initializer(), name, value.shape, static_cast<const T*>(value.data));
-      }
+      if (written_.insert(name).second) set_onnx_tensor(*graph_->add_initializer(), name, value.shape, value.dtype, value.data);
       return name;
     }
     return "v" + std::to_string(v);
@@ -1669,7 +1695,7 @@ class OnnxExporter {
         return out + "." + std::to_string(in.index);
       case Kind::int64s: {
         const std::string name = part + ".constant" + std::to_string(position);
-        const Shape shape{static_cast<index_t>(in.int64s.size())};
+        const Shape shape = in.scalar ? Shape{} : Shape{static_cast<index_t>(in.int64s.size())};
         set_onnx_tensor(*graph_->add_initializer(), name, shape, in.int64s.data());
         return name;
       }
@@ -1714,21 +1740,20 @@ class OnnxExporter {
 // operator for it and each parameter as an initializer under its name in the network
 // ("dense_relu_sequential.0.weight"), so load_onnx and load_onnx_weights read it back and
 // onnx.checker accepts it. The operations that have an ONNX form say so (ops::Interchange,
-// interchange.hpp): the layers (Dense, Conv1d/2d, BatchNorm, pooling, Flatten, Dropout), the
-// activations and numpy-broadcasting Add, Sub, Mul, Div, Maximum, Minimum and Pow; anything
-// else is a duet::ValueError naming it. The file is written beside the destination and
-// renamed into place, as checkpoints are.
+// interchange.hpp): the layers, the activations and elementwise functions, arithmetic (with a
+// number too), products, reductions, slices and the other shape operations (the README lists
+// them); anything else is a duet::ValueError naming it. A network of indices (input_value_type)
+// gets an int32 input. The file is written beside the destination and renamed into place, as
+// checkpoints are.
 template <class Net>
 void export_onnx(Net& net, const Shape& input_shape, const std::filesystem::path& path,
                  const OnnxExportOptions& options = {}) {
   using T = typename Net::value_type;
   static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
                 "duet::io::export_onnx: the network's values must be float or double");
-  static_assert(!requires { typename Net::input_value_type; },
-                "duet::io::export_onnx: the network takes indices (input_value_type), and export writes "
-                "networks of float input only (nn::Embedding has no ONNX form); export the part after the "
-                "embedding, a cell of float input, and save the embedding table with save_checkpoint or "
-                "safetensors");
+  // A network of indices (an Embedding first) is traced on zeros of its index type, written
+  // as the model's int32 input.
+  using In = typename detail::ExportInput<Net, T>::type;
   const std::string where = "duet::io::export_onnx(" + net.type_name() + ", " + path.string() + ")";
   if (!input_shape.is_concrete() || input_shape.rank() == 0) {
     throw ValueError(where + ": the input shape must be concrete and of rank 1 or more, got " + to_string(input_shape));
@@ -1736,7 +1761,7 @@ void export_onnx(Net& net, const Shape& input_shape, const std::filesystem::path
   const train::detail::EvaluationScope<Net> evaluation(net);
   pijit::Trace trace;
   trace.keep_values();
-  BasicTensor<T> input = zeros<T>(input_shape);
+  BasicTensor<In> input = zeros<In>(input_shape);
   trace.add_input(input, 0);
   BasicTensor<T> out;
   {

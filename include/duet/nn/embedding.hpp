@@ -78,6 +78,11 @@ struct EmbeddingOp : Primitive<EmbeddingOp<Layer, In>> {
 
   static std::string op_name() { return "Embedding"; }
   std::string label() const { return layer->label(); }
+  // ONNX: the table's rows the indices name.
+  Interchange interchange(std::span<const Shape>) const {
+    return {{"Gather", {InterchangeInput::of_parameter(&layer->embedding_table), InterchangeInput::operand(0)},
+             {InterchangeAttribute::of("axis", 0)}}};
+  }
 };
 
 // d/d table of EmbeddingOp: each row of dy added to the table row its index names, in index

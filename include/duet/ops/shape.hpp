@@ -1081,6 +1081,9 @@ struct GatherOp : Primitive<GatherOp<Axis>> {
   }
 
   static std::string op_name() { return "Gather<" + std::to_string(Axis) + ">"; }
+  Interchange interchange(std::span<const Shape>) const {
+    return {{"Gather", {InterchangeInput::operand(0), InterchangeInput::operand(1)}, {InterchangeAttribute::of("axis", Axis)}}};
+  }
   std::string label() const { return "ops::gather<" + std::to_string(Axis) + ">"; }
 };
 
@@ -1149,6 +1152,16 @@ struct PositionsOp : Primitive<PositionsOp<Axis>> {
 
   static std::string op_name() { return "Positions<" + std::to_string(Axis) + ">"; }
   std::string label() const { return "ops::positions<" + std::to_string(Axis) + ">"; }
+  // ONNX: Range(0, n, 1) for n the size the input has when it runs (Shape of that one axis),
+  // so that an exported model serves any length too.
+  Interchange interchange(std::span<const Shape> in) const {
+    using I = InterchangeInput;
+    const std::int64_t a = detail::axis_index(Axis, in[0].rank());
+    return {{"Shape", {I::operand(0)}, {InterchangeAttribute::of("start", a), InterchangeAttribute::of("end", a + 1)}},
+            {"Squeeze", {I::node(0), I::constant({0})}, {}},
+            {"Range", {I::integer(0), I::node(1), I::integer(1)}, {}},
+            {"Cast", {I::node(2)}, {InterchangeAttribute::of("to", 6)}}};  // 6: ONNX's INT32
+  }
 };
 
 // ops::positions<1>(ids): [0, 1, ..., T - 1] for ids of shape [B, T].
