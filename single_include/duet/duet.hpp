@@ -23014,10 +23014,12 @@ inline constexpr KeepDims keep_dims{};
 
 // The reduced axes given at run time (ops::sum(x, {0, 2}); an ONNX model's ReduceMean): one
 // operation for every set of axes, as transpose(x, perm) is for every permutation. None means
-// every axis, as in Axes<>.
+// every axis, as in Axes<>. Whether the reduced axes are kept is a value here too, so that the
+// run-time form is one operation per reduction (ReduceOp's Keep is then false).
 struct AxesList {
   std::array<int, max_rank> list{};
   std::size_t count = 0;
+  bool keep = false;
 };
 
 namespace detail {
@@ -23255,12 +23257,17 @@ struct ReduceOp : Primitive<ReduceOp<Reducer, AxesT, Keep>> {
   static constexpr bool runtime_axes = std::is_same_v<AxesT, AxesList>;
   [[no_unique_address]] AxesT reduced{};
 
+  bool keeps() const {
+    if constexpr (runtime_axes) return reduced.keep;
+    else return Keep;
+  }
+
   static constexpr ShapeResult infer_static(std::span<const Shape> in) {
     if constexpr (runtime_axes) return {Shape::any()};
     else return detail::reduced_shape(in[0], AxesT::values, Keep, Reducer::non_empty);
   }
   ShapeResult infer(std::span<const Shape> in) const {
-    return detail::reduced_shape(in[0], detail::axes_of(reduced), Keep, Reducer::non_empty);
+    return detail::reduced_shape(in[0], detail::axes_of(reduced), keeps(), Reducer::non_empty);
   }
 
   template <class Backend, class T>
@@ -23312,15 +23319,15 @@ struct ReduceOp : Primitive<ReduceOp<Reducer, AxesT, Keep>> {
   }
 
   static std::string op_name() {
-    if constexpr (runtime_axes) return std::string(Reducer::name) + (Keep ? "(keep_dims)" : "");
+    if constexpr (runtime_axes) return std::string(Reducer::name);
     else return detail::reduce_name(Reducer::name, AxesT::values, Keep);
   }
-  std::string label() const { return detail::reduce_name(Reducer::name, detail::axes_of(reduced), Keep); }
+  std::string label() const { return detail::reduce_name(Reducer::name, detail::axes_of(reduced), keeps()); }
 
   // The reducers' names are ONNX's operators. At opset 17 ReduceSum reads its axes as an
   // input, the others as an attribute; no axes reduces them all, in both.
   Interchange interchange(std::span<const Shape>) const {
-    InterchangeNode n{std::string(Reducer::name), {InterchangeInput::operand(0)}, {InterchangeAttribute::of("keepdims", Keep ? 1 : 0)}};
+    InterchangeNode n{std::string(Reducer::name), {InterchangeInput::operand(0)}, {InterchangeAttribute::of("keepdims", keeps() ? 1 : 0)}};
     if (const std::span<const int> reduced_axes = detail::axes_of(reduced); !reduced_axes.empty()) {
       const std::vector<std::int64_t> axes(reduced_axes.begin(), reduced_axes.end());
       if (Reducer::name == "ReduceSum") n.inputs.push_back(InterchangeInput::constant(axes));
@@ -23445,7 +23452,8 @@ template <class Reducer, class X, class... Keep>
 auto reduce_listed(const X& x, std::span<const int> axes, const char* who, Keep...) {
   static_assert(sizeof...(Keep) <= 1 && (std::is_same_v<Keep, KeepDims> && ...),
                 "duet::ops: a reduction takes the tensor, then optionally the axes, then optionally ops::keep_dims");
-  ReduceOp<Reducer, AxesList, sizeof...(Keep) == 1> op;
+  ReduceOp<Reducer, AxesList, false> op;
+  op.reduced.keep = sizeof...(Keep) == 1;
   bool valid = axes.size() <= static_cast<std::size_t>(max_rank);
   for (std::size_t i = 0; valid && i < axes.size(); ++i) {
     valid = axes[i] >= -max_rank && axes[i] < max_rank && std::ranges::count(axes.first(i), axes[i]) == 0;

@@ -353,12 +353,15 @@ class OnnxModel : public nn::DynamicCell {
                       to_string(shape) + hint);
   }
 
-  // f(operand) with the operand's own type, so that a parameter reaches the operation as one
-  // (the tape then gives its gradient to the parameter).
+  // f(operand): a parameter as the tensor an operation on it reads (the recording tape's leaf
+  // for it, whose gradient goes to the parameter; its own storage, which a trace replays), so
+  // that each step's operations are compiled for Tensor alone. Passed as nn::Parameter, they
+  // ran the same, compiled again for each mix of operand types (nn::ParameterResult).
   template <class F>
   Tensor with(const Operand& o, const std::vector<Tensor>& values, F&& f) const {
     switch (o.kind) {
-      case Operand::Kind::parameter: return f(static_cast<const nn::Parameter&>(*parameters_[o.index]));
+      case Operand::Kind::parameter:
+        return f(duet::detail::eager_operand(static_cast<const nn::Parameter&>(*parameters_[o.index])));
       case Operand::Kind::constant: return f(constants_[o.index]);
       default: return f(values[o.index]);
     }
