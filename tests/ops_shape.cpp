@@ -339,6 +339,13 @@ TEST_CASE("ops: shape errors name the operation and the shapes, in both modes") 
     expect([&] { return deep(x); }, "expects an input of rank at least 3, got [3, 4]");
     auto summed = duet::jit([](const auto& t) { return duet::ops::sum(t, {0, 2}); });
     expect([&] { return summed(x); }, "ReduceSum(axis=0,2) expects an input of rank at least 3, got [3, 4]");
+    // Two names of one axis, which numpy refuses too.
+    auto twice = duet::jit([](const auto& t) { return duet::ops::mean(t, {0, -2}); });
+    expect([&] { return twice(x); },
+           "ReduceMean(axis=0,-2) expects axes that name each axis of its input once (axis 0 is named twice, counted "
+           "from both ends), got [3, 4]");
+    auto twice_typed = duet::jit([](const auto& t) { return duet::ops::max(t, duet::ops::axes<1, -1>); });
+    expect([&] { return twice_typed(x); }, "axis 1 is named twice");
   }
 }
 

@@ -39,6 +39,7 @@ enum class ShapeFault : unsigned char {
   spatial_size,       // each spatial axis must be at least `expected`: the (dilated) window less the padding
   class_labels,       // a class loss's labels: the logits' shape without its last axis (`expected` 1: class
                       // indices) or the logits' shape (`expected` 0: a distribution per row)
+  axis_twice,         // the axes listed name the input's axis `expected` twice, counted from both ends
 };
 
 // What a shape rule returns: the output shape and, if the inputs break the rule, which way.
@@ -135,6 +136,9 @@ inline std::string describe_fault(const ShapeResult& r, std::string_view layer, 
     case ShapeFault::slice_range:
       what = "an input whose axis " + e + " holds the slice's range";
       break;
+    case ShapeFault::axis_twice:
+      what = "axes that name each axis of its input once (axis " + e + " is named twice, counted from both ends)";
+      break;
     case ShapeFault::spatial_size:
       what = "an input whose spatial axes (after batch and channels) are each at least " + e +
              ", to hold its window less the padding";
@@ -204,6 +208,8 @@ struct size_along_the_axis_must_be {};
 template <index_t N>
 struct axis_must_hold_the_slice {};
 template <index_t N>
+struct axis_must_be_named_once {};
+template <index_t N>
 struct channel_dimension_must_be {};
 // A window's extent (a convolution's kernel, dilated) less the padding: a smaller input leaves
 // no output.
@@ -243,6 +249,8 @@ constexpr auto requirement() {
     return size_along_the_axis_must_be<N>{};
   else if constexpr (F == ShapeFault::slice_range)
     return axis_must_hold_the_slice<N>{};
+  else if constexpr (F == ShapeFault::axis_twice)
+    return axis_must_be_named_once<N>{};
   else if constexpr (F == ShapeFault::channel_dimension)
     return channel_dimension_must_be<N>{};
   else if constexpr (F == ShapeFault::spatial_size)

@@ -5479,6 +5479,7 @@ enum class ShapeFault : unsigned char {
   spatial_size,       // each spatial axis must be at least `expected`: the (dilated) window less the padding
   class_labels,       // a class loss's labels: the logits' shape without its last axis (`expected` 1: class
                       // indices) or the logits' shape (`expected` 0: a distribution per row)
+  axis_twice,         // the axes listed name the input's axis `expected` twice, counted from both ends
 };
 
 // What a shape rule returns: the output shape and, if the inputs break the rule, which way.
@@ -5575,6 +5576,9 @@ inline std::string describe_fault(const ShapeResult& r, std::string_view layer, 
     case ShapeFault::slice_range:
       what = "an input whose axis " + e + " holds the slice's range";
       break;
+    case ShapeFault::axis_twice:
+      what = "axes that name each axis of its input once (axis " + e + " is named twice, counted from both ends)";
+      break;
     case ShapeFault::spatial_size:
       what = "an input whose spatial axes (after batch and channels) are each at least " + e +
              ", to hold its window less the padding";
@@ -5644,6 +5648,8 @@ struct size_along_the_axis_must_be {};
 template <index_t N>
 struct axis_must_hold_the_slice {};
 template <index_t N>
+struct axis_must_be_named_once {};
+template <index_t N>
 struct channel_dimension_must_be {};
 // A window's extent (a convolution's kernel, dilated) less the padding: a smaller input leaves
 // no output.
@@ -5683,6 +5689,8 @@ constexpr auto requirement() {
     return size_along_the_axis_must_be<N>{};
   else if constexpr (F == ShapeFault::slice_range)
     return axis_must_hold_the_slice<N>{};
+  else if constexpr (F == ShapeFault::axis_twice)
+    return axis_must_be_named_once<N>{};
   else if constexpr (F == ShapeFault::channel_dimension)
     return channel_dimension_must_be<N>{};
   else if constexpr (F == ShapeFault::spatial_size)
@@ -18969,9 +18977,9 @@ namespace detail {
 inline WindowSliceOp window_slice(std::span<const index_t> begin, std::span<const index_t> end,
                                   std::span<const index_t> strides, const char* who) {
   if (end.size() != begin.size() || strides.size() != begin.size() || begin.size() > static_cast<std::size_t>(max_rank)) {
-    throw ValueError(std::string("duet::ops::") + who + ": the lists must have one entry per axis sliced, at most " +
-                     std::to_string(max_rank) + ", got " + std::to_string(begin.size()) + ", " + std::to_string(end.size()) +
-                     " and " + std::to_string(strides.size()));
+    throw ValueError(std::string("duet::ops::") + who + ": begin, end and strides must have one entry per axis sliced, " +
+                     "at most " + std::to_string(max_rank) + ", got " + std::to_string(begin.size()) + ", " +
+                     std::to_string(end.size()) + " and " + std::to_string(strides.size()) + " entries");
   }
   WindowSliceOp op;
   op.n = begin.size();
@@ -23038,6 +23046,7 @@ struct AxisMask {
   std::array<bool, max_rank> reduced{};
   bool ok = true;
   index_t needed = 0;
+  int twice = -1;  // an axis named twice (0 and -rank), as numpy refuses
 };
 
 constexpr AxisMask axis_mask(int rank, std::span<const int> values) {
@@ -23052,6 +23061,7 @@ constexpr AxisMask axis_mask(int rank, std::span<const int> values) {
       m.needed = std::max<index_t>(m.needed, a < 0 ? -a : a + 1);
       continue;
     }
+    if (m.reduced[static_cast<std::size_t>(normal)]) m.twice = normal;
     m.reduced[static_cast<std::size_t>(normal)] = true;
   }
   return m;
@@ -23071,6 +23081,7 @@ constexpr ShapeResult reduced_shape(const Shape& in, std::span<const int> values
   }
   const AxisMask m = axis_mask(in.rank(), values);
   if (!m.ok) return fault(Shape::any(), ShapeFault::min_rank, m.needed);
+  if (m.twice >= 0) return fault(Shape::any(), ShapeFault::axis_twice, m.twice);
   Shape out = in.leading_unknown() ? Shape::any() : Shape{};
   bool empty = false;
   for (int i = 0; i < in.rank(); ++i) {

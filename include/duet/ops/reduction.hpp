@@ -99,6 +99,7 @@ struct AxisMask {
   std::array<bool, max_rank> reduced{};
   bool ok = true;
   index_t needed = 0;
+  int twice = -1;  // an axis named twice (0 and -rank), as numpy refuses
 };
 
 constexpr AxisMask axis_mask(int rank, std::span<const int> values) {
@@ -113,6 +114,7 @@ constexpr AxisMask axis_mask(int rank, std::span<const int> values) {
       m.needed = std::max<index_t>(m.needed, a < 0 ? -a : a + 1);
       continue;
     }
+    if (m.reduced[static_cast<std::size_t>(normal)]) m.twice = normal;
     m.reduced[static_cast<std::size_t>(normal)] = true;
   }
   return m;
@@ -132,6 +134,7 @@ constexpr ShapeResult reduced_shape(const Shape& in, std::span<const int> values
   }
   const AxisMask m = axis_mask(in.rank(), values);
   if (!m.ok) return fault(Shape::any(), ShapeFault::min_rank, m.needed);
+  if (m.twice >= 0) return fault(Shape::any(), ShapeFault::axis_twice, m.twice);
   Shape out = in.leading_unknown() ? Shape::any() : Shape{};
   bool empty = false;
   for (int i = 0; i < in.rank(); ++i) {

@@ -893,9 +893,9 @@ namespace detail {
 inline WindowSliceOp window_slice(std::span<const index_t> begin, std::span<const index_t> end,
                                   std::span<const index_t> strides, const char* who) {
   if (end.size() != begin.size() || strides.size() != begin.size() || begin.size() > static_cast<std::size_t>(max_rank)) {
-    throw ValueError(std::string("duet::ops::") + who + ": the lists must have one entry per axis sliced, at most " +
-                     std::to_string(max_rank) + ", got " + std::to_string(begin.size()) + ", " + std::to_string(end.size()) +
-                     " and " + std::to_string(strides.size()));
+    throw ValueError(std::string("duet::ops::") + who + ": begin, end and strides must have one entry per axis sliced, " +
+                     "at most " + std::to_string(max_rank) + ", got " + std::to_string(begin.size()) + ", " +
+                     std::to_string(end.size()) + " and " + std::to_string(strides.size()) + " entries");
   }
   WindowSliceOp op;
   op.n = begin.size();
