@@ -712,8 +712,11 @@ void check_by_numpy(const duet_test::TempDir& dir, const std::string& name, cons
   if (const auto checker = export_checker()) {
     write_raw(dir.path / (name + ".in"), x);
     write_raw(dir.path / (name + ".out"), want);
+    std::string shape;
+    for (const duet::index_t d : x.shape()) shape += (shape.empty() ? "" : ",") + std::to_string(d);
     const std::string command = *checker + " " + (dir.path / (name + ".onnx")).string() + " " +
-                                (dir.path / (name + ".in")).string() + " " + (dir.path / (name + ".out")).string();
+                                (dir.path / (name + ".in")).string() + " " + (dir.path / (name + ".out")).string() +
+                                " " + shape;
     CHECK(std::system(command.c_str()) == 0);
   } else {
     MESSAGE("SKIPPED: the exported model is not checked by onnx.checker (no python3 with onnx and numpy)");
@@ -866,19 +869,55 @@ TEST_CASE("io::export_onnx: a network of token ids has an int32 input, Gather fo
   const duet_test::TempDir dir;
   TokenClassifier net;
   net.set_train(false);
-  duet::BasicTensor<std::int32_t> ids = duet::zeros<std::int32_t>(Shape{2, 5});
-  for (duet::index_t i = 0; i < ids.numel(); ++i) ids.data()[i] = static_cast<std::int32_t>((i * 7 + 3) % 16);
-  const fs::path file = dir.path / "tokens.onnx";
-  duet::io::export_onnx(net, ids.shape(), file, {.dynamic_batch = true});
-  Tensor want;
-  {
+  const auto ids_of = [](Shape shape) {
+    duet::BasicTensor<std::int32_t> ids = duet::zeros<std::int32_t>(shape);
+    for (duet::index_t i = 0; i < ids.numel(); ++i) ids.data()[i] = static_cast<std::int32_t>((i * 7 + 3) % 16);
+    return ids;
+  };
+  const auto output_of = [&](const duet::BasicTensor<std::int32_t>& ids) {
     const duet::EagerScope eager;
-    want = Tensor(net(ids));
+    return Tensor(net(ids));
+  };
+  const fs::path file = dir.path / "tokens.onnx";
+  // Any batch and any length: the file names both axes, and the output's batch.
+  duet::io::export_onnx(net, Shape{2, 5}, file, {.dynamic_batch = true, .dynamic_axes = {{1, "length"}}});
+  for (const Shape& shape : {Shape{2, 5}, Shape{3, 9}}) {
+    const duet::BasicTensor<std::int32_t> ids = ids_of(shape);
+    check_by_numpy(dir, "tokens", ids, output_of(ids));
   }
-  check_by_numpy(dir, "tokens", ids, want);
+  onnx::ModelProto model;
+  {
+    std::ifstream in(file, std::ios::binary);
+    REQUIRE(model.ParseFromIstream(&in));
+  }
+  const auto& in_dims = model.graph().input(0).type().tensor_type().shape().dim();
+  CHECK(in_dims[0].dim_param() == "batch");
+  CHECK(in_dims[1].dim_param() == "length");
+  const auto& out_dims = model.graph().output(0).type().tensor_type().shape().dim();
+  CHECK(out_dims[0].dim_param() == "batch");
+  CHECK(out_dims[1].dim_value() == 3);
   // load_onnx reads float inputs only, and says what to do with one of indices.
   CHECK_THROWS_WITH_AS(duet::io::load_onnx(file), doctest::Contains("(integers); load_onnx reads models of float32 input"),
                        duet::ValueError);
+}
+
+// Heads of a fixed length: the reshape fixes axis 1 in the network itself.
+struct FixedLength : duet::nn::Cell<FixedLength> {
+  duet::nn::Dense<4, 4> fc;
+  DUET_CELL_MEMBERS(fc);
+  auto construct(auto x) { return duet::ops::reshape<-1, 5, 2, 2>(fc(x)); }
+};
+
+TEST_CASE("io::export_onnx: an axis dynamic_axes names that the network fixes is a ValueError naming it") {
+  const duet_test::TempDir dir;
+  FixedLength net;
+  const fs::path file = dir.path / "fixed.onnx";
+  CHECK_THROWS_WITH_AS(duet::io::export_onnx(net, Shape{2, 5, 4}, file, {.dynamic_axes = {{1, "length"}}}),
+                       doctest::Contains("the network does not take another size along input axis 1 ('length')"),
+                       duet::ValueError);
+  CHECK(dir.listing().empty());
+  CHECK_THROWS_WITH_AS(duet::io::export_onnx(net, Shape{2, 5, 4}, file, {.dynamic_axes = {{3, "x"}}}),
+                       doctest::Contains("dynamic_axes names axis 3 'x' of an input of shape [2, 5, 4]"), duet::ValueError);
 }
 
 // Operations whose ONNX forms are short chains, each checked by the same round trip.

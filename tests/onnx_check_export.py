@@ -1,11 +1,13 @@
 """Checks a model duet::io::export_onnx wrote, with tools duet did not write.
 
-    python3 onnx_check_export.py MODEL INPUT OUTPUT
+    python3 onnx_check_export.py MODEL INPUT OUTPUT [SHAPE]
 
 onnx.checker.check_model (full check, with ONNX's shape inference) must accept MODEL; then
 the model is evaluated here, in float64 with numpy, from the file alone (its nodes, attributes
 and initializers, read by the ONNX library), on INPUT, and must give OUTPUT, duet's own output
-(both raw float32 files, shapes from the model), within 1e-5 of OUTPUT's largest magnitude.
+(raw files in the model's element types, shapes from the model, or the input's from SHAPE,
+"2,7", where the model names more than its batch), within 1e-5 of OUTPUT's largest magnitude;
+the output's sized axes must be the evaluated output's.
 Exit code 0 if both hold; 1 with the reason otherwise.
 """
 import math
@@ -184,8 +186,21 @@ def dims(value_info, batch):
     return [d.dim_value if d.HasField("dim_value") else batch for d in value_info.type.tensor_type.shape.dim]
 
 
+def input_shape(model, x, given):
+    if given:
+        shape = [int(v) for v in given.split(",")]
+        declared = dims(model.graph.input[0], None)
+        if len(shape) != len(declared) or any(d is not None and d != s for d, s in zip(declared, shape)):
+            raise SystemExit(f"input shape {shape} does not fit the model's {declared}")
+        return shape
+    in_dims = dims(model.graph.input[0], None)
+    batch = x.size // int(np.prod([d for d in in_dims if d is not None]))
+    return dims(model.graph.input[0], batch)
+
+
 def main():
     model_path, input_path, output_path = sys.argv[1:4]
+    given = sys.argv[4] if len(sys.argv) > 4 else None
     model = onnx.load(model_path)
     try:
         onnx.checker.check_model(model, full_check=True)
@@ -194,14 +209,17 @@ def main():
         return 1
     in_type = model.graph.input[0].type.tensor_type.elem_type
     x = np.fromfile(input_path, onnx.mapping.TENSOR_TYPE_TO_NP_TYPE[in_type])
-    in_dims = dims(model.graph.input[0], None)
-    batch = x.size // int(np.prod([d for d in in_dims if d is not None]))
-    x = x.reshape(dims(model.graph.input[0], batch))
-    want = np.fromfile(output_path, np.float32).reshape(dims(model.graph.output[0], batch))
+    x = x.reshape(input_shape(model, x, given))
     got = run(model, x)
-    if got.shape != want.shape:
-        print(f"{model_path}: evaluated shape {got.shape}, duet's {want.shape}")
+    declared = dims(model.graph.output[0], None)
+    if len(declared) != got.ndim or any(d is not None and d != s for d, s in zip(declared, got.shape)):
+        print(f"{model_path}: evaluated shape {got.shape}, the model declares {declared}")
         return 1
+    want = np.fromfile(output_path, np.float32)
+    if want.size != got.size:
+        print(f"{model_path}: evaluated {got.size} values, duet's output has {want.size}")
+        return 1
+    want = want.reshape(got.shape)
     error = np.abs(got - want).max()
     if error > 1e-5 * max(np.abs(want).max(), 1e-30):
         print(f"{model_path}: largest difference {error} from duet's output (largest magnitude {np.abs(want).max()})")

@@ -1537,6 +1537,11 @@ struct OnnxExportOptions {
   // takes any batch (torch.onnx.export's dynamic_axes). The graph must then not fix the batch
   // itself (a Reshape to a static shape); Flatten and the layers do not.
   bool dynamic_batch = false;
+  // Other input axes named rather than sized, by axis ({{1, "length"}}: a sequence model of
+  // any length). export_onnx runs the network again with each such axis one longer: an axis
+  // the network fixes (ops::reshape<-1, 8, 4, 4>) is a duet::ValueError, and the output's axes
+  // that follow it get its name.
+  std::map<int, std::string> dynamic_axes = {};
   std::string graph_name = "duet";
 };
 
@@ -1566,15 +1571,17 @@ void set_onnx_tensor(onnx::TensorProto& t, const std::string& name, const Shape&
   set_onnx_tensor(t, name, shape, dtype_of<T>, values);
 }
 
+// Each axis sized, or named where `names` has a name for it ("?": neither, an unknown size).
 inline void set_onnx_value_info(onnx::ValueInfoProto& info, const std::string& name, int type, const Shape& shape,
-                                bool dynamic_batch) {
+                                const std::map<int, std::string>& names) {
   info.set_name(name);
   onnx::TypeProto_Tensor& tensor = *info.mutable_type()->mutable_tensor_type();
   tensor.set_elem_type(type);
   for (int i = 0; i < shape.rank(); ++i) {
     onnx::TensorShapeProto_Dimension& d = *tensor.mutable_shape()->add_dim();
-    if (i == 0 && dynamic_batch) d.set_dim_param("batch");
-    else d.set_dim_value(shape[i]);
+    const auto named = names.find(i);
+    if (named == names.end()) d.set_dim_value(shape[i]);
+    else if (named->second != "?") d.set_dim_param(named->second);
   }
 }
 
@@ -1589,7 +1596,9 @@ class OnnxExporter {
     for (const auto& p : parameters) parameters_.emplace(static_cast<const void*>(p.parameter), p);
   }
 
-  onnx::ModelProto build(std::size_t output, const OnnxExportOptions& options) {
+  // The input's and the output's named axes (set_onnx_value_info).
+  onnx::ModelProto build(std::size_t output, const std::string& graph_name, const std::map<int, std::string>& input_names,
+                         const std::map<int, std::string>& output_names) {
     onnx::ModelProto model;
     model.set_ir_version(8);
     model.set_producer_name("duet");
@@ -1597,12 +1606,12 @@ class OnnxExporter {
     opset.set_domain("");
     opset.set_version(17);
     graph_ = model.mutable_graph();
-    graph_->set_name(options.graph_name);
+    graph_->set_name(graph_name);
     output_ = output;
     const auto& values = trace_.values();
     for (std::size_t v = 0; v < values.size(); ++v) {
       if (values[v].kind == pijit::Value::Kind::input) {
-        set_onnx_value_info(*graph_->add_input(), "input", onnx_type(values[v].dtype), values[v].shape, options.dynamic_batch);
+        set_onnx_value_info(*graph_->add_input(), "input", onnx_type(values[v].dtype), values[v].shape, input_names);
       }
     }
     for (const auto& step : trace_.steps()) add_step(*step);
@@ -1613,7 +1622,7 @@ class OnnxExporter {
       node.add_output("output");
     }
     set_onnx_value_info(*graph_->add_output(), "output", onnx_type(values[output].dtype), values[output].shape,
-                        options.dynamic_batch);
+                        output_names);
     return model;
   }
 
@@ -1776,7 +1785,36 @@ void export_onnx(Net& net, const Shape& input_shape, const std::filesystem::path
   if (!trace.broken().empty()) throw ValueError(where + ": the network cannot be traced: " + trace.broken());
   const std::size_t output = trace.find(out);
   if (output >= trace.values().size()) throw ValueError(where + ": the network's output is not made from its input");
-  const onnx::ModelProto model = detail::OnnxExporter<T>(trace, net.parameters(), where).build(output, options);
+  // Named axes: the batch as given; each other one probed (a run with it one longer), which
+  // also names the output axes that follow it. An output axis that follows two is left unsized.
+  std::map<int, std::string> input_names, output_names;
+  const Shape out_shape = trace.values()[output].shape;
+  if (options.dynamic_batch) input_names[0] = output_names[0] = "batch";
+  for (const auto& [axis, name] : options.dynamic_axes) {
+    if (axis < 0 || axis >= input_shape.rank() || name.empty() || name == "?") {
+      throw ValueError(where + ": dynamic_axes names axis " + std::to_string(axis) + " '" + name + "' of an input of shape " +
+                       to_string(input_shape) + " (an axis of the input, a name other than '?')");
+    }
+    input_names[axis] = name;
+    Shape longer = input_shape;
+    longer[axis] += 1;
+    Shape probed;
+    try {
+      const duet::detail::StepScope discarded;
+      const EagerScope eager;
+      probed = BasicTensor<T>(net(zeros<In>(longer))).shape();
+    } catch (const Error& e) {
+      throw ValueError(where + ": the network does not take another size along input axis " + std::to_string(axis) + " ('" +
+                       name + "'), which dynamic_axes names: at " + to_string(longer) + ": " + e.what());
+    }
+    for (int i = 0; i < out_shape.rank() && probed.rank() == out_shape.rank(); ++i) {
+      if (probed[i] == out_shape[i]) continue;
+      const auto [it, fresh] = output_names.emplace(i, name);
+      if (!fresh && it->second != name) it->second = "?";
+    }
+  }
+  const onnx::ModelProto model =
+      detail::OnnxExporter<T>(trace, net.parameters(), where).build(output, options.graph_name, input_names, output_names);
   std::string bytes;
   if (!model.SerializeToString(&bytes)) throw IOError(where + ": the model could not be serialised");
   duet::detail::CheckpointWriter file(path, "ONNX file " + path.string());
