@@ -344,6 +344,56 @@ TEST_CASE("compare_modes: a loss cell whose gradient differs between the modes n
   CHECK(d.graph == doctest::Approx(d.pynative * 1.001).epsilon(1e-5));
 }
 
+// A loss cell of one's own (a VAE's reads what the network returns beside its output, so it
+// cannot be a WithLossCell): one number out, so its gradients are compared as WithLossCell's.
+template <class Net>
+struct OwnLoss : nn::Cell<OwnLoss<Net>> {
+  Net net;
+  DUET_CELL_MEMBERS(net);
+  auto construct(auto x, auto target) { return ops::mean(ops::square(net(x) - target)); }
+};
+
+struct Plain : nn::Cell<Plain> {
+  nn::Dense<4, 6> hidden;
+  nn::Dense<6, 3> head;
+  DUET_CELL_MEMBERS(hidden, head);
+  auto construct(auto x) { return head(ops::relu(hidden(x))); }
+};
+
+struct FixedOwnLoss : nn::Cell<FixedOwnLoss, GRAPH_MODE> {
+  nn::Dense<4, 3> fc;
+  DUET_CELL_MEMBERS(fc);
+  auto construct(auto x, auto target) { return ops::mean(ops::square(fc(x) - target)); }
+};
+
+TEST_CASE("compare_modes compares the gradients of any cell whose output is one number") {
+  duet_test::ModeGuard guard;
+  const Tensor x = randn({5, 4}, 3);
+  const Tensor target = zeros({5, 3});
+  OwnLoss<OffsetNet> offset;
+  const ModeReport report = compare_modes(offset, x, target);
+  REQUIRE_FALSE(report.empty());
+  CHECK(report.difference->stage == "gradient");
+  CHECK(report.difference->operation == "net.hidden.weight");
+
+  // The same forward and loss as a WithLossCell: as many values compared, all agreeing.
+  OwnLoss<Plain> own;
+  nn::MSELoss<> mse;
+  nn::WithLossCell with_loss(own.net, mse);
+  const ModeReport by_own = compare_modes(own, x, target);
+  const ModeReport by_with_loss = compare_modes(with_loss, x, target);
+  CHECK(by_own.agree());
+  CHECK(by_with_loss.agree());
+  // Its own loss is two nodes where MSELoss is one; the six gradients are in both.
+  CHECK(by_own.values_compared == by_with_loss.values_compared + 1);
+
+  // A cell fixed to one mode cannot be differentiated in the other: said, not skipped quietly.
+  FixedOwnLoss fixed;
+  const ModeReport by_fixed = compare_modes(fixed, x, target);
+  REQUIRE(by_fixed.notes.size() == 1);
+  CHECK(by_fixed.notes[0].find("the gradients are not compared") == 0);
+}
+
 TEST_CASE("compare_modes: an ambiguous capture runs traced in graph mode, and only its output is compared") {
   TwoProducts net;
   const ModeReport report = compare_modes(net, randn({3, 4}, 5));

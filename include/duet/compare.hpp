@@ -349,6 +349,23 @@ inline constexpr bool is_loss_cell = false;
 template <class Backbone, class Loss>
 inline constexpr bool is_loss_cell<nn::WithLossCell<Backbone, Loss>> = true;
 
+// Whether the capture of net on inputs like X gives one floating-point number: a loss, though
+// not a WithLossCell (a VAE's loss reads the mean and variance the network returns beside its
+// output), whose gradients are compared as a WithLossCell's are. Known from the capture's type,
+// so that a network of several outputs does not compile a backward graph it never runs.
+template <class Net, class... X>
+constexpr bool gives_a_loss() {
+  return []<std::size_t... K>(std::index_sequence<K...>) {
+    using S = std::remove_cvref_t<decltype(std::declval<Net&>()(
+        graph::input<typename X::value_type, typename graph::pattern_of<X>::type, K>()...))>;
+    if constexpr (requires { S::shape; typename S::value_type; }) {
+      return S::shape.rank() == 0 && !S::shape.leading_unknown() && std::is_floating_point_v<typename S::value_type>;
+    } else {
+      return false;
+    }
+  }(std::index_sequence_for<X...>{});
+}
+
 // The loss's gradients in both modes, PyNative's tape against graph mode's backward graph,
 // parameter by parameter in parameters() order. The graph-mode half switches the context for
 // its call, so the cell must follow it.
@@ -389,7 +406,10 @@ ModeReport compare_modes(Net& net, const CompareOptions& options, const X&... xs
   }
   ModeReport report;
   compare_forward(report, net, options, xs...);
-  if constexpr (is_loss_cell<Net>) {
+  if constexpr (!is_loss_cell<Net> && gives_a_loss<Net, X...>() && Net::mode != CONTEXT_MODE) {
+    report.notes.push_back("the gradients are not compared: " + net.label() +
+                           " is fixed to one mode, so they cannot be taken in the other");
+  } else if constexpr (is_loss_cell<Net> || gives_a_loss<Net, X...>()) {
     if (report.empty()) {
       compare_gradients(report, net, options, xs...);
     } else {
@@ -419,9 +439,10 @@ ModeReport compare_modes(Net& net, const X& x, const CompareOptions& options = {
   return detail::compare_modes(net, options, x);
 }
 
-// The same for a construct of two inputs. Given a loss cell (nn::WithLossCell) and its data
-// and labels, then, if the forward pass agrees, the first parameter whose gradient of the loss
-// does not; if it differs, a note says whether the gradients agree.
+// The same for a construct of two inputs. Given a loss cell (nn::WithLossCell, or any cell
+// whose output is one number) and its data and labels, then, if the forward pass agrees, the
+// first parameter whose gradient of the loss does not; if it differs, a note says whether the
+// gradients agree.
 template <class Net, class X, class Y>
 ModeReport compare_modes(Net& net, const X& x, const Y& y, const CompareOptions& options = {}) {
   return detail::compare_modes(net, options, x, y);
