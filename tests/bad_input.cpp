@@ -7,7 +7,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <iostream>
 #include <limits>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -211,6 +213,26 @@ TEST_CASE("a step whose loss is not finite skips its update and leaves BatchNorm
     x(1, 0, 5, 5) = std::numeric_limits<float>::quiet_NaN();
     CHECK(!std::isfinite(t.step(x, labels(4)).item()));
   });
+}
+
+TEST_CASE("a skipped update is said once on std::cerr and counted") {
+  ModeGuard guard;
+  for (const Mode mode : {GRAPH_MODE, PYNATIVE_MODE}) {
+    set_context({.mode = mode});
+    Trainer t;
+    Tensor x = images(4, 3);
+    x(1, 0, 5, 5) = std::numeric_limits<float>::infinity();
+    std::ostringstream said;
+    std::streambuf* const cerr = std::cerr.rdbuf(said.rdbuf());
+    t.step(x, labels(4));
+    const std::string first = said.str();
+    t.step(x, labels(4));
+    t.step(images(4, 3), labels(4));
+    std::cerr.rdbuf(cerr);
+    CHECK(first.find("duet: warning: nn::TrainOneStepCell: the loss is not finite (loss ") == 0);
+    CHECK(said.str() == first);  // once
+    CHECK(t.step.skipped_steps() == 2);
+  }
 }
 
 TEST_CASE("value_and_grad that throws leaves BatchNorm and Dropout as they were, one that succeeds moves them") {

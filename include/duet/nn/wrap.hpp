@@ -7,8 +7,10 @@
 #include <cmath>
 #include <concepts>
 #include <cstdint>
+#include <iostream>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <unordered_map>
 #include <utility>
@@ -142,7 +144,7 @@ class TrainOneStepCell {
       if (parallel != nullptr) all_reduce(*parallel, loss, xs...);
       overlapped_.reset();
     }
-    if (!std::ranges::all_of(loss.values(), [](T v) { return std::isfinite(v); })) return loss;
+    if (!std::ranges::all_of(loss.values(), [](T v) { return std::isfinite(v); })) return skipped(loss, "loss");
     // Clipping reads the gradients backward left, the same in both modes, so both clip alike.
     // A gradient whose norm is not finite skips the update, as a NaN loss does; the norm is
     // kept for the caller to see (last_global_norm).
@@ -153,7 +155,7 @@ class TrainOneStepCell {
         if (p->has_grad_from(pass)) grads.push_back(&p->grad);
       }
       last_global_norm_ = ops::detail::clip_in_place(grads, *config_.clip_global_norm);
-      if (!std::isfinite(last_global_norm_)) return loss;
+      if (!std::isfinite(last_global_norm_)) return skipped(loss, "gradients' global norm");
     }
     optimizer_.step();
     step.commit();
@@ -163,8 +165,22 @@ class TrainOneStepCell {
   Optimizer& optimizer() { return optimizer_; }
   // The global norm of the last step's gradients before clipping (with clip_global_norm set).
   double last_global_norm() const { return last_global_norm_; }
+  // How many steps skipped their update (a loss or a gradient norm not finite).
+  std::int64_t skipped_steps() const { return skipped_steps_; }
 
  private:
+  // A skipped update keeps the parameters finite, but a network that diverged, or a loss
+  // written without the clamp PyTorch's BCELoss has (log of a saturated sigmoid), would skip
+  // every step and train on in silence: the first skip is said on std::cerr.
+  BasicTensor<T> skipped(const BasicTensor<T>& loss, std::string_view what) {
+    if (skipped_steps_++ == 0) {
+      std::cerr << "duet: warning: nn::TrainOneStepCell: the " << what << " is not finite (loss " << loss.values()[0]
+                << "), so this step skipped its update, as every such step will (said once; "
+                   "skipped_steps() counts them)\n";
+    }
+    return loss;
+  }
+
   // The first data-parallel step: every rank gets rank 0's parameters and optimiser state, and
   // a loader that gives every rank the same batches (not sharded) is refused: the ranks would
   // repeat one another.
@@ -344,6 +360,7 @@ class TrainOneStepCell {
   Optimizer& optimizer_;
   TrainOneStepConfig config_;
   double last_global_norm_ = 0;
+  std::int64_t skipped_steps_ = 0;
   bool parameters_broadcast_ = false;
   bool weights_checked_ = false;  // the network's parameters against those its first step wrote
   std::vector<const BasicDynamicCell<T>*> phase_layers_;  // BatchNorm, Dropout: they must still train
