@@ -669,6 +669,14 @@ class Cell : public BasicDynamicCell<T> {
   BasicTensor<T> forward(const BasicTensor<T>& x) override {
     if constexpr (!HasConstruct<Derived, BasicTensor<T>>) {
       throw ModeError(this->label() + ": construct takes several inputs; call the cell with all of them");
+    } else if constexpr (!std::is_convertible_v<decltype(std::declval<Derived&>().construct(x)), BasicTensor<T>>) {
+      // Said here, where every call of a cell goes, rather than as "no type named value_type"
+      // in the capture and the trace.
+      static_assert(std::is_convertible_v<decltype(std::declval<Derived&>().construct(x)), BasicTensor<T>>,
+                    "duet::nn::Cell: construct must return one tensor; for several results (PyTorch's "
+                    "`return out, mu, logvar`) return ops::concat<-1>(out, mu, logvar) and take them apart with "
+                    "ops::split<-1, ...>, or give the cell a method per result that calls its layers");
+      return {};
     } else {
       if constexpr (can_capture() && !runs_alone_as_its_operation()) {
         if (runs_as_graph()) return run_graph<graph::AnyShape>(x);
