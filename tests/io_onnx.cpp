@@ -920,6 +920,42 @@ TEST_CASE("io::export_onnx: an axis dynamic_axes names that the network fixes is
                        doctest::Contains("dynamic_axes names axis 3 'x' of an input of shape [2, 5, 4]"), duet::ValueError);
 }
 
+// Windows of an axis of any length: the first two steps, the last two backwards, the mean of
+// all but the first. Written at length 5, each must cut another length as duet does.
+struct SlicedLength : duet::nn::Cell<SlicedLength> {
+  duet::nn::Dense<4, 3> fc;
+  DUET_CELL_MEMBERS(fc);
+  auto construct(auto x) {
+    namespace ops = duet::ops;
+    const auto head = ops::slice(x, ops::ints<0, 0>, ops::ints<-1, 2>);
+    const auto tail = ops::strided_slice(x, ops::ints<0, -1>, ops::ints<ops::to_end, -3>, ops::ints<1, -1>);
+    const auto rest = ops::mean(ops::slice(x, ops::ints<0, 1>, ops::ints<-1, -1>), ops::axes<1>, ops::keep_dims);
+    return fc(ops::concat<1>(head, tail, rest));
+  }
+};
+
+TEST_CASE("io::export_onnx: slices of an axis dynamic_axes names cut any length as duet does") {
+  const duet_test::TempDir dir;
+  SlicedLength net;
+  net.set_train(false);
+  const fs::path file = dir.path / "sliced.onnx";
+  duet::io::export_onnx(net, Shape{2, 5, 4}, file, {.dynamic_batch = true, .dynamic_axes = {{1, "length"}}});
+  duet::io::OnnxModel loaded = duet::io::load_onnx(file);
+  for (const Shape& shape : {Shape{2, 5, 4}, Shape{3, 9, 4}, Shape{1, 3, 4}}) {
+    INFO(to_string(shape));
+    const Tensor x = duet::randn(shape, 5);
+    Tensor want;
+    {
+      const duet::EagerScope eager;
+      want = Tensor(net(x));
+    }
+    check_by_numpy(dir, "sliced", x, want);
+    // The Dense on three axes comes back as MatMul and Add, whose sums the product's size
+    // orders: equal within rounding, not always to the bit.
+    check_close(loaded(x), want, "sliced, loaded back");
+  }
+}
+
 // Operations whose ONNX forms are short chains, each checked by the same round trip.
 struct Assorted : duet::nn::Cell<Assorted> {
   duet::nn::Dense<6, 12> fc;

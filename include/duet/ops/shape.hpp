@@ -757,11 +757,27 @@ struct SlicePrimitive : Primitive<Self> {
     return g;
   }
 
-  // ONNX's Slice of the window, on the axes it cuts.
+  // ONNX's Slice, on the axes it cuts. A slice that has begin, end and strides writes them as
+  // they are: ONNX reads them as Python does (from the end where negative, clamped, INT64_MAX
+  // to the end), so the file cuts an input of any length as duet does, where the window's
+  // numbers at the exported shape would hold at that length only (an axis export_onnx names).
   Interchange interchange(std::span<const Shape> in) const {
+    std::vector<std::int64_t> starts, ends, axes, steps;
+    if constexpr (requires(const Self& s) { s.python_lists(); }) {
+      const auto [begin, end, strides] = self().python_lists();
+      for (std::size_t a = 0; a < begin.size(); ++a) {
+        if (begin[a] == 0 && end[a] == to_end && strides[a] == 1) continue;
+        starts.push_back(begin[a]);
+        ends.push_back(end[a] != to_end     ? end[a]
+                       : strides[a] > 0 ? std::numeric_limits<std::int64_t>::max()
+                                        : std::numeric_limits<std::int64_t>::min());
+        axes.push_back(static_cast<std::int64_t>(a));
+        steps.push_back(strides[a]);
+      }
+      return slice_interchange(std::move(starts), std::move(ends), std::move(axes), std::move(steps));
+    }
     const Shape& x = in[0];
     const detail::Window w = self().window(x);
-    std::vector<std::int64_t> starts, ends, axes, steps;
     for (int a = 0; a < x.rank(); ++a) {
       const auto i = static_cast<std::size_t>(a);
       if (w.start[i] == 0 && w.step[i] == 1 && w.count[a] == x[a]) continue;
@@ -773,6 +789,14 @@ struct SlicePrimitive : Primitive<Self> {
       axes.push_back(a);
       steps.push_back(w.step[i]);
     }
+    return slice_interchange(std::move(starts), std::move(ends), std::move(axes), std::move(steps));
+  }
+
+ private:
+  const Self& self() const { return static_cast<const Self&>(*this); }
+
+  static Interchange slice_interchange(std::vector<std::int64_t> starts, std::vector<std::int64_t> ends,
+                                       std::vector<std::int64_t> axes, std::vector<std::int64_t> steps) {
     if (axes.empty()) return {{"Identity", {InterchangeInput::operand(0)}, {}}};
     return {{"Slice",
              {InterchangeInput::operand(0), InterchangeInput::constant(std::move(starts)),
@@ -780,9 +804,6 @@ struct SlicePrimitive : Primitive<Self> {
               InterchangeInput::constant(std::move(steps))},
              {}}};
   }
-
- private:
-  const Self& self() const { return static_cast<const Self&>(*this); }
 };
 
 // strided_slice(x, ints<begin...>, ints<end...>, ints<strides...>): along axis a, from
@@ -812,6 +833,9 @@ struct StridedSliceOp : SlicePrimitive<StridedSliceOp<Begin, End, Strides, Check
 
   static constexpr detail::Window window(const Shape& x) {
     return detail::strided_window(x, Begin::values, End::values, Strides::values, Checked);
+  }
+  static constexpr auto python_lists() {
+    return std::tuple{std::span(Begin::values), std::span(End::values), std::span(Strides::values)};
   }
 
   static std::string op_name() {
@@ -870,8 +894,12 @@ struct WindowSliceOp : SlicePrimitive<WindowSliceOp> {
 
   static constexpr ShapeResult infer_static(std::span<const Shape>) { return {Shape::any()}; }
   ShapeResult infer(std::span<const Shape> in) const { return detail::window_result(*this, in[0]); }
+  auto python_lists() const {
+    return std::tuple{std::span(begin).first(n), std::span(end).first(n), std::span(strides).first(n)};
+  }
   detail::Window window(const Shape& x) const {
-    return detail::strided_window(x, std::span(begin).first(n), std::span(end).first(n), std::span(strides).first(n), checked);
+    const auto [b, e, s] = python_lists();
+    return detail::strided_window(x, b, e, s, checked);
   }
 
   static std::string op_name() { return "StridedSlice"; }
