@@ -115,6 +115,37 @@ TEST_CASE("graph_ir of an ambiguous capture shows the trace that runs, not the m
         std::string::npos);
 }
 
+// A construct of two tensors (a VAE's reparameterisation: the noise is an input).
+struct Reparam : nn::Cell<Reparam> {
+  nn::Dense<8, 4> fc;
+  DUET_CELL_MEMBERS(fc);
+  auto construct(auto x, auto eps) {
+    auto [mu, logvar] = ops::split<-1, 2, 2>(fc(x));
+    return mu + ops::exp(logvar * 0.5f) * eps;
+  }
+};
+
+// The same, with the noise scaled twice by one operation type: an ambiguous capture.
+struct ReparamTwice : nn::Cell<ReparamTwice> {
+  nn::Dense<8, 2> fc;
+  DUET_CELL_MEMBERS(fc);
+  auto construct(auto x, auto eps) { return fc(x) * (eps * 2.0f) + eps * 3.0f; }
+};
+
+TEST_CASE("graph_ir of a construct of two tensors takes a pattern for each") {
+  Reparam net;
+  const GraphIR ir = graph_ir(net, shape<dyn, 8>, shape<dyn, 2>);
+  CHECK(ir.captured.text.find("  %0 = Input 0 : [?, 8]  [input]\n") != std::string::npos);
+  CHECK(ir.captured.text.find(" = Input 1 : [?, 2]  [input]\n") != std::string::npos);
+  CHECK(ir.optimized.text.find("PackedMatMul + BiasAdd(%0) : [?, 4]") != std::string::npos);
+
+  ReparamTwice twice;
+  const GraphIR traced = graph_ir(twice, shape<dyn, 8>, shape<dyn, 2>);
+  CHECK(traced.captured.text.find("ambiguous capture") != std::string::npos);
+  CHECK(traced.captured.text.find("  traced on inputs of shapes [2, 8] and [2, 2]\n") != std::string::npos);
+  CHECK(traced.captured.text.find(" = Input 1 : [2, 2]\n") != std::string::npos);
+}
+
 TEST_CASE("graph_ir of a network built at run time shows the trace graph mode runs") {
   set_seed(3);
   nn::DynamicSequentialCell net;

@@ -2,11 +2,14 @@
 // passes (MindSpore users get this from save_graphs).
 #pragma once
 
+#include <algorithm>
+#include <array>
 #include <cstddef>
 #include <ostream>
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <utility>
 
 #include "cell.hpp"
@@ -128,36 +131,43 @@ inline std::string dot_of_text(const std::string& title, const std::string& text
 // taken as 2 (BatchNorm trains on no fewer), as recorded and as replayed after fusion. Tracing
 // runs the network; what that changes (BatchNorm's moving statistics, Dropout's generator) is
 // put back, as for a step that does not commit.
-template <JitConfig Config, class C>
-GraphIR traced_ir(C& cell, const std::string& title, Shape pattern, const std::string& how) {
+template <JitConfig Config, class C, std::size_t N>
+GraphIR traced_ir(C& cell, const std::string& title, std::array<Shape, N> patterns, const std::string& how) {
   using T = typename C::value_type;
   const std::string head = "graph " + title + " {\n  " + how + "\n";
   const auto ir = [&](const std::string& captured, const std::string& optimized) {
     return GraphIR{{head + captured + "}\n", dot_of_text(title, head + captured)},
                    {head + optimized + "}\n", dot_of_text(title, head + optimized)}};
   };
-  if (pattern.leading_unknown()) {
+  if (std::ranges::any_of(patterns, [](const Shape& p) { return p.leading_unknown(); })) {
     const std::string note = "  traced on its first call for each input shape: give graph_ir an input shape "
                              "(duet::shape<dyn, ...>) to see the trace\n";
     return ir(note, note);
   }
-  for (int a = 0; a < pattern.rank(); ++a) pattern[a] = pattern[a] == dyn ? 2 : pattern[a];
+  std::string shapes;
+  std::array<BasicTensor<T>, N> xs;
+  for (std::size_t k = 0; k < N; ++k) {
+    Shape& p = patterns[k];
+    for (int a = 0; a < p.rank(); ++a) p[a] = p[a] == dyn ? 2 : p[a];
+    xs[k] = zeros<T>(p);
+    shapes += (k == 0 ? "" : " and ") + to_string(p);
+  }
   const duet::detail::StepScope discarded;
   pijit::Trace trace;
-  BasicTensor<T> x = zeros<T>(pattern);
-  trace.add_input(x, 0);
+  for (std::size_t k = 0; k < N; ++k) trace.add_input(xs[k], k);
   BasicTensor<T> y;
   {
     pijit::Tracing tracing(&trace);
     EagerScope eager;
-    y = BasicTensor<T>(cell(x));
+    y = std::apply([&](const auto&... x) { return BasicTensor<T>(cell(x...)); }, xs);
   }
   const std::size_t out = trace.find(y);
   if (!trace.broken().empty() || out == trace.values().size()) {
     const std::string note = "  graph break, runs eagerly: " + trace.broken() + "\n";
     return ir(note, note);
   }
-  const std::string traced_on = "  traced on an input of shape " + to_string(pattern) + "\n";
+  const std::string traced_on = std::string("  traced on ") + (N == 1 ? "an input of shape " : "inputs of shapes ") +
+                                shapes + "\n";
   std::string captured = traced_on + pijit::describe(trace.values(), trace.steps(), out);
   const pijit::Replay replay(std::move(trace), out, Config.jit_level);
   return ir(captured, traced_on + replay.describe());
@@ -167,22 +177,33 @@ GraphIR traced_ir(C& cell, const std::string& title, Shape pattern, const std::s
 }  // namespace graph
 
 namespace detail {
-template <JitConfig Config, class C, class Pattern>
-GraphIR graph_ir_of(C& cell, Pattern) {
+// Whether C's construct takes N + 1 tensors of its element type: graph_ir given N patterns
+// would otherwise fail as "no matching function for call to construct" in the capture.
+template <class C, std::size_t N>
+constexpr bool takes_another_tensor() {
+  return []<std::size_t... K>(std::index_sequence<K...>) {
+    return requires(C& c, const BasicTensor<typename C::value_type>& x) { c.construct((void(K), x)..., x); };
+  }(std::make_index_sequence<N>{});
+}
+
+template <JitConfig Config, class C, class... Patterns>
+GraphIR graph_ir_of(C& cell, Patterns...) {
   cell.ensure_named();
   const std::string title = cell.type_name();
+  const std::array<Shape, sizeof...(Patterns)> shapes{Shape(Patterns::value)...};
   if constexpr (nn::RuntimeBuilt<C>) {
-    return graph::detail::traced_ir<Config>(cell, title, Pattern::value, "built at run time, so graph mode runs it as a traced graph (PIJit)");
+    return graph::detail::traced_ir<Config>(cell, title, shapes, "built at run time, so graph mode runs it as a traced graph (PIJit)");
   } else {
     // The form the network's layers are set to (set_train), as a call would run.
     return pipeline::in_requested_phase(
         [&](auto phase) {
-          using In = graph::pattern_in_phase<decltype(phase)::value, Pattern>;
-          return cell(graph::input<typename C::value_type, In>());
+          return [&]<std::size_t... K>(std::index_sequence<K...>) {
+            return cell(graph::input<typename C::value_type, graph::pattern_in_phase<decltype(phase)::value, Patterns>, K>()...);
+          }(std::index_sequence_for<Patterns...>{});
         },
         [&](const auto& captured) {
           if (!captured.ambiguity.empty()) {
-            return graph::detail::traced_ir<Config>(cell, title, Pattern::value,
+            return graph::detail::traced_ir<Config>(cell, title, shapes,
                                                     "ambiguous capture, so it runs as a traced graph (PIJit), not as a static graph: " +
                                                         captured.ambiguity);
           }
@@ -195,28 +216,34 @@ GraphIR graph_ir_of(C& cell, Pattern) {
 
 // The graph of cell for inputs of the given pattern (duet::shape<dyn, 1, 28, 28>, say; by
 // default an input of unknown shape, as when a runtime tensor is passed), optimised at the
-// jit level of Config. Where graph mode has no static graph to run, graph_ir shows the trace
+// jit level of Config; for a construct of several tensors, a pattern for each
+// (graph_ir(net, shape<dyn, 8>, shape<dyn, 4>)), each of the cell's element type. Where graph mode has no static graph to run, graph_ir shows the trace
 // that runs instead: for a capture that is ambiguous (README, Guarantees: "Shared values in
 // graph mode") and for a network built at run time (nn::DynamicSequentialCell, a class
 // deriving from nn::DynamicCell), which has no construct to capture.
-template <JitConfig Config, class C, class Pattern = graph::AnyShape>
-GraphIR graph_ir(C& cell, Pattern = {}) {
+template <JitConfig Config, class C, class Pattern = graph::AnyShape, class... More>
+GraphIR graph_ir(C& cell, Pattern = {}, More...) {
   // A tensor here failed deep inside with "'value' is not a member of BasicTensor".
-  if constexpr (!requires { Shape(Pattern::value); }) {
-    static_assert(requires { Shape(Pattern::value); },
+  if constexpr (!(requires { Shape(Pattern::value); } && ... && requires { Shape(More::value); })) {
+    static_assert((requires { Shape(Pattern::value); } && ... && requires { Shape(More::value); }),
                   "duet::graph_ir(net, pattern): the pattern is an input shape written as a type, "
                   "duet::shape<duet::dyn, 784> (duet::dyn: any size), not a tensor");
     return {};
+  } else if constexpr (detail::takes_another_tensor<C, 1 + sizeof...(More)>()) {
+    static_assert(!detail::takes_another_tensor<C, 1 + sizeof...(More)>(),
+                  "duet::graph_ir(net, patterns...): construct takes more tensors than patterns were given; "
+                  "give one for each, graph_ir(net, shape<dyn, 8>, shape<dyn, 4>)");
+    return {};
   } else {
-    return detail::graph_ir_of<Config>(cell, Pattern{});
+    return detail::graph_ir_of<Config>(cell, Pattern{}, More{}...);
   }
 }
 
 // At the level graph mode compiles the cell at: its own JitConfig (nn::Cell<Net, JitConfig{...}>),
 // else the default. It showed the default level's graph for a cell compiled at O0.
-template <class C, class Pattern = graph::AnyShape>
-GraphIR graph_ir(C& cell, Pattern pattern = {}) {
-  return graph_ir<nn::detail::graph_config_of<C>()>(cell, pattern);
+template <class C, class Pattern = graph::AnyShape, class... More>
+GraphIR graph_ir(C& cell, Pattern pattern = {}, More... more) {
+  return graph_ir<nn::detail::graph_config_of<C>()>(cell, pattern, more...);
 }
 
 // What graph mode runs: std::cout << duet::graph_ir(net, duet::shape<duet::dyn, 784>).
