@@ -6642,45 +6642,7 @@ struct capturable<F, std::index_sequence<K...>, X...> {
 template <class F, class... X>
 concept Capturable = capturable<F, std::index_sequence_for<X...>, X...>::value;
 
-// Node n with its arguments renumbered through map.
-template <class N, std::size_t... Map, std::size_t... A>
-auto renumbered(const N& n, std::index_sequence<Map...>, std::index_sequence<A...>) {
-  constexpr std::array<std::size_t, sizeof...(Map)> map{Map...};
-  return Node<typename N::op_type, map[N::args[A]]...>{n.op};
-}
-
 namespace detail {
-
-template <class L, std::size_t K>
-constexpr std::size_t find_input() {
-  std::size_t found = L::size;
-  for_each_index<L::size>([&](auto i) {
-    using Op = typename node_at<L, decltype(i)::value>::op_type;
-    if constexpr (is_input_op_v<Op>) {
-      if (found == L::size && Op::index == K) found = decltype(i)::value;
-    }
-  });
-  return found;
-}
-
-// Where a node of type Target is in a NodeList, or its length if nowhere.
-// Place Hint is tried first: a graph merged into one it extends has each node where the
-// other has it. Anywhere = false looks there only: for a node without inputs (a parameter),
-// whose type says nothing of which one it is, so that `x * gamma + beta` does not meet gamma
-// where beta is; inside a shared prefix, it is where the other graph has it.
-template <class Target, class Nodes, std::size_t Hint, bool Anywhere>
-struct position_of;
-template <class Target, class... Nodes, std::size_t Hint, bool Anywhere>
-struct position_of<Target, NodeList<Nodes...>, Hint, Anywhere> {
-  static constexpr std::size_t value = [] {
-    constexpr std::array<bool, sizeof...(Nodes) + 1> same{std::is_same_v<Target, Nodes>..., true};
-    if (Hint < sizeof...(Nodes) && same[Hint]) return Hint;
-    if (!Anywhere) return sizeof...(Nodes);
-    std::size_t i = 0;
-    while (!same[i]) ++i;
-    return i;
-  }();
-};
 
 // The run-time half of a merge: the ids of the nodes built so far, and the first ambiguity met.
 struct Merged {
@@ -6698,47 +6660,193 @@ struct Merged {
   }
 };
 
-// Appends b's nodes after `built`, each value once: a node of b whose type (op and renumbered
-// inputs) is already built is that node, provided the ids agree; if they do not, the merge is
-// ambiguous (Sym::ambiguity) and says which two nodes it met. Map[j] is where b's node j ends
-// up. Shared work is thus captured once: `x + f(x)` holds x's nodes once, and the graph of
-// stacked residual blocks grows linearly with their number.
-template <std::size_t J, class GB, class Built, std::size_t... Map>
-auto merge_from(const GB& b, std::span<const std::uint64_t> b_ids, const Built& built,
-                std::index_sequence<Map...> map, Merged& merged) {
-  if constexpr (J == GB::size) {
-    return std::pair{make_graph(built), map};
-  } else {
-    using N = node_at<GB, J>;
-    constexpr std::size_t built_size = Built::size;
-    if constexpr (is_input_op_v<typename N::op_type>) {
-      constexpr std::size_t found = find_input<Built, N::op_type::index>();
-      if constexpr (found < built_size) {
-        using Existing = node_at<Built, found>;
-        static_assert(std::is_same_v<Existing, N>,
-                      "duet: one graph input is used with two different element types or shape patterns");
-        return merge_from<J + 1>(b, b_ids, built, std::index_sequence<Map..., found>{}, merged);
+// A constant standing for a type: two keys are equal when their types are. Comparing keys in a
+// constant expression replaces an is_same per pair of nodes of two graphs with one key per type.
+template <class T>
+inline constexpr char type_key = 0;
+
+// A node as a merge sees it: its operation's type, its whole type, its inputs, and which graph
+// input it is, if one.
+struct NodeView {
+  const void* op = nullptr;
+  const void* node = nullptr;
+  std::span<const std::size_t> args{};
+  bool is_input = false;
+  std::size_t input_index = 0;
+};
+
+template <class N>
+constexpr NodeView view_of() {
+  NodeView v{&type_key<typename N::op_type>, &type_key<N>, std::span<const std::size_t>(N::args)};
+  if constexpr (is_input_op_v<typename N::op_type>) {
+    v.is_input = true;
+    v.input_index = N::op_type::index;
+  }
+  return v;
+}
+
+template <class L>
+struct views_of;
+template <class... Nodes>
+struct views_of<NodeList<Nodes...>> {
+  static constexpr std::array<NodeView, sizeof...(Nodes)> value{view_of<Nodes>()...};
+};
+
+// Node i's label, for the rare message that names it: one function per list.
+template <class... Nodes>
+std::string label_at(const NodeList<Nodes...>& list, std::size_t i) {
+  std::string label;
+  [&]<std::size_t... I>(std::index_sequence<I...>) {
+    [[maybe_unused]] const int in_order[] = {0, (I == i ? (label = get<I>(list).op.label(), 0) : 0)...};
+  }(std::index_sequence_for<Nodes...>{});
+  return label;
+}
+
+// A parameter node of b that is not where `built` has one of its type is held back until a
+// node of b reads it: that node, found in `built` with a parameter of that type in the held
+// one's place, says which parameter it is; if none is found, or nothing reads it, the parameter
+// is appended then. A value computed from a parameter (`h = x + h0`) that two graphs hold at
+// different places is thus merged, where matching by place alone captured it again at each
+// merge, and a recurrent cell reading such a state twice per step doubled its graph per step.
+inline constexpr std::size_t held = static_cast<std::size_t>(-1);
+
+// What merging b's nodes from Start on after `built` does: where each goes (map), and which
+// are appended, in order. `first` is where b's nodes before Start go.
+template <std::size_t NB>
+struct MergePlan {
+  std::array<std::size_t, NB> map{};
+  std::array<std::size_t, NB> order{};
+  std::size_t appended = 0;
+  bool input_clash = false;  // one graph input of two element types or shape patterns
+};
+
+template <std::size_t NB, std::size_t NBuilt, std::size_t Start>
+constexpr MergePlan<NB> plan_merge(const std::array<NodeView, NB>& b, const std::array<NodeView, NBuilt>& built,
+                                   const std::array<std::size_t, Start>& first) {
+  MergePlan<NB> p;
+  for (std::size_t j = 0; j < Start; ++j) p.map[j] = first[j];
+  std::size_t pending = held;
+  const auto append = [&](std::size_t j) {
+    p.map[j] = NBuilt + p.appended;
+    p.order[p.appended++] = j;
+  };
+  const auto place_pending = [&] {
+    if (pending != held) append(pending);
+    pending = held;
+  };
+  // Whether built's node i is b's node j, the held parameter standing for any parameter of its
+  // type (which one, then in stand_in).
+  const auto same = [&](std::size_t i, std::size_t j, std::size_t& stand_in) {
+    stand_in = held;
+    if (built[i].op != b[j].op || built[i].args.size() != b[j].args.size()) return false;
+    for (std::size_t a = 0; a < b[j].args.size(); ++a) {
+      const std::size_t want = p.map[b[j].args[a]];
+      const std::size_t have = built[i].args[a];
+      if (want != held) {
+        if (have != want) return false;
+      } else if (built[have].node != b[pending].node || (stand_in != held && stand_in != have)) {
+        return false;
       } else {
-        merged.ids.push_back(b_ids[J]);
-        return merge_from<J + 1>(b, b_ids, with_nodes(built, get<J>(b)),
-                                 std::index_sequence<Map..., built_size>{}, merged);
-      }
-    } else {
-      auto node = renumbered(get<J>(b), map, std::make_index_sequence<N::arity>{});
-      constexpr std::size_t found = position_of<decltype(node), Built, J, (N::arity > 0)>::value;
-      if constexpr (found < built_size) {
-        if (merged.ids[found] != b_ids[J]) {
-          merged.note("%" + std::to_string(found) + " " + get<found>(built).op.label() + " and " +
-                      node.op.label() + " are one operation type on the same inputs, but two values");
-        }
-        return merge_from<J + 1>(b, b_ids, built, std::index_sequence<Map..., found>{}, merged);
-      } else {
-        merged.ids.push_back(b_ids[J]);
-        return merge_from<J + 1>(b, b_ids, with_nodes(built, node), std::index_sequence<Map..., built_size>{},
-                                 merged);
+        stand_in = have;
       }
     }
+    return true;
+  };
+  for (std::size_t j = Start; j < NB; ++j) {
+    const NodeView& n = b[j];
+    if (n.is_input) {
+      std::size_t i = 0;
+      while (i < NBuilt && !(built[i].is_input && built[i].input_index == n.input_index)) ++i;
+      if (i == NBuilt) {
+        append(j);
+      } else {
+        p.input_clash = p.input_clash || built[i].node != n.node;
+        p.map[j] = i;
+      }
+      continue;
+    }
+    if (n.args.empty()) {
+      // A node without inputs (a parameter), whose type says nothing of which one it is: where
+      // built has one of its type at its own place (inside a prefix the two graphs share), else
+      // held, so that `x * gamma + beta` does not meet gamma where beta is.
+      if (j < NBuilt && built[j].node == n.node) {
+        p.map[j] = j;
+      } else {
+        place_pending();
+        pending = j;
+        p.map[j] = held;
+      }
+      continue;
+    }
+    // Place j is tried first: a graph merged into one it extends has each node where the
+    // other has it.
+    std::size_t stand_in = held;
+    std::size_t found = NBuilt;
+    if (j < NBuilt && same(j, j, stand_in)) found = j;
+    for (std::size_t i = 0; i < NBuilt && found == NBuilt; ++i) {
+      if (same(i, j, stand_in)) found = i;
+    }
+    if (found < NBuilt) {
+      if (stand_in != held) {
+        p.map[pending] = stand_in;
+        pending = held;
+      }
+      p.map[j] = found;
+    } else {
+      if (std::find(n.args.begin(), n.args.end(), pending) != n.args.end()) place_pending();
+      append(j);
+    }
   }
+  place_pending();
+  return p;
+}
+
+template <class GB, class Built, std::size_t... First>
+struct Merge {
+  static constexpr auto plan = plan_merge(views_of<typename GB::list_type>::value, views_of<Built>::value,
+                                          std::array<std::size_t, sizeof...(First)>{First...});
+  static_assert(!plan.input_clash, "duet: one graph input is used with two different element types or shape patterns");
+
+  // The K-th node appended: b's node with its inputs renumbered.
+  template <std::size_t K, class N = node_at<GB, plan.order[K]>, class A = std::make_index_sequence<N::arity>>
+  struct appended;
+  template <std::size_t K, class N, std::size_t... A>
+  struct appended<K, N, std::index_sequence<A...>> {
+    using type = Node<typename N::op_type, plan.map[N::args[A]]...>;
+  };
+};
+
+// Appends b's nodes after `built`, each value once: a node of b whose type (op and renumbered
+// inputs) is already built is that node, provided the ids agree; if they do not, the merge is
+// ambiguous (Sym::ambiguity) and says which two nodes it met. Returns the graph and where each
+// of b's nodes is in it (b's nodes before Start are where First says). Shared work is thus
+// captured once: `x + f(x)` holds x's nodes once, and the graph of stacked residual blocks
+// grows linearly with their number. The plan is a constant computed over both graphs at once,
+// and the graph is made in one step: appending node by node made a list type per node
+// appended, and merging a long graph into a short one cost the square of its length.
+template <std::size_t Start, class GB, class Built, std::size_t... First>
+auto merge_from(const GB& b, std::span<const std::uint64_t> b_ids, const Built& built,
+                std::index_sequence<First...>, Merged& merged) {
+  static_assert(Start == sizeof...(First));
+  using M = Merge<GB, Built, First...>;
+  constexpr std::size_t n_built = Built::size;
+  for (std::size_t j = Start; j < GB::size; ++j) {
+    const std::size_t at = M::plan.map[j];
+    if (at < n_built && !views_of<Built>::value[at].is_input && merged.ids[at] != b_ids[j]) {
+      merged.note("%" + std::to_string(at) + " " + label_at(built, at) + " and " +
+                  label_at(static_cast<const typename GB::list_type&>(b), j) +
+                  " are one operation type on the same inputs, but two values");
+    }
+  }
+  for (std::size_t k = 0; k < M::plan.appended; ++k) merged.ids.push_back(b_ids[M::plan.order[k]]);
+  auto g = [&]<std::size_t... I, std::size_t... K>(std::index_sequence<I...>, std::index_sequence<K...>) {
+    return Graph<node_at<Built, I>..., typename M::template appended<K>::type...>(
+        std::in_place, get<I>(built)..., typename M::template appended<K>::type{get<M::plan.order[K]>(b).op}...);
+  }(std::make_index_sequence<n_built>{}, std::make_index_sequence<M::plan.appended>{});
+  auto map = []<std::size_t... J>(std::index_sequence<J...>) {
+    return std::index_sequence<M::plan.map[J]...>{};
+  }(std::make_index_sequence<GB::size>{});
+  return std::pair{std::move(g), map};
 }
 
 template <std::size_t I, std::size_t... M>
