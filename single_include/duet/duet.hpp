@@ -12404,6 +12404,7 @@ auto grad(Fn&& fn, Weights&&... weights_and_position) {
 #include <cstddef>
 #include <optional>
 #include <ostream>
+#include <span>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -14398,22 +14399,28 @@ inline std::vector<std::string> fused_parts(const std::string& op_name) {
 // not paired yet whose names are the node's parts and whose last makes a value of its shape.
 // Not only runs after the last one paired: graph mode may run a node before one PyNative
 // ran first (the pieces of ops::split, each computed where it is used), and such a node would
-// find its steps passed. Nor only by name and shape: a layer's node is paired with its own
-// layer's steps first, since graph mode runs nodes in post-order and PyNative in construct's
-// order (`s = side(x); o = fc2(fc1(x));` runs fc2 before side in graph mode, one operation
-// on one shape).
+// find its steps passed. Nor only by name and shape: runs that read the values paired with the
+// node's inputs come first, then a layer's node is paired with its own layer's steps, since
+// graph mode runs nodes in post-order and PyNative in construct's order (`s = side(x); o =
+// fc2(fc1(x));` runs fc2 before side in graph mode, one operation on one shape; a recurrent
+// cell's layer, called at every step on one shape, runs its steps in another order).
 class TracePairing {
  public:
   explicit TracePairing(const pijit::Trace& trace) : trace_(trace), paired_(trace.steps().size(), false) {}
 
-  // The trace's value standing for a node whose operation `label()` gives `label`, or nothing.
-  const pijit::Value* pair(const std::string& op_name, const std::string& label, const Shape& shape) {
+  // The trace's value standing for a node whose operation `label()` gives `label` and whose
+  // inputs are (among others) the trace's values `fed_by`, or the values' count.
+  std::size_t pair(const std::string& op_name, const std::string& label, const Shape& shape,
+                   std::span<const std::size_t> fed_by) {
     const std::vector<std::string> parts = fused_parts(op_name);
     while (first_free_ < paired_.size() && paired_[first_free_]) ++first_free_;
-    if (const pijit::Value* v = first_run(parts, shape, [&](const std::string& cell) { return of_layer(label, cell); })) {
-      return v;
+    const auto in_layer = [&](const std::string& cell) { return of_layer(label, cell); };
+    const auto anywhere = [](const std::string&) { return true; };
+    for (const std::span<const std::size_t> fed : {fed_by, std::span<const std::size_t>{}}) {
+      if (const std::size_t v = first_run(parts, shape, fed, in_layer); v < trace_.values().size()) return v;
+      if (const std::size_t v = first_run(parts, shape, fed, anywhere); v < trace_.values().size()) return v;
     }
-    return first_run(parts, shape, [](const std::string&) { return true; });
+    return trace_.values().size();
   }
 
  private:
@@ -14425,7 +14432,8 @@ class TracePairing {
   }
 
   template <class InCell>
-  const pijit::Value* first_run(const std::vector<std::string>& parts, const Shape& shape, InCell in_cell) {
+  std::size_t first_run(const std::vector<std::string>& parts, const Shape& shape, std::span<const std::size_t> fed_by,
+                        InCell in_cell) {
     const auto& steps = trace_.steps();
     const auto& values = trace_.values();
     for (std::size_t s = first_free_; s + parts.size() <= steps.size(); ++s) {
@@ -14433,13 +14441,23 @@ class TracePairing {
       for (std::size_t k = 0; k < parts.size() && same; ++k) {
         same = !paired_[s + k] && stands_for(steps[s + k]->op_name(), parts[k]);
       }
-      const pijit::Value& v = values[steps[s + parts.size() - 1]->output];
-      if (same && v.shape == shape && v.data != nullptr) {
+      const std::size_t out = steps[s + parts.size() - 1]->output;
+      if (same && values[out].shape == shape && values[out].data != nullptr && reads_all(s, parts.size(), fed_by)) {
         std::fill_n(paired_.begin() + static_cast<std::ptrdiff_t>(s), parts.size(), true);
-        return &v;
+        return out;
       }
     }
-    return nullptr;
+    return values.size();
+  }
+
+  // Whether the run of `count` steps from `first` reads each value of `fed_by`.
+  bool reads_all(std::size_t first, std::size_t count, std::span<const std::size_t> fed_by) const {
+    const auto& steps = trace_.steps();
+    return std::ranges::all_of(fed_by, [&](std::size_t v) {
+      return std::any_of(steps.begin() + static_cast<std::ptrdiff_t>(first),
+                         steps.begin() + static_cast<std::ptrdiff_t>(first + count),
+                         [&](const auto& step) { return std::ranges::find(step->inputs, v) != step->inputs.end(); });
+    });
   }
 
   // A folded part ("BatchNorm(folded)", the normalisation taken into a convolution's weight
@@ -14515,24 +14533,38 @@ void compare_forward(ModeReport& report, Net& net, const CompareOptions& options
     }
     using G = typename std::remove_cvref_t<decltype(program)>::graph_type;
     TracePairing pairing(trace);
+    const std::size_t unpaired = trace.values().size();
+    // The trace's value each node stands for, as far as known: the inputs', and each paired node's.
+    std::vector<std::size_t> stands_for(G::size, unpaired);
     const auto observe = [&](auto i, const auto* values, const Shape& shape) {
       constexpr std::size_t I = decltype(i)::value;
       using Node = graph::node_at<G, I>;
       // Inputs and parameters are the same tensors in both modes.
-      if constexpr (Node::arity > 0) {
+      if constexpr (graph::is_input_op_v<typename Node::op_type>) {
+        for (std::size_t v = 0; v < trace.values().size(); ++v) {
+          const pijit::Value& value = trace.values()[v];
+          if (value.kind == pijit::Value::Kind::input && value.input == Node::op_type::index) stands_for[I] = v;
+        }
+      } else if constexpr (Node::arity > 0) {
         const std::string name = Node::op_type::op_name();
         const std::string label = graph::get<I>(program.graph).op.label();
-        const pijit::Value* p = pairing.pair(name, label, shape);
-        if (p == nullptr) {
+        std::vector<std::size_t> fed_by;
+        for (const std::size_t a : Node::args) {
+          if (stands_for[a] != unpaired) fed_by.push_back(stands_for[a]);
+        }
+        const std::size_t v = pairing.pair(name, label, shape, fed_by);
+        if (v == unpaired) {
           report.notes.push_back("%" + std::to_string(I) + " " + name + " : " + duet::to_string(shape) +
                                  ": no PyNative operation stands for it, not compared");
           return;
         }
+        stands_for[I] = v;
+        const pijit::Value& p = trace.values()[v];
         // The layer the operation names, as graph_ir shows it; else the cell whose construct
         // called it, as PyNative saw it run.
-        record_comparison(report, values, static_cast<decltype(values)>(p->data), shape,
+        record_comparison(report, values, static_cast<decltype(values)>(p.data), shape,
                           ModeDifference{.stage = "forward", .node = I, .operation = name,
-                                         .cell = label == name ? p->cell : label},
+                                         .cell = label == name ? p.cell : label},
                           options);
       }
     };
