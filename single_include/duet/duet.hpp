@@ -6692,16 +6692,6 @@ struct views_of<NodeList<Nodes...>> {
   static constexpr std::array<NodeView, sizeof...(Nodes)> value{view_of<Nodes>()...};
 };
 
-// Node i's label, for the rare message that names it: one function per list.
-template <class... Nodes>
-std::string label_at(const NodeList<Nodes...>& list, std::size_t i) {
-  std::string label;
-  [&]<std::size_t... I>(std::index_sequence<I...>) {
-    [[maybe_unused]] const int in_order[] = {0, (I == i ? (label = get<I>(list).op.label(), 0) : 0)...};
-  }(std::index_sequence_for<Nodes...>{});
-  return label;
-}
-
 // A parameter node of b that is not where `built` has one of its type is held back until a
 // node of b reads it: that node, found in `built` with a parameter of that type in the held
 // one's place, says which parameter it is; if none is found, or nothing reads it, the parameter
@@ -6715,6 +6705,7 @@ inline constexpr std::size_t held = static_cast<std::size_t>(-1);
 template <std::size_t NB>
 struct MergePlan {
   std::array<std::size_t, NB> map{};
+  std::array<bool, NB> met{};  // b's node j is a node `built` computes, whose ids must agree
   std::array<std::size_t, NB> order{};
   std::size_t appended = 0;
   bool input_clash = false;  // one graph input of two element types or shape patterns
@@ -6771,6 +6762,7 @@ constexpr MergePlan<NB> plan_merge(const std::array<NodeView, NB>& b, const std:
       // held, so that `x * gamma + beta` does not meet gamma where beta is.
       if (j < NBuilt && built[j].node == n.node) {
         p.map[j] = j;
+        p.met[j] = true;
       } else {
         place_pending();
         pending = j;
@@ -6789,9 +6781,11 @@ constexpr MergePlan<NB> plan_merge(const std::array<NodeView, NB>& b, const std:
     if (found < NBuilt) {
       if (stand_in != held) {
         p.map[pending] = stand_in;
+        p.met[pending] = true;
         pending = held;
       }
       p.map[j] = found;
+      p.met[j] = true;
     } else {
       if (std::find(n.args.begin(), n.args.end(), pending) != n.args.end()) place_pending();
       append(j);
@@ -6806,6 +6800,15 @@ struct Merge {
   static constexpr auto plan = plan_merge(views_of<typename GB::list_type>::value, views_of<Built>::value,
                                           std::array<std::size_t, sizeof...(First)>{First...});
   static_assert(!plan.input_clash, "duet: one graph input is used with two different element types or shape patterns");
+  // b's nodes that met one of built's, whose ids are compared.
+  static constexpr std::size_t met_count = static_cast<std::size_t>(std::count(plan.met.begin(), plan.met.end(), true));
+  static constexpr std::array<std::size_t, met_count> met = [] {
+    std::array<std::size_t, met_count> m{};
+    for (std::size_t j = 0, k = 0; j < plan.met.size(); ++j) {
+      if (plan.met[j]) m[k++] = j;
+    }
+    return m;
+  }();
 
   // The K-th node appended: b's node with its inputs renumbered.
   template <std::size_t K, class N = node_at<GB, plan.order[K]>, class A = std::make_index_sequence<N::arity>>
@@ -6830,14 +6833,16 @@ auto merge_from(const GB& b, std::span<const std::uint64_t> b_ids, const Built& 
   static_assert(Start == sizeof...(First));
   using M = Merge<GB, Built, First...>;
   constexpr std::size_t n_built = Built::size;
-  for (std::size_t j = Start; j < GB::size; ++j) {
-    const std::size_t at = M::plan.map[j];
-    if (at < n_built && !views_of<Built>::value[at].is_input && merged.ids[at] != b_ids[j]) {
-      merged.note("%" + std::to_string(at) + " " + label_at(built, at) + " and " +
-                  label_at(static_cast<const typename GB::list_type&>(b), j) +
-                  " are one operation type on the same inputs, but two values");
-    }
-  }
+  [&]<std::size_t... K>(std::index_sequence<K...>) {
+    [[maybe_unused]] const auto check = [&](auto j) {
+      constexpr std::size_t at = M::plan.map[decltype(j)::value];
+      if (merged.ids[at] != b_ids[decltype(j)::value]) {
+        merged.note("%" + std::to_string(at) + " " + get<at>(built).op.label() + " and " +
+                    get<decltype(j)::value>(b).op.label() + " are one operation type on the same inputs, but two values");
+      }
+    };
+    [[maybe_unused]] const int in_order[] = {0, (check(std::integral_constant<std::size_t, M::met[K]>{}), 0)...};
+  }(std::make_index_sequence<M::met_count>{});
   for (std::size_t k = 0; k < M::plan.appended; ++k) merged.ids.push_back(b_ids[M::plan.order[k]]);
   auto g = [&]<std::size_t... I, std::size_t... K>(std::index_sequence<I...>, std::index_sequence<K...>) {
     return Graph<node_at<Built, I>..., typename M::template appended<K>::type...>(
