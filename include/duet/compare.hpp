@@ -128,6 +128,19 @@ ValueComparison compare_values(const T* g, const T* p, index_t n, const CompareO
   return c;
 }
 
+// Whether this program's flags let the compiler fuse a * b + c into one rounding on its own
+// (g++'s -ffp-contract=fast, its default in GNU mode, -std=gnu++20, wherever FMA is enabled,
+// as by -march=native): one operation's eager and graph code are then fused differently, and
+// the modes may differ in the last bits. (1 + 2^-12)^2 - (1 + 2^-11) is 2^-24 in one rounding
+// and 0 in two; the values come through volatile, so that nothing is folded at compile time.
+inline bool fuses_multiply_add() {
+  volatile float a = 1.0f + 0x1p-12f;
+  volatile float c = -(1.0f + 0x1p-11f);
+  const float x = a;
+  const float z = c;
+  return x * x + z != 0.0f;
+}
+
 inline std::vector<index_t> index_of_element(const Shape& shape, index_t flat) {
   std::vector<index_t> index(static_cast<std::size_t>(shape.rank()));
   for (int a = shape.rank(); a-- > 0;) {
@@ -437,6 +450,12 @@ ModeReport compare_modes(Net& net, const CompareOptions& options, const X&... xs
                     "(remove it for the comparison)");
   }
   ModeReport report;
+  if (fuses_multiply_add()) {
+    report.notes.push_back("this program is compiled so that the compiler fuses a * b + c into one rounding "
+                           "(-ffp-contract=fast, g++'s default with -std=gnu++20 and FMA enabled), and may fuse "
+                           "PyNative's and graph mode's code differently: the modes may differ in the last bits. "
+                           "Compile with -ffp-contract=off (duet's CMake target adds it)");
+  }
   compare_forward(report, net, options, xs...);
   if constexpr (!is_loss_cell<Net> && gives_a_loss<Net, X...>() && Net::mode != CONTEXT_MODE) {
     report.notes.push_back("the gradients are not compared: " + net.label() +
