@@ -149,6 +149,19 @@ struct ParameterState : nn::Cell<ParameterState> {
   }
 };
 
+// Two branches of different operations, each scaled by its own parameter: s2 is read where s1
+// is in the other branch's graph, after a node the two graphs do not share.
+struct ScaledBranches : nn::Cell<ScaledBranches> {
+  nn::Dense<4, 8> fc;
+  nn::Parameter s1{uniform<float>({8}, 0.5f, 1.5f, 23)};
+  nn::Parameter s2{uniform<float>({8}, 0.5f, 1.5f, 24)};
+  DUET_CELL_MEMBERS(fc, s1, s2);
+  auto construct(auto x) {
+    const auto h = fc(x);
+    return ops::relu(h) * s1 + ops::tanh(h) * s2;
+  }
+};
+
 // A recurrence over Steps slices of x from a learned initial state h0, reading the state twice
 // per step (h + tanh(...)), the way a GRU does: each step's graph meets the state's at another
 // place than its own.
@@ -282,6 +295,17 @@ TEST_CASE("sharing: a value computed from a parameter read in construct is captu
   CHECK(count(dump, "Parameter") == 1);
   CHECK(dump.find("ambiguous") == std::string::npos);
   check_modes_agree(net, uniform<float>({3, 4}, -1.0f, 1.0f, 17));
+}
+
+TEST_CASE("sharing: two branches each scaled by its own parameter are a static graph") {
+  // A parameter met another of its type by place alone, though the nodes before it differed:
+  // an ambiguous capture, run traced.
+  set_seed(20);
+  ScaledBranches net;
+  const std::string dump = captured_dump(net);
+  CHECK(count(dump, "Parameter") == 2);
+  CHECK(dump.find("ambiguous") == std::string::npos);
+  check_modes_agree(net, uniform<float>({3, 4}, -1.0f, 1.0f, 25));
 }
 
 TEST_CASE("sharing: a recurrence over a learned initial state grows linearly with its steps") {

@@ -679,7 +679,9 @@ constexpr MergePlan<NB> plan_merge(const std::array<NodeView, NB>& b, const std:
     }
     return true;
   };
-  for (std::size_t j = Start; j < NB; ++j) {
+  // Whether b's nodes so far are each where `built` has it: a prefix the two graphs share.
+  bool shared = Start == 0;
+  for (std::size_t j = Start; j < NB; shared = shared && p.map[j] == j, ++j) {
     const NodeView& n = b[j];
     if (n.is_input) {
       std::size_t i = 0;
@@ -694,9 +696,10 @@ constexpr MergePlan<NB> plan_merge(const std::array<NodeView, NB>& b, const std:
     }
     if (n.args.empty()) {
       // A node without inputs (a parameter), whose type says nothing of which one it is: where
-      // built has one of its type at its own place (inside a prefix the two graphs share), else
-      // held, so that `x * gamma + beta` does not meet gamma where beta is.
-      if (j < NBuilt && built[j].node == n.node) {
+      // built has one of its type at its own place inside a prefix the two graphs share, else
+      // held, so that `x * gamma + beta` does not meet gamma where beta is, nor
+      // `relu(h) * s1 + tanh(h) * s2` s1 where s2 is.
+      if (shared && j < NBuilt && built[j].node == n.node) {
         p.map[j] = j;
         p.met[j] = true;
       } else {
