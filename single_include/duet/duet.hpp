@@ -14437,11 +14437,14 @@ class TracePairing {
     while (first_free_ < paired_.size() && paired_[first_free_]) ++first_free_;
     const auto in_layer = [&](const std::string& cell) { return of_layer(label, cell); };
     const auto anywhere = [](const std::string&) { return true; };
-    for (const std::span<const std::size_t> fed : {fed_by, std::span<const std::size_t>{}}) {
-      if (const std::size_t v = first_run(parts, shape, fed, in_layer); v < trace_.values().size()) return v;
-      if (const std::size_t v = first_run(parts, shape, fed, anywhere); v < trace_.values().size()) return v;
+    const std::size_t none = trace_.values().size();
+    if (!fed_by.empty()) {
+      if (const std::size_t v = first_run(parts, shape, fed_by, in_layer); v < none) return v;
+      if (const std::size_t v = first_run(parts, shape, fed_by, anywhere); v < none) return v;
+      if (const std::size_t v = first_apart(parts, shape, fed_by); v < none) return v;
     }
-    return trace_.values().size();
+    if (const std::size_t v = first_run(parts, shape, {}, in_layer); v < none) return v;
+    return first_run(parts, shape, {}, anywhere);
   }
 
  private:
@@ -14471,13 +14474,53 @@ class TracePairing {
     return values.size();
   }
 
+  // A fused node's parts that PyNative ran apart, in the order the compiler evaluated an
+  // expression's operands: `(1 - z) * n + z * h` may run z * h, then (1 - z) * n, then +, and the
+  // adjacent steps (1 - z) * n, + belong to another node. The last part's step, with the earlier
+  // parts found among the unpaired steps that make its inputs (and theirs), reading `fed_by`.
+  std::size_t first_apart(const std::vector<std::string>& parts, const Shape& shape,
+                          std::span<const std::size_t> fed_by) {
+    const auto& steps = trace_.steps();
+    const auto& values = trace_.values();
+    if (parts.size() < 2) return values.size();
+    std::vector<std::size_t> producer(values.size(), steps.size());
+    for (std::size_t s = 0; s < steps.size(); ++s) producer[steps[s]->output] = s;
+    for (std::size_t last = first_free_; last < steps.size(); ++last) {
+      const std::size_t out = steps[last]->output;
+      if (paired_[last] || !stands_for(steps[last]->op_name(), parts.back()) || values[out].shape != shape ||
+          values[out].data == nullptr) {
+        continue;
+      }
+      std::vector<std::size_t> taken{last};
+      std::vector<std::string> left(parts.begin(), parts.end() - 1);
+      for (std::size_t k = 0; k < taken.size() && !left.empty(); ++k) {
+        for (const std::size_t v : steps[taken[k]]->inputs) {
+          const std::size_t s = producer[v];
+          if (s == steps.size() || paired_[s] || std::ranges::find(taken, s) != taken.end()) continue;
+          const auto part = std::ranges::find_if(left, [&](const std::string& p) { return stands_for(steps[s]->op_name(), p); });
+          if (part == left.end()) continue;
+          left.erase(part);
+          taken.push_back(s);
+        }
+      }
+      if (left.empty() && reads_all(taken, fed_by)) {
+        for (const std::size_t s : taken) paired_[s] = true;
+        return out;
+      }
+    }
+    return values.size();
+  }
+
   // Whether the run of `count` steps from `first` reads each value of `fed_by`.
   bool reads_all(std::size_t first, std::size_t count, std::span<const std::size_t> fed_by) const {
+    std::vector<std::size_t> run(count);
+    for (std::size_t k = 0; k < count; ++k) run[k] = first + k;
+    return reads_all(run, fed_by);
+  }
+  bool reads_all(std::span<const std::size_t> run, std::span<const std::size_t> fed_by) const {
     const auto& steps = trace_.steps();
     return std::ranges::all_of(fed_by, [&](std::size_t v) {
-      return std::any_of(steps.begin() + static_cast<std::ptrdiff_t>(first),
-                         steps.begin() + static_cast<std::ptrdiff_t>(first + count),
-                         [&](const auto& step) { return std::ranges::find(step->inputs, v) != step->inputs.end(); });
+      return std::ranges::any_of(run, [&](std::size_t s) { return std::ranges::find(steps[s]->inputs, v) != steps[s]->inputs.end(); });
     });
   }
 
