@@ -59,6 +59,10 @@ double smooth_l1(double x, double y, double beta) {
   return d < beta ? 0.5 * d * d / beta : d - 0.5 * beta;
 }
 double kl_div(double x, double y) { return y == 0 ? 0.0 : y * (std::log(y) - x); }
+// torch.nn.functional.binary_cross_entropy, its logs clamped at -100.
+double bce(double x, double y) {
+  return -(y * std::max(std::log(x), -100.0) + (1 - y) * std::max(std::log(1 - x), -100.0));
+}
 double bce_with_logits(double x, double y) {
   const double s = 1 / (1 + std::exp(-x));
   return -(y * std::log(s) + (1 - y) * std::log(1 - s));
@@ -122,6 +126,9 @@ void add_loss_cases(std::multimap<std::string, Case>& m) {
             [](double x, double y) { return smooth_l1(x, y, 0.7); }, -2.0, 2.0);
   // Targets must be probabilities (positive) for log y.
   pointwise("kl_div", [](const auto& x, const auto& y) { return duet::ops::kl_div<R>(x, y); }, kl_div, 0.1, 2.0);
+  // Probabilities on both sides, away from 0 and 1 where the logs' clamps would bend the slope.
+  pointwise("binary_cross_entropy", [](const auto& x, const auto& y) { return duet::ops::binary_cross_entropy<R>(x, y); },
+            bce, 0.05, 0.95);
   pointwise("binary_cross_entropy_with_logits",
             [](const auto& x, const auto& y) { return duet::ops::binary_cross_entropy_with_logits<R>(x, y); },
             bce_with_logits, -2.0, 2.0);
@@ -285,6 +292,13 @@ struct Head : duet::nn::Cell<Head<Setting>, Setting, double> {
   auto construct(auto x) { return fc(x); }
 };
 
+// Probabilities, for nn::BCELoss.
+struct SigmoidHead : duet::nn::Cell<SigmoidHead, duet::CONTEXT_MODE, double> {
+  duet::nn::Dense<4, 3, double> fc;
+  DUET_CELL_MEMBERS(fc);
+  auto construct(auto x) { return duet::ops::sigmoid(fc(x)); }
+};
+
 }  // namespace
 
 TEST_CASE("losses: in WithLossCell, the same parameter gradients in both modes") {
@@ -315,6 +329,36 @@ TEST_CASE("losses: in WithLossCell, the same parameter gradients in both modes")
   check(nll, classes);
   check(ce, classes);
   check(ce, target);
+  SigmoidHead probabilities;
+  duet::nn::BasicPointwiseLoss<duet::fn::BCELoss, Reduction::mean, double> bce_on_probabilities;
+  const auto grads = parameter_grads_in_both_modes(probabilities, bce_on_probabilities, x, target);
+  CHECK(same_bits(grads[0], grads[1]));
+  CHECK(dot(grads[0][0], grads[0][0]) > 0);
+}
+
+TEST_CASE("nn::BCELoss: PyTorch's value and input gradient, at 0 and 1 too, in both modes") {
+  // torch.nn.functional.binary_cross_entropy in float64 (python3-torch 1.13, Debian 12) on
+  // these inputs: the mean loss, then d/dx per element. At x = 0 and 1 the target's gradient
+  // is where the two differ (PyTorch ±inf, duet the clamped loss's slope, ±100 / 6).
+  const D x({6}, std::vector<double>{0.0, 1e-30, 0.3, 0.7, 1 - 1e-9, 1.0});
+  const D y({6}, std::vector<double>{1.0, 0.2, 0.5, 0.9, 0.0, 0.3});
+  const double torch_loss = 34.293417504550398;
+  const std::vector<double> torch_dx{-166666667332.63382, -33333333466.526764, -0.15873015873015875,
+                                     -0.15873015873015878, 166666671.38032204, 116666667132.84364};
+  auto f = [](const auto& p, const auto& t) { return duet::ops::binary_cross_entropy(p, t); };
+  duet_test::ModeGuard guard;
+  std::vector<D> dxs;
+  for (duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+    duet::set_context({.mode = mode});
+    const auto r = duet::value_and_grad(f, 0)(x, y);
+    CHECK(r.value.item() == doctest::Approx(torch_loss).epsilon(1e-14));
+    for (index_t i = 0; i < 6; ++i) CHECK(r.grads[0].data()[i] == doctest::Approx(torch_dx[static_cast<std::size_t>(i)]).epsilon(1e-14));
+    const D dy = duet::value_and_grad(f, 1)(x, y).grads[0];
+    CHECK(dy.data()[0] == doctest::Approx(100.0 / 6));
+    CHECK(dy.data()[5] == doctest::Approx(-100.0 / 6));
+    dxs.push_back(r.grads[0]);
+  }
+  CHECK(same_bits(std::vector<D>{dxs[0]}, std::vector<D>{dxs[1]}));
 }
 
 TEST_CASE("losses: MindSpore's documented values and defaults, and errors that name the loss") {
@@ -337,6 +381,16 @@ TEST_CASE("losses: MindSpore's documented values and defaults, and errors that n
   big.data()[0] = -100.0f;
   duet::Tensor one = duet::ones({1});
   CHECK(duet::nn::BCEWithLogitsLoss<>()(big, one).item() == doctest::Approx(100.0));
+  // nn.BCELoss on probabilities: -log 0.5 at 0.5; a probability of 0 for a target of 1 costs 100
+  // (the clamped log), not infinity; logits where probabilities belong are refused.
+  duet::Tensor even({1});
+  even.data()[0] = 0.5f;
+  CHECK(duet::nn::BCELoss<>()(even, one).item() == doctest::Approx(std::log(2.0)));
+  const duet::Tensor zero = duet::zeros<float>({1});
+  CHECK(duet::nn::BCELoss<>()(zero, one).item() == doctest::Approx(100.0));
+  CHECK_THROWS_WITH_AS(duet::nn::BCELoss<>()(big, one), doctest::Contains("nn::BCEWithLogitsLoss"), duet::ValueError);
+  CHECK_THROWS_WITH_AS(duet::jit([](const auto& p, const auto& y) { return duet::ops::binary_cross_entropy(p, y); })(big, one),
+                       doctest::Contains("probabilities in [0, 1]"), duet::ValueError);
   // Cross-entropy with label smoothing on uniform logits: log(C) whatever ε.
   const duet::Tensor uniform = duet::zeros<float>({2, 4});
   CHECK(duet::nn::CrossEntropyLoss<>({.label_smoothing = 0.3})(uniform, labels_of({1, 3})).item() ==

@@ -20065,8 +20065,8 @@ using MSELoss = BasicMSELoss<R, float>;
 }  // namespace duet
 
 // ---------------------------------------------------------------------------------------------
-// More losses (MindSpore's nn.L1Loss, SmoothL1Loss, KLDivLoss, BCEWithLogitsLoss, NLLLoss and
-// CrossEntropyLoss). `reduction` is a template argument, as for the two above: it changes the
+// More losses (MindSpore's nn.L1Loss, SmoothL1Loss, KLDivLoss, BCELoss, BCEWithLogitsLoss,
+// NLLLoss and CrossEntropyLoss). `reduction` is a template argument, as for the two above: it changes the
 // output's shape, hence the graph's type. Numbers that do not change the shape (beta,
 // label_smoothing, ignore_index) are members of the operation.
 namespace duet {
@@ -20155,6 +20155,38 @@ struct BCEWithLogitsLoss {
   auto partial(const X& x, const Y& y) const {
     if constexpr (K == 0) return x.logistic() - y;
     else return -x;
+  }
+};
+
+// torch.nn.BCELoss (MindSpore's nn.BCELoss): the input x is a probability, the target y too,
+// and the loss -[y log x + (1 - y) log(1 - x)], each log clamped at -100 as PyTorch does, so
+// that x = 0 or 1 gives 100, not infinity. d/dx = (x - y) / max(x (1 - x), ε), PyTorch's
+// (finite at 0 and 1; ε is its float 1e-12); d/dy = log(1 - x) - log x, clamped alike: the
+// slope of the clamped loss, where PyTorch gives ±inf at x = 0 and 1. An x outside [0, 1] is a
+// ValueError (PyTorch's too): logits passed where probabilities belong would otherwise give
+// NaN, or, from a clamped log, a loss that trains nothing.
+struct BCELoss {
+  static constexpr std::string_view name = "nn::BCELoss";
+  template <class X>
+  static void check_input(const X& x) {
+    // Written so that a NaN fails it too.
+    if (!((x >= typename X::Scalar(0)) && (x <= typename X::Scalar(1))).all()) {
+      throw ValueError("nn::BCELoss: the input must be probabilities in [0, 1] (for logits, nn::BCEWithLogitsLoss); got " +
+                       std::to_string(static_cast<double>(x.minCoeff())) + " to " +
+                       std::to_string(static_cast<double>(x.maxCoeff())));
+    }
+  }
+  template <class X, class Y>
+  auto value(const X& x, const Y& y) const {
+    using S = typename X::Scalar;
+    check_input(x);
+    return -(y * x.log().max(S(-100)) + (S(1) - y) * (S(1) - x).log().max(S(-100)));
+  }
+  template <int K, class X, class Y>
+  auto partial(const X& x, const Y& y) const {
+    using S = typename X::Scalar;
+    if constexpr (K == 0) return (x - y) / (x * (S(1) - x)).max(static_cast<S>(1e-12f));
+    else return (S(1) - x).log().max(S(-100)) - x.log().max(S(-100));
   }
 };
 
@@ -20294,6 +20326,12 @@ auto binary_cross_entropy_with_logits(const X& logits, const Y& label) {
   return pointwise_loss<fn::BCEWithLogitsLoss, R>(fn::BCEWithLogitsLoss{}, logits, label);
 }
 
+// MindSpore's ops.binary_cross_entropy(logits, labels, weight=None, reduction='mean'), without
+// weight: despite MindSpore's name, `probabilities` are probabilities (a sigmoid's output).
+template <Reduction R = Reduction::mean, class X, class Y>
+auto binary_cross_entropy(const X& probabilities, const Y& labels) {
+  return pointwise_loss<fn::BCELoss, R>(fn::BCELoss{}, probabilities, labels);
+}
 
 // MindSpore's keyword arguments of nn.CrossEntropyLoss and nn.NLLLoss, weight aside: labels
 // equal to ignore_index add nothing and do not count in the mean; label_smoothing ε takes the
@@ -20542,7 +20580,8 @@ auto cross_entropy(const X& input, const Labels& target, const CrossEntropyOptio
 }
 
 inline const bool losses_listed = list_operations(
-    {"l1_loss", "smooth_l1_loss", "kl_div", "binary_cross_entropy_with_logits", "nll_loss", "cross_entropy"});
+    {"l1_loss", "smooth_l1_loss", "kl_div", "binary_cross_entropy", "binary_cross_entropy_with_logits", "nll_loss",
+     "cross_entropy"});
 
 }  // namespace ops
 
@@ -20601,6 +20640,10 @@ using L1Loss = BasicPointwiseLoss<fn::L1Loss, R, float>;
 
 template <Reduction R = Reduction::mean>
 using KLDivLoss = BasicPointwiseLoss<fn::KLDivLoss, R, float>;
+
+// MindSpore's nn.BCELoss(weight=None, reduction='mean'), without weight: on probabilities.
+template <Reduction R = Reduction::mean>
+using BCELoss = BasicPointwiseLoss<fn::BCELoss, R, float>;
 
 // MindSpore's nn.BCEWithLogitsLoss(reduction='mean'), without weight and pos_weight.
 template <Reduction R = Reduction::mean>
