@@ -962,7 +962,7 @@ struct Assorted : duet::nn::Cell<Assorted> {
   DUET_CELL_MEMBERS(fc);
   auto construct(auto x) {
     namespace ops = duet::ops;
-    auto h = fc(x);                                                  // [2, 12]
+    auto h = ops::stop_gradient(fc(x));                              // [2, 12], Identity
     auto r = ops::reshape<2, 3, 4>(h);                              // Reshape
     auto s = ops::strided_slice(r, ops::ints<0, 2>, ops::ints<2, ops::to_end>, ops::ints<1, -1>);  // backwards
     auto e = ops::expand_dims<1>(ops::sum(s, ops::axes<-1>));        // ReduceSum, Unsqueeze

@@ -201,7 +201,7 @@ template <class G, std::size_t I, std::size_t K>
 constexpr bool loses_gradient_at() {
   using N = graph::node_at<G, I>;
   if constexpr (input_has_gradient<typename N::op_type, K>()) return false;
-  else return loses_gradient<graph::node_value_t<G, N::args[K]>, graph::node_value_t<G, I>>;
+  else return loses_gradient<typename N::op_type, graph::node_value_t<G, N::args[K]>, graph::node_value_t<G, I>>;
 }
 
 // Throws if a node the output's gradient reaches has an input without a gradient whose value
@@ -354,6 +354,9 @@ auto build_backward(const graph::Sym<G0, Out>& program, BasicTensor<T>*... input
   using Built = typename Plan::built;
   static constexpr auto grads = Plan::grads;
   detail::refuse_lost_gradients<leads, Out>(forward.graph);
+  // The tape's refusal (Tape::backward): a loss cut off from every parameter (through
+  // ops::stop_gradient, say) would train nothing.
+  if constexpr (!leads[Out]) throw ValueError(nothing_differentiated_message);
   constexpr std::size_t zeros_at = Built::size;
   [[maybe_unused]] static constexpr auto sources =
       detail::store_sources<grads, zeros_at, detail::input_node<G, Wrt>()...>();

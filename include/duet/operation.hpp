@@ -244,11 +244,22 @@ index_t view_offset(const Op& op, const Shape& input) {
   else return 0;
 }
 
-// Whether a gradient reaching a NoGradient input of type In, of an operation whose output is
-// Out, would be lost: integer labels, conditions and comparisons' outputs carry none to lose.
-// Both modes refuse the loss at run time with this message.
-template <class In, class Out>
-inline constexpr bool loses_gradient = std::is_floating_point_v<In> && std::is_floating_point_v<Out>;
+// Whether Op cuts the gradient on purpose (`static constexpr bool stops_gradient = true`,
+// ops::stop_gradient): its input gets nothing from it, as an input the output does not depend
+// on, and its output depends on nothing being differentiated.
+template <class Op>
+constexpr bool stops_gradient() {
+  if constexpr (requires { Op::stops_gradient; }) return Op::stops_gradient;
+  else return false;
+}
+
+// Whether a gradient reaching a NoGradient input of type In, of an operation Op whose output
+// is Out, would be lost: integer labels, conditions and comparisons' outputs carry none to
+// lose, and an operation that stops the gradient loses none by definition. Both modes refuse
+// the loss at run time with this message.
+template <class Op, class In, class Out>
+inline constexpr bool loses_gradient =
+    !stops_gradient<Op>() && std::is_floating_point_v<In> && std::is_floating_point_v<Out>;
 
 inline std::string lost_gradient_message(const std::string& op, std::size_t k) {
   const std::string input = std::to_string(k);
@@ -256,6 +267,11 @@ inline std::string lost_gradient_message(const std::string& op, std::size_t k) {
          ">() is ops::NoGradient), but that input depends on what is differentiated: its gradient would be a "
          "silent zero";
 }
+
+inline constexpr const char* nothing_differentiated_message =
+    "duet::grad: the function's output does not depend on anything being differentiated (no parameter, "
+    "nor the input asked for, reaches it: an ops::stop_gradient on the only path?); its gradients would be "
+    "silent zeros";
 
 // Whether grad_op<K>() of Op gives an actual gradient, not NoGradient.
 template <class Op, std::size_t K>

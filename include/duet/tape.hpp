@@ -215,7 +215,7 @@ class OpEntry final : public ValueEntry<Out> {
       if (!tape.tracks(x)) return;
       tape.entry_of(x)->accumulate(run_grad(op_.template grad_op<K>(), g));
       parameters_written = parameters_written || K == 0;
-    } else if constexpr (loses_gradient<std::tuple_element_t<K, std::tuple<In...>>, Out>) {
+    } else if constexpr (loses_gradient<Op, std::tuple_element_t<K, std::tuple<In...>>, Out>) {
       if (tape.tracks(std::get<K>(inputs_))) throw ValueError(lost_gradient_message(op_.label(), K));
     }
   }
@@ -305,11 +305,12 @@ class CellEntry final : public Entry {
 template <class Op, class Out, class... In>
 void Tape::record(const Op& op, BasicTensor<Out>& y, const BasicTensor<In>&... x) {
   static_cast<void>(sizeof(diagnostic::check_operation<Op>));
-  const bool reads_tracked = (tracks(x) || ...);
-  if constexpr (DifferentiableOperation<Op>) {
-    if (!reads_tracked && !has_parameters<Op>()) return;
+  if constexpr (stops_gradient<Op>()) {
+    return;  // its output depends on nothing differentiated: not recorded, not tracked
+  } else if constexpr (DifferentiableOperation<Op>) {
+    if (!(tracks(x) || ...) && !has_parameters<Op>()) return;
     add(std::make_unique<OpEntry<Op, Out, In...>>(op, y, x...), y);
-  } else if (reads_tracked) {
+  } else if ((tracks(x) || ...)) {
     add(std::make_unique<RefusedEntry<Out>>(op.label()), y);
   }
 }
@@ -362,7 +363,7 @@ template <class T>
 void Tape::backward(const BasicTensor<T>& output) {
   ValueEntry<T>* seed = entry_of(output);
   if (seed == nullptr) {
-    throw ValueError("duet::grad: the function's output does not depend on anything being differentiated");
+    throw ValueError(nothing_differentiated_message);
   }
   seed->accumulate(full<T>(output.shape(), T(1)));
   Recording off(nullptr);

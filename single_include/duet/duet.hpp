@@ -6069,11 +6069,22 @@ index_t view_offset(const Op& op, const Shape& input) {
   else return 0;
 }
 
-// Whether a gradient reaching a NoGradient input of type In, of an operation whose output is
-// Out, would be lost: integer labels, conditions and comparisons' outputs carry none to lose.
-// Both modes refuse the loss at run time with this message.
-template <class In, class Out>
-inline constexpr bool loses_gradient = std::is_floating_point_v<In> && std::is_floating_point_v<Out>;
+// Whether Op cuts the gradient on purpose (`static constexpr bool stops_gradient = true`,
+// ops::stop_gradient): its input gets nothing from it, as an input the output does not depend
+// on, and its output depends on nothing being differentiated.
+template <class Op>
+constexpr bool stops_gradient() {
+  if constexpr (requires { Op::stops_gradient; }) return Op::stops_gradient;
+  else return false;
+}
+
+// Whether a gradient reaching a NoGradient input of type In, of an operation Op whose output
+// is Out, would be lost: integer labels, conditions and comparisons' outputs carry none to
+// lose, and an operation that stops the gradient loses none by definition. Both modes refuse
+// the loss at run time with this message.
+template <class Op, class In, class Out>
+inline constexpr bool loses_gradient =
+    !stops_gradient<Op>() && std::is_floating_point_v<In> && std::is_floating_point_v<Out>;
 
 inline std::string lost_gradient_message(const std::string& op, std::size_t k) {
   const std::string input = std::to_string(k);
@@ -6081,6 +6092,11 @@ inline std::string lost_gradient_message(const std::string& op, std::size_t k) {
          ">() is ops::NoGradient), but that input depends on what is differentiated: its gradient would be a "
          "silent zero";
 }
+
+inline constexpr const char* nothing_differentiated_message =
+    "duet::grad: the function's output does not depend on anything being differentiated (no parameter, "
+    "nor the input asked for, reaches it: an ops::stop_gradient on the only path?); its gradients would be "
+    "silent zeros";
 
 // Whether grad_op<K>() of Op gives an actual gradient, not NoGradient.
 template <class Op, std::size_t K>
@@ -8478,7 +8494,7 @@ class OpEntry final : public ValueEntry<Out> {
       if (!tape.tracks(x)) return;
       tape.entry_of(x)->accumulate(run_grad(op_.template grad_op<K>(), g));
       parameters_written = parameters_written || K == 0;
-    } else if constexpr (loses_gradient<std::tuple_element_t<K, std::tuple<In...>>, Out>) {
+    } else if constexpr (loses_gradient<Op, std::tuple_element_t<K, std::tuple<In...>>, Out>) {
       if (tape.tracks(std::get<K>(inputs_))) throw ValueError(lost_gradient_message(op_.label(), K));
     }
   }
@@ -8568,11 +8584,12 @@ class CellEntry final : public Entry {
 template <class Op, class Out, class... In>
 void Tape::record(const Op& op, BasicTensor<Out>& y, const BasicTensor<In>&... x) {
   static_cast<void>(sizeof(diagnostic::check_operation<Op>));
-  const bool reads_tracked = (tracks(x) || ...);
-  if constexpr (DifferentiableOperation<Op>) {
-    if (!reads_tracked && !has_parameters<Op>()) return;
+  if constexpr (stops_gradient<Op>()) {
+    return;  // its output depends on nothing differentiated: not recorded, not tracked
+  } else if constexpr (DifferentiableOperation<Op>) {
+    if (!(tracks(x) || ...) && !has_parameters<Op>()) return;
     add(std::make_unique<OpEntry<Op, Out, In...>>(op, y, x...), y);
-  } else if (reads_tracked) {
+  } else if ((tracks(x) || ...)) {
     add(std::make_unique<RefusedEntry<Out>>(op.label()), y);
   }
 }
@@ -8625,7 +8642,7 @@ template <class T>
 void Tape::backward(const BasicTensor<T>& output) {
   ValueEntry<T>* seed = entry_of(output);
   if (seed == nullptr) {
-    throw ValueError("duet::grad: the function's output does not depend on anything being differentiated");
+    throw ValueError(nothing_differentiated_message);
   }
   seed->accumulate(full<T>(output.shape(), T(1)));
   Recording off(nullptr);
@@ -11846,7 +11863,7 @@ template <class G, std::size_t I, std::size_t K>
 constexpr bool loses_gradient_at() {
   using N = graph::node_at<G, I>;
   if constexpr (input_has_gradient<typename N::op_type, K>()) return false;
-  else return loses_gradient<graph::node_value_t<G, N::args[K]>, graph::node_value_t<G, I>>;
+  else return loses_gradient<typename N::op_type, graph::node_value_t<G, N::args[K]>, graph::node_value_t<G, I>>;
 }
 
 // Throws if a node the output's gradient reaches has an input without a gradient whose value
@@ -11999,6 +12016,9 @@ auto build_backward(const graph::Sym<G0, Out>& program, BasicTensor<T>*... input
   using Built = typename Plan::built;
   static constexpr auto grads = Plan::grads;
   detail::refuse_lost_gradients<leads, Out>(forward.graph);
+  // The tape's refusal (Tape::backward): a loss cut off from every parameter (through
+  // ops::stop_gradient, say) would train nothing.
+  if constexpr (!leads[Out]) throw ValueError(nothing_differentiated_message);
   constexpr std::size_t zeros_at = Built::size;
   [[maybe_unused]] static constexpr auto sources =
       detail::store_sources<grads, zeros_at, detail::input_node<G, Wrt>()...>();
@@ -23301,6 +23321,54 @@ class Conv1d : public conv_base<1, In, Out, Kernel, Stride, Padding, Dilation, G
 
 }  // namespace nn
 }  // namespace duet
+// Operations that change how the gradient flows, not the value.
+//
+// stop_gradient(x): x itself, through which no gradient passes (MindSpore's
+// ops.stop_gradient, PyTorch's x.detach()). A target computed by the network itself (a
+// target network's output, a running statistic, the straight-through estimator's
+// `x + stop_gradient(q - x)`) is held constant by it. The output is a view of x (no copy,
+// no kernel); the operation says `stops_gradient`, which both modes' differentiation read:
+// the gradient ends there on purpose instead of being refused as a lost one (a NoGradient
+// input that depends on what is differentiated is an error everywhere else), PyNative's tape
+// does not record it, and graph mode's backward graph has no edge through it. A loss that
+// depends on the parameters only through it therefore depends on nothing being
+// differentiated: the parameters' gradients are zero in both modes, as in MindSpore.
+
+#include <span>
+#include <string>
+#include <utility>
+
+
+namespace duet::ops {
+
+struct StopGradientOp : Primitive<StopGradientOp> {
+  static constexpr int arity = 1;
+  static constexpr bool is_view = true;
+  static constexpr bool stops_gradient = true;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+
+  template <std::size_t K>
+    requires(K == 0)
+  NoGradient grad_op() const {
+    return {};
+  }
+
+  static std::string op_name() { return "StopGradient"; }
+  std::string label() const { return "ops::stop_gradient"; }
+  Interchange interchange(std::span<const Shape>) const {
+    return {{"Identity", {InterchangeInput::operand(0)}, {}}};
+  }
+};
+
+template <class X>
+auto stop_gradient(X&& x) {
+  return apply(StopGradientOp{}, std::forward<X>(x));
+}
+
+inline const bool gradient_control_listed = list_operations({"stop_gradient"});
+
+}  // namespace duet::ops
 // Reductions: sum, mean, max and min over axes, with keep_dims, and argmax, argmin (MindSpore's
 // ops.sum(x, dim, keepdim), ReduceSum(keep_dims), ops.argmax), in both modes.
 //
