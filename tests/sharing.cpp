@@ -162,6 +162,14 @@ struct ScaledBranches : nn::Cell<ScaledBranches> {
   }
 };
 
+// Two parameters read by equal expressions, x * s1 and x * s2: one node type, two values.
+struct ScaledTwice : nn::Cell<ScaledTwice> {
+  nn::Parameter s1{uniform<float>({4}, 0.5f, 1.5f, 25)};
+  nn::Parameter s2{uniform<float>({4}, 0.5f, 1.5f, 26)};
+  DUET_CELL_MEMBERS(s1, s2);
+  auto construct(auto x) { return ops::relu(x * s1) + x * s2; }
+};
+
 // A recurrence over Steps slices of x from a learned initial state h0, reading the state twice
 // per step (h + tanh(...)), the way a GRU does: each step's graph meets the state's at another
 // place than its own.
@@ -276,6 +284,16 @@ TEST_CASE("sharing: s * 2 + s * 3 is five times s in both modes") {
   CHECK(same_bits(eager, graph));
   for (index_t i = 0; i < s.numel(); ++i) CHECK(graph.data()[i] == doctest::Approx(5.0 * s.data()[i]).epsilon(1e-6));
   check_modes_agree(net, x);
+}
+
+TEST_CASE("sharing: an ambiguous capture names the parameters it could not tell apart") {
+  ScaledTwice net;
+  const std::string dump = captured_dump(net);
+  CHECK(dump.find("Parameter 's1' and Parameter 's2' are one operation type on the same inputs, but two values") !=
+        std::string::npos);
+  check_modes_agree(net, uniform<float>({3, 4}, -1.0f, 1.0f, 27));
+  CHECK(logged("ScaledTwice::construct: runs as a traced graph (PIJit)") == 1);
+  CHECK(logged("Parameter 's1' and Parameter 's2'") == 1);
 }
 
 TEST_CASE("sharing: a jitted function whose capture is ambiguous runs in PyNative mode, and says so") {

@@ -440,6 +440,15 @@ template <class C>
 concept NonGenericConstruct = requires { &C::construct; };
 
 namespace detail {
+// The path of a parameter of the cell tree (graph::detail::ParameterNamer), empty if not in it.
+template <ElementType T>
+std::string parameter_name_in(void* cell, const void* parameter) {
+  for (const NamedParameter<T>& p : static_cast<BasicDynamicCell<T>*>(cell)->parameters()) {
+    if (p.parameter == parameter) return p.name;
+  }
+  return {};
+}
+
 // Names C through the operator's own template parameters, so that a constraint on it is asked
 // when the operator is considered, not when Cell<Derived> is instantiated: clang 14 checks a
 // non-dependent concept at the base's instantiation, while Derived is still incomplete, and
@@ -699,7 +708,12 @@ class Cell : public BasicDynamicCell<T> {
   template <class... X>
   auto run_construct(X&&... xs) {
     const detail::RunningCell<T> running(*this, &derived(), sizeof(Derived));
-    return derived().construct(std::forward<X>(xs)...);
+    if constexpr ((graph::Symbolic<std::remove_cvref_t<X>> || ...)) {
+      const graph::detail::NamingParameters naming(static_cast<BasicDynamicCell<T>*>(this), &detail::parameter_name_in<T>);
+      return derived().construct(std::forward<X>(xs)...);
+    } else {
+      return derived().construct(std::forward<X>(xs)...);
+    }
   }
 
   // A PyNative grad records the operations as they run; a graph would be one opaque call to

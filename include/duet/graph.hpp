@@ -596,6 +596,44 @@ struct Merged {
   }
 };
 
+// Who names parameters in an ambiguity's note: the outermost cell being captured sets itself
+// here (nn::Cell's capture), so that the note says "Parameter 's1' and Parameter 's2'" where
+// both would read "Parameter". A jitted function has no names to give.
+struct ParameterNamer {
+  void* cell = nullptr;
+  std::string (*name)(void* cell, const void* parameter) = nullptr;
+};
+inline thread_local ParameterNamer parameter_namer{};
+
+// For the duration of a capture: the first (outermost) one names.
+class NamingParameters {
+ public:
+  NamingParameters(void* cell, std::string (*name)(void*, const void*)) : outer_(parameter_namer.name == nullptr) {
+    if (outer_) parameter_namer = {cell, name};
+  }
+  NamingParameters(const NamingParameters&) = delete;
+  NamingParameters& operator=(const NamingParameters&) = delete;
+  ~NamingParameters() {
+    if (outer_) parameter_namer = {};
+  }
+
+ private:
+  bool outer_;
+};
+
+// An operation as an ambiguity's note names it: its label, and the parameter's name for a
+// parameter read in construct.
+template <class Op>
+std::string merge_label(const Op& op) {
+  if constexpr (requires { op.parameter; }) {
+    if (parameter_namer.name != nullptr) {
+      const std::string name = parameter_namer.name(parameter_namer.cell, op.parameter);
+      if (!name.empty()) return op.label() + " '" + name + "'";
+    }
+  }
+  return op.label();
+}
+
 // A constant standing for a type: two keys are equal when their types are. Comparing keys in a
 // constant expression replaces an is_same per pair of nodes of two graphs with one key per type.
 template <class T>
@@ -776,8 +814,8 @@ auto merge_from(const GB& b, std::span<const std::uint64_t> b_ids, const Built& 
     [[maybe_unused]] const auto check = [&](auto j) {
       constexpr std::size_t at = M::plan.map[decltype(j)::value];
       if (merged.ids[at] != b_ids[decltype(j)::value]) {
-        merged.note("%" + std::to_string(at) + " " + get<at>(built).op.label() + " and " +
-                    get<decltype(j)::value>(b).op.label() + " are one operation type on the same inputs, but two values");
+        merged.note("%" + std::to_string(at) + " " + merge_label(get<at>(built).op) + " and " +
+                    merge_label(get<decltype(j)::value>(b).op) + " are one operation type on the same inputs, but two values");
       }
     };
     [[maybe_unused]] const int in_order[] = {0, (check(std::integral_constant<std::size_t, M::met[K]>{}), 0)...};

@@ -6676,6 +6676,44 @@ struct Merged {
   }
 };
 
+// Who names parameters in an ambiguity's note: the outermost cell being captured sets itself
+// here (nn::Cell's capture), so that the note says "Parameter 's1' and Parameter 's2'" where
+// both would read "Parameter". A jitted function has no names to give.
+struct ParameterNamer {
+  void* cell = nullptr;
+  std::string (*name)(void* cell, const void* parameter) = nullptr;
+};
+inline thread_local ParameterNamer parameter_namer{};
+
+// For the duration of a capture: the first (outermost) one names.
+class NamingParameters {
+ public:
+  NamingParameters(void* cell, std::string (*name)(void*, const void*)) : outer_(parameter_namer.name == nullptr) {
+    if (outer_) parameter_namer = {cell, name};
+  }
+  NamingParameters(const NamingParameters&) = delete;
+  NamingParameters& operator=(const NamingParameters&) = delete;
+  ~NamingParameters() {
+    if (outer_) parameter_namer = {};
+  }
+
+ private:
+  bool outer_;
+};
+
+// An operation as an ambiguity's note names it: its label, and the parameter's name for a
+// parameter read in construct.
+template <class Op>
+std::string merge_label(const Op& op) {
+  if constexpr (requires { op.parameter; }) {
+    if (parameter_namer.name != nullptr) {
+      const std::string name = parameter_namer.name(parameter_namer.cell, op.parameter);
+      if (!name.empty()) return op.label() + " '" + name + "'";
+    }
+  }
+  return op.label();
+}
+
 // A constant standing for a type: two keys are equal when their types are. Comparing keys in a
 // constant expression replaces an is_same per pair of nodes of two graphs with one key per type.
 template <class T>
@@ -6856,8 +6894,8 @@ auto merge_from(const GB& b, std::span<const std::uint64_t> b_ids, const Built& 
     [[maybe_unused]] const auto check = [&](auto j) {
       constexpr std::size_t at = M::plan.map[decltype(j)::value];
       if (merged.ids[at] != b_ids[decltype(j)::value]) {
-        merged.note("%" + std::to_string(at) + " " + get<at>(built).op.label() + " and " +
-                    get<decltype(j)::value>(b).op.label() + " are one operation type on the same inputs, but two values");
+        merged.note("%" + std::to_string(at) + " " + merge_label(get<at>(built).op) + " and " +
+                    merge_label(get<decltype(j)::value>(b).op) + " are one operation type on the same inputs, but two values");
       }
     };
     [[maybe_unused]] const int in_order[] = {0, (check(std::integral_constant<std::size_t, M::met[K]>{}), 0)...};
@@ -11277,6 +11315,15 @@ template <class C>
 concept NonGenericConstruct = requires { &C::construct; };
 
 namespace detail {
+// The path of a parameter of the cell tree (graph::detail::ParameterNamer), empty if not in it.
+template <ElementType T>
+std::string parameter_name_in(void* cell, const void* parameter) {
+  for (const NamedParameter<T>& p : static_cast<BasicDynamicCell<T>*>(cell)->parameters()) {
+    if (p.parameter == parameter) return p.name;
+  }
+  return {};
+}
+
 // Names C through the operator's own template parameters, so that a constraint on it is asked
 // when the operator is considered, not when Cell<Derived> is instantiated: clang 14 checks a
 // non-dependent concept at the base's instantiation, while Derived is still incomplete, and
@@ -11536,7 +11583,12 @@ class Cell : public BasicDynamicCell<T> {
   template <class... X>
   auto run_construct(X&&... xs) {
     const detail::RunningCell<T> running(*this, &derived(), sizeof(Derived));
-    return derived().construct(std::forward<X>(xs)...);
+    if constexpr ((graph::Symbolic<std::remove_cvref_t<X>> || ...)) {
+      const graph::detail::NamingParameters naming(static_cast<BasicDynamicCell<T>*>(this), &detail::parameter_name_in<T>);
+      return derived().construct(std::forward<X>(xs)...);
+    } else {
+      return derived().construct(std::forward<X>(xs)...);
+    }
   }
 
   // A PyNative grad records the operations as they run; a graph would be one opaque call to
