@@ -28,6 +28,7 @@
 #include "evaluator.hpp"
 #include "graph.hpp"
 #include "jit.hpp"
+#include "ops/creation.hpp"
 #include "parameter.hpp"
 #include "passes.hpp"
 #include "pipeline.hpp"
@@ -37,19 +38,6 @@
 
 namespace duet {
 namespace ops {
-
-// A value of the input's shape filled with V: ones where backward starts (d output/d output),
-// zeros for the gradient of an input the output does not depend on.
-template <int V>
-struct FillLikeOp : Primitive<FillLikeOp<V>> {
-  static constexpr int arity = 1;
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& a) const {
-    Backend::fill(a.out<T>(), a.output_shape.numel(), T(V));
-  }
-  static std::string op_name() { return V == 1 ? "OnesLike" : "ZerosLike"; }
-};
 
 // Copies a value out of the graph into *destination (an input's gradient, for the caller).
 template <class T>
@@ -291,7 +279,7 @@ auto backward_from() {
 template <class G, std::size_t Out, std::size_t... J>
 auto backward_start(std::index_sequence<J...>)
     -> graph::NodeList<graph::Step<graph::node_at<G, J>, graph::Take<J>>...,
-                       graph::Step<graph::Node<ops::FillLikeOp<1>, Out>, graph::Made<ops::FillLikeOp<1>>>>;
+                       graph::Step<graph::Node<ops::FillLikeOp<ops::Fill::ones>, Out>, graph::Made<ops::FillLikeOp<ops::Fill::ones>>>>;
 
 template <class G, std::size_t K>
 constexpr std::size_t input_node() {
@@ -364,7 +352,7 @@ auto build_backward(const graph::Sym<G0, Out>& program, BasicTensor<T>*... input
   // An input the output does not depend on has a zero gradient, as in MindSpore.
   auto training = [&]<std::size_t... J>(std::index_sequence<J...>) {
     return graph::from_plan<graph::Graph>(
-        forward.graph, static_cast<Built*>(nullptr), graph::Node<ops::FillLikeOp<0>, detail::input_node<G, Wrt>()>{}...,
+        forward.graph, static_cast<Built*>(nullptr), graph::Node<ops::FillLikeOp<ops::Fill::zeros>, detail::input_node<G, Wrt>()>{}...,
         graph::Node<ops::StoreOp<std::tuple_element_t<J, std::tuple<T...>>>, sources[J]>{std::get<J>(destinations)}...);
   }(std::index_sequence_for<T...>{});
   return graph::Sym<decltype(training), Out>{training};

@@ -34,12 +34,13 @@
 // the operation that makes d(loss)/d(input K) from what it reads; the gradient operation
 // names what it reads in `static constexpr std::array reads` (graph::Operand values: the
 // incoming gradient, an input, the output). An input that has no gradient (integer labels, a
-// condition) returns ops::NoGradient, and a gradient that reaches it is an error. An
-// operation with parameters writes their gradients from grad_op<0>(), and from
-// parameter_grad_op() when input 0 needs none. An operation either gives every input's
-// gradient (DifferentiableOperation), or says `static constexpr bool differentiable = false`
-// (argmax): one that gives some but not all is a compile error wherever it is used, so a
-// missing gradient is never a silent zero.
+// condition) returns ops::NoGradient, and a gradient that reaches it is an error, unless the
+// operation says `static constexpr bool stops_gradient = true` (no gradient is due: a
+// stop_gradient, a zeros_like). An operation with parameters writes their gradients from
+// grad_op<0>(), and from parameter_grad_op() when input 0 needs none. An operation either
+// gives every input's gradient (DifferentiableOperation), or says `static constexpr bool
+// differentiable = false` (argmax): one that gives some but not all is a compile error
+// wherever it is used, so a missing gradient is never a silent zero.
 #pragma once
 
 #include <array>
@@ -244,9 +245,10 @@ index_t view_offset(const Op& op, const Shape& input) {
   else return 0;
 }
 
-// Whether Op cuts the gradient on purpose (`static constexpr bool stops_gradient = true`,
-// ops::stop_gradient): its input gets nothing from it, as an input the output does not depend
-// on, and its output depends on nothing being differentiated.
+// Whether Op's NoGradient inputs get no gradient because none is due, not because it is
+// unknown (`static constexpr bool stops_gradient = true`): ops::stop_gradient, which cuts it
+// on purpose, and zeros_like, whose output does not depend on its input's values. Such an
+// input is as one the output does not depend on.
 template <class Op>
 constexpr bool stops_gradient() {
   if constexpr (requires { Op::stops_gradient; }) return Op::stops_gradient;

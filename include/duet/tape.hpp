@@ -305,10 +305,14 @@ class CellEntry final : public Entry {
 template <class Op, class Out, class... In>
 void Tape::record(const Op& op, BasicTensor<Out>& y, const BasicTensor<In>&... x) {
   static_cast<void>(sizeof(diagnostic::check_operation<Op>));
-  if constexpr (stops_gradient<Op>()) {
-    return;  // its output depends on nothing differentiated: not recorded, not tracked
-  } else if constexpr (DifferentiableOperation<Op>) {
-    if (!(tracks(x) || ...) && !has_parameters<Op>()) return;
+  if constexpr (DifferentiableOperation<Op>) {
+    // The output depends on what is differentiated through an input that passes a gradient,
+    // or one whose gradient would be lost (refused in backward); not through a comparison's
+    // operands, nor through what stops the gradient (graph mode's leads_to_gradient).
+    const bool reads_differentiated = [&]<std::size_t... K>(std::index_sequence<K...>) {
+      return ((tracks(x) && (input_has_gradient<Op, K>() || loses_gradient<Op, In, Out>)) || ...);
+    }(std::index_sequence_for<In...>{});
+    if (!reads_differentiated && !has_parameters<Op>()) return;
     add(std::make_unique<OpEntry<Op, Out, In...>>(op, y, x...), y);
   } else if ((tracks(x) || ...)) {
     add(std::make_unique<RefusedEntry<Out>>(op.label()), y);

@@ -5862,12 +5862,13 @@ inline std::string called_in(std::string_view label, std::string_view where) {
 // the operation that makes d(loss)/d(input K) from what it reads; the gradient operation
 // names what it reads in `static constexpr std::array reads` (graph::Operand values: the
 // incoming gradient, an input, the output). An input that has no gradient (integer labels, a
-// condition) returns ops::NoGradient, and a gradient that reaches it is an error. An
-// operation with parameters writes their gradients from grad_op<0>(), and from
-// parameter_grad_op() when input 0 needs none. An operation either gives every input's
-// gradient (DifferentiableOperation), or says `static constexpr bool differentiable = false`
-// (argmax): one that gives some but not all is a compile error wherever it is used, so a
-// missing gradient is never a silent zero.
+// condition) returns ops::NoGradient, and a gradient that reaches it is an error, unless the
+// operation says `static constexpr bool stops_gradient = true` (no gradient is due: a
+// stop_gradient, a zeros_like). An operation with parameters writes their gradients from
+// grad_op<0>(), and from parameter_grad_op() when input 0 needs none. An operation either
+// gives every input's gradient (DifferentiableOperation), or says `static constexpr bool
+// differentiable = false` (argmax): one that gives some but not all is a compile error
+// wherever it is used, so a missing gradient is never a silent zero.
 
 #include <array>
 #include <cstddef>
@@ -6069,9 +6070,10 @@ index_t view_offset(const Op& op, const Shape& input) {
   else return 0;
 }
 
-// Whether Op cuts the gradient on purpose (`static constexpr bool stops_gradient = true`,
-// ops::stop_gradient): its input gets nothing from it, as an input the output does not depend
-// on, and its output depends on nothing being differentiated.
+// Whether Op's NoGradient inputs get no gradient because none is due, not because it is
+// unknown (`static constexpr bool stops_gradient = true`): ops::stop_gradient, which cuts it
+// on purpose, and zeros_like, whose output does not depend on its input's values. Such an
+// input is as one the output does not depend on.
 template <class Op>
 constexpr bool stops_gradient() {
   if constexpr (requires { Op::stops_gradient; }) return Op::stops_gradient;
@@ -8622,10 +8624,14 @@ class CellEntry final : public Entry {
 template <class Op, class Out, class... In>
 void Tape::record(const Op& op, BasicTensor<Out>& y, const BasicTensor<In>&... x) {
   static_cast<void>(sizeof(diagnostic::check_operation<Op>));
-  if constexpr (stops_gradient<Op>()) {
-    return;  // its output depends on nothing differentiated: not recorded, not tracked
-  } else if constexpr (DifferentiableOperation<Op>) {
-    if (!(tracks(x) || ...) && !has_parameters<Op>()) return;
+  if constexpr (DifferentiableOperation<Op>) {
+    // The output depends on what is differentiated through an input that passes a gradient,
+    // or one whose gradient would be lost (refused in backward); not through a comparison's
+    // operands, nor through what stops the gradient (graph mode's leads_to_gradient).
+    const bool reads_differentiated = [&]<std::size_t... K>(std::index_sequence<K...>) {
+      return ((tracks(x) && (input_has_gradient<Op, K>() || loses_gradient<Op, In, Out>)) || ...);
+    }(std::index_sequence_for<In...>{});
+    if (!reads_differentiated && !has_parameters<Op>()) return;
     add(std::make_unique<OpEntry<Op, Out, In...>>(op, y, x...), y);
   } else if ((tracks(x) || ...)) {
     add(std::make_unique<RefusedEntry<Out>>(op.label()), y);
@@ -11748,22 +11754,79 @@ constexpr Mode fixed_mode_of() {
 }  // namespace detail
 
 }  // namespace duet::nn
+// Tensors made in construct from another's shape: zeros_like, ones_like, full_like
+// (MindSpore's ops.zeros_like, ops.ones_like, ops.full_like).
+//
+// Within construct a batch size is known only from a tensor of that batch, so a constant of
+// the batch's shape is made from one: a recurrent cell's zero state, `ops::zeros_like(x)`, or
+// a learned initial state h0 of shape [1, hidden] broadcast to the batch,
+// `h0 + ops::zeros_like(x)` with x [batch, hidden] (numpy broadcasting; h0's gradient is
+// summed over the batch). `x * 0` is not the same: inf or NaN in x makes NaN.
+//
+// The output does not depend on the input's values, so no gradient is due to the input: the
+// operations say `stops_gradient` (operation.hpp), and an input that depends on what is
+// differentiated gets nothing from them, without the refusal a lost gradient meets.
+// Differentiation uses the same operation for the ones that start backward and the zeros of
+// an input the output does not depend on.
+
+#include <span>
+#include <string>
+#include <utility>
+
+
+namespace duet::ops {
+
+enum class Fill { zeros, ones, value };
+
+template <Fill F>
+struct FillLikeOp : Primitive<FillLikeOp<F>> {
+  static constexpr int arity = 1;
+  static constexpr bool stops_gradient = true;
+  double value = F == Fill::ones ? 1.0 : 0.0;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    Backend::fill(a.out<T>(), a.output_shape.numel(), static_cast<T>(value));
+  }
+
+  template <std::size_t K>
+    requires(K == 0)
+  NoGradient grad_op() const {
+    return {};
+  }
+
+  static std::string op_name() { return F == Fill::zeros ? "ZerosLike" : F == Fill::ones ? "OnesLike" : "FullLike"; }
+  std::string label() const {
+    return F == Fill::zeros ? "ops::zeros_like" : F == Fill::ones ? "ops::ones_like" : "ops::full_like";
+  }
+};
+
+template <class X>
+auto zeros_like(X&& x) {
+  return apply(FillLikeOp<Fill::zeros>{}, std::forward<X>(x));
+}
+
+template <class X>
+auto ones_like(X&& x) {
+  return apply(FillLikeOp<Fill::ones>{}, std::forward<X>(x));
+}
+
+// The value converted to x's element type, as MindSpore's fill_value is.
+template <class X>
+auto full_like(X&& x, double value) {
+  FillLikeOp<Fill::value> op;
+  op.value = value;
+  return apply(op, std::forward<X>(x));
+}
+
+inline const bool creation_listed = list_operations({"zeros_like", "ones_like", "full_like"});
+
+}  // namespace duet::ops
 
 namespace duet {
 namespace ops {
-
-// A value of the input's shape filled with V: ones where backward starts (d output/d output),
-// zeros for the gradient of an input the output does not depend on.
-template <int V>
-struct FillLikeOp : Primitive<FillLikeOp<V>> {
-  static constexpr int arity = 1;
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& a) const {
-    Backend::fill(a.out<T>(), a.output_shape.numel(), T(V));
-  }
-  static std::string op_name() { return V == 1 ? "OnesLike" : "ZerosLike"; }
-};
 
 // Copies a value out of the graph into *destination (an input's gradient, for the caller).
 template <class T>
@@ -12005,7 +12068,7 @@ auto backward_from() {
 template <class G, std::size_t Out, std::size_t... J>
 auto backward_start(std::index_sequence<J...>)
     -> graph::NodeList<graph::Step<graph::node_at<G, J>, graph::Take<J>>...,
-                       graph::Step<graph::Node<ops::FillLikeOp<1>, Out>, graph::Made<ops::FillLikeOp<1>>>>;
+                       graph::Step<graph::Node<ops::FillLikeOp<ops::Fill::ones>, Out>, graph::Made<ops::FillLikeOp<ops::Fill::ones>>>>;
 
 template <class G, std::size_t K>
 constexpr std::size_t input_node() {
@@ -12078,7 +12141,7 @@ auto build_backward(const graph::Sym<G0, Out>& program, BasicTensor<T>*... input
   // An input the output does not depend on has a zero gradient, as in MindSpore.
   auto training = [&]<std::size_t... J>(std::index_sequence<J...>) {
     return graph::from_plan<graph::Graph>(
-        forward.graph, static_cast<Built*>(nullptr), graph::Node<ops::FillLikeOp<0>, detail::input_node<G, Wrt>()>{}...,
+        forward.graph, static_cast<Built*>(nullptr), graph::Node<ops::FillLikeOp<ops::Fill::zeros>, detail::input_node<G, Wrt>()>{}...,
         graph::Node<ops::StoreOp<std::tuple_element_t<J, std::tuple<T...>>>, sources[J]>{std::get<J>(destinations)}...);
   }(std::index_sequence_for<T...>{});
   return graph::Sym<decltype(training), Out>{training};

@@ -1,0 +1,96 @@
+// zeros_like, ones_like, full_like (include/duet/ops/creation.hpp): their values in the
+// gradient harness (no gradient is due to their input), and here a learned initial state
+// broadcast to the batch through zeros_like, trained in both modes, against a closed form.
+#include "ops_harness.hpp"
+
+namespace tests_ops_creation {
+
+namespace {
+
+using namespace duet_test::ops;
+using duet::index_t;
+namespace nn = duet::nn;
+namespace ops = duet::ops;
+
+D filled(const Shape& shape, double v) {
+  D out = duet::zeros<double>(shape);
+  std::fill_n(out.data(), out.numel(), v);
+  return out;
+}
+
+const bool creation_cases = add_cases([](std::multimap<std::string, Case>& m) {
+  for (const Shape& shape : {Shape{3, 4}, Shape{2, 1, 3}, Shape{}}) {
+    m.emplace("zeros_like", make_value_case({shape}, [](const auto& x) { return ops::zeros_like(x); },
+                                            [](const std::vector<D>& xs) { return filled(xs[0].shape(), 0.0); }));
+    m.emplace("ones_like", make_value_case({shape}, [](const auto& x) { return ops::ones_like(x); },
+                                           [](const std::vector<D>& xs) { return filled(xs[0].shape(), 1.0); }));
+    m.emplace("full_like", make_value_case({shape}, [](const auto& x) { return ops::full_like(x, -2.5); },
+                                           [](const std::vector<D>& xs) { return filled(xs[0].shape(), -2.5); }));
+  }
+});
+
+// A learned initial state [1, 4] broadcast to the batch, then one recurrent step.
+struct FromH0 : nn::Cell<FromH0, duet::CONTEXT_MODE, double> {
+  nn::Dense<4, 4, double> hh;
+  nn::Dense<3, 4, double> ih;
+  nn::BasicParameter<double> h0{duet::uniform<double>({1, 4}, -0.5, 0.5, 3)};
+  DUET_CELL_MEMBERS(hh, ih, h0);
+  auto construct(auto x) {
+    const auto h = ops::zeros_like(ih(x)) + h0;  // [batch, 4]
+    return ops::sum(ops::square(ops::tanh(ih(x) + hh(h))));
+  }
+};
+
+}  // namespace
+
+TEST_CASE("zeros_like: a learned initial state broadcast to the batch gets the batch's summed gradient, the same in both modes") {
+  const D x = random_input({5, 3}, -1.0, 1.0, 4);
+  std::vector<std::vector<D>> grads;
+  for (duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+    duet_test::ModeGuard guard;
+    duet::set_context({.mode = mode});
+    duet::set_seed(5);
+    FromH0 net;
+    const auto params = net.parameters();
+    grads.push_back(duet::value_and_grad(net, params)(x).grads);
+    const auto at = std::ranges::find_if(params, [](const auto& p) { return p.name == "h0"; }) - params.begin();
+    // Against the closed form: d/dh0 = Σ_batch hhᵀ · (2 t (1 - t²)), t = tanh(ih(x) + hh(h0)).
+    const D h0 = net.h0.clone();
+    std::vector<double> expected(4, 0.0);
+    for (index_t b = 0; b < 5; ++b) {
+      for (index_t o = 0; o < 4; ++o) {
+        double z = net.ih.bias.data()[o] + net.hh.bias.data()[o];
+        for (index_t i = 0; i < 3; ++i) z += net.ih.weight.data()[o * 3 + i] * x.data()[b * 3 + i];
+        for (index_t i = 0; i < 4; ++i) z += net.hh.weight.data()[o * 4 + i] * h0.data()[i];
+        const double t = std::tanh(z);
+        for (index_t i = 0; i < 4; ++i) expected[static_cast<std::size_t>(i)] += 2 * t * (1 - t * t) * net.hh.weight.data()[o * 4 + i];
+      }
+    }
+    const D& dh0 = grads.back()[static_cast<std::size_t>(at)];
+    REQUIRE(dh0.shape() == Shape{1, 4});
+    for (index_t i = 0; i < 4; ++i) CHECK(dh0.data()[i] == doctest::Approx(expected[static_cast<std::size_t>(i)]).epsilon(1e-12));
+  }
+  CHECK(same_bits(grads[0], grads[1]));
+}
+
+TEST_CASE("zeros_like: zeros where x * 0 would be NaN, and its input gets no gradient, which is no error") {
+  D x = random_input({2, 3}, -1.0, 1.0, 6);
+  x.data()[1] = INFINITY;
+  x.data()[4] = NAN;
+  const D z = ops::zeros_like(x);
+  for (index_t i = 0; i < z.numel(); ++i) CHECK(z.data()[i] == 0.0);
+  const D w = random_input({2, 3}, -1.0, 1.0, 7);
+  const D y = random_input({2, 3}, -1.0, 1.0, 8);
+  std::vector<D> dy;
+  for (duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+    duet_test::ModeGuard guard;
+    duet::set_context({.mode = mode});
+    // d/dy sum(w * (full_like(y, 2) + y)) = w: the full_like adds nothing.
+    auto f = [](const auto& w_, const auto& y_) { return (ops::full_like(y_, 2.0) + y_) * w_; };
+    dy.push_back(duet::value_and_grad(f, 1)(w, y).grads[0]);
+    for (index_t i = 0; i < 6; ++i) CHECK(dy.back().data()[i] == w.data()[i]);
+  }
+  CHECK(same_bits(std::vector<D>{dy[0]}, std::vector<D>{dy[1]}));
+}
+
+}  // namespace tests_ops_creation
