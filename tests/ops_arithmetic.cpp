@@ -39,6 +39,13 @@ const bool arithmetic_cases = add_cases([](std::multimap<std::string, Case>& m) 
                                  [](double a, double) { return std::pow(a, 3.0); }));
   add("scalar_pow", make_case<1>(one, [](const auto& a) { return duet::ops::pow(2.0, a); },
                                  [](double a, double) { return std::pow(2.0, a); }));
+  // broadcast_to: the harness's own broadcasting loop is the reference (the identity per element).
+  const auto same = [](double a, double) { return a; };
+  add("broadcast_to", make_case<1>({{3, 1}}, [](const auto& a) { return duet::ops::broadcast_to<2, 3, 4>(a); }, same));
+  add("broadcast_to", make_case<1>({{1, 4}}, [](const auto& a) { return duet::ops::broadcast_to<5, -1>(a); }, same));
+  add("broadcast_to", make_case<1>({{2, 1, 3}}, [](const auto& a) { return duet::ops::broadcast_to<-1, 4, -1>(a); }, same));
+  add("broadcast_to", make_case<1>({{}}, [](const auto& a) { return duet::ops::broadcast_to<2, 3>(a); }, same));
+  add("broadcast_to", make_case<1>({{3, 4}}, [](const auto& a) { return duet::ops::broadcast_to<3, 4>(a); }, same));
   });
 
 }  // namespace
@@ -107,6 +114,48 @@ TEST_CASE("ops: operators take tensors, static tensors and numbers, and say whic
     CHECK(std::string(e.what()) ==
           "Add expects inputs whose shapes broadcast together (numpy's rule: sizes equal or 1, aligned at the last "
           "axis), got [2, 3] and [4]");
+  }
+}
+
+namespace {
+// A column per sample widened to the hidden size, its batch any size.
+struct Widen : duet::nn::Cell<Widen, duet::CONTEXT_MODE, double> {
+  duet::nn::Dense<3, 1, double> fc;
+  duet::nn::BasicParameter<double> w{duet::uniform<double>({4}, -1.0, 1.0, 9)};
+  DUET_CELL_MEMBERS(fc, w);
+  auto construct(auto x) { return duet::ops::sum(duet::ops::tanh(duet::ops::broadcast_to<-1, 4>(fc(x))) * w); }
+};
+}  // namespace
+
+TEST_CASE("ops::broadcast_to: shapes, errors that name the target, and a network of any batch in both modes") {
+  const duet::Tensor column = duet::Tensor({3, 1}, {1.f, 2.f, 3.f});
+  const duet::Tensor wide = duet::ops::broadcast_to<2, -1, 4>(column);
+  REQUIRE(wide.shape() == Shape{2, 3, 4});
+  CHECK(wide(1, 2, 3) == 3.0f);
+  CHECK(wide(0, 1, 0) == 2.0f);
+  // Static shapes: a dynamic batch kept by -1.
+  const duet::StaticTensor<float, duet::dyn, 1> batch(duet::ones({5, 1}));
+  const auto b = duet::ops::broadcast_to<-1, 4>(batch);
+  static_assert(std::is_same_v<std::remove_cvref_t<decltype(b)>, duet::StaticTensor<float, duet::dyn, 4>>);
+  CHECK(b.tensor().shape() == Shape{5, 4});
+  CHECK_THROWS_WITH_AS(static_cast<void>(duet::ops::broadcast_to<3, 4>(duet::ones({2, 4}))),
+                       "ops::broadcast_to<3, 4> expects an input that broadcasts to its shape (numpy's rule: each size "
+                       "equal to the target's or 1, aligned at the last axis; a -1 keeps a size the input has), got [2, 4]",
+                       duet::ShapeError);
+  CHECK_THROWS_AS(static_cast<void>(duet::ops::broadcast_to<-1, 4>(duet::ones({4}))), duet::ShapeError);  // -1 on a new axis
+  CHECK_THROWS_AS(static_cast<void>(duet::ops::broadcast_to<4>(duet::ones({2, 4}))), duet::ShapeError);   // fewer axes
+
+  for (const duet::index_t n : {5, 7}) {
+    const D x = random_input({n, 3}, -1.0, 1.0, 10);
+    std::vector<std::vector<D>> grads;
+    for (duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+      duet_test::ModeGuard guard;
+      duet::set_context({.mode = mode});
+      duet::set_seed(11);
+      Widen net;
+      grads.push_back(duet::value_and_grad(net, net.parameters())(x).grads);
+    }
+    CHECK(same_bits(grads[0], grads[1]));
   }
 }
 

@@ -40,6 +40,7 @@ enum class ShapeFault : unsigned char {
   class_labels,       // a class loss's labels: the logits' shape without its last axis (`expected` 1: class
                       // indices) or the logits' shape (`expected` 0: a distribution per row)
   axis_twice,         // the axes listed name the input's axis `expected` twice, counted from both ends
+  broadcast_to,       // the input must broadcast to the operation's target shape (broadcast_to)
 };
 
 // What a shape rule returns: the output shape and, if the inputs break the rule, which way.
@@ -136,6 +137,10 @@ inline std::string describe_fault(const ShapeResult& r, std::string_view layer, 
     case ShapeFault::slice_range:
       what = "an input whose axis " + e + " holds the slice's range";
       break;
+    case ShapeFault::broadcast_to:
+      what = "an input that broadcasts to its shape (numpy's rule: each size equal to the target's or 1, aligned at "
+             "the last axis; a -1 keeps a size the input has)";
+      break;
     case ShapeFault::axis_twice:
       what = "axes that name each axis of its input once (axis " + e + " is named twice, counted from both ends)";
       break;
@@ -195,6 +200,7 @@ struct batch_dimension_missing_rank_must_be_at_least {};
 template <class OtherShape>
 struct inner_dimension_must_match {};
 struct reduced_axes_must_not_be_empty {};
+struct must_broadcast_to_the_target_shape {};
 template <index_t N>
 struct element_count_must_be {};
 template <index_t N>
@@ -255,6 +261,8 @@ constexpr auto requirement() {
     return channel_dimension_must_be<N>{};
   else if constexpr (F == ShapeFault::spatial_size)
     return spatial_sizes_must_be_at_least<N>{};
+  else if constexpr (F == ShapeFault::broadcast_to)
+    return must_broadcast_to_the_target_shape{};
   else if constexpr (F == ShapeFault::class_labels && N == 1)
     return labels_must_have_the_logits_shape_without_the_class_axis{};
   else if constexpr (F == ShapeFault::class_labels)

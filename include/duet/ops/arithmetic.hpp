@@ -515,9 +515,97 @@ struct ScalarGradOp : Primitive<ScalarGradOp<Fn, ScalarFirst>> {
   static std::string op_name() { return std::string(Fn::name) + "ScalarGrad"; }
 };
 
+// ----------------------------------------------------------------------------------------
+// broadcast_to<D...>(x): x repeated to shape D by numpy's rule (MindSpore's
+// ops.broadcast_to(input, shape)): sizes aligned at the last axis, each of x's equal to the
+// target's or 1, new axes in front; a -1 keeps x's size on an axis x has. A copy. The gradient
+// sums dy over the axes x was repeated along, in the output's order, the same in both modes.
+
+// The target D against x's shape: -1s resolved, or the fault. A dynamic size of x is checked
+// when it is known, at run time.
+constexpr ShapeResult broadcast_to_rule(const Shape& x, Shape to) {
+  bool ok = !(x.rank() > to.rank() && !x.leading_unknown());
+  for (int i = 1; i <= to.rank(); ++i) {
+    if (i > x.rank()) {
+      // A new axis in front, where -1 has nothing to keep (unless x has axes compile time does not know).
+      if (to[-i] == dyn && !x.leading_unknown()) ok = false;
+      continue;
+    }
+    if (to[-i] == dyn) {
+      to[-i] = x[-i];
+    } else if (x[-i] != dyn && x[-i] != 1 && x[-i] != to[-i]) {
+      ok = false;
+    }
+  }
+  if (!ok) return fault(to, ShapeFault::broadcast_to, 0);
+  return {to};
+}
+
+struct BroadcastToGradOp;
+
+template <index_t... D>
+struct BroadcastToOp : Primitive<BroadcastToOp<D...>> {
+  static_assert(((D >= 0 || D == -1) && ...), "duet::ops::broadcast_to: sizes must be >= 0, or -1 to keep the input's");
+  static constexpr int arity = 1;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return broadcast_to_rule(in[0], Shape{D...}); }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const T* x = a.in<T>();
+    T* y = a.out<T>();
+    detail::for_each_broadcast_row<1>(std::array<Shape, 1>{a.in_shape()}, a.output_shape,
+                                      [&](index_t first, index_t count, const std::array<index_t, 1>& start,
+                                          const std::array<index_t, 1>& step) {
+                                        for (index_t j = 0; j < count; ++j) y[first + j] = x[start[0] + j * step[0]];
+                                      });
+  }
+
+  template <std::size_t K>
+    requires(K == 0)
+  BroadcastToGradOp grad_op() const;
+
+  static std::string op_name() { return "BroadcastTo<" + detail::list_text<index_t>({D...}) + ">"; }
+  std::string label() const { return "ops::broadcast_to<" + detail::list_text<index_t>({D...}) + ">"; }
+};
+
+// d/dx of broadcast_to: dy summed back onto the element of x each output element copied.
+struct BroadcastToGradOp : Primitive<BroadcastToGradOp> {
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0};
+  static constexpr int arity = 2;  // dy, the forward input (for its shape)
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const T* dy = a.in<T>(0);
+    T* d = a.out<T>();
+    std::fill_n(d, a.in_shape(1).numel(), T(0));
+    detail::for_each_broadcast_row<1>(std::array<Shape, 1>{a.in_shape(1)}, a.in_shape(0),
+                                      [&](index_t first, index_t count, const std::array<index_t, 1>& start,
+                                          const std::array<index_t, 1>& step) {
+                                        for (index_t j = 0; j < count; ++j) d[start[0] + j * step[0]] += dy[first + j];
+                                      });
+  }
+
+  static std::string op_name() { return "BroadcastToGrad"; }
+};
+
+template <index_t... D>
+template <std::size_t K>
+  requires(K == 0)
+BroadcastToGradOp BroadcastToOp<D...>::grad_op() const {
+  return {};
+}
+
+template <index_t... D, class X>
+auto broadcast_to(X&& x) {
+  return apply(BroadcastToOp<D...>{}, std::forward<X>(x));
+}
+
 inline const bool arithmetic_listed =
     list_operations({"add", "sub", "mul", "div", "maximum", "minimum", "pow", "neg", "add_scalar", "sub_scalar",
-                     "mul_scalar", "div_scalar", "scalar_sub", "scalar_div", "pow_scalar", "scalar_pow"});
+                     "mul_scalar", "div_scalar", "scalar_sub", "scalar_div", "pow_scalar", "scalar_pow", "broadcast_to"});
 
 // What may stand on either side of an arithmetic operator: a tensor, a static tensor, a
 // parameter or what operations on parameters alone made, or a symbolic tensor in construct.
