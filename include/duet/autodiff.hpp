@@ -103,6 +103,29 @@ constexpr std::array<bool, G::size> leads_to_gradient() {
   return leads;
 }
 
+// Which nodes' values depend on something being differentiated at all, through any input an
+// operation does not cut (cuts_gradient): the tape's tracking. A gradient through a
+// comparison is zero; an output no such path reaches has no gradient to take.
+template <class G, std::size_t... Wrt>
+constexpr std::array<bool, G::size> connected_to_differentiated() {
+  std::array<bool, G::size> on{};
+  graph::for_each_index<G::size>([&](auto i) {
+    constexpr std::size_t I = decltype(i)::value;
+    using N = graph::node_at<G, I>;
+    using Op = typename N::op_type;
+    if constexpr (graph::is_input_op_v<Op>) {
+      on[I] = ((Op::index == Wrt) || ...);
+    } else {
+      bool any = has_parameters<Op>();
+      [&]<std::size_t... K>(std::index_sequence<K...>) {
+        ((any = any || (!cuts_gradient<Op, K>() && on[N::args[K]])), ...);
+      }(std::make_index_sequence<N::arity>{});
+      on[I] = any;
+    }
+  });
+  return on;
+}
+
 template <std::size_t N>
 constexpr std::array<std::size_t, N> with(std::array<std::size_t, N> a, std::size_t i, std::size_t v) {
   a[i] = v;
@@ -344,7 +367,7 @@ auto build_backward(const graph::Sym<G0, Out>& program, BasicTensor<T>*... input
   detail::refuse_lost_gradients<leads, Out>(forward.graph);
   // The tape's refusal (Tape::backward): a loss cut off from every parameter (through
   // ops::stop_gradient, say) would train nothing.
-  if constexpr (!leads[Out]) throw ValueError(nothing_differentiated_message);
+  if constexpr (!detail::connected_to_differentiated<G, Wrt...>()[Out]) throw ValueError(nothing_differentiated_message);
   constexpr std::size_t zeros_at = Built::size;
   [[maybe_unused]] static constexpr auto sources =
       detail::store_sources<grads, zeros_at, detail::input_node<G, Wrt>()...>();

@@ -282,4 +282,13 @@ constexpr bool input_has_gradient() {
   else return !std::is_same_v<decltype(std::declval<const Op&>().template grad_op<K>()), ops::NoGradient>;
 }
 
+// Whether input K of Op is cut off from its output for differentiation: the operation stops
+// the gradient there. Through every other input, even one without a gradient (a comparison's,
+// whose output is piecewise constant in it), the output depends on the input: a gradient
+// taken through it is zero, not a function that depends on nothing.
+template <class Op, std::size_t K>
+constexpr bool cuts_gradient() {
+  return stops_gradient<Op>() && !input_has_gradient<Op, K>();
+}
+
 }  // namespace duet

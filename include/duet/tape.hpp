@@ -306,11 +306,10 @@ template <class Op, class Out, class... In>
 void Tape::record(const Op& op, BasicTensor<Out>& y, const BasicTensor<In>&... x) {
   static_cast<void>(sizeof(diagnostic::check_operation<Op>));
   if constexpr (DifferentiableOperation<Op>) {
-    // The output depends on what is differentiated through an input that passes a gradient,
-    // or one whose gradient would be lost (refused in backward); not through a comparison's
-    // operands, nor through what stops the gradient (graph mode's leads_to_gradient).
+    // The output depends on what is differentiated through any input the operation does not
+    // cut (graph mode's connected_to_differentiated).
     const bool reads_differentiated = [&]<std::size_t... K>(std::index_sequence<K...>) {
-      return ((tracks(x) && (input_has_gradient<Op, K>() || loses_gradient<Op, In, Out>)) || ...);
+      return ((tracks(x) && !cuts_gradient<Op, K>()) || ...);
     }(std::index_sequence_for<In...>{});
     if (!reads_differentiated && !has_parameters<Op>()) return;
     add(std::make_unique<OpEntry<Op, Out, In...>>(op, y, x...), y);

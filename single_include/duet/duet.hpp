@@ -6115,6 +6115,15 @@ constexpr bool input_has_gradient() {
   else return !std::is_same_v<decltype(std::declval<const Op&>().template grad_op<K>()), ops::NoGradient>;
 }
 
+// Whether input K of Op is cut off from its output for differentiation: the operation stops
+// the gradient there. Through every other input, even one without a gradient (a comparison's,
+// whose output is piecewise constant in it), the output depends on the input: a gradient
+// taken through it is zero, not a function that depends on nothing.
+template <class Op, std::size_t K>
+constexpr bool cuts_gradient() {
+  return stops_gradient<Op>() && !input_has_gradient<Op, K>();
+}
+
 }  // namespace duet
 
 namespace duet::graph {
@@ -8633,11 +8642,10 @@ template <class Op, class Out, class... In>
 void Tape::record(const Op& op, BasicTensor<Out>& y, const BasicTensor<In>&... x) {
   static_cast<void>(sizeof(diagnostic::check_operation<Op>));
   if constexpr (DifferentiableOperation<Op>) {
-    // The output depends on what is differentiated through an input that passes a gradient,
-    // or one whose gradient would be lost (refused in backward); not through a comparison's
-    // operands, nor through what stops the gradient (graph mode's leads_to_gradient).
+    // The output depends on what is differentiated through any input the operation does not
+    // cut (graph mode's connected_to_differentiated).
     const bool reads_differentiated = [&]<std::size_t... K>(std::index_sequence<K...>) {
-      return ((tracks(x) && (input_has_gradient<Op, K>() || loses_gradient<Op, In, Out>)) || ...);
+      return ((tracks(x) && !cuts_gradient<Op, K>()) || ...);
     }(std::index_sequence_for<In...>{});
     if (!reads_differentiated && !has_parameters<Op>()) return;
     add(std::make_unique<OpEntry<Op, Out, In...>>(op, y, x...), y);
@@ -11900,6 +11908,29 @@ constexpr std::array<bool, G::size> leads_to_gradient() {
   return leads;
 }
 
+// Which nodes' values depend on something being differentiated at all, through any input an
+// operation does not cut (cuts_gradient): the tape's tracking. A gradient through a
+// comparison is zero; an output no such path reaches has no gradient to take.
+template <class G, std::size_t... Wrt>
+constexpr std::array<bool, G::size> connected_to_differentiated() {
+  std::array<bool, G::size> on{};
+  graph::for_each_index<G::size>([&](auto i) {
+    constexpr std::size_t I = decltype(i)::value;
+    using N = graph::node_at<G, I>;
+    using Op = typename N::op_type;
+    if constexpr (graph::is_input_op_v<Op>) {
+      on[I] = ((Op::index == Wrt) || ...);
+    } else {
+      bool any = has_parameters<Op>();
+      [&]<std::size_t... K>(std::index_sequence<K...>) {
+        ((any = any || (!cuts_gradient<Op, K>() && on[N::args[K]])), ...);
+      }(std::make_index_sequence<N::arity>{});
+      on[I] = any;
+    }
+  });
+  return on;
+}
+
 template <std::size_t N>
 constexpr std::array<std::size_t, N> with(std::array<std::size_t, N> a, std::size_t i, std::size_t v) {
   a[i] = v;
@@ -12141,7 +12172,7 @@ auto build_backward(const graph::Sym<G0, Out>& program, BasicTensor<T>*... input
   detail::refuse_lost_gradients<leads, Out>(forward.graph);
   // The tape's refusal (Tape::backward): a loss cut off from every parameter (through
   // ops::stop_gradient, say) would train nothing.
-  if constexpr (!leads[Out]) throw ValueError(nothing_differentiated_message);
+  if constexpr (!detail::connected_to_differentiated<G, Wrt...>()[Out]) throw ValueError(nothing_differentiated_message);
   constexpr std::size_t zeros_at = Built::size;
   [[maybe_unused]] static constexpr auto sources =
       detail::store_sources<grads, zeros_at, detail::input_node<G, Wrt>()...>();
