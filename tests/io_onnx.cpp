@@ -968,7 +968,9 @@ struct Assorted : duet::nn::Cell<Assorted> {
     auto e = ops::expand_dims<1>(ops::sum(s, ops::axes<-1>));        // ReduceSum, Unsqueeze
     auto c = ops::concat<-1>(e, ops::squeeze<1>(ops::expand_dims<1>(ops::max(r, ops::axes<1>, ops::keep_dims))));
     auto t = ops::stack<0>(ops::silu(c), ops::softplus(c), ops::clip_by_value(c, -0.5, 0.5));
-    return ops::mean(ops::sqrt(ops::abs(t)) + ops::exp(-t) + 2.0f / (1.0f + ops::square(t)), ops::keep_dims);
+    return ops::mean(ops::sqrt(ops::abs(t)) + ops::exp(-t) + 2.0f / (1.0f + ops::square(t)) + ops::sin(t) * ops::cos(t) +
+                         ops::log1p(ops::abs(t)) - ops::expm1(t * 0.5f),
+                     ops::keep_dims);
   }
 };
 

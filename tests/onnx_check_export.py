@@ -137,9 +137,10 @@ def run(model, x):
                 y = y + ins[2]
         elif op == "Constant":
             y = onnx.numpy_helper.to_array(a["value"]).astype(np.float64)
-        elif op in ("Exp", "Log", "Sqrt", "Abs", "Neg", "Reciprocal", "Softplus", "Erf"):
+        elif op in ("Exp", "Log", "Sqrt", "Abs", "Neg", "Reciprocal", "Softplus", "Erf", "Sin", "Cos"):
             f = {"Exp": np.exp, "Log": np.log, "Sqrt": np.sqrt, "Abs": np.abs, "Neg": np.negative,
-                 "Reciprocal": lambda v: 1 / v, "Softplus": lambda v: np.logaddexp(0, v), "Erf": np.vectorize(math.erf)}[op]
+                 "Reciprocal": lambda v: 1 / v, "Softplus": lambda v: np.logaddexp(0, v), "Erf": np.vectorize(math.erf),
+                 "Sin": np.sin, "Cos": np.cos}[op]
             y = f(ins[0])
         elif op == "Clip":
             lo = ins[1] if len(ins) > 1 and ins[1] is not None else -np.inf

@@ -26,6 +26,10 @@ const bool math_cases = add_cases([](std::multimap<std::string, Case>& m) {
   // Domains where each is smooth: log, sqrt and rsqrt on positives, abs on either side of 0.
   unary("exp", [](const auto& a) { return duet::ops::exp(a); }, [](double a) { return std::exp(a); });
   unary("log", [](const auto& a) { return duet::ops::log(a); }, [](double a) { return std::log(a); }, 0.2, 3.0);
+  unary("log1p", [](const auto& a) { return duet::ops::log1p(a); }, [](double a) { return std::log1p(a); }, -0.8, 3.0);
+  unary("expm1", [](const auto& a) { return duet::ops::expm1(a); }, [](double a) { return std::expm1(a); });
+  unary("sin", [](const auto& a) { return duet::ops::sin(a); }, [](double a) { return std::sin(a); }, -4.0, 4.0);
+  unary("cos", [](const auto& a) { return duet::ops::cos(a); }, [](double a) { return std::cos(a); }, -4.0, 4.0);
   unary("sqrt", [](const auto& a) { return duet::ops::sqrt(a); }, [](double a) { return std::sqrt(a); }, 0.2, 3.0);
   unary("rsqrt", [](const auto& a) { return duet::ops::rsqrt(a); }, [](double a) { return 1.0 / std::sqrt(a); }, 0.2,
         3.0);
@@ -253,6 +257,21 @@ TEST_CASE("a chain of functions fuses into one pass in graph mode and computes P
   auto fused = jit(chain);
   const Tensor compiled = fused(x);
   CHECK(same_bits(eager, compiled));
+  // The four added later, through the whole-array and the vector-and-tail paths alike.
+  auto trig = [](const auto& v) { return ops::log1p(ops::square(ops::sin(v * 3.0f))) + ops::expm1(ops::cos(v)); };
+  const Tensor trig_eager = trig(x);
+  CHECK(same_bits(trig_eager, jit(trig)(x)));
+  for (index_t i = 0; i < x.numel(); i += 250) {
+    const double v = x.data()[i];
+    CHECK(trig_eager.data()[i] == doctest::Approx(std::log1p(std::pow(std::sin(v * 3), 2)) + std::expm1(std::cos(v))).epsilon(1e-5));
+  }
+}
+
+TEST_CASE("log1p and expm1 keep the digits log(1 + x) and exp(x) - 1 lose near 0") {
+  const Tensor tiny({2}, {1e-10f, -3e-9f});
+  CHECK(ops::log1p(tiny)(0) == doctest::Approx(1e-10).epsilon(1e-6));
+  CHECK(ops::expm1(tiny)(1) == doctest::Approx(-3e-9).epsilon(1e-6));
+  CHECK(ops::log(1.0f + tiny)(0) == 0.0f);  // what they replace: 1 + 1e-10 rounds to 1
 }
 
 TEST_CASE("sqrt and rsqrt are IEEE's correctly rounded root in both modes, the same bits on every processor") {

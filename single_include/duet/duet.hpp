@@ -25795,8 +25795,8 @@ using LogSoftmax = BasicSoftmax<true, float>;
 
 }  // namespace nn
 }  // namespace duet
-// Elementwise functions (MindSpore's ops.exp, log, sqrt, rsqrt, abs, square, clip_by_value),
-// where, and the comparisons that build its condition, in both modes.
+// Elementwise functions (MindSpore's ops.exp, log, log1p, expm1, sin, cos, sqrt, rsqrt, abs,
+// square, clip_by_value), where, and the comparisons that build its condition, in both modes.
 //
 // The unary functions are fn:: types run by ops::MapOp (nn/activation.hpp), like the
 // activations: chains of them fuse into one pass, and into the epilogue of the product before
@@ -25853,6 +25853,72 @@ struct Log {
   template <class G, class X>
   static auto grad_array(const G& dy, const X& x) {
     return dy / x;
+  }
+};
+
+// log(1 + x), exact for small x where log(1 + x) rounds 1 + x first; NaN below -1.
+struct Log1p {
+  static constexpr std::string_view name = "Log1p";
+  static ops::Interchange interchange() {
+    using In = ops::InterchangeInput;
+    return {{"Add", {In::operand(0), In::number(1.0)}, {}}, {"Log", {In::node(0)}, {}}};
+  }
+  static constexpr bool grad_from_input = true;
+  template <class A>
+  static auto array(const A& a) {
+    return a.log1p();
+  }
+  template <class G, class X>
+  static auto grad_array(const G& dy, const X& x) {
+    using S = typename X::Scalar;
+    return dy / (x + S(1));
+  }
+};
+
+// e^x - 1, exact for small x where e^x - 1 cancels.
+struct Expm1 {
+  static constexpr std::string_view name = "Expm1";
+  static ops::Interchange interchange() {
+    using In = ops::InterchangeInput;
+    return {{"Exp", {In::operand(0)}, {}}, {"Sub", {In::node(0), In::number(1.0)}, {}}};
+  }
+  template <class A>
+  static auto array(const A& a) {
+    return a.expm1();
+  }
+  template <class G, class Y>
+  static auto grad_array(const G& dy, const Y& y) {
+    using S = typename Y::Scalar;
+    return dy * (y + S(1));
+  }
+};
+
+// sin and cos (a sinusoidal position encoding computed in construct); inf gives NaN.
+struct Sin {
+  static constexpr std::string_view name = "Sin";
+  static ops::InterchangeNode interchange() { return {"Sin", {}, {}}; }
+  static constexpr bool grad_from_input = true;
+  template <class A>
+  static auto array(const A& a) {
+    return a.sin();
+  }
+  template <class G, class X>
+  static auto grad_array(const G& dy, const X& x) {
+    return dy * x.cos();
+  }
+};
+
+struct Cos {
+  static constexpr std::string_view name = "Cos";
+  static ops::InterchangeNode interchange() { return {"Cos", {}, {}}; }
+  static constexpr bool grad_from_input = true;
+  template <class A>
+  static auto array(const A& a) {
+    return a.cos();
+  }
+  template <class G, class X>
+  static auto grad_array(const G& dy, const X& x) {
+    return -(dy * x.sin());
   }
 };
 
@@ -26284,8 +26350,8 @@ struct TriangleOp : Primitive<TriangleOp<Lower>> {
 };
 
 inline const bool math_listed =
-    list_operations({"exp", "log", "sqrt", "rsqrt", "abs", "square", "clip_by_value", "where", "greater", "less",
-                     "equal", "greater_equal", "less_equal", "not_equal", "tril", "triu"});
+    list_operations({"exp", "log", "log1p", "expm1", "sin", "cos", "sqrt", "rsqrt", "abs", "square", "clip_by_value",
+                     "where", "greater", "less", "equal", "greater_equal", "less_equal", "not_equal", "tril", "triu"});
 
 template <class X>
   requires TensorLike<X>
@@ -26296,6 +26362,26 @@ template <class X>
   requires TensorLike<X>
 auto log(const X& x) {
   return apply(MapOp<fn::Log>{}, x);
+}
+template <class X>
+  requires TensorLike<X>
+auto log1p(const X& x) {
+  return apply(MapOp<fn::Log1p>{}, x);
+}
+template <class X>
+  requires TensorLike<X>
+auto expm1(const X& x) {
+  return apply(MapOp<fn::Expm1>{}, x);
+}
+template <class X>
+  requires TensorLike<X>
+auto sin(const X& x) {
+  return apply(MapOp<fn::Sin>{}, x);
+}
+template <class X>
+  requires TensorLike<X>
+auto cos(const X& x) {
+  return apply(MapOp<fn::Cos>{}, x);
 }
 template <class X>
   requires TensorLike<X>

@@ -725,7 +725,8 @@ class OnnxBuilder {
       });
       return;
     }
-    if (op == "Exp" || op == "Log" || op == "Sqrt" || op == "Abs" || op == "Neg" || op == "Reciprocal" || op == "Softplus") {
+    if (op == "Exp" || op == "Log" || op == "Sqrt" || op == "Abs" || op == "Neg" || op == "Reciprocal" || op == "Softplus" ||
+        op == "Sin" || op == "Cos") {
       arity(n, node, 1, 1);
       known_attributes(n, node, {});
       const Operand a = input(0);
@@ -738,6 +739,8 @@ class OnnxBuilder {
           if (kind == "Abs") return ops::abs(x);
           if (kind == "Neg") return ops::neg(x);
           if (kind == "Reciprocal") return ops::div(1.0, x);
+          if (kind == "Sin") return ops::sin(x);
+          if (kind == "Cos") return ops::cos(x);
           // ONNX's log(1 + exp(x)); duet's turns linear past 20, where the two differ by less
           // than exp(-20) of x.
           return ops::softplus(x);
