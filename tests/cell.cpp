@@ -414,6 +414,14 @@ struct TwoInputs : nn::Cell<TwoInputs> {
   auto construct(const auto& x, const auto& y) { return loss(dense(x), y); }
 };
 
+// A loss member left out: it has no parameters to lose, but set_train would not reach it.
+struct LossUnlisted : nn::Cell<LossUnlisted> {
+  nn::Dense<4, 2> dense;
+  nn::MSELoss<> loss;
+  DUET_CELL_MEMBERS(dense);
+  auto construct(const auto& x, const auto& y) { return loss(dense(x), y); }
+};
+
 std::string refusal(const std::string& parent, const std::string& member) {
   return parent + " calls a member " + member +
          " that is not registered with it, so its parameters would be neither trained nor saved; list the member "
@@ -466,6 +474,12 @@ TEST_CASE("a member cell missing from DUET_CELL_MEMBERS is an error on the first
     CHECK_THROWS_WITH_AS(outer(ones({2, 4})), inner_second.c_str(), ValueError);
     unregistered::TwoInputs two;
     CHECK_THROWS_WITH_AS(two(ones({2, 4}), ones({2, 2})), two_dense.c_str(), ValueError);
+    unregistered::LossUnlisted loss_unlisted;
+    CHECK_THROWS_WITH_AS(loss_unlisted(ones({2, 4}), ones({2, 2})),
+                         "tests_cell::unregistered::LossUnlisted calls a member nn::MSELoss that is not registered with "
+                         "it, so set_train and the network's hooks would not reach it; list the member in "
+                         "DUET_CELL_MEMBERS(...)",
+                         ValueError);
     // Differentiating it for training is refused as well.
     CHECK_THROWS_WITH_AS(value_and_grad(two, two.parameters())(ones({2, 4}), ones({2, 2})), two_dense.c_str(),
                          ValueError);

@@ -269,6 +269,17 @@ struct GatedSteps : nn::Cell<GatedSteps> {
   }
 };
 
+// A temporal-difference loss of three inputs: states, rewards, next states, with the target
+// held by stop_gradient (a DQN's, its target network folded into the online one).
+struct TemporalDifference : nn::Cell<TemporalDifference> {
+  nn::Dense<4, 2> q;
+  DUET_CELL_MEMBERS(q);
+  auto construct(auto s, auto r, auto s_next) {
+    const auto target = r + ops::stop_gradient(ops::max(q(s_next), ops::axes<1>, ops::keep_dims)) * 0.9f;
+    return ops::mean(ops::square(ops::max(q(s), ops::axes<1>, ops::keep_dims) - target));
+  }
+};
+
 }  // namespace
 
 // Checked while this file compiles: the seed network captures for its input, a network built at
@@ -428,6 +439,16 @@ TEST_CASE("compare_modes compares the gradients of any cell whose output is one 
   const ModeReport by_fixed = compare_modes(fixed, x, target);
   REQUIRE(by_fixed.notes.size() == 1);
   CHECK(by_fixed.notes[0].find("the gradients are not compared") == 0);
+}
+
+TEST_CASE("compare_modes takes the three inputs of a TD loss, options in braces after them") {
+  TemporalDifference td;
+  const Tensor s = randn({6, 4}, 11), r = randn({6, 1}, 12), s_next = randn({6, 4}, 13);
+  const ModeReport report = compare_modes(td, s, r, s_next);
+  CHECK(report.agree());
+  CHECK(report.notes.empty());
+  CHECK(report.values_compared >= 6);  // forward nodes, then q's two gradients
+  CHECK(compare_modes(td, s, r, s_next, {.rtol = 1e-6}).agree());
 }
 
 TEST_CASE("compare_modes: an ambiguous capture runs traced in graph mode, and only its output is compared") {

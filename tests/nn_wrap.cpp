@@ -412,13 +412,14 @@ TEST_CASE("training that would do nothing is an error: weights of another networ
     nn::TrainOneStepCell step(with_loss, adam);
     const auto before = duet_test::values_of(net2.bn.moving_mean);
     CHECK_THROWS_WITH_AS(step(x, y),
-                         "nn::TrainOneStepCell: the function reads none of the 4 trainable parameters it is "
+                         "nn::TrainOneStepCell: no gradient reaches any of the 4 trainable parameters it is "
                          "differentiated with respect to, so every gradient would be zero and training would do nothing; are they another "
-                         "network's (an optimizer made over net1.parameters() training net2)?",
+                         "network's (an optimizer made over net1.parameters() training net2), or read only through "
+                         "ops::stop_gradient?",
                          ValueError);
     CHECK(duet_test::values_of(net2.bn.moving_mean) == before);  // the failed step changed nothing
     CHECK_THROWS_WITH_AS(value_and_grad(with_loss, net1.parameters())(x, y),
-                         doctest::Contains("duet::value_and_grad: the function reads none of the 4 trainable parameters"),
+                         doctest::Contains("duet::value_and_grad: no gradient reaches any of the 4 trainable parameters"),
                          ValueError);
 
     Unlisted unlisted;

@@ -436,10 +436,10 @@ void check_weights_reached(const std::vector<nn::BasicParameter<W>*>& weights, N
   const std::uint64_t pass = duet::detail::current_backward_pass();
   const auto trainable = std::ranges::count_if(weights, [](const auto* p) { return p->requires_grad; });
   if (trainable > 0 && std::ranges::none_of(weights, [&](const auto* p) { return p->has_grad_from(pass); })) {
-    throw ValueError(who + ": the function reads none of the " + std::to_string(trainable) +
+    throw ValueError(who + ": no gradient reaches any of the " + std::to_string(trainable) +
                      " trainable parameters it is differentiated with respect to, so every gradient would be zero and "
                      "training would do nothing; are they another network's (an optimizer made over "
-                     "net1.parameters() training net2)?");
+                     "net1.parameters() training net2), or read only through ops::stop_gradient?");
   }
   if constexpr (!std::is_same_v<Network, std::nullptr_t>) {
     const auto registered = network->parameters();

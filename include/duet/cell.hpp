@@ -312,9 +312,11 @@ class BasicDynamicCell {
       return;
     }
     if (!parent->cell().is_ancestor_of(*this)) {
-      throw ValueError(parent->cell().label() + " calls a member " + type_name() +
-                       " that is not registered with it, so its parameters would be neither trained nor "
-                       "saved; list the member in DUET_CELL_MEMBERS(...)");
+      const std::string lost = parameters().empty()
+                                   ? "set_train and the network's hooks would not reach it"
+                                   : "its parameters would be neither trained nor saved";
+      throw ValueError(parent->cell().label() + " calls a member " + type_name() + " that is not registered with it, so " +
+                       lost + "; list the member in DUET_CELL_MEMBERS(...)");
     }
     registered_.store(true, std::memory_order_relaxed);
   }

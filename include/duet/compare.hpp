@@ -542,6 +542,17 @@ ModeReport compare_modes(Net& net, const X& x, const Y& y, const CompareOptions&
   return detail::compare_modes(net, options, x, y);
 }
 
+// Three and four inputs (a TD loss of states, rewards and next states). An overload per count
+// rather than a pack, so that the options can still be written in braces after the tensors.
+template <class Net, class X, class Y, class Z>
+ModeReport compare_modes(Net& net, const X& x, const Y& y, const Z& z, const CompareOptions& options = {}) {
+  return detail::compare_modes(net, options, x, y, z);
+}
+template <class Net, class X, class Y, class Z, class W>
+ModeReport compare_modes(Net& net, const X& x, const Y& y, const Z& z, const W& w, const CompareOptions& options = {}) {
+  return detail::compare_modes(net, options, x, y, z, w);
+}
+
 inline std::string ModeReport::to_string() const {
   std::ostringstream os;
   if (!difference) {

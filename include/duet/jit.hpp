@@ -31,6 +31,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <iostream>
 #include <mutex>
 #include <shared_mutex>
 #include <set>
@@ -155,6 +156,9 @@ inline void log_ambiguous_capture(const std::string& who, const std::string& why
                                  : "at capture, " + why +
                                        ", which their types cannot tell apart (README, Guarantees: \"Shared values in "
                                        "graph mode\")"));
+  // Graph mode quietly not being the static graph is what a user measuring it should hear of
+  // (its numbers are right either way): once per construct and reason, on std::cerr.
+  if (!explained) std::cerr << "duet: warning: " << stats.log.back() << '\n';
 }
 
 inline std::atomic<bool> compiles_frozen_flag{false};

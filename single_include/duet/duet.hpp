@@ -6104,9 +6104,9 @@ inline std::string lost_gradient_message(const std::string& op, std::size_t k) {
 }
 
 inline constexpr const char* nothing_differentiated_message =
-    "duet::grad: the function's output does not depend on anything being differentiated (no parameter, "
-    "nor the input asked for, reaches it: an ops::stop_gradient on the only path?); its gradients would be "
-    "silent zeros";
+    "duet: the function differentiated (a loss, in a training step) does not depend on anything being "
+    "differentiated (no parameter, nor the input asked for, reaches it: an ops::stop_gradient on the only "
+    "path?); its gradients would be silent zeros";
 
 // Whether grad_op<K>() of Op gives an actual gradient, not NoGradient.
 template <class Op, std::size_t K>
@@ -7626,6 +7626,7 @@ auto evaluate(const graph::Sym<G, Out>& program, const Inputs&... inputs) {
 #include <deque>
 #include <functional>
 #include <memory>
+#include <iostream>
 #include <mutex>
 #include <shared_mutex>
 #include <set>
@@ -10400,6 +10401,9 @@ inline void log_ambiguous_capture(const std::string& who, const std::string& why
                                  : "at capture, " + why +
                                        ", which their types cannot tell apart (README, Guarantees: \"Shared values in "
                                        "graph mode\")"));
+  // Graph mode quietly not being the static graph is what a user measuring it should hear of
+  // (its numbers are right either way): once per construct and reason, on std::cerr.
+  if (!explained) std::cerr << "duet: warning: " << stats.log.back() << '\n';
 }
 
 inline std::atomic<bool> compiles_frozen_flag{false};
@@ -11209,9 +11213,11 @@ class BasicDynamicCell {
       return;
     }
     if (!parent->cell().is_ancestor_of(*this)) {
-      throw ValueError(parent->cell().label() + " calls a member " + type_name() +
-                       " that is not registered with it, so its parameters would be neither trained nor "
-                       "saved; list the member in DUET_CELL_MEMBERS(...)");
+      const std::string lost = parameters().empty()
+                                   ? "set_train and the network's hooks would not reach it"
+                                   : "its parameters would be neither trained nor saved";
+      throw ValueError(parent->cell().label() + " calls a member " + type_name() + " that is not registered with it, so " +
+                       lost + "; list the member in DUET_CELL_MEMBERS(...)");
     }
     registered_.store(true, std::memory_order_relaxed);
   }
@@ -12241,10 +12247,10 @@ void check_weights_reached(const std::vector<nn::BasicParameter<W>*>& weights, N
   const std::uint64_t pass = duet::detail::current_backward_pass();
   const auto trainable = std::ranges::count_if(weights, [](const auto* p) { return p->requires_grad; });
   if (trainable > 0 && std::ranges::none_of(weights, [&](const auto* p) { return p->has_grad_from(pass); })) {
-    throw ValueError(who + ": the function reads none of the " + std::to_string(trainable) +
+    throw ValueError(who + ": no gradient reaches any of the " + std::to_string(trainable) +
                      " trainable parameters it is differentiated with respect to, so every gradient would be zero and "
                      "training would do nothing; are they another network's (an optimizer made over "
-                     "net1.parameters() training net2)?");
+                     "net1.parameters() training net2), or read only through ops::stop_gradient?");
   }
   if constexpr (!std::is_same_v<Network, std::nullptr_t>) {
     const auto registered = network->parameters();
@@ -14927,6 +14933,17 @@ ModeReport compare_modes(Net& net, const X& x, const CompareOptions& options = {
 template <class Net, class X, class Y>
 ModeReport compare_modes(Net& net, const X& x, const Y& y, const CompareOptions& options = {}) {
   return detail::compare_modes(net, options, x, y);
+}
+
+// Three and four inputs (a TD loss of states, rewards and next states). An overload per count
+// rather than a pack, so that the options can still be written in braces after the tensors.
+template <class Net, class X, class Y, class Z>
+ModeReport compare_modes(Net& net, const X& x, const Y& y, const Z& z, const CompareOptions& options = {}) {
+  return detail::compare_modes(net, options, x, y, z);
+}
+template <class Net, class X, class Y, class Z, class W>
+ModeReport compare_modes(Net& net, const X& x, const Y& y, const Z& z, const W& w, const CompareOptions& options = {}) {
+  return detail::compare_modes(net, options, x, y, z, w);
 }
 
 inline std::string ModeReport::to_string() const {
