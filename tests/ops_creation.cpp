@@ -91,6 +91,10 @@ TEST_CASE("zeros_like: zeros where x * 0 would be NaN, and its input gets no gra
     for (index_t i = 0; i < 6; ++i) CHECK(dy.back().data()[i] == w.data()[i]);
   }
   CHECK(same_bits(std::vector<D>{dy[0]}, std::vector<D>{dy[1]}));
+  // Into int32: truncated as MindSpore's, and a value int32 cannot hold refused (not UB).
+  const duet::BasicTensor<std::int32_t> ids({2}, {4, 7});
+  CHECK(ops::full_like(ids, 2.7).data()[1] == 2);
+  CHECK_THROWS_AS(static_cast<void>(ops::full_like(ids, 1e10)), duet::ValueError);
 }
 
 }  // namespace tests_ops_creation

@@ -11791,8 +11791,10 @@ constexpr Mode fixed_mode_of() {
 // Differentiation uses the same operation for the ones that start backward and the zeros of
 // an input the output does not depend on.
 
+#include <limits>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 
@@ -11810,6 +11812,13 @@ struct FillLikeOp : Primitive<FillLikeOp<F>> {
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
+    // Into an integer type, a value it cannot hold would be undefined behaviour: refused.
+    if constexpr (std::is_integral_v<T>) {
+      if (!(value >= static_cast<double>(std::numeric_limits<T>::min()) &&
+            value <= static_cast<double>(std::numeric_limits<T>::max()))) {
+        throw ValueError(label() + ": " + std::to_string(value) + " does not fit the tensor's integer type");
+      }
+    }
     Backend::fill(a.out<T>(), a.output_shape.numel(), static_cast<T>(value));
   }
 
@@ -11835,7 +11844,8 @@ auto ones_like(X&& x) {
   return apply(FillLikeOp<Fill::ones>{}, std::forward<X>(x));
 }
 
-// The value converted to x's element type, as MindSpore's fill_value is.
+// The value converted to x's element type, as MindSpore's fill_value is (truncated into an
+// integer type; one it cannot hold is a ValueError).
 template <class X>
 auto full_like(X&& x, double value) {
   FillLikeOp<Fill::value> op;
