@@ -170,6 +170,21 @@ struct ScaledTwice : nn::Cell<ScaledTwice> {
   auto construct(auto x) { return ops::relu(x * s1) + x * s2; }
 };
 
+// Values of parameters alone read twice: an angle by sin and by cos (trainable frequencies of a
+// position encoding), a broadcast state by a product and a sum (helper-74).
+struct Angles : nn::Cell<Angles, CONTEXT_MODE, double> {
+  nn::BasicParameter<double> pos{uniform<double>({4, 1}, 0.0, 3.0, 28)};
+  nn::BasicParameter<double> freq{uniform<double>({1, 2}, 0.01, 1.0, 29)};
+  nn::BasicParameter<double> h0{uniform<double>({1, 4}, -0.5, 0.5, 30)};
+  DUET_CELL_MEMBERS(pos, freq, h0);
+  auto construct(auto x) {  // x [batch, 4, 4]
+    const auto angle = pos * freq;
+    const auto pe = ops::concat<-1>(ops::sin(angle), ops::cos(angle));
+    const auto h = ops::broadcast_to<4, 4>(h0);
+    return ops::sum(ops::square(x * pe + h) * h);
+  }
+};
+
 // A recurrence over Steps slices of x from a learned initial state h0, reading the state twice
 // per step (h + tanh(...)), the way a GRU does: each step's graph meets the state's at another
 // place than its own.
@@ -284,6 +299,24 @@ TEST_CASE("sharing: s * 2 + s * 3 is five times s in both modes") {
   CHECK(same_bits(eager, graph));
   for (index_t i = 0; i < s.numel(); ++i) CHECK(graph.data()[i] == doctest::Approx(5.0 * s.data()[i]).epsilon(1e-6));
   check_modes_agree(net, x);
+}
+
+TEST_CASE("sharing: a value of parameters alone read twice is one node, and its gradients are PyNative's bits") {
+  Angles net;
+  const std::string dump = captured_dump(net);
+  CHECK(dump.find("ambiguous") == std::string::npos);
+  CHECK(count(dump, "= Parameter") == 3);
+  CHECK(count(dump, "BroadcastTo") == 1);
+  CHECK(count(dump, "Mul(%") == 3);  // pos * freq once, x * pe, and the product by h
+  const BasicTensor<double> x = uniform<double>({3, 4, 4}, -1.0, 1.0, 31);
+  std::vector<std::vector<BasicTensor<double>>> grads;
+  for (Mode mode : {PYNATIVE_MODE, GRAPH_MODE}) {
+    ModeGuard guard;
+    set_context({.mode = mode});
+    grads.push_back(value_and_grad(net, net.parameters())(x).grads);
+  }
+  REQUIRE(grads[0].size() == 3);
+  for (std::size_t k = 0; k < 3; ++k) CHECK(duet_test::values_of(grads[0][k]) == duet_test::values_of(grads[1][k]));
 }
 
 TEST_CASE("sharing: an ambiguous capture names the parameters it could not tell apart") {

@@ -118,12 +118,14 @@ auto parameter_result_after(const A& anchor, const X& x) {
       if constexpr (sizeof...(rest) == 0) return std::tuple(made);
       else return std::tuple_cat(std::tuple(made), self(self, made, rest...));
     };
-    return std::apply(
+    auto y = std::apply(
         [&](const auto&... o) {
           return std::apply([&](const auto&... made) { return graph::append(x.op, made...); },
                             made_after(made_after, anchor, o...));
         },
         x.operands);
+    y.ids.back() = x.node_id;
+    return y;
   }
 }
 

@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "detail/node_id.hpp"
 #include "tensor.hpp"
 
 namespace duet {
@@ -261,6 +262,9 @@ class ParameterResult : public BasicTensor<T> {
 
   Op op;
   std::tuple<Operands...> operands;  // each a `const BasicParameter<U>*` or a ParameterResult
+  // Its node's id wherever capture makes it again: one value, however many operations read it
+  // (`x * h + h`), so that the copies merge into one node, as PyNative computes it once.
+  std::uint64_t node_id = graph::new_node_id();
 };
 
 template <class X>

@@ -3868,6 +3868,27 @@ void sgd_update(T* p, const T* g, T* momentum, index_t n, const SgdCoefficients<
 #include <utility>
 #include <vector>
 
+// The run-time ids of captured nodes (graph.hpp, Sym::ids).
+//
+// Capture merges two nodes of one type on the same inputs into one (graph::detail::merge_from),
+// but the type cannot tell whether they are one value: `wq(x)` and `wk(x)` with wq, wk two
+// nn::Dense<64, 64>, or `s * 2` and `s * 3`, have the types of `s` and `s` again. Each node
+// therefore carries a run-time id, new for each node append makes, the parameter's own for a
+// parameter node, the result's own for an operation on parameters alone (nn::ParameterResult:
+// read twice, it is one value), none (0) for graph inputs (which are one value per index). Ids
+// are even; a parameter's is its address with the low bit set, so the two never meet.
+
+#include <atomic>
+#include <cstdint>
+
+namespace duet::graph {
+
+inline std::uint64_t new_node_id() {
+  static std::atomic<std::uint64_t> last{0};
+  return last.fetch_add(2, std::memory_order_relaxed) + 2;
+}
+
+}  // namespace duet::graph
 // duet::BasicTensor: a row-major, contiguous, reference-counted n-d array with a runtime shape,
 // and duet::StaticTensor, the same with its shape (or part of it) fixed in the type.
 //
@@ -4636,6 +4657,9 @@ class ParameterResult : public BasicTensor<T> {
 
   Op op;
   std::tuple<Operands...> operands;  // each a `const BasicParameter<U>*` or a ParameterResult
+  // Its node's id wherever capture makes it again: one value, however many operations read it
+  // (`x * h + h`), so that the copies merge into one node, as PyNative computes it once.
+  std::uint64_t node_id = graph::new_node_id();
 };
 
 template <class X>
@@ -6394,17 +6418,6 @@ struct value_during_capture {
   using type = R;
 };
 
-// Capture merges two nodes of one type on the same inputs into one (graph::detail::merge_from),
-// but the type cannot tell whether they are one value: `wq(x)` and `wk(x)` with wq, wk two
-// nn::Dense<64, 64>, or `s * 2` and `s * 3`, have the types of `s` and `s` again. Each node
-// therefore carries a run-time id, new for each node append makes, the parameter's own for a
-// parameter node, none (0) for graph inputs (which are one value per index). Ids are even; a
-// parameter's is its address with the low bit set, so the two never meet.
-inline std::uint64_t new_node_id() {
-  static std::atomic<std::uint64_t> last{0};
-  return last.fetch_add(2, std::memory_order_relaxed) + 2;
-}
-
 template <class G, std::size_t Out>
 struct Sym {
   using graph_type = G;
@@ -6771,6 +6784,8 @@ struct views_of<NodeList<Nodes...>> {
 // is appended then. A value computed from a parameter (`h = x + h0`) that two graphs hold at
 // different places is thus merged, where matching by place alone captured it again at each
 // merge, and a recurrent cell reading such a state twice per step doubled its graph per step.
+// Several are held at once: a value of parameters alone (`angle = pos * freq`, read by sin and
+// by cos) is found by its product of two, and captured once, as PyNative computes it once.
 inline constexpr std::size_t held = static_cast<std::size_t>(-1);
 
 // What merging b's nodes from Start on after `built` does: where each goes (map), and which
@@ -6789,30 +6804,44 @@ constexpr MergePlan<NB> plan_merge(const std::array<NodeView, NB>& b, const std:
                                    const std::array<std::size_t, Start>& first) {
   MergePlan<NB> p;
   for (std::size_t j = 0; j < Start; ++j) p.map[j] = first[j];
-  std::size_t pending = held;
+  // The parameters held, in b's order (a product of two, `pos * freq`, holds both).
+  std::array<std::size_t, NB> pending{};
+  std::size_t n_pending = 0;
   const auto append = [&](std::size_t j) {
     p.map[j] = NBuilt + p.appended;
     p.order[p.appended++] = j;
   };
-  const auto place_pending = [&] {
-    if (pending != held) append(pending);
-    pending = held;
+  // Appends the held parameters `keep` says no to, in b's order.
+  const auto place_pending = [&](auto keep) {
+    std::size_t kept = 0;
+    for (std::size_t k = 0; k < n_pending; ++k) {
+      if (keep(pending[k])) pending[kept++] = pending[k];
+      else append(pending[k]);
+    }
+    n_pending = kept;
   };
-  // Whether built's node i is b's node j, the held parameter standing for any parameter of its
-  // type (which one, then in stand_in).
-  const auto same = [&](std::size_t i, std::size_t j, std::size_t& stand_in) {
-    stand_in = held;
+  const auto place_all = [&] { place_pending([](std::size_t) { return false; }); };
+  // Whether built's node i is b's node j, each held parameter j reads standing for the
+  // parameter of its type in its slot there (which, then in stand_in: b's node to built's).
+  std::array<std::size_t, NB> stand_in{};
+  const auto same = [&](std::size_t i, std::size_t j) {
     if (built[i].op != b[j].op || built[i].args.size() != b[j].args.size()) return false;
     for (std::size_t a = 0; a < b[j].args.size(); ++a) {
-      const std::size_t want = p.map[b[j].args[a]];
+      const std::size_t arg = b[j].args[a];
+      const std::size_t want = p.map[arg];
       const std::size_t have = built[i].args[a];
       if (want != held) {
         if (have != want) return false;
-      } else if (built[have].node != b[pending].node || (stand_in != held && stand_in != have)) {
-        return false;
-      } else {
-        stand_in = have;
+        continue;
       }
+      if (built[have].node != b[arg].node) return false;
+      // One held parameter stands for one parameter of built, and two for two.
+      for (std::size_t c = 0; c < a; ++c) {
+        const std::size_t other = b[j].args[c];
+        if (p.map[other] != held) continue;
+        if ((other == arg) != (stand_in[other] == have)) return false;
+      }
+      stand_in[arg] = have;
     }
     return true;
   };
@@ -6840,34 +6869,38 @@ constexpr MergePlan<NB> plan_merge(const std::array<NodeView, NB>& b, const std:
         p.map[j] = j;
         p.met[j] = true;
       } else {
-        place_pending();
-        pending = j;
+        pending[n_pending++] = j;
         p.map[j] = held;
       }
       continue;
     }
     // Place j is tried first: a graph merged into one it extends has each node where the
     // other has it.
-    std::size_t stand_in = held;
     std::size_t found = NBuilt;
-    if (j < NBuilt && same(j, j, stand_in)) found = j;
+    if (j < NBuilt && same(j, j)) found = j;
     for (std::size_t i = 0; i < NBuilt && found == NBuilt; ++i) {
-      if (same(i, j, stand_in)) found = i;
+      if (same(i, j)) found = i;
     }
+    const auto reads = [&](std::size_t q) { return std::find(n.args.begin(), n.args.end(), q) != n.args.end(); };
     if (found < NBuilt) {
-      if (stand_in != held) {
-        p.map[pending] = stand_in;
-        p.met[pending] = true;
-        pending = held;
+      for (const std::size_t arg : n.args) {
+        if (p.map[arg] != held) continue;
+        p.map[arg] = stand_in[arg];
+        p.met[arg] = true;
       }
+      std::size_t kept = 0;  // those still held; the ones found are placed already
+      for (std::size_t k = 0; k < n_pending; ++k) {
+        if (p.map[pending[k]] == held) pending[kept++] = pending[k];
+      }
+      n_pending = kept;
       p.map[j] = found;
       p.met[j] = true;
     } else {
-      if (std::find(n.args.begin(), n.args.end(), pending) != n.args.end()) place_pending();
+      place_pending([&](std::size_t q) { return !reads(q); });
       append(j);
     }
   }
-  place_pending();
+  place_all();
   return p;
 }
 
@@ -8817,12 +8850,14 @@ auto parameter_result_after(const A& anchor, const X& x) {
       if constexpr (sizeof...(rest) == 0) return std::tuple(made);
       else return std::tuple_cat(std::tuple(made), self(self, made, rest...));
     };
-    return std::apply(
+    auto y = std::apply(
         [&](const auto&... o) {
           return std::apply([&](const auto&... made) { return graph::append(x.op, made...); },
                             made_after(made_after, anchor, o...));
         },
         x.operands);
+    y.ids.back() = x.node_id;
+    return y;
   }
 }
 
