@@ -379,6 +379,14 @@ bool same_losses(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
+// A convolution whose sample (3 x 5 x 5 = 75 values) is no whole number of vectors, followed
+// by functions whose bits depend on where a vector starts.
+struct ConvExp : duet::nn::Cell<ConvExp> {
+  duet::nn::Conv2d<1, 3, 3> conv{{.has_bias = true}};
+  DUET_CELL_MEMBERS(conv);
+  auto construct(auto x) { return duet::ops::sin(duet::ops::exp(conv(x))); }
+};
+
 }  // namespace
 
 TEST_CASE("a small convolutional network trains with Adam, with the same losses in both modes") {
@@ -391,6 +399,22 @@ TEST_CASE("a small convolutional network trains with Adam, with the same losses 
   const auto dynamic_graph = runtime_built_losses(duet::GRAPH_MODE);
   CHECK(same_losses(dynamic_pynative, dynamic_graph));
   CHECK(dynamic_pynative.back() < dynamic_pynative.front());
+}
+
+TEST_CASE("a convolution's epilogue of exp and sin gives PyNative's bits when a sample is no whole number of vectors") {
+  duet_test::ModeGuard guard;
+  duet::set_seed(23);
+  ConvExp net;
+  net.set_train(false);
+  const duet::Tensor x = duet::randn({5, 1, 7, 7}, 24);
+  duet::set_context({.mode = duet::PYNATIVE_MODE});
+  const duet::Tensor eager = net(x);
+  duet::set_context({.mode = duet::GRAPH_MODE});
+  const duet::Tensor graph = net(x);
+  REQUIRE(eager.shape() == graph.shape());
+  CHECK(std::memcmp(eager.data(), graph.data(), sizeof(float) * static_cast<std::size_t>(eager.numel())) == 0);
+  // The functions are the convolution's epilogue, not passes of their own.
+  CHECK(duet::graph_ir(net, duet::shape<duet::dyn, 1, 7, 7>).optimized.text.find(" + Exp") != std::string::npos);
 }
 
 }  // namespace tests_ops_conv

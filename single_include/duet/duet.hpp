@@ -23082,7 +23082,15 @@ void convolve(const ConvGeometry& g, const graph::KernelArgs& a, const T* w, con
     }
     T* yn = y + n * q.out * q.pixels();
     if (bias != nullptr) kernels::add_channel_bias(yn, q.out, q.pixels(), bias);
-    if constexpr (sizeof...(Fns) > 0) Backend::map(fns, yn, q.out * q.pixels(), yn);
+    if constexpr (sizeof...(Fns) > 0 && backend::detail::exact_in_any_layout<T, Fns...>) {
+      Backend::map(fns, yn, q.out * q.pixels(), yn);
+    }
+  }
+  // A function whose bits depend on where a vector starts (Eigen's exp, sin) goes over the
+  // whole output, as PyNative's separate map does: a sample's planes need not split into
+  // vectors where the whole does.
+  if constexpr (sizeof...(Fns) > 0 && !backend::detail::exact_in_any_layout<T, Fns...>) {
+    Backend::map(fns, y, q.batch * q.out * q.pixels(), y);
   }
 }
 
