@@ -272,8 +272,8 @@ inline std::string lost_gradient_message(const std::string& op, std::size_t k) {
 
 inline constexpr const char* nothing_differentiated_message =
     "duet: the function differentiated (a loss, in a training step) does not depend on anything being "
-    "differentiated (no parameter, nor the input asked for, reaches it: an ops::stop_gradient on the only "
-    "path?); its gradients would be silent zeros";
+    "differentiated (no parameter, nor the input asked for, reaches it: an ops::stop_gradient or a "
+    "zeros_like on the only path?); its gradients would be silent zeros";
 
 // Whether grad_op<K>() of Op gives an actual gradient, not NoGradient.
 template <class Op, std::size_t K>

@@ -6129,8 +6129,8 @@ inline std::string lost_gradient_message(const std::string& op, std::size_t k) {
 
 inline constexpr const char* nothing_differentiated_message =
     "duet: the function differentiated (a loss, in a training step) does not depend on anything being "
-    "differentiated (no parameter, nor the input asked for, reaches it: an ops::stop_gradient on the only "
-    "path?); its gradients would be silent zeros";
+    "differentiated (no parameter, nor the input asked for, reaches it: an ops::stop_gradient or a "
+    "zeros_like on the only path?); its gradients would be silent zeros";
 
 // Whether grad_op<K>() of Op gives an actual gradient, not NoGradient.
 template <class Op, std::size_t K>
@@ -20063,6 +20063,7 @@ using Flatten = BasicFlatten<float>;
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <sstream>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -20407,9 +20408,10 @@ struct BCELoss {
   static void check_input(const X& x) {
     // Written so that a NaN fails it too.
     if (!((x >= typename X::Scalar(0)) && (x <= typename X::Scalar(1))).all()) {
+      std::ostringstream got;  // -1e-07 as such, where std::to_string would print -0.000000
+      got << static_cast<double>(x.minCoeff()) << " to " << static_cast<double>(x.maxCoeff());
       throw ValueError("nn::BCELoss: the input must be probabilities in [0, 1] (for logits, nn::BCEWithLogitsLoss); got " +
-                       std::to_string(static_cast<double>(x.minCoeff())) + " to " +
-                       std::to_string(static_cast<double>(x.maxCoeff())));
+                       got.str());
     }
   }
   template <class X, class Y>

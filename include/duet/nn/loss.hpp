@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <sstream>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -351,9 +352,10 @@ struct BCELoss {
   static void check_input(const X& x) {
     // Written so that a NaN fails it too.
     if (!((x >= typename X::Scalar(0)) && (x <= typename X::Scalar(1))).all()) {
+      std::ostringstream got;  // -1e-07 as such, where std::to_string would print -0.000000
+      got << static_cast<double>(x.minCoeff()) << " to " << static_cast<double>(x.maxCoeff());
       throw ValueError("nn::BCELoss: the input must be probabilities in [0, 1] (for logits, nn::BCEWithLogitsLoss); got " +
-                       std::to_string(static_cast<double>(x.minCoeff())) + " to " +
-                       std::to_string(static_cast<double>(x.maxCoeff())));
+                       got.str());
     }
   }
   template <class X, class Y>
