@@ -11932,38 +11932,10 @@ namespace detail {
 
 inline constexpr std::size_t no_grad = ~std::size_t{0};
 
-// Which nodes' values lead to something being differentiated: a parameter, or an input listed
-// in Wrt. Only those get gradients.
-template <class G, std::size_t... Wrt>
-constexpr std::array<bool, G::size> leads_to_gradient() {
-  std::array<bool, G::size> leads{};
-  graph::for_each_index<G::size>([&](auto i) {
-    constexpr std::size_t I = decltype(i)::value;
-    using N = graph::node_at<G, I>;
-    using Op = typename N::op_type;
-    if constexpr (graph::is_input_op_v<Op>) {
-      leads[I] = ((Op::index == Wrt) || ...);
-    } else {
-      bool any = false;
-      if constexpr (DifferentiableOperation<Op>) {
-        any = has_parameters<Op>();
-        [&]<std::size_t... K>(std::index_sequence<K...>) {
-          ((any = any || (input_has_gradient<Op, K>() && leads[N::args[K]])), ...);
-        }(std::make_index_sequence<N::arity>{});
-      } else {
-        for (std::size_t a : N::args) any = any || leads[a];
-      }
-      leads[I] = any;
-    }
-  });
-  return leads;
-}
-
-// Which nodes' values depend on something being differentiated at all, through any input an
-// operation does not cut (cuts_gradient): the tape's tracking. A gradient through a
-// comparison is zero; an output no such path reaches has no gradient to take.
-template <class G, std::size_t... Wrt>
-constexpr std::array<bool, G::size> connected_to_differentiated() {
+// Which nodes' values depend on an input listed in Wrt or a parameter, along the edges
+// `edge(std::type_identity<Op>, std::integral_constant<K>)` lets through (input K of Op).
+template <class G, std::size_t... Wrt, class Edge>
+constexpr std::array<bool, G::size> reached_from_differentiated(Edge edge) {
   std::array<bool, G::size> on{};
   graph::for_each_index<G::size>([&](auto i) {
     constexpr std::size_t I = decltype(i)::value;
@@ -11974,12 +11946,35 @@ constexpr std::array<bool, G::size> connected_to_differentiated() {
     } else {
       bool any = has_parameters<Op>();
       [&]<std::size_t... K>(std::index_sequence<K...>) {
-        ((any = any || (!cuts_gradient<Op, K>() && on[N::args[K]])), ...);
+        ((any = any || (edge(std::type_identity<Op>{}, std::integral_constant<std::size_t, K>{}) && on[N::args[K]])),
+         ...);
       }(std::make_index_sequence<N::arity>{});
       on[I] = any;
     }
   });
   return on;
+}
+
+// Which nodes' values lead to something being differentiated: only those get gradients. An
+// operation without a gradient passes on all its inputs, so that diagnostic::require_differentiable
+// names it when a gradient must flow through it.
+template <class G, std::size_t... Wrt>
+constexpr std::array<bool, G::size> leads_to_gradient() {
+  return reached_from_differentiated<G, Wrt...>([](auto op, auto k) {
+    using Op = typename decltype(op)::type;
+    if constexpr (DifferentiableOperation<Op>) return input_has_gradient<Op, decltype(k)::value>();
+    else return true;
+  });
+}
+
+// Which nodes' values depend on something being differentiated at all, through any input an
+// operation does not cut (cuts_gradient): the tape's tracking. A gradient through a
+// comparison is zero; an output no such path reaches has no gradient to take.
+template <class G, std::size_t... Wrt>
+constexpr std::array<bool, G::size> connected_to_differentiated() {
+  return reached_from_differentiated<G, Wrt...>([](auto op, auto k) {
+    return !cuts_gradient<typename decltype(op)::type, decltype(k)::value>();
+  });
 }
 
 template <std::size_t N>
