@@ -1,5 +1,6 @@
 // Gradients in both modes against central finite differences in double precision, and the
 // two modes against each other.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -182,6 +183,25 @@ TEST_CASE("grad: of a function of tensors, and an input the output does not depe
   }
 }
 
+
+TEST_CASE("value_and_grad: a grad_position chosen at run time (std::optional), or None (std::nullopt)") {
+  ModeGuard guard;
+  nn::Dense<3, 2, double> dense;
+  auto f = [&](const auto& x) { return dense(x); };
+  const Tensor64 x = randn<double>({4, 3}, 1);
+  const std::vector<nn::BasicParameter<double>*> bias{&dense.bias};
+  for (Mode m : {PYNATIVE_MODE, GRAPH_MODE}) {
+    set_context({.mode = m});
+    for (const std::optional<std::size_t> position : {std::optional<std::size_t>{}, std::optional<std::size_t>{0}}) {
+      const auto grads = value_and_grad(f, bias, position)(x).grads;
+      REQUIRE(grads.size() == (position ? 2u : 1u));
+      if (position) CHECK(std::ranges::equal(grads[0].values(), grad(f)(x).values()));
+      for (double g : grads.back().values()) CHECK(g == 4.0);
+    }
+    CHECK(value_and_grad(f, bias, std::nullopt)(x).grads.size() == 1);
+    CHECK(value_and_grad(f, std::optional<std::size_t>{})(x).grads.empty());
+  }
+}
 TEST_CASE("gradients of a parameter used twice add up") {
   ModeGuard guard;
   nn::Dense<2, 2, double> dense;

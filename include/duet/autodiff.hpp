@@ -454,11 +454,17 @@ void check_weights_reached(const std::vector<nn::BasicParameter<W>*>& weights, N
 
 }  // namespace autodiff::detail
 
+// Whether value_and_grad was given an input to differentiate: known when it was given a
+// position or none, known only at run time when given a std::optional. Each backward graph is
+// a compile-time instantiation (the whole graph-mode pipeline), so a function asked for its
+// weights' gradients alone does not build its inputs' too.
+enum class InputGradient { none, given, optional };
+
 // A function with its gradient: what value_and_grad and grad return. Calls run the function
 // forward and backward in its mode; parameters' gradients are also left in their grad tensors.
 // W is the weights' element type, or void for none (then the function's output type is what
 // is differentiated).
-template <class Fn, class W = void>
+template <class Fn, class W = void, InputGradient Input = InputGradient::given>
 class GradFunction {
   using FnRef = std::remove_reference_t<Fn>;
   using WeightType = std::conditional_t<std::is_void_v<W>, float, W>;
@@ -482,14 +488,19 @@ class GradFunction {
     static_assert(std::is_void_v<W> || std::is_same_v<V, W>,
                   "duet::value_and_grad: the function's value and the weights have different element types");
     ValueAndGrads<V> out;
-    BasicTensor<V> input_grad;
-    if (grad_position_) {
+    const auto with_input = [&] {
       check_position<V, X...>();
+      BasicTensor<V> input_grad;
       out.value = forward_backward<true>(input_grad, xs...);
       out.grads.push_back(std::move(input_grad));
-    } else {
-      out.value = forward_backward<false>(input_grad, xs...);
-    }
+    };
+    const auto without_input = [&] {
+      BasicTensor<V> unused;
+      out.value = forward_backward<false>(unused, xs...);
+    };
+    if constexpr (Input == InputGradient::given) with_input();
+    else if constexpr (Input == InputGradient::none) without_input();
+    else grad_position_ ? with_input() : without_input();
     if constexpr (!std::is_void_v<W>) {
       check_weights_reached();
       const std::uint64_t pass = duet::detail::current_backward_pass();
@@ -727,20 +738,32 @@ class GradFunction {
 };
 
 // MindSpore's value_and_grad(fn, grad_position, weights). fn is a cell (kept by reference) or
-// a function of tensors; weights a cell's parameters() or any list of them.
+// a function of tensors; weights a cell's parameters() or any list of them. A grad_position
+// of std::nullopt is MindSpore's None: no input's gradient.
 template <class Fn>
-auto value_and_grad(Fn&& fn, std::optional<std::size_t> grad_position = 0) {
+auto value_and_grad(Fn&& fn, std::size_t grad_position = 0) {
   return GradFunction<Fn, void>(std::forward<Fn>(fn), {}, grad_position);
 }
-template <class Fn, ElementType T>
-auto value_and_grad(Fn&& fn, const std::vector<nn::NamedParameter<T>>& weights,
-                    std::optional<std::size_t> grad_position = std::nullopt) {
-  return GradFunction<Fn, T>(std::forward<Fn>(fn), autodiff::detail::parameters_of(weights), grad_position);
+template <class Fn>
+auto value_and_grad(Fn&& fn, std::optional<std::size_t> grad_position) {
+  return GradFunction<Fn, void, InputGradient::optional>(std::forward<Fn>(fn), {}, grad_position);
 }
 template <class Fn, ElementType T>
-auto value_and_grad(Fn&& fn, std::vector<nn::BasicParameter<T>*> weights,
-                    std::optional<std::size_t> grad_position = std::nullopt) {
+auto value_and_grad(Fn&& fn, std::vector<nn::BasicParameter<T>*> weights) {
+  return GradFunction<Fn, T, InputGradient::none>(std::forward<Fn>(fn), std::move(weights), std::nullopt);
+}
+template <class Fn, ElementType T>
+auto value_and_grad(Fn&& fn, std::vector<nn::BasicParameter<T>*> weights, std::size_t grad_position) {
   return GradFunction<Fn, T>(std::forward<Fn>(fn), std::move(weights), grad_position);
+}
+template <class Fn, ElementType T>
+auto value_and_grad(Fn&& fn, std::vector<nn::BasicParameter<T>*> weights, std::optional<std::size_t> grad_position) {
+  return GradFunction<Fn, T, InputGradient::optional>(std::forward<Fn>(fn), std::move(weights), grad_position);
+}
+template <class Fn, ElementType T, class... Position>
+  requires(sizeof...(Position) <= 1)
+auto value_and_grad(Fn&& fn, const std::vector<nn::NamedParameter<T>>& weights, Position... grad_position) {
+  return value_and_grad(std::forward<Fn>(fn), autodiff::detail::parameters_of(weights), grad_position...);
 }
 
 // MindSpore's grad: the gradients alone. grad(fn) and grad(fn, k) give the gradient of input 0

@@ -356,7 +356,7 @@ class TrainOneStepCell {
   }
 
   NetWithLoss& net_with_loss_;
-  GradFunction<NetWithLoss&, void> grad_;
+  GradFunction<NetWithLoss&, void, InputGradient::none> grad_;
   Optimizer& optimizer_;
   TrainOneStepConfig config_;
   double last_global_norm_ = 0;
