@@ -512,6 +512,35 @@ TEST_CASE("registered cells, wrappers, temporaries and cells outside any constru
   CHECK(net.parameters().size() == 6);
 }
 
+namespace empty_list {
+// A cell with nothing to register may say so: an empty list is a list.
+struct Twice : nn::Cell<Twice> {
+  DUET_CELL_MEMBERS();
+  auto construct(auto x) { return x * 2.0f; }
+};
+struct Net : nn::Cell<Net> {
+  Twice twice;
+  nn::Dense<3, 2> fc;
+  DUET_CELL_MEMBERS(twice, fc);
+  auto construct(auto x) { return fc(twice(x)); }
+};
+}  // namespace empty_list
+
+TEST_CASE("DUET_CELL_MEMBERS() with no member: a cell without children or parameters, in both modes") {
+  ModeGuard guard;
+  empty_list::Net net;
+  const Tensor x = randn({4, 3}, 3);
+  std::vector<std::vector<double>> outputs;
+  for (Mode mode : {PYNATIVE_MODE, GRAPH_MODE}) {
+    set_context({.mode = mode});
+    outputs.push_back(duet_test::values_of(net(x)));
+    CHECK(empty_list::Twice{}.parameters().empty());
+  }
+  CHECK(outputs[0] == outputs[1]);
+  CHECK(outputs[0] == duet_test::values_of(net.fc(x * 2.0f)));
+  CHECK(net.parameters().size() == 2);
+}
+
 TEST_CASE("a PyNative cell may hold a DynamicSequentialCell, whose cells live outside it") {
   unregistered::Holder holder;
   holder.layers.append(nn::Dense<>(4, 2));

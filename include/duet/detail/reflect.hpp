@@ -43,6 +43,6 @@
 #define DUET_CELL_MEMBERS(...)                                                              \
   struct hana_accessors_impl {                                                              \
     static constexpr auto apply() {                                                         \
-      return ::boost::hana::make_tuple(DUET_DETAIL_FOR_EACH(DUET_DETAIL_MEMBER, __VA_ARGS__)); \
+      return ::boost::hana::make_tuple(__VA_OPT__(DUET_DETAIL_FOR_EACH(DUET_DETAIL_MEMBER, __VA_ARGS__))); \
     }                                                                                       \
   }
