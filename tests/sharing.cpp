@@ -185,6 +185,17 @@ struct Angles : nn::Cell<Angles, CONTEXT_MODE, double> {
   }
 };
 
+// Layers called on values of parameters alone: learned queries through a projection (DETR's
+// object queries), once as they are and once through tanh (helper-74).
+struct Queries : nn::Cell<Queries, CONTEXT_MODE, double> {
+  nn::BasicParameter<double> q{uniform<double>({2, 6}, -1.0, 1.0, 40)};
+  nn::Dense<6, 6, double> wq;
+  DUET_CELL_MEMBERS(q, wq);
+  auto construct(auto x) {  // x [batch, 2, 6]
+    return ops::sum(ops::square(x * wq(ops::tanh(q)) + wq(q)));
+  }
+};
+
 // A recurrence over Steps slices of x from a learned initial state h0, reading the state twice
 // per step (h + tanh(...)), the way a GRU does: each step's graph meets the state's at another
 // place than its own.
@@ -317,6 +328,47 @@ TEST_CASE("sharing: a value of parameters alone read twice is one node, and its 
   }
   REQUIRE(grads[0].size() == 3);
   for (std::size_t k = 0; k < 3; ++k) CHECK(duet_test::values_of(grads[0][k]) == duet_test::values_of(grads[1][k]));
+}
+
+TEST_CASE("sharing: a layer called on a value of parameters alone is captured, bit for bit and against finite differences") {
+  ModeGuard guard;
+  Queries net;
+  const std::string dump = captured_dump(net);
+  CHECK(dump.find("ambiguous") == std::string::npos);
+  CHECK(count(dump, "= Tanh(%") == 1);
+  CHECK(count(dump, "nn::Dense<6, 6, Float64> 'wq'") == 4);  // each call's product and bias, in the graph
+  const BasicTensor<double> x = uniform<double>({3, 2, 6}, -1.0, 1.0, 41);
+  check_modes_agree(net, x);
+
+  set_context({.mode = GRAPH_MODE});
+  const auto analytic = value_and_grad(net, std::vector<nn::BasicParameter<double>*>{&net.q})(x);
+  const auto loss = [&] {
+    set_context({.mode = PYNATIVE_MODE});
+    const double y = net(x).data()[0];
+    set_context({.mode = GRAPH_MODE});
+    return y;
+  };
+  for (index_t i = 0; i < net.q.numel(); ++i) {
+    const double saved = net.q.data()[i];
+    net.q.data()[i] = saved + 1e-6;
+    const double up = loss();
+    net.q.data()[i] = saved - 1e-6;
+    const double down = loss();
+    net.q.data()[i] = saved;
+    CHECK(analytic.grads[0].data()[i] == doctest::Approx((up - down) / 2e-6).epsilon(1e-6));
+  }
+
+  // PyNative mode's forward hooks see each call on the parameters' values.
+  set_context({.mode = PYNATIVE_MODE});
+  std::vector<std::vector<double>> seen;
+  auto handle = net.wq.register_forward_hook(
+      [&](const nn::BasicDynamicCell<double>&, const BasicTensor<double>& in, const BasicTensor<double>&) {
+        seen.push_back(duet_test::values_of(in));
+      });
+  (void)net(x);
+  REQUIRE(seen.size() == 2);  // in the order the compiler evaluates the operands of +
+  CHECK(std::ranges::count(seen, duet_test::values_of(net.q)) == 1);
+  handle.remove();
 }
 
 TEST_CASE("sharing: an ambiguous capture names the parameters it could not tell apart") {

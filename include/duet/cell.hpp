@@ -321,16 +321,12 @@ class BasicDynamicCell {
     registered_.store(true, std::memory_order_relaxed);
   }
 
- private:
-  // operator()'s call: hooks, then forward in this cell's mode.
-  BasicTensor<T> call(const BasicTensor<T>& x) {
-    check_registered();
-    ensure_named();
+ protected:
+  // A call's observers around run(), which gives the cell's output on x: a PIJit trace's
+  // note, backward hooks (on a recording tape), forward hooks, duet::summary's observer.
+  template <class Run>
+  auto observed_call(const BasicTensor<T>& x, Run run) {
     const BasicForwardHook<T>* observer = detail::call_observer<T>;
-    if (observer == nullptr && effective_mode(CONTEXT_MODE) == GRAPH_MODE && autodiff::active_tape() == nullptr &&
-        pijit::active_trace() == nullptr && traced_in_graph_mode()) {
-      return graph_form()(x, detail::structure_generation().load(std::memory_order_acquire));
-    }
     const pijit::TracedCell traced([this] { return label(); });
     if (pijit::Trace* trace = traced.trace()) {
       trace->note_cell([this] { return has_hooks_in_tree(); });
@@ -344,11 +340,23 @@ class BasicDynamicCell {
         });
       }
     }
-    BasicTensor<T> y = forward(x);
+    auto y = run();
     if (traced_output != nullptr) *traced_output = y;
     for (const auto& [id, hook] : hooks_) hook(*this, x, y);
     if (observer != nullptr) (*observer)(*this, x, y);
     return y;
+  }
+
+ private:
+  // operator()'s call: hooks, then forward in this cell's mode.
+  BasicTensor<T> call(const BasicTensor<T>& x) {
+    check_registered();
+    ensure_named();
+    if (detail::call_observer<T> == nullptr && effective_mode(CONTEXT_MODE) == GRAPH_MODE &&
+        autodiff::active_tape() == nullptr && pijit::active_trace() == nullptr && traced_in_graph_mode()) {
+      return graph_form()(x, detail::structure_generation().load(std::memory_order_acquire));
+    }
+    return observed_call(x, [&] { return forward(x); });
   }
 
   // Graph mode for a cell built at run time: PIJit at the default JitConfig, traced on the first
@@ -535,6 +543,29 @@ class Cell : public BasicDynamicCell<T> {
       return graph::spliced(xs..., run_construct(graph::continuation<S...>()));
     } else {
       return run_construct(xs...);
+    }
+  }
+
+  // A value of parameters alone: a parameter, or what operations on parameters alone make
+  // (ops::broadcast_to(h0), a learned query). construct runs on it as it is, so that its result
+  // is such a value too, which a graph capture makes again at each call, next to the symbolic
+  // inputs (`fc(queries) + x`); both modes run its operations now, with the same kernels. A
+  // construct that makes anything else of it gives a tensor, as on any tensor.
+  template <class P>
+    requires(nn::is_parameter_made_v<P> && std::is_same_v<typename P::value_type, T> &&
+             HasConstruct<Derived, BasicTensor<T>>)
+  auto operator()(const P& x) {
+    if constexpr (!nn::is_parameter_made_v<decltype(std::declval<Cell&>().run_construct(x))>) {
+      return (*this)(static_cast<const BasicTensor<T>&>(x));
+    } else {
+      return duet::detail::all_or_nothing([&] {
+        this->check_registered();
+        this->ensure_named();
+        return this->observed_call(x, [&] {
+          EagerScope eager;
+          return run_construct(x);
+        });
+      });
     }
   }
 
