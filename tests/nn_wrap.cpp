@@ -509,4 +509,48 @@ TEST_CASE("a parameter frozen after its optimizer was made stays where it is, on
   CHECK(losses[0] == losses[1]);
 }
 
+TEST_CASE("clipping skips a parameter frozen after its optimizer was made, and a step with all frozen is refused") {
+  ModeGuard guard;
+  const Tensor x = randn({4, 2, 4}, 5);
+  const Tensor y = randn({4, 3}, 6);
+  nn::MSELoss<> loss;
+  for (const Mode mode : {PYNATIVE_MODE, GRAPH_MODE}) {
+    CAPTURE(mode);
+    set_context({.mode = mode});
+    // The first layer's weight frozen before the optimizer was made, and after: the same
+    // norm and the same update, as PyTorch's clip_grad_norm_ sees only what is trained.
+    std::vector<double> norms;
+    std::vector<std::vector<double>> trained;
+    for (const bool after : {false, true}) {
+      set_seed(3);
+      Small net;
+      auto& frozen = net.layers.get<0>().weight;
+      if (!after) frozen.requires_grad = false;
+      nn::WithLossCell with_loss(net, loss);
+      nn::SGD sgd(net.parameters(), {.learning_rate = 0.1});
+      nn::TrainOneStepCell step(with_loss, sgd, {.clip_global_norm = 1e-3});
+      if (after) frozen.requires_grad = false;
+      step(x, y);
+      norms.push_back(step.last_global_norm());
+      trained.push_back(duet_test::values_of(net.layers.get<2>().weight));
+    }
+    CHECK(norms[0] == norms[1]);
+    CHECK(trained[0] == trained[1]);
+
+    // Everything frozen after the optimizer was made: a step would change nothing.
+    set_seed(3);
+    Small net;
+    nn::WithLossCell with_loss(net, loss);
+    nn::Adam adam(net.parameters(), {.learning_rate = 1e-2});
+    nn::TrainOneStepCell step(with_loss, adam);
+    for (const auto& p : net.parameters()) p.parameter->requires_grad = false;
+    CHECK_THROWS_WITH_AS(step(x, y),
+                         "nn::Adam: all 4 of its parameters have requires_grad = false (frozen since the optimizer was "
+                         "made), so the step would change nothing; unfreeze some, or make an optimizer over the ones "
+                         "to train",
+                         ValueError);
+    CHECK(adam.global_step() == 0);
+  }
+}
+
 }  // namespace tests_nn_wrap

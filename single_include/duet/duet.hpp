@@ -14294,12 +14294,14 @@ class TrainOneStepCell {
     if (!std::ranges::all_of(loss.values(), [](T v) { return std::isfinite(v); })) return skipped(loss, "loss");
     // Clipping reads the gradients backward left, the same in both modes, so both clip alike.
     // A gradient whose norm is not finite skips the update, as a NaN loss does; the norm is
-    // kept for the caller to see (last_global_norm).
+    // kept for the caller to see (last_global_norm). A parameter frozen after the optimiser
+    // was made still gets a gradient, which the update skips: so does the norm, as PyTorch's
+    // clip_grad_norm_ sees only the gradients of what it trains.
     if (config_.clip_global_norm) {
       const std::uint64_t pass = duet::detail::current_backward_pass();
       std::vector<BasicTensor<T>*> grads;
       for (BasicParameter<T>* p : optimizer_.parameters()) {
-        if (p->has_grad_from(pass)) grads.push_back(&p->grad);
+        if (p->requires_grad && p->has_grad_from(pass)) grads.push_back(&p->grad);
       }
       last_global_norm_ = ops::detail::clip_in_place(grads, *config_.clip_global_norm);
       if (!std::isfinite(last_global_norm_)) return skipped(loss, "gradients' global norm");
@@ -15942,8 +15944,14 @@ class BasicOptimizer {
   // cleared after the optimiser was made stays where it is (and keeps its state), as PyTorch
   // skips a parameter without a gradient: the update loops test the flag. One that had no
   // requires_grad when the optimiser was made is not among those it trains, and setting the
-  // flag later cannot add it: that is refused, rather than leaving it untrained in silence.
+  // flag later cannot add it: that is refused, rather than leaving it untrained in silence, and
+  // so is a step with every parameter frozen (PyTorch's backward would have refused it).
   void require_left_out_frozen() const {
+    if (std::ranges::none_of(params_, [](const BasicParameter<T>* p) { return p->requires_grad; })) {
+      throw ValueError(std::string(type_name()) + ": all " + std::to_string(params_.size()) +
+                       " of its parameters have requires_grad = false (frozen since the optimizer was made), so the "
+                       "step would change nothing; unfreeze some, or make an optimizer over the ones to train");
+    }
     for (const auto& p : left_out_) {
       if (!p.parameter->requires_grad) continue;
       throw ValueError(std::string(type_name()) + ": parameter '" + p.name +

@@ -242,8 +242,14 @@ class BasicOptimizer {
   // cleared after the optimiser was made stays where it is (and keeps its state), as PyTorch
   // skips a parameter without a gradient: the update loops test the flag. One that had no
   // requires_grad when the optimiser was made is not among those it trains, and setting the
-  // flag later cannot add it: that is refused, rather than leaving it untrained in silence.
+  // flag later cannot add it: that is refused, rather than leaving it untrained in silence, and
+  // so is a step with every parameter frozen (PyTorch's backward would have refused it).
   void require_left_out_frozen() const {
+    if (std::ranges::none_of(params_, [](const BasicParameter<T>* p) { return p->requires_grad; })) {
+      throw ValueError(std::string(type_name()) + ": all " + std::to_string(params_.size()) +
+                       " of its parameters have requires_grad = false (frozen since the optimizer was made), so the "
+                       "step would change nothing; unfreeze some, or make an optimizer over the ones to train");
+    }
     for (const auto& p : left_out_) {
       if (!p.parameter->requires_grad) continue;
       throw ValueError(std::string(type_name()) + ": parameter '" + p.name +

@@ -147,12 +147,14 @@ class TrainOneStepCell {
     if (!std::ranges::all_of(loss.values(), [](T v) { return std::isfinite(v); })) return skipped(loss, "loss");
     // Clipping reads the gradients backward left, the same in both modes, so both clip alike.
     // A gradient whose norm is not finite skips the update, as a NaN loss does; the norm is
-    // kept for the caller to see (last_global_norm).
+    // kept for the caller to see (last_global_norm). A parameter frozen after the optimiser
+    // was made still gets a gradient, which the update skips: so does the norm, as PyTorch's
+    // clip_grad_norm_ sees only the gradients of what it trains.
     if (config_.clip_global_norm) {
       const std::uint64_t pass = duet::detail::current_backward_pass();
       std::vector<BasicTensor<T>*> grads;
       for (BasicParameter<T>* p : optimizer_.parameters()) {
-        if (p->has_grad_from(pass)) grads.push_back(&p->grad);
+        if (p->requires_grad && p->has_grad_from(pass)) grads.push_back(&p->grad);
       }
       last_global_norm_ = ops::detail::clip_in_place(grads, *config_.clip_global_norm);
       if (!std::isfinite(last_global_norm_)) return skipped(loss, "gradients' global norm");
