@@ -285,6 +285,28 @@ TEST_CASE("summary: a wrong input shape is the layer's ShapeError, and graph mod
 }
 
 namespace {
+// A cell of two inputs, which a summary of one input cannot run (helper-75: a VAE and its noise).
+struct WithNoise : nn::Cell<WithNoise> {
+  nn::Dense<4, 2> fc;
+  DUET_CELL_MEMBERS(fc);
+  auto construct(auto x, auto noise) { return fc(x) + noise; }
+};
+}  // namespace
+
+TEST_CASE("summary: a cell of two inputs is a ModeError that says summary gives it one") {
+  ModeGuard guard;
+  WithNoise net;
+  std::ostringstream sink;
+  for (Mode mode : {PYNATIVE_MODE, GRAPH_MODE}) {
+    set_context({.mode = mode});
+    CHECK_THROWS_WITH_AS(summary(net, {2, 4}, sink),
+                         doctest::Contains("WithNoise: construct takes several inputs, and this call (duet::summary, a "
+                                           "container of cells, a call through nn::DynamicCell) gives it one"),
+                         ModeError);
+  }
+}
+
+namespace {
 // A runtime-built cell whose forward is given: it calls `inner` directly or through a jit function.
 struct Calls : nn::DynamicCell {
   nn::DynamicCell& inner;

@@ -528,8 +528,10 @@ class Cell : public BasicDynamicCell<T> {
   // One tensor in: the DynamicCell call (hooks, then forward in this cell's mode).
   BasicTensor<T> operator()(const BasicTensor<T>& x) {
     static_assert(HasConstruct<Derived, BasicTensor<T>>,
-                  "duet::nn::Cell: the derived cell must define construct(x), generic over its input: "
-                  "auto construct(auto x) { ... }");
+                  "duet::nn::Cell: called with one tensor, but construct does not take one: a cell defines "
+                  "construct(x), generic over its input (auto construct(auto x) { ... }); one whose construct takes "
+                  "several (a network with its loss, a sampler with its noise) is called with all of them, and "
+                  "duet::summary, io::export_onnx and containers of cells take cells of one input");
     return BasicDynamicCell<T>::operator()(x);
   }
 
@@ -551,11 +553,14 @@ class Cell : public BasicDynamicCell<T> {
   // is such a value too, which a graph capture makes again at each call, next to the symbolic
   // inputs (`fc(queries) + x`); both modes run its operations now, with the same kernels. A
   // construct that makes anything else of it gives a tensor, as on any tensor.
+  // (Whether construct takes one tensor is asked in the body: clang 14 answers a constraint
+  // that does not depend on P while Derived is still incomplete, and keeps the answer.)
   template <class P>
-    requires(nn::is_parameter_made_v<P> && std::is_same_v<typename P::value_type, T> &&
-             HasConstruct<Derived, BasicTensor<T>>)
+    requires(nn::is_parameter_made_v<P> && std::is_same_v<typename P::value_type, T>)
   auto operator()(const P& x) {
-    if constexpr (!nn::is_parameter_made_v<decltype(std::declval<Cell&>().run_construct(x))>) {
+    if constexpr (!HasConstruct<Derived, BasicTensor<T>>) {
+      return (*this)(static_cast<const BasicTensor<T>&>(x));  // which says what construct lacks
+    } else if constexpr (!nn::is_parameter_made_v<decltype(std::declval<Cell&>().run_construct(x))>) {
       return (*this)(static_cast<const BasicTensor<T>&>(x));
     } else {
       return duet::detail::all_or_nothing([&] {
@@ -710,7 +715,8 @@ class Cell : public BasicDynamicCell<T> {
  protected:
   BasicTensor<T> forward(const BasicTensor<T>& x) override {
     if constexpr (!HasConstruct<Derived, BasicTensor<T>>) {
-      throw ModeError(this->label() + ": construct takes several inputs; call the cell with all of them");
+      throw ModeError(this->label() + ": construct takes several inputs, and this call (duet::summary, a container of "
+                      "cells, a call through nn::DynamicCell) gives it one; call the cell with all of them");
     } else if constexpr (!std::is_convertible_v<decltype(std::declval<Derived&>().construct(x)), BasicTensor<T>>) {
       // Said here, where every call of a cell goes, rather than as "no type named value_type"
       // in the capture and the trace.

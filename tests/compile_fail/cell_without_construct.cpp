@@ -1,5 +1,5 @@
 // A cell that forgot to define construct.
-// expect: duet::nn::Cell: the derived cell must define construct\(x\)
+// expect: duet::nn::Cell: called with one tensor, but construct does not take one: a cell defines construct\(x\)
 #include <duet/duet.hpp>
 
 struct Net : duet::nn::Cell<Net> {
