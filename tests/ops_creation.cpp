@@ -1,6 +1,8 @@
 // zeros_like, ones_like, full_like (include/duet/ops/creation.hpp): their values in the
 // gradient harness (no gradient is due to their input), and here a learned initial state
 // broadcast to the batch through zeros_like, trained in both modes, against a closed form.
+// randn_like, rand_like (include/duet/ops/random.hpp): the global generator's draws in both
+// modes, their distribution, and a reparameterised sample's gradients against a closed form.
 #include "ops_harness.hpp"
 
 namespace tests_ops_creation {
@@ -18,6 +20,14 @@ D filled(const Shape& shape, double v) {
   return out;
 }
 
+// What the global generator seeded with `seed` draws, element by element in row-major order.
+D draws(const Shape& shape, std::uint64_t seed, bool uniform) {
+  duet::Generator gen(seed);
+  D out = duet::zeros<double>(shape);
+  for (index_t i = 0; i < out.numel(); ++i) out.data()[i] = uniform ? gen.uniform01<double>() : gen.normal<double>();
+  return out;
+}
+
 const bool creation_cases = add_cases([](std::multimap<std::string, Case>& m) {
   for (const Shape& shape : {Shape{3, 4}, Shape{2, 1, 3}, Shape{}}) {
     m.emplace("zeros_like", make_value_case({shape}, [](const auto& x) { return ops::zeros_like(x); },
@@ -26,6 +36,18 @@ const bool creation_cases = add_cases([](std::multimap<std::string, Case>& m) {
                                            [](const std::vector<D>& xs) { return filled(xs[0].shape(), 1.0); }));
     m.emplace("full_like", make_value_case({shape}, [](const auto& x) { return ops::full_like(x, -2.5); },
                                            [](const std::vector<D>& xs) { return filled(xs[0].shape(), -2.5); }));
+  }
+  // Seeded inside the function, so that each mode draws from the same state: graph mode runs
+  // the function's C++ (the seeding) while capturing, then the graph (the draw).
+  for (const Shape& shape : {Shape{3, 4}, Shape{2, 1, 5}}) {
+    m.emplace("randn_like", make_value_case({shape}, [](const auto& x) {
+                duet::set_seed(21);
+                return ops::randn_like(x);
+              }, [](const std::vector<D>& xs) { return draws(xs[0].shape(), 21, false); }));
+    m.emplace("rand_like", make_value_case({shape}, [](const auto& x) {
+                duet::set_seed(22);
+                return ops::rand_like(x);
+              }, [](const std::vector<D>& xs) { return draws(xs[0].shape(), 22, true); }));
   }
 });
 
@@ -95,6 +117,57 @@ TEST_CASE("zeros_like: zeros where x * 0 would be NaN, and its input gets no gra
   const duet::BasicTensor<std::int32_t> ids({2}, {4, 7});
   CHECK(ops::full_like(ids, 2.7).data()[1] == 2);
   CHECK_THROWS_AS(static_cast<void>(ops::full_like(ids, 1e10)), duet::ValueError);
+}
+
+TEST_CASE("randn_like: a reparameterised sample mu + exp(logvar / 2) * eps, its gradients and draws in both modes") {
+  const D mu = random_input({4, 3}, -1.0, 1.0, 9);
+  const D logvar = random_input({4, 3}, -1.0, 1.0, 10);
+  const D w = random_input({4, 3}, -1.0, 1.0, 11);
+  const D eps = draws({4, 3}, 12, false);
+  std::vector<std::vector<D>> results;
+  for (duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+    CAPTURE(mode);
+    duet_test::ModeGuard guard;
+    duet::set_context({.mode = mode});
+    auto sample = [](const auto& w_, const auto& mu_, const auto& logvar_) {
+      return (mu_ + ops::exp(logvar_ * 0.5) * ops::randn_like(mu_)) * w_;
+    };
+    auto by_mu = duet::value_and_grad(sample, 1);
+    auto by_logvar = duet::value_and_grad(sample, 2);
+    duet::set_seed(12);
+    const auto r_mu = by_mu(w, mu, logvar);
+    duet::set_seed(12);
+    const auto r_logvar = by_logvar(w, mu, logvar);
+    // d/dmu = w, d/dlogvar = w exp(logvar / 2) eps / 2, with eps the seed's draws.
+    for (index_t i = 0; i < 12; ++i) {
+      const double s = std::exp(logvar.data()[i] * 0.5);
+      CHECK(r_mu.grads[0].data()[i] == w.data()[i]);
+      CHECK(r_logvar.grads[0].data()[i] == doctest::Approx(w.data()[i] * s * eps.data()[i] * 0.5).epsilon(1e-14));
+    }
+    // Each call draws anew, from where the generator is.
+    const D again = by_mu(w, mu, logvar).value;
+    CHECK(!same_bits(std::vector<D>{again}, std::vector<D>{r_mu.value}));
+    results.push_back({r_mu.value, r_mu.grads[0], r_logvar.grads[0], again});
+  }
+  CHECK(same_bits(results[0], results[1]));
+}
+
+TEST_CASE("randn_like and rand_like: standard normal and uniform [0, 1) draws, in float and double") {
+  duet::set_seed(13);
+  const D n = ops::randn_like(duet::zeros<double>({200000}));
+  double mean = 0, square = 0;
+  for (double v : n.values()) {
+    mean += v;
+    square += v * v;
+  }
+  mean /= 200000.0;
+  CHECK(std::abs(mean) < 0.01);  // 4.5 standard errors
+  CHECK(square / 200000.0 - mean * mean == doctest::Approx(1.0).epsilon(0.01));
+  const duet::Tensor u = ops::rand_like(duet::zeros({100000}));
+  CHECK(std::ranges::all_of(u.values(), [](float v) { return v >= 0.0f && v < 1.0f; }));
+  double total = 0;
+  for (float v : u.values()) total += v;
+  CHECK(total / 100000.0 == doctest::Approx(0.5).epsilon(0.01));
 }
 
 }  // namespace tests_ops_creation

@@ -41,6 +41,7 @@
 #include "ops/clip.hpp"
 #include "ops/conv.hpp"
 #include "ops/creation.hpp"
+#include "ops/random.hpp"
 #include "ops/gradient_control.hpp"
 #include "ops/reduction.hpp"
 #include "ops/matmul.hpp"
