@@ -3,6 +3,8 @@
 // broadcast to the batch through zeros_like, trained in both modes, against a closed form.
 // randn_like, rand_like (include/duet/ops/random.hpp): the global generator's draws in both
 // modes, their distribution, and a reparameterised sample's gradients against a closed form.
+#include <sstream>
+
 #include "ops_harness.hpp"
 
 namespace tests_ops_creation {
@@ -63,7 +65,41 @@ struct FromH0 : nn::Cell<FromH0, duet::CONTEXT_MODE, double> {
   }
 };
 
+// A sample around an encoding, and its loss (a VAE's reparameterisation, without the decoder).
+struct Reparam : nn::Cell<Reparam, duet::CONTEXT_MODE, double> {
+  nn::Dense<3, 4, double> enc;
+  DUET_CELL_MEMBERS(enc);
+  auto construct(auto x) {
+    const auto h = enc(x);
+    return ops::sum(ops::square(h + ops::randn_like(h)));
+  }
+};
+
+// The global generator's next draw, without drawing it.
+double next_draw() {
+  return duet::with_global_generator([](const duet::Generator& g) { return duet::Generator(g).normal<double>(); });
+}
+
 }  // namespace
+
+TEST_CASE("randn_like: compare_modes and summary give back their draws, and so does a step that fails") {
+  duet::set_seed(14);
+  Reparam net;
+  const D x = random_input({5, 3}, -1.0, 1.0, 15);
+  const double next = next_draw();
+  const duet::ModeReport report = duet::compare_modes(net, x);
+  CHECK_MESSAGE(report.agree(), report.to_string());
+  std::ostringstream sink;
+  duet::summary(net, {5, 3}, sink);
+  CHECK(next_draw() == next);
+  // A loss that fails after drawing (a shape error in the loss) draws nothing in the end.
+  auto failing = [&](const auto& in) {
+    const auto noisy = in + ops::randn_like(in);
+    return ops::sum(net(noisy));
+  };
+  CHECK_THROWS_AS(static_cast<void>(duet::value_and_grad(failing)(random_input({5, 2}, -1.0, 1.0, 16))), duet::ShapeError);
+  CHECK(next_draw() == next);
+}
 
 TEST_CASE("zeros_like: a learned initial state broadcast to the batch gets the batch's summed gradient, the same in both modes") {
   const D x = random_input({5, 3}, -1.0, 1.0, 4);

@@ -5,7 +5,8 @@
 // pass: every cell, whatever its mode (a graph-mode or jit cell, a runtime-built network that
 // graph mode would trace), then runs as in PyNative mode and reports each call, which is how
 // each cell's output shape is known. The run changes no parameter and no mode, makes no graph
-// or trace of the network, and draws no random number; forward hooks run, as in any eager call.
+// or trace of the network, and gives back the random numbers it draws (Dropout's, and
+// ops::randn_like's from the global generator); forward hooks run, as in any eager call.
 // A duet::jit function the network calls runs compiled, as in any call: the cells it calls are
 // not seen ("--").
 #pragma once

@@ -6,8 +6,11 @@
 // MindSpore's, they draw from the global generator (duet::set_seed): each call of the network
 // draws anew, element by element in row-major order, with the generator locked for the whole
 // tensor. Graph mode runs the operation's kernel once per call, where PyNative mode runs it,
-// so the same seed gives both modes the same noise. Checkpoints do not hold the global
-// generator (Dropout's generators they do): a resumed run draws from the seed it sets.
+// so the same seed gives both modes the same noise. The global generator is a step's state, as
+// Dropout's generators are: a step that does not commit (a training step that fails,
+// duet::summary's run, each mode's run in duet::compare_modes) gives back the draws it made.
+// Checkpoints do not hold it (Dropout's generators they do): a resumed run draws from the seed
+// it sets.
 //
 // The output does not depend on the input's values, so no gradient is due to the input
 // (stops_gradient, as for zeros_like); the gradient reaches mu and logvar through the
@@ -32,6 +35,26 @@ namespace duet::ops {
 
 enum class Draw { normal, uniform };
 
+namespace detail {
+// The global generator as the state of the calling thread's steps.
+class GlobalGeneratorDraws final : public duet::detail::StepState {
+ public:
+  void save_for_step() override {
+    saved_ = with_global_generator([](const Generator& g) { return g; });
+  }
+  void restore_step() override {
+    with_global_generator([&](Generator& g) { g = saved_; });
+  }
+
+ private:
+  Generator saved_{0};
+};
+inline GlobalGeneratorDraws& global_generator_draws() {
+  thread_local GlobalGeneratorDraws draws;
+  return draws;
+}
+}  // namespace detail
+
 template <Draw D>
 struct RandomLikeOp : Primitive<RandomLikeOp<D>> {
   static constexpr int arity = 1;
@@ -46,6 +69,7 @@ struct RandomLikeOp : Primitive<RandomLikeOp<D>> {
                   "drawn for floating-point tensors");
     T* y = a.out<T>();
     const index_t n = a.output_shape.numel();
+    duet::detail::will_change(detail::global_generator_draws());
     with_global_generator([&](Generator& gen) {
       for (index_t i = 0; i < n; ++i) y[i] = D == Draw::normal ? gen.normal<T>() : gen.uniform01<T>();
     });
