@@ -509,6 +509,53 @@ TEST_CASE("a parameter frozen after its optimizer was made stays where it is, on
   CHECK(losses[0] == losses[1]);
 }
 
+namespace {
+// A backbone to freeze and a head to fine-tune.
+struct Tuned : nn::Cell<Tuned> {
+  nn::SequentialCell<nn::Dense<4, 8>, nn::BatchNorm1d<8>, nn::ReLU> backbone;
+  nn::Dense<8, 3> head;
+  DUET_CELL_MEMBERS(backbone, head);
+  auto construct(auto x) { return head(backbone(x)); }
+};
+}  // namespace
+
+TEST_CASE("set_requires_grad freezes a sub-tree for fine-tuning, and leaves BatchNorm's statistics untrained") {
+  ModeGuard guard;
+  const Tensor x = randn({6, 4}, 5);
+  const Tensor y = randn({6, 3}, 6);
+  nn::MSELoss<> loss;
+  std::vector<std::vector<float>> losses;
+  for (const Mode mode : {PYNATIVE_MODE, GRAPH_MODE}) {
+    CAPTURE(mode);
+    set_context({.mode = mode});
+    set_seed(3);
+    Tuned net;
+    net.backbone.set_requires_grad(false);
+    for (const auto& p : net.parameters()) CHECK(p.parameter->requires_grad == p.name.starts_with("head."));
+    const auto backbone = duet_test::values_of(net.backbone.get<0>().weight);
+    const auto head = duet_test::values_of(net.head.weight);
+    nn::WithLossCell with_loss(net, loss);
+    nn::Adam adam(net.parameters(), {.learning_rate = 1e-2});
+    CHECK(adam.parameters().size() == 2);
+    nn::TrainOneStepCell step(with_loss, adam);
+    std::vector<float> got;
+    for (int i = 0; i < 3; ++i) got.push_back(step(x, y).item());
+    CHECK(duet_test::values_of(net.backbone.get<0>().weight) == backbone);
+    CHECK(duet_test::values_of(net.head.weight) != head);
+    losses.push_back(got);
+
+    net.set_requires_grad(true);
+    auto& bn = net.backbone.get<1>();
+    CHECK(bn.gamma.requires_grad);
+    CHECK(!bn.moving_mean.requires_grad);
+    CHECK(!bn.moving_variance.requires_grad);
+  }
+  CHECK(losses[0] == losses[1]);
+  nn::BatchNorm1d<> fixed(8, 1e-5, 0.9, /*affine=*/false);
+  fixed.set_requires_grad(true);
+  CHECK(!fixed.gamma.requires_grad);
+}
+
 TEST_CASE("clipping skips a parameter frozen after its optimizer was made, and a step with all frozen is refused") {
   ModeGuard guard;
   const Tensor x = randn({4, 2, 4}, 5);

@@ -249,6 +249,23 @@ class BasicDynamicCell {
   }
   bool training() const { return training_.load(std::memory_order_relaxed); }
 
+  // PyTorch's module.requires_grad_(flag), a sub-tree at a time: every parameter of this cell
+  // and the cells below it is frozen (false) or trained (true), `net.backbone.set_requires_grad(false)`
+  // to fine-tune the head. A parameter its layer never trains (BatchNorm's moving statistics;
+  // gamma and beta without affine) stays frozen. What freezing means for an optimiser made
+  // before or after is the parameter's flag's (nn/optim.hpp).
+  BasicDynamicCell& set_requires_grad(bool flag) {
+    for (auto& named : cells_and_names()) {
+      const BasicDynamicCell* cell = named.second;
+      named.second->for_each_own_parameter([&](std::string_view, BasicParameter<T>& p) {
+        if (!cell->never_trains(p)) p.requires_grad = flag;
+      });
+    }
+    return *this;
+  }
+  // Whether this cell's parameter p is one it never trains (set_requires_grad leaves it frozen).
+  virtual bool never_trains(const BasicParameter<T>&) const { return false; }
+
   // What a temporary switch (train::evaluate) gives back to each cell: its setting, and
   // whether anybody chose it, so that the switch does not count as a choice.
   struct PhaseSetting {

@@ -11185,6 +11185,23 @@ class BasicDynamicCell {
   }
   bool training() const { return training_.load(std::memory_order_relaxed); }
 
+  // PyTorch's module.requires_grad_(flag), a sub-tree at a time: every parameter of this cell
+  // and the cells below it is frozen (false) or trained (true), `net.backbone.set_requires_grad(false)`
+  // to fine-tune the head. A parameter its layer never trains (BatchNorm's moving statistics;
+  // gamma and beta without affine) stays frozen. What freezing means for an optimiser made
+  // before or after is the parameter's flag's (nn/optim.hpp).
+  BasicDynamicCell& set_requires_grad(bool flag) {
+    for (auto& named : cells_and_names()) {
+      const BasicDynamicCell* cell = named.second;
+      named.second->for_each_own_parameter([&](std::string_view, BasicParameter<T>& p) {
+        if (!cell->never_trains(p)) p.requires_grad = flag;
+      });
+    }
+    return *this;
+  }
+  // Whether this cell's parameter p is one it never trains (set_requires_grad leaves it frozen).
+  virtual bool never_trains(const BasicParameter<T>&) const { return false; }
+
   // What a temporary switch (train::evaluate) gives back to each cell: its setting, and
   // whether anybody chose it, so that the switch does not count as a choice.
   struct PhaseSetting {
@@ -17772,9 +17789,14 @@ class BatchNorm : public Cell<BatchNorm<Dims, C, T>, CONTEXT_MODE, T>, public du
     beta.requires_grad = affine;
     moving_mean.requires_grad = false;
     moving_variance.requires_grad = false;
+    affine_ = affine;
   }
 
  public:
+  bool never_trains(const BasicParameter<T>& p) const override {
+    return &p == &moving_mean || &p == &moving_variance || !affine_;
+  }
+
   index_t num_features() const { return features_; }
   double eps() const { return eps_; }
   double momentum() const { return momentum_; }
@@ -17830,6 +17852,7 @@ class BatchNorm : public Cell<BatchNorm<Dims, C, T>, CONTEXT_MODE, T>, public du
   double eps_;
   double momentum_;
   bool sized_;
+  bool affine_ = true;
   std::vector<T> saved_mean_;
   std::vector<T> saved_variance_;
 };

@@ -269,6 +269,8 @@ class OnnxModel : public nn::DynamicCell {
     for (std::size_t i = 0; i < parameters_.size(); ++i) visit(parameter_names_[i], *parameters_[i]);
   }
 
+  bool never_trains(const nn::Parameter& p) const override { return std::ranges::find(statistics_, &p) != statistics_.end(); }
+
   // The ONNX operators of the model's steps, in order (a GELU pattern is one "Gelu").
   const std::vector<std::string>& operators() const { return operators_; }
   // The input's shape as the file declares it: -1 for a dimension it names rather than sizes
@@ -373,6 +375,7 @@ class OnnxModel : public nn::DynamicCell {
 
   std::vector<std::unique_ptr<nn::Parameter>> parameters_;
   std::vector<std::string> parameter_names_;
+  std::vector<const nn::Parameter*> statistics_;  // BatchNormalization's mean and variance, never trained
   std::vector<Tensor> constants_;
   std::vector<std::unique_ptr<detail::OnnxConv<1>>> convs1d_;
   std::vector<std::unique_ptr<detail::OnnxConv<2>>> convs2d_;
@@ -1057,8 +1060,10 @@ class OnnxBuilder {
       }
     }
     // The statistics are not trained, as duet's BatchNorm's moving mean and variance.
-    model_.parameters_[p[2].index]->requires_grad = false;
-    model_.parameters_[p[3].index]->requires_grad = false;
+    for (const Operand& statistic : {p[2], p[3]}) {
+      model_.parameters_[statistic.index]->requires_grad = false;
+      model_.statistics_.push_back(&*model_.parameters_[statistic.index]);
+    }
     const double eps = float_attr(n, "epsilon", 1e-5f);
     const std::string step_who = node;
     add_step("BatchNormalization", n, node, [=](const OnnxModel& m, std::vector<Tensor>& v) {

@@ -359,9 +359,14 @@ class BatchNorm : public Cell<BatchNorm<Dims, C, T>, CONTEXT_MODE, T>, public du
     beta.requires_grad = affine;
     moving_mean.requires_grad = false;
     moving_variance.requires_grad = false;
+    affine_ = affine;
   }
 
  public:
+  bool never_trains(const BasicParameter<T>& p) const override {
+    return &p == &moving_mean || &p == &moving_variance || !affine_;
+  }
+
   index_t num_features() const { return features_; }
   double eps() const { return eps_; }
   double momentum() const { return momentum_; }
@@ -417,6 +422,7 @@ class BatchNorm : public Cell<BatchNorm<Dims, C, T>, CONTEXT_MODE, T>, public du
   double eps_;
   double momentum_;
   bool sized_;
+  bool affine_ = true;
   std::vector<T> saved_mean_;
   std::vector<T> saved_variance_;
 };
