@@ -185,6 +185,16 @@ struct Angles : nn::Cell<Angles, CONTEXT_MODE, double> {
   }
 };
 
+// Two layers of one type on one input (a PyTorch user's wq, wk), then Dropout: a traced
+// network whose phase switches (helper-76).
+struct TracedWithDropout : nn::Cell<TracedWithDropout> {
+  nn::Dense<4, 4> a, b;
+  nn::Dropout drop{0.5};
+  nn::Dense<4, 1> out;
+  DUET_CELL_MEMBERS(a, b, drop, out);
+  auto construct(auto x) { return out(drop(a(x) * b(x))); }
+};
+
 // Layers called on values of parameters alone: learned queries through a projection (DETR's
 // object queries), once as they are and once through tanh (helper-74).
 struct Queries : nn::Cell<Queries, CONTEXT_MODE, double> {
@@ -295,6 +305,26 @@ TEST_CASE("sharing: two layers of one type on one input run traced in graph mode
       CHECK(analytic.grads[p].data()[i] == doctest::Approx((up - down) / 2e-6).epsilon(1e-6));
     }
   }
+}
+
+TEST_CASE("sharing: a traced network switches between training and evaluation in graph mode as in PyNative") {
+  ModeGuard guard;
+  const Tensor x = randn({8, 4}, 1);
+  std::vector<std::vector<std::vector<double>>> outputs;
+  for (Mode mode : {PYNATIVE_MODE, GRAPH_MODE}) {
+    set_context({.mode = mode});
+    set_seed(1);
+    TracedWithDropout net;
+    std::vector<std::vector<double>> got;
+    for (bool training : {true, false, true, false}) {
+      net.set_train(training);
+      got.push_back(duet_test::values_of(net(x)));
+    }
+    CHECK(got[1] == got[3]);  // evaluation is the identity
+    CHECK(got[0] != got[2]);  // each training call draws its own masks
+    outputs.push_back(got);
+  }
+  CHECK(outputs[0] == outputs[1]);
 }
 
 TEST_CASE("sharing: s * 2 + s * 3 is five times s in both modes") {

@@ -823,7 +823,7 @@ class Cell : public BasicDynamicCell<T> {
     return pipeline::in_requested_phase(
         [&](auto phase) -> const auto& { return captured<decltype(phase)::value, Patterns...>(xs...); },
         [&](const auto& program) {
-          if (!program.ambiguity.empty()) return traced_form<Ts...>()(xs...);
+          if (!program.ambiguity.empty()) return traced_form<std::remove_cvref_t<decltype(program)>, Ts...>()(xs...);
           return pipeline::execute<jit_config>(
               this->id(), program, [this] { return this->type_name() + "::construct"; }, xs...);
         });
@@ -849,12 +849,17 @@ class Cell : public BasicDynamicCell<T> {
 
   // Graph mode when capture cannot make the graph (graph::Sym::ambiguity): construct
   // traced on tensors (PIJit) on the first call for each input shape, and replayed after. The
-  // trace knows each value at run time, which the captured graph's types cannot.
-  template <class... Ts>
+  // trace knows each value at run time, which the captured graph's types cannot. One form per
+  // phase (Program: the phase's capture), as captured graphs are: a trace holds the operations
+  // of the phase it was made in (Dropout's, BatchNorm's), which a replay in the other refuses.
+  template <class Program, class... Ts>
   auto& traced_form() {
     using R = BasicTensor<typename decltype(run_construct(std::declval<const BasicTensor<Ts>&>()...))::value_type>;
     using Form = JitFunction<jit_config, duet::detail::ErasedCall<R, BasicTensor<Ts>...>>;
-    return this->forms_.template get<Form>([this] {
+    struct InPhase : Form {
+      explicit InPhase(Form&& form) : Form(std::move(form)) {}
+    };
+    return this->forms_.template get<InPhase>([this] {
       return Form({this, [](void* self, const BasicTensor<Ts>&... xs) {
                      return R(static_cast<Cell*>(self)->run_construct(xs...));
                    }},
