@@ -87,6 +87,33 @@ TEST_CASE("ops: softmax and log_softmax of logits of 1000 give no inf or NaN") {
   for (duet::index_t i = 0; i < g.numel(); ++i) CHECK(std::isfinite(g.data()[i]));
 }
 
+TEST_CASE("ops: a position masked with -1e9 gets exactly zero weight and gradient, whatever the row's length") {
+  for (duet::index_t n : {3, 64, 67}) {
+    CAPTURE(n);
+    std::vector<float> v(static_cast<std::size_t>(n), 0.5f);
+    for (std::size_t i = 1; i < v.size(); i += 2) v[i] = -1e9f;  // every other position masked
+    const duet::Tensor x({2, n}, [&] {
+      std::vector<float> both = v;
+      both.insert(both.end(), v.begin(), v.end());
+      return both;
+    }());
+    for (duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+      duet_test::ModeGuard guard;
+      duet::set_context({.mode = mode});
+      const auto probabilities = [](const auto& t) { return ops::softmax(t); };
+      const duet::Tensor p = duet::jit(probabilities)(x);
+      const duet::Tensor e = ops::exp(x);
+      const duet::Tensor g = duet::grad([](const auto& t) { return ops::sum(ops::square(ops::softmax(t))); })(x);
+      for (duet::index_t i = 0; i < x.numel(); ++i) {
+        if (x.data()[i] > 0) continue;
+        CHECK(p.data()[i] == 0.0f);
+        CHECK(e.data()[i] == 0.0f);
+        CHECK(g.data()[i] == 0.0f);
+      }
+    }
+  }
+}
+
 TEST_CASE("ops: nn::Softmax and nn::LogSoftmax are cells in a SequentialCell, the same in both modes") {
   duet_test::ModeGuard guard;
   duet::set_seed(3);

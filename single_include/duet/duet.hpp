@@ -16957,6 +16957,19 @@ namespace duet {
 
 namespace fn {
 
+// e^a, elementwise, 0 where it is below the smallest normal number. Eigen's vectorised exp
+// clamps its argument at ln(2^-128) and so gives 2.9e-39 (float) for any a below -88.72, a
+// masked logit of -1e9 included, while its scalar path (a tensor's tail) gives std::exp's
+// subnormal or 0: softmax over a padding mask left every masked position a little weight, which
+// depended on the row's length. Subnormal results count as zero here, as in the optimisers'
+// kernels, on every path alike.
+template <class A>
+auto exp_array(const A& a) {
+  using T = typename A::Scalar;
+  constexpr T lowest_normal_exponent = std::is_same_v<T, float> ? T(-87.33654475f) : T(-708.39641853226408);
+  return (a < lowest_normal_exponent).select(T(0), a.exp());
+}
+
 // Whether Fn's derivative is computed from its input (Fn::grad_array(dy, x)) rather than from
 // its output (Fn::grad_array(dy, y)), as for log or abs, whose input the output does not give.
 template <class Fn>
@@ -20814,7 +20827,7 @@ struct ClassLossGradOp : Primitive<ClassLossGradOp<Sparse, Logits, R>> {
         // Σq = 1 here.
         if constexpr (Logits) {
           const T lse = Forward::template log_normaliser<Backend>(row, classes);
-          d = (::Eigen::Map<const Array>(row, classes) - lse).exp() - spread;
+          d = fn::exp_array(::Eigen::Map<const Array>(row, classes) - lse) - spread;
         } else {
           d.setConstant(-spread);
         }
@@ -20825,7 +20838,7 @@ struct ClassLossGradOp : Primitive<ClassLossGradOp<Sparse, Logits, R>> {
         if constexpr (Logits) {
           const T lse = Forward::template log_normaliser<Backend>(row, classes);
           const T q_sum = q.sum();
-          d = ((::Eigen::Map<const Array>(row, classes) - lse).exp() * q_sum - q) * scale;
+          d = (fn::exp_array(::Eigen::Map<const Array>(row, classes) - lse) * q_sum - q) * scale;
         } else {
           d = -q * scale;
         }
@@ -25973,7 +25986,7 @@ struct SoftmaxOp : Primitive<SoftmaxOp<Log>>, detail::AxisMember<SoftmaxOp<Log>>
         const ConstArrayMap<T> xs(x + o * block, l.size);
         ArrayMap<T> ys(y + o * block, l.size);
         const T m = xs.template maxCoeff<::Eigen::PropagateNaN>();
-        ys = (xs - m).exp();
+        ys = fn::exp_array(xs - m);
         const T s = ys.sum();
         if constexpr (Log) ys = xs - m - std::log(s);
         else ys /= s;
@@ -25992,7 +26005,7 @@ struct SoftmaxOp : Primitive<SoftmaxOp<Log>>, detail::AxisMember<SoftmaxOp<Log>>
       s.setZero();
       for (index_t r = 0; r < l.size; ++r) {
         auto yr = out(r);
-        yr = (row(r) - m).exp();
+        yr = fn::exp_array(row(r) - m);
         s += yr;
       }
       if constexpr (Log) {
@@ -26040,7 +26053,7 @@ struct SoftmaxGradOp : Primitive<SoftmaxGradOp<Log>>, detail::AxisMember<Softmax
       for (index_t o = 0; o < l.outer; ++o) {
         const ConstArrayMap<T> g(dy + o * block, l.size), ys(y + o * block, l.size);
         ArrayMap<T> d(dx + o * block, l.size);
-        if constexpr (Log) d = g - ys.exp() * g.sum();
+        if constexpr (Log) d = g - fn::exp_array(ys) * g.sum();
         else d = ys * (g - (g * ys).sum());
       }
       return;
@@ -26056,7 +26069,7 @@ struct SoftmaxGradOp : Primitive<SoftmaxGradOp<Log>>, detail::AxisMember<Softmax
         else s += g(r) * ys(r);
       }
       for (index_t r = 0; r < l.size; ++r) {
-        if constexpr (Log) d(r) = g(r) - ys(r).exp() * s;
+        if constexpr (Log) d(r) = g(r) - fn::exp_array(ys(r)) * s;
         else d(r) = ys(r) * (g(r) - s);
       }
     }
@@ -26139,7 +26152,7 @@ struct Exp {
   static ops::InterchangeNode interchange() { return {"Exp", {}, {}}; }
   template <class A>
   static auto array(const A& a) {
-    return a.exp();
+    return exp_array(a);
   }
   template <class G, class Y>
   static auto grad_array(const G& dy, const Y& y) {

@@ -22,6 +22,19 @@ namespace duet {
 
 namespace fn {
 
+// e^a, elementwise, 0 where it is below the smallest normal number. Eigen's vectorised exp
+// clamps its argument at ln(2^-128) and so gives 2.9e-39 (float) for any a below -88.72, a
+// masked logit of -1e9 included, while its scalar path (a tensor's tail) gives std::exp's
+// subnormal or 0: softmax over a padding mask left every masked position a little weight, which
+// depended on the row's length. Subnormal results count as zero here, as in the optimisers'
+// kernels, on every path alike.
+template <class A>
+auto exp_array(const A& a) {
+  using T = typename A::Scalar;
+  constexpr T lowest_normal_exponent = std::is_same_v<T, float> ? T(-87.33654475f) : T(-708.39641853226408);
+  return (a < lowest_normal_exponent).select(T(0), a.exp());
+}
+
 // Whether Fn's derivative is computed from its input (Fn::grad_array(dy, x)) rather than from
 // its output (Fn::grad_array(dy, y)), as for log or abs, whose input the output does not give.
 template <class Fn>

@@ -13,6 +13,7 @@
 #include "../backend.hpp"
 #include "../cell.hpp"
 #include "../eager.hpp"
+#include "activation.hpp"
 
 namespace duet {
 namespace nn {
@@ -667,7 +668,7 @@ struct ClassLossGradOp : Primitive<ClassLossGradOp<Sparse, Logits, R>> {
         // Σq = 1 here.
         if constexpr (Logits) {
           const T lse = Forward::template log_normaliser<Backend>(row, classes);
-          d = (::Eigen::Map<const Array>(row, classes) - lse).exp() - spread;
+          d = fn::exp_array(::Eigen::Map<const Array>(row, classes) - lse) - spread;
         } else {
           d.setConstant(-spread);
         }
@@ -678,7 +679,7 @@ struct ClassLossGradOp : Primitive<ClassLossGradOp<Sparse, Logits, R>> {
         if constexpr (Logits) {
           const T lse = Forward::template log_normaliser<Backend>(row, classes);
           const T q_sum = q.sum();
-          d = ((::Eigen::Map<const Array>(row, classes) - lse).exp() * q_sum - q) * scale;
+          d = (fn::exp_array(::Eigen::Map<const Array>(row, classes) - lse) * q_sum - q) * scale;
         } else {
           d = -q * scale;
         }

@@ -41,7 +41,7 @@ struct Exp {
   static ops::InterchangeNode interchange() { return {"Exp", {}, {}}; }
   template <class A>
   static auto array(const A& a) {
-    return a.exp();
+    return exp_array(a);
   }
   template <class G, class Y>
   static auto grad_array(const G& dy, const Y& y) {

@@ -25,6 +25,7 @@
 #include <Eigen/Core>
 
 #include "../cell.hpp"
+#include "../nn/activation.hpp"
 #include "reduction.hpp"
 
 namespace duet {
@@ -94,7 +95,7 @@ struct SoftmaxOp : Primitive<SoftmaxOp<Log>>, detail::AxisMember<SoftmaxOp<Log>>
         const ConstArrayMap<T> xs(x + o * block, l.size);
         ArrayMap<T> ys(y + o * block, l.size);
         const T m = xs.template maxCoeff<::Eigen::PropagateNaN>();
-        ys = (xs - m).exp();
+        ys = fn::exp_array(xs - m);
         const T s = ys.sum();
         if constexpr (Log) ys = xs - m - std::log(s);
         else ys /= s;
@@ -113,7 +114,7 @@ struct SoftmaxOp : Primitive<SoftmaxOp<Log>>, detail::AxisMember<SoftmaxOp<Log>>
       s.setZero();
       for (index_t r = 0; r < l.size; ++r) {
         auto yr = out(r);
-        yr = (row(r) - m).exp();
+        yr = fn::exp_array(row(r) - m);
         s += yr;
       }
       if constexpr (Log) {
@@ -161,7 +162,7 @@ struct SoftmaxGradOp : Primitive<SoftmaxGradOp<Log>>, detail::AxisMember<Softmax
       for (index_t o = 0; o < l.outer; ++o) {
         const ConstArrayMap<T> g(dy + o * block, l.size), ys(y + o * block, l.size);
         ArrayMap<T> d(dx + o * block, l.size);
-        if constexpr (Log) d = g - ys.exp() * g.sum();
+        if constexpr (Log) d = g - fn::exp_array(ys) * g.sum();
         else d = ys * (g - (g * ys).sum());
       }
       return;
@@ -177,7 +178,7 @@ struct SoftmaxGradOp : Primitive<SoftmaxGradOp<Log>>, detail::AxisMember<Softmax
         else s += g(r) * ys(r);
       }
       for (index_t r = 0; r < l.size; ++r) {
-        if constexpr (Log) d(r) = g(r) - ys(r).exp() * s;
+        if constexpr (Log) d(r) = g(r) - fn::exp_array(ys(r)) * s;
         else d(r) = ys(r) * (g(r) - s);
       }
     }
