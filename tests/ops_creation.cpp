@@ -3,6 +3,8 @@
 // broadcast to the batch through zeros_like, trained in both modes, against a closed form.
 // randn_like, rand_like (include/duet/ops/random.hpp): the global generator's draws in both
 // modes, their distribution, and a reparameterised sample's gradients against a closed form.
+// cast (include/duet/ops/cast.hpp): conversions against static_cast, the gradient cast back, a
+// padding mask as weights.
 #include <sstream>
 
 #include "ops_harness.hpp"
@@ -30,6 +32,14 @@ D draws(const Shape& shape, std::uint64_t seed, bool uniform) {
   return out;
 }
 
+// x * scale converted to U as static_cast does, back in double.
+template <class U>
+D converted(const D& x, double scale) {
+  D out = duet::zeros<double>(x.shape());
+  for (index_t i = 0; i < x.numel(); ++i) out.data()[i] = static_cast<double>(static_cast<U>(x.data()[i] * scale));
+  return out;
+}
+
 const bool creation_cases = add_cases([](std::multimap<std::string, Case>& m) {
   for (const Shape& shape : {Shape{3, 4}, Shape{2, 1, 3}, Shape{}}) {
     m.emplace("zeros_like", make_value_case({shape}, [](const auto& x) { return ops::zeros_like(x); },
@@ -38,6 +48,14 @@ const bool creation_cases = add_cases([](std::multimap<std::string, Case>& m) {
                                            [](const std::vector<D>& xs) { return filled(xs[0].shape(), 1.0); }));
     m.emplace("full_like", make_value_case({shape}, [](const auto& x) { return ops::full_like(x, -2.5); },
                                            [](const std::vector<D>& xs) { return filled(xs[0].shape(), -2.5); }));
+  }
+  for (const Shape& shape : {Shape{3, 4}, Shape{2, 1, 5}}) {
+    m.emplace("cast", make_value_case({shape}, [](const auto& x) { return ops::cast<float>(x); },
+                                      [](const std::vector<D>& xs) { return converted<float>(xs[0], 1.0); }));
+    m.emplace("cast", make_value_case({shape}, [](const auto& x) { return ops::cast<std::int32_t>(x * 3.0); },
+                                      [](const std::vector<D>& xs) { return converted<std::int32_t>(xs[0], 3.0); }));
+    m.emplace("cast", make_case<1>({shape}, [](const auto& x) { return ops::cast<double>(x) * x; },
+                                   [](double x, double) { return x * x; }));
   }
   // Seeded inside the function, so that each mode draws from the same state: graph mode runs
   // the function's C++ (the seeding) while capturing, then the graph (the draw).
@@ -186,6 +204,38 @@ TEST_CASE("randn_like: a reparameterised sample mu + exp(logvar / 2) * eps, its 
     results.push_back({r_mu.value, r_mu.grads[0], r_logvar.grads[0], again});
   }
   CHECK(same_bits(results[0], results[1]));
+}
+
+TEST_CASE("cast: float and double round trips pass the gradient back, a padding mask weighs a mean, a value out of range is refused") {
+  const D x = random_input({3, 4}, -2.0, 2.0, 17);
+  const D w = random_input({3, 4}, -1.0, 1.0, 18);
+  // ids [2, 4] with 0 for padding: the mean over the others, and its gradient.
+  const duet::BasicTensor<std::int32_t> ids({2, 4}, {5, 0, 7, 0, 3, 4, 0, 0});
+  std::vector<std::vector<D>> results;
+  for (duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+    CAPTURE(mode);
+    duet_test::ModeGuard guard;
+    duet::set_context({.mode = mode});
+    auto round_trip = [](const auto& w_, const auto& x_) { return ops::cast<double>(ops::cast<float>(x_)) * w_; };
+    const auto r = duet::value_and_grad(round_trip, 1)(w, x);
+    // d/dx = w, rounded to float on the way back.
+    for (index_t i = 0; i < 12; ++i) CHECK(r.grads[0].data()[i] == static_cast<double>(static_cast<float>(w.data()[i])));
+    auto masked_mean = [](const auto& h, const auto& tokens) {
+      const auto mask = ops::cast<double>(ops::not_equal(tokens, 0));  // [2, 4]
+      return ops::sum(h * mask, ops::axes<1>) / ops::sum(mask, ops::axes<1>);
+    };
+    const D h = random_input({2, 4}, -1.0, 1.0, 19);
+    const auto m = duet::value_and_grad(masked_mean, 0)(h, ids);
+    CHECK(m.value.data()[0] == doctest::Approx((h.data()[0] + h.data()[2]) / 2).epsilon(1e-15));
+    CHECK(m.value.data()[1] == doctest::Approx((h.data()[4] + h.data()[5]) / 2).epsilon(1e-15));
+    const std::vector<double> expected{0.5, 0, 0.5, 0, 0.5, 0.5, 0, 0};
+    for (index_t i = 0; i < 8; ++i) CHECK(m.grads[0].data()[i] == expected[static_cast<std::size_t>(i)]);
+    results.push_back({r.value, r.grads[0], m.value, m.grads[0]});
+  }
+  CHECK(same_bits(results[0], results[1]));
+  CHECK(ops::cast<std::int32_t>(duet::Tensor({2}, {2.9f, -2.9f})).data()[1] == -2);
+  CHECK_THROWS_AS(static_cast<void>(ops::cast<std::int32_t>(duet::Tensor({1}, {3e9f}))), duet::ValueError);
+  CHECK_THROWS_AS(static_cast<void>(ops::cast<std::uint8_t>(duet::Tensor({1}, {NAN}))), duet::ValueError);
 }
 
 TEST_CASE("randn_like and rand_like: standard normal and uniform [0, 1) draws, in float and double") {

@@ -40,6 +40,7 @@
 #include "ops/arithmetic.hpp"
 #include "ops/clip.hpp"
 #include "ops/conv.hpp"
+#include "ops/cast.hpp"
 #include "ops/creation.hpp"
 #include "ops/random.hpp"
 #include "ops/gradient_control.hpp"
