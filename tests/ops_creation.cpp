@@ -238,7 +238,7 @@ TEST_CASE("cast: float and double round trips pass the gradient back, a padding 
   CHECK_THROWS_AS(static_cast<void>(ops::cast<std::uint8_t>(duet::Tensor({1}, {NAN}))), duet::ValueError);
 }
 
-TEST_CASE("randn_like and rand_like: standard normal and uniform [0, 1) draws, in float and double") {
+TEST_CASE("randn_like and rand_like: standard normal draws, and uniform ones from 0 up to 1, in float and double") {
   duet::set_seed(13);
   const D n = ops::randn_like(duet::zeros<double>({200000}));
   double mean = 0, square = 0;
