@@ -268,4 +268,117 @@ TEST_CASE("weight decay applies to the parameters .decays chooses, by name and s
         "net.parameters()");
 }
 
+TEST_CASE("parameter groups: each group's rate and weight decay, the same bits as an optimiser per group") {
+  set_seed(5);
+  nn::Dense<3, 2> body, head;
+  nn::Dense<3, 2> body_alone, head_alone;
+  for (auto [from, to] : {std::pair{&body, &body_alone}, std::pair{&head, &head_alone}}) {
+    to->weight.set_data(from->weight);
+    to->bias.set_data(from->bias);
+  }
+  const std::vector<Tensor> body_grads{randn({2, 3}, 1), randn({2}, 2)};
+  const std::vector<Tensor> head_grads{randn({2, 3}, 3), randn({2}, 4)};
+  std::vector<Tensor> both = body_grads;
+  both.insert(both.end(), head_grads.begin(), head_grads.end());
+  const auto same = [](nn::Dense<3, 2>& a, nn::Dense<3, 2>& b) {
+    return std::equal(a.weight.data(), a.weight.data() + 6, b.weight.data()) &&
+           std::equal(a.bias.data(), a.bias.data() + 2, b.bias.data());
+  };
+  SUBCASE("AdamW: the body at its own rate, decay and a schedule, the head at the optimiser's") {
+    const auto schedule = nn::CosineDecayLR{.min_lr = 0.001, .max_lr = 0.05, .decay_steps = 4};
+    nn::AdamW grouped({{.params = body.parameters(), .learning_rate = schedule, .weight_decay = 0.2},
+                       {.params = head.parameters()}},
+                      {.learning_rate = 0.01});
+    nn::AdamW for_body(body_alone.parameters(), {.learning_rate = schedule, .weight_decay = 0.2});
+    nn::AdamW for_head(head_alone.parameters(), {.learning_rate = 0.01});
+    CHECK(grouped.group_count() == 2);
+    CHECK(grouped.learning_rate(0) == schedule(0));
+    CHECK(grouped.learning_rate(1) == 0.01);
+    CHECK(grouped.group_of(1) == 0);
+    CHECK(grouped.group_of(2) == 1);
+    for (int step = 0; step < 3; ++step) {
+      grouped(both);
+      for_body(body_grads);
+      for_head(head_grads);
+    }
+    CHECK(same(body, body_alone));
+    CHECK(same(head, head_alone));
+  }
+  SUBCASE("SGD with momentum, .decays applying within each group") {
+    const auto matrices = [](std::string_view, const Shape& shape) { return shape.rank() >= 2; };
+    nn::SGD grouped({{.params = body.parameters(), .learning_rate = 0.5, .weight_decay = 0.1},
+                     {.params = head.parameters(), .weight_decay = 0.0}},
+                    {.learning_rate = 0.05, .momentum = 0.9, .weight_decay = 0.3, .decays = matrices});
+    nn::SGD for_body(body_alone.parameters(), {.learning_rate = 0.5, .momentum = 0.9, .weight_decay = 0.1, .decays = matrices});
+    nn::SGD for_head(head_alone.parameters(), {.learning_rate = 0.05, .momentum = 0.9});
+    for (int step = 0; step < 3; ++step) {
+      grouped(both);
+      for_body(body_grads);
+      for_head(head_grads);
+    }
+    CHECK(same(body, body_alone));
+    CHECK(same(head, head_alone));
+  }
+}
+
+TEST_CASE("parameter groups: a parameter in two groups, an empty group or a bad group setting is a ValueError") {
+  nn::Dense<3, 2> body, head;
+  CHECK(value_error_of([&] {
+          nn::Adam({{.params = body.parameters()}, {.params = {body.parameters()[1]}}});
+        }) == "optimizer: parameter 'bias' is in parameter group 0 and in group 1; give each parameter to one group");
+  CHECK(value_error_of([&] {
+          nn::Adam({{.params = {body.parameters()[0], body.parameters()[0]}}});
+        }) == "optimizer: parameter 'weight' is in parameter group 0 twice; give each parameter to one group");
+  CHECK(value_error_of([&] { nn::Adam({{.params = body.parameters()}, {}}); }) ==
+        "optimizer: parameter group 1 has no parameters");
+  CHECK(value_error_of([&] {
+          nn::SGD({{.params = body.parameters()}, {.params = head.parameters(), .learning_rate = -1.0}});
+        }) == "nn::SGD: learning_rate of parameter group 1 must be >= 0, got -1");
+  CHECK(value_error_of([&] {
+          nn::AdamW({{.params = body.parameters(), .weight_decay = -0.5}, {.params = head.parameters()}});
+        }) == "nn::AdamW: weight_decay of parameter group 0 must be >= 0, got -0.5");
+  nn::Adam adam({{.params = body.parameters()}, {.params = head.parameters()}});
+  CHECK(value_error_of([&] { (void)adam.learning_rate(2); }) ==
+        "nn::Adam: parameter group 2 does not exist (it has 2)");
+  // A schedule of one group turning negative is found at the step, before any update.
+  const Tensor weight_before = body.weight.clone();
+  nn::SGD later({{.params = body.parameters()},
+                 {.params = head.parameters(), .learning_rate = [](std::int64_t t) { return t == 0 ? 0.1 : -0.1; }}});
+  const std::vector<Tensor> grads{ones({2, 3}), ones({2}), ones({2, 3}), ones({2})};
+  later(grads);
+  const Tensor after_one = body.weight.clone();
+  CHECK(value_error_of([&] { later(grads); }) ==
+        "nn::SGD: learning_rate of parameter group 1 must be >= 0, got -0.1 at step 1");
+  CHECK(std::equal(after_one.data(), after_one.data() + 6, body.weight.data()));
+  CHECK_FALSE(std::equal(weight_before.data(), weight_before.data() + 6, body.weight.data()));
+}
+
+TEST_CASE("an optimiser refuses value_and_grad's gradients of other parameters, also of the same shapes") {
+  set_seed(6);
+  nn::Dense<3, 2> mine, other;
+  const Tensor x = randn({4, 3}, 7);
+  const auto loss_of = [](nn::Dense<3, 2>& net) {
+    return value_and_grad([&net](const Tensor& in) { return ops::sum(ops::square(net(in))); }, net.parameters());
+  };
+  nn::Adam adam(mine.parameters());
+  auto of_other = loss_of(other);
+  CHECK(value_error_of([&] { adam(of_other(x).grads); }) ==
+        "nn::Adam(grads): gradient 0 is value_and_grad's gradient of another parameter than this optimizer's #0 'weight' "
+        "(another network's, of the same shape?), so the update would move the wrong parameters; take the gradients "
+        "with respect to the parameters the optimizer was made over, in its order "
+        "(value_and_grad(net, optimizer.parameters()))");
+  // Groups in another order than the network's: the gradients must follow the optimizer's.
+  nn::SGD reordered({{.params = {mine.parameters()[1]}}, {.params = {mine.parameters()[0]}}});
+  auto of_mine = loss_of(mine);
+  auto result = of_mine(x);
+  CHECK_NOTHROW(reordered(std::vector{result.grads[1].clone(), result.grads[0].clone()}));  // copies: taken as they come
+  CHECK(value_error_of([&] { reordered(of_mine(x).grads); }) ==
+        "nn::SGD(grads): gradient 0 is of the optimizer's parameter #1 'weight', not of its #0 'bias', so the update "
+        "would move the wrong parameters; take the gradients with respect to the parameters the optimizer was made "
+        "over, in its order (value_and_grad(net, optimizer.parameters()))");
+  const Tensor before = mine.weight.clone();
+  adam(of_mine(x).grads);
+  CHECK_FALSE(std::equal(before.data(), before.data() + 6, mine.weight.data()));
+}
+
 }  // namespace tests_nn_optim

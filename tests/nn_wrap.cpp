@@ -68,6 +68,31 @@ TEST_CASE("both modes train to a low loss along the same curve") {
   CHECK(correct == 96);
 }
 
+TEST_CASE("parameter groups train in both modes to the same bits: a layer at rate 0 stays, the rest move") {
+  const Problem data;
+  const auto trained = [&](Mode mode) {
+    ModeGuard guard;
+    set_context({.mode = mode});
+    set_seed(3);
+    Small net;
+    nn::SoftmaxCrossEntropyWithLogits<true, Reduction::mean> loss;
+    nn::WithLossCell with_loss(net, loss);
+    nn::Adam adam({{.params = net.layers.get<0>().parameters(), .learning_rate = 0.0},
+                   {.params = net.layers.get<2>().parameters()}},
+                  {.learning_rate = 0.01});
+    nn::TrainOneStepCell step(with_loss, adam);
+    const Tensor first = net.layers.get<0>().weight.clone();
+    const Tensor last = net.layers.get<2>().weight.clone();
+    for (int s = 0; s < 5; ++s) step(data.x, data.y);
+    CHECK(std::equal(first.data(), first.data() + first.numel(), net.layers.get<0>().weight.data()));
+    CHECK_FALSE(std::equal(last.data(), last.data() + last.numel(), net.layers.get<2>().weight.data()));
+    std::vector<float> values;
+    for (const auto& [name, p] : net.parameters()) values.insert(values.end(), p->data(), p->data() + p->numel());
+    return values;
+  };
+  CHECK(trained(PYNATIVE_MODE) == trained(GRAPH_MODE));
+}
+
 TEST_CASE("WithLossCell keeps the backbone's parameter names") {
   Small net;
   nn::SoftmaxCrossEntropyWithLogits<true> loss;
