@@ -494,6 +494,21 @@ constexpr Mode mode_of_setting() {
   if constexpr (std::is_same_v<S, JitConfig>) return GRAPH_MODE;
   else return Setting;
 }
+// Keyed on the cell, not on its call's operand types, so that the mistake is said once, not
+// again for each capture of construct (each phase's input is another type).
+template <class Derived>
+inline constexpr bool real_tensor_readable_during_capture = false;
+template <class Derived>
+struct real_tensor_in_captured_call {
+  static_assert(real_tensor_readable_during_capture<Derived>,
+                "duet::nn::Cell: called with a symbolic tensor (graph capture) and a real one. construct, or a "
+                "function given to value_and_grad or jit, is captured as a graph, and a tensor that is not one of "
+                "its inputs (made in construct with duet::randn or duet::ones, a cell's result on such a tensor, a "
+                "tensor a lambda captures) would be read once, when capturing, not at each call: pass it as an "
+                "input ([](auto logits, auto y) { return loss(logits, y); }), draw noise with ops::randn_like of "
+                "an input, or fix the cell to PyNative mode (nn::Cell<Net, PYNATIVE_MODE>)");
+};
+
 // False: the cell-and-type pair an assertion names when a cell is called with U values it does
 // not declare (Cell's operator()).
 template <class C, class U>
@@ -660,6 +675,23 @@ class Cell : public BasicDynamicCell<T> {
                   "`using input_value_type = std::int32_t;` (int64 ids are converted to int32 first); other "
                   "values are converted to the cell's type, or the layers made of it (nn::Dense<In, Out, double>)");
     return {};  // of the cell's type, so that nothing after it adds errors
+  }
+
+  // A symbolic tensor and a real one: construct is being captured (graph mode, or a function
+  // given to value_and_grad or jit), and the real tensor is not one of the capture's inputs. It
+  // would be read once, when capturing, and be a constant of every later call: noise drawn with
+  // duet::randn in construct, a target a lambda closes over. Said here, once, rather than as
+  // every overload's reasons. (A value of parameters alone is not such a tensor.)
+  template <class... X>
+    requires(sizeof...(X) >= 2 && (graph::Symbolic<X> || ...) &&
+             ((!graph::Symbolic<X> && !nn::is_parameter_made_v<X>) || ...))
+  decltype(auto) operator()(const X&... xs) {
+    (void)sizeof(detail::real_tensor_in_captured_call<Derived>);
+    const auto first_symbolic = [](const auto& self, const auto& x, const auto&... rest) -> decltype(auto) {
+      if constexpr (graph::Symbolic<decltype(x)>) return (x);
+      else return self(self, rest...);
+    };
+    return first_symbolic(first_symbolic, xs...);  // so that nothing after it adds errors
   }
 
   // Cells whose construct takes several tensors (a network with its loss, say). They are not

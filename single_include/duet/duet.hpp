@@ -4428,6 +4428,19 @@ inline std::vector<const void*>& written_in_pass() {
   return written;
 }
 
+// The weights' gradients value_and_grad last returned on this thread (their buffers) and the
+// parameters they are of, so that an optimiser given them can tell whether they are its own
+// parameters' gradients: another network's of the same shapes would otherwise be applied
+// without a word (a GAN's second discriminator, a copy of the network). Reused, not freed.
+struct ReturnedGradients {
+  std::vector<const void*> data;
+  std::vector<const void*> of;
+};
+inline ReturnedGradients& returned_gradients() {
+  thread_local ReturnedGradients returned;
+  return returned;
+}
+
 // Told of a backward pass's gradient writes as they happen, on the thread that runs it: which
 // parameter a kernel is about to write (grad_for_write), and that every kernel called so far
 // has finished (an op that writes parameters' gradients asks for their buffers first and
@@ -11430,6 +11443,21 @@ constexpr Mode mode_of_setting() {
   if constexpr (std::is_same_v<S, JitConfig>) return GRAPH_MODE;
   else return Setting;
 }
+// Keyed on the cell, not on its call's operand types, so that the mistake is said once, not
+// again for each capture of construct (each phase's input is another type).
+template <class Derived>
+inline constexpr bool real_tensor_readable_during_capture = false;
+template <class Derived>
+struct real_tensor_in_captured_call {
+  static_assert(real_tensor_readable_during_capture<Derived>,
+                "duet::nn::Cell: called with a symbolic tensor (graph capture) and a real one. construct, or a "
+                "function given to value_and_grad or jit, is captured as a graph, and a tensor that is not one of "
+                "its inputs (made in construct with duet::randn or duet::ones, a cell's result on such a tensor, a "
+                "tensor a lambda captures) would be read once, when capturing, not at each call: pass it as an "
+                "input ([](auto logits, auto y) { return loss(logits, y); }), draw noise with ops::randn_like of "
+                "an input, or fix the cell to PyNative mode (nn::Cell<Net, PYNATIVE_MODE>)");
+};
+
 // False: the cell-and-type pair an assertion names when a cell is called with U values it does
 // not declare (Cell's operator()).
 template <class C, class U>
@@ -11596,6 +11624,23 @@ class Cell : public BasicDynamicCell<T> {
                   "`using input_value_type = std::int32_t;` (int64 ids are converted to int32 first); other "
                   "values are converted to the cell's type, or the layers made of it (nn::Dense<In, Out, double>)");
     return {};  // of the cell's type, so that nothing after it adds errors
+  }
+
+  // A symbolic tensor and a real one: construct is being captured (graph mode, or a function
+  // given to value_and_grad or jit), and the real tensor is not one of the capture's inputs. It
+  // would be read once, when capturing, and be a constant of every later call: noise drawn with
+  // duet::randn in construct, a target a lambda closes over. Said here, once, rather than as
+  // every overload's reasons. (A value of parameters alone is not such a tensor.)
+  template <class... X>
+    requires(sizeof...(X) >= 2 && (graph::Symbolic<X> || ...) &&
+             ((!graph::Symbolic<X> && !nn::is_parameter_made_v<X>) || ...))
+  decltype(auto) operator()(const X&... xs) {
+    (void)sizeof(detail::real_tensor_in_captured_call<Derived>);
+    const auto first_symbolic = [](const auto& self, const auto& x, const auto&... rest) -> decltype(auto) {
+      if constexpr (graph::Symbolic<decltype(x)>) return (x);
+      else return self(self, rest...);
+    };
+    return first_symbolic(first_symbolic, xs...);  // so that nothing after it adds errors
   }
 
   // Cells whose construct takes several tensors (a network with its loss, say). They are not
@@ -12419,8 +12464,13 @@ class GradFunction {
     if constexpr (!std::is_void_v<W>) {
       check_weights_reached();
       const std::uint64_t pass = duet::detail::current_backward_pass();
+      auto& returned = duet::detail::returned_gradients();
+      returned.data.clear();
+      returned.of.clear();
       for (nn::BasicParameter<W>* p : weights_) {
         out.grads.push_back(p->has_grad_from(pass) ? p->grad.clone() : zeros<W>(p->shape()));
+        returned.data.push_back(out.grads.back().data());
+        returned.of.push_back(p);
       }
     }
     return out;
@@ -15748,6 +15798,7 @@ BasicTensor<T> initializer(const I& init, const Shape& shape) {
 #include <concepts>
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <iostream>
 #include <numbers>
 #include <optional>
@@ -15828,6 +15879,35 @@ struct WarmUpLR {
 // decays the weight matrices and kernels, not the biases or the norms' scales.
 using DecayFilter = std::function<bool(std::string_view name, const Shape& shape)>;
 
+// Parameters with a learning rate or weight decay of their own (PyTorch's param_groups,
+// MindSpore's group_params): a pretrained backbone at a tenth of the head's rate,
+//   nn::Adam adam({{.params = net.backbone.parameters(), .learning_rate = 1e-4},
+//                  {.params = net.head.parameters()}},
+//                 {.learning_rate = 1e-3});
+// What a group leaves unset is the optimiser's setting; .decays still chooses, in every group,
+// the parameters its weight decay applies to.
+template <ElementType T>
+struct BasicParameterGroup {
+  std::vector<NamedParameter<T>> params;
+  std::optional<LearningRate> learning_rate{};
+  std::optional<double> weight_decay{};
+};
+using ParameterGroup = BasicParameterGroup<float>;
+
+// What an optimiser is given: a network's parameters (net.parameters(), whose names .decays and
+// checkpoints go by), groups of them, or parameters without names.
+template <ElementType T>
+struct ParametersToTrain {
+  ParametersToTrain(const std::vector<NamedParameter<T>>& params) : groups(1) {  // NOLINT: implicit by design
+    groups.front().params = params;
+  }
+  ParametersToTrain(std::vector<BasicParameterGroup<T>> g) : groups(std::move(g)) {}  // NOLINT
+  ParametersToTrain(std::vector<BasicParameter<T>*> params) : unnamed(std::move(params)) {}  // NOLINT
+
+  std::vector<BasicParameterGroup<T>> groups;
+  std::vector<BasicParameter<T>*> unnamed;
+};
+
 // One kind of state an optimiser keeps per parameter ("moment1"): tensors[i] belongs to
 // parameters()[i] and has its shape.
 template <ElementType T>
@@ -15839,25 +15919,38 @@ struct OptimizerSlot {
 template <ElementType T>
 class BasicOptimizer {
  public:
-  BasicOptimizer(const std::vector<NamedParameter<T>>& params, LearningRate lr) : learning_rate_(std::move(lr)) {
-    for (const auto& p : params) {
-      if (p.parameter->requires_grad) {
-        params_.push_back(p.parameter);
-        names_.push_back(p.name);
-      } else {
-        left_out_.push_back(p);
+  // lr is the rate of the groups that set none.
+  BasicOptimizer(const ParametersToTrain<T>& given, const LearningRate& lr) {
+    if (given.groups.empty()) {
+      params_ = given.unnamed;
+      group_of_.assign(params_.size(), 0);
+      groups_.push_back({lr, std::nullopt});
+    }
+    std::size_t count = params_.size();
+    const auto& groups = given.groups;
+    for (std::size_t g = 0; g < groups.size(); ++g) {
+      const BasicParameterGroup<T>& group = groups[g];
+      if (group.params.empty() && groups.size() > 1) {
+        throw ValueError("optimizer: parameter group " + std::to_string(g) + " has no parameters");
+      }
+      groups_.push_back({group.learning_rate.value_or(lr), group.weight_decay});
+      for (std::size_t j = 0; j < group.params.size(); ++j) {
+        require_in_one_group(groups, g, j);
+        const NamedParameter<T>& p = group.params[j];
+        ++count;
+        if (p.parameter->requires_grad) {
+          params_.push_back(p.parameter);
+          names_.push_back(p.name);
+          group_of_.push_back(static_cast<std::uint32_t>(g));
+        } else {
+          left_out_.push_back(p);
+        }
       }
     }
     if (params_.empty()) {
-      throw ValueError(params.empty() ? std::string("optimizer: got no parameters; ") + detail::unregistered_members_hint
-                                      : "optimizer: got " + std::to_string(params.size()) +
-                                            " parameters, none with requires_grad, so there is nothing to train");
-    }
-  }
-  BasicOptimizer(std::vector<BasicParameter<T>*> params, LearningRate lr)
-      : params_(std::move(params)), learning_rate_(std::move(lr)) {
-    if (params_.empty()) {
-      throw ValueError(std::string("optimizer: got no parameters; ") + detail::unregistered_members_hint);
+      throw ValueError(count == 0 ? std::string("optimizer: got no parameters; ") + detail::unregistered_members_hint
+                                  : "optimizer: got " + std::to_string(count) +
+                                        " parameters, none with requires_grad, so there is nothing to train");
     }
   }
   BasicOptimizer(const BasicOptimizer&) = delete;
@@ -15885,6 +15978,7 @@ class BasicOptimizer {
       throw ValueError("optimizer: got " + std::to_string(grads.size()) + " gradients for " +
                        std::to_string(params_.size()) + " parameters");
     }
+    require_own_gradients(grads);
     for (std::size_t i = 0; i < params_.size(); ++i) {
       if (!(grads[i].shape() == params_[i]->shape())) {
         throw ShapeError("optimizer: gradient " + std::to_string(i) + " has shape " + to_string(grads[i].shape()) +
@@ -15906,8 +16000,17 @@ class BasicOptimizer {
 
   const std::vector<BasicParameter<T>*>& parameters() const { return params_; }
   std::int64_t global_step() const { return global_step_; }
-  // The rate the next step uses.
-  double learning_rate() const { return learning_rate_.at(global_step_); }
+  // The rate the next step uses, in a parameter group (the first, or the only one).
+  double learning_rate(std::size_t group = 0) const {
+    if (group >= groups_.size()) {
+      throw ValueError(std::string(type_name()) + ": parameter group " + std::to_string(group) + " does not exist (it has " +
+                       std::to_string(groups_.size()) + ")");
+    }
+    return groups_[group].learning_rate.at(global_step_);
+  }
+  std::size_t group_count() const { return groups_.size(); }
+  // The group of parameters()[i].
+  std::size_t group_of(std::size_t i) const { return group_of_[i]; }
 
   // What the optimiser is, as checkpoints record it: "nn::Adam".
   virtual std::string_view type_name() const = 0;
@@ -15932,9 +16035,24 @@ class BasicOptimizer {
   }
   // A schedule is a function, so its rate is checked at every step as well as at construction.
   void require_learning_rate() const {
-    const double lr = learning_rate();
-    if (lr >= 0 && std::isfinite(lr)) return;  // the step's text is made only for the error: no allocation
-    require_option("learning_rate", lr, false, ">= 0", global_step_ == 0 ? "" : " at step " + std::to_string(global_step_));
+    for (std::size_t g = 0; g < groups_.size(); ++g) {
+      const double lr = learning_rate(g);
+      if (lr >= 0 && std::isfinite(lr)) continue;  // the step's text is made only for the error: no allocation
+      require_option(groups_.size() > 1 ? "learning_rate of parameter group " + std::to_string(g) : "learning_rate", lr,
+                     false, ">= 0", global_step_ == 0 ? "" : " at step " + std::to_string(global_step_));
+    }
+  }
+
+  // The weight decay of each group: its own, or the optimiser's `fallback`, checked as an option.
+  std::vector<double> group_weight_decays(double fallback) const {
+    std::vector<double> out;
+    for (std::size_t g = 0; g < groups_.size(); ++g) {
+      const double wd = groups_[g].weight_decay.value_or(fallback);
+      require_option(groups_.size() > 1 ? "weight_decay of parameter group " + std::to_string(g) : "weight_decay", wd,
+                     wd >= 0, ">= 0");
+      out.push_back(wd);
+    }
+    return out;
   }
 
   // Computes what is shared by all parameters this step.
@@ -15964,7 +16082,7 @@ class BasicOptimizer {
 
   std::vector<BasicParameter<T>*> params_;
   std::vector<std::string> names_;  // params_' names, when the optimizer was given them
-  LearningRate learning_rate_;
+  std::vector<std::uint32_t> group_of_;  // params_' groups
   std::int64_t global_step_ = 0;
 
  private:
@@ -15985,6 +16103,33 @@ class BasicOptimizer {
       throw ValueError(std::string(type_name()) + ": parameter '" + p.name +
                        "' had requires_grad = false when the optimizer was made, so it is not among the parameters "
                        "it trains, and has requires_grad = true now; make the optimizer after unfreezing it");
+    }
+  }
+
+  // Gradients are matched to parameters by position and shape only, so value_and_grad's
+  // gradients of another network of the same shapes would be applied to this one's parameters,
+  // and training would go on, wrong. The gradients value_and_grad returned last know whose
+  // they are; others (made or changed by the program) are taken as they come.
+  void require_own_gradients(const std::vector<BasicTensor<T>>& grads) const {
+    const duet::detail::ReturnedGradients& returned = duet::detail::returned_gradients();
+    if (returned.data.size() != grads.size() ||
+        !std::ranges::equal(grads, returned.data, [](const BasicTensor<T>& g, const void* d) { return g.data() == d; })) {
+      return;
+    }
+    const auto parameter = [this](std::size_t i) {
+      return "#" + std::to_string(i) + (names_.empty() ? std::string() : " '" + names_[i] + "'");
+    };
+    for (std::size_t i = 0; i < grads.size(); ++i) {
+      if (returned.of[i] == params_[i]) continue;
+      const auto found = std::ranges::find(params_, returned.of[i]);
+      throw ValueError(std::string(type_name()) + "(grads): gradient " + std::to_string(i) +
+                       (found == params_.end()
+                            ? " is value_and_grad's gradient of another parameter than this optimizer's " + parameter(i) +
+                                  " (another network's, of the same shape?)"
+                            : " is of the optimizer's parameter " + parameter(static_cast<std::size_t>(found - params_.begin())) +
+                                  ", not of its " + parameter(i)) +
+                       ", so the update would move the wrong parameters; take the gradients with respect to the "
+                       "parameters the optimizer was made over, in its order (value_and_grad(net, optimizer.parameters()))");
     }
   }
 
@@ -16047,6 +16192,28 @@ class BasicOptimizer {
                      "(nn::TrainOneStepCell gives every rank rank 0's itself)");
   }
 
+  struct Group {
+    LearningRate learning_rate;
+    std::optional<double> weight_decay;  // unset: the optimiser's
+  };
+  std::vector<Group> groups_;
+
+  // Parameter j of group g must not come earlier, in its group or another: PyTorch refuses it
+  // too (which group's rate would it take?).
+  static void require_in_one_group(const std::vector<BasicParameterGroup<T>>& groups, std::size_t g, std::size_t j) {
+    const NamedParameter<T>& p = groups[g].params[j];
+    for (std::size_t earlier = 0; earlier <= g; ++earlier) {
+      const auto& params = groups[earlier].params;
+      const std::size_t end = earlier == g ? j : params.size();
+      for (std::size_t k = 0; k < end; ++k) {
+        if (params[k].parameter != p.parameter) continue;
+        throw ValueError("optimizer: parameter '" + p.name + "' is in parameter group " + std::to_string(earlier) +
+                         (earlier == g ? " twice" : " and in group " + std::to_string(g)) +
+                         "; give each parameter to one group");
+      }
+    }
+  }
+
   std::vector<NamedParameter<T>> left_out_;
   bool ranks_checked_ = false;
   bool warned_unreduced_ = false;
@@ -16076,15 +16243,19 @@ struct SGDConfig {
 template <ElementType T = float, class Backend = DefaultBackend>
 class BasicSGD final : public BasicOptimizer<T> {
  public:
-  template <class Params>
-  explicit BasicSGD(const Params& params, SGDConfig config = {})
+  // Groups written in place, `nn::SGD sgd({{.params = ...}, {.params = ...}})`: without this
+  // overload the braces could also make a BasicSGD to copy, and the call would be ambiguous.
+  explicit BasicSGD(std::initializer_list<BasicParameterGroup<T>> groups, SGDConfig config = {})
+      : BasicSGD(std::vector(groups), std::move(config)) {}
+  explicit BasicSGD(const ParametersToTrain<T>& params, SGDConfig config = {})
       : BasicOptimizer<T>(params, config.learning_rate), config_(std::move(config)) {
     // As MindSpore's nn.SGD: momentum may exceed 1 (it diverges, but is not refused).
     this->require_learning_rate();
     this->require_option("momentum", config_.momentum, config_.momentum >= 0, ">= 0");
     this->require_option("momentum", config_.momentum, !config_.nesterov || config_.momentum > 0, "> 0 with nesterov");
     this->require_option("dampening", config_.dampening, config_.dampening >= 0, ">= 0");
-    this->require_option("weight_decay", config_.weight_decay, config_.weight_decay >= 0, ">= 0");
+    weight_decays_ = this->group_weight_decays(config_.weight_decay);
+    steps_.resize(weight_decays_.size());
     if (config_.momentum > 0) momentum_ = this->zero_state();
     decays_ = this->decay_mask(config_.decays);
   }
@@ -16098,22 +16269,29 @@ class BasicSGD final : public BasicOptimizer<T> {
 
  private:
   void begin_step() override {
-    step_ = SgdStep{this->learning_rate(), config_.momentum, config_.dampening,
-                    config_.weight_decay,  config_.nesterov, this->global_step_ == 0};
-    undecayed_ = step_;
-    undecayed_.weight_decay = 0;
+    for (std::size_t g = 0; g < steps_.size(); ++g) {
+      steps_[g].decayed = SgdStep{this->learning_rate(g), config_.momentum, config_.dampening,
+                                  weight_decays_[g],      config_.nesterov, this->global_step_ == 0};
+      steps_[g].undecayed = steps_[g].decayed;
+      steps_[g].undecayed.weight_decay = 0;
+    }
   }
   void update(std::size_t i, const T* grad) override {
     BasicParameter<T>& p = *this->params_[i];
+    const auto& step = steps_[this->group_of_[i]];
     Backend::sgd_update(p.data(), grad, momentum_.empty() ? nullptr : momentum_[i].data(), p.numel(),
-                        decays_.empty() || decays_[i] ? step_ : undecayed_);
+                        decays_.empty() || decays_[i] ? step.decayed : step.undecayed);
   }
 
   SGDConfig config_;
+  std::vector<double> weight_decays_;  // per group
   std::vector<BasicTensor<T>> momentum_;
   std::vector<bool> decays_;
-  SgdStep step_{};
-  SgdStep undecayed_{};
+  struct GroupStep {
+    SgdStep decayed;
+    SgdStep undecayed;  // for the parameters .decays leaves out
+  };
+  std::vector<GroupStep> steps_;
 };
 
 struct AdamConfig {
@@ -16129,18 +16307,20 @@ struct AdamConfig {
 template <ElementType T = float, bool Decoupled = false, class Backend = DefaultBackend>
 class BasicAdam final : public BasicOptimizer<T> {
  public:
-  template <class Params>
-  explicit BasicAdam(const Params& params, AdamConfig config = {})
+  // Groups written in place (see BasicSGD).
+  explicit BasicAdam(std::initializer_list<BasicParameterGroup<T>> groups, AdamConfig config = {})
+      : BasicAdam(std::vector(groups), std::move(config)) {}
+  explicit BasicAdam(const ParametersToTrain<T>& params, AdamConfig config = {})
       : BasicOptimizer<T>(params, config.learning_rate),
         config_(std::move(config)),
-        weight_decay_(config_.weight_decay.value_or(default_config().weight_decay.value_or(0))),
+        weight_decays_(this->group_weight_decays(config_.weight_decay.value_or(default_config().weight_decay.value_or(0)))),
         m_(this->zero_state()),
-        v_(this->zero_state()) {
+        v_(this->zero_state()),
+        steps_(weight_decays_.size()) {
     this->require_learning_rate();
     this->require_option("beta1", config_.beta1, config_.beta1 >= 0 && config_.beta1 < 1, "in [0, 1)");
     this->require_option("beta2", config_.beta2, config_.beta2 >= 0 && config_.beta2 < 1, "in [0, 1)");
     this->require_option("eps", config_.eps, config_.eps > 0, "> 0");
-    this->require_option("weight_decay", weight_decay_, weight_decay_ >= 0, ">= 0");
     decays_ = this->decay_mask(config_.decays);
   }
 
@@ -16157,30 +16337,36 @@ class BasicAdam final : public BasicOptimizer<T> {
  private:
   void begin_step() override {
     const auto t = static_cast<double>(this->global_step_ + 1);
-    step_ = AdamStep{this->learning_rate(),
-                     config_.beta1,
-                     config_.beta2,
-                     config_.eps,
-                     weight_decay_,
-                     Decoupled,
-                     1 - std::pow(config_.beta1, t),
-                     1 - std::pow(config_.beta2, t)};
-    undecayed_ = step_;
-    undecayed_.weight_decay = 0;
+    for (std::size_t g = 0; g < steps_.size(); ++g) {
+      steps_[g].decayed = AdamStep{this->learning_rate(g),
+                                   config_.beta1,
+                                   config_.beta2,
+                                   config_.eps,
+                                   weight_decays_[g],
+                                   Decoupled,
+                                   1 - std::pow(config_.beta1, t),
+                                   1 - std::pow(config_.beta2, t)};
+      steps_[g].undecayed = steps_[g].decayed;
+      steps_[g].undecayed.weight_decay = 0;
+    }
   }
   void update(std::size_t i, const T* grad) override {
     BasicParameter<T>& p = *this->params_[i];
+    const auto& step = steps_[this->group_of_[i]];
     Backend::adam_update(p.data(), grad, m_[i].data(), v_[i].data(), p.numel(),
-                         decays_.empty() || decays_[i] ? step_ : undecayed_);
+                         decays_.empty() || decays_[i] ? step.decayed : step.undecayed);
   }
 
   AdamConfig config_;
-  double weight_decay_;
+  std::vector<double> weight_decays_;  // per group
   std::vector<bool> decays_;
   std::vector<BasicTensor<T>> m_;
   std::vector<BasicTensor<T>> v_;
-  AdamStep step_{};
-  AdamStep undecayed_{};
+  struct GroupStep {
+    AdamStep decayed;
+    AdamStep undecayed;  // for the parameters .decays leaves out
+  };
+  std::vector<GroupStep> steps_;
 };
 
 using SGD = BasicSGD<float>;
