@@ -202,6 +202,39 @@ TEST_CASE("value_and_grad: a grad_position chosen at run time (std::optional), o
     CHECK(value_and_grad(f, std::optional<std::size_t>{})(x).grads.empty());
   }
 }
+namespace {
+// WGAN-GP's gradient penalty, written as in PyTorch: the critic's gradient with respect to its
+// input, inside the loss, then differentiated with respect to the critic's weights.
+struct Critic : nn::Cell<Critic, PYNATIVE_MODE> {
+  nn::Dense<2, 1> fc;
+  DUET_CELL_MEMBERS(fc);
+  Tensor construct(const Tensor& x) { return fc(x); }
+};
+struct Penalty : nn::Cell<Penalty, PYNATIVE_MODE> {
+  Critic& critic;
+  explicit Penalty(Critic& c) : critic(c) {}
+  DUET_CELL_MEMBERS(critic);
+  Tensor construct(const Tensor& x) {
+    const Tensor g = duet::grad([this](const Tensor& a) { return ops::sum(critic(a)); })(x);
+    return ops::mean(ops::square(ops::sqrt(ops::sum(ops::square(g), ops::axes<1>)) - 1.0f));
+  }
+};
+}  // namespace
+
+TEST_CASE("a gradient of a gradient (WGAN-GP's penalty) is refused, and the message says why") {
+  Critic critic;
+  Penalty penalty(critic);
+  const Tensor x = randn({4, 2}, 1);
+  CHECK_THROWS_WITH_AS(value_and_grad(penalty, penalty.parameters())(x),
+                       doctest::Contains("A gradient was taken inside it (duet::grad or value_and_grad): that gradient "
+                                         "is a constant to this one, as torch.autograd.grad's is without "
+                                         "create_graph=True; duet has no gradient of a gradient"),
+                       ValueError);
+  // A loss that reaches nothing, with no gradient inside, says only that.
+  CHECK_THROWS_WITH_AS(value_and_grad([](const Tensor& a) { return ops::sum(ops::stop_gradient(a)); })(x),
+                       duet::nothing_differentiated_message, ValueError);
+}
+
 TEST_CASE("gradients of a parameter used twice add up") {
   ModeGuard guard;
   nn::Dense<2, 2, double> dense;

@@ -562,6 +562,7 @@ class GradFunction {
   // generator) stays only if forward and backward both succeed.
   template <bool WithInput, class V, class... X>
   BasicTensor<V> forward_backward(BasicTensor<V>& input_grad, const X&... xs) {
+    if (autodiff::Tape* outer = autodiff::active_tape()) outer->note_gradient_within();
     if constexpr (autodiff::detail::CellLike<Fn>) {
       // A network's gradient over no sample is zeros (a mean loss over no row is 0), which an
       // optimiser step would still apply: momentum and the step count move the parameters.

@@ -8483,6 +8483,11 @@ class Tape {
   template <class T>
   BasicTensor<T> watch_parameter(const nn::BasicParameter<T>& p);
 
+  // A gradient was taken (duet::grad, value_and_grad) while this tape recorded: its result is
+  // a constant here, as PyTorch's is without create_graph=True. Said if nothing else reaches
+  // the output, the one sign of a gradient of a gradient (WGAN-GP's penalty), which duet has not.
+  void note_gradient_within() { gradient_within_ = true; }
+
   template <class T>
   bool tracks(const BasicTensor<T>& x) const {
     return index_of(x.tape_id()) < entries_.size();
@@ -8542,6 +8547,7 @@ class Tape {
   std::uint64_t generation_;
   std::vector<std::unique_ptr<Entry>> entries_;
   bool has_cell_hooks_ = false;
+  bool gradient_within_ = false;
 };
 
 // Makes a tape the active one for its lifetime (nested scopes restore the outer tape).
@@ -8749,7 +8755,11 @@ template <class T>
 void Tape::backward(const BasicTensor<T>& output) {
   ValueEntry<T>* seed = entry_of(output);
   if (seed == nullptr) {
-    throw ValueError(nothing_differentiated_message);
+    throw ValueError(std::string(nothing_differentiated_message) +
+                     (gradient_within_ ? ". A gradient was taken inside it (duet::grad or value_and_grad): that gradient is a "
+                                         "constant to this one, as torch.autograd.grad's is without create_graph=True; "
+                                         "duet has no gradient of a gradient (a WGAN-GP penalty, double backward)"
+                                       : ""));
   }
   seed->accumulate(full<T>(output.shape(), T(1)));
   Recording off(nullptr);
@@ -12522,6 +12532,7 @@ class GradFunction {
   // generator) stays only if forward and backward both succeed.
   template <bool WithInput, class V, class... X>
   BasicTensor<V> forward_backward(BasicTensor<V>& input_grad, const X&... xs) {
+    if (autodiff::Tape* outer = autodiff::active_tape()) outer->note_gradient_within();
     if constexpr (autodiff::detail::CellLike<Fn>) {
       // A network's gradient over no sample is zeros (a mean loss over no row is 0), which an
       // optimiser step would still apply: momentum and the step count move the parameters.
