@@ -42,7 +42,7 @@ std::vector<index_t> samples_of(const data::Batch& batch) {
 }
 
 // One epoch's samples, in the order served, by range-for.
-std::vector<index_t> epoch_order(data::DataLoader& loader) {
+std::vector<index_t> epoch_order(data::DataLoader<>& loader) {
   std::vector<index_t> out;
   for (const data::Batch& batch : loader) {
     for (index_t s : samples_of(batch)) out.push_back(s);
@@ -268,7 +268,7 @@ TEST_CASE("shards of a loader together serve one process's batches of the global
   for (const bool drop_last : {false, true}) {
     // 23 samples, global batches of 3 x 2: three of 6, one of 5 (shards of 2, 2 and 1).
     data::DataLoader whole(numbered(23), 6, {.shuffle = true, .seed = 5, .drop_last = drop_last});
-    std::vector<data::DataLoader> shards;
+    std::vector<data::DataLoader<>> shards;
     for (index_t s = 0; s < 3; ++s) {
       shards.emplace_back(numbered(23), 2,
                           data::LoaderOptions{.shuffle = true, .seed = 5, .drop_last = drop_last, .num_shards = 3, .shard_id = s});
@@ -312,6 +312,72 @@ TEST_CASE("a loader checks its shard") {
                        ValueError);
   CHECK_THROWS_AS(data::DataLoader(numbered(3), 1, {.num_shards = 0}), ValueError);
   CHECK_THROWS_AS(data::DataLoader(numbered(3), 1, {.num_shards = 2, .shard_id = -1}), ValueError);
+}
+
+TEST_CASE("TensorDataset: rows of inputs and targets in the loader's order, shuffled and sharded as images are") {
+  // Sample i: inputs [i, -i, 2i] (a row of [N, 3]) and targets [[i], [i + 0.5]] ([N, 2, 1]).
+  const index_t n = 10;
+  Tensor x({n, 3});
+  Tensor y({n, 2, 1});
+  for (index_t i = 0; i < n; ++i) {
+    const auto v = static_cast<float>(i);
+    x(i, 0) = v;
+    x(i, 1) = -v;
+    x(i, 2) = 2 * v;
+    y(i, 0, 0) = v;
+    y(i, 1, 0) = v + 0.5f;
+  }
+  data::DataLoader loader(data::TensorDataset(x, y), 4, {.shuffle = true, .seed = 9});
+  data::DataLoader images(numbered(n), 4, {.shuffle = true, .seed = 9});
+  CHECK(loader.size() == 3);
+  std::vector<index_t> order;
+  for (const auto& [inputs, targets] : loader) {
+    REQUIRE(inputs.shape() == Shape{inputs.dim(0), 3});
+    REQUIRE(targets.shape() == Shape{inputs.dim(0), 2, 1});
+    for (index_t k = 0; k < inputs.dim(0); ++k) {
+      const float v = inputs(k, 0);
+      CHECK(inputs(k, 1) == -v);
+      CHECK(inputs(k, 2) == 2 * v);
+      CHECK(targets(k, 0, 0) == v);
+      CHECK(targets(k, 1, 0) == v + 0.5f);
+      order.push_back(static_cast<index_t>(v));
+    }
+  }
+  CHECK(order == epoch_order(images));  // the same order as any data set of n samples
+  std::vector<index_t> sorted = order;
+  std::sort(sorted.begin(), sorted.end());
+  std::vector<index_t> all(static_cast<std::size_t>(n));
+  std::iota(all.begin(), all.end(), index_t{0});
+  CHECK(sorted == all);
+  // Shards of a tensor data set: every sample once over the two shards.
+  std::vector<index_t> sharded;
+  for (index_t shard = 0; shard < 2; ++shard) {
+    data::DataLoader part(data::TensorDataset(x, y), 2, {.shuffle = true, .seed = 9, .num_shards = 2, .shard_id = shard});
+    for (const auto& batch : part) {
+      for (index_t k = 0; k < batch.inputs.dim(0); ++k) sharded.push_back(static_cast<index_t>(batch.inputs(k, 0)));
+    }
+  }
+  std::sort(sharded.begin(), sharded.end());
+  CHECK(sharded == all);
+  CHECK_THROWS_WITH_AS(data::TensorDataset(x, Tensor({n - 1})),
+                       "duet::data::TensorDataset: inputs and targets must have one row per sample, the same count, got "
+                       "inputs [10, 3] and targets [9]",
+                       ShapeError);
+}
+
+TEST_CASE("TensorDataset of class indices: train::evaluate reads its batches, as a DataLoader of images") {
+  nn::Dense<2, 3> net;
+  nn::SoftmaxCrossEntropyWithLogits<true, Reduction::mean> loss;
+  const Tensor x = randn({7, 2}, 3);
+  BasicTensor<std::int32_t> y({7});
+  for (index_t i = 0; i < 7; ++i) y(i) = static_cast<std::int32_t>(i % 3);
+  data::DataLoader loader(data::TensorDataset(x, y), 3);
+  const train::Metrics m = train::evaluate(net, loss, loader);
+  CHECK(m.samples == 7);
+  const Tensor logits = net(x);
+  CHECK(m.loss == doctest::Approx(loss(logits, y).item()).epsilon(1e-6));
+  CHECK(m.accuracy == doctest::Approx(static_cast<double>(train::correct_predictions(logits, y)) / 7));
+  CHECK(loader.epoch() == 0);  // evaluate left the loader where it was
 }
 
 }  // namespace tests_data

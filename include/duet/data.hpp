@@ -1,9 +1,12 @@
-// Data for training: image data sets held in memory as bytes, Fashion-MNIST, and a DataLoader
-// that cuts a data set into shuffled float batches.
+// Data for training: image data sets held in memory as bytes, Fashion-MNIST, data sets of
+// tensors, and a DataLoader that cuts a data set into shuffled batches.
 //
 // Images stay bytes until a batch is made (Fashion-MNIST's training set is 47 MB as bytes,
 // 188 MB as floats), and a batch's tensors are reused from one batch to the next when nobody
 // else holds them.
+//
+// A data set is what DataLoader cuts: its size(), its Batch type, and gather(), which makes a
+// batch of the samples it is given.
 #pragma once
 
 #include <algorithm>
@@ -25,10 +28,33 @@
 
 namespace duet::data {
 
+namespace detail {
+// t, of the given shape, reused when nobody else holds it (the batch before, not kept).
+template <class T>
+void reuse_or_make(BasicTensor<T>& t, const Shape& shape) {
+  if (t.use_count() != 1 || !(t.shape() == shape)) t = BasicTensor<T>::uninitialized(shape);
+}
+
+// x's shape with its first axis `count` long: a batch of x's rows.
+inline Shape rows_of(const Shape& x, index_t count) {
+  Shape s = x;
+  s[0] = count;
+  return s;
+}
+}  // namespace detail
+
+// A batch of images: [B, 1, H, W] as floats in [0, 1] (byte / 255) and their labels [B].
+struct Batch {
+  Tensor images;
+  BasicTensor<std::int32_t> labels;
+};
+
 // Images [N, H, W] as bytes and their labels [N], each in 0 .. classes - 1. Copies share the
 // elements, as tensors do.
 class ImageDataset {
  public:
+  using Batch = data::Batch;
+
   ImageDataset(BasicTensor<std::uint8_t> images, BasicTensor<std::int32_t> labels, int classes)
       : images_(std::move(images)), labels_(std::move(labels)), classes_(classes) {
     if (images_.ndim() != 3) {
@@ -59,10 +85,68 @@ class ImageDataset {
   const BasicTensor<std::uint8_t>& images() const { return images_; }
   const BasicTensor<std::int32_t>& labels() const { return labels_; }
 
+  // The samples samples[0], samples[stride], ... (count of them), in that order.
+  void gather(const index_t* samples, index_t stride, index_t count, Batch& batch) const {
+    const index_t h = height();
+    const index_t w = width();
+    detail::reuse_or_make(batch.images, {count, 1, h, w});
+    detail::reuse_or_make(batch.labels, {count});
+    const index_t pixels = h * w;
+    for (index_t k = 0; k < count; ++k) {
+      const index_t sample = samples[k * stride];
+      const std::uint8_t* from = images_.data() + sample * pixels;
+      float* to = batch.images.data() + k * pixels;
+      for (index_t p = 0; p < pixels; ++p) to[p] = static_cast<float>(from[p]) / 255.0f;
+      batch.labels.data()[k] = labels_.data()[sample];
+    }
+  }
+
  private:
   BasicTensor<std::uint8_t> images_;
   BasicTensor<std::int32_t> labels_;
   int classes_;
+};
+
+// Samples as rows of two tensors (PyTorch's TensorDataset, MindSpore's NumpySlicesDataset):
+// inputs [N, ...] and targets [N, ...], float values to regress, or int32 class indices [N]
+// (which train::evaluate reads as labels). Batches are {inputs, targets}, their rows in the
+// loader's order: `for (const auto& [x, y] : loader)`. Copies share the elements.
+template <ElementType X = float, ElementType Y = float>
+class TensorDataset {
+ public:
+  struct Batch {
+    BasicTensor<X> inputs;
+    BasicTensor<Y> targets;
+  };
+
+  TensorDataset(BasicTensor<X> inputs, BasicTensor<Y> targets) : inputs_(std::move(inputs)), targets_(std::move(targets)) {
+    if (inputs_.ndim() == 0 || targets_.ndim() == 0 || inputs_.dim(0) != targets_.dim(0)) {
+      throw ShapeError("duet::data::TensorDataset: inputs and targets must have one row per sample, the same count, "
+                       "got inputs " + to_string(inputs_.shape()) + " and targets " + to_string(targets_.shape()));
+    }
+  }
+
+  index_t size() const { return inputs_.dim(0); }
+  const BasicTensor<X>& inputs() const { return inputs_; }
+  const BasicTensor<Y>& targets() const { return targets_; }
+
+  // The samples samples[0], samples[stride], ... (count of them), in that order.
+  void gather(const index_t* samples, index_t stride, index_t count, Batch& batch) const {
+    gather_rows(inputs_, samples, stride, count, batch.inputs);
+    gather_rows(targets_, samples, stride, count, batch.targets);
+  }
+
+ private:
+  template <class T>
+  static void gather_rows(const BasicTensor<T>& from, const index_t* samples, index_t stride, index_t count,
+                          BasicTensor<T>& to) {
+    detail::reuse_or_make(to, detail::rows_of(from.shape(), count));
+    const index_t row = from.dim(0) == 0 ? 0 : from.numel() / from.dim(0);
+    for (index_t k = 0; k < count; ++k) std::copy_n(from.data() + samples[k * stride] * row, row, to.data() + k * row);
+  }
+
+  BasicTensor<X> inputs_;
+  BasicTensor<Y> targets_;
 };
 
 enum class Split { train, test };
@@ -101,12 +185,6 @@ inline ImageDataset load_fashion_mnist(Split split = Split::train) {
   return load_fashion_mnist(fashion_mnist_dir, split);
 }
 
-// A batch: images [B, 1, H, W] as floats in [0, 1] (byte / 255) and their labels [B].
-struct Batch {
-  Tensor images;
-  BasicTensor<std::int32_t> labels;
-};
-
 struct LoaderOptions {
   // Epoch e's order is a function of (seed, e) alone, so a run can be repeated or resumed.
   bool shuffle = false;
@@ -143,10 +221,16 @@ inline std::atomic<std::uint64_t>& served_order() {
 //     for (const data::Batch& batch : loader) train(batch.images, batch.labels);
 //   }
 //
+//   data::DataLoader pairs(data::TensorDataset(x, y), 32, {.shuffle = true});
+//   for (const auto& [inputs, targets] : pairs) step(inputs, targets);
+//
 // Each range-for runs the next epoch (the first runs epoch 0); next() and start_epoch() step
 // through epochs by hand. A batch is valid until the next batch is made.
+template <class Dataset = ImageDataset>
 class DataLoader {
  public:
+  using Batch = typename Dataset::Batch;
+
   class Iterator {
    public:
     using value_type = Batch;
@@ -169,7 +253,7 @@ class DataLoader {
     const Batch* batch_ = nullptr;
   };
 
-  DataLoader(ImageDataset data, index_t batch_size, LoaderOptions options = {})
+  DataLoader(Dataset data, index_t batch_size, LoaderOptions options = {})
       : data_(std::move(data)),
         batch_size_(batch_size),
         options_(options),
@@ -196,7 +280,7 @@ class DataLoader {
   // Samples per batch over all shards.
   index_t global_batch_size() const { return batch_size_ * options_.num_shards; }
   const LoaderOptions& options() const { return options_; }
-  const ImageDataset& dataset() const { return data_; }
+  const Dataset& dataset() const { return data_; }
   std::uint64_t epoch() const { return epoch_; }
 
   // Rewinds to the first batch of the given epoch, in that epoch's order.
@@ -216,7 +300,7 @@ class DataLoader {
     if (next_batch_ == size()) return nullptr;
     const index_t first = next_batch_ * global_batch_size() + options_.shard_id;
     const index_t shards = options_.num_shards;
-    make_batch(first, std::min(batch_size_, (data_.size() - first + shards - 1) / shards));
+    data_.gather(order_.data() + first, shards, std::min(batch_size_, (data_.size() - first + shards - 1) / shards), batch_);
     if (shards > 1) {
       const std::uint64_t made_of[] = {options_.shuffle ? options_.seed : 0,
                                        options_.shuffle,
@@ -240,28 +324,7 @@ class DataLoader {
   std::default_sentinel_t end() const { return {}; }
 
  private:
-  // The samples at positions first, first + num_shards, ... of this epoch's order.
-  void make_batch(index_t first, index_t count) {
-    const index_t h = data_.height();
-    const index_t w = data_.width();
-    if (batch_.images.use_count() != 1 || batch_.images.dim(0) != count) {
-      batch_.images = Tensor::uninitialized({count, 1, h, w});
-    }
-    if (batch_.labels.use_count() != 1 || batch_.labels.dim(0) != count) {
-      batch_.labels = BasicTensor<std::int32_t>::uninitialized({count});
-    }
-    const index_t pixels = h * w;
-    const std::uint8_t* images = data_.images().data();
-    for (index_t k = 0; k < count; ++k) {
-      const index_t sample = order_[static_cast<std::size_t>(first + k * options_.num_shards)];
-      const std::uint8_t* from = images + sample * pixels;
-      float* to = batch_.images.data() + k * pixels;
-      for (index_t p = 0; p < pixels; ++p) to[p] = static_cast<float>(from[p]) / 255.0f;
-      batch_.labels.data()[k] = data_.labels().data()[sample];
-    }
-  }
-
-  ImageDataset data_;
+  Dataset data_;
   index_t batch_size_;
   LoaderOptions options_;
   std::vector<index_t> order_;  // this epoch's samples, in the order they are served
@@ -269,5 +332,10 @@ class DataLoader {
   index_t next_batch_ = 0;
   Batch batch_;
 };
+
+template <class L>
+inline constexpr bool is_data_loader_v = false;
+template <class Dataset>
+inline constexpr bool is_data_loader_v<DataLoader<Dataset>> = true;
 
 }  // namespace duet::data

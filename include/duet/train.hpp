@@ -10,6 +10,7 @@
 #include <ostream>
 #include <ranges>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -70,15 +71,31 @@ class EvaluationScope {
 
 // What evaluate reads: a range of batches (a range-for over it runs one pass), each with
 // `images`, what the network takes (any shape, channel count or element type), and `labels`,
-// the class indices [B] as BasicTensor<std::int32_t>. data::DataLoader is one; so is a
+// the class indices [B] as BasicTensor<std::int32_t>, or with `inputs` and `targets` so
+// (a data::TensorDataset's batches of class indices). data::DataLoader is one; so is a
 // std::vector of such structs.
-template <class L>
-concept ClassificationLoader = std::ranges::input_range<L> && requires(std::ranges::range_reference_t<L> batch) {
+template <class B>
+concept ImageBatch = requires(B batch) {
   batch.images;
   { batch.labels } -> std::convertible_to<const BasicTensor<std::int32_t>&>;
 };
+template <class B>
+concept ClassIndexBatch = requires(B batch) {
+  batch.inputs;
+  { batch.targets } -> std::convertible_to<const BasicTensor<std::int32_t>&>;
+};
+template <class L>
+concept ClassificationLoader =
+    std::ranges::input_range<L> && (ImageBatch<std::ranges::range_reference_t<L>> ||
+                                    ClassIndexBatch<std::ranges::range_reference_t<L>>);
 
 namespace detail {
+template <class B>
+auto inputs_and_labels(const B& batch) {
+  if constexpr (ImageBatch<const B&>) return std::tie(batch.images, batch.labels);
+  else return std::tie(batch.inputs, batch.targets);
+}
+
 // The batches evaluate reads. A range-for over a DataLoader starts its next epoch, so
 // evaluating on the training loader between epochs would take the next epoch's order, and the
 // training loop's next pass would start the one after it: the loader's epochs, and a run
@@ -86,8 +103,8 @@ namespace detail {
 // loader's current epoch leaves the loader where it was (copies share the images).
 template <class Loader>
 decltype(auto) one_pass(Loader&& loader) {
-  if constexpr (std::same_as<std::remove_cvref_t<Loader>, data::DataLoader>) {
-    data::DataLoader pass = loader;
+  if constexpr (data::is_data_loader_v<std::remove_cvref_t<Loader>>) {
+    std::remove_cvref_t<Loader> pass = loader;
     pass.start_epoch(loader.epoch());
     return pass;
   } else {
@@ -133,9 +150,9 @@ Metrics evaluate(Net& net, Loss& loss_fn, Loader&& loader) {
   double loss_sum = 0;
   index_t correct = 0;
   for (const auto& batch : detail::one_pass(std::forward<Loader>(loader))) {
-    const auto output = net(batch.images);
+    const auto& [inputs, labels] = detail::inputs_and_labels(batch);
+    const auto output = net(inputs);
     const auto& logits = tensor_of(output);
-    const BasicTensor<std::int32_t>& labels = batch.labels;
     const duet::detail::BatchShare share =
         duet::detail::batch_share(loss_fn, labels, labels.numel(), "duet::train::evaluate");
     const auto loss = static_cast<double>(loss_fn(logits, labels).item());
@@ -165,7 +182,8 @@ template <class Net, class Loss, class Loader>
 Metrics evaluate(Net&, Loss&, Loader&&) {
   static_assert(ClassificationLoader<Loader>,
                 "duet::train::evaluate: the loader must be a range of batches with .images (the network's input) "
-                "and .labels (BasicTensor<std::int32_t>), see duet::train::ClassificationLoader");
+                "and .labels (BasicTensor<std::int32_t>), or .inputs and .targets so (a data::TensorDataset of "
+                "class indices), see duet::train::ClassificationLoader");
   return {};
 }
 

@@ -12893,12 +12893,15 @@ std::vector<BasicTensor<T>> clip_by_global_norm(const std::vector<BasicTensor<T>
 #include <unordered_map>
 #include <vector>
 
-// Data for training: image data sets held in memory as bytes, Fashion-MNIST, and a DataLoader
-// that cuts a data set into shuffled float batches.
+// Data for training: image data sets held in memory as bytes, Fashion-MNIST, data sets of
+// tensors, and a DataLoader that cuts a data set into shuffled batches.
 //
 // Images stay bytes until a batch is made (Fashion-MNIST's training set is 47 MB as bytes,
 // 188 MB as floats), and a batch's tensors are reused from one batch to the next when nobody
 // else holds them.
+//
+// A data set is what DataLoader cuts: its size(), its Batch type, and gather(), which makes a
+// batch of the samples it is given.
 
 #include <algorithm>
 #include <atomic>
@@ -13523,10 +13526,33 @@ BasicTensor<T> randn(const Shape& shape) {
 
 namespace duet::data {
 
+namespace detail {
+// t, of the given shape, reused when nobody else holds it (the batch before, not kept).
+template <class T>
+void reuse_or_make(BasicTensor<T>& t, const Shape& shape) {
+  if (t.use_count() != 1 || !(t.shape() == shape)) t = BasicTensor<T>::uninitialized(shape);
+}
+
+// x's shape with its first axis `count` long: a batch of x's rows.
+inline Shape rows_of(const Shape& x, index_t count) {
+  Shape s = x;
+  s[0] = count;
+  return s;
+}
+}  // namespace detail
+
+// A batch of images: [B, 1, H, W] as floats in [0, 1] (byte / 255) and their labels [B].
+struct Batch {
+  Tensor images;
+  BasicTensor<std::int32_t> labels;
+};
+
 // Images [N, H, W] as bytes and their labels [N], each in 0 .. classes - 1. Copies share the
 // elements, as tensors do.
 class ImageDataset {
  public:
+  using Batch = data::Batch;
+
   ImageDataset(BasicTensor<std::uint8_t> images, BasicTensor<std::int32_t> labels, int classes)
       : images_(std::move(images)), labels_(std::move(labels)), classes_(classes) {
     if (images_.ndim() != 3) {
@@ -13557,10 +13583,68 @@ class ImageDataset {
   const BasicTensor<std::uint8_t>& images() const { return images_; }
   const BasicTensor<std::int32_t>& labels() const { return labels_; }
 
+  // The samples samples[0], samples[stride], ... (count of them), in that order.
+  void gather(const index_t* samples, index_t stride, index_t count, Batch& batch) const {
+    const index_t h = height();
+    const index_t w = width();
+    detail::reuse_or_make(batch.images, {count, 1, h, w});
+    detail::reuse_or_make(batch.labels, {count});
+    const index_t pixels = h * w;
+    for (index_t k = 0; k < count; ++k) {
+      const index_t sample = samples[k * stride];
+      const std::uint8_t* from = images_.data() + sample * pixels;
+      float* to = batch.images.data() + k * pixels;
+      for (index_t p = 0; p < pixels; ++p) to[p] = static_cast<float>(from[p]) / 255.0f;
+      batch.labels.data()[k] = labels_.data()[sample];
+    }
+  }
+
  private:
   BasicTensor<std::uint8_t> images_;
   BasicTensor<std::int32_t> labels_;
   int classes_;
+};
+
+// Samples as rows of two tensors (PyTorch's TensorDataset, MindSpore's NumpySlicesDataset):
+// inputs [N, ...] and targets [N, ...], float values to regress, or int32 class indices [N]
+// (which train::evaluate reads as labels). Batches are {inputs, targets}, their rows in the
+// loader's order: `for (const auto& [x, y] : loader)`. Copies share the elements.
+template <ElementType X = float, ElementType Y = float>
+class TensorDataset {
+ public:
+  struct Batch {
+    BasicTensor<X> inputs;
+    BasicTensor<Y> targets;
+  };
+
+  TensorDataset(BasicTensor<X> inputs, BasicTensor<Y> targets) : inputs_(std::move(inputs)), targets_(std::move(targets)) {
+    if (inputs_.ndim() == 0 || targets_.ndim() == 0 || inputs_.dim(0) != targets_.dim(0)) {
+      throw ShapeError("duet::data::TensorDataset: inputs and targets must have one row per sample, the same count, "
+                       "got inputs " + to_string(inputs_.shape()) + " and targets " + to_string(targets_.shape()));
+    }
+  }
+
+  index_t size() const { return inputs_.dim(0); }
+  const BasicTensor<X>& inputs() const { return inputs_; }
+  const BasicTensor<Y>& targets() const { return targets_; }
+
+  // The samples samples[0], samples[stride], ... (count of them), in that order.
+  void gather(const index_t* samples, index_t stride, index_t count, Batch& batch) const {
+    gather_rows(inputs_, samples, stride, count, batch.inputs);
+    gather_rows(targets_, samples, stride, count, batch.targets);
+  }
+
+ private:
+  template <class T>
+  static void gather_rows(const BasicTensor<T>& from, const index_t* samples, index_t stride, index_t count,
+                          BasicTensor<T>& to) {
+    detail::reuse_or_make(to, detail::rows_of(from.shape(), count));
+    const index_t row = from.dim(0) == 0 ? 0 : from.numel() / from.dim(0);
+    for (index_t k = 0; k < count; ++k) std::copy_n(from.data() + samples[k * stride] * row, row, to.data() + k * row);
+  }
+
+  BasicTensor<X> inputs_;
+  BasicTensor<Y> targets_;
 };
 
 enum class Split { train, test };
@@ -13599,12 +13683,6 @@ inline ImageDataset load_fashion_mnist(Split split = Split::train) {
   return load_fashion_mnist(fashion_mnist_dir, split);
 }
 
-// A batch: images [B, 1, H, W] as floats in [0, 1] (byte / 255) and their labels [B].
-struct Batch {
-  Tensor images;
-  BasicTensor<std::int32_t> labels;
-};
-
 struct LoaderOptions {
   // Epoch e's order is a function of (seed, e) alone, so a run can be repeated or resumed.
   bool shuffle = false;
@@ -13641,10 +13719,16 @@ inline std::atomic<std::uint64_t>& served_order() {
 //     for (const data::Batch& batch : loader) train(batch.images, batch.labels);
 //   }
 //
+//   data::DataLoader pairs(data::TensorDataset(x, y), 32, {.shuffle = true});
+//   for (const auto& [inputs, targets] : pairs) step(inputs, targets);
+//
 // Each range-for runs the next epoch (the first runs epoch 0); next() and start_epoch() step
 // through epochs by hand. A batch is valid until the next batch is made.
+template <class Dataset = ImageDataset>
 class DataLoader {
  public:
+  using Batch = typename Dataset::Batch;
+
   class Iterator {
    public:
     using value_type = Batch;
@@ -13667,7 +13751,7 @@ class DataLoader {
     const Batch* batch_ = nullptr;
   };
 
-  DataLoader(ImageDataset data, index_t batch_size, LoaderOptions options = {})
+  DataLoader(Dataset data, index_t batch_size, LoaderOptions options = {})
       : data_(std::move(data)),
         batch_size_(batch_size),
         options_(options),
@@ -13694,7 +13778,7 @@ class DataLoader {
   // Samples per batch over all shards.
   index_t global_batch_size() const { return batch_size_ * options_.num_shards; }
   const LoaderOptions& options() const { return options_; }
-  const ImageDataset& dataset() const { return data_; }
+  const Dataset& dataset() const { return data_; }
   std::uint64_t epoch() const { return epoch_; }
 
   // Rewinds to the first batch of the given epoch, in that epoch's order.
@@ -13714,7 +13798,7 @@ class DataLoader {
     if (next_batch_ == size()) return nullptr;
     const index_t first = next_batch_ * global_batch_size() + options_.shard_id;
     const index_t shards = options_.num_shards;
-    make_batch(first, std::min(batch_size_, (data_.size() - first + shards - 1) / shards));
+    data_.gather(order_.data() + first, shards, std::min(batch_size_, (data_.size() - first + shards - 1) / shards), batch_);
     if (shards > 1) {
       const std::uint64_t made_of[] = {options_.shuffle ? options_.seed : 0,
                                        options_.shuffle,
@@ -13738,28 +13822,7 @@ class DataLoader {
   std::default_sentinel_t end() const { return {}; }
 
  private:
-  // The samples at positions first, first + num_shards, ... of this epoch's order.
-  void make_batch(index_t first, index_t count) {
-    const index_t h = data_.height();
-    const index_t w = data_.width();
-    if (batch_.images.use_count() != 1 || batch_.images.dim(0) != count) {
-      batch_.images = Tensor::uninitialized({count, 1, h, w});
-    }
-    if (batch_.labels.use_count() != 1 || batch_.labels.dim(0) != count) {
-      batch_.labels = BasicTensor<std::int32_t>::uninitialized({count});
-    }
-    const index_t pixels = h * w;
-    const std::uint8_t* images = data_.images().data();
-    for (index_t k = 0; k < count; ++k) {
-      const index_t sample = order_[static_cast<std::size_t>(first + k * options_.num_shards)];
-      const std::uint8_t* from = images + sample * pixels;
-      float* to = batch_.images.data() + k * pixels;
-      for (index_t p = 0; p < pixels; ++p) to[p] = static_cast<float>(from[p]) / 255.0f;
-      batch_.labels.data()[k] = data_.labels().data()[sample];
-    }
-  }
-
-  ImageDataset data_;
+  Dataset data_;
   index_t batch_size_;
   LoaderOptions options_;
   std::vector<index_t> order_;  // this epoch's samples, in the order they are served
@@ -13767,6 +13830,11 @@ class DataLoader {
   index_t next_batch_ = 0;
   Batch batch_;
 };
+
+template <class L>
+inline constexpr bool is_data_loader_v = false;
+template <class Dataset>
+inline constexpr bool is_data_loader_v<DataLoader<Dataset>> = true;
 
 }  // namespace duet::data
 
@@ -27280,6 +27348,7 @@ Summary summary(Net& net, const Shape& input_shape, std::ostream& out = std::cou
 #include <ostream>
 #include <ranges>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -27336,15 +27405,31 @@ class EvaluationScope {
 
 // What evaluate reads: a range of batches (a range-for over it runs one pass), each with
 // `images`, what the network takes (any shape, channel count or element type), and `labels`,
-// the class indices [B] as BasicTensor<std::int32_t>. data::DataLoader is one; so is a
+// the class indices [B] as BasicTensor<std::int32_t>, or with `inputs` and `targets` so
+// (a data::TensorDataset's batches of class indices). data::DataLoader is one; so is a
 // std::vector of such structs.
-template <class L>
-concept ClassificationLoader = std::ranges::input_range<L> && requires(std::ranges::range_reference_t<L> batch) {
+template <class B>
+concept ImageBatch = requires(B batch) {
   batch.images;
   { batch.labels } -> std::convertible_to<const BasicTensor<std::int32_t>&>;
 };
+template <class B>
+concept ClassIndexBatch = requires(B batch) {
+  batch.inputs;
+  { batch.targets } -> std::convertible_to<const BasicTensor<std::int32_t>&>;
+};
+template <class L>
+concept ClassificationLoader =
+    std::ranges::input_range<L> && (ImageBatch<std::ranges::range_reference_t<L>> ||
+                                    ClassIndexBatch<std::ranges::range_reference_t<L>>);
 
 namespace detail {
+template <class B>
+auto inputs_and_labels(const B& batch) {
+  if constexpr (ImageBatch<const B&>) return std::tie(batch.images, batch.labels);
+  else return std::tie(batch.inputs, batch.targets);
+}
+
 // The batches evaluate reads. A range-for over a DataLoader starts its next epoch, so
 // evaluating on the training loader between epochs would take the next epoch's order, and the
 // training loop's next pass would start the one after it: the loader's epochs, and a run
@@ -27352,8 +27437,8 @@ namespace detail {
 // loader's current epoch leaves the loader where it was (copies share the images).
 template <class Loader>
 decltype(auto) one_pass(Loader&& loader) {
-  if constexpr (std::same_as<std::remove_cvref_t<Loader>, data::DataLoader>) {
-    data::DataLoader pass = loader;
+  if constexpr (data::is_data_loader_v<std::remove_cvref_t<Loader>>) {
+    std::remove_cvref_t<Loader> pass = loader;
     pass.start_epoch(loader.epoch());
     return pass;
   } else {
@@ -27399,9 +27484,9 @@ Metrics evaluate(Net& net, Loss& loss_fn, Loader&& loader) {
   double loss_sum = 0;
   index_t correct = 0;
   for (const auto& batch : detail::one_pass(std::forward<Loader>(loader))) {
-    const auto output = net(batch.images);
+    const auto& [inputs, labels] = detail::inputs_and_labels(batch);
+    const auto output = net(inputs);
     const auto& logits = tensor_of(output);
-    const BasicTensor<std::int32_t>& labels = batch.labels;
     const duet::detail::BatchShare share =
         duet::detail::batch_share(loss_fn, labels, labels.numel(), "duet::train::evaluate");
     const auto loss = static_cast<double>(loss_fn(logits, labels).item());
@@ -27431,7 +27516,8 @@ template <class Net, class Loss, class Loader>
 Metrics evaluate(Net&, Loss&, Loader&&) {
   static_assert(ClassificationLoader<Loader>,
                 "duet::train::evaluate: the loader must be a range of batches with .images (the network's input) "
-                "and .labels (BasicTensor<std::int32_t>), see duet::train::ClassificationLoader");
+                "and .labels (BasicTensor<std::int32_t>), or .inputs and .targets so (a data::TensorDataset of "
+                "class indices), see duet::train::ClassificationLoader");
   return {};
 }
 
