@@ -284,6 +284,15 @@ TEST_CASE("parameter groups: each group's rate and weight decay, the same bits a
     return std::equal(a.weight.data(), a.weight.data() + 6, b.weight.data()) &&
            std::equal(a.bias.data(), a.bias.data() + 2, b.bias.data());
   };
+  // Three steps of the grouped optimiser and of one per group, from the same gradients.
+  const auto same_after_steps = [&](auto& grouped, auto& for_body, auto& for_head) {
+    for (int step = 0; step < 3; ++step) {
+      grouped(both);
+      for_body(body_grads);
+      for_head(head_grads);
+    }
+    return same(body, body_alone) && same(head, head_alone);
+  };
   SUBCASE("AdamW: the body at its own rate, decay and a schedule, the head at the optimiser's") {
     const auto schedule = nn::CosineDecayLR{.min_lr = 0.001, .max_lr = 0.05, .decay_steps = 4};
     nn::AdamW grouped({{.params = body.parameters(), .learning_rate = schedule, .weight_decay = 0.2},
@@ -296,13 +305,7 @@ TEST_CASE("parameter groups: each group's rate and weight decay, the same bits a
     CHECK(grouped.learning_rate(1) == 0.01);
     CHECK(grouped.group_of(1) == 0);
     CHECK(grouped.group_of(2) == 1);
-    for (int step = 0; step < 3; ++step) {
-      grouped(both);
-      for_body(body_grads);
-      for_head(head_grads);
-    }
-    CHECK(same(body, body_alone));
-    CHECK(same(head, head_alone));
+    CHECK(same_after_steps(grouped, for_body, for_head));
   }
   SUBCASE("SGD with momentum, .decays applying within each group") {
     const auto matrices = [](std::string_view, const Shape& shape) { return shape.rank() >= 2; };
@@ -311,13 +314,7 @@ TEST_CASE("parameter groups: each group's rate and weight decay, the same bits a
                     {.learning_rate = 0.05, .momentum = 0.9, .weight_decay = 0.3, .decays = matrices});
     nn::SGD for_body(body_alone.parameters(), {.learning_rate = 0.5, .momentum = 0.9, .weight_decay = 0.1, .decays = matrices});
     nn::SGD for_head(head_alone.parameters(), {.learning_rate = 0.05, .momentum = 0.9});
-    for (int step = 0; step < 3; ++step) {
-      grouped(both);
-      for_body(body_grads);
-      for_head(head_grads);
-    }
-    CHECK(same(body, body_alone));
-    CHECK(same(head, head_alone));
+    CHECK(same_after_steps(grouped, for_body, for_head));
   }
 }
 
