@@ -105,6 +105,23 @@ void add_reduction(std::multimap<std::string, Case>& m, const std::string& name,
   add({3, 4}, [r](const auto& x) { return r(x, std::span<const int>()); }, {}, false);
 }
 
+// var or std over `axes` from two plain reductions: E[x^2] - E[x]^2 in double, against duet's
+// mean of squared deviations.
+template <class F>
+Case moment_case(Shape shape, F f, std::vector<int> axes, bool keep, bool root) {
+  return make_case_with_reference<1>({shape}, f, [axes, keep, root](const std::vector<D>& xs) {
+    D squares = xs[0].clone();
+    for (duet::index_t i = 0; i < squares.numel(); ++i) squares.data()[i] *= squares.data()[i];
+    D v = reference_reduce(squares, axes, keep, Kind::mean);
+    const D m = reference_reduce(xs[0], axes, keep, Kind::mean);
+    for (duet::index_t i = 0; i < v.numel(); ++i) {
+      v.data()[i] -= m.data()[i] * m.data()[i];
+      if (root) v.data()[i] = std::sqrt(v.data()[i]);
+    }
+    return v;
+  });
+}
+
 template <Kind K, class F>
 Case arg_case(Shape s, F f, int axis, bool keep) {
   return make_value_case({s}, f, [axis, keep](const std::vector<D>& xs) {
@@ -117,6 +134,13 @@ const bool reduction_cases = add_cases([](std::multimap<std::string, Case>& m) {
   add_reduction<Kind::mean>(m, "mean", [](const auto&... a) { return ops::mean(a...); });
   add_reduction<Kind::max>(m, "max", [](const auto&... a) { return ops::max(a...); });
   add_reduction<Kind::min>(m, "min", [](const auto&... a) { return ops::min(a...); });
+  m.emplace("var", moment_case({3, 4}, [](const auto& x) { return ops::var(x); }, {}, false, false));
+  m.emplace("var", moment_case({2, 3, 4}, [](const auto& x) { return ops::var(x, ops::axes<-1>, ops::keep_dims); }, {-1},
+                               true, false));
+  m.emplace("var", moment_case({2, 3, 4, 2}, [](const auto& x) { return ops::var(x, ops::axes<0, 2>); }, {0, 2}, false,
+                               false));
+  m.emplace("std", moment_case({4, 5}, [](const auto& x) { return ops::std(x, ops::axes<0>); }, {0}, false, true));
+  m.emplace("std", moment_case({3, 4}, [](const auto& x) { return ops::std(x, ops::keep_dims); }, {}, true, true));
   m.emplace("argmax", arg_case<Kind::argmax>({3, 4}, [](const auto& x) { return ops::argmax(x); }, -1, false));
   m.emplace("argmax", arg_case<Kind::argmax>({2, 3, 4}, [](const auto& x) { return ops::argmax(x, ops::axis<1>); }, 1,
                                              false));

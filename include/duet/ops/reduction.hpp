@@ -1,5 +1,6 @@
-// Reductions: sum, mean, max and min over axes, with keep_dims, and argmax, argmin (MindSpore's
-// ops.sum(x, dim, keepdim), ReduceSum(keep_dims), ops.argmax), in both modes.
+// Reductions: sum, mean, max and min over axes, with keep_dims, argmax, argmin (MindSpore's
+// ops.sum(x, dim, keepdim), ReduceSum(keep_dims), ops.argmax), and the statistics var and std
+// made of them, in both modes.
 //
 // Spelling. The reduced axes shape the output, and graph mode computes every node's shape
 // while the program compiles, so they are template arguments, given as tag values:
@@ -45,6 +46,7 @@
 #include <Eigen/Core>
 
 #include "arithmetic.hpp"
+#include "math.hpp"
 
 namespace duet {
 namespace ops {
@@ -496,7 +498,7 @@ struct ArgExtremeOp : Primitive<ArgExtremeOp<Max, Axis, Keep, In>> {
   }
 };
 
-inline const bool reduction_listed = list_operations({"sum", "mean", "max", "min", "argmax", "argmin"});
+inline const bool reduction_listed = list_operations({"sum", "mean", "max", "min", "argmax", "argmin", "var", "std"});
 
 namespace detail {
 
@@ -565,6 +567,37 @@ DUET_DETAIL_REDUCTION(mean, MeanReducer)
 DUET_DETAIL_REDUCTION(max, MaxReducer)
 DUET_DETAIL_REDUCTION(min, MinReducer)
 #undef DUET_DETAIL_REDUCTION
+
+namespace detail {
+template <class X, class AxesT, class... Keep>
+auto variance(const X& x, const AxesT& axes, Keep... keep) {
+  return mean(square(x - mean(x, axes, keep_dims)), axes, keep...);
+}
+}  // namespace detail
+
+// var(x), var(x, axes<...>), with keep_dims: the variance over the axes (every axis if none),
+// mean((x - mean(x))^2), dividing by the n elements reduced, as numpy's and MindSpore's
+// ops.var do by default (ddof = 0); torch.var divides by n - 1 by default (a sample's
+// unbiased estimate: multiply by n / (n - 1)). std is its square root. Made of mean,
+// subtraction and square, which give their gradients (std's is infinite where the variance is 0).
+template <TensorLike X, int... A, class... Keep>
+auto var(const X& x, Axes<A...> a, Keep... keep) {
+  return detail::variance(x, a, keep...);
+}
+template <TensorLike X, class... Keep>
+  requires((std::is_same_v<Keep, KeepDims> && ...))
+auto var(const X& x, Keep... keep) {
+  return detail::variance(x, Axes<>{}, keep...);
+}
+template <TensorLike X, int... A, class... Keep>
+auto std(const X& x, Axes<A...> a, Keep... keep) {
+  return sqrt(detail::variance(x, a, keep...));
+}
+template <TensorLike X, class... Keep>
+  requires((std::is_same_v<Keep, KeepDims> && ...))
+auto std(const X& x, Keep... keep) {
+  return sqrt(detail::variance(x, Axes<>{}, keep...));
+}
 
 // argmax(x) (axis -1, MindSpore's ops.Argmax default), argmax(x, axis<A>), with keep_dims.
 template <TensorLike X, int A = -1, class... Keep>
