@@ -219,6 +219,33 @@ TEST_CASE("graph mode's refusal of a hook names the cell that has it") {
 }
 
 namespace {
+struct TokenClassifier : nn::Cell<TokenClassifier> {
+  using input_value_type = std::int32_t;
+  nn::Embedding<10, 4> embed;
+  nn::Dense<4, 2> head;
+  DUET_CELL_MEMBERS(embed, head);
+  auto construct(auto ids) { return head(embed(ids)); }
+};
+}  // namespace
+
+TEST_CASE("a hook on a cell whose input holds integers is refused where it is registered, not at the call") {
+  TokenClassifier net;
+  const auto forward = [](const nn::DynamicCell&, const Tensor&, const Tensor&) {};
+  CHECK_THROWS_WITH_AS(net.embed.register_forward_hook(forward),
+                       "nn::Embedding<10, 4>: hooks take tensors of its element type (Float32), and its input holds "
+                       "Int32 values; hook the cell after it (the first that takes its output)",
+                       ModeError);
+  CHECK_THROWS_AS(net.register_backward_hook([](const nn::DynamicCell&, const Tensor&, const Tensor&) {}), ModeError);
+  int seen = 0;
+  auto handle = net.head.register_forward_hook(  // the cell after it takes floats
+      [&seen](const nn::DynamicCell&, const Tensor& in, const Tensor&) { seen += static_cast<int>(in.dim(0)); });
+  const BasicTensor<std::int32_t> ids({3}, {1, 2, 3});
+  CHECK(net(ids).shape() == Shape{3, 2});
+  CHECK(seen == 3);
+  handle.remove();
+}
+
+namespace {
 // Counts how often its construct runs: once per call in PyNative mode, once per capture in graph mode.
 struct CountingCell : nn::Cell<CountingCell> {
   nn::Dense<3, 2> dense;

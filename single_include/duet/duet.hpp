@@ -11150,6 +11150,7 @@ class BasicDynamicCell {
   }
 
   HookHandle<T> register_forward_hook(BasicForwardHook<T> hook) {
+    refuse_hook_on_other_input_type();
     hooks_.emplace_back(++last_hook_id_, std::move(hook));
     duet::detail::live_hook_count().fetch_add(1);
     return HookHandle<T>(this, last_hook_id_);
@@ -11158,9 +11159,20 @@ class BasicDynamicCell {
   // Backward hooks run while a PyNative gradient (value_and_grad, grad, TrainOneStepCell)
   // goes back through this cell.
   HookHandle<T> register_backward_hook(BasicBackwardHook<T> hook) {
+    refuse_hook_on_other_input_type();
     backward_hooks_.emplace_back(++last_hook_id_, std::move(hook));
     duet::detail::live_hook_count().fetch_add(1);
     return HookHandle<T>(this, last_hook_id_);
+  }
+
+  // A hook takes tensors of T, so a cell whose input holds other values could never call it:
+  // refused where it is registered rather than at the cell's first call.
+  void refuse_hook_on_other_input_type() const {
+    if (const std::string_view other = other_input_type(); !other.empty()) {
+      throw ModeError(label() + ": hooks take tensors of its element type (" + std::string(name_of(dtype_of<T>)) +
+                      "), and its input holds " + std::string(other) +
+                      " values; hook the cell after it (the first that takes its output)");
+    }
   }
 
   void remove_hook(long id) {
@@ -11224,6 +11236,10 @@ class BasicDynamicCell {
   }
   // Whether this cell's parameter p is one it never trains (set_requires_grad leaves it frozen).
   virtual bool never_trains(const BasicParameter<T>&) const { return false; }
+
+  // The element type of this cell's input when it is not T (nn::Embedding's int32 indices, as
+  // `using input_value_type` declares), empty otherwise.
+  virtual std::string_view other_input_type() const { return {}; }
 
   // What a temporary switch (train::evaluate) gives back to each cell: its setting, and
   // whether anybody chose it, so that the switch does not count as a choice.
@@ -11597,15 +11613,11 @@ class Cell : public BasicDynamicCell<T> {
   // `using input_value_type = std::int32_t;` in nn::Embedding and in a network that begins with
   // one (any other cell given a tensor of another type does not compile: its operations would
   // read the elements as T's). construct runs in this cell's mode, as for a tensor of T. Its
-  // forward hooks take tensors of T, so a hook on this cell is refused rather than skipped.
+  // hooks take tensors of T, so a hook on this cell is refused where it is registered.
   template <ElementType U>
     requires(!std::is_same_v<U, T> && detail::declares_input_value_type<Derived, U>() &&
              HasConstruct<Derived, BasicTensor<U>>)
   auto operator()(const BasicTensor<U>& x) {
-    if (this->has_own_hooks()) {
-      throw ModeError(this->label() + " has a hook, but hooks take tensors of its element type, and it is called with " +
-                      std::string(name_of(dtype_of<U>)) + " values");
-    }
     auto y = duet::detail::all_or_nothing([&] {
       this->check_registered();
       this->ensure_named();
@@ -11673,6 +11685,14 @@ class Cell : public BasicDynamicCell<T> {
   }
 
   std::string type_name() const override { return duet::detail::readable_type_name(typeid(Derived)); }
+  std::string_view other_input_type() const override {
+    if constexpr (requires { typename Derived::input_value_type; }) {
+      if constexpr (!std::is_same_v<typename Derived::input_value_type, T>) {
+        return name_of(dtype_of<typename Derived::input_value_type>);
+      }
+    }
+    return {};
+  }
 
  protected:
   bool traced_in_graph_mode() const override { return false; }
