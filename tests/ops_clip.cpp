@@ -138,4 +138,37 @@ TEST_CASE("clip_by_global_norm on value_and_grad's gradients, then the optimiser
   CHECK(losses[0] == losses[1]);
 }
 
+TEST_CASE("TrainOneStepCell clips each gradient to clip_grad_value, as clip_grad_value_ then the update") {
+  const Batch data;
+  const double bound = 0.01;
+  std::vector<std::vector<float>> weights;
+  for (Mode mode : {PYNATIVE_MODE, GRAPH_MODE}) {
+    ModeGuard guard;
+    set_context({.mode = mode});
+    Training t;
+    nn::TrainOneStepCell step(t.with_loss, t.sgd, {.clip_grad_value = bound});
+    for (int s = 0; s < 3; ++s) static_cast<void>(step(data.x, data.y));
+    weights.emplace_back(t.net.fc2.weight.data(), t.net.fc2.weight.data() + t.net.fc2.weight.numel());
+  }
+  CHECK(weights[0] == weights[1]);
+  // By hand: the gradients clamped, then the optimiser, from the same start.
+  ModeGuard guard;
+  set_context({.mode = PYNATIVE_MODE});
+  Training t;
+  auto vg = value_and_grad(t.with_loss, t.sgd.parameters());
+  bool clamped = false;
+  for (int s = 0; s < 3; ++s) {
+    std::vector<Tensor> grads;
+    for (const Tensor& g : vg(data.x, data.y).grads) {
+      grads.push_back(ops::clip_by_value(g, -bound, bound));
+      clamped = clamped || ops::max(ops::abs(g)).item() > bound;
+    }
+    t.sgd(grads);
+  }
+  CHECK(clamped);  // the bound acts
+  CHECK(std::vector<float>(t.net.fc2.weight.data(), t.net.fc2.weight.data() + t.net.fc2.weight.numel()) == weights[0]);
+  CHECK_THROWS_WITH_AS(nn::TrainOneStepCell(t.with_loss, t.sgd, {.clip_grad_value = -1.0}),
+                       "nn::TrainOneStepCell: clip_grad_value must be positive and finite, got -1.000000", ValueError);
+}
+
 }  // namespace tests_ops_clip

@@ -12821,13 +12821,15 @@ auto grad(Fn&& fn, Weights&&... weights_and_position) {
 #include <utility>
 #include <vector>
 
-// Gradient clipping by global norm (MindSpore's ops.clip_by_global_norm).
+// Gradient clipping by global norm (MindSpore's ops.clip_by_global_norm), and by value inside
+// nn::TrainOneStepCell (PyTorch's clip_grad_value_).
 //
 // It works on gradients once backward has made them, outside the graph, so it is the same code
 // in both modes: on the list value_and_grad returns (clip, then call the optimiser with it), or
 // inside nn::TrainOneStepCell ({.clip_global_norm = 1.0}), which clips the gradients backward
 // left in the parameters before the optimiser reads them.
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <type_traits>
@@ -12843,6 +12845,28 @@ inline void check_clip_norm(double clip_norm) {
     throw ValueError("ops::clip_by_global_norm: clip_norm must be positive and finite, got " +
                      std::to_string(clip_norm));
   }
+}
+
+inline void check_clip_value(double clip_value) {
+  if (!(clip_value > 0) || !std::isfinite(clip_value)) {
+    throw ValueError("nn::TrainOneStepCell: clip_grad_value must be positive and finite, got " + std::to_string(clip_value));
+  }
+}
+
+// Clamps each element of each tensor to [-clip_value, clip_value] in place; whether every
+// element was finite (a NaN stays NaN, an infinity becomes the bound).
+template <class Tensors>
+bool clamp_in_place(const Tensors& tensors, double clip_value) {
+  bool finite = true;
+  for (auto* t : tensors) {
+    using T = std::remove_cvref_t<decltype(t->values()[0])>;
+    const auto bound = static_cast<T>(clip_value);
+    for (auto& v : t->values()) {
+      finite = finite && std::isfinite(v);
+      v = std::clamp(v, -bound, bound);
+    }
+  }
+  return finite;
 }
 
 // sqrt(Σ over every tensor of Σ x²), accumulated in double: float gradients of a large model
@@ -14386,7 +14410,10 @@ class WithLossCell
 struct TrainOneStepConfig {
   // Clip the gradients to this global norm before the update (ops::clip_by_global_norm over
   // every gradient the optimiser reads); none if empty.
-  std::optional<double> clip_global_norm;
+  std::optional<double> clip_global_norm{};
+  // Clamp each gradient element to [-clip_grad_value, clip_grad_value] before the update
+  // (PyTorch's clip_grad_value_); with clip_global_norm too, the values first, then the norm.
+  std::optional<double> clip_grad_value{};
 };
 
 // One training step per call: forward, loss, backward and the optimiser's update. In graph
@@ -14406,6 +14433,7 @@ class TrainOneStepCell {
   TrainOneStepCell(NetWithLoss& net_with_loss, Optimizer& optimizer, TrainOneStepConfig config = {})
       : net_with_loss_(net_with_loss), grad_(net_with_loss, {}, std::nullopt), optimizer_(optimizer), config_(config) {
     if (config_.clip_global_norm) ops::detail::check_clip_norm(*config_.clip_global_norm);
+    if (config_.clip_grad_value) ops::detail::check_clip_value(*config_.clip_grad_value);
     // Cells start in evaluation (MindSpore's default); a training step that ran BatchNorm on
     // its moving statistics and Dropout as the identity would train quietly wrong. MindSpore's
     // Model.train sets the network to training before its steps; a step made here does too.
@@ -14474,14 +14502,20 @@ class TrainOneStepCell {
     // kept for the caller to see (last_global_norm). A parameter frozen after the optimiser
     // was made still gets a gradient, which the update skips: so does the norm, as PyTorch's
     // clip_grad_norm_ sees only the gradients of what it trains.
-    if (config_.clip_global_norm) {
+    // Clamping a NaN leaves it NaN: such a gradient skips the update too.
+    if (config_.clip_global_norm || config_.clip_grad_value) {
       const std::uint64_t pass = duet::detail::current_backward_pass();
       std::vector<BasicTensor<T>*> grads;
       for (BasicParameter<T>* p : optimizer_.parameters()) {
         if (p->requires_grad && p->has_grad_from(pass)) grads.push_back(&p->grad);
       }
-      last_global_norm_ = ops::detail::clip_in_place(grads, *config_.clip_global_norm);
-      if (!std::isfinite(last_global_norm_)) return skipped(loss, "gradients' global norm");
+      if (config_.clip_grad_value && !ops::detail::clamp_in_place(grads, *config_.clip_grad_value)) {
+        return skipped(loss, "gradient");
+      }
+      if (config_.clip_global_norm) {
+        last_global_norm_ = ops::detail::clip_in_place(grads, *config_.clip_global_norm);
+        if (!std::isfinite(last_global_norm_)) return skipped(loss, "gradients' global norm");
+      }
     }
     optimizer_.step();
     step.commit();

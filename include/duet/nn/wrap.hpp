@@ -62,7 +62,10 @@ class WithLossCell
 struct TrainOneStepConfig {
   // Clip the gradients to this global norm before the update (ops::clip_by_global_norm over
   // every gradient the optimiser reads); none if empty.
-  std::optional<double> clip_global_norm;
+  std::optional<double> clip_global_norm{};
+  // Clamp each gradient element to [-clip_grad_value, clip_grad_value] before the update
+  // (PyTorch's clip_grad_value_); with clip_global_norm too, the values first, then the norm.
+  std::optional<double> clip_grad_value{};
 };
 
 // One training step per call: forward, loss, backward and the optimiser's update. In graph
@@ -82,6 +85,7 @@ class TrainOneStepCell {
   TrainOneStepCell(NetWithLoss& net_with_loss, Optimizer& optimizer, TrainOneStepConfig config = {})
       : net_with_loss_(net_with_loss), grad_(net_with_loss, {}, std::nullopt), optimizer_(optimizer), config_(config) {
     if (config_.clip_global_norm) ops::detail::check_clip_norm(*config_.clip_global_norm);
+    if (config_.clip_grad_value) ops::detail::check_clip_value(*config_.clip_grad_value);
     // Cells start in evaluation (MindSpore's default); a training step that ran BatchNorm on
     // its moving statistics and Dropout as the identity would train quietly wrong. MindSpore's
     // Model.train sets the network to training before its steps; a step made here does too.
@@ -150,14 +154,20 @@ class TrainOneStepCell {
     // kept for the caller to see (last_global_norm). A parameter frozen after the optimiser
     // was made still gets a gradient, which the update skips: so does the norm, as PyTorch's
     // clip_grad_norm_ sees only the gradients of what it trains.
-    if (config_.clip_global_norm) {
+    // Clamping a NaN leaves it NaN: such a gradient skips the update too.
+    if (config_.clip_global_norm || config_.clip_grad_value) {
       const std::uint64_t pass = duet::detail::current_backward_pass();
       std::vector<BasicTensor<T>*> grads;
       for (BasicParameter<T>* p : optimizer_.parameters()) {
         if (p->requires_grad && p->has_grad_from(pass)) grads.push_back(&p->grad);
       }
-      last_global_norm_ = ops::detail::clip_in_place(grads, *config_.clip_global_norm);
-      if (!std::isfinite(last_global_norm_)) return skipped(loss, "gradients' global norm");
+      if (config_.clip_grad_value && !ops::detail::clamp_in_place(grads, *config_.clip_grad_value)) {
+        return skipped(loss, "gradient");
+      }
+      if (config_.clip_global_norm) {
+        last_global_norm_ = ops::detail::clip_in_place(grads, *config_.clip_global_norm);
+        if (!std::isfinite(last_global_norm_)) return skipped(loss, "gradients' global norm");
+      }
     }
     optimizer_.step();
     step.commit();

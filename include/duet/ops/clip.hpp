@@ -1,4 +1,5 @@
-// Gradient clipping by global norm (MindSpore's ops.clip_by_global_norm).
+// Gradient clipping by global norm (MindSpore's ops.clip_by_global_norm), and by value inside
+// nn::TrainOneStepCell (PyTorch's clip_grad_value_).
 //
 // It works on gradients once backward has made them, outside the graph, so it is the same code
 // in both modes: on the list value_and_grad returns (clip, then call the optimiser with it), or
@@ -6,6 +7,7 @@
 // left in the parameters before the optimiser reads them.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <type_traits>
@@ -23,6 +25,28 @@ inline void check_clip_norm(double clip_norm) {
     throw ValueError("ops::clip_by_global_norm: clip_norm must be positive and finite, got " +
                      std::to_string(clip_norm));
   }
+}
+
+inline void check_clip_value(double clip_value) {
+  if (!(clip_value > 0) || !std::isfinite(clip_value)) {
+    throw ValueError("nn::TrainOneStepCell: clip_grad_value must be positive and finite, got " + std::to_string(clip_value));
+  }
+}
+
+// Clamps each element of each tensor to [-clip_value, clip_value] in place; whether every
+// element was finite (a NaN stays NaN, an infinity becomes the bound).
+template <class Tensors>
+bool clamp_in_place(const Tensors& tensors, double clip_value) {
+  bool finite = true;
+  for (auto* t : tensors) {
+    using T = std::remove_cvref_t<decltype(t->values()[0])>;
+    const auto bound = static_cast<T>(clip_value);
+    for (auto& v : t->values()) {
+      finite = finite && std::isfinite(v);
+      v = std::clamp(v, -bound, bound);
+    }
+  }
+  return finite;
 }
 
 // sqrt(Σ over every tensor of Σ x²), accumulated in double: float gradients of a large model
