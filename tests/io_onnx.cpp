@@ -901,6 +901,48 @@ TEST_CASE("io::export_onnx: a network of token ids has an int32 input, Gather fo
                        duet::ValueError);
 }
 
+// helper-76's padding mask: the tokens that are not padding (id 0) as the weights of a mean
+// (a comparison with an int32 number, a cast), then comparisons and selections between floats.
+struct PaddedMean : duet::nn::Cell<PaddedMean> {
+  using input_value_type = std::int32_t;
+  duet::nn::Embedding<16, 8> tokens;
+  duet::nn::Dense<8, 3> head;
+  DUET_CELL_MEMBERS(tokens, head);
+  auto construct(auto ids) {
+    namespace ops = duet::ops;
+    const auto keep = ops::expand_dims<-1>(ops::cast<float>(ops::not_equal(ids, 0)));
+    const auto pooled = ops::sum(tokens(ids) * keep, ops::axes<1>) / ops::sum(keep, ops::axes<1>);
+    const auto y = head(pooled);
+    const auto low = ops::where(ops::less(y, 0.0f), 0.0f, y * 2.0f);
+    const auto picked = ops::where(ops::greater_equal(y, ops::square(y) - 1.0f), y, low);
+    return picked + ops::cast<float>(ops::equal(ops::less_equal(y, 0.5f), ops::greater(y, -0.5f)));
+  }
+};
+
+TEST_CASE("io::export_onnx: comparisons, casts and where, on token ids and on floats, evaluate as duet does") {
+  const duet_test::TempDir dir;
+  PaddedMean net;
+  net.set_train(false);
+  duet::BasicTensor<std::int32_t> ids({3, 6}, {5, 9, 2, 0, 0, 0, 1, 1, 1, 1, 1, 7, 15, 3, 0, 0, 0, 0});
+  Tensor want;
+  {
+    const duet::EagerScope eager;
+    want = Tensor(net(ids));
+  }
+  duet::io::export_onnx(net, ids.shape(), dir.path / "padded.onnx");
+  check_by_numpy(dir, "padded", ids, want);
+  std::set<std::string> types;
+  onnx::ModelProto model;
+  {
+    std::ifstream in(dir.path / "padded.onnx", std::ios::binary);
+    REQUIRE(model.ParseFromIstream(&in));
+  }
+  for (const auto& node : model.graph().node()) types.insert(node.op_type());
+  for (const char* op : {"Equal", "Not", "Less", "GreaterOrEqual", "LessOrEqual", "Greater", "Cast", "Where"}) {
+    CHECK_MESSAGE(types.count(op) == 1, op);
+  }
+}
+
 // Heads of a fixed length: the reshape fixes axis 1 in the network itself.
 struct FixedLength : duet::nn::Cell<FixedLength> {
   duet::nn::Dense<4, 4> fc;

@@ -175,6 +175,14 @@ def run(model, x):
             y = np.array(ins[0].shape[a.get("start", 0):a.get("end", None)], np.int64)
         elif op == "Range":
             y = np.arange(ins[0], ins[1], ins[2])
+        elif op in ("Equal", "Greater", "Less", "GreaterOrEqual", "LessOrEqual"):
+            f = {"Equal": np.equal, "Greater": np.greater, "Less": np.less, "GreaterOrEqual": np.greater_equal,
+                 "LessOrEqual": np.less_equal}[op]
+            y = f(ins[0], ins[1])
+        elif op == "Not":
+            y = np.logical_not(ins[0])
+        elif op == "Where":
+            y = np.where(ins[0], ins[1], ins[2])
         elif op == "Cast":
             y = wide(ins[0].astype(onnx.mapping.TENSOR_TYPE_TO_NP_TYPE[a["to"]]))
         else:

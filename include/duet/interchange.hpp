@@ -14,9 +14,12 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "dtype.hpp"
 
 namespace duet::ops {
 
@@ -25,6 +28,20 @@ namespace duet::ops {
 // Reshape's target shape), a number in the network's element type (x * 0.5: written as a
 // Constant node, which a reader does not take for a parameter to train), or the value an
 // earlier node of the same description makes.
+// ONNX's numbers for the element types (TensorProto.DataType, fixed by the format), and for
+// the bool its comparisons make and Where reads, which duet holds as uint8.
+constexpr std::int64_t onnx_type_code(DType t) {
+  switch (t) {
+    case DType::float32: return 1;
+    case DType::uint8: return 2;
+    case DType::int32: return 6;
+    case DType::int64: return 7;
+    case DType::float64: return 11;
+  }
+  return 0;
+}
+inline constexpr std::int64_t onnx_bool_code = 9;
+
 struct InterchangeInput {
   enum class Kind : unsigned char { input, parameter, int64s, real, earlier };
   Kind kind = Kind::input;
@@ -33,6 +50,7 @@ struct InterchangeInput {
   std::vector<std::int64_t> int64s;
   double real = 0;
   bool scalar = false;  // Kind::int64s: one int64 of rank 0 (Range's bounds), not a list
+  std::optional<DType> number_type{};  // Kind::real: in this type, not the network's
 
   static InterchangeInput operand(std::size_t k) { return {Kind::input, k, nullptr, {}}; }
   static InterchangeInput of_parameter(const void* p) { return {Kind::parameter, 0, p, {}}; }
@@ -41,6 +59,8 @@ struct InterchangeInput {
   }
   static InterchangeInput integer(std::int64_t v) { return {Kind::int64s, 0, nullptr, {v}, 0, true}; }
   static InterchangeInput number(double v) { return {Kind::real, 0, nullptr, {}, v}; }
+  // A number compared with integers (token ids == 0) or selected into them: of their type.
+  static InterchangeInput number_of(double v, DType type) { return {Kind::real, 0, nullptr, {}, v, false, type}; }
   static InterchangeInput node(std::size_t k) { return {Kind::earlier, k, nullptr, {}}; }
 };
 

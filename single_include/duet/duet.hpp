@@ -7859,9 +7859,11 @@ auto parameter_after(const Sym<G, Out>& anchor, const nn::BasicParameter<T>& p) 
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
+
 
 namespace duet::ops {
 
@@ -7870,6 +7872,20 @@ namespace duet::ops {
 // Reshape's target shape), a number in the network's element type (x * 0.5: written as a
 // Constant node, which a reader does not take for a parameter to train), or the value an
 // earlier node of the same description makes.
+// ONNX's numbers for the element types (TensorProto.DataType, fixed by the format), and for
+// the bool its comparisons make and Where reads, which duet holds as uint8.
+constexpr std::int64_t onnx_type_code(DType t) {
+  switch (t) {
+    case DType::float32: return 1;
+    case DType::uint8: return 2;
+    case DType::int32: return 6;
+    case DType::int64: return 7;
+    case DType::float64: return 11;
+  }
+  return 0;
+}
+inline constexpr std::int64_t onnx_bool_code = 9;
+
 struct InterchangeInput {
   enum class Kind : unsigned char { input, parameter, int64s, real, earlier };
   Kind kind = Kind::input;
@@ -7878,6 +7894,7 @@ struct InterchangeInput {
   std::vector<std::int64_t> int64s;
   double real = 0;
   bool scalar = false;  // Kind::int64s: one int64 of rank 0 (Range's bounds), not a list
+  std::optional<DType> number_type{};  // Kind::real: in this type, not the network's
 
   static InterchangeInput operand(std::size_t k) { return {Kind::input, k, nullptr, {}}; }
   static InterchangeInput of_parameter(const void* p) { return {Kind::parameter, 0, p, {}}; }
@@ -7886,6 +7903,8 @@ struct InterchangeInput {
   }
   static InterchangeInput integer(std::int64_t v) { return {Kind::int64s, 0, nullptr, {v}, 0, true}; }
   static InterchangeInput number(double v) { return {Kind::real, 0, nullptr, {}, v}; }
+  // A number compared with integers (token ids == 0) or selected into them: of their type.
+  static InterchangeInput number_of(double v, DType type) { return {Kind::real, 0, nullptr, {}, v, false, type}; }
   static InterchangeInput node(std::size_t k) { return {Kind::earlier, k, nullptr, {}}; }
 };
 
@@ -24143,6 +24162,10 @@ struct CastOp : Primitive<CastOp<From, To>> {
     }
   }
 
+  static Interchange interchange(std::span<const Shape>) {
+    return {{"Cast", {InterchangeInput::operand(0)}, {InterchangeAttribute::of("to", onnx_type_code(dtype_of<To>))}}};
+  }
+
   template <std::size_t K>
     requires(K == 0)
   auto grad_op() const {
@@ -24602,13 +24625,15 @@ struct ClipByValue {
   }
 };
 
-// The comparisons: each names the one with its operands swapped (a number on the left).
+// The comparisons: each names the one with its operands swapped (a number on the left), and
+// ONNX's operator for it.
 struct Greater;
 struct Less;
 struct GreaterEqual;
 struct LessEqual;
 struct Greater {
   static constexpr std::string_view name = "Greater";
+  static constexpr std::string_view onnx = "Greater";
   using swapped = Less;
   template <class T>
   static bool apply(T a, T b) {
@@ -24617,6 +24642,7 @@ struct Greater {
 };
 struct Less {
   static constexpr std::string_view name = "Less";
+  static constexpr std::string_view onnx = "Less";
   using swapped = Greater;
   template <class T>
   static bool apply(T a, T b) {
@@ -24625,6 +24651,7 @@ struct Less {
 };
 struct GreaterEqual {
   static constexpr std::string_view name = "GreaterEqual";
+  static constexpr std::string_view onnx = "GreaterOrEqual";
   using swapped = LessEqual;
   template <class T>
   static bool apply(T a, T b) {
@@ -24633,6 +24660,7 @@ struct GreaterEqual {
 };
 struct LessEqual {
   static constexpr std::string_view name = "LessEqual";
+  static constexpr std::string_view onnx = "LessOrEqual";
   using swapped = GreaterEqual;
   template <class T>
   static bool apply(T a, T b) {
@@ -24641,6 +24669,7 @@ struct LessEqual {
 };
 struct Equal {
   static constexpr std::string_view name = "Equal";
+  static constexpr std::string_view onnx = "Equal";
   using swapped = Equal;
   template <class T>
   static bool apply(T a, T b) {
@@ -24649,6 +24678,8 @@ struct Equal {
 };
 struct NotEqual {
   static constexpr std::string_view name = "NotEqual";
+  static constexpr std::string_view onnx = "Equal";  // then Not
+  static constexpr bool negated = true;
   using swapped = NotEqual;
   template <class T>
   static bool apply(T a, T b) {
@@ -24659,6 +24690,27 @@ struct NotEqual {
 }  // namespace fn
 
 namespace ops {
+
+namespace detail {
+// A comparison of operand 0 with b in ONNX: its operator (NotEqual is Not of Equal), whose bool
+// is cast to the uint8 duet holds.
+template <class Fn>
+Interchange compare_interchange(InterchangeInput b) {
+  using In = InterchangeInput;
+  Interchange nodes{{std::string(Fn::onnx), {In::operand(0), std::move(b)}, {}}};
+  if constexpr (requires { Fn::negated; }) nodes.push_back({"Not", {In::node(0)}, {}});
+  nodes.push_back({"Cast", {In::node(nodes.size() - 1)}, {InterchangeAttribute::of("to", onnx_type_code(DType::uint8))}});
+  return nodes;
+}
+
+// ONNX's Where reads a bool condition: duet's uint8 one is cast first (node 0), then
+// Where(node 0, x, y).
+inline Interchange where_interchange(InterchangeInput x, InterchangeInput y) {
+  using In = InterchangeInput;
+  return {{"Cast", {In::operand(0)}, {InterchangeAttribute::of("to", onnx_bool_code)}},
+          {"Where", {In::node(0), std::move(x), std::move(y)}, {}}};
+}
+}  // namespace detail
 
 // Fn(a, b) as 0 or 1, a and b of element type In broadcast together (numpy's rule).
 template <class Fn, class In>
@@ -24681,6 +24733,10 @@ struct CompareOp : Primitive<CompareOp<Fn, In>> {
     requires(K < 2)
   NoGradient grad_op() const {
     return {};
+  }
+
+  static Interchange interchange(std::span<const Shape>) {
+    return detail::compare_interchange<Fn>(InterchangeInput::operand(1));
   }
 
   static std::string op_name() { return std::string(Fn::name); }
@@ -24710,6 +24766,10 @@ struct CompareScalarOp : Primitive<CompareScalarOp<Fn, In>> {
     requires(K == 0)
   NoGradient grad_op() const {
     return {};
+  }
+
+  Interchange interchange(std::span<const Shape>) const {
+    return detail::compare_interchange<Fn>(InterchangeInput::number_of(scalar, dtype_of<In>));
   }
 
   static std::string op_name() { return std::string(Fn::name) + "(x, scalar)"; }
@@ -24781,6 +24841,10 @@ struct WhereOp : Primitive<WhereOp<T>> {
     else return WhereGradOp<T, static_cast<int>(K)>{};
   }
 
+  static Interchange interchange(std::span<const Shape>) {
+    return detail::where_interchange(InterchangeInput::operand(1), InterchangeInput::operand(2));
+  }
+
   static std::string op_name() { return "Select"; }
 };
 
@@ -24848,6 +24912,12 @@ struct WhereScalarOp : Primitive<WhereScalarOp<T, ScalarIsX>> {
   auto grad_op() const {
     if constexpr (K == 0) return NoGradient{};
     else return WhereScalarGradOp<T, ScalarIsX>{};
+  }
+
+  Interchange interchange(std::span<const Shape>) const {
+    const auto number = InterchangeInput::number_of(value, dtype_of<T>);
+    const auto tensor = InterchangeInput::operand(1);
+    return ScalarIsX ? detail::where_interchange(number, tensor) : detail::where_interchange(tensor, number);
   }
 
   static std::string op_name() { return ScalarIsX ? "SelectScalarX" : "SelectScalarY"; }

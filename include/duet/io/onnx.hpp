@@ -1555,15 +1555,23 @@ struct OnnxExportOptions {
 
 namespace detail {
 
-constexpr int onnx_type(DType t) {
-  switch (t) {
-    case DType::float32: return onnx::TensorProto::FLOAT;
-    case DType::float64: return onnx::TensorProto::DOUBLE;
-    case DType::int32: return onnx::TensorProto::INT32;
-    case DType::int64: return onnx::TensorProto::INT64;
-    case DType::uint8: return onnx::TensorProto::UINT8;
+constexpr int onnx_type(DType t) { return static_cast<int>(ops::onnx_type_code(t)); }
+static_assert(onnx_type(DType::float32) == onnx::TensorProto::FLOAT && onnx_type(DType::float64) == onnx::TensorProto::DOUBLE &&
+              onnx_type(DType::int32) == onnx::TensorProto::INT32 && onnx_type(DType::int64) == onnx::TensorProto::INT64 &&
+              onnx_type(DType::uint8) == onnx::TensorProto::UINT8 && ops::onnx_bool_code == onnx::TensorProto::BOOL);
+
+// v in element type `type`, as the bytes an initializer holds.
+inline std::vector<char> number_bytes(double v, DType type) {
+  std::vector<char> bytes(size_of(type));
+  const auto put = [&](auto x) { std::memcpy(bytes.data(), &x, sizeof x); };
+  switch (type) {
+    case DType::float32: put(static_cast<float>(v)); break;
+    case DType::float64: put(v); break;
+    case DType::int32: put(static_cast<std::int32_t>(v)); break;
+    case DType::int64: put(static_cast<std::int64_t>(v)); break;
+    case DType::uint8: put(static_cast<std::uint8_t>(v)); break;
   }
-  return onnx::TensorProto::UNDEFINED;
+  return bytes;
 }
 
 // An initializer of raw little-endian bytes (the only byte order duet runs on, x86-64).
@@ -1728,8 +1736,8 @@ class OnnxExporter {
         onnx::AttributeProto& value = *constant.add_attribute();
         value.set_name("value");
         value.set_type(onnx::AttributeProto::TENSOR);
-        const T number = static_cast<T>(in.real);
-        set_onnx_tensor(*value.mutable_t(), name, Shape{}, &number);
+        const DType type = in.number_type.value_or(dtype_of<T>);
+        set_onnx_tensor(*value.mutable_t(), name, Shape{}, type, detail::number_bytes(in.real, type).data());
         return name;
       }
       case Kind::parameter: {

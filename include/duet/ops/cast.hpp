@@ -53,6 +53,10 @@ struct CastOp : Primitive<CastOp<From, To>> {
     }
   }
 
+  static Interchange interchange(std::span<const Shape>) {
+    return {{"Cast", {InterchangeInput::operand(0)}, {InterchangeAttribute::of("to", onnx_type_code(dtype_of<To>))}}};
+  }
+
   template <std::size_t K>
     requires(K == 0)
   auto grad_op() const {

@@ -238,13 +238,15 @@ struct ClipByValue {
   }
 };
 
-// The comparisons: each names the one with its operands swapped (a number on the left).
+// The comparisons: each names the one with its operands swapped (a number on the left), and
+// ONNX's operator for it.
 struct Greater;
 struct Less;
 struct GreaterEqual;
 struct LessEqual;
 struct Greater {
   static constexpr std::string_view name = "Greater";
+  static constexpr std::string_view onnx = "Greater";
   using swapped = Less;
   template <class T>
   static bool apply(T a, T b) {
@@ -253,6 +255,7 @@ struct Greater {
 };
 struct Less {
   static constexpr std::string_view name = "Less";
+  static constexpr std::string_view onnx = "Less";
   using swapped = Greater;
   template <class T>
   static bool apply(T a, T b) {
@@ -261,6 +264,7 @@ struct Less {
 };
 struct GreaterEqual {
   static constexpr std::string_view name = "GreaterEqual";
+  static constexpr std::string_view onnx = "GreaterOrEqual";
   using swapped = LessEqual;
   template <class T>
   static bool apply(T a, T b) {
@@ -269,6 +273,7 @@ struct GreaterEqual {
 };
 struct LessEqual {
   static constexpr std::string_view name = "LessEqual";
+  static constexpr std::string_view onnx = "LessOrEqual";
   using swapped = GreaterEqual;
   template <class T>
   static bool apply(T a, T b) {
@@ -277,6 +282,7 @@ struct LessEqual {
 };
 struct Equal {
   static constexpr std::string_view name = "Equal";
+  static constexpr std::string_view onnx = "Equal";
   using swapped = Equal;
   template <class T>
   static bool apply(T a, T b) {
@@ -285,6 +291,8 @@ struct Equal {
 };
 struct NotEqual {
   static constexpr std::string_view name = "NotEqual";
+  static constexpr std::string_view onnx = "Equal";  // then Not
+  static constexpr bool negated = true;
   using swapped = NotEqual;
   template <class T>
   static bool apply(T a, T b) {
@@ -295,6 +303,27 @@ struct NotEqual {
 }  // namespace fn
 
 namespace ops {
+
+namespace detail {
+// A comparison of operand 0 with b in ONNX: its operator (NotEqual is Not of Equal), whose bool
+// is cast to the uint8 duet holds.
+template <class Fn>
+Interchange compare_interchange(InterchangeInput b) {
+  using In = InterchangeInput;
+  Interchange nodes{{std::string(Fn::onnx), {In::operand(0), std::move(b)}, {}}};
+  if constexpr (requires { Fn::negated; }) nodes.push_back({"Not", {In::node(0)}, {}});
+  nodes.push_back({"Cast", {In::node(nodes.size() - 1)}, {InterchangeAttribute::of("to", onnx_type_code(DType::uint8))}});
+  return nodes;
+}
+
+// ONNX's Where reads a bool condition: duet's uint8 one is cast first (node 0), then
+// Where(node 0, x, y).
+inline Interchange where_interchange(InterchangeInput x, InterchangeInput y) {
+  using In = InterchangeInput;
+  return {{"Cast", {In::operand(0)}, {InterchangeAttribute::of("to", onnx_bool_code)}},
+          {"Where", {In::node(0), std::move(x), std::move(y)}, {}}};
+}
+}  // namespace detail
 
 // Fn(a, b) as 0 or 1, a and b of element type In broadcast together (numpy's rule).
 template <class Fn, class In>
@@ -317,6 +346,10 @@ struct CompareOp : Primitive<CompareOp<Fn, In>> {
     requires(K < 2)
   NoGradient grad_op() const {
     return {};
+  }
+
+  static Interchange interchange(std::span<const Shape>) {
+    return detail::compare_interchange<Fn>(InterchangeInput::operand(1));
   }
 
   static std::string op_name() { return std::string(Fn::name); }
@@ -346,6 +379,10 @@ struct CompareScalarOp : Primitive<CompareScalarOp<Fn, In>> {
     requires(K == 0)
   NoGradient grad_op() const {
     return {};
+  }
+
+  Interchange interchange(std::span<const Shape>) const {
+    return detail::compare_interchange<Fn>(InterchangeInput::number_of(scalar, dtype_of<In>));
   }
 
   static std::string op_name() { return std::string(Fn::name) + "(x, scalar)"; }
@@ -417,6 +454,10 @@ struct WhereOp : Primitive<WhereOp<T>> {
     else return WhereGradOp<T, static_cast<int>(K)>{};
   }
 
+  static Interchange interchange(std::span<const Shape>) {
+    return detail::where_interchange(InterchangeInput::operand(1), InterchangeInput::operand(2));
+  }
+
   static std::string op_name() { return "Select"; }
 };
 
@@ -484,6 +525,12 @@ struct WhereScalarOp : Primitive<WhereScalarOp<T, ScalarIsX>> {
   auto grad_op() const {
     if constexpr (K == 0) return NoGradient{};
     else return WhereScalarGradOp<T, ScalarIsX>{};
+  }
+
+  Interchange interchange(std::span<const Shape>) const {
+    const auto number = InterchangeInput::number_of(value, dtype_of<T>);
+    const auto tensor = InterchangeInput::operand(1);
+    return ScalarIsX ? detail::where_interchange(number, tensor) : detail::where_interchange(tensor, number);
   }
 
   static std::string op_name() { return ScalarIsX ? "SelectScalarX" : "SelectScalarY"; }
