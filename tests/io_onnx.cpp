@@ -943,6 +943,49 @@ TEST_CASE("io::export_onnx: comparisons, casts and where, on token ids and on fl
   }
 }
 
+// A network of two inputs: features and a mask of the outputs to keep.
+struct FeaturesAndMask : duet::nn::Cell<FeaturesAndMask> {
+  duet::nn::Dense<4, 3> fc;
+  DUET_CELL_MEMBERS(fc);
+  auto construct(auto x, auto keep) { return duet::ops::relu(fc(x)) * keep; }
+};
+
+TEST_CASE("io::export_onnx: a network of two inputs has input0 and input1, each with its own shape") {
+  const duet_test::TempDir dir;
+  FeaturesAndMask net;
+  const fs::path file = dir.path / "two.onnx";
+  duet::io::export_onnx(net, {{2, 4}, {2, 3}}, file, {.dynamic_batch = true});
+  onnx::ModelProto model;
+  {
+    std::ifstream in(file, std::ios::binary);
+    REQUIRE(model.ParseFromIstream(&in));
+  }
+  REQUIRE(model.graph().input_size() == 2);
+  CHECK(model.graph().input(0).name() == "input0");
+  CHECK(model.graph().input(1).name() == "input1");
+  CHECK(model.graph().input(1).type().tensor_type().shape().dim(0).dim_param() == "batch");
+  CHECK(model.graph().input(1).type().tensor_type().shape().dim(1).dim_value() == 3);
+  // Evaluated by numpy at another batch, against duet's output.
+  const Tensor x = duet::randn({5, 4}, 1);
+  const Tensor keep = duet::ops::cast<float>(duet::ops::greater(duet::randn({5, 3}, 2), 0.0f));
+  Tensor want;
+  {
+    const duet::EagerScope eager;
+    want = Tensor(net(x, keep));
+  }
+  if (const auto checker = export_checker()) {
+    write_raw(dir.path / "x.in", x);
+    write_raw(dir.path / "keep.in", keep);
+    write_raw(dir.path / "two.out", want);
+    const std::string command = *checker + " " + file.string() + " " + (dir.path / "x.in").string() + "," +
+                                (dir.path / "keep.in").string() + " " + (dir.path / "two.out").string() + " '5,4;5,3'";
+    CHECK(std::system(command.c_str()) == 0);
+  }
+  CHECK_THROWS_WITH_AS(duet::io::export_onnx(net, {{2, 4}, {2, 3}}, file, {.dynamic_axes = {{1, "length"}}}),
+                       doctest::Contains("dynamic_axes names axes of a network of one input; this one has 2"),
+                       duet::ValueError);
+}
+
 // Heads of a fixed length: the reshape fixes axis 1 in the network itself.
 struct FixedLength : duet::nn::Cell<FixedLength> {
   duet::nn::Dense<4, 4> fc;

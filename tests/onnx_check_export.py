@@ -2,6 +2,9 @@
 
     python3 onnx_check_export.py MODEL INPUT OUTPUT [SHAPE]
 
+A model of several inputs takes their files joined by commas (INPUT) and their shapes joined
+by semicolons (SHAPE).
+
 onnx.checker.check_model (full check, with ONNX's shape inference) must accept MODEL; then
 the model is evaluated here, in float64 with numpy, from the file alone (its nodes, attributes
 and initializers, read by the ONNX library), on INPUT, and must give OUTPUT, duet's own output
@@ -78,9 +81,10 @@ def wide(v):
     return v.astype(np.float64) if v.dtype.kind == "f" else v
 
 
-def run(model, x):
+def run(model, xs):
     values = {i.name: wide(onnx.numpy_helper.to_array(i)) for i in model.graph.initializer}
-    values[model.graph.input[0].name] = wide(x)
+    for declared, x in zip(model.graph.input, xs):
+        values[declared.name] = wide(x)
     for node in model.graph.node:
         a = attributes(node)
         ins = [values[name] if name else None for name in node.input]
@@ -195,16 +199,16 @@ def dims(value_info, batch):
     return [d.dim_value if d.HasField("dim_value") else batch for d in value_info.type.tensor_type.shape.dim]
 
 
-def input_shape(model, x, given):
+def input_shape(declared_input, x, given):
     if given:
         shape = [int(v) for v in given.split(",")]
-        declared = dims(model.graph.input[0], None)
+        declared = dims(declared_input, None)
         if len(shape) != len(declared) or any(d is not None and d != s for d, s in zip(declared, shape)):
             raise SystemExit(f"input shape {shape} does not fit the model's {declared}")
         return shape
-    in_dims = dims(model.graph.input[0], None)
+    in_dims = dims(declared_input, None)
     batch = x.size // int(np.prod([d for d in in_dims if d is not None]))
-    return dims(model.graph.input[0], batch)
+    return dims(declared_input, batch)
 
 
 def main():
@@ -216,10 +220,16 @@ def main():
     except Exception as e:  # the checker's own exception types vary between versions
         print(f"onnx.checker rejects {model_path}: {e}")
         return 1
-    in_type = model.graph.input[0].type.tensor_type.elem_type
-    x = np.fromfile(input_path, onnx.mapping.TENSOR_TYPE_TO_NP_TYPE[in_type])
-    x = x.reshape(input_shape(model, x, given))
-    got = run(model, x)
+    paths = input_path.split(",")
+    shapes = given.split(";") if given else [None] * len(paths)
+    if len(paths) != len(model.graph.input) or len(shapes) != len(paths):
+        print(f"{model_path}: {len(model.graph.input)} inputs, given {len(paths)} files and {len(shapes)} shapes")
+        return 1
+    xs = []
+    for declared, path, shape in zip(model.graph.input, paths, shapes):
+        x = np.fromfile(path, onnx.mapping.TENSOR_TYPE_TO_NP_TYPE[declared.type.tensor_type.elem_type])
+        xs.append(x.reshape(input_shape(declared, x, shape)))
+    got = run(model, xs)
     declared = dims(model.graph.output[0], None)
     if len(declared) != got.ndim or any(d is not None and d != s for d, s in zip(declared, got.shape)):
         print(f"{model_path}: evaluated shape {got.shape}, the model declares {declared}")

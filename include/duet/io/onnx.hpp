@@ -1625,9 +1625,12 @@ class OnnxExporter {
     graph_->set_name(graph_name);
     output_ = output;
     const auto& values = trace_.values();
+    inputs_ = static_cast<std::size_t>(
+        std::ranges::count_if(values, [](const pijit::Value& v) { return v.kind == pijit::Value::Kind::input; }));
     for (std::size_t v = 0; v < values.size(); ++v) {
       if (values[v].kind == pijit::Value::Kind::input) {
-        set_onnx_value_info(*graph_->add_input(), "input", onnx_type(values[v].dtype), values[v].shape, input_names);
+        set_onnx_value_info(*graph_->add_input(), input_name(values[v].input), onnx_type(values[v].dtype),
+                            values[v].shape, input_names);
       }
     }
     for (const auto& step : trace_.steps()) add_step(*step);
@@ -1643,10 +1646,11 @@ class OnnxExporter {
   }
 
  private:
-  // "input", "output", a parameter's or constant's initializer, or v<N> for the value %N.
+  // "input" (input0, input1, ... of a network of several), "output", a parameter's or
+  // constant's initializer, or v<N> for the value %N.
   std::string value_name(std::size_t v, bool producing) {
     const pijit::Value& value = trace_.values()[v];
-    if (value.kind == pijit::Value::Kind::input) return "input";
+    if (value.kind == pijit::Value::Kind::input) return input_name(value.input);
     if (v == output_ && (producing || value.kind != pijit::Value::Kind::constant)) return "output";
     if (value.kind == pijit::Value::Kind::constant) {
       // A parameter read as a tensor (ops::ParameterOp's operand) keeps its name.
@@ -1659,6 +1663,8 @@ class OnnxExporter {
     }
     return "v" + std::to_string(v);
   }
+
+  std::string input_name(std::size_t k) const { return inputs_ == 1 ? "input" : "input" + std::to_string(k); }
 
   std::string parameter_name(const void* key) {
     const auto found = parameters_.find(key);
@@ -1686,7 +1692,7 @@ class OnnxExporter {
       // A node's constants are named after it, and a Constant node comes before its reader.
       const std::string part = out + (nodes.size() > 1 ? "." + std::to_string(k) : "");
       std::vector<std::string> inputs;
-      for (std::size_t i = 0; i < n.inputs.size(); ++i) inputs.push_back(input_name(n.inputs[i], step, out, part, who, i));
+      for (std::size_t i = 0; i < n.inputs.size(); ++i) inputs.push_back(node_input(n.inputs[i], step, out, part, who, i));
       onnx::NodeProto& node = *graph_->add_node();
       node.set_op_type(n.op_type);
       node.set_name("%" + std::to_string(step.output) + (nodes.size() > 1 ? "." + std::to_string(k) : "") + " " + who);
@@ -1713,7 +1719,7 @@ class OnnxExporter {
     }
   }
 
-  std::string input_name(const ops::InterchangeInput& in, const pijit::Step& step, const std::string& out,
+  std::string node_input(const ops::InterchangeInput& in, const pijit::Step& step, const std::string& out,
                          const std::string& part, const std::string& who, std::size_t position) {
     using Kind = ops::InterchangeInput::Kind;
     switch (in.kind) {
@@ -1758,12 +1764,14 @@ class OnnxExporter {
   std::set<std::string> written_;
   onnx::GraphProto* graph_ = nullptr;
   std::size_t output_ = 0;
+  std::size_t inputs_ = 0;
 };
 
 }  // namespace detail
 
-// Writes a network as an ONNX model (opset 17) for one input shape: a trace of the network
-// running once in PyNative mode at evaluation (Dropout the identity, BatchNorm its moving
+// Writes a network as an ONNX model (opset 17) for one input shape, or a shape per input of a
+// network of several ({{2, 16}, {2, 16, 1}}: inputs "input0", "input1", ...): a trace of the
+// network running once in PyNative mode at evaluation (Dropout the identity, BatchNorm its moving
 // statistics; every cell's own setting is given back after), each operation written as ONNX's
 // operator for it and each parameter as an initializer under its name in the network
 // ("dense_relu_sequential.0.weight"), so load_onnx and load_onnx_weights read it back and
@@ -1771,10 +1779,10 @@ class OnnxExporter {
 // interchange.hpp): the layers, the activations and elementwise functions, arithmetic (with a
 // number too), products, reductions, slices and the other shape operations (the README lists
 // them); anything else is a duet::ValueError naming it. A network of indices (input_value_type)
-// gets an int32 input. The file is written beside the destination and renamed into place, as
+// gets int32 inputs. The file is written beside the destination and renamed into place, as
 // checkpoints are.
-template <class Net>
-void export_onnx(Net& net, const Shape& input_shape, const std::filesystem::path& path,
+template <class Net, std::size_t N>
+void export_onnx(Net& net, const Shape (&input_shapes)[N], const std::filesystem::path& path,
                  const OnnxExportOptions& options = {}) {
   using T = typename Net::value_type;
   static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
@@ -1783,20 +1791,33 @@ void export_onnx(Net& net, const Shape& input_shape, const std::filesystem::path
   // as the model's int32 input.
   using In = typename detail::ExportInput<Net, T>::type;
   const std::string where = "duet::io::export_onnx(" + net.type_name() + ", " + path.string() + ")";
-  if (!input_shape.is_concrete() || input_shape.rank() == 0) {
-    throw ValueError(where + ": the input shape must be concrete and of rank 1 or more, got " + to_string(input_shape));
+  for (const Shape& shape : input_shapes) {
+    if (!shape.is_concrete() || shape.rank() == 0) {
+      throw ValueError(where + ": the input shape must be concrete and of rank 1 or more, got " + to_string(shape));
+    }
   }
+  if (N > 1 && !options.dynamic_axes.empty()) {
+    throw ValueError(where + ": dynamic_axes names axes of a network of one input; this one has " + std::to_string(N) +
+                     " (dynamic_batch names axis 0 of each)");
+  }
+  const auto run = [&](std::array<BasicTensor<In>, N>& inputs) {
+    return [&]<std::size_t... K>(std::index_sequence<K...>) { return BasicTensor<T>(net(inputs[K]...)); }
+    (std::make_index_sequence<N>{});
+  };
   const train::detail::EvaluationScope<Net> evaluation(net);
   pijit::Trace trace;
   trace.keep_values();
-  BasicTensor<In> input = zeros<In>(input_shape);
-  trace.add_input(input, 0);
+  std::array<BasicTensor<In>, N> inputs;
+  for (std::size_t k = 0; k < N; ++k) {
+    inputs[k] = zeros<In>(input_shapes[k]);
+    trace.add_input(inputs[k], k);
+  }
   BasicTensor<T> out;
   {
     const duet::detail::StepScope discarded;
     const pijit::Tracing tracing(&trace);
     const EagerScope eager;
-    out = BasicTensor<T>(net(input));
+    out = run(inputs);
   }
   if (!trace.broken().empty()) throw ValueError(where + ": the network cannot be traced: " + trace.broken());
   const std::size_t output = trace.find(out);
@@ -1807,6 +1828,7 @@ void export_onnx(Net& net, const Shape& input_shape, const std::filesystem::path
   const Shape out_shape = trace.values()[output].shape;
   if (options.dynamic_batch) input_names[0] = output_names[0] = "batch";
   for (const auto& [axis, name] : options.dynamic_axes) {
+    const Shape& input_shape = input_shapes[0];
     if (axis < 0 || axis >= input_shape.rank() || name.empty() || name == "?") {
       throw ValueError(where + ": dynamic_axes names axis " + std::to_string(axis) + " '" + name + "' of an input of shape " +
                        to_string(input_shape) + " (an axis of the input, a name other than '?')");
@@ -1818,7 +1840,8 @@ void export_onnx(Net& net, const Shape& input_shape, const std::filesystem::path
     try {
       const duet::detail::StepScope discarded;
       const EagerScope eager;
-      probed = BasicTensor<T>(net(zeros<In>(longer))).shape();
+      std::array<BasicTensor<In>, N> probe{zeros<In>(longer)};
+      probed = run(probe).shape();
     } catch (const Error& e) {
       throw ValueError(where + ": the network does not take another size along input axis " + std::to_string(axis) + " ('" +
                        name + "'), which dynamic_axes names: at " + to_string(longer) + ": " + e.what());
@@ -1836,6 +1859,13 @@ void export_onnx(Net& net, const Shape& input_shape, const std::filesystem::path
   duet::detail::CheckpointWriter file(path, "ONNX file " + path.string());
   file.bytes(std::as_bytes(std::span(bytes)));
   file.commit();
+}
+
+template <class Net>
+void export_onnx(Net& net, const Shape& input_shape, const std::filesystem::path& path,
+                 const OnnxExportOptions& options = {}) {
+  const Shape shapes[] = {input_shape};
+  export_onnx(net, shapes, path, options);
 }
 
 }  // namespace duet::io
