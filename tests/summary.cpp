@@ -293,7 +293,7 @@ struct WithNoise : nn::Cell<WithNoise> {
 };
 }  // namespace
 
-TEST_CASE("summary: a cell of two inputs is a ModeError that says summary gives it one") {
+TEST_CASE("summary: a cell of two inputs takes a shape for each; given one, a ModeError that says so") {
   ModeGuard guard;
   WithNoise net;
   std::ostringstream sink;
@@ -303,6 +303,13 @@ TEST_CASE("summary: a cell of two inputs is a ModeError that says summary gives 
                          doctest::Contains("WithNoise: construct takes several inputs, and this call (duet::summary, a "
                                            "container of cells, a call through nn::DynamicCell) gives it one"),
                          ModeError);
+    const Summary s = summary(net, {{2, 4}, {2, 2}}, sink);
+    CHECK(s.input_shapes == std::vector<Shape>{{2, 4}, {2, 2}});
+    REQUIRE(s.rows.size() == 2);
+    CHECK(s.rows[0].output_shapes == std::vector<Shape>{{2, 2}});
+    CHECK(s.rows[1].output_shapes == std::vector<Shape>{{2, 2}});
+    CHECK(s.total_parameters == 10);
+    CHECK(s.text().starts_with("Summary of " + net.type_name() + " for inputs of [2, 4] and [2, 2]\n"));
   }
 }
 

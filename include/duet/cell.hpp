@@ -785,7 +785,8 @@ class Cell : public BasicDynamicCell<T> {
   BasicTensor<T> forward(const BasicTensor<T>& x) override {
     if constexpr (!HasConstruct<Derived, BasicTensor<T>>) {
       throw ModeError(this->label() + ": construct takes several inputs, and this call (duet::summary, a container of "
-                      "cells, a call through nn::DynamicCell) gives it one; call the cell with all of them");
+                      "cells, a call through nn::DynamicCell) gives it one; call the cell with all of them (duet::summary "
+                      "with a shape for each: summary(net, {{2, 4}, {2, 3}}))");
     } else if constexpr (!std::is_convertible_v<decltype(std::declval<Derived&>().construct(x)), BasicTensor<T>>) {
       // Said here, where every call of a cell goes, rather than as "no type named value_type"
       // in the capture and the trace.

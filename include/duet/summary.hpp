@@ -41,7 +41,7 @@ struct SummaryRow {
 
 struct Summary {
   std::string network = {};  // the network's type name
-  Shape input_shape = {};
+  std::vector<Shape> input_shapes = {};  // one per input of the network's construct
   std::vector<SummaryRow> rows = {};  // every cell, depth first (cells_and_names order)
   index_t total_parameters = 0;  // each parameter counted once, even if held twice
   index_t trainable_parameters = 0;
@@ -60,6 +60,16 @@ inline std::string with_thousands(std::size_t n) {
   for (std::size_t i = 0; i < digits.size(); ++i) {
     if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
     out += digits[i];
+  }
+  return out;
+}
+
+// "an input of [64, 784]", "inputs of [2, 4] and [2, 3]".
+inline std::string inputs_text(const std::vector<Shape>& shapes) {
+  if (shapes.size() == 1) return "an input of " + to_string(shapes.front());
+  std::string out = "inputs of ";
+  for (std::size_t i = 0; i < shapes.size(); ++i) {
+    out += (i == 0 ? "" : i + 1 == shapes.size() ? " and " : ", ") + to_string(shapes[i]);
   }
   return out;
 }
@@ -118,7 +128,7 @@ inline std::string Summary::text() const {
            std::string(widths[1] - output.size() + 3 + widths[2] - params.size(), ' ') + params + "\n";
   };
   const std::string rule(widths[0] + widths[1] + widths[2] + 6, '=');
-  std::string out = "Summary of " + network + " for an input of " + to_string(input_shape) + "\n";
+  std::string out = "Summary of " + network + " for " + detail::inputs_text(input_shapes) + "\n";
   out += rule + "\n" + line(headers[0], headers[1], headers[2]) + rule + "\n";
   for (const auto& c : cells) out += line(c[0], c[1], c[2]);
   out += rule + "\n";
@@ -136,14 +146,17 @@ inline std::ostream& operator<<(std::ostream& os, const Summary& s) { return os 
 
 namespace detail {
 
-// The summary of `net`, whose call on zeros of the input shape `run(input_shape)` makes.
+// The summary of `net`, whose call on zeros of the input shapes run() makes, returning the
+// network's output.
 template <ElementType T, class Run>
-Summary summary_of(nn::BasicDynamicCell<T>& net, const Shape& input_shape, std::ostream& out, Run run) {
-  const std::string where = "duet::summary(" + net.type_name() + ", input " + to_string(input_shape) + ")";
-  if (!input_shape.is_concrete()) {
+Summary summary_of(nn::BasicDynamicCell<T>& net, std::vector<Shape> input_shapes, std::ostream& out, Run run) {
+  std::string shapes;
+  for (const Shape& s : input_shapes) shapes += (shapes.empty() ? "" : ", ") + to_string(s);
+  const std::string where = "duet::summary(" + net.type_name() + ", input " + shapes + ")";
+  if (!std::ranges::all_of(input_shapes, [](const Shape& s) { return s.is_concrete(); })) {
     throw ValueError(where + ": every dimension of the input shape must be known, the batch size too");
   }
-  Summary result{.network = net.type_name(), .input_shape = input_shape};
+  Summary result{.network = net.type_name(), .input_shapes = std::move(input_shapes)};
   std::unordered_map<const nn::BasicDynamicCell<T>*, std::size_t> row_of;
   std::unordered_map<const nn::BasicDynamicCell<T>*, int> depth_of;
   std::set<const nn::BasicParameter<T>*> counted;
@@ -174,7 +187,9 @@ Summary summary_of(nn::BasicDynamicCell<T>& net, const Shape& input_shape, std::
     // statistics and Dropout's generator as they were.
     const StepScope discarded;
     try {
-      run(input_shape);
+      // A network of several inputs runs no forward hook of its own: its row is written here.
+      const Shape output = run().shape();
+      if (result.rows.front().output_shapes.empty()) result.rows.front().output_shapes.push_back(output);
     } catch (const ShapeError& e) {
       throw ShapeError(where + ": " + e.what());
     }
@@ -190,7 +205,7 @@ Summary summary_of(nn::BasicDynamicCell<T>& net, const Shape& input_shape, std::
 // the summary's call in front.
 template <ElementType T>
 Summary summary(nn::BasicDynamicCell<T>& net, const Shape& input_shape, std::ostream& out = std::cout) {
-  return detail::summary_of(net, input_shape, out, [&](const Shape& s) { static_cast<void>(net(BasicTensor<T>(s))); });
+  return detail::summary_of(net, {input_shape}, out, [&] { return net(BasicTensor<T>(input_shape)); });
 }
 
 // A network whose input holds another element type than its values (`using input_value_type =
@@ -199,7 +214,20 @@ template <class Net>
   requires requires { typename Net::input_value_type; }
 Summary summary(Net& net, const Shape& input_shape, std::ostream& out = std::cout) {
   using U = typename Net::input_value_type;
-  return detail::summary_of(net, input_shape, out, [&](const Shape& s) { static_cast<void>(net(BasicTensor<U>(s))); });
+  return detail::summary_of(net, {input_shape}, out, [&] { return BasicTensor<typename Net::value_type>(net(BasicTensor<U>(input_shape))); });
+}
+
+// A network whose construct takes several inputs (features and a mask): a shape for each,
+// summary(net, {{64, 16}, {64, 16, 1}}).
+template <class Net, std::size_t N>
+  requires(N >= 2)
+Summary summary(Net& net, const Shape (&input_shapes)[N], std::ostream& out = std::cout) {
+  using T = typename Net::value_type;
+  return detail::summary_of(net, std::vector<Shape>(input_shapes, input_shapes + N), out, [&] {
+    return [&]<std::size_t... K>(std::index_sequence<K...>) {
+      return BasicTensor<T>(net(BasicTensor<T>(input_shapes[K])...));
+    }(std::make_index_sequence<N>{});
+  });
 }
 
 }  // namespace duet
