@@ -80,20 +80,31 @@ constexpr BufferPlan<G::size> plan_buffers() {
   if (plan.storage[out_root] == Storage::slot) plan.storage[out_root] = Storage::output;
   last_read[out_root] = n;  // the caller reads it last
 
-  // Greedy slot reuse: a slot is free again once every reader of its value has run.
-  std::array<std::size_t, n> slot_owner{};
-  std::array<bool, n> slot_busy{};
+  // Greedy slot reuse: a slot is free again once every reader of its value has run. Linear in
+  // the nodes: each value's slot goes back to a stack of free slots after its last reader,
+  // found in buckets by that reader. (A scan of every slot at every node was quadratic, and an
+  // unrolled recurrence's backward graph, thousands of nodes, exceeded the compiler's budget
+  // of constant-evaluation steps.) A value nobody reads is free after its own node.
+  std::array<std::size_t, n + 1> bucket{};  // values last read by node j: dying[bucket[j] .. bucket[j + 1])
+  std::array<std::size_t, n> dying{};
+  for (std::size_t r = 0; r < n; ++r) {
+    if (plan.storage[r] != Storage::slot) continue;
+    if (last_read[r] < r) last_read[r] = r;
+    if (last_read[r] < n - 1) ++bucket[last_read[r] + 1];
+  }
+  for (std::size_t j = 1; j <= n; ++j) bucket[j] += bucket[j - 1];
+  std::array<std::size_t, n + 1> filled = bucket;
+  for (std::size_t r = 0; r < n; ++r) {
+    if (plan.storage[r] == Storage::slot && last_read[r] < n - 1) dying[filled[last_read[r]]++] = r;
+  }
+  std::array<std::size_t, n> free_slots{};
+  std::size_t free_count = 0;
   for (std::size_t i = 0; i < n; ++i) {
-    for (std::size_t s = 0; s < plan.slot_count; ++s) {
-      if (Reuse && slot_busy[s] && last_read[slot_owner[s]] < i) slot_busy[s] = false;
+    if (Reuse && i > 0) {
+      for (std::size_t k = bucket[i - 1]; k < bucket[i]; ++k) free_slots[free_count++] = plan.slot[dying[k]];
     }
     if (plan.storage[i] != Storage::slot) continue;
-    std::size_t s = 0;
-    while (s < plan.slot_count && slot_busy[s]) ++s;
-    if (s == plan.slot_count) ++plan.slot_count;
-    slot_busy[s] = true;
-    slot_owner[s] = i;
-    plan.slot[i] = s;
+    plan.slot[i] = free_count > 0 ? free_slots[--free_count] : plan.slot_count++;
   }
   return plan;
 }
