@@ -1,4 +1,5 @@
 // Optimisers against the update rules written out by hand, and learning-rate schedules.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -373,8 +374,30 @@ TEST_CASE("an optimiser refuses value_and_grad's gradients of other parameters, 
         "nn::SGD(grads): gradient 0 is of the optimizer's parameter #1 'weight', not of its #0 'bias', so the update "
         "would move the wrong parameters; take the gradients with respect to the parameters the optimizer was made "
         "over, in its order (value_and_grad(net, optimizer.parameters()))");
+  // Not only the last list value_and_grad returned: an earlier one, one gradient replaced by
+  // another network's, two of one shape swapped (helper-79's three ways past a check of the
+  // last list alone).
+  auto earlier = of_other(x).grads;
+  auto latest = of_mine(x).grads;
+  CHECK(value_error_of([&] { adam(earlier); }).find("gradient 0 is value_and_grad's gradient of another") !=
+        std::string::npos);
+  auto mixed = latest;
+  mixed[1] = earlier[1];
+  CHECK(value_error_of([&] { adam(mixed); }).find("gradient 1 is value_and_grad's gradient of another") !=
+        std::string::npos);
+  nn::Dense<3, 3> first, second;
+  auto pair_grads = value_and_grad([&](const Tensor& in) { return ops::sum(first(second(in))); },
+                                   std::vector<nn::Parameter*>{&first.weight, &second.weight})(x).grads;
+  nn::SGD pair(std::vector<nn::Parameter*>{&first.weight, &second.weight});
+  CHECK(value_error_of([&] { pair(std::vector{pair_grads[1], pair_grads[0]}); }) ==
+        "nn::SGD(grads): gradient 0 is of the optimizer's parameter #1, not of its #0, so the update would move the "
+        "wrong parameters; take the gradients with respect to the parameters the optimizer was made over, in its "
+        "order (value_and_grad(net, optimizer.parameters()))");
+  // Changed in place (clipped), still its own: accepted.
+  auto own = of_mine(x).grads;
+  for (float& v : own[0].values()) v = std::clamp(v, -0.1f, 0.1f);
   const Tensor before = mine.weight.clone();
-  adam(of_mine(x).grads);
+  adam(own);
   CHECK_FALSE(std::equal(before.data(), before.data() + 6, mine.weight.data()));
 }
 

@@ -504,13 +504,9 @@ class GradFunction {
     if constexpr (!std::is_void_v<W>) {
       check_weights_reached();
       const std::uint64_t pass = duet::detail::current_backward_pass();
-      auto& returned = duet::detail::returned_gradients();
-      returned.data.clear();
-      returned.of.clear();
       for (nn::BasicParameter<W>* p : weights_) {
         out.grads.push_back(p->has_grad_from(pass) ? p->grad.clone() : zeros<W>(p->shape()));
-        returned.data.push_back(out.grads.back().data());
-        returned.of.push_back(p);
+        out.grads.back().mark_gradient_of(p);
       }
     }
     return out;

@@ -41,6 +41,9 @@ struct Block {
   // Grants of write access to the elements (Storage::note_write); kept while the block is
   // cached, so a count once seen on a block is never seen again on it for other contents.
   std::atomic<std::uint64_t> writes{0};
+  // The parameter whose gradient value_and_grad returned in this block; nullptr for anything
+  // else. Cleared when the block is reused.
+  const void* gradient_of = nullptr;
 
   std::byte* data() { return reinterpret_cast<std::byte*>(this) + block_alignment; }
 };
@@ -108,6 +111,7 @@ class BlockCache {
       cached_bytes_ -= b->capacity;
       unpoison(b);
       b->next_free = nullptr;
+      b->gradient_of = nullptr;
       b->refs.store(1, std::memory_order_relaxed);
     }
     return b;
@@ -213,6 +217,10 @@ class Storage {
     if (block_ != nullptr) block_->writes.store(block_->writes.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
   }
   std::uint64_t writes() const { return block_ == nullptr ? 0 : block_->writes.load(std::memory_order_relaxed); }
+  const void* gradient_of() const { return block_ == nullptr ? nullptr : block_->gradient_of; }
+  void mark_gradient_of(const void* parameter) const {
+    if (block_ != nullptr) block_->gradient_of = parameter;
+  }
 
  private:
   void retain() const {

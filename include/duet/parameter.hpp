@@ -33,19 +33,6 @@ inline std::vector<const void*>& written_in_pass() {
   return written;
 }
 
-// The weights' gradients value_and_grad last returned on this thread (their buffers) and the
-// parameters they are of, so that an optimiser given them can tell whether they are its own
-// parameters' gradients: another network's of the same shapes would otherwise be applied
-// without a word (a GAN's second discriminator, a copy of the network). Reused, not freed.
-struct ReturnedGradients {
-  std::vector<const void*> data;
-  std::vector<const void*> of;
-};
-inline ReturnedGradients& returned_gradients() {
-  thread_local ReturnedGradients returned;
-  return returned;
-}
-
 // Told of a backward pass's gradient writes as they happen, on the thread that runs it: which
 // parameter a kernel is about to write (grad_for_write), and that every kernel called so far
 // has finished (an op that writes parameters' gradients asks for their buffers first and

@@ -180,6 +180,12 @@ class BasicTensor {
   // version stays. Writes through a pointer kept from an earlier data() are not seen.
   std::uint64_t version() const { return storage_.writes(); }
 
+  // The parameter whose gradient value_and_grad returned in these elements (copies and views
+  // share it), nullptr for any other tensor: an optimiser given it for another parameter
+  // refuses it rather than apply it there.
+  const void* gradient_of() const { return storage_.gradient_of(); }
+  void mark_gradient_of(const void* parameter) const { storage_.mark_gradient_of(parameter); }
+
   // Which value of a recording tape (autodiff) this handle is; 0 for none. Copies keep it,
   // views a user makes (reshape, operator[]) do not: they are new values the tape never saw.
   std::uint64_t tape_id() const { return tape_id_; }

@@ -326,22 +326,19 @@ class BasicOptimizer {
     }
   }
 
-  // Gradients are matched to parameters by position and shape only, so value_and_grad's
-  // gradients of another network of the same shapes would be applied to this one's parameters,
-  // and training would go on, wrong. The gradients value_and_grad returned last know whose
-  // they are; others (made or changed by the program) are taken as they come.
+  // Gradients are matched to parameters by position and shape, so another network's of the
+  // same shapes, or a list in another order (groups reorder the parameters), would be applied
+  // to the wrong parameters, and training would go on, wrong. Those value_and_grad returned
+  // know whose they are (BasicTensor::gradient_of, kept by copies and in-place changes); others
+  // (made by the program: ops::clip_by_value's) are taken as they come.
   void require_own_gradients(const std::vector<BasicTensor<T>>& grads) const {
-    const duet::detail::ReturnedGradients& returned = duet::detail::returned_gradients();
-    if (returned.data.size() != grads.size() ||
-        !std::ranges::equal(grads, returned.data, [](const BasicTensor<T>& g, const void* d) { return g.data() == d; })) {
-      return;
-    }
     const auto parameter = [this](std::size_t i) {
       return "#" + std::to_string(i) + (names_.empty() ? std::string() : " '" + names_[i] + "'");
     };
     for (std::size_t i = 0; i < grads.size(); ++i) {
-      if (returned.of[i] == params_[i]) continue;
-      const auto found = std::ranges::find(params_, returned.of[i]);
+      const void* of = grads[i].gradient_of();
+      if (of == nullptr || of == params_[i]) continue;
+      const auto found = std::ranges::find(params_, of);
       throw ValueError(std::string(type_name()) + "(grads): gradient " + std::to_string(i) +
                        (found == params_.end()
                             ? " is value_and_grad's gradient of another parameter than this optimizer's " + parameter(i) +
