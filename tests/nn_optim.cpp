@@ -401,4 +401,36 @@ TEST_CASE("an optimiser refuses value_and_grad's gradients of other parameters, 
   CHECK_FALSE(std::equal(before.data(), before.data() + 6, mine.weight.data()));
 }
 
+TEST_CASE("set_learning_rate changes a group's rate, or every group's, between steps; a bad one changes nothing") {
+  Single s;
+  nn::SGD sgd(s.params(), {.learning_rate = 0.1});
+  sgd({gradients[0]});
+  sgd.set_learning_rate(sgd.learning_rate() * 0.5);  // a plateau's cut
+  CHECK(sgd.learning_rate() == 0.05);
+  const std::vector<float> before(s.p.data(), s.p.data() + 3);
+  sgd({gradients[1]});
+  for (std::size_t i = 0; i < 3; ++i) CHECK(s.p.data()[i] == doctest::Approx(before[i] - 0.05f * gradients[1].data()[i]));
+  CHECK(value_error_of([&] { sgd.set_learning_rate(-1.0); }) == "nn::SGD: learning_rate must be >= 0, got -1");
+  CHECK(sgd.learning_rate() == 0.05);
+  nn::Dense<3, 2> body, head;
+  nn::Adam adam({{.params = body.parameters()}, {.params = head.parameters()}}, {.learning_rate = 0.01});
+  adam.set_learning_rate(nn::WarmUpLR{.learning_rate = 0.1, .warmup_steps = 10}, 1);
+  CHECK(adam.learning_rate(0) == 0.01);
+  CHECK(adam.learning_rate(1) == 0.0);
+  CHECK(value_error_of([&] { adam.set_learning_rate(0.1, 2); }) == "nn::Adam: parameter group 2 does not exist (it has 2)");
+}
+
+TEST_CASE("a schedule whose step count is not positive, or whose values are too few, names the field") {
+  Single s;
+  CHECK(value_error_of([&] { nn::SGD(s.params(), {.learning_rate = nn::ExponentialDecayLR{0.1, 0.9, 0}}); }) ==
+        "nn::ExponentialDecayLR: decay_steps must be positive, got 0");
+  CHECK(value_error_of([&] { nn::SGD(s.params(), {.learning_rate = nn::CosineDecayLR{0.0, 0.1, -5}}); }) ==
+        "nn::CosineDecayLR: decay_steps must be positive, got -5");
+  CHECK(value_error_of([&] { nn::SGD(s.params(), {.learning_rate = nn::WarmUpLR{0.1, 0}}); }) ==
+        "nn::WarmUpLR: warmup_steps must be positive, got 0");
+  CHECK(value_error_of([&] { nn::SGD(s.params(), {.learning_rate = nn::PiecewiseConstantLR{{10, 20}, {}}}); }) ==
+        "nn::PiecewiseConstantLR: values must hold one rate per milestone (and one for after the last), got 0 for 2 "
+        "milestones");
+}
+
 }  // namespace tests_nn_optim

@@ -556,8 +556,25 @@ class GradFunction {
 
   // One step: what its forward pass changes (BatchNorm's moving statistics, Dropout's
   // generator) stays only if forward and backward both succeed.
+  // A cell whose construct does not take what the call gives (a training step given the input
+  // without the target): said once, before anything is compiled for a call that cannot work.
   template <bool WithInput, class V, class... X>
   BasicTensor<V> forward_backward(BasicTensor<V>& input_grad, const X&... xs) {
+    using Cell = std::remove_cvref_t<Fn>;
+    if constexpr (requires { Cell::template construct_takes<X...>(); }) {
+      if constexpr (!Cell::template construct_takes<X...>()) {
+        (void)sizeof(nn::detail::construct_not_taking<Cell>);
+        return {};
+      } else {
+        return forward_backward_taken<WithInput>(input_grad, xs...);
+      }
+    } else {
+      return forward_backward_taken<WithInput>(input_grad, xs...);
+    }
+  }
+
+  template <bool WithInput, class V, class... X>
+  BasicTensor<V> forward_backward_taken(BasicTensor<V>& input_grad, const X&... xs) {
     if (autodiff::Tape* outer = autodiff::active_tape()) outer->note_gradient_within();
     if constexpr (autodiff::detail::CellLike<Fn>) {
       // A network's gradient over no sample is zeros (a mean loss over no row is 0), which an

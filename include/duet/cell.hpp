@@ -477,6 +477,12 @@ concept HasConstruct = requires(C& cell, X x) {
   cell.construct(x);
 };
 
+// Whether construct takes these tensors: asked without instantiating its body.
+template <class C, class... X>
+concept ConstructTakes = requires(C& cell, const X&... x) {
+  cell.construct(x...);
+};
+
 // construct is one plain function, `Tensor construct(const Tensor&)`, not a template: it takes
 // real tensors only. (Asked without calling it, so that no construct body is instantiated.)
 template <class C>
@@ -510,6 +516,19 @@ constexpr Mode mode_of_setting() {
   if constexpr (std::is_same_v<S, JitConfig>) return GRAPH_MODE;
   else return Setting;
 }
+// Keyed on the cell, so that the mistake is said once, not again for each capture of construct
+// (each phase's input is another type).
+template <class Derived>
+inline constexpr bool construct_takes_what_it_is_given = false;
+template <class Derived>
+struct construct_not_taking {
+  static_assert(construct_takes_what_it_is_given<Derived>,
+                "duet::nn::Cell: construct does not take the tensors this cell is called with: a training step "
+                "(nn::TrainOneStepCell) and value_and_grad pass on every tensor they are given, so a loss cell "
+                "whose construct takes the input and the target is called with both (step(x, y), "
+                "value_and_grad(net_with_loss, weights)(x, y))");
+};
+
 // Keyed on the cell, not on its call's operand types, so that the mistake is said once, not
 // again for each capture of construct (each phase's input is another type).
 template <class Derived>
@@ -588,10 +607,14 @@ class Cell : public BasicDynamicCell<T> {
     requires(sizeof...(S) >= 1 && capturable_construct<typename detail::deferred<Derived, S...>::type>() &&
              !NonGenericConstruct<typename detail::deferred<Derived, S...>::type>)
   auto operator()(const S&... xs) {
-    check_capture();
-    if constexpr (captured_apart<S...>()) {
+    if constexpr (!ConstructTakes<Derived, S...>) {
+      (void)sizeof(detail::construct_not_taking<Derived>);
+      return std::get<0>(std::tie(xs...));  // so that nothing after it adds errors
+    } else if constexpr (captured_apart<S...>()) {
+      check_capture();
       return graph::spliced(xs..., run_construct(graph::continuation<S...>()));
     } else {
+      check_capture();
       return run_construct(xs...);
     }
   }
@@ -723,6 +746,13 @@ class Cell : public BasicDynamicCell<T> {
       EagerScope eager;
       return run_construct(tensor_of(xs)...);
     });
+  }
+
+  // Whether construct takes tensors X... (asked by value_and_grad and the training step, so
+  // that a call that cannot work is said once, before anything is compiled for it).
+  template <class... X>
+  static constexpr bool construct_takes() {
+    return ConstructTakes<Derived, X...>;
   }
 
   std::string type_name() const override { return duet::detail::readable_type_name(typeid(Derived)); }

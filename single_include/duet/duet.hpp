@@ -223,6 +223,9 @@ struct Block {
   // Grants of write access to the elements (Storage::note_write); kept while the block is
   // cached, so a count once seen on a block is never seen again on it for other contents.
   std::atomic<std::uint64_t> writes{0};
+  // The parameter whose gradient value_and_grad returned in this block; nullptr for anything
+  // else. Cleared when the block is reused.
+  const void* gradient_of = nullptr;
 
   std::byte* data() { return reinterpret_cast<std::byte*>(this) + block_alignment; }
 };
@@ -290,6 +293,7 @@ class BlockCache {
       cached_bytes_ -= b->capacity;
       unpoison(b);
       b->next_free = nullptr;
+      b->gradient_of = nullptr;
       b->refs.store(1, std::memory_order_relaxed);
     }
     return b;
@@ -395,6 +399,10 @@ class Storage {
     if (block_ != nullptr) block_->writes.store(block_->writes.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
   }
   std::uint64_t writes() const { return block_ == nullptr ? 0 : block_->writes.load(std::memory_order_relaxed); }
+  const void* gradient_of() const { return block_ == nullptr ? nullptr : block_->gradient_of; }
+  void mark_gradient_of(const void* parameter) const {
+    if (block_ != nullptr) block_->gradient_of = parameter;
+  }
 
  private:
   void retain() const {
@@ -4279,6 +4287,12 @@ class BasicTensor {
   // version stays. Writes through a pointer kept from an earlier data() are not seen.
   std::uint64_t version() const { return storage_.writes(); }
 
+  // The parameter whose gradient value_and_grad returned in these elements (copies and views
+  // share it), nullptr for any other tensor: an optimiser given it for another parameter
+  // refuses it rather than apply it there.
+  const void* gradient_of() const { return storage_.gradient_of(); }
+  void mark_gradient_of(const void* parameter) const { storage_.mark_gradient_of(parameter); }
+
   // Which value of a recording tape (autodiff) this handle is; 0 for none. Copies keep it,
   // views a user makes (reshape, operator[]) do not: they are new values the tape never saw.
   std::uint64_t tape_id() const { return tape_id_; }
@@ -4426,19 +4440,6 @@ inline std::uint64_t& current_backward_pass() {
 inline std::vector<const void*>& written_in_pass() {
   thread_local std::vector<const void*> written;
   return written;
-}
-
-// The weights' gradients value_and_grad last returned on this thread (their buffers) and the
-// parameters they are of, so that an optimiser given them can tell whether they are its own
-// parameters' gradients: another network's of the same shapes would otherwise be applied
-// without a word (a GAN's second discriminator, a copy of the network). Reused, not freed.
-struct ReturnedGradients {
-  std::vector<const void*> data;
-  std::vector<const void*> of;
-};
-inline ReturnedGradients& returned_gradients() {
-  thread_local ReturnedGradients returned;
-  return returned;
 }
 
 // Told of a backward pass's gradient writes as they happen, on the thread that runs it: which
@@ -7321,20 +7322,31 @@ constexpr BufferPlan<G::size> plan_buffers() {
   if (plan.storage[out_root] == Storage::slot) plan.storage[out_root] = Storage::output;
   last_read[out_root] = n;  // the caller reads it last
 
-  // Greedy slot reuse: a slot is free again once every reader of its value has run.
-  std::array<std::size_t, n> slot_owner{};
-  std::array<bool, n> slot_busy{};
+  // Greedy slot reuse: a slot is free again once every reader of its value has run. Linear in
+  // the nodes: each value's slot goes back to a stack of free slots after its last reader,
+  // found in buckets by that reader. (A scan of every slot at every node was quadratic, and an
+  // unrolled recurrence's backward graph, thousands of nodes, exceeded the compiler's budget
+  // of constant-evaluation steps.) A value nobody reads is free after its own node.
+  std::array<std::size_t, n + 1> bucket{};  // values last read by node j: dying[bucket[j] .. bucket[j + 1])
+  std::array<std::size_t, n> dying{};
+  for (std::size_t r = 0; r < n; ++r) {
+    if (plan.storage[r] != Storage::slot) continue;
+    if (last_read[r] < r) last_read[r] = r;
+    if (last_read[r] < n - 1) ++bucket[last_read[r] + 1];
+  }
+  for (std::size_t j = 1; j <= n; ++j) bucket[j] += bucket[j - 1];
+  std::array<std::size_t, n + 1> filled = bucket;
+  for (std::size_t r = 0; r < n; ++r) {
+    if (plan.storage[r] == Storage::slot && last_read[r] < n - 1) dying[filled[last_read[r]]++] = r;
+  }
+  std::array<std::size_t, n> free_slots{};
+  std::size_t free_count = 0;
   for (std::size_t i = 0; i < n; ++i) {
-    for (std::size_t s = 0; s < plan.slot_count; ++s) {
-      if (Reuse && slot_busy[s] && last_read[slot_owner[s]] < i) slot_busy[s] = false;
+    if (Reuse && i > 0) {
+      for (std::size_t k = bucket[i - 1]; k < bucket[i]; ++k) free_slots[free_count++] = plan.slot[dying[k]];
     }
     if (plan.storage[i] != Storage::slot) continue;
-    std::size_t s = 0;
-    while (s < plan.slot_count && slot_busy[s]) ++s;
-    if (s == plan.slot_count) ++plan.slot_count;
-    slot_busy[s] = true;
-    slot_owner[s] = i;
-    plan.slot[i] = s;
+    plan.slot[i] = free_count > 0 ? free_slots[--free_count] : plan.slot_count++;
   }
   return plan;
 }
@@ -11455,6 +11467,12 @@ concept HasConstruct = requires(C& cell, X x) {
   cell.construct(x);
 };
 
+// Whether construct takes these tensors: asked without instantiating its body.
+template <class C, class... X>
+concept ConstructTakes = requires(C& cell, const X&... x) {
+  cell.construct(x...);
+};
+
 // construct is one plain function, `Tensor construct(const Tensor&)`, not a template: it takes
 // real tensors only. (Asked without calling it, so that no construct body is instantiated.)
 template <class C>
@@ -11488,6 +11506,19 @@ constexpr Mode mode_of_setting() {
   if constexpr (std::is_same_v<S, JitConfig>) return GRAPH_MODE;
   else return Setting;
 }
+// Keyed on the cell, so that the mistake is said once, not again for each capture of construct
+// (each phase's input is another type).
+template <class Derived>
+inline constexpr bool construct_takes_what_it_is_given = false;
+template <class Derived>
+struct construct_not_taking {
+  static_assert(construct_takes_what_it_is_given<Derived>,
+                "duet::nn::Cell: construct does not take the tensors this cell is called with: a training step "
+                "(nn::TrainOneStepCell) and value_and_grad pass on every tensor they are given, so a loss cell "
+                "whose construct takes the input and the target is called with both (step(x, y), "
+                "value_and_grad(net_with_loss, weights)(x, y))");
+};
+
 // Keyed on the cell, not on its call's operand types, so that the mistake is said once, not
 // again for each capture of construct (each phase's input is another type).
 template <class Derived>
@@ -11566,10 +11597,14 @@ class Cell : public BasicDynamicCell<T> {
     requires(sizeof...(S) >= 1 && capturable_construct<typename detail::deferred<Derived, S...>::type>() &&
              !NonGenericConstruct<typename detail::deferred<Derived, S...>::type>)
   auto operator()(const S&... xs) {
-    check_capture();
-    if constexpr (captured_apart<S...>()) {
+    if constexpr (!ConstructTakes<Derived, S...>) {
+      (void)sizeof(detail::construct_not_taking<Derived>);
+      return std::get<0>(std::tie(xs...));  // so that nothing after it adds errors
+    } else if constexpr (captured_apart<S...>()) {
+      check_capture();
       return graph::spliced(xs..., run_construct(graph::continuation<S...>()));
     } else {
+      check_capture();
       return run_construct(xs...);
     }
   }
@@ -11701,6 +11736,13 @@ class Cell : public BasicDynamicCell<T> {
       EagerScope eager;
       return run_construct(tensor_of(xs)...);
     });
+  }
+
+  // Whether construct takes tensors X... (asked by value_and_grad and the training step, so
+  // that a call that cannot work is said once, before anything is compiled for it).
+  template <class... X>
+  static constexpr bool construct_takes() {
+    return ConstructTakes<Derived, X...>;
   }
 
   std::string type_name() const override { return duet::detail::readable_type_name(typeid(Derived)); }
@@ -12514,13 +12556,9 @@ class GradFunction {
     if constexpr (!std::is_void_v<W>) {
       check_weights_reached();
       const std::uint64_t pass = duet::detail::current_backward_pass();
-      auto& returned = duet::detail::returned_gradients();
-      returned.data.clear();
-      returned.of.clear();
       for (nn::BasicParameter<W>* p : weights_) {
         out.grads.push_back(p->has_grad_from(pass) ? p->grad.clone() : zeros<W>(p->shape()));
-        returned.data.push_back(out.grads.back().data());
-        returned.of.push_back(p);
+        out.grads.back().mark_gradient_of(p);
       }
     }
     return out;
@@ -12570,8 +12608,25 @@ class GradFunction {
 
   // One step: what its forward pass changes (BatchNorm's moving statistics, Dropout's
   // generator) stays only if forward and backward both succeed.
+  // A cell whose construct does not take what the call gives (a training step given the input
+  // without the target): said once, before anything is compiled for a call that cannot work.
   template <bool WithInput, class V, class... X>
   BasicTensor<V> forward_backward(BasicTensor<V>& input_grad, const X&... xs) {
+    using Cell = std::remove_cvref_t<Fn>;
+    if constexpr (requires { Cell::template construct_takes<X...>(); }) {
+      if constexpr (!Cell::template construct_takes<X...>()) {
+        (void)sizeof(nn::detail::construct_not_taking<Cell>);
+        return {};
+      } else {
+        return forward_backward_taken<WithInput>(input_grad, xs...);
+      }
+    } else {
+      return forward_backward_taken<WithInput>(input_grad, xs...);
+    }
+  }
+
+  template <bool WithInput, class V, class... X>
+  BasicTensor<V> forward_backward_taken(BasicTensor<V>& input_grad, const X&... xs) {
     if (autodiff::Tape* outer = autodiff::active_tape()) outer->note_gradient_within();
     if constexpr (autodiff::detail::CellLike<Fn>) {
       // A network's gradient over no sample is zeros (a mean loss over no row is 0), which an
@@ -15981,12 +16036,23 @@ class LearningRate {
   LearningRateSchedule schedule_;
 };
 
+namespace detail {
+// A schedule's step count divides: 0 would make every rate NaN, which the optimiser would then
+// report as a bad learning rate rather than naming the field.
+inline void require_steps(const char* schedule, const char* field, std::int64_t steps) {
+  if (steps <= 0) {
+    throw ValueError(std::string("nn::") + schedule + ": " + field + " must be positive, got " + std::to_string(steps));
+  }
+}
+}  // namespace detail
+
 // min_lr + (max_lr - min_lr) · (1 + cos(π · min(t, decay_steps) / decay_steps)) / 2.
 struct CosineDecayLR {
   double min_lr;
   double max_lr;
   std::int64_t decay_steps;
   double operator()(std::int64_t t) const {
+    detail::require_steps("CosineDecayLR", "decay_steps", decay_steps);
     const double p = static_cast<double>(std::min(t, decay_steps)) / static_cast<double>(decay_steps);
     return min_lr + (max_lr - min_lr) * (1 + std::cos(std::numbers::pi * p)) / 2;
   }
@@ -15999,6 +16065,7 @@ struct ExponentialDecayLR {
   std::int64_t decay_steps;
   bool is_stair = false;
   double operator()(std::int64_t t) const {
+    detail::require_steps("ExponentialDecayLR", "decay_steps", decay_steps);
     double p = static_cast<double>(t) / static_cast<double>(decay_steps);
     if (is_stair) p = std::floor(p);
     return learning_rate * std::pow(decay_rate, p);
@@ -16010,6 +16077,11 @@ struct PiecewiseConstantLR {
   std::vector<std::int64_t> milestones;
   std::vector<double> values;
   double operator()(std::int64_t t) const {
+    if (values.empty() || values.size() < milestones.size()) {
+      throw ValueError("nn::PiecewiseConstantLR: values must hold one rate per milestone (and one for after the "
+                       "last), got " + std::to_string(values.size()) + " for " + std::to_string(milestones.size()) +
+                       " milestones");
+    }
     for (std::size_t i = 0; i < milestones.size(); ++i) {
       if (t < milestones[i]) return values.at(i);
     }
@@ -16023,6 +16095,7 @@ struct WarmUpLR {
   double learning_rate;
   std::int64_t warmup_steps;
   double operator()(std::int64_t t) const {
+    detail::require_steps("WarmUpLR", "warmup_steps", warmup_steps);
     return learning_rate * static_cast<double>(std::min(t, warmup_steps)) / static_cast<double>(warmup_steps);
   }
 };
@@ -16162,6 +16235,20 @@ class BasicOptimizer {
     return groups_[group].learning_rate.at(global_step_);
   }
   std::size_t group_count() const { return groups_.size(); }
+
+  // Replaces the rate (a number or a schedule) of every group, or of one: PyTorch's
+  // param_groups[g]['lr'] = v, and a ReduceLROnPlateau of one's own,
+  // adam.set_learning_rate(adam.learning_rate() * 0.1). Refused as at construction, changing nothing.
+  void set_learning_rate(const LearningRate& lr) {
+    for (std::size_t g = 0; g < groups_.size(); ++g) set_learning_rate(lr, g);
+  }
+  void set_learning_rate(const LearningRate& lr, std::size_t group) {
+    static_cast<void>(learning_rate(group));  // the group exists
+    const double now = lr.at(global_step_);
+    require_option(groups_.size() > 1 ? "learning_rate of parameter group " + std::to_string(group) : "learning_rate",
+                   now, now >= 0, ">= 0");
+    groups_[group].learning_rate = lr;
+  }
   // The group of parameters()[i].
   std::size_t group_of(std::size_t i) const { return group_of_[i]; }
 
@@ -16259,22 +16346,19 @@ class BasicOptimizer {
     }
   }
 
-  // Gradients are matched to parameters by position and shape only, so value_and_grad's
-  // gradients of another network of the same shapes would be applied to this one's parameters,
-  // and training would go on, wrong. The gradients value_and_grad returned last know whose
-  // they are; others (made or changed by the program) are taken as they come.
+  // Gradients are matched to parameters by position and shape, so another network's of the
+  // same shapes, or a list in another order (groups reorder the parameters), would be applied
+  // to the wrong parameters, and training would go on, wrong. Those value_and_grad returned
+  // know whose they are (BasicTensor::gradient_of, kept by copies and in-place changes); others
+  // (made by the program: ops::clip_by_value's) are taken as they come.
   void require_own_gradients(const std::vector<BasicTensor<T>>& grads) const {
-    const duet::detail::ReturnedGradients& returned = duet::detail::returned_gradients();
-    if (returned.data.size() != grads.size() ||
-        !std::ranges::equal(grads, returned.data, [](const BasicTensor<T>& g, const void* d) { return g.data() == d; })) {
-      return;
-    }
     const auto parameter = [this](std::size_t i) {
       return "#" + std::to_string(i) + (names_.empty() ? std::string() : " '" + names_[i] + "'");
     };
     for (std::size_t i = 0; i < grads.size(); ++i) {
-      if (returned.of[i] == params_[i]) continue;
-      const auto found = std::ranges::find(params_, returned.of[i]);
+      const void* of = grads[i].gradient_of();
+      if (of == nullptr || of == params_[i]) continue;
+      const auto found = std::ranges::find(params_, of);
       throw ValueError(std::string(type_name()) + "(grads): gradient " + std::to_string(i) +
                        (found == params_.end()
                             ? " is value_and_grad's gradient of another parameter than this optimizer's " + parameter(i) +

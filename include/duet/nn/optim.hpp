@@ -48,12 +48,23 @@ class LearningRate {
   LearningRateSchedule schedule_;
 };
 
+namespace detail {
+// A schedule's step count divides: 0 would make every rate NaN, which the optimiser would then
+// report as a bad learning rate rather than naming the field.
+inline void require_steps(const char* schedule, const char* field, std::int64_t steps) {
+  if (steps <= 0) {
+    throw ValueError(std::string("nn::") + schedule + ": " + field + " must be positive, got " + std::to_string(steps));
+  }
+}
+}  // namespace detail
+
 // min_lr + (max_lr - min_lr) · (1 + cos(π · min(t, decay_steps) / decay_steps)) / 2.
 struct CosineDecayLR {
   double min_lr;
   double max_lr;
   std::int64_t decay_steps;
   double operator()(std::int64_t t) const {
+    detail::require_steps("CosineDecayLR", "decay_steps", decay_steps);
     const double p = static_cast<double>(std::min(t, decay_steps)) / static_cast<double>(decay_steps);
     return min_lr + (max_lr - min_lr) * (1 + std::cos(std::numbers::pi * p)) / 2;
   }
@@ -66,6 +77,7 @@ struct ExponentialDecayLR {
   std::int64_t decay_steps;
   bool is_stair = false;
   double operator()(std::int64_t t) const {
+    detail::require_steps("ExponentialDecayLR", "decay_steps", decay_steps);
     double p = static_cast<double>(t) / static_cast<double>(decay_steps);
     if (is_stair) p = std::floor(p);
     return learning_rate * std::pow(decay_rate, p);
@@ -77,6 +89,11 @@ struct PiecewiseConstantLR {
   std::vector<std::int64_t> milestones;
   std::vector<double> values;
   double operator()(std::int64_t t) const {
+    if (values.empty() || values.size() < milestones.size()) {
+      throw ValueError("nn::PiecewiseConstantLR: values must hold one rate per milestone (and one for after the "
+                       "last), got " + std::to_string(values.size()) + " for " + std::to_string(milestones.size()) +
+                       " milestones");
+    }
     for (std::size_t i = 0; i < milestones.size(); ++i) {
       if (t < milestones[i]) return values.at(i);
     }
@@ -90,6 +107,7 @@ struct WarmUpLR {
   double learning_rate;
   std::int64_t warmup_steps;
   double operator()(std::int64_t t) const {
+    detail::require_steps("WarmUpLR", "warmup_steps", warmup_steps);
     return learning_rate * static_cast<double>(std::min(t, warmup_steps)) / static_cast<double>(warmup_steps);
   }
 };
@@ -229,6 +247,20 @@ class BasicOptimizer {
     return groups_[group].learning_rate.at(global_step_);
   }
   std::size_t group_count() const { return groups_.size(); }
+
+  // Replaces the rate (a number or a schedule) of every group, or of one: PyTorch's
+  // param_groups[g]['lr'] = v, and a ReduceLROnPlateau of one's own,
+  // adam.set_learning_rate(adam.learning_rate() * 0.1). Refused as at construction, changing nothing.
+  void set_learning_rate(const LearningRate& lr) {
+    for (std::size_t g = 0; g < groups_.size(); ++g) set_learning_rate(lr, g);
+  }
+  void set_learning_rate(const LearningRate& lr, std::size_t group) {
+    static_cast<void>(learning_rate(group));  // the group exists
+    const double now = lr.at(global_step_);
+    require_option(groups_.size() > 1 ? "learning_rate of parameter group " + std::to_string(group) : "learning_rate",
+                   now, now >= 0, ">= 0");
+    groups_[group].learning_rate = lr;
+  }
   // The group of parameters()[i].
   std::size_t group_of(std::size_t i) const { return group_of_[i]; }
 
