@@ -560,9 +560,10 @@ class GradFunction {
   // without the target): said once, before anything is compiled for a call that cannot work.
   template <bool WithInput, class V, class... X>
   BasicTensor<V> forward_backward(BasicTensor<V>& input_grad, const X&... xs) {
+    // Asked of the tensors the eager path calls it with, which it compiles anyway.
     using Cell = std::remove_cvref_t<Fn>;
-    if constexpr (requires { Cell::template construct_takes<X...>(); }) {
-      if constexpr (!Cell::template construct_takes<X...>()) {
+    if constexpr (requires { Cell::template construct_takes<decltype(tensor_of(xs))...>(); }) {
+      if constexpr (!Cell::template construct_takes<decltype(tensor_of(xs))...>()) {
         (void)sizeof(nn::detail::construct_not_taking<Cell>);
         return {};
       } else {

@@ -607,7 +607,7 @@ class Cell : public BasicDynamicCell<T> {
     requires(sizeof...(S) >= 1 && capturable_construct<typename detail::deferred<Derived, S...>::type>() &&
              !NonGenericConstruct<typename detail::deferred<Derived, S...>::type>)
   auto operator()(const S&... xs) {
-    if constexpr (!ConstructTakes<Derived, S...>) {
+    if constexpr (!takes_symbolic<S...>()) {
       (void)sizeof(detail::construct_not_taking<Derived>);
       return std::get<0>(std::tie(xs...));  // so that nothing after it adds errors
     } else if constexpr (captured_apart<S...>()) {
@@ -643,6 +643,14 @@ class Cell : public BasicDynamicCell<T> {
         });
       });
     }
+  }
+
+  // Whether construct takes these symbolic inputs, asked of the types it is then called with
+  // (one input: a continuation of its own), so that asking instantiates nothing more.
+  template <class... S>
+  static constexpr bool takes_symbolic() {
+    if constexpr (sizeof...(S) == 1) return ConstructTakes<Derived, decltype(graph::continuation<S...>())>;
+    else return ConstructTakes<Derived, S...>;
   }
 
   // Whether a call on one symbolic input is captured on an input of its own and spliced after

@@ -11597,7 +11597,7 @@ class Cell : public BasicDynamicCell<T> {
     requires(sizeof...(S) >= 1 && capturable_construct<typename detail::deferred<Derived, S...>::type>() &&
              !NonGenericConstruct<typename detail::deferred<Derived, S...>::type>)
   auto operator()(const S&... xs) {
-    if constexpr (!ConstructTakes<Derived, S...>) {
+    if constexpr (!takes_symbolic<S...>()) {
       (void)sizeof(detail::construct_not_taking<Derived>);
       return std::get<0>(std::tie(xs...));  // so that nothing after it adds errors
     } else if constexpr (captured_apart<S...>()) {
@@ -11633,6 +11633,14 @@ class Cell : public BasicDynamicCell<T> {
         });
       });
     }
+  }
+
+  // Whether construct takes these symbolic inputs, asked of the types it is then called with
+  // (one input: a continuation of its own), so that asking instantiates nothing more.
+  template <class... S>
+  static constexpr bool takes_symbolic() {
+    if constexpr (sizeof...(S) == 1) return ConstructTakes<Derived, decltype(graph::continuation<S...>())>;
+    else return ConstructTakes<Derived, S...>;
   }
 
   // Whether a call on one symbolic input is captured on an input of its own and spliced after
@@ -12612,9 +12620,10 @@ class GradFunction {
   // without the target): said once, before anything is compiled for a call that cannot work.
   template <bool WithInput, class V, class... X>
   BasicTensor<V> forward_backward(BasicTensor<V>& input_grad, const X&... xs) {
+    // Asked of the tensors the eager path calls it with, which it compiles anyway.
     using Cell = std::remove_cvref_t<Fn>;
-    if constexpr (requires { Cell::template construct_takes<X...>(); }) {
-      if constexpr (!Cell::template construct_takes<X...>()) {
+    if constexpr (requires { Cell::template construct_takes<decltype(tensor_of(xs))...>(); }) {
+      if constexpr (!Cell::template construct_takes<decltype(tensor_of(xs))...>()) {
         (void)sizeof(nn::detail::construct_not_taking<Cell>);
         return {};
       } else {
