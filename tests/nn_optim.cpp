@@ -401,7 +401,7 @@ TEST_CASE("an optimiser refuses value_and_grad's gradients of other parameters, 
   CHECK_FALSE(std::equal(before.data(), before.data() + 6, mine.weight.data()));
 }
 
-TEST_CASE("set_learning_rate changes a group's rate, or every group's, between steps; a bad one changes nothing") {
+TEST_CASE("set_learning_rate changes a group's rate, or every group's, between steps, and a bad one changes nothing") {
   Single s;
   nn::SGD sgd(s.params(), {.learning_rate = 0.1});
   sgd({gradients[0]});
