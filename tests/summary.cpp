@@ -293,7 +293,7 @@ struct WithNoise : nn::Cell<WithNoise> {
 };
 }  // namespace
 
-TEST_CASE("summary: a cell of two inputs takes a shape for each; given one, a ModeError that says so") {
+TEST_CASE("summary: a cell of two inputs takes a shape for each, and given one, a ModeError that says so") {
   ModeGuard guard;
   WithNoise net;
   std::ostringstream sink;
