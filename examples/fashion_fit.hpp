@@ -56,8 +56,8 @@ struct Recipe {
   duet::nn::WithLossCell<Net, Loss> with_loss{net, loss};
   duet::nn::Adam adam{net.parameters(), {.learning_rate = 1e-3}};
   duet::nn::TrainOneStepCell<duet::nn::WithLossCell<Net, Loss>, duet::nn::Adam> train_step{with_loss, adam};
-  duet::data::DataLoader<> train_data;
-  duet::data::DataLoader<> test_data;
+  duet::data::DataLoader train_data;
+  duet::data::DataLoader test_data;
 };
 
 template <class Net>

@@ -142,7 +142,7 @@ int train(const Options& o, const Group& group, Network& model, duet::nn::BasicO
                               shards > 1 ? data::LoaderOptions{.shuffle = true, .seed = o.seed, .num_shards = shards}
                                          : shard({.shuffle = true, .seed = o.seed}));
   // --split-batch: train_data is shard 0, these the others, taken in step with it.
-  std::deque<data::DataLoader<>> other_shards;
+  std::deque<data::DataLoader> other_shards;
   for (index_t k = 1; k < shards; ++k) {
     other_shards.emplace_back(train_data.dataset(), train_data.batch_size(),
                               data::LoaderOptions{.shuffle = true, .seed = o.seed, .num_shards = shards, .shard_id = k});
@@ -151,7 +151,7 @@ int train(const Options& o, const Group& group, Network& model, duet::nn::BasicO
   const auto step = [&](const data::Batch& batch) -> float {
     if (shards == 1) return train_step(batch.images, batch.labels).item();
     std::vector<const data::Batch*> parts{&batch};
-    for (data::DataLoader<>& other : other_shards) {
+    for (data::DataLoader& other : other_shards) {
       const data::Batch* part = other.next();
       if (part == nullptr) {
         other.start_epoch(other.epoch() + 1);
@@ -202,7 +202,7 @@ int train(const Options& o, const Group& group, Network& model, duet::nn::BasicO
     }
     done = steps / train_data.size();
     train_data.start_epoch(static_cast<std::uint64_t>(done));
-    for (data::DataLoader<>& other : other_shards) other.start_epoch(static_cast<std::uint64_t>(done));
+    for (data::DataLoader& other : other_shards) other.start_epoch(static_cast<std::uint64_t>(done));
     out << "duet: resuming from " << o.resume << " after " << done << " epoch(s)\n";
   }
 

@@ -42,7 +42,7 @@ std::vector<index_t> samples_of(const data::Batch& batch) {
 }
 
 // One epoch's samples, in the order served, by range-for.
-std::vector<index_t> epoch_order(data::DataLoader<>& loader) {
+std::vector<index_t> epoch_order(data::DataLoader& loader) {
   std::vector<index_t> out;
   for (const data::Batch& batch : loader) {
     for (index_t s : samples_of(batch)) out.push_back(s);
@@ -268,7 +268,7 @@ TEST_CASE("shards of a loader together serve one process's batches of the global
   for (const bool drop_last : {false, true}) {
     // 23 samples, global batches of 3 x 2: three of 6, one of 5 (shards of 2, 2 and 1).
     data::DataLoader whole(numbered(23), 6, {.shuffle = true, .seed = 5, .drop_last = drop_last});
-    std::vector<data::DataLoader<>> shards;
+    std::vector<data::DataLoader> shards;
     for (index_t s = 0; s < 3; ++s) {
       shards.emplace_back(numbered(23), 2,
                           data::LoaderOptions{.shuffle = true, .seed = 5, .drop_last = drop_last, .num_shards = 3, .shard_id = s});
@@ -327,7 +327,7 @@ TEST_CASE("TensorDataset: rows of inputs and targets in the loader's order, shuf
     y(i, 0, 0) = v;
     y(i, 1, 0) = v + 0.5f;
   }
-  data::DataLoader loader(data::TensorDataset(x, y), 4, {.shuffle = true, .seed = 9});
+  data::BasicDataLoader loader(data::TensorDataset(x, y), 4, {.shuffle = true, .seed = 9});
   data::DataLoader images(numbered(n), 4, {.shuffle = true, .seed = 9});
   CHECK(loader.size() == 3);
   std::vector<index_t> order;
@@ -352,7 +352,7 @@ TEST_CASE("TensorDataset: rows of inputs and targets in the loader's order, shuf
   // Shards of a tensor data set: every sample once over the two shards.
   std::vector<index_t> sharded;
   for (index_t shard = 0; shard < 2; ++shard) {
-    data::DataLoader part(data::TensorDataset(x, y), 2, {.shuffle = true, .seed = 9, .num_shards = 2, .shard_id = shard});
+    data::BasicDataLoader part(data::TensorDataset(x, y), 2, {.shuffle = true, .seed = 9, .num_shards = 2, .shard_id = shard});
     for (const auto& batch : part) {
       for (index_t k = 0; k < batch.inputs.dim(0); ++k) sharded.push_back(static_cast<index_t>(batch.inputs(k, 0)));
     }
@@ -371,7 +371,7 @@ TEST_CASE("TensorDataset of class indices: train::evaluate reads its batches, as
   const Tensor x = randn({7, 2}, 3);
   BasicTensor<std::int32_t> y({7});
   for (index_t i = 0; i < 7; ++i) y(i) = static_cast<std::int32_t>(i % 3);
-  data::DataLoader loader(data::TensorDataset(x, y), 3);
+  data::BasicDataLoader loader(data::TensorDataset(x, y), 3);
   const train::Metrics m = train::evaluate(net, loss, loader);
   CHECK(m.samples == 7);
   const Tensor logits = net(x);

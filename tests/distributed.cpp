@@ -76,7 +76,7 @@ struct Run {
 };
 
 template <class Step, class Net, class Loss>
-Run epoch(Step&& step, Net& net, Loss& loss, data::DataLoader<>& loader) {
+Run epoch(Step&& step, Net& net, Loss& loss, data::DataLoader& loader) {
   Run run;
   for (const data::Batch& batch : loader) run.losses.push_back(step(batch.images, batch.labels));
   for (const auto& p : net.parameters()) run.parameters.push_back(p.parameter->clone());

@@ -84,7 +84,7 @@ void check_evaluates_colour_batches() {
 
 }  // namespace
 
-static_assert(duet::train::ClassificationLoader<duet::data::DataLoader<>>);
+static_assert(duet::train::ClassificationLoader<duet::data::DataLoader>);
 static_assert(duet::train::ClassificationLoader<std::vector<ColourBatch<float>>>);
 static_assert(!duet::train::ClassificationLoader<std::vector<duet::Tensor>>);
 

@@ -5,7 +5,7 @@
 // 188 MB as floats), and a batch's tensors are reused from one batch to the next when nobody
 // else holds them.
 //
-// A data set is what DataLoader cuts: its size(), its Batch type, and gather(), which makes a
+// A data set is what BasicDataLoader cuts: its size(), its Batch type, and gather(), which makes a
 // batch of the samples it is given.
 #pragma once
 
@@ -221,13 +221,15 @@ inline std::atomic<std::uint64_t>& served_order() {
 //     for (const data::Batch& batch : loader) train(batch.images, batch.labels);
 //   }
 //
-//   data::DataLoader pairs(data::TensorDataset(x, y), 32, {.shuffle = true});
+//   data::BasicDataLoader pairs(data::TensorDataset(x, y), 32, {.shuffle = true});
 //   for (const auto& [inputs, targets] : pairs) step(inputs, targets);
 //
 // Each range-for runs the next epoch (the first runs epoch 0); next() and start_epoch() step
 // through epochs by hand. A batch is valid until the next batch is made.
-template <class Dataset = ImageDataset>
-class DataLoader {
+//
+// DataLoader is the loader of images (BasicDataLoader<ImageDataset>), as Tensor is BasicTensor<float>.
+template <class Dataset>
+class BasicDataLoader {
  public:
   using Batch = typename Dataset::Batch;
 
@@ -237,7 +239,7 @@ class DataLoader {
     using difference_type = std::ptrdiff_t;
 
     Iterator() = default;
-    explicit Iterator(DataLoader& loader) : loader_(&loader), batch_(loader.next()) {}
+    explicit Iterator(BasicDataLoader& loader) : loader_(&loader), batch_(loader.next()) {}
 
     const Batch& operator*() const { return *batch_; }
     const Batch* operator->() const { return batch_; }
@@ -249,11 +251,11 @@ class DataLoader {
     friend bool operator==(const Iterator& it, std::default_sentinel_t) { return it.batch_ == nullptr; }
 
    private:
-    DataLoader* loader_ = nullptr;
+    BasicDataLoader* loader_ = nullptr;
     const Batch* batch_ = nullptr;
   };
 
-  DataLoader(Dataset data, index_t batch_size, LoaderOptions options = {})
+  BasicDataLoader(Dataset data, index_t batch_size, LoaderOptions options = {})
       : data_(std::move(data)),
         batch_size_(batch_size),
         options_(options),
@@ -333,9 +335,11 @@ class DataLoader {
   Batch batch_;
 };
 
+using DataLoader = BasicDataLoader<ImageDataset>;
+
 template <class L>
 inline constexpr bool is_data_loader_v = false;
 template <class Dataset>
-inline constexpr bool is_data_loader_v<DataLoader<Dataset>> = true;
+inline constexpr bool is_data_loader_v<BasicDataLoader<Dataset>> = true;
 
 }  // namespace duet::data
