@@ -172,6 +172,53 @@ struct Generic : nn::Cell<Generic, PYNATIVE_MODE> {
   auto construct(auto x) { return fc(x); }
 };
 
+// A PyNative cell may reassign x (each operation's result is a Tensor): wrapped for training,
+// its graph form must not be compiled, whatever the context says.
+struct Reassigning : nn::Cell<Reassigning, PYNATIVE_MODE> {
+  nn::Dense<3, 4> fc1;
+  nn::Dense<4, 2> fc2;
+  DUET_CELL_MEMBERS(fc1, fc2);
+  auto construct(auto x) {
+    x = fc1(x);
+    x = ops::relu(x);
+    return fc2(x);
+  }
+};
+struct NewNames : nn::Cell<NewNames> {
+  nn::Dense<3, 4> fc1;
+  nn::Dense<4, 2> fc2;
+  DUET_CELL_MEMBERS(fc1, fc2);
+  auto construct(auto x) { return fc2(ops::relu(fc1(x))); }
+};
+
+TEST_CASE("a PyNative cell that reassigns x trains and takes gradients in a graph-mode context, as its generic twin") {
+  ModeGuard guard;
+  const Tensor x = randn({4, 3}, 5);
+  const Tensor y = ones({4, 2});
+  const auto losses = [&](auto& net) {
+    nn::MSELoss<> loss;
+    nn::WithLossCell with_loss(net, loss);
+    nn::SGD sgd(net.parameters(), {.learning_rate = 0.1});
+    nn::TrainOneStepCell step(with_loss, sgd);
+    std::vector<float> out;
+    for (int i = 0; i < 3; ++i) out.push_back(step(x, y).item());
+    auto [value, grads] = value_and_grad(with_loss, net.parameters())(x, y);
+    out.push_back(value.item());
+    for (const auto& g : grads) out.insert(out.end(), g.data(), g.data() + g.size());
+    return out;
+  };
+  set_seed(3);
+  Reassigning reassigning;
+  set_seed(3);
+  NewNames twin;
+  set_context({.mode = PYNATIVE_MODE});
+  const auto expected = losses(twin);
+  set_context({.mode = GRAPH_MODE});
+  const auto got = losses(reassigning);
+  CHECK(got == expected);
+  CHECK(got[2] < got[0]);
+}
+
 TEST_CASE("a PyNative cell whose construct takes tensors trains, as its generic twin does") {
   const auto losses = [](auto& net) {
     nn::MSELoss<> loss;

@@ -617,12 +617,18 @@ class GradFunction {
            "call set_train(true) on the network before the next step (said once)\n";
   }
 
+  // A cell fixed to PyNative mode runs on the tape whatever the context says, so its graph
+  // form is not compiled: that would cost the build and refuse what such a construct may do
+  // (reassign x, call code of Tensors).
   template <bool WithInput, class V, class... X>
   BasicTensor<V> forward_backward_in_mode(BasicTensor<V>& input_grad, const X&... xs) {
-    if constexpr (graph::Capturable<FnRef&, X...>) {
-      if (autodiff::detail::mode_of<Fn>() == GRAPH_MODE) return run_graph<WithInput>(input_grad, xs...);
-    } else if constexpr (!WithInput && autodiff::detail::CellLike<Fn>) {
-      if (autodiff::detail::mode_of<Fn>() == GRAPH_MODE && can_trace()) return traced_step(xs...);
+    // (Nested, because asking Capturable deduces construct's result on symbolic tensors.)
+    if constexpr (nn::detail::fixed_mode_of<Fn>() != PYNATIVE_MODE) {
+      if constexpr (graph::Capturable<FnRef&, X...>) {
+        if (autodiff::detail::mode_of<Fn>() == GRAPH_MODE) return run_graph<WithInput>(input_grad, xs...);
+      } else if constexpr (!WithInput && autodiff::detail::CellLike<Fn>) {
+        if (autodiff::detail::mode_of<Fn>() == GRAPH_MODE && can_trace()) return traced_step(xs...);
+      }
     }
     return run_eager<WithInput>(input_grad, xs...);
   }

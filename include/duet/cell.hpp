@@ -744,12 +744,16 @@ class Cell : public BasicDynamicCell<T> {
     return duet::detail::all_or_nothing([&] {
       this->check_registered();
       this->ensure_named();
-      if constexpr (can_capture() && graph::Capturable<Derived&, X...>) {
-        if (runs_as_graph()) return run_graph<typename graph::pattern_of<X>::type...>(tensor_of(xs)...);
-      } else if constexpr (M != PYNATIVE_MODE) {
-        // construct calls a cell built at run time, so it cannot be captured: it runs on the
-        // tensors, and each cell it calls follows the mode itself (graph mode traces that one).
-        if (runs_as_graph()) return run_construct(tensor_of(xs)...);
+      // (Nested: asking Capturable compiles construct on symbolic tensors, which a cell fixed to
+      // PyNative mode need not take.)
+      if constexpr (M != PYNATIVE_MODE) {
+        if constexpr (can_capture() && graph::Capturable<Derived&, X...>) {
+          if (runs_as_graph()) return run_graph<typename graph::pattern_of<X>::type...>(tensor_of(xs)...);
+        } else {
+          // construct calls a cell built at run time, so it cannot be captured: it runs on the
+          // tensors, and each cell it calls follows the mode itself (graph mode traces that one).
+          if (runs_as_graph()) return run_construct(tensor_of(xs)...);
+        }
       }
       EagerScope eager;
       return run_construct(tensor_of(xs)...);

@@ -11734,12 +11734,16 @@ class Cell : public BasicDynamicCell<T> {
     return duet::detail::all_or_nothing([&] {
       this->check_registered();
       this->ensure_named();
-      if constexpr (can_capture() && graph::Capturable<Derived&, X...>) {
-        if (runs_as_graph()) return run_graph<typename graph::pattern_of<X>::type...>(tensor_of(xs)...);
-      } else if constexpr (M != PYNATIVE_MODE) {
-        // construct calls a cell built at run time, so it cannot be captured: it runs on the
-        // tensors, and each cell it calls follows the mode itself (graph mode traces that one).
-        if (runs_as_graph()) return run_construct(tensor_of(xs)...);
+      // (Nested: asking Capturable compiles construct on symbolic tensors, which a cell fixed to
+      // PyNative mode need not take.)
+      if constexpr (M != PYNATIVE_MODE) {
+        if constexpr (can_capture() && graph::Capturable<Derived&, X...>) {
+          if (runs_as_graph()) return run_graph<typename graph::pattern_of<X>::type...>(tensor_of(xs)...);
+        } else {
+          // construct calls a cell built at run time, so it cannot be captured: it runs on the
+          // tensors, and each cell it calls follows the mode itself (graph mode traces that one).
+          if (runs_as_graph()) return run_construct(tensor_of(xs)...);
+        }
       }
       EagerScope eager;
       return run_construct(tensor_of(xs)...);
@@ -12677,12 +12681,18 @@ class GradFunction {
            "call set_train(true) on the network before the next step (said once)\n";
   }
 
+  // A cell fixed to PyNative mode runs on the tape whatever the context says, so its graph
+  // form is not compiled: that would cost the build and refuse what such a construct may do
+  // (reassign x, call code of Tensors).
   template <bool WithInput, class V, class... X>
   BasicTensor<V> forward_backward_in_mode(BasicTensor<V>& input_grad, const X&... xs) {
-    if constexpr (graph::Capturable<FnRef&, X...>) {
-      if (autodiff::detail::mode_of<Fn>() == GRAPH_MODE) return run_graph<WithInput>(input_grad, xs...);
-    } else if constexpr (!WithInput && autodiff::detail::CellLike<Fn>) {
-      if (autodiff::detail::mode_of<Fn>() == GRAPH_MODE && can_trace()) return traced_step(xs...);
+    // (Nested, because asking Capturable deduces construct's result on symbolic tensors.)
+    if constexpr (nn::detail::fixed_mode_of<Fn>() != PYNATIVE_MODE) {
+      if constexpr (graph::Capturable<FnRef&, X...>) {
+        if (autodiff::detail::mode_of<Fn>() == GRAPH_MODE) return run_graph<WithInput>(input_grad, xs...);
+      } else if constexpr (!WithInput && autodiff::detail::CellLike<Fn>) {
+        if (autodiff::detail::mode_of<Fn>() == GRAPH_MODE && can_trace()) return traced_step(xs...);
+      }
     }
     return run_eager<WithInput>(input_grad, xs...);
   }
