@@ -112,6 +112,28 @@ struct WarmUpLR {
   }
 };
 
+namespace detail {
+// PyTorch's names of the optimisers' fields, there only so that writing them says duet's names
+// (MindSpore's) instead of "no matching constructor" without a word about the field.
+struct TorchLr {
+  TorchLr() = default;
+  template <class V>
+  TorchLr(const V&) {  // NOLINT: implicit, as a designated initializer converts
+    static_assert(sizeof(V) == 0,
+                  "duet::nn: the learning rate is .learning_rate (MindSpore's name), not PyTorch's .lr: "
+                  "{.learning_rate = 1e-3}");
+  }
+};
+struct TorchBetas {
+  TorchBetas() = default;
+  template <class V>
+  TorchBetas(std::initializer_list<V>) {  // NOLINT: implicit, as a designated initializer converts
+    static_assert(sizeof(V) == 0,
+                  "duet::nn::Adam: PyTorch's betas=(b1, b2) are two fields, MindSpore's: {.beta1 = b1, .beta2 = b2}");
+  }
+};
+}  // namespace detail
+
 // Which parameters an optimiser's weight decay applies to, by name and shape, as PyTorch's
 // parameter groups are mostly used: `[](std::string_view, const Shape& s) { return s.rank() >= 2; }`
 // decays the weight matrices and kernels, not the biases or the norms' scales.
@@ -127,6 +149,7 @@ using DecayFilter = std::function<bool(std::string_view name, const Shape& shape
 template <ElementType T>
 struct BasicParameterGroup {
   std::vector<NamedParameter<T>> params;
+  [[no_unique_address]] detail::TorchLr lr{};  // refused: PyTorch's 'lr'
   std::optional<LearningRate> learning_rate{};
   std::optional<double> weight_decay{};
 };
@@ -481,6 +504,7 @@ class BasicOptimizer {
 };
 
 struct SGDConfig {
+  [[no_unique_address]] detail::TorchLr lr{};  // refused: PyTorch's lr
   LearningRate learning_rate = 0.1;
   double momentum = 0.0;
   double dampening = 0.0;
@@ -544,9 +568,11 @@ class BasicSGD final : public BasicOptimizer<T> {
 };
 
 struct AdamConfig {
+  [[no_unique_address]] detail::TorchLr lr{};  // refused: PyTorch's lr
   LearningRate learning_rate = 1e-3;
   double beta1 = 0.9;
   double beta2 = 0.999;
+  [[no_unique_address]] detail::TorchBetas betas{};  // refused: PyTorch's betas
   double eps = 1e-8;
   // Unset: 0.01 for AdamW, 0 for Adam (PyTorch's defaults), also when other fields are set.
   std::optional<double> weight_decay = std::nullopt;
