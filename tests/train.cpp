@@ -3,6 +3,7 @@
 // network, in both modes, against the loss and accuracy taken batch by batch by hand; rows
 // labelled ignore_index, sum-reduced losses and an empty loader.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -130,6 +131,55 @@ TEST_CASE("train::evaluate leaves rows labelled ignore_index out of loss and acc
       CHECK(m.accuracy == static_cast<double>(correct) / 7);
     }
   }
+}
+
+namespace {
+struct Regressor : duet::nn::Cell<Regressor> {
+  duet::nn::Dense<4, 8> fc1;
+  duet::nn::BatchNorm1d<8> bn;
+  duet::nn::Dense<8, 2> fc2;
+  DUET_CELL_MEMBERS(fc1, bn, fc2);
+  auto construct(auto x) { return fc2(duet::ops::tanh(bn(fc1(x)))); }
+};
+}  // namespace
+
+static_assert(duet::train::EvaluationLoader<duet::data::BasicDataLoader<duet::data::TensorDataset<float, float>>>);
+static_assert(!duet::train::ClassificationLoader<duet::data::BasicDataLoader<duet::data::TensorDataset<float, float>>>);
+
+TEST_CASE("train::evaluate takes a regression's loader: the mean loss per sample, no accuracy, both modes the same") {
+  duet_test::ModeGuard guard;
+  const duet::Tensor x = duet::randn({13, 4}, 3);
+  const duet::Tensor y = duet::randn({13, 2}, 4);
+  std::vector<double> losses;
+  for (const duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+    CAPTURE(mode);
+    duet::set_context({.mode = mode});
+    duet::set_seed(5);
+    Regressor net;
+    net.set_train(true);  // as training leaves it
+    duet::nn::MSELoss<> mean_loss;
+    duet::nn::MSELoss<duet::Reduction::sum> sum_loss;
+    duet::data::BasicDataLoader loader(duet::data::TensorDataset(x, y), 5);  // batches of 5, 5 and 3
+    const duet::train::Metrics mean = duet::train::evaluate(net, mean_loss, loader);
+    const duet::train::Metrics sum = duet::train::evaluate(net, sum_loss, loader);
+    CHECK(net.training());
+
+    net.set_train(false);
+    const duet::Tensor out = net(x);
+    double squares = 0;
+    for (index_t i = 0; i < out.numel(); ++i) {
+      const double d = static_cast<double>(out.data()[i]) - static_cast<double>(y.data()[i]);
+      squares += d * d;
+    }
+    CHECK(mean.samples == 13);
+    CHECK(sum.samples == 13);
+    CHECK(mean.loss == doctest::Approx(squares / 26).epsilon(1e-6));  // per element, as MSELoss's mean
+    CHECK(sum.loss == doctest::Approx(squares / 13).epsilon(1e-6));   // per sample
+    CHECK(std::isnan(mean.accuracy));
+    CHECK(std::isnan(sum.accuracy));
+    losses.push_back(mean.loss);
+  }
+  CHECK(losses[0] == losses[1]);
 }
 
 TEST_CASE("train::evaluate refuses a loader with nothing to evaluate") {

@@ -27655,12 +27655,13 @@ Summary summary(Net& net, const Shape (&input_shapes)[N], std::ostream& out = st
 }
 
 }  // namespace duet
-// Training helpers: evaluation of a classifier over a data set, and a terminal progress bar.
+// Training helpers: evaluation of a network over a data set, and a terminal progress bar.
 
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <limits>
 #include <optional>
 #include <concepts>
 #include <ostream>
@@ -27675,7 +27676,7 @@ namespace duet::train {
 
 struct Metrics {
   double loss = 0;      // mean over samples
-  double accuracy = 0;  // top-1, in [0, 1]
+  double accuracy = 0;  // top-1, in [0, 1]; NaN where the targets are values, not class indices
   index_t samples = 0;  // those counted: not those whose label is the loss's ignore_index
 };
 
@@ -27725,7 +27726,8 @@ class EvaluationScope {
 // `images`, what the network takes (any shape, channel count or element type), and `labels`,
 // the class indices [B] as BasicTensor<std::int32_t>, or with `inputs` and `targets` so
 // (a data::TensorDataset's batches of class indices). data::DataLoader is one; so is a
-// std::vector of such structs.
+// std::vector of such structs. An EvaluationLoader's `targets` may also be values the loss
+// compares the output with (a regression's), of which there is no accuracy.
 template <class B>
 concept ImageBatch = requires(B batch) {
   batch.images;
@@ -27736,10 +27738,18 @@ concept ClassIndexBatch = requires(B batch) {
   batch.inputs;
   { batch.targets } -> std::convertible_to<const BasicTensor<std::int32_t>&>;
 };
+template <class B>
+concept TargetBatch = requires(B batch) {
+  batch.inputs;
+  { tensor_of(batch.targets) };
+};
 template <class L>
 concept ClassificationLoader =
     std::ranges::input_range<L> && (ImageBatch<std::ranges::range_reference_t<L>> ||
                                     ClassIndexBatch<std::ranges::range_reference_t<L>>);
+template <class L>
+concept EvaluationLoader = ClassificationLoader<L> || (std::ranges::input_range<L> &&
+                                                       TargetBatch<std::ranges::range_reference_t<L>>);
 
 namespace detail {
 template <class B>
@@ -27766,8 +27776,9 @@ decltype(auto) one_pass(Loader&& loader) {
 }  // namespace detail
 
 // One pass over the loader (a DataLoader's current epoch, which it leaves as it was for the
-// training loop's next pass, or a temporary range): mean loss per
-// sample and accuracy of net. loss_fn reduces by mean (each batch weighs the rows it counted)
+// training loop's next pass, or a temporary range): mean loss per sample and, for class
+// indices, accuracy of net (NaN for a regression's targets: a 0 would read as a result, and
+// an accuracy of values means nothing). loss_fn reduces by mean (each batch weighs the rows it counted)
 // or sum; rows whose label is its ignore_index (nn::CrossEntropyLoss, nn::NLLLoss) count in
 // neither, as they do not in training. A loader with no sample is an error. A cell runs in evaluation meanwhile
 // (MindSpore's Model.eval sets set_train(False)): Dropout passes its input through, BatchNorm
@@ -27775,7 +27786,7 @@ decltype(auto) one_pass(Loader&& loader) {
 // A sharded loader's metrics are summed over the ranks (duet/distributed.hpp), so that every
 // rank returns the whole data set's; ranks whose networks differ are refused.
 template <class Net, class Loss, class Loader>
-  requires ClassificationLoader<Loader>
+  requires EvaluationLoader<Loader>
 Metrics evaluate(Net& net, Loss& loss_fn, Loader&& loader) {
   duet::detail::DataParallelRuntime* runtime = nullptr;
   if constexpr (requires { loader.options().num_shards; }) {
@@ -27797,6 +27808,7 @@ Metrics evaluate(Net& net, Loss& loss_fn, Loader&& loader) {
       }
     }
   }
+  constexpr bool classifies = ClassificationLoader<Loader>;
   const detail::EvaluationScope<Net> evaluation(net);
   Metrics m;
   double loss_sum = 0;
@@ -27805,11 +27817,11 @@ Metrics evaluate(Net& net, Loss& loss_fn, Loader&& loader) {
     const auto& [inputs, labels] = detail::inputs_and_labels(batch);
     const auto output = net(inputs);
     const auto& logits = tensor_of(output);
-    const duet::detail::BatchShare share =
-        duet::detail::batch_share(loss_fn, labels, labels.numel(), "duet::train::evaluate");
+    const index_t rows = classifies ? labels.numel() : tensor_of(labels).dim(0);
+    const duet::detail::BatchShare share = duet::detail::batch_share(loss_fn, labels, rows, "duet::train::evaluate");
     const auto loss = static_cast<double>(loss_fn(logits, labels).item());
     loss_sum += share.summed ? loss : loss * share.counted_rows;
-    correct += correct_predictions(logits, labels, duet::detail::ignored_label(loss_fn));
+    if constexpr (classifies) correct += correct_predictions(logits, labels, duet::detail::ignored_label(loss_fn));
     m.samples += static_cast<index_t>(share.counted_rows);
   }
   if (runtime != nullptr) {
@@ -27825,17 +27837,18 @@ Metrics evaluate(Net& net, Loss& loss_fn, Loader&& loader) {
                      "every label is the loss's ignore_index)");
   }
   m.loss = loss_sum / static_cast<double>(m.samples);
-  m.accuracy = static_cast<double>(correct) / static_cast<double>(m.samples);
+  m.accuracy = classifies ? static_cast<double>(correct) / static_cast<double>(m.samples)
+                          : std::numeric_limits<double>::quiet_NaN();
   return m;
 }
 
 // Anything else: one error that says what a loader is, rather than a failed constraint.
 template <class Net, class Loss, class Loader>
 Metrics evaluate(Net&, Loss&, Loader&&) {
-  static_assert(ClassificationLoader<Loader>,
+  static_assert(EvaluationLoader<Loader>,
                 "duet::train::evaluate: the loader must be a range of batches with .images (the network's input) "
-                "and .labels (BasicTensor<std::int32_t>), or .inputs and .targets so (a data::TensorDataset of "
-                "class indices), see duet::train::ClassificationLoader");
+                "and .labels (BasicTensor<std::int32_t>), or .inputs and .targets (a data::TensorDataset's: "
+                "class indices, or values to regress), see duet::train::EvaluationLoader");
   return {};
 }
 
