@@ -201,43 +201,6 @@ struct NormNet : duet::nn::Cell<NormNet<Setting>, Setting, double> {
   auto construct(auto x) { return norm(fc(x)); }
 };
 
-// The gradients of value_and_grad(with_loss, net.parameters()) in each mode.
-template <class Net, class Loss, class X, class Y>
-std::vector<std::vector<D>> parameter_grads_in_both_modes(Net& net, Loss& loss, const X& x, const Y& y) {
-  duet_test::ModeGuard guard;
-  duet::nn::WithLossCell with_loss(net, loss);
-  std::vector<std::vector<D>> grads;
-  for (duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
-    duet::set_context({.mode = mode});
-    auto vg = duet::value_and_grad(with_loss, net.parameters());
-    grads.push_back(vg(x, y).grads);
-  }
-  return grads;
-}
-
-// Every parameter's gradient under loss(net(x), y): the same bits in both modes, and each
-// element against central differences of the loss. Returns PyNative's gradients.
-template <class Net, class Loss, class X, class Y>
-std::vector<D> check_parameter_grads(Net& net, Loss& loss, const X& x, const Y& y) {
-  const auto grads = parameter_grads_in_both_modes(net, loss, x, y);
-  CHECK(same_bits(grads[0], grads[1]));
-  duet::nn::WithLossCell with_loss(net, loss);
-  auto loss_value = [&] {
-    duet::set_context({.mode = duet::PYNATIVE_MODE});
-    return with_loss(x, y).item();
-  };
-  const auto params = net.parameters();
-  for (std::size_t p = 0; p < params.size(); ++p) {
-    auto& value = *params[p].parameter;
-    for (index_t j = 0; j < value.numel(); ++j) {
-      const double fd = finite_difference(value, j, loss_value);
-      INFO(params[p].name, "[", j, "]");
-      CHECK(std::abs(grads[0][p].data()[j] - fd) <= 1e-7 + 1e-6 * std::abs(fd));
-    }
-  }
-  return grads[0];
-}
-
 }  // namespace
 
 TEST_CASE("nn::LayerNorm: gamma and beta's gradients match finite differences, the same in both modes") {

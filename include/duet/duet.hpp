@@ -34,6 +34,7 @@
 #include "nn/loss.hpp"
 #include "nn/normalization.hpp"
 #include "nn/optim.hpp"
+#include "nn/recurrent.hpp"
 #include "nn/wrap.hpp"
 #include "operation.hpp"
 #include "parallel.hpp"

@@ -229,6 +229,15 @@ class Storage {
   Block* block_ = nullptr;
 };
 
+// Scratch of `count` elements for one kernel call (a convolution's patches, a recurrence's
+// gates): from the thread's block cache, so a warm graph allocates nothing (as the GEMM's own
+// packing buffer). Valid while `storage` holds it.
+template <class T>
+T* scratch(Storage& storage, std::size_t count) {
+  storage = Storage(count * sizeof(T));
+  return reinterpret_cast<T*>(storage.data());
+}
+
 }  // namespace detail
 
 // Most bytes a thread keeps cached for reuse; a released block beyond it goes back to the heap.

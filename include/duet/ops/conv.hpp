@@ -193,14 +193,6 @@ inline kernels::ConvProblem conv_problem(const ConvGeometry& g, const Shape& x) 
   return q;
 }
 
-// Scratch of `count` elements (the patches of one group of one sample, ...): from the thread's
-// block cache, so a warm graph allocates nothing (as the GEMM's own packing buffer).
-template <class T>
-T* scratch(duet::detail::Storage& storage, index_t count) {
-  storage = duet::detail::Storage(static_cast<std::size_t>(count) * sizeof(T));
-  return reinterpret_cast<T*>(storage.data());
-}
-
 // y = fns(conv(x, w) + bias) for a convolution of geometry g, x and y being a's input and
 // output; bias may be null. The bias and the functions go over each sample's planes right
 // after its products, while they are still in cache: the bias is per output channel, a row
@@ -216,8 +208,8 @@ void convolve(const ConvGeometry& g, const graph::KernelArgs& a, const T* w, con
   const kernels::Isa isa = kernels::active_isa();
   duet::detail::Storage storage;
   // A sample's padded copy (direct), or a group's patches.
-  T* col = direct ? scratch<T>(storage, q.in * kernels::direct_layout<T>(q).plane())
-                  : scratch<T>(storage, q.depth() * q.pixels());
+  T* col = direct ? duet::detail::scratch<T>(storage, q.in * kernels::direct_layout<T>(q).plane())
+                  : duet::detail::scratch<T>(storage, q.depth() * q.pixels());
   for (index_t n = 0; n < q.batch; ++n) {
     if (direct) {
       kernels::direct_padded(q, x + n * q.in * q.image(), col);
@@ -294,16 +286,16 @@ void conv_gradient(const Runtime* layer, const graph::KernelArgs& a, bool input_
   // The patches of x, then (once the weight's gradient has read them) those of dy or the
   // patches' gradient.
   T* col = !direct || dx != nullptr
-               ? detail::scratch<T>(col_storage, std::max(q.depth() * q.pixels(), t.depth() * t.pixels()))
+               ? duet::detail::scratch<T>(col_storage, std::max(q.depth() * q.pixels(), t.depth() * t.pixels()))
                : nullptr;
   // One sample's part of a group's weight gradient, added to those before it; for the direct
   // convolution, the weight gradient's partial sums over every sample.
-  T* dw_sample = direct ? detail::scratch<T>(sample_storage, kernels::direct_partial_size<T>(q))
-                        : detail::scratch<T>(sample_storage, weights);
+  T* dw_sample = direct ? duet::detail::scratch<T>(sample_storage, kernels::direct_partial_size<T>(q))
+                        : duet::detail::scratch<T>(sample_storage, weights);
   if (direct) std::fill_n(dw_sample, kernels::direct_partial_size<T>(q), T(0));
-  T* padded = direct ? detail::scratch<T>(padded_storage, q.in * kernels::direct_layout<T>(q).plane()) : nullptr;
+  T* padded = direct ? duet::detail::scratch<T>(padded_storage, q.in * kernels::direct_layout<T>(q).plane()) : nullptr;
   // Each group's weight as the data gradient's product reads it: flipped, or as [depth, out_g].
-  T* wt = dx != nullptr ? detail::scratch<T>(wt_storage, q.groups * weights) : nullptr;
+  T* wt = dx != nullptr ? duet::detail::scratch<T>(wt_storage, q.groups * weights) : nullptr;
   if (convolve_dx) {
     for (index_t g = 0; g < q.groups; ++g) kernels::flipped_weight(q, w + g * weights, wt + g * weights);
   } else if (dx != nullptr) {

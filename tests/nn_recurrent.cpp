@@ -1,0 +1,167 @@
+// Recurrent layers (include/duet/nn/recurrent.hpp): nn::GRU in the gradient harness against
+// PyTorch's formulas written out in double, its parameters' gradients against finite
+// differences in both modes, training, and its shape errors.
+#include <cmath>
+#include <memory>
+#include <vector>
+
+#include "ops_harness.hpp"
+
+namespace tests_nn_recurrent {
+
+namespace {
+
+using namespace duet_test::ops;
+using duet::index_t;
+using GRU = duet::nn::GRU<duet::dyn, duet::dyn, double>;
+
+double sigmoid(double v) { return 1 / (1 + std::exp(-v)); }
+
+// torch.nn.GRU(batch_first=True)'s output, one element at a time (gates r, z, n; h0 = 0).
+D gru_reference(const GRU& gru, const D& x) {
+  const index_t batch = x.shape()[0], length = x.shape()[1], in = x.shape()[2], hidden = gru.hidden_size();
+  const double* w_ih = gru.weight_ih_l0.data();
+  const double* w_hh = gru.weight_hh_l0.data();
+  const double* b_ih = gru.bias_ih_l0.data();
+  const double* b_hh = gru.bias_hh_l0.data();
+  D y = duet::zeros<double>(Shape{batch, length, hidden});
+  for (index_t b = 0; b < batch; ++b) {
+    std::vector<double> h(static_cast<std::size_t>(hidden), 0.0);
+    for (index_t t = 0; t < length; ++t) {
+      const double* xt = x.data() + (b * length + t) * in;
+      // gate(k, j): row k · hidden + j of W_ih x + b_ih, and of W_hh h + b_hh.
+      auto input_gate = [&](index_t k, index_t j) {
+        double s = b_ih[k * hidden + j];
+        for (index_t i = 0; i < in; ++i) s += w_ih[(k * hidden + j) * in + i] * xt[i];
+        return s;
+      };
+      auto hidden_gate = [&](index_t k, index_t j) {
+        double s = b_hh[k * hidden + j];
+        for (index_t i = 0; i < hidden; ++i) s += w_hh[(k * hidden + j) * hidden + i] * h[static_cast<std::size_t>(i)];
+        return s;
+      };
+      std::vector<double> next(h.size());
+      for (index_t j = 0; j < hidden; ++j) {
+        const double r = sigmoid(input_gate(0, j) + hidden_gate(0, j));
+        const double z = sigmoid(input_gate(1, j) + hidden_gate(1, j));
+        const double n = std::tanh(input_gate(2, j) + r * hidden_gate(2, j));
+        next[static_cast<std::size_t>(j)] = (1 - z) * n + z * h[static_cast<std::size_t>(j)];
+      }
+      h = next;
+      std::copy(h.begin(), h.end(), y.data() + (b * length + t) * hidden);
+    }
+  }
+  return y;
+}
+
+const bool recurrent_cases = add_cases([](std::multimap<std::string, Case>& m) {
+  // One step, several, and a batch of one.
+  for (const Shape& shape : {Shape{2, 1, 3}, Shape{2, 4, 3}, Shape{1, 5, 2}}) {
+    duet::set_seed(21);
+    auto gru = std::make_shared<GRU>(shape[2], 3);
+    Case c = case_of<1>({shape}, [gru](const auto& x) { return (*gru)(x); }, -1.5, 1.5);
+    c.reference = [gru](const std::vector<D>& xs) { return gru_reference(*gru, xs[0]); };
+    m.emplace("GRU", std::move(c));
+  }
+});
+
+template <auto Setting>
+struct Tagger : duet::nn::Cell<Tagger<Setting>, Setting, double> {
+  duet::nn::GRU<3, 4, double> gru;
+  duet::nn::Dense<4, 2, double> head;
+  DUET_CELL_MEMBERS(gru, head);
+  auto construct(auto x) { return head(gru(x)); }
+};
+
+struct Twice : duet::nn::Cell<Twice, duet::CONTEXT_MODE, double> {
+  duet::nn::GRU<2, 2, double> gru;
+  DUET_CELL_MEMBERS(gru);
+  auto construct(auto x) { return gru(x) + gru(x * 2.0); }
+};
+
+struct Summer : duet::nn::Cell<Summer> {
+  duet::nn::GRU<2, 8> gru;
+  duet::nn::Dense<8, 1> head;
+  DUET_CELL_MEMBERS(gru, head);
+  auto construct(auto x) { return head(gru(x)); }
+};
+
+}  // namespace
+
+TEST_CASE("nn::GRU: its parameters' gradients match finite differences, the same bits in both modes") {
+  duet::set_seed(4);
+  Tagger<duet::CONTEXT_MODE> net;
+  duet::nn::BasicMSELoss<duet::Reduction::mean, double> loss;
+  const D x = random_input({2, 5, 3}, -1, 1, 9);
+  const D target = random_input({2, 5, 2}, -1, 1, 10);
+  const auto params = net.parameters();
+  REQUIRE(params.size() == 6);
+  CHECK(params[0].name == "gru.weight_ih_l0");
+  CHECK(params[1].name == "gru.weight_hh_l0");
+  CHECK(params[2].name == "gru.bias_ih_l0");
+  CHECK(params[3].name == "gru.bias_hh_l0");
+  check_parameter_grads(net, loss, x, target);
+}
+
+TEST_CASE("nn::GRU: a layer called twice in one step accumulates its gradients, as two layers sharing weights") {
+  duet_test::ModeGuard guard;
+  duet::set_seed(6);
+  Twice net;
+  duet::nn::BasicMSELoss<duet::Reduction::sum, double> loss;
+  const D x = random_input({1, 3, 2}, -1, 1, 11);
+  const D target = random_input({1, 3, 2}, -1, 1, 12);
+  check_parameter_grads(net, loss, x, target);
+}
+
+TEST_CASE("nn::GRU: trains in both modes along the same curve, over sequences of any length") {
+  duet_test::ModeGuard guard;
+  std::vector<std::vector<float>> curves;
+  for (const duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+    duet::set_context({.mode = mode});
+    duet::set_seed(3);
+    Summer net;
+    duet::nn::MSELoss<> loss;
+    duet::nn::WithLossCell with_loss(net, loss);
+    duet::nn::Adam adam(net.parameters(), {.learning_rate = 0.02});
+    duet::nn::TrainOneStepCell step(with_loss, adam);
+    // The running sum of the first feature: learnable only by carrying state along the sequence.
+    std::vector<float> curve;
+    for (int i = 0; i < 60; ++i) {
+      const index_t length = 3 + i % 4;
+      const duet::Tensor x = duet::uniform(Shape{8, length, 2}, -1.0f, 1.0f, static_cast<std::uint64_t>(100 + i));
+      duet::Tensor y(Shape{8, length, 1});
+      for (index_t b = 0; b < 8; ++b) {
+        float sum = 0;
+        for (index_t t = 0; t < length; ++t) y(b, t, 0) = sum += x(b, t, 0) * 0.5f;
+      }
+      curve.push_back(step(x, y).item());
+    }
+    CHECK(curve.back() < 0.2f * curve.front());
+    curves.push_back(curve);
+  }
+  CHECK(curves[0] == curves[1]);
+}
+
+TEST_CASE("nn::GRU: sizes, PyTorch's initial bound, and shape errors in both modes") {
+  duet_test::ModeGuard guard;
+  duet::nn::GRU<4, 5> fixed;
+  duet::nn::GRU<> sized(4, 5);
+  CHECK(fixed.weight_ih_l0.shape() == Shape{15, 4});
+  CHECK(fixed.weight_hh_l0.shape() == Shape{15, 5});
+  CHECK(sized.bias_hh_l0.shape() == Shape{15});
+  const float bound = 1 / std::sqrt(5.0f);
+  for (const auto& p : sized.parameters()) {
+    for (const float v : p.parameter->values()) CHECK(std::abs(v) <= bound);
+  }
+  CHECK_THROWS_AS((duet::nn::GRU<4, 5>(3, 5)), duet::ValueError);
+  CHECK_THROWS_AS(duet::nn::GRU<>(4, 0), duet::ValueError);
+  for (const duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+    CAPTURE(mode);
+    duet::set_context({.mode = mode});
+    CHECK(sized(duet::ones({2, 7, 4})).shape() == Shape{2, 7, 5});
+    CHECK_THROWS_WITH_AS(sized(duet::ones({2, 7, 3})), doctest::Contains("nn::GRU<dyn, dyn>"), duet::ShapeError);
+    CHECK_THROWS_WITH_AS(sized(duet::ones({7, 4})), doctest::Contains("rank"), duet::ShapeError);
+  }
+}
+
+}  // namespace tests_nn_recurrent
