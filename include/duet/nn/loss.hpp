@@ -188,23 +188,37 @@ struct SoftmaxCrossEntropyLabelGradOp : Primitive<SoftmaxCrossEntropyLabelGradOp
   static std::string op_name() { return "SoftmaxCrossEntropyLabelGrad"; }
 };
 
+// The checks of a loss's element types are classes keyed on the element types alone, not on
+// the inputs' (real or symbolic) types: a training step compiles the loss for several forms,
+// and a wrong type is then reported once, not once per form (see ClassLabelsCheck).
+template <bool Sparse, class Label, class Value>
+struct SoftmaxLabelsCheck {
+  static constexpr bool ok = Sparse ? std::is_same_v<Label, std::int32_t> : std::is_same_v<Label, Value>;
+  static_assert(!Sparse || ok,
+                "nn::SoftmaxCrossEntropyWithLogits<true>: sparse labels must be int32 class indices (PyTorch's "
+                "int64 torch.long labels, or float ones, become a duet::BasicTensor<std::int32_t>)");
+  static_assert(Sparse || ok,
+                "nn::SoftmaxCrossEntropyWithLogits<false>: labels must be distributions of the logits' element type");
+};
+template <class Prediction, class Target>
+struct TargetTypeCheck {
+  static constexpr bool ok = std::is_same_v<Prediction, Target>;
+  static_assert(ok, "duet::ops: a loss's prediction and target must have the same element type");
+};
+
 template <bool Sparse = false, Reduction R = Reduction::none, class Z, class Labels>
 auto softmax_cross_entropy(const Z& logits, const Labels& labels) {
-  using L = typename std::remove_cvref_t<Labels>::value_type;
-  static_assert(!Sparse || std::is_same_v<L, std::int32_t>,
-                "nn::SoftmaxCrossEntropyWithLogits<true>: sparse labels must be int32 class indices");
-  static_assert(Sparse || std::is_same_v<L, typename std::remove_cvref_t<Z>::value_type>,
-                "nn::SoftmaxCrossEntropyWithLogits<false>: labels must be distributions of the "
-                "logits' element type");
-  return apply(SoftmaxCrossEntropyOp<Sparse, R>{}, logits, labels);
+  using Check = SoftmaxLabelsCheck<Sparse, typename std::remove_cvref_t<Labels>::value_type,
+                                   typename std::remove_cvref_t<Z>::value_type>;
+  if constexpr (Check::ok) return apply(SoftmaxCrossEntropyOp<Sparse, R>{}, logits, labels);
+  else return logits;  // after the assertion: no second error from an operation on such labels
 }
 
 template <Reduction R = Reduction::mean, class X, class Y>
 auto mse(const X& prediction, const Y& target) {
-  static_assert(
-      std::is_same_v<typename std::remove_cvref_t<X>::value_type, typename std::remove_cvref_t<Y>::value_type>,
-      "nn::MSELoss: prediction and target must have the same element type");
-  return apply(MSEOp<R>{}, prediction, target);
+  using Check = TargetTypeCheck<typename std::remove_cvref_t<X>::value_type, typename std::remove_cvref_t<Y>::value_type>;
+  if constexpr (Check::ok) return apply(MSEOp<R>{}, prediction, target);
+  else return prediction;
 }
 
 }  // namespace ops
@@ -475,11 +489,10 @@ struct PointwiseLossGradOp : Primitive<PointwiseLossGradOp<Fn, R, K>> {
 
 template <class Fn, Reduction R, class X, class Y>
 auto pointwise_loss(const Fn& fn, const X& prediction, const Y& target) {
-  static_assert(
-      std::is_same_v<typename std::remove_cvref_t<X>::value_type, typename std::remove_cvref_t<Y>::value_type>,
-      "duet::ops: a loss's prediction and target must have the same element type");
+  using Check = TargetTypeCheck<typename std::remove_cvref_t<X>::value_type, typename std::remove_cvref_t<Y>::value_type>;
   if constexpr (requires { fn.validate(); }) fn.validate();
-  return apply(PointwiseLossOp<Fn, R>{{}, fn}, prediction, target);
+  if constexpr (Check::ok) return apply(PointwiseLossOp<Fn, R>{{}, fn}, prediction, target);
+  else return prediction;
 }
 
 // MindSpore's ops.l1_loss(input, target, reduction='mean').
