@@ -537,6 +537,41 @@ TEST_CASE("a training step after a manual set_train(false) is refused, not run i
   }
 }
 
+TEST_CASE("a frozen BatchNorm kept in evaluation trains the rest, both modes the same bits, its statistics unmoved") {
+  // PyTorch's fine-tuning recipe: freeze a layer, then model.train(); layer.eval().
+  ModeGuard guard;
+  const Tensor x = randn({8, 6}, 5);
+  const Tensor y = randn({8, 4}, 6);
+  std::vector<std::vector<float>> runs;
+  for (const Mode mode : {PYNATIVE_MODE, GRAPH_MODE}) {
+    CAPTURE(mode);
+    set_context({.mode = mode});
+    set_seed(9);
+    WithNorm net;
+    nn::MSELoss<> loss;
+    nn::WithLossCell with_loss(net, loss);
+    nn::SGD sgd(net.parameters(), {.learning_rate = 0.1});
+    nn::TrainOneStepCell step(with_loss, sgd);
+    step(x, y);  // moves the statistics once, in training
+    const Tensor mean = net.bn.moving_mean.clone();
+    const Tensor gamma = net.bn.gamma.clone();
+    net.bn.set_requires_grad(false);
+    net.bn.set_train(false);
+    std::vector<float> run;
+    for (int i = 0; i < 3; ++i) run.push_back(step(x, y).item());
+    CHECK(run.back() < run.front());
+    CHECK(std::ranges::equal(net.bn.moving_mean.values(), mean.values()));
+    CHECK(std::ranges::equal(net.bn.gamma.values(), gamma.values()));
+    CHECK_FALSE(net.bn.training());
+    // Unfrozen, the same setting is a validation pass not undone: refused.
+    net.bn.set_requires_grad(true);
+    CHECK_THROWS_WITH_AS(step(x, y), doctest::Contains("'bn' is set to evaluate"), ModeError);
+    run.insert(run.end(), net.fc.weight.values().begin(), net.fc.weight.values().end());
+    runs.push_back(run);
+  }
+  CHECK(runs[0] == runs[1]);
+}
+
 TEST_CASE("a parameter frozen after its optimizer was made stays where it is, one unfrozen after is refused by name") {
   ModeGuard guard;
   std::vector<std::vector<float>> losses;

@@ -108,13 +108,17 @@ class TrainOneStepCell {
       throw ValueError("nn::TrainOneStepCell: the batch is empty; a training step needs at least one sample");
     }
     // A manual validation pass (net.set_train(false)) not undone: the step would train with
-    // BatchNorm on its moving statistics and Dropout off, quietly, so it refuses instead.
-    for (const BasicDynamicCell<T>* layer : phase_layers_) {
-      if (!layer->training()) {
+    // BatchNorm on its moving statistics and Dropout off, quietly, so it refuses instead. A
+    // frozen layer kept in evaluation is meant (PyTorch's fine-tuning recipe: freeze the
+    // backbone, then model.train(); backbone.eval()): nothing trains it, and its BatchNorm
+    // keeps the statistics it was trained with.
+    for (BasicDynamicCell<T>* layer : phase_layers_) {
+      if (!layer->training() && !frozen(*layer)) {
         throw ModeError("nn::TrainOneStepCell: " + layer->label() +
                         " is set to evaluate (set_train(false) since this step was made), so the step would "
                         "train with BatchNorm on its moving statistics and Dropout off; call set_train(true) on "
-                        "the network before training again (duet::train::evaluate puts the setting back itself)");
+                        "the network before training again (duet::train::evaluate puts the setting back itself). "
+                        "A layer frozen with set_requires_grad(false) may stay in evaluation");
       }
     }
     duet::detail::StepScope step;
@@ -181,6 +185,12 @@ class TrainOneStepCell {
   std::int64_t skipped_steps() const { return skipped_steps_; }
 
  private:
+  // A layer with parameters, none of which trains (BatchNorm's moving statistics never do).
+  static bool frozen(BasicDynamicCell<T>& layer) {
+    const std::vector<NamedParameter<T>> params = layer.parameters();
+    return !params.empty() && std::ranges::none_of(params, [](const NamedParameter<T>& p) { return p.parameter->requires_grad; });
+  }
+
   // A skipped update keeps the parameters finite, but a network that diverged, or a loss
   // written without the clamp PyTorch's BCELoss has (log of a saturated sigmoid), would skip
   // every step and train on in silence: the first skip is said on std::cerr.
@@ -375,7 +385,7 @@ class TrainOneStepCell {
   std::int64_t skipped_steps_ = 0;
   bool parameters_broadcast_ = false;
   bool weights_checked_ = false;  // the network's parameters against those its first step wrote
-  std::vector<const BasicDynamicCell<T>*> phase_layers_;  // BatchNorm, Dropout: they must still train
+  std::vector<BasicDynamicCell<T>*> phase_layers_;  // BatchNorm, Dropout: they must still train
   std::vector<BasicParameter<float>*> buffers_;  // parameters nothing trains: moving statistics
   // DATA_PARALLEL with overlap_backward: the optimiser's parameters' places, their units, how
   // often the first step's backward wrote each gradient, the sums' storage, this step's sums.
