@@ -1074,7 +1074,9 @@ class OnnxBuilder {
         for (int i = 2; i < in.shape().rank(); ++i) dims.push_back(1);
         return apply(detail::OnnxReshapeOp{{}, dims, -1, step_who}, *m.parameters_[o.index]);
       };
-      const Tensor scale = ops::mul(per_channel(p[0]), ops::rsqrt(ops::add(per_channel(p[3]), eps)));
+      // gamma / sqrt(var + eps), the layer's own rounding (nn::BatchNorm's evaluation_scale):
+      // gamma * rsqrt(var + eps) rounds twice, and an exported BatchNorm came back a bit off.
+      const Tensor scale = ops::div(per_channel(p[0]), ops::sqrt(ops::add(per_channel(p[3]), eps)));
       return m.with(x, v, [&](const auto& in) -> Tensor {
         return ops::add(ops::mul(ops::sub(in, per_channel(p[2])), scale), per_channel(p[1]));
       });
