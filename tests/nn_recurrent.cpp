@@ -1,6 +1,6 @@
-// Recurrent layers (include/duet/nn/recurrent.hpp): nn::GRU in the gradient harness against
-// PyTorch's formulas written out in double, its parameters' gradients against finite
-// differences in both modes, training, and its shape errors.
+// Recurrent layers (include/duet/nn/recurrent.hpp): nn::GRU and nn::LSTM in the gradient
+// harness against PyTorch's formulas written out in double, their parameters' gradients
+// against finite differences in both modes, training, and their shape errors.
 #include <cmath>
 #include <memory>
 #include <vector>
@@ -14,6 +14,7 @@ namespace {
 using namespace duet_test::ops;
 using duet::index_t;
 using GRU = duet::nn::GRU<duet::dyn, duet::dyn, double>;
+using LSTM = duet::nn::LSTM<duet::dyn, duet::dyn, double>;
 
 double sigmoid(double v) { return 1 / (1 + std::exp(-v)); }
 
@@ -54,72 +55,122 @@ D gru_reference(const GRU& gru, const D& x) {
   return y;
 }
 
-const bool recurrent_cases = add_cases([](std::multimap<std::string, Case>& m) {
+// torch.nn.LSTM(batch_first=True)'s output, one element at a time (gates i, f, g, o; h0 = c0 = 0).
+D lstm_reference(const LSTM& lstm, const D& x) {
+  const index_t batch = x.shape()[0], length = x.shape()[1], in = x.shape()[2], hidden = lstm.hidden_size();
+  D y = duet::zeros<double>(Shape{batch, length, hidden});
+  for (index_t b = 0; b < batch; ++b) {
+    std::vector<double> h(static_cast<std::size_t>(hidden), 0.0), c(h.size(), 0.0);
+    for (index_t t = 0; t < length; ++t) {
+      const double* xt = x.data() + (b * length + t) * in;
+      // Row k · hidden + j of W_ih x + b_ih + W_hh h + b_hh.
+      auto gate = [&](index_t k, index_t j) {
+        const index_t r = k * hidden + j;
+        double s = lstm.bias_ih_l0.data()[r] + lstm.bias_hh_l0.data()[r];
+        for (index_t i = 0; i < in; ++i) s += lstm.weight_ih_l0.data()[r * in + i] * xt[i];
+        for (index_t i = 0; i < hidden; ++i) s += lstm.weight_hh_l0.data()[r * hidden + i] * h[static_cast<std::size_t>(i)];
+        return s;
+      };
+      std::vector<double> next(h.size());
+      for (index_t j = 0; j < hidden; ++j) {
+        const auto u = static_cast<std::size_t>(j);
+        const double i = sigmoid(gate(0, j)), f = sigmoid(gate(1, j)), g = std::tanh(gate(2, j)), o = sigmoid(gate(3, j));
+        c[u] = f * c[u] + i * g;
+        next[u] = o * std::tanh(c[u]);
+      }
+      h = next;
+      std::copy(h.begin(), h.end(), y.data() + (b * length + t) * hidden);
+    }
+  }
+  return y;
+}
+
+template <class Layer>
+void add_recurrent_cases(std::multimap<std::string, Case>& m, const std::string& name, D (*reference)(const Layer&, const D&)) {
   // One step, several, and a batch of one.
   for (const Shape& shape : {Shape{2, 1, 3}, Shape{2, 4, 3}, Shape{1, 5, 2}}) {
     duet::set_seed(21);
-    auto gru = std::make_shared<GRU>(shape[2], 3);
-    Case c = case_of<1>({shape}, [gru](const auto& x) { return (*gru)(x); }, -1.5, 1.5);
-    c.reference = [gru](const std::vector<D>& xs) { return gru_reference(*gru, xs[0]); };
-    m.emplace("GRU", std::move(c));
+    auto layer = std::make_shared<Layer>(shape[2], 3);
+    Case c = case_of<1>({shape}, [layer](const auto& x) { return (*layer)(x); }, -1.5, 1.5);
+    c.reference = [layer, reference](const std::vector<D>& xs) { return reference(*layer, xs[0]); };
+    m.emplace(name, std::move(c));
   }
+}
+
+const bool recurrent_cases = add_cases([](std::multimap<std::string, Case>& m) {
+  add_recurrent_cases<GRU>(m, "GRU", gru_reference);
+  add_recurrent_cases<LSTM>(m, "LSTM", lstm_reference);
 });
 
-template <auto Setting>
-struct Tagger : duet::nn::Cell<Tagger<Setting>, Setting, double> {
-  duet::nn::GRU<3, 4, double> gru;
+// The layers as types, for the cases run on both.
+struct GRUs {
+  template <index_t Input, index_t Hidden, class T>
+  using layer = duet::nn::GRU<Input, Hidden, T>;
+};
+struct LSTMs {
+  template <index_t Input, index_t Hidden, class T>
+  using layer = duet::nn::LSTM<Input, Hidden, T>;
+};
+
+template <class Wrapped>
+struct Tagger : duet::nn::Cell<Tagger<Wrapped>, duet::CONTEXT_MODE, double> {
+  typename Wrapped::template layer<3, 4, double> rnn;
   duet::nn::Dense<4, 2, double> head;
-  DUET_CELL_MEMBERS(gru, head);
-  auto construct(auto x) { return head(gru(x)); }
+  DUET_CELL_MEMBERS(rnn, head);
+  auto construct(auto x) { return head(rnn(x)); }
 };
 
-struct Twice : duet::nn::Cell<Twice, duet::CONTEXT_MODE, double> {
-  duet::nn::GRU<2, 2, double> gru;
-  DUET_CELL_MEMBERS(gru);
-  auto construct(auto x) { return gru(x) + gru(x * 2.0); }
+template <class Wrapped>
+struct Twice : duet::nn::Cell<Twice<Wrapped>, duet::CONTEXT_MODE, double> {
+  typename Wrapped::template layer<2, 2, double> rnn;
+  DUET_CELL_MEMBERS(rnn);
+  auto construct(auto x) { return rnn(x) + rnn(x * 2.0); }
 };
 
-struct Summer : duet::nn::Cell<Summer> {
-  duet::nn::GRU<2, 8> gru;
+template <class Wrapped>
+struct Summer : duet::nn::Cell<Summer<Wrapped>> {
+  typename Wrapped::template layer<2, 8, float> rnn;
   duet::nn::Dense<8, 1> head;
-  DUET_CELL_MEMBERS(gru, head);
-  auto construct(auto x) { return head(gru(x)); }
+  DUET_CELL_MEMBERS(rnn, head);
+  auto construct(auto x) { return head(rnn(x)); }
 };
 
 }  // namespace
 
-TEST_CASE("nn::GRU: its parameters' gradients match finite differences, the same bits in both modes") {
+TEST_CASE_TEMPLATE_DEFINE("a recurrent layer's parameters' gradients match finite differences, the same bits in both modes",
+                          Wrapped, recurrent_parameter_grads) {
   duet::set_seed(4);
-  Tagger<duet::CONTEXT_MODE> net;
+  Tagger<Wrapped> net;
   duet::nn::BasicMSELoss<duet::Reduction::mean, double> loss;
   const D x = random_input({2, 5, 3}, -1, 1, 9);
   const D target = random_input({2, 5, 2}, -1, 1, 10);
   const auto params = net.parameters();
   REQUIRE(params.size() == 6);
-  CHECK(params[0].name == "gru.weight_ih_l0");
-  CHECK(params[1].name == "gru.weight_hh_l0");
-  CHECK(params[2].name == "gru.bias_ih_l0");
-  CHECK(params[3].name == "gru.bias_hh_l0");
+  CHECK(params[0].name == "rnn.weight_ih_l0");
+  CHECK(params[1].name == "rnn.weight_hh_l0");
+  CHECK(params[2].name == "rnn.bias_ih_l0");
+  CHECK(params[3].name == "rnn.bias_hh_l0");
   check_parameter_grads(net, loss, x, target);
 }
 
-TEST_CASE("nn::GRU: a layer called twice in one step accumulates its gradients, as two layers sharing weights") {
+TEST_CASE_TEMPLATE_DEFINE("a recurrent layer called twice in one step accumulates its gradients", Wrapped, recurrent_twice) {
   duet_test::ModeGuard guard;
   duet::set_seed(6);
-  Twice net;
+  Twice<Wrapped> net;
   duet::nn::BasicMSELoss<duet::Reduction::sum, double> loss;
   const D x = random_input({1, 3, 2}, -1, 1, 11);
   const D target = random_input({1, 3, 2}, -1, 1, 12);
   check_parameter_grads(net, loss, x, target);
 }
 
-TEST_CASE("nn::GRU: trains in both modes along the same curve, over sequences of any length") {
+TEST_CASE_TEMPLATE_DEFINE("a recurrent layer trains in both modes along the same curve, over sequences of any length",
+                          Wrapped, recurrent_training) {
   duet_test::ModeGuard guard;
   std::vector<std::vector<float>> curves;
   for (const duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
     duet::set_context({.mode = mode});
     duet::set_seed(3);
-    Summer net;
+    Summer<Wrapped> net;
     duet::nn::MSELoss<> loss;
     duet::nn::WithLossCell with_loss(net, loss);
     duet::nn::Adam adam(net.parameters(), {.learning_rate = 0.02});
@@ -142,13 +193,21 @@ TEST_CASE("nn::GRU: trains in both modes along the same curve, over sequences of
   CHECK(curves[0] == curves[1]);
 }
 
-TEST_CASE("nn::GRU: sizes, PyTorch's initial bound, and shape errors in both modes") {
+TEST_CASE_TEMPLATE_INVOKE(recurrent_parameter_grads, GRUs, LSTMs);
+TEST_CASE_TEMPLATE_INVOKE(recurrent_twice, GRUs, LSTMs);
+TEST_CASE_TEMPLATE_INVOKE(recurrent_training, GRUs, LSTMs);
+
+TEST_CASE("nn::GRU, nn::LSTM: sizes, PyTorch's initial bound, and shape errors in both modes") {
   duet_test::ModeGuard guard;
   duet::nn::GRU<4, 5> fixed;
   duet::nn::GRU<> sized(4, 5);
   CHECK(fixed.weight_ih_l0.shape() == Shape{15, 4});
   CHECK(fixed.weight_hh_l0.shape() == Shape{15, 5});
   CHECK(sized.bias_hh_l0.shape() == Shape{15});
+  duet::nn::LSTM<4, 5> lstm;
+  CHECK(lstm.weight_ih_l0.shape() == Shape{20, 4});
+  CHECK(lstm.weight_hh_l0.shape() == Shape{20, 5});
+  CHECK(lstm.type_name() == "nn::LSTM<4, 5>");
   const float bound = 1 / std::sqrt(5.0f);
   for (const auto& p : sized.parameters()) {
     for (const float v : p.parameter->values()) CHECK(std::abs(v) <= bound);
@@ -161,6 +220,8 @@ TEST_CASE("nn::GRU: sizes, PyTorch's initial bound, and shape errors in both mod
     CHECK(sized(duet::ones({2, 7, 4})).shape() == Shape{2, 7, 5});
     CHECK_THROWS_WITH_AS(sized(duet::ones({2, 7, 3})), doctest::Contains("nn::GRU<dyn, dyn>"), duet::ShapeError);
     CHECK_THROWS_WITH_AS(sized(duet::ones({7, 4})), doctest::Contains("rank"), duet::ShapeError);
+    CHECK(lstm(duet::ones({3, 2, 4})).shape() == Shape{3, 2, 5});
+    CHECK_THROWS_WITH_AS(lstm(duet::ones({3, 2, 5})), doctest::Contains("nn::LSTM<4, 5>"), duet::ShapeError);
   }
 }
 

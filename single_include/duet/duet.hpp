@@ -21903,12 +21903,16 @@ class GroupNorm : public Cell<GroupNorm<Groups, Channels, T>, CONTEXT_MODE, T> {
 
 }  // namespace nn
 }  // namespace duet
-// Recurrent layers: nn::GRU and the operations it captures.
+// Recurrent layers: nn::GRU, nn::LSTM and the operations they capture.
 //
 // A recurrence is one operation over the whole sequence, not a graph unrolled step by step:
 // unrolled by template recursion in construct, a GRU's training step took g++ -O1 62 s at 2
 // steps and 1,176 s (7.9 GB) at 8; as one node it compiles as a Dense does, for any length,
 // and the length may change from call to call in both modes.
+//
+// The two layers share everything but their cell: RecurrentOp and RecurrentGradOp run the
+// products (every step's input gates in one, then one per step on h) and the loops over time,
+// and a cell (GRUCell, LSTMCell) says what one element of one step does, forward and backward.
 
 #include <algorithm>
 #include <array>
@@ -21916,6 +21920,7 @@ class GroupNorm : public Cell<GroupNorm<Groups, Channels, T>, CONTEXT_MODE, T> {
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include <Eigen/Core>
 
@@ -21924,7 +21929,7 @@ namespace duet {
 namespace ops {
 
 template <class Layer, bool InputGrad>
-struct GRUGradOp;
+struct RecurrentGradOp;
 
 namespace detail {
 
@@ -21932,33 +21937,126 @@ template <class T>
 using RowMatrix = ::Eigen::Matrix<T, ::Eigen::Dynamic, ::Eigen::Dynamic, ::Eigen::RowMajor>;
 template <class T>
 using RowVector = ::Eigen::Matrix<T, 1, ::Eigen::Dynamic>;
-// Time step t of every sequence of a [B, L, H] tensor: B rows, L · H apart.
+// Time step t of every sequence of a [B, L, N] tensor: B rows of N, L · N apart.
 template <class T>
 using StepRows = ::Eigen::Map<const RowMatrix<T>, 0, ::Eigen::OuterStride<>>;
+
+template <class T>
+T sigmoid(T v) {
+  return T(1) / (T(1) + std::exp(-v));
+}
+
+// One element j of one step of a GRU, PyTorch's formulas (gates in the order r, z, n):
+//   r = σ(W_ir x + b_ir + W_hr h + b_hr)      z = σ(W_iz x + b_iz + W_hz h + b_hz)
+//   n = tanh(W_in x + b_in + r ⊙ (W_hn h + b_hn))      h' = (1 - z) ⊙ n + z ⊙ h
+// `xg` and `hg` are the step's input and hidden gate rows (W x + b, W h + b). What backward
+// keeps of the step, per element: r, z, n and W_hn h + b_hn.
+struct GRUCell {
+  static constexpr index_t gates = 3;
+  static constexpr index_t saved = 4;
+  static constexpr bool has_cell_state = false;
+  static constexpr const char* name = "GRU";
+
+  template <class T>
+  static T forward(const T* xg, const T* hg, index_t H, index_t j, T h, T* /*c*/, T* keep) {
+    const T r = sigmoid(xg[j] + hg[j]);
+    const T z = sigmoid(xg[H + j] + hg[H + j]);
+    const T n = std::tanh(xg[2 * H + j] + r * hg[2 * H + j]);
+    if (keep != nullptr) {
+      keep[j] = r;
+      keep[H + j] = z;
+      keep[2 * H + j] = n;
+      keep[3 * H + j] = hg[2 * H + j];
+    }
+    return (T(1) - z) * n + z * h;
+  }
+
+  // With dh the gradient reaching h_t:
+  //   dn' = dh (1 - z)(1 - n²)   dz' = dh (h_{t-1} - n) z (1 - z)   dr' = dn' (W_hn h + b_hn) r (1 - r)
+  // the input gates' gradient is [dr', dz', dn'], the hidden gates' [dr', dz', dn' r]; h_{t-1}
+  // gets dh z besides what the hidden gates send back through W_hh.
+  template <class T>
+  static T backward(const T* keep, const T* /*keep_before*/, index_t H, index_t j, T dh, T h, T* /*dc*/, T* dxg, T* dhg) {
+    const T r = keep[j], z = keep[H + j], n = keep[2 * H + j], hn = keep[3 * H + j];
+    const T dn = dh * (T(1) - z) * (T(1) - n * n);
+    const T dz = dh * (h - n) * z * (T(1) - z);
+    const T dr = dn * hn * r * (T(1) - r);
+    dxg[j] = dhg[j] = dr;
+    dxg[H + j] = dhg[H + j] = dz;
+    dxg[2 * H + j] = dn;
+    dhg[2 * H + j] = dn * r;
+    return dh * z;
+  }
+};
+
+// One element j of one step of an LSTM, PyTorch's formulas (gates in the order i, f, g, o):
+//   i = σ(W_ii x + b_ii + W_hi h + b_hi)   f = σ(..f..)   g = tanh(..g..)   o = σ(..o..)
+//   c' = f ⊙ c + i ⊙ g      h' = o ⊙ tanh(c')
+// What backward keeps, per element: i, f, g, o and c'.
+struct LSTMCell {
+  static constexpr index_t gates = 4;
+  static constexpr index_t saved = 5;
+  static constexpr bool has_cell_state = true;
+  static constexpr const char* name = "LSTM";
+
+  template <class T>
+  static T forward(const T* xg, const T* hg, index_t H, index_t j, T /*h*/, T* c, T* keep) {
+    const T i = sigmoid(xg[j] + hg[j]);
+    const T f = sigmoid(xg[H + j] + hg[H + j]);
+    const T g = std::tanh(xg[2 * H + j] + hg[2 * H + j]);
+    const T o = sigmoid(xg[3 * H + j] + hg[3 * H + j]);
+    *c = f * *c + i * g;
+    if (keep != nullptr) {
+      keep[j] = i;
+      keep[H + j] = f;
+      keep[2 * H + j] = g;
+      keep[3 * H + j] = o;
+      keep[4 * H + j] = *c;
+    }
+    return o * std::tanh(*c);
+  }
+
+  // With dh the gradient reaching h_t and dc the one reaching c_t from step t + 1:
+  //   do' = dh tanh(c) o (1 - o)   dc += dh o (1 - tanh²(c))
+  //   di' = dc g i (1 - i)   df' = dc c_{t-1} f (1 - f)   dg' = dc i (1 - g²)
+  // both gate rows' gradient is [di', df', dg', do']; c_{t-1} gets dc f, and h_{t-1} only what
+  // the hidden gates send back through W_hh.
+  template <class T>
+  static T backward(const T* keep, const T* keep_before, index_t H, index_t j, T dh, T /*h*/, T* dc, T* dxg, T* dhg) {
+    const T i = keep[j], f = keep[H + j], g = keep[2 * H + j], o = keep[3 * H + j];
+    const T tc = std::tanh(keep[4 * H + j]);
+    const T c_before = keep_before == nullptr ? T(0) : keep_before[4 * H + j];
+    const T d_c = *dc + dh * o * (T(1) - tc * tc);
+    dxg[j] = dhg[j] = d_c * g * i * (T(1) - i);
+    dxg[H + j] = dhg[H + j] = d_c * c_before * f * (T(1) - f);
+    dxg[2 * H + j] = dhg[2 * H + j] = d_c * i * (T(1) - g * g);
+    dxg[3 * H + j] = dhg[3 * H + j] = dh * tc * o * (T(1) - o);
+    *dc = d_c * f;
+    return T(0);
+  }
+};
 
 // The sizes of one call: batch, length, input and hidden size.
 struct RecurrentSizes {
   index_t batch, length, input, hidden;
-  index_t gates() const { return 3 * hidden; }
   index_t rows() const { return batch * length; }
 };
 
-// The gates of a GRU over a sequence, PyTorch's formulas (gates in the order r, z, n):
-//   r = σ(W_ir x + b_ir + W_hr h + b_hr)      z = σ(W_iz x + b_iz + W_hz h + b_hz)
-//   n = tanh(W_in x + b_in + r ⊙ (W_hn h + b_hn))      h' = (1 - z) ⊙ n + z ⊙ h
-// with h = 0 before the first step. h_{t-1} is read from `hs` ([B, L, H]); forward writes each
-// h_t there as it goes, and backward, which reads the forward's output, writes nothing but
-// `saved`: per row of [B · L], r, z, n and W_hn h + b_hn, what the gradient needs.
-template <class Layer, class T>
-void gru_steps(const Layer& layer, const RecurrentSizes& s, const T* x, const T* hs, T* h_out, T* saved) {
-  const index_t H = s.hidden, G = s.gates();
+// Every step of a layer's recurrence from h = 0 (and c = 0). h_{t-1} is read from `hs`
+// ([B, L, H]): forward writes each h_t there as it goes (h_out = hs), backward reads the
+// forward's output and writes nothing but `keep`, per row of [B · L] what Cell keeps.
+template <class Cell, class Layer, class T>
+void recurrent_steps(const Layer& layer, const RecurrentSizes& s, const T* x, const T* hs, T* h_out, T* keep) {
+  const index_t H = s.hidden, G = Cell::gates * H;
   const ::Eigen::Map<const RowMatrix<T>> w_ih(layer.weight_ih_l0.data(), G, s.input);
   const ::Eigen::Map<const RowMatrix<T>> w_hh(layer.weight_hh_l0.data(), G, H);
   const ::Eigen::Map<const RowVector<T>> b_ih(layer.bias_ih_l0.data(), G);
   const ::Eigen::Map<const RowVector<T>> b_hh(layer.bias_hh_l0.data(), G);
-  duet::detail::Storage input_gates_storage, hidden_gates_storage;
+  duet::detail::Storage input_gates_storage, hidden_gates_storage, cell_storage;
   T* input_gates = duet::detail::scratch<T>(input_gates_storage, static_cast<std::size_t>(s.rows() * G));
   T* hidden_gates = duet::detail::scratch<T>(hidden_gates_storage, static_cast<std::size_t>(s.batch * G));
+  T* cell = Cell::has_cell_state ? duet::detail::scratch<T>(cell_storage, static_cast<std::size_t>(s.batch * H)) : nullptr;
+  if (cell != nullptr) std::fill_n(cell, s.batch * H, T(0));
   // Every step's input gates in one product: the part of the work that does not wait for h.
   ::Eigen::Map<RowMatrix<T>> xg(input_gates, s.rows(), G);
   xg.noalias() = ::Eigen::Map<const RowMatrix<T>>(x, s.rows(), s.input) * w_ih.transpose();
@@ -21973,22 +22071,13 @@ void gru_steps(const Layer& layer, const RecurrentSizes& s, const T* x, const T*
     }
     for (index_t b = 0; b < s.batch; ++b) {
       const index_t row = b * s.length + t;
-      const T* xr = input_gates + row * G;
-      const T* hr = hidden_gates + b * G;
       const T* h_prev = t == 0 ? nullptr : hs + (row - 1) * H;
+      T* kept = keep == nullptr ? nullptr : keep + row * Cell::saved * H;
+      T* c = cell == nullptr ? nullptr : cell + b * H;
       for (index_t j = 0; j < H; ++j) {
-        const T r = T(1) / (T(1) + std::exp(-(xr[j] + hr[j])));
-        const T z = T(1) / (T(1) + std::exp(-(xr[H + j] + hr[H + j])));
-        const T n = std::tanh(xr[2 * H + j] + r * hr[2 * H + j]);
-        const T h = h_prev == nullptr ? T(0) : h_prev[j];
-        if (h_out != nullptr) h_out[row * H + j] = (T(1) - z) * n + z * h;
-        if (saved != nullptr) {
-          T* g = saved + row * 4 * H;
-          g[j] = r;
-          g[H + j] = z;
-          g[2 * H + j] = n;
-          g[3 * H + j] = hr[2 * H + j];
-        }
+        const T h = Cell::forward(input_gates + row * G, hidden_gates + b * G, H, j, h_prev == nullptr ? T(0) : h_prev[j],
+                                  c == nullptr ? nullptr : c + j, kept);
+        if (h_out != nullptr) h_out[row * H + j] = h;
       }
     }
   }
@@ -22006,16 +22095,17 @@ T* recurrent_parameter_grad(const P& p, std::uint64_t pass) {
 
 }  // namespace detail
 
-// nn::GRU's operation: [B, L, input] in, every step's hidden state [B, L, hidden] out.
+// A recurrent layer's operation: [B, L, input] in, every step's hidden state [B, L, hidden] out.
 template <class Layer>
-struct GRUOp : Primitive<GRUOp<Layer>> {
+struct RecurrentOp : Primitive<RecurrentOp<Layer>> {
   using layer_type = Layer;
   using value_type = typename Layer::value_type;
+  using Cell = typename Layer::cell_type;
   static constexpr int arity = 1;
   static constexpr bool has_parameters = true;
 
   const Layer* layer;
-  GRUOp(const Layer* l) : layer(l) {}
+  RecurrentOp(const Layer* l) : layer(l) {}
 
   static constexpr ShapeResult rule(index_t input, index_t hidden, const Shape& x) {
     if (x.leading_unknown() && x.rank() < 3) return {Shape{dyn, dyn, hidden}};
@@ -22032,39 +22122,37 @@ struct GRUOp : Primitive<GRUOp<Layer>> {
   void run(const graph::KernelArgs& a) const {
     const Shape& x = a.in_shape();
     const detail::RecurrentSizes s{x[0], x[1], x[2], layer->hidden_size()};
-    detail::gru_steps(*layer, s, a.in<T>(), a.out<T>(), a.out<T>(), static_cast<T*>(nullptr));
+    detail::recurrent_steps<Cell>(*layer, s, a.in<T>(), a.out<T>(), a.out<T>(), static_cast<T*>(nullptr));
   }
 
   template <std::size_t K>
     requires(K == 0)
   auto grad_op() const {
-    return GRUGradOp<Layer, true>{layer};
+    return RecurrentGradOp<Layer, true>{layer};
   }
-  auto parameter_grad_op() const { return GRUGradOp<Layer, false>{layer}; }
+  auto parameter_grad_op() const { return RecurrentGradOp<Layer, false>{layer}; }
 
-  static std::string op_name() { return "GRU"; }
+  static std::string op_name() { return Cell::name; }
   std::string label() const { return layer->label(); }
 };
 
 // Backpropagation through time. The gates are taken again from x and the forward's output (a
 // pass as costly as the forward, which saves keeping them between forward and backward); then
 // from the last step to the first, with dh the gradient reaching h_t (dy_t and what h_{t+1}
-// sends back):
-//   dn = dh (1 - z)   dz = dh (h_{t-1} - n)   dn' = dn (1 - n²)   dz' = dz z (1 - z)
-//   dr' = dn' (W_hn h + b_hn) r (1 - r)
-// the input gates' gradient is [dr', dz', dn'], the hidden gates' [dr', dz', dn' r], and
-//   dh_{t-1} = dh z + [dr', dz', dn' r] W_hh;  dW_hh += [..]ᵀ h_{t-1};  db_hh += [..]
-// and, once for all steps, dW_ih = [dr', dz', dn']ᵀ x, db_ih its sum, dx = [dr', dz', dn'] W_ih.
+// sends back), the cell gives each step's gate gradients, and
+//   dh_{t-1} = (the cell's part) + dhg W_hh;  dW_hh += dhgᵀ h_{t-1};  db_hh += dhg
+// and, once for all steps, dW_ih = dxgᵀ x, db_ih the sum of dxg, dx = dxg W_ih.
 template <class Layer, bool InputGrad>
-struct GRUGradOp : Primitive<GRUGradOp<Layer, InputGrad>> {
+struct RecurrentGradOp : Primitive<RecurrentGradOp<Layer, InputGrad>> {
   using layer_type = Layer;
   using value_type = typename Layer::value_type;
+  using Cell = typename Layer::cell_type;
   static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0, graph::Operand::output};
   static constexpr int arity = 3;  // dy, x, y
   static constexpr bool is_sink = !InputGrad;
 
   const Layer* layer;
-  GRUGradOp(const Layer* l) : layer(l) {}
+  RecurrentGradOp(const Layer* l) : layer(l) {}
 
   static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {InputGrad ? in[1] : Shape{}}; }
 
@@ -22074,13 +22162,13 @@ struct GRUGradOp : Primitive<GRUGradOp<Layer, InputGrad>> {
     using detail::RowVector;
     const Shape& xs = a.in_shape(1);
     const detail::RecurrentSizes s{xs[0], xs[1], xs[2], layer->hidden_size()};
-    const index_t H = s.hidden, G = s.gates();
+    const index_t H = s.hidden, G = Cell::gates * H, K = Cell::saved * H;
     const T* dy = a.in<T>(0);
     const T* x = a.in<T>(1);
     const T* y = a.in<T>(2);
-    duet::detail::Storage saved_storage, dxg_storage, dhg_storage, dh_storage;
-    T* saved = duet::detail::scratch<T>(saved_storage, static_cast<std::size_t>(s.rows() * 4 * H));
-    detail::gru_steps(*layer, s, x, y, static_cast<T*>(nullptr), saved);
+    duet::detail::Storage keep_storage, dxg_storage, dhg_storage, dh_storage, dc_storage;
+    T* keep = duet::detail::scratch<T>(keep_storage, static_cast<std::size_t>(s.rows() * K));
+    detail::recurrent_steps<Cell>(*layer, s, x, y, static_cast<T*>(nullptr), keep);
 
     const std::uint64_t pass = duet::detail::current_backward_pass();
     ::Eigen::Map<RowMatrix<T>> dw_ih(detail::recurrent_parameter_grad<T>(layer->weight_ih_l0, pass), G, s.input);
@@ -22092,31 +22180,22 @@ struct GRUGradOp : Primitive<GRUGradOp<Layer, InputGrad>> {
     T* dxg = duet::detail::scratch<T>(dxg_storage, static_cast<std::size_t>(s.rows() * G));
     T* dhg = duet::detail::scratch<T>(dhg_storage, static_cast<std::size_t>(s.batch * G));
     T* dh_next = duet::detail::scratch<T>(dh_storage, static_cast<std::size_t>(s.batch * H));
+    T* dc = Cell::has_cell_state ? duet::detail::scratch<T>(dc_storage, static_cast<std::size_t>(s.batch * H)) : nullptr;
+    if (dc != nullptr) std::fill_n(dc, s.batch * H, T(0));
     ::Eigen::Map<RowMatrix<T>> dhg_rows(dhg, s.batch, G);
     ::Eigen::Map<RowMatrix<T>> dh_rows(dh_next, s.batch, H);
     dh_rows.setZero();
     for (index_t t = s.length - 1; t >= 0; --t) {
       for (index_t b = 0; b < s.batch; ++b) {
         const index_t row = b * s.length + t;
-        const T* g = saved + row * 4 * H;
         const T* h_prev = t == 0 ? nullptr : y + (row - 1) * H;
-        T* dx_gates = dxg + row * G;
-        T* dh_gates = dhg + b * G;
+        const T* kept = keep + row * K;
+        const T* kept_before = t == 0 ? nullptr : kept - K;
         T* carry = dh_next + b * H;
         for (index_t j = 0; j < H; ++j) {
-          const T r = g[j], z = g[H + j], n = g[2 * H + j], hn = g[3 * H + j];
-          const T dh = dy[row * H + j] + carry[j];
-          const T h = h_prev == nullptr ? T(0) : h_prev[j];
-          const T dn = dh * (T(1) - z) * (T(1) - n * n);
-          const T dz = dh * (h - n) * z * (T(1) - z);
-          const T dr = dn * hn * r * (T(1) - r);
-          dx_gates[j] = dr;
-          dx_gates[H + j] = dz;
-          dx_gates[2 * H + j] = dn;
-          dh_gates[j] = dr;
-          dh_gates[H + j] = dz;
-          dh_gates[2 * H + j] = dn * r;
-          carry[j] = dh * z;
+          carry[j] = Cell::backward(kept, kept_before, H, j, dy[row * H + j] + carry[j],
+                                    h_prev == nullptr ? T(0) : h_prev[j], dc == nullptr ? nullptr : dc + b * H + j,
+                                    dxg + row * G, dhg + b * G);
         }
       }
       dh_rows.noalias() += dhg_rows * w_hh;
@@ -22127,8 +22206,7 @@ struct GRUGradOp : Primitive<GRUGradOp<Layer, InputGrad>> {
       }
     }
     const ::Eigen::Map<const RowMatrix<T>> dxg_rows(dxg, s.rows(), G);
-    const ::Eigen::Map<const RowMatrix<T>> x_rows(x, s.rows(), s.input);
-    dw_ih.noalias() += dxg_rows.transpose() * x_rows;
+    dw_ih.noalias() += dxg_rows.transpose() * ::Eigen::Map<const RowMatrix<T>>(x, s.rows(), s.input);
     db_ih += dxg_rows.colwise().sum();
     if constexpr (InputGrad) {
       ::Eigen::Map<RowMatrix<T>>(a.out<T>(), s.rows(), s.input).noalias() =
@@ -22137,52 +22215,46 @@ struct GRUGradOp : Primitive<GRUGradOp<Layer, InputGrad>> {
     duet::detail::gradient_writes_done();
   }
 
-  static std::string op_name() { return InputGrad ? "GRUGrad" : "GRUGrad (parameters only)"; }
+  static std::string op_name() { return std::string(Cell::name) + (InputGrad ? "Grad" : "Grad (parameters only)"); }
   std::string label() const { return layer->label(); }
 };
 
-inline const bool recurrent_listed = list_operations({"GRU"});
+inline const bool recurrent_listed = list_operations({"GRU", "LSTM"});
 
 }  // namespace ops
 
 namespace nn {
+namespace detail {
 
-// A one-layer GRU over batch-first sequences (PyTorch's nn.GRU(input_size, hidden_size,
-// batch_first=True), MindSpore's nn.GRU with batch_first=True): x [B, L, input] in, the
-// hidden state after every step [B, L, hidden] out (PyTorch's `output`; its h_n is the last
-// step, ops::strided_slice from -1 on axis 1), starting from h = 0. Parameters under PyTorch's names and
-// layout, so that a torch state dict loads as it is: weight_ih_l0 [3 · hidden, input],
-// weight_hh_l0 [3 · hidden, hidden], bias_ih_l0 and bias_hh_l0 [3 · hidden], the gates in the
-// order r, z, n; all drawn from U(-1/sqrt(hidden), 1/sqrt(hidden)), as both libraries do.
-// Input and Hidden are compile-time sizes (nn::GRU<16, 32>), or duet::dyn for sizes given to
-// the constructor. The whole sequence is one operation: compile time does not grow with the
-// length, which may differ from call to call. Sequence-major data ([L, B, input], both
-// libraries' default) goes through ops::transpose first.
-template <index_t Input = dyn, index_t Hidden = dyn, ElementType T = float>
-class GRU : public Cell<GRU<Input, Hidden, T>, CONTEXT_MODE, T> {
-  static_assert(Input == dyn || Input > 0, "nn::GRU<Input, Hidden>: Input must be positive (or duet::dyn)");
-  static_assert(Hidden == dyn || Hidden > 0, "nn::GRU<Input, Hidden>: Hidden must be positive (or duet::dyn)");
+// What nn::GRU and nn::LSTM share: one layer over batch-first sequences, x [B, L, input] in,
+// the hidden state after every step [B, L, hidden] out, starting from zeros; parameters under
+// PyTorch's names and layout, weight_ih_l0 [gates · hidden, input], weight_hh_l0 [gates ·
+// hidden, hidden], bias_ih_l0 and bias_hh_l0 [gates · hidden], all drawn from
+// U(-1/sqrt(hidden), 1/sqrt(hidden)), as both libraries do.
+template <class Derived, class Step, index_t Input, index_t Hidden, ElementType T>
+class RecurrentLayer : public Cell<Derived, CONTEXT_MODE, T> {
+  static_assert(Input == dyn || Input > 0, "nn::GRU, nn::LSTM<Input, Hidden>: Input must be positive (or duet::dyn)");
+  static_assert(Hidden == dyn || Hidden > 0, "nn::GRU, nn::LSTM<Input, Hidden>: Hidden must be positive (or duet::dyn)");
 
  public:
+  using cell_type = Step;
   static constexpr index_t input_static = Input;
   static constexpr index_t hidden_static = Hidden;
 
-  BasicParameter<T> weight_ih_l0;  // [3 * hidden, input]
-  BasicParameter<T> weight_hh_l0;  // [3 * hidden, hidden]
-  BasicParameter<T> bias_ih_l0;    // [3 * hidden]
-  BasicParameter<T> bias_hh_l0;    // [3 * hidden]
+  BasicParameter<T> weight_ih_l0;  // [gates * hidden, input]
+  BasicParameter<T> weight_hh_l0;  // [gates * hidden, hidden]
+  BasicParameter<T> bias_ih_l0;    // [gates * hidden]
+  BasicParameter<T> bias_hh_l0;    // [gates * hidden]
   DUET_CELL_MEMBERS(weight_ih_l0, weight_hh_l0, bias_ih_l0, bias_hh_l0);
 
-  GRU() requires(Input != dyn && Hidden != dyn) : GRU(Input, Hidden) {}
-
-  GRU(index_t input_size, index_t hidden_size) : input_(input_size), hidden_(hidden_size) {
+  RecurrentLayer(index_t input_size, index_t hidden_size) : input_(input_size), hidden_(hidden_size) {
     if ((Input != dyn && input_size != Input) || (Hidden != dyn && hidden_size != Hidden) || input_size <= 0 ||
         hidden_size <= 0) {
       throw ValueError(type_name() + ": cannot be built with input_size " + std::to_string(input_size) +
                        " and hidden_size " + std::to_string(hidden_size));
     }
     const initializer::Uniform init{static_cast<double>(T(1) / std::sqrt(static_cast<T>(hidden_size)))};
-    const index_t gates = 3 * hidden_size;
+    const index_t gates = Step::gates * hidden_size;
     for (auto [p, shape] : {std::pair{&weight_ih_l0, Shape{gates, input_size}}, std::pair{&weight_hh_l0, Shape{gates, hidden_size}},
                             std::pair{&bias_ih_l0, Shape{gates}}, std::pair{&bias_hh_l0, Shape{gates}}}) {
       auto value = BasicTensor<T>::uninitialized(shape);
@@ -22206,12 +22278,12 @@ class GRU : public Cell<GRU<Input, Hidden, T>, CONTEXT_MODE, T> {
 
   template <class X>
   auto construct(X&& x) {
-    return apply(ops::GRUOp<GRU>{this}, std::forward<X>(x));
+    return apply(ops::RecurrentOp<Derived>{static_cast<const Derived*>(this)}, std::forward<X>(x));
   }
 
   std::string type_name() const override {
     auto size = [](index_t n) { return n == dyn ? std::string("dyn") : std::to_string(n); };
-    std::string s = "nn::GRU<" + size(Input) + ", " + size(Hidden);
+    std::string s = std::string("nn::") + Step::name + "<" + size(Input) + ", " + size(Hidden);
     if constexpr (!std::is_same_v<T, float>) s += ", " + std::string(name_of(dtype_of<T>));
     return s + ">";
   }
@@ -22219,6 +22291,35 @@ class GRU : public Cell<GRU<Input, Hidden, T>, CONTEXT_MODE, T> {
  private:
   index_t input_;
   index_t hidden_;
+};
+
+}  // namespace detail
+
+// PyTorch's nn.GRU(input_size, hidden_size, batch_first=True), MindSpore's nn.GRU with
+// batch_first=True, one layer: gates r, z, n (PyTorch's order and formulas). Its `output`
+// is what the layer gives; its h_n is the last step (ops::strided_slice from -1 on axis 1).
+// Input and Hidden are compile-time sizes (nn::GRU<16, 32>), or duet::dyn for sizes given to
+// the constructor. Sequence-major data ([L, B, input], both libraries' default) goes through
+// ops::transpose first.
+template <index_t Input = dyn, index_t Hidden = dyn, ElementType T = float>
+class GRU : public detail::RecurrentLayer<GRU<Input, Hidden, T>, ops::detail::GRUCell, Input, Hidden, T> {
+  using Base = detail::RecurrentLayer<GRU<Input, Hidden, T>, ops::detail::GRUCell, Input, Hidden, T>;
+
+ public:
+  GRU() requires(Input != dyn && Hidden != dyn) : Base(Input, Hidden) {}
+  GRU(index_t input_size, index_t hidden_size) : Base(input_size, hidden_size) {}
+};
+
+// PyTorch's nn.LSTM(input_size, hidden_size, batch_first=True), MindSpore's nn.LSTM with
+// batch_first=True, one layer: gates i, f, g, o (PyTorch's order and formulas), h and c from
+// zeros; it gives every step's h (PyTorch's `output`), as nn::GRU does.
+template <index_t Input = dyn, index_t Hidden = dyn, ElementType T = float>
+class LSTM : public detail::RecurrentLayer<LSTM<Input, Hidden, T>, ops::detail::LSTMCell, Input, Hidden, T> {
+  using Base = detail::RecurrentLayer<LSTM<Input, Hidden, T>, ops::detail::LSTMCell, Input, Hidden, T>;
+
+ public:
+  LSTM() requires(Input != dyn && Hidden != dyn) : Base(Input, Hidden) {}
+  LSTM(index_t input_size, index_t hidden_size) : Base(input_size, hidden_size) {}
 };
 
 }  // namespace nn
