@@ -18,8 +18,17 @@ using LSTM = duet::nn::LSTM<duet::dyn, duet::dyn, double>;
 
 double sigmoid(double v) { return 1 / (1 + std::exp(-v)); }
 
-// torch.nn.GRU(batch_first=True)'s output, one element at a time (gates r, z, n; h0 = 0).
-D gru_reference(const GRU& gru, const D& x) {
+// Row b of an initial state given as input k of xs, or zeros.
+std::vector<double> initial_row(const std::vector<D>& xs, std::size_t k, index_t b, index_t hidden) {
+  std::vector<double> row(static_cast<std::size_t>(hidden), 0.0);
+  if (k < xs.size()) std::copy_n(xs[k].data() + b * hidden, hidden, row.begin());
+  return row;
+}
+
+// torch.nn.GRU(batch_first=True)'s output, one element at a time (gates r, z, n), from h0
+// (xs[1]) or zeros.
+D gru_reference(const GRU& gru, const std::vector<D>& xs) {
+  const D& x = xs[0];
   const index_t batch = x.shape()[0], length = x.shape()[1], in = x.shape()[2], hidden = gru.hidden_size();
   const double* w_ih = gru.weight_ih_l0.data();
   const double* w_hh = gru.weight_hh_l0.data();
@@ -27,7 +36,7 @@ D gru_reference(const GRU& gru, const D& x) {
   const double* b_hh = gru.bias_hh_l0.data();
   D y = duet::zeros<double>(Shape{batch, length, hidden});
   for (index_t b = 0; b < batch; ++b) {
-    std::vector<double> h(static_cast<std::size_t>(hidden), 0.0);
+    std::vector<double> h = initial_row(xs, 1, b, hidden);
     for (index_t t = 0; t < length; ++t) {
       const double* xt = x.data() + (b * length + t) * in;
       // gate(k, j): row k · hidden + j of W_ih x + b_ih, and of W_hh h + b_hh.
@@ -55,12 +64,14 @@ D gru_reference(const GRU& gru, const D& x) {
   return y;
 }
 
-// torch.nn.LSTM(batch_first=True)'s output, one element at a time (gates i, f, g, o; h0 = c0 = 0).
-D lstm_reference(const LSTM& lstm, const D& x) {
+// torch.nn.LSTM(batch_first=True)'s output, one element at a time (gates i, f, g, o), from
+// h0 and c0 (xs[1], xs[2]) or zeros.
+D lstm_reference(const LSTM& lstm, const std::vector<D>& xs) {
+  const D& x = xs[0];
   const index_t batch = x.shape()[0], length = x.shape()[1], in = x.shape()[2], hidden = lstm.hidden_size();
   D y = duet::zeros<double>(Shape{batch, length, hidden});
   for (index_t b = 0; b < batch; ++b) {
-    std::vector<double> h(static_cast<std::size_t>(hidden), 0.0), c(h.size(), 0.0);
+    std::vector<double> h = initial_row(xs, 1, b, hidden), c = initial_row(xs, 2, b, hidden);
     for (index_t t = 0; t < length; ++t) {
       const double* xt = x.data() + (b * length + t) * in;
       // Row k · hidden + j of W_ih x + b_ih + W_hh h + b_hh.
@@ -86,13 +97,30 @@ D lstm_reference(const LSTM& lstm, const D& x) {
 }
 
 template <class Layer>
-void add_recurrent_cases(std::multimap<std::string, Case>& m, const std::string& name, D (*reference)(const Layer&, const D&)) {
-  // One step, several, and a batch of one.
+void add_recurrent_cases(std::multimap<std::string, Case>& m, const std::string& name,
+                         D (*reference)(const Layer&, const std::vector<D>&)) {
+  // One step, several, and a batch of one, from zeros.
   for (const Shape& shape : {Shape{2, 1, 3}, Shape{2, 4, 3}, Shape{1, 5, 2}}) {
     duet::set_seed(21);
     auto layer = std::make_shared<Layer>(shape[2], 3);
     Case c = case_of<1>({shape}, [layer](const auto& x) { return (*layer)(x); }, -1.5, 1.5);
-    c.reference = [layer, reference](const std::vector<D>& xs) { return reference(*layer, xs[0]); };
+    c.reference = [layer, reference](const std::vector<D>& xs) { return reference(*layer, xs); };
+    m.emplace(name, std::move(c));
+  }
+  // From initial states, whose gradients the harness checks as the input's.
+  for (const Shape& shape : {Shape{2, 1, 3}, Shape{2, 4, 3}}) {
+    duet::set_seed(22);
+    auto layer = std::make_shared<Layer>(shape[2], 3);
+    const Shape state{shape[0], 3};
+    Case c = [&] {
+      if constexpr (Layer::cell_type::states == 1) {
+        return case_of<2>({shape, state}, [layer](const auto& x, const auto& h) { return (*layer)(x, h); }, -1.5, 1.5);
+      } else {
+        return case_of<3>({shape, state, state},
+                          [layer](const auto& x, const auto& h, const auto& c) { return (*layer)(x, h, c); }, -1.5, 1.5);
+      }
+    }();
+    c.reference = [layer, reference](const std::vector<D>& xs) { return reference(*layer, xs); };
     m.emplace(name, std::move(c));
   }
 }
@@ -135,7 +163,35 @@ struct Summer : duet::nn::Cell<Summer<Wrapped>> {
   auto construct(auto x) { return head(rnn(x)); }
 };
 
+// Learned initial states: parameters [batch, hidden] given to the layer, so that their
+// gradients, and W_hh's from the first step, are checked against finite differences too.
+struct SeededGRU : duet::nn::Cell<SeededGRU, duet::CONTEXT_MODE, double> {
+  duet::nn::GRU<3, 4, double> rnn;
+  duet::nn::BasicParameter<double> h0{random_input({2, 4}, -1, 1, 31)};
+  duet::nn::Dense<4, 2, double> head;
+  DUET_CELL_MEMBERS(rnn, h0, head);
+  auto construct(auto x) { return head(rnn(x, h0)); }
+};
+struct SeededLSTM : duet::nn::Cell<SeededLSTM, duet::CONTEXT_MODE, double> {
+  duet::nn::LSTM<3, 4, double> rnn;
+  duet::nn::BasicParameter<double> h0{random_input({2, 4}, -1, 1, 31)};
+  duet::nn::BasicParameter<double> c0{random_input({2, 4}, -1, 1, 32)};
+  duet::nn::Dense<4, 2, double> head;
+  DUET_CELL_MEMBERS(rnn, h0, c0, head);
+  auto construct(auto x) { return head(rnn(x, h0, c0)); }
+};
+
 }  // namespace
+
+TEST_CASE_TEMPLATE("initial states: the layer's and the states' gradients match finite differences, the same bits in both modes",
+                   Net, SeededGRU, SeededLSTM) {
+  duet::set_seed(4);
+  Net net;
+  duet::nn::BasicMSELoss<duet::Reduction::mean, double> loss;
+  const D x = random_input({2, 5, 3}, -1, 1, 9);
+  const D target = random_input({2, 5, 2}, -1, 1, 10);
+  check_parameter_grads(net, loss, x, target);
+}
 
 TEST_CASE_TEMPLATE_DEFINE("a recurrent layer's parameters' gradients match finite differences, the same bits in both modes",
                           Wrapped, recurrent_parameter_grads) {
@@ -222,6 +278,13 @@ TEST_CASE("nn::GRU, nn::LSTM: sizes, PyTorch's initial bound, and shape errors i
     CHECK_THROWS_WITH_AS(sized(duet::ones({7, 4})), doctest::Contains("rank"), duet::ShapeError);
     CHECK(lstm(duet::ones({3, 2, 4})).shape() == Shape{3, 2, 5});
     CHECK_THROWS_WITH_AS(lstm(duet::ones({3, 2, 5})), doctest::Contains("nn::LSTM<4, 5>"), duet::ShapeError);
+    CHECK(sized(duet::ones({2, 7, 4}), duet::zeros({2, 5})).shape() == Shape{2, 7, 5});
+    CHECK_THROWS_WITH_AS(sized(duet::ones({2, 7, 4}), duet::zeros({3, 5})),
+                         doctest::Contains("expects an initial state [batch, 5] for sequences [batch, length, input], got "
+                                           "[3, 5] for [2, 7, 4]"),
+                         duet::ShapeError);
+    CHECK_THROWS_WITH_AS(lstm(duet::ones({3, 2, 4}), duet::zeros({3, 5}), duet::zeros({3, 4})),
+                         doctest::Contains("got [3, 4] for [3, 2, 4]"), duet::ShapeError);
   }
 }
 

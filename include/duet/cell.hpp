@@ -498,6 +498,15 @@ std::string parameter_name_in(void* cell, const void* parameter) {
   return {};
 }
 
+// What construct is given for an argument of a call on real tensors: a value of parameters
+// alone as itself, so that operations on it reach the parameters (the tape watches them), any
+// other tensor as a tensor.
+template <class X>
+decltype(auto) operand_of(const X& x) {
+  if constexpr (nn::is_parameter_made_v<X>) return (x);
+  else return tensor_of(x);
+}
+
 // Names C through the operator's own template parameters, so that a constraint on it is asked
 // when the operator is considered, not when Cell<Derived> is instantiated: clang 14 checks a
 // non-dependent concept at the base's instantiation, while Derived is still incomplete, and
@@ -523,7 +532,9 @@ inline constexpr bool construct_takes_what_it_is_given = false;
 template <class Derived>
 struct construct_not_taking {
   static_assert(construct_takes_what_it_is_given<Derived>,
-                "duet::nn::Cell: construct does not take the tensors this cell is called with: a training step "
+                "duet::nn::Cell: construct does not take the tensors this cell is called with (their number or "
+                "kinds; the cell is the construct_takes_what_it_is_given<...> below): a layer takes what its "
+                "construct does (nn::GRU x or x, h0; nn::LSTM x or x, h0, c0), and a training step "
                 "(nn::TrainOneStepCell) and value_and_grad pass on every tensor they are given, so a loss cell "
                 "whose construct takes the input and the target is called with both (step(x, y), "
                 "value_and_grad(net_with_loss, weights)(x, y))");
@@ -737,10 +748,23 @@ class Cell : public BasicDynamicCell<T> {
     return first_symbolic(first_symbolic, xs...);  // so that nothing after it adds errors
   }
 
-  // Cells whose construct takes several tensors (a network with its loss, say). They are not
-  // DynamicCells of one input, so they run no forward hooks of their own.
+  // Symbolic tensors beside values of parameters alone (a learned initial state given to a
+  // recurrent layer, rnn(x, h0)): construct appends its nodes, and capture makes the
+  // parameters' values again at each run, as an operation's own would.
   template <class... X>
-  requires(sizeof...(X) >= 2 && ((is_tensor_v<X> || is_static_tensor_v<X>)&&...)) auto operator()(const X&... xs) {
+    requires(sizeof...(X) >= 2 && (graph::Symbolic<X> || ...) && !(graph::Symbolic<X> && ...) &&
+             ((graph::Symbolic<X> || nn::is_parameter_made_v<X>) && ...))
+  auto operator()(const X&... xs) {
+    check_capture();
+    return run_construct(xs...);
+  }
+
+  // Cells whose construct takes several tensors (a network with its loss, say). They are not
+  // DynamicCells of one input, so they run no forward hooks of their own. (Values of
+  // parameters alone among them, as above.)
+  template <class... X>
+  requires(sizeof...(X) >= 2 && ((is_tensor_v<X> || is_static_tensor_v<X> || nn::is_parameter_made_v<X>)&&...))
+  auto operator()(const X&... xs) {
     return duet::detail::all_or_nothing([&] {
       this->check_registered();
       this->ensure_named();
@@ -752,11 +776,11 @@ class Cell : public BasicDynamicCell<T> {
         } else {
           // construct calls a cell built at run time, so it cannot be captured: it runs on the
           // tensors, and each cell it calls follows the mode itself (graph mode traces that one).
-          if (runs_as_graph()) return run_construct(tensor_of(xs)...);
+          if (runs_as_graph()) return run_construct(detail::operand_of(xs)...);
         }
       }
       EagerScope eager;
-      return run_construct(tensor_of(xs)...);
+      return run_construct(detail::operand_of(xs)...);
     });
   }
 

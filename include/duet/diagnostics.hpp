@@ -41,6 +41,7 @@ enum class ShapeFault : unsigned char {
                       // indices) or the logits' shape (`expected` 0: a distribution per row)
   axis_twice,         // the axes listed name the input's axis `expected` twice, counted from both ends
   broadcast_to,       // the input must broadcast to the operation's target shape (broadcast_to)
+  initial_state,      // a recurrence's initial state must be [batch, `expected`], the batch its sequences'
 };
 
 // What a shape rule returns: the output shape and, if the inputs break the rule, which way.
@@ -151,6 +152,9 @@ inline std::string describe_fault(const ShapeResult& r, std::string_view layer, 
     case ShapeFault::channel_dimension:
       what = "an input whose dimension 1 (channels) is " + e;
       break;
+    case ShapeFault::initial_state:
+      return std::string(layer) + " expects an initial state [batch, " + e + "] for sequences [batch, length, " +
+             "input], got " + got + " for " + (inputs.empty() ? std::string("nothing") : to_string(inputs[0]));
   }
   if (r.fault == ShapeFault::broadcast && inputs.size() > 1) {
     const std::size_t a = static_cast<std::size_t>(r.input);
@@ -217,6 +221,8 @@ template <index_t N>
 struct axis_must_be_named_once {};
 template <index_t N>
 struct channel_dimension_must_be {};
+template <index_t N>
+struct initial_state_must_be_batch_by {};
 // A window's extent (a convolution's kernel, dilated) less the padding: a smaller input leaves
 // no output.
 template <index_t N>
@@ -259,6 +265,8 @@ constexpr auto requirement() {
     return axis_must_be_named_once<N>{};
   else if constexpr (F == ShapeFault::channel_dimension)
     return channel_dimension_must_be<N>{};
+  else if constexpr (F == ShapeFault::initial_state)
+    return initial_state_must_be_batch_by<N>{};
   else if constexpr (F == ShapeFault::spatial_size)
     return spatial_sizes_must_be_at_least<N>{};
   else if constexpr (F == ShapeFault::broadcast_to)

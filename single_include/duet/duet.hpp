@@ -5528,6 +5528,7 @@ enum class ShapeFault : unsigned char {
                       // indices) or the logits' shape (`expected` 0: a distribution per row)
   axis_twice,         // the axes listed name the input's axis `expected` twice, counted from both ends
   broadcast_to,       // the input must broadcast to the operation's target shape (broadcast_to)
+  initial_state,      // a recurrence's initial state must be [batch, `expected`], the batch its sequences'
 };
 
 // What a shape rule returns: the output shape and, if the inputs break the rule, which way.
@@ -5638,6 +5639,9 @@ inline std::string describe_fault(const ShapeResult& r, std::string_view layer, 
     case ShapeFault::channel_dimension:
       what = "an input whose dimension 1 (channels) is " + e;
       break;
+    case ShapeFault::initial_state:
+      return std::string(layer) + " expects an initial state [batch, " + e + "] for sequences [batch, length, " +
+             "input], got " + got + " for " + (inputs.empty() ? std::string("nothing") : to_string(inputs[0]));
   }
   if (r.fault == ShapeFault::broadcast && inputs.size() > 1) {
     const std::size_t a = static_cast<std::size_t>(r.input);
@@ -5704,6 +5708,8 @@ template <index_t N>
 struct axis_must_be_named_once {};
 template <index_t N>
 struct channel_dimension_must_be {};
+template <index_t N>
+struct initial_state_must_be_batch_by {};
 // A window's extent (a convolution's kernel, dilated) less the padding: a smaller input leaves
 // no output.
 template <index_t N>
@@ -5746,6 +5752,8 @@ constexpr auto requirement() {
     return axis_must_be_named_once<N>{};
   else if constexpr (F == ShapeFault::channel_dimension)
     return channel_dimension_must_be<N>{};
+  else if constexpr (F == ShapeFault::initial_state)
+    return initial_state_must_be_batch_by<N>{};
   else if constexpr (F == ShapeFault::spatial_size)
     return spatial_sizes_must_be_at_least<N>{};
   else if constexpr (F == ShapeFault::broadcast_to)
@@ -11497,6 +11505,15 @@ std::string parameter_name_in(void* cell, const void* parameter) {
   return {};
 }
 
+// What construct is given for an argument of a call on real tensors: a value of parameters
+// alone as itself, so that operations on it reach the parameters (the tape watches them), any
+// other tensor as a tensor.
+template <class X>
+decltype(auto) operand_of(const X& x) {
+  if constexpr (nn::is_parameter_made_v<X>) return (x);
+  else return tensor_of(x);
+}
+
 // Names C through the operator's own template parameters, so that a constraint on it is asked
 // when the operator is considered, not when Cell<Derived> is instantiated: clang 14 checks a
 // non-dependent concept at the base's instantiation, while Derived is still incomplete, and
@@ -11522,7 +11539,9 @@ inline constexpr bool construct_takes_what_it_is_given = false;
 template <class Derived>
 struct construct_not_taking {
   static_assert(construct_takes_what_it_is_given<Derived>,
-                "duet::nn::Cell: construct does not take the tensors this cell is called with: a training step "
+                "duet::nn::Cell: construct does not take the tensors this cell is called with (their number or "
+                "kinds; the cell is the construct_takes_what_it_is_given<...> below): a layer takes what its "
+                "construct does (nn::GRU x or x, h0; nn::LSTM x or x, h0, c0), and a training step "
                 "(nn::TrainOneStepCell) and value_and_grad pass on every tensor they are given, so a loss cell "
                 "whose construct takes the input and the target is called with both (step(x, y), "
                 "value_and_grad(net_with_loss, weights)(x, y))");
@@ -11736,10 +11755,23 @@ class Cell : public BasicDynamicCell<T> {
     return first_symbolic(first_symbolic, xs...);  // so that nothing after it adds errors
   }
 
-  // Cells whose construct takes several tensors (a network with its loss, say). They are not
-  // DynamicCells of one input, so they run no forward hooks of their own.
+  // Symbolic tensors beside values of parameters alone (a learned initial state given to a
+  // recurrent layer, rnn(x, h0)): construct appends its nodes, and capture makes the
+  // parameters' values again at each run, as an operation's own would.
   template <class... X>
-  requires(sizeof...(X) >= 2 && ((is_tensor_v<X> || is_static_tensor_v<X>)&&...)) auto operator()(const X&... xs) {
+    requires(sizeof...(X) >= 2 && (graph::Symbolic<X> || ...) && !(graph::Symbolic<X> && ...) &&
+             ((graph::Symbolic<X> || nn::is_parameter_made_v<X>) && ...))
+  auto operator()(const X&... xs) {
+    check_capture();
+    return run_construct(xs...);
+  }
+
+  // Cells whose construct takes several tensors (a network with its loss, say). They are not
+  // DynamicCells of one input, so they run no forward hooks of their own. (Values of
+  // parameters alone among them, as above.)
+  template <class... X>
+  requires(sizeof...(X) >= 2 && ((is_tensor_v<X> || is_static_tensor_v<X> || nn::is_parameter_made_v<X>)&&...))
+  auto operator()(const X&... xs) {
     return duet::detail::all_or_nothing([&] {
       this->check_registered();
       this->ensure_named();
@@ -11751,11 +11783,11 @@ class Cell : public BasicDynamicCell<T> {
         } else {
           // construct calls a cell built at run time, so it cannot be captured: it runs on the
           // tensors, and each cell it calls follows the mode itself (graph mode traces that one).
-          if (runs_as_graph()) return run_construct(tensor_of(xs)...);
+          if (runs_as_graph()) return run_construct(detail::operand_of(xs)...);
         }
       }
       EagerScope eager;
-      return run_construct(tensor_of(xs)...);
+      return run_construct(detail::operand_of(xs)...);
     });
   }
 
@@ -21928,7 +21960,11 @@ class GroupNorm : public Cell<GroupNorm<Groups, Channels, T>, CONTEXT_MODE, T> {
 namespace duet {
 namespace ops {
 
-template <class Layer, bool InputGrad>
+// What a recurrent layer's gradient operation makes: dx (with the parameters' gradients), the
+// parameters' gradients alone, or the initial h's or c's gradient.
+enum class RecurrentGradient : unsigned char { input, parameters, hidden, cell };
+
+template <class Layer, int States, RecurrentGradient Target>
 struct RecurrentGradOp;
 
 namespace detail {
@@ -21954,7 +21990,7 @@ T sigmoid(T v) {
 struct GRUCell {
   static constexpr index_t gates = 3;
   static constexpr index_t saved = 4;
-  static constexpr bool has_cell_state = false;
+  static constexpr int states = 1;  // h
   static constexpr const char* name = "GRU";
 
   template <class T>
@@ -21976,7 +22012,12 @@ struct GRUCell {
   // the input gates' gradient is [dr', dz', dn'], the hidden gates' [dr', dz', dn' r]; h_{t-1}
   // gets dh z besides what the hidden gates send back through W_hh.
   template <class T>
-  static T backward(const T* keep, const T* /*keep_before*/, index_t H, index_t j, T dh, T h, T* /*dc*/, T* dxg, T* dhg) {
+  static T cell_state(const T*, index_t, index_t) {
+    return T(0);
+  }
+
+  template <class T>
+  static T backward(const T* keep, index_t H, index_t j, T dh, T h, T /*c*/, T* /*dc*/, T* dxg, T* dhg) {
     const T r = keep[j], z = keep[H + j], n = keep[2 * H + j], hn = keep[3 * H + j];
     const T dn = dh * (T(1) - z) * (T(1) - n * n);
     const T dz = dh * (h - n) * z * (T(1) - z);
@@ -21996,7 +22037,7 @@ struct GRUCell {
 struct LSTMCell {
   static constexpr index_t gates = 4;
   static constexpr index_t saved = 5;
-  static constexpr bool has_cell_state = true;
+  static constexpr int states = 2;  // h, c
   static constexpr const char* name = "LSTM";
 
   template <class T>
@@ -22022,10 +22063,14 @@ struct LSTMCell {
   // both gate rows' gradient is [di', df', dg', do']; c_{t-1} gets dc f, and h_{t-1} only what
   // the hidden gates send back through W_hh.
   template <class T>
-  static T backward(const T* keep, const T* keep_before, index_t H, index_t j, T dh, T /*h*/, T* dc, T* dxg, T* dhg) {
+  static T cell_state(const T* keep, index_t H, index_t j) {
+    return keep[4 * H + j];
+  }
+
+  template <class T>
+  static T backward(const T* keep, index_t H, index_t j, T dh, T /*h*/, T c_before, T* dc, T* dxg, T* dhg) {
     const T i = keep[j], f = keep[H + j], g = keep[2 * H + j], o = keep[3 * H + j];
     const T tc = std::tanh(keep[4 * H + j]);
-    const T c_before = keep_before == nullptr ? T(0) : keep_before[4 * H + j];
     const T d_c = *dc + dh * o * (T(1) - tc * tc);
     dxg[j] = dhg[j] = d_c * g * i * (T(1) - i);
     dxg[H + j] = dhg[H + j] = d_c * c_before * f * (T(1) - f);
@@ -22042,11 +22087,19 @@ struct RecurrentSizes {
   index_t rows() const { return batch * length; }
 };
 
-// Every step of a layer's recurrence from h = 0 (and c = 0). h_{t-1} is read from `hs`
+// A call's initial states, [B, H] each, or null for zeros.
+template <class T>
+struct InitialStates {
+  const T* h = nullptr;
+  const T* c = nullptr;
+};
+
+// Every step of a layer's recurrence from its initial states. h_{t-1} is read from `hs`
 // ([B, L, H]): forward writes each h_t there as it goes (h_out = hs), backward reads the
 // forward's output and writes nothing but `keep`, per row of [B · L] what Cell keeps.
 template <class Cell, class Layer, class T>
-void recurrent_steps(const Layer& layer, const RecurrentSizes& s, const T* x, const T* hs, T* h_out, T* keep) {
+void recurrent_steps(const Layer& layer, const RecurrentSizes& s, const T* x, InitialStates<T> initial, const T* hs,
+                     T* h_out, T* keep) {
   const index_t H = s.hidden, G = Cell::gates * H;
   const ::Eigen::Map<const RowMatrix<T>> w_ih(layer.weight_ih_l0.data(), G, s.input);
   const ::Eigen::Map<const RowMatrix<T>> w_hh(layer.weight_hh_l0.data(), G, H);
@@ -22055,23 +22108,27 @@ void recurrent_steps(const Layer& layer, const RecurrentSizes& s, const T* x, co
   duet::detail::Storage input_gates_storage, hidden_gates_storage, cell_storage;
   T* input_gates = duet::detail::scratch<T>(input_gates_storage, static_cast<std::size_t>(s.rows() * G));
   T* hidden_gates = duet::detail::scratch<T>(hidden_gates_storage, static_cast<std::size_t>(s.batch * G));
-  T* cell = Cell::has_cell_state ? duet::detail::scratch<T>(cell_storage, static_cast<std::size_t>(s.batch * H)) : nullptr;
-  if (cell != nullptr) std::fill_n(cell, s.batch * H, T(0));
+  T* cell = Cell::states == 2 ? duet::detail::scratch<T>(cell_storage, static_cast<std::size_t>(s.batch * H)) : nullptr;
+  if (cell != nullptr && initial.c != nullptr) std::copy_n(initial.c, s.batch * H, cell);
+  else if (cell != nullptr) std::fill_n(cell, s.batch * H, T(0));
   // Every step's input gates in one product: the part of the work that does not wait for h.
   ::Eigen::Map<RowMatrix<T>> xg(input_gates, s.rows(), G);
   xg.noalias() = ::Eigen::Map<const RowMatrix<T>>(x, s.rows(), s.input) * w_ih.transpose();
   xg.rowwise() += b_ih;
   ::Eigen::Map<RowMatrix<T>> hg(hidden_gates, s.batch, G);
   for (index_t t = 0; t < s.length; ++t) {
-    if (t == 0) {
-      hg.rowwise() = b_hh;
-    } else {
+    if (t > 0) {
       hg.noalias() = StepRows<T>(hs + (t - 1) * H, s.batch, H, ::Eigen::OuterStride<>(s.length * H)) * w_hh.transpose();
       hg.rowwise() += b_hh;
+    } else if (initial.h != nullptr) {
+      hg.noalias() = ::Eigen::Map<const RowMatrix<T>>(initial.h, s.batch, H) * w_hh.transpose();
+      hg.rowwise() += b_hh;
+    } else {
+      hg.rowwise() = b_hh;
     }
     for (index_t b = 0; b < s.batch; ++b) {
       const index_t row = b * s.length + t;
-      const T* h_prev = t == 0 ? nullptr : hs + (row - 1) * H;
+      const T* h_prev = t > 0 ? hs + (row - 1) * H : initial.h == nullptr ? nullptr : initial.h + b * H;
       T* kept = keep == nullptr ? nullptr : keep + row * Cell::saved * H;
       T* c = cell == nullptr ? nullptr : cell + b * H;
       for (index_t j = 0; j < H; ++j) {
@@ -22095,66 +22152,92 @@ T* recurrent_parameter_grad(const P& p, std::uint64_t pass) {
 
 }  // namespace detail
 
-// A recurrent layer's operation: [B, L, input] in, every step's hidden state [B, L, hidden] out.
-template <class Layer>
-struct RecurrentOp : Primitive<RecurrentOp<Layer>> {
+// A recurrent layer's operation: [B, L, input] and States initial states [B, hidden] (none, h,
+// or h and c) in, every step's hidden state [B, L, hidden] out.
+template <class Layer, int States>
+struct RecurrentOp : Primitive<RecurrentOp<Layer, States>> {
   using layer_type = Layer;
   using value_type = typename Layer::value_type;
   using Cell = typename Layer::cell_type;
-  static constexpr int arity = 1;
+  static constexpr int arity = 1 + States;
   static constexpr bool has_parameters = true;
 
   const Layer* layer;
   RecurrentOp(const Layer* l) : layer(l) {}
 
-  static constexpr ShapeResult rule(index_t input, index_t hidden, const Shape& x) {
+  static constexpr ShapeResult rule(index_t input, index_t hidden, std::span<const Shape> in) {
+    const Shape& x = in[0];
     if (x.leading_unknown() && x.rank() < 3) return {Shape{dyn, dyn, hidden}};
     if (x.rank() != 3) return fault(Shape{dyn, dyn, hidden}, ShapeFault::exact_rank, 3);
-    if (input != dyn && x[2] != dyn && x[2] != input) return fault(Shape{x[0], x[1], hidden}, ShapeFault::last_dimension, input);
-    return {Shape{x[0], x[1], hidden}};
+    const Shape y{x[0], x[1], hidden};
+    if (input != dyn && x[2] != dyn && x[2] != input) return fault(y, ShapeFault::last_dimension, input);
+    for (int k = 1; k <= States; ++k) {
+      const Shape& h = in[static_cast<std::size_t>(k)];
+      if (h.leading_unknown()) continue;
+      const auto differs = [](index_t a, index_t b) { return a != dyn && b != dyn && a != b; };
+      if (h.rank() != 2 || differs(h[0], x[0]) || differs(h[1], hidden)) return fault(y, ShapeFault::initial_state, hidden, k);
+    }
+    return {y};
   }
   static constexpr ShapeResult infer_static(std::span<const Shape> in) {
-    return rule(Layer::input_static, Layer::hidden_static, in[0]);
+    return rule(Layer::input_static, Layer::hidden_static, in);
   }
-  ShapeResult infer(std::span<const Shape> in) const { return rule(layer->input_size(), layer->hidden_size(), in[0]); }
+  ShapeResult infer(std::span<const Shape> in) const { return rule(layer->input_size(), layer->hidden_size(), in); }
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
     const Shape& x = a.in_shape();
     const detail::RecurrentSizes s{x[0], x[1], x[2], layer->hidden_size()};
-    detail::recurrent_steps<Cell>(*layer, s, a.in<T>(), a.out<T>(), a.out<T>(), static_cast<T*>(nullptr));
+    const detail::InitialStates<T> initial{States >= 1 ? a.in<T>(1) : nullptr, States >= 2 ? a.in<T>(2) : nullptr};
+    detail::recurrent_steps<Cell>(*layer, s, a.in<T>(), initial, a.out<T>(), a.out<T>(), static_cast<T*>(nullptr));
   }
 
   template <std::size_t K>
-    requires(K == 0)
+    requires(K <= States)
   auto grad_op() const {
-    return RecurrentGradOp<Layer, true>{layer};
+    constexpr RecurrentGradient target = K == 0   ? RecurrentGradient::input
+                                         : K == 1 ? RecurrentGradient::hidden
+                                                  : RecurrentGradient::cell;
+    return RecurrentGradOp<Layer, States, target>{layer};
   }
-  auto parameter_grad_op() const { return RecurrentGradOp<Layer, false>{layer}; }
+  auto parameter_grad_op() const { return RecurrentGradOp<Layer, States, RecurrentGradient::parameters>{layer}; }
 
   static std::string op_name() { return Cell::name; }
   std::string label() const { return layer->label(); }
 };
 
-// Backpropagation through time. The gates are taken again from x and the forward's output (a
-// pass as costly as the forward, which saves keeping them between forward and backward); then
-// from the last step to the first, with dh the gradient reaching h_t (dy_t and what h_{t+1}
-// sends back), the cell gives each step's gate gradients, and
+// Backpropagation through time. The gates are taken again from x, the initial states and the
+// forward's output (a pass as costly as the forward, which saves keeping them between forward
+// and backward); then from the last step to the first, with dh the gradient reaching h_t (dy_t
+// and what h_{t+1} sends back), the cell gives each step's gate gradients, and
 //   dh_{t-1} = (the cell's part) + dhg W_hh;  dW_hh += dhgᵀ h_{t-1};  db_hh += dhg
-// and, once for all steps, dW_ih = dxgᵀ x, db_ih the sum of dxg, dx = dxg W_ih.
-template <class Layer, bool InputGrad>
-struct RecurrentGradOp : Primitive<RecurrentGradOp<Layer, InputGrad>> {
+// and, once for all steps, dW_ih = dxgᵀ x, db_ih the sum of dxg, dx = dxg W_ih. The initial
+// states' gradients are what reaches h_{-1} and c_{-1}: each is its own operation, which runs
+// the loop again (the contract's one value per operation), and writes no parameter's gradient.
+template <class Layer, int States, RecurrentGradient Target>
+struct RecurrentGradOp : Primitive<RecurrentGradOp<Layer, States, Target>> {
   using layer_type = Layer;
   using value_type = typename Layer::value_type;
   using Cell = typename Layer::cell_type;
-  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0, graph::Operand::output};
-  static constexpr int arity = 3;  // dy, x, y
-  static constexpr bool is_sink = !InputGrad;
+  static constexpr auto reads = [] {
+    using graph::Operand;
+    if constexpr (States == 0) return std::array{Operand::grad, Operand::input0, Operand::output};
+    else if constexpr (States == 1) return std::array{Operand::grad, Operand::input0, Operand::input1, Operand::output};
+    else return std::array{Operand::grad, Operand::input0, Operand::input1, Operand::input2, Operand::output};
+  }();
+  static constexpr int arity = static_cast<int>(reads.size());  // dy, x, the initial states, y
+  static constexpr bool is_sink = Target == RecurrentGradient::parameters;
+  static constexpr bool writes_parameters = Target == RecurrentGradient::input || Target == RecurrentGradient::parameters;
 
   const Layer* layer;
   RecurrentGradOp(const Layer* l) : layer(l) {}
 
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {InputGrad ? in[1] : Shape{}}; }
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    if constexpr (Target == RecurrentGradient::input) return {in[1]};
+    else if constexpr (Target == RecurrentGradient::hidden) return {in[2]};
+    else if constexpr (Target == RecurrentGradient::cell) return {in[3]};
+    else return {Shape{}};
+  }
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
@@ -22165,57 +22248,77 @@ struct RecurrentGradOp : Primitive<RecurrentGradOp<Layer, InputGrad>> {
     const index_t H = s.hidden, G = Cell::gates * H, K = Cell::saved * H;
     const T* dy = a.in<T>(0);
     const T* x = a.in<T>(1);
-    const T* y = a.in<T>(2);
+    const detail::InitialStates<T> initial{States >= 1 ? a.in<T>(2) : nullptr, States >= 2 ? a.in<T>(3) : nullptr};
+    const T* y = a.in<T>(static_cast<std::size_t>(2 + States));
     duet::detail::Storage keep_storage, dxg_storage, dhg_storage, dh_storage, dc_storage;
     T* keep = duet::detail::scratch<T>(keep_storage, static_cast<std::size_t>(s.rows() * K));
-    detail::recurrent_steps<Cell>(*layer, s, x, y, static_cast<T*>(nullptr), keep);
+    detail::recurrent_steps<Cell>(*layer, s, x, initial, y, static_cast<T*>(nullptr), keep);
 
-    const std::uint64_t pass = duet::detail::current_backward_pass();
-    ::Eigen::Map<RowMatrix<T>> dw_ih(detail::recurrent_parameter_grad<T>(layer->weight_ih_l0, pass), G, s.input);
-    ::Eigen::Map<RowMatrix<T>> dw_hh(detail::recurrent_parameter_grad<T>(layer->weight_hh_l0, pass), G, H);
-    ::Eigen::Map<RowVector<T>> db_ih(detail::recurrent_parameter_grad<T>(layer->bias_ih_l0, pass), G);
-    ::Eigen::Map<RowVector<T>> db_hh(detail::recurrent_parameter_grad<T>(layer->bias_hh_l0, pass), G);
     const ::Eigen::Map<const RowMatrix<T>> w_hh(layer->weight_hh_l0.data(), G, H);
-
     T* dxg = duet::detail::scratch<T>(dxg_storage, static_cast<std::size_t>(s.rows() * G));
     T* dhg = duet::detail::scratch<T>(dhg_storage, static_cast<std::size_t>(s.batch * G));
-    T* dh_next = duet::detail::scratch<T>(dh_storage, static_cast<std::size_t>(s.batch * H));
-    T* dc = Cell::has_cell_state ? duet::detail::scratch<T>(dc_storage, static_cast<std::size_t>(s.batch * H)) : nullptr;
+    // The gradient reaching h_{t-1} (and c_{t-1}): the output itself when it is the initial
+    // state's.
+    T* dh_next = Target == RecurrentGradient::hidden ? a.out<T>()
+                                                     : duet::detail::scratch<T>(dh_storage, static_cast<std::size_t>(s.batch * H));
+    T* dc = Cell::states < 2                       ? nullptr
+            : Target == RecurrentGradient::cell ? a.out<T>()
+                                                : duet::detail::scratch<T>(dc_storage, static_cast<std::size_t>(s.batch * H));
     if (dc != nullptr) std::fill_n(dc, s.batch * H, T(0));
+    std::fill_n(dh_next, s.batch * H, T(0));
     ::Eigen::Map<RowMatrix<T>> dhg_rows(dhg, s.batch, G);
     ::Eigen::Map<RowMatrix<T>> dh_rows(dh_next, s.batch, H);
-    dh_rows.setZero();
+
+    const std::uint64_t pass = duet::detail::current_backward_pass();
+    T* dw_hh = writes_parameters ? detail::recurrent_parameter_grad<T>(layer->weight_hh_l0, pass) : nullptr;
+    T* db_hh = writes_parameters ? detail::recurrent_parameter_grad<T>(layer->bias_hh_l0, pass) : nullptr;
     for (index_t t = s.length - 1; t >= 0; --t) {
       for (index_t b = 0; b < s.batch; ++b) {
         const index_t row = b * s.length + t;
-        const T* h_prev = t == 0 ? nullptr : y + (row - 1) * H;
+        const T* h_prev = t > 0 ? y + (row - 1) * H : initial.h == nullptr ? nullptr : initial.h + b * H;
         const T* kept = keep + row * K;
-        const T* kept_before = t == 0 ? nullptr : kept - K;
         T* carry = dh_next + b * H;
         for (index_t j = 0; j < H; ++j) {
-          carry[j] = Cell::backward(kept, kept_before, H, j, dy[row * H + j] + carry[j],
-                                    h_prev == nullptr ? T(0) : h_prev[j], dc == nullptr ? nullptr : dc + b * H + j,
-                                    dxg + row * G, dhg + b * G);
+          const T c_prev = t > 0 ? Cell::cell_state(kept - K, H, j) : initial.c == nullptr ? T(0) : initial.c[b * H + j];
+          carry[j] = Cell::backward(kept, H, j, dy[row * H + j] + carry[j], h_prev == nullptr ? T(0) : h_prev[j], c_prev,
+                                    dc == nullptr ? nullptr : dc + b * H + j, dxg + row * G, dhg + b * G);
         }
       }
       dh_rows.noalias() += dhg_rows * w_hh;
-      db_hh += dhg_rows.colwise().sum();
-      if (t > 0) {
-        dw_hh.noalias() +=
-            dhg_rows.transpose() * detail::StepRows<T>(y + (t - 1) * H, s.batch, H, ::Eigen::OuterStride<>(s.length * H));
+      if constexpr (writes_parameters) {
+        ::Eigen::Map<RowVector<T>>(db_hh, G) += dhg_rows.colwise().sum();
+        const T* h_before = t > 0 ? y + (t - 1) * H : initial.h;
+        const index_t stride = t > 0 ? s.length * H : H;
+        if (h_before != nullptr) {
+          ::Eigen::Map<RowMatrix<T>>(dw_hh, G, H).noalias() +=
+              dhg_rows.transpose() * detail::StepRows<T>(h_before, s.batch, H, ::Eigen::OuterStride<>(stride));
+        }
       }
     }
-    const ::Eigen::Map<const RowMatrix<T>> dxg_rows(dxg, s.rows(), G);
-    dw_ih.noalias() += dxg_rows.transpose() * ::Eigen::Map<const RowMatrix<T>>(x, s.rows(), s.input);
-    db_ih += dxg_rows.colwise().sum();
-    if constexpr (InputGrad) {
-      ::Eigen::Map<RowMatrix<T>>(a.out<T>(), s.rows(), s.input).noalias() =
-          dxg_rows * ::Eigen::Map<const RowMatrix<T>>(layer->weight_ih_l0.data(), G, s.input);
+    if constexpr (writes_parameters) {
+      const ::Eigen::Map<const RowMatrix<T>> dxg_rows(dxg, s.rows(), G);
+      ::Eigen::Map<RowMatrix<T>>(detail::recurrent_parameter_grad<T>(layer->weight_ih_l0, pass), G, s.input).noalias() +=
+          dxg_rows.transpose() * ::Eigen::Map<const RowMatrix<T>>(x, s.rows(), s.input);
+      ::Eigen::Map<RowVector<T>>(detail::recurrent_parameter_grad<T>(layer->bias_ih_l0, pass), G) +=
+          dxg_rows.colwise().sum();
+      if constexpr (Target == RecurrentGradient::input) {
+        ::Eigen::Map<RowMatrix<T>>(a.out<T>(), s.rows(), s.input).noalias() =
+            dxg_rows * ::Eigen::Map<const RowMatrix<T>>(layer->weight_ih_l0.data(), G, s.input);
+      }
+      duet::detail::gradient_writes_done();
     }
-    duet::detail::gradient_writes_done();
   }
 
-  static std::string op_name() { return std::string(Cell::name) + (InputGrad ? "Grad" : "Grad (parameters only)"); }
+  static std::string op_name() {
+    const std::string name = std::string(Cell::name) + "Grad";
+    switch (Target) {
+      case RecurrentGradient::input: return name;
+      case RecurrentGradient::parameters: return name + " (parameters only)";
+      case RecurrentGradient::hidden: return name + " (initial h)";
+      case RecurrentGradient::cell: return name + " (initial c)";
+    }
+    return name;
+  }
   std::string label() const { return layer->label(); }
 };
 
@@ -22276,9 +22379,13 @@ class RecurrentLayer : public Cell<Derived, CONTEXT_MODE, T> {
       return hidden_;
   }
 
-  template <class X>
-  auto construct(X&& x) {
-    return apply(ops::RecurrentOp<Derived>{static_cast<const Derived*>(this)}, std::forward<X>(x));
+  // x alone starts from zeros; x with h0 (a GRU's), or with h0 and c0 (an LSTM's), [B, hidden]
+  // each, from those (PyTorch's gru(x, h0), lstm(x, (h0, c0))), and their gradients reach them.
+  template <class X, class... States>
+    requires(sizeof...(States) == 0 || sizeof...(States) == Step::states)
+  auto construct(X&& x, States&&... states) {
+    return apply(ops::RecurrentOp<Derived, static_cast<int>(sizeof...(States))>{static_cast<const Derived*>(this)},
+                 std::forward<X>(x), std::forward<States>(states)...);
   }
 
   std::string type_name() const override {
