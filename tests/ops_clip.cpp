@@ -1,5 +1,6 @@
 // Gradient clipping (include/duet/ops/clip.hpp): MindSpore's numbers, the clipped norm, and
 // training with clipping in both modes, through TrainOneStepCell and through value_and_grad.
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -115,6 +116,10 @@ TEST_CASE("TrainOneStepCell clips to clip_global_norm, with the same losses in b
   static_cast<void>(step(data.x, data.y));
   CHECK(step(data.x, data.y).item() != eager.losses[1]);
   CHECK_THROWS_AS(nn::TrainOneStepCell(t.with_loss, t.sgd, {.clip_global_norm = 0.0}), ValueError);
+  // A step that clips nothing measures no norm: asking is an error, not a 0 (helper-81).
+  CHECK_THROWS_WITH_AS(step.last_global_norm(), doctest::Contains("this step clips no global norm"), ModeError);
+  nn::TrainOneStepCell clipping(t.with_loss, t.sgd, {.clip_global_norm = 1.0});
+  CHECK(std::isnan(clipping.last_global_norm()));  // before its first step
 }
 
 TEST_CASE("clip_by_global_norm on value_and_grad's gradients, then the optimiser: the same in both modes") {

@@ -12948,6 +12948,7 @@ auto grad(Fn&& fn, Weights&&... weights_and_position) {
 #include <concepts>
 #include <cstdint>
 #include <iostream>
+#include <limits>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -14666,8 +14667,17 @@ class TrainOneStepCell {
   }
 
   Optimizer& optimizer() { return optimizer_; }
-  // The global norm of the last step's gradients before clipping (with clip_global_norm set).
-  double last_global_norm() const { return last_global_norm_; }
+  // The global norm of the last step's gradients before clipping; NaN before the first step.
+  // A step without clip_global_norm measures none, and asking is an error rather than a 0 that
+  // reads as gradients of zero.
+  double last_global_norm() const {
+    if (!config_.clip_global_norm) {
+      throw ModeError("nn::TrainOneStepCell::last_global_norm: this step clips no global norm, so it measures none; "
+                      "make it with {.clip_global_norm = c} (PyTorch's clip_grad_norm_ returns the norm it clips "
+                      "by), or take value_and_grad's gradients and ops::global_norm(grads)");
+    }
+    return last_global_norm_;
+  }
   // How many steps skipped their update (a loss or a gradient norm not finite).
   std::int64_t skipped_steps() const { return skipped_steps_; }
 
@@ -14868,7 +14878,7 @@ class TrainOneStepCell {
   GradFunction<NetWithLoss&, void, InputGradient::none> grad_;
   Optimizer& optimizer_;
   TrainOneStepConfig config_;
-  double last_global_norm_ = 0;
+  double last_global_norm_ = std::numeric_limits<double>::quiet_NaN();
   std::int64_t skipped_steps_ = 0;
   bool parameters_broadcast_ = false;
   bool weights_checked_ = false;  // the network's parameters against those its first step wrote
