@@ -3,6 +3,7 @@
 // against finite differences in both modes, training, and their shape errors.
 #include <cmath>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "ops_harness.hpp"
@@ -65,8 +66,8 @@ D gru_reference(const GRU& gru, const std::vector<D>& xs) {
 }
 
 // torch.nn.LSTM(batch_first=True)'s output, one element at a time (gates i, f, g, o), from
-// h0 and c0 (xs[1], xs[2]) or zeros.
-D lstm_reference(const LSTM& lstm, const std::vector<D>& xs) {
+// h0 and c0 (xs[1], xs[2]) or zeros; or every step's cell state instead of h.
+D lstm_steps_reference(const LSTM& lstm, const std::vector<D>& xs, bool cell_states) {
   const D& x = xs[0];
   const index_t batch = x.shape()[0], length = x.shape()[1], in = x.shape()[2], hidden = lstm.hidden_size();
   D y = duet::zeros<double>(Shape{batch, length, hidden});
@@ -90,11 +91,14 @@ D lstm_reference(const LSTM& lstm, const std::vector<D>& xs) {
         next[u] = o * std::tanh(c[u]);
       }
       h = next;
-      std::copy(h.begin(), h.end(), y.data() + (b * length + t) * hidden);
+      const std::vector<double>& kept = cell_states ? c : h;
+      std::copy(kept.begin(), kept.end(), y.data() + (b * length + t) * hidden);
     }
   }
   return y;
 }
+
+D lstm_reference(const LSTM& lstm, const std::vector<D>& xs) { return lstm_steps_reference(lstm, xs, false); }
 
 template <class Layer>
 void add_recurrent_cases(std::multimap<std::string, Case>& m, const std::string& name,
@@ -128,6 +132,16 @@ void add_recurrent_cases(std::multimap<std::string, Case>& m, const std::string&
 const bool recurrent_cases = add_cases([](std::multimap<std::string, Case>& m) {
   add_recurrent_cases<GRU>(m, "GRU", gru_reference);
   add_recurrent_cases<LSTM>(m, "LSTM", lstm_reference);
+  // An LSTM's cell states: the output's gradient reaches c instead of h.
+  duet::set_seed(23);
+  auto lstm = std::make_shared<LSTM>(3, 3);
+  Case zero = case_of<1>({Shape{2, 4, 3}}, [lstm](const auto& x) { return lstm->cell_states(x); }, -1.5, 1.5);
+  zero.reference = [lstm](const std::vector<D>& xs) { return lstm_steps_reference(*lstm, xs, true); };
+  m.emplace("LSTM", std::move(zero));
+  Case given = case_of<3>({Shape{2, 4, 3}, Shape{2, 3}, Shape{2, 3}},
+                          [lstm](const auto& x, const auto& h, const auto& c) { return lstm->cell_states(x, h, c); }, -1.5, 1.5);
+  given.reference = [lstm](const std::vector<D>& xs) { return lstm_steps_reference(*lstm, xs, true); };
+  m.emplace("LSTM", std::move(given));
 });
 
 // The layers as types, for the cases run on both.
@@ -252,6 +266,47 @@ TEST_CASE_TEMPLATE_DEFINE("a recurrent layer trains in both modes along the same
 TEST_CASE_TEMPLATE_INVOKE(recurrent_parameter_grads, GRUs, LSTMs);
 TEST_CASE_TEMPLATE_INVOKE(recurrent_twice, GRUs, LSTMs);
 TEST_CASE_TEMPLATE_INVOKE(recurrent_training, GRUs, LSTMs);
+
+namespace {
+// x[:, from:to] of a [B, L, F] tensor, and y[:, -1] of one.
+D steps(const D& x, index_t from, index_t to) {
+  const index_t batch = x.shape()[0], length = x.shape()[1], features = x.shape()[2];
+  D out = duet::zeros<double>(Shape{batch, to - from, features});
+  for (index_t b = 0; b < batch; ++b) {
+    std::copy_n(x.data() + (b * length + from) * features, (to - from) * features, out.data() + b * (to - from) * features);
+  }
+  return out;
+}
+D last_step(const D& y) {
+  const D step = steps(y, y.shape()[1] - 1, y.shape()[1]);
+  return D(Shape{y.shape()[0], y.shape()[2]}, std::span<const double>(step.data(), static_cast<std::size_t>(step.numel())));
+}
+}  // namespace
+
+TEST_CASE("a sequence run in two chunks, the state carried from one to the next, gives the whole run's outputs") {
+  duet_test::ModeGuard guard;
+  const D x = random_input({2, 7, 3}, -1, 1, 41);
+  for (const duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+    CAPTURE(mode);
+    duet::set_context({.mode = mode});
+    duet::set_seed(7);
+    duet::nn::GRU<3, 4, double> gru;
+    duet::nn::LSTM<3, 4, double> lstm;
+    const D gru_whole = gru(x);
+    const D gru_first = gru(steps(x, 0, 4));
+    const D gru_rest = gru(steps(x, 4, 7), last_step(gru_first));
+    const D lstm_whole = lstm(x);
+    const D lstm_first = lstm(steps(x, 0, 4));
+    const D lstm_first_c = lstm.cell_states(steps(x, 0, 4));
+    const D lstm_rest = lstm(steps(x, 4, 7), last_step(lstm_first), last_step(lstm_first_c));
+    const D gru_tail = steps(gru_whole, 4, 7);
+    const D lstm_tail = steps(lstm_whole, 4, 7);
+    for (index_t i = 0; i < gru_rest.numel(); ++i) {
+      CHECK(gru_rest.data()[i] == doctest::Approx(gru_tail.data()[i]).epsilon(1e-14));
+      CHECK(lstm_rest.data()[i] == doctest::Approx(lstm_tail.data()[i]).epsilon(1e-14));
+    }
+  }
+}
 
 TEST_CASE("nn::GRU, nn::LSTM: sizes, PyTorch's initial bound, and shape errors in both modes") {
   duet_test::ModeGuard guard;

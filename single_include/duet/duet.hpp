@@ -21974,7 +21974,7 @@ namespace ops {
 // parameters' gradients alone, or the initial h's or c's gradient.
 enum class RecurrentGradient : unsigned char { input, parameters, hidden, cell };
 
-template <class Layer, int States, RecurrentGradient Target>
+template <class Layer, int States, bool CellStates, RecurrentGradient Target>
 struct RecurrentGradOp;
 
 namespace detail {
@@ -22104,12 +22104,21 @@ struct InitialStates {
   const T* c = nullptr;
 };
 
+// What a pass over the steps writes, each [B, L, ...] where not null: every h_t, every c_t (an
+// LSTM's), and per row of [B · L] what the cell keeps for backward.
+template <class T>
+struct StepOutputs {
+  T* h = nullptr;
+  T* c = nullptr;
+  T* keep = nullptr;
+};
+
 // Every step of a layer's recurrence from its initial states. h_{t-1} is read from `hs`
-// ([B, L, H]): forward writes each h_t there as it goes (h_out = hs), backward reads the
-// forward's output and writes nothing but `keep`, per row of [B · L] what Cell keeps.
+// ([B, L, H]): a forward writes each h_t there as it goes (out.h = hs); backward, given the
+// forward's h, writes what the cell keeps.
 template <class Cell, class Layer, class T>
 void recurrent_steps(const Layer& layer, const RecurrentSizes& s, const T* x, InitialStates<T> initial, const T* hs,
-                     T* h_out, T* keep) {
+                     StepOutputs<T> out) {
   const index_t H = s.hidden, G = Cell::gates * H;
   const ::Eigen::Map<const RowMatrix<T>> w_ih(layer.weight_ih_l0.data(), G, s.input);
   const ::Eigen::Map<const RowMatrix<T>> w_hh(layer.weight_hh_l0.data(), G, H);
@@ -22139,12 +22148,13 @@ void recurrent_steps(const Layer& layer, const RecurrentSizes& s, const T* x, In
     for (index_t b = 0; b < s.batch; ++b) {
       const index_t row = b * s.length + t;
       const T* h_prev = t > 0 ? hs + (row - 1) * H : initial.h == nullptr ? nullptr : initial.h + b * H;
-      T* kept = keep == nullptr ? nullptr : keep + row * Cell::saved * H;
+      T* kept = out.keep == nullptr ? nullptr : out.keep + row * Cell::saved * H;
       T* c = cell == nullptr ? nullptr : cell + b * H;
       for (index_t j = 0; j < H; ++j) {
         const T h = Cell::forward(input_gates + row * G, hidden_gates + b * G, H, j, h_prev == nullptr ? T(0) : h_prev[j],
                                   c == nullptr ? nullptr : c + j, kept);
-        if (h_out != nullptr) h_out[row * H + j] = h;
+        if (out.h != nullptr) out.h[row * H + j] = h;
+        if (out.c != nullptr) out.c[row * H + j] = c[j];
       }
     }
   }
@@ -22163,12 +22173,14 @@ T* recurrent_parameter_grad(const P& p, std::uint64_t pass) {
 }  // namespace detail
 
 // A recurrent layer's operation: [B, L, input] and States initial states [B, hidden] (none, h,
-// or h and c) in, every step's hidden state [B, L, hidden] out.
-template <class Layer, int States>
-struct RecurrentOp : Primitive<RecurrentOp<Layer, States>> {
+// or h and c) in, every step's hidden state [B, L, hidden] out, or with CellStates every
+// step's cell state c (an LSTM's: the same recurrence, the other of its two states).
+template <class Layer, int States, bool CellStates = false>
+struct RecurrentOp : Primitive<RecurrentOp<Layer, States, CellStates>> {
   using layer_type = Layer;
   using value_type = typename Layer::value_type;
   using Cell = typename Layer::cell_type;
+  static_assert(!CellStates || Cell::states == 2, "duet: only an LSTM has cell states");
   static constexpr int arity = 1 + States;
   static constexpr bool has_parameters = true;
 
@@ -22199,7 +22211,13 @@ struct RecurrentOp : Primitive<RecurrentOp<Layer, States>> {
     const Shape& x = a.in_shape();
     const detail::RecurrentSizes s{x[0], x[1], x[2], layer->hidden_size()};
     const detail::InitialStates<T> initial{States >= 1 ? a.in<T>(1) : nullptr, States >= 2 ? a.in<T>(2) : nullptr};
-    detail::recurrent_steps<Cell>(*layer, s, a.in<T>(), initial, a.out<T>(), a.out<T>(), static_cast<T*>(nullptr));
+    if constexpr (CellStates) {
+      duet::detail::Storage hs_storage;
+      T* hs = duet::detail::scratch<T>(hs_storage, static_cast<std::size_t>(s.rows() * s.hidden));
+      detail::recurrent_steps<Cell>(*layer, s, a.in<T>(), initial, hs, detail::StepOutputs<T>{hs, a.out<T>(), nullptr});
+    } else {
+      detail::recurrent_steps<Cell>(*layer, s, a.in<T>(), initial, a.out<T>(), detail::StepOutputs<T>{a.out<T>()});
+    }
   }
 
   template <std::size_t K>
@@ -22208,11 +22226,13 @@ struct RecurrentOp : Primitive<RecurrentOp<Layer, States>> {
     constexpr RecurrentGradient target = K == 0   ? RecurrentGradient::input
                                          : K == 1 ? RecurrentGradient::hidden
                                                   : RecurrentGradient::cell;
-    return RecurrentGradOp<Layer, States, target>{layer};
+    return RecurrentGradOp<Layer, States, CellStates, target>{layer};
   }
-  auto parameter_grad_op() const { return RecurrentGradOp<Layer, States, RecurrentGradient::parameters>{layer}; }
+  auto parameter_grad_op() const {
+    return RecurrentGradOp<Layer, States, CellStates, RecurrentGradient::parameters>{layer};
+  }
 
-  static std::string op_name() { return Cell::name; }
+  static std::string op_name() { return std::string(Cell::name) + (CellStates ? " (cell states)" : ""); }
   std::string label() const { return layer->label(); }
 };
 
@@ -22224,8 +22244,10 @@ struct RecurrentOp : Primitive<RecurrentOp<Layer, States>> {
 // and, once for all steps, dW_ih = dxgᵀ x, db_ih the sum of dxg, dx = dxg W_ih. The initial
 // states' gradients are what reaches h_{-1} and c_{-1}: each is its own operation, which runs
 // the loop again (the contract's one value per operation), and writes no parameter's gradient.
-template <class Layer, int States, RecurrentGradient Target>
-struct RecurrentGradOp : Primitive<RecurrentGradOp<Layer, States, Target>> {
+// With CellStates the output's gradient reaches each c_t instead of h_t, and h is taken again
+// with the gates.
+template <class Layer, int States, bool CellStates, RecurrentGradient Target>
+struct RecurrentGradOp : Primitive<RecurrentGradOp<Layer, States, CellStates, Target>> {
   using layer_type = Layer;
   using value_type = typename Layer::value_type;
   using Cell = typename Layer::cell_type;
@@ -22259,10 +22281,17 @@ struct RecurrentGradOp : Primitive<RecurrentGradOp<Layer, States, Target>> {
     const T* dy = a.in<T>(0);
     const T* x = a.in<T>(1);
     const detail::InitialStates<T> initial{States >= 1 ? a.in<T>(2) : nullptr, States >= 2 ? a.in<T>(3) : nullptr};
-    const T* y = a.in<T>(static_cast<std::size_t>(2 + States));
-    duet::detail::Storage keep_storage, dxg_storage, dhg_storage, dh_storage, dc_storage;
+    duet::detail::Storage keep_storage, hs_storage, dxg_storage, dhg_storage, dh_storage, dc_storage;
     T* keep = duet::detail::scratch<T>(keep_storage, static_cast<std::size_t>(s.rows() * K));
-    detail::recurrent_steps<Cell>(*layer, s, x, initial, y, static_cast<T*>(nullptr), keep);
+    // Every h_t: the forward's output, or taken again when that output is the cell states.
+    const T* y = a.in<T>(static_cast<std::size_t>(2 + States));
+    if constexpr (CellStates) {
+      T* hs = duet::detail::scratch<T>(hs_storage, static_cast<std::size_t>(s.rows() * H));
+      detail::recurrent_steps<Cell>(*layer, s, x, initial, hs, detail::StepOutputs<T>{hs, nullptr, keep});
+      y = hs;
+    } else {
+      detail::recurrent_steps<Cell>(*layer, s, x, initial, y, detail::StepOutputs<T>{nullptr, nullptr, keep});
+    }
 
     const ::Eigen::Map<const RowMatrix<T>> w_hh(layer->weight_hh_l0.data(), G, H);
     T* dxg = duet::detail::scratch<T>(dxg_storage, static_cast<std::size_t>(s.rows() * G));
@@ -22290,7 +22319,10 @@ struct RecurrentGradOp : Primitive<RecurrentGradOp<Layer, States, Target>> {
         T* carry = dh_next + b * H;
         for (index_t j = 0; j < H; ++j) {
           const T c_prev = t > 0 ? Cell::cell_state(kept - K, H, j) : initial.c == nullptr ? T(0) : initial.c[b * H + j];
-          carry[j] = Cell::backward(kept, H, j, dy[row * H + j] + carry[j], h_prev == nullptr ? T(0) : h_prev[j], c_prev,
+          T dh = carry[j];
+          if constexpr (CellStates) dc[b * H + j] += dy[row * H + j];
+          else dh += dy[row * H + j];
+          carry[j] = Cell::backward(kept, H, j, dh, h_prev == nullptr ? T(0) : h_prev[j], c_prev,
                                     dc == nullptr ? nullptr : dc + b * H + j, dxg + row * G, dhg + b * G);
         }
       }
@@ -22320,7 +22352,7 @@ struct RecurrentGradOp : Primitive<RecurrentGradOp<Layer, States, Target>> {
   }
 
   static std::string op_name() {
-    const std::string name = std::string(Cell::name) + "Grad";
+    const std::string name = std::string(Cell::name) + "Grad" + (CellStates ? " (cell states)" : "");
     switch (Target) {
       case RecurrentGradient::input: return name;
       case RecurrentGradient::parameters: return name + " (parameters only)";
@@ -22395,6 +22427,16 @@ class RecurrentLayer : public Cell<Derived, CONTEXT_MODE, T> {
     requires(sizeof...(States) == 0 || sizeof...(States) == Step::states)
   auto construct(X&& x, States&&... states) {
     return apply(ops::RecurrentOp<Derived, static_cast<int>(sizeof...(States))>{static_cast<const Derived*>(this)},
+                 std::forward<X>(x), std::forward<States>(states)...);
+  }
+
+  // An LSTM's cell state after every step, [B, L, hidden], from the same inputs as its call
+  // (PyTorch's c_n is the last step): what carries its state to the next chunk, beside h. It
+  // runs the recurrence again, so a network that needs both pays for it twice.
+  template <class X, class... States>
+    requires(Step::states == 2 && (sizeof...(States) == 0 || sizeof...(States) == 2))
+  auto cell_states(X&& x, States&&... states) {
+    return apply(ops::RecurrentOp<Derived, static_cast<int>(sizeof...(States)), true>{static_cast<const Derived*>(this)},
                  std::forward<X>(x), std::forward<States>(states)...);
   }
 
