@@ -196,6 +196,15 @@ struct SeededLSTM : duet::nn::Cell<SeededLSTM, duet::CONTEXT_MODE, double> {
 };
 
 }  // namespace
+}  // namespace tests_nn_recurrent
+
+// The template cases' names: "<nn::GRU>", not "<tests_nn_recurrent::{anonymous}::GRUs>".
+TYPE_TO_STRING_AS("nn::GRU", tests_nn_recurrent::GRUs);
+TYPE_TO_STRING_AS("nn::LSTM", tests_nn_recurrent::LSTMs);
+TYPE_TO_STRING_AS("nn::GRU", tests_nn_recurrent::SeededGRU);
+TYPE_TO_STRING_AS("nn::LSTM", tests_nn_recurrent::SeededLSTM);
+
+namespace tests_nn_recurrent {
 
 TEST_CASE_TEMPLATE("initial states: the layer's and the states' gradients match finite differences, the same bits in both modes",
                    Net, SeededGRU, SeededLSTM) {
