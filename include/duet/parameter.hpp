@@ -168,6 +168,15 @@ class BasicParameter : public BasicTensor<T> {
     return grad.data();
   }
 
+  // grad_for_write for a kernel that only adds into the gradient: zeroed on the pass's first
+  // write, kept for a later one (a layer used twice).
+  T* grad_for_add(std::uint64_t pass) const {
+    bool accumulate = false;
+    T* g = grad_for_write(pass, &accumulate);
+    if (!accumulate) std::fill_n(g, this->numel(), T(0));
+    return g;
+  }
+
   // Forgets the gradient of backward pass `pass`, as if it had not reached this parameter.
   void forget_grad(std::uint64_t pass) const {
     if (grad_pass_ == pass) grad_pass_ = 0;

@@ -4586,6 +4586,15 @@ class BasicParameter : public BasicTensor<T> {
     return grad.data();
   }
 
+  // grad_for_write for a kernel that only adds into the gradient: zeroed on the pass's first
+  // write, kept for a later one (a layer used twice).
+  T* grad_for_add(std::uint64_t pass) const {
+    bool accumulate = false;
+    T* g = grad_for_write(pass, &accumulate);
+    if (!accumulate) std::fill_n(g, this->numel(), T(0));
+    return g;
+  }
+
   // Forgets the gradient of backward pass `pass`, as if it had not reached this parameter.
   void forget_grad(std::uint64_t pass) const {
     if (grad_pass_ == pass) grad_pass_ = 0;
@@ -20533,9 +20542,7 @@ struct EmbeddingGradOp : Primitive<EmbeddingGradOp<Layer>> {
     const index_t n = a.in_shape(1).numel();
     const Shape& table = layer->embedding_table.shape();
     detail::check_indices(idx, n, table[0], layer->label() + " (gradient)");
-    bool accumulate = false;
-    T* dtable = layer->embedding_table.grad_for_write(duet::detail::current_backward_pass(), &accumulate);
-    if (!accumulate) std::fill_n(dtable, table.numel(), T(0));
+    T* dtable = layer->embedding_table.grad_for_add(duet::detail::current_backward_pass());
     const T* dy = a.in<T>(0);
     detail::for_each_gathered(table, 0, idx, n, [&](index_t o, index_t i, index_t count) {
       ::Eigen::Map<Array>(dtable + i, count) += ::Eigen::Map<const Array>(dy + o, count);
@@ -21640,15 +21647,7 @@ struct AffineNormGradOp : Primitive<Self> {
   template <class T>
   std::array<T*, 2> parameter_grads() const {
     const std::uint64_t pass = duet::detail::current_backward_pass();
-    std::array<T*, 2> grads{};
-    std::size_t i = 0;
-    for (const auto* p : {&layer->gamma, &layer->beta}) {
-      bool accumulate = false;
-      grads[i] = p->grad_for_write(pass, &accumulate);
-      if (!accumulate) std::fill_n(grads[i], p->numel(), T(0));
-      ++i;
-    }
-    return grads;
+    return {layer->gamma.grad_for_add(pass), layer->beta.grad_for_add(pass)};
   }
 };
 
@@ -22160,16 +22159,6 @@ void recurrent_steps(const Layer& layer, const RecurrentSizes& s, const T* x, In
   }
 }
 
-// A parameter's gradient in this backward pass, zeroed unless an earlier operation of the pass
-// wrote it (a layer called twice).
-template <class T, class P>
-T* recurrent_parameter_grad(const P& p, std::uint64_t pass) {
-  bool accumulate = false;
-  T* g = p.grad_for_write(pass, &accumulate);
-  if (!accumulate) std::fill_n(g, p.numel(), T(0));
-  return g;
-}
-
 }  // namespace detail
 
 // A recurrent layer's operation: [B, L, input] and States initial states [B, hidden] (none, h,
@@ -22309,8 +22298,8 @@ struct RecurrentGradOp : Primitive<RecurrentGradOp<Layer, States, CellStates, Ta
     ::Eigen::Map<RowMatrix<T>> dh_rows(dh_next, s.batch, H);
 
     const std::uint64_t pass = duet::detail::current_backward_pass();
-    T* dw_hh = writes_parameters ? detail::recurrent_parameter_grad<T>(layer->weight_hh_l0, pass) : nullptr;
-    T* db_hh = writes_parameters ? detail::recurrent_parameter_grad<T>(layer->bias_hh_l0, pass) : nullptr;
+    T* dw_hh = writes_parameters ? layer->weight_hh_l0.grad_for_add(pass) : nullptr;
+    T* db_hh = writes_parameters ? layer->bias_hh_l0.grad_for_add(pass) : nullptr;
     for (index_t t = s.length - 1; t >= 0; --t) {
       for (index_t b = 0; b < s.batch; ++b) {
         const index_t row = b * s.length + t;
@@ -22339,9 +22328,9 @@ struct RecurrentGradOp : Primitive<RecurrentGradOp<Layer, States, CellStates, Ta
     }
     if constexpr (writes_parameters) {
       const ::Eigen::Map<const RowMatrix<T>> dxg_rows(dxg, s.rows(), G);
-      ::Eigen::Map<RowMatrix<T>>(detail::recurrent_parameter_grad<T>(layer->weight_ih_l0, pass), G, s.input).noalias() +=
+      ::Eigen::Map<RowMatrix<T>>(layer->weight_ih_l0.grad_for_add(pass), G, s.input).noalias() +=
           dxg_rows.transpose() * ::Eigen::Map<const RowMatrix<T>>(x, s.rows(), s.input);
-      ::Eigen::Map<RowVector<T>>(detail::recurrent_parameter_grad<T>(layer->bias_ih_l0, pass), G) +=
+      ::Eigen::Map<RowVector<T>>(layer->bias_ih_l0.grad_for_add(pass), G) +=
           dxg_rows.colwise().sum();
       if constexpr (Target == RecurrentGradient::input) {
         ::Eigen::Map<RowMatrix<T>>(a.out<T>(), s.rows(), s.input).noalias() =

@@ -107,9 +107,7 @@ struct EmbeddingGradOp : Primitive<EmbeddingGradOp<Layer>> {
     const index_t n = a.in_shape(1).numel();
     const Shape& table = layer->embedding_table.shape();
     detail::check_indices(idx, n, table[0], layer->label() + " (gradient)");
-    bool accumulate = false;
-    T* dtable = layer->embedding_table.grad_for_write(duet::detail::current_backward_pass(), &accumulate);
-    if (!accumulate) std::fill_n(dtable, table.numel(), T(0));
+    T* dtable = layer->embedding_table.grad_for_add(duet::detail::current_backward_pass());
     const T* dy = a.in<T>(0);
     detail::for_each_gathered(table, 0, idx, n, [&](index_t o, index_t i, index_t count) {
       ::Eigen::Map<Array>(dtable + i, count) += ::Eigen::Map<const Array>(dy + o, count);

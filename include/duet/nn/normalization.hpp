@@ -99,15 +99,7 @@ struct AffineNormGradOp : Primitive<Self> {
   template <class T>
   std::array<T*, 2> parameter_grads() const {
     const std::uint64_t pass = duet::detail::current_backward_pass();
-    std::array<T*, 2> grads{};
-    std::size_t i = 0;
-    for (const auto* p : {&layer->gamma, &layer->beta}) {
-      bool accumulate = false;
-      grads[i] = p->grad_for_write(pass, &accumulate);
-      if (!accumulate) std::fill_n(grads[i], p->numel(), T(0));
-      ++i;
-    }
-    return grads;
+    return {layer->gamma.grad_for_add(pass), layer->beta.grad_for_add(pass)};
   }
 };
 

@@ -220,16 +220,6 @@ void recurrent_steps(const Layer& layer, const RecurrentSizes& s, const T* x, In
   }
 }
 
-// A parameter's gradient in this backward pass, zeroed unless an earlier operation of the pass
-// wrote it (a layer called twice).
-template <class T, class P>
-T* recurrent_parameter_grad(const P& p, std::uint64_t pass) {
-  bool accumulate = false;
-  T* g = p.grad_for_write(pass, &accumulate);
-  if (!accumulate) std::fill_n(g, p.numel(), T(0));
-  return g;
-}
-
 }  // namespace detail
 
 // A recurrent layer's operation: [B, L, input] and States initial states [B, hidden] (none, h,
@@ -369,8 +359,8 @@ struct RecurrentGradOp : Primitive<RecurrentGradOp<Layer, States, CellStates, Ta
     ::Eigen::Map<RowMatrix<T>> dh_rows(dh_next, s.batch, H);
 
     const std::uint64_t pass = duet::detail::current_backward_pass();
-    T* dw_hh = writes_parameters ? detail::recurrent_parameter_grad<T>(layer->weight_hh_l0, pass) : nullptr;
-    T* db_hh = writes_parameters ? detail::recurrent_parameter_grad<T>(layer->bias_hh_l0, pass) : nullptr;
+    T* dw_hh = writes_parameters ? layer->weight_hh_l0.grad_for_add(pass) : nullptr;
+    T* db_hh = writes_parameters ? layer->bias_hh_l0.grad_for_add(pass) : nullptr;
     for (index_t t = s.length - 1; t >= 0; --t) {
       for (index_t b = 0; b < s.batch; ++b) {
         const index_t row = b * s.length + t;
@@ -399,9 +389,9 @@ struct RecurrentGradOp : Primitive<RecurrentGradOp<Layer, States, CellStates, Ta
     }
     if constexpr (writes_parameters) {
       const ::Eigen::Map<const RowMatrix<T>> dxg_rows(dxg, s.rows(), G);
-      ::Eigen::Map<RowMatrix<T>>(detail::recurrent_parameter_grad<T>(layer->weight_ih_l0, pass), G, s.input).noalias() +=
+      ::Eigen::Map<RowMatrix<T>>(layer->weight_ih_l0.grad_for_add(pass), G, s.input).noalias() +=
           dxg_rows.transpose() * ::Eigen::Map<const RowMatrix<T>>(x, s.rows(), s.input);
-      ::Eigen::Map<RowVector<T>>(detail::recurrent_parameter_grad<T>(layer->bias_ih_l0, pass), G) +=
+      ::Eigen::Map<RowVector<T>>(layer->bias_ih_l0.grad_for_add(pass), G) +=
           dxg_rows.colwise().sum();
       if constexpr (Target == RecurrentGradient::input) {
         ::Eigen::Map<RowMatrix<T>>(a.out<T>(), s.rows(), s.input).noalias() =
