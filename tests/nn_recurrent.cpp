@@ -349,6 +349,11 @@ TEST_CASE("nn::GRU, nn::LSTM: sizes, PyTorch's initial bound, and shape errors i
                          duet::ShapeError);
     CHECK_THROWS_WITH_AS(lstm(duet::ones({3, 2, 4}), duet::zeros({3, 5}), duet::zeros({3, 4})),
                          doctest::Contains("got [3, 4] for [3, 2, 4]"), duet::ShapeError);
+    // An empty sequence has no last state: refused, as PyTorch does, not an empty output.
+    CHECK_THROWS_WITH_AS(sized(duet::ones({2, 0, 4})),
+                         doctest::Contains("expects sequences [batch, length, input] of at least one step, got [2, 0, 4]"),
+                         duet::ShapeError);
+    CHECK_THROWS_WITH_AS(lstm.cell_states(duet::ones({3, 0, 4})), doctest::Contains("nn::LSTM<4, 5>"), duet::ShapeError);
   }
 }
 

@@ -42,6 +42,7 @@ enum class ShapeFault : unsigned char {
   axis_twice,         // the axes listed name the input's axis `expected` twice, counted from both ends
   broadcast_to,       // the input must broadcast to the operation's target shape (broadcast_to)
   initial_state,      // a recurrence's initial state must be [batch, `expected`], the batch its sequences'
+  empty_sequence,     // a recurrence's sequences [batch, length, input] must have a step (length at least 1)
 };
 
 // What a shape rule returns: the output shape and, if the inputs break the rule, which way.
@@ -152,6 +153,9 @@ inline std::string describe_fault(const ShapeResult& r, std::string_view layer, 
     case ShapeFault::channel_dimension:
       what = "an input whose dimension 1 (channels) is " + e;
       break;
+    case ShapeFault::empty_sequence:
+      what = "sequences [batch, length, input] of at least one step";
+      break;
     case ShapeFault::initial_state:
       return std::string(layer) + " expects an initial state [batch, " + e + "] for sequences [batch, length, " +
              "input], got " + got + " for " + (inputs.empty() ? std::string("nothing") : to_string(inputs[0]));
@@ -223,6 +227,7 @@ template <index_t N>
 struct channel_dimension_must_be {};
 template <index_t N>
 struct initial_state_must_be_batch_by {};
+struct sequence_length_must_be_at_least_1 {};
 // A window's extent (a convolution's kernel, dilated) less the padding: a smaller input leaves
 // no output.
 template <index_t N>
@@ -267,6 +272,8 @@ constexpr auto requirement() {
     return channel_dimension_must_be<N>{};
   else if constexpr (F == ShapeFault::initial_state)
     return initial_state_must_be_batch_by<N>{};
+  else if constexpr (F == ShapeFault::empty_sequence)
+    return sequence_length_must_be_at_least_1{};
   else if constexpr (F == ShapeFault::spatial_size)
     return spatial_sizes_must_be_at_least<N>{};
   else if constexpr (F == ShapeFault::broadcast_to)

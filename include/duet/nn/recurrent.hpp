@@ -243,6 +243,8 @@ struct RecurrentOp : Primitive<RecurrentOp<Layer, States, CellStates>> {
     if (x.rank() != 3) return fault(Shape{dyn, dyn, hidden}, ShapeFault::exact_rank, 3);
     const Shape y{x[0], x[1], hidden};
     if (input != dyn && x[2] != dyn && x[2] != input) return fault(y, ShapeFault::last_dimension, input);
+    // PyTorch refuses an empty sequence too: it has no last state to return.
+    if (x[1] == 0) return fault(y, ShapeFault::empty_sequence, 1);
     for (int k = 1; k <= States; ++k) {
       const Shape& h = in[static_cast<std::size_t>(k)];
       if (h.leading_unknown()) continue;
