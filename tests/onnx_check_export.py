@@ -76,6 +76,48 @@ def pool(x, a, kind):
     return total / count
 
 
+def sigmoid(v):
+    return 1 / (1 + np.exp(-v))
+
+
+def recurrent(op, ins, a):
+    """ONNX's GRU or LSTM, one direction forward, sequence-major (layout 0), its default
+    activations: Y [L, 1, B, H] from X [L, B, I], W, R, B and the initial states, the spec's
+    formulas with its gate order (GRU z, r, h; LSTM i, o, f, c)."""
+    if a.get("direction", b"forward") not in (b"forward", "forward") or a.get("layout", 0) != 0:
+        raise SystemExit(f"onnx_check_export.py: {op} evaluated here forward and sequence-major only")
+    if set(a) - {"hidden_size", "linear_before_reset", "direction", "layout"}:
+        raise SystemExit(f"onnx_check_export.py: {op} with attributes {sorted(a)}")
+    x, w, r = ins[0], ins[1][0], ins[2][0]
+    hidden = a["hidden_size"]
+    gates = w.shape[0] // hidden
+    bias = ins[3][0] if len(ins) > 3 and ins[3] is not None else np.zeros(2 * gates * hidden)
+    wb, rb = bias[:gates * hidden], bias[gates * hidden:]
+    state = lambda k: ins[k][0] if len(ins) > k and ins[k] is not None else np.zeros((x.shape[1], hidden))
+    if len(ins) > 4 and ins[4] is not None:
+        raise SystemExit(f"onnx_check_export.py: {op} with sequence_lens")
+    h, c = state(5), state(6)
+    part = lambda v, k: v[..., k * hidden:(k + 1) * hidden]
+    ys = []
+    for xt in x:
+        xw = xt @ w.T + wb
+        if op == "GRU":
+            if not a.get("linear_before_reset", 0):
+                raise SystemExit("onnx_check_export.py: GRU evaluated with linear_before_reset = 1 only")
+            hr = h @ r.T + rb
+            z = sigmoid(part(xw, 0) + part(hr, 0))
+            rt = sigmoid(part(xw, 1) + part(hr, 1))
+            n = np.tanh(part(xw, 2) + rt * part(hr, 2))
+            h = (1 - z) * n + z * h
+        else:
+            g = xw + h @ r.T + rb
+            i, o, f, cc = sigmoid(part(g, 0)), sigmoid(part(g, 1)), sigmoid(part(g, 2)), np.tanh(part(g, 3))
+            c = f * c + i * cc
+            h = o * np.tanh(c)
+        ys.append(h)
+    return np.stack(ys)[:, None]
+
+
 def wide(v):
     """Floats evaluated in float64; integers (indices, sizes) kept."""
     return v.astype(np.float64) if v.dtype.kind == "f" else v
@@ -187,6 +229,8 @@ def run(model, xs):
             y = np.logical_not(ins[0])
         elif op == "Where":
             y = np.where(ins[0], ins[1], ins[2])
+        elif op in ("GRU", "LSTM"):
+            y = recurrent(op, ins, a)
         elif op == "Cast":
             y = wide(ins[0].astype(onnx.mapping.TENSOR_TYPE_TO_NP_TYPE[a["to"]]))
         else:

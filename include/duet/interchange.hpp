@@ -27,7 +27,8 @@ namespace duet::ops {
 // (the exporter finds its name among the network's parameters), a constant of int64s (a
 // Reshape's target shape), a number in the network's element type (x * 0.5: written as a
 // Constant node, which a reader does not take for a parameter to train), or the value an
-// earlier node of the same description makes.
+// earlier node of the same description makes; or none, an optional input left out before one
+// that is given (ONNX's empty name).
 // ONNX's numbers for the element types (TensorProto.DataType, fixed by the format), and for
 // the bool its comparisons make and Where reads, which duet holds as uint8.
 constexpr std::int64_t onnx_type_code(DType t) {
@@ -43,7 +44,7 @@ constexpr std::int64_t onnx_type_code(DType t) {
 inline constexpr std::int64_t onnx_bool_code = 9;
 
 struct InterchangeInput {
-  enum class Kind : unsigned char { input, parameter, int64s, real, earlier };
+  enum class Kind : unsigned char { input, parameter, int64s, real, earlier, absent };
   Kind kind = Kind::input;
   std::size_t index = 0;            // Kind::input: which input; Kind::earlier: which node
   const void* parameter = nullptr;  // Kind::parameter: the BasicParameter<T>, T the network's
@@ -62,6 +63,7 @@ struct InterchangeInput {
   // A number compared with integers (token ids == 0) or selected into them: of their type.
   static InterchangeInput number_of(double v, DType type) { return {Kind::real, 0, nullptr, {}, v, false, type}; }
   static InterchangeInput node(std::size_t k) { return {Kind::earlier, k, nullptr, {}}; }
+  static InterchangeInput absent() { return {Kind::absent, 0, nullptr, {}}; }
 };
 
 struct InterchangeAttribute {

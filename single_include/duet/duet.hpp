@@ -7916,7 +7916,8 @@ namespace duet::ops {
 // (the exporter finds its name among the network's parameters), a constant of int64s (a
 // Reshape's target shape), a number in the network's element type (x * 0.5: written as a
 // Constant node, which a reader does not take for a parameter to train), or the value an
-// earlier node of the same description makes.
+// earlier node of the same description makes; or none, an optional input left out before one
+// that is given (ONNX's empty name).
 // ONNX's numbers for the element types (TensorProto.DataType, fixed by the format), and for
 // the bool its comparisons make and Where reads, which duet holds as uint8.
 constexpr std::int64_t onnx_type_code(DType t) {
@@ -7932,7 +7933,7 @@ constexpr std::int64_t onnx_type_code(DType t) {
 inline constexpr std::int64_t onnx_bool_code = 9;
 
 struct InterchangeInput {
-  enum class Kind : unsigned char { input, parameter, int64s, real, earlier };
+  enum class Kind : unsigned char { input, parameter, int64s, real, earlier, absent };
   Kind kind = Kind::input;
   std::size_t index = 0;            // Kind::input: which input; Kind::earlier: which node
   const void* parameter = nullptr;  // Kind::parameter: the BasicParameter<T>, T the network's
@@ -7951,6 +7952,7 @@ struct InterchangeInput {
   // A number compared with integers (token ids == 0) or selected into them: of their type.
   static InterchangeInput number_of(double v, DType type) { return {Kind::real, 0, nullptr, {}, v, false, type}; }
   static InterchangeInput node(std::size_t k) { return {Kind::earlier, k, nullptr, {}}; }
+  static InterchangeInput absent() { return {Kind::absent, 0, nullptr, {}}; }
 };
 
 struct InterchangeAttribute {
@@ -21969,6 +21971,7 @@ class GroupNorm : public Cell<GroupNorm<Groups, Channels, T>, CONTEXT_MODE, T> {
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include <Eigen/Core>
 
@@ -22008,6 +22011,10 @@ struct GRUCell {
   static constexpr index_t saved = 4;
   static constexpr int states = 1;  // h
   static constexpr const char* name = "GRU";
+  // ONNX's GRU orders the gates z, r, h (PyTorch's blocks 1, 0, 2); linear_before_reset = 1 is
+  // PyTorch's n, r applied to W_hn h + b_hn.
+  static constexpr std::array<index_t, gates> onnx_gates{1, 0, 2};
+  static std::vector<InterchangeAttribute> onnx_attributes() { return {InterchangeAttribute::of("linear_before_reset", 1)}; }
 
   template <class T>
   static T forward(const T* xg, const T* hg, index_t H, index_t j, T h, T* /*c*/, T* keep) {
@@ -22055,6 +22062,9 @@ struct LSTMCell {
   static constexpr index_t saved = 5;
   static constexpr int states = 2;  // h, c
   static constexpr const char* name = "LSTM";
+  // ONNX's LSTM orders the gates i, o, f, c (PyTorch's blocks 0, 3, 1, 2).
+  static constexpr std::array<index_t, gates> onnx_gates{0, 3, 1, 2};
+  static std::vector<InterchangeAttribute> onnx_attributes() { return {}; }
 
   template <class T>
   static T forward(const T* xg, const T* hg, index_t H, index_t j, T /*h*/, T* c, T* keep) {
@@ -22232,6 +22242,49 @@ struct RecurrentOp : Primitive<RecurrentOp<Layer, States, CellStates>> {
 
   static std::string op_name() { return std::string(Cell::name) + (CellStates ? " (cell states)" : ""); }
   std::string label() const { return layer->label(); }
+
+  // ONNX: its GRU or LSTM, forward, which reads sequence-major [L, B, input], weights [1,
+  // gates · hidden, ...] with ONNX's gate order, one bias of both halves, states [1, B,
+  // hidden], and gives [L, 1, B, hidden]. The parameters stay initializers under their names
+  // in PyTorch's layout (load_onnx_weights reads them back), reordered in the graph by Gather.
+  // Every step's c has no form: ONNX's LSTM gives the last step's only.
+  Interchange interchange(std::span<const Shape>) const {
+    if constexpr (CellStates) {
+      return {};
+    } else {
+      using I = InterchangeInput;
+      using A = InterchangeAttribute;
+      const index_t H = layer->hidden_size();
+      std::vector<std::int64_t> rows;
+      for (const index_t gate : Cell::onnx_gates) {
+        for (index_t j = 0; j < H; ++j) rows.push_back(gate * H + j);
+      }
+      std::vector<std::int64_t> both = rows;
+      for (const std::int64_t r : rows) both.push_back(r + Cell::gates * H);
+      const std::vector<std::int64_t> swap_batch_and_length{1, 0, 2};
+      Interchange n;
+      const auto add = [&](InterchangeNode node) {
+        n.push_back(std::move(node));
+        return I::node(n.size() - 1);
+      };
+      const auto reordered = [&](I matrix, const std::vector<std::int64_t>& order) {
+        return add({"Unsqueeze", {add({"Gather", {std::move(matrix), I::constant(order)}, {A::of("axis", 0)}}), I::constant({0})}, {}});
+      };
+      std::vector<I> in{add({"Transpose", {I::operand(0)}, {A::of("perm", swap_batch_and_length)}}),
+                        reordered(I::of_parameter(&layer->weight_ih_l0), rows),
+                        reordered(I::of_parameter(&layer->weight_hh_l0), rows),
+                        reordered(add({"Concat", {I::of_parameter(&layer->bias_ih_l0), I::of_parameter(&layer->bias_hh_l0)}, {A::of("axis", 0)}}), both)};
+      if constexpr (States > 0) {
+        in.push_back(I::absent());  // sequence_lens: every sequence is whole
+        for (std::size_t k = 1; k <= States; ++k) in.push_back(add({"Unsqueeze", {I::operand(k), I::constant({0})}, {}}));
+      }
+      std::vector<A> attributes = Cell::onnx_attributes();
+      attributes.push_back(A::of("hidden_size", H));
+      const I y = add({Cell::name, std::move(in), std::move(attributes)});
+      add({"Transpose", {add({"Squeeze", {y, I::constant({1})}, {}})}, {A::of("perm", swap_batch_and_length)}});
+      return n;
+    }
+  }
 };
 
 // Backpropagation through time. The gates are taken again from x, the initial states and the

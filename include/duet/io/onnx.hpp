@@ -406,6 +406,13 @@ class OnnxBuilder {
       const onnx::NodeProto& n = g.node(i);
       if (n.output_size() < 1) throw FormatError(where_ + ": " + who(n, i) + " has no output");
       for (const std::string& in : n.input()) ++consumers_[in];
+      // Named before the nodes that prepare its inputs (an exporter's Expand or Gather), which
+      // would otherwise be the error, as if the model were one step from loading.
+      if (n.op_type() == "GRU" || n.op_type() == "LSTM" || n.op_type() == "RNN") {
+        unsupported(who(n, i), "the operator " + n.op_type() +
+                                   " (load_onnx reads no recurrence yet; the weights of a GRU or LSTM export_onnx "
+                                   "wrote load by name with load_onnx_weights into a network of nn::GRU or nn::LSTM)");
+      }
     }
     for (const onnx::ValueInfoProto& o : g.output()) ++consumers_[o.name()];
     // Constants first (they read nothing): a pattern read at its first node (GELU's) then sees
@@ -1748,6 +1755,8 @@ class OnnxExporter {
         set_onnx_tensor(*value.mutable_t(), name, Shape{}, type, detail::number_bytes(in.real, type).data());
         return name;
       }
+      case Kind::absent:
+        return {};
       case Kind::parameter: {
         std::string name = parameter_name(in.parameter);
         if (name.empty()) {
