@@ -59,7 +59,8 @@ struct Reference {
 };
 const std::vector<Reference> models{{"mlp", {4, 1, 28, 28}},   {"lenet5", {4, 1, 28, 28}},
                                     {"resnet", {4, 1, 28, 28}}, {"operators", {4, 16}},
-                                    {"temporal", {4, 3, 12}},   {"norms", {4, 16}, {17}}};
+                                    {"temporal", {4, 3, 12}},   {"norms", {4, 16}, {17}},
+                                    {"recurrent", {4, 7, 4}}};
 
 // Within 1e-5 of the largest magnitude in PyTorch's output.
 void check_close(const Tensor& got, const Tensor& want, const std::string& what) {
@@ -124,11 +125,26 @@ TEST_CASE("io::load_onnx: the initializers are the network's parameters, by thei
   }
   duet::io::OnnxModel operators = duet::io::load_onnx(*dir / "operators_opset13.onnx");
   CHECK(std::ranges::count(operators.operators(), "Gelu") == 1);  // torch's Erf pattern
+
+  // torch's GRU and LSTM weights, in ONNX's layout, come in PyTorch's, B split in two; the
+  // zero initial states torch makes of the batch's size are the operation's own.
+  duet::io::OnnxModel recurrent = duet::io::load_onnx(*dir / "recurrent_opset17.onnx");
+  std::vector<Shape> shapes;
+  std::vector<std::string> recurrent_names;
+  for (const auto& [name, p] : recurrent.parameters()) {
+    shapes.push_back(p->shape());
+    recurrent_names.push_back(name);
+  }
+  CHECK(std::ranges::count(shapes, Shape{18, 4}) == 1);  // the GRU's W_ih
+  CHECK(std::ranges::count(shapes, Shape{20, 5}) == 1);  // the LSTM's W_hh
+  CHECK(std::ranges::count(shapes, Shape{20}) == 2);     // its two biases
+  CHECK(std::ranges::count_if(recurrent_names, [](const std::string& n) { return n.ends_with(".bias_hh"); }) == 2);
+  CHECK(std::ranges::count(recurrent.operators(), "Expand") + std::ranges::count(recurrent.operators(), "ConstantOfShape") == 0);
 }
 
 TEST_CASE("io::load_onnx: a loaded model trains, with the same losses and parameters in both modes") {
   REQUIRE_REFERENCES(dir);
-  for (const std::string name : {"lenet5", "resnet", "operators", "temporal", "norms"}) {
+  for (const std::string name : {"lenet5", "resnet", "operators", "temporal", "norms", "recurrent"}) {
     INFO(name);
     const Reference& r = *std::ranges::find(models, name, &Reference::name);
     const Tensor x = read_floats(*dir / (name + ".input.bin"), r.input);
@@ -214,7 +230,7 @@ TEST_CASE("io::load_onnx_weights: by an explicit name map, into a network built 
 TEST_CASE("io::load_onnx: the fuzzer's seed models load and run, the same in both modes") {
   // tests/fuzz/make_onnx_corpus.py: every operator the loader reads (gemm.onnx at opset 13, the rest 17).
   const fs::path corpus = fs::path(__FILE__).parent_path() / "fuzz" / "corpus" / "onnx";
-  for (const std::string name : {"gemm", "conv", "gelu", "shape", "view", "slice"}) {
+  for (const std::string name : {"gemm", "conv", "gelu", "shape", "view", "slice", "recurrent"}) {
     INFO(name);
     duet::io::OnnxModel net = duet::io::load_onnx(corpus / (name + ".onnx"));
     Shape shape;
@@ -496,9 +512,9 @@ TEST_CASE("io::load_onnx: an error while running names the node once") {
 TEST_CASE("io::load_onnx: an unsupported operator or attribute names the node and the operator") {
   {
     onnx::ModelProto m = model_of();
-    add_node(m, "LSTM", "rnn", {"x"});
+    add_node(m, "RNN", "rnn", {"x"});
     const std::string e = message_of<duet::ValueError>(m);
-    CHECK(e.starts_with("test.onnx: ONNX node 'rnn' (LSTM): the operator LSTM (load_onnx reads no recurrence yet;"));
+    CHECK(e == "test.onnx: ONNX node 'rnn' (RNN): the operator RNN (duet has GRU and LSTM) is not supported");
   }
   {
     onnx::ModelProto m = model_of();
@@ -1084,6 +1100,16 @@ struct SequenceModel : duet::nn::Cell<SequenceModel> {
   auto construct(auto x) { return head(gru(x)); }
 };
 
+// A GRU then an LSTM, from zeros and from a learned initial state.
+struct Recurrences : duet::nn::Cell<Recurrences> {
+  duet::nn::GRU<4, 6> gru;
+  duet::nn::LSTM<6, 5> lstm;
+  duet::nn::Parameter h0{duet::randn({2, 5}, 4)};
+  duet::nn::Parameter c0{duet::randn({2, 5}, 5)};
+  DUET_CELL_MEMBERS(gru, lstm, h0, c0);
+  auto construct(auto x) { return lstm(gru(x), h0, c0); }
+};
+
 // An LSTM from given states: the model's inputs input0 (x), input1 (h0), input2 (c0).
 struct StatefulLSTM : duet::nn::Cell<StatefulLSTM> {
   duet::nn::LSTM<4, 5> lstm;
@@ -1110,7 +1136,7 @@ void check_same_parameters(A& a, B& b) {
   }
 }
 
-TEST_CASE("io::export_onnx: GRU and LSTM are ONNX's, with its gate order, at any length, and their weights load back by name") {
+TEST_CASE("io::export_onnx: GRU and LSTM are ONNX's, with its gate order, at any length, and load back by name") {
   const duet_test::TempDir dir;
   SequenceModel net;
   const fs::path file = dir.path / "gru.onnx";
@@ -1136,9 +1162,25 @@ TEST_CASE("io::export_onnx: GRU and LSTM are ONNX's, with its gate order, at any
   SequenceModel other;
   duet::io::load_onnx_weights(file, other);
   check_same_parameters(net, other);
-  // The importer does not read ONNX's recurrences yet, and says which.
-  CHECK_THROWS_WITH_AS(duet::io::load_onnx(file), doctest::Contains("(GRU): the operator GRU (load_onnx reads no recurrence yet"),
-                       duet::ValueError);
+  // load_onnx runs the layer's own operation on the network's own parameters, the nodes that
+  // reorder them for ONNX not run: the same names, and (the Dense after it being MatMul and
+  // Add) the output within rounding, at any length.
+  duet::io::OnnxModel loaded = duet::io::load_onnx(file);
+  std::vector<std::string> names;
+  for (const auto& p : loaded.parameters()) names.push_back(p.name);
+  CHECK(names == std::vector<std::string>{"gru.weight_ih_l0", "gru.weight_hh_l0", "gru.bias_ih_l0", "gru.bias_hh_l0",
+                                          "head.weight", "head.bias"});
+  CHECK(std::ranges::count(loaded.operators(), "Gather") == 0);
+  for (const Shape& shape : {Shape{2, 5, 4}, Shape{3, 9, 4}}) {
+    const Tensor x = duet::randn(shape, 6);
+    const Tensor pynative = loaded(x);
+    check_close(pynative, pynative_output(net, x), "gru.onnx loaded back");
+    ModeScope graph(duet::GRAPH_MODE);
+    CHECK(same_bits(loaded(x), pynative));
+  }
+  // Recurrences alone come back bit for bit, their initial states too.
+  Recurrences recurrences;
+  check_export(recurrences, Shape{2, 6, 4}, "recurrences", dir);
 
   StatefulLSTM lstm;
   const fs::path lstm_file = dir.path / "lstm.onnx";

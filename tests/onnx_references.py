@@ -2,8 +2,8 @@
 """References for duet's ONNX import, computed by PyTorch (Debian's python3-torch).
 
 Builds, with fixed seeds, the seed MLP (examples/network.hpp), LeNet-5 (examples/lenet5.hpp), a
-small residual CNN, a network of the remaining operators, one of 1-D convolutions and one of
-LayerNorms; exports each with torch.onnx.export at opsets 13 and 17 (the LayerNorms at 17 only),
+small residual CNN, a network of the remaining operators, one of 1-D convolutions, one of
+LayerNorms and one of a GRU and an LSTM; exports each with torch.onnx.export at opsets 13 and 17 (the LayerNorms at 17 only),
 and writes a fixed input and PyTorch's output for it:
 
     <dir>/<model>_opset<13|17>.onnx
@@ -133,6 +133,20 @@ class Norms(nn.Module):
         return self.head(torch.flatten(self.plane(h.reshape(-1, 4, 6)), 1))
 
 
+class Recurrent(nn.Module):
+    # A GRU then an LSTM over batch-first sequences, from zeros (which torch writes as
+    # ConstantOfShape or Expand of the batch's size), the last step to a Linear.
+    def __init__(self):
+        super().__init__()
+        self.gru = nn.GRU(4, 6, batch_first=True)
+        self.lstm = nn.LSTM(6, 5, batch_first=True)
+        self.fc = nn.Linear(5, 10)
+
+    def forward(self, x):
+        h = self.lstm(self.gru(x)[0])[0]
+        return self.fc(torch.flatten(h[:, -1:], 1))
+
+
 def randomise_batchnorm(model):
     for m in model.modules():
         if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):
@@ -154,6 +168,7 @@ MODELS = {
     "operators": (Operators, (4, 16), (13, 17)),
     "temporal": (Temporal, (4, 3, 12), (13, 17)),
     "norms": (Norms, (4, 16), (17,)),
+    "recurrent": (Recurrent, (4, 7, 4), (13, 17)),
 }
 
 

@@ -124,6 +124,16 @@ def main():
             helper.make_node("Concat", ["x", "x"], ["y"], axis=(1 << 32) + 1)]),
         "broken_transpose_perm_2pow32": broken("transpose", [
             helper.make_node("Transpose", ["x"], ["y"], perm=[(1 << 32) + 1, 1 << 32])]),
+        # Last, so that the models above keep their random weights.
+        "recurrent": model("recurrent", [
+            helper.make_node("GRU", ["x", "gw", "gr", "gb"], ["g"], hidden_size=3, linear_before_reset=1),
+            helper.make_node("Squeeze", ["g", "shape_axis1"], ["s"]),
+            helper.make_node("ConstantOfShape", ["shape_state"], ["zero"],
+                             value=numpy_helper.from_array(np.zeros(1, np.float32))),
+            helper.make_node("LSTM", ["s", "lw", "lr", "lb", "", "zero", "zero"], ["l"], hidden_size=2),
+            helper.make_node("Squeeze", ["l", "shape_axis1"], ["y"])],
+            {"gw": r(1, 9, 4), "gr": r(1, 9, 3), "gb": r(1, 18), "lw": r(1, 8, 3), "lr": r(1, 8, 2), "lb": r(1, 16),
+             "shape_axis1": [1], "shape_state": [1, 2, 2]}, [3, 2, 4], [3, 2, 2]),
     }
     os.makedirs(out, exist_ok=True)
     for name, m in models.items():

@@ -43,6 +43,10 @@
 //   Concat of int64s                               x.view(x.size(0), -1): no step, the sizes are
 //                                                  read from the values' shapes as Reshape runs
 //   Transpose (rank <= 8), Concat (rank <= 4)      ops::transpose(x, perm), ops::concat<Axis>
+//   GRU (linear_before_reset 1), LSTM: forward,    nn::GRU's and nn::LSTM's operation, their
+//   sequence-major, default activations, no        weights rearranged into PyTorch's layout
+//   sequence_lens or peepholes                     (prepare_recurrence); torch's zero initial
+//                                                  states (ConstantOfShape, Expand) its own
 //   Identity, Dropout (inference), Constant        no operation
 // Anything else, and any attribute or setting the list does not cover, is a duet::ValueError
 // when the file is loaded, naming the node, its operator and what is not supported. A file that
@@ -158,6 +162,28 @@ struct OnnxConv {
 
   const ops::ConvGeometry& geometry() const { return g; }
   bool has_bias() const { return with_bias; }
+  std::string label() const { return who; }
+};
+
+// A GRU's or LSTM's parameters in the form ops::RecurrentOp reads from nn::GRU and nn::LSTM:
+// PyTorch's layout and gate order.
+template <class Step>
+struct OnnxRecurrent {
+  using value_type = float;
+  using cell_type = Step;
+  static constexpr index_t input_static = dyn;
+  static constexpr index_t hidden_static = dyn;
+
+  const nn::Parameter& weight_ih_l0;  // [gates * hidden, input]
+  const nn::Parameter& weight_hh_l0;  // [gates * hidden, hidden]
+  const nn::Parameter& bias_ih_l0;    // [gates * hidden]
+  const nn::Parameter& bias_hh_l0;
+  index_t input = 0;
+  index_t hidden = 0;
+  std::string who;
+
+  index_t input_size() const { return input; }
+  index_t hidden_size() const { return hidden; }
   std::string label() const { return who; }
 };
 
@@ -379,6 +405,8 @@ class OnnxModel : public nn::DynamicCell {
   std::vector<Tensor> constants_;
   std::vector<std::unique_ptr<detail::OnnxConv<1>>> convs1d_;
   std::vector<std::unique_ptr<detail::OnnxConv<2>>> convs2d_;
+  std::vector<std::unique_ptr<detail::OnnxRecurrent<ops::detail::GRUCell>>> grus_;
+  std::vector<std::unique_ptr<detail::OnnxRecurrent<ops::detail::LSTMCell>>> lstms_;
   std::vector<Step> steps_;
   std::vector<std::string> operators_;
   std::vector<std::int64_t> input_dims_;
@@ -406,13 +434,9 @@ class OnnxBuilder {
       const onnx::NodeProto& n = g.node(i);
       if (n.output_size() < 1) throw FormatError(where_ + ": " + who(n, i) + " has no output");
       for (const std::string& in : n.input()) ++consumers_[in];
-      // Named before the nodes that prepare its inputs (an exporter's Expand or Gather), which
-      // would otherwise be the error, as if the model were one step from loading.
-      if (n.op_type() == "GRU" || n.op_type() == "LSTM" || n.op_type() == "RNN") {
-        unsupported(who(n, i), "the operator " + n.op_type() +
-                                   " (load_onnx reads no recurrence yet; the weights of a GRU or LSTM export_onnx "
-                                   "wrote load by name with load_onnx_weights into a network of nn::GRU or nn::LSTM)");
-      }
+      for (const std::string& out : n.output()) producers_.emplace(out, i);
+      // Named before the nodes that prepare its inputs, which would otherwise be the error.
+      if (n.op_type() == "RNN") unsupported(who(n, i), "the operator RNN (duet has GRU and LSTM)");
     }
     for (const onnx::ValueInfoProto& o : g.output()) ++consumers_[o.name()];
     // Constants first (they read nothing): a pattern read at its first node (GELU's) then sees
@@ -421,6 +445,12 @@ class OnnxBuilder {
       if (g.node(i).op_type() != "Constant") continue;
       add_node(g.node(i), i);
       skipped_.insert(i);
+    }
+    // A recurrence's weights before the nodes that prepare them, which it may take over.
+    for (int i = 0; i < g.node_size(); ++i) {
+      const std::string& op = g.node(i).op_type();
+      if (op == "GRU") prepare_recurrence<ops::detail::GRUCell>(g.node(i), i);
+      if (op == "LSTM") prepare_recurrence<ops::detail::LSTMCell>(g.node(i), i);
     }
     for (int i = 0; i < g.node_size(); ++i) {
       if (skipped_.contains(i)) continue;
@@ -841,6 +871,8 @@ class OnnxBuilder {
     }
     if (op == "BatchNormalization") return add_batchnorm(n, node);
     if (op == "LayerNormalization") return add_layernorm(n, node);
+    if (op == "GRU") return add_recurrence(n, node, index, model_.grus_);
+    if (op == "LSTM") return add_recurrence(n, node, index, model_.lstms_);
     if (op == "Flatten" || op == "Reshape") return add_reshape(n, node);
     if (op == "Transpose") return add_transpose(n, node);
     if (shape_arithmetic(n, node)) return;
@@ -984,6 +1016,221 @@ class OnnxBuilder {
     const Layer* layer = layers.back().get();
     add_step("Conv", n, node, [x, layer](const OnnxModel& m, std::vector<Tensor>& v) {
       return m.with(x, v, [layer](const auto& in) -> Tensor { return apply(ops::ConvOp<Layer>{layer}, in); });
+    });
+  }
+
+  // ONNX's GRU and LSTM: forward, sequence-major (layout 0), the default activations, no
+  // sequence_lens or peepholes, and a GRU's linear_before_reset = 1 (PyTorch's formula; 0 is
+  // another). Run as nn::GRU's and nn::LSTM's operation, whose weights are in PyTorch's layout
+  // and gate order: those export_onnx wrote, Unsqueeze(Gather(P, ONNX's order)) of the
+  // network's own parameters (the biases Concatenated first), are those parameters, and the
+  // nodes that reorder them are not run; initializers in ONNX's layout, as torch.onnx.export
+  // writes them, are rearranged into it where nothing else reads them, B split into
+  // "<B>.bias_ih" and "<B>.bias_hh". So an exported network's parameters come back under their
+  // names, and a torch export's train as duet's layers do.
+  template <class Step>
+  void prepare_recurrence(const onnx::NodeProto& n, int index) {
+    const std::string node = who(n, index);
+    const bool lstm = Step::states == 2;
+    arity(n, node, 3, lstm ? 8 : 6);
+    if (lstm) known_attributes(n, node, {"hidden_size", "direction", "layout", "activations", "input_forget"});
+    else known_attributes(n, node, {"hidden_size", "direction", "layout", "activations", "linear_before_reset"});
+    if (string_attr(n, "direction", "forward") != "forward") unsupported(node, "direction " + string_attr(n, "direction", ""));
+    if (int_attr(n, "layout", 0) != 0) unsupported(node, "layout 1 (batch-major; duet reads ONNX's default, sequence-major)");
+    if (int_attr(n, "input_forget", 0) != 0) unsupported(node, "input_forget 1");
+    if (!lstm && int_attr(n, "linear_before_reset", 0) != 1) {
+      unsupported(node, "linear_before_reset 0 (duet's GRU is PyTorch's, linear_before_reset 1)");
+    }
+    if (const onnx::AttributeProto* a = attribute(n, "activations")) {
+      const std::vector<std::string> defaults = lstm ? std::vector<std::string>{"Sigmoid", "Tanh", "Tanh"}
+                                                     : std::vector<std::string>{"Sigmoid", "Tanh"};
+      if (!std::ranges::equal(a->strings(), defaults)) unsupported(node, "activations other than the defaults");
+    }
+    if (n.input_size() > 4 && !n.input(4).empty()) unsupported(node, "sequence_lens (every sequence of a batch is whole)");
+    if (n.input_size() > 7 && !n.input(7).empty()) unsupported(node, "peepholes (input P)");
+    const index_t gates = Step::gates;
+    const std::int64_t hidden = int_attr(n, "hidden_size", 0);
+    // ONNX's rows of the stacked gates, in PyTorch's numbering (export_onnx's Gather indices).
+    const auto order = [&](index_t halves) {
+      std::vector<std::int64_t> rows;
+      for (index_t h = 0; h < halves; ++h)
+        for (const index_t gate : Step::onnx_gates)
+          for (std::int64_t j = 0; j < hidden; ++j) rows.push_back((h * gates + gate) * hidden + j);
+      return rows;
+    };
+    if (hidden < 1 || hidden > (index_t{1} << 24)) throw FormatError(where_ + ": " + node + ": hidden_size " + std::to_string(hidden));
+    // torch.onnx.export makes zero initial states of the batch's size (ConstantOfShape of 0, or
+    // an Expand of zeros): the operation's own zeros, without the nodes.
+    Recurrence found;
+    for (int k = 5; k <= 6 && k < n.input_size(); ++k) {
+      const auto at = producers_.find(n.input(k));
+      if (n.input(k).empty() || at == producers_.end()) continue;
+      const onnx::NodeProto& m = proto_.graph().node(at->second);
+      bool zeros = false;
+      if (m.op_type() == "ConstantOfShape" && m.output_size() == 1) {
+        const onnx::AttributeProto* value = attribute(m, "value");
+        zeros = value == nullptr || (value->has_t() && value->t().data_type() == onnx::TensorProto::FLOAT &&
+                                     detail::onnx_elements<float>(value->t(), "ConstantOfShape's value", 1, where_)[0] == 0.0f);
+      } else if (m.op_type() == "Expand" && m.input_size() == 2 && m.output_size() == 1) {
+        const auto c = operands_.find(m.input(0));
+        if (c != operands_.end() && c->second.kind == Kind::constant) {
+          const Tensor& t = model_.constants_[c->second.index];
+          zeros = std::all_of(t.data(), t.data() + t.numel(), [](float v) { return v == 0.0f; });
+        }
+      }
+      const auto readers = consumers_.find(n.input(k));
+      const auto reads = std::ranges::count(n.input(), n.input(k));
+      if (!zeros || readers == consumers_.end() || readers->second != reads) continue;
+      found.zero_state[static_cast<std::size_t>(k - 5)] = true;
+      skipped_.insert(at->second);
+    }
+    std::array<std::size_t, 4>& p = found.parameters;
+    std::vector<int> taken;  // the nodes export_onnx wrote to reorder the weights
+    const auto take = [&](const std::string& name, const char* op) -> const onnx::NodeProto* {
+      const auto at = producers_.find(name);
+      const auto readers = consumers_.find(name);
+      if (at == producers_.end() || readers == consumers_.end() || readers->second != 1) return nullptr;
+      const onnx::NodeProto& m = proto_.graph().node(at->second);
+      if (m.op_type() != op || m.output_size() != 1) return nullptr;
+      taken.push_back(at->second);
+      return &m;
+    };
+    const auto integers = [&](const std::string& name) {
+      const auto it = integers_.find(name);
+      return it == integers_.end() ? std::vector<std::int64_t>{} : it->second;
+    };
+    const auto parameter = [&](const std::string& name) -> std::optional<std::size_t> {
+      const auto it = operands_.find(name);
+      if (it == operands_.end() || it->second.kind != Kind::parameter) return std::nullopt;
+      return it->second.index;
+    };
+    // Unsqueeze(Gather(source, rows), [0]) with rows in ONNX's order: the Gather's source.
+    const auto gathered = [&](const std::string& name, index_t halves) -> const onnx::NodeProto* {
+      const onnx::NodeProto* unsqueeze = take(name, "Unsqueeze");
+      if (unsqueeze == nullptr || unsqueeze->input_size() != 2 || integers(unsqueeze->input(1)) != std::vector<std::int64_t>{0}) return nullptr;
+      const onnx::NodeProto* gather = take(unsqueeze->input(0), "Gather");
+      if (gather == nullptr || gather->input_size() != 2 || int_attr(*gather, "axis", 0) != 0) return nullptr;
+      // The indices' count first: order() is as long as hidden_size says, the file's data is not.
+      const std::vector<std::int64_t> indices = integers(gather->input(1));
+      if (indices.size() != static_cast<std::size_t>(halves * gates * hidden) || indices != order(halves)) return nullptr;
+      return gather;
+    };
+    const auto shaped = [&](std::size_t k, const Shape& shape) { return model_.parameters_[k]->shape() == shape; };
+    const std::string w = n.input(1);
+    const std::string r = n.input(2);
+    const std::string b = n.input_size() > 3 ? n.input(3) : "";
+    const onnx::NodeProto* gw = gathered(w, 1);
+    const onnx::NodeProto* gr = gathered(r, 1);
+    const onnx::NodeProto* gb = b.empty() ? nullptr : gathered(b, 2);
+    const onnx::NodeProto* concat = gb == nullptr ? nullptr : take(gb->input(0), "Concat");
+    const auto pw = gw == nullptr ? std::nullopt : parameter(gw->input(0));
+    const auto pr = gr == nullptr ? std::nullopt : parameter(gr->input(0));
+    if (pw && pr && concat != nullptr && concat->input_size() == 2 && int_attr(*concat, "axis", 0) == 0 &&
+        parameter(concat->input(0)) && parameter(concat->input(1))) {
+      p = {*pw, *pr, *parameter(concat->input(0)), *parameter(concat->input(1))};
+      const index_t input = model_.parameters_[p[0]]->shape().rank() == 2 ? model_.parameters_[p[0]]->dim(1) : 0;
+      const index_t rows = gates * hidden;
+      if (!shaped(p[0], Shape{rows, input}) || !shaped(p[1], Shape{rows, hidden}) || !shaped(p[2], Shape{rows}) ||
+          !shaped(p[3], Shape{rows})) {
+        throw FormatError(where_ + ": " + node + ": weights whose shapes do not fit hidden_size " + std::to_string(hidden));
+      }
+      skipped_.insert(taken.begin(), taken.end());
+      recurrences_[index] = found;
+      return;
+    }
+    // Initializers in ONNX's layout, read by this node alone.
+    const auto own = [&](const std::string& name, const char* what) {
+      const auto k = parameter(name);
+      const auto readers = consumers_.find(name);
+      if (!k || readers == consumers_.end() || readers->second != 1) {
+        unsupported(node, std::string(what) + " " + detail::onnx_quoted(name) +
+                              " that is not a float initializer read by this node alone, nor export_onnx's reordering of one");
+      }
+      return *k;
+    };
+    const std::size_t kw = own(w, "a weight W");
+    const std::size_t kr = own(r, "a weight R");
+    const index_t rows = gates * hidden;
+    const Shape& ws = model_.parameters_[kw]->shape();
+    if (ws.rank() != 3 || ws[0] != 1 || ws[1] != rows || !shaped(kr, Shape{1, rows, hidden})) {
+      throw FormatError(where_ + ": " + node + ": W " + to_string(ws) + " and R " + to_string(model_.parameters_[kr]->shape()) +
+                        " do not fit hidden_size " + std::to_string(hidden) + " (one direction)");
+    }
+    // Row (gate, j) of PyTorch's layout from row (ONNX's block of that gate, j) of ONNX's.
+    const auto rearranged = [&](const float* from, index_t halves, index_t columns) {
+      Tensor to(halves == 1 ? Shape{rows, columns} : Shape{rows});
+      for (index_t h = 0; h < halves; ++h)
+        for (index_t block = 0; block < gates; ++block)
+          std::copy_n(from + ((h * gates + block) * hidden) * columns, hidden * columns,
+                      to.data() + (Step::onnx_gates[static_cast<std::size_t>(block)] * hidden) * columns);
+      return to;
+    };
+    *model_.parameters_[kw] = nn::Parameter(rearranged(model_.parameters_[kw]->data(), 1, ws[2]));
+    *model_.parameters_[kr] = nn::Parameter(rearranged(model_.parameters_[kr]->data(), 1, hidden));
+    Tensor biases = Tensor(Shape{2 * rows});  // zeros: ONNX's B when there is none
+    std::string base = node;
+    if (!b.empty()) {
+      const std::size_t k = own(b, "a bias B");
+      if (!shaped(k, Shape{1, 2 * rows})) {
+        throw FormatError(where_ + ": " + node + ": B " + to_string(model_.parameters_[k]->shape()) + " does not fit hidden_size " +
+                          std::to_string(hidden));
+      }
+      std::copy_n(model_.parameters_[k]->data(), 2 * rows, biases.data());
+      base = b;
+    }
+    const auto bias = [&](index_t half, const std::string& name, std::optional<std::size_t> reuse) {
+      Tensor t(Shape{rows});
+      for (index_t block = 0; block < gates; ++block)
+        std::copy_n(biases.data() + (half * gates + block) * hidden, hidden,
+                    t.data() + Step::onnx_gates[static_cast<std::size_t>(block)] * hidden);
+      if (reuse) {
+        *model_.parameters_[*reuse] = nn::Parameter(std::move(t));
+        model_.parameter_names_[*reuse] = name;
+        return *reuse;
+      }
+      model_.parameters_.push_back(std::make_unique<nn::Parameter>(std::move(t)));
+      model_.parameter_names_.push_back(name);
+      return model_.parameters_.size() - 1;
+    };
+    const std::optional<std::size_t> kb = b.empty() ? std::nullopt : parameter(b);
+    const std::size_t k_ih = bias(0, base + ".bias_ih", kb);
+    p = {kw, kr, k_ih, bias(1, base + ".bias_hh", std::nullopt)};
+    recurrences_[index] = found;
+  }
+
+  template <class Layer>
+  void add_recurrence(const onnx::NodeProto& n, const std::string& node, int index, std::vector<std::unique_ptr<Layer>>& layers) {
+    const Recurrence& r = recurrences_.at(index);
+    const std::array<std::size_t, 4>& p = r.parameters;
+    const auto& params = model_.parameters_;
+    layers.push_back(std::make_unique<Layer>(Layer{*params[p[0]], *params[p[1]], *params[p[2]], *params[p[3]],
+                                                   params[p[0]]->dim(1), params[p[1]]->dim(1), node}));
+    const Layer* layer = layers.back().get();
+    const Operand x = operand_of(n.input(0), node);
+    const auto state = [&](int i) {
+      const bool given = n.input_size() > i && !n.input(i).empty() && !r.zero_state[static_cast<std::size_t>(i - 5)];
+      return given ? std::optional(operand_of(n.input(i), node)) : std::nullopt;
+    };
+    const std::array<std::optional<Operand>, 2> states{state(5), state(6)};  // h0, c0
+    // Y [L, 1, B, H] from X [L, B, I]; states [1, B, H] (an LSTM's missing one zeros).
+    add_step(n.op_type(), n, node, [x, states, layer](const OnnxModel& m, std::vector<Tensor>& v) {
+      const std::optional<Operand>& h0 = states[0];
+      const std::optional<Operand>& c0 = states[1];
+      const auto initial = [&](const std::optional<Operand>& s, const Tensor& like) {
+        if (!s) return Tensor(zeros(Shape{like.dim(0), layer->hidden}));
+        return m.with(*s, v, [](const auto& t) { return Tensor(ops::squeeze<0>(t)); });
+      };
+      return m.with(x, v, [&](const auto& sequences) -> Tensor {
+        const Tensor xs = ops::transpose<1, 0, 2>(sequences);
+        Tensor y;
+        if constexpr (Layer::cell_type::states == 1) {
+          y = h0 ? apply(ops::RecurrentOp<Layer, 1>{layer}, xs, initial(h0, xs)) : apply(ops::RecurrentOp<Layer, 0>{layer}, xs);
+        } else {
+          y = h0 || c0 ? apply(ops::RecurrentOp<Layer, 2>{layer}, xs, initial(h0, xs), initial(c0, xs))
+                       : apply(ops::RecurrentOp<Layer, 0>{layer}, xs);
+        }
+        return ops::expand_dims<1>(ops::transpose<1, 0, 2>(y));
+      });
     });
   }
 
@@ -1460,6 +1707,12 @@ class OnnxBuilder {
   std::map<std::string, std::vector<std::int64_t>> integers_;
   std::map<std::string, detail::OnnxSizes> sizes_;  // int64 tensors shape arithmetic made
   std::map<std::string, int> consumers_;
+  std::map<std::string, int> producers_;  // the node writing each value
+  struct Recurrence {
+    std::array<std::size_t, 4> parameters;  // weight_ih, weight_hh, bias_ih, bias_hh
+    std::array<bool, 2> zero_state{};       // initial h, c: zeros made by the graph, not read
+  };
+  std::map<int, Recurrence> recurrences_;  // prepare_recurrence's findings, by node
   std::set<int> skipped_;
   std::map<int, std::int64_t> pool_padding_;  // an AveragePool's padding, from the Pad before it
 };

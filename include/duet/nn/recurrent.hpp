@@ -298,7 +298,8 @@ struct RecurrentOp : Primitive<RecurrentOp<Layer, States, CellStates>> {
   // ONNX: its GRU or LSTM, forward, which reads sequence-major [L, B, input], weights [1,
   // gates · hidden, ...] with ONNX's gate order, one bias of both halves, states [1, B,
   // hidden], and gives [L, 1, B, hidden]. The parameters stay initializers under their names
-  // in PyTorch's layout (load_onnx_weights reads them back), reordered in the graph by Gather.
+  // in PyTorch's layout, reordered in the graph by Gather: load_onnx_weights reads them back,
+  // and load_onnx finds them behind the Gathers (OnnxBuilder::prepare_recurrence).
   // Every step's c has no form: ONNX's LSTM gives the last step's only.
   Interchange interchange(std::span<const Shape>) const {
     if constexpr (CellStates) {
