@@ -147,6 +147,19 @@ struct OnnxReshapeOp : ops::Primitive<OnnxReshapeOp> {
   std::string label() const { return who; }
 };
 
+// The operators load_onnx reads, some only in a pattern or with some inputs (Erf in torch's
+// GELU; ConstantOfShape and Expand as a recurrence's zero initial state; Shape, Gather and Cast
+// in shape arithmetic), which their own errors then say. A model's other operators are all
+// named at once, before anything is built. tests/io_onnx.cpp checks the list against
+// OnnxBuilder::add_node.
+inline constexpr auto onnx_operators = std::to_array<std::string_view>({
+    "Abs", "Add", "AveragePool", "BatchNormalization", "Cast", "Clip", "Concat", "Constant", "ConstantOfShape", "Conv",
+    "Cos", "Div", "Dropout", "Elu", "Erf", "Exp", "Expand", "Flatten", "GRU", "Gather", "Gemm", "GlobalAveragePool",
+    "Identity", "LSTM", "LayerNormalization", "LeakyRelu", "Log", "LogSoftmax", "MatMul", "Max", "MaxPool", "Min",
+    "Mul", "Neg", "Pad", "Pow", "Reciprocal", "ReduceMax", "ReduceMean", "ReduceMin", "ReduceSum", "Relu", "Reshape",
+    "Shape", "Sigmoid", "Sin", "Slice", "Softmax", "Softplus", "Sqrt", "Squeeze", "Sub", "Tanh", "Transpose",
+    "Unsqueeze"});
+
 // Conv's settings and parameters in the form duet's ConvOp reads from its layer.
 template <int Spatial>
 struct OnnxConv {
@@ -430,14 +443,18 @@ class OnnxBuilder {
     find_input(g);
     // Every node has an output before any is read: the GELU pattern looks at nodes ahead of
     // the one being added, and protobuf's output(0) of an empty list is out of bounds.
+    std::vector<std::pair<int, int>> unknown;  // an operator's first node and its count
     for (int i = 0; i < g.node_size(); ++i) {
       const onnx::NodeProto& n = g.node(i);
       if (n.output_size() < 1) throw FormatError(where_ + ": " + who(n, i) + " has no output");
       for (const std::string& in : n.input()) ++consumers_[in];
       for (const std::string& out : n.output()) producers_.emplace(out, i);
-      // Named before the nodes that prepare its inputs, which would otherwise be the error.
-      if (n.op_type() == "RNN") unsupported(who(n, i), "the operator RNN (duet has GRU and LSTM)");
+      if (std::ranges::find(detail::onnx_operators, n.op_type()) != detail::onnx_operators.end()) continue;
+      const auto seen = std::ranges::find_if(unknown, [&](const auto& u) { return g.node(u.first).op_type() == n.op_type(); });
+      if (seen == unknown.end()) unknown.emplace_back(i, 1);
+      else ++seen->second;
     }
+    if (!unknown.empty()) refuse_operators(unknown);
     for (const onnx::ValueInfoProto& o : g.output()) ++consumers_[o.name()];
     // Constants first (they read nothing): a pattern read at its first node (GELU's) then sees
     // the constants its later nodes read.
@@ -551,13 +568,33 @@ class OnnxBuilder {
 
   // --- attributes ---------------------------------------------------------------------------
 
-  std::string who(const onnx::NodeProto& n, int index) const {
-    return "ONNX node " + detail::onnx_quoted(n.name().empty() ? "#" + std::to_string(index) : n.name()) + " (" +
-           n.op_type() + ")";
+  static std::string node_name(const onnx::NodeProto& n, int index) {
+    return detail::onnx_quoted(n.name().empty() ? "#" + std::to_string(index) : n.name());
   }
+  std::string who(const onnx::NodeProto& n, int index) const { return "ONNX node " + node_name(n, index) + " (" + n.op_type() + ")"; }
 
   [[noreturn]] void unsupported(const std::string& node, const std::string& what) const {
     throw ValueError(where_ + ": " + node + ": " + what + " is not supported");
+  }
+
+  // The first node of an unknown operator, as unsupported() names one, then the others: a
+  // user learns at once what a model needs, not one operator per attempt.
+  [[noreturn]] void refuse_operators(const std::vector<std::pair<int, int>>& unknown) const {
+    const auto name = [&](const std::pair<int, int>& u) {
+      const std::string& op = proto_.graph().node(u.first).op_type();
+      return op + (op == "RNN" ? " (duet has GRU and LSTM)" : "");
+    };
+    std::string also;
+    for (std::size_t k = 1; k < unknown.size(); ++k) {
+      const auto& u = unknown[k];
+      also += (k == 1 ? "; nor are " : ", ") + name(u) + " (" +
+              (u.second == 1 ? "node " : std::to_string(u.second) + " nodes, the first ") +
+              node_name(proto_.graph().node(u.first), u.first) + ")";
+    }
+    const auto& first = unknown.front();
+    const std::string count = first.second == 1 ? "" : " (" + std::to_string(first.second) + " nodes)";
+    throw ValueError(where_ + ": " + who(proto_.graph().node(first.first), first.first) + ": the operator " + name(first) +
+                     count + " is not supported" + also);
   }
 
   static const onnx::AttributeProto* attribute(const onnx::NodeProto& n, const std::string& name) {
@@ -878,6 +915,8 @@ class OnnxBuilder {
     if (shape_arithmetic(n, node)) return;
     if (op == "Unsqueeze" || op == "Squeeze") return add_squeeze(n, node);
     if (op == "Concat") return add_concat(n, node);
+    if (op == "Erf") unsupported(node, "an Erf outside torch's GELU (x * (erf(x / sqrt 2) + 1) * 0.5)");
+    if (op == "Expand" || op == "ConstantOfShape") unsupported(node, op + " other than a GRU's or LSTM's zero initial state");
     unsupported(node, "the operator " + op);
   }
 
