@@ -126,8 +126,7 @@ TEST_CASE("io::load_onnx: the initializers are the network's parameters, by thei
   duet::io::OnnxModel operators = duet::io::load_onnx(*dir / "operators_opset13.onnx");
   CHECK(std::ranges::count(operators.operators(), "Gelu") == 1);  // torch's Erf pattern
 
-  // torch's GRU and LSTM weights, in ONNX's layout, come in PyTorch's, B split in two; the
-  // zero initial states torch makes of the batch's size are the operation's own.
+  // torch's GRU and LSTM weights, in ONNX's layout, come in PyTorch's, B split in two.
   duet::io::OnnxModel recurrent = duet::io::load_onnx(*dir / "recurrent_opset17.onnx");
   std::vector<Shape> shapes;
   std::vector<std::string> recurrent_names;
@@ -135,11 +134,13 @@ TEST_CASE("io::load_onnx: the initializers are the network's parameters, by thei
     shapes.push_back(p->shape());
     recurrent_names.push_back(name);
   }
-  CHECK(std::ranges::count(shapes, Shape{18, 4}) == 1);  // the GRU's W_ih
+  CHECK(std::ranges::count(shapes, Shape{18, 4}) == 1);  // the GRU's first W_ih
+  CHECK(std::ranges::count(shapes, Shape{18, 6}) == 3);  // its second, and both W_hh
   CHECK(std::ranges::count(shapes, Shape{20, 5}) == 1);  // the LSTM's W_hh
   CHECK(std::ranges::count(shapes, Shape{20}) == 2);     // its two biases
-  CHECK(std::ranges::count_if(recurrent_names, [](const std::string& n) { return n.ends_with(".bias_hh"); }) == 2);
-  CHECK(std::ranges::count(recurrent.operators(), "Expand") + std::ranges::count(recurrent.operators(), "ConstantOfShape") == 0);
+  CHECK(std::ranges::count_if(recurrent_names, [](const std::string& n) { return n.ends_with(".bias_hh"); }) == 3);
+  for (const char* op : {"GRU", "LSTM (last h)", "LSTM (last c)", "ConstantOfShape", "Gather"})
+    CHECK(std::ranges::count(recurrent.operators(), op) > 0);
 }
 
 TEST_CASE("io::load_onnx: a loaded model trains, with the same losses and parameters in both modes") {
@@ -338,6 +339,60 @@ std::string message_of(const onnx::ModelProto& m) {
   return "";
 }
 
+onnx::TensorProto* add_int64s(onnx::ModelProto& m, const std::string& name, std::initializer_list<std::int64_t> dims,
+                              std::initializer_list<std::int64_t> values) {
+  onnx::TensorProto* t = m.mutable_graph()->add_initializer();
+  t->set_name(name);
+  t->set_data_type(onnx::TensorProto::INT64);
+  for (const std::int64_t d : dims) t->add_dims(d);
+  for (const std::int64_t v : values) t->add_int64_data(v);
+  return t;
+}
+
+TEST_CASE("io::load_onnx: a Gather of one index, Expand and ConstantOfShape on floats, and their limits") {
+  {  // x[:, 1:2] (an index of rank 1 keeps the axis) times x[:, -1] (of rank 0, drops it)
+    onnx::ModelProto m = model_of();
+    add_int64s(m, "one", {1}, {1});
+    add_int64s(m, "last", {}, {-1});
+    add_int(add_node(m, "Gather", "keep", {"x", "one"}, "a"), "axis", 1);
+    add_int(add_node(m, "Gather", "drop", {"x", "last"}, "b"), "axis", 1);
+    add_node(m, "Mul", "product", {"a", "b"});
+    duet::io::OnnxModel net = load(m);
+    CHECK(same_bits(net(Tensor({2, 3}, {1, 2, 3, 4, 5, 6})), Tensor({2, 2}, {6, 12, 15, 30})));
+    CHECK_THROWS_WITH_AS(net(Tensor({2, 1}, {1, 2})), doctest::Contains("index 1 of axis 1 of a tensor of shape [2, 1]"),
+                         duet::IndexError);
+  }
+  {  // x [2, 1] expanded to [2, 3], plus a ConstantOfShape of 7
+    onnx::ModelProto m = model_of();
+    add_initializer(m, "w", {6}, 6);  // weights, which bound what a constant shape may ask for
+    add_int64s(m, "shape", {2}, {2, 3});
+    add_node(m, "Expand", "expand", {"x", "shape"}, "e");
+    onnx::AttributeProto* value = add_node(m, "ConstantOfShape", "fill", {"shape"}, "c")->add_attribute();
+    value->set_name("value");
+    value->set_type(onnx::AttributeProto::TENSOR);
+    value->mutable_t()->set_data_type(onnx::TensorProto::FLOAT);
+    value->mutable_t()->add_dims(1);
+    value->mutable_t()->add_float_data(7);
+    add_node(m, "Add", "sum", {"e", "c"});
+    duet::io::OnnxModel net = load(m);
+    CHECK(same_bits(net(Tensor({2, 1}, {1, 2})), Tensor({2, 3}, {8, 8, 8, 9, 9, 9})));
+  }
+  {  // a constant shape larger than the file's weights
+    onnx::ModelProto m = model_of();
+    add_int64s(m, "shape", {2}, {1000, 1000});
+    add_node(m, "ConstantOfShape", "fill", {"shape"});
+    CHECK(message_of<duet::ValueError>(m) == "test.onnx: ONNX node 'fill' (ConstantOfShape): a shape of sizes [1000, 1000] "
+                                             "(-1: read as it runs), more elements than the model's weights, is not supported");
+  }
+  {  // arithmetic on sizes is a valid model duet does not read
+    onnx::ModelProto m = model_of();
+    add_node(m, "Shape", "shape", {"x"}, "s");
+    add_node(m, "Sub", "minus", {"s", "s"});
+    CHECK(message_of<duet::ValueError>(m).find("reads 's', an int64 tensor: arithmetic on sizes is not supported") !=
+          std::string::npos);
+  }
+}
+
 TEST_CASE("io::load_onnx: a model built here runs, and reads its attributes") {
   onnx::ModelProto m = model_of();
   add_initializer(m, "w", {3, 2}, 6);
@@ -480,8 +535,8 @@ TEST_CASE("io::load_onnx: a Reshape to sizes read from a Shape, as torch writes 
   add_initializer(floats, "w", {2}, 2);
   add_node(floats, "Gather", "lookup", {"w", "x"});
   CHECK(message_of<duet::ValueError>(floats) ==
-        "test.onnx: ONNX node 'lookup' (Gather): the operator Gather on a float tensor (duet reads it in shape arithmetic "
-        "only) is not supported");
+        "test.onnx: ONNX node 'lookup' (Gather): a Gather of a float tensor by other than one constant index (duet reads "
+        "x[:, -1], and Gathers in shape arithmetic) is not supported");
 }
 
 TEST_CASE("io::load_onnx: a 1-D Conv's window and pads have one axis") {

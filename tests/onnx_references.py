@@ -134,17 +134,18 @@ class Norms(nn.Module):
 
 
 class Recurrent(nn.Module):
-    # A GRU then an LSTM over batch-first sequences, from zeros (which torch writes as
-    # ConstantOfShape or Expand of the batch's size), the last step to a Linear.
+    # A GRU of two layers then an LSTM over batch-first sequences, from zeros (which torch
+    # writes as ConstantOfShape of the batch's size, sliced per layer); the LSTM's last output,
+    # h_n and c_n (ONNX's Y_h and Y_c, read by Gathers of one index) to a Linear.
     def __init__(self):
         super().__init__()
-        self.gru = nn.GRU(4, 6, batch_first=True)
+        self.gru = nn.GRU(4, 6, num_layers=2, batch_first=True)
         self.lstm = nn.LSTM(6, 5, batch_first=True)
-        self.fc = nn.Linear(5, 10)
+        self.fc = nn.Linear(15, 10)
 
     def forward(self, x):
-        h = self.lstm(self.gru(x)[0])[0]
-        return self.fc(torch.flatten(h[:, -1:], 1))
+        out, (h, c) = self.lstm(self.gru(x)[0])
+        return self.fc(torch.cat([out[:, -1], h[-1], c[-1]], 1))
 
 
 def randomise_batchnorm(model):

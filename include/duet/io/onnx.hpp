@@ -45,8 +45,10 @@
 //   Transpose (rank <= 8), Concat (rank <= 4)      ops::transpose(x, perm), ops::concat<Axis>
 //   GRU (linear_before_reset 1), LSTM: forward,    nn::GRU's and nn::LSTM's operation, their
 //   sequence-major, default activations, no        weights rearranged into PyTorch's layout
-//   sequence_lens or peepholes                     (prepare_recurrence); torch's zero initial
-//                                                  states (ConstantOfShape, Expand) its own
+//   sequence_lens or peepholes                     (prepare_recurrence)
+//   ConstantOfShape (float), Expand                a tensor of the value; x + zeros of the
+//                                                  shape (numpy's broadcast); the shape a
+//                                                  constant or computed from the batch's size
 //   Identity, Dropout (inference), Constant        no operation
 // Anything else, and any attribute or setting the list does not cover, is a duet::ValueError
 // when the file is loaded, naming the node, its operator and what is not supported. A file that
@@ -148,8 +150,7 @@ struct OnnxReshapeOp : ops::Primitive<OnnxReshapeOp> {
 };
 
 // The operators load_onnx reads, some only in a pattern or with some inputs (Erf in torch's
-// GELU; ConstantOfShape and Expand as a recurrence's zero initial state; Shape, Gather and Cast
-// in shape arithmetic), which their own errors then say. A model's other operators are all
+// GELU; Shape and Cast in shape arithmetic, Gather there or of one constant index), which their own errors then say. A model's other operators are all
 // named at once, before anything is built. tests/io_onnx.cpp checks the list against
 // OnnxBuilder::add_node.
 inline constexpr auto onnx_operators = std::to_array<std::string_view>({
@@ -199,6 +200,16 @@ struct OnnxRecurrent {
   index_t hidden_size() const { return hidden; }
   std::string label() const { return who; }
 };
+
+// The last of a recurrence's steps [L, ...] (L at least 1, as the recurrence checks), the axis
+// kept: [1, ...].
+inline Tensor onnx_last_step(const Tensor& steps) {
+  const index_t length = steps.dim(0);
+  const std::array<index_t, 1> begin{length - 1};
+  const std::array<index_t, 1> end{length};
+  const std::array<index_t, 1> stride{1};
+  return ops::strided_slice(steps, std::span(begin), std::span(end), std::span(stride));
+}
 
 template <class Kind, index_t K, index_t S, index_t P, bool CountPad>
 Tensor onnx_pool(const Tensor& x) {
@@ -559,9 +570,13 @@ class OnnxBuilder {
   Operand operand_of(const std::string& name, const std::string& reader) const {
     const auto it = operands_.find(name);
     if (it == operands_.end()) {
+      if (integer(name)) {
+        throw ValueError(where_ + ": " + reader + " reads " + detail::onnx_quoted(name) +
+                         ", an int64 tensor: arithmetic on sizes is not supported (duet's shape arithmetic is Shape, "
+                         "Gather, Unsqueeze, Squeeze, Cast and Concat)");
+      }
       throw FormatError(where_ + ": " + reader + " reads " + detail::onnx_quoted(name) +
-                        (integer(name) ? ", an int64 tensor, as a float one"
-                                                  : ", which no input, initializer or earlier node defines"));
+                        ", which no input, initializer or earlier node defines");
     }
     return it->second;
   }
@@ -674,18 +689,20 @@ class OnnxBuilder {
   }
 
   void add_step(const std::string& op, const onnx::NodeProto& n, const std::string& node,
-                std::function<Tensor(const OnnxModel&, std::vector<Tensor>&)> run) {
-    const std::size_t out = new_value(n.output(0), node);
+                std::function<Tensor(const OnnxModel&, std::vector<Tensor>&)> run, int output = 0) {
+    const std::size_t out = new_value(n.output(output), node);
     model_.steps_.push_back({std::move(run), out, node});
     model_.operators_.push_back(op);
   }
 
-  void arity(const onnx::NodeProto& n, const std::string& node, int least, int most) const {
+  // `least` to `most` inputs, and no output but the first read (`outputs` for an operator
+  // whose others duet makes too).
+  void arity(const onnx::NodeProto& n, const std::string& node, int least, int most, int outputs = 1) const {
     if (n.input_size() < least || n.input_size() > most) {
       throw FormatError(where_ + ": " + node + " has " + std::to_string(n.input_size()) + " inputs, its operator takes " +
                         (least == most ? std::to_string(least) : std::to_string(least) + " to " + std::to_string(most)));
     }
-    for (int i = 1; i < n.output_size(); ++i) {
+    for (int i = outputs; i < n.output_size(); ++i) {
       if (!n.output(i).empty() && consumers_.contains(n.output(i))) {
         unsupported(node, "its output " + std::to_string(i) + " (" + detail::onnx_quoted(n.output(i)) + ")");
       }
@@ -916,7 +933,7 @@ class OnnxBuilder {
     if (op == "Unsqueeze" || op == "Squeeze") return add_squeeze(n, node);
     if (op == "Concat") return add_concat(n, node);
     if (op == "Erf") unsupported(node, "an Erf outside torch's GELU (x * (erf(x / sqrt 2) + 1) * 0.5)");
-    if (op == "Expand" || op == "ConstantOfShape") unsupported(node, op + " other than a GRU's or LSTM's zero initial state");
+    if (op == "Expand" || op == "ConstantOfShape") return add_fill(n, node);
     unsupported(node, "the operator " + op);
   }
 
@@ -1071,7 +1088,7 @@ class OnnxBuilder {
   void prepare_recurrence(const onnx::NodeProto& n, int index) {
     const std::string node = who(n, index);
     const bool lstm = Step::states == 2;
-    arity(n, node, 3, lstm ? 8 : 6);
+    arity(n, node, 3, lstm ? 8 : 6, lstm ? 3 : 2);  // Y, Y_h and an LSTM's Y_c
     if (lstm) known_attributes(n, node, {"hidden_size", "direction", "layout", "activations", "input_forget"});
     else known_attributes(n, node, {"hidden_size", "direction", "layout", "activations", "linear_before_reset"});
     if (string_attr(n, "direction", "forward") != "forward") unsupported(node, "direction " + string_attr(n, "direction", ""));
@@ -1098,32 +1115,7 @@ class OnnxBuilder {
       return rows;
     };
     if (hidden < 1 || hidden > (index_t{1} << 24)) throw FormatError(where_ + ": " + node + ": hidden_size " + std::to_string(hidden));
-    // torch.onnx.export makes zero initial states of the batch's size (ConstantOfShape of 0, or
-    // an Expand of zeros): the operation's own zeros, without the nodes.
-    Recurrence found;
-    for (int k = 5; k <= 6 && k < n.input_size(); ++k) {
-      const auto at = producers_.find(n.input(k));
-      if (n.input(k).empty() || at == producers_.end()) continue;
-      const onnx::NodeProto& m = proto_.graph().node(at->second);
-      bool zeros = false;
-      if (m.op_type() == "ConstantOfShape" && m.output_size() == 1) {
-        const onnx::AttributeProto* value = attribute(m, "value");
-        zeros = value == nullptr || (value->has_t() && value->t().data_type() == onnx::TensorProto::FLOAT &&
-                                     detail::onnx_elements<float>(value->t(), "ConstantOfShape's value", 1, where_)[0] == 0.0f);
-      } else if (m.op_type() == "Expand" && m.input_size() == 2 && m.output_size() == 1) {
-        const auto c = operands_.find(m.input(0));
-        if (c != operands_.end() && c->second.kind == Kind::constant) {
-          const Tensor& t = model_.constants_[c->second.index];
-          zeros = std::all_of(t.data(), t.data() + t.numel(), [](float v) { return v == 0.0f; });
-        }
-      }
-      const auto readers = consumers_.find(n.input(k));
-      const auto reads = std::ranges::count(n.input(), n.input(k));
-      if (!zeros || readers == consumers_.end() || readers->second != reads) continue;
-      found.zero_state[static_cast<std::size_t>(k - 5)] = true;
-      skipped_.insert(at->second);
-    }
-    std::array<std::size_t, 4>& p = found.parameters;
+    std::array<std::size_t, 4> p{};
     std::vector<int> taken;  // the nodes export_onnx wrote to reorder the weights
     const auto take = [&](const std::string& name, const char* op) -> const onnx::NodeProto* {
       const auto at = producers_.find(name);
@@ -1174,7 +1166,7 @@ class OnnxBuilder {
         throw FormatError(where_ + ": " + node + ": weights whose shapes do not fit hidden_size " + std::to_string(hidden));
       }
       skipped_.insert(taken.begin(), taken.end());
-      recurrences_[index] = found;
+      recurrences_[index] = p;
       return;
     }
     // Initializers in ONNX's layout, read by this node alone.
@@ -1233,26 +1225,25 @@ class OnnxBuilder {
     };
     const std::optional<std::size_t> kb = b.empty() ? std::nullopt : parameter(b);
     const std::size_t k_ih = bias(0, base + ".bias_ih", kb);
-    p = {kw, kr, k_ih, bias(1, base + ".bias_hh", std::nullopt)};
-    recurrences_[index] = found;
+    recurrences_[index] = {kw, kr, k_ih, bias(1, base + ".bias_hh", std::nullopt)};
   }
 
   template <class Layer>
   void add_recurrence(const onnx::NodeProto& n, const std::string& node, int index, std::vector<std::unique_ptr<Layer>>& layers) {
-    const Recurrence& r = recurrences_.at(index);
-    const std::array<std::size_t, 4>& p = r.parameters;
+    const std::array<std::size_t, 4>& p = recurrences_.at(index);
     const auto& params = model_.parameters_;
     layers.push_back(std::make_unique<Layer>(Layer{*params[p[0]], *params[p[1]], *params[p[2]], *params[p[3]],
                                                    params[p[0]]->dim(1), params[p[1]]->dim(1), node}));
     const Layer* layer = layers.back().get();
     const Operand x = operand_of(n.input(0), node);
     const auto state = [&](int i) {
-      const bool given = n.input_size() > i && !n.input(i).empty() && !r.zero_state[static_cast<std::size_t>(i - 5)];
+      const bool given = n.input_size() > i && !n.input(i).empty();
       return given ? std::optional(operand_of(n.input(i), node)) : std::nullopt;
     };
     const std::array<std::optional<Operand>, 2> states{state(5), state(6)};  // h0, c0
-    // Y [L, 1, B, H] from X [L, B, I]; states [1, B, H] (an LSTM's missing one zeros).
-    add_step(n.op_type(), n, node, [x, states, layer](const OnnxModel& m, std::vector<Tensor>& v) {
+    // [B, L, H]: every step's h, or with Cells an LSTM's c, from X [L, B, I] and states
+    // [1, B, H] (an LSTM's missing one zeros).
+    const auto recurrence = [x, states, layer]<bool Cells>(const OnnxModel& m, std::vector<Tensor>& v) {
       const std::optional<Operand>& h0 = states[0];
       const std::optional<Operand>& c0 = states[1];
       const auto initial = [&](const std::optional<Operand>& s, const Tensor& like) {
@@ -1261,16 +1252,33 @@ class OnnxBuilder {
       };
       return m.with(x, v, [&](const auto& sequences) -> Tensor {
         const Tensor xs = ops::transpose<1, 0, 2>(sequences);
-        Tensor y;
         if constexpr (Layer::cell_type::states == 1) {
-          y = h0 ? apply(ops::RecurrentOp<Layer, 1>{layer}, xs, initial(h0, xs)) : apply(ops::RecurrentOp<Layer, 0>{layer}, xs);
+          return h0 ? apply(ops::RecurrentOp<Layer, 1>{layer}, xs, initial(h0, xs)) : apply(ops::RecurrentOp<Layer, 0>{layer}, xs);
         } else {
-          y = h0 || c0 ? apply(ops::RecurrentOp<Layer, 2>{layer}, xs, initial(h0, xs), initial(c0, xs))
-                       : apply(ops::RecurrentOp<Layer, 0>{layer}, xs);
+          if (h0 || c0) return apply(ops::RecurrentOp<Layer, 2, Cells>{layer}, xs, initial(h0, xs), initial(c0, xs));
+          return apply(ops::RecurrentOp<Layer, 0, Cells>{layer}, xs);
         }
-        return ops::expand_dims<1>(ops::transpose<1, 0, 2>(y));
       });
+    };
+    // Y [L, 1, B, H]
+    add_step(n.op_type(), n, node, [recurrence](const OnnxModel& m, std::vector<Tensor>& v) -> Tensor {
+      return ops::expand_dims<1>(ops::transpose<1, 0, 2>(recurrence.template operator()<false>(m, v)));
     });
+    // Y_h and Y_c [1, B, H], the last step's h and c, where the graph reads them.
+    const auto read = [&](int k) { return n.output_size() > k && !n.output(k).empty() && consumers_.contains(n.output(k)); };
+    const std::size_t y = operands_.at(n.output(0)).index;
+    if (read(1)) {
+      add_step(n.op_type() + " (last h)", n, node, [y](const OnnxModel&, std::vector<Tensor>& v) -> Tensor {
+        return ops::squeeze<1>(detail::onnx_last_step(v[y]));  // [1, 1, B, H] -> [1, B, H]
+      }, 1);
+    }
+    if constexpr (Layer::cell_type::states == 2) {
+      if (read(2)) {
+        add_step(n.op_type() + " (last c)", n, node, [recurrence](const OnnxModel& m, std::vector<Tensor>& v) -> Tensor {
+          return detail::onnx_last_step(ops::transpose<1, 0, 2>(recurrence.template operator()<true>(m, v)));
+        }, 2);
+      }
+    }
   }
 
   void add_pool(const onnx::NodeProto& n, const std::string& node, int index) {
@@ -1491,7 +1499,15 @@ class OnnxBuilder {
     const std::string& op = n.op_type();
     const bool integers_in = n.input_size() > 0 && integer(n.input(0));
     if (op != "Shape" && !((op == "Gather" || op == "Unsqueeze" || op == "Squeeze" || op == "Cast" || op == "Concat") && integers_in)) {
-      if (op == "Shape" || op == "Gather" || op == "Cast") {
+      if (op == "Gather" && n.input_size() == 2 && integers_.contains(n.input(1)) && integers_.at(n.input(1)).size() == 1) {
+        add_take(n, node);
+        return true;
+      }
+      if (op == "Gather") {
+        unsupported(node, "a Gather of a float tensor by other than one constant index (duet reads x[:, -1], and Gathers "
+                          "in shape arithmetic)");
+      }
+      if (op == "Shape" || op == "Cast") {
         unsupported(node, "the operator " + op + " on a float tensor (duet reads it in shape arithmetic only)");
       }
       return false;
@@ -1643,6 +1659,91 @@ class OnnxBuilder {
 
   // Unsqueeze and Squeeze of a float tensor (of int64s they are shape arithmetic): a view
   // with the size-1 axes added or removed, resolved when it runs.
+  // ConstantOfShape (a float value, 0 unless given) and Expand (x broadcast to the shape, as
+  // x + zeros(shape), whose gradient is x's): torch makes a recurrence's zero initial states
+  // so, of the batch's size, which shape arithmetic reads as the network runs. The constant
+  // sizes may ask for no more elements than the file's weights hold, so that a small file
+  // cannot make a large tensor.
+  void add_fill(const onnx::NodeProto& n, const std::string& node) {
+    const bool expand = n.op_type() == "Expand";
+    arity(n, node, expand ? 2 : 1, expand ? 2 : 1);
+    if (expand) known_attributes(n, node, {});
+    else known_attributes(n, node, {"value"});
+    float value = 0;
+    if (const onnx::AttributeProto* a = expand ? nullptr : attribute(n, "value")) {
+      if (!a->has_t() || a->t().data_type() != onnx::TensorProto::FLOAT) unsupported(node, "a value that is not a float");
+      value = detail::onnx_elements<float>(a->t(), "ConstantOfShape's value", 1, where_)[0];
+    }
+    const std::optional<detail::OnnxSizes> shape = sizes_of(n.input(expand ? 1 : 0), node);
+    if (!shape) unsupported(node, "a shape that is not an int64 tensor");
+    index_t weights = 1;
+    for (const auto& p : model_.parameters_) weights += p->numel();
+    index_t constant = 1;
+    for (const detail::OnnxSize& e : shape->elements) {
+      if (e.axis) continue;
+      if (e.constant < 0 || __builtin_mul_overflow(constant, e.constant, &constant) || constant > weights) {
+        std::vector<std::int64_t> sizes;
+        for (const detail::OnnxSize& f : shape->elements) sizes.push_back(f.axis ? -1 : f.constant);
+        unsupported(node, "a shape of sizes " + list_text(sizes) + " (-1: read as it runs), more elements than the model's weights,");
+      }
+    }
+    const std::optional<Operand> x = expand ? std::optional(operand_of(n.input(0), node)) : std::nullopt;
+    add_step(n.op_type(), n, node, [x, sizes = *shape, value](const OnnxModel& m, std::vector<Tensor>& v) -> Tensor {
+      Shape to;
+      for (const std::int64_t d : OnnxModel::resolve(sizes, v)) to.push_back(d);
+      if (!x) return full(to, value);
+      return m.with(*x, v, [&](const auto& in) -> Tensor { return ops::add(in, zeros(to)); });
+    });
+  }
+
+  // The rank of an int64 constant, an initializer or a Constant node's value.
+  int constant_rank(const std::string& name) const {
+    for (const onnx::TensorProto& t : proto_.graph().initializer())
+      if (t.name() == name) return t.dims_size();
+    const auto at = producers_.find(name);
+    if (at == producers_.end()) return -1;
+    const onnx::AttributeProto* value = attribute(proto_.graph().node(at->second), "value");
+    if (value != nullptr && value->has_t()) return value->t().dims_size();
+    const onnx::AttributeProto* ints = attribute(proto_.graph().node(at->second), "value_ints");
+    return ints == nullptr ? 0 : 1;  // value_int is a scalar, value_ints a list
+  }
+
+  // A Gather of one constant index i along an axis of a float tensor, torch's x[:, i]: the
+  // slice [i, i + 1) of that axis, which the index's rank 0 then drops (rank 1 keeps it).
+  void add_take(const onnx::NodeProto& n, const std::string& node) {
+    known_attributes(n, node, {"axis"});
+    const int axis = axis_attr(n, node, 0);
+    const std::int64_t index = integers_.at(n.input(1)).front();
+    const bool drop = constant_rank(n.input(1)) == 0;
+    const Operand x = operand_of(n.input(0), node);
+    detail::OnnxReshapeOp view;
+    view.who = node;
+    add_step("Gather", n, node, [x, axis, index, drop, view](const OnnxModel& m, std::vector<Tensor>& v) {
+      return m.with(x, v, [&](const auto& in) -> Tensor {
+        const Shape& s = in.shape();
+        const int a = axis < 0 ? axis + s.rank() : axis;
+        if (a < 0 || a >= s.rank() || index < -s[a] || index >= s[a]) {
+          throw IndexError("index " + std::to_string(index) + " of axis " + std::to_string(axis) + " of a tensor of shape " +
+                           to_string(s));
+        }
+        std::array<index_t, max_rank> begin{}, end{}, stride{};
+        end.fill(ops::to_end);
+        stride.fill(1);
+        const auto k = static_cast<std::size_t>(a);
+        begin[k] = index < 0 ? index + s[a] : index;
+        end[k] = begin[k] + 1;
+        const Tensor slice = ops::strided_slice(in, std::span(begin).first(k + 1), std::span(end).first(k + 1),
+                                                std::span(stride).first(k + 1));
+        if (!drop) return slice;
+        detail::OnnxReshapeOp resolved = view;
+        for (int i = 0; i < s.rank(); ++i)
+          if (i != a) resolved.dims.push_back(s[i]);
+        if (std::ranges::count(resolved.dims, 0) > 0) throw ShapeError("a Gather of an empty tensor, shape " + to_string(s));
+        return apply(resolved, slice);
+      });
+    });
+  }
+
   void add_squeeze(const onnx::NodeProto& n, const std::string& node) {
     arity(n, node, 1, 2);
     known_attributes(n, node, {});
@@ -1747,11 +1848,8 @@ class OnnxBuilder {
   std::map<std::string, detail::OnnxSizes> sizes_;  // int64 tensors shape arithmetic made
   std::map<std::string, int> consumers_;
   std::map<std::string, int> producers_;  // the node writing each value
-  struct Recurrence {
-    std::array<std::size_t, 4> parameters;  // weight_ih, weight_hh, bias_ih, bias_hh
-    std::array<bool, 2> zero_state{};       // initial h, c: zeros made by the graph, not read
-  };
-  std::map<int, Recurrence> recurrences_;  // prepare_recurrence's findings, by node
+  // A GRU's or LSTM's parameters, weight_ih, weight_hh, bias_ih, bias_hh (prepare_recurrence).
+  std::map<int, std::array<std::size_t, 4>> recurrences_;
   std::set<int> skipped_;
   std::map<int, std::int64_t> pool_padding_;  // an AveragePool's padding, from the Pad before it
 };
