@@ -201,6 +201,17 @@ struct OnnxRecurrent {
   std::string label() const { return who; }
 };
 
+// A recurrence's values between ONNX's layout and duet's, with the operations the loader has
+// already instantiated for Transpose and Reshape (their fixed-axis forms took g++ -O2 building
+// run_onnx.cpp from 2.08 to 2.14 GB, over 2 GiB): [A, B, H] <-> [B, A, H], and a view.
+inline Tensor onnx_swap_leading(const Tensor& t) { return ops::transpose(t, std::vector<int>{1, 0, 2}); }
+inline Tensor onnx_view(const Tensor& t, std::vector<std::int64_t> dims) {
+  if (t.numel() == 0) throw ShapeError("a recurrence of an empty batch, shape " + to_string(t.shape()));
+  OnnxReshapeOp view;  // (a size 0 in dims would mean the input's own: none here)
+  view.dims = std::move(dims);
+  return apply(view, t);
+}
+
 // The last of a recurrence's steps [L, ...] (L at least 1, as the recurrence checks), the axis
 // kept: [1, ...].
 inline Tensor onnx_last_step(const Tensor& steps) {
@@ -1242,40 +1253,42 @@ class OnnxBuilder {
     };
     const std::array<std::optional<Operand>, 2> states{state(5), state(6)};  // h0, c0
     // [B, L, H]: every step's h, or with Cells an LSTM's c, from X [L, B, I] and states
-    // [1, B, H] (an LSTM's missing one zeros).
+    // [1, B, H], zeros where the node has none: the same numbers as the operation's own zeros,
+    // and one instantiation of it rather than one per set of states (g++ -O2 building
+    // run_onnx.cpp peaked at 2.22 GB with one per set, 2.14 without).
     const auto recurrence = [x, states, layer]<bool Cells>(const OnnxModel& m, std::vector<Tensor>& v) {
-      const std::optional<Operand>& h0 = states[0];
-      const std::optional<Operand>& c0 = states[1];
-      const auto initial = [&](const std::optional<Operand>& s, const Tensor& like) {
-        if (!s) return Tensor(zeros(Shape{like.dim(0), layer->hidden}));
-        return m.with(*s, v, [](const auto& t) { return Tensor(ops::squeeze<0>(t)); });
-      };
       return m.with(x, v, [&](const auto& sequences) -> Tensor {
-        const Tensor xs = ops::transpose<1, 0, 2>(sequences);
-        if constexpr (Layer::cell_type::states == 1) {
-          return h0 ? apply(ops::RecurrentOp<Layer, 1>{layer}, xs, initial(h0, xs)) : apply(ops::RecurrentOp<Layer, 0>{layer}, xs);
-        } else {
-          if (h0 || c0) return apply(ops::RecurrentOp<Layer, 2, Cells>{layer}, xs, initial(h0, xs), initial(c0, xs));
-          return apply(ops::RecurrentOp<Layer, 0, Cells>{layer}, xs);
-        }
+        const Tensor xs = detail::onnx_swap_leading(sequences);
+        const auto initial = [&](const std::optional<Operand>& s) {
+          if (!s) return Tensor(zeros(Shape{xs.dim(0), layer->hidden}));
+          return m.with(*s, v, [](const auto& t) {  // [1, B, H] -> [B, H]
+            const Shape& shape = t.shape();
+            if (shape.rank() != 3 || shape[0] != 1) throw ShapeError("an initial state [1, batch, hidden], got " + to_string(shape));
+            return detail::onnx_view(Tensor(t), {shape[1], shape[2]});
+          });
+        };
+        if constexpr (Layer::cell_type::states == 1) return apply(ops::RecurrentOp<Layer, 1>{layer}, xs, initial(states[0]));
+        else return apply(ops::RecurrentOp<Layer, 2, Cells>{layer}, xs, initial(states[0]), initial(states[1]));
       });
     };
     // Y [L, 1, B, H]
     add_step(n.op_type(), n, node, [recurrence](const OnnxModel& m, std::vector<Tensor>& v) -> Tensor {
-      return ops::expand_dims<1>(ops::transpose<1, 0, 2>(recurrence.template operator()<false>(m, v)));
+      const Tensor y = detail::onnx_swap_leading(recurrence.template operator()<false>(m, v));  // [L, B, H]
+      return detail::onnx_view(y, {y.dim(0), 1, y.dim(1), y.dim(2)});
     });
     // Y_h and Y_c [1, B, H], the last step's h and c, where the graph reads them.
     const auto read = [&](int k) { return n.output_size() > k && !n.output(k).empty() && consumers_.contains(n.output(k)); };
     const std::size_t y = operands_.at(n.output(0)).index;
     if (read(1)) {
       add_step(n.op_type() + " (last h)", n, node, [y](const OnnxModel&, std::vector<Tensor>& v) -> Tensor {
-        return ops::squeeze<1>(detail::onnx_last_step(v[y]));  // [1, 1, B, H] -> [1, B, H]
+        const Tensor last = detail::onnx_last_step(v[y]);  // [1, 1, B, H]
+        return detail::onnx_view(last, {1, last.dim(2), last.dim(3)});
       }, 1);
     }
     if constexpr (Layer::cell_type::states == 2) {
       if (read(2)) {
         add_step(n.op_type() + " (last c)", n, node, [recurrence](const OnnxModel& m, std::vector<Tensor>& v) -> Tensor {
-          return detail::onnx_last_step(ops::transpose<1, 0, 2>(recurrence.template operator()<true>(m, v)));
+          return detail::onnx_last_step(detail::onnx_swap_leading(recurrence.template operator()<true>(m, v)));
         }, 2);
       }
     }
