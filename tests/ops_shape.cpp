@@ -182,6 +182,29 @@ const bool shape_cases = add_cases([](std::multimap<std::string, Case>& m) {
                                   },
                                   [=](const std::vector<D>& xs) { return sliced(xs[0], {3, 3}, {2, 5}, {-1, -2}); }));
 
+  // take<Axis, Index>: x[:, i] of PyTorch, the axis dropped; from the start or the end.
+  const auto taken = [](const D& x, Shape out, int axis, index_t index) {
+    return tabulate(out, [&](const Index& o) {
+      Index i = o;
+      i.insert(i.begin() + axis, index);
+      return at(x, i);
+    });
+  };
+  add("take", checked<1>({{2, 5, 3}}, [](const auto& x) { return duet::ops::take<1, -1>(x); },
+                         [=](const std::vector<D>& xs) { return taken(xs[0], {2, 3}, 1, 4); }));
+  add("take", checked<1>({{2, 5, 3}}, [](const auto& x) { return duet::ops::take<1, -2>(x); },
+                         [=](const std::vector<D>& xs) { return taken(xs[0], {2, 3}, 1, 3); }));
+  add("take", checked<1>({{2, 5, 3}}, [](const auto& x) { return duet::ops::take<1, 0>(x); },
+                         [=](const std::vector<D>& xs) { return taken(xs[0], {2, 3}, 1, 0); }));
+  add("take", checked<1>({{4, 3}}, [](const auto& x) { return duet::ops::take<0, 2>(x); },
+                         [=](const std::vector<D>& xs) { return taken(xs[0], {3}, 0, 2); }));
+  add("take", checked<1>({{2, 3, 4}}, [](const auto& x) { return duet::ops::take<2, -1>(x) * duet::ops::take<2, 1>(x); },
+                         [=](const std::vector<D>& xs) {
+                           return tabulate({2, 3}, [&](const Index& o) {
+                             return at(xs[0], {o[0], o[1], 3}) * at(xs[0], {o[0], o[1], 1});
+                           });
+                         }));
+
   // The window given at run time: one operation for every window, the same rules.
   add("slice", checked<1>({{4, 5}}, [](const auto& x) { return duet::ops::slice(x, {1, 2}, {2, -1}); },
                           [=](const std::vector<D>& xs) { return sliced(xs[0], {2, 3}, {1, 2}, {1, 1}); }));
@@ -332,6 +355,11 @@ TEST_CASE("ops: shape errors name the operation and the shapes, in both modes") 
     auto slice = duet::jit([](const auto& t) { return duet::ops::slice(t, duet::ops::ints<2>, duet::ops::ints<2>); });
     expect([&] { return slice(x); },
            "ops::slice<[2], [2]> expects an input whose axis 0 holds the slice's range, got [3, 4]");
+    auto taken = duet::jit([](const auto& t) { return duet::ops::take<1, 4>(t); });
+    expect([&] { return taken(x); },
+           "ops::slice<[0, 4], [-1, 1]> expects an input whose axis 1 holds the slice's range, got [3, 4]");
+    auto taken_rank = duet::jit([](const auto& t) { return duet::ops::take<2, -1>(t); });
+    expect([&] { return taken_rank(x); }, "expects an input of rank at least 3, got [3, 4]");
     auto window = duet::jit([](const auto& t) { return duet::ops::slice(t, {0, 2}, {2, 3}); });
     expect([&] { return window(x); },
            "ops::slice(x, {0, 2}, {2, 3}) expects an input whose axis 1 holds the slice's range, got [3, 4]");

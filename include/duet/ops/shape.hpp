@@ -978,6 +978,34 @@ auto slice(X&& x, std::initializer_list<index_t> begin, std::initializer_list<in
 }
 
 // ----------------------------------------------------------------------------------------
+// take<Axis, Index>(x): the slice of x at Index along Axis, that axis dropped: PyTorch's
+// x[:, -1] (x.select(1, -1)), numpy's take(x, -1, axis=1) with one index, what a sequence
+// model reads from every step's states (the last one) and a transformer from its tokens (the
+// first). A negative Index counts from the end. It is squeeze<Axis> of a slice one element
+// long, so its gradient, both modes and ONNX's Slice and Squeeze come with it; an Index from
+// the start is a checked slice, whose error names the axis that does not hold it.
+namespace detail {
+template <int Axis, index_t Index, class X, std::size_t... A>
+auto take_along(X&& x, std::index_sequence<A...>) {
+  constexpr auto at = [](std::size_t a, index_t here, index_t elsewhere) {
+    return a == static_cast<std::size_t>(Axis) ? here : elsewhere;
+  };
+  if constexpr (Index >= 0) {
+    return squeeze<Axis>(slice(std::forward<X>(x), ints<at(A, Index, 0)...>, ints<at(A, 1, -1)...>));
+  } else {
+    return squeeze<Axis>(strided_slice(std::forward<X>(x), ints<at(A, Index, 0)...>,
+                                       ints<at(A, Index == -1 ? to_end : Index + 1, to_end)...>, ints<at(A, 1, 1)...>));
+  }
+}
+}  // namespace detail
+
+template <int Axis, index_t Index, class X>
+auto take(X&& x) {
+  static_assert(Axis >= 0 && Axis < max_rank,
+                "duet::ops::take<Axis, Index>: Axis counts from the first axis (0 for x[i], 1 for x[:, i])");
+  return detail::take_along<Axis, Index>(std::forward<X>(x), std::make_index_sequence<Axis + 1>{});
+}
+
 // split<Axis, Sizes...>(x): x cut along Axis into pieces of these sizes, which must add up to
 // the axis's size (MindSpore's split(tensor, split_size_or_sections, axis) with sections).
 // duet's operations make one value each, so split returns a std::tuple of one slice
@@ -1199,7 +1227,7 @@ auto positions(const X& x) {
 }
 
 inline const bool shape_listed = list_operations({"reshape", "transpose", "permute", "expand_dims", "squeeze", "concat",
-                                                  "stack", "split", "slice", "strided_slice", "gather", "positions"});
+                                                  "stack", "split", "slice", "strided_slice", "take", "gather", "positions"});
 
 }  // namespace ops
 }  // namespace duet
