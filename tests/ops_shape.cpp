@@ -198,6 +198,13 @@ const bool shape_cases = add_cases([](std::multimap<std::string, Case>& m) {
                          [=](const std::vector<D>& xs) { return taken(xs[0], {2, 3}, 1, 0); }));
   add("take", checked<1>({{4, 3}}, [](const auto& x) { return duet::ops::take<0, 2>(x); },
                          [=](const std::vector<D>& xs) { return taken(xs[0], {3}, 0, 2); }));
+  // The index given at run time: the same slices.
+  add("take", checked<1>({{2, 5, 3}}, [](const auto& x) { return duet::ops::take<1>(x, -1); },
+                         [=](const std::vector<D>& xs) { return taken(xs[0], {2, 3}, 1, 4); }));
+  add("take", checked<1>({{2, 5, 3}}, [](const auto& x) { return duet::ops::take<1>(x, -3); },
+                         [=](const std::vector<D>& xs) { return taken(xs[0], {2, 3}, 1, 2); }));
+  add("take", checked<1>({{2, 5, 3}}, [](const auto& x) { return duet::ops::take<2>(x, 1); },
+                         [=](const std::vector<D>& xs) { return taken(xs[0], {2, 5}, 2, 1); }));
   add("take", checked<1>({{2, 3, 4}}, [](const auto& x) { return duet::ops::take<2, -1>(x) * duet::ops::take<2, 1>(x); },
                          [=](const std::vector<D>& xs) {
                            return tabulate({2, 3}, [&](const Index& o) {
@@ -358,6 +365,9 @@ TEST_CASE("ops: shape errors name the operation and the shapes, in both modes") 
     auto taken = duet::jit([](const auto& t) { return duet::ops::take<1, 4>(t); });
     expect([&] { return taken(x); },
            "ops::slice<[0, 4], [-1, 1]> expects an input whose axis 1 holds the slice's range, got [3, 4]");
+    auto taken_later = duet::jit([](const auto& t) { return duet::ops::take<1>(t, 4); });
+    expect([&] { return taken_later(x); },
+           "ops::slice(x, {0, 4}, {-1, 1}) expects an input whose axis 1 holds the slice's range, got [3, 4]");
     auto taken_rank = duet::jit([](const auto& t) { return duet::ops::take<2, -1>(t); });
     expect([&] { return taken_rank(x); }, "expects an input of rank at least 3, got [3, 4]");
     auto window = duet::jit([](const auto& t) { return duet::ops::slice(t, {0, 2}, {2, 3}); });

@@ -20264,6 +20264,28 @@ auto take(X&& x) {
   return detail::take_along<Axis, Index>(std::forward<X>(x), std::make_index_sequence<Axis + 1>{});
 }
 
+// take<Axis>(x, index): the index given at run time (a decoder's step t), through the slices
+// whose window is chosen at run time: graph mode reads it when it captures construct, as it
+// reads theirs, and checks it against x's shape when the network runs.
+template <int Axis, class X>
+auto take(X&& x, index_t index) {
+  static_assert(Axis >= 0 && Axis < max_rank,
+                "duet::ops::take<Axis>(x, index): Axis counts from the first axis (0 for x[i], 1 for x[:, i])");
+  std::array<index_t, Axis + 1> begin{};
+  std::array<index_t, Axis + 1> end{};
+  std::array<index_t, Axis + 1> strides{};
+  end.fill(index >= 0 ? -1 : to_end);
+  strides.fill(1);
+  begin[Axis] = index;
+  if (index >= 0) {
+    end[Axis] = 1;  // slice's size
+    return squeeze<Axis>(slice(std::forward<X>(x), std::span<const index_t>(begin), std::span<const index_t>(end)));
+  }
+  end[Axis] = index == -1 ? to_end : index + 1;
+  return squeeze<Axis>(strided_slice(std::forward<X>(x), std::span<const index_t>(begin), std::span<const index_t>(end),
+                                     std::span<const index_t>(strides)));
+}
+
 // split<Axis, Sizes...>(x): x cut along Axis into pieces of these sizes, which must add up to
 // the axis's size (MindSpore's split(tensor, split_size_or_sections, axis) with sections).
 // duet's operations make one value each, so split returns a std::tuple of one slice
