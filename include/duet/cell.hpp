@@ -725,9 +725,10 @@ class Cell : public BasicDynamicCell<T> {
   BasicTensor<T> operator()(const BasicTensor<U>&) {
     static_assert(detail::cell_takes_element_type<Derived, U>,
                   "duet::nn::Cell: called with a tensor of another element type than the cell's own (its "
-                  "parameters' and construct's); a network of int32 indices (nn::Embedding first) declares "
-                  "`using input_value_type = std::int32_t;` (int64 ids are converted to int32 first); other "
-                  "values are converted to the cell's type, or the layers made of it (nn::Dense<In, Out, double>)");
+                  "parameters' and construct's): a layer inside a network gets the network's type as its last "
+                  "template argument (nn::Dense<In, Out, double>); a network of int32 indices (nn::Embedding "
+                  "first) declares `using input_value_type = std::int32_t;` (int64 ids are converted to int32 "
+                  "first); other values are converted to the cell's type");
     return {};  // of the cell's type, so that nothing after it adds errors
   }
 
@@ -827,7 +828,14 @@ class Cell : public BasicDynamicCell<T> {
 
   void for_each_child(const typename BasicDynamicCell<T>::ChildVisitor& visit) override {
     for_each_member([&](std::string_view name, auto& member) {
-      if constexpr (DynamicCellType<std::remove_cvref_t<decltype(member)>>) visit(name, member);
+      using Member = std::remove_cvref_t<decltype(member)>;
+      if constexpr (DynamicCellType<Member>) {
+        static_assert(std::is_same_v<typename Member::value_type, T>,
+                      "duet::nn::Cell: a member layer's element type is not the cell's (a float layer in a network "
+                      "of double?): give every layer the network's type, its last template argument "
+                      "(nn::Dense<In, Out, double>, nn::LSTM<In, Hidden, double>)");
+        if constexpr (std::is_same_v<typename Member::value_type, T>) visit(name, member);
+      }
     });
   }
 
@@ -856,7 +864,10 @@ class Cell : public BasicDynamicCell<T> {
     } else if constexpr (!std::is_convertible_v<decltype(std::declval<Derived&>().construct(x)), BasicTensor<T>>) {
       // Said here, where every call of a cell goes, rather than as "no type named value_type"
       // in the capture and the trace.
-      static_assert(std::is_convertible_v<decltype(std::declval<Derived&>().construct(x)), BasicTensor<T>>,
+      // A tensor of another element type comes from a layer of another type, refused where
+      // construct called it.
+      using Result = std::remove_cvref_t<decltype(std::declval<Derived&>().construct(x))>;
+      static_assert(std::is_convertible_v<Result, BasicTensor<T>> || is_tensor_v<Result>,
                     "duet::nn::Cell: construct must return one tensor; for several results (PyTorch's "
                     "`return out, mu, logvar`) return ops::concat<-1>(out, mu, logvar) and take them apart with "
                     "ops::split<-1, ...>, or give the cell a method per result that calls its layers");

@@ -164,6 +164,16 @@ struct ParametersToTrain {
   }
   ParametersToTrain(std::vector<BasicParameterGroup<T>> g) : groups(std::move(g)) {}  // NOLINT
   ParametersToTrain(std::vector<BasicParameter<T>*> params) : unnamed(std::move(params)) {}  // NOLINT
+  // A network of another element type: said here, where it is one line, rather than as the
+  // optimiser's "no matching function" with its candidates.
+  template <ElementType U>
+    requires(!std::is_same_v<U, T>)
+  ParametersToTrain(const std::vector<NamedParameter<U>>&) {  // NOLINT
+    static_assert(std::is_same_v<U, T>,
+                  "duet::nn: the optimiser's element type is not the parameters' (nn::Adam, nn::AdamW and nn::SGD "
+                  "are for float): for a network of double write nn::BasicAdam<double> (AdamW: "
+                  "nn::BasicAdam<double, true>) or nn::BasicSGD<double>");
+  }
 
   std::vector<BasicParameterGroup<T>> groups;
   std::vector<BasicParameter<T>*> unnamed;

@@ -49,8 +49,12 @@ class WithLossCell
   Loss& loss_fn() { return loss_fn_; }
 
   void for_each_child(const typename BasicDynamicCell<T>::ChildVisitor& visit) override {
+    static_assert(std::is_same_v<typename Loss::value_type, T>,
+                  "duet::nn::WithLossCell: the loss's element type is not the network's (nn::CrossEntropyLoss and the "
+                  "other short names are for float): for a network of double write "
+                  "nn::BasicCrossEntropyLoss<Reduction::mean, double>, nn::BasicMSELoss<Reduction::mean, double>, ...");
     visit("", backbone_);
-    visit("loss_fn", loss_fn_);
+    if constexpr (std::is_same_v<typename Loss::value_type, T>) visit("loss_fn", loss_fn_);
   }
   std::string type_name() const override { return "nn::WithLossCell"; }
 
