@@ -469,7 +469,10 @@ class OnnxBuilder {
     for (int i = 0; i < g.node_size(); ++i) {
       const onnx::NodeProto& n = g.node(i);
       if (n.output_size() < 1) throw FormatError(where_ + ": " + who(n, i) + " has no output");
-      for (const std::string& in : n.input()) ++consumers_[in];
+      for (const std::string& in : n.input()) {
+        ++consumers_[in];
+        readers_[in] = i;
+      }
       for (const std::string& out : n.output()) producers_.emplace(out, i);
       if (std::ranges::find(detail::onnx_operators, n.op_type()) != detail::onnx_operators.end()) continue;
       const auto seen = std::ranges::find_if(unknown, [&](const auto& u) { return g.node(u.first).op_type() == n.op_type(); });
@@ -735,10 +738,8 @@ class OnnxBuilder {
   int only_reader(const std::string& name) const {
     const auto count = consumers_.find(name);
     if (count == consumers_.end() || count->second != 1) return -1;
-    const onnx::GraphProto& g = proto_.graph();
-    for (int i = 0; i < g.node_size(); ++i)
-      if (std::ranges::find(g.node(i).input(), name) != g.node(i).input().end()) return i;
-    return -1;
+    const auto reader = readers_.find(name);
+    return reader == readers_.end() ? -1 : reader->second;  // the graph's output is not a node
   }
 
   // The other input of a two-input node than `name`, or "" when it does not read it.
@@ -1859,7 +1860,8 @@ class OnnxBuilder {
   std::map<std::string, Operand> operands_;
   std::map<std::string, std::vector<std::int64_t>> integers_;
   std::map<std::string, detail::OnnxSizes> sizes_;  // int64 tensors shape arithmetic made
-  std::map<std::string, int> consumers_;
+  std::map<std::string, int> consumers_;  // the nodes and graph outputs reading each value
+  std::map<std::string, int> readers_;    // the last node reading each value
   std::map<std::string, int> producers_;  // the node writing each value
   // A GRU's or LSTM's parameters, weight_ih, weight_hh, bias_ih, bias_hh (prepare_recurrence).
   std::map<int, std::array<std::size_t, 4>> recurrences_;
