@@ -296,6 +296,27 @@ TEST_CASE("PIJit traces a network built at run time, replays it, and re-traces o
   CHECK(calls == 1);
 }
 
+// helper-85 served an ONNX model through PIJit with a dynamic batch in the signature: traced at
+// batch 1, a batch of 5 came back as one row, silently. A replay runs at its traced shapes, so
+// a dynamic dimension is a trace per size there (the signature still checks the rest).
+TEST_CASE("PIJit with a dynamic dimension in its signature traces each size it meets, and every row comes back") {
+  set_seed(5);
+  nn::DynamicSequentialCell net;
+  net.append(nn::Flatten{});
+  net.append(nn::Dense<>(12, 4));
+  auto f = jit([&](const Tensor& x) { return net(x); },
+               {.mode = JitMode::PIJit, .input_signature = {{float32, {dyn, 3, 4}}}, .name = "served"});
+  for (index_t batch : {1, 5, 1, 7}) {
+    const Tensor x = randn({batch, 3, 4}, static_cast<std::uint64_t>(batch) + 20);
+    const Tensor y = f(x);
+    CHECK(y.shape() == Shape{batch, 4});
+    CHECK(duet_test::relative_difference(duet_test::values_of(y), duet_test::values_of(net(x))) <= 1e-6);
+  }
+  CHECK(f.compile_count() == 3);  // batches 1, 5 and 7
+  CHECK_THROWS_WITH_AS(f(randn({2, 3, 5}, 1)), doctest::Contains("input_signature says tensor 0 is Float32 [?, 3, 4]"),
+                       ShapeError);
+}
+
 namespace {
 // The last compile log line of the jitted function `name`.
 std::string log_line_of(const std::string& name) {

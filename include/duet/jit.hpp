@@ -412,9 +412,12 @@ class JitBase {
       if constexpr (is_tensor_argument_v<X>) {
         const auto& t = tensor_of(std::get<I>(all));
         s.dtypes[I] = t.dtype();
-        // With an input_signature, the pattern (dynamic dimensions and all) is the key.
-        s.shapes[I] = options_.input_signature.empty() ? t.shape()
-                                                       : options_.input_signature[tensor_index<I, Args...>()].shape;
+        // With an input_signature, the pattern (dynamic dimensions and all) is the key of a
+        // static graph, which runs at every size the pattern admits; a PIJit replay runs at the
+        // traced shapes only, so its key stays the shape (the signature still checks it).
+        s.shapes[I] = options_.input_signature.empty() || options_.mode == JitMode::PIJit
+                          ? t.shape()
+                          : options_.input_signature[tensor_index<I, Args...>()].shape;
       } else if constexpr (!is_mutable_v<X>) {
         s.values[I] = value_hash(std::get<I>(all));
       }
@@ -426,9 +429,11 @@ class JitBase {
 
   template <class T, class... Args>
   static BasicTensor<T> replayed(const pijit::Replay& replay, const Args&... args) {
-    const auto inputs = std::apply([](const auto&... t) { return std::array<const void*, sizeof...(t)>{t.data()...}; },
-                                   std::tuple_cat(tensor_tuple(args)...));
-    return replay.template run<T>(inputs);
+    const auto tensors = std::tuple_cat(tensor_tuple(args)...);
+    const auto inputs =
+        std::apply([](const auto&... t) { return std::array<const void*, sizeof...(t)>{t.data()...}; }, tensors);
+    const auto shapes = std::apply([](const auto&... t) { return std::array<Shape, sizeof...(t)>{t.shape()...}; }, tensors);
+    return replay.template run<T>(inputs, shapes);
   }
 
   template <class X>

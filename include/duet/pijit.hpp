@@ -136,9 +136,19 @@ class Replay {
   // True the first time it is called: the caller says once that it no longer replays this.
   bool set_aside() const { return !set_aside_.exchange(true); }
 
-  // Runs the steps on new inputs of the traced shapes; returns the output value.
+  // Runs the steps on new inputs of the traced shapes; returns the output value. Every size
+  // in the steps is the trace's: inputs of other shapes would be read as if they had those
+  // (a batch of 5 answered with one row), so they are refused.
   template <class T>
-  BasicTensor<T> run(std::span<const void* const> inputs) const {
+  BasicTensor<T> run(std::span<const void* const> inputs, std::span<const Shape> shapes) const {
+    for (const Value& value : values_) {
+      if (value.kind == Value::Kind::input && (value.input >= shapes.size() || shapes[value.input] != value.shape)) {
+        throw ShapeError("duet::jit (PIJit): a replay traced with input " + std::to_string(value.input) + " of shape " +
+                         to_string(value.shape) + " was given " +
+                         (value.input < shapes.size() ? to_string(shapes[value.input]) : std::string("no such input")) +
+                         "; a trace replays the shapes it was made with");
+      }
+    }
     thread_local std::vector<void*> data;
     data.assign(values_.size(), nullptr);
     duet::detail::Storage arena(arena_bytes_);

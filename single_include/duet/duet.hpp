@@ -10159,9 +10159,19 @@ class Replay {
   // True the first time it is called: the caller says once that it no longer replays this.
   bool set_aside() const { return !set_aside_.exchange(true); }
 
-  // Runs the steps on new inputs of the traced shapes; returns the output value.
+  // Runs the steps on new inputs of the traced shapes; returns the output value. Every size
+  // in the steps is the trace's: inputs of other shapes would be read as if they had those
+  // (a batch of 5 answered with one row), so they are refused.
   template <class T>
-  BasicTensor<T> run(std::span<const void* const> inputs) const {
+  BasicTensor<T> run(std::span<const void* const> inputs, std::span<const Shape> shapes) const {
+    for (const Value& value : values_) {
+      if (value.kind == Value::Kind::input && (value.input >= shapes.size() || shapes[value.input] != value.shape)) {
+        throw ShapeError("duet::jit (PIJit): a replay traced with input " + std::to_string(value.input) + " of shape " +
+                         to_string(value.shape) + " was given " +
+                         (value.input < shapes.size() ? to_string(shapes[value.input]) : std::string("no such input")) +
+                         "; a trace replays the shapes it was made with");
+      }
+    }
     thread_local std::vector<void*> data;
     data.assign(values_.size(), nullptr);
     duet::detail::Storage arena(arena_bytes_);
@@ -10781,9 +10791,12 @@ class JitBase {
       if constexpr (is_tensor_argument_v<X>) {
         const auto& t = tensor_of(std::get<I>(all));
         s.dtypes[I] = t.dtype();
-        // With an input_signature, the pattern (dynamic dimensions and all) is the key.
-        s.shapes[I] = options_.input_signature.empty() ? t.shape()
-                                                       : options_.input_signature[tensor_index<I, Args...>()].shape;
+        // With an input_signature, the pattern (dynamic dimensions and all) is the key of a
+        // static graph, which runs at every size the pattern admits; a PIJit replay runs at the
+        // traced shapes only, so its key stays the shape (the signature still checks it).
+        s.shapes[I] = options_.input_signature.empty() || options_.mode == JitMode::PIJit
+                          ? t.shape()
+                          : options_.input_signature[tensor_index<I, Args...>()].shape;
       } else if constexpr (!is_mutable_v<X>) {
         s.values[I] = value_hash(std::get<I>(all));
       }
@@ -10795,9 +10808,11 @@ class JitBase {
 
   template <class T, class... Args>
   static BasicTensor<T> replayed(const pijit::Replay& replay, const Args&... args) {
-    const auto inputs = std::apply([](const auto&... t) { return std::array<const void*, sizeof...(t)>{t.data()...}; },
-                                   std::tuple_cat(tensor_tuple(args)...));
-    return replay.template run<T>(inputs);
+    const auto tensors = std::tuple_cat(tensor_tuple(args)...);
+    const auto inputs =
+        std::apply([](const auto&... t) { return std::array<const void*, sizeof...(t)>{t.data()...}; }, tensors);
+    const auto shapes = std::apply([](const auto&... t) { return std::array<Shape, sizeof...(t)>{t.shape()...}; }, tensors);
+    return replay.template run<T>(inputs, shapes);
   }
 
   template <class X>
