@@ -1165,6 +1165,26 @@ TEST_CASE("io::export_onnx: with dynamic_batch the model takes any batch") {
   CHECK(same_bits(loaded(x), Tensor(lenet(x))));
 }
 
+// A server freezes compiles after warming up: a request of the wrong shape is still a
+// ShapeError about the input, not a RecompileError about a form it would compile (helper-85).
+TEST_CASE("io::OnnxModel: in graph mode with compiles frozen, a wrong input is refused as a wrong input") {
+  const duet_test::TempDir dir;
+  LeNet5 lenet;
+  lenet.set_train(false);
+  duet::io::export_onnx(lenet, Shape{2, 1, 28, 28}, dir.path / "lenet5.onnx", {.dynamic_batch = true});
+  duet::io::OnnxModel loaded = duet::io::load_onnx(dir.path / "lenet5.onnx");
+  duet_test::ModeGuard mode;
+  duet::set_context({.mode = duet::GRAPH_MODE});
+  const Tensor x = duet::randn(Shape{1, 1, 28, 28});
+  const Tensor warm = loaded(x);
+  const duet::FrozenCompiles frozen;
+  CHECK(same_bits(loaded(x), warm));
+  CHECK_THROWS_WITH_AS(loaded(duet::randn(Shape{1, 3, 28, 28})),
+                       doctest::Contains("the model's input 'input' [batch, 1, 28, 28], as the file declares it, got [1, 3, 28, 28]"),
+                       duet::ShapeError);
+  CHECK_THROWS_AS(loaded(duet::randn(Shape{4, 1, 28, 28})), duet::RecompileError);  // a right shape not warmed up
+}
+
 struct Masked : duet::nn::Cell<Masked> {
   duet::nn::Dense<4, 3> dense;
   DUET_CELL_MEMBERS(dense);

@@ -326,6 +326,11 @@ class BasicDynamicCell {
  protected:
   virtual BasicTensor<T> forward(const BasicTensor<T>& x) = 0;
 
+  // Refuses an input the cell can never take, before graph mode looks for a form for its shape:
+  // a bad request then reads as one (a ShapeError), not as a compile that freeze_compiles
+  // forbids (helper-85, serving an ONNX model).
+  virtual void check_input_shape(const Shape&) const {}
+
   // Whether graph mode traces this cell when it is called from outside any other (PIJit): a
   // cell built at run time has no construct to capture. Cell<...> captures its construct instead.
   virtual bool traced_in_graph_mode() const { return true; }
@@ -385,6 +390,7 @@ class BasicDynamicCell {
   BasicTensor<T> call(const BasicTensor<T>& x) {
     check_registered();
     ensure_named();
+    check_input_shape(x.shape());
     if (detail::call_observer<T> == nullptr && effective_mode(CONTEXT_MODE) == GRAPH_MODE &&
         autodiff::active_tape() == nullptr && pijit::active_trace() == nullptr && traced_in_graph_mode()) {
       return graph_form()(x, detail::structure_generation().load(std::memory_order_acquire));

@@ -340,7 +340,7 @@ class OnnxModel : public nn::DynamicCell {
 
  protected:
   Tensor forward(const Tensor& x) override {
-    check_input(x.shape());
+    check_input_shape(x.shape());
     std::vector<Tensor> values(value_count_);
     values[0] = x;
     for (const Step& step : steps_) {
@@ -400,7 +400,7 @@ class OnnxModel : public nn::DynamicCell {
   // As onnxruntime does, the input must have the shape the file declares, any size where it
   // names a dimension: otherwise a Flatten or a broadcast can make a wrong input run (a
   // [4, 784] batch through a model exported for [batch, 1, 28, 28]).
-  void check_input(const Shape& shape) const {
+  void check_input_shape(const Shape& shape) const override {
     if (input_dims_.empty()) return;
     if (static_cast<std::size_t>(shape.rank()) != input_dims_.size()) throw wrong_input(shape, "");
     for (int i = 0; i < shape.rank(); ++i) {
