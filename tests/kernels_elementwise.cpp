@@ -310,6 +310,56 @@ TEST_CASE_TEMPLATE("kernels::scale multiplies as the scalar loop does, in place 
   }
 }
 
+// Binary operations (ops/arithmetic.hpp) on the kernels' vectors: every element the bits of the
+// scalar Fn::apply, NaN from either side and signed zeros included, for a run or a broadcast
+// value on each side, in place or not, nothing written past n; 70,001 elements are shared
+// between threads.
+template <class Fn, class T>
+void check_binary(std::mt19937& gen) {
+  std::vector<index_t> sizes = lengths;
+  sizes.push_back(70001);
+  for (index_t n : sizes) {
+    auto a = random_values<T>(n, -1e3, 1e3, gen);
+    auto b = random_values<T>(n, -1e3, 1e3, gen);
+    a[0] = std::numeric_limits<T>::quiet_NaN();
+    b[static_cast<std::size_t>(n / 2)] = std::numeric_limits<T>::quiet_NaN();
+    a[static_cast<std::size_t>(n - 1)] = T(-0.0);
+    b[static_cast<std::size_t>(n - 1)] = T(0.0);
+    for (int runs = 0; runs < 4; ++runs) {
+      const bool a_runs = (runs & 1) != 0;
+      const bool b_runs = (runs & 2) != 0;
+      CAPTURE(n);
+      CAPTURE(a_runs);
+      CAPTURE(b_runs);
+      duet_test::for_each_isa([&] {
+        std::vector<T> y(a.size() + 1, T(7));
+        kernels::binary<Fn>(a.data(), a_runs, b.data(), b_runs, n, y.data());
+        bool same = true;
+        for (std::size_t i = 0; i < a.size(); ++i) {
+          same = same && bits_of(y[i]) == bits_of(Fn::apply(a[a_runs ? i : 0], b[b_runs ? i : 0]));
+        }
+        CHECK(same);
+        CHECK(y.back() == T(7));
+        if (a_runs) {
+          auto in_place = a;
+          kernels::binary<Fn>(in_place.data(), true, b.data(), b_runs, n, in_place.data());
+          CHECK(std::memcmp(in_place.data(), y.data(), a.size() * sizeof(T)) == 0);
+        }
+      });
+    }
+  }
+}
+
+TEST_CASE_TEMPLATE("kernels::binary gives the scalar function's bits" * duet_test::every_isa, T, float, double) {
+  std::mt19937 gen(10);
+  check_binary<fn::Add, T>(gen);
+  check_binary<fn::Sub, T>(gen);
+  check_binary<fn::Mul, T>(gen);
+  check_binary<fn::Div, T>(gen);
+  check_binary<fn::Maximum, T>(gen);
+  check_binary<fn::Minimum, T>(gen);
+}
+
 }  // namespace
 
 }  // namespace tests_kernels_elementwise

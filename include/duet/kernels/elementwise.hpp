@@ -107,6 +107,39 @@ void map(const T* x, index_t n, T* y) {
   });
 }
 
+// A binary function the kernels can apply in registers: Fn::apply_in_place(a, b) on a scalar and
+// on a SIMD vector of the same element type (fn::Add, fn::Mul, fn::Maximum, ...), lane by lane
+// with the scalar's bits.
+template <class Fn, class T>
+concept VectorBinary = VectorElement<T> && requires(T& s, detail::Vector<T, 16>& v16, detail::Vector<T, 32>& v32,
+                                                     detail::Vector<T, 64>& v64) {
+  Fn::apply_in_place(s, s);
+  Fn::apply_in_place(v16, v16);
+  Fn::apply_in_place(v32, v32);
+  Fn::apply_in_place(v64, v64);
+};
+
+// out[i] = Fn(a[i], b[i]) for i < n (n >= 1), where an input that does not run (a_runs or b_runs
+// false) is its first element at every i: a broadcast row, or a scalar. out may be a or b.
+// Without it, a binary operation's loop was vectorised only where the compiler chose to, for
+// the build's instruction set: at -O2 not at all, and the fused gelu(x * w + b) took twice -O3's
+// time.
+template <class Fn, class T>
+  requires VectorBinary<Fn, T>
+void binary(const T* a, bool a_runs, const T* b, bool b_runs, index_t n, T* out) {
+  const Isa isa = active_isa();
+  ::duet::detail::parallel_elements(n, ::duet::detail::pass_work, [&](index_t i0, index_t i1) {
+    const T* x = a_runs ? a + i0 : a;
+    const T* y = b_runs ? b + i0 : b;
+    detail::with_target(isa, [&](auto target) {
+      if (a_runs && b_runs) binary_step<T, Fn, true, true>(target, x, y, i1 - i0, out + i0);
+      else if (a_runs) binary_step<T, Fn, true, false>(target, x, y, i1 - i0, out + i0);
+      else if (b_runs) binary_step<T, Fn, false, true>(target, x, y, i1 - i0, out + i0);
+      else binary_step<T, Fn, false, false>(target, x, y, i1 - i0, out + i0);
+    });
+  });
+}
+
 // A function whose gradient, from its output, the kernels can take in registers:
 // Fn::grad_in_place(dy, y) on a scalar and on a SIMD vector of the same element type.
 template <class Fn, class T>

@@ -121,6 +121,20 @@ void map_step(Target, const T* x, index_t n, T* y) {
   }
 }
 
+// out[i] = Fn(a[i], b[i]); an input that does not run (ARuns, BRuns false) is its first element
+// at every i.
+template <class T, class Fn, bool ARuns, bool BRuns>
+void binary_step(Target, const T* a, const T* b, index_t n, T* out) {
+  const Vec<T> a0 = splat(*a);
+  const Vec<T> b0 = splat(*b);
+  for (index_t i = 0; i < n; i += lanes<T>) {
+    const int count = lanes_from<T>(i, n);
+    Vec<T> v = ARuns ? load_lanes(a + i, count) : a0;
+    Fn::apply_in_place(v, BRuns ? load_lanes(b + i, count) : b0);
+    store_lanes<T>(out + i, v, count);
+  }
+}
+
 template <class T, class Fn>
 void map_grad_step(Target, const T* dy, const T* y, index_t n, T* dx) {
   for (index_t i = 0; i < n; i += lanes<T>) {
