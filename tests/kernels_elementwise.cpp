@@ -360,6 +360,33 @@ TEST_CASE_TEMPLATE("kernels::binary gives the scalar function's bits" * duet_tes
   check_binary<fn::Minimum, T>(gen);
 }
 
+// PyNative's bias addition: each element one IEEE sum, so the scalar loop's bits under every
+// set, for row lengths around every vector width and rows enough to share the threads, in
+// place or not, nothing written past the rows.
+TEST_CASE_TEMPLATE("kernels::add_bias adds the bias to every row as the scalar loop does" * duet_test::every_isa, T, float,
+                   double) {
+  std::mt19937 gen(11);
+  for (index_t cols : lengths) {
+    for (index_t rows : {index_t{1}, index_t{3}, 70001 / cols + 1}) {
+      CAPTURE(cols);
+      CAPTURE(rows);
+      const auto x = random_values<T>(rows * cols, -1e3, 1e3, gen);
+      const auto bias = random_values<T>(cols, -1e3, 1e3, gen);
+      duet_test::for_each_isa([&] {
+        std::vector<T> y(x.size() + 1, T(7));
+        kernels::add_bias(x.data(), rows, cols, bias.data(), y.data());
+        bool same = true;
+        for (std::size_t i = 0; i < x.size(); ++i) same = same && y[i] == x[i] + bias[i % static_cast<std::size_t>(cols)];
+        CHECK(same);
+        CHECK(y.back() == T(7));
+        auto in_place = x;
+        kernels::add_bias(in_place.data(), rows, cols, bias.data(), in_place.data());
+        CHECK(std::memcmp(in_place.data(), y.data(), x.size() * sizeof(T)) == 0);
+      });
+    }
+  }
+}
+
 }  // namespace
 
 }  // namespace tests_kernels_elementwise

@@ -413,6 +413,13 @@ struct Native : Eigen {
     column_sums(dy, rows, cols, db, accumulate);
   }
 
+  // The bias on the instruction set chosen at run time, with Eigen's bits (one IEEE sum each).
+  template <class T>
+  static void add_bias(const T* x, index_t rows, index_t cols, const T* bias, T* y) {
+    if constexpr (kernels::VectorElement<T>) kernels::add_bias(x, rows, cols, bias, y);
+    else Eigen::add_bias(x, rows, cols, bias, y);
+  }
+
   template <index_t In, index_t Out, class T, class... Fns>
   static void dense(const T* x, index_t rows, index_t in, const T* w, index_t out,
                     const Epilogue<T, Fns...>& epilogue, T* y) {

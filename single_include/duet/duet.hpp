@@ -1645,13 +1645,16 @@ template <int B, class T>
 [[gnu::always_inline]] inline void transpose_blocks(Vec<T>* r) {
   constexpr int Q = lanes<T> / B;
   constexpr auto all = std::make_integer_sequence<int, lanes<T>>{};
+#pragma GCC unroll 4
   for (int round = 1; round < Q; round *= 2) {
     Vec<T> t[Q];
+#pragma GCC unroll 8
     for (int i = 0; i < Q / 2; ++i) {
       t[2 * i] = interleave_low<B, T>(r[i], r[i + Q / 2], all);
       t[2 * i + 1] = interleave_high<B, T>(r[i], r[i + Q / 2], all);
     }
-    std::copy(t, t + Q, r);
+#pragma GCC unroll 16
+    for (int i = 0; i < Q; ++i) r[i] = t[i];
   }
 }
 
@@ -1666,6 +1669,7 @@ Vec<T> fold_pair(Vec<T> a, Vec<T> b, std::integer_sequence<int, I...>) {
 
 template <int W, class T>
 [[gnu::always_inline]] inline void fold_level(Vec<T>* v, int count) {
+#pragma GCC unroll 8
   for (int i = 0; i < count; ++i) v[i] = fold_pair<W, T>(v[2 * i], v[2 * i + 1], std::make_integer_sequence<int, lanes<T>>{});
   if constexpr (W > 1) fold_level<W / 2, T>(v, count / 2);
 }
@@ -1747,6 +1751,7 @@ void pack_panel(const T* src, index_t ld, int rows, index_t depth, T* dst) {
     for (index_t p0 = 0; p0 < depth; p0 += L) {
       const int count = static_cast<int>(std::min<index_t>(L, depth - p0));
       Vec<T> r[Q];
+#pragma GCC unroll 16
       for (int q = 0; q < Q; ++q) {
         const int row = j * Q + q;
         const T* from = src + row * ld + p0;
@@ -2058,13 +2063,16 @@ template <int B, class T>
 [[gnu::always_inline]] inline void transpose_blocks(Vec<T>* r) {
   constexpr int Q = lanes<T> / B;
   constexpr auto all = std::make_integer_sequence<int, lanes<T>>{};
+#pragma GCC unroll 4
   for (int round = 1; round < Q; round *= 2) {
     Vec<T> t[Q];
+#pragma GCC unroll 8
     for (int i = 0; i < Q / 2; ++i) {
       t[2 * i] = interleave_low<B, T>(r[i], r[i + Q / 2], all);
       t[2 * i + 1] = interleave_high<B, T>(r[i], r[i + Q / 2], all);
     }
-    std::copy(t, t + Q, r);
+#pragma GCC unroll 16
+    for (int i = 0; i < Q; ++i) r[i] = t[i];
   }
 }
 
@@ -2079,6 +2087,7 @@ Vec<T> fold_pair(Vec<T> a, Vec<T> b, std::integer_sequence<int, I...>) {
 
 template <int W, class T>
 [[gnu::always_inline]] inline void fold_level(Vec<T>* v, int count) {
+#pragma GCC unroll 8
   for (int i = 0; i < count; ++i) v[i] = fold_pair<W, T>(v[2 * i], v[2 * i + 1], std::make_integer_sequence<int, lanes<T>>{});
   if constexpr (W > 1) fold_level<W / 2, T>(v, count / 2);
 }
@@ -2160,6 +2169,7 @@ void pack_panel(const T* src, index_t ld, int rows, index_t depth, T* dst) {
     for (index_t p0 = 0; p0 < depth; p0 += L) {
       const int count = static_cast<int>(std::min<index_t>(L, depth - p0));
       Vec<T> r[Q];
+#pragma GCC unroll 16
       for (int q = 0; q < Q; ++q) {
         const int row = j * Q + q;
         const T* from = src + row * ld + p0;
@@ -2471,13 +2481,16 @@ template <int B, class T>
 [[gnu::always_inline]] inline void transpose_blocks(Vec<T>* r) {
   constexpr int Q = lanes<T> / B;
   constexpr auto all = std::make_integer_sequence<int, lanes<T>>{};
+#pragma GCC unroll 4
   for (int round = 1; round < Q; round *= 2) {
     Vec<T> t[Q];
+#pragma GCC unroll 8
     for (int i = 0; i < Q / 2; ++i) {
       t[2 * i] = interleave_low<B, T>(r[i], r[i + Q / 2], all);
       t[2 * i + 1] = interleave_high<B, T>(r[i], r[i + Q / 2], all);
     }
-    std::copy(t, t + Q, r);
+#pragma GCC unroll 16
+    for (int i = 0; i < Q; ++i) r[i] = t[i];
   }
 }
 
@@ -2492,6 +2505,7 @@ Vec<T> fold_pair(Vec<T> a, Vec<T> b, std::integer_sequence<int, I...>) {
 
 template <int W, class T>
 [[gnu::always_inline]] inline void fold_level(Vec<T>* v, int count) {
+#pragma GCC unroll 8
   for (int i = 0; i < count; ++i) v[i] = fold_pair<W, T>(v[2 * i], v[2 * i + 1], std::make_integer_sequence<int, lanes<T>>{});
   if constexpr (W > 1) fold_level<W / 2, T>(v, count / 2);
 }
@@ -2573,6 +2587,7 @@ void pack_panel(const T* src, index_t ld, int rows, index_t depth, T* dst) {
     for (index_t p0 = 0; p0 < depth; p0 += L) {
       const int count = static_cast<int>(std::min<index_t>(L, depth - p0));
       Vec<T> r[Q];
+#pragma GCC unroll 16
       for (int q = 0; q < Q; ++q) {
         const int row = j * Q + q;
         const T* from = src + row * ld + p0;
@@ -3164,6 +3179,17 @@ void binary_step(Target, const T* a, const T* b, index_t n, T* out) {
   }
 }
 
+// y[r, j] = x[r, j] + bias[j], rows of cols.
+template <class T>
+void add_bias_step(Target, const T* x, index_t rows, index_t cols, const T* bias, T* y) {
+  for (index_t r = 0; r < rows; ++r, x += cols, y += cols) {
+    for (index_t j = 0; j < cols; j += lanes<T>) {
+      const int count = lanes_from<T>(j, cols);
+      store_lanes<T>(y + j, load_lanes(x + j, count) + load_lanes(bias + j, count), count);
+    }
+  }
+}
+
 template <class T, class Fn>
 void map_grad_step(Target, const T* dy, const T* y, index_t n, T* dx) {
   for (index_t i = 0; i < n; i += lanes<T>) {
@@ -3312,6 +3338,17 @@ void binary_step(Target, const T* a, const T* b, index_t n, T* out) {
     Vec<T> v = ARuns ? load_lanes(a + i, count) : a0;
     Fn::apply_in_place(v, BRuns ? load_lanes(b + i, count) : b0);
     store_lanes<T>(out + i, v, count);
+  }
+}
+
+// y[r, j] = x[r, j] + bias[j], rows of cols.
+template <class T>
+void add_bias_step(Target, const T* x, index_t rows, index_t cols, const T* bias, T* y) {
+  for (index_t r = 0; r < rows; ++r, x += cols, y += cols) {
+    for (index_t j = 0; j < cols; j += lanes<T>) {
+      const int count = lanes_from<T>(j, cols);
+      store_lanes<T>(y + j, load_lanes(x + j, count) + load_lanes(bias + j, count), count);
+    }
   }
 }
 
@@ -3466,6 +3503,17 @@ void binary_step(Target, const T* a, const T* b, index_t n, T* out) {
   }
 }
 
+// y[r, j] = x[r, j] + bias[j], rows of cols.
+template <class T>
+void add_bias_step(Target, const T* x, index_t rows, index_t cols, const T* bias, T* y) {
+  for (index_t r = 0; r < rows; ++r, x += cols, y += cols) {
+    for (index_t j = 0; j < cols; j += lanes<T>) {
+      const int count = lanes_from<T>(j, cols);
+      store_lanes<T>(y + j, load_lanes(x + j, count) + load_lanes(bias + j, count), count);
+    }
+  }
+}
+
 template <class T, class Fn>
 void map_grad_step(Target, const T* dy, const T* y, index_t n, T* dx) {
   for (index_t i = 0; i < n; i += lanes<T>) {
@@ -3540,6 +3588,20 @@ void column_sums(const T* x, index_t rows, index_t cols, T* sums, bool accumulat
                                     const index_t j1 = std::min(cols, s1 * strip);
                                     detail::with_target(isa, [&](auto target) {
                                       column_sums_step(target, x + j0, rows, j1 - j0, cols, sums + j0, accumulate);
+                                    });
+                                  });
+}
+
+// y[r, j] = x[r, j] + bias[j], x and y row-major [rows, cols]; y may be x. PyNative's BiasAdd,
+// which Eigen's rowwise sum ran element by element in a build at -O2 (a tenth of the seed
+// network's forward at batch 256). Threads take whole rows.
+template <VectorElement T>
+void add_bias(const T* x, index_t rows, index_t cols, const T* bias, T* y) {
+  const Isa isa = active_isa();
+  ::duet::detail::parallel_blocks(rows, ::duet::detail::useful_threads(rows * cols * ::duet::detail::pass_work, rows),
+                                  [&](index_t r0, index_t r1, int) {
+                                    detail::with_target(isa, [&](auto target) {
+                                      add_bias_step(target, x + r0 * cols, r1 - r0, cols, bias, y + r0 * cols);
                                     });
                                   });
 }
@@ -5188,6 +5250,13 @@ struct Native : Eigen {
   template <class T>
   static void bias_grad(const T* dy, index_t rows, index_t cols, T* db, bool accumulate) {
     column_sums(dy, rows, cols, db, accumulate);
+  }
+
+  // The bias on the instruction set chosen at run time, with Eigen's bits (one IEEE sum each).
+  template <class T>
+  static void add_bias(const T* x, index_t rows, index_t cols, const T* bias, T* y) {
+    if constexpr (kernels::VectorElement<T>) kernels::add_bias(x, rows, cols, bias, y);
+    else Eigen::add_bias(x, rows, cols, bias, y);
   }
 
   template <index_t In, index_t Out, class T, class... Fns>

@@ -135,6 +135,17 @@ void binary_step(Target, const T* a, const T* b, index_t n, T* out) {
   }
 }
 
+// y[r, j] = x[r, j] + bias[j], rows of cols.
+template <class T>
+void add_bias_step(Target, const T* x, index_t rows, index_t cols, const T* bias, T* y) {
+  for (index_t r = 0; r < rows; ++r, x += cols, y += cols) {
+    for (index_t j = 0; j < cols; j += lanes<T>) {
+      const int count = lanes_from<T>(j, cols);
+      store_lanes<T>(y + j, load_lanes(x + j, count) + load_lanes(bias + j, count), count);
+    }
+  }
+}
+
 template <class T, class Fn>
 void map_grad_step(Target, const T* dy, const T* y, index_t n, T* dx) {
   for (index_t i = 0; i < n; i += lanes<T>) {

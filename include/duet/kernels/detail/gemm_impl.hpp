@@ -26,13 +26,16 @@ template <int B, class T>
 [[gnu::always_inline]] inline void transpose_blocks(Vec<T>* r) {
   constexpr int Q = lanes<T> / B;
   constexpr auto all = std::make_integer_sequence<int, lanes<T>>{};
+#pragma GCC unroll 4
   for (int round = 1; round < Q; round *= 2) {
     Vec<T> t[Q];
+#pragma GCC unroll 8
     for (int i = 0; i < Q / 2; ++i) {
       t[2 * i] = interleave_low<B, T>(r[i], r[i + Q / 2], all);
       t[2 * i + 1] = interleave_high<B, T>(r[i], r[i + Q / 2], all);
     }
-    std::copy(t, t + Q, r);
+#pragma GCC unroll 16
+    for (int i = 0; i < Q; ++i) r[i] = t[i];
   }
 }
 
@@ -47,6 +50,7 @@ Vec<T> fold_pair(Vec<T> a, Vec<T> b, std::integer_sequence<int, I...>) {
 
 template <int W, class T>
 [[gnu::always_inline]] inline void fold_level(Vec<T>* v, int count) {
+#pragma GCC unroll 8
   for (int i = 0; i < count; ++i) v[i] = fold_pair<W, T>(v[2 * i], v[2 * i + 1], std::make_integer_sequence<int, lanes<T>>{});
   if constexpr (W > 1) fold_level<W / 2, T>(v, count / 2);
 }
@@ -128,6 +132,7 @@ void pack_panel(const T* src, index_t ld, int rows, index_t depth, T* dst) {
     for (index_t p0 = 0; p0 < depth; p0 += L) {
       const int count = static_cast<int>(std::min<index_t>(L, depth - p0));
       Vec<T> r[Q];
+#pragma GCC unroll 16
       for (int q = 0; q < Q; ++q) {
         const int row = j * Q + q;
         const T* from = src + row * ld + p0;
