@@ -117,6 +117,59 @@ TEST_CASE("operations on parameters alone: graph mode reads the parameters at ea
   CHECK_FALSE(same_bits(embed, net.embed));
 }
 
+namespace {
+// Parameters as the first operand next to the input (helper-87's scale * x + shift): graph
+// mode captured scale's node before the input and read the input in its place.
+struct ScaleFirst : nn::Cell<ScaleFirst> {
+  nn::Parameter scale{Tensor({1, 4}, {1.f, 2.f, 3.f, 4.f})};
+  nn::Parameter shift{Tensor({1, 4}, {10.f, 20.f, 30.f, 40.f})};
+  DUET_CELL_MEMBERS(scale, shift);
+  auto construct(auto x) { return ops::maximum(scale * x + shift, shift - x * scale) / scale; }
+};
+struct ScaleOnly : nn::Cell<ScaleOnly> {
+  nn::Parameter scale{Tensor({1, 4}, {1.f, 2.f, 3.f, 4.f})};
+  DUET_CELL_MEMBERS(scale);
+  auto construct(auto x) { return scale * x * 2.f; }
+};
+// Inside another cell's capture, where the wrong graph was spliced.
+struct Outer : nn::Cell<Outer> {
+  ScaleOnly inner;
+  DUET_CELL_MEMBERS(inner);
+  auto construct(auto x) { return inner(x) + x; }
+};
+}  // namespace
+
+TEST_CASE("a parameter as the first operand next to the input: the same values and gradients in both modes") {
+  duet_test::ModeGuard guard;
+  ScaleFirst net;
+  const Tensor x({2, 4}, {0.5f, 0.f, 5.f, 7.f, -1.f, -2.f, -30.f, 4.f});
+  std::vector<Tensor> outputs;
+  std::vector<std::vector<Tensor>> grads;
+  for (const Mode mode : {PYNATIVE_MODE, GRAPH_MODE}) {
+    set_context({.mode = mode});
+    outputs.push_back(net(x));
+    grads.push_back(value_and_grad([&](const auto& in) { return ops::sum(net(in)); }, net.parameters())(x).grads);
+  }
+  // max(s x + b, b - x s) / s, by hand.
+  const std::vector<double> expected{10.5, 10, 15, 17, 11, 12, 40, 14};
+  CHECK(duet_test::values_of(outputs[0]) == expected);
+  CHECK(same_bits(outputs[0], outputs[1]));
+  REQUIRE(grads[1].size() == 2);
+  for (std::size_t i = 0; i < 2; ++i) CHECK(same_bits(grads[0][i], grads[1][i]));
+  // d/d shift = 1/s on each row; nothing is zero.
+  CHECK(duet_test::values_of(grads[1][1]) == std::vector<double>{2, 1, static_cast<double>(2.f / 3.f), 0.5});
+  // A static graph, the input first: no traced fallback, no false ambiguity between the two.
+  const std::string ir = graph_ir(net, shape<dyn, 4>).optimized.text;
+  CHECK(ir.find("traced") == std::string::npos);
+  CHECK(ir.find("%0 = Input 0") != std::string::npos);
+
+  // One parameter alone, in a cell inside another: there the graph was static and read x for
+  // the parameter (2 x² + x).
+  Outer outer;
+  set_context({.mode = GRAPH_MODE});
+  CHECK(duet_test::values_of(outer(x)) == std::vector<double>{1.5, 0, 35, 63, -3, -10, -210, 36});
+}
+
 TEST_CASE("operations on parameters alone, outside a network: a tensor, recorded by a tape") {
   nn::Parameter p(Tensor({2}, {0.5f, -1.0f}));
   const auto e = ops::exp(p * 2.f);

@@ -130,12 +130,14 @@ auto parameter_result_after(const A& anchor, const X& x) {
 }
 
 // An operand of an operation being captured, whose first symbolic operand is `anchor`: a
-// parameter becomes a node of the graph, and a result of operations on parameters alone those
-// operations on such nodes.
+// parameter becomes a node appended to anchor's graph, and a result of operations on
+// parameters alone those operations on such nodes. Appended, not a graph of its own merged:
+// as the first operand (`scale * x`) that graph came first, its node before the inputs, and
+// graph mode read the input in the parameter's place (a wrong result, no error), or met a
+// later parameter there (a false ambiguous capture).
 template <class A, class X>
 decltype(auto) graph_operand(const A& anchor, const X& x) {
-  if constexpr (nn::is_parameter_v<X>) return graph::parameter(x);
-  else if constexpr (nn::is_parameter_result_v<X>) return parameter_result_after(anchor, x);
+  if constexpr (nn::is_parameter_v<X> || nn::is_parameter_result_v<X>) return parameter_result_after(anchor, x);
   else return (x);
 }
 

@@ -1016,6 +1016,9 @@ template <class Op, class G0, std::size_t O0, class... Rest>
   requires(sizeof...(Rest) >= 1 && (Symbolic<Rest> && ...))
 auto append(const Op& op, const Sym<G0, O0>& x0, const Rest&... rest) {
   static_cast<void>(sizeof(diagnostic::check_operation<Op>));
+  // Graph mode binds the inputs, and reports_faults reads them, from node 0 on: a graph that
+  // started with a parameter read the input in the parameter's place.
+  static_assert(is_input_op_v<typename node_at<G0, 0>::op_type>, "duet (internal): a captured graph starts with an input");
   if constexpr (reports_faults<G0>() && (reports_faults<typename Rest::graph_type>() && ...)) {
     diagnostic::report_static_fault<Op, Sym<G0, O0>, Rest...>();
   }

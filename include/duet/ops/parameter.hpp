@@ -76,15 +76,6 @@ struct ParameterOp : Primitive<ParameterOp<T>> {
 
 namespace duet::graph {
 
-// A parameter as a symbolic tensor: a graph of one node, merged into the graph that reads it.
-template <class T>
-auto parameter(const nn::BasicParameter<T>& p) {
-  using G = Graph<Node<ops::ParameterOp<T>>>;
-  // Its id is the parameter's: each read of one parameter is the same value.
-  return Sym<G, 0>{G{std::in_place, Node<ops::ParameterOp<T>>{ops::ParameterOp<T>{&p}}},
-                   {reinterpret_cast<std::uintptr_t>(&p) | 1u}};
-}
-
 // A parameter read after everything `anchor`'s graph holds: a node appended to that graph,
 // never merged. Merging places a node without inputs where the other graph has it, and two
 // parameters of one type there are indistinguishable to the type: `a - b` captured from two
