@@ -1,5 +1,10 @@
 // Arithmetic (include/duet/ops/arithmetic.hpp): its cases in the gradient harness, and what
 // the harness does not cover (operators on every kind of tensor, errors).
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
 #include "ops_harness.hpp"
 
 namespace tests_ops_arithmetic {
@@ -197,6 +202,46 @@ TEST_CASE("ops: an elementwise chain fuses into one pass in graph mode and gives
   INFO(text);
   CHECK(text.find("Elementwise Sub(Add(Mul(a, b), c) + ReLU") == std::string::npos);  // an epilogue ends a chain
   CHECK(text.find("Elementwise Add(Mul(a, b), c) + ReLU(%0, %1, %2)") != std::string::npos);
+}
+
+// helper-87: with NaN on one side, maximum and minimum gave the other side's gradient by the
+// order of the arguments; PyTorch gives both the whole gradient, in either order.
+TEST_CASE("ops::maximum, ops::minimum: NaN propagates from either side, and the gradient reaches both sides") {
+  duet_test::ModeGuard guard;
+  const duet::Tensor a({4}, {1.f, 2.f, 3.f, 4.f});
+  const duet::Tensor z({4}, {NAN, 0.f, 5.f, NAN});
+  for (const duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+    duet::set_context({.mode = mode});
+    CAPTURE(mode);
+    const auto grad_of = [&](auto f) {
+      return duet_test::values_of(duet::grad([f](const auto& x, const auto& y) { return duet::ops::sum(f(x, y)); })(a, z));
+    };
+    const auto max_first = grad_of([](const auto& x, const auto& y) { return duet::ops::maximum(x, y); });
+    const auto max_second = grad_of([](const auto& x, const auto& y) { return duet::ops::maximum(y, x); });
+    const auto min_first = grad_of([](const auto& x, const auto& y) { return duet::ops::minimum(x, y); });
+    const auto min_second = grad_of([](const auto& x, const auto& y) { return duet::ops::minimum(y, x); });
+    CHECK(max_first == std::vector<double>{1, 1, 0, 1});
+    CHECK(max_second == max_first);
+    CHECK(min_first == std::vector<double>{1, 0, 1, 1});
+    CHECK(min_second == min_first);
+    const duet::Tensor m = duet::ops::maximum(z, a);
+    CHECK(std::isnan(m(0)));
+    CHECK(m(1) == 2.f);
+    CHECK(std::isnan(duet::ops::minimum(a, z)(3)));
+  }
+}
+
+// helper-87: integer division by zero, and INT_MIN / -1, ended the process with SIGFPE.
+TEST_CASE("ops::div on integers truncates toward zero, and a zero divisor or an overflow is a ValueError") {
+  using I = duet::BasicTensor<std::int32_t>;
+  const I a({4}, {-7, 7, -8, 9});
+  const I b({4}, {2, 2, -3, 4});
+  const I q = a / b;
+  CHECK(std::vector<std::int32_t>(q.data(), q.data() + 4) == std::vector<std::int32_t>{-3, 3, 2, 2});
+  CHECK_THROWS_WITH_AS(a / I({4}, {1, 0, 1, 1}), "duet::ops::div: integer division by zero", duet::ValueError);
+  CHECK_THROWS_WITH_AS(a / 0, "duet::ops::div: integer division by zero", duet::ValueError);
+  CHECK_THROWS_WITH_AS(I({1}, {std::numeric_limits<std::int32_t>::min()}) / -1,
+                       "duet::ops::div: integer division overflows (-2147483648 / -1)", duet::ValueError);
 }
 
 }  // namespace tests_ops_arithmetic

@@ -13,6 +13,7 @@
 #include <array>
 #include <cmath>
 #include <cstddef>
+#include <limits>
 #include <span>
 #include <string>
 #include <string_view>
@@ -83,8 +84,19 @@ struct Mul : InPlaceBinary<Mul> {
 struct Div : InPlaceBinary<Div> {
   static constexpr std::string_view name = "Div";
   static constexpr std::string_view onnx = "Div";  // its operator in ONNX
+  // Integers divide as C++ does, truncating toward zero (-7 / 2 is -3; PyTorch's // floors);
+  // a zero divisor, or the one quotient that overflows, is an error rather than the signal
+  // that ends the process.
   template <class V>
   static void apply_in_place(V& a, const V& b) {
+    if constexpr (std::is_integral_v<V>) {
+      if (b == 0) throw ValueError("duet::ops::div: integer division by zero");
+      if constexpr (std::is_signed_v<V>) {
+        if (b == -1 && a == std::numeric_limits<V>::min()) {
+          throw ValueError("duet::ops::div: integer division overflows (" + std::to_string(a) + " / -1)");
+        }
+      }
+    }
     a = a / b;
   }
   template <int K, class T>
@@ -94,17 +106,21 @@ struct Div : InPlaceBinary<Div> {
 };
 
 // Ties send half the gradient each way, as PyTorch does: the derivative there is undefined,
-// and any other choice makes maximum(x, x) differ from x.
+// and any other choice makes maximum(x, x) differ from x. Where either side is NaN (the result
+// is NaN) both sides get the whole gradient, as in PyTorch, whichever side holds the NaN.
 struct Maximum : InPlaceBinary<Maximum> {
   static constexpr std::string_view name = "Maximum";
   static constexpr std::string_view onnx = "Max";  // its operator in ONNX
   template <class V>
   static void apply_in_place(V& a, const V& b) {
-    a = a != a || a > b ? a : b;  // NaN propagates from either side
+    // NaN propagates from either side, as their sum. Only ordered comparisons: GCC lowers a
+    // self-comparison (a != a) on a vector lane by lane, which made maximum 50x slower.
+    a = a > b ? a : (a <= b ? b : a + b);
   }
   template <int K, class T>
   static T partial(T a, T b) {
     if (a == b) return T(0.5);
+    if (a != a || b != b) return T(1);
     return (K == 0) == (a > b) ? T(1) : T(0);
   }
 };
@@ -114,11 +130,12 @@ struct Minimum : InPlaceBinary<Minimum> {
   static constexpr std::string_view onnx = "Min";  // its operator in ONNX
   template <class V>
   static void apply_in_place(V& a, const V& b) {
-    a = a != a || a < b ? a : b;
+    a = a < b ? a : (a >= b ? b : a + b);
   }
   template <int K, class T>
   static T partial(T a, T b) {
     if (a == b) return T(0.5);
+    if (a != a || b != b) return T(1);
     return (K == 0) == (a < b) ? T(1) : T(0);
   }
 };
