@@ -1,5 +1,6 @@
 #include "support.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -95,6 +96,55 @@ TEST_CASE("kernels::exp is within 2 ulp of std::exp over float's range, under ev
 
 TEST_CASE("kernels::exp is within 2 ulp of std::exp over double's range, under every instruction set" * duet_test::every_isa) {
   check_exp<double>(-746.0, 710.0, (std::int64_t(1) << 41) + 12345);
+}
+
+// The recurrent cells' activations: tanh within 2 ulp of std::tanh, and the sigmoid within 2 ulp
+// of 1 / (1 + e^-x) in long double wherever the result is a normal number (below that it is 0,
+// as the scalar formula on float's e^x gives), on a grid over the range where neither saturates
+// and over tiny arguments; tanh odd to the bit.
+template <class T>
+void check_activations() {
+  std::vector<T> x;
+  for (int i = 0; i < 300000; ++i) x.push_back(static_cast<T>(i) * T(1e-4));
+  for (T v = T(1e-30); v < T(1e-2); v *= T(1.37)) x.push_back(v);
+  std::vector<T> negative;
+  for (const T v : x) negative.push_back(-v);
+  const auto n = static_cast<index_t>(x.size());
+  duet_test::for_each_isa([&] {
+    std::vector<T> t(x.size()), t_negative(x.size()), s(x.size()), s_negative(x.size());
+    kernels::tanh(x.data(), n, t.data());
+    kernels::tanh(negative.data(), n, t_negative.data());
+    kernels::sigmoid(x.data(), n, s.data());
+    kernels::sigmoid(negative.data(), n, s_negative.data());
+    std::int64_t worst_tanh = 0, worst_sigmoid = 0;
+    bool odd = true;
+    const auto sigmoid_ulps = [](T y, T v) -> std::int64_t {
+      const auto reference = static_cast<T>(1.0L / (1.0L + std::exp(-static_cast<long double>(v))));
+      return reference < std::numeric_limits<T>::min() ? 0 : ulps_apart(y, reference);
+    };
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      worst_tanh = std::max(worst_tanh, ulps_apart(t[i], std::tanh(x[i])));
+      odd = odd && bits_of(t_negative[i]) == bits_of(-t[i]);
+      worst_sigmoid = std::max({worst_sigmoid, sigmoid_ulps(s[i], x[i]), sigmoid_ulps(s_negative[i], negative[i])});
+    }
+    CHECK(worst_tanh <= 2);
+    CHECK(worst_sigmoid <= 2);
+    CHECK(odd);
+    MESSAGE(kernel_isa(), ": tanh within ", worst_tanh, " ulp, sigmoid within ", worst_sigmoid, " ulp");
+    constexpr T inf = std::numeric_limits<T>::infinity();
+    const std::vector<T> special = {inf, -inf, std::numeric_limits<T>::quiet_NaN(), T(-0.0), T(1000), T(-1000)};
+    std::vector<T> ts(special.size()), ss(special.size());
+    kernels::tanh(special.data(), static_cast<index_t>(special.size()), ts.data());
+    kernels::sigmoid(special.data(), static_cast<index_t>(special.size()), ss.data());
+    CHECK((ts[0] == T(1) && ts[1] == T(-1) && std::isnan(ts[2]) && ts[3] == T(0) && std::signbit(ts[3]) &&
+           ts[4] == T(1) && ts[5] == T(-1)));
+    CHECK((ss[0] == T(1) && ss[1] == T(0) && std::isnan(ss[2]) && ss[3] == T(0.5) && ss[4] == T(1) && ss[5] == T(0)));
+  });
+}
+
+TEST_CASE_TEMPLATE("kernels::tanh and kernels::sigmoid: within 2 ulp, odd, saturated, NaN kept" * duet_test::every_isa, T,
+                   float, double) {
+  check_activations<T>();
 }
 
 TEST_CASE_TEMPLATE("kernels::exp: overflow, underflow, infinities and NaN" * duet_test::every_isa, T, float, double) {

@@ -36,6 +36,17 @@ void exp(const T* x, index_t n, T* y) {
   detail::with_target(active_isa(), [&](auto target) { exp_step(target, x, n, y); });
 }
 
+// y[i] = tanh x[i] and y[i] = 1 / (1 + e^-x[i]) (simd/detail/math.hpp); y may be x. A recurrent
+// cell's gates, a row at a time.
+template <VectorElement T>
+void tanh(const T* x, index_t n, T* y) {
+  detail::with_target(active_isa(), [&](auto target) { tanh_step(target, x, n, y); });
+}
+template <VectorElement T>
+void sigmoid(const T* x, index_t n, T* y) {
+  detail::with_target(active_isa(), [&](auto target) { sigmoid_step(target, x, n, y); });
+}
+
 // Σ x[i].
 template <VectorElement T>
 T sum(const T* x, index_t n) {

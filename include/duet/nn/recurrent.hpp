@@ -24,6 +24,7 @@
 #include "../cell.hpp"
 #include "../eager.hpp"
 #include "../initializer.hpp"
+#include "../kernels/elementwise.hpp"
 #include "../memory.hpp"
 #include "../operation.hpp"
 #include "../random.hpp"
@@ -48,16 +49,32 @@ using RowVector = ::Eigen::Matrix<T, 1, ::Eigen::Dynamic>;
 template <class T>
 using StepRows = ::Eigen::Map<const RowMatrix<T>, 0, ::Eigen::OuterStride<>>;
 
+// x[i] = σ(x[i]) and tanh(x[i]) for i < n, a gate's row at a time: on the kernels of the
+// instruction set chosen at run time (kernels/elementwise.hpp) for float and double. One call
+// to libm's expf or tanhf per element was half of an LSTM's training step.
 template <class T>
-T sigmoid(T v) {
-  return T(1) / (T(1) + std::exp(-v));
+void sigmoid_in_place(T* x, index_t n) {
+  if constexpr (kernels::VectorElement<T>) {
+    kernels::sigmoid(x, n, x);
+  } else {
+    for (index_t i = 0; i < n; ++i) x[i] = T(1) / (T(1) + std::exp(-x[i]));
+  }
+}
+template <class T>
+void tanh_in_place(T* x, index_t n) {
+  if constexpr (kernels::VectorElement<T>) {
+    kernels::tanh(x, n, x);
+  } else {
+    for (index_t i = 0; i < n; ++i) x[i] = std::tanh(x[i]);
+  }
 }
 
-// One element j of one step of a GRU, PyTorch's formulas (gates in the order r, z, n):
+// One step of a GRU for one sample, PyTorch's formulas (gates in the order r, z, n):
 //   r = σ(W_ir x + b_ir + W_hr h + b_hr)      z = σ(W_iz x + b_iz + W_hz h + b_hz)
 //   n = tanh(W_in x + b_in + r ⊙ (W_hn h + b_hn))      h' = (1 - z) ⊙ n + z ⊙ h
-// `xg` and `hg` are the step's input and hidden gate rows (W x + b, W h + b). What backward
-// keeps of the step, per element: r, z, n and W_hn h + b_hn.
+// `xg` and `hg` are the step's input and hidden gate rows (W x + b, W h + b), h_prev null for
+// zeros; `a` is scratch of gates · H. What backward keeps of the step, per element: r, z, n and
+// W_hn h + b_hn.
 struct GRUCell {
   static constexpr index_t gates = 3;
   static constexpr index_t saved = 4;
@@ -69,17 +86,22 @@ struct GRUCell {
   static std::vector<InterchangeAttribute> onnx_attributes() { return {InterchangeAttribute::of("linear_before_reset", 1)}; }
 
   template <class T>
-  static T forward(const T* xg, const T* hg, index_t H, index_t j, T h, T* /*c*/, T* keep) {
-    const T r = sigmoid(xg[j] + hg[j]);
-    const T z = sigmoid(xg[H + j] + hg[H + j]);
-    const T n = std::tanh(xg[2 * H + j] + r * hg[2 * H + j]);
-    if (keep != nullptr) {
-      keep[j] = r;
-      keep[H + j] = z;
-      keep[2 * H + j] = n;
-      keep[3 * H + j] = hg[2 * H + j];
+  static void forward(const T* xg, const T* hg, index_t H, const T* h_prev, T* /*c*/, T* keep, T* a, T* h_out) {
+    for (index_t j = 0; j < 2 * H; ++j) a[j] = xg[j] + hg[j];
+    sigmoid_in_place(a, 2 * H);
+    const T* r = a;
+    const T* z = a + H;
+    T* n = a + 2 * H;
+    for (index_t j = 0; j < H; ++j) n[j] = xg[2 * H + j] + r[j] * hg[2 * H + j];
+    tanh_in_place(n, H);
+    for (index_t j = 0; j < H; ++j) {
+      const T h = h_prev == nullptr ? T(0) : h_prev[j];
+      h_out[j] = (T(1) - z[j]) * n[j] + z[j] * h;
     }
-    return (T(1) - z) * n + z * h;
+    if (keep != nullptr) {
+      std::copy_n(a, 3 * H, keep);
+      std::copy_n(hg + 2 * H, H, keep + 3 * H);
+    }
   }
 
   // With dh the gradient reaching h_t:
@@ -105,13 +127,13 @@ struct GRUCell {
   }
 };
 
-// One element j of one step of an LSTM, PyTorch's formulas (gates in the order i, f, g, o):
+// One step of an LSTM for one sample, PyTorch's formulas (gates in the order i, f, g, o):
 //   i = σ(W_ii x + b_ii + W_hi h + b_hi)   f = σ(..f..)   g = tanh(..g..)   o = σ(..o..)
 //   c' = f ⊙ c + i ⊙ g      h' = o ⊙ tanh(c')
-// What backward keeps, per element: i, f, g, o and c'.
+// c is updated in place. What backward keeps, per element: i, f, g, o, c' and tanh(c').
 struct LSTMCell {
   static constexpr index_t gates = 4;
-  static constexpr index_t saved = 5;
+  static constexpr index_t saved = 6;
   static constexpr int states = 2;  // h, c
   static constexpr const char* name = "LSTM";
   // ONNX's LSTM orders the gates i, o, f, c (PyTorch's blocks 0, 3, 1, 2).
@@ -119,20 +141,26 @@ struct LSTMCell {
   static std::vector<InterchangeAttribute> onnx_attributes() { return {}; }
 
   template <class T>
-  static T forward(const T* xg, const T* hg, index_t H, index_t j, T /*h*/, T* c, T* keep) {
-    const T i = sigmoid(xg[j] + hg[j]);
-    const T f = sigmoid(xg[H + j] + hg[H + j]);
-    const T g = std::tanh(xg[2 * H + j] + hg[2 * H + j]);
-    const T o = sigmoid(xg[3 * H + j] + hg[3 * H + j]);
-    *c = f * *c + i * g;
-    if (keep != nullptr) {
-      keep[j] = i;
-      keep[H + j] = f;
-      keep[2 * H + j] = g;
-      keep[3 * H + j] = o;
-      keep[4 * H + j] = *c;
+  static void forward(const T* xg, const T* hg, index_t H, const T* /*h_prev*/, T* c, T* keep, T* a, T* h_out) {
+    for (index_t j = 0; j < 4 * H; ++j) a[j] = xg[j] + hg[j];
+    sigmoid_in_place(a, 2 * H);
+    tanh_in_place(a + 2 * H, H);
+    sigmoid_in_place(a + 3 * H, H);
+    const T* i = a;
+    const T* f = a + H;
+    const T* g = a + 2 * H;
+    const T* o = a + 3 * H;
+    for (index_t j = 0; j < H; ++j) {
+      c[j] = f[j] * c[j] + i[j] * g[j];
+      h_out[j] = c[j];
     }
-    return o * std::tanh(*c);
+    tanh_in_place(h_out, H);
+    if (keep != nullptr) {
+      std::copy_n(a, 4 * H, keep);
+      std::copy_n(c, H, keep + 4 * H);
+      std::copy_n(h_out, H, keep + 5 * H);
+    }
+    for (index_t j = 0; j < H; ++j) h_out[j] *= o[j];
   }
 
   // With dh the gradient reaching h_t and dc the one reaching c_t from step t + 1:
@@ -148,7 +176,7 @@ struct LSTMCell {
   template <class T>
   static T backward(const T* keep, index_t H, index_t j, T dh, T /*h*/, T c_before, T* dc, T* dxg, T* dhg) {
     const T i = keep[j], f = keep[H + j], g = keep[2 * H + j], o = keep[3 * H + j];
-    const T tc = std::tanh(keep[4 * H + j]);
+    const T tc = keep[5 * H + j];
     const T d_c = *dc + dh * o * (T(1) - tc * tc);
     dxg[j] = dhg[j] = d_c * g * i * (T(1) - i);
     dxg[H + j] = dhg[H + j] = d_c * c_before * f * (T(1) - f);
@@ -212,6 +240,10 @@ void recurrent_steps(const Layer& layer, const RecurrentSizes& s, const T* x, In
   gate_product<Backend>(x, s.rows(), s.input, layer.weight_ih_l0, G, layer.bias_ih_l0.data(), input_gates);
   // h_{t-1} of every sample, rows L·H apart in hs, gathered into one matrix for the product.
   T* h_rows = duet::detail::scratch<T>(h_storage, static_cast<std::size_t>(s.batch * H));
+  // The cell's gates for one sample and, where no h is written, its h.
+  duet::detail::Storage activations_storage;
+  T* activations = duet::detail::scratch<T>(activations_storage, static_cast<std::size_t>(G + H));
+  T* h_step = activations + G;
   for (index_t t = 0; t < s.length; ++t) {
     if (t > 0) {
       for (index_t b = 0; b < s.batch; ++b) std::copy_n(hs + (b * s.length + t - 1) * H, H, h_rows + b * H);
@@ -226,11 +258,10 @@ void recurrent_steps(const Layer& layer, const RecurrentSizes& s, const T* x, In
       const T* h_prev = t > 0 ? hs + (row - 1) * H : initial.h == nullptr ? nullptr : initial.h + b * H;
       T* kept = out.keep == nullptr ? nullptr : out.keep + row * Cell::saved * H;
       T* c = cell == nullptr ? nullptr : cell + b * H;
-      for (index_t j = 0; j < H; ++j) {
-        const T h = Cell::forward(input_gates + row * G, hidden_gates + b * G, H, j, h_prev == nullptr ? T(0) : h_prev[j],
-                                  c == nullptr ? nullptr : c + j, kept);
-        if (out.h != nullptr) out.h[row * H + j] = h;
-        if (out.c != nullptr) out.c[row * H + j] = c[j];
+      T* h = out.h != nullptr ? out.h + row * H : h_step;
+      Cell::forward(input_gates + row * G, hidden_gates + b * G, H, h_prev, c, kept, activations, h);
+      if constexpr (Cell::states == 2) {
+        if (out.c != nullptr) std::copy_n(c, H, out.c + row * H);
       }
     }
   }

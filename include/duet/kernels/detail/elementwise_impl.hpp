@@ -31,6 +31,22 @@ void exp_step(Target, const T* x, index_t n, T* y) {
 }
 
 template <class T>
+void tanh_step(Target, const T* x, index_t n, T* y) {
+  for (index_t i = 0; i < n; i += lanes<T>) {
+    const int count = lanes_from<T>(i, n);
+    store_lanes<T>(y + i, tanh<T>(load_lanes(x + i, count)), count);
+  }
+}
+
+template <class T>
+void sigmoid_step(Target, const T* x, index_t n, T* y) {
+  for (index_t i = 0; i < n; i += lanes<T>) {
+    const int count = lanes_from<T>(i, n);
+    store_lanes<T>(y + i, sigmoid<T>(load_lanes(x + i, count)), count);
+  }
+}
+
+template <class T>
 void scale_step(Target, const T* x, index_t n, T a, T* y) {
   for (index_t i = 0; i < n; i += lanes<T>) {
     const int count = lanes_from<T>(i, n);

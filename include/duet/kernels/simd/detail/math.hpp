@@ -139,3 +139,69 @@ Vec<T> exp(Vec<T> x) {
   const Vec<T> rest = (k - (half - C::round_shift)) + C::round_shift;
   return p * exp2_of_shifted<T>(half) * exp2_of_shifted<T>(rest);
 }
+
+// ---- tanh and the sigmoid ---------------------------------------------------------------
+//
+// tanh x for |x| < 0.55 by its Taylor series, x · P(x²) (the coefficients 2^2n (2^2n - 1) B_2n /
+// (2n)!, to x^19 for float and x^35 for double: the first omitted term is below 2^-30 and 2^-54
+// of the result), where 1 - 2 / (e^2|x| + 1) would lose the small result to cancellation; above,
+// that formula on exp, signed as x (e^2|x| overflowing to inf gives 1). NaN stays NaN, -0 stays
+// -0. Within a few ulp of std::tanh (tests/kernels_elementwise.cpp): a recurrent cell's gates
+// called libm's tanhf and expf once per element, half of an LSTM's training step.
+template <class T>
+struct TanhConstants;
+
+template <>
+struct TanhConstants<float> {
+  static constexpr float taylor[] = {1.0f,
+                                     -0.3333333333333333f,
+                                     0.13333333333333333f,
+                                     -0.05396825396825397f,
+                                     0.021869488536155203f,
+                                     -0.008863235529902197f,
+                                     0.003592128036572481f,
+                                     -0.0014558343870513183f,
+                                     0.000590027440945586f,
+                                     -0.00023912911424355248f};
+};
+
+template <>
+struct TanhConstants<double> {
+  static constexpr double taylor[] = {1.0,
+                                      -0.3333333333333333,
+                                      0.13333333333333333,
+                                      -0.05396825396825397,
+                                      0.021869488536155203,
+                                      -0.008863235529902197,
+                                      0.003592128036572481,
+                                      -0.0014558343870513183,
+                                      0.000590027440945586,
+                                      -0.00023912911424355248,
+                                      9.691537956929451e-05,
+                                      -3.927832388331683e-05,
+                                      1.5918905069328964e-05,
+                                      -6.451689215655431e-06,
+                                      2.6147711512907546e-06,
+                                      -1.0597268320104654e-06,
+                                      4.294911078273806e-07,
+                                      -1.7406618963571648e-07};
+};
+
+template <class T>
+Vec<T> tanh(Vec<T> x) {
+  using C = TanhConstants<T>;
+  const Vec<T> ax = x < T(0) ? -x : x;
+  const Vec<T> x2 = x * x;
+  constexpr int terms = static_cast<int>(sizeof C::taylor / sizeof(T));
+  Vec<T> p = splat(C::taylor[terms - 1]);
+  for (int i = terms - 2; i >= 0; --i) p = fma<T>(p, x2, splat(C::taylor[i]));
+  const Vec<T> large = T(1) - T(2) / (exp<T>(ax + ax) + T(1));
+  const Vec<T> signed_large = x < T(0) ? -large : large;
+  return ax < T(0.55) ? x * p : signed_large;
+}
+
+// 1 / (1 + e^-x): 0 where e^-x overflows, NaN for NaN.
+template <class T>
+Vec<T> sigmoid(Vec<T> x) {
+  return T(1) / (T(1) + exp<T>(-x));
+}
