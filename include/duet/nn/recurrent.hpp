@@ -19,8 +19,6 @@
 #include <utility>
 #include <vector>
 
-#include <Eigen/Core>
-
 #include "../cell.hpp"
 #include "../eager.hpp"
 #include "../initializer.hpp"
@@ -40,14 +38,6 @@ template <class Layer, int States, bool CellStates, RecurrentGradient Target>
 struct RecurrentGradOp;
 
 namespace detail {
-
-template <class T>
-using RowMatrix = ::Eigen::Matrix<T, ::Eigen::Dynamic, ::Eigen::Dynamic, ::Eigen::RowMajor>;
-template <class T>
-using RowVector = ::Eigen::Matrix<T, 1, ::Eigen::Dynamic>;
-// Time step t of every sequence of a [B, L, N] tensor: B rows of N, L · N apart.
-template <class T>
-using StepRows = ::Eigen::Map<const RowMatrix<T>, 0, ::Eigen::OuterStride<>>;
 
 // x[i] = σ(x[i]) and tanh(x[i]) for i < n, a gate's row at a time: on the kernels of the
 // instruction set chosen at run time (kernels/elementwise.hpp) for float and double. One call
@@ -416,8 +406,6 @@ struct RecurrentGradOp : Primitive<RecurrentGradOp<Layer, States, CellStates, Ta
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
-    using detail::RowMatrix;
-    using detail::RowVector;
     const Shape& xs = a.in_shape(1);
     const detail::RecurrentSizes s{xs[0], xs[1], xs[2], layer->hidden_size()};
     const index_t H = s.hidden, G = Cell::gates * H, K = Cell::saved * H;
@@ -436,9 +424,13 @@ struct RecurrentGradOp : Primitive<RecurrentGradOp<Layer, States, CellStates, Ta
       detail::recurrent_steps<Backend, Cell>(*layer, s, x, initial, y, detail::StepOutputs<T>{nullptr, nullptr, keep});
     }
 
-    const ::Eigen::Map<const RowMatrix<T>> w_hh(layer->weight_hh_l0.data(), G, H);
+    duet::detail::Storage dhg_step_storage, dh_product_storage, h_before_storage;
     T* dxg = duet::detail::scratch<T>(dxg_storage, static_cast<std::size_t>(s.rows() * G));
-    T* dhg = duet::detail::scratch<T>(dhg_storage, static_cast<std::size_t>(s.batch * G));
+    // The hidden gates' gradient of every row: a step's [B, G] goes back through W_hh to h_{t-1}
+    // at once, and all of them make W_hh's gradient in one product after the loop.
+    T* dhg = duet::detail::scratch<T>(dhg_storage, static_cast<std::size_t>(s.rows() * G));
+    T* dhg_step = duet::detail::scratch<T>(dhg_step_storage, static_cast<std::size_t>(s.batch * G));
+    T* dh_product = duet::detail::scratch<T>(dh_product_storage, static_cast<std::size_t>(s.batch * H));
     // The gradient reaching h_{t-1} (and c_{t-1}): the output itself when it is the initial
     // state's.
     T* dh_next = Target == RecurrentGradient::hidden ? a.out<T>()
@@ -448,12 +440,8 @@ struct RecurrentGradOp : Primitive<RecurrentGradOp<Layer, States, CellStates, Ta
                                                 : duet::detail::scratch<T>(dc_storage, static_cast<std::size_t>(s.batch * H));
     if (dc != nullptr) std::fill_n(dc, s.batch * H, T(0));
     std::fill_n(dh_next, s.batch * H, T(0));
-    ::Eigen::Map<RowMatrix<T>> dhg_rows(dhg, s.batch, G);
-    ::Eigen::Map<RowMatrix<T>> dh_rows(dh_next, s.batch, H);
 
-    const std::uint64_t pass = duet::detail::current_backward_pass();
-    T* dw_hh = writes_parameters ? layer->weight_hh_l0.grad_for_add(pass) : nullptr;
-    T* db_hh = writes_parameters ? layer->bias_hh_l0.grad_for_add(pass) : nullptr;
+    const T* w_hh = layer->weight_hh_l0.data();
     for (index_t t = s.length - 1; t >= 0; --t) {
       for (index_t b = 0; b < s.batch; ++b) {
         const index_t row = b * s.length + t;
@@ -466,30 +454,32 @@ struct RecurrentGradOp : Primitive<RecurrentGradOp<Layer, States, CellStates, Ta
           if constexpr (CellStates) dc[b * H + j] += dy[row * H + j];
           else dh += dy[row * H + j];
           carry[j] = Cell::backward(kept, H, j, dh, h_prev == nullptr ? T(0) : h_prev[j], c_prev,
-                                    dc == nullptr ? nullptr : dc + b * H + j, dxg + row * G, dhg + b * G);
+                                    dc == nullptr ? nullptr : dc + b * H + j, dxg + row * G, dhg + row * G);
         }
+        std::copy_n(dhg + row * G, G, dhg_step + b * G);
       }
-      dh_rows.noalias() += dhg_rows * w_hh;
-      if constexpr (writes_parameters) {
-        ::Eigen::Map<RowVector<T>>(db_hh, G) += dhg_rows.colwise().sum();
-        const T* h_before = t > 0 ? y + (t - 1) * H : initial.h;
-        const index_t stride = t > 0 ? s.length * H : H;
-        if (h_before != nullptr) {
-          ::Eigen::Map<RowMatrix<T>>(dw_hh, G, H).noalias() +=
-              dhg_rows.transpose() * detail::StepRows<T>(h_before, s.batch, H, ::Eigen::OuterStride<>(stride));
-        }
-      }
+      // dh_{t-1} += dhg_t · W_hh, on the backend's product (W_hh [G, H] is the [k, n] it reads).
+      Backend::matmul(dhg_step, s.batch, G, w_hh, H, dh_product);
+      for (index_t i = 0; i < s.batch * H; ++i) dh_next[i] += dh_product[i];
     }
     if constexpr (writes_parameters) {
-      const ::Eigen::Map<const RowMatrix<T>> dxg_rows(dxg, s.rows(), G);
-      ::Eigen::Map<RowMatrix<T>>(layer->weight_ih_l0.grad_for_add(pass), G, s.input).noalias() +=
-          dxg_rows.transpose() * ::Eigen::Map<const RowMatrix<T>>(x, s.rows(), s.input);
-      ::Eigen::Map<RowVector<T>>(layer->bias_ih_l0.grad_for_add(pass), G) +=
-          dxg_rows.colwise().sum();
-      if constexpr (Target == RecurrentGradient::input) {
-        ::Eigen::Map<RowMatrix<T>>(a.out<T>(), s.rows(), s.input).noalias() =
-            dxg_rows * ::Eigen::Map<const RowMatrix<T>>(layer->weight_ih_l0.data(), G, s.input);
+      const std::uint64_t pass = duet::detail::current_backward_pass();
+      // Each row's h_{t-1} (the initial state's, or zeros, at t = 0) beside its dhg: W_hh's and
+      // b_hh's gradients are a Dense layer's, over all rows at once.
+      T* h_before = duet::detail::scratch<T>(h_before_storage, static_cast<std::size_t>(s.rows() * H));
+      for (index_t b = 0; b < s.batch; ++b) {
+        T* first = h_before + b * s.length * H;
+        if (initial.h != nullptr) std::copy_n(initial.h + b * H, H, first);
+        else std::fill_n(first, H, T(0));
+        std::copy_n(y + b * s.length * H, (s.length - 1) * H, first + H);
       }
+      Backend::template dense_backward<dyn, dyn>(DenseBackwardArgs<T>{dhg, h_before, nullptr, s.rows(), H, w_hh, G, nullptr,
+                                                                      layer->weight_hh_l0.grad_for_add(pass), true,
+                                                                      layer->bias_hh_l0.grad_for_add(pass), true});
+      Backend::template dense_backward<dyn, dyn>(DenseBackwardArgs<T>{
+          dxg, x, nullptr, s.rows(), s.input, layer->weight_ih_l0.data(), G,
+          Target == RecurrentGradient::input ? a.out<T>() : nullptr, layer->weight_ih_l0.grad_for_add(pass), true,
+          layer->bias_ih_l0.grad_for_add(pass), true});
       duet::detail::gradient_writes_done();
     }
   }
