@@ -4,6 +4,12 @@
 // (when the benchmarks link libtorch: DUET_BENCH_TORCH), and against a memory floor: one read
 // of x and one write of the output, the least any implementation moves.
 //
+// Then each activation alone on [256, 512] (ops/activation/<name>/duet: backend::Native's map,
+// the kernel PyNative's node and a product's epilogue run, on the instruction set chosen at run
+// time), against the same function's Eigen form (/eigen: backend::Eigen::map, what the Native
+// backend ran before it had vector forms of its own, vectorised for the build's instruction set
+// only), and the gradients of those differentiated from their input (/grad).
+//
 // Then what PyNative pays per operation, apart from its kernel: a chain of additions on [1, 4]
 // tensors, whose kernels cost a few nanoseconds, reported per node (counter per_node).
 //
@@ -93,6 +99,23 @@ void BM_chain_memory_floor(benchmark::State& state) {
   report_bytes(state);
 }
 
+// One activation over [rows, cols] in place, by Backend's map (or map_grad with Grad).
+template <class Backend, class Fn, bool Grad = false>
+void BM_activation(benchmark::State& state) {
+  const Tensor x = randn({rows, cols}, 4);
+  const Tensor dy = randn({rows, cols}, 5);
+  Tensor y = zeros({rows, cols});
+  for (auto _ : state) {
+    if constexpr (Grad)
+      Backend::template map_grad<Fn>(dy.data(), x.data(), rows * cols, y.data());
+    else
+      Backend::template map<Fn>(x.data(), rows * cols, y.data());
+    benchmark::DoNotOptimize(y.data());
+    benchmark::ClobberMemory();
+  }
+  report_bytes(state);
+}
+
 // PyNative's cost per node: state.range(0) additions, one after the other, on [1, 4] tensors.
 void BM_pynative_per_node(benchmark::State& state) {
   set_context({.mode = PYNATIVE_MODE});
@@ -116,4 +139,17 @@ BENCHMARK(BM_chain_pynative)->Name("ops/gelu(x*w+b)/pynative");
 BENCHMARK(BM_chain_torch)->Name("ops/gelu(x*w+b)/libtorch_eager");
 #endif
 BENCHMARK(BM_chain_memory_floor)->Name("ops/gelu(x*w+b)/memory_floor_copy");
+#define DUET_ACTIVATION_BENCHMARKS(name, Fn)                                           \
+  BENCHMARK(BM_activation<backend::Native, Fn>)->Name("ops/activation/" name "/duet"); \
+  BENCHMARK(BM_activation<backend::Eigen, Fn>)->Name("ops/activation/" name "/eigen")
+DUET_ACTIVATION_BENCHMARKS("sigmoid", fn::Sigmoid);
+DUET_ACTIVATION_BENCHMARKS("tanh", fn::Tanh);
+DUET_ACTIVATION_BENCHMARKS("gelu", fn::Gelu<false>);
+DUET_ACTIVATION_BENCHMARKS("gelu_tanh", fn::Gelu<true>);
+DUET_ACTIVATION_BENCHMARKS("silu", fn::Silu);
+DUET_ACTIVATION_BENCHMARKS("erf", fn::Erf);
+DUET_ACTIVATION_BENCHMARKS("exp", fn::Exp);
+BENCHMARK(BM_activation<backend::Native, fn::Gelu<false>, true>)->Name("ops/activation/gelu/grad/duet");
+BENCHMARK(BM_activation<backend::Eigen, fn::Gelu<false>, true>)->Name("ops/activation/gelu/grad/eigen");
+#undef DUET_ACTIVATION_BENCHMARKS
 BENCHMARK(BM_pynative_per_node)->Name("ops/pynative_per_node/add[1,4]")->Arg(16);

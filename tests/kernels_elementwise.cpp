@@ -147,6 +147,176 @@ TEST_CASE_TEMPLATE("kernels::tanh and kernels::sigmoid: within 2 ulp, odd, satur
   check_activations<T>();
 }
 
+// The activation layers' vector forms (kernels::activation, which fn::Gelu, fn::Silu, ... apply)
+// against long double on a grid over [-20, 20], dense near 0, under every set. err is the
+// distance from the reference in units of eps · scale, where scale is the reference's
+// magnitude for a function and the sum of the magnitudes of the derivative's terms for a
+// derivative (whose sum cancels: GELU's is 0 near x = -0.75). Allowed: a few units, plus what
+// rounding costs where an exponential's argument is large: GELU's lower tail is erfc(z)
+// for z = |x| / √2, whose relative error is 2z² times z's (the rounding of 1 / √2 and of
+// the product) plus z² times that of the exponent's -z² + Q: 1.5 x² in all. The tanh form's
+// tail is e^a for a = 2u, which moves by |a| times a's relative error, a few ulp from its
+// constants and products.
+// F applied by kernels::map over y[0, n), or with n = 0 by kernels::activation to y[0] alone
+// (a small layer's scalar path).
+template <class T>
+void apply_activation(kernels::Activation f, T* y, index_t n) {
+  const auto run = [&]<kernels::Activation F>() {
+    if (n == 0)
+      kernels::activation<F>(*y);
+    else
+      kernels::map<kernels::ActivationFunction<F>>(y, n, y);
+  };
+  using A = kernels::Activation;
+  switch (f) {
+    case A::exp:
+      return run.template operator()<A::exp>();
+    case A::sigmoid:
+      return run.template operator()<A::sigmoid>();
+    case A::tanh:
+      return run.template operator()<A::tanh>();
+    case A::silu:
+      return run.template operator()<A::silu>();
+    case A::silu_derivative:
+      return run.template operator()<A::silu_derivative>();
+    case A::gelu:
+      return run.template operator()<A::gelu>();
+    case A::gelu_derivative:
+      return run.template operator()<A::gelu_derivative>();
+    case A::gelu_tanh:
+      return run.template operator()<A::gelu_tanh>();
+    case A::gelu_tanh_derivative:
+      return run.template operator()<A::gelu_tanh_derivative>();
+    case A::erf:
+      return run.template operator()<A::erf>();
+    case A::erf_derivative:
+      return run.template operator()<A::erf_derivative>();
+  }
+}
+
+struct ActivationCase {
+  kernels::Activation f;
+  const char* name;
+  long double (*reference)(long double);
+  long double (*scale)(long double);
+  double (*allowed)(double);
+  long double (*sigmoid_factor)(long double) = [](long double) { return 1.0L; };  // σ(a) of x σ(a)
+};
+
+long double normal_cdf(long double x) { return 0.5L * std::erfc(-x / std::sqrt(2.0L)); }
+long double normal_pdf(long double x) {
+  return std::exp(-0.5L * x * x) / std::sqrt(2 * 3.14159265358979323846264338327950288L);
+}
+long double gelu_tanh_u(long double x) { return 0.79788456080286535588L * (x + 0.044715L * x * x * x); }
+long double sigmoid_of(long double x) { return 1 / (1 + std::exp(-x)); }
+
+const ActivationCase activation_cases[] = {
+    {kernels::Activation::gelu, "gelu", [](long double x) { return x * normal_cdf(x); },
+     [](long double x) { return std::fabs(x * normal_cdf(x)); }, [](double x) { return 4 + 1.5 * x * x; }},
+    {kernels::Activation::gelu_derivative, "gelu'", [](long double x) { return normal_cdf(x) + x * normal_pdf(x); },
+     [](long double x) { return normal_cdf(x) + std::fabs(x * normal_pdf(x)); },
+     [](double x) { return 4 + 1.5 * x * x; }},
+    // 0.5 (1 + tanh u) as σ(2u) and 0.5 (1 - tanh² u) as 2σ(2u)(1 - σ(2u)): long double's
+    // 1 + tanh u keeps no digit of the lower tail either.
+    {kernels::Activation::gelu_tanh, "gelu(tanh)", [](long double x) { return x * sigmoid_of(2 * gelu_tanh_u(x)); },
+     [](long double x) { return std::fabs(x * sigmoid_of(2 * gelu_tanh_u(x))); },
+     [](double x) { return 4 + 8 * std::fabs(static_cast<double>(gelu_tanh_u(x))); },
+     [](long double x) { return sigmoid_of(2 * gelu_tanh_u(x)); }},
+    {kernels::Activation::gelu_tanh_derivative, "gelu(tanh)'",
+     [](long double x) {
+       const long double s = sigmoid_of(2 * gelu_tanh_u(x));
+       return s + x * 2 * s * (1 - s) * 0.79788456080286535588L * (1 + 3 * 0.044715L * x * x);
+     },
+     [](long double x) {
+       const long double s = sigmoid_of(2 * gelu_tanh_u(x));
+       return s + std::fabs(x * 2 * s * (1 - s) * 0.79788456080286535588L * (1 + 3 * 0.044715L * x * x));
+     },
+     [](double x) { return 8 + 8 * std::fabs(static_cast<double>(gelu_tanh_u(x))); },
+     [](long double x) { return sigmoid_of(2 * gelu_tanh_u(x)); }},
+    {kernels::Activation::silu, "silu", [](long double x) { return x * sigmoid_of(x); },
+     [](long double x) { return std::fabs(x * sigmoid_of(x)); }, [](double x) { return 4 + std::fabs(x); }, sigmoid_of},
+    {kernels::Activation::silu_derivative, "silu'",
+     [](long double x) { return sigmoid_of(x) * (1 + x * (1 - sigmoid_of(x))); },
+     [](long double x) { return sigmoid_of(x) * (1 + std::fabs(x * (1 - sigmoid_of(x)))); },
+     [](double x) { return 4 + std::fabs(x); }, sigmoid_of},
+    {kernels::Activation::erf, "erf", [](long double x) { return std::erf(x); },
+     [](long double x) { return std::fabs(std::erf(x)); }, [](double) { return 2.0; }},
+    {kernels::Activation::erf_derivative, "erf'",
+     [](long double x) { return 1.12837916709551257390L * std::exp(-x * x); },
+     [](long double x) { return 1.12837916709551257390L * std::exp(-x * x); }, [](double x) { return 4 + 2 * x * x; }},
+};
+
+template <class T>
+void check_activation_forms() {
+  std::vector<T> x;
+  for (int i = -200000; i <= 200000; ++i) x.push_back(static_cast<T>(i) * T(1e-4));
+  for (T v = T(1e-30); v < T(1e-2); v *= T(1.37)) x.push_back(v), x.push_back(-v);
+  const auto n = static_cast<index_t>(x.size());
+  for (const ActivationCase& c : activation_cases) {
+    const std::string name = c.name;
+    CAPTURE(name);
+    duet_test::for_each_isa([&] {
+      std::vector<T> y(x.size());
+      std::copy(x.begin(), x.end(), y.begin());
+      apply_activation<T>(c.f, y.data(), n);
+      double worst = 0;
+      T worst_at = 0;
+      bool lanes_agree = true;
+      for (std::size_t i = 0; i < x.size(); ++i) {
+        const long double reference = c.reference(x[i]);
+        const long double scale = c.scale(x[i]);
+        // A subnormal result, or one of x σ(a) where σ(a) is subnormal: e^-a has overflowed,
+        // and x / (1 + e^-a) is 0.
+        if (std::min(scale, c.sigmoid_factor(x[i])) < std::numeric_limits<T>::min()) continue;
+        const double err = static_cast<double>(std::fabs(static_cast<long double>(y[i]) - reference) /
+                                               (scale * std::numeric_limits<T>::epsilon()));
+        const double excess = err / c.allowed(static_cast<double>(x[i]));
+        if (excess > worst) worst = excess, worst_at = x[i];
+        if (i % 997 == 0) {
+          T one = x[i];
+          apply_activation<T>(c.f, &one, 0);
+          lanes_agree = lanes_agree && bits_of(one) == bits_of(y[i]);
+        }
+      }
+      CAPTURE(worst_at);
+      CHECK(worst <= 1);
+      CHECK(lanes_agree);
+      MESSAGE(kernel_isa(), ": ", name, " at most ", worst, " of its allowance (at ", worst_at, ")");
+    });
+  }
+}
+
+TEST_CASE_TEMPLATE("kernels::activation: GELU, SiLU, erf and their derivatives against long double" *
+                       duet_test::every_isa,
+                   T, float, double) {
+  check_activation_forms<T>();
+}
+
+TEST_CASE_TEMPLATE("kernels::activation: infinities, NaN and signed zeros" * duet_test::every_isa, T, float, double) {
+  constexpr T inf = std::numeric_limits<T>::infinity();
+  duet_test::for_each_isa([&] {
+    const auto at = [](kernels::Activation f, T v) {
+      apply_activation<T>(f, &v, 0);
+      return v;
+    };
+    CHECK(at(kernels::Activation::erf, inf) == T(1));
+    CHECK(at(kernels::Activation::erf, -inf) == T(-1));
+    CHECK(at(kernels::Activation::erf, T(6)) == T(1));
+    CHECK(std::signbit(at(kernels::Activation::erf, T(-0.0))));
+    CHECK(at(kernels::Activation::gelu, inf) == inf);
+    CHECK(at(kernels::Activation::gelu, T(-40)) == T(0));
+    CHECK(at(kernels::Activation::gelu_tanh, T(-40)) == T(0));
+    CHECK(at(kernels::Activation::silu, T(-1000)) == T(0));
+    CHECK(at(kernels::Activation::gelu_derivative, T(40)) == T(1));
+    CHECK(at(kernels::Activation::exp, std::is_same_v<T, float> ? T(-88) : T(-709)) == T(0));  // subnormal: flushed
+    for (const ActivationCase& c : activation_cases) {
+      const std::string name = c.name;
+      CAPTURE(name);
+      CHECK(std::isnan(at(c.f, std::numeric_limits<T>::quiet_NaN())));
+    }
+  });
+}
+
 TEST_CASE_TEMPLATE("kernels::exp: overflow, underflow, infinities and NaN" * duet_test::every_isa, T, float, double) {
   constexpr T inf = std::numeric_limits<T>::infinity();
   const std::vector<T> x = {T(1000), inf, T(-1000), -inf, std::numeric_limits<T>::quiet_NaN(), T(0), T(-0.0)};
@@ -269,7 +439,7 @@ TEST_CASE_TEMPLATE("kernels::map applies the functions' vector form, in place or
 // backend's other path, for NaN, -0 and zero outputs and any tail; in place or not.
 TEST_CASE_TEMPLATE("kernels::map_grad gives the bits of Eigen's select" * duet_test::every_isa, T, float, double) {
   static_assert(kernels::VectorGradient<fn::Relu, T>);
-  static_assert(!kernels::VectorGradient<fn::Sigmoid, T>);
+  static_assert(!kernels::VectorGradient<fn::Elu, T>);
   std::mt19937 gen(4);
   for (index_t n : {1, 3, 8, 17, 64, 100}) {
     CAPTURE(n);

@@ -30,6 +30,7 @@ const bool math_cases = add_cases([](std::multimap<std::string, Case>& m) {
   unary("expm1", [](const auto& a) { return duet::ops::expm1(a); }, [](double a) { return std::expm1(a); });
   unary("sin", [](const auto& a) { return duet::ops::sin(a); }, [](double a) { return std::sin(a); }, -4.0, 4.0);
   unary("cos", [](const auto& a) { return duet::ops::cos(a); }, [](double a) { return std::cos(a); }, -4.0, 4.0);
+  unary("erf", [](const auto& a) { return duet::ops::erf(a); }, [](double a) { return std::erf(a); }, -3.0, 3.0);
   unary("sqrt", [](const auto& a) { return duet::ops::sqrt(a); }, [](double a) { return std::sqrt(a); }, 0.2, 3.0);
   unary("rsqrt", [](const auto& a) { return duet::ops::rsqrt(a); }, [](double a) { return 1.0 / std::sqrt(a); }, 0.2,
         3.0);

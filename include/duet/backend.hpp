@@ -98,15 +98,32 @@ auto apply_all(const std::tuple<Fns...>& fns, const Expr& e) {
   else return apply_all<I + 1>(fns, std::get<I>(fns).array(e));
 }
 
-// Whether Fns give the same bits however a loop over them is split into SIMD vectors and
-// scalars, and however it is fused with other arithmetic: those with a vector form for the
-// product's registers (ReLU) are exact comparisons and selections. The others (exp, tanh,
-// erf, ...) take Eigen's vectorised approximations on full vectors and the C library on the
-// rest, and a compiler may contract their arithmetic into that of a neighbouring function
-// (FMA); so that a fused graph computes what PyNative's one-function passes compute, they run
-// one function at a time over the same flat layout.
+// Whether Fns' Eigen array forms give the same bits however a loop over them is split into
+// SIMD vectors and scalars, and however it is fused with other arithmetic: those of the
+// functions with a vector form of their own (ReLU) are exact comparisons and selections. The
+// others (exp, tanh, erf, ...) take Eigen's vectorised approximations on full vectors and the C
+// library on the rest, and a compiler may contract their arithmetic into that of a neighbouring
+// function (FMA); so that a fused graph computes what PyNative's one-function passes compute,
+// they run one function at a time over the same flat layout. That includes the functions
+// whose vector form is kernels::activation's (fn::KernelActivation): their array forms are
+// Eigen's.
 template <class T, class... Fns>
-inline constexpr bool exact_in_any_layout = (kernels::VectorFunction<Fns, T> && ...);
+inline constexpr bool exact_in_any_layout =
+    ((kernels::VectorFunction<Fns, T> && !requires { Fns::kernel_activation; }) && ...);
+
+// y[i] = fns(x[i]) one function at a time, each pass over a block that stays in L1 the call
+// map_one(f, from, m, to) that runs f alone.
+template <class... Fns, class T, class MapOne>
+void map_in_turns(const std::tuple<Fns...>& fns, const T* x, index_t n, T* y, MapOne map_one) {
+  // A multiple of every SIMD width, so that each block splits into vectors and a scalar tail
+  // exactly where one pass over all n elements does.
+  constexpr index_t block = 1024;
+  for (index_t i = 0; i < n; i += block) {
+    const index_t m = std::min(block, n - i);
+    const T* from = x + i;
+    std::apply([&](const auto&... f) { ((map_one(f, from, m, y + i), from = y + i), ...); }, fns);
+  }
+}
 }  // namespace detail
 
 struct Eigen {
@@ -173,14 +190,8 @@ struct Eigen {
     if constexpr (sizeof...(Fns) == 1 || detail::exact_in_any_layout<T, Fns...>) {
       ::Eigen::Map<Array>(y, n) = detail::apply_all(fns, ::Eigen::Map<const Array>(x, n));
     } else {
-      // A multiple of every SIMD width, so that each block splits into vectors and a scalar
-      // tail exactly where one pass over all n elements does.
-      constexpr index_t block = 1024;
-      for (index_t i = 0; i < n; i += block) {
-        const index_t m = std::min(block, n - i);
-        const T* from = x + i;
-        std::apply([&](const auto&... f) { ((map(std::tuple{f}, from, m, y + i), from = y + i), ...); }, fns);
-      }
+      detail::map_in_turns(fns, x, n, y,
+                           [](const auto& f, const T* from, index_t m, T* to) { map(std::tuple{f}, from, m, to); });
     }
   }
   template <class... Fns, class T>
@@ -369,14 +380,23 @@ struct Eigen {
 // Eigen.
 struct Native : Eigen {
   // map() on the instruction set chosen at run time, with the functions' vector forms (the
-  // code a product's epilogue runs); functions without one go to Eigen.
+  // code a product's epilogue runs); a function without one goes to Eigen. A chain of both
+  // kinds takes turns, so that each function computes the bits it computes alone (PyNative's
+  // separate maps).
   template <class... Fns, class T>
   static void map(const std::tuple<Fns...>& fns, const T* x, index_t n, T* y) {
-    if constexpr (kernels::gemm_supports<T, Fns...>) kernels::map<Fns...>(x, n, y);
-    // Functions without parameters are made afresh: GCC 12 takes a copy of an empty tuple (a
-    // fused product's epilogue) for uninitialised memory (-Wmaybe-uninitialized).
-    else if constexpr ((std::is_empty_v<Fns> && ...)) Eigen::map<Fns...>(x, n, y);
-    else Eigen::map(fns, x, n, y);
+    if constexpr (kernels::gemm_supports<T, Fns...>) {
+      kernels::map<Fns...>(x, n, y);
+    } else if constexpr (sizeof...(Fns) > 1) {
+      detail::map_in_turns(fns, x, n, y,
+                           [](const auto& f, const T* from, index_t m, T* to) { map(std::tuple{f}, from, m, to); });
+    } else if constexpr ((std::is_empty_v<Fns> && ...)) {
+      // Functions without parameters are made afresh: GCC 12 takes a copy of an empty tuple (a
+      // fused product's epilogue) for uninitialised memory (-Wmaybe-uninitialized).
+      Eigen::map<Fns...>(x, n, y);
+    } else {
+      Eigen::map(fns, x, n, y);
+    }
   }
   template <class... Fns, class T>
   static void map(const T* x, index_t n, T* y) {

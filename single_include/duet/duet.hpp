@@ -640,6 +640,7 @@ void parallel_elements(index_t n, index_t work, F&& f) {
 // vector crosses a call between functions of different targets (-Wpsabi).
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -837,6 +838,15 @@ T reduce_lanes(Vec<T> v) {
   return x[0];
 }
 
+// c[0] + c[1] x + ... in Horner's form, unrolled (GCC 12 at -O2 unrolls no loop by itself).
+template <class T, std::size_t N>
+Vec<T> polynomial(const T (&c)[N], Vec<T> x) {
+  Vec<T> p = splat(c[N - 1]);
+#pragma GCC unroll 32
+  for (int i = static_cast<int>(N) - 2; i >= 0; --i) p = fma<T>(p, x, splat(c[i]));
+  return p;
+}
+
 // ---- exp ---------------------------------------------------------------------------------
 //
 // e^x = 2^k · e^r with k = round(x / ln 2) and |r| <= ln 2 / 2, r = x - k·ln 2 in two parts
@@ -920,9 +930,7 @@ Vec<T> exp(Vec<T> x) {
   const Vec<T> k = (x * C::log2e + C::round_shift) - C::round_shift;
   Vec<T> r = fma<T>(k, splat(-C::ln2_hi), x);
   r = fma<T>(k, splat(-C::ln2_lo), r);
-  constexpr int degree = static_cast<int>(sizeof C::taylor / sizeof(T)) - 1;
-  Vec<T> p = splat(C::taylor[degree]);
-  for (int i = degree - 1; i >= 0; --i) p = fma<T>(p, r, splat(C::taylor[i]));
+  const Vec<T> p = polynomial(C::taylor, r);
   const Vec<T> half = k * T(0.5) + C::round_shift;
   const Vec<T> rest = (k - (half - C::round_shift)) + C::round_shift;
   return p * exp2_of_shifted<T>(half) * exp2_of_shifted<T>(rest);
@@ -979,10 +987,7 @@ template <class T>
 Vec<T> tanh(Vec<T> x) {
   using C = TanhConstants<T>;
   const Vec<T> ax = x < T(0) ? -x : x;
-  const Vec<T> x2 = x * x;
-  constexpr int terms = static_cast<int>(sizeof C::taylor / sizeof(T));
-  Vec<T> p = splat(C::taylor[terms - 1]);
-  for (int i = terms - 2; i >= 0; --i) p = fma<T>(p, x2, splat(C::taylor[i]));
+  const Vec<T> p = polynomial(C::taylor, x * x);
   const Vec<T> large = T(1) - T(2) / (exp<T>(ax + ax) + T(1));
   const Vec<T> signed_large = x < T(0) ? -large : large;
   return ax < T(0.55) ? x * p : signed_large;
@@ -992,6 +997,83 @@ Vec<T> tanh(Vec<T> x) {
 template <class T>
 Vec<T> sigmoid(Vec<T> x) {
   return T(1) / (T(1) + exp<T>(-x));
+}
+
+// ---- erf and the normal distribution ---------------------------------------------------------
+//
+// erf z for |z| < 1 by its Taylor series, z · P(z²) with the coefficients (-1)^n 2 / (√π n! (2n + 1)),
+// to z^19 for float and z^33 for double (the first omitted term is below 2^-26 and 2^-56 of the
+// result); above, 1 - erfc |z|, signed as z. erfc z = t · e^(Q(2.5t - 1) - z²) with t = 2 / (2 + z):
+// Q(t) = ln(erfc(z) e^(z²) / t) is smooth in t over [0, 0.8], which is z from 0.5 to infinity, and
+// its Chebyshev interpolant of degree 9 (float) and 24 (double), fitted in long double against
+// erfcl and written in powers of 2.5t - 1, loses less than the arithmetic around it. erf is within
+// 1 ulp of std::erf (tests/kernels_elementwise.cpp); erfc keeps its relative precision down to
+// the smallest normal number, within about z² ulp (the rounding of z² in the exponent), which the
+// normal distribution's lower tail needs and 1 - erf z would lose entirely.
+template <class T>
+struct ErfConstants;
+
+template <>
+struct ErfConstants<float> {
+  static constexpr float taylor[] = {1.12837916709551257385f,     -0.376126389031837524607f,
+                                     0.112837916709551257382f,    -0.0268661706451312517579f,
+                                     0.00522397762544218784195f,  -0.000854832702345085283217f,
+                                     0.000120553329817896642502f, -1.49256503584062509771e-05f,
+                                     1.64621143658892474007e-06f, -1.63658446912349243169e-07f};
+  static constexpr float tail[] = {
+      -0.804072259846838267004f,    0.518768429751653002257f,   0.0463735628563339262622f, -0.018366706244353618095f,
+      -0.00695469478643040220322f,  0.00161467101399814087258f, 0.0010997671175996117515f, -0.000223771991001458885067f,
+      -0.000136268744181474582564f, 2.96618114943573985005e-05f};
+};
+
+template <>
+struct ErfConstants<double> {
+  static constexpr double taylor[] = {
+      1.12837916709551257385,     -0.376126389031837524607,    0.112837916709551257382,    -0.0268661706451312517579,
+      0.00522397762544218784195,  -0.000854832702345085283217, 0.000120553329817896642502, -1.49256503584062509771e-05,
+      1.64621143658892474007e-06, -1.63658446912349243169e-07, 1.48071928158792172387e-08, -1.2290555301717927352e-09,
+      9.42275906465041097021e-11, -6.71136685516411037783e-12, 4.46322426328647734475e-13, -2.78351620721092135474e-14,
+      1.63426140953671518938e-15};
+  static constexpr double tail[] = {
+      -0.804072310106957503296,    0.518768445016172378189,    0.0463760849528252582703,    -0.018367473809385532262,
+      -0.00697525468396543510783,  0.00162099493150782137526,  0.00115976089249056748383,   -0.000242661971996334796535,
+      -0.000211315449775375877045, 5.45358704122711479559e-05, 3.88732269931518770177e-05,  -1.47710831932301722703e-05,
+      -6.39586604464614794156e-06, 4.01048070750142926476e-06, 6.91091729265735921196e-07,  -9.73493824716342714911e-07,
+      5.94048334434660318904e-08,  1.90288141652672493357e-07, -6.00517959981061721891e-08, -2.50756073683078284375e-08,
+      1.86437944194040028375e-08,  1.19752030514064244916e-09, -3.34597416440374217927e-09, 1.30430635181255638602e-10,
+      2.88086994260083884005e-10};
+};
+
+// erf z for |z| < 1.
+template <class T>
+Vec<T> erf_near_zero(Vec<T> z) {
+  return z * polynomial(ErfConstants<T>::taylor, z * z);
+}
+
+// erfc z for z >= 0.5 (anything finite below).
+template <class T>
+Vec<T> erfc_tail(Vec<T> z) {
+  const Vec<T> t = T(2) / (T(2) + z);
+  return t * exp<T>(polynomial(ErfConstants<T>::tail, T(2.5) * t - T(1)) - z * z);
+}
+
+template <class T>
+Vec<T> erf(Vec<T> z) {
+  const Vec<T> az = z < T(0) ? -z : z;
+  const Vec<T> large = T(1) - erfc_tail<T>(az);
+  return az < T(1) ? erf_near_zero<T>(z) : (z < T(0) ? -large : large);
+}
+
+// Φ(x), the standard normal distribution, 0.5 (1 + erf(x / √2)): from |x| / √2 = 0.5 on as
+// 0.5 erfc(|x| / √2) or 1 minus it, so that the lower tail (GELU's) keeps its digits rather than
+// those 0.5 + 0.5 erf leaves, which at x = -1.4 were 6 ulp of 0.08.
+template <class T>
+Vec<T> normal_cdf(Vec<T> x) {
+  const Vec<T> z = x * T(0.70710678118654752440);
+  const Vec<T> az = z < T(0) ? -z : z;
+  const Vec<T> half_tail = T(0.5) * erfc_tail<T>(az);
+  const Vec<T> large = z < T(0) ? half_tail : T(1) - half_tail;
+  return az < T(0.5) ? T(0.5) + T(0.5) * erf_near_zero<T>(z) : large;
 }
 
 }  // namespace duet::kernels::detail::baseline
@@ -1127,6 +1209,15 @@ T reduce_lanes(Vec<T> v) {
   return x[0];
 }
 
+// c[0] + c[1] x + ... in Horner's form, unrolled (GCC 12 at -O2 unrolls no loop by itself).
+template <class T, std::size_t N>
+Vec<T> polynomial(const T (&c)[N], Vec<T> x) {
+  Vec<T> p = splat(c[N - 1]);
+#pragma GCC unroll 32
+  for (int i = static_cast<int>(N) - 2; i >= 0; --i) p = fma<T>(p, x, splat(c[i]));
+  return p;
+}
+
 // ---- exp ---------------------------------------------------------------------------------
 //
 // e^x = 2^k · e^r with k = round(x / ln 2) and |r| <= ln 2 / 2, r = x - k·ln 2 in two parts
@@ -1210,9 +1301,7 @@ Vec<T> exp(Vec<T> x) {
   const Vec<T> k = (x * C::log2e + C::round_shift) - C::round_shift;
   Vec<T> r = fma<T>(k, splat(-C::ln2_hi), x);
   r = fma<T>(k, splat(-C::ln2_lo), r);
-  constexpr int degree = static_cast<int>(sizeof C::taylor / sizeof(T)) - 1;
-  Vec<T> p = splat(C::taylor[degree]);
-  for (int i = degree - 1; i >= 0; --i) p = fma<T>(p, r, splat(C::taylor[i]));
+  const Vec<T> p = polynomial(C::taylor, r);
   const Vec<T> half = k * T(0.5) + C::round_shift;
   const Vec<T> rest = (k - (half - C::round_shift)) + C::round_shift;
   return p * exp2_of_shifted<T>(half) * exp2_of_shifted<T>(rest);
@@ -1269,10 +1358,7 @@ template <class T>
 Vec<T> tanh(Vec<T> x) {
   using C = TanhConstants<T>;
   const Vec<T> ax = x < T(0) ? -x : x;
-  const Vec<T> x2 = x * x;
-  constexpr int terms = static_cast<int>(sizeof C::taylor / sizeof(T));
-  Vec<T> p = splat(C::taylor[terms - 1]);
-  for (int i = terms - 2; i >= 0; --i) p = fma<T>(p, x2, splat(C::taylor[i]));
+  const Vec<T> p = polynomial(C::taylor, x * x);
   const Vec<T> large = T(1) - T(2) / (exp<T>(ax + ax) + T(1));
   const Vec<T> signed_large = x < T(0) ? -large : large;
   return ax < T(0.55) ? x * p : signed_large;
@@ -1282,6 +1368,83 @@ Vec<T> tanh(Vec<T> x) {
 template <class T>
 Vec<T> sigmoid(Vec<T> x) {
   return T(1) / (T(1) + exp<T>(-x));
+}
+
+// ---- erf and the normal distribution ---------------------------------------------------------
+//
+// erf z for |z| < 1 by its Taylor series, z · P(z²) with the coefficients (-1)^n 2 / (√π n! (2n + 1)),
+// to z^19 for float and z^33 for double (the first omitted term is below 2^-26 and 2^-56 of the
+// result); above, 1 - erfc |z|, signed as z. erfc z = t · e^(Q(2.5t - 1) - z²) with t = 2 / (2 + z):
+// Q(t) = ln(erfc(z) e^(z²) / t) is smooth in t over [0, 0.8], which is z from 0.5 to infinity, and
+// its Chebyshev interpolant of degree 9 (float) and 24 (double), fitted in long double against
+// erfcl and written in powers of 2.5t - 1, loses less than the arithmetic around it. erf is within
+// 1 ulp of std::erf (tests/kernels_elementwise.cpp); erfc keeps its relative precision down to
+// the smallest normal number, within about z² ulp (the rounding of z² in the exponent), which the
+// normal distribution's lower tail needs and 1 - erf z would lose entirely.
+template <class T>
+struct ErfConstants;
+
+template <>
+struct ErfConstants<float> {
+  static constexpr float taylor[] = {1.12837916709551257385f,     -0.376126389031837524607f,
+                                     0.112837916709551257382f,    -0.0268661706451312517579f,
+                                     0.00522397762544218784195f,  -0.000854832702345085283217f,
+                                     0.000120553329817896642502f, -1.49256503584062509771e-05f,
+                                     1.64621143658892474007e-06f, -1.63658446912349243169e-07f};
+  static constexpr float tail[] = {
+      -0.804072259846838267004f,    0.518768429751653002257f,   0.0463735628563339262622f, -0.018366706244353618095f,
+      -0.00695469478643040220322f,  0.00161467101399814087258f, 0.0010997671175996117515f, -0.000223771991001458885067f,
+      -0.000136268744181474582564f, 2.96618114943573985005e-05f};
+};
+
+template <>
+struct ErfConstants<double> {
+  static constexpr double taylor[] = {
+      1.12837916709551257385,     -0.376126389031837524607,    0.112837916709551257382,    -0.0268661706451312517579,
+      0.00522397762544218784195,  -0.000854832702345085283217, 0.000120553329817896642502, -1.49256503584062509771e-05,
+      1.64621143658892474007e-06, -1.63658446912349243169e-07, 1.48071928158792172387e-08, -1.2290555301717927352e-09,
+      9.42275906465041097021e-11, -6.71136685516411037783e-12, 4.46322426328647734475e-13, -2.78351620721092135474e-14,
+      1.63426140953671518938e-15};
+  static constexpr double tail[] = {
+      -0.804072310106957503296,    0.518768445016172378189,    0.0463760849528252582703,    -0.018367473809385532262,
+      -0.00697525468396543510783,  0.00162099493150782137526,  0.00115976089249056748383,   -0.000242661971996334796535,
+      -0.000211315449775375877045, 5.45358704122711479559e-05, 3.88732269931518770177e-05,  -1.47710831932301722703e-05,
+      -6.39586604464614794156e-06, 4.01048070750142926476e-06, 6.91091729265735921196e-07,  -9.73493824716342714911e-07,
+      5.94048334434660318904e-08,  1.90288141652672493357e-07, -6.00517959981061721891e-08, -2.50756073683078284375e-08,
+      1.86437944194040028375e-08,  1.19752030514064244916e-09, -3.34597416440374217927e-09, 1.30430635181255638602e-10,
+      2.88086994260083884005e-10};
+};
+
+// erf z for |z| < 1.
+template <class T>
+Vec<T> erf_near_zero(Vec<T> z) {
+  return z * polynomial(ErfConstants<T>::taylor, z * z);
+}
+
+// erfc z for z >= 0.5 (anything finite below).
+template <class T>
+Vec<T> erfc_tail(Vec<T> z) {
+  const Vec<T> t = T(2) / (T(2) + z);
+  return t * exp<T>(polynomial(ErfConstants<T>::tail, T(2.5) * t - T(1)) - z * z);
+}
+
+template <class T>
+Vec<T> erf(Vec<T> z) {
+  const Vec<T> az = z < T(0) ? -z : z;
+  const Vec<T> large = T(1) - erfc_tail<T>(az);
+  return az < T(1) ? erf_near_zero<T>(z) : (z < T(0) ? -large : large);
+}
+
+// Φ(x), the standard normal distribution, 0.5 (1 + erf(x / √2)): from |x| / √2 = 0.5 on as
+// 0.5 erfc(|x| / √2) or 1 minus it, so that the lower tail (GELU's) keeps its digits rather than
+// those 0.5 + 0.5 erf leaves, which at x = -1.4 were 6 ulp of 0.08.
+template <class T>
+Vec<T> normal_cdf(Vec<T> x) {
+  const Vec<T> z = x * T(0.70710678118654752440);
+  const Vec<T> az = z < T(0) ? -z : z;
+  const Vec<T> half_tail = T(0.5) * erfc_tail<T>(az);
+  const Vec<T> large = z < T(0) ? half_tail : T(1) - half_tail;
+  return az < T(0.5) ? T(0.5) + T(0.5) * erf_near_zero<T>(z) : large;
 }
 
 }  // namespace duet::kernels::detail::avx2
@@ -1406,6 +1569,15 @@ T reduce_lanes(Vec<T> v) {
   return x[0];
 }
 
+// c[0] + c[1] x + ... in Horner's form, unrolled (GCC 12 at -O2 unrolls no loop by itself).
+template <class T, std::size_t N>
+Vec<T> polynomial(const T (&c)[N], Vec<T> x) {
+  Vec<T> p = splat(c[N - 1]);
+#pragma GCC unroll 32
+  for (int i = static_cast<int>(N) - 2; i >= 0; --i) p = fma<T>(p, x, splat(c[i]));
+  return p;
+}
+
 // ---- exp ---------------------------------------------------------------------------------
 //
 // e^x = 2^k · e^r with k = round(x / ln 2) and |r| <= ln 2 / 2, r = x - k·ln 2 in two parts
@@ -1489,9 +1661,7 @@ Vec<T> exp(Vec<T> x) {
   const Vec<T> k = (x * C::log2e + C::round_shift) - C::round_shift;
   Vec<T> r = fma<T>(k, splat(-C::ln2_hi), x);
   r = fma<T>(k, splat(-C::ln2_lo), r);
-  constexpr int degree = static_cast<int>(sizeof C::taylor / sizeof(T)) - 1;
-  Vec<T> p = splat(C::taylor[degree]);
-  for (int i = degree - 1; i >= 0; --i) p = fma<T>(p, r, splat(C::taylor[i]));
+  const Vec<T> p = polynomial(C::taylor, r);
   const Vec<T> half = k * T(0.5) + C::round_shift;
   const Vec<T> rest = (k - (half - C::round_shift)) + C::round_shift;
   return p * exp2_of_shifted<T>(half) * exp2_of_shifted<T>(rest);
@@ -1548,10 +1718,7 @@ template <class T>
 Vec<T> tanh(Vec<T> x) {
   using C = TanhConstants<T>;
   const Vec<T> ax = x < T(0) ? -x : x;
-  const Vec<T> x2 = x * x;
-  constexpr int terms = static_cast<int>(sizeof C::taylor / sizeof(T));
-  Vec<T> p = splat(C::taylor[terms - 1]);
-  for (int i = terms - 2; i >= 0; --i) p = fma<T>(p, x2, splat(C::taylor[i]));
+  const Vec<T> p = polynomial(C::taylor, x * x);
   const Vec<T> large = T(1) - T(2) / (exp<T>(ax + ax) + T(1));
   const Vec<T> signed_large = x < T(0) ? -large : large;
   return ax < T(0.55) ? x * p : signed_large;
@@ -1561,6 +1728,83 @@ Vec<T> tanh(Vec<T> x) {
 template <class T>
 Vec<T> sigmoid(Vec<T> x) {
   return T(1) / (T(1) + exp<T>(-x));
+}
+
+// ---- erf and the normal distribution ---------------------------------------------------------
+//
+// erf z for |z| < 1 by its Taylor series, z · P(z²) with the coefficients (-1)^n 2 / (√π n! (2n + 1)),
+// to z^19 for float and z^33 for double (the first omitted term is below 2^-26 and 2^-56 of the
+// result); above, 1 - erfc |z|, signed as z. erfc z = t · e^(Q(2.5t - 1) - z²) with t = 2 / (2 + z):
+// Q(t) = ln(erfc(z) e^(z²) / t) is smooth in t over [0, 0.8], which is z from 0.5 to infinity, and
+// its Chebyshev interpolant of degree 9 (float) and 24 (double), fitted in long double against
+// erfcl and written in powers of 2.5t - 1, loses less than the arithmetic around it. erf is within
+// 1 ulp of std::erf (tests/kernels_elementwise.cpp); erfc keeps its relative precision down to
+// the smallest normal number, within about z² ulp (the rounding of z² in the exponent), which the
+// normal distribution's lower tail needs and 1 - erf z would lose entirely.
+template <class T>
+struct ErfConstants;
+
+template <>
+struct ErfConstants<float> {
+  static constexpr float taylor[] = {1.12837916709551257385f,     -0.376126389031837524607f,
+                                     0.112837916709551257382f,    -0.0268661706451312517579f,
+                                     0.00522397762544218784195f,  -0.000854832702345085283217f,
+                                     0.000120553329817896642502f, -1.49256503584062509771e-05f,
+                                     1.64621143658892474007e-06f, -1.63658446912349243169e-07f};
+  static constexpr float tail[] = {
+      -0.804072259846838267004f,    0.518768429751653002257f,   0.0463735628563339262622f, -0.018366706244353618095f,
+      -0.00695469478643040220322f,  0.00161467101399814087258f, 0.0010997671175996117515f, -0.000223771991001458885067f,
+      -0.000136268744181474582564f, 2.96618114943573985005e-05f};
+};
+
+template <>
+struct ErfConstants<double> {
+  static constexpr double taylor[] = {
+      1.12837916709551257385,     -0.376126389031837524607,    0.112837916709551257382,    -0.0268661706451312517579,
+      0.00522397762544218784195,  -0.000854832702345085283217, 0.000120553329817896642502, -1.49256503584062509771e-05,
+      1.64621143658892474007e-06, -1.63658446912349243169e-07, 1.48071928158792172387e-08, -1.2290555301717927352e-09,
+      9.42275906465041097021e-11, -6.71136685516411037783e-12, 4.46322426328647734475e-13, -2.78351620721092135474e-14,
+      1.63426140953671518938e-15};
+  static constexpr double tail[] = {
+      -0.804072310106957503296,    0.518768445016172378189,    0.0463760849528252582703,    -0.018367473809385532262,
+      -0.00697525468396543510783,  0.00162099493150782137526,  0.00115976089249056748383,   -0.000242661971996334796535,
+      -0.000211315449775375877045, 5.45358704122711479559e-05, 3.88732269931518770177e-05,  -1.47710831932301722703e-05,
+      -6.39586604464614794156e-06, 4.01048070750142926476e-06, 6.91091729265735921196e-07,  -9.73493824716342714911e-07,
+      5.94048334434660318904e-08,  1.90288141652672493357e-07, -6.00517959981061721891e-08, -2.50756073683078284375e-08,
+      1.86437944194040028375e-08,  1.19752030514064244916e-09, -3.34597416440374217927e-09, 1.30430635181255638602e-10,
+      2.88086994260083884005e-10};
+};
+
+// erf z for |z| < 1.
+template <class T>
+Vec<T> erf_near_zero(Vec<T> z) {
+  return z * polynomial(ErfConstants<T>::taylor, z * z);
+}
+
+// erfc z for z >= 0.5 (anything finite below).
+template <class T>
+Vec<T> erfc_tail(Vec<T> z) {
+  const Vec<T> t = T(2) / (T(2) + z);
+  return t * exp<T>(polynomial(ErfConstants<T>::tail, T(2.5) * t - T(1)) - z * z);
+}
+
+template <class T>
+Vec<T> erf(Vec<T> z) {
+  const Vec<T> az = z < T(0) ? -z : z;
+  const Vec<T> large = T(1) - erfc_tail<T>(az);
+  return az < T(1) ? erf_near_zero<T>(z) : (z < T(0) ? -large : large);
+}
+
+// Φ(x), the standard normal distribution, 0.5 (1 + erf(x / √2)): from |x| / √2 = 0.5 on as
+// 0.5 erfc(|x| / √2) or 1 minus it, so that the lower tail (GELU's) keeps its digits rather than
+// those 0.5 + 0.5 erf leaves, which at x = -1.4 were 6 ulp of 0.08.
+template <class T>
+Vec<T> normal_cdf(Vec<T> x) {
+  const Vec<T> z = x * T(0.70710678118654752440);
+  const Vec<T> az = z < T(0) ? -z : z;
+  const Vec<T> half_tail = T(0.5) * erfc_tail<T>(az);
+  const Vec<T> large = z < T(0) ? half_tail : T(1) - half_tail;
+  return az < T(0.5) ? T(0.5) + T(0.5) * erf_near_zero<T>(z) : large;
 }
 
 }  // namespace duet::kernels::detail::avx512
@@ -1710,6 +1954,26 @@ decltype(auto) with_target(Isa isa, F&& f) {
   }
   return f(baseline::Target{});
 }
+
+// The Target of the set whose vectors are Bytes wide. Each set's width is its own, so code
+// written once outside the sets on a vector of any width (fn::Sigmoid::apply_in_place, inlined
+// into a set's product or map) reaches that set's functions from the vector's type.
+template <int Bytes>
+struct TargetOfWidth;
+template <>
+struct TargetOfWidth<baseline::vector_bytes> {
+  using type = baseline::Target;
+};
+#if DUET_X86_KERNELS
+template <>
+struct TargetOfWidth<avx2::vector_bytes> {
+  using type = avx2::Target;
+};
+template <>
+struct TargetOfWidth<avx512::vector_bytes> {
+  using type = avx512::Target;
+};
+#endif
 
 }  // namespace duet::kernels::detail
 
@@ -3226,6 +3490,26 @@ void gemm_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c, bool
 
 }  // namespace duet::kernels
 
+namespace duet::kernels {
+// The functions activation() applies: elementwise layers' formulas on simd/detail/math.hpp's
+// exp, tanh, sigmoid, erf and normal distribution, and the derivatives of those differentiated
+// from their input. GELU is x Φ(x), exactly or with Φ(x) ≈ σ(2 √(2/π) (x + 0.044715 x³)), which
+// is 0.5 (1 + tanh(√(2/π) (x + 0.044715 x³))); SiLU is x σ(x).
+enum class Activation {
+  exp,
+  sigmoid,
+  tanh,
+  silu,
+  silu_derivative,
+  gelu,
+  gelu_derivative,
+  gelu_tanh,
+  gelu_tanh_derivative,
+  erf,
+  erf_derivative
+};
+}  // namespace duet::kernels
+
 #define DUET_KERNEL_BODY "elementwise_impl.hpp"
 // A kernel family's body once per instruction set, each in its set's namespace and target
 // region: the one place that lists the sets (simd/arch.hpp defines them). A family's header
@@ -3272,20 +3556,68 @@ void exp_step(Target, const T* x, index_t n, T* y) {
   }
 }
 
+// x σ(a) = x / (1 + e^-a), and its derivative σ(a) + x a' σ(a) (1 - σ(a)) as
+// (1 + x a' (1 - σ(a))) / (1 + e^-a), 1 - σ(a) as e^-a / (1 + e^-a): written as quotients, they
+// keep their digits where σ(a) is subnormal (a below -87 for float) but the result is not, and
+// where σ(a) is near 1.
 template <class T>
-void tanh_step(Target, const T* x, index_t n, T* y) {
-  for (index_t i = 0; i < n; i += lanes<T>) {
-    const int count = lanes_from<T>(i, n);
-    store_lanes<T>(y + i, tanh<T>(load_lanes(x + i, count)), count);
+Vec<T> times_sigmoid(Vec<T> x, Vec<T> a) {
+  return x / (T(1) + exp<T>(-a));
+}
+template <class T>
+Vec<T> times_sigmoid_derivative(Vec<T> x, Vec<T> a, Vec<T> da) {
+  const Vec<T> e = exp<T>(-a);
+  const Vec<T> complement = e < std::numeric_limits<T>::infinity() ? e / (T(1) + e) : splat(T(1));
+  return (T(1) + x * da * complement) / (T(1) + e);
+}
+
+// An activation (kernels::Activation) on one vector, for code written once outside the sets
+// (kernels::activation). Never inlined, and by reference: its arithmetic is compiled once per
+// set and type, so a product's epilogue, a map and a single value get the same bits whatever
+// arithmetic surrounds the call (a compiler contracts a·b + c across inlined code).
+template <Activation F, class T>
+[[gnu::noinline]] void activation_step(Target, Vec<T>& v) {
+  // GELU's tanh form: 0.5 (1 + tanh u) is σ(2u), u = √(2/π) (x + 0.044715 x³).
+  constexpr T two_sqrt_2_over_pi = T(1.59576912160573071176);
+  constexpr T cubic = T(0.044715);
+  const Vec<T> x = v;
+  if constexpr (F == Activation::exp) {
+    // Subnormal results count as zero, as fn::exp_array's (and the optimisers') do.
+    constexpr T lowest_normal_exponent = std::is_same_v<T, float> ? T(-87.33654475f) : T(-708.39641853226408);
+    v = x < lowest_normal_exponent ? Vec<T>{} : exp<T>(x);
+  } else if constexpr (F == Activation::sigmoid) {
+    v = sigmoid<T>(x);
+  } else if constexpr (F == Activation::tanh) {
+    v = tanh<T>(x);
+  } else if constexpr (F == Activation::silu) {
+    v = times_sigmoid<T>(x, x);
+  } else if constexpr (F == Activation::silu_derivative) {
+    v = times_sigmoid_derivative<T>(x, x, splat(T(1)));
+  } else if constexpr (F == Activation::gelu) {
+    v = x * normal_cdf<T>(x);
+  } else if constexpr (F == Activation::gelu_derivative) {
+    // Φ(x) + x φ(x), φ(x) = e^(-x²/2) / √(2π).
+    v = normal_cdf<T>(x) + T(0.39894228040143267794) * x * exp<T>(T(-0.5) * x * x);
+  } else if constexpr (F == Activation::gelu_tanh) {
+    v = times_sigmoid<T>(x, two_sqrt_2_over_pi * (x + cubic * x * x * x));
+  } else if constexpr (F == Activation::gelu_tanh_derivative) {
+    const Vec<T> x2 = x * x;
+    v = times_sigmoid_derivative<T>(x, two_sqrt_2_over_pi * (x + cubic * x2 * x),
+                                    two_sqrt_2_over_pi * (T(1) + T(3) * cubic * x2));
+  } else if constexpr (F == Activation::erf) {
+    v = erf<T>(x);
+  } else if constexpr (F == Activation::erf_derivative) {
+    // 2 / √π e^(-x²).
+    v = T(1.12837916709551257390) * exp<T>(-(x * x));
   }
 }
 
-template <class T>
-void sigmoid_step(Target, const T* x, index_t n, T* y) {
-  for (index_t i = 0; i < n; i += lanes<T>) {
-    const int count = lanes_from<T>(i, n);
-    store_lanes<T>(y + i, sigmoid<T>(load_lanes(x + i, count)), count);
-  }
+// The same on one value, in lane 0: the bits of any lane of activation_step.
+template <Activation F, class T>
+T activation_value(Target, T x) {
+  Vec<T> v = splat(x);
+  activation_step<F, T>(Target{}, v);
+  return v[0];
 }
 
 template <class T>
@@ -3450,20 +3782,68 @@ void exp_step(Target, const T* x, index_t n, T* y) {
   }
 }
 
+// x σ(a) = x / (1 + e^-a), and its derivative σ(a) + x a' σ(a) (1 - σ(a)) as
+// (1 + x a' (1 - σ(a))) / (1 + e^-a), 1 - σ(a) as e^-a / (1 + e^-a): written as quotients, they
+// keep their digits where σ(a) is subnormal (a below -87 for float) but the result is not, and
+// where σ(a) is near 1.
 template <class T>
-void tanh_step(Target, const T* x, index_t n, T* y) {
-  for (index_t i = 0; i < n; i += lanes<T>) {
-    const int count = lanes_from<T>(i, n);
-    store_lanes<T>(y + i, tanh<T>(load_lanes(x + i, count)), count);
+Vec<T> times_sigmoid(Vec<T> x, Vec<T> a) {
+  return x / (T(1) + exp<T>(-a));
+}
+template <class T>
+Vec<T> times_sigmoid_derivative(Vec<T> x, Vec<T> a, Vec<T> da) {
+  const Vec<T> e = exp<T>(-a);
+  const Vec<T> complement = e < std::numeric_limits<T>::infinity() ? e / (T(1) + e) : splat(T(1));
+  return (T(1) + x * da * complement) / (T(1) + e);
+}
+
+// An activation (kernels::Activation) on one vector, for code written once outside the sets
+// (kernels::activation). Never inlined, and by reference: its arithmetic is compiled once per
+// set and type, so a product's epilogue, a map and a single value get the same bits whatever
+// arithmetic surrounds the call (a compiler contracts a·b + c across inlined code).
+template <Activation F, class T>
+[[gnu::noinline]] void activation_step(Target, Vec<T>& v) {
+  // GELU's tanh form: 0.5 (1 + tanh u) is σ(2u), u = √(2/π) (x + 0.044715 x³).
+  constexpr T two_sqrt_2_over_pi = T(1.59576912160573071176);
+  constexpr T cubic = T(0.044715);
+  const Vec<T> x = v;
+  if constexpr (F == Activation::exp) {
+    // Subnormal results count as zero, as fn::exp_array's (and the optimisers') do.
+    constexpr T lowest_normal_exponent = std::is_same_v<T, float> ? T(-87.33654475f) : T(-708.39641853226408);
+    v = x < lowest_normal_exponent ? Vec<T>{} : exp<T>(x);
+  } else if constexpr (F == Activation::sigmoid) {
+    v = sigmoid<T>(x);
+  } else if constexpr (F == Activation::tanh) {
+    v = tanh<T>(x);
+  } else if constexpr (F == Activation::silu) {
+    v = times_sigmoid<T>(x, x);
+  } else if constexpr (F == Activation::silu_derivative) {
+    v = times_sigmoid_derivative<T>(x, x, splat(T(1)));
+  } else if constexpr (F == Activation::gelu) {
+    v = x * normal_cdf<T>(x);
+  } else if constexpr (F == Activation::gelu_derivative) {
+    // Φ(x) + x φ(x), φ(x) = e^(-x²/2) / √(2π).
+    v = normal_cdf<T>(x) + T(0.39894228040143267794) * x * exp<T>(T(-0.5) * x * x);
+  } else if constexpr (F == Activation::gelu_tanh) {
+    v = times_sigmoid<T>(x, two_sqrt_2_over_pi * (x + cubic * x * x * x));
+  } else if constexpr (F == Activation::gelu_tanh_derivative) {
+    const Vec<T> x2 = x * x;
+    v = times_sigmoid_derivative<T>(x, two_sqrt_2_over_pi * (x + cubic * x2 * x),
+                                    two_sqrt_2_over_pi * (T(1) + T(3) * cubic * x2));
+  } else if constexpr (F == Activation::erf) {
+    v = erf<T>(x);
+  } else if constexpr (F == Activation::erf_derivative) {
+    // 2 / √π e^(-x²).
+    v = T(1.12837916709551257390) * exp<T>(-(x * x));
   }
 }
 
-template <class T>
-void sigmoid_step(Target, const T* x, index_t n, T* y) {
-  for (index_t i = 0; i < n; i += lanes<T>) {
-    const int count = lanes_from<T>(i, n);
-    store_lanes<T>(y + i, sigmoid<T>(load_lanes(x + i, count)), count);
-  }
+// The same on one value, in lane 0: the bits of any lane of activation_step.
+template <Activation F, class T>
+T activation_value(Target, T x) {
+  Vec<T> v = splat(x);
+  activation_step<F, T>(Target{}, v);
+  return v[0];
 }
 
 template <class T>
@@ -3628,20 +4008,68 @@ void exp_step(Target, const T* x, index_t n, T* y) {
   }
 }
 
+// x σ(a) = x / (1 + e^-a), and its derivative σ(a) + x a' σ(a) (1 - σ(a)) as
+// (1 + x a' (1 - σ(a))) / (1 + e^-a), 1 - σ(a) as e^-a / (1 + e^-a): written as quotients, they
+// keep their digits where σ(a) is subnormal (a below -87 for float) but the result is not, and
+// where σ(a) is near 1.
 template <class T>
-void tanh_step(Target, const T* x, index_t n, T* y) {
-  for (index_t i = 0; i < n; i += lanes<T>) {
-    const int count = lanes_from<T>(i, n);
-    store_lanes<T>(y + i, tanh<T>(load_lanes(x + i, count)), count);
+Vec<T> times_sigmoid(Vec<T> x, Vec<T> a) {
+  return x / (T(1) + exp<T>(-a));
+}
+template <class T>
+Vec<T> times_sigmoid_derivative(Vec<T> x, Vec<T> a, Vec<T> da) {
+  const Vec<T> e = exp<T>(-a);
+  const Vec<T> complement = e < std::numeric_limits<T>::infinity() ? e / (T(1) + e) : splat(T(1));
+  return (T(1) + x * da * complement) / (T(1) + e);
+}
+
+// An activation (kernels::Activation) on one vector, for code written once outside the sets
+// (kernels::activation). Never inlined, and by reference: its arithmetic is compiled once per
+// set and type, so a product's epilogue, a map and a single value get the same bits whatever
+// arithmetic surrounds the call (a compiler contracts a·b + c across inlined code).
+template <Activation F, class T>
+[[gnu::noinline]] void activation_step(Target, Vec<T>& v) {
+  // GELU's tanh form: 0.5 (1 + tanh u) is σ(2u), u = √(2/π) (x + 0.044715 x³).
+  constexpr T two_sqrt_2_over_pi = T(1.59576912160573071176);
+  constexpr T cubic = T(0.044715);
+  const Vec<T> x = v;
+  if constexpr (F == Activation::exp) {
+    // Subnormal results count as zero, as fn::exp_array's (and the optimisers') do.
+    constexpr T lowest_normal_exponent = std::is_same_v<T, float> ? T(-87.33654475f) : T(-708.39641853226408);
+    v = x < lowest_normal_exponent ? Vec<T>{} : exp<T>(x);
+  } else if constexpr (F == Activation::sigmoid) {
+    v = sigmoid<T>(x);
+  } else if constexpr (F == Activation::tanh) {
+    v = tanh<T>(x);
+  } else if constexpr (F == Activation::silu) {
+    v = times_sigmoid<T>(x, x);
+  } else if constexpr (F == Activation::silu_derivative) {
+    v = times_sigmoid_derivative<T>(x, x, splat(T(1)));
+  } else if constexpr (F == Activation::gelu) {
+    v = x * normal_cdf<T>(x);
+  } else if constexpr (F == Activation::gelu_derivative) {
+    // Φ(x) + x φ(x), φ(x) = e^(-x²/2) / √(2π).
+    v = normal_cdf<T>(x) + T(0.39894228040143267794) * x * exp<T>(T(-0.5) * x * x);
+  } else if constexpr (F == Activation::gelu_tanh) {
+    v = times_sigmoid<T>(x, two_sqrt_2_over_pi * (x + cubic * x * x * x));
+  } else if constexpr (F == Activation::gelu_tanh_derivative) {
+    const Vec<T> x2 = x * x;
+    v = times_sigmoid_derivative<T>(x, two_sqrt_2_over_pi * (x + cubic * x2 * x),
+                                    two_sqrt_2_over_pi * (T(1) + T(3) * cubic * x2));
+  } else if constexpr (F == Activation::erf) {
+    v = erf<T>(x);
+  } else if constexpr (F == Activation::erf_derivative) {
+    // 2 / √π e^(-x²).
+    v = T(1.12837916709551257390) * exp<T>(-(x * x));
   }
 }
 
-template <class T>
-void sigmoid_step(Target, const T* x, index_t n, T* y) {
-  for (index_t i = 0; i < n; i += lanes<T>) {
-    const int count = lanes_from<T>(i, n);
-    store_lanes<T>(y + i, sigmoid<T>(load_lanes(x + i, count)), count);
-  }
+// The same on one value, in lane 0: the bits of any lane of activation_step.
+template <Activation F, class T>
+T activation_value(Target, T x) {
+  Vec<T> v = splat(x);
+  activation_step<F, T>(Target{}, v);
+  return v[0];
 }
 
 template <class T>
@@ -3786,15 +4214,20 @@ void exp(const T* x, index_t n, T* y) {
   detail::with_target(active_isa(), [&](auto target) { exp_step(target, x, n, y); });
 }
 
-// y[i] = tanh x[i] and y[i] = 1 / (1 + e^-x[i]) (simd/detail/math.hpp); y may be x. A recurrent
-// cell's gates, a row at a time.
-template <VectorElement T>
-void tanh(const T* x, index_t n, T* y) {
-  detail::with_target(active_isa(), [&](auto target) { tanh_step(target, x, n, y); });
-}
-template <VectorElement T>
-void sigmoid(const T* x, index_t n, T* y) {
-  detail::with_target(active_isa(), [&](auto target) { sigmoid_step(target, x, n, y); });
+// v = F(v) on one value or one vector of any set's width, on the set chosen at run time or the
+// one the vector's width names, with the bits of every lane alike: the vector form of the
+// activation layers (fn::Sigmoid::apply_in_place), which a product's epilogue, map() and a small
+// layer's scalar loop all run. No call into libm: PyNative's sigmoid and GELU were Eigen's forms,
+// vectorised only for the build's instruction set (without -march, sigmoid took 77 us and GELU
+// 123 us on [256, 512] against 16 and 20 with -march=native).
+template <Activation F, class V>
+void activation(V& v) {
+  if constexpr (VectorElement<V>) {
+    v = detail::with_target(active_isa(), [&](auto target) { return activation_value<F, V>(target, v); });
+  } else {
+    using T = std::remove_cvref_t<decltype(v[0])>;
+    activation_step<F, T>(typename detail::TargetOfWidth<sizeof(V)>::type{}, v);
+  }
 }
 
 // Σ x[i].
@@ -3880,6 +4313,28 @@ void map(const T* x, index_t n, T* y) {
   ::duet::detail::parallel_elements(n, ::duet::detail::pass_work, [&](index_t i0, index_t i1) {
     detail::with_target(isa, [&](auto target) { map_step<T, Fns...>(target, x + i0, i1 - i0, y + i0); });
   });
+}
+
+// activation<F> as a function for map() and a product's epilogue. fn::Sigmoid and the other
+// layers activation() computes derive from it.
+template <Activation F>
+struct ActivationFunction {
+  static constexpr Activation kernel_activation = F;
+  template <class V>
+  static void apply_in_place(V& v) {
+    activation<F>(v);
+  }
+};
+
+// y[i] = tanh x[i] and y[i] = 1 / (1 + e^-x[i]); y may be x. A recurrent cell's gates, a row at
+// a time.
+template <VectorElement T>
+void tanh(const T* x, index_t n, T* y) {
+  map<ActivationFunction<Activation::tanh>>(x, n, y);
+}
+template <VectorElement T>
+void sigmoid(const T* x, index_t n, T* y) {
+  map<ActivationFunction<Activation::sigmoid>>(x, n, y);
 }
 
 // A binary function the kernels can apply in registers: Fn::apply_in_place(a, b) on a scalar and
@@ -5194,15 +5649,32 @@ auto apply_all(const std::tuple<Fns...>& fns, const Expr& e) {
   else return apply_all<I + 1>(fns, std::get<I>(fns).array(e));
 }
 
-// Whether Fns give the same bits however a loop over them is split into SIMD vectors and
-// scalars, and however it is fused with other arithmetic: those with a vector form for the
-// product's registers (ReLU) are exact comparisons and selections. The others (exp, tanh,
-// erf, ...) take Eigen's vectorised approximations on full vectors and the C library on the
-// rest, and a compiler may contract their arithmetic into that of a neighbouring function
-// (FMA); so that a fused graph computes what PyNative's one-function passes compute, they run
-// one function at a time over the same flat layout.
+// Whether Fns' Eigen array forms give the same bits however a loop over them is split into
+// SIMD vectors and scalars, and however it is fused with other arithmetic: those of the
+// functions with a vector form of their own (ReLU) are exact comparisons and selections. The
+// others (exp, tanh, erf, ...) take Eigen's vectorised approximations on full vectors and the C
+// library on the rest, and a compiler may contract their arithmetic into that of a neighbouring
+// function (FMA); so that a fused graph computes what PyNative's one-function passes compute,
+// they run one function at a time over the same flat layout. That includes the functions
+// whose vector form is kernels::activation's (fn::KernelActivation): their array forms are
+// Eigen's.
 template <class T, class... Fns>
-inline constexpr bool exact_in_any_layout = (kernels::VectorFunction<Fns, T> && ...);
+inline constexpr bool exact_in_any_layout =
+    ((kernels::VectorFunction<Fns, T> && !requires { Fns::kernel_activation; }) && ...);
+
+// y[i] = fns(x[i]) one function at a time, each pass over a block that stays in L1 the call
+// map_one(f, from, m, to) that runs f alone.
+template <class... Fns, class T, class MapOne>
+void map_in_turns(const std::tuple<Fns...>& fns, const T* x, index_t n, T* y, MapOne map_one) {
+  // A multiple of every SIMD width, so that each block splits into vectors and a scalar tail
+  // exactly where one pass over all n elements does.
+  constexpr index_t block = 1024;
+  for (index_t i = 0; i < n; i += block) {
+    const index_t m = std::min(block, n - i);
+    const T* from = x + i;
+    std::apply([&](const auto&... f) { ((map_one(f, from, m, y + i), from = y + i), ...); }, fns);
+  }
+}
 }  // namespace detail
 
 struct Eigen {
@@ -5269,14 +5741,8 @@ struct Eigen {
     if constexpr (sizeof...(Fns) == 1 || detail::exact_in_any_layout<T, Fns...>) {
       ::Eigen::Map<Array>(y, n) = detail::apply_all(fns, ::Eigen::Map<const Array>(x, n));
     } else {
-      // A multiple of every SIMD width, so that each block splits into vectors and a scalar
-      // tail exactly where one pass over all n elements does.
-      constexpr index_t block = 1024;
-      for (index_t i = 0; i < n; i += block) {
-        const index_t m = std::min(block, n - i);
-        const T* from = x + i;
-        std::apply([&](const auto&... f) { ((map(std::tuple{f}, from, m, y + i), from = y + i), ...); }, fns);
-      }
+      detail::map_in_turns(fns, x, n, y,
+                           [](const auto& f, const T* from, index_t m, T* to) { map(std::tuple{f}, from, m, to); });
     }
   }
   template <class... Fns, class T>
@@ -5465,14 +5931,23 @@ struct Eigen {
 // Eigen.
 struct Native : Eigen {
   // map() on the instruction set chosen at run time, with the functions' vector forms (the
-  // code a product's epilogue runs); functions without one go to Eigen.
+  // code a product's epilogue runs); a function without one goes to Eigen. A chain of both
+  // kinds takes turns, so that each function computes the bits it computes alone (PyNative's
+  // separate maps).
   template <class... Fns, class T>
   static void map(const std::tuple<Fns...>& fns, const T* x, index_t n, T* y) {
-    if constexpr (kernels::gemm_supports<T, Fns...>) kernels::map<Fns...>(x, n, y);
-    // Functions without parameters are made afresh: GCC 12 takes a copy of an empty tuple (a
-    // fused product's epilogue) for uninitialised memory (-Wmaybe-uninitialized).
-    else if constexpr ((std::is_empty_v<Fns> && ...)) Eigen::map<Fns...>(x, n, y);
-    else Eigen::map(fns, x, n, y);
+    if constexpr (kernels::gemm_supports<T, Fns...>) {
+      kernels::map<Fns...>(x, n, y);
+    } else if constexpr (sizeof...(Fns) > 1) {
+      detail::map_in_turns(fns, x, n, y,
+                           [](const auto& f, const T* from, index_t m, T* to) { map(std::tuple{f}, from, m, to); });
+    } else if constexpr ((std::is_empty_v<Fns> && ...)) {
+      // Functions without parameters are made afresh: GCC 12 takes a copy of an empty tuple (a
+      // fused product's epilogue) for uninitialised memory (-Wmaybe-uninitialized).
+      Eigen::map<Fns...>(x, n, y);
+    } else {
+      Eigen::map(fns, x, n, y);
+    }
   }
   template <class... Fns, class T>
   static void map(const T* x, index_t n, T* y) {
@@ -17953,7 +18428,7 @@ inline CheckpointInfo checkpoint_info_bytes(std::span<const std::byte> bytes) {
 #include <type_traits>
 #include <utility>
 
-#include <unsupported/Eigen/SpecialFunctions>  // erf, for the exact GELU
+#include <unsupported/Eigen/SpecialFunctions>  // erf, for backend::Eigen's GELU and ops::erf
 
 
 namespace duet {
@@ -18017,14 +18492,31 @@ struct Relu {
   }
 };
 
-// The activations below have no vector form, so a product runs them as the map kernel after
-// the finished product rather than in its registers (backend::Native::dense); only ReLU takes
-// the register path. Those differentiated from their output (sigmoid, tanh, LeakyReLU, ELU,
-// softplus) also fuse into a product in a graph being trained; GELU and SiLU need their
-// input, and stay nodes of their own there.
+// The functions deriving from kernels::ActivationFunction are computed by kernels::activation
+// on the instruction set chosen at run time: a product applies that vector form in its
+// registers, the map kernel over memory and a small layer to each value, with the same bits,
+// so graph mode's fused product and PyNative's separate map agree. Their Eigen array forms are
+// backend::Eigen's.
+template <kernels::Activation A>
+using KernelActivation = kernels::ActivationFunction<A>;
+
+// dy times the derivative kernels::activation<D> computes from the input x, on a value or a
+// vector (kernels::map_grad).
+template <kernels::Activation D, class V>
+void multiply_by_derivative(V& dy, const V& x) {
+  V d = x;
+  kernels::activation<D>(d);
+  dy = dy * d;
+}
+
+// The activations below without a vector form (LeakyReLU, ELU, softplus) run as Eigen's map
+// after the finished product rather than in its registers (backend::Native::dense). Those
+// differentiated from their output (sigmoid, tanh, LeakyReLU, ELU, softplus) also fuse into a
+// product in a graph being trained; GELU and SiLU need their input, and stay nodes of their own
+// there.
 
 // 1 / (1 + exp(-x)); derivative y (1 - y).
-struct Sigmoid {
+struct Sigmoid : KernelActivation<kernels::Activation::sigmoid> {
   static constexpr std::string_view name = "Sigmoid";
   static ops::InterchangeNode interchange() { return {"Sigmoid", {}, {}}; }
   template <class A>
@@ -18036,10 +18528,15 @@ struct Sigmoid {
     using S = typename Y::Scalar;
     return dy * (y * (S(1) - y));
   }
+  template <class V>
+  static void grad_in_place(V& dy, const V& y) {
+    dy = dy * (y * (1 - y));
+  }
 };
 
-// Derivative 1 - y².
-struct Tanh {
+// Derivative 1 - y², as (1 - y)(1 + y): exact where y is near ±1, and nothing for a compiler to
+// contract into an FMA differently in a product's backward pass and a map's.
+struct Tanh : KernelActivation<kernels::Activation::tanh> {
   static constexpr std::string_view name = "Tanh";
   static ops::InterchangeNode interchange() { return {"Tanh", {}, {}}; }
   template <class A>
@@ -18049,7 +18546,11 @@ struct Tanh {
   template <class G, class Y>
   static auto grad_array(const G& dy, const Y& y) {
     using S = typename Y::Scalar;
-    return dy * (S(1) - y.square());
+    return dy * ((S(1) - y) * (S(1) + y));
+  }
+  template <class V>
+  static void grad_in_place(V& dy, const V& y) {
+    dy = dy * ((1 - y) * (1 + y));
   }
 };
 
@@ -18057,7 +18558,7 @@ struct Tanh {
 // Approximate, 0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³))) (MindSpore's approximate=True,
 // PyTorch's approximate='tanh').
 template <bool Approximate>
-struct Gelu {
+struct Gelu : KernelActivation<Approximate ? kernels::Activation::gelu_tanh : kernels::Activation::gelu> {
   static constexpr std::string_view name = Approximate ? "GELU(tanh)" : "GELU(erf)";
   static constexpr bool grad_from_input = true;
   static constexpr double sqrt_2_over_pi = 0.7978845608028654;
@@ -18108,10 +18609,15 @@ struct Gelu {
       return dy * (S(0.5) * (S(1) + (x * S(inv_sqrt_2)).erf()) + S(inv_sqrt_2pi) * x * (S(-0.5) * x.square()).exp());
     }
   }
+  template <class V>
+  static void grad_in_place(V& dy, const V& x) {
+    multiply_by_derivative<Approximate ? kernels::Activation::gelu_tanh_derivative
+                                       : kernels::Activation::gelu_derivative>(dy, x);
+  }
 };
 
 // x · sigmoid(x) (MindSpore's SiLU, also called swish); derivative s (1 + x (1 - s)).
-struct Silu {
+struct Silu : KernelActivation<kernels::Activation::silu> {
   static constexpr std::string_view name = "SiLU";
   static constexpr bool grad_from_input = true;
   static ops::Interchange interchange() {
@@ -18127,6 +18633,10 @@ struct Silu {
     using S = typename X::Scalar;
     const auto s = x.logistic();
     return dy * (s * (S(1) + x * (S(1) - s)));
+  }
+  template <class V>
+  static void grad_in_place(V& dy, const V& x) {
+    multiply_by_derivative<kernels::Activation::silu_derivative>(dy, x);
   }
 };
 
@@ -25794,7 +26304,7 @@ namespace duet {
 
 namespace fn {
 
-struct Exp {
+struct Exp : KernelActivation<kernels::Activation::exp> {
   static constexpr std::string_view name = "Exp";
   static ops::InterchangeNode interchange() { return {"Exp", {}, {}}; }
   template <class A>
@@ -25804,6 +26314,10 @@ struct Exp {
   template <class G, class Y>
   static auto grad_array(const G& dy, const Y& y) {
     return dy * y;
+  }
+  template <class V>
+  static void grad_in_place(V& dy, const V& y) {
+    dy = dy * y;
   }
 };
 
@@ -25885,6 +26399,26 @@ struct Cos {
   template <class G, class X>
   static auto grad_array(const G& dy, const X& x) {
     return -(dy * x.sin());
+  }
+};
+
+// erf(x) = 2/√π ∫₀ˣ e^(-t²) dt (torch.erf, MindSpore's ops.erf); derivative 2/√π e^(-x²).
+struct Erf : KernelActivation<kernels::Activation::erf> {
+  static constexpr std::string_view name = "Erf";
+  static ops::InterchangeNode interchange() { return {"Erf", {}, {}}; }
+  static constexpr bool grad_from_input = true;
+  template <class A>
+  static auto array(const A& a) {
+    return a.erf();
+  }
+  template <class G, class X>
+  static auto grad_array(const G& dy, const X& x) {
+    using S = typename X::Scalar;
+    return dy * (S(1.12837916709551257390) * (-x.square()).exp());
+  }
+  template <class V>
+  static void grad_in_place(V& dy, const V& x) {
+    multiply_by_derivative<kernels::Activation::erf_derivative>(dy, x);
   }
 };
 
@@ -26363,7 +26897,7 @@ struct TriangleOp : Primitive<TriangleOp<Lower>> {
 };
 
 inline const bool math_listed =
-    list_operations({"exp", "log", "log1p", "expm1", "sin", "cos", "sqrt", "rsqrt", "abs", "square", "clip_by_value",
+    list_operations({"exp", "log", "log1p", "expm1", "sin", "cos", "erf", "sqrt", "rsqrt", "abs", "square", "clip_by_value",
                      "where", "greater", "less", "equal", "greater_equal", "less_equal", "not_equal", "tril", "triu"});
 
 template <class X>
@@ -26395,6 +26929,11 @@ template <class X>
   requires TensorLike<X>
 auto cos(const X& x) {
   return apply(MapOp<fn::Cos>{}, x);
+}
+template <class X>
+  requires TensorLike<X>
+auto erf(const X& x) {
+  return apply(MapOp<fn::Erf>{}, x);
 }
 template <class X>
   requires TensorLike<X>

@@ -23,7 +23,7 @@
 //   Relu, Sigmoid, Tanh, Softmax, LogSoftmax       ops::relu, sigmoid, tanh, softmax, log_softmax
 //   LeakyRelu, Elu (alpha >= 0)                    ops::leaky_relu, elu
 //   Div, Erf, Add, Mul, Mul (torch's GELU below    ops::gelu (erf form), when the five nodes are
-//   opset 20: x * (erf(x / sqrt 2) + 1) * 0.5)     exactly that pattern; any other Erf is refused
+//   opset 20: x * (erf(x / sqrt 2) + 1) * 0.5)     exactly that pattern; any other Erf is ops::erf
 //   Conv (1-D, or 2-D with square kernels; one     duet's convolution (ops::ConvOp), as
 //   stride, one dilation, symmetric pads below    nn::Conv1d and nn::Conv2d
 //   the window's extent or SAME_UPPER/VALID,
@@ -149,8 +149,8 @@ struct OnnxReshapeOp : ops::Primitive<OnnxReshapeOp> {
   std::string label() const { return who; }
 };
 
-// The operators load_onnx reads, some only in a pattern or with some inputs (Erf in torch's
-// GELU; Shape and Cast in shape arithmetic, Gather there or of one constant index), which their own errors then say. A model's other operators are all
+// The operators load_onnx reads, some only in a pattern or with some inputs (Shape and Cast in
+// shape arithmetic, Gather there or of one constant index), which their own errors then say. A model's other operators are all
 // named at once, before anything is built. tests/io_onnx.cpp checks the list against
 // OnnxBuilder::add_node.
 inline constexpr auto onnx_operators = std::to_array<std::string_view>({
@@ -832,7 +832,7 @@ class OnnxBuilder {
       return;
     }
     if (op == "Exp" || op == "Log" || op == "Sqrt" || op == "Abs" || op == "Neg" || op == "Reciprocal" || op == "Softplus" ||
-        op == "Sin" || op == "Cos") {
+        op == "Sin" || op == "Cos" || op == "Erf") {
       arity(n, node, 1, 1);
       known_attributes(n, node, {});
       const Operand a = input(0);
@@ -847,6 +847,7 @@ class OnnxBuilder {
           if (kind == "Reciprocal") return ops::div(1.0, x);
           if (kind == "Sin") return ops::sin(x);
           if (kind == "Cos") return ops::cos(x);
+          if (kind == "Erf") return ops::erf(x);
           // ONNX's log(1 + exp(x)); duet's turns linear past 20, where the two differ by less
           // than exp(-20) of x.
           return ops::softplus(x);
@@ -944,7 +945,6 @@ class OnnxBuilder {
     if (shape_arithmetic(n, node)) return;
     if (op == "Unsqueeze" || op == "Squeeze") return add_squeeze(n, node);
     if (op == "Concat") return add_concat(n, node);
-    if (op == "Erf") unsupported(node, "an Erf outside torch's GELU (x * (erf(x / sqrt 2) + 1) * 0.5)");
     if (op == "Expand" || op == "ConstantOfShape") return add_fill(n, node);
     unsupported(node, "the operator " + op);
   }

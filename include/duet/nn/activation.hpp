@@ -12,11 +12,12 @@
 #include <type_traits>
 #include <utility>
 
-#include <unsupported/Eigen/SpecialFunctions>  // erf, for the exact GELU
+#include <unsupported/Eigen/SpecialFunctions>  // erf, for backend::Eigen's GELU and ops::erf
 
 #include "../cell.hpp"
 #include "../eager.hpp"
 #include "../error.hpp"
+#include "../kernels/elementwise.hpp"
 
 namespace duet {
 
@@ -79,14 +80,31 @@ struct Relu {
   }
 };
 
-// The activations below have no vector form, so a product runs them as the map kernel after
-// the finished product rather than in its registers (backend::Native::dense); only ReLU takes
-// the register path. Those differentiated from their output (sigmoid, tanh, LeakyReLU, ELU,
-// softplus) also fuse into a product in a graph being trained; GELU and SiLU need their
-// input, and stay nodes of their own there.
+// The functions deriving from kernels::ActivationFunction are computed by kernels::activation
+// on the instruction set chosen at run time: a product applies that vector form in its
+// registers, the map kernel over memory and a small layer to each value, with the same bits,
+// so graph mode's fused product and PyNative's separate map agree. Their Eigen array forms are
+// backend::Eigen's.
+template <kernels::Activation A>
+using KernelActivation = kernels::ActivationFunction<A>;
+
+// dy times the derivative kernels::activation<D> computes from the input x, on a value or a
+// vector (kernels::map_grad).
+template <kernels::Activation D, class V>
+void multiply_by_derivative(V& dy, const V& x) {
+  V d = x;
+  kernels::activation<D>(d);
+  dy = dy * d;
+}
+
+// The activations below without a vector form (LeakyReLU, ELU, softplus) run as Eigen's map
+// after the finished product rather than in its registers (backend::Native::dense). Those
+// differentiated from their output (sigmoid, tanh, LeakyReLU, ELU, softplus) also fuse into a
+// product in a graph being trained; GELU and SiLU need their input, and stay nodes of their own
+// there.
 
 // 1 / (1 + exp(-x)); derivative y (1 - y).
-struct Sigmoid {
+struct Sigmoid : KernelActivation<kernels::Activation::sigmoid> {
   static constexpr std::string_view name = "Sigmoid";
   static ops::InterchangeNode interchange() { return {"Sigmoid", {}, {}}; }
   template <class A>
@@ -98,10 +116,15 @@ struct Sigmoid {
     using S = typename Y::Scalar;
     return dy * (y * (S(1) - y));
   }
+  template <class V>
+  static void grad_in_place(V& dy, const V& y) {
+    dy = dy * (y * (1 - y));
+  }
 };
 
-// Derivative 1 - y².
-struct Tanh {
+// Derivative 1 - y², as (1 - y)(1 + y): exact where y is near ±1, and nothing for a compiler to
+// contract into an FMA differently in a product's backward pass and a map's.
+struct Tanh : KernelActivation<kernels::Activation::tanh> {
   static constexpr std::string_view name = "Tanh";
   static ops::InterchangeNode interchange() { return {"Tanh", {}, {}}; }
   template <class A>
@@ -111,7 +134,11 @@ struct Tanh {
   template <class G, class Y>
   static auto grad_array(const G& dy, const Y& y) {
     using S = typename Y::Scalar;
-    return dy * (S(1) - y.square());
+    return dy * ((S(1) - y) * (S(1) + y));
+  }
+  template <class V>
+  static void grad_in_place(V& dy, const V& y) {
+    dy = dy * ((1 - y) * (1 + y));
   }
 };
 
@@ -119,7 +146,7 @@ struct Tanh {
 // Approximate, 0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³))) (MindSpore's approximate=True,
 // PyTorch's approximate='tanh').
 template <bool Approximate>
-struct Gelu {
+struct Gelu : KernelActivation<Approximate ? kernels::Activation::gelu_tanh : kernels::Activation::gelu> {
   static constexpr std::string_view name = Approximate ? "GELU(tanh)" : "GELU(erf)";
   static constexpr bool grad_from_input = true;
   static constexpr double sqrt_2_over_pi = 0.7978845608028654;
@@ -170,10 +197,15 @@ struct Gelu {
       return dy * (S(0.5) * (S(1) + (x * S(inv_sqrt_2)).erf()) + S(inv_sqrt_2pi) * x * (S(-0.5) * x.square()).exp());
     }
   }
+  template <class V>
+  static void grad_in_place(V& dy, const V& x) {
+    multiply_by_derivative<Approximate ? kernels::Activation::gelu_tanh_derivative
+                                       : kernels::Activation::gelu_derivative>(dy, x);
+  }
 };
 
 // x · sigmoid(x) (MindSpore's SiLU, also called swish); derivative s (1 + x (1 - s)).
-struct Silu {
+struct Silu : KernelActivation<kernels::Activation::silu> {
   static constexpr std::string_view name = "SiLU";
   static constexpr bool grad_from_input = true;
   static ops::Interchange interchange() {
@@ -189,6 +221,10 @@ struct Silu {
     using S = typename X::Scalar;
     const auto s = x.logistic();
     return dy * (s * (S(1) + x * (S(1) - s)));
+  }
+  template <class V>
+  static void grad_in_place(V& dy, const V& x) {
+    multiply_by_derivative<kernels::Activation::silu_derivative>(dy, x);
   }
 };
 

@@ -36,7 +36,7 @@ namespace duet {
 
 namespace fn {
 
-struct Exp {
+struct Exp : KernelActivation<kernels::Activation::exp> {
   static constexpr std::string_view name = "Exp";
   static ops::InterchangeNode interchange() { return {"Exp", {}, {}}; }
   template <class A>
@@ -46,6 +46,10 @@ struct Exp {
   template <class G, class Y>
   static auto grad_array(const G& dy, const Y& y) {
     return dy * y;
+  }
+  template <class V>
+  static void grad_in_place(V& dy, const V& y) {
+    dy = dy * y;
   }
 };
 
@@ -127,6 +131,26 @@ struct Cos {
   template <class G, class X>
   static auto grad_array(const G& dy, const X& x) {
     return -(dy * x.sin());
+  }
+};
+
+// erf(x) = 2/√π ∫₀ˣ e^(-t²) dt (torch.erf, MindSpore's ops.erf); derivative 2/√π e^(-x²).
+struct Erf : KernelActivation<kernels::Activation::erf> {
+  static constexpr std::string_view name = "Erf";
+  static ops::InterchangeNode interchange() { return {"Erf", {}, {}}; }
+  static constexpr bool grad_from_input = true;
+  template <class A>
+  static auto array(const A& a) {
+    return a.erf();
+  }
+  template <class G, class X>
+  static auto grad_array(const G& dy, const X& x) {
+    using S = typename X::Scalar;
+    return dy * (S(1.12837916709551257390) * (-x.square()).exp());
+  }
+  template <class V>
+  static void grad_in_place(V& dy, const V& x) {
+    multiply_by_derivative<kernels::Activation::erf_derivative>(dy, x);
   }
 };
 
@@ -605,7 +629,7 @@ struct TriangleOp : Primitive<TriangleOp<Lower>> {
 };
 
 inline const bool math_listed =
-    list_operations({"exp", "log", "log1p", "expm1", "sin", "cos", "sqrt", "rsqrt", "abs", "square", "clip_by_value",
+    list_operations({"exp", "log", "log1p", "expm1", "sin", "cos", "erf", "sqrt", "rsqrt", "abs", "square", "clip_by_value",
                      "where", "greater", "less", "equal", "greater_equal", "less_equal", "not_equal", "tril", "triu"});
 
 template <class X>
@@ -637,6 +661,11 @@ template <class X>
   requires TensorLike<X>
 auto cos(const X& x) {
   return apply(MapOp<fn::Cos>{}, x);
+}
+template <class X>
+  requires TensorLike<X>
+auto erf(const X& x) {
+  return apply(MapOp<fn::Erf>{}, x);
 }
 template <class X>
   requires TensorLike<X>

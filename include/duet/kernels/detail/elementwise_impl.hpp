@@ -30,20 +30,68 @@ void exp_step(Target, const T* x, index_t n, T* y) {
   }
 }
 
+// x σ(a) = x / (1 + e^-a), and its derivative σ(a) + x a' σ(a) (1 - σ(a)) as
+// (1 + x a' (1 - σ(a))) / (1 + e^-a), 1 - σ(a) as e^-a / (1 + e^-a): written as quotients, they
+// keep their digits where σ(a) is subnormal (a below -87 for float) but the result is not, and
+// where σ(a) is near 1.
 template <class T>
-void tanh_step(Target, const T* x, index_t n, T* y) {
-  for (index_t i = 0; i < n; i += lanes<T>) {
-    const int count = lanes_from<T>(i, n);
-    store_lanes<T>(y + i, tanh<T>(load_lanes(x + i, count)), count);
+Vec<T> times_sigmoid(Vec<T> x, Vec<T> a) {
+  return x / (T(1) + exp<T>(-a));
+}
+template <class T>
+Vec<T> times_sigmoid_derivative(Vec<T> x, Vec<T> a, Vec<T> da) {
+  const Vec<T> e = exp<T>(-a);
+  const Vec<T> complement = e < std::numeric_limits<T>::infinity() ? e / (T(1) + e) : splat(T(1));
+  return (T(1) + x * da * complement) / (T(1) + e);
+}
+
+// An activation (kernels::Activation) on one vector, for code written once outside the sets
+// (kernels::activation). Never inlined, and by reference: its arithmetic is compiled once per
+// set and type, so a product's epilogue, a map and a single value get the same bits whatever
+// arithmetic surrounds the call (a compiler contracts a·b + c across inlined code).
+template <Activation F, class T>
+[[gnu::noinline]] void activation_step(Target, Vec<T>& v) {
+  // GELU's tanh form: 0.5 (1 + tanh u) is σ(2u), u = √(2/π) (x + 0.044715 x³).
+  constexpr T two_sqrt_2_over_pi = T(1.59576912160573071176);
+  constexpr T cubic = T(0.044715);
+  const Vec<T> x = v;
+  if constexpr (F == Activation::exp) {
+    // Subnormal results count as zero, as fn::exp_array's (and the optimisers') do.
+    constexpr T lowest_normal_exponent = std::is_same_v<T, float> ? T(-87.33654475f) : T(-708.39641853226408);
+    v = x < lowest_normal_exponent ? Vec<T>{} : exp<T>(x);
+  } else if constexpr (F == Activation::sigmoid) {
+    v = sigmoid<T>(x);
+  } else if constexpr (F == Activation::tanh) {
+    v = tanh<T>(x);
+  } else if constexpr (F == Activation::silu) {
+    v = times_sigmoid<T>(x, x);
+  } else if constexpr (F == Activation::silu_derivative) {
+    v = times_sigmoid_derivative<T>(x, x, splat(T(1)));
+  } else if constexpr (F == Activation::gelu) {
+    v = x * normal_cdf<T>(x);
+  } else if constexpr (F == Activation::gelu_derivative) {
+    // Φ(x) + x φ(x), φ(x) = e^(-x²/2) / √(2π).
+    v = normal_cdf<T>(x) + T(0.39894228040143267794) * x * exp<T>(T(-0.5) * x * x);
+  } else if constexpr (F == Activation::gelu_tanh) {
+    v = times_sigmoid<T>(x, two_sqrt_2_over_pi * (x + cubic * x * x * x));
+  } else if constexpr (F == Activation::gelu_tanh_derivative) {
+    const Vec<T> x2 = x * x;
+    v = times_sigmoid_derivative<T>(x, two_sqrt_2_over_pi * (x + cubic * x2 * x),
+                                    two_sqrt_2_over_pi * (T(1) + T(3) * cubic * x2));
+  } else if constexpr (F == Activation::erf) {
+    v = erf<T>(x);
+  } else if constexpr (F == Activation::erf_derivative) {
+    // 2 / √π e^(-x²).
+    v = T(1.12837916709551257390) * exp<T>(-(x * x));
   }
 }
 
-template <class T>
-void sigmoid_step(Target, const T* x, index_t n, T* y) {
-  for (index_t i = 0; i < n; i += lanes<T>) {
-    const int count = lanes_from<T>(i, n);
-    store_lanes<T>(y + i, sigmoid<T>(load_lanes(x + i, count)), count);
-  }
+// The same on one value, in lane 0: the bits of any lane of activation_step.
+template <Activation F, class T>
+T activation_value(Target, T x) {
+  Vec<T> v = splat(x);
+  activation_step<F, T>(Target{}, v);
+  return v[0];
 }
 
 template <class T>

@@ -19,4 +19,24 @@ decltype(auto) with_target(Isa isa, F&& f) {
   return f(baseline::Target{});
 }
 
+// The Target of the set whose vectors are Bytes wide. Each set's width is its own, so code
+// written once outside the sets on a vector of any width (fn::Sigmoid::apply_in_place, inlined
+// into a set's product or map) reaches that set's functions from the vector's type.
+template <int Bytes>
+struct TargetOfWidth;
+template <>
+struct TargetOfWidth<baseline::vector_bytes> {
+  using type = baseline::Target;
+};
+#if DUET_X86_KERNELS
+template <>
+struct TargetOfWidth<avx2::vector_bytes> {
+  using type = avx2::Target;
+};
+template <>
+struct TargetOfWidth<avx512::vector_bytes> {
+  using type = avx512::Target;
+};
+#endif
+
 }  // namespace duet::kernels::detail
