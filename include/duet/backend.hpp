@@ -374,11 +374,18 @@ struct Eigen {
 
 // backend::Eigen with duet's own dense kernel (kernels::gemm), which applies the epilogue to
 // each tile of the output while it is in registers. It does so for functions with a vector
-// form (kernels::VectorFunction: ReLU); any other epilogue (sigmoid, GELU, LeakyReLU with its
-// alpha, ...) runs as the map kernel over the finished product, so that the product's bits are
-// the ones PyNative's unfused MatMul gets. Element types the kernel cannot take fall back to
-// Eigen.
+// form of a few instructions (ReLU); kernels::activation's (sigmoid, GELU, ...) and those
+// without a vector form (LeakyReLU with its alpha, ...) run as the map kernel over the finished
+// product, so that the product's bits are the ones PyNative's unfused MatMul gets. Element
+// types the kernel cannot take fall back to Eigen.
 struct Native : Eigen {
+  // Whether Fns run in the product's registers. kernels::activation's run over the finished
+  // product, eight vectors at a time: one vector at a time, as a tile's epilogue has them, each
+  // waited on its own chain of dependent FMAs, and GELU after a [256, 512] x [512, 512] product
+  // took about twice the map's time.
+  template <class T, class... Fns>
+  static constexpr bool in_registers = kernels::gemm_supports<T, Fns...> && !(requires { Fns::kernel_activation; } || ...);
+
   // map() on the instruction set chosen at run time, with the functions' vector forms (the
   // code a product's epilogue runs); a function without one goes to Eigen. A chain of both
   // kinds takes turns, so that each function computes the bits it computes alone (PyNative's
@@ -443,7 +450,7 @@ struct Native : Eigen {
   template <index_t In, index_t Out, class T, class... Fns>
   static void dense(const T* x, index_t rows, index_t in, const T* w, index_t out,
                     const Epilogue<T, Fns...>& epilogue, T* y) {
-    if constexpr (kernels::gemm_supports<T, Fns...>) {
+    if constexpr (in_registers<T, Fns...>) {
       kernels::gemm<In, Out, Fns...>(x, rows, in, w, out, epilogue.bias, y);
     } else if constexpr (kernels::gemm_supports<T>) {
       kernels::gemm<In, Out>(x, rows, in, w, out, epilogue.bias, y);
@@ -487,7 +494,7 @@ struct Native : Eigen {
   template <index_t In, index_t Out, class T, class... Fns>
   static void dense_packed(const T* x, index_t rows, index_t in, const nn::BasicParameter<T>& w, index_t out,
                            const Epilogue<T, Fns...>& epilogue, T* y) {
-    if constexpr (kernels::gemm_supports<T, Fns...>) {
+    if constexpr (kernels::gemm_supports<T>) {
       if (kernels::reads_packed_weight<In, Out>(rows, in, out)) {
         // A type per instruction set, so that after a set_kernel_isa the parameter packs again
         // for the new set instead of keeping a form the product cannot read.
@@ -495,7 +502,12 @@ struct Native : Eigen {
         kernels::detail::with_kernels(isa, [&]<class Kernels>(Kernels) {
           using Packed = kernels::PackedWeightFor<T, Kernels>;
           const auto packed = w.template derived<Packed>([&] { return Packed(w.data(), out, in, isa); });
-          kernels::gemm<In, Out, Fns...>(x, rows, in, w.data(), out, epilogue.bias, y, packed.get());
+          if constexpr (in_registers<T, Fns...>) {
+            kernels::gemm<In, Out, Fns...>(x, rows, in, w.data(), out, epilogue.bias, y, packed.get());
+          } else {
+            kernels::gemm<In, Out>(x, rows, in, w.data(), out, epilogue.bias, y, packed.get());
+            map(epilogue.fns, y, rows * out, y);
+          }
         });
         return;
       }

@@ -68,7 +68,9 @@ void activation(V& v) {
     v = detail::with_target(active_isa(), [&](auto target) { return activation_value<F, V>(target, v); });
   } else {
     using T = std::remove_cvref_t<decltype(v[0])>;
-    activation_step<F, T>(typename detail::TargetOfWidth<sizeof(V)>::type{}, v);
+    V group[1] = {v};
+    activation_step<F, 1, T>(typename detail::TargetOfWidth<sizeof(V)>::type{}, group);
+    v = group[0];
   }
 }
 

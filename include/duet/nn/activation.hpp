@@ -36,6 +36,11 @@ auto exp_array(const A& a) {
   return (a < lowest_normal_exponent).select(T(0), a.exp());
 }
 
+// Whether Fn means something on integer tensors (ReLU, abs, square, clip_by_value): the others
+// (exp, sigmoid, GELU, ...) would truncate every result, and ops::MapOp refuses them there.
+template <class Fn>
+inline constexpr bool on_integers = requires { requires Fn::on_integers; };
+
 // Whether Fn's derivative is computed from its input (Fn::grad_array(dy, x)) rather than from
 // its output (Fn::grad_array(dy, y)), as for log or abs, whose input the output does not give.
 template <class Fn>
@@ -43,6 +48,7 @@ inline constexpr bool grad_from_input = requires { requires Fn::grad_from_input;
 
 struct Relu {
   static constexpr std::string_view name = "ReLU";
+  static constexpr bool on_integers = true;
   static ops::InterchangeNode interchange() { return {"Relu", {}, {}}; }
   // NaN stays NaN, as IEEE and numpy's maximum say; a plain max(x, 0) would turn it into 0.
   template <class A>
@@ -88,12 +94,13 @@ struct Relu {
 template <kernels::Activation A>
 using KernelActivation = kernels::ActivationFunction<A>;
 
-// dy times the derivative kernels::activation<D> computes from the input x, on a value or a
-// vector (kernels::map_grad).
-template <kernels::Activation D, class V>
+// For a function differentiated from its input by kernels::activation (Fn::kernel_derivative,
+// which kernels::map_grad runs eight vectors at a time): dy times the derivative at x, on a
+// value or a vector.
+template <class Fn, class V>
 void multiply_by_derivative(V& dy, const V& x) {
   V d = x;
-  kernels::activation<D>(d);
+  kernels::activation<Fn::kernel_derivative>(d);
   dy = dy * d;
 }
 
@@ -197,10 +204,11 @@ struct Gelu : KernelActivation<Approximate ? kernels::Activation::gelu_tanh : ke
       return dy * (S(0.5) * (S(1) + (x * S(inv_sqrt_2)).erf()) + S(inv_sqrt_2pi) * x * (S(-0.5) * x.square()).exp());
     }
   }
+  static constexpr kernels::Activation kernel_derivative =
+      Approximate ? kernels::Activation::gelu_tanh_derivative : kernels::Activation::gelu_derivative;
   template <class V>
   static void grad_in_place(V& dy, const V& x) {
-    multiply_by_derivative<Approximate ? kernels::Activation::gelu_tanh_derivative
-                                       : kernels::Activation::gelu_derivative>(dy, x);
+    multiply_by_derivative<Gelu>(dy, x);
   }
 };
 
@@ -222,9 +230,10 @@ struct Silu : KernelActivation<kernels::Activation::silu> {
     const auto s = x.logistic();
     return dy * (s * (S(1) + x * (S(1) - s)));
   }
+  static constexpr kernels::Activation kernel_derivative = kernels::Activation::silu_derivative;
   template <class V>
   static void grad_in_place(V& dy, const V& x) {
-    multiply_by_derivative<kernels::Activation::silu_derivative>(dy, x);
+    multiply_by_derivative<Silu>(dy, x);
   }
 };
 
@@ -333,6 +342,10 @@ struct MapOp : Primitive<MapOp<Fns...>> {
 
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
+    static_assert(std::is_floating_point_v<T> || (fn::on_integers<Fns> && ...),
+                  "duet::ops: exp, log, sqrt, sin, cos, erf, sigmoid, tanh, GELU, SiLU, ELU, LeakyReLU and softplus take "
+                  "floating-point tensors (on an integer tensor each result would be truncated to an integer): cast "
+                  "first, ops::cast<float>(x); ReLU, abs, square and clip_by_value also take integers");
     Backend::map(fns, a.in<T>(), a.in_shape().numel(), a.out<T>());
   }
 
@@ -472,7 +485,7 @@ class Activation : public Cell<Activation<Fn, T>, CONTEXT_MODE, T> {
   Activation() = default;
   template <class P, class... Ps>
     requires(std::is_arithmetic_v<P> && (std::is_arithmetic_v<Ps> && ...))
-  explicit Activation(P p, Ps... ps) : fn_{static_cast<double>(p), static_cast<double>(ps)...} {
+  explicit Activation(P p, Ps... ps) : fn_{with_parameters(p, ps...)} {
     if constexpr (requires { fn_.alpha; }) fn::check_alpha(fn_.alpha, "nn::" + std::string(Fn::name));
     if constexpr (requires { fn_.beta; }) {
       if (!(fn_.beta > 0)) throw ValueError(type_name() + ": beta must be positive, got " + std::to_string(fn_.beta));
@@ -486,6 +499,15 @@ class Activation : public Cell<Activation<Fn, T>, CONTEXT_MODE, T> {
   std::string type_name() const override { return "nn::" + std::string(Fn::name); }
 
  private:
+  template <class... Ps>
+  static Fn with_parameters(Ps... ps) {
+    static_assert(!std::is_empty_v<Fn>,
+                  "duet::nn: ReLU, Sigmoid, Tanh, SiLU, GELU and GELUExact take no argument; MindSpore's "
+                  "nn.GELU(approximate=False) is nn::GELUExact, and nn::GELU is the tanh form (approximate=True)");
+    if constexpr (std::is_empty_v<Fn>) return Fn{};
+    else return Fn{static_cast<double>(ps)...};
+  }
+
   Fn fn_{};
 };
 

@@ -148,9 +148,10 @@ struct Erf : KernelActivation<kernels::Activation::erf> {
     using S = typename X::Scalar;
     return dy * (S(1.12837916709551257390) * (-x.square()).exp());
   }
+  static constexpr kernels::Activation kernel_derivative = kernels::Activation::erf_derivative;
   template <class V>
   static void grad_in_place(V& dy, const V& x) {
-    multiply_by_derivative<kernels::Activation::erf_derivative>(dy, x);
+    multiply_by_derivative<Erf>(dy, x);
   }
 };
 
@@ -204,6 +205,7 @@ struct Rsqrt {
 // |x|; its derivative at 0 is taken as 0, as PyTorch's (sign(x) · dy).
 struct Abs {
   static constexpr std::string_view name = "Abs";
+  static constexpr bool on_integers = true;
   static ops::InterchangeNode interchange() { return {"Abs", {}, {}}; }
   static constexpr bool grad_from_input = true;
   template <class A>
@@ -218,6 +220,7 @@ struct Abs {
 
 struct Square {
   static constexpr std::string_view name = "Square";
+  static constexpr bool on_integers = true;
   static ops::Interchange interchange() {
     return {{"Mul", {ops::InterchangeInput::operand(0), ops::InterchangeInput::operand(0)}, {}}};
   }
@@ -238,6 +241,7 @@ struct Square {
 // since the output cannot tell a clipped value from one equal to a bound.
 struct ClipByValue {
   static constexpr std::string_view name = "ClipByValue";
+  static constexpr bool on_integers = true;
   static constexpr bool grad_from_input = true;
   double lo = 0;
   double hi = 0;

@@ -48,6 +48,10 @@
 #define DUET_END_UNFUSED _Pragma("GCC pop_options")
 #endif
 
+// for (int j = 0; j < N; ++j), unrolled: a step of detail/math.hpp's functions on each of their
+// N vectors.
+#define DUET_EACH_VECTOR(j) _Pragma("GCC unroll 8") for (int j = 0; j < N; ++j)
+
 namespace duet::kernels::detail {
 
 template <class T, int Bytes>
@@ -90,6 +94,8 @@ class FlushSubnormals {
 namespace duet::kernels::detail::baseline {
 
 inline constexpr int vector_bytes = 16;
+// p · 2^k in one instruction (scale_by_power_of_2): AVX-512's alone.
+inline constexpr bool scales_in_one_step = false;
 // Tile rows: MR x KG accumulators, KG vectors of B and a broadcast fit 16 registers. The
 // product from B as [k, n] (gemm_impl.hpp's kn_kernel): MR_KN x NV_KN accumulators, NV_KN
 // vectors of B, a broadcast and a product (no FMA). SSE2 broadcasts a value of A in two
@@ -151,6 +157,7 @@ DUET_BEGIN_AVX2
 namespace duet::kernels::detail::avx2 {
 
 inline constexpr int vector_bytes = 32;
+inline constexpr bool scales_in_one_step = false;
 // 16 registers: gemm's tile as the baseline's; 6 x 2 accumulators from B as [k, n] (12 + 2 + 1).
 inline constexpr int MR = 3;
 inline constexpr int MR_KN = 6;
@@ -213,6 +220,7 @@ DUET_BEGIN_AVX512
 namespace duet::kernels::detail::avx512 {
 
 inline constexpr int vector_bytes = 64;
+inline constexpr bool scales_in_one_step = true;
 // 32 registers: twice the tile rows; 6 x 4 accumulators from B as [k, n] (24 + 4 + 1).
 inline constexpr int MR = 6;
 inline constexpr int MR_KN = 6;
@@ -252,6 +260,17 @@ template <class T>
 Vec<T> sqrt(Vec<T> v) {
   if constexpr (std::is_same_v<T, float>) return _mm512_maskz_sqrt_ps(0xFFFF, v);
   else return _mm512_maskz_sqrt_pd(0xFF, v);
+}
+
+// p · 2^k for whole numbers k, rounded once, overflowing to inf and underflowing through the
+// subnormals to 0 (VSCALEFPS): exp's last step (detail/math.hpp), which the other sets build
+// from two halves of 2^k in ten instructions, with the same result.
+template <class T>
+Vec<T> scale_by_power_of_2(Vec<T> p, Vec<T> k) {
+  if constexpr (std::is_same_v<T, float>)
+    return _mm512_maskz_scalef_ps(0xFFFF, p, k);
+  else
+    return _mm512_maskz_scalef_pd(0xFF, p, k);
 }
 
 #include "detail/math.hpp"

@@ -49,13 +49,19 @@ T reduce_lanes(Vec<T> v) {
   return x[0];
 }
 
-// c[0] + c[1] x + ... in Horner's form, unrolled (GCC 12 at -O2 unrolls no loop by itself).
-template <class T, std::size_t N>
-Vec<T> polynomial(const T (&c)[N], Vec<T> x) {
-  Vec<T> p = splat(c[N - 1]);
+// The functions below run on N vectors at once, each step on all N before the next step
+// (DUET_EACH_VECTOR): a processor overlaps the N independent chains of dependent operations (a
+// polynomial's Horner steps are FMAs of 4 cycles' latency in a row), which it does not do across
+// the iterations of a loop that runs them one vector at a time: on Zen 5, a chain of 20 FMAs
+// took 7.2 ns a vector alone and 3.1 ns four at a time. Each vector sees the same operations
+// whatever N is, so every N gives the same bits.
+
+// p = c[0] + c[1] x + ... in Horner's form, unrolled (GCC 12 at -O2 unrolls no loop by itself).
+template <int N, class T, std::size_t C>
+void polynomial(const T (&c)[C], const Vec<T> (&x)[N], Vec<T> (&p)[N]) {
+  DUET_EACH_VECTOR(j) p[j] = splat(c[C - 1]);
 #pragma GCC unroll 32
-  for (int i = static_cast<int>(N) - 2; i >= 0; --i) p = fma<T>(p, x, splat(c[i]));
-  return p;
+  for (int i = static_cast<int>(C) - 2; i >= 0; --i) DUET_EACH_VECTOR(j) p[j] = fma<T>(p[j], x[j], splat(c[i]));
 }
 
 // ---- exp ---------------------------------------------------------------------------------
@@ -65,7 +71,7 @@ Vec<T> polynomial(const T (&c)[N], Vec<T> x) {
 // polynomial (degree 7 for float, 13 for double: the first omitted term is below 2^-27 and
 // 2^-57 of the result) in Horner's form, and 2^k built in the exponent bits. 2^k is applied in
 // two halves, so that a result near the top of the range, or subnormal at the bottom, is
-// rounded once, as std::exp's is. tests/kernels_elementwise.cpp requires 2 ulp of std::exp
+// rounded once, as std::exp's is (AVX-512 does that in one instruction, scale_by_power_of_2). tests/kernels_elementwise.cpp requires 2 ulp of std::exp
 // under every set on millions of arguments across the whole range, and measures at most 1.
 // x above the range gives +inf, below it +0, and NaN stays NaN. The sets differ in FMA (the
 // baseline rounds a·b and + c separately), so their results may differ in the last bit.
@@ -132,19 +138,35 @@ Vec<T> exp2_of_shifted(Vec<T> shifted) {
   return v;
 }
 
+template <int N, class T>
+void exp(Vec<T> (&x)[N]) {
+  using C = ExpConstants<T>;
+  Vec<T> k[N], r[N], p[N];
+  DUET_EACH_VECTOR(j) {
+    // Comparisons with NaN are false, so NaN passes both clamps and stays NaN to the end.
+    x[j] = x[j] < C::lowest ? splat(C::lowest) : x[j];
+    x[j] = x[j] > C::highest ? splat(C::highest) : x[j];
+    k[j] = (x[j] * C::log2e + C::round_shift) - C::round_shift;
+    r[j] = fma<T>(k[j], splat(-C::ln2_hi), x[j]);
+    r[j] = fma<T>(k[j], splat(-C::ln2_lo), r[j]);
+  }
+  polynomial<N>(C::taylor, r, p);
+  DUET_EACH_VECTOR(j) {
+    if constexpr (scales_in_one_step) {
+      x[j] = scale_by_power_of_2<T>(p[j], k[j]);
+    } else {
+      const Vec<T> half = k[j] * T(0.5) + C::round_shift;
+      const Vec<T> rest = (k[j] - (half - C::round_shift)) + C::round_shift;
+      x[j] = p[j] * exp2_of_shifted<T>(half) * exp2_of_shifted<T>(rest);
+    }
+  }
+}
+
 template <class T>
 Vec<T> exp(Vec<T> x) {
-  using C = ExpConstants<T>;
-  // Comparisons with NaN are false, so NaN passes both clamps and stays NaN to the end.
-  x = x < C::lowest ? splat(C::lowest) : x;
-  x = x > C::highest ? splat(C::highest) : x;
-  const Vec<T> k = (x * C::log2e + C::round_shift) - C::round_shift;
-  Vec<T> r = fma<T>(k, splat(-C::ln2_hi), x);
-  r = fma<T>(k, splat(-C::ln2_lo), r);
-  const Vec<T> p = polynomial(C::taylor, r);
-  const Vec<T> half = k * T(0.5) + C::round_shift;
-  const Vec<T> rest = (k - (half - C::round_shift)) + C::round_shift;
-  return p * exp2_of_shifted<T>(half) * exp2_of_shifted<T>(rest);
+  Vec<T> v[1] = {x};
+  exp<1, T>(v);
+  return v[0];
 }
 
 // ---- tanh and the sigmoid ---------------------------------------------------------------
@@ -194,33 +216,44 @@ struct TanhConstants<double> {
                                       -1.7406618963571648e-07};
 };
 
-template <class T>
-Vec<T> tanh(Vec<T> x) {
-  using C = TanhConstants<T>;
-  const Vec<T> ax = x < T(0) ? -x : x;
-  const Vec<T> p = polynomial(C::taylor, x * x);
-  const Vec<T> large = T(1) - T(2) / (exp<T>(ax + ax) + T(1));
-  const Vec<T> signed_large = x < T(0) ? -large : large;
-  return ax < T(0.55) ? x * p : signed_large;
+template <int N, class T>
+void tanh(Vec<T> (&x)[N]) {
+  Vec<T> ax[N], x2[N], p[N], e[N];
+  DUET_EACH_VECTOR(j) {
+    ax[j] = x[j] < T(0) ? -x[j] : x[j];
+    x2[j] = x[j] * x[j];
+    e[j] = ax[j] + ax[j];
+  }
+  polynomial<N>(TanhConstants<T>::taylor, x2, p);
+  exp<N, T>(e);
+  DUET_EACH_VECTOR(j) {
+    const Vec<T> large = T(1) - T(2) / (e[j] + T(1));
+    const Vec<T> signed_large = x[j] < T(0) ? -large : large;
+    x[j] = ax[j] < T(0.55) ? x[j] * p[j] : signed_large;
+  }
 }
 
 // 1 / (1 + e^-x): 0 where e^-x overflows, NaN for NaN.
-template <class T>
-Vec<T> sigmoid(Vec<T> x) {
-  return T(1) / (T(1) + exp<T>(-x));
+template <int N, class T>
+void sigmoid(Vec<T> (&x)[N]) {
+  Vec<T> e[N];
+  DUET_EACH_VECTOR(j) e[j] = -x[j];
+  exp<N, T>(e);
+  DUET_EACH_VECTOR(j) x[j] = T(1) / (T(1) + e[j]);
 }
 
 // ---- erf and the normal distribution ---------------------------------------------------------
 //
 // erf z for |z| < 1 by its Taylor series, z · P(z²) with the coefficients (-1)^n 2 / (√π n! (2n + 1)),
-// to z^19 for float and z^33 for double (the first omitted term is below 2^-26 and 2^-56 of the
-// result); above, 1 - erfc |z|, signed as z. erfc z = t · e^(Q(2.5t - 1) - z²) with t = 2 / (2 + z):
-// Q(t) = ln(erfc(z) e^(z²) / t) is smooth in t over [0, 0.8], which is z from 0.5 to infinity, and
+// to z^19 for float and z^37 for double (the first omitted term is below 2^-25 and 2^-61 of the
+// result); above, 1 - erfc |z|, signed as z. erfc z = t · e^(Q(2t - 1) - z²) with t = 2 / (2 + z):
+// Q(t) = ln(erfc(z) e^(z²) / t) is smooth in t over [0, 1], which is z from 0 to infinity, and
 // its Chebyshev interpolant of degree 9 (float) and 24 (double), fitted in long double against
-// erfcl and written in powers of 2.5t - 1, loses less than the arithmetic around it. erf is within
-// 1 ulp of std::erf (tests/kernels_elementwise.cpp); erfc keeps its relative precision down to
-// the smallest normal number, within about z² ulp (the rounding of z² in the exponent), which the
-// normal distribution's lower tail needs and 1 - erf z would lose entirely.
+// erfcl and written in powers of 2t - 1, loses less than the arithmetic around it. erf is within
+// 2 ulp of erfl (tests/kernels_elementwise.cpp; the 2 where the alternating series sums near
+// |z| = 1); erfc keeps its relative precision for every z >= 0 down to the smallest normal
+// number, within about z² ulp (the rounding of z² in the exponent), which the normal
+// distribution's lower tail needs and 1 - erf z would lose entirely.
 template <class T>
 struct ErfConstants;
 
@@ -232,9 +265,9 @@ struct ErfConstants<float> {
                                      0.000120553329817896642502f, -1.49256503584062509771e-05f,
                                      1.64621143658892474007e-06f, -1.63658446912349243169e-07f};
   static constexpr float tail[] = {
-      -0.804072259846838267004f,    0.518768429751653002257f,   0.0463735628563339262622f, -0.018366706244353618095f,
-      -0.00695469478643040220322f,  0.00161467101399814087258f, 0.0010997671175996117515f, -0.000223771991001458885067f,
-      -0.000136268744181474582564f, 2.96618114943573985005e-05f};
+      -0.67179408367841774634f,     0.672643020857003147439f,  0.0473433338506980931626f,  -0.0468854046305139267823f,
+      -0.00987486175324638563373f,  0.0087412051769647986562f, 0.00177826779659609884869f, -0.00209815570172401950197f,
+      -0.000208744839562954170864f, 0.00035555684646217458611f};
 };
 
 template <>
@@ -244,45 +277,64 @@ struct ErfConstants<double> {
       0.00522397762544218784195,  -0.000854832702345085283217, 0.000120553329817896642502, -1.49256503584062509771e-05,
       1.64621143658892474007e-06, -1.63658446912349243169e-07, 1.48071928158792172387e-08, -1.2290555301717927352e-09,
       9.42275906465041097021e-11, -6.71136685516411037783e-12, 4.46322426328647734475e-13, -2.78351620721092135474e-14,
-      1.63426140953671518938e-15};
+      1.63426140953671518938e-15, -9.06397084280867247875e-17, 4.76334804051506811955e-18};
   static constexpr double tail[] = {
-      -0.804072310106957503296,    0.518768445016172378189,    0.0463760849528252582703,    -0.018367473809385532262,
-      -0.00697525468396543510783,  0.00162099493150782137526,  0.00115976089249056748383,   -0.000242661971996334796535,
-      -0.000211315449775375877045, 5.45358704122711479559e-05, 3.88732269931518770177e-05,  -1.47710831932301722703e-05,
-      -6.39586604464614794156e-06, 4.01048070750142926476e-06, 6.91091729265735921196e-07,  -9.73493824716342714911e-07,
-      5.94048334434660318904e-08,  1.90288141652672493357e-07, -6.00517959981061721891e-08, -2.50756073683078284375e-08,
-      1.86437944194040028375e-08,  1.19752030514064244916e-09, -3.34597416440374217927e-09, 1.30430635181255638602e-10,
-      2.88086994260083884005e-10};
+      -0.671794084056692265849,    0.672643223977657672707,     0.0473433068418981498125,
+      -0.0468956102312720705227,   -0.00987268936574783631856,  0.00882493855985966455033,
+      0.00175893353816674306851,   -0.00234581253581085225079,  -0.000146246584008342395129,
+      0.000673679022073946365232,  -9.37372609383635424518e-05, -0.000174303673812419290802,
+      7.14120244245419755237e-05,  3.17457540610810440314e-05,  -3.0223416693573312841e-05,
+      1.4190136504055317371e-07,   8.6397113166469807762e-06,   -2.96571045680593670116e-06,
+      -1.38559298392237906229e-06, 1.28494604609841189811e-06,  -5.72764304251904832266e-08,
+      -2.90179104922572150837e-07, 8.34738284538616426356e-08,  2.99117164104245603095e-08,
+      -1.37784627440851181746e-08};
 };
 
 // erf z for |z| < 1.
-template <class T>
-Vec<T> erf_near_zero(Vec<T> z) {
-  return z * polynomial(ErfConstants<T>::taylor, z * z);
+template <int N, class T>
+void erf_near_zero(const Vec<T> (&z)[N], Vec<T> (&out)[N]) {
+  Vec<T> z2[N];
+  DUET_EACH_VECTOR(j) z2[j] = z[j] * z[j];
+  polynomial<N>(ErfConstants<T>::taylor, z2, out);
+  DUET_EACH_VECTOR(j) out[j] = z[j] * out[j];
 }
 
-// erfc z for z >= 0.5 (anything finite below).
-template <class T>
-Vec<T> erfc_tail(Vec<T> z) {
-  const Vec<T> t = T(2) / (T(2) + z);
-  return t * exp<T>(polynomial(ErfConstants<T>::tail, T(2.5) * t - T(1)) - z * z);
+// erfc z for z >= 0.
+template <int N, class T>
+void erfc_nonnegative(const Vec<T> (&z)[N], Vec<T> (&out)[N]) {
+  Vec<T> t[N], u[N], q[N];
+  DUET_EACH_VECTOR(j) {
+    t[j] = T(2) / (T(2) + z[j]);
+    u[j] = T(2) * t[j] - T(1);
+  }
+  polynomial<N>(ErfConstants<T>::tail, u, q);
+  DUET_EACH_VECTOR(j) out[j] = q[j] - z[j] * z[j];
+  exp<N, T>(out);
+  DUET_EACH_VECTOR(j) out[j] = t[j] * out[j];
 }
 
-template <class T>
-Vec<T> erf(Vec<T> z) {
-  const Vec<T> az = z < T(0) ? -z : z;
-  const Vec<T> large = T(1) - erfc_tail<T>(az);
-  return az < T(1) ? erf_near_zero<T>(z) : (z < T(0) ? -large : large);
+template <int N, class T>
+void erf(Vec<T> (&z)[N]) {
+  Vec<T> az[N], tail[N], near[N];
+  DUET_EACH_VECTOR(j) az[j] = z[j] < T(0) ? -z[j] : z[j];
+  erfc_nonnegative<N, T>(az, tail);
+  erf_near_zero<N, T>(z, near);
+  DUET_EACH_VECTOR(j) {
+    const Vec<T> large = T(1) - tail[j];
+    z[j] = az[j] < T(1) ? near[j] : (z[j] < T(0) ? -large : large);
+  }
 }
 
-// Φ(x), the standard normal distribution, 0.5 (1 + erf(x / √2)): from |x| / √2 = 0.5 on as
-// 0.5 erfc(|x| / √2) or 1 minus it, so that the lower tail (GELU's) keeps its digits rather than
-// those 0.5 + 0.5 erf leaves, which at x = -1.4 were 6 ulp of 0.08.
-template <class T>
-Vec<T> normal_cdf(Vec<T> x) {
-  const Vec<T> z = x * T(0.70710678118654752440);
-  const Vec<T> az = z < T(0) ? -z : z;
-  const Vec<T> half_tail = T(0.5) * erfc_tail<T>(az);
-  const Vec<T> large = z < T(0) ? half_tail : T(1) - half_tail;
-  return az < T(0.5) ? T(0.5) + T(0.5) * erf_near_zero<T>(z) : large;
+// Φ(x), the standard normal distribution, 0.5 (1 + erf(x / √2)), as 0.5 erfc(|x| / √2) or 1 minus
+// it: one formula on every lane, and the lower tail (GELU's) keeps its digits, which
+// 0.5 + 0.5 erf would lose (at x = -1.4 it left 6 ulp of 0.08, and in float nothing below -6).
+template <int N, class T>
+void normal_cdf(const Vec<T> (&x)[N], Vec<T> (&out)[N]) {
+  Vec<T> az[N], tail[N];
+  DUET_EACH_VECTOR(j) {
+    const Vec<T> z = x[j] * T(0.70710678118654752440);
+    az[j] = z < T(0) ? -z : z;
+  }
+  erfc_nonnegative<N, T>(az, tail);
+  DUET_EACH_VECTOR(j) out[j] = x[j] < T(0) ? T(0.5) * tail[j] : T(1) - T(0.5) * tail[j];
 }
