@@ -345,7 +345,8 @@ struct MapOp : Primitive<MapOp<Fns...>> {
     static_assert(std::is_floating_point_v<T> || (fn::on_integers<Fns> && ...),
                   "duet::ops: exp, log, sqrt, sin, cos, erf, sigmoid, tanh, GELU, SiLU, ELU, LeakyReLU and softplus take "
                   "floating-point tensors (on an integer tensor each result would be truncated to an integer): cast "
-                  "first, ops::cast<float>(x); ReLU, abs, square and clip_by_value also take integers");
+                  "first, ops::cast<float>(x) (duet/ops/cast.hpp); ReLU, abs, square and clip_by_value also take "
+                  "integers");
     Backend::map(fns, a.in<T>(), a.in_shape().numel(), a.out<T>());
   }
 

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "../cell.hpp"
+#include "../config.hpp"
 #include "../eager.hpp"
 #include "../initializer.hpp"
 #include "../kernels/elementwise.hpp"
@@ -77,13 +78,16 @@ struct GRUCell {
 
   template <class T>
   static void forward(const T* xg, const T* hg, index_t H, const T* h_prev, T* /*c*/, T* keep, T* a, T* h_out) {
+    DUET_SIMD_LOOP
     for (index_t j = 0; j < 2 * H; ++j) a[j] = xg[j] + hg[j];
     sigmoid_in_place(a, 2 * H);
     const T* r = a;
     const T* z = a + H;
     T* n = a + 2 * H;
+    DUET_SIMD_LOOP
     for (index_t j = 0; j < H; ++j) n[j] = xg[2 * H + j] + r[j] * hg[2 * H + j];
     tanh_in_place(n, H);
+    DUET_SIMD_LOOP
     for (index_t j = 0; j < H; ++j) {
       const T h = h_prev == nullptr ? T(0) : h_prev[j];
       h_out[j] = (T(1) - z[j]) * n[j] + z[j] * h;
@@ -132,6 +136,7 @@ struct LSTMCell {
 
   template <class T>
   static void forward(const T* xg, const T* hg, index_t H, const T* /*h_prev*/, T* c, T* keep, T* a, T* h_out) {
+    DUET_SIMD_LOOP
     for (index_t j = 0; j < 4 * H; ++j) a[j] = xg[j] + hg[j];
     sigmoid_in_place(a, 2 * H);
     tanh_in_place(a + 2 * H, H);
@@ -140,6 +145,7 @@ struct LSTMCell {
     const T* f = a + H;
     const T* g = a + 2 * H;
     const T* o = a + 3 * H;
+    DUET_SIMD_LOOP
     for (index_t j = 0; j < H; ++j) {
       c[j] = f[j] * c[j] + i[j] * g[j];
       h_out[j] = c[j];
@@ -150,6 +156,7 @@ struct LSTMCell {
       std::copy_n(c, H, keep + 4 * H);
       std::copy_n(h_out, H, keep + 5 * H);
     }
+    DUET_SIMD_LOOP
     for (index_t j = 0; j < H; ++j) h_out[j] *= o[j];
   }
 
