@@ -150,6 +150,7 @@ class FormatError : public IOError {
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 // The dense-layer product with its epilogue fused: C[m, n] = Fns(Σ_k A[m, k]·B[n, k] + bias[n]).
 //
@@ -3692,6 +3693,11 @@ enum class Activation {
   erf,
   erf_derivative
 };
+
+// ln of the smallest normal number: e^x below it is subnormal, which Activation::exp and
+// fn::exp_array count as zero (a masked logit of -1e9 gets exactly no weight).
+template <class T>
+inline constexpr T lowest_normal_exponent = std::is_same_v<T, float> ? T(-87.33654475f) : T(-708.39641853226408);
 }  // namespace duet::kernels
 
 #define DUET_KERNEL_BODY "elementwise_impl.hpp"
@@ -3774,10 +3780,9 @@ template <Activation F, int N, class T>
   Vec<T> a[N];
   if constexpr (F == Activation::exp) {
     // Subnormal results count as zero, as fn::exp_array's (and the optimisers') do.
-    constexpr T lowest_normal_exponent = std::is_same_v<T, float> ? T(-87.33654475f) : T(-708.39641853226408);
     DUET_EACH_VECTOR(j) a[j] = v[j];
     exp<N, T>(a);
-    DUET_EACH_VECTOR(j) v[j] = v[j] < lowest_normal_exponent ? Vec<T>{} : a[j];
+    DUET_EACH_VECTOR(j) v[j] = v[j] < lowest_normal_exponent<T> ? Vec<T>{} : a[j];
   } else if constexpr (F == Activation::sigmoid) {
     sigmoid<N, T>(v);
   } else if constexpr (F == Activation::tanh) {
@@ -4059,10 +4064,9 @@ template <Activation F, int N, class T>
   Vec<T> a[N];
   if constexpr (F == Activation::exp) {
     // Subnormal results count as zero, as fn::exp_array's (and the optimisers') do.
-    constexpr T lowest_normal_exponent = std::is_same_v<T, float> ? T(-87.33654475f) : T(-708.39641853226408);
     DUET_EACH_VECTOR(j) a[j] = v[j];
     exp<N, T>(a);
-    DUET_EACH_VECTOR(j) v[j] = v[j] < lowest_normal_exponent ? Vec<T>{} : a[j];
+    DUET_EACH_VECTOR(j) v[j] = v[j] < lowest_normal_exponent<T> ? Vec<T>{} : a[j];
   } else if constexpr (F == Activation::sigmoid) {
     sigmoid<N, T>(v);
   } else if constexpr (F == Activation::tanh) {
@@ -4344,10 +4348,9 @@ template <Activation F, int N, class T>
   Vec<T> a[N];
   if constexpr (F == Activation::exp) {
     // Subnormal results count as zero, as fn::exp_array's (and the optimisers') do.
-    constexpr T lowest_normal_exponent = std::is_same_v<T, float> ? T(-87.33654475f) : T(-708.39641853226408);
     DUET_EACH_VECTOR(j) a[j] = v[j];
     exp<N, T>(a);
-    DUET_EACH_VECTOR(j) v[j] = v[j] < lowest_normal_exponent ? Vec<T>{} : a[j];
+    DUET_EACH_VECTOR(j) v[j] = v[j] < lowest_normal_exponent<T> ? Vec<T>{} : a[j];
   } else if constexpr (F == Activation::sigmoid) {
     sigmoid<N, T>(v);
   } else if constexpr (F == Activation::tanh) {
@@ -18819,8 +18822,7 @@ namespace fn {
 template <class A>
 auto exp_array(const A& a) {
   using T = typename A::Scalar;
-  constexpr T lowest_normal_exponent = std::is_same_v<T, float> ? T(-87.33654475f) : T(-708.39641853226408);
-  return (a < lowest_normal_exponent).select(T(0), a.exp());
+  return (a < kernels::lowest_normal_exponent<T>).select(T(0), a.exp());
 }
 
 // Whether Fn means something on integer tensors (ReLU, abs, square, clip_by_value): the others

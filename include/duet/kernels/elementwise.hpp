@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 #include "../config.hpp"
 #include "gemm.hpp"
@@ -40,6 +41,11 @@ enum class Activation {
   erf,
   erf_derivative
 };
+
+// ln of the smallest normal number: e^x below it is subnormal, which Activation::exp and
+// fn::exp_array count as zero (a masked logit of -1e9 gets exactly no weight).
+template <class T>
+inline constexpr T lowest_normal_exponent = std::is_same_v<T, float> ? T(-87.33654475f) : T(-708.39641853226408);
 }  // namespace duet::kernels
 
 #define DUET_KERNEL_BODY "elementwise_impl.hpp"

@@ -32,8 +32,7 @@ namespace fn {
 template <class A>
 auto exp_array(const A& a) {
   using T = typename A::Scalar;
-  constexpr T lowest_normal_exponent = std::is_same_v<T, float> ? T(-87.33654475f) : T(-708.39641853226408);
-  return (a < lowest_normal_exponent).select(T(0), a.exp());
+  return (a < kernels::lowest_normal_exponent<T>).select(T(0), a.exp());
 }
 
 // Whether Fn means something on integer tensors (ReLU, abs, square, clip_by_value): the others

@@ -64,10 +64,9 @@ template <Activation F, int N, class T>
   Vec<T> a[N];
   if constexpr (F == Activation::exp) {
     // Subnormal results count as zero, as fn::exp_array's (and the optimisers') do.
-    constexpr T lowest_normal_exponent = std::is_same_v<T, float> ? T(-87.33654475f) : T(-708.39641853226408);
     DUET_EACH_VECTOR(j) a[j] = v[j];
     exp<N, T>(a);
-    DUET_EACH_VECTOR(j) v[j] = v[j] < lowest_normal_exponent ? Vec<T>{} : a[j];
+    DUET_EACH_VECTOR(j) v[j] = v[j] < lowest_normal_exponent<T> ? Vec<T>{} : a[j];
   } else if constexpr (F == Activation::sigmoid) {
     sigmoid<N, T>(v);
   } else if constexpr (F == Activation::tanh) {
