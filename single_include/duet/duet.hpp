@@ -3769,9 +3769,9 @@ void times_sigmoid_derivative(Vec<T> (&x)[N], Vec<T> (&a)[N], const Vec<T> (&da)
 
 // An activation (kernels::Activation) on N vectors, for code written once outside the sets
 // (kernels::activation, N = 1) and for map_step (N = 8). Never inlined, and by reference: its
-// arithmetic is compiled once per set, type and N, so a product's epilogue, a map and a single
-// value get the same bits whatever arithmetic surrounds the call (a compiler contracts a·b + c
-// across inlined code).
+// arithmetic is compiled once per set, type and N, so a map of one function, a chain of them
+// and a single value get the same bits whatever arithmetic surrounds the call (a compiler
+// contracts a·b + c across inlined code).
 template <Activation F, int N, class T>
 [[gnu::noinline, gnu::flatten]] void activation_step(Target, Vec<T> (&v)[N]) {
   // GELU's tanh form: 0.5 (1 + tanh u) is σ(2u), u = √(2/π) (x + 0.044715 x³).
@@ -4053,9 +4053,9 @@ void times_sigmoid_derivative(Vec<T> (&x)[N], Vec<T> (&a)[N], const Vec<T> (&da)
 
 // An activation (kernels::Activation) on N vectors, for code written once outside the sets
 // (kernels::activation, N = 1) and for map_step (N = 8). Never inlined, and by reference: its
-// arithmetic is compiled once per set, type and N, so a product's epilogue, a map and a single
-// value get the same bits whatever arithmetic surrounds the call (a compiler contracts a·b + c
-// across inlined code).
+// arithmetic is compiled once per set, type and N, so a map of one function, a chain of them
+// and a single value get the same bits whatever arithmetic surrounds the call (a compiler
+// contracts a·b + c across inlined code).
 template <Activation F, int N, class T>
 [[gnu::noinline, gnu::flatten]] void activation_step(Target, Vec<T> (&v)[N]) {
   // GELU's tanh form: 0.5 (1 + tanh u) is σ(2u), u = √(2/π) (x + 0.044715 x³).
@@ -4337,9 +4337,9 @@ void times_sigmoid_derivative(Vec<T> (&x)[N], Vec<T> (&a)[N], const Vec<T> (&da)
 
 // An activation (kernels::Activation) on N vectors, for code written once outside the sets
 // (kernels::activation, N = 1) and for map_step (N = 8). Never inlined, and by reference: its
-// arithmetic is compiled once per set, type and N, so a product's epilogue, a map and a single
-// value get the same bits whatever arithmetic surrounds the call (a compiler contracts a·b + c
-// across inlined code).
+// arithmetic is compiled once per set, type and N, so a map of one function, a chain of them
+// and a single value get the same bits whatever arithmetic surrounds the call (a compiler
+// contracts a·b + c across inlined code).
 template <Activation F, int N, class T>
 [[gnu::noinline, gnu::flatten]] void activation_step(Target, Vec<T> (&v)[N]) {
   // GELU's tanh form: 0.5 (1 + tanh u) is σ(2u), u = √(2/π) (x + 0.044715 x³).
@@ -4580,8 +4580,9 @@ void exp(const T* x, index_t n, T* y) {
 
 // v = F(v) on one value or one vector of any set's width, on the set chosen at run time or the
 // one the vector's width names, with the bits of every lane alike: the vector form of the
-// activation layers (fn::Sigmoid::apply_in_place), which a product's epilogue, map() and a small
-// layer's scalar loop all run. No call into libm: PyNative's sigmoid and GELU were Eigen's forms,
+// activation layers (fn::Sigmoid::apply_in_place), which map() runs on a chain of functions
+// (one alone it runs eight vectors at a time, activation_map_step, with the same bits). No
+// call into libm: PyNative's sigmoid and GELU were Eigen's forms,
 // vectorised only for the build's instruction set (without -march, sigmoid took 77 us and GELU
 // 123 us on [256, 512] against 16 and 20 with -march=native).
 template <Activation F, class V>
@@ -4681,8 +4682,8 @@ void map(const T* x, index_t n, T* y) {
   });
 }
 
-// activation<F> as a function for map() and a product's epilogue. fn::Sigmoid and the other
-// layers activation() computes derive from it.
+// activation<F> as a function for map(). fn::Sigmoid and the other layers activation() computes
+// derive from it; products map their output with them (backend::Native::in_registers).
 template <Activation F>
 struct ActivationFunction {
   static constexpr Activation kernel_activation = F;

@@ -53,9 +53,9 @@ void times_sigmoid_derivative(Vec<T> (&x)[N], Vec<T> (&a)[N], const Vec<T> (&da)
 
 // An activation (kernels::Activation) on N vectors, for code written once outside the sets
 // (kernels::activation, N = 1) and for map_step (N = 8). Never inlined, and by reference: its
-// arithmetic is compiled once per set, type and N, so a product's epilogue, a map and a single
-// value get the same bits whatever arithmetic surrounds the call (a compiler contracts a·b + c
-// across inlined code).
+// arithmetic is compiled once per set, type and N, so a map of one function, a chain of them
+// and a single value get the same bits whatever arithmetic surrounds the call (a compiler
+// contracts a·b + c across inlined code).
 template <Activation F, int N, class T>
 [[gnu::noinline, gnu::flatten]] void activation_step(Target, Vec<T> (&v)[N]) {
   // GELU's tanh form: 0.5 (1 + tanh u) is σ(2u), u = √(2/π) (x + 0.044715 x³).
