@@ -8,17 +8,20 @@
 //  - one row (batch 1): a GEMV. Every weight is used once, so the time is the time to stream
 //    B from memory; it reads B in place, front to back, and a shuffle tree sums L rows'
 //    vectors into one vector of L results for the epilogue.
-//  - otherwise: a GEMM in the style of BLIS, with a twist that makes packing cheap. The
-//    micro-kernel works on groups of KG = 4 consecutive k: one vector of B holds KG values of
-//    each of L/KG rows of B, and is multiplied by the same KG values of a row of A, broadcast
-//    (one load). Packing B into that layout moves whole KG-blocks, half the shuffles of a
-//    full transpose; A is read in place. A tile of MR rows x L columns of C lives in MR x KG
-//    registers for a K block; a short shuffle tree then folds each row's KG vectors into one
-//    vector of L sums, and after the last K block the epilogue runs on that vector before
-//    the one store, so the output never takes a second pass.
+//  - otherwise: a GEMM in the style of BLIS. The weight is packed into panels of W = NV·L
+//    columns (its rows: a layer's outputs), each [k, W], the weight transposed, so that the
+//    micro-kernel's tile of MR rows x NV vectors of C takes, for each k, NV vectors of B and
+//    MR values of A broadcast from memory, A read in place: MR x NV FMAs that hold whole sums,
+//    one chain per output in the order of k. After the last K block the epilogue runs on the
+//    tile's registers before the one store, so the output never takes a second pass. Before
+//    2026-12-07 the tile multiplied groups of 4 consecutive k (a vector of B held 4 values of
+//    each of L/4 rows, A's 4 broadcast as a 128-bit group) and folded the partial sums after
+//    every K block: on the AMD EPYC Zen 5 that tile's loop ran at 89-93 % of the FMA peak
+//    with its data in L1, the outer product's at 96 %, and the product at 0.95-0.97x
+//    oneDNN's speed at batch 256.
 // Every path adds the bias to the finished sum and then applies the functions, in the order
 // separate BiasAdd and map kernels would: fused and unfused evaluation agree to the bit.
-// gemm_kn, the product with B stored as [k, n], has a tile of its own (see there).
+// gemm_kn, the product with B stored as [k, n], runs the same tile on B's rows in place.
 // The GEMM gives whole panels of columns to each thread (threads.hpp) when the product is large
 // enough to share: every element's sum is the same code in the same order on any thread, so
 // the bits do not depend on the number of threads. The GEMV stays on one: it is bound by
@@ -79,18 +82,14 @@ void dense_small(const T* a, index_t m, index_t k, const T* b, index_t n, const 
   }
 }
 
-// Cache blocking. A K block is 2 KiB of a row, so the packed panel of B (L rows: 32 KiB of
-// floats), which every tile down the panel reuses, stays in a 32 KiB L1 or, when the rows of A
-// streaming past evict it, comes from L2 at 21 bytes a cycle, well within what L2 delivers. An
-// M block keeps the rows of A that every panel meets (MC x K) within half of a 1 MiB L2; each
-// M block packs B again, a cost spread over MC rows. Measured on the seed layers, 1 KiB and
-// 4 KiB K blocks were a few percent slower.
-inline constexpr index_t KC_bytes = 2048;
+// Cache blocking. A K block of a panel of B (kc x W: 64 KiB) comes from L2 (at 21 bytes a
+// cycle for AVX-512's tile, within what L2 delivers) and every tile down the M block reuses it;
+// an M block keeps the rows of A that every panel meets (MC x K) within half of a 1 MiB L2, and
+// each M block packs B again, a cost spread over MC rows. Measured on the seed's gradients and
+// a 64-channel convolution, 16 KiB K blocks (in L1) were 5-15 % slower, from the partial sums
+// they add to C, and 256 KiB no faster; on the seed's forward layers 32 to 128 KiB alike.
+inline constexpr index_t panel_block_bytes = 64 * 1024;
 inline constexpr index_t MC_bytes = 512 * 1024;
-// The product from B as [k, n] reads B's rows in place, a panel's K block from L2 (at 16 bytes
-// a cycle at most); measured on the seed's gradients and a 64-channel convolution, 16 KiB
-// blocks (in L1) were 5-15 % slower, from the partial sums they add to C, and 256 KiB no faster.
-inline constexpr index_t KN_panel_bytes = 64 * 1024;
 
 // Splits extent into the fewest blocks of at most limit, of equal size rounded up to a multiple
 // of step: 784 in blocks of 256 becomes 4 x 196 rather than 3 x 256 + 16.
@@ -101,10 +100,10 @@ inline index_t balanced_block(index_t extent, index_t limit, index_t step) {
 }
 
 // B packed once, whole, in the panels the blocked product would otherwise pack on every call,
-// for one instruction set's kernels (by default those active when it is made). Panel p (rows p·L .. p·L + L of B) holds the
-// whole depth, rounded up to a group, in pack_panel's layout, so the K block at k0 of a panel
-// is the k0·L-th element on: the product reads exactly what it reads after packing, and gives
-// the same bits.
+// for one instruction set's kernels (by default those active when it is made). Panel p (rows
+// p·W .. p·W + W of B, W the set's panel width) is B's rows transposed, [k, W], so the K block at
+// k0 of a panel is the k0·W-th element on: the product reads exactly what it reads after
+// packing, and gives the same bits.
 template <class T>
 class PackedWeight {
  public:
@@ -113,17 +112,13 @@ class PackedWeight {
   index_t rows() const { return n_; }
   index_t depth() const { return k_; }
   Isa isa() const { return isa_; }
-  const T* end() const { return panel(n_ + lanes_ - 1, 0); }
-  const T* panel(index_t j0, index_t k0) const { return elements() + offset(j0, k0); }
+  const T* panel(index_t j0, index_t k0) const { return elements() + (j0 / width_ * k_ + k0) * width_; }
 
  private:
-  index_t padded(index_t k) const { return (k + group_ - 1) / group_ * group_; }
-  index_t offset(index_t j0, index_t k0) const { return (j0 / lanes_) * padded(k_) * lanes_ + k0 * lanes_; }
   T* elements() const { return reinterpret_cast<T*>(storage_.data()); }
 
   Isa isa_;
-  int lanes_ = 0;
-  int group_ = 0;
+  index_t width_ = 0;
   index_t n_;
   index_t k_;
   ::duet::detail::Storage storage_;
@@ -162,11 +157,9 @@ decltype(auto) with_kernels(Isa isa, F&& f) {
 template <class T>
 PackedWeight<T>::PackedWeight(const T* b, index_t n, index_t k, Isa isa) : isa_(isa), n_(n), k_(k) {
   with_kernels(isa_, [&]<class K>(K) {
-    lanes_ = K::template lanes_of<T>;
-    group_ = K::template group_of<T>;
-    const index_t panel_size = padded(k) * lanes_;
-    storage_ = ::duet::detail::Storage(static_cast<std::size_t>((n + lanes_ - 1) / lanes_ * panel_size) * sizeof(T));
-    K::pack(b, n, k, panel_size, elements());
+    width_ = K::template panel_width_of<T>;
+    storage_ = ::duet::detail::Storage(static_cast<std::size_t>((n + width_ - 1) / width_ * width_ * k) * sizeof(T));
+    K::pack(b, n, k, elements());
   });
 }
 
@@ -268,18 +261,16 @@ void transpose(const T* from, index_t rows, index_t cols, T* to) {
       strips, ::duet::detail::useful_threads(rows * cols * ::duet::detail::pass_work, strips), [&](index_t s0, index_t s1, int) {
         const index_t r0 = s0 * strip;
         const index_t r1 = std::min(rows, s1 * strip);
-        detail::with_target(isa, [&](auto target) { transpose_step(target, from + r0 * cols, r1 - r0, cols, to + r0, rows); });
+        detail::with_target(isa, [&](auto target) { transpose_step(target, from + r0 * cols, cols, r1 - r0, cols, to + r0, rows); });
       });
 }
 
 // c[m, n] (+)= Σ_k a[m, k] · b[k, n]: b stored the other way round from gemm's, [k, n] row-major,
 // as an image's patches, a layer's weight under its input gradient and its input under its
 // weight gradient are, with neither bias nor functions; accumulate adds to c instead of
-// writing it. Its own tile (kn_kernel in detail/gemm_impl.hpp) reads the rows of b in place and
-// holds whole sums, so it neither packs b nor folds partial sums, which gemm's tile does per
-// K block: on the seed network's gradients (k = 64, the batch) that was a fifth of the time.
-// Every element is summed in the order of k, the same at any m and on any thread; its bits are
-// not gemm's on bᵀ. No heap allocation.
+// writing it. gemm's tile reads the rows of b in place, as they are what gemm packs a weight
+// into. Every element is summed in the order of k, the same at any m and on any thread (one
+// row alone too: gemm_kn has no GEMV path). No heap allocation.
 template <class T>
   requires gemm_supports<T>
 void gemm_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c, bool accumulate = false) {

@@ -96,14 +96,10 @@ namespace duet::kernels::detail::baseline {
 inline constexpr int vector_bytes = 16;
 // p · 2^k in one instruction (scale_by_power_of_2): AVX-512's alone.
 inline constexpr bool scales_in_one_step = false;
-// Tile rows: MR x KG accumulators, KG vectors of B and a broadcast fit 16 registers. The
-// product from B as [k, n] (gemm_impl.hpp's kn_kernel): MR_KN x NV_KN accumulators, NV_KN
-// vectors of B, a broadcast and a product (no FMA). SSE2 broadcasts a value of A in two
-// instructions, which makes that tile 10-20 % slower than gemm's here (4 x 2 and 2 x 4 were
-// slower still); the sets with FMA broadcast from memory in one.
+// The products' tile (gemm_impl.hpp): MR x NV accumulators, NV vectors of B, a broadcast and a
+// product (no FMA) in 16 registers (4 x 2 and 2 x 4 were slower).
 inline constexpr int MR = 3;
-inline constexpr int MR_KN = 3;
-inline constexpr int NV_KN = 3;
+inline constexpr int NV = 3;
 #include "detail/vector.hpp"
 
 // The first n lanes from p (0 < n <= lanes), zero in the others; never touches p[n] and on.
@@ -125,11 +121,11 @@ Vec<T> fma(Vec<T> a, Vec<T> b, Vec<T> c) {
   return a * b + c;
 }
 
-// A[p .. p + KG) in every group of KG lanes.
+// *p in every lane.
 template <class T>
-Vec<T> broadcast_group(const T* p) {
-  Vec<T> v;
-  for (int i = 0; i < lanes<T>; ++i) v[i] = p[i % KG<T>];
+Vec<T> broadcast(const T* p) {
+  Vec<T> v{};
+  for (int i = 0; i < lanes<T>; ++i) v[i] = *p;
   return v;
 }
 
@@ -158,10 +154,9 @@ namespace duet::kernels::detail::avx2 {
 
 inline constexpr int vector_bytes = 32;
 inline constexpr bool scales_in_one_step = false;
-// 16 registers: gemm's tile as the baseline's; 6 x 2 accumulators from B as [k, n] (12 + 2 + 1).
-inline constexpr int MR = 3;
-inline constexpr int MR_KN = 6;
-inline constexpr int NV_KN = 2;
+// 16 registers: 6 x 2 accumulators, 2 vectors of B and a broadcast.
+inline constexpr int MR = 6;
+inline constexpr int NV = 2;
 #include "detail/vector.hpp"
 
 // All ones in the lanes below n, as AVX2's masked loads and stores want.
@@ -194,13 +189,12 @@ Vec<T> fma(Vec<T> a, Vec<T> b, Vec<T> c) {
   else return _mm256_fmadd_pd(a, b, c);
 }
 
+// From memory in one instruction that uses no vector port: `Vec<T>{} + *p` loaded the value
+// into a register and broadcast it from there, a shuffle beside every few FMAs.
 template <class T>
-Vec<T> broadcast_group(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm256_broadcast_ps(reinterpret_cast<const __m128*>(p));
-  } else {
-    return load(p);
-  }
+Vec<T> broadcast(const T* p) {
+  if constexpr (std::is_same_v<T, float>) return _mm256_broadcast_ss(p);
+  else return _mm256_broadcast_sd(p);
 }
 
 template <class T>
@@ -221,10 +215,9 @@ namespace duet::kernels::detail::avx512 {
 
 inline constexpr int vector_bytes = 64;
 inline constexpr bool scales_in_one_step = true;
-// 32 registers: twice the tile rows; 6 x 4 accumulators from B as [k, n] (24 + 4 + 1).
+// 32 registers: 6 x 4 accumulators, 4 vectors of B and a broadcast.
 inline constexpr int MR = 6;
-inline constexpr int MR_KN = 6;
-inline constexpr int NV_KN = 4;
+inline constexpr int NV = 4;
 #include "detail/vector.hpp"
 
 template <class T>
@@ -247,15 +240,15 @@ Vec<T> fma(Vec<T> a, Vec<T> b, Vec<T> c) {
   else return _mm512_fmadd_pd(a, b, c);
 }
 
+// From memory in one instruction, as AVX2's.
 template <class T>
-Vec<T> broadcast_group(const T* p) {
-  // The zero-masking forms, with every lane selected: the plain ones start from
-  // _mm512_undefined_ps, which GCC 12 reports as uninitialised (PR105593).
-  if constexpr (std::is_same_v<T, float>) return _mm512_maskz_broadcast_f32x4(0xFFFF, _mm_loadu_ps(p));
-  else return _mm512_maskz_broadcast_f64x4(0xFF, _mm256_loadu_pd(p));
+Vec<T> broadcast(const T* p) {
+  if constexpr (std::is_same_v<T, float>) return _mm512_set1_ps(*p);
+  else return _mm512_set1_pd(*p);
 }
 
-// Zero-masking with every lane selected, as broadcast_group, for the same GCC 12 warning.
+// The zero-masking form, with every lane selected: the plain one starts from
+// _mm512_undefined_ps, which GCC 12 reports as uninitialised (PR105593).
 template <class T>
 Vec<T> sqrt(Vec<T> v) {
   if constexpr (std::is_same_v<T, float>) return _mm512_maskz_sqrt_ps(0xFFFF, v);

@@ -1,13 +1,10 @@
-// Vec, lanes, KG, load and store for the set whose vector_bytes is in scope: included once per
+// Vec, lanes, load and store for the set whose vector_bytes is in scope: included once per
 // set, inside its namespace (simd/arch.hpp), so no include guard.
 
 template <class T>
 using Vec = Vector<T, vector_bytes>;
 template <class T>
 inline constexpr int lanes = vector_bytes / static_cast<int>(sizeof(T));
-// The k-group: a vector of B holds KG consecutive k of L / KG rows (gemm_impl.hpp).
-template <class T>
-inline constexpr int KG = std::min(4, lanes<T>);
 
 template <class T>
 Vec<T> load(const T* p) {
