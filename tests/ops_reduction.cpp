@@ -1,6 +1,8 @@
 // Reductions (include/duet/ops/reduction.hpp): their cases in the gradient harness, with values
 // from plain loops in double, and what the harness does not cover (ties, NaN, refused
 // gradients, shape errors).
+#include <random>
+
 #include "ops_harness.hpp"
 
 namespace tests_ops_reduction {
@@ -235,6 +237,69 @@ TEST_CASE("ops: reductions on static tensors compute their shapes at compile tim
   CHECK(y(1, 2) == 8.f);
   const duet::Tensor eager = ops::sum(x, ops::axes<0, 2>, ops::keep_dims);
   CHECK(eager.shape() == Shape{1, 3, 1});
+}
+
+}  // namespace tests_ops_reduction
+
+namespace tests_ops_reduction {
+
+TEST_CASE("ops: a sum of a comparison's mask counts in int32, past 255") {
+  duet_test::ModeGuard guard;
+  const duet::Tensor x = duet::uniform({300}, 0.0f, 1.0f, 1);
+  for (const duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+    duet::set_context({.mode = mode});
+    const auto count = duet::jit([](const auto& t) { return ops::sum(ops::greater(t, -1.0f)); })(x);
+    static_assert(std::is_same_v<std::remove_cvref_t<decltype(count)>::value_type, std::int32_t>);
+    CHECK(count.item() == 300);
+    const auto per_row = ops::sum(ops::less(duet::uniform({2, 400}, 0.0f, 1.0f, 2), 2.0f), {1});
+    CHECK(per_row(0) == 400);
+    CHECK(per_row(1) == 400);
+  }
+}
+
+TEST_CASE("ops: float sums combine runs pairwise, so a million values keep their digits on every path") {
+  // 10^6 values near 10^4, as helper-89 had them: summed in order, float lost three digits of
+  // the mean (9990.87) and most of the variance (91.4 for 8.0).
+  constexpr duet::index_t n = 1'000'000;
+  duet::Tensor x({n});
+  std::mt19937 engine(7);
+  std::uniform_real_distribution<float> spread(-4.0f, 4.0f);
+  double total = 0;
+  for (duet::index_t i = 0; i < n; ++i) {
+    x.data()[i] = 1e4f + spread(engine);
+    total += x.data()[i];
+  }
+  const double mean = total / n;
+  double squares = 0;
+  for (duet::index_t i = 0; i < n; ++i) squares += (x.data()[i] - mean) * (x.data()[i] - mean);
+  CHECK(std::abs(ops::mean(x).item() - mean) < 2e-3);  // the float nearest 10^4 is 1e-3 away
+  CHECK(std::abs(ops::var(x).item() - squares / n) < 1e-3 * (squares / n));
+  // The strided path ([reduced, inner]) and the general one (axes 0 and 2 of three).
+  duet::Tensor rows({n / 4, 4});
+  duet::Tensor apart({100, 100, 100});
+  std::copy_n(x.data(), n, rows.data());
+  std::copy_n(x.data(), n, apart.data());
+  const duet::Tensor column_means = ops::mean(rows, ops::axes<0>);
+  const duet::Tensor middle_means = ops::mean(apart, ops::axes<0, 2>);
+  for (int c = 0; c < 4; ++c) CHECK(std::abs(column_means(c) - 1e4) < 2e-2);
+  for (int j = 0; j < 100; ++j) CHECK(std::abs(middle_means(j) - 1e4) < 0.5);
+  // The order is fixed: the same bits again, and max and min as before.
+  CHECK(ops::sum(x).item() == ops::sum(x).item());
+  CHECK(ops::max(x).item() == *std::max_element(x.data(), x.data() + n));
+}
+
+TEST_CASE("ops: std's gradient is 0 where the variance is 0, as PyTorch's, in both modes") {
+  duet_test::ModeGuard guard;
+  const D x({2, 3}, {1.0, 1.0, 1.0, 1.0, 2.0, 4.0});
+  const auto d = gradient_in_both_modes([](const auto& t) { return ops::sum(ops::std(t, ops::axes<1>)); }, x);
+  for (int m = 0; m < 2; ++m) {
+    for (int i = 0; i < 3; ++i) CHECK(d[m].data()[i] == 0.0);
+    for (int i = 3; i < 6; ++i) CHECK(std::isfinite(d[m].data()[i]));
+  }
+  CHECK(std::equal(d[0].data(), d[0].data() + 6, d[1].data()));
+  // Where the variance is not 0: sqrt's, (x - mean) / (n · std).
+  const double mean = 7.0 / 3, sd = std::sqrt(((1 - mean) * (1 - mean) + (2 - mean) * (2 - mean) + (4 - mean) * (4 - mean)) / 3);
+  CHECK(d[0].data()[5] == doctest::Approx((4 - mean) / (3 * sd)).epsilon(1e-12));
 }
 
 }  // namespace tests_ops_reduction

@@ -183,6 +183,17 @@ struct Sqrt {
   }
 };
 
+// The root ops::std takes of a variance: sqrt's value, and a gradient of 0 where the variance
+// is 0 (a constant group), as PyTorch's std gives; sqrt's infinite one there, times the
+// variance's zero gradient, made every input of the group NaN.
+struct StdRoot : Sqrt {
+  template <class G, class Y>
+  static auto grad_array(const G& dy, const Y& y) {
+    using S = typename Y::Scalar;
+    return (y == S(0)).select(S(0), dy / (S(2) * y));
+  }
+};
+
 // 1 / sqrt(x), as a division of the correctly rounded root: Eigen's rsqrt may take the
 // processor's estimate, whose bits differ between a vector and a scalar and between vendors.
 struct Rsqrt {
