@@ -2,6 +2,8 @@
 // in the gradient harness, each value against plain loops in double that write out PyTorch's
 // formula, and what the harness does not cover (LayerNorm's parameter gradients, errors,
 // training through WithLossCell in both modes).
+#include <limits>
+
 #include "ops_harness.hpp"
 
 namespace tests_ops_layers {
@@ -297,6 +299,32 @@ TEST_CASE("losses: in WithLossCell, the same parameter gradients in both modes")
   const auto grads = parameter_grads_in_both_modes(probabilities, bce_on_probabilities, x, target);
   CHECK(same_bits(grads[0], grads[1]));
   CHECK(dot(grads[0][0], grads[0][0]) > 0);
+}
+
+TEST_CASE("cross_entropy and nll_loss of a masked class (a logit of -inf): PyTorch's finite value, in both modes") {
+  // helper-89: without label smoothing the other classes' log-probabilities were still summed,
+  // times 0, and 0 · -inf made the loss NaN, so TrainOneStepCell skipped every step of a
+  // network that masks with -inf. torch.nn.functional.cross_entropy in float64 (python3-torch
+  // 1.13, Debian 12): the mean loss and d/dz.
+  constexpr double inf = std::numeric_limits<double>::infinity();
+  const D z({3, 4}, std::vector<double>{-inf, 2, 0, 1, 0.5, -inf, -inf, 3, 1, 2, 3, -inf});
+  const Labels labels({3}, {1, 3, 0});
+  const double torch_loss = 0.9647005543937702;
+  const std::vector<double> torch_dz{0.0, -0.1115863480750594, 0.030010191056793478, 0.08157615701826587,
+                                     0.025286060007081182, 0.0, 0.0, -0.025286060007081147,
+                                     -0.30332314227653984, 0.08157615701826587, 0.2217469852582739, 0.0};
+  duet_test::ModeGuard guard;
+  std::vector<D> dzs;
+  for (duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+    duet::set_context({.mode = mode});
+    const auto r = duet::value_and_grad([](const auto& v, const auto& l) { return duet::ops::cross_entropy(v, l); }, 0)(z, labels);
+    CHECK(r.value.item() == doctest::Approx(torch_loss).epsilon(1e-14));
+    for (index_t i = 0; i < 12; ++i) CHECK(r.grads[0].data()[i] == doctest::Approx(torch_dz[static_cast<std::size_t>(i)]).epsilon(1e-13));
+    const auto nll = duet::jit([](const auto& v, const auto& l) { return duet::ops::nll_loss(duet::ops::log_softmax(v), l); })(z, labels);
+    CHECK(nll.item() == doctest::Approx(torch_loss).epsilon(1e-14));
+    dzs.push_back(r.grads[0]);
+  }
+  CHECK(same_bits(std::vector<D>{dzs[0]}, std::vector<D>{dzs[1]}));
 }
 
 TEST_CASE("nn::BCELoss: PyTorch's value and input gradient, at 0 and 1 too, in both modes") {

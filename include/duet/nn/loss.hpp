@@ -587,7 +587,10 @@ struct ClassLossOp : Primitive<ClassLossOp<Sparse, Logits, R>> {
         const std::int32_t label = a.in<std::int32_t>(1)[i];
         if (label != options.ignore_index) {
           const index_t c = checked_label(label, i, classes);
-          loss = -(keep * (row[c] - shift) + spread * (lp_plus_shift.sum() - static_cast<T>(classes) * shift));
+          loss = -keep * (row[c] - shift);
+          // Without smoothing the other classes take no part: a logit of -inf (a masked class)
+          // would make 0 · -inf = NaN of the loss, where PyTorch's is finite.
+          if (spread != 0) loss -= spread * (lp_plus_shift.sum() - static_cast<T>(classes) * shift);
         }
       } else {
         const ::Eigen::Map<const Array> p(a.in<T>(1) + i * classes, classes);
