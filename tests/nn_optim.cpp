@@ -162,6 +162,9 @@ TEST_CASE("an invalid hyper-parameter is a ValueError naming the optimiser, the 
         "nn::SGD: momentum must be > 0 with nesterov, got 0");
   CHECK(value_error_of([&] { nn::SGD(s.params(), {.dampening = -0.1}); }) ==
         "nn::SGD: dampening must be >= 0, got -0.1");
+  // Nesterov's momentum has no dampened form (helper-90: it was taken).
+  CHECK(value_error_of([&] { nn::SGD(s.params(), {.momentum = 0.9, .dampening = 0.5, .nesterov = true}); }) ==
+        "nn::SGD: dampening must be 0 with nesterov, got 0.5");
   CHECK(value_error_of([&] { nn::SGD(s.params(), {.weight_decay = -1e-4}); }) ==
         "nn::SGD: weight_decay must be >= 0, got -1e-04");
   CHECK(value_error_of([&] { nn::Adam(s.params(), {.beta1 = 1.0}); }) == "nn::Adam: beta1 must be in [0, 1), got 1");
@@ -431,6 +434,34 @@ TEST_CASE("a schedule whose step count is not positive, or whose values are too 
   CHECK(value_error_of([&] { nn::SGD(s.params(), {.learning_rate = nn::PiecewiseConstantLR{{10, 20}, {}}}); }) ==
         "nn::PiecewiseConstantLR: values must hold one rate per milestone (and one for after the last), got 0 for 2 "
         "milestones");
+}
+
+TEST_CASE("optimizer(grads) leaves a parameter with no gradient as it is, weight decay and momentum included") {
+  // helper-90: a layer the loss never reads, and a frozen one, moved under weight decay and
+  // momentum when the update came from value_and_grad's list, where step() and TrainOneStepCell
+  // left them (PyTorch skips a parameter whose grad is None).
+  set_seed(3);
+  nn::Dense<3, 2> used, unused, frozen;
+  const Tensor x = randn({4, 3}, 5);
+  std::vector<nn::Parameter*> all{&used.weight, &unused.weight, &frozen.weight};
+  nn::SGD sgd(all, {.learning_rate = 0.1, .momentum = 0.9, .weight_decay = 0.1});
+  nn::AdamW adamw(all);
+  frozen.weight.requires_grad = false;  // after the optimisers were made: they keep it, and skip it
+  auto vg = value_and_grad([&](const Tensor& in) { return ops::sum(ops::square(used(in) + frozen(in))); }, all);
+  const Tensor unused_before = unused.weight.clone(), frozen_before = frozen.weight.clone();
+  const Tensor used_before = used.weight.clone();
+  for (int step = 0; step < 3; ++step) {
+    auto grads = vg(x).grads;
+    CHECK(grads[0].gradient_reached());
+    CHECK_FALSE(grads[1].gradient_reached());  // not read: zeros, marked
+    CHECK_FALSE(grads[2].gradient_reached());  // frozen: zeros too, so out of any norm
+    CHECK(std::ranges::all_of(grads[2].values(), [](float v) { return v == 0.0f; }));
+    sgd(grads);
+    adamw(ops::clip_by_global_norm(grads, 0.5));  // the clipped list keeps the marks
+  }
+  CHECK(std::equal(unused_before.data(), unused_before.data() + 6, unused.weight.data()));
+  CHECK(std::equal(frozen_before.data(), frozen_before.data() + 6, frozen.weight.data()));
+  CHECK_FALSE(std::equal(used_before.data(), used_before.data() + 6, used.weight.data()));
 }
 
 }  // namespace tests_nn_optim

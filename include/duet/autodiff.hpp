@@ -505,8 +505,9 @@ class GradFunction {
       check_weights_reached();
       const std::uint64_t pass = duet::detail::current_backward_pass();
       for (nn::BasicParameter<W>* p : weights_) {
-        out.grads.push_back(p->has_grad_from(pass) ? p->grad.clone() : zeros<W>(p->shape()));
-        out.grads.back().mark_gradient_of(p);
+        const bool reached = p->requires_grad && p->has_grad_from(pass);
+        out.grads.push_back(reached ? p->grad.clone() : zeros<W>(p->shape()));
+        out.grads.back().mark_gradient_of(p, reached);
       }
     }
     return out;

@@ -44,6 +44,9 @@ struct Block {
   // The parameter whose gradient value_and_grad returned in this block; nullptr for anything
   // else. Cleared when the block is reused.
   const void* gradient_of = nullptr;
+  // False when those are zeros standing for no gradient: the backward pass did not reach the
+  // parameter, or it is frozen (PyTorch's grad None), which the optimisers leave as it is.
+  bool gradient_reached = true;
 
   std::byte* data() { return reinterpret_cast<std::byte*>(this) + block_alignment; }
 };
@@ -112,6 +115,7 @@ class BlockCache {
       unpoison(b);
       b->next_free = nullptr;
       b->gradient_of = nullptr;
+      b->gradient_reached = true;
       b->refs.store(1, std::memory_order_relaxed);
     }
     return b;
@@ -218,8 +222,11 @@ class Storage {
   }
   std::uint64_t writes() const { return block_ == nullptr ? 0 : block_->writes.load(std::memory_order_relaxed); }
   const void* gradient_of() const { return block_ == nullptr ? nullptr : block_->gradient_of; }
-  void mark_gradient_of(const void* parameter) const {
-    if (block_ != nullptr) block_->gradient_of = parameter;
+  bool gradient_reached() const { return block_ == nullptr || block_->gradient_reached; }
+  void mark_gradient_of(const void* parameter, bool reached) const {
+    if (block_ == nullptr) return;
+    block_->gradient_of = parameter;
+    block_->gradient_reached = reached;
   }
 
  private:

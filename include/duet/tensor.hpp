@@ -182,9 +182,12 @@ class BasicTensor {
 
   // The parameter whose gradient value_and_grad returned in these elements (copies and views
   // share it), nullptr for any other tensor: an optimiser given it for another parameter
-  // refuses it rather than apply it there.
+  // refuses it rather than apply it there. Not reached: zeros for a parameter that has no
+  // gradient (unused by the function, or frozen), which an optimiser skips, weight decay and
+  // momentum included, as PyTorch skips a parameter whose grad is None.
   const void* gradient_of() const { return storage_.gradient_of(); }
-  void mark_gradient_of(const void* parameter) const { storage_.mark_gradient_of(parameter); }
+  bool gradient_reached() const { return storage_.gradient_reached(); }
+  void mark_gradient_of(const void* parameter, bool reached = true) const { storage_.mark_gradient_of(parameter, reached); }
 
   // Which value of a recording tape (autodiff) this handle is; 0 for none. Copies keep it,
   // views a user makes (reshape, operator[]) do not: they are new values the tape never saw.

@@ -264,7 +264,7 @@ class BasicOptimizer {
     }
     begin_step();
     for (std::size_t i = 0; i < params_.size(); ++i) {
-      if (params_[i]->requires_grad) update(i, grads[i].data());
+      if (params_[i]->requires_grad && grads[i].gradient_reached()) update(i, grads[i].data());
     }
     ++global_step_;
   }
@@ -536,7 +536,9 @@ class BasicSGD final : public BasicOptimizer<T> {
     this->require_learning_rate();
     this->require_option("momentum", config_.momentum, config_.momentum >= 0, ">= 0");
     this->require_option("momentum", config_.momentum, !config_.nesterov || config_.momentum > 0, "> 0 with nesterov");
-    this->require_option("dampening", config_.dampening, config_.dampening >= 0, ">= 0");
+    // Nesterov's momentum has no dampened form; PyTorch and MindSpore refuse the pair too.
+    this->require_option("dampening", config_.dampening, config_.dampening >= 0 && (!config_.nesterov || config_.dampening == 0),
+                         config_.nesterov ? "0 with nesterov" : ">= 0");
     weight_decays_ = this->group_weight_decays(config_.weight_decay);
     steps_.resize(weight_decays_.size());
     if (config_.momentum > 0) momentum_ = this->zero_state();

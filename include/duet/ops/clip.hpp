@@ -89,13 +89,17 @@ double global_norm(const std::vector<BasicTensor<T>>& x) {
 // MindSpore's ops.clip_by_global_norm(x, clip_norm=1.0, use_norm=None): each tensor times
 // clip_norm / max(global_norm(x), clip_norm), so that the clipped list's global norm is at most
 // clip_norm. New tensors; x is not changed. A NaN or infinite norm goes through the same formula,
-// as in MindSpore.
+// as in MindSpore. Each keeps whose gradient it is (BasicTensor::gradient_of), so that an
+// optimiser given the clipped list checks and skips as it would the list itself.
 template <ElementType T>
 std::vector<BasicTensor<T>> clip_by_global_norm(const std::vector<BasicTensor<T>>& x, double clip_norm = 1.0) {
   std::vector<BasicTensor<T>> out;
   std::vector<BasicTensor<T>*> all;
   out.reserve(x.size());
-  for (const auto& t : x) all.push_back(&out.emplace_back(t.clone()));
+  for (const auto& t : x) {
+    all.push_back(&out.emplace_back(t.clone()));
+    if (t.gradient_of() != nullptr) out.back().mark_gradient_of(t.gradient_of(), t.gradient_reached());
+  }
   detail::clip_in_place(all, clip_norm);
   return out;
 }
