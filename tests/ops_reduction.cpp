@@ -1,6 +1,7 @@
 // Reductions (include/duet/ops/reduction.hpp): their cases in the gradient harness, with values
 // from plain loops in double, and what the harness does not cover (ties, NaN, refused
 // gradients, shape errors).
+#include <limits>
 #include <random>
 
 #include "ops_harness.hpp"
@@ -13,7 +14,7 @@ using namespace duet_test::ops;
 using duet_test::ops::D;
 namespace ops = duet::ops;
 
-enum class Kind { sum, mean, max, min, argmax, argmin };
+enum class Kind { sum, mean, max, min, argmax, argmin, logsumexp };
 
 // The reduction of x over `axes` (every axis if empty), written out: each input element's
 // output index is its own with the reduced axes dropped (or pinned to 0 with keep_dims).
@@ -49,6 +50,9 @@ D reference_reduce(const D& x, std::vector<int> axes, bool keep, Kind kind) {
       case Kind::mean:
         acc[o] += v;
         break;
+      case Kind::logsumexp:
+        acc[o] += std::exp(v);
+        break;
       case Kind::max:
         acc[o] = std::max(acc[o], v);
         break;
@@ -66,7 +70,9 @@ D reference_reduce(const D& x, std::vector<int> axes, bool keep, Kind kind) {
     count[o] += 1;
   }
   D y = duet::zeros<double>(out);
-  for (std::size_t o = 0; o < n; ++o) y.data()[o] = kind == Kind::mean ? acc[o] / count[o] : acc[o];
+  for (std::size_t o = 0; o < n; ++o) {
+    y.data()[o] = kind == Kind::mean ? acc[o] / count[o] : kind == Kind::logsumexp ? std::log(acc[o]) : acc[o];
+  }
   return y;
 }
 
@@ -136,6 +142,7 @@ const bool reduction_cases = add_cases([](std::multimap<std::string, Case>& m) {
   add_reduction<Kind::mean>(m, "mean", [](const auto&... a) { return ops::mean(a...); });
   add_reduction<Kind::max>(m, "max", [](const auto&... a) { return ops::max(a...); });
   add_reduction<Kind::min>(m, "min", [](const auto&... a) { return ops::min(a...); });
+  add_reduction<Kind::logsumexp>(m, "logsumexp", [](const auto&... a) { return ops::logsumexp(a...); });
   m.emplace("var", moment_case({3, 4}, [](const auto& x) { return ops::var(x); }, {}, false, false));
   m.emplace("var", moment_case({2, 3, 4}, [](const auto& x) { return ops::var(x, ops::axes<-1>, ops::keep_dims); }, {-1},
                                true, false));
@@ -302,4 +309,21 @@ TEST_CASE("ops: std's gradient is 0 where the variance is 0, as PyTorch's, in bo
   CHECK(d[0].data()[5] == doctest::Approx((4 - mean) / (3 * sd)).epsilon(1e-12));
 }
 
+TEST_CASE("ops: logsumexp keeps large logits finite and a row of -inf at -inf, as PyTorch's, in both modes") {
+  duet_test::ModeGuard guard;
+  constexpr float inf = std::numeric_limits<float>::infinity();
+  const duet::Tensor x({3, 3}, {1000.0f, 1000.0f, -1000.0f, -inf, -inf, -inf, 0.0f, -inf, inf});
+  for (const duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+    duet::set_context({.mode = mode});
+    const duet::Tensor y = duet::jit([](const auto& t) { return ops::logsumexp(t, ops::axes<1>); })(x);
+    CHECK(y(0) == doctest::Approx(1000.0 + std::log(2.0)));
+    CHECK(y(1) == -inf);
+    CHECK(y(2) == inf);
+    const duet::Tensor kept = ops::logsumexp(x, {-1}, ops::keep_dims);
+    CHECK(kept.shape() == Shape{3, 1});
+    CHECK(kept(0, 0) == y(0));
+  }
+}
+
 }  // namespace tests_ops_reduction
+

@@ -51,6 +51,7 @@
 
 #include "arithmetic.hpp"
 #include "cast.hpp"
+#include "gradient_control.hpp"
 #include "math.hpp"
 
 namespace duet {
@@ -581,7 +582,8 @@ struct ArgExtremeOp : Primitive<ArgExtremeOp<Max, Axis, Keep, In>> {
   }
 };
 
-inline const bool reduction_listed = list_operations({"sum", "mean", "max", "min", "argmax", "argmin", "var", "std"});
+inline const bool reduction_listed =
+    list_operations({"sum", "mean", "max", "min", "argmax", "argmin", "var", "std", "logsumexp"});
 
 namespace detail {
 
@@ -712,6 +714,49 @@ auto argmax(const X& x, Axes<A> a = {}, Keep... keep) {
 template <TensorLike X, int A = -1, class... Keep>
 auto argmin(const X& x, Axes<A> a = {}, Keep... keep) {
   return detail::arg_extreme<false>(x, a, keep...);
+}
+
+namespace detail {
+// m + log Σ exp(x - m), m the maximum over the axes (kept as 1 while it is subtracted). An
+// infinite m is taken out as 0: every element -inf gives -inf (m = -inf would make -inf - -inf
+// = NaN), and a +inf gives +inf, as PyTorch's. m is a constant of the gradient
+// (ops::stop_gradient), which is then exp(x - m) / Σ exp(x - m): softmax over the axes.
+template <class X, class AxesT, class... Keep>
+auto log_sum_exp(const X& x, const AxesT& axes, Keep...) {
+  using V = element_of<X>;
+  static_assert(std::is_floating_point_v<V>, "duet::ops::logsumexp: the tensor must have a floating-point element type");
+  const auto shift = [&](auto... kept) {
+    const auto m = stop_gradient(max(x, axes, kept...));
+    return where(equal(abs(m), std::numeric_limits<V>::infinity()), V(0), m);
+  };
+  const auto m = shift(keep_dims);
+  // With keep_dims the maximum is m itself; without, it is taken again in the output's shape
+  // (the same operation twice on one input would be one value captured twice).
+  if constexpr (sizeof...(Keep) == 1) return log(sum(exp(x - m), axes, keep_dims)) + m;
+  else return log(sum(exp(x - m), axes)) + shift();
+}
+}  // namespace detail
+
+// logsumexp(x), logsumexp(x, axes<...>), with keep_dims, or the axes at run time, as sum takes
+// them: log Σ exp(x) over the axes (every axis if none), PyTorch's torch.logsumexp and
+// MindSpore's ops.logsumexp, without overflow (the maximum is taken out first) and -inf for a
+// group of -inf (a fully masked row).
+template <TensorLike X, int... A, class... Keep>
+auto logsumexp(const X& x, Axes<A...> a, Keep... keep) {
+  return detail::log_sum_exp(x, a, keep...);
+}
+template <TensorLike X, class... Keep>
+  requires((std::is_same_v<Keep, KeepDims> && ...))
+auto logsumexp(const X& x, Keep... keep) {
+  return detail::log_sum_exp(x, Axes<>{}, keep...);
+}
+template <TensorLike X, class... Keep>
+auto logsumexp(const X& x, std::span<const int> axes, Keep... keep) {
+  return detail::log_sum_exp(x, axes, keep...);
+}
+template <TensorLike X, class... Keep>
+auto logsumexp(const X& x, std::initializer_list<int> axes, Keep... keep) {
+  return detail::log_sum_exp(x, std::span(axes.begin(), axes.size()), keep...);
 }
 
 }  // namespace ops
