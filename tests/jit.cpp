@@ -477,6 +477,35 @@ TEST_CASE("PIJit: a function whose result no duet operation made runs eagerly, c
   CHECK(jit_compile_log().back().find("graph break, runs eagerly") != std::string::npos);
 }
 
+TEST_CASE("PIJit: a branch on a value read in C++ breaks the trace, and a mutable_ value traces again") {
+  // helper-91: both were replayed as traced, in silence. The branch: item() of a value the
+  // trace made (an input, read by an element, too).
+  auto branch = jit(
+      [](const Tensor& x) {
+        if (ops::sum(x).item() > 0) return x * 2.0f;
+        return x * -3.0f;
+      },
+      {.mode = JitMode::PIJit, .name = "branch"});
+  CHECK(branch(Tensor({2}, {1.0f, 2.0f}))(1) == 4.0f);
+  CHECK(jit_compile_log().back().find("graph break, runs eagerly: the function reads a tensor's value in C++") !=
+        std::string::npos);
+  CHECK(branch(Tensor({2}, {-1.0f, -2.0f}))(1) == 6.0f);
+  auto by_element = jit([](const Tensor& x) { return x(0) > 0 ? x * 2.0f : x * -3.0f; }, {.mode = JitMode::PIJit});
+  CHECK(by_element(Tensor({2}, {1.0f, 2.0f}))(1) == 4.0f);
+  CHECK(by_element(Tensor({2}, {-1.0f, -2.0f}))(1) == 6.0f);
+  // Values of tensors the trace never saw are C++'s own: read freely, the trace replays.
+  const Tensor scale({1}, {5.0f});
+  auto reads_other = jit([&](const Tensor& x) { return x * scale.item(); }, {.mode = JitMode::PIJit});
+  reads_other(ones({2}));
+  CHECK(jit_compile_log().back().find("traced 1 operations") != std::string::npos);
+  // mutable_: PSJit reads it as an input; a replay has it in its operations, so PIJit keys on it.
+  auto scaled = jit([](const Tensor& x, float s) { return x * s; }, {.mode = JitMode::PIJit});
+  const Tensor x = ones({3});
+  CHECK(scaled(x, mutable_(2.0f))(0) == 2.0f);
+  CHECK(scaled(x, mutable_(3.0f))(0) == 3.0f);
+  CHECK(scaled(x, mutable_(2.0f))(0) == 2.0f);
+}
+
 TEST_CASE("a function of duet::Tensor cannot be a static graph: PSJit says so and names PIJit") {
   nn::Dense<2, 2> dense;
   auto f = jit([&](const Tensor& x) { return dense(x); });

@@ -418,7 +418,12 @@ class JitBase {
         s.shapes[I] = options_.input_signature.empty() || options_.mode == JitMode::PIJit
                           ? t.shape()
                           : options_.input_signature[tensor_index<I, Args...>()].shape;
-      } else if constexpr (!is_mutable_v<X>) {
+      } else if constexpr (is_mutable_v<X>) {
+        // A replay runs the operations it traced with the numbers they were given, so under
+        // PIJit a new value traces again (helper-91: f(x, mutable_(3.0f)) replayed 2.0f's
+        // answer); PSJit reads it as an input of its graph.
+        if (options_.mode == JitMode::PIJit) s.values[I] = value_hash(std::get<I>(all).value);
+      } else {
         s.values[I] = value_hash(std::get<I>(all));
       }
     });

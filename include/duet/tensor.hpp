@@ -42,6 +42,15 @@ inline index_t checked_numel(const Shape& shape, std::size_t element_size) {
   return n;
 }
 
+// Called with a tensor's trace id when C++ reads or writes one of its elements (item(),
+// element access) while PIJit records a trace on this thread (trace.hpp sets it): a branch on
+// a value would be replayed as it went the first time, so the trace breaks instead.
+using HostAccessHook = void (*)(std::uint64_t trace_id);
+inline HostAccessHook& host_access_hook() {
+  thread_local HostAccessHook hook = nullptr;
+  return hook;
+}
+
 }  // namespace detail
 
 template <ElementType T>
@@ -93,10 +102,12 @@ class BasicTensor {
   // kernels use data(), so this is never the hot path.
   template <std::integral... I>
   T& operator()(I... index) {
+    note_host_access();
     return data()[offset_of({static_cast<index_t>(index)...})];
   }
   template <std::integral... I>
   const T& operator()(I... index) const {
+    note_host_access();
     return data_[offset_of({static_cast<index_t>(index)...})];
   }
 
@@ -105,6 +116,7 @@ class BasicTensor {
     if (numel() != 1) {
       throw ShapeError("duet::Tensor::item: needs exactly one element, shape is " + to_string(shape_));
     }
+    note_host_access();
     return data_[0];
   }
 
@@ -198,6 +210,9 @@ class BasicTensor {
   void set_trace_id(std::uint64_t id) { trace_id_ = id; }
 
  private:
+  void note_host_access() const {
+    if (const detail::HostAccessHook hook = detail::host_access_hook()) hook(trace_id_);
+  }
   BasicTensor(detail::Storage storage, const Shape& shape)
       : storage_(std::move(storage)), data_(reinterpret_cast<T*>(storage_.data())), shape_(shape) {}
 

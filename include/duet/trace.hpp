@@ -319,6 +319,11 @@ class Trace {
   // then those being trained, written between calls.
   bool differentiates() const { return differentiates_; }
 
+  // Whether a tensor of this trace id is one of the trace's values.
+  bool knows(std::uint64_t trace_id) const {
+    return trace_id != 0 && (trace_id >> 32) == (generation_ & 0xFFFFFFFFu) && (trace_id & 0xFFFFFFFFu) <= values_.size();
+  }
+
   // The value a tensor is, or nothing if the trace never saw it.
   template <class T>
   std::size_t find(const BasicTensor<T>& x) const {
@@ -434,16 +439,33 @@ class TracedCell {
   Trace* trace_;
 };
 
+// A tensor of the trace (an input, a constant it read, or what a step made) read or written
+// element by element by the traced C++: `if (ops::sum(x).item() > 0)` took one branch when
+// traced, and a replay would take it again whatever the value (helper-91); the caller runs
+// eagerly instead, as for a host callback.
+inline void break_on_host_access(std::uint64_t trace_id) {
+  Trace* trace = active_trace();
+  if (trace == nullptr || !trace->knows(trace_id)) return;
+  trace->mark_broken("reads a tensor's value in C++ (item() or an element), which a replay would not read again; "
+                     "to branch on a value, run the network in PyNative mode or compute with ops::where");
+}
+
 // Makes a trace the active one for its lifetime.
 class Tracing {
  public:
-  explicit Tracing(Trace* trace) : outer_(std::exchange(active_trace(), trace)) {}
+  explicit Tracing(Trace* trace)
+      : outer_(std::exchange(active_trace(), trace)),
+        outer_hook_(std::exchange(duet::detail::host_access_hook(), &break_on_host_access)) {}
   Tracing(const Tracing&) = delete;
   Tracing& operator=(const Tracing&) = delete;
-  ~Tracing() { active_trace() = outer_; }
+  ~Tracing() {
+    active_trace() = outer_;
+    duet::detail::host_access_hook() = outer_hook_;
+  }
 
  private:
   Trace* outer_;
+  duet::detail::HostAccessHook outer_hook_;
 };
 
 }  // namespace duet::pijit
