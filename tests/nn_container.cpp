@@ -128,6 +128,31 @@ TEST_CASE("graph mode traces a network built at run time once per shape and stru
   CHECK(log_has(log_before, "argument 1 (a value) changed (traced 12 operations, replays 5 steps: "));
 }
 
+TEST_CASE("a change to another network traces nothing again; a change below this one does, after freeze_compiles too") {
+  // helper-91: one counter for the whole program made every network built at run time trace
+  // again when any cell changed (set_train on another network, a DynamicSequentialCell built),
+  // and one served after freeze_compiles() threw when another model was loaded.
+  set_seed(33);
+  auto served = runtime_network({12, 6, 3});
+  auto other = runtime_network({12, 5, 2});
+  const Tensor x = randn({2, 3, 4}, 42);
+  const Tensor expected = run_in(PYNATIVE_MODE, served, x);
+  static_cast<void>(run_in(GRAPH_MODE, served, x));
+  const std::uint64_t traced = jit_compile_count();
+  other.set_train(true);
+  other.append(nn::ReLU{});
+  auto loaded_later = runtime_network({12, 4, 4});
+  {
+    const FrozenCompiles frozen;
+    CHECK(duet_test::values_of(run_in(GRAPH_MODE, served, x)) == duet_test::values_of(expected));
+  }
+  CHECK(jit_compile_count() == traced);
+  // A phase switch inside the network, on one of its cells: traced again.
+  served.cells_and_names().back().second->set_train(true);
+  static_cast<void>(run_in(GRAPH_MODE, served, x));
+  CHECK(jit_compile_count() == traced + 1);
+}
+
 TEST_CASE("graph mode runs a network built at run time eagerly where it cannot be traced, and says so once") {
   set_seed(32);
   int callbacks = 0;

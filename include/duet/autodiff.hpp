@@ -640,8 +640,8 @@ class GradFunction {
   // is ambiguous (graph::Sym::ambiguity): the whole step, forward, loss and backward,
   // is traced on the first call for each input signature and structure, and replayed after
   // (PIJit, default JitConfig). Parameters' gradients are written by the replay's gradient
-  // steps, as the tape's backward writes them. Its first argument is the structure generation:
-  // a network changed since the trace is traced again.
+  // steps, as the tape's backward writes them. Its first argument is the cell tree's structure
+  // key (BasicDynamicCell::structure_key): a network changed since the trace is traced again.
   template <class... X>
   auto traced_step(const X&... xs) {
     using R = BasicTensor<value_t<X...>>;
@@ -656,7 +656,8 @@ class GradFunction {
                    }},
                   {.mode = JitMode::PIJit,
                    .name = fn_.label() + " forward and backward in graph mode (argument 0: the network's structure)"});
-    })(nn::detail::structure_generation().load(std::memory_order_acquire), tensor_of(xs)...);
+    })(static_cast<nn::BasicDynamicCell<typename std::remove_cvref_t<Fn>::value_type>&>(fn_).structure_key(),
+       tensor_of(xs)...);
   }
 
   template <bool WithInput, class V, class... X>

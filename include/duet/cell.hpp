@@ -69,13 +69,6 @@ inline std::mutex& naming_mutex() {
   return m;
 }
 
-// Moves whenever a cell built at run time changes its structure (a DynamicSequentialCell
-// appends): graph mode's traces key on it, so none is replayed for a network that has changed.
-inline std::atomic<std::uint64_t>& structure_generation() {
-  static std::atomic<std::uint64_t> generation{0};
-  return generation;
-}
-
 // The cell whose construct is running on this thread, and the bytes of its object. A cell
 // that construct calls and that lies inside those bytes is a member: it must be registered
 // (DUET_CELL_MEMBERS), or its parameters would be neither trained nor saved. Frames live on
@@ -255,8 +248,8 @@ class BasicDynamicCell {
     for (auto& [path, cell] : cells_and_names()) {
       cell->training_.store(mode, std::memory_order_relaxed);
       cell->phase_chosen_.store(true, std::memory_order_relaxed);
+      cell->structure_changed();
     }
-    structure_changed();
     return *this;
   }
   bool training() const { return training_.load(std::memory_order_relaxed); }
@@ -323,6 +316,19 @@ class BasicDynamicCell {
     if (!named_.load(std::memory_order_relaxed)) assign_names("");
   }
 
+  // What graph mode keys the trace of this tree on: every cell's structure version, mixed in
+  // the order of the tree, so that any change below (an append, a set_train, a cell replaced)
+  // gives another key and a change to another network none. A counter for the whole program
+  // made every network built at run time trace again whenever any cell changed, and a network
+  // served after freeze_compiles() threw when another model was loaded (helper-91).
+  std::uint64_t structure_key() {
+    std::uint64_t key = structure_version_.load(std::memory_order_acquire);
+    for_each_child([&key](std::string_view, BasicDynamicCell& child) {
+      key = (key ^ child.structure_key()) * 0x100000001B3u + 0x9E3779B97F4A7C15u;
+    });
+    return key;
+  }
+
  protected:
   virtual BasicTensor<T> forward(const BasicTensor<T>& x) = 0;
 
@@ -337,7 +343,7 @@ class BasicDynamicCell {
 
   // A cell built at run time whose structure changes after it has run (layers added, removed or
   // replaced) calls this, so that graph mode traces it again instead of replaying the old one.
-  static void structure_changed() { detail::structure_generation().fetch_add(1, std::memory_order_acq_rel); }
+  void structure_changed() { structure_version_.fetch_add(1, std::memory_order_acq_rel); }
 
   bool has_own_hooks() const { return !hooks_.empty() || !backward_hooks_.empty(); }
 
@@ -393,14 +399,14 @@ class BasicDynamicCell {
     check_input_shape(x.shape());
     if (detail::call_observer<T> == nullptr && effective_mode(CONTEXT_MODE) == GRAPH_MODE &&
         autodiff::active_tape() == nullptr && pijit::active_trace() == nullptr && traced_in_graph_mode()) {
-      return graph_form()(x, detail::structure_generation().load(std::memory_order_acquire));
+      return graph_form()(x, structure_key());
     }
     return observed_call(x, [&] { return forward(x); });
   }
 
   // Graph mode for a cell built at run time: PIJit at the default JitConfig, traced on the first
-  // call for each input shape and structure, replayed after. Its second argument is the
-  // structure generation: a network changed since the trace is traced again.
+  // call for each input shape and structure, replayed after. Its second argument is the tree's
+  // structure_key: a network changed since the trace is traced again.
   struct GraphCall {
     BasicDynamicCell* cell;
     BasicTensor<T> operator()(const BasicTensor<T>& x, std::uint64_t /*structure*/) const { return (*cell)(x); }
@@ -449,6 +455,7 @@ class BasicDynamicCell {
   std::atomic<bool> registered_{false};  // found registered with the cell whose construct called it
   std::atomic<bool> training_{false};    // MindSpore's Cell.training, false until set_train
   std::atomic<bool> phase_chosen_{false};  // set_train was called on it or above it
+  std::atomic<std::uint64_t> structure_version_{0};  // structure_changed()
   std::atomic<bool> phase_warned_{false};  // warn_if_phase_unchosen said so already
   std::vector<std::pair<long, BasicForwardHook<T>>> hooks_;
   std::vector<std::pair<long, BasicBackwardHook<T>>> backward_hooks_;
