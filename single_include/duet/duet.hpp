@@ -5086,6 +5086,15 @@ inline index_t checked_numel(const Shape& shape, std::size_t element_size) {
   return n;
 }
 
+// Called with a tensor's trace id when C++ reads or writes one of its elements (item(),
+// element access) while PIJit records a trace on this thread (trace.hpp sets it): a branch on
+// a value would be replayed as it went the first time, so the trace breaks instead.
+using HostAccessHook = void (*)(std::uint64_t trace_id);
+inline HostAccessHook& host_access_hook() {
+  thread_local HostAccessHook hook = nullptr;
+  return hook;
+}
+
 }  // namespace detail
 
 template <ElementType T>
@@ -5137,10 +5146,12 @@ class BasicTensor {
   // kernels use data(), so this is never the hot path.
   template <std::integral... I>
   T& operator()(I... index) {
+    note_host_access();
     return data()[offset_of({static_cast<index_t>(index)...})];
   }
   template <std::integral... I>
   const T& operator()(I... index) const {
+    note_host_access();
     return data_[offset_of({static_cast<index_t>(index)...})];
   }
 
@@ -5149,6 +5160,7 @@ class BasicTensor {
     if (numel() != 1) {
       throw ShapeError("duet::Tensor::item: needs exactly one element, shape is " + to_string(shape_));
     }
+    note_host_access();
     return data_[0];
   }
 
@@ -5242,6 +5254,9 @@ class BasicTensor {
   void set_trace_id(std::uint64_t id) { trace_id_ = id; }
 
  private:
+  void note_host_access() const {
+    if (const detail::HostAccessHook hook = detail::host_access_hook()) hook(trace_id_);
+  }
   BasicTensor(detail::Storage storage, const Shape& shape)
       : storage_(std::move(storage)), data_(reinterpret_cast<T*>(storage_.data())), shape_(shape) {}
 
@@ -9306,6 +9321,11 @@ class Trace {
   // then those being trained, written between calls.
   bool differentiates() const { return differentiates_; }
 
+  // Whether a tensor of this trace id is one of the trace's values.
+  bool knows(std::uint64_t trace_id) const {
+    return trace_id != 0 && (trace_id >> 32) == (generation_ & 0xFFFFFFFFu) && (trace_id & 0xFFFFFFFFu) <= values_.size();
+  }
+
   // The value a tensor is, or nothing if the trace never saw it.
   template <class T>
   std::size_t find(const BasicTensor<T>& x) const {
@@ -9421,16 +9441,33 @@ class TracedCell {
   Trace* trace_;
 };
 
+// A tensor of the trace (an input, a constant it read, or what a step made) read or written
+// element by element by the traced C++: `if (ops::sum(x).item() > 0)` took one branch when
+// traced, and a replay would take it again whatever the value (helper-91); the caller runs
+// eagerly instead, as for a host callback.
+inline void break_on_host_access(std::uint64_t trace_id) {
+  Trace* trace = active_trace();
+  if (trace == nullptr || !trace->knows(trace_id)) return;
+  trace->mark_broken("reads a tensor's value in C++ (item() or an element), which a replay would not read again; "
+                     "to branch on a value, run the network in PyNative mode or compute with ops::where");
+}
+
 // Makes a trace the active one for its lifetime.
 class Tracing {
  public:
-  explicit Tracing(Trace* trace) : outer_(std::exchange(active_trace(), trace)) {}
+  explicit Tracing(Trace* trace)
+      : outer_(std::exchange(active_trace(), trace)),
+        outer_hook_(std::exchange(duet::detail::host_access_hook(), &break_on_host_access)) {}
   Tracing(const Tracing&) = delete;
   Tracing& operator=(const Tracing&) = delete;
-  ~Tracing() { active_trace() = outer_; }
+  ~Tracing() {
+    active_trace() = outer_;
+    duet::detail::host_access_hook() = outer_hook_;
+  }
 
  private:
   Trace* outer_;
+  duet::detail::HostAccessHook outer_hook_;
 };
 
 }  // namespace duet::pijit
@@ -11763,7 +11800,12 @@ class JitBase {
         s.shapes[I] = options_.input_signature.empty() || options_.mode == JitMode::PIJit
                           ? t.shape()
                           : options_.input_signature[tensor_index<I, Args...>()].shape;
-      } else if constexpr (!is_mutable_v<X>) {
+      } else if constexpr (is_mutable_v<X>) {
+        // A replay runs the operations it traced with the numbers they were given, so under
+        // PIJit a new value traces again (helper-91: f(x, mutable_(3.0f)) replayed 2.0f's
+        // answer); PSJit reads it as an input of its graph.
+        if (options_.mode == JitMode::PIJit) s.values[I] = value_hash(std::get<I>(all).value);
+      } else {
         s.values[I] = value_hash(std::get<I>(all));
       }
     });
@@ -12075,13 +12117,6 @@ inline std::mutex& naming_mutex() {
   return m;
 }
 
-// Moves whenever a cell built at run time changes its structure (a DynamicSequentialCell
-// appends): graph mode's traces key on it, so none is replayed for a network that has changed.
-inline std::atomic<std::uint64_t>& structure_generation() {
-  static std::atomic<std::uint64_t> generation{0};
-  return generation;
-}
-
 // The cell whose construct is running on this thread, and the bytes of its object. A cell
 // that construct calls and that lies inside those bytes is a member: it must be registered
 // (DUET_CELL_MEMBERS), or its parameters would be neither trained nor saved. Frames live on
@@ -12261,8 +12296,8 @@ class BasicDynamicCell {
     for (auto& [path, cell] : cells_and_names()) {
       cell->training_.store(mode, std::memory_order_relaxed);
       cell->phase_chosen_.store(true, std::memory_order_relaxed);
+      cell->structure_changed();
     }
-    structure_changed();
     return *this;
   }
   bool training() const { return training_.load(std::memory_order_relaxed); }
@@ -12329,6 +12364,19 @@ class BasicDynamicCell {
     if (!named_.load(std::memory_order_relaxed)) assign_names("");
   }
 
+  // What graph mode keys the trace of this tree on: every cell's structure version, mixed in
+  // the order of the tree, so that any change below (an append, a set_train, a cell replaced)
+  // gives another key and a change to another network none. A counter for the whole program
+  // made every network built at run time trace again whenever any cell changed, and a network
+  // served after freeze_compiles() threw when another model was loaded (helper-91).
+  std::uint64_t structure_key() {
+    std::uint64_t key = structure_version_.load(std::memory_order_acquire);
+    for_each_child([&key](std::string_view, BasicDynamicCell& child) {
+      key = (key ^ child.structure_key()) * 0x100000001B3u + 0x9E3779B97F4A7C15u;
+    });
+    return key;
+  }
+
  protected:
   virtual BasicTensor<T> forward(const BasicTensor<T>& x) = 0;
 
@@ -12343,7 +12391,7 @@ class BasicDynamicCell {
 
   // A cell built at run time whose structure changes after it has run (layers added, removed or
   // replaced) calls this, so that graph mode traces it again instead of replaying the old one.
-  static void structure_changed() { detail::structure_generation().fetch_add(1, std::memory_order_acq_rel); }
+  void structure_changed() { structure_version_.fetch_add(1, std::memory_order_acq_rel); }
 
   bool has_own_hooks() const { return !hooks_.empty() || !backward_hooks_.empty(); }
 
@@ -12399,14 +12447,14 @@ class BasicDynamicCell {
     check_input_shape(x.shape());
     if (detail::call_observer<T> == nullptr && effective_mode(CONTEXT_MODE) == GRAPH_MODE &&
         autodiff::active_tape() == nullptr && pijit::active_trace() == nullptr && traced_in_graph_mode()) {
-      return graph_form()(x, detail::structure_generation().load(std::memory_order_acquire));
+      return graph_form()(x, structure_key());
     }
     return observed_call(x, [&] { return forward(x); });
   }
 
   // Graph mode for a cell built at run time: PIJit at the default JitConfig, traced on the first
-  // call for each input shape and structure, replayed after. Its second argument is the
-  // structure generation: a network changed since the trace is traced again.
+  // call for each input shape and structure, replayed after. Its second argument is the tree's
+  // structure_key: a network changed since the trace is traced again.
   struct GraphCall {
     BasicDynamicCell* cell;
     BasicTensor<T> operator()(const BasicTensor<T>& x, std::uint64_t /*structure*/) const { return (*cell)(x); }
@@ -12455,6 +12503,7 @@ class BasicDynamicCell {
   std::atomic<bool> registered_{false};  // found registered with the cell whose construct called it
   std::atomic<bool> training_{false};    // MindSpore's Cell.training, false until set_train
   std::atomic<bool> phase_chosen_{false};  // set_train was called on it or above it
+  std::atomic<std::uint64_t> structure_version_{0};  // structure_changed()
   std::atomic<bool> phase_warned_{false};  // warn_if_phase_unchosen said so already
   std::vector<std::pair<long, BasicForwardHook<T>>> hooks_;
   std::vector<std::pair<long, BasicBackwardHook<T>>> backward_hooks_;
@@ -13761,8 +13810,8 @@ class GradFunction {
   // is ambiguous (graph::Sym::ambiguity): the whole step, forward, loss and backward,
   // is traced on the first call for each input signature and structure, and replayed after
   // (PIJit, default JitConfig). Parameters' gradients are written by the replay's gradient
-  // steps, as the tape's backward writes them. Its first argument is the structure generation:
-  // a network changed since the trace is traced again.
+  // steps, as the tape's backward writes them. Its first argument is the cell tree's structure
+  // key (BasicDynamicCell::structure_key): a network changed since the trace is traced again.
   template <class... X>
   auto traced_step(const X&... xs) {
     using R = BasicTensor<value_t<X...>>;
@@ -13777,7 +13826,8 @@ class GradFunction {
                    }},
                   {.mode = JitMode::PIJit,
                    .name = fn_.label() + " forward and backward in graph mode (argument 0: the network's structure)"});
-    })(nn::detail::structure_generation().load(std::memory_order_acquire), tensor_of(xs)...);
+    })(static_cast<nn::BasicDynamicCell<typename std::remove_cvref_t<Fn>::value_type>&>(fn_).structure_key(),
+       tensor_of(xs)...);
   }
 
   template <bool WithInput, class V, class... X>
@@ -17343,8 +17393,12 @@ class BasicOptimizer {
     const bool all_reduced = is_all_reduced_set(grads);
     if (!all_reduced) require_all_reduced(duet::detail::current_backward_pass(), "(grads)");
     if (grads.size() != params_.size()) {
+      // helper-90 took them over net.parameters(), which also lists what no optimiser trains.
       throw ValueError("optimizer: got " + std::to_string(grads.size()) + " gradients for " +
-                       std::to_string(params_.size()) + " parameters");
+                       std::to_string(params_.size()) +
+                       " parameters; take them with respect to the optimizer's own, value_and_grad(net, "
+                       "optimizer.parameters()): net.parameters() also lists what it does not train (BatchNorm's "
+                       "moving statistics, parameters frozen when it was made)");
     }
     require_own_gradients(grads);
     for (std::size_t i = 0; i < params_.size(); ++i) {

@@ -246,8 +246,12 @@ class BasicOptimizer {
     const bool all_reduced = is_all_reduced_set(grads);
     if (!all_reduced) require_all_reduced(duet::detail::current_backward_pass(), "(grads)");
     if (grads.size() != params_.size()) {
+      // helper-90 took them over net.parameters(), which also lists what no optimiser trains.
       throw ValueError("optimizer: got " + std::to_string(grads.size()) + " gradients for " +
-                       std::to_string(params_.size()) + " parameters");
+                       std::to_string(params_.size()) +
+                       " parameters; take them with respect to the optimizer's own, value_and_grad(net, "
+                       "optimizer.parameters()): net.parameters() also lists what it does not train (BatchNorm's "
+                       "moving statistics, parameters frozen when it was made)");
     }
     require_own_gradients(grads);
     for (std::size_t i = 0; i < params_.size(); ++i) {
