@@ -128,7 +128,7 @@ TEST_CASE("graph mode traces a network built at run time once per shape and stru
   CHECK(log_has(log_before, "argument 1 (a value) changed (traced 12 operations, replays 5 steps: "));
 }
 
-TEST_CASE("a change to another network traces nothing again; a change below this one does, after freeze_compiles too") {
+TEST_CASE("a change to another network traces nothing again, a change below this one does, after freeze_compiles too") {
   // helper-91: one counter for the whole program made every network built at run time trace
   // again when any cell changed (set_train on another network, a DynamicSequentialCell built),
   // and one served after freeze_compiles() threw when another model was loaded.
