@@ -506,6 +506,28 @@ TEST_CASE("PIJit: a branch on a value read in C++ breaks the trace, and a mutabl
   CHECK(scaled(x, mutable_(2.0f))(0) == 2.0f);
 }
 
+TEST_CASE("PIJit applies the jit syntax level to the host callbacks its trace meets") {
+  // helper-91: strict and compatible ran a host callback as a graph break under PIJit, as lax does.
+  const auto doubled = [](const Tensor& x) {
+    return host(
+        [](const Tensor& v) {
+          Tensor y = v.clone();
+          for (float& e : y.values()) e *= 2;
+          return y;
+        },
+        x);
+  };
+  auto strict =
+      jit<JitConfig{.jit_syntax_level = JitSyntaxLevel::strict}>(doubled, {.mode = JitMode::PIJit, .name = "strict"});
+  CHECK_THROWS_WITH_AS(strict(ones({2})),
+                       doctest::Contains("strict: JitSyntaxLevel::strict: the function calls duet::host"), ModeError);
+  CHECK_THROWS_AS(strict(ones({2})), ModeError);  // every call, not only the first
+  auto compatible = jit<JitConfig{.jit_syntax_level = JitSyntaxLevel::compatible}>(doubled, {.mode = JitMode::PIJit});
+  CHECK_THROWS_WITH_AS(compatible(ones({2})), doctest::Contains("write duet::host<duet::allowed_break>"), ModeError);
+  auto lax = jit(doubled, {.mode = JitMode::PIJit});
+  CHECK(lax(ones({2}))(0) == 2.0f);
+}
+
 TEST_CASE("a function of duet::Tensor cannot be a static graph: PSJit says so and names PIJit") {
   nn::Dense<2, 2> dense;
   auto f = jit([&](const Tensor& x) { return dense(x); });

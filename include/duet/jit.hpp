@@ -593,6 +593,19 @@ class JitFunction : public detail::JitBase {
       return std::apply([&](const auto&... x) { return fn_(x...); }, inputs);
     }();
     using Result = BasicTensor<typename decltype(y)::value_type>;
+    // The syntax level a static graph checks at compile time (graph::check_syntax_level), on the
+    // host callbacks the trace met: it ran them once (a trace runs the function), and refuses
+    // the function from here on rather than run it as a graph break (helper-91: it was not applied).
+    if (Config.jit_syntax_level == JitSyntaxLevel::strict
+            ? !trace.host_call().empty()
+            : Config.jit_syntax_level == JitSyntaxLevel::compatible && trace.unmarked_host_call()) {
+      throw ModeError(options_.name + ": JitSyntaxLevel::" +
+                      (Config.jit_syntax_level == JitSyntaxLevel::strict ? "strict" : "compatible") +
+                      ": the function " + trace.host_call() + ", which is not a graph operation" +
+                      (Config.jit_syntax_level == JitSyntaxLevel::strict
+                           ? "; use JitSyntaxLevel::lax to run it as a graph break"
+                           : "; write duet::host<duet::allowed_break>(fn, x), or use JitSyntaxLevel::lax"));
+    }
     const std::size_t out = trace.find(y);
     const auto replay = kept(cache, s, reason, std::move(trace), out, Config.jit_level);
     // A replay that folds a BatchNorm (evaluation, which changes no state) rounds differently

@@ -285,6 +285,8 @@ class Trace {
       std::string what = Op::allowed_break ? "calls duet::host, a host callback marked allowed_break, at "
                                            : "calls duet::host, a host callback, at ";
       what += op.where.to_string();
+      if (host_call_.empty() || (!Op::allowed_break && !unmarked_host_call_)) host_call_ = what;
+      unmarked_host_call_ = unmarked_host_call_ || !Op::allowed_break;
       mark_broken(what);
     }
     auto step = std::make_unique<OpStep<Op, T>>(op);
@@ -351,6 +353,10 @@ class Trace {
   const std::vector<std::unique_ptr<Step>>& steps() const { return steps_; }
   // Why the trace cannot be replayed, or empty.
   const std::string& broken() const { return broken_; }
+  // The host callback the traced function called (an unmarked one first), for the jit syntax
+  // level to refuse; empty if none.
+  const std::string& host_call() const { return host_call_; }
+  bool unmarked_host_call() const { return unmarked_host_call_; }
 
  private:
   static std::uint64_t next_generation() {
@@ -415,6 +421,8 @@ class Trace {
   std::vector<std::unique_ptr<Step>> steps_;
   std::vector<std::function<bool()>> cells_;
   std::vector<std::string> running_;
+  std::string host_call_;
+  bool unmarked_host_call_ = false;
   std::string broken_;
   bool parameter_gradients_ = false;
   bool differentiates_ = false;

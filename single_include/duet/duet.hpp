@@ -9287,6 +9287,8 @@ class Trace {
       std::string what = Op::allowed_break ? "calls duet::host, a host callback marked allowed_break, at "
                                            : "calls duet::host, a host callback, at ";
       what += op.where.to_string();
+      if (host_call_.empty() || (!Op::allowed_break && !unmarked_host_call_)) host_call_ = what;
+      unmarked_host_call_ = unmarked_host_call_ || !Op::allowed_break;
       mark_broken(what);
     }
     auto step = std::make_unique<OpStep<Op, T>>(op);
@@ -9353,6 +9355,10 @@ class Trace {
   const std::vector<std::unique_ptr<Step>>& steps() const { return steps_; }
   // Why the trace cannot be replayed, or empty.
   const std::string& broken() const { return broken_; }
+  // The host callback the traced function called (an unmarked one first), for the jit syntax
+  // level to refuse; empty if none.
+  const std::string& host_call() const { return host_call_; }
+  bool unmarked_host_call() const { return unmarked_host_call_; }
 
  private:
   static std::uint64_t next_generation() {
@@ -9417,6 +9423,8 @@ class Trace {
   std::vector<std::unique_ptr<Step>> steps_;
   std::vector<std::function<bool()>> cells_;
   std::vector<std::string> running_;
+  std::string host_call_;
+  bool unmarked_host_call_ = false;
   std::string broken_;
   bool parameter_gradients_ = false;
   bool differentiates_ = false;
@@ -11975,6 +11983,19 @@ class JitFunction : public detail::JitBase {
       return std::apply([&](const auto&... x) { return fn_(x...); }, inputs);
     }();
     using Result = BasicTensor<typename decltype(y)::value_type>;
+    // The syntax level a static graph checks at compile time (graph::check_syntax_level), on the
+    // host callbacks the trace met: it ran them once (a trace runs the function), and refuses
+    // the function from here on rather than run it as a graph break (helper-91: it was not applied).
+    if (Config.jit_syntax_level == JitSyntaxLevel::strict
+            ? !trace.host_call().empty()
+            : Config.jit_syntax_level == JitSyntaxLevel::compatible && trace.unmarked_host_call()) {
+      throw ModeError(options_.name + ": JitSyntaxLevel::" +
+                      (Config.jit_syntax_level == JitSyntaxLevel::strict ? "strict" : "compatible") +
+                      ": the function " + trace.host_call() + ", which is not a graph operation" +
+                      (Config.jit_syntax_level == JitSyntaxLevel::strict
+                           ? "; use JitSyntaxLevel::lax to run it as a graph break"
+                           : "; write duet::host<duet::allowed_break>(fn, x), or use JitSyntaxLevel::lax"));
+    }
     const std::size_t out = trace.find(y);
     const auto replay = kept(cache, s, reason, std::move(trace), out, Config.jit_level);
     // A replay that folds a BatchNorm (evaluation, which changes no state) rounds differently
