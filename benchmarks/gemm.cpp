@@ -18,6 +18,7 @@
 #include <chrono>
 #include <cstring>
 #include <string>
+#include <unordered_map>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -166,6 +167,22 @@ void BM_dense(benchmark::State& state) {
   if (rows == 1) state.counters["of_floor"] = weight_read_seconds<In, Out>(w.data()) / seconds;
 }
 
+// A layer's weight gradient dw[Out, In] = dzᵀ · x over a batch of rows, as Native's
+// dense_backward takes it (gemm_kn, dz transposed beforehand): summed over the rows in halves
+// (kernels/detail/halves.hpp, what training runs) or in one chain, which is what the halves cost.
+template <index_t In, index_t Out, bool Halves>
+void BM_weight_gradient(benchmark::State& state) {
+  const index_t rows = state.range(0);
+  const Tensor dzt = uniform<float>({Out, rows}, -1.0f, 1.0f);
+  const Tensor x = uniform<float>({rows, In}, -1.0f, 1.0f);
+  Tensor dw = zeros({Out, In});
+  duet_bench::timed_loop(state, 2.0 * static_cast<double>(rows * In * Out), [&] {
+    kernels::gemm_kn(dzt.data(), Out, rows, x.data(), In, dw.data(), false, Halves);
+    benchmark::DoNotOptimize(dw.data());
+    benchmark::ClobberMemory();
+  });
+}
+
 template <index_t In, index_t Out>
 void BM_weight_read(benchmark::State& state) {
   const Tensor w = uniform<float>({Out, In}, -0.05f, 0.05f);
@@ -203,34 +220,49 @@ void BM_openblas(benchmark::State& state) {
 #endif
 
 #ifdef DUET_BENCH_DNNL
-// oneDNN's matmul primitive with the bias and a ReLU post-op (its fused epilogue), weights as
-// [in, out] viewed from duet's [out, in] (format tag ba), made once outside the loop.
-template <index_t In, index_t Out, bool Relu>
-void BM_onednn(benchmark::State& state) {
-  const index_t rows = state.range(0);
+// oneDNN's matmul primitive, made once outside the loop: c[m, n] = a[m, k] · b, b stored as
+// [k, n] (format tag ab) or, a weight as duet stores it, as [n, k] (tag ba), with the bias and
+// a ReLU post-op (its fused epilogue) or neither.
+void onednn_matmul(benchmark::State& state, index_t m, index_t k, index_t n, bool b_kn, bool epilogue) {
   using tag = dnnl::memory::format_tag;
   constexpr auto f32 = dnnl::memory::data_type::f32;
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
   dnnl::stream stream{engine};
-  const dnnl::memory::desc src_md{{rows, In}, f32, tag::ab}, weight_md{{In, Out}, f32, tag::ba},
-      bias_md{{1, Out}, f32, tag::ab}, dst_md{{rows, Out}, f32, tag::ab};
+  const dnnl::memory::desc a_md{{m, k}, f32, tag::ab}, b_md{{k, n}, f32, b_kn ? tag::ab : tag::ba},
+      bias_md{{1, n}, f32, tag::ab}, c_md{{m, n}, f32, tag::ab};
   dnnl::post_ops post;
-  if (Relu) post.append_eltwise(1.0f, dnnl::algorithm::eltwise_relu, 0.0f, 0.0f);
+  if (epilogue) post.append_eltwise(1.0f, dnnl::algorithm::eltwise_relu, 0.0f, 0.0f);
   dnnl::primitive_attr attr;
   attr.set_post_ops(post);
-  const dnnl::matmul::primitive_desc pd{{src_md, weight_md, bias_md, dst_md}, attr, engine};
+  const dnnl::matmul::primitive_desc pd = epilogue
+                                              ? dnnl::matmul::primitive_desc{{a_md, b_md, bias_md, c_md}, attr, engine}
+                                              : dnnl::matmul::primitive_desc{{a_md, b_md, c_md}, engine};
   const dnnl::matmul matmul{pd};
-  const Tensor x = uniform<float>({rows, In}, -1.0f, 1.0f);
-  const Tensor w = uniform<float>({Out, In}, -0.05f, 0.05f);
-  const Tensor b = uniform<float>({Out}, -0.05f, 0.05f);
-  Tensor y = zeros({rows, Out});
-  dnnl::memory src{src_md, engine, const_cast<float*>(x.data())}, weight{weight_md, engine, const_cast<float*>(w.data())},
-      bias{bias_md, engine, const_cast<float*>(b.data())}, dst{dst_md, engine, y.data()};
-  duet_bench::timed_loop(state, 2.0 * static_cast<double>(rows * In * Out), [&] {
-    matmul.execute(stream, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, weight}, {DNNL_ARG_BIAS, bias}, {DNNL_ARG_DST, dst}});
+  const Tensor a = uniform<float>({m, k}, -1.0f, 1.0f);
+  const Tensor b = uniform<float>({k, n}, -0.05f, 0.05f);
+  const Tensor bias = uniform<float>({n}, -0.05f, 0.05f);
+  Tensor c = zeros({m, n});
+  dnnl::memory a_mem{a_md, engine, const_cast<float*>(a.data())}, b_mem{b_md, engine, const_cast<float*>(b.data())},
+      bias_mem{bias_md, engine, const_cast<float*>(bias.data())}, c_mem{c_md, engine, c.data()};
+  std::unordered_map<int, dnnl::memory> args{{DNNL_ARG_SRC, a_mem}, {DNNL_ARG_WEIGHTS, b_mem}, {DNNL_ARG_DST, c_mem}};
+  if (epilogue) args.emplace(DNNL_ARG_BIAS, bias_mem);
+  duet_bench::timed_loop(state, 2.0 * static_cast<double>(m * k * n), [&] {
+    matmul.execute(stream, args);
     stream.wait();
-    benchmark::DoNotOptimize(y.data());
+    benchmark::DoNotOptimize(c.data());
   });
+}
+
+// A layer's forward product with its bias and ReLU.
+template <index_t In, index_t Out>
+void BM_onednn(benchmark::State& state) {
+  onednn_matmul(state, state.range(0), In, Out, false, true);
+}
+
+// The weight gradient's product, dw[Out, In] = dzᵀ[Out, rows] · x[rows, In].
+template <index_t In, index_t Out>
+void BM_onednn_weight_gradient(benchmark::State& state) {
+  onednn_matmul(state, Out, state.range(0), In, true, false);
 }
 #endif
 
@@ -247,11 +279,25 @@ BENCHMARK(BM_dense<backend::Native, true, 512, 512, fn::Relu>)->Name("gemm/nativ
 BENCHMARK(BM_dense<backend::Eigen, false, 512, 512, fn::Relu>)->Name("gemm/eigen/512x512+relu")->Arg(1)->Arg(64)->Arg(256)->UseManualTime();
 BENCHMARK(BM_dense<backend::Native, false, 512, 10>)->Name("gemm/native/512x10")->Arg(1)->Arg(64)->Arg(256)->UseManualTime();
 BENCHMARK(BM_dense<backend::Eigen, false, 512, 10>)->Name("gemm/eigen/512x10")->Arg(1)->Arg(64)->Arg(256)->UseManualTime();
+BENCHMARK(BM_weight_gradient<784, 512, true>)->Name("gemm/weight_gradient/native/784x512")->Arg(64)->Arg(256)->UseManualTime();
+BENCHMARK(BM_weight_gradient<784, 512, false>)->Name("gemm/weight_gradient/native_chain/784x512")->Arg(64)->Arg(256)->UseManualTime();
+BENCHMARK(BM_weight_gradient<512, 512, true>)->Name("gemm/weight_gradient/native/512x512")->Arg(64)->Arg(256)->UseManualTime();
+BENCHMARK(BM_weight_gradient<512, 512, false>)->Name("gemm/weight_gradient/native_chain/512x512")->Arg(64)->Arg(256)->UseManualTime();
 #ifdef DUET_BENCH_OPENBLAS
 BENCHMARK(BM_openblas<784, 512, true>)->Name("gemm/openblas/784x512+relu")->Arg(1)->Arg(64)->Arg(256)->UseManualTime();
 BENCHMARK(BM_openblas<512, 512, true>)->Name("gemm/openblas/512x512+relu")->Arg(1)->Arg(64)->Arg(256)->UseManualTime();
 #endif
 #ifdef DUET_BENCH_DNNL
-BENCHMARK(BM_onednn<784, 512, true>)->Name("gemm/onednn/784x512+relu")->Arg(1)->Arg(64)->Arg(256)->UseManualTime();
-BENCHMARK(BM_onednn<512, 512, true>)->Name("gemm/onednn/512x512+relu")->Arg(1)->Arg(64)->Arg(256)->UseManualTime();
+BENCHMARK(BM_onednn<784, 512>)->Name("gemm/onednn/784x512+relu")->Arg(1)->Arg(64)->Arg(256)->UseManualTime();
+BENCHMARK(BM_onednn<512, 512>)->Name("gemm/onednn/512x512+relu")->Arg(1)->Arg(64)->Arg(256)->UseManualTime();
+BENCHMARK(BM_onednn_weight_gradient<784, 512>)
+    ->Name("gemm/weight_gradient/onednn/784x512")
+    ->Arg(64)
+    ->Arg(256)
+    ->UseManualTime();
+BENCHMARK(BM_onednn_weight_gradient<512, 512>)
+    ->Name("gemm/weight_gradient/onednn/512x512")
+    ->Arg(64)
+    ->Arg(256)
+    ->UseManualTime();
 #endif

@@ -7,25 +7,18 @@
 //   train_fashion_mnist [--mode graph|pynative] [--epochs 5] [--seed 1] [--threads 1]
 //                       [--optimizer adam|sgd] [--lr 0.001] [--batch-size 64]
 //                       [--data /usr/share/datasets/fashion-mnist] [--checkpoint seed_network.ckpt]
-//                       [--resume PATH] [--distributed] [--split-batch K]
+//                       [--resume PATH] [--distributed]
 //
 // --distributed trains data-parallel over the ranks of `mpirun -np N` (duet/distributed.hpp;
 // built only when CMake found MPI): --batch-size stays the global batch, each rank takes
-// 1/N of it, and the losses, accuracy and checkpoint are those of one process with that batch.
-// Rank 0 prints and writes the checkpoint.
-//
-// --split-batch K (one process) takes each batch's gradient as `mpirun -np K ... --distributed`
-// does: shard by shard (the loaders' shards), each shard's gradient scaled by its share of the
-// rows, summed in rank order, as the all-reduce computes it (exactly so for K = 2, where the
-// order of a sum of two does not matter). It tells summation order apart from any other
-// difference between the ranks and one process (README, "Data parallelism (MPI)").
+// 1/N of it, and the losses, accuracy and checkpoint are those of one process with that batch
+// (with 2 ranks, the checkpoint's very bits). Rank 0 prints and writes the checkpoint.
 #include <sys/resource.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <deque>
 #include <functional>
 #include <iostream>
 #include <map>
@@ -51,7 +44,6 @@ struct Options {
   std::string checkpoint = "seed_network.ckpt";
   std::string resume;  // a checkpoint to continue from; "" to start afresh
   bool distributed = false;
-  duet::index_t split_batch = 1;
 };
 
 // This process's part of the work: shard `rank` of `ranks`.
@@ -64,8 +56,7 @@ struct Group {
   std::cerr << "train_fashion_mnist: " << problem
             << "\nusage: train_fashion_mnist [--mode graph|pynative] [--epochs N] [--seed S] [--threads T]\n"
                "                           [--optimizer adam|sgd] [--lr LR] [--batch-size B] [--data DIR]\n"
-               "                           [--checkpoint PATH] [--resume PATH] [--distributed]\n"
-               "                           [--split-batch K]\n";
+               "                           [--checkpoint PATH] [--resume PATH] [--distributed]\n";
   std::exit(2);
 }
 
@@ -82,7 +73,6 @@ Options parse(int argc, char** argv) {
       {"--data", [&](const std::string& v) { o.data = v; }},
       {"--checkpoint", [&](const std::string& v) { o.checkpoint = v; }},
       {"--resume", [&](const std::string& v) { o.resume = v; }},
-      {"--split-batch", [&](const std::string& v) { o.split_batch = std::stoll(v); }},
   };
   for (int i = 1; i < argc; i += 2) {
     if (std::string(argv[i]) == "--distributed") {
@@ -102,8 +92,6 @@ Options parse(int argc, char** argv) {
   if (o.mode != "graph" && o.mode != "pynative") usage("--mode is graph or pynative");
   if (o.optimizer != "adam" && o.optimizer != "sgd") usage("--optimizer is adam or sgd");
   if (o.epochs < 0 || o.threads < 1 || o.batch_size < 1) usage("--epochs, --threads and --batch-size must be positive");
-  if (o.split_batch < 1 || o.batch_size % o.split_batch != 0) usage("--split-batch must divide --batch-size");
-  if (o.split_batch > 1 && o.distributed) usage("--split-batch is for one process, not --distributed");
   return o;
 }
 
@@ -137,47 +125,8 @@ int train(const Options& o, const Group& group, Network& model, duet::nn::BasicO
     options.shard_id = group.rank;
     return options;
   };
-  const index_t shards = o.split_batch;
-  data::DataLoader train_data(data::load_fashion_mnist(o.data, data::Split::train), o.batch_size / group.ranks / shards,
-                              shards > 1 ? data::LoaderOptions{.shuffle = true, .seed = o.seed, .num_shards = shards}
-                                         : shard({.shuffle = true, .seed = o.seed}));
-  // --split-batch: train_data is shard 0, these the others, taken in step with it.
-  std::deque<data::DataLoader> other_shards;
-  for (index_t k = 1; k < shards; ++k) {
-    other_shards.emplace_back(train_data.dataset(), train_data.batch_size(),
-                              data::LoaderOptions{.shuffle = true, .seed = o.seed, .num_shards = shards, .shard_id = k});
-  }
-  auto value_and_grads = value_and_grad(with_loss, model.parameters());
-  const auto step = [&](const data::Batch& batch) -> float {
-    if (shards == 1) return train_step(batch.images, batch.labels).item();
-    std::vector<const data::Batch*> parts{&batch};
-    for (data::DataLoader& other : other_shards) {
-      const data::Batch* part = other.next();
-      if (part == nullptr) {
-        other.start_epoch(other.epoch() + 1);
-        part = other.next();
-      }
-      parts.push_back(part);
-    }
-    double rows = 0;
-    for (const data::Batch* part : parts) rows += static_cast<double>(part->labels.numel());
-    std::vector<Tensor> sums;
-    double loss_sum = 0;
-    for (const data::Batch* part : parts) {
-      const ValueAndGrads<float> out = value_and_grads(part->images, part->labels);
-      const auto n = static_cast<double>(part->labels.numel());
-      const auto share = static_cast<float>(n / rows);
-      for (std::size_t i = 0; i < out.grads.size(); ++i) {
-        if (sums.size() == i) sums.emplace_back(out.grads[i].shape());
-        float* sum = sums[i].data();
-        const float* g = out.grads[i].data();
-        for (index_t j = 0; j < sums[i].numel(); ++j) sum[j] += g[j] * share;
-      }
-      loss_sum += static_cast<double>(out.value.item()) * n;
-    }
-    optimizer(sums);
-    return static_cast<float>(loss_sum / rows);
-  };
+  data::DataLoader train_data(data::load_fashion_mnist(o.data, data::Split::train), o.batch_size / group.ranks,
+                              shard({.shuffle = true, .seed = o.seed}));
   data::DataLoader test_data(data::load_fashion_mnist(o.data, data::Split::test), 1000 / group.ranks, shard({}));
   // Every rank computes the same numbers; rank 0 says them.
   const bool main_rank = group.rank == 0;
@@ -202,7 +151,6 @@ int train(const Options& o, const Group& group, Network& model, duet::nn::BasicO
     }
     done = steps / train_data.size();
     train_data.start_epoch(static_cast<std::uint64_t>(done));
-    for (data::DataLoader& other : other_shards) other.start_epoch(static_cast<std::uint64_t>(done));
     out << "duet: resuming from " << o.resume << " after " << done << " epoch(s)\n";
   }
 
@@ -216,8 +164,8 @@ int train(const Options& o, const Group& group, Network& model, duet::nn::BasicO
     index_t seen = 0;
     index_t batches = 0;
     for (const data::Batch& batch : train_data) {
-      const float batch_loss = step(batch);
-      const index_t n = batch.labels.numel() * shards;
+      const float batch_loss = train_step(batch.images, batch.labels).item();
+      const index_t n = batch.labels.numel();
       loss_sum += static_cast<double>(batch_loss) * static_cast<double>(n);
       seen += n;
       // Every rank takes its share at the same pace, so the group's rate is this rank's times

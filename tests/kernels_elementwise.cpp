@@ -468,21 +468,28 @@ TEST_CASE_TEMPLATE("kernels::map_grad gives the bits of Eigen's select" * duet_t
 TEST_CASE_TEMPLATE("kernels::column_sums: one order of sums for every column, set and build" * duet_test::every_isa, T,
                    float, double) {
   std::mt19937 gen(12);
-  for (index_t rows : {1, 2, 4, 5, 6, 9, 64, 255, 256}) {
+  for (index_t rows : {1, 2, 4, 5, 6, 9, 16, 17, 33, 50, 64, 255, 256}) {
     for (index_t cols : {1, 3, 10, 16, 17, 100, 512}) {
       CAPTURE(rows);
       CAPTURE(cols);
       const std::vector<T> x = random_values<T>(rows * cols, -100, 100, gen);
       std::vector<T> ordered(static_cast<std::size_t>(cols));
       for (index_t j = 0; j < cols; ++j) {
-        T s = x[static_cast<std::size_t>(j)];
-        index_t r = 1;
-        for (; r < ((rows - 1) & ~index_t{3}); r += 4) {
-          const auto at = [&](index_t i) { return x[static_cast<std::size_t>(i * cols + j)]; };
-          s = s + ((at(r) + at(r + 1)) + (at(r + 2) + at(r + 3)));
-        }
-        for (; r < rows; ++r) s = s + x[static_cast<std::size_t>(r * cols + j)];
-        ordered[static_cast<std::size_t>(j)] = s;
+        const auto at = [&](index_t i) { return x[static_cast<std::size_t>(i * cols + j)]; };
+        // Halves down to 16 rows, each run x₀ + ((x₁ + x₂) + (x₃ + x₄)) + ...
+        const auto sum = [&](const auto& self, index_t r0, index_t r1) -> T {
+          if (r1 - r0 > 16) {
+            const index_t mid = r0 + (r1 - r0 + 1) / 2;
+            return self(self, r0, mid) + self(self, mid, r1);
+          }
+          T s = at(r0);
+          index_t r = r0 + 1;
+          for (; r < r0 + ((r1 - r0 - 1) & ~index_t{3}); r += 4)
+            s = s + ((at(r) + at(r + 1)) + (at(r + 2) + at(r + 3)));
+          for (; r < r1; ++r) s = s + at(r);
+          return s;
+        };
+        ordered[static_cast<std::size_t>(j)] = sum(sum, 0, rows);
       }
       duet_test::for_each_isa([&] {
         std::vector<T> sums(ordered.size() + 1, T(7));

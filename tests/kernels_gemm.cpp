@@ -237,6 +237,61 @@ TEST_CASE_TEMPLATE("kernels::gemm_kn: b stored as [k, n], the reference's values
   }
 }
 
+// A layer's weight gradient sums over the batch's rows (k here) in halves, so that 2 ranks, each
+// summing its half, and one process get the same bits (kernels/detail/halves.hpp).
+TEST_CASE_TEMPLATE("kernels::gemm_kn in halves: a sum over k is the sum of its halves' sums, to the bit" *
+                       duet_test::every_isa,
+                   T, float, double) {
+  std::mt19937 gen(11);
+  for (const Case s : {Case{64, 64, 784}, Case{7, 17, 5}, Case{13, 32, 100}, Case{10, 50, 33}, Case{512, 256, 70},
+                       Case{3, 1000, 20}, Case{6, 65, 64}}) {
+    CAPTURE(s.m);
+    CAPTURE(s.k);
+    CAPTURE(s.n);
+    const index_t h = (s.k + 1) / 2;
+    const std::vector<T> a = random_values<T>(static_cast<std::size_t>(s.m * s.k), gen);
+    const std::vector<T> b = random_values<T>(static_cast<std::size_t>(s.k * s.n), gen);  // [k, n]
+    std::vector<T> left(static_cast<std::size_t>(s.m * h));
+    std::vector<T> right(static_cast<std::size_t>(s.m * (s.k - h)));
+    for (index_t i = 0; i < s.m; ++i) {
+      for (index_t q = 0; q < s.k; ++q) {
+        const T v = a[static_cast<std::size_t>(i * s.k + q)];
+        if (q < h)
+          left[static_cast<std::size_t>(i * h + q)] = v;
+        else
+          right[static_cast<std::size_t>(i * (s.k - h) + q - h)] = v;
+      }
+    }
+    std::vector<double> reference(static_cast<std::size_t>(s.m * s.n));
+    for (index_t i = 0; i < s.m; ++i) {
+      for (index_t j = 0; j < s.n; ++j) {
+        for (index_t q = 0; q < s.k; ++q) {
+          reference[static_cast<std::size_t>(i * s.n + j)] +=
+              static_cast<double>(a[static_cast<std::size_t>(i * s.k + q)]) *
+              static_cast<double>(b[static_cast<std::size_t>(q * s.n + j)]);
+        }
+      }
+    }
+    const auto size = static_cast<std::size_t>(s.m * s.n);
+    duet_test::for_each_isa([&] {
+      std::vector<T> whole(size), first(size), second(size);
+      kernels::gemm_kn(a.data(), s.m, s.k, b.data(), s.n, whole.data(), false, true);
+      kernels::gemm_kn(left.data(), s.m, h, b.data(), s.n, first.data(), false, true);
+      kernels::gemm_kn(right.data(), s.m, s.k - h, b.data() + h * s.n, s.n, second.data(), false, true);
+      bool halves = true;
+      for (std::size_t i = 0; i < size; ++i) halves = halves && whole[i] == first[i] + second[i];
+      CHECK(halves);
+      CHECK(duet_test::relative_difference(as_double(whole.data(), size), reference) <= tolerance<T>);
+      // Added to what c holds, the sums come after it.
+      std::vector<T> added(size, T(0.5));
+      kernels::gemm_kn(a.data(), s.m, s.k, b.data(), s.n, added.data(), true, true);
+      bool after = true;
+      for (std::size_t i = 0; i < size; ++i) after = after && added[i] == T(0.5) + whole[i];
+      CHECK(after);
+    });
+  }
+}
+
 TEST_CASE_TEMPLATE("kernels::transpose: every element in its place, whole tiles and edges" * duet_test::every_isa, T, float,
                    double) {
   duet_test::for_each_isa([] {

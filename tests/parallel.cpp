@@ -187,6 +187,51 @@ TEST_CASE("data parallelism sums gradients while backward runs, with one process
   set_context({.mode = PYNATIVE_MODE});
 }
 
+// What makes 2 ranks train as one process: a batch's mean gradient is the mean of its halves'
+// gradients to the bit (the layers sum over the batch in halves, and the loader gives rank k
+// the k-th half), under every instruction set and in both modes.
+TEST_CASE("a batch's gradients are the mean of its halves' gradients, to the bit, in both modes" *
+          duet_test::every_isa) {
+  duet_test::for_each_isa([&] {
+    for (const Mode mode : {PYNATIVE_MODE, GRAPH_MODE}) {
+      for (const index_t rows : {64, 50, 34, 256}) {
+        CAPTURE(mode);
+        CAPTURE(rows);
+        set_context({.mode = mode});
+        set_seed(3);
+        Net net;
+        nn::SoftmaxCrossEntropyWithLogits<true, Reduction::mean> loss;
+        nn::WithLossCell with_loss(net, loss);
+        auto grads_of = value_and_grad(with_loss, net.parameters());
+        const Tensor x = uniform<float>({rows, 128}, -1.0f, 1.0f, 17);
+        BasicTensor<std::int32_t> y({rows});
+        for (index_t r = 0; r < rows; ++r)
+          y.values()[static_cast<std::size_t>(r)] = static_cast<std::int32_t>(r * 7 % 10);
+        const auto half = [&](index_t r0, index_t r1) {
+          Tensor xs({r1 - r0, 128});
+          BasicTensor<std::int32_t> ys({r1 - r0});
+          std::copy(x.data() + r0 * 128, x.data() + r1 * 128, xs.data());
+          std::copy(y.data() + r0, y.data() + r1, ys.data());
+          return grads_of(xs, ys).grads;
+        };
+        const auto whole = grads_of(x, y).grads;
+        const auto first = half(0, rows / 2);
+        const auto second = half(rows / 2, rows);
+        REQUIRE(whole.size() == 4);
+        for (std::size_t i = 0; i < whole.size(); ++i) {
+          CAPTURE(i);
+          bool same = true;
+          for (index_t k = 0; k < whole[i].numel(); ++k) {
+            same = same && whole[i].data()[k] == first[i].data()[k] * 0.5f + second[i].data()[k] * 0.5f;
+          }
+          CHECK(same);
+        }
+      }
+    }
+  });
+  set_context({.mode = PYNATIVE_MODE});
+}
+
 namespace {
 // Uses fc twice from its second call on, in PyNative mode: its backward then writes fc's
 // gradients twice, where the first step wrote them once.

@@ -470,7 +470,8 @@ struct Native : Eigen {
   // and on every thread, as the forward product does: dx = dz · w is gemm_kn (w is [out, in],
   // the [k, n] it reads), and dw (+)= dzᵀ · x is gemm_kn on a transposed copy of dz, which
   // costs rows·out copies against the product's rows·out·in multiply-adds and leaves x, the
-  // larger operand, read in place.
+  // larger operand, read in place. dw and db sum over the batch in halves
+  // (kernels/detail/halves.hpp): a batch's gradient is its halves' (2 ranks') to the bit.
   template <index_t In, index_t Out, class T, class... Fns>
   static void dense_backward(const DenseBackwardArgs<T>& a, const std::tuple<Fns...>& fns = {}) {
     if constexpr (!kernels::gemm_supports<T>) {
@@ -481,7 +482,7 @@ struct Native : Eigen {
       duet::detail::Storage transposed(static_cast<std::size_t>(a.rows * a.out) * sizeof(T));
       T* dzt = reinterpret_cast<T*>(transposed.data());
       kernels::transpose(dz, a.rows, a.out, dzt);
-      kernels::gemm_kn(dzt, a.out, a.rows, a.x, a.in, a.dw, a.accumulate_w);
+      kernels::gemm_kn(dzt, a.out, a.rows, a.x, a.in, a.dw, a.accumulate_w, true);
       if (a.db != nullptr) column_sums(dz, a.rows, a.out, a.db, a.accumulate_b);
       if (a.dx != nullptr) kernels::gemm_kn(dz, a.rows, a.out, a.w, a.in, a.dx);
     }

@@ -85,15 +85,15 @@ class ImageDataset {
   const BasicTensor<std::uint8_t>& images() const { return images_; }
   const BasicTensor<std::int32_t>& labels() const { return labels_; }
 
-  // The samples samples[0], samples[stride], ... (count of them), in that order.
-  void gather(const index_t* samples, index_t stride, index_t count, Batch& batch) const {
+  // The samples samples[0], ..., samples[count - 1], in that order.
+  void gather(const index_t* samples, index_t count, Batch& batch) const {
     const index_t h = height();
     const index_t w = width();
     detail::reuse_or_make(batch.images, {count, 1, h, w});
     detail::reuse_or_make(batch.labels, {count});
     const index_t pixels = h * w;
     for (index_t k = 0; k < count; ++k) {
-      const index_t sample = samples[k * stride];
+      const index_t sample = samples[k];
       const std::uint8_t* from = images_.data() + sample * pixels;
       float* to = batch.images.data() + k * pixels;
       for (index_t p = 0; p < pixels; ++p) to[p] = static_cast<float>(from[p]) / 255.0f;
@@ -130,19 +130,18 @@ class TensorDataset {
   const BasicTensor<X>& inputs() const { return inputs_; }
   const BasicTensor<Y>& targets() const { return targets_; }
 
-  // The samples samples[0], samples[stride], ... (count of them), in that order.
-  void gather(const index_t* samples, index_t stride, index_t count, Batch& batch) const {
-    gather_rows(inputs_, samples, stride, count, batch.inputs);
-    gather_rows(targets_, samples, stride, count, batch.targets);
+  // The samples samples[0], ..., samples[count - 1], in that order.
+  void gather(const index_t* samples, index_t count, Batch& batch) const {
+    gather_rows(inputs_, samples, count, batch.inputs);
+    gather_rows(targets_, samples, count, batch.targets);
   }
 
  private:
   template <class T>
-  static void gather_rows(const BasicTensor<T>& from, const index_t* samples, index_t stride, index_t count,
-                          BasicTensor<T>& to) {
+  static void gather_rows(const BasicTensor<T>& from, const index_t* samples, index_t count, BasicTensor<T>& to) {
     detail::reuse_or_make(to, detail::rows_of(from.shape(), count));
     const index_t row = from.dim(0) == 0 ? 0 : from.numel() / from.dim(0);
-    for (index_t k = 0; k < count; ++k) std::copy_n(from.data() + samples[k * stride] * row, row, to.data() + k * row);
+    for (index_t k = 0; k < count; ++k) std::copy_n(from.data() + samples[k] * row, row, to.data() + k * row);
   }
 
   BasicTensor<X> inputs_;
@@ -192,9 +191,12 @@ struct LoaderOptions {
   // Leave out the last batch when it is smaller than batch_size, instead of returning it short.
   bool drop_last = false;
   // Data parallelism (MindSpore's num_shards/shard_id): the loader serves shard shard_id of
-  // every global batch of batch_size * num_shards samples, the samples at positions shard_id,
-  // shard_id + num_shards, ... of it. Every shard shuffles alike (the same seed gives the same
-  // epoch order), so the shards' batches together are one process's batches of the global size.
+  // every global batch of batch_size * num_shards samples, its shard_id-th contiguous part (a
+  // short last batch's first parts a sample longer where it does not divide). Every shard
+  // shuffles alike (the same seed gives the same epoch order), so the shards' batches, one
+  // after another, are one process's batches of the global size, row for row: 2 ranks hold the
+  // halves that a layer's gradient sums separately (kernels/detail/halves.hpp), and their
+  // gradients' mean is one process's to the bit.
   // A last global batch of fewer than num_shards samples is left out on every shard: some shard
   // would get an empty batch.
   index_t num_shards = 1;
@@ -300,9 +302,14 @@ class BasicDataLoader {
   // The next batch of this epoch, or nullptr when the epoch is over.
   const Batch* next() {
     if (next_batch_ == size()) return nullptr;
-    const index_t first = next_batch_ * global_batch_size() + options_.shard_id;
     const index_t shards = options_.num_shards;
-    data_.gather(order_.data() + first, shards, std::min(batch_size_, (data_.size() - first + shards - 1) / shards), batch_);
+    const index_t start = next_batch_ * global_batch_size();
+    const index_t global = std::min(global_batch_size(), data_.size() - start);
+    const index_t part = global / shards;
+    const index_t longer = global % shards;
+    const index_t shard = options_.shard_id;
+    data_.gather(order_.data() + start + shard * part + std::min(shard, longer), part + (shard < longer ? 1 : 0),
+                 batch_);
     if (shards > 1) {
       const std::uint64_t made_of[] = {options_.shuffle ? options_.seed : 0,
                                        options_.shuffle,

@@ -646,6 +646,75 @@ void parallel_elements(index_t n, index_t work, F&& f) {
 
 }  // namespace detail
 }  // namespace duet
+// The order of a sum over a batch's rows that does not change when the batch is split in two.
+//
+// Data parallelism sums a batch's gradient in parts: each of 2 ranks sums its half of the rows,
+// and the halves are added. A sum that runs down all the rows in one chain rounds otherwise,
+// so one process and 2 ranks part at the first step, and training carries the difference on
+// (6e-5 in the seed network's loss after an epoch). Summed in halves, each the same way down
+// to leaves of at most halves_leaf rows, a batch's sum is its halves' sum in any process:
+// sum[0, n) = sum[0, ⌈n/2⌉) + sum[⌈n/2⌉, n). Data loaders give shard k of a global batch its
+// k-th contiguous part, the first parts a row longer where it does not divide, so that 2 ranks
+// hold exactly these halves. Sums over 2^j equal shards agree too when the ranks add theirs
+// pairwise; MPI chooses its own order beyond 2.
+//
+// The partial sums are added as the leaves end, left part first, so a sum keeps one partial
+// for every level of the tree above it. Leaves of 16 rows let Fashion-MNIST's last batch of 32
+// split too; for the GEMM's tile, whose 24 accumulators are then stored, reloaded and added
+// once every 16 rows or so, that cost the seed network's weight gradients 5-8 % against one
+// chain (benchmarks/gemm.cpp, gemm/weight_gradient/native against native_chain: 225 / 214 us
+// for 784 x 512 at batch 64, 890 / 829 us at 256; AMD EPYC Zen 5, AVX-512) and its training
+// step about 2 % (perf: the product's tile from 31.3 to 32.9 % of an epoch's samples).
+
+
+namespace duet::kernels::detail {
+
+inline constexpr index_t halves_leaf = 16;
+// Levels of the tree for 2^40 · 16 rows: more than any batch.
+inline constexpr int halves_levels = 40;
+
+// The leaves of [0, n), left to right: [begin, end) each, and how many partial sums before it
+// complete with it (the leaf, then its parent, ... while each is its parent's right part).
+// Halving stops at halves_leaf rows, or at once when halves is false (one leaf, one chain).
+class HalvesLeaves {
+ public:
+  HalvesLeaves(index_t n, bool halves) : leaf_(halves ? halves_leaf : n) { push(0, n, 0); }
+
+  bool next(index_t& begin, index_t& end, int& merges) {
+    if (top_ == 0) return false;
+    Part part = pending_[--top_];
+    while (part.end - part.begin > leaf_) {
+      const index_t mid = part.begin + (part.end - part.begin + 1) / 2;
+      push(mid, part.end, part.rights + 1);
+      part = {part.begin, mid, 0};
+    }
+    begin = part.begin;
+    end = part.end;
+    merges = part.rights;
+    return true;
+  }
+
+ private:
+  struct Part {
+    index_t begin;
+    index_t end;
+    int rights;  // how many right parts in a row end here, counting up the tree
+  };
+  void push(index_t begin, index_t end, int rights) { pending_[top_++] = {begin, end, rights}; }
+
+  index_t leaf_;
+  Part pending_[halves_levels + 1];
+  int top_ = 0;
+};
+
+// How many partial sums a sum over n rows in halves keeps at most: the levels above its leaves.
+inline int halves_depth(index_t n) {
+  int levels = 0;
+  for (; n > halves_leaf; n = (n + 1) / 2) ++levels;
+  return levels;
+}
+
+}  // namespace duet::kernels::detail
 // The one place where the instruction sets differ: per set, the vector width, the tile height
 // and the few operations GCC's vector extensions do not spell (FMA, masked memory access, the
 // group broadcast, the square root). Everything else in a kernel is written once, on Vec<T>,
@@ -2407,22 +2476,54 @@ template <bool Partial, int V, int R, class T>
 // ldb apart: the outer-product tile, whose accumulators hold finished sums. Adds to C unless
 // first; bias and Fns after the last K block (last). Never inlined: inlined into a large caller,
 // GCC 12 stored every accumulator at every step (2.5x slower).
-// Each accumulator takes its FMAs in the order of k. The loops over the tile are unrolled by
-// pragma here and in tile_step: GCC keeps an array in registers only where every index is a
-// constant, and left to itself it kept these loops rolled, kept acc in memory and stored all
-// of it at every step; at -O2, where GCC 12 unrolls nothing by itself, the same.
+// Each accumulator takes its FMAs in the order of k, in one chain, or in halves (halves.hpp):
+// a chain per leaf, each leaf's sums then added to the partial sums it completes, kept in
+// partials (R·V vectors for each level). The loops over the tile are unrolled by pragma here
+// and in tile_step: GCC keeps an array in registers only where every index is a constant, and
+// left to itself it kept these loops rolled, kept acc in memory and stored all of it at every
+// step; at -O2, where GCC 12 unrolls nothing by itself, the same.
 template <class T, int V, int R, class... Fns>
-[[gnu::noinline]] void tile(index_t depth, const T* a, index_t lda, int rows, const T* b, index_t ldb, int cols, T* c,
-                            index_t ldc, bool first, bool last, const T* bias) {
+[[gnu::noinline]] void tile(index_t depth, bool halves, T* partials, const T* a, index_t lda, int rows, const T* b,
+                            index_t ldb, int cols, T* c, index_t ldc, bool first, bool last, const T* bias) {
   constexpr int L = lanes<T>;
   // Past the last row, repeat it: the extra tile rows are computed but never stored.
   const T* ar[R];
   for (int i = 0; i < R; ++i) ar[i] = a + std::min(i, rows - 1) * lda;
-  Vec<T> acc[R][V] = {};
-  if (cols == V * L) {
-    for (index_t p = 0; p < depth; ++p, b += ldb) tile_step<false, V, R, T>(acc, ar, p, b, cols);
-  } else {
-    for (index_t p = 0; p < depth; ++p, b += ldb) tile_step<true, V, R, T>(acc, ar, p, b, cols);
+  Vec<T> acc[R][V];
+  HalvesLeaves leaves(depth, halves);
+  index_t p0 = 0;
+  index_t p1 = 0;
+  int merges = 0;
+  int kept = 0;
+  for (bool more = leaves.next(p0, p1, merges); more;) {
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 4
+      for (int j = 0; j < V; ++j) acc[i][j] = Vec<T>{};
+    }
+    const T* bp = b + p0 * ldb;
+    if (cols == V * L) {
+      for (index_t p = p0; p < p1; ++p, bp += ldb) tile_step<false, V, R, T>(acc, ar, p, bp, cols);
+    } else {
+      for (index_t p = p0; p < p1; ++p, bp += ldb) tile_step<true, V, R, T>(acc, ar, p, bp, cols);
+    }
+    for (; merges > 0; --merges) {
+      const T* left = partials + --kept * R * V * L;
+#pragma GCC unroll 16
+      for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 4
+        for (int j = 0; j < V; ++j) acc[i][j] = load(left + (i * V + j) * L) + acc[i][j];
+      }
+    }
+    more = leaves.next(p0, p1, merges);
+    if (more) {
+      T* left = partials + kept++ * R * V * L;
+#pragma GCC unroll 16
+      for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 4
+        for (int j = 0; j < V; ++j) store<T>(left + (i * V + j) * L, acc[i][j]);
+      }
+    }
   }
 #pragma GCC unroll 16
   for (int i = 0; i < R; ++i, c += ldc) {
@@ -2463,13 +2564,19 @@ int tile_rows(int cols) {
 }
 
 template <class T, class... Fns>
-void tile_of(int cols, index_t depth, const T* a, index_t lda, int rows, const T* b, index_t ldb, T* c, index_t ldc,
-             bool first, bool last, const T* bias) {
+void tile_of(int cols, index_t depth, bool halves, T* partials, const T* a, index_t lda, int rows, const T* b,
+             index_t ldb, T* c, index_t ldc, bool first, bool last, const T* bias) {
   if (NV > 1 && cols <= lanes<T>) {
-    tile<T, 1, 2 * MR, Fns...>(depth, a, lda, rows, b, ldb, cols, c, ldc, first, last, bias);
+    tile<T, 1, 2 * MR, Fns...>(depth, halves, partials, a, lda, rows, b, ldb, cols, c, ldc, first, last, bias);
   } else {
-    tile<T, NV, MR, Fns...>(depth, a, lda, rows, b, ldb, cols, c, ldc, first, last, bias);
+    tile<T, NV, MR, Fns...>(depth, halves, partials, a, lda, rows, b, ldb, cols, c, ldc, first, last, bias);
   }
+}
+
+// The partial sums a tile keeps for a sum in halves over depth k, as elements.
+template <class T>
+index_t tile_partials(bool halves, index_t depth) {
+  return halves ? halves_depth(depth) * std::max(NV, 2) * MR * lanes<T> : 0;
 }
 
 // Where the blocked product reads B's K block [k0, k0 + depth) of the panel at column j0 from,
@@ -2495,12 +2602,13 @@ struct PanelSource {
 
 // Panels [p0, p1) of C (columns p0·W .. p1·W, W = NV·L), every row: the blocked product's work
 // for one thread. Each element is one chain of FMAs in the order of k within a K block, the
-// blocks added to C in order, whatever the thread, tile or m. A K block keeps a panel's rows of
-// B (kc x W) in L2 across the M block's tiles, and an M block keeps A's rows (mc x k) in half
-// of it; C's panel of the M block stays there across the K blocks.
+// blocks added to C in order, whatever the thread, tile or m; or, in halves, one K block
+// summed as halves.hpp says. A K block keeps a panel's rows of B (kc x W) in L2 across the M
+// block's tiles, and an M block keeps A's rows (mc x k) in half of it; C's panel of the M block
+// stays there across the K blocks.
 template <class T, class... Fns>
 void gemm_panels(index_t p0, index_t p1, const T* a, index_t m, index_t k, const PanelSource<T>& source, index_t n,
-                 const T* bias, T* c, bool accumulate, index_t kc, index_t mc) {
+                 const T* bias, T* c, bool accumulate, bool halves, T* partials, index_t kc, index_t mc) {
   constexpr index_t W = NV * lanes<T>;
   const index_t n1 = std::min(n, p1 * W);
   for (index_t m0 = 0; m0 < m; m0 += mc) {
@@ -2512,8 +2620,9 @@ void gemm_panels(index_t p0, index_t p1, const T* a, index_t m, index_t k, const
         const index_t depth = std::min(kc, k - k0);
         const auto [bp, ldb] = source.block(j0, k0, depth, cols);
         for (index_t i0 = m0; i0 < m1; i0 += rows) {
-          tile_of<T, Fns...>(cols, depth, a + i0 * k + k0, k, static_cast<int>(std::min<index_t>(rows, m1 - i0)), bp, ldb,
-                             c + i0 * n + j0, n, k0 == 0 && !accumulate, k0 + depth == k, bias == nullptr ? nullptr : bias + j0);
+          tile_of<T, Fns...>(cols, depth, halves, partials, a + i0 * k + k0, k,
+                             static_cast<int>(std::min<index_t>(rows, m1 - i0)), bp, ldb, c + i0 * n + j0, n,
+                             k0 == 0 && !accumulate, k0 + depth == k, bias == nullptr ? nullptr : bias + j0);
         }
       }
     }
@@ -2522,23 +2631,27 @@ void gemm_panels(index_t p0, index_t p1, const T* a, index_t m, index_t k, const
 
 // The product on as many threads as it can use (threads.hpp), each taking whole panels of
 // columns, so that every element of C is summed by the same code in the same order whatever
-// the number of threads.
+// the number of threads. In halves the K extent is one block, whose halves are then the same
+// at every k.
 template <class T, class... Fns>
-void gemm_blocked(const T* a, index_t m, index_t k, PanelSource<T> source, index_t n, const T* bias, T* c, bool accumulate) {
+void gemm_blocked(const T* a, index_t m, index_t k, PanelSource<T> source, index_t n, const T* bias, T* c,
+                  bool accumulate, bool halves) {
   constexpr index_t W = NV * lanes<T>;
   constexpr auto size = static_cast<index_t>(sizeof(T));
-  const index_t kc = balanced_block(k, panel_block_bytes / (W * size), 1);
+  const index_t kc = halves ? k : balanced_block(k, panel_block_bytes / (W * size), 1);
   const index_t mc = balanced_block(m, std::max<index_t>(MR, MC_bytes / (k * size)), MR);
   const index_t panels = (n + W - 1) / W;
   const int threads = ::duet::detail::useful_threads(m * n * k, panels);
   const bool packs = !source.kn && source.packed == nullptr;
-  const index_t scratch_elements = packs ? kc * W : 0;
+  const index_t packing_elements = packs ? kc * W : 0;
+  const index_t scratch_elements = packing_elements + tile_partials<T>(halves, kc);
   ::duet::detail::Storage scratch(static_cast<std::size_t>(threads * scratch_elements * size));
   T* scratch_of_all = reinterpret_cast<T*>(scratch.data());
   ::duet::detail::parallel_blocks(panels, threads, [&](index_t p0, index_t p1, int slot) {
     PanelSource<T> own = source;
-    own.scratch = scratch_of_all + slot * scratch_elements;
-    gemm_panels<T, Fns...>(p0, p1, a, m, k, own, n, bias, c, accumulate, kc, mc);
+    T* mine = scratch_of_all + slot * scratch_elements;
+    own.scratch = mine;
+    gemm_panels<T, Fns...>(p0, p1, a, m, k, own, n, bias, c, accumulate, halves, mine + packing_elements, kc, mc);
   });
 }
 
@@ -2555,12 +2668,12 @@ struct Kernels {
   template <class T, class... Fns>
   static void blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
                       const PackedWeight<T>* packed) {
-    gemm_blocked<T, Fns...>(a, m, k, PanelSource<T>{b, n, k, false, packed, nullptr}, n, bias, c, false);
+    gemm_blocked<T, Fns...>(a, m, k, PanelSource<T>{b, n, k, false, packed, nullptr}, n, bias, c, false, false);
   }
 
   template <class T>
-  static void blocked_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c, bool accumulate) {
-    gemm_blocked<T>(a, m, k, PanelSource<T>{b, n, k, true, nullptr, nullptr}, n, nullptr, c, accumulate);
+  static void blocked_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c, bool accumulate, bool halves) {
+    gemm_blocked<T>(a, m, k, PanelSource<T>{b, n, k, true, nullptr, nullptr}, n, nullptr, c, accumulate, halves);
   }
 
   // Every panel of b ([n, k]) into dst, transposed: panel p, [k, W], at p·k·W.
@@ -2732,22 +2845,54 @@ template <bool Partial, int V, int R, class T>
 // ldb apart: the outer-product tile, whose accumulators hold finished sums. Adds to C unless
 // first; bias and Fns after the last K block (last). Never inlined: inlined into a large caller,
 // GCC 12 stored every accumulator at every step (2.5x slower).
-// Each accumulator takes its FMAs in the order of k. The loops over the tile are unrolled by
-// pragma here and in tile_step: GCC keeps an array in registers only where every index is a
-// constant, and left to itself it kept these loops rolled, kept acc in memory and stored all
-// of it at every step; at -O2, where GCC 12 unrolls nothing by itself, the same.
+// Each accumulator takes its FMAs in the order of k, in one chain, or in halves (halves.hpp):
+// a chain per leaf, each leaf's sums then added to the partial sums it completes, kept in
+// partials (R·V vectors for each level). The loops over the tile are unrolled by pragma here
+// and in tile_step: GCC keeps an array in registers only where every index is a constant, and
+// left to itself it kept these loops rolled, kept acc in memory and stored all of it at every
+// step; at -O2, where GCC 12 unrolls nothing by itself, the same.
 template <class T, int V, int R, class... Fns>
-[[gnu::noinline]] void tile(index_t depth, const T* a, index_t lda, int rows, const T* b, index_t ldb, int cols, T* c,
-                            index_t ldc, bool first, bool last, const T* bias) {
+[[gnu::noinline]] void tile(index_t depth, bool halves, T* partials, const T* a, index_t lda, int rows, const T* b,
+                            index_t ldb, int cols, T* c, index_t ldc, bool first, bool last, const T* bias) {
   constexpr int L = lanes<T>;
   // Past the last row, repeat it: the extra tile rows are computed but never stored.
   const T* ar[R];
   for (int i = 0; i < R; ++i) ar[i] = a + std::min(i, rows - 1) * lda;
-  Vec<T> acc[R][V] = {};
-  if (cols == V * L) {
-    for (index_t p = 0; p < depth; ++p, b += ldb) tile_step<false, V, R, T>(acc, ar, p, b, cols);
-  } else {
-    for (index_t p = 0; p < depth; ++p, b += ldb) tile_step<true, V, R, T>(acc, ar, p, b, cols);
+  Vec<T> acc[R][V];
+  HalvesLeaves leaves(depth, halves);
+  index_t p0 = 0;
+  index_t p1 = 0;
+  int merges = 0;
+  int kept = 0;
+  for (bool more = leaves.next(p0, p1, merges); more;) {
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 4
+      for (int j = 0; j < V; ++j) acc[i][j] = Vec<T>{};
+    }
+    const T* bp = b + p0 * ldb;
+    if (cols == V * L) {
+      for (index_t p = p0; p < p1; ++p, bp += ldb) tile_step<false, V, R, T>(acc, ar, p, bp, cols);
+    } else {
+      for (index_t p = p0; p < p1; ++p, bp += ldb) tile_step<true, V, R, T>(acc, ar, p, bp, cols);
+    }
+    for (; merges > 0; --merges) {
+      const T* left = partials + --kept * R * V * L;
+#pragma GCC unroll 16
+      for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 4
+        for (int j = 0; j < V; ++j) acc[i][j] = load(left + (i * V + j) * L) + acc[i][j];
+      }
+    }
+    more = leaves.next(p0, p1, merges);
+    if (more) {
+      T* left = partials + kept++ * R * V * L;
+#pragma GCC unroll 16
+      for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 4
+        for (int j = 0; j < V; ++j) store<T>(left + (i * V + j) * L, acc[i][j]);
+      }
+    }
   }
 #pragma GCC unroll 16
   for (int i = 0; i < R; ++i, c += ldc) {
@@ -2788,13 +2933,19 @@ int tile_rows(int cols) {
 }
 
 template <class T, class... Fns>
-void tile_of(int cols, index_t depth, const T* a, index_t lda, int rows, const T* b, index_t ldb, T* c, index_t ldc,
-             bool first, bool last, const T* bias) {
+void tile_of(int cols, index_t depth, bool halves, T* partials, const T* a, index_t lda, int rows, const T* b,
+             index_t ldb, T* c, index_t ldc, bool first, bool last, const T* bias) {
   if (NV > 1 && cols <= lanes<T>) {
-    tile<T, 1, 2 * MR, Fns...>(depth, a, lda, rows, b, ldb, cols, c, ldc, first, last, bias);
+    tile<T, 1, 2 * MR, Fns...>(depth, halves, partials, a, lda, rows, b, ldb, cols, c, ldc, first, last, bias);
   } else {
-    tile<T, NV, MR, Fns...>(depth, a, lda, rows, b, ldb, cols, c, ldc, first, last, bias);
+    tile<T, NV, MR, Fns...>(depth, halves, partials, a, lda, rows, b, ldb, cols, c, ldc, first, last, bias);
   }
+}
+
+// The partial sums a tile keeps for a sum in halves over depth k, as elements.
+template <class T>
+index_t tile_partials(bool halves, index_t depth) {
+  return halves ? halves_depth(depth) * std::max(NV, 2) * MR * lanes<T> : 0;
 }
 
 // Where the blocked product reads B's K block [k0, k0 + depth) of the panel at column j0 from,
@@ -2820,12 +2971,13 @@ struct PanelSource {
 
 // Panels [p0, p1) of C (columns p0·W .. p1·W, W = NV·L), every row: the blocked product's work
 // for one thread. Each element is one chain of FMAs in the order of k within a K block, the
-// blocks added to C in order, whatever the thread, tile or m. A K block keeps a panel's rows of
-// B (kc x W) in L2 across the M block's tiles, and an M block keeps A's rows (mc x k) in half
-// of it; C's panel of the M block stays there across the K blocks.
+// blocks added to C in order, whatever the thread, tile or m; or, in halves, one K block
+// summed as halves.hpp says. A K block keeps a panel's rows of B (kc x W) in L2 across the M
+// block's tiles, and an M block keeps A's rows (mc x k) in half of it; C's panel of the M block
+// stays there across the K blocks.
 template <class T, class... Fns>
 void gemm_panels(index_t p0, index_t p1, const T* a, index_t m, index_t k, const PanelSource<T>& source, index_t n,
-                 const T* bias, T* c, bool accumulate, index_t kc, index_t mc) {
+                 const T* bias, T* c, bool accumulate, bool halves, T* partials, index_t kc, index_t mc) {
   constexpr index_t W = NV * lanes<T>;
   const index_t n1 = std::min(n, p1 * W);
   for (index_t m0 = 0; m0 < m; m0 += mc) {
@@ -2837,8 +2989,9 @@ void gemm_panels(index_t p0, index_t p1, const T* a, index_t m, index_t k, const
         const index_t depth = std::min(kc, k - k0);
         const auto [bp, ldb] = source.block(j0, k0, depth, cols);
         for (index_t i0 = m0; i0 < m1; i0 += rows) {
-          tile_of<T, Fns...>(cols, depth, a + i0 * k + k0, k, static_cast<int>(std::min<index_t>(rows, m1 - i0)), bp, ldb,
-                             c + i0 * n + j0, n, k0 == 0 && !accumulate, k0 + depth == k, bias == nullptr ? nullptr : bias + j0);
+          tile_of<T, Fns...>(cols, depth, halves, partials, a + i0 * k + k0, k,
+                             static_cast<int>(std::min<index_t>(rows, m1 - i0)), bp, ldb, c + i0 * n + j0, n,
+                             k0 == 0 && !accumulate, k0 + depth == k, bias == nullptr ? nullptr : bias + j0);
         }
       }
     }
@@ -2847,23 +3000,27 @@ void gemm_panels(index_t p0, index_t p1, const T* a, index_t m, index_t k, const
 
 // The product on as many threads as it can use (threads.hpp), each taking whole panels of
 // columns, so that every element of C is summed by the same code in the same order whatever
-// the number of threads.
+// the number of threads. In halves the K extent is one block, whose halves are then the same
+// at every k.
 template <class T, class... Fns>
-void gemm_blocked(const T* a, index_t m, index_t k, PanelSource<T> source, index_t n, const T* bias, T* c, bool accumulate) {
+void gemm_blocked(const T* a, index_t m, index_t k, PanelSource<T> source, index_t n, const T* bias, T* c,
+                  bool accumulate, bool halves) {
   constexpr index_t W = NV * lanes<T>;
   constexpr auto size = static_cast<index_t>(sizeof(T));
-  const index_t kc = balanced_block(k, panel_block_bytes / (W * size), 1);
+  const index_t kc = halves ? k : balanced_block(k, panel_block_bytes / (W * size), 1);
   const index_t mc = balanced_block(m, std::max<index_t>(MR, MC_bytes / (k * size)), MR);
   const index_t panels = (n + W - 1) / W;
   const int threads = ::duet::detail::useful_threads(m * n * k, panels);
   const bool packs = !source.kn && source.packed == nullptr;
-  const index_t scratch_elements = packs ? kc * W : 0;
+  const index_t packing_elements = packs ? kc * W : 0;
+  const index_t scratch_elements = packing_elements + tile_partials<T>(halves, kc);
   ::duet::detail::Storage scratch(static_cast<std::size_t>(threads * scratch_elements * size));
   T* scratch_of_all = reinterpret_cast<T*>(scratch.data());
   ::duet::detail::parallel_blocks(panels, threads, [&](index_t p0, index_t p1, int slot) {
     PanelSource<T> own = source;
-    own.scratch = scratch_of_all + slot * scratch_elements;
-    gemm_panels<T, Fns...>(p0, p1, a, m, k, own, n, bias, c, accumulate, kc, mc);
+    T* mine = scratch_of_all + slot * scratch_elements;
+    own.scratch = mine;
+    gemm_panels<T, Fns...>(p0, p1, a, m, k, own, n, bias, c, accumulate, halves, mine + packing_elements, kc, mc);
   });
 }
 
@@ -2880,12 +3037,12 @@ struct Kernels {
   template <class T, class... Fns>
   static void blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
                       const PackedWeight<T>* packed) {
-    gemm_blocked<T, Fns...>(a, m, k, PanelSource<T>{b, n, k, false, packed, nullptr}, n, bias, c, false);
+    gemm_blocked<T, Fns...>(a, m, k, PanelSource<T>{b, n, k, false, packed, nullptr}, n, bias, c, false, false);
   }
 
   template <class T>
-  static void blocked_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c, bool accumulate) {
-    gemm_blocked<T>(a, m, k, PanelSource<T>{b, n, k, true, nullptr, nullptr}, n, nullptr, c, accumulate);
+  static void blocked_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c, bool accumulate, bool halves) {
+    gemm_blocked<T>(a, m, k, PanelSource<T>{b, n, k, true, nullptr, nullptr}, n, nullptr, c, accumulate, halves);
   }
 
   // Every panel of b ([n, k]) into dst, transposed: panel p, [k, W], at p·k·W.
@@ -3057,22 +3214,54 @@ template <bool Partial, int V, int R, class T>
 // ldb apart: the outer-product tile, whose accumulators hold finished sums. Adds to C unless
 // first; bias and Fns after the last K block (last). Never inlined: inlined into a large caller,
 // GCC 12 stored every accumulator at every step (2.5x slower).
-// Each accumulator takes its FMAs in the order of k. The loops over the tile are unrolled by
-// pragma here and in tile_step: GCC keeps an array in registers only where every index is a
-// constant, and left to itself it kept these loops rolled, kept acc in memory and stored all
-// of it at every step; at -O2, where GCC 12 unrolls nothing by itself, the same.
+// Each accumulator takes its FMAs in the order of k, in one chain, or in halves (halves.hpp):
+// a chain per leaf, each leaf's sums then added to the partial sums it completes, kept in
+// partials (R·V vectors for each level). The loops over the tile are unrolled by pragma here
+// and in tile_step: GCC keeps an array in registers only where every index is a constant, and
+// left to itself it kept these loops rolled, kept acc in memory and stored all of it at every
+// step; at -O2, where GCC 12 unrolls nothing by itself, the same.
 template <class T, int V, int R, class... Fns>
-[[gnu::noinline]] void tile(index_t depth, const T* a, index_t lda, int rows, const T* b, index_t ldb, int cols, T* c,
-                            index_t ldc, bool first, bool last, const T* bias) {
+[[gnu::noinline]] void tile(index_t depth, bool halves, T* partials, const T* a, index_t lda, int rows, const T* b,
+                            index_t ldb, int cols, T* c, index_t ldc, bool first, bool last, const T* bias) {
   constexpr int L = lanes<T>;
   // Past the last row, repeat it: the extra tile rows are computed but never stored.
   const T* ar[R];
   for (int i = 0; i < R; ++i) ar[i] = a + std::min(i, rows - 1) * lda;
-  Vec<T> acc[R][V] = {};
-  if (cols == V * L) {
-    for (index_t p = 0; p < depth; ++p, b += ldb) tile_step<false, V, R, T>(acc, ar, p, b, cols);
-  } else {
-    for (index_t p = 0; p < depth; ++p, b += ldb) tile_step<true, V, R, T>(acc, ar, p, b, cols);
+  Vec<T> acc[R][V];
+  HalvesLeaves leaves(depth, halves);
+  index_t p0 = 0;
+  index_t p1 = 0;
+  int merges = 0;
+  int kept = 0;
+  for (bool more = leaves.next(p0, p1, merges); more;) {
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 4
+      for (int j = 0; j < V; ++j) acc[i][j] = Vec<T>{};
+    }
+    const T* bp = b + p0 * ldb;
+    if (cols == V * L) {
+      for (index_t p = p0; p < p1; ++p, bp += ldb) tile_step<false, V, R, T>(acc, ar, p, bp, cols);
+    } else {
+      for (index_t p = p0; p < p1; ++p, bp += ldb) tile_step<true, V, R, T>(acc, ar, p, bp, cols);
+    }
+    for (; merges > 0; --merges) {
+      const T* left = partials + --kept * R * V * L;
+#pragma GCC unroll 16
+      for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 4
+        for (int j = 0; j < V; ++j) acc[i][j] = load(left + (i * V + j) * L) + acc[i][j];
+      }
+    }
+    more = leaves.next(p0, p1, merges);
+    if (more) {
+      T* left = partials + kept++ * R * V * L;
+#pragma GCC unroll 16
+      for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 4
+        for (int j = 0; j < V; ++j) store<T>(left + (i * V + j) * L, acc[i][j]);
+      }
+    }
   }
 #pragma GCC unroll 16
   for (int i = 0; i < R; ++i, c += ldc) {
@@ -3113,13 +3302,19 @@ int tile_rows(int cols) {
 }
 
 template <class T, class... Fns>
-void tile_of(int cols, index_t depth, const T* a, index_t lda, int rows, const T* b, index_t ldb, T* c, index_t ldc,
-             bool first, bool last, const T* bias) {
+void tile_of(int cols, index_t depth, bool halves, T* partials, const T* a, index_t lda, int rows, const T* b,
+             index_t ldb, T* c, index_t ldc, bool first, bool last, const T* bias) {
   if (NV > 1 && cols <= lanes<T>) {
-    tile<T, 1, 2 * MR, Fns...>(depth, a, lda, rows, b, ldb, cols, c, ldc, first, last, bias);
+    tile<T, 1, 2 * MR, Fns...>(depth, halves, partials, a, lda, rows, b, ldb, cols, c, ldc, first, last, bias);
   } else {
-    tile<T, NV, MR, Fns...>(depth, a, lda, rows, b, ldb, cols, c, ldc, first, last, bias);
+    tile<T, NV, MR, Fns...>(depth, halves, partials, a, lda, rows, b, ldb, cols, c, ldc, first, last, bias);
   }
+}
+
+// The partial sums a tile keeps for a sum in halves over depth k, as elements.
+template <class T>
+index_t tile_partials(bool halves, index_t depth) {
+  return halves ? halves_depth(depth) * std::max(NV, 2) * MR * lanes<T> : 0;
 }
 
 // Where the blocked product reads B's K block [k0, k0 + depth) of the panel at column j0 from,
@@ -3145,12 +3340,13 @@ struct PanelSource {
 
 // Panels [p0, p1) of C (columns p0·W .. p1·W, W = NV·L), every row: the blocked product's work
 // for one thread. Each element is one chain of FMAs in the order of k within a K block, the
-// blocks added to C in order, whatever the thread, tile or m. A K block keeps a panel's rows of
-// B (kc x W) in L2 across the M block's tiles, and an M block keeps A's rows (mc x k) in half
-// of it; C's panel of the M block stays there across the K blocks.
+// blocks added to C in order, whatever the thread, tile or m; or, in halves, one K block
+// summed as halves.hpp says. A K block keeps a panel's rows of B (kc x W) in L2 across the M
+// block's tiles, and an M block keeps A's rows (mc x k) in half of it; C's panel of the M block
+// stays there across the K blocks.
 template <class T, class... Fns>
 void gemm_panels(index_t p0, index_t p1, const T* a, index_t m, index_t k, const PanelSource<T>& source, index_t n,
-                 const T* bias, T* c, bool accumulate, index_t kc, index_t mc) {
+                 const T* bias, T* c, bool accumulate, bool halves, T* partials, index_t kc, index_t mc) {
   constexpr index_t W = NV * lanes<T>;
   const index_t n1 = std::min(n, p1 * W);
   for (index_t m0 = 0; m0 < m; m0 += mc) {
@@ -3162,8 +3358,9 @@ void gemm_panels(index_t p0, index_t p1, const T* a, index_t m, index_t k, const
         const index_t depth = std::min(kc, k - k0);
         const auto [bp, ldb] = source.block(j0, k0, depth, cols);
         for (index_t i0 = m0; i0 < m1; i0 += rows) {
-          tile_of<T, Fns...>(cols, depth, a + i0 * k + k0, k, static_cast<int>(std::min<index_t>(rows, m1 - i0)), bp, ldb,
-                             c + i0 * n + j0, n, k0 == 0 && !accumulate, k0 + depth == k, bias == nullptr ? nullptr : bias + j0);
+          tile_of<T, Fns...>(cols, depth, halves, partials, a + i0 * k + k0, k,
+                             static_cast<int>(std::min<index_t>(rows, m1 - i0)), bp, ldb, c + i0 * n + j0, n,
+                             k0 == 0 && !accumulate, k0 + depth == k, bias == nullptr ? nullptr : bias + j0);
         }
       }
     }
@@ -3172,23 +3369,27 @@ void gemm_panels(index_t p0, index_t p1, const T* a, index_t m, index_t k, const
 
 // The product on as many threads as it can use (threads.hpp), each taking whole panels of
 // columns, so that every element of C is summed by the same code in the same order whatever
-// the number of threads.
+// the number of threads. In halves the K extent is one block, whose halves are then the same
+// at every k.
 template <class T, class... Fns>
-void gemm_blocked(const T* a, index_t m, index_t k, PanelSource<T> source, index_t n, const T* bias, T* c, bool accumulate) {
+void gemm_blocked(const T* a, index_t m, index_t k, PanelSource<T> source, index_t n, const T* bias, T* c,
+                  bool accumulate, bool halves) {
   constexpr index_t W = NV * lanes<T>;
   constexpr auto size = static_cast<index_t>(sizeof(T));
-  const index_t kc = balanced_block(k, panel_block_bytes / (W * size), 1);
+  const index_t kc = halves ? k : balanced_block(k, panel_block_bytes / (W * size), 1);
   const index_t mc = balanced_block(m, std::max<index_t>(MR, MC_bytes / (k * size)), MR);
   const index_t panels = (n + W - 1) / W;
   const int threads = ::duet::detail::useful_threads(m * n * k, panels);
   const bool packs = !source.kn && source.packed == nullptr;
-  const index_t scratch_elements = packs ? kc * W : 0;
+  const index_t packing_elements = packs ? kc * W : 0;
+  const index_t scratch_elements = packing_elements + tile_partials<T>(halves, kc);
   ::duet::detail::Storage scratch(static_cast<std::size_t>(threads * scratch_elements * size));
   T* scratch_of_all = reinterpret_cast<T*>(scratch.data());
   ::duet::detail::parallel_blocks(panels, threads, [&](index_t p0, index_t p1, int slot) {
     PanelSource<T> own = source;
-    own.scratch = scratch_of_all + slot * scratch_elements;
-    gemm_panels<T, Fns...>(p0, p1, a, m, k, own, n, bias, c, accumulate, kc, mc);
+    T* mine = scratch_of_all + slot * scratch_elements;
+    own.scratch = mine;
+    gemm_panels<T, Fns...>(p0, p1, a, m, k, own, n, bias, c, accumulate, halves, mine + packing_elements, kc, mc);
   });
 }
 
@@ -3205,12 +3406,12 @@ struct Kernels {
   template <class T, class... Fns>
   static void blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
                       const PackedWeight<T>* packed) {
-    gemm_blocked<T, Fns...>(a, m, k, PanelSource<T>{b, n, k, false, packed, nullptr}, n, bias, c, false);
+    gemm_blocked<T, Fns...>(a, m, k, PanelSource<T>{b, n, k, false, packed, nullptr}, n, bias, c, false, false);
   }
 
   template <class T>
-  static void blocked_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c, bool accumulate) {
-    gemm_blocked<T>(a, m, k, PanelSource<T>{b, n, k, true, nullptr, nullptr}, n, nullptr, c, accumulate);
+  static void blocked_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c, bool accumulate, bool halves) {
+    gemm_blocked<T>(a, m, k, PanelSource<T>{b, n, k, true, nullptr, nullptr}, n, nullptr, c, accumulate, halves);
   }
 
   // Every panel of b ([n, k]) into dst, transposed: panel p, [k, W], at p·k·W.
@@ -3363,18 +3564,21 @@ void transpose(const T* from, index_t rows, index_t cols, T* to) {
 // as an image's patches, a layer's weight under its input gradient and its input under its
 // weight gradient are, with neither bias nor functions; accumulate adds to c instead of
 // writing it. gemm's tile reads the rows of b in place, as they are what gemm packs a weight
-// into. Every element is summed in the order of k, the same at any m and on any thread (one
-// row alone too: gemm_kn has no GEMV path). No heap allocation.
+// into. Every element is summed in the order of k, or, with halves, in halves (detail/halves.hpp:
+// a sum over a batch's rows, the same as the sum of its halves'), the same at any m and on
+// any thread (one row alone too: gemm_kn has no GEMV path). No heap allocation.
 template <class T>
   requires gemm_supports<T>
-void gemm_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c, bool accumulate = false) {
-  if (m == 0 || n == 0) return;
-  if (k == 0) {
-    if (!accumulate) std::fill_n(c, m * n, T(0));
-    return;
+  void gemm_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c, bool accumulate = false,
+               bool halves = false) {
+    if (m == 0 || n == 0) return;
+    if (k == 0) {
+      if (!accumulate) std::fill_n(c, m * n, T(0));
+      return;
+    }
+    detail::with_kernels(active_isa(),
+                         [&]<class Kernels>(Kernels) { Kernels::blocked_kn(a, m, k, b, n, c, accumulate, halves); });
   }
-  detail::with_kernels(active_isa(), [&]<class Kernels>(Kernels) { Kernels::blocked_kn(a, m, k, b, n, c, accumulate); });
-}
 
 }  // namespace duet::kernels
 
@@ -3570,22 +3774,40 @@ T sum_step(Target, const T* x, index_t n) {
   return reduce_lanes<false, T>(s);
 }
 
-// sums[j] (+)= Σ_r x[r, j] over cols columns of rows ld apart, a vector of columns at a time down
-// the rows: x₀ + ((x₁ + x₂) + (x₃ + x₄)) + ..., the rows past the last group of four one by one. The
-// groups keep two additions in flight; the order is the same for every column and set.
+// Σ_r x[r, j] for r in [r0, r1), a vector of columns at once: x₀ + ((x₁ + x₂) + (x₃ + x₄)) + ...,
+// the rows past the last group of four one by one. The groups keep two additions in flight.
+template <class T>
+Vec<T> column_run(const T* column, index_t r0, index_t r1, index_t ld, int count) {
+  const index_t groups_end = r0 + ((r1 - r0 - 1) & ~index_t{3});
+  Vec<T> s = load_lanes(column + r0 * ld, count);
+  index_t r = r0 + 1;
+  for (; r < groups_end; r += 4) {
+    s = s + ((load_lanes(column + r * ld, count) + load_lanes(column + (r + 1) * ld, count)) +
+             (load_lanes(column + (r + 2) * ld, count) + load_lanes(column + (r + 3) * ld, count)));
+  }
+  for (; r < r1; ++r) s = s + load_lanes(column + r * ld, count);
+  return s;
+}
+
+// sums[j] (+)= Σ_r x[r, j] over cols columns of rows ld apart, in halves (halves.hpp), each
+// leaf a column_run; the order is the same for every column and set.
 template <class T>
 void column_sums_step(Target, const T* x, index_t rows, index_t cols, index_t ld, T* sums, bool accumulate) {
-  const index_t groups_end = (rows - 1) & ~index_t{3};
   for (index_t j = 0; j < cols; j += lanes<T>) {
     const int count = lanes_from<T>(j, cols);
-    const T* column = x + j;
-    Vec<T> s = load_lanes(column, count);
-    index_t r = 1;
-    for (; r < groups_end; r += 4) {
-      s = s + ((load_lanes(column + r * ld, count) + load_lanes(column + (r + 1) * ld, count)) +
-               (load_lanes(column + (r + 2) * ld, count) + load_lanes(column + (r + 3) * ld, count)));
+    Vec<T> left[halves_levels];
+    int kept = 0;
+    Vec<T> s{};
+    HalvesLeaves leaves(rows, true);
+    index_t r0 = 0;
+    index_t r1 = 0;
+    int merges = 0;
+    for (bool more = leaves.next(r0, r1, merges); more;) {
+      s = column_run(x + j, r0, r1, ld, count);
+      for (; merges > 0; --merges) s = left[--kept] + s;
+      more = leaves.next(r0, r1, merges);
+      if (more) left[kept++] = s;
     }
-    for (; r < rows; ++r) s = s + load_lanes(column + r * ld, count);
     if (accumulate) s = load_lanes(sums + j, count) + s;
     store_lanes<T>(sums + j, s, count);
   }
@@ -3854,22 +4076,40 @@ T sum_step(Target, const T* x, index_t n) {
   return reduce_lanes<false, T>(s);
 }
 
-// sums[j] (+)= Σ_r x[r, j] over cols columns of rows ld apart, a vector of columns at a time down
-// the rows: x₀ + ((x₁ + x₂) + (x₃ + x₄)) + ..., the rows past the last group of four one by one. The
-// groups keep two additions in flight; the order is the same for every column and set.
+// Σ_r x[r, j] for r in [r0, r1), a vector of columns at once: x₀ + ((x₁ + x₂) + (x₃ + x₄)) + ...,
+// the rows past the last group of four one by one. The groups keep two additions in flight.
+template <class T>
+Vec<T> column_run(const T* column, index_t r0, index_t r1, index_t ld, int count) {
+  const index_t groups_end = r0 + ((r1 - r0 - 1) & ~index_t{3});
+  Vec<T> s = load_lanes(column + r0 * ld, count);
+  index_t r = r0 + 1;
+  for (; r < groups_end; r += 4) {
+    s = s + ((load_lanes(column + r * ld, count) + load_lanes(column + (r + 1) * ld, count)) +
+             (load_lanes(column + (r + 2) * ld, count) + load_lanes(column + (r + 3) * ld, count)));
+  }
+  for (; r < r1; ++r) s = s + load_lanes(column + r * ld, count);
+  return s;
+}
+
+// sums[j] (+)= Σ_r x[r, j] over cols columns of rows ld apart, in halves (halves.hpp), each
+// leaf a column_run; the order is the same for every column and set.
 template <class T>
 void column_sums_step(Target, const T* x, index_t rows, index_t cols, index_t ld, T* sums, bool accumulate) {
-  const index_t groups_end = (rows - 1) & ~index_t{3};
   for (index_t j = 0; j < cols; j += lanes<T>) {
     const int count = lanes_from<T>(j, cols);
-    const T* column = x + j;
-    Vec<T> s = load_lanes(column, count);
-    index_t r = 1;
-    for (; r < groups_end; r += 4) {
-      s = s + ((load_lanes(column + r * ld, count) + load_lanes(column + (r + 1) * ld, count)) +
-               (load_lanes(column + (r + 2) * ld, count) + load_lanes(column + (r + 3) * ld, count)));
+    Vec<T> left[halves_levels];
+    int kept = 0;
+    Vec<T> s{};
+    HalvesLeaves leaves(rows, true);
+    index_t r0 = 0;
+    index_t r1 = 0;
+    int merges = 0;
+    for (bool more = leaves.next(r0, r1, merges); more;) {
+      s = column_run(x + j, r0, r1, ld, count);
+      for (; merges > 0; --merges) s = left[--kept] + s;
+      more = leaves.next(r0, r1, merges);
+      if (more) left[kept++] = s;
     }
-    for (; r < rows; ++r) s = s + load_lanes(column + r * ld, count);
     if (accumulate) s = load_lanes(sums + j, count) + s;
     store_lanes<T>(sums + j, s, count);
   }
@@ -4138,22 +4378,40 @@ T sum_step(Target, const T* x, index_t n) {
   return reduce_lanes<false, T>(s);
 }
 
-// sums[j] (+)= Σ_r x[r, j] over cols columns of rows ld apart, a vector of columns at a time down
-// the rows: x₀ + ((x₁ + x₂) + (x₃ + x₄)) + ..., the rows past the last group of four one by one. The
-// groups keep two additions in flight; the order is the same for every column and set.
+// Σ_r x[r, j] for r in [r0, r1), a vector of columns at once: x₀ + ((x₁ + x₂) + (x₃ + x₄)) + ...,
+// the rows past the last group of four one by one. The groups keep two additions in flight.
+template <class T>
+Vec<T> column_run(const T* column, index_t r0, index_t r1, index_t ld, int count) {
+  const index_t groups_end = r0 + ((r1 - r0 - 1) & ~index_t{3});
+  Vec<T> s = load_lanes(column + r0 * ld, count);
+  index_t r = r0 + 1;
+  for (; r < groups_end; r += 4) {
+    s = s + ((load_lanes(column + r * ld, count) + load_lanes(column + (r + 1) * ld, count)) +
+             (load_lanes(column + (r + 2) * ld, count) + load_lanes(column + (r + 3) * ld, count)));
+  }
+  for (; r < r1; ++r) s = s + load_lanes(column + r * ld, count);
+  return s;
+}
+
+// sums[j] (+)= Σ_r x[r, j] over cols columns of rows ld apart, in halves (halves.hpp), each
+// leaf a column_run; the order is the same for every column and set.
 template <class T>
 void column_sums_step(Target, const T* x, index_t rows, index_t cols, index_t ld, T* sums, bool accumulate) {
-  const index_t groups_end = (rows - 1) & ~index_t{3};
   for (index_t j = 0; j < cols; j += lanes<T>) {
     const int count = lanes_from<T>(j, cols);
-    const T* column = x + j;
-    Vec<T> s = load_lanes(column, count);
-    index_t r = 1;
-    for (; r < groups_end; r += 4) {
-      s = s + ((load_lanes(column + r * ld, count) + load_lanes(column + (r + 1) * ld, count)) +
-               (load_lanes(column + (r + 2) * ld, count) + load_lanes(column + (r + 3) * ld, count)));
+    Vec<T> left[halves_levels];
+    int kept = 0;
+    Vec<T> s{};
+    HalvesLeaves leaves(rows, true);
+    index_t r0 = 0;
+    index_t r1 = 0;
+    int merges = 0;
+    for (bool more = leaves.next(r0, r1, merges); more;) {
+      s = column_run(x + j, r0, r1, ld, count);
+      for (; merges > 0; --merges) s = left[--kept] + s;
+      more = leaves.next(r0, r1, merges);
+      if (more) left[kept++] = s;
     }
-    for (; r < rows; ++r) s = s + load_lanes(column + r * ld, count);
     if (accumulate) s = load_lanes(sums + j, count) + s;
     store_lanes<T>(sums + j, s, count);
   }
@@ -4335,7 +4593,8 @@ void softmax_grad(const T* z, const T* p, index_t n, T lse, T mass, T scale, T* 
 // (threads.hpp's pass_work says when a pass is shared): no bit depends on the thread count.
 
 // sums[j] (+)= Σ_r x[r, j], x row-major [rows, cols] with rows >= 1: a layer's bias gradient,
-// each column summed in the one order column_sums_step gives, whatever the set and the build.
+// each column summed in the one order column_sums_step gives, whatever the set and the build,
+// in halves (detail/halves.hpp), so that a batch's sums are its halves' sums.
 // Threads take strips of whole columns.
 template <VectorElement T>
 void column_sums(const T* x, index_t rows, index_t cols, T* sums, bool accumulate) {
@@ -6109,7 +6368,8 @@ struct Native : Eigen {
   // and on every thread, as the forward product does: dx = dz · w is gemm_kn (w is [out, in],
   // the [k, n] it reads), and dw (+)= dzᵀ · x is gemm_kn on a transposed copy of dz, which
   // costs rows·out copies against the product's rows·out·in multiply-adds and leaves x, the
-  // larger operand, read in place.
+  // larger operand, read in place. dw and db sum over the batch in halves
+  // (kernels/detail/halves.hpp): a batch's gradient is its halves' (2 ranks') to the bit.
   template <index_t In, index_t Out, class T, class... Fns>
   static void dense_backward(const DenseBackwardArgs<T>& a, const std::tuple<Fns...>& fns = {}) {
     if constexpr (!kernels::gemm_supports<T>) {
@@ -6120,7 +6380,7 @@ struct Native : Eigen {
       duet::detail::Storage transposed(static_cast<std::size_t>(a.rows * a.out) * sizeof(T));
       T* dzt = reinterpret_cast<T*>(transposed.data());
       kernels::transpose(dz, a.rows, a.out, dzt);
-      kernels::gemm_kn(dzt, a.out, a.rows, a.x, a.in, a.dw, a.accumulate_w);
+      kernels::gemm_kn(dzt, a.out, a.rows, a.x, a.in, a.dw, a.accumulate_w, true);
       if (a.db != nullptr) column_sums(dz, a.rows, a.out, a.db, a.accumulate_b);
       if (a.dx != nullptr) kernels::gemm_kn(dz, a.rows, a.out, a.w, a.in, a.dx);
     }
@@ -14855,15 +15115,15 @@ class ImageDataset {
   const BasicTensor<std::uint8_t>& images() const { return images_; }
   const BasicTensor<std::int32_t>& labels() const { return labels_; }
 
-  // The samples samples[0], samples[stride], ... (count of them), in that order.
-  void gather(const index_t* samples, index_t stride, index_t count, Batch& batch) const {
+  // The samples samples[0], ..., samples[count - 1], in that order.
+  void gather(const index_t* samples, index_t count, Batch& batch) const {
     const index_t h = height();
     const index_t w = width();
     detail::reuse_or_make(batch.images, {count, 1, h, w});
     detail::reuse_or_make(batch.labels, {count});
     const index_t pixels = h * w;
     for (index_t k = 0; k < count; ++k) {
-      const index_t sample = samples[k * stride];
+      const index_t sample = samples[k];
       const std::uint8_t* from = images_.data() + sample * pixels;
       float* to = batch.images.data() + k * pixels;
       for (index_t p = 0; p < pixels; ++p) to[p] = static_cast<float>(from[p]) / 255.0f;
@@ -14900,19 +15160,18 @@ class TensorDataset {
   const BasicTensor<X>& inputs() const { return inputs_; }
   const BasicTensor<Y>& targets() const { return targets_; }
 
-  // The samples samples[0], samples[stride], ... (count of them), in that order.
-  void gather(const index_t* samples, index_t stride, index_t count, Batch& batch) const {
-    gather_rows(inputs_, samples, stride, count, batch.inputs);
-    gather_rows(targets_, samples, stride, count, batch.targets);
+  // The samples samples[0], ..., samples[count - 1], in that order.
+  void gather(const index_t* samples, index_t count, Batch& batch) const {
+    gather_rows(inputs_, samples, count, batch.inputs);
+    gather_rows(targets_, samples, count, batch.targets);
   }
 
  private:
   template <class T>
-  static void gather_rows(const BasicTensor<T>& from, const index_t* samples, index_t stride, index_t count,
-                          BasicTensor<T>& to) {
+  static void gather_rows(const BasicTensor<T>& from, const index_t* samples, index_t count, BasicTensor<T>& to) {
     detail::reuse_or_make(to, detail::rows_of(from.shape(), count));
     const index_t row = from.dim(0) == 0 ? 0 : from.numel() / from.dim(0);
-    for (index_t k = 0; k < count; ++k) std::copy_n(from.data() + samples[k * stride] * row, row, to.data() + k * row);
+    for (index_t k = 0; k < count; ++k) std::copy_n(from.data() + samples[k] * row, row, to.data() + k * row);
   }
 
   BasicTensor<X> inputs_;
@@ -14962,9 +15221,12 @@ struct LoaderOptions {
   // Leave out the last batch when it is smaller than batch_size, instead of returning it short.
   bool drop_last = false;
   // Data parallelism (MindSpore's num_shards/shard_id): the loader serves shard shard_id of
-  // every global batch of batch_size * num_shards samples, the samples at positions shard_id,
-  // shard_id + num_shards, ... of it. Every shard shuffles alike (the same seed gives the same
-  // epoch order), so the shards' batches together are one process's batches of the global size.
+  // every global batch of batch_size * num_shards samples, its shard_id-th contiguous part (a
+  // short last batch's first parts a sample longer where it does not divide). Every shard
+  // shuffles alike (the same seed gives the same epoch order), so the shards' batches, one
+  // after another, are one process's batches of the global size, row for row: 2 ranks hold the
+  // halves that a layer's gradient sums separately (kernels/detail/halves.hpp), and their
+  // gradients' mean is one process's to the bit.
   // A last global batch of fewer than num_shards samples is left out on every shard: some shard
   // would get an empty batch.
   index_t num_shards = 1;
@@ -15070,9 +15332,14 @@ class BasicDataLoader {
   // The next batch of this epoch, or nullptr when the epoch is over.
   const Batch* next() {
     if (next_batch_ == size()) return nullptr;
-    const index_t first = next_batch_ * global_batch_size() + options_.shard_id;
     const index_t shards = options_.num_shards;
-    data_.gather(order_.data() + first, shards, std::min(batch_size_, (data_.size() - first + shards - 1) / shards), batch_);
+    const index_t start = next_batch_ * global_batch_size();
+    const index_t global = std::min(global_batch_size(), data_.size() - start);
+    const index_t part = global / shards;
+    const index_t longer = global % shards;
+    const index_t shard = options_.shard_id;
+    data_.gather(order_.data() + start + shard * part + std::min(shard, longer), part + (shard < longer ? 1 : 0),
+                 batch_);
     if (shards > 1) {
       const std::uint64_t made_of[] = {options_.shuffle ? options_.seed : 0,
                                        options_.shuffle,

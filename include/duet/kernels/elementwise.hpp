@@ -116,7 +116,8 @@ void softmax_grad(const T* z, const T* p, index_t n, T lse, T mass, T scale, T* 
 // (threads.hpp's pass_work says when a pass is shared): no bit depends on the thread count.
 
 // sums[j] (+)= Σ_r x[r, j], x row-major [rows, cols] with rows >= 1: a layer's bias gradient,
-// each column summed in the one order column_sums_step gives, whatever the set and the build.
+// each column summed in the one order column_sums_step gives, whatever the set and the build,
+// in halves (detail/halves.hpp), so that a batch's sums are its halves' sums.
 // Threads take strips of whole columns.
 template <VectorElement T>
 void column_sums(const T* x, index_t rows, index_t cols, T* sums, bool accumulate) {

@@ -45,6 +45,7 @@
 #include "../error.hpp"
 #include "../memory.hpp"
 #include "../threads.hpp"
+#include "detail/halves.hpp"
 #include "simd/arch.hpp"
 #include "simd/dispatch.hpp"
 #include "simd/isa.hpp"
@@ -269,17 +270,20 @@ void transpose(const T* from, index_t rows, index_t cols, T* to) {
 // as an image's patches, a layer's weight under its input gradient and its input under its
 // weight gradient are, with neither bias nor functions; accumulate adds to c instead of
 // writing it. gemm's tile reads the rows of b in place, as they are what gemm packs a weight
-// into. Every element is summed in the order of k, the same at any m and on any thread (one
-// row alone too: gemm_kn has no GEMV path). No heap allocation.
+// into. Every element is summed in the order of k, or, with halves, in halves (detail/halves.hpp:
+// a sum over a batch's rows, the same as the sum of its halves'), the same at any m and on
+// any thread (one row alone too: gemm_kn has no GEMV path). No heap allocation.
 template <class T>
   requires gemm_supports<T>
-void gemm_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c, bool accumulate = false) {
-  if (m == 0 || n == 0) return;
-  if (k == 0) {
-    if (!accumulate) std::fill_n(c, m * n, T(0));
-    return;
+  void gemm_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c, bool accumulate = false,
+               bool halves = false) {
+    if (m == 0 || n == 0) return;
+    if (k == 0) {
+      if (!accumulate) std::fill_n(c, m * n, T(0));
+      return;
+    }
+    detail::with_kernels(active_isa(),
+                         [&]<class Kernels>(Kernels) { Kernels::blocked_kn(a, m, k, b, n, c, accumulate, halves); });
   }
-  detail::with_kernels(active_isa(), [&]<class Kernels>(Kernels) { Kernels::blocked_kn(a, m, k, b, n, c, accumulate); });
-}
 
 }  // namespace duet::kernels

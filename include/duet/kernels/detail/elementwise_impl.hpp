@@ -151,22 +151,40 @@ T sum_step(Target, const T* x, index_t n) {
   return reduce_lanes<false, T>(s);
 }
 
-// sums[j] (+)= Σ_r x[r, j] over cols columns of rows ld apart, a vector of columns at a time down
-// the rows: x₀ + ((x₁ + x₂) + (x₃ + x₄)) + ..., the rows past the last group of four one by one. The
-// groups keep two additions in flight; the order is the same for every column and set.
+// Σ_r x[r, j] for r in [r0, r1), a vector of columns at once: x₀ + ((x₁ + x₂) + (x₃ + x₄)) + ...,
+// the rows past the last group of four one by one. The groups keep two additions in flight.
+template <class T>
+Vec<T> column_run(const T* column, index_t r0, index_t r1, index_t ld, int count) {
+  const index_t groups_end = r0 + ((r1 - r0 - 1) & ~index_t{3});
+  Vec<T> s = load_lanes(column + r0 * ld, count);
+  index_t r = r0 + 1;
+  for (; r < groups_end; r += 4) {
+    s = s + ((load_lanes(column + r * ld, count) + load_lanes(column + (r + 1) * ld, count)) +
+             (load_lanes(column + (r + 2) * ld, count) + load_lanes(column + (r + 3) * ld, count)));
+  }
+  for (; r < r1; ++r) s = s + load_lanes(column + r * ld, count);
+  return s;
+}
+
+// sums[j] (+)= Σ_r x[r, j] over cols columns of rows ld apart, in halves (halves.hpp), each
+// leaf a column_run; the order is the same for every column and set.
 template <class T>
 void column_sums_step(Target, const T* x, index_t rows, index_t cols, index_t ld, T* sums, bool accumulate) {
-  const index_t groups_end = (rows - 1) & ~index_t{3};
   for (index_t j = 0; j < cols; j += lanes<T>) {
     const int count = lanes_from<T>(j, cols);
-    const T* column = x + j;
-    Vec<T> s = load_lanes(column, count);
-    index_t r = 1;
-    for (; r < groups_end; r += 4) {
-      s = s + ((load_lanes(column + r * ld, count) + load_lanes(column + (r + 1) * ld, count)) +
-               (load_lanes(column + (r + 2) * ld, count) + load_lanes(column + (r + 3) * ld, count)));
+    Vec<T> left[halves_levels];
+    int kept = 0;
+    Vec<T> s{};
+    HalvesLeaves leaves(rows, true);
+    index_t r0 = 0;
+    index_t r1 = 0;
+    int merges = 0;
+    for (bool more = leaves.next(r0, r1, merges); more;) {
+      s = column_run(x + j, r0, r1, ld, count);
+      for (; merges > 0; --merges) s = left[--kept] + s;
+      more = leaves.next(r0, r1, merges);
+      if (more) left[kept++] = s;
     }
-    for (; r < rows; ++r) s = s + load_lanes(column + r * ld, count);
     if (accumulate) s = load_lanes(sums + j, count) + s;
     store_lanes<T>(sums + j, s, count);
   }

@@ -155,22 +155,54 @@ template <bool Partial, int V, int R, class T>
 // ldb apart: the outer-product tile, whose accumulators hold finished sums. Adds to C unless
 // first; bias and Fns after the last K block (last). Never inlined: inlined into a large caller,
 // GCC 12 stored every accumulator at every step (2.5x slower).
-// Each accumulator takes its FMAs in the order of k. The loops over the tile are unrolled by
-// pragma here and in tile_step: GCC keeps an array in registers only where every index is a
-// constant, and left to itself it kept these loops rolled, kept acc in memory and stored all
-// of it at every step; at -O2, where GCC 12 unrolls nothing by itself, the same.
+// Each accumulator takes its FMAs in the order of k, in one chain, or in halves (halves.hpp):
+// a chain per leaf, each leaf's sums then added to the partial sums it completes, kept in
+// partials (R·V vectors for each level). The loops over the tile are unrolled by pragma here
+// and in tile_step: GCC keeps an array in registers only where every index is a constant, and
+// left to itself it kept these loops rolled, kept acc in memory and stored all of it at every
+// step; at -O2, where GCC 12 unrolls nothing by itself, the same.
 template <class T, int V, int R, class... Fns>
-[[gnu::noinline]] void tile(index_t depth, const T* a, index_t lda, int rows, const T* b, index_t ldb, int cols, T* c,
-                            index_t ldc, bool first, bool last, const T* bias) {
+[[gnu::noinline]] void tile(index_t depth, bool halves, T* partials, const T* a, index_t lda, int rows, const T* b,
+                            index_t ldb, int cols, T* c, index_t ldc, bool first, bool last, const T* bias) {
   constexpr int L = lanes<T>;
   // Past the last row, repeat it: the extra tile rows are computed but never stored.
   const T* ar[R];
   for (int i = 0; i < R; ++i) ar[i] = a + std::min(i, rows - 1) * lda;
-  Vec<T> acc[R][V] = {};
-  if (cols == V * L) {
-    for (index_t p = 0; p < depth; ++p, b += ldb) tile_step<false, V, R, T>(acc, ar, p, b, cols);
-  } else {
-    for (index_t p = 0; p < depth; ++p, b += ldb) tile_step<true, V, R, T>(acc, ar, p, b, cols);
+  Vec<T> acc[R][V];
+  HalvesLeaves leaves(depth, halves);
+  index_t p0 = 0;
+  index_t p1 = 0;
+  int merges = 0;
+  int kept = 0;
+  for (bool more = leaves.next(p0, p1, merges); more;) {
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 4
+      for (int j = 0; j < V; ++j) acc[i][j] = Vec<T>{};
+    }
+    const T* bp = b + p0 * ldb;
+    if (cols == V * L) {
+      for (index_t p = p0; p < p1; ++p, bp += ldb) tile_step<false, V, R, T>(acc, ar, p, bp, cols);
+    } else {
+      for (index_t p = p0; p < p1; ++p, bp += ldb) tile_step<true, V, R, T>(acc, ar, p, bp, cols);
+    }
+    for (; merges > 0; --merges) {
+      const T* left = partials + --kept * R * V * L;
+#pragma GCC unroll 16
+      for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 4
+        for (int j = 0; j < V; ++j) acc[i][j] = load(left + (i * V + j) * L) + acc[i][j];
+      }
+    }
+    more = leaves.next(p0, p1, merges);
+    if (more) {
+      T* left = partials + kept++ * R * V * L;
+#pragma GCC unroll 16
+      for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 4
+        for (int j = 0; j < V; ++j) store<T>(left + (i * V + j) * L, acc[i][j]);
+      }
+    }
   }
 #pragma GCC unroll 16
   for (int i = 0; i < R; ++i, c += ldc) {
@@ -211,13 +243,19 @@ int tile_rows(int cols) {
 }
 
 template <class T, class... Fns>
-void tile_of(int cols, index_t depth, const T* a, index_t lda, int rows, const T* b, index_t ldb, T* c, index_t ldc,
-             bool first, bool last, const T* bias) {
+void tile_of(int cols, index_t depth, bool halves, T* partials, const T* a, index_t lda, int rows, const T* b,
+             index_t ldb, T* c, index_t ldc, bool first, bool last, const T* bias) {
   if (NV > 1 && cols <= lanes<T>) {
-    tile<T, 1, 2 * MR, Fns...>(depth, a, lda, rows, b, ldb, cols, c, ldc, first, last, bias);
+    tile<T, 1, 2 * MR, Fns...>(depth, halves, partials, a, lda, rows, b, ldb, cols, c, ldc, first, last, bias);
   } else {
-    tile<T, NV, MR, Fns...>(depth, a, lda, rows, b, ldb, cols, c, ldc, first, last, bias);
+    tile<T, NV, MR, Fns...>(depth, halves, partials, a, lda, rows, b, ldb, cols, c, ldc, first, last, bias);
   }
+}
+
+// The partial sums a tile keeps for a sum in halves over depth k, as elements.
+template <class T>
+index_t tile_partials(bool halves, index_t depth) {
+  return halves ? halves_depth(depth) * std::max(NV, 2) * MR * lanes<T> : 0;
 }
 
 // Where the blocked product reads B's K block [k0, k0 + depth) of the panel at column j0 from,
@@ -243,12 +281,13 @@ struct PanelSource {
 
 // Panels [p0, p1) of C (columns p0·W .. p1·W, W = NV·L), every row: the blocked product's work
 // for one thread. Each element is one chain of FMAs in the order of k within a K block, the
-// blocks added to C in order, whatever the thread, tile or m. A K block keeps a panel's rows of
-// B (kc x W) in L2 across the M block's tiles, and an M block keeps A's rows (mc x k) in half
-// of it; C's panel of the M block stays there across the K blocks.
+// blocks added to C in order, whatever the thread, tile or m; or, in halves, one K block
+// summed as halves.hpp says. A K block keeps a panel's rows of B (kc x W) in L2 across the M
+// block's tiles, and an M block keeps A's rows (mc x k) in half of it; C's panel of the M block
+// stays there across the K blocks.
 template <class T, class... Fns>
 void gemm_panels(index_t p0, index_t p1, const T* a, index_t m, index_t k, const PanelSource<T>& source, index_t n,
-                 const T* bias, T* c, bool accumulate, index_t kc, index_t mc) {
+                 const T* bias, T* c, bool accumulate, bool halves, T* partials, index_t kc, index_t mc) {
   constexpr index_t W = NV * lanes<T>;
   const index_t n1 = std::min(n, p1 * W);
   for (index_t m0 = 0; m0 < m; m0 += mc) {
@@ -260,8 +299,9 @@ void gemm_panels(index_t p0, index_t p1, const T* a, index_t m, index_t k, const
         const index_t depth = std::min(kc, k - k0);
         const auto [bp, ldb] = source.block(j0, k0, depth, cols);
         for (index_t i0 = m0; i0 < m1; i0 += rows) {
-          tile_of<T, Fns...>(cols, depth, a + i0 * k + k0, k, static_cast<int>(std::min<index_t>(rows, m1 - i0)), bp, ldb,
-                             c + i0 * n + j0, n, k0 == 0 && !accumulate, k0 + depth == k, bias == nullptr ? nullptr : bias + j0);
+          tile_of<T, Fns...>(cols, depth, halves, partials, a + i0 * k + k0, k,
+                             static_cast<int>(std::min<index_t>(rows, m1 - i0)), bp, ldb, c + i0 * n + j0, n,
+                             k0 == 0 && !accumulate, k0 + depth == k, bias == nullptr ? nullptr : bias + j0);
         }
       }
     }
@@ -270,23 +310,27 @@ void gemm_panels(index_t p0, index_t p1, const T* a, index_t m, index_t k, const
 
 // The product on as many threads as it can use (threads.hpp), each taking whole panels of
 // columns, so that every element of C is summed by the same code in the same order whatever
-// the number of threads.
+// the number of threads. In halves the K extent is one block, whose halves are then the same
+// at every k.
 template <class T, class... Fns>
-void gemm_blocked(const T* a, index_t m, index_t k, PanelSource<T> source, index_t n, const T* bias, T* c, bool accumulate) {
+void gemm_blocked(const T* a, index_t m, index_t k, PanelSource<T> source, index_t n, const T* bias, T* c,
+                  bool accumulate, bool halves) {
   constexpr index_t W = NV * lanes<T>;
   constexpr auto size = static_cast<index_t>(sizeof(T));
-  const index_t kc = balanced_block(k, panel_block_bytes / (W * size), 1);
+  const index_t kc = halves ? k : balanced_block(k, panel_block_bytes / (W * size), 1);
   const index_t mc = balanced_block(m, std::max<index_t>(MR, MC_bytes / (k * size)), MR);
   const index_t panels = (n + W - 1) / W;
   const int threads = ::duet::detail::useful_threads(m * n * k, panels);
   const bool packs = !source.kn && source.packed == nullptr;
-  const index_t scratch_elements = packs ? kc * W : 0;
+  const index_t packing_elements = packs ? kc * W : 0;
+  const index_t scratch_elements = packing_elements + tile_partials<T>(halves, kc);
   ::duet::detail::Storage scratch(static_cast<std::size_t>(threads * scratch_elements * size));
   T* scratch_of_all = reinterpret_cast<T*>(scratch.data());
   ::duet::detail::parallel_blocks(panels, threads, [&](index_t p0, index_t p1, int slot) {
     PanelSource<T> own = source;
-    own.scratch = scratch_of_all + slot * scratch_elements;
-    gemm_panels<T, Fns...>(p0, p1, a, m, k, own, n, bias, c, accumulate, kc, mc);
+    T* mine = scratch_of_all + slot * scratch_elements;
+    own.scratch = mine;
+    gemm_panels<T, Fns...>(p0, p1, a, m, k, own, n, bias, c, accumulate, halves, mine + packing_elements, kc, mc);
   });
 }
 
@@ -303,12 +347,12 @@ struct Kernels {
   template <class T, class... Fns>
   static void blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
                       const PackedWeight<T>* packed) {
-    gemm_blocked<T, Fns...>(a, m, k, PanelSource<T>{b, n, k, false, packed, nullptr}, n, bias, c, false);
+    gemm_blocked<T, Fns...>(a, m, k, PanelSource<T>{b, n, k, false, packed, nullptr}, n, bias, c, false, false);
   }
 
   template <class T>
-  static void blocked_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c, bool accumulate) {
-    gemm_blocked<T>(a, m, k, PanelSource<T>{b, n, k, true, nullptr, nullptr}, n, nullptr, c, accumulate);
+  static void blocked_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c, bool accumulate, bool halves) {
+    gemm_blocked<T>(a, m, k, PanelSource<T>{b, n, k, true, nullptr, nullptr}, n, nullptr, c, accumulate, halves);
   }
 
   // Every panel of b ([n, k]) into dst, transposed: panel p, [k, W], at p·k·W.
