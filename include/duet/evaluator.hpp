@@ -13,19 +13,20 @@
 #pragma once
 
 #include <array>
-#include <cmath>
-#include <string>
-#include <string_view>
-#include <type_traits>
 #include <atomic>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string>
+#include <string_view>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "backend.hpp"
+#include "detail/finite.hpp"
 #include "diagnostics.hpp"
 #include "graph.hpp"
 #include "jit_config.hpp"
@@ -262,21 +263,6 @@ graph::Plan<G, Inputs> plan(const graph::Sym<G, Out>& program, const std::array<
   p.arena_bytes = detail::lay_out_slots(buffers.storage, buffers.slot, buffers.slot_count, element_size, p.shapes, p.offset);
   return p;
 }
-
-namespace detail {
-// Debug's check of a node's output: the first NaN or infinity, named with its node.
-template <class T>
-void check_finite(const T* values, const Shape& shape, const std::string& context) {
-  if constexpr (std::is_floating_point_v<T>) {
-    for (index_t i = 0; i < shape.numel(); ++i) {
-      if (!std::isfinite(values[i])) {
-        throw ValueError(context + "output element " + std::to_string(i) + " of " + to_string(shape) + " is " +
-                         (std::isnan(values[i]) ? "NaN" : "infinite"));
-      }
-    }
-  }
-}
-}  // namespace detail
 
 namespace graph {
 // What run_observed shows each node's value to. This one is nothing, and costs nothing.

@@ -350,16 +350,18 @@ class JitBase {
   }
 
   // PIJit's compilation once the function has run under `trace` and returned value `out`: the
-  // replay, or null when the trace broke and the function runs eagerly.
+  // replay (checking every step's output, under DebugLevel::debug), or null when the trace
+  // broke and the function runs eagerly.
   template <std::size_t N>
   std::shared_ptr<const pijit::Replay> kept(CompileCache<N>& cache, const Signature<N>& s, const std::string& reason,
-                                            pijit::Trace&& trace, std::size_t out, JitLevel level) {
+                                            pijit::Trace&& trace, std::size_t out, JitLevel level, DebugLevel debug) {
     std::string broken = trace.broken();
     if (broken.empty() && out == trace.values().size()) broken = "the function returns a value no duet operation made";
     std::shared_ptr<const pijit::Replay> replay;
     std::string note = "graph break, runs eagerly: " + broken;
     if (broken.empty()) {
-      replay = std::make_shared<pijit::Replay>(std::move(trace), out, level);
+      replay = std::make_shared<pijit::Replay>(std::move(trace), out, level,
+                                               debug == DebugLevel::debug ? options_.name : std::string());
       note = "traced " + std::to_string(replay->traced_steps()) + " operations, replays " +
              std::to_string(replay->steps()) + " steps: " + replay->step_names();
     }
@@ -553,13 +555,13 @@ class JitFunction : public detail::JitBase {
       }
     }
     if (options_.mode == JitMode::PIJit) {
-      if (entry->replay == nullptr) return eager(args...);
+      if (entry->replay == nullptr) return checked(eager(args...), "eagerly (a graph break)");
       if (entry->replay->cells_have_hooks()) {
         if (entry->replay->set_aside()) {
           detail::jit_log(options_.name + ": runs eagerly while a cell in it has a hook (hooks see values in "
                                           "PyNative mode only)");
         }
-        return eager(args...);
+        return checked(eager(args...), "eagerly (a hook)");
       }
       return replayed<typename Result::value_type>(*entry->replay, args...);
     }
@@ -569,6 +571,18 @@ class JitFunction : public detail::JitBase {
       throw ValueError(options_.name + ": the function is not generic over its tensors, so it cannot be captured "
                                        "as a static graph (PSJit); jit it with {.mode = JitMode::PIJit}");
     }
+  }
+
+  // DebugLevel::debug where a compiled function runs eagerly instead (a graph break, a hook, an
+  // ambiguous capture) or under its trace: the result, since the operations that made it ran
+  // as PyNative runs them, unchecked.
+  template <class R>
+  R checked(R y, const char* how) const {
+    if constexpr (Config.debug_level == DebugLevel::debug) {
+      duet::detail::check_finite(y.data(), y.shape(),
+                                 "duet (debug): in " + options_.name + ", the result of a call run " + how + ": ");
+    }
+    return y;
   }
 
   // DUET_JIT=0 or set_context({.jit_enabled = false}): the function as plain PyNative code.
@@ -607,14 +621,14 @@ class JitFunction : public detail::JitBase {
                            : "; write duet::host<duet::allowed_break>(fn, x), or use JitSyntaxLevel::lax"));
     }
     const std::size_t out = trace.find(y);
-    const auto replay = kept(cache, s, reason, std::move(trace), out, Config.jit_level);
+    const auto replay = kept(cache, s, reason, std::move(trace), out, Config.jit_level, Config.debug_level);
     // A replay that folds a BatchNorm (evaluation, which changes no state) rounds differently
     // from the eager run that traced it: the traced call returns the replay's result too, so
     // that every call of this shape gives the same bits.
     if (replay != nullptr && replay->rounds_differently()) {
       return replayed<typename Result::value_type>(*replay, args...);
     }
-    return Result(y);
+    return checked(Result(y), "under its trace");
   }
 
   template <class... Args>
@@ -634,7 +648,7 @@ class JitFunction : public detail::JitBase {
     return pipeline::in_requested_phase(capture, [&](const auto& program) {
       if (!program.ambiguity.empty()) {
         detail::log_ambiguous_capture(options_.name, program.ambiguity, "in PyNative mode");
-        return eager(args...);
+        return checked(eager(args...), "in PyNative mode (an ambiguous capture)");
       }
       return std::apply(
           [&](const auto&... t) {

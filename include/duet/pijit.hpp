@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "context.hpp"
+#include "detail/finite.hpp"
 #include "jit_config.hpp"
 #include "memory.hpp"
 #include "tensor.hpp"
@@ -91,15 +92,18 @@ class EpilogueChain final : public Step {
   std::vector<std::shared_ptr<Step>> tail_;
 };
 
-// A trace made ready to run again: fused, with its memory laid out.
+// A trace made ready to run again: fused, with its memory laid out. Given the function's name
+// for DebugLevel::debug, every step's output is checked for NaN and infinity as it is made,
+// as graph mode checks every node's.
 class Replay {
  public:
-  Replay(Trace trace, std::size_t output, JitLevel level)
+  Replay(Trace trace, std::size_t output, JitLevel level, std::string debug_name = {})
       : values_(std::move(trace.values())),
         steps_(std::move(trace.steps())),
         cells_(std::move(trace.cells())),
         output_(output),
-        traced_steps_(steps_.size()) {
+        traced_steps_(steps_.size()),
+        debug_name_(std::move(debug_name)) {
     if (level != JitLevel::O0) fuse();
     // A trace that trains writes its weights between calls: packing them would be one more
     // pass over each weight per call (graph mode's passes skip training graphs too).
@@ -164,8 +168,10 @@ class Replay {
           break;
       }
     }
-    for (const auto& step : steps_) {
-      if (step->runs_kernel()) step->run(data.data(), values_);
+    for (std::size_t i = 0; i < steps_.size(); ++i) {
+      if (!steps_[i]->runs_kernel()) continue;
+      steps_[i]->run(data.data(), values_);
+      if (!debug_name_.empty()) check_step(i, data.data());
     }
     const Value& out = values_[output_];
     if (out.shape == result.shape()) return result;
@@ -260,6 +266,19 @@ class Replay {
     }
   }
 
+  void check_step(std::size_t i, void* const* data) const {
+    const Step& step = *steps_[i];
+    const Value& value = values_[step.output];
+    const auto context = [&] {
+      return "duet (debug): in " + debug_name_ + ", replayed step " + std::to_string(i) + " (" + step.op_name() + "): ";
+    };
+    if (value.dtype == DType::float32) {
+      duet::detail::check_finite(static_cast<const float*>(data[step.output]), value.shape, context());
+    } else if (value.dtype == DType::float64) {
+      duet::detail::check_finite(static_cast<const double*>(data[step.output]), value.shape, context());
+    }
+  }
+
   std::size_t root(std::size_t v) const {
     while (values_[v].kind == Value::Kind::view) v = values_[v].view_of;
     return v;
@@ -273,6 +292,7 @@ class Replay {
   std::size_t output_root_ = 0;
   std::vector<std::size_t> offset_;
   std::size_t arena_bytes_ = 0;
+  std::string debug_name_;
   mutable std::atomic<bool> set_aside_{false};
 };
 

@@ -6730,18 +6730,41 @@ inline std::string readable_type_name(const std::type_info& type) {
 // that is reused once its last reader has run.
 
 #include <array>
-#include <cmath>
-#include <string>
-#include <string_view>
-#include <type_traits>
 #include <atomic>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string>
+#include <string_view>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
+// DebugLevel::debug's check of an operation's output, shared by graph mode's evaluator and
+// PIJit's replay: the first NaN or infinity, named with what made it.
+
+#include <cmath>
+#include <string>
+#include <type_traits>
+
+
+namespace duet::detail {
+
+template <class T>
+void check_finite(const T* values, const Shape& shape, const std::string& context) {
+  if constexpr (std::is_floating_point_v<T>) {
+    for (index_t i = 0; i < shape.numel(); ++i) {
+      if (!std::isfinite(values[i])) {
+        throw ValueError(context + "output element " + std::to_string(i) + " of " + to_string(shape) + " is " +
+                         (std::isnan(values[i]) ? "NaN" : "infinite"));
+      }
+    }
+  }
+}
+
+}  // namespace duet::detail
 // Shape rules' results and how a broken rule is reported: a static_assert naming the layer,
 // its requirement and the input shape when the shapes are known at compile time, a
 // duet::ShapeError with the same words when they are known only at run time.
@@ -8785,21 +8808,6 @@ graph::Plan<G, Inputs> plan(const graph::Sym<G, Out>& program, const std::array<
   p.arena_bytes = detail::lay_out_slots(buffers.storage, buffers.slot, buffers.slot_count, element_size, p.shapes, p.offset);
   return p;
 }
-
-namespace detail {
-// Debug's check of a node's output: the first NaN or infinity, named with its node.
-template <class T>
-void check_finite(const T* values, const Shape& shape, const std::string& context) {
-  if constexpr (std::is_floating_point_v<T>) {
-    for (index_t i = 0; i < shape.numel(); ++i) {
-      if (!std::isfinite(values[i])) {
-        throw ValueError(context + "output element " + std::to_string(i) + " of " + to_string(shape) + " is " +
-                         (std::isnan(values[i]) ? "NaN" : "infinite"));
-      }
-    }
-  }
-}
-}  // namespace detail
 
 namespace graph {
 // What run_observed shows each node's value to. This one is nothing, and costs nothing.
@@ -11385,15 +11393,18 @@ class EpilogueChain final : public Step {
   std::vector<std::shared_ptr<Step>> tail_;
 };
 
-// A trace made ready to run again: fused, with its memory laid out.
+// A trace made ready to run again: fused, with its memory laid out. Given the function's name
+// for DebugLevel::debug, every step's output is checked for NaN and infinity as it is made,
+// as graph mode checks every node's.
 class Replay {
  public:
-  Replay(Trace trace, std::size_t output, JitLevel level)
+  Replay(Trace trace, std::size_t output, JitLevel level, std::string debug_name = {})
       : values_(std::move(trace.values())),
         steps_(std::move(trace.steps())),
         cells_(std::move(trace.cells())),
         output_(output),
-        traced_steps_(steps_.size()) {
+        traced_steps_(steps_.size()),
+        debug_name_(std::move(debug_name)) {
     if (level != JitLevel::O0) fuse();
     // A trace that trains writes its weights between calls: packing them would be one more
     // pass over each weight per call (graph mode's passes skip training graphs too).
@@ -11458,8 +11469,10 @@ class Replay {
           break;
       }
     }
-    for (const auto& step : steps_) {
-      if (step->runs_kernel()) step->run(data.data(), values_);
+    for (std::size_t i = 0; i < steps_.size(); ++i) {
+      if (!steps_[i]->runs_kernel()) continue;
+      steps_[i]->run(data.data(), values_);
+      if (!debug_name_.empty()) check_step(i, data.data());
     }
     const Value& out = values_[output_];
     if (out.shape == result.shape()) return result;
@@ -11554,6 +11567,19 @@ class Replay {
     }
   }
 
+  void check_step(std::size_t i, void* const* data) const {
+    const Step& step = *steps_[i];
+    const Value& value = values_[step.output];
+    const auto context = [&] {
+      return "duet (debug): in " + debug_name_ + ", replayed step " + std::to_string(i) + " (" + step.op_name() + "): ";
+    };
+    if (value.dtype == DType::float32) {
+      duet::detail::check_finite(static_cast<const float*>(data[step.output]), value.shape, context());
+    } else if (value.dtype == DType::float64) {
+      duet::detail::check_finite(static_cast<const double*>(data[step.output]), value.shape, context());
+    }
+  }
+
   std::size_t root(std::size_t v) const {
     while (values_[v].kind == Value::Kind::view) v = values_[v].view_of;
     return v;
@@ -11567,6 +11593,7 @@ class Replay {
   std::size_t output_root_ = 0;
   std::vector<std::size_t> offset_;
   std::size_t arena_bytes_ = 0;
+  std::string debug_name_;
   mutable std::atomic<bool> set_aside_{false};
 };
 
@@ -12000,16 +12027,18 @@ class JitBase {
   }
 
   // PIJit's compilation once the function has run under `trace` and returned value `out`: the
-  // replay, or null when the trace broke and the function runs eagerly.
+  // replay (checking every step's output, under DebugLevel::debug), or null when the trace
+  // broke and the function runs eagerly.
   template <std::size_t N>
   std::shared_ptr<const pijit::Replay> kept(CompileCache<N>& cache, const Signature<N>& s, const std::string& reason,
-                                            pijit::Trace&& trace, std::size_t out, JitLevel level) {
+                                            pijit::Trace&& trace, std::size_t out, JitLevel level, DebugLevel debug) {
     std::string broken = trace.broken();
     if (broken.empty() && out == trace.values().size()) broken = "the function returns a value no duet operation made";
     std::shared_ptr<const pijit::Replay> replay;
     std::string note = "graph break, runs eagerly: " + broken;
     if (broken.empty()) {
-      replay = std::make_shared<pijit::Replay>(std::move(trace), out, level);
+      replay = std::make_shared<pijit::Replay>(std::move(trace), out, level,
+                                               debug == DebugLevel::debug ? options_.name : std::string());
       note = "traced " + std::to_string(replay->traced_steps()) + " operations, replays " +
              std::to_string(replay->steps()) + " steps: " + replay->step_names();
     }
@@ -12203,13 +12232,13 @@ class JitFunction : public detail::JitBase {
       }
     }
     if (options_.mode == JitMode::PIJit) {
-      if (entry->replay == nullptr) return eager(args...);
+      if (entry->replay == nullptr) return checked(eager(args...), "eagerly (a graph break)");
       if (entry->replay->cells_have_hooks()) {
         if (entry->replay->set_aside()) {
           detail::jit_log(options_.name + ": runs eagerly while a cell in it has a hook (hooks see values in "
                                           "PyNative mode only)");
         }
-        return eager(args...);
+        return checked(eager(args...), "eagerly (a hook)");
       }
       return replayed<typename Result::value_type>(*entry->replay, args...);
     }
@@ -12219,6 +12248,18 @@ class JitFunction : public detail::JitBase {
       throw ValueError(options_.name + ": the function is not generic over its tensors, so it cannot be captured "
                                        "as a static graph (PSJit); jit it with {.mode = JitMode::PIJit}");
     }
+  }
+
+  // DebugLevel::debug where a compiled function runs eagerly instead (a graph break, a hook, an
+  // ambiguous capture) or under its trace: the result, since the operations that made it ran
+  // as PyNative runs them, unchecked.
+  template <class R>
+  R checked(R y, const char* how) const {
+    if constexpr (Config.debug_level == DebugLevel::debug) {
+      duet::detail::check_finite(y.data(), y.shape(),
+                                 "duet (debug): in " + options_.name + ", the result of a call run " + how + ": ");
+    }
+    return y;
   }
 
   // DUET_JIT=0 or set_context({.jit_enabled = false}): the function as plain PyNative code.
@@ -12257,14 +12298,14 @@ class JitFunction : public detail::JitBase {
                            : "; write duet::host<duet::allowed_break>(fn, x), or use JitSyntaxLevel::lax"));
     }
     const std::size_t out = trace.find(y);
-    const auto replay = kept(cache, s, reason, std::move(trace), out, Config.jit_level);
+    const auto replay = kept(cache, s, reason, std::move(trace), out, Config.jit_level, Config.debug_level);
     // A replay that folds a BatchNorm (evaluation, which changes no state) rounds differently
     // from the eager run that traced it: the traced call returns the replay's result too, so
     // that every call of this shape gives the same bits.
     if (replay != nullptr && replay->rounds_differently()) {
       return replayed<typename Result::value_type>(*replay, args...);
     }
-    return Result(y);
+    return checked(Result(y), "under its trace");
   }
 
   template <class... Args>
@@ -12284,7 +12325,7 @@ class JitFunction : public detail::JitBase {
     return pipeline::in_requested_phase(capture, [&](const auto& program) {
       if (!program.ambiguity.empty()) {
         detail::log_ambiguous_capture(options_.name, program.ambiguity, "in PyNative mode");
-        return eager(args...);
+        return checked(eager(args...), "in PyNative mode (an ambiguous capture)");
       }
       return std::apply(
           [&](const auto&... t) {
