@@ -293,13 +293,24 @@ TEST_CASE("shards of a loader, one after another, serve one process's batches of
   }
 }
 
-TEST_CASE("a last global batch smaller than the shard count is left out on every shard") {
+TEST_CASE(
+    "a last global batch smaller than the shard count is left out on every shard, and left_out gives its samples") {
   // 13 samples in global batches of 2 x 3 = 6: the last holds one sample, and two shards none.
   for (index_t s = 0; s < 3; ++s) {
-    data::DataLoader shard(numbered(13), 2, {.num_shards = 3, .shard_id = s});
+    data::DataLoader shard(numbered(13), 2, {.shuffle = true, .seed = 4, .num_shards = 3, .shard_id = s});
     CHECK(shard.size() == 2);
-    CHECK(epoch_order(shard).size() == 4);
+    const std::vector<index_t> served = epoch_order(shard);
+    CHECK(served.size() == 4);
+    const auto rest = shard.left_out();
+    CHECK(rest.has_value() == (s == 0));
+    if (rest) {
+      // The one sample no shard served.
+      data::DataLoader whole(numbered(13), 13, {.shuffle = true, .seed = 4});
+      CHECK(samples_of(*rest) == std::vector<index_t>{samples_of(*whole.next()).back()});
+    }
   }
+  CHECK(!data::DataLoader(numbered(13), 2, {.drop_last = true, .num_shards = 3}).left_out());
+  CHECK(!data::DataLoader(numbered(15), 2, {.num_shards = 3}).left_out());  // served: 3 samples, one a shard
   CHECK(data::DataLoader(numbered(15), 2, {.num_shards = 3, .shard_id = 1}).size() == 3);
 }
 

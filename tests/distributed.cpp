@@ -229,6 +229,23 @@ TEST_CASE("distributed: a loop written by hand with GradReducer trains as one pr
   }
 }
 
+// 45 samples over 2 ranks in global batches of 4: the last sample is no epoch's batch, but
+// the evaluation counts it (helper-92: 500 of 501 samples were evaluated).
+TEST_CASE(
+    "distributed: evaluate over sharded loaders covers every sample, a last global batch shorter than the ranks too") {
+  init_two_ranks();
+  set_seed(1);
+  SmallNet<8> net;
+  nn::SoftmaxCrossEntropyWithLogits<true, Reduction::mean> loss;
+  const train::Metrics alone = train::evaluate(net, loss, data::DataLoader(small_dataset(45), 4));
+  const train::Metrics together = train::evaluate(
+      net, loss, data::DataLoader(small_dataset(45), 2, {.num_shards = 2, .shard_id = distributed::get_rank()}));
+  CHECK(alone.samples == 45);
+  CHECK(together.samples == 45);
+  CHECK(together.accuracy == alone.accuracy);
+  CHECK(std::abs(together.loss - alone.loss) <= 1e-6 * alone.loss);
+}
+
 // 3 global batches of 64 and one of 34: 2 ranks of 32 (and 17) rows each, whose parameters
 // after the epoch are one process's to the bit.
 TEST_CASE("distributed: two ranks train as one process to the bit, batches of 64 in halves, both modes and loops") {

@@ -16,6 +16,7 @@
 #include <filesystem>
 #include <iterator>
 #include <numeric>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -214,6 +215,8 @@ inline std::atomic<std::uint64_t>& served_order() {
   static std::atomic<std::uint64_t> order{0};
   return order;
 }
+// What served_order holds after a loader that is not sharded served a batch.
+inline constexpr std::uint64_t unsharded_order = 1;
 }  // namespace detail
 
 // Cuts a data set into batches, one epoch at a time:
@@ -310,7 +313,9 @@ class BasicDataLoader {
     const index_t shard = options_.shard_id;
     data_.gather(order_.data() + start + shard * part + std::min(shard, longer), part + (shard < longer ? 1 : 0),
                  batch_);
-    if (shards > 1) {
+    if (shards == 1) {
+      detail::served_order().store(detail::unsharded_order, std::memory_order_relaxed);
+    } else {
       const std::uint64_t made_of[] = {options_.shuffle ? options_.seed : 0,
                                        options_.shuffle,
                                        epoch_,
@@ -323,6 +328,19 @@ class BasicDataLoader {
     }
     ++next_batch_;
     return &batch_;
+  }
+
+  // This shard's part of the current epoch's last global batch when it is too short to shard
+  // (fewer samples than shards, left out of the epoch, unless drop_last): one sample for each
+  // of the first shards, none for the others. train::evaluate takes it, so that metrics over
+  // sharded loaders cover every sample.
+  std::optional<Batch> left_out() const {
+    const index_t start = data_.size() / global_batch_size() * global_batch_size();
+    const index_t rest = data_.size() - start;
+    if (options_.drop_last || rest >= options_.num_shards || options_.shard_id >= rest) return std::nullopt;
+    Batch batch;
+    data_.gather(order_.data() + start + options_.shard_id, 1, batch);
+    return batch;
   }
 
   // Starts the next epoch, or the current one if none of its batches has been taken yet.

@@ -43,6 +43,7 @@
 #include <thread>
 #include <vector>
 
+#include "detail/demangle.hpp"
 #include "error.hpp"
 #include "kernels/elementwise.hpp"
 #include "parallel.hpp"
@@ -290,10 +291,12 @@ class MpiRuntime final : public duet::detail::DataParallelRuntime {
       if (std::chrono::steady_clock::now() > deadline) {
         char seconds[32];
         std::snprintf(seconds, sizeof seconds, "%g", timeout_seconds_);
-        throw CommunicationError(where() + std::string(what) + " did not complete within " + seconds +
-                                 " s: another rank stopped, died or took another path (fewer steps: a loader of another "
-                                 "batch size or length there); the timeout is InitConfig::timeout_seconds or "
-                                 "DUET_DISTRIBUTED_TIMEOUT");
+        throw CommunicationError(
+            where() + std::string(what) + " did not complete within " + seconds +
+            " s: another rank stopped, died or took another path (fewer steps: a loader of another "
+            "batch size or length there; or a call every rank must make, such as train::evaluate "
+            "or distributed::all_reduce_sum, made on some ranks only); the timeout is "
+            "InitConfig::timeout_seconds or DUET_DISTRIBUTED_TIMEOUT");
       }
       std::this_thread::yield();
     }
@@ -472,7 +475,7 @@ inline void init(const InitConfig& config = {}) {
       try {
         std::rethrow_exception(e);
       } catch (const std::exception& x) {
-        what = x.what();
+        what = duet::detail::readable_type_name(typeid(x)) + ": " + x.what();
       } catch (...) {
       }
     }

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <iostream>
 #include <optional>
 #include <span>
 #include <string>
@@ -167,7 +168,19 @@ inline void require_sharded_data(DataParallelRuntime& runtime, std::uint64_t has
                      "batch, {.num_shards = duet::distributed::get_group_size(), .shard_id = "
                      "duet::distributed::get_rank()})");
   }
-  if (runtime.same_on_every_rank(data::detail::served_order().load(std::memory_order_relaxed), Stream::steps)) return;
+  const std::uint64_t order = data::detail::served_order().load(std::memory_order_relaxed);
+  // Shuffled with a seed per rank, unsharded loaders serve first batches that differ, and each
+  // rank trains on the whole data set (helper-92: in silence). Ranks may hold data sets of
+  // their own, which no check here can tell from copies of one: it is said, not refused.
+  static std::atomic<bool> warned{false};
+  if (order == data::detail::unsharded_order && !warned.exchange(true)) {
+    std::cerr << "duet: warning: rank " << runtime.rank() << " of " << runtime.group_size() << ": " << who
+              << ": the batch came from a loader that is not sharded (num_shards = 1): unless each rank's data set "
+                 "is its own part of the data, every rank trains on all of it; shard the loader: data::DataLoader("
+                 "dataset, batch, {.num_shards = duet::distributed::get_group_size(), .shard_id = "
+                 "duet::distributed::get_rank()})\n";
+  }
+  if (runtime.same_on_every_rank(order, Stream::steps)) return;
   throw ValueError(std::string(who) +
                    ": the ranks' sharded loaders serve different epoch orders (their .seed, .shuffle, epoch, data "
                    "set, batch size or .num_shards differ), so the shards overlap and leave samples out while each "

@@ -14459,6 +14459,7 @@ std::vector<BasicTensor<T>> clip_by_global_norm(const std::vector<BasicTensor<T>
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <iostream>
 #include <optional>
 #include <span>
 #include <string>
@@ -14483,6 +14484,7 @@ std::vector<BasicTensor<T>> clip_by_global_norm(const std::vector<BasicTensor<T>
 #include <filesystem>
 #include <iterator>
 #include <numeric>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -15285,6 +15287,8 @@ inline std::atomic<std::uint64_t>& served_order() {
   static std::atomic<std::uint64_t> order{0};
   return order;
 }
+// What served_order holds after a loader that is not sharded served a batch.
+inline constexpr std::uint64_t unsharded_order = 1;
 }  // namespace detail
 
 // Cuts a data set into batches, one epoch at a time:
@@ -15381,7 +15385,9 @@ class BasicDataLoader {
     const index_t shard = options_.shard_id;
     data_.gather(order_.data() + start + shard * part + std::min(shard, longer), part + (shard < longer ? 1 : 0),
                  batch_);
-    if (shards > 1) {
+    if (shards == 1) {
+      detail::served_order().store(detail::unsharded_order, std::memory_order_relaxed);
+    } else {
       const std::uint64_t made_of[] = {options_.shuffle ? options_.seed : 0,
                                        options_.shuffle,
                                        epoch_,
@@ -15394,6 +15400,19 @@ class BasicDataLoader {
     }
     ++next_batch_;
     return &batch_;
+  }
+
+  // This shard's part of the current epoch's last global batch when it is too short to shard
+  // (fewer samples than shards, left out of the epoch, unless drop_last): one sample for each
+  // of the first shards, none for the others. train::evaluate takes it, so that metrics over
+  // sharded loaders cover every sample.
+  std::optional<Batch> left_out() const {
+    const index_t start = data_.size() / global_batch_size() * global_batch_size();
+    const index_t rest = data_.size() - start;
+    if (options_.drop_last || rest >= options_.num_shards || options_.shard_id >= rest) return std::nullopt;
+    Batch batch;
+    data_.gather(order_.data() + start + options_.shard_id, 1, batch);
+    return batch;
   }
 
   // Starts the next epoch, or the current one if none of its batches has been taken yet.
@@ -15566,7 +15585,19 @@ inline void require_sharded_data(DataParallelRuntime& runtime, std::uint64_t has
                      "batch, {.num_shards = duet::distributed::get_group_size(), .shard_id = "
                      "duet::distributed::get_rank()})");
   }
-  if (runtime.same_on_every_rank(data::detail::served_order().load(std::memory_order_relaxed), Stream::steps)) return;
+  const std::uint64_t order = data::detail::served_order().load(std::memory_order_relaxed);
+  // Shuffled with a seed per rank, unsharded loaders serve first batches that differ, and each
+  // rank trains on the whole data set (helper-92: in silence). Ranks may hold data sets of
+  // their own, which no check here can tell from copies of one: it is said, not refused.
+  static std::atomic<bool> warned{false};
+  if (order == data::detail::unsharded_order && !warned.exchange(true)) {
+    std::cerr << "duet: warning: rank " << runtime.rank() << " of " << runtime.group_size() << ": " << who
+              << ": the batch came from a loader that is not sharded (num_shards = 1): unless each rank's data set "
+                 "is its own part of the data, every rank trains on all of it; shard the loader: data::DataLoader("
+                 "dataset, batch, {.num_shards = duet::distributed::get_group_size(), .shard_id = "
+                 "duet::distributed::get_rank()})\n";
+  }
+  if (runtime.same_on_every_rank(order, Stream::steps)) return;
   throw ValueError(std::string(who) +
                    ": the ranks' sharded loaders serve different epoch orders (their .seed, .shuffle, epoch, data "
                    "set, batch size or .num_shards differ), so the shards overlap and leave samples out while each "
@@ -30258,7 +30289,7 @@ Metrics evaluate(Net& net, Loss& loss_fn, Loader&& loader) {
   Metrics m;
   double loss_sum = 0;
   index_t correct = 0;
-  for (const auto& batch : detail::one_pass(std::forward<Loader>(loader))) {
+  const auto take = [&](const auto& batch) {
     const auto& [inputs, labels] = detail::inputs_and_labels(batch);
     const auto output = net(inputs);
     const auto& logits = tensor_of(output);
@@ -30268,8 +30299,14 @@ Metrics evaluate(Net& net, Loss& loss_fn, Loader&& loader) {
     loss_sum += share.summed ? loss : loss * share.counted_rows;
     if constexpr (classifies) correct += correct_predictions(logits, labels, duet::detail::ignored_label(loss_fn));
     m.samples += static_cast<index_t>(share.counted_rows);
-  }
+  };
+  for (const auto& batch : detail::one_pass(std::forward<Loader>(loader))) take(batch);
   if (runtime != nullptr) {
+    // A last global batch shorter than the ranks is no epoch's batch, but its samples are the
+    // data set's: a sharded evaluation of 501 samples on 2 ranks counted 500 (helper-92).
+    if constexpr (requires { loader.left_out(); }) {
+      if (const auto rest = loader.left_out()) take(*rest);
+    }
     double sums[] = {loss_sum, static_cast<double>(correct), static_cast<double>(m.samples)};
     runtime->all_reduce_sum(sums, duet::detail::Stream::between_steps);
     loss_sum = sums[0];
