@@ -259,18 +259,20 @@ TEST_CASE("DEBUG names the node and the function, and checks every node for NaN 
 // DEBUG was not applied under PIJit: a replay ran unchecked, in silence.
 TEST_CASE("DEBUG under PIJit: the traced call checks its result, each replay every step, an eager break its result") {
   nn::Dense<> dense(2, 2);
+  // Positive weights: both outputs of bad are +inf, whatever the generator drew before.
+  dense.weight.set_data(Tensor({2, 2}, {0.5f, 0.25f, 1.0f, 0.75f}));
   const Tensor bad({1, 2}, {std::numeric_limits<float>::infinity(), 1.0f});
   const Tensor good({1, 2}, {0.5f, 1.0f});
   auto traced = jit<JitConfig{.debug_level = DebugLevel::debug}>([&](const Tensor& v) { return ops::relu(dense(v)); },
                                                                  {.mode = JitMode::PIJit, .name = "traced net"});
   CHECK_THROWS_WITH_AS(traced(bad),
                        doctest::Contains("duet (debug): in traced net, the result of a call run under its trace: "
-                                         "output element 1 of [1, 2] is infinite"),
+                                         "output element 0 of [1, 2] is infinite"),
                        ValueError);
   CHECK(std::isfinite(traced(good)(0, 0)));  // the trace was kept: a replay
   CHECK_THROWS_WITH_AS(traced(bad),
                        doctest::Contains("duet (debug): in traced net, replayed step 0 (PackedMatMul + BiasAdd + "
-                                         "ReLU): output element 1 of [1, 2] is infinite"),
+                                         "ReLU): output element 0 of [1, 2] is infinite"),
                        ValueError);
   auto release =
       jit([&](const Tensor& v) { return ops::relu(dense(v)); }, {.mode = JitMode::PIJit, .name = "unchecked"});
