@@ -471,10 +471,12 @@ TEST_CASE("io::load_onnx: an input must have the shape the file declares, any si
   shape->mutable_dim(0)->set_dim_value(2);
   duet::io::OnnxModel fixed = load(m);
   CHECK(fixed(duet::ones({2, 3})).shape() == Shape{2, 3});
-  CHECK_THROWS_WITH_AS(fixed(duet::ones({5, 3})),
-                       "io::OnnxModel: the model's input 'x' [2, 3], as the file declares it, got [5, 3] (a model exported "
-                       "with dynamic_axes={'input': {0: 'batch'}} takes any batch)",
-                       duet::ShapeError);
+  CHECK_THROWS_WITH_AS(
+      fixed(duet::ones({5, 3})),
+      "io::OnnxModel: the model's input 'x' [2, 3], as the file declares it, got [5, 3] (a model exported "
+      "with dynamic_axes={'input': {0: 'batch'}} by torch, or {.dynamic_batch = true} by "
+      "duet::io::export_onnx, takes any batch)",
+      duet::ShapeError);
 }
 
 TEST_CASE("io::load_onnx: a Reshape to sizes read from a Shape, as torch writes x.view(x.size(0), -1), follows the batch") {

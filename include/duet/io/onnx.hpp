@@ -406,8 +406,11 @@ class OnnxModel : public nn::DynamicCell {
     for (int i = 0; i < shape.rank(); ++i) {
       const std::int64_t want = input_dims_[static_cast<std::size_t>(i)];
       if (want >= 0 && want != shape[i]) {
-        // torch.onnx.export fixes every size it is not told is dynamic, the batch too.
-        throw wrong_input(shape, i == 0 ? " (a model exported with dynamic_axes={'input': {0: 'batch'}} takes any batch)" : "");
+        // torch.onnx.export fixes every size it is not told is dynamic, the batch too, as
+        // duet::io::export_onnx does.
+        throw wrong_input(shape, i == 0 ? " (a model exported with dynamic_axes={'input': {0: 'batch'}} by torch, or "
+                                          "{.dynamic_batch = true} by duet::io::export_onnx, takes any batch)"
+                                        : "");
       }
     }
   }
