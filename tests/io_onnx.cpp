@@ -875,6 +875,29 @@ TEST_CASE("io::export_onnx: the seed network, LeNet-5 and the residual CNN load 
   check_export(resnet, Shape{2, 1, 28, 28}, "resnet", dir);
 }
 
+// pad_mode same where its padding is uneven (stride 2 on 28 x 28 pads 0 before and 1 after):
+// written as auto_pad SAME_UPPER, which load_onnx reads back (helper-93: the explicit uneven
+// pads written before, it refused).
+struct SamePadded : duet::nn::Cell<SamePadded> {
+  duet::nn::Conv2d<1, 4, 3, 2, duet::nn::PadMode::same> conv;
+  duet::nn::MaxPool2d<3, 2, duet::nn::PadMode::same> max_pool;
+  duet::nn::AvgPool2d<2, 2, duet::nn::PadMode::same> avg_pool;
+  DUET_CELL_MEMBERS(conv, max_pool, avg_pool);
+  auto construct(auto x) { return avg_pool(max_pool(conv(x))); }
+};
+
+TEST_CASE("io::export_onnx: pad_mode same is auto_pad SAME_UPPER, at sizes where it is uneven too, and loads back") {
+  const duet_test::TempDir dir;
+  SamePadded net;
+  check_export(net, Shape{2, 1, 28, 28}, "same_padded", dir);
+  check_export(net, Shape{2, 1, 27, 27}, "same_padded_odd", dir);
+  const std::string text = [&] {
+    std::ifstream in(dir.path / "same_padded.onnx", std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  }();
+  CHECK(text.find("SAME_UPPER") != std::string::npos);
+}
+
 // A transformer block's normalisation: LayerNorm with PyTorch's epsilon, between products.
 struct Normed : duet::nn::Cell<Normed> {
   duet::nn::Dense<16, 24> fc;

@@ -40,12 +40,32 @@ def windows(x, kernel, strides, pads, dilations, fill):
     return result
 
 
+def pads_of(x, kernel, strides, dilations, a):
+    """The begin and end pads, from "pads" or, for auto_pad, by ONNX's definition of SAME_UPPER
+    (the output ceil(size / stride), the odd padding at the end) and SAME_LOWER."""
+    spatial = len(kernel)
+    mode = a.get("auto_pad", b"NOTSET")
+    mode = mode.decode() if isinstance(mode, bytes) else mode
+    if mode == "NOTSET":
+        return a.get("pads", [0] * 2 * spatial)
+    if mode == "VALID":
+        return [0] * 2 * spatial
+    begin, end = [], []
+    for i in range(spatial):
+        size = x.shape[2 + i]
+        out = -(-size // strides[i])
+        total = max(0, (out - 1) * strides[i] + (kernel[i] - 1) * dilations[i] + 1 - size)
+        begin.append(total // 2 if mode == "SAME_UPPER" else total - total // 2)
+        end.append(total - begin[-1])
+    return begin + end
+
+
 def conv(x, w, b, a):
     spatial = w.ndim - 2
     group = a.get("group", 1)
     kernel = list(w.shape[2:])
-    patches = windows(x, kernel, a.get("strides", [1] * spatial), a.get("pads", [0] * 2 * spatial),
-                      a.get("dilations", [1] * spatial), 0.0)
+    strides, dilations = a.get("strides", [1] * spatial), a.get("dilations", [1] * spatial)
+    patches = windows(x, kernel, strides, pads_of(x, kernel, strides, dilations, a), dilations, 0.0)
     per_group_in, out_channels = x.shape[1] // group, w.shape[0]
     per_group_out = out_channels // group
     outputs = []
@@ -64,8 +84,8 @@ def conv(x, w, b, a):
 def pool(x, a, kind):
     kernel = a["kernel_shape"]
     spatial = len(kernel)
-    pads = a.get("pads", [0] * 2 * spatial)
     strides = a.get("strides", [1] * spatial)
+    pads = pads_of(x, kernel, strides, [1] * spatial, a)
     axes = tuple(range(2 + spatial, 2 + 2 * spatial))
     if kind == "MaxPool":
         return windows(x, kernel, strides, pads, [1] * spatial, -np.inf).max(axis=axes)

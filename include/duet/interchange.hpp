@@ -67,19 +67,23 @@ struct InterchangeInput {
 };
 
 struct InterchangeAttribute {
-  enum class Kind : unsigned char { integer, real, integers };
+  enum class Kind : unsigned char { integer, real, integers, text };
   std::string name;
   Kind kind = Kind::integer;
   std::int64_t integer = 0;
   float real = 0;
   std::vector<std::int64_t> integers;
+  std::string text;
 
-  static InterchangeAttribute of(std::string n, std::int64_t v) { return {std::move(n), Kind::integer, v, 0, {}}; }
+  static InterchangeAttribute of(std::string n, std::int64_t v) { return {std::move(n), Kind::integer, v, 0, {}, {}}; }
   static InterchangeAttribute of_real(std::string n, double v) {
-    return {std::move(n), Kind::real, 0, static_cast<float>(v), {}};
+    return {std::move(n), Kind::real, 0, static_cast<float>(v), {}, {}};
   }
   static InterchangeAttribute of(std::string n, std::vector<std::int64_t> v) {
-    return {std::move(n), Kind::integers, 0, 0, std::move(v)};
+    return {std::move(n), Kind::integers, 0, 0, std::move(v), {}};
+  }
+  static InterchangeAttribute of_text(std::string n, std::string v) {
+    return {std::move(n), Kind::text, 0, 0, {}, std::move(v)};
   }
 };
 

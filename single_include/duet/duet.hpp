@@ -9203,19 +9203,23 @@ struct InterchangeInput {
 };
 
 struct InterchangeAttribute {
-  enum class Kind : unsigned char { integer, real, integers };
+  enum class Kind : unsigned char { integer, real, integers, text };
   std::string name;
   Kind kind = Kind::integer;
   std::int64_t integer = 0;
   float real = 0;
   std::vector<std::int64_t> integers;
+  std::string text;
 
-  static InterchangeAttribute of(std::string n, std::int64_t v) { return {std::move(n), Kind::integer, v, 0, {}}; }
+  static InterchangeAttribute of(std::string n, std::int64_t v) { return {std::move(n), Kind::integer, v, 0, {}, {}}; }
   static InterchangeAttribute of_real(std::string n, double v) {
-    return {std::move(n), Kind::real, 0, static_cast<float>(v), {}};
+    return {std::move(n), Kind::real, 0, static_cast<float>(v), {}, {}};
   }
   static InterchangeAttribute of(std::string n, std::vector<std::int64_t> v) {
-    return {std::move(n), Kind::integers, 0, 0, std::move(v)};
+    return {std::move(n), Kind::integers, 0, 0, std::move(v), {}};
+  }
+  static InterchangeAttribute of_text(std::string n, std::string v) {
+    return {std::move(n), Kind::text, 0, 0, {}, std::move(v)};
   }
 };
 
@@ -25956,29 +25960,24 @@ void convolve(const ConvGeometry& g, const graph::KernelArgs& a, const T* w, con
   }
 }
 
-// ConvOp's ONNX node: Conv, its padding explicit: SAME's is uneven for some sizes, known from the input's.
+// ConvOp's ONNX node: Conv. pad_mode same is auto_pad SAME_UPPER (the odd padding after, at
+// every size: explicit pads, uneven at some sizes, were what load_onnx could not read back);
+// the others' padding is written out.
 template <class Runtime>
-Interchange conv_interchange(const Runtime* layer, std::span<const Shape> in) {
+Interchange conv_interchange(const Runtime* layer, std::span<const Shape>) {
   const ConvGeometry g = layer->geometry();
-  std::vector<std::int64_t> begin, end;
-  for (int i = 0; i < g.spatial; ++i) {
-    const index_t size = in[0][2 + i];
-    const detail::ConvAxis axis = detail::conv_axis(g, size, true);
-    begin.push_back(axis.pad_before);
-    end.push_back(g.pad_mode == nn::PadMode::same
-                      ? std::max<index_t>(0, (axis.out - 1) * g.stride + g.extent() - size) - axis.pad_before
-                      : axis.pad_before);
-  }
-  std::vector<std::int64_t> pads = begin;
-  pads.insert(pads.end(), end.begin(), end.end());
   const auto each = [&](index_t v) { return std::vector<std::int64_t>(static_cast<std::size_t>(g.spatial), v); };
   using I = InterchangeInput;
   using A = InterchangeAttribute;
-  InterchangeNode conv{"Conv",
-                       {I::operand(0), I::of_parameter(&layer->weight)},
-                       {A::of("kernel_shape", each(g.kernel)), A::of("strides", each(g.stride)),
-                        A::of("dilations", each(g.dilation)), A::of("pads", std::move(pads)),
-                        A::of("group", g.groups)}};
+  InterchangeNode conv{
+      "Conv",
+      {I::operand(0), I::of_parameter(&layer->weight)},
+      {A::of("kernel_shape", each(g.kernel)), A::of("strides", each(g.stride)), A::of("dilations", each(g.dilation)),
+       g.pad_mode == nn::PadMode::same
+           ? A::of_text("auto_pad", "SAME_UPPER")
+           : A::of("pads", std::vector<std::int64_t>(static_cast<std::size_t>(2 * g.spatial),
+                                                     g.pad_mode == nn::PadMode::pad ? g.padding : 0)),
+       A::of("group", g.groups)}};
   if (layer->has_bias()) conv.inputs.push_back(I::of_parameter(&layer->bias));
   return {std::move(conv)};
 }
@@ -29446,23 +29445,20 @@ struct Pool2dOp : Primitive<Pool2dOp<Kind, Win, Layer>> {
     else return layer->label();
   }
 
-  // ONNX: MaxPool or AveragePool, the padding explicit (SAME's depends on the input's size); an
-  // average counts the padding as duet's does (only in pad_mode pad with count_include_pad).
-  Interchange interchange(std::span<const Shape> in) const {
-    const index_t k[2] = {Win.kernel_h, Win.kernel_w}, s[2] = {Win.stride_h, Win.stride_w}, p[2] = {Win.pad_h, Win.pad_w};
-    std::vector<std::int64_t> pads(4);
-    for (int i = 0; i < 2; ++i) {
-      const index_t size = in[0][2 + i];
-      const detail::PoolAxis axis = detail::pool_axis(size, k[i], s[i], Win.pad_mode, p[i]);
-      pads[i] = axis.pad_before;
-      pads[2 + i] = Win.pad_mode == nn::PadMode::same
-                        ? std::max<index_t>(0, (axis.out - 1) * s[i] + k[i] - size) - axis.pad_before
-                        : axis.pad_before;
-    }
+  // ONNX: MaxPool or AveragePool; pad_mode same as auto_pad SAME_UPPER (the odd padding after,
+  // at every size), the others' padding written out; an average counts the padding as duet's
+  // does (only in pad_mode pad with count_include_pad).
+  Interchange interchange(std::span<const Shape>) const {
+    const index_t k[2] = {Win.kernel_h, Win.kernel_w}, s[2] = {Win.stride_h, Win.stride_w};
+    const bool padded = Win.pad_mode == nn::PadMode::pad;
     using A = InterchangeAttribute;
-    InterchangeNode pool{std::is_same_v<Kind, detail::MaxPoolKind> ? "MaxPool" : "AveragePool",
-                         {InterchangeInput::operand(0)},
-                         {A::of("kernel_shape", {k[0], k[1]}), A::of("strides", {s[0], s[1]}), A::of("pads", pads)}};
+    InterchangeNode pool{
+        std::is_same_v<Kind, detail::MaxPoolKind> ? "MaxPool" : "AveragePool",
+        {InterchangeInput::operand(0)},
+        {A::of("kernel_shape", {k[0], k[1]}), A::of("strides", {s[0], s[1]}),
+         Win.pad_mode == nn::PadMode::same ? A::of_text("auto_pad", "SAME_UPPER")
+                                           : A::of("pads", {padded ? Win.pad_h : 0, padded ? Win.pad_w : 0,
+                                                            padded ? Win.pad_h : 0, padded ? Win.pad_w : 0})}};
     if constexpr (!std::is_same_v<Kind, detail::MaxPoolKind>) {
       pool.attributes.push_back(A::of("count_include_pad", Win.pad_mode == nn::PadMode::pad && Win.count_include_pad));
     }

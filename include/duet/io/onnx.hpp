@@ -222,27 +222,31 @@ inline Tensor onnx_last_step(const Tensor& steps) {
   return ops::strided_slice(steps, std::span(begin), std::span(end), std::span(stride));
 }
 
-template <class Kind, index_t K, index_t S, index_t P, bool CountPad>
+template <class Kind, index_t K, index_t S, index_t P, bool CountPad, nn::PadMode Mode = nn::PadMode::pad>
 Tensor onnx_pool(const Tensor& x) {
-  constexpr ops::Pool2dWindow w{K, K, S, S, nn::PadMode::pad, P, P, CountPad};
+  constexpr ops::Pool2dWindow w{K, K, S, S, Mode, P, P, CountPad};
   return apply(ops::Pool2dOp<Kind, w>{}, x);
 }
 
-// The pooling windows duet instantiates for ONNX models: each is a kernel of its own.
+// The pooling windows duet instantiates for ONNX models: each is a kernel of its own. same:
+// auto_pad SAME_UPPER, duet's pad_mode same (which counts no padding in an average).
 using OnnxPoolFn = Tensor (*)(const Tensor&);
 template <class Kind, bool CountPad>
-OnnxPoolFn onnx_pool_for(index_t kernel, index_t stride, index_t pad) {
+OnnxPoolFn onnx_pool_for(index_t kernel, index_t stride, index_t pad, bool same = false) {
   const auto pick = [&]<index_t K>() -> OnnxPoolFn {
+    constexpr auto same_mode = nn::PadMode::same;
+    if (same)
+      return stride == 1 ? &onnx_pool<Kind, K, 1, 0, false, same_mode> : &onnx_pool<Kind, K, 2, 0, false, same_mode>;
     if (stride == 1) return pad == 0 ? &onnx_pool<Kind, K, 1, 0, CountPad> : &onnx_pool<Kind, K, 1, 1, CountPad>;
     if (stride == 2) return pad == 0 ? &onnx_pool<Kind, K, 2, 0, CountPad> : &onnx_pool<Kind, K, 2, 1, CountPad>;
     return nullptr;
   };
-  if (pad < 0 || pad > 1) return nullptr;
+  if (pad < 0 || pad > 1 || (same && (pad != 0 || stride < 1 || stride > 2))) return nullptr;
   if (kernel == 2) return pick.template operator()<2>();
   if (kernel == 3) return pick.template operator()<3>();
   return nullptr;
 }
-inline constexpr std::string_view onnx_pool_windows = "kernel 2 or 3, stride 1 or 2, padding 0 or 1";
+inline constexpr std::string_view onnx_pool_windows = "kernel 2 or 3, stride 1 or 2, padding 0 or 1 or SAME_UPPER";
 
 template <class A, class B>
 Tensor onnx_concat(const A& a, const B& b, int axis) {
@@ -1307,15 +1311,24 @@ class OnnxBuilder {
     if (int_attr(n, "storage_order", 0) != 0) unsupported(node, "storage_order 1");
     if (square(n, node, "dilations", 1) != 1) unsupported(node, "dilations other than 1");
     const std::string auto_pad = string_attr(n, "auto_pad", "NOTSET");
-    if (auto_pad != "NOTSET" && auto_pad != "VALID") unsupported(node, "auto_pad " + auto_pad);
+    if (auto_pad != "NOTSET" && auto_pad != "VALID" && auto_pad != "SAME_UPPER")
+      unsupported(node, "auto_pad " + auto_pad);
+    const bool same = auto_pad == "SAME_UPPER";
     const std::int64_t kernel = square(n, node, "kernel_shape", 0);
     const std::int64_t stride = square(n, node, "strides", 1);
     const auto padded = pool_padding_.find(index);
     const bool pad_node = padded != pool_padding_.end();
-    const std::int64_t pad = pad_node ? padded->second : auto_pad == "VALID" ? 0 : symmetric_pads(n, node);
+    const std::int64_t pad = pad_node ? padded->second : auto_pad == "NOTSET" ? symmetric_pads(n, node) : 0;
     const bool count_pad = pad_node || int_attr(n, "count_include_pad", 0) != 0;
+    // duet's average over a same window counts only the input's elements.
+    if (same && !max && count_pad) unsupported(node, "auto_pad SAME_UPPER with count_include_pad 1");
     detail::OnnxPoolFn fn = nullptr;
-    if (max) fn = detail::onnx_pool_for<ops::detail::MaxPoolKind, true>(kernel, stride, pad);
+    if (same && max)
+      fn = detail::onnx_pool_for<ops::detail::MaxPoolKind, true>(kernel, stride, pad, true);
+    else if (same)
+      fn = detail::onnx_pool_for<ops::detail::AvgPoolKind, false>(kernel, stride, pad, true);
+    else if (max)
+      fn = detail::onnx_pool_for<ops::detail::MaxPoolKind, true>(kernel, stride, pad);
     else if (count_pad || pad == 0) fn = detail::onnx_pool_for<ops::detail::AvgPoolKind, true>(kernel, stride, pad);
     else fn = detail::onnx_pool_for<ops::detail::AvgPoolKind, false>(kernel, stride, pad);
     if (fn == nullptr) {
@@ -2130,6 +2143,10 @@ class OnnxExporter {
           case ops::InterchangeAttribute::Kind::integers:
             attribute.set_type(onnx::AttributeProto::INTS);
             for (std::int64_t v : a.integers) attribute.add_ints(v);
+            break;
+          case ops::InterchangeAttribute::Kind::text:
+            attribute.set_type(onnx::AttributeProto::STRING);
+            attribute.set_s(a.text);
             break;
         }
       }

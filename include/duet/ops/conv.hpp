@@ -234,29 +234,24 @@ void convolve(const ConvGeometry& g, const graph::KernelArgs& a, const T* w, con
   }
 }
 
-// ConvOp's ONNX node: Conv, its padding explicit: SAME's is uneven for some sizes, known from the input's.
+// ConvOp's ONNX node: Conv. pad_mode same is auto_pad SAME_UPPER (the odd padding after, at
+// every size: explicit pads, uneven at some sizes, were what load_onnx could not read back);
+// the others' padding is written out.
 template <class Runtime>
-Interchange conv_interchange(const Runtime* layer, std::span<const Shape> in) {
+Interchange conv_interchange(const Runtime* layer, std::span<const Shape>) {
   const ConvGeometry g = layer->geometry();
-  std::vector<std::int64_t> begin, end;
-  for (int i = 0; i < g.spatial; ++i) {
-    const index_t size = in[0][2 + i];
-    const detail::ConvAxis axis = detail::conv_axis(g, size, true);
-    begin.push_back(axis.pad_before);
-    end.push_back(g.pad_mode == nn::PadMode::same
-                      ? std::max<index_t>(0, (axis.out - 1) * g.stride + g.extent() - size) - axis.pad_before
-                      : axis.pad_before);
-  }
-  std::vector<std::int64_t> pads = begin;
-  pads.insert(pads.end(), end.begin(), end.end());
   const auto each = [&](index_t v) { return std::vector<std::int64_t>(static_cast<std::size_t>(g.spatial), v); };
   using I = InterchangeInput;
   using A = InterchangeAttribute;
-  InterchangeNode conv{"Conv",
-                       {I::operand(0), I::of_parameter(&layer->weight)},
-                       {A::of("kernel_shape", each(g.kernel)), A::of("strides", each(g.stride)),
-                        A::of("dilations", each(g.dilation)), A::of("pads", std::move(pads)),
-                        A::of("group", g.groups)}};
+  InterchangeNode conv{
+      "Conv",
+      {I::operand(0), I::of_parameter(&layer->weight)},
+      {A::of("kernel_shape", each(g.kernel)), A::of("strides", each(g.stride)), A::of("dilations", each(g.dilation)),
+       g.pad_mode == nn::PadMode::same
+           ? A::of_text("auto_pad", "SAME_UPPER")
+           : A::of("pads", std::vector<std::int64_t>(static_cast<std::size_t>(2 * g.spatial),
+                                                     g.pad_mode == nn::PadMode::pad ? g.padding : 0)),
+       A::of("group", g.groups)}};
   if (layer->has_bias()) conv.inputs.push_back(I::of_parameter(&layer->bias));
   return {std::move(conv)};
 }

@@ -489,23 +489,20 @@ struct Pool2dOp : Primitive<Pool2dOp<Kind, Win, Layer>> {
     else return layer->label();
   }
 
-  // ONNX: MaxPool or AveragePool, the padding explicit (SAME's depends on the input's size); an
-  // average counts the padding as duet's does (only in pad_mode pad with count_include_pad).
-  Interchange interchange(std::span<const Shape> in) const {
-    const index_t k[2] = {Win.kernel_h, Win.kernel_w}, s[2] = {Win.stride_h, Win.stride_w}, p[2] = {Win.pad_h, Win.pad_w};
-    std::vector<std::int64_t> pads(4);
-    for (int i = 0; i < 2; ++i) {
-      const index_t size = in[0][2 + i];
-      const detail::PoolAxis axis = detail::pool_axis(size, k[i], s[i], Win.pad_mode, p[i]);
-      pads[i] = axis.pad_before;
-      pads[2 + i] = Win.pad_mode == nn::PadMode::same
-                        ? std::max<index_t>(0, (axis.out - 1) * s[i] + k[i] - size) - axis.pad_before
-                        : axis.pad_before;
-    }
+  // ONNX: MaxPool or AveragePool; pad_mode same as auto_pad SAME_UPPER (the odd padding after,
+  // at every size), the others' padding written out; an average counts the padding as duet's
+  // does (only in pad_mode pad with count_include_pad).
+  Interchange interchange(std::span<const Shape>) const {
+    const index_t k[2] = {Win.kernel_h, Win.kernel_w}, s[2] = {Win.stride_h, Win.stride_w};
+    const bool padded = Win.pad_mode == nn::PadMode::pad;
     using A = InterchangeAttribute;
-    InterchangeNode pool{std::is_same_v<Kind, detail::MaxPoolKind> ? "MaxPool" : "AveragePool",
-                         {InterchangeInput::operand(0)},
-                         {A::of("kernel_shape", {k[0], k[1]}), A::of("strides", {s[0], s[1]}), A::of("pads", pads)}};
+    InterchangeNode pool{
+        std::is_same_v<Kind, detail::MaxPoolKind> ? "MaxPool" : "AveragePool",
+        {InterchangeInput::operand(0)},
+        {A::of("kernel_shape", {k[0], k[1]}), A::of("strides", {s[0], s[1]}),
+         Win.pad_mode == nn::PadMode::same ? A::of_text("auto_pad", "SAME_UPPER")
+                                           : A::of("pads", {padded ? Win.pad_h : 0, padded ? Win.pad_w : 0,
+                                                            padded ? Win.pad_h : 0, padded ? Win.pad_w : 0})}};
     if constexpr (!std::is_same_v<Kind, detail::MaxPoolKind>) {
       pool.attributes.push_back(A::of("count_include_pad", Win.pad_mode == nn::PadMode::pad && Win.count_include_pad));
     }
