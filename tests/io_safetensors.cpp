@@ -312,6 +312,10 @@ TEST_CASE("a tensor of another shape, type or name is named with both, not stric
   CHECK(load_error("{" + tensor("weight", "F64", "[2,2]", 0, 32) + "," + tensor("bias", "F32", "[2]", 32, 40) + "}",
                    40) == where + "parameter 'weight' is Float32 in the cell but Float64 in the file");
   CHECK(load_error("{" + weight + "}", 16) == where + "the file has no value for the cell's parameter(s) 'bias'");
+  // Two differences, the file's names in alphabetical order: the cell's first parameter is named,
+  // as a checkpoint names it (helper-93: the file's first name was).
+  CHECK(load_error("{" + tensor("bias", "F32", "[3]", 0, 12) + "," + tensor("weight", "F32", "[4]", 12, 28) + "}",
+                   28) == where + "parameter 'weight' has shape [2, 2] in the cell but [4] in the file");
   CHECK(load_error("{" + weight + "," + bias + "," + tensor("extra", "I32", "[1]", 24, 28) + "}", 28) ==
         where + "the file's parameter(s) 'extra' are not in the cell");
 

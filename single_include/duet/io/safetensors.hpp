@@ -457,6 +457,13 @@ CheckpointLoad load_safetensors_into(std::span<const unsigned char> bytes,
                                                      std::string(name_of(target->tensor->dtype())) + " " +
                                                      to_string(target->tensor->shape())));
   }
+  // The header is a JSON object, which writers order by name: matched in the cell's order, the
+  // first difference is the one a checkpoint would name (helper-93: bn1.beta before conv1.weight).
+  const auto place = [&](const duet::detail::CheckpointRecord& r) {
+    return static_cast<std::size_t>(std::ranges::find(targets, r.name, &duet::detail::CheckpointTarget<T>::name) -
+                                    targets.begin());
+  };
+  std::ranges::stable_sort(records, {}, place);
   duet::detail::MatchWords words = duet::detail::parameter_words;
   words.hint = [&](const auto& unknown, const auto& missing) {
     return name_hint(unknown, missing, targets, options.names);
