@@ -717,13 +717,13 @@ class GradFunction {
       if (!forward.ambiguity.empty()) {
         if constexpr (!WithInput && autodiff::detail::CellLike<Fn>) {
           if (can_trace()) {
-            duet::detail::log_ambiguous_capture(where()(), forward.ambiguity,
-                                                          "forward and backward as a traced graph (PIJit)");
+            duet::detail::log_ambiguous_capture(where()(), forward.ambiguity.str(),
+                                                "forward and backward as a traced graph (PIJit)");
             return traced_step(xs...);
           }
         }
-        duet::detail::log_ambiguous_capture(where()(), forward.ambiguity,
-                                                          "forward and backward in PyNative mode");
+        duet::detail::log_ambiguous_capture(where()(), forward.ambiguity.str(),
+                                            "forward and backward in PyNative mode");
         return run_eager<WithInput>(input_grad, xs...);
       }
       duet::detail::begin_backward_pass();

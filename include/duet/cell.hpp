@@ -983,7 +983,7 @@ class Cell : public BasicDynamicCell<T> {
           pipeline::compile<jit_config, false, pipeline::Input<Ts, graph::pattern_in_phase<P, Patterns>>...>(
               [&](const auto&... in) { return run_construct(in...); });
       if (!program.ambiguity.empty()) {
-        duet::detail::log_ambiguous_capture(this->type_name() + "::construct", program.ambiguity,
+        duet::detail::log_ambiguous_capture(this->type_name() + "::construct", program.ambiguity.str(),
                                             "as a traced graph (PIJit)");
       }
       return program;

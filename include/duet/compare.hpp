@@ -371,7 +371,7 @@ void compare_forward(ModeReport& report, Net& net, const CompareOptions& options
     if (!program.ambiguity.empty()) {
       // Graph mode runs such a network as a trace of PyNative's own operations (README,
       // "Shared values in graph mode"): there are no graph nodes to pair, only the output.
-      report.notes.push_back("the capture is ambiguous (" + program.ambiguity +
+      report.notes.push_back("the capture is ambiguous (" + program.ambiguity.str() +
                              "), so graph mode runs it traced (PIJit): only the output is compared");
       const StepScope discarded;
       const ContextModeScope graph_mode(GRAPH_MODE);

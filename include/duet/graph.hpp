@@ -15,6 +15,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
+#include <mutex>
+#include <set>
 #include <span>
 #include <string>
 #include <tuple>
@@ -296,6 +298,34 @@ struct value_during_capture {
   using type = R;
 };
 
+namespace detail {
+// Why a capture is ambiguous (Sym::ambiguity), or nothing. Each text is kept once, for the
+// program's life (a program has as many as it has ambiguous captures), so that a Sym is
+// trivially copyable and destructible: a chain's capture makes a Sym per part, and a
+// std::string in each gave every capture function a copy, a destructor and an unwinding path
+// per part, most of what g++ optimises in a deep network's capture.
+class Note {
+ public:
+  Note() = default;
+  explicit Note(const std::string& text) : text_(text.empty() ? nullptr : interned(text)) {}
+  bool empty() const { return text_ == nullptr; }
+  const std::string& str() const { return text_ != nullptr ? *text_ : none(); }
+
+ private:
+  static const std::string& none() {
+    static const std::string empty;
+    return empty;
+  }
+  static const std::string* interned(const std::string& text) {
+    static std::mutex mutex;
+    static std::set<std::string> texts;
+    std::lock_guard lock(mutex);
+    return &*texts.insert(text).first;
+  }
+  const std::string* text_ = nullptr;
+};
+}  // namespace detail
+
 template <class G, std::size_t Out>
 struct Sym {
   using graph_type = G;
@@ -307,7 +337,7 @@ struct Sym {
   // and, when a merge met two nodes of one type, inputs and place whose ids differ, what they
   // are. Such a graph computes one value where the function computes two: it must not run.
   std::array<std::uint64_t, G::size> ids{};
-  std::string ambiguity{};
+  detail::Note ambiguity{};
 
   // A graph is captured before it runs: reading a value then, or branching on one, cannot be
   // a graph operation. These say so, instead of "no member named item".
@@ -573,9 +603,9 @@ namespace detail {
 // The run-time half of a merge: the ids of the nodes built so far, and the first ambiguity met.
 struct Merged {
   std::vector<std::uint64_t> ids;
-  std::string ambiguity;
+  Note ambiguity;
 
-  void note(const std::string& why) {
+  void note(const Note& why) {
     if (ambiguity.empty()) ambiguity = why;
   }
   template <std::size_t N>
@@ -824,8 +854,9 @@ auto merge_from(const GB& b, std::span<const std::uint64_t> b_ids, const Built& 
     [[maybe_unused]] const auto check = [&](auto j) {
       constexpr std::size_t at = M::plan.map[decltype(j)::value];
       if (merged.ids[at] != b_ids[decltype(j)::value]) {
-        merged.note("%" + std::to_string(at) + " " + merge_label(get<at>(built).op) + " and " +
-                    merge_label(get<decltype(j)::value>(b).op) + " are one operation type on the same inputs, but two values");
+        merged.note(Note("%" + std::to_string(at) + " " + merge_label(get<at>(built).op) + " and " +
+                         merge_label(get<decltype(j)::value>(b).op) +
+                         " are one operation type on the same inputs, but two values"));
       }
     };
     [[maybe_unused]] const int in_order[] = {0, (check(std::integral_constant<std::size_t, M::met[K]>{}), 0)...};
@@ -988,7 +1019,7 @@ auto spliced(const Sym<G0, Out0>& x, const Parts&... parts) {
   for (const std::span<const std::uint64_t> ids : {std::span<const std::uint64_t>(parts.ids)...}) {
     at = std::copy(ids.begin() + 1, ids.end(), at);
   }
-  for (const std::string* a : {&parts.ambiguity...}) {
+  for (const detail::Note* a : {&parts.ambiguity...}) {
     if (y.ambiguity.empty()) y.ambiguity = *a;
   }
   return y;

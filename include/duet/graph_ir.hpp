@@ -114,7 +114,8 @@ GraphText dump(const Sym<G, Out>& program, const std::string& title) {
   });
   text << "  return %" << Out << "\n";
   // Such a program does not run (pipeline::compile): the dump says so, and why.
-  if (!program.ambiguity.empty()) text << "  ambiguous capture, runs traced instead: " << program.ambiguity << "\n";
+  if (!program.ambiguity.empty())
+    text << "  ambiguous capture, runs traced instead: " << program.ambiguity.str() << "\n";
   text << "}\n";
   dot << "}\n";
   return {text.str(), dot.str()};
@@ -203,9 +204,10 @@ GraphIR graph_ir_of(C& cell, Patterns...) {
         },
         [&](const auto& captured) {
           if (!captured.ambiguity.empty()) {
-            return graph::detail::traced_ir<Config>(cell, title, shapes,
-                                                    "ambiguous capture, so it runs as a traced graph (PIJit), not as a static graph: " +
-                                                        captured.ambiguity);
+            return graph::detail::traced_ir<Config>(
+                cell, title, shapes,
+                "ambiguous capture, so it runs as a traced graph (PIJit), not as a static graph: " +
+                    captured.ambiguity.str());
           }
           auto optimized = passes::optimize<Config>(captured);
           return GraphIR{graph::dump(captured, title), graph::dump(optimized, title)};

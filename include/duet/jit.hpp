@@ -647,7 +647,7 @@ class JitFunction : public detail::JitBase {
     };
     return pipeline::in_requested_phase(capture, [&](const auto& program) {
       if (!program.ambiguity.empty()) {
-        detail::log_ambiguous_capture(options_.name, program.ambiguity, "in PyNative mode");
+        detail::log_ambiguous_capture(options_.name, program.ambiguity.str(), "in PyNative mode");
         return checked(eager(args...), "in PyNative mode (an ambiguous capture)");
       }
       return std::apply(

@@ -7166,6 +7166,8 @@ inline std::string called_in(std::string_view label, std::string_view where) {
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
+#include <mutex>
+#include <set>
 #include <span>
 #include <string>
 #include <tuple>
@@ -7733,6 +7735,34 @@ struct value_during_capture {
   using type = R;
 };
 
+namespace detail {
+// Why a capture is ambiguous (Sym::ambiguity), or nothing. Each text is kept once, for the
+// program's life (a program has as many as it has ambiguous captures), so that a Sym is
+// trivially copyable and destructible: a chain's capture makes a Sym per part, and a
+// std::string in each gave every capture function a copy, a destructor and an unwinding path
+// per part, most of what g++ optimises in a deep network's capture.
+class Note {
+ public:
+  Note() = default;
+  explicit Note(const std::string& text) : text_(text.empty() ? nullptr : interned(text)) {}
+  bool empty() const { return text_ == nullptr; }
+  const std::string& str() const { return text_ != nullptr ? *text_ : none(); }
+
+ private:
+  static const std::string& none() {
+    static const std::string empty;
+    return empty;
+  }
+  static const std::string* interned(const std::string& text) {
+    static std::mutex mutex;
+    static std::set<std::string> texts;
+    std::lock_guard lock(mutex);
+    return &*texts.insert(text).first;
+  }
+  const std::string* text_ = nullptr;
+};
+}  // namespace detail
+
 template <class G, std::size_t Out>
 struct Sym {
   using graph_type = G;
@@ -7744,7 +7774,7 @@ struct Sym {
   // and, when a merge met two nodes of one type, inputs and place whose ids differ, what they
   // are. Such a graph computes one value where the function computes two: it must not run.
   std::array<std::uint64_t, G::size> ids{};
-  std::string ambiguity{};
+  detail::Note ambiguity{};
 
   // A graph is captured before it runs: reading a value then, or branching on one, cannot be
   // a graph operation. These say so, instead of "no member named item".
@@ -8010,9 +8040,9 @@ namespace detail {
 // The run-time half of a merge: the ids of the nodes built so far, and the first ambiguity met.
 struct Merged {
   std::vector<std::uint64_t> ids;
-  std::string ambiguity;
+  Note ambiguity;
 
-  void note(const std::string& why) {
+  void note(const Note& why) {
     if (ambiguity.empty()) ambiguity = why;
   }
   template <std::size_t N>
@@ -8261,8 +8291,9 @@ auto merge_from(const GB& b, std::span<const std::uint64_t> b_ids, const Built& 
     [[maybe_unused]] const auto check = [&](auto j) {
       constexpr std::size_t at = M::plan.map[decltype(j)::value];
       if (merged.ids[at] != b_ids[decltype(j)::value]) {
-        merged.note("%" + std::to_string(at) + " " + merge_label(get<at>(built).op) + " and " +
-                    merge_label(get<decltype(j)::value>(b).op) + " are one operation type on the same inputs, but two values");
+        merged.note(Note("%" + std::to_string(at) + " " + merge_label(get<at>(built).op) + " and " +
+                         merge_label(get<decltype(j)::value>(b).op) +
+                         " are one operation type on the same inputs, but two values"));
       }
     };
     [[maybe_unused]] const int in_order[] = {0, (check(std::integral_constant<std::size_t, M::met[K]>{}), 0)...};
@@ -8425,7 +8456,7 @@ auto spliced(const Sym<G0, Out0>& x, const Parts&... parts) {
   for (const std::span<const std::uint64_t> ids : {std::span<const std::uint64_t>(parts.ids)...}) {
     at = std::copy(ids.begin() + 1, ids.end(), at);
   }
-  for (const std::string* a : {&parts.ambiguity...}) {
+  for (const detail::Note* a : {&parts.ambiguity...}) {
     if (y.ambiguity.empty()) y.ambiguity = *a;
   }
   return y;
@@ -12328,7 +12359,7 @@ class JitFunction : public detail::JitBase {
     };
     return pipeline::in_requested_phase(capture, [&](const auto& program) {
       if (!program.ambiguity.empty()) {
-        detail::log_ambiguous_capture(options_.name, program.ambiguity, "in PyNative mode");
+        detail::log_ambiguous_capture(options_.name, program.ambiguity.str(), "in PyNative mode");
         return checked(eager(args...), "in PyNative mode (an ambiguous capture)");
       }
       return std::apply(
@@ -13357,7 +13388,7 @@ class Cell : public BasicDynamicCell<T> {
           pipeline::compile<jit_config, false, pipeline::Input<Ts, graph::pattern_in_phase<P, Patterns>>...>(
               [&](const auto&... in) { return run_construct(in...); });
       if (!program.ambiguity.empty()) {
-        duet::detail::log_ambiguous_capture(this->type_name() + "::construct", program.ambiguity,
+        duet::detail::log_ambiguous_capture(this->type_name() + "::construct", program.ambiguity.str(),
                                             "as a traced graph (PIJit)");
       }
       return program;
@@ -14213,13 +14244,13 @@ class GradFunction {
       if (!forward.ambiguity.empty()) {
         if constexpr (!WithInput && autodiff::detail::CellLike<Fn>) {
           if (can_trace()) {
-            duet::detail::log_ambiguous_capture(where()(), forward.ambiguity,
-                                                          "forward and backward as a traced graph (PIJit)");
+            duet::detail::log_ambiguous_capture(where()(), forward.ambiguity.str(),
+                                                "forward and backward as a traced graph (PIJit)");
             return traced_step(xs...);
           }
         }
-        duet::detail::log_ambiguous_capture(where()(), forward.ambiguity,
-                                                          "forward and backward in PyNative mode");
+        duet::detail::log_ambiguous_capture(where()(), forward.ambiguity.str(),
+                                            "forward and backward in PyNative mode");
         return run_eager<WithInput>(input_grad, xs...);
       }
       duet::detail::begin_backward_pass();
@@ -16669,7 +16700,7 @@ void compare_forward(ModeReport& report, Net& net, const CompareOptions& options
     if (!program.ambiguity.empty()) {
       // Graph mode runs such a network as a trace of PyNative's own operations (README,
       // "Shared values in graph mode"): there are no graph nodes to pair, only the output.
-      report.notes.push_back("the capture is ambiguous (" + program.ambiguity +
+      report.notes.push_back("the capture is ambiguous (" + program.ambiguity.str() +
                              "), so graph mode runs it traced (PIJit): only the output is compared");
       const StepScope discarded;
       const ContextModeScope graph_mode(GRAPH_MODE);
@@ -16990,7 +17021,8 @@ GraphText dump(const Sym<G, Out>& program, const std::string& title) {
   });
   text << "  return %" << Out << "\n";
   // Such a program does not run (pipeline::compile): the dump says so, and why.
-  if (!program.ambiguity.empty()) text << "  ambiguous capture, runs traced instead: " << program.ambiguity << "\n";
+  if (!program.ambiguity.empty())
+    text << "  ambiguous capture, runs traced instead: " << program.ambiguity.str() << "\n";
   text << "}\n";
   dot << "}\n";
   return {text.str(), dot.str()};
@@ -17079,9 +17111,10 @@ GraphIR graph_ir_of(C& cell, Patterns...) {
         },
         [&](const auto& captured) {
           if (!captured.ambiguity.empty()) {
-            return graph::detail::traced_ir<Config>(cell, title, shapes,
-                                                    "ambiguous capture, so it runs as a traced graph (PIJit), not as a static graph: " +
-                                                        captured.ambiguity);
+            return graph::detail::traced_ir<Config>(
+                cell, title, shapes,
+                "ambiguous capture, so it runs as a traced graph (PIJit), not as a static graph: " +
+                    captured.ambiguity.str());
           }
           auto optimized = passes::optimize<Config>(captured);
           return GraphIR{graph::dump(captured, title), graph::dump(optimized, title)};
