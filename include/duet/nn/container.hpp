@@ -65,6 +65,12 @@ class SequentialCell : public Cell<SequentialCell<First, Rest...>, CONTEXT_MODE,
   auto chain(X&& x) {
     if constexpr (graph::Symbolic<X>) {
       return captured_parts(x, std::make_index_sequence<size()>{});
+    } else if constexpr (passes_one_tensor<std::remove_cvref_t<X>>()) {
+      // One tensor handed on: a fold keeps every cell's result as a temporary of its own,
+      // destroyed and unwound one by one, which made it a deep chain's largest function.
+      std::remove_cvref_t<X> y = std::forward<X>(x);
+      boost::hana::for_each(cells_, [&y](auto& cell) { y = cell(std::as_const(y)); });
+      return y;
     } else {
       return boost::hana::fold_left(cells_, std::forward<X>(x),
                                     [](auto&& acc, auto& cell) { return cell(std::forward<decltype(acc)>(acc)); });
@@ -73,6 +79,21 @@ class SequentialCell : public Cell<SequentialCell<First, Rest...>, CONTEXT_MODE,
 
   template <std::size_t I>
   using cell_at = std::remove_reference_t<decltype(boost::hana::at_c<I>(std::declval<boost::hana::tuple<First, Rest...>&>()))>;
+
+  // Cell I's result when the chain runs on an X, and whether every cell's is an X (a tensor of
+  // the input's type): only the calls the chain makes are named.
+  template <class X, std::size_t I>
+  struct result_on {
+    using before = typename std::conditional_t<I == 0, std::type_identity<X>, result_on<X, I - 1>>::type;
+    using type = std::remove_cvref_t<decltype(std::declval<cell_at<I>&>()(std::declval<const before&>()))>;
+  };
+  template <class X>
+  static constexpr bool passes_one_tensor() {
+    return []<std::size_t... I>(std::index_sequence<I...>) {
+      return graph::all_of({std::is_same_v<typename result_on<X, I>::type, X>...});
+    }
+    (std::make_index_sequence<size()>{});
+  }
 
   // Cell I captured on an input of its own, a continuation of the value before it: part
   // I - 1's output, or x's (X) for the first. Only the type of the part before is needed, so
