@@ -1,3 +1,6 @@
+#include <algorithm>
+#include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -38,6 +41,47 @@ TEST_CASE("SequentialCell takes named cells moved in, with their parameters, and
   std::vector<std::string> names;
   for (const auto& p : seq.parameters()) names.push_back(p.name);
   CHECK(names == std::vector<std::string>{"0.weight", "0.bias", "2.weight", "2.bias"});
+}
+
+TEST_CASE("SequentialCell that begins with an Embedding takes its indices, in both modes, gradients too") {
+  ModeGuard guard;
+  nn::SequentialCell<nn::Embedding<10, 4>, nn::Dense<4, 3>, nn::ReLU> seq;
+  BasicTensor<std::int32_t> ids({2, 5});
+  for (index_t i = 0; i < 10; ++i) ids.data()[i] = static_cast<std::int32_t>(i * 7 % 10);
+  // The reference: each index's row of the table, then the product and ReLU, in double.
+  const auto& table = seq.get<0>().embedding_table;
+  const auto& dense = seq.get<1>();
+  std::vector<double> expected;
+  for (index_t i = 0; i < 10; ++i) {
+    for (index_t o = 0; o < 3; ++o) {
+      double s = dense.bias(o);
+      for (index_t d = 0; d < 4; ++d) s += double(dense.weight(o, d)) * table(ids.data()[i], d);
+      expected.push_back(std::max(s, 0.0));
+    }
+  }
+  auto f = [&](const auto& x) { return ops::sum(seq(x)); };
+  std::vector<std::vector<Tensor>> grads;
+  std::vector<Tensor> outputs;
+  for (Mode m : {PYNATIVE_MODE, GRAPH_MODE}) {
+    set_context({.mode = m});
+    outputs.push_back(seq(ids));
+    CHECK(outputs.back().shape() == Shape{2, 5, 3});
+    CHECK(duet_test::relative_difference(duet_test::values_of(outputs.back()), expected) <= 1e-6);
+    grads.push_back(value_and_grad(f, seq.parameters(), std::nullopt)(ids).grads);
+  }
+  CHECK(duet_test::values_of(outputs[0]) == duet_test::values_of(outputs[1]));
+  REQUIRE(grads[0].size() == 3);
+  REQUIRE(grads[1].size() == 3);
+  for (std::size_t i = 0; i < 3; ++i) CHECK(duet_test::values_of(grads[0][i]) == duet_test::values_of(grads[1][i]));
+  // The table's gradient reaches exactly the rows the indices read.
+  const Tensor& table_grad = grads[0][0];
+  for (index_t row = 0; row < 10; ++row) {
+    bool read = false;
+    for (index_t i = 0; i < 10; ++i) read = read || ids.data()[i] == row;
+    bool nonzero = false;
+    for (index_t d = 0; d < 4; ++d) nonzero = nonzero || table_grad(row, d) != 0.0f;
+    if (!read) CHECK_FALSE(nonzero);
+  }
 }
 
 TEST_CASE("DynamicSequentialCell holds any DynamicCell, static ones included, and names them by index") {

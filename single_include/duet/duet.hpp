@@ -20004,10 +20004,22 @@ using BatchNorm2d = BatchNorm<2, C, T>;
 
 namespace duet::nn {
 
+namespace detail {
+// A chain takes the input its first cell takes: nn::Embedding's indices, say.
+template <class First>
+struct chain_input {};
+template <class First>
+requires requires { typename First::input_value_type; }
+struct chain_input<First> {
+  using input_value_type = typename First::input_value_type;
+};
+}  // namespace detail
+
 // A fixed list of cells, each fed the previous one's output (MindSpore's nn.SequentialCell).
 // The list is a hana::tuple: in graph mode the whole chain becomes one flat graph.
 template <class First, class... Rest>
-class SequentialCell : public Cell<SequentialCell<First, Rest...>, CONTEXT_MODE, typename First::value_type> {
+class SequentialCell : public Cell<SequentialCell<First, Rest...>, CONTEXT_MODE, typename First::value_type>,
+                       public detail::chain_input<First> {
   using T = typename First::value_type;
   static_assert(graph::all_of({std::is_same_v<typename Rest::value_type, T>...}),
                 "nn::SequentialCell: all cells must have the same element type");
