@@ -172,6 +172,44 @@ TEST_CASE("graph mode traces a network built at run time once per shape and stru
   CHECK(log_has(log_before, "argument 1 (a value) changed (traced 12 operations, replays 5 steps: "));
 }
 
+TEST_CASE("value_and_grad made anew on every step replays the network's first trace, and trains as PyNative") {
+  ModeGuard guard;
+  // Two copies of one network, one trained in each mode, through value_and_grad made inside
+  // the loop (as torch.autograd.grad is called each step) and an SGD step by hand.
+  std::vector<Tensor> losses[2];
+  std::vector<std::vector<double>> weights[2];
+  std::uint64_t compiles = 0;
+  for (int m = 0; m < 2; ++m) {
+    set_context({.mode = m == 0 ? PYNATIVE_MODE : GRAPH_MODE});
+    set_seed(7);
+    auto net = runtime_network({12, 9, 4});
+    nn::SoftmaxCrossEntropyWithLogits<true, Reduction::mean> loss;
+    nn::WithLossCell with_loss(net, loss);
+    const Tensor x = randn({6, 3, 4}, 42);
+    BasicTensor<std::int32_t> labels({6});
+    for (index_t i = 0; i < 6; ++i) labels(i) = static_cast<std::int32_t>(i % 4);
+    const std::uint64_t before = jit_compile_count();
+    for (int step = 0; step < 4; ++step) {
+      // The bias alone on odd steps: the step traced for all weights serves any of them.
+      auto parameters = net.parameters();
+      if (step % 2 == 1) parameters.resize(1);
+      const auto result = value_and_grad(with_loss, parameters)(x, labels);
+      losses[m].push_back(result.value);
+      for (std::size_t i = 0; i < parameters.size(); ++i) {
+        nn::Parameter& p = *parameters[i].parameter;
+        CHECK(duet_test::values_of(result.grads[i]) == duet_test::values_of(p.grad));
+        p.set_data(p - result.grads[i] * 0.5f);
+      }
+    }
+    compiles = jit_compile_count() - before;
+    for (const auto& p : net.parameters()) weights[m].push_back(duet_test::values_of(*p.parameter));
+  }
+  CHECK(compiles == 1);
+  for (int step = 0; step < 4; ++step) CHECK(losses[0][step].item() == losses[1][step].item());
+  CHECK(losses[1][3].item() < losses[1][0].item());
+  CHECK(weights[0] == weights[1]);
+}
+
 TEST_CASE("a change to another network traces nothing again, a change below this one does, after freeze_compiles too") {
   // helper-91: one counter for the whole program made every network built at run time trace
   // again when any cell changed (set_train on another network, a DynamicSequentialCell built),

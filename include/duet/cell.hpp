@@ -329,6 +329,16 @@ class BasicDynamicCell {
     return key;
   }
 
+  // A jitted form of this network kept with it, made by make() on the first request for type F:
+  // for a form that belongs to the network rather than to the caller that asked for it (a
+  // gradient function's traced step: value_and_grad is made anew on every step as often as
+  // once, and each would trace the network again). It lives as long as the cell; a moved cell
+  // starts without.
+  template <class F, class Make>
+  F& kept_form(Make&& make) {
+    return forms_.get<F>(std::forward<Make>(make));
+  }
+
  protected:
   virtual BasicTensor<T> forward(const BasicTensor<T>& x) = 0;
 
@@ -462,7 +472,7 @@ class BasicDynamicCell {
   long last_hook_id_ = 0;
 
  protected:
-  duet::detail::OwnForms forms_;  // this cell's jitted forms: graph_form, Cell's traced_form
+  duet::detail::OwnForms forms_;  // this cell's jitted forms: graph_form, Cell's traced_form, kept_form's
 };
 
 using DynamicCell = BasicDynamicCell<float>;

@@ -12734,6 +12734,16 @@ class BasicDynamicCell {
     return key;
   }
 
+  // A jitted form of this network kept with it, made by make() on the first request for type F:
+  // for a form that belongs to the network rather than to the caller that asked for it (a
+  // gradient function's traced step: value_and_grad is made anew on every step as often as
+  // once, and each would trace the network again). It lives as long as the cell; a moved cell
+  // starts without.
+  template <class F, class Make>
+  F& kept_form(Make&& make) {
+    return forms_.get<F>(std::forward<Make>(make));
+  }
+
  protected:
   virtual BasicTensor<T> forward(const BasicTensor<T>& x) = 0;
 
@@ -12867,7 +12877,7 @@ class BasicDynamicCell {
   long last_hook_id_ = 0;
 
  protected:
-  duet::detail::OwnForms forms_;  // this cell's jitted forms: graph_form, Cell's traced_form
+  duet::detail::OwnForms forms_;  // this cell's jitted forms: graph_form, Cell's traced_form, kept_form's
 };
 
 using DynamicCell = BasicDynamicCell<float>;
@@ -14169,26 +14179,38 @@ class GradFunction {
   // (PIJit, default JitConfig). Parameters' gradients are written by the replay's gradient
   // steps, as the tape's backward writes them. Its first argument is the cell tree's structure
   // key (BasicDynamicCell::structure_key): a network changed since the trace is traced again.
+  // The step runs the network alone, whatever weights this function returns, so it is kept with
+  // the network (kept_form): a value_and_grad made on every step replays the first one's trace.
   template <class... X>
   auto traced_step(const X&... xs) {
     using R = BasicTensor<value_t<X...>>;
     using Step =
         JitFunction<JitConfig{}, duet::detail::ErasedCall<R, std::uint64_t, BasicTensor<typename X::value_type>...>>;
-    return forms_.template get<Step>([this] {
-      return Step({this,
-                   [](void* self, const std::uint64_t&, const BasicTensor<typename X::value_type>&... x) {
-                     if (pijit::Trace* trace = pijit::active_trace()) trace->allow_parameter_gradients();
-                     R no_input_grad;
-                     return static_cast<GradFunction*>(self)->template run_eager<false>(no_input_grad, x...);
-                   }},
-                  {.mode = JitMode::PIJit,
-                   .name = fn_.label() + " forward and backward in graph mode (argument 0: the network's structure)"});
-    })(static_cast<nn::BasicDynamicCell<typename std::remove_cvref_t<Fn>::value_type>&>(fn_).structure_key(),
-       tensor_of(xs)...);
+    struct GradientStep : Step {
+      explicit GradientStep(Step&& step) : Step(std::move(step)) {}
+    };
+    auto& network = static_cast<nn::BasicDynamicCell<typename FnRef::value_type>&>(fn_);
+    return network.template kept_form<GradientStep>([this] {
+      return GradientStep(
+          Step({&fn_,
+                [](void* fn, const std::uint64_t&, const BasicTensor<typename X::value_type>&... x) {
+                  if (pijit::Trace* trace = pijit::active_trace()) trace->allow_parameter_gradients();
+                  R no_input_grad;
+                  return run_eager_on<false>(*static_cast<FnRef*>(fn), std::nullopt, no_input_grad, x...);
+                }},
+               {.mode = JitMode::PIJit,
+                .name = fn_.label() + " forward and backward in graph mode (argument 0: the network's structure)"}));
+    })(network.structure_key(), tensor_of(xs)...);
   }
 
   template <bool WithInput, class V, class... X>
   BasicTensor<V> run_eager(BasicTensor<V>& input_grad, const X&... xs) {
+    return run_eager_on<WithInput>(fn_, grad_position_, input_grad, xs...);
+  }
+
+  template <bool WithInput, class V, class... X>
+  static BasicTensor<V> run_eager_on(FnRef& fn, std::optional<std::size_t> grad_position, BasicTensor<V>& input_grad,
+                                     const X&... xs) {
     autodiff::Tape tape;
     std::tuple<BasicTensor<typename X::value_type>...> inputs{tensor_of(xs)...};
     BasicTensor<V> value;
@@ -14196,17 +14218,17 @@ class GradFunction {
       autodiff::Recording recording(&tape);
       EagerScope eager;
       if constexpr (WithInput) {
-        autodiff::detail::at_position<sizeof...(X)>(*grad_position_, [&](auto k) {
+        autodiff::detail::at_position<sizeof...(X)>(*grad_position, [&](auto k) {
           if constexpr (differentiable_input<V, decltype(k)::value, X...>())
             tape.watch(std::get<decltype(k)::value>(inputs));
           return 0;
         });
       }
-      value = std::apply([&](const auto&... x) { return BasicTensor<V>(fn_(x...)); }, inputs);
+      value = std::apply([&](const auto&... x) { return BasicTensor<V>(fn(x...)); }, inputs);
     }
     tape.backward(value);
     if constexpr (WithInput) {
-      autodiff::detail::at_position<sizeof...(X)>(*grad_position_, [&](auto k) {
+      autodiff::detail::at_position<sizeof...(X)>(*grad_position, [&](auto k) {
         if constexpr (differentiable_input<V, decltype(k)::value, X...>()) {
           const auto& x = std::get<decltype(k)::value>(inputs);
           const auto* entry = tape.entry_of(x);
