@@ -14,7 +14,7 @@ using namespace duet_test::ops;
 using duet_test::ops::D;
 namespace ops = duet::ops;
 
-enum class Kind { sum, mean, max, min, argmax, argmin, logsumexp };
+enum class Kind { sum, mean, prod, max, min, argmax, argmin, logsumexp };
 
 // The reduction of x over `axes` (every axis if empty), written out: each input element's
 // output index is its own with the reduced axes dropped (or pinned to 0 with keep_dims).
@@ -28,7 +28,7 @@ D reference_reduce(const D& x, std::vector<int> axes, bool keep, Kind kind) {
     else if (keep) out.push_back(1);
   }
   const std::size_t n = static_cast<std::size_t>(out.numel());
-  std::vector<double> acc(n, kind == Kind::max ? -1e300 : kind == Kind::min ? 1e300 : 0.0);
+  std::vector<double> acc(n, kind == Kind::max ? -1e300 : kind == Kind::min ? 1e300 : kind == Kind::prod ? 1.0 : 0.0);
   std::vector<double> count(n, 0.0), best(n, 0.0);
   std::vector<duet::index_t> index(static_cast<std::size_t>(rank));
   for (duet::index_t e = 0; e < x.numel(); ++e) {
@@ -49,6 +49,9 @@ D reference_reduce(const D& x, std::vector<int> axes, bool keep, Kind kind) {
       case Kind::sum:
       case Kind::mean:
         acc[o] += v;
+        break;
+      case Kind::prod:
+        acc[o] *= v;
         break;
       case Kind::logsumexp:
         acc[o] += std::exp(v);
@@ -140,6 +143,7 @@ Case arg_case(Shape s, F f, int axis, bool keep) {
 const bool reduction_cases = add_cases([](std::multimap<std::string, Case>& m) {
   add_reduction<Kind::sum>(m, "sum", [](const auto&... a) { return ops::sum(a...); });
   add_reduction<Kind::mean>(m, "mean", [](const auto&... a) { return ops::mean(a...); });
+  add_reduction<Kind::prod>(m, "prod", [](const auto&... a) { return ops::prod(a...); });
   add_reduction<Kind::max>(m, "max", [](const auto&... a) { return ops::max(a...); });
   add_reduction<Kind::min>(m, "min", [](const auto&... a) { return ops::min(a...); });
   add_reduction<Kind::logsumexp>(m, "logsumexp", [](const auto&... a) { return ops::logsumexp(a...); });
@@ -327,3 +331,106 @@ TEST_CASE("ops: logsumexp keeps large logits finite and a row of -inf at -inf, a
 
 }  // namespace tests_ops_reduction
 
+namespace tests_ops_reduction {
+
+namespace {
+// d/dx_i of the product of a group: the product of the group's other elements, multiplied out
+// one by one in double. Groups are the rows of x viewed as [groups, n] with the reduced axis
+// last.
+std::vector<double> product_of_others(const std::vector<double>& x, std::size_t n) {
+  std::vector<double> d(x.size());
+  for (std::size_t g = 0; g < x.size() / n; ++g) {
+    for (std::size_t i = 0; i < n; ++i) {
+      double p = 1;
+      for (std::size_t k = 0; k < n; ++k) p *= k == i ? 1.0 : x[g * n + k];
+      d[g * n + i] = p;
+    }
+  }
+  return d;
+}
+}  // namespace
+
+TEST_CASE("ops: prod's gradient is the product of the others, exact where a group holds zeros, in both modes") {
+  duet_test::ModeGuard guard;
+  // Rows without a zero, with one, with two, of zeros only, and with a -0; the values' products
+  // are exact in double, so the reference is too. PyTorch's torch.prod(x, 1).sum().backward()
+  // gives the same gradient (torch 1.13, in float64).
+  const std::vector<double> rows = {2, -3, 1.5, -6, 1, 0, 3, -2, 0, 4, 0, 5, 0, 0, 0, 0, -0.0, 0.5, 3, -0.5};
+  const std::vector<double> expect_rows = {27, -18, 36, -9, 0, -6, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, -0.75, 0, 0, 0};
+  const std::vector<double> others = product_of_others(rows, 4);
+  for (std::size_t i = 0; i < rows.size(); ++i) CHECK(others[i] == expect_rows[i]);
+  const D x({5, 4}, rows);
+  // The group contiguous (axis 1), strided (axis 0 of the transpose) and general (axes 0 and 2
+  // of [2, 5, 2]): each group the same four values.
+  const auto along_rows = gradient_in_both_modes([](const auto& t) { return ops::sum(ops::prod(t, ops::axes<1>)); }, x);
+  const auto along_columns = gradient_in_both_modes(
+      [](const auto& t) { return ops::sum(ops::prod(ops::transpose<1, 0>(t), ops::axes<0>)); }, x);
+  const auto apart = gradient_in_both_modes(
+      [](const auto& t) {
+        // [5, 4] as [5, 2, 2] with the group's axes apart: [2, 5, 2] after the transpose.
+        return ops::sum(ops::prod(ops::transpose<1, 0, 2>(ops::reshape<5, 2, 2>(t)), ops::axes<0, 2>));
+      },
+      x);
+  for (const auto* grads : {&along_rows, &along_columns, &apart}) {
+    for (int mode = 0; mode < 2; ++mode) {
+      INFO("layout ",
+           grads == &along_rows      ? "contiguous"
+           : grads == &along_columns ? "strided"
+                                     : "general",
+           ", mode ", mode);
+      CHECK(std::vector<double>((*grads)[mode].data(), (*grads)[mode].data() + 20) == expect_rows);
+    }
+    CHECK(std::memcmp((*grads)[0].data(), (*grads)[1].data(), 20 * sizeof(double)) == 0);
+  }
+  // Central differences: the product is linear in each element, zero or not.
+  D probe = x.clone();
+  for (duet::index_t j = 0; j < 20; ++j) {
+    const double fd = finite_difference(probe, j, [&] { return ops::sum(ops::prod(probe, ops::axes<1>)).item(); });
+    CHECK(std::abs(fd - expect_rows[static_cast<std::size_t>(j)]) <= 1e-8);
+  }
+}
+
+TEST_CASE("ops: prod of floats against a product in double, on every kernel path and past a run's length") {
+  // [3, 3000]: runs of 1024 combined pairwise; its transpose's axis 0: the strided path, in
+  // runs of 64 rows; axes 0 and 2 of [30, 3, 100]: the general path. Values near 1, so that
+  // thousands of factors stay finite.
+  std::mt19937 engine(11);
+  std::uniform_real_distribution<float> near_one(0.995f, 1.005f);
+  duet::Tensor x({3, 3000});
+  for (duet::index_t i = 0; i < x.numel(); ++i) x.data()[i] = near_one(engine);
+  D x_double = duet::zeros<double>(x.shape());
+  std::copy_n(x.data(), x.numel(), x_double.data());
+  const D expect = reference_reduce(x_double, {1}, false, Kind::prod);
+  const duet::Tensor rows = ops::prod(x, ops::axes<1>);
+  const duet::Tensor strided = ops::prod(ops::transpose<1, 0>(x), ops::axes<0>);
+  const duet::Tensor general = ops::prod(ops::transpose<1, 0, 2>(ops::reshape<3, 30, 100>(x)), ops::axes<0, 2>);
+  double worst = 0;
+  for (int r = 0; r < 3; ++r) {
+    for (const duet::Tensor* y : {&rows, &strided, &general}) {
+      const double got = (*y)(r);
+      worst = std::max(worst, std::abs(got - expect.data()[r]) / expect.data()[r]);
+    }
+  }
+  MESSAGE("prod of 3000 floats: largest relative error ", worst);
+  CHECK(worst < 1e-5);  // 3000 roundings of 2^-24, at worst; pairwise keeps it far below
+  // An empty group's product is 1 (PyTorch's too), and integers multiply as integers.
+  const duet::Tensor empty = ops::prod(duet::zeros<float>({0, 3}), ops::axes<0>);
+  CHECK(empty.shape() == Shape{3});
+  CHECK(empty(2) == 1.f);
+  const duet::BasicTensor<std::int32_t> ints(Shape{2, 3}, {1, -2, 3, 4, 5, 6});
+  const auto products = ops::prod(ints, {-1}, ops::keep_dims);
+  CHECK(products.shape() == Shape{2, 1});
+  CHECK(products(0, 0) == -6);
+  CHECK(products(1, 0) == 120);
+}
+
+TEST_CASE("ops: prod refuses axes as sum does, naming itself") {
+  CHECK_THROWS_WITH_AS(ops::prod(duet::ones({2, 3}), ops::axes<2>),
+                       "ReduceProd(axis=2) expects an input of rank at least 3, got [2, 3]", duet::ShapeError);
+  CHECK_THROWS_WITH_AS(ops::prod(duet::ones({2, 3}), {1, 1}), doctest::Contains("duet::ops::prod: the axes {1, 1}"),
+                       duet::ValueError);
+  CHECK_THROWS_WITH_AS(ops::prod(duet::ones({2, 3}), {0, -2}), doctest::Contains("axis 0 is named twice"),
+                       duet::ShapeError);
+}
+
+}  // namespace tests_ops_reduction

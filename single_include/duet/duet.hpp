@@ -26849,9 +26849,9 @@ auto stop_gradient(X&& x) {
 inline const bool gradient_control_listed = list_operations({"stop_gradient"});
 
 }  // namespace duet::ops
-// Reductions: sum, mean, max and min over axes, with keep_dims, argmax, argmin (MindSpore's
-// ops.sum(x, dim, keepdim), ReduceSum(keep_dims), ops.argmax), and the statistics var and std
-// made of them, in both modes.
+// Reductions: sum, mean, prod, max and min over axes, with keep_dims, argmax, argmin
+// (MindSpore's ops.sum(x, dim, keepdim), ReduceSum(keep_dims), ops.prod, ops.argmax), and the
+// statistics var and std made of them, in both modes.
 //
 // Spelling. The reduced axes shape the output, and graph mode computes every node's shape
 // while the program compiles, so they are template arguments, given as tag values:
@@ -26862,7 +26862,9 @@ inline const bool gradient_control_listed = list_operations({"stop_gradient"});
 // Negative axes count from the end, as in numpy. The same axis twice does not compile.
 //
 // Gradients. sum and mean send the incoming gradient back along the reduced axes (mean divided
-// by the number of elements reduced). max and min send it to the elements equal to the
+// by the number of elements reduced). prod sends each element dy times the product of the
+// others in its group, made without dividing by the element, so that a group holding zeros
+// gets PyTorch's gradient, not 0/0. max and min send it to the elements equal to the
 // extreme; where several are, it is split evenly among them, as PyTorch's amax/amin do: any
 // other choice makes max(x) of a constant tensor depend on an arbitrary index, and splitting
 // keeps the gradient's sum equal to the incoming one. A NaN extreme sends its gradient to the
@@ -27874,6 +27876,7 @@ struct SumReducer {
   static constexpr std::string_view name = "ReduceSum";
   static constexpr bool mean = false;
   static constexpr bool non_empty = false;
+  static constexpr int identity = 0;  // of an empty group
   static constexpr index_t sequential = 1024;
   template <class T>
   static T combine(T a, T b) {
@@ -27892,6 +27895,27 @@ struct SumReducer {
 struct MeanReducer : SumReducer {
   static constexpr std::string_view name = "ReduceMean";
   static constexpr bool mean = true;
+};
+
+// Pairwise like a sum: a float product's rounding error grows with the log of its length too.
+struct ProdReducer {
+  static constexpr std::string_view name = "ReduceProd";
+  static constexpr bool mean = false;
+  static constexpr bool non_empty = false;
+  static constexpr int identity = 1;
+  static constexpr index_t sequential = 1024;
+  template <class T>
+  static T combine(T a, T b) {
+    return a * b;
+  }
+  template <class T>
+  static T redux(const ConstArrayMap<T>& g) {
+    return g.prod();
+  }
+  template <class T>
+  static void combine_rows(ArrayMap<T>& acc, const ConstArrayMap<T>& row) {
+    acc *= row;
+  }
 };
 
 struct MaxReducer {
@@ -28017,8 +28041,11 @@ struct ReduceOp : Primitive<ReduceOp<Reducer, AxesT, Keep>> {
     const detail::ReduceLayout l = detail::reduce_layout(in, detail::axis_mask(in.rank(), detail::axes_of(reduced)));
     if (l.outputs == 0) return;
     if (l.group == 0) {
-      // Only sum and mean get here (the rule refuses an empty max): 0, and 0/0 for the mean.
-      std::fill_n(out, l.outputs, Reducer::mean ? std::numeric_limits<T>::quiet_NaN() : T(0));
+      // Only sum, mean and prod get here (the rule refuses an empty max): 0, 0/0 for the mean, 1.
+      if constexpr (!Reducer::non_empty) {
+        std::fill_n(out, l.outputs,
+                    Reducer::mean ? std::numeric_limits<T>::quiet_NaN() : static_cast<T>(Reducer::identity));
+      }
       return;
     }
     // Each group in runs of at most Reducer::sequential elements, combined pairwise.
@@ -28111,10 +28138,12 @@ struct ReduceOp : Primitive<ReduceOp<Reducer, AxesT, Keep>> {
 };
 
 // d/dx of a reduction: sum and mean spread dy over each group (mean divided by its size);
-// max and min send it to the elements equal to the extreme, split evenly among ties.
+// max and min send it to the elements equal to the extreme, split evenly among ties; prod
+// gives each element dy times the product of the others in its group.
 template <class Reducer, class AxesT, bool Keep>
 struct ReduceGradOp : Primitive<ReduceGradOp<Reducer, AxesT, Keep>> {
   static constexpr bool extreme = Reducer::non_empty;
+  static constexpr bool product = std::is_same_v<Reducer, detail::ProdReducer>;
   [[no_unique_address]] AxesT reduced{};
   static constexpr auto reads = [] {
     if constexpr (extreme) return std::array{graph::Operand::grad, graph::Operand::input0, graph::Operand::output};
@@ -28142,6 +28171,26 @@ struct ReduceGradOp : Primitive<ReduceGradOp<Reducer, AxesT, Keep>> {
         l.for_each_in_group([&](index_t off) { ties += hit(x[base + off]) ? 1 : 0; });
         const T share = dy[j] / static_cast<T>(ties);
         l.for_each_in_group([&](index_t off) { d[base + off] = hit(x[base + off]) ? share : T(0); });
+      });
+    } else if constexpr (product) {
+      // The product of the others as the product of those before times that of those after,
+      // not y / x: exact where the group holds a zero (one zero's element gets the product of
+      // the rest, every element of a group with two gets 0), as PyTorch's.
+      duet::detail::Storage offsets_storage;
+      index_t* offsets = duet::detail::scratch<index_t>(offsets_storage, static_cast<std::size_t>(l.group));
+      index_t r = 0;
+      l.for_each_in_group([&](index_t off) { offsets[r++] = off; });
+      l.for_each_group([&](index_t j, index_t base) {
+        T before(1);
+        for (index_t i = 0; i < l.group; ++i) {
+          d[base + offsets[i]] = before;
+          before *= x[base + offsets[i]];
+        }
+        T after = dy[j];
+        for (index_t i = l.group - 1; i >= 0; --i) {
+          d[base + offsets[i]] *= after;
+          after *= x[base + offsets[i]];
+        }
       });
     } else {
       const T scale = Reducer::mean ? T(1) / static_cast<T>(l.group) : T(1);
@@ -28206,7 +28255,7 @@ struct ArgExtremeOp : Primitive<ArgExtremeOp<Max, Axis, Keep, In>> {
 };
 
 inline const bool reduction_listed =
-    list_operations({"sum", "mean", "max", "min", "argmax", "argmin", "var", "std", "logsumexp"});
+    list_operations({"sum", "mean", "prod", "max", "min", "argmax", "argmin", "var", "std", "logsumexp"});
 
 namespace detail {
 
@@ -28272,7 +28321,7 @@ auto arg_extreme(const X& x, Axes<A>, Keep...) {
 }  // namespace detail
 
 // sum(x), sum(x, keep_dims), sum(x, axes<...>), sum(x, axes<...>, keep_dims); the same for
-// mean, max and min.
+// mean, prod, max and min.
 #define DUET_DETAIL_REDUCTION(name, Reducer)                           \
   template <TensorLike X, int... A, class... Keep>                     \
   auto name(const X& x, Axes<A...> a, Keep... keep) {                  \
@@ -28293,6 +28342,7 @@ auto arg_extreme(const X& x, Axes<A>, Keep...) {
   }
 DUET_DETAIL_REDUCTION(sum, SumReducer)
 DUET_DETAIL_REDUCTION(mean, MeanReducer)
+DUET_DETAIL_REDUCTION(prod, ProdReducer)
 DUET_DETAIL_REDUCTION(max, MaxReducer)
 DUET_DETAIL_REDUCTION(min, MinReducer)
 #undef DUET_DETAIL_REDUCTION
