@@ -91,6 +91,16 @@ const bool shape_cases = add_cases([](std::multimap<std::string, Case>& m) {
                                 return duet::ops::transpose(x, perm);
                               },
                               [=](const std::vector<D>& xs) { return transposed(xs, {3, 1, 0, 2}); }));
+  // Negative axes count from the end, as PyTorch's permute(-1, 0, 1).
+  add("transpose", checked<1>(
+                       {{2, 3, 4}},
+                       [](const auto& x) {
+                         const std::vector<int> perm{-1, 0, -2};
+                         return duet::ops::transpose(x, perm);
+                       },
+                       [=](const std::vector<D>& xs) {
+                         return transposed(xs, {2, 0, 1});
+                       }));
 
   // Along `axis`, the inputs one after the other.
   const auto concatenated = [](const std::vector<D>& xs, int axis) {
@@ -421,7 +431,9 @@ TEST_CASE("ops: transpose refuses a run-time perm that is not a permutation, in 
   const D x = random_input({3, 4}, -1, 1, 8);
   for (duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
     duet::set_context({.mode = mode});
-    for (const std::vector<int>& perm : std::vector<std::vector<int>>{{0, 0}, {1, 2}, {-1, 0}, {0, 1, 2, 3, 4, 5, 6, 7, 8}}) {
+    // {1, -1}: axis 1 twice, once counted from the end; {-3, 0}: before the first of two.
+    for (const std::vector<int>& perm :
+         std::vector<std::vector<int>>{{0, 0}, {1, 2}, {1, -1}, {-3, 0}, {0, 1, 2, 3, 4, 5, 6, 7, 8}}) {
       auto f = duet::jit([&](const auto& t) { return duet::ops::transpose(t, perm); });
       CHECK_THROWS_WITH_AS(f(x), doctest::Contains("is not a permutation of 0, 1, ..., rank - 1"), duet::ValueError);
     }

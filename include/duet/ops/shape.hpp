@@ -393,7 +393,8 @@ struct PermuteOp : Primitive<PermuteOp> {
 };
 
 // Throws duet::ValueError unless perm is a permutation of 0, 1, ..., n - 1 with n at most
-// duet::max_rank; the input's rank is checked against n like any shape.
+// duet::max_rank, an axis counted from the end where negative (-1 the last, as PyTorch's
+// permute(-1, 0, 1)); the input's rank is checked against n like any shape.
 template <class X>
 auto transpose(X&& x, std::span<const int> perm) {
   PermuteOp op;
@@ -401,8 +402,8 @@ auto transpose(X&& x, std::span<const int> perm) {
   std::array<bool, max_rank> seen{};
   bool valid = perm.size() <= static_cast<std::size_t>(max_rank);
   for (std::size_t i = 0; valid && i < perm.size(); ++i) {
-    const int a = perm[i];
-    valid = a >= 0 && a < op.rank && !seen[static_cast<std::size_t>(a)];
+    const int a = detail::axis_index(perm[i], op.rank);
+    valid = a >= 0 && !seen[static_cast<std::size_t>(a)];
     if (valid) {
       seen[static_cast<std::size_t>(a)] = true;
       op.order[i] = a;
@@ -410,7 +411,9 @@ auto transpose(X&& x, std::span<const int> perm) {
   }
   if (!valid) {
     throw ValueError("duet::ops::transpose: {" + detail::list_text<int>(perm) +
-                     "} is not a permutation of 0, 1, ..., rank - 1 (of at most " + std::to_string(max_rank) + " axes)");
+                     "} is not a permutation of 0, 1, ..., rank - 1 (each axis once, counted from the end where "
+                     "negative; at most " +
+                     std::to_string(max_rank) + " axes)");
   }
   return apply(op, std::forward<X>(x));
 }
