@@ -122,6 +122,34 @@ const bool shape_cases = add_cases([](std::multimap<std::string, Case>& m) {
   add("concat", checked<2>({{2, 3}, {2, 2}}, [](const auto& a, const auto& b) { return duet::ops::concat<-1>(a, b); },
                            [=](const std::vector<D>& xs) { return concatenated(xs, 1); }));
 
+  // Output element o reads x at o modulo x's size along each axis, x's shape taken with size-1
+  // axes in front up to the output's rank (numpy's tile).
+  const auto tiled = [](const D& x, Index multiples) {
+    const std::size_t rank = std::max(multiples.size(), static_cast<std::size_t>(x.ndim()));
+    multiples.insert(multiples.begin(), rank - multiples.size(), 1);
+    Index size(rank - static_cast<std::size_t>(x.ndim()), 1);
+    for (index_t d : x.shape()) size.push_back(d);
+    Shape out;
+    for (std::size_t a = 0; a < rank; ++a) out.push_back(size[a] * multiples[a]);
+    return tabulate(out, [&](const Index& o) {
+      Index i;
+      for (std::size_t a = rank - static_cast<std::size_t>(x.ndim()); a < rank; ++a) i.push_back(o[a] % size[a]);
+      return at(x, i);
+    });
+  };
+  const auto add_tile = [&](Shape shape, auto f, Index multiples) {
+    add("tile", checked<1>({shape}, f, [=](const std::vector<D>& xs) { return tiled(xs[0], multiples); }));
+  };
+  add_tile({2, 3}, [](const auto& x) { return duet::ops::tile<2, 3>(x); }, {2, 3});
+  // Fewer multiples than axes: the last ones; more: new axes in front.
+  add_tile({2, 3}, [](const auto& x) { return duet::ops::tile<2>(x); }, {2});
+  add_tile({2, 3}, [](const auto& x) { return duet::ops::tile<2, 1, 2>(x); }, {2, 1, 2});
+  add_tile({2, 1, 3}, [](const auto& x) { return duet::ops::tile<1, 4, 1>(x); }, {1, 4, 1});
+  add_tile({3}, [](const auto& x) { return duet::ops::tile<1, 1>(x); }, {1, 1});
+  // The multiples given at run time: one operation for every list.
+  add_tile({3, 2}, [](const auto& x) { return duet::ops::tile(x, {2, 1, 3}); }, {2, 1, 3});
+  add_tile({2, 2, 3}, [](const auto& x) { return duet::ops::tile(x, std::vector<duet::index_t>{3, 2}); }, {3, 2});
+
   const auto stacked = [](const std::vector<D>& xs, int axis) {
     Shape out;
     for (int a = 0; a <= xs[0].ndim(); ++a) {
@@ -518,6 +546,30 @@ TEST_CASE("ops: PIJit replays views that begin inside their input, as the output
   }
   CHECK(f.compile_count() == 1);
   CHECK(g.compile_count() == 1);
+}
+
+TEST_CASE("ops: tile's shape is known at compile time; a multiple of 0 empties it, and its gradient is zeros") {
+  duet_test::ModeGuard guard;
+  const auto y = duet::ops::tile<2, 1, 3>(duet::ones<double>(duet::shape<2, 3>));
+  static_assert(std::is_same_v<std::remove_cvref_t<decltype(y)>, duet::StaticTensor<double, 2, 2, 9>>);
+  const D x = random_input({2, 3}, -1, 1, 25);
+  std::vector<D> grads;
+  for (duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+    duet::set_context({.mode = mode});
+    auto vg = duet::value_and_grad([](const auto& t) { return duet::ops::sum(duet::ops::tile<0, 2>(t)); });
+    const D empty = duet::jit([](const auto& t) { return duet::ops::tile(t, {2, 0}); })(x);
+    CHECK(empty.shape() == Shape{4, 0});
+    grads.push_back(vg(x).grads[0]);
+  }
+  for (const D& g : grads) CHECK(std::all_of(g.data(), g.data() + 6, [](double v) { return v == 0.0; }));
+}
+
+TEST_CASE("ops: tile refuses negative multiples and more than max_rank of them") {
+  const D x = random_input({2, 3}, -1, 1, 26);
+  CHECK_THROWS_WITH_AS(duet::ops::tile(x, {2, -1}),
+                       "duet::ops::tile: the multiples {2, -1} must be >= 0, at most 8 of them", duet::ValueError);
+  CHECK_THROWS_WITH_AS(duet::ops::tile(x, {1, 1, 1, 1, 1, 1, 1, 1, 1}), doctest::Contains("at most 8 of them"),
+                       duet::ValueError);
 }
 
 }  // namespace tests_ops_shape

@@ -1,5 +1,6 @@
-// Shape operations: reshape, transpose/permute, expand_dims, squeeze, concat, stack, split,
-// slice/strided_slice and gather, in both modes (MindSpore's ops.reshape, ops.transpose, ...).
+// Shape operations: reshape, transpose/permute, expand_dims, squeeze, concat, stack, tile,
+// split, slice/strided_slice and gather, in both modes (MindSpore's ops.reshape,
+// ops.transpose, ...).
 //
 // Every argument that decides the output's shape is known at compile time, so that graph
 // mode has a static shape to check the next layer against: a single list or axis is a
@@ -10,8 +11,9 @@
 // duet's tensors are contiguous and row-major: a view is one run of its input's elements, in
 // order, with a shape. So reshape, expand_dims and squeeze are views (no kernel, no copy),
 // and so is a slice along the first axis only (split<0, ...>, or slice and strided_slice
-// cutting axis 0 with stride 1), which begins further into the input's block. transpose,
-// concat, stack, gather and the other slices copy: their elements are not such a run.
+// cutting axis 0 with stride 1), which begins further into the input's block.
+// transpose, concat, stack, tile, gather and the other slices copy: their elements are not
+// such a run.
 #pragma once
 
 #include <algorithm>
@@ -616,6 +618,171 @@ struct StackGradOp : Primitive<StackGradOp<Axis, K>> {
 template <int Axis = 0, class X0, class... X>
 auto stack(const X0& x0, const X&... x) {
   return apply(StackOp<Axis, 1 + static_cast<int>(sizeof...(X))>{}, x0, x...);
+}
+
+// ----------------------------------------------------------------------------------------
+// tile<M...>(x): x repeated M[a] times along each axis a (numpy's tile(x, reps), MindSpore's
+// ops.tile(input, dims), PyTorch's torch.tile and x.repeat(...)). The multiples align with x's
+// axes at the last, as numpy's: fewer than x's axes leave the leading ones as they are, more
+// give x size-1 axes in front first (x.repeat asks for at least x's rank; the others take
+// both), so no input breaks the rule. A copy. The gradient sums dy over the copies, in the
+// output's order, the same in both modes.
+
+namespace detail {
+// Both forms' shape rule: each axis's size times its multiple, counted from the last.
+constexpr ShapeResult tile_rule(const Shape& x, std::span<const index_t> multiples) {
+  const int m = static_cast<int>(multiples.size());
+  // Unknown leading axes are repeated once, unless a multiple may fall on one.
+  if (x.leading_unknown() && x.rank() < m) return {Shape::any()};
+  Shape out = x.leading_unknown() ? Shape::any() : Shape{};
+  for (int i = std::max(x.rank(), m); i >= 1; --i) {
+    const index_t size = i <= x.rank() ? x[-i] : 1;
+    const index_t times = i <= m ? multiples[static_cast<std::size_t>(m - i)] : 1;
+    out.push_back(size == dyn && times != 0 ? dyn : size * times);
+  }
+  return {out};
+}
+
+// Calls f(output offset, input offset, count) for each run of x's last axis that tile copies,
+// in the output's order: output element o reads x at o modulo x's size along each axis, x's
+// shape taken with size-1 axes in front up to the output's rank.
+template <class F>
+void for_each_tiled(const Shape& x, const Shape& out, F&& f) {
+  if (out.numel() == 0) return;
+  const int rank = out.rank();
+  if (rank == 0) {
+    f(0, 0, 1);
+    return;
+  }
+  Shape in;
+  for (int a = x.rank(); a < rank; ++a) in.push_back(1);
+  for (index_t d : x) in.push_back(d);
+  const auto stride = strides_of(in);
+  const index_t row = out[rank - 1];
+  const index_t inner = in[rank - 1];
+  std::array<index_t, max_rank> index{};  // over the output's axes before the last
+  for (index_t r = 0; r < out.numel() / row; ++r) {
+    index_t from = 0;
+    for (int a = 0; a + 1 < rank; ++a) {
+      const auto ax = static_cast<std::size_t>(a);
+      from += index[ax] % in[a] * stride[ax];
+    }
+    for (index_t o = 0; o < row; o += inner) f(r * row + o, from, inner);
+    for (int a = rank - 2; a >= 0 && ++index[static_cast<std::size_t>(a)] == out[a]; --a) {
+      index[static_cast<std::size_t>(a)] = 0;
+    }
+  }
+}
+
+// ONNX's Tile takes one multiple per axis of its input: x's leading axes get 1, and multiples
+// past x's rank get their axes from an Unsqueeze first.
+inline Interchange tile_interchange(const Shape& x, std::span<const index_t> multiples) {
+  const int m = static_cast<int>(multiples.size());
+  std::vector<std::int64_t> repeats(static_cast<std::size_t>(std::max(0, x.rank() - m)), 1);
+  repeats.insert(repeats.end(), multiples.begin(), multiples.end());
+  if (m <= x.rank())
+    return {{"Tile", {InterchangeInput::operand(0), InterchangeInput::constant(std::move(repeats))}, {}}};
+  std::vector<std::int64_t> new_axes(static_cast<std::size_t>(m - x.rank()));
+  for (std::size_t a = 0; a < new_axes.size(); ++a) new_axes[a] = static_cast<std::int64_t>(a);
+  return {{"Unsqueeze", {InterchangeInput::operand(0), InterchangeInput::constant(std::move(new_axes))}, {}},
+          {"Tile", {InterchangeInput::node(0), InterchangeInput::constant(std::move(repeats))}, {}}};
+}
+}  // namespace detail
+
+// d/dx of tile: each element of x gets dy summed over its copies.
+struct TileGradOp : Primitive<TileGradOp> {
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0};
+  static constexpr int arity = 2;  // dy, the forward input (for its shape)
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const T* dy = a.in<T>(0);
+    T* dx = a.out<T>();
+    std::fill_n(dx, a.in_shape(1).numel(), T(0));
+    detail::for_each_tiled(a.in_shape(1), a.in_shape(0), [&](index_t o, index_t i, index_t n) {
+      for (index_t k = 0; k < n; ++k) dx[i + k] += dy[o + k];
+    });
+  }
+
+  static std::string op_name() { return "TileGrad"; }
+};
+
+// What both forms share: the kernel, which reads the multiples off the two shapes, the
+// gradient and ONNX's Tile.
+template <class Self>
+struct TilePrimitive : Primitive<Self> {
+  static constexpr int arity = 1;
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const T* x = a.in<T>();
+    T* y = a.out<T>();
+    detail::for_each_tiled(a.in_shape(), a.output_shape,
+                           [&](index_t o, index_t i, index_t n) { std::copy_n(x + i, n, y + o); });
+  }
+
+  // Of input 0, the only one.
+  template <std::size_t K>
+  TileGradOp grad_op() const {
+    return {};
+  }
+
+  Interchange interchange(std::span<const Shape> in) const {
+    return detail::tile_interchange(in[0], static_cast<const Self&>(*this).multiples());
+  }
+};
+
+template <index_t... M>
+struct TileOp : TilePrimitive<TileOp<M...>> {
+  static_assert(sizeof...(M) <= max_rank, "duet::ops::tile: at most duet::max_rank multiples");
+  static_assert(((M >= 0) && ...), "duet::ops::tile: the multiples must be >= 0");
+  static constexpr std::array<index_t, sizeof...(M)> times{M...};
+
+  static constexpr std::span<const index_t> multiples() { return times; }
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return detail::tile_rule(in[0], times); }
+
+  static std::string op_name() { return "Tile<" + detail::list_text<index_t>({M...}) + ">"; }
+  std::string label() const { return "ops::tile<" + detail::list_text<index_t>({M...}) + ">"; }
+};
+
+template <index_t... M, class X>
+auto tile(X&& x) {
+  return apply(TileOp<M...>{}, std::forward<X>(x));
+}
+
+// tile(x, multiples): the multiples given at run time (an ONNX model's Tile), one operation for
+// every list, as transpose(x, perm) is for every permutation. Graph mode reads them when it
+// captures construct and knows the output's shape when the network first runs.
+struct TileListOp : TilePrimitive<TileListOp> {
+  std::array<index_t, max_rank> times{};
+  std::size_t count = 0;
+
+  std::span<const index_t> multiples() const { return std::span(times).first(count); }
+  static constexpr ShapeResult infer_static(std::span<const Shape>) { return {Shape::any()}; }
+  ShapeResult infer(std::span<const Shape> in) const { return detail::tile_rule(in[0], multiples()); }
+
+  static std::string op_name() { return "Tile"; }
+  std::string label() const { return "ops::tile(x, {" + detail::list_text<index_t>(multiples()) + "})"; }
+};
+
+// Throws duet::ValueError for a negative multiple or more than duet::max_rank of them.
+template <class X>
+auto tile(X&& x, std::span<const index_t> multiples) {
+  if (multiples.size() > static_cast<std::size_t>(max_rank) ||
+      std::ranges::any_of(multiples, [](index_t v) { return v < 0; })) {
+    throw ValueError("duet::ops::tile: the multiples {" + detail::list_text<index_t>(multiples) +
+                     "} must be >= 0, at most " + std::to_string(max_rank) + " of them");
+  }
+  TileListOp op;
+  std::ranges::copy(multiples, op.times.begin());
+  op.count = multiples.size();
+  return apply(op, std::forward<X>(x));
+}
+template <class X>
+auto tile(X&& x, std::initializer_list<index_t> multiples) {
+  return tile(std::forward<X>(x), std::span<const index_t>(multiples.begin(), multiples.size()));
 }
 
 // ----------------------------------------------------------------------------------------
@@ -1251,8 +1418,9 @@ auto positions(const X& x) {
   return apply(PositionsOp<Axis>{}, x);
 }
 
-inline const bool shape_listed = list_operations({"reshape", "transpose", "permute", "expand_dims", "squeeze", "concat",
-                                                  "stack", "split", "slice", "strided_slice", "take", "gather", "positions"});
+inline const bool shape_listed =
+    list_operations({"reshape", "transpose", "permute", "expand_dims", "squeeze", "concat", "stack", "split", "tile",
+                     "slice", "strided_slice", "take", "gather", "positions"});
 
 }  // namespace ops
 }  // namespace duet
