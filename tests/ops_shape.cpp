@@ -192,6 +192,24 @@ const bool shape_cases = add_cases([](std::multimap<std::string, Case>& m) {
                                             [&](const Index& o) { return at(xs[0], o) * at(xs[0], {o[0] + 2, o[1]}); });
                           }));
 
+  // chunk: pieces of ceil(size / N), the last smaller; on these (run-time) tensors, N slices.
+  const auto add_piece = [&](Shape shape, auto f, Shape out, Index begin) {
+    const Index ones(begin.size(), 1);
+    add("chunk", checked<1>({shape}, f, [=](const std::vector<D>& xs) { return sliced(xs[0], out, begin, ones); }));
+  };
+  add_piece({7, 2}, [](const auto& x) { return std::get<0>(duet::ops::chunk<0, 3>(x)); }, {3, 2}, {0, 0});
+  add_piece({7, 2}, [](const auto& x) { return std::get<2>(duet::ops::chunk<0, 3>(x)); }, {1, 2}, {6, 0});
+  add_piece({2, 10}, [](const auto& x) { return std::get<3>(duet::ops::chunk<-1, 4>(x)); }, {2, 1}, {0, 9});
+  // Both pieces used, in the other order.
+  const auto swapped = [=](const std::vector<D>& xs) {
+    return tabulate({2, 5, 2}, [&](const Index& o) { return at(xs[0], {o[0], o[1] < 2 ? o[1] + 3 : o[1] - 2, o[2]}); });
+  };
+  const auto chunk_swapped = [](const auto& x) {
+    const auto [a, b] = duet::ops::chunk<1, 2>(x);
+    return duet::ops::concat<1>(b, a);
+  };
+  add("chunk", checked<1>({{2, 5, 2}}, chunk_swapped, swapped));
+
   using duet::ops::ints;
   // A view of a view, each beginning further in.
   add("slice", checked<1>({{4, 3}},
@@ -546,6 +564,95 @@ TEST_CASE("ops: PIJit replays views that begin inside their input, as the output
   }
   CHECK(f.compile_count() == 1);
   CHECK(g.compile_count() == 1);
+}
+
+namespace {
+// The rows of each piece chunk<0, N> makes of a static [Size, 2], each piece checked to be x's
+// rows from where the pieces before it end, and a static tensor (split's pieces).
+template <index_t Size, index_t N>
+std::vector<index_t> static_chunk_rows() {
+  const duet::StaticTensor<double, Size, 2> x(random_input({Size, 2}, -1, 1, 20));
+  std::vector<index_t> rows;
+  index_t row = 0;
+  const auto each = [&](const auto& piece) {
+    static_assert(duet::is_static_tensor_v<std::remove_cvref_t<decltype(piece)>>);
+    CHECK(std::equal(piece.data(), piece.data() + piece.numel(), x.data() + row * 2));
+    rows.push_back(piece.shape()[0]);
+    row += piece.shape()[0];
+  };
+  std::apply([&](const auto&... piece) { (each(piece), ...); }, duet::ops::chunk<0, N>(x));
+  CHECK(row == Size);
+  return rows;
+}
+}  // namespace
+
+TEST_CASE("ops: chunk cuts a static size as torch.chunk does, into fewer pieces where it does") {
+  // torch.arange(size).chunk(n) in torch 1.13, piece by piece.
+  CHECK(static_chunk_rows<5, 4>() == std::vector<index_t>{2, 2, 1});
+  CHECK(static_chunk_rows<6, 4>() == std::vector<index_t>{2, 2, 2});
+  CHECK(static_chunk_rows<10, 4>() == std::vector<index_t>{3, 3, 3, 1});
+  CHECK(static_chunk_rows<7, 3>() == std::vector<index_t>{3, 3, 1});
+  CHECK(static_chunk_rows<0, 3>() == std::vector<index_t>{0, 0, 0});
+  CHECK(static_chunk_rows<1, 3>() == std::vector<index_t>{1});
+  CHECK(static_chunk_rows<3, 5>() == std::vector<index_t>{1, 1, 1});
+  CHECK(static_chunk_rows<4, 4>() == std::vector<index_t>{1, 1, 1, 1});
+  // A size known only when it runs: N pieces, the same rows where torch makes N.
+  const D x = random_input({10, 2}, -1, 1, 21);
+  const auto [a, b, c, d] = duet::ops::chunk<0, 4>(x);
+  CHECK(a.shape() == Shape{3, 2});
+  CHECK(d.shape() == Shape{1, 2});
+  CHECK(d.data() == x.data() + 18);  // along axis 0 a view, as split's pieces
+  const auto [e, f, g] = duet::ops::chunk<0, 3>(duet::zeros<double>({0, 2}));
+  CHECK(g.shape() == Shape{0, 2});
+  // A static shape whose axis is dyn there: the run-time pieces; a sized axis: split's.
+  const duet::StaticTensor<double, duet::dyn, 5> batch(random_input({3, 5}, -1, 1, 22));
+  static_assert(std::tuple_size_v<decltype(duet::ops::chunk<0, 2>(batch))> == 2);
+  static_assert(std::tuple_size_v<decltype(duet::ops::chunk<1, 4>(batch))> == 3);
+  CHECK(std::get<2>(duet::ops::chunk<1, 4>(batch)).shape() == Shape{3, 1});
+}
+
+namespace {
+template <class F>
+struct StaticNet : duet::nn::Cell<StaticNet<F>, duet::GRAPH_MODE, double> {
+  auto construct(auto x) { return F{}(x); }
+};
+// The last of chunk<0, 4>'s pieces, doubled: of 5 rows, torch's third piece (one row).
+struct LastChunk {
+  auto operator()(const auto& x) const {
+    const auto pieces = duet::ops::chunk<0, 4>(x);
+    return std::get<std::tuple_size_v<decltype(pieces)> - 1>(pieces) * 2.0;
+  }
+};
+}  // namespace
+
+TEST_CASE("ops: chunk of a static shape in graph mode makes torch's pieces, PyNative's bits") {
+  duet_test::ModeGuard guard;
+  const duet::StaticTensor<double, 5, 3> x(random_input({5, 3}, -1, 1, 23));
+  StaticNet<LastChunk> net;
+  const auto graph = net(x);
+  const auto eager = LastChunk{}(x);
+  REQUIRE(graph.shape() == Shape{1, 3});
+  REQUIRE(eager.shape() == Shape{1, 3});
+  CHECK(std::equal(graph.data(), graph.data() + 3, eager.data()));
+  for (int j = 0; j < 3; ++j) CHECK(eager.data()[j] == 2 * x(4, j));
+}
+
+TEST_CASE("ops: chunk refuses a run-time size torch cuts into fewer pieces, and a missing axis, in both modes") {
+  duet_test::ModeGuard guard;
+  const D x = random_input({5, 2}, -1, 1, 24);
+  for (duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+    duet::set_context({.mode = mode});
+    auto fewer = duet::jit([](const auto& t) { return std::get<0>(duet::ops::chunk<0, 4>(t)); });
+    CHECK_THROWS_WITH_AS(fewer(x),
+                         doctest::Contains("ops::chunk<0, 4> piece 0 expects an input whose size along its axis cuts "
+                                           "into 4 pieces of ceil(size / 4) elements (PyTorch's chunk makes fewer of "
+                                           "it; give the pieces' sizes with ops::split), got [5, 2]"),
+                         duet::ShapeError);
+    auto missing = duet::jit([](const auto& t) { return std::get<1>(duet::ops::chunk<2, 2>(t)); });
+    CHECK_THROWS_WITH_AS(missing(x),
+                         doctest::Contains("ops::chunk<2, 2> piece 1 expects an input of rank at least 3, got [5, 2]"),
+                         duet::ShapeError);
+  }
 }
 
 TEST_CASE("ops: tile's shape is known at compile time; a multiple of 0 empties it, and its gradient is zeros") {

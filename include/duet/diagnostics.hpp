@@ -20,20 +20,22 @@ namespace duet {
 
 enum class ShapeFault : unsigned char {
   none,
-  last_dimension,  // the input's last dimension must equal `expected`
-  min_rank,        // the input's rank must be at least `expected`
-  exact_rank,      // the input's rank must be exactly `expected`
-  element_count,   // the input must hold `expected` elements per sample
-  shapes_differ,   // two inputs must have the same shape
-  batch_dimension,  // the input must have a batch dimension in front: rank at least `expected`
-  broadcast,        // the two inputs' shapes must broadcast together (numpy's rule)
-  inner_dimensions,  // a product's inner dimensions must match (matmul: a's columns, b's rows)
-  empty_reduction,   // an axis reduced by max, min or argmax must not be empty
+  last_dimension,     // the input's last dimension must equal `expected`
+  min_rank,           // the input's rank must be at least `expected`
+  exact_rank,         // the input's rank must be exactly `expected`
+  element_count,      // the input must hold `expected` elements per sample
+  shapes_differ,      // two inputs must have the same shape
+  batch_dimension,    // the input must have a batch dimension in front: rank at least `expected`
+  broadcast,          // the two inputs' shapes must broadcast together (numpy's rule)
+  inner_dimensions,   // a product's inner dimensions must match (matmul: a's columns, b's rows)
+  empty_reduction,    // an axis reduced by max, min or argmax must not be empty
   total_elements,     // the input must hold `expected` elements (reshape)
   elements_multiple,  // the input's element count must be a multiple of `expected` (reshape with -1)
   axis_not_one,       // the input's axis `expected` must have size 1 (squeeze)
   sizes_except_axis,  // every input's sizes must match input 0's except along axis `expected` (concat)
   axis_size,          // the input's size along the operation's axis must be `expected` (split)
+  // the input's size along the operation's axis must cut into `expected` chunks (chunk)
+  chunk_count,
   slice_range,        // the input's axis `expected` must hold the slice's range (slice)
   channel_dimension,  // the input's dimension 1 (channels, NCHW) must equal `expected` (BatchNorm, Conv)
   spatial_size,       // each spatial axis must be at least `expected`: the (dilated) window less the padding
@@ -136,6 +138,10 @@ inline std::string describe_fault(const ShapeResult& r, std::string_view layer, 
     case ShapeFault::axis_size:
       what = "an input of size " + e + " along its axis";
       break;
+    case ShapeFault::chunk_count:
+      what = "an input whose size along its axis cuts into " + e + " pieces of ceil(size / " + e +
+             ") elements (PyTorch's chunk makes fewer of it; give the pieces' sizes with ops::split)";
+      break;
     case ShapeFault::slice_range:
       what = "an input whose axis " + e + " holds the slice's range";
       break;
@@ -220,6 +226,8 @@ struct sizes_must_match_input_0_except_along_axis {};
 template <index_t N>
 struct size_along_the_axis_must_be {};
 template <index_t N>
+struct size_along_the_axis_must_cut_into_chunks {};
+template <index_t N>
 struct axis_must_hold_the_slice {};
 template <index_t N>
 struct axis_must_be_named_once {};
@@ -264,6 +272,8 @@ constexpr auto requirement() {
     return sizes_must_match_input_0_except_along_axis<N>{};
   else if constexpr (F == ShapeFault::axis_size)
     return size_along_the_axis_must_be<N>{};
+  else if constexpr (F == ShapeFault::chunk_count)
+    return size_along_the_axis_must_cut_into_chunks<N>{};
   else if constexpr (F == ShapeFault::slice_range)
     return axis_must_hold_the_slice<N>{};
   else if constexpr (F == ShapeFault::axis_twice)

@@ -1,5 +1,5 @@
 // Shape operations: reshape, transpose/permute, expand_dims, squeeze, concat, stack, tile,
-// split, slice/strided_slice and gather, in both modes (MindSpore's ops.reshape,
+// split, chunk, slice/strided_slice and gather, in both modes (MindSpore's ops.reshape,
 // ops.transpose, ...).
 //
 // Every argument that decides the output's shape is known at compile time, so that graph
@@ -10,8 +10,8 @@
 //
 // duet's tensors are contiguous and row-major: a view is one run of its input's elements, in
 // order, with a shape. So reshape, expand_dims and squeeze are views (no kernel, no copy),
-// and so is a slice along the first axis only (split<0, ...>, or slice and strided_slice
-// cutting axis 0 with stride 1), which begins further into the input's block.
+// and so is a slice along the first axis only (split<0, ...>, chunk<0, N>, or slice and
+// strided_slice cutting axis 0 with stride 1), which begins further into the input's block.
 // transpose, concat, stack, tile, gather and the other slices copy: their elements are not
 // such a run.
 #pragma once
@@ -1259,6 +1259,97 @@ auto split(const X& x) {
   }(std::make_index_sequence<sizeof...(Sizes)>{});
 }
 
+// chunk<Axis, N>(x): x cut along Axis into pieces of ceil(size / N) elements, the last one
+// smaller, as PyTorch's x.chunk(N, Axis) (MindSpore's ops.chunk), a std::tuple of them. As
+// PyTorch's, a size that N pieces of that length would overshoot gives fewer (5 into 4: 2, 2,
+// 1; 3 into 5: 1, 1, 1), and an empty axis N empty pieces. The number of pieces is the
+// tuple's size, so it is known where the size is at compile time (a static tensor, a capture
+// on a static shape): then the pieces are split's. Where the size is known only when it runs
+// (a duet::Tensor, a capture on any shape), there are N pieces, each a slice whose window is
+// computed then, and a size that PyTorch cuts into fewer than N is a duet::ShapeError.
+
+namespace detail {
+// The size of X along axis, where the type of X says it (dyn elsewhere).
+template <class X>
+constexpr index_t static_size_along(int axis) {
+  using V = std::remove_cvref_t<X>;
+  Shape s = Shape::any();
+  if constexpr (graph::Symbolic<V>) {
+    s = V::shape;
+  } else if constexpr (requires { V::static_shape; }) {
+    s = V::static_shape;
+  }
+  const bool known = s.leading_unknown() ? axis < 0 && -axis <= s.rank() : axis_index(axis, s.rank()) >= 0;
+  return known ? s[axis] : dyn;
+}
+
+// Piece K of a size cut into N chunks: where it begins and how long it is; count 0 where
+// PyTorch makes fewer pieces.
+struct ChunkPiece {
+  index_t begin = 0;
+  index_t count = 0;
+};
+constexpr index_t chunk_length(index_t size, index_t n) { return (size + n - 1) / n; }
+constexpr index_t chunk_count(index_t size, index_t n) {
+  return size == 0 ? n : (size + chunk_length(size, n) - 1) / chunk_length(size, n);
+}
+constexpr ChunkPiece chunk_piece(index_t size, index_t n, index_t k) {
+  const index_t length = chunk_length(size, n);
+  return {std::min(k * length, size), std::clamp<index_t>(size - k * length, 0, length)};
+}
+}  // namespace detail
+
+// Piece K of chunk<Axis, N> of a size known when it runs.
+template <int Axis, index_t N, index_t K>
+struct ChunkOp : SlicePrimitive<ChunkOp<Axis, N, K>> {
+  static constexpr bool is_view = Axis == 0;
+  index_t view_offset(const Shape& x) const { return window(x).start[0] * x.numel_from(1); }
+
+  static constexpr detail::Window window(const Shape& x) {
+    detail::Window w;
+    w.count = x;
+    w.step.fill(1);
+    const int a = detail::axis_index(Axis, x.rank());
+    if (a < 0) {
+      w.fault = ShapeFault::min_rank;
+      w.expected = Axis < 0 ? -Axis : Axis + 1;
+    } else if (x[a] != dyn && detail::chunk_count(x[a], N) != N) {
+      w.fault = ShapeFault::chunk_count;
+      w.expected = N;
+    } else if (x[a] != dyn) {
+      const detail::ChunkPiece piece = detail::chunk_piece(x[a], N, K);
+      w.start[static_cast<std::size_t>(a)] = piece.begin;
+      w.count[a] = piece.count;
+    }
+    return w;
+  }
+
+  static std::string op_name() {
+    return "Chunk<" + std::to_string(Axis) + ", " + std::to_string(N) + ">[" + std::to_string(K) + "]";
+  }
+  std::string label() const {
+    return "ops::chunk<" + std::to_string(Axis) + ", " + std::to_string(N) + "> piece " + std::to_string(K);
+  }
+};
+
+template <int Axis, index_t N, class X>
+auto chunk(const X& x) {
+  static_assert(N >= 1, "duet::ops::chunk: N, the number of pieces, must be at least 1");
+  constexpr index_t size = detail::static_size_along<X>(Axis);
+  if constexpr (size != dyn) {
+    constexpr index_t count = detail::chunk_count(size, N);
+    return [&]<std::size_t... K>(std::index_sequence<K...>) {
+      return split<Axis, detail::chunk_piece(size, N, static_cast<index_t>(K)).count...>(x);
+    }
+    (std::make_index_sequence<static_cast<std::size_t>(count)>{});
+  } else {
+    return [&]<std::size_t... K>(std::index_sequence<K...>) {
+      return std::make_tuple(apply(ChunkOp<Axis, N, static_cast<index_t>(K)>{}, x)...);
+    }
+    (std::make_index_sequence<static_cast<std::size_t>(N)>{});
+  }
+}
+
 // ----------------------------------------------------------------------------------------
 // gather<Axis>(params, indices): the slices of params along Axis that int32 indices name,
 // in the indices' shape: output shape params[:Axis] + indices + params[Axis + 1:]
@@ -1419,8 +1510,8 @@ auto positions(const X& x) {
 }
 
 inline const bool shape_listed =
-    list_operations({"reshape", "transpose", "permute", "expand_dims", "squeeze", "concat", "stack", "split", "tile",
-                     "slice", "strided_slice", "take", "gather", "positions"});
+    list_operations({"reshape", "transpose", "permute", "expand_dims", "squeeze", "concat", "stack", "split", "chunk",
+                     "tile", "slice", "strided_slice", "take", "gather", "positions"});
 
 }  // namespace ops
 }  // namespace duet
