@@ -22062,6 +22062,36 @@ constexpr std::array<index_t, N> prefix_sums(const std::array<index_t, N>& sizes
   for (std::size_t i = 1; i < N; ++i) b[i] = b[i - 1] + sizes[i - 1];
   return b;
 }
+
+// One piece of an axis (split's, chunk's): where it begins and its length, or the fault of a
+// size it does not fit.
+struct Piece {
+  index_t begin = 0;
+  index_t count = 0;
+  ShapeFault fault = ShapeFault::none;
+  index_t expected = 0;
+};
+
+// The window of piece(size of x along axis): x whole elsewhere; the fault of an x without the
+// axis.
+template <class F>
+constexpr Window piece_window(const Shape& x, int axis, F piece) {
+  Window w;
+  w.count = x;
+  w.step.fill(1);
+  const int a = axis_index(axis, x.rank());
+  if (a < 0) {
+    w.fault = ShapeFault::min_rank;
+    w.expected = axis < 0 ? -axis : axis + 1;
+    return w;
+  }
+  const Piece p = piece(x[a]);
+  w.fault = p.fault;
+  w.expected = p.expected;
+  w.start[static_cast<std::size_t>(a)] = p.begin;
+  w.count[a] = p.count;
+  return w;
+}
 }  // namespace detail
 
 template <int Axis, index_t Total, index_t Begin, index_t Size>
@@ -22071,21 +22101,10 @@ struct SplitOp : SlicePrimitive<SplitOp<Axis, Total, Begin, Size>> {
   index_t view_offset(const Shape& x) const { return Begin * x.numel_from(1); }
 
   static constexpr detail::Window window(const Shape& x) {
-    detail::Window w;
-    w.count = x;
-    w.step.fill(1);
-    const int a = detail::axis_index(Axis, x.rank());
-    if (a < 0) {
-      w.fault = ShapeFault::min_rank;
-      w.expected = Axis < 0 ? -Axis : Axis + 1;
-    } else if (x[a] != dyn && x[a] != Total) {
-      w.fault = ShapeFault::axis_size;
-      w.expected = Total;
-    } else {
-      w.start[static_cast<std::size_t>(a)] = Begin;
-      w.count[a] = Size;
-    }
-    return w;
+    return detail::piece_window(x, Axis, [](index_t size) {
+      if (size != dyn && size != Total) return detail::Piece{0, 0, ShapeFault::axis_size, Total};
+      return detail::Piece{Begin, Size};
+    });
   }
 
   static std::string op_name() {
@@ -22133,17 +22152,12 @@ constexpr index_t static_size_along(int axis) {
   return known ? s[axis] : dyn;
 }
 
-// Piece K of a size cut into N chunks: where it begins and how long it is; count 0 where
-// PyTorch makes fewer pieces.
-struct ChunkPiece {
-  index_t begin = 0;
-  index_t count = 0;
-};
+// Piece K of a size cut into N chunks; count 0 where PyTorch makes fewer pieces.
 constexpr index_t chunk_length(index_t size, index_t n) { return (size + n - 1) / n; }
 constexpr index_t chunk_count(index_t size, index_t n) {
   return size == 0 ? n : (size + chunk_length(size, n) - 1) / chunk_length(size, n);
 }
-constexpr ChunkPiece chunk_piece(index_t size, index_t n, index_t k) {
+constexpr Piece chunk_piece(index_t size, index_t n, index_t k) {
   const index_t length = chunk_length(size, n);
   return {std::min(k * length, size), std::clamp<index_t>(size - k * length, 0, length)};
 }
@@ -22156,22 +22170,11 @@ struct ChunkOp : SlicePrimitive<ChunkOp<Axis, N, K>> {
   index_t view_offset(const Shape& x) const { return window(x).start[0] * x.numel_from(1); }
 
   static constexpr detail::Window window(const Shape& x) {
-    detail::Window w;
-    w.count = x;
-    w.step.fill(1);
-    const int a = detail::axis_index(Axis, x.rank());
-    if (a < 0) {
-      w.fault = ShapeFault::min_rank;
-      w.expected = Axis < 0 ? -Axis : Axis + 1;
-    } else if (x[a] != dyn && detail::chunk_count(x[a], N) != N) {
-      w.fault = ShapeFault::chunk_count;
-      w.expected = N;
-    } else if (x[a] != dyn) {
-      const detail::ChunkPiece piece = detail::chunk_piece(x[a], N, K);
-      w.start[static_cast<std::size_t>(a)] = piece.begin;
-      w.count[a] = piece.count;
-    }
-    return w;
+    return detail::piece_window(x, Axis, [](index_t size) {
+      if (size == dyn) return detail::Piece{0, dyn};
+      if (detail::chunk_count(size, N) != N) return detail::Piece{0, 0, ShapeFault::chunk_count, N};
+      return detail::chunk_piece(size, N, K);
+    });
   }
 
   static std::string op_name() {
