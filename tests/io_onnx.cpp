@@ -631,6 +631,23 @@ TEST_CASE("io::load_onnx: a Reshape to more elements than index_t counts is a Sh
   check_shape_error_names_once(net, duet::ones({2, 3}), "ONNX node 'big' (Reshape)");
 }
 
+TEST_CASE("io::load_onnx: Tile refuses repeats past the model's weights, and repeats that do not fit the input") {
+  {
+    onnx::ModelProto m = model_of();
+    add_int64s(m, "r", {2}, {1 << 20, 1 << 20});
+    add_node(m, "Tile", "t", {"x", "r"});
+    CHECK(message_of<duet::ValueError>(m).find("ONNX node 't' (Tile): repeats [1048576, 1048576] (negative, or more "
+                                               "copies than the model's weights have elements) is not supported") !=
+          std::string::npos);
+  }
+  onnx::ModelProto m = model_of();
+  add_int64s(m, "r", {3}, {1, 1, 1});
+  add_node(m, "Tile", "t", {"x", "r"});
+  duet::io::OnnxModel net = load(m);
+  check_shape_error_names_once(net, duet::ones({2, 3}),
+                               "ONNX node 't' (Tile): repeats of 3 axes for an input of shape [2, 3]");
+}
+
 TEST_CASE("io::load_onnx: a malformed model is a FormatError, never a crash") {
   {
     const std::string junk = "not a protobuf \xff\xff\xff\xff";
@@ -1170,6 +1187,28 @@ TEST_CASE("io::export_onnx: shape operations, reductions, numbers on either side
   const duet_test::TempDir dir;
   Assorted net;
   check_export(net, Shape{2, 6}, "assorted", dir, false);
+}
+
+// Tile (its multiples fewer than the axes, and more: an Unsqueeze first) and ReduceProd.
+struct TiledProducts : duet::nn::Cell<TiledProducts> {
+  duet::nn::Dense<4, 6> fc;
+  DUET_CELL_MEMBERS(fc);
+  auto construct(auto x) {
+    namespace ops = duet::ops;
+    auto h = ops::reshape<2, 2, 3>(fc(x));
+    auto rows = ops::prod(ops::tile<2, 1>(h), ops::axes<1>);            // [2, 4, 3] -> [2, 3]
+    auto apart = ops::prod(ops::tile<3, 1, 1, 2>(h), ops::axes<0, 2>);  // [3, 2, 2, 6] -> [2, 6]
+    return ops::concat<-1>(rows, ops::tile(apart, {1, 1}), ops::prod(ops::reshape<2, 6>(h), {-1}, ops::keep_dims));
+  }
+};
+
+TEST_CASE("io::export_onnx: tile and prod are Tile and ReduceProd, and load back") {
+  const duet_test::TempDir dir;
+  TiledProducts net;
+  check_export(net, Shape{2, 4}, "tiled_products", dir);
+  const duet::io::OnnxModel loaded = duet::io::load_onnx(dir.path / "tiled_products.onnx");
+  CHECK(std::ranges::count(loaded.operators(), "Tile") == 3);
+  CHECK(std::ranges::count(loaded.operators(), "ReduceProd") == 3);
 }
 
 // A server freezes compiles after warming up: a request of the wrong shape is still a

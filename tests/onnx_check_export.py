@@ -222,11 +222,16 @@ def run(model, xs):
                 end = None if end < -ins[0].shape[axis] else int(end)
                 index[int(axis)] = slice(int(start), end, int(step))
             y = ins[0][tuple(index)]
-        elif op in ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin"):
+        elif op in ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd"):
             axes = a.get("axes", ins[1] if len(ins) > 1 else None)
             axes = None if axes is None or len(axes) == 0 else tuple(int(v) for v in axes)
-            f = {"ReduceSum": np.sum, "ReduceMean": np.mean, "ReduceMax": np.max, "ReduceMin": np.min}[op]
+            f = {"ReduceSum": np.sum, "ReduceMean": np.mean, "ReduceMax": np.max, "ReduceMin": np.min,
+                 "ReduceProd": np.prod}[op]
             y = f(ins[0], axis=axes, keepdims=bool(a.get("keepdims", 1)))
+        elif op == "Tile":
+            if len(ins[1]) != ins[0].ndim:
+                raise SystemExit(f"Tile {node.name}: {len(ins[1])} repeats for an input of rank {ins[0].ndim}")
+            y = np.tile(ins[0], [int(r) for r in ins[1]])
         elif op == "Unsqueeze":
             y = np.expand_dims(ins[0], tuple(int(v) for v in ins[1]))
         elif op == "Squeeze":

@@ -43,6 +43,9 @@
 //   Concat of int64s                               x.view(x.size(0), -1): no step, the sizes are
 //                                                  read from the values' shapes as Reshape runs
 //   Transpose (rank <= 8), Concat (rank <= 4)      ops::transpose(x, perm), ops::concat<Axis>
+//   ReduceSum, ReduceMean, ReduceMax, ReduceMin,   ops::sum, mean, max, min, prod (axes at run
+//   ReduceProd                                     time)
+//   Tile (constant repeats)                        ops::tile(x, repeats)
 //   GRU (linear_before_reset 1), LSTM: forward,    nn::GRU's and nn::LSTM's operation, their
 //   sequence-major, default activations, no        weights rearranged into PyTorch's layout
 //   sequence_lens or peepholes                     (prepare_recurrence)
@@ -150,16 +153,18 @@ struct OnnxReshapeOp : ops::Primitive<OnnxReshapeOp> {
 };
 
 // The operators load_onnx reads, some only in a pattern or with some inputs (Shape and Cast in
-// shape arithmetic, Gather there or of one constant index), which their own errors then say. A model's other operators are all
-// named at once, before anything is built. tests/io_onnx.cpp checks the list against
-// OnnxBuilder::add_node.
+// shape arithmetic, Gather there or of one constant index), which their own errors then say. A model's other operators
+// are all named at once, before anything is built. tests/io_onnx.cpp checks the list against OnnxBuilder::add_node.
+// (Unformatted: clang-format 14 would put one name on each line.)
+// clang-format off
 inline constexpr auto onnx_operators = std::to_array<std::string_view>({
     "Abs", "Add", "AveragePool", "BatchNormalization", "Cast", "Clip", "Concat", "Constant", "ConstantOfShape", "Conv",
     "Cos", "Div", "Dropout", "Elu", "Erf", "Exp", "Expand", "Flatten", "GRU", "Gather", "Gemm", "GlobalAveragePool",
     "Identity", "LSTM", "LayerNormalization", "LeakyRelu", "Log", "LogSoftmax", "MatMul", "Max", "MaxPool", "Min",
-    "Mul", "Neg", "Pad", "Pow", "Reciprocal", "ReduceMax", "ReduceMean", "ReduceMin", "ReduceSum", "Relu", "Reshape",
-    "Shape", "Sigmoid", "Sin", "Slice", "Softmax", "Softplus", "Sqrt", "Squeeze", "Sub", "Tanh", "Transpose",
-    "Unsqueeze"});
+    "Mul", "Neg", "Pad", "Pow", "Reciprocal", "ReduceMax", "ReduceMean", "ReduceMin", "ReduceProd", "ReduceSum",
+    "Relu", "Reshape", "Shape", "Sigmoid", "Sin", "Slice", "Softmax", "Softplus", "Sqrt", "Squeeze", "Sub", "Tanh",
+    "Tile", "Transpose", "Unsqueeze"});
+// clang-format on
 
 // Conv's settings and parameters in the form duet's ConvOp reads from its layer.
 template <int Spatial>
@@ -881,7 +886,9 @@ class OnnxBuilder {
       return;
     }
     if (op == "Slice") return add_slice(n, node);
-    if (op == "ReduceSum" || op == "ReduceMean" || op == "ReduceMax" || op == "ReduceMin") return add_reduce(n, node);
+    if (op == "ReduceSum" || op == "ReduceMean" || op == "ReduceMax" || op == "ReduceMin" || op == "ReduceProd") {
+      return add_reduce(n, node);
+    }
     if (op == "Relu" || op == "Sigmoid" || op == "Tanh" || op == "LeakyRelu" || op == "Elu") {
       arity(n, node, 1, 1);
       const bool has_alpha = op == "LeakyRelu" || op == "Elu";
@@ -949,6 +956,7 @@ class OnnxBuilder {
     if (op == "LSTM") return add_recurrence(n, node, index, model_.lstms_);
     if (op == "Flatten" || op == "Reshape") return add_reshape(n, node);
     if (op == "Transpose") return add_transpose(n, node);
+    if (op == "Tile") return add_tile(n, node);
     if (shape_arithmetic(n, node)) return;
     if (op == "Unsqueeze" || op == "Squeeze") return add_squeeze(n, node);
     if (op == "Concat") return add_concat(n, node);
@@ -1682,6 +1690,7 @@ class OnnxBuilder {
         if (op == "ReduceSum") return reduce([](const auto&... a) { return ops::sum(a...); });
         if (op == "ReduceMean") return reduce([](const auto&... a) { return ops::mean(a...); });
         if (op == "ReduceMax") return reduce([](const auto&... a) { return ops::max(a...); });
+        if (op == "ReduceProd") return reduce([](const auto&... a) { return ops::prod(a...); });
         return reduce([](const auto&... a) { return ops::min(a...); });
       });
     });
@@ -1706,8 +1715,7 @@ class OnnxBuilder {
     }
     const std::optional<detail::OnnxSizes> shape = sizes_of(n.input(expand ? 1 : 0), node);
     if (!shape) unsupported(node, "a shape that is not an int64 tensor");
-    index_t weights = 1;
-    for (const auto& p : model_.parameters_) weights += p->numel();
+    const index_t weights = weight_elements();
     index_t constant = 1;
     for (const detail::OnnxSize& e : shape->elements) {
       if (e.axis) continue;
@@ -1723,6 +1731,41 @@ class OnnxBuilder {
       for (const std::int64_t d : OnnxModel::resolve(sizes, v)) to.push_back(d);
       if (!x) return full(to, value);
       return m.with(*x, v, [&](const auto& in) -> Tensor { return ops::add(in, zeros(to)); });
+    });
+  }
+
+  // What bounds the sizes a file may ask for: its weights' elements, and 1.
+  index_t weight_elements() const {
+    index_t weights = 1;
+    for (const auto& p : model_.parameters_) weights += p->numel();
+    return weights;
+  }
+
+  // Tile by constant repeats, one per axis of its input (ONNX's rule; ops::tile also takes
+  // fewer or more, as numpy's). As ConstantOfShape's sizes, the copies may be no more than the
+  // file's weights have elements, so that a small file cannot make a large tensor.
+  void add_tile(const onnx::NodeProto& n, const std::string& node) {
+    arity(n, node, 2, 2);
+    known_attributes(n, node, {});
+    const std::vector<std::int64_t>& repeats = constant_ints(n, node, 1, "repeats");
+    check_sizes(repeats.size(), node);
+    index_t copies = 1;
+    for (const std::int64_t r : repeats) {
+      if (r < 0 || __builtin_mul_overflow(copies, r, &copies) || copies > weight_elements()) {
+        unsupported(node, "repeats " + list_text(repeats) +
+                              " (negative, or more copies than the model's weights have elements)");
+      }
+    }
+    const std::vector<index_t> times(repeats.begin(), repeats.end());
+    const Operand x = operand_of(n.input(0), node);
+    add_step("Tile", n, node, [x, times](const OnnxModel& m, std::vector<Tensor>& v) {
+      return m.with(x, v, [&](const auto& in) -> Tensor {
+        if (in.shape().rank() != static_cast<int>(times.size())) {
+          throw ShapeError("repeats of " + std::to_string(times.size()) + " axes for an input of shape " +
+                           to_string(in.shape()));
+        }
+        return ops::tile(in, std::span<const index_t>(times));
+      });
     });
   }
 
