@@ -22152,11 +22152,13 @@ constexpr index_t static_size_along(int axis) {
   return known ? s[axis] : dyn;
 }
 
-// Piece K of a size cut into N chunks; count 0 where PyTorch makes fewer pieces.
+// A size cut into n chunks, as PyTorch's: each chunk's length but the last's, and how many
+// there are (n empty ones of an empty axis).
 constexpr index_t chunk_length(index_t size, index_t n) { return (size + n - 1) / n; }
 constexpr index_t chunk_count(index_t size, index_t n) {
   return size == 0 ? n : (size + chunk_length(size, n) - 1) / chunk_length(size, n);
 }
+// Chunk k of them, of length 0 past the last.
 constexpr Piece chunk_piece(index_t size, index_t n, index_t k) {
   const index_t length = chunk_length(size, n);
   return {std::min(k * length, size), std::clamp<index_t>(size - k * length, 0, length)};
