@@ -101,6 +101,11 @@ const bool shape_cases = add_cases([](std::multimap<std::string, Case>& m) {
                        [=](const std::vector<D>& xs) {
                          return transposed(xs, {2, 0, 1});
                        }));
+  add("permute", checked<1>(
+                     {{2, 3, 4}}, [](const auto& x) { return duet::ops::permute<-1, 0, -2>(x); },
+                     [=](const std::vector<D>& xs) {
+                       return transposed(xs, {2, 0, 1});
+                     }));
 
   // Along `axis`, the inputs one after the other.
   const auto concatenated = [](const std::vector<D>& xs, int axis) {

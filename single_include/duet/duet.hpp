@@ -21165,7 +21165,8 @@ template <int... P>
 struct TransposeOp : Primitive<TransposeOp<P...>> {
   static constexpr std::array<int, sizeof...(P)> perm{P...};
   static_assert(detail::is_permutation(perm),
-                "duet::ops::transpose: the axes must be a permutation of 0, 1, ..., rank - 1");
+                "duet::ops::transpose: the axes must be a permutation of 0, 1, ..., rank - 1 (each axis once, "
+                "counted from the end where negative)");
   static constexpr int rank = static_cast<int>(sizeof...(P));
   // As the gradient of the inverse permutation, it reads the incoming gradient only.
   static constexpr std::array reads{graph::Operand::grad};
@@ -21198,9 +21199,12 @@ struct TransposeOp : Primitive<TransposeOp<P...>> {
   }
 };
 
+// The permutation's length is the rank, so an axis counted from the end (-1 the last, as in
+// PyTorch's permute(-1, 0, 1) and the run-time form) is known while the program compiles.
 template <int... P, class X>
 auto transpose(X&& x) {
-  return apply(TransposeOp<P...>{}, std::forward<X>(x));
+  constexpr int rank = static_cast<int>(sizeof...(P));
+  return apply(TransposeOp<(P < 0 ? P + rank : P)...>{}, std::forward<X>(x));
 }
 
 // transpose(x, perm): the permutation given at run time (MindSpore's transpose(input,
