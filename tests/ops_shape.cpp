@@ -660,7 +660,7 @@ TEST_CASE("ops: chunk refuses a run-time size torch cuts into fewer pieces, and 
   }
 }
 
-TEST_CASE("ops: tile's shape is known at compile time; a multiple of 0 empties it, and its gradient is zeros") {
+TEST_CASE("ops: tile's shape is known at compile time, a multiple of 0 empties it, and its gradient is zeros") {
   duet_test::ModeGuard guard;
   const auto y = duet::ops::tile<2, 1, 3>(duet::ones<double>(duet::shape<2, 3>));
   static_assert(std::is_same_v<std::remove_cvref_t<decltype(y)>, duet::StaticTensor<double, 2, 2, 9>>);
