@@ -468,6 +468,12 @@ TEST_CASE("ops: slices and reductions given at run time are the compile-time one
     same([](const auto& t) { return ops::mean(t, {-1, 0}, ops::keep_dims); },
          [](const auto& t) { return ops::mean(t, ops::axes<-1, 0>, ops::keep_dims); });
     same([](const auto& t) { return ops::max(t, {1}); }, [](const auto& t) { return ops::max(t, ops::axes<1>); });
+    same([](const auto& t) { return ops::prod(t, {0}); }, [](const auto& t) { return ops::prod(t, ops::axes<0>); });
+    same([](const auto& t) { return ops::var(t, {1}, ops::keep_dims); },
+         [](const auto& t) { return ops::var(t, ops::axes<1>, ops::keep_dims); });
+    same([](const auto& t) { return ops::std(t, {0, 1}); }, [](const auto& t) { return ops::std(t, ops::axes<0, 1>); });
+    same([](const auto& t) { return ops::logsumexp(t, {-1}); },
+         [](const auto& t) { return ops::logsumexp(t, ops::axes<-1>); });
     same([](const auto& t) { return ops::sum(t, std::span<const int>()); }, [](const auto& t) { return ops::sum(t); });
   }
   // The lists themselves are checked where they are given.

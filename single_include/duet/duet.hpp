@@ -28601,32 +28601,46 @@ auto arg_extreme(const X& x, Axes<A>, Keep...) {
 
 }  // namespace detail
 
-// sum(x), sum(x, keep_dims), sum(x, axes<...>), sum(x, axes<...>, keep_dims); the same for
-// mean, prod, max and min.
-#define DUET_DETAIL_REDUCTION(name, Reducer)                           \
-  template <TensorLike X, int... A, class... Keep>                     \
-  auto name(const X& x, Axes<A...> a, Keep... keep) {                  \
-    return detail::reduce<detail::Reducer>(x, a, keep...);             \
-  }                                                                    \
-  template <TensorLike X, class... Keep>                               \
-    requires((std::is_same_v<Keep, KeepDims> && ...))                  \
-  auto name(const X& x, Keep... keep) {                                \
-    return detail::reduce<detail::Reducer>(x, Axes<>{}, keep...);      \
-  }                                                                    \
-  template <TensorLike X, class... Keep>                               \
-  auto name(const X& x, std::span<const int> axes, Keep... keep) {     \
-    return detail::reduce_listed<detail::Reducer>(x, axes, #name, keep...); \
-  }                                                                    \
-  template <TensorLike X, class... Keep>                               \
-  auto name(const X& x, std::initializer_list<int> axes, Keep... keep) { \
-    return detail::reduce_listed<detail::Reducer>(x, std::span(axes.begin(), axes.size()), #name, keep...); \
+namespace detail {
+// A reduction over axes given either way: ops::axes<...> while the program compiles, a list at
+// run time.
+template <class Reducer, class X, class AxesT, class... Keep>
+auto reduce_over(const X& x, const AxesT& axes, const char* who, Keep... keep) {
+  if constexpr (std::is_same_v<AxesT, std::span<const int>>)
+    return reduce_listed<Reducer>(x, axes, who, keep...);
+  else
+    return reduce<Reducer>(x, axes, keep...);
+}
+}  // namespace detail
+
+// The ways an operation over axes is called, as sum is: sum(x) and sum(x, keep_dims) over every
+// axis; sum(x, axes<...>), the axes known while the program compiles; sum(x, {0, 1}) or a
+// std::span<const int>, known at run time; keep_dims last. Each overload returns the
+// expression given, written on x, axes (an Axes<A...> or a std::span<const int>) and keep.
+#define DUET_DETAIL_OVER_AXES(name, ...)                                                  \
+  template <TensorLike X, int... A, class... Keep>                                        \
+  auto name(const X& x, Axes<A...> axes, Keep... keep) {                                  \
+    return __VA_ARGS__;                                                                   \
+  }                                                                                       \
+  template <TensorLike X, class... Keep>                                                  \
+  requires((std::is_same_v<Keep, KeepDims> && ...)) auto name(const X& x, Keep... keep) { \
+    const Axes<> axes{};                                                                  \
+    return __VA_ARGS__;                                                                   \
+  }                                                                                       \
+  template <TensorLike X, class... Keep>                                                  \
+  auto name(const X& x, std::span<const int> axes, Keep... keep) {                        \
+    return __VA_ARGS__;                                                                   \
+  }                                                                                       \
+  template <TensorLike X, class... Keep>                                                  \
+  auto name(const X& x, std::initializer_list<int> list, Keep... keep) {                  \
+    const std::span<const int> axes(list.begin(), list.size());                           \
+    return __VA_ARGS__;                                                                   \
   }
-DUET_DETAIL_REDUCTION(sum, SumReducer)
-DUET_DETAIL_REDUCTION(mean, MeanReducer)
-DUET_DETAIL_REDUCTION(prod, ProdReducer)
-DUET_DETAIL_REDUCTION(max, MaxReducer)
-DUET_DETAIL_REDUCTION(min, MinReducer)
-#undef DUET_DETAIL_REDUCTION
+DUET_DETAIL_OVER_AXES(sum, detail::reduce_over<detail::SumReducer>(x, axes, "sum", keep...))
+DUET_DETAIL_OVER_AXES(mean, detail::reduce_over<detail::MeanReducer>(x, axes, "mean", keep...))
+DUET_DETAIL_OVER_AXES(prod, detail::reduce_over<detail::ProdReducer>(x, axes, "prod", keep...))
+DUET_DETAIL_OVER_AXES(max, detail::reduce_over<detail::MaxReducer>(x, axes, "max", keep...))
+DUET_DETAIL_OVER_AXES(min, detail::reduce_over<detail::MinReducer>(x, axes, "min", keep...))
 
 namespace detail {
 template <class X, class AxesT, class... Keep>
@@ -28635,30 +28649,15 @@ auto variance(const X& x, const AxesT& axes, Keep... keep) {
 }
 }  // namespace detail
 
-// var(x), var(x, axes<...>), with keep_dims: the variance over the axes (every axis if none),
+// var(x), var(x, axes<...>), with keep_dims, or the axes at run time, as sum takes them: the
+// variance over the axes (every axis if none),
 // mean((x - mean(x))^2), dividing by the n elements reduced, as numpy's and MindSpore's
 // ops.var do by default (ddof = 0); torch.var divides by n - 1 by default (a sample's
 // unbiased estimate: multiply by n / (n - 1)). std is its square root. Made of mean,
 // subtraction and square, which give their gradients; std's is 0 where the variance is 0, as
 // PyTorch's (fn::StdRoot).
-template <TensorLike X, int... A, class... Keep>
-auto var(const X& x, Axes<A...> a, Keep... keep) {
-  return detail::variance(x, a, keep...);
-}
-template <TensorLike X, class... Keep>
-  requires((std::is_same_v<Keep, KeepDims> && ...))
-auto var(const X& x, Keep... keep) {
-  return detail::variance(x, Axes<>{}, keep...);
-}
-template <TensorLike X, int... A, class... Keep>
-auto std(const X& x, Axes<A...> a, Keep... keep) {
-  return apply(MapOp<fn::StdRoot>{}, detail::variance(x, a, keep...));
-}
-template <TensorLike X, class... Keep>
-  requires((std::is_same_v<Keep, KeepDims> && ...))
-auto std(const X& x, Keep... keep) {
-  return apply(MapOp<fn::StdRoot>{}, detail::variance(x, Axes<>{}, keep...));
-}
+DUET_DETAIL_OVER_AXES(var, detail::variance(x, axes, keep...))
+DUET_DETAIL_OVER_AXES(std, apply(MapOp<fn::StdRoot>{}, detail::variance(x, axes, keep...)))
 
 // argmax(x) (axis -1, MindSpore's ops.Argmax default), argmax(x, axis<A>), with keep_dims.
 template <TensorLike X, int A = -1, class... Keep>
@@ -28695,23 +28694,8 @@ auto log_sum_exp(const X& x, const AxesT& axes, Keep...) {
 // them: log Σ exp(x) over the axes (every axis if none), PyTorch's torch.logsumexp and
 // MindSpore's ops.logsumexp, without overflow (the maximum is taken out first) and -inf for a
 // group of -inf (a fully masked row).
-template <TensorLike X, int... A, class... Keep>
-auto logsumexp(const X& x, Axes<A...> a, Keep... keep) {
-  return detail::log_sum_exp(x, a, keep...);
-}
-template <TensorLike X, class... Keep>
-  requires((std::is_same_v<Keep, KeepDims> && ...))
-auto logsumexp(const X& x, Keep... keep) {
-  return detail::log_sum_exp(x, Axes<>{}, keep...);
-}
-template <TensorLike X, class... Keep>
-auto logsumexp(const X& x, std::span<const int> axes, Keep... keep) {
-  return detail::log_sum_exp(x, axes, keep...);
-}
-template <TensorLike X, class... Keep>
-auto logsumexp(const X& x, std::initializer_list<int> axes, Keep... keep) {
-  return detail::log_sum_exp(x, std::span(axes.begin(), axes.size()), keep...);
-}
+DUET_DETAIL_OVER_AXES(logsumexp, detail::log_sum_exp(x, axes, keep...))
+#undef DUET_DETAIL_OVER_AXES
 
 }  // namespace ops
 }  // namespace duet
