@@ -245,6 +245,52 @@ TEST_CASE("a hook on a cell whose input holds integers is refused where it is re
   handle.remove();
 }
 
+TEST_CASE("a hook handle removes its hook from the cell wherever the cell was moved, as PyTorch's handle does") {
+  ModeGuard guard;
+  set_context({.mode = PYNATIVE_MODE});
+  const Tensor x = ones({1, 3});
+
+  // Moved into a vector that then reallocates, moving it again.
+  int calls = 0;
+  std::vector<nn::Dense<>> layers;
+  nn::Dense<> layer(3, 2);
+  auto handle = layer.register_forward_hook([&](const nn::DynamicCell&, const Tensor&, const Tensor&) { ++calls; });
+  layers.push_back(std::move(layer));
+  for (int i = 0; i < 16; ++i) layers.emplace_back(3, 2);
+  layers[0](x);
+  CHECK(calls == 1);  // the hook moved with its cell
+  handle.remove();
+  layers[0](x);
+  CHECK(calls == 1);
+
+  // Moved into a container cell.
+  int backward_calls = 0;
+  nn::Dense<> dense(3, 2);
+  auto backward_handle =
+      dense.register_backward_hook([&](const nn::DynamicCell&, const Tensor&, const Tensor&) { ++backward_calls; });
+  nn::DynamicSequentialCell net;
+  auto& appended = net.append(std::move(dense));
+  const auto f = [&](const Tensor& input) { return ops::sum(net(input)); };
+  grad(f)(x);
+  CHECK(backward_calls == 1);
+  backward_handle.remove();
+  grad(f)(x);
+  CHECK(backward_calls == 1);
+  CHECK(!net.has_hooks_in_tree());
+  // Without hooks the network runs in graph mode again, which a hook left behind would refuse.
+  set_context({.mode = GRAPH_MODE});
+  CHECK(net(x).shape() == Shape{1, 2});
+  CHECK(appended.name() == "0");
+
+  // A cell destroyed took its hooks with it: removing one then is nothing to do, not a crash.
+  nn::HookHandle<float> orphan;
+  {
+    nn::Dense<> gone(3, 2);
+    orphan = gone.register_forward_hook([](const nn::DynamicCell&, const Tensor&, const Tensor&) {});
+  }
+  CHECK_NOTHROW(orphan.remove());
+}
+
 namespace {
 // Counts how often its construct runs: once per call in PyNative mode, once per capture in graph mode.
 struct CountingCell : nn::Cell<CountingCell> {

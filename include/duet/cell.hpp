@@ -109,19 +109,27 @@ template <ElementType T>
 inline thread_local const BasicForwardHook<T>* call_observer = nullptr;
 }  // namespace detail
 
-// Removes the hook it was returned for (MindSpore's handle.remove()).
+// Where a cell's hooks are: the cell moves them, and this pointer, to the object it is moved
+// into, so that a handle taken before the move still finds its hook.
+template <ElementType T>
+using HookOwner = std::shared_ptr<BasicDynamicCell<T>*>;
+
+// Removes the hook it was returned for (MindSpore's handle.remove()), from the cell it was
+// registered on wherever that cell was moved since (returned from a function, put in a
+// std::vector or a container cell), as PyTorch's handle removes it from its module. Once the
+// cell is destroyed its hooks are gone with it, and remove() has nothing left to do.
 template <ElementType T>
 class HookHandle {
  public:
   HookHandle() = default;
-  HookHandle(BasicDynamicCell<T>* cell, long id) : cell_(cell), id_(id) {}
+  HookHandle(const HookOwner<T>& owner, long id) : owner_(owner), id_(id) {}
   void remove() {
-    if (cell_ != nullptr) cell_->remove_hook(id_);
-    cell_ = nullptr;
+    if (const HookOwner<T> owner = owner_.lock()) (*owner)->remove_hook(id_);
+    owner_.reset();
   }
 
  private:
-  BasicDynamicCell<T>* cell_ = nullptr;
+  std::weak_ptr<BasicDynamicCell<T>*> owner_;
   long id_ = 0;
 };
 
@@ -136,7 +144,7 @@ class BasicDynamicCell {
   BasicDynamicCell(const BasicDynamicCell&) = delete;
   BasicDynamicCell& operator=(const BasicDynamicCell&) = delete;
   // Movable so that containers can take cells by value; a moved cell keeps its hooks, and
-  // HookHandles of the old object no longer refer to it.
+  // HookHandles taken before the move remove them from it.
   BasicDynamicCell(BasicDynamicCell&& other) noexcept
       : name_(std::move(other.name_)),
         named_(other.named_.load()),
@@ -144,7 +152,10 @@ class BasicDynamicCell {
         phase_chosen_(other.phase_chosen_.load()),
         hooks_(std::exchange(other.hooks_, {})),
         backward_hooks_(std::exchange(other.backward_hooks_, {})),
-        last_hook_id_(other.last_hook_id_) {}
+        last_hook_id_(other.last_hook_id_),
+        hook_owner_(std::move(other.hook_owner_)) {
+    if (hook_owner_ != nullptr) *hook_owner_ = this;
+  }
   BasicDynamicCell& operator=(BasicDynamicCell&&) = delete;
   virtual ~BasicDynamicCell() {
     duet::detail::live_hook_count().fetch_sub(static_cast<long>(hooks_.size() + backward_hooks_.size()));
@@ -187,7 +198,7 @@ class BasicDynamicCell {
     refuse_hook_on_other_input_type();
     hooks_.emplace_back(++last_hook_id_, std::move(hook));
     duet::detail::live_hook_count().fetch_add(1);
-    return HookHandle<T>(this, last_hook_id_);
+    return HookHandle<T>(hook_owner(), last_hook_id_);
   }
 
   // Backward hooks run while a PyNative gradient (value_and_grad, grad, TrainOneStepCell)
@@ -196,7 +207,7 @@ class BasicDynamicCell {
     refuse_hook_on_other_input_type();
     backward_hooks_.emplace_back(++last_hook_id_, std::move(hook));
     duet::detail::live_hook_count().fetch_add(1);
-    return HookHandle<T>(this, last_hook_id_);
+    return HookHandle<T>(hook_owner(), last_hook_id_);
   }
 
   // A hook takes tensors of T, so a cell whose input holds other values could never call it:
@@ -430,6 +441,12 @@ class BasicDynamicCell {
     });
   }
 
+  // Made at the first hook, so that a cell without hooks allocates nothing for them.
+  const HookOwner<T>& hook_owner() {
+    if (hook_owner_ == nullptr) hook_owner_ = std::make_shared<BasicDynamicCell*>(this);
+    return hook_owner_;
+  }
+
   bool is_ancestor_of(const BasicDynamicCell& cell) {
     bool found = false;
     for_each_child(
@@ -470,6 +487,7 @@ class BasicDynamicCell {
   std::vector<std::pair<long, BasicForwardHook<T>>> hooks_;
   std::vector<std::pair<long, BasicBackwardHook<T>>> backward_hooks_;
   long last_hook_id_ = 0;
+  HookOwner<T> hook_owner_;  // what HookHandles find this cell's hooks through
 
  protected:
   duet::detail::OwnForms forms_;  // this cell's jitted forms: graph_form, Cell's traced_form, kept_form's
