@@ -246,17 +246,29 @@ struct CheckpointRecord {
   std::size_t size;
 };
 
-// Reads the fields of a checkpoint whose checksum has been verified, so a field that does not
-// fit is a file written wrong, not a damaged one.
+// A field of a file that failed its checksum runs past the file's end: [begin, end) is where
+// the field would lie, were the file whole.
+struct CheckpointCut {
+  std::string what;
+  std::size_t begin;
+  std::uint64_t end;
+};
+
+// Reads the fields of a checkpoint. Verified, its checksum held, so a field that does not fit
+// is a file written wrong, not a damaged one. Unverified (why the checksum failed), a field
+// that runs past the end throws a CheckpointCut.
 class CheckpointParser {
  public:
-  CheckpointParser(std::span<const unsigned char> bytes, const std::string& where) : bytes_(bytes), where_(where) {}
+  enum Checksum { verified, unverified };
+  CheckpointParser(std::span<const unsigned char> bytes, const std::string& where, Checksum checksum = verified)
+      : bytes_(bytes), where_(where), checksum_(checksum) {}
 
   std::size_t position() const { return pos_; }
   std::size_t remaining() const { return bytes_.size() - pos_; }
 
   std::span<const unsigned char> take(std::size_t n, const std::string& what) {
     if (n > remaining()) {
+      if (checksum_ == unverified) throw CheckpointCut{what, pos_, std::uint64_t{pos_} + n};
       throw FormatError(where_ + ": malformed: " + what + " at byte " + std::to_string(pos_) +
                         " runs past the parameters' end at byte " + std::to_string(bytes_.size()));
     }
@@ -275,13 +287,31 @@ class CheckpointParser {
     return {reinterpret_cast<const char*>(b.data()), b.size()};
   }
 
-  // `count` records; `noun` ("parameter", "optimizer state") names them in messages.
-  std::vector<CheckpointRecord> records(std::uint32_t count, const std::string& noun) {
+  // A name of n bytes: a path, an optimiser's type. Unverified, one that no writer makes (empty
+  // where it may not be, longer than any path, or with control bytes in what the file holds of
+  // it) is a damaged length rather than a cut.
+  std::string_view name(std::size_t n, const std::string& what, bool may_be_empty = false) {
+    if (checksum_ == unverified) {
+      constexpr std::size_t longest = 64 * 1024;
+      const auto there = bytes_.subspan(pos_, std::min(n, remaining()));
+      if ((n == 0 && !may_be_empty) || n > longest ||
+          std::any_of(there.begin(), there.end(), [](unsigned char c) { return c < 0x20 || c == 0x7F; })) {
+        throw FormatError(where_ + ": malformed: " + what);
+      }
+    }
+    return text(n, what);
+  }
+
+  // `count` records; `noun` ("parameter", "optimizer state") names them in messages. Unverified,
+  // a record of `owners` (the optimiser's state, of the parameters) is "<slot>.<owner's name>",
+  // of its owner's type and shape, or its fields are damaged.
+  std::vector<CheckpointRecord> records(std::uint32_t count, const std::string& noun,
+                                        const std::vector<CheckpointRecord>* owners = nullptr) {
     // Not reserved from count: a hostile count must not size an allocation.
     std::vector<CheckpointRecord> out;
     std::unordered_set<std::string_view> seen;
     for (std::uint32_t i = 0; i < count; ++i) {
-      out.push_back(record(i, noun));
+      out.push_back(record(i, noun, owners));
       if (!seen.insert(out.back().name).second) {
         throw FormatError(where_ + ": " + noun + " " + shown_name(out.back().name) + " appears twice in the file");
       }
@@ -296,7 +326,8 @@ class CheckpointParser {
     std::unordered_set<std::string_view> seen;
     for (std::uint64_t i = 0; i < count; ++i) {
       const std::string what = "generator #" + std::to_string(i);
-      const auto name = text(static_cast<std::size_t>(little_endian(4, what + "'s name length")), what + "'s name");
+      const auto name =
+          this->name(static_cast<std::size_t>(little_endian(4, what + "'s name length")), what + "'s name");
       const std::string who = "generator " + shown_name(name);
       GeneratorState state;
       for (std::size_t w = 0; w < state.words.size(); ++w) {
@@ -317,10 +348,10 @@ class CheckpointParser {
   }
 
  private:
-  CheckpointRecord record(std::uint32_t index, const std::string& noun) {
+  CheckpointRecord record(std::uint32_t index, const std::string& noun, const std::vector<CheckpointRecord>* owners) {
     const std::string what = noun + " #" + std::to_string(index);
     const auto name_size = static_cast<std::size_t>(little_endian(4, what + "'s name length"));
-    CheckpointRecord r{text(name_size, what + "'s name"), DType::float32, Shape{}, 0, 0};
+    CheckpointRecord r{name(name_size, what + "'s name"), DType::float32, Shape{}, 0, 0};
     const std::string who = noun + " " + shown_name(r.name);
     const auto type = little_endian(1, who + "'s element type");
     if (type > static_cast<std::uint64_t>(DType::uint8)) {
@@ -333,8 +364,8 @@ class CheckpointParser {
       throw FormatError(where_ + ": malformed: " + who + " has rank " + std::to_string(rank) + ", more than " +
                         std::to_string(max_rank));
     }
-    // Saturates past what is left, so no product overflows and a zero dimension still gives 0.
-    const std::uint64_t limit = remaining() / size_of(r.dtype);
+    // Saturates past any file's size, so no product overflows and a zero dimension still gives 0.
+    constexpr std::uint64_t most = std::numeric_limits<std::uint64_t>::max() / 16;
     std::uint64_t numel = 1;
     for (std::uint64_t i = 0; i < rank; ++i) {
       const auto d = static_cast<std::int64_t>(little_endian(8, who + "'s dimension " + std::to_string(i)));
@@ -344,20 +375,35 @@ class CheckpointParser {
       }
       r.shape.push_back(d);
       const auto u = static_cast<std::uint64_t>(d);
-      numel = (u == 0 || numel <= limit / u) ? numel * u : limit + 1;
+      numel = (u == 0 || numel <= most / u) ? numel * u : most + 1;
     }
-    if (numel > limit) {
+    if (checksum_ == unverified && owners != nullptr && !owned(r, *owners)) {
+      throw FormatError(where_ + ": malformed: " + who + " is of no parameter");
+    }
+    const std::uint64_t size = numel * size_of(r.dtype);
+    if (size > remaining()) {
+      // A saturated count is no cut file's: those are the start of a whole one.
+      if (checksum_ == unverified && numel <= most) throw CheckpointCut{who + "'s elements", pos_, pos_ + size};
       throw FormatError(where_ + ": malformed: " + who + "'s elements " + to_string(r.shape) +
                         " run past the parameters' end at byte " + std::to_string(bytes_.size()));
     }
     r.offset = pos_;
-    r.size = static_cast<std::size_t>(numel) * size_of(r.dtype);
+    r.size = static_cast<std::size_t>(size);
     take(r.size, who + "'s elements");
     return r;
   }
 
+  static bool owned(const CheckpointRecord& r, const std::vector<CheckpointRecord>& owners) {
+    const auto dot = r.name.find('.');
+    if (dot == std::string_view::npos) return false;
+    return std::any_of(owners.begin(), owners.end(), [&](const CheckpointRecord& owner) {
+      return owner.name == r.name.substr(dot + 1) && owner.dtype == r.dtype && owner.shape == r.shape;
+    });
+  }
+
   std::span<const unsigned char> bytes_;
   std::string where_;
+  Checksum checksum_;
   std::size_t pos_ = 0;
 };
 
@@ -365,28 +411,91 @@ class CheckpointParser {
 struct ParsedCheckpoint {
   std::uint32_t version = 0;
   std::vector<CheckpointRecord> parameters;
+  std::size_t parameters_end = 0;  // the byte after the parameters' records; 0 until they are read
   std::string_view optimizer;  // empty when the file holds no optimiser state
   std::int64_t global_step = 0;
   std::vector<CheckpointRecord> optimizer_state;
   std::vector<std::pair<std::string_view, GeneratorState>> generators;
 };
 
-// A checkpoint file, checked for everything but whether it fits a cell. `expected` is the
-// size a checkpoint of the cell takes, for telling truncation from damage; 0 when there is
-// no cell to compare with.
-inline ParsedCheckpoint parse_checkpoint(std::span<const unsigned char> bytes, std::uint64_t expected,
+// What a load expects of a file, for telling a cut one from a damaged one. Empty for a load
+// that is not strict and for checkpoint_info, which have no cell to compare with.
+struct CheckpointExpectation {
+  std::uint64_t parameters_end = 0;  // where the cell's parameters' records end
+  std::uint64_t size = 0;            // a whole checkpoint of the cell, as the load reads it
+  std::string_view optimizer;        // whose state the load reads; empty for parameters alone
+};
+
+inline FormatError checkpoint_truncated(std::size_t n, const CheckpointExpectation& expected, const std::string& where,
+                                        const std::string& inside = {}) {
+  std::string message = where + ": truncated at byte " + std::to_string(n) + inside;
+  if (n < expected.size) {
+    message += "; a checkpoint of this cell " +
+               (expected.optimizer.empty() ? std::string("without optimizer state")
+                                           : "with its " + std::string(expected.optimizer) + " state") +
+               " is " + std::to_string(expected.size) + " bytes";
+  }
+  return FormatError(message);
+}
+
+// The fields after the version, into `file` as they are read, so that a walk cut short keeps
+// what it read.
+inline void read_checkpoint_fields(CheckpointParser& in, ParsedCheckpoint& file, const std::string& where) {
+  file.parameters = in.records(static_cast<std::uint32_t>(in.little_endian(4, "the parameter count")), "parameter");
+  file.parameters_end = in.position();
+  if (file.version >= 2) {
+    const auto name_size = static_cast<std::size_t>(in.little_endian(4, "the optimizer's type name length"));
+    file.optimizer = in.name(name_size, "the optimizer's type name", true);
+    if (!file.optimizer.empty()) {
+      file.global_step = static_cast<std::int64_t>(in.little_endian(8, "the optimizer's global step"));
+      if (file.global_step < 0) {
+        throw FormatError(where + ": malformed: the optimizer's global step is " + std::to_string(file.global_step));
+      }
+      const auto count = static_cast<std::uint32_t>(in.little_endian(4, "the optimizer state count"));
+      file.optimizer_state = in.records(count, "optimizer state", &file.parameters);
+      if (file.version >= 3) file.generators = in.generators();
+    }
+  }
+}
+
+// Why a file failed its checksum. A cut file is the start of a whole one, so its fields read
+// well until one runs past its end; a damaged one has a whole file's size, and its fields read
+// through to the checksum (damage in the values) or go wrong. A damaged field can also run past
+// the end: where the cell says where its parameters end, they must end there for the file to be
+// taken as cut, and a file of a whole checkpoint's size is taken as damaged.
+inline FormatError checksum_failure(std::span<const unsigned char> bytes, std::uint32_t version,
+                                    const CheckpointExpectation& expected, const std::string& where) {
+  FormatError damaged(where + ": checksum mismatch: the file is damaged");
+  if (bytes.size() == expected.size) return damaged;
+  ParsedCheckpoint file;
+  file.version = version;
+  CheckpointParser walk(bytes, where, CheckpointParser::unverified);
+  try {
+    walk.take(checkpoint_magic.size() + 4, "the header");
+    read_checkpoint_fields(walk, file, where);
+    walk.take(checkpoint_checksum_bytes, "the checksum");
+    return damaged;
+  } catch (const FormatError&) {
+    return damaged;
+  } catch (const CheckpointCut& cut) {
+    const bool other_parameters = file.parameters_end != 0 ? file.parameters_end != expected.parameters_end
+                                                           : bytes.size() >= expected.parameters_end;
+    if (expected.parameters_end != 0 && other_parameters) return damaged;
+    return checkpoint_truncated(
+        bytes.size(), expected, where,
+        ", inside " + cut.what + " (bytes " + std::to_string(cut.begin) + " to " + std::to_string(cut.end) + ")");
+  }
+}
+
+// A checkpoint file, checked for everything but whether it fits a cell.
+inline ParsedCheckpoint parse_checkpoint(std::span<const unsigned char> bytes, const CheckpointExpectation& expected,
                                          const std::string& where) {
   const std::size_t n = bytes.size();
   const std::size_t magic_seen = std::min<std::size_t>(n, checkpoint_magic.size());
   if (!std::equal(bytes.begin(), bytes.begin() + static_cast<std::ptrdiff_t>(magic_seen), checkpoint_magic.begin())) {
     throw FormatError(where + ": not a duet checkpoint: it does not start with \"DUETCKPT\"");
   }
-  const auto truncated = [&] {
-    return FormatError(where + ": truncated at byte " + std::to_string(n) +
-                       (expected == 0 ? std::string()
-                                      : "; a checkpoint of this cell is " + std::to_string(expected) + " bytes"));
-  };
-  if (n < checkpoint_magic.size() + 4) throw truncated();
+  if (n < checkpoint_magic.size() + 4) throw checkpoint_truncated(n, expected, where);
   ParsedCheckpoint file;
   CheckpointParser header(bytes, where);
   header.take(checkpoint_magic.size(), "the magic");
@@ -396,33 +505,18 @@ inline ParsedCheckpoint parse_checkpoint(std::span<const unsigned char> bytes, s
                       std::to_string(checkpoint_version));
   }
   file.version = static_cast<std::uint32_t>(version);
-  if (n < checkpoint_header_bytes + checkpoint_checksum_bytes) throw truncated();
+  if (n < checkpoint_header_bytes + checkpoint_checksum_bytes) throw checkpoint_truncated(n, expected, where);
 
   const std::size_t body = n - checkpoint_checksum_bytes;
   CheckpointParser checksum(bytes.subspan(body), where);
   const auto stored = checksum.little_endian(4, "the checksum");
   if (stored != crc32_z(crc32_z(0, nullptr, 0), bytes.data(), body)) {
-    // A cut file rarely ends in a valid checksum, so a short file that fails is taken as cut.
-    if (n < expected) throw truncated();
-    throw FormatError(where + ": checksum mismatch: the file is damaged" + (expected == 0 ? " or truncated" : ""));
+    throw checksum_failure(bytes, file.version, expected, where);
   }
 
   CheckpointParser in(bytes.first(body), where);
   in.take(checkpoint_magic.size() + 4, "the header");
-  file.parameters = in.records(static_cast<std::uint32_t>(in.little_endian(4, "the parameter count")), "parameter");
-  if (file.version >= 2) {
-    const auto name_size = static_cast<std::size_t>(in.little_endian(4, "the optimizer's type name length"));
-    file.optimizer = in.text(name_size, "the optimizer's type name");
-    if (!file.optimizer.empty()) {
-      file.global_step = static_cast<std::int64_t>(in.little_endian(8, "the optimizer's global step"));
-      if (file.global_step < 0) {
-        throw FormatError(where + ": malformed: the optimizer's global step is " + std::to_string(file.global_step));
-      }
-      const auto count = static_cast<std::uint32_t>(in.little_endian(4, "the optimizer state count"));
-      file.optimizer_state = in.records(count, "optimizer state");
-      if (file.version >= 3) file.generators = in.generators();
-    }
-  }
+  read_checkpoint_fields(in, file, where);
   if (in.remaining() != 0) {
     throw FormatError(where + ": malformed: " + std::to_string(in.remaining()) + " unexpected bytes at byte " +
                       std::to_string(in.position()) + ", after the " +
@@ -439,7 +533,7 @@ inline std::vector<CheckpointEntry> entries_of(const std::vector<CheckpointRecor
 }
 
 inline CheckpointInfo info_of(std::span<const unsigned char> bytes, const std::string& where) {
-  const ParsedCheckpoint file = parse_checkpoint(bytes, 0, where);
+  const ParsedCheckpoint file = parse_checkpoint(bytes, {}, where);
   std::vector<std::string> generators;
   for (const auto& g : file.generators) generators.emplace_back(g.first);
   return {file.version, entries_of(file.parameters), std::string(file.optimizer), file.global_step,
@@ -511,17 +605,18 @@ struct TrainingTargets {
   std::vector<NamedGenerator> generators;
 };
 
-// The size of a checkpoint of these tensors: a shorter file that fails its checksum is taken
-// as cut.
+// A checkpoint of these tensors, as a strict load expects it.
 template <ElementType T>
-std::uint64_t checkpoint_size(const std::vector<CheckpointTarget<T>>& parameters, const TrainingTargets<T>& training = {}) {
-  std::uint64_t size = checkpoint_header_bytes + records_size(parameters) + checkpoint_optimizer_bytes +
-                       checkpoint_checksum_bytes;
-  if (training.optimizer.empty()) return size;
-  size += training.optimizer.size() + checkpoint_optimizer_state_bytes + records_size(training.state) +
-          checkpoint_generators_bytes;
-  for (const auto& g : training.generators) size += checkpoint_generator_bytes + g.name.size();
-  return size;
+CheckpointExpectation checkpoint_expectation(const std::vector<CheckpointTarget<T>>& parameters,
+                                             const TrainingTargets<T>& training = {}) {
+  const std::uint64_t parameters_end = checkpoint_header_bytes + records_size(parameters);
+  std::uint64_t size = parameters_end + checkpoint_optimizer_bytes + checkpoint_checksum_bytes;
+  if (!training.optimizer.empty()) {
+    size += training.optimizer.size() + checkpoint_optimizer_state_bytes + records_size(training.state) +
+            checkpoint_generators_bytes;
+    for (const auto& g : training.generators) size += checkpoint_generator_bytes + g.name.size();
+  }
+  return {parameters_end, size, training.optimizer};
 }
 
 template <ElementType T>
@@ -686,7 +781,8 @@ template <ElementType T>
 CheckpointLoad load_parameters(std::span<const unsigned char> bytes, const std::vector<CheckpointTarget<T>>& parameters,
                                const CheckpointLoadOptions& options, const std::string& where) {
   // A file that need not fit the cell says nothing by its size.
-  const ParsedCheckpoint file = parse_checkpoint(bytes, options.strict ? checkpoint_size(parameters) : 0, where);
+  const ParsedCheckpoint file =
+      parse_checkpoint(bytes, options.strict ? checkpoint_expectation(parameters) : CheckpointExpectation{}, where);
   CheckpointLoad unmatched;
   const auto source =
       match_records(file.parameters, parameters, parameter_words, where, options.strict ? nullptr : &unmatched);
@@ -701,7 +797,7 @@ void load_training_state(std::span<const unsigned char> bytes, const std::vector
                          nn::BasicOptimizer<T>& optimizer, const TrainingTargets<T>& training,
                          const std::string& where) {
   const std::string_view type = training.optimizer;
-  const ParsedCheckpoint file = parse_checkpoint(bytes, checkpoint_size(parameters, training), where);
+  const ParsedCheckpoint file = parse_checkpoint(bytes, checkpoint_expectation(parameters, training), where);
   const auto parameter_source = match_records(file.parameters, parameters, parameter_words, where, nullptr);
   if (file.optimizer.empty()) {
     throw FormatError(where + ": holds no optimizer state" +
