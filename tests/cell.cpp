@@ -200,6 +200,76 @@ TEST_CASE("backward hooks see each cell's input and output gradients while a PyN
   CHECK_THROWS_AS(relu(x), ModeError);  // hooks are PyNative's; graph mode refuses rather than skips them
 }
 
+namespace {
+// A skip connection around a layer: y = inner(x) + x.
+struct Residual : nn::Cell<Residual, PYNATIVE_MODE> {
+  nn::Dense<3, 3> inner;
+  DUET_CELL_MEMBERS(inner);
+  Tensor construct(const Tensor& x) { return inner(x) + x; }
+};
+
+// A learned query through a layer: the layer's input is a parameter.
+struct LearnedQuery : nn::Cell<LearnedQuery, PYNATIVE_MODE> {
+  nn::Parameter query{Tensor({1, 3}, {0.5f, -1.0f, 2.0f})};
+  nn::Dense<3, 2> fc;
+  DUET_CELL_MEMBERS(query, fc);
+  Tensor construct(const Tensor& x) { return fc(query) + x; }
+};
+}  // namespace
+
+TEST_CASE("a backward hook's grad_in is the gradient through its cell alone, empty where the input takes none") {
+  ModeGuard guard;
+  set_context({.mode = PYNATIVE_MODE});
+  const Tensor x = randn({2, 3}, 4);
+
+  // PyTorch's grad_input: the skip connection's share of x's gradient is not the layer's.
+  Residual residual;
+  const auto through_residual = [&](const Tensor& input) { return ops::sum(residual(input)); };
+  const Tensor whole_without_hook = grad(through_residual)(x);
+  Tensor grad_in, grad_out;
+  auto handle =
+      residual.inner.register_backward_hook([&](const nn::DynamicCell&, const Tensor& gin, const Tensor& gout) {
+        grad_in = gin.clone();
+        grad_out = gout.clone();
+      });
+  const Tensor whole = grad(through_residual)(x);
+  handle.remove();
+  const Tensor through_inner = grad([&](const Tensor& input) { return ops::sum(residual.inner(input)); })(x);
+  CHECK(duet_test::values_of(grad_in) == duet_test::values_of(through_inner));
+  CHECK(duet_test::values_of(grad_in) != duet_test::values_of(whole));
+  CHECK(duet_test::values_of(grad_out) == std::vector<double>(6, 1.0));
+  CHECK(duet_test::values_of(whole) == duet_test::values_of(whole_without_hook));  // the hook changes nothing
+
+  // The network's input takes no gradient unless it is asked for: PyTorch's None is empty.
+  nn::SequentialCell<nn::Dense<3, 2>, nn::Dropout, nn::Dense<2, 1>> net;
+  net.set_train(false);
+  std::vector<Shape> first_grad_in;
+  Tensor dropout_in, dropout_out;
+  net.get<0>().register_backward_hook(
+      [&](const nn::DynamicCell&, const Tensor& gin, const Tensor&) { first_grad_in.push_back(gin.shape()); });
+  net.get<1>().register_backward_hook([&](const nn::DynamicCell&, const Tensor& gin, const Tensor& gout) {
+    dropout_in = gin.clone();
+    dropout_out = gout.clone();
+  });
+  const auto loss = [&](const Tensor& input) { return ops::sum(net(input)); };
+  value_and_grad(loss, net.parameters())(x);
+  grad(loss)(x);
+  CHECK(first_grad_in == std::vector<Shape>{Shape{0}, Shape{2, 3}});
+  // Dropout in evaluation gives its input back: the gradient passes through it whole.
+  CHECK(dropout_in.shape() == Shape{2, 2});
+  CHECK(duet_test::values_of(dropout_in) == duet_test::values_of(dropout_out));
+
+  // A parameter passed as the input takes its gradient in the parameter, not in grad_in.
+  LearnedQuery query;
+  Shape query_grad_in{7};
+  query.fc.register_backward_hook(
+      [&](const nn::DynamicCell&, const Tensor& gin, const Tensor&) { query_grad_in = gin.shape(); });
+  const auto [value, grads] =
+      value_and_grad([&](const Tensor& input) { return ops::sum(query(input)); }, query.parameters())(ones({1, 2}));
+  CHECK(query_grad_in == Shape{0});
+  CHECK(grads[0].shape() == Shape{1, 3});
+}
+
 TEST_CASE("graph mode's refusal of a hook names the cell that has it") {
   ModeGuard guard;
   SeedNetwork<> net;

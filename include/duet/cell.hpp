@@ -56,7 +56,11 @@ using BasicForwardHook =
 using ForwardHook = BasicForwardHook<float>;
 
 // Called while a PyNative backward pass goes through the cell, with the gradient of its input
-// (empty when nothing upstream is differentiated) and of its output.
+// through the cell alone (PyTorch's grad_input: not what a skip connection around it adds) and
+// of its output. grad_input is an empty tensor, shape [0], where the input takes no gradient
+// (PyTorch's None): the network's input, unless its gradient is asked for, or a parameter
+// passed as the input (read its gradient from the parameter). The hook is not called when
+// no gradient reaches the cell's output.
 template <ElementType T>
 using BasicBackwardHook = std::function<void(const BasicDynamicCell<T>& cell, const BasicTensor<T>& grad_input,
                                              const BasicTensor<T>& grad_output)>;
@@ -397,16 +401,15 @@ class BasicDynamicCell {
       trace->note_cell([this] { return has_hooks_in_tree(); });
       if (!hooks_.empty() || !backward_hooks_.empty()) trace->mark_broken("has a hook, which sees values in PyNative mode only");
     }
-    BasicTensor<T>* traced_output = nullptr;
-    if (!backward_hooks_.empty()) {
-      if (autodiff::Tape* tape = autodiff::active_tape()) {
-        traced_output = tape->begin_cell(x, [this](const BasicTensor<T>& grad_input, const BasicTensor<T>& grad_output) {
-          for (const auto& [id, hook] : backward_hooks_) hook(*this, grad_input, grad_output);
-        });
-      }
+    autodiff::Tape* tape = backward_hooks_.empty() ? nullptr : autodiff::active_tape();
+    autodiff::CellRecord<T>* recorded = nullptr;
+    if (tape != nullptr) {
+      recorded = tape->begin_cell(x, [this](const BasicTensor<T>& grad_input, const BasicTensor<T>& grad_output) {
+        for (const auto& [id, hook] : backward_hooks_) hook(*this, grad_input, grad_output);
+      });
     }
     auto y = run();
-    if (traced_output != nullptr) *traced_output = y;
+    if (recorded != nullptr) tape->end_cell(recorded, y);
     for (const auto& [id, hook] : hooks_) hook(*this, x, y);
     if (observer != nullptr) (*observer)(*this, x, y);
     return y;

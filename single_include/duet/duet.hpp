@@ -9818,6 +9818,8 @@ struct GradAddOp : Primitive<GradAddOp> {
 namespace autodiff {
 
 class Tape;
+template <class T>
+class CellRecord;
 
 // The tape recording on this thread, if any. Eager operations check it once each.
 inline Tape*& active_tape() {
@@ -9839,12 +9841,30 @@ class ValueEntry : public Entry {
  public:
   // Gradients from several readers add up, through an op that a trace records. Never in place:
   // the first may alias another value.
-  void accumulate(BasicTensor<T> g);
-  const BasicTensor<T>* grad() const { return has_grad_ ? &grad_ : nullptr; }
+  void accumulate(BasicTensor<T> g) { (cells_.empty() ? whole_ : cells_.back()).add(std::move(g)); }
+  const BasicTensor<T>* grad() const { return whole_.has ? &whole_.grad : nullptr; }
+
+  // While a hooked cell that reads this value runs backward, what its records send is kept
+  // apart from what the rest sends (a skip connection around it), so that its hook sees the
+  // gradient through the cell alone, PyTorch's grad_input; cells within it are kept apart again.
+  void open_cell() { cells_.emplace_back(); }
+  // What the cell's records sent, an empty tensor if nothing, now added to the rest.
+  BasicTensor<T> close_cell() {
+    Sum cell = std::move(cells_.back());
+    cells_.pop_back();
+    if (!cell.has) return {};
+    (cells_.empty() ? whole_ : cells_.back()).add(cell.grad);
+    return cell.grad;
+  }
 
  private:
-  BasicTensor<T> grad_;
-  bool has_grad_ = false;
+  struct Sum {
+    BasicTensor<T> grad;
+    bool has = false;
+    void add(BasicTensor<T> g);
+  };
+  Sum whole_;
+  std::vector<Sum> cells_;
 };
 
 // A value the caller differentiates with respect to (an input of grad_position).
@@ -9897,9 +9917,11 @@ class Tape {
   template <class Op, class Out, class... In>
   void record(const Op& op, BasicTensor<Out>& y, const BasicTensor<In>&... x);
 
-  // Records a cell call, for its backward hooks; returns the slot its output goes in.
+  // Records a cell call, for its backward hooks, and its end once its output is known.
   template <class T, class Hook>
-  BasicTensor<T>* begin_cell(const BasicTensor<T>& input, Hook hook);
+  CellRecord<T>* begin_cell(const BasicTensor<T>& input, Hook hook);
+  template <class T>
+  void end_cell(CellRecord<T>* cell, const BasicTensor<T>& output);
 
   // Seeds d(output)/d(output) = 1 and runs the gradient of every record the output depends
   // on, in backward_order.
@@ -9951,13 +9973,13 @@ class Recording {
 };
 
 template <class T>
-void ValueEntry<T>::accumulate(BasicTensor<T> g) {
-  if (!has_grad_) {
-    grad_ = std::move(g);
-    has_grad_ = true;
+void ValueEntry<T>::Sum::add(BasicTensor<T> g) {
+  if (!has) {
+    grad = std::move(g);
+    has = true;
     return;
   }
-  grad_ = duet::detail::run_into_new<DefaultBackend>(ops::GradAddOp{}, grad_, g);
+  grad = duet::detail::run_into_new<DefaultBackend>(ops::GradAddOp{}, grad, g);
 }
 
 // One recorded operation: the op, the handles of its inputs and output, and the gradient of
@@ -10058,24 +10080,54 @@ BasicTensor<T> Tape::watch_parameter(const nn::BasicParameter<T>& p) {
   return handle;
 }
 
-// A cell call: after the cell's own records have run backward, its hook sees both gradients.
-template <class T, class Hook>
-class CellEntry final : public Entry {
+// A cell call, recorded before the cell's own records and ended after them (CellEnd), so that
+// walking back the end comes first and keeps the input's gradient from the cell's records apart.
+template <class T>
+class CellRecord : public Entry {
  public:
-  CellEntry(const BasicTensor<T>& input, Hook hook) : input_(input), hook_(std::move(hook)) {}
+  explicit CellRecord(const BasicTensor<T>& input) : input_(input) {}
 
-  void backward(Tape& tape) override {
-    const ValueEntry<T>* out = tape.entry_of(output);
-    if (out == nullptr || out->grad() == nullptr) return;
-    const ValueEntry<T>* in = tape.entry_of(input_);
-    const BasicTensor<T> none;
-    hook_(in != nullptr && in->grad() != nullptr ? *in->grad() : none, *out->grad());
+  void open(Tape& tape) {
+    if (ValueEntry<T>* in = tape.entry_of(input_)) {
+      in->open_cell();
+      opened_ = true;
+    }
   }
 
   BasicTensor<T> output;
 
- private:
+ protected:
   BasicTensor<T> input_;
+  bool opened_ = false;
+};
+
+template <class T>
+class CellEnd final : public Entry {
+ public:
+  explicit CellEnd(CellRecord<T>* cell) : cell_(cell) {}
+  void backward(Tape& tape) override { cell_->open(tape); }
+
+ private:
+  CellRecord<T>* cell_;
+};
+
+// After the cell's own records have run backward, its hook sees both gradients: the input's
+// through the cell, empty where the input takes none (PyTorch's None), and the output's.
+template <class T, class Hook>
+class CellEntry final : public CellRecord<T> {
+ public:
+  CellEntry(const BasicTensor<T>& input, Hook hook) : CellRecord<T>(input), hook_(std::move(hook)) {}
+
+  void backward(Tape& tape) override {
+    ValueEntry<T>* in = tape.entry_of(this->input_);
+    const BasicTensor<T> through = this->opened_ ? in->close_cell() : BasicTensor<T>();
+    const ValueEntry<T>* out = tape.entry_of(this->output);
+    if (out == nullptr || out->grad() == nullptr) return;
+    // A cell that gives its input back (Dropout in evaluation) passes the gradient on whole.
+    hook_(out == in ? *out->grad() : through, *out->grad());
+  }
+
+ private:
   Hook hook_;
 };
 
@@ -10096,12 +10148,18 @@ void Tape::record(const Op& op, BasicTensor<Out>& y, const BasicTensor<In>&... x
 }
 
 template <class T, class Hook>
-BasicTensor<T>* Tape::begin_cell(const BasicTensor<T>& input, Hook hook) {
+CellRecord<T>* Tape::begin_cell(const BasicTensor<T>& input, Hook hook) {
   auto entry = std::make_unique<CellEntry<T, Hook>>(input, std::move(hook));
-  BasicTensor<T>* slot = &entry->output;
+  CellRecord<T>* cell = entry.get();
   entries_.push_back(std::move(entry));
   has_cell_hooks_ = true;
-  return slot;
+  return cell;
+}
+
+template <class T>
+void Tape::end_cell(CellRecord<T>* cell, const BasicTensor<T>& output) {
+  cell->output = output;
+  entries_.push_back(std::make_unique<CellEnd<T>>(cell));
 }
 
 inline std::vector<std::size_t> Tape::backward_order(std::size_t from) const {
@@ -12471,7 +12529,11 @@ using BasicForwardHook =
 using ForwardHook = BasicForwardHook<float>;
 
 // Called while a PyNative backward pass goes through the cell, with the gradient of its input
-// (empty when nothing upstream is differentiated) and of its output.
+// through the cell alone (PyTorch's grad_input: not what a skip connection around it adds) and
+// of its output. grad_input is an empty tensor, shape [0], where the input takes no gradient
+// (PyTorch's None): the network's input, unless its gradient is asked for, or a parameter
+// passed as the input (read its gradient from the parameter). The hook is not called when
+// no gradient reaches the cell's output.
 template <ElementType T>
 using BasicBackwardHook = std::function<void(const BasicDynamicCell<T>& cell, const BasicTensor<T>& grad_input,
                                              const BasicTensor<T>& grad_output)>;
@@ -12812,16 +12874,15 @@ class BasicDynamicCell {
       trace->note_cell([this] { return has_hooks_in_tree(); });
       if (!hooks_.empty() || !backward_hooks_.empty()) trace->mark_broken("has a hook, which sees values in PyNative mode only");
     }
-    BasicTensor<T>* traced_output = nullptr;
-    if (!backward_hooks_.empty()) {
-      if (autodiff::Tape* tape = autodiff::active_tape()) {
-        traced_output = tape->begin_cell(x, [this](const BasicTensor<T>& grad_input, const BasicTensor<T>& grad_output) {
-          for (const auto& [id, hook] : backward_hooks_) hook(*this, grad_input, grad_output);
-        });
-      }
+    autodiff::Tape* tape = backward_hooks_.empty() ? nullptr : autodiff::active_tape();
+    autodiff::CellRecord<T>* recorded = nullptr;
+    if (tape != nullptr) {
+      recorded = tape->begin_cell(x, [this](const BasicTensor<T>& grad_input, const BasicTensor<T>& grad_output) {
+        for (const auto& [id, hook] : backward_hooks_) hook(*this, grad_input, grad_output);
+      });
     }
     auto y = run();
-    if (traced_output != nullptr) *traced_output = y;
+    if (recorded != nullptr) tape->end_cell(recorded, y);
     for (const auto& [id, hook] : hooks_) hook(*this, x, y);
     if (observer != nullptr) (*observer)(*this, x, y);
     return y;
