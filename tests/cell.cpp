@@ -200,6 +200,42 @@ TEST_CASE("backward hooks see each cell's input and output gradients while a PyN
   CHECK_THROWS_AS(relu(x), ModeError);  // hooks are PyNative's; graph mode refuses rather than skips them
 }
 
+TEST_CASE("a hook may remove itself, as a one-shot hook does, or register another, while it runs") {
+  ModeGuard guard;
+  set_context({.mode = PYNATIVE_MODE});
+  nn::Dense<3, 2> dense;
+  const Tensor x = ones({1, 3});
+  std::vector<std::string> ran;
+  nn::HookHandle<float> once;
+  once = dense.register_forward_hook([&](const nn::DynamicCell&, const Tensor&, const Tensor&) {
+    ran.push_back("once");
+    once.remove();
+  });
+  auto every = dense.register_forward_hook([&](const nn::DynamicCell& cell, const Tensor&, const Tensor&) {
+    ran.push_back("every");
+    // Registered during the call: runs from the next call on.
+    if (ran.size() == 2) {
+      const_cast<nn::DynamicCell&>(cell).register_forward_hook(
+          [&](const nn::DynamicCell&, const Tensor&, const Tensor&) { ran.push_back("later"); });
+    }
+  });
+  dense(x);
+  dense(x);
+  CHECK(ran == std::vector<std::string>{"once", "every", "every", "later"});
+  every.remove();
+
+  int backward_calls = 0;
+  nn::HookHandle<float> backward_once;
+  backward_once = dense.register_backward_hook([&](const nn::DynamicCell&, const Tensor&, const Tensor&) {
+    ++backward_calls;
+    backward_once.remove();
+  });
+  const auto f = [&](const Tensor& input) { return ops::sum(dense(input)); };
+  grad(f)(x);
+  grad(f)(x);
+  CHECK(backward_calls == 1);
+}
+
 namespace {
 // A skip connection around a layer: y = inner(x) + x.
 struct Residual : nn::Cell<Residual, PYNATIVE_MODE> {

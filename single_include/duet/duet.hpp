@@ -6461,13 +6461,14 @@ using DefaultBackend = backend::Native;
 // virtual interface) and graph mode calls with a symbolic tensor (each sub-cell appends nodes,
 // and the finished graph is optimised and evaluated in one call).
 
+#include <algorithm>
 #include <atomic>
-#include <concepts>
 #include <boost/hana/accessors.hpp>
 #include <boost/hana/concept/struct.hpp>
 #include <boost/hana/first.hpp>
 #include <boost/hana/for_each.hpp>
 #include <boost/hana/second.hpp>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -12673,7 +12674,7 @@ class BasicDynamicCell {
 
   HookHandle<T> register_forward_hook(BasicForwardHook<T> hook) {
     refuse_hook_on_other_input_type();
-    hooks_.emplace_back(++last_hook_id_, std::move(hook));
+    hooks_.emplace_back(++last_hook_id_, std::make_shared<const BasicForwardHook<T>>(std::move(hook)));
     duet::detail::live_hook_count().fetch_add(1);
     return HookHandle<T>(hook_owner(), last_hook_id_);
   }
@@ -12682,7 +12683,7 @@ class BasicDynamicCell {
   // goes back through this cell.
   HookHandle<T> register_backward_hook(BasicBackwardHook<T> hook) {
     refuse_hook_on_other_input_type();
-    backward_hooks_.emplace_back(++last_hook_id_, std::move(hook));
+    backward_hooks_.emplace_back(++last_hook_id_, std::make_shared<const BasicBackwardHook<T>>(std::move(hook)));
     duet::detail::live_hook_count().fetch_add(1);
     return HookHandle<T>(hook_owner(), last_hook_id_);
   }
@@ -12878,12 +12879,12 @@ class BasicDynamicCell {
     autodiff::CellRecord<T>* recorded = nullptr;
     if (tape != nullptr) {
       recorded = tape->begin_cell(x, [this](const BasicTensor<T>& grad_input, const BasicTensor<T>& grad_output) {
-        for (const auto& [id, hook] : backward_hooks_) hook(*this, grad_input, grad_output);
+        run_hooks(backward_hooks_, grad_input, grad_output);
       });
     }
     auto y = run();
     if (recorded != nullptr) tape->end_cell(recorded, y);
-    for (const auto& [id, hook] : hooks_) hook(*this, x, y);
+    run_hooks(hooks_, x, y);
     if (observer != nullptr) (*observer)(*this, x, y);
     return y;
   }
@@ -12915,6 +12916,21 @@ class BasicDynamicCell {
       return GraphForm(GraphCall{this},
                        {.mode = JitMode::PIJit, .name = label() + " in graph mode (argument 1: its structure)"});
     });
+  }
+
+  // A hook may remove itself (a one-shot hook) or others, or register more: a call runs the
+  // hooks registered when it began that are still registered, in order, each kept alive while
+  // it runs.
+  template <class Hook, class... Tensors>
+  void run_hooks(const std::vector<std::pair<long, std::shared_ptr<const Hook>>>& hooks, const Tensors&... tensors) {
+    const long last = last_hook_id_;
+    for (long done = 0;;) {
+      const auto next = std::find_if(hooks.begin(), hooks.end(), [&](const auto& h) { return h.first > done; });
+      if (next == hooks.end() || next->first > last) return;
+      done = next->first;
+      const std::shared_ptr<const Hook> hook = next->second;
+      (*hook)(*this, tensors...);
+    }
   }
 
   // Made at the first hook, so that a cell without hooks allocates nothing for them.
@@ -12960,8 +12976,8 @@ class BasicDynamicCell {
   std::atomic<bool> phase_chosen_{false};  // set_train was called on it or above it
   std::atomic<std::uint64_t> structure_version_{0};  // structure_changed()
   std::atomic<bool> phase_warned_{false};  // warn_if_phase_unchosen said so already
-  std::vector<std::pair<long, BasicForwardHook<T>>> hooks_;
-  std::vector<std::pair<long, BasicBackwardHook<T>>> backward_hooks_;
+  std::vector<std::pair<long, std::shared_ptr<const BasicForwardHook<T>>>> hooks_;  // by id, ascending
+  std::vector<std::pair<long, std::shared_ptr<const BasicBackwardHook<T>>>> backward_hooks_;
   long last_hook_id_ = 0;
   HookOwner<T> hook_owner_;  // what HookHandles find this cell's hooks through
 
