@@ -244,6 +244,10 @@ struct Residual : nn::Cell<Residual, PYNATIVE_MODE> {
   Tensor construct(const Tensor& x) { return inner(x) + x; }
 };
 
+struct PassThrough : nn::Cell<PassThrough> {
+  auto construct(auto x) { return x; }
+};
+
 // A learned query through a layer: the layer's input is a parameter.
 struct LearnedQuery : nn::Cell<LearnedQuery, PYNATIVE_MODE> {
   nn::Parameter query{Tensor({1, 3}, {0.5f, -1.0f, 2.0f})};
@@ -294,6 +298,20 @@ TEST_CASE("a backward hook's grad_in is the gradient through its cell alone, emp
   // Dropout in evaluation gives its input back: the gradient passes through it whole.
   CHECK(dropout_in.shape() == Shape{2, 2});
   CHECK(duet_test::values_of(dropout_in) == duet_test::values_of(dropout_out));
+  // A cell that returns its very input, first in a hooked container, sees what reaches the
+  // container's input through it.
+  nn::SequentialCell<PassThrough, nn::Dense<3, 2>> pass_first;
+  Tensor container_in, first_in, first_out;
+  pass_first.register_backward_hook(
+      [&](const nn::DynamicCell&, const Tensor& gin, const Tensor&) { container_in = gin.clone(); });
+  pass_first.get<0>().register_backward_hook([&](const nn::DynamicCell&, const Tensor& gin, const Tensor& gout) {
+    first_in = gin.clone();
+    first_out = gout.clone();
+  });
+  grad([&](const Tensor& input) { return ops::sum(pass_first(input)); })(x);
+  CHECK(container_in.shape() == Shape{2, 3});
+  CHECK(duet_test::values_of(first_in) == duet_test::values_of(container_in));
+  CHECK(duet_test::values_of(first_out) == duet_test::values_of(container_in));
 
   // A parameter passed as the input takes its gradient in the parameter, not in grad_in.
   LearnedQuery query;

@@ -9857,6 +9857,15 @@ class ValueEntry : public Entry {
     (cells_.empty() ? whole_ : cells_.back()).add(cell.grad);
     return cell.grad;
   }
+  // Everything sent so far, what open cells keep apart included; false if nothing.
+  bool sent_so_far(BasicTensor<T>& out) const {
+    Sum total = whole_;
+    for (const Sum& cell : cells_) {
+      if (cell.has) total.add(cell.grad);
+    }
+    out = total.grad;
+    return total.has;
+  }
 
  private:
   struct Sum {
@@ -10123,9 +10132,15 @@ class CellEntry final : public CellRecord<T> {
     ValueEntry<T>* in = tape.entry_of(this->input_);
     const BasicTensor<T> through = this->opened_ ? in->close_cell() : BasicTensor<T>();
     const ValueEntry<T>* out = tape.entry_of(this->output);
-    if (out == nullptr || out->grad() == nullptr) return;
-    // A cell that gives its input back (Dropout in evaluation) passes the gradient on whole.
-    hook_(out == in ? *out->grad() : through, *out->grad());
+    if (out == nullptr) return;
+    // A cell that gives its very input back (a construct returning x) passes on all that reached it,
+    // what a cell around it keeps apart included.
+    if (out == in) {
+      BasicTensor<T> whole;
+      if (out->sent_so_far(whole)) hook_(whole, whole);
+      return;
+    }
+    if (out->grad() != nullptr) hook_(through, *out->grad());
   }
 
  private:
