@@ -352,6 +352,41 @@ struct TokenClassifier : nn::Cell<TokenClassifier> {
 };
 }  // namespace
 
+namespace {
+// PyTorch's F.embedding(ids, table).mean(1), written with the indices' own operation.
+struct GatheredMean : nn::Cell<GatheredMean> {
+  using input_value_type = std::int32_t;
+  nn::Parameter table{randn({10, 4}, 3)};
+  DUET_CELL_MEMBERS(table);
+  auto construct(auto ids) { return ops::mean(ops::gather<0>(table, ids), ops::axes<1>); }
+};
+}  // namespace
+
+TEST_CASE("a cell of int32 input may apply index operations to it, and refuses floats through DynamicCell") {
+  ModeGuard guard;
+  GatheredMean net;
+  const BasicTensor<std::int32_t> ids({2, 3}, {1, 2, 3, 4, 5, 6});
+  std::vector<double> expected;
+  for (index_t b = 0; b < 2; ++b) {
+    for (index_t d = 0; d < 4; ++d) {
+      double s = 0;
+      for (index_t j = 0; j < 3; ++j) s += net.table(ids(b, j), d);
+      expected.push_back(s / 3);
+    }
+  }
+  const Tensor eager = net(ids);
+  set_context({.mode = GRAPH_MODE});
+  const Tensor graph = net(ids);
+  CHECK(duet_test::relative_difference(duet_test::values_of(eager), expected) <= 1e-6);
+  CHECK(duet_test::values_of(graph) == duet_test::values_of(eager));
+  nn::DynamicCell& erased = net;
+  CHECK_THROWS_WITH_AS(erased(ones({2, 3})),
+                       doctest::Contains("GatheredMean takes Int32 input (its input_value_type), got a tensor of "
+                                         "Float32 (a call through nn::DynamicCell: a container built at run time "
+                                         "passes that type on); call it with Int32 tensors"),
+                       ValueError);
+}
+
 TEST_CASE("a hook on a cell whose input holds integers is refused where it is registered, not at the call") {
   TokenClassifier net;
   const auto forward = [](const nn::DynamicCell&, const Tensor&, const Tensor&) {};

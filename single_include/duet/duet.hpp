@@ -13342,11 +13342,7 @@ class Cell : public BasicDynamicCell<T> {
 
   std::string type_name() const override { return duet::detail::readable_type_name(typeid(Derived)); }
   std::string_view other_input_type() const override {
-    if constexpr (requires { typename Derived::input_value_type; }) {
-      if constexpr (!std::is_same_v<typename Derived::input_value_type, T>) {
-        return name_of(dtype_of<typename Derived::input_value_type>);
-      }
-    }
+    if constexpr (takes_other_input()) return name_of(dtype_of<typename Derived::input_value_type>);
     return {};
   }
 
@@ -13405,7 +13401,15 @@ class Cell : public BasicDynamicCell<T> {
 
  protected:
   BasicTensor<T> forward(const BasicTensor<T>& x) override {
-    if constexpr (!HasConstruct<Derived, BasicTensor<T>>) {
+    if constexpr (takes_other_input()) {
+      // construct is written for its own input type (ops::gather on the indices, say): compiled
+      // for tensors of T it could fail to compile, and it could never run on them.
+      throw ValueError(this->label() + " takes " + std::string(other_input_type()) +
+                       " input (its input_value_type), got a tensor of " + std::string(name_of(dtype_of<T>)) +
+                       " (a call through nn::DynamicCell: a container built at run time passes that type on); call "
+                       "it with " +
+                       std::string(other_input_type()) + " tensors");
+    } else if constexpr (!HasConstruct<Derived, BasicTensor<T>>) {
       throw ModeError(this->label() + ": construct takes several inputs, and this call (duet::summary, a container of "
                       "cells, a call through nn::DynamicCell) gives it one; call the cell with all of them (duet::summary "
                       "with a shape for each: summary(net, {{2, 4}, {2, 3}}))");
@@ -13433,6 +13437,15 @@ class Cell : public BasicDynamicCell<T> {
 
  private:
   Derived& derived() { return static_cast<Derived&>(*this); }
+
+  // Whether construct takes tensors of another element type than the cell's (`using
+  // input_value_type`: nn::Embedding's indices).
+  static constexpr bool takes_other_input() {
+    if constexpr (requires { typename Derived::input_value_type; })
+      return !std::is_same_v<typename Derived::input_value_type, T>;
+    else
+      return false;
+  }
 
   // Whether calls may run as a graph. A non-generic construct never does: the constructor
   // reports it, and nothing else should.
