@@ -1,3 +1,5 @@
+#include <array>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -385,6 +387,43 @@ TEST_CASE("a cell of int32 input may apply index operations to it, and refuses f
                                          "Float32 (a call through nn::DynamicCell: a container built at run time "
                                          "passes that type on); call it with Int32 tensors"),
                        ValueError);
+}
+
+namespace {
+// PyTorch's nn.ModuleList and nn.ParameterList as std::arrays.
+struct Blocks : nn::Cell<Blocks> {
+  std::array<nn::Dense<4, 4>, 3> blocks;
+  std::array<nn::Parameter, 2> scales{nn::Parameter(ones({4})), nn::Parameter(ones({4}))};
+  DUET_CELL_MEMBERS(blocks, scales);
+  auto construct(auto x) {
+    auto h = ops::relu(blocks[0](x)) * scales[0];
+    return blocks[2](ops::relu(blocks[1](h)) * scales[1]);
+  }
+};
+}  // namespace
+
+TEST_CASE("std::arrays of cells and parameters are registered element by element, named by index") {
+  ModeGuard guard;
+  Blocks net;
+  std::vector<std::string> names;
+  for (const auto& p : net.parameters()) names.push_back(p.name);
+  CHECK(names == std::vector<std::string>{"scales.0", "scales.1", "blocks.0.weight", "blocks.0.bias", "blocks.1.weight",
+                                          "blocks.1.bias", "blocks.2.weight", "blocks.2.bias"});
+  const Tensor x = randn({5, 4}, 9);
+  std::vector<std::vector<Tensor>> grads;
+  std::vector<Tensor> outputs;
+  for (Mode m : {PYNATIVE_MODE, GRAPH_MODE}) {
+    set_context({.mode = m});
+    outputs.push_back(net(x));
+    grads.push_back(
+        value_and_grad([&](const auto& t) { return ops::sum(net(t)); }, net.parameters(), std::nullopt)(x).grads);
+  }
+  CHECK(duet_test::values_of(outputs[0]) == duet_test::values_of(outputs[1]));
+  REQUIRE(grads[0].size() == 8);
+  for (std::size_t i = 0; i < 8; ++i) {
+    CHECK(duet_test::values_of(grads[0][i]) == duet_test::values_of(grads[1][i]));
+    CHECK(ops::global_norm(std::vector<Tensor>{grads[0][i]}) > 0);
+  }
 }
 
 TEST_CASE("a hook on a cell whose input holds integers is refused where it is registered, not at the call") {

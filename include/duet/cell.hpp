@@ -9,6 +9,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <boost/hana/accessors.hpp>
 #include <boost/hana/concept/struct.hpp>
@@ -517,6 +518,13 @@ using DynamicCell = BasicDynamicCell<float>;
 template <class X>
 concept DynamicCellType = std::is_base_of_v<BasicDynamicCell<typename X::value_type>, X>;
 
+namespace detail {
+template <class X>
+inline constexpr bool is_std_array = false;
+template <class X, std::size_t N>
+inline constexpr bool is_std_array<std::array<X, N>> = true;
+}  // namespace detail
+
 // A cell built at run time: a DynamicCell with a forward of its own (a DynamicSequentialCell, or
 // a class deriving from DynamicCell), not a Cell<...> with a generic construct. Graph capture
 // cannot call it.
@@ -881,23 +889,29 @@ class Cell : public BasicDynamicCell<T> {
   }
 
  public:
-
+  // A std::array of cells or parameters is PyTorch's nn.ModuleList / nn.ParameterList: each
+  // element is registered under the array's name and its index ("blocks.0.weight").
   void for_each_child(const typename BasicDynamicCell<T>::ChildVisitor& visit) override {
     for_each_member([&](std::string_view name, auto& member) {
-      using Member = std::remove_cvref_t<decltype(member)>;
-      if constexpr (DynamicCellType<Member>) {
-        static_assert(std::is_same_v<typename Member::value_type, T>,
-                      "duet::nn::Cell: a member layer's element type is not the cell's (a float layer in a network "
-                      "of double?): give every layer the network's type, its last template argument "
-                      "(nn::Dense<In, Out, double>, nn::LSTM<In, Hidden, double>)");
-        if constexpr (std::is_same_v<typename Member::value_type, T>) visit(name, member);
-      }
+      for_each_element(name, member, [&](std::string_view element_name, auto& element) {
+        using Member = std::remove_cvref_t<decltype(element)>;
+        if constexpr (DynamicCellType<Member>) {
+          static_assert(std::is_same_v<typename Member::value_type, T>,
+                        "duet::nn::Cell: a member layer's element type is not the cell's (a float layer in a network "
+                        "of double?): give every layer the network's type, its last template argument "
+                        "(nn::Dense<In, Out, double>, nn::LSTM<In, Hidden, double>)");
+          if constexpr (std::is_same_v<typename Member::value_type, T>) visit(element_name, element);
+        }
+      });
     });
   }
 
   void for_each_own_parameter(const typename BasicDynamicCell<T>::ParameterVisitor& visit) override {
     for_each_member([&](std::string_view name, auto& member) {
-      if constexpr (std::is_same_v<std::remove_cvref_t<decltype(member)>, BasicParameter<T>>) visit(name, member);
+      for_each_element(name, member, [&](std::string_view element_name, auto& element) {
+        if constexpr (std::is_same_v<std::remove_cvref_t<decltype(element)>, BasicParameter<T>>)
+          visit(element_name, element);
+      });
     });
   }
 
@@ -1068,6 +1082,16 @@ class Cell : public BasicDynamicCell<T> {
                    }},
                   {.mode = JitMode::PIJit, .name = this->type_name() + "::construct, traced"});
     });
+  }
+
+  // f(name, member), or for a std::array member f("name.i", element) for each element.
+  template <class Member, class F>
+  static void for_each_element(std::string_view name, Member& member, F&& f) {
+    if constexpr (detail::is_std_array<Member>) {
+      for (std::size_t i = 0; i < member.size(); ++i) f(std::string(name) + "." + std::to_string(i), member[i]);
+    } else {
+      f(name, member);
+    }
   }
 
   template <class F>
