@@ -32,6 +32,22 @@ namespace {
 
 bool starts_with(const std::string& text, const std::string& prefix) { return text.rfind(prefix, 0) == 0; }
 
+// For each byte from `first` on and each of three masks (its low bit, high bit, all bits):
+// the file with that byte changed, written to `path`, then check(i, changed).
+template <class Check>
+void for_each_changed_byte(const Bytes& file, std::size_t first, const fs::path& path, Check&& check) {
+  for (std::size_t i = first; i < file.size(); ++i) {
+    for (unsigned char mask : {0x01, 0x80, 0xFF}) {
+      CAPTURE(i);
+      CAPTURE(int(mask));
+      Bytes changed = file;
+      changed[i] ^= mask;
+      write_file(path, changed);
+      check(i, changed);
+    }
+  }
+}
+
 // A checkpoint written field by field, for files save_checkpoint would never write.
 struct Record {
   std::string name;
@@ -198,26 +214,19 @@ TEST_CASE(
     CHECK(message.ends_with("; a checkpoint of this cell without optimizer state is 94 bytes"));
     REQUIRE(parameter_bytes(target) == before);
   }
-  for (std::size_t i = 0; i < file.size(); ++i) {
-    for (unsigned char mask : {0x01, 0x80, 0xFF}) {
-      CAPTURE(i);
-      CAPTURE(int(mask));
-      Bytes changed = file;
-      changed[i] ^= mask;
-      write_file(bad, changed);
-      const std::string message = format_error_of([&] { load_checkpoint(bad, target); });
-      // A version changed into another this duet reads fails the checksum.
-      const bool read_version = i == 8 && changed[8] >= 1 && changed[8] <= 3;
-      if (i < 8) {
-        CHECK(message == where + "not a duet checkpoint: it does not start with \"DUETCKPT\"");
-      } else if (i < 12 && !read_version) {
-        CHECK(starts_with(message, where + "format version "));
-      } else {
-        CHECK(message == where + "checksum mismatch: the file is damaged");
-      }
-      REQUIRE(parameter_bytes(target) == before);
+  for_each_changed_byte(file, 0, bad, [&](std::size_t i, const Bytes& changed) {
+    const std::string message = format_error_of([&] { load_checkpoint(bad, target); });
+    // A version changed into another this duet reads fails the checksum.
+    const bool read_version = i == 8 && changed[8] >= 1 && changed[8] <= 3;
+    if (i < 8) {
+      CHECK(message == where + "not a duet checkpoint: it does not start with \"DUETCKPT\"");
+    } else if (i < 12 && !read_version) {
+      CHECK(starts_with(message, where + "format version "));
+    } else {
+      CHECK(message == where + "checksum mismatch: the file is damaged");
     }
-  }
+    REQUIRE(parameter_bytes(target) == before);
+  });
   load_checkpoint(good, target);
   CHECK(parameter_bytes(target) == parameter_bytes(source));
 }
@@ -274,24 +283,17 @@ TEST_CASE(
   }
   // Every changed byte after the version is damage to a strict load. A reader with no cell to
   // compare with may take a parameter's dimension made larger than the file for a cut.
-  for (std::size_t i = 12; i < file.size(); ++i) {
-    for (unsigned char mask : {0x01, 0x80, 0xFF}) {
-      CAPTURE(i);
-      CAPTURE(int(mask));
-      Bytes changed = file;
-      changed[i] ^= mask;
-      write_file(bad, changed);
-      const std::vector<std::string> changed_said = messages();
-      CHECK(changed_said[0] == damaged);
-      CHECK(changed_said[1] == damaged);
-      for (std::size_t reader = 2; reader < changed_said.size(); ++reader) {
-        const std::string& message = changed_said[reader];
-        CHECK((message == damaged || (starts_with(message, where + "truncated at byte " + std::to_string(file.size()) +
-                                                               ", inside parameter '") &&
-                                      message.find("'s elements (bytes ") != std::string::npos)));
-      }
+  for_each_changed_byte(file, 12, bad, [&](std::size_t, const Bytes&) {
+    const std::vector<std::string> changed_said = messages();
+    CHECK(changed_said[0] == damaged);
+    CHECK(changed_said[1] == damaged);
+    for (std::size_t reader = 2; reader < changed_said.size(); ++reader) {
+      const std::string& message = changed_said[reader];
+      CHECK((message == damaged || (starts_with(message, where + "truncated at byte " + std::to_string(file.size()) +
+                                                             ", inside parameter '") &&
+                                    message.find("'s elements (bytes ") != std::string::npos)));
     }
-  }
+  });
   CHECK(parameter_bytes(target) == before);
 }
 
