@@ -383,10 +383,7 @@ TEST_CASE("a cell of int32 input may apply index operations to it, and refuses f
   CHECK(duet_test::values_of(graph) == duet_test::values_of(eager));
   nn::DynamicCell& erased = net;
   CHECK_THROWS_WITH_AS(erased(ones({2, 3})),
-                       doctest::Contains("GatheredMean takes Int32 input (its input_value_type), got a tensor of "
-                                         "Float32 (a call through nn::DynamicCell: a container built at run time "
-                                         "passes that type on); call it with Int32 tensors"),
-                       ValueError);
+                       doctest::Contains("GatheredMean takes int32 indices, got a tensor of Float32"), ValueError);
 }
 
 namespace {

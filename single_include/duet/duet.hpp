@@ -13417,12 +13417,13 @@ class Cell : public BasicDynamicCell<T> {
   BasicTensor<T> forward(const BasicTensor<T>& x) override {
     if constexpr (takes_other_input()) {
       // construct is written for its own input type (ops::gather on the indices, say): compiled
-      // for tensors of T it could fail to compile, and it could never run on them.
-      throw ValueError(this->label() + " takes " + std::string(other_input_type()) +
-                       " input (its input_value_type), got a tensor of " + std::string(name_of(dtype_of<T>)) +
-                       " (a call through nn::DynamicCell: a container built at run time passes that type on); call "
-                       "it with " +
-                       std::string(other_input_type()) + " tensors");
+      // for tensors of T it could fail to compile, and it could never run on them. Said as
+      // nn::Embedding says it.
+      using U = typename Derived::input_value_type;
+      throw ValueError(this->label() + " takes " +
+                       (std::is_same_v<U, std::int32_t> ? std::string("int32 indices")
+                                                        : std::string(name_of(dtype_of<U>)) + " values") +
+                       ", got a tensor of " + std::string(name_of(dtype_of<T>)));
     } else if constexpr (!HasConstruct<Derived, BasicTensor<T>>) {
       throw ModeError(this->label() + ": construct takes several inputs, and this call (duet::summary, a container of "
                       "cells, a call through nn::DynamicCell) gives it one; call the cell with all of them (duet::summary "
