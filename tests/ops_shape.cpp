@@ -155,6 +155,26 @@ const bool shape_cases = add_cases([](std::multimap<std::string, Case>& m) {
   add_tile({3, 2}, [](const auto& x) { return duet::ops::tile(x, {2, 1, 3}); }, {2, 1, 3});
   add_tile({2, 2, 3}, [](const auto& x) { return duet::ops::tile(x, std::vector<duet::index_t>{3, 2}); }, {3, 2});
 
+  // Output element o reads x at o with each flipped axis a's index i replaced by size - 1 - i.
+  const auto flipped = [](const D& x, std::vector<int> axes) {
+    return tabulate(x.shape(), [&](const Index& o) {
+      Index i = o;
+      for (int axis : axes) {
+        const auto a = static_cast<std::size_t>(axis < 0 ? axis + x.ndim() : axis);
+        i[a] = x.shape()[static_cast<int>(a)] - 1 - o[a];
+      }
+      return at(x, i);
+    });
+  };
+  const auto add_flip = [&](Shape shape, auto f, std::vector<int> axes) {
+    add("flip", checked<1>({shape}, f, [=](const std::vector<D>& xs) { return flipped(xs[0], axes); }));
+  };
+  add_flip({2, 3, 4}, [](const auto& x) { return duet::ops::flip<0>(x); }, {0});
+  add_flip({2, 3, 4}, [](const auto& x) { return duet::ops::flip<-1>(x); }, {-1});
+  add_flip({2, 3, 4}, [](const auto& x) { return duet::ops::flip<2, 0>(x); }, {2, 0});
+  add_flip({3, 1, 2}, [](const auto& x) { return duet::ops::flip<0, 1, -1>(x); }, {0, 1, -1});
+  add_flip({5}, [](const auto& x) { return duet::ops::flip<0>(x); }, {0});
+
   const auto stacked = [](const std::vector<D>& xs, int axis) {
     Shape out;
     for (int a = 0; a <= xs[0].ndim(); ++a) {
@@ -688,6 +708,42 @@ TEST_CASE("ops: tile refuses negative multiples and more than max_rank of them")
                        "duet::ops::tile: the multiples {2, -1} must be >= 0, at most 8 of them", duet::ValueError);
   CHECK_THROWS_WITH_AS(duet::ops::tile(x, {1, 1, 1, 1, 1, 1, 1, 1, 1}), doctest::Contains("at most 8 of them"),
                        duet::ValueError);
+}
+
+TEST_CASE("ops: flip keeps its input's shape, static or unknown, and twice over is its input, in both modes") {
+  duet_test::ModeGuard guard;
+  const auto y = duet::ops::flip<-1>(duet::ones<double>(duet::shape<2, 3>));
+  static_assert(std::is_same_v<std::remove_cvref_t<decltype(y)>, duet::StaticTensor<double, 2, 3>>);
+  // Known trailing axes behind unknown leading ones stay known, as the slices' rule would not.
+  constexpr duet::Shape any_leading = [] {
+    duet::Shape s = duet::Shape::any();
+    s.push_back(4);
+    return s;
+  }();
+  static_assert(duet::ops::FlipOp<-1>::infer_static(std::span(&any_leading, 1)).shape == any_leading);
+  const D x = random_input({3, 4}, -1, 1, 28);
+  for (duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+    duet::set_context({.mode = mode});
+    const D back = duet::jit([](const auto& t) { return duet::ops::flip<1, 0>(duet::ops::flip<0, -1>(t)); })(x);
+    CHECK(std::equal(back.data(), back.data() + 12, x.data()));
+    const D empty = duet::jit([](const auto& t) { return duet::ops::flip<0>(t); })(duet::zeros<double>({0, 3}));
+    CHECK(empty.shape() == Shape{0, 3});
+  }
+}
+
+TEST_CASE("ops: flip refuses an axis its input does not have, or one named twice, in both modes") {
+  duet_test::ModeGuard guard;
+  const D x = random_input({3, 4}, -1, 1, 29);
+  for (duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+    duet::set_context({.mode = mode});
+    auto missing = duet::jit([](const auto& t) { return duet::ops::flip<0, 2>(t); });
+    CHECK_THROWS_WITH_AS(missing(x),
+                         doctest::Contains("ops::flip<0, 2> expects an input of rank at least 3, got [3, 4]"),
+                         duet::ShapeError);
+    // torch.flip refuses it too ("dim 0 appears multiple times").
+    auto twice = duet::jit([](const auto& t) { return duet::ops::flip<0, -2>(t); });
+    CHECK_THROWS_WITH_AS(twice(x), doctest::Contains("axis 0 is named twice"), duet::ShapeError);
+  }
 }
 
 }  // namespace tests_ops_shape

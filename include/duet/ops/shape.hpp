@@ -1,5 +1,5 @@
 // Shape operations: reshape, transpose/permute, expand_dims, squeeze, concat, stack, tile,
-// split, chunk, slice/strided_slice and gather, in both modes (MindSpore's ops.reshape,
+// split, chunk, slice/strided_slice, flip and gather, in both modes (MindSpore's ops.reshape,
 // ops.transpose, ...).
 //
 // Every argument that decides the output's shape is known at compile time, so that graph
@@ -12,8 +12,8 @@
 // order, with a shape. So reshape, expand_dims and squeeze are views (no kernel, no copy),
 // and so is a slice along the first axis only (split<0, ...>, chunk<0, N>, or slice and
 // strided_slice cutting axis 0 with stride 1), which begins further into the input's block.
-// transpose, concat, stack, tile, gather and the other slices copy: their elements are not
-// such a run.
+// transpose, concat, stack, tile, gather, flip and the other slices copy: their elements are
+// not such a run.
 #pragma once
 
 #include <algorithm>
@@ -69,6 +69,21 @@ constexpr Shape with_axis(const Shape& x, int at, index_t size) {
     if (i < x.rank()) out.push_back(x[i]);
   }
   return out;
+}
+
+// The shape rule of an operation along some of x's axes that keeps x's shape (flip, cumsum): an
+// axis x does not have, or one named twice (0 and -rank), is a fault. An axis counted from the
+// front of a shape with unknown leading axes is checked when the shape is known.
+constexpr ShapeResult along_axes_rule(const Shape& x, std::span<const int> axes) {
+  std::array<bool, max_rank> named{};
+  for (int axis : axes) {
+    const int a = axis_index(axis, x.rank());
+    if (x.leading_unknown() && (axis >= 0 || a < 0)) continue;
+    if (a < 0) return fault(x, ShapeFault::min_rank, axis < 0 ? -axis : axis + 1);
+    if (named[static_cast<std::size_t>(a)]) return fault(x, ShapeFault::axis_twice, a);
+    named[static_cast<std::size_t>(a)] = true;
+  }
+  return {x};
 }
 
 // Copies `rows` runs of `count` elements, run r from src + r * src_row to dst + r * dst_row.
@@ -1518,9 +1533,45 @@ auto positions(const X& x) {
   return apply(PositionsOp<Axis>{}, x);
 }
 
+// ----------------------------------------------------------------------------------------
+// flip<A...>(x): x reversed along each axis A (PyTorch's torch.flip(x, dims), numpy's flip;
+// negative axes count from the end). A slice that walks those axes backwards from their last
+// element, so the kernel and the gradient (dy flipped back) are the slices'. Not written as
+// strided_slice with stride -1: its lists go by position from axis 0, so they cannot name an
+// axis from the end of an input whose rank is known only when it runs.
+template <int... A>
+struct FlipOp : SlicePrimitive<FlipOp<A...>> {
+  static constexpr std::array<int, sizeof...(A)> axes{A...};
+
+  // Not the slices' rule, which gives up on unknown leading axes: flip keeps any shape.
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return detail::along_axes_rule(in[0], axes); }
+
+  static constexpr detail::Window window(const Shape& x) {
+    detail::Window w;
+    w.count = x;
+    w.step.fill(1);
+    for (int axis : axes) {
+      const int a = detail::axis_index(axis, x.rank());
+      // A step never taken stays 1, as strided_window's, so that a size-1 axis is left whole.
+      if (x[a] < 2) continue;
+      w.start[static_cast<std::size_t>(a)] = x[a] - 1;
+      w.step[static_cast<std::size_t>(a)] = -1;
+    }
+    return w;
+  }
+
+  static std::string op_name() { return "Flip<" + detail::list_text<int>({A...}) + ">"; }
+  std::string label() const { return "ops::flip<" + detail::list_text<int>({A...}) + ">"; }
+};
+
+template <int... A, class X>
+auto flip(X&& x) {
+  return apply(FlipOp<A...>{}, std::forward<X>(x));
+}
+
 inline const bool shape_listed =
     list_operations({"reshape", "transpose", "permute", "expand_dims", "squeeze", "concat", "stack", "split", "chunk",
-                     "tile", "slice", "strided_slice", "take", "gather", "positions"});
+                     "tile", "slice", "strided_slice", "flip", "take", "gather", "positions"});
 
 }  // namespace ops
 }  // namespace duet
