@@ -133,6 +133,31 @@ Case moment_case(Shape shape, F f, std::vector<int> axes, bool keep, bool root) 
   });
 }
 
+// x's running sums along `axis` in double, element by element: the multi-index of each element,
+// and the sum of x over the indices up to its own along the axis.
+D reference_cumsum(const D& x, int axis) {
+  const int rank = x.ndim();
+  const auto a = static_cast<std::size_t>(axis < 0 ? axis + rank : axis);
+  D y = duet::zeros<double>(x.shape());
+  std::vector<duet::index_t> index(static_cast<std::size_t>(rank));
+  std::vector<duet::index_t> stride(static_cast<std::size_t>(rank), 1);
+  for (int d = rank - 2; d >= 0; --d) {
+    const auto u = static_cast<std::size_t>(d);
+    stride[u] = stride[u + 1] * x.dim(d + 1);
+  }
+  for (duet::index_t e = 0; e < x.numel(); ++e) {
+    duet::index_t rest = e;
+    for (int d = rank - 1; d >= 0; --d) {
+      index[static_cast<std::size_t>(d)] = rest % x.dim(d);
+      rest /= x.dim(d);
+    }
+    double sum = 0;
+    for (duet::index_t k = 0; k <= index[a]; ++k) sum += x.data()[e - (index[a] - k) * stride[a]];
+    y.data()[e] = sum;
+  }
+  return y;
+}
+
 template <Kind K, class F>
 Case arg_case(Shape s, F f, int axis, bool keep) {
   return make_value_case({s}, f, [axis, keep](const std::vector<D>& xs) {
@@ -147,6 +172,20 @@ const bool reduction_cases = add_cases([](std::multimap<std::string, Case>& m) {
   add_reduction<Kind::max>(m, "max", [](const auto&... a) { return ops::max(a...); });
   add_reduction<Kind::min>(m, "min", [](const auto&... a) { return ops::min(a...); });
   add_reduction<Kind::logsumexp>(m, "logsumexp", [](const auto&... a) { return ops::logsumexp(a...); });
+  const auto add_cumsum = [&](Shape shape, auto f, int axis) {
+    m.emplace("cumsum", make_case_with_reference<1>(
+                            {shape}, f, [axis](const std::vector<D>& xs) { return reference_cumsum(xs[0], axis); }));
+  };
+  add_cumsum(
+      {2, 3, 4}, [](const auto& x) { return ops::cumsum<0>(x); }, 0);
+  add_cumsum(
+      {2, 3, 4}, [](const auto& x) { return ops::cumsum<1>(x); }, 1);
+  add_cumsum(
+      {2, 3, 4}, [](const auto& x) { return ops::cumsum<-1>(x); }, -1);
+  add_cumsum(
+      {7}, [](const auto& x) { return ops::cumsum<0>(x); }, 0);
+  add_cumsum(
+      {3, 1, 2}, [](const auto& x) { return ops::cumsum<-2>(x); }, -2);
   m.emplace("var", moment_case({3, 4}, [](const auto& x) { return ops::var(x); }, {}, false, false));
   m.emplace("var", moment_case({2, 3, 4}, [](const auto& x) { return ops::var(x, ops::axes<-1>, ops::keep_dims); }, {-1},
                                true, false));
@@ -431,6 +470,54 @@ TEST_CASE("ops: prod refuses axes as sum does, naming itself") {
                        duet::ValueError);
   CHECK_THROWS_WITH_AS(ops::prod(duet::ones({2, 3}), {0, -2}), doctest::Contains("axis 0 is named twice"),
                        duet::ShapeError);
+}
+
+}  // namespace tests_ops_reduction
+
+namespace tests_ops_reduction {
+
+TEST_CASE("ops: cumsum of floats adds in order along the axis, in both modes, and keeps a static shape") {
+  duet_test::ModeGuard guard;
+  const auto ones = ops::cumsum<-1>(duet::ones<double>(duet::shape<2, 3>));
+  static_assert(std::is_same_v<std::remove_cvref_t<decltype(ones)>, duet::StaticTensor<double, 2, 3>>);
+  CHECK(ones(1, 2) == 3.0);
+  // [4, 1000] along its rows and its transpose's columns: each sum the float one before it plus
+  // one term, the same bits as a loop doing that.
+  std::mt19937 engine(12);
+  std::uniform_real_distribution<float> values(-1.f, 1.f);
+  duet::Tensor x({4, 1000});
+  for (duet::index_t i = 0; i < x.numel(); ++i) x.data()[i] = values(engine);
+  std::vector<float> expect(static_cast<std::size_t>(x.numel()));
+  for (std::size_t r = 0; r < 4; ++r) {
+    float sum = 0.f;
+    for (std::size_t i = 0; i < 1000; ++i) expect[r * 1000 + i] = sum += x.data()[r * 1000 + i];
+  }
+  for (duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+    duet::set_context({.mode = mode});
+    const duet::Tensor rows = duet::jit([](const auto& t) { return ops::cumsum<1>(t); })(x);
+    const duet::Tensor columns =
+        duet::jit([](const auto& t) { return ops::transpose<1, 0>(ops::cumsum<0>(ops::transpose<1, 0>(t))); })(x);
+    CHECK(std::equal(expect.begin(), expect.end(), rows.data()));
+    CHECK(std::equal(expect.begin(), expect.end(), columns.data()));
+    const duet::Tensor empty = duet::jit([](const auto& t) { return ops::cumsum<0>(t); })(duet::zeros<float>({0, 3}));
+    CHECK(empty.shape() == Shape{0, 3});
+  }
+}
+
+TEST_CASE("ops: cumsum refuses an axis its input does not have, naming itself, in both modes") {
+  duet_test::ModeGuard guard;
+  const D x = random_input({3, 4}, -1, 1, 27);
+  for (duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+    duet::set_context({.mode = mode});
+    auto past_the_end = duet::jit([](const auto& t) { return ops::cumsum<2>(t); });
+    CHECK_THROWS_WITH_AS(past_the_end(x),
+                         doctest::Contains("ops::cumsum<2> expects an input of rank at least 3, got [3, 4]"),
+                         duet::ShapeError);
+    auto before_the_start = duet::jit([](const auto& t) { return ops::cumsum<-3>(t); });
+    CHECK_THROWS_WITH_AS(before_the_start(x),
+                         doctest::Contains("ops::cumsum<-3> expects an input of rank at least 3, got [3, 4]"),
+                         duet::ShapeError);
+  }
 }
 
 }  // namespace tests_ops_reduction

@@ -1,6 +1,6 @@
 // Reductions: sum, mean, prod, max and min over axes, with keep_dims, argmax, argmin
-// (MindSpore's ops.sum(x, dim, keepdim), ReduceSum(keep_dims), ops.prod, ops.argmax), and the
-// statistics var and std made of them, in both modes.
+// (MindSpore's ops.sum(x, dim, keepdim), ReduceSum(keep_dims), ops.prod, ops.argmax), the
+// statistics var and std made of them, and cumsum, the running sum along an axis, in both modes.
 //
 // Spelling. The reduced axes shape the output, and graph mode computes every node's shape
 // while the program compiles, so they are template arguments, given as tag values:
@@ -55,6 +55,7 @@
 #include "cast.hpp"
 #include "gradient_control.hpp"
 #include "math.hpp"
+#include "shape.hpp"
 
 namespace duet {
 namespace ops {
@@ -631,8 +632,83 @@ struct ArgExtremeOp : Primitive<ArgExtremeOp<Max, Axis, Keep, In>> {
   }
 };
 
+// cumsum<Axis>(x): the running sum along one axis, x's shape (PyTorch's torch.cumsum(x, dim),
+// MindSpore's ops.cumsum; a negative axis counts from the end). Element i is element i - 1's
+// sum plus x's element i, in order along the axis and in the element type, not pairwise: each
+// output is a sum of its prefix, so the order is the definition's (PyTorch's CPU kernel carries
+// a float's sums in double: a few ulps apart). The gradient is dy's running sum from the last
+// element back.
+
+namespace detail {
+// Running sums along `axis` of x, seen as [outer, size, inner]: each row of `inner` sums is the
+// row before it (after it, backward: cumsum's gradient) plus x's row.
+template <class T>
+void running_sum(const T* x, T* y, const Shape& shape, int axis, bool backward) {
+  const int a = axis_index(axis, shape.rank());
+  const index_t size = shape[a];
+  const index_t inner = shape.numel_from(a + 1);
+  const index_t block = size * inner;
+  if (block == 0) return;
+  for (index_t o = 0; o < shape.numel() / block; ++o) {
+    for (index_t r = 0; r < size; ++r) {
+      const index_t at = o * block + (backward ? size - 1 - r : r) * inner;
+      if (r == 0) {
+        std::copy_n(x + at, inner, y + at);
+        continue;
+      }
+      const index_t before = backward ? at + inner : at - inner;
+      for (index_t i = 0; i < inner; ++i) y[at + i] = y[before + i] + x[at + i];
+    }
+  }
+}
+}  // namespace detail
+
+// d/dx of cumsum: x's element i reaches every sum from i on, so it gets dy summed from the last
+// element back to i.
+template <int Axis>
+struct CumsumGradOp : Primitive<CumsumGradOp<Axis>> {
+  static constexpr std::array reads{graph::Operand::grad};
+  static constexpr int arity = 1;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    detail::running_sum(a.in<T>(), a.out<T>(), a.in_shape(), Axis, true);
+  }
+
+  static std::string op_name() { return "CumsumGrad<" + std::to_string(Axis) + ">"; }
+};
+
+template <int Axis>
+struct CumsumOp : Primitive<CumsumOp<Axis>> {
+  static constexpr int arity = 1;
+  static constexpr std::array<int, 1> axes{Axis};
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return detail::along_axes_rule(in[0], axes); }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    detail::running_sum(a.in<T>(), a.out<T>(), a.in_shape(), Axis, false);
+  }
+
+  // Of input 0, the only one.
+  template <std::size_t K>
+  CumsumGradOp<Axis> grad_op() const {
+    return {};
+  }
+
+  static std::string op_name() { return "Cumsum<" + std::to_string(Axis) + ">"; }
+  std::string label() const { return "ops::cumsum<" + std::to_string(Axis) + ">"; }
+};
+
+template <int Axis, class X>
+auto cumsum(X&& x) {
+  return apply(CumsumOp<Axis>{}, std::forward<X>(x));
+}
+
 inline const bool reduction_listed =
-    list_operations({"sum", "mean", "prod", "max", "min", "argmax", "argmin", "var", "std", "logsumexp"});
+    list_operations({"sum", "mean", "prod", "max", "min", "argmax", "argmin", "var", "std", "logsumexp", "cumsum"});
 
 namespace detail {
 
