@@ -1,6 +1,6 @@
 // Shape operations: reshape, transpose/permute, expand_dims, squeeze, concat, stack, tile,
-// split, chunk, slice/strided_slice, flip and gather, in both modes (MindSpore's ops.reshape,
-// ops.transpose, ...).
+// split, chunk, slice/strided_slice, flip, gather and one_hot, in both modes (MindSpore's
+// ops.reshape, ops.transpose, ...).
 //
 // Every argument that decides the output's shape is known at compile time, so that graph
 // mode has a static shape to check the next layer against: a single list or axis is a
@@ -1569,9 +1569,89 @@ auto flip(X&& x) {
   return apply(FlipOp<A...>{}, std::forward<X>(x));
 }
 
+// one_hot<Depth>(indices): int32 indices of any shape to values of element type T (float
+// unless given) of shape indices + [Depth], 1 where the new last axis is at the index and 0
+// elsewhere (PyTorch's F.one_hot(t, num_classes), MindSpore's ops.one_hot(indices, depth)
+// with on_value 1 and off_value 0); one_hot(indices, depth) takes the depth at run time. An
+// index outside [0, Depth) is a duet::IndexError, as gather's. The indices get no gradient,
+// as gather's: they are integers.
+
+// What both forms share: the kernel, which reads the depth off the output's last axis, and
+// the indices' lack of a gradient.
+template <class Self, ElementType T>
+struct OneHotPrimitive : Primitive<Self> {
+  using value_type = T;
+  static constexpr int arity = 1;
+
+  template <class Backend, class U>
+  void run(const graph::KernelArgs& a) const {
+    const std::int32_t* idx = a.in<std::int32_t>();
+    const index_t n = a.in_shape().numel();
+    const index_t depth = a.output_shape.back();
+    detail::check_indices(idx, n, depth, static_cast<const Self&>(*this).label());
+    U* y = a.out<U>();
+    Backend::fill(y, n * depth, U(0));
+    for (index_t i = 0; i < n; ++i) y[i * depth + idx[i]] = U(1);
+  }
+
+  // Of input 0, the only one.
+  template <std::size_t K>
+  NoGradient grad_op() const {
+    return {};
+  }
+
+ protected:
+  static constexpr ShapeResult with_depth(const Shape& indices, index_t depth) {
+    Shape out = indices;
+    out.push_back(depth);
+    return {out};
+  }
+};
+
+template <index_t Depth, ElementType T>
+struct OneHotOp : OneHotPrimitive<OneHotOp<Depth, T>, T> {
+  static_assert(Depth >= 0, "duet::ops::one_hot: the depth must be >= 0");
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return OneHotOp::with_depth(in[0], Depth); }
+
+  static std::string op_name() { return "OneHot<" + std::to_string(Depth) + ">"; }
+  std::string label() const { return "ops::one_hot<" + std::to_string(Depth) + ">"; }
+};
+
+// The depth given at run time: graph mode reads it when it captures construct, as tile's
+// multiples, and knows the last axis's size when the network first runs.
+template <ElementType T>
+struct OneHotDepthOp : OneHotPrimitive<OneHotDepthOp<T>, T> {
+  index_t depth = 0;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return OneHotDepthOp::with_depth(in[0], dyn); }
+  ShapeResult infer(std::span<const Shape> in) const { return OneHotDepthOp::with_depth(in[0], depth); }
+
+  static std::string op_name() { return "OneHot"; }
+  std::string label() const { return "ops::one_hot(indices, " + std::to_string(depth) + ")"; }
+};
+
+template <index_t Depth, ElementType T = float, class I>
+auto one_hot(const I& indices) {
+  static_assert(std::is_same_v<typename std::remove_cvref_t<I>::value_type, std::int32_t>,
+                "duet::ops::one_hot: the indices must be int32 tensors");
+  return apply(OneHotOp<Depth, T>{}, indices);
+}
+
+// Throws duet::ValueError for a negative depth.
+template <ElementType T = float, class I>
+auto one_hot(const I& indices, index_t depth) {
+  static_assert(std::is_same_v<typename std::remove_cvref_t<I>::value_type, std::int32_t>,
+                "duet::ops::one_hot: the indices must be int32 tensors");
+  if (depth < 0) throw ValueError("duet::ops::one_hot: the depth " + std::to_string(depth) + " must be >= 0");
+  OneHotDepthOp<T> op;
+  op.depth = depth;
+  return apply(op, indices);
+}
+
 inline const bool shape_listed =
     list_operations({"reshape", "transpose", "permute", "expand_dims", "squeeze", "concat", "stack", "split", "chunk",
-                     "tile", "slice", "strided_slice", "flip", "take", "gather", "positions"});
+                     "tile", "slice", "strided_slice", "flip", "take", "gather", "positions", "one_hot"});
 
 }  // namespace ops
 }  // namespace duet
