@@ -21,7 +21,7 @@ namespace {
 struct Model {
   duet_fuzz::Network net;
   duet_fuzz::Adam adam{net.parameters()};
-  duet_fuzz::SGD sgd{net.parameters(), duet_fuzz::sgd_config};
+  duet_fuzz::SGD sgd{net.parameters(), duet_fuzz::sgd_config()};
 };
 
 // Everything a load may change.

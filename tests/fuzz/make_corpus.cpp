@@ -250,7 +250,7 @@ void write_version_2_corpus(const fs::path& dir) {
   take_steps(net, adam, 3);
   const OptimizerSection adam_section{"nn::Adam", adam.global_step(), state_records_of(net, adam)};
   write(dir / "v2_adam", checkpoint(records_of(net), 2, adam_section));
-  duet_fuzz::SGD sgd(net.parameters(), duet_fuzz::sgd_config);
+  duet_fuzz::SGD sgd(net.parameters(), duet_fuzz::sgd_config());
   take_steps(net, sgd, 2);
   write(dir / "v2_sgd_momentum", checkpoint(records_of(net), 2, {"nn::SGD", sgd.global_step(), state_records_of(net, sgd)}));
   duet::nn::AdamW adamw(net.parameters());
@@ -284,7 +284,7 @@ void write_version_3_corpus(const fs::path& dir) {
   if (checkpoint(records_of(net), 3, adam_section) != read(dir / "v3_adam")) {
     throw std::runtime_error("checkpoint() with optimizer state differs from save_checkpoint");
   }
-  duet_fuzz::SGD sgd(net.parameters(), duet_fuzz::sgd_config);
+  duet_fuzz::SGD sgd(net.parameters(), duet_fuzz::sgd_config());
   take_steps(net, sgd, 2);
   duet::save_checkpoint(net, dir / "v3_sgd_momentum", sgd);
 

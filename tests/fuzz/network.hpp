@@ -20,7 +20,11 @@ using Network =
 // The optimisers whose state fuzz_checkpoint loads along with the network's parameters.
 using Adam = duet::nn::Adam;
 using SGD = duet::nn::SGD;
-inline const duet::nn::SGDConfig sgd_config{.momentum = 0.9};
+// A function, not a constant: clang 14 crashed emitting this struct (an empty
+// [[no_unique_address]] member) as a namespace-scope constant in fuzz_checkpoint.cpp once
+// the chunk operation joined the headers (a segfault in ConstantEmitter, at -O0 with the
+// sanitizers).
+inline duet::nn::SGDConfig sgd_config() { return {.momentum = 0.9}; }
 
 inline void append(std::vector<std::byte>& out, std::span<const std::byte> bytes) {
   out.insert(out.end(), bytes.begin(), bytes.end());
