@@ -158,6 +158,40 @@ Case make_value_case(std::vector<Shape> shapes, F f, std::function<D(const std::
   return c;
 }
 
+// A multi-index, outermost axis first.
+using Index = std::vector<duet::index_t>;
+
+// Element `index` of x, by row-major arithmetic.
+inline double at(const D& x, const Index& index) {
+  duet::index_t offset = 0;
+  for (int a = 0; a < x.ndim(); ++a) offset = offset * x.dim(a) + index[static_cast<std::size_t>(a)];
+  return x.data()[offset];
+}
+
+// The tensor of this shape whose element at each multi-index is value(index).
+inline D tabulate(const Shape& shape, const std::function<double(const Index&)>& value) {
+  D y = duet::zeros<double>(shape);
+  Index index(static_cast<std::size_t>(shape.rank()), 0);
+  for (duet::index_t n = 0; n < shape.numel(); ++n) {
+    duet::index_t rest = n;
+    for (int a = shape.rank() - 1; a >= 0; --a) {
+      index[static_cast<std::size_t>(a)] = rest % shape[a];
+      rest /= shape[a];
+    }
+    y.data()[n] = value(index);
+  }
+  return y;
+}
+
+// A case whose expected value is `reference`, the fixed inputs (indices) in `constants`.
+template <std::size_t N, class F, class... C>
+Case checked(std::vector<Shape> shapes, F f, std::function<D(const std::vector<D>&)> reference,
+             std::tuple<C...> constants = {}) {
+  Case c = make_case_with<N>(std::move(shapes), f, constants);
+  c.reference = std::move(reference);
+  return c;
+}
+
 inline double dot(const D& a, const D& b) {
   double s = 0;
   for (duet::index_t i = 0; i < a.numel(); ++i) s += a.data()[i] * b.data()[i];

@@ -14,46 +14,12 @@ namespace {
 
 using namespace duet_test::ops;
 using duet::index_t;
-using Index = std::vector<index_t>;
 using I32 = duet::BasicTensor<std::int32_t>;
-
-// Element `index` of x, by row-major arithmetic.
-double at(const D& x, const Index& index) {
-  index_t offset = 0;
-  for (int a = 0; a < x.ndim(); ++a) offset = offset * x.dim(a) + index[static_cast<std::size_t>(a)];
-  return x.data()[offset];
-}
-
-// The tensor of this shape whose element at each multi-index is value(index).
-D tabulate(const Shape& shape, const std::function<double(const Index&)>& value) {
-  D y = duet::zeros<double>(shape);
-  Index index(static_cast<std::size_t>(shape.rank()), 0);
-  for (index_t n = 0; n < shape.numel(); ++n) {
-    index_t rest = n;
-    for (int a = shape.rank() - 1; a >= 0; --a) {
-      index[static_cast<std::size_t>(a)] = rest % shape[a];
-      rest /= shape[a];
-    }
-    y.data()[n] = value(index);
-  }
-  return y;
-}
-
-// A case whose expected value is `reference`.
-template <std::size_t N, class F, class... C>
-Case checked(std::vector<Shape> shapes, F f, std::function<D(const std::vector<D>&)> reference,
-             std::tuple<C...> constants = {}) {
-  Case c = make_case_with<N>(std::move(shapes), f, constants);
-  c.reference = std::move(reference);
-  return c;
-}
 
 // The same elements in another shape (reshape, expand_dims, squeeze).
 std::function<D(const std::vector<D>&)> same_elements(Shape out) {
   return [out](const std::vector<D>& xs) { return D(out, xs[0].values()); };
 }
-
-const I32 gather_indices(Shape{2, 2}, {2, 0, 2, 1});  // 2 twice: the gradient adds both
 
 const bool shape_cases = add_cases([](std::multimap<std::string, Case>& m) {
   auto add = [&](std::string name, Case c) { m.emplace(std::move(name), std::move(c)); };
@@ -309,28 +275,6 @@ const bool shape_cases = add_cases([](std::multimap<std::string, Case>& m) {
                                   },
                                   [=](const std::vector<D>& xs) { return sliced(xs[0], {2, 3, 3}, {0, 2, 5}, {1, -1, -2}); }));
 
-  const auto gathered = [](const D& p, const I32& idx, int axis) {
-    Shape out;
-    for (int a = 0; a < axis; ++a) out.push_back(p.dim(a));
-    for (index_t d : idx.shape()) out.push_back(d);
-    for (int a = axis + 1; a < p.ndim(); ++a) out.push_back(p.dim(a));
-    return tabulate(out, [&](const Index& o) {
-      const auto r = static_cast<std::size_t>(idx.ndim());
-      Index j(o.begin() + axis, o.begin() + axis + static_cast<std::ptrdiff_t>(r));
-      index_t offset = 0;
-      for (std::size_t a = 0; a < r; ++a) offset = offset * idx.dim(static_cast<int>(a)) + j[a];
-      Index i(o.begin(), o.begin() + axis);
-      i.push_back(idx.data()[offset]);
-      i.insert(i.end(), o.begin() + axis + static_cast<std::ptrdiff_t>(r), o.end());
-      return at(p, i);
-    });
-  };
-  add("gather", checked<1>({{3, 4}}, [](const auto& p, const auto& idx) { return duet::ops::gather<0>(p, idx); },
-                           [=](const std::vector<D>& xs) { return gathered(xs[0], gather_indices, 0); },
-                           std::tuple{gather_indices}));
-  add("gather", checked<1>({{2, 3, 2}}, [](const auto& p, const auto& idx) { return duet::ops::gather<1>(p, idx); },
-                           [=](const std::vector<D>& xs) { return gathered(xs[0], gather_indices, 1); },
-                           std::tuple{gather_indices}));
   // positions: the indices along one axis, whatever the values.
   const auto counting = [](index_t n) {
     D out = duet::zeros<double>(Shape{n});
@@ -341,22 +285,9 @@ const bool shape_cases = add_cases([](std::multimap<std::string, Case>& m) {
                                    [=](const std::vector<D>&) { return counting(5); }));
   add("positions", make_value_case({{2, 3, 4}}, [](const auto& x) { return duet::ops::positions<0>(x); },
                                    [=](const std::vector<D>&) { return counting(2); }));
-  add("positions", make_value_case({{2, 3, 4}}, [](const auto& x) { return duet::ops::positions<-2>(x); },
-                                   [=](const std::vector<D>&) { return counting(3); }));
-  // one_hot of indices truncated from values drawn in [0, 5): 1 where the last axis is at the
-  // index, both forms.
-  const auto one_hot_case = [&](auto f) {
-    Case c = make_value_case({{2, 3}}, f, [](const std::vector<D>& xs) {
-      return tabulate({2, 3, 5}, [&](const Index& o) { return o[2] == index_t(at(xs[0], {o[0], o[1]})) ? 1.0 : 0.0; });
-    });
-    c.lo = 0;
-    c.hi = 4.99;
-    return c;
-  };
-  add("one_hot",
-      one_hot_case([](const auto& x) { return duet::ops::one_hot<5, double>(duet::ops::cast<std::int32_t>(x)); }));
-  add("one_hot",
-      one_hot_case([](const auto& x) { return duet::ops::one_hot<double>(duet::ops::cast<std::int32_t>(x), 5); }));
+  add("positions", make_value_case(
+                       {{2, 3, 4}}, [](const auto& x) { return duet::ops::positions<-2>(x); },
+                       [=](const std::vector<D>&) { return counting(3); }));
 });
 
 template <class F>
@@ -574,117 +505,6 @@ TEST_CASE("ops: positions feed a positional Embedding in both modes, for any seq
     REQUIRE(grads.size() == 1);
     for (index_t j = 0; j < 8; ++j) CHECK(grads[0](j, 0) == (j < 3 ? 2.0f : 0.0f));
   }
-}
-
-TEST_CASE("ops: gather refuses an index out of range in both modes, naming the index and the bound") {
-  duet_test::ModeGuard guard;
-  const D p = random_input({3, 2}, -1, 1, 8);
-  for (std::int32_t bad : {3, -1}) {
-    const I32 idx(Shape{2}, {0, bad});
-    for (duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
-      duet::set_context({.mode = mode});
-      auto gather = duet::jit([](const auto& a, const auto& i) { return duet::ops::gather<0>(a, i); });
-      const std::string expected =
-          "ops::gather<0>: index " + std::to_string(bad) + " (element 1 of the indices) is out of range [0, 3)";
-      CHECK_THROWS_WITH_AS(gather(p, idx), doctest::Contains(expected.c_str()), duet::IndexError);
-    }
-  }
-}
-
-// PyTorch's Linear(F.one_hot(ids, 5).float()): an int32-input cell whose construct makes the
-// one-hot rows, with the depth fixed or given at run time.
-template <bool RunTimeDepth>
-struct OneHotDense : duet::nn::Cell<OneHotDense<RunTimeDepth>> {
-  using input_value_type = std::int32_t;
-  duet::nn::Dense<5, 3> dense;
-  DUET_CELL_MEMBERS(dense);
-  auto construct(auto ids) {
-    if constexpr (RunTimeDepth)
-      return dense(duet::ops::one_hot(ids, 5));
-    else
-      return dense(duet::ops::one_hot<5>(ids));
-  }
-};
-
-TEST_CASE_TEMPLATE("ops: one_hot feeds a Dense in an int32-input cell, the same bits in both modes", Net,
-                   OneHotDense<false>, OneHotDense<true>) {
-  duet_test::ModeGuard guard;
-  Net net;
-  const I32 ids(Shape{2, 3}, {4, 0, 2, 2, 1, 4});
-  std::vector<duet::Tensor> outputs;
-  std::vector<std::vector<duet::Tensor>> grads;
-  for (const duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
-    duet::set_context({.mode = mode});
-    outputs.push_back(net(ids));
-    grads.push_back(
-        duet::value_and_grad([&](const I32& x) { return duet::ops::sum(net(x)); }, net.parameters())(ids).grads);
-  }
-  REQUIRE(outputs[0].shape() == Shape{2, 3, 3});
-  CHECK(std::equal(outputs[1].data(), outputs[1].data() + outputs[1].numel(), outputs[0].data()));
-  // A one-hot row picks the weight's column at its index.
-  for (index_t b = 0; b < 2; ++b) {
-    for (index_t j = 0; j < 3; ++j) {
-      for (index_t o = 0; o < 3; ++o) {
-        CHECK(outputs[0](b, j, o) == net.dense.weight(o, ids(b, j)) + net.dense.bias(o));
-      }
-    }
-  }
-  // Column k of the weight's gradient counts the indices equal to k; the bias's, every index.
-  REQUIRE(grads[0].size() == 2);
-  for (std::size_t p = 0; p < 2; ++p) {
-    CHECK(grads[1][p].shape() == grads[0][p].shape());
-    CHECK(std::equal(grads[1][p].data(), grads[1][p].data() + grads[1][p].numel(), grads[0][p].data()));
-  }
-  const std::vector<float> counts{1, 1, 2, 0, 2};
-  for (index_t o = 0; o < 3; ++o) {
-    for (index_t k = 0; k < 5; ++k) CHECK(grads[0][0](o, k) == counts[static_cast<std::size_t>(k)]);
-    CHECK(grads[0][1](o) == 6.0f);
-  }
-}
-
-TEST_CASE("ops: one_hot gives what PyTorch's F.one_hot gives, for any shape of indices") {
-  duet_test::ModeGuard guard;
-  // F.one_hot(t, 5).flatten().tolist() in torch 1.13 (int64 there) for these [3, 2, 2] indices.
-  const I32 ids(Shape{3, 2, 2}, {3, 0, 4, 1, 1, 2, 0, 0, 2, 4, 3, 3});
-  const std::vector<float> torch_values{0, 0, 0, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 1, 0, 0, 0,
-                                        0, 1, 0, 0, 0, 0, 0, 1, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0,
-                                        0, 0, 1, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0};
-  for (const duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
-    duet::set_context({.mode = mode});
-    const duet::Tensor y = duet::jit([](const auto& i) { return duet::ops::one_hot<5>(i); })(ids);
-    REQUIRE(y.shape() == Shape{3, 2, 2, 5});
-    CHECK(std::ranges::equal(y.values(), torch_values));
-    const duet::Tensor z = duet::jit([](const auto& i) { return duet::ops::one_hot(i, 5); })(ids);
-    REQUIRE(z.shape() == Shape{3, 2, 2, 5});
-    CHECK(std::ranges::equal(z.values(), torch_values));
-    // A 0-d index gives a vector, empty indices an empty tensor, as torch's.
-    const auto scalar = duet::ops::one_hot<4>(I32(Shape{}, {2}));
-    CHECK(std::ranges::equal(scalar.values(), std::vector<float>{0, 0, 1, 0}));
-    CHECK(duet::ops::one_hot(I32(Shape{0, 3}), 4).shape() == Shape{0, 3, 4});
-  }
-  // The static shape: the indices' with the depth at the end, the element type as asked.
-  const duet::StaticTensor<std::int32_t, duet::dyn, 3> batch(I32(Shape{2, 3}, {0, 1, 2, 2, 1, 0}));
-  using Out = std::remove_cvref_t<decltype(duet::ops::one_hot<4, double>(batch))>;
-  static_assert(std::is_same_v<Out, duet::StaticTensor<double, duet::dyn, 3, 4>>);
-}
-
-TEST_CASE("ops: one_hot refuses an index out of range in both modes, naming the index, its place and the bound") {
-  duet_test::ModeGuard guard;
-  OneHotDense<false> fixed;
-  OneHotDense<true> run_time;
-  for (const std::int32_t bad : {5, -1}) {
-    const I32 ids(Shape{2, 2}, {0, 1, bad, 3});
-    for (const duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
-      INFO("index ", bad, ", mode ", static_cast<int>(mode));
-      duet::set_context({.mode = mode});
-      const std::string where = ": index " + std::to_string(bad) + " (element 2 of the indices) is out of range [0, 5)";
-      CHECK_THROWS_WITH_AS(fixed(ids), doctest::Contains(("ops::one_hot<5>" + where).c_str()), duet::IndexError);
-      CHECK_THROWS_WITH_AS(run_time(ids), doctest::Contains(("ops::one_hot(indices, 5)" + where).c_str()),
-                           duet::IndexError);
-    }
-  }
-  CHECK_THROWS_WITH_AS(duet::ops::one_hot(I32(Shape{2}, {0, 1}), -2),
-                       doctest::Contains("duet::ops::one_hot: the depth -2 must be >= 0"), duet::ValueError);
 }
 
 TEST_CASE("ops: PIJit replays views that begin inside their input, as the output and in between") {

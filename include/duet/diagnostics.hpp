@@ -45,6 +45,9 @@ enum class ShapeFault : unsigned char {
   broadcast_to,       // the input must broadcast to the operation's target shape (broadcast_to)
   initial_state,      // a recurrence's initial state must be [batch, `expected`], the batch its sequences'
   empty_sequence,     // a recurrence's sequences [batch, length, input] must have a step (length at least 1)
+  // input 1 (indices) must have input 0's rank and no axis larger than it but axis `expected` (gather_elements)
+  indices_fit,
+  axis_at_least,  // the input's size along the operation's axis must be at least `expected` (topk)
 };
 
 // What a shape rule returns: the output shape and, if the inputs break the rule, which way.
@@ -162,6 +165,14 @@ inline std::string describe_fault(const ShapeResult& r, std::string_view layer, 
     case ShapeFault::empty_sequence:
       what = "sequences [batch, length, input] of at least one step";
       break;
+    case ShapeFault::indices_fit:
+      return std::string(layer) +
+             " expects indices of its input's rank, no larger than the input along any axis but axis " + e +
+             " (torch.gather's rule), got " + got + " for an input of shape " +
+             (inputs.empty() ? std::string("nothing") : to_string(inputs[0]));
+    case ShapeFault::axis_at_least:
+      what = "an input of size at least " + e + " along its axis";
+      break;
     case ShapeFault::initial_state:
       return std::string(layer) + " expects an initial state [batch, " + e + "] for sequences [batch, length, " +
              "input], got " + got + " for " + (inputs.empty() ? std::string("nothing") : to_string(inputs[0]));
@@ -236,6 +247,11 @@ struct channel_dimension_must_be {};
 template <index_t N>
 struct initial_state_must_be_batch_by {};
 struct sequence_length_must_be_at_least_1 {};
+// The input's shape, which the indices must fit in but along axis N.
+template <index_t N, class InputShape>
+struct indices_must_fit_in_except_along_axis {};
+template <index_t N>
+struct size_along_the_axis_must_be_at_least {};
 // A window's extent (a convolution's kernel, dilated) less the padding: a smaller input leaves
 // no output.
 template <index_t N>
@@ -288,6 +304,8 @@ constexpr auto requirement() {
     return spatial_sizes_must_be_at_least<N>{};
   else if constexpr (F == ShapeFault::broadcast_to)
     return must_broadcast_to_the_target_shape{};
+  else if constexpr (F == ShapeFault::axis_at_least)
+    return size_along_the_axis_must_be_at_least<N>{};
   else if constexpr (F == ShapeFault::class_labels && N == 1)
     return labels_must_have_the_logits_shape_without_the_class_axis{};
   else if constexpr (F == ShapeFault::class_labels)
@@ -347,6 +365,10 @@ constexpr void report_static_fault() {
     using Culprit = std::tuple_element_t<static_cast<std::size_t>(r.input), In>;
     if constexpr (r.fault == ShapeFault::broadcast) {
       static_cast<void>(sizeof(broadcast_rejection<Layer, Culprit, std::tuple_element_t<broadcast_partner(r), In>>));
+    } else if constexpr (r.fault == ShapeFault::indices_fit) {
+      using Input = shape_type_of<std::tuple_element_t<0, In>>;
+      static_cast<void>(
+          sizeof(rejected<Layer, indices_must_fit_in_except_along_axis<r.expected, Input>, shape_type_of<Culprit>>));
     } else if constexpr (r.fault == ShapeFault::inner_dimensions) {
       static_cast<void>(
           sizeof(inner_dimension_rejection<Layer, Culprit, std::tuple_element_t<r.input == 0 ? 1 : 0, In>>));

@@ -6811,6 +6811,9 @@ enum class ShapeFault : unsigned char {
   broadcast_to,       // the input must broadcast to the operation's target shape (broadcast_to)
   initial_state,      // a recurrence's initial state must be [batch, `expected`], the batch its sequences'
   empty_sequence,     // a recurrence's sequences [batch, length, input] must have a step (length at least 1)
+  // input 1 (indices) must have input 0's rank and no axis larger than it but axis `expected` (gather_elements)
+  indices_fit,
+  axis_at_least,  // the input's size along the operation's axis must be at least `expected` (topk)
 };
 
 // What a shape rule returns: the output shape and, if the inputs break the rule, which way.
@@ -6928,6 +6931,14 @@ inline std::string describe_fault(const ShapeResult& r, std::string_view layer, 
     case ShapeFault::empty_sequence:
       what = "sequences [batch, length, input] of at least one step";
       break;
+    case ShapeFault::indices_fit:
+      return std::string(layer) +
+             " expects indices of its input's rank, no larger than the input along any axis but axis " + e +
+             " (torch.gather's rule), got " + got + " for an input of shape " +
+             (inputs.empty() ? std::string("nothing") : to_string(inputs[0]));
+    case ShapeFault::axis_at_least:
+      what = "an input of size at least " + e + " along its axis";
+      break;
     case ShapeFault::initial_state:
       return std::string(layer) + " expects an initial state [batch, " + e + "] for sequences [batch, length, " +
              "input], got " + got + " for " + (inputs.empty() ? std::string("nothing") : to_string(inputs[0]));
@@ -7002,6 +7013,11 @@ struct channel_dimension_must_be {};
 template <index_t N>
 struct initial_state_must_be_batch_by {};
 struct sequence_length_must_be_at_least_1 {};
+// The input's shape, which the indices must fit in but along axis N.
+template <index_t N, class InputShape>
+struct indices_must_fit_in_except_along_axis {};
+template <index_t N>
+struct size_along_the_axis_must_be_at_least {};
 // A window's extent (a convolution's kernel, dilated) less the padding: a smaller input leaves
 // no output.
 template <index_t N>
@@ -7054,6 +7070,8 @@ constexpr auto requirement() {
     return spatial_sizes_must_be_at_least<N>{};
   else if constexpr (F == ShapeFault::broadcast_to)
     return must_broadcast_to_the_target_shape{};
+  else if constexpr (F == ShapeFault::axis_at_least)
+    return size_along_the_axis_must_be_at_least<N>{};
   else if constexpr (F == ShapeFault::class_labels && N == 1)
     return labels_must_have_the_logits_shape_without_the_class_axis{};
   else if constexpr (F == ShapeFault::class_labels)
@@ -7113,6 +7131,10 @@ constexpr void report_static_fault() {
     using Culprit = std::tuple_element_t<static_cast<std::size_t>(r.input), In>;
     if constexpr (r.fault == ShapeFault::broadcast) {
       static_cast<void>(sizeof(broadcast_rejection<Layer, Culprit, std::tuple_element_t<broadcast_partner(r), In>>));
+    } else if constexpr (r.fault == ShapeFault::indices_fit) {
+      using Input = shape_type_of<std::tuple_element_t<0, In>>;
+      static_cast<void>(
+          sizeof(rejected<Layer, indices_must_fit_in_except_along_axis<r.expected, Input>, shape_type_of<Culprit>>));
     } else if constexpr (r.fault == ShapeFault::inner_dimensions) {
       static_cast<void>(
           sizeof(inner_dimension_rejection<Layer, Culprit, std::tuple_element_t<r.input == 0 ? 1 : 0, In>>));
@@ -21086,6 +21108,7 @@ using Dropout = BasicDropout<float>;
 // Embedding: nn::Embedding and the operation it captures, a lookup of int32 indices in the
 // layer's table (MindSpore's nn.Embedding).
 
+#include <Eigen/Core>
 #include <algorithm>
 #include <array>
 #include <cstdint>
@@ -21094,10 +21117,29 @@ using Dropout = BasicDropout<float>;
 #include <type_traits>
 #include <utility>
 
-#include <Eigen/Core>
+// Indexing operations: gather (index_select), gather_elements (torch.gather), one_hot, and the
+// sorts that make indices, topk, sort and argsort, in both modes.
+//
+// Every index is int32, as duet's labels and ids, and is checked before anything is read with
+// it: an index outside [0, size) is a duet::IndexError naming the index, its place and the
+// bound, in both modes. Indices never get a gradient: they are integers. What an index reads
+// gets dy back where it was read from, added up where two indices read the same element.
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
 
 // Shape operations: reshape, transpose/permute, expand_dims, squeeze, concat, stack, tile,
-// split, chunk, slice/strided_slice, flip, gather and one_hot, in both modes (MindSpore's
+// split, chunk, slice/strided_slice, flip and positions, in both modes (MindSpore's
 // ops.reshape, ops.transpose, ...).
 //
 // Every argument that decides the output's shape is known at compile time, so that graph
@@ -21110,7 +21152,7 @@ using Dropout = BasicDropout<float>;
 // order, with a shape. So reshape, expand_dims and squeeze are views (no kernel, no copy),
 // and so is a slice along the first axis only (split<0, ...>, chunk<0, N>, or slice and
 // strided_slice cutting axis 0 with stride 1), which begins further into the input's block.
-// transpose, concat, stack, tile, gather, flip and the other slices copy: their elements are
+// transpose, concat, stack, tile, flip and the other slices copy: their elements are
 // not such a run.
 
 #include <algorithm>
@@ -22469,114 +22511,6 @@ auto chunk(const X& x) {
 }
 
 // ----------------------------------------------------------------------------------------
-// gather<Axis>(params, indices): the slices of params along Axis that int32 indices name,
-// in the indices' shape: output shape params[:Axis] + indices + params[Axis + 1:]
-// (MindSpore's gather(input_params, input_indices, axis)). An index outside [0, size) is a
-// duet::IndexError. The indices have no gradient; params' gradient adds dy's slices back
-// where they were read from, so an index read twice gets both.
-
-namespace detail {
-// Checks every index before anything is read with it.
-inline void check_indices(const std::int32_t* idx, index_t n, index_t bound, const std::string& who) {
-  for (index_t i = 0; i < n; ++i) {
-    if (idx[i] < 0 || idx[i] >= bound) {
-      throw IndexError(who + ": index " + std::to_string(idx[i]) + " (element " + std::to_string(i) +
-                       " of the indices) is out of range [0, " + std::to_string(bound) + ")");
-    }
-  }
-}
-
-// Calls f(output offset, params offset, count) for each run of `inner` elements gather copies.
-template <class F>
-void for_each_gathered(const Shape& params, int a, const std::int32_t* idx, index_t n_idx, F&& f) {
-  const index_t inner = params.numel_from(a + 1);
-  const index_t rows = params.numel() / params.numel_from(a);
-  const index_t size = params[a];
-  for (index_t r = 0; r < rows; ++r) {
-    for (index_t j = 0; j < n_idx; ++j) f((r * n_idx + j) * inner, (r * size + idx[j]) * inner, inner);
-  }
-}
-}  // namespace detail
-
-template <int Axis>
-struct GatherGradOp;
-
-template <int Axis>
-struct GatherOp : Primitive<GatherOp<Axis>> {
-  static constexpr int arity = 2;
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
-    const Shape& p = in[0];
-    const Shape& idx = in[1];
-    if (p.leading_unknown() || idx.leading_unknown()) return {Shape::any()};
-    const int a = detail::axis_index(Axis, p.rank());
-    if (a < 0) return fault(p, ShapeFault::min_rank, Axis < 0 ? -Axis : Axis + 1);
-    Shape out;
-    for (int i = 0; i < a; ++i) out.push_back(p[i]);
-    for (index_t d : idx) out.push_back(d);
-    for (int i = a + 1; i < p.rank(); ++i) out.push_back(p[i]);
-    return {out};
-  }
-
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& args) const {
-    const Shape& p = args.in_shape(0);
-    const int a = detail::axis_index(Axis, p.rank());
-    const std::int32_t* idx = args.in<std::int32_t>(1);
-    const index_t n_idx = args.in_shape(1).numel();
-    detail::check_indices(idx, n_idx, p[a], label());
-    const T* x = args.in<T>(0);
-    T* y = args.out<T>();
-    detail::for_each_gathered(p, a, idx, n_idx, [&](index_t o, index_t i, index_t n) { std::copy_n(x + i, n, y + o); });
-  }
-
-  template <std::size_t K>
-    requires(K < 2)
-  auto grad_op() const {
-    if constexpr (K == 0) return GatherGradOp<Axis>{};
-    else return NoGradient{};
-  }
-
-  static std::string op_name() { return "Gather<" + std::to_string(Axis) + ">"; }
-  Interchange interchange(std::span<const Shape>) const {
-    return {{"Gather", {InterchangeInput::operand(0), InterchangeInput::operand(1)}, {InterchangeAttribute::of("axis", Axis)}}};
-  }
-  std::string label() const { return "ops::gather<" + std::to_string(Axis) + ">"; }
-};
-
-// d/d params of gather: zeros, with each slice of dy added where its index points.
-template <int Axis>
-struct GatherGradOp : Primitive<GatherGradOp<Axis>> {
-  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0, graph::Operand::input1};
-  static constexpr int arity = 3;
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
-
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& args) const {
-    const Shape& p = args.in_shape(1);
-    const int a = detail::axis_index(Axis, p.rank());
-    const std::int32_t* idx = args.in<std::int32_t>(2);
-    const index_t n_idx = args.in_shape(2).numel();
-    detail::check_indices(idx, n_idx, p[a], "ops::gather<" + std::to_string(Axis) + "> (gradient)");
-    const T* dy = args.in<T>(0);
-    T* dx = args.out<T>();
-    std::fill_n(dx, p.numel(), T(0));
-    detail::for_each_gathered(p, a, idx, n_idx, [&](index_t o, index_t i, index_t n) {
-      for (index_t k = 0; k < n; ++k) dx[i + k] += dy[o + k];
-    });
-  }
-
-  static std::string op_name() { return "GatherGrad<" + std::to_string(Axis) + ">"; }
-};
-
-template <int Axis = 0, class P, class I>
-auto gather(const P& params, const I& indices) {
-  static_assert(std::is_same_v<typename std::remove_cvref_t<I>::value_type, std::int32_t>,
-                "duet::ops::gather: the indices must be int32 tensors");
-  return apply(GatherOp<Axis>{}, params, indices);
-}
-
 // 0, 1, ..., n - 1 as int32, n the size of x along Axis: a sequence's positions, made from the
 // sequence itself (PyTorch's torch.arange(x.size(1))) so that a positional Embedding serves any
 // length in graph mode too. x's values are not read, and get no gradient.
@@ -22663,6 +22597,395 @@ auto flip(X&& x) {
   return apply(FlipOp<A...>{}, std::forward<X>(x));
 }
 
+inline const bool shape_listed =
+    list_operations({"reshape", "transpose", "permute", "expand_dims", "squeeze", "concat", "stack", "split", "chunk",
+                     "tile", "slice", "strided_slice", "flip", "take", "positions"});
+
+}  // namespace ops
+}  // namespace duet
+
+namespace duet {
+namespace ops {
+
+// ----------------------------------------------------------------------------------------
+// gather<Axis>(params, indices): the slices of params along Axis that int32 indices name,
+// in the indices' shape: output shape params[:Axis] + indices + params[Axis + 1:]
+// (MindSpore's gather(input_params, input_indices, axis)). An index outside [0, size) is a
+// duet::IndexError. The indices have no gradient; params' gradient adds dy's slices back
+// where they were read from, so an index read twice gets both.
+
+namespace detail {
+// Checks every index before anything is read with it.
+inline void check_indices(const std::int32_t* idx, index_t n, index_t bound, const std::string& who) {
+  for (index_t i = 0; i < n; ++i) {
+    if (idx[i] < 0 || idx[i] >= bound) {
+      throw IndexError(who + ": index " + std::to_string(idx[i]) + " (element " + std::to_string(i) +
+                       " of the indices) is out of range [0, " + std::to_string(bound) + ")");
+    }
+  }
+}
+
+// Calls f(output offset, params offset, count) for each run of `inner` elements gather copies.
+template <class F>
+void for_each_gathered(const Shape& params, int a, const std::int32_t* idx, index_t n_idx, F&& f) {
+  const index_t inner = params.numel_from(a + 1);
+  const index_t rows = params.numel() / params.numel_from(a);
+  const index_t size = params[a];
+  for (index_t r = 0; r < rows; ++r) {
+    for (index_t j = 0; j < n_idx; ++j) f((r * n_idx + j) * inner, (r * size + idx[j]) * inner, inner);
+  }
+}
+}  // namespace detail
+
+template <int Axis>
+struct GatherGradOp;
+
+template <int Axis>
+struct GatherOp : Primitive<GatherOp<Axis>> {
+  static constexpr int arity = 2;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    const Shape& p = in[0];
+    const Shape& idx = in[1];
+    if (p.leading_unknown() || idx.leading_unknown()) return {Shape::any()};
+    const int a = detail::axis_index(Axis, p.rank());
+    if (a < 0) return fault(p, ShapeFault::min_rank, Axis < 0 ? -Axis : Axis + 1);
+    Shape out;
+    for (int i = 0; i < a; ++i) out.push_back(p[i]);
+    for (index_t d : idx) out.push_back(d);
+    for (int i = a + 1; i < p.rank(); ++i) out.push_back(p[i]);
+    return {out};
+  }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& args) const {
+    const Shape& p = args.in_shape(0);
+    const int a = detail::axis_index(Axis, p.rank());
+    const std::int32_t* idx = args.in<std::int32_t>(1);
+    const index_t n_idx = args.in_shape(1).numel();
+    detail::check_indices(idx, n_idx, p[a], label());
+    const T* x = args.in<T>(0);
+    T* y = args.out<T>();
+    detail::for_each_gathered(p, a, idx, n_idx, [&](index_t o, index_t i, index_t n) { std::copy_n(x + i, n, y + o); });
+  }
+
+  template <std::size_t K>
+  requires(K < 2) auto grad_op() const {
+    if constexpr (K == 0)
+      return GatherGradOp<Axis>{};
+    else
+      return NoGradient{};
+  }
+
+  static std::string op_name() { return "Gather<" + std::to_string(Axis) + ">"; }
+  Interchange interchange(std::span<const Shape>) const {
+    return {{"Gather",
+             {InterchangeInput::operand(0), InterchangeInput::operand(1)},
+             {InterchangeAttribute::of("axis", Axis)}}};
+  }
+  std::string label() const { return "ops::gather<" + std::to_string(Axis) + ">"; }
+};
+
+// d/d params of gather: zeros, with each slice of dy added where its index points.
+template <int Axis>
+struct GatherGradOp : Primitive<GatherGradOp<Axis>> {
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0, graph::Operand::input1};
+  static constexpr int arity = 3;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& args) const {
+    const Shape& p = args.in_shape(1);
+    const int a = detail::axis_index(Axis, p.rank());
+    const std::int32_t* idx = args.in<std::int32_t>(2);
+    const index_t n_idx = args.in_shape(2).numel();
+    detail::check_indices(idx, n_idx, p[a], "ops::gather<" + std::to_string(Axis) + "> (gradient)");
+    const T* dy = args.in<T>(0);
+    T* dx = args.out<T>();
+    std::fill_n(dx, p.numel(), T(0));
+    detail::for_each_gathered(p, a, idx, n_idx, [&](index_t o, index_t i, index_t n) {
+      for (index_t k = 0; k < n; ++k) dx[i + k] += dy[o + k];
+    });
+  }
+
+  static std::string op_name() { return "GatherGrad<" + std::to_string(Axis) + ">"; }
+};
+
+template <int Axis = 0, class P, class I>
+auto gather(const P& params, const I& indices) {
+  static_assert(std::is_same_v<typename std::remove_cvref_t<I>::value_type, std::int32_t>,
+                "duet::ops::gather: the indices must be int32 tensors");
+  return apply(GatherOp<Axis>{}, params, indices);
+}
+
+// ----------------------------------------------------------------------------------------
+// gather_elements<Axis>(x, indices): PyTorch's torch.gather(x, dim, index), ONNX's
+// GatherElements, numpy's take_along_axis: out[i][j][k] = x[indices[i][j][k]][j][k] for Axis
+// 0, and likewise along any axis. The indices have x's rank and are no larger than x along
+// the other axes (torch's rule; numpy's broadcasting is not done); the output has their shape.
+// x's gradient adds each element of dy back where its index read it (a scatter-add), so an
+// element read twice gets both.
+
+namespace detail {
+// Calls f(i, j) for each element i of the indices and the element j of x it reads.
+template <class F>
+void for_each_gathered_element(const Shape& x, const Shape& indices, int a, const std::int32_t* idx, F&& f) {
+  std::array<index_t, max_rank> stride = strides_of(x);
+  const index_t along = stride[static_cast<std::size_t>(a)];
+  // The walk of the indices' other axes through x: the axis gathered along is the index's.
+  stride[static_cast<std::size_t>(a)] = 0;
+  for_each_strided(0, stride, indices, [&](index_t i, index_t j) { f(i, j + idx[i] * along); });
+}
+}  // namespace detail
+
+template <int Axis>
+struct GatherElementsGradOp;
+
+template <int Axis>
+struct GatherElementsOp : Primitive<GatherElementsOp<Axis>> {
+  static constexpr int arity = 2;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    const Shape& x = in[0];
+    const Shape& idx = in[1];
+    if (x.leading_unknown() || idx.leading_unknown()) return {idx};
+    const int a = detail::axis_index(Axis, x.rank());
+    if (a < 0) return fault(idx, ShapeFault::min_rank, Axis < 0 ? -Axis : Axis + 1);
+    if (idx.rank() != x.rank()) return fault(idx, ShapeFault::indices_fit, a, 1);
+    for (int d = 0; d < x.rank(); ++d) {
+      if (d != a && x[d] != dyn && idx[d] != dyn && idx[d] > x[d]) return fault(idx, ShapeFault::indices_fit, a, 1);
+    }
+    return {idx};
+  }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& args) const {
+    const Shape& x = args.in_shape(0);
+    const int a = detail::axis_index(Axis, x.rank());
+    const std::int32_t* idx = args.in<std::int32_t>(1);
+    detail::check_indices(idx, args.output_shape.numel(), x[a], label());
+    const T* xs = args.in<T>(0);
+    T* y = args.out<T>();
+    detail::for_each_gathered_element(x, args.output_shape, a, idx, [&](index_t i, index_t j) { y[i] = xs[j]; });
+  }
+
+  template <std::size_t K>
+  requires(K < 2) auto grad_op() const {
+    if constexpr (K == 0)
+      return GatherElementsGradOp<Axis>{};
+    else
+      return NoGradient{};
+  }
+
+  static std::string op_name() { return "GatherElements<" + std::to_string(Axis) + ">"; }
+  Interchange interchange(std::span<const Shape>) const {
+    return {{"GatherElements",
+             {InterchangeInput::operand(0), InterchangeInput::operand(1)},
+             {InterchangeAttribute::of("axis", Axis)}}};
+  }
+  std::string label() const { return "ops::gather_elements<" + std::to_string(Axis) + ">"; }
+};
+
+// d/d x of gather_elements: zeros, with each element of dy added where its index points, in
+// the indices' order, so that both modes add in the same order.
+template <int Axis>
+struct GatherElementsGradOp : Primitive<GatherElementsGradOp<Axis>> {
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0, graph::Operand::input1};
+  static constexpr int arity = 3;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& args) const {
+    const Shape& x = args.in_shape(1);
+    const int a = detail::axis_index(Axis, x.rank());
+    const std::int32_t* idx = args.in<std::int32_t>(2);
+    detail::check_indices(idx, args.in_shape(2).numel(), x[a],
+                          "ops::gather_elements<" + std::to_string(Axis) + "> (gradient)");
+    const T* dy = args.in<T>(0);
+    T* dx = args.out<T>();
+    std::fill_n(dx, x.numel(), T(0));
+    detail::for_each_gathered_element(x, args.in_shape(2), a, idx, [&](index_t i, index_t j) { dx[j] += dy[i]; });
+  }
+
+  static std::string op_name() { return "GatherElementsGrad<" + std::to_string(Axis) + ">"; }
+};
+
+template <int Axis, class X, class I>
+auto gather_elements(const X& x, const I& indices) {
+  static_assert(std::is_same_v<typename std::remove_cvref_t<I>::value_type, std::int32_t>,
+                "duet::ops::gather_elements: the indices must be int32 tensors");
+  return apply(GatherElementsOp<Axis>{}, x, indices);
+}
+
+// ----------------------------------------------------------------------------------------
+// topk<K, Axis = -1>(x), topk<Axis = -1>(x, k), sort<Axis = -1>(x, descending),
+// argsort<Axis = -1>(x, descending): the positions along Axis in the order of their values,
+// largest first for topk (torch.topk(x, k, dim), sorted=True), smallest first for sort unless
+// descending (torch.sort). Equal values keep their order (lower index first, as
+// torch.sort(stable=True)); torch.topk leaves the order of ties unspecified, and its CPU kernel
+// does not keep it. A NaN counts as larger than any number, as in torch. The values are
+// gather_elements(x, indices), so their gradient is gather_elements' and needs no kernel of
+// its own; the indices get none.
+
+// What topk and sort return, as torch's namedtuple: y.values, y.indices, or
+// auto [values, indices] = ops::topk<3>(x).
+template <class V, class I>
+struct Sorted {
+  V values;
+  I indices;
+};
+
+namespace detail {
+// Whether a goes before b, by value (a NaN the largest), then by position.
+template <class T>
+bool sorts_before(T a, T b, index_t i, index_t j, bool descending) {
+  if constexpr (std::is_floating_point_v<T>) {
+    const bool na = std::isnan(a), nb = std::isnan(b);
+    if (na != nb) return descending ? na : nb;
+    if (na) return i < j;
+  }
+  if (a != b) return descending ? a > b : a < b;
+  return i < j;
+}
+}  // namespace detail
+
+// The indices' kernel, shared by every form: the count kept is the output's size along the
+// axis, the order Self::descending(). In is x's element type: the kernel is instantiated for
+// the output's (int32).
+template <class Self, int Axis, class In>
+struct SortIndicesPrimitive : Primitive<Self> {
+  using value_type = std::int32_t;
+  static constexpr int arity = 1;
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& args) const {
+    const Shape& s = args.in_shape();
+    const int a = detail::axis_index(Axis, s.rank());
+    const index_t n = s[a];
+    const index_t k = args.output_shape[a];
+    const index_t inner = s.numel_from(a + 1);
+    const index_t outer = n == 0 ? 0 : s.numel() / (n * inner);
+    const bool descending = static_cast<const Self&>(*this).descending();
+    const In* x = args.in<In>();
+    T* y = args.out<T>();
+    std::vector<index_t> order(static_cast<std::size_t>(n));
+    for (index_t o = 0; o < outer; ++o) {
+      for (index_t i = 0; i < inner; ++i) {
+        const In* row = x + o * n * inner + i;
+        std::iota(order.begin(), order.end(), index_t{0});
+        std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](index_t p, index_t q) {
+          return detail::sorts_before(row[p * inner], row[q * inner], p, q, descending);
+        });
+        for (index_t j = 0; j < k; ++j) y[(o * k + j) * inner + i] = static_cast<T>(order[static_cast<std::size_t>(j)]);
+      }
+    }
+  }
+
+  // Of input 0, the only one: the indices are integers, constant where x has no ties.
+  template <std::size_t K>
+  NoGradient grad_op() const {
+    return {};
+  }
+
+ protected:
+  static constexpr index_t every = -2;
+
+  // x's shape with `count` elements along the axis (dyn: known when it runs; every: all).
+  static constexpr ShapeResult keeping(const Shape& x, index_t count) {
+    const int a = detail::axis_index(Axis, x.rank());
+    // Counted from the front, an axis of a shape with unknown leading axes is not known.
+    if (x.leading_unknown() && (Axis >= 0 || a < 0)) return {Shape::any()};
+    if (a < 0) return fault(x, ShapeFault::min_rank, Axis < 0 ? -Axis : Axis + 1);
+    if (count == every) return {x};
+    if (x[a] != dyn && x[a] > std::numeric_limits<std::int32_t>::max())
+      return fault(x, ShapeFault::axis_size, std::numeric_limits<std::int32_t>::max());
+    if (x[a] != dyn && count != dyn && x[a] < count) return fault(x, ShapeFault::axis_at_least, count);
+    Shape out = x;
+    out[a] = count;
+    return {out};
+  }
+};
+
+template <index_t K, int Axis, class In>
+struct TopKOp : SortIndicesPrimitive<TopKOp<K, Axis, In>, Axis, In> {
+  static_assert(K >= 0, "duet::ops::topk: K must be >= 0");
+
+  static constexpr bool descending() { return true; }
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return TopKOp::keeping(in[0], K); }
+
+  static std::string op_name() { return "TopK<" + std::to_string(K) + ", " + std::to_string(Axis) + ">"; }
+  std::string label() const { return "ops::topk<" + std::to_string(K) + ", " + std::to_string(Axis) + ">"; }
+};
+
+// k given at run time: graph mode reads it when it captures construct, as one_hot's depth, and
+// knows the axis's size when the network first runs.
+template <int Axis, class In>
+struct TopKCountOp : SortIndicesPrimitive<TopKCountOp<Axis, In>, Axis, In> {
+  index_t k = 0;
+
+  static constexpr bool descending() { return true; }
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return TopKCountOp::keeping(in[0], dyn); }
+  ShapeResult infer(std::span<const Shape> in) const { return TopKCountOp::keeping(in[0], k); }
+
+  static std::string op_name() { return "TopK<" + std::to_string(Axis) + ">"; }
+  std::string label() const { return "ops::topk<" + std::to_string(Axis) + ">(x, " + std::to_string(k) + ")"; }
+};
+
+template <int Axis, class In>
+struct SortIndicesOp : SortIndicesPrimitive<SortIndicesOp<Axis, In>, Axis, In> {
+  bool descending_order = false;
+
+  bool descending() const { return descending_order; }
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    return SortIndicesOp::keeping(in[0], SortIndicesOp::every);
+  }
+
+  static std::string op_name() { return "Argsort<" + std::to_string(Axis) + ">"; }
+  std::string label() const {
+    return "ops::argsort<" + std::to_string(Axis) + ">" + (descending_order ? "(x, descending)" : "");
+  }
+};
+
+namespace detail {
+// Not Sorted{...}: clang 14 deduces no aggregate's template arguments.
+template <int Axis, class X, class I>
+auto sorted_by(const X& x, I indices) {
+  auto values = gather_elements<Axis>(x, indices);
+  return Sorted<decltype(values), I>{std::move(values), std::move(indices)};
+}
+}  // namespace detail
+
+template <index_t K, int Axis = -1, class X>
+auto topk(const X& x) {
+  auto indices = apply(TopKOp<K, Axis, typename std::remove_cvref_t<X>::value_type>{}, x);
+  return detail::sorted_by<Axis>(x, indices);
+}
+
+// Throws duet::ValueError for a negative k.
+template <int Axis = -1, class X>
+auto topk(const X& x, index_t k) {
+  if (k < 0) throw ValueError("duet::ops::topk: k " + std::to_string(k) + " must be >= 0");
+  TopKCountOp<Axis, typename std::remove_cvref_t<X>::value_type> op;
+  op.k = k;
+  auto indices = apply(op, x);
+  return detail::sorted_by<Axis>(x, indices);
+}
+
+template <int Axis = -1, class X>
+auto argsort(const X& x, bool descending = false) {
+  SortIndicesOp<Axis, typename std::remove_cvref_t<X>::value_type> op;
+  op.descending_order = descending;
+  return apply(op, x);
+}
+
+template <int Axis = -1, class X>
+auto sort(const X& x, bool descending = false) {
+  auto indices = argsort<Axis>(x, descending);
+  return detail::sorted_by<Axis>(x, indices);
+}
+
 // one_hot<Depth>(indices): int32 indices of any shape to values of element type T (float
 // unless given) of shape indices + [Depth], 1 where the new last axis is at the index and 0
 // elsewhere (PyTorch's F.one_hot(t, num_classes), MindSpore's ops.one_hot(indices, depth)
@@ -22743,9 +23066,8 @@ auto one_hot(const I& indices, index_t depth) {
   return apply(op, indices);
 }
 
-inline const bool shape_listed =
-    list_operations({"reshape", "transpose", "permute", "expand_dims", "squeeze", "concat", "stack", "split", "chunk",
-                     "tile", "slice", "strided_slice", "flip", "take", "gather", "positions", "one_hot"});
+inline const bool indexing_listed =
+    list_operations({"gather", "gather_elements", "one_hot", "topk", "sort", "argsort"});
 
 }  // namespace ops
 }  // namespace duet
@@ -25664,6 +25986,82 @@ using duet::operator/;
 #undef DUET_DETAIL_ARITHMETIC_OPERATOR
 
 }  // namespace duet
+// ops::cast<T>(x): x's values converted to element type T (MindSpore's ops.cast, PyTorch's
+// x.to(dtype), x.float()).
+//
+// A comparison's UInt8 mask to float, to count or weigh the positions it keeps (a mean over
+// the non-padded positions: sum(h * mask) / sum(mask)); int32 positions to float, for a
+// position encoding; float to double and back. Conversions are C++'s static_cast: a floating
+// value into an integer type is truncated toward zero, and one the type cannot hold is
+// undefined there, so it is refused (a ValueError naming the value), as full_like refuses one.
+//
+// Between floating-point types the gradient is the incoming one cast back; from an integer type
+// there is none (the input has none), and to one there is none to pass on.
+
+#include <array>
+#include <cmath>
+#include <limits>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+
+namespace duet::ops {
+
+template <class From, class To>
+struct CastOp : Primitive<CastOp<From, To>> {
+  using value_type = To;
+  static constexpr int arity = 1;
+  // As the gradient of the cast the other way, it reads the incoming gradient only.
+  static constexpr std::array reads{graph::Operand::grad};
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const From* x = a.in<From>();
+    T* y = a.out<T>();
+    const index_t n = a.output_shape.numel();
+    for (index_t i = 0; i < n; ++i) {
+      if constexpr (std::is_floating_point_v<From> && std::is_integral_v<T>) {
+        // Truncated toward zero, the range checked on the truncated value.
+        const From t = std::trunc(x[i]);
+        if (!(t >= static_cast<From>(std::numeric_limits<T>::min()) && t <= static_cast<From>(std::numeric_limits<T>::max()))) {
+          throw ValueError(label() + ": " + std::to_string(x[i]) + " does not fit the type it is cast to (" +
+                           std::string(name_of(dtype_of<T>)) + ")");
+        }
+      }
+      y[i] = static_cast<T>(x[i]);
+    }
+  }
+
+  static Interchange interchange(std::span<const Shape>) {
+    return {{"Cast", {InterchangeInput::operand(0)}, {InterchangeAttribute::of("to", onnx_type_code(dtype_of<To>))}}};
+  }
+
+  template <std::size_t K>
+    requires(K == 0)
+  auto grad_op() const {
+    if constexpr (std::is_floating_point_v<From> && std::is_floating_point_v<To>) return CastOp<To, From>{};
+    else return NoGradient{};
+  }
+
+  static std::string op_name() {
+    return "Cast<" + std::string(name_of(dtype_of<From>)) + ", " + std::string(name_of(dtype_of<To>)) + ">";
+  }
+  static std::string label() { return "ops::cast<" + std::string(name_of(dtype_of<To>)) + ">"; }
+};
+
+template <ElementType To, class X>
+auto cast(X&& x) {
+  using From = typename std::remove_cvref_t<X>::value_type;
+  return apply(CastOp<From, To>{}, std::forward<X>(x));
+}
+
+inline const bool cast_listed = list_operations({"cast"});
+
+}  // namespace duet::ops
 // Convolutions: nn::Conv2d and nn::Conv1d (MindSpore's nn.Conv2d and nn.Conv1d, depthwise
 // with groups = channels), and the operations they capture.
 //
@@ -27273,190 +27671,6 @@ class Conv1d : public conv_base<1, In, Out, Kernel, Stride, Padding, Dilation, G
 
 }  // namespace nn
 }  // namespace duet
-// ops::cast<T>(x): x's values converted to element type T (MindSpore's ops.cast, PyTorch's
-// x.to(dtype), x.float()).
-//
-// A comparison's UInt8 mask to float, to count or weigh the positions it keeps (a mean over
-// the non-padded positions: sum(h * mask) / sum(mask)); int32 positions to float, for a
-// position encoding; float to double and back. Conversions are C++'s static_cast: a floating
-// value into an integer type is truncated toward zero, and one the type cannot hold is
-// undefined there, so it is refused (a ValueError naming the value), as full_like refuses one.
-//
-// Between floating-point types the gradient is the incoming one cast back; from an integer type
-// there is none (the input has none), and to one there is none to pass on.
-
-#include <array>
-#include <cmath>
-#include <limits>
-#include <span>
-#include <string>
-#include <type_traits>
-#include <utility>
-
-
-namespace duet::ops {
-
-template <class From, class To>
-struct CastOp : Primitive<CastOp<From, To>> {
-  using value_type = To;
-  static constexpr int arity = 1;
-  // As the gradient of the cast the other way, it reads the incoming gradient only.
-  static constexpr std::array reads{graph::Operand::grad};
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
-
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& a) const {
-    const From* x = a.in<From>();
-    T* y = a.out<T>();
-    const index_t n = a.output_shape.numel();
-    for (index_t i = 0; i < n; ++i) {
-      if constexpr (std::is_floating_point_v<From> && std::is_integral_v<T>) {
-        // Truncated toward zero, the range checked on the truncated value.
-        const From t = std::trunc(x[i]);
-        if (!(t >= static_cast<From>(std::numeric_limits<T>::min()) && t <= static_cast<From>(std::numeric_limits<T>::max()))) {
-          throw ValueError(label() + ": " + std::to_string(x[i]) + " does not fit the type it is cast to (" +
-                           std::string(name_of(dtype_of<T>)) + ")");
-        }
-      }
-      y[i] = static_cast<T>(x[i]);
-    }
-  }
-
-  static Interchange interchange(std::span<const Shape>) {
-    return {{"Cast", {InterchangeInput::operand(0)}, {InterchangeAttribute::of("to", onnx_type_code(dtype_of<To>))}}};
-  }
-
-  template <std::size_t K>
-    requires(K == 0)
-  auto grad_op() const {
-    if constexpr (std::is_floating_point_v<From> && std::is_floating_point_v<To>) return CastOp<To, From>{};
-    else return NoGradient{};
-  }
-
-  static std::string op_name() {
-    return "Cast<" + std::string(name_of(dtype_of<From>)) + ", " + std::string(name_of(dtype_of<To>)) + ">";
-  }
-  static std::string label() { return "ops::cast<" + std::string(name_of(dtype_of<To>)) + ">"; }
-};
-
-template <ElementType To, class X>
-auto cast(X&& x) {
-  using From = typename std::remove_cvref_t<X>::value_type;
-  return apply(CastOp<From, To>{}, std::forward<X>(x));
-}
-
-inline const bool cast_listed = list_operations({"cast"});
-
-}  // namespace duet::ops
-// Random tensors drawn in construct, shaped like another: randn_like, rand_like (MindSpore's
-// ops.randn_like and ops.rand_like, PyTorch's torch.randn_like and torch.rand_like).
-//
-// The noise of a variational autoencoder's reparameterisation, z = mu + exp(logvar / 2) * eps
-// with eps = ops::randn_like(mu), or of a denoising model's input. Like PyTorch's and
-// MindSpore's, they draw from the global generator (duet::set_seed): each call of the network
-// draws anew, element by element in row-major order, with the generator locked for the whole
-// tensor. Graph mode runs the operation's kernel once per call, where PyNative mode runs it,
-// so the same seed gives both modes the same noise. The global generator is a step's state, as
-// Dropout's generators are: a step that does not commit (a training step that fails,
-// duet::summary's run, each mode's run in duet::compare_modes) gives back the draws it made.
-// Checkpoints do not hold it (Dropout's generators they do): a resumed run draws from the seed
-// it sets.
-//
-// The output does not depend on the input's values, so no gradient is due to the input
-// (stops_gradient, as for zeros_like); the gradient reaches mu and logvar through the
-// arithmetic around eps.
-//
-// Of a parameter, or of a value of parameters alone, the draw would be made again at every
-// call of a captured graph but also once while capturing, so that graph mode's draws would run
-// ahead of PyNative mode's: refused at compile time (draw from the input, or pass the noise in).
-
-#include <span>
-#include <string>
-#include <type_traits>
-#include <utility>
-
-
-namespace duet::ops {
-
-enum class Draw { normal, uniform };
-
-namespace detail {
-// The global generator as the state of the calling thread's steps.
-class GlobalGeneratorDraws final : public duet::detail::StepState {
- public:
-  void save_for_step() override {
-    saved_ = with_global_generator([](const Generator& g) { return g; });
-  }
-  void restore_step() override {
-    with_global_generator([&](Generator& g) { g = saved_; });
-  }
-
- private:
-  Generator saved_{0};
-};
-inline GlobalGeneratorDraws& global_generator_draws() {
-  thread_local GlobalGeneratorDraws draws;
-  return draws;
-}
-}  // namespace detail
-
-template <Draw D>
-struct RandomLikeOp : Primitive<RandomLikeOp<D>> {
-  static constexpr int arity = 1;
-  static constexpr bool stops_gradient = true;
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
-
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& a) const {
-    static_assert(std::is_floating_point_v<T>,
-                  "duet::ops::randn_like / rand_like: the input has an integer element type; random values are "
-                  "drawn for floating-point tensors");
-    T* y = a.out<T>();
-    const index_t n = a.output_shape.numel();
-    duet::detail::will_change(detail::global_generator_draws());
-    with_global_generator([&](Generator& gen) {
-      for (index_t i = 0; i < n; ++i) y[i] = D == Draw::normal ? gen.normal<T>() : gen.uniform01<T>();
-    });
-  }
-
-  template <std::size_t K>
-    requires(K == 0)
-  NoGradient grad_op() const {
-    return {};
-  }
-
-  static std::string op_name() { return D == Draw::normal ? "RandnLike" : "RandLike"; }
-  std::string label() const { return D == Draw::normal ? "ops::randn_like" : "ops::rand_like"; }
-};
-
-namespace detail {
-template <Draw D, class X>
-auto random_like(X&& x) {
-  static_assert(!nn::is_parameter_made_v<std::remove_cvref_t<X>>,
-                "duet::ops::randn_like / rand_like of a parameter, or of a value of parameters alone: a captured "
-                "graph would draw it again at each call and once more while capturing, ahead of PyNative mode; "
-                "draw it from a tensor of the input (ops::randn_like(x)), or pass the noise in as an input");
-  return apply(RandomLikeOp<D>{}, std::forward<X>(x));
-}
-}  // namespace detail
-
-// Standard normal values of x's shape and element type.
-template <class X>
-auto randn_like(X&& x) {
-  return detail::random_like<Draw::normal>(std::forward<X>(x));
-}
-
-// Uniform values in [0, 1) of x's shape and element type.
-template <class X>
-auto rand_like(X&& x) {
-  return detail::random_like<Draw::uniform>(std::forward<X>(x));
-}
-
-inline const bool random_listed = list_operations({"randn_like", "rand_like"});
-
-}  // namespace duet::ops
 // Operations that change how the gradient flows, not the value.
 //
 // stop_gradient(x): x itself, through which no gradient passes (MindSpore's
@@ -27505,58 +27719,6 @@ auto stop_gradient(X&& x) {
 inline const bool gradient_control_listed = list_operations({"stop_gradient"});
 
 }  // namespace duet::ops
-// Reductions: sum, mean, prod, max and min over axes, with keep_dims, argmax, argmin
-// (MindSpore's ops.sum(x, dim, keepdim), ReduceSum(keep_dims), ops.prod, ops.argmax), the
-// statistics var and std made of them, and cumsum, the running sum along an axis, in both modes.
-//
-// Spelling. The reduced axes shape the output, and graph mode computes every node's shape
-// while the program compiles, so they are template arguments, given as tag values:
-//   ops::sum(x)                                   every axis, a scalar
-//   ops::sum(x, ops::axes<1>)                     axis 1 ([2, 3, 4] -> [2, 4])
-//   ops::mean(x, ops::axes<0, -1>, ops::keep_dims)  axes 0 and -1, kept as 1 ([2, 3, 4] -> [1, 3, 1])
-//   ops::argmax(x), ops::argmax(x, ops::axis<0>, ops::keep_dims)   one axis, -1 by default
-// Negative axes count from the end, as in numpy. The same axis twice does not compile.
-//
-// Gradients. sum and mean send the incoming gradient back along the reduced axes (mean divided
-// by the number of elements reduced). prod sends each element dy times the product of the
-// others in its group, made without dividing by the element, so that a group holding zeros
-// gets PyTorch's gradient, not 0/0. max and min send it to the elements equal to the
-// extreme; where several are, it is split evenly among them, as PyTorch's amax/amin do: any
-// other choice makes max(x) of a constant tensor depend on an arbitrary index, and splitting
-// keeps the gradient's sum equal to the incoming one. A NaN extreme sends its gradient to the
-// NaN elements. argmax and argmin make int32 indices and have no gradient: they declare
-// `differentiable = false`, so a gradient that reaches them does not compile in graph mode
-// and throws duet::ValueError in PyNative mode.
-//
-// Kernels. Both modes call the same kernel, so they agree bit for bit. Each output
-// accumulates in the element type (a sum of a comparison's UInt8 mask in int32), over runs of
-// a group's elements in order, and the runs' results are combined pairwise (detail::Pairwise),
-// so that a sum's rounding error grows with the log of the group's size, as PyTorch's does.
-// The input is seen as groups (one per output element), after merging neighbouring axes of
-// the same kind and dropping axes of size 1:
-//  - the reduced axes are the innermost: each group is contiguous, each run of it reduced by
-//    Eigen's vectorised reduction (per-lane partial results combined at the end: a fixed order
-//    for a given length and build);
-//  - one block of reduced axes with kept axes inside it ([outer, reduced, inner]): a run's row
-//    of `inner` results is accumulated row by row of the input, in increasing index along the
-//    reduced block, each row one vectorised pass (a strided, cache-friendly walk);
-//  - anything else (reduced axes not adjacent, as axes 0 and 2 of a 4-D tensor): each run in
-//    increasing input index, one running value.
-
-#include <algorithm>
-#include <array>
-#include <bit>
-#include <cstddef>
-#include <cstdint>
-#include <initializer_list>
-#include <limits>
-#include <span>
-#include <string>
-#include <string_view>
-#include <type_traits>
-
-#include <Eigen/Core>
-
 // Elementwise functions (MindSpore's ops.exp, log, log1p, expm1, sin, cos, sqrt, rsqrt, abs,
 // square, clip_by_value), where, and the comparisons that build its condition, in both modes.
 //
@@ -28198,8 +28360,9 @@ struct TriangleOp : Primitive<TriangleOp<Lower>> {
 };
 
 inline const bool math_listed =
-    list_operations({"exp", "log", "log1p", "expm1", "sin", "cos", "erf", "sqrt", "rsqrt", "abs", "square", "clip_by_value",
-                     "where", "greater", "less", "equal", "greater_equal", "less_equal", "not_equal", "tril", "triu"});
+    list_operations({"exp",   "log",           "log1p",      "expm1",         "sin",   "cos",         "erf",     "sqrt",
+                     "rsqrt", "abs",           "square",     "clip_by_value", "where", "masked_fill", "greater", "less",
+                     "equal", "greater_equal", "less_equal", "not_equal",     "tril",  "triu"});
 
 template <class X>
   requires TensorLike<X>
@@ -28332,820 +28495,12 @@ auto where(const C& condition, S x, const B& y) {
   return apply(WhereScalarOp<typename B::value_type, true>{static_cast<double>(x)}, condition, y);
 }
 
-}  // namespace ops
-}  // namespace duet
-
-namespace duet {
-namespace ops {
-
-// The reduced axes, as a template value: ops::axes<1>, ops::axes<0, 2>; none means every axis.
-template <int... A>
-struct Axes {
-  static constexpr std::array<int, sizeof...(A)> values{A...};
-  static constexpr bool distinct = [] {
-    for (std::size_t i = 0; i < values.size(); ++i) {
-      for (std::size_t j = i + 1; j < values.size(); ++j) {
-        if (values[i] == values[j]) return false;
-      }
-    }
-    return true;
-  }();
-  static_assert(distinct, "duet::ops::axes: an axis is listed twice");
-};
-template <int... A>
-inline constexpr Axes<A...> axes{};
-// One axis (argmax, argmin).
-template <int A>
-inline constexpr Axes<A> axis{};
-
-// Keeps the reduced axes in the output, with size 1 (MindSpore's keep_dims=True).
-struct KeepDims {};
-inline constexpr KeepDims keep_dims{};
-
-// The reduced axes given at run time (ops::sum(x, {0, 2}); an ONNX model's ReduceMean): one
-// operation for every set of axes, as transpose(x, perm) is for every permutation. None means
-// every axis, as in Axes<>. Whether the reduced axes are kept is a value here too, so that the
-// run-time form is one operation per reduction (ReduceOp's Keep is then false).
-struct AxesList {
-  std::array<int, max_rank> list{};
-  std::size_t count = 0;
-  bool keep = false;
-};
-
-namespace detail {
-template <int... A>
-constexpr std::span<const int> axes_of(Axes<A...>) {
-  return Axes<A...>::values;
+// PyTorch's x.masked_fill(mask, value): value where the UInt8 mask is not 0, x elsewhere, the
+// mask and x broadcast together (torch's out-of-place form broadcasts both ways).
+template <class X, class M, class S>
+requires(TensorLike<X>&& TensorLike<M>&& Scalar<S>) auto masked_fill(const X& x, const M& mask, S value) {
+  return where(mask, value, x);
 }
-constexpr std::span<const int> axes_of(const AxesList& a) { return std::span(a.list).first(a.count); }
-}  // namespace detail
-
-namespace detail {
-
-// Which axes of a shape of rank `rank` the values name; false if one is out of range, with
-// `needed` the rank it would need.
-struct AxisMask {
-  std::array<bool, max_rank> reduced{};
-  bool ok = true;
-  index_t needed = 0;
-  int twice = -1;  // an axis named twice (0 and -rank), as numpy refuses
-};
-
-constexpr AxisMask axis_mask(int rank, std::span<const int> values) {
-  AxisMask m;
-  if (values.empty()) {
-    for (int i = 0; i < rank; ++i) m.reduced[static_cast<std::size_t>(i)] = true;
-  }
-  for (int a : values) {
-    const int normal = a < 0 ? a + rank : a;
-    if (normal < 0 || normal >= rank) {
-      m.ok = false;
-      m.needed = std::max<index_t>(m.needed, a < 0 ? -a : a + 1);
-      continue;
-    }
-    if (m.reduced[static_cast<std::size_t>(normal)]) m.twice = normal;
-    m.reduced[static_cast<std::size_t>(normal)] = true;
-  }
-  return m;
-}
-
-// The output shape of reducing `in` over `values` (every axis if none). An input of unknown
-// leading axes gives a scalar when every axis is reduced without keep_dims, its known
-// trailing axes when the axes are negative and among them, and an unknown shape otherwise.
-// NonEmpty: the reduction has no identity (max, min, argmax), so a reduced axis of size 0 is
-// refused.
-constexpr ShapeResult reduced_shape(const Shape& in, std::span<const int> values, bool keep, bool non_empty) {
-  if (in.leading_unknown()) {
-    if (values.empty()) return {keep ? Shape::any() : Shape{}};
-    for (int a : values) {
-      if (a >= 0 || -a > in.rank()) return {Shape::any()};
-    }
-  }
-  const AxisMask m = axis_mask(in.rank(), values);
-  if (!m.ok) return fault(Shape::any(), ShapeFault::min_rank, m.needed);
-  if (m.twice >= 0) return fault(Shape::any(), ShapeFault::axis_twice, m.twice);
-  Shape out = in.leading_unknown() ? Shape::any() : Shape{};
-  bool empty = false;
-  for (int i = 0; i < in.rank(); ++i) {
-    if (!m.reduced[static_cast<std::size_t>(i)]) out.push_back(in[i]);
-    else {
-      empty = empty || in[i] == 0;
-      if (keep) out.push_back(1);
-    }
-  }
-  if (non_empty && empty) return fault(out, ShapeFault::empty_reduction, 0);
-  return {out};
-}
-
-// A reduction of a concrete shape, as groups of input elements, one group per output element
-// in the output's order. Neighbouring axes of the same kind are merged and axes of size 1
-// dropped; the lists are innermost first, each axis with its stride in the input.
-struct ReduceLayout {
-  std::array<index_t, max_rank> kept_size{}, kept_stride{}, red_size{}, red_stride{};
-  int kept = 0;
-  int red = 0;
-  index_t outputs = 1;
-  index_t group = 1;
-
-  // Each group contiguous: the reduced axes are the innermost.
-  bool contiguous() const { return red == 1 && red_stride[0] == 1; }
-  // [outer, reduced, inner]: one block of reduced axes, the innermost axis kept.
-  bool strided() const { return red == 1 && kept >= 1 && kept_stride[0] == 1 && kept <= 2; }
-  index_t inner() const { return kept_size[0]; }
-
-  // f(j, base) for each output j, base the offset of its group's first element.
-  template <class F>
-  void for_each_group(F&& f) const {
-    std::array<index_t, max_rank> index{};
-    index_t base = 0;
-    for (index_t j = 0; j < outputs; ++j) {
-      f(j, base);
-      for (int a = 0; a < kept; ++a) {
-        const std::size_t ax = static_cast<std::size_t>(a);
-        base += kept_stride[ax];
-        if (++index[ax] < kept_size[ax]) break;
-        base -= kept_stride[ax] * index[ax];
-        index[ax] = 0;
-      }
-    }
-  }
-
-  // f(offset) for each element of a group, in increasing input index (offsets from its base).
-  template <class F>
-  void for_each_in_group(F&& f) const {
-    if (red <= 1) {
-      const index_t stride = red == 0 ? 0 : red_stride[0];
-      for (index_t r = 0; r < group; ++r) f(r * stride);
-      return;
-    }
-    std::array<index_t, max_rank> index{};
-    index_t offset = 0;
-    for (index_t r = 0; r < group; ++r) {
-      f(offset);
-      for (int a = 0; a < red; ++a) {
-        const std::size_t ax = static_cast<std::size_t>(a);
-        offset += red_stride[ax];
-        if (++index[ax] < red_size[ax]) break;
-        offset -= red_stride[ax] * index[ax];
-        index[ax] = 0;
-      }
-    }
-  }
-};
-
-inline ReduceLayout reduce_layout(const Shape& in, const AxisMask& m) {
-  ReduceLayout l;
-  index_t stride = 1;
-  int last_kind = -1;  // 0 kept, 1 reduced: the kind of the entry appended last
-  for (int i = in.rank() - 1; i >= 0; --i) {
-    const index_t d = in[i];
-    const bool reduced = m.reduced[static_cast<std::size_t>(i)];
-    if (reduced) l.group *= d;
-    else l.outputs *= d;
-    if (d != 1) {
-      auto& size = reduced ? l.red_size : l.kept_size;
-      auto& strides = reduced ? l.red_stride : l.kept_stride;
-      int& count = reduced ? l.red : l.kept;
-      if (last_kind == static_cast<int>(reduced)) {
-        size[static_cast<std::size_t>(count - 1)] *= d;
-      } else {
-        size[static_cast<std::size_t>(count)] = d;
-        strides[static_cast<std::size_t>(count)] = stride;
-        ++count;
-        last_kind = static_cast<int>(reduced);
-      }
-    }
-    stride *= d;
-  }
-  return l;
-}
-
-template <class T>
-using ArrayMap = ::Eigen::Map<::Eigen::Array<T, ::Eigen::Dynamic, 1>>;
-template <class T>
-using ConstArrayMap = ::Eigen::Map<const ::Eigen::Array<T, ::Eigen::Dynamic, 1>>;
-
-// What each reduction does with one group: its first element, then combine with each next.
-// sequential: the most elements of a group (rows, on the strided path: a sixteenth as many)
-// combined in order before Pairwise combines the runs; max and min are exact in any order.
-struct SumReducer {
-  static constexpr std::string_view name = "ReduceSum";
-  static constexpr bool mean = false;
-  static constexpr bool non_empty = false;
-  static constexpr int identity = 0;  // of an empty group
-  static constexpr index_t sequential = 1024;
-  template <class T>
-  static T combine(T a, T b) {
-    return a + b;
-  }
-  template <class T>
-  static T redux(const ConstArrayMap<T>& g) {
-    return g.sum();
-  }
-  template <class T>
-  static void combine_rows(ArrayMap<T>& acc, const ConstArrayMap<T>& row) {
-    acc += row;
-  }
-};
-
-struct MeanReducer : SumReducer {
-  static constexpr std::string_view name = "ReduceMean";
-  static constexpr bool mean = true;
-};
-
-// Pairwise like a sum: a float product's rounding error grows with the log of its length too.
-struct ProdReducer {
-  static constexpr std::string_view name = "ReduceProd";
-  static constexpr bool mean = false;
-  static constexpr bool non_empty = false;
-  static constexpr int identity = 1;
-  static constexpr index_t sequential = 1024;
-  template <class T>
-  static T combine(T a, T b) {
-    return a * b;
-  }
-  template <class T>
-  static T redux(const ConstArrayMap<T>& g) {
-    return g.prod();
-  }
-  template <class T>
-  static void combine_rows(ArrayMap<T>& acc, const ConstArrayMap<T>& row) {
-    acc *= row;
-  }
-};
-
-struct MaxReducer {
-  static constexpr std::string_view name = "ReduceMax";
-  static constexpr bool mean = false;
-  static constexpr bool non_empty = true;
-  static constexpr index_t sequential = std::numeric_limits<index_t>::max();
-  template <class T>
-  static T combine(T a, T b) {
-    return fn::Maximum::apply(a, b);
-  }
-  template <class T>
-  static T redux(const ConstArrayMap<T>& g) {
-    return g.template maxCoeff<::Eigen::PropagateNaN>();
-  }
-  template <class T>
-  static void combine_rows(ArrayMap<T>& acc, const ConstArrayMap<T>& row) {
-    acc = acc.binaryExpr(row, ::Eigen::internal::scalar_max_op<T, T, ::Eigen::PropagateNaN>());
-  }
-};
-
-struct MinReducer {
-  static constexpr std::string_view name = "ReduceMin";
-  static constexpr bool mean = false;
-  static constexpr bool non_empty = true;
-  static constexpr index_t sequential = std::numeric_limits<index_t>::max();
-  template <class T>
-  static T combine(T a, T b) {
-    return fn::Minimum::apply(a, b);
-  }
-  template <class T>
-  static T redux(const ConstArrayMap<T>& g) {
-    return g.template minCoeff<::Eigen::PropagateNaN>();
-  }
-  template <class T>
-  static void combine_rows(ArrayMap<T>& acc, const ConstArrayMap<T>& row) {
-    acc = acc.binaryExpr(row, ::Eigen::internal::scalar_min_op<T, T, ::Eigen::PropagateNaN>());
-  }
-};
-
-// Combines a group's runs (each a partial result of `width` elements) pairwise: run i joins
-// like a binary counter's bit, so the result is a balanced tree over the runs, whose rounding
-// error grows with the log of their number rather than with it. Summed in order, a float mean
-// of 10^6 values near 10^4 came out 9990.87 (PyTorch's, pairwise too: 10000.0).
-template <class Reducer, class T>
-class Pairwise {
- public:
-  // slots: room for levels(runs) partial results of width elements.
-  Pairwise(T* slots, index_t width) : slots_(slots), width_(width) {}
-  static index_t levels(index_t runs) { return std::bit_width(static_cast<std::uint64_t>(runs)) + 1; }
-
-  // Where the next run's result is to be written, before push().
-  T* next() const { return slot(top_); }
-  void push() {
-    ++top_;
-    for (std::uint64_t c = count_++; (c & 1) != 0; c >>= 1) {
-      combine(slot(top_ - 2), slot(top_ - 1));
-      --top_;
-    }
-  }
-  // The whole group's result, into out: the runs left on the stack, the newest first.
-  void finish(T* out) {
-    for (index_t i = top_ - 2; i >= 0; --i) combine(slot(i), slot(i + 1));
-    std::copy_n(slot(0), width_, out);
-  }
-
- private:
-  T* slot(index_t level) const { return slots_ + level * width_; }
-  void combine(T* earlier, const T* later) const {
-    ArrayMap<T> acc(earlier, width_);
-    Reducer::combine_rows(acc, ConstArrayMap<T>(later, width_));
-  }
-
-  T* slots_;
-  index_t width_;
-  index_t top_ = 0;
-  std::uint64_t count_ = 0;
-};
-
-inline std::string reduce_name(std::string_view op, std::span<const int> values, bool keep) {
-  std::string s(op);
-  s += "(axis=";
-  if (values.empty()) s += "all";
-  for (std::size_t i = 0; i < values.size(); ++i) {
-    if (i) s += ',';
-    s += std::to_string(values[i]);
-  }
-  return s + (keep ? ", keep_dims)" : ")");
-}
-
-}  // namespace detail
-
-template <class Reducer, class AxesT, bool Keep>
-struct ReduceGradOp;
-
-// Reducer over the axes AxesT (every axis if empty), the reduced axes kept as 1 if Keep.
-// AxesT is Axes<A...>, or AxesList for axes given at run time, whose shape graph mode checks
-// when the network first runs.
-template <class Reducer, class AxesT, bool Keep>
-struct ReduceOp : Primitive<ReduceOp<Reducer, AxesT, Keep>> {
-  static constexpr int arity = 1;
-  static constexpr bool runtime_axes = std::is_same_v<AxesT, AxesList>;
-  [[no_unique_address]] AxesT reduced{};
-
-  bool keeps() const {
-    if constexpr (runtime_axes) return reduced.keep;
-    else return Keep;
-  }
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
-    if constexpr (runtime_axes) return {Shape::any()};
-    else return detail::reduced_shape(in[0], AxesT::values, Keep, Reducer::non_empty);
-  }
-  ShapeResult infer(std::span<const Shape> in) const {
-    return detail::reduced_shape(in[0], detail::axes_of(reduced), keeps(), Reducer::non_empty);
-  }
-
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& a) const {
-    const T* x = a.in<T>();
-    T* out = a.out<T>();
-    const Shape& in = a.in_shape();
-    const detail::ReduceLayout l = detail::reduce_layout(in, detail::axis_mask(in.rank(), detail::axes_of(reduced)));
-    if (l.outputs == 0) return;
-    if (l.group == 0) {
-      // Only sum, mean and prod get here (the rule refuses an empty max): 0, 0/0 for the mean, 1.
-      if constexpr (!Reducer::non_empty) {
-        std::fill_n(out, l.outputs,
-                    Reducer::mean ? std::numeric_limits<T>::quiet_NaN() : static_cast<T>(Reducer::identity));
-      }
-      return;
-    }
-    // Each group in runs of at most Reducer::sequential elements, combined pairwise.
-    constexpr index_t run = Reducer::sequential;
-    std::array<T, 64> scalar_slots{};
-    if (l.contiguous()) {
-      for (index_t j = 0; j < l.outputs; ++j) {
-        detail::Pairwise<Reducer, T> group(scalar_slots.data(), 1);
-        for (index_t r0 = 0; r0 < l.group; r0 += run) {
-          *group.next() = Reducer::redux(detail::ConstArrayMap<T>(x + j * l.group + r0, std::min(run, l.group - r0)));
-          group.push();
-        }
-        group.finish(out + j);
-      }
-    } else if (l.strided()) {
-      // Runs of rows: a sixteenth of the elements, so that a row is not reread from memory.
-      const index_t inner = l.inner();
-      const index_t outer = l.outputs / inner;
-      const index_t rows = std::max<index_t>(1, run / 16);
-      const index_t row_runs = (l.group + rows - 1) / rows;
-      duet::detail::Storage slots_storage;
-      T* slots = row_runs == 1 ? nullptr
-                               : duet::detail::scratch<T>(slots_storage, static_cast<std::size_t>(
-                                                                            detail::Pairwise<Reducer, T>::levels(row_runs) * inner));
-      for (index_t o = 0; o < outer; ++o) {
-        const T* block = x + o * l.group * inner;
-        detail::Pairwise<Reducer, T> group(slots, inner);
-        for (index_t r0 = 0; r0 < l.group; r0 += rows) {
-          detail::ArrayMap<T> acc(row_runs == 1 ? out + o * inner : group.next(), inner);
-          acc = detail::ConstArrayMap<T>(block + r0 * inner, inner);
-          for (index_t r = r0 + 1; r < std::min(l.group, r0 + rows); ++r) {
-            Reducer::combine_rows(acc, detail::ConstArrayMap<T>(block + r * inner, inner));
-          }
-          if (row_runs > 1) group.push();
-        }
-        if (row_runs > 1) group.finish(out + o * inner);
-      }
-    } else {
-      l.for_each_group([&](index_t j, index_t base) {
-        detail::Pairwise<Reducer, T> group(scalar_slots.data(), 1);
-        index_t in_run = 0;
-        T acc{};
-        l.for_each_in_group([&](index_t off) {
-          acc = in_run == 0 ? x[base + off] : Reducer::combine(acc, x[base + off]);
-          if (++in_run == run) {
-            *group.next() = acc;
-            group.push();
-            in_run = 0;
-          }
-        });
-        if (in_run != 0) {
-          *group.next() = acc;
-          group.push();
-        }
-        group.finish(out + j);
-      });
-    }
-
-    if constexpr (Reducer::mean) {
-      const T count = static_cast<T>(l.group);
-      for (index_t j = 0; j < l.outputs; ++j) out[j] /= count;
-    }
-  }
-
-  template <std::size_t K>
-    requires(K == 0)
-  auto grad_op() const {
-    ReduceGradOp<Reducer, AxesT, Keep> g;
-    g.reduced = reduced;
-    return g;
-  }
-
-  static std::string op_name() {
-    if constexpr (runtime_axes) return std::string(Reducer::name);
-    else return detail::reduce_name(Reducer::name, AxesT::values, Keep);
-  }
-  std::string label() const { return detail::reduce_name(Reducer::name, detail::axes_of(reduced), keeps()); }
-
-  // The reducers' names are ONNX's operators. At opset 17 ReduceSum reads its axes as an
-  // input, the others as an attribute; no axes reduces them all, in both.
-  Interchange interchange(std::span<const Shape>) const {
-    InterchangeNode n{std::string(Reducer::name), {InterchangeInput::operand(0)}, {InterchangeAttribute::of("keepdims", keeps() ? 1 : 0)}};
-    if (const std::span<const int> reduced_axes = detail::axes_of(reduced); !reduced_axes.empty()) {
-      const std::vector<std::int64_t> axes(reduced_axes.begin(), reduced_axes.end());
-      if (Reducer::name == "ReduceSum") n.inputs.push_back(InterchangeInput::constant(axes));
-      else n.attributes.push_back(InterchangeAttribute::of("axes", axes));
-    }
-    return {std::move(n)};
-  }
-};
-
-// d/dx of a reduction: sum and mean spread dy over each group (mean divided by its size);
-// max and min send it to the elements equal to the extreme, split evenly among ties; prod
-// gives each element dy times the product of the others in its group.
-template <class Reducer, class AxesT, bool Keep>
-struct ReduceGradOp : Primitive<ReduceGradOp<Reducer, AxesT, Keep>> {
-  static constexpr bool extreme = Reducer::non_empty;
-  static constexpr bool product = std::is_same_v<Reducer, detail::ProdReducer>;
-  [[no_unique_address]] AxesT reduced{};
-  static constexpr auto reads = [] {
-    if constexpr (extreme) return std::array{graph::Operand::grad, graph::Operand::input0, graph::Operand::output};
-    else return std::array{graph::Operand::grad, graph::Operand::input0};
-  }();
-  static constexpr int arity = static_cast<int>(reads.size());
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
-
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& a) const {
-    const T* dy = a.in<T>(0);
-    const T* x = a.in<T>(1);
-    T* d = a.out<T>();
-    const Shape& in = a.in_shape(1);
-    const detail::ReduceLayout l = detail::reduce_layout(in, detail::axis_mask(in.rank(), detail::axes_of(reduced)));
-    if (l.outputs == 0 || l.group == 0) return;
-    if constexpr (extreme) {
-      const T* y = a.in<T>(2);
-      l.for_each_group([&](index_t j, index_t base) {
-        const T m = y[j];
-        const bool nan = m != m;
-        auto hit = [&](T v) { return v == m || (nan && v != v); };
-        index_t ties = 0;
-        l.for_each_in_group([&](index_t off) { ties += hit(x[base + off]) ? 1 : 0; });
-        const T share = dy[j] / static_cast<T>(ties);
-        l.for_each_in_group([&](index_t off) { d[base + off] = hit(x[base + off]) ? share : T(0); });
-      });
-    } else if constexpr (product) {
-      // The product of the others as the product of those before times that of those after,
-      // not y / x: exact where the group holds a zero (one zero's element gets the product of
-      // the rest, every element of a group with two gets 0), as PyTorch's.
-      duet::detail::Storage offsets_storage;
-      index_t* offsets = duet::detail::scratch<index_t>(offsets_storage, static_cast<std::size_t>(l.group));
-      index_t r = 0;
-      l.for_each_in_group([&](index_t off) { offsets[r++] = off; });
-      l.for_each_group([&](index_t j, index_t base) {
-        T before(1);
-        for (index_t i = 0; i < l.group; ++i) {
-          d[base + offsets[i]] = before;
-          before *= x[base + offsets[i]];
-        }
-        T after = dy[j];
-        for (index_t i = l.group - 1; i >= 0; --i) {
-          d[base + offsets[i]] *= after;
-          after *= x[base + offsets[i]];
-        }
-      });
-    } else {
-      const T scale = Reducer::mean ? T(1) / static_cast<T>(l.group) : T(1);
-      if (l.contiguous()) {
-        for (index_t j = 0; j < l.outputs; ++j) std::fill_n(d + j * l.group, l.group, dy[j] * scale);
-      } else if (l.strided()) {
-        const index_t inner = l.inner();
-        for (index_t o = 0; o < l.outputs / inner; ++o) {
-          const detail::ConstArrayMap<T> g(dy + o * inner, inner);
-          for (index_t r = 0; r < l.group; ++r) detail::ArrayMap<T>(d + (o * l.group + r) * inner, inner) = g * scale;
-        }
-      } else {
-        l.for_each_group([&](index_t j, index_t base) {
-          l.for_each_in_group([&](index_t off) { d[base + off] = dy[j] * scale; });
-        });
-      }
-    }
-  }
-
-  static std::string op_name() { return ReduceOp<Reducer, AxesT, Keep>::op_name() + "Grad"; }
-};
-
-// The index of the first largest (smallest) element along one axis, as int32 (numpy's and
-// MindSpore's choice on ties); a NaN counts as the largest and the smallest, as in numpy. In
-// is the input's element type: the kernel is instantiated for the output's (int32).
-template <bool Max, int Axis, bool Keep, class In>
-struct ArgExtremeOp : Primitive<ArgExtremeOp<Max, Axis, Keep, In>> {
-  using value_type = std::int32_t;
-  static constexpr int arity = 1;
-  static constexpr bool differentiable = false;
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
-    return detail::reduced_shape(in[0], std::array<int, 1>{Axis}, Keep, true);
-  }
-
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& a) const {
-    const In* x = a.in<In>();
-    T* out = a.out<T>();
-    const Shape& in = a.in_shape();
-    const int axis = Axis < 0 ? Axis + in.rank() : Axis;
-    const index_t size = in[axis];
-    const index_t inner = in.numel_from(axis + 1);
-    const index_t outer = inner == 0 || size == 0 ? 0 : in.numel() / (size * inner);
-    auto better = [](In v, In best) { return (v != v && best == best) || (Max ? v > best : v < best); };
-    for (index_t o = 0; o < outer; ++o) {
-      const In* block = x + o * size * inner;
-      T* idx = out + o * inner;
-      std::fill_n(idx, inner, T(0));
-      // Along the axis outermost, so that each step reads a contiguous row of the input.
-      for (index_t r = 1; r < size; ++r) {
-        for (index_t i = 0; i < inner; ++i) {
-          if (better(block[r * inner + i], block[idx[i] * inner + i])) idx[i] = static_cast<T>(r);
-        }
-      }
-    }
-  }
-
-  static std::string op_name() {
-    return std::string(Max ? "Argmax" : "Argmin") + "(axis=" + std::to_string(Axis) + (Keep ? ", keep_dims)" : ")");
-  }
-};
-
-// cumsum<Axis>(x): the running sum along one axis, x's shape (PyTorch's torch.cumsum(x, dim),
-// MindSpore's ops.cumsum; a negative axis counts from the end). Element i is element i - 1's
-// sum plus x's element i, in order along the axis and in the element type, not pairwise: each
-// output is a sum of its prefix, so the order is the definition's (PyTorch's CPU kernel carries
-// a float's sums in double: a few ulps apart). The gradient is dy's running sum from the last
-// element back.
-
-namespace detail {
-// Running sums along `axis` of x, seen as [outer, size, inner]: each row of `inner` sums is the
-// row before it (after it, backward: cumsum's gradient) plus x's row.
-template <class T>
-void running_sum(const T* x, T* y, const Shape& shape, int axis, bool backward) {
-  const int a = axis_index(axis, shape.rank());
-  const index_t size = shape[a];
-  const index_t inner = shape.numel_from(a + 1);
-  const index_t block = size * inner;
-  if (block == 0) return;
-  for (index_t o = 0; o < shape.numel() / block; ++o) {
-    for (index_t r = 0; r < size; ++r) {
-      const index_t at = o * block + (backward ? size - 1 - r : r) * inner;
-      if (r == 0) {
-        std::copy_n(x + at, inner, y + at);
-        continue;
-      }
-      const index_t before = backward ? at + inner : at - inner;
-      for (index_t i = 0; i < inner; ++i) y[at + i] = y[before + i] + x[at + i];
-    }
-  }
-}
-}  // namespace detail
-
-// d/dx of cumsum: x's element i reaches every sum from i on, so it gets dy summed from the last
-// element back to i.
-template <int Axis>
-struct CumsumGradOp : Primitive<CumsumGradOp<Axis>> {
-  static constexpr std::array reads{graph::Operand::grad};
-  static constexpr int arity = 1;
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
-
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& a) const {
-    detail::running_sum(a.in<T>(), a.out<T>(), a.in_shape(), Axis, true);
-  }
-
-  static std::string op_name() { return "CumsumGrad<" + std::to_string(Axis) + ">"; }
-};
-
-template <int Axis>
-struct CumsumOp : Primitive<CumsumOp<Axis>> {
-  static constexpr int arity = 1;
-  static constexpr std::array<int, 1> axes{Axis};
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return detail::along_axes_rule(in[0], axes); }
-
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& a) const {
-    detail::running_sum(a.in<T>(), a.out<T>(), a.in_shape(), Axis, false);
-  }
-
-  // Of input 0, the only one.
-  template <std::size_t K>
-  CumsumGradOp<Axis> grad_op() const {
-    return {};
-  }
-
-  static std::string op_name() { return "Cumsum<" + std::to_string(Axis) + ">"; }
-  std::string label() const { return "ops::cumsum<" + std::to_string(Axis) + ">"; }
-};
-
-template <int Axis, class X>
-auto cumsum(X&& x) {
-  return apply(CumsumOp<Axis>{}, std::forward<X>(x));
-}
-
-inline const bool reduction_listed =
-    list_operations({"sum", "mean", "prod", "max", "min", "argmax", "argmin", "var", "std", "logsumexp", "cumsum"});
-
-namespace detail {
-
-template <class X>
-using element_of = typename std::remove_cvref_t<X>::value_type;
-
-// A mean of integers would truncate, where PyTorch refuses one.
-template <class Reducer, class V>
-inline constexpr bool refused_on = Reducer::mean && std::is_integral_v<V>;
-#define DUET_DETAIL_INTEGER_MEAN_MESSAGE                                                                   \
-  "duet::ops::mean (and var, std): the tensor has an integer element type, whose mean would be truncated " \
-  "(mean([1, 2]) = 1); cast it first, ops::mean(ops::cast<float>(x)), as PyTorch asks for a floating type"
-
-// The input a reduction reads: a sum of a comparison's UInt8 mask (sum(equal(pred, labels)),
-// counting) in int32, where UInt8 would wrap at 256 (300 matches counted 44); other types as
-// they are.
-template <class Reducer, class X>
-decltype(auto) reduced_input(const X& x) {
-  if constexpr (std::is_same_v<Reducer, SumReducer> && std::is_same_v<element_of<X>, std::uint8_t>) {
-    return cast<std::int32_t>(x);
-  } else {
-    return (x);
-  }
-}
-
-template <class Reducer, class X, class AxesT, class... Keep>
-auto reduce(const X& x, AxesT, Keep...) {
-  static_assert(sizeof...(Keep) <= 1 && (std::is_same_v<Keep, KeepDims> && ...),
-                "duet::ops: a reduction takes the tensor, then optionally ops::axes<...>, then optionally ops::keep_dims");
-  static_assert(!refused_on<Reducer, element_of<X>>, DUET_DETAIL_INTEGER_MEAN_MESSAGE);
-  return apply(ReduceOp<Reducer, AxesT, sizeof...(Keep) == 1>{}, reduced_input<Reducer>(x));
-}
-
-// The axes given at run time: each within [-max_rank, max_rank) and listed once; whether they
-// fit the input's rank is a shape error when it runs.
-template <class Reducer, class X, class... Keep>
-auto reduce_listed(const X& x, std::span<const int> axes, const char* who, Keep...) {
-  static_assert(sizeof...(Keep) <= 1 && (std::is_same_v<Keep, KeepDims> && ...),
-                "duet::ops: a reduction takes the tensor, then optionally the axes, then optionally ops::keep_dims");
-  static_assert(!refused_on<Reducer, element_of<X>>, DUET_DETAIL_INTEGER_MEAN_MESSAGE);
-  ReduceOp<Reducer, AxesList, false> op;
-  op.reduced.keep = sizeof...(Keep) == 1;
-  bool valid = axes.size() <= static_cast<std::size_t>(max_rank);
-  for (std::size_t i = 0; valid && i < axes.size(); ++i) {
-    valid = axes[i] >= -max_rank && axes[i] < max_rank && std::ranges::count(axes.first(i), axes[i]) == 0;
-    op.reduced.list[i] = axes[i];
-  }
-  if (!valid) {
-    throw ValueError(std::string("duet::ops::") + who + ": the axes {" + list_text<int>(axes) +
-                     "} must be distinct, at most " + std::to_string(max_rank) + " of them");
-  }
-  op.reduced.count = axes.size();
-  return apply(op, reduced_input<Reducer>(x));
-}
-
-template <bool Max, class X, int A, class... Keep>
-auto arg_extreme(const X& x, Axes<A>, Keep...) {
-  static_assert(sizeof...(Keep) <= 1 && (std::is_same_v<Keep, KeepDims> && ...),
-                "duet::ops: argmax and argmin take the tensor, then optionally ops::axis<A>, then optionally ops::keep_dims");
-  return apply(ArgExtremeOp<Max, A, sizeof...(Keep) == 1, element_of<X>>{}, x);
-}
-
-}  // namespace detail
-
-namespace detail {
-// A reduction over axes given either way: ops::axes<...> while the program compiles, a list at
-// run time.
-template <class Reducer, class X, class AxesT, class... Keep>
-auto reduce_over(const X& x, const AxesT& axes, const char* who, Keep... keep) {
-  if constexpr (std::is_same_v<AxesT, std::span<const int>>)
-    return reduce_listed<Reducer>(x, axes, who, keep...);
-  else
-    return reduce<Reducer>(x, axes, keep...);
-}
-}  // namespace detail
-
-// The ways an operation over axes is called, as sum is: sum(x) and sum(x, keep_dims) over every
-// axis; sum(x, axes<...>), the axes known while the program compiles; sum(x, {0, 1}) or a
-// std::span<const int>, known at run time; keep_dims last. Each overload returns the
-// expression given, written on x, axes (an Axes<A...> or a std::span<const int>) and keep.
-#define DUET_DETAIL_OVER_AXES(name, ...)                                                  \
-  template <TensorLike X, int... A, class... Keep>                                        \
-  auto name(const X& x, Axes<A...> axes, Keep... keep) {                                  \
-    return __VA_ARGS__;                                                                   \
-  }                                                                                       \
-  template <TensorLike X, class... Keep>                                                  \
-  requires((std::is_same_v<Keep, KeepDims> && ...)) auto name(const X& x, Keep... keep) { \
-    const Axes<> axes{};                                                                  \
-    return __VA_ARGS__;                                                                   \
-  }                                                                                       \
-  template <TensorLike X, class... Keep>                                                  \
-  auto name(const X& x, std::span<const int> axes, Keep... keep) {                        \
-    return __VA_ARGS__;                                                                   \
-  }                                                                                       \
-  template <TensorLike X, class... Keep>                                                  \
-  auto name(const X& x, std::initializer_list<int> list, Keep... keep) {                  \
-    const std::span<const int> axes(list.begin(), list.size());                           \
-    return __VA_ARGS__;                                                                   \
-  }
-DUET_DETAIL_OVER_AXES(sum, detail::reduce_over<detail::SumReducer>(x, axes, "sum", keep...))
-DUET_DETAIL_OVER_AXES(mean, detail::reduce_over<detail::MeanReducer>(x, axes, "mean", keep...))
-DUET_DETAIL_OVER_AXES(prod, detail::reduce_over<detail::ProdReducer>(x, axes, "prod", keep...))
-DUET_DETAIL_OVER_AXES(max, detail::reduce_over<detail::MaxReducer>(x, axes, "max", keep...))
-DUET_DETAIL_OVER_AXES(min, detail::reduce_over<detail::MinReducer>(x, axes, "min", keep...))
-
-namespace detail {
-template <class X, class AxesT, class... Keep>
-auto variance(const X& x, const AxesT& axes, Keep... keep) {
-  return mean(square(x - mean(x, axes, keep_dims)), axes, keep...);
-}
-}  // namespace detail
-
-// var(x), var(x, axes<...>), with keep_dims, or the axes at run time, as sum takes them: the
-// variance over the axes (every axis if none),
-// mean((x - mean(x))^2), dividing by the n elements reduced, as numpy's and MindSpore's
-// ops.var do by default (ddof = 0); torch.var divides by n - 1 by default (a sample's
-// unbiased estimate: multiply by n / (n - 1)). std is its square root. Made of mean,
-// subtraction and square, which give their gradients; std's is 0 where the variance is 0, as
-// PyTorch's (fn::StdRoot).
-DUET_DETAIL_OVER_AXES(var, detail::variance(x, axes, keep...))
-DUET_DETAIL_OVER_AXES(std, apply(MapOp<fn::StdRoot>{}, detail::variance(x, axes, keep...)))
-
-// argmax(x) (axis -1, MindSpore's ops.Argmax default), argmax(x, axis<A>), with keep_dims.
-template <TensorLike X, int A = -1, class... Keep>
-auto argmax(const X& x, Axes<A> a = {}, Keep... keep) {
-  return detail::arg_extreme<true>(x, a, keep...);
-}
-template <TensorLike X, int A = -1, class... Keep>
-auto argmin(const X& x, Axes<A> a = {}, Keep... keep) {
-  return detail::arg_extreme<false>(x, a, keep...);
-}
-
-namespace detail {
-// m + log Σ exp(x - m), m the maximum over the axes (kept as 1 while it is subtracted). An
-// infinite m is taken out as 0: every element -inf gives -inf (m = -inf would make -inf - -inf
-// = NaN), and a +inf gives +inf, as PyTorch's. m is a constant of the gradient
-// (ops::stop_gradient), which is then exp(x - m) / Σ exp(x - m): softmax over the axes.
-template <class X, class AxesT, class... Keep>
-auto log_sum_exp(const X& x, const AxesT& axes, Keep...) {
-  using V = element_of<X>;
-  static_assert(std::is_floating_point_v<V>, "duet::ops::logsumexp: the tensor must have a floating-point element type");
-  const auto shift = [&](auto... kept) {
-    const auto m = stop_gradient(max(x, axes, kept...));
-    return where(equal(abs(m), std::numeric_limits<V>::infinity()), V(0), m);
-  };
-  const auto m = shift(keep_dims);
-  // With keep_dims the maximum is m itself; without, it is taken again in the output's shape
-  // (the same operation twice on one input would be one value captured twice).
-  if constexpr (sizeof...(Keep) == 1) return log(sum(exp(x - m), axes, keep_dims)) + m;
-  else return log(sum(exp(x - m), axes)) + shift();
-}
-}  // namespace detail
-
-// logsumexp(x), logsumexp(x, axes<...>), with keep_dims, or the axes at run time, as sum takes
-// them: log Σ exp(x) over the axes (every axis if none), PyTorch's torch.logsumexp and
-// MindSpore's ops.logsumexp, without overflow (the maximum is taken out first) and -inf for a
-// group of -inf (a fully masked row).
-DUET_DETAIL_OVER_AXES(logsumexp, detail::log_sum_exp(x, axes, keep...))
-#undef DUET_DETAIL_OVER_AXES
 
 }  // namespace ops
 }  // namespace duet
@@ -30530,6 +29885,981 @@ class AdaptiveAvgPool2d : public Cell<AdaptiveAvgPool2d<OutH, OutW, T>, CONTEXT_
 };
 
 }  // namespace nn
+}  // namespace duet
+// Random tensors drawn in construct, shaped like another: randn_like, rand_like (MindSpore's
+// ops.randn_like and ops.rand_like, PyTorch's torch.randn_like and torch.rand_like).
+//
+// The noise of a variational autoencoder's reparameterisation, z = mu + exp(logvar / 2) * eps
+// with eps = ops::randn_like(mu), or of a denoising model's input. Like PyTorch's and
+// MindSpore's, they draw from the global generator (duet::set_seed): each call of the network
+// draws anew, element by element in row-major order, with the generator locked for the whole
+// tensor. Graph mode runs the operation's kernel once per call, where PyNative mode runs it,
+// so the same seed gives both modes the same noise. The global generator is a step's state, as
+// Dropout's generators are: a step that does not commit (a training step that fails,
+// duet::summary's run, each mode's run in duet::compare_modes) gives back the draws it made.
+// Checkpoints do not hold it (Dropout's generators they do): a resumed run draws from the seed
+// it sets.
+//
+// The output does not depend on the input's values, so no gradient is due to the input
+// (stops_gradient, as for zeros_like); the gradient reaches mu and logvar through the
+// arithmetic around eps.
+//
+// Of a parameter, or of a value of parameters alone, the draw would be made again at every
+// call of a captured graph but also once while capturing, so that graph mode's draws would run
+// ahead of PyNative mode's: refused at compile time (draw from the input, or pass the noise in).
+
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+
+namespace duet::ops {
+
+enum class Draw { normal, uniform };
+
+namespace detail {
+// The global generator as the state of the calling thread's steps.
+class GlobalGeneratorDraws final : public duet::detail::StepState {
+ public:
+  void save_for_step() override {
+    saved_ = with_global_generator([](const Generator& g) { return g; });
+  }
+  void restore_step() override {
+    with_global_generator([&](Generator& g) { g = saved_; });
+  }
+
+ private:
+  Generator saved_{0};
+};
+inline GlobalGeneratorDraws& global_generator_draws() {
+  thread_local GlobalGeneratorDraws draws;
+  return draws;
+}
+}  // namespace detail
+
+template <Draw D>
+struct RandomLikeOp : Primitive<RandomLikeOp<D>> {
+  static constexpr int arity = 1;
+  static constexpr bool stops_gradient = true;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    static_assert(std::is_floating_point_v<T>,
+                  "duet::ops::randn_like / rand_like: the input has an integer element type; random values are "
+                  "drawn for floating-point tensors");
+    T* y = a.out<T>();
+    const index_t n = a.output_shape.numel();
+    duet::detail::will_change(detail::global_generator_draws());
+    with_global_generator([&](Generator& gen) {
+      for (index_t i = 0; i < n; ++i) y[i] = D == Draw::normal ? gen.normal<T>() : gen.uniform01<T>();
+    });
+  }
+
+  template <std::size_t K>
+    requires(K == 0)
+  NoGradient grad_op() const {
+    return {};
+  }
+
+  static std::string op_name() { return D == Draw::normal ? "RandnLike" : "RandLike"; }
+  std::string label() const { return D == Draw::normal ? "ops::randn_like" : "ops::rand_like"; }
+};
+
+namespace detail {
+template <Draw D, class X>
+auto random_like(X&& x) {
+  static_assert(!nn::is_parameter_made_v<std::remove_cvref_t<X>>,
+                "duet::ops::randn_like / rand_like of a parameter, or of a value of parameters alone: a captured "
+                "graph would draw it again at each call and once more while capturing, ahead of PyNative mode; "
+                "draw it from a tensor of the input (ops::randn_like(x)), or pass the noise in as an input");
+  return apply(RandomLikeOp<D>{}, std::forward<X>(x));
+}
+}  // namespace detail
+
+// Standard normal values of x's shape and element type.
+template <class X>
+auto randn_like(X&& x) {
+  return detail::random_like<Draw::normal>(std::forward<X>(x));
+}
+
+// Uniform values in [0, 1) of x's shape and element type.
+template <class X>
+auto rand_like(X&& x) {
+  return detail::random_like<Draw::uniform>(std::forward<X>(x));
+}
+
+inline const bool random_listed = list_operations({"randn_like", "rand_like"});
+
+}  // namespace duet::ops
+// Reductions: sum, mean, prod, max and min over axes, with keep_dims, argmax, argmin
+// (MindSpore's ops.sum(x, dim, keepdim), ReduceSum(keep_dims), ops.prod, ops.argmax), the
+// statistics var and std made of them, and cumsum, the running sum along an axis, in both modes.
+//
+// Spelling. The reduced axes shape the output, and graph mode computes every node's shape
+// while the program compiles, so they are template arguments, given as tag values:
+//   ops::sum(x)                                   every axis, a scalar
+//   ops::sum(x, ops::axes<1>)                     axis 1 ([2, 3, 4] -> [2, 4])
+//   ops::mean(x, ops::axes<0, -1>, ops::keep_dims)  axes 0 and -1, kept as 1 ([2, 3, 4] -> [1, 3, 1])
+//   ops::argmax(x), ops::argmax(x, ops::axis<0>, ops::keep_dims)   one axis, -1 by default
+// Negative axes count from the end, as in numpy. The same axis twice does not compile.
+//
+// Gradients. sum and mean send the incoming gradient back along the reduced axes (mean divided
+// by the number of elements reduced). prod sends each element dy times the product of the
+// others in its group, made without dividing by the element, so that a group holding zeros
+// gets PyTorch's gradient, not 0/0. max and min send it to the elements equal to the
+// extreme; where several are, it is split evenly among them, as PyTorch's amax/amin do: any
+// other choice makes max(x) of a constant tensor depend on an arbitrary index, and splitting
+// keeps the gradient's sum equal to the incoming one. A NaN extreme sends its gradient to the
+// NaN elements. argmax and argmin make int32 indices and have no gradient: they declare
+// `differentiable = false`, so a gradient that reaches them does not compile in graph mode
+// and throws duet::ValueError in PyNative mode.
+//
+// Kernels. Both modes call the same kernel, so they agree bit for bit. Each output
+// accumulates in the element type (a sum of a comparison's UInt8 mask in int32), over runs of
+// a group's elements in order, and the runs' results are combined pairwise (detail::Pairwise),
+// so that a sum's rounding error grows with the log of the group's size, as PyTorch's does.
+// The input is seen as groups (one per output element), after merging neighbouring axes of
+// the same kind and dropping axes of size 1:
+//  - the reduced axes are the innermost: each group is contiguous, each run of it reduced by
+//    Eigen's vectorised reduction (per-lane partial results combined at the end: a fixed order
+//    for a given length and build);
+//  - one block of reduced axes with kept axes inside it ([outer, reduced, inner]): a run's row
+//    of `inner` results is accumulated row by row of the input, in increasing index along the
+//    reduced block, each row one vectorised pass (a strided, cache-friendly walk);
+//  - anything else (reduced axes not adjacent, as axes 0 and 2 of a 4-D tensor): each run in
+//    increasing input index, one running value.
+
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <limits>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+
+#include <Eigen/Core>
+
+
+namespace duet {
+namespace ops {
+
+// The reduced axes, as a template value: ops::axes<1>, ops::axes<0, 2>; none means every axis.
+template <int... A>
+struct Axes {
+  static constexpr std::array<int, sizeof...(A)> values{A...};
+  static constexpr bool distinct = [] {
+    for (std::size_t i = 0; i < values.size(); ++i) {
+      for (std::size_t j = i + 1; j < values.size(); ++j) {
+        if (values[i] == values[j]) return false;
+      }
+    }
+    return true;
+  }();
+  static_assert(distinct, "duet::ops::axes: an axis is listed twice");
+};
+template <int... A>
+inline constexpr Axes<A...> axes{};
+// One axis (argmax, argmin).
+template <int A>
+inline constexpr Axes<A> axis{};
+
+// Keeps the reduced axes in the output, with size 1 (MindSpore's keep_dims=True).
+struct KeepDims {};
+inline constexpr KeepDims keep_dims{};
+
+// The reduced axes given at run time (ops::sum(x, {0, 2}); an ONNX model's ReduceMean): one
+// operation for every set of axes, as transpose(x, perm) is for every permutation. None means
+// every axis, as in Axes<>. Whether the reduced axes are kept is a value here too, so that the
+// run-time form is one operation per reduction (ReduceOp's Keep is then false).
+struct AxesList {
+  std::array<int, max_rank> list{};
+  std::size_t count = 0;
+  bool keep = false;
+};
+
+namespace detail {
+template <int... A>
+constexpr std::span<const int> axes_of(Axes<A...>) {
+  return Axes<A...>::values;
+}
+constexpr std::span<const int> axes_of(const AxesList& a) { return std::span(a.list).first(a.count); }
+}  // namespace detail
+
+namespace detail {
+
+// Which axes of a shape of rank `rank` the values name; false if one is out of range, with
+// `needed` the rank it would need.
+struct AxisMask {
+  std::array<bool, max_rank> reduced{};
+  bool ok = true;
+  index_t needed = 0;
+  int twice = -1;  // an axis named twice (0 and -rank), as numpy refuses
+};
+
+constexpr AxisMask axis_mask(int rank, std::span<const int> values) {
+  AxisMask m;
+  if (values.empty()) {
+    for (int i = 0; i < rank; ++i) m.reduced[static_cast<std::size_t>(i)] = true;
+  }
+  for (int a : values) {
+    const int normal = a < 0 ? a + rank : a;
+    if (normal < 0 || normal >= rank) {
+      m.ok = false;
+      m.needed = std::max<index_t>(m.needed, a < 0 ? -a : a + 1);
+      continue;
+    }
+    if (m.reduced[static_cast<std::size_t>(normal)]) m.twice = normal;
+    m.reduced[static_cast<std::size_t>(normal)] = true;
+  }
+  return m;
+}
+
+// The output shape of reducing `in` over `values` (every axis if none). An input of unknown
+// leading axes gives a scalar when every axis is reduced without keep_dims, its known
+// trailing axes when the axes are negative and among them, and an unknown shape otherwise.
+// NonEmpty: the reduction has no identity (max, min, argmax), so a reduced axis of size 0 is
+// refused.
+constexpr ShapeResult reduced_shape(const Shape& in, std::span<const int> values, bool keep, bool non_empty) {
+  if (in.leading_unknown()) {
+    if (values.empty()) return {keep ? Shape::any() : Shape{}};
+    for (int a : values) {
+      if (a >= 0 || -a > in.rank()) return {Shape::any()};
+    }
+  }
+  const AxisMask m = axis_mask(in.rank(), values);
+  if (!m.ok) return fault(Shape::any(), ShapeFault::min_rank, m.needed);
+  if (m.twice >= 0) return fault(Shape::any(), ShapeFault::axis_twice, m.twice);
+  Shape out = in.leading_unknown() ? Shape::any() : Shape{};
+  bool empty = false;
+  for (int i = 0; i < in.rank(); ++i) {
+    if (!m.reduced[static_cast<std::size_t>(i)]) out.push_back(in[i]);
+    else {
+      empty = empty || in[i] == 0;
+      if (keep) out.push_back(1);
+    }
+  }
+  if (non_empty && empty) return fault(out, ShapeFault::empty_reduction, 0);
+  return {out};
+}
+
+// A reduction of a concrete shape, as groups of input elements, one group per output element
+// in the output's order. Neighbouring axes of the same kind are merged and axes of size 1
+// dropped; the lists are innermost first, each axis with its stride in the input.
+struct ReduceLayout {
+  std::array<index_t, max_rank> kept_size{}, kept_stride{}, red_size{}, red_stride{};
+  int kept = 0;
+  int red = 0;
+  index_t outputs = 1;
+  index_t group = 1;
+
+  // Each group contiguous: the reduced axes are the innermost.
+  bool contiguous() const { return red == 1 && red_stride[0] == 1; }
+  // [outer, reduced, inner]: one block of reduced axes, the innermost axis kept.
+  bool strided() const { return red == 1 && kept >= 1 && kept_stride[0] == 1 && kept <= 2; }
+  index_t inner() const { return kept_size[0]; }
+
+  // f(j, base) for each output j, base the offset of its group's first element.
+  template <class F>
+  void for_each_group(F&& f) const {
+    std::array<index_t, max_rank> index{};
+    index_t base = 0;
+    for (index_t j = 0; j < outputs; ++j) {
+      f(j, base);
+      for (int a = 0; a < kept; ++a) {
+        const std::size_t ax = static_cast<std::size_t>(a);
+        base += kept_stride[ax];
+        if (++index[ax] < kept_size[ax]) break;
+        base -= kept_stride[ax] * index[ax];
+        index[ax] = 0;
+      }
+    }
+  }
+
+  // f(offset) for each element of a group, in increasing input index (offsets from its base).
+  template <class F>
+  void for_each_in_group(F&& f) const {
+    if (red <= 1) {
+      const index_t stride = red == 0 ? 0 : red_stride[0];
+      for (index_t r = 0; r < group; ++r) f(r * stride);
+      return;
+    }
+    std::array<index_t, max_rank> index{};
+    index_t offset = 0;
+    for (index_t r = 0; r < group; ++r) {
+      f(offset);
+      for (int a = 0; a < red; ++a) {
+        const std::size_t ax = static_cast<std::size_t>(a);
+        offset += red_stride[ax];
+        if (++index[ax] < red_size[ax]) break;
+        offset -= red_stride[ax] * index[ax];
+        index[ax] = 0;
+      }
+    }
+  }
+};
+
+inline ReduceLayout reduce_layout(const Shape& in, const AxisMask& m) {
+  ReduceLayout l;
+  index_t stride = 1;
+  int last_kind = -1;  // 0 kept, 1 reduced: the kind of the entry appended last
+  for (int i = in.rank() - 1; i >= 0; --i) {
+    const index_t d = in[i];
+    const bool reduced = m.reduced[static_cast<std::size_t>(i)];
+    if (reduced) l.group *= d;
+    else l.outputs *= d;
+    if (d != 1) {
+      auto& size = reduced ? l.red_size : l.kept_size;
+      auto& strides = reduced ? l.red_stride : l.kept_stride;
+      int& count = reduced ? l.red : l.kept;
+      if (last_kind == static_cast<int>(reduced)) {
+        size[static_cast<std::size_t>(count - 1)] *= d;
+      } else {
+        size[static_cast<std::size_t>(count)] = d;
+        strides[static_cast<std::size_t>(count)] = stride;
+        ++count;
+        last_kind = static_cast<int>(reduced);
+      }
+    }
+    stride *= d;
+  }
+  return l;
+}
+
+template <class T>
+using ArrayMap = ::Eigen::Map<::Eigen::Array<T, ::Eigen::Dynamic, 1>>;
+template <class T>
+using ConstArrayMap = ::Eigen::Map<const ::Eigen::Array<T, ::Eigen::Dynamic, 1>>;
+
+// What each reduction does with one group: its first element, then combine with each next.
+// sequential: the most elements of a group (rows, on the strided path: a sixteenth as many)
+// combined in order before Pairwise combines the runs; max and min are exact in any order.
+struct SumReducer {
+  static constexpr std::string_view name = "ReduceSum";
+  static constexpr bool mean = false;
+  static constexpr bool non_empty = false;
+  static constexpr int identity = 0;  // of an empty group
+  static constexpr index_t sequential = 1024;
+  template <class T>
+  static T combine(T a, T b) {
+    return a + b;
+  }
+  template <class T>
+  static T redux(const ConstArrayMap<T>& g) {
+    return g.sum();
+  }
+  template <class T>
+  static void combine_rows(ArrayMap<T>& acc, const ConstArrayMap<T>& row) {
+    acc += row;
+  }
+};
+
+struct MeanReducer : SumReducer {
+  static constexpr std::string_view name = "ReduceMean";
+  static constexpr bool mean = true;
+};
+
+// Pairwise like a sum: a float product's rounding error grows with the log of its length too.
+struct ProdReducer {
+  static constexpr std::string_view name = "ReduceProd";
+  static constexpr bool mean = false;
+  static constexpr bool non_empty = false;
+  static constexpr int identity = 1;
+  static constexpr index_t sequential = 1024;
+  template <class T>
+  static T combine(T a, T b) {
+    return a * b;
+  }
+  template <class T>
+  static T redux(const ConstArrayMap<T>& g) {
+    return g.prod();
+  }
+  template <class T>
+  static void combine_rows(ArrayMap<T>& acc, const ConstArrayMap<T>& row) {
+    acc *= row;
+  }
+};
+
+struct MaxReducer {
+  static constexpr std::string_view name = "ReduceMax";
+  static constexpr bool mean = false;
+  static constexpr bool non_empty = true;
+  static constexpr index_t sequential = std::numeric_limits<index_t>::max();
+  template <class T>
+  static T combine(T a, T b) {
+    return fn::Maximum::apply(a, b);
+  }
+  template <class T>
+  static T redux(const ConstArrayMap<T>& g) {
+    return g.template maxCoeff<::Eigen::PropagateNaN>();
+  }
+  template <class T>
+  static void combine_rows(ArrayMap<T>& acc, const ConstArrayMap<T>& row) {
+    acc = acc.binaryExpr(row, ::Eigen::internal::scalar_max_op<T, T, ::Eigen::PropagateNaN>());
+  }
+};
+
+struct MinReducer {
+  static constexpr std::string_view name = "ReduceMin";
+  static constexpr bool mean = false;
+  static constexpr bool non_empty = true;
+  static constexpr index_t sequential = std::numeric_limits<index_t>::max();
+  template <class T>
+  static T combine(T a, T b) {
+    return fn::Minimum::apply(a, b);
+  }
+  template <class T>
+  static T redux(const ConstArrayMap<T>& g) {
+    return g.template minCoeff<::Eigen::PropagateNaN>();
+  }
+  template <class T>
+  static void combine_rows(ArrayMap<T>& acc, const ConstArrayMap<T>& row) {
+    acc = acc.binaryExpr(row, ::Eigen::internal::scalar_min_op<T, T, ::Eigen::PropagateNaN>());
+  }
+};
+
+// Combines a group's runs (each a partial result of `width` elements) pairwise: run i joins
+// like a binary counter's bit, so the result is a balanced tree over the runs, whose rounding
+// error grows with the log of their number rather than with it. Summed in order, a float mean
+// of 10^6 values near 10^4 came out 9990.87 (PyTorch's, pairwise too: 10000.0).
+template <class Reducer, class T>
+class Pairwise {
+ public:
+  // slots: room for levels(runs) partial results of width elements.
+  Pairwise(T* slots, index_t width) : slots_(slots), width_(width) {}
+  static index_t levels(index_t runs) { return std::bit_width(static_cast<std::uint64_t>(runs)) + 1; }
+
+  // Where the next run's result is to be written, before push().
+  T* next() const { return slot(top_); }
+  void push() {
+    ++top_;
+    for (std::uint64_t c = count_++; (c & 1) != 0; c >>= 1) {
+      combine(slot(top_ - 2), slot(top_ - 1));
+      --top_;
+    }
+  }
+  // The whole group's result, into out: the runs left on the stack, the newest first.
+  void finish(T* out) {
+    for (index_t i = top_ - 2; i >= 0; --i) combine(slot(i), slot(i + 1));
+    std::copy_n(slot(0), width_, out);
+  }
+
+ private:
+  T* slot(index_t level) const { return slots_ + level * width_; }
+  void combine(T* earlier, const T* later) const {
+    ArrayMap<T> acc(earlier, width_);
+    Reducer::combine_rows(acc, ConstArrayMap<T>(later, width_));
+  }
+
+  T* slots_;
+  index_t width_;
+  index_t top_ = 0;
+  std::uint64_t count_ = 0;
+};
+
+inline std::string reduce_name(std::string_view op, std::span<const int> values, bool keep) {
+  std::string s(op);
+  s += "(axis=";
+  if (values.empty()) s += "all";
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    if (i) s += ',';
+    s += std::to_string(values[i]);
+  }
+  return s + (keep ? ", keep_dims)" : ")");
+}
+
+}  // namespace detail
+
+template <class Reducer, class AxesT, bool Keep>
+struct ReduceGradOp;
+
+// Reducer over the axes AxesT (every axis if empty), the reduced axes kept as 1 if Keep.
+// AxesT is Axes<A...>, or AxesList for axes given at run time, whose shape graph mode checks
+// when the network first runs.
+template <class Reducer, class AxesT, bool Keep>
+struct ReduceOp : Primitive<ReduceOp<Reducer, AxesT, Keep>> {
+  static constexpr int arity = 1;
+  static constexpr bool runtime_axes = std::is_same_v<AxesT, AxesList>;
+  [[no_unique_address]] AxesT reduced{};
+
+  bool keeps() const {
+    if constexpr (runtime_axes) return reduced.keep;
+    else return Keep;
+  }
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    if constexpr (runtime_axes) return {Shape::any()};
+    else return detail::reduced_shape(in[0], AxesT::values, Keep, Reducer::non_empty);
+  }
+  ShapeResult infer(std::span<const Shape> in) const {
+    return detail::reduced_shape(in[0], detail::axes_of(reduced), keeps(), Reducer::non_empty);
+  }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const T* x = a.in<T>();
+    T* out = a.out<T>();
+    const Shape& in = a.in_shape();
+    const detail::ReduceLayout l = detail::reduce_layout(in, detail::axis_mask(in.rank(), detail::axes_of(reduced)));
+    if (l.outputs == 0) return;
+    if (l.group == 0) {
+      // Only sum, mean and prod get here (the rule refuses an empty max): 0, 0/0 for the mean, 1.
+      if constexpr (!Reducer::non_empty) {
+        std::fill_n(out, l.outputs,
+                    Reducer::mean ? std::numeric_limits<T>::quiet_NaN() : static_cast<T>(Reducer::identity));
+      }
+      return;
+    }
+    // Each group in runs of at most Reducer::sequential elements, combined pairwise.
+    constexpr index_t run = Reducer::sequential;
+    std::array<T, 64> scalar_slots{};
+    if (l.contiguous()) {
+      for (index_t j = 0; j < l.outputs; ++j) {
+        detail::Pairwise<Reducer, T> group(scalar_slots.data(), 1);
+        for (index_t r0 = 0; r0 < l.group; r0 += run) {
+          *group.next() = Reducer::redux(detail::ConstArrayMap<T>(x + j * l.group + r0, std::min(run, l.group - r0)));
+          group.push();
+        }
+        group.finish(out + j);
+      }
+    } else if (l.strided()) {
+      // Runs of rows: a sixteenth of the elements, so that a row is not reread from memory.
+      const index_t inner = l.inner();
+      const index_t outer = l.outputs / inner;
+      const index_t rows = std::max<index_t>(1, run / 16);
+      const index_t row_runs = (l.group + rows - 1) / rows;
+      duet::detail::Storage slots_storage;
+      T* slots = row_runs == 1 ? nullptr
+                               : duet::detail::scratch<T>(slots_storage, static_cast<std::size_t>(
+                                                                            detail::Pairwise<Reducer, T>::levels(row_runs) * inner));
+      for (index_t o = 0; o < outer; ++o) {
+        const T* block = x + o * l.group * inner;
+        detail::Pairwise<Reducer, T> group(slots, inner);
+        for (index_t r0 = 0; r0 < l.group; r0 += rows) {
+          detail::ArrayMap<T> acc(row_runs == 1 ? out + o * inner : group.next(), inner);
+          acc = detail::ConstArrayMap<T>(block + r0 * inner, inner);
+          for (index_t r = r0 + 1; r < std::min(l.group, r0 + rows); ++r) {
+            Reducer::combine_rows(acc, detail::ConstArrayMap<T>(block + r * inner, inner));
+          }
+          if (row_runs > 1) group.push();
+        }
+        if (row_runs > 1) group.finish(out + o * inner);
+      }
+    } else {
+      l.for_each_group([&](index_t j, index_t base) {
+        detail::Pairwise<Reducer, T> group(scalar_slots.data(), 1);
+        index_t in_run = 0;
+        T acc{};
+        l.for_each_in_group([&](index_t off) {
+          acc = in_run == 0 ? x[base + off] : Reducer::combine(acc, x[base + off]);
+          if (++in_run == run) {
+            *group.next() = acc;
+            group.push();
+            in_run = 0;
+          }
+        });
+        if (in_run != 0) {
+          *group.next() = acc;
+          group.push();
+        }
+        group.finish(out + j);
+      });
+    }
+
+    if constexpr (Reducer::mean) {
+      const T count = static_cast<T>(l.group);
+      for (index_t j = 0; j < l.outputs; ++j) out[j] /= count;
+    }
+  }
+
+  template <std::size_t K>
+    requires(K == 0)
+  auto grad_op() const {
+    ReduceGradOp<Reducer, AxesT, Keep> g;
+    g.reduced = reduced;
+    return g;
+  }
+
+  static std::string op_name() {
+    if constexpr (runtime_axes) return std::string(Reducer::name);
+    else return detail::reduce_name(Reducer::name, AxesT::values, Keep);
+  }
+  std::string label() const { return detail::reduce_name(Reducer::name, detail::axes_of(reduced), keeps()); }
+
+  // The reducers' names are ONNX's operators. At opset 17 ReduceSum reads its axes as an
+  // input, the others as an attribute; no axes reduces them all, in both.
+  Interchange interchange(std::span<const Shape>) const {
+    InterchangeNode n{std::string(Reducer::name), {InterchangeInput::operand(0)}, {InterchangeAttribute::of("keepdims", keeps() ? 1 : 0)}};
+    if (const std::span<const int> reduced_axes = detail::axes_of(reduced); !reduced_axes.empty()) {
+      const std::vector<std::int64_t> axes(reduced_axes.begin(), reduced_axes.end());
+      if (Reducer::name == "ReduceSum") n.inputs.push_back(InterchangeInput::constant(axes));
+      else n.attributes.push_back(InterchangeAttribute::of("axes", axes));
+    }
+    return {std::move(n)};
+  }
+};
+
+// d/dx of a reduction: sum and mean spread dy over each group (mean divided by its size);
+// max and min send it to the elements equal to the extreme, split evenly among ties; prod
+// gives each element dy times the product of the others in its group.
+template <class Reducer, class AxesT, bool Keep>
+struct ReduceGradOp : Primitive<ReduceGradOp<Reducer, AxesT, Keep>> {
+  static constexpr bool extreme = Reducer::non_empty;
+  static constexpr bool product = std::is_same_v<Reducer, detail::ProdReducer>;
+  [[no_unique_address]] AxesT reduced{};
+  static constexpr auto reads = [] {
+    if constexpr (extreme) return std::array{graph::Operand::grad, graph::Operand::input0, graph::Operand::output};
+    else return std::array{graph::Operand::grad, graph::Operand::input0};
+  }();
+  static constexpr int arity = static_cast<int>(reads.size());
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const T* dy = a.in<T>(0);
+    const T* x = a.in<T>(1);
+    T* d = a.out<T>();
+    const Shape& in = a.in_shape(1);
+    const detail::ReduceLayout l = detail::reduce_layout(in, detail::axis_mask(in.rank(), detail::axes_of(reduced)));
+    if (l.outputs == 0 || l.group == 0) return;
+    if constexpr (extreme) {
+      const T* y = a.in<T>(2);
+      l.for_each_group([&](index_t j, index_t base) {
+        const T m = y[j];
+        const bool nan = m != m;
+        auto hit = [&](T v) { return v == m || (nan && v != v); };
+        index_t ties = 0;
+        l.for_each_in_group([&](index_t off) { ties += hit(x[base + off]) ? 1 : 0; });
+        const T share = dy[j] / static_cast<T>(ties);
+        l.for_each_in_group([&](index_t off) { d[base + off] = hit(x[base + off]) ? share : T(0); });
+      });
+    } else if constexpr (product) {
+      // The product of the others as the product of those before times that of those after,
+      // not y / x: exact where the group holds a zero (one zero's element gets the product of
+      // the rest, every element of a group with two gets 0), as PyTorch's.
+      duet::detail::Storage offsets_storage;
+      index_t* offsets = duet::detail::scratch<index_t>(offsets_storage, static_cast<std::size_t>(l.group));
+      index_t r = 0;
+      l.for_each_in_group([&](index_t off) { offsets[r++] = off; });
+      l.for_each_group([&](index_t j, index_t base) {
+        T before(1);
+        for (index_t i = 0; i < l.group; ++i) {
+          d[base + offsets[i]] = before;
+          before *= x[base + offsets[i]];
+        }
+        T after = dy[j];
+        for (index_t i = l.group - 1; i >= 0; --i) {
+          d[base + offsets[i]] *= after;
+          after *= x[base + offsets[i]];
+        }
+      });
+    } else {
+      const T scale = Reducer::mean ? T(1) / static_cast<T>(l.group) : T(1);
+      if (l.contiguous()) {
+        for (index_t j = 0; j < l.outputs; ++j) std::fill_n(d + j * l.group, l.group, dy[j] * scale);
+      } else if (l.strided()) {
+        const index_t inner = l.inner();
+        for (index_t o = 0; o < l.outputs / inner; ++o) {
+          const detail::ConstArrayMap<T> g(dy + o * inner, inner);
+          for (index_t r = 0; r < l.group; ++r) detail::ArrayMap<T>(d + (o * l.group + r) * inner, inner) = g * scale;
+        }
+      } else {
+        l.for_each_group([&](index_t j, index_t base) {
+          l.for_each_in_group([&](index_t off) { d[base + off] = dy[j] * scale; });
+        });
+      }
+    }
+  }
+
+  static std::string op_name() { return ReduceOp<Reducer, AxesT, Keep>::op_name() + "Grad"; }
+};
+
+// The index of the first largest (smallest) element along one axis, as int32 (numpy's and
+// MindSpore's choice on ties); a NaN counts as the largest and the smallest, as in numpy. In
+// is the input's element type: the kernel is instantiated for the output's (int32).
+template <bool Max, int Axis, bool Keep, class In>
+struct ArgExtremeOp : Primitive<ArgExtremeOp<Max, Axis, Keep, In>> {
+  using value_type = std::int32_t;
+  static constexpr int arity = 1;
+  static constexpr bool differentiable = false;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    return detail::reduced_shape(in[0], std::array<int, 1>{Axis}, Keep, true);
+  }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const In* x = a.in<In>();
+    T* out = a.out<T>();
+    const Shape& in = a.in_shape();
+    const int axis = Axis < 0 ? Axis + in.rank() : Axis;
+    const index_t size = in[axis];
+    const index_t inner = in.numel_from(axis + 1);
+    const index_t outer = inner == 0 || size == 0 ? 0 : in.numel() / (size * inner);
+    auto better = [](In v, In best) { return (v != v && best == best) || (Max ? v > best : v < best); };
+    for (index_t o = 0; o < outer; ++o) {
+      const In* block = x + o * size * inner;
+      T* idx = out + o * inner;
+      std::fill_n(idx, inner, T(0));
+      // Along the axis outermost, so that each step reads a contiguous row of the input.
+      for (index_t r = 1; r < size; ++r) {
+        for (index_t i = 0; i < inner; ++i) {
+          if (better(block[r * inner + i], block[idx[i] * inner + i])) idx[i] = static_cast<T>(r);
+        }
+      }
+    }
+  }
+
+  static std::string op_name() {
+    return std::string(Max ? "Argmax" : "Argmin") + "(axis=" + std::to_string(Axis) + (Keep ? ", keep_dims)" : ")");
+  }
+};
+
+// cumsum<Axis>(x): the running sum along one axis, x's shape (PyTorch's torch.cumsum(x, dim),
+// MindSpore's ops.cumsum; a negative axis counts from the end). Element i is element i - 1's
+// sum plus x's element i, in order along the axis and in the element type, not pairwise: each
+// output is a sum of its prefix, so the order is the definition's (PyTorch's CPU kernel carries
+// a float's sums in double: a few ulps apart). The gradient is dy's running sum from the last
+// element back.
+
+namespace detail {
+// Running sums along `axis` of x, seen as [outer, size, inner]: each row of `inner` sums is the
+// row before it (after it, backward: cumsum's gradient) plus x's row.
+template <class T>
+void running_sum(const T* x, T* y, const Shape& shape, int axis, bool backward) {
+  const int a = axis_index(axis, shape.rank());
+  const index_t size = shape[a];
+  const index_t inner = shape.numel_from(a + 1);
+  const index_t block = size * inner;
+  if (block == 0) return;
+  for (index_t o = 0; o < shape.numel() / block; ++o) {
+    for (index_t r = 0; r < size; ++r) {
+      const index_t at = o * block + (backward ? size - 1 - r : r) * inner;
+      if (r == 0) {
+        std::copy_n(x + at, inner, y + at);
+        continue;
+      }
+      const index_t before = backward ? at + inner : at - inner;
+      for (index_t i = 0; i < inner; ++i) y[at + i] = y[before + i] + x[at + i];
+    }
+  }
+}
+}  // namespace detail
+
+// d/dx of cumsum: x's element i reaches every sum from i on, so it gets dy summed from the last
+// element back to i.
+template <int Axis>
+struct CumsumGradOp : Primitive<CumsumGradOp<Axis>> {
+  static constexpr std::array reads{graph::Operand::grad};
+  static constexpr int arity = 1;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    detail::running_sum(a.in<T>(), a.out<T>(), a.in_shape(), Axis, true);
+  }
+
+  static std::string op_name() { return "CumsumGrad<" + std::to_string(Axis) + ">"; }
+};
+
+template <int Axis>
+struct CumsumOp : Primitive<CumsumOp<Axis>> {
+  static constexpr int arity = 1;
+  static constexpr std::array<int, 1> axes{Axis};
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return detail::along_axes_rule(in[0], axes); }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    detail::running_sum(a.in<T>(), a.out<T>(), a.in_shape(), Axis, false);
+  }
+
+  // Of input 0, the only one.
+  template <std::size_t K>
+  CumsumGradOp<Axis> grad_op() const {
+    return {};
+  }
+
+  static std::string op_name() { return "Cumsum<" + std::to_string(Axis) + ">"; }
+  std::string label() const { return "ops::cumsum<" + std::to_string(Axis) + ">"; }
+};
+
+template <int Axis, class X>
+auto cumsum(X&& x) {
+  return apply(CumsumOp<Axis>{}, std::forward<X>(x));
+}
+
+inline const bool reduction_listed =
+    list_operations({"sum", "mean", "prod", "max", "min", "argmax", "argmin", "var", "std", "logsumexp", "cumsum"});
+
+namespace detail {
+
+template <class X>
+using element_of = typename std::remove_cvref_t<X>::value_type;
+
+// A mean of integers would truncate, where PyTorch refuses one.
+template <class Reducer, class V>
+inline constexpr bool refused_on = Reducer::mean && std::is_integral_v<V>;
+#define DUET_DETAIL_INTEGER_MEAN_MESSAGE                                                                   \
+  "duet::ops::mean (and var, std): the tensor has an integer element type, whose mean would be truncated " \
+  "(mean([1, 2]) = 1); cast it first, ops::mean(ops::cast<float>(x)), as PyTorch asks for a floating type"
+
+// The input a reduction reads: a sum of a comparison's UInt8 mask (sum(equal(pred, labels)),
+// counting) in int32, where UInt8 would wrap at 256 (300 matches counted 44); other types as
+// they are.
+template <class Reducer, class X>
+decltype(auto) reduced_input(const X& x) {
+  if constexpr (std::is_same_v<Reducer, SumReducer> && std::is_same_v<element_of<X>, std::uint8_t>) {
+    return cast<std::int32_t>(x);
+  } else {
+    return (x);
+  }
+}
+
+template <class Reducer, class X, class AxesT, class... Keep>
+auto reduce(const X& x, AxesT, Keep...) {
+  static_assert(sizeof...(Keep) <= 1 && (std::is_same_v<Keep, KeepDims> && ...),
+                "duet::ops: a reduction takes the tensor, then optionally ops::axes<...>, then optionally ops::keep_dims");
+  static_assert(!refused_on<Reducer, element_of<X>>, DUET_DETAIL_INTEGER_MEAN_MESSAGE);
+  return apply(ReduceOp<Reducer, AxesT, sizeof...(Keep) == 1>{}, reduced_input<Reducer>(x));
+}
+
+// The axes given at run time: each within [-max_rank, max_rank) and listed once; whether they
+// fit the input's rank is a shape error when it runs.
+template <class Reducer, class X, class... Keep>
+auto reduce_listed(const X& x, std::span<const int> axes, const char* who, Keep...) {
+  static_assert(sizeof...(Keep) <= 1 && (std::is_same_v<Keep, KeepDims> && ...),
+                "duet::ops: a reduction takes the tensor, then optionally the axes, then optionally ops::keep_dims");
+  static_assert(!refused_on<Reducer, element_of<X>>, DUET_DETAIL_INTEGER_MEAN_MESSAGE);
+  ReduceOp<Reducer, AxesList, false> op;
+  op.reduced.keep = sizeof...(Keep) == 1;
+  bool valid = axes.size() <= static_cast<std::size_t>(max_rank);
+  for (std::size_t i = 0; valid && i < axes.size(); ++i) {
+    valid = axes[i] >= -max_rank && axes[i] < max_rank && std::ranges::count(axes.first(i), axes[i]) == 0;
+    op.reduced.list[i] = axes[i];
+  }
+  if (!valid) {
+    throw ValueError(std::string("duet::ops::") + who + ": the axes {" + list_text<int>(axes) +
+                     "} must be distinct, at most " + std::to_string(max_rank) + " of them");
+  }
+  op.reduced.count = axes.size();
+  return apply(op, reduced_input<Reducer>(x));
+}
+
+template <bool Max, class X, int A, class... Keep>
+auto arg_extreme(const X& x, Axes<A>, Keep...) {
+  static_assert(sizeof...(Keep) <= 1 && (std::is_same_v<Keep, KeepDims> && ...),
+                "duet::ops: argmax and argmin take the tensor, then optionally ops::axis<A>, then optionally ops::keep_dims");
+  return apply(ArgExtremeOp<Max, A, sizeof...(Keep) == 1, element_of<X>>{}, x);
+}
+
+}  // namespace detail
+
+namespace detail {
+// A reduction over axes given either way: ops::axes<...> while the program compiles, a list at
+// run time.
+template <class Reducer, class X, class AxesT, class... Keep>
+auto reduce_over(const X& x, const AxesT& axes, const char* who, Keep... keep) {
+  if constexpr (std::is_same_v<AxesT, std::span<const int>>)
+    return reduce_listed<Reducer>(x, axes, who, keep...);
+  else
+    return reduce<Reducer>(x, axes, keep...);
+}
+}  // namespace detail
+
+// The ways an operation over axes is called, as sum is: sum(x) and sum(x, keep_dims) over every
+// axis; sum(x, axes<...>), the axes known while the program compiles; sum(x, {0, 1}) or a
+// std::span<const int>, known at run time; keep_dims last. Each overload returns the
+// expression given, written on x, axes (an Axes<A...> or a std::span<const int>) and keep.
+#define DUET_DETAIL_OVER_AXES(name, ...)                                                  \
+  template <TensorLike X, int... A, class... Keep>                                        \
+  auto name(const X& x, Axes<A...> axes, Keep... keep) {                                  \
+    return __VA_ARGS__;                                                                   \
+  }                                                                                       \
+  template <TensorLike X, class... Keep>                                                  \
+  requires((std::is_same_v<Keep, KeepDims> && ...)) auto name(const X& x, Keep... keep) { \
+    const Axes<> axes{};                                                                  \
+    return __VA_ARGS__;                                                                   \
+  }                                                                                       \
+  template <TensorLike X, class... Keep>                                                  \
+  auto name(const X& x, std::span<const int> axes, Keep... keep) {                        \
+    return __VA_ARGS__;                                                                   \
+  }                                                                                       \
+  template <TensorLike X, class... Keep>                                                  \
+  auto name(const X& x, std::initializer_list<int> list, Keep... keep) {                  \
+    const std::span<const int> axes(list.begin(), list.size());                           \
+    return __VA_ARGS__;                                                                   \
+  }
+DUET_DETAIL_OVER_AXES(sum, detail::reduce_over<detail::SumReducer>(x, axes, "sum", keep...))
+DUET_DETAIL_OVER_AXES(mean, detail::reduce_over<detail::MeanReducer>(x, axes, "mean", keep...))
+DUET_DETAIL_OVER_AXES(prod, detail::reduce_over<detail::ProdReducer>(x, axes, "prod", keep...))
+DUET_DETAIL_OVER_AXES(max, detail::reduce_over<detail::MaxReducer>(x, axes, "max", keep...))
+DUET_DETAIL_OVER_AXES(min, detail::reduce_over<detail::MinReducer>(x, axes, "min", keep...))
+
+namespace detail {
+template <class X, class AxesT, class... Keep>
+auto variance(const X& x, const AxesT& axes, Keep... keep) {
+  return mean(square(x - mean(x, axes, keep_dims)), axes, keep...);
+}
+}  // namespace detail
+
+// var(x), var(x, axes<...>), with keep_dims, or the axes at run time, as sum takes them: the
+// variance over the axes (every axis if none),
+// mean((x - mean(x))^2), dividing by the n elements reduced, as numpy's and MindSpore's
+// ops.var do by default (ddof = 0); torch.var divides by n - 1 by default (a sample's
+// unbiased estimate: multiply by n / (n - 1)). std is its square root. Made of mean,
+// subtraction and square, which give their gradients; std's is 0 where the variance is 0, as
+// PyTorch's (fn::StdRoot).
+DUET_DETAIL_OVER_AXES(var, detail::variance(x, axes, keep...))
+DUET_DETAIL_OVER_AXES(std, apply(MapOp<fn::StdRoot>{}, detail::variance(x, axes, keep...)))
+
+// argmax(x) (axis -1, MindSpore's ops.Argmax default), argmax(x, axis<A>), with keep_dims.
+template <TensorLike X, int A = -1, class... Keep>
+auto argmax(const X& x, Axes<A> a = {}, Keep... keep) {
+  return detail::arg_extreme<true>(x, a, keep...);
+}
+template <TensorLike X, int A = -1, class... Keep>
+auto argmin(const X& x, Axes<A> a = {}, Keep... keep) {
+  return detail::arg_extreme<false>(x, a, keep...);
+}
+
+namespace detail {
+// m + log Σ exp(x - m), m the maximum over the axes (kept as 1 while it is subtracted). An
+// infinite m is taken out as 0: every element -inf gives -inf (m = -inf would make -inf - -inf
+// = NaN), and a +inf gives +inf, as PyTorch's. m is a constant of the gradient
+// (ops::stop_gradient), which is then exp(x - m) / Σ exp(x - m): softmax over the axes.
+template <class X, class AxesT, class... Keep>
+auto log_sum_exp(const X& x, const AxesT& axes, Keep...) {
+  using V = element_of<X>;
+  static_assert(std::is_floating_point_v<V>, "duet::ops::logsumexp: the tensor must have a floating-point element type");
+  const auto shift = [&](auto... kept) {
+    const auto m = stop_gradient(max(x, axes, kept...));
+    return where(equal(abs(m), std::numeric_limits<V>::infinity()), V(0), m);
+  };
+  const auto m = shift(keep_dims);
+  // With keep_dims the maximum is m itself; without, it is taken again in the output's shape
+  // (the same operation twice on one input would be one value captured twice).
+  if constexpr (sizeof...(Keep) == 1) return log(sum(exp(x - m), axes, keep_dims)) + m;
+  else return log(sum(exp(x - m), axes)) + shift();
+}
+}  // namespace detail
+
+// logsumexp(x), logsumexp(x, axes<...>), with keep_dims, or the axes at run time, as sum takes
+// them: log Σ exp(x) over the axes (every axis if none), PyTorch's torch.logsumexp and
+// MindSpore's ops.logsumexp, without overflow (the maximum is taken out first) and -inf for a
+// group of -inf (a fully masked row).
+DUET_DETAIL_OVER_AXES(logsumexp, detail::log_sum_exp(x, axes, keep...))
+#undef DUET_DETAIL_OVER_AXES
+
+}  // namespace ops
 }  // namespace duet
 // softmax and log_softmax along one axis (MindSpore's ops.softmax(x, axis=-1),
 // ops.log_softmax, nn.Softmax(axis), nn.LogSoftmax(axis)), in both modes.

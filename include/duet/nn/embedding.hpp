@@ -2,6 +2,7 @@
 // layer's table (MindSpore's nn.Embedding).
 #pragma once
 
+#include <Eigen/Core>
 #include <algorithm>
 #include <array>
 #include <cstdint>
@@ -10,13 +11,11 @@
 #include <type_traits>
 #include <utility>
 
-#include <Eigen/Core>
-
 #include "../cell.hpp"
 #include "../eager.hpp"
 #include "../initializer.hpp"
 #include "../operation.hpp"
-#include "../ops/shape.hpp"
+#include "../ops/indexing.hpp"
 
 namespace duet {
 namespace ops {

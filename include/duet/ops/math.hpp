@@ -644,8 +644,9 @@ struct TriangleOp : Primitive<TriangleOp<Lower>> {
 };
 
 inline const bool math_listed =
-    list_operations({"exp", "log", "log1p", "expm1", "sin", "cos", "erf", "sqrt", "rsqrt", "abs", "square", "clip_by_value",
-                     "where", "greater", "less", "equal", "greater_equal", "less_equal", "not_equal", "tril", "triu"});
+    list_operations({"exp",   "log",           "log1p",      "expm1",         "sin",   "cos",         "erf",     "sqrt",
+                     "rsqrt", "abs",           "square",     "clip_by_value", "where", "masked_fill", "greater", "less",
+                     "equal", "greater_equal", "less_equal", "not_equal",     "tril",  "triu"});
 
 template <class X>
   requires TensorLike<X>
@@ -776,6 +777,13 @@ auto where(const C& condition, S x, const B& y) {
                 "duet::ops::where: the condition is a UInt8 tensor, as the comparisons (ops::greater, ...) make");
   static_assert(!truncates<S, B>, DUET_DETAIL_TRUNCATION_MESSAGE);
   return apply(WhereScalarOp<typename B::value_type, true>{static_cast<double>(x)}, condition, y);
+}
+
+// PyTorch's x.masked_fill(mask, value): value where the UInt8 mask is not 0, x elsewhere, the
+// mask and x broadcast together (torch's out-of-place form broadcasts both ways).
+template <class X, class M, class S>
+requires(TensorLike<X>&& TensorLike<M>&& Scalar<S>) auto masked_fill(const X& x, const M& mask, S value) {
+  return where(mask, value, x);
 }
 
 }  // namespace ops

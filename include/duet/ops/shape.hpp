@@ -1,5 +1,5 @@
 // Shape operations: reshape, transpose/permute, expand_dims, squeeze, concat, stack, tile,
-// split, chunk, slice/strided_slice, flip, gather and one_hot, in both modes (MindSpore's
+// split, chunk, slice/strided_slice, flip and positions, in both modes (MindSpore's
 // ops.reshape, ops.transpose, ...).
 //
 // Every argument that decides the output's shape is known at compile time, so that graph
@@ -12,7 +12,7 @@
 // order, with a shape. So reshape, expand_dims and squeeze are views (no kernel, no copy),
 // and so is a slice along the first axis only (split<0, ...>, chunk<0, N>, or slice and
 // strided_slice cutting axis 0 with stride 1), which begins further into the input's block.
-// transpose, concat, stack, tile, gather, flip and the other slices copy: their elements are
+// transpose, concat, stack, tile, flip and the other slices copy: their elements are
 // not such a run.
 #pragma once
 
@@ -1375,114 +1375,6 @@ auto chunk(const X& x) {
 }
 
 // ----------------------------------------------------------------------------------------
-// gather<Axis>(params, indices): the slices of params along Axis that int32 indices name,
-// in the indices' shape: output shape params[:Axis] + indices + params[Axis + 1:]
-// (MindSpore's gather(input_params, input_indices, axis)). An index outside [0, size) is a
-// duet::IndexError. The indices have no gradient; params' gradient adds dy's slices back
-// where they were read from, so an index read twice gets both.
-
-namespace detail {
-// Checks every index before anything is read with it.
-inline void check_indices(const std::int32_t* idx, index_t n, index_t bound, const std::string& who) {
-  for (index_t i = 0; i < n; ++i) {
-    if (idx[i] < 0 || idx[i] >= bound) {
-      throw IndexError(who + ": index " + std::to_string(idx[i]) + " (element " + std::to_string(i) +
-                       " of the indices) is out of range [0, " + std::to_string(bound) + ")");
-    }
-  }
-}
-
-// Calls f(output offset, params offset, count) for each run of `inner` elements gather copies.
-template <class F>
-void for_each_gathered(const Shape& params, int a, const std::int32_t* idx, index_t n_idx, F&& f) {
-  const index_t inner = params.numel_from(a + 1);
-  const index_t rows = params.numel() / params.numel_from(a);
-  const index_t size = params[a];
-  for (index_t r = 0; r < rows; ++r) {
-    for (index_t j = 0; j < n_idx; ++j) f((r * n_idx + j) * inner, (r * size + idx[j]) * inner, inner);
-  }
-}
-}  // namespace detail
-
-template <int Axis>
-struct GatherGradOp;
-
-template <int Axis>
-struct GatherOp : Primitive<GatherOp<Axis>> {
-  static constexpr int arity = 2;
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
-    const Shape& p = in[0];
-    const Shape& idx = in[1];
-    if (p.leading_unknown() || idx.leading_unknown()) return {Shape::any()};
-    const int a = detail::axis_index(Axis, p.rank());
-    if (a < 0) return fault(p, ShapeFault::min_rank, Axis < 0 ? -Axis : Axis + 1);
-    Shape out;
-    for (int i = 0; i < a; ++i) out.push_back(p[i]);
-    for (index_t d : idx) out.push_back(d);
-    for (int i = a + 1; i < p.rank(); ++i) out.push_back(p[i]);
-    return {out};
-  }
-
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& args) const {
-    const Shape& p = args.in_shape(0);
-    const int a = detail::axis_index(Axis, p.rank());
-    const std::int32_t* idx = args.in<std::int32_t>(1);
-    const index_t n_idx = args.in_shape(1).numel();
-    detail::check_indices(idx, n_idx, p[a], label());
-    const T* x = args.in<T>(0);
-    T* y = args.out<T>();
-    detail::for_each_gathered(p, a, idx, n_idx, [&](index_t o, index_t i, index_t n) { std::copy_n(x + i, n, y + o); });
-  }
-
-  template <std::size_t K>
-    requires(K < 2)
-  auto grad_op() const {
-    if constexpr (K == 0) return GatherGradOp<Axis>{};
-    else return NoGradient{};
-  }
-
-  static std::string op_name() { return "Gather<" + std::to_string(Axis) + ">"; }
-  Interchange interchange(std::span<const Shape>) const {
-    return {{"Gather", {InterchangeInput::operand(0), InterchangeInput::operand(1)}, {InterchangeAttribute::of("axis", Axis)}}};
-  }
-  std::string label() const { return "ops::gather<" + std::to_string(Axis) + ">"; }
-};
-
-// d/d params of gather: zeros, with each slice of dy added where its index points.
-template <int Axis>
-struct GatherGradOp : Primitive<GatherGradOp<Axis>> {
-  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0, graph::Operand::input1};
-  static constexpr int arity = 3;
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
-
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& args) const {
-    const Shape& p = args.in_shape(1);
-    const int a = detail::axis_index(Axis, p.rank());
-    const std::int32_t* idx = args.in<std::int32_t>(2);
-    const index_t n_idx = args.in_shape(2).numel();
-    detail::check_indices(idx, n_idx, p[a], "ops::gather<" + std::to_string(Axis) + "> (gradient)");
-    const T* dy = args.in<T>(0);
-    T* dx = args.out<T>();
-    std::fill_n(dx, p.numel(), T(0));
-    detail::for_each_gathered(p, a, idx, n_idx, [&](index_t o, index_t i, index_t n) {
-      for (index_t k = 0; k < n; ++k) dx[i + k] += dy[o + k];
-    });
-  }
-
-  static std::string op_name() { return "GatherGrad<" + std::to_string(Axis) + ">"; }
-};
-
-template <int Axis = 0, class P, class I>
-auto gather(const P& params, const I& indices) {
-  static_assert(std::is_same_v<typename std::remove_cvref_t<I>::value_type, std::int32_t>,
-                "duet::ops::gather: the indices must be int32 tensors");
-  return apply(GatherOp<Axis>{}, params, indices);
-}
-
 // 0, 1, ..., n - 1 as int32, n the size of x along Axis: a sequence's positions, made from the
 // sequence itself (PyTorch's torch.arange(x.size(1))) so that a positional Embedding serves any
 // length in graph mode too. x's values are not read, and get no gradient.
@@ -1569,89 +1461,9 @@ auto flip(X&& x) {
   return apply(FlipOp<A...>{}, std::forward<X>(x));
 }
 
-// one_hot<Depth>(indices): int32 indices of any shape to values of element type T (float
-// unless given) of shape indices + [Depth], 1 where the new last axis is at the index and 0
-// elsewhere (PyTorch's F.one_hot(t, num_classes), MindSpore's ops.one_hot(indices, depth)
-// with on_value 1 and off_value 0); one_hot(indices, depth) takes the depth at run time. An
-// index outside [0, Depth) is a duet::IndexError, as gather's. The indices get no gradient,
-// as gather's: they are integers.
-
-// What both forms share: the kernel, which reads the depth off the output's last axis, and
-// the indices' lack of a gradient.
-template <class Self, ElementType T>
-struct OneHotPrimitive : Primitive<Self> {
-  using value_type = T;
-  static constexpr int arity = 1;
-
-  template <class Backend, class U>
-  void run(const graph::KernelArgs& a) const {
-    const std::int32_t* idx = a.in<std::int32_t>();
-    const index_t n = a.in_shape().numel();
-    const index_t depth = a.output_shape.back();
-    detail::check_indices(idx, n, depth, static_cast<const Self&>(*this).label());
-    U* y = a.out<U>();
-    Backend::fill(y, n * depth, U(0));
-    for (index_t i = 0; i < n; ++i) y[i * depth + idx[i]] = U(1);
-  }
-
-  // Of input 0, the only one.
-  template <std::size_t K>
-  NoGradient grad_op() const {
-    return {};
-  }
-
- protected:
-  static constexpr ShapeResult with_depth(const Shape& indices, index_t depth) {
-    Shape out = indices;
-    out.push_back(depth);
-    return {out};
-  }
-};
-
-template <index_t Depth, ElementType T>
-struct OneHotOp : OneHotPrimitive<OneHotOp<Depth, T>, T> {
-  static_assert(Depth >= 0, "duet::ops::one_hot: the depth must be >= 0");
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return OneHotOp::with_depth(in[0], Depth); }
-
-  static std::string op_name() { return "OneHot<" + std::to_string(Depth) + ">"; }
-  std::string label() const { return "ops::one_hot<" + std::to_string(Depth) + ">"; }
-};
-
-// The depth given at run time: graph mode reads it when it captures construct, as tile's
-// multiples, and knows the last axis's size when the network first runs.
-template <ElementType T>
-struct OneHotDepthOp : OneHotPrimitive<OneHotDepthOp<T>, T> {
-  index_t depth = 0;
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return OneHotDepthOp::with_depth(in[0], dyn); }
-  ShapeResult infer(std::span<const Shape> in) const { return OneHotDepthOp::with_depth(in[0], depth); }
-
-  static std::string op_name() { return "OneHot"; }
-  std::string label() const { return "ops::one_hot(indices, " + std::to_string(depth) + ")"; }
-};
-
-template <index_t Depth, ElementType T = float, class I>
-auto one_hot(const I& indices) {
-  static_assert(std::is_same_v<typename std::remove_cvref_t<I>::value_type, std::int32_t>,
-                "duet::ops::one_hot: the indices must be int32 tensors");
-  return apply(OneHotOp<Depth, T>{}, indices);
-}
-
-// Throws duet::ValueError for a negative depth.
-template <ElementType T = float, class I>
-auto one_hot(const I& indices, index_t depth) {
-  static_assert(std::is_same_v<typename std::remove_cvref_t<I>::value_type, std::int32_t>,
-                "duet::ops::one_hot: the indices must be int32 tensors");
-  if (depth < 0) throw ValueError("duet::ops::one_hot: the depth " + std::to_string(depth) + " must be >= 0");
-  OneHotDepthOp<T> op;
-  op.depth = depth;
-  return apply(op, indices);
-}
-
 inline const bool shape_listed =
     list_operations({"reshape", "transpose", "permute", "expand_dims", "squeeze", "concat", "stack", "split", "chunk",
-                     "tile", "slice", "strided_slice", "flip", "take", "gather", "positions", "one_hot"});
+                     "tile", "slice", "strided_slice", "flip", "take", "positions"});
 
 }  // namespace ops
 }  // namespace duet
