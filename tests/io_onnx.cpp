@@ -1211,6 +1211,48 @@ TEST_CASE("io::export_onnx: tile and prod are Tile and ReduceProd, and load back
   CHECK(std::ranges::count(loaded.operators(), "ReduceProd") == 3);
 }
 
+// torch.gather's elements, their indices computed from the input (a Cast of int32s), and a
+// masked_fill: GatherElements and Where.
+struct PickedFeatures : duet::nn::Cell<PickedFeatures> {
+  duet::nn::Dense<4, 6> fc;
+  DUET_CELL_MEMBERS(fc);
+  auto construct(auto x) {
+    namespace ops = duet::ops;
+    const auto h = fc(x);                                                                         // [B, 6]
+    const auto at = ops::cast<std::int32_t>(ops::clip_by_value(ops::abs(x) * 2.0f, 0.0f, 5.0f));  // [B, 4] in [0, 5]
+    const auto picked = ops::gather_elements<1>(h, at);
+    return ops::masked_fill(picked, ops::greater(picked, 0.5f), 0.5f);
+  }
+};
+
+// topk's indices have no ONNX form: TopK makes values and indices at once, and an exported
+// operation makes one value.
+struct TopTwo : duet::nn::Cell<TopTwo> {
+  auto construct(auto x) { return duet::ops::topk<2>(x).values; }
+};
+
+TEST_CASE("io::export_onnx: gather_elements is GatherElements, masked_fill Where, and numpy evaluates them as duet") {
+  const duet_test::TempDir dir;
+  PickedFeatures net;
+  net.set_train(false);
+  const Tensor x = duet::randn({3, 4});
+  const Tensor want = pynative_output(net, x);
+  duet::io::export_onnx(net, x.shape(), dir.path / "picked.onnx");
+  check_by_numpy(dir, "picked", x, want);
+  onnx::ModelProto model;
+  {
+    std::ifstream in(dir.path / "picked.onnx", std::ios::binary);
+    REQUIRE(model.ParseFromIstream(&in));
+  }
+  std::multiset<std::string> types;
+  for (const auto& node : model.graph().node()) types.insert(node.op_type());
+  CHECK(types.count("GatherElements") == 1);
+  CHECK(types.count("Where") == 1);
+  TopTwo top;
+  CHECK_THROWS_WITH_AS(duet::io::export_onnx(top, Shape{2, 5}, dir.path / "top.onnx"),
+                       doctest::Contains("has no ONNX form"), duet::ValueError);
+}
+
 // A server freezes compiles after warming up: a request of the wrong shape is still a
 // ShapeError about the input, not a RecompileError about a form it would compile (helper-85).
 TEST_CASE("io::export_onnx: with dynamic_batch the model takes any batch, and frozen in graph mode it refuses a wrong input as one") {

@@ -242,6 +242,14 @@ def run(model, xs):
             y = np.concatenate(ins, axis=a["axis"])
         elif op == "Gather":
             y = np.take(ins[0], ins[1].astype(np.int64), axis=a.get("axis", 0))
+        elif op == "GatherElements":
+            # ONNX's indices may be smaller than the data along the other axes (torch.gather's
+            # rule): take_along_axis broadcasts instead, so the data is cut to them first.
+            ax = a.get("axis", 0) % ins[0].ndim
+            idx = ins[1].astype(np.int64)
+            idx = np.where(idx < 0, idx + ins[0].shape[ax], idx)
+            cut = tuple(slice(None) if k == ax else slice(0, n) for k, n in enumerate(idx.shape))
+            y = np.take_along_axis(ins[0][cut], idx, axis=ax)
         elif op == "Shape":
             y = np.array(ins[0].shape[a.get("start", 0):a.get("end", None)], np.int64)
         elif op == "Range":
