@@ -58,12 +58,66 @@ void for_each_gathered(const Shape& params, int a, const std::int32_t* idx, inde
 }
 }  // namespace detail
 
-template <int Axis>
-struct GatherGradOp;
+// What gather and gather_elements share: the kernel that copies what the indices read, and the
+// gradient that adds dy back there. Self::for_each_read(x, indices' shape, axis, indices, f)
+// calls f(output offset, x offset, count) for each run of elements it copies.
+template <class Fwd>
+struct IndexedReadGradOp;
+
+template <class Self, int Axis>
+struct IndexedReadPrimitive : Primitive<Self> {
+  static constexpr int arity = 2;
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& args) const {
+    const Shape& x = args.in_shape(0);
+    const int a = detail::axis_index(Axis, x.rank());
+    const std::int32_t* idx = args.in<std::int32_t>(1);
+    detail::check_indices(idx, args.in_shape(1).numel(), x[a], static_cast<const Self&>(*this).label());
+    const T* xs = args.in<T>(0);
+    T* y = args.out<T>();
+    Self::for_each_read(x, args.in_shape(1), a, idx,
+                        [&](index_t o, index_t i, index_t n) { std::copy_n(xs + i, n, y + o); });
+  }
+
+  template <std::size_t K>
+  requires(K < 2) auto grad_op() const {
+    if constexpr (K == 0)
+      return IndexedReadGradOp<Self>{};
+    else
+      return NoGradient{};
+  }
+};
+
+// d/d x of gather and gather_elements: zeros, with dy added where each index read, in the
+// indices' order, so that both modes add in the same order.
+template <class Fwd>
+struct IndexedReadGradOp : Primitive<IndexedReadGradOp<Fwd>> {
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0, graph::Operand::input1};
+  static constexpr int arity = 3;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& args) const {
+    const Shape& x = args.in_shape(1);
+    const int a = detail::axis_index(Fwd::axis, x.rank());
+    const std::int32_t* idx = args.in<std::int32_t>(2);
+    detail::check_indices(idx, args.in_shape(2).numel(), x[a], Fwd{}.label() + " (gradient)");
+    const T* dy = args.in<T>(0);
+    T* dx = args.out<T>();
+    std::fill_n(dx, x.numel(), T(0));
+    Fwd::for_each_read(x, args.in_shape(2), a, idx, [&](index_t o, index_t i, index_t n) {
+      for (index_t k = 0; k < n; ++k) dx[i + k] += dy[o + k];
+    });
+  }
+
+  static std::string op_name() { return Fwd::grad_name(); }
+};
 
 template <int Axis>
-struct GatherOp : Primitive<GatherOp<Axis>> {
-  static constexpr int arity = 2;
+struct GatherOp : IndexedReadPrimitive<GatherOp<Axis>, Axis> {
+  static constexpr int axis = Axis;
 
   static constexpr ShapeResult infer_static(std::span<const Shape> in) {
     const Shape& p = in[0];
@@ -78,59 +132,19 @@ struct GatherOp : Primitive<GatherOp<Axis>> {
     return {out};
   }
 
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& args) const {
-    const Shape& p = args.in_shape(0);
-    const int a = detail::axis_index(Axis, p.rank());
-    const std::int32_t* idx = args.in<std::int32_t>(1);
-    const index_t n_idx = args.in_shape(1).numel();
-    detail::check_indices(idx, n_idx, p[a], label());
-    const T* x = args.in<T>(0);
-    T* y = args.out<T>();
-    detail::for_each_gathered(p, a, idx, n_idx, [&](index_t o, index_t i, index_t n) { std::copy_n(x + i, n, y + o); });
-  }
-
-  template <std::size_t K>
-  requires(K < 2) auto grad_op() const {
-    if constexpr (K == 0)
-      return GatherGradOp<Axis>{};
-    else
-      return NoGradient{};
+  template <class F>
+  static void for_each_read(const Shape& p, const Shape& indices, int a, const std::int32_t* idx, F&& f) {
+    detail::for_each_gathered(p, a, idx, indices.numel(), f);
   }
 
   static std::string op_name() { return "Gather<" + std::to_string(Axis) + ">"; }
+  static std::string grad_name() { return "GatherGrad<" + std::to_string(Axis) + ">"; }
   Interchange interchange(std::span<const Shape>) const {
     return {{"Gather",
              {InterchangeInput::operand(0), InterchangeInput::operand(1)},
              {InterchangeAttribute::of("axis", Axis)}}};
   }
   std::string label() const { return "ops::gather<" + std::to_string(Axis) + ">"; }
-};
-
-// d/d params of gather: zeros, with each slice of dy added where its index points.
-template <int Axis>
-struct GatherGradOp : Primitive<GatherGradOp<Axis>> {
-  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0, graph::Operand::input1};
-  static constexpr int arity = 3;
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
-
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& args) const {
-    const Shape& p = args.in_shape(1);
-    const int a = detail::axis_index(Axis, p.rank());
-    const std::int32_t* idx = args.in<std::int32_t>(2);
-    const index_t n_idx = args.in_shape(2).numel();
-    detail::check_indices(idx, n_idx, p[a], "ops::gather<" + std::to_string(Axis) + "> (gradient)");
-    const T* dy = args.in<T>(0);
-    T* dx = args.out<T>();
-    std::fill_n(dx, p.numel(), T(0));
-    detail::for_each_gathered(p, a, idx, n_idx, [&](index_t o, index_t i, index_t n) {
-      for (index_t k = 0; k < n; ++k) dx[i + k] += dy[o + k];
-    });
-  }
-
-  static std::string op_name() { return "GatherGrad<" + std::to_string(Axis) + ">"; }
 };
 
 template <int Axis = 0, class P, class I>
@@ -148,24 +162,9 @@ auto gather(const P& params, const I& indices) {
 // x's gradient adds each element of dy back where its index read it (a scatter-add), so an
 // element read twice gets both.
 
-namespace detail {
-// Calls f(i, j) for each element i of the indices and the element j of x it reads.
-template <class F>
-void for_each_gathered_element(const Shape& x, const Shape& indices, int a, const std::int32_t* idx, F&& f) {
-  std::array<index_t, max_rank> stride = strides_of(x);
-  const index_t along = stride[static_cast<std::size_t>(a)];
-  // The walk of the indices' other axes through x: the axis gathered along is the index's.
-  stride[static_cast<std::size_t>(a)] = 0;
-  for_each_strided(0, stride, indices, [&](index_t i, index_t j) { f(i, j + idx[i] * along); });
-}
-}  // namespace detail
-
 template <int Axis>
-struct GatherElementsGradOp;
-
-template <int Axis>
-struct GatherElementsOp : Primitive<GatherElementsOp<Axis>> {
-  static constexpr int arity = 2;
+struct GatherElementsOp : IndexedReadPrimitive<GatherElementsOp<Axis>, Axis> {
+  static constexpr int axis = Axis;
 
   static constexpr ShapeResult infer_static(std::span<const Shape> in) {
     const Shape& x = in[0];
@@ -180,57 +179,24 @@ struct GatherElementsOp : Primitive<GatherElementsOp<Axis>> {
     return {idx};
   }
 
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& args) const {
-    const Shape& x = args.in_shape(0);
-    const int a = detail::axis_index(Axis, x.rank());
-    const std::int32_t* idx = args.in<std::int32_t>(1);
-    detail::check_indices(idx, args.output_shape.numel(), x[a], label());
-    const T* xs = args.in<T>(0);
-    T* y = args.out<T>();
-    detail::for_each_gathered_element(x, args.output_shape, a, idx, [&](index_t i, index_t j) { y[i] = xs[j]; });
-  }
-
-  template <std::size_t K>
-  requires(K < 2) auto grad_op() const {
-    if constexpr (K == 0)
-      return GatherElementsGradOp<Axis>{};
-    else
-      return NoGradient{};
+  // One element a run: element i of the indices reads x where the walk of the indices' other
+  // axes through x meets the index along the axis.
+  template <class F>
+  static void for_each_read(const Shape& x, const Shape& indices, int a, const std::int32_t* idx, F&& f) {
+    std::array<index_t, max_rank> stride = detail::strides_of(x);
+    const index_t along = stride[static_cast<std::size_t>(a)];
+    stride[static_cast<std::size_t>(a)] = 0;
+    detail::for_each_strided(0, stride, indices, [&](index_t i, index_t j) { f(i, j + idx[i] * along, 1); });
   }
 
   static std::string op_name() { return "GatherElements<" + std::to_string(Axis) + ">"; }
+  static std::string grad_name() { return "GatherElementsGrad<" + std::to_string(Axis) + ">"; }
   Interchange interchange(std::span<const Shape>) const {
     return {{"GatherElements",
              {InterchangeInput::operand(0), InterchangeInput::operand(1)},
              {InterchangeAttribute::of("axis", Axis)}}};
   }
   std::string label() const { return "ops::gather_elements<" + std::to_string(Axis) + ">"; }
-};
-
-// d/d x of gather_elements: zeros, with each element of dy added where its index points, in
-// the indices' order, so that both modes add in the same order.
-template <int Axis>
-struct GatherElementsGradOp : Primitive<GatherElementsGradOp<Axis>> {
-  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0, graph::Operand::input1};
-  static constexpr int arity = 3;
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
-
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& args) const {
-    const Shape& x = args.in_shape(1);
-    const int a = detail::axis_index(Axis, x.rank());
-    const std::int32_t* idx = args.in<std::int32_t>(2);
-    detail::check_indices(idx, args.in_shape(2).numel(), x[a],
-                          "ops::gather_elements<" + std::to_string(Axis) + "> (gradient)");
-    const T* dy = args.in<T>(0);
-    T* dx = args.out<T>();
-    std::fill_n(dx, x.numel(), T(0));
-    detail::for_each_gathered_element(x, args.in_shape(2), a, idx, [&](index_t i, index_t j) { dx[j] += dy[i]; });
-  }
-
-  static std::string op_name() { return "GatherElementsGrad<" + std::to_string(Axis) + ">"; }
 };
 
 template <int Axis, class X, class I>
