@@ -10,9 +10,11 @@
 #error "define DUET_KERNEL_BODY (the body's file name) before including kernels/detail/per_isa.hpp"
 #endif
 
+DUET_BEGIN_BASELINE
 namespace duet::kernels::detail::baseline {
 #include DUET_KERNEL_BODY
 }  // namespace duet::kernels::detail::baseline
+DUET_END_BASELINE
 
 #if DUET_X86_KERNELS
 DUET_BEGIN_AVX2

@@ -7,13 +7,13 @@ template <class T>
 inline constexpr int lanes = vector_bytes / static_cast<int>(sizeof(T));
 
 template <class T>
-Vec<T> load(const T* p) {
+[[gnu::always_inline]] inline Vec<T> load(const T* p) {
   Vec<T> v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
 template <class T>
-void store(T* p, Vec<T> v) {
+[[gnu::always_inline]] inline void store(T* p, Vec<T> v) {
   std::memcpy(p, &v, sizeof v);
 }
