@@ -221,9 +221,9 @@ void BM_openblas(benchmark::State& state) {
 
 #ifdef DUET_BENCH_DNNL
 // oneDNN's matmul primitive, made once outside the loop: c[m, n] = a[m, k] · b, b stored as
-// [k, n] (format tag ab) or, a weight as duet stores it, as [n, k] (tag ba), with the bias and
-// a ReLU post-op (its fused epilogue) or neither.
-void onednn_matmul(benchmark::State& state, index_t m, index_t k, index_t n, bool b_kn, bool epilogue) {
+// [k, n] (format tag ab) or, a weight as duet stores it, as [n, k] (tag ba), with the bias (and
+// a ReLU post-op, its fused epilogue) or neither.
+void onednn_matmul(benchmark::State& state, index_t m, index_t k, index_t n, bool b_kn, bool epilogue, bool relu) {
   using tag = dnnl::memory::format_tag;
   constexpr auto f32 = dnnl::memory::data_type::f32;
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
@@ -231,7 +231,7 @@ void onednn_matmul(benchmark::State& state, index_t m, index_t k, index_t n, boo
   const dnnl::memory::desc a_md{{m, k}, f32, tag::ab}, b_md{{k, n}, f32, b_kn ? tag::ab : tag::ba},
       bias_md{{1, n}, f32, tag::ab}, c_md{{m, n}, f32, tag::ab};
   dnnl::post_ops post;
-  if (epilogue) post.append_eltwise(1.0f, dnnl::algorithm::eltwise_relu, 0.0f, 0.0f);
+  if (epilogue && relu) post.append_eltwise(1.0f, dnnl::algorithm::eltwise_relu, 0.0f, 0.0f);
   dnnl::primitive_attr attr;
   attr.set_post_ops(post);
   const dnnl::matmul::primitive_desc pd = epilogue
@@ -253,16 +253,16 @@ void onednn_matmul(benchmark::State& state, index_t m, index_t k, index_t n, boo
   });
 }
 
-// A layer's forward product with its bias and ReLU.
-template <index_t In, index_t Out>
+// A layer's forward product with its bias, and its ReLU where Relu.
+template <index_t In, index_t Out, bool Relu = true>
 void BM_onednn(benchmark::State& state) {
-  onednn_matmul(state, state.range(0), In, Out, false, true);
+  onednn_matmul(state, state.range(0), In, Out, false, true, Relu);
 }
 
 // The weight gradient's product, dw[Out, In] = dzᵀ[Out, rows] · x[rows, In].
 template <index_t In, index_t Out>
 void BM_onednn_weight_gradient(benchmark::State& state) {
-  onednn_matmul(state, Out, state.range(0), In, true, false);
+  onednn_matmul(state, Out, state.range(0), In, true, false, false);
 }
 #endif
 
@@ -278,6 +278,7 @@ BENCHMARK(BM_dense<backend::Native, false, 512, 512, fn::Relu>)->Name("gemm/nati
 BENCHMARK(BM_dense<backend::Native, true, 512, 512, fn::Relu>)->Name("gemm/native_packed/512x512+relu")->Arg(64)->Arg(256)->UseManualTime();
 BENCHMARK(BM_dense<backend::Eigen, false, 512, 512, fn::Relu>)->Name("gemm/eigen/512x512+relu")->Arg(1)->Arg(64)->Arg(256)->UseManualTime();
 BENCHMARK(BM_dense<backend::Native, false, 512, 10>)->Name("gemm/native/512x10")->Arg(1)->Arg(64)->Arg(256)->UseManualTime();
+BENCHMARK(BM_dense<backend::Native, true, 512, 10>)->Name("gemm/native_packed/512x10")->Arg(64)->Arg(256)->UseManualTime();
 BENCHMARK(BM_dense<backend::Eigen, false, 512, 10>)->Name("gemm/eigen/512x10")->Arg(1)->Arg(64)->Arg(256)->UseManualTime();
 BENCHMARK(BM_weight_gradient<784, 512, true>)->Name("gemm/weight_gradient/native/784x512")->Arg(64)->Arg(256)->UseManualTime();
 BENCHMARK(BM_weight_gradient<784, 512, false>)->Name("gemm/weight_gradient/native_chain/784x512")->Arg(64)->Arg(256)->UseManualTime();
@@ -286,10 +287,12 @@ BENCHMARK(BM_weight_gradient<512, 512, false>)->Name("gemm/weight_gradient/nativ
 #ifdef DUET_BENCH_OPENBLAS
 BENCHMARK(BM_openblas<784, 512, true>)->Name("gemm/openblas/784x512+relu")->Arg(1)->Arg(64)->Arg(256)->UseManualTime();
 BENCHMARK(BM_openblas<512, 512, true>)->Name("gemm/openblas/512x512+relu")->Arg(1)->Arg(64)->Arg(256)->UseManualTime();
+BENCHMARK(BM_openblas<512, 10, false>)->Name("gemm/openblas/512x10")->Arg(1)->Arg(64)->Arg(256)->UseManualTime();
 #endif
 #ifdef DUET_BENCH_DNNL
 BENCHMARK(BM_onednn<784, 512>)->Name("gemm/onednn/784x512+relu")->Arg(1)->Arg(64)->Arg(256)->UseManualTime();
 BENCHMARK(BM_onednn<512, 512>)->Name("gemm/onednn/512x512+relu")->Arg(1)->Arg(64)->Arg(256)->UseManualTime();
+BENCHMARK(BM_onednn<512, 10, false>)->Name("gemm/onednn/512x10")->Arg(1)->Arg(64)->Arg(256)->UseManualTime();
 BENCHMARK(BM_onednn_weight_gradient<784, 512>)
     ->Name("gemm/weight_gradient/onednn/784x512")
     ->Arg(64)
