@@ -1,6 +1,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -275,6 +276,140 @@ TEST_CASE("graph mode runs a network built at run time eagerly where it cannot b
   handle.remove();
   CHECK(duet_test::values_of(run_in(GRAPH_MODE, later, x)) == duet_test::values_of(run_in(PYNATIVE_MODE, later, x)));
   CHECK(later_calls == 2);
+}
+
+namespace {
+// Mean over the tokens of a sequence of embeddings: [B, L, D] to [B, D].
+struct MeanOverTokens : nn::Cell<MeanOverTokens> {
+  auto construct(auto x) { return ops::mean(x, ops::axes<1>); }
+};
+
+using StaticTextClassifier =
+    nn::SequentialCell<nn::Embedding<12, 6>, MeanOverTokens, nn::Dense<6, 5>, nn::ReLU, nn::Dense<5, 3>>;
+
+// The same classifier built at run time, with `weights`' parameters (through a checkpoint).
+nn::DynamicSequentialCell runtime_text_classifier(StaticTextClassifier& weights) {
+  nn::DynamicSequentialCell net;
+  net.append(nn::Embedding<12, 6>{});
+  net.append(MeanOverTokens{});
+  net.append(nn::Dense<6, 5>{});
+  net.append(nn::ReLU{});
+  net.append(nn::Dense<5, 3>{});
+  const duet_test::TempDir dir;
+  save_checkpoint(weights, dir.path / "classifier.ckpt");
+  load_checkpoint(dir.path / "classifier.ckpt", net);
+  return net;
+}
+
+BasicTensor<std::int32_t> token_ids(index_t batch, index_t length, int salt) {
+  BasicTensor<std::int32_t> ids({batch, length});
+  for (index_t i = 0; i < batch * length; ++i) ids.data()[i] = static_cast<std::int32_t>((i * 7 + salt) % 12);
+  return ids;
+}
+}  // namespace
+
+TEST_CASE(
+    "DynamicSequentialCell that begins with an Embedding takes token ids, bit for bit the static SequentialCell") {
+  ModeGuard guard;
+  set_seed(51);
+  StaticTextClassifier fixed;
+  auto net = runtime_text_classifier(fixed);
+  CHECK(net.other_input_type() == "Int32");
+  const auto ids = token_ids(4, 7, 3);
+  // (Of int32 tensors: a generic function is captured, and a network built at run time cannot be.)
+  const auto sum_of = [](auto& cell) {
+    return [&cell](const BasicTensor<std::int32_t>& x) { return ops::sum(cell(x)); };
+  };
+  const Tensor expected = fixed(ids);
+  const auto expected_grads = value_and_grad(sum_of(fixed), fixed.parameters(), std::nullopt)(ids).grads;
+  for (Mode m : {PYNATIVE_MODE, GRAPH_MODE}) {
+    set_context({.mode = m});
+    CAPTURE(m);
+    const std::uint64_t before = jit_compile_count();
+    for (int call = 0; call < 2; ++call) {  // graph mode: traced, then replayed
+      const Tensor y = net(ids);
+      CHECK(jit_compile_count() == before + (m == GRAPH_MODE ? 1 : 0));
+      CHECK(y.shape() == Shape{4, 3});
+      CHECK(duet_test::values_of(y) == duet_test::values_of(expected));
+      CHECK(duet_test::values_of(y) == duet_test::values_of(fixed(ids)));
+    }
+    const auto result = value_and_grad(sum_of(net), net.parameters(), std::nullopt)(ids);
+    REQUIRE(result.grads.size() == expected_grads.size());
+    for (std::size_t i = 0; i < expected_grads.size(); ++i) {
+      CHECK(duet_test::values_of(result.grads[i]) == duet_test::values_of(expected_grads[i]));
+    }
+    // Through the DynamicCell interface too.
+    nn::DynamicCell& cell = net;
+    CHECK(duet_test::values_of(cell(ids)) == duet_test::values_of(expected));
+  }
+}
+
+TEST_CASE("a run-time text classifier of token ids trains as the static one, bit for bit, in both modes") {
+  ModeGuard guard;
+  BasicTensor<std::int32_t> labels({4});
+  for (index_t i = 0; i < 4; ++i) labels(i) = static_cast<std::int32_t>(i % 3);
+  std::vector<std::vector<float>> losses;
+  std::vector<std::vector<std::vector<double>>> weights;
+  for (Mode m : {PYNATIVE_MODE, GRAPH_MODE}) {
+    set_context({.mode = m});
+    set_seed(52);
+    StaticTextClassifier fixed;
+    auto net = runtime_text_classifier(fixed);
+    const auto train = [&](auto& backbone) {
+      nn::SoftmaxCrossEntropyWithLogits<true, Reduction::mean> loss;
+      nn::WithLossCell with_loss(backbone, loss);
+      nn::SGD sgd(backbone.parameters(), {.learning_rate = 0.5});
+      nn::TrainOneStepCell step(with_loss, sgd);
+      std::vector<float> seen;
+      for (int k = 0; k < 4; ++k) seen.push_back(step(token_ids(4, 7, k), labels).item());
+      losses.push_back(seen);
+      std::vector<std::vector<double>> w;
+      for (const auto& p : backbone.parameters()) w.push_back(duet_test::values_of(*p.parameter));
+      weights.push_back(w);
+    };
+    train(fixed);
+    train(net);
+  }
+  REQUIRE(losses.size() == 4);
+  for (std::size_t i = 1; i < 4; ++i) {
+    CHECK(losses[i] == losses[0]);
+    CHECK(weights[i] == weights[0]);
+  }
+  CHECK(losses[0][3] < losses[0][0]);
+}
+
+TEST_CASE("a run-time network of token ids prints its summary and refuses floats, ids elsewhere, ids for floats") {
+  set_seed(53);
+  StaticTextClassifier fixed;
+  auto net = runtime_text_classifier(fixed);
+  std::ostringstream out;
+  const Summary s = summary(net, {4, 7}, out);
+  REQUIRE(s.rows.size() == 6);
+  CHECK(s.rows[0].output_shapes == std::vector<Shape>{Shape{4, 3}});
+  CHECK(s.rows[1].output_shapes == std::vector<Shape>{Shape{4, 7, 6}});
+  CHECK(s.rows[2].output_shapes == std::vector<Shape>{Shape{4, 6}});
+  CHECK(s.total_parameters == 12 * 6 + 6 * 5 + 5 + 5 * 3 + 3);
+  // Ids are not floats, and floats are not ids: each is refused, saying what was expected.
+  for (Mode m : {PYNATIVE_MODE, GRAPH_MODE}) {
+    ModeGuard guard;
+    set_context({.mode = m});
+    CHECK_THROWS_WITH_AS(net(ones({4, 7})), "nn::Embedding<12, 6> '0' takes int32 indices, got a tensor of Float32",
+                         ValueError);
+    auto floats = runtime_network({6, 3});
+    CHECK_THROWS_WITH_AS(floats(token_ids(4, 6, 0)),
+                         "nn::Flatten '0' takes tensors of Float32, got a tensor of Int32 (indices)", ValueError);
+  }
+  nn::DynamicSequentialCell empty;
+  CHECK_THROWS_WITH_AS(empty(token_ids(1, 2, 0)),
+                       "nn::DynamicSequentialCell takes tensors of Float32, got a tensor of Int32 (indices)",
+                       ValueError);
+  CHECK_THROWS_WITH_AS(
+      net.append(nn::Embedding<3, 3>{}),
+      "nn::DynamicSequentialCell: cannot append nn::Embedding<3, 3> as cell 5: it takes Int32 values, "
+      "and cell 4, nn::Dense<5, 3>, gives Float32 values (only the first cell may take another element "
+      "type, such as an nn::Embedding's int32 indices)",
+      ValueError);
+  CHECK(net.size() == 5);
 }
 
 }  // namespace tests_nn_container

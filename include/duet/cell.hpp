@@ -172,6 +172,13 @@ class BasicDynamicCell {
   BasicTensor<T> operator()(const BasicTensor<T>& x) {
     return duet::detail::all_or_nothing([&] { return call(x); });
   }
+  // The cell on int32 indices (token ids), for a cell whose input holds them: an nn::Embedding,
+  // a Cell that declares `using input_value_type = std::int32_t;`, a DynamicSequentialCell whose
+  // first cell is one (other_input_type() is then "Int32"). Any other cell refuses them with a
+  // duet::ValueError: indices are never read as values of T.
+  BasicTensor<T> operator()(const BasicTensor<std::int32_t>& ids) requires(!std::is_same_v<T, std::int32_t>) {
+    return duet::detail::all_or_nothing([&] { return call(ids); });
+  }
 
   // Unique for the life of the program, unlike the address: what caches of compiled plans key on.
   std::uint64_t id() const { return id_; }
@@ -358,6 +365,14 @@ class BasicDynamicCell {
 
  protected:
   virtual BasicTensor<T> forward(const BasicTensor<T>& x) = 0;
+  // forward on int32 indices, for a cell whose input holds them (operator() on ids).
+  virtual BasicTensor<T> forward_ids(const BasicTensor<std::int32_t>&) {
+    const std::string_view other = other_input_type();
+    throw ValueError(
+        label() + " takes " +
+        (other.empty() ? "tensors of " + std::string(name_of(dtype_of<T>)) : std::string(other) + " values") +
+        ", got a tensor of " + std::string(name_of(DType::int32)) + " (indices)");
+  }
 
   // Refuses an input the cell can never take, before graph mode looks for a form for its shape:
   // a bad request then reads as one (a ShapeError), not as a compile that freeze_compiles
@@ -395,54 +410,75 @@ class BasicDynamicCell {
  protected:
   // A call's observers around run(), which gives the cell's output on x: a PIJit trace's
   // note, backward hooks (on a recording tape), forward hooks, duet::summary's observer.
-  template <class Run>
-  auto observed_call(const BasicTensor<T>& x, Run run) {
+  // On int32 indices (x a BasicTensor<std::int32_t>) hooks, which take tensors of T, are
+  // refused, and duet::summary's observer is given an empty input.
+  template <class X, class Run>
+  auto observed_call(const X& x, Run run) {
+    constexpr bool ids = std::is_same_v<X, BasicTensor<std::int32_t>> && !std::is_same_v<T, std::int32_t>;
+    if constexpr (ids) {
+      if (has_own_hooks()) refuse_hook_on_other_input_type();
+    }
     const BasicForwardHook<T>* observer = detail::call_observer<T>;
     const pijit::TracedCell traced([this] { return label(); });
     if (pijit::Trace* trace = traced.trace()) {
       trace->note_cell([this] { return has_hooks_in_tree(); });
       if (!hooks_.empty() || !backward_hooks_.empty()) trace->mark_broken("has a hook, which sees values in PyNative mode only");
     }
-    autodiff::Tape* tape = backward_hooks_.empty() ? nullptr : autodiff::active_tape();
+    autodiff::Tape* tape = backward_hooks_.empty() || ids ? nullptr : autodiff::active_tape();
     autodiff::CellRecord<T>* recorded = nullptr;
-    if (tape != nullptr) {
-      recorded = tape->begin_cell(x, [this](const BasicTensor<T>& grad_input, const BasicTensor<T>& grad_output) {
-        run_hooks(backward_hooks_, grad_input, grad_output);
-      });
+    if constexpr (!ids) {
+      if (tape != nullptr) {
+        recorded = tape->begin_cell(x, [this](const BasicTensor<T>& grad_input, const BasicTensor<T>& grad_output) {
+          run_hooks(backward_hooks_, grad_input, grad_output);
+        });
+      }
     }
     auto y = run();
     if (recorded != nullptr) tape->end_cell(recorded, y);
-    run_hooks(hooks_, x, y);
-    if (observer != nullptr) (*observer)(*this, x, y);
+    if constexpr (ids) {
+      if (observer != nullptr) (*observer)(*this, BasicTensor<T>{}, y);
+    } else {
+      run_hooks(hooks_, x, y);
+      if (observer != nullptr) (*observer)(*this, x, y);
+    }
     return y;
   }
 
  private:
-  // operator()'s call: hooks, then forward in this cell's mode.
-  BasicTensor<T> call(const BasicTensor<T>& x) {
+  // operator()'s call: hooks, then forward in this cell's mode. X is T, or int32 for indices.
+  template <class X>
+  BasicTensor<T> call(const BasicTensor<X>& x) {
     check_registered();
     ensure_named();
     check_input_shape(x.shape());
     if (detail::call_observer<T> == nullptr && effective_mode(CONTEXT_MODE) == GRAPH_MODE &&
         autodiff::active_tape() == nullptr && pijit::active_trace() == nullptr && traced_in_graph_mode()) {
-      return graph_form()(x, structure_key());
+      return graph_form<X>()(x, structure_key());
     }
-    return observed_call(x, [&] { return forward(x); });
+    return observed_call(x, [&] {
+      if constexpr (std::is_same_v<X, T>)
+        return forward(x);
+      else
+        return forward_ids(x);
+    });
   }
 
   // Graph mode for a cell built at run time: PIJit at the default JitConfig, traced on the first
   // call for each input shape and structure, replayed after. Its second argument is the tree's
-  // structure_key: a network changed since the trace is traced again.
+  // structure_key: a network changed since the trace is traced again. One form per input type.
+  template <class X>
   struct GraphCall {
     BasicDynamicCell* cell;
-    BasicTensor<T> operator()(const BasicTensor<T>& x, std::uint64_t /*structure*/) const { return (*cell)(x); }
+    BasicTensor<T> operator()(const BasicTensor<X>& x, std::uint64_t /*structure*/) const { return (*cell)(x); }
   };
-  using GraphForm = JitFunction<JitConfig{}, GraphCall>;
+  template <class X>
+  using GraphForm = JitFunction<JitConfig{}, GraphCall<X>>;
 
-  GraphForm& graph_form() {
-    return forms_.get<GraphForm>([this] {
-      return GraphForm(GraphCall{this},
-                       {.mode = JitMode::PIJit, .name = label() + " in graph mode (argument 1: its structure)"});
+  template <class X>
+  GraphForm<X>& graph_form() {
+    return forms_.get<GraphForm<X>>([this] {
+      return GraphForm<X>(GraphCall<X>{this},
+                          {.mode = JitMode::PIJit, .name = label() + " in graph mode (argument 1: its structure)"});
     });
   }
 
@@ -772,11 +808,7 @@ class Cell : public BasicDynamicCell<T> {
     auto y = duet::detail::all_or_nothing([&] {
       this->check_registered();
       this->ensure_named();
-      if constexpr (can_capture()) {
-        if (runs_as_graph()) return run_graph<graph::AnyShape>(x);
-      }
-      EagerScope eager;
-      return run_construct(x);
+      return run_other_input(x);
     });
     // duet::summary observes this call too (its input, of another element type, is not passed).
     if constexpr (std::is_same_v<decltype(y), BasicTensor<T>>) {
@@ -962,6 +994,18 @@ class Cell : public BasicDynamicCell<T> {
     }
   }
 
+  // Indices through the run-time interface (a DynamicSequentialCell that begins with this
+  // cell, a DynamicCell&): as the call on them above, for a cell that declares int32 input.
+  BasicTensor<T> forward_ids(const BasicTensor<std::int32_t>& ids) override {
+    if constexpr (detail::declares_input_value_type<Derived, std::int32_t>() && !std::is_same_v<T, std::int32_t>) {
+      if constexpr (HasConstruct<Derived, BasicTensor<std::int32_t>>) {
+        if constexpr (std::is_convertible_v<decltype(run_other_input(ids)), BasicTensor<T>>)
+          return run_other_input(ids);
+      }
+    }
+    return BasicDynamicCell<T>::forward_ids(ids);
+  }
+
  private:
   Derived& derived() { return static_cast<Derived&>(*this); }
 
@@ -972,6 +1016,16 @@ class Cell : public BasicDynamicCell<T> {
       return !std::is_same_v<typename Derived::input_value_type, T>;
     else
       return false;
+  }
+
+  // construct on a tensor of the element type the cell declares for its input, in its mode.
+  template <class U>
+  auto run_other_input(const BasicTensor<U>& x) {
+    if constexpr (can_capture()) {
+      if (runs_as_graph()) return run_graph<graph::AnyShape>(x);
+    }
+    EagerScope eager;
+    return run_construct(x);
   }
 
   // Whether calls may run as a graph. A non-generic construct never does: the constructor

@@ -14,11 +14,13 @@
 #include <algorithm>
 #include <array>
 #include <cstddef>
+#include <cstdint>
 #include <cstdio>
 #include <iostream>
 #include <ostream>
 #include <set>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -205,7 +207,13 @@ Summary summary_of(nn::BasicDynamicCell<T>& net, std::vector<Shape> input_shapes
 // the summary's call in front.
 template <ElementType T>
 Summary summary(nn::BasicDynamicCell<T>& net, const Shape& input_shape, std::ostream& out = std::cout) {
-  return detail::summary_of(net, {input_shape}, out, [&] { return net(BasicTensor<T>(input_shape)); });
+  return detail::summary_of(net, {input_shape}, out, [&] {
+    // A network built at run time that begins with an nn::Embedding runs on zero indices.
+    if constexpr (!std::is_same_v<T, std::int32_t>) {
+      if (net.other_input_type() == name_of(DType::int32)) return net(BasicTensor<std::int32_t>(input_shape));
+    }
+    return net(BasicTensor<T>(input_shape));
+  });
 }
 
 // A network whose input holds another element type than its values (`using input_value_type =

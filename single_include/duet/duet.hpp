@@ -12705,6 +12705,13 @@ class BasicDynamicCell {
   BasicTensor<T> operator()(const BasicTensor<T>& x) {
     return duet::detail::all_or_nothing([&] { return call(x); });
   }
+  // The cell on int32 indices (token ids), for a cell whose input holds them: an nn::Embedding,
+  // a Cell that declares `using input_value_type = std::int32_t;`, a DynamicSequentialCell whose
+  // first cell is one (other_input_type() is then "Int32"). Any other cell refuses them with a
+  // duet::ValueError: indices are never read as values of T.
+  BasicTensor<T> operator()(const BasicTensor<std::int32_t>& ids) requires(!std::is_same_v<T, std::int32_t>) {
+    return duet::detail::all_or_nothing([&] { return call(ids); });
+  }
 
   // Unique for the life of the program, unlike the address: what caches of compiled plans key on.
   std::uint64_t id() const { return id_; }
@@ -12891,6 +12898,14 @@ class BasicDynamicCell {
 
  protected:
   virtual BasicTensor<T> forward(const BasicTensor<T>& x) = 0;
+  // forward on int32 indices, for a cell whose input holds them (operator() on ids).
+  virtual BasicTensor<T> forward_ids(const BasicTensor<std::int32_t>&) {
+    const std::string_view other = other_input_type();
+    throw ValueError(
+        label() + " takes " +
+        (other.empty() ? "tensors of " + std::string(name_of(dtype_of<T>)) : std::string(other) + " values") +
+        ", got a tensor of " + std::string(name_of(DType::int32)) + " (indices)");
+  }
 
   // Refuses an input the cell can never take, before graph mode looks for a form for its shape:
   // a bad request then reads as one (a ShapeError), not as a compile that freeze_compiles
@@ -12928,54 +12943,75 @@ class BasicDynamicCell {
  protected:
   // A call's observers around run(), which gives the cell's output on x: a PIJit trace's
   // note, backward hooks (on a recording tape), forward hooks, duet::summary's observer.
-  template <class Run>
-  auto observed_call(const BasicTensor<T>& x, Run run) {
+  // On int32 indices (x a BasicTensor<std::int32_t>) hooks, which take tensors of T, are
+  // refused, and duet::summary's observer is given an empty input.
+  template <class X, class Run>
+  auto observed_call(const X& x, Run run) {
+    constexpr bool ids = std::is_same_v<X, BasicTensor<std::int32_t>> && !std::is_same_v<T, std::int32_t>;
+    if constexpr (ids) {
+      if (has_own_hooks()) refuse_hook_on_other_input_type();
+    }
     const BasicForwardHook<T>* observer = detail::call_observer<T>;
     const pijit::TracedCell traced([this] { return label(); });
     if (pijit::Trace* trace = traced.trace()) {
       trace->note_cell([this] { return has_hooks_in_tree(); });
       if (!hooks_.empty() || !backward_hooks_.empty()) trace->mark_broken("has a hook, which sees values in PyNative mode only");
     }
-    autodiff::Tape* tape = backward_hooks_.empty() ? nullptr : autodiff::active_tape();
+    autodiff::Tape* tape = backward_hooks_.empty() || ids ? nullptr : autodiff::active_tape();
     autodiff::CellRecord<T>* recorded = nullptr;
-    if (tape != nullptr) {
-      recorded = tape->begin_cell(x, [this](const BasicTensor<T>& grad_input, const BasicTensor<T>& grad_output) {
-        run_hooks(backward_hooks_, grad_input, grad_output);
-      });
+    if constexpr (!ids) {
+      if (tape != nullptr) {
+        recorded = tape->begin_cell(x, [this](const BasicTensor<T>& grad_input, const BasicTensor<T>& grad_output) {
+          run_hooks(backward_hooks_, grad_input, grad_output);
+        });
+      }
     }
     auto y = run();
     if (recorded != nullptr) tape->end_cell(recorded, y);
-    run_hooks(hooks_, x, y);
-    if (observer != nullptr) (*observer)(*this, x, y);
+    if constexpr (ids) {
+      if (observer != nullptr) (*observer)(*this, BasicTensor<T>{}, y);
+    } else {
+      run_hooks(hooks_, x, y);
+      if (observer != nullptr) (*observer)(*this, x, y);
+    }
     return y;
   }
 
  private:
-  // operator()'s call: hooks, then forward in this cell's mode.
-  BasicTensor<T> call(const BasicTensor<T>& x) {
+  // operator()'s call: hooks, then forward in this cell's mode. X is T, or int32 for indices.
+  template <class X>
+  BasicTensor<T> call(const BasicTensor<X>& x) {
     check_registered();
     ensure_named();
     check_input_shape(x.shape());
     if (detail::call_observer<T> == nullptr && effective_mode(CONTEXT_MODE) == GRAPH_MODE &&
         autodiff::active_tape() == nullptr && pijit::active_trace() == nullptr && traced_in_graph_mode()) {
-      return graph_form()(x, structure_key());
+      return graph_form<X>()(x, structure_key());
     }
-    return observed_call(x, [&] { return forward(x); });
+    return observed_call(x, [&] {
+      if constexpr (std::is_same_v<X, T>)
+        return forward(x);
+      else
+        return forward_ids(x);
+    });
   }
 
   // Graph mode for a cell built at run time: PIJit at the default JitConfig, traced on the first
   // call for each input shape and structure, replayed after. Its second argument is the tree's
-  // structure_key: a network changed since the trace is traced again.
+  // structure_key: a network changed since the trace is traced again. One form per input type.
+  template <class X>
   struct GraphCall {
     BasicDynamicCell* cell;
-    BasicTensor<T> operator()(const BasicTensor<T>& x, std::uint64_t /*structure*/) const { return (*cell)(x); }
+    BasicTensor<T> operator()(const BasicTensor<X>& x, std::uint64_t /*structure*/) const { return (*cell)(x); }
   };
-  using GraphForm = JitFunction<JitConfig{}, GraphCall>;
+  template <class X>
+  using GraphForm = JitFunction<JitConfig{}, GraphCall<X>>;
 
-  GraphForm& graph_form() {
-    return forms_.get<GraphForm>([this] {
-      return GraphForm(GraphCall{this},
-                       {.mode = JitMode::PIJit, .name = label() + " in graph mode (argument 1: its structure)"});
+  template <class X>
+  GraphForm<X>& graph_form() {
+    return forms_.get<GraphForm<X>>([this] {
+      return GraphForm<X>(GraphCall<X>{this},
+                          {.mode = JitMode::PIJit, .name = label() + " in graph mode (argument 1: its structure)"});
     });
   }
 
@@ -13305,11 +13341,7 @@ class Cell : public BasicDynamicCell<T> {
     auto y = duet::detail::all_or_nothing([&] {
       this->check_registered();
       this->ensure_named();
-      if constexpr (can_capture()) {
-        if (runs_as_graph()) return run_graph<graph::AnyShape>(x);
-      }
-      EagerScope eager;
-      return run_construct(x);
+      return run_other_input(x);
     });
     // duet::summary observes this call too (its input, of another element type, is not passed).
     if constexpr (std::is_same_v<decltype(y), BasicTensor<T>>) {
@@ -13495,6 +13527,18 @@ class Cell : public BasicDynamicCell<T> {
     }
   }
 
+  // Indices through the run-time interface (a DynamicSequentialCell that begins with this
+  // cell, a DynamicCell&): as the call on them above, for a cell that declares int32 input.
+  BasicTensor<T> forward_ids(const BasicTensor<std::int32_t>& ids) override {
+    if constexpr (detail::declares_input_value_type<Derived, std::int32_t>() && !std::is_same_v<T, std::int32_t>) {
+      if constexpr (HasConstruct<Derived, BasicTensor<std::int32_t>>) {
+        if constexpr (std::is_convertible_v<decltype(run_other_input(ids)), BasicTensor<T>>)
+          return run_other_input(ids);
+      }
+    }
+    return BasicDynamicCell<T>::forward_ids(ids);
+  }
+
  private:
   Derived& derived() { return static_cast<Derived&>(*this); }
 
@@ -13505,6 +13549,16 @@ class Cell : public BasicDynamicCell<T> {
       return !std::is_same_v<typename Derived::input_value_type, T>;
     else
       return false;
+  }
+
+  // construct on a tensor of the element type the cell declares for its input, in its mode.
+  template <class U>
+  auto run_other_input(const BasicTensor<U>& x) {
+    if constexpr (can_capture()) {
+      if (runs_as_graph()) return run_graph<graph::AnyShape>(x);
+    }
+    EagerScope eager;
+    return run_construct(x);
   }
 
   // Whether calls may run as a graph. A non-generic construct never does: the constructor
@@ -20465,7 +20519,10 @@ SequentialCell(C&&, Cs&&...) -> SequentialCell<std::remove_cvref_t<C>, std::remo
 
 // A list of cells built at run time (sizes and layers from a config file, say). Its structure is
 // not known when the program compiles, so graph mode cannot capture it: it traces it on the
-// first call instead (PIJit) and replays the trace, and traces again after an append.
+// first call instead (PIJit) and replays the trace, and traces again after an append. It takes
+// what its first cell takes: tensors of T, or int32 indices when that cell is an nn::Embedding
+// (or any cell whose input holds them), net(ids). Every later cell takes the T values its
+// neighbour gives, which append checks.
 template <ElementType T>
 class BasicDynamicSequentialCell : public BasicDynamicCell<T> {
  public:
@@ -20474,13 +20531,18 @@ class BasicDynamicSequentialCell : public BasicDynamicCell<T> {
   // Adds a cell at the end, taking ownership; returns it.
   template <class C>
   requires std::is_base_of_v<BasicDynamicCell<T>, C> C& append(C cell) {
-    auto owned = std::make_unique<C>(std::move(cell));
-    C& ref = *owned;
-    cells_.push_back(std::move(owned));
-    this->structure_changed();
-    return ref;
+    return static_cast<C&>(append(std::unique_ptr<BasicDynamicCell<T>>(std::make_unique<C>(std::move(cell)))));
   }
   BasicDynamicCell<T>& append(std::unique_ptr<BasicDynamicCell<T>> cell) {
+    if (!cells_.empty() && !cell->other_input_type().empty()) {
+      const BasicDynamicCell<T>& before = *cells_.back();
+      throw ValueError(type_name() + ": cannot append " + cell->type_name() + " as cell " +
+                       std::to_string(cells_.size()) + ": it takes " + std::string(cell->other_input_type()) +
+                       " values, and cell " + std::to_string(cells_.size() - 1) + ", " + before.type_name() +
+                       ", gives " + std::string(name_of(dtype_of<T>)) +
+                       " values (only the first cell may take another element type, such as an nn::Embedding's "
+                       "int32 indices)");
+    }
     cells_.push_back(std::move(cell));
     this->structure_changed();
     return *cells_.back();
@@ -20500,15 +20562,26 @@ class BasicDynamicSequentialCell : public BasicDynamicCell<T> {
   }
 
   std::string type_name() const override { return "nn::DynamicSequentialCell"; }
+  // Its first cell's (nn::Embedding's "Int32"): what its input holds when that is not T.
+  std::string_view other_input_type() const override {
+    return cells_.empty() ? std::string_view{} : cells_.front()->other_input_type();
+  }
 
  protected:
-  BasicTensor<T> forward(const BasicTensor<T>& x) override {
-    BasicTensor<T> y = x;
-    for (auto& cell : cells_) y = (*cell)(y);
-    return y;
+  BasicTensor<T> forward(const BasicTensor<T>& x) override { return run_from(0, x); }
+  BasicTensor<T> forward_ids(const BasicTensor<std::int32_t>& ids) override {
+    if (cells_.empty()) return BasicDynamicCell<T>::forward_ids(ids);
+    return run_from(1, (*cells_.front())(ids));
   }
 
  private:
+  // The cells from `first` on, each on the one before's output.
+  BasicTensor<T> run_from(std::size_t first, const BasicTensor<T>& x) {
+    BasicTensor<T> y = x;
+    for (std::size_t i = first; i < cells_.size(); ++i) y = (*cells_[i])(y);
+    return y;
+  }
+
   std::vector<std::unique_ptr<BasicDynamicCell<T>>> cells_;
 };
 
@@ -31090,11 +31163,13 @@ using LogSoftmax = BasicSoftmax<true, float>;
 #include <algorithm>
 #include <array>
 #include <cstddef>
+#include <cstdint>
 #include <cstdio>
 #include <iostream>
 #include <ostream>
 #include <set>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -31277,7 +31352,13 @@ Summary summary_of(nn::BasicDynamicCell<T>& net, std::vector<Shape> input_shapes
 // the summary's call in front.
 template <ElementType T>
 Summary summary(nn::BasicDynamicCell<T>& net, const Shape& input_shape, std::ostream& out = std::cout) {
-  return detail::summary_of(net, {input_shape}, out, [&] { return net(BasicTensor<T>(input_shape)); });
+  return detail::summary_of(net, {input_shape}, out, [&] {
+    // A network built at run time that begins with an nn::Embedding runs on zero indices.
+    if constexpr (!std::is_same_v<T, std::int32_t>) {
+      if (net.other_input_type() == name_of(DType::int32)) return net(BasicTensor<std::int32_t>(input_shape));
+    }
+    return net(BasicTensor<T>(input_shape));
+  });
 }
 
 // A network whose input holds another element type than its values (`using input_value_type =

@@ -156,7 +156,10 @@ SequentialCell(C&&, Cs&&...) -> SequentialCell<std::remove_cvref_t<C>, std::remo
 
 // A list of cells built at run time (sizes and layers from a config file, say). Its structure is
 // not known when the program compiles, so graph mode cannot capture it: it traces it on the
-// first call instead (PIJit) and replays the trace, and traces again after an append.
+// first call instead (PIJit) and replays the trace, and traces again after an append. It takes
+// what its first cell takes: tensors of T, or int32 indices when that cell is an nn::Embedding
+// (or any cell whose input holds them), net(ids). Every later cell takes the T values its
+// neighbour gives, which append checks.
 template <ElementType T>
 class BasicDynamicSequentialCell : public BasicDynamicCell<T> {
  public:
@@ -165,13 +168,18 @@ class BasicDynamicSequentialCell : public BasicDynamicCell<T> {
   // Adds a cell at the end, taking ownership; returns it.
   template <class C>
   requires std::is_base_of_v<BasicDynamicCell<T>, C> C& append(C cell) {
-    auto owned = std::make_unique<C>(std::move(cell));
-    C& ref = *owned;
-    cells_.push_back(std::move(owned));
-    this->structure_changed();
-    return ref;
+    return static_cast<C&>(append(std::unique_ptr<BasicDynamicCell<T>>(std::make_unique<C>(std::move(cell)))));
   }
   BasicDynamicCell<T>& append(std::unique_ptr<BasicDynamicCell<T>> cell) {
+    if (!cells_.empty() && !cell->other_input_type().empty()) {
+      const BasicDynamicCell<T>& before = *cells_.back();
+      throw ValueError(type_name() + ": cannot append " + cell->type_name() + " as cell " +
+                       std::to_string(cells_.size()) + ": it takes " + std::string(cell->other_input_type()) +
+                       " values, and cell " + std::to_string(cells_.size() - 1) + ", " + before.type_name() +
+                       ", gives " + std::string(name_of(dtype_of<T>)) +
+                       " values (only the first cell may take another element type, such as an nn::Embedding's "
+                       "int32 indices)");
+    }
     cells_.push_back(std::move(cell));
     this->structure_changed();
     return *cells_.back();
@@ -191,15 +199,26 @@ class BasicDynamicSequentialCell : public BasicDynamicCell<T> {
   }
 
   std::string type_name() const override { return "nn::DynamicSequentialCell"; }
+  // Its first cell's (nn::Embedding's "Int32"): what its input holds when that is not T.
+  std::string_view other_input_type() const override {
+    return cells_.empty() ? std::string_view{} : cells_.front()->other_input_type();
+  }
 
  protected:
-  BasicTensor<T> forward(const BasicTensor<T>& x) override {
-    BasicTensor<T> y = x;
-    for (auto& cell : cells_) y = (*cell)(y);
-    return y;
+  BasicTensor<T> forward(const BasicTensor<T>& x) override { return run_from(0, x); }
+  BasicTensor<T> forward_ids(const BasicTensor<std::int32_t>& ids) override {
+    if (cells_.empty()) return BasicDynamicCell<T>::forward_ids(ids);
+    return run_from(1, (*cells_.front())(ids));
   }
 
  private:
+  // The cells from `first` on, each on the one before's output.
+  BasicTensor<T> run_from(std::size_t first, const BasicTensor<T>& x) {
+    BasicTensor<T> y = x;
+    for (std::size_t i = first; i < cells_.size(); ++i) y = (*cells_[i])(y);
+    return y;
+  }
+
   std::vector<std::unique_ptr<BasicDynamicCell<T>>> cells_;
 };
 
