@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <duet/duet.hpp>
 #include <duet/io/onnx.hpp>
@@ -15,6 +16,7 @@
 #include <iterator>
 #include <optional>
 #include <set>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -105,6 +107,112 @@ TEST_CASE("io::load_onnx: PyTorch's models give PyTorch's outputs in both modes,
       CHECK(same_bits(replayed, pynative));
     }
   }
+}
+
+// PyTorch's int64 token ids (onnx_references.py's text.ids.bin), and the same as int32.
+duet::BasicTensor<std::int64_t> read_ids(const fs::path& path, const Shape& shape) {
+  std::ifstream in(path, std::ios::binary);
+  REQUIRE(in);
+  duet::BasicTensor<std::int64_t> ids = duet::zeros<std::int64_t>(shape);
+  in.read(reinterpret_cast<char*>(ids.data()), static_cast<std::streamsize>(ids.numel() * sizeof(std::int64_t)));
+  REQUIRE(in.gcount() == static_cast<std::streamsize>(ids.numel() * sizeof(std::int64_t)));
+  return ids;
+}
+
+TEST_CASE("io::load_onnx: PyTorch's text classifier of int64 token ids takes int32 or int64 ids, and trains") {
+  REQUIRE_REFERENCES(dir);
+  const duet::BasicTensor<std::int64_t> ids64 = read_ids(*dir / "text.ids.bin", {4, 7});
+  duet::BasicTensor<std::int32_t> ids = duet::zeros<std::int32_t>({4, 7});
+  for (duet::index_t i = 0; i < ids.numel(); ++i) ids.data()[i] = static_cast<std::int32_t>(ids64.data()[i]);
+  const Tensor want = read_floats(*dir / "text.output.bin", {4, 3});
+  for (const int opset : {13, 17}) {
+    const std::string file = "text_opset" + std::to_string(opset) + ".onnx";
+    duet::io::OnnxModel eager = duet::io::load_onnx(*dir / file);
+    CHECK(eager.other_input_type() == "Int32");
+    CHECK(eager.operators() == std::vector<std::string>{"Gather", "ReduceMean", "Gemm", "Relu", "Gemm"});
+    const Tensor pynative = eager(ids);
+    check_close(pynative, want, file + " in PyNative mode");
+    float largest = 0;
+    for (duet::index_t i = 0; i < want.numel(); ++i)
+      largest = std::max(largest, std::abs(pynative.data()[i] - want.data()[i]));
+    MESSAGE(file << ": largest difference from PyTorch " << largest);
+    CHECK(same_bits(eager(ids64), pynative));
+    duet::nn::DynamicCell& cell = eager;
+    CHECK(same_bits(cell(ids), pynative));
+
+    duet::io::OnnxModel traced = duet::io::load_onnx(*dir / file);
+    {
+      ModeScope graph(duet::GRAPH_MODE);
+      const auto log_before = duet::jit_compile_log().size();
+      CHECK(same_bits(traced(ids), pynative));
+      CHECK(same_bits(traced(ids64), pynative));
+      CHECK(duet::jit_compile_log().size() == log_before + 1);
+    }
+  }
+  // A few training steps, the same bits in both modes.
+  duet::BasicTensor<std::int32_t> labels = duet::zeros<std::int32_t>({4});
+  for (duet::index_t i = 0; i < 4; ++i) labels.data()[i] = static_cast<std::int32_t>(i % 3);
+  std::vector<std::vector<float>> losses;
+  std::vector<std::vector<std::vector<double>>> weights;
+  for (const duet::Mode m : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+    ModeScope mode(m);
+    duet::io::OnnxModel net = duet::io::load_onnx(*dir / "text_opset17.onnx");
+    duet::nn::SoftmaxCrossEntropyWithLogits<true, duet::Reduction::mean> loss;
+    duet::nn::WithLossCell with_loss(net, loss);
+    duet::nn::SGD sgd(net.parameters(), {.learning_rate = 0.5});
+    duet::nn::TrainOneStepCell step(with_loss, sgd);
+    losses.emplace_back();
+    for (int k = 0; k < 3; ++k) losses.back().push_back(step(ids, labels).item());
+    weights.emplace_back();
+    for (const auto& p : net.parameters()) weights.back().push_back(duet_test::values_of(*p.parameter));
+  }
+  CHECK(losses[0] == losses[1]);
+  CHECK(weights[0] == weights[1]);
+  CHECK(losses[0][2] < losses[0][0]);
+}
+
+TEST_CASE(
+    "io::load_onnx: a model of token ids refuses floats, ids past int32 or its table, and other readers of them") {
+  REQUIRE_REFERENCES(dir);
+  duet::io::OnnxModel net = duet::io::load_onnx(*dir / "text_opset17.onnx");
+  CHECK_THROWS_WITH_AS(net(duet::ones({4, 7})),
+                       "io::OnnxModel takes int32 indices (the model's input 'ids' [batch, length] holds token ids), "
+                       "got a tensor of Float32",
+                       duet::ValueError);
+  duet::BasicTensor<std::int64_t> ids = duet::zeros<std::int64_t>({2, 3});
+  ids.data()[4] = std::int64_t{1} << 40;
+  CHECK_THROWS_WITH_AS(net(ids),
+                       "io::OnnxModel: token id 1099511627776 (element 4 of the int64 ids) does not fit int32, which "
+                       "duet's indices are",
+                       duet::IndexError);
+  ids.data()[4] = 50;
+  CHECK_THROWS_WITH_AS(
+      net(ids),
+      doctest::Contains("(Gather): ops::gather<0>: index 50 (element 4 of the indices) is out of range [0, 50)"),
+      duet::IndexError);
+  ids.data()[4] = -1;
+  CHECK_THROWS_AS(net(ids), duet::IndexError);
+  // A float model refuses ids.
+  duet::io::OnnxModel floats = duet::io::load_onnx(*dir / "mlp_opset17.onnx");
+  duet::BasicTensor<std::int32_t> small = duet::zeros<std::int32_t>({4, 1, 28, 28});
+  CHECK_THROWS_WITH_AS(floats(small), "io::OnnxModel takes tensors of Float32, got a tensor of Int32 (indices)",
+                       duet::ValueError);
+  // The ids read other than as a Gather's indices.
+  onnx::ModelProto model;
+  {
+    std::ifstream in(*dir / "text_opset17.onnx", std::ios::binary);
+    REQUIRE(model.ParseFromIstream(&in));
+  }
+  auto* relu = model.mutable_graph()->add_node();
+  relu->set_op_type("Relu");
+  relu->set_name("relu_of_ids");
+  relu->add_input("ids");
+  relu->add_output("relu_out");
+  const std::string bytes = model.SerializeAsString();
+  CHECK_THROWS_WITH_AS(duet::io::load_onnx_bytes(std::as_bytes(std::span(bytes.data(), bytes.size()))),
+                       doctest::Contains("reads the graph's input 'ids', token ids, which duet reads only as the "
+                                         "indices of a Gather along axis 0 (an embedding)"),
+                       duet::ValueError);
 }
 
 TEST_CASE("io::load_onnx: the initializers are the network's parameters, by their ONNX names") {
@@ -1032,8 +1140,8 @@ TEST_CASE("io::export_onnx: a network of token ids has an int32 input, Gather fo
   const auto& out_dims = model.graph().output(0).type().tensor_type().shape().dim();
   CHECK(out_dims[0].dim_param() == "batch");
   CHECK(out_dims[1].dim_value() == 3);
-  // load_onnx reads float inputs only, and says what to do with one of indices.
-  CHECK_THROWS_WITH_AS(duet::io::load_onnx(file), doctest::Contains("(integers); load_onnx reads models of float32 input"),
+  // load_onnx reads an input of ids (feeding Gathers), but not yet the positions' Range.
+  CHECK_THROWS_WITH_AS(duet::io::load_onnx(file), doctest::Contains("(Range): the operator Range is not supported"),
                        duet::ValueError);
 }
 

@@ -3,7 +3,7 @@
 
 Builds, with fixed seeds, the seed MLP (examples/network.hpp), LeNet-5 (examples/lenet5.hpp), a
 small residual CNN, a network of the remaining operators, one of 1-D convolutions, one of
-LayerNorms and one of a GRU and an LSTM; exports each with torch.onnx.export at opsets 13 and 17 (the LayerNorms at 17 only),
+LayerNorms, one of a GRU and an LSTM, and a text classifier of int64 token ids (text.ids.bin); exports each with torch.onnx.export at opsets 13 and 17 (the LayerNorms at 17 only),
 and writes a fixed input and PyTorch's output for it:
 
     <dir>/<model>_opset<13|17>.onnx
@@ -148,6 +148,19 @@ class Recurrent(nn.Module):
         return self.fc(torch.cat([out[:, -1], h[-1], c[-1]], 1))
 
 
+class TextClassifier(nn.Module):
+    # Token ids (int64, torch's habit) through an embedding, their mean over the sequence and an
+    # MLP: exported as Gather by the input, ReduceMean, Gemm, Relu, Gemm.
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(50, 8)
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 3)
+
+    def forward(self, ids):
+        return self.fc2(torch.relu(self.fc1(self.embedding(ids).mean(dim=1))))
+
+
 def randomise_batchnorm(model):
     for m in model.modules():
         if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):
@@ -192,6 +205,20 @@ def main():
                               dynamic_axes={"input": {0: "batch"}, "output": {0: "batch"}})
             onnx.checker.check_model(onnx.load(path))
         print(f"{name}: input {list(shape)}, output {list(y.shape)}")
+    # Token ids: <dir>/text.ids.bin holds them as int64, little-endian.
+    torch.manual_seed(len(MODELS))
+    model = TextClassifier().eval()
+    ids = torch.randint(0, 50, (4, 7), dtype=torch.int64)
+    with torch.no_grad():
+        y = model(ids)
+    ids.numpy().astype("<i8").tofile(os.path.join(out, "text.ids.bin"))
+    y.numpy().astype("<f4").tofile(os.path.join(out, "text.output.bin"))
+    for opset in (13, 17):
+        path = os.path.join(out, f"text_opset{opset}.onnx")
+        torch.onnx.export(model, ids, path, opset_version=opset, input_names=["ids"], output_names=["output"],
+                          dynamic_axes={"ids": {0: "batch", 1: "length"}, "output": {0: "batch"}})
+        onnx.checker.check_model(onnx.load(path))
+    print(f"text: ids {list(ids.shape)} (int64), output {list(y.shape)}")
 
 
 if __name__ == "__main__":

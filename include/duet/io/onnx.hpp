@@ -53,6 +53,9 @@
 //                                                  shape (numpy's broadcast); the shape a
 //                                                  constant or computed from the batch's size
 //   Identity, Dropout (inference), Constant        no operation
+//   Gather by the graph's input of int32 or int64  ops::gather<0>, as nn::Embedding looks its
+//   token ids, axis 0 (torch's nn.Embedding)      table up: the model then takes int32 ids
+//                                                  (or int64 ones that fit int32), net(ids)
 // Anything else, and any attribute or setting the list does not cover, is a duet::ValueError
 // when the file is loaded, naming the node, its operator and what is not supported. A file that
 // is not a well-formed model (not protobuf, a node reading a name nothing defines, an
@@ -331,9 +334,30 @@ inline std::string onnx_where(const std::filesystem::path& path) { return "ONNX 
 }  // namespace detail
 
 // A network read from an ONNX file (load_onnx). Its forward runs the graph's nodes in order.
+// A model whose input is int32 or int64 token ids (torch.onnx.export of an nn.Embedding: a
+// Gather from the table by the ids) takes int32 ids, as a DynamicSequentialCell that begins
+// with an nn::Embedding does (other_input_type() is "Int32"), or int64 ids, each of which
+// must fit int32.
 class OnnxModel : public nn::DynamicCell {
  public:
+  using nn::DynamicCell::operator();
+  // int64 ids (torch's habit) as int32: one outside int32's range is a duet::IndexError naming
+  // it, never narrowed; below 0 or past the table, the Gather's own IndexError.
+  Tensor operator()(const BasicTensor<std::int64_t>& ids) {
+    BasicTensor<std::int32_t> narrow = BasicTensor<std::int32_t>::uninitialized(ids.shape());
+    for (index_t i = 0; i < ids.numel(); ++i) {
+      const std::int64_t id = ids.data()[i];
+      if (id < std::numeric_limits<std::int32_t>::min() || id > std::numeric_limits<std::int32_t>::max()) {
+        throw IndexError(label() + ": token id " + std::to_string(id) + " (element " + std::to_string(i) +
+                         " of the int64 ids) does not fit int32, which duet's indices are");
+      }
+      narrow.data()[i] = static_cast<std::int32_t>(id);
+    }
+    return (*this)(narrow);
+  }
+
   std::string type_name() const override { return "io::OnnxModel"; }
+  std::string_view other_input_type() const override { return ids_input_ ? name_of(DType::int32) : std::string_view{}; }
 
   void for_each_own_parameter(const ParameterVisitor& visit) override {
     for (std::size_t i = 0; i < parameters_.size(); ++i) visit(parameter_names_[i], *parameters_[i]);
@@ -349,7 +373,23 @@ class OnnxModel : public nn::DynamicCell {
 
  protected:
   Tensor forward(const Tensor& x) override {
-    check_input_shape(x.shape());
+    if (ids_input_) {
+      throw ValueError(label() + " takes int32 indices (the model's input " + declared_input_ +
+                       " holds token ids), got a tensor of " + std::string(name_of(DType::float32)));
+    }
+    return run_steps(x, {});
+  }
+  Tensor forward_ids(const BasicTensor<std::int32_t>& ids) override {
+    if (!ids_input_) return nn::DynamicCell::forward_ids(ids);
+    return run_steps({}, ids);
+  }
+
+ private:
+  friend class OnnxBuilder;
+
+  // The steps on x, or on ids for a model of token ids (value 0 then empty).
+  Tensor run_steps(const Tensor& x, const BasicTensor<std::int32_t>& ids) const {
+    check_input_shape(ids_input_ ? ids.shape() : x.shape());
     std::vector<Tensor> values(value_count_);
     values[0] = x;
     for (const Step& step : steps_) {
@@ -359,7 +399,7 @@ class OnnxModel : public nn::DynamicCell {
         return what.starts_with(step.who) ? std::string(what) : step.who + ": " + std::string(what);
       };
       try {
-        values[step.output] = step.run(*this, values);
+        values[step.output] = step.on_ids ? step.on_ids(*this, values, ids) : step.run(*this, values);
       } catch (const ShapeError& e) {
         throw ShapeError(located(e));
       } catch (const IndexError& e) {
@@ -371,9 +411,6 @@ class OnnxModel : public nn::DynamicCell {
     return values[output_];
   }
 
- private:
-  friend class OnnxBuilder;
-
   // Where a node's operand lives: a value the forward pass computes, a parameter, a constant.
   struct Operand {
     enum class Kind : unsigned char { value, parameter, constant } kind = Kind::value;
@@ -383,6 +420,8 @@ class OnnxModel : public nn::DynamicCell {
     std::function<Tensor(const OnnxModel&, std::vector<Tensor>&)> run;
     std::size_t output = 0;
     std::string who;
+    // Instead of run, for a step that reads the token ids (a Gather by them).
+    std::function<Tensor(const OnnxModel&, const std::vector<Tensor>&, const BasicTensor<std::int32_t>&)> on_ids = {};
   };
 
   // The target a Reshape computed by shape arithmetic reads, from the values' shapes now.
@@ -458,6 +497,7 @@ class OnnxModel : public nn::DynamicCell {
   std::vector<std::string> operators_;
   std::vector<std::int64_t> input_dims_;
   std::string declared_input_;  // "'input' [batch, 1, 28, 28]", for the error below
+  bool ids_input_ = false;      // the input is token ids (int32 or int64 in the file)
   std::size_t value_count_ = 1;  // value 0 is the input
   std::size_t output_ = 0;
 };
@@ -569,13 +609,14 @@ class OnnxBuilder {
     const auto& type = input->type();
     if (type.has_tensor_type() && type.tensor_type().elem_type() != onnx::TensorProto::FLOAT) {
       const int t = type.tensor_type().elem_type();
-      const bool indices = t == onnx::TensorProto::INT32 || t == onnx::TensorProto::INT64;
-      throw ValueError(where_ + ": the graph's input " + detail::onnx_quoted(input->name()) + " has ONNX data type " +
-                       std::to_string(t) + (indices ? " (integers)" : "") +
-                       "; load_onnx reads models of float32 input" +
-                       (indices ? " (a model of token ids: load the part after its embedding, and run the "
-                                  "embedding in duet)"
-                                : ""));
+      if (t != onnx::TensorProto::INT32 && t != onnx::TensorProto::INT64) {
+        throw ValueError(where_ + ": the graph's input " + detail::onnx_quoted(input->name()) + " has ONNX data type " +
+                         std::to_string(t) +
+                         "; load_onnx reads models of float32 input, or of int32 or int64 token ids");
+      }
+      // Token ids: read only as a Gather's indices (add_id_gather).
+      model_.ids_input_ = true;
+      ids_input_name_ = input->name();
     }
     if (type.has_tensor_type() && type.tensor_type().has_shape()) {
       std::string dims;
@@ -587,14 +628,21 @@ class OnnxBuilder {
       }
       model_.declared_input_ = detail::onnx_quoted(input->name()) + " [" + dims + "]";
     }
-    operands_[input->name()] = {Kind::value, 0};
+    if (model_.declared_input_.empty()) model_.declared_input_ = detail::onnx_quoted(input->name());
+    if (!model_.ids_input_) operands_[input->name()] = {Kind::value, 0};
   }
+
+  std::string ids_input_name_;  // the graph's input, when it holds token ids
 
   bool integer(const std::string& name) const { return integers_.contains(name) || sizes_.contains(name); }
   bool defined(const std::string& name) const { return operands_.contains(name) || integer(name); }
 
   Operand operand_of(const std::string& name, const std::string& reader) const {
     const auto it = operands_.find(name);
+    if (it == operands_.end() && name == ids_input_name_) {
+      throw ValueError(where_ + ": " + reader + " reads the graph's input " + detail::onnx_quoted(name) +
+                       ", token ids, which duet reads only as the indices of a Gather along axis 0 (an embedding)");
+    }
     if (it == operands_.end()) {
       if (integer(name)) {
         throw ValueError(where_ + ": " + reader + " reads " + detail::onnx_quoted(name) +
@@ -1537,6 +1585,10 @@ class OnnxBuilder {
     const std::string& op = n.op_type();
     const bool integers_in = n.input_size() > 0 && integer(n.input(0));
     if (op != "Shape" && !((op == "Gather" || op == "Unsqueeze" || op == "Squeeze" || op == "Cast" || op == "Concat") && integers_in)) {
+      if (op == "Gather" && n.input_size() == 2 && !ids_input_name_.empty() && n.input(1) == ids_input_name_) {
+        add_id_gather(n, node);
+        return true;
+      }
       if (op == "Gather" && n.input_size() == 2 && integers_.contains(n.input(1)) && integers_.at(n.input(1)).size() == 1) {
         add_take(n, node);
         return true;
@@ -1779,6 +1831,21 @@ class OnnxBuilder {
     if (value != nullptr && value->has_t()) return value->t().dims_size();
     const onnx::AttributeProto* ints = attribute(proto_.graph().node(at->second), "value_ints");
     return ints == nullptr ? 0 : 1;  // value_int is a scalar, value_ints a list
+  }
+
+  // A Gather by the token ids along axis 0, torch's nn.Embedding: ops::gather<0> of the table's
+  // rows (nn::Embedding's lookup, and the same gradient). ONNX's negative indices count from
+  // the end; torch's embedding refuses them, and so does duet (an IndexError).
+  void add_id_gather(const onnx::NodeProto& n, const std::string& node) {
+    arity(n, node, 2, 2);
+    known_attributes(n, node, {"axis"});
+    if (int_attr(n, "axis", 0) != 0) unsupported(node, "a Gather by the token ids along an axis other than 0");
+    const Operand table = operand_of(n.input(0), node);
+    add_step("Gather", n, node, {});
+    model_.steps_.back().on_ids = [table](const OnnxModel& m, const std::vector<Tensor>& v,
+                                          const BasicTensor<std::int32_t>& ids) {
+      return m.with(table, v, [&](const auto& rows) -> Tensor { return ops::gather<0>(rows, ids); });
+    };
   }
 
   // A Gather of one constant index i along an axis of a float tensor, torch's x[:, i]: the
