@@ -551,6 +551,27 @@ class BasicDynamicCell {
 
 using DynamicCell = BasicDynamicCell<float>;
 
+// PyTorch's print(model): the cell's type, then each child by name, indented, a cell with
+// children opening a parenthesis as nn.Module's repr does. What each holds and outputs:
+// duet::summary. Visiting children is not const (training visits them to change them);
+// printing only reads.
+template <ElementType T>
+std::ostream& operator<<(std::ostream& os, const BasicDynamicCell<T>& cell) {
+  const auto print = [&os](const auto& self, BasicDynamicCell<T>& at, const std::string& indent) -> void {
+    os << at.type_name();
+    bool opened = false;
+    at.for_each_child([&](std::string_view name, BasicDynamicCell<T>& child) {
+      if (!std::exchange(opened, true)) os << "(\n";
+      os << indent << "  (" << name << "): ";
+      self(self, child, indent + "  ");
+      os << "\n";
+    });
+    if (opened) os << indent << ")";
+  };
+  print(print, const_cast<BasicDynamicCell<T>&>(cell), "");
+  return os;
+}
+
 template <class X>
 concept DynamicCellType = std::is_base_of_v<BasicDynamicCell<typename X::value_type>, X>;
 

@@ -2507,7 +2507,10 @@ template <class T, int V, int R, class... Fns>
   // Past the last row, repeat it: the extra tile rows are computed but never stored.
   const T* ar[R];
   for (int i = 0; i < R; ++i) ar[i] = a + std::min(i, rows - 1) * lda;
-  Vec<T> acc[R][V];
+  // Zeros, though every K block starts by zeroing it: GCC's -Wmaybe-uninitialized cannot see
+  // that the first block always comes (a warning in users' -O0 -Wall builds, which compile the
+  // kernels at -O2).
+  Vec<T> acc[R][V] = {};
   HalvesLeaves leaves(depth, halves);
   index_t p0 = 0;
   index_t p1 = 0;
@@ -2877,7 +2880,10 @@ template <class T, int V, int R, class... Fns>
   // Past the last row, repeat it: the extra tile rows are computed but never stored.
   const T* ar[R];
   for (int i = 0; i < R; ++i) ar[i] = a + std::min(i, rows - 1) * lda;
-  Vec<T> acc[R][V];
+  // Zeros, though every K block starts by zeroing it: GCC's -Wmaybe-uninitialized cannot see
+  // that the first block always comes (a warning in users' -O0 -Wall builds, which compile the
+  // kernels at -O2).
+  Vec<T> acc[R][V] = {};
   HalvesLeaves leaves(depth, halves);
   index_t p0 = 0;
   index_t p1 = 0;
@@ -3246,7 +3252,10 @@ template <class T, int V, int R, class... Fns>
   // Past the last row, repeat it: the extra tile rows are computed but never stored.
   const T* ar[R];
   for (int i = 0; i < R; ++i) ar[i] = a + std::min(i, rows - 1) * lda;
-  Vec<T> acc[R][V];
+  // Zeros, though every K block starts by zeroing it: GCC's -Wmaybe-uninitialized cannot see
+  // that the first block always comes (a warning in users' -O0 -Wall builds, which compile the
+  // kernels at -O2).
+  Vec<T> acc[R][V] = {};
   HalvesLeaves leaves(depth, halves);
   index_t p0 = 0;
   index_t p1 = 0;
@@ -13083,6 +13092,27 @@ class BasicDynamicCell {
 };
 
 using DynamicCell = BasicDynamicCell<float>;
+
+// PyTorch's print(model): the cell's type, then each child by name, indented, a cell with
+// children opening a parenthesis as nn.Module's repr does. What each holds and outputs:
+// duet::summary. Visiting children is not const (training visits them to change them);
+// printing only reads.
+template <ElementType T>
+std::ostream& operator<<(std::ostream& os, const BasicDynamicCell<T>& cell) {
+  const auto print = [&os](const auto& self, BasicDynamicCell<T>& at, const std::string& indent) -> void {
+    os << at.type_name();
+    bool opened = false;
+    at.for_each_child([&](std::string_view name, BasicDynamicCell<T>& child) {
+      if (!std::exchange(opened, true)) os << "(\n";
+      os << indent << "  (" << name << "): ";
+      self(self, child, indent + "  ");
+      os << "\n";
+    });
+    if (opened) os << indent << ")";
+  };
+  print(print, const_cast<BasicDynamicCell<T>&>(cell), "");
+  return os;
+}
 
 template <class X>
 concept DynamicCellType = std::is_base_of_v<BasicDynamicCell<typename X::value_type>, X>;

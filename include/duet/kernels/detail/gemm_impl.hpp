@@ -168,7 +168,10 @@ template <class T, int V, int R, class... Fns>
   // Past the last row, repeat it: the extra tile rows are computed but never stored.
   const T* ar[R];
   for (int i = 0; i < R; ++i) ar[i] = a + std::min(i, rows - 1) * lda;
-  Vec<T> acc[R][V];
+  // Zeros, though every K block starts by zeroing it: GCC's -Wmaybe-uninitialized cannot see
+  // that the first block always comes (a warning in users' -O0 -Wall builds, which compile the
+  // kernels at -O2).
+  Vec<T> acc[R][V] = {};
   HalvesLeaves leaves(depth, halves);
   index_t p0 = 0;
   index_t p1 = 0;
