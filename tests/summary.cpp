@@ -116,6 +116,30 @@ TEST_CASE("summary: a runtime-built network, the same in both modes") {
   }
 }
 
+// print(model): the tree of cells, with no run; const cells print too.
+TEST_CASE("summary: a network printed with operator<< shows its tree of cells") {
+  std::ostringstream seed;
+  const Network net;
+  seed << net;
+  CHECK(seed.str() == R"(SeedNetwork<CONTEXT_MODE>(
+  (flatten): nn::Flatten
+  (dense_relu_sequential): nn::SequentialCell(
+    (0): nn::Dense<784, 512>
+    (1): nn::ReLU
+    (2): nn::Dense<512, 512>
+    (3): nn::ReLU
+    (4): nn::Dense<512, 10>
+  )
+))");
+  std::ostringstream runtime;
+  auto built = runtime_built();
+  runtime << built;
+  CHECK(runtime.str().starts_with("nn::DynamicSequentialCell(\n  (0): nn::Flatten\n  (1): Block"));
+  std::ostringstream leaf;
+  leaf << nn::Dense<4, 3>{};
+  CHECK(leaf.str() == "nn::Dense<4, 3>");
+}
+
 TEST_CASE("summary: the run changes no parameter, mode, compiled form or random draw") {
   ModeGuard guard;
   set_context({.mode = GRAPH_MODE});
