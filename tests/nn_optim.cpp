@@ -1,7 +1,12 @@
 // Optimisers against the update rules written out by hand, and learning-rate schedules.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <iostream>
 #include <limits>
+#include <memory>
+#include <sstream>
+#include <string>
 #include <vector>
 
 #include "support.hpp"
@@ -9,6 +14,7 @@
 namespace tests_nn_optim {
 
 using namespace duet;
+using duet_test::ModeGuard;
 
 namespace {
 
@@ -462,6 +468,227 @@ TEST_CASE("optimizer(grads) leaves a parameter with no gradient as it is, weight
   CHECK(std::equal(unused_before.data(), unused_before.data() + 6, unused.weight.data()));
   CHECK(std::equal(frozen_before.data(), frozen_before.data() + 6, frozen.weight.data()));
   CHECK_FALSE(std::equal(used_before.data(), used_before.data() + 6, used.weight.data()));
+}
+
+namespace {
+
+// A network whose parameters are named by their paths ("fc2.weight").
+struct TwoLayers : nn::Cell<TwoLayers> {
+  nn::Dense<3, 4> fc1;
+  nn::Dense<4, 2> fc2;
+  DUET_CELL_MEMBERS(fc1, fc2);
+  auto construct(auto x) { return fc2(ops::relu(fc1(x))); }
+};
+
+// Every value of the network's parameters and of the optimiser's state, and its step count.
+template <class Optimizer>
+std::vector<float> everything(TwoLayers& net, Optimizer& optimizer) {
+  std::vector<float> out;
+  for (const auto& p : net.parameters())
+    out.insert(out.end(), p.parameter->data(), p.parameter->data() + p.parameter->numel());
+  for (const auto& slot : optimizer.state()) {
+    for (const Tensor& t : *slot.tensors) out.insert(out.end(), t.data(), t.data() + t.numel());
+  }
+  out.push_back(static_cast<float>(optimizer.global_step()));
+  return out;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// A NaN in one element of one gradient, through optimizer(grads), and an infinity through
+// step(): each refused naming the parameter and the element, nothing changed; then the next
+// steps are bit for bit those of a run that never saw them.
+template <class Make>
+void check_nonfinite_changes_nothing(const Make& make, const std::string& type) {
+  const Tensor x = randn({5, 3}, 11);
+  const Tensor y = randn({5, 2}, 12);
+  nn::MSELoss<> loss;
+  set_seed(4);
+  TwoLayers net;
+  set_seed(4);
+  TwoLayers reference;
+  nn::WithLossCell with_loss(net, loss), reference_with_loss(reference, loss);
+  auto optimizer = make(net.parameters());
+  auto reference_optimizer = make(reference.parameters());
+  auto vg = value_and_grad(with_loss, optimizer->parameters());
+  auto reference_vg = value_and_grad(reference_with_loss, reference_optimizer->parameters());
+  // A step first, so that momentum and moments are not zero.
+  (*optimizer)(vg(x, y).grads);
+  (*reference_optimizer)(reference_vg(x, y).grads);
+  const std::vector<float> before = everything(net, *optimizer);
+
+  auto grads = vg(x, y).grads;
+  grads[2].values()[5] = std::numeric_limits<float>::quiet_NaN();
+  CHECK(value_error_of([&] { (*optimizer)(grads); }) ==
+        type +
+            ": the gradient of parameter #2 'fc2.weight' is NaN at element 5 of [2, 4] (step 1), so the step "
+            "changed nothing: no parameter, no optimiser state; a loss that is still finite points at an "
+            "operation whose gradient overflowed (DebugLevel::debug names the first to output one); to skip such "
+            "steps instead, as loss scaling does, make the optimizer with {.on_nonfinite = "
+            "nn::NonFiniteGradient::skip}");
+  CHECK(same_bits(everything(net, *optimizer), before));
+
+  static_cast<void>(vg(x, y));
+  net.fc1.bias.grad.values()[3] = -std::numeric_limits<float>::infinity();
+  CHECK(value_error_of([&] {
+          optimizer->step();
+        }).starts_with(type + ": the gradient of parameter #1 'fc1.bias' is infinite at element 3 of [4] (step 1)"));
+  CHECK(same_bits(everything(net, *optimizer), before));
+  CHECK(optimizer->skipped_steps() == 0);  // refused, not skipped
+
+  for (int step = 0; step < 2; ++step) {
+    (*optimizer)(vg(x, y).grads);
+    (*reference_optimizer)(reference_vg(x, y).grads);
+  }
+  CHECK(same_bits(everything(net, *optimizer), everything(reference, *reference_optimizer)));
+  CHECK(optimizer->global_step() == 3);
+}
+
+}  // namespace
+
+TEST_CASE("a NaN or infinite gradient is a ValueError naming parameter and element, and changes nothing") {
+  using Params = std::vector<nn::NamedParameter<float>>;
+  check_nonfinite_changes_nothing([](const Params& p) { return std::make_unique<nn::SGD>(p, nn::SGDConfig{}); },
+                                  "nn::SGD");
+  check_nonfinite_changes_nothing(
+      [](const Params& p) {
+        return std::make_unique<nn::SGD>(p, nn::SGDConfig{.momentum = 0.9, .weight_decay = 0.01, .nesterov = true});
+      },
+      "nn::SGD");
+  check_nonfinite_changes_nothing(
+      [](const Params& p) { return std::make_unique<nn::Adam>(p, nn::AdamConfig{.weight_decay = 0.01}); }, "nn::Adam");
+  check_nonfinite_changes_nothing([](const Params& p) { return std::make_unique<nn::AdamW>(p); }, "nn::AdamW");
+}
+
+namespace {
+
+// One sample whose loss, (w·x)² = 2.25e38, is a float and whose weight gradient, 2·w·x·x, is not:
+// a gradient that overflows while the loss stays finite.
+struct Overflow {
+  nn::Dense<1, 1> net;
+  nn::MSELoss<> loss;
+  nn::WithLossCell<nn::Dense<1, 1>, nn::MSELoss<>> with_loss{net, loss};
+  const Tensor x = Tensor({1, 1}, {1.5e19f});
+  const Tensor y = zeros({1, 1});
+  Overflow() {
+    net.weight.set_data(Tensor({1, 1}, {1.0f}));
+    net.bias.set_data(zeros({1}));
+  }
+};
+
+}  // namespace
+
+TEST_CASE("a gradient that overflows is refused alike in both modes, also clipped, and TrainOneStepCell skips it") {
+  ModeGuard guard;
+  std::vector<std::string> said;
+  for (const Mode mode : {GRAPH_MODE, PYNATIVE_MODE}) {
+    set_context({.mode = mode});
+    Overflow o;
+    nn::Adam adam(o.net.parameters());
+    auto vg = value_and_grad(o.with_loss, adam.parameters());
+    auto [value, grads] = vg(o.x, o.y);
+    CHECK(std::isfinite(value.item()));
+    said.push_back(value_error_of([&] { adam(grads); }));
+    CHECK(said.back().starts_with(
+        "nn::Adam: the gradient of parameter #0 'weight' is infinite at element 0 of [1, 1] (step 0)"));
+    // Clipped by the global norm, MindSpore's way: the infinity becomes NaN (inf · 0), still refused.
+    CHECK(value_error_of([&] {
+            adam(ops::clip_by_global_norm(grads, 1.0));
+          }).starts_with("nn::Adam: the gradient of parameter #0 'weight' is NaN at element 0 of [1, 1]"));
+    CHECK(adam.global_step() == 0);
+    CHECK(o.net.weight.data()[0] == 1.0f);
+
+    // TrainOneStepCell skips it, with the optimiser's words, and counts it; checked once.
+    std::ostringstream cerr_text;
+    std::streambuf* const cerr = std::cerr.rdbuf(cerr_text.rdbuf());
+    nn::TrainOneStepCell step(o.with_loss, adam);
+    const float loss = step(o.x, o.y).item();
+    step(o.x, o.y);
+    std::cerr.rdbuf(cerr);
+    CHECK((std::isfinite(loss) && loss > 2e38f));
+    std::ostringstream printed;
+    printed << loss;
+    CHECK(step.skipped_steps() == 2);
+    CHECK(adam.skipped_steps() == 0);
+    CHECK(adam.global_step() == 0);
+    CHECK(o.net.weight.data()[0] == 1.0f);
+    CHECK(o.net.bias.data()[0] == 0.0f);
+    CHECK(cerr_text.str() ==
+          "duet: warning: nn::TrainOneStepCell: the gradient of parameter #0 'weight' is infinite at element 0 of [1, "
+          "1] (loss " +
+              printed.str() +
+              "), so this step skipped its update, as every such step will (said once; skipped_steps() "
+              "counts them)\n");
+    // Clipped by value, the clamp finds the infinity (TrainOneStepCell's own check, not repeated by
+    // the optimiser) and the step skips it as well.
+    std::cerr.rdbuf(cerr_text.rdbuf());
+    nn::TrainOneStepCell clipped(o.with_loss, adam, {.clip_grad_value = 1.0});
+    clipped(o.x, o.y);
+    std::cerr.rdbuf(cerr);
+    CHECK(clipped.skipped_steps() == 1);
+    CHECK(adam.global_step() == 0);
+    CHECK(o.net.weight.data()[0] == 1.0f);
+  }
+  CHECK(said[0] == said[1]);
+}
+
+TEST_CASE("on_nonfinite = skip skips such steps, counts them and says the first once, for loss scaling") {
+  const Tensor x = randn({5, 3}, 11);
+  const Tensor y = randn({5, 2}, 12);
+  nn::MSELoss<> loss;
+  set_seed(4);
+  TwoLayers net;
+  set_seed(4);
+  TwoLayers reference;
+  nn::WithLossCell with_loss(net, loss), reference_with_loss(reference, loss);
+  nn::SGD sgd(net.parameters(), {.momentum = 0.9, .on_nonfinite = nn::NonFiniteGradient::skip});
+  nn::SGD reference_sgd(reference.parameters(), {.momentum = 0.9});
+  auto vg = value_and_grad(with_loss, sgd.parameters());
+  auto reference_vg = value_and_grad(reference_with_loss, reference_sgd.parameters());
+  sgd(vg(x, y).grads);
+  reference_sgd(reference_vg(x, y).grads);
+  const std::vector<float> before = everything(net, sgd);
+  std::ostringstream said;
+  std::streambuf* const cerr = std::cerr.rdbuf(said.rdbuf());
+  for (int bad = 0; bad < 2; ++bad) {
+    auto grads = vg(x, y).grads;
+    grads[3].values()[1] = std::numeric_limits<float>::infinity();
+    sgd(grads);
+  }
+  static_cast<void>(vg(x, y));
+  net.fc1.weight.grad.values()[0] = std::numeric_limits<float>::quiet_NaN();
+  sgd.step();
+  std::cerr.rdbuf(cerr);
+  CHECK(said.str() ==
+        "duet: warning: nn::SGD: the gradient of parameter #3 'fc2.bias' is infinite at element 1 of [2], so this step "
+        "skipped its update, as every such step will (said once; skipped_steps() counts them)\n");
+  CHECK(sgd.skipped_steps() == 3);
+  CHECK(same_bits(everything(net, sgd), before));
+  sgd(vg(x, y).grads);
+  reference_sgd(reference_vg(x, y).grads);
+  CHECK(same_bits(everything(net, sgd), everything(reference, reference_sgd)));
+}
+
+TEST_CASE("first_nonfinite finds the first NaN or infinity in any block and its tail, in float and double") {
+  for (const index_t n : {1, 7, 255, 256, 257, 1000}) {
+    std::vector<float> f(static_cast<std::size_t>(n), 1.0f);
+    std::vector<double> d(static_cast<std::size_t>(n), -2.0);
+    f.back() = std::numeric_limits<float>::max();
+    d.back() = std::numeric_limits<double>::denorm_min();
+    CHECK(duet::detail::first_nonfinite(f.data(), n) == -1);
+    CHECK(duet::detail::first_nonfinite(d.data(), n) == -1);
+    for (const index_t at : {index_t{0}, n / 2, n - 1}) {
+      f.assign(f.size(), 1.0f);
+      d.assign(d.size(), -2.0);
+      f[static_cast<std::size_t>(at)] = -std::numeric_limits<float>::infinity();
+      d[static_cast<std::size_t>(at)] = std::numeric_limits<double>::quiet_NaN();
+      if (at + 1 < n) f.back() = std::numeric_limits<float>::quiet_NaN();  // a later one: the first is found
+      CHECK(duet::detail::first_nonfinite(f.data(), n) == at);
+      CHECK(duet::detail::first_nonfinite(d.data(), n) == at);
+    }
+  }
 }
 
 }  // namespace tests_nn_optim

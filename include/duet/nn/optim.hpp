@@ -4,7 +4,9 @@
 // thread left in them (step()), or from a list of gradients (operator(), as MindSpore calls
 // optimisers). Its state (momentum, Adam's moments) is made once, so steps do not allocate.
 // state() and set_global_step expose that state for checkpoints (duet::save_checkpoint(net,
-// path, optimizer)), which is how training resumes.
+// path, optimizer)), which is how training resumes. A step whose gradients hold a NaN or an
+// infinity changes nothing, and is refused (a duet::ValueError) or skipped and counted
+// (.on_nonfinite, NonFiniteGradient).
 #pragma once
 
 #include <algorithm>
@@ -22,6 +24,7 @@
 #include <vector>
 
 #include "../backend.hpp"
+#include "../detail/finite.hpp"
 #include "../error.hpp"
 #include "../parallel.hpp"
 #include "../parameter.hpp"
@@ -179,6 +182,15 @@ struct ParametersToTrain {
   std::vector<BasicParameter<T>*> unnamed;
 };
 
+// What an optimiser does with a gradient holding a NaN or an infinity (.on_nonfinite). Either
+// way the step changes nothing: no parameter, no moment or momentum, not the step count. Applied,
+// such a gradient would make every weight NaN for good, the loss printing nan from then on with
+// no word of where it began.
+enum class NonFiniteGradient {
+  raise,  // a duet::ValueError naming the parameter and its first bad element (the default)
+  skip,   // skip the step and count it (skipped_steps()), said once on std::cerr: for loss scaling
+};
+
 // One kind of state an optimiser keeps per parameter ("moment1"): tensors[i] belongs to
 // parameters()[i] and has its shape.
 template <ElementType T>
@@ -230,15 +242,28 @@ class BasicOptimizer {
 
   // Updates every parameter the calling thread's last backward pass reached.
   void step() {
+    if (const auto bad = step_unless_nonfinite(false)) on_nonfinite(*bad);
+  }
+
+  // step() for nn::TrainOneStepCell, which skips and counts such steps itself: the gradients
+  // are checked unless they are known to be finite (clipping measured them), and one that is
+  // not changes nothing and is returned, for the caller to say.
+  std::optional<std::string> step_unless_nonfinite(bool known_finite) {
     const std::uint64_t pass = duet::detail::current_backward_pass();
     require_all_reduced(pass, ".step()");
     require_learning_rate();
     require_left_out_frozen();
+    const auto applied = [&](std::size_t i) { return params_[i]->requires_grad && params_[i]->has_grad_from(pass); };
+    const auto grad = [&](std::size_t i) { return params_[i]->grad.data(); };
+    if (!known_finite) {
+      if (auto bad = first_nonfinite_gradient(applied, grad)) return bad;
+    }
     begin_step();
     for (std::size_t i = 0; i < params_.size(); ++i) {
-      if (params_[i]->requires_grad && params_[i]->has_grad_from(pass)) update(i, params_[i]->grad.data());
+      if (applied(i)) update(i, grad(i));
     }
     ++global_step_;
+    return std::nullopt;
   }
 
   // MindSpore's optimizer(grads): one gradient per parameter, in order.
@@ -266,15 +291,23 @@ class BasicOptimizer {
       require_same_state_on_every_rank();
       ranks_checked_ = true;
     }
+    const auto applied = [&](std::size_t i) { return params_[i]->requires_grad && grads[i].gradient_reached(); };
+    const auto grad = [&](std::size_t i) { return grads[i].data(); };
+    if (const auto bad = first_nonfinite_gradient(applied, grad)) {
+      on_nonfinite(*bad);
+      return;
+    }
     begin_step();
     for (std::size_t i = 0; i < params_.size(); ++i) {
-      if (params_[i]->requires_grad && grads[i].gradient_reached()) update(i, grads[i].data());
+      if (applied(i)) update(i, grad(i));
     }
     ++global_step_;
   }
 
   const std::vector<BasicParameter<T>*>& parameters() const { return params_; }
   std::int64_t global_step() const { return global_step_; }
+  // How many steps a non-finite gradient skipped (.on_nonfinite = NonFiniteGradient::skip).
+  std::int64_t skipped_steps() const { return skipped_steps_; }
   // The rate the next step uses, in a parameter group (the first, or the only one).
   double learning_rate(std::size_t group = 0) const {
     if (group >= groups_.size()) {
@@ -373,8 +406,46 @@ class BasicOptimizer {
   std::vector<std::string> names_;  // params_' names, when the optimizer was given them
   std::vector<std::uint32_t> group_of_;  // params_' groups
   std::int64_t global_step_ = 0;
+  NonFiniteGradient on_nonfinite_ = NonFiniteGradient::raise;  // set by each optimiser's config
 
  private:
+  // Every gradient the step would apply, checked before anything changes (a parameter updated
+  // before a later one's NaN were found could not be put back): the first NaN or infinity, said
+  // with the parameter's name and the element's index, or nothing.
+  template <class Applied, class Grad>
+  std::optional<std::string> first_nonfinite_gradient(const Applied& applied, const Grad& grad) const {
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      if (!applied(i)) continue;
+      const T* g = grad(i);
+      const index_t k = duet::detail::first_nonfinite(g, params_[i]->numel());
+      if (k < 0) continue;
+      return "the gradient of parameter #" + std::to_string(i) + (names_.empty() ? "" : " '" + names_[i] + "'") +
+             " is " + duet::detail::nonfinite_kind(g[k]) + " at element " + std::to_string(k) + " of " +
+             to_string(params_[i]->shape());
+    }
+    return std::nullopt;
+  }
+
+  // A step refused or skipped (what: first_nonfinite_gradient's), having changed nothing.
+  void on_nonfinite(const std::string& what) {
+    if (on_nonfinite_ == NonFiniteGradient::raise) {
+      throw ValueError(std::string(type_name()) + ": " + what + " (step " + std::to_string(global_step_) +
+                       "), so the step changed nothing: no parameter, no optimiser state; a loss that is still "
+                       "finite points at an operation whose gradient overflowed (DebugLevel::debug names the first "
+                       "to output one); to skip such steps instead, as loss scaling does, make the optimizer with "
+                       "{.on_nonfinite = nn::NonFiniteGradient::skip}");
+    }
+    // Skipping hides a network that diverged as well as an overflow the loss scale will fix:
+    // the first is said, and the count is there for the program to watch.
+    if (skipped_steps_++ == 0) {
+      std::cerr << "duet: warning: " << type_name() << ": " << what
+                << ", so this step skipped its update, as every such step will (said once; skipped_steps() counts "
+                   "them)\n";
+    }
+  }
+
+  std::int64_t skipped_steps_ = 0;
+
   // Freezing works both ways, as a PyTorch user expects. A parameter whose requires_grad is
   // cleared after the optimiser was made stays where it is (and keeps its state), as PyTorch
   // skips a parameter without a gradient: the update loops test the flag. One that had no
@@ -525,6 +596,7 @@ struct SGDConfig {
   double weight_decay = 0.0;
   bool nesterov = false;
   DecayFilter decays = {};  // which parameters weight_decay applies to; unset: all
+  NonFiniteGradient on_nonfinite = NonFiniteGradient::raise;  // a NaN or infinite gradient
 };
 
 template <ElementType T = float, class Backend = DefaultBackend>
@@ -547,6 +619,7 @@ class BasicSGD final : public BasicOptimizer<T> {
     steps_.resize(weight_decays_.size());
     if (config_.momentum > 0) momentum_ = this->zero_state();
     decays_ = this->decay_mask(config_.decays);
+    this->on_nonfinite_ = config_.on_nonfinite;
   }
 
   std::string_view type_name() const override { return "nn::SGD"; }
@@ -593,6 +666,7 @@ struct AdamConfig {
   // Unset: 0.01 for AdamW, 0 for Adam (PyTorch's defaults), also when other fields are set.
   std::optional<double> weight_decay = std::nullopt;
   DecayFilter decays = {};  // which parameters weight_decay applies to; unset: all
+  NonFiniteGradient on_nonfinite = NonFiniteGradient::raise;  // a NaN or infinite gradient
 };
 
 template <ElementType T = float, bool Decoupled = false, class Backend = DefaultBackend>
@@ -613,6 +687,7 @@ class BasicAdam final : public BasicOptimizer<T> {
     this->require_option("beta2", config_.beta2, config_.beta2 >= 0 && config_.beta2 < 1, "in [0, 1)");
     this->require_option("eps", config_.eps, config_.eps > 0, "> 0");
     decays_ = this->decay_mask(config_.decays);
+    this->on_nonfinite_ = config_.on_nonfinite;
   }
 
   // AdamW decays weights by default (0.01, as PyTorch's AdamW); Adam does not.

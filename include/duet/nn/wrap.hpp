@@ -19,6 +19,7 @@
 
 #include "../autodiff.hpp"
 #include "../cell.hpp"
+#include "../detail/finite.hpp"
 #include "../ops/clip.hpp"
 #include "../parallel.hpp"
 #include "../random.hpp"
@@ -157,28 +158,35 @@ class TrainOneStepCell {
       if (parallel != nullptr) all_reduce(*parallel, loss, xs...);
       overlapped_.reset();
     }
-    if (!std::ranges::all_of(loss.values(), [](T v) { return std::isfinite(v); })) return skipped(loss, "loss");
+    if (duet::detail::first_nonfinite(loss.data(), loss.numel()) >= 0) return skipped(loss, "the loss is not finite");
     // Clipping reads the gradients backward left, the same in both modes, so both clip alike.
     // A gradient whose norm is not finite skips the update, as a NaN loss does; the norm is
     // kept for the caller to see (last_global_norm). A parameter frozen after the optimiser
     // was made still gets a gradient, which the update skips: so does the norm, as PyTorch's
     // clip_grad_norm_ sees only the gradients of what it trains.
-    // Clamping a NaN leaves it NaN: such a gradient skips the update too.
-    if (config_.clip_global_norm || config_.clip_grad_value) {
+    // Clamping a NaN leaves it NaN: such a gradient skips the update too. A finite loss can
+    // still have a gradient that is not (an operation whose gradient overflowed): unclipped, the
+    // optimiser's own check finds it and the step skips it too; clipped, the clipping found it.
+    const bool clipped = config_.clip_global_norm || config_.clip_grad_value;
+    if (clipped) {
       const std::uint64_t pass = duet::detail::current_backward_pass();
       std::vector<BasicTensor<T>*> grads;
       for (BasicParameter<T>* p : optimizer_.parameters()) {
         if (p->requires_grad && p->has_grad_from(pass)) grads.push_back(&p->grad);
       }
       if (config_.clip_grad_value && !ops::detail::clamp_in_place(grads, *config_.clip_grad_value)) {
-        return skipped(loss, "gradient");
+        return skipped(loss, "a gradient is not finite");
       }
       if (config_.clip_global_norm) {
         last_global_norm_ = ops::detail::clip_in_place(grads, *config_.clip_global_norm);
-        if (!std::isfinite(last_global_norm_)) return skipped(loss, "gradients' global norm");
+        if (!std::isfinite(last_global_norm_)) return skipped(loss, "the gradients' global norm is not finite");
       }
     }
-    optimizer_.step();
+    if constexpr (requires { optimizer_.step_unless_nonfinite(clipped); }) {
+      if (const auto bad = optimizer_.step_unless_nonfinite(clipped)) return skipped(loss, *bad);
+    } else {
+      optimizer_.step();
+    }
     step.commit();
     return loss;
   }
@@ -195,7 +203,7 @@ class TrainOneStepCell {
     }
     return last_global_norm_;
   }
-  // How many steps skipped their update (a loss or a gradient norm not finite).
+  // How many steps skipped their update (a loss, a gradient or a gradient norm not finite).
   std::int64_t skipped_steps() const { return skipped_steps_; }
 
  private:
@@ -210,7 +218,7 @@ class TrainOneStepCell {
   // every step and train on in silence: the first skip is said on std::cerr.
   BasicTensor<T> skipped(const BasicTensor<T>& loss, std::string_view what) {
     if (skipped_steps_++ == 0) {
-      std::cerr << "duet: warning: nn::TrainOneStepCell: the " << what << " is not finite (loss " << loss.values()[0]
+      std::cerr << "duet: warning: nn::TrainOneStepCell: " << what << " (loss " << loss.values()[0]
                 << "), so this step skipped its update, as every such step will (said once; "
                    "skipped_steps() counts them)\n";
     }
