@@ -5,6 +5,10 @@
 //
 //   build/benchmarks/duet_benchmarks --benchmark_filter=optim
 //
+// The optim/*_checked rows add the optimisers' finiteness check of the gradient
+// (detail::first_nonfinite, run before every step) to the update; their with_check counter is
+// (check + update) / update, each timed alone in the same process.
+//
 // Sizes: the seed network's 669,706 parameters (Adam's four arrays are 10.7 MB, past L2) and
 // 65,536 (1 MB, within L2 on this project's machines).
 #include <duet/duet.hpp>
@@ -105,6 +109,44 @@ void sgd_momentum(benchmark::State& state, kernels::Isa isa) {
   run(state, isa, 2, [&](Buffers& b) { kernels::sgd_update(b.p.data(), b.g.data(), b.m.data(), state.range(0), c); });
 }
 
+// The update and, before it, the check every optimiser step makes of the gradient.
+template <class Update>
+void run_checked(benchmark::State& state, kernels::Isa isa, int arrays, Update&& update) {
+  const index_t n = state.range(0);
+  const auto check = [n](Buffers& b) { benchmark::DoNotOptimize(duet::detail::first_nonfinite(b.g.data(), n)); };
+  run(state, isa, arrays, [&](Buffers& b) {
+    check(b);
+    update(b);
+  });
+  const kernels::Isa saved = kernels::active_isa();
+  kernels::set_active_isa(isa);
+  Buffers b(n);
+  const double update_seconds = seconds_per_call([&] {
+    update(b);
+    benchmark::ClobberMemory();
+  });
+  const double check_seconds = seconds_per_call([&] {
+    check(b);
+    benchmark::ClobberMemory();
+  });
+  kernels::set_active_isa(saved);
+  state.counters["with_check"] = (check_seconds + update_seconds) / update_seconds;
+}
+
+void adam_checked(benchmark::State& state, kernels::Isa isa) {
+  const kernels::AdamCoefficients<float> c{0.9f, 0.999f, 1e-8f, 0.0f, 1.0f, 1e-3f};
+  run_checked(state, isa, 3, [&](Buffers& b) {
+    kernels::adam_update(b.p.data(), b.g.data(), b.m.data(), b.v.data(), state.range(0), c);
+  });
+}
+
+void sgd_checked(benchmark::State& state, kernels::Isa isa) {
+  const kernels::SgdCoefficients<float> c{1e-2f, 0.0f, 0.0f, 1.0f, false, false, false};
+  run_checked(state, isa, 1, [&](Buffers& b) {
+    kernels::sgd_update(b.p.data(), b.g.data(), static_cast<float*>(nullptr), state.range(0), c);
+  });
+}
+
 // One row per instruction set the CPU runs, registered before main() runs them.
 [[maybe_unused]] const bool registered = [] {
   benchmark::AddCustomContext("cpu_model", duet_bench::cpu_model());
@@ -114,6 +156,8 @@ void sgd_momentum(benchmark::State& state, kernels::Isa isa) {
     const std::string name(kernels::isa_name(isa));
     benchmark::RegisterBenchmark(("optim/adam/" + name).c_str(), adam, isa)->Arg(669706)->Arg(65536);
     benchmark::RegisterBenchmark(("optim/sgd_momentum/" + name).c_str(), sgd_momentum, isa)->Arg(669706)->Arg(65536);
+    benchmark::RegisterBenchmark(("optim/adam_checked/" + name).c_str(), adam_checked, isa)->Arg(669706)->Arg(65536);
+    benchmark::RegisterBenchmark(("optim/sgd_checked/" + name).c_str(), sgd_checked, isa)->Arg(669706)->Arg(65536);
   }
   return true;
 }();

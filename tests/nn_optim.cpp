@@ -1,12 +1,14 @@
 // Optimisers against the update rules written out by hand, and learning-rate schedules.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <iostream>
 #include <limits>
 #include <memory>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "support.hpp"
@@ -497,53 +499,70 @@ bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
+struct Seed {
+  explicit Seed(std::uint64_t seed) { set_seed(seed); }
+};
+
+// The network and its optimiser twice from one seed: one pair to see bad gradients, the other
+// never to. One step is taken first, so that momentum and moments are not zero.
+template <class Optimizer>
+struct Twins {
+  template <class Make>
+  explicit Twins(const Make& make)
+      : optimizer(make(net.parameters())), reference_optimizer(make(reference.parameters())) {
+    step_both();
+  }
+  std::vector<Tensor> grads() { return value_and_grad(with_loss, optimizer->parameters())(x, y).grads; }
+  void step_both() {
+    (*optimizer)(grads());
+    (*reference_optimizer)(value_and_grad(reference_with_loss, reference_optimizer->parameters())(x, y).grads);
+  }
+  std::vector<float> now() { return everything(net, *optimizer); }
+  bool as_reference() { return same_bits(now(), everything(reference, *reference_optimizer)); }
+
+  const Tensor x = randn({5, 3}, 11);
+  const Tensor y = randn({5, 2}, 12);
+  nn::MSELoss<> loss;
+  Seed seed{4};
+  TwoLayers net;
+  Seed same_seed{4};
+  TwoLayers reference;
+  nn::WithLossCell<TwoLayers, nn::MSELoss<>> with_loss{net, loss};
+  nn::WithLossCell<TwoLayers, nn::MSELoss<>> reference_with_loss{reference, loss};
+  std::unique_ptr<Optimizer> optimizer;
+  std::unique_ptr<Optimizer> reference_optimizer;
+};
+
 // A NaN in one element of one gradient, through optimizer(grads), and an infinity through
 // step(): each refused naming the parameter and the element, nothing changed; then the next
 // steps are bit for bit those of a run that never saw them.
 template <class Make>
 void check_nonfinite_changes_nothing(const Make& make, const std::string& type) {
-  const Tensor x = randn({5, 3}, 11);
-  const Tensor y = randn({5, 2}, 12);
-  nn::MSELoss<> loss;
-  set_seed(4);
-  TwoLayers net;
-  set_seed(4);
-  TwoLayers reference;
-  nn::WithLossCell with_loss(net, loss), reference_with_loss(reference, loss);
-  auto optimizer = make(net.parameters());
-  auto reference_optimizer = make(reference.parameters());
-  auto vg = value_and_grad(with_loss, optimizer->parameters());
-  auto reference_vg = value_and_grad(reference_with_loss, reference_optimizer->parameters());
-  // A step first, so that momentum and moments are not zero.
-  (*optimizer)(vg(x, y).grads);
-  (*reference_optimizer)(reference_vg(x, y).grads);
-  const std::vector<float> before = everything(net, *optimizer);
+  Twins<typename std::invoke_result_t<Make, std::vector<nn::NamedParameter<float>>>::element_type> t(make);
+  const std::vector<float> before = t.now();
 
-  auto grads = vg(x, y).grads;
+  auto grads = t.grads();
   grads[2].values()[5] = std::numeric_limits<float>::quiet_NaN();
-  CHECK(value_error_of([&] { (*optimizer)(grads); }) ==
+  CHECK(value_error_of([&] { (*t.optimizer)(grads); }) ==
         type +
             ": the gradient of parameter #2 'fc2.weight' is NaN at element 5 of [2, 4] (step 1), so the step "
             "changed nothing: no parameter, no optimiser state; a loss that is still finite points at an "
             "operation whose gradient overflowed (DebugLevel::debug names the first to output one); to skip such "
             "steps instead, as loss scaling does, make the optimizer with {.on_nonfinite = "
             "nn::NonFiniteGradient::skip}");
-  CHECK(same_bits(everything(net, *optimizer), before));
+  CHECK(same_bits(t.now(), before));
 
-  static_cast<void>(vg(x, y));
-  net.fc1.bias.grad.values()[3] = -std::numeric_limits<float>::infinity();
+  static_cast<void>(t.grads());
+  t.net.fc1.bias.grad.values()[3] = -std::numeric_limits<float>::infinity();
   CHECK(value_error_of([&] {
-          optimizer->step();
+          t.optimizer->step();
         }).starts_with(type + ": the gradient of parameter #1 'fc1.bias' is infinite at element 3 of [4] (step 1)"));
-  CHECK(same_bits(everything(net, *optimizer), before));
-  CHECK(optimizer->skipped_steps() == 0);  // refused, not skipped
+  CHECK(same_bits(t.now(), before));
+  CHECK(t.optimizer->skipped_steps() == 0);  // refused, not skipped
 
-  for (int step = 0; step < 2; ++step) {
-    (*optimizer)(vg(x, y).grads);
-    (*reference_optimizer)(reference_vg(x, y).grads);
-  }
-  CHECK(same_bits(everything(net, *optimizer), everything(reference, *reference_optimizer)));
-  CHECK(optimizer->global_step() == 3);
+  for (int step = 0; step < 2; ++step) t.step_both();
+  CHECK(t.as_reference());
+  CHECK(t.optimizer->global_step() == 3);
 }
 
 }  // namespace
@@ -635,40 +654,43 @@ TEST_CASE("a gradient that overflows is refused alike in both modes, also clippe
 }
 
 TEST_CASE("on_nonfinite = skip skips such steps, counts them and says the first once, for loss scaling") {
-  const Tensor x = randn({5, 3}, 11);
-  const Tensor y = randn({5, 2}, 12);
-  nn::MSELoss<> loss;
-  set_seed(4);
-  TwoLayers net;
-  set_seed(4);
-  TwoLayers reference;
-  nn::WithLossCell with_loss(net, loss), reference_with_loss(reference, loss);
-  nn::SGD sgd(net.parameters(), {.momentum = 0.9, .on_nonfinite = nn::NonFiniteGradient::skip});
-  nn::SGD reference_sgd(reference.parameters(), {.momentum = 0.9});
-  auto vg = value_and_grad(with_loss, sgd.parameters());
-  auto reference_vg = value_and_grad(reference_with_loss, reference_sgd.parameters());
-  sgd(vg(x, y).grads);
-  reference_sgd(reference_vg(x, y).grads);
-  const std::vector<float> before = everything(net, sgd);
+  Twins<nn::SGD> t([](const std::vector<nn::NamedParameter<float>>& p) {
+    return std::make_unique<nn::SGD>(p, nn::SGDConfig{.momentum = 0.9, .on_nonfinite = nn::NonFiniteGradient::skip});
+  });
+  const std::vector<float> before = t.now();
   std::ostringstream said;
   std::streambuf* const cerr = std::cerr.rdbuf(said.rdbuf());
   for (int bad = 0; bad < 2; ++bad) {
-    auto grads = vg(x, y).grads;
+    auto grads = t.grads();
     grads[3].values()[1] = std::numeric_limits<float>::infinity();
-    sgd(grads);
+    (*t.optimizer)(grads);
   }
-  static_cast<void>(vg(x, y));
-  net.fc1.weight.grad.values()[0] = std::numeric_limits<float>::quiet_NaN();
-  sgd.step();
+  static_cast<void>(t.grads());
+  t.net.fc1.weight.grad.values()[0] = std::numeric_limits<float>::quiet_NaN();
+  t.optimizer->step();
   std::cerr.rdbuf(cerr);
   CHECK(said.str() ==
         "duet: warning: nn::SGD: the gradient of parameter #3 'fc2.bias' is infinite at element 1 of [2], so this step "
         "skipped its update, as every such step will (said once; skipped_steps() counts them)\n");
-  CHECK(sgd.skipped_steps() == 3);
-  CHECK(same_bits(everything(net, sgd), before));
-  sgd(vg(x, y).grads);
-  reference_sgd(reference_vg(x, y).grads);
-  CHECK(same_bits(everything(net, sgd), everything(reference, reference_sgd)));
+  CHECK(t.optimizer->skipped_steps() == 3);
+  CHECK(same_bits(t.now(), before));
+  t.step_both();
+  CHECK(t.as_reference());
+}
+
+TEST_CASE("a large gradient, checked on two threads, is said at its first bad element") {
+  const int threads = get_num_threads();
+  set_num_threads(2);
+  const index_t n = index_t{1} << 20;
+  nn::Parameter p(zeros({n}));
+  nn::SGD sgd(std::vector<nn::Parameter*>{&p});
+  Tensor g = zeros({n});
+  g.data()[900000] = std::numeric_limits<float>::quiet_NaN();
+  g.data()[700001] = std::numeric_limits<float>::infinity();  // in the second thread's half
+  const std::string said = value_error_of([&] { sgd({g}); });
+  set_num_threads(threads);
+  CHECK(said.starts_with("nn::SGD: the gradient of parameter #0 is infinite at element 700001 of [1048576] (step 0)"));
+  CHECK(std::ranges::all_of(p.values(), [](float v) { return v == 0.0f; }));
 }
 
 TEST_CASE("first_nonfinite finds the first NaN or infinity in any block and its tail, in float and double") {

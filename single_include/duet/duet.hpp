@@ -6797,8 +6797,8 @@ namespace duet::detail {
 // a fixed length OR together a bit that is set exactly when an element's exponent is all ones
 // (its exponent field plus one carries into the sign bit), integer operations that g++ and clang
 // vectorise at -O2 on any x86-64 or AArch64 (std::isfinite per element, with a branch, does not
-// vectorise); the element is looked for only in a block that has one. benchmarks/optim.cpp
-// measures the pass against the update it guards.
+// vectorise); the element is looked for only in a block that has one. The optimisers run it on
+// the threads their updates use; benchmarks/optim.cpp measures it against the update it guards.
 template <class T>
 index_t first_nonfinite(const T* values, index_t n) {
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
@@ -17920,6 +17920,7 @@ BasicTensor<T> initializer(const I& init, const Shape& shape) {
 // (.on_nonfinite, NonFiniteGradient).
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <concepts>
 #include <cstdint>
@@ -18320,13 +18321,27 @@ class BasicOptimizer {
     for (std::size_t i = 0; i < params_.size(); ++i) {
       if (!applied(i)) continue;
       const T* g = grad(i);
-      const index_t k = duet::detail::first_nonfinite(g, params_[i]->numel());
+      const index_t k = first_nonfinite_on_threads(g, params_[i]->numel());
       if (k < 0) continue;
       return "the gradient of parameter #" + std::to_string(i) + (names_.empty() ? "" : " '" + names_[i] + "'") +
              " is " + duet::detail::nonfinite_kind(g[k]) + " at element " + std::to_string(k) + " of " +
              to_string(params_[i]->shape());
     }
     return std::nullopt;
+  }
+
+  // A large gradient is checked on the threads its update runs on: on one, the check would be
+  // a larger share of the step the more threads shorten the update.
+  static index_t first_nonfinite_on_threads(const T* g, index_t n) {
+    std::atomic<index_t> first{n};
+    duet::detail::parallel_elements(n, 1, [&](index_t i0, index_t i1) {
+      const index_t k = duet::detail::first_nonfinite(g + i0, i1 - i0);
+      if (k < 0) return;
+      index_t seen = first.load(std::memory_order_relaxed);
+      while (i0 + k < seen && !first.compare_exchange_weak(seen, i0 + k, std::memory_order_relaxed)) {
+      }
+    });
+    return first.load(std::memory_order_relaxed) == n ? -1 : first.load(std::memory_order_relaxed);
   }
 
   // A step refused or skipped (what: first_nonfinite_gradient's), having changed nothing.

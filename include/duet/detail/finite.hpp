@@ -22,8 +22,8 @@ namespace duet::detail {
 // a fixed length OR together a bit that is set exactly when an element's exponent is all ones
 // (its exponent field plus one carries into the sign bit), integer operations that g++ and clang
 // vectorise at -O2 on any x86-64 or AArch64 (std::isfinite per element, with a branch, does not
-// vectorise); the element is looked for only in a block that has one. benchmarks/optim.cpp
-// measures the pass against the update it guards.
+// vectorise); the element is looked for only in a block that has one. The optimisers run it on
+// the threads their updates use; benchmarks/optim.cpp measures it against the update it guards.
 template <class T>
 index_t first_nonfinite(const T* values, index_t n) {
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <concepts>
 #include <cstdint>
@@ -30,6 +31,7 @@
 #include "../parameter.hpp"
 #include "../print.hpp"
 #include "../tensor.hpp"
+#include "../threads.hpp"
 
 namespace duet::nn {
 
@@ -417,13 +419,27 @@ class BasicOptimizer {
     for (std::size_t i = 0; i < params_.size(); ++i) {
       if (!applied(i)) continue;
       const T* g = grad(i);
-      const index_t k = duet::detail::first_nonfinite(g, params_[i]->numel());
+      const index_t k = first_nonfinite_on_threads(g, params_[i]->numel());
       if (k < 0) continue;
       return "the gradient of parameter #" + std::to_string(i) + (names_.empty() ? "" : " '" + names_[i] + "'") +
              " is " + duet::detail::nonfinite_kind(g[k]) + " at element " + std::to_string(k) + " of " +
              to_string(params_[i]->shape());
     }
     return std::nullopt;
+  }
+
+  // A large gradient is checked on the threads its update runs on: on one, the check would be
+  // a larger share of the step the more threads shorten the update.
+  static index_t first_nonfinite_on_threads(const T* g, index_t n) {
+    std::atomic<index_t> first{n};
+    duet::detail::parallel_elements(n, 1, [&](index_t i0, index_t i1) {
+      const index_t k = duet::detail::first_nonfinite(g + i0, i1 - i0);
+      if (k < 0) return;
+      index_t seen = first.load(std::memory_order_relaxed);
+      while (i0 + k < seen && !first.compare_exchange_weak(seen, i0 + k, std::memory_order_relaxed)) {
+      }
+    });
+    return first.load(std::memory_order_relaxed) == n ? -1 : first.load(std::memory_order_relaxed);
   }
 
   // A step refused or skipped (what: first_nonfinite_gradient's), having changed nothing.
