@@ -106,8 +106,10 @@ class TrainOneStepCell {
   // changes nothing, not even BatchNorm's moving statistics or Dropout's generator. An
   // empty batch is refused: it has no gradient, yet an update would still advance the
   // optimiser (its step count, and momentum moving the parameters). A batch whose loss is NaN
-  // or infinite (NaN or Inf inputs, or a model that diverged) skips the update, which would
-  // write NaN into every parameter and moment for good; the caller sees the loss.
+  // or infinite (NaN or Inf inputs, or a model that diverged), or whose gradient is (an
+  // operation's gradient overflowed), skips the update, which would write NaN into every
+  // parameter and moment for good; the caller sees the loss. Whatever the optimiser's
+  // .on_nonfinite, a step skips such an update and counts it here (skipped_steps()).
   template <class... X>
   BasicTensor<T> operator()(const X&... xs) {
     if (((tensor_of(xs).numel() == 0) || ...)) {
