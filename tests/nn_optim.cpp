@@ -546,9 +546,9 @@ void check_nonfinite_changes_nothing(const Make& make, const std::string& type) 
   CHECK(value_error_of([&] { (*t.optimizer)(grads); }) ==
         type +
             ": the gradient of parameter #2 'fc2.weight' is NaN at element 5 of [2, 4] (step 1), so the step "
-            "changed nothing: no parameter, no optimiser state; a loss that is still finite points at an "
-            "operation whose gradient overflowed (DebugLevel::debug names the first to output one); to skip such "
-            "steps instead, as loss scaling does, make the optimizer with {.on_nonfinite = "
+            "changed nothing: no parameter, no optimiser state (if the loss was finite, the gradient of an "
+            "operation overflowed); to skip such steps instead, as loss scaling does, make the optimizer with "
+            "{.on_nonfinite = "
             "nn::NonFiniteGradient::skip}");
   CHECK(same_bits(t.now(), before));
 

@@ -446,9 +446,9 @@ class BasicOptimizer {
   void on_nonfinite(const std::string& what) {
     if (on_nonfinite_ == NonFiniteGradient::raise) {
       throw ValueError(std::string(type_name()) + ": " + what + " (step " + std::to_string(global_step_) +
-                       "), so the step changed nothing: no parameter, no optimiser state; a loss that is still "
-                       "finite points at an operation whose gradient overflowed (DebugLevel::debug names the first "
-                       "to output one); to skip such steps instead, as loss scaling does, make the optimizer with "
+                       "), so the step changed nothing: no parameter, no optimiser state (if the loss was finite, "
+                       "the gradient of an operation overflowed); to skip such steps instead, as loss scaling does, "
+                       "make the optimizer with "
                        "{.on_nonfinite = nn::NonFiniteGradient::skip}");
     }
     // Skipping hides a network that diverged as well as an overflow the loss scale will fix:
