@@ -115,6 +115,25 @@ const bool math_cases = add_cases([](std::multimap<std::string, Case>& m) {
       add("triu", make_case_with_reference<1>({s}, [k](const auto& a) { return duet::ops::triu(a, k); }, triangle(false, k)));
     }
   }
+  // With a value written outside the triangle (tril(scores, 0, -1e9) is a causal mask); its gradient is 0 there.
+  const auto filled_triangle = [](bool lower, duet::index_t k, double value) {
+    return [lower, k, value](const std::vector<D>& xs) {
+      D y = xs[0].clone();
+      const Shape& s = y.shape();
+      const duet::index_t rows = s[s.rank() - 2], cols = s[s.rank() - 1];
+      for (duet::index_t e = 0; e < y.numel(); ++e) {
+        const duet::index_t i = (e / cols) % rows, j = e % cols;
+        if (lower ? j - i > k : j - i < k) y.data()[e] = value;
+      }
+      return y;
+    };
+  };
+  add("tril",
+      make_case_with_reference<1>(
+          {{2, 4, 4}}, [](const auto& a) { return duet::ops::tril(a, 0, -3.5); }, filled_triangle(true, 0, -3.5)));
+  add("triu",
+      make_case_with_reference<1>(
+          {{3, 5}}, [](const auto& a) { return duet::ops::triu(a, -1, 2.5); }, filled_triangle(false, -1, 2.5)));
   // A number for either branch (PyTorch's masked_fill), the tensor broadcast against the condition.
   for (const auto& p : std::vector<std::vector<Shape>>{{{3, 4}, {3, 4}}, {{3, 4}, {4}}, {{3, 1}, {1, 4}}}) {
     add("where", make_case<2>(p, [](const auto& a, const auto& b) { return duet::ops::where(duet::ops::greater(a, 0.0), -3.0, b); },

@@ -28558,15 +28558,18 @@ struct WhereScalarGradOp : Primitive<WhereScalarGradOp<T, ScalarIsX>> {
 };
 
 // torch.tril / triu (MindSpore's ops.tril, ops.triu): the matrices of the last two axes with
-// the elements above (Lower: kept on and below) or below (upper) diagonal k set to 0, the
-// diagonal k above the main one (k < 0 below it). Its gradient is the same mask on dy.
+// the elements above (Lower: kept on and below) or below (upper) diagonal k set to `value`
+// (0 unless given), the diagonal k above the main one (k < 0 below it): tril(scores, 0,
+// -inf) is a causal attention mask at any length, in one pass. Its gradient is dy with the
+// same elements set to 0 (the same operation, value 0).
 template <bool Lower>
 struct TriangleOp : Primitive<TriangleOp<Lower>> {
   // As its own gradient operation it reads the incoming gradient.
   static constexpr std::array reads{graph::Operand::grad};
   static constexpr int arity = 1;
   index_t k;
-  TriangleOp(index_t diagonal) : k(diagonal) {}
+  double value = 0;
+  TriangleOp(index_t diagonal, double fill = 0) : k(diagonal), value(fill) {}
 
   static constexpr ShapeResult infer_static(std::span<const Shape> in) {
     if (!in[0].leading_unknown() && in[0].rank() < 2) return fault(in[0], ShapeFault::min_rank, 2);
@@ -28579,9 +28582,10 @@ struct TriangleOp : Primitive<TriangleOp<Lower>> {
     const index_t rows = s[s.rank() - 2], cols = s[s.rank() - 1];
     const T* x = a.in<T>();
     T* y = a.out<T>();
+    const T fill = static_cast<T>(value);
     for (index_t m = 0, n = rows == 0 || cols == 0 ? 0 : s.numel() / (rows * cols); m < n; ++m) {
       for (index_t i = 0; i < rows; ++i, x += cols, y += cols) {
-        for (index_t j = 0; j < cols; ++j) y[j] = (Lower ? j - i <= k : j - i >= k) ? x[j] : T(0);
+        for (index_t j = 0; j < cols; ++j) y[j] = (Lower ? j - i <= k : j - i >= k) ? x[j] : fill;
       }
     }
   }
@@ -28702,15 +28706,16 @@ auto where(const C& condition, const A& x, const B& y) {
   return apply(WhereOp<typename A::value_type>{}, condition, x, y);
 }
 
-template <class X>
-  requires TensorLike<X>
-auto tril(const X& x, index_t diagonal = 0) {
-  return apply(TriangleOp<true>{diagonal}, x);
+// value, written outside the triangle kept, is 0 by default (torch's tril and triu).
+template <class X, class S = int>
+requires(TensorLike<X>&& Scalar<S>) auto tril(const X& x, index_t diagonal = 0, S value = 0) {
+  static_assert(!truncates<S, X>, DUET_DETAIL_TRUNCATION_MESSAGE);
+  return apply(TriangleOp<true>{diagonal, static_cast<double>(value)}, x);
 }
-template <class X>
-  requires TensorLike<X>
-auto triu(const X& x, index_t diagonal = 0) {
-  return apply(TriangleOp<false>{diagonal}, x);
+template <class X, class S = int>
+requires(TensorLike<X>&& Scalar<S>) auto triu(const X& x, index_t diagonal = 0, S value = 0) {
+  static_assert(!truncates<S, X>, DUET_DETAIL_TRUNCATION_MESSAGE);
+  return apply(TriangleOp<false>{diagonal, static_cast<double>(value)}, x);
 }
 
 // A number on either side: where(mask, -1e9f, scores) is PyTorch's scores.masked_fill(mask, -1e9).
