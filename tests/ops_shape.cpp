@@ -26,6 +26,20 @@ const bool shape_cases = add_cases([](std::multimap<std::string, Case>& m) {
   add("reshape", checked<1>({{3, 4}}, [](const auto& x) { return duet::ops::reshape<2, -1, 3>(x); },
                             same_elements({2, 2, 3})));
   add("reshape", checked<1>({{2, 3, 2}}, [](const auto& x) { return duet::ops::reshape<12>(x); }, same_elements({12})));
+  // unflatten and flatten: an axis cut or axes merged, counted from either end, the others kept.
+  add("unflatten",
+      checked<1>(
+          {{2, 12, 3}}, [](const auto& x) { return duet::ops::unflatten<1, 3, -1>(x); }, same_elements({2, 3, 4, 3})));
+  add("unflatten", checked<1>(
+                       {{2, 3, 8}}, [](const auto& x) { return duet::ops::unflatten<-1, 2, 2, 2>(x); },
+                       same_elements({2, 3, 2, 2, 2})));
+  add("flatten",
+      checked<1>(
+          {{2, 3, 4, 2}}, [](const auto& x) { return duet::ops::flatten<1, 2>(x); }, same_elements({2, 12, 2})));
+  add("flatten", checked<1>(
+                     {{2, 3, 4}}, [](const auto& x) { return duet::ops::flatten<0>(x); }, same_elements({24})));
+  add("flatten", checked<1>(
+                     {{2, 3, 4}}, [](const auto& x) { return duet::ops::flatten<-2, -1>(x); }, same_elements({2, 12})));
   add("expand_dims", checked<1>({{3, 4}}, [](const auto& x) { return duet::ops::expand_dims<1>(x); },
                                 same_elements({3, 1, 4})));
   add("expand_dims", checked<1>({{3, 4}}, [](const auto& x) { return duet::ops::expand_dims<-1>(x); },
@@ -321,6 +335,10 @@ TEST_CASE("ops: reshape, expand_dims, squeeze and slices of the first axis are v
   CHECK_FALSE(duet::ops::strided_slice(x, ints<0>, ints<3>, ints<2>).shares_storage_with(x));
   CHECK(duet::ops::reshape<2, -1>(x).data() == x.data());
   CHECK(duet::ops::reshape<2, -1>(x).shape() == Shape{2, 6});
+  CHECK(duet::ops::unflatten<1, 2, -1>(x).data() == x.data());
+  CHECK(duet::ops::unflatten<1, 2, -1>(x).shape() == Shape{3, 2, 2});
+  CHECK(duet::ops::flatten<0>(x).data() == x.data());
+  CHECK(duet::ops::flatten<0>(x).shape() == Shape{12});
   CHECK(duet::ops::expand_dims<0>(x).data() == x.data());
   CHECK(duet::ops::squeeze<>(duet::ops::expand_dims<2>(x)).data() == x.data());
   // A transpose copies: a row-major block cannot hold the other order.
@@ -349,6 +367,41 @@ TEST_CASE("ops: graph_ir shows reshape, expand_dims and squeeze as views, transp
   CHECK(slice(x).data() == x.data() + 4);
 }
 
+TEST_CASE("ops: unflatten and flatten keep the other axes, sizes known only at run time included, in both modes") {
+  duet_test::ModeGuard guard;
+  namespace ops = duet::ops;
+  // The PyTorch attention idiom q.view(B, T, H, dh).transpose(1, 2) and back, at two lengths.
+  auto heads = duet::jit([](const auto& t) {
+    return ops::flatten<-2, -1>(ops::transpose<0, 2, 1, 3>(ops::transpose<0, 2, 1, 3>(ops::unflatten<-1, 4, -1>(t))));
+  });
+  auto merged = duet::jit([](const auto& t) { return ops::flatten<1, 2>(ops::unflatten<1, 2, -1>(t)); });
+  for (index_t length : {5, 2}) {
+    const D x = random_input({2, length, 8}, -1, 1, 11);
+    std::vector<D> out;
+    for (duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+      duet::set_context({.mode = mode});
+      out.push_back(heads(x));
+      CHECK(out.back().shape() == x.shape());
+      CHECK(std::equal(x.data(), x.data() + x.numel(), out.back().data()));
+      CHECK(ops::unflatten<-1, 4, 2>(x).shape() == Shape{2, length, 4, 2});
+      CHECK(ops::unflatten<0, 1, 2, 1>(x).shape() == Shape{1, 2, 1, length, 8});
+      CHECK(ops::flatten<0, 1>(x).shape() == Shape{2 * length, 8});
+    }
+    const D even = random_input({3, 2 * length, 2}, -1, 1, 12);
+    duet::set_context({.mode = duet::GRAPH_MODE});
+    CHECK(merged(even).data() == even.data());
+  }
+  // Static shapes: the result is known at compile time; an unknown size stays unknown.
+  using duet::dyn;
+  CHECK(ops::unflatten_rule(Shape{dyn, dyn, 32}, -1, Shape{4, dyn}).shape == Shape{dyn, dyn, 4, 8});
+  CHECK(ops::unflatten_rule(Shape{2, dyn}, 1, Shape{4, dyn}).shape == Shape{2, 4, dyn});
+  CHECK(ops::flatten_rule(Shape{dyn, 3, 4}, 1, -1).shape == Shape{dyn, 12});
+  CHECK(ops::flatten_rule(Shape{2, dyn, 4}, 0, 1).shape == Shape{dyn, 4});
+  CHECK(ops::flatten_rule(Shape{}, 0, -1).shape == Shape{1});
+  // ops::flatten(x), no axes, is nn::Flatten's: the batch axis kept.
+  CHECK(ops::flatten(random_input({2, 3, 4}, -1, 1, 13)).shape() == Shape{2, 12});
+}
+
 TEST_CASE("ops: split returns one slice per piece, in both modes") {
   duet_test::ModeGuard guard;
   const D x = random_input({5, 2}, -1, 1, 5);
@@ -375,6 +428,21 @@ TEST_CASE("ops: shape errors name the operation and the shapes, in both modes") 
     auto inferred = duet::jit([](const auto& t) { return duet::ops::reshape<5, -1>(t); });
     expect([&] { return inferred(x); },
            "ops::reshape<5, -1> expects an input whose element count is a multiple of 5, got [3, 4]");
+    auto unflatten = duet::jit([](const auto& t) { return duet::ops::unflatten<1, 3, -1>(t); });
+    expect([&] { return unflatten(y); },
+           "ops::unflatten<1, 3, -1> expects an input whose size along its axis is a multiple of 3, got [2, 5]");
+    auto unflatten_sizes = duet::jit([](const auto& t) { return duet::ops::unflatten<-1, 2, 3>(t); });
+    expect([&] { return unflatten_sizes(x); },
+           "ops::unflatten<-1, 2, 3> expects an input of size 6 along its axis, got [3, 4]");
+    auto unflatten_axis = duet::jit([](const auto& t) { return duet::ops::unflatten<2, 2, 2>(t); });
+    expect([&] { return unflatten_axis(x); },
+           "ops::unflatten<2, 2, 2> expects an input of rank at least 3, got [3, 4]");
+    auto flatten_order = duet::jit([](const auto& t) { return duet::ops::flatten<-1, 0>(t); });
+    expect(
+        [&] { return flatten_order(x); },
+        "ops::flatten<-1, 0> expects an input whose end axis does not come before its start axis, axis 1, got [3, 4]");
+    auto flatten_axis = duet::jit([](const auto& t) { return duet::ops::flatten<0, 2>(t); });
+    expect([&] { return flatten_axis(x); }, "ops::flatten<0, 2> expects an input of rank at least 3, got [3, 4]");
     auto concat = duet::jit([](const auto& a, const auto& b) { return duet::ops::concat<0>(a, b); });
     expect([&] { return concat(x, y); },
            "ops::concat<0> expects inputs of one rank whose sizes match except along axis 0, got [3, 4], [2, 5]");

@@ -48,6 +48,9 @@ enum class ShapeFault : unsigned char {
   // input 1 (indices) must have input 0's rank and no axis larger than it but axis `expected` (gather_elements)
   indices_fit,
   axis_at_least,  // the input's size along the operation's axis must be at least `expected` (topk)
+  axis_multiple,  // the input's size along the operation's axis must be a multiple of `expected` (unflatten with -1)
+  axes_in_order,  // the operation's start axis, axis `expected` of the input, must not come after its end axis
+                  // (flatten)
 };
 
 // What a shape rule returns: the output shape and, if the inputs break the rule, which way.
@@ -173,6 +176,12 @@ inline std::string describe_fault(const ShapeResult& r, std::string_view layer, 
     case ShapeFault::axis_at_least:
       what = "an input of size at least " + e + " along its axis";
       break;
+    case ShapeFault::axis_multiple:
+      what = "an input whose size along its axis is a multiple of " + e;
+      break;
+    case ShapeFault::axes_in_order:
+      what = "an input whose end axis does not come before its start axis, axis " + e;
+      break;
     case ShapeFault::initial_state:
       return std::string(layer) + " expects an initial state [batch, " + e + "] for sequences [batch, length, " +
              "input], got " + got + " for " + (inputs.empty() ? std::string("nothing") : to_string(inputs[0]));
@@ -252,6 +261,10 @@ template <index_t N, class InputShape>
 struct indices_must_fit_in_except_along_axis {};
 template <index_t N>
 struct size_along_the_axis_must_be_at_least {};
+template <index_t N>
+struct size_along_the_axis_must_be_a_multiple_of {};
+template <index_t N>
+struct end_axis_must_not_come_before_start_axis {};
 // A window's extent (a convolution's kernel, dilated) less the padding: a smaller input leaves
 // no output.
 template <index_t N>
@@ -306,6 +319,10 @@ constexpr auto requirement() {
     return must_broadcast_to_the_target_shape{};
   else if constexpr (F == ShapeFault::axis_at_least)
     return size_along_the_axis_must_be_at_least<N>{};
+  else if constexpr (F == ShapeFault::axis_multiple)
+    return size_along_the_axis_must_be_a_multiple_of<N>{};
+  else if constexpr (F == ShapeFault::axes_in_order)
+    return end_axis_must_not_come_before_start_axis<N>{};
   else if constexpr (F == ShapeFault::class_labels && N == 1)
     return labels_must_have_the_logits_shape_without_the_class_axis{};
   else if constexpr (F == ShapeFault::class_labels)

@@ -6890,6 +6890,9 @@ enum class ShapeFault : unsigned char {
   // input 1 (indices) must have input 0's rank and no axis larger than it but axis `expected` (gather_elements)
   indices_fit,
   axis_at_least,  // the input's size along the operation's axis must be at least `expected` (topk)
+  axis_multiple,  // the input's size along the operation's axis must be a multiple of `expected` (unflatten with -1)
+  axes_in_order,  // the operation's start axis, axis `expected` of the input, must not come after its end axis
+                  // (flatten)
 };
 
 // What a shape rule returns: the output shape and, if the inputs break the rule, which way.
@@ -7015,6 +7018,12 @@ inline std::string describe_fault(const ShapeResult& r, std::string_view layer, 
     case ShapeFault::axis_at_least:
       what = "an input of size at least " + e + " along its axis";
       break;
+    case ShapeFault::axis_multiple:
+      what = "an input whose size along its axis is a multiple of " + e;
+      break;
+    case ShapeFault::axes_in_order:
+      what = "an input whose end axis does not come before its start axis, axis " + e;
+      break;
     case ShapeFault::initial_state:
       return std::string(layer) + " expects an initial state [batch, " + e + "] for sequences [batch, length, " +
              "input], got " + got + " for " + (inputs.empty() ? std::string("nothing") : to_string(inputs[0]));
@@ -7094,6 +7103,10 @@ template <index_t N, class InputShape>
 struct indices_must_fit_in_except_along_axis {};
 template <index_t N>
 struct size_along_the_axis_must_be_at_least {};
+template <index_t N>
+struct size_along_the_axis_must_be_a_multiple_of {};
+template <index_t N>
+struct end_axis_must_not_come_before_start_axis {};
 // A window's extent (a convolution's kernel, dilated) less the padding: a smaller input leaves
 // no output.
 template <index_t N>
@@ -7148,6 +7161,10 @@ constexpr auto requirement() {
     return must_broadcast_to_the_target_shape{};
   else if constexpr (F == ShapeFault::axis_at_least)
     return size_along_the_axis_must_be_at_least<N>{};
+  else if constexpr (F == ShapeFault::axis_multiple)
+    return size_along_the_axis_must_be_a_multiple_of<N>{};
+  else if constexpr (F == ShapeFault::axes_in_order)
+    return end_axis_must_not_come_before_start_axis<N>{};
   else if constexpr (F == ShapeFault::class_labels && N == 1)
     return labels_must_have_the_logits_shape_without_the_class_axis{};
   else if constexpr (F == ShapeFault::class_labels)
@@ -21406,7 +21423,7 @@ using Dropout = BasicDropout<float>;
 #include <utility>
 #include <vector>
 
-// Shape operations: reshape, transpose/permute, expand_dims, squeeze, concat, stack, tile,
+// Shape operations: reshape, unflatten/flatten, transpose/permute, expand_dims, squeeze, concat, stack, tile,
 // split, chunk, slice/strided_slice, flip and positions, in both modes (MindSpore's
 // ops.reshape, ops.transpose, ...).
 //
@@ -21417,7 +21434,7 @@ using Dropout = BasicDropout<float>;
 // can hold only one list (slice(x, ints<1, 0>, ints<2, -1>)).
 //
 // duet's tensors are contiguous and row-major: a view is one run of its input's elements, in
-// order, with a shape. So reshape, expand_dims and squeeze are views (no kernel, no copy),
+// order, with a shape. So reshape, unflatten, flatten, expand_dims and squeeze are views (no kernel, no copy),
 // and so is a slice along the first axis only (split<0, ...>, chunk<0, N>, or slice and
 // strided_slice cutting axis 0 with stride 1), which begins further into the input's block.
 // transpose, concat, stack, tile, flip and the other slices copy: their elements are
@@ -21593,6 +21610,124 @@ struct ReshapeOp : Primitive<ReshapeOp<D...>> {
 template <index_t... D, class X>
 auto reshape(X&& x) {
   return apply(ReshapeOp<D...>{}, std::forward<X>(x));
+}
+
+// ----------------------------------------------------------------------------------------
+// unflatten<Axis, Sizes...>(x): axis Axis cut into axes of these sizes, one of which may be -1
+// (inferred), the other axes kept as they are, whatever their sizes (torch.unflatten(x, dim,
+// sizes)): [B, T, 32] as [B, T, 4, 8] for any T. flatten<Start, End>(x): axes Start to End,
+// both included, merged into one (torch.flatten(x, start_dim, end_dim)). Views, as reshape,
+// whose target follows the input's shape.
+
+constexpr ShapeResult unflatten_rule(const Shape& x, int axis, const Shape& sizes) {
+  const int a = x.leading_unknown() ? (axis < 0 ? axis + x.rank() : -1) : detail::axis_index(axis, x.rank());
+  if (a < 0)
+    return x.leading_unknown() ? ShapeResult{Shape::any()}
+                               : fault(x, ShapeFault::min_rank, axis < 0 ? -axis : axis + 1);
+  Shape piece = sizes;
+  int inferred = -1;
+  index_t known = 1;
+  for (int i = 0; i < piece.rank(); ++i) {
+    if (piece[i] == dyn)
+      inferred = i;
+    else
+      known *= piece[i];
+  }
+  ShapeFault broken = ShapeFault::none;
+  if (const index_t n = x[a]; n != dyn) {
+    if (inferred < 0 && known != n)
+      broken = ShapeFault::axis_size;
+    else if (inferred >= 0 && (known == 0 || n % known != 0))
+      broken = ShapeFault::axis_multiple;
+    else if (inferred >= 0)
+      piece[inferred] = n / known;
+  }
+  Shape out = x.leading_unknown() ? Shape::any() : Shape{};
+  for (int i = 0; i < x.rank(); ++i) {
+    if (i != a)
+      out.push_back(x[i]);
+    else
+      for (index_t d : piece) out.push_back(d);
+  }
+  return broken == ShapeFault::none ? ShapeResult{out} : fault(out, broken, known);
+}
+
+constexpr ShapeResult flatten_rule(const Shape& x, int start, int end) {
+  // A number is one axis of one element (torch.flatten(scalar) is [1]).
+  if (x.rank() == 0 && !x.leading_unknown() && (start == 0 || start == -1) && (end == 0 || end == -1))
+    return {Shape{1}};
+  const auto index = [&](int axis) {
+    return x.leading_unknown() ? (axis < 0 ? axis + x.rank() : -1) : detail::axis_index(axis, x.rank());
+  };
+  const int s = index(start), e = index(end);
+  if (x.leading_unknown() && (s < 0 || e < 0)) return {Shape::any()};
+  if (s < 0 || e < 0) {
+    const int worst = s < 0 ? start : end;
+    return fault(x, ShapeFault::min_rank, worst < 0 ? -worst : worst + 1);
+  }
+  if (s > e) return fault(x, ShapeFault::axes_in_order, s);
+  Shape out = x.leading_unknown() ? Shape::any() : Shape{};
+  index_t merged = 1;
+  for (int i = 0; i < x.rank(); ++i) {
+    if (i < s || i > e)
+      out.push_back(x[i]);
+    else
+      merged = merged == dyn || x[i] == dyn ? dyn : merged * x[i];
+    if (i == e) out.push_back(merged);
+  }
+  return {out};
+}
+
+template <int Axis, index_t... Sizes>
+struct UnflattenOp : Primitive<UnflattenOp<Axis, Sizes...>> {
+  static_assert(sizeof...(Sizes) > 0, "duet::ops::unflatten<Axis, Sizes...>: give the sizes the axis is cut into");
+  static_assert(((Sizes >= 0 || Sizes == -1) && ...),
+                "duet::ops::unflatten: sizes must be >= 0, or -1 for one inferred size");
+  static_assert((0 + ... + int{Sizes == -1}) <= 1, "duet::ops::unflatten: at most one size may be -1 (inferred)");
+  static constexpr int arity = 1;
+  static constexpr bool is_view = true;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    return unflatten_rule(in[0], Axis, Shape{Sizes...});
+  }
+
+  template <std::size_t K>
+  requires(K == 0) auto grad_op() const { return ReshapeLikeOp{}; }
+
+  static std::string op_name() {
+    return "Unflatten<" + std::to_string(Axis) + ", " + detail::list_text<index_t>({Sizes...}) + ">";
+  }
+  std::string label() const {
+    return "ops::unflatten<" + std::to_string(Axis) + ", " + detail::list_text<index_t>({Sizes...}) + ">";
+  }
+};
+
+template <int Start, int End>
+struct FlattenAxesOp : Primitive<FlattenAxesOp<Start, End>> {
+  static_assert((Start < 0) != (End < 0) || Start <= End,
+                "duet::ops::flatten<Start, End>: Start must not come after End (torch: start_dim cannot come after "
+                "end_dim)");
+  static constexpr int arity = 1;
+  static constexpr bool is_view = true;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return flatten_rule(in[0], Start, End); }
+
+  template <std::size_t K>
+  requires(K == 0) auto grad_op() const { return ReshapeLikeOp{}; }
+
+  static std::string op_name() { return "Flatten<" + std::to_string(Start) + ", " + std::to_string(End) + ">"; }
+  std::string label() const { return "ops::flatten<" + std::to_string(Start) + ", " + std::to_string(End) + ">"; }
+};
+
+template <int Axis, index_t... Sizes, class X>
+auto unflatten(X&& x) {
+  return apply(UnflattenOp<Axis, Sizes...>{}, std::forward<X>(x));
+}
+
+// ops::flatten(x), without axes, is nn::Flatten's: flatten<1, -1> (MindSpore's default; nn/flatten.hpp).
+template <int Start, int End = -1, class X>
+auto flatten(X&& x) {
+  return apply(FlattenAxesOp<Start, End>{}, std::forward<X>(x));
 }
 
 // ----------------------------------------------------------------------------------------
@@ -22866,8 +23001,8 @@ auto flip(X&& x) {
 }
 
 inline const bool shape_listed =
-    list_operations({"reshape", "transpose", "permute", "expand_dims", "squeeze", "concat", "stack", "split", "chunk",
-                     "tile", "slice", "strided_slice", "flip", "take", "positions"});
+    list_operations({"reshape", "unflatten", "flatten", "transpose", "permute", "expand_dims", "squeeze", "concat",
+                     "stack", "split", "chunk", "tile", "slice", "strided_slice", "flip", "take", "positions"});
 
 }  // namespace ops
 }  // namespace duet
