@@ -25,6 +25,7 @@
 #include "jit_config.hpp"
 #include "memory.hpp"
 #include "nn/activation.hpp"
+#include "nn/attention.hpp"
 #include "nn/batchnorm.hpp"
 #include "nn/container.hpp"
 #include "nn/dense.hpp"

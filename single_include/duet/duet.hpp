@@ -20042,1387 +20042,1853 @@ using Softplus = Activation<fn::Softplus>;    // beta 1, threshold 20
 
 }  // namespace nn
 }  // namespace duet
-// Batch normalisation: nn::BatchNorm1d, nn::BatchNorm2d and the operations they capture.
-//
-// Layout NCL / NCHW: the statistics of channel c are taken over every axis but axis 1. Each
-// channel's elements lie in `batch` contiguous runs of `spatial` elements (one per sample),
-// which the kernels read as Eigen arrays, so they vectorise without a transposed copy.
-// Measured (g++ 12 -O2, no -march, one core of the project's AMD EPYC, medians of 21, while
-// other jobs shared the machine): [32, 64, 28, 28] float, training (two passes for the
-// statistics, one to normalise) 1.49 ms, evaluation 0.58 ms, against 0.17 ms for a memcpy of
-// the input and 21 ms for the same statistics in plain loops in double. BatchNorm1d on [N, C]
-// has runs of one element, so it goes channel by channel with strided reads (not vectorised
-// across channels; a row-wise form would need scratch for C statistics).
-//
-// Training (set_train()) normalises with the batch's statistics, mean and biased variance,
-// and moves the moving statistics towards them; evaluation normalises with the moving
-// statistics and leaves them alone. Both are the same kernels in both modes, so the outputs,
-// the gradients and the moving statistics agree bit for bit. A training step that fails after
-// the forward pass ran puts the moving statistics back (duet::detail::StepState).
-//
-// Folding into a convolution (graph mode at evaluation, O1 and O2): an evaluation BatchNorm is
-// the per-channel affine map y = x · scale + shift of BatchNorm::evaluation_affine(), which
-// passes::fuse_epilogues (and PIJit's fusion, through ops::EvaluationNorm) folds into the
-// weight and bias of the convolution before it (W'[c] = W[c] · scale[c], b'[c] = b[c] ·
-// scale[c] + shift[c]) when it meets (Conv, BatchNormOp<Layer, Phase::eval>): ops/conv.hpp's
-// ConvEpilogueOp. Only the evaluation
-// form has that node type, so training is never folded. The folded weight is the conv
-// weight's derived() form, remade when the weight, the bias or any of this layer's four
-// tensors changes version().
+// Multi-head self-attention (PyTorch's nn.MultiheadAttention(E, H, batch_first=True) called
+// as attn(x, x, x), MindSpore's nn.MultiheadAttention(batch_first=True)), in both modes, for
+// sequences of any length.
 
-#include <algorithm>
-#include <array>
 #include <cmath>
-#include <cstdint>
-#include <string>
-#include <type_traits>
-#include <utility>
-#include <vector>
-
-#include <Eigen/Core>
-
-// What the operations of layers that differ between training and evaluation share
-// (nn::BatchNorm1d/2d, nn::Dropout): the phase they were made for, and the check that their
-// layer is still set to it when they run.
-//
-// Such a layer appends the operation of its input's phase in graph capture (graph::phase_of),
-// and of its own setting (set_train) in PyNative mode. Graph mode runs the form its layers ask
-// for (pipeline::in_requested_phase, which reads requested_phase()); the check below refuses a
-// form that one of its layers no longer agrees with (a layer switched alone, whose network was
-// captured in the other phase) rather than running it stale.
-
+#include <limits>
 #include <string>
 #include <utility>
 
-
-namespace duet::ops {
-
-// The base of such an operation, made for phase P by `layer`.
-template <class Layer, graph::Phase P>
-struct PhaseOf {
-  static constexpr graph::Phase phase = P;
-
-  Layer* layer;
-  explicit PhaseOf(Layer* l) : layer(l) {}
-
-  graph::Phase requested_phase() const { return layer->training() ? graph::Phase::train : graph::Phase::eval; }
-  std::string layer_label() const { return layer->label(); }
-
-  // Called first by the operation's kernel.
-  void check_phase() const {
-    if (requested_phase() == P) return;
-    throw ModeError(layer->label() + " is set to " + (layer->training() ? "train" : "evaluate") +
-                    " (set_train), but runs in a graph captured for " +
-                    (P == graph::Phase::train ? "training" : "evaluation") +
-                    "; graph mode captures a network in one phase, which all its layers must share: call "
-                    "set_train on the whole network, or run it in PyNative mode");
-  }
-};
-
-// What such a layer's construct does: applies Op<Layer, P> to x, P being x's phase in graph
-// capture, and the layer's setting on a tensor (PyNative).
-template <template <class, graph::Phase> class Op, class Layer, class X>
-auto apply_in_phase(Layer* layer, X&& x) {
-  if constexpr (graph::Symbolic<X>) {
-    return apply(Op<Layer, graph::phase_of<X>()>{layer}, x);
-  } else if (layer->training()) {
-    return apply(Op<Layer, graph::Phase::train>{layer}, std::forward<X>(x));
-  } else {
-    return apply(Op<Layer, graph::Phase::eval>{layer}, std::forward<X>(x));
-  }
-}
-
-}  // namespace duet::ops
-
-namespace duet {
-namespace ops {
-
-template <class Layer, graph::Phase P, bool InputGrad>
-struct BatchNormGradOp;
-
-namespace detail {
-
-// Where channel c's elements are: `batch` runs of `spatial` elements, run n starting at
-// (n · channels + c) · spatial.
-struct ChannelRuns {
-  index_t batch;
-  index_t channels;
-  index_t spatial;
-
-  explicit ChannelRuns(const Shape& x) : batch(x[0]), channels(x[1]), spatial(1) {
-    for (int a = 2; a < x.rank(); ++a) spatial *= x[a];
-  }
-  index_t count() const { return batch * spatial; }
-  index_t offset(index_t n, index_t c) const { return (n * channels + c) * spatial; }
-
-  // f(run) for each run of channel c, run being an Eigen map of its elements in data.
-  template <class T, class F>
-  void for_each_run(T* data, index_t c, F&& f) const {
-    using Array = ::Eigen::Array<std::remove_const_t<T>, ::Eigen::Dynamic, 1>;
-    using Map = std::conditional_t<std::is_const_v<T>, ::Eigen::Map<const Array>, ::Eigen::Map<Array>>;
-    for (index_t n = 0; n < batch; ++n) f(Map(data + offset(n, c), spatial));
-  }
-};
-
-// Channel c's batch mean and biased variance, the variance taken around the mean in a second
-// pass (no digits lost to E[x²] - E[x]² when the mean is large against the spread).
-template <class T>
-struct ChannelStatistics {
-  T mean;
-  T variance;
-};
-
-template <class T>
-ChannelStatistics<T> channel_statistics(const T* x, const ChannelRuns& runs, index_t c) {
-  const T count = static_cast<T>(runs.count());
-  T sum = 0;
-  runs.for_each_run(x, c, [&](const auto& run) { sum += run.sum(); });
-  const T mean = sum / count;
-  T squares = 0;
-  runs.for_each_run(x, c, [&](const auto& run) { squares += (run - mean).square().sum(); });
-  return {mean, squares / count};
-}
-
-// y = (x - mean) · scale + beta over channel c, scale being gamma / sqrt(var + eps).
-template <class T>
-void normalize(const T* x, T* y, const detail::ChannelRuns& runs, index_t c, T mean, T scale, T beta) {
-  using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
-  for (index_t n = 0; n < runs.batch; ++n) {
-    const index_t at = runs.offset(n, c);
-    ::Eigen::Map<Array>(y + at, runs.spatial) = (::Eigen::Map<const Array>(x + at, runs.spatial) - mean) * scale + beta;
-  }
-}
-
-// BatchNormOp's kernel, for a layer of any size.
-template <graph::Phase P, class T, class Layer>
-void batch_norm(Layer& layer, const graph::KernelArgs& a) {
-  const ChannelRuns runs(a.in_shape());
-  const T* x = a.in<T>();
-  T* y = a.out<T>();
-  const Layer& read = layer;  // reads leave the parameters' version() alone
-  if constexpr (P == graph::Phase::train) {
-    layer.check_batch(a.in_shape());
-    const T momentum = static_cast<T>(layer.momentum());
-    const T unbiased = static_cast<T>(runs.count()) / static_cast<T>(runs.count() - 1);
-    duet::detail::will_change(layer);
-    T* moving_mean = layer.moving_mean.data();
-    T* moving_variance = layer.moving_variance.data();
-    for (index_t c = 0; c < runs.channels; ++c) {
-      const auto s = channel_statistics(x, runs, c);
-      normalize(x, y, runs, c, s.mean, read.gamma.data()[c] / std::sqrt(s.variance + static_cast<T>(read.eps())),
-                read.beta.data()[c]);
-      moving_mean[c] = momentum * moving_mean[c] + (1 - momentum) * s.mean;
-      moving_variance[c] = momentum * moving_variance[c] + (1 - momentum) * s.variance * unbiased;
-    }
-  } else {
-    for (index_t c = 0; c < runs.channels; ++c) {
-      normalize(x, y, runs, c, read.moving_mean.data()[c], read.evaluation_scale(c), read.beta.data()[c]);
-    }
-  }
-}
-
-// BatchNormGradOp's kernel: dgamma, dbeta and, if input_grad, dx (a's output) from dy and x.
-template <graph::Phase P, class T, class Layer>
-void batch_norm_gradient(Layer& layer, const graph::KernelArgs& a, bool input_grad) {
-  using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
-  const ChannelRuns runs(a.in_shape(1));
-  const T* dy = a.in<T>(0);
-  const T* x = a.in<T>(1);
-  // gamma and beta without requires_grad (affine = false) keep no gradient.
-  T* dgamma = nullptr;
-  T* dbeta = nullptr;
-  bool accumulate_gamma = false;
-  bool accumulate_beta = false;
-  if (layer.gamma.requires_grad) {
-    const std::uint64_t pass = duet::detail::current_backward_pass();
-    dgamma = layer.gamma.grad_for_write(pass, &accumulate_gamma);
-    dbeta = layer.beta.grad_for_write(pass, &accumulate_beta);
-  }
-  const Layer& read = layer;  // reads leave the parameters' version() alone
-  const T count = static_cast<T>(runs.count());
-  const T eps = static_cast<T>(read.eps());
-  for (index_t c = 0; c < runs.channels; ++c) {
-    T mean;
-    T rstd;
-    if constexpr (P == graph::Phase::train) {
-      const auto s = channel_statistics(x, runs, c);
-      mean = s.mean;
-      rstd = T(1) / std::sqrt(s.variance + eps);
-    } else {
-      mean = read.moving_mean.data()[c];
-      rstd = T(1) / std::sqrt(read.moving_variance.data()[c] + eps);
-    }
-    T sum_dy = 0;
-    T sum_dy_x_hat = 0;
-    for (index_t n = 0; n < runs.batch; ++n) {
-      const index_t at = runs.offset(n, c);
-      const ::Eigen::Map<const Array> g(dy + at, runs.spatial);
-      const ::Eigen::Map<const Array> xs(x + at, runs.spatial);
-      sum_dy += g.sum();
-      sum_dy_x_hat += (g * ((xs - mean) * rstd)).sum();
-    }
-    if (dgamma != nullptr) {
-      dgamma[c] = accumulate_gamma ? dgamma[c] + sum_dy_x_hat : sum_dy_x_hat;
-      dbeta[c] = accumulate_beta ? dbeta[c] + sum_dy : sum_dy;
-    }
-    if (input_grad) {
-      const T scale = read.gamma.data()[c] * rstd;
-      for (index_t n = 0; n < runs.batch; ++n) {
-        const index_t at = runs.offset(n, c);
-        const ::Eigen::Map<const Array> g(dy + at, runs.spatial);
-        ::Eigen::Map<Array> dx(a.out<T>() + at, runs.spatial);
-        if constexpr (P == graph::Phase::train) {
-          const ::Eigen::Map<const Array> xs(x + at, runs.spatial);
-          dx = scale * (g - sum_dy / count - (xs - mean) * rstd * (sum_dy_x_hat / count));
-        } else {
-          dx = scale * g;
-        }
-      }
-    }
-  }
-  duet::detail::gradient_writes_done();
-}
-
-}  // namespace detail
-
-// (x - mean) / sqrt(var + eps) · gamma + beta per channel; in training (P = train) mean and
-// var are the batch's, and the layer's moving statistics move towards them; in evaluation
-// they are the moving statistics.
-template <class Layer, graph::Phase P>
-struct BatchNormOp : Primitive<BatchNormOp<Layer, P>>, PhaseOf<Layer, P> {
-  using layer_type = Layer;
-  using value_type = typename Layer::value_type;
-  static constexpr int arity = 1;
-
-  explicit BatchNormOp(Layer* l) : PhaseOf<Layer, P>(l) {}
-
-  static constexpr ShapeResult rule(index_t channels, const Shape& x) {
-    if (x.leading_unknown()) return {x};
-    if (x.rank() < Layer::min_rank) return fault(x, ShapeFault::min_rank, Layer::min_rank);
-    if (x.rank() > Layer::max_rank) return fault(x, ShapeFault::exact_rank, Layer::max_rank);
-    if (channels != dyn && x[1] != dyn && x[1] != channels) return fault(x, ShapeFault::channel_dimension, channels);
-    return {x};
-  }
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return rule(Layer::channels_static, in[0]); }
-  ShapeResult infer(std::span<const Shape> in) const { return rule(this->layer->num_features(), in[0]); }
-
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& a) const {
-    this->check_phase();
-    detail::batch_norm<P, T>(*nn::detail::runtime_form(this->layer), a);
-  }
-
-  static constexpr bool has_parameters = true;
-  template <std::size_t K>
-    requires(K == 0)
-  auto grad_op() const {
-    return BatchNormGradOp<Layer, P, true>{this->layer};
-  }
-  auto parameter_grad_op() const { return BatchNormGradOp<Layer, P, false>{this->layer}; }
-
-  // What a convolution before it folds in (ops/conv.hpp), graph mode's passes and PIJit's alike.
-  ops::EvaluationNorm<value_type> evaluation_norm() const
-    requires(P == graph::Phase::eval)
-  {
-    return ops::EvaluationNorm<value_type>::of(*this->layer);
-  }
-
-  static std::string op_name() { return P == graph::Phase::train ? "BatchNorm" : "BatchNorm (moving statistics)"; }
-  std::string label() const { return this->layer->label(); }
-
-  // ONNX: BatchNormalization in inference, from the moving statistics (export_onnx traces the
-  // network at evaluation).
-  Interchange interchange(std::span<const Shape>) const {
-    if constexpr (P == graph::Phase::eval) {
-      using I = InterchangeInput;
-      const Layer& l = *this->layer;
-      return {{"BatchNormalization",
-               {I::operand(0), I::of_parameter(&l.gamma), I::of_parameter(&l.beta), I::of_parameter(&l.moving_mean),
-                I::of_parameter(&l.moving_variance)},
-               {InterchangeAttribute::of_real("epsilon", l.eps())}}};
-    } else {
-      return {};
-    }
-  }
-
-};
-
-// The gradient of BatchNormOp, from dy and x. With x̂ = (x - mean) · rstd and m the channel's
-// count: dbeta = Σ dy, dgamma = Σ dy · x̂; in training (mean and rstd depend on x)
-// dx = gamma · rstd · (dy - Σ dy / m - x̂ · Σ (dy · x̂) / m), in evaluation dx = gamma · rstd · dy.
-// The statistics are taken again, by the forward's own code, so they are its bits.
-template <class Layer, graph::Phase P, bool InputGrad>
-struct BatchNormGradOp : Primitive<BatchNormGradOp<Layer, P, InputGrad>> {
-  using layer_type = Layer;
-  using value_type = typename Layer::value_type;
-  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0};
-  static constexpr int arity = 2;  // dy, x
-  static constexpr bool is_sink = !InputGrad;
-
-  Layer* layer;
-  explicit BatchNormGradOp(Layer* l) : layer(l) {}
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {InputGrad ? in[1] : Shape{}}; }
-
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& a) const {
-    detail::batch_norm_gradient<P, T>(*nn::detail::runtime_form(layer), a, InputGrad);
-  }
-
-  static std::string op_name() {
-    std::string s = P == graph::Phase::train ? "BatchNormGrad" : "BatchNormGrad (moving statistics)";
-    return InputGrad ? s : s + " (parameters only)";
-  }
-  std::string label() const { return layer->label(); }
-};
-
-inline const bool batchnorm_listed = list_operations({"BatchNorm"});
-
-}  // namespace ops
-
-namespace nn {
-
-// MindSpore's nn.BatchNorm1d (Dims = 1: input [N, C] or [N, C, L]) and nn.BatchNorm2d (Dims = 2:
-// [N, C, H, W]), with their defaults: eps 1e-5, momentum 0.9, affine. C is the number of
-// channels at compile time (nn::BatchNorm2d<64>), or duet::dyn for one given to the
-// constructor (nn::BatchNorm2d<>(64)).
+// Elementwise functions (MindSpore's ops.exp, log, log1p, expm1, sin, cos, sqrt, rsqrt, abs,
+// square, clip_by_value), where, and the comparisons that build its condition, in both modes.
 //
-// Parameters, by MindSpore's names (which checkpoints and safetensors files use: "bn.gamma",
-// "bn.moving_mean", ...): gamma (ones) and beta (zeros), trained unless affine is false
-// (then they keep requires_grad = false, as in MindSpore); moving_mean (zeros) and
-// moving_variance (ones), never trained (requires_grad = false: optimisers skip them) and
-// saved and loaded with the rest. PyTorch calls them weight, bias, running_mean, running_var.
+// The unary functions are fn:: types run by ops::MapOp (nn/activation.hpp), like the
+// activations: chains of them fuse into one pass, and into the epilogue of the product before
+// them, in graph mode. Each is differentiated from its output where the output gives the
+// derivative (exp, sqrt, rsqrt), from its input otherwise (fn::grad_from_input: log, abs,
+// square, clip_by_value); a product cannot take the latter as an epilogue in a graph being
+// trained (passes.hpp's absorbs), so there they stay nodes of their own.
 //
-// momentum is MindSpore's: moving = momentum · moving + (1 - momentum) · batch. PyTorch's
-// momentum is the weight of the batch instead, moving = (1 - m) · moving + m · batch, so
-// PyTorch's momentum m is MindSpore's 1 - m: PyTorch's default 0.1 is MindSpore's 0.9 (and
-// MindSpore 2.9 announces a switch to PyTorch's convention). The batch variance entering the
-// moving one is the unbiased one (· m / (m - 1)), as in both; the batch is normalised with the
-// biased one. Training needs more than one value per channel.
+// Out of a function's domain the result is IEEE's, never an error, as in numpy and PyTorch:
+// log(x < 0) and sqrt(x < 0) are NaN, log(0) is -inf, rsqrt(0) is inf, and NaN propagates
+// through every function here (clip_by_value too).
 //
-// BatchNorm2d<C> is BatchNorm2d<> with C in its type (SizedLayer): graph capture checks the
-// input's channels against it while the program compiles.
-template <int Dims, ElementType T>
-std::string batch_norm_name(index_t channels) {
-  std::string s = "nn::BatchNorm" + std::to_string(Dims) + "d<";
-  s += channels == dyn ? std::string("dyn") : std::to_string(channels);
-  if constexpr (!std::is_same_v<T, float>) s += ", " + std::string(name_of(dtype_of<T>));
-  return s + ">";
-}
-
-template <int Dims, index_t C = dyn, ElementType T = float>
-class BatchNorm : public Cell<BatchNorm<Dims, C, T>, CONTEXT_MODE, T>, public duet::detail::StepState {
-  static_assert(Dims == 1 || Dims == 2, "nn::BatchNorm<Dims>: Dims is 1 (BatchNorm1d) or 2 (BatchNorm2d)");
-
- public:
-  using runtime_type = BatchNorm;
-  static constexpr index_t channels_static = dyn;
-  static constexpr int min_rank = Dims == 1 ? 2 : 4;
-  static constexpr int max_rank = Dims == 1 ? 3 : 4;
-
-  BasicParameter<T> gamma;            // [C]
-  BasicParameter<T> beta;             // [C]
-  BasicParameter<T> moving_mean;      // [C], not trained
-  BasicParameter<T> moving_variance;  // [C], not trained
-  DUET_CELL_MEMBERS(gamma, beta, moving_mean, moving_variance);
-
-  explicit BatchNorm(index_t num_features, double eps = 1e-5, double momentum = 0.9, bool affine = true)
-      : BatchNorm(num_features, eps, momentum, affine, false) {}
-
- protected:
-  // A BatchNorm<Dims, C>'s, named as its type.
-  BatchNorm(index_t num_features, double eps, double momentum, bool affine, bool sized)
-      : features_(num_features), eps_(eps), momentum_(momentum), sized_(sized) {
-    if (num_features <= 0) {
-      throw ValueError(type_name() + ": cannot be built with num_features " + std::to_string(num_features));
-    }
-    if (!(eps > 0)) throw ValueError(type_name() + ": eps must be > 0, got " + std::to_string(eps));
-    if (!(momentum >= 0 && momentum <= 1)) {
-      throw ValueError(type_name() + ": momentum must be in [0, 1] (MindSpore's: the weight of the moving "
-                                     "statistics), got " + std::to_string(momentum));
-    }
-    gamma = BasicParameter<T>(ones<T>({num_features}));
-    beta = BasicParameter<T>(zeros<T>({num_features}));
-    moving_mean = BasicParameter<T>(zeros<T>({num_features}));
-    moving_variance = BasicParameter<T>(ones<T>({num_features}));
-    gamma.requires_grad = affine;
-    beta.requires_grad = affine;
-    moving_mean.requires_grad = false;
-    moving_variance.requires_grad = false;
-    affine_ = affine;
-  }
-
- public:
-  bool never_trains(const BasicParameter<T>& p) const override {
-    return &p == &moving_mean || &p == &moving_variance || !affine_;
-  }
-
-  index_t num_features() const { return features_; }
-  double eps() const { return eps_; }
-  double momentum() const { return momentum_; }
-
-  // Evaluation's map per channel, y = x · scale + shift with scale = gamma / sqrt(moving_variance
-  // + eps) and shift = beta - moving_mean · scale: what a convolution before it can absorb.
-  using Affine = ops::AffineMap<T>;
-  Affine evaluation_affine() const {
-    const auto n = static_cast<std::size_t>(num_features());
-    Affine a{std::vector<T>(n), std::vector<T>(n)};
-    for (std::size_t c = 0; c < n; ++c) {
-      a.scale[c] = evaluation_scale(static_cast<index_t>(c));
-      a.shift[c] = beta.data()[c] - moving_mean.data()[c] * a.scale[c];
-    }
-    return a;
-  }
-  T evaluation_scale(index_t c) const {
-    return gamma.data()[c] / std::sqrt(moving_variance.data()[c] + static_cast<T>(eps_));
-  }
-
-  // Batch statistics need two values per channel at least (the unbiased variance divides by m - 1).
-  void check_batch(const Shape& x) const {
-    if (ops::detail::ChannelRuns(x).count() < 2) {
-      throw ValueError(this->label() + " in training needs more than one value per channel to take batch "
-                                       "statistics, got an input of shape " + to_string(x) +
-                       " (set_train(false) to normalise with the moving statistics)");
-    }
-  }
-
-  template <class X>
-  auto construct(X&& x) {
-    return ops::apply_in_phase<ops::BatchNormOp>(this, std::forward<X>(x));
-  }
-
-  // Training moves the moving statistics; a step that fails puts them back.
-  void save_for_step() override {
-    const auto& mean = std::as_const(moving_mean);
-    const auto& variance = std::as_const(moving_variance);
-    saved_mean_.assign(mean.data(), mean.data() + mean.numel());
-    saved_variance_.assign(variance.data(), variance.data() + variance.numel());
-  }
-  void restore_step() override {
-    std::ranges::copy(saved_mean_, moving_mean.data());
-    std::ranges::copy(saved_variance_, moving_variance.data());
-  }
-
-  bool depends_on_phase() const override { return true; }
-
-  std::string type_name() const override { return batch_norm_name<Dims, T>(sized_ ? features_ : dyn); }
-
- private:
-  index_t features_;
-  double eps_;
-  double momentum_;
-  bool sized_;
-  bool affine_ = true;
-  std::vector<T> saved_mean_;
-  std::vector<T> saved_variance_;
-};
-
-template <int Dims, index_t C, ElementType T>
-  requires(C != dyn)
-class BatchNorm<Dims, C, T> : public SizedLayer<BatchNorm<Dims, C, T>, BatchNorm<Dims, dyn, T>> {
-  static_assert(C > 0, "nn::BatchNorm2d<C>: C must be positive (or duet::dyn)");
-  using Sized = SizedLayer<BatchNorm, BatchNorm<Dims, dyn, T>>;
-
- public:
-  static constexpr index_t channels_static = C;
-
-  BatchNorm() : BatchNorm(C) {}
-  explicit BatchNorm(index_t num_features, double eps = 1e-5, double momentum = 0.9, bool affine = true)
-      : Sized(checked(num_features), eps, momentum, affine, true) {}
-
-  template <graph::Symbolic S>
-  auto sized_construct(const S& x) {
-    return ops::apply_in_phase<ops::BatchNormOp>(this, x);
-  }
-
- private:
-  static index_t checked(index_t num_features) {
-    if (num_features != C) {
-      throw ValueError(batch_norm_name<Dims, T>(C) + ": cannot be built with num_features " +
-                       std::to_string(num_features));
-    }
-    return num_features;
-  }
-};
-
-template <index_t C = dyn, ElementType T = float>
-using BatchNorm1d = BatchNorm<1, C, T>;
-template <index_t C = dyn, ElementType T = float>
-using BatchNorm2d = BatchNorm<2, C, T>;
-
-}  // namespace nn
-}  // namespace duet
-// Containers: cells that run other cells in order.
-
-#include <boost/hana/at.hpp>
-#include <boost/hana/fold_left.hpp>
-#include <boost/hana/for_each.hpp>
-#include <boost/hana/tuple.hpp>
-#include <concepts>
-#include <memory>
-#include <string>
-#include <type_traits>
-#include <utility>
-#include <vector>
-
-
-namespace duet::nn {
-
-namespace detail {
-// A chain takes the input its first cell takes: nn::Embedding's indices, say.
-template <class First>
-struct chain_input {};
-template <class First>
-requires requires { typename First::input_value_type; }
-struct chain_input<First> {
-  using input_value_type = typename First::input_value_type;
-};
-}  // namespace detail
-
-// A fixed list of cells, each fed the previous one's output (MindSpore's nn.SequentialCell).
-// The list is a hana::tuple: in graph mode the whole chain becomes one flat graph.
-template <class First, class... Rest>
-class SequentialCell : public Cell<SequentialCell<First, Rest...>, CONTEXT_MODE, typename First::value_type>,
-                       public detail::chain_input<First> {
-  using T = typename First::value_type;
-  static_assert(graph::all_of({std::is_same_v<typename Rest::value_type, T>...}),
-                "nn::SequentialCell: all cells must have the same element type");
-
- public:
-  SequentialCell() { check_neighbours(); }
-  // Takes cells by forwarding reference so that a named cell is one short error below, not the
-  // deleted copy constructors of the cell, its parameters and its compiled forms.
-  template <class C, class... Cs>
-  requires(sizeof...(Cs) == sizeof...(Rest) && std::constructible_from<First, std::remove_cvref_t<C>> &&
-           graph::all_of({std::constructible_from<Rest, std::remove_cvref_t<Cs>>...}))
-  explicit SequentialCell(C&& first, Cs&&... rest)
-      : cells_(moved_in(std::forward<C>(first)), moved_in(std::forward<Cs>(rest))...) {
-    check_neighbours();
-  }
-
-  static constexpr std::size_t size() { return 1 + sizeof...(Rest); }
-
-  template <std::size_t I>
-  auto& get() {
-    return boost::hana::at_c<I>(cells_);
-  }
-
-  // A chain whose neighbours do not fit is reported once, by the constructor; captured into a
-  // graph, it is captured quietly so that no other shape of its input reports it again.
-  template <class X>
-  auto construct(X&& x) {
-    if constexpr (graph::Symbolic<X> && !neighbours_fit())
-      return graph::quietly(x, [this](const auto& q) { return chain(q); });
-    else
-      return chain(std::forward<X>(x));
-  }
-
-  void for_each_child(const typename BasicDynamicCell<T>::ChildVisitor& visit) override {
-    std::size_t i = 0;
-    boost::hana::for_each(cells_, [&](auto& cell) { visit(std::to_string(i++), cell); });
-  }
-
-  std::string type_name() const override { return "nn::SequentialCell"; }
-
- private:
-  template <class X>
-  auto chain(X&& x) {
-    if constexpr (graph::Symbolic<X>) {
-      return captured_parts(x, std::make_index_sequence<size()>{});
-    } else if constexpr (passes_one_tensor<std::remove_cvref_t<X>>()) {
-      // One tensor handed on: a fold keeps every cell's result as a temporary of its own,
-      // destroyed and unwound one by one, which made it a deep chain's largest function.
-      std::remove_cvref_t<X> y = std::forward<X>(x);
-      boost::hana::for_each(cells_, [&y](auto& cell) { y = cell(std::as_const(y)); });
-      return y;
-    } else {
-      return boost::hana::fold_left(cells_, std::forward<X>(x),
-                                    [](auto&& acc, auto& cell) { return cell(std::forward<decltype(acc)>(acc)); });
-    }
-  }
-
-  template <std::size_t I>
-  using cell_at = std::remove_reference_t<decltype(boost::hana::at_c<I>(std::declval<boost::hana::tuple<First, Rest...>&>()))>;
-
-  // Cell I's result when the chain runs on an X, and whether every cell's is an X (a tensor of
-  // the input's type): only the calls the chain makes are named.
-  template <class X, std::size_t I>
-  struct result_on {
-    using before = typename std::conditional_t<I == 0, std::type_identity<X>, result_on<X, I - 1>>::type;
-    using type = std::remove_cvref_t<decltype(std::declval<cell_at<I>&>()(std::declval<const before&>()))>;
-  };
-  template <class X>
-  static constexpr bool passes_one_tensor() {
-    return []<std::size_t... I>(std::index_sequence<I...>) {
-      return graph::all_of({std::is_same_v<typename result_on<X, I>::type, X>...});
-    }
-    (std::make_index_sequence<size()>{});
-  }
-
-  // Cell I captured on an input of its own, a continuation of the value before it: part
-  // I - 1's output, or x's (X) for the first. Only the type of the part before is needed, so
-  // no part's type holds the parts before it. (Types, not functions: a function per cell named
-  // after the chain would make the names the compiler mangles grow with the chain's square.)
-  template <class X, std::size_t I>
-  struct part {
-    using before = typename std::conditional_t<I == 0, std::type_identity<X>, part<X, I - 1>>::type;
-    using type = decltype(std::declval<cell_at<I>&>()(graph::continuation<before>()));
-  };
-
-  // Captures each cell apart and splices the parts after x's graph at the end: each cell
-  // appended to the graph so far would copy it, and a chain's capture would cost the square of
-  // its length. The parts are a braced list's elements, so they are captured in order.
-  template <class X, std::size_t... I>
-  auto captured_parts(const X& x, std::index_sequence<I...>) {
-    const graph::NodeList<typename part<X, I>::type...> parts{
-        std::in_place, boost::hana::at_c<I>(cells_)(graph::continuation<typename part<X, I>::before>())...};
-    return graph::spliced(x, graph::get<I>(parts)...);
-  }
-
-  // Capturing the chain on an input of unknown shape runs every layer's shape rule against
-  // its neighbour's output. Captured quietly and reported from here, incompatible neighbours
-  // fail to compile in either mode with a diagnostic that does not reach into the capture.
-  static constexpr auto neighbour_rejection() {
-    using Probe = decltype(std::declval<SequentialCell&>().chain(graph::input<T, graph::Quiet<graph::AnyShape>>()));
-    return std::type_identity<graph::first_rejection<typename Probe::graph_type>>{};
-  }
-  static constexpr bool neighbours_fit() { return std::is_void_v<typename decltype(neighbour_rejection())::type>; }
-  static void check_neighbours() {
-    if constexpr (!neighbours_fit()) static_cast<void>(sizeof(typename decltype(neighbour_rejection())::type));
-  }
-
-  template <class C>
-  static std::remove_reference_t<C>&& moved_in(C&& cell) {
-    static_assert(!std::is_lvalue_reference_v<C>,
-                  "nn::SequentialCell: cells are not copyable (a copy would train apart from its original); pass "
-                  "temporaries, SequentialCell(nn::Dense<4, 8>{}, nn::ReLU{}), or move named cells in: std::move(a)");
-    return static_cast<std::remove_reference_t<C>&&>(cell);
-  }
-
-  boost::hana::tuple<First, Rest...> cells_;
-};
-
-// SequentialCell seq(nn::Dense<4, 8>{}, nn::ReLU{}) holds the cells' own types.
-template <class C, class... Cs>
-SequentialCell(C&&, Cs&&...) -> SequentialCell<std::remove_cvref_t<C>, std::remove_cvref_t<Cs>...>;
-
-// A list of cells built at run time (sizes and layers from a config file, say). Its structure is
-// not known when the program compiles, so graph mode cannot capture it: it traces it on the
-// first call instead (PIJit) and replays the trace, and traces again after an append. It takes
-// what its first cell takes: tensors of T, or int32 indices when that cell is an nn::Embedding
-// (or any cell whose input holds them), net(ids). Every later cell takes the T values its
-// neighbour gives, which append checks.
-template <ElementType T>
-class BasicDynamicSequentialCell : public BasicDynamicCell<T> {
- public:
-  BasicDynamicSequentialCell() = default;
-
-  // Adds a cell at the end, taking ownership; returns it.
-  template <class C>
-  requires std::is_base_of_v<BasicDynamicCell<T>, C> C& append(C cell) {
-    return static_cast<C&>(append(std::unique_ptr<BasicDynamicCell<T>>(std::make_unique<C>(std::move(cell)))));
-  }
-  BasicDynamicCell<T>& append(std::unique_ptr<BasicDynamicCell<T>> cell) {
-    if (!cells_.empty() && !cell->other_input_type().empty()) {
-      const BasicDynamicCell<T>& before = *cells_.back();
-      throw ValueError(type_name() + ": cannot append " + cell->type_name() + " as cell " +
-                       std::to_string(cells_.size()) + ": it takes " + std::string(cell->other_input_type()) +
-                       " values, and cell " + std::to_string(cells_.size() - 1) + ", " + before.type_name() +
-                       ", gives " + std::string(name_of(dtype_of<T>)) +
-                       " values (only the first cell may take another element type, such as an nn::Embedding's "
-                       "int32 indices)");
-    }
-    cells_.push_back(std::move(cell));
-    this->structure_changed();
-    return *cells_.back();
-  }
-
-  std::size_t size() const { return cells_.size(); }
-  BasicDynamicCell<T>& operator[](std::size_t i) {
-    if (i >= cells_.size()) {
-      throw IndexError("nn::DynamicSequentialCell: index " + std::to_string(i) + " is out of range for " +
-                       std::to_string(cells_.size()) + " cells");
-    }
-    return *cells_[i];
-  }
-
-  void for_each_child(const typename BasicDynamicCell<T>::ChildVisitor& visit) override {
-    for (std::size_t i = 0; i < cells_.size(); ++i) visit(std::to_string(i), *cells_[i]);
-  }
-
-  std::string type_name() const override { return "nn::DynamicSequentialCell"; }
-  // Its first cell's (nn::Embedding's "Int32"): what its input holds when that is not T.
-  std::string_view other_input_type() const override {
-    return cells_.empty() ? std::string_view{} : cells_.front()->other_input_type();
-  }
-
- protected:
-  BasicTensor<T> forward(const BasicTensor<T>& x) override { return run_from(0, x); }
-  BasicTensor<T> forward_ids(const BasicTensor<std::int32_t>& ids) override {
-    if (cells_.empty()) return BasicDynamicCell<T>::forward_ids(ids);
-    return run_from(1, (*cells_.front())(ids));
-  }
-
- private:
-  // The cells from `first` on, each on the one before's output.
-  BasicTensor<T> run_from(std::size_t first, const BasicTensor<T>& x) {
-    BasicTensor<T> y = x;
-    for (std::size_t i = first; i < cells_.size(); ++i) y = (*cells_[i])(y);
-    return y;
-  }
-
-  std::vector<std::unique_ptr<BasicDynamicCell<T>>> cells_;
-};
-
-using DynamicSequentialCell = BasicDynamicSequentialCell<float>;
-
-}  // namespace duet::nn
-// Fully connected layers: nn::Dense and the operations it captures as (MatMul, BiasAdd).
+// Comparisons make UInt8 tensors of 0 and 1 (duet has no bool), with numpy broadcasting
+// between two tensors, or against a number. They have no gradient: their output carries none,
+// so a gradient never flows back through them, and differentiating a function that uses one
+// (to build a where's condition) is no error.
 
 #include <array>
 #include <cmath>
-#include <optional>
-#include <string>
-#include <tuple>
-#include <type_traits>
-#include <utility>
-
-
-namespace duet {
-namespace ops {
-
-template <class Layer>
-struct BiasAddOp;
-template <class Layer, bool Bias, class... Fns>
-struct PackedMatMulOp;
-template <class Layer, bool Bias, bool InputGrad, class... Fns>
-struct DenseGradOp;
-template <class Layer, bool InputGrad>
-struct BiasAddGradOp;
-
-namespace detail {
-// The sizes a layer's products are compiled for: its run-time form's, dyn where an
-// nn::Dense<In, Out> shares the code of nn::Dense<> (backend::dense_depends_on_sizes).
-template <class Layer>
-using DenseKernel = std::remove_pointer_t<decltype(nn::detail::runtime_form(std::declval<Layer*>()))>;
-}  // namespace detail
-
-// x · Wᵀ over the last axis of x, then the epilogue: the bias if Bias, then each Fn. Capture
-// makes it with an empty epilogue; fuse_epilogues grows it.
-template <class Layer, bool Bias = false, class... Fns>
-struct MatMulOp : Primitive<MatMulOp<Layer, Bias, Fns...>> {
-  using layer_type = Layer;
-  using value_type = typename Layer::value_type;
-  static constexpr int arity = 1;
-
-  const Layer* layer;
-  std::tuple<Fns...> fns{};  // the epilogue functions' parameters (fn::LeakyRelu's alpha)
-  MatMulOp(const Layer* l) : layer(l) {}
-  MatMulOp(const Layer* l, std::tuple<Fns...> f) : layer(l), fns(std::move(f)) {}
-
-  static constexpr ShapeResult rule(index_t in, index_t out, const Shape& x) {
-    Shape y = x;
-    if (x.rank() == 0) {
-      y.push_back(out);
-      return x.leading_unknown() ? ShapeResult{y} : fault(y, ShapeFault::min_rank, 1);
-    }
-    y = x.with_back(out);
-    if (in != dyn && x.back() != dyn && x.back() != in) return fault(y, ShapeFault::last_dimension, in);
-    return {y};
-  }
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
-    return rule(Layer::in_static, Layer::out_static, in[0]);
-  }
-  ShapeResult infer(std::span<const Shape> in) const {
-    return rule(layer->in_channels(), layer->out_channels(), in[0]);
-  }
-
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& a) const {
-    product<Backend, T, false>(a);
-  }
-
-  // The same product with the weight kept pre-packed between calls (inference graphs at O1 and O2).
-  auto with_packed_weight() const { return PackedMatMulOp<Layer, Bias, Fns...>{{layer, fns}}; }
-
-  // Takes this layer's bias first (if it has one), then any elementwise functions.
-  template <class C>
-  static constexpr bool accepts_epilogue =
-      (std::is_same_v<C, BiasAddOp<Layer>> && Layer::has_bias && !Bias && sizeof...(Fns) == 0) ||
-      requires { C::elementwise_functions; };
-  auto absorb(const BiasAddOp<Layer>&) const { return MatMulOp<Layer, true, Fns...>{layer, fns}; }
-  template <class... Gs>
-  auto absorb(const MapOp<Gs...>& next) const {
-    return MatMulOp<Layer, Bias, Fns..., Gs...>{layer, std::tuple_cat(fns, next.fns)};
-  }
-
-  // Its gradient op differentiates an activation epilogue from the forward output, so it can
-  // do so for one function whose derivative the output gives.
-  static constexpr bool differentiable = sizeof...(Fns) == 0 || (sizeof...(Fns) == 1 && (!fn::grad_from_input<Fns> && ...));
-  static constexpr bool has_parameters = true;
-  template <std::size_t K>
-    requires(K == 0)
-  auto grad_op() const {
-    return DenseGradOp<Layer, Bias, true, Fns...>{layer, fns};
-  }
-  auto parameter_grad_op() const { return DenseGradOp<Layer, Bias, false, Fns...>{layer, fns}; }
-
-  static std::string op_name() { return with_epilogue("MatMul"); }
-  std::string label() const { return layer->label(); }
-
-  // ONNX: Gemm(x, W, transB = 1) on a matrix; on other ranks a MatMul by Wᵀ. Only the plain
-  // product: PyNative, which export_onnx traces, runs the epilogue as ops of their own.
-  Interchange interchange(std::span<const Shape> in) const {
-    if constexpr (Bias || sizeof...(Fns) > 0) {
-      return {};
-    } else {
-      using I = InterchangeInput;
-      if (in[0].rank() == 2) {
-        return {{"Gemm", {I::operand(0), I::of_parameter(&layer->weight)}, {InterchangeAttribute::of("transB", 1)}}};
-      }
-      return {{"Transpose", {I::of_parameter(&layer->weight)}, {InterchangeAttribute::of("perm", std::vector<std::int64_t>{1, 0})}},
-              {"MatMul", {I::operand(0), I::node(0)}, {}}};
-    }
-  }
-
- protected:
-  // Built in a local, not a by-value parameter: g++ 12 at -O1 and above warns (-Warray-bounds,
-  // a false positive) on the inlined move of a returned parameter string.
-  static std::string with_epilogue(const char* product) {
-    std::string s = product;
-    if (Bias) s += " + BiasAdd";
-    ((s += " + ", s += Fns::name), ...);
-    return s;
-  }
-
-  template <class Backend, class T, bool PackedWeight>
-  void product(const graph::KernelArgs& a) const {
-    const index_t in_channels = layer->in_channels();
-    const index_t rows = in_channels == 0 ? 0 : a.in_shape().numel() / in_channels;
-    const T* bias = nullptr;
-    if constexpr (Bias) bias = layer->bias.data();
-    const Epilogue<T, Fns...> epilogue{bias, fns};
-    constexpr index_t In = detail::DenseKernel<Layer>::in_static;
-    constexpr index_t Out = detail::DenseKernel<Layer>::out_static;
-    if constexpr (PackedWeight && backend::packs_as_dense<Backend, In, Out, T, Fns...>()) {
-      Backend::template dense_packed<In, Out>(a.in<T>(), rows, in_channels, layer->weight, layer->out_channels(),
-                                              epilogue, a.out<T>());
-    } else {
-      Backend::template dense<In, Out>(a.in<T>(), rows, in_channels, layer->weight.data(), layer->out_channels(),
-                                       epilogue, a.out<T>());
-    }
-  }
-};
-
-// MatMulOp whose weight the backend keeps packed from call to call, repacking it only after
-// the weight is written: what a layer that runs many times between updates wants. The result
-// is bit for bit MatMulOp's.
-template <class Layer, bool Bias, class... Fns>
-struct PackedMatMulOp : MatMulOp<Layer, Bias, Fns...> {
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& a) const {
-    this->template product<Backend, T, true>(a);
-  }
-
-  static std::string op_name() { return MatMulOp<Layer, Bias, Fns...>::with_epilogue("PackedMatMul"); }
-};
-
-// x + bias over the last axis, bias being the layer's.
-template <class Layer>
-struct BiasAddOp : Primitive<BiasAddOp<Layer>> {
-  using layer_type = Layer;
-  using value_type = typename Layer::value_type;
-  static constexpr int arity = 1;
-  static constexpr bool is_elementwise = true;
-
-  const Layer* layer;
-  BiasAddOp(const Layer* l) : layer(l) {}
-
-  static constexpr ShapeResult rule(index_t out, const Shape& x) {
-    if (x.rank() > 0 && out != dyn && x.back() != dyn && x.back() != out) {
-      return fault(x, ShapeFault::last_dimension, out);
-    }
-    return {x};
-  }
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return rule(Layer::out_static, in[0]); }
-  ShapeResult infer(std::span<const Shape> in) const { return rule(layer->out_channels(), in[0]); }
-
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& a) const {
-    const index_t cols = layer->out_channels();
-    Backend::add_bias(a.in<T>(), cols == 0 ? 0 : a.in_shape().numel() / cols, cols, layer->bias.data(), a.out<T>());
-  }
-
-  static constexpr bool has_parameters = true;
-  template <std::size_t K>
-    requires(K == 0)
-  auto grad_op() const {
-    return BiasAddGradOp<Layer, true>{layer};
-  }
-  auto parameter_grad_op() const { return BiasAddGradOp<Layer, false>{layer}; }
-
-  static std::string op_name() { return "BiasAdd"; }
-  std::string label() const { return layer->label(); }
-
-  Interchange interchange(std::span<const Shape>) const {
-    return {{"Add", {InterchangeInput::operand(0), InterchangeInput::of_parameter(&layer->bias)}, {}}};
-  }
-};
-
-// The gradient of MatMulOp<Layer, Bias, Fns...>: from dy (and y, when Fns need it) it makes
-// dW, db and, if InputGrad, dx. The activation mask and the bias sum are taken in the same
-// kernel as the products, as the forward fused them.
-template <class Layer, bool Bias, bool InputGrad, class... Fns>
-struct DenseGradOp : Primitive<DenseGradOp<Layer, Bias, InputGrad, Fns...>> {
-  using layer_type = Layer;
-  using value_type = typename Layer::value_type;
-  static constexpr auto reads = [] {
-    if constexpr (sizeof...(Fns) == 0)
-      return std::array{graph::Operand::grad, graph::Operand::input0};
-    else
-      return std::array{graph::Operand::grad, graph::Operand::input0, graph::Operand::output};
-  }();
-  static constexpr int arity = static_cast<int>(reads.size());  // dy, x[, y]
-  static constexpr bool is_sink = !InputGrad;
-
-  const Layer* layer;
-  std::tuple<Fns...> fns;
-  DenseGradOp(const Layer* l, std::tuple<Fns...> f) : layer(l), fns(std::move(f)) {}
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {InputGrad ? in[1] : Shape{}}; }
-
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& a) const {
-    const std::uint64_t pass = duet::detail::current_backward_pass();
-    bool accumulate_w = false;
-    bool accumulate_b = false;
-    T* dw = layer->weight.grad_for_write(pass, &accumulate_w);
-    T* db = nullptr;
-    if constexpr (Bias) db = layer->bias.grad_for_write(pass, &accumulate_b);
-    const index_t in_channels = layer->in_channels();
-    const index_t rows = in_channels == 0 ? 0 : a.in_shape(1).numel() / in_channels;
-    using Kernel = detail::DenseKernel<Layer>;
-    Backend::template dense_backward<Kernel::in_static, Kernel::out_static, T, Fns...>(DenseBackwardArgs<T>{
-        a.in<T>(0), a.in<T>(1), sizeof...(Fns) == 0 ? nullptr : a.in<T>(2), rows, in_channels, layer->weight.data(),
-        layer->out_channels(), InputGrad ? a.out<T>() : nullptr, dw, accumulate_w, db, accumulate_b}, fns);
-    duet::detail::gradient_writes_done();
-  }
-
-  static std::string op_name() {
-    std::string s = "MatMulGrad";
-    if (Bias) s += " + BiasGrad";
-    ((s += " + " + std::string(Fns::name) + "Grad"), ...);
-    if (!InputGrad) s += " (parameters only)";
-    return s;
-  }
-  std::string label() const { return layer->label(); }
-};
-
-// The gradient of BiasAddOp: db is the column sum of dy, and dx is dy itself (a view).
-template <class Layer, bool InputGrad>
-struct BiasAddGradOp : Primitive<BiasAddGradOp<Layer, InputGrad>> {
-  using layer_type = Layer;
-  using value_type = typename Layer::value_type;
-  static constexpr std::array reads{graph::Operand::grad};
-  static constexpr int arity = 1;
-  static constexpr bool is_view = InputGrad;
-  static constexpr bool has_side_effects = true;
-  static constexpr bool is_sink = !InputGrad;
-
-  const Layer* layer;
-  BiasAddGradOp(const Layer* l) : layer(l) {}
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {InputGrad ? in[0] : Shape{}}; }
-
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& a) const {
-    bool accumulate = false;
-    T* db = layer->bias.grad_for_write(duet::detail::current_backward_pass(), &accumulate);
-    const index_t cols = layer->out_channels();
-    Backend::bias_grad(a.in<T>(), cols == 0 ? 0 : a.in_shape().numel() / cols, cols, db, accumulate);
-    duet::detail::gradient_writes_done();
-  }
-
-  static std::string op_name() { return InputGrad ? "BiasAddGrad" : "BiasAddGrad (parameters only)"; }
-  std::string label() const { return layer->label(); }
-};
-
-}  // namespace ops
-
-namespace nn {
-
-// nn::Dense's initialisers (MindSpore's weight_init, bias_init): any duet::initializer, or a
-// user's; left unset, MindSpore's defaults. (MindSpore's has_bias is a template argument of
-// nn::Dense: it decides which nodes the layer captures.)
-template <ElementType T>
-struct DenseOptions {
-  std::optional<initializer::AnyInitializer<T>> weight_init = std::nullopt;
-  std::optional<initializer::AnyInitializer<T>> bias_init = std::nullopt;
-};
-
-namespace detail {
-// A Dense layer's parameters, the checkpoint entries: weight and, if it has one, bias.
-template <ElementType T, bool HasBias>
-struct DenseParameters {
-  BasicParameter<T> weight;  // [out_channels, in_channels]
-  BasicParameter<T> bias;    // [out_channels]
-  DUET_CELL_MEMBERS(weight, bias);
-};
-template <ElementType T>
-struct DenseParameters<T, false> {
-  BasicParameter<T> weight;
-  DUET_CELL_MEMBERS(weight);
-};
-
-// A Dense's weight, then its bias, from the global generator (set_seed); `fixed` holds its
-// compile-time sizes (dyn where none). Unset options are MindSpore 2.x's defaults: weight
-// HeUniform(negative_slope = sqrt(5)) and bias Uniform(1/sqrt(in)), both U(-1/sqrt(in),
-// 1/sqrt(in)), drawn here as that Uniform so that the bound is T's 1/sqrt(in) for every T.
-// Not a member of Dense: compiled once per element type, not once per layer size.
-template <ElementType T, bool HasBias>
-void initialize_dense(DenseParameters<T, HasBias>& parameters, const BasicDynamicCell<T>& cell,
-                      std::array<index_t, 2> fixed, std::array<index_t, 2> sizes, const DenseOptions<T>& options) {
-  const index_t in_channels = sizes[0], out_channels = sizes[1];  // not a structured binding: clang 14 cannot capture one
-  if ((fixed[0] != dyn && in_channels != fixed[0]) || (fixed[1] != dyn && out_channels != fixed[1]) ||
-      in_channels <= 0 || out_channels <= 0) {
-    throw ValueError(cell.type_name() + ": cannot be built with in_channels " + std::to_string(in_channels) +
-                     " and out_channels " + std::to_string(out_channels));
-  }
-  const initializer::Uniform mindspore_default{static_cast<double>(T(1) / std::sqrt(static_cast<T>(in_channels)))};
-  if (!HasBias && options.bias_init) {
-    throw ValueError(cell.type_name() + ": bias_init is given, but the layer has no bias (HasBias = false)");
-  }
-  const initializer::AnyInitializer<T> weight_init = options.weight_init.value_or(mindspore_default);
-  auto weight_value = BasicTensor<T>::uninitialized({out_channels, in_channels});
-  with_global_generator([&](Generator& gen) {
-    initializer::initialize_option(weight_value, weight_init, gen, cell.type_name(), "weight_init");
-    if constexpr (HasBias) {
-      auto bias_value = BasicTensor<T>::uninitialized({out_channels});
-      initializer::initialize_option(bias_value, options.bias_init.value_or(mindspore_default), gen, cell.type_name(),
-                                     "bias_init");
-      parameters.bias = BasicParameter<T>(std::move(bias_value));
-    }
-  });
-  parameters.weight = BasicParameter<T>(std::move(weight_value));
-}
-}  // namespace detail
-
-// y = x · weightᵀ + bias over the last axis of x (MindSpore's nn.Dense). In and Out are
-// compile-time sizes, or duet::dyn for sizes given to the constructor at run time. HasBias
-// false is MindSpore's has_bias=False: no bias parameter, y = x · weightᵀ.
-//
-// Dense<In, Out> is Dense<> with the sizes in its type (SizedLayer): graph capture checks the
-// input against them while the program compiles, and the layer otherwise runs Dense<>'s code,
-// compiled once for all sizes. Except where the sizes change the product's code, and so
-// possibly its bits (small layers the GEMM unrolls, backend::dense_depends_on_sizes): such a
-// layer is a cell of its own, as a partly dyn one is.
-template <index_t In = dyn, index_t Out = dyn, ElementType T = float, bool HasBias = true>
-class Dense : public Cell<Dense<In, Out, T, HasBias>, CONTEXT_MODE, T>, public detail::DenseParameters<T, HasBias> {
-  static_assert(In == dyn || In > 0, "nn::Dense<In, Out>: In must be positive (or duet::dyn)");
-  static_assert(Out == dyn || Out > 0, "nn::Dense<In, Out>: Out must be positive (or duet::dyn)");
-
- public:
-  using runtime_type = Dense;
-  static constexpr index_t in_static = In;
-  static constexpr index_t out_static = Out;
-  static constexpr bool has_bias = HasBias;
-  using detail::DenseParameters<T, HasBias>::weight;
-
-  using Options = DenseOptions<T>;
-
-  Dense() requires(In != dyn && Out != dyn) : Dense(In, Out) {}
-  // nn::Dense<784, 512> fc{{.weight_init = initializer::HeNormal{}, .bias_init = initializer::Zero{}}};
-  explicit Dense(Options options) requires(In != dyn && Out != dyn) : Dense(In, Out, std::move(options)) {}
-
-  Dense(index_t in_channels, index_t out_channels, Options options = {})
-      : Dense(in_channels, out_channels, std::move(options), {In, Out}) {}
-
- protected:
-  // A Dense<In, Out>'s: sized holds the sizes its type fixes, which it checks and is named by.
-  Dense(index_t in_channels, index_t out_channels, Options options, std::array<index_t, 2> sized)
-      : in_(in_channels), out_(out_channels), sized_(sized) {
-    detail::initialize_dense<T, HasBias>(*this, *this, sized, {in_channels, out_channels}, options);
-  }
-
- public:
-  index_t in_channels() const {
-    if constexpr (In != dyn)
-      return In;
-    else
-      return in_;
-  }
-  index_t out_channels() const {
-    if constexpr (Out != dyn)
-      return Out;
-    else
-      return out_;
-  }
-
-  template <class X>
-  auto construct(X&& x) {
-    return captured_as(this, std::forward<X>(x));
-  }
-
-  std::string type_name() const override {
-    std::string s = "nn::Dense<" + size_name(sized_[0]) + ", " + size_name(sized_[1]);
-    if constexpr (!std::is_same_v<T, float> || !HasBias) s += ", " + std::string(name_of(dtype_of<T>));
-    if constexpr (!HasBias) s += ", no bias";
-    return s + ">";
-  }
-
- protected:
-  // The operations of a Dense typed on layer: this one, or a Dense<In, Out> deriving from it.
-  template <class Layer, class X>
-  static auto captured_as(Layer* layer, X&& x) {
-    if constexpr (HasBias) return apply(ops::BiasAddOp<Layer>{layer}, apply(ops::MatMulOp<Layer>{layer}, std::forward<X>(x)));
-    else return apply(ops::MatMulOp<Layer>{layer}, std::forward<X>(x));
-  }
-
- private:
-  static std::string size_name(index_t n) { return n == dyn ? "dyn" : std::to_string(n); }
-
-  index_t in_;
-  index_t out_;
-  std::array<index_t, 2> sized_;
-};
-
-template <index_t In, index_t Out, ElementType T, bool HasBias>
-  requires(In > 0 && Out > 0 && !backend::dense_depends_on_sizes<DefaultBackend, In, Out, T>())
-class Dense<In, Out, T, HasBias> : public SizedLayer<Dense<In, Out, T, HasBias>, Dense<dyn, dyn, T, HasBias>> {
-  using Runtime = Dense<dyn, dyn, T, HasBias>;
-  using Sized = SizedLayer<Dense, Runtime>;
-
- public:
-  static constexpr index_t in_static = In;
-  static constexpr index_t out_static = Out;
-  using Options = DenseOptions<T>;
-
-  Dense() : Dense(In, Out) {}
-  explicit Dense(Options options) : Dense(In, Out, std::move(options)) {}
-  Dense(index_t in_channels, index_t out_channels, Options options = {})
-      : Sized(in_channels, out_channels, std::move(options), {In, Out}) {}
-
-  template <graph::Symbolic S>
-  auto sized_construct(const S& x) {
-    return Runtime::captured_as(this, x);
-  }
-};
-
-}  // namespace nn
-}  // namespace duet
-// Dropout: nn::Dropout and the operations it captures.
-//
-// MindSpore 2.x's nn.Dropout(p=0.5): in training each element is zeroed with probability p and
-// the others are scaled by 1 / (1 - p) (inverted dropout, so evaluation is the identity).
-// MindSpore 1.x took keep_prob = 1 - p instead; 2.x deprecates it for p, PyTorch's convention,
-// which duet follows.
-//
-// Seeded: a layer draws its masks from a generator of its own, seeded from the global one
-// (duet::set_seed) when the layer is made, one draw per element in row-major order per
-// training call. Both modes run the same kernel once per call, so they draw the same masks in
-// the same order and give the same losses. A training step that fails gives its draws back.
-// A checkpoint saved with an optimiser holds the generator's state ("generator.<path>"), so
-// training resumed from it draws the masks the uninterrupted run would have.
-//
-// The mask is not kept: the gradient recovers it from the input and the output. A kept
-// element's output is x / (1 - p), which is 0 only if x is (|1 / (1 - p)| >= 1: no
-// underflow); a dropped element's output is 0 with the sign bit opposite to x's when x is 0,
-// so a kept zero and a dropped one differ in their sign. Nothing is stored between forward and
-// backward, so a layer applied twice, or a network run by several threads, needs no care.
-
-#include <array>
-#include <cmath>
+#include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string>
+#include <string_view>
 #include <type_traits>
-#include <utility>
 
-
-namespace duet {
-namespace ops {
-
-template <class Layer, graph::Phase P>
-struct DropoutGradOp;
-
-// Training: x · mask / (1 - p), the mask drawn from the layer's generator. Evaluation: x
-// itself, a view (the node stays in the graph so that its phase is checked).
-template <class Layer, graph::Phase P>
-struct DropoutOp : Primitive<DropoutOp<Layer, P>>, PhaseOf<Layer, P> {
-  using layer_type = Layer;
-  static constexpr int arity = 1;
-  static constexpr bool is_view = P == graph::Phase::eval;
-  static constexpr bool has_side_effects = is_view;  // the view's kernel checks the phase
-
-  explicit DropoutOp(Layer* l) : PhaseOf<Layer, P>(l) {}
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
-
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& a) const {
-    this->check_phase();
-    if constexpr (P == graph::Phase::train) {
-      const index_t n = a.in_shape().numel();
-      const T* x = a.in<T>();
-      T* y = a.out<T>();
-      const float p = this->layer->p();
-      const T scale = T(1) / (T(1) - static_cast<T>(p));
-      duet::detail::will_change(*this->layer);
-      Generator& gen = this->layer->generator();
-      for (index_t i = 0; i < n; ++i) {
-        // Drawn as float whatever T is, so that float and double networks drop alike.
-        if (gen.uniform01<float>() >= p) {
-          y[i] = x[i] * scale;
-        } else {
-          y[i] = std::signbit(x[i]) || x[i] != T(0) ? T(0) : T(-0.0);
-        }
-      }
-    }
-  }
-
-  template <std::size_t K>
-    requires(K == 0)
-  auto grad_op() const {
-    return DropoutGradOp<Layer, P>{this->layer};
-  }
-
-  static std::string op_name() { return P == graph::Phase::train ? "Dropout" : "Dropout (identity)"; }
-  std::string label() const { return this->layer->label(); }
-
-  // ONNX: at evaluation, what it is, the identity.
-  Interchange interchange(std::span<const Shape>) const {
-    if constexpr (P == graph::Phase::eval) return {{"Identity", {InterchangeInput::operand(0)}, {}}};
-    else return {};
-  }
-};
-
-// Training: dx = dy / (1 - p) where the element was kept, 0 where it was dropped (recovered from
-// x and y, see above). Evaluation: dy itself, a view.
-template <class Layer, graph::Phase P>
-struct DropoutGradOp : Primitive<DropoutGradOp<Layer, P>> {
-  using layer_type = Layer;
-  static constexpr auto reads = [] {
-    if constexpr (P == graph::Phase::train)
-      return std::array{graph::Operand::grad, graph::Operand::input0, graph::Operand::output};
-    else
-      return std::array{graph::Operand::grad};
-  }();
-  static constexpr int arity = static_cast<int>(reads.size());
-  static constexpr bool is_view = P == graph::Phase::eval;
-
-  const Layer* layer;
-  explicit DropoutGradOp(const Layer* l) : layer(l) {}
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
-
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& a) const {
-    if constexpr (P == graph::Phase::train) {
-      const index_t n = a.in_shape().numel();
-      const T* dy = a.in<T>(0);
-      const T* x = a.in<T>(1);
-      const T* y = a.in<T>(2);
-      T* dx = a.out<T>();
-      const T scale = T(1) / (T(1) - static_cast<T>(layer->p()));
-      for (index_t i = 0; i < n; ++i) {
-        const bool kept = y[i] != T(0) || (x[i] == T(0) && std::signbit(x[i]) == std::signbit(y[i]));
-        dx[i] = kept ? dy[i] * scale : T(0);
-      }
-    }
-  }
-
-  static std::string op_name() { return P == graph::Phase::train ? "DropoutGrad" : "DropoutGrad (identity)"; }
-  std::string label() const { return layer->label(); }
-};
-
-inline const bool dropout_listed = list_operations({"Dropout"});
-
-}  // namespace ops
-
-namespace nn {
-
-// MindSpore's nn.Dropout(p=0.5) (see the header's comment): p in [0, 1).
-template <ElementType T>
-class BasicDropout : public Cell<BasicDropout<T>, CONTEXT_MODE, T>,
-                     public duet::detail::StepState,
-                     public duet::detail::GeneratorOwner {
- public:
-  explicit BasicDropout(double p = 0.5) : p_(static_cast<float>(p)) {
-    if (!(p >= 0 && p < 1)) {
-      throw ValueError("nn::Dropout: p, the probability of dropping an element, must be in [0, 1), got " +
-                       std::to_string(p));
-    }
-    reseed(with_global_generator([](Generator& gen) { return gen.next(); }));
-  }
-
-  float p() const { return p_; }
-
-  // Restarts the masks from `seed`: the same seed gives the same masks in both modes.
-  void reseed(std::uint64_t seed) { generator_.seed(seed); }
-  // The masks' generator; training kernels draw from it (one training call at a time).
-  Generator& generator() const { return generator_; }
-
-  Generator& owned_generator() override { return generator_; }
-
-  // A step that fails gives back the draws it took, so the next one drops what it would have.
-  void save_for_step() override { saved_ = generator_; }
-  void restore_step() override { generator_ = saved_; }
-
-  template <class X>
-  auto construct(X&& x) {
-    return ops::apply_in_phase<ops::DropoutOp>(this, std::forward<X>(x));
-  }
-
-  bool depends_on_phase() const override { return true; }
-
-  std::string type_name() const override {
-    std::string s = "nn::Dropout";
-    if constexpr (!std::is_same_v<T, float>) s += "<" + std::string(name_of(dtype_of<T>)) + ">";
-    return s;
-  }
-
- private:
-  float p_;
-  mutable Generator generator_;
-  Generator saved_;
-};
-
-using Dropout = BasicDropout<float>;
-
-}  // namespace nn
-}  // namespace duet
-// Embedding: nn::Embedding and the operation it captures, a lookup of int32 indices in the
-// layer's table (MindSpore's nn.Embedding).
-
-#include <Eigen/Core>
-#include <algorithm>
-#include <array>
-#include <cstdint>
-#include <optional>
-#include <string>
-#include <type_traits>
-#include <utility>
-
-// Indexing operations: gather (index_select), gather_elements (torch.gather), one_hot, and the
-// sorts that make indices, topk, sort and argsort, in both modes.
+// Arithmetic: + - * / and the other binary elementwise functions, with numpy broadcasting,
+// between tensors and with scalars, in both modes (MindSpore's ops.add, ops.mul, ...).
 //
-// Every index is int32, as duet's labels and ids, and is checked before anything is read with
-// it: an index outside [0, size) is a duet::IndexError naming the index, its place and the
-// bound, in both modes. Indices never get a gradient: they are integers. What an index reads
-// gets dy back where it was read from, added up where two indices read the same element.
+// A binary function is a type with apply(a, b) and the partial derivative of each argument,
+// partial<K>(a, b). One operation, BroadcastOp<Fn>, runs any of them: its shape rule is
+// numpy's, its kernel walks the output once, and the gradient of input K is that partial
+// times the incoming gradient, summed over the axes input K was broadcast along (so that it
+// has input K's shape). With a scalar the same functions run in ScalarOp, which keeps the
+// scalar in the operation rather than in a tensor.
 
 #include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstddef>
-#include <cstdint>
 #include <limits>
-#include <numeric>
 #include <span>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <utility>
-#include <vector>
 
+
+namespace duet {
+
+namespace fn {
+
+// A binary function written once, in place on numbers and on SIMD vectors alike (Fn::apply_in_place,
+// by reference, as fn::Relu's: a vector never crosses a call between code compiled for different
+// instruction sets); apply() gives its value. kernels::binary runs it on the vectors of the set
+// chosen at run time.
+template <class Fn>
+struct InPlaceBinary {
+  template <class T>
+  static T apply(T a, T b) {
+    Fn::apply_in_place(a, b);
+    return a;
+  }
+};
+
+struct Add : InPlaceBinary<Add> {
+  static constexpr std::string_view name = "Add";
+  static constexpr std::string_view onnx = "Add";  // its operator in ONNX
+  template <class V>
+  static void apply_in_place(V& a, const V& b) {
+    a = a + b;
+  }
+  template <int K, class T>
+  static T partial(T, T) {
+    return T(1);
+  }
+};
+
+struct Sub : InPlaceBinary<Sub> {
+  static constexpr std::string_view name = "Sub";
+  static constexpr std::string_view onnx = "Sub";  // its operator in ONNX
+  template <class V>
+  static void apply_in_place(V& a, const V& b) {
+    a = a - b;
+  }
+  template <int K, class T>
+  static T partial(T, T) {
+    return K == 0 ? T(1) : T(-1);
+  }
+};
+
+struct Mul : InPlaceBinary<Mul> {
+  static constexpr std::string_view name = "Mul";
+  static constexpr std::string_view onnx = "Mul";  // its operator in ONNX
+  template <class V>
+  static void apply_in_place(V& a, const V& b) {
+    a = a * b;
+  }
+  template <int K, class T>
+  static T partial(T a, T b) {
+    return K == 0 ? b : a;
+  }
+};
+
+struct Div : InPlaceBinary<Div> {
+  static constexpr std::string_view name = "Div";
+  static constexpr std::string_view onnx = "Div";  // its operator in ONNX
+  // Integers divide as C++ does, truncating toward zero (-7 / 2 is -3; PyTorch's // floors);
+  // a zero divisor, or the one quotient that overflows, is an error rather than the signal
+  // that ends the process.
+  template <class V>
+  static void apply_in_place(V& a, const V& b) {
+    if constexpr (std::is_integral_v<V>) {
+      if (b == 0) throw ValueError("duet::ops::div: integer division by zero");
+      if constexpr (std::is_signed_v<V>) {
+        if (b == -1 && a == std::numeric_limits<V>::min()) {
+          throw ValueError("duet::ops::div: integer division overflows (" + std::to_string(a) + " / -1)");
+        }
+      }
+    }
+    a = a / b;
+  }
+  template <int K, class T>
+  static T partial(T a, T b) {
+    return K == 0 ? T(1) / b : -a / (b * b);
+  }
+};
+
+// Ties send half the gradient each way, as PyTorch does: the derivative there is undefined,
+// and any other choice makes maximum(x, x) differ from x. Where either side is NaN (the result
+// is NaN) both sides get the whole gradient, as in PyTorch, whichever side holds the NaN.
+struct Maximum : InPlaceBinary<Maximum> {
+  static constexpr std::string_view name = "Maximum";
+  static constexpr std::string_view onnx = "Max";  // its operator in ONNX
+  template <class V>
+  static void apply_in_place(V& a, const V& b) {
+    // NaN propagates from either side, as their sum. Only ordered comparisons: GCC lowers a
+    // self-comparison (a != a) on a vector lane by lane, which made maximum 50x slower.
+    a = a > b ? a : (a <= b ? b : a + b);
+  }
+  template <int K, class T>
+  static T partial(T a, T b) {
+    if (a == b) return T(0.5);
+    if (a != a || b != b) return T(1);
+    return (K == 0) == (a > b) ? T(1) : T(0);
+  }
+};
+
+struct Minimum : InPlaceBinary<Minimum> {
+  static constexpr std::string_view name = "Minimum";
+  static constexpr std::string_view onnx = "Min";  // its operator in ONNX
+  template <class V>
+  static void apply_in_place(V& a, const V& b) {
+    a = a < b ? a : (a >= b ? b : a + b);
+  }
+  template <int K, class T>
+  static T partial(T a, T b) {
+    if (a == b) return T(0.5);
+    if (a != a || b != b) return T(1);
+    return (K == 0) == (a < b) ? T(1) : T(0);
+  }
+};
+
+// a^b. d/db = a^b · log a, which is NaN for a < 0 as the real power is; at a = 0 it is 0
+// where the power itself is (b > 0), as PyTorch defines it.
+struct Pow {
+  static constexpr std::string_view name = "Pow";
+  static constexpr std::string_view onnx = "Pow";  // its operator in ONNX
+  template <class T>
+  static T apply(T a, T b) {
+    return static_cast<T>(std::pow(a, b));
+  }
+  template <int K, class T>
+  static T partial(T a, T b) {
+    if constexpr (K == 0) {
+      return b == T(0) ? T(0) : static_cast<T>(b * std::pow(a, b - T(1)));
+    } else {
+      return a == T(0) && b > T(0) ? T(0) : static_cast<T>(std::pow(a, b) * std::log(a));
+    }
+  }
+};
+
+}  // namespace fn
+
+namespace ops {
+
+// numpy's broadcasting of two shapes, aligned at their last axes: each pair of sizes must be
+// equal or one of them 1. A dynamic size matches anything, and unknown leading axes stay
+// unknown.
+constexpr ShapeResult broadcast_shapes(const Shape& a, const Shape& b) {
+  const int rank = std::max(a.rank(), b.rank());
+  std::array<index_t, max_rank> dims{};
+  bool ok = true;
+  for (int i = 1; i <= rank; ++i) {
+    const index_t da = i <= a.rank() ? a[-i] : (a.leading_unknown() ? dyn : 1);
+    const index_t db = i <= b.rank() ? b[-i] : (b.leading_unknown() ? dyn : 1);
+    index_t d = da;
+    if (da == db || db == 1) d = da;
+    else if (da == 1) d = db;
+    else if (da == dyn) d = db;
+    else if (db == dyn) d = da;
+    else ok = false;
+    dims[static_cast<std::size_t>(rank - i)] = d;
+  }
+  Shape out = a.leading_unknown() || b.leading_unknown() ? Shape::any() : Shape{};
+  for (int i = 0; i < rank; ++i) out.push_back(dims[static_cast<std::size_t>(i)]);
+  // Which input to blame: the one of lower rank, or the second.
+  if (!ok) return fault(out, ShapeFault::broadcast, 0, b.rank() <= a.rank() ? 1 : 0);
+  return {out};
+}
+
+namespace detail {
+
+// Where each output element reads an input broadcast to the output's shape: the input's
+// strides in the output's axes, 0 along broadcast axes.
+inline std::array<index_t, max_rank> broadcast_strides(const Shape& in, const Shape& out) {
+  std::array<index_t, max_rank> strides{};
+  index_t stride = 1;
+  for (int i = 1; i <= out.rank(); ++i) {
+    const std::size_t axis = static_cast<std::size_t>(out.rank() - i);
+    if (i <= in.rank() && in[-i] != 1) {
+      strides[axis] = stride;
+    }
+    if (i <= in.rank()) stride *= in[-i];
+  }
+  return strides;
+}
+
+// Calls row(first, count, start, step) for each run of output elements [first, first + count)
+// along which every input advances by a constant step: input k is read at start[k] +
+// j * step[k] for the j-th element of the run. The whole output is one run when the shapes
+// are equal, a row of the last axis otherwise.
+template <std::size_t N, class Row>
+void for_each_broadcast_row(const std::array<Shape, N>& in, const Shape& out, Row&& row) {
+  const index_t n = out.numel();
+  if (n == 0) return;
+  std::array<index_t, N> at{};
+  std::array<index_t, N> step{};
+  if (std::all_of(in.begin(), in.end(), [&](const Shape& s) { return s == out; })) {
+    step.fill(1);
+    row(index_t{0}, n, at, step);
+    return;
+  }
+  std::array<std::array<index_t, max_rank>, N> strides;
+  for (std::size_t k = 0; k < N; ++k) strides[k] = broadcast_strides(in[k], out);
+  const int rank = out.rank();
+  const index_t inner = rank == 0 ? 1 : out[-1];
+  for (std::size_t k = 0; k < N; ++k) step[k] = rank == 0 ? 0 : strides[k][static_cast<std::size_t>(rank - 1)];
+  std::array<index_t, max_rank> index{};
+  for (index_t i = 0; i < n; i += inner) {
+    row(i, inner, at, step);
+    // The odometer over the outer axes, last first.
+    for (int axis = rank - 2; axis >= 0; --axis) {
+      const std::size_t ax = static_cast<std::size_t>(axis);
+      ++index[ax];
+      for (std::size_t k = 0; k < N; ++k) at[k] += strides[k][ax];
+      if (index[ax] < out[axis]) break;
+      for (std::size_t k = 0; k < N; ++k) at[k] -= strides[k][ax] * index[ax];
+      index[ax] = 0;
+    }
+  }
+}
+
+// out[j] = Fn(a[j·sa], b[j·sb]) for j < n: on the kernels' vectors of the instruction set chosen
+// at run time where Fn has a vector form and each input is a run (stride 1) or one value
+// (stride 0), as every broadcast row is; element by element otherwise (pow, integers).
+template <class Fn, class T>
+void apply_run(const T* a, index_t sa, const T* b, index_t sb, index_t n, T* out) {
+  if constexpr (kernels::VectorBinary<Fn, T>) {
+    if (n > 0 && (sa == 0 || sa == 1) && (sb == 0 || sb == 1)) {
+      kernels::binary<Fn>(a, sa == 1, b, sb == 1, n, out);
+      return;
+    }
+  }
+  for (index_t j = 0; j < n; ++j) out[j] = Fn::apply(a[j * sa], b[j * sb]);
+}
+
+// Calls f(i, ia, ib) for each output element i, with the elements ia and ib of the two inputs
+// it reads, in the order of the output.
+template <class F>
+void for_each_broadcast(const Shape& a, const Shape& b, const Shape& out, F&& f) {
+  for_each_broadcast_row<2>(std::array<Shape, 2>{a, b}, out,
+                            [&](index_t first, index_t count, const std::array<index_t, 2>& start,
+                                const std::array<index_t, 2>& step) {
+                              for (index_t j = 0; j < count; ++j) {
+                                f(first + j, start[0] + j * step[0], start[1] + j * step[1]);
+                              }
+                            });
+}
+
+}  // namespace detail
+
+template <class Fn, int K>
+struct BroadcastGradOp;
+template <class Fn, class... Epilogue>
+struct BroadcastOp;
+
+// An elementwise expression tree over the inputs of a fused operation: input I, or Fn of two
+// subtrees.
+template <int I>
+struct Arg {};
+template <class Fn, class L, class R>
+struct Apply {};
+
+namespace detail {
+
+// A run of up to `block` elements of one operand: strided in an input, contiguous in a block
+// buffer.
+template <class T>
+struct Operand {
+  const T* data;
+  index_t stride;
+};
+
+// Where a fused epilogue runs: over [0, n) in blocks of epilogue_block from 0, each once the
+// walk over the output has written up to its end. PyNative maps a function over the whole
+// output, which the vectorised functions Eigen gives (exp, sin, log1p) split into vectors and
+// a scalar tail of other bits; a broadcast walks the output a row at a time, and an epilogue
+// per row would take the scalar path on rows shorter than a vector (a helper's exp(x * w)
+// with w [1, 2] differed from PyNative in 122 of 512 elements). Blocks that are multiples of
+// every vector width, from the same aligned start, split where the whole pass does.
+inline constexpr index_t epilogue_block = 1024;
+class EpilogueBlocks {
+ public:
+  explicit EpilogueBlocks(index_t n) : n_(n) {}
+  // The output is written up to `end`: runs done(first, count) on each block now complete.
+  template <class Done>
+  void written_to(index_t end, Done&& done) {
+    while (next_ < end && (end - next_ >= epilogue_block || end == n_)) {
+      const index_t count = std::min(epilogue_block, end - next_);
+      done(next_, count);
+      next_ += count;
+    }
+  }
+
+ private:
+  index_t n_;
+  index_t next_ = 0;
+};
+
+// Evaluates a tree on a run of `count` (<= block) output elements, each subtree into a block
+// buffer of its own, a loop per node. Every intermediate value is stored in T before the next
+// node reads it, so the compiler cannot contract a multiply and an add into one FMA: the
+// result is the unfused operations' bit for bit, as PyNative computes them.
+template <class Tree>
+struct tree;
+template <int I>
+struct tree<Arg<I>> {
+  static constexpr std::size_t buffers = 0;
+  template <class T, std::size_t N>
+  static Operand<T> eval(const std::array<const T*, N>& in, const std::array<index_t, N>& start,
+                         const std::array<index_t, N>& step, index_t, index_t, T*, T*) {
+    return {in[I] + start[I], step[I]};
+  }
+  static std::string text() { return std::string(1, static_cast<char>('a' + I)); }
+};
+template <class Fn, class L, class R>
+struct tree<Apply<Fn, L, R>> {
+  // Blocks of scratch the subtrees need: one per inner node, the root writing to its destination.
+  static constexpr std::size_t buffers = tree<L>::buffers + tree<R>::buffers + 2;
+  template <class T, std::size_t N>
+  static Operand<T> eval(const std::array<const T*, N>& in, const std::array<index_t, N>& start,
+                         const std::array<index_t, N>& step, index_t count, index_t block, T* destination,
+                         T* scratch) {
+    const Operand<T> l = tree<L>::eval(in, start, step, count, block, scratch, scratch + block);
+    const Operand<T> r = tree<R>::eval(in, start, step, count, block, scratch + block * (1 + tree<L>::buffers),
+                                       scratch + block * (2 + tree<L>::buffers));
+    apply_run<Fn>(l.data, l.stride, r.data, r.stride, count, destination);
+    return {destination, 1};
+  }
+  static std::string text() { return std::string(Fn::name) + "(" + tree<L>::text() + ", " + tree<R>::text() + ")"; }
+};
+
+// The run of a fused pass: its scratch (Buffers blocks) within 16 KiB, in L1 beside the inputs'
+// runs, and at most an epilogue block; whole vectors of every set. Each node is a kernel call per
+// run, and runs of 256 floats made the calls a third of gelu(x * w + b)'s time.
+template <class T, std::size_t Buffers>
+inline constexpr index_t fused_block =
+    std::clamp<index_t>(static_cast<index_t>(16384 / (std::max<std::size_t>(Buffers, 1) * sizeof(T))) / 64 * 64, 64,
+                        epilogue_block);
+
+}  // namespace detail
+
+// A chain of binary elementwise operations fused into one pass over N inputs (Tree), then the
+// unary functions Epilogue: what fuse_epilogues makes of `x * w + b` in a graph that is not
+// differentiated, so the intermediate values are never written.
+template <std::size_t N, class Tree, class... Epilogue>
+struct ElementwiseOp : Primitive<ElementwiseOp<N, Tree, Epilogue...>> {
+  static constexpr int arity = static_cast<int>(N);
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    ShapeResult r{in[0]};
+    for (std::size_t k = 1; k < N && r.ok(); ++k) {
+      r = broadcast_shapes(r.shape, in[k]);
+      if (!r.ok()) r.input = static_cast<int>(k);
+    }
+    return r;
+  }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    std::array<const T*, N> in;
+    std::array<Shape, N> shapes;
+    for (std::size_t k = 0; k < N; ++k) {
+      in[k] = a.in<T>(k);
+      shapes[k] = a.in_shape(k);
+    }
+    T* out = a.out<T>();
+    constexpr index_t block = detail::fused_block<T, detail::tree<Tree>::buffers>;
+    std::array<T, block * detail::tree<Tree>::buffers> scratch;
+    [[maybe_unused]] detail::EpilogueBlocks blocks(a.output_shape.numel());
+    detail::for_each_broadcast_row<N>(
+        shapes, a.output_shape,
+        [&](index_t first, index_t count, const std::array<index_t, N>& start, const std::array<index_t, N>& step) {
+          for (index_t done = 0; done < count; done += block) {
+            const index_t n = std::min(block, count - done);
+            std::array<index_t, N> at = start;
+            for (std::size_t k = 0; k < N; ++k) at[k] += done * step[k];
+            detail::tree<Tree>::eval(in, at, step, n, block, out + first + done, scratch.data());
+            if constexpr (sizeof...(Epilogue) > 0) {
+              blocks.written_to(first + done + n, [&](index_t from, index_t m) {
+                Backend::template map<Epilogue...>(out + from, m, out + from);
+              });
+            }
+          }
+        });
+  }
+
+  // Functions with parameters (LeakyReLU's alpha) are not taken: the op holds no values
+  // for its epilogue, and would run them with their defaults.
+  template <class C>
+  static constexpr bool accepts_epilogue = requires { requires C::parameterless; };
+  template <class... Gs>
+  auto absorb(const MapOp<Gs...>&) const {
+    return ElementwiseOp<N, Tree, Epilogue..., Gs...>{};
+  }
+  // This value as input Pos of a binary elementwise operation: one more input, one more level.
+  template <int Pos, class Fn2>
+    requires(sizeof...(Epilogue) == 0)
+  auto absorb_operand(const BroadcastOp<Fn2>&) const {
+    using Other = Arg<static_cast<int>(N)>;
+    return ElementwiseOp<N + 1, std::conditional_t<Pos == 0, Apply<Fn2, Tree, Other>, Apply<Fn2, Other, Tree>>>{};
+  }
+
+  // It keeps none of the values between its steps: a graph to differentiate is not fused so.
+  static constexpr bool differentiable = false;
+
+  static std::string op_name() {
+    std::string s = "Elementwise " + detail::tree<Tree>::text();
+    ((s += " + " + std::string(Epilogue::name)), ...);
+    return s;
+  }
+};
+
+// Fn(a, b) elementwise, a and b broadcast to a common shape, then the unary functions Epilogue
+// (fuse_epilogues moves elementwise functions that follow it here, so the value is written
+// once).
+template <class Fn, class... Epilogue>
+struct BroadcastOp : Primitive<BroadcastOp<Fn, Epilogue...>> {
+  using layer_type = BroadcastOp<Fn>;
+  static constexpr int arity = 2;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return broadcast_shapes(in[0], in[1]); }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const T* x = a.in<T>(0);
+    const T* y = a.in<T>(1);
+    T* out = a.out<T>();
+    [[maybe_unused]] detail::EpilogueBlocks blocks(a.output_shape.numel());
+    detail::for_each_broadcast_row<2>(
+        {a.in_shape(0), a.in_shape(1)}, a.output_shape,
+        [&](index_t first, index_t count, const std::array<index_t, 2>& start, const std::array<index_t, 2>& step) {
+          if constexpr (sizeof...(Epilogue) == 0) {
+            detail::apply_run<Fn>(x + start[0], step[0], y + start[1], step[1], count, out + first);
+          } else {
+            // In runs that stay in cache until the epilogue has seen them.
+            for (index_t r = 0; r < count; r += detail::epilogue_block) {
+              const index_t m = std::min(detail::epilogue_block, count - r);
+              detail::apply_run<Fn>(x + start[0] + r * step[0], step[0], y + start[1] + r * step[1], step[1], m,
+                                    out + first + r);
+              blocks.written_to(first + r + m, [&](index_t from, index_t k) {
+                Backend::template map<Epilogue...>(out + from, k, out + from);
+              });
+            }
+          }
+        });
+  }
+
+  // Functions with parameters (LeakyReLU's alpha) are not taken: the op holds no values
+  // for its epilogue, and would run them with their defaults.
+  template <class C>
+  static constexpr bool accepts_epilogue = requires { requires C::parameterless; };
+  template <class... Gs>
+  auto absorb(const MapOp<Gs...>&) const {
+    return BroadcastOp<Fn, Epilogue..., Gs...>{};
+  }
+  template <int Pos, class Fn2>
+    requires(sizeof...(Epilogue) == 0)
+  auto absorb_operand(const BroadcastOp<Fn2>& next) const {
+    return ElementwiseOp<2, Apply<Fn, Arg<0>, Arg<1>>>{}.template absorb_operand<Pos>(next);
+  }
+
+  // Fused with an epilogue it keeps no value between Fn and the epilogue to differentiate from.
+  static constexpr bool differentiable = sizeof...(Epilogue) == 0;
+  template <std::size_t K>
+    requires(K < 2)
+  auto grad_op() const {
+    return BroadcastGradOp<Fn, static_cast<int>(K)>{};
+  }
+
+  static std::string op_name() {
+    std::string s(Fn::name);
+    ((s += " + " + std::string(Epilogue::name)), ...);
+    return s;
+  }
+
+  // ONNX broadcasts as numpy does, as duet does.
+  Interchange interchange(std::span<const Shape>) const {
+    if constexpr (sizeof...(Epilogue) == 0 && requires { Fn::onnx; }) {
+      return {{std::string(Fn::onnx), {InterchangeInput::operand(0), InterchangeInput::operand(1)}, {}}};
+    } else {
+      return {};
+    }
+  }
+};
+
+// d/d input K of Fn(a, b): dy · partial_K(a, b), summed over the axes input K was broadcast
+// along.
+template <class Fn, int K>
+struct BroadcastGradOp : Primitive<BroadcastGradOp<Fn, K>> {
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0, graph::Operand::input1};
+  static constexpr int arity = 3;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1 + K]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const T* dy = a.in<T>(0);
+    const T* x = a.in<T>(1);
+    const T* y = a.in<T>(2);
+    T* d = a.out<T>();
+    const Shape& target = a.in_shape(1 + K);
+    const Shape& out = a.in_shape(0);
+    if (target == out) {
+      detail::for_each_broadcast(a.in_shape(1), a.in_shape(2), out, [&](index_t i, index_t ia, index_t ib) {
+        d[i] = dy[i] * Fn::template partial<K>(x[ia], y[ib]);
+      });
+      return;
+    }
+    std::fill_n(d, target.numel(), T(0));
+    detail::for_each_broadcast(a.in_shape(1), a.in_shape(2), out, [&](index_t i, index_t ia, index_t ib) {
+      d[K == 0 ? ia : ib] += dy[i] * Fn::template partial<K>(x[ia], y[ib]);
+    });
+  }
+
+  static std::string op_name() { return std::string(Fn::name) + "Grad" + std::to_string(K); }
+};
+
+template <class Fn, bool ScalarFirst>
+struct ScalarGradOp;
+
+// Fn(x, s) (or Fn(s, x) if ScalarFirst) elementwise, s a number the operation holds.
+template <class Fn, bool ScalarFirst>
+struct ScalarOp : Primitive<ScalarOp<Fn, ScalarFirst>> {
+  static constexpr int arity = 1;
+  double scalar;
+  ScalarOp(double s) : scalar(s) {}
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const T* x = a.in<T>();
+    T* out = a.out<T>();
+    const T s = static_cast<T>(scalar);
+    const index_t n = a.in_shape().numel();
+    if constexpr (ScalarFirst) detail::apply_run<Fn>(&s, 0, x, 1, n, out);
+    else detail::apply_run<Fn>(x, 1, &s, 0, n, out);
+  }
+
+  template <std::size_t K>
+    requires(K == 0)
+  auto grad_op() const {
+    return ScalarGradOp<Fn, ScalarFirst>{scalar};
+  }
+
+  static std::string op_name() { return std::string(Fn::name) + (ScalarFirst ? "(scalar, x)" : "(x, scalar)"); }
+
+  // The number as a Constant of the network's element type, in its place.
+  Interchange interchange(std::span<const Shape>) const {
+    if constexpr (requires { Fn::onnx; }) {
+      InterchangeNode n{std::string(Fn::onnx), {InterchangeInput::operand(0), InterchangeInput::number(scalar)}, {}};
+      if constexpr (ScalarFirst) std::swap(n.inputs[0], n.inputs[1]);
+      return {std::move(n)};
+    } else {
+      return {};
+    }
+  }
+};
+
+template <class Fn, bool ScalarFirst>
+struct ScalarGradOp : Primitive<ScalarGradOp<Fn, ScalarFirst>> {
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0};
+  static constexpr int arity = 2;
+  double scalar;
+  ScalarGradOp(double s) : scalar(s) {}
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const T* dy = a.in<T>(0);
+    const T* x = a.in<T>(1);
+    T* d = a.out<T>();
+    const T s = static_cast<T>(scalar);
+    const index_t n = a.in_shape(1).numel();
+    for (index_t i = 0; i < n; ++i) {
+      d[i] = dy[i] * (ScalarFirst ? Fn::template partial<1>(s, x[i]) : Fn::template partial<0>(x[i], s));
+    }
+  }
+
+  static std::string op_name() { return std::string(Fn::name) + "ScalarGrad"; }
+};
+
+// ----------------------------------------------------------------------------------------
+// broadcast_to<D...>(x): x repeated to shape D by numpy's rule (MindSpore's
+// ops.broadcast_to(input, shape)): sizes aligned at the last axis, each of x's equal to the
+// target's or 1, new axes in front; a -1 keeps x's size on an axis x has. A copy. The gradient
+// sums dy over the axes x was repeated along, in the output's order, the same in both modes.
+
+// The target D against x's shape: -1s resolved, or the fault. A dynamic size of x is checked
+// when it is known, at run time.
+constexpr ShapeResult broadcast_to_rule(const Shape& x, Shape to) {
+  bool ok = !(x.rank() > to.rank() && !x.leading_unknown());
+  for (int i = 1; i <= to.rank(); ++i) {
+    if (i > x.rank()) {
+      // A new axis in front, where -1 has nothing to keep (unless x has axes compile time does not know).
+      if (to[-i] == dyn && !x.leading_unknown()) ok = false;
+      continue;
+    }
+    if (to[-i] == dyn) {
+      to[-i] = x[-i];
+    } else if (x[-i] != dyn && x[-i] != 1 && x[-i] != to[-i]) {
+      ok = false;
+    }
+  }
+  if (!ok) return fault(to, ShapeFault::broadcast_to, 0);
+  return {to};
+}
+
+struct BroadcastToGradOp;
+
+template <index_t... D>
+struct BroadcastToOp : Primitive<BroadcastToOp<D...>> {
+  static_assert(((D >= 0 || D == -1) && ...), "duet::ops::broadcast_to: sizes must be >= 0, or -1 to keep the input's");
+  static constexpr int arity = 1;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return broadcast_to_rule(in[0], Shape{D...}); }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const T* x = a.in<T>();
+    T* y = a.out<T>();
+    detail::for_each_broadcast_row<1>(std::array<Shape, 1>{a.in_shape()}, a.output_shape,
+                                      [&](index_t first, index_t count, const std::array<index_t, 1>& start,
+                                          const std::array<index_t, 1>& step) {
+                                        for (index_t j = 0; j < count; ++j) y[first + j] = x[start[0] + j * step[0]];
+                                      });
+  }
+
+  template <std::size_t K>
+    requires(K == 0)
+  BroadcastToGradOp grad_op() const;
+
+  static std::string op_name() { return "BroadcastTo<" + detail::list_text<index_t>({D...}) + ">"; }
+  std::string label() const { return "ops::broadcast_to<" + detail::list_text<index_t>({D...}) + ">"; }
+};
+
+// d/dx of broadcast_to: dy summed back onto the element of x each output element copied.
+struct BroadcastToGradOp : Primitive<BroadcastToGradOp> {
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0};
+  static constexpr int arity = 2;  // dy, the forward input (for its shape)
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const T* dy = a.in<T>(0);
+    T* d = a.out<T>();
+    std::fill_n(d, a.in_shape(1).numel(), T(0));
+    detail::for_each_broadcast_row<1>(std::array<Shape, 1>{a.in_shape(1)}, a.in_shape(0),
+                                      [&](index_t first, index_t count, const std::array<index_t, 1>& start,
+                                          const std::array<index_t, 1>& step) {
+                                        for (index_t j = 0; j < count; ++j) d[start[0] + j * step[0]] += dy[first + j];
+                                      });
+  }
+
+  static std::string op_name() { return "BroadcastToGrad"; }
+};
+
+template <index_t... D>
+template <std::size_t K>
+  requires(K == 0)
+BroadcastToGradOp BroadcastToOp<D...>::grad_op() const {
+  return {};
+}
+
+template <index_t... D, class X>
+auto broadcast_to(X&& x) {
+  return apply(BroadcastToOp<D...>{}, std::forward<X>(x));
+}
+
+inline const bool arithmetic_listed =
+    list_operations({"add", "sub", "mul", "div", "maximum", "minimum", "pow", "neg", "add_scalar", "sub_scalar",
+                     "mul_scalar", "div_scalar", "scalar_sub", "scalar_div", "pow_scalar", "scalar_pow", "broadcast_to"});
+
+// What may stand on either side of an arithmetic operator: a tensor, a static tensor, a
+// parameter or what operations on parameters alone made, or a symbolic tensor in construct.
+template <class X>
+concept TensorLike = is_tensor_v<std::remove_cvref_t<X>> || is_static_tensor_v<std::remove_cvref_t<X>> ||
+                     nn::is_parameter_made_v<std::remove_cvref_t<X>> || graph::Symbolic<X>;
+
+template <class S>
+concept Scalar = std::is_arithmetic_v<std::remove_cvref_t<S>>;
+
+// What arithmetic takes: tensors and numbers, at least one a tensor.
+template <class A, class B>
+concept Operands = (TensorLike<A> || Scalar<A>) && (TensorLike<B> || Scalar<B>) && (TensorLike<A> || TensorLike<B>);
+
+// Whether number S with a tensor of X would lose its fraction: a floating-point number with an
+// integer tensor, which runs in the tensor's type (where PyTorch would promote to float).
+template <class S, class X>
+inline constexpr bool truncates =
+    std::is_floating_point_v<std::remove_cvref_t<S>> && std::is_integral_v<typename std::remove_cvref_t<X>::value_type>;
+
+// static_assert takes a literal.
+#define DUET_DETAIL_TRUNCATION_MESSAGE                                                                              \
+  "duet::ops: an integer tensor with a floating-point number: the operation runs in the tensor's element type, so " \
+  "the number would lose its fraction (x * 0.5 would be x * 0); write an integer, or compute on a floating-point "   \
+  "tensor"
+
+// Fn(a, b) for any mix of tensors and numbers (two numbers are not an operation).
+template <class Fn, class A, class B>
+auto binary(const A& a, const B& b) {
+  if constexpr (Scalar<A>) {
+    static_assert(!truncates<A, B>, DUET_DETAIL_TRUNCATION_MESSAGE);
+    return apply(ScalarOp<Fn, true>{static_cast<double>(a)}, b);
+  } else if constexpr (Scalar<B>) {
+    static_assert(!truncates<B, A>, DUET_DETAIL_TRUNCATION_MESSAGE);
+    return apply(ScalarOp<Fn, false>{static_cast<double>(b)}, a);
+  } else {
+    static_assert(std::is_same_v<typename std::remove_cvref_t<A>::value_type, typename std::remove_cvref_t<B>::value_type>,
+                  "duet::ops: both operands of an arithmetic operation must have the same element type");
+    return apply(BroadcastOp<Fn>{}, a, b);
+  }
+}
+
+template <class A, class B>
+  requires Operands<A, B>
+auto add(const A& a, const B& b) {
+  return binary<fn::Add>(a, b);
+}
+template <class A, class B>
+  requires Operands<A, B>
+auto sub(const A& a, const B& b) {
+  return binary<fn::Sub>(a, b);
+}
+template <class A, class B>
+  requires Operands<A, B>
+auto mul(const A& a, const B& b) {
+  return binary<fn::Mul>(a, b);
+}
+template <class A, class B>
+  requires Operands<A, B>
+auto div(const A& a, const B& b) {
+  return binary<fn::Div>(a, b);
+}
+template <class A, class B>
+  requires Operands<A, B>
+auto maximum(const A& a, const B& b) {
+  return binary<fn::Maximum>(a, b);
+}
+template <class A, class B>
+  requires Operands<A, B>
+auto minimum(const A& a, const B& b) {
+  return binary<fn::Minimum>(a, b);
+}
+template <class A, class B>
+  requires Operands<A, B>
+auto pow(const A& a, const B& b) {
+  return binary<fn::Pow>(a, b);
+}
+
+template <class X>
+  requires TensorLike<X>
+auto neg(const X& x) {
+  return binary<fn::Mul>(x, -1);
+}
+
+}  // namespace ops
+
+// The operators, found by argument-dependent lookup on duet's tensors and graph::Sym.
+#define DUET_DETAIL_ARITHMETIC_OPERATOR(op, function)                                                   \
+  template <class A, class B>                                                                          \
+    requires ops::Operands<A, B>                                                                       \
+  auto operator op(const A& a, const B& b) {                                                           \
+    return ops::function(a, b);                                                                        \
+  }
+DUET_DETAIL_ARITHMETIC_OPERATOR(+, add)
+DUET_DETAIL_ARITHMETIC_OPERATOR(-, sub)
+DUET_DETAIL_ARITHMETIC_OPERATOR(*, mul)
+DUET_DETAIL_ARITHMETIC_OPERATOR(/, div)
+
+template <class X>
+  requires ops::TensorLike<X>
+auto operator-(const X& x) {
+  return ops::neg(x);
+}
+
+namespace graph {
+using duet::operator+;
+using duet::operator-;
+using duet::operator*;
+using duet::operator/;
+}  // namespace graph
+
+#undef DUET_DETAIL_ARITHMETIC_OPERATOR
+
+}  // namespace duet
+
+namespace duet {
+
+namespace fn {
+
+struct Exp : KernelActivation<kernels::Activation::exp> {
+  static constexpr std::string_view name = "Exp";
+  static ops::InterchangeNode interchange() { return {"Exp", {}, {}}; }
+  template <class A>
+  static auto array(const A& a) {
+    return exp_array(a);
+  }
+  template <class G, class Y>
+  static auto grad_array(const G& dy, const Y& y) {
+    return dy * y;
+  }
+  template <class V>
+  static void grad_in_place(V& dy, const V& y) {
+    dy = dy * y;
+  }
+};
+
+// log(x): NaN for x < 0, -inf at 0.
+struct Log {
+  static constexpr std::string_view name = "Log";
+  static ops::InterchangeNode interchange() { return {"Log", {}, {}}; }
+  static constexpr bool grad_from_input = true;
+  template <class A>
+  static auto array(const A& a) {
+    return a.log();
+  }
+  template <class G, class X>
+  static auto grad_array(const G& dy, const X& x) {
+    return dy / x;
+  }
+};
+
+// log(1 + x), exact for small x where log(1 + x) rounds 1 + x first; NaN below -1.
+struct Log1p {
+  static constexpr std::string_view name = "Log1p";
+  static ops::Interchange interchange() {
+    using In = ops::InterchangeInput;
+    return {{"Add", {In::operand(0), In::number(1.0)}, {}}, {"Log", {In::node(0)}, {}}};
+  }
+  static constexpr bool grad_from_input = true;
+  template <class A>
+  static auto array(const A& a) {
+    return a.log1p();
+  }
+  template <class G, class X>
+  static auto grad_array(const G& dy, const X& x) {
+    using S = typename X::Scalar;
+    return dy / (x + S(1));
+  }
+};
+
+// e^x - 1, exact for small x where e^x - 1 cancels.
+struct Expm1 {
+  static constexpr std::string_view name = "Expm1";
+  static ops::Interchange interchange() {
+    using In = ops::InterchangeInput;
+    return {{"Exp", {In::operand(0)}, {}}, {"Sub", {In::node(0), In::number(1.0)}, {}}};
+  }
+  template <class A>
+  static auto array(const A& a) {
+    return a.expm1();
+  }
+  template <class G, class Y>
+  static auto grad_array(const G& dy, const Y& y) {
+    using S = typename Y::Scalar;
+    return dy * (y + S(1));
+  }
+};
+
+// sin and cos (a sinusoidal position encoding computed in construct); inf gives NaN.
+struct Sin {
+  static constexpr std::string_view name = "Sin";
+  static ops::InterchangeNode interchange() { return {"Sin", {}, {}}; }
+  static constexpr bool grad_from_input = true;
+  template <class A>
+  static auto array(const A& a) {
+    return a.sin();
+  }
+  template <class G, class X>
+  static auto grad_array(const G& dy, const X& x) {
+    return dy * x.cos();
+  }
+};
+
+struct Cos {
+  static constexpr std::string_view name = "Cos";
+  static ops::InterchangeNode interchange() { return {"Cos", {}, {}}; }
+  static constexpr bool grad_from_input = true;
+  template <class A>
+  static auto array(const A& a) {
+    return a.cos();
+  }
+  template <class G, class X>
+  static auto grad_array(const G& dy, const X& x) {
+    return -(dy * x.sin());
+  }
+};
+
+// erf(x) = 2/√π ∫₀ˣ e^(-t²) dt (torch.erf, MindSpore's ops.erf); derivative 2/√π e^(-x²).
+struct Erf : KernelActivation<kernels::Activation::erf> {
+  static constexpr std::string_view name = "Erf";
+  static ops::InterchangeNode interchange() { return {"Erf", {}, {}}; }
+  static constexpr bool grad_from_input = true;
+  template <class A>
+  static auto array(const A& a) {
+    return a.erf();
+  }
+  template <class G, class X>
+  static auto grad_array(const G& dy, const X& x) {
+    using S = typename X::Scalar;
+    return dy * (S(1.12837916709551257390) * (-x.square()).exp());
+  }
+  static constexpr kernels::Activation kernel_derivative = kernels::Activation::erf_derivative;
+  template <class V>
+  static void grad_in_place(V& dy, const V& x) {
+    multiply_by_derivative<Erf>(dy, x);
+  }
+};
+
+namespace detail {
+// Eigen's vectorised sqrt under EIGEN_FAST_MATH (its default) refines the processor's
+// reciprocal-root estimate once: not correctly rounded (sqrt(4) came out below 2), and not the
+// same bits on Intel and AMD, whose estimates differ. IEEE's root is one instruction per lane;
+// a scalar functor keeps it without naming any instruction set here.
+struct RoundedSqrt {
+  template <class T>
+  T operator()(T v) const {
+    return std::sqrt(v);
+  }
+};
+}  // namespace detail
+
+// sqrt(x): NaN for x < 0; its derivative 1 / (2 sqrt(x)) is inf at 0, as PyTorch's.
+struct Sqrt {
+  static constexpr std::string_view name = "Sqrt";
+  static ops::InterchangeNode interchange() { return {"Sqrt", {}, {}}; }
+  template <class A>
+  static auto array(const A& a) {
+    return a.unaryExpr(detail::RoundedSqrt{});
+  }
+  template <class G, class Y>
+  static auto grad_array(const G& dy, const Y& y) {
+    using S = typename Y::Scalar;
+    return dy / (S(2) * y);
+  }
+};
+
+// The root ops::std takes of a variance: sqrt's value, and a gradient of 0 where the variance
+// is 0 (a constant group), as PyTorch's std gives; sqrt's infinite one there, times the
+// variance's zero gradient, made every input of the group NaN.
+struct StdRoot : Sqrt {
+  template <class G, class Y>
+  static auto grad_array(const G& dy, const Y& y) {
+    using S = typename Y::Scalar;
+    return (y == S(0)).select(S(0), dy / (S(2) * y));
+  }
+};
+
+// 1 / sqrt(x), as a division of the correctly rounded root: Eigen's rsqrt may take the
+// processor's estimate, whose bits differ between a vector and a scalar and between vendors.
+struct Rsqrt {
+  static constexpr std::string_view name = "Rsqrt";
+  static ops::Interchange interchange() {
+    return {{"Sqrt", {ops::InterchangeInput::operand(0)}, {}}, {"Reciprocal", {ops::InterchangeInput::node(0)}, {}}};
+  }
+  template <class A>
+  static auto array(const A& a) {
+    return a.unaryExpr(detail::RoundedSqrt{}).inverse();
+  }
+  // d/dx x^(-1/2) = -y³ / 2.
+  template <class G, class Y>
+  static auto grad_array(const G& dy, const Y& y) {
+    using S = typename Y::Scalar;
+    return dy * (S(-0.5) * y.cube());
+  }
+};
+
+// |x|; its derivative at 0 is taken as 0, as PyTorch's (sign(x) · dy).
+struct Abs {
+  static constexpr std::string_view name = "Abs";
+  static constexpr bool on_integers = true;
+  static ops::InterchangeNode interchange() { return {"Abs", {}, {}}; }
+  static constexpr bool grad_from_input = true;
+  template <class A>
+  static auto array(const A& a) {
+    return a.abs();
+  }
+  template <class G, class X>
+  static auto grad_array(const G& dy, const X& x) {
+    return dy * x.sign();
+  }
+};
+
+struct Square {
+  static constexpr std::string_view name = "Square";
+  static constexpr bool on_integers = true;
+  static ops::Interchange interchange() {
+    return {{"Mul", {ops::InterchangeInput::operand(0), ops::InterchangeInput::operand(0)}, {}}};
+  }
+  static constexpr bool grad_from_input = true;
+  template <class A>
+  static auto array(const A& a) {
+    return a.square();
+  }
+  template <class G, class X>
+  static auto grad_array(const G& dy, const X& x) {
+    using S = typename X::Scalar;
+    return dy * (S(2) * x);
+  }
+};
+
+// min(max(x, lo), hi), so hi wherever lo > hi, as MindSpore's and PyTorch's; NaN stays NaN.
+// The gradient passes where lo <= x <= hi (PyTorch's clamp: bounds included), from the input,
+// since the output cannot tell a clipped value from one equal to a bound.
+struct ClipByValue {
+  static constexpr std::string_view name = "ClipByValue";
+  static constexpr bool on_integers = true;
+  static constexpr bool grad_from_input = true;
+  double lo = 0;
+  double hi = 0;
+  // ONNX's Clip also gives max wherever min > max.
+  ops::Interchange interchange() const {
+    using In = ops::InterchangeInput;
+    return {{"Clip", {In::operand(0), In::number(lo), In::number(hi)}, {}}};
+  }
+  template <class A>
+  auto array(const A& a) const {
+    using S = typename A::Scalar;
+    return a
+        .binaryExpr(A::Constant(a.rows(), a.cols(), static_cast<S>(lo)),
+                    ::Eigen::internal::scalar_max_op<S, S, ::Eigen::PropagateNaN>())
+        .binaryExpr(A::Constant(a.rows(), a.cols(), static_cast<S>(hi)),
+                    ::Eigen::internal::scalar_min_op<S, S, ::Eigen::PropagateNaN>());
+  }
+  template <class G, class X>
+  auto grad_array(const G& dy, const X& x) const {
+    using S = typename X::Scalar;
+    return (x >= static_cast<S>(lo) && x <= static_cast<S>(hi)).select(dy, G::Zero(dy.rows(), dy.cols()));
+  }
+};
+
+// The comparisons: each names the one with its operands swapped (a number on the left), and
+// ONNX's operator for it.
+struct Greater;
+struct Less;
+struct GreaterEqual;
+struct LessEqual;
+struct Greater {
+  static constexpr std::string_view name = "Greater";
+  static constexpr std::string_view onnx = "Greater";
+  using swapped = Less;
+  template <class T>
+  static bool apply(T a, T b) {
+    return a > b;
+  }
+};
+struct Less {
+  static constexpr std::string_view name = "Less";
+  static constexpr std::string_view onnx = "Less";
+  using swapped = Greater;
+  template <class T>
+  static bool apply(T a, T b) {
+    return a < b;
+  }
+};
+struct GreaterEqual {
+  static constexpr std::string_view name = "GreaterEqual";
+  static constexpr std::string_view onnx = "GreaterOrEqual";
+  using swapped = LessEqual;
+  template <class T>
+  static bool apply(T a, T b) {
+    return a >= b;
+  }
+};
+struct LessEqual {
+  static constexpr std::string_view name = "LessEqual";
+  static constexpr std::string_view onnx = "LessOrEqual";
+  using swapped = GreaterEqual;
+  template <class T>
+  static bool apply(T a, T b) {
+    return a <= b;
+  }
+};
+struct Equal {
+  static constexpr std::string_view name = "Equal";
+  static constexpr std::string_view onnx = "Equal";
+  using swapped = Equal;
+  template <class T>
+  static bool apply(T a, T b) {
+    return a == b;
+  }
+};
+struct NotEqual {
+  static constexpr std::string_view name = "NotEqual";
+  static constexpr std::string_view onnx = "Equal";  // then Not
+  static constexpr bool negated = true;
+  using swapped = NotEqual;
+  template <class T>
+  static bool apply(T a, T b) {
+    return a != b;
+  }
+};
+
+}  // namespace fn
+
+namespace ops {
+
+namespace detail {
+// A comparison of operand 0 with b in ONNX: its operator (NotEqual is Not of Equal), whose bool
+// is cast to the uint8 duet holds.
+template <class Fn>
+Interchange compare_interchange(InterchangeInput b) {
+  using In = InterchangeInput;
+  Interchange nodes{{std::string(Fn::onnx), {In::operand(0), std::move(b)}, {}}};
+  if constexpr (requires { Fn::negated; }) nodes.push_back({"Not", {In::node(0)}, {}});
+  nodes.push_back({"Cast", {In::node(nodes.size() - 1)}, {InterchangeAttribute::of("to", onnx_type_code(DType::uint8))}});
+  return nodes;
+}
+
+// ONNX's Where reads a bool condition: duet's uint8 one is cast first (node 0), then
+// Where(node 0, x, y).
+inline Interchange where_interchange(InterchangeInput x, InterchangeInput y) {
+  using In = InterchangeInput;
+  return {{"Cast", {In::operand(0)}, {InterchangeAttribute::of("to", onnx_bool_code)}},
+          {"Where", {In::node(0), std::move(x), std::move(y)}, {}}};
+}
+}  // namespace detail
+
+// Fn(a, b) as 0 or 1, a and b of element type In broadcast together (numpy's rule).
+template <class Fn, class In>
+struct CompareOp : Primitive<CompareOp<Fn, In>> {
+  using value_type = std::uint8_t;
+  static constexpr int arity = 2;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return broadcast_shapes(in[0], in[1]); }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const In* x = a.in<In>(0);
+    const In* y = a.in<In>(1);
+    T* out = a.out<T>();
+    detail::for_each_broadcast(a.in_shape(0), a.in_shape(1), a.output_shape,
+                               [&](index_t i, index_t ia, index_t ib) { out[i] = Fn::apply(x[ia], y[ib]); });
+  }
+
+  template <std::size_t K>
+    requires(K < 2)
+  NoGradient grad_op() const {
+    return {};
+  }
+
+  static Interchange interchange(std::span<const Shape>) {
+    return detail::compare_interchange<Fn>(InterchangeInput::operand(1));
+  }
+
+  static std::string op_name() { return std::string(Fn::name); }
+};
+
+// Fn(x, s) as 0 or 1, s a number the operation holds (converted to In, as the comparison
+// would be made in In).
+template <class Fn, class In>
+struct CompareScalarOp : Primitive<CompareScalarOp<Fn, In>> {
+  using value_type = std::uint8_t;
+  static constexpr int arity = 1;
+  double scalar;
+  CompareScalarOp(double s) : scalar(s) {}
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const In* x = a.in<In>();
+    T* out = a.out<T>();
+    const In s = static_cast<In>(scalar);
+    const index_t n = a.in_shape().numel();
+    for (index_t i = 0; i < n; ++i) out[i] = Fn::apply(x[i], s);
+  }
+
+  template <std::size_t K>
+    requires(K == 0)
+  NoGradient grad_op() const {
+    return {};
+  }
+
+  Interchange interchange(std::span<const Shape>) const {
+    return detail::compare_interchange<Fn>(InterchangeInput::number_of(scalar, dtype_of<In>));
+  }
+
+  static std::string op_name() { return std::string(Fn::name) + "(x, scalar)"; }
+};
+
+namespace detail {
+
+// Calls f(i, i0, i1, i2) for each element i of out, with the elements of three inputs of
+// these shapes broadcast to it.
+template <class F>
+void for_each_broadcast3(const std::array<Shape, 3>& in, const Shape& out, F&& f) {
+  const index_t n = out.numel();
+  if (in[0] == out && in[1] == out && in[2] == out) {
+    for (index_t i = 0; i < n; ++i) f(i, i, i, i);
+    return;
+  }
+  const std::array strides{broadcast_strides(in[0], out), broadcast_strides(in[1], out),
+                           broadcast_strides(in[2], out)};
+  std::array<index_t, max_rank> index{};
+  std::array<index_t, 3> at{};
+  for (index_t i = 0; i < n; ++i) {
+    f(i, at[0], at[1], at[2]);
+    for (int axis = out.rank() - 1; axis >= 0; --axis) {
+      const std::size_t ax = static_cast<std::size_t>(axis);
+      ++index[ax];
+      for (std::size_t k = 0; k < 3; ++k) at[k] += strides[k][ax];
+      if (index[ax] < out[axis]) break;
+      for (std::size_t k = 0; k < 3; ++k) at[k] -= strides[k][ax] * index[ax];
+      index[ax] = 0;
+    }
+  }
+}
+
+}  // namespace detail
+
+template <class T, int K>
+struct WhereGradOp;
+
+// cond ? a : b elementwise, the three broadcast together; cond is UInt8, true where not 0.
+template <class T>
+struct WhereOp : Primitive<WhereOp<T>> {
+  using value_type = T;
+  static constexpr int arity = 3;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    // A broadcast fault names the culprit (input) and the input it does not broadcast with
+    // (expected).
+    const ShapeResult ab = broadcast_shapes(in[1], in[2]);
+    if (!ab.ok()) return fault(ab.shape, ShapeFault::broadcast, ab.input == 0 ? 2 : 1, 1 + ab.input);
+    const ShapeResult all = broadcast_shapes(in[0], ab.shape);
+    if (!all.ok()) return fault(all.shape, ShapeFault::broadcast, in[1].rank() >= in[2].rank() ? 1 : 2, 0);
+    return all;
+  }
+
+  template <class Backend, class U>
+  void run(const graph::KernelArgs& a) const {
+    const std::uint8_t* c = a.in<std::uint8_t>(0);
+    const T* x = a.in<T>(1);
+    const T* y = a.in<T>(2);
+    T* out = a.out<T>();
+    detail::for_each_broadcast3({a.in_shape(0), a.in_shape(1), a.in_shape(2)}, a.output_shape,
+                                [&](index_t i, index_t ic, index_t ia, index_t ib) { out[i] = c[ic] != 0 ? x[ia] : y[ib]; });
+  }
+
+  template <std::size_t K>
+    requires(K < 3)
+  auto grad_op() const {
+    if constexpr (K == 0) return NoGradient{};
+    else return WhereGradOp<T, static_cast<int>(K)>{};
+  }
+
+  static Interchange interchange(std::span<const Shape>) {
+    return detail::where_interchange(InterchangeInput::operand(1), InterchangeInput::operand(2));
+  }
+
+  static std::string op_name() { return "Select"; }
+};
+
+// d/d a (K = 1) or d/d b (K = 2) of where(cond, a, b): dy where the condition picks that
+// input, 0 elsewhere, summed over the axes the input was broadcast along.
+template <class T, int K>
+struct WhereGradOp : Primitive<WhereGradOp<T, K>> {
+  using value_type = T;
+  // a and b are read for their shapes only.
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0, graph::Operand::input1,
+                                    graph::Operand::input2};
+  static constexpr int arity = 4;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1 + K]}; }
+
+  template <class Backend, class U>
+  void run(const graph::KernelArgs& a) const {
+    const U* dy = a.in<U>(0);
+    const std::uint8_t* c = a.in<std::uint8_t>(1);
+    U* d = a.out<U>();
+    const Shape& target = a.in_shape(1 + K);
+    const Shape& out = a.in_shape(0);
+    const bool picks = K == 1;
+    const bool summed = !(target == out);
+    if (summed) std::fill_n(d, target.numel(), U(0));
+    detail::for_each_broadcast3({a.in_shape(1), a.in_shape(2), a.in_shape(3)}, out,
+                                [&](index_t i, index_t ic, index_t ia, index_t ib) {
+                                  const U g = (c[ic] != 0) == picks ? dy[i] : U(0);
+                                  if (summed) d[K == 1 ? ia : ib] += g;
+                                  else d[i] = g;
+                                });
+  }
+
+  static std::string op_name() { return "SelectGrad" + std::to_string(K); }
+};
+
+template <class T, bool ScalarIsX>
+struct WhereScalarGradOp;
+
+// where(condition, x, y) with x (ScalarIsX) or y a number: PyTorch's masked_fill(mask, value)
+// is where(mask, value, x). Inputs: the condition and the tensor, broadcast together.
+template <class T, bool ScalarIsX>
+struct WhereScalarOp : Primitive<WhereScalarOp<T, ScalarIsX>> {
+  using value_type = T;
+  static constexpr int arity = 2;
+  double value;
+  WhereScalarOp(double v) : value(v) {}
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return broadcast_shapes(in[0], in[1]); }
+
+  template <class Backend, class U>
+  void run(const graph::KernelArgs& a) const {
+    const std::uint8_t* c = a.in<std::uint8_t>(0);
+    const T* t = a.in<T>(1);
+    const T v = static_cast<T>(value);
+    T* out = a.out<T>();
+    detail::for_each_broadcast3({a.in_shape(0), a.in_shape(1), a.in_shape(1)}, a.output_shape,
+                                [&](index_t i, index_t ic, index_t it, index_t) {
+                                  out[i] = (c[ic] != 0) == ScalarIsX ? v : t[it];
+                                });
+  }
+
+  template <std::size_t K>
+    requires(K < 2)
+  auto grad_op() const {
+    if constexpr (K == 0) return NoGradient{};
+    else return WhereScalarGradOp<T, ScalarIsX>{};
+  }
+
+  Interchange interchange(std::span<const Shape>) const {
+    const auto number = InterchangeInput::number_of(value, dtype_of<T>);
+    const auto tensor = InterchangeInput::operand(1);
+    return ScalarIsX ? detail::where_interchange(number, tensor) : detail::where_interchange(tensor, number);
+  }
+
+  static std::string op_name() { return ScalarIsX ? "SelectScalarX" : "SelectScalarY"; }
+};
+
+// d/d tensor of where with a number: dy where the condition picks the tensor, 0 elsewhere,
+// summed over the axes the tensor was broadcast along.
+template <class T, bool ScalarIsX>
+struct WhereScalarGradOp : Primitive<WhereScalarGradOp<T, ScalarIsX>> {
+  using value_type = T;
+  // The tensor is read for its shape only.
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0, graph::Operand::input1};
+  static constexpr int arity = 3;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[2]}; }
+
+  template <class Backend, class U>
+  void run(const graph::KernelArgs& a) const {
+    const U* dy = a.in<U>(0);
+    const std::uint8_t* c = a.in<std::uint8_t>(1);
+    U* d = a.out<U>();
+    const Shape& target = a.in_shape(2);
+    const Shape& out = a.in_shape(0);
+    const bool summed = !(target == out);
+    if (summed) std::fill_n(d, target.numel(), U(0));
+    detail::for_each_broadcast3({a.in_shape(1), target, target}, out, [&](index_t i, index_t ic, index_t it, index_t) {
+      const U g = (c[ic] != 0) == ScalarIsX ? U(0) : dy[i];
+      if (summed) d[it] += g;
+      else d[i] = g;
+    });
+  }
+
+  static std::string op_name() { return ScalarIsX ? "SelectScalarXGrad" : "SelectScalarYGrad"; }
+};
+
+// torch.tril / triu (MindSpore's ops.tril, ops.triu): the matrices of the last two axes with
+// the elements above (Lower: kept on and below) or below (upper) diagonal k set to `value`
+// (0 unless given), the diagonal k above the main one (k < 0 below it): tril(scores, 0,
+// -inf) is a causal attention mask at any length, in one pass. Its gradient is dy with the
+// same elements set to 0 (the same operation, value 0).
+template <bool Lower>
+struct TriangleOp : Primitive<TriangleOp<Lower>> {
+  // As its own gradient operation it reads the incoming gradient.
+  static constexpr std::array reads{graph::Operand::grad};
+  static constexpr int arity = 1;
+  index_t k;
+  double value = 0;
+  TriangleOp(index_t diagonal, double fill = 0) : k(diagonal), value(fill) {}
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    if (!in[0].leading_unknown() && in[0].rank() < 2) return fault(in[0], ShapeFault::min_rank, 2);
+    return {in[0]};
+  }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const Shape& s = a.in_shape();
+    const index_t rows = s[s.rank() - 2], cols = s[s.rank() - 1];
+    const T* x = a.in<T>();
+    T* y = a.out<T>();
+    const T fill = static_cast<T>(value);
+    for (index_t m = 0, n = rows == 0 || cols == 0 ? 0 : s.numel() / (rows * cols); m < n; ++m) {
+      for (index_t i = 0; i < rows; ++i, x += cols, y += cols) {
+        for (index_t j = 0; j < cols; ++j) y[j] = (Lower ? j - i <= k : j - i >= k) ? x[j] : fill;
+      }
+    }
+  }
+
+  template <std::size_t K>
+    requires(K == 0)
+  auto grad_op() const {
+    return TriangleOp{k};
+  }
+
+  static std::string op_name() { return Lower ? "Tril" : "Triu"; }
+};
+
+inline const bool math_listed =
+    list_operations({"exp",   "log",           "log1p",      "expm1",         "sin",   "cos",         "erf",     "sqrt",
+                     "rsqrt", "abs",           "square",     "clip_by_value", "where", "masked_fill", "greater", "less",
+                     "equal", "greater_equal", "less_equal", "not_equal",     "tril",  "triu"});
+
+template <class X>
+  requires TensorLike<X>
+auto exp(const X& x) {
+  return apply(MapOp<fn::Exp>{}, x);
+}
+template <class X>
+  requires TensorLike<X>
+auto log(const X& x) {
+  return apply(MapOp<fn::Log>{}, x);
+}
+template <class X>
+  requires TensorLike<X>
+auto log1p(const X& x) {
+  return apply(MapOp<fn::Log1p>{}, x);
+}
+template <class X>
+  requires TensorLike<X>
+auto expm1(const X& x) {
+  return apply(MapOp<fn::Expm1>{}, x);
+}
+template <class X>
+  requires TensorLike<X>
+auto sin(const X& x) {
+  return apply(MapOp<fn::Sin>{}, x);
+}
+template <class X>
+  requires TensorLike<X>
+auto cos(const X& x) {
+  return apply(MapOp<fn::Cos>{}, x);
+}
+template <class X>
+  requires TensorLike<X>
+auto erf(const X& x) {
+  return apply(MapOp<fn::Erf>{}, x);
+}
+template <class X>
+  requires TensorLike<X>
+auto sqrt(const X& x) {
+  return apply(MapOp<fn::Sqrt>{}, x);
+}
+template <class X>
+  requires TensorLike<X>
+auto rsqrt(const X& x) {
+  return apply(MapOp<fn::Rsqrt>{}, x);
+}
+template <class X>
+  requires TensorLike<X>
+auto abs(const X& x) {
+  return apply(MapOp<fn::Abs>{}, x);
+}
+template <class X>
+  requires TensorLike<X>
+auto square(const X& x) {
+  return apply(MapOp<fn::Square>{}, x);
+}
+// MindSpore's ops.clip_by_value(x, clip_value_min, clip_value_max), with number bounds.
+template <class X>
+  requires TensorLike<X>
+auto clip_by_value(const X& x, double clip_value_min, double clip_value_max) {
+  return apply(MapOp<fn::ClipByValue>{std::tuple{fn::ClipByValue{clip_value_min, clip_value_max}}}, x);
+}
+
+// Fn(a, b) as UInt8 0/1, between two tensors (broadcast) or a tensor and a number.
+template <class Fn, class A, class B>
+auto compare(const A& a, const B& b) {
+  if constexpr (Scalar<A>) {
+    return apply(CompareScalarOp<typename Fn::swapped, typename B::value_type>{static_cast<double>(a)}, b);
+  } else if constexpr (Scalar<B>) {
+    return apply(CompareScalarOp<Fn, typename A::value_type>{static_cast<double>(b)}, a);
+  } else {
+    static_assert(std::is_same_v<typename A::value_type, typename B::value_type>,
+                  "duet::ops: both operands of a comparison must have the same element type");
+    return apply(CompareOp<Fn, typename A::value_type>{}, a, b);
+  }
+}
+
+#define DUET_DETAIL_COMPARISON(function, Fn)                                                             \
+  template <class A, class B>                                                                          \
+    requires((TensorLike<A> || Scalar<A>) && (TensorLike<B> || Scalar<B>) && (TensorLike<A> || TensorLike<B>)) \
+  auto function(const A& a, const B& b) {                                                              \
+    return compare<fn::Fn>(a, b);                                                                      \
+  }
+DUET_DETAIL_COMPARISON(greater, Greater)
+DUET_DETAIL_COMPARISON(less, Less)
+DUET_DETAIL_COMPARISON(greater_equal, GreaterEqual)
+DUET_DETAIL_COMPARISON(less_equal, LessEqual)
+DUET_DETAIL_COMPARISON(equal, Equal)
+DUET_DETAIL_COMPARISON(not_equal, NotEqual)
+#undef DUET_DETAIL_COMPARISON
+
+// MindSpore's ops.where(condition, x, y): x where condition is not 0, y elsewhere, the three
+// broadcast together. The condition gets no gradient; x and y get dy where each is chosen.
+template <class C, class A, class B>
+  requires(TensorLike<C> && TensorLike<A> && TensorLike<B>)
+auto where(const C& condition, const A& x, const B& y) {
+  static_assert(std::is_same_v<typename C::value_type, std::uint8_t>,
+                "duet::ops::where: the condition is a UInt8 tensor, as the comparisons (ops::greater, ...) make");
+  static_assert(std::is_same_v<typename A::value_type, typename B::value_type>,
+                "duet::ops::where: x and y must have the same element type");
+  return apply(WhereOp<typename A::value_type>{}, condition, x, y);
+}
+
+// value, written outside the triangle kept, is 0 by default (torch's tril and triu).
+template <class X, class S = int>
+requires(TensorLike<X>&& Scalar<S>) auto tril(const X& x, index_t diagonal = 0, S value = 0) {
+  static_assert(!truncates<S, X>, DUET_DETAIL_TRUNCATION_MESSAGE);
+  return apply(TriangleOp<true>{diagonal, static_cast<double>(value)}, x);
+}
+template <class X, class S = int>
+requires(TensorLike<X>&& Scalar<S>) auto triu(const X& x, index_t diagonal = 0, S value = 0) {
+  static_assert(!truncates<S, X>, DUET_DETAIL_TRUNCATION_MESSAGE);
+  return apply(TriangleOp<false>{diagonal, static_cast<double>(value)}, x);
+}
+
+// A number on either side: where(mask, -1e9f, scores) is PyTorch's scores.masked_fill(mask, -1e9).
+template <class C, class A, class S>
+  requires(TensorLike<C> && TensorLike<A> && Scalar<S>)
+auto where(const C& condition, const A& x, S y) {
+  static_assert(std::is_same_v<typename C::value_type, std::uint8_t>,
+                "duet::ops::where: the condition is a UInt8 tensor, as the comparisons (ops::greater, ...) make");
+  static_assert(!truncates<S, A>, DUET_DETAIL_TRUNCATION_MESSAGE);
+  return apply(WhereScalarOp<typename A::value_type, false>{static_cast<double>(y)}, condition, x);
+}
+template <class C, class S, class B>
+  requires(TensorLike<C> && Scalar<S> && TensorLike<B>)
+auto where(const C& condition, S x, const B& y) {
+  static_assert(std::is_same_v<typename C::value_type, std::uint8_t>,
+                "duet::ops::where: the condition is a UInt8 tensor, as the comparisons (ops::greater, ...) make");
+  static_assert(!truncates<S, B>, DUET_DETAIL_TRUNCATION_MESSAGE);
+  return apply(WhereScalarOp<typename B::value_type, true>{static_cast<double>(x)}, condition, y);
+}
+
+// PyTorch's x.masked_fill(mask, value): value where the UInt8 mask is not 0, x elsewhere, the
+// mask and x broadcast together (torch's out-of-place form broadcasts both ways).
+template <class X, class M, class S>
+requires(TensorLike<X>&& TensorLike<M>&& Scalar<S>) auto masked_fill(const X& x, const M& mask, S value) {
+  return where(mask, value, x);
+}
+
+}  // namespace ops
+}  // namespace duet
+// Matrix products: ops::matmul(a, b) with numpy's and MindSpore's semantics, and with
+// MindSpore's BatchMatMul(transpose_a, transpose_b) flags, in both modes.
+//
+//   ops::matmul(a, b)                          [..., m, k] · [..., k, n] -> [..., m, n]
+//   ops::matmul(a, b, ops::transpose_a)        a given as [..., k, m]
+//   ops::matmul(a, b, ops::transpose_b)        b given as [..., n, k] (a weight as [out, in])
+//   ops::matmul(a, b, ops::transpose_a, ops::transpose_b)
+// The batch axes (all but the last two) broadcast as numpy's do. A 1-D a is a row [1, k] and a
+// 1-D b a column [k, 1], the added axis dropped from the result (numpy's rule; a transpose of
+// a 1-D input is refused). The flags are tags, so the operation's type carries them and graph
+// mode computes the output's static shape, and checks the inner dimensions, at compile time:
+// a mismatch names both shapes.
+//
+// Gradients, C = op(A)·op(B), each summed over the batch axes its input was broadcast along:
+//   no transposes: dA = dC·Bᵀ,     dB = Aᵀ·dC
+//   transpose_a:   dA = B·dCᵀ,     dB = A·dC
+//   transpose_b:   dA = dC·B,      dB = dCᵀ·A
+//   both:          dA = Bᵀ·dCᵀ,    dB = dCᵀ·Aᵀ
+// Each is a product of the same kind, so one kernel serves the forward and both gradients.
+//
+// Kernel: each 2-D product X'·Y' (X' = X or Xᵀ as stored, the same for Y) takes
+//  - duet's GEMM (the backend's dense(), kernels::gemm in backend::Native) when X' = X and
+//    Y' = Yᵀ, and the result is written rather than added to: that is gemm's layout, C = A·Bᵀ
+//    with both row-major, and it applies to the forward product with transpose_b (a weight as
+//    [out, in]), and to dA of the product without transposes (dC·Bᵀ), the gradient a
+//    network's layers take most;
+//  - an Eigen product on Maps of the row-major storage otherwise (Xᵀ or a plain Y, and
+//    gradients summed over broadcast batch axes, which add into the output): Eigen reads a
+//    transposed Map in place, where gemm would need a transposed copy of the operand.
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <span>
+#include <string>
+#include <tuple>
+#include <type_traits>
+
+#include <Eigen/Core>
+
+
+namespace duet {
+namespace ops {
+
+struct TransposeA {};
+struct TransposeB {};
+// MindSpore's BatchMatMul(transpose_a=True) and (transpose_b=True), as tags.
+inline constexpr TransposeA transpose_a{};
+inline constexpr TransposeB transpose_b{};
+
+namespace detail {
+
+// The axes of s before its last `matrix` axes, unknown leading axes kept unknown.
+constexpr Shape batch_of(const Shape& s, int matrix) {
+  Shape b = s.leading_unknown() ? Shape::any() : Shape{};
+  for (int i = 0; i + matrix < s.rank(); ++i) b.push_back(s[i]);
+  return b;
+}
+
+// An operand as a batch of stored matrices: a 1-D a is one row, a 1-D b one column.
+struct MatrixView {
+  Shape batch;
+  index_t rows = 0;
+  index_t cols = 0;
+};
+
+constexpr MatrixView matrix_view(const Shape& s, bool first) {
+  if (s.rank() == 1 && !s.leading_unknown()) return first ? MatrixView{Shape{}, 1, s[0]} : MatrixView{Shape{}, s[0], 1};
+  return {batch_of(s, 2), s[-2], s[-1]};
+}
+
+template <bool TA, bool TB>
+constexpr ShapeResult matmul_shape(const Shape& a, const Shape& b) {
+  // An unknown rank might be 1 or more: nothing is known of the result.
+  if ((a.leading_unknown() && a.rank() < 2) || (b.leading_unknown() && b.rank() < 2)) return {Shape::any()};
+  for (int k = 0; k < 2; ++k) {
+    const Shape& s = k == 0 ? a : b;
+    const bool transposed = k == 0 ? TA : TB;
+    if (s.rank() < (transposed ? 2 : 1)) return fault(Shape::any(), ShapeFault::min_rank, transposed ? 2 : 1, k);
+  }
+  const MatrixView va = matrix_view(a, true), vb = matrix_view(b, false);
+  const index_t m = TA ? va.cols : va.rows, ka = TA ? va.rows : va.cols;
+  const index_t kb = TB ? vb.cols : vb.rows, n = TB ? vb.rows : vb.cols;
+  const ShapeResult batch = broadcast_shapes(va.batch, vb.batch);
+  Shape out = batch.shape;
+  if (a.rank() > 1) out.push_back(m);
+  if (b.rank() > 1) out.push_back(n);
+  if (ka != kb && ka != dyn && kb != dyn) return fault(out, ShapeFault::inner_dimensions, 0, 1);
+  if (!batch.ok()) return fault(out, ShapeFault::broadcast, 0, batch.input);
+  return {out};
+}
+
+// c (+)= X'·Y', X stored [xr, xc] and Y [yr, yc], row-major; X' is Xᵀ if tx, Y' is Yᵀ if ty.
+template <class Backend, class T>
+void product(const T* x, index_t xr, index_t xc, bool tx, const T* y, index_t yr, index_t yc, bool ty, T* c,
+             bool accumulate) {
+  const index_t m = tx ? xc : xr, k = tx ? xr : xc, n = ty ? yr : yc;
+  if (m == 0 || n == 0) return;
+  if (k == 0) {
+    if (!accumulate) std::fill_n(c, m * n, T(0));
+    return;
+  }
+  if (!tx && ty && !accumulate) {
+    Backend::template dense<dyn, dyn>(x, m, k, y, n, Epilogue<T>{}, c);
+    return;
+  }
+  using Matrix = backend::detail::RowMajorMatrix<T, dyn, dyn>;
+  const ::Eigen::Map<const Matrix> X(x, xr, xc), Y(y, yr, yc);
+  ::Eigen::Map<Matrix> C(c, m, n);
+  auto store = [&](const auto& p) {
+    if (accumulate) C.noalias() += p;
+    else C.noalias() = p;
+  };
+  if (tx && ty) store(X.transpose() * Y.transpose());
+  else if (tx) store(X.transpose() * Y);
+  else if (ty) store(X * Y.transpose());
+  else store(X * Y);
+}
+
+// The products of a batch: for each batch index of the result of broadcasting a's and b's
+// batches, f(i, ia, ib) with the matrix indices of the result, a and b.
+template <class F>
+void for_each_batch(const MatrixView& a, const MatrixView& b, F&& f) {
+  const Shape out = broadcast_shapes(a.batch, b.batch).shape;
+  for_each_broadcast(a.batch, b.batch, out, f);
+}
+
+}  // namespace detail
+
+template <bool TA, bool TB, int K>
+struct BatchMatMulGradOp;
+
+template <bool TA, bool TB>
+struct BatchMatMulOp : Primitive<BatchMatMulOp<TA, TB>> {
+  static constexpr int arity = 2;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return detail::matmul_shape<TA, TB>(in[0], in[1]); }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const auto va = detail::matrix_view(a.in_shape(0), true), vb = detail::matrix_view(a.in_shape(1), false);
+    const T* x = a.in<T>(0);
+    const T* y = a.in<T>(1);
+    T* c = a.out<T>();
+    const index_t m = TA ? va.cols : va.rows, n = TB ? vb.rows : vb.cols;
+    const index_t sa = va.rows * va.cols, sb = vb.rows * vb.cols;
+    detail::for_each_batch(va, vb, [&](index_t i, index_t ia, index_t ib) {
+      detail::product<Backend>(x + ia * sa, va.rows, va.cols, TA, y + ib * sb, vb.rows, vb.cols, TB, c + i * m * n,
+                               false);
+    });
+  }
+
+  template <std::size_t K>
+    requires(K < 2)
+  auto grad_op() const {
+    return BatchMatMulGradOp<TA, TB, static_cast<int>(K)>{};
+  }
+
+  static std::string op_name() {
+    return std::string("BatchMatMul") + (TA ? "(transpose_a" : "") + (TA && TB ? ", " : TB ? "(" : "") +
+           (TB ? "transpose_b" : "") + (TA || TB ? ")" : "");
+  }
+
+  // ONNX's MatMul broadcasts the batch axes as numpy's matmul does, as this does; a transposed
+  // factor is a Transpose of its last two axes first.
+  Interchange interchange(std::span<const Shape> in) const {
+    Interchange nodes;
+    std::array<InterchangeInput, 2> factor{InterchangeInput::operand(0), InterchangeInput::operand(1)};
+    for (std::size_t k = 0; k < 2; ++k) {
+      if (!(k == 0 ? TA : TB)) continue;
+      const int rank = in[k].rank();
+      std::vector<std::int64_t> perm;
+      for (int a = 0; a < rank; ++a) perm.push_back(a < rank - 2 ? a : a == rank - 2 ? rank - 1 : rank - 2);
+      nodes.push_back({"Transpose", {factor[k]}, {InterchangeAttribute::of("perm", std::move(perm))}});
+      factor[k] = InterchangeInput::node(nodes.size() - 1);
+    }
+    nodes.push_back({"MatMul", {factor[0], factor[1]}, {}});
+    return nodes;
+  }
+};
+
+// d/d input K of op(A)·op(B), by the table at the top of this header, summed over the batch
+// axes input K was broadcast along.
+template <bool TA, bool TB, int K>
+struct BatchMatMulGradOp : Primitive<BatchMatMulGradOp<TA, TB, K>> {
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0, graph::Operand::input1};
+  static constexpr int arity = 3;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1 + K]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const auto va = detail::matrix_view(a.in_shape(1), true), vb = detail::matrix_view(a.in_shape(2), false);
+    const T* dc = a.in<T>(0);
+    const T* x = a.in<T>(1);
+    const T* y = a.in<T>(2);
+    T* d = a.out<T>();
+    const index_t m = TA ? va.cols : va.rows, n = TB ? vb.rows : vb.cols;
+    const index_t sa = va.rows * va.cols, sb = vb.rows * vb.cols;
+    const detail::MatrixView& target = K == 0 ? va : vb;
+    const Shape out_batch = broadcast_shapes(va.batch, vb.batch).shape;
+    // Each target matrix is written once unless its input was broadcast along batch axes.
+    const bool accumulate = target.batch.numel() != out_batch.numel();
+    if (accumulate) std::fill_n(d, a.in_shape(1 + K).numel(), T(0));
+    detail::for_each_batch(va, vb, [&](index_t i, index_t ia, index_t ib) {
+      const T* g = dc + i * m * n;
+      const T* A = x + ia * sa;
+      const T* B = y + ib * sb;
+      if constexpr (K == 0) {
+        T* out = d + ia * sa;
+        if constexpr (!TA && !TB) detail::product<Backend>(g, m, n, false, B, vb.rows, vb.cols, true, out, accumulate);
+        else if constexpr (TA && !TB) detail::product<Backend>(B, vb.rows, vb.cols, false, g, m, n, true, out, accumulate);
+        else if constexpr (!TA && TB) detail::product<Backend>(g, m, n, false, B, vb.rows, vb.cols, false, out, accumulate);
+        else detail::product<Backend>(B, vb.rows, vb.cols, true, g, m, n, true, out, accumulate);
+      } else {
+        T* out = d + ib * sb;
+        if constexpr (!TA && !TB) detail::product<Backend>(A, va.rows, va.cols, true, g, m, n, false, out, accumulate);
+        else if constexpr (TA && !TB) detail::product<Backend>(A, va.rows, va.cols, false, g, m, n, false, out, accumulate);
+        else if constexpr (!TA && TB) detail::product<Backend>(g, m, n, true, A, va.rows, va.cols, false, out, accumulate);
+        else detail::product<Backend>(g, m, n, true, A, va.rows, va.cols, true, out, accumulate);
+      }
+    });
+  }
+
+  static std::string op_name() { return BatchMatMulOp<TA, TB>::op_name() + "Grad" + std::to_string(K); }
+};
+
+inline const bool matmul_listed = list_operations({"matmul"});
+
+template <TensorLike A, TensorLike B, class... Flags>
+auto matmul(const A& a, const B& b, Flags...) {
+  using F = std::tuple<Flags...>;
+  static_assert(std::is_same_v<F, std::tuple<>> || std::is_same_v<F, std::tuple<TransposeA>> ||
+                    std::is_same_v<F, std::tuple<TransposeB>> || std::is_same_v<F, std::tuple<TransposeA, TransposeB>>,
+                "duet::ops::matmul: the flags are ops::transpose_a, ops::transpose_b or both, in that order");
+  constexpr bool ta = (std::is_same_v<Flags, TransposeA> || ...);
+  constexpr bool tb = (std::is_same_v<Flags, TransposeB> || ...);
+  static_assert(std::is_same_v<typename A::value_type, typename B::value_type>,
+                "duet::ops::matmul: both factors must have the same element type");
+  return apply(BatchMatMulOp<ta, tb>{}, a, b);
+}
+
+}  // namespace ops
+}  // namespace duet
 // Shape operations: reshape, unflatten/flatten, transpose/permute, expand_dims, squeeze, concat, stack, tile,
 // split, chunk, slice/strided_slice, flip and positions, in both modes (MindSpore's
 // ops.reshape, ops.transpose, ...).
@@ -23006,6 +23472,2649 @@ inline const bool shape_listed =
 
 }  // namespace ops
 }  // namespace duet
+// softmax and log_softmax along one axis (MindSpore's ops.softmax(x, axis=-1),
+// ops.log_softmax, nn.Softmax(axis), nn.LogSoftmax(axis)), in both modes.
+//
+// The axis is a member of the operation, not a template argument as the reductions' axes are:
+// the output has the input's shape whatever the axis, so graph mode needs it only when the
+// kernel runs, and nn::Softmax(axis) takes it at run time as MindSpore's does. Its range is
+// checked against the input's rank where the rule runs on concrete shapes (ShapeError).
+//
+// Numerically stable: each slice has its maximum m subtracted before exp, so the largest term
+// is exp(0) = 1 and logits of 1000 give no inf or NaN; log_softmax is x - m - log Σ exp(x - m),
+// never the log of a rounded-to-zero probability. Gradients come from the output y:
+//   softmax:     dx = y · (dy - Σ dy·y)
+//   log_softmax: dx = dy - exp(y) · Σ dy
+// The kernels use the reductions' layout ([outer, axis, inner]): a contiguous slice per row
+// when the axis is the last one (Eigen's vectorised exp and sums), otherwise a row of `inner`
+// elements at a time along the axis, with the running maximum and sum in a per-thread scratch
+// row that stops growing once it has the largest size seen (no allocation per call once warm).
+
+#include <cmath>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <Eigen/Core>
+
+// Reductions: sum, mean, prod, max and min over axes, with keep_dims, argmax, argmin
+// (MindSpore's ops.sum(x, dim, keepdim), ReduceSum(keep_dims), ops.prod, ops.argmax), the
+// statistics var and std made of them, and cumsum, the running sum along an axis, in both modes.
+//
+// Spelling. The reduced axes shape the output, and graph mode computes every node's shape
+// while the program compiles, so they are template arguments, given as tag values:
+//   ops::sum(x)                                   every axis, a scalar
+//   ops::sum(x, ops::axes<1>)                     axis 1 ([2, 3, 4] -> [2, 4])
+//   ops::mean(x, ops::axes<0, -1>, ops::keep_dims)  axes 0 and -1, kept as 1 ([2, 3, 4] -> [1, 3, 1])
+//   ops::argmax(x), ops::argmax(x, ops::axis<0>, ops::keep_dims)   one axis, -1 by default
+// Negative axes count from the end, as in numpy. The same axis twice does not compile.
+//
+// Gradients. sum and mean send the incoming gradient back along the reduced axes (mean divided
+// by the number of elements reduced). prod sends each element dy times the product of the
+// others in its group, made without dividing by the element, so that a group holding zeros
+// gets PyTorch's gradient, not 0/0. max and min send it to the elements equal to the
+// extreme; where several are, it is split evenly among them, as PyTorch's amax/amin do: any
+// other choice makes max(x) of a constant tensor depend on an arbitrary index, and splitting
+// keeps the gradient's sum equal to the incoming one. A NaN extreme sends its gradient to the
+// NaN elements. argmax and argmin make int32 indices and have no gradient: they declare
+// `differentiable = false`, so a gradient that reaches them does not compile in graph mode
+// and throws duet::ValueError in PyNative mode.
+//
+// Kernels. Both modes call the same kernel, so they agree bit for bit. Each output
+// accumulates in the element type (a sum of a comparison's UInt8 mask in int32), over runs of
+// a group's elements in order, and the runs' results are combined pairwise (detail::Pairwise),
+// so that a sum's rounding error grows with the log of the group's size, as PyTorch's does.
+// The input is seen as groups (one per output element), after merging neighbouring axes of
+// the same kind and dropping axes of size 1:
+//  - the reduced axes are the innermost: each group is contiguous, each run of it reduced by
+//    Eigen's vectorised reduction (per-lane partial results combined at the end: a fixed order
+//    for a given length and build);
+//  - one block of reduced axes with kept axes inside it ([outer, reduced, inner]): a run's row
+//    of `inner` results is accumulated row by row of the input, in increasing index along the
+//    reduced block, each row one vectorised pass (a strided, cache-friendly walk);
+//  - anything else (reduced axes not adjacent, as axes 0 and 2 of a 4-D tensor): each run in
+//    increasing input index, one running value.
+
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <limits>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+
+#include <Eigen/Core>
+
+// ops::cast<T>(x): x's values converted to element type T (MindSpore's ops.cast, PyTorch's
+// x.to(dtype), x.float()).
+//
+// A comparison's UInt8 mask to float, to count or weigh the positions it keeps (a mean over
+// the non-padded positions: sum(h * mask) / sum(mask)); int32 positions to float, for a
+// position encoding; float to double and back. Conversions are C++'s static_cast: a floating
+// value into an integer type is truncated toward zero, and one the type cannot hold is
+// undefined there, so it is refused (a ValueError naming the value), as full_like refuses one.
+//
+// Between floating-point types the gradient is the incoming one cast back; from an integer type
+// there is none (the input has none), and to one there is none to pass on.
+
+#include <array>
+#include <cmath>
+#include <limits>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+
+namespace duet::ops {
+
+template <class From, class To>
+struct CastOp : Primitive<CastOp<From, To>> {
+  using value_type = To;
+  static constexpr int arity = 1;
+  // As the gradient of the cast the other way, it reads the incoming gradient only.
+  static constexpr std::array reads{graph::Operand::grad};
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const From* x = a.in<From>();
+    T* y = a.out<T>();
+    const index_t n = a.output_shape.numel();
+    for (index_t i = 0; i < n; ++i) {
+      if constexpr (std::is_floating_point_v<From> && std::is_integral_v<T>) {
+        // Truncated toward zero, the range checked on the truncated value.
+        const From t = std::trunc(x[i]);
+        if (!(t >= static_cast<From>(std::numeric_limits<T>::min()) && t <= static_cast<From>(std::numeric_limits<T>::max()))) {
+          throw ValueError(label() + ": " + std::to_string(x[i]) + " does not fit the type it is cast to (" +
+                           std::string(name_of(dtype_of<T>)) + ")");
+        }
+      }
+      y[i] = static_cast<T>(x[i]);
+    }
+  }
+
+  static Interchange interchange(std::span<const Shape>) {
+    return {{"Cast", {InterchangeInput::operand(0)}, {InterchangeAttribute::of("to", onnx_type_code(dtype_of<To>))}}};
+  }
+
+  template <std::size_t K>
+    requires(K == 0)
+  auto grad_op() const {
+    if constexpr (std::is_floating_point_v<From> && std::is_floating_point_v<To>) return CastOp<To, From>{};
+    else return NoGradient{};
+  }
+
+  static std::string op_name() {
+    return "Cast<" + std::string(name_of(dtype_of<From>)) + ", " + std::string(name_of(dtype_of<To>)) + ">";
+  }
+  static std::string label() { return "ops::cast<" + std::string(name_of(dtype_of<To>)) + ">"; }
+};
+
+template <ElementType To, class X>
+auto cast(X&& x) {
+  using From = typename std::remove_cvref_t<X>::value_type;
+  return apply(CastOp<From, To>{}, std::forward<X>(x));
+}
+
+inline const bool cast_listed = list_operations({"cast"});
+
+}  // namespace duet::ops
+// Operations that change how the gradient flows, not the value.
+//
+// stop_gradient(x): x itself, through which no gradient passes (MindSpore's
+// ops.stop_gradient, PyTorch's x.detach()). A target computed by the network itself (a
+// target network's output, a running statistic, the straight-through estimator's
+// `x + stop_gradient(q - x)`) is held constant by it. The output is a view of x (no copy,
+// no kernel); the operation says `stops_gradient`, which both modes' differentiation read:
+// the gradient ends there on purpose instead of being refused as a lost one (a NoGradient
+// input that depends on what is differentiated is an error everywhere else), PyNative's tape
+// does not record it, and graph mode's backward graph has no edge through it. A loss that
+// depends on the parameters only through it therefore depends on nothing being
+// differentiated: the parameters' gradients are zero in both modes, as in MindSpore.
+
+#include <span>
+#include <string>
+#include <utility>
+
+
+namespace duet::ops {
+
+struct StopGradientOp : Primitive<StopGradientOp> {
+  static constexpr int arity = 1;
+  static constexpr bool is_view = true;
+  static constexpr bool stops_gradient = true;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+
+  template <std::size_t K>
+    requires(K == 0)
+  NoGradient grad_op() const {
+    return {};
+  }
+
+  static std::string op_name() { return "StopGradient"; }
+  std::string label() const { return "ops::stop_gradient"; }
+  Interchange interchange(std::span<const Shape>) const {
+    return {{"Identity", {InterchangeInput::operand(0)}, {}}};
+  }
+};
+
+template <class X>
+auto stop_gradient(X&& x) {
+  return apply(StopGradientOp{}, std::forward<X>(x));
+}
+
+inline const bool gradient_control_listed = list_operations({"stop_gradient"});
+
+}  // namespace duet::ops
+
+namespace duet {
+namespace ops {
+
+// The reduced axes, as a template value: ops::axes<1>, ops::axes<0, 2>; none means every axis.
+template <int... A>
+struct Axes {
+  static constexpr std::array<int, sizeof...(A)> values{A...};
+  static constexpr bool distinct = [] {
+    for (std::size_t i = 0; i < values.size(); ++i) {
+      for (std::size_t j = i + 1; j < values.size(); ++j) {
+        if (values[i] == values[j]) return false;
+      }
+    }
+    return true;
+  }();
+  static_assert(distinct, "duet::ops::axes: an axis is listed twice");
+};
+template <int... A>
+inline constexpr Axes<A...> axes{};
+// One axis (argmax, argmin).
+template <int A>
+inline constexpr Axes<A> axis{};
+
+// Keeps the reduced axes in the output, with size 1 (MindSpore's keep_dims=True).
+struct KeepDims {};
+inline constexpr KeepDims keep_dims{};
+
+// The reduced axes given at run time (ops::sum(x, {0, 2}); an ONNX model's ReduceMean): one
+// operation for every set of axes, as transpose(x, perm) is for every permutation. None means
+// every axis, as in Axes<>. Whether the reduced axes are kept is a value here too, so that the
+// run-time form is one operation per reduction (ReduceOp's Keep is then false).
+struct AxesList {
+  std::array<int, max_rank> list{};
+  std::size_t count = 0;
+  bool keep = false;
+};
+
+namespace detail {
+template <int... A>
+constexpr std::span<const int> axes_of(Axes<A...>) {
+  return Axes<A...>::values;
+}
+constexpr std::span<const int> axes_of(const AxesList& a) { return std::span(a.list).first(a.count); }
+}  // namespace detail
+
+namespace detail {
+
+// Which axes of a shape of rank `rank` the values name; false if one is out of range, with
+// `needed` the rank it would need.
+struct AxisMask {
+  std::array<bool, max_rank> reduced{};
+  bool ok = true;
+  index_t needed = 0;
+  int twice = -1;  // an axis named twice (0 and -rank), as numpy refuses
+};
+
+constexpr AxisMask axis_mask(int rank, std::span<const int> values) {
+  AxisMask m;
+  if (values.empty()) {
+    for (int i = 0; i < rank; ++i) m.reduced[static_cast<std::size_t>(i)] = true;
+  }
+  for (int a : values) {
+    const int normal = a < 0 ? a + rank : a;
+    if (normal < 0 || normal >= rank) {
+      m.ok = false;
+      m.needed = std::max<index_t>(m.needed, a < 0 ? -a : a + 1);
+      continue;
+    }
+    if (m.reduced[static_cast<std::size_t>(normal)]) m.twice = normal;
+    m.reduced[static_cast<std::size_t>(normal)] = true;
+  }
+  return m;
+}
+
+// The output shape of reducing `in` over `values` (every axis if none). An input of unknown
+// leading axes gives a scalar when every axis is reduced without keep_dims, its known
+// trailing axes when the axes are negative and among them, and an unknown shape otherwise.
+// NonEmpty: the reduction has no identity (max, min, argmax), so a reduced axis of size 0 is
+// refused.
+constexpr ShapeResult reduced_shape(const Shape& in, std::span<const int> values, bool keep, bool non_empty) {
+  if (in.leading_unknown()) {
+    if (values.empty()) return {keep ? Shape::any() : Shape{}};
+    for (int a : values) {
+      if (a >= 0 || -a > in.rank()) return {Shape::any()};
+    }
+  }
+  const AxisMask m = axis_mask(in.rank(), values);
+  if (!m.ok) return fault(Shape::any(), ShapeFault::min_rank, m.needed);
+  if (m.twice >= 0) return fault(Shape::any(), ShapeFault::axis_twice, m.twice);
+  Shape out = in.leading_unknown() ? Shape::any() : Shape{};
+  bool empty = false;
+  for (int i = 0; i < in.rank(); ++i) {
+    if (!m.reduced[static_cast<std::size_t>(i)]) out.push_back(in[i]);
+    else {
+      empty = empty || in[i] == 0;
+      if (keep) out.push_back(1);
+    }
+  }
+  if (non_empty && empty) return fault(out, ShapeFault::empty_reduction, 0);
+  return {out};
+}
+
+// A reduction of a concrete shape, as groups of input elements, one group per output element
+// in the output's order. Neighbouring axes of the same kind are merged and axes of size 1
+// dropped; the lists are innermost first, each axis with its stride in the input.
+struct ReduceLayout {
+  std::array<index_t, max_rank> kept_size{}, kept_stride{}, red_size{}, red_stride{};
+  int kept = 0;
+  int red = 0;
+  index_t outputs = 1;
+  index_t group = 1;
+
+  // Each group contiguous: the reduced axes are the innermost.
+  bool contiguous() const { return red == 1 && red_stride[0] == 1; }
+  // [outer, reduced, inner]: one block of reduced axes, the innermost axis kept.
+  bool strided() const { return red == 1 && kept >= 1 && kept_stride[0] == 1 && kept <= 2; }
+  index_t inner() const { return kept_size[0]; }
+
+  // f(j, base) for each output j, base the offset of its group's first element.
+  template <class F>
+  void for_each_group(F&& f) const {
+    std::array<index_t, max_rank> index{};
+    index_t base = 0;
+    for (index_t j = 0; j < outputs; ++j) {
+      f(j, base);
+      for (int a = 0; a < kept; ++a) {
+        const std::size_t ax = static_cast<std::size_t>(a);
+        base += kept_stride[ax];
+        if (++index[ax] < kept_size[ax]) break;
+        base -= kept_stride[ax] * index[ax];
+        index[ax] = 0;
+      }
+    }
+  }
+
+  // f(offset) for each element of a group, in increasing input index (offsets from its base).
+  template <class F>
+  void for_each_in_group(F&& f) const {
+    if (red <= 1) {
+      const index_t stride = red == 0 ? 0 : red_stride[0];
+      for (index_t r = 0; r < group; ++r) f(r * stride);
+      return;
+    }
+    std::array<index_t, max_rank> index{};
+    index_t offset = 0;
+    for (index_t r = 0; r < group; ++r) {
+      f(offset);
+      for (int a = 0; a < red; ++a) {
+        const std::size_t ax = static_cast<std::size_t>(a);
+        offset += red_stride[ax];
+        if (++index[ax] < red_size[ax]) break;
+        offset -= red_stride[ax] * index[ax];
+        index[ax] = 0;
+      }
+    }
+  }
+};
+
+inline ReduceLayout reduce_layout(const Shape& in, const AxisMask& m) {
+  ReduceLayout l;
+  index_t stride = 1;
+  int last_kind = -1;  // 0 kept, 1 reduced: the kind of the entry appended last
+  for (int i = in.rank() - 1; i >= 0; --i) {
+    const index_t d = in[i];
+    const bool reduced = m.reduced[static_cast<std::size_t>(i)];
+    if (reduced) l.group *= d;
+    else l.outputs *= d;
+    if (d != 1) {
+      auto& size = reduced ? l.red_size : l.kept_size;
+      auto& strides = reduced ? l.red_stride : l.kept_stride;
+      int& count = reduced ? l.red : l.kept;
+      if (last_kind == static_cast<int>(reduced)) {
+        size[static_cast<std::size_t>(count - 1)] *= d;
+      } else {
+        size[static_cast<std::size_t>(count)] = d;
+        strides[static_cast<std::size_t>(count)] = stride;
+        ++count;
+        last_kind = static_cast<int>(reduced);
+      }
+    }
+    stride *= d;
+  }
+  return l;
+}
+
+template <class T>
+using ArrayMap = ::Eigen::Map<::Eigen::Array<T, ::Eigen::Dynamic, 1>>;
+template <class T>
+using ConstArrayMap = ::Eigen::Map<const ::Eigen::Array<T, ::Eigen::Dynamic, 1>>;
+
+// What each reduction does with one group: its first element, then combine with each next.
+// sequential: the most elements of a group (rows, on the strided path: a sixteenth as many)
+// combined in order before Pairwise combines the runs; max and min are exact in any order.
+struct SumReducer {
+  static constexpr std::string_view name = "ReduceSum";
+  static constexpr bool mean = false;
+  static constexpr bool non_empty = false;
+  static constexpr int identity = 0;  // of an empty group
+  static constexpr index_t sequential = 1024;
+  template <class T>
+  static T combine(T a, T b) {
+    return a + b;
+  }
+  template <class T>
+  static T redux(const ConstArrayMap<T>& g) {
+    return g.sum();
+  }
+  template <class T>
+  static void combine_rows(ArrayMap<T>& acc, const ConstArrayMap<T>& row) {
+    acc += row;
+  }
+};
+
+struct MeanReducer : SumReducer {
+  static constexpr std::string_view name = "ReduceMean";
+  static constexpr bool mean = true;
+};
+
+// Pairwise like a sum: a float product's rounding error grows with the log of its length too.
+struct ProdReducer {
+  static constexpr std::string_view name = "ReduceProd";
+  static constexpr bool mean = false;
+  static constexpr bool non_empty = false;
+  static constexpr int identity = 1;
+  static constexpr index_t sequential = 1024;
+  template <class T>
+  static T combine(T a, T b) {
+    return a * b;
+  }
+  template <class T>
+  static T redux(const ConstArrayMap<T>& g) {
+    return g.prod();
+  }
+  template <class T>
+  static void combine_rows(ArrayMap<T>& acc, const ConstArrayMap<T>& row) {
+    acc *= row;
+  }
+};
+
+struct MaxReducer {
+  static constexpr std::string_view name = "ReduceMax";
+  static constexpr bool mean = false;
+  static constexpr bool non_empty = true;
+  static constexpr index_t sequential = std::numeric_limits<index_t>::max();
+  template <class T>
+  static T combine(T a, T b) {
+    return fn::Maximum::apply(a, b);
+  }
+  template <class T>
+  static T redux(const ConstArrayMap<T>& g) {
+    return g.template maxCoeff<::Eigen::PropagateNaN>();
+  }
+  template <class T>
+  static void combine_rows(ArrayMap<T>& acc, const ConstArrayMap<T>& row) {
+    acc = acc.binaryExpr(row, ::Eigen::internal::scalar_max_op<T, T, ::Eigen::PropagateNaN>());
+  }
+};
+
+struct MinReducer {
+  static constexpr std::string_view name = "ReduceMin";
+  static constexpr bool mean = false;
+  static constexpr bool non_empty = true;
+  static constexpr index_t sequential = std::numeric_limits<index_t>::max();
+  template <class T>
+  static T combine(T a, T b) {
+    return fn::Minimum::apply(a, b);
+  }
+  template <class T>
+  static T redux(const ConstArrayMap<T>& g) {
+    return g.template minCoeff<::Eigen::PropagateNaN>();
+  }
+  template <class T>
+  static void combine_rows(ArrayMap<T>& acc, const ConstArrayMap<T>& row) {
+    acc = acc.binaryExpr(row, ::Eigen::internal::scalar_min_op<T, T, ::Eigen::PropagateNaN>());
+  }
+};
+
+// Combines a group's runs (each a partial result of `width` elements) pairwise: run i joins
+// like a binary counter's bit, so the result is a balanced tree over the runs, whose rounding
+// error grows with the log of their number rather than with it. Summed in order, a float mean
+// of 10^6 values near 10^4 came out 9990.87 (PyTorch's, pairwise too: 10000.0).
+template <class Reducer, class T>
+class Pairwise {
+ public:
+  // slots: room for levels(runs) partial results of width elements.
+  Pairwise(T* slots, index_t width) : slots_(slots), width_(width) {}
+  static index_t levels(index_t runs) { return std::bit_width(static_cast<std::uint64_t>(runs)) + 1; }
+
+  // Where the next run's result is to be written, before push().
+  T* next() const { return slot(top_); }
+  void push() {
+    ++top_;
+    for (std::uint64_t c = count_++; (c & 1) != 0; c >>= 1) {
+      combine(slot(top_ - 2), slot(top_ - 1));
+      --top_;
+    }
+  }
+  // The whole group's result, into out: the runs left on the stack, the newest first.
+  void finish(T* out) {
+    for (index_t i = top_ - 2; i >= 0; --i) combine(slot(i), slot(i + 1));
+    std::copy_n(slot(0), width_, out);
+  }
+
+ private:
+  T* slot(index_t level) const { return slots_ + level * width_; }
+  void combine(T* earlier, const T* later) const {
+    ArrayMap<T> acc(earlier, width_);
+    Reducer::combine_rows(acc, ConstArrayMap<T>(later, width_));
+  }
+
+  T* slots_;
+  index_t width_;
+  index_t top_ = 0;
+  std::uint64_t count_ = 0;
+};
+
+inline std::string reduce_name(std::string_view op, std::span<const int> values, bool keep) {
+  std::string s(op);
+  s += "(axis=";
+  if (values.empty()) s += "all";
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    if (i) s += ',';
+    s += std::to_string(values[i]);
+  }
+  return s + (keep ? ", keep_dims)" : ")");
+}
+
+}  // namespace detail
+
+template <class Reducer, class AxesT, bool Keep>
+struct ReduceGradOp;
+
+// Reducer over the axes AxesT (every axis if empty), the reduced axes kept as 1 if Keep.
+// AxesT is Axes<A...>, or AxesList for axes given at run time, whose shape graph mode checks
+// when the network first runs.
+template <class Reducer, class AxesT, bool Keep>
+struct ReduceOp : Primitive<ReduceOp<Reducer, AxesT, Keep>> {
+  static constexpr int arity = 1;
+  static constexpr bool runtime_axes = std::is_same_v<AxesT, AxesList>;
+  [[no_unique_address]] AxesT reduced{};
+
+  bool keeps() const {
+    if constexpr (runtime_axes) return reduced.keep;
+    else return Keep;
+  }
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    if constexpr (runtime_axes) return {Shape::any()};
+    else return detail::reduced_shape(in[0], AxesT::values, Keep, Reducer::non_empty);
+  }
+  ShapeResult infer(std::span<const Shape> in) const {
+    return detail::reduced_shape(in[0], detail::axes_of(reduced), keeps(), Reducer::non_empty);
+  }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const T* x = a.in<T>();
+    T* out = a.out<T>();
+    const Shape& in = a.in_shape();
+    const detail::ReduceLayout l = detail::reduce_layout(in, detail::axis_mask(in.rank(), detail::axes_of(reduced)));
+    if (l.outputs == 0) return;
+    if (l.group == 0) {
+      // Only sum, mean and prod get here (the rule refuses an empty max): 0, 0/0 for the mean, 1.
+      if constexpr (!Reducer::non_empty) {
+        std::fill_n(out, l.outputs,
+                    Reducer::mean ? std::numeric_limits<T>::quiet_NaN() : static_cast<T>(Reducer::identity));
+      }
+      return;
+    }
+    // Each group in runs of at most Reducer::sequential elements, combined pairwise.
+    constexpr index_t run = Reducer::sequential;
+    std::array<T, 64> scalar_slots{};
+    if (l.contiguous()) {
+      for (index_t j = 0; j < l.outputs; ++j) {
+        detail::Pairwise<Reducer, T> group(scalar_slots.data(), 1);
+        for (index_t r0 = 0; r0 < l.group; r0 += run) {
+          *group.next() = Reducer::redux(detail::ConstArrayMap<T>(x + j * l.group + r0, std::min(run, l.group - r0)));
+          group.push();
+        }
+        group.finish(out + j);
+      }
+    } else if (l.strided()) {
+      // Runs of rows: a sixteenth of the elements, so that a row is not reread from memory.
+      const index_t inner = l.inner();
+      const index_t outer = l.outputs / inner;
+      const index_t rows = std::max<index_t>(1, run / 16);
+      const index_t row_runs = (l.group + rows - 1) / rows;
+      duet::detail::Storage slots_storage;
+      T* slots = row_runs == 1 ? nullptr
+                               : duet::detail::scratch<T>(slots_storage, static_cast<std::size_t>(
+                                                                            detail::Pairwise<Reducer, T>::levels(row_runs) * inner));
+      for (index_t o = 0; o < outer; ++o) {
+        const T* block = x + o * l.group * inner;
+        detail::Pairwise<Reducer, T> group(slots, inner);
+        for (index_t r0 = 0; r0 < l.group; r0 += rows) {
+          detail::ArrayMap<T> acc(row_runs == 1 ? out + o * inner : group.next(), inner);
+          acc = detail::ConstArrayMap<T>(block + r0 * inner, inner);
+          for (index_t r = r0 + 1; r < std::min(l.group, r0 + rows); ++r) {
+            Reducer::combine_rows(acc, detail::ConstArrayMap<T>(block + r * inner, inner));
+          }
+          if (row_runs > 1) group.push();
+        }
+        if (row_runs > 1) group.finish(out + o * inner);
+      }
+    } else {
+      l.for_each_group([&](index_t j, index_t base) {
+        detail::Pairwise<Reducer, T> group(scalar_slots.data(), 1);
+        index_t in_run = 0;
+        T acc{};
+        l.for_each_in_group([&](index_t off) {
+          acc = in_run == 0 ? x[base + off] : Reducer::combine(acc, x[base + off]);
+          if (++in_run == run) {
+            *group.next() = acc;
+            group.push();
+            in_run = 0;
+          }
+        });
+        if (in_run != 0) {
+          *group.next() = acc;
+          group.push();
+        }
+        group.finish(out + j);
+      });
+    }
+
+    if constexpr (Reducer::mean) {
+      const T count = static_cast<T>(l.group);
+      for (index_t j = 0; j < l.outputs; ++j) out[j] /= count;
+    }
+  }
+
+  template <std::size_t K>
+    requires(K == 0)
+  auto grad_op() const {
+    ReduceGradOp<Reducer, AxesT, Keep> g;
+    g.reduced = reduced;
+    return g;
+  }
+
+  static std::string op_name() {
+    if constexpr (runtime_axes) return std::string(Reducer::name);
+    else return detail::reduce_name(Reducer::name, AxesT::values, Keep);
+  }
+  std::string label() const { return detail::reduce_name(Reducer::name, detail::axes_of(reduced), keeps()); }
+
+  // The reducers' names are ONNX's operators. At opset 17 ReduceSum reads its axes as an
+  // input, the others as an attribute; no axes reduces them all, in both.
+  Interchange interchange(std::span<const Shape>) const {
+    InterchangeNode n{std::string(Reducer::name), {InterchangeInput::operand(0)}, {InterchangeAttribute::of("keepdims", keeps() ? 1 : 0)}};
+    if (const std::span<const int> reduced_axes = detail::axes_of(reduced); !reduced_axes.empty()) {
+      const std::vector<std::int64_t> axes(reduced_axes.begin(), reduced_axes.end());
+      if (Reducer::name == "ReduceSum") n.inputs.push_back(InterchangeInput::constant(axes));
+      else n.attributes.push_back(InterchangeAttribute::of("axes", axes));
+    }
+    return {std::move(n)};
+  }
+};
+
+// d/dx of a reduction: sum and mean spread dy over each group (mean divided by its size);
+// max and min send it to the elements equal to the extreme, split evenly among ties; prod
+// gives each element dy times the product of the others in its group.
+template <class Reducer, class AxesT, bool Keep>
+struct ReduceGradOp : Primitive<ReduceGradOp<Reducer, AxesT, Keep>> {
+  static constexpr bool extreme = Reducer::non_empty;
+  static constexpr bool product = std::is_same_v<Reducer, detail::ProdReducer>;
+  [[no_unique_address]] AxesT reduced{};
+  static constexpr auto reads = [] {
+    if constexpr (extreme) return std::array{graph::Operand::grad, graph::Operand::input0, graph::Operand::output};
+    else return std::array{graph::Operand::grad, graph::Operand::input0};
+  }();
+  static constexpr int arity = static_cast<int>(reads.size());
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const T* dy = a.in<T>(0);
+    const T* x = a.in<T>(1);
+    T* d = a.out<T>();
+    const Shape& in = a.in_shape(1);
+    const detail::ReduceLayout l = detail::reduce_layout(in, detail::axis_mask(in.rank(), detail::axes_of(reduced)));
+    if (l.outputs == 0 || l.group == 0) return;
+    if constexpr (extreme) {
+      const T* y = a.in<T>(2);
+      l.for_each_group([&](index_t j, index_t base) {
+        const T m = y[j];
+        const bool nan = m != m;
+        auto hit = [&](T v) { return v == m || (nan && v != v); };
+        index_t ties = 0;
+        l.for_each_in_group([&](index_t off) { ties += hit(x[base + off]) ? 1 : 0; });
+        const T share = dy[j] / static_cast<T>(ties);
+        l.for_each_in_group([&](index_t off) { d[base + off] = hit(x[base + off]) ? share : T(0); });
+      });
+    } else if constexpr (product) {
+      // The product of the others as the product of those before times that of those after,
+      // not y / x: exact where the group holds a zero (one zero's element gets the product of
+      // the rest, every element of a group with two gets 0), as PyTorch's.
+      duet::detail::Storage offsets_storage;
+      index_t* offsets = duet::detail::scratch<index_t>(offsets_storage, static_cast<std::size_t>(l.group));
+      index_t r = 0;
+      l.for_each_in_group([&](index_t off) { offsets[r++] = off; });
+      l.for_each_group([&](index_t j, index_t base) {
+        T before(1);
+        for (index_t i = 0; i < l.group; ++i) {
+          d[base + offsets[i]] = before;
+          before *= x[base + offsets[i]];
+        }
+        T after = dy[j];
+        for (index_t i = l.group - 1; i >= 0; --i) {
+          d[base + offsets[i]] *= after;
+          after *= x[base + offsets[i]];
+        }
+      });
+    } else {
+      const T scale = Reducer::mean ? T(1) / static_cast<T>(l.group) : T(1);
+      if (l.contiguous()) {
+        for (index_t j = 0; j < l.outputs; ++j) std::fill_n(d + j * l.group, l.group, dy[j] * scale);
+      } else if (l.strided()) {
+        const index_t inner = l.inner();
+        for (index_t o = 0; o < l.outputs / inner; ++o) {
+          const detail::ConstArrayMap<T> g(dy + o * inner, inner);
+          for (index_t r = 0; r < l.group; ++r) detail::ArrayMap<T>(d + (o * l.group + r) * inner, inner) = g * scale;
+        }
+      } else {
+        l.for_each_group([&](index_t j, index_t base) {
+          l.for_each_in_group([&](index_t off) { d[base + off] = dy[j] * scale; });
+        });
+      }
+    }
+  }
+
+  static std::string op_name() { return ReduceOp<Reducer, AxesT, Keep>::op_name() + "Grad"; }
+};
+
+// The index of the first largest (smallest) element along one axis, as int32 (numpy's and
+// MindSpore's choice on ties); a NaN counts as the largest and the smallest, as in numpy. In
+// is the input's element type: the kernel is instantiated for the output's (int32).
+template <bool Max, int Axis, bool Keep, class In>
+struct ArgExtremeOp : Primitive<ArgExtremeOp<Max, Axis, Keep, In>> {
+  using value_type = std::int32_t;
+  static constexpr int arity = 1;
+  static constexpr bool differentiable = false;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    return detail::reduced_shape(in[0], std::array<int, 1>{Axis}, Keep, true);
+  }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const In* x = a.in<In>();
+    T* out = a.out<T>();
+    const Shape& in = a.in_shape();
+    const int axis = Axis < 0 ? Axis + in.rank() : Axis;
+    const index_t size = in[axis];
+    const index_t inner = in.numel_from(axis + 1);
+    const index_t outer = inner == 0 || size == 0 ? 0 : in.numel() / (size * inner);
+    auto better = [](In v, In best) { return (v != v && best == best) || (Max ? v > best : v < best); };
+    for (index_t o = 0; o < outer; ++o) {
+      const In* block = x + o * size * inner;
+      T* idx = out + o * inner;
+      std::fill_n(idx, inner, T(0));
+      // Along the axis outermost, so that each step reads a contiguous row of the input.
+      for (index_t r = 1; r < size; ++r) {
+        for (index_t i = 0; i < inner; ++i) {
+          if (better(block[r * inner + i], block[idx[i] * inner + i])) idx[i] = static_cast<T>(r);
+        }
+      }
+    }
+  }
+
+  static std::string op_name() {
+    return std::string(Max ? "Argmax" : "Argmin") + "(axis=" + std::to_string(Axis) + (Keep ? ", keep_dims)" : ")");
+  }
+};
+
+// cumsum<Axis>(x): the running sum along one axis, x's shape (PyTorch's torch.cumsum(x, dim),
+// MindSpore's ops.cumsum; a negative axis counts from the end). Element i is element i - 1's
+// sum plus x's element i, in order along the axis and in the element type, not pairwise: each
+// output is a sum of its prefix, so the order is the definition's (PyTorch's CPU kernel carries
+// a float's sums in double: a few ulps apart). The gradient is dy's running sum from the last
+// element back.
+
+namespace detail {
+// Running sums along `axis` of x, seen as [outer, size, inner]: each row of `inner` sums is the
+// row before it (after it, backward: cumsum's gradient) plus x's row.
+template <class T>
+void running_sum(const T* x, T* y, const Shape& shape, int axis, bool backward) {
+  const int a = axis_index(axis, shape.rank());
+  const index_t size = shape[a];
+  const index_t inner = shape.numel_from(a + 1);
+  const index_t block = size * inner;
+  if (block == 0) return;
+  for (index_t o = 0; o < shape.numel() / block; ++o) {
+    for (index_t r = 0; r < size; ++r) {
+      const index_t at = o * block + (backward ? size - 1 - r : r) * inner;
+      if (r == 0) {
+        std::copy_n(x + at, inner, y + at);
+        continue;
+      }
+      const index_t before = backward ? at + inner : at - inner;
+      for (index_t i = 0; i < inner; ++i) y[at + i] = y[before + i] + x[at + i];
+    }
+  }
+}
+}  // namespace detail
+
+// d/dx of cumsum: x's element i reaches every sum from i on, so it gets dy summed from the last
+// element back to i.
+template <int Axis>
+struct CumsumGradOp : Primitive<CumsumGradOp<Axis>> {
+  static constexpr std::array reads{graph::Operand::grad};
+  static constexpr int arity = 1;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    detail::running_sum(a.in<T>(), a.out<T>(), a.in_shape(), Axis, true);
+  }
+
+  static std::string op_name() { return "CumsumGrad<" + std::to_string(Axis) + ">"; }
+};
+
+template <int Axis>
+struct CumsumOp : Primitive<CumsumOp<Axis>> {
+  static constexpr int arity = 1;
+  static constexpr std::array<int, 1> axes{Axis};
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return detail::along_axes_rule(in[0], axes); }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    detail::running_sum(a.in<T>(), a.out<T>(), a.in_shape(), Axis, false);
+  }
+
+  // Of input 0, the only one.
+  template <std::size_t K>
+  CumsumGradOp<Axis> grad_op() const {
+    return {};
+  }
+
+  static std::string op_name() { return "Cumsum<" + std::to_string(Axis) + ">"; }
+  std::string label() const { return "ops::cumsum<" + std::to_string(Axis) + ">"; }
+};
+
+template <int Axis, class X>
+auto cumsum(X&& x) {
+  return apply(CumsumOp<Axis>{}, std::forward<X>(x));
+}
+
+inline const bool reduction_listed =
+    list_operations({"sum", "mean", "prod", "max", "min", "argmax", "argmin", "var", "std", "logsumexp", "cumsum"});
+
+namespace detail {
+
+template <class X>
+using element_of = typename std::remove_cvref_t<X>::value_type;
+
+// A mean of integers would truncate, where PyTorch refuses one.
+template <class Reducer, class V>
+inline constexpr bool refused_on = Reducer::mean && std::is_integral_v<V>;
+#define DUET_DETAIL_INTEGER_MEAN_MESSAGE                                                                   \
+  "duet::ops::mean (and var, std): the tensor has an integer element type, whose mean would be truncated " \
+  "(mean([1, 2]) = 1); cast it first, ops::mean(ops::cast<float>(x)), as PyTorch asks for a floating type"
+
+// The input a reduction reads: a sum of a comparison's UInt8 mask (sum(equal(pred, labels)),
+// counting) in int32, where UInt8 would wrap at 256 (300 matches counted 44); other types as
+// they are.
+template <class Reducer, class X>
+decltype(auto) reduced_input(const X& x) {
+  if constexpr (std::is_same_v<Reducer, SumReducer> && std::is_same_v<element_of<X>, std::uint8_t>) {
+    return cast<std::int32_t>(x);
+  } else {
+    return (x);
+  }
+}
+
+template <class Reducer, class X, class AxesT, class... Keep>
+auto reduce(const X& x, AxesT, Keep...) {
+  static_assert(sizeof...(Keep) <= 1 && (std::is_same_v<Keep, KeepDims> && ...),
+                "duet::ops: a reduction takes the tensor, then optionally ops::axes<...>, then optionally ops::keep_dims");
+  static_assert(!refused_on<Reducer, element_of<X>>, DUET_DETAIL_INTEGER_MEAN_MESSAGE);
+  return apply(ReduceOp<Reducer, AxesT, sizeof...(Keep) == 1>{}, reduced_input<Reducer>(x));
+}
+
+// The axes given at run time: each within [-max_rank, max_rank) and listed once; whether they
+// fit the input's rank is a shape error when it runs.
+template <class Reducer, class X, class... Keep>
+auto reduce_listed(const X& x, std::span<const int> axes, const char* who, Keep...) {
+  static_assert(sizeof...(Keep) <= 1 && (std::is_same_v<Keep, KeepDims> && ...),
+                "duet::ops: a reduction takes the tensor, then optionally the axes, then optionally ops::keep_dims");
+  static_assert(!refused_on<Reducer, element_of<X>>, DUET_DETAIL_INTEGER_MEAN_MESSAGE);
+  ReduceOp<Reducer, AxesList, false> op;
+  op.reduced.keep = sizeof...(Keep) == 1;
+  bool valid = axes.size() <= static_cast<std::size_t>(max_rank);
+  for (std::size_t i = 0; valid && i < axes.size(); ++i) {
+    valid = axes[i] >= -max_rank && axes[i] < max_rank && std::ranges::count(axes.first(i), axes[i]) == 0;
+    op.reduced.list[i] = axes[i];
+  }
+  if (!valid) {
+    throw ValueError(std::string("duet::ops::") + who + ": the axes {" + list_text<int>(axes) +
+                     "} must be distinct, at most " + std::to_string(max_rank) + " of them");
+  }
+  op.reduced.count = axes.size();
+  return apply(op, reduced_input<Reducer>(x));
+}
+
+template <bool Max, class X, int A, class... Keep>
+auto arg_extreme(const X& x, Axes<A>, Keep...) {
+  static_assert(sizeof...(Keep) <= 1 && (std::is_same_v<Keep, KeepDims> && ...),
+                "duet::ops: argmax and argmin take the tensor, then optionally ops::axis<A>, then optionally ops::keep_dims");
+  return apply(ArgExtremeOp<Max, A, sizeof...(Keep) == 1, element_of<X>>{}, x);
+}
+
+}  // namespace detail
+
+namespace detail {
+// A reduction over axes given either way: ops::axes<...> while the program compiles, a list at
+// run time.
+template <class Reducer, class X, class AxesT, class... Keep>
+auto reduce_over(const X& x, const AxesT& axes, const char* who, Keep... keep) {
+  if constexpr (std::is_same_v<AxesT, std::span<const int>>)
+    return reduce_listed<Reducer>(x, axes, who, keep...);
+  else
+    return reduce<Reducer>(x, axes, keep...);
+}
+}  // namespace detail
+
+// The ways an operation over axes is called, as sum is: sum(x) and sum(x, keep_dims) over every
+// axis; sum(x, axes<...>), the axes known while the program compiles; sum(x, {0, 1}) or a
+// std::span<const int>, known at run time; keep_dims last. Each overload returns the
+// expression given, written on x, axes (an Axes<A...> or a std::span<const int>) and keep.
+#define DUET_DETAIL_OVER_AXES(name, ...)                                                  \
+  template <TensorLike X, int... A, class... Keep>                                        \
+  auto name(const X& x, Axes<A...> axes, Keep... keep) {                                  \
+    return __VA_ARGS__;                                                                   \
+  }                                                                                       \
+  template <TensorLike X, class... Keep>                                                  \
+  requires((std::is_same_v<Keep, KeepDims> && ...)) auto name(const X& x, Keep... keep) { \
+    const Axes<> axes{};                                                                  \
+    return __VA_ARGS__;                                                                   \
+  }                                                                                       \
+  template <TensorLike X, class... Keep>                                                  \
+  auto name(const X& x, std::span<const int> axes, Keep... keep) {                        \
+    return __VA_ARGS__;                                                                   \
+  }                                                                                       \
+  template <TensorLike X, class... Keep>                                                  \
+  auto name(const X& x, std::initializer_list<int> list, Keep... keep) {                  \
+    const std::span<const int> axes(list.begin(), list.size());                           \
+    return __VA_ARGS__;                                                                   \
+  }
+DUET_DETAIL_OVER_AXES(sum, detail::reduce_over<detail::SumReducer>(x, axes, "sum", keep...))
+DUET_DETAIL_OVER_AXES(mean, detail::reduce_over<detail::MeanReducer>(x, axes, "mean", keep...))
+DUET_DETAIL_OVER_AXES(prod, detail::reduce_over<detail::ProdReducer>(x, axes, "prod", keep...))
+DUET_DETAIL_OVER_AXES(max, detail::reduce_over<detail::MaxReducer>(x, axes, "max", keep...))
+DUET_DETAIL_OVER_AXES(min, detail::reduce_over<detail::MinReducer>(x, axes, "min", keep...))
+
+namespace detail {
+template <class X, class AxesT, class... Keep>
+auto variance(const X& x, const AxesT& axes, Keep... keep) {
+  return mean(square(x - mean(x, axes, keep_dims)), axes, keep...);
+}
+}  // namespace detail
+
+// var(x), var(x, axes<...>), with keep_dims, or the axes at run time, as sum takes them: the
+// variance over the axes (every axis if none),
+// mean((x - mean(x))^2), dividing by the n elements reduced, as numpy's and MindSpore's
+// ops.var do by default (ddof = 0); torch.var divides by n - 1 by default (a sample's
+// unbiased estimate: multiply by n / (n - 1)). std is its square root. Made of mean,
+// subtraction and square, which give their gradients; std's is 0 where the variance is 0, as
+// PyTorch's (fn::StdRoot).
+DUET_DETAIL_OVER_AXES(var, detail::variance(x, axes, keep...))
+DUET_DETAIL_OVER_AXES(std, apply(MapOp<fn::StdRoot>{}, detail::variance(x, axes, keep...)))
+
+// argmax(x) (axis -1, MindSpore's ops.Argmax default), argmax(x, axis<A>), with keep_dims.
+template <TensorLike X, int A = -1, class... Keep>
+auto argmax(const X& x, Axes<A> a = {}, Keep... keep) {
+  return detail::arg_extreme<true>(x, a, keep...);
+}
+template <TensorLike X, int A = -1, class... Keep>
+auto argmin(const X& x, Axes<A> a = {}, Keep... keep) {
+  return detail::arg_extreme<false>(x, a, keep...);
+}
+
+namespace detail {
+// m + log Σ exp(x - m), m the maximum over the axes (kept as 1 while it is subtracted). An
+// infinite m is taken out as 0: every element -inf gives -inf (m = -inf would make -inf - -inf
+// = NaN), and a +inf gives +inf, as PyTorch's. m is a constant of the gradient
+// (ops::stop_gradient), which is then exp(x - m) / Σ exp(x - m): softmax over the axes.
+template <class X, class AxesT, class... Keep>
+auto log_sum_exp(const X& x, const AxesT& axes, Keep...) {
+  using V = element_of<X>;
+  static_assert(std::is_floating_point_v<V>, "duet::ops::logsumexp: the tensor must have a floating-point element type");
+  const auto shift = [&](auto... kept) {
+    const auto m = stop_gradient(max(x, axes, kept...));
+    return where(equal(abs(m), std::numeric_limits<V>::infinity()), V(0), m);
+  };
+  const auto m = shift(keep_dims);
+  // With keep_dims the maximum is m itself; without, it is taken again in the output's shape
+  // (the same operation twice on one input would be one value captured twice).
+  if constexpr (sizeof...(Keep) == 1) return log(sum(exp(x - m), axes, keep_dims)) + m;
+  else return log(sum(exp(x - m), axes)) + shift();
+}
+}  // namespace detail
+
+// logsumexp(x), logsumexp(x, axes<...>), with keep_dims, or the axes at run time, as sum takes
+// them: log Σ exp(x) over the axes (every axis if none), PyTorch's torch.logsumexp and
+// MindSpore's ops.logsumexp, without overflow (the maximum is taken out first) and -inf for a
+// group of -inf (a fully masked row).
+DUET_DETAIL_OVER_AXES(logsumexp, detail::log_sum_exp(x, axes, keep...))
+#undef DUET_DETAIL_OVER_AXES
+
+}  // namespace ops
+}  // namespace duet
+
+namespace duet {
+namespace ops {
+
+namespace detail {
+
+// [outer, size, inner] around one axis of a concrete shape.
+struct AxisLayout {
+  index_t outer = 0;
+  index_t size = 0;
+  index_t inner = 0;
+};
+
+inline AxisLayout axis_layout(const Shape& s, int axis) {
+  const int a = axis < 0 ? axis + s.rank() : axis;
+  AxisLayout l{1, s[a], s.numel_from(a + 1)};
+  for (int i = 0; i < a; ++i) l.outer *= s[i];
+  return l;
+}
+
+template <class T>
+T* scratch_row(index_t n) {
+  thread_local std::vector<T> row;
+  if (row.size() < static_cast<std::size_t>(n)) row.resize(static_cast<std::size_t>(n));
+  return row.data();
+}
+
+template <class Self>
+struct AxisMember {
+  int axis = -1;
+
+  ShapeResult infer(std::span<const Shape> in) const {
+    const Shape& x = in[0];
+    if (!x.leading_unknown() && (axis >= x.rank() || axis < -x.rank())) {
+      return fault(x, ShapeFault::min_rank, axis < 0 ? -axis : axis + 1);
+    }
+    return {x};
+  }
+  std::string label() const { return Self::op_name() + "(axis=" + std::to_string(axis) + ")"; }
+};
+
+}  // namespace detail
+
+template <bool Log>
+struct SoftmaxGradOp;
+
+template <bool Log>
+struct SoftmaxOp : Primitive<SoftmaxOp<Log>>, detail::AxisMember<SoftmaxOp<Log>> {
+  using detail::AxisMember<SoftmaxOp<Log>>::infer;
+  using detail::AxisMember<SoftmaxOp<Log>>::label;
+  static constexpr int arity = 1;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    using detail::ArrayMap;
+    using detail::ConstArrayMap;
+    const auto l = detail::axis_layout(a.in_shape(), this->axis);
+    const T* x = a.in<T>();
+    T* y = a.out<T>();
+    if (l.size == 0 || l.inner == 0) return;
+    const index_t block = l.size * l.inner;
+    if (l.inner == 1) {
+      for (index_t o = 0; o < l.outer; ++o) {
+        const ConstArrayMap<T> xs(x + o * block, l.size);
+        ArrayMap<T> ys(y + o * block, l.size);
+        const T m = xs.template maxCoeff<::Eigen::PropagateNaN>();
+        ys = fn::exp_array(xs - m);
+        const T s = ys.sum();
+        if constexpr (Log) ys = xs - m - std::log(s);
+        else ys /= s;
+      }
+      return;
+    }
+    T* scratch = detail::scratch_row<T>(2 * l.inner);
+    ArrayMap<T> m(scratch, l.inner), s(scratch + l.inner, l.inner);
+    for (index_t o = 0; o < l.outer; ++o) {
+      const T* xb = x + o * block;
+      T* yb = y + o * block;
+      auto row = [&](index_t r) { return ConstArrayMap<T>(xb + r * l.inner, l.inner); };
+      auto out = [&](index_t r) { return ArrayMap<T>(yb + r * l.inner, l.inner); };
+      m = row(0);
+      for (index_t r = 1; r < l.size; ++r) m = m.binaryExpr(row(r), ::Eigen::internal::scalar_max_op<T, T, ::Eigen::PropagateNaN>());
+      s.setZero();
+      for (index_t r = 0; r < l.size; ++r) {
+        auto yr = out(r);
+        yr = fn::exp_array(row(r) - m);
+        s += yr;
+      }
+      if constexpr (Log) {
+        s = m + s.log();
+        for (index_t r = 0; r < l.size; ++r) out(r) = row(r) - s;
+      } else {
+        for (index_t r = 0; r < l.size; ++r) out(r) /= s;
+      }
+    }
+  }
+
+  template <std::size_t K>
+    requires(K == 0)
+  auto grad_op() const {
+    return SoftmaxGradOp<Log>{{}, {this->axis}};
+  }
+
+  static std::string op_name() { return Log ? "LogSoftmax" : "Softmax"; }
+  // ONNX's (opset 13 on) takes one axis, as this does.
+  Interchange interchange(std::span<const Shape>) const {
+    return {{op_name(), {InterchangeInput::operand(0)}, {InterchangeAttribute::of("axis", this->axis)}}};
+  }
+};
+
+template <bool Log>
+struct SoftmaxGradOp : Primitive<SoftmaxGradOp<Log>>, detail::AxisMember<SoftmaxGradOp<Log>> {
+  using detail::AxisMember<SoftmaxGradOp<Log>>::infer;
+  using detail::AxisMember<SoftmaxGradOp<Log>>::label;
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::output};
+  static constexpr int arity = 2;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    using detail::ArrayMap;
+    using detail::ConstArrayMap;
+    const auto l = detail::axis_layout(a.in_shape(), this->axis);
+    const T* dy = a.in<T>(0);
+    const T* y = a.in<T>(1);
+    T* dx = a.out<T>();
+    if (l.size == 0 || l.inner == 0) return;
+    const index_t block = l.size * l.inner;
+    if (l.inner == 1) {
+      for (index_t o = 0; o < l.outer; ++o) {
+        const ConstArrayMap<T> g(dy + o * block, l.size), ys(y + o * block, l.size);
+        ArrayMap<T> d(dx + o * block, l.size);
+        if constexpr (Log) d = g - fn::exp_array(ys) * g.sum();
+        else d = ys * (g - (g * ys).sum());
+      }
+      return;
+    }
+    ArrayMap<T> s(detail::scratch_row<T>(l.inner), l.inner);
+    for (index_t o = 0; o < l.outer; ++o) {
+      auto g = [&](index_t r) { return ConstArrayMap<T>(dy + o * block + r * l.inner, l.inner); };
+      auto ys = [&](index_t r) { return ConstArrayMap<T>(y + o * block + r * l.inner, l.inner); };
+      auto d = [&](index_t r) { return ArrayMap<T>(dx + o * block + r * l.inner, l.inner); };
+      s.setZero();
+      for (index_t r = 0; r < l.size; ++r) {
+        if constexpr (Log) s += g(r);
+        else s += g(r) * ys(r);
+      }
+      for (index_t r = 0; r < l.size; ++r) {
+        if constexpr (Log) d(r) = g(r) - fn::exp_array(ys(r)) * s;
+        else d(r) = ys(r) * (g(r) - s);
+      }
+    }
+  }
+
+  static std::string op_name() { return Log ? "LogSoftmaxGrad" : "SoftmaxGrad"; }
+};
+
+inline const bool softmax_listed = list_operations({"softmax", "log_softmax"});
+
+template <TensorLike X>
+auto softmax(const X& x, int axis = -1) {
+  return apply(SoftmaxOp<false>{{}, {axis}}, x);
+}
+template <TensorLike X>
+auto log_softmax(const X& x, int axis = -1) {
+  return apply(SoftmaxOp<true>{{}, {axis}}, x);
+}
+
+}  // namespace ops
+
+namespace nn {
+
+// MindSpore's nn.Softmax(axis=-1) and nn.LogSoftmax(axis=-1).
+template <bool Log, ElementType T>
+class BasicSoftmax : public Cell<BasicSoftmax<Log, T>, CONTEXT_MODE, T> {
+ public:
+  explicit BasicSoftmax(int axis = -1) : axis_(axis) {}
+  template <class X>
+  auto construct(X&& x) {
+    if constexpr (Log) return ops::log_softmax(std::forward<X>(x), axis_);
+    else return ops::softmax(std::forward<X>(x), axis_);
+  }
+  std::string type_name() const override { return Log ? "nn::LogSoftmax" : "nn::Softmax"; }
+
+ private:
+  int axis_;
+};
+
+using Softmax = BasicSoftmax<false, float>;
+using LogSoftmax = BasicSoftmax<true, float>;
+
+}  // namespace nn
+}  // namespace duet
+// Fully connected layers: nn::Dense and the operations it captures as (MatMul, BiasAdd).
+
+#include <array>
+#include <cmath>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+
+namespace duet {
+namespace ops {
+
+template <class Layer>
+struct BiasAddOp;
+template <class Layer, bool Bias, class... Fns>
+struct PackedMatMulOp;
+template <class Layer, bool Bias, bool InputGrad, class... Fns>
+struct DenseGradOp;
+template <class Layer, bool InputGrad>
+struct BiasAddGradOp;
+
+namespace detail {
+// The sizes a layer's products are compiled for: its run-time form's, dyn where an
+// nn::Dense<In, Out> shares the code of nn::Dense<> (backend::dense_depends_on_sizes).
+template <class Layer>
+using DenseKernel = std::remove_pointer_t<decltype(nn::detail::runtime_form(std::declval<Layer*>()))>;
+}  // namespace detail
+
+// x · Wᵀ over the last axis of x, then the epilogue: the bias if Bias, then each Fn. Capture
+// makes it with an empty epilogue; fuse_epilogues grows it.
+template <class Layer, bool Bias = false, class... Fns>
+struct MatMulOp : Primitive<MatMulOp<Layer, Bias, Fns...>> {
+  using layer_type = Layer;
+  using value_type = typename Layer::value_type;
+  static constexpr int arity = 1;
+
+  const Layer* layer;
+  std::tuple<Fns...> fns{};  // the epilogue functions' parameters (fn::LeakyRelu's alpha)
+  MatMulOp(const Layer* l) : layer(l) {}
+  MatMulOp(const Layer* l, std::tuple<Fns...> f) : layer(l), fns(std::move(f)) {}
+
+  static constexpr ShapeResult rule(index_t in, index_t out, const Shape& x) {
+    Shape y = x;
+    if (x.rank() == 0) {
+      y.push_back(out);
+      return x.leading_unknown() ? ShapeResult{y} : fault(y, ShapeFault::min_rank, 1);
+    }
+    y = x.with_back(out);
+    if (in != dyn && x.back() != dyn && x.back() != in) return fault(y, ShapeFault::last_dimension, in);
+    return {y};
+  }
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    return rule(Layer::in_static, Layer::out_static, in[0]);
+  }
+  ShapeResult infer(std::span<const Shape> in) const {
+    return rule(layer->in_channels(), layer->out_channels(), in[0]);
+  }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    product<Backend, T, false>(a);
+  }
+
+  // The same product with the weight kept pre-packed between calls (inference graphs at O1 and O2).
+  auto with_packed_weight() const { return PackedMatMulOp<Layer, Bias, Fns...>{{layer, fns}}; }
+
+  // Takes this layer's bias first (if it has one), then any elementwise functions.
+  template <class C>
+  static constexpr bool accepts_epilogue =
+      (std::is_same_v<C, BiasAddOp<Layer>> && Layer::has_bias && !Bias && sizeof...(Fns) == 0) ||
+      requires { C::elementwise_functions; };
+  auto absorb(const BiasAddOp<Layer>&) const { return MatMulOp<Layer, true, Fns...>{layer, fns}; }
+  template <class... Gs>
+  auto absorb(const MapOp<Gs...>& next) const {
+    return MatMulOp<Layer, Bias, Fns..., Gs...>{layer, std::tuple_cat(fns, next.fns)};
+  }
+
+  // Its gradient op differentiates an activation epilogue from the forward output, so it can
+  // do so for one function whose derivative the output gives.
+  static constexpr bool differentiable = sizeof...(Fns) == 0 || (sizeof...(Fns) == 1 && (!fn::grad_from_input<Fns> && ...));
+  static constexpr bool has_parameters = true;
+  template <std::size_t K>
+    requires(K == 0)
+  auto grad_op() const {
+    return DenseGradOp<Layer, Bias, true, Fns...>{layer, fns};
+  }
+  auto parameter_grad_op() const { return DenseGradOp<Layer, Bias, false, Fns...>{layer, fns}; }
+
+  static std::string op_name() { return with_epilogue("MatMul"); }
+  std::string label() const { return layer->label(); }
+
+  // ONNX: Gemm(x, W, transB = 1) on a matrix; on other ranks a MatMul by Wᵀ. Only the plain
+  // product: PyNative, which export_onnx traces, runs the epilogue as ops of their own.
+  Interchange interchange(std::span<const Shape> in) const {
+    if constexpr (Bias || sizeof...(Fns) > 0) {
+      return {};
+    } else {
+      using I = InterchangeInput;
+      if (in[0].rank() == 2) {
+        return {{"Gemm", {I::operand(0), I::of_parameter(&layer->weight)}, {InterchangeAttribute::of("transB", 1)}}};
+      }
+      return {{"Transpose", {I::of_parameter(&layer->weight)}, {InterchangeAttribute::of("perm", std::vector<std::int64_t>{1, 0})}},
+              {"MatMul", {I::operand(0), I::node(0)}, {}}};
+    }
+  }
+
+ protected:
+  // Built in a local, not a by-value parameter: g++ 12 at -O1 and above warns (-Warray-bounds,
+  // a false positive) on the inlined move of a returned parameter string.
+  static std::string with_epilogue(const char* product) {
+    std::string s = product;
+    if (Bias) s += " + BiasAdd";
+    ((s += " + ", s += Fns::name), ...);
+    return s;
+  }
+
+  template <class Backend, class T, bool PackedWeight>
+  void product(const graph::KernelArgs& a) const {
+    const index_t in_channels = layer->in_channels();
+    const index_t rows = in_channels == 0 ? 0 : a.in_shape().numel() / in_channels;
+    const T* bias = nullptr;
+    if constexpr (Bias) bias = layer->bias.data();
+    const Epilogue<T, Fns...> epilogue{bias, fns};
+    constexpr index_t In = detail::DenseKernel<Layer>::in_static;
+    constexpr index_t Out = detail::DenseKernel<Layer>::out_static;
+    if constexpr (PackedWeight && backend::packs_as_dense<Backend, In, Out, T, Fns...>()) {
+      Backend::template dense_packed<In, Out>(a.in<T>(), rows, in_channels, layer->weight, layer->out_channels(),
+                                              epilogue, a.out<T>());
+    } else {
+      Backend::template dense<In, Out>(a.in<T>(), rows, in_channels, layer->weight.data(), layer->out_channels(),
+                                       epilogue, a.out<T>());
+    }
+  }
+};
+
+// MatMulOp whose weight the backend keeps packed from call to call, repacking it only after
+// the weight is written: what a layer that runs many times between updates wants. The result
+// is bit for bit MatMulOp's.
+template <class Layer, bool Bias, class... Fns>
+struct PackedMatMulOp : MatMulOp<Layer, Bias, Fns...> {
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    this->template product<Backend, T, true>(a);
+  }
+
+  static std::string op_name() { return MatMulOp<Layer, Bias, Fns...>::with_epilogue("PackedMatMul"); }
+};
+
+// x + bias over the last axis, bias being the layer's.
+template <class Layer>
+struct BiasAddOp : Primitive<BiasAddOp<Layer>> {
+  using layer_type = Layer;
+  using value_type = typename Layer::value_type;
+  static constexpr int arity = 1;
+  static constexpr bool is_elementwise = true;
+
+  const Layer* layer;
+  BiasAddOp(const Layer* l) : layer(l) {}
+
+  static constexpr ShapeResult rule(index_t out, const Shape& x) {
+    if (x.rank() > 0 && out != dyn && x.back() != dyn && x.back() != out) {
+      return fault(x, ShapeFault::last_dimension, out);
+    }
+    return {x};
+  }
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return rule(Layer::out_static, in[0]); }
+  ShapeResult infer(std::span<const Shape> in) const { return rule(layer->out_channels(), in[0]); }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const index_t cols = layer->out_channels();
+    Backend::add_bias(a.in<T>(), cols == 0 ? 0 : a.in_shape().numel() / cols, cols, layer->bias.data(), a.out<T>());
+  }
+
+  static constexpr bool has_parameters = true;
+  template <std::size_t K>
+    requires(K == 0)
+  auto grad_op() const {
+    return BiasAddGradOp<Layer, true>{layer};
+  }
+  auto parameter_grad_op() const { return BiasAddGradOp<Layer, false>{layer}; }
+
+  static std::string op_name() { return "BiasAdd"; }
+  std::string label() const { return layer->label(); }
+
+  Interchange interchange(std::span<const Shape>) const {
+    return {{"Add", {InterchangeInput::operand(0), InterchangeInput::of_parameter(&layer->bias)}, {}}};
+  }
+};
+
+// The gradient of MatMulOp<Layer, Bias, Fns...>: from dy (and y, when Fns need it) it makes
+// dW, db and, if InputGrad, dx. The activation mask and the bias sum are taken in the same
+// kernel as the products, as the forward fused them.
+template <class Layer, bool Bias, bool InputGrad, class... Fns>
+struct DenseGradOp : Primitive<DenseGradOp<Layer, Bias, InputGrad, Fns...>> {
+  using layer_type = Layer;
+  using value_type = typename Layer::value_type;
+  static constexpr auto reads = [] {
+    if constexpr (sizeof...(Fns) == 0)
+      return std::array{graph::Operand::grad, graph::Operand::input0};
+    else
+      return std::array{graph::Operand::grad, graph::Operand::input0, graph::Operand::output};
+  }();
+  static constexpr int arity = static_cast<int>(reads.size());  // dy, x[, y]
+  static constexpr bool is_sink = !InputGrad;
+
+  const Layer* layer;
+  std::tuple<Fns...> fns;
+  DenseGradOp(const Layer* l, std::tuple<Fns...> f) : layer(l), fns(std::move(f)) {}
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {InputGrad ? in[1] : Shape{}}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const std::uint64_t pass = duet::detail::current_backward_pass();
+    bool accumulate_w = false;
+    bool accumulate_b = false;
+    T* dw = layer->weight.grad_for_write(pass, &accumulate_w);
+    T* db = nullptr;
+    if constexpr (Bias) db = layer->bias.grad_for_write(pass, &accumulate_b);
+    const index_t in_channels = layer->in_channels();
+    const index_t rows = in_channels == 0 ? 0 : a.in_shape(1).numel() / in_channels;
+    using Kernel = detail::DenseKernel<Layer>;
+    Backend::template dense_backward<Kernel::in_static, Kernel::out_static, T, Fns...>(DenseBackwardArgs<T>{
+        a.in<T>(0), a.in<T>(1), sizeof...(Fns) == 0 ? nullptr : a.in<T>(2), rows, in_channels, layer->weight.data(),
+        layer->out_channels(), InputGrad ? a.out<T>() : nullptr, dw, accumulate_w, db, accumulate_b}, fns);
+    duet::detail::gradient_writes_done();
+  }
+
+  static std::string op_name() {
+    std::string s = "MatMulGrad";
+    if (Bias) s += " + BiasGrad";
+    ((s += " + " + std::string(Fns::name) + "Grad"), ...);
+    if (!InputGrad) s += " (parameters only)";
+    return s;
+  }
+  std::string label() const { return layer->label(); }
+};
+
+// The gradient of BiasAddOp: db is the column sum of dy, and dx is dy itself (a view).
+template <class Layer, bool InputGrad>
+struct BiasAddGradOp : Primitive<BiasAddGradOp<Layer, InputGrad>> {
+  using layer_type = Layer;
+  using value_type = typename Layer::value_type;
+  static constexpr std::array reads{graph::Operand::grad};
+  static constexpr int arity = 1;
+  static constexpr bool is_view = InputGrad;
+  static constexpr bool has_side_effects = true;
+  static constexpr bool is_sink = !InputGrad;
+
+  const Layer* layer;
+  BiasAddGradOp(const Layer* l) : layer(l) {}
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {InputGrad ? in[0] : Shape{}}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    bool accumulate = false;
+    T* db = layer->bias.grad_for_write(duet::detail::current_backward_pass(), &accumulate);
+    const index_t cols = layer->out_channels();
+    Backend::bias_grad(a.in<T>(), cols == 0 ? 0 : a.in_shape().numel() / cols, cols, db, accumulate);
+    duet::detail::gradient_writes_done();
+  }
+
+  static std::string op_name() { return InputGrad ? "BiasAddGrad" : "BiasAddGrad (parameters only)"; }
+  std::string label() const { return layer->label(); }
+};
+
+}  // namespace ops
+
+namespace nn {
+
+// nn::Dense's initialisers (MindSpore's weight_init, bias_init): any duet::initializer, or a
+// user's; left unset, MindSpore's defaults. (MindSpore's has_bias is a template argument of
+// nn::Dense: it decides which nodes the layer captures.)
+template <ElementType T>
+struct DenseOptions {
+  std::optional<initializer::AnyInitializer<T>> weight_init = std::nullopt;
+  std::optional<initializer::AnyInitializer<T>> bias_init = std::nullopt;
+};
+
+namespace detail {
+// A Dense layer's parameters, the checkpoint entries: weight and, if it has one, bias.
+template <ElementType T, bool HasBias>
+struct DenseParameters {
+  BasicParameter<T> weight;  // [out_channels, in_channels]
+  BasicParameter<T> bias;    // [out_channels]
+  DUET_CELL_MEMBERS(weight, bias);
+};
+template <ElementType T>
+struct DenseParameters<T, false> {
+  BasicParameter<T> weight;
+  DUET_CELL_MEMBERS(weight);
+};
+
+// A Dense's weight, then its bias, from the global generator (set_seed); `fixed` holds its
+// compile-time sizes (dyn where none). Unset options are MindSpore 2.x's defaults: weight
+// HeUniform(negative_slope = sqrt(5)) and bias Uniform(1/sqrt(in)), both U(-1/sqrt(in),
+// 1/sqrt(in)), drawn here as that Uniform so that the bound is T's 1/sqrt(in) for every T.
+// Not a member of Dense: compiled once per element type, not once per layer size.
+template <ElementType T, bool HasBias>
+void initialize_dense(DenseParameters<T, HasBias>& parameters, const BasicDynamicCell<T>& cell,
+                      std::array<index_t, 2> fixed, std::array<index_t, 2> sizes, const DenseOptions<T>& options) {
+  const index_t in_channels = sizes[0], out_channels = sizes[1];  // not a structured binding: clang 14 cannot capture one
+  if ((fixed[0] != dyn && in_channels != fixed[0]) || (fixed[1] != dyn && out_channels != fixed[1]) ||
+      in_channels <= 0 || out_channels <= 0) {
+    throw ValueError(cell.type_name() + ": cannot be built with in_channels " + std::to_string(in_channels) +
+                     " and out_channels " + std::to_string(out_channels));
+  }
+  const initializer::Uniform mindspore_default{static_cast<double>(T(1) / std::sqrt(static_cast<T>(in_channels)))};
+  if (!HasBias && options.bias_init) {
+    throw ValueError(cell.type_name() + ": bias_init is given, but the layer has no bias (HasBias = false)");
+  }
+  const initializer::AnyInitializer<T> weight_init = options.weight_init.value_or(mindspore_default);
+  auto weight_value = BasicTensor<T>::uninitialized({out_channels, in_channels});
+  with_global_generator([&](Generator& gen) {
+    initializer::initialize_option(weight_value, weight_init, gen, cell.type_name(), "weight_init");
+    if constexpr (HasBias) {
+      auto bias_value = BasicTensor<T>::uninitialized({out_channels});
+      initializer::initialize_option(bias_value, options.bias_init.value_or(mindspore_default), gen, cell.type_name(),
+                                     "bias_init");
+      parameters.bias = BasicParameter<T>(std::move(bias_value));
+    }
+  });
+  parameters.weight = BasicParameter<T>(std::move(weight_value));
+}
+}  // namespace detail
+
+// y = x · weightᵀ + bias over the last axis of x (MindSpore's nn.Dense). In and Out are
+// compile-time sizes, or duet::dyn for sizes given to the constructor at run time. HasBias
+// false is MindSpore's has_bias=False: no bias parameter, y = x · weightᵀ.
+//
+// Dense<In, Out> is Dense<> with the sizes in its type (SizedLayer): graph capture checks the
+// input against them while the program compiles, and the layer otherwise runs Dense<>'s code,
+// compiled once for all sizes. Except where the sizes change the product's code, and so
+// possibly its bits (small layers the GEMM unrolls, backend::dense_depends_on_sizes): such a
+// layer is a cell of its own, as a partly dyn one is.
+template <index_t In = dyn, index_t Out = dyn, ElementType T = float, bool HasBias = true>
+class Dense : public Cell<Dense<In, Out, T, HasBias>, CONTEXT_MODE, T>, public detail::DenseParameters<T, HasBias> {
+  static_assert(In == dyn || In > 0, "nn::Dense<In, Out>: In must be positive (or duet::dyn)");
+  static_assert(Out == dyn || Out > 0, "nn::Dense<In, Out>: Out must be positive (or duet::dyn)");
+
+ public:
+  using runtime_type = Dense;
+  static constexpr index_t in_static = In;
+  static constexpr index_t out_static = Out;
+  static constexpr bool has_bias = HasBias;
+  using detail::DenseParameters<T, HasBias>::weight;
+
+  using Options = DenseOptions<T>;
+
+  Dense() requires(In != dyn && Out != dyn) : Dense(In, Out) {}
+  // nn::Dense<784, 512> fc{{.weight_init = initializer::HeNormal{}, .bias_init = initializer::Zero{}}};
+  explicit Dense(Options options) requires(In != dyn && Out != dyn) : Dense(In, Out, std::move(options)) {}
+
+  Dense(index_t in_channels, index_t out_channels, Options options = {})
+      : Dense(in_channels, out_channels, std::move(options), {In, Out}) {}
+
+ protected:
+  // A Dense<In, Out>'s: sized holds the sizes its type fixes, which it checks and is named by.
+  Dense(index_t in_channels, index_t out_channels, Options options, std::array<index_t, 2> sized)
+      : in_(in_channels), out_(out_channels), sized_(sized) {
+    detail::initialize_dense<T, HasBias>(*this, *this, sized, {in_channels, out_channels}, options);
+  }
+
+ public:
+  index_t in_channels() const {
+    if constexpr (In != dyn)
+      return In;
+    else
+      return in_;
+  }
+  index_t out_channels() const {
+    if constexpr (Out != dyn)
+      return Out;
+    else
+      return out_;
+  }
+
+  template <class X>
+  auto construct(X&& x) {
+    return captured_as(this, std::forward<X>(x));
+  }
+
+  std::string type_name() const override {
+    std::string s = "nn::Dense<" + size_name(sized_[0]) + ", " + size_name(sized_[1]);
+    if constexpr (!std::is_same_v<T, float> || !HasBias) s += ", " + std::string(name_of(dtype_of<T>));
+    if constexpr (!HasBias) s += ", no bias";
+    return s + ">";
+  }
+
+ protected:
+  // The operations of a Dense typed on layer: this one, or a Dense<In, Out> deriving from it.
+  template <class Layer, class X>
+  static auto captured_as(Layer* layer, X&& x) {
+    if constexpr (HasBias) return apply(ops::BiasAddOp<Layer>{layer}, apply(ops::MatMulOp<Layer>{layer}, std::forward<X>(x)));
+    else return apply(ops::MatMulOp<Layer>{layer}, std::forward<X>(x));
+  }
+
+ private:
+  static std::string size_name(index_t n) { return n == dyn ? "dyn" : std::to_string(n); }
+
+  index_t in_;
+  index_t out_;
+  std::array<index_t, 2> sized_;
+};
+
+template <index_t In, index_t Out, ElementType T, bool HasBias>
+  requires(In > 0 && Out > 0 && !backend::dense_depends_on_sizes<DefaultBackend, In, Out, T>())
+class Dense<In, Out, T, HasBias> : public SizedLayer<Dense<In, Out, T, HasBias>, Dense<dyn, dyn, T, HasBias>> {
+  using Runtime = Dense<dyn, dyn, T, HasBias>;
+  using Sized = SizedLayer<Dense, Runtime>;
+
+ public:
+  static constexpr index_t in_static = In;
+  static constexpr index_t out_static = Out;
+  using Options = DenseOptions<T>;
+
+  Dense() : Dense(In, Out) {}
+  explicit Dense(Options options) : Dense(In, Out, std::move(options)) {}
+  Dense(index_t in_channels, index_t out_channels, Options options = {})
+      : Sized(in_channels, out_channels, std::move(options), {In, Out}) {}
+
+  template <graph::Symbolic S>
+  auto sized_construct(const S& x) {
+    return Runtime::captured_as(this, x);
+  }
+};
+
+}  // namespace nn
+}  // namespace duet
+
+namespace duet::nn {
+
+// x [batch, length, E] -> [batch, length, E]: q, k and v from one fused in-projection
+// (in_proj, Dense<E, 3E>: its weight and bias hold PyTorch's in_proj_weight and in_proj_bias,
+// under the names in_proj.weight and in_proj.bias; out_proj's are named as PyTorch's), each cut into H heads of E / H
+// ([batch, H, length, E / H]), softmax(q kᵀ / sqrt(E / H)) v per head, the heads joined again and projected by out_proj
+// (Dense<E, E>). Causal: position i attends to positions up to i only (PyTorch's attn_mask of -inf above the diagonal),
+// one ops::tril pass at any length. The length is read at run time; E and H are fixed.
+//
+// One fused in-projection, not three Dense<E, E> on x: three values of one type on one input
+// make graph mode fall back to a traced graph (README, "Shared values in graph mode").
+// Initialised as PyTorch does: in_proj's weight Xavier-uniform, both biases 0, out_proj's
+// weight U(-1/sqrt(E), 1/sqrt(E)). No dropout, and only the output (PyTorch's need_weights=False).
+template <index_t E, index_t H, bool Causal = false, ElementType T = float>
+class MultiheadAttention : public Cell<MultiheadAttention<E, H, Causal, T>, CONTEXT_MODE, T> {
+  static_assert(E > 0 && H > 0 && E % H == 0,
+                "nn::MultiheadAttention<E, H>: E (embed_dim) must be a positive multiple of H (num_heads)");
+
+ public:
+  Dense<E, 3 * E, T> in_proj{{.weight_init = initializer::XavierUniform{}, .bias_init = initializer::Zero{}}};
+  Dense<E, E, T> out_proj{{.bias_init = initializer::Zero{}}};
+  DUET_CELL_MEMBERS(in_proj, out_proj);
+
+  static constexpr index_t embed_dim = E;
+  static constexpr index_t num_heads = H;
+  static constexpr index_t head_dim = E / H;
+  static constexpr bool causal = Causal;
+
+  template <class X>
+  auto construct(X&& x) {
+    auto [q, k, v] = ops::split<-1, E, E, E>(in_proj(std::forward<X>(x)));
+    // [batch, length, E] -> [batch, H, length, E / H]: PyTorch's view(B, T, H, dh).transpose(1, 2).
+    const auto heads = [](const auto& t) { return ops::transpose<0, 2, 1, 3>(ops::unflatten<-1, H, E / H>(t)); };
+    auto scores = ops::matmul(heads(q) * (T(1) / std::sqrt(static_cast<T>(head_dim))), heads(k), ops::transpose_b);
+    auto weights = [&] {
+      if constexpr (Causal)
+        return ops::softmax(ops::tril(scores, 0, -std::numeric_limits<T>::infinity()), -1);
+      else
+        return ops::softmax(scores, -1);
+    }();
+    return out_proj(ops::flatten<-2, -1>(ops::transpose<0, 2, 1, 3>(ops::matmul(weights, heads(v)))));
+  }
+
+  std::string type_name() const override {
+    return "nn::MultiheadAttention<" + std::to_string(E) + ", " + std::to_string(H) + (Causal ? ", causal" : "") + ">";
+  }
+};
+
+}  // namespace duet::nn
+// Batch normalisation: nn::BatchNorm1d, nn::BatchNorm2d and the operations they capture.
+//
+// Layout NCL / NCHW: the statistics of channel c are taken over every axis but axis 1. Each
+// channel's elements lie in `batch` contiguous runs of `spatial` elements (one per sample),
+// which the kernels read as Eigen arrays, so they vectorise without a transposed copy.
+// Measured (g++ 12 -O2, no -march, one core of the project's AMD EPYC, medians of 21, while
+// other jobs shared the machine): [32, 64, 28, 28] float, training (two passes for the
+// statistics, one to normalise) 1.49 ms, evaluation 0.58 ms, against 0.17 ms for a memcpy of
+// the input and 21 ms for the same statistics in plain loops in double. BatchNorm1d on [N, C]
+// has runs of one element, so it goes channel by channel with strided reads (not vectorised
+// across channels; a row-wise form would need scratch for C statistics).
+//
+// Training (set_train()) normalises with the batch's statistics, mean and biased variance,
+// and moves the moving statistics towards them; evaluation normalises with the moving
+// statistics and leaves them alone. Both are the same kernels in both modes, so the outputs,
+// the gradients and the moving statistics agree bit for bit. A training step that fails after
+// the forward pass ran puts the moving statistics back (duet::detail::StepState).
+//
+// Folding into a convolution (graph mode at evaluation, O1 and O2): an evaluation BatchNorm is
+// the per-channel affine map y = x · scale + shift of BatchNorm::evaluation_affine(), which
+// passes::fuse_epilogues (and PIJit's fusion, through ops::EvaluationNorm) folds into the
+// weight and bias of the convolution before it (W'[c] = W[c] · scale[c], b'[c] = b[c] ·
+// scale[c] + shift[c]) when it meets (Conv, BatchNormOp<Layer, Phase::eval>): ops/conv.hpp's
+// ConvEpilogueOp. Only the evaluation
+// form has that node type, so training is never folded. The folded weight is the conv
+// weight's derived() form, remade when the weight, the bias or any of this layer's four
+// tensors changes version().
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <Eigen/Core>
+
+// What the operations of layers that differ between training and evaluation share
+// (nn::BatchNorm1d/2d, nn::Dropout): the phase they were made for, and the check that their
+// layer is still set to it when they run.
+//
+// Such a layer appends the operation of its input's phase in graph capture (graph::phase_of),
+// and of its own setting (set_train) in PyNative mode. Graph mode runs the form its layers ask
+// for (pipeline::in_requested_phase, which reads requested_phase()); the check below refuses a
+// form that one of its layers no longer agrees with (a layer switched alone, whose network was
+// captured in the other phase) rather than running it stale.
+
+#include <string>
+#include <utility>
+
+
+namespace duet::ops {
+
+// The base of such an operation, made for phase P by `layer`.
+template <class Layer, graph::Phase P>
+struct PhaseOf {
+  static constexpr graph::Phase phase = P;
+
+  Layer* layer;
+  explicit PhaseOf(Layer* l) : layer(l) {}
+
+  graph::Phase requested_phase() const { return layer->training() ? graph::Phase::train : graph::Phase::eval; }
+  std::string layer_label() const { return layer->label(); }
+
+  // Called first by the operation's kernel.
+  void check_phase() const {
+    if (requested_phase() == P) return;
+    throw ModeError(layer->label() + " is set to " + (layer->training() ? "train" : "evaluate") +
+                    " (set_train), but runs in a graph captured for " +
+                    (P == graph::Phase::train ? "training" : "evaluation") +
+                    "; graph mode captures a network in one phase, which all its layers must share: call "
+                    "set_train on the whole network, or run it in PyNative mode");
+  }
+};
+
+// What such a layer's construct does: applies Op<Layer, P> to x, P being x's phase in graph
+// capture, and the layer's setting on a tensor (PyNative).
+template <template <class, graph::Phase> class Op, class Layer, class X>
+auto apply_in_phase(Layer* layer, X&& x) {
+  if constexpr (graph::Symbolic<X>) {
+    return apply(Op<Layer, graph::phase_of<X>()>{layer}, x);
+  } else if (layer->training()) {
+    return apply(Op<Layer, graph::Phase::train>{layer}, std::forward<X>(x));
+  } else {
+    return apply(Op<Layer, graph::Phase::eval>{layer}, std::forward<X>(x));
+  }
+}
+
+}  // namespace duet::ops
+
+namespace duet {
+namespace ops {
+
+template <class Layer, graph::Phase P, bool InputGrad>
+struct BatchNormGradOp;
+
+namespace detail {
+
+// Where channel c's elements are: `batch` runs of `spatial` elements, run n starting at
+// (n · channels + c) · spatial.
+struct ChannelRuns {
+  index_t batch;
+  index_t channels;
+  index_t spatial;
+
+  explicit ChannelRuns(const Shape& x) : batch(x[0]), channels(x[1]), spatial(1) {
+    for (int a = 2; a < x.rank(); ++a) spatial *= x[a];
+  }
+  index_t count() const { return batch * spatial; }
+  index_t offset(index_t n, index_t c) const { return (n * channels + c) * spatial; }
+
+  // f(run) for each run of channel c, run being an Eigen map of its elements in data.
+  template <class T, class F>
+  void for_each_run(T* data, index_t c, F&& f) const {
+    using Array = ::Eigen::Array<std::remove_const_t<T>, ::Eigen::Dynamic, 1>;
+    using Map = std::conditional_t<std::is_const_v<T>, ::Eigen::Map<const Array>, ::Eigen::Map<Array>>;
+    for (index_t n = 0; n < batch; ++n) f(Map(data + offset(n, c), spatial));
+  }
+};
+
+// Channel c's batch mean and biased variance, the variance taken around the mean in a second
+// pass (no digits lost to E[x²] - E[x]² when the mean is large against the spread).
+template <class T>
+struct ChannelStatistics {
+  T mean;
+  T variance;
+};
+
+template <class T>
+ChannelStatistics<T> channel_statistics(const T* x, const ChannelRuns& runs, index_t c) {
+  const T count = static_cast<T>(runs.count());
+  T sum = 0;
+  runs.for_each_run(x, c, [&](const auto& run) { sum += run.sum(); });
+  const T mean = sum / count;
+  T squares = 0;
+  runs.for_each_run(x, c, [&](const auto& run) { squares += (run - mean).square().sum(); });
+  return {mean, squares / count};
+}
+
+// y = (x - mean) · scale + beta over channel c, scale being gamma / sqrt(var + eps).
+template <class T>
+void normalize(const T* x, T* y, const detail::ChannelRuns& runs, index_t c, T mean, T scale, T beta) {
+  using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
+  for (index_t n = 0; n < runs.batch; ++n) {
+    const index_t at = runs.offset(n, c);
+    ::Eigen::Map<Array>(y + at, runs.spatial) = (::Eigen::Map<const Array>(x + at, runs.spatial) - mean) * scale + beta;
+  }
+}
+
+// BatchNormOp's kernel, for a layer of any size.
+template <graph::Phase P, class T, class Layer>
+void batch_norm(Layer& layer, const graph::KernelArgs& a) {
+  const ChannelRuns runs(a.in_shape());
+  const T* x = a.in<T>();
+  T* y = a.out<T>();
+  const Layer& read = layer;  // reads leave the parameters' version() alone
+  if constexpr (P == graph::Phase::train) {
+    layer.check_batch(a.in_shape());
+    const T momentum = static_cast<T>(layer.momentum());
+    const T unbiased = static_cast<T>(runs.count()) / static_cast<T>(runs.count() - 1);
+    duet::detail::will_change(layer);
+    T* moving_mean = layer.moving_mean.data();
+    T* moving_variance = layer.moving_variance.data();
+    for (index_t c = 0; c < runs.channels; ++c) {
+      const auto s = channel_statistics(x, runs, c);
+      normalize(x, y, runs, c, s.mean, read.gamma.data()[c] / std::sqrt(s.variance + static_cast<T>(read.eps())),
+                read.beta.data()[c]);
+      moving_mean[c] = momentum * moving_mean[c] + (1 - momentum) * s.mean;
+      moving_variance[c] = momentum * moving_variance[c] + (1 - momentum) * s.variance * unbiased;
+    }
+  } else {
+    for (index_t c = 0; c < runs.channels; ++c) {
+      normalize(x, y, runs, c, read.moving_mean.data()[c], read.evaluation_scale(c), read.beta.data()[c]);
+    }
+  }
+}
+
+// BatchNormGradOp's kernel: dgamma, dbeta and, if input_grad, dx (a's output) from dy and x.
+template <graph::Phase P, class T, class Layer>
+void batch_norm_gradient(Layer& layer, const graph::KernelArgs& a, bool input_grad) {
+  using Array = ::Eigen::Array<T, ::Eigen::Dynamic, 1>;
+  const ChannelRuns runs(a.in_shape(1));
+  const T* dy = a.in<T>(0);
+  const T* x = a.in<T>(1);
+  // gamma and beta without requires_grad (affine = false) keep no gradient.
+  T* dgamma = nullptr;
+  T* dbeta = nullptr;
+  bool accumulate_gamma = false;
+  bool accumulate_beta = false;
+  if (layer.gamma.requires_grad) {
+    const std::uint64_t pass = duet::detail::current_backward_pass();
+    dgamma = layer.gamma.grad_for_write(pass, &accumulate_gamma);
+    dbeta = layer.beta.grad_for_write(pass, &accumulate_beta);
+  }
+  const Layer& read = layer;  // reads leave the parameters' version() alone
+  const T count = static_cast<T>(runs.count());
+  const T eps = static_cast<T>(read.eps());
+  for (index_t c = 0; c < runs.channels; ++c) {
+    T mean;
+    T rstd;
+    if constexpr (P == graph::Phase::train) {
+      const auto s = channel_statistics(x, runs, c);
+      mean = s.mean;
+      rstd = T(1) / std::sqrt(s.variance + eps);
+    } else {
+      mean = read.moving_mean.data()[c];
+      rstd = T(1) / std::sqrt(read.moving_variance.data()[c] + eps);
+    }
+    T sum_dy = 0;
+    T sum_dy_x_hat = 0;
+    for (index_t n = 0; n < runs.batch; ++n) {
+      const index_t at = runs.offset(n, c);
+      const ::Eigen::Map<const Array> g(dy + at, runs.spatial);
+      const ::Eigen::Map<const Array> xs(x + at, runs.spatial);
+      sum_dy += g.sum();
+      sum_dy_x_hat += (g * ((xs - mean) * rstd)).sum();
+    }
+    if (dgamma != nullptr) {
+      dgamma[c] = accumulate_gamma ? dgamma[c] + sum_dy_x_hat : sum_dy_x_hat;
+      dbeta[c] = accumulate_beta ? dbeta[c] + sum_dy : sum_dy;
+    }
+    if (input_grad) {
+      const T scale = read.gamma.data()[c] * rstd;
+      for (index_t n = 0; n < runs.batch; ++n) {
+        const index_t at = runs.offset(n, c);
+        const ::Eigen::Map<const Array> g(dy + at, runs.spatial);
+        ::Eigen::Map<Array> dx(a.out<T>() + at, runs.spatial);
+        if constexpr (P == graph::Phase::train) {
+          const ::Eigen::Map<const Array> xs(x + at, runs.spatial);
+          dx = scale * (g - sum_dy / count - (xs - mean) * rstd * (sum_dy_x_hat / count));
+        } else {
+          dx = scale * g;
+        }
+      }
+    }
+  }
+  duet::detail::gradient_writes_done();
+}
+
+}  // namespace detail
+
+// (x - mean) / sqrt(var + eps) · gamma + beta per channel; in training (P = train) mean and
+// var are the batch's, and the layer's moving statistics move towards them; in evaluation
+// they are the moving statistics.
+template <class Layer, graph::Phase P>
+struct BatchNormOp : Primitive<BatchNormOp<Layer, P>>, PhaseOf<Layer, P> {
+  using layer_type = Layer;
+  using value_type = typename Layer::value_type;
+  static constexpr int arity = 1;
+
+  explicit BatchNormOp(Layer* l) : PhaseOf<Layer, P>(l) {}
+
+  static constexpr ShapeResult rule(index_t channels, const Shape& x) {
+    if (x.leading_unknown()) return {x};
+    if (x.rank() < Layer::min_rank) return fault(x, ShapeFault::min_rank, Layer::min_rank);
+    if (x.rank() > Layer::max_rank) return fault(x, ShapeFault::exact_rank, Layer::max_rank);
+    if (channels != dyn && x[1] != dyn && x[1] != channels) return fault(x, ShapeFault::channel_dimension, channels);
+    return {x};
+  }
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return rule(Layer::channels_static, in[0]); }
+  ShapeResult infer(std::span<const Shape> in) const { return rule(this->layer->num_features(), in[0]); }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    this->check_phase();
+    detail::batch_norm<P, T>(*nn::detail::runtime_form(this->layer), a);
+  }
+
+  static constexpr bool has_parameters = true;
+  template <std::size_t K>
+    requires(K == 0)
+  auto grad_op() const {
+    return BatchNormGradOp<Layer, P, true>{this->layer};
+  }
+  auto parameter_grad_op() const { return BatchNormGradOp<Layer, P, false>{this->layer}; }
+
+  // What a convolution before it folds in (ops/conv.hpp), graph mode's passes and PIJit's alike.
+  ops::EvaluationNorm<value_type> evaluation_norm() const
+    requires(P == graph::Phase::eval)
+  {
+    return ops::EvaluationNorm<value_type>::of(*this->layer);
+  }
+
+  static std::string op_name() { return P == graph::Phase::train ? "BatchNorm" : "BatchNorm (moving statistics)"; }
+  std::string label() const { return this->layer->label(); }
+
+  // ONNX: BatchNormalization in inference, from the moving statistics (export_onnx traces the
+  // network at evaluation).
+  Interchange interchange(std::span<const Shape>) const {
+    if constexpr (P == graph::Phase::eval) {
+      using I = InterchangeInput;
+      const Layer& l = *this->layer;
+      return {{"BatchNormalization",
+               {I::operand(0), I::of_parameter(&l.gamma), I::of_parameter(&l.beta), I::of_parameter(&l.moving_mean),
+                I::of_parameter(&l.moving_variance)},
+               {InterchangeAttribute::of_real("epsilon", l.eps())}}};
+    } else {
+      return {};
+    }
+  }
+
+};
+
+// The gradient of BatchNormOp, from dy and x. With x̂ = (x - mean) · rstd and m the channel's
+// count: dbeta = Σ dy, dgamma = Σ dy · x̂; in training (mean and rstd depend on x)
+// dx = gamma · rstd · (dy - Σ dy / m - x̂ · Σ (dy · x̂) / m), in evaluation dx = gamma · rstd · dy.
+// The statistics are taken again, by the forward's own code, so they are its bits.
+template <class Layer, graph::Phase P, bool InputGrad>
+struct BatchNormGradOp : Primitive<BatchNormGradOp<Layer, P, InputGrad>> {
+  using layer_type = Layer;
+  using value_type = typename Layer::value_type;
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0};
+  static constexpr int arity = 2;  // dy, x
+  static constexpr bool is_sink = !InputGrad;
+
+  Layer* layer;
+  explicit BatchNormGradOp(Layer* l) : layer(l) {}
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {InputGrad ? in[1] : Shape{}}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    detail::batch_norm_gradient<P, T>(*nn::detail::runtime_form(layer), a, InputGrad);
+  }
+
+  static std::string op_name() {
+    std::string s = P == graph::Phase::train ? "BatchNormGrad" : "BatchNormGrad (moving statistics)";
+    return InputGrad ? s : s + " (parameters only)";
+  }
+  std::string label() const { return layer->label(); }
+};
+
+inline const bool batchnorm_listed = list_operations({"BatchNorm"});
+
+}  // namespace ops
+
+namespace nn {
+
+// MindSpore's nn.BatchNorm1d (Dims = 1: input [N, C] or [N, C, L]) and nn.BatchNorm2d (Dims = 2:
+// [N, C, H, W]), with their defaults: eps 1e-5, momentum 0.9, affine. C is the number of
+// channels at compile time (nn::BatchNorm2d<64>), or duet::dyn for one given to the
+// constructor (nn::BatchNorm2d<>(64)).
+//
+// Parameters, by MindSpore's names (which checkpoints and safetensors files use: "bn.gamma",
+// "bn.moving_mean", ...): gamma (ones) and beta (zeros), trained unless affine is false
+// (then they keep requires_grad = false, as in MindSpore); moving_mean (zeros) and
+// moving_variance (ones), never trained (requires_grad = false: optimisers skip them) and
+// saved and loaded with the rest. PyTorch calls them weight, bias, running_mean, running_var.
+//
+// momentum is MindSpore's: moving = momentum · moving + (1 - momentum) · batch. PyTorch's
+// momentum is the weight of the batch instead, moving = (1 - m) · moving + m · batch, so
+// PyTorch's momentum m is MindSpore's 1 - m: PyTorch's default 0.1 is MindSpore's 0.9 (and
+// MindSpore 2.9 announces a switch to PyTorch's convention). The batch variance entering the
+// moving one is the unbiased one (· m / (m - 1)), as in both; the batch is normalised with the
+// biased one. Training needs more than one value per channel.
+//
+// BatchNorm2d<C> is BatchNorm2d<> with C in its type (SizedLayer): graph capture checks the
+// input's channels against it while the program compiles.
+template <int Dims, ElementType T>
+std::string batch_norm_name(index_t channels) {
+  std::string s = "nn::BatchNorm" + std::to_string(Dims) + "d<";
+  s += channels == dyn ? std::string("dyn") : std::to_string(channels);
+  if constexpr (!std::is_same_v<T, float>) s += ", " + std::string(name_of(dtype_of<T>));
+  return s + ">";
+}
+
+template <int Dims, index_t C = dyn, ElementType T = float>
+class BatchNorm : public Cell<BatchNorm<Dims, C, T>, CONTEXT_MODE, T>, public duet::detail::StepState {
+  static_assert(Dims == 1 || Dims == 2, "nn::BatchNorm<Dims>: Dims is 1 (BatchNorm1d) or 2 (BatchNorm2d)");
+
+ public:
+  using runtime_type = BatchNorm;
+  static constexpr index_t channels_static = dyn;
+  static constexpr int min_rank = Dims == 1 ? 2 : 4;
+  static constexpr int max_rank = Dims == 1 ? 3 : 4;
+
+  BasicParameter<T> gamma;            // [C]
+  BasicParameter<T> beta;             // [C]
+  BasicParameter<T> moving_mean;      // [C], not trained
+  BasicParameter<T> moving_variance;  // [C], not trained
+  DUET_CELL_MEMBERS(gamma, beta, moving_mean, moving_variance);
+
+  explicit BatchNorm(index_t num_features, double eps = 1e-5, double momentum = 0.9, bool affine = true)
+      : BatchNorm(num_features, eps, momentum, affine, false) {}
+
+ protected:
+  // A BatchNorm<Dims, C>'s, named as its type.
+  BatchNorm(index_t num_features, double eps, double momentum, bool affine, bool sized)
+      : features_(num_features), eps_(eps), momentum_(momentum), sized_(sized) {
+    if (num_features <= 0) {
+      throw ValueError(type_name() + ": cannot be built with num_features " + std::to_string(num_features));
+    }
+    if (!(eps > 0)) throw ValueError(type_name() + ": eps must be > 0, got " + std::to_string(eps));
+    if (!(momentum >= 0 && momentum <= 1)) {
+      throw ValueError(type_name() + ": momentum must be in [0, 1] (MindSpore's: the weight of the moving "
+                                     "statistics), got " + std::to_string(momentum));
+    }
+    gamma = BasicParameter<T>(ones<T>({num_features}));
+    beta = BasicParameter<T>(zeros<T>({num_features}));
+    moving_mean = BasicParameter<T>(zeros<T>({num_features}));
+    moving_variance = BasicParameter<T>(ones<T>({num_features}));
+    gamma.requires_grad = affine;
+    beta.requires_grad = affine;
+    moving_mean.requires_grad = false;
+    moving_variance.requires_grad = false;
+    affine_ = affine;
+  }
+
+ public:
+  bool never_trains(const BasicParameter<T>& p) const override {
+    return &p == &moving_mean || &p == &moving_variance || !affine_;
+  }
+
+  index_t num_features() const { return features_; }
+  double eps() const { return eps_; }
+  double momentum() const { return momentum_; }
+
+  // Evaluation's map per channel, y = x · scale + shift with scale = gamma / sqrt(moving_variance
+  // + eps) and shift = beta - moving_mean · scale: what a convolution before it can absorb.
+  using Affine = ops::AffineMap<T>;
+  Affine evaluation_affine() const {
+    const auto n = static_cast<std::size_t>(num_features());
+    Affine a{std::vector<T>(n), std::vector<T>(n)};
+    for (std::size_t c = 0; c < n; ++c) {
+      a.scale[c] = evaluation_scale(static_cast<index_t>(c));
+      a.shift[c] = beta.data()[c] - moving_mean.data()[c] * a.scale[c];
+    }
+    return a;
+  }
+  T evaluation_scale(index_t c) const {
+    return gamma.data()[c] / std::sqrt(moving_variance.data()[c] + static_cast<T>(eps_));
+  }
+
+  // Batch statistics need two values per channel at least (the unbiased variance divides by m - 1).
+  void check_batch(const Shape& x) const {
+    if (ops::detail::ChannelRuns(x).count() < 2) {
+      throw ValueError(this->label() + " in training needs more than one value per channel to take batch "
+                                       "statistics, got an input of shape " + to_string(x) +
+                       " (set_train(false) to normalise with the moving statistics)");
+    }
+  }
+
+  template <class X>
+  auto construct(X&& x) {
+    return ops::apply_in_phase<ops::BatchNormOp>(this, std::forward<X>(x));
+  }
+
+  // Training moves the moving statistics; a step that fails puts them back.
+  void save_for_step() override {
+    const auto& mean = std::as_const(moving_mean);
+    const auto& variance = std::as_const(moving_variance);
+    saved_mean_.assign(mean.data(), mean.data() + mean.numel());
+    saved_variance_.assign(variance.data(), variance.data() + variance.numel());
+  }
+  void restore_step() override {
+    std::ranges::copy(saved_mean_, moving_mean.data());
+    std::ranges::copy(saved_variance_, moving_variance.data());
+  }
+
+  bool depends_on_phase() const override { return true; }
+
+  std::string type_name() const override { return batch_norm_name<Dims, T>(sized_ ? features_ : dyn); }
+
+ private:
+  index_t features_;
+  double eps_;
+  double momentum_;
+  bool sized_;
+  bool affine_ = true;
+  std::vector<T> saved_mean_;
+  std::vector<T> saved_variance_;
+};
+
+template <int Dims, index_t C, ElementType T>
+  requires(C != dyn)
+class BatchNorm<Dims, C, T> : public SizedLayer<BatchNorm<Dims, C, T>, BatchNorm<Dims, dyn, T>> {
+  static_assert(C > 0, "nn::BatchNorm2d<C>: C must be positive (or duet::dyn)");
+  using Sized = SizedLayer<BatchNorm, BatchNorm<Dims, dyn, T>>;
+
+ public:
+  static constexpr index_t channels_static = C;
+
+  BatchNorm() : BatchNorm(C) {}
+  explicit BatchNorm(index_t num_features, double eps = 1e-5, double momentum = 0.9, bool affine = true)
+      : Sized(checked(num_features), eps, momentum, affine, true) {}
+
+  template <graph::Symbolic S>
+  auto sized_construct(const S& x) {
+    return ops::apply_in_phase<ops::BatchNormOp>(this, x);
+  }
+
+ private:
+  static index_t checked(index_t num_features) {
+    if (num_features != C) {
+      throw ValueError(batch_norm_name<Dims, T>(C) + ": cannot be built with num_features " +
+                       std::to_string(num_features));
+    }
+    return num_features;
+  }
+};
+
+template <index_t C = dyn, ElementType T = float>
+using BatchNorm1d = BatchNorm<1, C, T>;
+template <index_t C = dyn, ElementType T = float>
+using BatchNorm2d = BatchNorm<2, C, T>;
+
+}  // namespace nn
+}  // namespace duet
+// Containers: cells that run other cells in order.
+
+#include <boost/hana/at.hpp>
+#include <boost/hana/fold_left.hpp>
+#include <boost/hana/for_each.hpp>
+#include <boost/hana/tuple.hpp>
+#include <concepts>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+
+namespace duet::nn {
+
+namespace detail {
+// A chain takes the input its first cell takes: nn::Embedding's indices, say.
+template <class First>
+struct chain_input {};
+template <class First>
+requires requires { typename First::input_value_type; }
+struct chain_input<First> {
+  using input_value_type = typename First::input_value_type;
+};
+}  // namespace detail
+
+// A fixed list of cells, each fed the previous one's output (MindSpore's nn.SequentialCell).
+// The list is a hana::tuple: in graph mode the whole chain becomes one flat graph.
+template <class First, class... Rest>
+class SequentialCell : public Cell<SequentialCell<First, Rest...>, CONTEXT_MODE, typename First::value_type>,
+                       public detail::chain_input<First> {
+  using T = typename First::value_type;
+  static_assert(graph::all_of({std::is_same_v<typename Rest::value_type, T>...}),
+                "nn::SequentialCell: all cells must have the same element type");
+
+ public:
+  SequentialCell() { check_neighbours(); }
+  // Takes cells by forwarding reference so that a named cell is one short error below, not the
+  // deleted copy constructors of the cell, its parameters and its compiled forms.
+  template <class C, class... Cs>
+  requires(sizeof...(Cs) == sizeof...(Rest) && std::constructible_from<First, std::remove_cvref_t<C>> &&
+           graph::all_of({std::constructible_from<Rest, std::remove_cvref_t<Cs>>...}))
+  explicit SequentialCell(C&& first, Cs&&... rest)
+      : cells_(moved_in(std::forward<C>(first)), moved_in(std::forward<Cs>(rest))...) {
+    check_neighbours();
+  }
+
+  static constexpr std::size_t size() { return 1 + sizeof...(Rest); }
+
+  template <std::size_t I>
+  auto& get() {
+    return boost::hana::at_c<I>(cells_);
+  }
+
+  // A chain whose neighbours do not fit is reported once, by the constructor; captured into a
+  // graph, it is captured quietly so that no other shape of its input reports it again.
+  template <class X>
+  auto construct(X&& x) {
+    if constexpr (graph::Symbolic<X> && !neighbours_fit())
+      return graph::quietly(x, [this](const auto& q) { return chain(q); });
+    else
+      return chain(std::forward<X>(x));
+  }
+
+  void for_each_child(const typename BasicDynamicCell<T>::ChildVisitor& visit) override {
+    std::size_t i = 0;
+    boost::hana::for_each(cells_, [&](auto& cell) { visit(std::to_string(i++), cell); });
+  }
+
+  std::string type_name() const override { return "nn::SequentialCell"; }
+
+ private:
+  template <class X>
+  auto chain(X&& x) {
+    if constexpr (graph::Symbolic<X>) {
+      return captured_parts(x, std::make_index_sequence<size()>{});
+    } else if constexpr (passes_one_tensor<std::remove_cvref_t<X>>()) {
+      // One tensor handed on: a fold keeps every cell's result as a temporary of its own,
+      // destroyed and unwound one by one, which made it a deep chain's largest function.
+      std::remove_cvref_t<X> y = std::forward<X>(x);
+      boost::hana::for_each(cells_, [&y](auto& cell) { y = cell(std::as_const(y)); });
+      return y;
+    } else {
+      return boost::hana::fold_left(cells_, std::forward<X>(x),
+                                    [](auto&& acc, auto& cell) { return cell(std::forward<decltype(acc)>(acc)); });
+    }
+  }
+
+  template <std::size_t I>
+  using cell_at = std::remove_reference_t<decltype(boost::hana::at_c<I>(std::declval<boost::hana::tuple<First, Rest...>&>()))>;
+
+  // Cell I's result when the chain runs on an X, and whether every cell's is an X (a tensor of
+  // the input's type): only the calls the chain makes are named.
+  template <class X, std::size_t I>
+  struct result_on {
+    using before = typename std::conditional_t<I == 0, std::type_identity<X>, result_on<X, I - 1>>::type;
+    using type = std::remove_cvref_t<decltype(std::declval<cell_at<I>&>()(std::declval<const before&>()))>;
+  };
+  template <class X>
+  static constexpr bool passes_one_tensor() {
+    return []<std::size_t... I>(std::index_sequence<I...>) {
+      return graph::all_of({std::is_same_v<typename result_on<X, I>::type, X>...});
+    }
+    (std::make_index_sequence<size()>{});
+  }
+
+  // Cell I captured on an input of its own, a continuation of the value before it: part
+  // I - 1's output, or x's (X) for the first. Only the type of the part before is needed, so
+  // no part's type holds the parts before it. (Types, not functions: a function per cell named
+  // after the chain would make the names the compiler mangles grow with the chain's square.)
+  template <class X, std::size_t I>
+  struct part {
+    using before = typename std::conditional_t<I == 0, std::type_identity<X>, part<X, I - 1>>::type;
+    using type = decltype(std::declval<cell_at<I>&>()(graph::continuation<before>()));
+  };
+
+  // Captures each cell apart and splices the parts after x's graph at the end: each cell
+  // appended to the graph so far would copy it, and a chain's capture would cost the square of
+  // its length. The parts are a braced list's elements, so they are captured in order.
+  template <class X, std::size_t... I>
+  auto captured_parts(const X& x, std::index_sequence<I...>) {
+    const graph::NodeList<typename part<X, I>::type...> parts{
+        std::in_place, boost::hana::at_c<I>(cells_)(graph::continuation<typename part<X, I>::before>())...};
+    return graph::spliced(x, graph::get<I>(parts)...);
+  }
+
+  // Capturing the chain on an input of unknown shape runs every layer's shape rule against
+  // its neighbour's output. Captured quietly and reported from here, incompatible neighbours
+  // fail to compile in either mode with a diagnostic that does not reach into the capture.
+  static constexpr auto neighbour_rejection() {
+    using Probe = decltype(std::declval<SequentialCell&>().chain(graph::input<T, graph::Quiet<graph::AnyShape>>()));
+    return std::type_identity<graph::first_rejection<typename Probe::graph_type>>{};
+  }
+  static constexpr bool neighbours_fit() { return std::is_void_v<typename decltype(neighbour_rejection())::type>; }
+  static void check_neighbours() {
+    if constexpr (!neighbours_fit()) static_cast<void>(sizeof(typename decltype(neighbour_rejection())::type));
+  }
+
+  template <class C>
+  static std::remove_reference_t<C>&& moved_in(C&& cell) {
+    static_assert(!std::is_lvalue_reference_v<C>,
+                  "nn::SequentialCell: cells are not copyable (a copy would train apart from its original); pass "
+                  "temporaries, SequentialCell(nn::Dense<4, 8>{}, nn::ReLU{}), or move named cells in: std::move(a)");
+    return static_cast<std::remove_reference_t<C>&&>(cell);
+  }
+
+  boost::hana::tuple<First, Rest...> cells_;
+};
+
+// SequentialCell seq(nn::Dense<4, 8>{}, nn::ReLU{}) holds the cells' own types.
+template <class C, class... Cs>
+SequentialCell(C&&, Cs&&...) -> SequentialCell<std::remove_cvref_t<C>, std::remove_cvref_t<Cs>...>;
+
+// A list of cells built at run time (sizes and layers from a config file, say). Its structure is
+// not known when the program compiles, so graph mode cannot capture it: it traces it on the
+// first call instead (PIJit) and replays the trace, and traces again after an append. It takes
+// what its first cell takes: tensors of T, or int32 indices when that cell is an nn::Embedding
+// (or any cell whose input holds them), net(ids). Every later cell takes the T values its
+// neighbour gives, which append checks.
+template <ElementType T>
+class BasicDynamicSequentialCell : public BasicDynamicCell<T> {
+ public:
+  BasicDynamicSequentialCell() = default;
+
+  // Adds a cell at the end, taking ownership; returns it.
+  template <class C>
+  requires std::is_base_of_v<BasicDynamicCell<T>, C> C& append(C cell) {
+    return static_cast<C&>(append(std::unique_ptr<BasicDynamicCell<T>>(std::make_unique<C>(std::move(cell)))));
+  }
+  BasicDynamicCell<T>& append(std::unique_ptr<BasicDynamicCell<T>> cell) {
+    if (!cells_.empty() && !cell->other_input_type().empty()) {
+      const BasicDynamicCell<T>& before = *cells_.back();
+      throw ValueError(type_name() + ": cannot append " + cell->type_name() + " as cell " +
+                       std::to_string(cells_.size()) + ": it takes " + std::string(cell->other_input_type()) +
+                       " values, and cell " + std::to_string(cells_.size() - 1) + ", " + before.type_name() +
+                       ", gives " + std::string(name_of(dtype_of<T>)) +
+                       " values (only the first cell may take another element type, such as an nn::Embedding's "
+                       "int32 indices)");
+    }
+    cells_.push_back(std::move(cell));
+    this->structure_changed();
+    return *cells_.back();
+  }
+
+  std::size_t size() const { return cells_.size(); }
+  BasicDynamicCell<T>& operator[](std::size_t i) {
+    if (i >= cells_.size()) {
+      throw IndexError("nn::DynamicSequentialCell: index " + std::to_string(i) + " is out of range for " +
+                       std::to_string(cells_.size()) + " cells");
+    }
+    return *cells_[i];
+  }
+
+  void for_each_child(const typename BasicDynamicCell<T>::ChildVisitor& visit) override {
+    for (std::size_t i = 0; i < cells_.size(); ++i) visit(std::to_string(i), *cells_[i]);
+  }
+
+  std::string type_name() const override { return "nn::DynamicSequentialCell"; }
+  // Its first cell's (nn::Embedding's "Int32"): what its input holds when that is not T.
+  std::string_view other_input_type() const override {
+    return cells_.empty() ? std::string_view{} : cells_.front()->other_input_type();
+  }
+
+ protected:
+  BasicTensor<T> forward(const BasicTensor<T>& x) override { return run_from(0, x); }
+  BasicTensor<T> forward_ids(const BasicTensor<std::int32_t>& ids) override {
+    if (cells_.empty()) return BasicDynamicCell<T>::forward_ids(ids);
+    return run_from(1, (*cells_.front())(ids));
+  }
+
+ private:
+  // The cells from `first` on, each on the one before's output.
+  BasicTensor<T> run_from(std::size_t first, const BasicTensor<T>& x) {
+    BasicTensor<T> y = x;
+    for (std::size_t i = first; i < cells_.size(); ++i) y = (*cells_[i])(y);
+    return y;
+  }
+
+  std::vector<std::unique_ptr<BasicDynamicCell<T>>> cells_;
+};
+
+using DynamicSequentialCell = BasicDynamicSequentialCell<float>;
+
+}  // namespace duet::nn
+// Dropout: nn::Dropout and the operations it captures.
+//
+// MindSpore 2.x's nn.Dropout(p=0.5): in training each element is zeroed with probability p and
+// the others are scaled by 1 / (1 - p) (inverted dropout, so evaluation is the identity).
+// MindSpore 1.x took keep_prob = 1 - p instead; 2.x deprecates it for p, PyTorch's convention,
+// which duet follows.
+//
+// Seeded: a layer draws its masks from a generator of its own, seeded from the global one
+// (duet::set_seed) when the layer is made, one draw per element in row-major order per
+// training call. Both modes run the same kernel once per call, so they draw the same masks in
+// the same order and give the same losses. A training step that fails gives its draws back.
+// A checkpoint saved with an optimiser holds the generator's state ("generator.<path>"), so
+// training resumed from it draws the masks the uninterrupted run would have.
+//
+// The mask is not kept: the gradient recovers it from the input and the output. A kept
+// element's output is x / (1 - p), which is 0 only if x is (|1 / (1 - p)| >= 1: no
+// underflow); a dropped element's output is 0 with the sign bit opposite to x's when x is 0,
+// so a kept zero and a dropped one differ in their sign. Nothing is stored between forward and
+// backward, so a layer applied twice, or a network run by several threads, needs no care.
+
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+
+namespace duet {
+namespace ops {
+
+template <class Layer, graph::Phase P>
+struct DropoutGradOp;
+
+// Training: x · mask / (1 - p), the mask drawn from the layer's generator. Evaluation: x
+// itself, a view (the node stays in the graph so that its phase is checked).
+template <class Layer, graph::Phase P>
+struct DropoutOp : Primitive<DropoutOp<Layer, P>>, PhaseOf<Layer, P> {
+  using layer_type = Layer;
+  static constexpr int arity = 1;
+  static constexpr bool is_view = P == graph::Phase::eval;
+  static constexpr bool has_side_effects = is_view;  // the view's kernel checks the phase
+
+  explicit DropoutOp(Layer* l) : PhaseOf<Layer, P>(l) {}
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    this->check_phase();
+    if constexpr (P == graph::Phase::train) {
+      const index_t n = a.in_shape().numel();
+      const T* x = a.in<T>();
+      T* y = a.out<T>();
+      const float p = this->layer->p();
+      const T scale = T(1) / (T(1) - static_cast<T>(p));
+      duet::detail::will_change(*this->layer);
+      Generator& gen = this->layer->generator();
+      for (index_t i = 0; i < n; ++i) {
+        // Drawn as float whatever T is, so that float and double networks drop alike.
+        if (gen.uniform01<float>() >= p) {
+          y[i] = x[i] * scale;
+        } else {
+          y[i] = std::signbit(x[i]) || x[i] != T(0) ? T(0) : T(-0.0);
+        }
+      }
+    }
+  }
+
+  template <std::size_t K>
+    requires(K == 0)
+  auto grad_op() const {
+    return DropoutGradOp<Layer, P>{this->layer};
+  }
+
+  static std::string op_name() { return P == graph::Phase::train ? "Dropout" : "Dropout (identity)"; }
+  std::string label() const { return this->layer->label(); }
+
+  // ONNX: at evaluation, what it is, the identity.
+  Interchange interchange(std::span<const Shape>) const {
+    if constexpr (P == graph::Phase::eval) return {{"Identity", {InterchangeInput::operand(0)}, {}}};
+    else return {};
+  }
+};
+
+// Training: dx = dy / (1 - p) where the element was kept, 0 where it was dropped (recovered from
+// x and y, see above). Evaluation: dy itself, a view.
+template <class Layer, graph::Phase P>
+struct DropoutGradOp : Primitive<DropoutGradOp<Layer, P>> {
+  using layer_type = Layer;
+  static constexpr auto reads = [] {
+    if constexpr (P == graph::Phase::train)
+      return std::array{graph::Operand::grad, graph::Operand::input0, graph::Operand::output};
+    else
+      return std::array{graph::Operand::grad};
+  }();
+  static constexpr int arity = static_cast<int>(reads.size());
+  static constexpr bool is_view = P == graph::Phase::eval;
+
+  const Layer* layer;
+  explicit DropoutGradOp(const Layer* l) : layer(l) {}
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    if constexpr (P == graph::Phase::train) {
+      const index_t n = a.in_shape().numel();
+      const T* dy = a.in<T>(0);
+      const T* x = a.in<T>(1);
+      const T* y = a.in<T>(2);
+      T* dx = a.out<T>();
+      const T scale = T(1) / (T(1) - static_cast<T>(layer->p()));
+      for (index_t i = 0; i < n; ++i) {
+        const bool kept = y[i] != T(0) || (x[i] == T(0) && std::signbit(x[i]) == std::signbit(y[i]));
+        dx[i] = kept ? dy[i] * scale : T(0);
+      }
+    }
+  }
+
+  static std::string op_name() { return P == graph::Phase::train ? "DropoutGrad" : "DropoutGrad (identity)"; }
+  std::string label() const { return layer->label(); }
+};
+
+inline const bool dropout_listed = list_operations({"Dropout"});
+
+}  // namespace ops
+
+namespace nn {
+
+// MindSpore's nn.Dropout(p=0.5) (see the header's comment): p in [0, 1).
+template <ElementType T>
+class BasicDropout : public Cell<BasicDropout<T>, CONTEXT_MODE, T>,
+                     public duet::detail::StepState,
+                     public duet::detail::GeneratorOwner {
+ public:
+  explicit BasicDropout(double p = 0.5) : p_(static_cast<float>(p)) {
+    if (!(p >= 0 && p < 1)) {
+      throw ValueError("nn::Dropout: p, the probability of dropping an element, must be in [0, 1), got " +
+                       std::to_string(p));
+    }
+    reseed(with_global_generator([](Generator& gen) { return gen.next(); }));
+  }
+
+  float p() const { return p_; }
+
+  // Restarts the masks from `seed`: the same seed gives the same masks in both modes.
+  void reseed(std::uint64_t seed) { generator_.seed(seed); }
+  // The masks' generator; training kernels draw from it (one training call at a time).
+  Generator& generator() const { return generator_; }
+
+  Generator& owned_generator() override { return generator_; }
+
+  // A step that fails gives back the draws it took, so the next one drops what it would have.
+  void save_for_step() override { saved_ = generator_; }
+  void restore_step() override { generator_ = saved_; }
+
+  template <class X>
+  auto construct(X&& x) {
+    return ops::apply_in_phase<ops::DropoutOp>(this, std::forward<X>(x));
+  }
+
+  bool depends_on_phase() const override { return true; }
+
+  std::string type_name() const override {
+    std::string s = "nn::Dropout";
+    if constexpr (!std::is_same_v<T, float>) s += "<" + std::string(name_of(dtype_of<T>)) + ">";
+    return s;
+  }
+
+ private:
+  float p_;
+  mutable Generator generator_;
+  Generator saved_;
+};
+
+using Dropout = BasicDropout<float>;
+
+}  // namespace nn
+}  // namespace duet
+// Embedding: nn::Embedding and the operation it captures, a lookup of int32 indices in the
+// layer's table (MindSpore's nn.Embedding).
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+// Indexing operations: gather (index_select), gather_elements (torch.gather), one_hot, and the
+// sorts that make indices, topk, sort and argsort, in both modes.
+//
+// Every index is int32, as duet's labels and ids, and is checked before anything is read with
+// it: an index outside [0, size) is a duet::IndexError naming the index, its place and the
+// bound, in both modes. Indices never get a gradient: they are integers. What an index reads
+// gets dy back where it was read from, added up where two indices read the same element.
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
 
 namespace duet {
 namespace ops {
@@ -25551,886 +28660,6 @@ class LSTM : public detail::RecurrentLayer<LSTM<Input, Hidden, T>, ops::detail::
 
 }  // namespace nn
 }  // namespace duet
-// Arithmetic: + - * / and the other binary elementwise functions, with numpy broadcasting,
-// between tensors and with scalars, in both modes (MindSpore's ops.add, ops.mul, ...).
-//
-// A binary function is a type with apply(a, b) and the partial derivative of each argument,
-// partial<K>(a, b). One operation, BroadcastOp<Fn>, runs any of them: its shape rule is
-// numpy's, its kernel walks the output once, and the gradient of input K is that partial
-// times the incoming gradient, summed over the axes input K was broadcast along (so that it
-// has input K's shape). With a scalar the same functions run in ScalarOp, which keeps the
-// scalar in the operation rather than in a tensor.
-
-#include <algorithm>
-#include <array>
-#include <cmath>
-#include <cstddef>
-#include <limits>
-#include <span>
-#include <string>
-#include <string_view>
-#include <type_traits>
-#include <utility>
-
-
-namespace duet {
-
-namespace fn {
-
-// A binary function written once, in place on numbers and on SIMD vectors alike (Fn::apply_in_place,
-// by reference, as fn::Relu's: a vector never crosses a call between code compiled for different
-// instruction sets); apply() gives its value. kernels::binary runs it on the vectors of the set
-// chosen at run time.
-template <class Fn>
-struct InPlaceBinary {
-  template <class T>
-  static T apply(T a, T b) {
-    Fn::apply_in_place(a, b);
-    return a;
-  }
-};
-
-struct Add : InPlaceBinary<Add> {
-  static constexpr std::string_view name = "Add";
-  static constexpr std::string_view onnx = "Add";  // its operator in ONNX
-  template <class V>
-  static void apply_in_place(V& a, const V& b) {
-    a = a + b;
-  }
-  template <int K, class T>
-  static T partial(T, T) {
-    return T(1);
-  }
-};
-
-struct Sub : InPlaceBinary<Sub> {
-  static constexpr std::string_view name = "Sub";
-  static constexpr std::string_view onnx = "Sub";  // its operator in ONNX
-  template <class V>
-  static void apply_in_place(V& a, const V& b) {
-    a = a - b;
-  }
-  template <int K, class T>
-  static T partial(T, T) {
-    return K == 0 ? T(1) : T(-1);
-  }
-};
-
-struct Mul : InPlaceBinary<Mul> {
-  static constexpr std::string_view name = "Mul";
-  static constexpr std::string_view onnx = "Mul";  // its operator in ONNX
-  template <class V>
-  static void apply_in_place(V& a, const V& b) {
-    a = a * b;
-  }
-  template <int K, class T>
-  static T partial(T a, T b) {
-    return K == 0 ? b : a;
-  }
-};
-
-struct Div : InPlaceBinary<Div> {
-  static constexpr std::string_view name = "Div";
-  static constexpr std::string_view onnx = "Div";  // its operator in ONNX
-  // Integers divide as C++ does, truncating toward zero (-7 / 2 is -3; PyTorch's // floors);
-  // a zero divisor, or the one quotient that overflows, is an error rather than the signal
-  // that ends the process.
-  template <class V>
-  static void apply_in_place(V& a, const V& b) {
-    if constexpr (std::is_integral_v<V>) {
-      if (b == 0) throw ValueError("duet::ops::div: integer division by zero");
-      if constexpr (std::is_signed_v<V>) {
-        if (b == -1 && a == std::numeric_limits<V>::min()) {
-          throw ValueError("duet::ops::div: integer division overflows (" + std::to_string(a) + " / -1)");
-        }
-      }
-    }
-    a = a / b;
-  }
-  template <int K, class T>
-  static T partial(T a, T b) {
-    return K == 0 ? T(1) / b : -a / (b * b);
-  }
-};
-
-// Ties send half the gradient each way, as PyTorch does: the derivative there is undefined,
-// and any other choice makes maximum(x, x) differ from x. Where either side is NaN (the result
-// is NaN) both sides get the whole gradient, as in PyTorch, whichever side holds the NaN.
-struct Maximum : InPlaceBinary<Maximum> {
-  static constexpr std::string_view name = "Maximum";
-  static constexpr std::string_view onnx = "Max";  // its operator in ONNX
-  template <class V>
-  static void apply_in_place(V& a, const V& b) {
-    // NaN propagates from either side, as their sum. Only ordered comparisons: GCC lowers a
-    // self-comparison (a != a) on a vector lane by lane, which made maximum 50x slower.
-    a = a > b ? a : (a <= b ? b : a + b);
-  }
-  template <int K, class T>
-  static T partial(T a, T b) {
-    if (a == b) return T(0.5);
-    if (a != a || b != b) return T(1);
-    return (K == 0) == (a > b) ? T(1) : T(0);
-  }
-};
-
-struct Minimum : InPlaceBinary<Minimum> {
-  static constexpr std::string_view name = "Minimum";
-  static constexpr std::string_view onnx = "Min";  // its operator in ONNX
-  template <class V>
-  static void apply_in_place(V& a, const V& b) {
-    a = a < b ? a : (a >= b ? b : a + b);
-  }
-  template <int K, class T>
-  static T partial(T a, T b) {
-    if (a == b) return T(0.5);
-    if (a != a || b != b) return T(1);
-    return (K == 0) == (a < b) ? T(1) : T(0);
-  }
-};
-
-// a^b. d/db = a^b · log a, which is NaN for a < 0 as the real power is; at a = 0 it is 0
-// where the power itself is (b > 0), as PyTorch defines it.
-struct Pow {
-  static constexpr std::string_view name = "Pow";
-  static constexpr std::string_view onnx = "Pow";  // its operator in ONNX
-  template <class T>
-  static T apply(T a, T b) {
-    return static_cast<T>(std::pow(a, b));
-  }
-  template <int K, class T>
-  static T partial(T a, T b) {
-    if constexpr (K == 0) {
-      return b == T(0) ? T(0) : static_cast<T>(b * std::pow(a, b - T(1)));
-    } else {
-      return a == T(0) && b > T(0) ? T(0) : static_cast<T>(std::pow(a, b) * std::log(a));
-    }
-  }
-};
-
-}  // namespace fn
-
-namespace ops {
-
-// numpy's broadcasting of two shapes, aligned at their last axes: each pair of sizes must be
-// equal or one of them 1. A dynamic size matches anything, and unknown leading axes stay
-// unknown.
-constexpr ShapeResult broadcast_shapes(const Shape& a, const Shape& b) {
-  const int rank = std::max(a.rank(), b.rank());
-  std::array<index_t, max_rank> dims{};
-  bool ok = true;
-  for (int i = 1; i <= rank; ++i) {
-    const index_t da = i <= a.rank() ? a[-i] : (a.leading_unknown() ? dyn : 1);
-    const index_t db = i <= b.rank() ? b[-i] : (b.leading_unknown() ? dyn : 1);
-    index_t d = da;
-    if (da == db || db == 1) d = da;
-    else if (da == 1) d = db;
-    else if (da == dyn) d = db;
-    else if (db == dyn) d = da;
-    else ok = false;
-    dims[static_cast<std::size_t>(rank - i)] = d;
-  }
-  Shape out = a.leading_unknown() || b.leading_unknown() ? Shape::any() : Shape{};
-  for (int i = 0; i < rank; ++i) out.push_back(dims[static_cast<std::size_t>(i)]);
-  // Which input to blame: the one of lower rank, or the second.
-  if (!ok) return fault(out, ShapeFault::broadcast, 0, b.rank() <= a.rank() ? 1 : 0);
-  return {out};
-}
-
-namespace detail {
-
-// Where each output element reads an input broadcast to the output's shape: the input's
-// strides in the output's axes, 0 along broadcast axes.
-inline std::array<index_t, max_rank> broadcast_strides(const Shape& in, const Shape& out) {
-  std::array<index_t, max_rank> strides{};
-  index_t stride = 1;
-  for (int i = 1; i <= out.rank(); ++i) {
-    const std::size_t axis = static_cast<std::size_t>(out.rank() - i);
-    if (i <= in.rank() && in[-i] != 1) {
-      strides[axis] = stride;
-    }
-    if (i <= in.rank()) stride *= in[-i];
-  }
-  return strides;
-}
-
-// Calls row(first, count, start, step) for each run of output elements [first, first + count)
-// along which every input advances by a constant step: input k is read at start[k] +
-// j * step[k] for the j-th element of the run. The whole output is one run when the shapes
-// are equal, a row of the last axis otherwise.
-template <std::size_t N, class Row>
-void for_each_broadcast_row(const std::array<Shape, N>& in, const Shape& out, Row&& row) {
-  const index_t n = out.numel();
-  if (n == 0) return;
-  std::array<index_t, N> at{};
-  std::array<index_t, N> step{};
-  if (std::all_of(in.begin(), in.end(), [&](const Shape& s) { return s == out; })) {
-    step.fill(1);
-    row(index_t{0}, n, at, step);
-    return;
-  }
-  std::array<std::array<index_t, max_rank>, N> strides;
-  for (std::size_t k = 0; k < N; ++k) strides[k] = broadcast_strides(in[k], out);
-  const int rank = out.rank();
-  const index_t inner = rank == 0 ? 1 : out[-1];
-  for (std::size_t k = 0; k < N; ++k) step[k] = rank == 0 ? 0 : strides[k][static_cast<std::size_t>(rank - 1)];
-  std::array<index_t, max_rank> index{};
-  for (index_t i = 0; i < n; i += inner) {
-    row(i, inner, at, step);
-    // The odometer over the outer axes, last first.
-    for (int axis = rank - 2; axis >= 0; --axis) {
-      const std::size_t ax = static_cast<std::size_t>(axis);
-      ++index[ax];
-      for (std::size_t k = 0; k < N; ++k) at[k] += strides[k][ax];
-      if (index[ax] < out[axis]) break;
-      for (std::size_t k = 0; k < N; ++k) at[k] -= strides[k][ax] * index[ax];
-      index[ax] = 0;
-    }
-  }
-}
-
-// out[j] = Fn(a[j·sa], b[j·sb]) for j < n: on the kernels' vectors of the instruction set chosen
-// at run time where Fn has a vector form and each input is a run (stride 1) or one value
-// (stride 0), as every broadcast row is; element by element otherwise (pow, integers).
-template <class Fn, class T>
-void apply_run(const T* a, index_t sa, const T* b, index_t sb, index_t n, T* out) {
-  if constexpr (kernels::VectorBinary<Fn, T>) {
-    if (n > 0 && (sa == 0 || sa == 1) && (sb == 0 || sb == 1)) {
-      kernels::binary<Fn>(a, sa == 1, b, sb == 1, n, out);
-      return;
-    }
-  }
-  for (index_t j = 0; j < n; ++j) out[j] = Fn::apply(a[j * sa], b[j * sb]);
-}
-
-// Calls f(i, ia, ib) for each output element i, with the elements ia and ib of the two inputs
-// it reads, in the order of the output.
-template <class F>
-void for_each_broadcast(const Shape& a, const Shape& b, const Shape& out, F&& f) {
-  for_each_broadcast_row<2>(std::array<Shape, 2>{a, b}, out,
-                            [&](index_t first, index_t count, const std::array<index_t, 2>& start,
-                                const std::array<index_t, 2>& step) {
-                              for (index_t j = 0; j < count; ++j) {
-                                f(first + j, start[0] + j * step[0], start[1] + j * step[1]);
-                              }
-                            });
-}
-
-}  // namespace detail
-
-template <class Fn, int K>
-struct BroadcastGradOp;
-template <class Fn, class... Epilogue>
-struct BroadcastOp;
-
-// An elementwise expression tree over the inputs of a fused operation: input I, or Fn of two
-// subtrees.
-template <int I>
-struct Arg {};
-template <class Fn, class L, class R>
-struct Apply {};
-
-namespace detail {
-
-// A run of up to `block` elements of one operand: strided in an input, contiguous in a block
-// buffer.
-template <class T>
-struct Operand {
-  const T* data;
-  index_t stride;
-};
-
-// Where a fused epilogue runs: over [0, n) in blocks of epilogue_block from 0, each once the
-// walk over the output has written up to its end. PyNative maps a function over the whole
-// output, which the vectorised functions Eigen gives (exp, sin, log1p) split into vectors and
-// a scalar tail of other bits; a broadcast walks the output a row at a time, and an epilogue
-// per row would take the scalar path on rows shorter than a vector (a helper's exp(x * w)
-// with w [1, 2] differed from PyNative in 122 of 512 elements). Blocks that are multiples of
-// every vector width, from the same aligned start, split where the whole pass does.
-inline constexpr index_t epilogue_block = 1024;
-class EpilogueBlocks {
- public:
-  explicit EpilogueBlocks(index_t n) : n_(n) {}
-  // The output is written up to `end`: runs done(first, count) on each block now complete.
-  template <class Done>
-  void written_to(index_t end, Done&& done) {
-    while (next_ < end && (end - next_ >= epilogue_block || end == n_)) {
-      const index_t count = std::min(epilogue_block, end - next_);
-      done(next_, count);
-      next_ += count;
-    }
-  }
-
- private:
-  index_t n_;
-  index_t next_ = 0;
-};
-
-// Evaluates a tree on a run of `count` (<= block) output elements, each subtree into a block
-// buffer of its own, a loop per node. Every intermediate value is stored in T before the next
-// node reads it, so the compiler cannot contract a multiply and an add into one FMA: the
-// result is the unfused operations' bit for bit, as PyNative computes them.
-template <class Tree>
-struct tree;
-template <int I>
-struct tree<Arg<I>> {
-  static constexpr std::size_t buffers = 0;
-  template <class T, std::size_t N>
-  static Operand<T> eval(const std::array<const T*, N>& in, const std::array<index_t, N>& start,
-                         const std::array<index_t, N>& step, index_t, index_t, T*, T*) {
-    return {in[I] + start[I], step[I]};
-  }
-  static std::string text() { return std::string(1, static_cast<char>('a' + I)); }
-};
-template <class Fn, class L, class R>
-struct tree<Apply<Fn, L, R>> {
-  // Blocks of scratch the subtrees need: one per inner node, the root writing to its destination.
-  static constexpr std::size_t buffers = tree<L>::buffers + tree<R>::buffers + 2;
-  template <class T, std::size_t N>
-  static Operand<T> eval(const std::array<const T*, N>& in, const std::array<index_t, N>& start,
-                         const std::array<index_t, N>& step, index_t count, index_t block, T* destination,
-                         T* scratch) {
-    const Operand<T> l = tree<L>::eval(in, start, step, count, block, scratch, scratch + block);
-    const Operand<T> r = tree<R>::eval(in, start, step, count, block, scratch + block * (1 + tree<L>::buffers),
-                                       scratch + block * (2 + tree<L>::buffers));
-    apply_run<Fn>(l.data, l.stride, r.data, r.stride, count, destination);
-    return {destination, 1};
-  }
-  static std::string text() { return std::string(Fn::name) + "(" + tree<L>::text() + ", " + tree<R>::text() + ")"; }
-};
-
-// The run of a fused pass: its scratch (Buffers blocks) within 16 KiB, in L1 beside the inputs'
-// runs, and at most an epilogue block; whole vectors of every set. Each node is a kernel call per
-// run, and runs of 256 floats made the calls a third of gelu(x * w + b)'s time.
-template <class T, std::size_t Buffers>
-inline constexpr index_t fused_block =
-    std::clamp<index_t>(static_cast<index_t>(16384 / (std::max<std::size_t>(Buffers, 1) * sizeof(T))) / 64 * 64, 64,
-                        epilogue_block);
-
-}  // namespace detail
-
-// A chain of binary elementwise operations fused into one pass over N inputs (Tree), then the
-// unary functions Epilogue: what fuse_epilogues makes of `x * w + b` in a graph that is not
-// differentiated, so the intermediate values are never written.
-template <std::size_t N, class Tree, class... Epilogue>
-struct ElementwiseOp : Primitive<ElementwiseOp<N, Tree, Epilogue...>> {
-  static constexpr int arity = static_cast<int>(N);
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
-    ShapeResult r{in[0]};
-    for (std::size_t k = 1; k < N && r.ok(); ++k) {
-      r = broadcast_shapes(r.shape, in[k]);
-      if (!r.ok()) r.input = static_cast<int>(k);
-    }
-    return r;
-  }
-
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& a) const {
-    std::array<const T*, N> in;
-    std::array<Shape, N> shapes;
-    for (std::size_t k = 0; k < N; ++k) {
-      in[k] = a.in<T>(k);
-      shapes[k] = a.in_shape(k);
-    }
-    T* out = a.out<T>();
-    constexpr index_t block = detail::fused_block<T, detail::tree<Tree>::buffers>;
-    std::array<T, block * detail::tree<Tree>::buffers> scratch;
-    [[maybe_unused]] detail::EpilogueBlocks blocks(a.output_shape.numel());
-    detail::for_each_broadcast_row<N>(
-        shapes, a.output_shape,
-        [&](index_t first, index_t count, const std::array<index_t, N>& start, const std::array<index_t, N>& step) {
-          for (index_t done = 0; done < count; done += block) {
-            const index_t n = std::min(block, count - done);
-            std::array<index_t, N> at = start;
-            for (std::size_t k = 0; k < N; ++k) at[k] += done * step[k];
-            detail::tree<Tree>::eval(in, at, step, n, block, out + first + done, scratch.data());
-            if constexpr (sizeof...(Epilogue) > 0) {
-              blocks.written_to(first + done + n, [&](index_t from, index_t m) {
-                Backend::template map<Epilogue...>(out + from, m, out + from);
-              });
-            }
-          }
-        });
-  }
-
-  // Functions with parameters (LeakyReLU's alpha) are not taken: the op holds no values
-  // for its epilogue, and would run them with their defaults.
-  template <class C>
-  static constexpr bool accepts_epilogue = requires { requires C::parameterless; };
-  template <class... Gs>
-  auto absorb(const MapOp<Gs...>&) const {
-    return ElementwiseOp<N, Tree, Epilogue..., Gs...>{};
-  }
-  // This value as input Pos of a binary elementwise operation: one more input, one more level.
-  template <int Pos, class Fn2>
-    requires(sizeof...(Epilogue) == 0)
-  auto absorb_operand(const BroadcastOp<Fn2>&) const {
-    using Other = Arg<static_cast<int>(N)>;
-    return ElementwiseOp<N + 1, std::conditional_t<Pos == 0, Apply<Fn2, Tree, Other>, Apply<Fn2, Other, Tree>>>{};
-  }
-
-  // It keeps none of the values between its steps: a graph to differentiate is not fused so.
-  static constexpr bool differentiable = false;
-
-  static std::string op_name() {
-    std::string s = "Elementwise " + detail::tree<Tree>::text();
-    ((s += " + " + std::string(Epilogue::name)), ...);
-    return s;
-  }
-};
-
-// Fn(a, b) elementwise, a and b broadcast to a common shape, then the unary functions Epilogue
-// (fuse_epilogues moves elementwise functions that follow it here, so the value is written
-// once).
-template <class Fn, class... Epilogue>
-struct BroadcastOp : Primitive<BroadcastOp<Fn, Epilogue...>> {
-  using layer_type = BroadcastOp<Fn>;
-  static constexpr int arity = 2;
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return broadcast_shapes(in[0], in[1]); }
-
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& a) const {
-    const T* x = a.in<T>(0);
-    const T* y = a.in<T>(1);
-    T* out = a.out<T>();
-    [[maybe_unused]] detail::EpilogueBlocks blocks(a.output_shape.numel());
-    detail::for_each_broadcast_row<2>(
-        {a.in_shape(0), a.in_shape(1)}, a.output_shape,
-        [&](index_t first, index_t count, const std::array<index_t, 2>& start, const std::array<index_t, 2>& step) {
-          if constexpr (sizeof...(Epilogue) == 0) {
-            detail::apply_run<Fn>(x + start[0], step[0], y + start[1], step[1], count, out + first);
-          } else {
-            // In runs that stay in cache until the epilogue has seen them.
-            for (index_t r = 0; r < count; r += detail::epilogue_block) {
-              const index_t m = std::min(detail::epilogue_block, count - r);
-              detail::apply_run<Fn>(x + start[0] + r * step[0], step[0], y + start[1] + r * step[1], step[1], m,
-                                    out + first + r);
-              blocks.written_to(first + r + m, [&](index_t from, index_t k) {
-                Backend::template map<Epilogue...>(out + from, k, out + from);
-              });
-            }
-          }
-        });
-  }
-
-  // Functions with parameters (LeakyReLU's alpha) are not taken: the op holds no values
-  // for its epilogue, and would run them with their defaults.
-  template <class C>
-  static constexpr bool accepts_epilogue = requires { requires C::parameterless; };
-  template <class... Gs>
-  auto absorb(const MapOp<Gs...>&) const {
-    return BroadcastOp<Fn, Epilogue..., Gs...>{};
-  }
-  template <int Pos, class Fn2>
-    requires(sizeof...(Epilogue) == 0)
-  auto absorb_operand(const BroadcastOp<Fn2>& next) const {
-    return ElementwiseOp<2, Apply<Fn, Arg<0>, Arg<1>>>{}.template absorb_operand<Pos>(next);
-  }
-
-  // Fused with an epilogue it keeps no value between Fn and the epilogue to differentiate from.
-  static constexpr bool differentiable = sizeof...(Epilogue) == 0;
-  template <std::size_t K>
-    requires(K < 2)
-  auto grad_op() const {
-    return BroadcastGradOp<Fn, static_cast<int>(K)>{};
-  }
-
-  static std::string op_name() {
-    std::string s(Fn::name);
-    ((s += " + " + std::string(Epilogue::name)), ...);
-    return s;
-  }
-
-  // ONNX broadcasts as numpy does, as duet does.
-  Interchange interchange(std::span<const Shape>) const {
-    if constexpr (sizeof...(Epilogue) == 0 && requires { Fn::onnx; }) {
-      return {{std::string(Fn::onnx), {InterchangeInput::operand(0), InterchangeInput::operand(1)}, {}}};
-    } else {
-      return {};
-    }
-  }
-};
-
-// d/d input K of Fn(a, b): dy · partial_K(a, b), summed over the axes input K was broadcast
-// along.
-template <class Fn, int K>
-struct BroadcastGradOp : Primitive<BroadcastGradOp<Fn, K>> {
-  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0, graph::Operand::input1};
-  static constexpr int arity = 3;
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1 + K]}; }
-
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& a) const {
-    const T* dy = a.in<T>(0);
-    const T* x = a.in<T>(1);
-    const T* y = a.in<T>(2);
-    T* d = a.out<T>();
-    const Shape& target = a.in_shape(1 + K);
-    const Shape& out = a.in_shape(0);
-    if (target == out) {
-      detail::for_each_broadcast(a.in_shape(1), a.in_shape(2), out, [&](index_t i, index_t ia, index_t ib) {
-        d[i] = dy[i] * Fn::template partial<K>(x[ia], y[ib]);
-      });
-      return;
-    }
-    std::fill_n(d, target.numel(), T(0));
-    detail::for_each_broadcast(a.in_shape(1), a.in_shape(2), out, [&](index_t i, index_t ia, index_t ib) {
-      d[K == 0 ? ia : ib] += dy[i] * Fn::template partial<K>(x[ia], y[ib]);
-    });
-  }
-
-  static std::string op_name() { return std::string(Fn::name) + "Grad" + std::to_string(K); }
-};
-
-template <class Fn, bool ScalarFirst>
-struct ScalarGradOp;
-
-// Fn(x, s) (or Fn(s, x) if ScalarFirst) elementwise, s a number the operation holds.
-template <class Fn, bool ScalarFirst>
-struct ScalarOp : Primitive<ScalarOp<Fn, ScalarFirst>> {
-  static constexpr int arity = 1;
-  double scalar;
-  ScalarOp(double s) : scalar(s) {}
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
-
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& a) const {
-    const T* x = a.in<T>();
-    T* out = a.out<T>();
-    const T s = static_cast<T>(scalar);
-    const index_t n = a.in_shape().numel();
-    if constexpr (ScalarFirst) detail::apply_run<Fn>(&s, 0, x, 1, n, out);
-    else detail::apply_run<Fn>(x, 1, &s, 0, n, out);
-  }
-
-  template <std::size_t K>
-    requires(K == 0)
-  auto grad_op() const {
-    return ScalarGradOp<Fn, ScalarFirst>{scalar};
-  }
-
-  static std::string op_name() { return std::string(Fn::name) + (ScalarFirst ? "(scalar, x)" : "(x, scalar)"); }
-
-  // The number as a Constant of the network's element type, in its place.
-  Interchange interchange(std::span<const Shape>) const {
-    if constexpr (requires { Fn::onnx; }) {
-      InterchangeNode n{std::string(Fn::onnx), {InterchangeInput::operand(0), InterchangeInput::number(scalar)}, {}};
-      if constexpr (ScalarFirst) std::swap(n.inputs[0], n.inputs[1]);
-      return {std::move(n)};
-    } else {
-      return {};
-    }
-  }
-};
-
-template <class Fn, bool ScalarFirst>
-struct ScalarGradOp : Primitive<ScalarGradOp<Fn, ScalarFirst>> {
-  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0};
-  static constexpr int arity = 2;
-  double scalar;
-  ScalarGradOp(double s) : scalar(s) {}
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
-
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& a) const {
-    const T* dy = a.in<T>(0);
-    const T* x = a.in<T>(1);
-    T* d = a.out<T>();
-    const T s = static_cast<T>(scalar);
-    const index_t n = a.in_shape(1).numel();
-    for (index_t i = 0; i < n; ++i) {
-      d[i] = dy[i] * (ScalarFirst ? Fn::template partial<1>(s, x[i]) : Fn::template partial<0>(x[i], s));
-    }
-  }
-
-  static std::string op_name() { return std::string(Fn::name) + "ScalarGrad"; }
-};
-
-// ----------------------------------------------------------------------------------------
-// broadcast_to<D...>(x): x repeated to shape D by numpy's rule (MindSpore's
-// ops.broadcast_to(input, shape)): sizes aligned at the last axis, each of x's equal to the
-// target's or 1, new axes in front; a -1 keeps x's size on an axis x has. A copy. The gradient
-// sums dy over the axes x was repeated along, in the output's order, the same in both modes.
-
-// The target D against x's shape: -1s resolved, or the fault. A dynamic size of x is checked
-// when it is known, at run time.
-constexpr ShapeResult broadcast_to_rule(const Shape& x, Shape to) {
-  bool ok = !(x.rank() > to.rank() && !x.leading_unknown());
-  for (int i = 1; i <= to.rank(); ++i) {
-    if (i > x.rank()) {
-      // A new axis in front, where -1 has nothing to keep (unless x has axes compile time does not know).
-      if (to[-i] == dyn && !x.leading_unknown()) ok = false;
-      continue;
-    }
-    if (to[-i] == dyn) {
-      to[-i] = x[-i];
-    } else if (x[-i] != dyn && x[-i] != 1 && x[-i] != to[-i]) {
-      ok = false;
-    }
-  }
-  if (!ok) return fault(to, ShapeFault::broadcast_to, 0);
-  return {to};
-}
-
-struct BroadcastToGradOp;
-
-template <index_t... D>
-struct BroadcastToOp : Primitive<BroadcastToOp<D...>> {
-  static_assert(((D >= 0 || D == -1) && ...), "duet::ops::broadcast_to: sizes must be >= 0, or -1 to keep the input's");
-  static constexpr int arity = 1;
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return broadcast_to_rule(in[0], Shape{D...}); }
-
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& a) const {
-    const T* x = a.in<T>();
-    T* y = a.out<T>();
-    detail::for_each_broadcast_row<1>(std::array<Shape, 1>{a.in_shape()}, a.output_shape,
-                                      [&](index_t first, index_t count, const std::array<index_t, 1>& start,
-                                          const std::array<index_t, 1>& step) {
-                                        for (index_t j = 0; j < count; ++j) y[first + j] = x[start[0] + j * step[0]];
-                                      });
-  }
-
-  template <std::size_t K>
-    requires(K == 0)
-  BroadcastToGradOp grad_op() const;
-
-  static std::string op_name() { return "BroadcastTo<" + detail::list_text<index_t>({D...}) + ">"; }
-  std::string label() const { return "ops::broadcast_to<" + detail::list_text<index_t>({D...}) + ">"; }
-};
-
-// d/dx of broadcast_to: dy summed back onto the element of x each output element copied.
-struct BroadcastToGradOp : Primitive<BroadcastToGradOp> {
-  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0};
-  static constexpr int arity = 2;  // dy, the forward input (for its shape)
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
-
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& a) const {
-    const T* dy = a.in<T>(0);
-    T* d = a.out<T>();
-    std::fill_n(d, a.in_shape(1).numel(), T(0));
-    detail::for_each_broadcast_row<1>(std::array<Shape, 1>{a.in_shape(1)}, a.in_shape(0),
-                                      [&](index_t first, index_t count, const std::array<index_t, 1>& start,
-                                          const std::array<index_t, 1>& step) {
-                                        for (index_t j = 0; j < count; ++j) d[start[0] + j * step[0]] += dy[first + j];
-                                      });
-  }
-
-  static std::string op_name() { return "BroadcastToGrad"; }
-};
-
-template <index_t... D>
-template <std::size_t K>
-  requires(K == 0)
-BroadcastToGradOp BroadcastToOp<D...>::grad_op() const {
-  return {};
-}
-
-template <index_t... D, class X>
-auto broadcast_to(X&& x) {
-  return apply(BroadcastToOp<D...>{}, std::forward<X>(x));
-}
-
-inline const bool arithmetic_listed =
-    list_operations({"add", "sub", "mul", "div", "maximum", "minimum", "pow", "neg", "add_scalar", "sub_scalar",
-                     "mul_scalar", "div_scalar", "scalar_sub", "scalar_div", "pow_scalar", "scalar_pow", "broadcast_to"});
-
-// What may stand on either side of an arithmetic operator: a tensor, a static tensor, a
-// parameter or what operations on parameters alone made, or a symbolic tensor in construct.
-template <class X>
-concept TensorLike = is_tensor_v<std::remove_cvref_t<X>> || is_static_tensor_v<std::remove_cvref_t<X>> ||
-                     nn::is_parameter_made_v<std::remove_cvref_t<X>> || graph::Symbolic<X>;
-
-template <class S>
-concept Scalar = std::is_arithmetic_v<std::remove_cvref_t<S>>;
-
-// What arithmetic takes: tensors and numbers, at least one a tensor.
-template <class A, class B>
-concept Operands = (TensorLike<A> || Scalar<A>) && (TensorLike<B> || Scalar<B>) && (TensorLike<A> || TensorLike<B>);
-
-// Whether number S with a tensor of X would lose its fraction: a floating-point number with an
-// integer tensor, which runs in the tensor's type (where PyTorch would promote to float).
-template <class S, class X>
-inline constexpr bool truncates =
-    std::is_floating_point_v<std::remove_cvref_t<S>> && std::is_integral_v<typename std::remove_cvref_t<X>::value_type>;
-
-// static_assert takes a literal.
-#define DUET_DETAIL_TRUNCATION_MESSAGE                                                                              \
-  "duet::ops: an integer tensor with a floating-point number: the operation runs in the tensor's element type, so " \
-  "the number would lose its fraction (x * 0.5 would be x * 0); write an integer, or compute on a floating-point "   \
-  "tensor"
-
-// Fn(a, b) for any mix of tensors and numbers (two numbers are not an operation).
-template <class Fn, class A, class B>
-auto binary(const A& a, const B& b) {
-  if constexpr (Scalar<A>) {
-    static_assert(!truncates<A, B>, DUET_DETAIL_TRUNCATION_MESSAGE);
-    return apply(ScalarOp<Fn, true>{static_cast<double>(a)}, b);
-  } else if constexpr (Scalar<B>) {
-    static_assert(!truncates<B, A>, DUET_DETAIL_TRUNCATION_MESSAGE);
-    return apply(ScalarOp<Fn, false>{static_cast<double>(b)}, a);
-  } else {
-    static_assert(std::is_same_v<typename std::remove_cvref_t<A>::value_type, typename std::remove_cvref_t<B>::value_type>,
-                  "duet::ops: both operands of an arithmetic operation must have the same element type");
-    return apply(BroadcastOp<Fn>{}, a, b);
-  }
-}
-
-template <class A, class B>
-  requires Operands<A, B>
-auto add(const A& a, const B& b) {
-  return binary<fn::Add>(a, b);
-}
-template <class A, class B>
-  requires Operands<A, B>
-auto sub(const A& a, const B& b) {
-  return binary<fn::Sub>(a, b);
-}
-template <class A, class B>
-  requires Operands<A, B>
-auto mul(const A& a, const B& b) {
-  return binary<fn::Mul>(a, b);
-}
-template <class A, class B>
-  requires Operands<A, B>
-auto div(const A& a, const B& b) {
-  return binary<fn::Div>(a, b);
-}
-template <class A, class B>
-  requires Operands<A, B>
-auto maximum(const A& a, const B& b) {
-  return binary<fn::Maximum>(a, b);
-}
-template <class A, class B>
-  requires Operands<A, B>
-auto minimum(const A& a, const B& b) {
-  return binary<fn::Minimum>(a, b);
-}
-template <class A, class B>
-  requires Operands<A, B>
-auto pow(const A& a, const B& b) {
-  return binary<fn::Pow>(a, b);
-}
-
-template <class X>
-  requires TensorLike<X>
-auto neg(const X& x) {
-  return binary<fn::Mul>(x, -1);
-}
-
-}  // namespace ops
-
-// The operators, found by argument-dependent lookup on duet's tensors and graph::Sym.
-#define DUET_DETAIL_ARITHMETIC_OPERATOR(op, function)                                                   \
-  template <class A, class B>                                                                          \
-    requires ops::Operands<A, B>                                                                       \
-  auto operator op(const A& a, const B& b) {                                                           \
-    return ops::function(a, b);                                                                        \
-  }
-DUET_DETAIL_ARITHMETIC_OPERATOR(+, add)
-DUET_DETAIL_ARITHMETIC_OPERATOR(-, sub)
-DUET_DETAIL_ARITHMETIC_OPERATOR(*, mul)
-DUET_DETAIL_ARITHMETIC_OPERATOR(/, div)
-
-template <class X>
-  requires ops::TensorLike<X>
-auto operator-(const X& x) {
-  return ops::neg(x);
-}
-
-namespace graph {
-using duet::operator+;
-using duet::operator-;
-using duet::operator*;
-using duet::operator/;
-}  // namespace graph
-
-#undef DUET_DETAIL_ARITHMETIC_OPERATOR
-
-}  // namespace duet
-// ops::cast<T>(x): x's values converted to element type T (MindSpore's ops.cast, PyTorch's
-// x.to(dtype), x.float()).
-//
-// A comparison's UInt8 mask to float, to count or weigh the positions it keeps (a mean over
-// the non-padded positions: sum(h * mask) / sum(mask)); int32 positions to float, for a
-// position encoding; float to double and back. Conversions are C++'s static_cast: a floating
-// value into an integer type is truncated toward zero, and one the type cannot hold is
-// undefined there, so it is refused (a ValueError naming the value), as full_like refuses one.
-//
-// Between floating-point types the gradient is the incoming one cast back; from an integer type
-// there is none (the input has none), and to one there is none to pass on.
-
-#include <array>
-#include <cmath>
-#include <limits>
-#include <span>
-#include <string>
-#include <type_traits>
-#include <utility>
-
-
-namespace duet::ops {
-
-template <class From, class To>
-struct CastOp : Primitive<CastOp<From, To>> {
-  using value_type = To;
-  static constexpr int arity = 1;
-  // As the gradient of the cast the other way, it reads the incoming gradient only.
-  static constexpr std::array reads{graph::Operand::grad};
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
-
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& a) const {
-    const From* x = a.in<From>();
-    T* y = a.out<T>();
-    const index_t n = a.output_shape.numel();
-    for (index_t i = 0; i < n; ++i) {
-      if constexpr (std::is_floating_point_v<From> && std::is_integral_v<T>) {
-        // Truncated toward zero, the range checked on the truncated value.
-        const From t = std::trunc(x[i]);
-        if (!(t >= static_cast<From>(std::numeric_limits<T>::min()) && t <= static_cast<From>(std::numeric_limits<T>::max()))) {
-          throw ValueError(label() + ": " + std::to_string(x[i]) + " does not fit the type it is cast to (" +
-                           std::string(name_of(dtype_of<T>)) + ")");
-        }
-      }
-      y[i] = static_cast<T>(x[i]);
-    }
-  }
-
-  static Interchange interchange(std::span<const Shape>) {
-    return {{"Cast", {InterchangeInput::operand(0)}, {InterchangeAttribute::of("to", onnx_type_code(dtype_of<To>))}}};
-  }
-
-  template <std::size_t K>
-    requires(K == 0)
-  auto grad_op() const {
-    if constexpr (std::is_floating_point_v<From> && std::is_floating_point_v<To>) return CastOp<To, From>{};
-    else return NoGradient{};
-  }
-
-  static std::string op_name() {
-    return "Cast<" + std::string(name_of(dtype_of<From>)) + ", " + std::string(name_of(dtype_of<To>)) + ">";
-  }
-  static std::string label() { return "ops::cast<" + std::string(name_of(dtype_of<To>)) + ">"; }
-};
-
-template <ElementType To, class X>
-auto cast(X&& x) {
-  using From = typename std::remove_cvref_t<X>::value_type;
-  return apply(CastOp<From, To>{}, std::forward<X>(x));
-}
-
-inline const bool cast_listed = list_operations({"cast"});
-
-}  // namespace duet::ops
 // Convolutions: nn::Conv2d and nn::Conv1d (MindSpore's nn.Conv2d and nn.Conv1d, depthwise
 // with groups = channels), and the operations they capture.
 //
@@ -28042,1088 +30271,6 @@ class Conv1d : public conv_base<1, In, Out, Kernel, Stride, Padding, Dilation, G
 
 }  // namespace nn
 }  // namespace duet
-// Operations that change how the gradient flows, not the value.
-//
-// stop_gradient(x): x itself, through which no gradient passes (MindSpore's
-// ops.stop_gradient, PyTorch's x.detach()). A target computed by the network itself (a
-// target network's output, a running statistic, the straight-through estimator's
-// `x + stop_gradient(q - x)`) is held constant by it. The output is a view of x (no copy,
-// no kernel); the operation says `stops_gradient`, which both modes' differentiation read:
-// the gradient ends there on purpose instead of being refused as a lost one (a NoGradient
-// input that depends on what is differentiated is an error everywhere else), PyNative's tape
-// does not record it, and graph mode's backward graph has no edge through it. A loss that
-// depends on the parameters only through it therefore depends on nothing being
-// differentiated: the parameters' gradients are zero in both modes, as in MindSpore.
-
-#include <span>
-#include <string>
-#include <utility>
-
-
-namespace duet::ops {
-
-struct StopGradientOp : Primitive<StopGradientOp> {
-  static constexpr int arity = 1;
-  static constexpr bool is_view = true;
-  static constexpr bool stops_gradient = true;
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
-
-  template <std::size_t K>
-    requires(K == 0)
-  NoGradient grad_op() const {
-    return {};
-  }
-
-  static std::string op_name() { return "StopGradient"; }
-  std::string label() const { return "ops::stop_gradient"; }
-  Interchange interchange(std::span<const Shape>) const {
-    return {{"Identity", {InterchangeInput::operand(0)}, {}}};
-  }
-};
-
-template <class X>
-auto stop_gradient(X&& x) {
-  return apply(StopGradientOp{}, std::forward<X>(x));
-}
-
-inline const bool gradient_control_listed = list_operations({"stop_gradient"});
-
-}  // namespace duet::ops
-// Elementwise functions (MindSpore's ops.exp, log, log1p, expm1, sin, cos, sqrt, rsqrt, abs,
-// square, clip_by_value), where, and the comparisons that build its condition, in both modes.
-//
-// The unary functions are fn:: types run by ops::MapOp (nn/activation.hpp), like the
-// activations: chains of them fuse into one pass, and into the epilogue of the product before
-// them, in graph mode. Each is differentiated from its output where the output gives the
-// derivative (exp, sqrt, rsqrt), from its input otherwise (fn::grad_from_input: log, abs,
-// square, clip_by_value); a product cannot take the latter as an epilogue in a graph being
-// trained (passes.hpp's absorbs), so there they stay nodes of their own.
-//
-// Out of a function's domain the result is IEEE's, never an error, as in numpy and PyTorch:
-// log(x < 0) and sqrt(x < 0) are NaN, log(0) is -inf, rsqrt(0) is inf, and NaN propagates
-// through every function here (clip_by_value too).
-//
-// Comparisons make UInt8 tensors of 0 and 1 (duet has no bool), with numpy broadcasting
-// between two tensors, or against a number. They have no gradient: their output carries none,
-// so a gradient never flows back through them, and differentiating a function that uses one
-// (to build a where's condition) is no error.
-
-#include <array>
-#include <cmath>
-#include <cstddef>
-#include <cstdint>
-#include <span>
-#include <string>
-#include <string_view>
-#include <type_traits>
-
-
-namespace duet {
-
-namespace fn {
-
-struct Exp : KernelActivation<kernels::Activation::exp> {
-  static constexpr std::string_view name = "Exp";
-  static ops::InterchangeNode interchange() { return {"Exp", {}, {}}; }
-  template <class A>
-  static auto array(const A& a) {
-    return exp_array(a);
-  }
-  template <class G, class Y>
-  static auto grad_array(const G& dy, const Y& y) {
-    return dy * y;
-  }
-  template <class V>
-  static void grad_in_place(V& dy, const V& y) {
-    dy = dy * y;
-  }
-};
-
-// log(x): NaN for x < 0, -inf at 0.
-struct Log {
-  static constexpr std::string_view name = "Log";
-  static ops::InterchangeNode interchange() { return {"Log", {}, {}}; }
-  static constexpr bool grad_from_input = true;
-  template <class A>
-  static auto array(const A& a) {
-    return a.log();
-  }
-  template <class G, class X>
-  static auto grad_array(const G& dy, const X& x) {
-    return dy / x;
-  }
-};
-
-// log(1 + x), exact for small x where log(1 + x) rounds 1 + x first; NaN below -1.
-struct Log1p {
-  static constexpr std::string_view name = "Log1p";
-  static ops::Interchange interchange() {
-    using In = ops::InterchangeInput;
-    return {{"Add", {In::operand(0), In::number(1.0)}, {}}, {"Log", {In::node(0)}, {}}};
-  }
-  static constexpr bool grad_from_input = true;
-  template <class A>
-  static auto array(const A& a) {
-    return a.log1p();
-  }
-  template <class G, class X>
-  static auto grad_array(const G& dy, const X& x) {
-    using S = typename X::Scalar;
-    return dy / (x + S(1));
-  }
-};
-
-// e^x - 1, exact for small x where e^x - 1 cancels.
-struct Expm1 {
-  static constexpr std::string_view name = "Expm1";
-  static ops::Interchange interchange() {
-    using In = ops::InterchangeInput;
-    return {{"Exp", {In::operand(0)}, {}}, {"Sub", {In::node(0), In::number(1.0)}, {}}};
-  }
-  template <class A>
-  static auto array(const A& a) {
-    return a.expm1();
-  }
-  template <class G, class Y>
-  static auto grad_array(const G& dy, const Y& y) {
-    using S = typename Y::Scalar;
-    return dy * (y + S(1));
-  }
-};
-
-// sin and cos (a sinusoidal position encoding computed in construct); inf gives NaN.
-struct Sin {
-  static constexpr std::string_view name = "Sin";
-  static ops::InterchangeNode interchange() { return {"Sin", {}, {}}; }
-  static constexpr bool grad_from_input = true;
-  template <class A>
-  static auto array(const A& a) {
-    return a.sin();
-  }
-  template <class G, class X>
-  static auto grad_array(const G& dy, const X& x) {
-    return dy * x.cos();
-  }
-};
-
-struct Cos {
-  static constexpr std::string_view name = "Cos";
-  static ops::InterchangeNode interchange() { return {"Cos", {}, {}}; }
-  static constexpr bool grad_from_input = true;
-  template <class A>
-  static auto array(const A& a) {
-    return a.cos();
-  }
-  template <class G, class X>
-  static auto grad_array(const G& dy, const X& x) {
-    return -(dy * x.sin());
-  }
-};
-
-// erf(x) = 2/√π ∫₀ˣ e^(-t²) dt (torch.erf, MindSpore's ops.erf); derivative 2/√π e^(-x²).
-struct Erf : KernelActivation<kernels::Activation::erf> {
-  static constexpr std::string_view name = "Erf";
-  static ops::InterchangeNode interchange() { return {"Erf", {}, {}}; }
-  static constexpr bool grad_from_input = true;
-  template <class A>
-  static auto array(const A& a) {
-    return a.erf();
-  }
-  template <class G, class X>
-  static auto grad_array(const G& dy, const X& x) {
-    using S = typename X::Scalar;
-    return dy * (S(1.12837916709551257390) * (-x.square()).exp());
-  }
-  static constexpr kernels::Activation kernel_derivative = kernels::Activation::erf_derivative;
-  template <class V>
-  static void grad_in_place(V& dy, const V& x) {
-    multiply_by_derivative<Erf>(dy, x);
-  }
-};
-
-namespace detail {
-// Eigen's vectorised sqrt under EIGEN_FAST_MATH (its default) refines the processor's
-// reciprocal-root estimate once: not correctly rounded (sqrt(4) came out below 2), and not the
-// same bits on Intel and AMD, whose estimates differ. IEEE's root is one instruction per lane;
-// a scalar functor keeps it without naming any instruction set here.
-struct RoundedSqrt {
-  template <class T>
-  T operator()(T v) const {
-    return std::sqrt(v);
-  }
-};
-}  // namespace detail
-
-// sqrt(x): NaN for x < 0; its derivative 1 / (2 sqrt(x)) is inf at 0, as PyTorch's.
-struct Sqrt {
-  static constexpr std::string_view name = "Sqrt";
-  static ops::InterchangeNode interchange() { return {"Sqrt", {}, {}}; }
-  template <class A>
-  static auto array(const A& a) {
-    return a.unaryExpr(detail::RoundedSqrt{});
-  }
-  template <class G, class Y>
-  static auto grad_array(const G& dy, const Y& y) {
-    using S = typename Y::Scalar;
-    return dy / (S(2) * y);
-  }
-};
-
-// The root ops::std takes of a variance: sqrt's value, and a gradient of 0 where the variance
-// is 0 (a constant group), as PyTorch's std gives; sqrt's infinite one there, times the
-// variance's zero gradient, made every input of the group NaN.
-struct StdRoot : Sqrt {
-  template <class G, class Y>
-  static auto grad_array(const G& dy, const Y& y) {
-    using S = typename Y::Scalar;
-    return (y == S(0)).select(S(0), dy / (S(2) * y));
-  }
-};
-
-// 1 / sqrt(x), as a division of the correctly rounded root: Eigen's rsqrt may take the
-// processor's estimate, whose bits differ between a vector and a scalar and between vendors.
-struct Rsqrt {
-  static constexpr std::string_view name = "Rsqrt";
-  static ops::Interchange interchange() {
-    return {{"Sqrt", {ops::InterchangeInput::operand(0)}, {}}, {"Reciprocal", {ops::InterchangeInput::node(0)}, {}}};
-  }
-  template <class A>
-  static auto array(const A& a) {
-    return a.unaryExpr(detail::RoundedSqrt{}).inverse();
-  }
-  // d/dx x^(-1/2) = -y³ / 2.
-  template <class G, class Y>
-  static auto grad_array(const G& dy, const Y& y) {
-    using S = typename Y::Scalar;
-    return dy * (S(-0.5) * y.cube());
-  }
-};
-
-// |x|; its derivative at 0 is taken as 0, as PyTorch's (sign(x) · dy).
-struct Abs {
-  static constexpr std::string_view name = "Abs";
-  static constexpr bool on_integers = true;
-  static ops::InterchangeNode interchange() { return {"Abs", {}, {}}; }
-  static constexpr bool grad_from_input = true;
-  template <class A>
-  static auto array(const A& a) {
-    return a.abs();
-  }
-  template <class G, class X>
-  static auto grad_array(const G& dy, const X& x) {
-    return dy * x.sign();
-  }
-};
-
-struct Square {
-  static constexpr std::string_view name = "Square";
-  static constexpr bool on_integers = true;
-  static ops::Interchange interchange() {
-    return {{"Mul", {ops::InterchangeInput::operand(0), ops::InterchangeInput::operand(0)}, {}}};
-  }
-  static constexpr bool grad_from_input = true;
-  template <class A>
-  static auto array(const A& a) {
-    return a.square();
-  }
-  template <class G, class X>
-  static auto grad_array(const G& dy, const X& x) {
-    using S = typename X::Scalar;
-    return dy * (S(2) * x);
-  }
-};
-
-// min(max(x, lo), hi), so hi wherever lo > hi, as MindSpore's and PyTorch's; NaN stays NaN.
-// The gradient passes where lo <= x <= hi (PyTorch's clamp: bounds included), from the input,
-// since the output cannot tell a clipped value from one equal to a bound.
-struct ClipByValue {
-  static constexpr std::string_view name = "ClipByValue";
-  static constexpr bool on_integers = true;
-  static constexpr bool grad_from_input = true;
-  double lo = 0;
-  double hi = 0;
-  // ONNX's Clip also gives max wherever min > max.
-  ops::Interchange interchange() const {
-    using In = ops::InterchangeInput;
-    return {{"Clip", {In::operand(0), In::number(lo), In::number(hi)}, {}}};
-  }
-  template <class A>
-  auto array(const A& a) const {
-    using S = typename A::Scalar;
-    return a
-        .binaryExpr(A::Constant(a.rows(), a.cols(), static_cast<S>(lo)),
-                    ::Eigen::internal::scalar_max_op<S, S, ::Eigen::PropagateNaN>())
-        .binaryExpr(A::Constant(a.rows(), a.cols(), static_cast<S>(hi)),
-                    ::Eigen::internal::scalar_min_op<S, S, ::Eigen::PropagateNaN>());
-  }
-  template <class G, class X>
-  auto grad_array(const G& dy, const X& x) const {
-    using S = typename X::Scalar;
-    return (x >= static_cast<S>(lo) && x <= static_cast<S>(hi)).select(dy, G::Zero(dy.rows(), dy.cols()));
-  }
-};
-
-// The comparisons: each names the one with its operands swapped (a number on the left), and
-// ONNX's operator for it.
-struct Greater;
-struct Less;
-struct GreaterEqual;
-struct LessEqual;
-struct Greater {
-  static constexpr std::string_view name = "Greater";
-  static constexpr std::string_view onnx = "Greater";
-  using swapped = Less;
-  template <class T>
-  static bool apply(T a, T b) {
-    return a > b;
-  }
-};
-struct Less {
-  static constexpr std::string_view name = "Less";
-  static constexpr std::string_view onnx = "Less";
-  using swapped = Greater;
-  template <class T>
-  static bool apply(T a, T b) {
-    return a < b;
-  }
-};
-struct GreaterEqual {
-  static constexpr std::string_view name = "GreaterEqual";
-  static constexpr std::string_view onnx = "GreaterOrEqual";
-  using swapped = LessEqual;
-  template <class T>
-  static bool apply(T a, T b) {
-    return a >= b;
-  }
-};
-struct LessEqual {
-  static constexpr std::string_view name = "LessEqual";
-  static constexpr std::string_view onnx = "LessOrEqual";
-  using swapped = GreaterEqual;
-  template <class T>
-  static bool apply(T a, T b) {
-    return a <= b;
-  }
-};
-struct Equal {
-  static constexpr std::string_view name = "Equal";
-  static constexpr std::string_view onnx = "Equal";
-  using swapped = Equal;
-  template <class T>
-  static bool apply(T a, T b) {
-    return a == b;
-  }
-};
-struct NotEqual {
-  static constexpr std::string_view name = "NotEqual";
-  static constexpr std::string_view onnx = "Equal";  // then Not
-  static constexpr bool negated = true;
-  using swapped = NotEqual;
-  template <class T>
-  static bool apply(T a, T b) {
-    return a != b;
-  }
-};
-
-}  // namespace fn
-
-namespace ops {
-
-namespace detail {
-// A comparison of operand 0 with b in ONNX: its operator (NotEqual is Not of Equal), whose bool
-// is cast to the uint8 duet holds.
-template <class Fn>
-Interchange compare_interchange(InterchangeInput b) {
-  using In = InterchangeInput;
-  Interchange nodes{{std::string(Fn::onnx), {In::operand(0), std::move(b)}, {}}};
-  if constexpr (requires { Fn::negated; }) nodes.push_back({"Not", {In::node(0)}, {}});
-  nodes.push_back({"Cast", {In::node(nodes.size() - 1)}, {InterchangeAttribute::of("to", onnx_type_code(DType::uint8))}});
-  return nodes;
-}
-
-// ONNX's Where reads a bool condition: duet's uint8 one is cast first (node 0), then
-// Where(node 0, x, y).
-inline Interchange where_interchange(InterchangeInput x, InterchangeInput y) {
-  using In = InterchangeInput;
-  return {{"Cast", {In::operand(0)}, {InterchangeAttribute::of("to", onnx_bool_code)}},
-          {"Where", {In::node(0), std::move(x), std::move(y)}, {}}};
-}
-}  // namespace detail
-
-// Fn(a, b) as 0 or 1, a and b of element type In broadcast together (numpy's rule).
-template <class Fn, class In>
-struct CompareOp : Primitive<CompareOp<Fn, In>> {
-  using value_type = std::uint8_t;
-  static constexpr int arity = 2;
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return broadcast_shapes(in[0], in[1]); }
-
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& a) const {
-    const In* x = a.in<In>(0);
-    const In* y = a.in<In>(1);
-    T* out = a.out<T>();
-    detail::for_each_broadcast(a.in_shape(0), a.in_shape(1), a.output_shape,
-                               [&](index_t i, index_t ia, index_t ib) { out[i] = Fn::apply(x[ia], y[ib]); });
-  }
-
-  template <std::size_t K>
-    requires(K < 2)
-  NoGradient grad_op() const {
-    return {};
-  }
-
-  static Interchange interchange(std::span<const Shape>) {
-    return detail::compare_interchange<Fn>(InterchangeInput::operand(1));
-  }
-
-  static std::string op_name() { return std::string(Fn::name); }
-};
-
-// Fn(x, s) as 0 or 1, s a number the operation holds (converted to In, as the comparison
-// would be made in In).
-template <class Fn, class In>
-struct CompareScalarOp : Primitive<CompareScalarOp<Fn, In>> {
-  using value_type = std::uint8_t;
-  static constexpr int arity = 1;
-  double scalar;
-  CompareScalarOp(double s) : scalar(s) {}
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
-
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& a) const {
-    const In* x = a.in<In>();
-    T* out = a.out<T>();
-    const In s = static_cast<In>(scalar);
-    const index_t n = a.in_shape().numel();
-    for (index_t i = 0; i < n; ++i) out[i] = Fn::apply(x[i], s);
-  }
-
-  template <std::size_t K>
-    requires(K == 0)
-  NoGradient grad_op() const {
-    return {};
-  }
-
-  Interchange interchange(std::span<const Shape>) const {
-    return detail::compare_interchange<Fn>(InterchangeInput::number_of(scalar, dtype_of<In>));
-  }
-
-  static std::string op_name() { return std::string(Fn::name) + "(x, scalar)"; }
-};
-
-namespace detail {
-
-// Calls f(i, i0, i1, i2) for each element i of out, with the elements of three inputs of
-// these shapes broadcast to it.
-template <class F>
-void for_each_broadcast3(const std::array<Shape, 3>& in, const Shape& out, F&& f) {
-  const index_t n = out.numel();
-  if (in[0] == out && in[1] == out && in[2] == out) {
-    for (index_t i = 0; i < n; ++i) f(i, i, i, i);
-    return;
-  }
-  const std::array strides{broadcast_strides(in[0], out), broadcast_strides(in[1], out),
-                           broadcast_strides(in[2], out)};
-  std::array<index_t, max_rank> index{};
-  std::array<index_t, 3> at{};
-  for (index_t i = 0; i < n; ++i) {
-    f(i, at[0], at[1], at[2]);
-    for (int axis = out.rank() - 1; axis >= 0; --axis) {
-      const std::size_t ax = static_cast<std::size_t>(axis);
-      ++index[ax];
-      for (std::size_t k = 0; k < 3; ++k) at[k] += strides[k][ax];
-      if (index[ax] < out[axis]) break;
-      for (std::size_t k = 0; k < 3; ++k) at[k] -= strides[k][ax] * index[ax];
-      index[ax] = 0;
-    }
-  }
-}
-
-}  // namespace detail
-
-template <class T, int K>
-struct WhereGradOp;
-
-// cond ? a : b elementwise, the three broadcast together; cond is UInt8, true where not 0.
-template <class T>
-struct WhereOp : Primitive<WhereOp<T>> {
-  using value_type = T;
-  static constexpr int arity = 3;
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
-    // A broadcast fault names the culprit (input) and the input it does not broadcast with
-    // (expected).
-    const ShapeResult ab = broadcast_shapes(in[1], in[2]);
-    if (!ab.ok()) return fault(ab.shape, ShapeFault::broadcast, ab.input == 0 ? 2 : 1, 1 + ab.input);
-    const ShapeResult all = broadcast_shapes(in[0], ab.shape);
-    if (!all.ok()) return fault(all.shape, ShapeFault::broadcast, in[1].rank() >= in[2].rank() ? 1 : 2, 0);
-    return all;
-  }
-
-  template <class Backend, class U>
-  void run(const graph::KernelArgs& a) const {
-    const std::uint8_t* c = a.in<std::uint8_t>(0);
-    const T* x = a.in<T>(1);
-    const T* y = a.in<T>(2);
-    T* out = a.out<T>();
-    detail::for_each_broadcast3({a.in_shape(0), a.in_shape(1), a.in_shape(2)}, a.output_shape,
-                                [&](index_t i, index_t ic, index_t ia, index_t ib) { out[i] = c[ic] != 0 ? x[ia] : y[ib]; });
-  }
-
-  template <std::size_t K>
-    requires(K < 3)
-  auto grad_op() const {
-    if constexpr (K == 0) return NoGradient{};
-    else return WhereGradOp<T, static_cast<int>(K)>{};
-  }
-
-  static Interchange interchange(std::span<const Shape>) {
-    return detail::where_interchange(InterchangeInput::operand(1), InterchangeInput::operand(2));
-  }
-
-  static std::string op_name() { return "Select"; }
-};
-
-// d/d a (K = 1) or d/d b (K = 2) of where(cond, a, b): dy where the condition picks that
-// input, 0 elsewhere, summed over the axes the input was broadcast along.
-template <class T, int K>
-struct WhereGradOp : Primitive<WhereGradOp<T, K>> {
-  using value_type = T;
-  // a and b are read for their shapes only.
-  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0, graph::Operand::input1,
-                                    graph::Operand::input2};
-  static constexpr int arity = 4;
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1 + K]}; }
-
-  template <class Backend, class U>
-  void run(const graph::KernelArgs& a) const {
-    const U* dy = a.in<U>(0);
-    const std::uint8_t* c = a.in<std::uint8_t>(1);
-    U* d = a.out<U>();
-    const Shape& target = a.in_shape(1 + K);
-    const Shape& out = a.in_shape(0);
-    const bool picks = K == 1;
-    const bool summed = !(target == out);
-    if (summed) std::fill_n(d, target.numel(), U(0));
-    detail::for_each_broadcast3({a.in_shape(1), a.in_shape(2), a.in_shape(3)}, out,
-                                [&](index_t i, index_t ic, index_t ia, index_t ib) {
-                                  const U g = (c[ic] != 0) == picks ? dy[i] : U(0);
-                                  if (summed) d[K == 1 ? ia : ib] += g;
-                                  else d[i] = g;
-                                });
-  }
-
-  static std::string op_name() { return "SelectGrad" + std::to_string(K); }
-};
-
-template <class T, bool ScalarIsX>
-struct WhereScalarGradOp;
-
-// where(condition, x, y) with x (ScalarIsX) or y a number: PyTorch's masked_fill(mask, value)
-// is where(mask, value, x). Inputs: the condition and the tensor, broadcast together.
-template <class T, bool ScalarIsX>
-struct WhereScalarOp : Primitive<WhereScalarOp<T, ScalarIsX>> {
-  using value_type = T;
-  static constexpr int arity = 2;
-  double value;
-  WhereScalarOp(double v) : value(v) {}
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return broadcast_shapes(in[0], in[1]); }
-
-  template <class Backend, class U>
-  void run(const graph::KernelArgs& a) const {
-    const std::uint8_t* c = a.in<std::uint8_t>(0);
-    const T* t = a.in<T>(1);
-    const T v = static_cast<T>(value);
-    T* out = a.out<T>();
-    detail::for_each_broadcast3({a.in_shape(0), a.in_shape(1), a.in_shape(1)}, a.output_shape,
-                                [&](index_t i, index_t ic, index_t it, index_t) {
-                                  out[i] = (c[ic] != 0) == ScalarIsX ? v : t[it];
-                                });
-  }
-
-  template <std::size_t K>
-    requires(K < 2)
-  auto grad_op() const {
-    if constexpr (K == 0) return NoGradient{};
-    else return WhereScalarGradOp<T, ScalarIsX>{};
-  }
-
-  Interchange interchange(std::span<const Shape>) const {
-    const auto number = InterchangeInput::number_of(value, dtype_of<T>);
-    const auto tensor = InterchangeInput::operand(1);
-    return ScalarIsX ? detail::where_interchange(number, tensor) : detail::where_interchange(tensor, number);
-  }
-
-  static std::string op_name() { return ScalarIsX ? "SelectScalarX" : "SelectScalarY"; }
-};
-
-// d/d tensor of where with a number: dy where the condition picks the tensor, 0 elsewhere,
-// summed over the axes the tensor was broadcast along.
-template <class T, bool ScalarIsX>
-struct WhereScalarGradOp : Primitive<WhereScalarGradOp<T, ScalarIsX>> {
-  using value_type = T;
-  // The tensor is read for its shape only.
-  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0, graph::Operand::input1};
-  static constexpr int arity = 3;
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[2]}; }
-
-  template <class Backend, class U>
-  void run(const graph::KernelArgs& a) const {
-    const U* dy = a.in<U>(0);
-    const std::uint8_t* c = a.in<std::uint8_t>(1);
-    U* d = a.out<U>();
-    const Shape& target = a.in_shape(2);
-    const Shape& out = a.in_shape(0);
-    const bool summed = !(target == out);
-    if (summed) std::fill_n(d, target.numel(), U(0));
-    detail::for_each_broadcast3({a.in_shape(1), target, target}, out, [&](index_t i, index_t ic, index_t it, index_t) {
-      const U g = (c[ic] != 0) == ScalarIsX ? U(0) : dy[i];
-      if (summed) d[it] += g;
-      else d[i] = g;
-    });
-  }
-
-  static std::string op_name() { return ScalarIsX ? "SelectScalarXGrad" : "SelectScalarYGrad"; }
-};
-
-// torch.tril / triu (MindSpore's ops.tril, ops.triu): the matrices of the last two axes with
-// the elements above (Lower: kept on and below) or below (upper) diagonal k set to `value`
-// (0 unless given), the diagonal k above the main one (k < 0 below it): tril(scores, 0,
-// -inf) is a causal attention mask at any length, in one pass. Its gradient is dy with the
-// same elements set to 0 (the same operation, value 0).
-template <bool Lower>
-struct TriangleOp : Primitive<TriangleOp<Lower>> {
-  // As its own gradient operation it reads the incoming gradient.
-  static constexpr std::array reads{graph::Operand::grad};
-  static constexpr int arity = 1;
-  index_t k;
-  double value = 0;
-  TriangleOp(index_t diagonal, double fill = 0) : k(diagonal), value(fill) {}
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
-    if (!in[0].leading_unknown() && in[0].rank() < 2) return fault(in[0], ShapeFault::min_rank, 2);
-    return {in[0]};
-  }
-
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& a) const {
-    const Shape& s = a.in_shape();
-    const index_t rows = s[s.rank() - 2], cols = s[s.rank() - 1];
-    const T* x = a.in<T>();
-    T* y = a.out<T>();
-    const T fill = static_cast<T>(value);
-    for (index_t m = 0, n = rows == 0 || cols == 0 ? 0 : s.numel() / (rows * cols); m < n; ++m) {
-      for (index_t i = 0; i < rows; ++i, x += cols, y += cols) {
-        for (index_t j = 0; j < cols; ++j) y[j] = (Lower ? j - i <= k : j - i >= k) ? x[j] : fill;
-      }
-    }
-  }
-
-  template <std::size_t K>
-    requires(K == 0)
-  auto grad_op() const {
-    return TriangleOp{k};
-  }
-
-  static std::string op_name() { return Lower ? "Tril" : "Triu"; }
-};
-
-inline const bool math_listed =
-    list_operations({"exp",   "log",           "log1p",      "expm1",         "sin",   "cos",         "erf",     "sqrt",
-                     "rsqrt", "abs",           "square",     "clip_by_value", "where", "masked_fill", "greater", "less",
-                     "equal", "greater_equal", "less_equal", "not_equal",     "tril",  "triu"});
-
-template <class X>
-  requires TensorLike<X>
-auto exp(const X& x) {
-  return apply(MapOp<fn::Exp>{}, x);
-}
-template <class X>
-  requires TensorLike<X>
-auto log(const X& x) {
-  return apply(MapOp<fn::Log>{}, x);
-}
-template <class X>
-  requires TensorLike<X>
-auto log1p(const X& x) {
-  return apply(MapOp<fn::Log1p>{}, x);
-}
-template <class X>
-  requires TensorLike<X>
-auto expm1(const X& x) {
-  return apply(MapOp<fn::Expm1>{}, x);
-}
-template <class X>
-  requires TensorLike<X>
-auto sin(const X& x) {
-  return apply(MapOp<fn::Sin>{}, x);
-}
-template <class X>
-  requires TensorLike<X>
-auto cos(const X& x) {
-  return apply(MapOp<fn::Cos>{}, x);
-}
-template <class X>
-  requires TensorLike<X>
-auto erf(const X& x) {
-  return apply(MapOp<fn::Erf>{}, x);
-}
-template <class X>
-  requires TensorLike<X>
-auto sqrt(const X& x) {
-  return apply(MapOp<fn::Sqrt>{}, x);
-}
-template <class X>
-  requires TensorLike<X>
-auto rsqrt(const X& x) {
-  return apply(MapOp<fn::Rsqrt>{}, x);
-}
-template <class X>
-  requires TensorLike<X>
-auto abs(const X& x) {
-  return apply(MapOp<fn::Abs>{}, x);
-}
-template <class X>
-  requires TensorLike<X>
-auto square(const X& x) {
-  return apply(MapOp<fn::Square>{}, x);
-}
-// MindSpore's ops.clip_by_value(x, clip_value_min, clip_value_max), with number bounds.
-template <class X>
-  requires TensorLike<X>
-auto clip_by_value(const X& x, double clip_value_min, double clip_value_max) {
-  return apply(MapOp<fn::ClipByValue>{std::tuple{fn::ClipByValue{clip_value_min, clip_value_max}}}, x);
-}
-
-// Fn(a, b) as UInt8 0/1, between two tensors (broadcast) or a tensor and a number.
-template <class Fn, class A, class B>
-auto compare(const A& a, const B& b) {
-  if constexpr (Scalar<A>) {
-    return apply(CompareScalarOp<typename Fn::swapped, typename B::value_type>{static_cast<double>(a)}, b);
-  } else if constexpr (Scalar<B>) {
-    return apply(CompareScalarOp<Fn, typename A::value_type>{static_cast<double>(b)}, a);
-  } else {
-    static_assert(std::is_same_v<typename A::value_type, typename B::value_type>,
-                  "duet::ops: both operands of a comparison must have the same element type");
-    return apply(CompareOp<Fn, typename A::value_type>{}, a, b);
-  }
-}
-
-#define DUET_DETAIL_COMPARISON(function, Fn)                                                             \
-  template <class A, class B>                                                                          \
-    requires((TensorLike<A> || Scalar<A>) && (TensorLike<B> || Scalar<B>) && (TensorLike<A> || TensorLike<B>)) \
-  auto function(const A& a, const B& b) {                                                              \
-    return compare<fn::Fn>(a, b);                                                                      \
-  }
-DUET_DETAIL_COMPARISON(greater, Greater)
-DUET_DETAIL_COMPARISON(less, Less)
-DUET_DETAIL_COMPARISON(greater_equal, GreaterEqual)
-DUET_DETAIL_COMPARISON(less_equal, LessEqual)
-DUET_DETAIL_COMPARISON(equal, Equal)
-DUET_DETAIL_COMPARISON(not_equal, NotEqual)
-#undef DUET_DETAIL_COMPARISON
-
-// MindSpore's ops.where(condition, x, y): x where condition is not 0, y elsewhere, the three
-// broadcast together. The condition gets no gradient; x and y get dy where each is chosen.
-template <class C, class A, class B>
-  requires(TensorLike<C> && TensorLike<A> && TensorLike<B>)
-auto where(const C& condition, const A& x, const B& y) {
-  static_assert(std::is_same_v<typename C::value_type, std::uint8_t>,
-                "duet::ops::where: the condition is a UInt8 tensor, as the comparisons (ops::greater, ...) make");
-  static_assert(std::is_same_v<typename A::value_type, typename B::value_type>,
-                "duet::ops::where: x and y must have the same element type");
-  return apply(WhereOp<typename A::value_type>{}, condition, x, y);
-}
-
-// value, written outside the triangle kept, is 0 by default (torch's tril and triu).
-template <class X, class S = int>
-requires(TensorLike<X>&& Scalar<S>) auto tril(const X& x, index_t diagonal = 0, S value = 0) {
-  static_assert(!truncates<S, X>, DUET_DETAIL_TRUNCATION_MESSAGE);
-  return apply(TriangleOp<true>{diagonal, static_cast<double>(value)}, x);
-}
-template <class X, class S = int>
-requires(TensorLike<X>&& Scalar<S>) auto triu(const X& x, index_t diagonal = 0, S value = 0) {
-  static_assert(!truncates<S, X>, DUET_DETAIL_TRUNCATION_MESSAGE);
-  return apply(TriangleOp<false>{diagonal, static_cast<double>(value)}, x);
-}
-
-// A number on either side: where(mask, -1e9f, scores) is PyTorch's scores.masked_fill(mask, -1e9).
-template <class C, class A, class S>
-  requires(TensorLike<C> && TensorLike<A> && Scalar<S>)
-auto where(const C& condition, const A& x, S y) {
-  static_assert(std::is_same_v<typename C::value_type, std::uint8_t>,
-                "duet::ops::where: the condition is a UInt8 tensor, as the comparisons (ops::greater, ...) make");
-  static_assert(!truncates<S, A>, DUET_DETAIL_TRUNCATION_MESSAGE);
-  return apply(WhereScalarOp<typename A::value_type, false>{static_cast<double>(y)}, condition, x);
-}
-template <class C, class S, class B>
-  requires(TensorLike<C> && Scalar<S> && TensorLike<B>)
-auto where(const C& condition, S x, const B& y) {
-  static_assert(std::is_same_v<typename C::value_type, std::uint8_t>,
-                "duet::ops::where: the condition is a UInt8 tensor, as the comparisons (ops::greater, ...) make");
-  static_assert(!truncates<S, B>, DUET_DETAIL_TRUNCATION_MESSAGE);
-  return apply(WhereScalarOp<typename B::value_type, true>{static_cast<double>(x)}, condition, y);
-}
-
-// PyTorch's x.masked_fill(mask, value): value where the UInt8 mask is not 0, x elsewhere, the
-// mask and x broadcast together (torch's out-of-place form broadcasts both ways).
-template <class X, class M, class S>
-requires(TensorLike<X>&& TensorLike<M>&& Scalar<S>) auto masked_fill(const X& x, const M& mask, S value) {
-  return where(mask, value, x);
-}
-
-}  // namespace ops
-}  // namespace duet
-// Matrix products: ops::matmul(a, b) with numpy's and MindSpore's semantics, and with
-// MindSpore's BatchMatMul(transpose_a, transpose_b) flags, in both modes.
-//
-//   ops::matmul(a, b)                          [..., m, k] · [..., k, n] -> [..., m, n]
-//   ops::matmul(a, b, ops::transpose_a)        a given as [..., k, m]
-//   ops::matmul(a, b, ops::transpose_b)        b given as [..., n, k] (a weight as [out, in])
-//   ops::matmul(a, b, ops::transpose_a, ops::transpose_b)
-// The batch axes (all but the last two) broadcast as numpy's do. A 1-D a is a row [1, k] and a
-// 1-D b a column [k, 1], the added axis dropped from the result (numpy's rule; a transpose of
-// a 1-D input is refused). The flags are tags, so the operation's type carries them and graph
-// mode computes the output's static shape, and checks the inner dimensions, at compile time:
-// a mismatch names both shapes.
-//
-// Gradients, C = op(A)·op(B), each summed over the batch axes its input was broadcast along:
-//   no transposes: dA = dC·Bᵀ,     dB = Aᵀ·dC
-//   transpose_a:   dA = B·dCᵀ,     dB = A·dC
-//   transpose_b:   dA = dC·B,      dB = dCᵀ·A
-//   both:          dA = Bᵀ·dCᵀ,    dB = dCᵀ·Aᵀ
-// Each is a product of the same kind, so one kernel serves the forward and both gradients.
-//
-// Kernel: each 2-D product X'·Y' (X' = X or Xᵀ as stored, the same for Y) takes
-//  - duet's GEMM (the backend's dense(), kernels::gemm in backend::Native) when X' = X and
-//    Y' = Yᵀ, and the result is written rather than added to: that is gemm's layout, C = A·Bᵀ
-//    with both row-major, and it applies to the forward product with transpose_b (a weight as
-//    [out, in]), and to dA of the product without transposes (dC·Bᵀ), the gradient a
-//    network's layers take most;
-//  - an Eigen product on Maps of the row-major storage otherwise (Xᵀ or a plain Y, and
-//    gradients summed over broadcast batch axes, which add into the output): Eigen reads a
-//    transposed Map in place, where gemm would need a transposed copy of the operand.
-
-#include <algorithm>
-#include <array>
-#include <cstddef>
-#include <span>
-#include <string>
-#include <tuple>
-#include <type_traits>
-
-#include <Eigen/Core>
-
-
-namespace duet {
-namespace ops {
-
-struct TransposeA {};
-struct TransposeB {};
-// MindSpore's BatchMatMul(transpose_a=True) and (transpose_b=True), as tags.
-inline constexpr TransposeA transpose_a{};
-inline constexpr TransposeB transpose_b{};
-
-namespace detail {
-
-// The axes of s before its last `matrix` axes, unknown leading axes kept unknown.
-constexpr Shape batch_of(const Shape& s, int matrix) {
-  Shape b = s.leading_unknown() ? Shape::any() : Shape{};
-  for (int i = 0; i + matrix < s.rank(); ++i) b.push_back(s[i]);
-  return b;
-}
-
-// An operand as a batch of stored matrices: a 1-D a is one row, a 1-D b one column.
-struct MatrixView {
-  Shape batch;
-  index_t rows = 0;
-  index_t cols = 0;
-};
-
-constexpr MatrixView matrix_view(const Shape& s, bool first) {
-  if (s.rank() == 1 && !s.leading_unknown()) return first ? MatrixView{Shape{}, 1, s[0]} : MatrixView{Shape{}, s[0], 1};
-  return {batch_of(s, 2), s[-2], s[-1]};
-}
-
-template <bool TA, bool TB>
-constexpr ShapeResult matmul_shape(const Shape& a, const Shape& b) {
-  // An unknown rank might be 1 or more: nothing is known of the result.
-  if ((a.leading_unknown() && a.rank() < 2) || (b.leading_unknown() && b.rank() < 2)) return {Shape::any()};
-  for (int k = 0; k < 2; ++k) {
-    const Shape& s = k == 0 ? a : b;
-    const bool transposed = k == 0 ? TA : TB;
-    if (s.rank() < (transposed ? 2 : 1)) return fault(Shape::any(), ShapeFault::min_rank, transposed ? 2 : 1, k);
-  }
-  const MatrixView va = matrix_view(a, true), vb = matrix_view(b, false);
-  const index_t m = TA ? va.cols : va.rows, ka = TA ? va.rows : va.cols;
-  const index_t kb = TB ? vb.cols : vb.rows, n = TB ? vb.rows : vb.cols;
-  const ShapeResult batch = broadcast_shapes(va.batch, vb.batch);
-  Shape out = batch.shape;
-  if (a.rank() > 1) out.push_back(m);
-  if (b.rank() > 1) out.push_back(n);
-  if (ka != kb && ka != dyn && kb != dyn) return fault(out, ShapeFault::inner_dimensions, 0, 1);
-  if (!batch.ok()) return fault(out, ShapeFault::broadcast, 0, batch.input);
-  return {out};
-}
-
-// c (+)= X'·Y', X stored [xr, xc] and Y [yr, yc], row-major; X' is Xᵀ if tx, Y' is Yᵀ if ty.
-template <class Backend, class T>
-void product(const T* x, index_t xr, index_t xc, bool tx, const T* y, index_t yr, index_t yc, bool ty, T* c,
-             bool accumulate) {
-  const index_t m = tx ? xc : xr, k = tx ? xr : xc, n = ty ? yr : yc;
-  if (m == 0 || n == 0) return;
-  if (k == 0) {
-    if (!accumulate) std::fill_n(c, m * n, T(0));
-    return;
-  }
-  if (!tx && ty && !accumulate) {
-    Backend::template dense<dyn, dyn>(x, m, k, y, n, Epilogue<T>{}, c);
-    return;
-  }
-  using Matrix = backend::detail::RowMajorMatrix<T, dyn, dyn>;
-  const ::Eigen::Map<const Matrix> X(x, xr, xc), Y(y, yr, yc);
-  ::Eigen::Map<Matrix> C(c, m, n);
-  auto store = [&](const auto& p) {
-    if (accumulate) C.noalias() += p;
-    else C.noalias() = p;
-  };
-  if (tx && ty) store(X.transpose() * Y.transpose());
-  else if (tx) store(X.transpose() * Y);
-  else if (ty) store(X * Y.transpose());
-  else store(X * Y);
-}
-
-// The products of a batch: for each batch index of the result of broadcasting a's and b's
-// batches, f(i, ia, ib) with the matrix indices of the result, a and b.
-template <class F>
-void for_each_batch(const MatrixView& a, const MatrixView& b, F&& f) {
-  const Shape out = broadcast_shapes(a.batch, b.batch).shape;
-  for_each_broadcast(a.batch, b.batch, out, f);
-}
-
-}  // namespace detail
-
-template <bool TA, bool TB, int K>
-struct BatchMatMulGradOp;
-
-template <bool TA, bool TB>
-struct BatchMatMulOp : Primitive<BatchMatMulOp<TA, TB>> {
-  static constexpr int arity = 2;
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return detail::matmul_shape<TA, TB>(in[0], in[1]); }
-
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& a) const {
-    const auto va = detail::matrix_view(a.in_shape(0), true), vb = detail::matrix_view(a.in_shape(1), false);
-    const T* x = a.in<T>(0);
-    const T* y = a.in<T>(1);
-    T* c = a.out<T>();
-    const index_t m = TA ? va.cols : va.rows, n = TB ? vb.rows : vb.cols;
-    const index_t sa = va.rows * va.cols, sb = vb.rows * vb.cols;
-    detail::for_each_batch(va, vb, [&](index_t i, index_t ia, index_t ib) {
-      detail::product<Backend>(x + ia * sa, va.rows, va.cols, TA, y + ib * sb, vb.rows, vb.cols, TB, c + i * m * n,
-                               false);
-    });
-  }
-
-  template <std::size_t K>
-    requires(K < 2)
-  auto grad_op() const {
-    return BatchMatMulGradOp<TA, TB, static_cast<int>(K)>{};
-  }
-
-  static std::string op_name() {
-    return std::string("BatchMatMul") + (TA ? "(transpose_a" : "") + (TA && TB ? ", " : TB ? "(" : "") +
-           (TB ? "transpose_b" : "") + (TA || TB ? ")" : "");
-  }
-
-  // ONNX's MatMul broadcasts the batch axes as numpy's matmul does, as this does; a transposed
-  // factor is a Transpose of its last two axes first.
-  Interchange interchange(std::span<const Shape> in) const {
-    Interchange nodes;
-    std::array<InterchangeInput, 2> factor{InterchangeInput::operand(0), InterchangeInput::operand(1)};
-    for (std::size_t k = 0; k < 2; ++k) {
-      if (!(k == 0 ? TA : TB)) continue;
-      const int rank = in[k].rank();
-      std::vector<std::int64_t> perm;
-      for (int a = 0; a < rank; ++a) perm.push_back(a < rank - 2 ? a : a == rank - 2 ? rank - 1 : rank - 2);
-      nodes.push_back({"Transpose", {factor[k]}, {InterchangeAttribute::of("perm", std::move(perm))}});
-      factor[k] = InterchangeInput::node(nodes.size() - 1);
-    }
-    nodes.push_back({"MatMul", {factor[0], factor[1]}, {}});
-    return nodes;
-  }
-};
-
-// d/d input K of op(A)·op(B), by the table at the top of this header, summed over the batch
-// axes input K was broadcast along.
-template <bool TA, bool TB, int K>
-struct BatchMatMulGradOp : Primitive<BatchMatMulGradOp<TA, TB, K>> {
-  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0, graph::Operand::input1};
-  static constexpr int arity = 3;
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1 + K]}; }
-
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& a) const {
-    const auto va = detail::matrix_view(a.in_shape(1), true), vb = detail::matrix_view(a.in_shape(2), false);
-    const T* dc = a.in<T>(0);
-    const T* x = a.in<T>(1);
-    const T* y = a.in<T>(2);
-    T* d = a.out<T>();
-    const index_t m = TA ? va.cols : va.rows, n = TB ? vb.rows : vb.cols;
-    const index_t sa = va.rows * va.cols, sb = vb.rows * vb.cols;
-    const detail::MatrixView& target = K == 0 ? va : vb;
-    const Shape out_batch = broadcast_shapes(va.batch, vb.batch).shape;
-    // Each target matrix is written once unless its input was broadcast along batch axes.
-    const bool accumulate = target.batch.numel() != out_batch.numel();
-    if (accumulate) std::fill_n(d, a.in_shape(1 + K).numel(), T(0));
-    detail::for_each_batch(va, vb, [&](index_t i, index_t ia, index_t ib) {
-      const T* g = dc + i * m * n;
-      const T* A = x + ia * sa;
-      const T* B = y + ib * sb;
-      if constexpr (K == 0) {
-        T* out = d + ia * sa;
-        if constexpr (!TA && !TB) detail::product<Backend>(g, m, n, false, B, vb.rows, vb.cols, true, out, accumulate);
-        else if constexpr (TA && !TB) detail::product<Backend>(B, vb.rows, vb.cols, false, g, m, n, true, out, accumulate);
-        else if constexpr (!TA && TB) detail::product<Backend>(g, m, n, false, B, vb.rows, vb.cols, false, out, accumulate);
-        else detail::product<Backend>(B, vb.rows, vb.cols, true, g, m, n, true, out, accumulate);
-      } else {
-        T* out = d + ib * sb;
-        if constexpr (!TA && !TB) detail::product<Backend>(A, va.rows, va.cols, true, g, m, n, false, out, accumulate);
-        else if constexpr (TA && !TB) detail::product<Backend>(A, va.rows, va.cols, false, g, m, n, false, out, accumulate);
-        else if constexpr (!TA && TB) detail::product<Backend>(g, m, n, true, A, va.rows, va.cols, false, out, accumulate);
-        else detail::product<Backend>(g, m, n, true, A, va.rows, va.cols, true, out, accumulate);
-      }
-    });
-  }
-
-  static std::string op_name() { return BatchMatMulOp<TA, TB>::op_name() + "Grad" + std::to_string(K); }
-};
-
-inline const bool matmul_listed = list_operations({"matmul"});
-
-template <TensorLike A, TensorLike B, class... Flags>
-auto matmul(const A& a, const B& b, Flags...) {
-  using F = std::tuple<Flags...>;
-  static_assert(std::is_same_v<F, std::tuple<>> || std::is_same_v<F, std::tuple<TransposeA>> ||
-                    std::is_same_v<F, std::tuple<TransposeB>> || std::is_same_v<F, std::tuple<TransposeA, TransposeB>>,
-                "duet::ops::matmul: the flags are ops::transpose_a, ops::transpose_b or both, in that order");
-  constexpr bool ta = (std::is_same_v<Flags, TransposeA> || ...);
-  constexpr bool tb = (std::is_same_v<Flags, TransposeB> || ...);
-  static_assert(std::is_same_v<typename A::value_type, typename B::value_type>,
-                "duet::ops::matmul: both factors must have the same element type");
-  return apply(BatchMatMulOp<ta, tb>{}, a, b);
-}
-
-}  // namespace ops
-}  // namespace duet
 // Pooling over the two spatial axes of NCHW tensors: max, average and adaptive average, as
 // operations (MindSpore's ops.max_pool2d, ops.avg_pool2d, ops.adaptive_avg_pool2d) and as
 // layers (nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d), in both modes.
@@ -30372,1094 +31519,6 @@ auto rand_like(X&& x) {
 inline const bool random_listed = list_operations({"randn_like", "rand_like"});
 
 }  // namespace duet::ops
-// Reductions: sum, mean, prod, max and min over axes, with keep_dims, argmax, argmin
-// (MindSpore's ops.sum(x, dim, keepdim), ReduceSum(keep_dims), ops.prod, ops.argmax), the
-// statistics var and std made of them, and cumsum, the running sum along an axis, in both modes.
-//
-// Spelling. The reduced axes shape the output, and graph mode computes every node's shape
-// while the program compiles, so they are template arguments, given as tag values:
-//   ops::sum(x)                                   every axis, a scalar
-//   ops::sum(x, ops::axes<1>)                     axis 1 ([2, 3, 4] -> [2, 4])
-//   ops::mean(x, ops::axes<0, -1>, ops::keep_dims)  axes 0 and -1, kept as 1 ([2, 3, 4] -> [1, 3, 1])
-//   ops::argmax(x), ops::argmax(x, ops::axis<0>, ops::keep_dims)   one axis, -1 by default
-// Negative axes count from the end, as in numpy. The same axis twice does not compile.
-//
-// Gradients. sum and mean send the incoming gradient back along the reduced axes (mean divided
-// by the number of elements reduced). prod sends each element dy times the product of the
-// others in its group, made without dividing by the element, so that a group holding zeros
-// gets PyTorch's gradient, not 0/0. max and min send it to the elements equal to the
-// extreme; where several are, it is split evenly among them, as PyTorch's amax/amin do: any
-// other choice makes max(x) of a constant tensor depend on an arbitrary index, and splitting
-// keeps the gradient's sum equal to the incoming one. A NaN extreme sends its gradient to the
-// NaN elements. argmax and argmin make int32 indices and have no gradient: they declare
-// `differentiable = false`, so a gradient that reaches them does not compile in graph mode
-// and throws duet::ValueError in PyNative mode.
-//
-// Kernels. Both modes call the same kernel, so they agree bit for bit. Each output
-// accumulates in the element type (a sum of a comparison's UInt8 mask in int32), over runs of
-// a group's elements in order, and the runs' results are combined pairwise (detail::Pairwise),
-// so that a sum's rounding error grows with the log of the group's size, as PyTorch's does.
-// The input is seen as groups (one per output element), after merging neighbouring axes of
-// the same kind and dropping axes of size 1:
-//  - the reduced axes are the innermost: each group is contiguous, each run of it reduced by
-//    Eigen's vectorised reduction (per-lane partial results combined at the end: a fixed order
-//    for a given length and build);
-//  - one block of reduced axes with kept axes inside it ([outer, reduced, inner]): a run's row
-//    of `inner` results is accumulated row by row of the input, in increasing index along the
-//    reduced block, each row one vectorised pass (a strided, cache-friendly walk);
-//  - anything else (reduced axes not adjacent, as axes 0 and 2 of a 4-D tensor): each run in
-//    increasing input index, one running value.
-
-#include <algorithm>
-#include <array>
-#include <bit>
-#include <cstddef>
-#include <cstdint>
-#include <initializer_list>
-#include <limits>
-#include <span>
-#include <string>
-#include <string_view>
-#include <type_traits>
-
-#include <Eigen/Core>
-
-
-namespace duet {
-namespace ops {
-
-// The reduced axes, as a template value: ops::axes<1>, ops::axes<0, 2>; none means every axis.
-template <int... A>
-struct Axes {
-  static constexpr std::array<int, sizeof...(A)> values{A...};
-  static constexpr bool distinct = [] {
-    for (std::size_t i = 0; i < values.size(); ++i) {
-      for (std::size_t j = i + 1; j < values.size(); ++j) {
-        if (values[i] == values[j]) return false;
-      }
-    }
-    return true;
-  }();
-  static_assert(distinct, "duet::ops::axes: an axis is listed twice");
-};
-template <int... A>
-inline constexpr Axes<A...> axes{};
-// One axis (argmax, argmin).
-template <int A>
-inline constexpr Axes<A> axis{};
-
-// Keeps the reduced axes in the output, with size 1 (MindSpore's keep_dims=True).
-struct KeepDims {};
-inline constexpr KeepDims keep_dims{};
-
-// The reduced axes given at run time (ops::sum(x, {0, 2}); an ONNX model's ReduceMean): one
-// operation for every set of axes, as transpose(x, perm) is for every permutation. None means
-// every axis, as in Axes<>. Whether the reduced axes are kept is a value here too, so that the
-// run-time form is one operation per reduction (ReduceOp's Keep is then false).
-struct AxesList {
-  std::array<int, max_rank> list{};
-  std::size_t count = 0;
-  bool keep = false;
-};
-
-namespace detail {
-template <int... A>
-constexpr std::span<const int> axes_of(Axes<A...>) {
-  return Axes<A...>::values;
-}
-constexpr std::span<const int> axes_of(const AxesList& a) { return std::span(a.list).first(a.count); }
-}  // namespace detail
-
-namespace detail {
-
-// Which axes of a shape of rank `rank` the values name; false if one is out of range, with
-// `needed` the rank it would need.
-struct AxisMask {
-  std::array<bool, max_rank> reduced{};
-  bool ok = true;
-  index_t needed = 0;
-  int twice = -1;  // an axis named twice (0 and -rank), as numpy refuses
-};
-
-constexpr AxisMask axis_mask(int rank, std::span<const int> values) {
-  AxisMask m;
-  if (values.empty()) {
-    for (int i = 0; i < rank; ++i) m.reduced[static_cast<std::size_t>(i)] = true;
-  }
-  for (int a : values) {
-    const int normal = a < 0 ? a + rank : a;
-    if (normal < 0 || normal >= rank) {
-      m.ok = false;
-      m.needed = std::max<index_t>(m.needed, a < 0 ? -a : a + 1);
-      continue;
-    }
-    if (m.reduced[static_cast<std::size_t>(normal)]) m.twice = normal;
-    m.reduced[static_cast<std::size_t>(normal)] = true;
-  }
-  return m;
-}
-
-// The output shape of reducing `in` over `values` (every axis if none). An input of unknown
-// leading axes gives a scalar when every axis is reduced without keep_dims, its known
-// trailing axes when the axes are negative and among them, and an unknown shape otherwise.
-// NonEmpty: the reduction has no identity (max, min, argmax), so a reduced axis of size 0 is
-// refused.
-constexpr ShapeResult reduced_shape(const Shape& in, std::span<const int> values, bool keep, bool non_empty) {
-  if (in.leading_unknown()) {
-    if (values.empty()) return {keep ? Shape::any() : Shape{}};
-    for (int a : values) {
-      if (a >= 0 || -a > in.rank()) return {Shape::any()};
-    }
-  }
-  const AxisMask m = axis_mask(in.rank(), values);
-  if (!m.ok) return fault(Shape::any(), ShapeFault::min_rank, m.needed);
-  if (m.twice >= 0) return fault(Shape::any(), ShapeFault::axis_twice, m.twice);
-  Shape out = in.leading_unknown() ? Shape::any() : Shape{};
-  bool empty = false;
-  for (int i = 0; i < in.rank(); ++i) {
-    if (!m.reduced[static_cast<std::size_t>(i)]) out.push_back(in[i]);
-    else {
-      empty = empty || in[i] == 0;
-      if (keep) out.push_back(1);
-    }
-  }
-  if (non_empty && empty) return fault(out, ShapeFault::empty_reduction, 0);
-  return {out};
-}
-
-// A reduction of a concrete shape, as groups of input elements, one group per output element
-// in the output's order. Neighbouring axes of the same kind are merged and axes of size 1
-// dropped; the lists are innermost first, each axis with its stride in the input.
-struct ReduceLayout {
-  std::array<index_t, max_rank> kept_size{}, kept_stride{}, red_size{}, red_stride{};
-  int kept = 0;
-  int red = 0;
-  index_t outputs = 1;
-  index_t group = 1;
-
-  // Each group contiguous: the reduced axes are the innermost.
-  bool contiguous() const { return red == 1 && red_stride[0] == 1; }
-  // [outer, reduced, inner]: one block of reduced axes, the innermost axis kept.
-  bool strided() const { return red == 1 && kept >= 1 && kept_stride[0] == 1 && kept <= 2; }
-  index_t inner() const { return kept_size[0]; }
-
-  // f(j, base) for each output j, base the offset of its group's first element.
-  template <class F>
-  void for_each_group(F&& f) const {
-    std::array<index_t, max_rank> index{};
-    index_t base = 0;
-    for (index_t j = 0; j < outputs; ++j) {
-      f(j, base);
-      for (int a = 0; a < kept; ++a) {
-        const std::size_t ax = static_cast<std::size_t>(a);
-        base += kept_stride[ax];
-        if (++index[ax] < kept_size[ax]) break;
-        base -= kept_stride[ax] * index[ax];
-        index[ax] = 0;
-      }
-    }
-  }
-
-  // f(offset) for each element of a group, in increasing input index (offsets from its base).
-  template <class F>
-  void for_each_in_group(F&& f) const {
-    if (red <= 1) {
-      const index_t stride = red == 0 ? 0 : red_stride[0];
-      for (index_t r = 0; r < group; ++r) f(r * stride);
-      return;
-    }
-    std::array<index_t, max_rank> index{};
-    index_t offset = 0;
-    for (index_t r = 0; r < group; ++r) {
-      f(offset);
-      for (int a = 0; a < red; ++a) {
-        const std::size_t ax = static_cast<std::size_t>(a);
-        offset += red_stride[ax];
-        if (++index[ax] < red_size[ax]) break;
-        offset -= red_stride[ax] * index[ax];
-        index[ax] = 0;
-      }
-    }
-  }
-};
-
-inline ReduceLayout reduce_layout(const Shape& in, const AxisMask& m) {
-  ReduceLayout l;
-  index_t stride = 1;
-  int last_kind = -1;  // 0 kept, 1 reduced: the kind of the entry appended last
-  for (int i = in.rank() - 1; i >= 0; --i) {
-    const index_t d = in[i];
-    const bool reduced = m.reduced[static_cast<std::size_t>(i)];
-    if (reduced) l.group *= d;
-    else l.outputs *= d;
-    if (d != 1) {
-      auto& size = reduced ? l.red_size : l.kept_size;
-      auto& strides = reduced ? l.red_stride : l.kept_stride;
-      int& count = reduced ? l.red : l.kept;
-      if (last_kind == static_cast<int>(reduced)) {
-        size[static_cast<std::size_t>(count - 1)] *= d;
-      } else {
-        size[static_cast<std::size_t>(count)] = d;
-        strides[static_cast<std::size_t>(count)] = stride;
-        ++count;
-        last_kind = static_cast<int>(reduced);
-      }
-    }
-    stride *= d;
-  }
-  return l;
-}
-
-template <class T>
-using ArrayMap = ::Eigen::Map<::Eigen::Array<T, ::Eigen::Dynamic, 1>>;
-template <class T>
-using ConstArrayMap = ::Eigen::Map<const ::Eigen::Array<T, ::Eigen::Dynamic, 1>>;
-
-// What each reduction does with one group: its first element, then combine with each next.
-// sequential: the most elements of a group (rows, on the strided path: a sixteenth as many)
-// combined in order before Pairwise combines the runs; max and min are exact in any order.
-struct SumReducer {
-  static constexpr std::string_view name = "ReduceSum";
-  static constexpr bool mean = false;
-  static constexpr bool non_empty = false;
-  static constexpr int identity = 0;  // of an empty group
-  static constexpr index_t sequential = 1024;
-  template <class T>
-  static T combine(T a, T b) {
-    return a + b;
-  }
-  template <class T>
-  static T redux(const ConstArrayMap<T>& g) {
-    return g.sum();
-  }
-  template <class T>
-  static void combine_rows(ArrayMap<T>& acc, const ConstArrayMap<T>& row) {
-    acc += row;
-  }
-};
-
-struct MeanReducer : SumReducer {
-  static constexpr std::string_view name = "ReduceMean";
-  static constexpr bool mean = true;
-};
-
-// Pairwise like a sum: a float product's rounding error grows with the log of its length too.
-struct ProdReducer {
-  static constexpr std::string_view name = "ReduceProd";
-  static constexpr bool mean = false;
-  static constexpr bool non_empty = false;
-  static constexpr int identity = 1;
-  static constexpr index_t sequential = 1024;
-  template <class T>
-  static T combine(T a, T b) {
-    return a * b;
-  }
-  template <class T>
-  static T redux(const ConstArrayMap<T>& g) {
-    return g.prod();
-  }
-  template <class T>
-  static void combine_rows(ArrayMap<T>& acc, const ConstArrayMap<T>& row) {
-    acc *= row;
-  }
-};
-
-struct MaxReducer {
-  static constexpr std::string_view name = "ReduceMax";
-  static constexpr bool mean = false;
-  static constexpr bool non_empty = true;
-  static constexpr index_t sequential = std::numeric_limits<index_t>::max();
-  template <class T>
-  static T combine(T a, T b) {
-    return fn::Maximum::apply(a, b);
-  }
-  template <class T>
-  static T redux(const ConstArrayMap<T>& g) {
-    return g.template maxCoeff<::Eigen::PropagateNaN>();
-  }
-  template <class T>
-  static void combine_rows(ArrayMap<T>& acc, const ConstArrayMap<T>& row) {
-    acc = acc.binaryExpr(row, ::Eigen::internal::scalar_max_op<T, T, ::Eigen::PropagateNaN>());
-  }
-};
-
-struct MinReducer {
-  static constexpr std::string_view name = "ReduceMin";
-  static constexpr bool mean = false;
-  static constexpr bool non_empty = true;
-  static constexpr index_t sequential = std::numeric_limits<index_t>::max();
-  template <class T>
-  static T combine(T a, T b) {
-    return fn::Minimum::apply(a, b);
-  }
-  template <class T>
-  static T redux(const ConstArrayMap<T>& g) {
-    return g.template minCoeff<::Eigen::PropagateNaN>();
-  }
-  template <class T>
-  static void combine_rows(ArrayMap<T>& acc, const ConstArrayMap<T>& row) {
-    acc = acc.binaryExpr(row, ::Eigen::internal::scalar_min_op<T, T, ::Eigen::PropagateNaN>());
-  }
-};
-
-// Combines a group's runs (each a partial result of `width` elements) pairwise: run i joins
-// like a binary counter's bit, so the result is a balanced tree over the runs, whose rounding
-// error grows with the log of their number rather than with it. Summed in order, a float mean
-// of 10^6 values near 10^4 came out 9990.87 (PyTorch's, pairwise too: 10000.0).
-template <class Reducer, class T>
-class Pairwise {
- public:
-  // slots: room for levels(runs) partial results of width elements.
-  Pairwise(T* slots, index_t width) : slots_(slots), width_(width) {}
-  static index_t levels(index_t runs) { return std::bit_width(static_cast<std::uint64_t>(runs)) + 1; }
-
-  // Where the next run's result is to be written, before push().
-  T* next() const { return slot(top_); }
-  void push() {
-    ++top_;
-    for (std::uint64_t c = count_++; (c & 1) != 0; c >>= 1) {
-      combine(slot(top_ - 2), slot(top_ - 1));
-      --top_;
-    }
-  }
-  // The whole group's result, into out: the runs left on the stack, the newest first.
-  void finish(T* out) {
-    for (index_t i = top_ - 2; i >= 0; --i) combine(slot(i), slot(i + 1));
-    std::copy_n(slot(0), width_, out);
-  }
-
- private:
-  T* slot(index_t level) const { return slots_ + level * width_; }
-  void combine(T* earlier, const T* later) const {
-    ArrayMap<T> acc(earlier, width_);
-    Reducer::combine_rows(acc, ConstArrayMap<T>(later, width_));
-  }
-
-  T* slots_;
-  index_t width_;
-  index_t top_ = 0;
-  std::uint64_t count_ = 0;
-};
-
-inline std::string reduce_name(std::string_view op, std::span<const int> values, bool keep) {
-  std::string s(op);
-  s += "(axis=";
-  if (values.empty()) s += "all";
-  for (std::size_t i = 0; i < values.size(); ++i) {
-    if (i) s += ',';
-    s += std::to_string(values[i]);
-  }
-  return s + (keep ? ", keep_dims)" : ")");
-}
-
-}  // namespace detail
-
-template <class Reducer, class AxesT, bool Keep>
-struct ReduceGradOp;
-
-// Reducer over the axes AxesT (every axis if empty), the reduced axes kept as 1 if Keep.
-// AxesT is Axes<A...>, or AxesList for axes given at run time, whose shape graph mode checks
-// when the network first runs.
-template <class Reducer, class AxesT, bool Keep>
-struct ReduceOp : Primitive<ReduceOp<Reducer, AxesT, Keep>> {
-  static constexpr int arity = 1;
-  static constexpr bool runtime_axes = std::is_same_v<AxesT, AxesList>;
-  [[no_unique_address]] AxesT reduced{};
-
-  bool keeps() const {
-    if constexpr (runtime_axes) return reduced.keep;
-    else return Keep;
-  }
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
-    if constexpr (runtime_axes) return {Shape::any()};
-    else return detail::reduced_shape(in[0], AxesT::values, Keep, Reducer::non_empty);
-  }
-  ShapeResult infer(std::span<const Shape> in) const {
-    return detail::reduced_shape(in[0], detail::axes_of(reduced), keeps(), Reducer::non_empty);
-  }
-
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& a) const {
-    const T* x = a.in<T>();
-    T* out = a.out<T>();
-    const Shape& in = a.in_shape();
-    const detail::ReduceLayout l = detail::reduce_layout(in, detail::axis_mask(in.rank(), detail::axes_of(reduced)));
-    if (l.outputs == 0) return;
-    if (l.group == 0) {
-      // Only sum, mean and prod get here (the rule refuses an empty max): 0, 0/0 for the mean, 1.
-      if constexpr (!Reducer::non_empty) {
-        std::fill_n(out, l.outputs,
-                    Reducer::mean ? std::numeric_limits<T>::quiet_NaN() : static_cast<T>(Reducer::identity));
-      }
-      return;
-    }
-    // Each group in runs of at most Reducer::sequential elements, combined pairwise.
-    constexpr index_t run = Reducer::sequential;
-    std::array<T, 64> scalar_slots{};
-    if (l.contiguous()) {
-      for (index_t j = 0; j < l.outputs; ++j) {
-        detail::Pairwise<Reducer, T> group(scalar_slots.data(), 1);
-        for (index_t r0 = 0; r0 < l.group; r0 += run) {
-          *group.next() = Reducer::redux(detail::ConstArrayMap<T>(x + j * l.group + r0, std::min(run, l.group - r0)));
-          group.push();
-        }
-        group.finish(out + j);
-      }
-    } else if (l.strided()) {
-      // Runs of rows: a sixteenth of the elements, so that a row is not reread from memory.
-      const index_t inner = l.inner();
-      const index_t outer = l.outputs / inner;
-      const index_t rows = std::max<index_t>(1, run / 16);
-      const index_t row_runs = (l.group + rows - 1) / rows;
-      duet::detail::Storage slots_storage;
-      T* slots = row_runs == 1 ? nullptr
-                               : duet::detail::scratch<T>(slots_storage, static_cast<std::size_t>(
-                                                                            detail::Pairwise<Reducer, T>::levels(row_runs) * inner));
-      for (index_t o = 0; o < outer; ++o) {
-        const T* block = x + o * l.group * inner;
-        detail::Pairwise<Reducer, T> group(slots, inner);
-        for (index_t r0 = 0; r0 < l.group; r0 += rows) {
-          detail::ArrayMap<T> acc(row_runs == 1 ? out + o * inner : group.next(), inner);
-          acc = detail::ConstArrayMap<T>(block + r0 * inner, inner);
-          for (index_t r = r0 + 1; r < std::min(l.group, r0 + rows); ++r) {
-            Reducer::combine_rows(acc, detail::ConstArrayMap<T>(block + r * inner, inner));
-          }
-          if (row_runs > 1) group.push();
-        }
-        if (row_runs > 1) group.finish(out + o * inner);
-      }
-    } else {
-      l.for_each_group([&](index_t j, index_t base) {
-        detail::Pairwise<Reducer, T> group(scalar_slots.data(), 1);
-        index_t in_run = 0;
-        T acc{};
-        l.for_each_in_group([&](index_t off) {
-          acc = in_run == 0 ? x[base + off] : Reducer::combine(acc, x[base + off]);
-          if (++in_run == run) {
-            *group.next() = acc;
-            group.push();
-            in_run = 0;
-          }
-        });
-        if (in_run != 0) {
-          *group.next() = acc;
-          group.push();
-        }
-        group.finish(out + j);
-      });
-    }
-
-    if constexpr (Reducer::mean) {
-      const T count = static_cast<T>(l.group);
-      for (index_t j = 0; j < l.outputs; ++j) out[j] /= count;
-    }
-  }
-
-  template <std::size_t K>
-    requires(K == 0)
-  auto grad_op() const {
-    ReduceGradOp<Reducer, AxesT, Keep> g;
-    g.reduced = reduced;
-    return g;
-  }
-
-  static std::string op_name() {
-    if constexpr (runtime_axes) return std::string(Reducer::name);
-    else return detail::reduce_name(Reducer::name, AxesT::values, Keep);
-  }
-  std::string label() const { return detail::reduce_name(Reducer::name, detail::axes_of(reduced), keeps()); }
-
-  // The reducers' names are ONNX's operators. At opset 17 ReduceSum reads its axes as an
-  // input, the others as an attribute; no axes reduces them all, in both.
-  Interchange interchange(std::span<const Shape>) const {
-    InterchangeNode n{std::string(Reducer::name), {InterchangeInput::operand(0)}, {InterchangeAttribute::of("keepdims", keeps() ? 1 : 0)}};
-    if (const std::span<const int> reduced_axes = detail::axes_of(reduced); !reduced_axes.empty()) {
-      const std::vector<std::int64_t> axes(reduced_axes.begin(), reduced_axes.end());
-      if (Reducer::name == "ReduceSum") n.inputs.push_back(InterchangeInput::constant(axes));
-      else n.attributes.push_back(InterchangeAttribute::of("axes", axes));
-    }
-    return {std::move(n)};
-  }
-};
-
-// d/dx of a reduction: sum and mean spread dy over each group (mean divided by its size);
-// max and min send it to the elements equal to the extreme, split evenly among ties; prod
-// gives each element dy times the product of the others in its group.
-template <class Reducer, class AxesT, bool Keep>
-struct ReduceGradOp : Primitive<ReduceGradOp<Reducer, AxesT, Keep>> {
-  static constexpr bool extreme = Reducer::non_empty;
-  static constexpr bool product = std::is_same_v<Reducer, detail::ProdReducer>;
-  [[no_unique_address]] AxesT reduced{};
-  static constexpr auto reads = [] {
-    if constexpr (extreme) return std::array{graph::Operand::grad, graph::Operand::input0, graph::Operand::output};
-    else return std::array{graph::Operand::grad, graph::Operand::input0};
-  }();
-  static constexpr int arity = static_cast<int>(reads.size());
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
-
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& a) const {
-    const T* dy = a.in<T>(0);
-    const T* x = a.in<T>(1);
-    T* d = a.out<T>();
-    const Shape& in = a.in_shape(1);
-    const detail::ReduceLayout l = detail::reduce_layout(in, detail::axis_mask(in.rank(), detail::axes_of(reduced)));
-    if (l.outputs == 0 || l.group == 0) return;
-    if constexpr (extreme) {
-      const T* y = a.in<T>(2);
-      l.for_each_group([&](index_t j, index_t base) {
-        const T m = y[j];
-        const bool nan = m != m;
-        auto hit = [&](T v) { return v == m || (nan && v != v); };
-        index_t ties = 0;
-        l.for_each_in_group([&](index_t off) { ties += hit(x[base + off]) ? 1 : 0; });
-        const T share = dy[j] / static_cast<T>(ties);
-        l.for_each_in_group([&](index_t off) { d[base + off] = hit(x[base + off]) ? share : T(0); });
-      });
-    } else if constexpr (product) {
-      // The product of the others as the product of those before times that of those after,
-      // not y / x: exact where the group holds a zero (one zero's element gets the product of
-      // the rest, every element of a group with two gets 0), as PyTorch's.
-      duet::detail::Storage offsets_storage;
-      index_t* offsets = duet::detail::scratch<index_t>(offsets_storage, static_cast<std::size_t>(l.group));
-      index_t r = 0;
-      l.for_each_in_group([&](index_t off) { offsets[r++] = off; });
-      l.for_each_group([&](index_t j, index_t base) {
-        T before(1);
-        for (index_t i = 0; i < l.group; ++i) {
-          d[base + offsets[i]] = before;
-          before *= x[base + offsets[i]];
-        }
-        T after = dy[j];
-        for (index_t i = l.group - 1; i >= 0; --i) {
-          d[base + offsets[i]] *= after;
-          after *= x[base + offsets[i]];
-        }
-      });
-    } else {
-      const T scale = Reducer::mean ? T(1) / static_cast<T>(l.group) : T(1);
-      if (l.contiguous()) {
-        for (index_t j = 0; j < l.outputs; ++j) std::fill_n(d + j * l.group, l.group, dy[j] * scale);
-      } else if (l.strided()) {
-        const index_t inner = l.inner();
-        for (index_t o = 0; o < l.outputs / inner; ++o) {
-          const detail::ConstArrayMap<T> g(dy + o * inner, inner);
-          for (index_t r = 0; r < l.group; ++r) detail::ArrayMap<T>(d + (o * l.group + r) * inner, inner) = g * scale;
-        }
-      } else {
-        l.for_each_group([&](index_t j, index_t base) {
-          l.for_each_in_group([&](index_t off) { d[base + off] = dy[j] * scale; });
-        });
-      }
-    }
-  }
-
-  static std::string op_name() { return ReduceOp<Reducer, AxesT, Keep>::op_name() + "Grad"; }
-};
-
-// The index of the first largest (smallest) element along one axis, as int32 (numpy's and
-// MindSpore's choice on ties); a NaN counts as the largest and the smallest, as in numpy. In
-// is the input's element type: the kernel is instantiated for the output's (int32).
-template <bool Max, int Axis, bool Keep, class In>
-struct ArgExtremeOp : Primitive<ArgExtremeOp<Max, Axis, Keep, In>> {
-  using value_type = std::int32_t;
-  static constexpr int arity = 1;
-  static constexpr bool differentiable = false;
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
-    return detail::reduced_shape(in[0], std::array<int, 1>{Axis}, Keep, true);
-  }
-
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& a) const {
-    const In* x = a.in<In>();
-    T* out = a.out<T>();
-    const Shape& in = a.in_shape();
-    const int axis = Axis < 0 ? Axis + in.rank() : Axis;
-    const index_t size = in[axis];
-    const index_t inner = in.numel_from(axis + 1);
-    const index_t outer = inner == 0 || size == 0 ? 0 : in.numel() / (size * inner);
-    auto better = [](In v, In best) { return (v != v && best == best) || (Max ? v > best : v < best); };
-    for (index_t o = 0; o < outer; ++o) {
-      const In* block = x + o * size * inner;
-      T* idx = out + o * inner;
-      std::fill_n(idx, inner, T(0));
-      // Along the axis outermost, so that each step reads a contiguous row of the input.
-      for (index_t r = 1; r < size; ++r) {
-        for (index_t i = 0; i < inner; ++i) {
-          if (better(block[r * inner + i], block[idx[i] * inner + i])) idx[i] = static_cast<T>(r);
-        }
-      }
-    }
-  }
-
-  static std::string op_name() {
-    return std::string(Max ? "Argmax" : "Argmin") + "(axis=" + std::to_string(Axis) + (Keep ? ", keep_dims)" : ")");
-  }
-};
-
-// cumsum<Axis>(x): the running sum along one axis, x's shape (PyTorch's torch.cumsum(x, dim),
-// MindSpore's ops.cumsum; a negative axis counts from the end). Element i is element i - 1's
-// sum plus x's element i, in order along the axis and in the element type, not pairwise: each
-// output is a sum of its prefix, so the order is the definition's (PyTorch's CPU kernel carries
-// a float's sums in double: a few ulps apart). The gradient is dy's running sum from the last
-// element back.
-
-namespace detail {
-// Running sums along `axis` of x, seen as [outer, size, inner]: each row of `inner` sums is the
-// row before it (after it, backward: cumsum's gradient) plus x's row.
-template <class T>
-void running_sum(const T* x, T* y, const Shape& shape, int axis, bool backward) {
-  const int a = axis_index(axis, shape.rank());
-  const index_t size = shape[a];
-  const index_t inner = shape.numel_from(a + 1);
-  const index_t block = size * inner;
-  if (block == 0) return;
-  for (index_t o = 0; o < shape.numel() / block; ++o) {
-    for (index_t r = 0; r < size; ++r) {
-      const index_t at = o * block + (backward ? size - 1 - r : r) * inner;
-      if (r == 0) {
-        std::copy_n(x + at, inner, y + at);
-        continue;
-      }
-      const index_t before = backward ? at + inner : at - inner;
-      for (index_t i = 0; i < inner; ++i) y[at + i] = y[before + i] + x[at + i];
-    }
-  }
-}
-}  // namespace detail
-
-// d/dx of cumsum: x's element i reaches every sum from i on, so it gets dy summed from the last
-// element back to i.
-template <int Axis>
-struct CumsumGradOp : Primitive<CumsumGradOp<Axis>> {
-  static constexpr std::array reads{graph::Operand::grad};
-  static constexpr int arity = 1;
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
-
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& a) const {
-    detail::running_sum(a.in<T>(), a.out<T>(), a.in_shape(), Axis, true);
-  }
-
-  static std::string op_name() { return "CumsumGrad<" + std::to_string(Axis) + ">"; }
-};
-
-template <int Axis>
-struct CumsumOp : Primitive<CumsumOp<Axis>> {
-  static constexpr int arity = 1;
-  static constexpr std::array<int, 1> axes{Axis};
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return detail::along_axes_rule(in[0], axes); }
-
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& a) const {
-    detail::running_sum(a.in<T>(), a.out<T>(), a.in_shape(), Axis, false);
-  }
-
-  // Of input 0, the only one.
-  template <std::size_t K>
-  CumsumGradOp<Axis> grad_op() const {
-    return {};
-  }
-
-  static std::string op_name() { return "Cumsum<" + std::to_string(Axis) + ">"; }
-  std::string label() const { return "ops::cumsum<" + std::to_string(Axis) + ">"; }
-};
-
-template <int Axis, class X>
-auto cumsum(X&& x) {
-  return apply(CumsumOp<Axis>{}, std::forward<X>(x));
-}
-
-inline const bool reduction_listed =
-    list_operations({"sum", "mean", "prod", "max", "min", "argmax", "argmin", "var", "std", "logsumexp", "cumsum"});
-
-namespace detail {
-
-template <class X>
-using element_of = typename std::remove_cvref_t<X>::value_type;
-
-// A mean of integers would truncate, where PyTorch refuses one.
-template <class Reducer, class V>
-inline constexpr bool refused_on = Reducer::mean && std::is_integral_v<V>;
-#define DUET_DETAIL_INTEGER_MEAN_MESSAGE                                                                   \
-  "duet::ops::mean (and var, std): the tensor has an integer element type, whose mean would be truncated " \
-  "(mean([1, 2]) = 1); cast it first, ops::mean(ops::cast<float>(x)), as PyTorch asks for a floating type"
-
-// The input a reduction reads: a sum of a comparison's UInt8 mask (sum(equal(pred, labels)),
-// counting) in int32, where UInt8 would wrap at 256 (300 matches counted 44); other types as
-// they are.
-template <class Reducer, class X>
-decltype(auto) reduced_input(const X& x) {
-  if constexpr (std::is_same_v<Reducer, SumReducer> && std::is_same_v<element_of<X>, std::uint8_t>) {
-    return cast<std::int32_t>(x);
-  } else {
-    return (x);
-  }
-}
-
-template <class Reducer, class X, class AxesT, class... Keep>
-auto reduce(const X& x, AxesT, Keep...) {
-  static_assert(sizeof...(Keep) <= 1 && (std::is_same_v<Keep, KeepDims> && ...),
-                "duet::ops: a reduction takes the tensor, then optionally ops::axes<...>, then optionally ops::keep_dims");
-  static_assert(!refused_on<Reducer, element_of<X>>, DUET_DETAIL_INTEGER_MEAN_MESSAGE);
-  return apply(ReduceOp<Reducer, AxesT, sizeof...(Keep) == 1>{}, reduced_input<Reducer>(x));
-}
-
-// The axes given at run time: each within [-max_rank, max_rank) and listed once; whether they
-// fit the input's rank is a shape error when it runs.
-template <class Reducer, class X, class... Keep>
-auto reduce_listed(const X& x, std::span<const int> axes, const char* who, Keep...) {
-  static_assert(sizeof...(Keep) <= 1 && (std::is_same_v<Keep, KeepDims> && ...),
-                "duet::ops: a reduction takes the tensor, then optionally the axes, then optionally ops::keep_dims");
-  static_assert(!refused_on<Reducer, element_of<X>>, DUET_DETAIL_INTEGER_MEAN_MESSAGE);
-  ReduceOp<Reducer, AxesList, false> op;
-  op.reduced.keep = sizeof...(Keep) == 1;
-  bool valid = axes.size() <= static_cast<std::size_t>(max_rank);
-  for (std::size_t i = 0; valid && i < axes.size(); ++i) {
-    valid = axes[i] >= -max_rank && axes[i] < max_rank && std::ranges::count(axes.first(i), axes[i]) == 0;
-    op.reduced.list[i] = axes[i];
-  }
-  if (!valid) {
-    throw ValueError(std::string("duet::ops::") + who + ": the axes {" + list_text<int>(axes) +
-                     "} must be distinct, at most " + std::to_string(max_rank) + " of them");
-  }
-  op.reduced.count = axes.size();
-  return apply(op, reduced_input<Reducer>(x));
-}
-
-template <bool Max, class X, int A, class... Keep>
-auto arg_extreme(const X& x, Axes<A>, Keep...) {
-  static_assert(sizeof...(Keep) <= 1 && (std::is_same_v<Keep, KeepDims> && ...),
-                "duet::ops: argmax and argmin take the tensor, then optionally ops::axis<A>, then optionally ops::keep_dims");
-  return apply(ArgExtremeOp<Max, A, sizeof...(Keep) == 1, element_of<X>>{}, x);
-}
-
-}  // namespace detail
-
-namespace detail {
-// A reduction over axes given either way: ops::axes<...> while the program compiles, a list at
-// run time.
-template <class Reducer, class X, class AxesT, class... Keep>
-auto reduce_over(const X& x, const AxesT& axes, const char* who, Keep... keep) {
-  if constexpr (std::is_same_v<AxesT, std::span<const int>>)
-    return reduce_listed<Reducer>(x, axes, who, keep...);
-  else
-    return reduce<Reducer>(x, axes, keep...);
-}
-}  // namespace detail
-
-// The ways an operation over axes is called, as sum is: sum(x) and sum(x, keep_dims) over every
-// axis; sum(x, axes<...>), the axes known while the program compiles; sum(x, {0, 1}) or a
-// std::span<const int>, known at run time; keep_dims last. Each overload returns the
-// expression given, written on x, axes (an Axes<A...> or a std::span<const int>) and keep.
-#define DUET_DETAIL_OVER_AXES(name, ...)                                                  \
-  template <TensorLike X, int... A, class... Keep>                                        \
-  auto name(const X& x, Axes<A...> axes, Keep... keep) {                                  \
-    return __VA_ARGS__;                                                                   \
-  }                                                                                       \
-  template <TensorLike X, class... Keep>                                                  \
-  requires((std::is_same_v<Keep, KeepDims> && ...)) auto name(const X& x, Keep... keep) { \
-    const Axes<> axes{};                                                                  \
-    return __VA_ARGS__;                                                                   \
-  }                                                                                       \
-  template <TensorLike X, class... Keep>                                                  \
-  auto name(const X& x, std::span<const int> axes, Keep... keep) {                        \
-    return __VA_ARGS__;                                                                   \
-  }                                                                                       \
-  template <TensorLike X, class... Keep>                                                  \
-  auto name(const X& x, std::initializer_list<int> list, Keep... keep) {                  \
-    const std::span<const int> axes(list.begin(), list.size());                           \
-    return __VA_ARGS__;                                                                   \
-  }
-DUET_DETAIL_OVER_AXES(sum, detail::reduce_over<detail::SumReducer>(x, axes, "sum", keep...))
-DUET_DETAIL_OVER_AXES(mean, detail::reduce_over<detail::MeanReducer>(x, axes, "mean", keep...))
-DUET_DETAIL_OVER_AXES(prod, detail::reduce_over<detail::ProdReducer>(x, axes, "prod", keep...))
-DUET_DETAIL_OVER_AXES(max, detail::reduce_over<detail::MaxReducer>(x, axes, "max", keep...))
-DUET_DETAIL_OVER_AXES(min, detail::reduce_over<detail::MinReducer>(x, axes, "min", keep...))
-
-namespace detail {
-template <class X, class AxesT, class... Keep>
-auto variance(const X& x, const AxesT& axes, Keep... keep) {
-  return mean(square(x - mean(x, axes, keep_dims)), axes, keep...);
-}
-}  // namespace detail
-
-// var(x), var(x, axes<...>), with keep_dims, or the axes at run time, as sum takes them: the
-// variance over the axes (every axis if none),
-// mean((x - mean(x))^2), dividing by the n elements reduced, as numpy's and MindSpore's
-// ops.var do by default (ddof = 0); torch.var divides by n - 1 by default (a sample's
-// unbiased estimate: multiply by n / (n - 1)). std is its square root. Made of mean,
-// subtraction and square, which give their gradients; std's is 0 where the variance is 0, as
-// PyTorch's (fn::StdRoot).
-DUET_DETAIL_OVER_AXES(var, detail::variance(x, axes, keep...))
-DUET_DETAIL_OVER_AXES(std, apply(MapOp<fn::StdRoot>{}, detail::variance(x, axes, keep...)))
-
-// argmax(x) (axis -1, MindSpore's ops.Argmax default), argmax(x, axis<A>), with keep_dims.
-template <TensorLike X, int A = -1, class... Keep>
-auto argmax(const X& x, Axes<A> a = {}, Keep... keep) {
-  return detail::arg_extreme<true>(x, a, keep...);
-}
-template <TensorLike X, int A = -1, class... Keep>
-auto argmin(const X& x, Axes<A> a = {}, Keep... keep) {
-  return detail::arg_extreme<false>(x, a, keep...);
-}
-
-namespace detail {
-// m + log Σ exp(x - m), m the maximum over the axes (kept as 1 while it is subtracted). An
-// infinite m is taken out as 0: every element -inf gives -inf (m = -inf would make -inf - -inf
-// = NaN), and a +inf gives +inf, as PyTorch's. m is a constant of the gradient
-// (ops::stop_gradient), which is then exp(x - m) / Σ exp(x - m): softmax over the axes.
-template <class X, class AxesT, class... Keep>
-auto log_sum_exp(const X& x, const AxesT& axes, Keep...) {
-  using V = element_of<X>;
-  static_assert(std::is_floating_point_v<V>, "duet::ops::logsumexp: the tensor must have a floating-point element type");
-  const auto shift = [&](auto... kept) {
-    const auto m = stop_gradient(max(x, axes, kept...));
-    return where(equal(abs(m), std::numeric_limits<V>::infinity()), V(0), m);
-  };
-  const auto m = shift(keep_dims);
-  // With keep_dims the maximum is m itself; without, it is taken again in the output's shape
-  // (the same operation twice on one input would be one value captured twice).
-  if constexpr (sizeof...(Keep) == 1) return log(sum(exp(x - m), axes, keep_dims)) + m;
-  else return log(sum(exp(x - m), axes)) + shift();
-}
-}  // namespace detail
-
-// logsumexp(x), logsumexp(x, axes<...>), with keep_dims, or the axes at run time, as sum takes
-// them: log Σ exp(x) over the axes (every axis if none), PyTorch's torch.logsumexp and
-// MindSpore's ops.logsumexp, without overflow (the maximum is taken out first) and -inf for a
-// group of -inf (a fully masked row).
-DUET_DETAIL_OVER_AXES(logsumexp, detail::log_sum_exp(x, axes, keep...))
-#undef DUET_DETAIL_OVER_AXES
-
-}  // namespace ops
-}  // namespace duet
-// softmax and log_softmax along one axis (MindSpore's ops.softmax(x, axis=-1),
-// ops.log_softmax, nn.Softmax(axis), nn.LogSoftmax(axis)), in both modes.
-//
-// The axis is a member of the operation, not a template argument as the reductions' axes are:
-// the output has the input's shape whatever the axis, so graph mode needs it only when the
-// kernel runs, and nn::Softmax(axis) takes it at run time as MindSpore's does. Its range is
-// checked against the input's rank where the rule runs on concrete shapes (ShapeError).
-//
-// Numerically stable: each slice has its maximum m subtracted before exp, so the largest term
-// is exp(0) = 1 and logits of 1000 give no inf or NaN; log_softmax is x - m - log Σ exp(x - m),
-// never the log of a rounded-to-zero probability. Gradients come from the output y:
-//   softmax:     dx = y · (dy - Σ dy·y)
-//   log_softmax: dx = dy - exp(y) · Σ dy
-// The kernels use the reductions' layout ([outer, axis, inner]): a contiguous slice per row
-// when the axis is the last one (Eigen's vectorised exp and sums), otherwise a row of `inner`
-// elements at a time along the axis, with the running maximum and sum in a per-thread scratch
-// row that stops growing once it has the largest size seen (no allocation per call once warm).
-
-#include <cmath>
-#include <string>
-#include <utility>
-#include <vector>
-
-#include <Eigen/Core>
-
-
-namespace duet {
-namespace ops {
-
-namespace detail {
-
-// [outer, size, inner] around one axis of a concrete shape.
-struct AxisLayout {
-  index_t outer = 0;
-  index_t size = 0;
-  index_t inner = 0;
-};
-
-inline AxisLayout axis_layout(const Shape& s, int axis) {
-  const int a = axis < 0 ? axis + s.rank() : axis;
-  AxisLayout l{1, s[a], s.numel_from(a + 1)};
-  for (int i = 0; i < a; ++i) l.outer *= s[i];
-  return l;
-}
-
-template <class T>
-T* scratch_row(index_t n) {
-  thread_local std::vector<T> row;
-  if (row.size() < static_cast<std::size_t>(n)) row.resize(static_cast<std::size_t>(n));
-  return row.data();
-}
-
-template <class Self>
-struct AxisMember {
-  int axis = -1;
-
-  ShapeResult infer(std::span<const Shape> in) const {
-    const Shape& x = in[0];
-    if (!x.leading_unknown() && (axis >= x.rank() || axis < -x.rank())) {
-      return fault(x, ShapeFault::min_rank, axis < 0 ? -axis : axis + 1);
-    }
-    return {x};
-  }
-  std::string label() const { return Self::op_name() + "(axis=" + std::to_string(axis) + ")"; }
-};
-
-}  // namespace detail
-
-template <bool Log>
-struct SoftmaxGradOp;
-
-template <bool Log>
-struct SoftmaxOp : Primitive<SoftmaxOp<Log>>, detail::AxisMember<SoftmaxOp<Log>> {
-  using detail::AxisMember<SoftmaxOp<Log>>::infer;
-  using detail::AxisMember<SoftmaxOp<Log>>::label;
-  static constexpr int arity = 1;
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
-
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& a) const {
-    using detail::ArrayMap;
-    using detail::ConstArrayMap;
-    const auto l = detail::axis_layout(a.in_shape(), this->axis);
-    const T* x = a.in<T>();
-    T* y = a.out<T>();
-    if (l.size == 0 || l.inner == 0) return;
-    const index_t block = l.size * l.inner;
-    if (l.inner == 1) {
-      for (index_t o = 0; o < l.outer; ++o) {
-        const ConstArrayMap<T> xs(x + o * block, l.size);
-        ArrayMap<T> ys(y + o * block, l.size);
-        const T m = xs.template maxCoeff<::Eigen::PropagateNaN>();
-        ys = fn::exp_array(xs - m);
-        const T s = ys.sum();
-        if constexpr (Log) ys = xs - m - std::log(s);
-        else ys /= s;
-      }
-      return;
-    }
-    T* scratch = detail::scratch_row<T>(2 * l.inner);
-    ArrayMap<T> m(scratch, l.inner), s(scratch + l.inner, l.inner);
-    for (index_t o = 0; o < l.outer; ++o) {
-      const T* xb = x + o * block;
-      T* yb = y + o * block;
-      auto row = [&](index_t r) { return ConstArrayMap<T>(xb + r * l.inner, l.inner); };
-      auto out = [&](index_t r) { return ArrayMap<T>(yb + r * l.inner, l.inner); };
-      m = row(0);
-      for (index_t r = 1; r < l.size; ++r) m = m.binaryExpr(row(r), ::Eigen::internal::scalar_max_op<T, T, ::Eigen::PropagateNaN>());
-      s.setZero();
-      for (index_t r = 0; r < l.size; ++r) {
-        auto yr = out(r);
-        yr = fn::exp_array(row(r) - m);
-        s += yr;
-      }
-      if constexpr (Log) {
-        s = m + s.log();
-        for (index_t r = 0; r < l.size; ++r) out(r) = row(r) - s;
-      } else {
-        for (index_t r = 0; r < l.size; ++r) out(r) /= s;
-      }
-    }
-  }
-
-  template <std::size_t K>
-    requires(K == 0)
-  auto grad_op() const {
-    return SoftmaxGradOp<Log>{{}, {this->axis}};
-  }
-
-  static std::string op_name() { return Log ? "LogSoftmax" : "Softmax"; }
-  // ONNX's (opset 13 on) takes one axis, as this does.
-  Interchange interchange(std::span<const Shape>) const {
-    return {{op_name(), {InterchangeInput::operand(0)}, {InterchangeAttribute::of("axis", this->axis)}}};
-  }
-};
-
-template <bool Log>
-struct SoftmaxGradOp : Primitive<SoftmaxGradOp<Log>>, detail::AxisMember<SoftmaxGradOp<Log>> {
-  using detail::AxisMember<SoftmaxGradOp<Log>>::infer;
-  using detail::AxisMember<SoftmaxGradOp<Log>>::label;
-  static constexpr std::array reads{graph::Operand::grad, graph::Operand::output};
-  static constexpr int arity = 2;
-
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[0]}; }
-
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& a) const {
-    using detail::ArrayMap;
-    using detail::ConstArrayMap;
-    const auto l = detail::axis_layout(a.in_shape(), this->axis);
-    const T* dy = a.in<T>(0);
-    const T* y = a.in<T>(1);
-    T* dx = a.out<T>();
-    if (l.size == 0 || l.inner == 0) return;
-    const index_t block = l.size * l.inner;
-    if (l.inner == 1) {
-      for (index_t o = 0; o < l.outer; ++o) {
-        const ConstArrayMap<T> g(dy + o * block, l.size), ys(y + o * block, l.size);
-        ArrayMap<T> d(dx + o * block, l.size);
-        if constexpr (Log) d = g - fn::exp_array(ys) * g.sum();
-        else d = ys * (g - (g * ys).sum());
-      }
-      return;
-    }
-    ArrayMap<T> s(detail::scratch_row<T>(l.inner), l.inner);
-    for (index_t o = 0; o < l.outer; ++o) {
-      auto g = [&](index_t r) { return ConstArrayMap<T>(dy + o * block + r * l.inner, l.inner); };
-      auto ys = [&](index_t r) { return ConstArrayMap<T>(y + o * block + r * l.inner, l.inner); };
-      auto d = [&](index_t r) { return ArrayMap<T>(dx + o * block + r * l.inner, l.inner); };
-      s.setZero();
-      for (index_t r = 0; r < l.size; ++r) {
-        if constexpr (Log) s += g(r);
-        else s += g(r) * ys(r);
-      }
-      for (index_t r = 0; r < l.size; ++r) {
-        if constexpr (Log) d(r) = g(r) - fn::exp_array(ys(r)) * s;
-        else d(r) = ys(r) * (g(r) - s);
-      }
-    }
-  }
-
-  static std::string op_name() { return Log ? "LogSoftmaxGrad" : "SoftmaxGrad"; }
-};
-
-inline const bool softmax_listed = list_operations({"softmax", "log_softmax"});
-
-template <TensorLike X>
-auto softmax(const X& x, int axis = -1) {
-  return apply(SoftmaxOp<false>{{}, {axis}}, x);
-}
-template <TensorLike X>
-auto log_softmax(const X& x, int axis = -1) {
-  return apply(SoftmaxOp<true>{{}, {axis}}, x);
-}
-
-}  // namespace ops
-
-namespace nn {
-
-// MindSpore's nn.Softmax(axis=-1) and nn.LogSoftmax(axis=-1).
-template <bool Log, ElementType T>
-class BasicSoftmax : public Cell<BasicSoftmax<Log, T>, CONTEXT_MODE, T> {
- public:
-  explicit BasicSoftmax(int axis = -1) : axis_(axis) {}
-  template <class X>
-  auto construct(X&& x) {
-    if constexpr (Log) return ops::log_softmax(std::forward<X>(x), axis_);
-    else return ops::softmax(std::forward<X>(x), axis_);
-  }
-  std::string type_name() const override { return Log ? "nn::LogSoftmax" : "nn::Softmax"; }
-
- private:
-  int axis_;
-};
-
-using Softmax = BasicSoftmax<false, float>;
-using LogSoftmax = BasicSoftmax<true, float>;
-
-}  // namespace nn
-}  // namespace duet
 // duet::summary: a network's cells with their output shapes and parameter counts, and the
 // totals (Keras's model.summary(), torchinfo's summary).
 //

@@ -1,0 +1,67 @@
+// Multi-head self-attention (PyTorch's nn.MultiheadAttention(E, H, batch_first=True) called
+// as attn(x, x, x), MindSpore's nn.MultiheadAttention(batch_first=True)), in both modes, for
+// sequences of any length.
+#pragma once
+
+#include <cmath>
+#include <limits>
+#include <string>
+#include <utility>
+
+#include "../cell.hpp"
+#include "../initializer.hpp"
+#include "../ops/math.hpp"
+#include "../ops/matmul.hpp"
+#include "../ops/shape.hpp"
+#include "../ops/softmax.hpp"
+#include "dense.hpp"
+
+namespace duet::nn {
+
+// x [batch, length, E] -> [batch, length, E]: q, k and v from one fused in-projection
+// (in_proj, Dense<E, 3E>: its weight and bias hold PyTorch's in_proj_weight and in_proj_bias,
+// under the names in_proj.weight and in_proj.bias; out_proj's are named as PyTorch's), each cut into H heads of E / H
+// ([batch, H, length, E / H]), softmax(q kᵀ / sqrt(E / H)) v per head, the heads joined again and projected by out_proj
+// (Dense<E, E>). Causal: position i attends to positions up to i only (PyTorch's attn_mask of -inf above the diagonal),
+// one ops::tril pass at any length. The length is read at run time; E and H are fixed.
+//
+// One fused in-projection, not three Dense<E, E> on x: three values of one type on one input
+// make graph mode fall back to a traced graph (README, "Shared values in graph mode").
+// Initialised as PyTorch does: in_proj's weight Xavier-uniform, both biases 0, out_proj's
+// weight U(-1/sqrt(E), 1/sqrt(E)). No dropout, and only the output (PyTorch's need_weights=False).
+template <index_t E, index_t H, bool Causal = false, ElementType T = float>
+class MultiheadAttention : public Cell<MultiheadAttention<E, H, Causal, T>, CONTEXT_MODE, T> {
+  static_assert(E > 0 && H > 0 && E % H == 0,
+                "nn::MultiheadAttention<E, H>: E (embed_dim) must be a positive multiple of H (num_heads)");
+
+ public:
+  Dense<E, 3 * E, T> in_proj{{.weight_init = initializer::XavierUniform{}, .bias_init = initializer::Zero{}}};
+  Dense<E, E, T> out_proj{{.bias_init = initializer::Zero{}}};
+  DUET_CELL_MEMBERS(in_proj, out_proj);
+
+  static constexpr index_t embed_dim = E;
+  static constexpr index_t num_heads = H;
+  static constexpr index_t head_dim = E / H;
+  static constexpr bool causal = Causal;
+
+  template <class X>
+  auto construct(X&& x) {
+    auto [q, k, v] = ops::split<-1, E, E, E>(in_proj(std::forward<X>(x)));
+    // [batch, length, E] -> [batch, H, length, E / H]: PyTorch's view(B, T, H, dh).transpose(1, 2).
+    const auto heads = [](const auto& t) { return ops::transpose<0, 2, 1, 3>(ops::unflatten<-1, H, E / H>(t)); };
+    auto scores = ops::matmul(heads(q) * (T(1) / std::sqrt(static_cast<T>(head_dim))), heads(k), ops::transpose_b);
+    auto weights = [&] {
+      if constexpr (Causal)
+        return ops::softmax(ops::tril(scores, 0, -std::numeric_limits<T>::infinity()), -1);
+      else
+        return ops::softmax(scores, -1);
+    }();
+    return out_proj(ops::flatten<-2, -1>(ops::transpose<0, 2, 1, 3>(ops::matmul(weights, heads(v)))));
+  }
+
+  std::string type_name() const override {
+    return "nn::MultiheadAttention<" + std::to_string(E) + ", " + std::to_string(H) + (Causal ? ", causal" : "") + ">";
+  }
+};
+
+}  // namespace duet::nn
