@@ -1273,6 +1273,35 @@ TEST_CASE("io::export_onnx: slices of an axis dynamic_axes names cut any length 
   }
 }
 
+// nn::MultiheadAttention: its heads made and joined by ops::unflatten and ops::flatten, written
+// as Reshapes that copy the batch and length (0), so that the file takes any length.
+struct Attending : duet::nn::Cell<Attending> {
+  duet::nn::MultiheadAttention<8, 2> attn;
+  duet::nn::Dense<8, 3> head;
+  DUET_CELL_MEMBERS(attn, head);
+  auto construct(auto x) { return head(attn(x)); }
+};
+
+TEST_CASE("io::export_onnx: nn::MultiheadAttention's unflatten and flatten are Reshapes of any length, and load back") {
+  const duet_test::TempDir dir;
+  Attending net;
+  net.set_train(false);
+  const fs::path file = dir.path / "attending.onnx";
+  duet::io::export_onnx(net, Shape{2, 5, 8}, file, {.dynamic_batch = true, .dynamic_axes = {{1, "length"}}});
+  duet::io::OnnxModel loaded = duet::io::load_onnx(file);
+  for (const Shape& shape : {Shape{2, 5, 8}, Shape{3, 9, 8}, Shape{1, 1, 8}}) {
+    INFO(to_string(shape));
+    const Tensor x = duet::randn(shape, 5);
+    const Tensor want = pynative_output(net, x);
+    check_by_numpy(dir, "attending", x, want);
+    check_close(loaded(x), want, "attending, loaded back");
+  }
+  // The causal mask, ops::tril with a value, has none (ONNX's Trilu writes zeros only).
+  duet::nn::MultiheadAttention<8, 2, true> causal;
+  CHECK_THROWS_WITH_AS(duet::io::export_onnx(causal, Shape{2, 5, 8}, dir.path / "causal.onnx"),
+                       doctest::Contains("has no ONNX form"), duet::ValueError);
+}
+
 // Operations whose ONNX forms are short chains, each checked by the same round trip.
 struct Assorted : duet::nn::Cell<Assorted> {
   duet::nn::Dense<6, 12> fc;

@@ -237,7 +237,12 @@ def run(model, xs):
         elif op == "Squeeze":
             y = np.squeeze(ins[0], tuple(int(v) for v in ins[1]) if len(ins) > 1 else None)
         elif op == "Reshape":
-            y = ins[0].reshape([int(d) for d in ins[1]])
+            # A 0 copies the input's size at that index, unless allowzero (ONNX's rule; numpy's
+            # reshape would read it as an empty axis).
+            target = [int(d) for d in ins[1]]
+            if not a.get("allowzero", 0):
+                target = [ins[0].shape[k] if d == 0 else d for k, d in enumerate(target)]
+            y = ins[0].reshape(target)
         elif op == "Concat":
             y = np.concatenate(ins, axis=a["axis"])
         elif op == "Gather":

@@ -27,6 +27,7 @@
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "../eager.hpp"
 #include "../error.hpp"
@@ -257,6 +258,28 @@ constexpr ShapeResult flatten_rule(const Shape& x, int start, int end) {
   return {out};
 }
 
+namespace detail {
+// ONNX's Reshape target for the output of unflatten (at axis `at`) or flatten (axes `at` to
+// `last`, pieces {-1}) of x: 0, "this axis of the input", for the axes in front, so that a
+// dynamic batch or length stays dynamic; the pieces; then the axes behind, a dynamic one as -1.
+// A second -1, or a size 0 (which Reshape would read as "copy"), has no such form.
+inline std::vector<std::int64_t> reshape_target(const Shape& x, int at, int last, std::initializer_list<index_t> pieces,
+                                                const std::string& label) {
+  std::vector<std::int64_t> target(static_cast<std::size_t>(at), 0);
+  int inferred = 0;
+  const auto add = [&](index_t d) {
+    inferred += d == dyn;
+    if (d == 0 || inferred > 1)
+      throw ValueError(label + " of an input of shape " + to_string(x) + " has no ONNX Reshape form (" +
+                       (d == 0 ? "a size 0" : "two sizes unknown") + ")");
+    target.push_back(d);
+  };
+  for (index_t d : pieces) add(d);
+  for (int i = last + 1; i < x.rank(); ++i) add(x[i]);
+  return target;
+}
+}  // namespace detail
+
 template <int Axis, index_t... Sizes>
 struct UnflattenOp : Primitive<UnflattenOp<Axis, Sizes...>> {
   static_assert(sizeof...(Sizes) > 0, "duet::ops::unflatten<Axis, Sizes...>: give the sizes the axis is cut into");
@@ -279,6 +302,13 @@ struct UnflattenOp : Primitive<UnflattenOp<Axis, Sizes...>> {
   std::string label() const {
     return "ops::unflatten<" + std::to_string(Axis) + ", " + detail::list_text<index_t>({Sizes...}) + ">";
   }
+  Interchange interchange(std::span<const Shape> in) const {
+    const int at = detail::axis_index(Axis, in[0].rank());
+    return {{"Reshape",
+             {InterchangeInput::operand(0),
+              InterchangeInput::constant(detail::reshape_target(in[0], at, at, {Sizes...}, label()))},
+             {}}};
+  }
 };
 
 template <int Start, int End>
@@ -296,6 +326,15 @@ struct FlattenAxesOp : Primitive<FlattenAxesOp<Start, End>> {
 
   static std::string op_name() { return "Flatten<" + std::to_string(Start) + ", " + std::to_string(End) + ">"; }
   std::string label() const { return "ops::flatten<" + std::to_string(Start) + ", " + std::to_string(End) + ">"; }
+  Interchange interchange(std::span<const Shape> in) const {
+    const int rank = in[0].rank();
+    const int at = detail::axis_index(Start, rank), last = detail::axis_index(End, rank);
+    if (rank == 0) return {{"Reshape", {InterchangeInput::operand(0), InterchangeInput::constant({1})}, {}}};
+    return {{"Reshape",
+             {InterchangeInput::operand(0),
+              InterchangeInput::constant(detail::reshape_target(in[0], at, last, {dyn}, label()))},
+             {}}};
+  }
 };
 
 template <int Axis, index_t... Sizes, class X>
