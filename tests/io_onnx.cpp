@@ -1145,6 +1145,28 @@ TEST_CASE("io::export_onnx: a network of token ids has an int32 input, Gather fo
                        duet::ValueError);
 }
 
+// A network built at run time says only at run time that it takes ids (its first cell is an
+// Embedding): export_onnx traced it on float zeros, which the Embedding refused.
+struct MeanOverTokens : duet::nn::Cell<MeanOverTokens> {
+  auto construct(auto x) { return duet::ops::mean(x, duet::ops::axes<1>); }
+};
+
+TEST_CASE("io::export_onnx: a DynamicSequentialCell that begins with an Embedding has an int32 input and loads back") {
+  const duet_test::TempDir dir;
+  duet::nn::DynamicSequentialCell net;
+  net.append(duet::nn::Embedding<>(20, 16));
+  net.append(MeanOverTokens{});
+  net.append(duet::nn::Dense<>(16, 3));
+  const fs::path file = dir.path / "runtime_tokens.onnx";
+  duet::io::export_onnx(net, Shape{2, 5}, file, {.dynamic_batch = true, .dynamic_axes = {{1, "length"}}});
+  duet::io::OnnxModel back = duet::io::load_onnx(file);
+  for (const Shape& shape : {Shape{2, 5}, Shape{3, 7}}) {
+    duet::BasicTensor<std::int32_t> ids = duet::zeros<std::int32_t>(shape);
+    for (duet::index_t i = 0; i < ids.numel(); ++i) ids.data()[i] = static_cast<std::int32_t>((i * 7 + 3) % 20);
+    CHECK(same_bits(back(ids), net(ids)));
+  }
+}
+
 // helper-76's padding mask: the tokens that are not padding (id 0) as the weights of a mean
 // (a comparison with an int32 number, a cast), then comparisons and selections between floats.
 struct PaddedMean : duet::nn::Cell<PaddedMean> {

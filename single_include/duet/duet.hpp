@@ -17946,6 +17946,7 @@ BasicTensor<T> initializer(const I& init, const Shape& shape) {
 #include <functional>
 #include <initializer_list>
 #include <iostream>
+#include <limits>
 #include <numbers>
 #include <optional>
 #include <string>
@@ -18271,18 +18272,27 @@ class BasicOptimizer {
   // A bad hyper-parameter is refused where it is written, not found later as a loss that
   // diverges or never moves: "nn::Adam: learning_rate must be >= 0, got -1". Every optimiser
   // checks its options through this, from its constructor (type_name() names it there).
+  // The options are given as doubles and applied in T: a rate of 1e39 is a finite double but an
+  // infinite float, and its first step wrote inf into every weight.
   void require_option(std::string_view option, double value, bool valid, std::string_view rule,
                       std::string_view when = {}) const {
-    if (valid && std::isfinite(value)) return;
-    throw ValueError(std::string(type_name()) + ": " + std::string(option) + " must be " +
-                     (std::isfinite(value) ? "" : "finite and ") + std::string(rule) + ", got " +
-                     duet::detail::chars_of(value) + std::string(when));
+    if (valid && holds_in_T(value)) return;
+    const std::string range = std::isfinite(value) && !holds_in_T(value)
+                                  ? "at most " + duet::detail::chars_of(static_cast<double>(std::numeric_limits<T>::max())) +
+                                        " in magnitude (" + std::string(name_of(dtype_of<T>)) + "'s largest) and "
+                              : std::isfinite(value) ? std::string()
+                                                     : std::string("finite and ");
+    throw ValueError(std::string(type_name()) + ": " + std::string(option) + " must be " + range + std::string(rule) +
+                     ", got " + duet::detail::chars_of(value) + std::string(when));
+  }
+  static bool holds_in_T(double value) {
+    return std::isfinite(value) && std::abs(value) <= static_cast<double>(std::numeric_limits<T>::max());
   }
   // A schedule is a function, so its rate is checked at every step as well as at construction.
   void require_learning_rate() const {
     for (std::size_t g = 0; g < groups_.size(); ++g) {
       const double lr = learning_rate(g);
-      if (lr >= 0 && std::isfinite(lr)) continue;  // the step's text is made only for the error: no allocation
+      if (lr >= 0 && holds_in_T(lr)) continue;  // the step's text is made only for the error: no allocation
       require_option(groups_.size() > 1 ? "learning_rate of parameter group " + std::to_string(g) : "learning_rate", lr,
                      false, ">= 0", global_step_ == 0 ? "" : " at step " + std::to_string(global_step_));
     }
@@ -18342,9 +18352,16 @@ class BasicOptimizer {
       const T* g = grad(i);
       const index_t k = first_nonfinite_on_threads(g, params_[i]->numel());
       if (k < 0) continue;
+      // A weight already infinite (an earlier update overflowed it) makes such gradients: said,
+      // since the gradient is then not where the trouble began. Looked at only on this path.
+      const T* w = params_[i]->data();
+      const index_t bad_weight = duet::detail::first_nonfinite(w, params_[i]->numel());
       return "the gradient of parameter #" + std::to_string(i) + (names_.empty() ? "" : " '" + names_[i] + "'") +
              " is " + duet::detail::nonfinite_kind(g[k]) + " at element " + std::to_string(k) + " of " +
-             to_string(params_[i]->shape());
+             to_string(params_[i]->shape()) +
+             (bad_weight < 0 ? ""
+                             : std::string(", and the parameter itself is already ") + duet::detail::nonfinite_kind(w[bad_weight]) +
+                                   " at element " + std::to_string(bad_weight) + " (an update that overflowed, or an assignment)");
     }
     return std::nullopt;
   }
@@ -25198,6 +25215,17 @@ class MultiheadAttention : public Cell<MultiheadAttention<E, H, Causal, T>, CONT
         return ops::softmax(scores, -1);
     }();
     return out_proj(ops::flatten<-2, -1>(ops::transpose<0, 2, 1, 3>(ops::matmul(weights, heads(v)))));
+  }
+
+  // PyTorch's attn(query, key, value) with three tensors: refused in words, rather than as
+  // "construct does not take the tensors" with notes on GRU and LSTM.
+  // Returning the query keeps the caller's capture going, so that this is the only error.
+  template <class Q, class K, class V>
+  auto construct(Q&& query, K&&, V&&) {
+    static_assert(sizeof(Q) == 0,
+                  "nn::MultiheadAttention is self-attention: call attn(x), which is PyTorch's attn(x, x, x); a query, "
+                  "key and value from different tensors are not supported");
+    return std::forward<Q>(query);
   }
 
   std::string type_name() const override {

@@ -2327,15 +2327,20 @@ class OnnxExporter {
 // them); anything else is a duet::ValueError naming it. A network of indices (input_value_type)
 // gets int32 inputs. The file is written beside the destination and renamed into place, as
 // checkpoints are.
-template <class Net, std::size_t N>
-void export_onnx(Net& net, const Shape (&input_shapes)[N], const std::filesystem::path& path,
-                 const OnnxExportOptions& options = {}) {
+namespace detail {
+// A network whose type does not say what it takes: one built at run time (a
+// DynamicSequentialCell, a DynamicCell&) says it at run time; a static Cell (which has a
+// jit_config) by its input_value_type.
+template <class Net, class T>
+inline constexpr bool input_type_known_at_run_time = std::is_base_of_v<nn::BasicDynamicCell<T>, Net> && !requires {
+  Net::jit_config;
+};
+
+// export_onnx, the network traced on zeros of In: its values' type, or the indices it takes.
+template <class In, class Net, std::size_t N>
+void export_onnx_on(Net& net, const Shape (&input_shapes)[N], const std::filesystem::path& path,
+                    const OnnxExportOptions& options) {
   using T = typename Net::value_type;
-  static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
-                "duet::io::export_onnx: the network's values must be float or double");
-  // A network of indices (an Embedding first) is traced on zeros of its index type, written
-  // as the model's int32 input.
-  using In = typename detail::ExportInput<Net, T>::type;
   const std::string where = "duet::io::export_onnx(" + net.type_name() + ", " + path.string() + ")";
   for (const Shape& shape : input_shapes) {
     if (!shape.is_concrete() || shape.rank() == 0) {
@@ -2405,6 +2410,25 @@ void export_onnx(Net& net, const Shape (&input_shapes)[N], const std::filesystem
   duet::detail::CheckpointWriter file(path, "ONNX file " + path.string());
   file.bytes(std::as_bytes(std::span(bytes)));
   file.commit();
+}
+}  // namespace detail
+
+template <class Net, std::size_t N>
+void export_onnx(Net& net, const Shape (&input_shapes)[N], const std::filesystem::path& path,
+                 const OnnxExportOptions& options = {}) {
+  using T = typename Net::value_type;
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>,
+                "duet::io::export_onnx: the network's values must be float or double");
+  // A network of indices (an Embedding first) is traced on zeros of its index type, written
+  // as the model's int32 input: one that declares it, or one built at run time that begins
+  // with such a cell (a DynamicSequentialCell), which says so only at run time.
+  using In = typename detail::ExportInput<Net, T>::type;
+  if constexpr (std::is_same_v<In, T> && detail::input_type_known_at_run_time<Net, T>) {
+    if (net.other_input_type() == name_of(DType::int32)) {
+      return detail::export_onnx_on<std::int32_t>(net, input_shapes, path, options);
+    }
+  }
+  detail::export_onnx_on<In>(net, input_shapes, path, options);
 }
 
 template <class Net>
