@@ -599,6 +599,25 @@ struct Overflow {
 
 }  // namespace
 
+// helper-104: a rate of 1e39, a finite double, was taken; its first step wrote inf into the
+// float weights in silence, and the next was refused for a NaN gradient, with no word of why.
+TEST_CASE("a rate too large for the parameters' type is refused, and a NaN gradient of an infinite weight says so") {
+  Single s;
+  CHECK(value_error_of([&] { nn::SGD(s.params(), {.learning_rate = 1e39}); }) ==
+        "nn::SGD: learning_rate must be at most 3.4028234663852886e+38 in magnitude (Float32's largest) and >= 0, got "
+        "1e+39");
+  CHECK_NOTHROW(nn::SGD(s.params(), {.learning_rate = 1e38}));
+  s.p.data()[1] = std::numeric_limits<float>::infinity();
+  nn::SGD sgd(s.params());
+  CHECK(
+      value_error_of([&] {
+        sgd({Tensor({3}, {0.0f, std::numeric_limits<float>::quiet_NaN(), 0.0f})});
+      })
+          .starts_with("nn::SGD: the gradient of parameter #0 is NaN at element 1 of [3], and the parameter itself is "
+                       "already infinite at element 1 (an update that overflowed, or an assignment) (step 0), so the "
+                       "step changed nothing"));
+}
+
 TEST_CASE("a gradient that overflows is refused alike in both modes, also clipped, and TrainOneStepCell skips it") {
   ModeGuard guard;
   std::vector<std::string> said;

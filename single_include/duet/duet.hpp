@@ -18278,7 +18278,8 @@ class BasicOptimizer {
                       std::string_view when = {}) const {
     if (valid && holds_in_T(value)) return;
     const std::string range = std::isfinite(value) && !holds_in_T(value)
-                                  ? "at most " + duet::detail::chars_of(static_cast<double>(std::numeric_limits<T>::max())) +
+                                  ? "at most " +
+                                        duet::detail::chars_of(static_cast<double>(std::numeric_limits<T>::max())) +
                                         " in magnitude (" + std::string(name_of(dtype_of<T>)) + "'s largest) and "
                               : std::isfinite(value) ? std::string()
                                                      : std::string("finite and ");
@@ -18360,8 +18361,9 @@ class BasicOptimizer {
              " is " + duet::detail::nonfinite_kind(g[k]) + " at element " + std::to_string(k) + " of " +
              to_string(params_[i]->shape()) +
              (bad_weight < 0 ? ""
-                             : std::string(", and the parameter itself is already ") + duet::detail::nonfinite_kind(w[bad_weight]) +
-                                   " at element " + std::to_string(bad_weight) + " (an update that overflowed, or an assignment)");
+                             : std::string(", and the parameter itself is already ") +
+                                   duet::detail::nonfinite_kind(w[bad_weight]) + " at element " +
+                                   std::to_string(bad_weight) + " (an update that overflowed, or an assignment)");
     }
     return std::nullopt;
   }

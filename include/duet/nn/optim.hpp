@@ -17,6 +17,7 @@
 #include <functional>
 #include <initializer_list>
 #include <iostream>
+#include <limits>
 #include <numbers>
 #include <optional>
 #include <string>
@@ -350,18 +351,28 @@ class BasicOptimizer {
   // A bad hyper-parameter is refused where it is written, not found later as a loss that
   // diverges or never moves: "nn::Adam: learning_rate must be >= 0, got -1". Every optimiser
   // checks its options through this, from its constructor (type_name() names it there).
+  // The options are given as doubles and applied in T: a rate of 1e39 is a finite double but an
+  // infinite float, and its first step wrote inf into every weight.
   void require_option(std::string_view option, double value, bool valid, std::string_view rule,
                       std::string_view when = {}) const {
-    if (valid && std::isfinite(value)) return;
-    throw ValueError(std::string(type_name()) + ": " + std::string(option) + " must be " +
-                     (std::isfinite(value) ? "" : "finite and ") + std::string(rule) + ", got " +
-                     duet::detail::chars_of(value) + std::string(when));
+    if (valid && holds_in_T(value)) return;
+    const std::string range = std::isfinite(value) && !holds_in_T(value)
+                                  ? "at most " +
+                                        duet::detail::chars_of(static_cast<double>(std::numeric_limits<T>::max())) +
+                                        " in magnitude (" + std::string(name_of(dtype_of<T>)) + "'s largest) and "
+                              : std::isfinite(value) ? std::string()
+                                                     : std::string("finite and ");
+    throw ValueError(std::string(type_name()) + ": " + std::string(option) + " must be " + range + std::string(rule) +
+                     ", got " + duet::detail::chars_of(value) + std::string(when));
+  }
+  static bool holds_in_T(double value) {
+    return std::isfinite(value) && std::abs(value) <= static_cast<double>(std::numeric_limits<T>::max());
   }
   // A schedule is a function, so its rate is checked at every step as well as at construction.
   void require_learning_rate() const {
     for (std::size_t g = 0; g < groups_.size(); ++g) {
       const double lr = learning_rate(g);
-      if (lr >= 0 && std::isfinite(lr)) continue;  // the step's text is made only for the error: no allocation
+      if (lr >= 0 && holds_in_T(lr)) continue;  // the step's text is made only for the error: no allocation
       require_option(groups_.size() > 1 ? "learning_rate of parameter group " + std::to_string(g) : "learning_rate", lr,
                      false, ">= 0", global_step_ == 0 ? "" : " at step " + std::to_string(global_step_));
     }
@@ -421,9 +432,17 @@ class BasicOptimizer {
       const T* g = grad(i);
       const index_t k = first_nonfinite_on_threads(g, params_[i]->numel());
       if (k < 0) continue;
+      // A weight already infinite (an earlier update overflowed it) makes such gradients: said,
+      // since the gradient is then not where the trouble began. Looked at only on this path.
+      const T* w = params_[i]->data();
+      const index_t bad_weight = duet::detail::first_nonfinite(w, params_[i]->numel());
       return "the gradient of parameter #" + std::to_string(i) + (names_.empty() ? "" : " '" + names_[i] + "'") +
              " is " + duet::detail::nonfinite_kind(g[k]) + " at element " + std::to_string(k) + " of " +
-             to_string(params_[i]->shape());
+             to_string(params_[i]->shape()) +
+             (bad_weight < 0 ? ""
+                             : std::string(", and the parameter itself is already ") +
+                                   duet::detail::nonfinite_kind(w[bad_weight]) + " at element " +
+                                   std::to_string(bad_weight) + " (an update that overflowed, or an assignment)");
     }
     return std::nullopt;
   }
