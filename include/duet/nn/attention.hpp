@@ -59,6 +59,17 @@ class MultiheadAttention : public Cell<MultiheadAttention<E, H, Causal, T>, CONT
     return out_proj(ops::flatten<-2, -1>(ops::transpose<0, 2, 1, 3>(ops::matmul(weights, heads(v)))));
   }
 
+  // PyTorch's attn(query, key, value) with three tensors: refused in words, rather than as
+  // "construct does not take the tensors" with notes on GRU and LSTM.
+  // Returning the query keeps the caller's capture going, so that this is the only error.
+  template <class Q, class K, class V>
+  auto construct(Q&& query, K&&, V&&) {
+    static_assert(sizeof(Q) == 0,
+                  "nn::MultiheadAttention is self-attention: call attn(x), which is PyTorch's attn(x, x, x); a query, "
+                  "key and value from different tensors are not supported");
+    return std::forward<Q>(query);
+  }
+
   std::string type_name() const override {
     return "nn::MultiheadAttention<" + std::to_string(E) + ", " + std::to_string(H) + (Causal ? ", causal" : "") + ">";
   }
