@@ -256,6 +256,23 @@ TEST_CASE("DEBUG names the node and the function, and checks every node for NaN 
                        ShapeError);
 }
 
+// helper-104: value_and_grad ran a debug cell's training graph at the default level, so a NaN
+// in training passed in silence until the optimiser refused its gradient, naming no node.
+struct DebugLogNet : nn::Cell<DebugLogNet, JitConfig{.debug_level = DebugLevel::debug}> {
+  nn::Dense<2, 1> fc;
+  DUET_CELL_MEMBERS(fc);
+  auto construct(auto x) { return ops::mean(ops::log(fc(x) - 10.0f)); }
+};
+
+TEST_CASE("DEBUG names the node in value_and_grad's training graph too, as in a forward call") {
+  DebugLogNet net;
+  const Tensor x = ones({3, 2});
+  const std::string said =
+      "duet (debug): in tests_jit::DebugLogNet::construct, node %3 (Log): output element 0 of [3, 1] is NaN";
+  CHECK_THROWS_WITH_AS(net(x), said.c_str(), ValueError);
+  CHECK_THROWS_WITH_AS(value_and_grad(net, net.parameters())(x), said.c_str(), ValueError);
+}
+
 // DEBUG was not applied under PIJit: a replay ran unchecked, in silence.
 TEST_CASE("DEBUG under PIJit: the traced call checks its result, each replay every step, an eager break its result") {
   nn::Dense<> dense(2, 2);

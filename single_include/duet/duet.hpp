@@ -14354,6 +14354,18 @@ class GradFunction {
   using FnRef = std::remove_reference_t<Fn>;
   using WeightType = std::conditional_t<std::is_void_v<W>, float, W>;
 
+  // The training graph runs at a cell's debug level (JitConfig{.debug_level = DebugLevel::debug}):
+  // its forward and backward nodes are checked as its forward graph alone is, so that a NaN in
+  // training names the node that made it, not only the gradient the optimiser refuses later.
+  // The rest of the cell's JitConfig is the default's, as before.
+  static constexpr JitConfig training_config = [] {
+    JitConfig config{};
+    if constexpr (requires { std::remove_cvref_t<Fn>::jit_config; }) {
+      config.debug_level = std::remove_cvref_t<Fn>::jit_config.debug_level;
+    }
+    return config;
+  }();
+
   // The element type of fn's value on tensors like X...
   template <class... X>
   using value_t = typename decltype(std::declval<FnRef&>()(tensor_of(std::declval<const X&>())...))::value_type;
@@ -14628,14 +14640,14 @@ class GradFunction {
         return autodiff::detail::at_position<sizeof...(X)>(*grad_position_, [&](auto k) {
           if constexpr (differentiable_input<V, decltype(k)::value, X...>()) {
             auto training = autodiff::build_backward<decltype(k)::value>(forward, &input_grad);
-            return BasicTensor<V>(pipeline::execute<JitConfig{}>(id_, training, where(), tensor_of(xs)...));
+            return BasicTensor<V>(pipeline::execute<training_config>(id_, training, where(), tensor_of(xs)...));
           } else {
             return BasicTensor<V>();
           }
         });
       } else {
         auto training = autodiff::build_backward<>(forward);
-        return BasicTensor<V>(pipeline::execute<JitConfig{}>(id_, training, where(), tensor_of(xs)...));
+        return BasicTensor<V>(pipeline::execute<training_config>(id_, training, where(), tensor_of(xs)...));
       }
     });
   }
