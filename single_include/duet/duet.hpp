@@ -18289,12 +18289,11 @@ class BasicOptimizer {
   void require_option(std::string_view option, double value, bool valid, std::string_view rule,
                       std::string_view when = {}) const {
     if (valid && holds_in_T(value)) return;
-    const std::string range = std::isfinite(value) && !holds_in_T(value)
-                                  ? "at most " +
-                                        duet::detail::chars_of(static_cast<double>(std::numeric_limits<T>::max())) +
-                                        " in magnitude (" + std::string(name_of(dtype_of<T>)) + "'s largest) and "
-                              : std::isfinite(value) ? std::string()
-                                                     : std::string("finite and ");
+    const std::string range =
+        !std::isfinite(value) ? "finite and "
+        : holds_in_T(value)   ? ""
+                            : "at most " + duet::detail::chars_of(static_cast<double>(std::numeric_limits<T>::max())) +
+                                  " in magnitude (" + std::string(name_of(dtype_of<T>)) + "'s largest) and ";
     throw ValueError(std::string(type_name()) + ": " + std::string(option) + " must be " + range + std::string(rule) +
                      ", got " + duet::detail::chars_of(value) + std::string(when));
   }
