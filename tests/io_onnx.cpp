@@ -59,10 +59,9 @@ struct Reference {
   Shape input;
   std::vector<int> opsets = {13, 17};
 };
-const std::vector<Reference> models{{"mlp", {4, 1, 28, 28}},   {"lenet5", {4, 1, 28, 28}},
-                                    {"resnet", {4, 1, 28, 28}}, {"operators", {4, 16}},
-                                    {"temporal", {4, 3, 12}},   {"norms", {4, 16}, {17}},
-                                    {"recurrent", {4, 7, 4}}};
+const std::vector<Reference> models{{"mlp", {4, 1, 28, 28}},  {"lenet5", {4, 1, 28, 28}}, {"resnet", {4, 1, 28, 28}},
+                                    {"operators", {4, 16}},   {"temporal", {4, 3, 12}},   {"norms", {4, 16}, {17}},
+                                    {"recurrent", {4, 7, 4}}, {"pools", {4, 2, 13, 11}}};
 
 // Within 1e-5 of the largest magnitude in PyTorch's output.
 void check_close(const Tensor& got, const Tensor& want, const std::string& what) {
@@ -700,12 +699,23 @@ TEST_CASE("io::load_onnx: an unsupported operator or attribute names the node an
   }
   {
     onnx::ModelProto m = model_of();
-    auto* a = add_node(m, "MaxPool", "pool", {"x"})->add_attribute();
+    auto* pool = add_node(m, "MaxPool", "pool", {"x"});
+    auto* a = pool->add_attribute();
     a->set_name("kernel_shape");
-    a->add_ints(5);
-    a->add_ints(5);
-    CHECK(message_of<duet::ValueError>(m).find("ONNX node 'pool' (MaxPool): the window kernel 5, stride 1, padding 0") !=
-          std::string::npos);
+    a->add_ints(3);
+    a->add_ints(3);
+    auto* pads = pool->add_attribute();
+    pads->set_name("pads");
+    for (const int p : {1, 1, 0, 1}) pads->add_ints(p);
+    CHECK(message_of<duet::ValueError>(m) ==
+          "test.onnx: ONNX node 'pool' (MaxPool): pads [1, 1, 0, 1] (duet pads each "
+          "spatial axis alike on both sides) is not supported");
+    a->set_ints(0, 1);
+    pads->set_ints(2, 1);
+    CHECK(message_of<duet::ValueError>(m) ==
+          "test.onnx: ONNX node 'pool' (MaxPool): the window (kernel=1x3, "
+          "stride=1x1, pad_mode=pad, padding=1x1) pads by less than 0 or by more "
+          "than half its kernel");
   }
   {
     onnx::ModelProto m = model_of(11);

@@ -118,6 +118,20 @@ class Temporal(nn.Module):
         return self.fc(torch.flatten(self.c2(torch.relu(self.c1(x))), 1))
 
 
+class Pools(nn.Module):
+    # Pooling windows of other sizes than 2 and 3: rectangular with a stride per axis, padded
+    # along one axis; an average that does not count its padding; a 5x5 window.
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.tall = nn.MaxPool2d((3, 2), stride=(2, 1), padding=(1, 0))
+        self.avg = nn.AvgPool2d(4, stride=3, padding=2, count_include_pad=False)
+        self.wide = nn.MaxPool2d(5, 1, 2)
+
+    def forward(self, x):
+        return self.wide(self.avg(self.tall(self.conv(x))))
+
+
 class Norms(nn.Module):
     # LayerNorm over the last axis and over the last two, as a transformer block has it;
     # exported as LayerNormalization from opset 17 (below it, as a dozen arithmetic nodes).
@@ -182,6 +196,7 @@ MODELS = {
     "operators": (Operators, (4, 16), (13, 17)),
     "temporal": (Temporal, (4, 3, 12), (13, 17)),
     "norms": (Norms, (4, 16), (17,)),
+    "pools": (Pools, (4, 2, 13, 11), (13, 17)),
     "recurrent": (Recurrent, (4, 7, 4), (13, 17)),
 }
 

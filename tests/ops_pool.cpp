@@ -41,10 +41,11 @@ struct Spec {
 };
 
 // Max or average over each window, by the definition: the window's elements inside the input.
-D pool_reference(const D& x, const Spec& s, bool max) {
+// rows and cols: the window along the height and along the width.
+D pool_reference(const D& x, const Spec& rows, const Spec& cols, bool max) {
   const index_t n = x.shape()[0], c = x.shape()[1], h = x.shape()[2], w = x.shape()[3];
-  const auto [oh, pt] = s.axis(h);
-  const auto [ow, pl] = s.axis(w);
+  const auto [oh, pt] = rows.axis(h);
+  const auto [ow, pl] = cols.axis(w);
   D y = duet::zeros<double>(Shape{n, c, oh, ow});
   for (index_t p = 0; p < n * c; ++p) {
     for (index_t i = 0; i < oh; ++i) {
@@ -52,8 +53,8 @@ D pool_reference(const D& x, const Spec& s, bool max) {
         double best = -std::numeric_limits<double>::infinity();
         double sum = 0;
         index_t count = 0;
-        for (index_t a = i * s.stride - pt; a < i * s.stride - pt + s.kernel; ++a) {
-          for (index_t b = j * s.stride - pl; b < j * s.stride - pl + s.kernel; ++b) {
+        for (index_t a = i * rows.stride - pt; a < i * rows.stride - pt + rows.kernel; ++a) {
+          for (index_t b = j * cols.stride - pl; b < j * cols.stride - pl + cols.kernel; ++b) {
             if (a < 0 || a >= h || b < 0 || b >= w) continue;
             const double v = x.data()[(p * h + a) * w + b];
             best = std::max(best, v);
@@ -61,13 +62,14 @@ D pool_reference(const D& x, const Spec& s, bool max) {
             ++count;
           }
         }
-        if (s.mode == PadMode::pad && s.count_include_pad) count = s.kernel * s.kernel;
+        if (rows.mode == PadMode::pad && rows.count_include_pad) count = rows.kernel * cols.kernel;
         y.data()[(p * oh + i) * ow + j] = max ? best : sum / static_cast<double>(count);
       }
     }
   }
   return y;
 }
+D pool_reference(const D& x, const Spec& s, bool max) { return pool_reference(x, s, s, max); }
 
 // The average of bin [floor(i H / OH), ceil((i + 1) H / OH)) x [the same along W].
 D adaptive_reference(const D& x, index_t out_h, index_t out_w) {
@@ -112,6 +114,40 @@ const bool pool_cases = add_cases([](std::multimap<std::string, Case>& m) {
                 [](const std::vector<D>& xs) { return pool_reference(xs[0], {2, 1, PadMode::pad}, false); });
   add_pool_case(m, "avg_pool2d", odd, [](const auto& x) { return ops::avg_pool2d<3, 2, 1>(x); },
                 [](const std::vector<D>& xs) { return pool_reference(xs[0], {3, 2, PadMode::pad, 1}, false); });
+  // Windows given at run time: square ones with the template forms' defaults, a rectangular
+  // one padded along one axis, pad_mode same.
+  add_pool_case(
+      m, "max_pool2d", odd, [](const auto& x) { return ops::max_pool2d(x, 3, 2, 1); },
+      [](const std::vector<D>& xs) {
+        return pool_reference(xs[0], {3, 2, PadMode::pad, 1}, true);
+      });
+  add_pool_case(
+      m, "max_pool2d", odd, [](const auto& x) { return ops::max_pool2d(x, 2); },
+      [](const std::vector<D>& xs) {
+        return pool_reference(xs[0], {2, 2, PadMode::pad}, true);
+      });
+  add_pool_case(
+      m, "avg_pool2d", odd, [](const auto& x) { return ops::avg_pool2d(x, 3, 2, 1, false); },
+      [](const std::vector<D>& xs) {
+        return pool_reference(xs[0], {3, 2, PadMode::pad, 1, false}, false);
+      });
+  const ops::Pool2dWindow tall{3, 2, 2, 1, PadMode::pad, 1, 0};
+  add_pool_case(
+      m, "max_pool2d", odd, [tall](const auto& x) { return ops::max_pool2d(x, tall); },
+      [](const std::vector<D>& xs) {
+        return pool_reference(xs[0], {3, 2, PadMode::pad, 1}, {2, 1, PadMode::pad, 0}, true);
+      });
+  add_pool_case(
+      m, "avg_pool2d", odd, [tall](const auto& x) { return ops::avg_pool2d(x, tall); },
+      [](const std::vector<D>& xs) {
+        return pool_reference(xs[0], {3, 2, PadMode::pad, 1}, {2, 1, PadMode::pad, 0}, false);
+      });
+  const ops::Pool2dWindow same{3, 3, 2, 2, PadMode::same, 0, 0, false};
+  add_pool_case(
+      m, "avg_pool2d", odd, [same](const auto& x) { return ops::avg_pool2d(x, same); },
+      [](const std::vector<D>& xs) {
+        return pool_reference(xs[0], {3, 2, PadMode::same}, false);
+      });
   // The layers: each pad_mode, overlapping and non-overlapping windows.
   auto layer_case = [&](const std::string& name, auto layer, Spec spec, bool max) {
     auto cell = std::make_shared<decltype(layer)>();
@@ -283,6 +319,46 @@ TEST_CASE("pooling layers: MindSpore's output sizes, and shapes checked at compi
           "ops::avg_pool2d(kernel=2x2, stride=1x1, pad_mode=pad, padding=0x0) expects an input of rank 4, got [4, 4]");
   }
   CHECK_THROWS_AS(nn::AdaptiveAvgPool2d<2>()(duet::ones({1, 1, 0, 3})), duet::ShapeError);
+}
+
+TEST_CASE("pooling over a window given at run time: the template forms' bits, its checks and its errors") {
+  namespace ops = duet::ops;
+  const duet::Tensor x = duet::uniform({2, 3, 9, 8}, -1.0f, 1.0f, 5);
+  const auto same_bits = [](const duet::Tensor& a, const duet::Tensor& b) {
+    return a.shape() == b.shape() && std::memcmp(a.data(), b.data(), static_cast<std::size_t>(a.numel()) * 4) == 0;
+  };
+  // Forward and gradient, in each mode, the same bits as the window fixed at compile time.
+  for (const duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+    duet_test::ModeGuard guard;
+    duet::set_context({.mode = mode});
+    const auto fixed = [](const auto& t) { return ops::sum(ops::square(ops::max_pool2d<3, 2, 1>(t))); };
+    const auto given = [](const auto& t) { return ops::sum(ops::square(ops::max_pool2d(t, 3, 2, 1))); };
+    CHECK(same_bits(duet::grad(fixed)(x), duet::grad(given)(x)));
+    CHECK(same_bits(ops::avg_pool2d<2, 2>(x), ops::avg_pool2d(x, 2, 2)));
+    CHECK(same_bits(ops::max_pool2d<2>(x), ops::max_pool2d(x, 2)));  // the 2x2 kernels of each instruction set
+  }
+  // A shape too small for the window, as the fixed form says it.
+  try {
+    static_cast<void>(ops::max_pool2d(duet::ones({1, 1, 4, 6}), 5, 1));
+    FAIL("no error");
+  } catch (const duet::ShapeError& e) {
+    CHECK(std::string(e.what()).find("ops::max_pool2d(kernel=5x5, stride=1x1, pad_mode=pad, padding=0x0)") == 0);
+  }
+  const auto refused = [&](const ops::Pool2dWindow& w) {
+    try {
+      static_cast<void>(ops::avg_pool2d(x, w));
+    } catch (const duet::ValueError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  CHECK(refused({3, 3, 0, 1}) ==
+        "duet::ops::avg_pool2d: the window (kernel=3x3, stride=0x1, pad_mode=valid) has a kernel or stride below 1");
+  CHECK(refused({2, 2, 1, 1, PadMode::pad, 2, 0}) ==
+        "duet::ops::avg_pool2d: the window (kernel=2x2, stride=1x1, pad_mode=pad, padding=2x0) pads by less than 0 or "
+        "by more than half its kernel");
+  CHECK(refused({3, 3, 1, 1, PadMode::same, 1, 1}) ==
+        "duet::ops::avg_pool2d: the window (kernel=3x3, stride=1x1, pad_mode=same) gives padding outside pad_mode pad");
 }
 
 namespace {

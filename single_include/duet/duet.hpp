@@ -30363,6 +30363,12 @@ class Conv1d : public conv_base<1, In, Out, Kernel, Stride, Padding, Dilation, G
 //   ops::max_pool2d<Kernel, Stride = Kernel, Padding = 0>(x)
 //   ops::avg_pool2d<Kernel, Stride = 1, Padding = 0>(x)
 //   ops::adaptive_avg_pool2d<OutH, OutW = OutH>(x)
+// A window known only at run time (a network built at run time, an ONNX model's, PyTorch's
+// F.max_pool2d(x, kernel_size, stride, padding)) is an argument instead, one operation for every
+// window (Pool2dListOp), its output's shape known when it runs and a bad window a ValueError:
+//   ops::max_pool2d(x, kernel, stride = kernel, padding = 0)
+//   ops::avg_pool2d(x, kernel, stride = 1, padding = 0, count_include_pad = true)
+//   ops::max_pool2d(x, Pool2dWindow{...}), ops::avg_pool2d(x, Pool2dWindow{...})   (any window)
 // The defaults are MindSpore's, which differ from PyTorch's: nn.MaxPool2d and nn.AvgPool2d
 // default to stride 1 (PyTorch: the kernel size) and pad_mode "valid"; ops.max_pool2d defaults
 // its stride to the kernel size, ops.avg_pool2d to 1. pad_mode (MindSpore's strings) is:
@@ -30373,8 +30379,9 @@ class Conv1d : public conv_base<1, In, Out, Kernel, Stride, Padding, Dilation, G
 //   pad    `Padding` on each side, out = floor((in + 2p - k) / s) + 1 (PyTorch's rule, which the
 //          functional forms use); an average counts the padding if CountIncludePad (MindSpore's
 //          and PyTorch's default). Padding is at most half the kernel, so no window is all padding.
-// Max pooling never reads padding (PyTorch's -inf padding). Square kernels and strides, no
-// dilation, ceil_mode or divisor_override; inputs of rank 4 only (PyTorch also takes CHW).
+// Max pooling never reads padding (PyTorch's -inf padding). The template forms take square
+// kernels and strides, a Pool2dWindow any; no dilation, ceil_mode or divisor_override; inputs
+// of rank 4 only (PyTorch also takes CHW).
 //
 // Gradients. Max pooling sends each output's gradient to one input, the first maximal element
 // of its window in row-major order (the smallest row, then the smallest column: PyTorch's CPU
@@ -30387,8 +30394,8 @@ class Conv1d : public conv_base<1, In, Out, Kernel, Stride, Padding, Dilation, G
 // Kernels. NCHW, one (sample, channel) plane at a time. The forward kernels and the average's
 // gradient walk each window element in row-major order, and for each one make a pass along an
 // output row over the columns whose windows lie inside the input: a loop of constant stride
-// (the window's stride, a compile-time constant), no branch, no call, which the compiler
-// vectorises (max as compare-and-select). The few border columns whose windows meet the
+// (the window's stride, a compile-time constant for the template forms), no branch, no call,
+// which the compiler vectorises (max as compare-and-select). The few border columns whose windows meet the
 // padding run the same order on the clipped window, one element at a time. Measured against
 // one output at a time in the same order (g++ -O3, medians, 2026-11-30, a shared 2-core
 // machine): max pooling's forward is 2.4 to 7 times faster this way (2x2/2 on [64, 6, 28, 28]
@@ -30402,18 +30409,18 @@ class Conv1d : public conv_base<1, In, Out, Kernel, Stride, Padding, Dilation, G
 // full rows: global pooling is one contiguous sum per plane). Nothing is allocated beyond the
 // output.
 
+#include <Eigen/Core>
 #include <algorithm>
 #include <array>
 #include <bit>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 #include <type_traits>
 #include <utility>
-
-#include <Eigen/Core>
 
 // Max pooling's kernels over 2x2 windows at stride 2 that tile the input (LeNet-5's and most
 // CNNs' pooling), once per instruction set: a vector of L outputs reads 2L values of each of
@@ -30918,10 +30925,10 @@ struct WindowRows {
   index_t lo, hi;
 };
 
-template <Pool2dWindow Win>
-WindowRows window_rows(const PoolGeometry& g, index_t oh) {
-  const index_t first = oh * Win.stride_h - g.pad_top;
-  return {first, std::max<index_t>(0, -first), std::min<index_t>(Win.kernel_h, g.H - first)};
+template <class Window>
+WindowRows window_rows(const Window& w, const PoolGeometry& g, index_t oh) {
+  const index_t first = oh * w.stride_h - g.pad_top;
+  return {first, std::max<index_t>(0, -first), std::min<index_t>(w.kernel_h, g.H - first)};
 }
 
 struct MaxPoolKind {
@@ -30953,35 +30960,32 @@ struct AvgPoolKind {
 };
 
 // The divisor of an average over `rows` x `cols` window elements inside the input.
-template <Pool2dWindow Win>
-constexpr index_t average_count(index_t rows, index_t cols) {
-  if (Win.pad_mode == nn::PadMode::pad && Win.count_include_pad) return Win.kernel_h * Win.kernel_w;
+template <class Window>
+constexpr index_t average_count(const Window& w, index_t rows, index_t cols) {
+  if (w.pad_mode == nn::PadMode::pad && w.count_include_pad) return w.kernel_h * w.kernel_w;
   return rows * cols;
 }
 
-// Whether Win is the 2x2 window at stride 2 and its windows tile g's input without padding:
+// Whether w is the 2x2 window at stride 2 and its windows tile g's input without padding:
 // the case kernels/pool.hpp runs per instruction set.
-template <Pool2dWindow Win>
-bool tiles_2x2(const PoolGeometry& g) {
-  if constexpr (Win.kernel_h == 2 && Win.kernel_w == 2 && Win.stride_h == 2 && Win.stride_w == 2) {
-    return g.pad_top == 0 && g.pad_left == 0 && 2 * g.OH <= g.H && 2 * g.OW <= g.W;
-  } else {
-    return false;
-  }
+template <class Window>
+bool tiles_2x2(const Window& w, const PoolGeometry& g) {
+  return w.kernel_h == 2 && w.kernel_w == 2 && w.stride_h == 2 && w.stride_w == 2 && g.pad_top == 0 &&
+         g.pad_left == 0 && 2 * g.OH <= g.H && 2 * g.OW <= g.W;
 }
 
-template <class Kind, Pool2dWindow Win, class T>
-void pool2d_forward(const PoolGeometry& g, const T* x, T* y) {
+template <class Kind, class Window, class T>
+void pool2d_forward(const Window& w, const PoolGeometry& g, const T* x, T* y) {
   if constexpr (std::is_same_v<Kind, MaxPoolKind>) {
-    if (tiles_2x2<Win>(g)) return kernels::max_pool_2x2(x, g.planes, g.H, g.W, g.OH, g.OW, y);
+    if (tiles_2x2(w, g)) return kernels::max_pool_2x2(x, g.planes, g.H, g.W, g.OH, g.OW, y);
   }
-  constexpr index_t KW = Win.kernel_w;
-  constexpr index_t SW = Win.stride_w;
+  const index_t KW = w.kernel_w;
+  const index_t SW = w.stride_w;
   for (index_t p = 0; p < g.planes; ++p) {
     const T* xp = x + p * g.H * g.W;
     T* yp = y + p * g.OH * g.OW;
     for (index_t oh = 0; oh < g.OH; ++oh) {
-      const WindowRows r = window_rows<Win>(g, oh);
+      const WindowRows r = window_rows(w, g, oh);
       T* yr = yp + oh * g.OW;
       bool first = true;
       for (index_t kh = r.lo; kh < r.hi; ++kh) {
@@ -30996,7 +31000,7 @@ void pool2d_forward(const PoolGeometry& g, const T* x, T* y) {
           first = false;
         }
       }
-      const index_t inner_count = average_count<Win>(r.hi - r.lo, KW);
+      const index_t inner_count = average_count(w, r.hi - r.lo, KW);
       for (index_t ow = g.lo; ow < g.hi; ++ow) yr[ow] = Kind::finish(yr[ow], inner_count);
       auto border = [&](index_t ow) {
         const index_t c0 = ow * SW - g.pad_left;
@@ -31011,7 +31015,7 @@ void pool2d_forward(const PoolGeometry& g, const T* x, T* y) {
             empty = false;
           }
         }
-        yr[ow] = Kind::finish(acc, average_count<Win>(r.hi - r.lo, kw_hi - kw_lo));
+        yr[ow] = Kind::finish(acc, average_count(w, r.hi - r.lo, kw_hi - kw_lo));
       };
       for (index_t ow = 0; ow < g.lo; ++ow) border(ow);
       for (index_t ow = g.hi; ow < g.OW; ++ow) border(ow);
@@ -31047,10 +31051,10 @@ bool takes_max(T v, T best) {
   return (v > best) | ((v != v) & (best == best));
 }
 
-template <Pool2dWindow Win, class T>
-void max_pool2d_backward_tiled(const PoolGeometry& g, const T* dy, const T* x, T* dx) {
-  constexpr index_t KH = Win.kernel_h;
-  constexpr index_t KW = Win.kernel_w;
+template <class Window, class T>
+void max_pool2d_backward_tiled(const Window& w, const PoolGeometry& g, const T* dy, const T* x, T* dx) {
+  const index_t KH = w.kernel_h;
+  const index_t KW = w.kernel_w;
   constexpr index_t chunk = 64;
   const index_t W = g.W;
   T best[chunk];
@@ -31099,14 +31103,13 @@ void max_pool2d_backward_tiled(const PoolGeometry& g, const T* dy, const T* x, T
 
 // dx of max pooling: each dy to its window's first maximal element (a NaN counting as larger
 // than any number).
-template <Pool2dWindow Win, class T>
-void max_pool2d_backward(const PoolGeometry& g, const T* dy, const T* x, T* dx) {
-  if (tiles_2x2<Win>(g)) return kernels::max_pool_2x2_backward(dy, x, g.planes, g.H, g.W, g.OH, g.OW, dx);
-  if constexpr (Win.stride_h == Win.kernel_h && Win.stride_w == Win.kernel_w) {
-    if (g.pad_top == 0 && g.pad_left == 0 && g.OH * Win.kernel_h <= g.H && g.OW * Win.kernel_w <= g.W) {
-      max_pool2d_backward_tiled<Win>(g, dy, x, dx);
-      return;
-    }
+template <class Window, class T>
+void max_pool2d_backward(const Window& w, const PoolGeometry& g, const T* dy, const T* x, T* dx) {
+  if (tiles_2x2(w, g)) return kernels::max_pool_2x2_backward(dy, x, g.planes, g.H, g.W, g.OH, g.OW, dx);
+  if (w.stride_h == w.kernel_h && w.stride_w == w.kernel_w && g.pad_top == 0 && g.pad_left == 0 &&
+      g.OH * w.kernel_h <= g.H && g.OW * w.kernel_w <= g.W) {
+    max_pool2d_backward_tiled(w, g, dy, x, dx);
+    return;
   }
   std::fill_n(dx, g.planes * g.H * g.W, T(0));
   for (index_t p = 0; p < g.planes; ++p) {
@@ -31114,11 +31117,11 @@ void max_pool2d_backward(const PoolGeometry& g, const T* dy, const T* x, T* dx) 
     T* dxp = dx + p * g.H * g.W;
     const T* dyp = dy + p * g.OH * g.OW;
     for (index_t oh = 0; oh < g.OH; ++oh) {
-      const WindowRows r = window_rows<Win>(g, oh);
+      const WindowRows r = window_rows(w, g, oh);
       for (index_t ow = 0; ow < g.OW; ++ow) {
-        const index_t c0 = ow * Win.stride_w - g.pad_left;
+        const index_t c0 = ow * w.stride_w - g.pad_left;
         const index_t kw_lo = std::max<index_t>(0, -c0);
-        const index_t kw_hi = std::min<index_t>(Win.kernel_w, g.W - c0);
+        const index_t kw_hi = std::min<index_t>(w.kernel_w, g.W - c0);
         index_t at = (r.first + r.lo) * g.W + c0 + kw_lo;
         T best = xp[at];
         for (index_t kh = r.lo; kh < r.hi; ++kh) {
@@ -31137,18 +31140,18 @@ void max_pool2d_backward(const PoolGeometry& g, const T* dy, const T* x, T* dx) 
 }
 
 // dx of average pooling: dy / count added over each window, in the forward kernel's order.
-template <Pool2dWindow Win, class T>
-void avg_pool2d_backward(const PoolGeometry& g, const T* dy, T* dx) {
-  constexpr index_t KW = Win.kernel_w;
-  constexpr index_t SW = Win.stride_w;
+template <class Window, class T>
+void avg_pool2d_backward(const Window& w, const PoolGeometry& g, const T* dy, T* dx) {
+  const index_t KW = w.kernel_w;
+  const index_t SW = w.stride_w;
   std::fill_n(dx, g.planes * g.H * g.W, T(0));
   for (index_t p = 0; p < g.planes; ++p) {
     T* dxp = dx + p * g.H * g.W;
     const T* dyp = dy + p * g.OH * g.OW;
     for (index_t oh = 0; oh < g.OH; ++oh) {
-      const WindowRows r = window_rows<Win>(g, oh);
+      const WindowRows r = window_rows(w, g, oh);
       const T* dyr = dyp + oh * g.OW;
-      const T inner_count = static_cast<T>(average_count<Win>(r.hi - r.lo, KW));
+      const T inner_count = static_cast<T>(average_count(w, r.hi - r.lo, KW));
       for (index_t kh = r.lo; kh < r.hi; ++kh) {
         T* row = dxp + (r.first + kh) * g.W;
         for (index_t kw = 0; kw < KW; ++kw) {
@@ -31160,7 +31163,7 @@ void avg_pool2d_backward(const PoolGeometry& g, const T* dy, T* dx) {
         const index_t c0 = ow * SW - g.pad_left;
         const index_t kw_lo = std::max<index_t>(0, -c0);
         const index_t kw_hi = std::min<index_t>(KW, g.W - c0);
-        const T share = dyr[ow] / static_cast<T>(average_count<Win>(r.hi - r.lo, kw_hi - kw_lo));
+        const T share = dyr[ow] / static_cast<T>(average_count(w, r.hi - r.lo, kw_hi - kw_lo));
         for (index_t kh = r.lo; kh < r.hi; ++kh) {
           for (index_t kw = kw_lo; kw < kw_hi; ++kw) dxp[(r.first + kh) * g.W + c0 + kw] += share;
         }
@@ -31171,12 +31174,11 @@ void avg_pool2d_backward(const PoolGeometry& g, const T* dy, T* dx) {
   }
 }
 
-template <Pool2dWindow Win>
-std::string window_text() {
-  std::string s = "(kernel=" + std::to_string(Win.kernel_h) + "x" + std::to_string(Win.kernel_w) +
-                  ", stride=" + std::to_string(Win.stride_h) + "x" + std::to_string(Win.stride_w) +
-                  ", pad_mode=" + std::string(name_of(Win.pad_mode));
-  if (Win.pad_mode == nn::PadMode::pad) s += ", padding=" + std::to_string(Win.pad_h) + "x" + std::to_string(Win.pad_w);
+inline std::string window_text(const Pool2dWindow& w) {
+  std::string s = "(kernel=" + std::to_string(w.kernel_h) + "x" + std::to_string(w.kernel_w) +
+                  ", stride=" + std::to_string(w.stride_h) + "x" + std::to_string(w.stride_w) +
+                  ", pad_mode=" + std::string(name_of(w.pad_mode));
+  if (w.pad_mode == nn::PadMode::pad) s += ", padding=" + std::to_string(w.pad_h) + "x" + std::to_string(w.pad_w);
   return s + ")";
 }
 
@@ -31220,31 +31222,108 @@ void for_each_bin(const Shape& x, index_t out_h, index_t out_w, F&& f) {
   }
 }
 
+// A window known at compile time, for the kernels: its sizes are constants there, so the
+// loops over a row have a constant stride the compiler vectorises, and the 2x2 case is decided
+// while compiling.
+template <Pool2dWindow Win>
+struct FixedWindow {
+  static constexpr Pool2dWindow value = Win;
+  static constexpr index_t kernel_h = Win.kernel_h, kernel_w = Win.kernel_w;
+  static constexpr index_t stride_h = Win.stride_h, stride_w = Win.stride_w;
+  static constexpr nn::PadMode pad_mode = Win.pad_mode;
+  static constexpr index_t pad_h = Win.pad_h, pad_w = Win.pad_w;
+  static constexpr bool count_include_pad = Win.count_include_pad;
+};
+
+inline const Pool2dWindow& window_value(const Pool2dWindow& w) { return w; }
+template <Pool2dWindow Win>
+constexpr const Pool2dWindow& window_value(FixedWindow<Win>) {
+  return FixedWindow<Win>::value;
+}
+
+// ONNX: MaxPool or AveragePool; pad_mode same as auto_pad SAME_UPPER (the odd padding after,
+// at every size), the others' padding written out; an average counts the padding as duet's
+// does (only in pad_mode pad with count_include_pad).
+template <class Kind>
+Interchange pool_interchange(const Pool2dWindow& w) {
+  const bool padded = w.pad_mode == nn::PadMode::pad;
+  using A = InterchangeAttribute;
+  InterchangeNode pool{std::is_same_v<Kind, MaxPoolKind> ? "MaxPool" : "AveragePool",
+                       {InterchangeInput::operand(0)},
+                       {A::of("kernel_shape", {w.kernel_h, w.kernel_w}), A::of("strides", {w.stride_h, w.stride_w}),
+                        w.pad_mode == nn::PadMode::same ? A::of_text("auto_pad", "SAME_UPPER")
+                                                        : A::of("pads", {padded ? w.pad_h : 0, padded ? w.pad_w : 0,
+                                                                         padded ? w.pad_h : 0, padded ? w.pad_w : 0})}};
+  if constexpr (!std::is_same_v<Kind, MaxPoolKind>) {
+    pool.attributes.push_back(A::of("count_include_pad", w.pad_mode == nn::PadMode::pad && w.count_include_pad));
+  }
+  return {std::move(pool)};
+}
+
 }  // namespace detail
 
+// What the two forms of pooling share (a window fixed at compile time, Pool2dOp, or given at
+// run time, Pool2dListOp): the kernels and ONNX's node. Self says its window (window()).
+template <class Self, class Kind>
+struct Pool2dPrimitive : Primitive<Self> {
+  static constexpr int arity = 1;
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const auto w = static_cast<const Self&>(*this).window();
+    detail::pool2d_forward<Kind>(w, detail::pool_geometry(detail::window_value(w), a.in_shape()), a.in<T>(),
+                                 a.out<T>());
+  }
+
+  Interchange interchange(std::span<const Shape>) const {
+    return detail::pool_interchange<Kind>(detail::window_value(static_cast<const Self&>(*this).window()));
+  }
+};
+
+// d/dx of pooling, from dy and x.
+template <class Self, class Kind>
+struct Pool2dGradPrimitive : Primitive<Self> {
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0};
+  static constexpr int arity = 2;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const auto w = static_cast<const Self&>(*this).window();
+    const detail::PoolGeometry g = detail::pool_geometry(detail::window_value(w), a.in_shape(1));
+    if constexpr (std::is_same_v<Kind, detail::MaxPoolKind>) {
+      detail::max_pool2d_backward(w, g, a.in<T>(0), a.in<T>(1), a.out<T>());
+    } else {
+      detail::avg_pool2d_backward(w, g, a.in<T>(0), a.out<T>());
+    }
+  }
+};
+
 template <class Kind, Pool2dWindow Win, class Layer>
-struct Pool2dGradOp;
+struct Pool2dGradOp : Pool2dGradPrimitive<Pool2dGradOp<Kind, Win, Layer>, Kind> {
+  const Layer* layer;
+  Pool2dGradOp(const Layer* l = nullptr) : layer(l) {}
+
+  static constexpr detail::FixedWindow<Win> window() { return {}; }
+  static std::string op_name() { return std::string(Kind::name) + "Grad" + detail::window_text(Win); }
+};
 
 // Kind pooling with window Win. Layer is the nn:: layer that captures it (named in errors), or
 // void for the functional form.
 template <class Kind, Pool2dWindow Win, class Layer = void>
-struct Pool2dOp : Primitive<Pool2dOp<Kind, Win, Layer>> {
+struct Pool2dOp : Pool2dPrimitive<Pool2dOp<Kind, Win, Layer>, Kind> {
   static_assert(Win.kernel_h >= 1 && Win.kernel_w >= 1 && Win.stride_h >= 1 && Win.stride_w >= 1,
                 "duet::ops: a pooling window's kernel and stride must be at least 1");
   static_assert(Win.pad_h >= 0 && Win.pad_w >= 0 && 2 * Win.pad_h <= Win.kernel_h && 2 * Win.pad_w <= Win.kernel_w,
                 "duet::ops: a pooling window's padding must be at least 0 and at most half its kernel");
   using layer_type = std::conditional_t<std::is_void_v<Layer>, Pool2dOp, Layer>;
-  static constexpr int arity = 1;
 
   const Layer* layer;
   Pool2dOp(const Layer* l = nullptr) : layer(l) {}
 
+  static constexpr detail::FixedWindow<Win> window() { return {}; }
   static constexpr ShapeResult infer_static(std::span<const Shape> in) { return detail::pool2d_rule(Win, in[0]); }
-
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& a) const {
-    detail::pool2d_forward<Kind, Win>(detail::pool_geometry(Win, a.in_shape()), a.in<T>(), a.out<T>());
-  }
 
   template <std::size_t K>
     requires(K == 0)
@@ -31252,55 +31331,41 @@ struct Pool2dOp : Primitive<Pool2dOp<Kind, Win, Layer>> {
     return Pool2dGradOp<Kind, Win, Layer>{layer};
   }
 
-  static std::string op_name() { return std::string(Kind::name) + detail::window_text<Win>(); }
-  std::string label() const {
-    if constexpr (std::is_void_v<Layer>) return std::string(Kind::function) + detail::window_text<Win>();
-    else return layer->label();
-  }
-
-  // ONNX: MaxPool or AveragePool; pad_mode same as auto_pad SAME_UPPER (the odd padding after,
-  // at every size), the others' padding written out; an average counts the padding as duet's
-  // does (only in pad_mode pad with count_include_pad).
-  Interchange interchange(std::span<const Shape>) const {
-    const index_t k[2] = {Win.kernel_h, Win.kernel_w}, s[2] = {Win.stride_h, Win.stride_w};
-    const bool padded = Win.pad_mode == nn::PadMode::pad;
-    using A = InterchangeAttribute;
-    InterchangeNode pool{
-        std::is_same_v<Kind, detail::MaxPoolKind> ? "MaxPool" : "AveragePool",
-        {InterchangeInput::operand(0)},
-        {A::of("kernel_shape", {k[0], k[1]}), A::of("strides", {s[0], s[1]}),
-         Win.pad_mode == nn::PadMode::same ? A::of_text("auto_pad", "SAME_UPPER")
-                                           : A::of("pads", {padded ? Win.pad_h : 0, padded ? Win.pad_w : 0,
-                                                            padded ? Win.pad_h : 0, padded ? Win.pad_w : 0})}};
-    if constexpr (!std::is_same_v<Kind, detail::MaxPoolKind>) {
-      pool.attributes.push_back(A::of("count_include_pad", Win.pad_mode == nn::PadMode::pad && Win.count_include_pad));
+    static std::string op_name() { return std::string(Kind::name) + detail::window_text(Win); }
+    std::string label() const {
+      if constexpr (std::is_void_v<Layer>)
+        return std::string(Kind::function) + detail::window_text(Win);
+      else
+        return layer->label();
     }
-    return {std::move(pool)};
-  }
 };
 
-// d/dx of Pool2dOp, from dy and x.
-template <class Kind, Pool2dWindow Win, class Layer>
-struct Pool2dGradOp : Primitive<Pool2dGradOp<Kind, Win, Layer>> {
-  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input0};
-  static constexpr int arity = 2;
+template <class Kind>
+struct Pool2dListGradOp : Pool2dGradPrimitive<Pool2dListGradOp<Kind>, Kind> {
+  Pool2dWindow win;
+  const Pool2dWindow& window() const { return win; }
+  static std::string op_name() { return std::string(Kind::name) + "Grad"; }
+  std::string label() const { return op_name() + detail::window_text(win); }
+};
 
-  const Layer* layer;
-  Pool2dGradOp(const Layer* l = nullptr) : layer(l) {}
+// Pooling over a window given at run time (an ONNX model's, a network built at run time): one
+// operation for every window, as tile(x, multiples) is for every list of multiples. Graph mode
+// reads the window when it captures construct and knows the output's shape when the network
+// first runs.
+template <class Kind>
+struct Pool2dListOp : Pool2dPrimitive<Pool2dListOp<Kind>, Kind> {
+  Pool2dWindow win;
 
-  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
+  const Pool2dWindow& window() const { return win; }
+  static constexpr ShapeResult infer_static(std::span<const Shape>) { return {Shape::any()}; }
+  ShapeResult infer(std::span<const Shape> in) const { return detail::pool2d_rule(win, in[0]); }
 
-  template <class Backend, class T>
-  void run(const graph::KernelArgs& a) const {
-    const detail::PoolGeometry g = detail::pool_geometry(Win, a.in_shape(1));
-    if constexpr (std::is_same_v<Kind, detail::MaxPoolKind>) {
-      detail::max_pool2d_backward<Win>(g, a.in<T>(0), a.in<T>(1), a.out<T>());
-    } else {
-      detail::avg_pool2d_backward<Win>(g, a.in<T>(0), a.out<T>());
-    }
-  }
+  template <std::size_t K>
+  requires(K == 0) Pool2dListGradOp<Kind> grad_op()
+  const { return {{}, win}; }
 
-  static std::string op_name() { return std::string(Kind::name) + "Grad" + detail::window_text<Win>(); }
+  static std::string op_name() { return std::string(Kind::name); }
+  std::string label() const { return std::string(Kind::function) + detail::window_text(win); }
 };
 
 template <index_t OutH, index_t OutW, class Layer>
@@ -31409,6 +31474,56 @@ template <index_t Kernel, index_t Stride = 1, index_t Padding = 0, TensorLike X>
 auto avg_pool2d(const X& x) {
   constexpr Pool2dWindow w{Kernel, Kernel, Stride, Stride, nn::PadMode::pad, Padding, Padding};
   return apply(Pool2dOp<detail::AvgPoolKind, w>{}, x);
+}
+
+namespace detail {
+
+// What is wrong with a window given at run time (Pool2dOp's static_asserts at compile time),
+// empty if nothing.
+inline std::string window_fault(const Pool2dWindow& w) {
+  if (w.kernel_h < 1 || w.kernel_w < 1 || w.stride_h < 1 || w.stride_w < 1) {
+    return "the window " + window_text(w) + " has a kernel or stride below 1";
+  }
+  if (w.pad_h < 0 || w.pad_w < 0 || 2 * w.pad_h > w.kernel_h || 2 * w.pad_w > w.kernel_w) {
+    return "the window " + window_text(w) + " pads by less than 0 or by more than half its kernel";
+  }
+  if (w.pad_mode != nn::PadMode::pad && (w.pad_h != 0 || w.pad_w != 0)) {
+    return "the window " + window_text(w) + " gives padding outside pad_mode pad";
+  }
+  return {};
+}
+
+inline const Pool2dWindow& checked_window(const Pool2dWindow& w, std::string_view function) {
+  if (std::string fault = window_fault(w); !fault.empty())
+    throw ValueError("duet::" + std::string(function) + ": " + fault);
+  return w;
+}
+
+}  // namespace detail
+
+// Pooling over a window given at run time, any size (rectangular, pad modes; torch's
+// F.max_pool2d(x, kernel_size, stride, padding), a network built at run time, an ONNX model's
+// MaxPool): a ValueError for a window Pool2dOp would refuse to compile.
+template <TensorLike X>
+auto max_pool2d(const X& x, const Pool2dWindow& window) {
+  return apply(Pool2dListOp<detail::MaxPoolKind>{{}, detail::checked_window(window, "ops::max_pool2d")}, x);
+}
+template <TensorLike X>
+auto avg_pool2d(const X& x, const Pool2dWindow& window) {
+  return apply(Pool2dListOp<detail::AvgPoolKind>{{}, detail::checked_window(window, "ops::avg_pool2d")}, x);
+}
+
+// The square windows of the template forms, with their defaults (the stride of max_pool2d the
+// kernel's size, of avg_pool2d 1), at run time.
+template <TensorLike X>
+auto max_pool2d(const X& x, index_t kernel, std::optional<index_t> stride = std::nullopt, index_t padding = 0) {
+  const index_t s = stride.value_or(kernel);
+  return max_pool2d(x, Pool2dWindow{kernel, kernel, s, s, nn::PadMode::pad, padding, padding});
+}
+template <TensorLike X>
+auto avg_pool2d(const X& x, index_t kernel, index_t stride = 1, index_t padding = 0, bool count_include_pad = true) {
+  return avg_pool2d(
+      x, Pool2dWindow{kernel, kernel, stride, stride, nn::PadMode::pad, padding, padding, count_include_pad});
 }
 
 // MindSpore's ops.adaptive_avg_pool2d(x, output_size): <1> is global average pooling.

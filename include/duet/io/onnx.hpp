@@ -28,8 +28,10 @@
 //   stride, one dilation, symmetric pads below    nn::Conv1d and nn::Conv2d
 //   the window's extent or SAME_UPPER/VALID,
 //   group)
-//   MaxPool, AveragePool (2-D square windows of    ops::Pool2dOp: the windows are template
-//   kernel 2 or 3, stride 1 or 2, pad 0 or 1)      arguments, so only these are instantiated
+//   MaxPool, AveragePool (2-D windows of any       ops::max_pool2d, avg_pool2d over a window
+//   kernel and stride, each axis padded alike on   given at run time (ops::Pool2dListOp: one
+//   both sides or SAME_UPPER; no dilation, no      operation for every window)
+//   ceil_mode)
 //   Pad (zeros) before an AveragePool              that pooling counting its padding (torch's
 //                                                  AvgPool2d(count_include_pad=True)); a Pad of
 //                                                  nothing is the identity; other Pads are refused
@@ -229,32 +231,6 @@ inline Tensor onnx_last_step(const Tensor& steps) {
   const std::array<index_t, 1> stride{1};
   return ops::strided_slice(steps, std::span(begin), std::span(end), std::span(stride));
 }
-
-template <class Kind, index_t K, index_t S, index_t P, bool CountPad, nn::PadMode Mode = nn::PadMode::pad>
-Tensor onnx_pool(const Tensor& x) {
-  constexpr ops::Pool2dWindow w{K, K, S, S, Mode, P, P, CountPad};
-  return apply(ops::Pool2dOp<Kind, w>{}, x);
-}
-
-// The pooling windows duet instantiates for ONNX models: each is a kernel of its own. same:
-// auto_pad SAME_UPPER, duet's pad_mode same (which counts no padding in an average).
-using OnnxPoolFn = Tensor (*)(const Tensor&);
-template <class Kind, bool CountPad>
-OnnxPoolFn onnx_pool_for(index_t kernel, index_t stride, index_t pad, bool same = false) {
-  const auto pick = [&]<index_t K>() -> OnnxPoolFn {
-    constexpr auto same_mode = nn::PadMode::same;
-    if (same)
-      return stride == 1 ? &onnx_pool<Kind, K, 1, 0, false, same_mode> : &onnx_pool<Kind, K, 2, 0, false, same_mode>;
-    if (stride == 1) return pad == 0 ? &onnx_pool<Kind, K, 1, 0, CountPad> : &onnx_pool<Kind, K, 1, 1, CountPad>;
-    if (stride == 2) return pad == 0 ? &onnx_pool<Kind, K, 2, 0, CountPad> : &onnx_pool<Kind, K, 2, 1, CountPad>;
-    return nullptr;
-  };
-  if (pad < 0 || pad > 1 || (same && (pad != 0 || stride < 1 || stride > 2))) return nullptr;
-  if (kernel == 2) return pick.template operator()<2>();
-  if (kernel == 3) return pick.template operator()<3>();
-  return nullptr;
-}
-inline constexpr std::string_view onnx_pool_windows = "kernel 2 or 3, stride 1 or 2, padding 0 or 1 or SAME_UPPER";
 
 template <class A, class B>
 Tensor onnx_concat(const A& a, const B& b, int axis) {
@@ -743,6 +719,23 @@ class OnnxBuilder {
       unsupported(node, name + " " + list_text(v) + (spatial == 2 ? " (duet takes 2-D windows, equal on both axes)" : " (a 1-D window)"));
     }
     return v[0];
+  }
+  // An attribute of one value per spatial axis of a 2-D window (height, width).
+  std::array<index_t, 2> spatial_pair(const onnx::NodeProto& n, const std::string& node, const std::string& name,
+                                      std::int64_t fallback) const {
+    const std::vector<std::int64_t> v = ints_attr(n, name);
+    if (v.empty()) return {fallback, fallback};
+    if (v.size() != 2) unsupported(node, name + " " + list_text(v) + " (duet pools over 2-D windows)");
+    return {v[0], v[1]};
+  }
+  // pads [top, left, bottom, right] of a 2-D window, each axis padded alike on both sides.
+  std::array<index_t, 2> axis_pads(const onnx::NodeProto& n, const std::string& node) const {
+    const std::vector<std::int64_t> v = ints_attr(n, "pads");
+    if (v.empty()) return {0, 0};
+    if (v.size() != 4 || v[0] != v[2] || v[1] != v[3]) {
+      unsupported(node, "pads " + list_text(v) + " (duet pads each spatial axis alike on both sides)");
+    }
+    return {v[0], v[1]};
   }
   std::int64_t symmetric_pads(const onnx::NodeProto& n, const std::string& node, int spatial = 2) const {
     const std::vector<std::int64_t> v = ints_attr(n, "pads");
@@ -1365,35 +1358,31 @@ class OnnxBuilder {
     else known_attributes(n, node, {"auto_pad", "ceil_mode", "count_include_pad", "kernel_shape", "pads", "strides"});
     if (int_attr(n, "ceil_mode", 0) != 0) unsupported(node, "ceil_mode 1");
     if (int_attr(n, "storage_order", 0) != 0) unsupported(node, "storage_order 1");
-    if (square(n, node, "dilations", 1) != 1) unsupported(node, "dilations other than 1");
+    if (spatial_pair(n, node, "dilations", 1) != std::array<index_t, 2>{1, 1})
+      unsupported(node, "dilations other than 1");
     const std::string auto_pad = string_attr(n, "auto_pad", "NOTSET");
     if (auto_pad != "NOTSET" && auto_pad != "VALID" && auto_pad != "SAME_UPPER")
       unsupported(node, "auto_pad " + auto_pad);
     const bool same = auto_pad == "SAME_UPPER";
-    const std::int64_t kernel = square(n, node, "kernel_shape", 0);
-    const std::int64_t stride = square(n, node, "strides", 1);
+    const auto [kh, kw] = spatial_pair(n, node, "kernel_shape", 0);
+    const auto [sh, sw] = spatial_pair(n, node, "strides", 1);
     const auto padded = pool_padding_.find(index);
     const bool pad_node = padded != pool_padding_.end();
-    const std::int64_t pad = pad_node ? padded->second : auto_pad == "NOTSET" ? symmetric_pads(n, node) : 0;
+    const auto [ph, pw] = pad_node               ? padded->second
+                          : auto_pad == "NOTSET" ? axis_pads(n, node)
+                                                 : std::array<index_t, 2>{};
     const bool count_pad = pad_node || int_attr(n, "count_include_pad", 0) != 0;
     // duet's average over a same window counts only the input's elements.
     if (same && !max && count_pad) unsupported(node, "auto_pad SAME_UPPER with count_include_pad 1");
-    detail::OnnxPoolFn fn = nullptr;
-    if (same && max)
-      fn = detail::onnx_pool_for<ops::detail::MaxPoolKind, true>(kernel, stride, pad, true);
-    else if (same)
-      fn = detail::onnx_pool_for<ops::detail::AvgPoolKind, false>(kernel, stride, pad, true);
-    else if (max)
-      fn = detail::onnx_pool_for<ops::detail::MaxPoolKind, true>(kernel, stride, pad);
-    else if (count_pad || pad == 0) fn = detail::onnx_pool_for<ops::detail::AvgPoolKind, true>(kernel, stride, pad);
-    else fn = detail::onnx_pool_for<ops::detail::AvgPoolKind, false>(kernel, stride, pad);
-    if (fn == nullptr) {
-      unsupported(node, "the window kernel " + std::to_string(kernel) + ", stride " + std::to_string(stride) + ", padding " +
-                            std::to_string(pad) + " (duet's ONNX import has " + std::string(detail::onnx_pool_windows) + ")");
+    const ops::Pool2dWindow w{kh, kw, sh, sw, same ? nn::PadMode::same : nn::PadMode::pad, ph, pw, count_pad};
+    if (const std::string fault = ops::detail::window_fault(w); !fault.empty()) {
+      throw ValueError(where_ + ": " + node + ": " + fault);
     }
     const Operand x = operand_of(n.input(0), node);
     if (x.kind != Kind::value) unsupported(node, "pooling an initializer");
-    add_step(n.op_type(), n, node, [x, fn](const OnnxModel&, std::vector<Tensor>& v) { return fn(v[x.index]); });
+    add_step(n.op_type(), n, node, [x, w, max](const OnnxModel&, std::vector<Tensor>& v) -> Tensor {
+      return max ? ops::max_pool2d(v[x.index], w) : ops::avg_pool2d(v[x.index], w);
+    });
   }
 
   // torch.onnx.export writes AvgPool2d(count_include_pad=True) as a Pad of zeros before an
@@ -1418,13 +1407,14 @@ class OnnxBuilder {
       return;
     }
     const int pool = only_reader(n.output(0));
-    const bool spatial = p.size() == 8 && p[0] == 0 && p[1] == 0 && p[4] == 0 && p[5] == 0 &&
-                         std::ranges::count(p, p[2]) == 4;
+    const bool spatial =
+        p.size() == 8 && p[0] == 0 && p[1] == 0 && p[4] == 0 && p[5] == 0 && p[2] == p[6] && p[3] == p[7];
     if (pool < 0 || pool <= index || proto_.graph().node(pool).op_type() != "AveragePool" || !spatial ||
-        symmetric_pads(proto_.graph().node(pool), node) != 0) {
-      unsupported(node, "pads " + list_text(p) + " other than before an AveragePool, equal on each spatial side");
+        axis_pads(proto_.graph().node(pool), node) != std::array<index_t, 2>{0, 0}) {
+      unsupported(
+          node, "pads " + list_text(p) + " other than before an AveragePool, alike on both sides of each spatial axis");
     }
-    pool_padding_[pool] = p[2];
+    pool_padding_[pool] = {p[2], p[3]};
     operands_[n.output(0)] = x;
   }
 
@@ -1992,7 +1982,8 @@ class OnnxBuilder {
   // A GRU's or LSTM's parameters, weight_ih, weight_hh, bias_ih, bias_hh (prepare_recurrence).
   std::map<int, std::array<std::size_t, 4>> recurrences_;
   std::set<int> skipped_;
-  std::map<int, std::int64_t> pool_padding_;  // an AveragePool's padding, from the Pad before it
+  std::map<int, std::array<index_t, 2>>
+      pool_padding_;  // an AveragePool's padding (height, width), from the Pad before it
 };
 
 // The model in the bytes of an ONNX file; `where` names them in errors.
