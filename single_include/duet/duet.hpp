@@ -12782,6 +12782,16 @@ class BasicDynamicCell {
   BasicTensor<T> operator()(const BasicTensor<std::int32_t>& ids) requires(!std::is_same_v<T, std::int32_t>) {
     return duet::detail::all_or_nothing([&] { return call(ids); });
   }
+  // Any other element type: said here, as nn::Cell says it, instead of both overloads' reasons.
+  template <ElementType U>
+  requires(!std::is_same_v<U, T> && !std::is_same_v<U, std::int32_t>) BasicTensor<T>
+  operator()(const BasicTensor<U>&) {
+    static_assert(std::is_same_v<U, T>,
+                  "duet::nn::DynamicCell: called with a tensor of another element type than the cell's own: a "
+                  "network of int32 indices (nn::Embedding first) takes a duet::BasicTensor<std::int32_t> (int64 "
+                  "ids are converted to int32 first); other values are converted to the cell's type");
+    return {};  // of the cell's type, so that nothing after it adds errors
+  }
 
   // Unique for the life of the program, unlike the address: what caches of compiled plans key on.
   std::uint64_t id() const { return id_; }
