@@ -316,10 +316,7 @@ TEST_CASE(
   auto net = runtime_text_classifier(fixed);
   CHECK(net.other_input_type() == "Int32");
   const auto ids = token_ids(4, 7, 3);
-  // (Of int32 tensors: a generic function is captured, and a network built at run time cannot be.)
-  const auto sum_of = [](auto& cell) {
-    return [&cell](const BasicTensor<std::int32_t>& x) { return ops::sum(cell(x)); };
-  };
+  const auto sum_of = [](auto& cell) { return [&cell](const auto& x) { return ops::sum(cell(x)); }; };
   const Tensor expected = fixed(ids);
   const auto expected_grads = value_and_grad(sum_of(fixed), fixed.parameters(), std::nullopt)(ids).grads;
   for (Mode m : {PYNATIVE_MODE, GRAPH_MODE}) {
@@ -410,6 +407,63 @@ TEST_CASE("a run-time network of token ids prints its summary and refuses floats
       "type, such as an nn::Embedding's int32 indices)",
       ValueError);
   CHECK(net.size() == 5);
+}
+
+// A generic function is asked whether graph capture can call it; one calling a network built at
+// run time cannot be captured, and then runs on real tensors as one taking `const Tensor&` does.
+TEST_CASE("value_and_grad of a generic function over a network built at run time, bit for bit a Tensor function") {
+  ModeGuard guard;
+  set_seed(54);
+  StaticTextClassifier fixed;
+  auto net = runtime_text_classifier(fixed);
+  auto floats = runtime_network({6, 5, 3});
+  const auto ids = token_ids(4, 7, 5);
+  const Tensor x = randn({4, 6});
+  auto generic = value_and_grad([&](auto t) { return ops::sum(ops::square(net(t))); }, net.parameters());
+  auto typed = value_and_grad([&](const BasicTensor<std::int32_t>& t) { return ops::sum(ops::square(net(t))); },
+                              net.parameters());
+  auto generic_floats = value_and_grad([&](const auto& t) { return ops::mean(floats(t)); }, floats.parameters(), 0);
+  auto typed_floats = value_and_grad([&](const Tensor& t) { return ops::mean(floats(t)); }, floats.parameters(), 0);
+  const auto expected = typed(ids);
+  const auto expected_floats = typed_floats(x);
+  for (Mode m : {PYNATIVE_MODE, GRAPH_MODE}) {
+    set_context({.mode = m});
+    CAPTURE(m);
+    const auto got = generic(ids);
+    CHECK(duet_test::values_of(got.value) == duet_test::values_of(expected.value));
+    REQUIRE(got.grads.size() == expected.grads.size());
+    for (std::size_t i = 0; i < got.grads.size(); ++i) {
+      CHECK(duet_test::values_of(got.grads[i]) == duet_test::values_of(expected.grads[i]));
+    }
+    const auto got_floats = generic_floats(x);
+    CHECK(duet_test::values_of(got_floats.value) == duet_test::values_of(expected_floats.value));
+    REQUIRE(got_floats.grads.size() == expected_floats.grads.size());
+    for (std::size_t i = 0; i < got_floats.grads.size(); ++i) {
+      CHECK(duet_test::values_of(got_floats.grads[i]) == duet_test::values_of(expected_floats.grads[i]));
+    }
+  }
+}
+
+namespace {
+// A static cell whose construct calls a network built at run time: it cannot be captured, so it
+// runs on real tensors in both modes, the network following the mode itself.
+struct AroundRuntimeNetwork : nn::Cell<AroundRuntimeNetwork> {
+  nn::DynamicSequentialCell inner = runtime_network({6, 5, 3});
+  DUET_CELL_MEMBERS(inner);
+  auto construct(auto x) { return inner(x); }
+};
+}  // namespace
+
+TEST_CASE("a static cell calling a network built at run time runs it in both modes, bit for bit") {
+  ModeGuard guard;
+  set_seed(55);
+  AroundRuntimeNetwork net;
+  const Tensor x = randn({4, 6});
+  set_context({.mode = PYNATIVE_MODE});
+  const Tensor expected = net(x);
+  CHECK(duet_test::values_of(expected) == duet_test::values_of(net.inner(x)));
+  set_context({.mode = GRAPH_MODE});
+  for (int call = 0; call < 2; ++call) CHECK(duet_test::values_of(net(x)) == duet_test::values_of(expected));
 }
 
 }  // namespace tests_nn_container

@@ -199,7 +199,9 @@ struct real_tensor_during_capture {
                 "operands next to a symbolic tensor; a tensor made from anything else in construct "
                 "(duet::zeros, a member Tensor, Tensor::reshape of a parameter) is a value of the capture, "
                 "not of each call: make it an nn::Parameter of the cell, reach it through ops:: "
-                "(ops::reshape), or fix the cell to PyNative mode (nn::Cell<Net, PYNATIVE_MODE>)");
+                "(ops::reshape), or fix the cell to PyNative mode (nn::Cell<Net, PYNATIVE_MODE>). A function given to "
+                "value_and_grad or jit that calls a cell built at run time (nn::DynamicSequentialCell) takes "
+                "`const duet::Tensor&`, not `auto`");
 };
 }  // namespace detail
 

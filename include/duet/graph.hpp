@@ -584,12 +584,16 @@ auto input() {
   return Sym<G, 0>{G{}};
 }
 
+template <class R>
+concept NotRealTensor = !is_tensor_v<std::remove_cvref_t<R>>;
+
 template <class F, class Positions, class... X>
 struct capturable;
 template <class F, std::size_t... K, class... X>
 struct capturable<F, std::index_sequence<K...>, X...> {
+  // A real tensor out of symbolic inputs: the function called a cell built at run time.
   static constexpr bool value = requires(F & f) {
-    f(input<typename X::value_type, typename pattern_of<X>::type, K>()...);
+    { f(input<typename X::value_type, typename pattern_of<X>::type, K>()...) } -> NotRealTensor;
   };
 };
 

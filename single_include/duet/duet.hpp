@@ -8148,12 +8148,16 @@ auto input() {
   return Sym<G, 0>{G{}};
 }
 
+template <class R>
+concept NotRealTensor = !is_tensor_v<std::remove_cvref_t<R>>;
+
 template <class F, class Positions, class... X>
 struct capturable;
 template <class F, std::size_t... K, class... X>
 struct capturable<F, std::index_sequence<K...>, X...> {
+  // A real tensor out of symbolic inputs: the function called a cell built at run time.
   static constexpr bool value = requires(F & f) {
-    f(input<typename X::value_type, typename pattern_of<X>::type, K>()...);
+    { f(input<typename X::value_type, typename pattern_of<X>::type, K>()...) } -> NotRealTensor;
   };
 };
 
@@ -10532,7 +10536,9 @@ struct real_tensor_during_capture {
                 "operands next to a symbolic tensor; a tensor made from anything else in construct "
                 "(duet::zeros, a member Tensor, Tensor::reshape of a parameter) is a value of the capture, "
                 "not of each call: make it an nn::Parameter of the cell, reach it through ops:: "
-                "(ops::reshape), or fix the cell to PyNative mode (nn::Cell<Net, PYNATIVE_MODE>)");
+                "(ops::reshape), or fix the cell to PyNative mode (nn::Cell<Net, PYNATIVE_MODE>). A function given to "
+                "value_and_grad or jit that calls a cell built at run time (nn::DynamicSequentialCell) takes "
+                "`const duet::Tensor&`, not `auto`");
 };
 }  // namespace detail
 
@@ -12792,6 +12798,17 @@ class BasicDynamicCell {
                   "ids are converted to int32 first); other values are converted to the cell's type");
     return {};  // of the cell's type, so that nothing after it adds errors
   }
+  // A generic function that calls this cell, asked by graph capture whether it can be captured
+  // (value_and_grad or jit of `[&](auto x) { return loss(net(x)); }`): a cell built at run time
+  // has no construct to capture, so on a symbolic tensor it gives a real tensor's type, which
+  // tells graph::Capturable that the function runs on real tensors, as one taking `const
+  // Tensor&` does. Never run: nothing captures such a function.
+  template <graph::Symbolic S>
+  BasicTensor<T> operator()(const S&) {
+    throw ModeError(label() +
+                    ": a cell built at run time cannot be captured in a static graph; the function "
+                    "calling it is captured only if its result does not depend on this cell's output");
+  }
 
   // Unique for the life of the program, unlike the address: what caches of compiled plans key on.
   std::uint64_t id() const { return id_; }
@@ -13618,7 +13635,7 @@ class Cell : public BasicDynamicCell<T> {
                     "ops::split<-1, ...>, or give the cell a method per result that calls its layers");
       return {};
     } else {
-      if constexpr (can_capture() && !runs_alone_as_its_operation()) {
+      if constexpr (can_capture() && construct_captures() && !runs_alone_as_its_operation()) {
         if (runs_as_graph()) return run_graph<graph::AnyShape>(x);
       } else if constexpr (can_capture()) {
         if (runs_as_graph()) refuse_hooks_in_graph();
@@ -13694,6 +13711,18 @@ class Cell : public BasicDynamicCell<T> {
                       " has a hook; hooks see intermediate values in PyNative mode only "
                       "(set_context({.mode = PYNATIVE_MODE}))");
     }
+  }
+
+  // Whether construct captures on one input: one that calls a cell built at run time gives a
+  // real tensor (BasicDynamicCell's call on a symbolic one), and runs on real tensors in every
+  // mode, as one declaring `capturable = false` does; the cells it calls follow the mode. Asked
+  // of run_graph's own input type, so that nothing more is compiled.
+  static constexpr bool construct_captures() {
+    if constexpr (!can_capture())
+      return false;
+    else
+      return !is_tensor_v<decltype(std::declval<Derived&>().construct(
+          graph::input<T, graph::pattern_in_phase<graph::Phase::train, graph::AnyShape>, 0>()))>;
   }
 
   // Whether this cell, called alone on one tensor in graph mode, would run a graph of one
