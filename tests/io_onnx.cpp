@@ -117,12 +117,16 @@ duet::BasicTensor<std::int64_t> read_ids(const fs::path& path, const Shape& shap
   REQUIRE(in.gcount() == static_cast<std::streamsize>(ids.numel() * sizeof(std::int64_t)));
   return ids;
 }
+duet::BasicTensor<std::int32_t> as_int32(const duet::BasicTensor<std::int64_t>& ids64) {
+  duet::BasicTensor<std::int32_t> ids = duet::zeros<std::int32_t>(ids64.shape());
+  for (duet::index_t i = 0; i < ids.numel(); ++i) ids.data()[i] = static_cast<std::int32_t>(ids64.data()[i]);
+  return ids;
+}
 
 TEST_CASE("io::load_onnx: PyTorch's text classifier of int64 token ids takes int32 or int64 ids, and trains") {
   REQUIRE_REFERENCES(dir);
   const duet::BasicTensor<std::int64_t> ids64 = read_ids(*dir / "text.ids.bin", {4, 7});
-  duet::BasicTensor<std::int32_t> ids = duet::zeros<std::int32_t>({4, 7});
-  for (duet::index_t i = 0; i < ids.numel(); ++i) ids.data()[i] = static_cast<std::int32_t>(ids64.data()[i]);
+  const duet::BasicTensor<std::int32_t> ids = as_int32(ids64);
   const Tensor want = read_floats(*dir / "text.output.bin", {4, 3});
   for (const int opset : {13, 17}) {
     const std::string file = "text_opset" + std::to_string(opset) + ".onnx";
@@ -168,6 +172,43 @@ TEST_CASE("io::load_onnx: PyTorch's text classifier of int64 token ids takes int
   CHECK(losses[0] == losses[1]);
   CHECK(weights[0] == weights[1]);
   CHECK(losses[0][2] < losses[0][0]);
+}
+
+TEST_CASE("io::load_onnx: PyTorch's position embedding of torch.arange (Shape, Gather, Cast, Range) in both modes") {
+  REQUIRE_REFERENCES(dir);
+  const duet::BasicTensor<std::int64_t> ids64 = read_ids(*dir / "text.ids.bin", {4, 7});
+  const duet::BasicTensor<std::int32_t> ids = as_int32(ids64);
+  const Tensor want = read_floats(*dir / "positions.output.bin", {4, 3});
+  for (const int opset : {13, 17}) {
+    const std::string file = "positions_opset" + std::to_string(opset) + ".onnx";
+    duet::io::OnnxModel net = duet::io::load_onnx(*dir / file);
+    CHECK(net.operators() == std::vector<std::string>{"Gather", "Gather", "Add", "ReduceMean", "Gemm"});
+    const Tensor pynative = net(ids);
+    check_close(pynative, want, file + " in PyNative mode");
+    CHECK(same_bits(net(ids64), pynative));
+    ModeScope graph(duet::GRAPH_MODE);
+    CHECK(same_bits(net(ids64), pynative));
+    CHECK(same_bits(net(ids), pynative));
+  }
+  // The Range read other than as a Gather's indices.
+  onnx::ModelProto model;
+  {
+    std::ifstream in(*dir / "positions_opset17.onnx", std::ios::binary);
+    REQUIRE(model.ParseFromIstream(&in));
+  }
+  std::string range;
+  for (const auto& node : model.graph().node())
+    if (node.op_type() == "Range") range = node.output(0);
+  auto* relu = model.mutable_graph()->add_node();
+  relu->set_op_type("Relu");
+  relu->set_name("relu_of_range");
+  relu->add_input(range);
+  relu->add_output("relu_out");
+  const std::string bytes = model.SerializeAsString();
+  const std::string expected = "'relu_of_range' (Relu) reads '" + range +
+                               "', a Range, which duet reads only as the indices of a Gather along axis 0";
+  CHECK_THROWS_WITH_AS(duet::io::load_onnx_bytes(std::as_bytes(std::span(bytes.data(), bytes.size()))),
+                       doctest::Contains(expected.c_str()), duet::ValueError);
 }
 
 TEST_CASE(
@@ -1150,9 +1191,56 @@ TEST_CASE("io::export_onnx: a network of token ids has an int32 input, Gather fo
   const auto& out_dims = model.graph().output(0).type().tensor_type().shape().dim();
   CHECK(out_dims[0].dim_param() == "batch");
   CHECK(out_dims[1].dim_value() == 3);
-  // load_onnx reads an input of ids (feeding Gathers), but not yet the positions' Range.
-  CHECK_THROWS_WITH_AS(duet::io::load_onnx(file), doctest::Contains("(Range): the operator Range is not supported"),
-                       duet::ValueError);
+  // Loaded back, the positions' Range included. (Its Dense layers on three axes come back as
+  // MatMul and Add, equal within rounding; TokenPositions below checks the bits.)
+  duet::io::OnnxModel back = duet::io::load_onnx(file);
+  for (const Shape& shape : {Shape{2, 5}, Shape{3, 9}})
+    check_close(back(ids_of(shape)), output_of(ids_of(shape)), "tokens, loaded back");
+}
+
+// Token and position embeddings, their mean and a Dense: exported as Gathers, Range and Gemm,
+// which load back as the same operations.
+struct TokenPositions : duet::nn::Cell<TokenPositions> {
+  using input_value_type = std::int32_t;
+  duet::nn::Embedding<16, 8> tokens;
+  duet::nn::Embedding<12, 8> positions;
+  duet::nn::Dense<8, 3> head;
+  DUET_CELL_MEMBERS(tokens, positions, head);
+  auto construct(auto ids) {
+    return head(duet::ops::mean(tokens(ids) + positions(duet::ops::positions<1>(ids)), duet::ops::axes<1>));
+  }
+};
+
+TEST_CASE("io::export_onnx: ops::positions' Range loads back, the same bits at any length, in both modes") {
+  const duet_test::TempDir dir;
+  TokenPositions net;
+  const fs::path file = dir.path / "positions.onnx";
+  duet::io::export_onnx(net, Shape{2, 5}, file, {.dynamic_batch = true, .dynamic_axes = {{1, "length"}}});
+  duet::io::OnnxModel back = duet::io::load_onnx(file);
+  CHECK(back.other_input_type() == "Int32");
+  CHECK(back.operators() == std::vector<std::string>{"Gather", "Gather", "Add", "ReduceMean", "Gemm", "Add"});
+  for (const Shape& shape : {Shape{2, 5}, Shape{3, 9}, Shape{1, 12}}) {
+    INFO(to_string(shape));
+    duet::BasicTensor<std::int32_t> ids = duet::zeros<std::int32_t>(shape);
+    duet::BasicTensor<std::int64_t> ids64 = duet::zeros<std::int64_t>(shape);
+    for (duet::index_t i = 0; i < ids.numel(); ++i)
+      ids64.data()[i] = ids.data()[i] = static_cast<std::int32_t>((i * 5 + 1) % 16);
+    const Tensor want = pynative_output(net, ids);
+    CHECK(same_bits(back(ids), want));
+    CHECK(same_bits(back(ids64), want));
+    ModeScope graph(duet::GRAPH_MODE);
+    CHECK(same_bits(back(ids), want));
+    CHECK(same_bits(back(ids), want));  // replayed
+  }
+  // Longer than the position table: an IndexError naming the node, in both modes, as the
+  // network's own embedding refuses it.
+  const duet::BasicTensor<std::int32_t> long_ids = duet::zeros<std::int32_t>({1, 13});
+  for (const duet::Mode m : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+    ModeScope mode(m);
+    CHECK_THROWS_WITH_AS(back(long_ids),
+                         doctest::Contains("(Gather): a Range(0, 13, 1) of more positions than the 12 rows it indexes"),
+                         duet::IndexError);
+  }
 }
 
 // A network built at run time says only at run time that it takes ids (its first cell is an

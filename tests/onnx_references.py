@@ -3,7 +3,8 @@
 
 Builds, with fixed seeds, the seed MLP (examples/network.hpp), LeNet-5 (examples/lenet5.hpp), a
 small residual CNN, a network of the remaining operators, one of 1-D convolutions, one of
-LayerNorms, one of a GRU and an LSTM, and a text classifier of int64 token ids (text.ids.bin); exports each with torch.onnx.export at opsets 13 and 17 (the LayerNorms at 17 only),
+LayerNorms, one of a GRU and an LSTM, and two text classifiers of int64 token ids (text.ids.bin), the
+second with position embeddings of torch.arange (positions.output.bin); exports each with torch.onnx.export at opsets 13 and 17 (the LayerNorms at 17 only),
 and writes a fixed input and PyTorch's output for it:
 
     <dir>/<model>_opset<13|17>.onnx
@@ -175,6 +176,19 @@ class TextClassifier(nn.Module):
         return self.fc2(torch.relu(self.fc1(self.embedding(ids).mean(dim=1))))
 
 
+class TokenPositions(nn.Module):
+    # Token and position embeddings, torch.arange(ids.size(1)) for the positions: exported as
+    # Shape, Gather, Cast, Range and a Gather by the Range.
+    def __init__(self):
+        super().__init__()
+        self.tokens = nn.Embedding(50, 8)
+        self.positions = nn.Embedding(12, 8)
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, ids):
+        return self.fc((self.tokens(ids) + self.positions(torch.arange(ids.size(1)))).mean(dim=1))
+
+
 def randomise_batchnorm(model):
     for m in model.modules():
         if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):
@@ -228,12 +242,17 @@ def main():
         y = model(ids)
     ids.numpy().astype("<i8").tofile(os.path.join(out, "text.ids.bin"))
     y.numpy().astype("<f4").tofile(os.path.join(out, "text.output.bin"))
+    positions = TokenPositions().eval()
+    with torch.no_grad():
+        p = positions(ids)
+    p.numpy().astype("<f4").tofile(os.path.join(out, "positions.output.bin"))
     for opset in (13, 17):
-        path = os.path.join(out, f"text_opset{opset}.onnx")
-        torch.onnx.export(model, ids, path, opset_version=opset, input_names=["ids"], output_names=["output"],
-                          dynamic_axes={"ids": {0: "batch", 1: "length"}, "output": {0: "batch"}})
-        onnx.checker.check_model(onnx.load(path))
-    print(f"text: ids {list(ids.shape)} (int64), output {list(y.shape)}")
+        for name, m in (("text", model), ("positions", positions)):
+            path = os.path.join(out, f"{name}_opset{opset}.onnx")
+            torch.onnx.export(m, ids, path, opset_version=opset, input_names=["ids"], output_names=["output"],
+                              dynamic_axes={"ids": {0: "batch", 1: "length"}, "output": {0: "batch"}})
+            onnx.checker.check_model(onnx.load(path))
+    print(f"text, positions: ids {list(ids.shape)} (int64), outputs {list(y.shape)}, {list(p.shape)}")
 
 
 if __name__ == "__main__":

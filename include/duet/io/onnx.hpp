@@ -19,7 +19,12 @@
 //
 // The operators (ONNX's names; what duet runs):
 //   Gemm (alpha, beta, transA, transB), MatMul     ops::matmul (+ ops::add, scalar products)
-//   Add, Sub, Mul, Div                             ops::add, sub, mul, div (numpy broadcasting)
+//   Add, Sub, Mul, Div, Pow; Max, Min of two       ops::add, sub, mul, div, pow, maximum,
+//                                                  minimum (numpy broadcasting)
+//   Exp, Log, Sqrt, Abs, Neg, Reciprocal,          ops::exp, log, sqrt, abs, neg, 1 / x,
+//   Softplus, Sin, Cos                             softplus, sin, cos
+//   Clip (constant bounds)                         ops::clip_by_value
+//   Slice (constant starts, ends, axes, steps)     ops::strided_slice
 //   Relu, Sigmoid, Tanh, Softmax, LogSoftmax       ops::relu, sigmoid, tanh, softmax, log_softmax
 //   LeakyRelu, Elu (alpha >= 0)                    ops::leaky_relu, elu
 //   Div, Erf, Add, Mul, Mul (torch's GELU below    ops::gelu (erf form), when the five nodes are
@@ -41,8 +46,8 @@
 //                                                  their own mean and variance (nn::LayerNorm's
 //                                                  arithmetic, in ops)
 //   Flatten, Reshape                               views; Reshape's target a constant or made by
-//   Shape, Gather, Unsqueeze, Squeeze, Cast,       shape arithmetic on int64s, as torch writes
-//   Concat of int64s                               x.view(x.size(0), -1): no step, the sizes are
+//   Shape (start, end), Gather, Unsqueeze,         shape arithmetic on int64s, as torch writes
+//   Squeeze, Cast, Concat of int64s                x.view(x.size(0), -1): no step, the sizes are
 //                                                  read from the values' shapes as Reshape runs
 //   Transpose (rank <= 8), Concat (rank <= 4)      ops::transpose(x, perm), ops::concat<Axis>
 //   ReduceSum, ReduceMean, ReduceMax, ReduceMin,   ops::sum, mean, max, min, prod (axes at run
@@ -58,6 +63,10 @@
 //   Gather by the graph's input of int32 or int64  ops::gather<0>, as nn::Embedding looks its
 //   token ids, axis 0 (torch's nn.Embedding)      table up: the model then takes int32 ids
 //                                                  (or int64 ones that fit int32), net(ids)
+//   Range(start, limit, delta) of int64 sizes      positions computed as the model runs, looked
+//   (constants, or read from a Shape, of the ids   up as ops::gather<0> of the table: torch's
+//   too), then Gather along axis 0, through Casts  torch.arange(ids.size(1)) and duet's
+//   to int32 or int64 if any                       ops::positions into a positional embedding
 // Anything else, and any attribute or setting the list does not cover, is a duet::ValueError
 // when the file is loaded, naming the node, its operator and what is not supported. A file that
 // is not a well-formed model (not protobuf, a node reading a name nothing defines, an
@@ -114,6 +123,12 @@ struct OnnxSizes {
   std::optional<std::size_t> shape_of;
 };
 
+// Range(start, limit, delta) of such sizes: a sequence's positions (torch.arange(ids.size(1)),
+// duet's ops::positions), computed when the network runs.
+struct OnnxRange {
+  std::array<OnnxSize, 3> bounds;  // start, limit, delta
+};
+
 struct OnnxReshapeOp : ops::Primitive<OnnxReshapeOp> {
   static constexpr int arity = 1;
   static constexpr bool is_view = true;
@@ -166,7 +181,7 @@ inline constexpr auto onnx_operators = std::to_array<std::string_view>({
     "Abs", "Add", "AveragePool", "BatchNormalization", "Cast", "Clip", "Concat", "Constant", "ConstantOfShape", "Conv",
     "Cos", "Div", "Dropout", "Elu", "Erf", "Exp", "Expand", "Flatten", "GRU", "Gather", "Gemm", "GlobalAveragePool",
     "Identity", "LSTM", "LayerNormalization", "LeakyRelu", "Log", "LogSoftmax", "MatMul", "Max", "MaxPool", "Min",
-    "Mul", "Neg", "Pad", "Pow", "Reciprocal", "ReduceMax", "ReduceMean", "ReduceMin", "ReduceProd", "ReduceSum",
+    "Mul", "Neg", "Pad", "Pow", "Range", "Reciprocal", "ReduceMax", "ReduceMean", "ReduceMin", "ReduceProd", "ReduceSum",
     "Relu", "Reshape", "Shape", "Sigmoid", "Sin", "Slice", "Softmax", "Softplus", "Sqrt", "Squeeze", "Sub", "Tanh",
     "Tile", "Transpose", "Unsqueeze"});
 // clang-format on
@@ -407,18 +422,51 @@ class OnnxModel : public nn::DynamicCell {
       return {shape.begin(), shape.end()};
     }
     std::vector<std::int64_t> dims;
-    for (const detail::OnnxSize& e : sizes.elements) {
-      if (!e.axis) {
-        dims.push_back(e.constant);
-        continue;
-      }
-      const Shape& shape = values[e.value].shape();
-      if (*e.axis < -shape.rank() || *e.axis >= shape.rank()) {
-        throw ShapeError("a Gather of dimension " + std::to_string(*e.axis) + " of a Shape of " + to_string(shape));
-      }
-      dims.push_back(shape[*e.axis]);
-    }
+    for (const detail::OnnxSize& e : sizes.elements)
+      dims.push_back(size_now(e, e.axis ? values[e.value].shape() : Shape{}));
     return dims;
+  }
+  // One size now: its constant, or its dimension of `shape`, the shape of the value it reads.
+  static std::int64_t size_now(const detail::OnnxSize& e, const Shape& shape) {
+    if (!e.axis) return e.constant;
+    if (*e.axis < -shape.rank() || *e.axis >= shape.rank()) {
+      throw ShapeError("a Gather of dimension " + std::to_string(*e.axis) + " of a Shape of " + to_string(shape));
+    }
+    return shape[*e.axis];
+  }
+
+  // The positions a Range gives now, as int32 indices; a size of value 0 in a model of token
+  // ids is one of the ids'. ONNX's length, max(ceil((limit - start) / delta), 0), at most
+  // `rows` (the table they index, beyond which one would be out of range anyway).
+  BasicTensor<std::int32_t> positions_now(const detail::OnnxRange& r, const std::vector<Tensor>& values,
+                                          const BasicTensor<std::int32_t>& ids, index_t rows) const {
+    std::array<std::int64_t, 3> b{};
+    for (std::size_t i = 0; i < 3; ++i) {
+      const detail::OnnxSize& e = r.bounds[i];
+      b[i] = size_now(e, !e.axis ? Shape{} : ids_input_ && e.value == 0 ? ids.shape() : values[e.value].shape());
+    }
+    const auto [start, limit, delta] = b;
+    if (delta == 0) throw ValueError("a Range with delta 0");
+    // In double: limit - start can overflow int64, and the length is bounded just below.
+    const double length = std::max(
+        std::ceil((static_cast<double>(limit) - static_cast<double>(start)) / static_cast<double>(delta)), 0.0);
+    if (length > static_cast<double>(rows)) {
+      throw IndexError("a Range(" + std::to_string(start) + ", " + std::to_string(limit) + ", " +
+                       std::to_string(delta) + ") of more positions than the " + std::to_string(rows) +
+                       " rows it indexes");
+    }
+    auto positions = BasicTensor<std::int32_t>::uninitialized(Shape{static_cast<index_t>(length)});
+    for (index_t i = 0; i < positions.numel(); ++i) {
+      std::int64_t p = 0;
+      const bool beyond = __builtin_mul_overflow(i, delta, &p) || __builtin_add_overflow(start, p, &p);
+      if (beyond || p < 0 || p >= rows) {
+        throw IndexError("position " + (beyond ? std::string("beyond int64") : std::to_string(p)) + " (element " +
+                         std::to_string(i) + " of a Range(" + std::to_string(start) + ", " + std::to_string(limit) +
+                         ", " + std::to_string(delta) + ")) is out of range [0, " + std::to_string(rows) + ")");
+      }
+      positions.data()[i] = static_cast<std::int32_t>(p);
+    }
+    return positions;
   }
 
   // As onnxruntime does, the input must have the shape the file declares, any size where it
@@ -611,13 +659,21 @@ class OnnxBuilder {
   std::string ids_input_name_;  // the graph's input, when it holds token ids
 
   bool integer(const std::string& name) const { return integers_.contains(name) || sizes_.contains(name); }
-  bool defined(const std::string& name) const { return operands_.contains(name) || integer(name); }
+  bool defined(const std::string& name) const {
+    return operands_.contains(name) || integer(name) || ranges_.contains(name);
+  }
 
   Operand operand_of(const std::string& name, const std::string& reader) const {
     const auto it = operands_.find(name);
     if (it == operands_.end() && name == ids_input_name_) {
       throw ValueError(where_ + ": " + reader + " reads the graph's input " + detail::onnx_quoted(name) +
-                       ", token ids, which duet reads only as the indices of a Gather along axis 0 (an embedding)");
+                       ", token ids, which duet reads only as the indices of a Gather along axis 0 (an embedding), "
+                       "and their Shape as a Range's bounds");
+    }
+    if (it == operands_.end() && ranges_.contains(name)) {
+      throw ValueError(where_ + ": " + reader + " reads " + detail::onnx_quoted(name) +
+                       ", a Range, which duet reads only as the indices of a Gather along axis 0 (a positional "
+                       "embedding)");
     }
     if (it == operands_.end()) {
       if (integer(name)) {
@@ -998,6 +1054,7 @@ class OnnxBuilder {
     if (op == "Flatten" || op == "Reshape") return add_reshape(n, node);
     if (op == "Transpose") return add_transpose(n, node);
     if (op == "Tile") return add_tile(n, node);
+    if (positions(n, node)) return;
     if (shape_arithmetic(n, node)) return;
     if (op == "Unsqueeze" || op == "Squeeze") return add_squeeze(n, node);
     if (op == "Concat") return add_concat(n, node);
@@ -1517,7 +1574,7 @@ class OnnxBuilder {
     } else {
       arity(n, node, 2, 2);
       known_attributes(n, node, {"allowzero"});
-      target = sizes_of(n.input(1), node);
+      target = sizes_for_values(n.input(1), node);
       if (!target) unsupported(node, "a target shape that is not an int64 tensor");
       // The constants of the target are checked now; a size read from a shape is one.
       for (const detail::OnnxSize& e : target->elements)
@@ -1561,6 +1618,88 @@ class OnnxBuilder {
     return sizes;
   }
 
+  // Sizes a float value's shape is made of (Reshape's target, Expand's shape): never the token
+  // ids' (value 0 of a model of ids holds nothing; only a Range reads their sizes).
+  std::optional<detail::OnnxSizes> sizes_for_values(const std::string& name, const std::string& node) const {
+    std::optional<detail::OnnxSizes> sizes = sizes_of(name, node);
+    if (sizes && model_.ids_input_ && (sizes->shape_of == 0 || std::ranges::any_of(sizes->elements, [](const auto& e) {
+                                         return e.axis && e.value == 0;
+                                       }))) {
+      unsupported(node, "a shape read from the token ids' Shape (duet reads their sizes only as a Range's bounds)");
+    }
+    return sizes;
+  }
+
+  // Shape's start and end (opset 15) as the axes [first, last) they keep, where they name them
+  // without the rank: both from the front, or a start from the back to the end. None without them.
+  std::optional<std::pair<int, int>> shape_part(const onnx::NodeProto& n, const std::string& node) const {
+    const onnx::AttributeProto* start = attribute(n, "start");
+    const onnx::AttributeProto* end = attribute(n, "end");
+    const std::int64_t first = start == nullptr ? 0 : start->i();
+    if (first == 0 && end == nullptr) return std::nullopt;
+    if (first >= -max_rank && first < 0 && end == nullptr) return std::pair{static_cast<int>(first), 0};
+    const std::int64_t last = end == nullptr ? -1 : end->i();
+    if (first < 0 || first > max_rank || last < first || last > max_rank) {
+      unsupported(node, "start " + std::to_string(first) + " and end " +
+                            (end == nullptr ? "(none)" : std::to_string(last)) +
+                            " (duet reads both from the front, or a start from the back with no end)");
+    }
+    return std::pair{static_cast<int>(first), static_cast<int>(last)};
+  }
+
+  // Range(start, limit, delta) of one size each, torch's torch.arange(ids.size(1)) and duet's
+  // ops::positions, read only as the indices of a Gather along axis 0 (a positional embedding),
+  // through Casts to int32 or int64 if any. It makes no step: the Gather computes the positions
+  // from the sizes as it runs (OnnxModel::positions_now) and looks them up, as add_id_gather
+  // looks the ids up. False for a node that is none of these.
+  bool positions(const onnx::NodeProto& n, const std::string& node) {
+    const std::string& op = n.op_type();
+    const bool range_in = n.input_size() > 0 && ranges_.contains(n.input(op == "Gather" ? n.input_size() - 1 : 0));
+    detail::OnnxRange range;
+    if (op == "Range") {
+      arity(n, node, 3, 3);
+      known_attributes(n, node, {});
+      for (std::size_t i = 0; i < 3; ++i) {
+        const std::string& bound = n.input(static_cast<int>(i));
+        const std::optional<detail::OnnxSizes> size = bound.empty() ? std::nullopt : sizes_of(bound, node);
+        if (!size || size->shape_of || size->elements.size() != 1) {
+          unsupported(node,
+                      "a Range whose start, limit or delta is not one int64 (a constant, or a size read from a "
+                      "Shape)");
+        }
+        range.bounds[i] = size->elements.front();
+      }
+    } else if (op == "Cast" && range_in) {
+      arity(n, node, 1, 1);
+      known_attributes(n, node, {"to"});
+      const std::int64_t to = int_attr(n, "to", 0);
+      if (to != onnx::TensorProto::INT32 && to != onnx::TensorProto::INT64)
+        unsupported(node, "a Cast of a Range to other than int32 or int64");
+      range = ranges_.at(n.input(0));
+    } else if (op == "Gather" && range_in) {
+      arity(n, node, 2, 2);
+      known_attributes(n, node, {"axis"});
+      if (int_attr(n, "axis", 0) != 0) unsupported(node, "a Gather by a Range along an axis other than 0");
+      const Operand table = operand_of(n.input(0), node);
+      add_step("Gather", n, node, {});
+      model_.steps_.back().on_ids = [table, range = ranges_.at(n.input(1))](const OnnxModel& m,
+                                                                            const std::vector<Tensor>& v,
+                                                                            const BasicTensor<std::int32_t>& ids) {
+        return m.with(table, v, [&](const auto& rows) -> Tensor {
+          if (rows.shape().rank() == 0) throw ShapeError("a Gather of a tensor of rank 0");
+          return ops::gather<0>(rows, m.positions_now(range, v, ids, rows.shape()[0]));
+        });
+      };
+      return true;
+    } else {
+      return false;
+    }
+    if (n.output(0).empty() || defined(n.output(0)))
+      throw FormatError(where_ + ": " + node + " has no new output name");
+    ranges_[n.output(0)] = range;
+    return true;
+  }
+
   const std::vector<std::int64_t>& constant_ints(const onnx::NodeProto& n, const std::string& node, int input,
                                                  const std::string& what) const {
     const auto it = integers_.find(n.input(input));
@@ -1595,11 +1734,19 @@ class OnnxBuilder {
     detail::OnnxSizes out;
     if (op == "Shape") {
       arity(n, node, 1, 1);
-      known_attributes(n, node, {});
+      known_attributes(n, node, {"start", "end"});
       if (integers_in) unsupported(node, "the Shape of an int64 tensor");
-      const Operand x = operand_of(n.input(0), node);
-      if (x.kind == Kind::value) {
+      // The token ids are value 0 (which holds nothing in such a model): their sizes are read
+      // only as a Range's bounds (sizes_for_values).
+      const Operand x = n.input(0) == ids_input_name_ ? Operand{} : operand_of(n.input(0), node);
+      const std::optional<std::pair<int, int>> part = shape_part(n, node);
+      if (x.kind == Kind::value && part) {
+        for (int a = part->first; a < part->second; ++a)
+          out.elements.push_back({.constant = 0, .value = x.index, .axis = a});
+      } else if (x.kind == Kind::value) {
         out.shape_of = x.index;
+      } else if (part) {
+        unsupported(node, "start and end of the Shape of a weight");
       } else {
         const Shape shape = x.kind == Kind::parameter ? model_.parameters_[x.index]->shape() : model_.constants_[x.index].shape();
         for (const index_t d : shape) out.elements.push_back({.constant = d, .value = 0, .axis = std::nullopt});
@@ -1755,7 +1902,7 @@ class OnnxBuilder {
       if (!a->has_t() || a->t().data_type() != onnx::TensorProto::FLOAT) unsupported(node, "a value that is not a float");
       value = detail::onnx_elements<float>(a->t(), "ConstantOfShape's value", 1, where_)[0];
     }
-    const std::optional<detail::OnnxSizes> shape = sizes_of(n.input(expand ? 1 : 0), node);
+    const std::optional<detail::OnnxSizes> shape = sizes_for_values(n.input(expand ? 1 : 0), node);
     if (!shape) unsupported(node, "a shape that is not an int64 tensor");
     const index_t weights = weight_elements();
     index_t constant = 1;
@@ -1976,6 +2123,7 @@ class OnnxBuilder {
   std::map<std::string, Operand> operands_;
   std::map<std::string, std::vector<std::int64_t>> integers_;
   std::map<std::string, detail::OnnxSizes> sizes_;  // int64 tensors shape arithmetic made
+  std::map<std::string, detail::OnnxRange> ranges_;  // Ranges of sizes, and Casts of them (positions)
   std::map<std::string, int> consumers_;  // the nodes and graph outputs reading each value
   std::map<std::string, int> readers_;    // the last node reading each value
   std::map<std::string, int> producers_;  // the node writing each value
