@@ -3,9 +3,18 @@
 // broadcast to the batch through zeros_like, trained in both modes, against a closed form.
 // randn_like, rand_like (include/duet/ops/random.hpp): the global generator's draws in both
 // modes, their distribution, and a reparameterised sample's gradients against a closed form.
+// multinomial (the same header): the indices against a plain loop's draws from the same
+// generator, in both modes, their frequencies against the weights, draws without replacement
+// distinct, and its errors.
 // cast (include/duet/ops/cast.hpp): conversions against static_cast, the gradient cast back, a
 // padding mask as weights.
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <set>
 #include <sstream>
+#include <string>
+#include <vector>
 
 #include "ops_harness.hpp"
 
@@ -29,6 +38,40 @@ D draws(const Shape& shape, std::uint64_t seed, bool uniform) {
   duet::Generator gen(seed);
   D out = duet::zeros<double>(shape);
   for (index_t i = 0; i < out.numel(); ++i) out.data()[i] = uniform ? gen.uniform01<double>() : gen.normal<double>();
+  return out;
+}
+
+// torch.multinomial's draws as duet makes them, by a plain loop: per row, per sample, one
+// uniform double u and the first index whose cumulative weight (of those left) exceeds u times
+// their sum.
+D multinomial_draws(const D& w, index_t samples, bool replacement, duet::Generator& gen) {
+  const index_t categories = w.shape().back();
+  Shape out_shape = w.shape();
+  out_shape[out_shape.rank() - 1] = samples;
+  D out = duet::zeros<double>(out_shape);
+  for (index_t r = 0; r < w.numel() / categories; ++r) {
+    std::vector<double> left(w.data() + r * categories, w.data() + (r + 1) * categories);
+    for (index_t s = 0; s < samples; ++s) {
+      double total = 0;
+      for (const double x : left) total += x;
+      const double target = gen.uniform01<double>() * total;
+      double running = 0;
+      index_t picked = -1;
+      for (index_t c = 0; c < categories && picked < 0; ++c) {
+        running += left[static_cast<std::size_t>(c)];
+        if (left[static_cast<std::size_t>(c)] > 0 && target < running) picked = c;
+      }
+      REQUIRE(picked >= 0);
+      out.data()[r * samples + s] = static_cast<double>(picked);
+      if (!replacement) left[static_cast<std::size_t>(picked)] = 0;
+    }
+  }
+  return out;
+}
+
+D absolute(const D& x) {
+  D out = duet::zeros<double>(x.shape());
+  for (index_t i = 0; i < x.numel(); ++i) out.data()[i] = std::abs(x.data()[i]);
   return out;
 }
 
@@ -68,6 +111,18 @@ const bool creation_cases = add_cases([](std::multimap<std::string, Case>& m) {
                 duet::set_seed(22);
                 return ops::rand_like(x);
               }, [](const std::vector<D>& xs) { return draws(xs[0].shape(), 22, true); }));
+    for (const bool replacement : {true, false}) {
+      m.emplace("multinomial", make_value_case(
+                                   {shape},
+                                   [replacement](const auto& x) {
+                                     duet::set_seed(23);
+                                     return ops::multinomial(ops::abs(x), 3, replacement);
+                                   },
+                                   [replacement](const std::vector<D>& xs) {
+                                     duet::Generator gen(23);
+                                     return multinomial_draws(absolute(xs[0]), 3, replacement, gen);
+                                   }));
+    }
   }
 });
 
@@ -254,6 +309,112 @@ TEST_CASE("randn_like and rand_like: standard normal draws, and uniform ones fro
   double total = 0;
   for (float v : u.values()) total += v;
   CHECK(total / 100000.0 == doctest::Approx(0.5).epsilon(0.01));
+}
+
+TEST_CASE(
+    "multinomial: frequencies follow the weights, within a chi-square bound, and draw from the seed or generator "
+    "given") {
+  // Unnormalised weights, a category of weight 0; 40000 draws from a seed.
+  const duet::Tensor w({2, 5}, {1, 2, 3, 4, 0, 0.5f, 0, 0, 0, 0.5f});
+  constexpr index_t n = 40000;
+  const duet::BasicTensor<std::int32_t> got = ops::multinomial(w, n, true, std::uint64_t{31});
+  REQUIRE(got.shape() == Shape{2, n});
+  for (index_t r = 0; r < 2; ++r) {
+    std::array<double, 5> counts{};
+    for (index_t s = 0; s < n; ++s) counts.at(static_cast<std::size_t>(got(r, s))) += 1;
+    double sum = 0;
+    for (index_t c = 0; c < 5; ++c) sum += w(r, c);
+    double chi2 = 0;
+    int categories = 0;
+    for (index_t c = 0; c < 5; ++c) {
+      const double expected = n * w(r, c) / sum;
+      if (expected == 0) {
+        CHECK(counts[static_cast<std::size_t>(c)] == 0);  // weight 0: never drawn
+        continue;
+      }
+      chi2 += (counts[static_cast<std::size_t>(c)] - expected) * (counts[static_cast<std::size_t>(c)] - expected) /
+              expected;
+      ++categories;
+    }
+    // 16.27 and 10.83: chi-square's 0.999 quantiles at 3 and 1 degrees of freedom.
+    CAPTURE(r);
+    CHECK(chi2 < (categories == 4 ? 16.27 : 10.83));
+  }
+  // The same seed, the same indices; the plain loop's, from a generator of that seed.
+  CHECK(duet_test::values_of(ops::multinomial(w, n, true, std::uint64_t{31})) == duet_test::values_of(got));
+  duet::Generator reference(31);
+  CHECK(duet_test::values_of(got) ==
+        duet_test::values_of(multinomial_draws(duet::ops::cast<double>(w), n, true, reference)));
+  // A generator of one's own moves on: two calls draw what one generator draws in turn.
+  duet::Generator gen(32), again(32);
+  const auto first = ops::multinomial(w, 7, true, gen);
+  const auto second = ops::multinomial(w, 7, true, gen);
+  CHECK(duet_test::values_of(first) ==
+        duet_test::values_of(multinomial_draws(duet::ops::cast<double>(w), 7, true, again)));
+  CHECK(duet_test::values_of(second) ==
+        duet_test::values_of(multinomial_draws(duet::ops::cast<double>(w), 7, true, again)));
+}
+
+TEST_CASE("multinomial without replacement: distinct indices, all of them when as many as the weights allow") {
+  const duet::Tensor w({3, 6}, {1, 1, 1, 1, 1, 1, 5, 0, 1, 0, 2, 3, 0.1f, 100, 0.1f, 0.1f, 0.1f, 0.1f});
+  for (std::uint64_t seed = 0; seed < 50; ++seed) {
+    const auto six = ops::multinomial(w, 4, false, seed);
+    for (index_t r = 0; r < 3; ++r) {
+      std::set<int> seen;
+      for (index_t s = 0; s < 4; ++s) {
+        seen.insert(six(r, s));
+        CHECK(w(r, six(r, s)) > 0);
+      }
+      CHECK(seen.size() == 4);
+    }
+  }
+  // As many samples as positive weights: each index once (a permutation of them).
+  const duet::Tensor row({6}, {0, 2, 0, 1, 3, 0});
+  std::vector<int> all;
+  for (const std::int32_t i : ops::multinomial(row, 3, false, std::uint64_t{5}).values()) all.push_back(i);
+  std::sort(all.begin(), all.end());
+  CHECK(all == std::vector<int>{1, 3, 4});
+}
+
+TEST_CASE("multinomial: negative, NaN, infinite or all-zero weights, too many samples, and recorded seeds are errors") {
+  const auto message = [](const duet::Tensor& w, index_t n, bool replacement) {
+    try {
+      static_cast<void>(ops::multinomial(w, n, replacement, std::uint64_t{1}));
+    } catch (const duet::ValueError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  CHECK(message(duet::Tensor({2, 3}, {1, 2, 3, 1, -1, 1}), 1, true) ==
+        "ops::multinomial(weights, 1, replacement): row 1 has weight -1.000000 at index 1; weights must be finite and "
+        ">= 0");
+  CHECK(message(duet::Tensor({3}, {1, std::nanf(""), 1}), 2, true).find("has weight nan at index 1") !=
+        std::string::npos);
+  CHECK(message(duet::Tensor({3}, {1, INFINITY, 1}), 2, true).find("has weight inf at index 1") != std::string::npos);
+  CHECK(message(duet::Tensor({2, 2}, {1, 1, 0, 0}), 1, true) ==
+        "ops::multinomial(weights, 1, replacement): row 1 has no positive weight to draw from");
+  CHECK(message(duet::Tensor({4}, {1, 0, 1, 1}), 4, false) ==
+        "ops::multinomial(weights, 4): row 0 has 3 indices of positive weight, fewer than the 4 samples drawn without "
+        "replacement");
+  CHECK(message(duet::Tensor({4}, {1, 0, 1, 1}), 0, true) ==
+        "duet::ops::multinomial: num_samples 0 must be at least 1");
+  CHECK(message(duet::Tensor({4}, {1, 0, 1, 1}), 4, true) == "no error");
+  // An error draws nothing from the global generator; in both modes, as a graph's kernel.
+  duet::set_seed(40);
+  const double next = next_draw();
+  for (duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+    duet_test::ModeGuard guard;
+    duet::set_context({.mode = mode});
+    auto sample = duet::jit([](const auto& w) { return ops::multinomial(w, 2, false); });
+    CHECK_THROWS_WITH_AS(sample(duet::Tensor({2}, {0, 1})), doctest::Contains("fewer than the 2 samples"),
+                         duet::ValueError);
+  }
+  CHECK(next_draw() == next);
+  // A seed or a generator of one's own in a trace would be replayed: refused.
+  auto traced =
+      duet::jit([](const duet::Tensor& w) { return ops::cast<float>(ops::multinomial(w, 1, true, std::uint64_t{3})); },
+                {.mode = duet::JitMode::PIJit});
+  CHECK_THROWS_AS(traced(duet::Tensor({2}, {1, 1})), duet::ModeError);
 }
 
 }  // namespace tests_ops_creation
