@@ -103,9 +103,9 @@ TEST_CASE("a packed weight is packed again after an optimiser step, set_data, a 
 TEST_CASE("PIJit follows jit_level: O0 replays each traced operation, O1 and O2 fuse and pack weights") {
   set_seed(4);
   nn::DynamicSequentialCell net;
-  net.append(nn::Dense<>(12, 9));
+  net.append(nn::Dense<>(12, 20));
   net.append(nn::ReLU{});
-  net.append(nn::Dense<>(9, 4));
+  net.append(nn::Dense<>(20, 4));
   const nn::Parameter& weight = *net.parameters()[0].parameter;
   auto o0 = jit<JitConfig{.jit_level = O0}>([&](const Tensor& x) { return net(x); }, {.mode = JitMode::PIJit, .name = "o0"});
   auto o1 = jit<o1_config>([&](const Tensor& x) { return net(x); }, {.mode = JitMode::PIJit, .name = "o1"});

@@ -171,11 +171,55 @@ TEST_CASE_TEMPLATE("kernels::gemm with compile-time sizes, small and large" * du
   }
 }
 
+// Fewer outputs than an AVX-512 vector of floats: the narrow product, its tile's edges in rows
+// (batches not a multiple of its rows) and in k (not a multiple of any set's lanes), and its
+// epilogue pass. Each row's bits are the same whatever rows are computed with it, and on any
+// number of threads.
+TEST_CASE_TEMPLATE("kernels::gemm with fewer than 16 outputs: the reference's values, a row's bits alone" *
+                       duet_test::every_isa,
+                   T, float, double) {
+  std::mt19937 gen(11);
+  for (index_t n = 1; n < 16; ++n) {
+    for (index_t m : {2, 3, 5, 65, 131}) {
+      for (index_t k : {1, 7, 17, 100, 515}) {
+        const Problem<T> p = problem<T>(m, k, n, gen);
+        duet_test::for_each_isa([&] {
+          check_shape<dyn, dyn, T>(p);
+          std::vector<T> all(static_cast<std::size_t>(m * n));
+          kernels::gemm<dyn, dyn, fn::Relu>(p.a(), m, k, p.b.data(), n, p.bias.data(), all.data());
+          std::vector<T> two(static_cast<std::size_t>(2 * n));
+          bool same = true;
+          for (index_t i = 0; i + 2 <= m; i += 3) {
+            kernels::gemm<dyn, dyn, fn::Relu>(p.a() + i * k, 2, k, p.b.data(), n, p.bias.data(), two.data());
+            same = same && std::equal(two.begin(), two.end(), all.begin() + i * n);
+          }
+          CHECK(same);
+        });
+      }
+    }
+  }
+  // Large enough to share the threads: the same bits on one thread and on two.
+  const index_t m = 600, k = 1000, n = 10;
+  const Problem<T> p = problem<T>(m, k, n, gen);
+  duet_test::for_each_isa([&] {
+    const int saved = get_num_threads();
+    std::vector<T> one(static_cast<std::size_t>(m * n)), two(one.size());
+    set_num_threads(1);
+    kernels::gemm<dyn, dyn, fn::Relu>(p.a(), m, k, p.b.data(), n, p.bias.data(), one.data());
+    set_num_threads(2);
+    kernels::gemm<dyn, dyn, fn::Relu>(p.a(), m, k, p.b.data(), n, p.bias.data(), two.data());
+    set_num_threads(saved);
+    CHECK(one == two);
+    CHECK(duet_test::relative_difference(as_double(one.data(), one.size()),
+                                         epilogue(p.product, n, p.bias.data(), true)) <= tolerance<T>);
+  });
+}
+
 TEST_CASE_TEMPLATE("kernels::gemm: NaN goes through the product, the bias and ReLU" * duet_test::every_isa, T, float, double) {
   duet_test::for_each_isa([] {
     const T nan = std::numeric_limits<T>::quiet_NaN();
     std::mt19937 gen(9);
-    for (const Case& s : std::vector<Case>{{1, 40, 37}, {2, 3, 3}, {50, 300, 70}}) {
+    for (const Case& s : std::vector<Case>{{1, 40, 37}, {2, 3, 3}, {50, 300, 70}, {7, 41, 10}}) {
       CAPTURE(s.m);
       std::vector<T> a = random_values<T>(static_cast<std::size_t>(s.m * s.k), gen);
       const std::vector<T> b = random_values<T>(static_cast<std::size_t>(s.n * s.k), gen);
@@ -320,15 +364,16 @@ TEST_CASE("kernels::gemm_kn with k = 0 writes zeros") {
 
 TEST_CASE("kernels::gemm refuses a weight packed for another shape") {
   const std::vector<float> a(2 * 16, 1.0f);
-  const std::vector<float> b(8 * 16, 1.0f);
-  std::vector<float> c(2 * 8);
-  const kernels::PackedWeight<float> packed(b.data(), 8, 15);
-  CHECK(kernels::reads_packed_weight(2, 16, 8));
-  CHECK_FALSE(kernels::reads_packed_weight(1, 16, 8));  // one row: a GEMV reads the weight in place
+  const std::vector<float> b(16 * 16, 1.0f);
+  std::vector<float> c(2 * 16);
+  const kernels::PackedWeight<float> packed(b.data(), 16, 15);
+  CHECK(kernels::reads_packed_weight(2, 16, 16));
+  CHECK_FALSE(kernels::reads_packed_weight(1, 16, 16));  // one row: a GEMV reads the weight in place
+  CHECK_FALSE(kernels::reads_packed_weight(2, 16, 15));  // under 16 outputs: so does the narrow product
   CHECK_FALSE(kernels::reads_packed_weight(8, 8, 8));    // at most 64 weights: a plain loop, at any size
   CHECK_FALSE(kernels::reads_packed_weight<4, 4>(8, 4, 4));
-  CHECK_THROWS_WITH_AS(kernels::gemm(a.data(), 2, 16, b.data(), 8, nullptr, c.data(), &packed),
-                       "duet::kernels::gemm: a weight packed as [8, 15] for a product with [8, 16]", ShapeError);
+  CHECK_THROWS_WITH_AS(kernels::gemm(a.data(), 2, 16, b.data(), 16, nullptr, c.data(), &packed),
+                       "duet::kernels::gemm: a weight packed as [16, 15] for a product with [16, 16]", ShapeError);
 }
 
 TEST_CASE("kernels::gemm with k = 0: an empty sum, so the output is the epilogue of zero" * duet_test::every_isa) {

@@ -155,13 +155,20 @@ class FormatError : public IOError {
 // The dense-layer product with its epilogue fused: C[m, n] = Fns(Σ_k A[m, k]·B[n, k] + bias[n]).
 //
 // A is the input [M, K] and B the weight [N, K], both row-major, so each output is a dot
-// product of two contiguous rows. Three paths, chosen by shape:
+// product of two contiguous rows. Four paths, chosen by shape:
 //  - small layers (K·N <= 64, as Dense<4, 4>): plain loops, which the compiler unrolls
 //    completely where the sizes are constants; packing, or a loop over vectors, would cost
 //    more than the arithmetic. The same sums whether the sizes are constants or not.
 //  - one row (batch 1): a GEMV. Every weight is used once, so the time is the time to stream
 //    B from memory; it reads B in place, front to back, and a shuffle tree sums L rows'
 //    vectors into one vector of L results for the epilogue.
+//  - fewer than 16 outputs (a classifier's 10 classes): dot products along k, a tile of a few
+//    rows of A by 5 rows of B, both read in place, each output's lanes summed at the end, so
+//    that every lane of every FMA counts; the blocked product below spreads a vector over the
+//    outputs, and 10 of them left 6 lanes of 16 idle (as oneDNN 2.6's brgemm does, a tile of
+//    16 rows x 1 vector, 10 lanes of it masked in). The sums go to C, then one pass over that
+//    small output adds the bias and applies the functions: the product is compiled once per
+//    instruction set, not once per epilogue. On the Xeon (AVX-512) 1.2-1.4x oneDNN's speed.
 //  - otherwise: a GEMM in the style of BLIS. The weight is packed into panels of W = NV·L
 //    columns (its rows: a layer's outputs), each [k, W], the weight transposed, so that the
 //    micro-kernel's tile of MR rows x NV vectors of C takes, for each k, NV vectors of B and
@@ -717,10 +724,11 @@ inline int halves_depth(index_t n) {
 }  // namespace duet::kernels::detail
 // The one place where the instruction sets differ: per set, the vector width, the tile height
 // and the few operations GCC's vector extensions do not spell (FMA, masked memory access, the
-// group broadcast, the square root). Everything else in a kernel is written once, on Vec<T>,
-// and compiled once per set, in the set's namespace (detail::baseline, detail::avx2,
-// detail::avx512) and between its DUET_BEGIN_... and DUET_END_ISA (as kernels/gemm.hpp does
-// with detail/gemm_impl.hpp); so are exp and the reductions (detail/math.hpp).
+// group broadcast, the square root, a vector kept in a register). Everything else in a kernel
+// is written once, on Vec<T>, and compiled once per set, in the set's namespace
+// (detail::baseline, detail::avx2, detail::avx512) and between its DUET_BEGIN_... and
+// DUET_END_ISA (as kernels/gemm.hpp does with detail/gemm_impl.hpp); so are exp and the
+// reductions (detail/math.hpp).
 //
 // Each set's code is compiled for its target whatever -march the program has, by a target
 // region: GCC's `#pragma GCC target`, clang's `#pragma clang attribute push(target)`. Templates
@@ -832,6 +840,10 @@ inline constexpr bool scales_in_one_step = false;
 // product (no FMA) in 16 registers (4 x 2 and 2 x 4 were slower).
 inline constexpr int MR = 3;
 inline constexpr int NV = 3;
+// The narrow layers' tile (gemm_impl.hpp): dot_rows rows of A by dot_cols rows of B, a vector of
+// each, with a product beside the accumulators.
+inline constexpr int dot_rows = 2;
+inline constexpr int dot_cols = 5;
 // Vec, lanes, load and store for the set whose vector_bytes is in scope: included once per
 // set, inside its namespace (simd/arch.hpp), so no include guard.
 
@@ -878,6 +890,11 @@ template <class T>
   for (int i = 0; i < lanes<T>; ++i) v[i] = *p;
   return v;
 }
+
+// v kept in a register for its next uses (the wider sets' keep_in_register): without FMA,
+// nothing to fold a load into.
+template <class T>
+[[gnu::always_inline]] inline void keep_in_register(Vec<T>&) {}
 
 // Correctly rounded, as std::sqrt, without its call into libm for errno.
 template <class T>
@@ -1247,6 +1264,9 @@ inline constexpr bool scales_in_one_step = false;
 // 16 registers: 6 x 2 accumulators, 2 vectors of B and a broadcast.
 inline constexpr int MR = 6;
 inline constexpr int NV = 2;
+// 2 x 5 accumulators, 2 vectors of A and one of B.
+inline constexpr int dot_rows = 2;
+inline constexpr int dot_cols = 5;
 // Vec, lanes, load and store for the set whose vector_bytes is in scope: included once per
 // set, inside its namespace (simd/arch.hpp), so no include guard.
 
@@ -1303,6 +1323,15 @@ template <class T>
 [[gnu::always_inline]] inline Vec<T> broadcast(const T* p) {
   if constexpr (std::is_same_v<T, float>) return _mm256_broadcast_ss(p);
   else return _mm256_broadcast_sd(p);
+}
+
+// v kept in a register for its next uses: a vector of B that several FMAs of a tile take,
+// GCC 12 otherwise folds its load into each of them as a memory operand (the narrow tile's 15
+// FMAs, gemm_impl.hpp, then took 18 loads, and ran 20 % slower on AVX-512, bound by them). An
+// empty asm statement that may change v, so the compiler cannot go back to memory for it.
+template <class T>
+[[gnu::always_inline]] inline void keep_in_register(Vec<T>& v) {
+  __asm__("" : "+x"(v));
 }
 
 template <class T>
@@ -1665,6 +1694,9 @@ inline constexpr bool scales_in_one_step = true;
 // 32 registers: 6 x 4 accumulators, 4 vectors of B and a broadcast.
 inline constexpr int MR = 6;
 inline constexpr int NV = 4;
+// 3 x 5 accumulators (and a zero: 16, what one sum of lanes folds), 3 vectors of A, one of B.
+inline constexpr int dot_rows = 3;
+inline constexpr int dot_cols = 5;
 // Vec, lanes, load and store for the set whose vector_bytes is in scope: included once per
 // set, inside its namespace (simd/arch.hpp), so no include guard.
 
@@ -1710,6 +1742,12 @@ template <class T>
 [[gnu::always_inline]] inline Vec<T> broadcast(const T* p) {
   if constexpr (std::is_same_v<T, float>) return _mm512_set1_ps(*p);
   else return _mm512_set1_pd(*p);
+}
+
+// As AVX2's; "v" takes any of the 32 registers.
+template <class T>
+[[gnu::always_inline]] inline void keep_in_register(Vec<T>& v) {
+  __asm__("" : "+v"(v));
 }
 
 // The zero-masking form, with every lane selected: the plain one starts from
@@ -2464,6 +2502,94 @@ void gemv(const T* a, index_t k, const T* b, index_t n, const T* bias, T* c) {
   }
 }
 
+// ---- Narrow layers ---------------------------------------------------------------------------
+
+// One vector of k for the narrow tile: acc[i·C + j] += A[i][p..] · B[j][p..], lane by lane.
+// Partial: the last count (< L) values of k, the other lanes zero in A and B alike.
+template <bool Partial, int R, int C, class T>
+[[gnu::always_inline]] inline void dot_step(Vec<T> (&acc)[R * C], const T* const (&ar)[R], const T* const (&br)[C],
+                                            index_t p, int count) {
+  Vec<T> av[R];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) av[i] = Partial ? load_first(ar[i] + p, count) : load(ar[i] + p);
+#pragma GCC unroll 8
+  for (int j = 0; j < C; ++j) {
+    Vec<T> bv = Partial ? load_first(br[j] + p, count) : load(br[j] + p);
+    keep_in_register<T>(bv);
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) acc[i * C + j] = fma<T>(av[i], bv, acc[i * C + j]);
+  }
+}
+
+// C tile (rows x cols, at most dot_rows x dot_cols) = A·Bᵀ from rows of A and B, both [., k],
+// read in place: each output a chain of FMAs along k, lane by lane, then its lanes summed by
+// sum_lanes, the same tree for every output wherever it sits in the tile. Past the last row
+// (or column), the last one again, computed and not stored. Never inlined, as tile().
+template <class T>
+[[gnu::noinline]] void dot_tile(const T* a, index_t k, int rows, const T* b, int cols, T* c, index_t ldc) {
+  constexpr int L = lanes<T>;
+  constexpr int R = dot_rows;
+  constexpr int C = dot_cols;
+  const T* ar[R];
+  const T* br[C];
+  for (int i = 0; i < R; ++i) ar[i] = a + std::min(i, rows - 1) * k;
+  for (int j = 0; j < C; ++j) br[j] = b + std::min(j, cols - 1) * k;
+  Vec<T> acc[R * C] = {};
+  const index_t k_full = k / L * L;
+  for (index_t p = 0; p < k_full; p += L) dot_step<false, R, C, T>(acc, ar, br, p, L);
+  if (k_full < k) dot_step<true, R, C, T>(acc, ar, br, k_full, static_cast<int>(k - k_full));
+  constexpr int groups = (R * C + L - 1) / L;
+  T sums[groups * L];
+#pragma GCC unroll 4
+  for (int g = 0; g < groups; ++g) {
+    Vec<T> v[L];
+#pragma GCC unroll 16
+    for (int q = 0; q < L; ++q) v[q] = g * L + q < R * C ? acc[std::min(g * L + q, R * C - 1)] : Vec<T>{};
+    store<T>(sums + g * L, sum_lanes<T>(v));
+  }
+  for (int i = 0; i < rows; ++i, c += ldc) {
+    for (int j = 0; j < cols; ++j) c[j] = sums[i * C + j];
+  }
+}
+
+// c[m, n] = a·bᵀ, no bias or functions (epilogue() after it), b [n, k] read in place: the
+// product of a layer with fewer outputs than an AVX-512 vector has lanes. The blocked tile
+// spreads a vector over the outputs, and 10 outputs left 6 of 16 lanes idle (oneDNN's brgemm
+// does the same with a masked 16 x 1-vector tile); along k, every lane of every FMA is used,
+// against a sum of lanes per output at the end. Threads take whole tiles of rows.
+template <class T>
+void dot_product(const T* a, index_t m, index_t k, const T* b, index_t n, T* c) {
+  constexpr index_t R = dot_rows;
+  const index_t tiles = (m + R - 1) / R;
+  ::duet::detail::parallel_blocks(
+      tiles, ::duet::detail::useful_threads(m * n * k, tiles), [&](index_t t0, index_t t1, int) {
+        for (index_t i0 = t0 * R; i0 < std::min(m, t1 * R); i0 += R) {
+          const int rows = static_cast<int>(std::min(R, m - i0));
+          for (index_t j0 = 0; j0 < n; j0 += dot_cols) {
+            dot_tile(a + i0 * k, k, rows, b + j0 * k, static_cast<int>(std::min<index_t>(dot_cols, n - j0)),
+                     c + i0 * n + j0, n);
+          }
+        }
+      });
+}
+
+// c[i, :] = Fns(c[i, :] + bias): the epilogue of dot_product, in a pass over its small output,
+// so that the product is compiled once whatever the functions. Each vector gets the code (and
+// the bits) of a vector's epilogue in tile().
+template <class T, class... Fns>
+void epilogue(T* c, index_t m, index_t n, const T* bias) {
+  constexpr int L = lanes<T>;
+  for (index_t i = 0; i < m; ++i, c += n) {
+    for (index_t j = 0; j < n; j += L) {
+      const int count = static_cast<int>(std::min<index_t>(L, n - j));
+      Vec<T> v = load_first(c + j, count);
+      if (bias != nullptr) v += load_first(bias + j, count);
+      apply_all<Vec<T>, Fns...>(v);
+      store_first<T>(c + j, v, count);
+    }
+  }
+}
+
 // ---- The tile ---------------------------------------------------------------------------------
 
 // One k for a tile: acc[i][j] += A[i][p], broadcast, times vector j of row p of B. Partial: the
@@ -2573,12 +2699,10 @@ template <class T, int V, int R, class... Fns>
   }
 }
 
-// A panel that one vector holds (a narrow layer's, as the seed network's 10 outputs) takes a
-// tile of one vector, whose others' FMAs would be wasted, and twice the rows (3-10 % faster
-// than MR rows on 10 outputs). It loads a value of A for every FMA, which bounds it: the seed's
-// 10-output layer at batch 64 takes 6.4 us where the earlier tile (which multiplied groups of
-// 4 k, a load of A for 4 FMAs) took 4.4 (AMD EPYC Zen 5), against 2-4 % gained on its 512-wide
-// layers' 150 and 220 us.
+// A panel that one vector holds (gemm_kn's product with few columns, the last panel of a
+// layer whose outputs are not a multiple of W) takes a tile of one vector, whose others' FMAs
+// would be wasted, and twice the rows (3-10 % faster than MR rows on 10 outputs). It loads a
+// value of A for every FMA, which bounds it; gemm's narrow layers take dot_product instead.
 template <class T>
 int tile_rows(int cols) {
   return NV > 1 && cols <= lanes<T> ? 2 * MR : MR;
@@ -2690,6 +2814,12 @@ struct Kernels {
   static void blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
                       const PackedWeight<T>* packed) {
     gemm_blocked<T, Fns...>(a, m, k, PanelSource<T>{b, n, k, false, packed, nullptr}, n, bias, c, false, false);
+  }
+
+  template <class T, class... Fns>
+  static void narrow(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c) {
+    dot_product(a, m, k, b, n, c);
+    if (bias != nullptr || sizeof...(Fns) > 0) epilogue<T, Fns...>(c, m, n, bias);
   }
 
   template <class T>
@@ -2837,6 +2967,94 @@ void gemv(const T* a, index_t k, const T* b, index_t n, const T* bias, T* c) {
   }
 }
 
+// ---- Narrow layers ---------------------------------------------------------------------------
+
+// One vector of k for the narrow tile: acc[i·C + j] += A[i][p..] · B[j][p..], lane by lane.
+// Partial: the last count (< L) values of k, the other lanes zero in A and B alike.
+template <bool Partial, int R, int C, class T>
+[[gnu::always_inline]] inline void dot_step(Vec<T> (&acc)[R * C], const T* const (&ar)[R], const T* const (&br)[C],
+                                            index_t p, int count) {
+  Vec<T> av[R];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) av[i] = Partial ? load_first(ar[i] + p, count) : load(ar[i] + p);
+#pragma GCC unroll 8
+  for (int j = 0; j < C; ++j) {
+    Vec<T> bv = Partial ? load_first(br[j] + p, count) : load(br[j] + p);
+    keep_in_register<T>(bv);
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) acc[i * C + j] = fma<T>(av[i], bv, acc[i * C + j]);
+  }
+}
+
+// C tile (rows x cols, at most dot_rows x dot_cols) = A·Bᵀ from rows of A and B, both [., k],
+// read in place: each output a chain of FMAs along k, lane by lane, then its lanes summed by
+// sum_lanes, the same tree for every output wherever it sits in the tile. Past the last row
+// (or column), the last one again, computed and not stored. Never inlined, as tile().
+template <class T>
+[[gnu::noinline]] void dot_tile(const T* a, index_t k, int rows, const T* b, int cols, T* c, index_t ldc) {
+  constexpr int L = lanes<T>;
+  constexpr int R = dot_rows;
+  constexpr int C = dot_cols;
+  const T* ar[R];
+  const T* br[C];
+  for (int i = 0; i < R; ++i) ar[i] = a + std::min(i, rows - 1) * k;
+  for (int j = 0; j < C; ++j) br[j] = b + std::min(j, cols - 1) * k;
+  Vec<T> acc[R * C] = {};
+  const index_t k_full = k / L * L;
+  for (index_t p = 0; p < k_full; p += L) dot_step<false, R, C, T>(acc, ar, br, p, L);
+  if (k_full < k) dot_step<true, R, C, T>(acc, ar, br, k_full, static_cast<int>(k - k_full));
+  constexpr int groups = (R * C + L - 1) / L;
+  T sums[groups * L];
+#pragma GCC unroll 4
+  for (int g = 0; g < groups; ++g) {
+    Vec<T> v[L];
+#pragma GCC unroll 16
+    for (int q = 0; q < L; ++q) v[q] = g * L + q < R * C ? acc[std::min(g * L + q, R * C - 1)] : Vec<T>{};
+    store<T>(sums + g * L, sum_lanes<T>(v));
+  }
+  for (int i = 0; i < rows; ++i, c += ldc) {
+    for (int j = 0; j < cols; ++j) c[j] = sums[i * C + j];
+  }
+}
+
+// c[m, n] = a·bᵀ, no bias or functions (epilogue() after it), b [n, k] read in place: the
+// product of a layer with fewer outputs than an AVX-512 vector has lanes. The blocked tile
+// spreads a vector over the outputs, and 10 outputs left 6 of 16 lanes idle (oneDNN's brgemm
+// does the same with a masked 16 x 1-vector tile); along k, every lane of every FMA is used,
+// against a sum of lanes per output at the end. Threads take whole tiles of rows.
+template <class T>
+void dot_product(const T* a, index_t m, index_t k, const T* b, index_t n, T* c) {
+  constexpr index_t R = dot_rows;
+  const index_t tiles = (m + R - 1) / R;
+  ::duet::detail::parallel_blocks(
+      tiles, ::duet::detail::useful_threads(m * n * k, tiles), [&](index_t t0, index_t t1, int) {
+        for (index_t i0 = t0 * R; i0 < std::min(m, t1 * R); i0 += R) {
+          const int rows = static_cast<int>(std::min(R, m - i0));
+          for (index_t j0 = 0; j0 < n; j0 += dot_cols) {
+            dot_tile(a + i0 * k, k, rows, b + j0 * k, static_cast<int>(std::min<index_t>(dot_cols, n - j0)),
+                     c + i0 * n + j0, n);
+          }
+        }
+      });
+}
+
+// c[i, :] = Fns(c[i, :] + bias): the epilogue of dot_product, in a pass over its small output,
+// so that the product is compiled once whatever the functions. Each vector gets the code (and
+// the bits) of a vector's epilogue in tile().
+template <class T, class... Fns>
+void epilogue(T* c, index_t m, index_t n, const T* bias) {
+  constexpr int L = lanes<T>;
+  for (index_t i = 0; i < m; ++i, c += n) {
+    for (index_t j = 0; j < n; j += L) {
+      const int count = static_cast<int>(std::min<index_t>(L, n - j));
+      Vec<T> v = load_first(c + j, count);
+      if (bias != nullptr) v += load_first(bias + j, count);
+      apply_all<Vec<T>, Fns...>(v);
+      store_first<T>(c + j, v, count);
+    }
+  }
+}
+
 // ---- The tile ---------------------------------------------------------------------------------
 
 // One k for a tile: acc[i][j] += A[i][p], broadcast, times vector j of row p of B. Partial: the
@@ -2946,12 +3164,10 @@ template <class T, int V, int R, class... Fns>
   }
 }
 
-// A panel that one vector holds (a narrow layer's, as the seed network's 10 outputs) takes a
-// tile of one vector, whose others' FMAs would be wasted, and twice the rows (3-10 % faster
-// than MR rows on 10 outputs). It loads a value of A for every FMA, which bounds it: the seed's
-// 10-output layer at batch 64 takes 6.4 us where the earlier tile (which multiplied groups of
-// 4 k, a load of A for 4 FMAs) took 4.4 (AMD EPYC Zen 5), against 2-4 % gained on its 512-wide
-// layers' 150 and 220 us.
+// A panel that one vector holds (gemm_kn's product with few columns, the last panel of a
+// layer whose outputs are not a multiple of W) takes a tile of one vector, whose others' FMAs
+// would be wasted, and twice the rows (3-10 % faster than MR rows on 10 outputs). It loads a
+// value of A for every FMA, which bounds it; gemm's narrow layers take dot_product instead.
 template <class T>
 int tile_rows(int cols) {
   return NV > 1 && cols <= lanes<T> ? 2 * MR : MR;
@@ -3063,6 +3279,12 @@ struct Kernels {
   static void blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
                       const PackedWeight<T>* packed) {
     gemm_blocked<T, Fns...>(a, m, k, PanelSource<T>{b, n, k, false, packed, nullptr}, n, bias, c, false, false);
+  }
+
+  template <class T, class... Fns>
+  static void narrow(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c) {
+    dot_product(a, m, k, b, n, c);
+    if (bias != nullptr || sizeof...(Fns) > 0) epilogue<T, Fns...>(c, m, n, bias);
   }
 
   template <class T>
@@ -3209,6 +3431,94 @@ void gemv(const T* a, index_t k, const T* b, index_t n, const T* bias, T* c) {
   }
 }
 
+// ---- Narrow layers ---------------------------------------------------------------------------
+
+// One vector of k for the narrow tile: acc[i·C + j] += A[i][p..] · B[j][p..], lane by lane.
+// Partial: the last count (< L) values of k, the other lanes zero in A and B alike.
+template <bool Partial, int R, int C, class T>
+[[gnu::always_inline]] inline void dot_step(Vec<T> (&acc)[R * C], const T* const (&ar)[R], const T* const (&br)[C],
+                                            index_t p, int count) {
+  Vec<T> av[R];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) av[i] = Partial ? load_first(ar[i] + p, count) : load(ar[i] + p);
+#pragma GCC unroll 8
+  for (int j = 0; j < C; ++j) {
+    Vec<T> bv = Partial ? load_first(br[j] + p, count) : load(br[j] + p);
+    keep_in_register<T>(bv);
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) acc[i * C + j] = fma<T>(av[i], bv, acc[i * C + j]);
+  }
+}
+
+// C tile (rows x cols, at most dot_rows x dot_cols) = A·Bᵀ from rows of A and B, both [., k],
+// read in place: each output a chain of FMAs along k, lane by lane, then its lanes summed by
+// sum_lanes, the same tree for every output wherever it sits in the tile. Past the last row
+// (or column), the last one again, computed and not stored. Never inlined, as tile().
+template <class T>
+[[gnu::noinline]] void dot_tile(const T* a, index_t k, int rows, const T* b, int cols, T* c, index_t ldc) {
+  constexpr int L = lanes<T>;
+  constexpr int R = dot_rows;
+  constexpr int C = dot_cols;
+  const T* ar[R];
+  const T* br[C];
+  for (int i = 0; i < R; ++i) ar[i] = a + std::min(i, rows - 1) * k;
+  for (int j = 0; j < C; ++j) br[j] = b + std::min(j, cols - 1) * k;
+  Vec<T> acc[R * C] = {};
+  const index_t k_full = k / L * L;
+  for (index_t p = 0; p < k_full; p += L) dot_step<false, R, C, T>(acc, ar, br, p, L);
+  if (k_full < k) dot_step<true, R, C, T>(acc, ar, br, k_full, static_cast<int>(k - k_full));
+  constexpr int groups = (R * C + L - 1) / L;
+  T sums[groups * L];
+#pragma GCC unroll 4
+  for (int g = 0; g < groups; ++g) {
+    Vec<T> v[L];
+#pragma GCC unroll 16
+    for (int q = 0; q < L; ++q) v[q] = g * L + q < R * C ? acc[std::min(g * L + q, R * C - 1)] : Vec<T>{};
+    store<T>(sums + g * L, sum_lanes<T>(v));
+  }
+  for (int i = 0; i < rows; ++i, c += ldc) {
+    for (int j = 0; j < cols; ++j) c[j] = sums[i * C + j];
+  }
+}
+
+// c[m, n] = a·bᵀ, no bias or functions (epilogue() after it), b [n, k] read in place: the
+// product of a layer with fewer outputs than an AVX-512 vector has lanes. The blocked tile
+// spreads a vector over the outputs, and 10 outputs left 6 of 16 lanes idle (oneDNN's brgemm
+// does the same with a masked 16 x 1-vector tile); along k, every lane of every FMA is used,
+// against a sum of lanes per output at the end. Threads take whole tiles of rows.
+template <class T>
+void dot_product(const T* a, index_t m, index_t k, const T* b, index_t n, T* c) {
+  constexpr index_t R = dot_rows;
+  const index_t tiles = (m + R - 1) / R;
+  ::duet::detail::parallel_blocks(
+      tiles, ::duet::detail::useful_threads(m * n * k, tiles), [&](index_t t0, index_t t1, int) {
+        for (index_t i0 = t0 * R; i0 < std::min(m, t1 * R); i0 += R) {
+          const int rows = static_cast<int>(std::min(R, m - i0));
+          for (index_t j0 = 0; j0 < n; j0 += dot_cols) {
+            dot_tile(a + i0 * k, k, rows, b + j0 * k, static_cast<int>(std::min<index_t>(dot_cols, n - j0)),
+                     c + i0 * n + j0, n);
+          }
+        }
+      });
+}
+
+// c[i, :] = Fns(c[i, :] + bias): the epilogue of dot_product, in a pass over its small output,
+// so that the product is compiled once whatever the functions. Each vector gets the code (and
+// the bits) of a vector's epilogue in tile().
+template <class T, class... Fns>
+void epilogue(T* c, index_t m, index_t n, const T* bias) {
+  constexpr int L = lanes<T>;
+  for (index_t i = 0; i < m; ++i, c += n) {
+    for (index_t j = 0; j < n; j += L) {
+      const int count = static_cast<int>(std::min<index_t>(L, n - j));
+      Vec<T> v = load_first(c + j, count);
+      if (bias != nullptr) v += load_first(bias + j, count);
+      apply_all<Vec<T>, Fns...>(v);
+      store_first<T>(c + j, v, count);
+    }
+  }
+}
+
 // ---- The tile ---------------------------------------------------------------------------------
 
 // One k for a tile: acc[i][j] += A[i][p], broadcast, times vector j of row p of B. Partial: the
@@ -3318,12 +3628,10 @@ template <class T, int V, int R, class... Fns>
   }
 }
 
-// A panel that one vector holds (a narrow layer's, as the seed network's 10 outputs) takes a
-// tile of one vector, whose others' FMAs would be wasted, and twice the rows (3-10 % faster
-// than MR rows on 10 outputs). It loads a value of A for every FMA, which bounds it: the seed's
-// 10-output layer at batch 64 takes 6.4 us where the earlier tile (which multiplied groups of
-// 4 k, a load of A for 4 FMAs) took 4.4 (AMD EPYC Zen 5), against 2-4 % gained on its 512-wide
-// layers' 150 and 220 us.
+// A panel that one vector holds (gemm_kn's product with few columns, the last panel of a
+// layer whose outputs are not a multiple of W) takes a tile of one vector, whose others' FMAs
+// would be wasted, and twice the rows (3-10 % faster than MR rows on 10 outputs). It loads a
+// value of A for every FMA, which bounds it; gemm's narrow layers take dot_product instead.
 template <class T>
 int tile_rows(int cols) {
   return NV > 1 && cols <= lanes<T> ? 2 * MR : MR;
@@ -3437,6 +3745,12 @@ struct Kernels {
     gemm_blocked<T, Fns...>(a, m, k, PanelSource<T>{b, n, k, false, packed, nullptr}, n, bias, c, false, false);
   }
 
+  template <class T, class... Fns>
+  static void narrow(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c) {
+    dot_product(a, m, k, b, n, c);
+    if (bias != nullptr || sizeof...(Fns) > 0) epilogue<T, Fns...>(c, m, n, bias);
+  }
+
   template <class T>
   static void blocked_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c, bool accumulate, bool halves) {
     gemm_blocked<T>(a, m, k, PanelSource<T>{b, n, k, true, nullptr, nullptr}, n, nullptr, c, accumulate, halves);
@@ -3486,7 +3800,10 @@ PackedWeight<T>::PackedWeight(const T* b, index_t n, index_t k, Isa isa) : isa_(
   });
 }
 
-enum class Path : unsigned char { none, small, gemv, blocked };
+enum class Path : unsigned char { none, small, gemv, narrow, blocked };
+
+// Layers with fewer outputs take the narrow product: a vector of AVX-512 floats.
+inline constexpr index_t narrow_outputs = 16;
 
 template <index_t K, index_t N>
 Path path_of(index_t m, index_t k, index_t n) {
@@ -3496,7 +3813,8 @@ Path path_of(index_t m, index_t k, index_t n) {
     // k == 0 (no K block for the blocked path to finish on) is small too: bias and Fns.
     if (k * n <= 64) return Path::small;
     if (m == 1) return Path::gemv;
-    return m > 0 ? Path::blocked : Path::none;
+    if (m == 0) return Path::none;
+    return n < narrow_outputs ? Path::narrow : Path::blocked;
   }
 }
 
@@ -3528,7 +3846,8 @@ struct PackedWeightFor : PackedWeight<T> {
 };
 
 // Whether gemm on these sizes reads a packed weight when given one: the blocked product does;
-// a GEMV reads every weight once, in place, and small layers run plain loops.
+// a GEMV and the narrow product read the weight's rows in place, and small layers run plain
+// loops.
 template <index_t K = dyn, index_t N = dyn>
 bool reads_packed_weight(index_t m, index_t k, index_t n) {
   return detail::path_of<K, N>(m, k, n) == detail::Path::blocked;
@@ -3551,6 +3870,10 @@ void gemm(const T* a, index_t m, index_t k, const T* b, index_t n, std::type_ide
       break;
     case detail::Path::gemv:
       detail::with_kernels(isa, [&]<class Kernels>(Kernels) { Kernels::template gemv_rows<T, Fns...>(a, m, k, b, n, bias, c); });
+      break;
+    case detail::Path::narrow:
+      detail::with_kernels(
+          isa, [&]<class Kernels>(Kernels) { Kernels::template narrow<T, Fns...>(a, m, k, b, n, bias, c); });
       break;
     case detail::Path::blocked:
       if (packed_b != nullptr && (packed_b->rows() != n || packed_b->depth() != k)) {

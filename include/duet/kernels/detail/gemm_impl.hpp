@@ -125,6 +125,94 @@ void gemv(const T* a, index_t k, const T* b, index_t n, const T* bias, T* c) {
   }
 }
 
+// ---- Narrow layers ---------------------------------------------------------------------------
+
+// One vector of k for the narrow tile: acc[i·C + j] += A[i][p..] · B[j][p..], lane by lane.
+// Partial: the last count (< L) values of k, the other lanes zero in A and B alike.
+template <bool Partial, int R, int C, class T>
+[[gnu::always_inline]] inline void dot_step(Vec<T> (&acc)[R * C], const T* const (&ar)[R], const T* const (&br)[C],
+                                            index_t p, int count) {
+  Vec<T> av[R];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) av[i] = Partial ? load_first(ar[i] + p, count) : load(ar[i] + p);
+#pragma GCC unroll 8
+  for (int j = 0; j < C; ++j) {
+    Vec<T> bv = Partial ? load_first(br[j] + p, count) : load(br[j] + p);
+    keep_in_register<T>(bv);
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) acc[i * C + j] = fma<T>(av[i], bv, acc[i * C + j]);
+  }
+}
+
+// C tile (rows x cols, at most dot_rows x dot_cols) = A·Bᵀ from rows of A and B, both [., k],
+// read in place: each output a chain of FMAs along k, lane by lane, then its lanes summed by
+// sum_lanes, the same tree for every output wherever it sits in the tile. Past the last row
+// (or column), the last one again, computed and not stored. Never inlined, as tile().
+template <class T>
+[[gnu::noinline]] void dot_tile(const T* a, index_t k, int rows, const T* b, int cols, T* c, index_t ldc) {
+  constexpr int L = lanes<T>;
+  constexpr int R = dot_rows;
+  constexpr int C = dot_cols;
+  const T* ar[R];
+  const T* br[C];
+  for (int i = 0; i < R; ++i) ar[i] = a + std::min(i, rows - 1) * k;
+  for (int j = 0; j < C; ++j) br[j] = b + std::min(j, cols - 1) * k;
+  Vec<T> acc[R * C] = {};
+  const index_t k_full = k / L * L;
+  for (index_t p = 0; p < k_full; p += L) dot_step<false, R, C, T>(acc, ar, br, p, L);
+  if (k_full < k) dot_step<true, R, C, T>(acc, ar, br, k_full, static_cast<int>(k - k_full));
+  constexpr int groups = (R * C + L - 1) / L;
+  T sums[groups * L];
+#pragma GCC unroll 4
+  for (int g = 0; g < groups; ++g) {
+    Vec<T> v[L];
+#pragma GCC unroll 16
+    for (int q = 0; q < L; ++q) v[q] = g * L + q < R * C ? acc[std::min(g * L + q, R * C - 1)] : Vec<T>{};
+    store<T>(sums + g * L, sum_lanes<T>(v));
+  }
+  for (int i = 0; i < rows; ++i, c += ldc) {
+    for (int j = 0; j < cols; ++j) c[j] = sums[i * C + j];
+  }
+}
+
+// c[m, n] = a·bᵀ, no bias or functions (epilogue() after it), b [n, k] read in place: the
+// product of a layer with fewer outputs than an AVX-512 vector has lanes. The blocked tile
+// spreads a vector over the outputs, and 10 outputs left 6 of 16 lanes idle (oneDNN's brgemm
+// does the same with a masked 16 x 1-vector tile); along k, every lane of every FMA is used,
+// against a sum of lanes per output at the end. Threads take whole tiles of rows.
+template <class T>
+void dot_product(const T* a, index_t m, index_t k, const T* b, index_t n, T* c) {
+  constexpr index_t R = dot_rows;
+  const index_t tiles = (m + R - 1) / R;
+  ::duet::detail::parallel_blocks(
+      tiles, ::duet::detail::useful_threads(m * n * k, tiles), [&](index_t t0, index_t t1, int) {
+        for (index_t i0 = t0 * R; i0 < std::min(m, t1 * R); i0 += R) {
+          const int rows = static_cast<int>(std::min(R, m - i0));
+          for (index_t j0 = 0; j0 < n; j0 += dot_cols) {
+            dot_tile(a + i0 * k, k, rows, b + j0 * k, static_cast<int>(std::min<index_t>(dot_cols, n - j0)),
+                     c + i0 * n + j0, n);
+          }
+        }
+      });
+}
+
+// c[i, :] = Fns(c[i, :] + bias): the epilogue of dot_product, in a pass over its small output,
+// so that the product is compiled once whatever the functions. Each vector gets the code (and
+// the bits) of a vector's epilogue in tile().
+template <class T, class... Fns>
+void epilogue(T* c, index_t m, index_t n, const T* bias) {
+  constexpr int L = lanes<T>;
+  for (index_t i = 0; i < m; ++i, c += n) {
+    for (index_t j = 0; j < n; j += L) {
+      const int count = static_cast<int>(std::min<index_t>(L, n - j));
+      Vec<T> v = load_first(c + j, count);
+      if (bias != nullptr) v += load_first(bias + j, count);
+      apply_all<Vec<T>, Fns...>(v);
+      store_first<T>(c + j, v, count);
+    }
+  }
+}
+
 // ---- The tile ---------------------------------------------------------------------------------
 
 // One k for a tile: acc[i][j] += A[i][p], broadcast, times vector j of row p of B. Partial: the
@@ -234,12 +322,10 @@ template <class T, int V, int R, class... Fns>
   }
 }
 
-// A panel that one vector holds (a narrow layer's, as the seed network's 10 outputs) takes a
-// tile of one vector, whose others' FMAs would be wasted, and twice the rows (3-10 % faster
-// than MR rows on 10 outputs). It loads a value of A for every FMA, which bounds it: the seed's
-// 10-output layer at batch 64 takes 6.4 us where the earlier tile (which multiplied groups of
-// 4 k, a load of A for 4 FMAs) took 4.4 (AMD EPYC Zen 5), against 2-4 % gained on its 512-wide
-// layers' 150 and 220 us.
+// A panel that one vector holds (gemm_kn's product with few columns, the last panel of a
+// layer whose outputs are not a multiple of W) takes a tile of one vector, whose others' FMAs
+// would be wasted, and twice the rows (3-10 % faster than MR rows on 10 outputs). It loads a
+// value of A for every FMA, which bounds it; gemm's narrow layers take dot_product instead.
 template <class T>
 int tile_rows(int cols) {
   return NV > 1 && cols <= lanes<T> ? 2 * MR : MR;
@@ -351,6 +437,12 @@ struct Kernels {
   static void blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
                       const PackedWeight<T>* packed) {
     gemm_blocked<T, Fns...>(a, m, k, PanelSource<T>{b, n, k, false, packed, nullptr}, n, bias, c, false, false);
+  }
+
+  template <class T, class... Fns>
+  static void narrow(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c) {
+    dot_product(a, m, k, b, n, c);
+    if (bias != nullptr || sizeof...(Fns) > 0) epilogue<T, Fns...>(c, m, n, bias);
   }
 
   template <class T>

@@ -1,9 +1,10 @@
 // The one place where the instruction sets differ: per set, the vector width, the tile height
 // and the few operations GCC's vector extensions do not spell (FMA, masked memory access, the
-// group broadcast, the square root). Everything else in a kernel is written once, on Vec<T>,
-// and compiled once per set, in the set's namespace (detail::baseline, detail::avx2,
-// detail::avx512) and between its DUET_BEGIN_... and DUET_END_ISA (as kernels/gemm.hpp does
-// with detail/gemm_impl.hpp); so are exp and the reductions (detail/math.hpp).
+// group broadcast, the square root, a vector kept in a register). Everything else in a kernel
+// is written once, on Vec<T>, and compiled once per set, in the set's namespace
+// (detail::baseline, detail::avx2, detail::avx512) and between its DUET_BEGIN_... and
+// DUET_END_ISA (as kernels/gemm.hpp does with detail/gemm_impl.hpp); so are exp and the
+// reductions (detail/math.hpp).
 //
 // Each set's code is compiled for its target whatever -march the program has, by a target
 // region: GCC's `#pragma GCC target`, clang's `#pragma clang attribute push(target)`. Templates
@@ -116,6 +117,10 @@ inline constexpr bool scales_in_one_step = false;
 // product (no FMA) in 16 registers (4 x 2 and 2 x 4 were slower).
 inline constexpr int MR = 3;
 inline constexpr int NV = 3;
+// The narrow layers' tile (gemm_impl.hpp): dot_rows rows of A by dot_cols rows of B, a vector of
+// each, with a product beside the accumulators.
+inline constexpr int dot_rows = 2;
+inline constexpr int dot_cols = 5;
 #include "detail/vector.hpp"
 
 // The first n lanes from p (0 < n <= lanes), zero in the others; never touches p[n] and on.
@@ -144,6 +149,11 @@ template <class T>
   for (int i = 0; i < lanes<T>; ++i) v[i] = *p;
   return v;
 }
+
+// v kept in a register for its next uses (the wider sets' keep_in_register): without FMA,
+// nothing to fold a load into.
+template <class T>
+[[gnu::always_inline]] inline void keep_in_register(Vec<T>&) {}
 
 // Correctly rounded, as std::sqrt, without its call into libm for errno.
 template <class T>
@@ -174,6 +184,9 @@ inline constexpr bool scales_in_one_step = false;
 // 16 registers: 6 x 2 accumulators, 2 vectors of B and a broadcast.
 inline constexpr int MR = 6;
 inline constexpr int NV = 2;
+// 2 x 5 accumulators, 2 vectors of A and one of B.
+inline constexpr int dot_rows = 2;
+inline constexpr int dot_cols = 5;
 #include "detail/vector.hpp"
 
 // All ones in the lanes below n, as AVX2's masked loads and stores want.
@@ -214,6 +227,15 @@ template <class T>
   else return _mm256_broadcast_sd(p);
 }
 
+// v kept in a register for its next uses: a vector of B that several FMAs of a tile take,
+// GCC 12 otherwise folds its load into each of them as a memory operand (the narrow tile's 15
+// FMAs, gemm_impl.hpp, then took 18 loads, and ran 20 % slower on AVX-512, bound by them). An
+// empty asm statement that may change v, so the compiler cannot go back to memory for it.
+template <class T>
+[[gnu::always_inline]] inline void keep_in_register(Vec<T>& v) {
+  __asm__("" : "+x"(v));
+}
+
 template <class T>
 [[gnu::always_inline]] inline Vec<T> sqrt(Vec<T> v) {
   if constexpr (std::is_same_v<T, float>) return _mm256_sqrt_ps(v);
@@ -235,6 +257,9 @@ inline constexpr bool scales_in_one_step = true;
 // 32 registers: 6 x 4 accumulators, 4 vectors of B and a broadcast.
 inline constexpr int MR = 6;
 inline constexpr int NV = 4;
+// 3 x 5 accumulators (and a zero: 16, what one sum of lanes folds), 3 vectors of A, one of B.
+inline constexpr int dot_rows = 3;
+inline constexpr int dot_cols = 5;
 #include "detail/vector.hpp"
 
 template <class T>
@@ -262,6 +287,12 @@ template <class T>
 [[gnu::always_inline]] inline Vec<T> broadcast(const T* p) {
   if constexpr (std::is_same_v<T, float>) return _mm512_set1_ps(*p);
   else return _mm512_set1_pd(*p);
+}
+
+// As AVX2's; "v" takes any of the 32 registers.
+template <class T>
+[[gnu::always_inline]] inline void keep_in_register(Vec<T>& v) {
+  __asm__("" : "+v"(v));
 }
 
 // The zero-masking form, with every lane selected: the plain one starts from
