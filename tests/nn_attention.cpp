@@ -347,4 +347,19 @@ TEST_CASE("nn::MultiheadAttention: a causal row attends to what precedes it only
   }
 }
 
+TEST_CASE("nn::MultiheadAttention refuses an input that is not [batch, length, E] in its own words, in both modes") {
+  duet_test::ModeGuard guard;
+  duet::nn::MultiheadAttention<16, 2> attn;
+  for (duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+    duet::set_context({.mode = mode});
+    for (const Shape& s : {Shape{4, 16}, Shape{16}, Shape{2, 3, 4, 16}, Shape{2, 4, 8}}) {
+      CAPTURE(duet::to_string(s));
+      const std::string expected =
+          "nn::MultiheadAttention<16, 2> expects batch-first sequences [batch, length, 16], got " + duet::to_string(s);
+      CHECK_THROWS_WITH_AS(attn(duet::ones(s)), doctest::Contains(expected.c_str()), duet::ShapeError);
+    }
+    CHECK(attn(duet::ones({1, 4, 16})).shape() == Shape{1, 4, 16});
+  }
+}
+
 }  // namespace tests_nn_attention

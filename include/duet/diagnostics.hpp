@@ -51,6 +51,7 @@ enum class ShapeFault : unsigned char {
   axis_multiple,  // the input's size along the operation's axis must be a multiple of `expected` (unflatten with -1)
   axes_in_order,  // the operation's start axis, axis `expected` of the input, must not come after its end axis
                   // (flatten)
+  batch_first_sequences,  // the input must be [batch, length, `expected`] (attention, batch_first)
 };
 
 // What a shape rule returns: the output shape and, if the inputs break the rule, which way.
@@ -182,6 +183,10 @@ inline std::string describe_fault(const ShapeResult& r, std::string_view layer, 
     case ShapeFault::axes_in_order:
       what = "an input whose end axis does not come before its start axis, axis " + e;
       break;
+    case ShapeFault::batch_first_sequences:
+      return std::string(layer) + " expects batch-first sequences [batch, length, " + e + "], got " + got +
+             " (one sequence [length, " + e + "] is ops::expand_dims<0>(x); PyTorch's default [length, batch, " + e +
+             "] is ops::transpose<1, 0, 2>(x))";
     case ShapeFault::initial_state:
       return std::string(layer) + " expects an initial state [batch, " + e + "] for sequences [batch, length, " +
              "input], got " + got + " for " + (inputs.empty() ? std::string("nothing") : to_string(inputs[0]));
@@ -265,6 +270,8 @@ template <index_t N>
 struct size_along_the_axis_must_be_a_multiple_of {};
 template <index_t N>
 struct end_axis_must_not_come_before_start_axis {};
+template <index_t N>
+struct input_must_be_batch_first_sequences_batch_length_by {};
 // A window's extent (a convolution's kernel, dilated) less the padding: a smaller input leaves
 // no output.
 template <index_t N>
@@ -323,6 +330,8 @@ constexpr auto requirement() {
     return size_along_the_axis_must_be_a_multiple_of<N>{};
   else if constexpr (F == ShapeFault::axes_in_order)
     return end_axis_must_not_come_before_start_axis<N>{};
+  else if constexpr (F == ShapeFault::batch_first_sequences)
+    return input_must_be_batch_first_sequences_batch_length_by<N>{};
   else if constexpr (F == ShapeFault::class_labels && N == 1)
     return labels_must_have_the_logits_shape_without_the_class_axis{};
   else if constexpr (F == ShapeFault::class_labels)

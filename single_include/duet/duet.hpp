@@ -7229,6 +7229,7 @@ enum class ShapeFault : unsigned char {
   axis_multiple,  // the input's size along the operation's axis must be a multiple of `expected` (unflatten with -1)
   axes_in_order,  // the operation's start axis, axis `expected` of the input, must not come after its end axis
                   // (flatten)
+  batch_first_sequences,  // the input must be [batch, length, `expected`] (attention, batch_first)
 };
 
 // What a shape rule returns: the output shape and, if the inputs break the rule, which way.
@@ -7360,6 +7361,10 @@ inline std::string describe_fault(const ShapeResult& r, std::string_view layer, 
     case ShapeFault::axes_in_order:
       what = "an input whose end axis does not come before its start axis, axis " + e;
       break;
+    case ShapeFault::batch_first_sequences:
+      return std::string(layer) + " expects batch-first sequences [batch, length, " + e + "], got " + got +
+             " (one sequence [length, " + e + "] is ops::expand_dims<0>(x); PyTorch's default [length, batch, " + e +
+             "] is ops::transpose<1, 0, 2>(x))";
     case ShapeFault::initial_state:
       return std::string(layer) + " expects an initial state [batch, " + e + "] for sequences [batch, length, " +
              "input], got " + got + " for " + (inputs.empty() ? std::string("nothing") : to_string(inputs[0]));
@@ -7443,6 +7448,8 @@ template <index_t N>
 struct size_along_the_axis_must_be_a_multiple_of {};
 template <index_t N>
 struct end_axis_must_not_come_before_start_axis {};
+template <index_t N>
+struct input_must_be_batch_first_sequences_batch_length_by {};
 // A window's extent (a convolution's kernel, dilated) less the padding: a smaller input leaves
 // no output.
 template <index_t N>
@@ -7501,6 +7508,8 @@ constexpr auto requirement() {
     return size_along_the_axis_must_be_a_multiple_of<N>{};
   else if constexpr (F == ShapeFault::axes_in_order)
     return end_axis_must_not_come_before_start_axis<N>{};
+  else if constexpr (F == ShapeFault::batch_first_sequences)
+    return input_must_be_batch_first_sequences_batch_length_by<N>{};
   else if constexpr (F == ShapeFault::class_labels && N == 1)
     return labels_must_have_the_logits_shape_without_the_class_axis{};
   else if constexpr (F == ShapeFault::class_labels)
@@ -20453,6 +20462,7 @@ using Softplus = Activation<fn::Softplus>;    // beta 1, threshold 20
 
 #include <cmath>
 #include <limits>
+#include <span>
 #include <string>
 #include <utility>
 
@@ -25562,7 +25572,42 @@ class Dense<In, Out, T, HasBias> : public SizedLayer<Dense<In, Out, T, HasBias>,
 }  // namespace nn
 }  // namespace duet
 
-namespace duet::nn {
+namespace duet {
+namespace ops {
+
+// nn::MultiheadAttention's input as it is (a view) once it is [batch, length, E]: a sequence
+// without its batch axis is then refused in the layer's words, not in those of the transpose
+// inside it that would meet it first.
+template <class Layer>
+struct AttentionInputOp : Primitive<AttentionInputOp<Layer>> {
+  using layer_type = Layer;
+  static constexpr int arity = 1;
+  static constexpr bool is_view = true;
+
+  const Layer* layer;
+  explicit AttentionInputOp(const Layer* l) : layer(l) {}
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    const Shape& x = in[0];
+    constexpr index_t e = Layer::embed_dim;
+    if (x.leading_unknown() && x.rank() <= 3 && (x.rank() == 0 || x.back() == dyn || x.back() == e)) return {x};
+    if (x.rank() != 3 || (x.back() != dyn && x.back() != e)) {
+      return fault(Shape{dyn, dyn, e}, ShapeFault::batch_first_sequences, e);
+    }
+    return {x};
+  }
+
+  template <std::size_t K>
+  requires(K == 0) auto grad_op() const { return ReshapeLikeOp{}; }
+
+  static std::string op_name() { return "AttentionInput"; }
+  std::string label() const { return layer->label(); }
+  Interchange interchange(std::span<const Shape>) const { return {{"Identity", {InterchangeInput::operand(0)}, {}}}; }
+};
+
+}  // namespace ops
+
+namespace nn {
 
 // x [batch, length, E] -> [batch, length, E]: q, k and v from one fused in-projection
 // (in_proj, Dense<E, 3E>: its weight and bias hold PyTorch's in_proj_weight and in_proj_bias,
@@ -25592,7 +25637,8 @@ class MultiheadAttention : public Cell<MultiheadAttention<E, H, Causal, T>, CONT
 
   template <class X>
   auto construct(X&& x) {
-    auto [q, k, v] = ops::split<-1, E, E, E>(in_proj(std::forward<X>(x)));
+    auto [q, k, v] =
+        ops::split<-1, E, E, E>(in_proj(apply(ops::AttentionInputOp<MultiheadAttention>{this}, std::forward<X>(x))));
     // [batch, length, E] -> [batch, H, length, E / H]: PyTorch's view(B, T, H, dh).transpose(1, 2).
     const auto heads = [](const auto& t) { return ops::transpose<0, 2, 1, 3>(ops::unflatten<-1, H, E / H>(t)); };
     auto scores = ops::matmul(heads(q) * (T(1) / std::sqrt(static_cast<T>(head_dim))), heads(k), ops::transpose_b);
@@ -25621,7 +25667,8 @@ class MultiheadAttention : public Cell<MultiheadAttention<E, H, Causal, T>, CONT
   }
 };
 
-}  // namespace duet::nn
+}  // namespace nn
+}  // namespace duet
 // Batch normalisation: nn::BatchNorm1d, nn::BatchNorm2d and the operations they capture.
 //
 // Layout NCL / NCHW: the statistics of channel c are taken over every axis but axis 1. Each

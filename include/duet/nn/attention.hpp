@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <limits>
+#include <span>
 #include <string>
 #include <utility>
 
@@ -16,7 +17,42 @@
 #include "../ops/softmax.hpp"
 #include "dense.hpp"
 
-namespace duet::nn {
+namespace duet {
+namespace ops {
+
+// nn::MultiheadAttention's input as it is (a view) once it is [batch, length, E]: a sequence
+// without its batch axis is then refused in the layer's words, not in those of the transpose
+// inside it that would meet it first.
+template <class Layer>
+struct AttentionInputOp : Primitive<AttentionInputOp<Layer>> {
+  using layer_type = Layer;
+  static constexpr int arity = 1;
+  static constexpr bool is_view = true;
+
+  const Layer* layer;
+  explicit AttentionInputOp(const Layer* l) : layer(l) {}
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    const Shape& x = in[0];
+    constexpr index_t e = Layer::embed_dim;
+    if (x.leading_unknown() && x.rank() <= 3 && (x.rank() == 0 || x.back() == dyn || x.back() == e)) return {x};
+    if (x.rank() != 3 || (x.back() != dyn && x.back() != e)) {
+      return fault(Shape{dyn, dyn, e}, ShapeFault::batch_first_sequences, e);
+    }
+    return {x};
+  }
+
+  template <std::size_t K>
+  requires(K == 0) auto grad_op() const { return ReshapeLikeOp{}; }
+
+  static std::string op_name() { return "AttentionInput"; }
+  std::string label() const { return layer->label(); }
+  Interchange interchange(std::span<const Shape>) const { return {{"Identity", {InterchangeInput::operand(0)}, {}}}; }
+};
+
+}  // namespace ops
+
+namespace nn {
 
 // x [batch, length, E] -> [batch, length, E]: q, k and v from one fused in-projection
 // (in_proj, Dense<E, 3E>: its weight and bias hold PyTorch's in_proj_weight and in_proj_bias,
@@ -46,7 +82,8 @@ class MultiheadAttention : public Cell<MultiheadAttention<E, H, Causal, T>, CONT
 
   template <class X>
   auto construct(X&& x) {
-    auto [q, k, v] = ops::split<-1, E, E, E>(in_proj(std::forward<X>(x)));
+    auto [q, k, v] =
+        ops::split<-1, E, E, E>(in_proj(apply(ops::AttentionInputOp<MultiheadAttention>{this}, std::forward<X>(x))));
     // [batch, length, E] -> [batch, H, length, E / H]: PyTorch's view(B, T, H, dh).transpose(1, 2).
     const auto heads = [](const auto& t) { return ops::transpose<0, 2, 1, 3>(ops::unflatten<-1, H, E / H>(t)); };
     auto scores = ops::matmul(heads(q) * (T(1) / std::sqrt(static_cast<T>(head_dim))), heads(k), ops::transpose_b);
@@ -75,4 +112,5 @@ class MultiheadAttention : public Cell<MultiheadAttention<E, H, Causal, T>, CONT
   }
 };
 
-}  // namespace duet::nn
+}  // namespace nn
+}  // namespace duet
