@@ -266,6 +266,45 @@ struct SigmoidHead : duet::nn::Cell<SigmoidHead, duet::CONTEXT_MODE, double> {
 
 }  // namespace
 
+namespace {
+
+// A PyTorch model's normalisation layers, their eps set by name in braces as members.
+template <auto Setting>
+struct TorchNorms : duet::nn::Cell<TorchNorms<Setting>, Setting, double> {
+  duet::nn::LayerNorm<4, double> norm{{.epsilon = 1e-5}};
+  duet::nn::GroupNorm<2, 4, double> group{{.eps = 1e-3}};
+  duet::nn::BatchNorm2d<4, double> bn{{.eps = 1e-3, .momentum = 0.99, .affine = false}};
+  DUET_CELL_MEMBERS(norm, group, bn);
+  auto construct(auto x) { return bn(group(norm(x))); }
+};
+
+}  // namespace
+
+TEST_CASE("normalisation layers take eps by name in braces (PyTorch's LayerNorm eps 1e-5), the same in both modes") {
+  TorchNorms<duet::PYNATIVE_MODE> eager;
+  TorchNorms<duet::GRAPH_MODE> graph;
+  CHECK(eager.norm.epsilon() == 1e-5);
+  CHECK(eager.group.epsilon() == 1e-3);
+  CHECK((eager.bn.eps() == 1e-3 && eager.bn.momentum() == 0.99 && !eager.bn.gamma.requires_grad));
+  CHECK(duet::nn::LayerNorm<>(4, {.epsilon = 1e-5}).epsilon() == 1e-5);
+  CHECK(duet::nn::GroupNorm<>(2, 4, {.eps = 1e-3}).epsilon() == 1e-3);
+  CHECK(duet::nn::BatchNorm1d<>(4, {.momentum = 0.5}).momentum() == 0.5);
+  CHECK_THROWS_AS(duet::nn::LayerNorm<4>({.epsilon = 0}), duet::ValueError);
+  // A row of small spread, where eps 1e-5 and MindSpore's 1e-7 differ by more than rounding.
+  D x({2, 4, 3, 4});
+  for (index_t i = 0; i < x.numel(); ++i) x.data()[i] = 0.003 * std::sin(1.3 * double(i));
+  const D y = eager.norm(x);
+  const D expected = layer_norm_reference(x, eager.norm.gamma, eager.norm.beta, 1e-5);
+  double worst = 0;
+  for (index_t i = 0; i < y.numel(); ++i) worst = std::max(worst, std::abs(y.data()[i] - expected.data()[i]));
+  CHECK(worst < 1e-12);
+  const D mindspore = layer_norm_reference(x, eager.norm.gamma, eager.norm.beta, 1e-7);
+  CHECK(std::abs(y.data()[0] - mindspore.data()[0]) > 1e-3);
+  const D a = eager(x);
+  const D b = graph(x);
+  CHECK(std::equal(a.data(), a.data() + a.numel(), b.data()));
+}
+
 TEST_CASE("losses: in WithLossCell, the same parameter gradients in both modes") {
   duet::set_seed(6);
   Head<duet::CONTEXT_MODE> net;

@@ -25697,16 +25697,16 @@ class MultiheadAttention : public Cell<MultiheadAttention<E, H, Causal, T>, CONT
 // weight's derived() form, remade when the weight, the bias or any of this layer's four
 // tensors changes version().
 
+#include <Eigen/Core>
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <concepts>
 #include <cstdint>
 #include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
-
-#include <Eigen/Core>
 
 // What the operations of layers that differ between training and evaluation share
 // (nn::BatchNorm1d/2d, nn::Dropout): the phase they were made for, and the check that their
@@ -26029,6 +26029,14 @@ namespace nn {
 //
 // BatchNorm2d<C> is BatchNorm2d<> with C in its type (SizedLayer): graph capture checks the
 // input's channels against it while the program compiles.
+// nn::BatchNorm1d's and nn::BatchNorm2d's options, MindSpore's (and their defaults): eps,
+// momentum (MindSpore's: PyTorch's momentum m is 1 - m here), affine.
+struct BatchNormOptions {
+  double eps = 1e-5;
+  double momentum = 0.9;
+  bool affine = true;
+};
+
 template <int Dims, ElementType T>
 std::string batch_norm_name(index_t channels) {
   std::string s = "nn::BatchNorm" + std::to_string(Dims) + "d<";
@@ -26053,8 +26061,13 @@ class BatchNorm : public Cell<BatchNorm<Dims, C, T>, CONTEXT_MODE, T>, public du
   BasicParameter<T> moving_variance;  // [C], not trained
   DUET_CELL_MEMBERS(gamma, beta, moving_mean, moving_variance);
 
-  explicit BatchNorm(index_t num_features, double eps = 1e-5, double momentum = 0.9, bool affine = true)
+  using Options = BatchNormOptions;
+
+  explicit BatchNorm(index_t num_features, double eps = Options{}.eps, double momentum = Options{}.momentum,
+                     bool affine = Options{}.affine)
       : BatchNorm(num_features, eps, momentum, affine, false) {}
+  BatchNorm(index_t num_features, Options options)
+      : BatchNorm(num_features, options.eps, options.momentum, options.affine, false) {}
 
  protected:
   // A BatchNorm<Dims, C>'s, named as its type.
@@ -26153,8 +26166,17 @@ class BatchNorm<Dims, C, T> : public SizedLayer<BatchNorm<Dims, C, T>, BatchNorm
  public:
   static constexpr index_t channels_static = C;
 
+  using Options = BatchNormOptions;
+
   BatchNorm() : BatchNorm(C) {}
-  explicit BatchNorm(index_t num_features, double eps = 1e-5, double momentum = 0.9, bool affine = true)
+  explicit BatchNorm(Options options) : BatchNorm(C, options.eps, options.momentum, options.affine) {}
+  // nn::BatchNorm2d<16>{1e-3} would take the eps for the number of features.
+  template <std::floating_point F>
+  explicit BatchNorm(F) {
+    static_assert(sizeof(F) == 0, "nn::BatchNorm: give eps by name, nn::BatchNorm2d<C>({.eps = 1e-3})");
+  }
+  explicit BatchNorm(index_t num_features, double eps = Options{}.eps, double momentum = Options{}.momentum,
+                     bool affine = Options{}.affine)
       : Sized(checked(num_features), eps, momentum, affine, true) {}
 
   template <graph::Symbolic S>
@@ -28154,16 +28176,16 @@ using SmoothL1Loss = BasicPointwiseLoss<fn::SmoothL1Loss, R, float>;
 }  // namespace duet
 // Normalisation layers: nn::LayerNorm, nn::GroupNorm and the operations they capture.
 
+#include <Eigen/Core>
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <concepts>
 #include <cstdint>
 #include <initializer_list>
 #include <string>
 #include <type_traits>
 #include <utility>
-
-#include <Eigen/Core>
 
 
 namespace duet {
@@ -28423,12 +28445,17 @@ inline const bool normalization_listed = list_operations({"LayerNorm", "GroupNor
 
 namespace nn {
 
+// nn::LayerNorm's options: MindSpore's epsilon, 1e-7 unless given. PyTorch's nn.LayerNorm
+// uses 1e-5: nn::LayerNorm<512>({.epsilon = 1e-5}) matches a PyTorch model.
+struct LayerNormOptions {
+  double epsilon = 1e-7;
+};
+
 // MindSpore's nn.LayerNorm(normalized_shape, begin_norm_axis=-1, begin_params_axis=-1,
 // epsilon=1e-7) with its default axes: each row of the last axis is normalised to mean 0 and
 // variance 1, then scaled by gamma and shifted by beta (ones and zeros at first), both of
 // that axis's size. N is the size at compile time (nn::LayerNorm<512>), or duet::dyn for one
-// given to the constructor. epsilon defaults to MindSpore's 1e-7; PyTorch's nn.LayerNorm uses
-// 1e-5, so give that to match a PyTorch model: nn::LayerNorm<512>(512, 1e-5).
+// given to the constructor (nn::LayerNorm<>(512, {.epsilon = 1e-5}), or (512, 1e-5)).
 template <index_t N = dyn, ElementType T = float>
 class LayerNorm : public Cell<LayerNorm<N, T>, CONTEXT_MODE, T> {
   static_assert(N == dyn || N > 0, "nn::LayerNorm<N>: N must be positive (or duet::dyn)");
@@ -28440,9 +28467,19 @@ class LayerNorm : public Cell<LayerNorm<N, T>, CONTEXT_MODE, T> {
   BasicParameter<T> beta;   // [normalized_shape]
   DUET_CELL_MEMBERS(gamma, beta);
 
-  LayerNorm() requires(N != dyn) : LayerNorm(N) {}
+  using Options = LayerNormOptions;
 
-  explicit LayerNorm(index_t normalized_shape, double epsilon = 1e-7) : n_(normalized_shape), epsilon_(epsilon) {
+  LayerNorm() requires(N != dyn) : LayerNorm(N) {}
+  explicit LayerNorm(Options options) requires(N != dyn) : LayerNorm(N, options) {}
+  // nn::LayerNorm<16>{1e-5} would take the epsilon for the size.
+  template <std::floating_point F>
+  explicit LayerNorm(F) {
+    static_assert(sizeof(F) == 0, "nn::LayerNorm: give epsilon by name, nn::LayerNorm<N>({.epsilon = 1e-5})");
+  }
+  LayerNorm(index_t normalized_shape, Options options) : LayerNorm(normalized_shape, options.epsilon) {}
+
+  explicit LayerNorm(index_t normalized_shape, double epsilon = Options{}.epsilon)
+      : n_(normalized_shape), epsilon_(epsilon) {
     if ((N != dyn && normalized_shape != N) || normalized_shape <= 0) {
       throw ValueError(type_name() + ": cannot be built with normalized_shape " + std::to_string(normalized_shape));
     }
@@ -28475,6 +28512,11 @@ class LayerNorm : public Cell<LayerNorm<N, T>, CONTEXT_MODE, T> {
   double epsilon_;
 };
 
+// nn::GroupNorm's options: MindSpore's eps, 1e-5 unless given (PyTorch's too).
+struct GroupNormOptions {
+  double eps = 1e-5;
+};
+
 // MindSpore's nn.GroupNorm(num_groups, num_channels, eps=1e-5, affine=True) on [N, C, *]
 // inputs: the channels are split into num_groups groups of consecutive channels, each group of
 // each sample normalised to mean 0 and variance 1 over its channels and positions, then each
@@ -28497,9 +28539,19 @@ class GroupNorm : public Cell<GroupNorm<Groups, Channels, T>, CONTEXT_MODE, T> {
   BasicParameter<T> beta;   // [num_channels]
   DUET_CELL_MEMBERS(gamma, beta);
 
-  GroupNorm() requires(Groups != dyn && Channels != dyn) : GroupNorm(Groups, Channels) {}
+  using Options = GroupNormOptions;
 
-  GroupNorm(index_t num_groups, index_t num_channels, double eps = 1e-5)
+  GroupNorm() requires(Groups != dyn && Channels != dyn) : GroupNorm(Groups, Channels) {}
+  explicit GroupNorm(Options options) requires(Groups != dyn && Channels != dyn)
+      : GroupNorm(Groups, Channels, options) {}
+  template <std::floating_point F>
+  explicit GroupNorm(F) {
+    static_assert(sizeof(F) == 0, "nn::GroupNorm: give eps by name, nn::GroupNorm<G, C>({.eps = 1e-5})");
+  }
+  GroupNorm(index_t num_groups, index_t num_channels, Options options)
+      : GroupNorm(num_groups, num_channels, options.eps) {}
+
+  GroupNorm(index_t num_groups, index_t num_channels, double eps = Options{}.eps)
       : groups_(num_groups), channels_(num_channels), epsilon_(eps) {
     if ((Groups != dyn && num_groups != Groups) || (Channels != dyn && num_channels != Channels) || num_groups <= 0 ||
         num_channels <= 0 || num_channels % num_groups != 0) {

@@ -27,21 +27,21 @@
 // tensors changes version().
 #pragma once
 
+#include <Eigen/Core>
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <concepts>
 #include <cstdint>
 #include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
-#include <Eigen/Core>
-
 #include "../cell.hpp"
-#include "../ops/evaluation_norm.hpp"
 #include "../eager.hpp"
 #include "../operation.hpp"
+#include "../ops/evaluation_norm.hpp"
 #include "../ops/phase.hpp"
 
 namespace duet {
@@ -312,6 +312,14 @@ namespace nn {
 //
 // BatchNorm2d<C> is BatchNorm2d<> with C in its type (SizedLayer): graph capture checks the
 // input's channels against it while the program compiles.
+// nn::BatchNorm1d's and nn::BatchNorm2d's options, MindSpore's (and their defaults): eps,
+// momentum (MindSpore's: PyTorch's momentum m is 1 - m here), affine.
+struct BatchNormOptions {
+  double eps = 1e-5;
+  double momentum = 0.9;
+  bool affine = true;
+};
+
 template <int Dims, ElementType T>
 std::string batch_norm_name(index_t channels) {
   std::string s = "nn::BatchNorm" + std::to_string(Dims) + "d<";
@@ -336,8 +344,13 @@ class BatchNorm : public Cell<BatchNorm<Dims, C, T>, CONTEXT_MODE, T>, public du
   BasicParameter<T> moving_variance;  // [C], not trained
   DUET_CELL_MEMBERS(gamma, beta, moving_mean, moving_variance);
 
-  explicit BatchNorm(index_t num_features, double eps = 1e-5, double momentum = 0.9, bool affine = true)
+  using Options = BatchNormOptions;
+
+  explicit BatchNorm(index_t num_features, double eps = Options{}.eps, double momentum = Options{}.momentum,
+                     bool affine = Options{}.affine)
       : BatchNorm(num_features, eps, momentum, affine, false) {}
+  BatchNorm(index_t num_features, Options options)
+      : BatchNorm(num_features, options.eps, options.momentum, options.affine, false) {}
 
  protected:
   // A BatchNorm<Dims, C>'s, named as its type.
@@ -436,8 +449,17 @@ class BatchNorm<Dims, C, T> : public SizedLayer<BatchNorm<Dims, C, T>, BatchNorm
  public:
   static constexpr index_t channels_static = C;
 
+  using Options = BatchNormOptions;
+
   BatchNorm() : BatchNorm(C) {}
-  explicit BatchNorm(index_t num_features, double eps = 1e-5, double momentum = 0.9, bool affine = true)
+  explicit BatchNorm(Options options) : BatchNorm(C, options.eps, options.momentum, options.affine) {}
+  // nn::BatchNorm2d<16>{1e-3} would take the eps for the number of features.
+  template <std::floating_point F>
+  explicit BatchNorm(F) {
+    static_assert(sizeof(F) == 0, "nn::BatchNorm: give eps by name, nn::BatchNorm2d<C>({.eps = 1e-3})");
+  }
+  explicit BatchNorm(index_t num_features, double eps = Options{}.eps, double momentum = Options{}.momentum,
+                     bool affine = Options{}.affine)
       : Sized(checked(num_features), eps, momentum, affine, true) {}
 
   template <graph::Symbolic S>

@@ -1,16 +1,16 @@
 // Normalisation layers: nn::LayerNorm, nn::GroupNorm and the operations they capture.
 #pragma once
 
+#include <Eigen/Core>
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <concepts>
 #include <cstdint>
 #include <initializer_list>
 #include <string>
 #include <type_traits>
 #include <utility>
-
-#include <Eigen/Core>
 
 #include "../cell.hpp"
 #include "../eager.hpp"
@@ -273,12 +273,17 @@ inline const bool normalization_listed = list_operations({"LayerNorm", "GroupNor
 
 namespace nn {
 
+// nn::LayerNorm's options: MindSpore's epsilon, 1e-7 unless given. PyTorch's nn.LayerNorm
+// uses 1e-5: nn::LayerNorm<512>({.epsilon = 1e-5}) matches a PyTorch model.
+struct LayerNormOptions {
+  double epsilon = 1e-7;
+};
+
 // MindSpore's nn.LayerNorm(normalized_shape, begin_norm_axis=-1, begin_params_axis=-1,
 // epsilon=1e-7) with its default axes: each row of the last axis is normalised to mean 0 and
 // variance 1, then scaled by gamma and shifted by beta (ones and zeros at first), both of
 // that axis's size. N is the size at compile time (nn::LayerNorm<512>), or duet::dyn for one
-// given to the constructor. epsilon defaults to MindSpore's 1e-7; PyTorch's nn.LayerNorm uses
-// 1e-5, so give that to match a PyTorch model: nn::LayerNorm<512>(512, 1e-5).
+// given to the constructor (nn::LayerNorm<>(512, {.epsilon = 1e-5}), or (512, 1e-5)).
 template <index_t N = dyn, ElementType T = float>
 class LayerNorm : public Cell<LayerNorm<N, T>, CONTEXT_MODE, T> {
   static_assert(N == dyn || N > 0, "nn::LayerNorm<N>: N must be positive (or duet::dyn)");
@@ -290,9 +295,19 @@ class LayerNorm : public Cell<LayerNorm<N, T>, CONTEXT_MODE, T> {
   BasicParameter<T> beta;   // [normalized_shape]
   DUET_CELL_MEMBERS(gamma, beta);
 
-  LayerNorm() requires(N != dyn) : LayerNorm(N) {}
+  using Options = LayerNormOptions;
 
-  explicit LayerNorm(index_t normalized_shape, double epsilon = 1e-7) : n_(normalized_shape), epsilon_(epsilon) {
+  LayerNorm() requires(N != dyn) : LayerNorm(N) {}
+  explicit LayerNorm(Options options) requires(N != dyn) : LayerNorm(N, options) {}
+  // nn::LayerNorm<16>{1e-5} would take the epsilon for the size.
+  template <std::floating_point F>
+  explicit LayerNorm(F) {
+    static_assert(sizeof(F) == 0, "nn::LayerNorm: give epsilon by name, nn::LayerNorm<N>({.epsilon = 1e-5})");
+  }
+  LayerNorm(index_t normalized_shape, Options options) : LayerNorm(normalized_shape, options.epsilon) {}
+
+  explicit LayerNorm(index_t normalized_shape, double epsilon = Options{}.epsilon)
+      : n_(normalized_shape), epsilon_(epsilon) {
     if ((N != dyn && normalized_shape != N) || normalized_shape <= 0) {
       throw ValueError(type_name() + ": cannot be built with normalized_shape " + std::to_string(normalized_shape));
     }
@@ -325,6 +340,11 @@ class LayerNorm : public Cell<LayerNorm<N, T>, CONTEXT_MODE, T> {
   double epsilon_;
 };
 
+// nn::GroupNorm's options: MindSpore's eps, 1e-5 unless given (PyTorch's too).
+struct GroupNormOptions {
+  double eps = 1e-5;
+};
+
 // MindSpore's nn.GroupNorm(num_groups, num_channels, eps=1e-5, affine=True) on [N, C, *]
 // inputs: the channels are split into num_groups groups of consecutive channels, each group of
 // each sample normalised to mean 0 and variance 1 over its channels and positions, then each
@@ -347,9 +367,19 @@ class GroupNorm : public Cell<GroupNorm<Groups, Channels, T>, CONTEXT_MODE, T> {
   BasicParameter<T> beta;   // [num_channels]
   DUET_CELL_MEMBERS(gamma, beta);
 
-  GroupNorm() requires(Groups != dyn && Channels != dyn) : GroupNorm(Groups, Channels) {}
+  using Options = GroupNormOptions;
 
-  GroupNorm(index_t num_groups, index_t num_channels, double eps = 1e-5)
+  GroupNorm() requires(Groups != dyn && Channels != dyn) : GroupNorm(Groups, Channels) {}
+  explicit GroupNorm(Options options) requires(Groups != dyn && Channels != dyn)
+      : GroupNorm(Groups, Channels, options) {}
+  template <std::floating_point F>
+  explicit GroupNorm(F) {
+    static_assert(sizeof(F) == 0, "nn::GroupNorm: give eps by name, nn::GroupNorm<G, C>({.eps = 1e-5})");
+  }
+  GroupNorm(index_t num_groups, index_t num_channels, Options options)
+      : GroupNorm(num_groups, num_channels, options.eps) {}
+
+  GroupNorm(index_t num_groups, index_t num_channels, double eps = Options{}.eps)
       : groups_(num_groups), channels_(num_channels), epsilon_(eps) {
     if ((Groups != dyn && num_groups != Groups) || (Channels != dyn && num_channels != Channels) || num_groups <= 0 ||
         num_channels <= 0 || num_channels % num_groups != 0) {
