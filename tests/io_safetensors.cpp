@@ -1,14 +1,15 @@
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <duet/io/safetensors.hpp>
 #include <filesystem>
+#include <fstream>
 #include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
-
-#include <duet/io/safetensors.hpp>
 
 #include "support.hpp"
 
@@ -140,8 +141,8 @@ TEST_CASE("PyTorch's names: saved and loaded in them, and a file in them loaded 
   CHECK(format_error_of([&] { io::load_safetensors(file, embedded_loaded); }) ==
         "safetensors file '" + file.string() +
             "': the file's parameter(s) 'emb.weight' are not in the cell, and the file has no value for the cell's "
-            "parameter(s) 'emb.embedding_table'; the file names normalisation layers' and embeddings' tensors as "
-            "PyTorch does (weight, bias, running_mean, running_var): load it with {.names = "
+            "parameter(s) 'emb.embedding_table'; the file names normalisation layers', embeddings' and attention's "
+            "tensors as PyTorch does (weight, bias, running_mean, running_var, in_proj_weight): load it with {.names = "
             "duet::io::TensorNames::pytorch}");
 
   // A layer with a bias in the file and none in the cell: duet's convolutions have none by default.
@@ -486,6 +487,58 @@ void check_python_values(nn::BasicDynamicCell<T>& cell, const std::vector<std::s
 }
 
 }  // namespace
+
+namespace {
+struct Attending : nn::Cell<Attending> {
+  nn::MultiheadAttention<8, 2> attn;
+  nn::Dense<8, 3> in_proj;  // a user's layer of the same name keeps duet's (and PyTorch's) in_proj.weight
+  DUET_CELL_MEMBERS(attn, in_proj);
+  auto construct(auto x) { return in_proj(attn(x)); }
+};
+}  // namespace
+
+TEST_CASE("nn::MultiheadAttention's in_proj_weight and in_proj_bias in PyTorch's names, and a name map") {
+  TempDir dir;
+  const fs::path file = dir.path / "attention.safetensors";
+  set_seed(8);
+  Attending net;
+  io::save_safetensors(net, file, {.names = io::TensorNames::pytorch});
+  std::ifstream in(file, std::ios::binary);
+  std::uint64_t length = 0;
+  in.read(reinterpret_cast<char*>(&length), sizeof length);
+  std::string header(length, ' ');
+  in.read(header.data(), static_cast<std::streamsize>(length));
+  const nlohmann::json entries = nlohmann::json::parse(header);
+  std::vector<std::string> saved;
+  for (const auto& [name, t] : entries.items())
+    if (name != "__metadata__") saved.push_back(name);
+  std::ranges::sort(saved);
+  CHECK(saved == std::vector<std::string>{"attn.in_proj_bias", "attn.in_proj_weight", "attn.out_proj.bias",
+                                          "attn.out_proj.weight", "in_proj.bias", "in_proj.weight"});
+  Attending loaded;
+  io::load_safetensors(file, loaded, {.names = io::TensorNames::pytorch});
+  CHECK(parameter_bytes(net) == parameter_bytes(loaded));
+  // In duet's names the error says which names to load it with.
+  Attending in_duet_names;
+  const std::string error = format_error_of([&] { io::load_safetensors(file, in_duet_names); });
+  CHECK(error.find("'attn.in_proj_weight'") != std::string::npos);
+  CHECK(error.find("load it with {.names = duet::io::TensorNames::pytorch}") != std::string::npos);
+  // A name map, as load_onnx_weights's: the cell's name -> the file's.
+  Attending mapped;
+  io::load_safetensors(
+      file, mapped,
+      {.name_map = {{"attn.in_proj.weight", "attn.in_proj_weight"}, {"attn.in_proj.bias", "attn.in_proj_bias"}}});
+  CHECK(parameter_bytes(net) == parameter_bytes(mapped));
+  CHECK_THROWS_WITH_AS(io::load_safetensors(file, mapped, {.name_map = {{"attn.q.weight", "x"}}}),
+                       doctest::Contains("the name map gives 'x' for 'attn.q.weight', which is not a tensor of"),
+                       duet::ValueError);
+  // A module renamed on one side: the error suggests a name map.
+  nn::SequentialCell<nn::Dense<4, 3>> plain;
+  io::save_safetensors(plain, file);
+  Attending other;
+  const std::string unmapped = format_error_of([&] { io::load_safetensors(file, other, {.strict = true}); });
+  CHECK(unmapped.find("give them in {.name_map = {{\"") != std::string::npos);
+}
 
 TEST_CASE("an independent reader (Python, json + numpy) reads duet's safetensors, and duet reads its files") {
   const std::optional<std::string> python = python_with_numpy();

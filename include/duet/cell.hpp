@@ -316,6 +316,12 @@ class BasicDynamicCell {
   // Whether this cell's parameter p is one it never trains (set_requires_grad leaves it frozen).
   virtual bool never_trains(const BasicParameter<T>&) const { return false; }
 
+  // PyTorch's names for this layer's parameters where they are not its own with the last part
+  // renamed (io::TensorNames::pytorch): {path below this cell, PyTorch's path}. Only the layer
+  // knows them: nn::MultiheadAttention's in_proj.weight is PyTorch's in_proj_weight, a Dense
+  // that a user named in_proj keeps in_proj.weight.
+  virtual std::vector<std::pair<std::string_view, std::string_view>> pytorch_parameter_names() const { return {}; }
+
   // The element type of this cell's input when it is not T (nn::Embedding's int32 indices, as
   // `using input_value_type` declares), empty otherwise.
   virtual std::string_view other_input_type() const { return {}; }

@@ -13270,6 +13270,12 @@ class BasicDynamicCell {
   // Whether this cell's parameter p is one it never trains (set_requires_grad leaves it frozen).
   virtual bool never_trains(const BasicParameter<T>&) const { return false; }
 
+  // PyTorch's names for this layer's parameters where they are not its own with the last part
+  // renamed (io::TensorNames::pytorch): {path below this cell, PyTorch's path}. Only the layer
+  // knows them: nn::MultiheadAttention's in_proj.weight is PyTorch's in_proj_weight, a Dense
+  // that a user named in_proj keeps in_proj.weight.
+  virtual std::vector<std::pair<std::string_view, std::string_view>> pytorch_parameter_names() const { return {}; }
+
   // The element type of this cell's input when it is not T (nn::Embedding's int32 indices, as
   // `using input_value_type` declares), empty otherwise.
   virtual std::string_view other_input_type() const { return {}; }
@@ -20464,7 +20470,9 @@ using Softplus = Activation<fn::Softplus>;    // beta 1, threshold 20
 #include <limits>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
+#include <vector>
 
 // Elementwise functions (MindSpore's ops.exp, log, log1p, expm1, sin, cos, sqrt, rsqrt, abs,
 // square, clip_by_value), where, and the comparisons that build its condition, in both modes.
@@ -25611,7 +25619,8 @@ namespace nn {
 
 // x [batch, length, E] -> [batch, length, E]: q, k and v from one fused in-projection
 // (in_proj, Dense<E, 3E>: its weight and bias hold PyTorch's in_proj_weight and in_proj_bias,
-// under the names in_proj.weight and in_proj.bias; out_proj's are named as PyTorch's), each cut into H heads of E / H
+// under the names in_proj.weight and in_proj.bias, which io::TensorNames::pytorch reads and
+// writes as PyTorch's; out_proj's are named as PyTorch's), each cut into H heads of E / H
 // ([batch, H, length, E / H]), softmax(q kᵀ / sqrt(E / H)) v per head, the heads joined again and projected by out_proj
 // (Dense<E, E>). Causal: position i attends to positions up to i only (PyTorch's attn_mask of -inf above the diagonal),
 // one ops::tril pass at any length. The length is read at run time; E and H are fixed.
@@ -25660,6 +25669,10 @@ class MultiheadAttention : public Cell<MultiheadAttention<E, H, Causal, T>, CONT
                   "nn::MultiheadAttention is self-attention: call attn(x), which is PyTorch's attn(x, x, x); a query, "
                   "key and value from different tensors are not supported");
     return std::forward<Q>(query);
+  }
+
+  std::vector<std::pair<std::string_view, std::string_view>> pytorch_parameter_names() const override {
+    return {{"in_proj.weight", "in_proj_weight"}, {"in_proj.bias", "in_proj_bias"}};
   }
 
   std::string type_name() const override {

@@ -46,6 +46,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <limits>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <span>
@@ -75,6 +76,10 @@ struct SafetensorsLoadOptions {
   // As CheckpointLoadOptions::strict: every tensor of the cell, and nothing else, with its type and shape.
   bool strict = true;
   TensorNames names = TensorNames::duet;
+  // The file's names for some of the cell's tensors, as load_onnx_weights's name_map (the cell's
+  // name -> the file's: {{"head.weight", "classifier.weight"}}), before `names`; an entry for no
+  // tensor of the cell is a ValueError.
+  std::map<std::string, std::string> name_map = {};
 };
 
 struct SafetensorsSaveOptions {
@@ -114,17 +119,53 @@ std::vector<std::string> batchnorm_counts(const std::vector<duet::detail::Checkp
   return counts;
 }
 
-// The targets under the names `names` gives them; two that would share one are a ValueError.
+// The names each of the cell's tensors has in PyTorch's state_dict: its layer's own
+// (pytorch_parameter_names), or its name with the last part renamed.
 template <ElementType T>
-std::vector<duet::detail::CheckpointTarget<T>> named_targets(std::vector<duet::detail::CheckpointTarget<T>> targets,
-                                                             TensorNames names, const std::string& where) {
-  if (names == TensorNames::duet) return targets;
+std::vector<std::string> pytorch_names(nn::BasicDynamicCell<T>& cell,
+                                       const std::vector<duet::detail::CheckpointTarget<T>>& targets) {
+  std::map<std::string, std::string> own;
+  for (const auto& [path, layer] : cell.cells_and_names()) {
+    const std::string prefix = path.empty() ? path : path + ".";
+    for (const auto& [name, pytorch] : layer->pytorch_parameter_names()) {
+      own.emplace(prefix + std::string(name), prefix + std::string(pytorch));
+    }
+  }
+  std::vector<std::string> out;
+  for (const auto& target : targets) {
+    const auto found = own.find(target.name);
+    out.push_back(found == own.end() ? pytorch_name(target.name) : found->second);
+  }
+  return out;
+}
+
+// The targets under the file's names: name_map's, else those `names` gives them; two that would
+// share one, or a name_map entry for no target, are a ValueError.
+template <ElementType T>
+std::vector<duet::detail::CheckpointTarget<T>> named_targets(nn::BasicDynamicCell<T>& cell,
+                                                             std::vector<duet::detail::CheckpointTarget<T>> targets,
+                                                             TensorNames names,
+                                                             const std::map<std::string, std::string>& name_map,
+                                                             const std::string& where) {
+  for (const auto& [name, file_name] : name_map) {
+    if (std::ranges::find(targets, name, &duet::detail::CheckpointTarget<T>::name) == targets.end()) {
+      throw ValueError(where + ": the name map gives '" + file_name + "' for '" + name +
+                       "', which is not a tensor of " + cell.type_name());
+    }
+  }
+  if (names == TensorNames::duet && name_map.empty()) return targets;
+  const std::vector<std::string> pytorch =
+      names == TensorNames::pytorch ? pytorch_names(cell, targets) : std::vector<std::string>{};
   std::unordered_set<std::string> seen;
-  for (auto& target : targets) {
-    std::string renamed = pytorch_name(target.name);
+  for (std::size_t i = 0; i < targets.size(); ++i) {
+    auto& target = targets[i];
+    const auto mapped = name_map.find(target.name);
+    std::string renamed = mapped != name_map.end()        ? mapped->second
+                          : names == TensorNames::pytorch ? pytorch[i]
+                                                          : target.name;
     if (!seen.insert(renamed).second) {
-      throw ValueError(where + ": two of the cell's tensors are named '" + renamed +
-                       "' in PyTorch's names (one of them is '" + target.name + "')");
+      throw ValueError(where + ": two of the cell's tensors are named '" + renamed + "' in " +
+                       (name_map.empty() ? "PyTorch's names" : "the file") + " (one of them is '" + target.name + "')");
     }
     target.name = std::move(renamed);
   }
@@ -400,23 +441,34 @@ inline ParsedSafetensors parse_safetensors(std::span<const unsigned char> bytes,
 
 // What the names only the file has and only the cell has suggest: a file in PyTorch's names
 // loaded in duet's, a convolution's bias the cell's layer does not have.
+// `pytorch` holds the PyTorch name of each of targets (pytorch_names).
 template <ElementType T>
 std::string name_hint(const std::vector<std::string_view>& unknown, const std::vector<std::string_view>& missing,
-                      const std::vector<duet::detail::CheckpointTarget<T>>& targets, TensorNames names) {
+                      const std::vector<duet::detail::CheckpointTarget<T>>& targets,
+                      const std::vector<std::string>& pytorch, TensorNames names) {
   std::string hint;
   const auto last_is = [](std::string_view name, std::string_view last) {
     return name == last || (name.ends_with(last) && name[name.size() - last.size() - 1] == '.');
   };
   const bool pytorch_file =
-      std::ranges::any_of(unknown, [&](std::string_view n) {
-        return last_is(n, "running_mean") || last_is(n, "running_var") || last_is(n, "num_batches_tracked");
-      }) ||
+      std::ranges::any_of(unknown,
+                          [&](std::string_view n) {
+                            return last_is(n, "running_mean") || last_is(n, "running_var") ||
+                                   last_is(n, "num_batches_tracked");
+                          }) ||
       std::ranges::any_of(missing, [&](std::string_view n) {
-        return pytorch_name(n) != n && std::ranges::find(unknown, pytorch_name(n)) != unknown.end();
+        const auto at = std::ranges::find(targets, n, &duet::detail::CheckpointTarget<T>::name) - targets.begin();
+        if (static_cast<std::size_t>(at) >= pytorch.size()) return false;
+        const std::string& renamed = pytorch[static_cast<std::size_t>(at)];
+        return renamed != n && std::ranges::find(unknown, renamed) != unknown.end();
       });
   if (names == TensorNames::duet && pytorch_file) {
-    hint += "; the file names normalisation layers' and embeddings' tensors as PyTorch does (weight, bias, "
-            "running_mean, running_var): load it with {.names = duet::io::TensorNames::pytorch}";
+    hint +=
+        "; the file names normalisation layers', embeddings' and attention's tensors as PyTorch does (weight, "
+        "bias, running_mean, running_var, in_proj_weight): load it with {.names = duet::io::TensorNames::pytorch}";
+  } else if (!unknown.empty() && !missing.empty()) {
+    hint += "; if the file's tensors are the cell's under other names, give them in {.name_map = {{\"" +
+            std::string(missing.front()) + "\", \"<the file's name>\"}}}";
   }
   const auto has = [&](const std::string& name) {
     return std::ranges::find(targets, name, &duet::detail::CheckpointTarget<T>::name) != targets.end();
@@ -436,11 +488,11 @@ std::string name_hint(const std::vector<std::string_view>& unknown, const std::v
 
 // Checks the whole file, then copies what matches into the cell's tensors (named as in the cell).
 template <ElementType T>
-CheckpointLoad load_safetensors_into(std::span<const unsigned char> bytes,
-                                     const std::vector<duet::detail::CheckpointTarget<T>>& cell_targets,
+CheckpointLoad load_safetensors_into(std::span<const unsigned char> bytes, nn::BasicDynamicCell<T>& cell,
                                      const SafetensorsLoadOptions& options, const std::string& where) {
+  const auto cell_targets = duet::detail::parameter_targets(cell, where);
   const ParsedSafetensors file = parse_safetensors(bytes, where);
-  const auto targets = named_targets(cell_targets, options.names, where);
+  const auto targets = named_targets(cell, cell_targets, options.names, options.name_map, where);
   std::vector<duet::detail::CheckpointRecord> records = file.tensors;
   if (options.names == TensorNames::pytorch) {
     // PyTorch's BatchNorm step counts have no place in duet's layers (their momentum is fixed).
@@ -467,7 +519,7 @@ CheckpointLoad load_safetensors_into(std::span<const unsigned char> bytes,
   std::ranges::stable_sort(records, {}, place);
   duet::detail::MatchWords words = duet::detail::parameter_words;
   words.hint = [&](const auto& unknown, const auto& missing) {
-    return name_hint(unknown, missing, targets, options.names);
+    return name_hint(unknown, missing, targets, pytorch_names(cell, cell_targets), options.names);
   };
   CheckpointLoad unmatched;
   const auto source = duet::detail::match_records(records, targets, words, where, options.strict ? nullptr : &unmatched);
@@ -490,7 +542,7 @@ void save_safetensors(nn::BasicDynamicCell<T>& cell, const std::filesystem::path
                       SafetensorsSaveOptions options = {}) {
   const std::string where = detail::safetensors_where(path);
   const auto cell_targets = duet::detail::parameter_targets(cell, where);
-  const auto targets = detail::named_targets(cell_targets, options.names, where);
+  const auto targets = detail::named_targets(cell, cell_targets, options.names, {}, where);
   const std::vector<std::string> counts =
       options.names == TensorNames::pytorch ? detail::batchnorm_counts(cell_targets) : std::vector<std::string>{};
   nlohmann::ordered_json header;
@@ -529,15 +581,14 @@ void save_safetensors(nn::BasicDynamicCell<T>& cell, const std::filesystem::path
 // returns the names of the others: the cell's that kept their values (param_not_load) and the
 // file's that were not used (ckpt_not_load; among them any tensor of a dtype duet does not
 // read). {.names = TensorNames::pytorch} reads PyTorch's names (and leaves its BatchNorms'
-// num_batches_tracked aside). The whole file is checked before anything is copied: on any error
-// the cell is left as it was.
+// num_batches_tracked aside); {.name_map = ...} gives the file's name for some tensors. The whole file is checked
+// before anything is copied: on any error the cell is left as it was.
 template <ElementType T>
 CheckpointLoad load_safetensors(const std::filesystem::path& path, nn::BasicDynamicCell<T>& cell,
                                 SafetensorsLoadOptions options = {}) {
   const std::string where = detail::safetensors_where(path);
-  const auto targets = duet::detail::parameter_targets(cell, where);
-  return detail::load_safetensors_into(std::span<const unsigned char>(duet::detail::read_whole_file(path, where)),
-                                       targets, options, where);
+  return detail::load_safetensors_into(std::span<const unsigned char>(duet::detail::read_whole_file(path, where)), cell,
+                                       options, where);
 }
 
 // The same for the bytes of a safetensors file already in memory.
@@ -545,8 +596,7 @@ template <ElementType T>
 CheckpointLoad load_safetensors_bytes(std::span<const std::byte> bytes, nn::BasicDynamicCell<T>& cell,
                                       SafetensorsLoadOptions options = {}) {
   const auto& where = detail::safetensors_data_where;
-  return detail::load_safetensors_into(duet::detail::unsigned_bytes(bytes),
-                                       duet::detail::parameter_targets(cell, where), options, where);
+  return detail::load_safetensors_into(duet::detail::unsigned_bytes(bytes), cell, options, where);
 }
 
 }  // namespace duet::io

@@ -7,7 +7,9 @@
 #include <limits>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
+#include <vector>
 
 #include "../cell.hpp"
 #include "../initializer.hpp"
@@ -56,7 +58,8 @@ namespace nn {
 
 // x [batch, length, E] -> [batch, length, E]: q, k and v from one fused in-projection
 // (in_proj, Dense<E, 3E>: its weight and bias hold PyTorch's in_proj_weight and in_proj_bias,
-// under the names in_proj.weight and in_proj.bias; out_proj's are named as PyTorch's), each cut into H heads of E / H
+// under the names in_proj.weight and in_proj.bias, which io::TensorNames::pytorch reads and
+// writes as PyTorch's; out_proj's are named as PyTorch's), each cut into H heads of E / H
 // ([batch, H, length, E / H]), softmax(q kᵀ / sqrt(E / H)) v per head, the heads joined again and projected by out_proj
 // (Dense<E, E>). Causal: position i attends to positions up to i only (PyTorch's attn_mask of -inf above the diagonal),
 // one ops::tril pass at any length. The length is read at run time; E and H are fixed.
@@ -105,6 +108,10 @@ class MultiheadAttention : public Cell<MultiheadAttention<E, H, Causal, T>, CONT
                   "nn::MultiheadAttention is self-attention: call attn(x), which is PyTorch's attn(x, x, x); a query, "
                   "key and value from different tensors are not supported");
     return std::forward<Q>(query);
+  }
+
+  std::vector<std::pair<std::string_view, std::string_view>> pytorch_parameter_names() const override {
+    return {{"in_proj.weight", "in_proj_weight"}, {"in_proj.bias", "in_proj_bias"}};
   }
 
   std::string type_name() const override {
