@@ -47,8 +47,11 @@
 //                                                  arithmetic, in ops)
 //   Flatten, Reshape                               views; Reshape's target a constant or made by
 //   Shape (start, end), Gather, Unsqueeze,         shape arithmetic on int64s, as torch writes
-//   Squeeze, Cast, Concat of int64s                x.view(x.size(0), -1): no step, the sizes are
-//                                                  read from the values' shapes as Reshape runs
+//   Squeeze, Cast, Concat, Add, Sub, Mul, Div     x.view(x.size(0), -1) or an attention's heads:
+//   of int64s                                      no step, the sizes are computed from the
+//                                                  values' shapes as Reshape (or Slice) runs
+//   Slice (constant axes and steps; starts and     ops::strided_slice
+//   ends constant or shape arithmetic's)
 //   Transpose (rank <= 8), Concat (rank <= 4)      ops::transpose(x, perm), ops::concat<Axis>
 //   ReduceSum, ReduceMean, ReduceMax, ReduceMin,   ops::sum, mean, max, min, prod (axes at run
 //   ReduceProd                                     time)
@@ -108,13 +111,57 @@ namespace detail {
 // -1 is inferred) and Flatten(axis). duet's reshape<D...> takes its sizes as template
 // arguments, which a model read at run time cannot give; the gradient is the same view back.
 // An element of an int64 tensor that shape arithmetic made (torch writes x.view(x.size(0), -1)
-// as Shape, Gather, Unsqueeze, Concat and Reshape): a constant, or the size of one dimension of
-// a value, known only when the network runs (the batch).
+// as Shape, Gather, Unsqueeze, Concat and Reshape): a constant, the size of one dimension of a
+// value, known only when the network runs (the batch), or the sum, difference, product or
+// quotient of two such (torch computes an attention head's size as the input's last size / heads).
 struct OnnxSize {
   std::int64_t constant = 0;
   std::size_t value = 0;  // the value whose dimension it is, when sized
-  std::optional<int> axis;  // that dimension (negative from the back); none for a constant
+  std::optional<int> axis = {};  // that dimension (negative from the back); none for a constant
+  char op = 0;                   // '+', '-', '*' or '/' of lhs and rhs; 0 for a constant or a dimension
+  std::shared_ptr<const OnnxSize> lhs = {}, rhs = {};
+  int terms = 1;  // the constants, dimensions and operations in it, bounded so that it is cheap to compute
+
+  bool known() const { return op == 0 && !axis; }
 };
+
+// ONNX's Add, Sub, Mul and Div of int64s (Div truncating, as C++'s), or none for a division by
+// zero or a result past int64.
+inline std::optional<std::int64_t> onnx_arithmetic(char op, std::int64_t a, std::int64_t b) {
+  std::int64_t r = 0;
+  switch (op) {
+    case '+':
+      return __builtin_add_overflow(a, b, &r) ? std::nullopt : std::optional(r);
+    case '-':
+      return __builtin_sub_overflow(a, b, &r) ? std::nullopt : std::optional(r);
+    case '*':
+      return __builtin_mul_overflow(a, b, &r) ? std::nullopt : std::optional(r);
+    default:
+      if (b == 0 || (a == std::numeric_limits<std::int64_t>::min() && b == -1)) return std::nullopt;
+      return a / b;
+  }
+}
+
+// The element's value, from the values' shapes now (shape_of(v): value v's).
+template <class ShapeOf>
+std::int64_t onnx_size_now(const OnnxSize& e, const ShapeOf& shape_of) {
+  if (e.known()) return e.constant;
+  if (e.axis) {
+    const Shape& shape = shape_of(e.value);
+    if (*e.axis < -shape.rank() || *e.axis >= shape.rank()) {
+      throw ShapeError("a Gather of dimension " + std::to_string(*e.axis) + " of a Shape of " + to_string(shape));
+    }
+    return shape[*e.axis];
+  }
+  const std::int64_t a = onnx_size_now(*e.lhs, shape_of);
+  const std::int64_t b = onnx_size_now(*e.rhs, shape_of);
+  const std::optional<std::int64_t> r = onnx_arithmetic(e.op, a, b);
+  if (!r) {
+    throw ShapeError("shape arithmetic " + std::to_string(a) + " " + e.op + " " + std::to_string(b) +
+                     (e.op == '/' ? " divides by zero or overflows int64" : " overflows int64"));
+  }
+  return *r;
+}
 
 // Such a tensor, flat (the rank-0 and rank-1 tensors of shape arithmetic), or the whole shape of
 // a value, whose length is that value's rank.
@@ -384,19 +431,12 @@ class OnnxModel : public nn::DynamicCell {
     std::vector<Tensor> values(value_count_);
     values[0] = x;
     for (const Step& step : steps_) {
-      // A layer the step made under the node's name already names it.
-      const auto located = [&step](const std::exception& e) {
-        const std::string_view what = e.what();
-        return what.starts_with(step.who) ? std::string(what) : step.who + ": " + std::string(what);
-      };
+      // A trace's steps of the node name it too when a replay of them fails.
+      const pijit::TracedLocation here(step.who);
       try {
         values[step.output] = step.on_ids ? step.on_ids(*this, values, ids) : step.run(*this, values);
-      } catch (const ShapeError& e) {
-        throw ShapeError(located(e));
-      } catch (const IndexError& e) {
-        throw IndexError(located(e));
-      } catch (const ValueError& e) {
-        throw ValueError(located(e));
+      } catch (const Error&) {
+        rethrow_at(step.who);  // a layer the step made under the node's name already names it
       }
     }
     return values[output_];
@@ -422,19 +462,11 @@ class OnnxModel : public nn::DynamicCell {
       return {shape.begin(), shape.end()};
     }
     std::vector<std::int64_t> dims;
-    for (const detail::OnnxSize& e : sizes.elements)
-      dims.push_back(size_now(e, e.axis ? values[e.value].shape() : Shape{}));
+    for (const detail::OnnxSize& e : sizes.elements) {
+      dims.push_back(detail::onnx_size_now(e, [&](std::size_t v) -> const Shape& { return values[v].shape(); }));
+    }
     return dims;
   }
-  // One size now: its constant, or its dimension of `shape`, the shape of the value it reads.
-  static std::int64_t size_now(const detail::OnnxSize& e, const Shape& shape) {
-    if (!e.axis) return e.constant;
-    if (*e.axis < -shape.rank() || *e.axis >= shape.rank()) {
-      throw ShapeError("a Gather of dimension " + std::to_string(*e.axis) + " of a Shape of " + to_string(shape));
-    }
-    return shape[*e.axis];
-  }
-
   // The positions a Range gives now, as int32 indices; a size of value 0 in a model of token
   // ids is one of the ids'. ONNX's length, max(ceil((limit - start) / delta), 0), at most
   // `rows` (the table they index, beyond which one would be out of range anyway).
@@ -442,8 +474,9 @@ class OnnxModel : public nn::DynamicCell {
                                           const BasicTensor<std::int32_t>& ids, index_t rows) const {
     std::array<std::int64_t, 3> b{};
     for (std::size_t i = 0; i < 3; ++i) {
-      const detail::OnnxSize& e = r.bounds[i];
-      b[i] = size_now(e, !e.axis ? Shape{} : ids_input_ && e.value == 0 ? ids.shape() : values[e.value].shape());
+      b[i] = detail::onnx_size_now(r.bounds[i], [&](std::size_t v) -> const Shape& {
+        return ids_input_ && v == 0 ? ids.shape() : values[v].shape();
+      });
     }
     const auto [start, limit, delta] = b;
     if (delta == 0) throw ValueError("a Range with delta 0");
@@ -678,8 +711,8 @@ class OnnxBuilder {
     if (it == operands_.end()) {
       if (integer(name)) {
         throw ValueError(where_ + ": " + reader + " reads " + detail::onnx_quoted(name) +
-                         ", an int64 tensor: arithmetic on sizes is not supported (duet's shape arithmetic is Shape, "
-                         "Gather, Unsqueeze, Squeeze, Cast and Concat)");
+                         ", an int64 tensor, which duet reads only as sizes (Shape, Gather, Unsqueeze, Squeeze, Cast, "
+                         "Concat, Add, Sub, Mul and Div of int64s, for a Reshape, Slice, Expand or ConstantOfShape)");
       }
       throw FormatError(where_ + ": " + reader + " reads " + detail::onnx_quoted(name) +
                         ", which no input, initializer or earlier node defines");
@@ -918,6 +951,7 @@ class OnnxBuilder {
       return;
     }
     if (op == "Add" || op == "Sub" || op == "Mul" || op == "Div" || op == "Pow" || op == "Max" || op == "Min") {
+      if (shape_arithmetic(n, node)) return;
       // ONNX's Max and Min take any number of inputs; duet reads two.
       if ((op == "Max" || op == "Min") && n.input_size() != 2) unsupported(node, op + " of other than two inputs");
       arity(n, node, 2, 2);
@@ -1578,7 +1612,7 @@ class OnnxBuilder {
       if (!target) unsupported(node, "a target shape that is not an int64 tensor");
       // The constants of the target are checked now; a size read from a shape is one.
       for (const detail::OnnxSize& e : target->elements)
-        if (!e.axis) op.dims.push_back(e.constant);
+        if (e.known()) op.dims.push_back(e.constant);
       if (target->elements.size() > static_cast<std::size_t>(max_rank) || std::ranges::count(op.dims, -1) > 1 ||
           std::ranges::any_of(op.dims, [](std::int64_t d) { return d < -1; })) {
         throw FormatError(where_ + ": " + node + ": the target shape " + list_text(op.dims) + " is not a shape");
@@ -1591,6 +1625,11 @@ class OnnxBuilder {
       if (!target) return m.with(x, v, [&](const auto& in) -> Tensor { return apply(op, in); });
       detail::OnnxReshapeOp resolved = op;
       resolved.dims = OnnxModel::resolve(*target, v);
+      // Shape arithmetic can compute any int64.
+      if (std::ranges::count(resolved.dims, -1) > 1 ||
+          std::ranges::any_of(resolved.dims, [](std::int64_t d) { return d < -1; })) {
+        throw ShapeError("the target shape " + list_text(resolved.dims) + " is not a shape");
+      }
       return m.with(x, v, [&](const auto& in) -> Tensor { return apply(resolved, in); });
     });
   }
@@ -1707,11 +1746,15 @@ class OnnxBuilder {
     return it->second;
   }
 
-  // Shape, Gather, Unsqueeze, Squeeze, Cast and Concat on int64 tensors, as torch.onnx.export
-  // writes x.view(x.size(0), -1) with a dynamic batch: they make no step, only the sizes a
-  // Reshape resolves when it runs. False for a node that is not shape arithmetic.
+  // Shape, Gather, Unsqueeze, Squeeze, Cast, Concat, and Add, Sub, Mul and Div on int64 tensors,
+  // as torch.onnx.export writes x.view(x.size(0), -1) with a dynamic batch, or an attention's
+  // heads: they make no step, only the sizes a Reshape or Slice resolves when it runs. False for
+  // a node that is not shape arithmetic.
   bool shape_arithmetic(const onnx::NodeProto& n, const std::string& node) {
     const std::string& op = n.op_type();
+    const bool binary = op == "Add" || op == "Sub" || op == "Mul" || op == "Div";
+    if (binary && n.input_size() == 2 && (integer(n.input(0)) || integer(n.input(1)))) return size_arithmetic(n, node);
+    if (binary) return false;
     const bool integers_in = n.input_size() > 0 && integer(n.input(0));
     if (op != "Shape" && !((op == "Gather" || op == "Unsqueeze" || op == "Squeeze" || op == "Cast" || op == "Concat") && integers_in)) {
       if (op == "Gather" && n.input_size() == 2 && !ids_input_name_.empty() && n.input(1) == ids_input_name_) {
@@ -1799,22 +1842,75 @@ class OnnxBuilder {
     return true;
   }
 
-  // Slice(data, starts, ends, axes, steps), the lists constant: ops::strided_slice with the
-  // lists given at run time, whose rules (negative indices from the end, clamping, negative
-  // steps) are ONNX's.
+  // Add, Sub, Mul or Div of two int64 tensors of one element or of equal lengths (numpy's
+  // broadcasting of shape arithmetic's flat tensors), folded now where both are constants.
+  bool size_arithmetic(const onnx::NodeProto& n, const std::string& node) {
+    arity(n, node, 2, 2);
+    known_attributes(n, node, {});
+    const std::optional<detail::OnnxSizes> a = sizes_of(n.input(0), node);
+    const std::optional<detail::OnnxSizes> b = sizes_of(n.input(1), node);
+    if (!a || !b) unsupported(node, "arithmetic of a float and an int64 tensor");
+    if (a->shape_of || b->shape_of) {
+      unsupported(node, "arithmetic on a whole Shape (duet reads a Shape's dimensions one by one, by Gather)");
+    }
+    const std::size_t na = a->elements.size();
+    const std::size_t nb = b->elements.size();
+    if (na != nb && na != 1 && nb != 1) {
+      throw FormatError(where_ + ": " + node + ": int64 tensors of " + std::to_string(na) + " and " +
+                        std::to_string(nb) + " elements do not broadcast");
+    }
+    const char op = n.op_type() == "Add" ? '+' : n.op_type() == "Sub" ? '-' : n.op_type() == "Mul" ? '*' : '/';
+    detail::OnnxSizes out;
+    for (std::size_t i = 0; i < (na == 1 ? nb : na); ++i) {
+      const detail::OnnxSize& x = a->elements[na == 1 ? 0 : i];
+      const detail::OnnxSize& y = b->elements[nb == 1 ? 0 : i];
+      if (x.known() && y.known()) {
+        const std::optional<std::int64_t> r = detail::onnx_arithmetic(op, x.constant, y.constant);
+        if (!r) {
+          throw FormatError(where_ + ": " + node + ": " + std::to_string(x.constant) + " " + op + " " +
+                            std::to_string(y.constant) + " divides by zero or overflows int64");
+        }
+        out.elements.push_back({.constant = *r});
+        continue;
+      }
+      // A chain of nodes each adding a size to itself would double the work of computing it.
+      if (x.terms + y.terms >= 64) unsupported(node, "shape arithmetic of more than 64 terms");
+      out.elements.push_back({.op = op,
+                              .lhs = std::make_shared<const detail::OnnxSize>(x),
+                              .rhs = std::make_shared<const detail::OnnxSize>(y),
+                              .terms = x.terms + y.terms + 1});
+    }
+    if (n.output(0).empty() || defined(n.output(0)))
+      throw FormatError(where_ + ": " + node + " has no new output name");
+    sizes_[n.output(0)] = std::move(out);
+    return true;
+  }
+
+  // Slice(data, starts, ends, axes, steps), the axes and steps constant, the starts and ends
+  // constant or computed by shape arithmetic (torch splits an attention's packed projection at
+  // multiples of its last size / 3): ops::strided_slice with the lists given at run time, whose
+  // rules (negative indices from the end, clamping, negative steps) are ONNX's.
   void add_slice(const onnx::NodeProto& n, const std::string& node) {
     arity(n, node, 3, 5);
     known_attributes(n, node, {});
     const Operand x = operand_of(n.input(0), node);
-    const std::vector<std::int64_t> starts = constant_ints(n, node, 1, "starts");
-    const std::vector<std::int64_t> ends = constant_ints(n, node, 2, "ends");
+    const auto bounds = [&](int i, const std::string& what) {
+      const std::optional<detail::OnnxSizes> b = sizes_of(n.input(i), node);
+      if (!b || b->shape_of)
+        unsupported(node, what + " that are not an int64 tensor of constants or of a Shape's dimensions");
+      return *b;
+    };
+    const detail::OnnxSizes starts = bounds(1, "starts");
+    const detail::OnnxSizes ends = bounds(2, "ends");
+    const std::size_t count = starts.elements.size();
     std::vector<std::int64_t> axes;
     if (n.input_size() > 3 && !n.input(3).empty()) axes = constant_ints(n, node, 3, "axes");
-    else for (std::size_t a = 0; a < starts.size(); ++a) axes.push_back(static_cast<std::int64_t>(a));
-    std::vector<std::int64_t> steps(starts.size(), 1);
+    else
+      for (std::size_t a = 0; a < count; ++a) axes.push_back(static_cast<std::int64_t>(a));
+    std::vector<std::int64_t> steps(count, 1);
     if (n.input_size() > 4 && !n.input(4).empty()) steps = constant_ints(n, node, 4, "steps");
-    check_sizes(starts.size(), node);
-    if (ends.size() != starts.size() || axes.size() != starts.size() || steps.size() != starts.size()) {
+    check_sizes(count, node);
+    if (ends.elements.size() != count || axes.size() != count || steps.size() != count) {
       throw FormatError(where_ + ": " + node + ": starts, ends, axes and steps of different lengths");
     }
     for (std::size_t i = 0; i < axes.size(); ++i) {
@@ -1825,6 +1921,8 @@ class OnnxBuilder {
       }
     }
     add_step("Slice", n, node, [x, starts, ends, axes, steps](const OnnxModel& m, std::vector<Tensor>& v) {
+      const std::vector<std::int64_t> first = OnnxModel::resolve(starts, v);
+      const std::vector<std::int64_t> last = OnnxModel::resolve(ends, v);
       return m.with(x, v, [&](const auto& in) -> Tensor {
         const int rank = in.shape().rank();
         std::array<index_t, max_rank> begin{}, end{}, stride{};
@@ -1837,8 +1935,8 @@ class OnnxBuilder {
             throw ShapeError("axes " + list_text(axes) + " for an input of shape " + to_string(in.shape()));
           }
           const auto k = static_cast<std::size_t>(a);
-          begin[k] = starts[i];
-          end[k] = ends[i];
+          begin[k] = first[i];
+          end[k] = last[i];
           stride[k] = steps[i];
           used = std::max(used, k + 1);
         }
@@ -1907,20 +2005,32 @@ class OnnxBuilder {
     const index_t weights = weight_elements();
     index_t constant = 1;
     for (const detail::OnnxSize& e : shape->elements) {
-      if (e.axis) continue;
+      if (!e.known()) continue;
       if (e.constant < 0 || __builtin_mul_overflow(constant, e.constant, &constant) || constant > weights) {
         std::vector<std::int64_t> sizes;
-        for (const detail::OnnxSize& f : shape->elements) sizes.push_back(f.axis ? -1 : f.constant);
+        for (const detail::OnnxSize& f : shape->elements) sizes.push_back(f.known() ? f.constant : -1);
         unsupported(node, "a shape of sizes " + list_text(sizes) + " (-1: read as it runs), more elements than the model's weights,");
       }
     }
     const std::optional<Operand> x = expand ? std::optional(operand_of(n.input(0), node)) : std::nullopt;
-    add_step(n.op_type(), n, node, [x, sizes = *shape, value](const OnnxModel& m, std::vector<Tensor>& v) -> Tensor {
-      Shape to;
-      for (const std::int64_t d : OnnxModel::resolve(sizes, v)) to.push_back(d);
-      if (!x) return full(to, value);
-      return m.with(*x, v, [&](const auto& in) -> Tensor { return ops::add(in, zeros(to)); });
-    });
+    add_step(n.op_type(), n, node,
+             [x, sizes = *shape, value, weights](const OnnxModel& m, std::vector<Tensor>& v) -> Tensor {
+               const std::vector<std::int64_t> dims = OnnxModel::resolve(sizes, v);
+               // Shape arithmetic's sizes are bounded as the constants are (a value's dimension is one
+               // that exists).
+               index_t computed = 1;
+               for (std::size_t i = 0; i < sizes.elements.size(); ++i) {
+                 if (dims[i] < 0 || (!sizes.elements[i].axis &&
+                                     (__builtin_mul_overflow(computed, dims[i], &computed) || computed > weights))) {
+                   throw ShapeError("a shape of sizes " + list_text(dims) +
+                                    " (negative, or more elements than the model's weights)");
+                 }
+               }
+               Shape to;
+               for (const std::int64_t d : dims) to.push_back(d);
+               if (!x) return full(to, value);
+               return m.with(*x, v, [&](const auto& in) -> Tensor { return ops::add(in, zeros(to)); });
+             });
   }
 
   // What bounds the sizes a file may ask for: its weights' elements, and 1.
