@@ -3,6 +3,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <string_view>
 
 namespace duet {
 
@@ -53,5 +54,24 @@ class FormatError : public IOError {
  public:
   using IOError::IOError;
 };
+
+// Rethrows the duet::Error being handled with "where: " before its message, as the same type
+// when it is a ShapeError, IndexError or ValueError (any other as it is), and as it is when
+// its message begins with `where` already. Called only inside a handler.
+[[noreturn]] inline void rethrow_at(const std::string& where) {
+  const auto located = [&where](const Error& e) {
+    const std::string_view what = e.what();
+    return what.starts_with(where) ? std::string(what) : where + ": " + std::string(what);
+  };
+  try {
+    throw;
+  } catch (const ShapeError& e) {
+    throw ShapeError(located(e));
+  } catch (const IndexError& e) {
+    throw IndexError(located(e));
+  } catch (const ValueError& e) {
+    throw ValueError(located(e));
+  }
+}
 
 }  // namespace duet

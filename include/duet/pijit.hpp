@@ -24,6 +24,7 @@
 
 #include "context.hpp"
 #include "detail/finite.hpp"
+#include "error.hpp"
 #include "jit_config.hpp"
 #include "memory.hpp"
 #include "tensor.hpp"
@@ -55,6 +56,7 @@ class EpilogueChain final : public Step {
   EpilogueChain(std::unique_ptr<Step> head, std::vector<std::shared_ptr<Step>> tail)
       : head_(std::move(head)), tail_(std::move(tail)) {
     inputs = head_->inputs;
+    where = head_->where;
     write_to(tail_.empty() ? head_->output : tail_.back()->output);
   }
 
@@ -168,10 +170,17 @@ class Replay {
           break;
       }
     }
-    for (std::size_t i = 0; i < steps_.size(); ++i) {
-      if (!steps_[i]->runs_kernel()) continue;
-      steps_[i]->run(data.data(), values_);
-      if (!debug_name_.empty()) check_step(i, data.data());
+    std::size_t i = 0;
+    try {
+      for (; i < steps_.size(); ++i) {
+        if (!steps_[i]->runs_kernel()) continue;
+        steps_[i]->run(data.data(), values_);
+        if (!debug_name_.empty()) check_step(i, data.data());
+      }
+    } catch (const Error&) {
+      // Named as the traced call named it (an ONNX node): the handler costs nothing until a step throws.
+      if (steps_[i]->where.empty()) throw;
+      rethrow_at(steps_[i]->where);
     }
     const Value& out = values_[output_];
     if (out.shape == result.shape()) return result;

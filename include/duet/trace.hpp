@@ -107,6 +107,9 @@ class Step {
 
   std::vector<std::size_t> inputs;
   std::size_t output = 0;
+  // The part of the traced function that recorded it (Trace::locate), which an error replaying
+  // it names; empty for none.
+  std::string where;
 };
 
 template <class Op, class T>
@@ -118,6 +121,7 @@ std::unique_ptr<Step> fused(const Op& op, const Step& from, std::size_t output) 
   auto s = std::make_unique<OpStep<Op, T>>(op);
   s->inputs = from.inputs;
   s->output = output;
+  s->where = from.where;
   return s;
 }
 
@@ -337,6 +341,11 @@ class Trace {
   // A cell ran during the trace; its check says whether it has hooks now.
   void note_cell(std::function<bool()> has_hooks) { cells_.push_back(std::move(has_hooks)); }
 
+  // The steps recorded from now on are those of `where` (an ONNX node of io::OnnxModel), which
+  // an error replaying one names, as the traced call's error did; empty for none.
+  const std::string& location() const { return where_; }
+  void locate(std::string where) { where_ = std::move(where); }
+
   // The cells whose forward is running, innermost last: what a graph break is blamed on.
   void enter_cell(std::string label) { running_.push_back(std::move(label)); }
   void leave_cell() { running_.pop_back(); }
@@ -406,6 +415,7 @@ class Trace {
       if (!running_.empty()) v.cell = running_.back();
     }
     step->output = values_.size();
+    step->where = where_;
     add(std::move(v), y);
     steps_.push_back(std::move(step));
   }
@@ -424,6 +434,7 @@ class Trace {
   std::string host_call_;
   bool unmarked_host_call_ = false;
   std::string broken_;
+  std::string where_;
   bool parameter_gradients_ = false;
   bool differentiates_ = false;
   bool keep_values_ = false;
@@ -445,6 +456,25 @@ class TracedCell {
 
  private:
   Trace* trace_;
+};
+
+// Locates the active trace's steps, if a trace is active, at `where` for its lifetime.
+class TracedLocation {
+ public:
+  explicit TracedLocation(const std::string& where) : trace_(active_trace()) {
+    if (trace_ == nullptr) return;
+    outer_ = trace_->location();
+    trace_->locate(where);
+  }
+  TracedLocation(const TracedLocation&) = delete;
+  TracedLocation& operator=(const TracedLocation&) = delete;
+  ~TracedLocation() {
+    if (trace_ != nullptr) trace_->locate(std::move(outer_));
+  }
+
+ private:
+  Trace* trace_;
+  std::string outer_;
 };
 
 // A tensor of the trace (an input, a constant it read, or what a step made) read or written
