@@ -59,9 +59,11 @@ struct Reference {
   Shape input;
   std::vector<int> opsets = {13, 17};
 };
-const std::vector<Reference> models{{"mlp", {4, 1, 28, 28}},  {"lenet5", {4, 1, 28, 28}}, {"resnet", {4, 1, 28, 28}},
-                                    {"operators", {4, 16}},   {"temporal", {4, 3, 12}},   {"norms", {4, 16}, {17}},
-                                    {"recurrent", {4, 7, 4}}, {"pools", {4, 2, 13, 11}}};
+const std::vector<Reference> models{
+    {"mlp", {4, 1, 28, 28}},  {"lenet5", {4, 1, 28, 28}},    {"resnet", {4, 1, 28, 28}},
+    {"operators", {4, 16}},   {"temporal", {4, 3, 12}},      {"norms", {4, 16}, {17}},
+    {"recurrent", {4, 7, 4}}, {"pools", {4, 2, 13, 11}},     {"attention", {4, 7, 16}},
+    {"attention_static", {4, 7, 16}}, {"encoder", {4, 7, 16}}, {"encoder_static", {4, 7, 16}}};
 
 // Within 1e-5 of the largest magnitude in PyTorch's output.
 void check_close(const Tensor& got, const Tensor& want, const std::string& what) {
@@ -106,6 +108,29 @@ TEST_CASE("io::load_onnx: PyTorch's models give PyTorch's outputs in both modes,
       CHECK(same_bits(replayed, pynative));
     }
   }
+}
+
+TEST_CASE("io::load_onnx: PyTorch's attention, exported with a dynamic batch and length, takes others") {
+  REQUIRE_REFERENCES(dir);
+  for (const std::string name : {"attention", "encoder"}) {
+    for (const int opset : {13, 17}) {
+      const std::string file = name + "_opset" + std::to_string(opset) + ".onnx";
+      duet::io::OnnxModel eager = duet::io::load_onnx(*dir / file);
+      duet::io::OnnxModel traced = duet::io::load_onnx(*dir / file);
+      for (const auto& [batch, length] : {std::pair{2, 7}, {4, 3}, {1, 5}}) {
+        const std::string tag = name + "." + std::to_string(batch) + "x" + std::to_string(length);
+        const Tensor x = read_floats(*dir / (tag + ".input.bin"), {batch, length, 16});
+        const Tensor pynative = eager(x);
+        check_close(pynative, read_floats(*dir / (tag + ".output.bin"), {batch, length, 16}), file + " on " + tag);
+        ModeScope graph(duet::GRAPH_MODE);
+        CHECK(same_bits(traced(x), pynative));
+        CHECK(same_bits(traced(x), pynative));
+      }
+    }
+  }
+  // The static export refuses another length, as the file declares its input.
+  duet::io::OnnxModel fixed = duet::io::load_onnx(*dir / "attention_static_opset17.onnx");
+  CHECK_THROWS_AS(fixed(duet::ones({4, 3, 16})), duet::ShapeError);
 }
 
 // PyTorch's int64 token ids (onnx_references.py's text.ids.bin), and the same as int32.
@@ -232,6 +257,25 @@ TEST_CASE(
       duet::IndexError);
   ids.data()[4] = -1;
   CHECK_THROWS_AS(net(ids), duet::IndexError);
+  // Graph mode's replay of the trace names the node as the traced call (and PyNative mode) did.
+  {
+    ids.data()[4] = 50;
+    std::string pynative;
+    try {
+      net(ids);
+    } catch (const duet::IndexError& e) {
+      pynative = e.what();
+    }
+    CHECK(pynative.starts_with("ONNX node '/embedding/Gather' (Gather): ops::gather<0>: index 50"));
+    duet::io::OnnxModel traced = duet::io::load_onnx(*dir / "text_opset17.onnx");
+    ModeScope graph(duet::GRAPH_MODE);
+    ids.data()[4] = 1;
+    const Tensor good = traced(ids);
+    ids.data()[4] = 50;
+    CHECK_THROWS_WITH_AS(traced(ids), pynative.c_str(), duet::IndexError);
+    ids.data()[4] = 1;
+    CHECK(same_bits(traced(ids), good));
+  }
   // A float model refuses ids.
   duet::io::OnnxModel floats = duet::io::load_onnx(*dir / "mlp_opset17.onnx");
   duet::BasicTensor<std::int32_t> small = duet::zeros<std::int32_t>({4, 1, 28, 28});
@@ -532,13 +576,78 @@ TEST_CASE("io::load_onnx: a Gather of one index, Expand and ConstantOfShape on f
     CHECK(message_of<duet::ValueError>(m) == "test.onnx: ONNX node 'fill' (ConstantOfShape): a shape of sizes [1000, 1000] "
                                              "(-1: read as it runs), more elements than the model's weights, is not supported");
   }
-  {  // arithmetic on sizes is a valid model duet does not read
+  {  // arithmetic on a whole Shape, whose length only the run knows
     onnx::ModelProto m = model_of();
     add_node(m, "Shape", "shape", {"x"}, "s");
-    add_node(m, "Sub", "minus", {"s", "s"});
-    CHECK(message_of<duet::ValueError>(m).find("reads 's', an int64 tensor: arithmetic on sizes is not supported") !=
-          std::string::npos);
+    add_node(m, "Sub", "minus", {"s", "s"}, "d");
+    add_node(m, "Reshape", "view", {"x", "d"});
+    CHECK(message_of<duet::ValueError>(m) ==
+          "test.onnx: ONNX node 'minus' (Sub): arithmetic on a whole Shape (duet "
+          "reads a Shape's dimensions one by one, by Gather) is not supported");
   }
+}
+
+// x [n, c] -> Shape, Gather of both sizes; the second half of each row, a Slice at computed
+// bounds c / divisor to c / divisor * 2 (torch's split of a packed projection), viewed as
+// [(c - 2) / 2 + 1, n * 2 - n] by Add, Sub, Mul and Div of sizes and constants.
+onnx::ModelProto size_arithmetic_model(std::int64_t divisor) {
+  onnx::ModelProto m = model_of();
+  add_int64s(m, "zero", {}, {0});
+  add_int64s(m, "one", {}, {1});
+  add_int64s(m, "axis0", {1}, {0});
+  add_int64s(m, "axis1", {1}, {1});
+  add_int64s(m, "two", {}, {2});
+  add_int64s(m, "divisor", {}, {divisor});
+  add_node(m, "Shape", "shape", {"x"}, "s");
+  add_node(m, "Gather", "rows", {"s", "zero"}, "n");
+  add_node(m, "Gather", "cols", {"s", "one"}, "c");
+  add_node(m, "Div", "half", {"c", "divisor"}, "h");
+  add_node(m, "Unsqueeze", "start", {"h", "axis0"}, "h1");
+  add_node(m, "Mul", "end", {"h1", "two"}, "e1");
+  add_node(m, "Slice", "second", {"x", "h1", "e1", "axis1"}, "b");
+  add_node(m, "Mul", "twice", {"n", "two"}, "n2");
+  add_node(m, "Sub", "once", {"n2", "n"}, "n1");
+  add_node(m, "Sub", "less", {"c", "two"}, "c2");
+  add_node(m, "Div", "halve", {"c2", "two"}, "c3");
+  add_node(m, "Add", "plus", {"c3", "one"}, "c4");
+  add_node(m, "Unsqueeze", "u0", {"c4", "axis0"}, "d0");
+  add_node(m, "Unsqueeze", "u1", {"n1", "axis0"}, "d1");
+  add_int(add_node(m, "Concat", "target", {"d0", "d1"}, "t"), "axis", 0);
+  add_node(m, "Reshape", "view", {"b", "t"});
+  return m;
+}
+
+TEST_CASE("io::load_onnx: Add, Sub, Mul and Div of sizes, and a Slice at computed bounds") {
+  duet::io::OnnxModel net = load(size_arithmetic_model(2));
+  const Tensor x({2, 6}, {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11});
+  const Tensor want({3, 2}, {3, 4, 5, 9, 10, 11});
+  CHECK(same_bits(net(x), want));
+  const Tensor wide({1, 8}, {0, 1, 2, 3, 4, 5, 6, 7});
+  CHECK(same_bits(net(wide), Tensor({4, 1}, {4, 5, 6, 7})));
+  {
+    ModeScope graph(duet::GRAPH_MODE);
+    CHECK(same_bits(net(x), want));
+    CHECK(same_bits(net(wide), Tensor({4, 1}, {4, 5, 6, 7})));
+    CHECK(same_bits(net(x), want));
+  }
+  // A size divided by zero as the model runs names the node that reads it; constants, at load.
+  duet::io::OnnxModel by_zero = load(size_arithmetic_model(0));
+  CHECK_THROWS_WITH_AS(by_zero(x),
+                       "ONNX node 'second' (Slice): shape arithmetic 6 / 0 divides by zero or overflows int64",
+                       duet::ShapeError);
+  onnx::ModelProto constants = model_of();
+  add_int64s(constants, "six", {1}, {6});
+  add_int64s(constants, "zero", {}, {0});
+  add_node(constants, "Div", "ratio", {"six", "zero"}, "r");
+  add_node(constants, "Reshape", "view", {"x", "r"});
+  CHECK(message_of<duet::FormatError>(constants) ==
+        "test.onnx: ONNX node 'ratio' (Div): 6 / 0 divides by zero or overflows int64");
+  // A float operation reading a size is not shape arithmetic.
+  onnx::ModelProto mixed = model_of();
+  add_node(mixed, "Shape", "shape", {"x"}, "s");
+  add_node(mixed, "Relu", "act", {"s"});
+  CHECK(message_of<duet::ValueError>(mixed).find("ONNX node 'act' (Relu) reads 's', an int64 tensor") !=
+        std::string::npos);
 }
 
 TEST_CASE("io::load_onnx: a model built here runs, and reads its attributes") {

@@ -3,8 +3,10 @@
 
 Builds, with fixed seeds, the seed MLP (examples/network.hpp), LeNet-5 (examples/lenet5.hpp), a
 small residual CNN, a network of the remaining operators, one of 1-D convolutions, one of
-LayerNorms, one of a GRU and an LSTM, and two text classifiers of int64 token ids (text.ids.bin), the
-second with position embeddings of torch.arange (positions.output.bin); exports each with torch.onnx.export at opsets 13 and 17 (the LayerNorms at 17 only),
+LayerNorms, one of a GRU and an LSTM, two text classifiers of int64 token ids (text.ids.bin), the
+second with position embeddings of torch.arange (positions.output.bin), a self-attention and a
+transformer encoder layer (at several batches and lengths, main() says how); exports each with
+torch.onnx.export at opsets 13 and 17 (the LayerNorms at 17 only),
 and writes a fixed input and PyTorch's output for it:
 
     <dir>/<model>_opset<13|17>.onnx
@@ -189,6 +191,39 @@ class TokenPositions(nn.Module):
         return self.fc((self.tokens(ids) + self.positions(torch.arange(ids.size(1)))).mean(dim=1))
 
 
+def random_biases(module):
+    # PyTorch starts an attention's biases at zero; torch.onnx.export writes initializers of equal
+    # values as one (the others Identity nodes of it), which random ones keep apart.
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("bias"):
+                p.uniform_(-0.5, 0.5)
+
+
+class SelfAttention(nn.Module):
+    # Exported with torch's shape arithmetic on the input's sizes: the heads' size (Div), the
+    # packed in-projection's split (Slice at computed ends), [batch * heads, length, size] views.
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        random_biases(self)
+
+    def forward(self, x):
+        return self.attn(x, x, x, need_weights=False)[0]
+
+
+class Encoder(nn.Module):
+    # A transformer's encoder layer: the attention above, LayerNorms (a dozen arithmetic nodes
+    # each at opset 13), and a ReLU MLP.
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+        random_biases(self)
+
+    def forward(self, x):
+        return self.layer(x)
+
+
 def randomise_batchnorm(model):
     for m in model.modules():
         if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):
@@ -253,6 +288,35 @@ def main():
                               dynamic_axes={"ids": {0: "batch", 1: "length"}, "output": {0: "batch"}})
             onnx.checker.check_model(onnx.load(path))
     print(f"text, positions: ids {list(ids.shape)} (int64), outputs {list(y.shape)}, {list(p.shape)}")
+    # Sequences [batch, length, 16], exported with a dynamic batch and length as <model>_opset*.onnx
+    # and at [4, 7, 16] alone as <model>_static_opset*.onnx; <model>.input.bin and
+    # <model>_static.input.bin are the [4, 7, 16] input, <model>.<batch>x<length>.input.bin the others.
+    for seed, (name, make) in enumerate({"attention": SelfAttention, "encoder": Encoder}.items(), len(MODELS) + 1):
+        torch.manual_seed(seed)
+        model = make()
+        randomise_batchnorm(model)
+        model.eval()
+        for batch, length in SEQUENCE_SIZES:
+            x = torch.randn(batch, length, 16)
+            with torch.no_grad():
+                y = model(x)
+            tags = [name, f"{name}_static"] if (batch, length) == SEQUENCE_SIZES[0] else [f"{name}.{batch}x{length}"]
+            for tag in tags:
+                x.numpy().astype("<f4").tofile(os.path.join(out, f"{tag}.input.bin"))
+                y.numpy().astype("<f4").tofile(os.path.join(out, f"{tag}.output.bin"))
+            if (batch, length) != SEQUENCE_SIZES[0]:
+                continue
+            for opset in (13, 17):
+                for suffix, axes in (("", {0: "batch", 1: "length"}), ("_static", None)):
+                    path = os.path.join(out, f"{name}{suffix}_opset{opset}.onnx")
+                    torch.onnx.export(model, x, path, opset_version=opset, input_names=["input"], output_names=["output"],
+                                      dynamic_axes={"input": axes, "output": axes} if axes else None)
+                    onnx.checker.check_model(onnx.load(path))
+        print(f"{name}: inputs {[[b, n, 16] for b, n in SEQUENCE_SIZES]}")
+
+
+# The first is the exported one.
+SEQUENCE_SIZES = [(4, 7), (2, 7), (4, 3), (1, 5)]
 
 
 if __name__ == "__main__":

@@ -81,6 +81,7 @@ inline constexpr int max_rank = 8;
 
 #include <stdexcept>
 #include <string>
+#include <string_view>
 
 namespace duet {
 
@@ -131,6 +132,25 @@ class FormatError : public IOError {
  public:
   using IOError::IOError;
 };
+
+// Rethrows the duet::Error being handled with "where: " before its message, as the same type
+// when it is a ShapeError, IndexError or ValueError (any other as it is), and as it is when
+// its message begins with `where` already. Called only inside a handler.
+[[noreturn]] inline void rethrow_at(const std::string& where) {
+  const auto located = [&where](const Error& e) {
+    const std::string_view what = e.what();
+    return what.starts_with(where) ? std::string(what) : where + ": " + std::string(what);
+  };
+  try {
+    throw;
+  } catch (const ShapeError& e) {
+    throw ShapeError(located(e));
+  } catch (const IndexError& e) {
+    throw IndexError(located(e));
+  } catch (const ValueError& e) {
+    throw ValueError(located(e));
+  }
+}
 
 }  // namespace duet
 // Elementwise kernels and the row reductions of softmax cross-entropy: exp, log-sum-exp, the
@@ -9888,6 +9908,9 @@ class Step {
 
   std::vector<std::size_t> inputs;
   std::size_t output = 0;
+  // The part of the traced function that recorded it (Trace::locate), which an error replaying
+  // it names; empty for none.
+  std::string where;
 };
 
 template <class Op, class T>
@@ -9899,6 +9922,7 @@ std::unique_ptr<Step> fused(const Op& op, const Step& from, std::size_t output) 
   auto s = std::make_unique<OpStep<Op, T>>(op);
   s->inputs = from.inputs;
   s->output = output;
+  s->where = from.where;
   return s;
 }
 
@@ -10118,6 +10142,11 @@ class Trace {
   // A cell ran during the trace; its check says whether it has hooks now.
   void note_cell(std::function<bool()> has_hooks) { cells_.push_back(std::move(has_hooks)); }
 
+  // The steps recorded from now on are those of `where` (an ONNX node of io::OnnxModel), which
+  // an error replaying one names, as the traced call's error did; empty for none.
+  const std::string& location() const { return where_; }
+  void locate(std::string where) { where_ = std::move(where); }
+
   // The cells whose forward is running, innermost last: what a graph break is blamed on.
   void enter_cell(std::string label) { running_.push_back(std::move(label)); }
   void leave_cell() { running_.pop_back(); }
@@ -10187,6 +10216,7 @@ class Trace {
       if (!running_.empty()) v.cell = running_.back();
     }
     step->output = values_.size();
+    step->where = where_;
     add(std::move(v), y);
     steps_.push_back(std::move(step));
   }
@@ -10205,6 +10235,7 @@ class Trace {
   std::string host_call_;
   bool unmarked_host_call_ = false;
   std::string broken_;
+  std::string where_;
   bool parameter_gradients_ = false;
   bool differentiates_ = false;
   bool keep_values_ = false;
@@ -10226,6 +10257,25 @@ class TracedCell {
 
  private:
   Trace* trace_;
+};
+
+// Locates the active trace's steps, if a trace is active, at `where` for its lifetime.
+class TracedLocation {
+ public:
+  explicit TracedLocation(const std::string& where) : trace_(active_trace()) {
+    if (trace_ == nullptr) return;
+    outer_ = trace_->location();
+    trace_->locate(where);
+  }
+  TracedLocation(const TracedLocation&) = delete;
+  TracedLocation& operator=(const TracedLocation&) = delete;
+  ~TracedLocation() {
+    if (trace_ != nullptr) trace_->locate(std::move(outer_));
+  }
+
+ private:
+  Trace* trace_;
+  std::string outer_;
 };
 
 // A tensor of the trace (an input, a constant it read, or what a step made) read or written
@@ -11942,6 +11992,7 @@ class EpilogueChain final : public Step {
   EpilogueChain(std::unique_ptr<Step> head, std::vector<std::shared_ptr<Step>> tail)
       : head_(std::move(head)), tail_(std::move(tail)) {
     inputs = head_->inputs;
+    where = head_->where;
     write_to(tail_.empty() ? head_->output : tail_.back()->output);
   }
 
@@ -12055,10 +12106,17 @@ class Replay {
           break;
       }
     }
-    for (std::size_t i = 0; i < steps_.size(); ++i) {
-      if (!steps_[i]->runs_kernel()) continue;
-      steps_[i]->run(data.data(), values_);
-      if (!debug_name_.empty()) check_step(i, data.data());
+    std::size_t i = 0;
+    try {
+      for (; i < steps_.size(); ++i) {
+        if (!steps_[i]->runs_kernel()) continue;
+        steps_[i]->run(data.data(), values_);
+        if (!debug_name_.empty()) check_step(i, data.data());
+      }
+    } catch (const Error&) {
+      // Named as the traced call named it (an ONNX node): the handler costs nothing until a step throws.
+      if (steps_[i]->where.empty()) throw;
+      rethrow_at(steps_[i]->where);
     }
     const Value& out = values_[output_];
     if (out.shape == result.shape()) return result;
