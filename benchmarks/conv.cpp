@@ -188,6 +188,56 @@ void torch_conv3x3_backward(benchmark::State& state) {
 }
 #endif
 
+// ResNet's stem pooling, max over 3x3 windows at stride 2, padding 1, on the convolution's
+// [32, 64, 28, 28]: the window fixed at compile time (ops::max_pool2d<3, 2, 1>) or given at run
+// time (ops::max_pool2d(x, 3, 2, 1), one operation for every window), and its gradient
+// (d sum(pool(x) * dy) / dx). These loops are vectorised by the compiler: the rows show what a
+// build's flags give them (GCC's -O2 left them scalar before DUET_BEGIN_VECTORIZED).
+template <bool FixedWindow>
+void max_pool_forward(benchmark::State& state) {
+  const Tensor x = uniform({batch, channels, size, size}, -1.0f, 1.0f, 1);
+  for (auto _ : state) {
+    Tensor y = FixedWindow ? ops::max_pool2d<3, 2, 1>(x) : ops::max_pool2d(x, 3, 2, 1);
+    benchmark::DoNotOptimize(y.data());
+  }
+  state.SetItemsProcessed(state.iterations() * batch);
+}
+
+void max_pool_backward(benchmark::State& state) {
+  const Tensor x = uniform({batch, channels, size, size}, -1.0f, 1.0f, 1);
+  const Tensor dy = uniform({batch, channels, size / 2, size / 2}, -1.0f, 1.0f, 2);
+  auto dx =
+      grad([](const auto& v, const auto& cotangent) { return ops::sum(ops::max_pool2d<3, 2, 1>(v) * cotangent); });
+  for (auto _ : state) {
+    Tensor g = dx(x, dy);
+    benchmark::DoNotOptimize(g.data());
+  }
+  state.SetItemsProcessed(state.iterations() * batch);
+}
+
+#if DUET_BENCH_TORCH
+void torch_max_pool_forward(benchmark::State& state) {
+  torch::NoGradGuard no_grad;
+  const torch::Tensor x = torch::rand({batch, channels, size, size});
+  for (auto _ : state) {
+    torch::Tensor y = torch::max_pool2d(x, 3, 2, 1);
+    benchmark::DoNotOptimize(y.data_ptr());
+  }
+  state.SetItemsProcessed(state.iterations() * batch);
+}
+
+void torch_max_pool_backward(benchmark::State& state) {
+  const torch::Tensor x = torch::rand({batch, channels, size, size}).requires_grad_(true);
+  const torch::Tensor dy = torch::rand({batch, channels, size / 2, size / 2});
+  for (auto _ : state) {
+    x.mutable_grad() = torch::Tensor();
+    torch::max_pool2d(x, 3, 2, 1).backward(dy);
+    benchmark::DoNotOptimize(x.grad().data_ptr());
+  }
+  state.SetItemsProcessed(state.iterations() * batch);
+}
+#endif
+
 #if DUET_BENCH_DNNL
 // oneDNN's convolution primitives on nchw f32 memory, made once; the rows time execute().
 struct DnnlConv3x3 {
@@ -269,7 +319,12 @@ BENCHMARK(conv3x3_forward<GRAPH_MODE>)->Name("conv/3x3_64x64_28x28_b32_forward/g
 BENCHMARK(conv3x3_forward<PYNATIVE_MODE>)->Name("conv/3x3_64x64_28x28_b32_forward/pynative");
 BENCHMARK(conv3x3_backward<GRAPH_MODE>)->Name("conv/3x3_64x64_28x28_b32_backward/graph");
 BENCHMARK(conv3x3_backward<PYNATIVE_MODE>)->Name("conv/3x3_64x64_28x28_b32_backward/pynative");
+BENCHMARK(max_pool_forward<true>)->Name("conv/maxpool_3x3s2p1_64x28x28_b32_forward/duet");
+BENCHMARK(max_pool_forward<false>)->Name("conv/maxpool_3x3s2p1_64x28x28_b32_forward/duet_runtime_window");
+BENCHMARK(max_pool_backward)->Name("conv/maxpool_3x3s2p1_64x28x28_b32_backward/duet");
 #if DUET_BENCH_TORCH
+BENCHMARK(torch_max_pool_forward)->Name("conv/maxpool_3x3s2p1_64x28x28_b32_forward/libtorch");
+BENCHMARK(torch_max_pool_backward)->Name("conv/maxpool_3x3s2p1_64x28x28_b32_backward/libtorch");
 BENCHMARK(torch_lenet5_forward)->Name("conv/lenet5_forward/libtorch")->Arg(1)->Arg(64);
 BENCHMARK(torch_lenet5_train_step)->Name("conv/lenet5_train_step/libtorch")->Arg(64);
 BENCHMARK(torch_conv3x3_forward)->Name("conv/3x3_64x64_28x28_b32_forward/libtorch");
