@@ -57,6 +57,7 @@
 #include "passes.hpp"
 #include "pijit.hpp"
 #include "pipeline.hpp"
+#include "precompiled_kernels.hpp"
 #include "print.hpp"
 #include "random.hpp"
 #include "shape.hpp"

@@ -2834,39 +2834,59 @@ void gemm_blocked(const T* a, index_t m, index_t k, PanelSource<T> source, index
 }
 
 // The entry points gemm(), gemm_kn() and PackedWeight dispatch to (with_kernels in gemm.hpp).
+// Defined outside the class, so that they are not inline: a program built with
+// DUET_PRECOMPILED_KERNELS declares them extern (duet/precompiled_kernels.hpp), and an inline
+// function would be compiled again wherever it is called.
 struct Kernels {
   template <class T>
   static constexpr int panel_width_of = NV * lanes<T>;
 
   template <class T, class... Fns>
-  static void gemv_rows(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c) {
-    for (index_t i = 0; i < m; ++i) gemv<T, Fns...>(a + i * k, k, b, n, bias, c + i * n);
-  }
+  static void gemv_rows(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c);
 
   template <class T, class... Fns>
   static void blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
-                      const PackedWeight<T>* packed) {
-    gemm_blocked<T, Fns...>(a, m, k, PanelSource<T>{b, n, k, false, packed, nullptr}, n, bias, c, false, false);
-  }
+                      const PackedWeight<T>* packed);
 
   template <class T, class... Fns>
-  static void narrow(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c) {
-    dot_product(a, m, k, b, n, c);
-    if (bias != nullptr || sizeof...(Fns) > 0) epilogue<T, Fns...>(c, m, n, bias);
-  }
+  static void narrow(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c);
 
   template <class T>
-  static void blocked_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c, bool accumulate, bool halves) {
-    gemm_blocked<T>(a, m, k, PanelSource<T>{b, n, k, true, nullptr, nullptr}, n, nullptr, c, accumulate, halves);
-  }
+  static void blocked_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c, bool accumulate, bool halves);
 
   // Every panel of b ([n, k]) into dst, transposed: panel p, [k, W], at p·k·W.
   template <class T>
-  static void pack(const T* b, index_t n, index_t k, T* dst) {
-    constexpr index_t W = NV * lanes<T>;
-    for (index_t j0 = 0; j0 < n; j0 += W) transpose_step(Target{}, b + j0 * k, k, std::min(W, n - j0), k, dst + j0 * k, W);
-  }
+  static void pack(const T* b, index_t n, index_t k, T* dst);
 };
+
+template <class T, class... Fns>
+void Kernels::gemv_rows(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c) {
+  for (index_t i = 0; i < m; ++i) gemv<T, Fns...>(a + i * k, k, b, n, bias, c + i * n);
+}
+
+template <class T, class... Fns>
+void Kernels::blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
+                      const PackedWeight<T>* packed) {
+  gemm_blocked<T, Fns...>(a, m, k, PanelSource<T>{b, n, k, false, packed, nullptr}, n, bias, c, false, false);
+}
+
+template <class T, class... Fns>
+void Kernels::narrow(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c) {
+  dot_product(a, m, k, b, n, c);
+  if (bias != nullptr || sizeof...(Fns) > 0) epilogue<T, Fns...>(c, m, n, bias);
+}
+
+template <class T>
+void Kernels::blocked_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c, bool accumulate, bool halves) {
+  gemm_blocked<T>(a, m, k, PanelSource<T>{b, n, k, true, nullptr, nullptr}, n, nullptr, c, accumulate, halves);
+}
+
+template <class T>
+void Kernels::pack(const T* b, index_t n, index_t k, T* dst) {
+  constexpr index_t W = NV * lanes<T>;
+  for (index_t j0 = 0; j0 < n; j0 += W)
+    transpose_step(Target{}, b + j0 * k, k, std::min(W, n - j0), k, dst + j0 * k, W);
+}
 }  // namespace duet::kernels::detail::baseline
 DUET_END_BASELINE
 
@@ -3299,39 +3319,59 @@ void gemm_blocked(const T* a, index_t m, index_t k, PanelSource<T> source, index
 }
 
 // The entry points gemm(), gemm_kn() and PackedWeight dispatch to (with_kernels in gemm.hpp).
+// Defined outside the class, so that they are not inline: a program built with
+// DUET_PRECOMPILED_KERNELS declares them extern (duet/precompiled_kernels.hpp), and an inline
+// function would be compiled again wherever it is called.
 struct Kernels {
   template <class T>
   static constexpr int panel_width_of = NV * lanes<T>;
 
   template <class T, class... Fns>
-  static void gemv_rows(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c) {
-    for (index_t i = 0; i < m; ++i) gemv<T, Fns...>(a + i * k, k, b, n, bias, c + i * n);
-  }
+  static void gemv_rows(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c);
 
   template <class T, class... Fns>
   static void blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
-                      const PackedWeight<T>* packed) {
-    gemm_blocked<T, Fns...>(a, m, k, PanelSource<T>{b, n, k, false, packed, nullptr}, n, bias, c, false, false);
-  }
+                      const PackedWeight<T>* packed);
 
   template <class T, class... Fns>
-  static void narrow(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c) {
-    dot_product(a, m, k, b, n, c);
-    if (bias != nullptr || sizeof...(Fns) > 0) epilogue<T, Fns...>(c, m, n, bias);
-  }
+  static void narrow(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c);
 
   template <class T>
-  static void blocked_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c, bool accumulate, bool halves) {
-    gemm_blocked<T>(a, m, k, PanelSource<T>{b, n, k, true, nullptr, nullptr}, n, nullptr, c, accumulate, halves);
-  }
+  static void blocked_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c, bool accumulate, bool halves);
 
   // Every panel of b ([n, k]) into dst, transposed: panel p, [k, W], at p·k·W.
   template <class T>
-  static void pack(const T* b, index_t n, index_t k, T* dst) {
-    constexpr index_t W = NV * lanes<T>;
-    for (index_t j0 = 0; j0 < n; j0 += W) transpose_step(Target{}, b + j0 * k, k, std::min(W, n - j0), k, dst + j0 * k, W);
-  }
+  static void pack(const T* b, index_t n, index_t k, T* dst);
 };
+
+template <class T, class... Fns>
+void Kernels::gemv_rows(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c) {
+  for (index_t i = 0; i < m; ++i) gemv<T, Fns...>(a + i * k, k, b, n, bias, c + i * n);
+}
+
+template <class T, class... Fns>
+void Kernels::blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
+                      const PackedWeight<T>* packed) {
+  gemm_blocked<T, Fns...>(a, m, k, PanelSource<T>{b, n, k, false, packed, nullptr}, n, bias, c, false, false);
+}
+
+template <class T, class... Fns>
+void Kernels::narrow(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c) {
+  dot_product(a, m, k, b, n, c);
+  if (bias != nullptr || sizeof...(Fns) > 0) epilogue<T, Fns...>(c, m, n, bias);
+}
+
+template <class T>
+void Kernels::blocked_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c, bool accumulate, bool halves) {
+  gemm_blocked<T>(a, m, k, PanelSource<T>{b, n, k, true, nullptr, nullptr}, n, nullptr, c, accumulate, halves);
+}
+
+template <class T>
+void Kernels::pack(const T* b, index_t n, index_t k, T* dst) {
+  constexpr index_t W = NV * lanes<T>;
+  for (index_t j0 = 0; j0 < n; j0 += W)
+    transpose_step(Target{}, b + j0 * k, k, std::min(W, n - j0), k, dst + j0 * k, W);
+}
 }  // namespace duet::kernels::detail::avx2
 DUET_END_ISA
 
@@ -3763,39 +3803,59 @@ void gemm_blocked(const T* a, index_t m, index_t k, PanelSource<T> source, index
 }
 
 // The entry points gemm(), gemm_kn() and PackedWeight dispatch to (with_kernels in gemm.hpp).
+// Defined outside the class, so that they are not inline: a program built with
+// DUET_PRECOMPILED_KERNELS declares them extern (duet/precompiled_kernels.hpp), and an inline
+// function would be compiled again wherever it is called.
 struct Kernels {
   template <class T>
   static constexpr int panel_width_of = NV * lanes<T>;
 
   template <class T, class... Fns>
-  static void gemv_rows(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c) {
-    for (index_t i = 0; i < m; ++i) gemv<T, Fns...>(a + i * k, k, b, n, bias, c + i * n);
-  }
+  static void gemv_rows(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c);
 
   template <class T, class... Fns>
   static void blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
-                      const PackedWeight<T>* packed) {
-    gemm_blocked<T, Fns...>(a, m, k, PanelSource<T>{b, n, k, false, packed, nullptr}, n, bias, c, false, false);
-  }
+                      const PackedWeight<T>* packed);
 
   template <class T, class... Fns>
-  static void narrow(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c) {
-    dot_product(a, m, k, b, n, c);
-    if (bias != nullptr || sizeof...(Fns) > 0) epilogue<T, Fns...>(c, m, n, bias);
-  }
+  static void narrow(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c);
 
   template <class T>
-  static void blocked_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c, bool accumulate, bool halves) {
-    gemm_blocked<T>(a, m, k, PanelSource<T>{b, n, k, true, nullptr, nullptr}, n, nullptr, c, accumulate, halves);
-  }
+  static void blocked_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c, bool accumulate, bool halves);
 
   // Every panel of b ([n, k]) into dst, transposed: panel p, [k, W], at p·k·W.
   template <class T>
-  static void pack(const T* b, index_t n, index_t k, T* dst) {
-    constexpr index_t W = NV * lanes<T>;
-    for (index_t j0 = 0; j0 < n; j0 += W) transpose_step(Target{}, b + j0 * k, k, std::min(W, n - j0), k, dst + j0 * k, W);
-  }
+  static void pack(const T* b, index_t n, index_t k, T* dst);
 };
+
+template <class T, class... Fns>
+void Kernels::gemv_rows(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c) {
+  for (index_t i = 0; i < m; ++i) gemv<T, Fns...>(a + i * k, k, b, n, bias, c + i * n);
+}
+
+template <class T, class... Fns>
+void Kernels::blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
+                      const PackedWeight<T>* packed) {
+  gemm_blocked<T, Fns...>(a, m, k, PanelSource<T>{b, n, k, false, packed, nullptr}, n, bias, c, false, false);
+}
+
+template <class T, class... Fns>
+void Kernels::narrow(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c) {
+  dot_product(a, m, k, b, n, c);
+  if (bias != nullptr || sizeof...(Fns) > 0) epilogue<T, Fns...>(c, m, n, bias);
+}
+
+template <class T>
+void Kernels::blocked_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c, bool accumulate, bool halves) {
+  gemm_blocked<T>(a, m, k, PanelSource<T>{b, n, k, true, nullptr, nullptr}, n, nullptr, c, accumulate, halves);
+}
+
+template <class T>
+void Kernels::pack(const T* b, index_t n, index_t k, T* dst) {
+  constexpr index_t W = NV * lanes<T>;
+  for (index_t j0 = 0; j0 < n; j0 += W)
+    transpose_step(Target{}, b + j0 * k, k, std::min(W, n - j0), k, dst + j0 * k, W);
+}
 }  // namespace duet::kernels::detail::avx512
 DUET_END_ISA
 #endif
@@ -32438,6 +32498,293 @@ auto multinomial(const X& weights, index_t num_samples, bool replacement, Genera
 inline const bool random_listed = list_operations({"randn_like", "rand_like", "multinomial"});
 
 }  // namespace duet::ops
+// Precompiled kernels: the same kernels, compiled once instead of in every file (issue 16).
+//
+// Every translation unit that includes duet compiles the kernels it calls three times, once per
+// instruction set (kernels/simd/arch.hpp), at -O2 whatever the build's level: for a one-layer
+// network about a quarter of g++'s time (tools/compile_costs.md). The kernels do not depend on
+// the network, only on the element type and the functions a product fuses, so a program can
+// take them from one file:
+//
+//   - every file of the program is compiled with -DDUET_PRECOMPILED_KERNELS: the kernels'
+//     entry points (kernels/detail/precompiled_impl.hpp lists them) are declared extern there;
+//   - one file defines DUET_DEFINE_PRECOMPILED_KERNELS before including duet, and is linked in:
+//     it holds their definitions. CMake's duet::kernels is that file, built once, and sets the
+//     macro for whatever links it.
+//
+// The code that runs is the same (the kernels' own target and optimisation regions, not the
+// build's flags, choose their instructions), so the results are the same bits. Forgetting the
+// file is a link error naming a duet::kernels entry point. Both files must see the same duet.
+
+
+#if defined(DUET_DEFINE_PRECOMPILED_KERNELS)
+#define DUET_DETAIL_INSTANCE template
+#elif defined(DUET_PRECOMPILED_KERNELS)
+#define DUET_DETAIL_INSTANCE extern template
+#endif
+
+#ifdef DUET_DETAIL_INSTANCE
+// Each set's instances in its namespace, through the one list of sets; the sets' target regions
+// hold no function declaration here, which clang would warn about.
+#ifdef __clang__
+#pragma clang diagnostic push
+#pragma clang diagnostic ignored "-Wpragma-clang-attribute"
+#endif
+#define DUET_KERNEL_BODY "precompiled_impl.hpp"
+// A kernel family's body once per instruction set, each in its set's namespace and target
+// region: the one place that lists the sets (simd/arch.hpp defines them). A family's header
+// defines DUET_KERNEL_BODY as its body's file name in this directory and includes this file:
+//
+//   #define DUET_KERNEL_BODY "pool_impl.hpp"
+//   #include "detail/per_isa.hpp"
+//
+// No include guard: every family includes it. tools/amalgamate.cpp follows the macro.
+#ifndef DUET_KERNEL_BODY
+#error "define DUET_KERNEL_BODY (the body's file name) before including kernels/detail/per_isa.hpp"
+#endif
+
+DUET_BEGIN_BASELINE
+namespace duet::kernels::detail::baseline {
+// The kernels' entry points for one instruction set, as explicit instantiations: declarations
+// (extern template) in a program built with DUET_PRECOMPILED_KERNELS, definitions in the one
+// file that defines DUET_DEFINE_PRECOMPILED_KERNELS (duet/precompiled_kernels.hpp says why).
+// No include guard and no includes: per_isa.hpp includes it once per set, in that set's
+// namespace, after every family's body. What an entry point calls (tiles, shuffles, folds)
+// comes with it; an instance not listed is compiled where it is used, as without the macro.
+//
+// The element types are float and double; the functions a product or a map runs, none and the
+// activations with a vector form (nn/activation.hpp), alone, as layers fuse them.
+
+#define DUET_DETAIL_PRODUCT(T, ...)                                                                                \
+  DUET_DETAIL_INSTANCE void Kernels::gemv_rows<T __VA_OPT__(, ) __VA_ARGS__>(const T*, index_t, index_t, const T*, \
+                                                                             index_t, const T*, T*);               \
+  DUET_DETAIL_INSTANCE void Kernels::blocked<T __VA_OPT__(, ) __VA_ARGS__>(                                        \
+      const T*, index_t, index_t, const T*, index_t, const T*, T*, const PackedWeight<T>*);                        \
+  DUET_DETAIL_INSTANCE void Kernels::narrow<T __VA_OPT__(, ) __VA_ARGS__>(const T*, index_t, index_t, const T*,    \
+                                                                          index_t, const T*, T*);
+
+#define DUET_DETAIL_FUNCTION(T, Fn)                                         \
+  DUET_DETAIL_PRODUCT(T, Fn)                                                \
+  DUET_DETAIL_INSTANCE void map_step<T, Fn>(Target, const T*, index_t, T*); \
+  DUET_DETAIL_INSTANCE void map_grad_step<T, Fn>(Target, const T*, const T*, index_t, T*);
+
+#define DUET_DETAIL_ACTIVATION(T, F)                                                    \
+  DUET_DETAIL_INSTANCE void activation_step<Activation::F, 1, T>(Target, Vec<T>(&)[1]); \
+  DUET_DETAIL_INSTANCE void activation_step<Activation::F, 8, T>(Target, Vec<T>(&)[8]);
+
+#define DUET_DETAIL_ELEMENT(T)                                                                                     \
+  DUET_DETAIL_PRODUCT(T)                                                                                           \
+  DUET_DETAIL_FUNCTION(T, fn::Relu)                                                                                \
+  DUET_DETAIL_FUNCTION(T, fn::Sigmoid)                                                                             \
+  DUET_DETAIL_FUNCTION(T, fn::Tanh)                                                                                \
+  DUET_DETAIL_FUNCTION(T, fn::Gelu<false>)                                                                         \
+  DUET_DETAIL_FUNCTION(T, fn::Gelu<true>)                                                                          \
+  DUET_DETAIL_FUNCTION(T, fn::Silu)                                                                                \
+  DUET_DETAIL_ACTIVATION(T, exp)                                                                                   \
+  DUET_DETAIL_ACTIVATION(T, sigmoid)                                                                               \
+  DUET_DETAIL_ACTIVATION(T, tanh)                                                                                  \
+  DUET_DETAIL_ACTIVATION(T, silu)                                                                                  \
+  DUET_DETAIL_ACTIVATION(T, silu_derivative)                                                                       \
+  DUET_DETAIL_ACTIVATION(T, gelu)                                                                                  \
+  DUET_DETAIL_ACTIVATION(T, gelu_derivative)                                                                       \
+  DUET_DETAIL_ACTIVATION(T, gelu_tanh)                                                                             \
+  DUET_DETAIL_ACTIVATION(T, gelu_tanh_derivative)                                                                  \
+  DUET_DETAIL_ACTIVATION(T, erf)                                                                                   \
+  DUET_DETAIL_ACTIVATION(T, erf_derivative)                                                                        \
+  DUET_DETAIL_INSTANCE void Kernels::blocked_kn<T>(const T*, index_t, index_t, const T*, index_t, T*, bool, bool); \
+  DUET_DETAIL_INSTANCE void Kernels::pack<T>(const T*, index_t, index_t, T*);                                      \
+  DUET_DETAIL_INSTANCE void transpose_step<T>(Target, const T*, index_t, index_t, index_t, T*, index_t);           \
+  DUET_DETAIL_INSTANCE void exp_step<T>(Target, const T*, index_t, T*);                                            \
+  DUET_DETAIL_INSTANCE void scale_step<T>(Target, const T*, index_t, T, T*);                                       \
+  DUET_DETAIL_INSTANCE T sum_step<T>(Target, const T*, index_t);                                                   \
+  DUET_DETAIL_INSTANCE void column_sums_step<T>(Target, const T*, index_t, index_t, index_t, T*, bool);            \
+  DUET_DETAIL_INSTANCE T log_sum_exp_step<T>(Target, const T*, index_t);                                           \
+  DUET_DETAIL_INSTANCE T cross_entropy_step<T>(Target, const T*, const T*, index_t, T);                            \
+  DUET_DETAIL_INSTANCE void softmax_grad_step<T>(Target, const T*, index_t, T, index_t, T, T*);                    \
+  DUET_DETAIL_INSTANCE void softmax_grad_step<T>(Target, const T*, const T*, index_t, T, T, T, T*);                \
+  DUET_DETAIL_INSTANCE void add_bias_step<T>(Target, const T*, index_t, index_t, const T*, T*);                    \
+  DUET_DETAIL_INSTANCE void adam_step<T>(Target, T*, const T*, T*, T*, index_t, const AdamCoefficients<T>&);       \
+  DUET_DETAIL_INSTANCE void sgd_step<T>(Target, T*, const T*, T*, index_t, const SgdCoefficients<T>&);             \
+  DUET_DETAIL_INSTANCE void direct_conv_step<T>(Target, const T*, index_t, index_t, const T*, index_t, index_t,    \
+                                                index_t, index_t, index_t, index_t, T*);                           \
+  DUET_DETAIL_INSTANCE void direct_weight_step<T>(Target, const T*, index_t, index_t, const T*, index_t, index_t,  \
+                                                  index_t, index_t, index_t, index_t, T*);                         \
+  DUET_DETAIL_INSTANCE void direct_weight_sums_step<T>(Target, const T*, index_t, T*, bool);
+
+DUET_DETAIL_ELEMENT(float)
+DUET_DETAIL_ELEMENT(double)
+
+#undef DUET_DETAIL_ELEMENT
+#undef DUET_DETAIL_ACTIVATION
+#undef DUET_DETAIL_FUNCTION
+#undef DUET_DETAIL_PRODUCT
+}  // namespace duet::kernels::detail::baseline
+DUET_END_BASELINE
+
+#if DUET_X86_KERNELS
+DUET_BEGIN_AVX2
+namespace duet::kernels::detail::avx2 {
+// The kernels' entry points for one instruction set, as explicit instantiations: declarations
+// (extern template) in a program built with DUET_PRECOMPILED_KERNELS, definitions in the one
+// file that defines DUET_DEFINE_PRECOMPILED_KERNELS (duet/precompiled_kernels.hpp says why).
+// No include guard and no includes: per_isa.hpp includes it once per set, in that set's
+// namespace, after every family's body. What an entry point calls (tiles, shuffles, folds)
+// comes with it; an instance not listed is compiled where it is used, as without the macro.
+//
+// The element types are float and double; the functions a product or a map runs, none and the
+// activations with a vector form (nn/activation.hpp), alone, as layers fuse them.
+
+#define DUET_DETAIL_PRODUCT(T, ...)                                                                                \
+  DUET_DETAIL_INSTANCE void Kernels::gemv_rows<T __VA_OPT__(, ) __VA_ARGS__>(const T*, index_t, index_t, const T*, \
+                                                                             index_t, const T*, T*);               \
+  DUET_DETAIL_INSTANCE void Kernels::blocked<T __VA_OPT__(, ) __VA_ARGS__>(                                        \
+      const T*, index_t, index_t, const T*, index_t, const T*, T*, const PackedWeight<T>*);                        \
+  DUET_DETAIL_INSTANCE void Kernels::narrow<T __VA_OPT__(, ) __VA_ARGS__>(const T*, index_t, index_t, const T*,    \
+                                                                          index_t, const T*, T*);
+
+#define DUET_DETAIL_FUNCTION(T, Fn)                                         \
+  DUET_DETAIL_PRODUCT(T, Fn)                                                \
+  DUET_DETAIL_INSTANCE void map_step<T, Fn>(Target, const T*, index_t, T*); \
+  DUET_DETAIL_INSTANCE void map_grad_step<T, Fn>(Target, const T*, const T*, index_t, T*);
+
+#define DUET_DETAIL_ACTIVATION(T, F)                                                    \
+  DUET_DETAIL_INSTANCE void activation_step<Activation::F, 1, T>(Target, Vec<T>(&)[1]); \
+  DUET_DETAIL_INSTANCE void activation_step<Activation::F, 8, T>(Target, Vec<T>(&)[8]);
+
+#define DUET_DETAIL_ELEMENT(T)                                                                                     \
+  DUET_DETAIL_PRODUCT(T)                                                                                           \
+  DUET_DETAIL_FUNCTION(T, fn::Relu)                                                                                \
+  DUET_DETAIL_FUNCTION(T, fn::Sigmoid)                                                                             \
+  DUET_DETAIL_FUNCTION(T, fn::Tanh)                                                                                \
+  DUET_DETAIL_FUNCTION(T, fn::Gelu<false>)                                                                         \
+  DUET_DETAIL_FUNCTION(T, fn::Gelu<true>)                                                                          \
+  DUET_DETAIL_FUNCTION(T, fn::Silu)                                                                                \
+  DUET_DETAIL_ACTIVATION(T, exp)                                                                                   \
+  DUET_DETAIL_ACTIVATION(T, sigmoid)                                                                               \
+  DUET_DETAIL_ACTIVATION(T, tanh)                                                                                  \
+  DUET_DETAIL_ACTIVATION(T, silu)                                                                                  \
+  DUET_DETAIL_ACTIVATION(T, silu_derivative)                                                                       \
+  DUET_DETAIL_ACTIVATION(T, gelu)                                                                                  \
+  DUET_DETAIL_ACTIVATION(T, gelu_derivative)                                                                       \
+  DUET_DETAIL_ACTIVATION(T, gelu_tanh)                                                                             \
+  DUET_DETAIL_ACTIVATION(T, gelu_tanh_derivative)                                                                  \
+  DUET_DETAIL_ACTIVATION(T, erf)                                                                                   \
+  DUET_DETAIL_ACTIVATION(T, erf_derivative)                                                                        \
+  DUET_DETAIL_INSTANCE void Kernels::blocked_kn<T>(const T*, index_t, index_t, const T*, index_t, T*, bool, bool); \
+  DUET_DETAIL_INSTANCE void Kernels::pack<T>(const T*, index_t, index_t, T*);                                      \
+  DUET_DETAIL_INSTANCE void transpose_step<T>(Target, const T*, index_t, index_t, index_t, T*, index_t);           \
+  DUET_DETAIL_INSTANCE void exp_step<T>(Target, const T*, index_t, T*);                                            \
+  DUET_DETAIL_INSTANCE void scale_step<T>(Target, const T*, index_t, T, T*);                                       \
+  DUET_DETAIL_INSTANCE T sum_step<T>(Target, const T*, index_t);                                                   \
+  DUET_DETAIL_INSTANCE void column_sums_step<T>(Target, const T*, index_t, index_t, index_t, T*, bool);            \
+  DUET_DETAIL_INSTANCE T log_sum_exp_step<T>(Target, const T*, index_t);                                           \
+  DUET_DETAIL_INSTANCE T cross_entropy_step<T>(Target, const T*, const T*, index_t, T);                            \
+  DUET_DETAIL_INSTANCE void softmax_grad_step<T>(Target, const T*, index_t, T, index_t, T, T*);                    \
+  DUET_DETAIL_INSTANCE void softmax_grad_step<T>(Target, const T*, const T*, index_t, T, T, T, T*);                \
+  DUET_DETAIL_INSTANCE void add_bias_step<T>(Target, const T*, index_t, index_t, const T*, T*);                    \
+  DUET_DETAIL_INSTANCE void adam_step<T>(Target, T*, const T*, T*, T*, index_t, const AdamCoefficients<T>&);       \
+  DUET_DETAIL_INSTANCE void sgd_step<T>(Target, T*, const T*, T*, index_t, const SgdCoefficients<T>&);             \
+  DUET_DETAIL_INSTANCE void direct_conv_step<T>(Target, const T*, index_t, index_t, const T*, index_t, index_t,    \
+                                                index_t, index_t, index_t, index_t, T*);                           \
+  DUET_DETAIL_INSTANCE void direct_weight_step<T>(Target, const T*, index_t, index_t, const T*, index_t, index_t,  \
+                                                  index_t, index_t, index_t, index_t, T*);                         \
+  DUET_DETAIL_INSTANCE void direct_weight_sums_step<T>(Target, const T*, index_t, T*, bool);
+
+DUET_DETAIL_ELEMENT(float)
+DUET_DETAIL_ELEMENT(double)
+
+#undef DUET_DETAIL_ELEMENT
+#undef DUET_DETAIL_ACTIVATION
+#undef DUET_DETAIL_FUNCTION
+#undef DUET_DETAIL_PRODUCT
+}  // namespace duet::kernels::detail::avx2
+DUET_END_ISA
+
+DUET_BEGIN_AVX512
+namespace duet::kernels::detail::avx512 {
+// The kernels' entry points for one instruction set, as explicit instantiations: declarations
+// (extern template) in a program built with DUET_PRECOMPILED_KERNELS, definitions in the one
+// file that defines DUET_DEFINE_PRECOMPILED_KERNELS (duet/precompiled_kernels.hpp says why).
+// No include guard and no includes: per_isa.hpp includes it once per set, in that set's
+// namespace, after every family's body. What an entry point calls (tiles, shuffles, folds)
+// comes with it; an instance not listed is compiled where it is used, as without the macro.
+//
+// The element types are float and double; the functions a product or a map runs, none and the
+// activations with a vector form (nn/activation.hpp), alone, as layers fuse them.
+
+#define DUET_DETAIL_PRODUCT(T, ...)                                                                                \
+  DUET_DETAIL_INSTANCE void Kernels::gemv_rows<T __VA_OPT__(, ) __VA_ARGS__>(const T*, index_t, index_t, const T*, \
+                                                                             index_t, const T*, T*);               \
+  DUET_DETAIL_INSTANCE void Kernels::blocked<T __VA_OPT__(, ) __VA_ARGS__>(                                        \
+      const T*, index_t, index_t, const T*, index_t, const T*, T*, const PackedWeight<T>*);                        \
+  DUET_DETAIL_INSTANCE void Kernels::narrow<T __VA_OPT__(, ) __VA_ARGS__>(const T*, index_t, index_t, const T*,    \
+                                                                          index_t, const T*, T*);
+
+#define DUET_DETAIL_FUNCTION(T, Fn)                                         \
+  DUET_DETAIL_PRODUCT(T, Fn)                                                \
+  DUET_DETAIL_INSTANCE void map_step<T, Fn>(Target, const T*, index_t, T*); \
+  DUET_DETAIL_INSTANCE void map_grad_step<T, Fn>(Target, const T*, const T*, index_t, T*);
+
+#define DUET_DETAIL_ACTIVATION(T, F)                                                    \
+  DUET_DETAIL_INSTANCE void activation_step<Activation::F, 1, T>(Target, Vec<T>(&)[1]); \
+  DUET_DETAIL_INSTANCE void activation_step<Activation::F, 8, T>(Target, Vec<T>(&)[8]);
+
+#define DUET_DETAIL_ELEMENT(T)                                                                                     \
+  DUET_DETAIL_PRODUCT(T)                                                                                           \
+  DUET_DETAIL_FUNCTION(T, fn::Relu)                                                                                \
+  DUET_DETAIL_FUNCTION(T, fn::Sigmoid)                                                                             \
+  DUET_DETAIL_FUNCTION(T, fn::Tanh)                                                                                \
+  DUET_DETAIL_FUNCTION(T, fn::Gelu<false>)                                                                         \
+  DUET_DETAIL_FUNCTION(T, fn::Gelu<true>)                                                                          \
+  DUET_DETAIL_FUNCTION(T, fn::Silu)                                                                                \
+  DUET_DETAIL_ACTIVATION(T, exp)                                                                                   \
+  DUET_DETAIL_ACTIVATION(T, sigmoid)                                                                               \
+  DUET_DETAIL_ACTIVATION(T, tanh)                                                                                  \
+  DUET_DETAIL_ACTIVATION(T, silu)                                                                                  \
+  DUET_DETAIL_ACTIVATION(T, silu_derivative)                                                                       \
+  DUET_DETAIL_ACTIVATION(T, gelu)                                                                                  \
+  DUET_DETAIL_ACTIVATION(T, gelu_derivative)                                                                       \
+  DUET_DETAIL_ACTIVATION(T, gelu_tanh)                                                                             \
+  DUET_DETAIL_ACTIVATION(T, gelu_tanh_derivative)                                                                  \
+  DUET_DETAIL_ACTIVATION(T, erf)                                                                                   \
+  DUET_DETAIL_ACTIVATION(T, erf_derivative)                                                                        \
+  DUET_DETAIL_INSTANCE void Kernels::blocked_kn<T>(const T*, index_t, index_t, const T*, index_t, T*, bool, bool); \
+  DUET_DETAIL_INSTANCE void Kernels::pack<T>(const T*, index_t, index_t, T*);                                      \
+  DUET_DETAIL_INSTANCE void transpose_step<T>(Target, const T*, index_t, index_t, index_t, T*, index_t);           \
+  DUET_DETAIL_INSTANCE void exp_step<T>(Target, const T*, index_t, T*);                                            \
+  DUET_DETAIL_INSTANCE void scale_step<T>(Target, const T*, index_t, T, T*);                                       \
+  DUET_DETAIL_INSTANCE T sum_step<T>(Target, const T*, index_t);                                                   \
+  DUET_DETAIL_INSTANCE void column_sums_step<T>(Target, const T*, index_t, index_t, index_t, T*, bool);            \
+  DUET_DETAIL_INSTANCE T log_sum_exp_step<T>(Target, const T*, index_t);                                           \
+  DUET_DETAIL_INSTANCE T cross_entropy_step<T>(Target, const T*, const T*, index_t, T);                            \
+  DUET_DETAIL_INSTANCE void softmax_grad_step<T>(Target, const T*, index_t, T, index_t, T, T*);                    \
+  DUET_DETAIL_INSTANCE void softmax_grad_step<T>(Target, const T*, const T*, index_t, T, T, T, T*);                \
+  DUET_DETAIL_INSTANCE void add_bias_step<T>(Target, const T*, index_t, index_t, const T*, T*);                    \
+  DUET_DETAIL_INSTANCE void adam_step<T>(Target, T*, const T*, T*, T*, index_t, const AdamCoefficients<T>&);       \
+  DUET_DETAIL_INSTANCE void sgd_step<T>(Target, T*, const T*, T*, index_t, const SgdCoefficients<T>&);             \
+  DUET_DETAIL_INSTANCE void direct_conv_step<T>(Target, const T*, index_t, index_t, const T*, index_t, index_t,    \
+                                                index_t, index_t, index_t, index_t, T*);                           \
+  DUET_DETAIL_INSTANCE void direct_weight_step<T>(Target, const T*, index_t, index_t, const T*, index_t, index_t,  \
+                                                  index_t, index_t, index_t, index_t, T*);                         \
+  DUET_DETAIL_INSTANCE void direct_weight_sums_step<T>(Target, const T*, index_t, T*, bool);
+
+DUET_DETAIL_ELEMENT(float)
+DUET_DETAIL_ELEMENT(double)
+
+#undef DUET_DETAIL_ELEMENT
+#undef DUET_DETAIL_ACTIVATION
+#undef DUET_DETAIL_FUNCTION
+#undef DUET_DETAIL_PRODUCT
+}  // namespace duet::kernels::detail::avx512
+DUET_END_ISA
+#endif
+
+#undef DUET_KERNEL_BODY
+#ifdef __clang__
+#pragma clang diagnostic pop
+#endif
+#undef DUET_DETAIL_INSTANCE
+#endif
 // duet::summary: a network's cells with their output shapes and parameter counts, and the
 // totals (Keras's model.summary(), torchinfo's summary).
 //

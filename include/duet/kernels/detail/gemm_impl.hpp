@@ -424,36 +424,56 @@ void gemm_blocked(const T* a, index_t m, index_t k, PanelSource<T> source, index
 }
 
 // The entry points gemm(), gemm_kn() and PackedWeight dispatch to (with_kernels in gemm.hpp).
+// Defined outside the class, so that they are not inline: a program built with
+// DUET_PRECOMPILED_KERNELS declares them extern (duet/precompiled_kernels.hpp), and an inline
+// function would be compiled again wherever it is called.
 struct Kernels {
   template <class T>
   static constexpr int panel_width_of = NV * lanes<T>;
 
   template <class T, class... Fns>
-  static void gemv_rows(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c) {
-    for (index_t i = 0; i < m; ++i) gemv<T, Fns...>(a + i * k, k, b, n, bias, c + i * n);
-  }
+  static void gemv_rows(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c);
 
   template <class T, class... Fns>
   static void blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
-                      const PackedWeight<T>* packed) {
-    gemm_blocked<T, Fns...>(a, m, k, PanelSource<T>{b, n, k, false, packed, nullptr}, n, bias, c, false, false);
-  }
+                      const PackedWeight<T>* packed);
 
   template <class T, class... Fns>
-  static void narrow(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c) {
-    dot_product(a, m, k, b, n, c);
-    if (bias != nullptr || sizeof...(Fns) > 0) epilogue<T, Fns...>(c, m, n, bias);
-  }
+  static void narrow(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c);
 
   template <class T>
-  static void blocked_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c, bool accumulate, bool halves) {
-    gemm_blocked<T>(a, m, k, PanelSource<T>{b, n, k, true, nullptr, nullptr}, n, nullptr, c, accumulate, halves);
-  }
+  static void blocked_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c, bool accumulate, bool halves);
 
   // Every panel of b ([n, k]) into dst, transposed: panel p, [k, W], at p·k·W.
   template <class T>
-  static void pack(const T* b, index_t n, index_t k, T* dst) {
-    constexpr index_t W = NV * lanes<T>;
-    for (index_t j0 = 0; j0 < n; j0 += W) transpose_step(Target{}, b + j0 * k, k, std::min(W, n - j0), k, dst + j0 * k, W);
-  }
+  static void pack(const T* b, index_t n, index_t k, T* dst);
 };
+
+template <class T, class... Fns>
+void Kernels::gemv_rows(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c) {
+  for (index_t i = 0; i < m; ++i) gemv<T, Fns...>(a + i * k, k, b, n, bias, c + i * n);
+}
+
+template <class T, class... Fns>
+void Kernels::blocked(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c,
+                      const PackedWeight<T>* packed) {
+  gemm_blocked<T, Fns...>(a, m, k, PanelSource<T>{b, n, k, false, packed, nullptr}, n, bias, c, false, false);
+}
+
+template <class T, class... Fns>
+void Kernels::narrow(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c) {
+  dot_product(a, m, k, b, n, c);
+  if (bias != nullptr || sizeof...(Fns) > 0) epilogue<T, Fns...>(c, m, n, bias);
+}
+
+template <class T>
+void Kernels::blocked_kn(const T* a, index_t m, index_t k, const T* b, index_t n, T* c, bool accumulate, bool halves) {
+  gemm_blocked<T>(a, m, k, PanelSource<T>{b, n, k, true, nullptr, nullptr}, n, nullptr, c, accumulate, halves);
+}
+
+template <class T>
+void Kernels::pack(const T* b, index_t n, index_t k, T* dst) {
+  constexpr index_t W = NV * lanes<T>;
+  for (index_t j0 = 0; j0 < n; j0 += W)
+    transpose_step(Target{}, b + j0 * k, k, std::min(W, n - j0), k, dst + j0 * k, W);
+}
