@@ -29,6 +29,9 @@
 #           the suite's run time, at -O1 (the sanitizers' documentation suggests it; both keep
 #           the stack traces exact).
 #           One build serves both: a separate unsanitised clang build proved nothing more.
+#           The unit tests take their kernels from one precompiled file
+#           (DUET_TEST_PRECOMPILED_KERNELS, duet/precompiled_kernels.hpp), so that every case
+#           checks that path too; every other program of both stages is header-only.
 #           In batches of 4 files (DUET_UNITY_BATCH_SIZE): the heaviest batch (ops_arithmetic,
 #           ops_custom, ops_math, ops_layers) takes 5.2 GB; batches of 8 with all of UBSan's
 #           checks took 10.7 GB, more than two jobs have on 23 GB
@@ -126,7 +129,7 @@ for stage in "${stages[@]}"; do
       ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
         run_stage clang "$build/clang" "" "-LE unit_case" -DCMAKE_CXX_COMPILER=clang++ -DDUET_USE_SINGLE_INCLUDE=ON \
         -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1" -DDUET_TEST_OPTIMIZATION=-O0 \
-        "-DCMAKE_EXE_LINKER_FLAGS=$link_flags -no-pie" -DDUET_UNITY_TESTS=ON -DDUET_UNITY_BATCH_SIZE=4 -DDUET_SANITIZE=address,undefined -DDUET_BUILD_EXAMPLES=OFF -DDUET_BUILD_BENCHMARKS=OFF
+        "-DCMAKE_EXE_LINKER_FLAGS=$link_flags -no-pie" -DDUET_UNITY_TESTS=ON -DDUET_UNITY_BATCH_SIZE=4 -DDUET_TEST_PRECOMPILED_KERNELS=ON -DDUET_SANITIZE=address,undefined -DDUET_BUILD_EXAMPLES=OFF -DDUET_BUILD_BENCHMARKS=OFF
       ;;
     tsan)
       TSAN_OPTIONS=halt_on_error=1 run_stage tsan "$build/tsan" duet_thread_tests "-L threads" \
