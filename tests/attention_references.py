@@ -5,7 +5,10 @@ torch.nn.MultiheadAttention(4, 2, batch_first=True) called as attn(x, x, x) with
 (duet's in_proj is PyTorch's in_proj_weight and in_proj_bias), causal through attn_mask (-inf
 above the diagonal), at lengths 5 then 3; the output, the loss mse_loss(out, target) and the
 gradients of the loss with respect to x, in_proj_weight, in_proj_bias, out_proj.weight and
-out_proj.bias. Prints the C++ arrays nn_attention.cpp holds.
+out_proj.bias. Then with a key padding mask on a padded batch of three at length 5 (the
+sequences 5, 3 and 1 tokens long): a bool mask (True past each sequence's end), with and
+without the causal mask, and a float mask added to the scores (whose gradient is printed
+too). Prints the C++ arrays nn_attention.cpp holds.
 """
 import math
 import sys
@@ -28,31 +31,49 @@ def f32(t):
     return t.float().double()
 
 
-def case(length, causal):
+def case(length, causal, mask_kind=None):
+    batch = B if mask_kind is None else 3
     attn = torch.nn.MultiheadAttention(E, H, batch_first=True).double()
     with torch.no_grad():
         attn.in_proj_weight.copy_(f32(filled(3 * E * E, lambda i: 0.4 * math.sin(0.9 * i + 0.2)).view(3 * E, E)))
         attn.in_proj_bias.copy_(f32(filled(3 * E, lambda i: 0.1 * math.cos(1.7 * i))))
         attn.out_proj.weight.copy_(f32(filled(E * E, lambda i: 0.5 * math.cos(0.55 * i + 0.3)).view(E, E)))
         attn.out_proj.bias.copy_(f32(filled(E, lambda i: 0.05 * i - 0.1)))
-    n = B * length * E
-    x = f32(filled(n, lambda i: math.sin(0.37 * i + 0.1)).view(B, length, E)).requires_grad_()
-    target = f32(filled(n, lambda i: math.cos(0.29 * i)).view(B, length, E))
+    n = batch * length * E
+    x = f32(filled(n, lambda i: math.sin(0.37 * i + 0.1)).view(batch, length, E)).requires_grad_()
+    target = f32(filled(n, lambda i: math.cos(0.29 * i)).view(batch, length, E))
     mask = torch.triu(torch.full((length, length), float("-inf"), dtype=torch.float64), 1) if causal else None
-    out, _ = attn(x, x, x, attn_mask=mask, need_weights=False)
+    if mask_kind == "bool":
+        lengths = torch.tensor([5, 3, 1])
+        padding = torch.arange(length).view(1, length) >= lengths.view(3, 1)
+    elif mask_kind == "float":
+        padding = f32(filled(3 * length, lambda i: 0.8 * math.sin(1.3 * i)).view(3, length)).requires_grad_()
+    else:
+        padding = None
+    out, _ = attn(x, x, x, key_padding_mask=padding, attn_mask=mask, need_weights=False)
     loss = torch.nn.functional.mse_loss(out, target)
     loss.backward()
-    name = f"t{length}{'_causal' if causal else ''}"
+    name = f"t{length}{'_causal' if causal else ''}{'_' + mask_kind + '_mask' if mask_kind else ''}"
     arrays = [("out", out), ("dx", x.grad), ("d_in_proj_weight", attn.in_proj_weight.grad),
               ("d_in_proj_bias", attn.in_proj_bias.grad), ("d_out_proj_weight", attn.out_proj.weight.grad),
               ("d_out_proj_bias", attn.out_proj.bias.grad)]
-    print(f"const Reference {name}{{{length}, {'true' if causal else 'false'}, {loss.item():.17g},")
+    masked = mask_kind is not None
+    print(f"const {'MaskedReference' if masked else 'Reference'} {name}{{{'{' if masked else ''}{length}, "
+          f"{'true' if causal else 'false'}, {loss.item():.17g},")
     for label, t in arrays:
         values = ", ".join(f"{v:.17g}" for v in t.detach().flatten().tolist())
         print(f"    /* {label} */ {{{values}}},")
+    if masked:
+        print("    },")
+        for label, t in (("mask", padding), ("d_mask", padding.grad)):
+            values = "" if t is None else ", ".join(f"{v:.17g}" for v in t.detach().double().flatten().tolist())
+            print(f"    /* {label} */ {{{values}}},")
     print("};")
 
 
 for causal in (False, True):
     for length in (5, 3):
         case(length, causal)
+case(5, False, "bool")
+case(5, True, "bool")
+case(5, False, "float")

@@ -52,6 +52,9 @@ enum class ShapeFault : unsigned char {
   axes_in_order,  // the operation's start axis, axis `expected` of the input, must not come after its end axis
                   // (flatten)
   batch_first_sequences,  // the input must be [batch, length, `expected`] (attention, batch_first)
+  // input 1 (an attention's key padding mask) must be [batch, length] of the attention's input
+  // [batch, length, `expected`], which input 0 (the scores, [batch, heads, length, length]) gives
+  key_padding_mask,
 };
 
 // What a shape rule returns: the output shape and, if the inputs break the rule, which way.
@@ -187,6 +190,16 @@ inline std::string describe_fault(const ShapeResult& r, std::string_view layer, 
       return std::string(layer) + " expects batch-first sequences [batch, length, " + e + "], got " + got +
              " (one sequence [length, " + e + "] is ops::expand_dims<0>(x); PyTorch's default [length, batch, " + e +
              "] is ops::transpose<1, 0, 2>(x))";
+    case ShapeFault::key_padding_mask: {
+      if (inputs.size() < 2 || inputs[0].rank() != 4) {
+        what = "a key padding mask [batch, length] of its input [batch, length, " + e + "]";
+        break;
+      }
+      const Shape& scores = inputs[0];
+      return std::string(layer) +
+             " expects a key padding mask [batch, length] = " + to_string(Shape{scores[0], scores[3]}) +
+             " for its input " + to_string(Shape{scores[0], scores[2], r.expected}) + ", got " + to_string(inputs[1]);
+    }
     case ShapeFault::initial_state:
       return std::string(layer) + " expects an initial state [batch, " + e + "] for sequences [batch, length, " +
              "input], got " + got + " for " + (inputs.empty() ? std::string("nothing") : to_string(inputs[0]));
@@ -272,6 +285,9 @@ template <index_t N>
 struct end_axis_must_not_come_before_start_axis {};
 template <index_t N>
 struct input_must_be_batch_first_sequences_batch_length_by {};
+// The attention's input [batch, length, E], whose first two sizes the mask must have.
+template <class InputShape>
+struct key_padding_mask_must_be_batch_by_length_of_input {};
 // A window's extent (a convolution's kernel, dilated) less the padding: a smaller input leaves
 // no output.
 template <index_t N>
@@ -371,6 +387,14 @@ template <class Layer, class Culprit, class Other>
 using inner_dimension_rejection =
     rejected<Layer, inner_dimension_must_match<shape_type_of<Other>>, shape_type_of<Culprit>>;
 
+// An attention's input [batch, length, E] from its scores' shape [batch, heads, length, length].
+template <class Scores, index_t E>
+struct attention_input_of {
+  static constexpr Shape shape{Scores::shape[0], Scores::shape[2], E};
+};
+template <class Scores, index_t E>
+using attention_input_shape = shape_type_of<attention_input_of<Scores, E>>;
+
 // The report of Layer's rule broken with fault F (N being what it expected) by an input whose
 // shape is ShapeOf::shape.
 template <class Layer, ShapeFault F, index_t N, class ShapeOf>
@@ -395,6 +419,11 @@ constexpr void report_static_fault() {
       using Input = shape_type_of<std::tuple_element_t<0, In>>;
       static_cast<void>(
           sizeof(rejected<Layer, indices_must_fit_in_except_along_axis<r.expected, Input>, shape_type_of<Culprit>>));
+    } else if constexpr (r.fault == ShapeFault::key_padding_mask) {
+      static_cast<void>(sizeof(rejected<Layer,
+                                        key_padding_mask_must_be_batch_by_length_of_input<
+                                            attention_input_shape<std::tuple_element_t<0, In>, r.expected>>,
+                                        shape_type_of<Culprit>>));
     } else if constexpr (r.fault == ShapeFault::inner_dimensions) {
       static_cast<void>(
           sizeof(inner_dimension_rejection<Layer, Culprit, std::tuple_element_t<r.input == 0 ? 1 : 0, In>>));

@@ -7310,6 +7310,9 @@ enum class ShapeFault : unsigned char {
   axes_in_order,  // the operation's start axis, axis `expected` of the input, must not come after its end axis
                   // (flatten)
   batch_first_sequences,  // the input must be [batch, length, `expected`] (attention, batch_first)
+  // input 1 (an attention's key padding mask) must be [batch, length] of the attention's input
+  // [batch, length, `expected`], which input 0 (the scores, [batch, heads, length, length]) gives
+  key_padding_mask,
 };
 
 // What a shape rule returns: the output shape and, if the inputs break the rule, which way.
@@ -7445,6 +7448,16 @@ inline std::string describe_fault(const ShapeResult& r, std::string_view layer, 
       return std::string(layer) + " expects batch-first sequences [batch, length, " + e + "], got " + got +
              " (one sequence [length, " + e + "] is ops::expand_dims<0>(x); PyTorch's default [length, batch, " + e +
              "] is ops::transpose<1, 0, 2>(x))";
+    case ShapeFault::key_padding_mask: {
+      if (inputs.size() < 2 || inputs[0].rank() != 4) {
+        what = "a key padding mask [batch, length] of its input [batch, length, " + e + "]";
+        break;
+      }
+      const Shape& scores = inputs[0];
+      return std::string(layer) +
+             " expects a key padding mask [batch, length] = " + to_string(Shape{scores[0], scores[3]}) +
+             " for its input " + to_string(Shape{scores[0], scores[2], r.expected}) + ", got " + to_string(inputs[1]);
+    }
     case ShapeFault::initial_state:
       return std::string(layer) + " expects an initial state [batch, " + e + "] for sequences [batch, length, " +
              "input], got " + got + " for " + (inputs.empty() ? std::string("nothing") : to_string(inputs[0]));
@@ -7530,6 +7543,9 @@ template <index_t N>
 struct end_axis_must_not_come_before_start_axis {};
 template <index_t N>
 struct input_must_be_batch_first_sequences_batch_length_by {};
+// The attention's input [batch, length, E], whose first two sizes the mask must have.
+template <class InputShape>
+struct key_padding_mask_must_be_batch_by_length_of_input {};
 // A window's extent (a convolution's kernel, dilated) less the padding: a smaller input leaves
 // no output.
 template <index_t N>
@@ -7629,6 +7645,14 @@ template <class Layer, class Culprit, class Other>
 using inner_dimension_rejection =
     rejected<Layer, inner_dimension_must_match<shape_type_of<Other>>, shape_type_of<Culprit>>;
 
+// An attention's input [batch, length, E] from its scores' shape [batch, heads, length, length].
+template <class Scores, index_t E>
+struct attention_input_of {
+  static constexpr Shape shape{Scores::shape[0], Scores::shape[2], E};
+};
+template <class Scores, index_t E>
+using attention_input_shape = shape_type_of<attention_input_of<Scores, E>>;
+
 // The report of Layer's rule broken with fault F (N being what it expected) by an input whose
 // shape is ShapeOf::shape.
 template <class Layer, ShapeFault F, index_t N, class ShapeOf>
@@ -7653,6 +7677,11 @@ constexpr void report_static_fault() {
       using Input = shape_type_of<std::tuple_element_t<0, In>>;
       static_cast<void>(
           sizeof(rejected<Layer, indices_must_fit_in_except_along_axis<r.expected, Input>, shape_type_of<Culprit>>));
+    } else if constexpr (r.fault == ShapeFault::key_padding_mask) {
+      static_cast<void>(sizeof(rejected<Layer,
+                                        key_padding_mask_must_be_batch_by_length_of_input<
+                                            attention_input_shape<std::tuple_element_t<0, In>, r.expected>>,
+                                        shape_type_of<Culprit>>));
     } else if constexpr (r.fault == ShapeFault::inner_dimensions) {
       static_cast<void>(
           sizeof(inner_dimension_rejection<Layer, Culprit, std::tuple_element_t<r.input == 0 ? 1 : 0, In>>));
@@ -20581,14 +20610,17 @@ using Softplus = Activation<fn::Softplus>;    // beta 1, threshold 20
 }  // namespace nn
 }  // namespace duet
 // Multi-head self-attention (PyTorch's nn.MultiheadAttention(E, H, batch_first=True) called
-// as attn(x, x, x), MindSpore's nn.MultiheadAttention(batch_first=True)), in both modes, for
-// sequences of any length.
+// as attn(x, x, x), with its key_padding_mask as attn(x, mask), MindSpore's nn.MultiheadAttention(batch_first=True)),
+// in both modes, for sequences of any length.
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -25731,6 +25763,119 @@ struct AttentionInputOp : Primitive<AttentionInputOp<Layer>> {
   Interchange interchange(std::span<const Shape>) const { return {{"Identity", {InterchangeInput::operand(0)}, {}}}; }
 };
 
+// The gradient of a key padding mask added to the scores: dy [batch, H, length, length]
+// summed over heads and queries, [batch, length].
+struct KeyPaddingMaskGradOp : Primitive<KeyPaddingMaskGradOp> {
+  static constexpr std::array reads{graph::Operand::grad};
+  static constexpr int arity = 1;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    const Shape& dy = in[0];
+    if (dy.leading_unknown() || dy.rank() != 4) return {Shape{dyn, dyn}};
+    return {Shape{dy[0], dy[3]}};
+  }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const Shape& s = a.in_shape(0);
+    const index_t batch = s[0], rows = s[1] * s[2], keys = s[3];
+    const T* dy = a.in<T>(0);
+    T* d = a.out<T>();
+    std::fill_n(d, batch * keys, T(0));
+    for (index_t b = 0; b < batch; ++b) {
+      for (index_t r = 0; r < rows; ++r, dy += keys) {
+        for (index_t j = 0; j < keys; ++j) d[b * keys + j] += dy[j];
+      }
+    }
+  }
+
+  static std::string op_name() { return "KeyPaddingMaskGrad"; }
+};
+
+// nn::MultiheadAttention's key padding mask on its scores, PyTorch's key_padding_mask: scores
+// [batch, H, length, length], mask [batch, length] of the keys (the last axis). A UInt8 mask
+// (PyTorch's bool) sets the scores of the keys it marks (not 0) to -inf; a mask of the scores'
+// type is added to them (PyTorch's float mask). A query left with no key to attend to, every
+// score of its row -inf, is refused: softmax would make it NaN, as it does in PyTorch, and the
+// NaN would reach every gradient.
+template <class Layer, class M>
+struct KeyPaddingMaskOp : Primitive<KeyPaddingMaskOp<Layer, M>> {
+  using layer_type = Layer;
+  static constexpr int arity = 2;
+  static constexpr bool additive = !std::is_same_v<M, std::uint8_t>;
+  // As the gradient of a UInt8 mask's scores, it reads the incoming gradient and the mask.
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input1};
+
+  const Layer* layer;
+  // -inf for the scores; 0 for their gradient, which then checks no row.
+  double fill;
+  explicit KeyPaddingMaskOp(const Layer* l, double f = -std::numeric_limits<double>::infinity()) : layer(l), fill(f) {}
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) {
+    const Shape& scores = in[0];
+    const Shape& mask = in[1];
+    if (scores.leading_unknown() || scores.rank() != 4 || mask.leading_unknown()) return {scores};
+    const auto differs = [](index_t a, index_t b) { return a != dyn && b != dyn && a != b; };
+    if (mask.rank() != 2 || differs(mask[0], scores[0]) || differs(mask[1], scores[3])) {
+      return fault(scores, ShapeFault::key_padding_mask, Layer::embed_dim, 1);
+    }
+    return {scores};
+  }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const Shape& s = a.in_shape(0);
+    const index_t batch = s[0], rows = s[1] * s[2], keys = s[3];
+    const T* x = a.in<T>(0);
+    const M* mask = a.in<M>(1);
+    T* y = a.out<T>();
+    const T value = static_cast<T>(fill);
+    for (index_t b = 0; b < batch; ++b) {
+      const M* m = mask + b * keys;
+      for (index_t r = 0; r < rows; ++r, x += keys, y += keys) {
+        bool attends = keys == 0;
+        for (index_t j = 0; j < keys; ++j) {
+          if constexpr (additive)
+            y[j] = x[j] + m[j];
+          else
+            y[j] = m[j] != 0 ? value : x[j];
+          attends = attends || y[j] != -std::numeric_limits<T>::infinity();
+        }
+        if (!attends && fill != 0) no_key(b, r % s[2]);
+      }
+    }
+  }
+
+  [[noreturn]] void no_key(index_t sequence, index_t query) const {
+    throw ValueError(label() + ": query " + std::to_string(query) + " of sequence " + std::to_string(sequence) +
+                     " attends to no key: the key padding mask masks every key it may see" +
+                     (Layer::causal ? " (with Causal, keys 0 to " + std::to_string(query) + ")" : std::string()) +
+                     ", and softmax over nothing is NaN (PyTorch's result). Leave a key unmasked (a sequence "
+                     "that is all padding keeps its first)" +
+                     (Layer::causal ? ", or pad causal sequences on the right" : ""));
+  }
+
+  // A UInt8 mask: dy, 0 at the keys it masks (this operation again, filling 0); no gradient
+  // for the mask. A mask added: dy for the scores, and dy summed over heads and queries for
+  // the mask.
+  template <std::size_t K>
+  requires(K < 2) auto grad_op() const {
+    if constexpr (K == 0 && additive)
+      return ReshapeLikeOp{};
+    else if constexpr (K == 0)
+      return KeyPaddingMaskOp{layer, 0.0};
+    else if constexpr (additive)
+      return KeyPaddingMaskGradOp{};
+    else
+      return NoGradient{};
+  }
+
+  static std::string op_name() { return additive ? "KeyPaddingMask (added)" : "KeyPaddingMask"; }
+  std::string label() const { return layer->label(); }
+};
+
+inline const bool attention_listed = list_operations({"MultiheadAttention key_padding_mask"});
+
 }  // namespace ops
 
 namespace nn {
@@ -25747,6 +25892,7 @@ namespace nn {
 // make graph mode fall back to a traced graph (README, "Shared values in graph mode").
 // Initialised as PyTorch does: in_proj's weight Xavier-uniform, both biases 0, out_proj's
 // weight U(-1/sqrt(E), 1/sqrt(E)). No dropout, and only the output (PyTorch's need_weights=False).
+// attn(x, key_padding_mask) masks keys per sequence, PyTorch's key_padding_mask (ops::KeyPaddingMaskOp).
 template <index_t E, index_t H, bool Causal = false, ElementType T = float>
 class MultiheadAttention : public Cell<MultiheadAttention<E, H, Causal, T>, CONTEXT_MODE, T> {
   static_assert(E > 0 && H > 0 && E % H == 0,
@@ -25764,18 +25910,23 @@ class MultiheadAttention : public Cell<MultiheadAttention<E, H, Causal, T>, CONT
 
   template <class X>
   auto construct(X&& x) {
-    auto [q, k, v] =
-        ops::split<-1, E, E, E>(in_proj(apply(ops::AttentionInputOp<MultiheadAttention>{this}, std::forward<X>(x))));
-    // [batch, length, E] -> [batch, H, length, E / H]: PyTorch's view(B, T, H, dh).transpose(1, 2).
-    const auto heads = [](const auto& t) { return ops::transpose<0, 2, 1, 3>(ops::unflatten<-1, H, E / H>(t)); };
-    auto scores = ops::matmul(heads(q) * (T(1) / std::sqrt(static_cast<T>(head_dim))), heads(k), ops::transpose_b);
-    auto weights = [&] {
-      if constexpr (Causal)
-        return ops::softmax(ops::tril(scores, 0, -std::numeric_limits<T>::infinity()), -1);
-      else
-        return ops::softmax(scores, -1);
-    }();
-    return out_proj(ops::flatten<-2, -1>(ops::transpose<0, 2, 1, 3>(ops::matmul(weights, heads(v)))));
+    return attend(std::forward<X>(x), [](auto scores) { return scores; });
+  }
+
+  // PyTorch's attn(x, x, x, key_padding_mask=mask): mask [batch, length], one per key, UInt8
+  // (PyTorch's bool: not 0 ignores the key; ops::equal(ids, pad) makes one) or of T (added to
+  // the scores of every query, as PyTorch's float mask; its gradient is their sum).
+  template <class X, class Mask>
+  auto construct(X&& x, const Mask& key_padding_mask) {
+    using M = typename std::remove_cvref_t<Mask>::value_type;
+    static_assert(
+        std::is_same_v<M, std::uint8_t> || std::is_same_v<M, T>,
+        "nn::MultiheadAttention: attn(x, key_padding_mask) takes a UInt8 mask (PyTorch's bool mask: not 0 "
+        "ignores that key; ops::equal(ids, pad_id) makes one) or a mask of the layer's element type, added to "
+        "the scores (PyTorch's float mask); convert others with ops::cast");
+    return attend(std::forward<X>(x), [&](auto scores) {
+      return apply(ops::KeyPaddingMaskOp<MultiheadAttention, M>{this}, scores, key_padding_mask);
+    });
   }
 
   // PyTorch's attn(query, key, value) with three tensors: refused in words, rather than as
@@ -25795,6 +25946,25 @@ class MultiheadAttention : public Cell<MultiheadAttention<E, H, Causal, T>, CONT
 
   std::string type_name() const override {
     return "nn::MultiheadAttention<" + std::to_string(E) + ", " + std::to_string(H) + (Causal ? ", causal" : "") + ">";
+  }
+
+ private:
+  // The attention of x on itself, `mask` applied to the scores [batch, H, length, length]
+  // after the causal mask and before softmax.
+  template <class X, class Mask>
+  auto attend(X&& x, Mask mask) {
+    auto [q, k, v] =
+        ops::split<-1, E, E, E>(in_proj(apply(ops::AttentionInputOp<MultiheadAttention>{this}, std::forward<X>(x))));
+    // [batch, length, E] -> [batch, H, length, E / H]: PyTorch's view(B, T, H, dh).transpose(1, 2).
+    const auto heads = [](const auto& t) { return ops::transpose<0, 2, 1, 3>(ops::unflatten<-1, H, E / H>(t)); };
+    auto scores = ops::matmul(heads(q) * (T(1) / std::sqrt(static_cast<T>(head_dim))), heads(k), ops::transpose_b);
+    auto weights = [&] {
+      if constexpr (Causal)
+        return ops::softmax(mask(ops::tril(scores, 0, -std::numeric_limits<T>::infinity())), -1);
+      else
+        return ops::softmax(mask(scores), -1);
+    }();
+    return out_proj(ops::flatten<-2, -1>(ops::transpose<0, 2, 1, 3>(ops::matmul(weights, heads(v)))));
   }
 };
 
