@@ -1511,6 +1511,22 @@ struct Attending : duet::nn::Cell<Attending> {
   auto construct(auto x) { return head(attn(x)); }
 };
 
+// The attention with a float key padding mask, the network's second input.
+struct MaskedAttending : duet::nn::Cell<MaskedAttending> {
+  duet::nn::MultiheadAttention<8, 2> attn;
+  DUET_CELL_MEMBERS(attn);
+  auto construct(auto x, auto mask) { return attn(x, mask); }
+};
+
+// Token ids attending to each other but to padding (id 1).
+struct PaddedAttending : duet::nn::Cell<PaddedAttending> {
+  using input_value_type = std::int32_t;
+  duet::nn::Embedding<16, 8> tokens;
+  duet::nn::MultiheadAttention<8, 2> attn;
+  DUET_CELL_MEMBERS(tokens, attn);
+  auto construct(auto ids) { return attn(tokens(ids), duet::ops::equal(ids, 1)); }
+};
+
 TEST_CASE("io::export_onnx: nn::MultiheadAttention's unflatten and flatten are Reshapes of any length, and load back") {
   const duet_test::TempDir dir;
   Attending net;
@@ -1529,6 +1545,35 @@ TEST_CASE("io::export_onnx: nn::MultiheadAttention's unflatten and flatten are R
   duet::nn::MultiheadAttention<8, 2, true> causal;
   CHECK_THROWS_WITH_AS(duet::io::export_onnx(causal, Shape{2, 5, 8}, dir.path / "causal.onnx"),
                        doctest::Contains("has no ONNX form"), duet::ValueError);
+}
+
+TEST_CASE("io::export_onnx: nn::MultiheadAttention's key padding mask, added or from token ids, evaluates as duet's") {
+  const duet_test::TempDir dir;
+  const auto checker = export_checker();
+  if (!checker) {
+    MESSAGE("SKIPPED: the exported models are not checked by onnx.checker (no python3 with onnx and numpy)");
+    return;
+  }
+  // A float mask, the network's second input: an Unsqueeze and an Add.
+  MaskedAttending masked;
+  const fs::path file = dir.path / "masked.onnx";
+  duet::io::export_onnx(masked, {{2, 5, 8}, {2, 5}}, file, {.dynamic_batch = true});
+  const Tensor x = duet::randn({3, 5, 8}, 1);
+  const Tensor mask = duet::randn({3, 5}, 2);
+  write_raw(dir.path / "x.in", x);
+  write_raw(dir.path / "mask.in", mask);
+  write_raw(dir.path / "masked.out", pynative_output(masked, x, mask));
+  const std::string command = *checker + " " + file.string() + " " + (dir.path / "x.in").string() + "," +
+                              (dir.path / "mask.in").string() + " " + (dir.path / "masked.out").string() +
+                              " '3,5,8;3,5'";
+  CHECK(std::system(command.c_str()) == 0);
+  // A UInt8 mask of token ids: Cast to bool, Where -inf. The pad id is not 0, since export_onnx
+  // runs the network on zeros, where a mask of ids == 0 leaves no key.
+  PaddedAttending padded;
+  padded.set_train(false);
+  duet::io::export_onnx(padded, Shape{3, 6}, dir.path / "padded_attention.onnx");
+  duet::BasicTensor<std::int32_t> ids({3, 6}, {5, 9, 2, 1, 1, 1, 3, 4, 6, 7, 8, 2, 15, 1, 1, 1, 1, 1});
+  check_by_numpy(dir, "padded_attention", ids, pynative_output(padded, ids));
 }
 
 // Operations whose ONNX forms are short chains, each checked by the same round trip.

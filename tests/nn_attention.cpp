@@ -6,13 +6,15 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <map>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
-#include "support.hpp"
+#include "ops_harness.hpp"
 
 namespace tests_nn_attention {
 
@@ -637,6 +639,116 @@ double check_masked_against_torch(const MaskedReference& r) {
   return worst;
 }
 
+// The gradient harness's cases for the key padding mask (tests/ops_gradients.cpp): the layer in
+// double on a padded batch, its value against plain loops, its gradients against finite
+// differences, the modes bit for bit.
+using D = BasicTensor<double>;
+
+// softmax(q kᵀ / sqrt(dh) [masked]) v per head, projected, from the layer's weights; the mask
+// UInt8 (not 0: -inf) or added.
+template <class Attention>
+D masked_attention_reference(const Attention& attn, const D& x, const D& mask, bool added) {
+  const index_t batch = x.dim(0), length = x.dim(1), e = 4, heads = 2, dh = 2;
+  const double* w = attn.in_proj.weight.data();
+  const double* bias = attn.in_proj.bias.data();
+  std::vector<double> qkv(static_cast<std::size_t>(batch * length * 3 * e));
+  for (index_t r = 0; r < batch * length; ++r) {
+    for (index_t o = 0; o < 3 * e; ++o) {
+      double acc = bias[o];
+      for (index_t i = 0; i < e; ++i) acc += w[o * e + i] * x.data()[r * e + i];
+      qkv[static_cast<std::size_t>(r * 3 * e + o)] = acc;
+    }
+  }
+  const auto at = [&](index_t b, index_t t, index_t part, index_t h, index_t d) {
+    return qkv[static_cast<std::size_t>((b * length + t) * 3 * e + part * e + h * dh + d)];
+  };
+  std::vector<double> joined(static_cast<std::size_t>(batch * length * e));
+  for (index_t b = 0; b < batch; ++b) {
+    for (index_t h = 0; h < heads; ++h) {
+      for (index_t i = 0; i < length; ++i) {
+        std::vector<double> score(static_cast<std::size_t>(length));
+        double top = -INFINITY;
+        for (index_t j = 0; j < length; ++j) {
+          double sc = 0;
+          for (index_t d = 0; d < dh; ++d) sc += at(b, i, 0, h, d) * at(b, j, 1, h, d);
+          sc /= std::sqrt(double(dh));
+          const double m = mask.data()[b * length + j];
+          if (Attention::causal && j > i)
+            sc = -INFINITY;
+          else if (added)
+            sc += m;
+          else if (m != 0)
+            sc = -INFINITY;
+          score[static_cast<std::size_t>(j)] = sc;
+          top = std::max(top, sc);
+        }
+        double total = 0;
+        for (double& sc : score) total += (sc = std::exp(sc - top));
+        for (index_t d = 0; d < dh; ++d) {
+          double acc = 0;
+          for (index_t j = 0; j < length; ++j) acc += score[static_cast<std::size_t>(j)] / total * at(b, j, 2, h, d);
+          joined[static_cast<std::size_t>((b * length + i) * e + h * dh + d)] = acc;
+        }
+      }
+    }
+  }
+  D y = duet::zeros<double>(x.shape());
+  for (index_t r = 0; r < batch * length; ++r) {
+    for (index_t o = 0; o < e; ++o) {
+      double acc = attn.out_proj.bias.data()[o];
+      for (index_t i = 0; i < e; ++i)
+        acc += attn.out_proj.weight.data()[o * e + i] * joined[static_cast<std::size_t>(r * e + i)];
+      y.data()[r * e + o] = acc;
+    }
+  }
+  return y;
+}
+
+template <bool Causal>
+void add_masked_cases(std::multimap<std::string, duet_test::ops::Case>& m) {
+  using Attention = duet::nn::MultiheadAttention<4, 2, Causal, double>;
+  duet::set_seed(31);
+  auto attn = std::make_shared<Attention>();
+  // Sequences of 4, 2 and 1 tokens, padded to 4.
+  BasicTensor<std::uint8_t> padding = duet::zeros<std::uint8_t>({3, 4});
+  for (index_t j : {6, 7, 9, 10, 11}) padding.data()[j] = 1;
+  auto by_padding = duet_test::ops::case_of<1>(
+      {Shape{3, 4, 4}}, [attn](const auto& x, const auto& mask) { return (*attn)(x, mask); }, -1.5, 1.5, padding);
+  by_padding.reference = [attn, padding](const std::vector<D>& xs) {
+    D mask = duet::zeros<double>({3, 4});
+    std::copy_n(padding.data(), 12, mask.data());
+    return masked_attention_reference(*attn, xs[0], mask, false);
+  };
+  m.emplace("MultiheadAttention key_padding_mask", std::move(by_padding));
+  // A float mask, added: its gradient is checked as an input's.
+  auto added = duet_test::ops::case_of<2>(
+      {Shape{3, 4, 4}, Shape{3, 4}}, [attn](const auto& x, const auto& mask) { return (*attn)(x, mask); }, -1.5, 1.5);
+  added.reference = [attn](const std::vector<D>& xs) { return masked_attention_reference(*attn, xs[0], xs[1], true); };
+  m.emplace("MultiheadAttention key_padding_mask", std::move(added));
+}
+
+const bool masked_cases = duet_test::ops::add_cases([](std::multimap<std::string, duet_test::ops::Case>& m) {
+  add_masked_cases<false>(m);
+  add_masked_cases<true>(m);
+});
+
+// The attention with its mask, a network of two inputs.
+struct Masked : duet::nn::Cell<Masked> {
+  duet::nn::MultiheadAttention<8, 2, true> attn;
+  duet::nn::Dense<8, 3> head;
+  DUET_CELL_MEMBERS(attn, head);
+  auto construct(auto x, auto mask) { return head(attn(x, mask)); }
+};
+
+// A text classifier's encoder: token ids (0 is padding), the mask made from them.
+struct Tokens : duet::nn::Cell<Tokens> {
+  using input_value_type = std::int32_t;
+  duet::nn::Embedding<12, 8> embed;
+  duet::nn::MultiheadAttention<8, 2> attn;
+  DUET_CELL_MEMBERS(embed, attn);
+  auto construct(auto ids) { return attn(embed(ids), duet::ops::equal(ids, 0)); }
+};
+
 template <bool Causal>
 struct Stack : duet::nn::Cell<Stack<Causal>> {
   duet::nn::MultiheadAttention<8, 4, Causal> first, second;
@@ -726,6 +838,93 @@ TEST_CASE("nn::MultiheadAttention refuses an input that is not [batch, length, E
       CHECK_THROWS_WITH_AS(attn(duet::ones(s)), doctest::Contains(expected.c_str()), duet::ShapeError);
     }
     CHECK(attn(duet::ones({1, 4, 16})).shape() == Shape{1, 4, 16});
+  }
+}
+
+}  // namespace tests_nn_attention
+
+namespace tests_nn_attention {
+namespace {
+
+BasicTensor<std::uint8_t> mask_of(Shape s, std::vector<std::uint8_t> values) {
+  return BasicTensor<std::uint8_t>(s, values);
+}
+
+}  // namespace
+
+TEST_CASE("nn::MultiheadAttention with a key padding mask is one static graph, and a masked key changes nothing") {
+  duet_test::ModeGuard guard;
+  const std::size_t log_before = duet::jit_compile_log().size();
+  duet::set_seed(9);
+  Masked net;
+  const F x = filled({2, 4, 8}, [](index_t i) { return std::sin(0.3 * double(i)); });
+  const auto mask = mask_of({2, 4}, {0, 0, 0, 1, 0, 0, 1, 1});
+  // The padding's values reach no output of the positions before it.
+  F changed = x.clone();
+  for (index_t j = 24; j < 32; ++j) changed.data()[j] += 3;
+  std::vector<F> outputs;
+  for (duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+    duet::set_context({.mode = mode});
+    const F y = net(x, mask).clone();
+    const F z = net(changed, mask);
+    CHECK(std::equal(y.data(), y.data() + 9, z.data()));
+    outputs.push_back(y);
+  }
+  CHECK(same_bits(outputs[0], outputs[1]));
+  CHECK(duet::jit_compile_log().size() == log_before);
+  const std::string ir = duet::graph_ir(net, duet::shape<2, duet::dyn, 8>, duet::shape<2, duet::dyn>).captured.text;
+  CHECK(ir.find("KeyPaddingMask") != std::string::npos);
+}
+
+TEST_CASE("nn::MultiheadAttention: a mask made from token ids in construct, the same bits in both modes") {
+  duet_test::ModeGuard guard;
+  duet::set_seed(4);
+  Tokens net;
+  const duet::BasicTensor<std::int32_t> ids({3, 5}, {3, 7, 1, 0, 0, 5, 5, 5, 5, 5, 11, 0, 0, 0, 0});
+  const F target = filled({3, 5, 8}, [](index_t i) { return std::cos(0.2 * double(i)); });
+  duet::nn::MSELoss<> loss;
+  duet::nn::WithLossCell with_loss(net, loss);
+  std::vector<std::vector<F>> grads;
+  std::vector<F> outputs;
+  for (duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+    duet::set_context({.mode = mode});
+    outputs.push_back(net(ids));
+    grads.push_back(duet::value_and_grad(with_loss, net.parameters())(ids, target).grads);
+  }
+  CHECK(same_bits(outputs[0], outputs[1]));
+  REQUIRE(grads[0].size() == grads[1].size());
+  for (std::size_t i = 0; i < grads[0].size(); ++i) CHECK(same_bits(grads[0][i], grads[1][i]));
+}
+
+TEST_CASE("nn::MultiheadAttention refuses a query left with no key, and a mask of the wrong shape, in both modes") {
+  duet_test::ModeGuard guard;
+  duet::nn::MultiheadAttention<16, 2> attn;
+  duet::nn::MultiheadAttention<16, 2, true> causal;
+  const F x = duet::ones({2, 4, 16});
+  for (duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+    duet::set_context({.mode = mode});
+    // A sequence that is all padding.
+    CHECK_THROWS_WITH_AS(
+        attn(x, mask_of({2, 4}, {0, 0, 1, 1, 1, 1, 1, 1})),
+        doctest::Contains("nn::MultiheadAttention<16, 2>: query 0 of sequence 1 attends to no key: the "
+                          "key padding mask masks every key it may see"),
+        duet::ValueError);
+    // Padding on the left of a causal sequence: its first query sees only padding.
+    CHECK_THROWS_WITH_AS(causal(x, mask_of({2, 4}, {0, 0, 0, 0, 1, 0, 0, 0})),
+                         doctest::Contains("query 0 of sequence 1 attends to no key: the key padding mask masks every "
+                                           "key it may see (with Causal, keys 0 to 0)"),
+                         duet::ValueError);
+    CHECK(causal(x, mask_of({2, 4}, {0, 0, 0, 0, 0, 0, 1, 1})).shape() == Shape{2, 4, 16});
+    for (const Shape& s : {Shape{2, 5}, Shape{4, 2}, Shape{8}, Shape{2, 4, 1}}) {
+      CAPTURE(duet::to_string(s));
+      const std::string expected =
+          "nn::MultiheadAttention<16, 2> expects a key padding mask [batch, length] = [2, 4] "
+          "for its input [2, 4, 16], got " +
+          duet::to_string(s);
+      CHECK_THROWS_WITH_AS(attn(x, duet::zeros<std::uint8_t>(s)), doctest::Contains(expected.c_str()),
+                           duet::ShapeError);
+      CHECK_THROWS_WITH_AS(attn(x, duet::zeros(s)), doctest::Contains(expected.c_str()), duet::ShapeError);
+    }
   }
 }
 

@@ -165,6 +165,19 @@ struct KeyPaddingMaskOp : Primitive<KeyPaddingMaskOp<Layer, M>> {
 
   static std::string op_name() { return additive ? "KeyPaddingMask (added)" : "KeyPaddingMask"; }
   std::string label() const { return layer->label(); }
+  // The mask as [batch, 1, 1, length], added, or cast to ONNX's bool and selecting -inf. A
+  // query with no key is not refused there: its row is NaN, as in PyTorch.
+  Interchange interchange(std::span<const Shape>) const {
+    using In = InterchangeInput;
+    Interchange nodes{{"Unsqueeze", {In::operand(1), In::constant({1, 2})}, {}}};
+    if constexpr (additive) {
+      nodes.push_back({"Add", {In::operand(0), In::node(0)}, {}});
+    } else {
+      nodes.push_back({"Cast", {In::node(0)}, {InterchangeAttribute::of("to", onnx_bool_code)}});
+      nodes.push_back({"Where", {In::node(1), In::number(fill), In::operand(0)}, {}});
+    }
+    return nodes;
+  }
 };
 
 inline const bool attention_listed = list_operations({"MultiheadAttention key_padding_mask"});
@@ -172,6 +185,22 @@ inline const bool attention_listed = list_operations({"MultiheadAttention key_pa
 }  // namespace ops
 
 namespace nn {
+
+namespace detail {
+
+// The element types of nn::MultiheadAttention's key padding mask: UInt8 or the layer's own.
+template <class M, class T>
+inline constexpr bool key_padding_mask_type_v = std::is_same_v<M, std::uint8_t> || std::is_same_v<M, T>;
+
+template <class M, class T>
+struct KeyPaddingMaskType {
+  static_assert(key_padding_mask_type_v<M, T>,
+                "nn::MultiheadAttention: attn(x, key_padding_mask) takes a UInt8 mask (PyTorch's bool mask: not 0 "
+                "ignores that key; ops::equal(ids, pad_id) makes one) or a mask of the layer's element type, added to "
+                "the scores (PyTorch's float mask); convert others with ops::cast");
+};
+
+}  // namespace detail
 
 // x [batch, length, E] -> [batch, length, E]: q, k and v from one fused in-projection
 // (in_proj, Dense<E, 3E>: its weight and bias hold PyTorch's in_proj_weight and in_proj_bias,
@@ -212,14 +241,16 @@ class MultiheadAttention : public Cell<MultiheadAttention<E, H, Causal, T>, CONT
   template <class X, class Mask>
   auto construct(X&& x, const Mask& key_padding_mask) {
     using M = typename std::remove_cvref_t<Mask>::value_type;
-    static_assert(
-        std::is_same_v<M, std::uint8_t> || std::is_same_v<M, T>,
-        "nn::MultiheadAttention: attn(x, key_padding_mask) takes a UInt8 mask (PyTorch's bool mask: not 0 "
-        "ignores that key; ops::equal(ids, pad_id) makes one) or a mask of the layer's element type, added to "
-        "the scores (PyTorch's float mask); convert others with ops::cast");
-    return attend(std::forward<X>(x), [&](auto scores) {
-      return apply(ops::KeyPaddingMaskOp<MultiheadAttention, M>{this}, scores, key_padding_mask);
-    });
+    if constexpr (!detail::key_padding_mask_type_v<M, T>) {
+      // Once per mask type, however many captures meet it; the rest runs without the mask, so
+      // that this is the only error.
+      static_cast<void>(sizeof(detail::KeyPaddingMaskType<M, T>));
+      return attend(std::forward<X>(x), [](auto scores) { return scores; });
+    } else {
+      return attend(std::forward<X>(x), [&](auto scores) {
+        return apply(ops::KeyPaddingMaskOp<MultiheadAttention, M>{this}, scores, key_padding_mask);
+      });
+    }
   }
 
   // PyTorch's attn(query, key, value) with three tensors: refused in words, rather than as
