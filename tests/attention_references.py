@@ -58,16 +58,17 @@ def case(length, causal, mask_kind=None):
               ("d_in_proj_bias", attn.in_proj_bias.grad), ("d_out_proj_weight", attn.out_proj.weight.grad),
               ("d_out_proj_bias", attn.out_proj.bias.grad)]
     masked = mask_kind is not None
-    print(f"const {'MaskedReference' if masked else 'Reference'} {name}{{{'{' if masked else ''}{length}, "
-          f"{'true' if causal else 'false'}, {loss.item():.17g},")
-    for label, t in arrays:
-        values = ", ".join(f"{v:.17g}" for v in t.detach().flatten().tolist())
-        print(f"    /* {label} */ {{{values}}},")
+    lines = [f"    /* {label} */ {{{', '.join(f'{v:.17g}' for v in t.detach().flatten().tolist())}}}"
+             for label, t in arrays]
     if masked:
-        print("    },")
-        for label, t in (("mask", padding), ("d_mask", padding.grad)):
-            values = "" if t is None else ", ".join(f"{v:.17g}" for v in t.detach().double().flatten().tolist())
-            print(f"    /* {label} */ {{{values}}},")
+        extra = [f"    /* {label} */ {{{'' if t is None else ', '.join(f'{v:.17g}' for v in t.detach().double().flatten().tolist())}}}"
+                 for label, t in (("mask", padding), ("d_mask", padding.grad))]
+        plain = f"    {{{length}, {'true' if causal else 'false'}, {loss.item():.17g},\n" + ",\n".join(lines) + "}"
+        print(f"const MaskedReference {name}{{")
+        print(",\n".join([plain] + extra))
+    else:
+        print(f"const Reference {name}{{{length}, {'true' if causal else 'false'}, {loss.item():.17g},")
+        print("".join(line + ",\n" for line in lines), end="")
     print("};")
 
 
