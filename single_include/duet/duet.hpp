@@ -20610,8 +20610,8 @@ using Softplus = Activation<fn::Softplus>;    // beta 1, threshold 20
 }  // namespace nn
 }  // namespace duet
 // Multi-head self-attention (PyTorch's nn.MultiheadAttention(E, H, batch_first=True) called
-// as attn(x, x, x), with its key_padding_mask as attn(x, mask), MindSpore's nn.MultiheadAttention(batch_first=True)),
-// in both modes, for sequences of any length.
+// as attn(x, x, x), and with its key_padding_mask as attn(x, mask); MindSpore's
+// nn.MultiheadAttention(batch_first=True)), in both modes, for sequences of any length.
 
 #include <algorithm>
 #include <cmath>

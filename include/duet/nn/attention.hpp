@@ -1,6 +1,6 @@
 // Multi-head self-attention (PyTorch's nn.MultiheadAttention(E, H, batch_first=True) called
-// as attn(x, x, x), with its key_padding_mask as attn(x, mask), MindSpore's nn.MultiheadAttention(batch_first=True)),
-// in both modes, for sequences of any length.
+// as attn(x, x, x), and with its key_padding_mask as attn(x, mask); MindSpore's
+// nn.MultiheadAttention(batch_first=True)), in both modes, for sequences of any length.
 #pragma once
 
 #include <algorithm>
