@@ -1,9 +1,7 @@
 // A key padding mask whose static shape is not the input's [batch, length], in a graph-mode
 // network: one error naming the attention layer, the input's shape the mask must follow and
 // the mask's shape.
-// expect: layer_accepts<duet::nn::MultiheadAttention<16, 2[^>]*>,
-// duet::diagnostic::key_padding_mask_must_be_batch_by_length_of_input<duet::diagnostic::input_shape<2, 4, 16> ?>,
-// duet::diagnostic::input_shape<2, 5> ?>
+// expect: layer_accepts<duet::nn::MultiheadAttention<16, 2[^>]*>, duet::diagnostic::key_padding_mask_must_be_batch_by_length_of_input<duet::diagnostic::input_shape<2, 4, 16> ?>, duet::diagnostic::input_shape<2, 5> ?>
 #include <cstdint>
 #include <duet/duet.hpp>
 
