@@ -863,6 +863,9 @@ TEST_CASE("nn::MultiheadAttention with a key padding mask is one static graph, a
     outputs.push_back(y);
   }
   CHECK(same_bits(outputs[0], outputs[1]));
+  // PyTorch's float mask of 0 and -inf is its bool mask: the same bits.
+  const float inf = INFINITY;
+  CHECK(same_bits(net(x, F({2, 4}, {0, 0, 0, -inf, 0, 0, -inf, -inf})), outputs[0]));
   CHECK(duet::jit_compile_log().size() == log_before);
   const std::string ir = duet::graph_ir(net, duet::shape<2, duet::dyn, 8>, duet::shape<2, duet::dyn>).captured.text;
   CHECK(ir.find("KeyPaddingMask") != std::string::npos);
@@ -907,6 +910,10 @@ TEST_CASE("nn::MultiheadAttention refuses a query left with no key, and a mask o
                                            "key it may see (with Causal, keys 0 to 0)"),
                          duet::ValueError);
     CHECK(causal(x, mask_of({2, 4}, {0, 0, 0, 0, 0, 0, 1, 1})).shape() == Shape{2, 4, 16});
+    // A float mask of -inf is refused alike.
+    const float inf = INFINITY;
+    CHECK_THROWS_WITH_AS(attn(x, F({2, 4}, {0, 0, 0, 0, -inf, -inf, -inf, -inf})),
+                         doctest::Contains("query 0 of sequence 1 attends to no key"), duet::ValueError);
     for (const Shape& s : {Shape{2, 5}, Shape{4, 2}, Shape{8}, Shape{2, 4, 1}}) {
       CAPTURE(duet::to_string(s));
       const std::string expected =
