@@ -284,6 +284,71 @@ TEST_CASE_TEMPLATE("max_pool2d 2x2 at stride 2: each instruction set's kernels g
   }
 }
 
+namespace {
+// max pooling's gradient over overlapping and padded windows (kernels::max_pool_backward at
+// column stride 1 or 2, ops/pool.hpp's general loop otherwise) against one window at a time in
+// output order, bit for bit: the first NaN, or else the first maximal tap in row-major order,
+// takes dy; an element several windows choose sums theirs from 0 in output order.
+template <class T>
+void check_max_pool_gradient(const duet::ops::Pool2dWindow& w, Shape shape) {
+  CAPTURE(duet::ops::detail::window_text(w));
+  CAPTURE(shape);
+  namespace detail = duet::ops::detail;
+  const detail::PoolGeometry g = detail::pool_geometry(w, shape);
+  std::mt19937 gen(static_cast<unsigned>(g.H * 131 + g.W * 7 + w.kernel_w));
+  const T values[] = {
+      T(-1), T(-0.0), T(0), T(1), T(2), -std::numeric_limits<T>::infinity(), std::numeric_limits<T>::quiet_NaN()};
+  std::vector<T> x(static_cast<std::size_t>(g.planes * g.H * g.W)),
+      dy(static_cast<std::size_t>(g.planes * g.OH * g.OW));
+  for (T& v : x) v = values[gen() % (gen() % 9 == 0 ? 7 : 6)];
+  std::uniform_real_distribution<T> uniform(-1, 1);
+  for (T& v : dy) v = gen() % 5 == 0 ? T(-0.0) : uniform(gen);
+  std::vector<T> dx_ref(x.size(), T(0));
+  for (index_t p = 0; p < g.planes; ++p) {
+    for (index_t oh = 0; oh < g.OH; ++oh) {
+      for (index_t ow = 0; ow < g.OW; ++ow) {
+        std::size_t at = 0;
+        bool found = false;
+        for (index_t a = oh * w.stride_h - g.pad_top; a < oh * w.stride_h - g.pad_top + w.kernel_h; ++a) {
+          for (index_t b = ow * w.stride_w - g.pad_left; b < ow * w.stride_w - g.pad_left + w.kernel_w; ++b) {
+            if (a < 0 || a >= g.H || b < 0 || b >= g.W) continue;
+            const auto i = static_cast<std::size_t>((p * g.H + a) * g.W + b);
+            if (!found || x[i] > x[at] || (std::isnan(x[i]) && !std::isnan(x[at]))) at = i;
+            found = true;
+          }
+        }
+        dx_ref[at] += dy[static_cast<std::size_t>((p * g.OH + oh) * g.OW + ow)];
+      }
+    }
+  }
+  duet_test::for_each_isa([&] {
+    std::vector<T> dx(x.size(), T(7));
+    detail::max_pool2d_backward(w, g, dy.data(), x.data(), dx.data());
+    CHECK(std::memcmp(dx.data(), dx_ref.data(), dx.size() * sizeof(T)) == 0);
+  });
+}
+}  // namespace
+
+TEST_CASE_TEMPLATE("max_pool2d's gradient over overlapping windows: each instruction set gives the rules' bits" *
+                       duet_test::every_isa,
+                   T, float, double) {
+  using duet::ops::Pool2dWindow;
+  const Pool2dWindow windows[] = {
+      {3, 3, 2, 2, PadMode::pad, 1, 1},  // ResNet's stem
+      {3, 3, 1, 1, PadMode::pad, 1, 1}, {2, 2, 1, 1},
+      {5, 5, 2, 2, PadMode::pad, 2, 2}, {2, 2, 2, 2, PadMode::pad, 1, 1},
+      {3, 3, 2, 2, PadMode::same},      {3, 2, 1, 2, PadMode::pad, 1, 1},
+      {4, 4, 3, 3, PadMode::pad, 2, 2},  // column stride 3: the general loop
+  };
+  for (const Pool2dWindow& w : windows) {
+    for (const Shape& shape : {Shape{2, 3, 28, 28}, Shape{1, 2, 7, 9}, Shape{1, 1, 5, 70}, Shape{1, 1, 3, 3}}) {
+      check_max_pool_gradient<T>(w, shape);
+    }
+  }
+  // Rows too long for the kernel's buffer: the general loop at stride 2.
+  check_max_pool_gradient<T>(windows[0], Shape{1, 1, 3, 3000});
+}
+
 TEST_CASE("pooling layers: MindSpore's output sizes, and shapes checked at compile time and at run time") {
   namespace nn = duet::nn;
   // MindSpore's example: nn.MaxPool2d(kernel_size=3, stride=1) on [1, 2, 4, 4] gives [1, 2, 2, 2].

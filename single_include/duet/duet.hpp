@@ -31210,11 +31210,15 @@ class Conv1d : public conv_base<1, In, Out, Kernel, Stride, Padding, Dilation, G
 // one output at a time in the same order (g++ -O3, medians, 2026-11-30, a shared 2-core
 // machine): max pooling's forward is 2.4 to 7 times faster this way (2x2/2 on [64, 6, 28, 28]
 // and [64, 16, 10, 10], 3x3/2 pad 1 on [32, 64, 28, 28], 3x3/1 same on [32, 16, 28, 28]). Max
-// pooling's gradient is a branch-free argmax search (random data mispredicts "a new maximum")
-// and a scatter, one output at a time. Max pooling over 2x2 windows at stride 2 that tile the
-// input, forward and gradient, is kernels/pool.hpp's per instruction set instead: these loops
-// vectorise only where the compiler is told the machine (g++ 12 -O3 -march=native); built
-// with -O2 they were two fifths of LeNet-5's training step. Adaptive pooling sums
+// pooling's gradient at column stride 1 or 2 is kernels/pool.hpp's per instruction set: the
+// argmax of a vector of windows from a padded copy of their rows, then a scatter in output
+// order (3x3/2 pad 1 on [32, 64, 28, 28]: 1.8 ms, 13 ms one output at a time; the machine
+// and build as above, AVX-512); at other strides, or for rows longer than its buffer, a
+// branch-free argmax search (random data mispredicts "a new maximum") and a scatter, one output
+// at a time. Max pooling over 2x2 windows at stride 2 that tile the input, forward and
+// gradient, is kernels/pool.hpp's too: these loops vectorise only where the compiler is told
+// the machine (g++ 12 -O3 -march=native); built with -O2 they were two fifths of LeNet-5's
+// training step. Adaptive pooling sums
 // each bin row by row with Eigen's vectorised reduction (a whole bin at once when it spans
 // full rows: global pooling is one contiguous sum per plane). Nothing is allocated beyond the
 // output.
@@ -31232,19 +31236,38 @@ class Conv1d : public conv_base<1, In, Out, Kernel, Stride, Padding, Dilation, G
 #include <type_traits>
 #include <utility>
 
-// Max pooling's kernels over 2x2 windows at stride 2 that tile the input (LeNet-5's and most
-// CNNs' pooling), once per instruction set: a vector of L outputs reads 2L values of each of
-// the window's two rows and splits them into left and right taps by shuffles. ops/pool.hpp's
-// general loops rely on the compiler to vectorise a strided compare-and-select, which g++ 12
-// does at -O3 with -march=native and not at -O2 or for the baseline alone; here every build
-// gets the set the machine has (simd/isa.hpp). The rules are ops/pool.hpp's, to the bit: the
-// taps in row-major order, a NaN winning the value (MaxPoolKind::combine) and the first NaN, or
-// else the first maximal tap, taking the gradient (takes_max), dx = 0 + dy there and zero
-// elsewhere, including the rows and columns no window covers.
+// Max pooling's kernels, once per instruction set: over 2x2 windows at stride 2 that tile the
+// input (LeNet-5's and most CNNs' pooling), forward and gradient, a vector of L outputs reads 2L
+// values of each of the window's two rows and splits them into left and right taps by
+// shuffles; and the gradient over any window at column stride 1 or 2 (ResNet's 3x3/2 pad 1,
+// 3x3/1 pad 1), L windows at a time from a padded copy of their rows. ops/pool.hpp's general
+// loops rely on the compiler to vectorise a strided compare-and-select, which g++ 12 does at
+// -O3 with -march=native and not at -O2 or for the baseline alone; here every build gets the
+// set the machine has (simd/isa.hpp). The rules are ops/pool.hpp's, to the bit: the taps in
+// row-major order, a NaN winning the value (MaxPoolKind::combine) and the first NaN, or else
+// the first maximal tap, taking the gradient (takes_max), dx = 0 + dy there, the dy of windows
+// that choose the same element added in output order, and zero elsewhere, including the rows
+// and columns no window covers.
 
 #include <algorithm>
+#include <limits>
 #include <utility>
 
+
+namespace duet::kernels {
+
+// A max pooling's input planes [H, W], output planes [OH, OW] and window: kernel KH x KW,
+// stride SH x SW, padding pad_top and pad_left before the first row and column (no window all
+// padding).
+struct PoolShape {
+  index_t planes, H, W, OH, OW, KH, KW, SH, SW, pad_top, pad_left;
+};
+
+// The elements of max_pool_backward's buffers on the stack: a window's rows of the input,
+// padded, and an output row.
+inline constexpr index_t max_pool_buffer = 4096;
+
+}  // namespace duet::kernels
 
 #define DUET_KERNEL_BODY "pool_impl.hpp"
 // A kernel family's body once per instruction set, each in its set's namespace and target
@@ -31327,6 +31350,13 @@ struct Windows {
   }
 };
 
+// The lanes where v takes over as the window's maximum from best: a larger value, or the first
+// NaN (ops/pool.hpp's takes_max).
+template <class T>
+auto takes_max(Vec<T> v, Vec<T> best) {
+  return (v > best) | ((v != v) & (best == best));
+}
+
 // ops/pool.hpp's rules: MaxPoolKind::combine (a NaN wins the forward's value) and takes_max
 // (the first NaN, or else the first maximal tap, takes the gradient).
 template <class T>
@@ -31364,7 +31394,7 @@ void max_pool_2x2_backward_step(Target, const T* dy, const T* x, index_t planes,
         Vec<T> best = w.tap[0];
         Vec<T> at{};
         for (int t = 1; t < 4; ++t) {
-          const auto take = (w.tap[t] > best) | ((w.tap[t] != w.tap[t]) & (best == best));
+          const auto take = takes_max<T>(w.tap[t], best);
           best = take ? w.tap[t] : best;
           at = take ? splat(static_cast<T>(t)) : at;
         }
@@ -31380,6 +31410,95 @@ void max_pool_2x2_backward_step(Target, const T* dy, const T* x, index_t planes,
     }
     std::fill(dx + (p * H + 2 * OH) * W, dx + (p + 1) * H * W, T(0));
   }
+}
+
+// Max pooling's gradient, any window at column stride S (1 or 2) whose rows, padded, fit the
+// buffer (max_pool_backward_takes, kernels/pool.hpp). Output row by output row: the window's
+// rows of the input are copied into the buffer between -inf's standing for the padding (never
+// taken: every window's search begins at its first tap inside the input, with -inf as the
+// maximum so far), so that a vector of L windows reads each tap with one load (S = 1) or two
+// and a shuffle (S = 2), border windows included. All the rows are copied before the search
+// reads them: a load that straddles stores still in flight waits for them, a quarter of the
+// time when each row was copied just before its taps. A tap is its offset k · W + kw from the
+// window's first row inside the input, held as a T (exact), then turned into its element's
+// place; each dy goes there in output order, and an input row is zeroed just before the first
+// output row whose windows reach it.
+template <int S, class T>
+void max_pool_backward_strided(const T* dy, const T* x, const PoolShape& s, T* dx) {
+  constexpr int L = lanes<T>;
+  constexpr auto all = std::make_integer_sequence<int, L>{};
+  constexpr T minus_inf = -std::numeric_limits<T>::infinity();
+  const index_t chunks = (s.OW + L - 1) / L;
+  const index_t row_length = S * chunks * L + s.KW;  // of a row in the buffer, as far as the taps read
+  const index_t copied = std::min(s.W, row_length - s.pad_left);
+  alignas(64) T rows[max_pool_buffer];
+  alignas(64) T place[max_pool_buffer];
+  for (index_t k = 0; k < s.KH; ++k) {
+    std::fill(rows + k * row_length, rows + k * row_length + s.pad_left, minus_inf);
+    std::fill(rows + k * row_length + s.pad_left + copied, rows + (k + 1) * row_length, minus_inf);
+  }
+  for (index_t p = 0; p < s.planes; ++p) {
+    const T* xp = x + p * s.H * s.W;
+    T* dxp = dx + p * s.H * s.W;
+    const T* dyp = dy + p * s.OH * s.OW;
+    index_t zeroed = 0;  // rows of dxp
+    for (index_t oh = 0; oh < s.OH; ++oh) {
+      const index_t first = oh * s.SH - s.pad_top;  // input row of window row 0
+      const index_t lo = std::max<index_t>(0, -first);
+      const index_t hi = std::min<index_t>(s.KH, s.H - first);
+      if (zeroed < first + hi) {
+        std::fill(dxp + zeroed * s.W, dxp + (first + hi) * s.W, T(0));
+        zeroed = first + hi;
+      }
+      for (index_t k = 0; k < hi - lo; ++k) {
+        const T* source = xp + (first + lo + k) * s.W;
+        T* target = rows + k * row_length + s.pad_left;
+        for (index_t j = 0; j < copied; j += L) {
+          const auto n = static_cast<int>(std::min<index_t>(L, copied - j));
+          if (n == L)
+            store<T>(target + j, load(source + j));
+          else
+            store_first<T>(target + j, load_first(source + j, n), n);
+        }
+      }
+      for (index_t c = 0; c < chunks; ++c) {
+        // Window ow's first tap inside the input: column pad_left - ow · S of row 0 where the
+        // window begins in the padding, else 0.
+        const Vec<T> column = splat(static_cast<T>(c * L * S)) + lane_index<T>() * splat(T(S));
+        const Vec<T> start = splat(static_cast<T>(s.pad_left)) - column;
+        Vec<T> m = splat(minus_inf);
+        Vec<T> at = start > Vec<T>{} ? start : Vec<T>{};
+        for (index_t k = 0; k < hi - lo; ++k) {
+          const T* taps = rows + k * row_length + S * c * L;
+          Vec<T> offset = splat(static_cast<T>(k * s.W));
+          for (index_t kw = 0; kw < s.KW; ++kw) {
+            Vec<T> v;
+            if constexpr (S == 1)
+              v = load(taps + kw);
+            else
+              v = left_taps<T>(load(taps + kw), load(taps + kw + L), all);
+            const auto take = takes_max<T>(v, m);
+            m = take ? v : m;
+            at = take ? offset : at;
+            offset += splat(T(1));
+          }
+        }
+        store<T>(place + c * L, at + column);
+      }
+      const index_t origin = (first + lo) * s.W - s.pad_left;  // of the places
+      const T* g = dyp + oh * s.OW;
+      for (index_t ow = 0; ow < s.OW; ++ow) dxp[origin + static_cast<index_t>(place[ow])] += g[ow];
+    }
+    std::fill(dxp + zeroed * s.W, dxp + s.H * s.W, T(0));
+  }
+}
+
+template <class T>
+void max_pool_backward_step(Target, const T* dy, const T* x, const PoolShape& s, T* dx) {
+  if (s.SW == 1)
+    max_pool_backward_strided<1>(dy, x, s, dx);
+  else
+    max_pool_backward_strided<2>(dy, x, s, dx);
 }
 }  // namespace duet::kernels::detail::baseline
 DUET_END_BASELINE
@@ -31453,6 +31572,13 @@ struct Windows {
   }
 };
 
+// The lanes where v takes over as the window's maximum from best: a larger value, or the first
+// NaN (ops/pool.hpp's takes_max).
+template <class T>
+auto takes_max(Vec<T> v, Vec<T> best) {
+  return (v > best) | ((v != v) & (best == best));
+}
+
 // ops/pool.hpp's rules: MaxPoolKind::combine (a NaN wins the forward's value) and takes_max
 // (the first NaN, or else the first maximal tap, takes the gradient).
 template <class T>
@@ -31490,7 +31616,7 @@ void max_pool_2x2_backward_step(Target, const T* dy, const T* x, index_t planes,
         Vec<T> best = w.tap[0];
         Vec<T> at{};
         for (int t = 1; t < 4; ++t) {
-          const auto take = (w.tap[t] > best) | ((w.tap[t] != w.tap[t]) & (best == best));
+          const auto take = takes_max<T>(w.tap[t], best);
           best = take ? w.tap[t] : best;
           at = take ? splat(static_cast<T>(t)) : at;
         }
@@ -31506,6 +31632,95 @@ void max_pool_2x2_backward_step(Target, const T* dy, const T* x, index_t planes,
     }
     std::fill(dx + (p * H + 2 * OH) * W, dx + (p + 1) * H * W, T(0));
   }
+}
+
+// Max pooling's gradient, any window at column stride S (1 or 2) whose rows, padded, fit the
+// buffer (max_pool_backward_takes, kernels/pool.hpp). Output row by output row: the window's
+// rows of the input are copied into the buffer between -inf's standing for the padding (never
+// taken: every window's search begins at its first tap inside the input, with -inf as the
+// maximum so far), so that a vector of L windows reads each tap with one load (S = 1) or two
+// and a shuffle (S = 2), border windows included. All the rows are copied before the search
+// reads them: a load that straddles stores still in flight waits for them, a quarter of the
+// time when each row was copied just before its taps. A tap is its offset k · W + kw from the
+// window's first row inside the input, held as a T (exact), then turned into its element's
+// place; each dy goes there in output order, and an input row is zeroed just before the first
+// output row whose windows reach it.
+template <int S, class T>
+void max_pool_backward_strided(const T* dy, const T* x, const PoolShape& s, T* dx) {
+  constexpr int L = lanes<T>;
+  constexpr auto all = std::make_integer_sequence<int, L>{};
+  constexpr T minus_inf = -std::numeric_limits<T>::infinity();
+  const index_t chunks = (s.OW + L - 1) / L;
+  const index_t row_length = S * chunks * L + s.KW;  // of a row in the buffer, as far as the taps read
+  const index_t copied = std::min(s.W, row_length - s.pad_left);
+  alignas(64) T rows[max_pool_buffer];
+  alignas(64) T place[max_pool_buffer];
+  for (index_t k = 0; k < s.KH; ++k) {
+    std::fill(rows + k * row_length, rows + k * row_length + s.pad_left, minus_inf);
+    std::fill(rows + k * row_length + s.pad_left + copied, rows + (k + 1) * row_length, minus_inf);
+  }
+  for (index_t p = 0; p < s.planes; ++p) {
+    const T* xp = x + p * s.H * s.W;
+    T* dxp = dx + p * s.H * s.W;
+    const T* dyp = dy + p * s.OH * s.OW;
+    index_t zeroed = 0;  // rows of dxp
+    for (index_t oh = 0; oh < s.OH; ++oh) {
+      const index_t first = oh * s.SH - s.pad_top;  // input row of window row 0
+      const index_t lo = std::max<index_t>(0, -first);
+      const index_t hi = std::min<index_t>(s.KH, s.H - first);
+      if (zeroed < first + hi) {
+        std::fill(dxp + zeroed * s.W, dxp + (first + hi) * s.W, T(0));
+        zeroed = first + hi;
+      }
+      for (index_t k = 0; k < hi - lo; ++k) {
+        const T* source = xp + (first + lo + k) * s.W;
+        T* target = rows + k * row_length + s.pad_left;
+        for (index_t j = 0; j < copied; j += L) {
+          const auto n = static_cast<int>(std::min<index_t>(L, copied - j));
+          if (n == L)
+            store<T>(target + j, load(source + j));
+          else
+            store_first<T>(target + j, load_first(source + j, n), n);
+        }
+      }
+      for (index_t c = 0; c < chunks; ++c) {
+        // Window ow's first tap inside the input: column pad_left - ow · S of row 0 where the
+        // window begins in the padding, else 0.
+        const Vec<T> column = splat(static_cast<T>(c * L * S)) + lane_index<T>() * splat(T(S));
+        const Vec<T> start = splat(static_cast<T>(s.pad_left)) - column;
+        Vec<T> m = splat(minus_inf);
+        Vec<T> at = start > Vec<T>{} ? start : Vec<T>{};
+        for (index_t k = 0; k < hi - lo; ++k) {
+          const T* taps = rows + k * row_length + S * c * L;
+          Vec<T> offset = splat(static_cast<T>(k * s.W));
+          for (index_t kw = 0; kw < s.KW; ++kw) {
+            Vec<T> v;
+            if constexpr (S == 1)
+              v = load(taps + kw);
+            else
+              v = left_taps<T>(load(taps + kw), load(taps + kw + L), all);
+            const auto take = takes_max<T>(v, m);
+            m = take ? v : m;
+            at = take ? offset : at;
+            offset += splat(T(1));
+          }
+        }
+        store<T>(place + c * L, at + column);
+      }
+      const index_t origin = (first + lo) * s.W - s.pad_left;  // of the places
+      const T* g = dyp + oh * s.OW;
+      for (index_t ow = 0; ow < s.OW; ++ow) dxp[origin + static_cast<index_t>(place[ow])] += g[ow];
+    }
+    std::fill(dxp + zeroed * s.W, dxp + s.H * s.W, T(0));
+  }
+}
+
+template <class T>
+void max_pool_backward_step(Target, const T* dy, const T* x, const PoolShape& s, T* dx) {
+  if (s.SW == 1)
+    max_pool_backward_strided<1>(dy, x, s, dx);
+  else
+    max_pool_backward_strided<2>(dy, x, s, dx);
 }
 }  // namespace duet::kernels::detail::avx2
 DUET_END_ISA
@@ -31578,6 +31793,13 @@ struct Windows {
   }
 };
 
+// The lanes where v takes over as the window's maximum from best: a larger value, or the first
+// NaN (ops/pool.hpp's takes_max).
+template <class T>
+auto takes_max(Vec<T> v, Vec<T> best) {
+  return (v > best) | ((v != v) & (best == best));
+}
+
 // ops/pool.hpp's rules: MaxPoolKind::combine (a NaN wins the forward's value) and takes_max
 // (the first NaN, or else the first maximal tap, takes the gradient).
 template <class T>
@@ -31615,7 +31837,7 @@ void max_pool_2x2_backward_step(Target, const T* dy, const T* x, index_t planes,
         Vec<T> best = w.tap[0];
         Vec<T> at{};
         for (int t = 1; t < 4; ++t) {
-          const auto take = (w.tap[t] > best) | ((w.tap[t] != w.tap[t]) & (best == best));
+          const auto take = takes_max<T>(w.tap[t], best);
           best = take ? w.tap[t] : best;
           at = take ? splat(static_cast<T>(t)) : at;
         }
@@ -31631,6 +31853,95 @@ void max_pool_2x2_backward_step(Target, const T* dy, const T* x, index_t planes,
     }
     std::fill(dx + (p * H + 2 * OH) * W, dx + (p + 1) * H * W, T(0));
   }
+}
+
+// Max pooling's gradient, any window at column stride S (1 or 2) whose rows, padded, fit the
+// buffer (max_pool_backward_takes, kernels/pool.hpp). Output row by output row: the window's
+// rows of the input are copied into the buffer between -inf's standing for the padding (never
+// taken: every window's search begins at its first tap inside the input, with -inf as the
+// maximum so far), so that a vector of L windows reads each tap with one load (S = 1) or two
+// and a shuffle (S = 2), border windows included. All the rows are copied before the search
+// reads them: a load that straddles stores still in flight waits for them, a quarter of the
+// time when each row was copied just before its taps. A tap is its offset k · W + kw from the
+// window's first row inside the input, held as a T (exact), then turned into its element's
+// place; each dy goes there in output order, and an input row is zeroed just before the first
+// output row whose windows reach it.
+template <int S, class T>
+void max_pool_backward_strided(const T* dy, const T* x, const PoolShape& s, T* dx) {
+  constexpr int L = lanes<T>;
+  constexpr auto all = std::make_integer_sequence<int, L>{};
+  constexpr T minus_inf = -std::numeric_limits<T>::infinity();
+  const index_t chunks = (s.OW + L - 1) / L;
+  const index_t row_length = S * chunks * L + s.KW;  // of a row in the buffer, as far as the taps read
+  const index_t copied = std::min(s.W, row_length - s.pad_left);
+  alignas(64) T rows[max_pool_buffer];
+  alignas(64) T place[max_pool_buffer];
+  for (index_t k = 0; k < s.KH; ++k) {
+    std::fill(rows + k * row_length, rows + k * row_length + s.pad_left, minus_inf);
+    std::fill(rows + k * row_length + s.pad_left + copied, rows + (k + 1) * row_length, minus_inf);
+  }
+  for (index_t p = 0; p < s.planes; ++p) {
+    const T* xp = x + p * s.H * s.W;
+    T* dxp = dx + p * s.H * s.W;
+    const T* dyp = dy + p * s.OH * s.OW;
+    index_t zeroed = 0;  // rows of dxp
+    for (index_t oh = 0; oh < s.OH; ++oh) {
+      const index_t first = oh * s.SH - s.pad_top;  // input row of window row 0
+      const index_t lo = std::max<index_t>(0, -first);
+      const index_t hi = std::min<index_t>(s.KH, s.H - first);
+      if (zeroed < first + hi) {
+        std::fill(dxp + zeroed * s.W, dxp + (first + hi) * s.W, T(0));
+        zeroed = first + hi;
+      }
+      for (index_t k = 0; k < hi - lo; ++k) {
+        const T* source = xp + (first + lo + k) * s.W;
+        T* target = rows + k * row_length + s.pad_left;
+        for (index_t j = 0; j < copied; j += L) {
+          const auto n = static_cast<int>(std::min<index_t>(L, copied - j));
+          if (n == L)
+            store<T>(target + j, load(source + j));
+          else
+            store_first<T>(target + j, load_first(source + j, n), n);
+        }
+      }
+      for (index_t c = 0; c < chunks; ++c) {
+        // Window ow's first tap inside the input: column pad_left - ow · S of row 0 where the
+        // window begins in the padding, else 0.
+        const Vec<T> column = splat(static_cast<T>(c * L * S)) + lane_index<T>() * splat(T(S));
+        const Vec<T> start = splat(static_cast<T>(s.pad_left)) - column;
+        Vec<T> m = splat(minus_inf);
+        Vec<T> at = start > Vec<T>{} ? start : Vec<T>{};
+        for (index_t k = 0; k < hi - lo; ++k) {
+          const T* taps = rows + k * row_length + S * c * L;
+          Vec<T> offset = splat(static_cast<T>(k * s.W));
+          for (index_t kw = 0; kw < s.KW; ++kw) {
+            Vec<T> v;
+            if constexpr (S == 1)
+              v = load(taps + kw);
+            else
+              v = left_taps<T>(load(taps + kw), load(taps + kw + L), all);
+            const auto take = takes_max<T>(v, m);
+            m = take ? v : m;
+            at = take ? offset : at;
+            offset += splat(T(1));
+          }
+        }
+        store<T>(place + c * L, at + column);
+      }
+      const index_t origin = (first + lo) * s.W - s.pad_left;  // of the places
+      const T* g = dyp + oh * s.OW;
+      for (index_t ow = 0; ow < s.OW; ++ow) dxp[origin + static_cast<index_t>(place[ow])] += g[ow];
+    }
+    std::fill(dxp + zeroed * s.W, dxp + s.H * s.W, T(0));
+  }
+}
+
+template <class T>
+void max_pool_backward_step(Target, const T* dy, const T* x, const PoolShape& s, T* dx) {
+  if (s.SW == 1)
+    max_pool_backward_strided<1>(dy, x, s, dx);
+  else
+    max_pool_backward_strided<2>(dy, x, s, dx);
 }
 }  // namespace duet::kernels::detail::avx512
 DUET_END_ISA
@@ -31652,6 +31963,23 @@ template <class T>
 void max_pool_2x2_backward(const T* dy, const T* x, index_t planes, index_t H, index_t W, index_t OH, index_t OW, T* dx) {
   detail::with_target(active_isa(),
                       [&](auto target) { max_pool_2x2_backward_step(target, dy, x, planes, H, W, OH, OW, dx); });
+}
+
+// Whether max_pool_backward takes s: column stride 1 or 2, a padded row the buffer holds
+// (with the widest set's vectors) and taps T holds exactly.
+template <class T>
+bool max_pool_backward_takes(const PoolShape& s) {
+  constexpr index_t widest = 64 / sizeof(T);
+  const index_t row = s.SW * ((s.OW + widest - 1) / widest) * widest + s.KW;
+  return (s.SW == 1 || s.SW == 2) && s.KH * row <= max_pool_buffer && s.pad_left < row &&
+         s.KH * s.W + row <= (index_t{1} << std::numeric_limits<T>::digits);
+}
+
+// dx of max pooling where max_pool_backward_takes(s): each dy to its window's first maximal
+// element (the first NaN, if any), summed in output order where windows share one.
+template <class T>
+void max_pool_backward(const T* dy, const T* x, const PoolShape& s, T* dx) {
+  detail::with_target(active_isa(), [&](auto target) { max_pool_backward_step(target, dy, x, s, dx); });
 }
 
 }  // namespace duet::kernels
@@ -31914,7 +32242,7 @@ void max_pool2d_backward_tiled(const Window& w, const PoolGeometry& g, const T* 
 }
 
 // dx of max pooling: each dy to its window's first maximal element (a NaN counting as larger
-// than any number).
+// than any number), in output order where windows choose the same one.
 template <class Window, class T>
 void max_pool2d_backward(const Window& w, const PoolGeometry& g, const T* dy, const T* x, T* dx) {
   if (tiles_2x2(w, g)) return kernels::max_pool_2x2_backward(dy, x, g.planes, g.H, g.W, g.OH, g.OW, dx);
@@ -31923,6 +32251,9 @@ void max_pool2d_backward(const Window& w, const PoolGeometry& g, const T* dy, co
     max_pool2d_backward_tiled(w, g, dy, x, dx);
     return;
   }
+  const kernels::PoolShape shape{g.planes,   g.H,        g.W,        g.OH,      g.OW,      w.kernel_h,
+                                 w.kernel_w, w.stride_h, w.stride_w, g.pad_top, g.pad_left};
+  if (kernels::max_pool_backward_takes<T>(shape)) return kernels::max_pool_backward(dy, x, shape, dx);
   std::fill_n(dx, g.planes * g.H * g.W, T(0));
   for (index_t p = 0; p < g.planes; ++p) {
     const T* xp = x + p * g.H * g.W;

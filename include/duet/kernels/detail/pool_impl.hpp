@@ -64,6 +64,13 @@ struct Windows {
   }
 };
 
+// The lanes where v takes over as the window's maximum from best: a larger value, or the first
+// NaN (ops/pool.hpp's takes_max).
+template <class T>
+auto takes_max(Vec<T> v, Vec<T> best) {
+  return (v > best) | ((v != v) & (best == best));
+}
+
 // ops/pool.hpp's rules: MaxPoolKind::combine (a NaN wins the forward's value) and takes_max
 // (the first NaN, or else the first maximal tap, takes the gradient).
 template <class T>
@@ -101,7 +108,7 @@ void max_pool_2x2_backward_step(Target, const T* dy, const T* x, index_t planes,
         Vec<T> best = w.tap[0];
         Vec<T> at{};
         for (int t = 1; t < 4; ++t) {
-          const auto take = (w.tap[t] > best) | ((w.tap[t] != w.tap[t]) & (best == best));
+          const auto take = takes_max<T>(w.tap[t], best);
           best = take ? w.tap[t] : best;
           at = take ? splat(static_cast<T>(t)) : at;
         }
@@ -117,4 +124,93 @@ void max_pool_2x2_backward_step(Target, const T* dy, const T* x, index_t planes,
     }
     std::fill(dx + (p * H + 2 * OH) * W, dx + (p + 1) * H * W, T(0));
   }
+}
+
+// Max pooling's gradient, any window at column stride S (1 or 2) whose rows, padded, fit the
+// buffer (max_pool_backward_takes, kernels/pool.hpp). Output row by output row: the window's
+// rows of the input are copied into the buffer between -inf's standing for the padding (never
+// taken: every window's search begins at its first tap inside the input, with -inf as the
+// maximum so far), so that a vector of L windows reads each tap with one load (S = 1) or two
+// and a shuffle (S = 2), border windows included. All the rows are copied before the search
+// reads them: a load that straddles stores still in flight waits for them, a quarter of the
+// time when each row was copied just before its taps. A tap is its offset k · W + kw from the
+// window's first row inside the input, held as a T (exact), then turned into its element's
+// place; each dy goes there in output order, and an input row is zeroed just before the first
+// output row whose windows reach it.
+template <int S, class T>
+void max_pool_backward_strided(const T* dy, const T* x, const PoolShape& s, T* dx) {
+  constexpr int L = lanes<T>;
+  constexpr auto all = std::make_integer_sequence<int, L>{};
+  constexpr T minus_inf = -std::numeric_limits<T>::infinity();
+  const index_t chunks = (s.OW + L - 1) / L;
+  const index_t row_length = S * chunks * L + s.KW;  // of a row in the buffer, as far as the taps read
+  const index_t copied = std::min(s.W, row_length - s.pad_left);
+  alignas(64) T rows[max_pool_buffer];
+  alignas(64) T place[max_pool_buffer];
+  for (index_t k = 0; k < s.KH; ++k) {
+    std::fill(rows + k * row_length, rows + k * row_length + s.pad_left, minus_inf);
+    std::fill(rows + k * row_length + s.pad_left + copied, rows + (k + 1) * row_length, minus_inf);
+  }
+  for (index_t p = 0; p < s.planes; ++p) {
+    const T* xp = x + p * s.H * s.W;
+    T* dxp = dx + p * s.H * s.W;
+    const T* dyp = dy + p * s.OH * s.OW;
+    index_t zeroed = 0;  // rows of dxp
+    for (index_t oh = 0; oh < s.OH; ++oh) {
+      const index_t first = oh * s.SH - s.pad_top;  // input row of window row 0
+      const index_t lo = std::max<index_t>(0, -first);
+      const index_t hi = std::min<index_t>(s.KH, s.H - first);
+      if (zeroed < first + hi) {
+        std::fill(dxp + zeroed * s.W, dxp + (first + hi) * s.W, T(0));
+        zeroed = first + hi;
+      }
+      for (index_t k = 0; k < hi - lo; ++k) {
+        const T* source = xp + (first + lo + k) * s.W;
+        T* target = rows + k * row_length + s.pad_left;
+        for (index_t j = 0; j < copied; j += L) {
+          const auto n = static_cast<int>(std::min<index_t>(L, copied - j));
+          if (n == L)
+            store<T>(target + j, load(source + j));
+          else
+            store_first<T>(target + j, load_first(source + j, n), n);
+        }
+      }
+      for (index_t c = 0; c < chunks; ++c) {
+        // Window ow's first tap inside the input: column pad_left - ow · S of row 0 where the
+        // window begins in the padding, else 0.
+        const Vec<T> column = splat(static_cast<T>(c * L * S)) + lane_index<T>() * splat(T(S));
+        const Vec<T> start = splat(static_cast<T>(s.pad_left)) - column;
+        Vec<T> m = splat(minus_inf);
+        Vec<T> at = start > Vec<T>{} ? start : Vec<T>{};
+        for (index_t k = 0; k < hi - lo; ++k) {
+          const T* taps = rows + k * row_length + S * c * L;
+          Vec<T> offset = splat(static_cast<T>(k * s.W));
+          for (index_t kw = 0; kw < s.KW; ++kw) {
+            Vec<T> v;
+            if constexpr (S == 1)
+              v = load(taps + kw);
+            else
+              v = left_taps<T>(load(taps + kw), load(taps + kw + L), all);
+            const auto take = takes_max<T>(v, m);
+            m = take ? v : m;
+            at = take ? offset : at;
+            offset += splat(T(1));
+          }
+        }
+        store<T>(place + c * L, at + column);
+      }
+      const index_t origin = (first + lo) * s.W - s.pad_left;  // of the places
+      const T* g = dyp + oh * s.OW;
+      for (index_t ow = 0; ow < s.OW; ++ow) dxp[origin + static_cast<index_t>(place[ow])] += g[ow];
+    }
+    std::fill(dxp + zeroed * s.W, dxp + s.H * s.W, T(0));
+  }
+}
+
+template <class T>
+void max_pool_backward_step(Target, const T* dy, const T* x, const PoolShape& s, T* dx) {
+  if (s.SW == 1)
+    max_pool_backward_strided<1>(dy, x, s, dx);
+  else
+    max_pool_backward_strided<2>(dy, x, s, dx);
 }
