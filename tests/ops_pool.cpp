@@ -285,10 +285,11 @@ TEST_CASE_TEMPLATE("max_pool2d 2x2 at stride 2: each instruction set's kernels g
 }
 
 namespace {
-// max pooling's gradient over overlapping and padded windows (kernels::max_pool_backward at
-// column stride 1 or 2, ops/pool.hpp's general loop otherwise) against one window at a time in
-// output order, bit for bit: the first NaN, or else the first maximal tap in row-major order,
-// takes dy; an element several windows choose sums theirs from 0 in output order.
+// max pooling and its gradient over overlapping and padded windows (kernels::max_pool and
+// max_pool_backward at column stride 1 or 2, ops/pool.hpp's general loops otherwise) against one
+// window at a time in output order, bit for bit: the maximum from the window's first element
+// in row-major order, a NaN winning (the last one); the first NaN, or else the first maximal
+// element, takes dy; an element several windows choose sums theirs from 0 in output order.
 template <class T>
 void check_max_pool_gradient(const duet::ops::Pool2dWindow& w, Shape shape) {
   CAPTURE(duet::ops::detail::window_text(w));
@@ -303,33 +304,37 @@ void check_max_pool_gradient(const duet::ops::Pool2dWindow& w, Shape shape) {
   for (T& v : x) v = values[gen() % (gen() % 9 == 0 ? 7 : 6)];
   std::uniform_real_distribution<T> uniform(-1, 1);
   for (T& v : dy) v = gen() % 5 == 0 ? T(-0.0) : uniform(gen);
-  std::vector<T> dx_ref(x.size(), T(0));
+  std::vector<T> y_ref(dy.size()), dx_ref(x.size(), T(0));
   for (index_t p = 0; p < g.planes; ++p) {
     for (index_t oh = 0; oh < g.OH; ++oh) {
       for (index_t ow = 0; ow < g.OW; ++ow) {
+        const auto o = static_cast<std::size_t>((p * g.OH + oh) * g.OW + ow);
         std::size_t at = 0;
         bool found = false;
         for (index_t a = oh * w.stride_h - g.pad_top; a < oh * w.stride_h - g.pad_top + w.kernel_h; ++a) {
           for (index_t b = ow * w.stride_w - g.pad_left; b < ow * w.stride_w - g.pad_left + w.kernel_w; ++b) {
             if (a < 0 || a >= g.H || b < 0 || b >= g.W) continue;
             const auto i = static_cast<std::size_t>((p * g.H + a) * g.W + b);
+            if (!found || x[i] > y_ref[o] || std::isnan(x[i])) y_ref[o] = x[i];
             if (!found || x[i] > x[at] || (std::isnan(x[i]) && !std::isnan(x[at]))) at = i;
             found = true;
           }
         }
-        dx_ref[at] += dy[static_cast<std::size_t>((p * g.OH + oh) * g.OW + ow)];
+        dx_ref[at] += dy[o];
       }
     }
   }
   duet_test::for_each_isa([&] {
-    std::vector<T> dx(x.size(), T(7));
+    std::vector<T> y(y_ref.size(), T(7)), dx(x.size(), T(7));
+    detail::pool2d_forward<detail::MaxPoolKind>(w, g, x.data(), y.data());
     detail::max_pool2d_backward(w, g, dy.data(), x.data(), dx.data());
+    CHECK(std::memcmp(y.data(), y_ref.data(), y.size() * sizeof(T)) == 0);
     CHECK(std::memcmp(dx.data(), dx_ref.data(), dx.size() * sizeof(T)) == 0);
   });
 }
 }  // namespace
 
-TEST_CASE_TEMPLATE("max_pool2d's gradient over overlapping windows: each instruction set gives the rules' bits" *
+TEST_CASE_TEMPLATE("max_pool2d and its gradient over overlapping windows: each instruction set gives the rules' bits" *
                        duet_test::every_isa,
                    T, float, double) {
   using duet::ops::Pool2dWindow;
@@ -345,7 +350,7 @@ TEST_CASE_TEMPLATE("max_pool2d's gradient over overlapping windows: each instruc
       check_max_pool_gradient<T>(w, shape);
     }
   }
-  // Rows too long for the kernel's buffer: the general loop at stride 2.
+  // Rows too long for the kernels' buffer: the general loops at stride 2.
   check_max_pool_gradient<T>(windows[0], Shape{1, 1, 3, 3000});
 }
 

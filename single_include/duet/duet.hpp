@@ -31210,18 +31210,18 @@ class Conv1d : public conv_base<1, In, Out, Kernel, Stride, Padding, Dilation, G
 // one output at a time in the same order (g++ -O3, medians, 2026-11-30, a shared 2-core
 // machine): max pooling's forward is 2.4 to 7 times faster this way (2x2/2 on [64, 6, 28, 28]
 // and [64, 16, 10, 10], 3x3/2 pad 1 on [32, 64, 28, 28], 3x3/1 same on [32, 16, 28, 28]). Max
-// pooling's gradient at column stride 1 or 2 is kernels/pool.hpp's per instruction set: the
-// argmax of a vector of windows from a padded copy of their rows, then a scatter in output
-// order (3x3/2 pad 1 on [32, 64, 28, 28]: 1.8 ms, 13 ms one output at a time; the machine
-// and build as above, AVX-512); at other strides, or for rows longer than its buffer, a
-// branch-free argmax search (random data mispredicts "a new maximum") and a scatter, one output
-// at a time. Max pooling over 2x2 windows at stride 2 that tile the input, forward and
-// gradient, is kernels/pool.hpp's too: these loops vectorise only where the compiler is told
-// the machine (g++ 12 -O3 -march=native); built with -O2 they were two fifths of LeNet-5's
-// training step. Adaptive pooling sums
-// each bin row by row with Eigen's vectorised reduction (a whole bin at once when it spans
-// full rows: global pooling is one contiguous sum per plane). Nothing is allocated beyond the
-// output.
+// pooling at column stride 1 or 2, forward and gradient, is kernels/pool.hpp's per instruction
+// set instead: a vector of windows at a time from a padded copy of their rows, the gradient's
+// argmax then a scatter in output order (3x3/2 pad 1 on [32, 64, 28, 28]: the gradient 1.8 ms
+// against 13 one output at a time, the forward 1.2 against 1.7 by the loops above; the machine
+// and build as above, AVX-512). At other strides, or for rows longer than its buffer, max
+// pooling's gradient is a branch-free argmax search (random data mispredicts "a new maximum")
+// and a scatter, one output at a time. Max pooling over 2x2 windows at stride 2 that tile the
+// input, forward and gradient, is kernels/pool.hpp's too: these loops vectorise only where the
+// compiler is told the machine (g++ 12 -O3 -march=native); built with -O2 they were two
+// fifths of LeNet-5's training step. Adaptive pooling sums each bin row by row with Eigen's
+// vectorised reduction (a whole bin at once when it spans full rows: global pooling is one
+// contiguous sum per plane). Nothing is allocated beyond the output.
 
 #include <Eigen/Core>
 #include <algorithm>
@@ -31263,8 +31263,8 @@ struct PoolShape {
   index_t planes, H, W, OH, OW, KH, KW, SH, SW, pad_top, pad_left;
 };
 
-// The elements of max_pool_backward's buffers on the stack: a window's rows of the input,
-// padded, and an output row.
+// The elements of max_pool's and max_pool_backward's buffers on the stack: a window's rows of
+// the input, padded, and an output row.
 inline constexpr index_t max_pool_buffer = 4096;
 
 }  // namespace duet::kernels
@@ -31412,19 +31412,20 @@ void max_pool_2x2_backward_step(Target, const T* dy, const T* x, index_t planes,
   }
 }
 
-// Max pooling's gradient, any window at column stride S (1 or 2) whose rows, padded, fit the
-// buffer (max_pool_backward_takes, kernels/pool.hpp). Output row by output row: the window's
-// rows of the input are copied into the buffer between -inf's standing for the padding (never
-// taken: every window's search begins at its first tap inside the input, with -inf as the
+// Max pooling (Forward: y, the windows' maxima) or its gradient (dx from dy), any window at
+// column stride S (1 or 2) whose rows, padded, fit the buffer (max_pool_takes,
+// kernels/pool.hpp). Output row by output row: the window's rows of the input are copied into
+// the buffer between -inf's standing for the padding, which neither changes a maximum nor is
+// ever taken (every window's search begins at its first tap inside the input, with -inf as the
 // maximum so far), so that a vector of L windows reads each tap with one load (S = 1) or two
 // and a shuffle (S = 2), border windows included. All the rows are copied before the search
 // reads them: a load that straddles stores still in flight waits for them, a quarter of the
-// time when each row was copied just before its taps. A tap is its offset k · W + kw from the
-// window's first row inside the input, held as a T (exact), then turned into its element's
-// place; each dy goes there in output order, and an input row is zeroed just before the first
-// output row whose windows reach it.
-template <int S, class T>
-void max_pool_backward_strided(const T* dy, const T* x, const PoolShape& s, T* dx) {
+// gradient's time when each row was copied just before its taps. The gradient's tap is its
+// offset k · W + kw from the window's first row inside the input, held as a T (exact), then
+// turned into its element's place; each dy goes there in output order, and an input row is
+// zeroed just before the first output row whose windows reach it.
+template <int S, bool Forward, class T>
+void max_pool_rows(const T* dy, const T* x, const PoolShape& s, T* out) {
   constexpr int L = lanes<T>;
   constexpr auto all = std::make_integer_sequence<int, L>{};
   constexpr T minus_inf = -std::numeric_limits<T>::infinity();
@@ -31439,15 +31440,13 @@ void max_pool_backward_strided(const T* dy, const T* x, const PoolShape& s, T* d
   }
   for (index_t p = 0; p < s.planes; ++p) {
     const T* xp = x + p * s.H * s.W;
-    T* dxp = dx + p * s.H * s.W;
-    const T* dyp = dy + p * s.OH * s.OW;
-    index_t zeroed = 0;  // rows of dxp
+    index_t zeroed = 0;  // rows of the plane's dx
     for (index_t oh = 0; oh < s.OH; ++oh) {
       const index_t first = oh * s.SH - s.pad_top;  // input row of window row 0
       const index_t lo = std::max<index_t>(0, -first);
       const index_t hi = std::min<index_t>(s.KH, s.H - first);
-      if (zeroed < first + hi) {
-        std::fill(dxp + zeroed * s.W, dxp + (first + hi) * s.W, T(0));
+      if (!Forward && zeroed < first + hi) {
+        std::fill(out + (p * s.H + zeroed) * s.W, out + (p * s.H + first + hi) * s.W, T(0));
         zeroed = first + hi;
       }
       for (index_t k = 0; k < hi - lo; ++k) {
@@ -31477,28 +31476,50 @@ void max_pool_backward_strided(const T* dy, const T* x, const PoolShape& s, T* d
               v = load(taps + kw);
             else
               v = left_taps<T>(load(taps + kw), load(taps + kw + L), all);
-            const auto take = takes_max<T>(v, m);
-            m = take ? v : m;
-            at = take ? offset : at;
-            offset += splat(T(1));
+            if constexpr (Forward) {
+              m = ((v > m) | (v != v)) ? v : m;
+            } else {
+              const auto take = takes_max<T>(v, m);
+              m = take ? v : m;
+              at = take ? offset : at;
+              offset += splat(T(1));
+            }
           }
         }
-        store<T>(place + c * L, at + column);
+        if constexpr (Forward) {
+          T* y = out + (p * s.OH + oh) * s.OW + c * L;
+          if (c * L + L <= s.OW)
+            store<T>(y, m);
+          else
+            store_first<T>(y, m, static_cast<int>(s.OW - c * L));
+        } else {
+          store<T>(place + c * L, at + column);
+        }
       }
-      const index_t origin = (first + lo) * s.W - s.pad_left;  // of the places
-      const T* g = dyp + oh * s.OW;
-      for (index_t ow = 0; ow < s.OW; ++ow) dxp[origin + static_cast<index_t>(place[ow])] += g[ow];
+      if constexpr (!Forward) {
+        const index_t origin = (p * s.H + first + lo) * s.W - s.pad_left;  // of the places
+        const T* g = dy + (p * s.OH + oh) * s.OW;
+        for (index_t ow = 0; ow < s.OW; ++ow) out[origin + static_cast<index_t>(place[ow])] += g[ow];
+      }
     }
-    std::fill(dxp + zeroed * s.W, dxp + s.H * s.W, T(0));
+    if constexpr (!Forward) std::fill(out + (p * s.H + zeroed) * s.W, out + (p + 1) * s.H * s.W, T(0));
   }
+}
+
+template <class T>
+void max_pool_step(Target, const T* x, const PoolShape& s, T* y) {
+  if (s.SW == 1)
+    max_pool_rows<1, true>(static_cast<const T*>(nullptr), x, s, y);
+  else
+    max_pool_rows<2, true>(static_cast<const T*>(nullptr), x, s, y);
 }
 
 template <class T>
 void max_pool_backward_step(Target, const T* dy, const T* x, const PoolShape& s, T* dx) {
   if (s.SW == 1)
-    max_pool_backward_strided<1>(dy, x, s, dx);
+    max_pool_rows<1, false>(dy, x, s, dx);
   else
-    max_pool_backward_strided<2>(dy, x, s, dx);
+    max_pool_rows<2, false>(dy, x, s, dx);
 }
 }  // namespace duet::kernels::detail::baseline
 DUET_END_BASELINE
@@ -31634,19 +31655,20 @@ void max_pool_2x2_backward_step(Target, const T* dy, const T* x, index_t planes,
   }
 }
 
-// Max pooling's gradient, any window at column stride S (1 or 2) whose rows, padded, fit the
-// buffer (max_pool_backward_takes, kernels/pool.hpp). Output row by output row: the window's
-// rows of the input are copied into the buffer between -inf's standing for the padding (never
-// taken: every window's search begins at its first tap inside the input, with -inf as the
+// Max pooling (Forward: y, the windows' maxima) or its gradient (dx from dy), any window at
+// column stride S (1 or 2) whose rows, padded, fit the buffer (max_pool_takes,
+// kernels/pool.hpp). Output row by output row: the window's rows of the input are copied into
+// the buffer between -inf's standing for the padding, which neither changes a maximum nor is
+// ever taken (every window's search begins at its first tap inside the input, with -inf as the
 // maximum so far), so that a vector of L windows reads each tap with one load (S = 1) or two
 // and a shuffle (S = 2), border windows included. All the rows are copied before the search
 // reads them: a load that straddles stores still in flight waits for them, a quarter of the
-// time when each row was copied just before its taps. A tap is its offset k · W + kw from the
-// window's first row inside the input, held as a T (exact), then turned into its element's
-// place; each dy goes there in output order, and an input row is zeroed just before the first
-// output row whose windows reach it.
-template <int S, class T>
-void max_pool_backward_strided(const T* dy, const T* x, const PoolShape& s, T* dx) {
+// gradient's time when each row was copied just before its taps. The gradient's tap is its
+// offset k · W + kw from the window's first row inside the input, held as a T (exact), then
+// turned into its element's place; each dy goes there in output order, and an input row is
+// zeroed just before the first output row whose windows reach it.
+template <int S, bool Forward, class T>
+void max_pool_rows(const T* dy, const T* x, const PoolShape& s, T* out) {
   constexpr int L = lanes<T>;
   constexpr auto all = std::make_integer_sequence<int, L>{};
   constexpr T minus_inf = -std::numeric_limits<T>::infinity();
@@ -31661,15 +31683,13 @@ void max_pool_backward_strided(const T* dy, const T* x, const PoolShape& s, T* d
   }
   for (index_t p = 0; p < s.planes; ++p) {
     const T* xp = x + p * s.H * s.W;
-    T* dxp = dx + p * s.H * s.W;
-    const T* dyp = dy + p * s.OH * s.OW;
-    index_t zeroed = 0;  // rows of dxp
+    index_t zeroed = 0;  // rows of the plane's dx
     for (index_t oh = 0; oh < s.OH; ++oh) {
       const index_t first = oh * s.SH - s.pad_top;  // input row of window row 0
       const index_t lo = std::max<index_t>(0, -first);
       const index_t hi = std::min<index_t>(s.KH, s.H - first);
-      if (zeroed < first + hi) {
-        std::fill(dxp + zeroed * s.W, dxp + (first + hi) * s.W, T(0));
+      if (!Forward && zeroed < first + hi) {
+        std::fill(out + (p * s.H + zeroed) * s.W, out + (p * s.H + first + hi) * s.W, T(0));
         zeroed = first + hi;
       }
       for (index_t k = 0; k < hi - lo; ++k) {
@@ -31699,28 +31719,50 @@ void max_pool_backward_strided(const T* dy, const T* x, const PoolShape& s, T* d
               v = load(taps + kw);
             else
               v = left_taps<T>(load(taps + kw), load(taps + kw + L), all);
-            const auto take = takes_max<T>(v, m);
-            m = take ? v : m;
-            at = take ? offset : at;
-            offset += splat(T(1));
+            if constexpr (Forward) {
+              m = ((v > m) | (v != v)) ? v : m;
+            } else {
+              const auto take = takes_max<T>(v, m);
+              m = take ? v : m;
+              at = take ? offset : at;
+              offset += splat(T(1));
+            }
           }
         }
-        store<T>(place + c * L, at + column);
+        if constexpr (Forward) {
+          T* y = out + (p * s.OH + oh) * s.OW + c * L;
+          if (c * L + L <= s.OW)
+            store<T>(y, m);
+          else
+            store_first<T>(y, m, static_cast<int>(s.OW - c * L));
+        } else {
+          store<T>(place + c * L, at + column);
+        }
       }
-      const index_t origin = (first + lo) * s.W - s.pad_left;  // of the places
-      const T* g = dyp + oh * s.OW;
-      for (index_t ow = 0; ow < s.OW; ++ow) dxp[origin + static_cast<index_t>(place[ow])] += g[ow];
+      if constexpr (!Forward) {
+        const index_t origin = (p * s.H + first + lo) * s.W - s.pad_left;  // of the places
+        const T* g = dy + (p * s.OH + oh) * s.OW;
+        for (index_t ow = 0; ow < s.OW; ++ow) out[origin + static_cast<index_t>(place[ow])] += g[ow];
+      }
     }
-    std::fill(dxp + zeroed * s.W, dxp + s.H * s.W, T(0));
+    if constexpr (!Forward) std::fill(out + (p * s.H + zeroed) * s.W, out + (p + 1) * s.H * s.W, T(0));
   }
+}
+
+template <class T>
+void max_pool_step(Target, const T* x, const PoolShape& s, T* y) {
+  if (s.SW == 1)
+    max_pool_rows<1, true>(static_cast<const T*>(nullptr), x, s, y);
+  else
+    max_pool_rows<2, true>(static_cast<const T*>(nullptr), x, s, y);
 }
 
 template <class T>
 void max_pool_backward_step(Target, const T* dy, const T* x, const PoolShape& s, T* dx) {
   if (s.SW == 1)
-    max_pool_backward_strided<1>(dy, x, s, dx);
+    max_pool_rows<1, false>(dy, x, s, dx);
   else
-    max_pool_backward_strided<2>(dy, x, s, dx);
+    max_pool_rows<2, false>(dy, x, s, dx);
 }
 }  // namespace duet::kernels::detail::avx2
 DUET_END_ISA
@@ -31855,19 +31897,20 @@ void max_pool_2x2_backward_step(Target, const T* dy, const T* x, index_t planes,
   }
 }
 
-// Max pooling's gradient, any window at column stride S (1 or 2) whose rows, padded, fit the
-// buffer (max_pool_backward_takes, kernels/pool.hpp). Output row by output row: the window's
-// rows of the input are copied into the buffer between -inf's standing for the padding (never
-// taken: every window's search begins at its first tap inside the input, with -inf as the
+// Max pooling (Forward: y, the windows' maxima) or its gradient (dx from dy), any window at
+// column stride S (1 or 2) whose rows, padded, fit the buffer (max_pool_takes,
+// kernels/pool.hpp). Output row by output row: the window's rows of the input are copied into
+// the buffer between -inf's standing for the padding, which neither changes a maximum nor is
+// ever taken (every window's search begins at its first tap inside the input, with -inf as the
 // maximum so far), so that a vector of L windows reads each tap with one load (S = 1) or two
 // and a shuffle (S = 2), border windows included. All the rows are copied before the search
 // reads them: a load that straddles stores still in flight waits for them, a quarter of the
-// time when each row was copied just before its taps. A tap is its offset k · W + kw from the
-// window's first row inside the input, held as a T (exact), then turned into its element's
-// place; each dy goes there in output order, and an input row is zeroed just before the first
-// output row whose windows reach it.
-template <int S, class T>
-void max_pool_backward_strided(const T* dy, const T* x, const PoolShape& s, T* dx) {
+// gradient's time when each row was copied just before its taps. The gradient's tap is its
+// offset k · W + kw from the window's first row inside the input, held as a T (exact), then
+// turned into its element's place; each dy goes there in output order, and an input row is
+// zeroed just before the first output row whose windows reach it.
+template <int S, bool Forward, class T>
+void max_pool_rows(const T* dy, const T* x, const PoolShape& s, T* out) {
   constexpr int L = lanes<T>;
   constexpr auto all = std::make_integer_sequence<int, L>{};
   constexpr T minus_inf = -std::numeric_limits<T>::infinity();
@@ -31882,15 +31925,13 @@ void max_pool_backward_strided(const T* dy, const T* x, const PoolShape& s, T* d
   }
   for (index_t p = 0; p < s.planes; ++p) {
     const T* xp = x + p * s.H * s.W;
-    T* dxp = dx + p * s.H * s.W;
-    const T* dyp = dy + p * s.OH * s.OW;
-    index_t zeroed = 0;  // rows of dxp
+    index_t zeroed = 0;  // rows of the plane's dx
     for (index_t oh = 0; oh < s.OH; ++oh) {
       const index_t first = oh * s.SH - s.pad_top;  // input row of window row 0
       const index_t lo = std::max<index_t>(0, -first);
       const index_t hi = std::min<index_t>(s.KH, s.H - first);
-      if (zeroed < first + hi) {
-        std::fill(dxp + zeroed * s.W, dxp + (first + hi) * s.W, T(0));
+      if (!Forward && zeroed < first + hi) {
+        std::fill(out + (p * s.H + zeroed) * s.W, out + (p * s.H + first + hi) * s.W, T(0));
         zeroed = first + hi;
       }
       for (index_t k = 0; k < hi - lo; ++k) {
@@ -31920,28 +31961,50 @@ void max_pool_backward_strided(const T* dy, const T* x, const PoolShape& s, T* d
               v = load(taps + kw);
             else
               v = left_taps<T>(load(taps + kw), load(taps + kw + L), all);
-            const auto take = takes_max<T>(v, m);
-            m = take ? v : m;
-            at = take ? offset : at;
-            offset += splat(T(1));
+            if constexpr (Forward) {
+              m = ((v > m) | (v != v)) ? v : m;
+            } else {
+              const auto take = takes_max<T>(v, m);
+              m = take ? v : m;
+              at = take ? offset : at;
+              offset += splat(T(1));
+            }
           }
         }
-        store<T>(place + c * L, at + column);
+        if constexpr (Forward) {
+          T* y = out + (p * s.OH + oh) * s.OW + c * L;
+          if (c * L + L <= s.OW)
+            store<T>(y, m);
+          else
+            store_first<T>(y, m, static_cast<int>(s.OW - c * L));
+        } else {
+          store<T>(place + c * L, at + column);
+        }
       }
-      const index_t origin = (first + lo) * s.W - s.pad_left;  // of the places
-      const T* g = dyp + oh * s.OW;
-      for (index_t ow = 0; ow < s.OW; ++ow) dxp[origin + static_cast<index_t>(place[ow])] += g[ow];
+      if constexpr (!Forward) {
+        const index_t origin = (p * s.H + first + lo) * s.W - s.pad_left;  // of the places
+        const T* g = dy + (p * s.OH + oh) * s.OW;
+        for (index_t ow = 0; ow < s.OW; ++ow) out[origin + static_cast<index_t>(place[ow])] += g[ow];
+      }
     }
-    std::fill(dxp + zeroed * s.W, dxp + s.H * s.W, T(0));
+    if constexpr (!Forward) std::fill(out + (p * s.H + zeroed) * s.W, out + (p + 1) * s.H * s.W, T(0));
   }
+}
+
+template <class T>
+void max_pool_step(Target, const T* x, const PoolShape& s, T* y) {
+  if (s.SW == 1)
+    max_pool_rows<1, true>(static_cast<const T*>(nullptr), x, s, y);
+  else
+    max_pool_rows<2, true>(static_cast<const T*>(nullptr), x, s, y);
 }
 
 template <class T>
 void max_pool_backward_step(Target, const T* dy, const T* x, const PoolShape& s, T* dx) {
   if (s.SW == 1)
-    max_pool_backward_strided<1>(dy, x, s, dx);
+    max_pool_rows<1, false>(dy, x, s, dx);
   else
-    max_pool_backward_strided<2>(dy, x, s, dx);
+    max_pool_rows<2, false>(dy, x, s, dx);
 }
 }  // namespace duet::kernels::detail::avx512
 DUET_END_ISA
@@ -31965,18 +32028,24 @@ void max_pool_2x2_backward(const T* dy, const T* x, index_t planes, index_t H, i
                       [&](auto target) { max_pool_2x2_backward_step(target, dy, x, planes, H, W, OH, OW, dx); });
 }
 
-// Whether max_pool_backward takes s: column stride 1 or 2, a padded row the buffer holds
-// (with the widest set's vectors) and taps T holds exactly.
+// Whether max_pool and max_pool_backward take s: column stride 1 or 2, a window's padded rows
+// the buffer holds (with the widest set's vectors) and taps T holds exactly.
 template <class T>
-bool max_pool_backward_takes(const PoolShape& s) {
+bool max_pool_takes(const PoolShape& s) {
   constexpr index_t widest = 64 / sizeof(T);
   const index_t row = s.SW * ((s.OW + widest - 1) / widest) * widest + s.KW;
   return (s.SW == 1 || s.SW == 2) && s.KH * row <= max_pool_buffer && s.pad_left < row &&
          s.KH * s.W + row <= (index_t{1} << std::numeric_limits<T>::digits);
 }
 
-// dx of max pooling where max_pool_backward_takes(s): each dy to its window's first maximal
-// element (the first NaN, if any), summed in output order where windows share one.
+// Max pooling where max_pool_takes(s): each window's maximum, a NaN if it holds one.
+template <class T>
+void max_pool(const T* x, const PoolShape& s, T* y) {
+  detail::with_target(active_isa(), [&](auto target) { max_pool_step(target, x, s, y); });
+}
+
+// dx of max pooling where max_pool_takes(s): each dy to its window's first maximal element
+// (the first NaN, if any), summed in output order where windows share one.
 template <class T>
 void max_pool_backward(const T* dy, const T* x, const PoolShape& s, T* dx) {
   detail::with_target(active_isa(), [&](auto target) { max_pool_backward_step(target, dy, x, s, dx); });
@@ -32114,10 +32183,17 @@ bool tiles_2x2(const Window& w, const PoolGeometry& g) {
          g.pad_left == 0 && 2 * g.OH <= g.H && 2 * g.OW <= g.W;
 }
 
+// The kernels' view of w over g.
+template <class Window>
+kernels::PoolShape pool_shape(const Window& w, const PoolGeometry& g) {
+  return {g.planes, g.H, g.W, g.OH, g.OW, w.kernel_h, w.kernel_w, w.stride_h, w.stride_w, g.pad_top, g.pad_left};
+}
+
 template <class Kind, class Window, class T>
 void pool2d_forward(const Window& w, const PoolGeometry& g, const T* x, T* y) {
   if constexpr (std::is_same_v<Kind, MaxPoolKind>) {
     if (tiles_2x2(w, g)) return kernels::max_pool_2x2(x, g.planes, g.H, g.W, g.OH, g.OW, y);
+    if (kernels::max_pool_takes<T>(pool_shape(w, g))) return kernels::max_pool(x, pool_shape(w, g), y);
   }
   const index_t KW = w.kernel_w;
   const index_t SW = w.stride_w;
@@ -32251,9 +32327,8 @@ void max_pool2d_backward(const Window& w, const PoolGeometry& g, const T* dy, co
     max_pool2d_backward_tiled(w, g, dy, x, dx);
     return;
   }
-  const kernels::PoolShape shape{g.planes,   g.H,        g.W,        g.OH,      g.OW,      w.kernel_h,
-                                 w.kernel_w, w.stride_h, w.stride_w, g.pad_top, g.pad_left};
-  if (kernels::max_pool_backward_takes<T>(shape)) return kernels::max_pool_backward(dy, x, shape, dx);
+  const kernels::PoolShape shape = pool_shape(w, g);
+  if (kernels::max_pool_takes<T>(shape)) return kernels::max_pool_backward(dy, x, shape, dx);
   std::fill_n(dx, g.planes * g.H * g.W, T(0));
   for (index_t p = 0; p < g.planes; ++p) {
     const T* xp = x + p * g.H * g.W;

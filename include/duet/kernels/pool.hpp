@@ -30,8 +30,8 @@ struct PoolShape {
   index_t planes, H, W, OH, OW, KH, KW, SH, SW, pad_top, pad_left;
 };
 
-// The elements of max_pool_backward's buffers on the stack: a window's rows of the input,
-// padded, and an output row.
+// The elements of max_pool's and max_pool_backward's buffers on the stack: a window's rows of
+// the input, padded, and an output row.
 inline constexpr index_t max_pool_buffer = 4096;
 
 }  // namespace duet::kernels
@@ -55,18 +55,24 @@ void max_pool_2x2_backward(const T* dy, const T* x, index_t planes, index_t H, i
                       [&](auto target) { max_pool_2x2_backward_step(target, dy, x, planes, H, W, OH, OW, dx); });
 }
 
-// Whether max_pool_backward takes s: column stride 1 or 2, a padded row the buffer holds
-// (with the widest set's vectors) and taps T holds exactly.
+// Whether max_pool and max_pool_backward take s: column stride 1 or 2, a window's padded rows
+// the buffer holds (with the widest set's vectors) and taps T holds exactly.
 template <class T>
-bool max_pool_backward_takes(const PoolShape& s) {
+bool max_pool_takes(const PoolShape& s) {
   constexpr index_t widest = 64 / sizeof(T);
   const index_t row = s.SW * ((s.OW + widest - 1) / widest) * widest + s.KW;
   return (s.SW == 1 || s.SW == 2) && s.KH * row <= max_pool_buffer && s.pad_left < row &&
          s.KH * s.W + row <= (index_t{1} << std::numeric_limits<T>::digits);
 }
 
-// dx of max pooling where max_pool_backward_takes(s): each dy to its window's first maximal
-// element (the first NaN, if any), summed in output order where windows share one.
+// Max pooling where max_pool_takes(s): each window's maximum, a NaN if it holds one.
+template <class T>
+void max_pool(const T* x, const PoolShape& s, T* y) {
+  detail::with_target(active_isa(), [&](auto target) { max_pool_step(target, x, s, y); });
+}
+
+// dx of max pooling where max_pool_takes(s): each dy to its window's first maximal element
+// (the first NaN, if any), summed in output order where windows share one.
 template <class T>
 void max_pool_backward(const T* dy, const T* x, const PoolShape& s, T* dx) {
   detail::with_target(active_isa(), [&](auto target) { max_pool_backward_step(target, dy, x, s, dx); });

@@ -51,18 +51,18 @@
 // one output at a time in the same order (g++ -O3, medians, 2026-11-30, a shared 2-core
 // machine): max pooling's forward is 2.4 to 7 times faster this way (2x2/2 on [64, 6, 28, 28]
 // and [64, 16, 10, 10], 3x3/2 pad 1 on [32, 64, 28, 28], 3x3/1 same on [32, 16, 28, 28]). Max
-// pooling's gradient at column stride 1 or 2 is kernels/pool.hpp's per instruction set: the
-// argmax of a vector of windows from a padded copy of their rows, then a scatter in output
-// order (3x3/2 pad 1 on [32, 64, 28, 28]: 1.8 ms, 13 ms one output at a time; the machine
-// and build as above, AVX-512); at other strides, or for rows longer than its buffer, a
-// branch-free argmax search (random data mispredicts "a new maximum") and a scatter, one output
-// at a time. Max pooling over 2x2 windows at stride 2 that tile the input, forward and
-// gradient, is kernels/pool.hpp's too: these loops vectorise only where the compiler is told
-// the machine (g++ 12 -O3 -march=native); built with -O2 they were two fifths of LeNet-5's
-// training step. Adaptive pooling sums
-// each bin row by row with Eigen's vectorised reduction (a whole bin at once when it spans
-// full rows: global pooling is one contiguous sum per plane). Nothing is allocated beyond the
-// output.
+// pooling at column stride 1 or 2, forward and gradient, is kernels/pool.hpp's per instruction
+// set instead: a vector of windows at a time from a padded copy of their rows, the gradient's
+// argmax then a scatter in output order (3x3/2 pad 1 on [32, 64, 28, 28]: the gradient 1.8 ms
+// against 13 one output at a time, the forward 1.2 against 1.7 by the loops above; the machine
+// and build as above, AVX-512). At other strides, or for rows longer than its buffer, max
+// pooling's gradient is a branch-free argmax search (random data mispredicts "a new maximum")
+// and a scatter, one output at a time. Max pooling over 2x2 windows at stride 2 that tile the
+// input, forward and gradient, is kernels/pool.hpp's too: these loops vectorise only where the
+// compiler is told the machine (g++ 12 -O3 -march=native); built with -O2 they were two
+// fifths of LeNet-5's training step. Adaptive pooling sums each bin row by row with Eigen's
+// vectorised reduction (a whole bin at once when it spans full rows: global pooling is one
+// contiguous sum per plane). Nothing is allocated beyond the output.
 #pragma once
 
 #include <Eigen/Core>
@@ -215,10 +215,17 @@ bool tiles_2x2(const Window& w, const PoolGeometry& g) {
          g.pad_left == 0 && 2 * g.OH <= g.H && 2 * g.OW <= g.W;
 }
 
+// The kernels' view of w over g.
+template <class Window>
+kernels::PoolShape pool_shape(const Window& w, const PoolGeometry& g) {
+  return {g.planes, g.H, g.W, g.OH, g.OW, w.kernel_h, w.kernel_w, w.stride_h, w.stride_w, g.pad_top, g.pad_left};
+}
+
 template <class Kind, class Window, class T>
 void pool2d_forward(const Window& w, const PoolGeometry& g, const T* x, T* y) {
   if constexpr (std::is_same_v<Kind, MaxPoolKind>) {
     if (tiles_2x2(w, g)) return kernels::max_pool_2x2(x, g.planes, g.H, g.W, g.OH, g.OW, y);
+    if (kernels::max_pool_takes<T>(pool_shape(w, g))) return kernels::max_pool(x, pool_shape(w, g), y);
   }
   const index_t KW = w.kernel_w;
   const index_t SW = w.stride_w;
@@ -352,9 +359,8 @@ void max_pool2d_backward(const Window& w, const PoolGeometry& g, const T* dy, co
     max_pool2d_backward_tiled(w, g, dy, x, dx);
     return;
   }
-  const kernels::PoolShape shape{g.planes,   g.H,        g.W,        g.OH,      g.OW,      w.kernel_h,
-                                 w.kernel_w, w.stride_h, w.stride_w, g.pad_top, g.pad_left};
-  if (kernels::max_pool_backward_takes<T>(shape)) return kernels::max_pool_backward(dy, x, shape, dx);
+  const kernels::PoolShape shape = pool_shape(w, g);
+  if (kernels::max_pool_takes<T>(shape)) return kernels::max_pool_backward(dy, x, shape, dx);
   std::fill_n(dx, g.planes * g.H * g.W, T(0));
   for (index_t p = 0; p < g.planes; ++p) {
     const T* xp = x + p * g.H * g.W;

@@ -126,19 +126,20 @@ void max_pool_2x2_backward_step(Target, const T* dy, const T* x, index_t planes,
   }
 }
 
-// Max pooling's gradient, any window at column stride S (1 or 2) whose rows, padded, fit the
-// buffer (max_pool_backward_takes, kernels/pool.hpp). Output row by output row: the window's
-// rows of the input are copied into the buffer between -inf's standing for the padding (never
-// taken: every window's search begins at its first tap inside the input, with -inf as the
+// Max pooling (Forward: y, the windows' maxima) or its gradient (dx from dy), any window at
+// column stride S (1 or 2) whose rows, padded, fit the buffer (max_pool_takes,
+// kernels/pool.hpp). Output row by output row: the window's rows of the input are copied into
+// the buffer between -inf's standing for the padding, which neither changes a maximum nor is
+// ever taken (every window's search begins at its first tap inside the input, with -inf as the
 // maximum so far), so that a vector of L windows reads each tap with one load (S = 1) or two
 // and a shuffle (S = 2), border windows included. All the rows are copied before the search
 // reads them: a load that straddles stores still in flight waits for them, a quarter of the
-// time when each row was copied just before its taps. A tap is its offset k · W + kw from the
-// window's first row inside the input, held as a T (exact), then turned into its element's
-// place; each dy goes there in output order, and an input row is zeroed just before the first
-// output row whose windows reach it.
-template <int S, class T>
-void max_pool_backward_strided(const T* dy, const T* x, const PoolShape& s, T* dx) {
+// gradient's time when each row was copied just before its taps. The gradient's tap is its
+// offset k · W + kw from the window's first row inside the input, held as a T (exact), then
+// turned into its element's place; each dy goes there in output order, and an input row is
+// zeroed just before the first output row whose windows reach it.
+template <int S, bool Forward, class T>
+void max_pool_rows(const T* dy, const T* x, const PoolShape& s, T* out) {
   constexpr int L = lanes<T>;
   constexpr auto all = std::make_integer_sequence<int, L>{};
   constexpr T minus_inf = -std::numeric_limits<T>::infinity();
@@ -153,15 +154,13 @@ void max_pool_backward_strided(const T* dy, const T* x, const PoolShape& s, T* d
   }
   for (index_t p = 0; p < s.planes; ++p) {
     const T* xp = x + p * s.H * s.W;
-    T* dxp = dx + p * s.H * s.W;
-    const T* dyp = dy + p * s.OH * s.OW;
-    index_t zeroed = 0;  // rows of dxp
+    index_t zeroed = 0;  // rows of the plane's dx
     for (index_t oh = 0; oh < s.OH; ++oh) {
       const index_t first = oh * s.SH - s.pad_top;  // input row of window row 0
       const index_t lo = std::max<index_t>(0, -first);
       const index_t hi = std::min<index_t>(s.KH, s.H - first);
-      if (zeroed < first + hi) {
-        std::fill(dxp + zeroed * s.W, dxp + (first + hi) * s.W, T(0));
+      if (!Forward && zeroed < first + hi) {
+        std::fill(out + (p * s.H + zeroed) * s.W, out + (p * s.H + first + hi) * s.W, T(0));
         zeroed = first + hi;
       }
       for (index_t k = 0; k < hi - lo; ++k) {
@@ -191,26 +190,48 @@ void max_pool_backward_strided(const T* dy, const T* x, const PoolShape& s, T* d
               v = load(taps + kw);
             else
               v = left_taps<T>(load(taps + kw), load(taps + kw + L), all);
-            const auto take = takes_max<T>(v, m);
-            m = take ? v : m;
-            at = take ? offset : at;
-            offset += splat(T(1));
+            if constexpr (Forward) {
+              m = ((v > m) | (v != v)) ? v : m;
+            } else {
+              const auto take = takes_max<T>(v, m);
+              m = take ? v : m;
+              at = take ? offset : at;
+              offset += splat(T(1));
+            }
           }
         }
-        store<T>(place + c * L, at + column);
+        if constexpr (Forward) {
+          T* y = out + (p * s.OH + oh) * s.OW + c * L;
+          if (c * L + L <= s.OW)
+            store<T>(y, m);
+          else
+            store_first<T>(y, m, static_cast<int>(s.OW - c * L));
+        } else {
+          store<T>(place + c * L, at + column);
+        }
       }
-      const index_t origin = (first + lo) * s.W - s.pad_left;  // of the places
-      const T* g = dyp + oh * s.OW;
-      for (index_t ow = 0; ow < s.OW; ++ow) dxp[origin + static_cast<index_t>(place[ow])] += g[ow];
+      if constexpr (!Forward) {
+        const index_t origin = (p * s.H + first + lo) * s.W - s.pad_left;  // of the places
+        const T* g = dy + (p * s.OH + oh) * s.OW;
+        for (index_t ow = 0; ow < s.OW; ++ow) out[origin + static_cast<index_t>(place[ow])] += g[ow];
+      }
     }
-    std::fill(dxp + zeroed * s.W, dxp + s.H * s.W, T(0));
+    if constexpr (!Forward) std::fill(out + (p * s.H + zeroed) * s.W, out + (p + 1) * s.H * s.W, T(0));
   }
+}
+
+template <class T>
+void max_pool_step(Target, const T* x, const PoolShape& s, T* y) {
+  if (s.SW == 1)
+    max_pool_rows<1, true>(static_cast<const T*>(nullptr), x, s, y);
+  else
+    max_pool_rows<2, true>(static_cast<const T*>(nullptr), x, s, y);
 }
 
 template <class T>
 void max_pool_backward_step(Target, const T* dy, const T* x, const PoolShape& s, T* dx) {
   if (s.SW == 1)
-    max_pool_backward_strided<1>(dy, x, s, dx);
+    max_pool_rows<1, false>(dy, x, s, dx);
   else
-    max_pool_backward_strided<2>(dy, x, s, dx);
+    max_pool_rows<2, false>(dy, x, s, dx);
 }
