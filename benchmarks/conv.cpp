@@ -191,8 +191,9 @@ void torch_conv3x3_backward(benchmark::State& state) {
 // ResNet's stem pooling, max over 3x3 windows at stride 2, padding 1, on the convolution's
 // [32, 64, 28, 28]: the window fixed at compile time (ops::max_pool2d<3, 2, 1>) or given at run
 // time (ops::max_pool2d(x, 3, 2, 1), one operation for every window), and its gradient
-// (d sum(pool(x) * dy) / dx). These loops are vectorised by the compiler: the rows show what a
-// build's flags give them (GCC's -O2 left them scalar before DUET_BEGIN_VECTORIZED).
+// (d sum(pool(x) * dy) / dx, the forward included, as libtorch's row). The forward's loops are
+// vectorised by the compiler: the rows show what a build's flags give them (GCC's -O2 left them
+// scalar before DUET_BEGIN_VECTORIZED); the gradient is kernels/pool.hpp's, per instruction set.
 template <bool FixedWindow>
 void max_pool_forward(benchmark::State& state) {
   const Tensor x = uniform({batch, channels, size, size}, -1.0f, 1.0f, 1);
@@ -203,11 +204,16 @@ void max_pool_forward(benchmark::State& state) {
   state.SetItemsProcessed(state.iterations() * batch);
 }
 
+template <bool FixedWindow>
 void max_pool_backward(benchmark::State& state) {
   const Tensor x = uniform({batch, channels, size, size}, -1.0f, 1.0f, 1);
   const Tensor dy = uniform({batch, channels, size / 2, size / 2}, -1.0f, 1.0f, 2);
-  auto dx =
-      grad([](const auto& v, const auto& cotangent) { return ops::sum(ops::max_pool2d<3, 2, 1>(v) * cotangent); });
+  auto dx = grad([](const auto& v, const auto& cotangent) {
+    if constexpr (FixedWindow)
+      return ops::sum(ops::max_pool2d<3, 2, 1>(v) * cotangent);
+    else
+      return ops::sum(ops::max_pool2d(v, 3, 2, 1) * cotangent);
+  });
   for (auto _ : state) {
     Tensor g = dx(x, dy);
     benchmark::DoNotOptimize(g.data());
@@ -321,7 +327,8 @@ BENCHMARK(conv3x3_backward<GRAPH_MODE>)->Name("conv/3x3_64x64_28x28_b32_backward
 BENCHMARK(conv3x3_backward<PYNATIVE_MODE>)->Name("conv/3x3_64x64_28x28_b32_backward/pynative");
 BENCHMARK(max_pool_forward<true>)->Name("conv/maxpool_3x3s2p1_64x28x28_b32_forward/duet");
 BENCHMARK(max_pool_forward<false>)->Name("conv/maxpool_3x3s2p1_64x28x28_b32_forward/duet_runtime_window");
-BENCHMARK(max_pool_backward)->Name("conv/maxpool_3x3s2p1_64x28x28_b32_backward/duet");
+BENCHMARK(max_pool_backward<true>)->Name("conv/maxpool_3x3s2p1_64x28x28_b32_backward/duet");
+BENCHMARK(max_pool_backward<false>)->Name("conv/maxpool_3x3s2p1_64x28x28_b32_backward/duet_runtime_window");
 #if DUET_BENCH_TORCH
 BENCHMARK(torch_max_pool_forward)->Name("conv/maxpool_3x3s2p1_64x28x28_b32_forward/libtorch");
 BENCHMARK(torch_max_pool_backward)->Name("conv/maxpool_3x3s2p1_64x28x28_b32_backward/libtorch");
