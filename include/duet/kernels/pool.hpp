@@ -1,8 +1,8 @@
-// Max pooling's kernels, once per instruction set: over 2x2 windows at stride 2 that tile the
-// input (LeNet-5's and most CNNs' pooling), forward and gradient, a vector of L outputs reads 2L
-// values of each of the window's two rows and splits them into left and right taps by
-// shuffles; and the gradient over any window at column stride 1 or 2 (ResNet's 3x3/2 pad 1,
-// 3x3/1 pad 1), L windows at a time from a padded copy of their rows. ops/pool.hpp's general
+// Max pooling's kernels, forward and gradient, once per instruction set: over 2x2 windows at
+// stride 2 that tile the input (LeNet-5's and most CNNs' pooling), a vector of L outputs reads
+// 2L values of each of the window's two rows and splits them into left and right taps by
+// shuffles; over any other window at column stride 1 or 2 (ResNet's 3x3/2 pad 1, 3x3/1 pad 1),
+// L windows at a time from a padded copy of their rows. ops/pool.hpp's general
 // loops rely on the compiler to vectorise a strided compare-and-select, which g++ 12 does at
 // -O3 with -march=native and not at -O2 or for the baseline alone; here every build gets the
 // set the machine has (simd/isa.hpp). The rules are ops/pool.hpp's, to the bit: the taps in
