@@ -10,7 +10,7 @@
 // Written once (detail/optim_impl.hpp) on the vectors of each instruction set, compiled per set
 // below and chosen at run time like the matrix product (simd/isa.hpp, duet::kernel_isa()). The
 // tail is one masked vector through the same code, not a scalar loop. Every set computes each
-// element with the operations of the scalar formula in its order, unfused (DUET_BEGIN_UNFUSED),
+// element with the operations of the scalar formula in its order, unfused (every kernel region is: simd/arch.hpp),
 // and IEEE's +, -, ·, / and sqrt are correctly rounded: every set gives the bits of that
 // formula evaluated in T, on any CPU and for any tail (tests/kernels_optim.cpp), except that
 // on x86 subnormal inputs and results count as zero (detail::FlushSubnormals says why):

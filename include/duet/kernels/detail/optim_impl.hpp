@@ -1,8 +1,7 @@
 // One instruction set's optimiser updates (kernels/optim.hpp), written on its Vec<T>, load,
 // store, load_first, store_first and sqrt (simd/arch.hpp). No include guard and no includes:
 // optim.hpp includes it once per set (per_isa.hpp), inside that set's namespace and target
-// region; a·b + c is not fused anywhere in it (DUET_BEGIN_UNFUSED).
-DUET_BEGIN_UNFUSED
+// region, which fuses no a·b + c (simd/arch.hpp).
 
 // Adam on one vector of values, as the scalar formula writes it (AdamCoefficients).
 template <class T>
@@ -71,5 +70,3 @@ void sgd_step(Target, T* p, const T* g, T* buf, index_t n, const SgdCoefficients
     if (c.with_momentum) store_first<T>(buf + i, bv, rest);
   }
 }
-
-DUET_END_UNFUSED
