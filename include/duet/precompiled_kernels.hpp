@@ -13,20 +13,35 @@
 //     macro for whatever links it.
 //
 // The code that runs is the same (the kernels' own target and optimisation regions, not the
-// build's flags, choose their instructions), so the results are the same bits. Forgetting the
-// file is a link error naming a duet::kernels entry point. Both files must see the same duet.
+// build's flags, choose their instructions and turn off a·b + c contraction), so the results
+// are the same bits. Forgetting the file is a link error naming the kernels' entry points and
+// duet_precompiled_kernels__link_duet_kernels_or_a_file_defining_DUET_DEFINE_PRECOMPILED_KERNELS.
+// Both files must see the same duet.
 #pragma once
 
 #include "kernels/conv.hpp"
 #include "kernels/elementwise.hpp"
 #include "kernels/gemm.hpp"
 #include "kernels/optim.hpp"
+#include "kernels/pool.hpp"
 #include "nn/activation.hpp"
 
 #if defined(DUET_DEFINE_PRECOMPILED_KERNELS)
 #define DUET_DETAIL_INSTANCE template
 #elif defined(DUET_PRECOMPILED_KERNELS)
 #define DUET_DETAIL_INSTANCE extern template
+#endif
+
+// A program built with DUET_PRECOMPILED_KERNELS but without the file fails to link on this name
+// too, among the kernels' own: it says what is missing.
+#if defined(DUET_DEFINE_PRECOMPILED_KERNELS)
+extern "C" const int duet_precompiled_kernels__link_duet_kernels_or_a_file_defining_DUET_DEFINE_PRECOMPILED_KERNELS = 1;
+#elif defined(DUET_PRECOMPILED_KERNELS)
+extern "C" const int duet_precompiled_kernels__link_duet_kernels_or_a_file_defining_DUET_DEFINE_PRECOMPILED_KERNELS;
+namespace duet::detail {
+[[gnu::used]] static const int* const precompiled_kernels_linked =
+    &duet_precompiled_kernels__link_duet_kernels_or_a_file_defining_DUET_DEFINE_PRECOMPILED_KERNELS;
+}  // namespace duet::detail
 #endif
 
 #ifdef DUET_DETAIL_INSTANCE

@@ -775,36 +775,38 @@ inline int halves_depth(index_t n) {
 // trained 50 times slower (an epoch 85 s instead of 1.7), which makes a Debug build useless
 // for debugging a training run; the kernels are not what such a user steps through. clang has
 // no pragma that raises the level: its -O0 builds keep slow kernels.
+//
+// Every region also computes arithmetic exactly as written: no a·b + c contracted into an FMA,
+// which both compilers do wherever the target has one (g++ by default in C++, even under
+// -std=c++20; clang within an expression). The kernels call FMA where they mean it, and the
+// build's flags then do not change their code: a program built by the README's g++ command and
+// the same program built with CMake (whose duet::duet passes -ffp-contract=off), or against
+// duet::kernels compiled by it, differed in the last bits (136 of 192 logits, up to 1.2e-7);
+// and the optimisers' updates give the bits of their scalar formula (kernels/optim.hpp).
 #if defined(__clang__)
-#define DUET_BEGIN_BASELINE
-#define DUET_END_BASELINE
-#define DUET_BEGIN_AVX2 _Pragma("clang attribute push(__attribute__((target(\"avx2,fma\"))), apply_to = function)")
+#define DUET_BEGIN_BASELINE _Pragma("float_control(push)") _Pragma("clang fp contract(off)")
+#define DUET_END_BASELINE _Pragma("float_control(pop)")
+#define DUET_BEGIN_AVX2 \
+  DUET_BEGIN_BASELINE _Pragma("clang attribute push(__attribute__((target(\"avx2,fma\"))), apply_to = function)")
+// A _Pragma takes one string literal, which clang-format must not split.
+// clang-format off
 #define DUET_BEGIN_AVX512 \
+  DUET_BEGIN_BASELINE \
   _Pragma("clang attribute push(__attribute__((target(\"avx512f,avx512dq,avx512bw,avx512vl,avx2,fma\"))), apply_to = function)")
-#define DUET_END_ISA _Pragma("clang attribute pop")
+// clang-format on
+#define DUET_END_ISA _Pragma("clang attribute pop") DUET_END_BASELINE
 #else
 #ifdef __OPTIMIZE__
 #define DUET_DETAIL_OPTIMIZE_KERNELS
 #else
 #define DUET_DETAIL_OPTIMIZE_KERNELS _Pragma("GCC optimize(\"O2\")")
 #endif
-#define DUET_BEGIN_BASELINE _Pragma("GCC push_options") DUET_DETAIL_OPTIMIZE_KERNELS
+#define DUET_BEGIN_BASELINE \
+  _Pragma("GCC push_options") DUET_DETAIL_OPTIMIZE_KERNELS _Pragma("GCC optimize(\"fp-contract=off\")")
 #define DUET_END_BASELINE _Pragma("GCC pop_options")
 #define DUET_BEGIN_AVX2 DUET_BEGIN_BASELINE _Pragma("GCC target(\"avx2,fma\")")
 #define DUET_BEGIN_AVX512 DUET_BEGIN_BASELINE _Pragma("GCC target(\"avx512f,avx512dq,avx512bw,avx512vl,avx2,fma\")")
 #define DUET_END_ISA _Pragma("GCC pop_options")
-#endif
-
-// Arithmetic exactly as written: no a·b + c contracted into an FMA, which both compilers do
-// wherever the target has one (GCC 12 even under -std=c++20). Kernels whose every set must
-// give the bits of the scalar formula (kernels/optim.hpp) sit between these, inside their
-// set's region; templates keep the setting when instantiated later, as they keep the target.
-#if defined(__clang__)
-#define DUET_BEGIN_UNFUSED _Pragma("float_control(push)") _Pragma("clang fp contract(off)")
-#define DUET_END_UNFUSED _Pragma("float_control(pop)")
-#else
-#define DUET_BEGIN_UNFUSED _Pragma("GCC push_options") _Pragma("GCC optimize(\"fp-contract=off\")")
-#define DUET_END_UNFUSED _Pragma("GCC pop_options")
 #endif
 
 // Loops written for the compiler to vectorise (pooling's rows of strided taps): GCC 12's -O2
@@ -5179,7 +5181,7 @@ void map_grad(const T* dy, const T* y, index_t n, T* dx) {
 // Written once (detail/optim_impl.hpp) on the vectors of each instruction set, compiled per set
 // below and chosen at run time like the matrix product (simd/isa.hpp, duet::kernel_isa()). The
 // tail is one masked vector through the same code, not a scalar loop. Every set computes each
-// element with the operations of the scalar formula in its order, unfused (DUET_BEGIN_UNFUSED),
+// element with the operations of the scalar formula in its order, unfused (every kernel region is: simd/arch.hpp),
 // and IEEE's +, -, ·, / and sqrt are correctly rounded: every set gives the bits of that
 // formula evaluated in T, on any CPU and for any tail (tests/kernels_optim.cpp), except that
 // on x86 subnormal inputs and results count as zero (detail::FlushSubnormals says why):
@@ -5241,8 +5243,7 @@ namespace duet::kernels::detail::baseline {
 // One instruction set's optimiser updates (kernels/optim.hpp), written on its Vec<T>, load,
 // store, load_first, store_first and sqrt (simd/arch.hpp). No include guard and no includes:
 // optim.hpp includes it once per set (per_isa.hpp), inside that set's namespace and target
-// region; a·b + c is not fused anywhere in it (DUET_BEGIN_UNFUSED).
-DUET_BEGIN_UNFUSED
+// region, which fuses no a·b + c (simd/arch.hpp).
 
 // Adam on one vector of values, as the scalar formula writes it (AdamCoefficients).
 template <class T>
@@ -5311,8 +5312,6 @@ void sgd_step(Target, T* p, const T* g, T* buf, index_t n, const SgdCoefficients
     if (c.with_momentum) store_first<T>(buf + i, bv, rest);
   }
 }
-
-DUET_END_UNFUSED
 }  // namespace duet::kernels::detail::baseline
 DUET_END_BASELINE
 
@@ -5322,8 +5321,7 @@ namespace duet::kernels::detail::avx2 {
 // One instruction set's optimiser updates (kernels/optim.hpp), written on its Vec<T>, load,
 // store, load_first, store_first and sqrt (simd/arch.hpp). No include guard and no includes:
 // optim.hpp includes it once per set (per_isa.hpp), inside that set's namespace and target
-// region; a·b + c is not fused anywhere in it (DUET_BEGIN_UNFUSED).
-DUET_BEGIN_UNFUSED
+// region, which fuses no a·b + c (simd/arch.hpp).
 
 // Adam on one vector of values, as the scalar formula writes it (AdamCoefficients).
 template <class T>
@@ -5392,8 +5390,6 @@ void sgd_step(Target, T* p, const T* g, T* buf, index_t n, const SgdCoefficients
     if (c.with_momentum) store_first<T>(buf + i, bv, rest);
   }
 }
-
-DUET_END_UNFUSED
 }  // namespace duet::kernels::detail::avx2
 DUET_END_ISA
 
@@ -5402,8 +5398,7 @@ namespace duet::kernels::detail::avx512 {
 // One instruction set's optimiser updates (kernels/optim.hpp), written on its Vec<T>, load,
 // store, load_first, store_first and sqrt (simd/arch.hpp). No include guard and no includes:
 // optim.hpp includes it once per set (per_isa.hpp), inside that set's namespace and target
-// region; a·b + c is not fused anywhere in it (DUET_BEGIN_UNFUSED).
-DUET_BEGIN_UNFUSED
+// region, which fuses no a·b + c (simd/arch.hpp).
 
 // Adam on one vector of values, as the scalar formula writes it (AdamCoefficients).
 template <class T>
@@ -5472,8 +5467,6 @@ void sgd_step(Target, T* p, const T* g, T* buf, index_t n, const SgdCoefficients
     if (c.with_momentum) store_first<T>(buf + i, bv, rest);
   }
 }
-
-DUET_END_UNFUSED
 }  // namespace duet::kernels::detail::avx512
 DUET_END_ISA
 #endif
@@ -33120,14 +33113,28 @@ inline const bool random_listed = list_operations({"randn_like", "rand_like", "m
 //     macro for whatever links it.
 //
 // The code that runs is the same (the kernels' own target and optimisation regions, not the
-// build's flags, choose their instructions), so the results are the same bits. Forgetting the
-// file is a link error naming a duet::kernels entry point. Both files must see the same duet.
+// build's flags, choose their instructions and turn off a·b + c contraction), so the results
+// are the same bits. Forgetting the file is a link error naming the kernels' entry points and
+// duet_precompiled_kernels__link_duet_kernels_or_a_file_defining_DUET_DEFINE_PRECOMPILED_KERNELS.
+// Both files must see the same duet.
 
 
 #if defined(DUET_DEFINE_PRECOMPILED_KERNELS)
 #define DUET_DETAIL_INSTANCE template
 #elif defined(DUET_PRECOMPILED_KERNELS)
 #define DUET_DETAIL_INSTANCE extern template
+#endif
+
+// A program built with DUET_PRECOMPILED_KERNELS but without the file fails to link on this name
+// too, among the kernels' own: it says what is missing.
+#if defined(DUET_DEFINE_PRECOMPILED_KERNELS)
+extern "C" const int duet_precompiled_kernels__link_duet_kernels_or_a_file_defining_DUET_DEFINE_PRECOMPILED_KERNELS = 1;
+#elif defined(DUET_PRECOMPILED_KERNELS)
+extern "C" const int duet_precompiled_kernels__link_duet_kernels_or_a_file_defining_DUET_DEFINE_PRECOMPILED_KERNELS;
+namespace duet::detail {
+[[gnu::used]] static const int* const precompiled_kernels_linked =
+    &duet_precompiled_kernels__link_duet_kernels_or_a_file_defining_DUET_DEFINE_PRECOMPILED_KERNELS;
+}  // namespace duet::detail
 #endif
 
 #ifdef DUET_DETAIL_INSTANCE
@@ -33179,44 +33186,49 @@ namespace duet::kernels::detail::baseline {
   DUET_DETAIL_INSTANCE void activation_step<Activation::F, 1, T>(Target, Vec<T>(&)[1]); \
   DUET_DETAIL_INSTANCE void activation_step<Activation::F, 8, T>(Target, Vec<T>(&)[8]);
 
-#define DUET_DETAIL_ELEMENT(T)                                                                                     \
-  DUET_DETAIL_PRODUCT(T)                                                                                           \
-  DUET_DETAIL_FUNCTION(T, fn::Relu)                                                                                \
-  DUET_DETAIL_FUNCTION(T, fn::Sigmoid)                                                                             \
-  DUET_DETAIL_FUNCTION(T, fn::Tanh)                                                                                \
-  DUET_DETAIL_FUNCTION(T, fn::Gelu<false>)                                                                         \
-  DUET_DETAIL_FUNCTION(T, fn::Gelu<true>)                                                                          \
-  DUET_DETAIL_FUNCTION(T, fn::Silu)                                                                                \
-  DUET_DETAIL_ACTIVATION(T, exp)                                                                                   \
-  DUET_DETAIL_ACTIVATION(T, sigmoid)                                                                               \
-  DUET_DETAIL_ACTIVATION(T, tanh)                                                                                  \
-  DUET_DETAIL_ACTIVATION(T, silu)                                                                                  \
-  DUET_DETAIL_ACTIVATION(T, silu_derivative)                                                                       \
-  DUET_DETAIL_ACTIVATION(T, gelu)                                                                                  \
-  DUET_DETAIL_ACTIVATION(T, gelu_derivative)                                                                       \
-  DUET_DETAIL_ACTIVATION(T, gelu_tanh)                                                                             \
-  DUET_DETAIL_ACTIVATION(T, gelu_tanh_derivative)                                                                  \
-  DUET_DETAIL_ACTIVATION(T, erf)                                                                                   \
-  DUET_DETAIL_ACTIVATION(T, erf_derivative)                                                                        \
-  DUET_DETAIL_INSTANCE void Kernels::blocked_kn<T>(const T*, index_t, index_t, const T*, index_t, T*, bool, bool); \
-  DUET_DETAIL_INSTANCE void Kernels::pack<T>(const T*, index_t, index_t, T*);                                      \
-  DUET_DETAIL_INSTANCE void transpose_step<T>(Target, const T*, index_t, index_t, index_t, T*, index_t);           \
-  DUET_DETAIL_INSTANCE void exp_step<T>(Target, const T*, index_t, T*);                                            \
-  DUET_DETAIL_INSTANCE void scale_step<T>(Target, const T*, index_t, T, T*);                                       \
-  DUET_DETAIL_INSTANCE T sum_step<T>(Target, const T*, index_t);                                                   \
-  DUET_DETAIL_INSTANCE void column_sums_step<T>(Target, const T*, index_t, index_t, index_t, T*, bool);            \
-  DUET_DETAIL_INSTANCE T log_sum_exp_step<T>(Target, const T*, index_t);                                           \
-  DUET_DETAIL_INSTANCE T cross_entropy_step<T>(Target, const T*, const T*, index_t, T);                            \
-  DUET_DETAIL_INSTANCE void softmax_grad_step<T>(Target, const T*, index_t, T, index_t, T, T*);                    \
-  DUET_DETAIL_INSTANCE void softmax_grad_step<T>(Target, const T*, const T*, index_t, T, T, T, T*);                \
-  DUET_DETAIL_INSTANCE void add_bias_step<T>(Target, const T*, index_t, index_t, const T*, T*);                    \
-  DUET_DETAIL_INSTANCE void adam_step<T>(Target, T*, const T*, T*, T*, index_t, const AdamCoefficients<T>&);       \
-  DUET_DETAIL_INSTANCE void sgd_step<T>(Target, T*, const T*, T*, index_t, const SgdCoefficients<T>&);             \
-  DUET_DETAIL_INSTANCE void direct_conv_step<T>(Target, const T*, index_t, index_t, const T*, index_t, index_t,    \
-                                                index_t, index_t, index_t, index_t, T*);                           \
-  DUET_DETAIL_INSTANCE void direct_weight_step<T>(Target, const T*, index_t, index_t, const T*, index_t, index_t,  \
-                                                  index_t, index_t, index_t, index_t, T*);                         \
-  DUET_DETAIL_INSTANCE void direct_weight_sums_step<T>(Target, const T*, index_t, T*, bool);
+#define DUET_DETAIL_ELEMENT(T)                                                                                       \
+  DUET_DETAIL_PRODUCT(T)                                                                                             \
+  DUET_DETAIL_FUNCTION(T, fn::Relu)                                                                                  \
+  DUET_DETAIL_FUNCTION(T, fn::Sigmoid)                                                                               \
+  DUET_DETAIL_FUNCTION(T, fn::Tanh)                                                                                  \
+  DUET_DETAIL_FUNCTION(T, fn::Gelu<false>)                                                                           \
+  DUET_DETAIL_FUNCTION(T, fn::Gelu<true>)                                                                            \
+  DUET_DETAIL_FUNCTION(T, fn::Silu)                                                                                  \
+  DUET_DETAIL_ACTIVATION(T, exp)                                                                                     \
+  DUET_DETAIL_ACTIVATION(T, sigmoid)                                                                                 \
+  DUET_DETAIL_ACTIVATION(T, tanh)                                                                                    \
+  DUET_DETAIL_ACTIVATION(T, silu)                                                                                    \
+  DUET_DETAIL_ACTIVATION(T, silu_derivative)                                                                         \
+  DUET_DETAIL_ACTIVATION(T, gelu)                                                                                    \
+  DUET_DETAIL_ACTIVATION(T, gelu_derivative)                                                                         \
+  DUET_DETAIL_ACTIVATION(T, gelu_tanh)                                                                               \
+  DUET_DETAIL_ACTIVATION(T, gelu_tanh_derivative)                                                                    \
+  DUET_DETAIL_ACTIVATION(T, erf)                                                                                     \
+  DUET_DETAIL_ACTIVATION(T, erf_derivative)                                                                          \
+  DUET_DETAIL_INSTANCE void Kernels::blocked_kn<T>(const T*, index_t, index_t, const T*, index_t, T*, bool, bool);   \
+  DUET_DETAIL_INSTANCE void Kernels::pack<T>(const T*, index_t, index_t, T*);                                        \
+  DUET_DETAIL_INSTANCE void transpose_step<T>(Target, const T*, index_t, index_t, index_t, T*, index_t);             \
+  DUET_DETAIL_INSTANCE void exp_step<T>(Target, const T*, index_t, T*);                                              \
+  DUET_DETAIL_INSTANCE void scale_step<T>(Target, const T*, index_t, T, T*);                                         \
+  DUET_DETAIL_INSTANCE T sum_step<T>(Target, const T*, index_t);                                                     \
+  DUET_DETAIL_INSTANCE void column_sums_step<T>(Target, const T*, index_t, index_t, index_t, T*, bool);              \
+  DUET_DETAIL_INSTANCE T log_sum_exp_step<T>(Target, const T*, index_t);                                             \
+  DUET_DETAIL_INSTANCE T cross_entropy_step<T>(Target, const T*, const T*, index_t, T);                              \
+  DUET_DETAIL_INSTANCE void softmax_grad_step<T>(Target, const T*, index_t, T, index_t, T, T*);                      \
+  DUET_DETAIL_INSTANCE void softmax_grad_step<T>(Target, const T*, const T*, index_t, T, T, T, T*);                  \
+  DUET_DETAIL_INSTANCE void add_bias_step<T>(Target, const T*, index_t, index_t, const T*, T*);                      \
+  DUET_DETAIL_INSTANCE void adam_step<T>(Target, T*, const T*, T*, T*, index_t, const AdamCoefficients<T>&);         \
+  DUET_DETAIL_INSTANCE void sgd_step<T>(Target, T*, const T*, T*, index_t, const SgdCoefficients<T>&);               \
+  DUET_DETAIL_INSTANCE void direct_conv_step<T>(Target, const T*, index_t, index_t, const T*, index_t, index_t,      \
+                                                index_t, index_t, index_t, index_t, T*);                             \
+  DUET_DETAIL_INSTANCE void direct_weight_step<T>(Target, const T*, index_t, index_t, const T*, index_t, index_t,    \
+                                                  index_t, index_t, index_t, index_t, T*);                           \
+  DUET_DETAIL_INSTANCE void direct_weight_sums_step<T>(Target, const T*, index_t, T*, bool);                         \
+  DUET_DETAIL_INSTANCE void max_pool_2x2_step<T>(Target, const T*, index_t, index_t, index_t, index_t, index_t, T*); \
+  DUET_DETAIL_INSTANCE void max_pool_2x2_backward_step<T>(Target, const T*, const T*, index_t, index_t, index_t,     \
+                                                          index_t, index_t, T*);                                     \
+  DUET_DETAIL_INSTANCE void max_pool_step<T>(Target, const T*, const PoolShape&, T*);                                \
+  DUET_DETAIL_INSTANCE void max_pool_backward_step<T>(Target, const T*, const T*, const PoolShape&, T*);
 
 DUET_DETAIL_ELEMENT(float)
 DUET_DETAIL_ELEMENT(double)
@@ -33258,44 +33270,49 @@ namespace duet::kernels::detail::avx2 {
   DUET_DETAIL_INSTANCE void activation_step<Activation::F, 1, T>(Target, Vec<T>(&)[1]); \
   DUET_DETAIL_INSTANCE void activation_step<Activation::F, 8, T>(Target, Vec<T>(&)[8]);
 
-#define DUET_DETAIL_ELEMENT(T)                                                                                     \
-  DUET_DETAIL_PRODUCT(T)                                                                                           \
-  DUET_DETAIL_FUNCTION(T, fn::Relu)                                                                                \
-  DUET_DETAIL_FUNCTION(T, fn::Sigmoid)                                                                             \
-  DUET_DETAIL_FUNCTION(T, fn::Tanh)                                                                                \
-  DUET_DETAIL_FUNCTION(T, fn::Gelu<false>)                                                                         \
-  DUET_DETAIL_FUNCTION(T, fn::Gelu<true>)                                                                          \
-  DUET_DETAIL_FUNCTION(T, fn::Silu)                                                                                \
-  DUET_DETAIL_ACTIVATION(T, exp)                                                                                   \
-  DUET_DETAIL_ACTIVATION(T, sigmoid)                                                                               \
-  DUET_DETAIL_ACTIVATION(T, tanh)                                                                                  \
-  DUET_DETAIL_ACTIVATION(T, silu)                                                                                  \
-  DUET_DETAIL_ACTIVATION(T, silu_derivative)                                                                       \
-  DUET_DETAIL_ACTIVATION(T, gelu)                                                                                  \
-  DUET_DETAIL_ACTIVATION(T, gelu_derivative)                                                                       \
-  DUET_DETAIL_ACTIVATION(T, gelu_tanh)                                                                             \
-  DUET_DETAIL_ACTIVATION(T, gelu_tanh_derivative)                                                                  \
-  DUET_DETAIL_ACTIVATION(T, erf)                                                                                   \
-  DUET_DETAIL_ACTIVATION(T, erf_derivative)                                                                        \
-  DUET_DETAIL_INSTANCE void Kernels::blocked_kn<T>(const T*, index_t, index_t, const T*, index_t, T*, bool, bool); \
-  DUET_DETAIL_INSTANCE void Kernels::pack<T>(const T*, index_t, index_t, T*);                                      \
-  DUET_DETAIL_INSTANCE void transpose_step<T>(Target, const T*, index_t, index_t, index_t, T*, index_t);           \
-  DUET_DETAIL_INSTANCE void exp_step<T>(Target, const T*, index_t, T*);                                            \
-  DUET_DETAIL_INSTANCE void scale_step<T>(Target, const T*, index_t, T, T*);                                       \
-  DUET_DETAIL_INSTANCE T sum_step<T>(Target, const T*, index_t);                                                   \
-  DUET_DETAIL_INSTANCE void column_sums_step<T>(Target, const T*, index_t, index_t, index_t, T*, bool);            \
-  DUET_DETAIL_INSTANCE T log_sum_exp_step<T>(Target, const T*, index_t);                                           \
-  DUET_DETAIL_INSTANCE T cross_entropy_step<T>(Target, const T*, const T*, index_t, T);                            \
-  DUET_DETAIL_INSTANCE void softmax_grad_step<T>(Target, const T*, index_t, T, index_t, T, T*);                    \
-  DUET_DETAIL_INSTANCE void softmax_grad_step<T>(Target, const T*, const T*, index_t, T, T, T, T*);                \
-  DUET_DETAIL_INSTANCE void add_bias_step<T>(Target, const T*, index_t, index_t, const T*, T*);                    \
-  DUET_DETAIL_INSTANCE void adam_step<T>(Target, T*, const T*, T*, T*, index_t, const AdamCoefficients<T>&);       \
-  DUET_DETAIL_INSTANCE void sgd_step<T>(Target, T*, const T*, T*, index_t, const SgdCoefficients<T>&);             \
-  DUET_DETAIL_INSTANCE void direct_conv_step<T>(Target, const T*, index_t, index_t, const T*, index_t, index_t,    \
-                                                index_t, index_t, index_t, index_t, T*);                           \
-  DUET_DETAIL_INSTANCE void direct_weight_step<T>(Target, const T*, index_t, index_t, const T*, index_t, index_t,  \
-                                                  index_t, index_t, index_t, index_t, T*);                         \
-  DUET_DETAIL_INSTANCE void direct_weight_sums_step<T>(Target, const T*, index_t, T*, bool);
+#define DUET_DETAIL_ELEMENT(T)                                                                                       \
+  DUET_DETAIL_PRODUCT(T)                                                                                             \
+  DUET_DETAIL_FUNCTION(T, fn::Relu)                                                                                  \
+  DUET_DETAIL_FUNCTION(T, fn::Sigmoid)                                                                               \
+  DUET_DETAIL_FUNCTION(T, fn::Tanh)                                                                                  \
+  DUET_DETAIL_FUNCTION(T, fn::Gelu<false>)                                                                           \
+  DUET_DETAIL_FUNCTION(T, fn::Gelu<true>)                                                                            \
+  DUET_DETAIL_FUNCTION(T, fn::Silu)                                                                                  \
+  DUET_DETAIL_ACTIVATION(T, exp)                                                                                     \
+  DUET_DETAIL_ACTIVATION(T, sigmoid)                                                                                 \
+  DUET_DETAIL_ACTIVATION(T, tanh)                                                                                    \
+  DUET_DETAIL_ACTIVATION(T, silu)                                                                                    \
+  DUET_DETAIL_ACTIVATION(T, silu_derivative)                                                                         \
+  DUET_DETAIL_ACTIVATION(T, gelu)                                                                                    \
+  DUET_DETAIL_ACTIVATION(T, gelu_derivative)                                                                         \
+  DUET_DETAIL_ACTIVATION(T, gelu_tanh)                                                                               \
+  DUET_DETAIL_ACTIVATION(T, gelu_tanh_derivative)                                                                    \
+  DUET_DETAIL_ACTIVATION(T, erf)                                                                                     \
+  DUET_DETAIL_ACTIVATION(T, erf_derivative)                                                                          \
+  DUET_DETAIL_INSTANCE void Kernels::blocked_kn<T>(const T*, index_t, index_t, const T*, index_t, T*, bool, bool);   \
+  DUET_DETAIL_INSTANCE void Kernels::pack<T>(const T*, index_t, index_t, T*);                                        \
+  DUET_DETAIL_INSTANCE void transpose_step<T>(Target, const T*, index_t, index_t, index_t, T*, index_t);             \
+  DUET_DETAIL_INSTANCE void exp_step<T>(Target, const T*, index_t, T*);                                              \
+  DUET_DETAIL_INSTANCE void scale_step<T>(Target, const T*, index_t, T, T*);                                         \
+  DUET_DETAIL_INSTANCE T sum_step<T>(Target, const T*, index_t);                                                     \
+  DUET_DETAIL_INSTANCE void column_sums_step<T>(Target, const T*, index_t, index_t, index_t, T*, bool);              \
+  DUET_DETAIL_INSTANCE T log_sum_exp_step<T>(Target, const T*, index_t);                                             \
+  DUET_DETAIL_INSTANCE T cross_entropy_step<T>(Target, const T*, const T*, index_t, T);                              \
+  DUET_DETAIL_INSTANCE void softmax_grad_step<T>(Target, const T*, index_t, T, index_t, T, T*);                      \
+  DUET_DETAIL_INSTANCE void softmax_grad_step<T>(Target, const T*, const T*, index_t, T, T, T, T*);                  \
+  DUET_DETAIL_INSTANCE void add_bias_step<T>(Target, const T*, index_t, index_t, const T*, T*);                      \
+  DUET_DETAIL_INSTANCE void adam_step<T>(Target, T*, const T*, T*, T*, index_t, const AdamCoefficients<T>&);         \
+  DUET_DETAIL_INSTANCE void sgd_step<T>(Target, T*, const T*, T*, index_t, const SgdCoefficients<T>&);               \
+  DUET_DETAIL_INSTANCE void direct_conv_step<T>(Target, const T*, index_t, index_t, const T*, index_t, index_t,      \
+                                                index_t, index_t, index_t, index_t, T*);                             \
+  DUET_DETAIL_INSTANCE void direct_weight_step<T>(Target, const T*, index_t, index_t, const T*, index_t, index_t,    \
+                                                  index_t, index_t, index_t, index_t, T*);                           \
+  DUET_DETAIL_INSTANCE void direct_weight_sums_step<T>(Target, const T*, index_t, T*, bool);                         \
+  DUET_DETAIL_INSTANCE void max_pool_2x2_step<T>(Target, const T*, index_t, index_t, index_t, index_t, index_t, T*); \
+  DUET_DETAIL_INSTANCE void max_pool_2x2_backward_step<T>(Target, const T*, const T*, index_t, index_t, index_t,     \
+                                                          index_t, index_t, T*);                                     \
+  DUET_DETAIL_INSTANCE void max_pool_step<T>(Target, const T*, const PoolShape&, T*);                                \
+  DUET_DETAIL_INSTANCE void max_pool_backward_step<T>(Target, const T*, const T*, const PoolShape&, T*);
 
 DUET_DETAIL_ELEMENT(float)
 DUET_DETAIL_ELEMENT(double)
@@ -33336,44 +33353,49 @@ namespace duet::kernels::detail::avx512 {
   DUET_DETAIL_INSTANCE void activation_step<Activation::F, 1, T>(Target, Vec<T>(&)[1]); \
   DUET_DETAIL_INSTANCE void activation_step<Activation::F, 8, T>(Target, Vec<T>(&)[8]);
 
-#define DUET_DETAIL_ELEMENT(T)                                                                                     \
-  DUET_DETAIL_PRODUCT(T)                                                                                           \
-  DUET_DETAIL_FUNCTION(T, fn::Relu)                                                                                \
-  DUET_DETAIL_FUNCTION(T, fn::Sigmoid)                                                                             \
-  DUET_DETAIL_FUNCTION(T, fn::Tanh)                                                                                \
-  DUET_DETAIL_FUNCTION(T, fn::Gelu<false>)                                                                         \
-  DUET_DETAIL_FUNCTION(T, fn::Gelu<true>)                                                                          \
-  DUET_DETAIL_FUNCTION(T, fn::Silu)                                                                                \
-  DUET_DETAIL_ACTIVATION(T, exp)                                                                                   \
-  DUET_DETAIL_ACTIVATION(T, sigmoid)                                                                               \
-  DUET_DETAIL_ACTIVATION(T, tanh)                                                                                  \
-  DUET_DETAIL_ACTIVATION(T, silu)                                                                                  \
-  DUET_DETAIL_ACTIVATION(T, silu_derivative)                                                                       \
-  DUET_DETAIL_ACTIVATION(T, gelu)                                                                                  \
-  DUET_DETAIL_ACTIVATION(T, gelu_derivative)                                                                       \
-  DUET_DETAIL_ACTIVATION(T, gelu_tanh)                                                                             \
-  DUET_DETAIL_ACTIVATION(T, gelu_tanh_derivative)                                                                  \
-  DUET_DETAIL_ACTIVATION(T, erf)                                                                                   \
-  DUET_DETAIL_ACTIVATION(T, erf_derivative)                                                                        \
-  DUET_DETAIL_INSTANCE void Kernels::blocked_kn<T>(const T*, index_t, index_t, const T*, index_t, T*, bool, bool); \
-  DUET_DETAIL_INSTANCE void Kernels::pack<T>(const T*, index_t, index_t, T*);                                      \
-  DUET_DETAIL_INSTANCE void transpose_step<T>(Target, const T*, index_t, index_t, index_t, T*, index_t);           \
-  DUET_DETAIL_INSTANCE void exp_step<T>(Target, const T*, index_t, T*);                                            \
-  DUET_DETAIL_INSTANCE void scale_step<T>(Target, const T*, index_t, T, T*);                                       \
-  DUET_DETAIL_INSTANCE T sum_step<T>(Target, const T*, index_t);                                                   \
-  DUET_DETAIL_INSTANCE void column_sums_step<T>(Target, const T*, index_t, index_t, index_t, T*, bool);            \
-  DUET_DETAIL_INSTANCE T log_sum_exp_step<T>(Target, const T*, index_t);                                           \
-  DUET_DETAIL_INSTANCE T cross_entropy_step<T>(Target, const T*, const T*, index_t, T);                            \
-  DUET_DETAIL_INSTANCE void softmax_grad_step<T>(Target, const T*, index_t, T, index_t, T, T*);                    \
-  DUET_DETAIL_INSTANCE void softmax_grad_step<T>(Target, const T*, const T*, index_t, T, T, T, T*);                \
-  DUET_DETAIL_INSTANCE void add_bias_step<T>(Target, const T*, index_t, index_t, const T*, T*);                    \
-  DUET_DETAIL_INSTANCE void adam_step<T>(Target, T*, const T*, T*, T*, index_t, const AdamCoefficients<T>&);       \
-  DUET_DETAIL_INSTANCE void sgd_step<T>(Target, T*, const T*, T*, index_t, const SgdCoefficients<T>&);             \
-  DUET_DETAIL_INSTANCE void direct_conv_step<T>(Target, const T*, index_t, index_t, const T*, index_t, index_t,    \
-                                                index_t, index_t, index_t, index_t, T*);                           \
-  DUET_DETAIL_INSTANCE void direct_weight_step<T>(Target, const T*, index_t, index_t, const T*, index_t, index_t,  \
-                                                  index_t, index_t, index_t, index_t, T*);                         \
-  DUET_DETAIL_INSTANCE void direct_weight_sums_step<T>(Target, const T*, index_t, T*, bool);
+#define DUET_DETAIL_ELEMENT(T)                                                                                       \
+  DUET_DETAIL_PRODUCT(T)                                                                                             \
+  DUET_DETAIL_FUNCTION(T, fn::Relu)                                                                                  \
+  DUET_DETAIL_FUNCTION(T, fn::Sigmoid)                                                                               \
+  DUET_DETAIL_FUNCTION(T, fn::Tanh)                                                                                  \
+  DUET_DETAIL_FUNCTION(T, fn::Gelu<false>)                                                                           \
+  DUET_DETAIL_FUNCTION(T, fn::Gelu<true>)                                                                            \
+  DUET_DETAIL_FUNCTION(T, fn::Silu)                                                                                  \
+  DUET_DETAIL_ACTIVATION(T, exp)                                                                                     \
+  DUET_DETAIL_ACTIVATION(T, sigmoid)                                                                                 \
+  DUET_DETAIL_ACTIVATION(T, tanh)                                                                                    \
+  DUET_DETAIL_ACTIVATION(T, silu)                                                                                    \
+  DUET_DETAIL_ACTIVATION(T, silu_derivative)                                                                         \
+  DUET_DETAIL_ACTIVATION(T, gelu)                                                                                    \
+  DUET_DETAIL_ACTIVATION(T, gelu_derivative)                                                                         \
+  DUET_DETAIL_ACTIVATION(T, gelu_tanh)                                                                               \
+  DUET_DETAIL_ACTIVATION(T, gelu_tanh_derivative)                                                                    \
+  DUET_DETAIL_ACTIVATION(T, erf)                                                                                     \
+  DUET_DETAIL_ACTIVATION(T, erf_derivative)                                                                          \
+  DUET_DETAIL_INSTANCE void Kernels::blocked_kn<T>(const T*, index_t, index_t, const T*, index_t, T*, bool, bool);   \
+  DUET_DETAIL_INSTANCE void Kernels::pack<T>(const T*, index_t, index_t, T*);                                        \
+  DUET_DETAIL_INSTANCE void transpose_step<T>(Target, const T*, index_t, index_t, index_t, T*, index_t);             \
+  DUET_DETAIL_INSTANCE void exp_step<T>(Target, const T*, index_t, T*);                                              \
+  DUET_DETAIL_INSTANCE void scale_step<T>(Target, const T*, index_t, T, T*);                                         \
+  DUET_DETAIL_INSTANCE T sum_step<T>(Target, const T*, index_t);                                                     \
+  DUET_DETAIL_INSTANCE void column_sums_step<T>(Target, const T*, index_t, index_t, index_t, T*, bool);              \
+  DUET_DETAIL_INSTANCE T log_sum_exp_step<T>(Target, const T*, index_t);                                             \
+  DUET_DETAIL_INSTANCE T cross_entropy_step<T>(Target, const T*, const T*, index_t, T);                              \
+  DUET_DETAIL_INSTANCE void softmax_grad_step<T>(Target, const T*, index_t, T, index_t, T, T*);                      \
+  DUET_DETAIL_INSTANCE void softmax_grad_step<T>(Target, const T*, const T*, index_t, T, T, T, T*);                  \
+  DUET_DETAIL_INSTANCE void add_bias_step<T>(Target, const T*, index_t, index_t, const T*, T*);                      \
+  DUET_DETAIL_INSTANCE void adam_step<T>(Target, T*, const T*, T*, T*, index_t, const AdamCoefficients<T>&);         \
+  DUET_DETAIL_INSTANCE void sgd_step<T>(Target, T*, const T*, T*, index_t, const SgdCoefficients<T>&);               \
+  DUET_DETAIL_INSTANCE void direct_conv_step<T>(Target, const T*, index_t, index_t, const T*, index_t, index_t,      \
+                                                index_t, index_t, index_t, index_t, T*);                             \
+  DUET_DETAIL_INSTANCE void direct_weight_step<T>(Target, const T*, index_t, index_t, const T*, index_t, index_t,    \
+                                                  index_t, index_t, index_t, index_t, T*);                           \
+  DUET_DETAIL_INSTANCE void direct_weight_sums_step<T>(Target, const T*, index_t, T*, bool);                         \
+  DUET_DETAIL_INSTANCE void max_pool_2x2_step<T>(Target, const T*, index_t, index_t, index_t, index_t, index_t, T*); \
+  DUET_DETAIL_INSTANCE void max_pool_2x2_backward_step<T>(Target, const T*, const T*, index_t, index_t, index_t,     \
+                                                          index_t, index_t, T*);                                     \
+  DUET_DETAIL_INSTANCE void max_pool_step<T>(Target, const T*, const PoolShape&, T*);                                \
+  DUET_DETAIL_INSTANCE void max_pool_backward_step<T>(Target, const T*, const T*, const PoolShape&, T*);
 
 DUET_DETAIL_ELEMENT(float)
 DUET_DETAIL_ELEMENT(double)

@@ -25,44 +25,49 @@
   DUET_DETAIL_INSTANCE void activation_step<Activation::F, 1, T>(Target, Vec<T>(&)[1]); \
   DUET_DETAIL_INSTANCE void activation_step<Activation::F, 8, T>(Target, Vec<T>(&)[8]);
 
-#define DUET_DETAIL_ELEMENT(T)                                                                                     \
-  DUET_DETAIL_PRODUCT(T)                                                                                           \
-  DUET_DETAIL_FUNCTION(T, fn::Relu)                                                                                \
-  DUET_DETAIL_FUNCTION(T, fn::Sigmoid)                                                                             \
-  DUET_DETAIL_FUNCTION(T, fn::Tanh)                                                                                \
-  DUET_DETAIL_FUNCTION(T, fn::Gelu<false>)                                                                         \
-  DUET_DETAIL_FUNCTION(T, fn::Gelu<true>)                                                                          \
-  DUET_DETAIL_FUNCTION(T, fn::Silu)                                                                                \
-  DUET_DETAIL_ACTIVATION(T, exp)                                                                                   \
-  DUET_DETAIL_ACTIVATION(T, sigmoid)                                                                               \
-  DUET_DETAIL_ACTIVATION(T, tanh)                                                                                  \
-  DUET_DETAIL_ACTIVATION(T, silu)                                                                                  \
-  DUET_DETAIL_ACTIVATION(T, silu_derivative)                                                                       \
-  DUET_DETAIL_ACTIVATION(T, gelu)                                                                                  \
-  DUET_DETAIL_ACTIVATION(T, gelu_derivative)                                                                       \
-  DUET_DETAIL_ACTIVATION(T, gelu_tanh)                                                                             \
-  DUET_DETAIL_ACTIVATION(T, gelu_tanh_derivative)                                                                  \
-  DUET_DETAIL_ACTIVATION(T, erf)                                                                                   \
-  DUET_DETAIL_ACTIVATION(T, erf_derivative)                                                                        \
-  DUET_DETAIL_INSTANCE void Kernels::blocked_kn<T>(const T*, index_t, index_t, const T*, index_t, T*, bool, bool); \
-  DUET_DETAIL_INSTANCE void Kernels::pack<T>(const T*, index_t, index_t, T*);                                      \
-  DUET_DETAIL_INSTANCE void transpose_step<T>(Target, const T*, index_t, index_t, index_t, T*, index_t);           \
-  DUET_DETAIL_INSTANCE void exp_step<T>(Target, const T*, index_t, T*);                                            \
-  DUET_DETAIL_INSTANCE void scale_step<T>(Target, const T*, index_t, T, T*);                                       \
-  DUET_DETAIL_INSTANCE T sum_step<T>(Target, const T*, index_t);                                                   \
-  DUET_DETAIL_INSTANCE void column_sums_step<T>(Target, const T*, index_t, index_t, index_t, T*, bool);            \
-  DUET_DETAIL_INSTANCE T log_sum_exp_step<T>(Target, const T*, index_t);                                           \
-  DUET_DETAIL_INSTANCE T cross_entropy_step<T>(Target, const T*, const T*, index_t, T);                            \
-  DUET_DETAIL_INSTANCE void softmax_grad_step<T>(Target, const T*, index_t, T, index_t, T, T*);                    \
-  DUET_DETAIL_INSTANCE void softmax_grad_step<T>(Target, const T*, const T*, index_t, T, T, T, T*);                \
-  DUET_DETAIL_INSTANCE void add_bias_step<T>(Target, const T*, index_t, index_t, const T*, T*);                    \
-  DUET_DETAIL_INSTANCE void adam_step<T>(Target, T*, const T*, T*, T*, index_t, const AdamCoefficients<T>&);       \
-  DUET_DETAIL_INSTANCE void sgd_step<T>(Target, T*, const T*, T*, index_t, const SgdCoefficients<T>&);             \
-  DUET_DETAIL_INSTANCE void direct_conv_step<T>(Target, const T*, index_t, index_t, const T*, index_t, index_t,    \
-                                                index_t, index_t, index_t, index_t, T*);                           \
-  DUET_DETAIL_INSTANCE void direct_weight_step<T>(Target, const T*, index_t, index_t, const T*, index_t, index_t,  \
-                                                  index_t, index_t, index_t, index_t, T*);                         \
-  DUET_DETAIL_INSTANCE void direct_weight_sums_step<T>(Target, const T*, index_t, T*, bool);
+#define DUET_DETAIL_ELEMENT(T)                                                                                       \
+  DUET_DETAIL_PRODUCT(T)                                                                                             \
+  DUET_DETAIL_FUNCTION(T, fn::Relu)                                                                                  \
+  DUET_DETAIL_FUNCTION(T, fn::Sigmoid)                                                                               \
+  DUET_DETAIL_FUNCTION(T, fn::Tanh)                                                                                  \
+  DUET_DETAIL_FUNCTION(T, fn::Gelu<false>)                                                                           \
+  DUET_DETAIL_FUNCTION(T, fn::Gelu<true>)                                                                            \
+  DUET_DETAIL_FUNCTION(T, fn::Silu)                                                                                  \
+  DUET_DETAIL_ACTIVATION(T, exp)                                                                                     \
+  DUET_DETAIL_ACTIVATION(T, sigmoid)                                                                                 \
+  DUET_DETAIL_ACTIVATION(T, tanh)                                                                                    \
+  DUET_DETAIL_ACTIVATION(T, silu)                                                                                    \
+  DUET_DETAIL_ACTIVATION(T, silu_derivative)                                                                         \
+  DUET_DETAIL_ACTIVATION(T, gelu)                                                                                    \
+  DUET_DETAIL_ACTIVATION(T, gelu_derivative)                                                                         \
+  DUET_DETAIL_ACTIVATION(T, gelu_tanh)                                                                               \
+  DUET_DETAIL_ACTIVATION(T, gelu_tanh_derivative)                                                                    \
+  DUET_DETAIL_ACTIVATION(T, erf)                                                                                     \
+  DUET_DETAIL_ACTIVATION(T, erf_derivative)                                                                          \
+  DUET_DETAIL_INSTANCE void Kernels::blocked_kn<T>(const T*, index_t, index_t, const T*, index_t, T*, bool, bool);   \
+  DUET_DETAIL_INSTANCE void Kernels::pack<T>(const T*, index_t, index_t, T*);                                        \
+  DUET_DETAIL_INSTANCE void transpose_step<T>(Target, const T*, index_t, index_t, index_t, T*, index_t);             \
+  DUET_DETAIL_INSTANCE void exp_step<T>(Target, const T*, index_t, T*);                                              \
+  DUET_DETAIL_INSTANCE void scale_step<T>(Target, const T*, index_t, T, T*);                                         \
+  DUET_DETAIL_INSTANCE T sum_step<T>(Target, const T*, index_t);                                                     \
+  DUET_DETAIL_INSTANCE void column_sums_step<T>(Target, const T*, index_t, index_t, index_t, T*, bool);              \
+  DUET_DETAIL_INSTANCE T log_sum_exp_step<T>(Target, const T*, index_t);                                             \
+  DUET_DETAIL_INSTANCE T cross_entropy_step<T>(Target, const T*, const T*, index_t, T);                              \
+  DUET_DETAIL_INSTANCE void softmax_grad_step<T>(Target, const T*, index_t, T, index_t, T, T*);                      \
+  DUET_DETAIL_INSTANCE void softmax_grad_step<T>(Target, const T*, const T*, index_t, T, T, T, T*);                  \
+  DUET_DETAIL_INSTANCE void add_bias_step<T>(Target, const T*, index_t, index_t, const T*, T*);                      \
+  DUET_DETAIL_INSTANCE void adam_step<T>(Target, T*, const T*, T*, T*, index_t, const AdamCoefficients<T>&);         \
+  DUET_DETAIL_INSTANCE void sgd_step<T>(Target, T*, const T*, T*, index_t, const SgdCoefficients<T>&);               \
+  DUET_DETAIL_INSTANCE void direct_conv_step<T>(Target, const T*, index_t, index_t, const T*, index_t, index_t,      \
+                                                index_t, index_t, index_t, index_t, T*);                             \
+  DUET_DETAIL_INSTANCE void direct_weight_step<T>(Target, const T*, index_t, index_t, const T*, index_t, index_t,    \
+                                                  index_t, index_t, index_t, index_t, T*);                           \
+  DUET_DETAIL_INSTANCE void direct_weight_sums_step<T>(Target, const T*, index_t, T*, bool);                         \
+  DUET_DETAIL_INSTANCE void max_pool_2x2_step<T>(Target, const T*, index_t, index_t, index_t, index_t, index_t, T*); \
+  DUET_DETAIL_INSTANCE void max_pool_2x2_backward_step<T>(Target, const T*, const T*, index_t, index_t, index_t,     \
+                                                          index_t, index_t, T*);                                     \
+  DUET_DETAIL_INSTANCE void max_pool_step<T>(Target, const T*, const PoolShape&, T*);                                \
+  DUET_DETAIL_INSTANCE void max_pool_backward_step<T>(Target, const T*, const T*, const PoolShape&, T*);
 
 DUET_DETAIL_ELEMENT(float)
 DUET_DETAIL_ELEMENT(double)
