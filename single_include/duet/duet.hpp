@@ -25843,8 +25843,8 @@ struct KeyPaddingMaskOp : Primitive<KeyPaddingMaskOp<Layer, M>> {
     throw ValueError(label() + ": query " + std::to_string(query) + " of sequence " + std::to_string(sequence) +
                      " attends to no key: the key padding mask masks every key it may see" +
                      (Layer::causal ? " (with Causal, keys 0 to " + std::to_string(query) + ")" : std::string()) +
-                     ", and softmax over nothing is NaN (PyTorch's result). Leave a key unmasked (a sequence "
-                     "that is all padding keeps its first)" +
+                     ", and softmax over nothing is NaN (PyTorch's result). Leave at least one key of each "
+                     "sequence unmasked (for a sequence that is all padding, its first)" +
                      (Layer::causal ? ", or pad causal sequences on the right" : ""));
   }
 
