@@ -15,8 +15,8 @@
 // The code that runs is the same (the kernels' own target and optimisation regions, not the
 // build's flags, choose their instructions and turn off a·b + c contraction), so the results
 // are the same bits. Forgetting the file is a link error naming the kernels' entry points and
-// duet_precompiled_kernels__link_duet_kernels_or_a_file_defining_DUET_DEFINE_PRECOMPILED_KERNELS.
-// Both files must see the same duet.
+// duet_precompiled_kernels__link_duet_kernels_or_a_file_defining_DUET_DEFINE_PRECOMPILED_KERNELS
+// (and __with_openmp or __without_openmp, which must match). Both files must see the same duet.
 #pragma once
 
 #include "kernels/conv.hpp"
@@ -33,16 +33,25 @@
 #endif
 
 // A program built with DUET_PRECOMPILED_KERNELS but without the file fails to link on this name
-// too, among the kernels' own: it says what is missing.
+// too, among the kernels' own: it says what is missing. The name also says whether OpenMP was
+// on (-fopenmp), which must be the same in the file and the program: the kernels' threads, and
+// inline functions both sides define (threads.hpp), differ with it.
+#ifdef _OPENMP
+#define DUET_DETAIL_KERNELS_LINKED \
+  duet_precompiled_kernels__link_duet_kernels_or_a_file_defining_DUET_DEFINE_PRECOMPILED_KERNELS__with_openmp
+#else
+#define DUET_DETAIL_KERNELS_LINKED \
+  duet_precompiled_kernels__link_duet_kernels_or_a_file_defining_DUET_DEFINE_PRECOMPILED_KERNELS__without_openmp
+#endif
 #if defined(DUET_DEFINE_PRECOMPILED_KERNELS)
-extern "C" const int duet_precompiled_kernels__link_duet_kernels_or_a_file_defining_DUET_DEFINE_PRECOMPILED_KERNELS = 1;
+extern "C" const int DUET_DETAIL_KERNELS_LINKED = 1;
 #elif defined(DUET_PRECOMPILED_KERNELS)
-extern "C" const int duet_precompiled_kernels__link_duet_kernels_or_a_file_defining_DUET_DEFINE_PRECOMPILED_KERNELS;
+extern "C" const int DUET_DETAIL_KERNELS_LINKED;
 namespace duet::detail {
-[[gnu::used]] static const int* const precompiled_kernels_linked =
-    &duet_precompiled_kernels__link_duet_kernels_or_a_file_defining_DUET_DEFINE_PRECOMPILED_KERNELS;
+[[gnu::used]] static const int* const precompiled_kernels_linked = &DUET_DETAIL_KERNELS_LINKED;
 }  // namespace duet::detail
 #endif
+#undef DUET_DETAIL_KERNELS_LINKED
 
 #ifdef DUET_DETAIL_INSTANCE
 // Each set's instances in its namespace, through the one list of sets; the sets' target regions
