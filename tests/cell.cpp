@@ -64,7 +64,7 @@ TEST_CASE("forward hooks see every cell, in order, with its input and output, in
   set_context({.mode = PYNATIVE_MODE});
   SeedNetwork<> net;
   std::vector<std::string> seen;
-  std::vector<nn::HookHandle<float>> handles;
+  std::vector<nn::HookHandle> handles;
   for (auto& [name, cell] : net.cells_and_names()) {
     handles.push_back(
         cell->register_forward_hook([&seen](const nn::DynamicCell& c, const Tensor& in, const Tensor& out) {
@@ -208,7 +208,7 @@ TEST_CASE("a hook may remove itself, as a one-shot hook does, or register anothe
   nn::Dense<3, 2> dense;
   const Tensor x = ones({1, 3});
   std::vector<std::string> ran;
-  nn::HookHandle<float> once;
+  nn::HookHandle once;
   once = dense.register_forward_hook([&](const nn::DynamicCell&, const Tensor&, const Tensor&) {
     ran.push_back("once");
     once.remove();
@@ -227,7 +227,7 @@ TEST_CASE("a hook may remove itself, as a one-shot hook does, or register anothe
   every.remove();
 
   int backward_calls = 0;
-  nn::HookHandle<float> backward_once;
+  nn::HookHandle backward_once;
   backward_once = dense.register_backward_hook([&](const nn::DynamicCell&, const Tensor&, const Tensor&) {
     ++backward_calls;
     backward_once.remove();
@@ -478,12 +478,36 @@ TEST_CASE("a hook handle removes its hook from the cell wherever the cell was mo
   CHECK(appended.name() == "0");
 
   // A cell destroyed took its hooks with it: removing one then is nothing to do, not a crash.
-  nn::HookHandle<float> orphan;
+  nn::HookHandle orphan;
   {
     nn::Dense<> gone(3, 2);
     orphan = gone.register_forward_hook([](const nn::DynamicCell&, const Tensor&, const Tensor&) {});
   }
   CHECK_NOTHROW(orphan.remove());
+}
+
+TEST_CASE("nn::HookHandle is a float cell's handle type, as the README names it; BasicHookHandle<T> any other's") {
+  ModeGuard guard;
+  set_context({.mode = PYNATIVE_MODE});
+  nn::Dense<3, 2> fc;
+  std::vector<nn::HookHandle> handles;  // the README's spelling, kept in a container
+  int float_calls = 0;
+  handles.push_back(
+      fc.register_forward_hook([&](const nn::DynamicCell&, const Tensor&, const Tensor&) { ++float_calls; }));
+  fc(ones({1, 3}));
+  for (auto& handle : handles) handle.remove();
+  fc(ones({1, 3}));
+  CHECK(float_calls == 1);
+
+  nn::Dense<3, 2, double> wide;
+  int double_calls = 0;
+  nn::BasicHookHandle<double> handle =
+      wide.register_forward_hook([&](const nn::BasicDynamicCell<double>&, const BasicTensor<double>&,
+                                     const BasicTensor<double>&) { ++double_calls; });
+  wide(ones<double>({1, 3}));
+  handle.remove();
+  wide(ones<double>({1, 3}));
+  CHECK(double_calls == 1);
 }
 
 namespace {

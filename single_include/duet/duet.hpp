@@ -13219,10 +13219,10 @@ using HookOwner = std::shared_ptr<BasicDynamicCell<T>*>;
 // std::vector or a container cell), as PyTorch's handle removes it from its module. Once the
 // cell is destroyed its hooks are gone with it, and remove() has nothing left to do.
 template <ElementType T>
-class HookHandle {
+class BasicHookHandle {
  public:
-  HookHandle() = default;
-  HookHandle(const HookOwner<T>& owner, long id) : owner_(owner), id_(id) {}
+  BasicHookHandle() = default;
+  BasicHookHandle(const HookOwner<T>& owner, long id) : owner_(owner), id_(id) {}
   void remove() {
     if (const HookOwner<T> owner = owner_.lock()) (*owner)->remove_hook(id_);
     owner_.reset();
@@ -13232,6 +13232,9 @@ class HookHandle {
   std::weak_ptr<BasicDynamicCell<T>*> owner_;
   long id_ = 0;
 };
+// A float network's handle by name, as users keep them (std::vector<nn::HookHandle>), like
+// ForwardHook beside BasicForwardHook.
+using HookHandle = BasicHookHandle<float>;
 
 template <ElementType T>
 class BasicDynamicCell {
@@ -13322,20 +13325,20 @@ class BasicDynamicCell {
     return out;
   }
 
-  HookHandle<T> register_forward_hook(BasicForwardHook<T> hook) {
+  BasicHookHandle<T> register_forward_hook(BasicForwardHook<T> hook) {
     refuse_hook_on_other_input_type();
     hooks_.emplace_back(++last_hook_id_, std::make_shared<const BasicForwardHook<T>>(std::move(hook)));
     duet::detail::live_hook_count().fetch_add(1);
-    return HookHandle<T>(hook_owner(), last_hook_id_);
+    return BasicHookHandle<T>(hook_owner(), last_hook_id_);
   }
 
   // Backward hooks run while a PyNative gradient (value_and_grad, grad, TrainOneStepCell)
   // goes back through this cell.
-  HookHandle<T> register_backward_hook(BasicBackwardHook<T> hook) {
+  BasicHookHandle<T> register_backward_hook(BasicBackwardHook<T> hook) {
     refuse_hook_on_other_input_type();
     backward_hooks_.emplace_back(++last_hook_id_, std::make_shared<const BasicBackwardHook<T>>(std::move(hook)));
     duet::detail::live_hook_count().fetch_add(1);
-    return HookHandle<T>(hook_owner(), last_hook_id_);
+    return BasicHookHandle<T>(hook_owner(), last_hook_id_);
   }
 
   // A hook takes tensors of T, so a cell whose input holds other values could never call it:
