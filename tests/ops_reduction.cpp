@@ -201,6 +201,14 @@ const bool reduction_cases = add_cases([](std::multimap<std::string, Case>& m) {
   m.emplace("argmin", arg_case<Kind::argmin>({3, 4}, [](const auto& x) { return ops::argmin(x); }, -1, false));
   m.emplace("argmin", arg_case<Kind::argmin>(
                           {2, 3, 4}, [](const auto& x) { return ops::argmin(x, ops::axis<-2>, ops::keep_dims); }, -2, true));
+
+  // The axis at run time, as PyTorch's argmax(x, dim) is written.
+  m.emplace("argmax", arg_case<Kind::argmax>(
+                          {2, 3, 4}, [](const auto& x) { return ops::argmax(x, 1); }, 1, false));
+  m.emplace("argmax", arg_case<Kind::argmax>(
+                          {2, 3, 4}, [](const auto& x) { return ops::argmax(x, -1, ops::keep_dims); }, -1, true));
+  m.emplace("argmin", arg_case<Kind::argmin>(
+                          {2, 3, 4}, [](const auto& x) { return ops::argmin(x, 0); }, 0, false));
 });
 
 template <class F>
@@ -259,6 +267,27 @@ TEST_CASE("ops: a reduction axis out of range is a ShapeError naming the operati
     FAIL("no error");
   } catch (const duet::ShapeError& e) {
     CHECK(std::string(e.what()) == "Argmin(axis=-3) expects an input of rank at least 3, got [2, 3]");
+  }
+}
+
+TEST_CASE("ops: argmax's axis at run time is refused as ops::axis<A> is, in both modes") {
+  duet_test::ModeGuard guard;
+  for (duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+    duet::set_context({.mode = mode});
+    const int axis = 2;
+    auto run = duet::jit([axis](const auto& x) { return ops::argmax(x, axis); });
+    try {
+      static_cast<void>(run(duet::ones({2, 3})));
+      FAIL("no error");
+    } catch (const duet::ShapeError& e) {
+      CHECK(std::string(e.what()).find("Argmax(axis=2) expects an input of rank at least 3, got [2, 3]") == 0);
+    }
+  }
+  try {
+    static_cast<void>(ops::argmin(duet::ones({2, 3}), 9));
+    FAIL("no error");
+  } catch (const duet::ValueError& e) {
+    CHECK(std::string(e.what()) == "duet::ops::argmin: the axis must be in [-8, 8), got 9");
   }
 }
 

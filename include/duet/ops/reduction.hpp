@@ -593,15 +593,32 @@ struct ReduceGradOp : Primitive<ReduceGradOp<Reducer, AxesT, Keep>> {
 
 // The index of the first largest (smallest) element along one axis, as int32 (numpy's and
 // MindSpore's choice on ties); a NaN counts as the largest and the smallest, as in numpy. In
-// is the input's element type: the kernel is instantiated for the output's (int32).
-template <bool Max, int Axis, bool Keep, class In>
-struct ArgExtremeOp : Primitive<ArgExtremeOp<Max, Axis, Keep, In>> {
+// is the input's element type: the kernel is instantiated for the output's (int32). AxisT is
+// Axes<A>, or AxesList of one axis given at run time (PyTorch's argmax(x, dim)), whose shape
+// graph mode checks when the network first runs, as ReduceOp's.
+template <bool Max, class AxisT, bool Keep, class In>
+struct ArgExtremeOp : Primitive<ArgExtremeOp<Max, AxisT, Keep, In>> {
   using value_type = std::int32_t;
   static constexpr int arity = 1;
   static constexpr bool differentiable = false;
+  static constexpr bool runtime_axis = std::is_same_v<AxisT, AxesList>;
+  [[no_unique_address]] AxisT reduced{};
+
+  bool keeps() const {
+    if constexpr (runtime_axis)
+      return reduced.keep;
+    else
+      return Keep;
+  }
 
   static constexpr ShapeResult infer_static(std::span<const Shape> in) {
-    return detail::reduced_shape(in[0], std::array<int, 1>{Axis}, Keep, true);
+    if constexpr (runtime_axis)
+      return {Shape::any()};
+    else
+      return detail::reduced_shape(in[0], AxisT::values, Keep, true);
+  }
+  ShapeResult infer(std::span<const Shape> in) const {
+    return detail::reduced_shape(in[0], detail::axes_of(reduced), keeps(), true);
   }
 
   template <class Backend, class T>
@@ -609,7 +626,8 @@ struct ArgExtremeOp : Primitive<ArgExtremeOp<Max, Axis, Keep, In>> {
     const In* x = a.in<In>();
     T* out = a.out<T>();
     const Shape& in = a.in_shape();
-    const int axis = Axis < 0 ? Axis + in.rank() : Axis;
+    const int given = detail::axes_of(reduced)[0];
+    const int axis = given < 0 ? given + in.rank() : given;
     const index_t size = in[axis];
     const index_t inner = in.numel_from(axis + 1);
     const index_t outer = inner == 0 || size == 0 ? 0 : in.numel() / (size * inner);
@@ -627,9 +645,16 @@ struct ArgExtremeOp : Primitive<ArgExtremeOp<Max, Axis, Keep, In>> {
     }
   }
 
-  static std::string op_name() {
-    return std::string(Max ? "Argmax" : "Argmin") + "(axis=" + std::to_string(Axis) + (Keep ? ", keep_dims)" : ")");
+  static std::string name(int axis, bool keep) {
+    return std::string(Max ? "Argmax" : "Argmin") + "(axis=" + std::to_string(axis) + (keep ? ", keep_dims)" : ")");
   }
+  static std::string op_name() {
+    if constexpr (runtime_axis)
+      return Max ? "Argmax" : "Argmin";
+    else
+      return name(AxisT::values[0], Keep);
+  }
+  std::string label() const { return name(detail::axes_of(reduced)[0], keeps()); }
 };
 
 // cumsum<Axis>(x): the running sum along one axis, x's shape (PyTorch's torch.cumsum(x, dim),
@@ -767,8 +792,27 @@ auto reduce_listed(const X& x, std::span<const int> axes, const char* who, Keep.
 template <bool Max, class X, int A, class... Keep>
 auto arg_extreme(const X& x, Axes<A>, Keep...) {
   static_assert(sizeof...(Keep) <= 1 && (std::is_same_v<Keep, KeepDims> && ...),
-                "duet::ops: argmax and argmin take the tensor, then optionally ops::axis<A>, then optionally ops::keep_dims");
-  return apply(ArgExtremeOp<Max, A, sizeof...(Keep) == 1, element_of<X>>{}, x);
+                "duet::ops: argmax and argmin take the tensor, then optionally the axis (ops::axis<A> or an int), then "
+                "optionally ops::keep_dims");
+  return apply(ArgExtremeOp<Max, Axes<A>, sizeof...(Keep) == 1, element_of<X>>{}, x);
+}
+
+// The axis given at run time, within [-max_rank, max_rank); whether it fits the input's rank is
+// a shape error when it runs.
+template <bool Max, class X, class... Keep>
+auto arg_extreme(const X& x, int axis, const char* who, Keep...) {
+  static_assert(sizeof...(Keep) <= 1 && (std::is_same_v<Keep, KeepDims> && ...),
+                "duet::ops: argmax and argmin take the tensor, then optionally the axis (ops::axis<A> or an int), then "
+                "optionally ops::keep_dims");
+  if (axis < -max_rank || axis >= max_rank) {
+    throw ValueError(std::string("duet::ops::") + who + ": the axis must be in [" + std::to_string(-max_rank) + ", " +
+                     std::to_string(max_rank) + "), got " + std::to_string(axis));
+  }
+  ArgExtremeOp<Max, AxesList, false, element_of<X>> op;
+  op.reduced.list[0] = axis;
+  op.reduced.count = 1;
+  op.reduced.keep = sizeof...(Keep) == 1;
+  return apply(op, x);
 }
 
 }  // namespace detail
@@ -831,14 +875,23 @@ auto variance(const X& x, const AxesT& axes, Keep... keep) {
 DUET_DETAIL_OVER_AXES(var, detail::variance(x, axes, keep...))
 DUET_DETAIL_OVER_AXES(std, apply(MapOp<fn::StdRoot>{}, detail::variance(x, axes, keep...)))
 
-// argmax(x) (axis -1, MindSpore's ops.Argmax default), argmax(x, axis<A>), with keep_dims.
+// argmax(x) (axis -1, MindSpore's ops.Argmax default), argmax(x, axis<A>), or the axis at run
+// time, argmax(x, 1) (PyTorch's argmax(x, dim)); with keep_dims.
 template <TensorLike X, int A = -1, class... Keep>
 auto argmax(const X& x, Axes<A> a = {}, Keep... keep) {
   return detail::arg_extreme<true>(x, a, keep...);
 }
+template <TensorLike X, class... Keep>
+auto argmax(const X& x, int axis, Keep... keep) {
+  return detail::arg_extreme<true>(x, axis, "argmax", keep...);
+}
 template <TensorLike X, int A = -1, class... Keep>
 auto argmin(const X& x, Axes<A> a = {}, Keep... keep) {
   return detail::arg_extreme<false>(x, a, keep...);
+}
+template <TensorLike X, class... Keep>
+auto argmin(const X& x, int axis, Keep... keep) {
+  return detail::arg_extreme<false>(x, axis, "argmin", keep...);
 }
 
 namespace detail {
