@@ -8,6 +8,7 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -98,6 +99,34 @@ TEST_CASE("step() applies the gradients the last backward pass left in the param
   CHECK(dense.weight(0, 0) == doctest::Approx(1.0 - 0.5 * 2.0));
   CHECK(dense.weight(0, 1) == doctest::Approx(1.0 - 0.5 * 3.0));
   CHECK(dense.bias(0) == doctest::Approx(-0.5));
+}
+
+TEST_CASE("step() with no gradient of its parameters is a ValueError and changes nothing") {
+  nn::Dense<2, 1> dense;
+  nn::SGD sgd(dense.parameters(), {.learning_rate = 0.5});
+  const Tensor before = dense.weight.clone();
+  // A thread that ran no backward pass (PyTorch's optimizer.step() before loss.backward()): this
+  // read null gradients before.
+  std::string first;
+  std::thread([&] {
+    try {
+      sgd.step();
+    } catch (const ValueError& e) {
+      first = e.what();
+    }
+  }).join();
+  CHECK(first ==
+        "nn::SGD.step(): no backward pass has run on this thread, so there is no gradient to apply; take them first, "
+        "duet::value_and_grad(net, optimizer.parameters()), or train with nn::TrainOneStepCell");
+  // Another network's backward pass.
+  nn::Dense<2, 1> other;
+  value_and_grad(other, other.parameters())(Tensor({1, 2}, {2.0f, 3.0f}));
+  CHECK_THROWS_WITH_AS(
+      sgd.step(), doctest::Contains("nn::SGD.step(): the thread's last backward pass reached none of its 2 parameters"),
+      ValueError);
+  CHECK(sgd.global_step() == 0);
+  CHECK(dense.weight(0, 0) == before(0, 0));
+  CHECK(dense.weight(0, 1) == before(0, 1));
 }
 
 TEST_CASE("learning-rate schedules") {

@@ -183,7 +183,8 @@ class BasicParameter : public BasicTensor<T> {
   }
 
   // Whether backward pass `pass` wrote this parameter's gradient (it did not reach it otherwise).
-  bool has_grad_from(std::uint64_t pass) const { return grad_pass_ == pass; }
+  // Pass 0 is none (a thread that ran no backward pass yet), which wrote nothing.
+  bool has_grad_from(std::uint64_t pass) const { return pass != 0 && grad_pass_ == pass; }
 
   // A form of the values a kernel computes from them and keeps (the pre-packed weight of an
   // inference graph, the weight with a BatchNorm folded in): make() runs on first use, and again

@@ -256,6 +256,7 @@ class BasicOptimizer {
     require_all_reduced(pass, ".step()");
     require_learning_rate();
     require_left_out_frozen();
+    require_gradient_from(pass);
     const auto applied = [&](std::size_t i) { return params_[i]->requires_grad && params_[i]->has_grad_from(pass); };
     const auto grad = [&](std::size_t i) { return params_[i]->grad.data(); };
     if (!known_finite) {
@@ -530,6 +531,19 @@ class BasicOptimizer {
   // program that forgot both set_auto_parallel_context and GradReducer does: said once on
   // std::cerr, unless the program set STAND_ALONE itself (ranks that each train their own
   // network on purpose).
+  // A step applies what the thread's last backward pass wrote: before any, or after one that
+  // reached none of these parameters (another network's), it would change nothing but the
+  // step count (before 2026-12-07 a step before any backward pass read null gradients).
+  void require_gradient_from(std::uint64_t pass) const {
+    if (std::ranges::any_of(params_, [&](const BasicParameter<T>* p) { return p->has_grad_from(pass); })) return;
+    throw ValueError(std::string(type_name()) + ".step(): " +
+                     (pass == 0 ? std::string("no backward pass has run on this thread")
+                                : "the thread's last backward pass reached none of its " +
+                                      std::to_string(params_.size()) + " parameters (another network's gradients?)") +
+                     ", so there is no gradient to apply; take them first, duet::value_and_grad(net, "
+                     "optimizer.parameters()), or train with nn::TrainOneStepCell");
+  }
+
   void require_all_reduced(std::uint64_t pass, const char* call) {
     if (duet::detail::all_reduced_backward_pass() == pass) return;
     if (duet::detail::parallel_mode().load(std::memory_order_relaxed) == ParallelMode::DATA_PARALLEL) {
