@@ -442,6 +442,11 @@ TEST_CASE("value_and_grad of a generic function over a network built at run time
       CHECK(duet_test::values_of(got_floats.grads[i]) == duet_test::values_of(expected_floats.grads[i]));
     }
   }
+  // Graph mode not applied is said (once per process, so this or an earlier case said it).
+  CHECK(std::ranges::any_of(jit_compile_log(), [](const std::string& line) {
+    return line.starts_with("duet::grad/value_and_grad: a function that runs on real tensors") &&
+           line.find("runs on PyNative's tape in graph mode") != std::string::npos;
+  }));
 }
 
 namespace {

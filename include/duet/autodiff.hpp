@@ -641,12 +641,31 @@ class GradFunction {
         if (autodiff::detail::mode_of<Fn>() == GRAPH_MODE) return run_graph<WithInput>(input_grad, xs...);
       } else if constexpr (!WithInput && autodiff::detail::CellLike<Fn>) {
         if (autodiff::detail::mode_of<Fn>() == GRAPH_MODE && can_trace()) return traced_step(xs...);
+      } else if (autodiff::detail::mode_of<Fn>() == GRAPH_MODE && can_trace()) {
+        log_runs_on_tape();
       }
     }
     return run_eager<WithInput>(input_grad, xs...);
   }
 
   static bool can_trace() { return autodiff::active_tape() == nullptr && pijit::active_trace() == nullptr; }
+
+  // Graph mode that takes a gradient on PyNative's tape, step by step, is said once: its
+  // results are right, only its speed is PyNative's.
+  void log_runs_on_tape() const {
+    if constexpr (autodiff::detail::CellLike<Fn>) {
+      duet::detail::log_not_compiled("duet::grad/value_and_grad: the gradient of " + fn_.label() +
+                                     ", a network built at run time, with respect to its input runs on PyNative's "
+                                     "tape in graph mode; graph mode traces and replays parameters' gradients only");
+    } else {
+      duet::detail::log_not_compiled(
+          "duet::grad/value_and_grad: a function that runs on real tensors (one taking const duet::Tensor&, or "
+          "calling a network built at run time) runs on PyNative's tape in graph mode, not compiled or traced; "
+          "differentiate a cell instead (nn::WithLossCell with_loss(net, loss), then value_and_grad(with_loss, "
+          "net.parameters()), or nn::TrainOneStepCell), or a generic lambda if it calls no network built at run "
+          "time");
+    }
+  }
 
   // Graph mode for a cell built at run time (it has no construct to capture), or whose capture
   // is ambiguous (graph::Sym::ambiguity): the whole step, forward, loss and backward,

@@ -131,6 +131,7 @@ struct JitStats {
   std::vector<std::string> log;
   std::set<std::string> ambiguities_logged;    // log_ambiguous_capture's
   std::set<std::string> ambiguities_explained;
+  std::set<std::string> not_compiled_logged;  // log_not_compiled's
 };
 inline JitStats& jit_stats() {
   static JitStats stats;
@@ -159,6 +160,17 @@ inline void log_ambiguous_capture(const std::string& who, const std::string& why
   // Graph mode quietly not being the static graph is what a user measuring it should hear of
   // (its numbers are right either way): once per construct and reason, on std::cerr.
   if (!explained) std::cerr << "duet: warning: " << stats.log.back() << '\n';
+}
+
+// Says in the log, and on std::cerr, once per process, that graph mode runs something on
+// PyNative's tape instead (the same bits, the speed of the other mode): what a user measuring
+// graph mode should hear of.
+inline void log_not_compiled(const std::string& line) {
+  auto& stats = jit_stats();
+  std::lock_guard lock(stats.mutex);
+  if (!stats.not_compiled_logged.insert(line).second) return;
+  stats.log.push_back(line);
+  std::cerr << "duet: warning: " << line << '\n';
 }
 
 inline std::atomic<bool> compiles_frozen_flag{false};

@@ -12535,6 +12535,7 @@ struct JitStats {
   std::vector<std::string> log;
   std::set<std::string> ambiguities_logged;    // log_ambiguous_capture's
   std::set<std::string> ambiguities_explained;
+  std::set<std::string> not_compiled_logged;  // log_not_compiled's
 };
 inline JitStats& jit_stats() {
   static JitStats stats;
@@ -12563,6 +12564,17 @@ inline void log_ambiguous_capture(const std::string& who, const std::string& why
   // Graph mode quietly not being the static graph is what a user measuring it should hear of
   // (its numbers are right either way): once per construct and reason, on std::cerr.
   if (!explained) std::cerr << "duet: warning: " << stats.log.back() << '\n';
+}
+
+// Says in the log, and on std::cerr, once per process, that graph mode runs something on
+// PyNative's tape instead (the same bits, the speed of the other mode): what a user measuring
+// graph mode should hear of.
+inline void log_not_compiled(const std::string& line) {
+  auto& stats = jit_stats();
+  std::lock_guard lock(stats.mutex);
+  if (!stats.not_compiled_logged.insert(line).second) return;
+  stats.log.push_back(line);
+  std::cerr << "duet: warning: " << line << '\n';
 }
 
 inline std::atomic<bool> compiles_frozen_flag{false};
@@ -15060,12 +15072,31 @@ class GradFunction {
         if (autodiff::detail::mode_of<Fn>() == GRAPH_MODE) return run_graph<WithInput>(input_grad, xs...);
       } else if constexpr (!WithInput && autodiff::detail::CellLike<Fn>) {
         if (autodiff::detail::mode_of<Fn>() == GRAPH_MODE && can_trace()) return traced_step(xs...);
+      } else if (autodiff::detail::mode_of<Fn>() == GRAPH_MODE && can_trace()) {
+        log_runs_on_tape();
       }
     }
     return run_eager<WithInput>(input_grad, xs...);
   }
 
   static bool can_trace() { return autodiff::active_tape() == nullptr && pijit::active_trace() == nullptr; }
+
+  // Graph mode that takes a gradient on PyNative's tape, step by step, is said once: its
+  // results are right, only its speed is PyNative's.
+  void log_runs_on_tape() const {
+    if constexpr (autodiff::detail::CellLike<Fn>) {
+      duet::detail::log_not_compiled("duet::grad/value_and_grad: the gradient of " + fn_.label() +
+                                     ", a network built at run time, with respect to its input runs on PyNative's "
+                                     "tape in graph mode; graph mode traces and replays parameters' gradients only");
+    } else {
+      duet::detail::log_not_compiled(
+          "duet::grad/value_and_grad: a function that runs on real tensors (one taking const duet::Tensor&, or "
+          "calling a network built at run time) runs on PyNative's tape in graph mode, not compiled or traced; "
+          "differentiate a cell instead (nn::WithLossCell with_loss(net, loss), then value_and_grad(with_loss, "
+          "net.parameters()), or nn::TrainOneStepCell), or a generic lambda if it calls no network built at run "
+          "time");
+    }
+  }
 
   // Graph mode for a cell built at run time (it has no construct to capture), or whose capture
   // is ambiguous (graph::Sym::ambiguity): the whole step, forward, loss and backward,
