@@ -486,7 +486,7 @@ TEST_CASE("a hook handle removes its hook from the cell wherever the cell was mo
   CHECK_NOTHROW(orphan.remove());
 }
 
-TEST_CASE("nn::HookHandle is a float cell's handle type, as the README names it; BasicHookHandle<T> any other's") {
+TEST_CASE("nn::HookHandle is a float cell's handle type, as the README names it, and BasicHookHandle<T> any other's") {
   ModeGuard guard;
   set_context({.mode = PYNATIVE_MODE});
   nn::Dense<3, 2> fc;
