@@ -189,31 +189,40 @@ void torch_conv3x3_backward(benchmark::State& state) {
 #endif
 
 // ResNet's stem pooling, max over 3x3 windows at stride 2, padding 1, on the convolution's
-// [32, 64, 28, 28]: the window fixed at compile time (ops::max_pool2d<3, 2, 1>) or given at run
-// time (ops::max_pool2d(x, 3, 2, 1), one operation for every window), and its gradient
-// (d sum(pool(x) * dy) / dx, the forward included, as libtorch's row). The forward's loops are
-// vectorised by the compiler: the rows show what a build's flags give them (GCC's -O2 left them
-// scalar before DUET_BEGIN_VECTORIZED); the gradient is kernels/pool.hpp's, per instruction set.
-template <bool FixedWindow>
-void max_pool_forward(benchmark::State& state) {
+// [32, 64, 28, 28], and the average over the same windows (the padding counted, PyTorch's and
+// MindSpore's default): the window fixed at compile time (ops::max_pool2d<3, 2, 1>) or given
+// at run time (ops::max_pool2d(x, 3, 2, 1), one operation for every window), and its gradient
+// (d sum(pool(x) * dy) / dx, the forward included, as libtorch's row). Max pooling's forward
+// loops are vectorised by the compiler: the rows show what a build's flags give them (GCC's
+// -O2 left them scalar before DUET_BEGIN_VECTORIZED); its gradient and the average's forward
+// and gradient are kernels/pool.hpp's, per instruction set.
+template <bool Max, bool FixedWindow, class X>
+auto stem_pool(const X& x) {
+  if constexpr (Max && FixedWindow)
+    return ops::max_pool2d<3, 2, 1>(x);
+  else if constexpr (Max)
+    return ops::max_pool2d(x, 3, 2, 1);
+  else if constexpr (FixedWindow)
+    return ops::avg_pool2d<3, 2, 1>(x);
+  else
+    return ops::avg_pool2d(x, 3, 2, 1);
+}
+
+template <bool Max, bool FixedWindow>
+void pool_forward(benchmark::State& state) {
   const Tensor x = uniform({batch, channels, size, size}, -1.0f, 1.0f, 1);
   for (auto _ : state) {
-    Tensor y = FixedWindow ? ops::max_pool2d<3, 2, 1>(x) : ops::max_pool2d(x, 3, 2, 1);
+    Tensor y = stem_pool<Max, FixedWindow>(x);
     benchmark::DoNotOptimize(y.data());
   }
   state.SetItemsProcessed(state.iterations() * batch);
 }
 
-template <bool FixedWindow>
-void max_pool_backward(benchmark::State& state) {
+template <bool Max, bool FixedWindow>
+void pool_backward(benchmark::State& state) {
   const Tensor x = uniform({batch, channels, size, size}, -1.0f, 1.0f, 1);
   const Tensor dy = uniform({batch, channels, size / 2, size / 2}, -1.0f, 1.0f, 2);
-  auto dx = grad([](const auto& v, const auto& cotangent) {
-    if constexpr (FixedWindow)
-      return ops::sum(ops::max_pool2d<3, 2, 1>(v) * cotangent);
-    else
-      return ops::sum(ops::max_pool2d(v, 3, 2, 1) * cotangent);
-  });
+  auto dx = grad([](const auto& v, const auto& cotangent) { return ops::sum(stem_pool<Max, FixedWindow>(v) * cotangent); });
   for (auto _ : state) {
     Tensor g = dx(x, dy);
     benchmark::DoNotOptimize(g.data());
@@ -222,22 +231,29 @@ void max_pool_backward(benchmark::State& state) {
 }
 
 #if DUET_BENCH_TORCH
-void torch_max_pool_forward(benchmark::State& state) {
+template <bool Max>
+torch::Tensor torch_stem_pool(const torch::Tensor& x) {
+  return Max ? torch::max_pool2d(x, 3, 2, 1) : torch::avg_pool2d(x, 3, 2, 1);
+}
+
+template <bool Max>
+void torch_pool_forward(benchmark::State& state) {
   torch::NoGradGuard no_grad;
   const torch::Tensor x = torch::rand({batch, channels, size, size});
   for (auto _ : state) {
-    torch::Tensor y = torch::max_pool2d(x, 3, 2, 1);
+    torch::Tensor y = torch_stem_pool<Max>(x);
     benchmark::DoNotOptimize(y.data_ptr());
   }
   state.SetItemsProcessed(state.iterations() * batch);
 }
 
-void torch_max_pool_backward(benchmark::State& state) {
+template <bool Max>
+void torch_pool_backward(benchmark::State& state) {
   const torch::Tensor x = torch::rand({batch, channels, size, size}).requires_grad_(true);
   const torch::Tensor dy = torch::rand({batch, channels, size / 2, size / 2});
   for (auto _ : state) {
     x.mutable_grad() = torch::Tensor();
-    torch::max_pool2d(x, 3, 2, 1).backward(dy);
+    torch_stem_pool<Max>(x).backward(dy);
     benchmark::DoNotOptimize(x.grad().data_ptr());
   }
   state.SetItemsProcessed(state.iterations() * batch);
@@ -325,13 +341,19 @@ BENCHMARK(conv3x3_forward<GRAPH_MODE>)->Name("conv/3x3_64x64_28x28_b32_forward/g
 BENCHMARK(conv3x3_forward<PYNATIVE_MODE>)->Name("conv/3x3_64x64_28x28_b32_forward/pynative");
 BENCHMARK(conv3x3_backward<GRAPH_MODE>)->Name("conv/3x3_64x64_28x28_b32_backward/graph");
 BENCHMARK(conv3x3_backward<PYNATIVE_MODE>)->Name("conv/3x3_64x64_28x28_b32_backward/pynative");
-BENCHMARK(max_pool_forward<true>)->Name("conv/maxpool_3x3s2p1_64x28x28_b32_forward/duet");
-BENCHMARK(max_pool_forward<false>)->Name("conv/maxpool_3x3s2p1_64x28x28_b32_forward/duet_runtime_window");
-BENCHMARK(max_pool_backward<true>)->Name("conv/maxpool_3x3s2p1_64x28x28_b32_backward/duet");
-BENCHMARK(max_pool_backward<false>)->Name("conv/maxpool_3x3s2p1_64x28x28_b32_backward/duet_runtime_window");
+BENCHMARK(pool_forward<true, true>)->Name("conv/maxpool_3x3s2p1_64x28x28_b32_forward/duet");
+BENCHMARK(pool_forward<true, false>)->Name("conv/maxpool_3x3s2p1_64x28x28_b32_forward/duet_runtime_window");
+BENCHMARK(pool_backward<true, true>)->Name("conv/maxpool_3x3s2p1_64x28x28_b32_backward/duet");
+BENCHMARK(pool_backward<true, false>)->Name("conv/maxpool_3x3s2p1_64x28x28_b32_backward/duet_runtime_window");
+BENCHMARK(pool_forward<false, true>)->Name("conv/avgpool_3x3s2p1_64x28x28_b32_forward/duet");
+BENCHMARK(pool_forward<false, false>)->Name("conv/avgpool_3x3s2p1_64x28x28_b32_forward/duet_runtime_window");
+BENCHMARK(pool_backward<false, true>)->Name("conv/avgpool_3x3s2p1_64x28x28_b32_backward/duet");
+BENCHMARK(pool_backward<false, false>)->Name("conv/avgpool_3x3s2p1_64x28x28_b32_backward/duet_runtime_window");
 #if DUET_BENCH_TORCH
-BENCHMARK(torch_max_pool_forward)->Name("conv/maxpool_3x3s2p1_64x28x28_b32_forward/libtorch");
-BENCHMARK(torch_max_pool_backward)->Name("conv/maxpool_3x3s2p1_64x28x28_b32_backward/libtorch");
+BENCHMARK(torch_pool_forward<true>)->Name("conv/maxpool_3x3s2p1_64x28x28_b32_forward/libtorch");
+BENCHMARK(torch_pool_backward<true>)->Name("conv/maxpool_3x3s2p1_64x28x28_b32_backward/libtorch");
+BENCHMARK(torch_pool_forward<false>)->Name("conv/avgpool_3x3s2p1_64x28x28_b32_forward/libtorch");
+BENCHMARK(torch_pool_backward<false>)->Name("conv/avgpool_3x3s2p1_64x28x28_b32_backward/libtorch");
 BENCHMARK(torch_lenet5_forward)->Name("conv/lenet5_forward/libtorch")->Arg(1)->Arg(64);
 BENCHMARK(torch_lenet5_train_step)->Name("conv/lenet5_train_step/libtorch")->Arg(64);
 BENCHMARK(torch_conv3x3_forward)->Name("conv/3x3_64x64_28x28_b32_forward/libtorch");
