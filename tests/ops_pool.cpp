@@ -2,11 +2,13 @@
 // plain loops over each window written from MindSpore's pad_mode rules, and what the harness
 // does not cover: the argmax's tie-breaking and NaN, shapes at compile time and run time,
 // MindSpore's defaults, and the layers in a network in both modes.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <memory>
 #include <random>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -352,6 +354,119 @@ TEST_CASE_TEMPLATE("max_pool2d and its gradient over overlapping windows: each i
   }
   // Rows too long for the kernels' buffer: the general loops at stride 2.
   check_max_pool_gradient<T>(windows[0], Shape{1, 1, 3, 3000});
+}
+
+namespace {
+// Average pooling and its gradient (kernels::avg_pool and avg_pool_backward, per instruction
+// set, or ops/pool.hpp's general loops at other strides and for rows too long for the buffers)
+// against sums written out, bit for bit. The value: each window's elements inside the input in
+// row-major order, from the first, divided by the count. The gradient: each element's sum from
+// +0 over the output rows whose windows hold it in ascending order; for each, the windows
+// inside the input's columns in descending output column (their taps in ascending order), then
+// those meeting the padding in ascending output column, each adding dy / count. And the
+// gradient against the sum in double, one window at a time.
+template <class T>
+void check_avg_pool(const duet::ops::Pool2dWindow& w, Shape shape) {
+  CAPTURE(duet::ops::detail::window_text(w));
+  CAPTURE(w.count_include_pad);
+  CAPTURE(shape);
+  namespace detail = duet::ops::detail;
+  const detail::PoolGeometry g = detail::pool_geometry(w, shape);
+  std::mt19937 gen(static_cast<unsigned>(g.H * 131 + g.W * 7 + w.kernel_w));
+  std::uniform_real_distribution<T> uniform(-1, 1);
+  const T specials[] = {T(-0.0), T(0), std::numeric_limits<T>::infinity(), std::numeric_limits<T>::quiet_NaN()};
+  std::vector<T> x(static_cast<std::size_t>(g.planes * g.H * g.W)),
+      dy(static_cast<std::size_t>(g.planes * g.OH * g.OW));
+  for (T& v : x) v = gen() % 4 == 0 ? specials[gen() % (gen() % 25 == 0 ? 4 : 2)] : uniform(gen);
+  for (T& v : dy) v = gen() % 5 == 0 ? T(-0.0) : uniform(gen);
+  const bool count_padding = w.pad_mode == PadMode::pad && w.count_include_pad;
+  auto inside = [](index_t start, index_t k, index_t n) {
+    return std::pair{std::max<index_t>(start, 0), std::min(start + k, n)};
+  };
+  std::vector<T> y_ref(dy.size()), dx_ref(x.size());
+  std::vector<double> dx_double(dx_ref.size(), 0.0);
+  for (index_t p = 0; p < g.planes; ++p) {
+    auto share = [&](index_t oh, index_t ow) {
+      const auto [r0, r1] = inside(oh * w.stride_h - g.pad_top, w.kernel_h, g.H);
+      const auto [c0, c1] = inside(ow * w.stride_w - g.pad_left, w.kernel_w, g.W);
+      const index_t count = count_padding ? w.kernel_h * w.kernel_w : (r1 - r0) * (c1 - c0);
+      return dy[static_cast<std::size_t>((p * g.OH + oh) * g.OW + ow)] / static_cast<T>(count);
+    };
+    for (index_t a = 0; a < g.H; ++a) {
+      for (index_t b = 0; b < g.W; ++b) {
+        T sum = T(0);
+        auto covers = [](index_t i, index_t start, index_t k) { return start <= i && i < start + k; };
+        for (index_t oh = 0; oh < g.OH; ++oh) {
+          if (!covers(a, oh * w.stride_h - g.pad_top, w.kernel_h)) continue;
+          auto holds = [&](index_t ow) { return covers(b, ow * w.stride_w - g.pad_left, w.kernel_w); };
+          for (index_t ow = g.hi - 1; ow >= g.lo; --ow) {
+            if (holds(ow)) sum += share(oh, ow);
+          }
+          for (index_t ow = 0; ow < g.OW; ++ow) {
+            if ((ow < g.lo || ow >= g.hi) && holds(ow)) sum += share(oh, ow);
+          }
+        }
+        dx_ref[static_cast<std::size_t>((p * g.H + a) * g.W + b)] = sum;
+      }
+    }
+    for (index_t oh = 0; oh < g.OH; ++oh) {
+      for (index_t ow = 0; ow < g.OW; ++ow) {
+        const auto [r0, r1] = inside(oh * w.stride_h - g.pad_top, w.kernel_h, g.H);
+        const auto [c0, c1] = inside(ow * w.stride_w - g.pad_left, w.kernel_w, g.W);
+        T sum = x[static_cast<std::size_t>((p * g.H + r0) * g.W + c0)];
+        for (index_t a = r0; a < r1; ++a) {
+          for (index_t b = c0; b < c1; ++b) {
+            if (a > r0 || b > c0) sum += x[static_cast<std::size_t>((p * g.H + a) * g.W + b)];
+          }
+        }
+        const auto o = static_cast<std::size_t>((p * g.OH + oh) * g.OW + ow);
+        y_ref[o] = sum / static_cast<T>(count_padding ? w.kernel_h * w.kernel_w : (r1 - r0) * (c1 - c0));
+        const double count = count_padding ? double(w.kernel_h * w.kernel_w) : double((r1 - r0) * (c1 - c0));
+        for (index_t a = r0; a < r1; ++a) {
+          for (index_t b = c0; b < c1; ++b) {
+            dx_double[static_cast<std::size_t>((p * g.H + a) * g.W + b)] +=
+                double(dy[static_cast<std::size_t>((p * g.OH + oh) * g.OW + ow)]) / count;
+          }
+        }
+      }
+    }
+  }
+  const double tolerance = std::is_same_v<T, float> ? 1e-5 : 1e-13;
+  for (std::size_t i = 0; i < dx_ref.size(); ++i) REQUIRE(std::abs(double(dx_ref[i]) - dx_double[i]) <= tolerance);
+  duet_test::for_each_isa([&] {
+    std::vector<T> y(y_ref.size(), T(7)), dx(dx_ref.size(), T(7));
+    detail::pool2d_forward<detail::AvgPoolKind>(w, g, x.data(), y.data());
+    detail::avg_pool2d_backward(w, g, dy.data(), dx.data());
+    CHECK(std::memcmp(y.data(), y_ref.data(), y.size() * sizeof(T)) == 0);
+    CHECK(std::memcmp(dx.data(), dx_ref.data(), dx.size() * sizeof(T)) == 0);
+  });
+}
+}  // namespace
+
+TEST_CASE_TEMPLATE("avg_pool2d and its gradient: each instruction set gives the order's bits" * duet_test::every_isa, T,
+                   float, double) {
+  using duet::ops::Pool2dWindow;
+  const Pool2dWindow windows[] = {
+      {3, 3, 2, 2, PadMode::pad, 1, 1},  // ResNet's stem
+      {3, 3, 2, 2, PadMode::pad, 1, 1, false},
+      {3, 3, 1, 1, PadMode::pad, 1, 1},
+      {3, 3, 1, 1, PadMode::pad, 1, 1, false},
+      {2, 2, 1, 1},
+      {2, 2, 2, 2},
+      {5, 5, 1, 1, PadMode::pad, 2, 2, false},  // two border windows on each side
+      {5, 5, 2, 2, PadMode::pad, 2, 2},
+      {2, 2, 2, 2, PadMode::pad, 1, 1, false},
+      {3, 3, 2, 2, PadMode::same},
+      {3, 2, 1, 2, PadMode::pad, 1, 1},
+      {4, 4, 3, 3, PadMode::pad, 2, 2, false},
+  };
+  for (const Pool2dWindow& w : windows) {
+    for (const Shape& shape : {Shape{2, 3, 28, 28}, Shape{1, 2, 7, 9}, Shape{1, 1, 5, 70}, Shape{1, 1, 4, 4}}) {
+      check_avg_pool<T>(w, shape);
+    }
+  }
+  // Rows too long for the kernels' buffers: the general loops.
+  check_avg_pool<T>(windows[0], Shape{1, 1, 3, 3000});
 }
 
 TEST_CASE("pooling layers: MindSpore's output sizes, and shapes checked at compile time and at run time") {

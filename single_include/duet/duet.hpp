@@ -31314,7 +31314,11 @@ class Conv1d : public conv_base<1, In, Out, Kernel, Stride, Padding, Dilation, G
 // and a scatter, one output at a time. Max pooling over 2x2 windows at stride 2 that tile the
 // input, forward and gradient, is kernels/pool.hpp's too: these loops vectorise only where the
 // compiler is told the machine (g++ 12 -O3 -march=native); built with -O2 they were two
-// fifths of LeNet-5's training step. Adaptive pooling sums each bin row by row with Eigen's
+// fifths of LeNet-5's training step. So is average pooling, its forward at column stride 1 or
+// 2 from a padded copy of the window's rows, its gradient at any stride as a gather that
+// writes each element of dx once, both with the additions of the loops here in their order
+// (the same bits); the loops here remain for rows longer than their buffers and, for the
+// forward, other strides. Adaptive pooling sums each bin row by row with Eigen's
 // vectorised reduction (a whole bin at once when it spans full rows: global pooling is one
 // contiguous sum per plane). Nothing is allocated beyond the output.
 
@@ -31331,18 +31335,20 @@ class Conv1d : public conv_base<1, In, Out, Kernel, Stride, Padding, Dilation, G
 #include <type_traits>
 #include <utility>
 
-// Max pooling's kernels, forward and gradient, once per instruction set: over 2x2 windows at
-// stride 2 that tile the input (LeNet-5's and most CNNs' pooling), a vector of L outputs reads
-// 2L values of each of the window's two rows and splits them into left and right taps by
-// shuffles; over any other window at column stride 1 or 2 (ResNet's 3x3/2 pad 1, 3x3/1 pad 1),
-// L windows at a time from a padded copy of their rows. ops/pool.hpp's general
-// loops rely on the compiler to vectorise a strided compare-and-select, which g++ 12 does at
-// -O3 with -march=native and not at -O2 or for the baseline alone; here every build gets the
-// set the machine has (simd/isa.hpp). The rules are ops/pool.hpp's, to the bit: the taps in
-// row-major order, a NaN winning the value (MaxPoolKind::combine) and the first NaN, or else
-// the first maximal tap, taking the gradient (takes_max), dx = 0 + dy there, the dy of windows
-// that choose the same element added in output order, and zero elsewhere, including the rows
-// and columns no window covers.
+// Pooling's kernels, once per instruction set. Max pooling, forward and gradient: over 2x2
+// windows at stride 2 that tile the input (LeNet-5's and most CNNs' pooling), a vector of L
+// outputs reads 2L values of each of the window's two rows and splits them into left and right
+// taps by shuffles; over any other window at column stride 1 or 2 (ResNet's 3x3/2 pad 1, 3x3/1
+// pad 1), L windows at a time from a padded copy of their rows. Average pooling: the forward
+// likewise from a padded copy, the gradient at any stride as a gather, L input columns at a
+// time (detail/pool_impl.hpp says how). ops/pool.hpp's general loops rely on the compiler to
+// vectorise strided taps, which g++ 12 does at -O3 with -march=native and not at -O2 or for the
+// baseline alone; here every build gets the set the machine has (simd/isa.hpp). The rules are
+// ops/pool.hpp's, to the bit. Max pooling: the taps in row-major order, a NaN winning the value
+// (MaxPoolKind::combine) and the first NaN, or else the first maximal tap, taking the gradient
+// (takes_max), dx = 0 + dy there, the dy of windows that choose the same element added in
+// output order, and zero elsewhere, including the rows and columns no window covers. Average
+// pooling: the same additions in the same order as its loops (avg_pool2d_backward).
 
 #include <algorithm>
 #include <limits>
@@ -31351,16 +31357,29 @@ class Conv1d : public conv_base<1, In, Out, Kernel, Stride, Padding, Dilation, G
 
 namespace duet::kernels {
 
-// A max pooling's input planes [H, W], output planes [OH, OW] and window: kernel KH x KW,
-// stride SH x SW, padding pad_top and pad_left before the first row and column (no window all
+// A pooling's input planes [H, W], output planes [OH, OW] and window: kernel KH x KW, stride
+// SH x SW, padding pad_top and pad_left before the first row and column (no window all
 // padding).
 struct PoolShape {
   index_t planes, H, W, OH, OW, KH, KW, SH, SW, pad_top, pad_left;
 };
 
-// The elements of max_pool's and max_pool_backward's buffers on the stack: a window's rows of
-// the input, padded, and an output row.
-inline constexpr index_t max_pool_buffer = 4096;
+// The output columns [begin, end) whose windows lie inside the input's columns (none of the
+// padding): the others are the border's, before begin and from end on.
+struct InnerColumns {
+  index_t begin, end;
+};
+
+constexpr InnerColumns inner_columns(index_t W, index_t OW, index_t KW, index_t SW, index_t pad_left) {
+  const index_t begin = std::min(OW, (pad_left + SW - 1) / SW);
+  const index_t last_start = W + pad_left - KW;  // of a window ending at the last column
+  return {begin, std::max(begin, last_start < 0 ? index_t{0} : std::min(OW, last_start / SW + 1))};
+}
+
+// The elements of the pooling kernels' buffers on the stack: a window's rows of the input,
+// padded, and an output row (max pooling); the shares of dy for a window's height of output
+// rows, spread over input columns (the average's gradient).
+inline constexpr index_t pool_buffer = 4096;
 
 }  // namespace duet::kernels
 
@@ -31507,32 +31526,82 @@ void max_pool_2x2_backward_step(Target, const T* dy, const T* x, index_t planes,
   }
 }
 
+// A window's rows of the input at column stride S (1 or 2), copied into a buffer between
+// fillers standing for the padding, so that a vector of L windows reads each tap with one load
+// (S = 1) or two and a shuffle (S = 2), border windows included: max pooling's and the
+// average's forward, output row by output row. All the rows are copied before the taps are
+// read: a load that straddles stores still in flight waits for them, a quarter of max
+// pooling's gradient's time when each row was copied just before its taps.
+template <int S, class T>
+struct PaddedRows {
+  static constexpr int L = lanes<T>;
+  const PoolShape& s;
+  index_t chunks;  // of L output columns
+  index_t length;  // of a row in the buffer, as far as the taps read
+  index_t copied;  // columns of the input in a row
+  T* rows;         // KH x length
+
+  PaddedRows(const PoolShape& shape, T filler, T* buffer)
+      : s(shape),
+        chunks((s.OW + L - 1) / L),
+        length(S * chunks * L + s.KW),
+        copied(std::min(s.W, length - s.pad_left)),
+        rows(buffer) {
+    for (index_t k = 0; k < s.KH; ++k) {
+      std::fill(rows + k * length, rows + k * length + s.pad_left, filler);
+      std::fill(rows + k * length + s.pad_left + copied, rows + (k + 1) * length, filler);
+    }
+  }
+
+  // Input rows [from, from + count) of plane xp into the buffer's rows 0, 1, ...
+  void copy(const T* xp, index_t from, index_t count) {
+    for (index_t k = 0; k < count; ++k) {
+      const T* source = xp + (from + k) * s.W;
+      T* target = rows + k * length + s.pad_left;
+      for (index_t j = 0; j < copied; j += L) {
+        const auto n = static_cast<int>(std::min<index_t>(L, copied - j));
+        if (n == L)
+          store<T>(target + j, load(source + j));
+        else
+          store_first<T>(target + j, load_first(source + j, n), n);
+      }
+    }
+  }
+
+  // Tap (k, kw) of the L windows of chunk c: buffer row k.
+  Vec<T> tap(index_t k, index_t c, index_t kw) const {
+    const T* taps = rows + k * length + S * c * L + kw;
+    if constexpr (S == 1)
+      return load(taps);
+    else
+      return left_taps<T>(load(taps), load(taps + L), std::make_integer_sequence<int, L>{});
+  }
+};
+
+// y (the first n of a vector) at out.
+template <class T>
+void store_outputs(T* out, Vec<T> y, index_t n) {
+  if (n >= lanes<T>)
+    store<T>(out, y);
+  else
+    store_first<T>(out, y, static_cast<int>(n));
+}
+
 // Max pooling (Forward: y, the windows' maxima) or its gradient (dx from dy), any window at
-// column stride S (1 or 2) whose rows, padded, fit the buffer (max_pool_takes,
-// kernels/pool.hpp). Output row by output row: the window's rows of the input are copied into
-// the buffer between -inf's standing for the padding, which neither changes a maximum nor is
-// ever taken (every window's search begins at its first tap inside the input, with -inf as the
-// maximum so far), so that a vector of L windows reads each tap with one load (S = 1) or two
-// and a shuffle (S = 2), border windows included. All the rows are copied before the search
-// reads them: a load that straddles stores still in flight waits for them, a quarter of the
-// gradient's time when each row was copied just before its taps. The gradient's tap is its
-// offset k · W + kw from the window's first row inside the input, held as a T (exact), then
-// turned into its element's place; each dy goes there in output order, and an input row is
-// zeroed just before the first output row whose windows reach it.
+// column stride S (1 or 2) whose rows, padded, fit the buffer (pool_rows_take,
+// kernels/pool.hpp), from PaddedRows with -inf standing for the padding, which neither changes
+// a maximum nor is ever taken (every window's search begins at its first tap inside the input,
+// with -inf as the maximum so far). The gradient's tap is its offset k · W + kw from the
+// window's first row inside the input, held as a T (exact), then turned into its element's
+// place; each dy goes there in output order, and an input row is zeroed just before the first
+// output row whose windows reach it.
 template <int S, bool Forward, class T>
 void max_pool_rows(const T* dy, const T* x, const PoolShape& s, T* out) {
   constexpr int L = lanes<T>;
-  constexpr auto all = std::make_integer_sequence<int, L>{};
   constexpr T minus_inf = -std::numeric_limits<T>::infinity();
-  const index_t chunks = (s.OW + L - 1) / L;
-  const index_t row_length = S * chunks * L + s.KW;  // of a row in the buffer, as far as the taps read
-  const index_t copied = std::min(s.W, row_length - s.pad_left);
-  alignas(64) T rows[max_pool_buffer];
-  alignas(64) T place[max_pool_buffer];
-  for (index_t k = 0; k < s.KH; ++k) {
-    std::fill(rows + k * row_length, rows + k * row_length + s.pad_left, minus_inf);
-    std::fill(rows + k * row_length + s.pad_left + copied, rows + (k + 1) * row_length, minus_inf);
-  }
+  alignas(64) T buffer[pool_buffer];
+  alignas(64) T place[pool_buffer];
+  PaddedRows<S, T> rows(s, minus_inf, buffer);
   for (index_t p = 0; p < s.planes; ++p) {
     const T* xp = x + p * s.H * s.W;
     index_t zeroed = 0;  // rows of the plane's dx
@@ -31544,18 +31613,8 @@ void max_pool_rows(const T* dy, const T* x, const PoolShape& s, T* out) {
         std::fill(out + (p * s.H + zeroed) * s.W, out + (p * s.H + first + hi) * s.W, T(0));
         zeroed = first + hi;
       }
-      for (index_t k = 0; k < hi - lo; ++k) {
-        const T* source = xp + (first + lo + k) * s.W;
-        T* target = rows + k * row_length + s.pad_left;
-        for (index_t j = 0; j < copied; j += L) {
-          const auto n = static_cast<int>(std::min<index_t>(L, copied - j));
-          if (n == L)
-            store<T>(target + j, load(source + j));
-          else
-            store_first<T>(target + j, load_first(source + j, n), n);
-        }
-      }
-      for (index_t c = 0; c < chunks; ++c) {
+      rows.copy(xp, first + lo, hi - lo);
+      for (index_t c = 0; c < rows.chunks; ++c) {
         // Window ow's first tap inside the input: column pad_left - ow · S of row 0 where the
         // window begins in the padding, else 0.
         const Vec<T> column = splat(static_cast<T>(c * L * S)) + lane_index<T>() * splat(T(S));
@@ -31563,14 +31622,9 @@ void max_pool_rows(const T* dy, const T* x, const PoolShape& s, T* out) {
         Vec<T> m = splat(minus_inf);
         Vec<T> at = start > Vec<T>{} ? start : Vec<T>{};
         for (index_t k = 0; k < hi - lo; ++k) {
-          const T* taps = rows + k * row_length + S * c * L;
           Vec<T> offset = splat(static_cast<T>(k * s.W));
           for (index_t kw = 0; kw < s.KW; ++kw) {
-            Vec<T> v;
-            if constexpr (S == 1)
-              v = load(taps + kw);
-            else
-              v = left_taps<T>(load(taps + kw), load(taps + kw + L), all);
+            const Vec<T> v = rows.tap(k, c, kw);
             if constexpr (Forward) {
               m = ((v > m) | (v != v)) ? v : m;
             } else {
@@ -31581,15 +31635,10 @@ void max_pool_rows(const T* dy, const T* x, const PoolShape& s, T* out) {
             }
           }
         }
-        if constexpr (Forward) {
-          T* y = out + (p * s.OH + oh) * s.OW + c * L;
-          if (c * L + L <= s.OW)
-            store<T>(y, m);
-          else
-            store_first<T>(y, m, static_cast<int>(s.OW - c * L));
-        } else {
+        if constexpr (Forward)
+          store_outputs(out + (p * s.OH + oh) * s.OW + c * L, m, s.OW - c * L);
+        else
           store<T>(place + c * L, at + column);
-        }
       }
       if constexpr (!Forward) {
         const index_t origin = (p * s.H + first + lo) * s.W - s.pad_left;  // of the places
@@ -31615,6 +31664,195 @@ void max_pool_backward_step(Target, const T* dy, const T* x, const PoolShape& s,
     max_pool_rows<1, false>(dy, x, s, dx);
   else
     max_pool_rows<2, false>(dy, x, s, dx);
+}
+
+// The columns of output column ow's window inside the input, [begin, end).
+inline std::pair<index_t, index_t> window_columns(const PoolShape& s, index_t ow) {
+  const index_t c0 = ow * s.SW - s.pad_left;
+  return {std::max<index_t>(0, c0), std::min(s.W, c0 + s.KW)};
+}
+
+// The divisors of an output row's averages, L at a time from output column c: the window's
+// size if count_padding, else rows (of the window inside the input) times columns[ow] (its
+// columns inside the input, as a T; exact, as their product).
+template <class T>
+Vec<T> average_counts(const PoolShape& s, bool count_padding, index_t rows, const T* columns, index_t c) {
+  return count_padding ? splat(static_cast<T>(s.KH * s.KW)) : splat(static_cast<T>(rows)) * load(columns + c);
+}
+
+// columns[ow] of average_counts for output columns [0, n), 1 past OW.
+template <class T>
+void window_widths(const PoolShape& s, index_t n, T* columns) {
+  for (index_t ow = 0; ow < n; ++ow) {
+    const auto [begin, end] = window_columns(s, ow);
+    columns[ow] = ow < s.OW ? static_cast<T>(end - begin) : T(1);
+  }
+}
+
+// Average pooling's forward (kernels/pool.hpp's avg_pool) at column stride S, from PaddedRows
+// with -0 standing for the padding: addition's identity to the bit, so that a window's sum
+// from -0 over all its taps in row-major order is ops/pool.hpp's, from its first tap inside
+// the input; then divided by its count.
+template <int S, class T>
+void avg_pool_rows(const T* x, const PoolShape& s, bool count_padding, T* y) {
+  constexpr int L = lanes<T>;
+  alignas(64) T buffer[pool_buffer];
+  alignas(64) T columns[pool_buffer];
+  PaddedRows<S, T> rows(s, -T(0), buffer);
+  window_widths(s, rows.chunks * L, columns);
+  for (index_t p = 0; p < s.planes; ++p) {
+    const T* xp = x + p * s.H * s.W;
+    for (index_t oh = 0; oh < s.OH; ++oh) {
+      const index_t first = oh * s.SH - s.pad_top;
+      const index_t lo = std::max<index_t>(0, -first);
+      const index_t hi = std::min<index_t>(s.KH, s.H - first);
+      rows.copy(xp, first + lo, hi - lo);
+      for (index_t c = 0; c < rows.chunks; ++c) {
+        Vec<T> sum = splat(-T(0));
+        for (index_t k = 0; k < hi - lo; ++k) {
+          for (index_t kw = 0; kw < s.KW; ++kw) sum += rows.tap(k, c, kw);
+        }
+        const Vec<T> count = average_counts(s, count_padding, hi - lo, columns, c * L);
+        store_outputs(y + (p * s.OH + oh) * s.OW + c * L, sum / count, s.OW - c * L);
+      }
+    }
+  }
+}
+
+template <class T>
+void avg_pool_step(Target, const T* x, const PoolShape& s, bool count_padding, T* y) {
+  if (s.SW == 1)
+    avg_pool_rows<1>(x, s, count_padding, y);
+  else
+    avg_pool_rows<2>(x, s, count_padding, y);
+}
+
+// Average pooling's gradient (kernels/pool.hpp's avg_pool_backward) as a gather: dx row by dx
+// row, N vectors of columns at a time, each element summed once in registers and stored once,
+// where ops/pool.hpp's loops zero dx and then add dy / count into it window tap by window tap.
+// The order of the additions is theirs, to the bit: from +0, the output rows whose windows
+// reach the row in ascending order; for each, the windows inside the input's columns by their
+// tap kw in ascending order, then the border's windows (meeting the padding) in ascending
+// output column. For a vector of columns the inside windows' terms come from the output row's
+// shares spread over input columns: share ow at column KW - 1 + ow · SW, -0 (addition's
+// identity, to the bit) at every other, so tap kw of every column is one load, at any stride,
+// the columns no window reaches with that tap adding -0. A border window adds its share to its
+// own columns and -0 to the others, in the blocks of columns that hold the border's. The
+// shares of a window's height of output rows and the next are kept, each made (divided) once,
+// in a ring of KH + 1 by output row: made a row ahead, their stores are done before the loads
+// of the first row that reads them, which otherwise waited for the scalar stores they straddle
+// (three quarters of the time at 4 lanes, 28 columns and 3x3/2).
+template <class T>
+struct AvgPoolGradient {
+  static constexpr int L = lanes<T>;
+  const PoolShape& s;
+  bool count_padding;
+  InnerColumns inner;
+  index_t share_length;   // of an output row, in whole vectors
+  index_t spread_length;  // of an output row's shares spread over the input's columns, in whole vectors
+  index_t left_end;       // columns [0, left_end) and [right_begin, W) meet border windows
+  index_t right_begin;
+  T* columns;    // of each window inside the input, as a T (1 past OW)
+  index_t ring;  // rows
+  T* shares;     // ring rows of share_length
+  T* spread;     // ring rows of spread_length
+
+  AvgPoolGradient(const PoolShape& shape, bool counts, T* buffer)
+      : s(shape),
+        count_padding(counts),
+        inner(inner_columns(s.W, s.OW, s.KW, s.SW, s.pad_left)),
+        share_length((s.OW + L - 1) / L * L),
+        spread_length(((s.W + L - 1) / L * L + s.pad_left + s.KW - 1 + L - 1) / L * L),
+        left_end(inner.begin > 0 ? window_columns(s, inner.begin - 1).second : 0),
+        right_begin(inner.end < s.OW ? window_columns(s, inner.end).first : s.W),
+        columns(buffer),
+        ring(s.KH + 1),
+        shares(columns + share_length),
+        spread(shares + ring * share_length) {
+    window_widths(s, share_length, columns);
+  }
+
+  // Output row oh's shares, from its dy (g), into the ring.
+  void make_row(const T* g, index_t oh) {
+    const index_t first = oh * s.SH - s.pad_top;
+    const index_t rows = std::min(s.KH, s.H - first) - std::max<index_t>(0, -first);
+    T* share = shares + oh % ring * share_length;
+    for (index_t c = 0; c < share_length; c += L) {
+      const Vec<T> count = average_counts(s, count_padding, rows, columns, c);
+      const auto n = static_cast<int>(std::min<index_t>(L, s.OW - c));
+      store<T>(share + c, (n == L ? load(g + c) : load_first(g + c, n)) / count);
+    }
+    T* row = spread + oh % ring * spread_length;
+    for (index_t j = 0; j < spread_length; j += L) store<T>(row + j, splat(-T(0)));
+    for (index_t ow = inner.begin; ow < inner.end; ++ow) row[s.KW - 1 + ow * s.SW] = share[ow];
+  }
+
+  // dx's columns [j, j + N · L) of a row that output rows [oh_begin, oh_end) reach, the first in
+  // the ring's slot `slot`.
+  template <int N>
+  [[gnu::always_inline]] void gather(index_t oh_begin, index_t oh_end, index_t slot, index_t j, T* out) const {
+    Vec<T> sum[N];
+#pragma GCC unroll 8
+    for (int n = 0; n < N; ++n) sum[n] = Vec<T>{};
+    const bool borders = j < left_end || j + N * L > right_begin;
+    for (index_t oh = oh_begin; oh < oh_end; ++oh, slot = slot + 1 == ring ? 0 : slot + 1) {
+      const T* taps = spread + slot * spread_length + j + s.pad_left + s.KW - 1;
+      for (index_t kw = 0; kw < s.KW; ++kw) {
+#pragma GCC unroll 8
+        for (int n = 0; n < N; ++n) sum[n] += load(taps - kw + n * L);
+      }
+      if (borders) {
+        const T* share = shares + slot * share_length;
+        for (index_t ow = 0; ow < inner.begin; ++ow) add_border<N>(sum, share[ow], ow, j);
+        for (index_t ow = inner.end; ow < s.OW; ++ow) add_border<N>(sum, share[ow], ow, j);
+      }
+    }
+#pragma GCC unroll 8
+    for (int n = 0; n < N; ++n) store_outputs(out + j + n * L, sum[n], s.W - j - n * L);
+  }
+
+  template <int N>
+  [[gnu::always_inline]] void add_border(Vec<T> (&sum)[N], T share, index_t ow, index_t j) const {
+    const auto [begin, end] = window_columns(s, ow);
+#pragma GCC unroll 8
+    for (int n = 0; n < N; ++n) {
+      const index_t first = j + n * L;
+      if (begin < first + L && end > first) {
+        const Vec<T> column = splat(static_cast<T>(first)) + lane_index<T>();
+        const auto inside = (column >= splat(static_cast<T>(begin))) & (column < splat(static_cast<T>(end)));
+        sum[n] += inside ? splat(share) : splat(-T(0));
+      }
+    }
+  }
+};
+
+template <class T>
+void avg_pool_backward_step(Target, const T* dy, const PoolShape& s, bool count_padding, T* dx) {
+  constexpr int L = lanes<T>;
+  alignas(64) T buffer[pool_buffer];
+  AvgPoolGradient<T> gradient(s, count_padding, buffer);
+  const index_t chunks = (s.W + L - 1) / L;
+  for (index_t p = 0; p < s.planes; ++p) {
+    const T* dyp = dy + p * s.OH * s.OW;
+    T* dxp = dx + p * s.H * s.W;
+    index_t made = 0;  // output rows whose shares are in the ring, one past those row r reads
+    for (index_t r = 0; r < s.H; ++r) {
+      // The output rows whose windows hold row r: [oh_begin, oh_end).
+      const index_t oh_end = std::min(s.OH, (r + s.pad_top) / s.SH + 1);
+      const index_t reach = r + s.pad_top - s.KH + 1;  // the first window row at or past it
+      const index_t oh_begin = reach <= 0 ? 0 : (reach + s.SH - 1) / s.SH;
+      for (; made < std::min(s.OH, oh_end + 1); ++made) gradient.make_row(dyp + made * s.OW, made);
+      const index_t slot = oh_begin % gradient.ring;
+      T* out = dxp + r * s.W;
+      index_t c = 0;
+      for (; c + 4 <= chunks; c += 4) gradient.template gather<4>(oh_begin, oh_end, slot, c * L, out);
+      if (c + 2 <= chunks) {
+        gradient.template gather<2>(oh_begin, oh_end, slot, c * L, out);
+        c += 2;
+      }
+      if (c < chunks) gradient.template gather<1>(oh_begin, oh_end, slot, c * L, out);
+    }
+  }
 }
 }  // namespace duet::kernels::detail::baseline
 DUET_END_BASELINE
@@ -31750,32 +31988,82 @@ void max_pool_2x2_backward_step(Target, const T* dy, const T* x, index_t planes,
   }
 }
 
+// A window's rows of the input at column stride S (1 or 2), copied into a buffer between
+// fillers standing for the padding, so that a vector of L windows reads each tap with one load
+// (S = 1) or two and a shuffle (S = 2), border windows included: max pooling's and the
+// average's forward, output row by output row. All the rows are copied before the taps are
+// read: a load that straddles stores still in flight waits for them, a quarter of max
+// pooling's gradient's time when each row was copied just before its taps.
+template <int S, class T>
+struct PaddedRows {
+  static constexpr int L = lanes<T>;
+  const PoolShape& s;
+  index_t chunks;  // of L output columns
+  index_t length;  // of a row in the buffer, as far as the taps read
+  index_t copied;  // columns of the input in a row
+  T* rows;         // KH x length
+
+  PaddedRows(const PoolShape& shape, T filler, T* buffer)
+      : s(shape),
+        chunks((s.OW + L - 1) / L),
+        length(S * chunks * L + s.KW),
+        copied(std::min(s.W, length - s.pad_left)),
+        rows(buffer) {
+    for (index_t k = 0; k < s.KH; ++k) {
+      std::fill(rows + k * length, rows + k * length + s.pad_left, filler);
+      std::fill(rows + k * length + s.pad_left + copied, rows + (k + 1) * length, filler);
+    }
+  }
+
+  // Input rows [from, from + count) of plane xp into the buffer's rows 0, 1, ...
+  void copy(const T* xp, index_t from, index_t count) {
+    for (index_t k = 0; k < count; ++k) {
+      const T* source = xp + (from + k) * s.W;
+      T* target = rows + k * length + s.pad_left;
+      for (index_t j = 0; j < copied; j += L) {
+        const auto n = static_cast<int>(std::min<index_t>(L, copied - j));
+        if (n == L)
+          store<T>(target + j, load(source + j));
+        else
+          store_first<T>(target + j, load_first(source + j, n), n);
+      }
+    }
+  }
+
+  // Tap (k, kw) of the L windows of chunk c: buffer row k.
+  Vec<T> tap(index_t k, index_t c, index_t kw) const {
+    const T* taps = rows + k * length + S * c * L + kw;
+    if constexpr (S == 1)
+      return load(taps);
+    else
+      return left_taps<T>(load(taps), load(taps + L), std::make_integer_sequence<int, L>{});
+  }
+};
+
+// y (the first n of a vector) at out.
+template <class T>
+void store_outputs(T* out, Vec<T> y, index_t n) {
+  if (n >= lanes<T>)
+    store<T>(out, y);
+  else
+    store_first<T>(out, y, static_cast<int>(n));
+}
+
 // Max pooling (Forward: y, the windows' maxima) or its gradient (dx from dy), any window at
-// column stride S (1 or 2) whose rows, padded, fit the buffer (max_pool_takes,
-// kernels/pool.hpp). Output row by output row: the window's rows of the input are copied into
-// the buffer between -inf's standing for the padding, which neither changes a maximum nor is
-// ever taken (every window's search begins at its first tap inside the input, with -inf as the
-// maximum so far), so that a vector of L windows reads each tap with one load (S = 1) or two
-// and a shuffle (S = 2), border windows included. All the rows are copied before the search
-// reads them: a load that straddles stores still in flight waits for them, a quarter of the
-// gradient's time when each row was copied just before its taps. The gradient's tap is its
-// offset k · W + kw from the window's first row inside the input, held as a T (exact), then
-// turned into its element's place; each dy goes there in output order, and an input row is
-// zeroed just before the first output row whose windows reach it.
+// column stride S (1 or 2) whose rows, padded, fit the buffer (pool_rows_take,
+// kernels/pool.hpp), from PaddedRows with -inf standing for the padding, which neither changes
+// a maximum nor is ever taken (every window's search begins at its first tap inside the input,
+// with -inf as the maximum so far). The gradient's tap is its offset k · W + kw from the
+// window's first row inside the input, held as a T (exact), then turned into its element's
+// place; each dy goes there in output order, and an input row is zeroed just before the first
+// output row whose windows reach it.
 template <int S, bool Forward, class T>
 void max_pool_rows(const T* dy, const T* x, const PoolShape& s, T* out) {
   constexpr int L = lanes<T>;
-  constexpr auto all = std::make_integer_sequence<int, L>{};
   constexpr T minus_inf = -std::numeric_limits<T>::infinity();
-  const index_t chunks = (s.OW + L - 1) / L;
-  const index_t row_length = S * chunks * L + s.KW;  // of a row in the buffer, as far as the taps read
-  const index_t copied = std::min(s.W, row_length - s.pad_left);
-  alignas(64) T rows[max_pool_buffer];
-  alignas(64) T place[max_pool_buffer];
-  for (index_t k = 0; k < s.KH; ++k) {
-    std::fill(rows + k * row_length, rows + k * row_length + s.pad_left, minus_inf);
-    std::fill(rows + k * row_length + s.pad_left + copied, rows + (k + 1) * row_length, minus_inf);
-  }
+  alignas(64) T buffer[pool_buffer];
+  alignas(64) T place[pool_buffer];
+  PaddedRows<S, T> rows(s, minus_inf, buffer);
   for (index_t p = 0; p < s.planes; ++p) {
     const T* xp = x + p * s.H * s.W;
     index_t zeroed = 0;  // rows of the plane's dx
@@ -31787,18 +32075,8 @@ void max_pool_rows(const T* dy, const T* x, const PoolShape& s, T* out) {
         std::fill(out + (p * s.H + zeroed) * s.W, out + (p * s.H + first + hi) * s.W, T(0));
         zeroed = first + hi;
       }
-      for (index_t k = 0; k < hi - lo; ++k) {
-        const T* source = xp + (first + lo + k) * s.W;
-        T* target = rows + k * row_length + s.pad_left;
-        for (index_t j = 0; j < copied; j += L) {
-          const auto n = static_cast<int>(std::min<index_t>(L, copied - j));
-          if (n == L)
-            store<T>(target + j, load(source + j));
-          else
-            store_first<T>(target + j, load_first(source + j, n), n);
-        }
-      }
-      for (index_t c = 0; c < chunks; ++c) {
+      rows.copy(xp, first + lo, hi - lo);
+      for (index_t c = 0; c < rows.chunks; ++c) {
         // Window ow's first tap inside the input: column pad_left - ow · S of row 0 where the
         // window begins in the padding, else 0.
         const Vec<T> column = splat(static_cast<T>(c * L * S)) + lane_index<T>() * splat(T(S));
@@ -31806,14 +32084,9 @@ void max_pool_rows(const T* dy, const T* x, const PoolShape& s, T* out) {
         Vec<T> m = splat(minus_inf);
         Vec<T> at = start > Vec<T>{} ? start : Vec<T>{};
         for (index_t k = 0; k < hi - lo; ++k) {
-          const T* taps = rows + k * row_length + S * c * L;
           Vec<T> offset = splat(static_cast<T>(k * s.W));
           for (index_t kw = 0; kw < s.KW; ++kw) {
-            Vec<T> v;
-            if constexpr (S == 1)
-              v = load(taps + kw);
-            else
-              v = left_taps<T>(load(taps + kw), load(taps + kw + L), all);
+            const Vec<T> v = rows.tap(k, c, kw);
             if constexpr (Forward) {
               m = ((v > m) | (v != v)) ? v : m;
             } else {
@@ -31824,15 +32097,10 @@ void max_pool_rows(const T* dy, const T* x, const PoolShape& s, T* out) {
             }
           }
         }
-        if constexpr (Forward) {
-          T* y = out + (p * s.OH + oh) * s.OW + c * L;
-          if (c * L + L <= s.OW)
-            store<T>(y, m);
-          else
-            store_first<T>(y, m, static_cast<int>(s.OW - c * L));
-        } else {
+        if constexpr (Forward)
+          store_outputs(out + (p * s.OH + oh) * s.OW + c * L, m, s.OW - c * L);
+        else
           store<T>(place + c * L, at + column);
-        }
       }
       if constexpr (!Forward) {
         const index_t origin = (p * s.H + first + lo) * s.W - s.pad_left;  // of the places
@@ -31858,6 +32126,195 @@ void max_pool_backward_step(Target, const T* dy, const T* x, const PoolShape& s,
     max_pool_rows<1, false>(dy, x, s, dx);
   else
     max_pool_rows<2, false>(dy, x, s, dx);
+}
+
+// The columns of output column ow's window inside the input, [begin, end).
+inline std::pair<index_t, index_t> window_columns(const PoolShape& s, index_t ow) {
+  const index_t c0 = ow * s.SW - s.pad_left;
+  return {std::max<index_t>(0, c0), std::min(s.W, c0 + s.KW)};
+}
+
+// The divisors of an output row's averages, L at a time from output column c: the window's
+// size if count_padding, else rows (of the window inside the input) times columns[ow] (its
+// columns inside the input, as a T; exact, as their product).
+template <class T>
+Vec<T> average_counts(const PoolShape& s, bool count_padding, index_t rows, const T* columns, index_t c) {
+  return count_padding ? splat(static_cast<T>(s.KH * s.KW)) : splat(static_cast<T>(rows)) * load(columns + c);
+}
+
+// columns[ow] of average_counts for output columns [0, n), 1 past OW.
+template <class T>
+void window_widths(const PoolShape& s, index_t n, T* columns) {
+  for (index_t ow = 0; ow < n; ++ow) {
+    const auto [begin, end] = window_columns(s, ow);
+    columns[ow] = ow < s.OW ? static_cast<T>(end - begin) : T(1);
+  }
+}
+
+// Average pooling's forward (kernels/pool.hpp's avg_pool) at column stride S, from PaddedRows
+// with -0 standing for the padding: addition's identity to the bit, so that a window's sum
+// from -0 over all its taps in row-major order is ops/pool.hpp's, from its first tap inside
+// the input; then divided by its count.
+template <int S, class T>
+void avg_pool_rows(const T* x, const PoolShape& s, bool count_padding, T* y) {
+  constexpr int L = lanes<T>;
+  alignas(64) T buffer[pool_buffer];
+  alignas(64) T columns[pool_buffer];
+  PaddedRows<S, T> rows(s, -T(0), buffer);
+  window_widths(s, rows.chunks * L, columns);
+  for (index_t p = 0; p < s.planes; ++p) {
+    const T* xp = x + p * s.H * s.W;
+    for (index_t oh = 0; oh < s.OH; ++oh) {
+      const index_t first = oh * s.SH - s.pad_top;
+      const index_t lo = std::max<index_t>(0, -first);
+      const index_t hi = std::min<index_t>(s.KH, s.H - first);
+      rows.copy(xp, first + lo, hi - lo);
+      for (index_t c = 0; c < rows.chunks; ++c) {
+        Vec<T> sum = splat(-T(0));
+        for (index_t k = 0; k < hi - lo; ++k) {
+          for (index_t kw = 0; kw < s.KW; ++kw) sum += rows.tap(k, c, kw);
+        }
+        const Vec<T> count = average_counts(s, count_padding, hi - lo, columns, c * L);
+        store_outputs(y + (p * s.OH + oh) * s.OW + c * L, sum / count, s.OW - c * L);
+      }
+    }
+  }
+}
+
+template <class T>
+void avg_pool_step(Target, const T* x, const PoolShape& s, bool count_padding, T* y) {
+  if (s.SW == 1)
+    avg_pool_rows<1>(x, s, count_padding, y);
+  else
+    avg_pool_rows<2>(x, s, count_padding, y);
+}
+
+// Average pooling's gradient (kernels/pool.hpp's avg_pool_backward) as a gather: dx row by dx
+// row, N vectors of columns at a time, each element summed once in registers and stored once,
+// where ops/pool.hpp's loops zero dx and then add dy / count into it window tap by window tap.
+// The order of the additions is theirs, to the bit: from +0, the output rows whose windows
+// reach the row in ascending order; for each, the windows inside the input's columns by their
+// tap kw in ascending order, then the border's windows (meeting the padding) in ascending
+// output column. For a vector of columns the inside windows' terms come from the output row's
+// shares spread over input columns: share ow at column KW - 1 + ow · SW, -0 (addition's
+// identity, to the bit) at every other, so tap kw of every column is one load, at any stride,
+// the columns no window reaches with that tap adding -0. A border window adds its share to its
+// own columns and -0 to the others, in the blocks of columns that hold the border's. The
+// shares of a window's height of output rows and the next are kept, each made (divided) once,
+// in a ring of KH + 1 by output row: made a row ahead, their stores are done before the loads
+// of the first row that reads them, which otherwise waited for the scalar stores they straddle
+// (three quarters of the time at 4 lanes, 28 columns and 3x3/2).
+template <class T>
+struct AvgPoolGradient {
+  static constexpr int L = lanes<T>;
+  const PoolShape& s;
+  bool count_padding;
+  InnerColumns inner;
+  index_t share_length;   // of an output row, in whole vectors
+  index_t spread_length;  // of an output row's shares spread over the input's columns, in whole vectors
+  index_t left_end;       // columns [0, left_end) and [right_begin, W) meet border windows
+  index_t right_begin;
+  T* columns;    // of each window inside the input, as a T (1 past OW)
+  index_t ring;  // rows
+  T* shares;     // ring rows of share_length
+  T* spread;     // ring rows of spread_length
+
+  AvgPoolGradient(const PoolShape& shape, bool counts, T* buffer)
+      : s(shape),
+        count_padding(counts),
+        inner(inner_columns(s.W, s.OW, s.KW, s.SW, s.pad_left)),
+        share_length((s.OW + L - 1) / L * L),
+        spread_length(((s.W + L - 1) / L * L + s.pad_left + s.KW - 1 + L - 1) / L * L),
+        left_end(inner.begin > 0 ? window_columns(s, inner.begin - 1).second : 0),
+        right_begin(inner.end < s.OW ? window_columns(s, inner.end).first : s.W),
+        columns(buffer),
+        ring(s.KH + 1),
+        shares(columns + share_length),
+        spread(shares + ring * share_length) {
+    window_widths(s, share_length, columns);
+  }
+
+  // Output row oh's shares, from its dy (g), into the ring.
+  void make_row(const T* g, index_t oh) {
+    const index_t first = oh * s.SH - s.pad_top;
+    const index_t rows = std::min(s.KH, s.H - first) - std::max<index_t>(0, -first);
+    T* share = shares + oh % ring * share_length;
+    for (index_t c = 0; c < share_length; c += L) {
+      const Vec<T> count = average_counts(s, count_padding, rows, columns, c);
+      const auto n = static_cast<int>(std::min<index_t>(L, s.OW - c));
+      store<T>(share + c, (n == L ? load(g + c) : load_first(g + c, n)) / count);
+    }
+    T* row = spread + oh % ring * spread_length;
+    for (index_t j = 0; j < spread_length; j += L) store<T>(row + j, splat(-T(0)));
+    for (index_t ow = inner.begin; ow < inner.end; ++ow) row[s.KW - 1 + ow * s.SW] = share[ow];
+  }
+
+  // dx's columns [j, j + N · L) of a row that output rows [oh_begin, oh_end) reach, the first in
+  // the ring's slot `slot`.
+  template <int N>
+  [[gnu::always_inline]] void gather(index_t oh_begin, index_t oh_end, index_t slot, index_t j, T* out) const {
+    Vec<T> sum[N];
+#pragma GCC unroll 8
+    for (int n = 0; n < N; ++n) sum[n] = Vec<T>{};
+    const bool borders = j < left_end || j + N * L > right_begin;
+    for (index_t oh = oh_begin; oh < oh_end; ++oh, slot = slot + 1 == ring ? 0 : slot + 1) {
+      const T* taps = spread + slot * spread_length + j + s.pad_left + s.KW - 1;
+      for (index_t kw = 0; kw < s.KW; ++kw) {
+#pragma GCC unroll 8
+        for (int n = 0; n < N; ++n) sum[n] += load(taps - kw + n * L);
+      }
+      if (borders) {
+        const T* share = shares + slot * share_length;
+        for (index_t ow = 0; ow < inner.begin; ++ow) add_border<N>(sum, share[ow], ow, j);
+        for (index_t ow = inner.end; ow < s.OW; ++ow) add_border<N>(sum, share[ow], ow, j);
+      }
+    }
+#pragma GCC unroll 8
+    for (int n = 0; n < N; ++n) store_outputs(out + j + n * L, sum[n], s.W - j - n * L);
+  }
+
+  template <int N>
+  [[gnu::always_inline]] void add_border(Vec<T> (&sum)[N], T share, index_t ow, index_t j) const {
+    const auto [begin, end] = window_columns(s, ow);
+#pragma GCC unroll 8
+    for (int n = 0; n < N; ++n) {
+      const index_t first = j + n * L;
+      if (begin < first + L && end > first) {
+        const Vec<T> column = splat(static_cast<T>(first)) + lane_index<T>();
+        const auto inside = (column >= splat(static_cast<T>(begin))) & (column < splat(static_cast<T>(end)));
+        sum[n] += inside ? splat(share) : splat(-T(0));
+      }
+    }
+  }
+};
+
+template <class T>
+void avg_pool_backward_step(Target, const T* dy, const PoolShape& s, bool count_padding, T* dx) {
+  constexpr int L = lanes<T>;
+  alignas(64) T buffer[pool_buffer];
+  AvgPoolGradient<T> gradient(s, count_padding, buffer);
+  const index_t chunks = (s.W + L - 1) / L;
+  for (index_t p = 0; p < s.planes; ++p) {
+    const T* dyp = dy + p * s.OH * s.OW;
+    T* dxp = dx + p * s.H * s.W;
+    index_t made = 0;  // output rows whose shares are in the ring, one past those row r reads
+    for (index_t r = 0; r < s.H; ++r) {
+      // The output rows whose windows hold row r: [oh_begin, oh_end).
+      const index_t oh_end = std::min(s.OH, (r + s.pad_top) / s.SH + 1);
+      const index_t reach = r + s.pad_top - s.KH + 1;  // the first window row at or past it
+      const index_t oh_begin = reach <= 0 ? 0 : (reach + s.SH - 1) / s.SH;
+      for (; made < std::min(s.OH, oh_end + 1); ++made) gradient.make_row(dyp + made * s.OW, made);
+      const index_t slot = oh_begin % gradient.ring;
+      T* out = dxp + r * s.W;
+      index_t c = 0;
+      for (; c + 4 <= chunks; c += 4) gradient.template gather<4>(oh_begin, oh_end, slot, c * L, out);
+      if (c + 2 <= chunks) {
+        gradient.template gather<2>(oh_begin, oh_end, slot, c * L, out);
+        c += 2;
+      }
+      if (c < chunks) gradient.template gather<1>(oh_begin, oh_end, slot, c * L, out);
+    }
+  }
 }
 }  // namespace duet::kernels::detail::avx2
 DUET_END_ISA
@@ -31992,32 +32449,82 @@ void max_pool_2x2_backward_step(Target, const T* dy, const T* x, index_t planes,
   }
 }
 
+// A window's rows of the input at column stride S (1 or 2), copied into a buffer between
+// fillers standing for the padding, so that a vector of L windows reads each tap with one load
+// (S = 1) or two and a shuffle (S = 2), border windows included: max pooling's and the
+// average's forward, output row by output row. All the rows are copied before the taps are
+// read: a load that straddles stores still in flight waits for them, a quarter of max
+// pooling's gradient's time when each row was copied just before its taps.
+template <int S, class T>
+struct PaddedRows {
+  static constexpr int L = lanes<T>;
+  const PoolShape& s;
+  index_t chunks;  // of L output columns
+  index_t length;  // of a row in the buffer, as far as the taps read
+  index_t copied;  // columns of the input in a row
+  T* rows;         // KH x length
+
+  PaddedRows(const PoolShape& shape, T filler, T* buffer)
+      : s(shape),
+        chunks((s.OW + L - 1) / L),
+        length(S * chunks * L + s.KW),
+        copied(std::min(s.W, length - s.pad_left)),
+        rows(buffer) {
+    for (index_t k = 0; k < s.KH; ++k) {
+      std::fill(rows + k * length, rows + k * length + s.pad_left, filler);
+      std::fill(rows + k * length + s.pad_left + copied, rows + (k + 1) * length, filler);
+    }
+  }
+
+  // Input rows [from, from + count) of plane xp into the buffer's rows 0, 1, ...
+  void copy(const T* xp, index_t from, index_t count) {
+    for (index_t k = 0; k < count; ++k) {
+      const T* source = xp + (from + k) * s.W;
+      T* target = rows + k * length + s.pad_left;
+      for (index_t j = 0; j < copied; j += L) {
+        const auto n = static_cast<int>(std::min<index_t>(L, copied - j));
+        if (n == L)
+          store<T>(target + j, load(source + j));
+        else
+          store_first<T>(target + j, load_first(source + j, n), n);
+      }
+    }
+  }
+
+  // Tap (k, kw) of the L windows of chunk c: buffer row k.
+  Vec<T> tap(index_t k, index_t c, index_t kw) const {
+    const T* taps = rows + k * length + S * c * L + kw;
+    if constexpr (S == 1)
+      return load(taps);
+    else
+      return left_taps<T>(load(taps), load(taps + L), std::make_integer_sequence<int, L>{});
+  }
+};
+
+// y (the first n of a vector) at out.
+template <class T>
+void store_outputs(T* out, Vec<T> y, index_t n) {
+  if (n >= lanes<T>)
+    store<T>(out, y);
+  else
+    store_first<T>(out, y, static_cast<int>(n));
+}
+
 // Max pooling (Forward: y, the windows' maxima) or its gradient (dx from dy), any window at
-// column stride S (1 or 2) whose rows, padded, fit the buffer (max_pool_takes,
-// kernels/pool.hpp). Output row by output row: the window's rows of the input are copied into
-// the buffer between -inf's standing for the padding, which neither changes a maximum nor is
-// ever taken (every window's search begins at its first tap inside the input, with -inf as the
-// maximum so far), so that a vector of L windows reads each tap with one load (S = 1) or two
-// and a shuffle (S = 2), border windows included. All the rows are copied before the search
-// reads them: a load that straddles stores still in flight waits for them, a quarter of the
-// gradient's time when each row was copied just before its taps. The gradient's tap is its
-// offset k · W + kw from the window's first row inside the input, held as a T (exact), then
-// turned into its element's place; each dy goes there in output order, and an input row is
-// zeroed just before the first output row whose windows reach it.
+// column stride S (1 or 2) whose rows, padded, fit the buffer (pool_rows_take,
+// kernels/pool.hpp), from PaddedRows with -inf standing for the padding, which neither changes
+// a maximum nor is ever taken (every window's search begins at its first tap inside the input,
+// with -inf as the maximum so far). The gradient's tap is its offset k · W + kw from the
+// window's first row inside the input, held as a T (exact), then turned into its element's
+// place; each dy goes there in output order, and an input row is zeroed just before the first
+// output row whose windows reach it.
 template <int S, bool Forward, class T>
 void max_pool_rows(const T* dy, const T* x, const PoolShape& s, T* out) {
   constexpr int L = lanes<T>;
-  constexpr auto all = std::make_integer_sequence<int, L>{};
   constexpr T minus_inf = -std::numeric_limits<T>::infinity();
-  const index_t chunks = (s.OW + L - 1) / L;
-  const index_t row_length = S * chunks * L + s.KW;  // of a row in the buffer, as far as the taps read
-  const index_t copied = std::min(s.W, row_length - s.pad_left);
-  alignas(64) T rows[max_pool_buffer];
-  alignas(64) T place[max_pool_buffer];
-  for (index_t k = 0; k < s.KH; ++k) {
-    std::fill(rows + k * row_length, rows + k * row_length + s.pad_left, minus_inf);
-    std::fill(rows + k * row_length + s.pad_left + copied, rows + (k + 1) * row_length, minus_inf);
-  }
+  alignas(64) T buffer[pool_buffer];
+  alignas(64) T place[pool_buffer];
+  PaddedRows<S, T> rows(s, minus_inf, buffer);
   for (index_t p = 0; p < s.planes; ++p) {
     const T* xp = x + p * s.H * s.W;
     index_t zeroed = 0;  // rows of the plane's dx
@@ -32029,18 +32536,8 @@ void max_pool_rows(const T* dy, const T* x, const PoolShape& s, T* out) {
         std::fill(out + (p * s.H + zeroed) * s.W, out + (p * s.H + first + hi) * s.W, T(0));
         zeroed = first + hi;
       }
-      for (index_t k = 0; k < hi - lo; ++k) {
-        const T* source = xp + (first + lo + k) * s.W;
-        T* target = rows + k * row_length + s.pad_left;
-        for (index_t j = 0; j < copied; j += L) {
-          const auto n = static_cast<int>(std::min<index_t>(L, copied - j));
-          if (n == L)
-            store<T>(target + j, load(source + j));
-          else
-            store_first<T>(target + j, load_first(source + j, n), n);
-        }
-      }
-      for (index_t c = 0; c < chunks; ++c) {
+      rows.copy(xp, first + lo, hi - lo);
+      for (index_t c = 0; c < rows.chunks; ++c) {
         // Window ow's first tap inside the input: column pad_left - ow · S of row 0 where the
         // window begins in the padding, else 0.
         const Vec<T> column = splat(static_cast<T>(c * L * S)) + lane_index<T>() * splat(T(S));
@@ -32048,14 +32545,9 @@ void max_pool_rows(const T* dy, const T* x, const PoolShape& s, T* out) {
         Vec<T> m = splat(minus_inf);
         Vec<T> at = start > Vec<T>{} ? start : Vec<T>{};
         for (index_t k = 0; k < hi - lo; ++k) {
-          const T* taps = rows + k * row_length + S * c * L;
           Vec<T> offset = splat(static_cast<T>(k * s.W));
           for (index_t kw = 0; kw < s.KW; ++kw) {
-            Vec<T> v;
-            if constexpr (S == 1)
-              v = load(taps + kw);
-            else
-              v = left_taps<T>(load(taps + kw), load(taps + kw + L), all);
+            const Vec<T> v = rows.tap(k, c, kw);
             if constexpr (Forward) {
               m = ((v > m) | (v != v)) ? v : m;
             } else {
@@ -32066,15 +32558,10 @@ void max_pool_rows(const T* dy, const T* x, const PoolShape& s, T* out) {
             }
           }
         }
-        if constexpr (Forward) {
-          T* y = out + (p * s.OH + oh) * s.OW + c * L;
-          if (c * L + L <= s.OW)
-            store<T>(y, m);
-          else
-            store_first<T>(y, m, static_cast<int>(s.OW - c * L));
-        } else {
+        if constexpr (Forward)
+          store_outputs(out + (p * s.OH + oh) * s.OW + c * L, m, s.OW - c * L);
+        else
           store<T>(place + c * L, at + column);
-        }
       }
       if constexpr (!Forward) {
         const index_t origin = (p * s.H + first + lo) * s.W - s.pad_left;  // of the places
@@ -32101,6 +32588,195 @@ void max_pool_backward_step(Target, const T* dy, const T* x, const PoolShape& s,
   else
     max_pool_rows<2, false>(dy, x, s, dx);
 }
+
+// The columns of output column ow's window inside the input, [begin, end).
+inline std::pair<index_t, index_t> window_columns(const PoolShape& s, index_t ow) {
+  const index_t c0 = ow * s.SW - s.pad_left;
+  return {std::max<index_t>(0, c0), std::min(s.W, c0 + s.KW)};
+}
+
+// The divisors of an output row's averages, L at a time from output column c: the window's
+// size if count_padding, else rows (of the window inside the input) times columns[ow] (its
+// columns inside the input, as a T; exact, as their product).
+template <class T>
+Vec<T> average_counts(const PoolShape& s, bool count_padding, index_t rows, const T* columns, index_t c) {
+  return count_padding ? splat(static_cast<T>(s.KH * s.KW)) : splat(static_cast<T>(rows)) * load(columns + c);
+}
+
+// columns[ow] of average_counts for output columns [0, n), 1 past OW.
+template <class T>
+void window_widths(const PoolShape& s, index_t n, T* columns) {
+  for (index_t ow = 0; ow < n; ++ow) {
+    const auto [begin, end] = window_columns(s, ow);
+    columns[ow] = ow < s.OW ? static_cast<T>(end - begin) : T(1);
+  }
+}
+
+// Average pooling's forward (kernels/pool.hpp's avg_pool) at column stride S, from PaddedRows
+// with -0 standing for the padding: addition's identity to the bit, so that a window's sum
+// from -0 over all its taps in row-major order is ops/pool.hpp's, from its first tap inside
+// the input; then divided by its count.
+template <int S, class T>
+void avg_pool_rows(const T* x, const PoolShape& s, bool count_padding, T* y) {
+  constexpr int L = lanes<T>;
+  alignas(64) T buffer[pool_buffer];
+  alignas(64) T columns[pool_buffer];
+  PaddedRows<S, T> rows(s, -T(0), buffer);
+  window_widths(s, rows.chunks * L, columns);
+  for (index_t p = 0; p < s.planes; ++p) {
+    const T* xp = x + p * s.H * s.W;
+    for (index_t oh = 0; oh < s.OH; ++oh) {
+      const index_t first = oh * s.SH - s.pad_top;
+      const index_t lo = std::max<index_t>(0, -first);
+      const index_t hi = std::min<index_t>(s.KH, s.H - first);
+      rows.copy(xp, first + lo, hi - lo);
+      for (index_t c = 0; c < rows.chunks; ++c) {
+        Vec<T> sum = splat(-T(0));
+        for (index_t k = 0; k < hi - lo; ++k) {
+          for (index_t kw = 0; kw < s.KW; ++kw) sum += rows.tap(k, c, kw);
+        }
+        const Vec<T> count = average_counts(s, count_padding, hi - lo, columns, c * L);
+        store_outputs(y + (p * s.OH + oh) * s.OW + c * L, sum / count, s.OW - c * L);
+      }
+    }
+  }
+}
+
+template <class T>
+void avg_pool_step(Target, const T* x, const PoolShape& s, bool count_padding, T* y) {
+  if (s.SW == 1)
+    avg_pool_rows<1>(x, s, count_padding, y);
+  else
+    avg_pool_rows<2>(x, s, count_padding, y);
+}
+
+// Average pooling's gradient (kernels/pool.hpp's avg_pool_backward) as a gather: dx row by dx
+// row, N vectors of columns at a time, each element summed once in registers and stored once,
+// where ops/pool.hpp's loops zero dx and then add dy / count into it window tap by window tap.
+// The order of the additions is theirs, to the bit: from +0, the output rows whose windows
+// reach the row in ascending order; for each, the windows inside the input's columns by their
+// tap kw in ascending order, then the border's windows (meeting the padding) in ascending
+// output column. For a vector of columns the inside windows' terms come from the output row's
+// shares spread over input columns: share ow at column KW - 1 + ow · SW, -0 (addition's
+// identity, to the bit) at every other, so tap kw of every column is one load, at any stride,
+// the columns no window reaches with that tap adding -0. A border window adds its share to its
+// own columns and -0 to the others, in the blocks of columns that hold the border's. The
+// shares of a window's height of output rows and the next are kept, each made (divided) once,
+// in a ring of KH + 1 by output row: made a row ahead, their stores are done before the loads
+// of the first row that reads them, which otherwise waited for the scalar stores they straddle
+// (three quarters of the time at 4 lanes, 28 columns and 3x3/2).
+template <class T>
+struct AvgPoolGradient {
+  static constexpr int L = lanes<T>;
+  const PoolShape& s;
+  bool count_padding;
+  InnerColumns inner;
+  index_t share_length;   // of an output row, in whole vectors
+  index_t spread_length;  // of an output row's shares spread over the input's columns, in whole vectors
+  index_t left_end;       // columns [0, left_end) and [right_begin, W) meet border windows
+  index_t right_begin;
+  T* columns;    // of each window inside the input, as a T (1 past OW)
+  index_t ring;  // rows
+  T* shares;     // ring rows of share_length
+  T* spread;     // ring rows of spread_length
+
+  AvgPoolGradient(const PoolShape& shape, bool counts, T* buffer)
+      : s(shape),
+        count_padding(counts),
+        inner(inner_columns(s.W, s.OW, s.KW, s.SW, s.pad_left)),
+        share_length((s.OW + L - 1) / L * L),
+        spread_length(((s.W + L - 1) / L * L + s.pad_left + s.KW - 1 + L - 1) / L * L),
+        left_end(inner.begin > 0 ? window_columns(s, inner.begin - 1).second : 0),
+        right_begin(inner.end < s.OW ? window_columns(s, inner.end).first : s.W),
+        columns(buffer),
+        ring(s.KH + 1),
+        shares(columns + share_length),
+        spread(shares + ring * share_length) {
+    window_widths(s, share_length, columns);
+  }
+
+  // Output row oh's shares, from its dy (g), into the ring.
+  void make_row(const T* g, index_t oh) {
+    const index_t first = oh * s.SH - s.pad_top;
+    const index_t rows = std::min(s.KH, s.H - first) - std::max<index_t>(0, -first);
+    T* share = shares + oh % ring * share_length;
+    for (index_t c = 0; c < share_length; c += L) {
+      const Vec<T> count = average_counts(s, count_padding, rows, columns, c);
+      const auto n = static_cast<int>(std::min<index_t>(L, s.OW - c));
+      store<T>(share + c, (n == L ? load(g + c) : load_first(g + c, n)) / count);
+    }
+    T* row = spread + oh % ring * spread_length;
+    for (index_t j = 0; j < spread_length; j += L) store<T>(row + j, splat(-T(0)));
+    for (index_t ow = inner.begin; ow < inner.end; ++ow) row[s.KW - 1 + ow * s.SW] = share[ow];
+  }
+
+  // dx's columns [j, j + N · L) of a row that output rows [oh_begin, oh_end) reach, the first in
+  // the ring's slot `slot`.
+  template <int N>
+  [[gnu::always_inline]] void gather(index_t oh_begin, index_t oh_end, index_t slot, index_t j, T* out) const {
+    Vec<T> sum[N];
+#pragma GCC unroll 8
+    for (int n = 0; n < N; ++n) sum[n] = Vec<T>{};
+    const bool borders = j < left_end || j + N * L > right_begin;
+    for (index_t oh = oh_begin; oh < oh_end; ++oh, slot = slot + 1 == ring ? 0 : slot + 1) {
+      const T* taps = spread + slot * spread_length + j + s.pad_left + s.KW - 1;
+      for (index_t kw = 0; kw < s.KW; ++kw) {
+#pragma GCC unroll 8
+        for (int n = 0; n < N; ++n) sum[n] += load(taps - kw + n * L);
+      }
+      if (borders) {
+        const T* share = shares + slot * share_length;
+        for (index_t ow = 0; ow < inner.begin; ++ow) add_border<N>(sum, share[ow], ow, j);
+        for (index_t ow = inner.end; ow < s.OW; ++ow) add_border<N>(sum, share[ow], ow, j);
+      }
+    }
+#pragma GCC unroll 8
+    for (int n = 0; n < N; ++n) store_outputs(out + j + n * L, sum[n], s.W - j - n * L);
+  }
+
+  template <int N>
+  [[gnu::always_inline]] void add_border(Vec<T> (&sum)[N], T share, index_t ow, index_t j) const {
+    const auto [begin, end] = window_columns(s, ow);
+#pragma GCC unroll 8
+    for (int n = 0; n < N; ++n) {
+      const index_t first = j + n * L;
+      if (begin < first + L && end > first) {
+        const Vec<T> column = splat(static_cast<T>(first)) + lane_index<T>();
+        const auto inside = (column >= splat(static_cast<T>(begin))) & (column < splat(static_cast<T>(end)));
+        sum[n] += inside ? splat(share) : splat(-T(0));
+      }
+    }
+  }
+};
+
+template <class T>
+void avg_pool_backward_step(Target, const T* dy, const PoolShape& s, bool count_padding, T* dx) {
+  constexpr int L = lanes<T>;
+  alignas(64) T buffer[pool_buffer];
+  AvgPoolGradient<T> gradient(s, count_padding, buffer);
+  const index_t chunks = (s.W + L - 1) / L;
+  for (index_t p = 0; p < s.planes; ++p) {
+    const T* dyp = dy + p * s.OH * s.OW;
+    T* dxp = dx + p * s.H * s.W;
+    index_t made = 0;  // output rows whose shares are in the ring, one past those row r reads
+    for (index_t r = 0; r < s.H; ++r) {
+      // The output rows whose windows hold row r: [oh_begin, oh_end).
+      const index_t oh_end = std::min(s.OH, (r + s.pad_top) / s.SH + 1);
+      const index_t reach = r + s.pad_top - s.KH + 1;  // the first window row at or past it
+      const index_t oh_begin = reach <= 0 ? 0 : (reach + s.SH - 1) / s.SH;
+      for (; made < std::min(s.OH, oh_end + 1); ++made) gradient.make_row(dyp + made * s.OW, made);
+      const index_t slot = oh_begin % gradient.ring;
+      T* out = dxp + r * s.W;
+      index_t c = 0;
+      for (; c + 4 <= chunks; c += 4) gradient.template gather<4>(oh_begin, oh_end, slot, c * L, out);
+      if (c + 2 <= chunks) {
+        gradient.template gather<2>(oh_begin, oh_end, slot, c * L, out);
+        c += 2;
+      }
+      if (c < chunks) gradient.template gather<1>(oh_begin, oh_end, slot, c * L, out);
+    }
+  }
+}
 }  // namespace duet::kernels::detail::avx512
 DUET_END_ISA
 #endif
@@ -32123,27 +32799,54 @@ void max_pool_2x2_backward(const T* dy, const T* x, index_t planes, index_t H, i
                       [&](auto target) { max_pool_2x2_backward_step(target, dy, x, planes, H, W, OH, OW, dx); });
 }
 
-// Whether max_pool and max_pool_backward take s: column stride 1 or 2, a window's padded rows
-// the buffer holds (with the widest set's vectors) and taps T holds exactly.
+// Whether max_pool, max_pool_backward and avg_pool take s: column stride 1 or 2, a window's
+// padded rows the buffer holds (with the widest set's vectors) and taps T holds exactly.
 template <class T>
-bool max_pool_takes(const PoolShape& s) {
+bool pool_rows_take(const PoolShape& s) {
   constexpr index_t widest = 64 / sizeof(T);
   const index_t row = s.SW * ((s.OW + widest - 1) / widest) * widest + s.KW;
-  return (s.SW == 1 || s.SW == 2) && s.KH * row <= max_pool_buffer && s.pad_left < row &&
+  return (s.SW == 1 || s.SW == 2) && s.KH * row <= pool_buffer && s.pad_left < row &&
          s.KH * s.W + row <= (index_t{1} << std::numeric_limits<T>::digits);
 }
 
-// Max pooling where max_pool_takes(s): each window's maximum, a NaN if it holds one.
+// Max pooling where pool_rows_take(s): each window's maximum, a NaN if it holds one.
 template <class T>
 void max_pool(const T* x, const PoolShape& s, T* y) {
   detail::with_target(active_isa(), [&](auto target) { max_pool_step(target, x, s, y); });
 }
 
-// dx of max pooling where max_pool_takes(s): each dy to its window's first maximal element
+// dx of max pooling where pool_rows_take(s): each dy to its window's first maximal element
 // (the first NaN, if any), summed in output order where windows share one.
 template <class T>
 void max_pool_backward(const T* dy, const T* x, const PoolShape& s, T* dx) {
   detail::with_target(active_isa(), [&](auto target) { max_pool_backward_step(target, dy, x, s, dx); });
+}
+
+// Average pooling where pool_rows_take(s): each window's sum from its first element inside the
+// input in row-major order, divided by the window's size if count_padding, else by its
+// elements inside the input (ops/pool.hpp's pool2d_forward, to the bit).
+template <class T>
+void avg_pool(const T* x, const PoolShape& s, bool count_padding, T* y) {
+  detail::with_target(active_isa(), [&](auto target) { avg_pool_step(target, x, s, count_padding, y); });
+}
+
+// Whether avg_pool_backward takes s, at any stride: the buffer holds a window's height and one
+// of output rows' shares, spread over the input's columns padded (with the widest set's
+// vectors). The columns and divisors a T then holds are below pool_buffer, exact.
+template <class T>
+bool avg_pool_backward_takes(const PoolShape& s) {
+  constexpr index_t widest = 64 / sizeof(T);
+  const index_t shares = (s.OW + widest - 1) / widest * widest;
+  const index_t spread = ((s.W + widest - 1) / widest * widest + s.pad_left + s.KW - 1 + widest - 1) / widest * widest;
+  return (s.KH + 2) * shares + (s.KH + 1) * spread <= pool_buffer;
+}
+
+// dx of average pooling where avg_pool_backward_takes(s): dy / count added over each window,
+// count the window's size if count_padding, else its elements inside the input; each element
+// summed from +0 in ops/pool.hpp's order (avg_pool2d_backward), to the bit.
+template <class T>
+void avg_pool_backward(const T* dy, const PoolShape& s, bool count_padding, T* dx) {
+  detail::with_target(active_isa(), [&](auto target) { avg_pool_backward_step(target, dy, s, count_padding, dx); });
 }
 
 }  // namespace duet::kernels
@@ -32214,11 +32917,8 @@ struct PoolGeometry {
 inline PoolGeometry pool_geometry(const Pool2dWindow& w, const Shape& x) {
   const PoolAxis h = pool_axis(x[2], w.kernel_h, w.stride_h, w.pad_mode, w.pad_h);
   const PoolAxis v = pool_axis(x[3], w.kernel_w, w.stride_w, w.pad_mode, w.pad_w);
-  PoolGeometry g{x[0] * x[1], x[2], x[3], h.out, v.out, h.pad_before, v.pad_before, 0, 0};
-  g.lo = std::min(g.OW, (g.pad_left + w.stride_w - 1) / w.stride_w);
-  const index_t last_start = g.W + g.pad_left - w.kernel_w;  // of a window ending at the last column
-  g.hi = std::max(g.lo, last_start < 0 ? index_t{0} : std::min(g.OW, last_start / w.stride_w + 1));
-  return g;
+  const auto [lo, hi] = kernels::inner_columns(x[3], v.out, w.kernel_w, w.stride_w, v.pad_before);
+  return {x[0] * x[1], x[2], x[3], h.out, v.out, h.pad_before, v.pad_before, lo, hi};
 }
 
 DUET_BEGIN_VECTORIZED
@@ -32263,11 +32963,16 @@ struct AvgPoolKind {
   }
 };
 
+// Whether an average divides by its window's size, the padding included.
+template <class Window>
+constexpr bool counts_padding(const Window& w) {
+  return w.pad_mode == nn::PadMode::pad && w.count_include_pad;
+}
+
 // The divisor of an average over `rows` x `cols` window elements inside the input.
 template <class Window>
 constexpr index_t average_count(const Window& w, index_t rows, index_t cols) {
-  if (w.pad_mode == nn::PadMode::pad && w.count_include_pad) return w.kernel_h * w.kernel_w;
-  return rows * cols;
+  return counts_padding(w) ? w.kernel_h * w.kernel_w : rows * cols;
 }
 
 // Whether w is the 2x2 window at stride 2 and its windows tile g's input without padding:
@@ -32288,7 +32993,10 @@ template <class Kind, class Window, class T>
 void pool2d_forward(const Window& w, const PoolGeometry& g, const T* x, T* y) {
   if constexpr (std::is_same_v<Kind, MaxPoolKind>) {
     if (tiles_2x2(w, g)) return kernels::max_pool_2x2(x, g.planes, g.H, g.W, g.OH, g.OW, y);
-    if (kernels::max_pool_takes<T>(pool_shape(w, g))) return kernels::max_pool(x, pool_shape(w, g), y);
+    if (kernels::pool_rows_take<T>(pool_shape(w, g))) return kernels::max_pool(x, pool_shape(w, g), y);
+  } else {
+    if (kernels::pool_rows_take<T>(pool_shape(w, g)))
+      return kernels::avg_pool(x, pool_shape(w, g), counts_padding(w), y);
   }
   const index_t KW = w.kernel_w;
   const index_t SW = w.stride_w;
@@ -32423,7 +33131,7 @@ void max_pool2d_backward(const Window& w, const PoolGeometry& g, const T* dy, co
     return;
   }
   const kernels::PoolShape shape = pool_shape(w, g);
-  if (kernels::max_pool_takes<T>(shape)) return kernels::max_pool_backward(dy, x, shape, dx);
+  if (kernels::pool_rows_take<T>(shape)) return kernels::max_pool_backward(dy, x, shape, dx);
   std::fill_n(dx, g.planes * g.H * g.W, T(0));
   for (index_t p = 0; p < g.planes; ++p) {
     const T* xp = x + p * g.H * g.W;
@@ -32452,9 +33160,15 @@ void max_pool2d_backward(const Window& w, const PoolGeometry& g, const T* dy, co
   }
 }
 
-// dx of average pooling: dy / count added over each window, in the forward kernel's order.
+// dx of average pooling: dy / count added over each window, in the forward kernel's order
+// (kernels::avg_pool_backward keeps it: each element's sum from +0 over output rows in
+// ascending order, for each the inside windows by tap, then the border's by output column).
 template <class Window, class T>
 void avg_pool2d_backward(const Window& w, const PoolGeometry& g, const T* dy, T* dx) {
+  const kernels::PoolShape shape = pool_shape(w, g);
+  if (kernels::avg_pool_backward_takes<T>(shape)) {
+    return kernels::avg_pool_backward(dy, shape, counts_padding(w), dx);
+  }
   const index_t KW = w.kernel_w;
   const index_t SW = w.stride_w;
   std::fill_n(dx, g.planes * g.H * g.W, T(0));
@@ -33339,7 +34053,9 @@ namespace duet::kernels::detail::baseline {
   DUET_DETAIL_INSTANCE void max_pool_2x2_backward_step<T>(Target, const T*, const T*, index_t, index_t, index_t,     \
                                                           index_t, index_t, T*);                                     \
   DUET_DETAIL_INSTANCE void max_pool_step<T>(Target, const T*, const PoolShape&, T*);                                \
-  DUET_DETAIL_INSTANCE void max_pool_backward_step<T>(Target, const T*, const T*, const PoolShape&, T*);
+  DUET_DETAIL_INSTANCE void max_pool_backward_step<T>(Target, const T*, const T*, const PoolShape&, T*);             \
+  DUET_DETAIL_INSTANCE void avg_pool_step<T>(Target, const T*, const PoolShape&, bool, T*);                          \
+  DUET_DETAIL_INSTANCE void avg_pool_backward_step<T>(Target, const T*, const PoolShape&, bool, T*);
 
 DUET_DETAIL_ELEMENT(float)
 DUET_DETAIL_ELEMENT(double)
@@ -33423,7 +34139,9 @@ namespace duet::kernels::detail::avx2 {
   DUET_DETAIL_INSTANCE void max_pool_2x2_backward_step<T>(Target, const T*, const T*, index_t, index_t, index_t,     \
                                                           index_t, index_t, T*);                                     \
   DUET_DETAIL_INSTANCE void max_pool_step<T>(Target, const T*, const PoolShape&, T*);                                \
-  DUET_DETAIL_INSTANCE void max_pool_backward_step<T>(Target, const T*, const T*, const PoolShape&, T*);
+  DUET_DETAIL_INSTANCE void max_pool_backward_step<T>(Target, const T*, const T*, const PoolShape&, T*);             \
+  DUET_DETAIL_INSTANCE void avg_pool_step<T>(Target, const T*, const PoolShape&, bool, T*);                          \
+  DUET_DETAIL_INSTANCE void avg_pool_backward_step<T>(Target, const T*, const PoolShape&, bool, T*);
 
 DUET_DETAIL_ELEMENT(float)
 DUET_DETAIL_ELEMENT(double)
@@ -33506,7 +34224,9 @@ namespace duet::kernels::detail::avx512 {
   DUET_DETAIL_INSTANCE void max_pool_2x2_backward_step<T>(Target, const T*, const T*, index_t, index_t, index_t,     \
                                                           index_t, index_t, T*);                                     \
   DUET_DETAIL_INSTANCE void max_pool_step<T>(Target, const T*, const PoolShape&, T*);                                \
-  DUET_DETAIL_INSTANCE void max_pool_backward_step<T>(Target, const T*, const T*, const PoolShape&, T*);
+  DUET_DETAIL_INSTANCE void max_pool_backward_step<T>(Target, const T*, const T*, const PoolShape&, T*);             \
+  DUET_DETAIL_INSTANCE void avg_pool_step<T>(Target, const T*, const PoolShape&, bool, T*);                          \
+  DUET_DETAIL_INSTANCE void avg_pool_backward_step<T>(Target, const T*, const PoolShape&, bool, T*);
 
 DUET_DETAIL_ELEMENT(float)
 DUET_DETAIL_ELEMENT(double)

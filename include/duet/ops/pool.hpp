@@ -60,7 +60,11 @@
 // and a scatter, one output at a time. Max pooling over 2x2 windows at stride 2 that tile the
 // input, forward and gradient, is kernels/pool.hpp's too: these loops vectorise only where the
 // compiler is told the machine (g++ 12 -O3 -march=native); built with -O2 they were two
-// fifths of LeNet-5's training step. Adaptive pooling sums each bin row by row with Eigen's
+// fifths of LeNet-5's training step. So is average pooling, its forward at column stride 1 or
+// 2 from a padded copy of the window's rows, its gradient at any stride as a gather that
+// writes each element of dx once, both with the additions of the loops here in their order
+// (the same bits); the loops here remain for rows longer than their buffers and, for the
+// forward, other strides. Adaptive pooling sums each bin row by row with Eigen's
 // vectorised reduction (a whole bin at once when it spans full rows: global pooling is one
 // contiguous sum per plane). Nothing is allocated beyond the output.
 #pragma once
@@ -151,11 +155,8 @@ struct PoolGeometry {
 inline PoolGeometry pool_geometry(const Pool2dWindow& w, const Shape& x) {
   const PoolAxis h = pool_axis(x[2], w.kernel_h, w.stride_h, w.pad_mode, w.pad_h);
   const PoolAxis v = pool_axis(x[3], w.kernel_w, w.stride_w, w.pad_mode, w.pad_w);
-  PoolGeometry g{x[0] * x[1], x[2], x[3], h.out, v.out, h.pad_before, v.pad_before, 0, 0};
-  g.lo = std::min(g.OW, (g.pad_left + w.stride_w - 1) / w.stride_w);
-  const index_t last_start = g.W + g.pad_left - w.kernel_w;  // of a window ending at the last column
-  g.hi = std::max(g.lo, last_start < 0 ? index_t{0} : std::min(g.OW, last_start / w.stride_w + 1));
-  return g;
+  const auto [lo, hi] = kernels::inner_columns(x[3], v.out, w.kernel_w, w.stride_w, v.pad_before);
+  return {x[0] * x[1], x[2], x[3], h.out, v.out, h.pad_before, v.pad_before, lo, hi};
 }
 
 DUET_BEGIN_VECTORIZED
@@ -200,11 +201,16 @@ struct AvgPoolKind {
   }
 };
 
+// Whether an average divides by its window's size, the padding included.
+template <class Window>
+constexpr bool counts_padding(const Window& w) {
+  return w.pad_mode == nn::PadMode::pad && w.count_include_pad;
+}
+
 // The divisor of an average over `rows` x `cols` window elements inside the input.
 template <class Window>
 constexpr index_t average_count(const Window& w, index_t rows, index_t cols) {
-  if (w.pad_mode == nn::PadMode::pad && w.count_include_pad) return w.kernel_h * w.kernel_w;
-  return rows * cols;
+  return counts_padding(w) ? w.kernel_h * w.kernel_w : rows * cols;
 }
 
 // Whether w is the 2x2 window at stride 2 and its windows tile g's input without padding:
@@ -225,7 +231,10 @@ template <class Kind, class Window, class T>
 void pool2d_forward(const Window& w, const PoolGeometry& g, const T* x, T* y) {
   if constexpr (std::is_same_v<Kind, MaxPoolKind>) {
     if (tiles_2x2(w, g)) return kernels::max_pool_2x2(x, g.planes, g.H, g.W, g.OH, g.OW, y);
-    if (kernels::max_pool_takes<T>(pool_shape(w, g))) return kernels::max_pool(x, pool_shape(w, g), y);
+    if (kernels::pool_rows_take<T>(pool_shape(w, g))) return kernels::max_pool(x, pool_shape(w, g), y);
+  } else {
+    if (kernels::pool_rows_take<T>(pool_shape(w, g)))
+      return kernels::avg_pool(x, pool_shape(w, g), counts_padding(w), y);
   }
   const index_t KW = w.kernel_w;
   const index_t SW = w.stride_w;
@@ -360,7 +369,7 @@ void max_pool2d_backward(const Window& w, const PoolGeometry& g, const T* dy, co
     return;
   }
   const kernels::PoolShape shape = pool_shape(w, g);
-  if (kernels::max_pool_takes<T>(shape)) return kernels::max_pool_backward(dy, x, shape, dx);
+  if (kernels::pool_rows_take<T>(shape)) return kernels::max_pool_backward(dy, x, shape, dx);
   std::fill_n(dx, g.planes * g.H * g.W, T(0));
   for (index_t p = 0; p < g.planes; ++p) {
     const T* xp = x + p * g.H * g.W;
@@ -389,9 +398,15 @@ void max_pool2d_backward(const Window& w, const PoolGeometry& g, const T* dy, co
   }
 }
 
-// dx of average pooling: dy / count added over each window, in the forward kernel's order.
+// dx of average pooling: dy / count added over each window, in the forward kernel's order
+// (kernels::avg_pool_backward keeps it: each element's sum from +0 over output rows in
+// ascending order, for each the inside windows by tap, then the border's by output column).
 template <class Window, class T>
 void avg_pool2d_backward(const Window& w, const PoolGeometry& g, const T* dy, T* dx) {
+  const kernels::PoolShape shape = pool_shape(w, g);
+  if (kernels::avg_pool_backward_takes<T>(shape)) {
+    return kernels::avg_pool_backward(dy, shape, counts_padding(w), dx);
+  }
   const index_t KW = w.kernel_w;
   const index_t SW = w.stride_w;
   std::fill_n(dx, g.planes * g.H * g.W, T(0));

@@ -126,32 +126,82 @@ void max_pool_2x2_backward_step(Target, const T* dy, const T* x, index_t planes,
   }
 }
 
+// A window's rows of the input at column stride S (1 or 2), copied into a buffer between
+// fillers standing for the padding, so that a vector of L windows reads each tap with one load
+// (S = 1) or two and a shuffle (S = 2), border windows included: max pooling's and the
+// average's forward, output row by output row. All the rows are copied before the taps are
+// read: a load that straddles stores still in flight waits for them, a quarter of max
+// pooling's gradient's time when each row was copied just before its taps.
+template <int S, class T>
+struct PaddedRows {
+  static constexpr int L = lanes<T>;
+  const PoolShape& s;
+  index_t chunks;  // of L output columns
+  index_t length;  // of a row in the buffer, as far as the taps read
+  index_t copied;  // columns of the input in a row
+  T* rows;         // KH x length
+
+  PaddedRows(const PoolShape& shape, T filler, T* buffer)
+      : s(shape),
+        chunks((s.OW + L - 1) / L),
+        length(S * chunks * L + s.KW),
+        copied(std::min(s.W, length - s.pad_left)),
+        rows(buffer) {
+    for (index_t k = 0; k < s.KH; ++k) {
+      std::fill(rows + k * length, rows + k * length + s.pad_left, filler);
+      std::fill(rows + k * length + s.pad_left + copied, rows + (k + 1) * length, filler);
+    }
+  }
+
+  // Input rows [from, from + count) of plane xp into the buffer's rows 0, 1, ...
+  void copy(const T* xp, index_t from, index_t count) {
+    for (index_t k = 0; k < count; ++k) {
+      const T* source = xp + (from + k) * s.W;
+      T* target = rows + k * length + s.pad_left;
+      for (index_t j = 0; j < copied; j += L) {
+        const auto n = static_cast<int>(std::min<index_t>(L, copied - j));
+        if (n == L)
+          store<T>(target + j, load(source + j));
+        else
+          store_first<T>(target + j, load_first(source + j, n), n);
+      }
+    }
+  }
+
+  // Tap (k, kw) of the L windows of chunk c: buffer row k.
+  Vec<T> tap(index_t k, index_t c, index_t kw) const {
+    const T* taps = rows + k * length + S * c * L + kw;
+    if constexpr (S == 1)
+      return load(taps);
+    else
+      return left_taps<T>(load(taps), load(taps + L), std::make_integer_sequence<int, L>{});
+  }
+};
+
+// y (the first n of a vector) at out.
+template <class T>
+void store_outputs(T* out, Vec<T> y, index_t n) {
+  if (n >= lanes<T>)
+    store<T>(out, y);
+  else
+    store_first<T>(out, y, static_cast<int>(n));
+}
+
 // Max pooling (Forward: y, the windows' maxima) or its gradient (dx from dy), any window at
-// column stride S (1 or 2) whose rows, padded, fit the buffer (max_pool_takes,
-// kernels/pool.hpp). Output row by output row: the window's rows of the input are copied into
-// the buffer between -inf's standing for the padding, which neither changes a maximum nor is
-// ever taken (every window's search begins at its first tap inside the input, with -inf as the
-// maximum so far), so that a vector of L windows reads each tap with one load (S = 1) or two
-// and a shuffle (S = 2), border windows included. All the rows are copied before the search
-// reads them: a load that straddles stores still in flight waits for them, a quarter of the
-// gradient's time when each row was copied just before its taps. The gradient's tap is its
-// offset k · W + kw from the window's first row inside the input, held as a T (exact), then
-// turned into its element's place; each dy goes there in output order, and an input row is
-// zeroed just before the first output row whose windows reach it.
+// column stride S (1 or 2) whose rows, padded, fit the buffer (pool_rows_take,
+// kernels/pool.hpp), from PaddedRows with -inf standing for the padding, which neither changes
+// a maximum nor is ever taken (every window's search begins at its first tap inside the input,
+// with -inf as the maximum so far). The gradient's tap is its offset k · W + kw from the
+// window's first row inside the input, held as a T (exact), then turned into its element's
+// place; each dy goes there in output order, and an input row is zeroed just before the first
+// output row whose windows reach it.
 template <int S, bool Forward, class T>
 void max_pool_rows(const T* dy, const T* x, const PoolShape& s, T* out) {
   constexpr int L = lanes<T>;
-  constexpr auto all = std::make_integer_sequence<int, L>{};
   constexpr T minus_inf = -std::numeric_limits<T>::infinity();
-  const index_t chunks = (s.OW + L - 1) / L;
-  const index_t row_length = S * chunks * L + s.KW;  // of a row in the buffer, as far as the taps read
-  const index_t copied = std::min(s.W, row_length - s.pad_left);
-  alignas(64) T rows[max_pool_buffer];
-  alignas(64) T place[max_pool_buffer];
-  for (index_t k = 0; k < s.KH; ++k) {
-    std::fill(rows + k * row_length, rows + k * row_length + s.pad_left, minus_inf);
-    std::fill(rows + k * row_length + s.pad_left + copied, rows + (k + 1) * row_length, minus_inf);
-  }
+  alignas(64) T buffer[pool_buffer];
+  alignas(64) T place[pool_buffer];
+  PaddedRows<S, T> rows(s, minus_inf, buffer);
   for (index_t p = 0; p < s.planes; ++p) {
     const T* xp = x + p * s.H * s.W;
     index_t zeroed = 0;  // rows of the plane's dx
@@ -163,18 +213,8 @@ void max_pool_rows(const T* dy, const T* x, const PoolShape& s, T* out) {
         std::fill(out + (p * s.H + zeroed) * s.W, out + (p * s.H + first + hi) * s.W, T(0));
         zeroed = first + hi;
       }
-      for (index_t k = 0; k < hi - lo; ++k) {
-        const T* source = xp + (first + lo + k) * s.W;
-        T* target = rows + k * row_length + s.pad_left;
-        for (index_t j = 0; j < copied; j += L) {
-          const auto n = static_cast<int>(std::min<index_t>(L, copied - j));
-          if (n == L)
-            store<T>(target + j, load(source + j));
-          else
-            store_first<T>(target + j, load_first(source + j, n), n);
-        }
-      }
-      for (index_t c = 0; c < chunks; ++c) {
+      rows.copy(xp, first + lo, hi - lo);
+      for (index_t c = 0; c < rows.chunks; ++c) {
         // Window ow's first tap inside the input: column pad_left - ow · S of row 0 where the
         // window begins in the padding, else 0.
         const Vec<T> column = splat(static_cast<T>(c * L * S)) + lane_index<T>() * splat(T(S));
@@ -182,14 +222,9 @@ void max_pool_rows(const T* dy, const T* x, const PoolShape& s, T* out) {
         Vec<T> m = splat(minus_inf);
         Vec<T> at = start > Vec<T>{} ? start : Vec<T>{};
         for (index_t k = 0; k < hi - lo; ++k) {
-          const T* taps = rows + k * row_length + S * c * L;
           Vec<T> offset = splat(static_cast<T>(k * s.W));
           for (index_t kw = 0; kw < s.KW; ++kw) {
-            Vec<T> v;
-            if constexpr (S == 1)
-              v = load(taps + kw);
-            else
-              v = left_taps<T>(load(taps + kw), load(taps + kw + L), all);
+            const Vec<T> v = rows.tap(k, c, kw);
             if constexpr (Forward) {
               m = ((v > m) | (v != v)) ? v : m;
             } else {
@@ -200,15 +235,10 @@ void max_pool_rows(const T* dy, const T* x, const PoolShape& s, T* out) {
             }
           }
         }
-        if constexpr (Forward) {
-          T* y = out + (p * s.OH + oh) * s.OW + c * L;
-          if (c * L + L <= s.OW)
-            store<T>(y, m);
-          else
-            store_first<T>(y, m, static_cast<int>(s.OW - c * L));
-        } else {
+        if constexpr (Forward)
+          store_outputs(out + (p * s.OH + oh) * s.OW + c * L, m, s.OW - c * L);
+        else
           store<T>(place + c * L, at + column);
-        }
       }
       if constexpr (!Forward) {
         const index_t origin = (p * s.H + first + lo) * s.W - s.pad_left;  // of the places
@@ -234,4 +264,193 @@ void max_pool_backward_step(Target, const T* dy, const T* x, const PoolShape& s,
     max_pool_rows<1, false>(dy, x, s, dx);
   else
     max_pool_rows<2, false>(dy, x, s, dx);
+}
+
+// The columns of output column ow's window inside the input, [begin, end).
+inline std::pair<index_t, index_t> window_columns(const PoolShape& s, index_t ow) {
+  const index_t c0 = ow * s.SW - s.pad_left;
+  return {std::max<index_t>(0, c0), std::min(s.W, c0 + s.KW)};
+}
+
+// The divisors of an output row's averages, L at a time from output column c: the window's
+// size if count_padding, else rows (of the window inside the input) times columns[ow] (its
+// columns inside the input, as a T; exact, as their product).
+template <class T>
+Vec<T> average_counts(const PoolShape& s, bool count_padding, index_t rows, const T* columns, index_t c) {
+  return count_padding ? splat(static_cast<T>(s.KH * s.KW)) : splat(static_cast<T>(rows)) * load(columns + c);
+}
+
+// columns[ow] of average_counts for output columns [0, n), 1 past OW.
+template <class T>
+void window_widths(const PoolShape& s, index_t n, T* columns) {
+  for (index_t ow = 0; ow < n; ++ow) {
+    const auto [begin, end] = window_columns(s, ow);
+    columns[ow] = ow < s.OW ? static_cast<T>(end - begin) : T(1);
+  }
+}
+
+// Average pooling's forward (kernels/pool.hpp's avg_pool) at column stride S, from PaddedRows
+// with -0 standing for the padding: addition's identity to the bit, so that a window's sum
+// from -0 over all its taps in row-major order is ops/pool.hpp's, from its first tap inside
+// the input; then divided by its count.
+template <int S, class T>
+void avg_pool_rows(const T* x, const PoolShape& s, bool count_padding, T* y) {
+  constexpr int L = lanes<T>;
+  alignas(64) T buffer[pool_buffer];
+  alignas(64) T columns[pool_buffer];
+  PaddedRows<S, T> rows(s, -T(0), buffer);
+  window_widths(s, rows.chunks * L, columns);
+  for (index_t p = 0; p < s.planes; ++p) {
+    const T* xp = x + p * s.H * s.W;
+    for (index_t oh = 0; oh < s.OH; ++oh) {
+      const index_t first = oh * s.SH - s.pad_top;
+      const index_t lo = std::max<index_t>(0, -first);
+      const index_t hi = std::min<index_t>(s.KH, s.H - first);
+      rows.copy(xp, first + lo, hi - lo);
+      for (index_t c = 0; c < rows.chunks; ++c) {
+        Vec<T> sum = splat(-T(0));
+        for (index_t k = 0; k < hi - lo; ++k) {
+          for (index_t kw = 0; kw < s.KW; ++kw) sum += rows.tap(k, c, kw);
+        }
+        const Vec<T> count = average_counts(s, count_padding, hi - lo, columns, c * L);
+        store_outputs(y + (p * s.OH + oh) * s.OW + c * L, sum / count, s.OW - c * L);
+      }
+    }
+  }
+}
+
+template <class T>
+void avg_pool_step(Target, const T* x, const PoolShape& s, bool count_padding, T* y) {
+  if (s.SW == 1)
+    avg_pool_rows<1>(x, s, count_padding, y);
+  else
+    avg_pool_rows<2>(x, s, count_padding, y);
+}
+
+// Average pooling's gradient (kernels/pool.hpp's avg_pool_backward) as a gather: dx row by dx
+// row, N vectors of columns at a time, each element summed once in registers and stored once,
+// where ops/pool.hpp's loops zero dx and then add dy / count into it window tap by window tap.
+// The order of the additions is theirs, to the bit: from +0, the output rows whose windows
+// reach the row in ascending order; for each, the windows inside the input's columns by their
+// tap kw in ascending order, then the border's windows (meeting the padding) in ascending
+// output column. For a vector of columns the inside windows' terms come from the output row's
+// shares spread over input columns: share ow at column KW - 1 + ow · SW, -0 (addition's
+// identity, to the bit) at every other, so tap kw of every column is one load, at any stride,
+// the columns no window reaches with that tap adding -0. A border window adds its share to its
+// own columns and -0 to the others, in the blocks of columns that hold the border's. The
+// shares of a window's height of output rows and the next are kept, each made (divided) once,
+// in a ring of KH + 1 by output row: made a row ahead, their stores are done before the loads
+// of the first row that reads them, which otherwise waited for the scalar stores they straddle
+// (three quarters of the time at 4 lanes, 28 columns and 3x3/2).
+template <class T>
+struct AvgPoolGradient {
+  static constexpr int L = lanes<T>;
+  const PoolShape& s;
+  bool count_padding;
+  InnerColumns inner;
+  index_t share_length;   // of an output row, in whole vectors
+  index_t spread_length;  // of an output row's shares spread over the input's columns, in whole vectors
+  index_t left_end;       // columns [0, left_end) and [right_begin, W) meet border windows
+  index_t right_begin;
+  T* columns;    // of each window inside the input, as a T (1 past OW)
+  index_t ring;  // rows
+  T* shares;     // ring rows of share_length
+  T* spread;     // ring rows of spread_length
+
+  AvgPoolGradient(const PoolShape& shape, bool counts, T* buffer)
+      : s(shape),
+        count_padding(counts),
+        inner(inner_columns(s.W, s.OW, s.KW, s.SW, s.pad_left)),
+        share_length((s.OW + L - 1) / L * L),
+        spread_length(((s.W + L - 1) / L * L + s.pad_left + s.KW - 1 + L - 1) / L * L),
+        left_end(inner.begin > 0 ? window_columns(s, inner.begin - 1).second : 0),
+        right_begin(inner.end < s.OW ? window_columns(s, inner.end).first : s.W),
+        columns(buffer),
+        ring(s.KH + 1),
+        shares(columns + share_length),
+        spread(shares + ring * share_length) {
+    window_widths(s, share_length, columns);
+  }
+
+  // Output row oh's shares, from its dy (g), into the ring.
+  void make_row(const T* g, index_t oh) {
+    const index_t first = oh * s.SH - s.pad_top;
+    const index_t rows = std::min(s.KH, s.H - first) - std::max<index_t>(0, -first);
+    T* share = shares + oh % ring * share_length;
+    for (index_t c = 0; c < share_length; c += L) {
+      const Vec<T> count = average_counts(s, count_padding, rows, columns, c);
+      const auto n = static_cast<int>(std::min<index_t>(L, s.OW - c));
+      store<T>(share + c, (n == L ? load(g + c) : load_first(g + c, n)) / count);
+    }
+    T* row = spread + oh % ring * spread_length;
+    for (index_t j = 0; j < spread_length; j += L) store<T>(row + j, splat(-T(0)));
+    for (index_t ow = inner.begin; ow < inner.end; ++ow) row[s.KW - 1 + ow * s.SW] = share[ow];
+  }
+
+  // dx's columns [j, j + N · L) of a row that output rows [oh_begin, oh_end) reach, the first in
+  // the ring's slot `slot`.
+  template <int N>
+  [[gnu::always_inline]] void gather(index_t oh_begin, index_t oh_end, index_t slot, index_t j, T* out) const {
+    Vec<T> sum[N];
+#pragma GCC unroll 8
+    for (int n = 0; n < N; ++n) sum[n] = Vec<T>{};
+    const bool borders = j < left_end || j + N * L > right_begin;
+    for (index_t oh = oh_begin; oh < oh_end; ++oh, slot = slot + 1 == ring ? 0 : slot + 1) {
+      const T* taps = spread + slot * spread_length + j + s.pad_left + s.KW - 1;
+      for (index_t kw = 0; kw < s.KW; ++kw) {
+#pragma GCC unroll 8
+        for (int n = 0; n < N; ++n) sum[n] += load(taps - kw + n * L);
+      }
+      if (borders) {
+        const T* share = shares + slot * share_length;
+        for (index_t ow = 0; ow < inner.begin; ++ow) add_border<N>(sum, share[ow], ow, j);
+        for (index_t ow = inner.end; ow < s.OW; ++ow) add_border<N>(sum, share[ow], ow, j);
+      }
+    }
+#pragma GCC unroll 8
+    for (int n = 0; n < N; ++n) store_outputs(out + j + n * L, sum[n], s.W - j - n * L);
+  }
+
+  template <int N>
+  [[gnu::always_inline]] void add_border(Vec<T> (&sum)[N], T share, index_t ow, index_t j) const {
+    const auto [begin, end] = window_columns(s, ow);
+#pragma GCC unroll 8
+    for (int n = 0; n < N; ++n) {
+      const index_t first = j + n * L;
+      if (begin < first + L && end > first) {
+        const Vec<T> column = splat(static_cast<T>(first)) + lane_index<T>();
+        const auto inside = (column >= splat(static_cast<T>(begin))) & (column < splat(static_cast<T>(end)));
+        sum[n] += inside ? splat(share) : splat(-T(0));
+      }
+    }
+  }
+};
+
+template <class T>
+void avg_pool_backward_step(Target, const T* dy, const PoolShape& s, bool count_padding, T* dx) {
+  constexpr int L = lanes<T>;
+  alignas(64) T buffer[pool_buffer];
+  AvgPoolGradient<T> gradient(s, count_padding, buffer);
+  const index_t chunks = (s.W + L - 1) / L;
+  for (index_t p = 0; p < s.planes; ++p) {
+    const T* dyp = dy + p * s.OH * s.OW;
+    T* dxp = dx + p * s.H * s.W;
+    index_t made = 0;  // output rows whose shares are in the ring, one past those row r reads
+    for (index_t r = 0; r < s.H; ++r) {
+      // The output rows whose windows hold row r: [oh_begin, oh_end).
+      const index_t oh_end = std::min(s.OH, (r + s.pad_top) / s.SH + 1);
+      const index_t reach = r + s.pad_top - s.KH + 1;  // the first window row at or past it
+      const index_t oh_begin = reach <= 0 ? 0 : (reach + s.SH - 1) / s.SH;
+      for (; made < std::min(s.OH, oh_end + 1); ++made) gradient.make_row(dyp + made * s.OW, made);
+      const index_t slot = oh_begin % gradient.ring;
+      T* out = dxp + r * s.W;
+      index_t c = 0;
+      for (; c + 4 <= chunks; c += 4) gradient.template gather<4>(oh_begin, oh_end, slot, c * L, out);
+      if (c + 2 <= chunks) {
+        gradient.template gather<2>(oh_begin, oh_end, slot, c * L, out);
+        c += 2;
+      }
+      if (c < chunks) gradient.template gather<1>(oh_begin, oh_end, slot, c * L, out);
+    }
+  }
 }

@@ -67,7 +67,9 @@
   DUET_DETAIL_INSTANCE void max_pool_2x2_backward_step<T>(Target, const T*, const T*, index_t, index_t, index_t,     \
                                                           index_t, index_t, T*);                                     \
   DUET_DETAIL_INSTANCE void max_pool_step<T>(Target, const T*, const PoolShape&, T*);                                \
-  DUET_DETAIL_INSTANCE void max_pool_backward_step<T>(Target, const T*, const T*, const PoolShape&, T*);
+  DUET_DETAIL_INSTANCE void max_pool_backward_step<T>(Target, const T*, const T*, const PoolShape&, T*);             \
+  DUET_DETAIL_INSTANCE void avg_pool_step<T>(Target, const T*, const PoolShape&, bool, T*);                          \
+  DUET_DETAIL_INSTANCE void avg_pool_backward_step<T>(Target, const T*, const PoolShape&, bool, T*);
 
 DUET_DETAIL_ELEMENT(float)
 DUET_DETAIL_ELEMENT(double)
