@@ -8,7 +8,10 @@ gradients of the loss with respect to x, in_proj_weight, in_proj_bias, out_proj.
 out_proj.bias. Then with a key padding mask on a padded batch of three at length 5 (the
 sequences 5, 3 and 1 tokens long): a bool mask (True past each sequence's end), with and
 without the causal mask, and a float mask added to the scores (whose gradient is printed
-too). Prints the C++ arrays nn_attention.cpp holds.
+too). Then with PyTorch's attn_mask (a pattern that leaves every query key 0): bool [5, 5]
+alone, causal with a bool key padding mask, float [5, 5] alone and with a bool key padding
+mask, and float [B * H, 5, 5] (whose gradients are printed). Prints the C++ arrays
+nn_attention.cpp holds.
 """
 import math
 import sys
@@ -31,7 +34,7 @@ def f32(t):
     return t.float().double()
 
 
-def case(length, causal, mask_kind=None):
+def case(length, causal, mask_kind=None, attn_kind=None, attn_rank=2):
     batch = B if mask_kind is None else 3
     attn = torch.nn.MultiheadAttention(E, H, batch_first=True).double()
     with torch.no_grad():
@@ -50,6 +53,17 @@ def case(length, causal, mask_kind=None):
         padding = f32(filled(3 * length, lambda i: 0.8 * math.sin(1.3 * i)).view(3, length)).requires_grad_()
     else:
         padding = None
+    given = None
+    if attn_kind == "bool":
+        given = torch.tensor([[j > 0 and i != j and (i + 2 * j) % 3 == 0 for j in range(length)] for i in range(length)])
+        if mask is not None:
+            given_or_causal = given.logical_or(torch.isinf(mask))
+        mask = given if mask is None else given_or_causal
+    elif attn_kind == "float":
+        shape = (length, length) if attn_rank == 2 else (batch * H, length, length)
+        count = math.prod(shape)
+        given = f32(filled(count, lambda i: 0.7 * math.sin(0.9 * i + 0.3)).view(*shape)).requires_grad_()
+        mask = given if mask is None else given + mask
     out, _ = attn(x, x, x, key_padding_mask=padding, attn_mask=mask, need_weights=False)
     loss = torch.nn.functional.mse_loss(out, target)
     loss.backward()
@@ -57,7 +71,11 @@ def case(length, causal, mask_kind=None):
     arrays = [("out", out), ("dx", x.grad), ("d_in_proj_weight", attn.in_proj_weight.grad),
               ("d_in_proj_bias", attn.in_proj_bias.grad), ("d_out_proj_weight", attn.out_proj.weight.grad),
               ("d_out_proj_bias", attn.out_proj.bias.grad)]
-    masked = mask_kind is not None
+    if attn_kind is not None:
+        name = f"t{length}{'_causal' if causal else ''}_{attn_kind}_attn_mask{'_3d' if attn_rank == 3 else ''}" + \
+            (f"_{mask_kind}_key_padding" if mask_kind else "")
+        arrays.append(("d_attn_mask", given.grad if given.grad is not None else torch.zeros(0)))
+    masked = mask_kind is not None and attn_kind is None
     lines = [f"    /* {label} */ {{{', '.join(f'{v:.17g}' for v in t.detach().flatten().tolist())}}}"
              for label, t in arrays]
     if masked:
@@ -66,6 +84,13 @@ def case(length, causal, mask_kind=None):
         plain = f"    {{{length}, {'true' if causal else 'false'}, {loss.item():.17g},\n" + ",\n".join(lines) + "}"
         print(f"const MaskedReference {name}{{")
         print(",\n".join([plain] + extra))
+    elif attn_kind is not None:
+        plain = f"    {{{length}, {'true' if causal else 'false'}, {loss.item():.17g},\n" + ",\n".join(lines[:6]) + "}"
+        values = lambda t: ", ".join(f"{v:.17g}" for v in t.detach().double().flatten().tolist())
+        print(f"const AttnMaskedReference {name}{{")
+        print(",\n".join([plain, f"    /* attn_mask_shape */ {{{', '.join(str(d) for d in given.shape)}}}",
+                           f"    /* attn_mask */ {{{values(given)}}}", lines[6],
+                           f"    /* key_padding_mask */ {{{'' if padding is None else values(padding)}}}"]))
     else:
         print(f"const Reference {name}{{{length}, {'true' if causal else 'false'}, {loss.item():.17g},")
         print("".join(line + ",\n" for line in lines), end="")
@@ -78,3 +103,8 @@ for causal in (False, True):
 case(5, False, "bool")
 case(5, True, "bool")
 case(5, False, "float")
+case(5, False, None, "bool")
+case(5, True, "bool", "bool")
+case(5, False, None, "float")
+case(5, False, "bool", "float")
+case(5, False, None, "float", 3)

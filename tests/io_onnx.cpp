@@ -1576,6 +1576,53 @@ TEST_CASE("io::export_onnx: nn::MultiheadAttention's key padding mask, added or 
   check_by_numpy(dir, "padded_attention", ids, pynative_output(padded, ids));
 }
 
+// The attention with an attn_mask from the network's second input: added as it is ([L, L]) or
+// per sequence and head ([B * H, L, L]: Unsqueeze, Reshape), or where it is 1 (Cast, Where).
+template <bool Bool>
+struct ScoresMaskedAttending : duet::nn::Cell<ScoresMaskedAttending<Bool>> {
+  duet::nn::MultiheadAttention<8, 2> attn;
+  DUET_CELL_MEMBERS(attn);
+  auto construct(auto x, auto scores) {
+    if constexpr (Bool)
+      return attn(x, duet::nn::attn_mask(duet::ops::equal(scores, 1.0f)));
+    else
+      return attn(x, duet::nn::attn_mask(scores));
+  }
+};
+
+TEST_CASE(
+    "io::export_onnx: nn::MultiheadAttention's attn_mask, added or bool, one or one per head, evaluates as duet's") {
+  const duet_test::TempDir dir;
+  const auto checker = export_checker();
+  if (!checker) {
+    MESSAGE("SKIPPED: the exported models are not checked by onnx.checker (no python3 with onnx and numpy)");
+    return;
+  }
+  const auto check = [&](auto& net, const Shape& mask_shape, const std::string& name) {
+    INFO(name);
+    const fs::path file = dir.path / (name + ".onnx");
+    duet::io::export_onnx(net, {{3, 5, 8}, mask_shape}, file);
+    const Tensor x = duet::randn({3, 5, 8}, 1);
+    Tensor mask = duet::randn(mask_shape, 2);
+    // Some keys but 0 of some queries, for the bool mask.
+    for (duet::index_t i = 1; i < mask.numel(); i += 3) mask.data()[i] = i % 5 == 0 ? 0.5f : 1.0f;
+    write_raw(dir.path / "x.in", x);
+    write_raw(dir.path / "mask.in", mask);
+    write_raw(dir.path / (name + ".out"), pynative_output(net, x, mask));
+    std::string shape;
+    for (const duet::index_t d : mask_shape) shape += (shape.empty() ? "" : ",") + std::to_string(d);
+    const std::string command = *checker + " " + file.string() + " " + (dir.path / "x.in").string() + "," +
+                                (dir.path / "mask.in").string() + " " + (dir.path / (name + ".out")).string() +
+                                " '3,5,8;" + shape + "'";
+    CHECK(std::system(command.c_str()) == 0);
+  };
+  ScoresMaskedAttending<false> added;
+  check(added, Shape{5, 5}, "attn_mask_added");
+  check(added, Shape{6, 5, 5}, "attn_mask_per_head");
+  ScoresMaskedAttending<true> selected;
+  check(selected, Shape{5, 5}, "attn_mask_bool");
+}
+
 // Operations whose ONNX forms are short chains, each checked by the same round trip.
 struct Assorted : duet::nn::Cell<Assorted> {
   duet::nn::Dense<6, 12> fc;

@@ -55,6 +55,9 @@ enum class ShapeFault : unsigned char {
   // input 1 (an attention's key padding mask) must be [batch, length] of the attention's input
   // [batch, length, `expected`], which input 0 (the scores, [batch, heads, length, length]) gives
   key_padding_mask,
+  // input 1 (an attention's attn_mask) must be [length, length] or [batch * heads, length, length]
+  // of the attention's input [batch, length, `expected`], which input 0 (the scores) gives
+  attn_mask,
 };
 
 // What a shape rule returns: the output shape and, if the inputs break the rule, which way.
@@ -200,6 +203,18 @@ inline std::string describe_fault(const ShapeResult& r, std::string_view layer, 
              " expects a key padding mask [batch, length] = " + to_string(Shape{scores[0], scores[3]}) +
              " for its input " + to_string(Shape{scores[0], scores[2], r.expected}) + ", got " + to_string(inputs[1]);
     }
+    case ShapeFault::attn_mask: {
+      if (inputs.size() < 2 || inputs[0].rank() != 4) {
+        what =
+            "an attn_mask [length, length] or [batch * heads, length, length] of its input [batch, length, " + e + "]";
+        break;
+      }
+      const Shape& scores = inputs[0];
+      const index_t sequences = scores[0] == dyn ? dyn : scores[0] * scores[1];
+      return std::string(layer) + " expects an attn_mask [length, length] = " + to_string(Shape{scores[2], scores[3]}) +
+             " or [batch * heads, length, length] = " + to_string(Shape{sequences, scores[2], scores[3]}) +
+             " for its input " + to_string(Shape{scores[0], scores[2], r.expected}) + ", got " + to_string(inputs[1]);
+    }
     case ShapeFault::initial_state:
       return std::string(layer) + " expects an initial state [batch, " + e + "] for sequences [batch, length, " +
              "input], got " + got + " for " + (inputs.empty() ? std::string("nothing") : to_string(inputs[0]));
@@ -288,6 +303,9 @@ struct input_must_be_batch_first_sequences_batch_length_by {};
 // The attention's input [batch, length, E], whose first two sizes the mask must have.
 template <class InputShape>
 struct key_padding_mask_must_be_batch_by_length_of_input {};
+// The attention's input [batch, length, E], whose length the mask's last two sizes must be.
+template <class InputShape>
+struct attn_mask_must_be_length_by_length_of_input {};
 // A window's extent (a convolution's kernel, dilated) less the padding: a smaller input leaves
 // no output.
 template <index_t N>
@@ -422,6 +440,11 @@ constexpr void report_static_fault() {
     } else if constexpr (r.fault == ShapeFault::key_padding_mask) {
       static_cast<void>(sizeof(rejected<Layer,
                                         key_padding_mask_must_be_batch_by_length_of_input<
+                                            attention_input_shape<std::tuple_element_t<0, In>, r.expected>>,
+                                        shape_type_of<Culprit>>));
+    } else if constexpr (r.fault == ShapeFault::attn_mask) {
+      static_cast<void>(sizeof(rejected<Layer,
+                                        attn_mask_must_be_length_by_length_of_input<
                                             attention_input_shape<std::tuple_element_t<0, In>, r.expected>>,
                                         shape_type_of<Culprit>>));
     } else if constexpr (r.fault == ShapeFault::inner_dimensions) {

@@ -1,11 +1,13 @@
 // Multi-head self-attention (PyTorch's nn.MultiheadAttention(E, H, batch_first=True) called
-// as attn(x, x, x), and with its key_padding_mask as attn(x, mask); MindSpore's
+// as attn(x, x, x), with its key_padding_mask as attn(x, mask), its attn_mask as
+// attn(x, nn::attn_mask(m)); MindSpore's
 // nn.MultiheadAttention(batch_first=True)), in both modes, for sequences of any length.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <span>
 #include <string>
@@ -85,32 +87,71 @@ struct KeyPaddingMaskGradOp : Primitive<KeyPaddingMaskGradOp> {
   static std::string op_name() { return "KeyPaddingMaskGrad"; }
 };
 
-// nn::MultiheadAttention's key padding mask on its scores, PyTorch's key_padding_mask: scores
-// [batch, H, length, length], mask [batch, length] of the keys (the last axis). A UInt8 mask
-// (PyTorch's bool) sets the scores of the keys it marks (not 0) to -inf; a mask of the scores'
-// type is added to them (PyTorch's float mask). A query left with no key to attend to, every
-// score of its row -inf, is refused: softmax would make it NaN, as it does in PyTorch, and the
-// NaN would reach every gradient.
-template <class Layer, class M>
-struct KeyPaddingMaskOp : Primitive<KeyPaddingMaskOp<Layer, M>> {
+// The gradient of an attn_mask added to the scores: dy [batch, H, queries, keys] summed into
+// the mask's shape, [queries, keys] (over batch and heads) or [batch * H, queries, keys] (dy
+// itself).
+struct AttnMaskGradOp : Primitive<AttnMaskGradOp> {
+  static constexpr std::array reads{graph::Operand::grad, graph::Operand::input1};
+  static constexpr int arity = 2;
+
+  static constexpr ShapeResult infer_static(std::span<const Shape> in) { return {in[1]}; }
+
+  template <class Backend, class T>
+  void run(const graph::KernelArgs& a) const {
+    const index_t n = a.in_shape(0).numel(), m = a.in_shape(1).numel();
+    const T* dy = a.in<T>(0);
+    T* d = a.out<T>();
+    std::fill_n(d, m, T(0));
+    for (index_t i = 0; i < n; ++i) d[i % m] += dy[i];
+  }
+
+  static std::string op_name() { return "AttnMaskGrad"; }
+};
+
+// Which of nn::MultiheadAttention's masks an AttentionMaskOp applies.
+enum class AttentionMask : unsigned char {
+  key_padding,  // PyTorch's key_padding_mask [batch, keys]: one row for every head and query of a sequence
+  attn,         // PyTorch's attn_mask [queries, keys], or [batch * H, queries, keys]: one row per query
+};
+
+// nn::MultiheadAttention's masks on its scores [batch, H, queries, keys], each mask row one
+// row of keys: PyTorch's key_padding_mask [batch, keys] or its attn_mask (see AttentionMask).
+// A UInt8 mask (PyTorch's bool) sets the scores of the keys it marks (not 0) to -inf; a mask of
+// the scores' type is added to them (PyTorch's float mask). A query left with no key to attend
+// to, every score of its row -inf, is refused: softmax would make it NaN, as it does in
+// PyTorch, and the NaN would reach every gradient.
+template <class Layer, class M, AttentionMask Which = AttentionMask::key_padding>
+struct AttentionMaskOp : Primitive<AttentionMaskOp<Layer, M, Which>> {
   using layer_type = Layer;
   static constexpr int arity = 2;
   static constexpr bool additive = !std::is_same_v<M, std::uint8_t>;
+  static constexpr bool key_padding = Which == AttentionMask::key_padding;
   // As the gradient of a UInt8 mask's scores, it reads the incoming gradient and the mask.
   static constexpr std::array reads{graph::Operand::grad, graph::Operand::input1};
 
   const Layer* layer;
   // -inf for the scores; 0 for their gradient, which then checks no row.
   double fill;
-  explicit KeyPaddingMaskOp(const Layer* l, double f = -std::numeric_limits<double>::infinity()) : layer(l), fill(f) {}
+  // A key padding mask after an attn_mask: a query it leaves with no key may have lost some to
+  // the attn_mask.
+  bool after_attn_mask;
+  explicit AttentionMaskOp(const Layer* l, double f = -std::numeric_limits<double>::infinity(), bool after = false)
+      : layer(l), fill(f), after_attn_mask(after) {}
 
   static constexpr ShapeResult infer_static(std::span<const Shape> in) {
     const Shape& scores = in[0];
     const Shape& mask = in[1];
     if (scores.leading_unknown() || scores.rank() != 4 || mask.leading_unknown()) return {scores};
     const auto differs = [](index_t a, index_t b) { return a != dyn && b != dyn && a != b; };
-    if (mask.rank() != 2 || differs(mask[0], scores[0]) || differs(mask[1], scores[3])) {
-      return fault(scores, ShapeFault::key_padding_mask, Layer::embed_dim, 1);
+    if constexpr (key_padding) {
+      if (mask.rank() != 2 || differs(mask[0], scores[0]) || differs(mask[1], scores[3])) {
+        return fault(scores, ShapeFault::key_padding_mask, Layer::embed_dim, 1);
+      }
+    } else {
+      const index_t sequences = scores[0] == dyn ? dyn : scores[0] * scores[1];
+      const bool fits = (mask.rank() == 2 || (mask.rank() == 3 && !differs(mask[0], sequences))) &&
+                        !differs(mask[mask.rank() - 2], scores[2]) && !differs(mask[mask.rank() - 1], scores[3]);
+      if (!fits) return fault(scores, ShapeFault::attn_mask, Layer::embed_dim, 1);
     }
     return {scores};
   }
@@ -118,69 +159,87 @@ struct KeyPaddingMaskOp : Primitive<KeyPaddingMaskOp<Layer, M>> {
   template <class Backend, class T>
   void run(const graph::KernelArgs& a) const {
     const Shape& s = a.in_shape(0);
-    const index_t batch = s[0], rows = s[1] * s[2], keys = s[3];
+    const index_t rows = s[0] * s[1] * s[2], sequence_rows = s[1] * s[2], keys = s[3];
+    // The mask's rows an attn_mask repeats: every query's of every sequence and head, or one
+    // sequence's queries (a 2-D mask).
+    const index_t mask_rows = a.in_shape(1).numel() / std::max<index_t>(keys, 1);
     const T* x = a.in<T>(0);
     const M* mask = a.in<M>(1);
     T* y = a.out<T>();
     const T value = static_cast<T>(fill);
-    for (index_t b = 0; b < batch; ++b) {
-      const M* m = mask + b * keys;
-      for (index_t r = 0; r < rows; ++r, x += keys, y += keys) {
-        bool attends = keys == 0;
-        for (index_t j = 0; j < keys; ++j) {
-          if constexpr (additive)
-            y[j] = x[j] + m[j];
-          else
-            y[j] = m[j] != 0 ? value : x[j];
-          attends = attends || y[j] != -std::numeric_limits<T>::infinity();
-        }
-        if (!attends && fill != 0) no_key(b, r % s[2]);
+    for (index_t r = 0; r < rows; ++r, x += keys, y += keys) {
+      const M* m = mask + (key_padding ? r / sequence_rows : r % mask_rows) * keys;
+      bool attends = keys == 0;
+      for (index_t j = 0; j < keys; ++j) {
+        if constexpr (additive)
+          y[j] = x[j] + m[j];
+        else
+          y[j] = m[j] != 0 ? value : x[j];
+        attends = attends || y[j] != -std::numeric_limits<T>::infinity();
       }
+      if (!attends && fill != 0) no_key(r / sequence_rows, r % s[2]);
     }
   }
 
   [[noreturn]] void no_key(index_t sequence, index_t query) const {
-    throw ValueError(label() + ": query " + std::to_string(query) + " of sequence " + std::to_string(sequence) +
-                     " attends to no key: the key padding mask masks every key it may see" +
-                     (Layer::causal ? " (with Causal, keys 0 to " + std::to_string(query) + ")" : std::string()) +
-                     ", and softmax over nothing is NaN (PyTorch's result). Leave at least one key of each "
-                     "sequence unmasked (for a sequence that is all padding, its first)" +
-                     (Layer::causal ? ", or pad causal sequences on the right" : ""));
+    throw ValueError(
+        label() + ": query " + std::to_string(query) + " of sequence " + std::to_string(sequence) +
+        " attends to no key: the " + (key_padding ? "key padding mask" : "attn_mask") + " masks every key it may see" +
+        (after_attn_mask ? " after the attn_mask" : "") +
+        (Layer::causal ? " (with Causal, keys 0 to " + std::to_string(query) + ")" : std::string()) +
+        ", and softmax over nothing is NaN (PyTorch's result). Leave at least one key of each " +
+        (key_padding ? "sequence unmasked (for a sequence that is all padding, its first)" : "query unmasked") +
+        (Layer::causal ? ", or pad causal sequences on the right" : ""));
   }
 
   // A UInt8 mask: dy, 0 at the keys it masks (this operation again, filling 0); no gradient
-  // for the mask. A mask added: dy for the scores, and dy summed over heads and queries for
+  // for the mask. A mask added: dy for the scores, and dy summed into the mask's shape for
   // the mask.
   template <std::size_t K>
   requires(K < 2) auto grad_op() const {
     if constexpr (K == 0 && additive)
       return ReshapeLikeOp{};
     else if constexpr (K == 0)
-      return KeyPaddingMaskOp{layer, 0.0};
-    else if constexpr (additive)
+      return AttentionMaskOp{layer, 0.0};
+    else if constexpr (additive && key_padding)
       return KeyPaddingMaskGradOp{};
+    else if constexpr (additive)
+      return AttnMaskGradOp{};
     else
       return NoGradient{};
   }
 
-  static std::string op_name() { return additive ? "KeyPaddingMask (added)" : "KeyPaddingMask"; }
+  static std::string op_name() {
+    return std::string(key_padding ? "KeyPaddingMask" : "AttnMask") + (additive ? " (added)" : "");
+  }
   std::string label() const { return layer->label(); }
-  // The mask as [batch, 1, 1, length], added, or cast to ONNX's bool and selecting -inf. A
-  // query with no key is not refused there: its row is NaN, as in PyTorch.
-  Interchange interchange(std::span<const Shape>) const {
+  // The mask shaped to broadcast against the scores ([batch, 1, 1, keys] for a key padding mask,
+  // [batch, H, queries, keys] for an attn_mask per head, a 2-D one as it is), added, or cast to
+  // ONNX's bool and selecting -inf. A query with no key is not refused there: its row is NaN, as
+  // in PyTorch.
+  Interchange interchange(std::span<const Shape> in) const {
     using In = InterchangeInput;
-    Interchange nodes{{"Unsqueeze", {In::operand(1), In::constant({1, 2})}, {}}};
+    Interchange nodes;
+    if constexpr (key_padding) {
+      nodes.push_back({"Unsqueeze", {In::operand(1), In::constant({1, 2})}, {}});
+    } else if (in.size() > 1 && in[1].rank() == 3) {
+      // [1, batch * H, queries, keys], then 0 copies the last two sizes.
+      nodes.push_back({"Unsqueeze", {In::operand(1), In::constant({0})}, {}});
+      nodes.push_back({"Reshape", {In::node(0), In::constant({-1, Layer::num_heads, 0, 0})}, {}});
+    }
+    const In mask = nodes.empty() ? In::operand(1) : In::node(nodes.size() - 1);
     if constexpr (additive) {
-      nodes.push_back({"Add", {In::operand(0), In::node(0)}, {}});
+      nodes.push_back({"Add", {In::operand(0), mask}, {}});
     } else {
-      nodes.push_back({"Cast", {In::node(0)}, {InterchangeAttribute::of("to", onnx_bool_code)}});
-      nodes.push_back({"Where", {In::node(1), In::number(fill), In::operand(0)}, {}});
+      nodes.push_back({"Cast", {mask}, {InterchangeAttribute::of("to", onnx_bool_code)}});
+      nodes.push_back({"Where", {In::node(nodes.size() - 1), In::number(fill), In::operand(0)}, {}});
     }
     return nodes;
   }
 };
 
-inline const bool attention_listed = list_operations({"MultiheadAttention key_padding_mask"});
+inline const bool attention_listed =
+    list_operations({"MultiheadAttention key_padding_mask", "MultiheadAttention attn_mask"});
 
 }  // namespace ops
 
@@ -200,7 +259,52 @@ struct KeyPaddingMaskType {
                 "the scores (PyTorch's float mask); convert others with ops::cast");
 };
 
+template <class M, class T>
+struct AttnMaskType {
+  static_assert(key_padding_mask_type_v<M, T>,
+                "nn::MultiheadAttention: nn::attn_mask(m) takes a UInt8 mask (PyTorch's bool attn_mask: not 0 keeps "
+                "that query from that key) or a mask of the layer's element type, added to the scores (PyTorch's "
+                "float attn_mask); convert others with ops::cast");
+};
+
 }  // namespace detail
+
+// The place of a mask a call leaves out.
+struct NoMask {};
+
+// PyTorch's attn(x, x, x, attn_mask=m, key_padding_mask=p), its masks named:
+// attn(x, nn::attn_mask(m)), attn(x, nn::key_padding_mask(p)), and both as
+// attn(x, nn::attn_mask(m).key_padding_mask(p)) (either first). The masks are held as they
+// are given (a tensor shares its elements), A or K NoMask where none is.
+template <class A, class K>
+struct AttentionMasks {
+  A attn;
+  K key_padding;
+
+  template <class P>
+  AttentionMasks<A, P> key_padding_mask(P p) const requires std::is_same_v<K, NoMask> {
+    return {attn, std::move(p)};
+  }
+  template <class P>
+  AttentionMasks<P, K> attn_mask(P m) const requires std::is_same_v<A, NoMask> {
+    return {std::move(m), key_padding};
+  }
+};
+
+// PyTorch's attn_mask: [length, length], the queries' rows and the keys' columns, or one such
+// matrix per sequence and head, [batch * H, length, length] (sequence b's head h at b * H + h);
+// UInt8 (PyTorch's bool: not 0 keeps that query from that key) or of the layer's element type,
+// added to the scores (its gradient their sum over what it repeats for).
+template <class M>
+AttentionMasks<M, NoMask> attn_mask(M m) {
+  return {std::move(m), {}};
+}
+
+// PyTorch's key_padding_mask, as attn(x, p) takes it: [batch, length], one per key.
+template <class P>
+AttentionMasks<NoMask, P> key_padding_mask(P p) {
+  return {{}, std::move(p)};
+}
 
 // x [batch, length, E] -> [batch, length, E]: q, k and v from one fused in-projection
 // (in_proj, Dense<E, 3E>: its weight and bias hold PyTorch's in_proj_weight and in_proj_bias,
@@ -214,7 +318,8 @@ struct KeyPaddingMaskType {
 // make graph mode fall back to a traced graph (README, "Shared values in graph mode").
 // Initialised as PyTorch does: in_proj's weight Xavier-uniform, both biases 0, out_proj's
 // weight U(-1/sqrt(E), 1/sqrt(E)). No dropout, and only the output (PyTorch's need_weights=False).
-// attn(x, key_padding_mask) masks keys per sequence, PyTorch's key_padding_mask (ops::KeyPaddingMaskOp).
+// attn(x, key_padding_mask) masks keys per sequence, PyTorch's key_padding_mask, and
+// attn(x, nn::attn_mask(m)) masks scores per query, PyTorch's attn_mask (ops::AttentionMaskOp).
 template <index_t E, index_t H, bool Causal = false, ElementType T = float>
 class MultiheadAttention : public Cell<MultiheadAttention<E, H, Causal, T>, CONTEXT_MODE, T> {
   static_assert(E > 0 && H > 0 && E % H == 0,
@@ -240,15 +345,33 @@ class MultiheadAttention : public Cell<MultiheadAttention<E, H, Causal, T>, CONT
   // the scores of every query, as PyTorch's float mask; its gradient is their sum).
   template <class X, class Mask>
   auto construct(X&& x, const Mask& key_padding_mask) {
-    using M = typename std::remove_cvref_t<Mask>::value_type;
-    if constexpr (!detail::key_padding_mask_type_v<M, T>) {
-      // Once per mask type, however many captures meet it; the rest runs without the mask, so
-      // that this is the only error.
-      static_cast<void>(sizeof(detail::KeyPaddingMaskType<M, T>));
-      return attend(std::forward<X>(x), [](auto scores) { return scores; });
+    return attend_masked(std::forward<X>(x), nn::key_padding_mask(std::cref(key_padding_mask)));
+  }
+
+  // Calls on tensors, and attn(x, masks) with masks named (nn::attn_mask, nn::key_padding_mask).
+  using Cell<MultiheadAttention, CONTEXT_MODE, T>::operator();
+
+  // attn(x, nn::attn_mask(m)), with or without a key padding mask. Captured (construct's call
+  // on symbolic tensors, a function given to value_and_grad or jit) it appends its operations
+  // to the graph, as construct does; on tensors, it runs them one by one in either mode, as
+  // nn::LSTM's cell_states does: the same kernels and bits.
+  template <class X, class A, class K>
+  auto operator()(X&& x, const AttentionMasks<A, K>& masks) {
+    constexpr bool symbolic = graph::Symbolic<std::remove_cvref_t<X>>;
+    static_assert((std::is_same_v<A, NoMask> || graph::Symbolic<A> == symbolic) &&
+                      (std::is_same_v<K, NoMask> || graph::Symbolic<K> == symbolic),
+                  "nn::MultiheadAttention: attn(x, masks) takes its input and masks all captured (symbolic, in "
+                  "construct in graph mode) or all tensors: a mask made outside construct is one of the network's "
+                  "inputs, passed to construct beside x");
+    if constexpr (symbolic) {
+      this->check_capture();
+      return attend_masked(std::forward<X>(x), masks);
     } else {
-      return attend(std::forward<X>(x), [&](auto scores) {
-        return apply(ops::KeyPaddingMaskOp<MultiheadAttention, M>{this}, scores, key_padding_mask);
+      return duet::detail::all_or_nothing([&] {
+        this->check_registered();
+        this->ensure_named();
+        EagerScope eager;
+        return attend_masked(std::forward<X>(x), masks);
       });
     }
   }
@@ -273,6 +396,41 @@ class MultiheadAttention : public Cell<MultiheadAttention<E, H, Causal, T>, CONT
   }
 
  private:
+  // The attention of x on itself, the attn_mask then the key padding mask applied, as PyTorch
+  // adds both to the scores. A mask of an element type neither UInt8 nor T is said once per
+  // type, however many captures meet it; the call then runs without it, so that this is the
+  // only error.
+  template <class X, class A, class K>
+  auto attend_masked(X&& x, const AttentionMasks<A, K>& masks) {
+    return attend(std::forward<X>(x), [&](auto scores) {
+      return masked<ops::AttentionMask::key_padding>(masked<ops::AttentionMask::attn>(scores, masks.attn),
+                                                     masks.key_padding, !std::is_same_v<A, NoMask>);
+    });
+  }
+
+  // The scores with one mask applied as Which, or as they are for NoMask. `mask` may be a
+  // std::reference_wrapper (construct's key padding mask, not copied).
+  template <ops::AttentionMask Which, class Scores, class Mask>
+  auto masked(Scores scores, const Mask& mask, bool after_attn_mask = false) {
+    if constexpr (std::is_same_v<Mask, NoMask>) {
+      return scores;
+    } else {
+      using M = typename std::remove_cvref_t<std::unwrap_reference_t<Mask>>::value_type;
+      if constexpr (!detail::key_padding_mask_type_v<M, T>) {
+        if constexpr (Which == ops::AttentionMask::key_padding)
+          static_cast<void>(sizeof(detail::KeyPaddingMaskType<M, T>));
+        else
+          static_cast<void>(sizeof(detail::AttnMaskType<M, T>));
+        return scores;
+      } else {
+        const std::unwrap_reference_t<Mask>& m = mask;
+        return apply(ops::AttentionMaskOp<MultiheadAttention, M, Which>{this, -std::numeric_limits<double>::infinity(),
+                                                                        after_attn_mask},
+                     scores, m);
+      }
+    }
+  }
+
   // The attention of x on itself, `mask` applied to the scores [batch, H, length, length]
   // after the causal mask and before softmax.
   template <class X, class Mask>
