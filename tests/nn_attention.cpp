@@ -1066,6 +1066,27 @@ void check_against_torch(const Reference& first, const Reference& second) {
   CHECK(worst < 2e-7);
 }
 
+// The largest difference from torch's numbers of a masked attention's output, loss and
+// gradients (the input's and the parameters', and a float mask's if mask_grads holds them),
+// each taken in PyNative then graph mode, which must agree bit for bit.
+double compared_with_torch(const std::vector<F>& outputs, const std::vector<float>& losses, const std::vector<F>& grads,
+                           const std::vector<F>& mask_grads, const Reference& r, const std::vector<double>& d_mask) {
+  CHECK(same_bits(outputs[0], outputs[1]));
+  CHECK(losses[0] == losses[1]);
+  REQUIRE(grads.size() == 10);
+  for (std::size_t i = 0; i < 5; ++i) CHECK(same_bits(grads[i], grads[i + 5]));
+  const std::vector<double>* expected[] = {&r.dx, &r.d_in_proj_weight, &r.d_in_proj_bias, &r.d_out_proj_weight,
+                                           &r.d_out_proj_bias};
+  double worst = std::max(max_difference(outputs[0], r.out), std::abs(losses[0] - r.loss));
+  for (std::size_t i = 0; i < 5; ++i) worst = std::max(worst, max_difference(grads[i], *expected[i]));
+  if (!mask_grads.empty()) {
+    REQUIRE(mask_grads.size() == 2);
+    CHECK(same_bits(mask_grads[0], mask_grads[1]));
+    worst = std::max(worst, max_difference(mask_grads[0], d_mask));
+  }
+  return worst;
+}
+
 // The attention with its key padding mask, against torch's: the output, the loss, the gradients
 // of the input, of every parameter and of a float mask, the same bits in both modes. The mask
 // is UInt8 (torch's bool) or float (M).
@@ -1092,20 +1113,7 @@ double check_masked_against_torch(const MaskedReference& r) {
     if constexpr (std::is_same_v<M, float>)
       mask_grads.push_back(duet::value_and_grad(loss, 1)(x, mask, target).grads[0]);
   }
-  CHECK(same_bits(outputs[0], outputs[1]));
-  CHECK(losses[0] == losses[1]);
-  REQUIRE(grads.size() == 10);
-  for (std::size_t i = 0; i < 5; ++i) CHECK(same_bits(grads[i], grads[i + 5]));
-  const std::vector<double>* expected[] = {&r.plain.dx, &r.plain.d_in_proj_weight, &r.plain.d_in_proj_bias,
-                                           &r.plain.d_out_proj_weight, &r.plain.d_out_proj_bias};
-  double worst = std::max(max_difference(outputs[0], r.plain.out), std::abs(losses[0] - r.plain.loss));
-  for (std::size_t i = 0; i < 5; ++i) worst = std::max(worst, max_difference(grads[i], *expected[i]));
-  if constexpr (std::is_same_v<M, float>) {
-    REQUIRE(mask_grads.size() == 2);
-    CHECK(same_bits(mask_grads[0], mask_grads[1]));
-    worst = std::max(worst, max_difference(mask_grads[0], r.d_mask));
-  }
-  return worst;
+  return compared_with_torch(outputs, losses, grads, mask_grads, r.plain, r.d_mask);
 }
 
 // The attention with its attn_mask, and a key padding mask if Padded, called in a network's
@@ -1160,10 +1168,6 @@ double check_attn_masked_against_torch(const AttnMaskedReference& r) {
     grads.insert(grads.end(), vg.grads.begin(), vg.grads.end());
     if constexpr (std::is_same_v<A, float>) mask_grads.push_back(call(duet::value_and_grad(loss, 1)).grads[0]);
   }
-  CHECK(same_bits(outputs[0], outputs[1]));
-  CHECK(losses[0] == losses[1]);
-  REQUIRE(grads.size() == 10);
-  for (std::size_t i = 0; i < 5; ++i) CHECK(same_bits(grads[i], grads[i + 5]));
   // The attention called on tensors, outside any network, runs the same operations.
   CHECK(same_bits(call([&](const auto& in, const auto& m, const auto&, const auto&... p) {
                     if constexpr (Padded)
@@ -1172,16 +1176,7 @@ double check_attn_masked_against_torch(const AttnMaskedReference& r) {
                       return net.attn(in, duet::nn::attn_mask(m));
                   }),
                   outputs[0]));
-  const std::vector<double>* expected[] = {&r.plain.dx, &r.plain.d_in_proj_weight, &r.plain.d_in_proj_bias,
-                                           &r.plain.d_out_proj_weight, &r.plain.d_out_proj_bias};
-  double worst = std::max(max_difference(outputs[0], r.plain.out), std::abs(losses[0] - r.plain.loss));
-  for (std::size_t i = 0; i < 5; ++i) worst = std::max(worst, max_difference(grads[i], *expected[i]));
-  if constexpr (std::is_same_v<A, float>) {
-    REQUIRE(mask_grads.size() == 2);
-    CHECK(same_bits(mask_grads[0], mask_grads[1]));
-    worst = std::max(worst, max_difference(mask_grads[0], r.d_attn_mask));
-  }
-  return worst;
+  return compared_with_torch(outputs, losses, grads, mask_grads, r.plain, r.d_attn_mask);
 }
 
 // The gradient harness's cases for the key padding mask (tests/ops_gradients.cpp): the layer in

@@ -26072,21 +26072,18 @@ namespace nn {
 
 namespace detail {
 
-// The element types of nn::MultiheadAttention's key padding mask: UInt8 or the layer's own.
+// The element types of nn::MultiheadAttention's masks: UInt8 or the layer's own.
 template <class M, class T>
-inline constexpr bool key_padding_mask_type_v = std::is_same_v<M, std::uint8_t> || std::is_same_v<M, T>;
+inline constexpr bool mask_type_v = std::is_same_v<M, std::uint8_t> || std::is_same_v<M, T>;
 
-template <class M, class T>
-struct KeyPaddingMaskType {
-  static_assert(key_padding_mask_type_v<M, T>,
+// Said where a mask of another element type meets the layer, in the words of its call.
+template <class M, class T, ops::AttentionMask Which>
+struct MaskType {
+  static_assert(Which != ops::AttentionMask::key_padding || mask_type_v<M, T>,
                 "nn::MultiheadAttention: attn(x, key_padding_mask) takes a UInt8 mask (PyTorch's bool mask: not 0 "
                 "ignores that key; ops::equal(ids, pad_id) makes one) or a mask of the layer's element type, added to "
                 "the scores (PyTorch's float mask); convert others with ops::cast");
-};
-
-template <class M, class T>
-struct AttnMaskType {
-  static_assert(key_padding_mask_type_v<M, T>,
+  static_assert(Which != ops::AttentionMask::attn || mask_type_v<M, T>,
                 "nn::MultiheadAttention: nn::attn_mask(m) takes a UInt8 mask (PyTorch's bool attn_mask: not 0 keeps "
                 "that query from that key) or a mask of the layer's element type, added to the scores (PyTorch's "
                 "float attn_mask); convert others with ops::cast");
@@ -26183,12 +26180,15 @@ class MultiheadAttention : public Cell<MultiheadAttention<E, H, Causal, T>, CONT
   template <class X, class A, class K>
   auto operator()(X&& x, const AttentionMasks<A, K>& masks) {
     constexpr bool symbolic = graph::Symbolic<std::remove_cvref_t<X>>;
-    static_assert((std::is_same_v<A, NoMask> || graph::Symbolic<A> == symbolic) &&
-                      (std::is_same_v<K, NoMask> || graph::Symbolic<K> == symbolic),
+    constexpr bool alike = (std::is_same_v<A, NoMask> || graph::Symbolic<A> == symbolic) &&
+                           (std::is_same_v<K, NoMask> || graph::Symbolic<K> == symbolic);
+    static_assert(alike,
                   "nn::MultiheadAttention: attn(x, masks) takes its input and masks all captured (symbolic, in "
                   "construct in graph mode) or all tensors: a mask made outside construct is one of the network's "
                   "inputs, passed to construct beside x");
-    if constexpr (symbolic) {
+    if constexpr (!alike) {
+      return attend(std::forward<X>(x), [](auto scores) { return scores; });  // so that this is the only error
+    } else if constexpr (symbolic) {
       this->check_capture();
       return attend_masked(std::forward<X>(x), masks);
     } else {
@@ -26241,11 +26241,8 @@ class MultiheadAttention : public Cell<MultiheadAttention<E, H, Causal, T>, CONT
       return scores;
     } else {
       using M = typename std::remove_cvref_t<std::unwrap_reference_t<Mask>>::value_type;
-      if constexpr (!detail::key_padding_mask_type_v<M, T>) {
-        if constexpr (Which == ops::AttentionMask::key_padding)
-          static_cast<void>(sizeof(detail::KeyPaddingMaskType<M, T>));
-        else
-          static_cast<void>(sizeof(detail::AttnMaskType<M, T>));
+      if constexpr (!detail::mask_type_v<M, T>) {
+        static_cast<void>(sizeof(detail::MaskType<M, T, Which>));
         return scores;
       } else {
         const std::unwrap_reference_t<Mask>& m = mask;
