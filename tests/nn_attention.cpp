@@ -1574,6 +1574,14 @@ TEST_CASE("nn::attn_mask is one static graph in graph mode, and equals the key p
           .captured.text;
   CHECK(ir.find("AttnMask") != std::string::npos);
   CHECK(ir.find("KeyPaddingMask") != std::string::npos);
+  // Called on tensors outside any construct, graph mode runs the call op by op, and says so.
+  duet::set_context({.mode = duet::GRAPH_MODE});
+  CHECK(same_bits(net.attn(x, duet::nn::attn_mask(mask_of({4, 4}, {0, 0, 1, 1, 0, 0, 1, 1, 0, 0, 1, 1, 0, 0, 1, 1}))),
+                  outputs[1]));
+  CHECK(std::ranges::any_of(duet::jit_compile_log(), [](const std::string& line) {
+    return line.find("attn(x, masks) called on tensors runs its operations one by one in graph mode") !=
+           std::string::npos;
+  }));
 }
 
 TEST_CASE("nn::attn_mask refuses a query left with no key, and a mask of the wrong shape, in both modes") {

@@ -1009,6 +1009,16 @@ class Cell : public BasicDynamicCell<T> {
   }
 
  protected:
+  // A PyNative grad records the operations as they run; a graph would be one opaque call to
+  // its tape. Under a recording tape, a graph-mode cell therefore runs its construct eagerly:
+  // the same numbers, and gradients that reach its parameters. So does a cell duet::summary
+  // observes, so that the call of each cell inside it is seen, and one a PIJit trace runs
+  // through, whose replay would otherwise read the graph's output as a constant.
+  static bool runs_as_graph() {
+    return effective_mode(M) == GRAPH_MODE && autodiff::active_tape() == nullptr &&
+           detail::call_observer<T> == nullptr && pijit::active_trace() == nullptr;
+  }
+
   BasicTensor<T> forward(const BasicTensor<T>& x) override {
     if constexpr (takes_other_input()) {
       // construct is written for its own input type (ops::gather on the indices, say): compiled
@@ -1093,16 +1103,6 @@ class Cell : public BasicDynamicCell<T> {
     } else {
       return derived().construct(std::forward<X>(xs)...);
     }
-  }
-
-  // A PyNative grad records the operations as they run; a graph would be one opaque call to
-  // its tape. Under a recording tape, a graph-mode cell therefore runs its construct eagerly:
-  // the same numbers, and gradients that reach its parameters. So does a cell duet::summary
-  // observes, so that the call of each cell inside it is seen, and one a PIJit trace runs
-  // through, whose replay would otherwise read the graph's output as a constant.
-  static bool runs_as_graph() {
-    return effective_mode(M) == GRAPH_MODE && autodiff::active_tape() == nullptr && detail::call_observer<T> == nullptr &&
-           pijit::active_trace() == nullptr;
   }
 
   void refuse_hooks_in_graph() {

@@ -14139,6 +14139,16 @@ class Cell : public BasicDynamicCell<T> {
   }
 
  protected:
+  // A PyNative grad records the operations as they run; a graph would be one opaque call to
+  // its tape. Under a recording tape, a graph-mode cell therefore runs its construct eagerly:
+  // the same numbers, and gradients that reach its parameters. So does a cell duet::summary
+  // observes, so that the call of each cell inside it is seen, and one a PIJit trace runs
+  // through, whose replay would otherwise read the graph's output as a constant.
+  static bool runs_as_graph() {
+    return effective_mode(M) == GRAPH_MODE && autodiff::active_tape() == nullptr &&
+           detail::call_observer<T> == nullptr && pijit::active_trace() == nullptr;
+  }
+
   BasicTensor<T> forward(const BasicTensor<T>& x) override {
     if constexpr (takes_other_input()) {
       // construct is written for its own input type (ops::gather on the indices, say): compiled
@@ -14223,16 +14233,6 @@ class Cell : public BasicDynamicCell<T> {
     } else {
       return derived().construct(std::forward<X>(xs)...);
     }
-  }
-
-  // A PyNative grad records the operations as they run; a graph would be one opaque call to
-  // its tape. Under a recording tape, a graph-mode cell therefore runs its construct eagerly:
-  // the same numbers, and gradients that reach its parameters. So does a cell duet::summary
-  // observes, so that the call of each cell inside it is seen, and one a PIJit trace runs
-  // through, whose replay would otherwise read the graph's output as a constant.
-  static bool runs_as_graph() {
-    return effective_mode(M) == GRAPH_MODE && autodiff::active_tape() == nullptr && detail::call_observer<T> == nullptr &&
-           pijit::active_trace() == nullptr;
   }
 
   void refuse_hooks_in_graph() {
@@ -26192,6 +26192,12 @@ class MultiheadAttention : public Cell<MultiheadAttention<E, H, Causal, T>, CONT
       this->check_capture();
       return attend_masked(std::forward<X>(x), masks);
     } else {
+      if (Cell<MultiheadAttention, CONTEXT_MODE, T>::runs_as_graph()) {
+        duet::detail::log_not_compiled(type_name() +
+                                       ": attn(x, masks) called on tensors runs its operations one by one in graph "
+                                       "mode (PyNative's speed, the same bits); called in a cell's construct it is "
+                                       "part of that cell's graph");
+      }
       return duet::detail::all_or_nothing([&] {
         this->check_registered();
         this->ensure_named();

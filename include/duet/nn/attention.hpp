@@ -367,6 +367,12 @@ class MultiheadAttention : public Cell<MultiheadAttention<E, H, Causal, T>, CONT
       this->check_capture();
       return attend_masked(std::forward<X>(x), masks);
     } else {
+      if (Cell<MultiheadAttention, CONTEXT_MODE, T>::runs_as_graph()) {
+        duet::detail::log_not_compiled(type_name() +
+                                       ": attn(x, masks) called on tensors runs its operations one by one in graph "
+                                       "mode (PyNative's speed, the same bits); called in a cell's construct it is "
+                                       "part of that cell's graph");
+      }
       return duet::detail::all_or_nothing([&] {
         this->check_registered();
         this->ensure_named();
