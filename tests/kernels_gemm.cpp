@@ -171,6 +171,30 @@ TEST_CASE_TEMPLATE("kernels::gemm with compile-time sizes, small and large" * du
   }
 }
 
+// The blocked product's tiles are MR rows high, and an M block that ends on a few rows ends on a
+// shorter tile: each row's sums are the same chains in either, so its bits do not depend on the
+// rows computed with it (a batch, its shards, one row taken out of it).
+TEST_CASE_TEMPLATE("kernels::gemm, blocked: a row's bits whatever tile it falls in" * duet_test::every_isa, T, float,
+                   double) {
+  std::mt19937 gen(12);
+  const index_t m = 64, k = 100, n = 80;
+  const Problem<T> p = problem<T>(m, k, n, gen);
+  duet_test::for_each_isa([&] {
+    std::vector<T> all(static_cast<std::size_t>(m * n));
+    kernels::gemm<dyn, dyn, fn::Relu>(p.a(), m, k, p.b.data(), n, p.bias.data(), all.data());
+    for (index_t first = 0; first < m; first += 5) {
+      for (index_t rows : {2, 3, 4, 5, 6, 7, 12, 13}) {
+        if (first + rows > m) continue;
+        CAPTURE(first);
+        CAPTURE(rows);
+        std::vector<T> part(static_cast<std::size_t>(rows * n));
+        kernels::gemm<dyn, dyn, fn::Relu>(p.a() + first * k, rows, k, p.b.data(), n, p.bias.data(), part.data());
+        CHECK(std::equal(part.begin(), part.end(), all.begin() + first * n));
+      }
+    }
+  });
+}
+
 // Fewer outputs than an AVX-512 vector of floats: the narrow product, its tile's edges in rows
 // (batches not a multiple of its rows) and in k (not a multiple of any set's lanes), and its
 // epilogue pass. Each row's bits are the same whatever rows are computed with it, and on any

@@ -90,13 +90,16 @@ void dense_small(const T* a, index_t m, index_t k, const T* b, index_t n, const 
   }
 }
 
-// Cache blocking. A K block of a panel of B (kc x W: 64 KiB) comes from L2 (at 21 bytes a
-// cycle for AVX-512's tile, within what L2 delivers) and every tile down the M block reuses it;
+// Cache blocking. A K block of a panel of B (kc x W: up to 256 KiB) comes from L2 (at 21 bytes
+// a cycle for AVX-512's tile, within what L2 delivers) and every tile down the M block reuses it;
 // an M block keeps the rows of A that every panel meets (MC x K) within half of a 1 MiB L2, and
 // each M block packs B again, a cost spread over MC rows. Measured on the seed's gradients and
 // a 64-channel convolution, 16 KiB K blocks (in L1) were 5-15 % slower, from the partial sums
-// they add to C, and 256 KiB no faster; on the seed's forward layers 32 to 128 KiB alike.
-inline constexpr index_t panel_block_bytes = 64 * 1024;
+// they add to C. On the seed's forward layers (Xeon, AVX-512), 64 KiB blocks (784 as 4 x 196)
+// ran at 88-93 % of the FMA peak and one block over all of K (256 KiB) at 92-96 %: every K block
+// after the first stores and reloads the C tile and restarts the tile's loop, and a 64 KiB block
+// does not stay in a 48 KiB L1 either (benchmarks/gemm.cpp, gemm/tile/*: 97 % in L1).
+inline constexpr index_t panel_block_bytes = 256 * 1024;
 inline constexpr index_t MC_bytes = 512 * 1024;
 
 // Splits extent into the fewest blocks of at most limit, of equal size rounded up to a multiple
