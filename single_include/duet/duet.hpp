@@ -186,9 +186,12 @@ class FormatError : public IOError {
 //    rows of A by 5 rows of B, both read in place, each output's lanes summed at the end, so
 //    that every lane of every FMA counts; the blocked product below spreads a vector over the
 //    outputs, and 10 of them left 6 lanes of 16 idle (as oneDNN 2.6's brgemm does, a tile of
-//    16 rows x 1 vector, 10 lanes of it masked in). The sums go to C, then one pass over that
-//    small output adds the bias and applies the functions: the product is compiled once per
-//    instruction set, not once per epilogue. On the Xeon (AVX-512) 1.2-1.4x oneDNN's speed.
+//    16 rows x 1 vector, 10 lanes of it masked in). The sums go to C with the bias added, then
+//    one pass over that small output applies the functions, if any: the product is compiled
+//    once per instruction set, not once per epilogue. On the Xeon (AVX-512) 1.2-1.4x oneDNN's
+//    speed. Its ceiling is the tile's: the lanes of 15 sums folded every tile (k = 512) hold it
+//    to 83 % of the FMA peak with its data in L1 (91 % at k = 2048). M on the lanes instead
+//    would need A transposed on every call, which took longer than this product.
 //  - otherwise: a GEMM in the style of BLIS. The weight is packed into panels of W = NV·L
 //    columns (its rows: a layer's outputs), each [k, W], the weight transposed, so that the
 //    micro-kernel's tile of MR rows x NV vectors of C takes, for each k, NV vectors of B and
@@ -2562,9 +2565,11 @@ template <bool Partial, int R, int C, class T>
 // C tile (rows x cols, at most dot_rows x dot_cols) = A·Bᵀ from rows of A and B, both [., k],
 // read in place: each output a chain of FMAs along k, lane by lane, then its lanes summed by
 // sum_lanes, the same tree for every output wherever it sits in the tile. Past the last row
-// (or column), the last one again, computed and not stored. Never inlined, as tile().
+// (or column), the last one again, computed and not stored. The bias (if any) is added to each
+// sum as it is stored, the add the epilogue of tile() makes. Never inlined, as tile().
 template <class T>
-[[gnu::noinline]] void dot_tile(const T* a, index_t k, int rows, const T* b, int cols, T* c, index_t ldc) {
+[[gnu::noinline]] void dot_tile(const T* a, index_t k, int rows, const T* b, int cols, const T* bias, T* c,
+                                index_t ldc) {
   constexpr int L = lanes<T>;
   constexpr int R = dot_rows;
   constexpr int C = dot_cols;
@@ -2586,17 +2591,17 @@ template <class T>
     store<T>(sums + g * L, sum_lanes<T>(v));
   }
   for (int i = 0; i < rows; ++i, c += ldc) {
-    for (int j = 0; j < cols; ++j) c[j] = sums[i * C + j];
+    for (int j = 0; j < cols; ++j) c[j] = bias != nullptr ? sums[i * C + j] + bias[j] : sums[i * C + j];
   }
 }
 
-// c[m, n] = a·bᵀ, no bias or functions (epilogue() after it), b [n, k] read in place: the
+// c[m, n] = a·bᵀ + bias, no functions (epilogue() after it), b [n, k] read in place: the
 // product of a layer with fewer outputs than an AVX-512 vector has lanes. The blocked tile
 // spreads a vector over the outputs, and 10 outputs left 6 of 16 lanes idle (oneDNN's brgemm
 // does the same with a masked 16 x 1-vector tile); along k, every lane of every FMA is used,
 // against a sum of lanes per output at the end. Threads take whole tiles of rows.
 template <class T>
-void dot_product(const T* a, index_t m, index_t k, const T* b, index_t n, T* c) {
+void dot_product(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c) {
   constexpr index_t R = dot_rows;
   const index_t tiles = (m + R - 1) / R;
   ::duet::detail::parallel_blocks(
@@ -2605,23 +2610,24 @@ void dot_product(const T* a, index_t m, index_t k, const T* b, index_t n, T* c) 
           const int rows = static_cast<int>(std::min(R, m - i0));
           for (index_t j0 = 0; j0 < n; j0 += dot_cols) {
             dot_tile(a + i0 * k, k, rows, b + j0 * k, static_cast<int>(std::min<index_t>(dot_cols, n - j0)),
-                     c + i0 * n + j0, n);
+                     bias == nullptr ? nullptr : bias + j0, c + i0 * n + j0, n);
           }
         }
       });
 }
 
-// c[i, :] = Fns(c[i, :] + bias): the epilogue of dot_product, in a pass over its small output,
-// so that the product is compiled once whatever the functions. Each vector gets the code (and
-// the bits) of a vector's epilogue in tile().
+// c[i, :] = Fns(c[i, :]): the functions of dot_product's epilogue, in a pass over its small
+// output, so that the product is compiled once whatever the functions; a layer without them
+// (a classifier's 10 outputs, the bias added in dot_tile) takes no pass, which was 11 % of the
+// 512 x 10 product at batch 64 (Xeon, AVX-512). Each vector gets the code (and the bits) of a
+// vector's epilogue in tile().
 template <class T, class... Fns>
-void epilogue(T* c, index_t m, index_t n, const T* bias) {
+void epilogue(T* c, index_t m, index_t n) {
   constexpr int L = lanes<T>;
   for (index_t i = 0; i < m; ++i, c += n) {
     for (index_t j = 0; j < n; j += L) {
       const int count = static_cast<int>(std::min<index_t>(L, n - j));
       Vec<T> v = load_first(c + j, count);
-      if (bias != nullptr) v += load_first(bias + j, count);
       apply_all<Vec<T>, Fns...>(v);
       store_first<T>(c + j, v, count);
     }
@@ -2885,8 +2891,8 @@ void Kernels::blocked(const T* a, index_t m, index_t k, const T* b, index_t n, c
 
 template <class T, class... Fns>
 void Kernels::narrow(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c) {
-  dot_product(a, m, k, b, n, c);
-  if (bias != nullptr || sizeof...(Fns) > 0) epilogue<T, Fns...>(c, m, n, bias);
+  dot_product(a, m, k, b, n, bias, c);
+  if constexpr (sizeof...(Fns) > 0) epilogue<T, Fns...>(c, m, n);
 }
 
 template <class T>
@@ -3055,9 +3061,11 @@ template <bool Partial, int R, int C, class T>
 // C tile (rows x cols, at most dot_rows x dot_cols) = A·Bᵀ from rows of A and B, both [., k],
 // read in place: each output a chain of FMAs along k, lane by lane, then its lanes summed by
 // sum_lanes, the same tree for every output wherever it sits in the tile. Past the last row
-// (or column), the last one again, computed and not stored. Never inlined, as tile().
+// (or column), the last one again, computed and not stored. The bias (if any) is added to each
+// sum as it is stored, the add the epilogue of tile() makes. Never inlined, as tile().
 template <class T>
-[[gnu::noinline]] void dot_tile(const T* a, index_t k, int rows, const T* b, int cols, T* c, index_t ldc) {
+[[gnu::noinline]] void dot_tile(const T* a, index_t k, int rows, const T* b, int cols, const T* bias, T* c,
+                                index_t ldc) {
   constexpr int L = lanes<T>;
   constexpr int R = dot_rows;
   constexpr int C = dot_cols;
@@ -3079,17 +3087,17 @@ template <class T>
     store<T>(sums + g * L, sum_lanes<T>(v));
   }
   for (int i = 0; i < rows; ++i, c += ldc) {
-    for (int j = 0; j < cols; ++j) c[j] = sums[i * C + j];
+    for (int j = 0; j < cols; ++j) c[j] = bias != nullptr ? sums[i * C + j] + bias[j] : sums[i * C + j];
   }
 }
 
-// c[m, n] = a·bᵀ, no bias or functions (epilogue() after it), b [n, k] read in place: the
+// c[m, n] = a·bᵀ + bias, no functions (epilogue() after it), b [n, k] read in place: the
 // product of a layer with fewer outputs than an AVX-512 vector has lanes. The blocked tile
 // spreads a vector over the outputs, and 10 outputs left 6 of 16 lanes idle (oneDNN's brgemm
 // does the same with a masked 16 x 1-vector tile); along k, every lane of every FMA is used,
 // against a sum of lanes per output at the end. Threads take whole tiles of rows.
 template <class T>
-void dot_product(const T* a, index_t m, index_t k, const T* b, index_t n, T* c) {
+void dot_product(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c) {
   constexpr index_t R = dot_rows;
   const index_t tiles = (m + R - 1) / R;
   ::duet::detail::parallel_blocks(
@@ -3098,23 +3106,24 @@ void dot_product(const T* a, index_t m, index_t k, const T* b, index_t n, T* c) 
           const int rows = static_cast<int>(std::min(R, m - i0));
           for (index_t j0 = 0; j0 < n; j0 += dot_cols) {
             dot_tile(a + i0 * k, k, rows, b + j0 * k, static_cast<int>(std::min<index_t>(dot_cols, n - j0)),
-                     c + i0 * n + j0, n);
+                     bias == nullptr ? nullptr : bias + j0, c + i0 * n + j0, n);
           }
         }
       });
 }
 
-// c[i, :] = Fns(c[i, :] + bias): the epilogue of dot_product, in a pass over its small output,
-// so that the product is compiled once whatever the functions. Each vector gets the code (and
-// the bits) of a vector's epilogue in tile().
+// c[i, :] = Fns(c[i, :]): the functions of dot_product's epilogue, in a pass over its small
+// output, so that the product is compiled once whatever the functions; a layer without them
+// (a classifier's 10 outputs, the bias added in dot_tile) takes no pass, which was 11 % of the
+// 512 x 10 product at batch 64 (Xeon, AVX-512). Each vector gets the code (and the bits) of a
+// vector's epilogue in tile().
 template <class T, class... Fns>
-void epilogue(T* c, index_t m, index_t n, const T* bias) {
+void epilogue(T* c, index_t m, index_t n) {
   constexpr int L = lanes<T>;
   for (index_t i = 0; i < m; ++i, c += n) {
     for (index_t j = 0; j < n; j += L) {
       const int count = static_cast<int>(std::min<index_t>(L, n - j));
       Vec<T> v = load_first(c + j, count);
-      if (bias != nullptr) v += load_first(bias + j, count);
       apply_all<Vec<T>, Fns...>(v);
       store_first<T>(c + j, v, count);
     }
@@ -3378,8 +3387,8 @@ void Kernels::blocked(const T* a, index_t m, index_t k, const T* b, index_t n, c
 
 template <class T, class... Fns>
 void Kernels::narrow(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c) {
-  dot_product(a, m, k, b, n, c);
-  if (bias != nullptr || sizeof...(Fns) > 0) epilogue<T, Fns...>(c, m, n, bias);
+  dot_product(a, m, k, b, n, bias, c);
+  if constexpr (sizeof...(Fns) > 0) epilogue<T, Fns...>(c, m, n);
 }
 
 template <class T>
@@ -3547,9 +3556,11 @@ template <bool Partial, int R, int C, class T>
 // C tile (rows x cols, at most dot_rows x dot_cols) = A·Bᵀ from rows of A and B, both [., k],
 // read in place: each output a chain of FMAs along k, lane by lane, then its lanes summed by
 // sum_lanes, the same tree for every output wherever it sits in the tile. Past the last row
-// (or column), the last one again, computed and not stored. Never inlined, as tile().
+// (or column), the last one again, computed and not stored. The bias (if any) is added to each
+// sum as it is stored, the add the epilogue of tile() makes. Never inlined, as tile().
 template <class T>
-[[gnu::noinline]] void dot_tile(const T* a, index_t k, int rows, const T* b, int cols, T* c, index_t ldc) {
+[[gnu::noinline]] void dot_tile(const T* a, index_t k, int rows, const T* b, int cols, const T* bias, T* c,
+                                index_t ldc) {
   constexpr int L = lanes<T>;
   constexpr int R = dot_rows;
   constexpr int C = dot_cols;
@@ -3571,17 +3582,17 @@ template <class T>
     store<T>(sums + g * L, sum_lanes<T>(v));
   }
   for (int i = 0; i < rows; ++i, c += ldc) {
-    for (int j = 0; j < cols; ++j) c[j] = sums[i * C + j];
+    for (int j = 0; j < cols; ++j) c[j] = bias != nullptr ? sums[i * C + j] + bias[j] : sums[i * C + j];
   }
 }
 
-// c[m, n] = a·bᵀ, no bias or functions (epilogue() after it), b [n, k] read in place: the
+// c[m, n] = a·bᵀ + bias, no functions (epilogue() after it), b [n, k] read in place: the
 // product of a layer with fewer outputs than an AVX-512 vector has lanes. The blocked tile
 // spreads a vector over the outputs, and 10 outputs left 6 of 16 lanes idle (oneDNN's brgemm
 // does the same with a masked 16 x 1-vector tile); along k, every lane of every FMA is used,
 // against a sum of lanes per output at the end. Threads take whole tiles of rows.
 template <class T>
-void dot_product(const T* a, index_t m, index_t k, const T* b, index_t n, T* c) {
+void dot_product(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c) {
   constexpr index_t R = dot_rows;
   const index_t tiles = (m + R - 1) / R;
   ::duet::detail::parallel_blocks(
@@ -3590,23 +3601,24 @@ void dot_product(const T* a, index_t m, index_t k, const T* b, index_t n, T* c) 
           const int rows = static_cast<int>(std::min(R, m - i0));
           for (index_t j0 = 0; j0 < n; j0 += dot_cols) {
             dot_tile(a + i0 * k, k, rows, b + j0 * k, static_cast<int>(std::min<index_t>(dot_cols, n - j0)),
-                     c + i0 * n + j0, n);
+                     bias == nullptr ? nullptr : bias + j0, c + i0 * n + j0, n);
           }
         }
       });
 }
 
-// c[i, :] = Fns(c[i, :] + bias): the epilogue of dot_product, in a pass over its small output,
-// so that the product is compiled once whatever the functions. Each vector gets the code (and
-// the bits) of a vector's epilogue in tile().
+// c[i, :] = Fns(c[i, :]): the functions of dot_product's epilogue, in a pass over its small
+// output, so that the product is compiled once whatever the functions; a layer without them
+// (a classifier's 10 outputs, the bias added in dot_tile) takes no pass, which was 11 % of the
+// 512 x 10 product at batch 64 (Xeon, AVX-512). Each vector gets the code (and the bits) of a
+// vector's epilogue in tile().
 template <class T, class... Fns>
-void epilogue(T* c, index_t m, index_t n, const T* bias) {
+void epilogue(T* c, index_t m, index_t n) {
   constexpr int L = lanes<T>;
   for (index_t i = 0; i < m; ++i, c += n) {
     for (index_t j = 0; j < n; j += L) {
       const int count = static_cast<int>(std::min<index_t>(L, n - j));
       Vec<T> v = load_first(c + j, count);
-      if (bias != nullptr) v += load_first(bias + j, count);
       apply_all<Vec<T>, Fns...>(v);
       store_first<T>(c + j, v, count);
     }
@@ -3870,8 +3882,8 @@ void Kernels::blocked(const T* a, index_t m, index_t k, const T* b, index_t n, c
 
 template <class T, class... Fns>
 void Kernels::narrow(const T* a, index_t m, index_t k, const T* b, index_t n, const T* bias, T* c) {
-  dot_product(a, m, k, b, n, c);
-  if (bias != nullptr || sizeof...(Fns) > 0) epilogue<T, Fns...>(c, m, n, bias);
+  dot_product(a, m, k, b, n, bias, c);
+  if constexpr (sizeof...(Fns) > 0) epilogue<T, Fns...>(c, m, n);
 }
 
 template <class T>
