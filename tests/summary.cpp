@@ -1,4 +1,5 @@
 #include <functional>
+#include <iostream>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -70,16 +71,16 @@ nn::DynamicSequentialCell runtime_built() {
 }
 
 const std::string runtime_built_summary = R"(Summary of nn::DynamicSequentialCell for an input of [8, 1, 28, 28]
-=======================================================
-Layer (type)                     Output Shape   Param #
-=======================================================
-nn::DynamicSequentialCell        [8, 10]             --
-  0 (nn::Flatten)                [8, 784]             0
-  1 (Block)                      [8, 128]           128
-    1.fc (nn::Dense<dyn, dyn>)   [8, 128]       100,480
-    1.act (nn::ReLU)             [8, 128]             0
-  2 (nn::Dense<dyn, dyn>)        [8, 10]          1,290
-=======================================================
+=================================================================
+Layer (type)                               Output Shape   Param #
+=================================================================
+nn::DynamicSequentialCell                  [8, 10]             --
+  0 (nn::Flatten)                          [8, 784]             0
+  1 (Block)                                [8, 128]           128
+    1.fc (nn::Dense<dyn, dyn>(784, 128))   [8, 128]       100,480
+    1.act (nn::ReLU)                       [8, 128]             0
+  2 (nn::Dense<dyn, dyn>(128, 10))         [8, 10]          1,290
+=================================================================
 Total params: 101,898
 Trainable params: 101,770
 Non-trainable params: 128
@@ -134,10 +135,77 @@ TEST_CASE("summary: a network printed with operator<< shows its tree of cells") 
   std::ostringstream runtime;
   auto built = runtime_built();
   runtime << built;
-  CHECK(runtime.str().starts_with("nn::DynamicSequentialCell(\n  (0): nn::Flatten\n  (1): Block"));
+  CHECK(runtime.str() == R"(nn::DynamicSequentialCell(
+  (0): nn::Flatten
+  (1): Block(
+    (fc): nn::Dense<dyn, dyn>(784, 128)
+    (act): nn::ReLU
+  )
+  (2): nn::Dense<dyn, dyn>(128, 10)
+))");
   std::ostringstream leaf;
   leaf << nn::Dense<4, 3>{};
   CHECK(leaf.str() == "nn::Dense<4, 3>");
+}
+
+// A layer whose type leaves its sizes to run time shows the sizes it was built with, as
+// PyTorch's print(model) shows Linear(in_features=4, ...); one whose type has them, nothing more.
+TEST_CASE("summary: layers sized at run time print their sizes") {
+  const auto repr = [](const auto& cell) {
+    std::ostringstream out;
+    out << cell;
+    CHECK(out.str() == cell.repr());
+    return out.str();
+  };
+  CHECK(repr(nn::Dense<>(4, 8)) == "nn::Dense<dyn, dyn>(4, 8)");
+  CHECK(repr(nn::Dense<dyn, dyn, double, false>(4, 8)) == "nn::Dense<dyn, dyn, Float64, no bias>(4, 8)");
+  CHECK(repr(nn::Dense<4, 8>{}) == "nn::Dense<4, 8>");
+  CHECK(repr(nn::Embedding<>(10, 3)) == "nn::Embedding<dyn, dyn>(10, 3)");
+  CHECK(repr(nn::Embedding<10, 3>{}) == "nn::Embedding<10, 3>");
+  CHECK(repr(nn::LayerNorm<>(6)) == "nn::LayerNorm<dyn>(6)");
+  CHECK(repr(nn::GroupNorm<>(2, 6)) == "nn::GroupNorm<dyn, dyn>(2, 6)");
+  CHECK(repr(nn::BatchNorm1d<>(5)) == "nn::BatchNorm1d<dyn>(5)");
+  CHECK(repr(nn::BatchNorm2d<5>{}) == "nn::BatchNorm2d<5>");
+  CHECK(repr(nn::GRU<>(3, 4)) == "nn::GRU<dyn, dyn>(3, 4)");
+  CHECK(repr(nn::LSTM<>(3, 4)) == "nn::LSTM<dyn, dyn>(3, 4)");
+  CHECK(repr(nn::GRU<3, 4>{}) == "nn::GRU<3, 4>");
+  CHECK(repr(nn::Conv2d<>(1, 6, 5)) == "nn::Conv2d<dyn, dyn, dyn>(1, 6, 5)");
+  CHECK(repr(nn::Conv1d<>(2, 4, 3, {.stride = 2, .pad_mode = nn::PadMode::pad, .padding = 1, .has_bias = true})) ==
+        "nn::Conv1d<dyn, dyn, dyn>(2, 4, 3, stride=2, pad_mode=pad, padding=1, has_bias=true)");
+  CHECK(repr(nn::Conv2d<1, 6, 5, 1, 2>{}) == "nn::Conv2d<1, 6, 5, 1, 2>");
+  // Errors keep naming the type alone.
+  CHECK(nn::Dense<>(4, 8).label() == "nn::Dense<dyn, dyn>");
+}
+
+// torchinfo's summary prints once: so does summary() streamed where it prints, the usual
+// `std::cout << duet::summary(net, shape)`; a Summary kept, or streamed elsewhere, prints.
+TEST_CASE("summary: streaming the summary summary() returns prints it once") {
+  Network net;
+  std::ostringstream out;
+  out << summary(net, {64, 1, 28, 28}, out);
+  CHECK(out.str() == seed_network_summary);
+
+  std::ostringstream first, second;
+  second << summary(net, {64, 1, 28, 28}, first);
+  CHECK(first.str() == seed_network_summary);
+  CHECK(second.str() == seed_network_summary);
+
+  std::ostringstream again;
+  const Summary kept = summary(net, {64, 1, 28, 28}, again);
+  again << kept;
+  CHECK(again.str() == seed_network_summary + seed_network_summary);
+
+  // To std::cout by default, the form the README shows.
+  std::ostringstream captured;
+  {
+    const struct Redirect {
+      std::streambuf* kept;
+      ~Redirect() { std::cout.rdbuf(kept); }
+    } redirect{std::cout.rdbuf(captured.rdbuf())};
+    std::cout << summary(net, {64, 1, 28, 28});
+    summary(net, {64, 1, 28, 28});
+  }
+  CHECK(captured.str() == seed_network_summary + seed_network_summary);
 }
 
 TEST_CASE("summary: the run changes no parameter, mode, compiled form or random draw") {

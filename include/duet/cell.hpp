@@ -211,6 +211,15 @@ class BasicDynamicCell {
   const std::string& name() const { return name_; }
   // What the cell is: "nn::Dense<784, 512, float>".
   virtual std::string type_name() const = 0;
+  // What print(model) and duet::summary show after the type, as PyTorch's extra_repr: the sizes
+  // a layer whose type leaves them to run time was built with ("4, 8" for nn::Dense<>(4, 8)),
+  // empty where the type says them all.
+  virtual std::string extra_repr() const { return {}; }
+  // "nn::Dense<dyn, dyn>(4, 8)", "nn::Dense<784, 512>": the type, then extra_repr() if any.
+  std::string repr() const {
+    const std::string extra = extra_repr();
+    return extra.empty() ? type_name() : type_name() + "(" + extra + ")";
+  }
   // "nn::Dense<784, 512, float> 'dense_relu_sequential.0'": how errors name a cell.
   std::string label() const { return name_.empty() ? type_name() : type_name() + " '" + name_ + "'"; }
 
@@ -588,7 +597,7 @@ using DynamicCell = BasicDynamicCell<float>;
 template <ElementType T>
 std::ostream& operator<<(std::ostream& os, const BasicDynamicCell<T>& cell) {
   const auto print = [&os](const auto& self, BasicDynamicCell<T>& at, const std::string& indent) -> void {
-    os << at.type_name();
+    os << at.repr();
     bool opened = false;
     at.for_each_child([&](std::string_view name, BasicDynamicCell<T>& child) {
       if (!std::exchange(opened, true)) os << "(\n";

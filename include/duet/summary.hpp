@@ -34,7 +34,7 @@ namespace duet {
 
 struct SummaryRow {
   std::string name = {};  // the path from the network ("dense_relu_sequential.0"); "" for the network
-  std::string type_name = {};  // "nn::Dense<784, 512>"
+  std::string type_name = {};  // "nn::Dense<784, 512>", "nn::Dense<dyn, dyn>(4, 8)": the cell's repr()
   int depth = 0;          // 0 for the network, 1 for its members, ...
   std::vector<Shape> output_shapes = {};  // one per call during the summary's run, in order
   index_t parameters = 0;            // elements of the parameters the cell holds itself
@@ -48,6 +48,9 @@ struct Summary {
   index_t total_parameters = 0;  // each parameter counted once, even if held twice
   index_t trainable_parameters = 0;
   std::size_t parameter_bytes = 0;
+  // The stream summary() printed it to: `std::cout << duet::summary(net, shape)` streams it
+  // there once, not twice (operator<< of the temporary summary() returns writes nothing more).
+  std::ostream* printed_to = nullptr;
 
   // The table operator<< prints.
   std::string text() const;
@@ -146,6 +149,13 @@ inline std::string Summary::text() const {
 
 inline std::ostream& operator<<(std::ostream& os, const Summary& s) { return os << s.text(); }
 
+// The summary summary() just returned, streamed where summary() printed it already (torchinfo
+// and Keras print a summary once): nothing more. Streamed elsewhere, or a Summary kept in a
+// variable, it prints.
+inline std::ostream& operator<<(std::ostream& os, Summary&& s) {
+  return s.printed_to == &os ? os : os << std::as_const(s);
+}
+
 namespace detail {
 
 // The summary of `net`, whose call on zeros of the input shapes run() makes, returning the
@@ -164,7 +174,7 @@ Summary summary_of(nn::BasicDynamicCell<T>& net, std::vector<Shape> input_shapes
   std::set<const nn::BasicParameter<T>*> counted;
   // cells_and_names lists a parent before its children, so each cell's depth is known when it comes.
   for (auto& [name, cell] : net.cells_and_names()) {
-    SummaryRow row{.name = name, .type_name = cell->type_name(), .depth = depth_of[cell]};
+    SummaryRow row{.name = name, .type_name = cell->repr(), .depth = depth_of[cell]};
     cell->for_each_own_parameter([&](std::string_view, nn::BasicParameter<T>& p) {
       row.parameters += p.numel();
       if (!counted.insert(&p).second) return;
@@ -196,7 +206,8 @@ Summary summary_of(nn::BasicDynamicCell<T>& net, std::vector<Shape> input_shapes
       throw ShapeError(where + ": " + e.what());
     }
   }
-  out << result;
+  out << std::as_const(result);
+  result.printed_to = &out;
   return result;
 }
 

@@ -13380,6 +13380,15 @@ class BasicDynamicCell {
   const std::string& name() const { return name_; }
   // What the cell is: "nn::Dense<784, 512, float>".
   virtual std::string type_name() const = 0;
+  // What print(model) and duet::summary show after the type, as PyTorch's extra_repr: the sizes
+  // a layer whose type leaves them to run time was built with ("4, 8" for nn::Dense<>(4, 8)),
+  // empty where the type says them all.
+  virtual std::string extra_repr() const { return {}; }
+  // "nn::Dense<dyn, dyn>(4, 8)", "nn::Dense<784, 512>": the type, then extra_repr() if any.
+  std::string repr() const {
+    const std::string extra = extra_repr();
+    return extra.empty() ? type_name() : type_name() + "(" + extra + ")";
+  }
   // "nn::Dense<784, 512, float> 'dense_relu_sequential.0'": how errors name a cell.
   std::string label() const { return name_.empty() ? type_name() : type_name() + " '" + name_ + "'"; }
 
@@ -13757,7 +13766,7 @@ using DynamicCell = BasicDynamicCell<float>;
 template <ElementType T>
 std::ostream& operator<<(std::ostream& os, const BasicDynamicCell<T>& cell) {
   const auto print = [&os](const auto& self, BasicDynamicCell<T>& at, const std::string& indent) -> void {
-    os << at.type_name();
+    os << at.repr();
     bool opened = false;
     at.for_each_child([&](std::string_view name, BasicDynamicCell<T>& child) {
       if (!std::exchange(opened, true)) os << "(\n";
@@ -25847,6 +25856,9 @@ class Dense : public Cell<Dense<In, Out, T, HasBias>, CONTEXT_MODE, T>, public d
     if constexpr (!HasBias) s += ", no bias";
     return s + ">";
   }
+  std::string extra_repr() const override {
+    return sized_[0] != dyn && sized_[1] != dyn ? std::string{} : std::to_string(in_) + ", " + std::to_string(out_);
+  }
 
  protected:
   // The operations of a Dense typed on layer: this one, or a Dense<In, Out> deriving from it.
@@ -26796,6 +26808,7 @@ class BatchNorm : public Cell<BatchNorm<Dims, C, T>, CONTEXT_MODE, T>, public du
   bool depends_on_phase() const override { return true; }
 
   std::string type_name() const override { return batch_norm_name<Dims, T>(sized_ ? features_ : dyn); }
+  std::string extra_repr() const override { return sized_ ? std::string{} : std::to_string(features_); }
 
  private:
   index_t features_;
@@ -27904,6 +27917,12 @@ class Embedding : public Cell<Embedding<Vocab, Dim, T>, CONTEXT_MODE, T> {
     std::string s = "nn::Embedding<" + size(Vocab) + ", " + size(Dim);
     if constexpr (!std::is_same_v<T, float>) s += ", " + std::string(name_of(dtype_of<T>));
     return s + ">";
+  }
+  std::string extra_repr() const override {
+    if constexpr (Vocab != dyn && Dim != dyn)
+      return {};
+    else
+      return std::to_string(embedding_table.shape()[0]) + ", " + std::to_string(dim_);
   }
 
  private:
@@ -29156,6 +29175,12 @@ class LayerNorm : public Cell<LayerNorm<N, T>, CONTEXT_MODE, T> {
     if constexpr (!std::is_same_v<T, float>) s += ", " + std::string(name_of(dtype_of<T>));
     return s + ">";
   }
+  std::string extra_repr() const override {
+    if constexpr (N != dyn)
+      return {};
+    else
+      return std::to_string(n_);
+  }
 
  private:
   index_t n_;
@@ -29238,6 +29263,12 @@ class GroupNorm : public Cell<GroupNorm<Groups, Channels, T>, CONTEXT_MODE, T> {
     std::string s = "nn::GroupNorm<" + size(Groups) + ", " + size(Channels);
     if constexpr (!std::is_same_v<T, float>) s += ", " + std::string(name_of(dtype_of<T>));
     return s + ">";
+  }
+  std::string extra_repr() const override {
+    if constexpr (Groups != dyn && Channels != dyn)
+      return {};
+    else
+      return std::to_string(groups_) + ", " + std::to_string(channels_);
   }
 
  private:
@@ -29826,6 +29857,12 @@ class RecurrentLayer : public Cell<Derived, CONTEXT_MODE, T> {
     std::string s = std::string("nn::") + Step::name + "<" + size(Input) + ", " + size(Hidden);
     if constexpr (!std::is_same_v<T, float>) s += ", " + std::string(name_of(dtype_of<T>));
     return s + ">";
+  }
+  std::string extra_repr() const override {
+    if constexpr (Input != dyn && Hidden != dyn)
+      return {};
+    else
+      return std::to_string(input_) + ", " + std::to_string(hidden_);
   }
 
  private:
@@ -31268,6 +31305,19 @@ std::string conv_type_name(const ops::ConvGeometry& g, ConvName form) {
   return s + ">";
 }
 
+// A run-time sized convolution's sizes, as its constructor and options take them: "1, 6, 5",
+// then the settings that are not ConvOptions' defaults ("1, 6, 5, stride=2, pad_mode=pad, padding=2").
+inline std::string conv_sizes(const ops::ConvGeometry& g, bool has_bias) {
+  std::string s = std::to_string(g.in) + ", " + std::to_string(g.out) + ", " + std::to_string(g.kernel);
+  if (g.stride != 1) s += ", stride=" + std::to_string(g.stride);
+  if (g.pad_mode != PadMode::same) s += ", pad_mode=" + std::string(name_of(g.pad_mode));
+  if (g.padding != 0) s += ", padding=" + std::to_string(g.padding);
+  if (g.dilation != 1) s += ", dilation=" + std::to_string(g.dilation);
+  if (g.groups != 1) s += ", group=" + std::to_string(g.groups);
+  if (has_bias) s += ", has_bias=true";
+  return s;
+}
+
 // What Conv2d (Spatial = 2, NCHW) and Conv1d (Spatial = 1, NCL) share, sizes and settings held
 // as values: nn::Conv2d<> itself, and what a compile-time sized one (SizedConv) runs as outside
 // graph capture. Layer is the run-time form deriving from it.
@@ -31306,6 +31356,7 @@ class BasicConv : public Cell<Layer, CONTEXT_MODE, T> {
   }
 
   std::string type_name() const override { return conv_type_name<T>(geometry_, name_); }
+  std::string extra_repr() const override { return name_.sized ? std::string{} : conv_sizes(geometry_, has_bias_); }
 
  protected:
   // A compile-time sized convolution's, named as its type.
@@ -34499,7 +34550,7 @@ namespace duet {
 
 struct SummaryRow {
   std::string name = {};  // the path from the network ("dense_relu_sequential.0"); "" for the network
-  std::string type_name = {};  // "nn::Dense<784, 512>"
+  std::string type_name = {};  // "nn::Dense<784, 512>", "nn::Dense<dyn, dyn>(4, 8)": the cell's repr()
   int depth = 0;          // 0 for the network, 1 for its members, ...
   std::vector<Shape> output_shapes = {};  // one per call during the summary's run, in order
   index_t parameters = 0;            // elements of the parameters the cell holds itself
@@ -34513,6 +34564,9 @@ struct Summary {
   index_t total_parameters = 0;  // each parameter counted once, even if held twice
   index_t trainable_parameters = 0;
   std::size_t parameter_bytes = 0;
+  // The stream summary() printed it to: `std::cout << duet::summary(net, shape)` streams it
+  // there once, not twice (operator<< of the temporary summary() returns writes nothing more).
+  std::ostream* printed_to = nullptr;
 
   // The table operator<< prints.
   std::string text() const;
@@ -34611,6 +34665,13 @@ inline std::string Summary::text() const {
 
 inline std::ostream& operator<<(std::ostream& os, const Summary& s) { return os << s.text(); }
 
+// The summary summary() just returned, streamed where summary() printed it already (torchinfo
+// and Keras print a summary once): nothing more. Streamed elsewhere, or a Summary kept in a
+// variable, it prints.
+inline std::ostream& operator<<(std::ostream& os, Summary&& s) {
+  return s.printed_to == &os ? os : os << std::as_const(s);
+}
+
 namespace detail {
 
 // The summary of `net`, whose call on zeros of the input shapes run() makes, returning the
@@ -34629,7 +34690,7 @@ Summary summary_of(nn::BasicDynamicCell<T>& net, std::vector<Shape> input_shapes
   std::set<const nn::BasicParameter<T>*> counted;
   // cells_and_names lists a parent before its children, so each cell's depth is known when it comes.
   for (auto& [name, cell] : net.cells_and_names()) {
-    SummaryRow row{.name = name, .type_name = cell->type_name(), .depth = depth_of[cell]};
+    SummaryRow row{.name = name, .type_name = cell->repr(), .depth = depth_of[cell]};
     cell->for_each_own_parameter([&](std::string_view, nn::BasicParameter<T>& p) {
       row.parameters += p.numel();
       if (!counted.insert(&p).second) return;
@@ -34661,7 +34722,8 @@ Summary summary_of(nn::BasicDynamicCell<T>& net, std::vector<Shape> input_shapes
       throw ShapeError(where + ": " + e.what());
     }
   }
-  out << result;
+  out << std::as_const(result);
+  result.printed_to = &out;
   return result;
 }
 

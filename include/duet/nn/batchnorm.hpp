@@ -429,6 +429,7 @@ class BatchNorm : public Cell<BatchNorm<Dims, C, T>, CONTEXT_MODE, T>, public du
   bool depends_on_phase() const override { return true; }
 
   std::string type_name() const override { return batch_norm_name<Dims, T>(sized_ ? features_ : dyn); }
+  std::string extra_repr() const override { return sized_ ? std::string{} : std::to_string(features_); }
 
  private:
   index_t features_;

@@ -397,6 +397,9 @@ class Dense : public Cell<Dense<In, Out, T, HasBias>, CONTEXT_MODE, T>, public d
     if constexpr (!HasBias) s += ", no bias";
     return s + ">";
   }
+  std::string extra_repr() const override {
+    return sized_[0] != dyn && sized_[1] != dyn ? std::string{} : std::to_string(in_) + ", " + std::to_string(out_);
+  }
 
  protected:
   // The operations of a Dense typed on layer: this one, or a Dense<In, Out> deriving from it.

@@ -198,6 +198,12 @@ class Embedding : public Cell<Embedding<Vocab, Dim, T>, CONTEXT_MODE, T> {
     if constexpr (!std::is_same_v<T, float>) s += ", " + std::string(name_of(dtype_of<T>));
     return s + ">";
   }
+  std::string extra_repr() const override {
+    if constexpr (Vocab != dyn && Dim != dyn)
+      return {};
+    else
+      return std::to_string(embedding_table.shape()[0]) + ", " + std::to_string(dim_);
+  }
 
  private:
   index_t dim_;

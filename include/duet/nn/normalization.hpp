@@ -334,6 +334,12 @@ class LayerNorm : public Cell<LayerNorm<N, T>, CONTEXT_MODE, T> {
     if constexpr (!std::is_same_v<T, float>) s += ", " + std::string(name_of(dtype_of<T>));
     return s + ">";
   }
+  std::string extra_repr() const override {
+    if constexpr (N != dyn)
+      return {};
+    else
+      return std::to_string(n_);
+  }
 
  private:
   index_t n_;
@@ -416,6 +422,12 @@ class GroupNorm : public Cell<GroupNorm<Groups, Channels, T>, CONTEXT_MODE, T> {
     std::string s = "nn::GroupNorm<" + size(Groups) + ", " + size(Channels);
     if constexpr (!std::is_same_v<T, float>) s += ", " + std::string(name_of(dtype_of<T>));
     return s + ">";
+  }
+  std::string extra_repr() const override {
+    if constexpr (Groups != dyn && Channels != dyn)
+      return {};
+    else
+      return std::to_string(groups_) + ", " + std::to_string(channels_);
   }
 
  private:

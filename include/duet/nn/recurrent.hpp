@@ -586,6 +586,12 @@ class RecurrentLayer : public Cell<Derived, CONTEXT_MODE, T> {
     if constexpr (!std::is_same_v<T, float>) s += ", " + std::string(name_of(dtype_of<T>));
     return s + ">";
   }
+  std::string extra_repr() const override {
+    if constexpr (Input != dyn && Hidden != dyn)
+      return {};
+    else
+      return std::to_string(input_) + ", " + std::to_string(hidden_);
+  }
 
  private:
   index_t input_;

@@ -596,6 +596,19 @@ std::string conv_type_name(const ops::ConvGeometry& g, ConvName form) {
   return s + ">";
 }
 
+// A run-time sized convolution's sizes, as its constructor and options take them: "1, 6, 5",
+// then the settings that are not ConvOptions' defaults ("1, 6, 5, stride=2, pad_mode=pad, padding=2").
+inline std::string conv_sizes(const ops::ConvGeometry& g, bool has_bias) {
+  std::string s = std::to_string(g.in) + ", " + std::to_string(g.out) + ", " + std::to_string(g.kernel);
+  if (g.stride != 1) s += ", stride=" + std::to_string(g.stride);
+  if (g.pad_mode != PadMode::same) s += ", pad_mode=" + std::string(name_of(g.pad_mode));
+  if (g.padding != 0) s += ", padding=" + std::to_string(g.padding);
+  if (g.dilation != 1) s += ", dilation=" + std::to_string(g.dilation);
+  if (g.groups != 1) s += ", group=" + std::to_string(g.groups);
+  if (has_bias) s += ", has_bias=true";
+  return s;
+}
+
 // What Conv2d (Spatial = 2, NCHW) and Conv1d (Spatial = 1, NCL) share, sizes and settings held
 // as values: nn::Conv2d<> itself, and what a compile-time sized one (SizedConv) runs as outside
 // graph capture. Layer is the run-time form deriving from it.
@@ -634,6 +647,7 @@ class BasicConv : public Cell<Layer, CONTEXT_MODE, T> {
   }
 
   std::string type_name() const override { return conv_type_name<T>(geometry_, name_); }
+  std::string extra_repr() const override { return name_.sized ? std::string{} : conv_sizes(geometry_, has_bias_); }
 
  protected:
   // A compile-time sized convolution's, named as its type.
