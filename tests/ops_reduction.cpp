@@ -172,6 +172,22 @@ const bool reduction_cases = add_cases([](std::multimap<std::string, Case>& m) {
   add_reduction<Kind::max>(m, "max", [](const auto&... a) { return ops::max(a...); });
   add_reduction<Kind::min>(m, "min", [](const auto&... a) { return ops::min(a...); });
   add_reduction<Kind::logsumexp>(m, "logsumexp", [](const auto&... a) { return ops::logsumexp(a...); });
+  // The same as the tensors' methods, PyTorch's x.sum(), in every spelling of the axes.
+  m.emplace("sum", reduction_case(
+                       {3, 4}, [](const auto& x) { return x.sum(); }, {}, false, Kind::sum));
+  m.emplace("mean",
+            reduction_case(
+                {2, 3, 4}, [](const auto& x) { return x.mean(ops::axes<1>, ops::keep_dims); }, {1}, true, Kind::mean));
+  m.emplace("prod", reduction_case(
+                        {2, 3, 4}, [](const auto& x) { return x.prod(ops::axes<0>); }, {0}, false, Kind::prod));
+  m.emplace("max", reduction_case(
+                       {2, 3, 4, 2},
+                       [](const auto& x) {
+                         return x.max({0, 2});
+                       },
+                       {0, 2}, false, Kind::max));
+  m.emplace("min", reduction_case(
+                       {2, 3, 4}, [](const auto& x) { return x.min({-1}, ops::keep_dims); }, {-1}, true, Kind::min));
   const auto add_cumsum = [&](Shape shape, auto f, int axis) {
     m.emplace("cumsum", make_case_with_reference<1>(
                             {shape}, f, [axis](const std::vector<D>& xs) { return reference_cumsum(xs[0], axis); }));
@@ -316,6 +332,65 @@ TEST_CASE("ops: reductions on static tensors compute their shapes at compile tim
   CHECK(y(1, 2) == 8.f);
   const duet::Tensor eager = ops::sum(x, ops::axes<0, 2>, ops::keep_dims);
   CHECK(eager.shape() == Shape{1, 3, 1});
+}
+
+namespace {
+// The same network written with the tensors' methods (PyTorch's h.mean(1), scale.sum()) or
+// with the ops they call: on a layer's output, on a parameter alone, axes in each spelling.
+template <bool Methods>
+struct Reduced : duet::nn::Cell<Reduced<Methods>> {
+  duet::nn::Dense<4, 3> fc;
+  duet::nn::Parameter scale{duet::Tensor({2}, {0.5f, 2.f})};
+  DUET_CELL_MEMBERS(fc, scale);
+  auto construct(auto x) {
+    auto h = fc(x);
+    if constexpr (Methods) {
+      return h.mean(ops::axes<1>) * scale.sum() + h.max(ops::axes<-1>) - h.min({1}) + h.prod(ops::axes<1>);
+    } else {
+      return ops::mean(h, ops::axes<1>) * ops::sum(scale) + ops::max(h, ops::axes<-1>) - ops::min(h, {1}) +
+             ops::prod(h, ops::axes<1>);
+    }
+  }
+};
+}  // namespace
+
+TEST_CASE("ops: the tensors' reduction methods are the ops, on parameters and in construct, in both modes") {
+  duet_test::ModeGuard guard;
+  const duet::Tensor x = duet::randn({5, 4}, 3);
+  std::vector<std::vector<float>> results;  // each run's output, then each parameter's gradient
+  const auto run = [&](auto& net) {
+    auto vg = duet::value_and_grad([&](auto t) { return ops::sum(net(t)); }, net.parameters());
+    const auto [value, grads] = vg(x);
+    const duet::Tensor y = net(x);
+    std::vector<float> all(y.values().begin(), y.values().end());
+    all.push_back(value.item());
+    for (const auto& g : grads) all.insert(all.end(), g.values().begin(), g.values().end());
+    results.push_back(all);
+  };
+  for (duet::Mode mode : {duet::PYNATIVE_MODE, duet::GRAPH_MODE}) {
+    duet::set_context({.mode = mode});
+    duet::set_seed(4);
+    Reduced<true> methods;
+    duet::set_seed(4);
+    Reduced<false> spelled;
+    run(methods);
+    run(spelled);
+  }
+  REQUIRE(results.size() == 4);
+  CHECK(results[0].size() == 5 + 1 + 12 + 3 + 2);
+  for (const auto& r : results) CHECK(r == results[0]);
+  // scale's gradient is the sum of the means: not a silent zero.
+  CHECK(results[0].back() != 0.f);
+
+  // Static tensors keep their static shapes; integer sums and a mask's count as ops::sum's.
+  const auto s = duet::ones(duet::shape<2, 3, 4>).sum(ops::axes<0, 2>, ops::keep_dims);
+  static_assert(std::is_same_v<std::remove_const_t<decltype(s)>, duet::StaticTensor<float, 1, 3, 1>>);
+  CHECK(s(0, 2, 0) == 8.f);
+  const duet::BasicTensor<std::int32_t> ids({4}, {3, 0, 3, 7});
+  CHECK(ids.sum().item() == 13);
+  CHECK(ids.max().item() == 7);
+  CHECK(ops::equal(ids, 3).sum().item() == 2);
+  CHECK(duet::Tensor({2, 2}, {1.f, 2.f, 3.f, 4.f}).mean({0}).values()[1] == 3.f);
 }
 
 }  // namespace tests_ops_reduction

@@ -363,6 +363,9 @@ struct Sym {
     static_cast<void>(sizeof(reassignment_during_capture<value_type>));
     return *this;
   }
+
+  // x.sum(), x.mean(ops::axes<1>): graph nodes, as ops::sum(x) and ops::mean(x, ops::axes<1>) are.
+  DUET_DETAIL_TENSOR_METHODS
 };
 #undef DUET_DETAIL_NO_VALUE_MESSAGE
 

@@ -147,6 +147,9 @@ class BasicParameter : public BasicTensor<T> {
   BasicParameter& operator=(BasicParameter&&) noexcept = default;
   ~BasicParameter() = default;
 
+  // As a tensor's, on the parameter itself: in construct, an operation on parameters alone.
+  DUET_DETAIL_TENSOR_METHODS
+
   // MindSpore's Parameter.set_data: the new values must have this parameter's shape.
   void set_data(const BasicTensor<T>& value) {
     if (!(value.shape() == this->shape())) {
@@ -269,6 +272,8 @@ class ParameterResult : public BasicTensor<T> {
  public:
   ParameterResult(BasicTensor<T> value, const Op& op, const Operands&... operands)
       : BasicTensor<T>(std::move(value)), op(op), operands(operands...) {}
+
+  DUET_DETAIL_TENSOR_METHODS
 
   Op op;
   std::tuple<Operands...> operands;  // each a `const BasicParameter<U>*` or a ParameterResult

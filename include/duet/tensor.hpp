@@ -16,6 +16,7 @@
 #include <type_traits>
 
 #include "config.hpp"
+#include "detail/tensor_methods.hpp"
 #include "dtype.hpp"
 #include "error.hpp"
 #include "memory.hpp"
@@ -110,6 +111,9 @@ class BasicTensor {
     note_host_access();
     return data_[offset_of({static_cast<index_t>(index)...})];
   }
+
+  // x.sum(), x.mean(ops::axes<1>), x.max({0, 1}, ops::keep_dims): ops::sum(x, ...) and its kin.
+  DUET_DETAIL_TENSOR_METHODS
 
   // The only element of a tensor with one element.
   T item() const {
@@ -281,6 +285,8 @@ class StaticTensor {
   requires(sizeof...(I) == sizeof...(Dims)) T& operator()(I... index) { return tensor_(index...); }
   template <std::integral... I>
   requires(sizeof...(I) == sizeof...(Dims)) const T& operator()(I... index) const { return tensor_(index...); }
+
+  DUET_DETAIL_TENSOR_METHODS
 
  private:
   BasicTensor<T> tensor_;

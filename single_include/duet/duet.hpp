@@ -5589,6 +5589,40 @@ inline std::uint64_t new_node_id() {
 #include <string>
 #include <type_traits>
 
+// Reductions as methods of every tensor type (PyTorch's x.sum(), x.mean(dim), x.max()):
+// x.sum() is ops::sum(x), x.mean(ops::axes<1>, ops::keep_dims) is ops::mean(x, ops::axes<1>,
+// ops::keep_dims), x.max({0, 1}) is ops::max(x, {0, 1}); the same operations, so the same
+// values, gradients and graphs in both modes.
+
+#include <initializer_list>
+#include <span>
+#include <type_traits>
+
+namespace duet::detail {
+// The ops:: reduction each method calls (ops/reduction.hpp defines it), named through the
+// tensor's own type so that it is looked up where the method is used: a parameter stays a
+// parameter, a symbolic tensor symbolic.
+template <class X>
+struct TensorMethods;
+}  // namespace duet::detail
+
+// Inside a tensor class (BasicTensor, StaticTensor, BasicParameter, ParameterResult, graph::Sym).
+#define DUET_DETAIL_TENSOR_METHOD(name)                                                               \
+  template <class... Args>                                                                            \
+  auto name(Args... args) const {                                                                     \
+    return ::duet::detail::TensorMethods<std::remove_cvref_t<decltype(*this)>>::name(*this, args...); \
+  }                                                                                                   \
+  template <class... Keep>                                                                            \
+  auto name(std::initializer_list<int> axes, Keep... keep) const {                                    \
+    return ::duet::detail::TensorMethods<std::remove_cvref_t<decltype(*this)>>::name(                 \
+        *this, std::span<const int>(axes.begin(), axes.size()), keep...);                             \
+  }
+#define DUET_DETAIL_TENSOR_METHODS \
+  DUET_DETAIL_TENSOR_METHOD(sum)   \
+  DUET_DETAIL_TENSOR_METHOD(mean)  \
+  DUET_DETAIL_TENSOR_METHOD(prod)  \
+  DUET_DETAIL_TENSOR_METHOD(max)   \
+  DUET_DETAIL_TENSOR_METHOD(min)
 // Element types a tensor may hold, and their MindSpore names.
 
 #include <cstdint>
@@ -5894,6 +5928,9 @@ class BasicTensor {
     return data_[offset_of({static_cast<index_t>(index)...})];
   }
 
+  // x.sum(), x.mean(ops::axes<1>), x.max({0, 1}, ops::keep_dims): ops::sum(x, ...) and its kin.
+  DUET_DETAIL_TENSOR_METHODS
+
   // The only element of a tensor with one element.
   T item() const {
     if (numel() != 1) {
@@ -6064,6 +6101,8 @@ class StaticTensor {
   requires(sizeof...(I) == sizeof...(Dims)) T& operator()(I... index) { return tensor_(index...); }
   template <std::integral... I>
   requires(sizeof...(I) == sizeof...(Dims)) const T& operator()(I... index) const { return tensor_(index...); }
+
+  DUET_DETAIL_TENSOR_METHODS
 
  private:
   BasicTensor<T> tensor_;
@@ -6250,6 +6289,9 @@ class BasicParameter : public BasicTensor<T> {
   BasicParameter& operator=(BasicParameter&&) noexcept = default;
   ~BasicParameter() = default;
 
+  // As a tensor's, on the parameter itself: in construct, an operation on parameters alone.
+  DUET_DETAIL_TENSOR_METHODS
+
   // MindSpore's Parameter.set_data: the new values must have this parameter's shape.
   void set_data(const BasicTensor<T>& value) {
     if (!(value.shape() == this->shape())) {
@@ -6372,6 +6414,8 @@ class ParameterResult : public BasicTensor<T> {
  public:
   ParameterResult(BasicTensor<T> value, const Op& op, const Operands&... operands)
       : BasicTensor<T>(std::move(value)), op(op), operands(operands...) {}
+
+  DUET_DETAIL_TENSOR_METHODS
 
   Op op;
   std::tuple<Operands...> operands;  // each a `const BasicParameter<U>*` or a ParameterResult
@@ -8437,6 +8481,9 @@ struct Sym {
     static_cast<void>(sizeof(reassignment_during_capture<value_type>));
     return *this;
   }
+
+  // x.sum(), x.mean(ops::axes<1>): graph nodes, as ops::sum(x) and ops::mean(x, ops::axes<1>) are.
+  DUET_DETAIL_TENSOR_METHODS
 };
 #undef DUET_DETAIL_NO_VALUE_MESSAGE
 
@@ -25267,6 +25314,17 @@ DUET_DETAIL_OVER_AXES(logsumexp, detail::log_sum_exp(x, axes, keep...))
 #undef DUET_DETAIL_OVER_AXES
 
 }  // namespace ops
+
+// What the tensor types' methods call (detail/tensor_methods.hpp): x.sum(...) is ops::sum(x, ...).
+template <class X>
+struct detail::TensorMethods {
+  static auto sum(const X& x, auto... args) { return ops::sum(x, args...); }
+  static auto mean(const X& x, auto... args) { return ops::mean(x, args...); }
+  static auto prod(const X& x, auto... args) { return ops::prod(x, args...); }
+  static auto max(const X& x, auto... args) { return ops::max(x, args...); }
+  static auto min(const X& x, auto... args) { return ops::min(x, args...); }
+};
+
 }  // namespace duet
 
 namespace duet {

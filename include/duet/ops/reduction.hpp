@@ -923,4 +923,15 @@ DUET_DETAIL_OVER_AXES(logsumexp, detail::log_sum_exp(x, axes, keep...))
 #undef DUET_DETAIL_OVER_AXES
 
 }  // namespace ops
+
+// What the tensor types' methods call (detail/tensor_methods.hpp): x.sum(...) is ops::sum(x, ...).
+template <class X>
+struct detail::TensorMethods {
+  static auto sum(const X& x, auto... args) { return ops::sum(x, args...); }
+  static auto mean(const X& x, auto... args) { return ops::mean(x, args...); }
+  static auto prod(const X& x, auto... args) { return ops::prod(x, args...); }
+  static auto max(const X& x, auto... args) { return ops::max(x, args...); }
+  static auto min(const X& x, auto... args) { return ops::min(x, args...); }
+};
+
 }  // namespace duet
