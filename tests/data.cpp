@@ -388,4 +388,44 @@ TEST_CASE("TensorDataset of class indices: train::evaluate reads its batches, as
   CHECK(loader.epoch() == 0);  // evaluate left the loader where it was
 }
 
+// A sequence model's logits [B, L, C] against labels [B, L]: one prediction per token, as the
+// loss counts them (before 2026-12-08 read as [B, C] with C = L: 1 / L accuracy after training).
+TEST_CASE("train::evaluate counts a sequence model's tokens right, classes on the last axis") {
+  // Logits that pick class (b + t) % 4 at token t of sequence b, labels right except at two tokens.
+  Tensor logits({3, 5, 4});
+  BasicTensor<std::int32_t> y({3, 5});
+  for (index_t b = 0; b < 3; ++b) {
+    for (index_t t = 0; t < 5; ++t) {
+      logits(b, t, (b + t) % 4) = 2.f;
+      y(b, t) = static_cast<std::int32_t>((b + t) % 4);
+    }
+  }
+  y(0, 4) = 3;
+  y(2, 1) = 0;
+  CHECK(train::correct_predictions(logits, y) == 13);
+  // The ignored label's tokens count in neither.
+  y(1, 2) = -100;
+  CHECK(train::correct_predictions(logits, y, -100) == 12);
+
+  // Through evaluate: a Dense of identity weights gives the logits back.
+  nn::Dense<4, 4> net;
+  for (index_t i = 0; i < 16; ++i) net.weight.data()[i] = i % 5 == 0 ? 1.f : 0.f;
+  for (index_t i = 0; i < 4; ++i) net.bias.data()[i] = 0.f;
+  REQUIRE(std::equal(logits.values().begin(), logits.values().end(), net(logits).values().begin()));
+  nn::CrossEntropyLoss<> loss;
+  struct Batch {
+    Tensor inputs;
+    BasicTensor<std::int32_t> targets;
+  };
+  const std::vector<Batch> one_batch{{logits, y}};
+  const train::Metrics m = train::evaluate(net, loss, one_batch);
+  CHECK(m.samples == 14);
+  CHECK(m.accuracy == doctest::Approx(12.0 / 14));
+
+  CHECK_THROWS_WITH_AS(train::correct_predictions(logits, BasicTensor<std::int32_t>({3})),
+                       "duet::train::correct_predictions: expects logits with the classes on their last axis and class "
+                       "labels of their shape without it, got logits [3, 5, 4] and labels [3]",
+                       ShapeError);
+}
+
 }  // namespace tests_data

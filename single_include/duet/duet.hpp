@@ -34849,13 +34849,24 @@ struct Metrics {
   index_t samples = 0;  // those counted: not those whose label is the loss's ignore_index
 };
 
-// How many rows of logits [B, C] have their largest value at the row's label; rows labelled
-// `ignored` do not count.
+// How many rows of logits have their largest value at the row's label; rows labelled `ignored`
+// do not count. The classes are on the last axis, as the class losses take them: logits [B, C]
+// with labels [B], a sequence model's [B, L, C] with labels [B, L], one row per token (before
+// 2026-12-08 a sequence's logits were read as [B, C] with C = L, an accuracy of about 1 / L).
 template <ElementType T>
 index_t correct_predictions(const BasicTensor<T>& logits, const BasicTensor<std::int32_t>& labels,
                             std::optional<std::int32_t> ignored = std::nullopt) {
-  const index_t rows = logits.dim(0);
-  const index_t classes = logits.dim(1);
+  const Shape& shape = logits.shape();
+  Shape row_shape;
+  for (int i = 0; i + 1 < shape.rank(); ++i) row_shape.push_back(shape[i]);
+  if (shape.rank() < 2 || labels.shape() != row_shape) {
+    throw ShapeError(
+        "duet::train::correct_predictions: expects logits with the classes on their last axis and class "
+        "labels of their shape without it, got logits " +
+        to_string(shape) + " and labels " + to_string(labels.shape()));
+  }
+  const index_t classes = shape[shape.rank() - 1];
+  const index_t rows = labels.numel();
   index_t correct = 0;
   for (index_t r = 0; r < rows; ++r) {
     if (labels.data()[r] == ignored) continue;
