@@ -175,6 +175,11 @@ const bool reduction_cases = add_cases([](std::multimap<std::string, Case>& m) {
   // The same as the tensors' methods, PyTorch's x.sum(), in every spelling of the axes.
   m.emplace("sum", reduction_case(
                        {3, 4}, [](const auto& x) { return x.sum(); }, {}, false, Kind::sum));
+  m.emplace("sum", reduction_case(
+                       {2, 3, 4}, [](const auto& x) { return x.sum(1); }, {1}, false, Kind::sum));
+  m.emplace("mean",
+            reduction_case(
+                {2, 3, 4}, [](const auto& x) { return ops::mean(x, -1, ops::keep_dims); }, {-1}, true, Kind::mean));
   m.emplace("mean",
             reduction_case(
                 {2, 3, 4}, [](const auto& x) { return x.mean(ops::axes<1>, ops::keep_dims); }, {1}, true, Kind::mean));
@@ -345,7 +350,7 @@ struct Reduced : duet::nn::Cell<Reduced<Methods>> {
   auto construct(auto x) {
     auto h = fc(x);
     if constexpr (Methods) {
-      return h.mean(ops::axes<1>) * scale.sum() + h.max(ops::axes<-1>) - h.min({1}) + h.prod(ops::axes<1>);
+      return h.mean(1) * scale.sum() + h.max(ops::axes<-1>) - h.min({1}) + h.prod(ops::axes<1>);
     } else {
       return ops::mean(h, ops::axes<1>) * ops::sum(scale) + ops::max(h, ops::axes<-1>) - ops::min(h, {1}) +
              ops::prod(h, ops::axes<1>);
@@ -391,6 +396,10 @@ TEST_CASE("ops: the tensors' reduction methods are the ops, on parameters and in
   CHECK(ids.max().item() == 7);
   CHECK(ops::equal(ids, 3).sum().item() == 2);
   CHECK(duet::Tensor({2, 2}, {1.f, 2.f, 3.f, 4.f}).mean({0}).values()[1] == 3.f);
+  // One axis as an int, PyTorch's x.sum(1), is the axes at run time: checked when it runs.
+  CHECK(duet::Tensor({2, 2}, {1.f, 2.f, 3.f, 4.f}).sum(1).values()[1] == 7.f);
+  CHECK_THROWS_AS(duet::ones({2, 2}).sum(2), duet::ShapeError);
+  CHECK_THROWS_AS(duet::ones({2, 2}).sum(9), duet::ValueError);
 }
 
 }  // namespace tests_ops_reduction

@@ -24312,6 +24312,7 @@ inline const bool shape_listed =
 #include <algorithm>
 #include <array>
 #include <bit>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
@@ -25222,8 +25223,9 @@ auto reduce_over(const X& x, const AxesT& axes, const char* who, Keep... keep) {
 
 // The ways an operation over axes is called, as sum is: sum(x) and sum(x, keep_dims) over every
 // axis; sum(x, axes<...>), the axes known while the program compiles; sum(x, {0, 1}) or a
-// std::span<const int>, known at run time; keep_dims last. Each overload returns the
-// expression given, written on x, axes (an Axes<A...> or a std::span<const int>) and keep.
+// std::span<const int>, known at run time, and sum(x, 1), one axis so (PyTorch's torch.sum(x,
+// 1), x.sum(1)); keep_dims last. Each overload returns the expression given, written on x, axes
+// (an Axes<A...> or a std::span<const int>) and keep.
 #define DUET_DETAIL_OVER_AXES(name, ...)                                                  \
   template <TensorLike X, int... A, class... Keep>                                        \
   auto name(const X& x, Axes<A...> axes, Keep... keep) {                                  \
@@ -25241,6 +25243,12 @@ auto reduce_over(const X& x, const AxesT& axes, const char* who, Keep... keep) {
   template <TensorLike X, class... Keep>                                                  \
   auto name(const X& x, std::initializer_list<int> list, Keep... keep) {                  \
     const std::span<const int> axes(list.begin(), list.size());                           \
+    return __VA_ARGS__;                                                                   \
+  }                                                                                       \
+  template <TensorLike X, std::integral I, class... Keep>                                 \
+  auto name(const X& x, I axis, Keep... keep) {                                           \
+    const int one[] = {static_cast<int>(axis)};                                           \
+    const std::span<const int> axes(one);                                                 \
     return __VA_ARGS__;                                                                   \
   }
 DUET_DETAIL_OVER_AXES(sum, detail::reduce_over<detail::SumReducer>(x, axes, "sum", keep...))
