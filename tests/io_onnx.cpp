@@ -17,6 +17,7 @@
 #include <optional>
 #include <set>
 #include <span>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -1328,6 +1329,9 @@ TEST_CASE("io::export_onnx: ops::positions' Range loads back, the same bits at a
   duet::io::OnnxModel back = duet::io::load_onnx(file);
   CHECK(back.other_input_type() == "Int32");
   CHECK(back.operators() == std::vector<std::string>{"Gather", "Gather", "Add", "ReduceMean", "Gemm", "Add"});
+  std::ostringstream printed;  // print(model): what it takes and how much it runs
+  printed << back;
+  CHECK(printed.str() == "io::OnnxModel('input' [batch, length], 6 steps)");
   for (const Shape& shape : {Shape{2, 5}, Shape{3, 9}, Shape{1, 12}}) {
     INFO(to_string(shape));
     duet::BasicTensor<std::int32_t> ids = duet::zeros<std::int32_t>(shape);

@@ -395,6 +395,11 @@ class OnnxModel : public nn::DynamicCell {
   }
 
   std::string type_name() const override { return "io::OnnxModel"; }
+  // print(model): the input as the file declares it and the steps it runs,
+  // io::OnnxModel('input' [batch, length], 6 steps); operators() lists them.
+  std::string extra_repr() const override {
+    return declared_input_ + ", " + std::to_string(operators_.size()) + (operators_.size() == 1 ? " step" : " steps");
+  }
   std::string_view other_input_type() const override { return ids_input_ ? name_of(DType::int32) : std::string_view{}; }
 
   void for_each_own_parameter(const ParameterVisitor& visit) override {
