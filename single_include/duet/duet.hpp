@@ -34859,8 +34859,7 @@ struct Metrics {
 
 // How many rows of logits have their largest value at the row's label; rows labelled `ignored`
 // do not count. The classes are on the last axis, as the class losses take them: logits [B, C]
-// with labels [B], a sequence model's [B, L, C] with labels [B, L], one row per token (before
-// 2026-12-08 a sequence's logits were read as [B, C] with C = L, an accuracy of about 1 / L).
+// with labels [B], a sequence model's [B, L, C] with labels [B, L], one row per token.
 template <ElementType T>
 index_t correct_predictions(const BasicTensor<T>& logits, const BasicTensor<std::int32_t>& labels,
                             std::optional<std::int32_t> ignored = std::nullopt) {
