@@ -17,6 +17,21 @@
 #define DUET_SIMD_LOOP
 #endif
 
+// Non-template functions compiled once (issue 16). Such a function is declared
+// DUET_DETAIL_COMPILED in its header and defined in a detail/*_impl.hpp file that the header
+// includes at its end when DUET_DETAIL_DEFINE_COMPILED is set. Header-only, that is always, and
+// the function is inline; with DUET_PRECOMPILED_KERNELS (duet/precompiled_kernels.hpp) a
+// program's files see the declaration only, and duet::kernels' file, which defines
+// DUET_DEFINE_PRECOMPILED_KERNELS, compiles the definitions once, not inline.
+#if defined(DUET_PRECOMPILED_KERNELS) || defined(DUET_DEFINE_PRECOMPILED_KERNELS)
+#define DUET_DETAIL_COMPILED
+#else
+#define DUET_DETAIL_COMPILED inline
+#endif
+#if !defined(DUET_PRECOMPILED_KERNELS) || defined(DUET_DEFINE_PRECOMPILED_KERNELS)
+#define DUET_DETAIL_DEFINE_COMPILED
+#endif
+
 namespace duet {
 
 // Signed, as in numpy and MindSpore: -1 spells "dynamic" in shapes and "from the end" in axes.

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "backend.hpp"
+#include "config.hpp"
 #include "detail/finite.hpp"
 #include "diagnostics.hpp"
 #include "graph.hpp"
@@ -179,10 +180,8 @@ PlanNode plan_node(const typename Node::op_type& op) {
 
 // How a failing node is named: in debug, by its place in the graph and the function or cell
 // it was captured from (`where`), so a user finds the line of construct that made it.
-inline std::string node_context(bool debug, const std::string& op_name, std::size_t index, std::string_view where) {
-  if (!debug) return {};
-  return "duet (debug): in " + std::string(where) + ", node %" + std::to_string(index) + " (" + op_name + "): ";
-}
+DUET_DETAIL_COMPILED std::string node_context(bool debug, const std::string& op_name, std::size_t index,
+                                              std::string_view where);
 template <JitConfig Config, class Op>
 std::string node_context(std::size_t index, std::string_view where) {
   if constexpr (Config.debug_level == DebugLevel::debug) return node_context(true, Op::op_name(), index, where);
@@ -191,53 +190,16 @@ std::string node_context(std::size_t index, std::string_view where) {
 
 // Every node's shape for these input shapes (patterns: the shapes capture inferred, -1 where a
 // dimension is dynamic).
-inline void infer_shapes(std::span<const PlanNode> nodes, std::span<const Shape> patterns,
-                         std::span<const Shape> input_shapes, std::span<Shape> shapes, bool debug,
-                         std::string_view where) {
-  std::vector<Shape> in;
-  for (std::size_t i = 0; i < nodes.size(); ++i) {
-    const PlanNode& node = nodes[i];
-    if (node.is_input) {
-      const Shape& s = input_shapes[node.input];
-      if (!graph::fits(patterns[i], s)) {
-        throw ShapeError(node_context(debug, node.op_name(), i, where) + "duet: graph input " + std::to_string(node.input) +
-                         " must have shape " + to_string(patterns[i]) + ", got " + to_string(s));
-      }
-      shapes[i] = s;
-    } else {
-      in.clear();
-      for (std::size_t a : node.args) in.push_back(shapes[a]);
-      const ShapeResult r = node.infer(node.op, in);
-      if (!r.ok()) {
-        // In debug the context comes first; else an operation naming no layer says where it is.
-        const std::string label = node.label(node.op);
-        throw ShapeError(node_context(debug, node.op_name(), i, where) + describe_fault(r, label, in) +
-                         (debug || node.names_its_layer ? std::string() : duet::detail::called_in(label, where)));
-      }
-      shapes[i] = r.shape;
-    }
-  }
-}
+DUET_DETAIL_COMPILED void infer_shapes(std::span<const PlanNode> nodes, std::span<const Shape> patterns,
+                                       std::span<const Shape> input_shapes, std::span<Shape> shapes, bool debug,
+                                       std::string_view where);
 
 // Places the slots one after another, each 64-byte aligned and as large as the largest value
 // it holds; offset[i] is where node i's slot begins. Returns the arena's size.
-inline std::size_t lay_out_slots(std::span<const graph::Storage> storage, std::span<const std::size_t> slot,
-                                 std::size_t slot_count, std::span<const std::size_t> element_size,
-                                 std::span<const Shape> shapes, std::span<std::size_t> offset) {
-  std::vector<std::size_t> slot_bytes(slot_count), slot_offset(slot_count);
-  for (std::size_t i = 0; i < storage.size(); ++i) {
-    if (storage[i] != graph::Storage::slot) continue;
-    const auto bytes = static_cast<std::size_t>(shapes[i].numel()) * element_size[i];
-    if (bytes > slot_bytes[slot[i]]) slot_bytes[slot[i]] = bytes;
-  }
-  std::size_t arena_bytes = 0;
-  for (std::size_t s = 0; s < slot_count; ++s) {
-    slot_offset[s] = arena_bytes;
-    arena_bytes += (slot_bytes[s] + block_alignment - 1) / block_alignment * block_alignment;
-  }
-  for (std::size_t i = 0; i < storage.size(); ++i) offset[i] = slot_count == 0 ? 0 : slot_offset[slot[i]];
-  return arena_bytes;
-}
+DUET_DETAIL_COMPILED std::size_t lay_out_slots(std::span<const graph::Storage> storage,
+                                               std::span<const std::size_t> slot, std::size_t slot_count,
+                                               std::span<const std::size_t> element_size, std::span<const Shape> shapes,
+                                               std::span<std::size_t> offset);
 }  // namespace detail
 
 // Infers every node's shape for these input shapes and lays out the arena.
@@ -396,3 +358,7 @@ auto evaluate(const graph::Sym<G, Out>& program, const Inputs&... inputs) {
 }
 
 }  // namespace duet
+
+#ifdef DUET_DETAIL_DEFINE_COMPILED
+#include "detail/evaluator_impl.hpp"
+#endif

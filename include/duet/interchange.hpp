@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "config.hpp"
 #include "dtype.hpp"
 
 namespace duet::ops {
@@ -99,15 +100,10 @@ using Interchange = std::vector<InterchangeNode>;
 // A description used as one part of a longer one (an elementwise function in a fused chain):
 // its operand 0 becomes `in`, and its nodes' references to each other move past the `base`
 // nodes already written.
-inline void append_interchange(Interchange& to, Interchange part, const InterchangeInput& in) {
-  const std::size_t base = to.size();
-  for (InterchangeNode& n : part) {
-    for (InterchangeInput& i : n.inputs) {
-      if (i.kind == InterchangeInput::Kind::input) i = in;
-      else if (i.kind == InterchangeInput::Kind::earlier) i.index += base;
-    }
-    to.push_back(std::move(n));
-  }
-}
+DUET_DETAIL_COMPILED void append_interchange(Interchange& to, Interchange part, const InterchangeInput& in);
 
 }  // namespace duet::ops
+
+#ifdef DUET_DETAIL_DEFINE_COMPILED
+#include "detail/interchange_impl.hpp"
+#endif

@@ -30,11 +30,11 @@
 #include <cstring>
 #include <deque>
 #include <functional>
-#include <memory>
 #include <iostream>
+#include <memory>
 #include <mutex>
-#include <shared_mutex>
 #include <set>
+#include <shared_mutex>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "backend.hpp"
+#include "config.hpp"
 #include "context.hpp"
 #include "detail/demangle.hpp"
 #include "error.hpp"
@@ -137,41 +138,19 @@ inline JitStats& jit_stats() {
   static JitStats stats;
   return stats;
 }
-inline void jit_log(std::string line) {
-  auto& stats = jit_stats();
-  std::lock_guard lock(stats.mutex);
-  stats.log.push_back(std::move(line));
-}
+DUET_DETAIL_COMPILED void jit_log(std::string line);
 
 // Says in the log that `who` does not run as the static graph capture made and what runs
 // instead, once per (who, why, instead): a loop of calls logs it once. The reason is spelled
 // out the first time only: one network met in forward, gradient and training-step paths is one
 // ambiguity, not three paragraphs.
-inline void log_ambiguous_capture(const std::string& who, const std::string& why, const std::string& instead) {
-  auto& stats = jit_stats();
-  std::lock_guard lock(stats.mutex);
-  if (!stats.ambiguities_logged.insert(who + '\n' + why + '\n' + instead).second) return;
-  const bool explained = !stats.ambiguities_explained.insert(who + '\n' + why).second;
-  stats.log.push_back(who + ": runs " + instead + ", not as a static graph: " +
-                      (explained ? std::string("its capture is ambiguous, as logged above")
-                                 : "at capture, " + why +
-                                       ", which their types cannot tell apart (README, Guarantees: \"Shared values in "
-                                       "graph mode\")"));
-  // Graph mode quietly not being the static graph is what a user measuring it should hear of
-  // (its numbers are right either way): once per construct and reason, on std::cerr.
-  if (!explained) std::cerr << "duet: warning: " << stats.log.back() << '\n';
-}
+DUET_DETAIL_COMPILED void log_ambiguous_capture(const std::string& who, const std::string& why,
+                                                const std::string& instead);
 
 // Says in the log, and on std::cerr, once per process, that graph mode runs something on
 // PyNative's tape instead (the same bits, the speed of the other mode): what a user measuring
 // graph mode should hear of.
-inline void log_not_compiled(const std::string& line) {
-  auto& stats = jit_stats();
-  std::lock_guard lock(stats.mutex);
-  if (!stats.not_compiled_logged.insert(line).second) return;
-  stats.log.push_back(line);
-  std::cerr << "duet: warning: " << line << '\n';
-}
+DUET_DETAIL_COMPILED void log_not_compiled(const std::string& line);
 
 inline std::atomic<bool> compiles_frozen_flag{false};
 }  // namespace detail
@@ -294,10 +273,7 @@ class JitBase {
     std::vector<std::pair<std::type_index, std::shared_ptr<void>>> caches;
   };
 
-  JitBase(JitOptions options, std::size_t max_compiled_forms, RecompilePolicy on_limit)
-      : options_(std::move(options)), state_(std::make_shared<State>()), limit_(max_compiled_forms), on_limit_(on_limit) {
-    if (options_.name.empty()) options_.name = "jit function #" + std::to_string(++jit_stats().functions);
-  }
+  JitBase(JitOptions options, std::size_t max_compiled_forms, RecompilePolicy on_limit);
 
   // Entries are never removed, so a pointer to one stays valid once the lock is released.
   template <std::size_t N>
@@ -315,39 +291,20 @@ class JitBase {
 
   // The recompilation contract, asked before form `number` is made: refused while compiles are
   // frozen, and past max_compiled_forms as on_recompile_limit says.
-  void admit(std::uint64_t number, const std::string& reason) const {
-    if (compiles_frozen()) {
-      throw RecompileError(options_.name + ": compiles are frozen (duet::freeze_compiles), and this call would compile " +
-                           "form #" + std::to_string(number) + ": " + reason);
-    }
-    if (limit_ == 0 || number <= limit_) return;
-    const std::string text = options_.name + ": compile #" + std::to_string(number) + " exceeds max_compiled_forms = " +
-                             std::to_string(limit_) + ": " + reason;
-    if (on_limit_ == RecompilePolicy::raise) {
-      throw RecompileError(text);
-    } else if (!state_->warned.exchange(true)) {
-      jit_log("warning: " + text);
-    }
-  }
+  void admit(std::uint64_t number, const std::string& reason) const;
 
   template <std::size_t N>
   const typename CompileCache<N>::Entry& compile(CompileCache<N>& cache, const Signature<N>& s,
                                                           const std::string& reason,
                                                           std::shared_ptr<const pijit::Replay> replay,
                                                           const std::string& note = {}) {
-    // Reserved by compare-and-swap: the caches of two argument lists have their own locks, so
-    // two of this function's forms may be compiled at once, and the limit must hold for both.
-    std::uint64_t number = state_->compiles.load();
-    do {
-      admit(number + 1, reason);
-    } while (!state_->compiles.compare_exchange_weak(number, number + 1));
-    ++number;
-    jit_stats().compiles.fetch_add(1);
-    jit_log(options_.name + ": compile #" + std::to_string(number) + ": " + reason +
-                    (note.empty() ? "" : " (" + note + ")"));
+    count_compile(reason, note);
     cache.entries.push_back({s, duet::detail::new_plan_owner(), std::move(replay)});
     return cache.entries.back();
   }
+
+  // A compile's number taken and logged: what compile<N> does whatever N.
+  void count_compile(const std::string& reason, const std::string& note);
 
   template <std::size_t N>
   CompileCache<N>& compile_cache() {
@@ -367,19 +324,15 @@ class JitBase {
   template <std::size_t N>
   std::shared_ptr<const pijit::Replay> kept(CompileCache<N>& cache, const Signature<N>& s, const std::string& reason,
                                             pijit::Trace&& trace, std::size_t out, JitLevel level, DebugLevel debug) {
-    std::string broken = trace.broken();
-    if (broken.empty() && out == trace.values().size()) broken = "the function returns a value no duet operation made";
-    std::shared_ptr<const pijit::Replay> replay;
-    std::string note = "graph break, runs eagerly: " + broken;
-    if (broken.empty()) {
-      replay = std::make_shared<pijit::Replay>(std::move(trace), out, level,
-                                               debug == DebugLevel::debug ? options_.name : std::string());
-      note = "traced " + std::to_string(replay->traced_steps()) + " operations, replays " +
-             std::to_string(replay->steps()) + " steps: " + replay->step_names();
-    }
+    std::string note;
+    std::shared_ptr<const pijit::Replay> replay = replay_of(std::move(trace), out, level, debug, note);
     compile(cache, s, reason, replay, note);
     return replay;
   }
+
+  // kept's replay, whatever N, and what the compile log says of it in `note`.
+  std::shared_ptr<const pijit::Replay> replay_of(pijit::Trace&& trace, std::size_t out, JitLevel level,
+                                                 DebugLevel debug, std::string& note) const;
 
   // What follows depends on the argument types only: shared by every function called with them.
   template <class X>
@@ -746,3 +699,7 @@ auto jit(Fn&& fn, JitOptions options = {}) {
 }
 
 }  // namespace duet
+
+#ifdef DUET_DETAIL_DEFINE_COMPILED
+#include "detail/jit_impl.hpp"
+#endif

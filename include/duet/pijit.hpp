@@ -22,6 +22,7 @@
 #include <utility>
 #include <vector>
 
+#include "config.hpp"
 #include "context.hpp"
 #include "detail/finite.hpp"
 #include "error.hpp"
@@ -41,44 +42,18 @@ namespace duet::pijit {
 class EpilogueChain final : public Step {
  public:
   // `next` taken into `head` (which may already be a chain); it alone read head's value.
-  static std::unique_ptr<Step> append(std::unique_ptr<Step> head, std::unique_ptr<Step> next) {
-    auto* chain = dynamic_cast<EpilogueChain*>(head.get());
-    if (chain == nullptr) {
-      auto made = std::make_unique<EpilogueChain>(std::move(head), std::vector<std::shared_ptr<Step>>{});
-      chain = made.get();
-      head = std::move(made);
-    }
-    chain->tail_.push_back(std::move(next));
-    chain->write_to(chain->tail_.back()->output);
-    return head;
-  }
+  static std::unique_ptr<Step> append(std::unique_ptr<Step> head, std::unique_ptr<Step> next);
 
-  EpilogueChain(std::unique_ptr<Step> head, std::vector<std::shared_ptr<Step>> tail)
-      : head_(std::move(head)), tail_(std::move(tail)) {
-    inputs = head_->inputs;
-    where = head_->where;
-    write_to(tail_.empty() ? head_->output : tail_.back()->output);
-  }
+  EpilogueChain(std::unique_ptr<Step> head, std::vector<std::shared_ptr<Step>> tail);
 
-  void run(void* const* data, const std::vector<Value>& values) const override {
-    head_->run(data, values);
-    for (const auto& t : tail_) t->run(data, values);
-  }
+  void run(void* const* data, const std::vector<Value>& values) const override;
   // The fused op takes more functions as the head's op does; a bias only before functions.
   bool takes_functions(bool parameterless) const override { return head_->takes_functions(parameterless); }
   bool rounds_differently() const override { return head_->rounds_differently(); }
-  std::unique_ptr<Step> with_packed_weight() const override {
-    auto packed = head_->with_packed_weight();
-    if (packed == nullptr) return nullptr;
-    return std::make_unique<EpilogueChain>(std::move(packed), tail_);
-  }
+  std::unique_ptr<Step> with_packed_weight() const override;
   bool is_view() const override { return false; }
   bool runs_kernel() const override { return true; }
-  std::string op_name() const override {
-    std::string name = head_->op_name();
-    for (const auto& t : tail_) name += " + " + t->op_name();
-    return name;
-  }
+  std::string op_name() const override;
   std::string label() const override { return head_->label(); }
 
  private:
@@ -99,19 +74,7 @@ class EpilogueChain final : public Step {
 // as graph mode checks every node's.
 class Replay {
  public:
-  Replay(Trace trace, std::size_t output, JitLevel level, std::string debug_name = {})
-      : values_(std::move(trace.values())),
-        steps_(std::move(trace.steps())),
-        cells_(std::move(trace.cells())),
-        output_(output),
-        traced_steps_(steps_.size()),
-        debug_name_(std::move(debug_name)) {
-    if (level != JitLevel::O0) fuse();
-    // A trace that trains writes its weights between calls: packing them would be one more
-    // pass over each weight per call (graph mode's passes skip training graphs too).
-    if (level != JitLevel::O0 && !trace.differentiates()) pack_weights();
-    layout();
-  }
+  Replay(Trace trace, std::size_t output, JitLevel level, std::string debug_name = {});
 
   // The steps it replays, after fusion, as graph_ir prints them.
   std::string describe() const { return pijit::describe(values_, steps_, output_); }
@@ -126,18 +89,11 @@ class Replay {
 
   // The steps a call runs, by name ("MatMul + BiasAdd + GELU(tanh); MatMul + BiasAdd"): what
   // fusion made of the trace, for the compile log.
-  std::string step_names() const {
-    std::string names;
-    for (const auto& step : steps_) names += (names.empty() ? "" : "; ") + step->op_name();
-    return names;
-  }
+  std::string step_names() const;
 
   // Whether a cell the trace went through has a hook now: the replay would skip it, so the
   // caller runs the function eagerly instead and the hook runs.
-  bool cells_have_hooks() const {
-    if (duet::detail::live_hook_count().load(std::memory_order_relaxed) == 0) return false;
-    return std::any_of(cells_.begin(), cells_.end(), [](const auto& has_hooks) { return has_hooks(); });
-  }
+  bool cells_have_hooks() const;
 
   // True the first time it is called: the caller says once that it no longer replays this.
   bool set_aside() const { return !set_aside_.exchange(true); }
@@ -193,100 +149,14 @@ class Replay {
   // same ones): a product its bias into its kernel, then activations; an elementwise op the
   // functions after it. A training step's trace keeps each value its gradient steps read, since
   // they are readers too, so the rules are those of a graph that is not differentiated.
-  void fuse() {
-    std::vector<std::size_t> readers(values_.size(), 0);
-    for (const auto& s : steps_) {
-      for (std::size_t v : s->inputs) ++readers[v];
-    }
-    ++readers[output_];
-    std::vector<std::unique_ptr<Step>> fused;
-    for (auto& step : steps_) {
-      if (!fused.empty()) {
-        const Step& last = *fused.back();
-        if (step->inputs.size() == 1 && step->inputs[0] == last.output && readers[last.output] == 1) {
-          const EpilogueRole role = step->as_epilogue();
-          if (auto merged = last.absorb(role, step->output)) {
-            fused.back() = std::move(merged);
-            continue;
-          }
-          if (role.kind == EpilogueRole::Kind::functions && last.takes_functions(role.parameterless)) {
-            fused.back() = EpilogueChain::append(std::move(fused.back()), std::move(step));
-            continue;
-          }
-        }
-      }
-      fused.push_back(std::move(step));
-    }
-    steps_ = std::move(fused);
-  }
+  void fuse();
 
-  void pack_weights() {
-    for (auto& step : steps_) {
-      if (auto packed = step->with_packed_weight()) step = std::move(packed);
-    }
-  }
+  void pack_weights();
 
   // Computed values get slots of one arena, reused once their last reader has run.
-  void layout() {
-    output_root_ = output_;
-    while (values_[output_root_].kind == Value::Kind::view) output_root_ = values_[output_root_].view_of;
-    if (values_[output_root_].kind != Value::Kind::computed) {
-      throw ModeError("duet::jit (PIJit): the traced function returns one of its inputs or constants");
-    }
-    std::vector<std::size_t> last_read(values_.size(), 0);
-    std::vector<bool> made(values_.size(), false);
-    for (std::size_t i = 0; i < steps_.size(); ++i) {
-      for (std::size_t v : steps_[i]->inputs) last_read[root(v)] = i;
-      made[steps_[i]->output] = true;
-    }
-    offset_.assign(values_.size(), 0);
-    struct Slot {
-      std::size_t bytes = 0;
-      std::size_t owner = 0;
-      bool busy = false;
-    };
-    std::vector<Slot> slots;
-    std::vector<std::size_t> slot_of(values_.size(), 0);
-    for (std::size_t i = 0; i < steps_.size(); ++i) {
-      for (Slot& s : slots) {
-        if (s.busy && last_read[s.owner] < i) s.busy = false;
-      }
-      const std::size_t v = steps_[i]->output;
-      if (values_[v].kind != Value::Kind::computed || v == output_root_) continue;
-      const std::size_t bytes = static_cast<std::size_t>(values_[v].shape.numel()) * values_[v].element_size;
-      auto free_slot = std::find_if(slots.begin(), slots.end(), [](const Slot& s) { return !s.busy; });
-      if (free_slot == slots.end()) free_slot = slots.insert(slots.end(), Slot{});
-      free_slot->bytes = std::max(free_slot->bytes, bytes);
-      free_slot->owner = v;
-      free_slot->busy = true;
-      slot_of[v] = static_cast<std::size_t>(free_slot - slots.begin());
-    }
-    std::vector<std::size_t> slot_offset(slots.size(), 0);
-    for (std::size_t s = 0; s < slots.size(); ++s) {
-      slot_offset[s] = arena_bytes_;
-      arena_bytes_ += (slots[s].bytes + duet::detail::block_alignment - 1) / duet::detail::block_alignment *
-                      duet::detail::block_alignment;
-    }
-    for (std::size_t v = 0; v < values_.size(); ++v) {
-      // The output root lives in the result, not in a slot (none may exist when it is viewed).
-      if (made[v] && values_[v].kind == Value::Kind::computed && v != output_root_) {
-        offset_[v] = slot_offset[slot_of[v]];
-      }
-    }
-  }
+  void layout();
 
-  void check_step(std::size_t i, void* const* data) const {
-    const Step& step = *steps_[i];
-    const Value& value = values_[step.output];
-    const auto context = [&] {
-      return "duet (debug): in " + debug_name_ + ", replayed step " + std::to_string(i) + " (" + step.op_name() + "): ";
-    };
-    if (value.dtype == DType::float32) {
-      duet::detail::check_finite(static_cast<const float*>(data[step.output]), value.shape, context());
-    } else if (value.dtype == DType::float64) {
-      duet::detail::check_finite(static_cast<const double*>(data[step.output]), value.shape, context());
-    }
-  }
+  void check_step(std::size_t i, void* const* data) const;
 
   std::size_t root(std::size_t v) const {
     while (values_[v].kind == Value::Kind::view) v = values_[v].view_of;
@@ -306,3 +176,7 @@ class Replay {
 };
 
 }  // namespace duet::pijit
+
+#ifdef DUET_DETAIL_DEFINE_COMPILED
+#include "detail/pijit_impl.hpp"
+#endif

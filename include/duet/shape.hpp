@@ -121,20 +121,7 @@ class Shape {
 };
 
 // "[64, 1, 28, 28]", "[?, 784]" (dynamic), "[..., 512]" (unknown leading dimensions).
-inline std::string to_string(const Shape& s) {
-  std::string out = "[";
-  bool first = true;
-  if (s.leading_unknown()) {
-    out += "...";
-    first = false;
-  }
-  for (index_t d : s) {
-    if (!first) out += ", ";
-    out += d == dyn ? std::string("?") : std::to_string(d);
-    first = false;
-  }
-  return out + "]";
-}
+DUET_DETAIL_COMPILED std::string to_string(const Shape& s);
 
 inline std::ostream& operator<<(std::ostream& os, const Shape& s) { return os << to_string(s); }
 
@@ -151,3 +138,7 @@ template <index_t... Dims>
 inline constexpr StaticShape<Dims...> shape{};
 
 }  // namespace duet
+
+#ifdef DUET_DETAIL_DEFINE_COMPILED
+#include "detail/shape_impl.hpp"
+#endif

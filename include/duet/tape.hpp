@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "backend.hpp"
+#include "config.hpp"
 #include "error.hpp"
 #include "graph.hpp"
 #include "ops/parameter.hpp"
@@ -406,41 +407,6 @@ void Tape::end_cell(CellRecord<T>* cell, const BasicTensor<T>& output) {
   entries_.push_back(std::make_unique<CellEnd<T>>(cell));
 }
 
-inline std::vector<std::size_t> Tape::backward_order(std::size_t from) const {
-  std::vector<std::size_t> order;
-  if (has_cell_hooks_) {
-    for (std::size_t i = entries_.size(); i-- > 0;) order.push_back(i);
-    return order;
-  }
-  // Each record's inputs, in one array: record i reads inputs[begin[i]] to inputs[begin[i + 1]].
-  std::vector<std::size_t> inputs;
-  std::vector<std::size_t> begin(entries_.size() + 1, 0);
-  for (std::size_t i = 0; i < entries_.size(); ++i) {
-    begin[i] = inputs.size();
-    entries_[i]->append_inputs(*this, inputs);
-  }
-  begin[entries_.size()] = inputs.size();
-  std::vector<bool> visited(entries_.size(), false);
-  // (record, its next input to visit): a loop, not recursion, for deep networks' long chains.
-  std::vector<std::pair<std::size_t, std::size_t>> stack{{from, begin[from]}};
-  visited[from] = true;
-  while (!stack.empty()) {
-    auto& [record, next] = stack.back();
-    if (next == begin[record + 1]) {
-      order.push_back(record);
-      stack.pop_back();
-      continue;
-    }
-    const std::size_t input = inputs[next++];
-    if (!visited[input]) {
-      visited[input] = true;
-      stack.emplace_back(input, begin[input]);
-    }
-  }
-  std::reverse(order.begin(), order.end());
-  return order;
-}
-
 template <class T>
 void Tape::backward(const BasicTensor<T>& output) {
   ValueEntry<T>* seed = entry_of(output);
@@ -460,3 +426,7 @@ void Tape::backward(const BasicTensor<T>& output) {
 
 }  // namespace autodiff
 }  // namespace duet
+
+#ifdef DUET_DETAIL_DEFINE_COMPILED
+#include "detail/tape_impl.hpp"
+#endif

@@ -3,11 +3,11 @@
 
 #include <chrono>
 #include <cmath>
+#include <concepts>
 #include <cstdint>
 #include <cstdio>
 #include <limits>
 #include <optional>
-#include <concepts>
 #include <ostream>
 #include <ranges>
 #include <string>
@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "cell.hpp"
+#include "config.hpp"
 #include "data.hpp"
 #include "parallel.hpp"
 #include "tensor.hpp"
@@ -223,22 +224,7 @@ class ProgressBar {
   ProgressBar(std::ostream& out, std::string title, index_t total)
       : out_(out), title_(std::move(title)), total_(total), start_(Clock::now()), last_draw_(start_) {}
 
-  void update(index_t done, double loss, index_t examples) {
-    const auto now = Clock::now();
-    if (done < total_ && now - last_draw_ < std::chrono::milliseconds(100)) return;
-    last_draw_ = now;
-    const double seconds = std::chrono::duration<double>(now - start_).count();
-    const double rate = seconds > 0 ? static_cast<double>(examples) / seconds : 0;
-    const double left = done > 0 ? seconds * static_cast<double>(total_ - done) / static_cast<double>(done) : 0;
-    constexpr int width = 30;
-    const int filled = total_ > 0 ? static_cast<int>(width * done / total_) : width;
-    char line[256];
-    std::snprintf(line, sizeof line, "\r%s [%s%s] %5lld/%lld  loss %.4f  %6.0f ex/s  ETA %d:%02d", title_.c_str(),
-                  std::string(static_cast<std::size_t>(filled), '#').c_str(),
-                  std::string(static_cast<std::size_t>(width - filled), '.').c_str(), static_cast<long long>(done),
-                  static_cast<long long>(total_), loss, rate, static_cast<int>(left) / 60, static_cast<int>(left) % 60);
-    out_ << line << std::flush;
-  }
+  void update(index_t done, double loss, index_t examples);
 
   // Ends the bar's line.
   void finish() { out_ << '\n'; }
@@ -253,3 +239,7 @@ class ProgressBar {
 };
 
 }  // namespace duet::train
+
+#ifdef DUET_DETAIL_DEFINE_COMPILED
+#include "detail/train_impl.hpp"
+#endif

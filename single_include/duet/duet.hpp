@@ -65,6 +65,21 @@
 #define DUET_SIMD_LOOP
 #endif
 
+// Non-template functions compiled once (issue 16). Such a function is declared
+// DUET_DETAIL_COMPILED in its header and defined in a detail/*_impl.hpp file that the header
+// includes at its end when DUET_DETAIL_DEFINE_COMPILED is set. Header-only, that is always, and
+// the function is inline; with DUET_PRECOMPILED_KERNELS (duet/precompiled_kernels.hpp) a
+// program's files see the declaration only, and duet::kernels' file, which defines
+// DUET_DEFINE_PRECOMPILED_KERNELS, compiles the definitions once, not inline.
+#if defined(DUET_PRECOMPILED_KERNELS) || defined(DUET_DEFINE_PRECOMPILED_KERNELS)
+#define DUET_DETAIL_COMPILED
+#else
+#define DUET_DETAIL_COMPILED inline
+#endif
+#if !defined(DUET_PRECOMPILED_KERNELS) || defined(DUET_DEFINE_PRECOMPILED_KERNELS)
+#define DUET_DETAIL_DEFINE_COMPILED
+#endif
+
 namespace duet {
 
 // Signed, as in numpy and MindSpore: -1 spells "dynamic" in shapes and "from the end" in axes.
@@ -5807,20 +5822,7 @@ class Shape {
 };
 
 // "[64, 1, 28, 28]", "[?, 784]" (dynamic), "[..., 512]" (unknown leading dimensions).
-inline std::string to_string(const Shape& s) {
-  std::string out = "[";
-  bool first = true;
-  if (s.leading_unknown()) {
-    out += "...";
-    first = false;
-  }
-  for (index_t d : s) {
-    if (!first) out += ", ";
-    out += d == dyn ? std::string("?") : std::to_string(d);
-    first = false;
-  }
-  return out + "]";
-}
+DUET_DETAIL_COMPILED std::string to_string(const Shape& s);
 
 inline std::ostream& operator<<(std::ostream& os, const Shape& s) { return os << to_string(s); }
 
@@ -5837,6 +5839,30 @@ template <index_t... Dims>
 inline constexpr StaticShape<Dims...> shape{};
 
 }  // namespace duet
+
+#ifdef DUET_DETAIL_DEFINE_COMPILED
+// The definitions of shape.hpp's non-template functions (DUET_DETAIL_COMPILED in config.hpp):
+// included at that header's end when header-only, compiled once in duet::kernels otherwise.
+
+namespace duet {
+
+DUET_DETAIL_COMPILED std::string to_string(const Shape& s) {
+  std::string out = "[";
+  bool first = true;
+  if (s.leading_unknown()) {
+    out += "...";
+    first = false;
+  }
+  for (index_t d : s) {
+    if (!first) out += ", ";
+    out += d == dyn ? std::string("?") : std::to_string(d);
+    first = false;
+  }
+  return out + "]";
+}
+
+}  // namespace duet
+#endif
 
 namespace duet {
 
@@ -7151,7 +7177,21 @@ namespace duet::detail {
 
 // The demangler writes an enum template argument as a cast, "(duet::Mode)0"; these are the
 // spellings a user writes instead, for the enums that appear in cells' template arguments.
-inline std::string spell_enum_arguments(std::string name) {
+DUET_DETAIL_COMPILED std::string spell_enum_arguments(std::string name);
+
+// "duet::nn::Dense<784l, 512l, float>" becomes "nn::Dense<784, 512, float>": the name a user
+// wrote, for cell type names in messages and graph dumps.
+DUET_DETAIL_COMPILED std::string readable_type_name(const std::type_info& type);
+
+}  // namespace duet::detail
+
+#ifdef DUET_DETAIL_DEFINE_COMPILED
+// The definitions of detail/demangle.hpp's non-template functions (DUET_DETAIL_COMPILED in config.hpp):
+// included at that header's end when header-only, compiled once in duet::kernels otherwise.
+
+namespace duet::detail {
+
+DUET_DETAIL_COMPILED std::string spell_enum_arguments(std::string name) {
   const auto spelled = [](auto value, std::string_view cast, std::string spelling) {
     return std::pair{std::string(cast) + std::to_string(static_cast<int>(value)), std::move(spelling)};
   };
@@ -7173,9 +7213,7 @@ inline std::string spell_enum_arguments(std::string name) {
   return name;
 }
 
-// "duet::nn::Dense<784l, 512l, float>" becomes "nn::Dense<784, 512, float>": the name a user
-// wrote, for cell type names in messages and graph dumps.
-inline std::string readable_type_name(const std::type_info& type) {
+DUET_DETAIL_COMPILED std::string readable_type_name(const std::type_info& type) {
   std::string name = type.name();
 #ifdef DUET_HAS_CXXABI
   int status = 0;
@@ -7196,6 +7234,7 @@ inline std::string readable_type_name(const std::type_info& type) {
 }
 
 }  // namespace duet::detail
+#endif
 // DUET_CELL_MEMBERS(a, b, ...): makes a cell a Boost.Hana Struct over the listed members,
 // without naming the class (so it works inside class templates too). Each member becomes a
 // (name, accessor) pair, which is how cells find their children and parameters by name. A
@@ -7420,157 +7459,8 @@ constexpr std::size_t broadcast_partner(const ShapeResult& r) {
 
 // "nn::Dense<784, 512> 'dense_relu_sequential.0' expects an input whose last dimension is 784,
 // got [64, 100]": the run-time wording of a broken rule.
-inline std::string describe_fault(const ShapeResult& r, std::string_view layer, std::span<const Shape> inputs) {
-  const std::string got =
-      inputs.empty() ? std::string("nothing") : to_string(inputs[static_cast<std::size_t>(r.input)]);
-  const std::string e = std::to_string(r.expected);
-  std::string what;
-  switch (r.fault) {
-    case ShapeFault::none:
-      return {};
-    case ShapeFault::last_dimension:
-      what = "an input whose last dimension is " + e;
-      break;
-    case ShapeFault::min_rank:
-      what = "an input of rank at least " + e;
-      break;
-    case ShapeFault::exact_rank:
-      what = "an input of rank " + e;
-      break;
-    case ShapeFault::element_count:
-      what = "an input of " + e + " elements per sample";
-      break;
-    case ShapeFault::shapes_differ:
-    case ShapeFault::broadcast:
-      what = "inputs of the same shape";
-      break;
-    case ShapeFault::class_labels:
-      if (inputs.size() < 2) {
-        what = "labels that fit its logits";
-        break;
-      }
-      if (r.expected == 1) {
-        Shape rows;
-        for (int i = 0; i + 1 < inputs[0].rank(); ++i) rows.push_back(inputs[0][i]);
-        return std::string(layer) + " expects class labels of shape " + to_string(rows) + ": the logits' " +
-               to_string(inputs[0]) + " without the last axis, which holds the classes (PyTorch's [N, C, d...] "
-               "logits are [N, d..., C] here), got " + to_string(inputs[1]);
-      }
-      return std::string(layer) + " expects labels of the logits' shape " + to_string(inputs[0]) +
-             ", a distribution over the classes (the last axis) per row, got " + to_string(inputs[1]) +
-             " (class indices are int32)";
-    case ShapeFault::inner_dimensions:
-      what = "inputs whose inner dimensions match";
-      break;
-    case ShapeFault::empty_reduction:
-      what = "an input with no empty axis among those it reduces (the maximum of nothing is undefined)";
-      break;
-    case ShapeFault::batch_dimension:
-      return std::string(layer) + " expects an input of rank at least " + e +
-             " whose first dimension is the batch, got " + got + ": the batch dimension is missing";
-    case ShapeFault::total_elements:
-      what = "an input of " + e + " elements";
-      break;
-    case ShapeFault::elements_multiple:
-      what = "an input whose element count is a multiple of " + e;
-      break;
-    case ShapeFault::axis_not_one:
-      what = "an input whose axis " + e + " has size 1";
-      break;
-    case ShapeFault::sizes_except_axis: {
-      std::string all;
-      for (const Shape& s : inputs) all += (all.empty() ? "" : ", ") + to_string(s);
-      return std::string(layer) + " expects inputs of one rank whose sizes match except along axis " + e + ", got " +
-             all;
-    }
-    case ShapeFault::axis_size:
-      what = "an input of size " + e + " along its axis";
-      break;
-    case ShapeFault::chunk_count:
-      what = "an input whose size along its axis cuts into " + e + " pieces of ceil(size / " + e +
-             ") elements (PyTorch's chunk makes fewer of it; give the pieces' sizes with ops::split)";
-      break;
-    case ShapeFault::slice_range:
-      what = "an input whose axis " + e + " holds the slice's range";
-      break;
-    case ShapeFault::broadcast_to:
-      what = "an input that broadcasts to its shape (numpy's rule: each size equal to the target's or 1, aligned at "
-             "the last axis; a -1 keeps a size the input has)";
-      break;
-    case ShapeFault::axis_twice:
-      what = "axes that name each axis of its input once (axis " + e + " is named twice, counted from both ends)";
-      break;
-    case ShapeFault::spatial_size:
-      what = "an input whose spatial axes (after batch and channels) are each at least " + e +
-             ", to hold its window less the padding";
-      break;
-    case ShapeFault::channel_dimension:
-      what = "an input whose dimension 1 (channels) is " + e;
-      break;
-    case ShapeFault::empty_sequence:
-      what = "sequences [batch, length, input] of at least one step";
-      break;
-    case ShapeFault::indices_fit:
-      return std::string(layer) +
-             " expects indices of its input's rank, no larger than the input along any axis but axis " + e +
-             " (torch.gather's rule), got " + got + " for an input of shape " +
-             (inputs.empty() ? std::string("nothing") : to_string(inputs[0]));
-    case ShapeFault::axis_at_least:
-      what = "an input of size at least " + e + " along its axis";
-      break;
-    case ShapeFault::axis_multiple:
-      what = "an input whose size along its axis is a multiple of " + e;
-      break;
-    case ShapeFault::axes_in_order:
-      what = "an input whose end axis does not come before its start axis, axis " + e;
-      break;
-    case ShapeFault::batch_first_sequences:
-      return std::string(layer) + " expects batch-first sequences [batch, length, " + e + "], got " + got +
-             " (one sequence [length, " + e + "] is ops::expand_dims<0>(x); PyTorch's default [length, batch, " + e +
-             "] is ops::transpose<1, 0, 2>(x))";
-    case ShapeFault::key_padding_mask: {
-      if (inputs.size() < 2 || inputs[0].rank() != 4) {
-        what = "a key padding mask [batch, length] of its input [batch, length, " + e + "]";
-        break;
-      }
-      const Shape& scores = inputs[0];
-      return std::string(layer) +
-             " expects a key padding mask [batch, length] = " + to_string(Shape{scores[0], scores[3]}) +
-             " for its input " + to_string(Shape{scores[0], scores[2], r.expected}) + ", got " + to_string(inputs[1]);
-    }
-    case ShapeFault::attn_mask: {
-      if (inputs.size() < 2 || inputs[0].rank() != 4) {
-        what =
-            "an attn_mask [length, length] or [batch * heads, length, length] of its input [batch, length, " + e + "]";
-        break;
-      }
-      const Shape& scores = inputs[0];
-      const index_t sequences = scores[0] == dyn ? dyn : scores[0] * scores[1];
-      return std::string(layer) + " expects an attn_mask [length, length] = " + to_string(Shape{scores[2], scores[3]}) +
-             " or [batch * heads, length, length] = " + to_string(Shape{sequences, scores[2], scores[3]}) +
-             " for its input " + to_string(Shape{scores[0], scores[2], r.expected}) + ", got " + to_string(inputs[1]);
-    }
-    case ShapeFault::initial_state:
-      return std::string(layer) + " expects an initial state [batch, " + e + "] for sequences [batch, length, " +
-             "input], got " + got + " for " + (inputs.empty() ? std::string("nothing") : to_string(inputs[0]));
-  }
-  if (r.fault == ShapeFault::broadcast && inputs.size() > 1) {
-    const std::size_t a = static_cast<std::size_t>(r.input);
-    const std::size_t b = broadcast_partner(r);
-    return std::string(layer) + " expects inputs whose shapes broadcast together (numpy's rule: sizes equal or 1, "
-           "aligned at the last axis), got " + to_string(inputs[std::min(a, b)]) + " and " +
-           to_string(inputs[std::max(a, b)]);
-  }
-  if (r.fault == ShapeFault::inner_dimensions && inputs.size() > 1) {
-    return std::string(layer) + " expects inputs whose inner dimensions match (the columns of the first, the "
-           "rows of the second, after their transposes), got " + to_string(inputs[0]) + " and " + to_string(inputs[1]);
-  }
-  if (r.fault == ShapeFault::shapes_differ && inputs.size() > 1) {
-    return std::string(layer) + " expects inputs of matching shapes, got " + to_string(inputs[0]) + " and " +
-           to_string(inputs[r.input == 0 ? 1 : static_cast<std::size_t>(r.input)]);
-  }
-  return std::string(layer) + " expects " + what + ", got " + got;
-}
+DUET_DETAIL_COMPILED std::string describe_fault(const ShapeResult& r, std::string_view layer,
+                                                std::span<const Shape> inputs);
 
 // Compile-time reports. The type names are the message: compilers print the failing
 // condition with its template arguments, which then reads as
@@ -7831,6 +7721,174 @@ inline std::string called_in(std::string_view label, std::string_view where) {
 }  // namespace detail
 
 }  // namespace duet
+
+#ifdef DUET_DETAIL_DEFINE_COMPILED
+// The definitions of diagnostics.hpp's non-template functions (DUET_DETAIL_COMPILED in config.hpp):
+// included at that header's end when header-only, compiled once in duet::kernels otherwise.
+
+namespace duet {
+
+DUET_DETAIL_COMPILED std::string describe_fault(const ShapeResult& r, std::string_view layer,
+                                                std::span<const Shape> inputs) {
+  const std::string got =
+      inputs.empty() ? std::string("nothing") : to_string(inputs[static_cast<std::size_t>(r.input)]);
+  const std::string e = std::to_string(r.expected);
+  std::string what;
+  switch (r.fault) {
+    case ShapeFault::none:
+      return {};
+    case ShapeFault::last_dimension:
+      what = "an input whose last dimension is " + e;
+      break;
+    case ShapeFault::min_rank:
+      what = "an input of rank at least " + e;
+      break;
+    case ShapeFault::exact_rank:
+      what = "an input of rank " + e;
+      break;
+    case ShapeFault::element_count:
+      what = "an input of " + e + " elements per sample";
+      break;
+    case ShapeFault::shapes_differ:
+    case ShapeFault::broadcast:
+      what = "inputs of the same shape";
+      break;
+    case ShapeFault::class_labels:
+      if (inputs.size() < 2) {
+        what = "labels that fit its logits";
+        break;
+      }
+      if (r.expected == 1) {
+        Shape rows;
+        for (int i = 0; i + 1 < inputs[0].rank(); ++i) rows.push_back(inputs[0][i]);
+        return std::string(layer) + " expects class labels of shape " + to_string(rows) + ": the logits' " +
+               to_string(inputs[0]) +
+               " without the last axis, which holds the classes (PyTorch's [N, C, d...] "
+               "logits are [N, d..., C] here), got " +
+               to_string(inputs[1]);
+      }
+      return std::string(layer) + " expects labels of the logits' shape " + to_string(inputs[0]) +
+             ", a distribution over the classes (the last axis) per row, got " + to_string(inputs[1]) +
+             " (class indices are int32)";
+    case ShapeFault::inner_dimensions:
+      what = "inputs whose inner dimensions match";
+      break;
+    case ShapeFault::empty_reduction:
+      what = "an input with no empty axis among those it reduces (the maximum of nothing is undefined)";
+      break;
+    case ShapeFault::batch_dimension:
+      return std::string(layer) + " expects an input of rank at least " + e +
+             " whose first dimension is the batch, got " + got + ": the batch dimension is missing";
+    case ShapeFault::total_elements:
+      what = "an input of " + e + " elements";
+      break;
+    case ShapeFault::elements_multiple:
+      what = "an input whose element count is a multiple of " + e;
+      break;
+    case ShapeFault::axis_not_one:
+      what = "an input whose axis " + e + " has size 1";
+      break;
+    case ShapeFault::sizes_except_axis: {
+      std::string all;
+      for (const Shape& s : inputs) all += (all.empty() ? "" : ", ") + to_string(s);
+      return std::string(layer) + " expects inputs of one rank whose sizes match except along axis " + e + ", got " +
+             all;
+    }
+    case ShapeFault::axis_size:
+      what = "an input of size " + e + " along its axis";
+      break;
+    case ShapeFault::chunk_count:
+      what = "an input whose size along its axis cuts into " + e + " pieces of ceil(size / " + e +
+             ") elements (PyTorch's chunk makes fewer of it; give the pieces' sizes with ops::split)";
+      break;
+    case ShapeFault::slice_range:
+      what = "an input whose axis " + e + " holds the slice's range";
+      break;
+    case ShapeFault::broadcast_to:
+      what =
+          "an input that broadcasts to its shape (numpy's rule: each size equal to the target's or 1, aligned at "
+          "the last axis; a -1 keeps a size the input has)";
+      break;
+    case ShapeFault::axis_twice:
+      what = "axes that name each axis of its input once (axis " + e + " is named twice, counted from both ends)";
+      break;
+    case ShapeFault::spatial_size:
+      what = "an input whose spatial axes (after batch and channels) are each at least " + e +
+             ", to hold its window less the padding";
+      break;
+    case ShapeFault::channel_dimension:
+      what = "an input whose dimension 1 (channels) is " + e;
+      break;
+    case ShapeFault::empty_sequence:
+      what = "sequences [batch, length, input] of at least one step";
+      break;
+    case ShapeFault::indices_fit:
+      return std::string(layer) +
+             " expects indices of its input's rank, no larger than the input along any axis but axis " + e +
+             " (torch.gather's rule), got " + got + " for an input of shape " +
+             (inputs.empty() ? std::string("nothing") : to_string(inputs[0]));
+    case ShapeFault::axis_at_least:
+      what = "an input of size at least " + e + " along its axis";
+      break;
+    case ShapeFault::axis_multiple:
+      what = "an input whose size along its axis is a multiple of " + e;
+      break;
+    case ShapeFault::axes_in_order:
+      what = "an input whose end axis does not come before its start axis, axis " + e;
+      break;
+    case ShapeFault::batch_first_sequences:
+      return std::string(layer) + " expects batch-first sequences [batch, length, " + e + "], got " + got +
+             " (one sequence [length, " + e + "] is ops::expand_dims<0>(x); PyTorch's default [length, batch, " + e +
+             "] is ops::transpose<1, 0, 2>(x))";
+    case ShapeFault::key_padding_mask: {
+      if (inputs.size() < 2 || inputs[0].rank() != 4) {
+        what = "a key padding mask [batch, length] of its input [batch, length, " + e + "]";
+        break;
+      }
+      const Shape& scores = inputs[0];
+      return std::string(layer) +
+             " expects a key padding mask [batch, length] = " + to_string(Shape{scores[0], scores[3]}) +
+             " for its input " + to_string(Shape{scores[0], scores[2], r.expected}) + ", got " + to_string(inputs[1]);
+    }
+    case ShapeFault::attn_mask: {
+      if (inputs.size() < 2 || inputs[0].rank() != 4) {
+        what =
+            "an attn_mask [length, length] or [batch * heads, length, length] of its input [batch, length, " + e + "]";
+        break;
+      }
+      const Shape& scores = inputs[0];
+      const index_t sequences = scores[0] == dyn ? dyn : scores[0] * scores[1];
+      return std::string(layer) + " expects an attn_mask [length, length] = " + to_string(Shape{scores[2], scores[3]}) +
+             " or [batch * heads, length, length] = " + to_string(Shape{sequences, scores[2], scores[3]}) +
+             " for its input " + to_string(Shape{scores[0], scores[2], r.expected}) + ", got " + to_string(inputs[1]);
+    }
+    case ShapeFault::initial_state:
+      return std::string(layer) + " expects an initial state [batch, " + e + "] for sequences [batch, length, " +
+             "input], got " + got + " for " + (inputs.empty() ? std::string("nothing") : to_string(inputs[0]));
+  }
+  if (r.fault == ShapeFault::broadcast && inputs.size() > 1) {
+    const std::size_t a = static_cast<std::size_t>(r.input);
+    const std::size_t b = broadcast_partner(r);
+    return std::string(layer) +
+           " expects inputs whose shapes broadcast together (numpy's rule: sizes equal or 1, "
+           "aligned at the last axis), got " +
+           to_string(inputs[std::min(a, b)]) + " and " + to_string(inputs[std::max(a, b)]);
+  }
+  if (r.fault == ShapeFault::inner_dimensions && inputs.size() > 1) {
+    return std::string(layer) +
+           " expects inputs whose inner dimensions match (the columns of the first, the "
+           "rows of the second, after their transposes), got " +
+           to_string(inputs[0]) + " and " + to_string(inputs[1]);
+  }
+  if (r.fault == ShapeFault::shapes_differ && inputs.size() > 1) {
+    return std::string(layer) + " expects inputs of matching shapes, got " + to_string(inputs[0]) + " and " +
+           to_string(inputs[r.input == 0 ? 1 : static_cast<std::size_t>(r.input)]);
+  }
+  return std::string(layer) + " expects " + what + ", got " + got;
+}
+
+}  // namespace duet
+#endif
 // Graph capture: the compile-time IR of graph mode.
 //
 // A graph is a flat list of nodes (a NodeList), each an operation applied to the outputs of
@@ -9443,10 +9501,8 @@ PlanNode plan_node(const typename Node::op_type& op) {
 
 // How a failing node is named: in debug, by its place in the graph and the function or cell
 // it was captured from (`where`), so a user finds the line of construct that made it.
-inline std::string node_context(bool debug, const std::string& op_name, std::size_t index, std::string_view where) {
-  if (!debug) return {};
-  return "duet (debug): in " + std::string(where) + ", node %" + std::to_string(index) + " (" + op_name + "): ";
-}
+DUET_DETAIL_COMPILED std::string node_context(bool debug, const std::string& op_name, std::size_t index,
+                                              std::string_view where);
 template <JitConfig Config, class Op>
 std::string node_context(std::size_t index, std::string_view where) {
   if constexpr (Config.debug_level == DebugLevel::debug) return node_context(true, Op::op_name(), index, where);
@@ -9455,53 +9511,16 @@ std::string node_context(std::size_t index, std::string_view where) {
 
 // Every node's shape for these input shapes (patterns: the shapes capture inferred, -1 where a
 // dimension is dynamic).
-inline void infer_shapes(std::span<const PlanNode> nodes, std::span<const Shape> patterns,
-                         std::span<const Shape> input_shapes, std::span<Shape> shapes, bool debug,
-                         std::string_view where) {
-  std::vector<Shape> in;
-  for (std::size_t i = 0; i < nodes.size(); ++i) {
-    const PlanNode& node = nodes[i];
-    if (node.is_input) {
-      const Shape& s = input_shapes[node.input];
-      if (!graph::fits(patterns[i], s)) {
-        throw ShapeError(node_context(debug, node.op_name(), i, where) + "duet: graph input " + std::to_string(node.input) +
-                         " must have shape " + to_string(patterns[i]) + ", got " + to_string(s));
-      }
-      shapes[i] = s;
-    } else {
-      in.clear();
-      for (std::size_t a : node.args) in.push_back(shapes[a]);
-      const ShapeResult r = node.infer(node.op, in);
-      if (!r.ok()) {
-        // In debug the context comes first; else an operation naming no layer says where it is.
-        const std::string label = node.label(node.op);
-        throw ShapeError(node_context(debug, node.op_name(), i, where) + describe_fault(r, label, in) +
-                         (debug || node.names_its_layer ? std::string() : duet::detail::called_in(label, where)));
-      }
-      shapes[i] = r.shape;
-    }
-  }
-}
+DUET_DETAIL_COMPILED void infer_shapes(std::span<const PlanNode> nodes, std::span<const Shape> patterns,
+                                       std::span<const Shape> input_shapes, std::span<Shape> shapes, bool debug,
+                                       std::string_view where);
 
 // Places the slots one after another, each 64-byte aligned and as large as the largest value
 // it holds; offset[i] is where node i's slot begins. Returns the arena's size.
-inline std::size_t lay_out_slots(std::span<const graph::Storage> storage, std::span<const std::size_t> slot,
-                                 std::size_t slot_count, std::span<const std::size_t> element_size,
-                                 std::span<const Shape> shapes, std::span<std::size_t> offset) {
-  std::vector<std::size_t> slot_bytes(slot_count), slot_offset(slot_count);
-  for (std::size_t i = 0; i < storage.size(); ++i) {
-    if (storage[i] != graph::Storage::slot) continue;
-    const auto bytes = static_cast<std::size_t>(shapes[i].numel()) * element_size[i];
-    if (bytes > slot_bytes[slot[i]]) slot_bytes[slot[i]] = bytes;
-  }
-  std::size_t arena_bytes = 0;
-  for (std::size_t s = 0; s < slot_count; ++s) {
-    slot_offset[s] = arena_bytes;
-    arena_bytes += (slot_bytes[s] + block_alignment - 1) / block_alignment * block_alignment;
-  }
-  for (std::size_t i = 0; i < storage.size(); ++i) offset[i] = slot_count == 0 ? 0 : slot_offset[slot[i]];
-  return arena_bytes;
-}
+DUET_DETAIL_COMPILED std::size_t lay_out_slots(std::span<const graph::Storage> storage,
+                                               std::span<const std::size_t> slot, std::size_t slot_count,
+                                               std::span<const std::size_t> element_size, std::span<const Shape> shapes,
+                                               std::span<std::size_t> offset);
 }  // namespace detail
 
 // Infers every node's shape for these input shapes and lays out the arena.
@@ -9660,6 +9679,69 @@ auto evaluate(const graph::Sym<G, Out>& program, const Inputs&... inputs) {
 }
 
 }  // namespace duet
+
+#ifdef DUET_DETAIL_DEFINE_COMPILED
+// The definitions of evaluator.hpp's non-template functions (DUET_DETAIL_COMPILED in config.hpp):
+// included at that header's end when header-only, compiled once in duet::kernels otherwise.
+
+namespace duet::detail {
+
+DUET_DETAIL_COMPILED std::string node_context(bool debug, const std::string& op_name, std::size_t index,
+                                              std::string_view where) {
+  if (!debug) return {};
+  return "duet (debug): in " + std::string(where) + ", node %" + std::to_string(index) + " (" + op_name + "): ";
+}
+
+DUET_DETAIL_COMPILED void infer_shapes(std::span<const PlanNode> nodes, std::span<const Shape> patterns,
+                                       std::span<const Shape> input_shapes, std::span<Shape> shapes, bool debug,
+                                       std::string_view where) {
+  std::vector<Shape> in;
+  for (std::size_t i = 0; i < nodes.size(); ++i) {
+    const PlanNode& node = nodes[i];
+    if (node.is_input) {
+      const Shape& s = input_shapes[node.input];
+      if (!graph::fits(patterns[i], s)) {
+        throw ShapeError(node_context(debug, node.op_name(), i, where) + "duet: graph input " +
+                         std::to_string(node.input) + " must have shape " + to_string(patterns[i]) + ", got " +
+                         to_string(s));
+      }
+      shapes[i] = s;
+    } else {
+      in.clear();
+      for (std::size_t a : node.args) in.push_back(shapes[a]);
+      const ShapeResult r = node.infer(node.op, in);
+      if (!r.ok()) {
+        // In debug the context comes first; else an operation naming no layer says where it is.
+        const std::string label = node.label(node.op);
+        throw ShapeError(node_context(debug, node.op_name(), i, where) + describe_fault(r, label, in) +
+                         (debug || node.names_its_layer ? std::string() : duet::detail::called_in(label, where)));
+      }
+      shapes[i] = r.shape;
+    }
+  }
+}
+
+DUET_DETAIL_COMPILED std::size_t lay_out_slots(std::span<const graph::Storage> storage,
+                                               std::span<const std::size_t> slot, std::size_t slot_count,
+                                               std::span<const std::size_t> element_size, std::span<const Shape> shapes,
+                                               std::span<std::size_t> offset) {
+  std::vector<std::size_t> slot_bytes(slot_count), slot_offset(slot_count);
+  for (std::size_t i = 0; i < storage.size(); ++i) {
+    if (storage[i] != graph::Storage::slot) continue;
+    const auto bytes = static_cast<std::size_t>(shapes[i].numel()) * element_size[i];
+    if (bytes > slot_bytes[slot[i]]) slot_bytes[slot[i]] = bytes;
+  }
+  std::size_t arena_bytes = 0;
+  for (std::size_t s = 0; s < slot_count; ++s) {
+    slot_offset[s] = arena_bytes;
+    arena_bytes += (slot_bytes[s] + block_alignment - 1) / block_alignment * block_alignment;
+  }
+  for (std::size_t i = 0; i < storage.size(); ++i) offset[i] = slot_count == 0 ? 0 : slot_offset[slot[i]];
+  return arena_bytes;
+}
+
+}  // namespace duet::detail
+#endif
 // jit: a function of tensors compiled into a static graph, whatever the global context
 // (MindSpore's mindspore.jit and JitConfig).
 //
@@ -9691,11 +9773,11 @@ auto evaluate(const graph::Sym<G, Out>& program, const Inputs&... inputs) {
 #include <cstring>
 #include <deque>
 #include <functional>
-#include <memory>
 #include <iostream>
+#include <memory>
 #include <mutex>
-#include <shared_mutex>
 #include <set>
+#include <shared_mutex>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -9954,18 +10036,31 @@ using Interchange = std::vector<InterchangeNode>;
 // A description used as one part of a longer one (an elementwise function in a fused chain):
 // its operand 0 becomes `in`, and its nodes' references to each other move past the `base`
 // nodes already written.
-inline void append_interchange(Interchange& to, Interchange part, const InterchangeInput& in) {
+DUET_DETAIL_COMPILED void append_interchange(Interchange& to, Interchange part, const InterchangeInput& in);
+
+}  // namespace duet::ops
+
+#ifdef DUET_DETAIL_DEFINE_COMPILED
+// The definitions of interchange.hpp's non-template functions (DUET_DETAIL_COMPILED in config.hpp):
+// included at that header's end when header-only, compiled once in duet::kernels otherwise.
+
+namespace duet::ops {
+
+DUET_DETAIL_COMPILED void append_interchange(Interchange& to, Interchange part, const InterchangeInput& in) {
   const std::size_t base = to.size();
   for (InterchangeNode& n : part) {
     for (InterchangeInput& i : n.inputs) {
-      if (i.kind == InterchangeInput::Kind::input) i = in;
-      else if (i.kind == InterchangeInput::Kind::earlier) i.index += base;
+      if (i.kind == InterchangeInput::Kind::input)
+        i = in;
+      else if (i.kind == InterchangeInput::Kind::earlier)
+        i.index += base;
     }
     to.push_back(std::move(n));
   }
 }
 
 }  // namespace duet::ops
+#endif
 // A BatchNorm at evaluation as what a convolution before it folds in, whatever the layer's type:
 // its per-channel affine map, the tensors the fold watches for changes, its label and its
 // train/evaluate setting. Graph mode's passes meet the layer's own type, but PIJit's fusion
@@ -10885,7 +10980,33 @@ void Tape::end_cell(CellRecord<T>* cell, const BasicTensor<T>& output) {
   entries_.push_back(std::make_unique<CellEnd<T>>(cell));
 }
 
-inline std::vector<std::size_t> Tape::backward_order(std::size_t from) const {
+template <class T>
+void Tape::backward(const BasicTensor<T>& output) {
+  ValueEntry<T>* seed = entry_of(output);
+  if (seed == nullptr) {
+    throw ValueError(std::string(nothing_differentiated_message) +
+                     (gradient_within_ ? ". A gradient was taken inside it (duet::grad or value_and_grad): that gradient is a "
+                                         "constant to this one, as torch.autograd.grad's is without create_graph=True; "
+                                         "duet has no gradient of a gradient (a WGAN-GP penalty, double backward)"
+                                       : ""));
+  }
+  seed->accumulate(full<T>(output.shape(), T(1)));
+  Recording off(nullptr);
+  detail::begin_backward_pass();
+  if (pijit::Trace* trace = pijit::active_trace()) trace->record_backward_pass();
+  for (std::size_t i : backward_order(index_of(output.tape_id()))) entries_[i]->backward(*this);
+}
+
+}  // namespace autodiff
+}  // namespace duet
+
+#ifdef DUET_DETAIL_DEFINE_COMPILED
+// The definitions of tape.hpp's non-template functions (DUET_DETAIL_COMPILED in config.hpp):
+// included at that header's end when header-only, compiled once in duet::kernels otherwise.
+
+namespace duet::autodiff {
+
+DUET_DETAIL_COMPILED std::vector<std::size_t> Tape::backward_order(std::size_t from) const {
   std::vector<std::size_t> order;
   if (has_cell_hooks_) {
     for (std::size_t i = entries_.size(); i-- > 0;) order.push_back(i);
@@ -10920,25 +11041,8 @@ inline std::vector<std::size_t> Tape::backward_order(std::size_t from) const {
   return order;
 }
 
-template <class T>
-void Tape::backward(const BasicTensor<T>& output) {
-  ValueEntry<T>* seed = entry_of(output);
-  if (seed == nullptr) {
-    throw ValueError(std::string(nothing_differentiated_message) +
-                     (gradient_within_ ? ". A gradient was taken inside it (duet::grad or value_and_grad): that gradient is a "
-                                         "constant to this one, as torch.autograd.grad's is without create_graph=True; "
-                                         "duet has no gradient of a gradient (a WGAN-GP penalty, double backward)"
-                                       : ""));
-  }
-  seed->accumulate(full<T>(output.shape(), T(1)));
-  Recording off(nullptr);
-  detail::begin_backward_pass();
-  if (pijit::Trace* trace = pijit::active_trace()) trace->record_backward_pass();
-  for (std::size_t i : backward_order(index_of(output.tape_id()))) entries_[i]->backward(*this);
-}
-
-}  // namespace autodiff
-}  // namespace duet
+}  // namespace duet::autodiff
+#endif
 
 namespace duet {
 
@@ -12169,44 +12273,18 @@ namespace duet::pijit {
 class EpilogueChain final : public Step {
  public:
   // `next` taken into `head` (which may already be a chain); it alone read head's value.
-  static std::unique_ptr<Step> append(std::unique_ptr<Step> head, std::unique_ptr<Step> next) {
-    auto* chain = dynamic_cast<EpilogueChain*>(head.get());
-    if (chain == nullptr) {
-      auto made = std::make_unique<EpilogueChain>(std::move(head), std::vector<std::shared_ptr<Step>>{});
-      chain = made.get();
-      head = std::move(made);
-    }
-    chain->tail_.push_back(std::move(next));
-    chain->write_to(chain->tail_.back()->output);
-    return head;
-  }
+  static std::unique_ptr<Step> append(std::unique_ptr<Step> head, std::unique_ptr<Step> next);
 
-  EpilogueChain(std::unique_ptr<Step> head, std::vector<std::shared_ptr<Step>> tail)
-      : head_(std::move(head)), tail_(std::move(tail)) {
-    inputs = head_->inputs;
-    where = head_->where;
-    write_to(tail_.empty() ? head_->output : tail_.back()->output);
-  }
+  EpilogueChain(std::unique_ptr<Step> head, std::vector<std::shared_ptr<Step>> tail);
 
-  void run(void* const* data, const std::vector<Value>& values) const override {
-    head_->run(data, values);
-    for (const auto& t : tail_) t->run(data, values);
-  }
+  void run(void* const* data, const std::vector<Value>& values) const override;
   // The fused op takes more functions as the head's op does; a bias only before functions.
   bool takes_functions(bool parameterless) const override { return head_->takes_functions(parameterless); }
   bool rounds_differently() const override { return head_->rounds_differently(); }
-  std::unique_ptr<Step> with_packed_weight() const override {
-    auto packed = head_->with_packed_weight();
-    if (packed == nullptr) return nullptr;
-    return std::make_unique<EpilogueChain>(std::move(packed), tail_);
-  }
+  std::unique_ptr<Step> with_packed_weight() const override;
   bool is_view() const override { return false; }
   bool runs_kernel() const override { return true; }
-  std::string op_name() const override {
-    std::string name = head_->op_name();
-    for (const auto& t : tail_) name += " + " + t->op_name();
-    return name;
-  }
+  std::string op_name() const override;
   std::string label() const override { return head_->label(); }
 
  private:
@@ -12227,19 +12305,7 @@ class EpilogueChain final : public Step {
 // as graph mode checks every node's.
 class Replay {
  public:
-  Replay(Trace trace, std::size_t output, JitLevel level, std::string debug_name = {})
-      : values_(std::move(trace.values())),
-        steps_(std::move(trace.steps())),
-        cells_(std::move(trace.cells())),
-        output_(output),
-        traced_steps_(steps_.size()),
-        debug_name_(std::move(debug_name)) {
-    if (level != JitLevel::O0) fuse();
-    // A trace that trains writes its weights between calls: packing them would be one more
-    // pass over each weight per call (graph mode's passes skip training graphs too).
-    if (level != JitLevel::O0 && !trace.differentiates()) pack_weights();
-    layout();
-  }
+  Replay(Trace trace, std::size_t output, JitLevel level, std::string debug_name = {});
 
   // The steps it replays, after fusion, as graph_ir prints them.
   std::string describe() const { return pijit::describe(values_, steps_, output_); }
@@ -12254,18 +12320,11 @@ class Replay {
 
   // The steps a call runs, by name ("MatMul + BiasAdd + GELU(tanh); MatMul + BiasAdd"): what
   // fusion made of the trace, for the compile log.
-  std::string step_names() const {
-    std::string names;
-    for (const auto& step : steps_) names += (names.empty() ? "" : "; ") + step->op_name();
-    return names;
-  }
+  std::string step_names() const;
 
   // Whether a cell the trace went through has a hook now: the replay would skip it, so the
   // caller runs the function eagerly instead and the hook runs.
-  bool cells_have_hooks() const {
-    if (duet::detail::live_hook_count().load(std::memory_order_relaxed) == 0) return false;
-    return std::any_of(cells_.begin(), cells_.end(), [](const auto& has_hooks) { return has_hooks(); });
-  }
+  bool cells_have_hooks() const;
 
   // True the first time it is called: the caller says once that it no longer replays this.
   bool set_aside() const { return !set_aside_.exchange(true); }
@@ -12321,100 +12380,14 @@ class Replay {
   // same ones): a product its bias into its kernel, then activations; an elementwise op the
   // functions after it. A training step's trace keeps each value its gradient steps read, since
   // they are readers too, so the rules are those of a graph that is not differentiated.
-  void fuse() {
-    std::vector<std::size_t> readers(values_.size(), 0);
-    for (const auto& s : steps_) {
-      for (std::size_t v : s->inputs) ++readers[v];
-    }
-    ++readers[output_];
-    std::vector<std::unique_ptr<Step>> fused;
-    for (auto& step : steps_) {
-      if (!fused.empty()) {
-        const Step& last = *fused.back();
-        if (step->inputs.size() == 1 && step->inputs[0] == last.output && readers[last.output] == 1) {
-          const EpilogueRole role = step->as_epilogue();
-          if (auto merged = last.absorb(role, step->output)) {
-            fused.back() = std::move(merged);
-            continue;
-          }
-          if (role.kind == EpilogueRole::Kind::functions && last.takes_functions(role.parameterless)) {
-            fused.back() = EpilogueChain::append(std::move(fused.back()), std::move(step));
-            continue;
-          }
-        }
-      }
-      fused.push_back(std::move(step));
-    }
-    steps_ = std::move(fused);
-  }
+  void fuse();
 
-  void pack_weights() {
-    for (auto& step : steps_) {
-      if (auto packed = step->with_packed_weight()) step = std::move(packed);
-    }
-  }
+  void pack_weights();
 
   // Computed values get slots of one arena, reused once their last reader has run.
-  void layout() {
-    output_root_ = output_;
-    while (values_[output_root_].kind == Value::Kind::view) output_root_ = values_[output_root_].view_of;
-    if (values_[output_root_].kind != Value::Kind::computed) {
-      throw ModeError("duet::jit (PIJit): the traced function returns one of its inputs or constants");
-    }
-    std::vector<std::size_t> last_read(values_.size(), 0);
-    std::vector<bool> made(values_.size(), false);
-    for (std::size_t i = 0; i < steps_.size(); ++i) {
-      for (std::size_t v : steps_[i]->inputs) last_read[root(v)] = i;
-      made[steps_[i]->output] = true;
-    }
-    offset_.assign(values_.size(), 0);
-    struct Slot {
-      std::size_t bytes = 0;
-      std::size_t owner = 0;
-      bool busy = false;
-    };
-    std::vector<Slot> slots;
-    std::vector<std::size_t> slot_of(values_.size(), 0);
-    for (std::size_t i = 0; i < steps_.size(); ++i) {
-      for (Slot& s : slots) {
-        if (s.busy && last_read[s.owner] < i) s.busy = false;
-      }
-      const std::size_t v = steps_[i]->output;
-      if (values_[v].kind != Value::Kind::computed || v == output_root_) continue;
-      const std::size_t bytes = static_cast<std::size_t>(values_[v].shape.numel()) * values_[v].element_size;
-      auto free_slot = std::find_if(slots.begin(), slots.end(), [](const Slot& s) { return !s.busy; });
-      if (free_slot == slots.end()) free_slot = slots.insert(slots.end(), Slot{});
-      free_slot->bytes = std::max(free_slot->bytes, bytes);
-      free_slot->owner = v;
-      free_slot->busy = true;
-      slot_of[v] = static_cast<std::size_t>(free_slot - slots.begin());
-    }
-    std::vector<std::size_t> slot_offset(slots.size(), 0);
-    for (std::size_t s = 0; s < slots.size(); ++s) {
-      slot_offset[s] = arena_bytes_;
-      arena_bytes_ += (slots[s].bytes + duet::detail::block_alignment - 1) / duet::detail::block_alignment *
-                      duet::detail::block_alignment;
-    }
-    for (std::size_t v = 0; v < values_.size(); ++v) {
-      // The output root lives in the result, not in a slot (none may exist when it is viewed).
-      if (made[v] && values_[v].kind == Value::Kind::computed && v != output_root_) {
-        offset_[v] = slot_offset[slot_of[v]];
-      }
-    }
-  }
+  void layout();
 
-  void check_step(std::size_t i, void* const* data) const {
-    const Step& step = *steps_[i];
-    const Value& value = values_[step.output];
-    const auto context = [&] {
-      return "duet (debug): in " + debug_name_ + ", replayed step " + std::to_string(i) + " (" + step.op_name() + "): ";
-    };
-    if (value.dtype == DType::float32) {
-      duet::detail::check_finite(static_cast<const float*>(data[step.output]), value.shape, context());
-    } else if (value.dtype == DType::float64) {
-      duet::detail::check_finite(static_cast<const double*>(data[step.output]), value.shape, context());
-    }
-  }
+  void check_step(std::size_t i, void* const* data) const;
 
   std::size_t root(std::size_t v) const {
     while (values_[v].kind == Value::Kind::view) v = values_[v].view_of;
@@ -12434,6 +12407,171 @@ class Replay {
 };
 
 }  // namespace duet::pijit
+
+#ifdef DUET_DETAIL_DEFINE_COMPILED
+// The definitions of pijit.hpp's non-template functions (DUET_DETAIL_COMPILED in config.hpp):
+// included at that header's end when header-only, compiled once in duet::kernels otherwise.
+
+namespace duet::pijit {
+
+DUET_DETAIL_COMPILED std::unique_ptr<Step> EpilogueChain::append(std::unique_ptr<Step> head,
+                                                                 std::unique_ptr<Step> next) {
+  auto* chain = dynamic_cast<EpilogueChain*>(head.get());
+  if (chain == nullptr) {
+    auto made = std::make_unique<EpilogueChain>(std::move(head), std::vector<std::shared_ptr<Step>>{});
+    chain = made.get();
+    head = std::move(made);
+  }
+  chain->tail_.push_back(std::move(next));
+  chain->write_to(chain->tail_.back()->output);
+  return head;
+}
+
+DUET_DETAIL_COMPILED EpilogueChain::EpilogueChain(std::unique_ptr<Step> head, std::vector<std::shared_ptr<Step>> tail)
+    : head_(std::move(head)), tail_(std::move(tail)) {
+  inputs = head_->inputs;
+  where = head_->where;
+  write_to(tail_.empty() ? head_->output : tail_.back()->output);
+}
+
+DUET_DETAIL_COMPILED void EpilogueChain::run(void* const* data, const std::vector<Value>& values) const {
+  head_->run(data, values);
+  for (const auto& t : tail_) t->run(data, values);
+}
+
+DUET_DETAIL_COMPILED std::unique_ptr<Step> EpilogueChain::with_packed_weight() const {
+  auto packed = head_->with_packed_weight();
+  if (packed == nullptr) return nullptr;
+  return std::make_unique<EpilogueChain>(std::move(packed), tail_);
+}
+
+DUET_DETAIL_COMPILED std::string EpilogueChain::op_name() const {
+  std::string name = head_->op_name();
+  for (const auto& t : tail_) name += " + " + t->op_name();
+  return name;
+}
+
+DUET_DETAIL_COMPILED Replay::Replay(Trace trace, std::size_t output, JitLevel level, std::string debug_name)
+    : values_(std::move(trace.values())),
+      steps_(std::move(trace.steps())),
+      cells_(std::move(trace.cells())),
+      output_(output),
+      traced_steps_(steps_.size()),
+      debug_name_(std::move(debug_name)) {
+  if (level != JitLevel::O0) fuse();
+  // A trace that trains writes its weights between calls: packing them would be one more
+  // pass over each weight per call (graph mode's passes skip training graphs too).
+  if (level != JitLevel::O0 && !trace.differentiates()) pack_weights();
+  layout();
+}
+
+DUET_DETAIL_COMPILED std::string Replay::step_names() const {
+  std::string names;
+  for (const auto& step : steps_) names += (names.empty() ? "" : "; ") + step->op_name();
+  return names;
+}
+
+DUET_DETAIL_COMPILED bool Replay::cells_have_hooks() const {
+  if (duet::detail::live_hook_count().load(std::memory_order_relaxed) == 0) return false;
+  return std::any_of(cells_.begin(), cells_.end(), [](const auto& has_hooks) { return has_hooks(); });
+}
+
+DUET_DETAIL_COMPILED void Replay::fuse() {
+  std::vector<std::size_t> readers(values_.size(), 0);
+  for (const auto& s : steps_) {
+    for (std::size_t v : s->inputs) ++readers[v];
+  }
+  ++readers[output_];
+  std::vector<std::unique_ptr<Step>> fused;
+  for (auto& step : steps_) {
+    if (!fused.empty()) {
+      const Step& last = *fused.back();
+      if (step->inputs.size() == 1 && step->inputs[0] == last.output && readers[last.output] == 1) {
+        const EpilogueRole role = step->as_epilogue();
+        if (auto merged = last.absorb(role, step->output)) {
+          fused.back() = std::move(merged);
+          continue;
+        }
+        if (role.kind == EpilogueRole::Kind::functions && last.takes_functions(role.parameterless)) {
+          fused.back() = EpilogueChain::append(std::move(fused.back()), std::move(step));
+          continue;
+        }
+      }
+    }
+    fused.push_back(std::move(step));
+  }
+  steps_ = std::move(fused);
+}
+
+DUET_DETAIL_COMPILED void Replay::pack_weights() {
+  for (auto& step : steps_) {
+    if (auto packed = step->with_packed_weight()) step = std::move(packed);
+  }
+}
+
+DUET_DETAIL_COMPILED void Replay::layout() {
+  output_root_ = output_;
+  while (values_[output_root_].kind == Value::Kind::view) output_root_ = values_[output_root_].view_of;
+  if (values_[output_root_].kind != Value::Kind::computed) {
+    throw ModeError("duet::jit (PIJit): the traced function returns one of its inputs or constants");
+  }
+  std::vector<std::size_t> last_read(values_.size(), 0);
+  std::vector<bool> made(values_.size(), false);
+  for (std::size_t i = 0; i < steps_.size(); ++i) {
+    for (std::size_t v : steps_[i]->inputs) last_read[root(v)] = i;
+    made[steps_[i]->output] = true;
+  }
+  offset_.assign(values_.size(), 0);
+  struct Slot {
+    std::size_t bytes = 0;
+    std::size_t owner = 0;
+    bool busy = false;
+  };
+  std::vector<Slot> slots;
+  std::vector<std::size_t> slot_of(values_.size(), 0);
+  for (std::size_t i = 0; i < steps_.size(); ++i) {
+    for (Slot& s : slots) {
+      if (s.busy && last_read[s.owner] < i) s.busy = false;
+    }
+    const std::size_t v = steps_[i]->output;
+    if (values_[v].kind != Value::Kind::computed || v == output_root_) continue;
+    const std::size_t bytes = static_cast<std::size_t>(values_[v].shape.numel()) * values_[v].element_size;
+    auto free_slot = std::find_if(slots.begin(), slots.end(), [](const Slot& s) { return !s.busy; });
+    if (free_slot == slots.end()) free_slot = slots.insert(slots.end(), Slot{});
+    free_slot->bytes = std::max(free_slot->bytes, bytes);
+    free_slot->owner = v;
+    free_slot->busy = true;
+    slot_of[v] = static_cast<std::size_t>(free_slot - slots.begin());
+  }
+  std::vector<std::size_t> slot_offset(slots.size(), 0);
+  for (std::size_t s = 0; s < slots.size(); ++s) {
+    slot_offset[s] = arena_bytes_;
+    arena_bytes_ += (slots[s].bytes + duet::detail::block_alignment - 1) / duet::detail::block_alignment *
+                    duet::detail::block_alignment;
+  }
+  for (std::size_t v = 0; v < values_.size(); ++v) {
+    // The output root lives in the result, not in a slot (none may exist when it is viewed).
+    if (made[v] && values_[v].kind == Value::Kind::computed && v != output_root_) {
+      offset_[v] = slot_offset[slot_of[v]];
+    }
+  }
+}
+
+DUET_DETAIL_COMPILED void Replay::check_step(std::size_t i, void* const* data) const {
+  const Step& step = *steps_[i];
+  const Value& value = values_[step.output];
+  const auto context = [&] {
+    return "duet (debug): in " + debug_name_ + ", replayed step " + std::to_string(i) + " (" + step.op_name() + "): ";
+  };
+  if (value.dtype == DType::float32) {
+    duet::detail::check_finite(static_cast<const float*>(data[step.output]), value.shape, context());
+  } else if (value.dtype == DType::float64) {
+    duet::detail::check_finite(static_cast<const double*>(data[step.output]), value.shape, context());
+  }
+}
+
+}  // namespace duet::pijit
+#endif
 // The compile driver of graph mode, written once for Cell, grad and jit:
 //
 //   capture   the function called on symbolic inputs (graph::input) returns the program as a
@@ -12650,41 +12788,19 @@ inline JitStats& jit_stats() {
   static JitStats stats;
   return stats;
 }
-inline void jit_log(std::string line) {
-  auto& stats = jit_stats();
-  std::lock_guard lock(stats.mutex);
-  stats.log.push_back(std::move(line));
-}
+DUET_DETAIL_COMPILED void jit_log(std::string line);
 
 // Says in the log that `who` does not run as the static graph capture made and what runs
 // instead, once per (who, why, instead): a loop of calls logs it once. The reason is spelled
 // out the first time only: one network met in forward, gradient and training-step paths is one
 // ambiguity, not three paragraphs.
-inline void log_ambiguous_capture(const std::string& who, const std::string& why, const std::string& instead) {
-  auto& stats = jit_stats();
-  std::lock_guard lock(stats.mutex);
-  if (!stats.ambiguities_logged.insert(who + '\n' + why + '\n' + instead).second) return;
-  const bool explained = !stats.ambiguities_explained.insert(who + '\n' + why).second;
-  stats.log.push_back(who + ": runs " + instead + ", not as a static graph: " +
-                      (explained ? std::string("its capture is ambiguous, as logged above")
-                                 : "at capture, " + why +
-                                       ", which their types cannot tell apart (README, Guarantees: \"Shared values in "
-                                       "graph mode\")"));
-  // Graph mode quietly not being the static graph is what a user measuring it should hear of
-  // (its numbers are right either way): once per construct and reason, on std::cerr.
-  if (!explained) std::cerr << "duet: warning: " << stats.log.back() << '\n';
-}
+DUET_DETAIL_COMPILED void log_ambiguous_capture(const std::string& who, const std::string& why,
+                                                const std::string& instead);
 
 // Says in the log, and on std::cerr, once per process, that graph mode runs something on
 // PyNative's tape instead (the same bits, the speed of the other mode): what a user measuring
 // graph mode should hear of.
-inline void log_not_compiled(const std::string& line) {
-  auto& stats = jit_stats();
-  std::lock_guard lock(stats.mutex);
-  if (!stats.not_compiled_logged.insert(line).second) return;
-  stats.log.push_back(line);
-  std::cerr << "duet: warning: " << line << '\n';
-}
+DUET_DETAIL_COMPILED void log_not_compiled(const std::string& line);
 
 inline std::atomic<bool> compiles_frozen_flag{false};
 }  // namespace detail
@@ -12807,10 +12923,7 @@ class JitBase {
     std::vector<std::pair<std::type_index, std::shared_ptr<void>>> caches;
   };
 
-  JitBase(JitOptions options, std::size_t max_compiled_forms, RecompilePolicy on_limit)
-      : options_(std::move(options)), state_(std::make_shared<State>()), limit_(max_compiled_forms), on_limit_(on_limit) {
-    if (options_.name.empty()) options_.name = "jit function #" + std::to_string(++jit_stats().functions);
-  }
+  JitBase(JitOptions options, std::size_t max_compiled_forms, RecompilePolicy on_limit);
 
   // Entries are never removed, so a pointer to one stays valid once the lock is released.
   template <std::size_t N>
@@ -12828,39 +12941,20 @@ class JitBase {
 
   // The recompilation contract, asked before form `number` is made: refused while compiles are
   // frozen, and past max_compiled_forms as on_recompile_limit says.
-  void admit(std::uint64_t number, const std::string& reason) const {
-    if (compiles_frozen()) {
-      throw RecompileError(options_.name + ": compiles are frozen (duet::freeze_compiles), and this call would compile " +
-                           "form #" + std::to_string(number) + ": " + reason);
-    }
-    if (limit_ == 0 || number <= limit_) return;
-    const std::string text = options_.name + ": compile #" + std::to_string(number) + " exceeds max_compiled_forms = " +
-                             std::to_string(limit_) + ": " + reason;
-    if (on_limit_ == RecompilePolicy::raise) {
-      throw RecompileError(text);
-    } else if (!state_->warned.exchange(true)) {
-      jit_log("warning: " + text);
-    }
-  }
+  void admit(std::uint64_t number, const std::string& reason) const;
 
   template <std::size_t N>
   const typename CompileCache<N>::Entry& compile(CompileCache<N>& cache, const Signature<N>& s,
                                                           const std::string& reason,
                                                           std::shared_ptr<const pijit::Replay> replay,
                                                           const std::string& note = {}) {
-    // Reserved by compare-and-swap: the caches of two argument lists have their own locks, so
-    // two of this function's forms may be compiled at once, and the limit must hold for both.
-    std::uint64_t number = state_->compiles.load();
-    do {
-      admit(number + 1, reason);
-    } while (!state_->compiles.compare_exchange_weak(number, number + 1));
-    ++number;
-    jit_stats().compiles.fetch_add(1);
-    jit_log(options_.name + ": compile #" + std::to_string(number) + ": " + reason +
-                    (note.empty() ? "" : " (" + note + ")"));
+    count_compile(reason, note);
     cache.entries.push_back({s, duet::detail::new_plan_owner(), std::move(replay)});
     return cache.entries.back();
   }
+
+  // A compile's number taken and logged: what compile<N> does whatever N.
+  void count_compile(const std::string& reason, const std::string& note);
 
   template <std::size_t N>
   CompileCache<N>& compile_cache() {
@@ -12880,19 +12974,15 @@ class JitBase {
   template <std::size_t N>
   std::shared_ptr<const pijit::Replay> kept(CompileCache<N>& cache, const Signature<N>& s, const std::string& reason,
                                             pijit::Trace&& trace, std::size_t out, JitLevel level, DebugLevel debug) {
-    std::string broken = trace.broken();
-    if (broken.empty() && out == trace.values().size()) broken = "the function returns a value no duet operation made";
-    std::shared_ptr<const pijit::Replay> replay;
-    std::string note = "graph break, runs eagerly: " + broken;
-    if (broken.empty()) {
-      replay = std::make_shared<pijit::Replay>(std::move(trace), out, level,
-                                               debug == DebugLevel::debug ? options_.name : std::string());
-      note = "traced " + std::to_string(replay->traced_steps()) + " operations, replays " +
-             std::to_string(replay->steps()) + " steps: " + replay->step_names();
-    }
+    std::string note;
+    std::shared_ptr<const pijit::Replay> replay = replay_of(std::move(trace), out, level, debug, note);
     compile(cache, s, reason, replay, note);
     return replay;
   }
+
+  // kept's replay, whatever N, and what the compile log says of it in `note`.
+  std::shared_ptr<const pijit::Replay> replay_of(pijit::Trace&& trace, std::size_t out, JitLevel level,
+                                                 DebugLevel debug, std::string& note) const;
 
   // What follows depends on the argument types only: shared by every function called with them.
   template <class X>
@@ -13259,6 +13349,94 @@ auto jit(Fn&& fn, JitOptions options = {}) {
 }
 
 }  // namespace duet
+
+#ifdef DUET_DETAIL_DEFINE_COMPILED
+// The definitions of jit.hpp's non-template functions (DUET_DETAIL_COMPILED in config.hpp):
+// included at that header's end when header-only, compiled once in duet::kernels otherwise.
+
+namespace duet::detail {
+
+DUET_DETAIL_COMPILED void jit_log(std::string line) {
+  auto& stats = jit_stats();
+  std::lock_guard lock(stats.mutex);
+  stats.log.push_back(std::move(line));
+}
+
+DUET_DETAIL_COMPILED void log_ambiguous_capture(const std::string& who, const std::string& why,
+                                                const std::string& instead) {
+  auto& stats = jit_stats();
+  std::lock_guard lock(stats.mutex);
+  if (!stats.ambiguities_logged.insert(who + '\n' + why + '\n' + instead).second) return;
+  const bool explained = !stats.ambiguities_explained.insert(who + '\n' + why).second;
+  stats.log.push_back(who + ": runs " + instead + ", not as a static graph: " +
+                      (explained ? std::string("its capture is ambiguous, as logged above")
+                                 : "at capture, " + why +
+                                       ", which their types cannot tell apart (README, Guarantees: \"Shared values in "
+                                       "graph mode\")"));
+  // Graph mode quietly not being the static graph is what a user measuring it should hear of
+  // (its numbers are right either way): once per construct and reason, on std::cerr.
+  if (!explained) std::cerr << "duet: warning: " << stats.log.back() << '\n';
+}
+
+DUET_DETAIL_COMPILED void log_not_compiled(const std::string& line) {
+  auto& stats = jit_stats();
+  std::lock_guard lock(stats.mutex);
+  if (!stats.not_compiled_logged.insert(line).second) return;
+  stats.log.push_back(line);
+  std::cerr << "duet: warning: " << line << '\n';
+}
+
+DUET_DETAIL_COMPILED JitBase::JitBase(JitOptions options, std::size_t max_compiled_forms, RecompilePolicy on_limit)
+    : options_(std::move(options)), state_(std::make_shared<State>()), limit_(max_compiled_forms), on_limit_(on_limit) {
+  if (options_.name.empty()) options_.name = "jit function #" + std::to_string(++jit_stats().functions);
+}
+
+DUET_DETAIL_COMPILED void JitBase::admit(std::uint64_t number, const std::string& reason) const {
+  if (compiles_frozen()) {
+    throw RecompileError(options_.name + ": compiles are frozen (duet::freeze_compiles), and this call would compile " +
+                         "form #" + std::to_string(number) + ": " + reason);
+  }
+  if (limit_ == 0 || number <= limit_) return;
+  const std::string text = options_.name + ": compile #" + std::to_string(number) +
+                           " exceeds max_compiled_forms = " + std::to_string(limit_) + ": " + reason;
+  if (on_limit_ == RecompilePolicy::raise) {
+    throw RecompileError(text);
+  } else if (!state_->warned.exchange(true)) {
+    jit_log("warning: " + text);
+  }
+}
+
+DUET_DETAIL_COMPILED void JitBase::count_compile(const std::string& reason, const std::string& note) {
+  // Reserved by compare-and-swap: the caches of two argument lists have their own locks, so
+  // two of this function's forms may be compiled at once, and the limit must hold for both.
+  std::uint64_t number = state_->compiles.load();
+  do {
+    admit(number + 1, reason);
+  } while (!state_->compiles.compare_exchange_weak(number, number + 1));
+  ++number;
+  jit_stats().compiles.fetch_add(1);
+  jit_log(options_.name + ": compile #" + std::to_string(number) + ": " + reason +
+          (note.empty() ? "" : " (" + note + ")"));
+}
+
+DUET_DETAIL_COMPILED std::shared_ptr<const pijit::Replay> JitBase::replay_of(pijit::Trace&& trace, std::size_t out,
+                                                                             JitLevel level, DebugLevel debug,
+                                                                             std::string& note) const {
+  std::string broken = trace.broken();
+  if (broken.empty() && out == trace.values().size()) broken = "the function returns a value no duet operation made";
+  std::shared_ptr<const pijit::Replay> replay;
+  note = "graph break, runs eagerly: " + broken;
+  if (broken.empty()) {
+    replay = std::make_shared<pijit::Replay>(std::move(trace), out, level,
+                                             debug == DebugLevel::debug ? options_.name : std::string());
+    note = "traced " + std::to_string(replay->traced_steps()) + " operations, replays " +
+           std::to_string(replay->steps()) + " steps: " + replay->step_names();
+  }
+  return replay;
+}
+
+}  // namespace duet::detail
+#endif
 
 namespace duet::nn {
 
@@ -15674,21 +15852,9 @@ inline std::string quoted(const std::filesystem::path& path) { return std::strin
 class IdxByteStream {
  public:
   // Reads the file a chunk at a time.
-  IdxByteStream(const std::filesystem::path& path, const std::string& where)
-      : where_(where),
-        file_(std::fopen(path.c_str(), "rb")),
-        buffer_(std::make_unique_for_overwrite<unsigned char[]>(chunk)) {
-    if (file_ == nullptr) {
-      const int error = errno;
-      throw IOError(where_ + ": cannot open: " + std::generic_category().message(error));
-    }
-    start();
-  }
+  IdxByteStream(const std::filesystem::path& path, const std::string& where);
   // Reads the caller's bytes in place, which must outlive the stream.
-  IdxByteStream(std::span<const std::byte> bytes, const std::string& where)
-      : where_(where), memory_(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size()) {
-    start();
-  }
+  IdxByteStream(std::span<const std::byte> bytes, const std::string& where);
   IdxByteStream(const IdxByteStream&) = delete;
   IdxByteStream& operator=(const IdxByteStream&) = delete;
   ~IdxByteStream() = default;
@@ -15696,15 +15862,7 @@ class IdxByteStream {
   bool gzipped() const { return inflater_.has_value(); }
 
   // Fills out; fewer bytes only at the end of the contents.
-  std::size_t read(std::span<std::byte> out) {
-    std::size_t got = 0;
-    while (got < out.size()) {
-      const std::size_t n = gzipped() ? inflate_some(out.subspan(got)) : copy_some(out.subspan(got));
-      if (n == 0) break;
-      got += n;
-    }
-    return got;
-  }
+  std::size_t read(std::span<std::byte> out);
 
  private:
   static constexpr std::size_t chunk = 64 * 1024;
@@ -15725,80 +15883,18 @@ class IdxByteStream {
     z_stream z{};
   };
 
-  void start() {
-    in_ = next_chunk();
-    if (in_.size() >= 2 && in_[0] == 0x1F && in_[1] == 0x8B) {
-      inflater_.emplace(where_);
-      feed_inflater();
-    }
-  }
+  void start();
 
   // The next input bytes, empty at the end. Memory is handed out in chunks too, since zlib
   // counts its input in 32 bits.
-  std::span<const unsigned char> next_chunk() {
-    if (file_ == nullptr) {
-      const auto out = memory_.first(std::min(chunk, memory_.size()));
-      memory_ = memory_.subspan(out.size());
-      return out;
-    }
-    const std::size_t n = std::fread(buffer_.get(), 1, chunk, file_.get());
-    if (n < chunk && std::ferror(file_.get()) != 0) {
-      const int error = errno;
-      throw IOError(where_ + ": read failed: " + std::generic_category().message(error));
-    }
-    return {buffer_.get(), n};
-  }
+  std::span<const unsigned char> next_chunk();
 
-  void feed_inflater() {
-    // zlib only reads through next_in, which is non-const unless ZLIB_CONST is defined.
-    inflater_->z.next_in = const_cast<Bytef*>(in_.data());
-    inflater_->z.avail_in = static_cast<uInt>(in_.size());
-  }
+  void feed_inflater();
 
-  std::size_t copy_some(std::span<std::byte> out) {
-    if (in_pos_ == in_.size()) {
-      in_ = next_chunk();
-      in_pos_ = 0;
-    }
-    const std::size_t n = std::min(out.size(), in_.size() - in_pos_);
-    std::copy_n(in_.data() + in_pos_, n, reinterpret_cast<unsigned char*>(out.data()));
-    in_pos_ += n;
-    return n;
-  }
+  std::size_t copy_some(std::span<std::byte> out);
 
   // Some output, or 0 at the end of the last member.
-  std::size_t inflate_some(std::span<std::byte> out) {
-    z_stream& z = inflater_->z;
-    const auto wanted = static_cast<uInt>(std::min<std::size_t>(out.size(), std::numeric_limits<uInt>::max()));
-    z.next_out = reinterpret_cast<Bytef*>(out.data());
-    z.avail_out = wanted;
-    while (z.avail_out == wanted) {
-      if (z.avail_in == 0) {
-        in_ = next_chunk();
-        feed_inflater();
-        if (z.avail_in == 0) {
-          if (in_member_) throw FormatError(where_ + ": the gzip data is truncated");
-          break;
-        }
-      }
-      const bool starts_member = !in_member_;
-      in_member_ = true;
-      const int rc = inflate(&z, Z_NO_FLUSH);
-      if (rc == Z_STREAM_END) {
-        in_member_ = false;
-        inflateReset(&z);
-      } else if (rc == Z_MEM_ERROR) {
-        throw IOError(where_ + ": out of memory while decompressing");
-      } else if (rc != Z_OK && !(rc == Z_BUF_ERROR && z.avail_in == 0)) {
-        // Z_BUF_ERROR with input left would mean no progress: refusing it rules out a loop.
-        const std::string why = z.msg != nullptr ? z.msg : "zlib error " + std::to_string(rc);
-        throw FormatError(where_ + (starts_member
-                                        ? ": bytes after the gzip data are not another gzip member (" + why + ")"
-                                        : ": corrupt gzip data (" + why + ")"));
-      }
-    }
-    return wanted - z.avail_out;
-  }
+  std::size_t inflate_some(std::span<std::byte> out);
 
   std::string where_;
   std::unique_ptr<std::FILE, FileCloser> file_;  // null when reading memory_
@@ -15819,16 +15915,208 @@ struct IdxHeader {
   friend bool operator==(const IdxHeader&, const IdxHeader&) = default;
 };
 
-inline std::string hex_byte(std::byte b) {
+DUET_DETAIL_COMPILED std::string hex_byte(std::byte b);
+
+// Where byte offsets count from, in messages.
+inline std::string offsets_of(const IdxByteStream& in) { return in.gzipped() ? " of the decompressed data" : ""; }
+
+DUET_DETAIL_COMPILED IdxHeader read_idx_header(IdxByteStream& in, const std::string& where);
+
+// Having read `got` bytes of data, checks they are exactly what the header promises.
+DUET_DETAIL_COMPILED void check_data_length(IdxByteStream& in, const IdxHeader& h, std::uint64_t got,
+                                            const std::string& where);
+
+// Streams the data through a small buffer: proves the file holds it before anything is allocated.
+DUET_DETAIL_COMPILED void skip_idx_data(IdxByteStream& in, const IdxHeader& h, const std::string& where);
+
+template <class T>
+BasicTensor<T> read_idx_data(IdxByteStream& in, const IdxHeader& h, const std::string& where) {
+  auto t = BasicTensor<T>::uninitialized(h.shape);
+  const std::span<std::byte> bytes = std::as_writable_bytes(t.values());
+  check_data_length(in, h, in.read(bytes), where);
+  // IDX elements are big-endian.
+  if constexpr (sizeof(T) > 1 && std::endian::native == std::endian::little) {
+    for (auto e = bytes.begin(); e != bytes.end(); e += sizeof(T)) std::reverse(e, e + sizeof(T));
+  }
+  return t;
+}
+
+// Both passes over the data; open() makes a new stream from its start each time.
+template <class Open>
+IdxArray read_idx_from(Open open, const std::string& where) {
+  IdxHeader header;
+  {
+    IdxByteStream probe = open();
+    header = read_idx_header(probe, where);
+    skip_idx_data(probe, header, where);
+  }
+  IdxByteStream in = open();
+  if (!(read_idx_header(in, where) == header)) throw FormatError(where + ": the file changed while being read");
+  IdxArray out{header.dtype, header.shape, {}};
+  switch (header.dtype) {
+    case DType::int32:
+      out.data = read_idx_data<std::int32_t>(in, header, where);
+      break;
+    case DType::float32:
+      out.data = read_idx_data<float>(in, header, where);
+      break;
+    case DType::float64:
+      out.data = read_idx_data<double>(in, header, where);
+      break;
+    default:
+      out.data = read_idx_data<std::uint8_t>(in, header, where);
+      break;  // uint8, the last one
+  }
+  return out;
+}
+
+}  // namespace detail
+
+// The header, dimensions and elements of an IDX file; any malformed file is a FormatError.
+DUET_DETAIL_COMPILED IdxArray read_idx(const std::filesystem::path& path);
+
+// The same for the bytes of an IDX file already in memory, plain or gzipped.
+DUET_DETAIL_COMPILED IdxArray read_idx_bytes(std::span<const std::byte> bytes);
+
+// An IDX file of unsigned bytes (images, labels), as a tensor of its shape.
+DUET_DETAIL_COMPILED BasicTensor<std::uint8_t> read_idx_u8(const std::filesystem::path& path);
+
+}  // namespace duet::io
+
+#ifdef DUET_DETAIL_DEFINE_COMPILED
+// The definitions of io/idx.hpp's non-template functions (DUET_DETAIL_COMPILED in config.hpp):
+// included at that header's end when header-only, compiled once in duet::kernels otherwise.
+
+namespace duet::io {
+
+DUET_DETAIL_COMPILED IdxArray read_idx(const std::filesystem::path& path) {
+  const std::string where = "IDX file " + detail::quoted(path);
+  return detail::read_idx_from([&] { return detail::IdxByteStream(path, where); }, where);
+}
+
+DUET_DETAIL_COMPILED IdxArray read_idx_bytes(std::span<const std::byte> bytes) {
+  const std::string where = "IDX data";
+  return detail::read_idx_from([&] { return detail::IdxByteStream(bytes, where); }, where);
+}
+
+DUET_DETAIL_COMPILED BasicTensor<std::uint8_t> read_idx_u8(const std::filesystem::path& path) {
+  IdxArray a = read_idx(path);
+  if (a.dtype != DType::uint8) {
+    throw FormatError("IDX file " + detail::quoted(path) + ": holds " + std::string(name_of(a.dtype)) +
+                      " elements, expected unsigned bytes (UInt8)");
+  }
+  return std::get<BasicTensor<std::uint8_t>>(std::move(a.data));
+}
+
+}  // namespace duet::io
+
+namespace duet::io::detail {
+
+DUET_DETAIL_COMPILED IdxByteStream::IdxByteStream(const std::filesystem::path& path, const std::string& where)
+    : where_(where),
+      file_(std::fopen(path.c_str(), "rb")),
+      buffer_(std::make_unique_for_overwrite<unsigned char[]>(chunk)) {
+  if (file_ == nullptr) {
+    const int error = errno;
+    throw IOError(where_ + ": cannot open: " + std::generic_category().message(error));
+  }
+  start();
+}
+
+DUET_DETAIL_COMPILED IdxByteStream::IdxByteStream(std::span<const std::byte> bytes, const std::string& where)
+    : where_(where), memory_(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size()) {
+  start();
+}
+
+DUET_DETAIL_COMPILED std::size_t IdxByteStream::read(std::span<std::byte> out) {
+  std::size_t got = 0;
+  while (got < out.size()) {
+    const std::size_t n = gzipped() ? inflate_some(out.subspan(got)) : copy_some(out.subspan(got));
+    if (n == 0) break;
+    got += n;
+  }
+  return got;
+}
+
+DUET_DETAIL_COMPILED void IdxByteStream::start() {
+  in_ = next_chunk();
+  if (in_.size() >= 2 && in_[0] == 0x1F && in_[1] == 0x8B) {
+    inflater_.emplace(where_);
+    feed_inflater();
+  }
+}
+
+DUET_DETAIL_COMPILED std::span<const unsigned char> IdxByteStream::next_chunk() {
+  if (file_ == nullptr) {
+    const auto out = memory_.first(std::min(chunk, memory_.size()));
+    memory_ = memory_.subspan(out.size());
+    return out;
+  }
+  const std::size_t n = std::fread(buffer_.get(), 1, chunk, file_.get());
+  if (n < chunk && std::ferror(file_.get()) != 0) {
+    const int error = errno;
+    throw IOError(where_ + ": read failed: " + std::generic_category().message(error));
+  }
+  return {buffer_.get(), n};
+}
+
+DUET_DETAIL_COMPILED void IdxByteStream::feed_inflater() {
+  // zlib only reads through next_in, which is non-const unless ZLIB_CONST is defined.
+  inflater_->z.next_in = const_cast<Bytef*>(in_.data());
+  inflater_->z.avail_in = static_cast<uInt>(in_.size());
+}
+
+DUET_DETAIL_COMPILED std::size_t IdxByteStream::copy_some(std::span<std::byte> out) {
+  if (in_pos_ == in_.size()) {
+    in_ = next_chunk();
+    in_pos_ = 0;
+  }
+  const std::size_t n = std::min(out.size(), in_.size() - in_pos_);
+  std::copy_n(in_.data() + in_pos_, n, reinterpret_cast<unsigned char*>(out.data()));
+  in_pos_ += n;
+  return n;
+}
+
+DUET_DETAIL_COMPILED std::size_t IdxByteStream::inflate_some(std::span<std::byte> out) {
+  z_stream& z = inflater_->z;
+  const auto wanted = static_cast<uInt>(std::min<std::size_t>(out.size(), std::numeric_limits<uInt>::max()));
+  z.next_out = reinterpret_cast<Bytef*>(out.data());
+  z.avail_out = wanted;
+  while (z.avail_out == wanted) {
+    if (z.avail_in == 0) {
+      in_ = next_chunk();
+      feed_inflater();
+      if (z.avail_in == 0) {
+        if (in_member_) throw FormatError(where_ + ": the gzip data is truncated");
+        break;
+      }
+    }
+    const bool starts_member = !in_member_;
+    in_member_ = true;
+    const int rc = inflate(&z, Z_NO_FLUSH);
+    if (rc == Z_STREAM_END) {
+      in_member_ = false;
+      inflateReset(&z);
+    } else if (rc == Z_MEM_ERROR) {
+      throw IOError(where_ + ": out of memory while decompressing");
+    } else if (rc != Z_OK && !(rc == Z_BUF_ERROR && z.avail_in == 0)) {
+      // Z_BUF_ERROR with input left would mean no progress: refusing it rules out a loop.
+      const std::string why = z.msg != nullptr ? z.msg : "zlib error " + std::to_string(rc);
+      throw FormatError(where_ + (starts_member
+                                      ? ": bytes after the gzip data are not another gzip member (" + why + ")"
+                                      : ": corrupt gzip data (" + why + ")"));
+    }
+  }
+  return wanted - z.avail_out;
+}
+
+DUET_DETAIL_COMPILED std::string hex_byte(std::byte b) {
   static constexpr char digits[] = "0123456789ABCDEF";
   const auto v = static_cast<unsigned>(b);
   return std::string("0x") + digits[v >> 4] + digits[v & 0xF];
 }
 
-// Where byte offsets count from, in messages.
-inline std::string offsets_of(const IdxByteStream& in) { return in.gzipped() ? " of the decompressed data" : ""; }
-
-inline IdxHeader read_idx_header(IdxByteStream& in, const std::string& where) {
+DUET_DETAIL_COMPILED IdxHeader read_idx_header(IdxByteStream& in, const std::string& where) {
   std::array<std::byte, 4> magic{};
   const std::size_t got = in.read(magic);
   if (got < magic.size()) {
@@ -15905,8 +16193,8 @@ inline IdxHeader read_idx_header(IdxByteStream& in, const std::string& where) {
   return h;
 }
 
-// Having read `got` bytes of data, checks they are exactly what the header promises.
-inline void check_data_length(IdxByteStream& in, const IdxHeader& h, std::uint64_t got, const std::string& where) {
+DUET_DETAIL_COMPILED void check_data_length(IdxByteStream& in, const IdxHeader& h, std::uint64_t got,
+                                            const std::string& where) {
   if (got < h.data_bytes) {
     throw FormatError(where + ": truncated at byte " + std::to_string(h.header_bytes + got) + offsets_of(in) +
                       ": the header " + to_string(h.shape) + " promises " +
@@ -15919,8 +16207,7 @@ inline void check_data_length(IdxByteStream& in, const IdxHeader& h, std::uint64
   }
 }
 
-// Streams the data through a small buffer: proves the file holds it before anything is allocated.
-inline void skip_idx_data(IdxByteStream& in, const IdxHeader& h, const std::string& where) {
+DUET_DETAIL_COMPILED void skip_idx_data(IdxByteStream& in, const IdxHeader& h, const std::string& where) {
   std::array<std::byte, 16 * 1024> scratch;
   std::uint64_t got = 0;
   while (got < h.data_bytes) {
@@ -15932,72 +16219,8 @@ inline void skip_idx_data(IdxByteStream& in, const IdxHeader& h, const std::stri
   check_data_length(in, h, got, where);
 }
 
-template <class T>
-BasicTensor<T> read_idx_data(IdxByteStream& in, const IdxHeader& h, const std::string& where) {
-  auto t = BasicTensor<T>::uninitialized(h.shape);
-  const std::span<std::byte> bytes = std::as_writable_bytes(t.values());
-  check_data_length(in, h, in.read(bytes), where);
-  // IDX elements are big-endian.
-  if constexpr (sizeof(T) > 1 && std::endian::native == std::endian::little) {
-    for (auto e = bytes.begin(); e != bytes.end(); e += sizeof(T)) std::reverse(e, e + sizeof(T));
-  }
-  return t;
-}
-
-// Both passes over the data; open() makes a new stream from its start each time.
-template <class Open>
-IdxArray read_idx_from(Open open, const std::string& where) {
-  IdxHeader header;
-  {
-    IdxByteStream probe = open();
-    header = read_idx_header(probe, where);
-    skip_idx_data(probe, header, where);
-  }
-  IdxByteStream in = open();
-  if (!(read_idx_header(in, where) == header)) throw FormatError(where + ": the file changed while being read");
-  IdxArray out{header.dtype, header.shape, {}};
-  switch (header.dtype) {
-    case DType::int32:
-      out.data = read_idx_data<std::int32_t>(in, header, where);
-      break;
-    case DType::float32:
-      out.data = read_idx_data<float>(in, header, where);
-      break;
-    case DType::float64:
-      out.data = read_idx_data<double>(in, header, where);
-      break;
-    default:
-      out.data = read_idx_data<std::uint8_t>(in, header, where);
-      break;  // uint8, the last one
-  }
-  return out;
-}
-
-}  // namespace detail
-
-// The header, dimensions and elements of an IDX file; any malformed file is a FormatError.
-inline IdxArray read_idx(const std::filesystem::path& path) {
-  const std::string where = "IDX file " + detail::quoted(path);
-  return detail::read_idx_from([&] { return detail::IdxByteStream(path, where); }, where);
-}
-
-// The same for the bytes of an IDX file already in memory, plain or gzipped.
-inline IdxArray read_idx_bytes(std::span<const std::byte> bytes) {
-  const std::string where = "IDX data";
-  return detail::read_idx_from([&] { return detail::IdxByteStream(bytes, where); }, where);
-}
-
-// An IDX file of unsigned bytes (images, labels), as a tensor of its shape.
-inline BasicTensor<std::uint8_t> read_idx_u8(const std::filesystem::path& path) {
-  IdxArray a = read_idx(path);
-  if (a.dtype != DType::uint8) {
-    throw FormatError("IDX file " + detail::quoted(path) + ": holds " + std::string(name_of(a.dtype)) +
-                      " elements, expected unsigned bytes (UInt8)");
-  }
-  return std::get<BasicTensor<std::uint8_t>>(std::move(a.data));
-}
-
-}  // namespace duet::io
+}  // namespace duet::io::detail
+#endif
 // Seeded random numbers that are the same on every compiler and standard library.
 //
 // std::uniform_real_distribution and std::normal_distribution are implementation-defined, so
@@ -16228,27 +16451,7 @@ class ImageDataset {
  public:
   using Batch = data::Batch;
 
-  ImageDataset(BasicTensor<std::uint8_t> images, BasicTensor<std::int32_t> labels, int classes)
-      : images_(std::move(images)), labels_(std::move(labels)), classes_(classes) {
-    if (images_.ndim() != 3) {
-      throw ShapeError("duet::data::ImageDataset: images must have shape [N, H, W], got " + to_string(images_.shape()));
-    }
-    if (labels_.ndim() != 1 || labels_.dim(0) != images_.dim(0)) {
-      throw ShapeError("duet::data::ImageDataset: " + std::to_string(images_.dim(0)) +
-                       " images need labels of shape [" + std::to_string(images_.dim(0)) + "], got " +
-                       to_string(labels_.shape()));
-    }
-    if (classes_ <= 0) {
-      throw ValueError("duet::data::ImageDataset: classes must be positive, got " + std::to_string(classes_));
-    }
-    for (index_t i = 0; i < labels_.numel(); ++i) {
-      const std::int32_t label = labels_.data()[i];
-      if (label < 0 || label >= classes_) {
-        throw ValueError("duet::data::ImageDataset: label " + std::to_string(i) + " is " + std::to_string(label) +
-                         ", outside 0.." + std::to_string(classes_ - 1));
-      }
-    }
-  }
+  ImageDataset(BasicTensor<std::uint8_t> images, BasicTensor<std::int32_t> labels, int classes);
 
   // Samples.
   index_t size() const { return images_.dim(0); }
@@ -16259,20 +16462,7 @@ class ImageDataset {
   const BasicTensor<std::int32_t>& labels() const { return labels_; }
 
   // The samples samples[0], ..., samples[count - 1], in that order.
-  void gather(const index_t* samples, index_t count, Batch& batch) const {
-    const index_t h = height();
-    const index_t w = width();
-    detail::reuse_or_make(batch.images, {count, 1, h, w});
-    detail::reuse_or_make(batch.labels, {count});
-    const index_t pixels = h * w;
-    for (index_t k = 0; k < count; ++k) {
-      const index_t sample = samples[k];
-      const std::uint8_t* from = images_.data() + sample * pixels;
-      float* to = batch.images.data() + k * pixels;
-      for (index_t p = 0; p < pixels; ++p) to[p] = static_cast<float>(from[p]) / 255.0f;
-      batch.labels.data()[k] = labels_.data()[sample];
-    }
-  }
+  void gather(const index_t* samples, index_t count, Batch& batch) const;
 
  private:
   BasicTensor<std::uint8_t> images_;
@@ -16328,34 +16518,9 @@ inline constexpr const char* fashion_mnist_dir = "/usr/share/datasets/fashion-mn
 
 // Fashion-MNIST (60000 training or 10000 test images of 28x28, 10 classes) from the four IDX
 // files of its distribution, gzipped (as shipped) or not.
-inline ImageDataset load_fashion_mnist(const std::filesystem::path& dir, Split split) {
-  const std::string prefix = split == Split::train ? "train" : "t10k";
-  const auto find = [&](const std::string& name) {
-    std::error_code ignored;
-    for (const auto& candidate : {dir / (name + ".gz"), dir / name}) {
-      if (std::filesystem::exists(candidate, ignored)) return candidate;
-    }
-    throw IOError("duet::data::load_fashion_mnist: '" + (dir / (name + ".gz")).string() +
-                  "' not found; on Debian, install the dataset-fashion-mnist package, or pass the directory "
-                  "holding the Fashion-MNIST files");
-  };
-  const auto images_path = find(prefix + "-images-idx3-ubyte");
-  const auto labels_path = find(prefix + "-labels-idx1-ubyte");
-  BasicTensor<std::uint8_t> images = io::read_idx_u8(images_path);
-  const BasicTensor<std::uint8_t> label_bytes = io::read_idx_u8(labels_path);
-  auto labels = BasicTensor<std::int32_t>::uninitialized(label_bytes.shape());
-  std::copy_n(label_bytes.data(), label_bytes.numel(), labels.data());
-  try {
-    return ImageDataset(std::move(images), std::move(labels), 10);
-  } catch (const Error& e) {
-    throw FormatError("duet::data::load_fashion_mnist: '" + images_path.string() + "' and '" + labels_path.string() +
-                      "' do not form a data set: " + e.what());
-  }
-}
+DUET_DETAIL_COMPILED ImageDataset load_fashion_mnist(const std::filesystem::path& dir, Split split);
 
-inline ImageDataset load_fashion_mnist(Split split = Split::train) {
-  return load_fashion_mnist(fashion_mnist_dir, split);
-}
+DUET_DETAIL_COMPILED ImageDataset load_fashion_mnist(Split split = Split::train);
 
 struct LoaderOptions {
   // Epoch e's order is a function of (seed, e) alone, so a run can be repeated or resumed.
@@ -16541,6 +16706,81 @@ inline constexpr bool is_data_loader_v<BasicDataLoader<Dataset>> = true;
 
 }  // namespace duet::data
 
+#ifdef DUET_DETAIL_DEFINE_COMPILED
+// The definitions of data.hpp's non-template functions (DUET_DETAIL_COMPILED in config.hpp):
+// included at that header's end when header-only, compiled once in duet::kernels otherwise.
+
+namespace duet::data {
+
+DUET_DETAIL_COMPILED ImageDataset::ImageDataset(BasicTensor<std::uint8_t> images, BasicTensor<std::int32_t> labels,
+                                                int classes)
+    : images_(std::move(images)), labels_(std::move(labels)), classes_(classes) {
+  if (images_.ndim() != 3) {
+    throw ShapeError("duet::data::ImageDataset: images must have shape [N, H, W], got " + to_string(images_.shape()));
+  }
+  if (labels_.ndim() != 1 || labels_.dim(0) != images_.dim(0)) {
+    throw ShapeError("duet::data::ImageDataset: " + std::to_string(images_.dim(0)) + " images need labels of shape [" +
+                     std::to_string(images_.dim(0)) + "], got " + to_string(labels_.shape()));
+  }
+  if (classes_ <= 0) {
+    throw ValueError("duet::data::ImageDataset: classes must be positive, got " + std::to_string(classes_));
+  }
+  for (index_t i = 0; i < labels_.numel(); ++i) {
+    const std::int32_t label = labels_.data()[i];
+    if (label < 0 || label >= classes_) {
+      throw ValueError("duet::data::ImageDataset: label " + std::to_string(i) + " is " + std::to_string(label) +
+                       ", outside 0.." + std::to_string(classes_ - 1));
+    }
+  }
+}
+
+DUET_DETAIL_COMPILED void ImageDataset::gather(const index_t* samples, index_t count, Batch& batch) const {
+  const index_t h = height();
+  const index_t w = width();
+  detail::reuse_or_make(batch.images, {count, 1, h, w});
+  detail::reuse_or_make(batch.labels, {count});
+  const index_t pixels = h * w;
+  for (index_t k = 0; k < count; ++k) {
+    const index_t sample = samples[k];
+    const std::uint8_t* from = images_.data() + sample * pixels;
+    float* to = batch.images.data() + k * pixels;
+    for (index_t p = 0; p < pixels; ++p) to[p] = static_cast<float>(from[p]) / 255.0f;
+    batch.labels.data()[k] = labels_.data()[sample];
+  }
+}
+
+DUET_DETAIL_COMPILED ImageDataset load_fashion_mnist(const std::filesystem::path& dir, Split split) {
+  const std::string prefix = split == Split::train ? "train" : "t10k";
+  const auto find = [&](const std::string& name) {
+    std::error_code ignored;
+    for (const auto& candidate : {dir / (name + ".gz"), dir / name}) {
+      if (std::filesystem::exists(candidate, ignored)) return candidate;
+    }
+    throw IOError("duet::data::load_fashion_mnist: '" + (dir / (name + ".gz")).string() +
+                  "' not found; on Debian, install the dataset-fashion-mnist package, or pass the directory "
+                  "holding the Fashion-MNIST files");
+  };
+  const auto images_path = find(prefix + "-images-idx3-ubyte");
+  const auto labels_path = find(prefix + "-labels-idx1-ubyte");
+  BasicTensor<std::uint8_t> images = io::read_idx_u8(images_path);
+  const BasicTensor<std::uint8_t> label_bytes = io::read_idx_u8(labels_path);
+  auto labels = BasicTensor<std::int32_t>::uninitialized(label_bytes.shape());
+  std::copy_n(label_bytes.data(), label_bytes.numel(), labels.data());
+  try {
+    return ImageDataset(std::move(images), std::move(labels), 10);
+  } catch (const Error& e) {
+    throw FormatError("duet::data::load_fashion_mnist: '" + images_path.string() + "' and '" + labels_path.string() +
+                      "' do not form a data set: " + e.what());
+  }
+}
+
+DUET_DETAIL_COMPILED ImageDataset load_fashion_mnist(Split split) {
+  return load_fashion_mnist(fashion_mnist_dir, split);
+}
+
+}  // namespace duet::data
+#endif
+
 namespace duet {
 
 // MindSpore's ParallelMode: STAND_ALONE (one process) and DATA_PARALLEL (every rank holds the
@@ -16675,35 +16915,8 @@ std::optional<std::string> first_difference_between_ranks(DataParallelRuntime& r
 // rank, the ranks would repeat one another. With `telling` false (gradients all zero) equal
 // hashes prove nothing. Then that their sharded loaders cut their shards from one epoch order
 // (data::detail::served_order; none on every rank passes too). `who` names the caller.
-inline void require_sharded_data(DataParallelRuntime& runtime, std::uint64_t hash, bool telling, std::string_view who,
-                                 std::string_view what) {
-  if (runtime.group_size() == 1) return;
-  if (runtime.same_on_every_rank(hash, Stream::steps) && telling) {
-    throw ValueError(std::string(who) + ": " + std::string(what) + " the same on all " +
-                     std::to_string(runtime.group_size()) +
-                     " ranks, so each would train on the same data; shard the loader: data::DataLoader(dataset, "
-                     "batch, {.num_shards = duet::distributed::get_group_size(), .shard_id = "
-                     "duet::distributed::get_rank()})");
-  }
-  const std::uint64_t order = data::detail::served_order().load(std::memory_order_relaxed);
-  // Shuffled with a seed per rank, unsharded loaders serve first batches that differ, and each
-  // rank trains on the whole data set (helper-92: in silence). Ranks may hold data sets of
-  // their own, which no check here can tell from copies of one: it is said, not refused.
-  static std::atomic<bool> warned{false};
-  if (order == data::detail::unsharded_order && !warned.exchange(true)) {
-    std::cerr << "duet: warning: rank " << runtime.rank() << " of " << runtime.group_size() << ": " << who
-              << ": the batch came from a loader that is not sharded (num_shards = 1): unless each rank's data set "
-                 "is its own part of the data, every rank trains on all of it; shard the loader: data::DataLoader("
-                 "dataset, batch, {.num_shards = duet::distributed::get_group_size(), .shard_id = "
-                 "duet::distributed::get_rank()})\n";
-  }
-  if (runtime.same_on_every_rank(order, Stream::steps)) return;
-  throw ValueError(std::string(who) +
-                   ": the ranks' sharded loaders serve different epoch orders (their .seed, .shuffle, epoch, data "
-                   "set, batch size or .num_shards differ), so the shards overlap and leave samples out while each "
-                   "rank's batches still differ; make the loaders alike on every rank, .shard_id apart, and start "
-                   "the same epoch everywhere");
-}
+DUET_DETAIL_COMPILED void require_sharded_data(DataParallelRuntime& runtime, std::uint64_t hash, bool telling,
+                                               std::string_view who, std::string_view what);
 
 // Set by duet::distributed::init().
 inline std::atomic<DataParallelRuntime*>& data_parallel_runtime() {
@@ -16779,42 +16992,18 @@ BatchShare batch_share(const Loss& loss, const Labels& labels, index_t rows, std
 // (MindSpore's default).
 // [gradient weight, loss weight, rows, weighted losses..., weighted buffers...]: what a step's
 // ranks sum besides the gradients (all_reduce_step).
-inline std::vector<double> step_values(std::span<const float> loss, const std::vector<nn::Parameter*>& buffers,
-                                       const BatchShare& share, bool weighted) {
-  const double loss_weight = share.summed ? 1.0 : share.counted_rows;
-  std::vector<double> values{weighted ? share.counted_rows : 1.0, loss_weight, share.rows};
-  for (const float l : loss) values.push_back(static_cast<double>(l) * loss_weight);
-  for (const nn::Parameter* b : buffers) {
-    for (const float v : b->values()) values.push_back(static_cast<double>(v) * share.rows);
-  }
-  return values;
-}
+DUET_DETAIL_COMPILED std::vector<double> step_values(std::span<const float> loss,
+                                                     const std::vector<nn::Parameter*>& buffers,
+                                                     const BatchShare& share, bool weighted);
 
 // The losses and buffers from step_values summed over the ranks.
-inline void apply_step_values(std::span<const double> values, std::span<float> loss,
-                              const std::vector<nn::Parameter*>& buffers, const BatchShare& share) {
-  const double counted = values[1];
-  std::size_t k = 3;
-  for (float& l : loss) {
-    const double sum = values[k++];
-    l = static_cast<float>(share.summed ? sum : counted > 0 ? sum / counted : 0.0);
-  }
-  for (nn::Parameter* b : buffers) {
-    // Non-const data() moves the version, so what was made from the old values is made again.
-    for (float& v : b->values()) {
-      v = static_cast<float>(values[k++] / values[2]);
-    }
-  }
-}
+DUET_DETAIL_COMPILED void apply_step_values(std::span<const double> values, std::span<float> loss,
+                                            const std::vector<nn::Parameter*>& buffers, const BatchShare& share);
 
-inline void all_reduce_step(DataParallelRuntime& runtime, std::span<const GradientView> grads,
-                            const std::function<float*(std::size_t)>& write, std::span<float> loss,
-                            const std::vector<nn::Parameter*>& buffers, const BatchShare& share, bool gradients_mean) {
-  const bool weighted = gradients_mean && !share.summed;
-  std::vector<double> values = step_values(loss, buffers, share, weighted);
-  runtime.all_reduce_gradients(grads, values, weighted, write);
-  apply_step_values(values, loss, buffers, share);
-}
+DUET_DETAIL_COMPILED void all_reduce_step(DataParallelRuntime& runtime, std::span<const GradientView> grads,
+                                          const std::function<float*(std::size_t)>& write, std::span<float> loss,
+                                          const std::vector<nn::Parameter*>& buffers, const BatchShare& share,
+                                          bool gradients_mean);
 
 // Counts each parameter's gradient writes in a backward pass: what OverlappedReduction needs
 // to know when a gradient is final. index maps a parameter to its place in the optimiser's list.
@@ -16869,25 +17058,7 @@ class OverlappedReduction final : public GradientObserver {
   };
 
   // Units of parameters of these sizes, in backward order (the last parameter first).
-  static std::vector<Unit> plan(const std::vector<index_t>& sizes, std::size_t bucket_bytes) {
-    constexpr index_t in_place_elements = (64 << 10) / sizeof(float);
-    const auto limit = static_cast<index_t>(std::max<std::size_t>(bucket_bytes / sizeof(float), 1));
-    std::vector<Unit> units;
-    bool open = false;
-    for (std::size_t k = 0; k < sizes.size(); ++k) {
-      const index_t n = sizes[sizes.size() - 1 - k];
-      if (n >= in_place_elements) {
-        units.push_back({k, k + 1, true, n});
-        open = false;
-        continue;
-      }
-      if (!open || units.back().elements + n > limit) units.push_back({k, k, false, 0});
-      open = true;
-      units.back().last = k + 1;
-      units.back().elements += n;
-    }
-    return units;
-  }
+  static std::vector<Unit> plan(const std::vector<index_t>& sizes, std::size_t bucket_bytes);
 
   // writes: each parameter's gradient writes in the recorded step; buffers and weights: the
   // sums' storage, kept by the caller between steps (a step that throws leaves its sums to the
@@ -16896,112 +17067,23 @@ class OverlappedReduction final : public GradientObserver {
   OverlappedReduction(DataParallelRuntime& runtime, const std::vector<nn::BasicParameter<float>*>& params,
                       const std::unordered_map<const void*, std::size_t>& index, const std::vector<int>& writes,
                       const std::vector<Unit>& units, std::vector<std::vector<float>>& buffers,
-                      std::vector<double>& weights, double weight, bool mean)
-      : runtime_(runtime), params_(params), index_(index), writes_(writes), units_(units), buffers_(buffers),
-        weights_(weights), mean_(mean), weight_(weight), count_(params.size(), 0), final_(params.size(), false),
-        sent_(params.size(), false) {
-    buffers_.resize(units_.size());
-    weights_.assign(1, weight);
-    runtime_.start_sum(std::span<double>(weights_));
-  }
+                      std::vector<double>& weights, double weight, bool mean);
 
-  void will_write(const void* parameter) override {
-    const auto it = index_.find(parameter);
-    if (it == index_.end()) return;
-    const std::size_t i = it->second;
-    if (sent_[i]) {
-      throw ModeError("nn::TrainOneStepCell (DATA_PARALLEL): backward wrote the gradient of parameter " +
-                      std::to_string(i) + " " + to_string(params_[i]->shape()) + " after it was sent to the other "
-                      "ranks: this step writes it more often (" + std::to_string(count_[i] + 1) +
-                      " times) than the first step did (" + std::to_string(writes_[i]) +
-                      "); a network whose backward changes between steps needs duet::distributed::InitConfig{"
-                      ".overlap_backward = false}");
-    }
-    ++count_[i];
-    written_.push_back(i);
-  }
+  void will_write(const void* parameter) override;
 
-  void writes_done() override {
-    for (const std::size_t i : written_) final_[i] = final_[i] || count_[i] >= writes_[i];
-    written_.clear();
-    start_ready();
-    if (started_ > 0) runtime_.test_sums();
-  }
+  void writes_done() override;
 
   // After backward, with no observer set: starts what is left, sums `values` (step_values'
   // losses and buffers) with which gradients each rank wrote, and leaves the sums in the
   // parameters' gradients.
-  void finish(std::vector<double>& values) {
-    std::fill(final_.begin(), final_.end(), true);
-    start_ready();
-    const std::size_t flags = values.size();
-    for (std::size_t i = 0; i < params_.size(); ++i) values.push_back(count_[i] > 0 ? 1 : 0);
-    runtime_.start_sum(std::span<double>(values));
-    runtime_.wait_sums("all-reducing the gradients");
-    for (std::size_t u = 0; u < units_.size(); ++u) {
-      const float* from = buffers_[u].data();
-      for (std::size_t k = units_[u].first; k < units_[u].last; ++k) {
-        const std::size_t i = position(k);
-        nn::BasicParameter<float>& p = *params_[i];
-        if (values[flags + i] == 0) {
-          p.forget_grad(current_backward_pass());  // no rank wrote it: unwritten, as all_reduce_step leaves it
-        } else if (!units_[u].in_place) {
-          bool accumulate = false;
-          std::copy_n(from, p.numel(), p.grad_for_write(current_backward_pass(), &accumulate));
-        }
-        if (!units_[u].in_place) from += p.numel();  // an in-place unit has no buffer
-      }
-    }
-    values.resize(flags);
-  }
+  void finish(std::vector<double>& values);
 
  private:
   std::size_t position(std::size_t k) const { return params_.size() - 1 - k; }
 
-  void start_ready() {
-    while (started_ < units_.size()) {
-      const Unit& unit = units_[started_];
-      for (std::size_t k = unit.first; k < unit.last; ++k) {
-        if (!final_[position(k)]) return;
-      }
-      if (started_ == 0) {
-        runtime_.wait_sums("all-reducing the step's weights");
-        share_ = static_cast<float>(!mean_ ? weight_ : weights_[0] > 0 ? weight_ / weights_[0] : 0.0);
-      }
-      start(unit, buffers_[started_]);
-      ++started_;
-    }
-  }
+  void start_ready();
 
-  void start(const Unit& unit, std::vector<float>& buffer) {
-    for (std::size_t k = unit.first; k < unit.last; ++k) sent_[position(k)] = true;
-    if (unit.in_place) {
-      const std::size_t i = position(unit.first);
-      nn::BasicParameter<float>& p = *params_[i];
-      float* g = p.grad.data();
-      if (count_[i] == 0) {  // this rank has none; only finish() starts such a unit, with no observer
-        bool accumulate = false;
-        g = p.grad_for_write(current_backward_pass(), &accumulate);
-        std::fill_n(g, p.numel(), 0.0f);
-      } else if (share_ != 1) {
-        kernels::scale(g, p.numel(), share_, g);
-      }
-      runtime_.start_sum(g, p.numel());
-      return;
-    }
-    buffer.resize(static_cast<std::size_t>(unit.elements));
-    float* to = buffer.data();
-    for (std::size_t k = unit.first; k < unit.last; ++k) {
-      const nn::BasicParameter<float>& p = *params_[position(k)];
-      if (count_[position(k)] > 0) {
-        kernels::scale(p.grad.data(), p.numel(), share_, to);
-      } else {
-        std::fill_n(to, p.numel(), 0.0f);
-      }
-      to += p.numel();
-    }
-    runtime_.start_sum(buffer.data(), unit.elements);
-  }
+  void start(const Unit& unit, std::vector<float>& buffer);
 
   DataParallelRuntime& runtime_;
   const std::vector<nn::BasicParameter<float>*>& params_;
@@ -17022,7 +17104,224 @@ class OverlappedReduction final : public GradientObserver {
 
 // The runtime a training step of `who` synchronises through, or nullptr when it trains alone.
 // Either half of the set-up without the other is refused: each rank would train on its own.
-inline DataParallelRuntime* training_runtime(std::string_view who) {
+DUET_DETAIL_COMPILED DataParallelRuntime* training_runtime(std::string_view who);
+
+}  // namespace detail
+}  // namespace duet
+
+#ifdef DUET_DETAIL_DEFINE_COMPILED
+// The definitions of parallel.hpp's non-template functions (DUET_DETAIL_COMPILED in config.hpp):
+// included at that header's end when header-only, compiled once in duet::kernels otherwise.
+
+namespace duet::detail {
+
+DUET_DETAIL_COMPILED void require_sharded_data(DataParallelRuntime& runtime, std::uint64_t hash, bool telling,
+                                               std::string_view who, std::string_view what) {
+  if (runtime.group_size() == 1) return;
+  if (runtime.same_on_every_rank(hash, Stream::steps) && telling) {
+    throw ValueError(std::string(who) + ": " + std::string(what) + " the same on all " +
+                     std::to_string(runtime.group_size()) +
+                     " ranks, so each would train on the same data; shard the loader: data::DataLoader(dataset, "
+                     "batch, {.num_shards = duet::distributed::get_group_size(), .shard_id = "
+                     "duet::distributed::get_rank()})");
+  }
+  const std::uint64_t order = data::detail::served_order().load(std::memory_order_relaxed);
+  // Shuffled with a seed per rank, unsharded loaders serve first batches that differ, and each
+  // rank trains on the whole data set (helper-92: in silence). Ranks may hold data sets of
+  // their own, which no check here can tell from copies of one: it is said, not refused.
+  static std::atomic<bool> warned{false};
+  if (order == data::detail::unsharded_order && !warned.exchange(true)) {
+    std::cerr << "duet: warning: rank " << runtime.rank() << " of " << runtime.group_size() << ": " << who
+              << ": the batch came from a loader that is not sharded (num_shards = 1): unless each rank's data set "
+                 "is its own part of the data, every rank trains on all of it; shard the loader: data::DataLoader("
+                 "dataset, batch, {.num_shards = duet::distributed::get_group_size(), .shard_id = "
+                 "duet::distributed::get_rank()})\n";
+  }
+  if (runtime.same_on_every_rank(order, Stream::steps)) return;
+  throw ValueError(std::string(who) +
+                   ": the ranks' sharded loaders serve different epoch orders (their .seed, .shuffle, epoch, data "
+                   "set, batch size or .num_shards differ), so the shards overlap and leave samples out while each "
+                   "rank's batches still differ; make the loaders alike on every rank, .shard_id apart, and start "
+                   "the same epoch everywhere");
+}
+
+DUET_DETAIL_COMPILED std::vector<double> step_values(std::span<const float> loss,
+                                                     const std::vector<nn::Parameter*>& buffers,
+                                                     const BatchShare& share, bool weighted) {
+  const double loss_weight = share.summed ? 1.0 : share.counted_rows;
+  std::vector<double> values{weighted ? share.counted_rows : 1.0, loss_weight, share.rows};
+  for (const float l : loss) values.push_back(static_cast<double>(l) * loss_weight);
+  for (const nn::Parameter* b : buffers) {
+    for (const float v : b->values()) values.push_back(static_cast<double>(v) * share.rows);
+  }
+  return values;
+}
+
+DUET_DETAIL_COMPILED void apply_step_values(std::span<const double> values, std::span<float> loss,
+                                            const std::vector<nn::Parameter*>& buffers, const BatchShare& share) {
+  const double counted = values[1];
+  std::size_t k = 3;
+  for (float& l : loss) {
+    const double sum = values[k++];
+    l = static_cast<float>(share.summed ? sum : counted > 0 ? sum / counted : 0.0);
+  }
+  for (nn::Parameter* b : buffers) {
+    // Non-const data() moves the version, so what was made from the old values is made again.
+    for (float& v : b->values()) {
+      v = static_cast<float>(values[k++] / values[2]);
+    }
+  }
+}
+
+DUET_DETAIL_COMPILED void all_reduce_step(DataParallelRuntime& runtime, std::span<const GradientView> grads,
+                                          const std::function<float*(std::size_t)>& write, std::span<float> loss,
+                                          const std::vector<nn::Parameter*>& buffers, const BatchShare& share,
+                                          bool gradients_mean) {
+  const bool weighted = gradients_mean && !share.summed;
+  std::vector<double> values = step_values(loss, buffers, share, weighted);
+  runtime.all_reduce_gradients(grads, values, weighted, write);
+  apply_step_values(values, loss, buffers, share);
+}
+
+DUET_DETAIL_COMPILED std::vector<OverlappedReduction::Unit> OverlappedReduction::plan(const std::vector<index_t>& sizes,
+                                                                                      std::size_t bucket_bytes) {
+  constexpr index_t in_place_elements = (64 << 10) / sizeof(float);
+  const auto limit = static_cast<index_t>(std::max<std::size_t>(bucket_bytes / sizeof(float), 1));
+  std::vector<Unit> units;
+  bool open = false;
+  for (std::size_t k = 0; k < sizes.size(); ++k) {
+    const index_t n = sizes[sizes.size() - 1 - k];
+    if (n >= in_place_elements) {
+      units.push_back({k, k + 1, true, n});
+      open = false;
+      continue;
+    }
+    if (!open || units.back().elements + n > limit) units.push_back({k, k, false, 0});
+    open = true;
+    units.back().last = k + 1;
+    units.back().elements += n;
+  }
+  return units;
+}
+
+DUET_DETAIL_COMPILED OverlappedReduction::OverlappedReduction(DataParallelRuntime& runtime,
+                                                              const std::vector<nn::BasicParameter<float>*>& params,
+                                                              const std::unordered_map<const void*, std::size_t>& index,
+                                                              const std::vector<int>& writes,
+                                                              const std::vector<Unit>& units,
+                                                              std::vector<std::vector<float>>& buffers,
+                                                              std::vector<double>& weights, double weight, bool mean)
+    : runtime_(runtime),
+      params_(params),
+      index_(index),
+      writes_(writes),
+      units_(units),
+      buffers_(buffers),
+      weights_(weights),
+      mean_(mean),
+      weight_(weight),
+      count_(params.size(), 0),
+      final_(params.size(), false),
+      sent_(params.size(), false) {
+  buffers_.resize(units_.size());
+  weights_.assign(1, weight);
+  runtime_.start_sum(std::span<double>(weights_));
+}
+
+DUET_DETAIL_COMPILED void OverlappedReduction::will_write(const void* parameter) {
+  const auto it = index_.find(parameter);
+  if (it == index_.end()) return;
+  const std::size_t i = it->second;
+  if (sent_[i]) {
+    throw ModeError("nn::TrainOneStepCell (DATA_PARALLEL): backward wrote the gradient of parameter " +
+                    std::to_string(i) + " " + to_string(params_[i]->shape()) +
+                    " after it was sent to the other "
+                    "ranks: this step writes it more often (" +
+                    std::to_string(count_[i] + 1) + " times) than the first step did (" + std::to_string(writes_[i]) +
+                    "); a network whose backward changes between steps needs duet::distributed::InitConfig{"
+                    ".overlap_backward = false}");
+  }
+  ++count_[i];
+  written_.push_back(i);
+}
+
+DUET_DETAIL_COMPILED void OverlappedReduction::writes_done() {
+  for (const std::size_t i : written_) final_[i] = final_[i] || count_[i] >= writes_[i];
+  written_.clear();
+  start_ready();
+  if (started_ > 0) runtime_.test_sums();
+}
+
+DUET_DETAIL_COMPILED void OverlappedReduction::finish(std::vector<double>& values) {
+  std::fill(final_.begin(), final_.end(), true);
+  start_ready();
+  const std::size_t flags = values.size();
+  for (std::size_t i = 0; i < params_.size(); ++i) values.push_back(count_[i] > 0 ? 1 : 0);
+  runtime_.start_sum(std::span<double>(values));
+  runtime_.wait_sums("all-reducing the gradients");
+  for (std::size_t u = 0; u < units_.size(); ++u) {
+    const float* from = buffers_[u].data();
+    for (std::size_t k = units_[u].first; k < units_[u].last; ++k) {
+      const std::size_t i = position(k);
+      nn::BasicParameter<float>& p = *params_[i];
+      if (values[flags + i] == 0) {
+        p.forget_grad(current_backward_pass());  // no rank wrote it: unwritten, as all_reduce_step leaves it
+      } else if (!units_[u].in_place) {
+        bool accumulate = false;
+        std::copy_n(from, p.numel(), p.grad_for_write(current_backward_pass(), &accumulate));
+      }
+      if (!units_[u].in_place) from += p.numel();  // an in-place unit has no buffer
+    }
+  }
+  values.resize(flags);
+}
+
+DUET_DETAIL_COMPILED void OverlappedReduction::start_ready() {
+  while (started_ < units_.size()) {
+    const Unit& unit = units_[started_];
+    for (std::size_t k = unit.first; k < unit.last; ++k) {
+      if (!final_[position(k)]) return;
+    }
+    if (started_ == 0) {
+      runtime_.wait_sums("all-reducing the step's weights");
+      share_ = static_cast<float>(!mean_ ? weight_ : weights_[0] > 0 ? weight_ / weights_[0] : 0.0);
+    }
+    start(unit, buffers_[started_]);
+    ++started_;
+  }
+}
+
+DUET_DETAIL_COMPILED void OverlappedReduction::start(const Unit& unit, std::vector<float>& buffer) {
+  for (std::size_t k = unit.first; k < unit.last; ++k) sent_[position(k)] = true;
+  if (unit.in_place) {
+    const std::size_t i = position(unit.first);
+    nn::BasicParameter<float>& p = *params_[i];
+    float* g = p.grad.data();
+    if (count_[i] == 0) {  // this rank has none; only finish() starts such a unit, with no observer
+      bool accumulate = false;
+      g = p.grad_for_write(current_backward_pass(), &accumulate);
+      std::fill_n(g, p.numel(), 0.0f);
+    } else if (share_ != 1) {
+      kernels::scale(g, p.numel(), share_, g);
+    }
+    runtime_.start_sum(g, p.numel());
+    return;
+  }
+  buffer.resize(static_cast<std::size_t>(unit.elements));
+  float* to = buffer.data();
+  for (std::size_t k = unit.first; k < unit.last; ++k) {
+    const nn::BasicParameter<float>& p = *params_[position(k)];
+    if (count_[position(k)] > 0) {
+      kernels::scale(p.grad.data(), p.numel(), share_, to);
+    } else {
+      std::fill_n(to, p.numel(), 0.0f);
+    }
+    to += p.numel();
+  }
+  runtime_.start_sum(buffer.data(), unit.elements);
+}
+
+DUET_DETAIL_COMPILED DataParallelRuntime* training_runtime(std::string_view who) {
   DataParallelRuntime* runtime = data_parallel_runtime().load(std::memory_order_acquire);
   const bool data_parallel = parallel_mode().load(std::memory_order_relaxed) == ParallelMode::DATA_PARALLEL;
   if (data_parallel && runtime == nullptr) {
@@ -17038,8 +17337,8 @@ inline DataParallelRuntime* training_runtime(std::string_view who) {
   return data_parallel ? runtime : nullptr;
 }
 
-}  // namespace detail
-}  // namespace duet
+}  // namespace duet::detail
+#endif
 
 namespace duet::nn {
 
@@ -18605,8 +18904,8 @@ BasicTensor<T> initializer(const I& init, const Shape& shape) {
 #include <array>
 #include <atomic>
 #include <bit>
-#include <cmath>
 #include <cerrno>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -19465,11 +19764,7 @@ inline std::string system_message() {
 }
 
 // A name from a file, for a message: a hostile one may be megabytes long.
-inline std::string shown_name(std::string_view name) {
-  constexpr std::size_t most = 100;
-  // Built by appending: GCC 12 warns falsely (-Wrestrict, PR105329) on "'" + std::string.
-  return std::string("'").append(name.substr(0, most)).append(name.size() > most ? "...'" : "'");
-}
+DUET_DETAIL_COMPILED std::string shown_name(std::string_view name);
 
 // Writes a checkpoint to a temporary file beside its destination and renames it into place
 // on commit, so the destination is always either the old file or the whole new one. The
@@ -19477,32 +19772,12 @@ inline std::string shown_name(std::string_view name) {
 // in messages ("checkpoint '<path>'"); safetensors files are written the same way.
 class CheckpointWriter {
  public:
-  CheckpointWriter(const std::filesystem::path& path, const std::string& where) : path_(path), where_(where) {
-    if (!path.has_filename()) throw IOError(where_ + ": the path names no file");
-    static std::atomic<unsigned long> serial{0};
-    temp_ = path.parent_path() / ("." + path.filename().string() + ".tmp-" + std::to_string(::getpid()) + "-" +
-                                  std::to_string(serial.fetch_add(1)));
-    // "x": never write into a file that happens to have that name.
-    file_ = std::fopen(temp_.c_str(), "wbx");
-    if (file_ == nullptr) throw IOError(where_ + ": cannot create '" + temp_.string() + "': " + system_message());
-  }
+  CheckpointWriter(const std::filesystem::path& path, const std::string& where);
   CheckpointWriter(const CheckpointWriter&) = delete;
   CheckpointWriter& operator=(const CheckpointWriter&) = delete;
-  ~CheckpointWriter() {
-    if (file_ != nullptr) std::fclose(file_);
-    if (!committed_) {
-      std::error_code ignored;
-      std::filesystem::remove(temp_, ignored);
-    }
-  }
+  ~CheckpointWriter();
 
-  void bytes(std::span<const std::byte> b) {
-    if (b.empty()) return;
-    if (std::fwrite(b.data(), 1, b.size(), file_) != b.size()) {
-      throw IOError(where_ + ": cannot write '" + temp_.string() + "': " + system_message());
-    }
-    crc_ = crc32_z(crc_, reinterpret_cast<const Bytef*>(b.data()), b.size());
-  }
+  void bytes(std::span<const std::byte> b);
   void u8(std::uint8_t v) { bytes(std::array{std::byte{v}}); }
   void u32(std::uint32_t v) { little_endian<4>(v); }
   void i64(std::int64_t v) { little_endian<8>(static_cast<std::uint64_t>(v)); }
@@ -19512,19 +19787,7 @@ class CheckpointWriter {
   std::uint32_t checksum() const { return static_cast<std::uint32_t>(crc_); }
 
   // Makes the file durable and renames it over the destination.
-  void commit() {
-    bool ok = std::fflush(file_) == 0 && ::fsync(::fileno(file_)) == 0;
-    std::string why = ok ? "" : system_message();
-    if (std::fclose(std::exchange(file_, nullptr)) != 0 && ok) {
-      ok = false;
-      why = system_message();
-    }
-    if (!ok) throw IOError(where_ + ": cannot write '" + temp_.string() + "': " + why);
-    std::error_code error;
-    std::filesystem::rename(temp_, path_, error);
-    if (error) throw IOError(where_ + ": cannot rename '" + temp_.string() + "' into place: " + error.message());
-    committed_ = true;
-  }
+  void commit();
 
  private:
   template <std::size_t N>
@@ -19545,28 +19808,8 @@ class CheckpointWriter {
 // A whole file; `where` names it in messages. The buffer is sized by the file's size on disk,
 // and grows with what arrives when that is unknown or the file grows meanwhile, so a file costs
 // what it holds, whatever its fields claim.
-inline std::vector<unsigned char> read_whole_file(const std::filesystem::path& path, const std::string& where) {
-  struct Closer {
-    void operator()(std::FILE* f) const { std::fclose(f); }
-  };
-  const std::unique_ptr<std::FILE, Closer> file(std::fopen(path.c_str(), "rb"));
-  if (file == nullptr) throw IOError(where + ": cannot open: " + system_message());
-  std::error_code unknown;
-  const auto size = static_cast<std::size_t>(std::filesystem::file_size(path, unknown));
-  std::vector<unsigned char> bytes;
-  for (;;) {
-    const std::size_t have = bytes.size();
-    // One byte more than the size, so that the first read already meets the end.
-    const std::size_t grow = have == 0 && !unknown ? size + 1 : std::max<std::size_t>(have, 64 * 1024);
-    bytes.resize(have + grow);
-    const std::size_t got = std::fread(bytes.data() + have, 1, grow, file.get());
-    bytes.resize(have + got);
-    if (got < grow) {
-      if (std::ferror(file.get()) != 0) throw IOError(where + ": read failed: " + system_message());
-      return bytes;
-    }
-  }
-}
+DUET_DETAIL_COMPILED std::vector<unsigned char> read_whole_file(const std::filesystem::path& path,
+                                                                const std::string& where);
 
 // One tensor as the file holds it; its elements are bytes [offset, offset + size) of the file.
 struct CheckpointRecord {
@@ -19597,16 +19840,7 @@ class CheckpointParser {
   std::size_t position() const { return pos_; }
   std::size_t remaining() const { return bytes_.size() - pos_; }
 
-  std::span<const unsigned char> take(std::size_t n, const std::string& what) {
-    if (n > remaining()) {
-      if (checksum_ == unverified) throw CheckpointCut{what, pos_, std::uint64_t{pos_} + n};
-      throw FormatError(where_ + ": malformed: " + what + " at byte " + std::to_string(pos_) +
-                        " runs past the parameters' end at byte " + std::to_string(bytes_.size()));
-    }
-    const auto out = bytes_.subspan(pos_, n);
-    pos_ += n;
-    return out;
-  }
+  std::span<const unsigned char> take(std::size_t n, const std::string& what);
   std::uint64_t little_endian(std::size_t n, const std::string& what) {
     std::uint64_t v = 0;
     const auto b = take(n, what);
@@ -19621,116 +19855,21 @@ class CheckpointParser {
   // A name of n bytes: a path, an optimiser's type. Unverified, one that no writer makes (empty
   // where it may not be, longer than any path, or with control bytes in what the file holds of
   // it) is a damaged length rather than a cut.
-  std::string_view name(std::size_t n, const std::string& what, bool may_be_empty = false) {
-    if (checksum_ == unverified) {
-      constexpr std::size_t longest = 64 * 1024;
-      const auto there = bytes_.subspan(pos_, std::min(n, remaining()));
-      if ((n == 0 && !may_be_empty) || n > longest ||
-          std::any_of(there.begin(), there.end(), [](unsigned char c) { return c < 0x20 || c == 0x7F; })) {
-        throw FormatError(where_ + ": malformed: " + what);
-      }
-    }
-    return text(n, what);
-  }
+  std::string_view name(std::size_t n, const std::string& what, bool may_be_empty = false);
 
   // `count` records; `noun` ("parameter", "optimizer state") names them in messages. Unverified,
   // a record of `owners` (the optimiser's state, of the parameters) is "<slot>.<owner's name>",
   // of its owner's type and shape, or its fields are damaged.
   std::vector<CheckpointRecord> records(std::uint32_t count, const std::string& noun,
-                                        const std::vector<CheckpointRecord>* owners = nullptr) {
-    // Not reserved from count: a hostile count must not size an allocation.
-    std::vector<CheckpointRecord> out;
-    std::unordered_set<std::string_view> seen;
-    for (std::uint32_t i = 0; i < count; ++i) {
-      out.push_back(record(i, noun, owners));
-      if (!seen.insert(out.back().name).second) {
-        throw FormatError(where_ + ": " + noun + " " + shown_name(out.back().name) + " appears twice in the file");
-      }
-    }
-    return out;
-  }
+                                        const std::vector<CheckpointRecord>* owners = nullptr);
 
   // A version 3 file's generators, their count first.
-  std::vector<std::pair<std::string_view, GeneratorState>> generators() {
-    const auto count = little_endian(4, "the generator count");
-    std::vector<std::pair<std::string_view, GeneratorState>> out;
-    std::unordered_set<std::string_view> seen;
-    for (std::uint64_t i = 0; i < count; ++i) {
-      const std::string what = "generator #" + std::to_string(i);
-      const auto name =
-          this->name(static_cast<std::size_t>(little_endian(4, what + "'s name length")), what + "'s name");
-      const std::string who = "generator " + shown_name(name);
-      GeneratorState state;
-      for (std::size_t w = 0; w < state.words.size(); ++w) {
-        state.words[w] = little_endian(8, who + "'s word " + std::to_string(w));
-      }
-      const auto pending = little_endian(1, who + "'s pending-draw flag");
-      state.spare = std::bit_cast<double>(little_endian(8, who + "'s pending draw"));
-      std::string wrong;
-      if (state.words == decltype(state.words){}) wrong = "all-zero words, which would draw only zeros";
-      else if (pending > 1) wrong = "a pending-draw flag of " + std::to_string(pending) + ", not 0 or 1";
-      else if (!std::isfinite(state.spare)) wrong = "a pending draw that is not finite";
-      if (!wrong.empty()) throw FormatError(where_ + ": malformed: " + who + " has " + wrong);
-      state.has_spare = pending == 1;
-      if (!seen.insert(name).second) throw FormatError(where_ + ": " + who + " appears twice in the file");
-      out.emplace_back(name, state);
-    }
-    return out;
-  }
+  std::vector<std::pair<std::string_view, GeneratorState>> generators();
 
  private:
-  CheckpointRecord record(std::uint32_t index, const std::string& noun, const std::vector<CheckpointRecord>* owners) {
-    const std::string what = noun + " #" + std::to_string(index);
-    const auto name_size = static_cast<std::size_t>(little_endian(4, what + "'s name length"));
-    CheckpointRecord r{name(name_size, what + "'s name"), DType::float32, Shape{}, 0, 0};
-    const std::string who = noun + " " + shown_name(r.name);
-    const auto type = little_endian(1, who + "'s element type");
-    if (type > static_cast<std::uint64_t>(DType::uint8)) {
-      throw FormatError(where_ + ": malformed: " + who + " has element type " + std::to_string(type) +
-                        ", which is no duet::DType");
-    }
-    r.dtype = static_cast<DType>(type);
-    const auto rank = little_endian(1, who + "'s rank");
-    if (rank > static_cast<std::uint64_t>(max_rank)) {
-      throw FormatError(where_ + ": malformed: " + who + " has rank " + std::to_string(rank) + ", more than " +
-                        std::to_string(max_rank));
-    }
-    // Saturates past any file's size, so no product overflows and a zero dimension still gives 0.
-    constexpr std::uint64_t most = std::numeric_limits<std::uint64_t>::max() / 16;
-    std::uint64_t numel = 1;
-    for (std::uint64_t i = 0; i < rank; ++i) {
-      const auto d = static_cast<std::int64_t>(little_endian(8, who + "'s dimension " + std::to_string(i)));
-      if (d < 0) {
-        throw FormatError(where_ + ": malformed: " + who + " has dimension " + std::to_string(i) + " = " +
-                          std::to_string(d));
-      }
-      r.shape.push_back(d);
-      const auto u = static_cast<std::uint64_t>(d);
-      numel = (u == 0 || numel <= most / u) ? numel * u : most + 1;
-    }
-    if (checksum_ == unverified && owners != nullptr && !owned(r, *owners)) {
-      throw FormatError(where_ + ": malformed: " + who + " is of no parameter");
-    }
-    const std::uint64_t size = numel * size_of(r.dtype);
-    if (size > remaining()) {
-      // A saturated count is no cut file's: those are the start of a whole one.
-      if (checksum_ == unverified && numel <= most) throw CheckpointCut{who + "'s elements", pos_, pos_ + size};
-      throw FormatError(where_ + ": malformed: " + who + "'s elements " + to_string(r.shape) +
-                        " run past the parameters' end at byte " + std::to_string(bytes_.size()));
-    }
-    r.offset = pos_;
-    r.size = static_cast<std::size_t>(size);
-    take(r.size, who + "'s elements");
-    return r;
-  }
+  CheckpointRecord record(std::uint32_t index, const std::string& noun, const std::vector<CheckpointRecord>* owners);
 
-  static bool owned(const CheckpointRecord& r, const std::vector<CheckpointRecord>& owners) {
-    const auto dot = r.name.find('.');
-    if (dot == std::string_view::npos) return false;
-    return std::any_of(owners.begin(), owners.end(), [&](const CheckpointRecord& owner) {
-      return owner.name == r.name.substr(dot + 1) && owner.dtype == r.dtype && owner.shape == r.shape;
-    });
-  }
+  static bool owned(const CheckpointRecord& r, const std::vector<CheckpointRecord>& owners);
 
   std::span<const unsigned char> bytes_;
   std::string where_;
@@ -19757,119 +19896,29 @@ struct CheckpointExpectation {
   std::string_view optimizer;        // whose state the load reads; empty for parameters alone
 };
 
-inline FormatError checkpoint_truncated(std::size_t n, const CheckpointExpectation& expected, const std::string& where,
-                                        const std::string& inside = {}) {
-  std::string message = where + ": truncated at byte " + std::to_string(n) + inside;
-  if (n < expected.size) {
-    message += "; a checkpoint of this cell " +
-               (expected.optimizer.empty() ? std::string("without optimizer state")
-                                           : "with its " + std::string(expected.optimizer) + " state") +
-               " is " + std::to_string(expected.size) + " bytes";
-  }
-  return FormatError(message);
-}
+DUET_DETAIL_COMPILED FormatError checkpoint_truncated(std::size_t n, const CheckpointExpectation& expected,
+                                                      const std::string& where, const std::string& inside = {});
 
 // The fields after the version, into `file` as they are read, so that a walk cut short keeps
 // what it read.
-inline void read_checkpoint_fields(CheckpointParser& in, ParsedCheckpoint& file, const std::string& where) {
-  file.parameters = in.records(static_cast<std::uint32_t>(in.little_endian(4, "the parameter count")), "parameter");
-  file.parameters_end = in.position();
-  if (file.version >= 2) {
-    const auto name_size = static_cast<std::size_t>(in.little_endian(4, "the optimizer's type name length"));
-    file.optimizer = in.name(name_size, "the optimizer's type name", true);
-    if (!file.optimizer.empty()) {
-      file.global_step = static_cast<std::int64_t>(in.little_endian(8, "the optimizer's global step"));
-      if (file.global_step < 0) {
-        throw FormatError(where + ": malformed: the optimizer's global step is " + std::to_string(file.global_step));
-      }
-      const auto count = static_cast<std::uint32_t>(in.little_endian(4, "the optimizer state count"));
-      file.optimizer_state = in.records(count, "optimizer state", &file.parameters);
-      if (file.version >= 3) file.generators = in.generators();
-    }
-  }
-}
+DUET_DETAIL_COMPILED void read_checkpoint_fields(CheckpointParser& in, ParsedCheckpoint& file,
+                                                 const std::string& where);
 
 // Why a file failed its checksum. A cut file is the start of a whole one, so its fields read
 // well until one runs past its end; a damaged one has a whole file's size, and its fields read
 // through to the checksum (damage in the values) or go wrong. A damaged field can also run past
 // the end: where the cell says where its parameters end, they must end there for the file to be
 // taken as cut, and a file of a whole checkpoint's size is taken as damaged.
-inline FormatError checksum_failure(std::span<const unsigned char> bytes, std::uint32_t version,
-                                    const CheckpointExpectation& expected, const std::string& where) {
-  FormatError damaged(where + ": checksum mismatch: the file is damaged");
-  if (bytes.size() == expected.size) return damaged;
-  ParsedCheckpoint file;
-  file.version = version;
-  CheckpointParser walk(bytes, where, CheckpointParser::unverified);
-  try {
-    walk.take(checkpoint_magic.size() + 4, "the header");
-    read_checkpoint_fields(walk, file, where);
-    walk.take(checkpoint_checksum_bytes, "the checksum");
-    return damaged;
-  } catch (const FormatError&) {
-    return damaged;
-  } catch (const CheckpointCut& cut) {
-    const bool other_parameters = file.parameters_end != 0 ? file.parameters_end != expected.parameters_end
-                                                           : bytes.size() >= expected.parameters_end;
-    if (expected.parameters_end != 0 && other_parameters) return damaged;
-    return checkpoint_truncated(
-        bytes.size(), expected, where,
-        ", inside " + cut.what + " (bytes " + std::to_string(cut.begin) + " to " + std::to_string(cut.end) + ")");
-  }
-}
+DUET_DETAIL_COMPILED FormatError checksum_failure(std::span<const unsigned char> bytes, std::uint32_t version,
+                                                  const CheckpointExpectation& expected, const std::string& where);
 
 // A checkpoint file, checked for everything but whether it fits a cell.
-inline ParsedCheckpoint parse_checkpoint(std::span<const unsigned char> bytes, const CheckpointExpectation& expected,
-                                         const std::string& where) {
-  const std::size_t n = bytes.size();
-  const std::size_t magic_seen = std::min<std::size_t>(n, checkpoint_magic.size());
-  if (!std::equal(bytes.begin(), bytes.begin() + static_cast<std::ptrdiff_t>(magic_seen), checkpoint_magic.begin())) {
-    throw FormatError(where + ": not a duet checkpoint: it does not start with \"DUETCKPT\"");
-  }
-  if (n < checkpoint_magic.size() + 4) throw checkpoint_truncated(n, expected, where);
-  ParsedCheckpoint file;
-  CheckpointParser header(bytes, where);
-  header.take(checkpoint_magic.size(), "the magic");
-  const auto version = header.little_endian(4, "the version");
-  if (version < 1 || version > checkpoint_version) {
-    throw FormatError(where + ": format version " + std::to_string(version) + "; this duet reads versions 1 to " +
-                      std::to_string(checkpoint_version));
-  }
-  file.version = static_cast<std::uint32_t>(version);
-  if (n < checkpoint_header_bytes + checkpoint_checksum_bytes) throw checkpoint_truncated(n, expected, where);
+DUET_DETAIL_COMPILED ParsedCheckpoint parse_checkpoint(std::span<const unsigned char> bytes,
+                                                       const CheckpointExpectation& expected, const std::string& where);
 
-  const std::size_t body = n - checkpoint_checksum_bytes;
-  CheckpointParser checksum(bytes.subspan(body), where);
-  const auto stored = checksum.little_endian(4, "the checksum");
-  if (stored != crc32_z(crc32_z(0, nullptr, 0), bytes.data(), body)) {
-    throw checksum_failure(bytes, file.version, expected, where);
-  }
+DUET_DETAIL_COMPILED std::vector<CheckpointEntry> entries_of(const std::vector<CheckpointRecord>& records);
 
-  CheckpointParser in(bytes.first(body), where);
-  in.take(checkpoint_magic.size() + 4, "the header");
-  read_checkpoint_fields(in, file, where);
-  if (in.remaining() != 0) {
-    throw FormatError(where + ": malformed: " + std::to_string(in.remaining()) + " unexpected bytes at byte " +
-                      std::to_string(in.position()) + ", after the " +
-                      (file.optimizer.empty() ? "parameters" : file.version >= 3 ? "generators" : "optimizer state"));
-  }
-  return file;
-}
-
-inline std::vector<CheckpointEntry> entries_of(const std::vector<CheckpointRecord>& records) {
-  std::vector<CheckpointEntry> out;
-  out.reserve(records.size());
-  for (const auto& r : records) out.push_back({std::string(r.name), r.dtype, r.shape});
-  return out;
-}
-
-inline CheckpointInfo info_of(std::span<const unsigned char> bytes, const std::string& where) {
-  const ParsedCheckpoint file = parse_checkpoint(bytes, {}, where);
-  std::vector<std::string> generators;
-  for (const auto& g : file.generators) generators.emplace_back(g.first);
-  return {file.version, entries_of(file.parameters), std::string(file.optimizer), file.global_step,
-          entries_of(file.optimizer_state), std::move(generators)};
-}
+DUET_DETAIL_COMPILED CheckpointInfo info_of(std::span<const unsigned char> bytes, const std::string& where);
 
 // A tensor a load fills, by the name the file gives it.
 template <ElementType T>
@@ -19990,13 +20039,7 @@ void write_checkpoint(const std::filesystem::path& path, const std::vector<Check
 }
 
 // Names for a message, the first few of them: a hostile file may hold millions.
-inline std::string name_list(const std::vector<std::string_view>& names) {
-  constexpr std::size_t most = 10;
-  std::string out;
-  for (std::size_t i = 0; i < std::min(names.size(), most); ++i) out += (i == 0 ? "" : ", ") + shown_name(names[i]);
-  if (names.size() > most) out += " and " + std::to_string(names.size() - most) + " more";
-  return out;
-}
+DUET_DETAIL_COMPILED std::string name_list(const std::vector<std::string_view>& names);
 
 // How messages call the tensors matched and what holds them: "parameter", "the cell".
 struct MatchWords {
@@ -20009,20 +20052,9 @@ struct MatchWords {
 };
 
 // A strict match's names: those only the file has (`unknown`) and those only the holder has.
-inline void check_all_matched(const std::vector<std::string_view>& unknown, const std::vector<std::string_view>& missing,
-                              const MatchWords& words, const std::string& where) {
-  if (unknown.empty() && missing.empty()) return;
-  std::string message = where + ": ";
-  if (!unknown.empty()) {
-    message += "the file's " + words.noun + "(s) " + name_list(unknown) + " are not in " + words.holder;
-  }
-  if (!missing.empty()) {
-    message += std::string(unknown.empty() ? "" : ", and ") + "the file has no value for " + words.holder + "'s " +
-               words.noun + "(s) " + name_list(missing);
-  }
-  if (words.hint) message += words.hint(unknown, missing);
-  throw FormatError(message);
-}
+DUET_DETAIL_COMPILED void check_all_matched(const std::vector<std::string_view>& unknown,
+                                            const std::vector<std::string_view>& missing, const MatchWords& words,
+                                            const std::string& where);
 
 // For each target, the record of its name, type and shape, or nullptr. A strict match throws
 // on the first difference of type or shape, then on names in the file or the holder only;
@@ -20074,26 +20106,9 @@ std::vector<const CheckpointRecord*> match_records(const std::vector<CheckpointR
 
 // For each generator, its state in the file. A version 2 file holds none: the generators are
 // left as they are (nullptr). Otherwise the names must be the cell's, all of them.
-inline std::vector<const GeneratorState*> match_generators(const ParsedCheckpoint& file,
-                                                           const std::vector<NamedGenerator>& generators,
-                                                           const std::string& where) {
-  std::vector<const GeneratorState*> source(generators.size(), nullptr);
-  if (file.version < 3) return source;
-  std::unordered_map<std::string_view, std::size_t> index;
-  for (std::size_t i = 0; i < generators.size(); ++i) index.emplace(generators[i].name, i);
-  std::vector<std::string_view> unknown;
-  for (const auto& [name, state] : file.generators) {
-    const auto found = index.find(name);
-    if (found == index.end()) unknown.push_back(name);
-    else source[found->second] = &state;
-  }
-  std::vector<std::string_view> missing;
-  for (std::size_t i = 0; i < generators.size(); ++i) {
-    if (source[i] == nullptr) missing.push_back(generators[i].name);
-  }
-  check_all_matched(unknown, missing, {"generator", "the cell"}, where);
-  return source;
-}
+DUET_DETAIL_COMPILED std::vector<const GeneratorState*> match_generators(const ParsedCheckpoint& file,
+                                                                         const std::vector<NamedGenerator>& generators,
+                                                                         const std::string& where);
 
 template <ElementType T>
 void copy_records(std::span<const unsigned char> bytes, const std::vector<CheckpointTarget<T>>& targets,
@@ -20239,16 +20254,384 @@ void load_checkpoint_bytes(std::span<const std::byte> bytes, nn::BasicDynamicCel
 
 // What a checkpoint file holds, checked as a load checks it (checksum, every field), with no
 // cell needed: a FormatError or IOError otherwise.
-inline CheckpointInfo checkpoint_info(const std::filesystem::path& path) {
+DUET_DETAIL_COMPILED CheckpointInfo checkpoint_info(const std::filesystem::path& path);
+
+DUET_DETAIL_COMPILED CheckpointInfo checkpoint_info_bytes(std::span<const std::byte> bytes);
+
+}  // namespace duet
+
+#ifdef DUET_DETAIL_DEFINE_COMPILED
+// The definitions of io/checkpoint.hpp's non-template functions (DUET_DETAIL_COMPILED in
+// config.hpp): included at that header's end when header-only, compiled once in duet::kernels
+// otherwise.
+
+namespace duet {
+
+DUET_DETAIL_COMPILED CheckpointInfo checkpoint_info(const std::filesystem::path& path) {
   const std::string where = detail::checkpoint_where(path);
   return detail::info_of(detail::read_whole_file(path, where), where);
 }
 
-inline CheckpointInfo checkpoint_info_bytes(std::span<const std::byte> bytes) {
+DUET_DETAIL_COMPILED CheckpointInfo checkpoint_info_bytes(std::span<const std::byte> bytes) {
   return detail::info_of(detail::unsigned_bytes(bytes), detail::checkpoint_data_where);
 }
 
 }  // namespace duet
+
+namespace duet::detail {
+
+DUET_DETAIL_COMPILED std::string shown_name(std::string_view name) {
+  constexpr std::size_t most = 100;
+  // Built by appending: GCC 12 warns falsely (-Wrestrict, PR105329) on "'" + std::string.
+  return std::string("'").append(name.substr(0, most)).append(name.size() > most ? "...'" : "'");
+}
+
+DUET_DETAIL_COMPILED CheckpointWriter::CheckpointWriter(const std::filesystem::path& path, const std::string& where)
+    : path_(path), where_(where) {
+  if (!path.has_filename()) throw IOError(where_ + ": the path names no file");
+  static std::atomic<unsigned long> serial{0};
+  temp_ = path.parent_path() / ("." + path.filename().string() + ".tmp-" + std::to_string(::getpid()) + "-" +
+                                std::to_string(serial.fetch_add(1)));
+  // "x": never write into a file that happens to have that name.
+  file_ = std::fopen(temp_.c_str(), "wbx");
+  if (file_ == nullptr) throw IOError(where_ + ": cannot create '" + temp_.string() + "': " + system_message());
+}
+
+DUET_DETAIL_COMPILED CheckpointWriter::~CheckpointWriter() {
+  if (file_ != nullptr) std::fclose(file_);
+  if (!committed_) {
+    std::error_code ignored;
+    std::filesystem::remove(temp_, ignored);
+  }
+}
+
+DUET_DETAIL_COMPILED void CheckpointWriter::bytes(std::span<const std::byte> b) {
+  if (b.empty()) return;
+  if (std::fwrite(b.data(), 1, b.size(), file_) != b.size()) {
+    throw IOError(where_ + ": cannot write '" + temp_.string() + "': " + system_message());
+  }
+  crc_ = crc32_z(crc_, reinterpret_cast<const Bytef*>(b.data()), b.size());
+}
+
+DUET_DETAIL_COMPILED void CheckpointWriter::commit() {
+  bool ok = std::fflush(file_) == 0 && ::fsync(::fileno(file_)) == 0;
+  std::string why = ok ? "" : system_message();
+  if (std::fclose(std::exchange(file_, nullptr)) != 0 && ok) {
+    ok = false;
+    why = system_message();
+  }
+  if (!ok) throw IOError(where_ + ": cannot write '" + temp_.string() + "': " + why);
+  std::error_code error;
+  std::filesystem::rename(temp_, path_, error);
+  if (error) throw IOError(where_ + ": cannot rename '" + temp_.string() + "' into place: " + error.message());
+  committed_ = true;
+}
+
+DUET_DETAIL_COMPILED std::vector<unsigned char> read_whole_file(const std::filesystem::path& path,
+                                                                const std::string& where) {
+  struct Closer {
+    void operator()(std::FILE* f) const { std::fclose(f); }
+  };
+  const std::unique_ptr<std::FILE, Closer> file(std::fopen(path.c_str(), "rb"));
+  if (file == nullptr) throw IOError(where + ": cannot open: " + system_message());
+  std::error_code unknown;
+  const auto size = static_cast<std::size_t>(std::filesystem::file_size(path, unknown));
+  std::vector<unsigned char> bytes;
+  for (;;) {
+    const std::size_t have = bytes.size();
+    // One byte more than the size, so that the first read already meets the end.
+    const std::size_t grow = have == 0 && !unknown ? size + 1 : std::max<std::size_t>(have, 64 * 1024);
+    bytes.resize(have + grow);
+    const std::size_t got = std::fread(bytes.data() + have, 1, grow, file.get());
+    bytes.resize(have + got);
+    if (got < grow) {
+      if (std::ferror(file.get()) != 0) throw IOError(where + ": read failed: " + system_message());
+      return bytes;
+    }
+  }
+}
+
+DUET_DETAIL_COMPILED std::span<const unsigned char> CheckpointParser::take(std::size_t n, const std::string& what) {
+  if (n > remaining()) {
+    if (checksum_ == unverified) throw CheckpointCut{what, pos_, std::uint64_t{pos_} + n};
+    throw FormatError(where_ + ": malformed: " + what + " at byte " + std::to_string(pos_) +
+                      " runs past the parameters' end at byte " + std::to_string(bytes_.size()));
+  }
+  const auto out = bytes_.subspan(pos_, n);
+  pos_ += n;
+  return out;
+}
+
+DUET_DETAIL_COMPILED std::string_view CheckpointParser::name(std::size_t n, const std::string& what,
+                                                             bool may_be_empty) {
+  if (checksum_ == unverified) {
+    constexpr std::size_t longest = 64 * 1024;
+    const auto there = bytes_.subspan(pos_, std::min(n, remaining()));
+    if ((n == 0 && !may_be_empty) || n > longest ||
+        std::any_of(there.begin(), there.end(), [](unsigned char c) { return c < 0x20 || c == 0x7F; })) {
+      throw FormatError(where_ + ": malformed: " + what);
+    }
+  }
+  return text(n, what);
+}
+
+DUET_DETAIL_COMPILED std::vector<CheckpointRecord> CheckpointParser::records(
+    std::uint32_t count, const std::string& noun, const std::vector<CheckpointRecord>* owners) {
+  // Not reserved from count: a hostile count must not size an allocation.
+  std::vector<CheckpointRecord> out;
+  std::unordered_set<std::string_view> seen;
+  for (std::uint32_t i = 0; i < count; ++i) {
+    out.push_back(record(i, noun, owners));
+    if (!seen.insert(out.back().name).second) {
+      throw FormatError(where_ + ": " + noun + " " + shown_name(out.back().name) + " appears twice in the file");
+    }
+  }
+  return out;
+}
+
+DUET_DETAIL_COMPILED std::vector<std::pair<std::string_view, GeneratorState>> CheckpointParser::generators() {
+  const auto count = little_endian(4, "the generator count");
+  std::vector<std::pair<std::string_view, GeneratorState>> out;
+  std::unordered_set<std::string_view> seen;
+  for (std::uint64_t i = 0; i < count; ++i) {
+    const std::string what = "generator #" + std::to_string(i);
+    const auto name = this->name(static_cast<std::size_t>(little_endian(4, what + "'s name length")), what + "'s name");
+    const std::string who = "generator " + shown_name(name);
+    GeneratorState state;
+    for (std::size_t w = 0; w < state.words.size(); ++w) {
+      state.words[w] = little_endian(8, who + "'s word " + std::to_string(w));
+    }
+    const auto pending = little_endian(1, who + "'s pending-draw flag");
+    state.spare = std::bit_cast<double>(little_endian(8, who + "'s pending draw"));
+    std::string wrong;
+    if (state.words == decltype(state.words){})
+      wrong = "all-zero words, which would draw only zeros";
+    else if (pending > 1)
+      wrong = "a pending-draw flag of " + std::to_string(pending) + ", not 0 or 1";
+    else if (!std::isfinite(state.spare))
+      wrong = "a pending draw that is not finite";
+    if (!wrong.empty()) throw FormatError(where_ + ": malformed: " + who + " has " + wrong);
+    state.has_spare = pending == 1;
+    if (!seen.insert(name).second) throw FormatError(where_ + ": " + who + " appears twice in the file");
+    out.emplace_back(name, state);
+  }
+  return out;
+}
+
+DUET_DETAIL_COMPILED CheckpointRecord CheckpointParser::record(std::uint32_t index, const std::string& noun,
+                                                               const std::vector<CheckpointRecord>* owners) {
+  const std::string what = noun + " #" + std::to_string(index);
+  const auto name_size = static_cast<std::size_t>(little_endian(4, what + "'s name length"));
+  CheckpointRecord r{name(name_size, what + "'s name"), DType::float32, Shape{}, 0, 0};
+  const std::string who = noun + " " + shown_name(r.name);
+  const auto type = little_endian(1, who + "'s element type");
+  if (type > static_cast<std::uint64_t>(DType::uint8)) {
+    throw FormatError(where_ + ": malformed: " + who + " has element type " + std::to_string(type) +
+                      ", which is no duet::DType");
+  }
+  r.dtype = static_cast<DType>(type);
+  const auto rank = little_endian(1, who + "'s rank");
+  if (rank > static_cast<std::uint64_t>(max_rank)) {
+    throw FormatError(where_ + ": malformed: " + who + " has rank " + std::to_string(rank) + ", more than " +
+                      std::to_string(max_rank));
+  }
+  // Saturates past any file's size, so no product overflows and a zero dimension still gives 0.
+  constexpr std::uint64_t most = std::numeric_limits<std::uint64_t>::max() / 16;
+  std::uint64_t numel = 1;
+  for (std::uint64_t i = 0; i < rank; ++i) {
+    const auto d = static_cast<std::int64_t>(little_endian(8, who + "'s dimension " + std::to_string(i)));
+    if (d < 0) {
+      throw FormatError(where_ + ": malformed: " + who + " has dimension " + std::to_string(i) + " = " +
+                        std::to_string(d));
+    }
+    r.shape.push_back(d);
+    const auto u = static_cast<std::uint64_t>(d);
+    numel = (u == 0 || numel <= most / u) ? numel * u : most + 1;
+  }
+  if (checksum_ == unverified && owners != nullptr && !owned(r, *owners)) {
+    throw FormatError(where_ + ": malformed: " + who + " is of no parameter");
+  }
+  const std::uint64_t size = numel * size_of(r.dtype);
+  if (size > remaining()) {
+    // A saturated count is no cut file's: those are the start of a whole one.
+    if (checksum_ == unverified && numel <= most) throw CheckpointCut{who + "'s elements", pos_, pos_ + size};
+    throw FormatError(where_ + ": malformed: " + who + "'s elements " + to_string(r.shape) +
+                      " run past the parameters' end at byte " + std::to_string(bytes_.size()));
+  }
+  r.offset = pos_;
+  r.size = static_cast<std::size_t>(size);
+  take(r.size, who + "'s elements");
+  return r;
+}
+
+DUET_DETAIL_COMPILED bool CheckpointParser::owned(const CheckpointRecord& r,
+                                                  const std::vector<CheckpointRecord>& owners) {
+  const auto dot = r.name.find('.');
+  if (dot == std::string_view::npos) return false;
+  return std::any_of(owners.begin(), owners.end(), [&](const CheckpointRecord& owner) {
+    return owner.name == r.name.substr(dot + 1) && owner.dtype == r.dtype && owner.shape == r.shape;
+  });
+}
+
+DUET_DETAIL_COMPILED FormatError checkpoint_truncated(std::size_t n, const CheckpointExpectation& expected,
+                                                      const std::string& where, const std::string& inside) {
+  std::string message = where + ": truncated at byte " + std::to_string(n) + inside;
+  if (n < expected.size) {
+    message += "; a checkpoint of this cell " +
+               (expected.optimizer.empty() ? std::string("without optimizer state")
+                                           : "with its " + std::string(expected.optimizer) + " state") +
+               " is " + std::to_string(expected.size) + " bytes";
+  }
+  return FormatError(message);
+}
+
+DUET_DETAIL_COMPILED void read_checkpoint_fields(CheckpointParser& in, ParsedCheckpoint& file,
+                                                 const std::string& where) {
+  file.parameters = in.records(static_cast<std::uint32_t>(in.little_endian(4, "the parameter count")), "parameter");
+  file.parameters_end = in.position();
+  if (file.version >= 2) {
+    const auto name_size = static_cast<std::size_t>(in.little_endian(4, "the optimizer's type name length"));
+    file.optimizer = in.name(name_size, "the optimizer's type name", true);
+    if (!file.optimizer.empty()) {
+      file.global_step = static_cast<std::int64_t>(in.little_endian(8, "the optimizer's global step"));
+      if (file.global_step < 0) {
+        throw FormatError(where + ": malformed: the optimizer's global step is " + std::to_string(file.global_step));
+      }
+      const auto count = static_cast<std::uint32_t>(in.little_endian(4, "the optimizer state count"));
+      file.optimizer_state = in.records(count, "optimizer state", &file.parameters);
+      if (file.version >= 3) file.generators = in.generators();
+    }
+  }
+}
+
+DUET_DETAIL_COMPILED FormatError checksum_failure(std::span<const unsigned char> bytes, std::uint32_t version,
+                                                  const CheckpointExpectation& expected, const std::string& where) {
+  FormatError damaged(where + ": checksum mismatch: the file is damaged");
+  if (bytes.size() == expected.size) return damaged;
+  ParsedCheckpoint file;
+  file.version = version;
+  CheckpointParser walk(bytes, where, CheckpointParser::unverified);
+  try {
+    walk.take(checkpoint_magic.size() + 4, "the header");
+    read_checkpoint_fields(walk, file, where);
+    walk.take(checkpoint_checksum_bytes, "the checksum");
+    return damaged;
+  } catch (const FormatError&) {
+    return damaged;
+  } catch (const CheckpointCut& cut) {
+    const bool other_parameters = file.parameters_end != 0 ? file.parameters_end != expected.parameters_end
+                                                           : bytes.size() >= expected.parameters_end;
+    if (expected.parameters_end != 0 && other_parameters) return damaged;
+    return checkpoint_truncated(
+        bytes.size(), expected, where,
+        ", inside " + cut.what + " (bytes " + std::to_string(cut.begin) + " to " + std::to_string(cut.end) + ")");
+  }
+}
+
+DUET_DETAIL_COMPILED ParsedCheckpoint parse_checkpoint(std::span<const unsigned char> bytes,
+                                                       const CheckpointExpectation& expected,
+                                                       const std::string& where) {
+  const std::size_t n = bytes.size();
+  const std::size_t magic_seen = std::min<std::size_t>(n, checkpoint_magic.size());
+  if (!std::equal(bytes.begin(), bytes.begin() + static_cast<std::ptrdiff_t>(magic_seen), checkpoint_magic.begin())) {
+    throw FormatError(where + ": not a duet checkpoint: it does not start with \"DUETCKPT\"");
+  }
+  if (n < checkpoint_magic.size() + 4) throw checkpoint_truncated(n, expected, where);
+  ParsedCheckpoint file;
+  CheckpointParser header(bytes, where);
+  header.take(checkpoint_magic.size(), "the magic");
+  const auto version = header.little_endian(4, "the version");
+  if (version < 1 || version > checkpoint_version) {
+    throw FormatError(where + ": format version " + std::to_string(version) + "; this duet reads versions 1 to " +
+                      std::to_string(checkpoint_version));
+  }
+  file.version = static_cast<std::uint32_t>(version);
+  if (n < checkpoint_header_bytes + checkpoint_checksum_bytes) throw checkpoint_truncated(n, expected, where);
+
+  const std::size_t body = n - checkpoint_checksum_bytes;
+  CheckpointParser checksum(bytes.subspan(body), where);
+  const auto stored = checksum.little_endian(4, "the checksum");
+  if (stored != crc32_z(crc32_z(0, nullptr, 0), bytes.data(), body)) {
+    throw checksum_failure(bytes, file.version, expected, where);
+  }
+
+  CheckpointParser in(bytes.first(body), where);
+  in.take(checkpoint_magic.size() + 4, "the header");
+  read_checkpoint_fields(in, file, where);
+  if (in.remaining() != 0) {
+    throw FormatError(where + ": malformed: " + std::to_string(in.remaining()) + " unexpected bytes at byte " +
+                      std::to_string(in.position()) + ", after the " +
+                      (file.optimizer.empty() ? "parameters"
+                       : file.version >= 3    ? "generators"
+                                              : "optimizer state"));
+  }
+  return file;
+}
+
+DUET_DETAIL_COMPILED std::vector<CheckpointEntry> entries_of(const std::vector<CheckpointRecord>& records) {
+  std::vector<CheckpointEntry> out;
+  out.reserve(records.size());
+  for (const auto& r : records) out.push_back({std::string(r.name), r.dtype, r.shape});
+  return out;
+}
+
+DUET_DETAIL_COMPILED CheckpointInfo info_of(std::span<const unsigned char> bytes, const std::string& where) {
+  const ParsedCheckpoint file = parse_checkpoint(bytes, {}, where);
+  std::vector<std::string> generators;
+  for (const auto& g : file.generators) generators.emplace_back(g.first);
+  return {file.version,     entries_of(file.parameters),      std::string(file.optimizer),
+          file.global_step, entries_of(file.optimizer_state), std::move(generators)};
+}
+
+DUET_DETAIL_COMPILED std::string name_list(const std::vector<std::string_view>& names) {
+  constexpr std::size_t most = 10;
+  std::string out;
+  for (std::size_t i = 0; i < std::min(names.size(), most); ++i) out += (i == 0 ? "" : ", ") + shown_name(names[i]);
+  if (names.size() > most) out += " and " + std::to_string(names.size() - most) + " more";
+  return out;
+}
+
+DUET_DETAIL_COMPILED void check_all_matched(const std::vector<std::string_view>& unknown,
+                                            const std::vector<std::string_view>& missing, const MatchWords& words,
+                                            const std::string& where) {
+  if (unknown.empty() && missing.empty()) return;
+  std::string message = where + ": ";
+  if (!unknown.empty()) {
+    message += "the file's " + words.noun + "(s) " + name_list(unknown) + " are not in " + words.holder;
+  }
+  if (!missing.empty()) {
+    message += std::string(unknown.empty() ? "" : ", and ") + "the file has no value for " + words.holder + "'s " +
+               words.noun + "(s) " + name_list(missing);
+  }
+  if (words.hint) message += words.hint(unknown, missing);
+  throw FormatError(message);
+}
+
+DUET_DETAIL_COMPILED std::vector<const GeneratorState*> match_generators(const ParsedCheckpoint& file,
+                                                                         const std::vector<NamedGenerator>& generators,
+                                                                         const std::string& where) {
+  std::vector<const GeneratorState*> source(generators.size(), nullptr);
+  if (file.version < 3) return source;
+  std::unordered_map<std::string_view, std::size_t> index;
+  for (std::size_t i = 0; i < generators.size(); ++i) index.emplace(generators[i].name, i);
+  std::vector<std::string_view> unknown;
+  for (const auto& [name, state] : file.generators) {
+    const auto found = index.find(name);
+    if (found == index.end())
+      unknown.push_back(name);
+    else
+      source[found->second] = &state;
+  }
+  std::vector<std::string_view> missing;
+  for (std::size_t i = 0; i < generators.size(); ++i) {
+    if (source[i] == nullptr) missing.push_back(generators[i].name);
+  }
+  check_all_matched(unknown, missing, {"generator", "the cell"}, where);
+  return source;
+}
+
+}  // namespace duet::detail
+#endif
 // Activation layers and the elementwise functions behind them.
 //
 // An elementwise function is a type with a name and an Eigen array form. The same type is a
@@ -34836,11 +35219,11 @@ Summary summary(Net& net, const Shape (&input_shapes)[N], std::ostream& out = st
 
 #include <chrono>
 #include <cmath>
+#include <concepts>
 #include <cstdint>
 #include <cstdio>
 #include <limits>
 #include <optional>
-#include <concepts>
 #include <ostream>
 #include <ranges>
 #include <string>
@@ -35052,22 +35435,7 @@ class ProgressBar {
   ProgressBar(std::ostream& out, std::string title, index_t total)
       : out_(out), title_(std::move(title)), total_(total), start_(Clock::now()), last_draw_(start_) {}
 
-  void update(index_t done, double loss, index_t examples) {
-    const auto now = Clock::now();
-    if (done < total_ && now - last_draw_ < std::chrono::milliseconds(100)) return;
-    last_draw_ = now;
-    const double seconds = std::chrono::duration<double>(now - start_).count();
-    const double rate = seconds > 0 ? static_cast<double>(examples) / seconds : 0;
-    const double left = done > 0 ? seconds * static_cast<double>(total_ - done) / static_cast<double>(done) : 0;
-    constexpr int width = 30;
-    const int filled = total_ > 0 ? static_cast<int>(width * done / total_) : width;
-    char line[256];
-    std::snprintf(line, sizeof line, "\r%s [%s%s] %5lld/%lld  loss %.4f  %6.0f ex/s  ETA %d:%02d", title_.c_str(),
-                  std::string(static_cast<std::size_t>(filled), '#').c_str(),
-                  std::string(static_cast<std::size_t>(width - filled), '.').c_str(), static_cast<long long>(done),
-                  static_cast<long long>(total_), loss, rate, static_cast<int>(left) / 60, static_cast<int>(left) % 60);
-    out_ << line << std::flush;
-  }
+  void update(index_t done, double loss, index_t examples);
 
   // Ends the bar's line.
   void finish() { out_ << '\n'; }
@@ -35082,3 +35450,29 @@ class ProgressBar {
 };
 
 }  // namespace duet::train
+
+#ifdef DUET_DETAIL_DEFINE_COMPILED
+// The definitions of train.hpp's non-template functions (DUET_DETAIL_COMPILED in config.hpp):
+// included at that header's end when header-only, compiled once in duet::kernels otherwise.
+
+namespace duet::train {
+
+DUET_DETAIL_COMPILED void ProgressBar::update(index_t done, double loss, index_t examples) {
+  const auto now = Clock::now();
+  if (done < total_ && now - last_draw_ < std::chrono::milliseconds(100)) return;
+  last_draw_ = now;
+  const double seconds = std::chrono::duration<double>(now - start_).count();
+  const double rate = seconds > 0 ? static_cast<double>(examples) / seconds : 0;
+  const double left = done > 0 ? seconds * static_cast<double>(total_ - done) / static_cast<double>(done) : 0;
+  constexpr int width = 30;
+  const int filled = total_ > 0 ? static_cast<int>(width * done / total_) : width;
+  char line[256];
+  std::snprintf(line, sizeof line, "\r%s [%s%s] %5lld/%lld  loss %.4f  %6.0f ex/s  ETA %d:%02d", title_.c_str(),
+                std::string(static_cast<std::size_t>(filled), '#').c_str(),
+                std::string(static_cast<std::size_t>(width - filled), '.').c_str(), static_cast<long long>(done),
+                static_cast<long long>(total_), loss, rate, static_cast<int>(left) / 60, static_cast<int>(left) % 60);
+  out_ << line << std::flush;
+}
+
+}  // namespace duet::train
+#endif
