@@ -19,6 +19,7 @@
 // (and __with_openmp or __without_openmp, which must match). Both files must see the same duet.
 #pragma once
 
+#include "io/checkpoint.hpp"
 #include "kernels/conv.hpp"
 #include "kernels/elementwise.hpp"
 #include "kernels/gemm.hpp"
@@ -65,5 +66,6 @@ namespace duet::detail {
 #ifdef __clang__
 #pragma clang diagnostic pop
 #endif
+#include "detail/precompiled_instances.hpp"
 #undef DUET_DETAIL_INSTANCE
 #endif
