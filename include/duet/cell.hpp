@@ -166,22 +166,16 @@ class BasicDynamicCell {
     if (hook_owner_ != nullptr) *hook_owner_ = this;
   }
   BasicDynamicCell& operator=(BasicDynamicCell&&) = delete;
-  virtual ~BasicDynamicCell() {
-    duet::detail::live_hook_count().fetch_sub(static_cast<long>(hooks_.size() + backward_hooks_.size()));
-  }
+  virtual ~BasicDynamicCell();
 
   // The cell on x, in its mode. A call that throws leaves what its layers change (BatchNorm's
   // moving statistics, Dropout's draws) as it was.
-  BasicTensor<T> operator()(const BasicTensor<T>& x) {
-    return duet::detail::all_or_nothing([&] { return call(x); });
-  }
+  BasicTensor<T> operator()(const BasicTensor<T>& x);
   // The cell on int32 indices (token ids), for a cell whose input holds them: an nn::Embedding,
   // a Cell that declares `using input_value_type = std::int32_t;`, a DynamicSequentialCell whose
   // first cell is one (other_input_type() is then "Int32"). Any other cell refuses them with a
   // duet::ValueError: indices are never read as values of T.
-  BasicTensor<T> operator()(const BasicTensor<std::int32_t>& ids) requires(!std::is_same_v<T, std::int32_t>) {
-    return duet::detail::all_or_nothing([&] { return call(ids); });
-  }
+  BasicTensor<T> operator()(const BasicTensor<std::int32_t>& ids) requires(!std::is_same_v<T, std::int32_t>);
   // Any other element type: said here, as nn::Cell says it, instead of both overloads' reasons.
   template <ElementType U>
   requires(!std::is_same_v<U, T> && !std::is_same_v<U, std::int32_t>) BasicTensor<T>
@@ -227,72 +221,30 @@ class BasicDynamicCell {
   virtual void for_each_own_parameter(const ParameterVisitor&) {}
 
   // All parameters of the tree, named by path ("dense_relu_sequential.0.weight").
-  std::vector<NamedParameter<T>> parameters() {
-    std::vector<NamedParameter<T>> out;
-    collect_parameters("", out);
-    return out;
-  }
+  std::vector<NamedParameter<T>> parameters();
 
   // This cell and all below it, depth first, with their paths (MindSpore's cells_and_names).
-  std::vector<std::pair<std::string, BasicDynamicCell*>> cells_and_names() {
-    std::vector<std::pair<std::string, BasicDynamicCell*>> out;
-    collect_cells("", out);
-    return out;
-  }
+  std::vector<std::pair<std::string, BasicDynamicCell*>> cells_and_names();
 
-  BasicHookHandle<T> register_forward_hook(BasicForwardHook<T> hook) {
-    refuse_hook_on_other_input_type();
-    hooks_.emplace_back(++last_hook_id_, std::make_shared<const BasicForwardHook<T>>(std::move(hook)));
-    duet::detail::live_hook_count().fetch_add(1);
-    return BasicHookHandle<T>(hook_owner(), last_hook_id_);
-  }
+  BasicHookHandle<T> register_forward_hook(BasicForwardHook<T> hook);
 
   // Backward hooks run while a PyNative gradient (value_and_grad, grad, TrainOneStepCell)
   // goes back through this cell.
-  BasicHookHandle<T> register_backward_hook(BasicBackwardHook<T> hook) {
-    refuse_hook_on_other_input_type();
-    backward_hooks_.emplace_back(++last_hook_id_, std::make_shared<const BasicBackwardHook<T>>(std::move(hook)));
-    duet::detail::live_hook_count().fetch_add(1);
-    return BasicHookHandle<T>(hook_owner(), last_hook_id_);
-  }
+  BasicHookHandle<T> register_backward_hook(BasicBackwardHook<T> hook);
 
   // A hook takes tensors of T, so a cell whose input holds other values could never call it:
   // refused where it is registered rather than at the cell's first call.
-  void refuse_hook_on_other_input_type() const {
-    if (const std::string_view other = other_input_type(); !other.empty()) {
-      throw ModeError(label() + ": hooks take tensors of its element type (" + std::string(name_of(dtype_of<T>)) +
-                      "), and its input holds " + std::string(other) +
-                      " values; hook the cell after it (the first that takes its output)");
-    }
-  }
+  void refuse_hook_on_other_input_type() const;
 
-  void remove_hook(long id) {
-    const auto before = hooks_.size() + backward_hooks_.size();
-    std::erase_if(hooks_, [id](const auto& h) { return h.first == id; });
-    std::erase_if(backward_hooks_, [id](const auto& h) { return h.first == id; });
-    duet::detail::live_hook_count().fetch_sub(static_cast<long>(before - hooks_.size() - backward_hooks_.size()));
-  }
+  void remove_hook(long id);
 
   // This cell, or the first cell below it, that has a forward or backward hook; nullptr if none.
-  BasicDynamicCell* hooked_cell() {
-    if (duet::detail::live_hook_count().load() == 0) return nullptr;
-    if (!hooks_.empty() || !backward_hooks_.empty()) return this;
-    BasicDynamicCell* found = nullptr;
-    for_each_child([&](std::string_view, BasicDynamicCell& c) {
-      if (found == nullptr) found = c.hooked_cell();
-    });
-    return found;
-  }
+  BasicDynamicCell* hooked_cell();
   bool has_hooks_in_tree() { return hooked_cell() != nullptr; }
 
   // Who holds the hook an error refuses: "it", or "nn::Dense<1568, 10> 'fc' in it", so that a
   // user finds the hook among many cells.
-  std::string hook_holder() {
-    BasicDynamicCell* hooked = hooked_cell();
-    if (hooked == this || hooked == nullptr) return "it";
-    ensure_named();
-    return hooked->label() + " in it";
-  }
+  std::string hook_holder();
 
   // MindSpore's Cell.set_train(mode=True): this cell and every cell below it are set to train
   // (true) or to evaluate (false). Only layers that differ between the two read it (BatchNorm
@@ -301,14 +253,7 @@ class BasicDynamicCell {
   // set_train() before training a network that has such layers. A cell built at run time is
   // traced again after a switch (its trace holds the phase's operations); a Cell's two graph
   // forms are both kept (pipeline::in_requested_phase).
-  BasicDynamicCell& set_train(bool mode = true) {
-    for (auto& [path, cell] : cells_and_names()) {
-      cell->training_.store(mode, std::memory_order_relaxed);
-      cell->phase_chosen_.store(true, std::memory_order_relaxed);
-      cell->structure_changed();
-    }
-    return *this;
-  }
+  BasicDynamicCell& set_train(bool mode = true);
   bool training() const { return training_.load(std::memory_order_relaxed); }
 
   // PyTorch's module.requires_grad_(flag), a sub-tree at a time: every parameter of this cell
@@ -316,15 +261,7 @@ class BasicDynamicCell {
   // to fine-tune the head. A parameter its layer never trains (BatchNorm's moving statistics;
   // gamma and beta without affine) stays frozen. What freezing means for an optimiser made
   // before or after is the parameter's flag's (nn/optim.hpp).
-  BasicDynamicCell& set_requires_grad(bool flag) {
-    for (auto& named : cells_and_names()) {
-      const BasicDynamicCell* cell = named.second;
-      named.second->for_each_own_parameter([&](std::string_view, BasicParameter<T>& p) {
-        if (!cell->never_trains(p)) p.requires_grad = flag;
-      });
-    }
-    return *this;
-  }
+  BasicDynamicCell& set_requires_grad(bool flag);
   // Whether this cell's parameter p is one it never trains (set_requires_grad leaves it frozen).
   virtual bool never_trains(const BasicParameter<T>&) const { return false; }
 
@@ -359,18 +296,7 @@ class BasicDynamicCell {
   // nothing fails. Says so on `out` (std::cerr), once per cell for the program's life. Calling
   // set_train(false) says evaluation is meant (fine-tuning with BatchNorm frozen) and silences
   // it. value_and_grad and grad call this on their first call.
-  void warn_if_phase_unchosen(std::ostream& out) {
-    for (auto& [path, cell] : cells_and_names()) {
-      if (!cell->depends_on_phase() || cell->phase_chosen_.load(std::memory_order_relaxed) ||
-          cell->phase_warned_.exchange(true)) {
-        continue;
-      }
-      out << "duet: warning: a gradient is taken through " << cell->label()
-          << ", which nobody set to train or evaluate, so it runs in evaluation (BatchNorm on its moving "
-             "statistics, Dropout as the identity); call set_train(true) on the network to train it, or "
-             "set_train(false) if evaluation is meant\n";
-    }
-  }
+  void warn_if_phase_unchosen(std::ostream& out);
 
   // Gives this cell and all below it their paths, if no call or parent has done so yet.
   void ensure_named() {
@@ -384,13 +310,7 @@ class BasicDynamicCell {
   // gives another key and a change to another network none. A counter for the whole program
   // made every network built at run time trace again whenever any cell changed, and a network
   // served after freeze_compiles() threw when another model was loaded (helper-91).
-  std::uint64_t structure_key() {
-    std::uint64_t key = structure_version_.load(std::memory_order_acquire);
-    for_each_child([&key](std::string_view, BasicDynamicCell& child) {
-      key = (key ^ child.structure_key()) * 0x100000001B3u + 0x9E3779B97F4A7C15u;
-    });
-    return key;
-  }
+  std::uint64_t structure_key();
 
   // A jitted form of this network kept with it, made by make() on the first request for type F:
   // for a form that belongs to the network rather than to the caller that asked for it (a
@@ -405,13 +325,7 @@ class BasicDynamicCell {
  protected:
   virtual BasicTensor<T> forward(const BasicTensor<T>& x) = 0;
   // forward on int32 indices, for a cell whose input holds them (operator() on ids).
-  virtual BasicTensor<T> forward_ids(const BasicTensor<std::int32_t>&) {
-    const std::string_view other = other_input_type();
-    throw ValueError(
-        label() + " takes " +
-        (other.empty() ? "tensors of " + std::string(name_of(dtype_of<T>)) : std::string(other) + " values") +
-        ", got a tensor of " + std::string(name_of(DType::int32)) + " (indices)");
-  }
+  virtual BasicTensor<T> forward_ids(const BasicTensor<std::int32_t>&);
 
   // Refuses an input the cell can never take, before graph mode looks for a form for its shape:
   // a bad request then reads as one (a ShapeError), not as a compile that freeze_compiles
@@ -430,21 +344,7 @@ class BasicDynamicCell {
 
   // Refuses a call from the construct of a cell that holds this one as a member without
   // registering it. Once this cell was found registered, later calls only read a flag.
-  void check_registered() {
-    const detail::RunningCell<T>* parent = detail::RunningCell<T>::innermost();
-    if (parent == nullptr || registered_.load(std::memory_order_relaxed) || &parent->cell() == this ||
-        !parent->holds(this)) {
-      return;
-    }
-    if (!parent->cell().is_ancestor_of(*this)) {
-      const std::string lost = parameters().empty()
-                                   ? "set_train and the network's hooks would not reach it"
-                                   : "its parameters would be neither trained nor saved";
-      throw ValueError(parent->cell().label() + " calls a member " + type_name() + " that is not registered with it, so " +
-                       lost + "; list the member in DUET_CELL_MEMBERS(...)");
-    }
-    registered_.store(true, std::memory_order_relaxed);
-  }
+  void check_registered();
 
  protected:
   // A call's observers around run(), which gives the cell's output on x: a PIJit trace's
@@ -542,18 +442,9 @@ class BasicDynamicCell {
     return hook_owner_;
   }
 
-  bool is_ancestor_of(const BasicDynamicCell& cell) {
-    bool found = false;
-    for_each_child(
-        [&](std::string_view, BasicDynamicCell& c) { found = found || &c == &cell || c.is_ancestor_of(cell); });
-    return found;
-  }
+  bool is_ancestor_of(const BasicDynamicCell& cell);
 
-  void assign_names(const std::string& path) {
-    name_ = path;
-    for_each_child([&](std::string_view child, BasicDynamicCell& c) { c.assign_names(join(path, child)); });
-    named_.store(true, std::memory_order_release);
-  }
+  void assign_names(const std::string& path);
 
   // A child named "" is transparent: its own children take their names from the path itself.
   static std::string join(const std::string& path, std::string_view child) {
@@ -561,15 +452,9 @@ class BasicDynamicCell {
     return path.empty() ? std::string(child) : path + "." + std::string(child);
   }
 
-  void collect_parameters(const std::string& path, std::vector<NamedParameter<T>>& out) {
-    for_each_own_parameter([&](std::string_view n, BasicParameter<T>& p) { out.push_back({join(path, n), &p}); });
-    for_each_child([&](std::string_view n, BasicDynamicCell& c) { c.collect_parameters(join(path, n), out); });
-  }
+  void collect_parameters(const std::string& path, std::vector<NamedParameter<T>>& out);
 
-  void collect_cells(const std::string& path, std::vector<std::pair<std::string, BasicDynamicCell*>>& out) {
-    out.emplace_back(path, this);
-    for_each_child([&](std::string_view n, BasicDynamicCell& c) { c.collect_cells(join(path, n), out); });
-  }
+  void collect_cells(const std::string& path, std::vector<std::pair<std::string, BasicDynamicCell*>>& out);
 
   std::uint64_t id_ = duet::detail::new_plan_owner();
   std::string name_;
@@ -587,6 +472,185 @@ class BasicDynamicCell {
  protected:
   duet::detail::OwnForms forms_;  // this cell's jitted forms: graph_form, Cell's traced_form, kept_form's
 };
+
+template <ElementType T>
+BasicDynamicCell<T>::~BasicDynamicCell() {
+  duet::detail::live_hook_count().fetch_sub(static_cast<long>(hooks_.size() + backward_hooks_.size()));
+}
+
+template <ElementType T>
+BasicTensor<T> BasicDynamicCell<T>::operator()(const BasicTensor<T>& x) {
+  return duet::detail::all_or_nothing([&] { return call(x); });
+}
+
+template <ElementType T>
+BasicTensor<T> BasicDynamicCell<T>::operator()(const BasicTensor<std::int32_t>& ids) requires(
+    !std::is_same_v<T, std::int32_t>) {
+  return duet::detail::all_or_nothing([&] { return call(ids); });
+}
+
+template <ElementType T>
+std::vector<NamedParameter<T>> BasicDynamicCell<T>::parameters() {
+  std::vector<NamedParameter<T>> out;
+  collect_parameters("", out);
+  return out;
+}
+
+template <ElementType T>
+std::vector<std::pair<std::string, BasicDynamicCell<T>*>> BasicDynamicCell<T>::cells_and_names() {
+  std::vector<std::pair<std::string, BasicDynamicCell*>> out;
+  collect_cells("", out);
+  return out;
+}
+
+template <ElementType T>
+BasicHookHandle<T> BasicDynamicCell<T>::register_forward_hook(BasicForwardHook<T> hook) {
+  refuse_hook_on_other_input_type();
+  hooks_.emplace_back(++last_hook_id_, std::make_shared<const BasicForwardHook<T>>(std::move(hook)));
+  duet::detail::live_hook_count().fetch_add(1);
+  return BasicHookHandle<T>(hook_owner(), last_hook_id_);
+}
+
+template <ElementType T>
+BasicHookHandle<T> BasicDynamicCell<T>::register_backward_hook(BasicBackwardHook<T> hook) {
+  refuse_hook_on_other_input_type();
+  backward_hooks_.emplace_back(++last_hook_id_, std::make_shared<const BasicBackwardHook<T>>(std::move(hook)));
+  duet::detail::live_hook_count().fetch_add(1);
+  return BasicHookHandle<T>(hook_owner(), last_hook_id_);
+}
+
+template <ElementType T>
+void BasicDynamicCell<T>::refuse_hook_on_other_input_type() const {
+  if (const std::string_view other = other_input_type(); !other.empty()) {
+    throw ModeError(label() + ": hooks take tensors of its element type (" + std::string(name_of(dtype_of<T>)) +
+                    "), and its input holds " + std::string(other) +
+                    " values; hook the cell after it (the first that takes its output)");
+  }
+}
+
+template <ElementType T>
+void BasicDynamicCell<T>::remove_hook(long id) {
+  const auto before = hooks_.size() + backward_hooks_.size();
+  std::erase_if(hooks_, [id](const auto& h) { return h.first == id; });
+  std::erase_if(backward_hooks_, [id](const auto& h) { return h.first == id; });
+  duet::detail::live_hook_count().fetch_sub(static_cast<long>(before - hooks_.size() - backward_hooks_.size()));
+}
+
+template <ElementType T>
+BasicDynamicCell<T>* BasicDynamicCell<T>::hooked_cell() {
+  if (duet::detail::live_hook_count().load() == 0) return nullptr;
+  if (!hooks_.empty() || !backward_hooks_.empty()) return this;
+  BasicDynamicCell* found = nullptr;
+  for_each_child([&](std::string_view, BasicDynamicCell& c) {
+    if (found == nullptr) found = c.hooked_cell();
+  });
+  return found;
+}
+
+template <ElementType T>
+std::string BasicDynamicCell<T>::hook_holder() {
+  BasicDynamicCell* hooked = hooked_cell();
+  if (hooked == this || hooked == nullptr) return "it";
+  ensure_named();
+  return hooked->label() + " in it";
+}
+
+template <ElementType T>
+BasicDynamicCell<T>& BasicDynamicCell<T>::set_train(bool mode) {
+  for (auto& [path, cell] : cells_and_names()) {
+    cell->training_.store(mode, std::memory_order_relaxed);
+    cell->phase_chosen_.store(true, std::memory_order_relaxed);
+    cell->structure_changed();
+  }
+  return *this;
+}
+
+template <ElementType T>
+BasicDynamicCell<T>& BasicDynamicCell<T>::set_requires_grad(bool flag) {
+  for (auto& named : cells_and_names()) {
+    const BasicDynamicCell* cell = named.second;
+    named.second->for_each_own_parameter([&](std::string_view, BasicParameter<T>& p) {
+      if (!cell->never_trains(p)) p.requires_grad = flag;
+    });
+  }
+  return *this;
+}
+
+template <ElementType T>
+void BasicDynamicCell<T>::warn_if_phase_unchosen(std::ostream& out) {
+  for (auto& [path, cell] : cells_and_names()) {
+    if (!cell->depends_on_phase() || cell->phase_chosen_.load(std::memory_order_relaxed) ||
+        cell->phase_warned_.exchange(true)) {
+      continue;
+    }
+    out << "duet: warning: a gradient is taken through " << cell->label()
+        << ", which nobody set to train or evaluate, so it runs in evaluation (BatchNorm on its moving "
+           "statistics, Dropout as the identity); call set_train(true) on the network to train it, or "
+           "set_train(false) if evaluation is meant\n";
+  }
+}
+
+template <ElementType T>
+std::uint64_t BasicDynamicCell<T>::structure_key() {
+  std::uint64_t key = structure_version_.load(std::memory_order_acquire);
+  for_each_child([&key](std::string_view, BasicDynamicCell& child) {
+    key = (key ^ child.structure_key()) * 0x100000001B3u + 0x9E3779B97F4A7C15u;
+  });
+  return key;
+}
+
+template <ElementType T>
+BasicTensor<T> BasicDynamicCell<T>::forward_ids(const BasicTensor<std::int32_t>&) {
+  const std::string_view other = other_input_type();
+  throw ValueError(
+      label() + " takes " +
+      (other.empty() ? "tensors of " + std::string(name_of(dtype_of<T>)) : std::string(other) + " values") +
+      ", got a tensor of " + std::string(name_of(DType::int32)) + " (indices)");
+}
+
+template <ElementType T>
+void BasicDynamicCell<T>::check_registered() {
+  const detail::RunningCell<T>* parent = detail::RunningCell<T>::innermost();
+  if (parent == nullptr || registered_.load(std::memory_order_relaxed) || &parent->cell() == this ||
+      !parent->holds(this)) {
+    return;
+  }
+  if (!parent->cell().is_ancestor_of(*this)) {
+    const std::string lost = parameters().empty() ? "set_train and the network's hooks would not reach it"
+                                                  : "its parameters would be neither trained nor saved";
+    throw ValueError(parent->cell().label() + " calls a member " + type_name() +
+                     " that is not registered with it, so " + lost + "; list the member in DUET_CELL_MEMBERS(...)");
+  }
+  registered_.store(true, std::memory_order_relaxed);
+}
+
+template <ElementType T>
+bool BasicDynamicCell<T>::is_ancestor_of(const BasicDynamicCell& cell) {
+  bool found = false;
+  for_each_child(
+      [&](std::string_view, BasicDynamicCell& c) { found = found || &c == &cell || c.is_ancestor_of(cell); });
+  return found;
+}
+
+template <ElementType T>
+void BasicDynamicCell<T>::assign_names(const std::string& path) {
+  name_ = path;
+  for_each_child([&](std::string_view child, BasicDynamicCell& c) { c.assign_names(join(path, child)); });
+  named_.store(true, std::memory_order_release);
+}
+
+template <ElementType T>
+void BasicDynamicCell<T>::collect_parameters(const std::string& path, std::vector<NamedParameter<T>>& out) {
+  for_each_own_parameter([&](std::string_view n, BasicParameter<T>& p) { out.push_back({join(path, n), &p}); });
+  for_each_child([&](std::string_view n, BasicDynamicCell& c) { c.collect_parameters(join(path, n), out); });
+}
+
+template <ElementType T>
+void BasicDynamicCell<T>::collect_cells(const std::string& path,
+                                        std::vector<std::pair<std::string, BasicDynamicCell*>>& out) {
+  out.emplace_back(path, this);
+  for_each_child([&](std::string_view n, BasicDynamicCell& c) { c.collect_cells(join(path, n), out); });
+}
 
 using DynamicCell = BasicDynamicCell<float>;
 

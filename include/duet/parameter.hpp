@@ -197,24 +197,11 @@ class BasicParameter : public BasicTensor<T> {
   // from several threads, and a returned form outlives a concurrent remake.
   template <class Form, class Make>
   std::shared_ptr<const Form> derived(Make&& make, std::initializer_list<const BasicTensor<T>*> also = {}) const {
-    DerivedForm& d = derived_;
-    std::lock_guard lock(d.mutex);
-    const BasicTensor<T>& values = *this;
-    // The same first element means the same block: the handles kept stop that block from being reused.
-    const auto same = [](const Seen& seen, const BasicTensor<T>& now) {
-      return seen.values.data() == now.data() && seen.values.shape() == now.shape() && seen.version == now.version();
+    // The bookkeeping, which does not depend on Form, is compiled once per T (derived_form).
+    const auto made = [](const void* m) -> std::shared_ptr<const void> {
+      return std::make_shared<const Form>((*static_cast<std::remove_reference_t<Make>*>(const_cast<void*>(m)))());
     };
-    bool current = d.form != nullptr && d.type == typeid(Form) && same(d.source, values) && d.also.size() == also.size();
-    for (std::size_t i = 0; current && i < also.size(); ++i) current = same(d.also[i], *also.begin()[i]);
-    if (!current) {
-      d.form.reset();  // frees the old form before the new one is made, not after
-      d.form = std::make_shared<const Form>(make());
-      d.type = typeid(Form);
-      d.source = {values, values.version()};
-      d.also.clear();
-      for (const BasicTensor<T>* t : also) d.also.push_back({*t, t->version()});
-    }
-    return std::static_pointer_cast<const Form>(d.form);
+    return std::static_pointer_cast<const Form>(derived_form(typeid(Form), also, std::addressof(make), made));
   }
 
   bool requires_grad = true;
@@ -252,7 +239,35 @@ class BasicParameter : public BasicTensor<T> {
     ~DerivedForm() = default;
   };
   mutable DerivedForm derived_;
+
+  std::shared_ptr<const void> derived_form(std::type_index type, std::initializer_list<const BasicTensor<T>*> also,
+                                           const void* make, std::shared_ptr<const void> (*made)(const void*)) const;
 };
+
+template <ElementType T>
+std::shared_ptr<const void> BasicParameter<T>::derived_form(std::type_index type,
+                                                            std::initializer_list<const BasicTensor<T>*> also,
+                                                            const void* make,
+                                                            std::shared_ptr<const void> (*made)(const void*)) const {
+  DerivedForm& d = derived_;
+  std::lock_guard lock(d.mutex);
+  const BasicTensor<T>& values = *this;
+  // The same first element means the same block: the handles kept stop that block from being reused.
+  const auto same = [](const Seen& seen, const BasicTensor<T>& now) {
+    return seen.values.data() == now.data() && seen.values.shape() == now.shape() && seen.version == now.version();
+  };
+  bool current = d.form != nullptr && d.type == type && same(d.source, values) && d.also.size() == also.size();
+  for (std::size_t i = 0; current && i < also.size(); ++i) current = same(d.also[i], *also.begin()[i]);
+  if (!current) {
+    d.form.reset();  // frees the old form before the new one is made, not after
+    d.form = made(make);
+    d.type = type;
+    d.source = {values, values.version()};
+    d.also.clear();
+    for (const BasicTensor<T>* t : also) d.also.push_back({*t, t->version()});
+  }
+  return d.form;
+}
 
 using Parameter = BasicParameter<float>;
 

@@ -8,6 +8,8 @@
 namespace duet {
 
 #define DUET_DETAIL_ELEMENT(T)                                                                                       \
+  DUET_DETAIL_INSTANCE class nn::BasicParameter<T>;                                                                  \
+  DUET_DETAIL_INSTANCE class nn::BasicDynamicCell<T>;                                                                \
   DUET_DETAIL_INSTANCE class nn::BasicOptimizer<T>;                                                                  \
   DUET_DETAIL_INSTANCE class nn::BasicSGD<T, DefaultBackend>;                                                        \
   DUET_DETAIL_INSTANCE class nn::BasicAdam<T, false, DefaultBackend>;                                                \
