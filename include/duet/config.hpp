@@ -32,6 +32,27 @@
 #define DUET_DETAIL_DEFINE_COMPILED
 #endif
 
+// A program built with DUET_PRECOMPILED_KERNELS but without duet::kernels' file fails to link on
+// this name too, among the functions it lacks: it says what is missing, whichever duet headers
+// the program includes. The name also says whether OpenMP was on (-fopenmp), which must be the same in the file and the
+// program: the kernels' threads, and inline functions both sides define (threads.hpp), differ with it.
+#ifdef _OPENMP
+#define DUET_DETAIL_KERNELS_LINKED \
+  duet_precompiled_kernels__link_duet_kernels_or_a_file_defining_DUET_DEFINE_PRECOMPILED_KERNELS__with_openmp
+#else
+#define DUET_DETAIL_KERNELS_LINKED \
+  duet_precompiled_kernels__link_duet_kernels_or_a_file_defining_DUET_DEFINE_PRECOMPILED_KERNELS__without_openmp
+#endif
+#if defined(DUET_DEFINE_PRECOMPILED_KERNELS)
+extern "C" const int DUET_DETAIL_KERNELS_LINKED = 1;
+#elif defined(DUET_PRECOMPILED_KERNELS)
+extern "C" const int DUET_DETAIL_KERNELS_LINKED;
+namespace duet::detail {
+[[gnu::used]] static const int* const precompiled_kernels_linked = &DUET_DETAIL_KERNELS_LINKED;
+}  // namespace duet::detail
+#endif
+#undef DUET_DETAIL_KERNELS_LINKED
+
 namespace duet {
 
 // Signed, as in numpy and MindSpore: -1 spells "dynamic" in shapes and "from the end" in axes.

@@ -80,6 +80,27 @@
 #define DUET_DETAIL_DEFINE_COMPILED
 #endif
 
+// A program built with DUET_PRECOMPILED_KERNELS but without duet::kernels' file fails to link on
+// this name too, among the functions it lacks: it says what is missing, whichever duet headers
+// the program includes. The name also says whether OpenMP was on (-fopenmp), which must be the same in the file and the
+// program: the kernels' threads, and inline functions both sides define (threads.hpp), differ with it.
+#ifdef _OPENMP
+#define DUET_DETAIL_KERNELS_LINKED \
+  duet_precompiled_kernels__link_duet_kernels_or_a_file_defining_DUET_DEFINE_PRECOMPILED_KERNELS__with_openmp
+#else
+#define DUET_DETAIL_KERNELS_LINKED \
+  duet_precompiled_kernels__link_duet_kernels_or_a_file_defining_DUET_DEFINE_PRECOMPILED_KERNELS__without_openmp
+#endif
+#if defined(DUET_DEFINE_PRECOMPILED_KERNELS)
+extern "C" const int DUET_DETAIL_KERNELS_LINKED = 1;
+#elif defined(DUET_PRECOMPILED_KERNELS)
+extern "C" const int DUET_DETAIL_KERNELS_LINKED;
+namespace duet::detail {
+[[gnu::used]] static const int* const precompiled_kernels_linked = &DUET_DETAIL_KERNELS_LINKED;
+}  // namespace duet::detail
+#endif
+#undef DUET_DETAIL_KERNELS_LINKED
+
 namespace duet {
 
 // Signed, as in numpy and MindSpore: -1 spells "dynamic" in shapes and "from the end" in axes.
@@ -34807,6 +34828,10 @@ inline const bool random_listed = list_operations({"randn_like", "rand_like", "m
 //     it holds their definitions. CMake's duet::kernels is that file, built once, and sets the
 //     macro for whatever links it.
 //
+// The same file holds what else does not depend on the network: the non-template functions
+// (DUET_DETAIL_COMPILED, config.hpp) and the float and double instances of the optimisers,
+// DynamicCell, Parameter and the checkpoint functions (detail/precompiled_instances.hpp).
+//
 // The code that runs is the same (the kernels' own target and optimisation regions, not the
 // build's flags, choose their instructions and turn off a·b + c contraction), so the results
 // are the same bits. Forgetting the file is a link error naming the kernels' entry points and
@@ -34819,27 +34844,6 @@ inline const bool random_listed = list_operations({"randn_like", "rand_like", "m
 #elif defined(DUET_PRECOMPILED_KERNELS)
 #define DUET_DETAIL_INSTANCE extern template
 #endif
-
-// A program built with DUET_PRECOMPILED_KERNELS but without the file fails to link on this name
-// too, among the kernels' own: it says what is missing. The name also says whether OpenMP was
-// on (-fopenmp), which must be the same in the file and the program: the kernels' threads, and
-// inline functions both sides define (threads.hpp), differ with it.
-#ifdef _OPENMP
-#define DUET_DETAIL_KERNELS_LINKED \
-  duet_precompiled_kernels__link_duet_kernels_or_a_file_defining_DUET_DEFINE_PRECOMPILED_KERNELS__with_openmp
-#else
-#define DUET_DETAIL_KERNELS_LINKED \
-  duet_precompiled_kernels__link_duet_kernels_or_a_file_defining_DUET_DEFINE_PRECOMPILED_KERNELS__without_openmp
-#endif
-#if defined(DUET_DEFINE_PRECOMPILED_KERNELS)
-extern "C" const int DUET_DETAIL_KERNELS_LINKED = 1;
-#elif defined(DUET_PRECOMPILED_KERNELS)
-extern "C" const int DUET_DETAIL_KERNELS_LINKED;
-namespace duet::detail {
-[[gnu::used]] static const int* const precompiled_kernels_linked = &DUET_DETAIL_KERNELS_LINKED;
-}  // namespace duet::detail
-#endif
-#undef DUET_DETAIL_KERNELS_LINKED
 
 #ifdef DUET_DETAIL_INSTANCE
 // Each set's instances in its namespace, through the one list of sets; the sets' target regions
