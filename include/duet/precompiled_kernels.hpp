@@ -30,6 +30,8 @@
 #include "kernels/optim.hpp"
 #include "kernels/pool.hpp"
 #include "nn/activation.hpp"
+#include "nn/dense.hpp"
+#include "parallel.hpp"
 
 #if defined(DUET_DEFINE_PRECOMPILED_KERNELS)
 #define DUET_DETAIL_INSTANCE template

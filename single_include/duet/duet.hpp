@@ -35138,6 +35138,14 @@ namespace duet {
 #define DUET_DETAIL_ELEMENT(T)                                                                                       \
   DUET_DETAIL_INSTANCE class nn::BasicParameter<T>;                                                                  \
   DUET_DETAIL_INSTANCE class nn::BasicDynamicCell<T>;                                                                \
+  DUET_DETAIL_INSTANCE void nn::detail::initialize_dense<T, true>(                                                   \
+      nn::detail::DenseParameters<T, true>&, const nn::BasicDynamicCell<T>&, std::array<index_t, 2>,                 \
+      std::array<index_t, 2>, const nn::DenseOptions<T>&);                                                           \
+  DUET_DETAIL_INSTANCE void nn::detail::initialize_dense<T, false>(                                                  \
+      nn::detail::DenseParameters<T, false>&, const nn::BasicDynamicCell<T>&, std::array<index_t, 2>,                \
+      std::array<index_t, 2>, const nn::DenseOptions<T>&);                                                           \
+  DUET_DETAIL_INSTANCE std::optional<std::string> detail::first_difference_between_ranks<T>(                         \
+      detail::DataParallelRuntime&, const std::vector<nn::NamedParameter<T>>&, detail::Stream);                      \
   DUET_DETAIL_INSTANCE class nn::BasicOptimizer<T>;                                                                  \
   DUET_DETAIL_INSTANCE class nn::BasicSGD<T, DefaultBackend>;                                                        \
   DUET_DETAIL_INSTANCE class nn::BasicAdam<T, false, DefaultBackend>;                                                \
