@@ -195,6 +195,28 @@ TEST_CASE_TEMPLATE("kernels::gemm, blocked: a row's bits whatever tile it falls 
   });
 }
 
+// The M block is sized from the L2 the system reports (half of it: 2 to 5 blocks of these 700
+// rows of 800 values on a 1 or 2 MiB L2), so the rows that share a block differ from one machine
+// to the next; a slice of a few rows is a block of its own. Every sum is one chain along k
+// whatever the block, so a machine's L2 must not change a result's bits.
+TEST_CASE_TEMPLATE("kernels::gemm, blocked: a row's bits whatever M block it falls in" * duet_test::every_isa, T, float,
+                   double) {
+  std::mt19937 gen(13);
+  const index_t m = 700, k = 800, n = 80;
+  const Problem<T> p = problem<T>(m, k, n, gen);
+  duet_test::for_each_isa([&] {
+    std::vector<T> all(static_cast<std::size_t>(m * n));
+    kernels::gemm<dyn, dyn, fn::Relu>(p.a(), m, k, p.b.data(), n, p.bias.data(), all.data());
+    const index_t rows = 13;
+    for (index_t first = 0; first + rows <= m; first += 29) {
+      CAPTURE(first);
+      std::vector<T> part(static_cast<std::size_t>(rows * n));
+      kernels::gemm<dyn, dyn, fn::Relu>(p.a() + first * k, rows, k, p.b.data(), n, p.bias.data(), part.data());
+      CHECK(std::equal(part.begin(), part.end(), all.begin() + first * n));
+    }
+  });
+}
+
 // Fewer outputs than an AVX-512 vector of floats: the narrow product, its tile's edges in rows
 // (batches not a multiple of its rows) and in k (not a multiple of any set's lanes), and its
 // epilogue pass. Each row's bits are the same whatever rows are computed with it, and on any

@@ -260,6 +260,10 @@ class FormatError : public IOError {
 #include <type_traits>
 #include <utility>
 
+#if __has_include(<unistd.h>)
+#include <unistd.h>
+#endif
+
 // Tensor storage: reference-counted blocks served from a per-thread caching pool.
 //
 // Every tensor, in both modes, takes its elements from here. A released block goes back to
@@ -2389,15 +2393,31 @@ void dense_small(const T* a, index_t m, index_t k, const T* b, index_t n, const 
 
 // Cache blocking. A K block of a panel of B (kc x W: up to 256 KiB) comes from L2 (at 21 bytes
 // a cycle for AVX-512's tile, within what L2 delivers) and every tile down the M block reuses it;
-// an M block keeps the rows of A that every panel meets (MC x K) within half of a 1 MiB L2, and
-// each M block packs B again, a cost spread over MC rows. Measured on the seed's gradients and
-// a 64-channel convolution, 16 KiB K blocks (in L1) were 5-15 % slower, from the partial sums
-// they add to C. On the seed's forward layers (Xeon, AVX-512), 64 KiB blocks (784 as 4 x 196)
-// ran at 88-93 % of the FMA peak and one block over all of K (256 KiB) at 92-96 %: every K block
-// after the first stores and reloads the C tile and restarts the tile's loop, and a 64 KiB block
+// an M block keeps the rows of A that every panel meets (MC x K) within half of the core's L2
+// (m_block_bytes), and each M block packs B again (or reads its packed panels from beyond L2), a
+// cost spread over MC rows. Measured on the seed's gradients and a 64-channel convolution,
+// 16 KiB K blocks (in L1) were 5-15 % slower, from the partial sums they add to C. On the seed's forward layers (Xeon,
+// AVX-512), 64 KiB blocks (784 as 4 x 196) ran at 88-93 % of the FMA peak and one block over all of K (256 KiB) at
+// 92-96 %: every K block after the first stores and reloads the C tile and restarts the tile's loop, and a 64 KiB block
 // does not stay in a 48 KiB L1 either (benchmarks/gemm.cpp, gemm/tile/*: 97 % in L1).
 inline constexpr index_t panel_block_bytes = 256 * 1024;
-inline constexpr index_t MC_bytes = 512 * 1024;
+
+// Half of a core's L2, as the system reports it, read once; half of 1 MiB where it reports none.
+// A fixed 512 KiB suited the AMD EPYC's 1 MiB L2 and held the Xeon's 784 x 512 layer at batch
+// 256 to two M blocks of 128 rows, each reading (or packing) the whole weight again; with half
+// of its 2 MiB, one block of 256 rows reads it once: the fastest iteration from 94.1-94.2 to
+// 95.6-96.2 % of the FMA peak with the weight packed beforehand, 86 to 91-92 % packing it on
+// every call (AVX-512). The blocking of M changes no sum: every element is one chain along k.
+inline index_t m_block_bytes() {
+  static const index_t bytes = [] {
+    long l2 = 0;
+#if defined(_SC_LEVEL2_CACHE_SIZE)
+    l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+#endif
+    return l2 >= 64 * 1024 ? static_cast<index_t>(l2 / 2) : index_t{512 * 1024};
+  }();
+  return bytes;
+}
 
 // Splits extent into the fewest blocks of at most limit, of equal size rounded up to a multiple
 // of step: 784 in blocks of 256 becomes 4 x 196 rather than 3 x 256 + 16.
@@ -2872,7 +2892,7 @@ void gemm_blocked(const T* a, index_t m, index_t k, PanelSource<T> source, index
   constexpr index_t W = NV * lanes<T>;
   constexpr auto size = static_cast<index_t>(sizeof(T));
   const index_t kc = halves ? k : balanced_block(k, panel_block_bytes / (W * size), 1);
-  const index_t mc = balanced_block(m, std::max<index_t>(MR, MC_bytes / (k * size)), MR);
+  const index_t mc = balanced_block(m, std::max<index_t>(MR, m_block_bytes() / (k * size)), MR);
   const index_t panels = (n + W - 1) / W;
   const int threads = ::duet::detail::useful_threads(m * n * k, panels);
   const bool packs = !source.kn && source.packed == nullptr;
@@ -3368,7 +3388,7 @@ void gemm_blocked(const T* a, index_t m, index_t k, PanelSource<T> source, index
   constexpr index_t W = NV * lanes<T>;
   constexpr auto size = static_cast<index_t>(sizeof(T));
   const index_t kc = halves ? k : balanced_block(k, panel_block_bytes / (W * size), 1);
-  const index_t mc = balanced_block(m, std::max<index_t>(MR, MC_bytes / (k * size)), MR);
+  const index_t mc = balanced_block(m, std::max<index_t>(MR, m_block_bytes() / (k * size)), MR);
   const index_t panels = (n + W - 1) / W;
   const int threads = ::duet::detail::useful_threads(m * n * k, panels);
   const bool packs = !source.kn && source.packed == nullptr;
@@ -3863,7 +3883,7 @@ void gemm_blocked(const T* a, index_t m, index_t k, PanelSource<T> source, index
   constexpr index_t W = NV * lanes<T>;
   constexpr auto size = static_cast<index_t>(sizeof(T));
   const index_t kc = halves ? k : balanced_block(k, panel_block_bytes / (W * size), 1);
-  const index_t mc = balanced_block(m, std::max<index_t>(MR, MC_bytes / (k * size)), MR);
+  const index_t mc = balanced_block(m, std::max<index_t>(MR, m_block_bytes() / (k * size)), MR);
   const index_t panels = (n + W - 1) / W;
   const int threads = ::duet::detail::useful_threads(m * n * k, panels);
   const bool packs = !source.kn && source.packed == nullptr;

@@ -418,7 +418,7 @@ void gemm_blocked(const T* a, index_t m, index_t k, PanelSource<T> source, index
   constexpr index_t W = NV * lanes<T>;
   constexpr auto size = static_cast<index_t>(sizeof(T));
   const index_t kc = halves ? k : balanced_block(k, panel_block_bytes / (W * size), 1);
-  const index_t mc = balanced_block(m, std::max<index_t>(MR, MC_bytes / (k * size)), MR);
+  const index_t mc = balanced_block(m, std::max<index_t>(MR, m_block_bytes() / (k * size)), MR);
   const index_t panels = (n + W - 1) / W;
   const int threads = ::duet::detail::useful_threads(m * n * k, panels);
   const bool packs = !source.kn && source.packed == nullptr;
