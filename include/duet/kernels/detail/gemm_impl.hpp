@@ -276,6 +276,11 @@ template <class T, int V, int R, class... Fns>
     }
     const T* bp = b + p0 * ldb;
     if (cols == V * L) {
+      // Four k per trip: AVX2's tile has 12 FMAs a k, and the loop's own 3 additions and branch
+      // each k share ports with them (256-bit FMAs issue on 2 ports, 512-bit ones on another as
+      // well). Xeon, fastest iteration: AVX2's tile alone from 94-95 to 95.5 % of the peak, its
+      // products from 90.3-90.9 to 92.6-94.2 %; AVX-512's products 0.3-1 % faster. The same sums.
+#pragma GCC unroll 4
       for (index_t p = p0; p < p1; ++p, bp += ldb) tile_step<false, V, R, T>(acc, ar, p, bp, cols);
     } else {
       for (index_t p = p0; p < p1; ++p, bp += ldb) tile_step<true, V, R, T>(acc, ar, p, bp, cols);
